@@ -1,0 +1,166 @@
+"""The pod index: the one piece of shared state between the cluster side and the data path.
+
+Sources (snapshot, watches) feed the Karta engine; the engine's change sets are applied
+here; the request path only ever calls :meth:`PodIndex.lookup`, a single dict probe on
+prepared data. Deleted pods stay as tombstones for ``tombstone_seconds`` so late samples
+and stale markers still get their labels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from proxy import contract
+from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
+
+#: Sorted (name, value) pairs, empty values left out. Interned: every pod of one
+#: (workload, component, instance, replica) shares the same tuple object.
+LabelPairs = tuple[tuple[str, str], ...]
+
+DEFAULT_TOMBSTONE_SECONDS = 600.0
+
+
+def stamped_pairs(att: PodAttribution) -> LabelPairs:
+    """The labels the contract stamps for an attributed pod, in sorted order."""
+    w = att.workload
+    if w is None:
+        return ()
+    values = (
+        (contract.LABEL_COMPONENT, att.component),
+        (contract.LABEL_GROUP, w.group),
+        (contract.LABEL_INSTANCE, att.instance),
+        (contract.LABEL_KIND, w.kind),
+        (contract.LABEL_NAMESPACE, w.namespace),
+        (contract.LABEL_REPLICA, att.replica),
+        (contract.LABEL_WORKLOAD, w.name),
+    )
+    return tuple((k, v) for k, v in values if v)
+
+
+@dataclass(slots=True)
+class _Entry:
+    uid: str
+    pairs: LabelPairs
+    #: None while the pod lives; expiry time (monotonic) once it is a tombstone
+    expires: float | None = None
+
+
+class PodIndex:
+    """(namespace, pod) -> stamped label pairs, plus the facts the fact series publish."""
+
+    def __init__(
+        self,
+        *,
+        tombstone_seconds: float = DEFAULT_TOMBSTONE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._tombstone_seconds = tombstone_seconds
+        self._clock = clock
+        self._by_name: dict[tuple[bytes, bytes], _Entry] = {}
+        self._key_by_uid: dict[str, tuple[bytes, bytes]] = {}
+        self._interned: dict[LabelPairs, LabelPairs] = {}
+        self.pods: dict[str, PodAttribution] = {}
+        self.workloads: dict[str, WorkloadFacts] = {}
+        #: bumped on every change that can alter a lookup result (cache invalidation)
+        self.generation = 0
+        #: True once every required source has delivered its initial state
+        self.ready = False
+        #: resource name -> unix time it was last known current (list, event, bookmark)
+        self.freshness: dict[str, float] = {}
+        #: True while a source knows it is cut off (the index is served as last known)
+        self.stale = False
+        self._listeners: list[Callable[[ChangeSet], None]] = []
+
+    # -- request path -------------------------------------------------------------------
+
+    def lookup(self, namespace: bytes, pod: bytes) -> LabelPairs | None:
+        """Stamped labels for a pod named in a series, or None. O(1), no allocation."""
+        entry = self._by_name.get((namespace, pod))
+        return entry.pairs if entry is not None else None
+
+    # -- cluster side -------------------------------------------------------------------
+
+    def subscribe(self, listener: Callable[[ChangeSet], None]) -> None:
+        """Call ``listener`` with every applied change set (fact series follow this way)."""
+        self._listeners.append(listener)
+
+    def apply(self, changes: ChangeSet) -> None:
+        if not changes:
+            return
+        now = self._clock()
+        for uid, att in changes.pods.items():
+            if att is None:
+                self._remove_pod(uid, now)
+            else:
+                self._put_pod(uid, att)
+        for wuid, facts in changes.workloads.items():
+            if facts is None:
+                self.workloads.pop(wuid, None)
+            else:
+                self.workloads[wuid] = facts
+        self.generation += 1
+        for listener in self._listeners:
+            listener(changes)
+
+    def _put_pod(self, uid: str, att: PodAttribution) -> None:
+        self.pods[uid] = att
+        key = (att.namespace.encode(), att.pod.encode())
+        old_key = self._key_by_uid.get(uid)
+        if old_key is not None and old_key != key:  # pods do not rename; be safe anyway
+            self._by_name.pop(old_key, None)
+        self._key_by_uid[uid] = key
+        pairs = stamped_pairs(att)
+        if not pairs:
+            # unattributed: no entry, but a newer live pod must not be shadowed by a
+            # tombstone of an older one with the same name
+            entry = self._by_name.get(key)
+            if entry is not None and entry.uid != uid and entry.expires is not None:
+                del self._by_name[key]
+            elif entry is not None and entry.uid == uid:
+                del self._by_name[key]
+            return
+        pairs = self._interned.setdefault(pairs, pairs)
+        self._by_name[key] = _Entry(uid, pairs)
+
+    def _remove_pod(self, uid: str, now: float) -> None:
+        self.pods.pop(uid, None)
+        key = self._key_by_uid.pop(uid, None)
+        if key is None:
+            return
+        entry = self._by_name.get(key)
+        if entry is not None and entry.uid == uid:
+            entry.expires = now + self._tombstone_seconds
+
+    def expire(self) -> int:
+        """Drop tombstones past their time; returns how many. Call periodically."""
+        now = self._clock()
+        dead = [k for k, e in self._by_name.items() if e.expires is not None and e.expires <= now]
+        for k in dead:
+            del self._by_name[k]
+        if dead:
+            self.generation += 1
+            live = {e.pairs for e in self._by_name.values()}
+            self._interned = {p: p for p in live}
+        return len(dead)
+
+    def mark_fresh(self, resource: str, when: float | None = None) -> None:
+        self.freshness[resource] = time.time() if when is None else when
+
+    # -- introspection ------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def tombstones(self) -> int:
+        return sum(1 for e in self._by_name.values() if e.expires is not None)
+
+    def entries(self) -> Iterator[tuple[bytes, bytes, LabelPairs]]:
+        for (ns, pod), e in self._by_name.items():
+            yield ns, pod, e.pairs
+
+
+def apply_all(index: PodIndex, changes: Iterable[ChangeSet]) -> None:
+    for c in changes:
+        index.apply(c)

@@ -1,0 +1,116 @@
+"""Compiled jq expressions with the upstream Karta wrapper semantics.
+
+Upstream evaluates descriptions with gojq; we use libjq through the PyPI ``jq`` package.
+Every expression is compiled once, when its description is loaded, and evaluated per
+object event (never per sample). Evaluation never raises: a jq runtime error becomes
+``JqError`` that callers turn into a reason (``Undefined`` phase, unattributed pod).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jq
+
+
+class JqCompileError(ValueError):
+    """The expression is not valid jq; raised at description load time."""
+
+
+class JqError(RuntimeError):
+    """The expression failed at run time on one object."""
+
+
+def to_text(value: Any) -> str:
+    """The string form upstream compares against (jq ``tostring``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+class JqExpr:
+    """One compiled jq program."""
+
+    __slots__ = ("_program", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        try:
+            self._program = jq.compile(source)
+        except ValueError as exc:
+            raise JqCompileError(f"jq does not compile: {source!r}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"JqExpr({self.source!r})"
+
+    def all(self, obj: Any) -> list[Any]:
+        """Every output, in order."""
+        try:
+            return list(self._program.input_value(obj).all())
+        except ValueError as exc:
+            raise JqError(f"{self.source!r}: {exc}") from exc
+
+    def first(self, obj: Any) -> Any:
+        """The first output, or None when there is none."""
+        out = self.all(obj)
+        return out[0] if out else None
+
+    def present(self, obj: Any) -> bool:
+        """Upstream's key-only type selector: the path yields a non-null result."""
+        return any(v is not None for v in self.all(obj))
+
+    def equals(self, obj: Any, value: str) -> bool:
+        """Upstream's ``keyPath`` + ``value``: some output equals the string value."""
+        return any(v is not None and to_text(v) == value for v in self.all(obj))
+
+    def single_id(self, obj: Any) -> str | None:
+        """Instance / replica ids: exactly one non-null, non-empty result, else None."""
+        ids = [to_text(v) for v in self.all(obj) if v is not None and v != ""]
+        return ids[0] if len(ids) == 1 else None
+
+    def ids(self, obj: Any) -> list[str]:
+        """The id list of an ``instanceIdPath`` (non-null outputs as text)."""
+        return [to_text(v) for v in self.all(obj) if v is not None and v != ""]
+
+    def tostring_first(self, obj: Any) -> str | None:
+        """``byExpression``: first output of ``(<expr>) | tostring``."""
+        out = self.all(obj)
+        return to_text(out[0]) if out else None
+
+    def number(self, obj: Any) -> float | None:
+        """Scale paths: the first output as a number; numeric strings are accepted."""
+        for v in self.all(obj):
+            if isinstance(v, bool) or v is None:
+                continue
+            if isinstance(v, int | float):
+                return float(v)
+            if isinstance(v, str):
+                try:
+                    return float(v)
+                except ValueError:
+                    return None
+        return None
+
+    def numbers(self, obj: Any) -> list[float | None]:
+        """Every output as a number (one per component instance for list paths)."""
+        out: list[float | None] = []
+        for v in self.all(obj):
+            if isinstance(v, bool):
+                out.append(None)
+            elif isinstance(v, int | float):
+                out.append(float(v))
+            elif isinstance(v, str):
+                try:
+                    out.append(float(v))
+                except ValueError:
+                    out.append(None)
+            else:
+                out.append(None)
+        return out

@@ -1,0 +1,91 @@
+"""What the engine answers: pod attribution, workload facts, and change sets.
+
+These are the only engine types the rest of the proxy sees (the index, the fact
+series, the watch source). They are small, immutable and hashable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRef:
+    """The identity of a top-level workload. ``uid`` is the key; the rest is for labels."""
+
+    namespace: str
+    group: str
+    kind: str
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodAttribution:
+    """One pod's place: exactly one (workload, component, instance[, replica]) or a reason.
+
+    ``workload is None`` means unattributed and ``reason`` says why. An attributed pod that
+    no component selector accepted has ``component == ""`` (see docs/karta.md).
+    """
+
+    namespace: str
+    pod: str
+    uid: str
+    workload: WorkloadRef | None = None
+    component: str = ""
+    instance: str = ""
+    replica: str = ""
+    #: name of the description that attributed the pod
+    description: str = ""
+    #: "" when attributed; otherwise a short snake_case reason (a label value)
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFact:
+    """Desired vs observed pods of one component instance."""
+
+    component: str
+    instance: str
+    desired: float | None
+    min_desired: float | None
+    max_desired: float | None
+    observed: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadFacts:
+    ref: WorkloadRef
+    description: str
+    builtin: bool
+    #: the one current generic phase (documented rule in docs/karta.md)
+    phase: str
+    #: every matching generic status, upstream order; ("Undefined",) when none
+    statuses: tuple[str, ...]
+    #: why the phase is Undefined ("" otherwise)
+    phase_reason: str
+    #: unix seconds when ``phase`` last changed, as observed by this process
+    phase_since: float
+    replicas: tuple[ReplicaFact, ...] = ()
+
+
+@dataclass(slots=True)
+class ChangeSet:
+    """What one engine call changed, so followers update without rescanning.
+
+    ``pods`` maps pod uid -> new attribution, or None when the pod is gone.
+    ``workloads`` maps workload uid -> new facts, or None when the workload is gone.
+    ``kinds_changed`` is True when the set of kinds the engine needs watched changed.
+    """
+
+    pods: dict[str, PodAttribution | None] = field(default_factory=dict)
+    workloads: dict[str, WorkloadFacts | None] = field(default_factory=dict)
+    kinds_changed: bool = False
+
+    def merge(self, other: ChangeSet) -> None:
+        self.pods.update(other.pods)
+        self.workloads.update(other.workloads)
+        self.kinds_changed = self.kinds_changed or other.kinds_changed
+
+    def __bool__(self) -> bool:
+        return bool(self.pods or self.workloads or self.kinds_changed)
