@@ -61,6 +61,8 @@ class PodIndex:
         self._by_name: dict[tuple[bytes, bytes], _Entry] = {}
         self._key_by_uid: dict[str, tuple[bytes, bytes]] = {}
         self._interned: dict[LabelPairs, LabelPairs] = {}
+        #: known pods that the engine could not attribute -> its reason
+        self._unattributed: dict[tuple[bytes, bytes], str] = {}
         self.pods: dict[str, PodAttribution] = {}
         self.workloads: dict[str, WorkloadFacts] = {}
         #: bumped on every change that can alter a lookup result (cache invalidation)
@@ -79,6 +81,13 @@ class PodIndex:
         """Stamped labels for a pod named in a series, or None. O(1), no allocation."""
         entry = self._by_name.get((namespace, pod))
         return entry.pairs if entry is not None else None
+
+    def reason(self, namespace: bytes, pod: bytes) -> str:
+        """Why a pod has no labels: the engine's reason, or ``pod_unknown``.
+
+        Only called for series that ``lookup`` could not stamp, and cached by the caller.
+        """
+        return self._unattributed.get((namespace, pod), "pod_unknown")
 
     # -- cluster side -------------------------------------------------------------------
 
@@ -113,6 +122,7 @@ class PodIndex:
         self._key_by_uid[uid] = key
         pairs = stamped_pairs(att)
         if not pairs:
+            self._unattributed[key] = att.reason or "unattributed"
             # unattributed: no entry, but a newer live pod must not be shadowed by a
             # tombstone of an older one with the same name
             entry = self._by_name.get(key)
@@ -121,6 +131,7 @@ class PodIndex:
             elif entry is not None and entry.uid == uid:
                 del self._by_name[key]
             return
+        self._unattributed.pop(key, None)
         pairs = self._interned.setdefault(pairs, pairs)
         self._by_name[key] = _Entry(uid, pairs)
 
@@ -129,6 +140,7 @@ class PodIndex:
         key = self._key_by_uid.pop(uid, None)
         if key is None:
             return
+        self._unattributed.pop(key, None)
         entry = self._by_name.get(key)
         if entry is not None and entry.uid == uid:
             entry.expires = now + self._tombstone_seconds
