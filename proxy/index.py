@@ -123,13 +123,8 @@ class PodIndex:
         pairs = stamped_pairs(att)
         if not pairs:
             self._unattributed[key] = att.reason or "unattributed"
-            # unattributed: no entry, but a newer live pod must not be shadowed by a
-            # tombstone of an older one with the same name
-            entry = self._by_name.get(key)
-            if entry is not None and entry.uid != uid and entry.expires is not None:
-                del self._by_name[key]
-            elif entry is not None and entry.uid == uid:
-                del self._by_name[key]
+            # the newest pod of a name wins, even over a (tombstoned) attributed namesake
+            self._by_name.pop(key, None)
             return
         self._unattributed.pop(key, None)
         pairs = self._interned.setdefault(pairs, pairs)

@@ -1,0 +1,110 @@
+"""PodIndex: stamped labels by (namespace, pod), tombstones, name reuse, interning."""
+
+from __future__ import annotations
+
+from proxy import contract
+from proxy.index import PodIndex, stamped_pairs
+from proxy.karta.results import ChangeSet, PodAttribution, WorkloadRef
+
+
+class FakeClock:
+    """A settable monotonic clock, so tombstone expiry is tested without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+WL = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w1")
+
+
+def att(uid: str, pod: str, *, workload: WorkloadRef | None = WL, **kw: str) -> PodAttribution:
+    return PodAttribution(namespace="ml", pod=pod, uid=uid, workload=workload, **kw)
+
+
+def test_stamped_pairs_sorted_and_empty_values_left_out() -> None:
+    pairs = stamped_pairs(att("u1", "p", component="worker", instance="g1"))
+    names = [n for n, _ in pairs]
+    assert names == sorted(names)
+    assert dict(pairs) == {
+        contract.LABEL_COMPONENT: "worker",
+        contract.LABEL_GROUP: "ray.io",
+        contract.LABEL_INSTANCE: "g1",
+        contract.LABEL_KIND: "RayJob",
+        contract.LABEL_NAMESPACE: "ml",
+        contract.LABEL_WORKLOAD: "train",
+    }
+    assert contract.LABEL_REPLICA not in dict(pairs)
+    assert stamped_pairs(att("u2", "q", workload=None, reason="no_described_owner")) == ()
+
+
+def test_lookup_and_interning() -> None:
+    idx = PodIndex()
+    idx.apply(ChangeSet(pods={"u1": att("u1", "a", component="head"), "u2": att("u2", "b", component="head")}))
+    a = idx.lookup(b"ml", b"a")
+    b = idx.lookup(b"ml", b"b")
+    assert a is not None and a == b
+    assert a is b, "pods of one component instance share one interned tuple"
+    assert idx.lookup(b"ml", b"missing") is None
+    assert idx.lookup(b"other", b"a") is None
+
+
+def test_unattributed_pod_has_reason_and_no_labels() -> None:
+    idx = PodIndex()
+    idx.apply(ChangeSet(pods={"u1": att("u1", "a", workload=None, reason="no_described_owner")}))
+    assert idx.lookup(b"ml", b"a") is None
+    assert idx.reason(b"ml", b"a") == "no_described_owner"
+    assert idx.reason(b"ml", b"zzz") == "pod_unknown"
+
+
+def test_deleted_pod_is_a_tombstone_until_expiry() -> None:
+    clock = FakeClock()
+    idx = PodIndex(tombstone_seconds=600, clock=clock)
+    idx.apply(ChangeSet(pods={"u1": att("u1", "a", component="head")}))
+    gen = idx.generation
+    idx.apply(ChangeSet(pods={"u1": None}))
+    assert idx.generation > gen
+    assert idx.lookup(b"ml", b"a") is not None, "late samples still get labels"
+    assert idx.tombstones() == 1
+    clock.now += 599
+    assert idx.expire() == 0
+    clock.now += 2
+    assert idx.expire() == 1
+    assert idx.lookup(b"ml", b"a") is None
+
+
+def test_name_reuse_with_new_uid_wins_over_tombstone() -> None:
+    clock = FakeClock()
+    idx = PodIndex(clock=clock)
+    idx.apply(ChangeSet(pods={"old": att("old", "a", component="head")}))
+    idx.apply(ChangeSet(pods={"old": None}))
+    idx.apply(ChangeSet(pods={"new": att("new", "a", component="worker")}))
+    got = idx.lookup(b"ml", b"a")
+    assert got is not None and dict(got)[contract.LABEL_COMPONENT] == "worker"
+    clock.now += 10_000
+    idx.expire()
+    assert idx.lookup(b"ml", b"a") is not None, "the live pod is not expired"
+    # a late delete of the old uid must not touch the new pod
+    idx.apply(ChangeSet(pods={"old": None}))
+    assert idx.lookup(b"ml", b"a") is not None
+
+
+def test_new_unattributed_pod_replaces_tombstone_of_old() -> None:
+    idx = PodIndex()
+    idx.apply(ChangeSet(pods={"old": att("old", "a", component="head")}))
+    idx.apply(ChangeSet(pods={"old": None}))
+    idx.apply(ChangeSet(pods={"new": att("new", "a", workload=None, reason="no_described_owner")}))
+    assert idx.lookup(b"ml", b"a") is None
+    assert idx.reason(b"ml", b"a") == "no_described_owner"
+
+
+def test_listeners_see_every_change_set() -> None:
+    idx = PodIndex()
+    seen: list[ChangeSet] = []
+    idx.subscribe(seen.append)
+    cs = ChangeSet(pods={"u1": att("u1", "a")})
+    idx.apply(cs)
+    idx.apply(ChangeSet())  # empty: not propagated
+    assert seen == [cs]
