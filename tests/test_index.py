@@ -42,7 +42,11 @@ def test_stamped_pairs_sorted_and_empty_values_left_out() -> None:
 
 def test_lookup_and_interning() -> None:
     idx = PodIndex()
-    idx.apply(ChangeSet(pods={"u1": att("u1", "a", component="head"), "u2": att("u2", "b", component="head")}))
+    idx.apply(
+        ChangeSet(
+            pods={"u1": att("u1", "a", component="head"), "u2": att("u2", "b", component="head")}
+        )
+    )
     a = idx.lookup(b"ml", b"a")
     b = idx.lookup(b"ml", b"b")
     assert a is not None and a == b
