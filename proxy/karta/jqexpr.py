@@ -54,6 +54,17 @@ class JqExpr:
         """Every output, in order."""
         try:
             return list(self._program.input_value(obj).all())
+        except (ValueError, TypeError, RecursionError) as exc:
+            # TypeError / RecursionError: the input is not JSON (bytes, a cycle)
+            raise JqError(f"{self.source!r}: {exc}") from exc
+
+    def all_text(self, text: str) -> list[Any]:
+        """Every output for an input already serialised as JSON.
+
+        Lets a caller running several expressions on one object serialise it once.
+        """
+        try:
+            return list(self._program.input_text(text).all())
         except ValueError as exc:
             raise JqError(f"{self.source!r}: {exc}") from exc
 

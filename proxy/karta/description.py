@@ -1,0 +1,653 @@
+"""Parse and validate Karta descriptions (``run.ai`` Karta and ``optimization.nvidia.com``
+ResourceInterface) from files, folders and API objects.
+
+A description is either fully valid or rejected with one precise error naming its source,
+its name and the offending field path: a half-loaded description would attribute pods
+wrongly, which is worse than not attributing them. Loading never raises for bad input in
+files, so one broken document does not stop the others.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy.karta.jqexpr import JqCompileError, JqExpr, to_text
+from proxy.karta.model import (
+    GVK,
+    UPSTREAM_STATUS_ORDER,
+    Component,
+    ConditionMatch,
+    Description,
+    GroupKind,
+    Matcher,
+    PodSelector,
+    ScaleDefinition,
+    StatusDefinition,
+    TypeSelector,
+)
+
+KARTA_GROUP = "run.ai"
+KARTA_KIND = "Karta"
+RI_GROUP = "optimization.nvidia.com"
+RI_KIND = "ResourceInterface"
+FORM_KARTA = "Karta"
+FORM_RI = "ResourceInterface"
+
+#: lowercase statusMappings key -> generic status name
+STATUS_KEYS: dict[str, str] = {s.lower(): s for s in UPSTREAM_STATUS_ORDER}
+#: files larger than this are refused: descriptions are a few KiB, and YAML aliases can
+#: make a small hostile file expand enormously
+MAX_FILE_BYTES = 8 * 1024 * 1024
+FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+_ROOT = "spec.structureDefinition.rootComponent"
+_CHILDREN = "spec.structureDefinition.childComponents"
+_SPEC_VARIANTS = ("podTemplateSpecPath", "podSpecPath", "fragmentedPodSpecDefinition")
+
+try:  # the C loader is much faster; fall back where libyaml is absent
+    _Loader: Any = yaml.CSafeLoader
+except AttributeError:  # pragma: no cover
+    _Loader = yaml.SafeLoader
+
+
+class DescriptionError(Exception):
+    """One reason a description (or a file of them) was rejected.
+
+    Also used as a plain value in error lists, so it compares and hashes by its fields.
+    """
+
+    def __init__(self, source: str, name: str, path: str, reason: str) -> None:
+        super().__init__(source, name, path, reason)
+        self.source = source
+        self.name = name
+        self.path = path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        return f"{self.source} ({self.name}): {where}{self.reason}"
+
+    def __repr__(self) -> str:
+        return (
+            f"DescriptionError(source={self.source!r}, name={self.name!r}, "
+            f"path={self.path!r}, reason={self.reason!r})"
+        )
+
+    def _key(self) -> tuple[str, str, str, str]:
+        return (self.source, self.name, self.path, self.reason)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DescriptionError):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+def is_description_object(obj: Mapping[str, Any]) -> bool:
+    """True for a ``run.ai/*`` Karta or an ``optimization.nvidia.com/*`` ResourceInterface."""
+    if not isinstance(obj, Mapping):
+        return False
+    api_version = obj.get("apiVersion")
+    kind = obj.get("kind")
+    if not isinstance(api_version, str) or not isinstance(kind, str):
+        return False
+    group = api_version.partition("/")[0] if "/" in api_version else ""
+    return (group == KARTA_GROUP and kind == KARTA_KIND) or (
+        group == RI_GROUP and kind == RI_KIND
+    )
+
+
+class _Parser:
+    """One description being parsed: carries source and name into every error."""
+
+    def __init__(self, source: str, name: str) -> None:
+        self.source = source
+        self.name = name
+
+    def fail(self, path: str, reason: str) -> DescriptionError:
+        return DescriptionError(self.source, self.name, path, reason)
+
+    # -- typed field access -------------------------------------------------------------
+
+    def mapping(self, value: Any, path: str, *, required: bool = False) -> Mapping[str, Any]:
+        if value is None:
+            if required:
+                raise self.fail(path, "required")
+            return {}
+        if not isinstance(value, Mapping):
+            raise self.fail(path, f"must be a mapping, got {_type_name(value)}")
+        return value
+
+    def sequence(self, value: Any, path: str) -> Sequence[Any]:
+        if value is None:
+            return ()
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise self.fail(path, f"must be a list, got {_type_name(value)}")
+        return value
+
+    def string(self, value: Any, path: str, *, required: bool = False) -> str | None:
+        if value is None:
+            if required:
+                raise self.fail(path, "required")
+            return None
+        if not isinstance(value, str):
+            raise self.fail(path, f"must be a string, got {_type_name(value)}")
+        if required and not value:
+            raise self.fail(path, "must not be empty")
+        return value
+
+    def jq(self, value: Any, path: str, *, required: bool = False) -> JqExpr | None:
+        """Compile one jq field. Bare numbers are accepted as the literal they spell."""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = to_text(value)
+        text = self.string(value, path, required=required)
+        if text is None:
+            return None
+        if not text.strip():
+            raise self.fail(path, "empty jq expression")
+        try:
+            return JqExpr(text)
+        except JqCompileError as exc:
+            raise self.fail(path, _short(str(exc.__cause__ or exc))) from None
+
+    # -- structure ----------------------------------------------------------------------
+
+    def gvk(self, value: Any, path: str) -> GVK:
+        m = self.mapping(value, path, required=True)
+        group = self.string(m.get("group"), f"{path}.group") or ""
+        version = self.string(m.get("version"), f"{path}.version", required=True)
+        kind = self.string(m.get("kind"), f"{path}.kind", required=True)
+        assert version is not None and kind is not None
+        return GVK(group, version, kind)
+
+    def component(self, raw: Any, path: str, *, root: bool) -> Component:
+        m = self.mapping(raw, path, required=True)
+        name = self.string(m.get("name"), f"{path}.name", required=True)
+        assert name is not None
+        kind = None
+        if root or m.get("kind") is not None:  # a child without a kind groups others
+            kind = self.gvk(m.get("kind"), f"{path}.kind")
+        owner_ref = self.string(m.get("ownerRef"), f"{path}.ownerRef")
+        if root and owner_ref:
+            raise self.fail(f"{path}.ownerRef", "the root component has no owner")
+        pod_bearing = self.spec_definition(m.get("specDefinition"), f"{path}.specDefinition")
+        scale = self.scale(m.get("scaleDefinition"), f"{path}.scaleDefinition")
+        instance_id_path = self.jq(m.get("instanceIdPath"), f"{path}.instanceIdPath")
+        pod_selector = self.pod_selector(m.get("podSelector"), f"{path}.podSelector")
+        has_instance_selector = (
+            pod_selector is not None and pod_selector.instance_id_path is not None
+        )
+        if instance_id_path is not None and not has_instance_selector:
+            raise self.fail(
+                f"{path}.instanceIdPath",
+                "instanceIdPath needs podSelector.componentInstanceSelector",
+            )
+        if has_instance_selector and instance_id_path is None:
+            raise self.fail(
+                f"{path}.podSelector.componentInstanceSelector",
+                "componentInstanceSelector needs instanceIdPath",
+            )
+        return Component(
+            name=name,
+            kind=kind,
+            owner_ref=owner_ref or None,
+            pod_bearing=pod_bearing,
+            scale=scale,
+            instance_id_path=instance_id_path,
+            pod_selector=pod_selector,
+        )
+
+    def spec_definition(self, raw: Any, path: str) -> bool:
+        """Validate the pod spec paths; the engine only needs to know one is present."""
+        m = self.mapping(raw, path)
+        present = [v for v in _SPEC_VARIANTS if m.get(v) is not None]
+        if len(present) > 1:
+            raise self.fail(path, f"only one of {', '.join(_SPEC_VARIANTS)} may be set")
+        self.jq(m.get("podTemplateSpecPath"), f"{path}.podTemplateSpecPath")
+        self.jq(m.get("podSpecPath"), f"{path}.podSpecPath")
+        if self.jq(m.get("metadataPath"), f"{path}.metadataPath") is not None and (
+            m.get("podSpecPath") is None
+        ):
+            raise self.fail(f"{path}.metadataPath", "metadataPath is used only with podSpecPath")
+        frag_path = f"{path}.fragmentedPodSpecDefinition"
+        fragmented = self.mapping(m.get("fragmentedPodSpecDefinition"), frag_path)
+        for key, value in fragmented.items():
+            self.jq(value, f"{frag_path}.{key}")
+        return bool(present)
+
+    def scale(self, raw: Any, path: str) -> ScaleDefinition | None:
+        m = self.mapping(raw, path)
+        if not m:
+            return None
+        return ScaleDefinition(
+            replicas=self.jq(m.get("replicasPath"), f"{path}.replicasPath"),
+            min_replicas=self.jq(m.get("minReplicasPath"), f"{path}.minReplicasPath"),
+            max_replicas=self.jq(m.get("maxReplicasPath"), f"{path}.maxReplicasPath"),
+        )
+
+    def pod_selector(self, raw: Any, path: str) -> PodSelector | None:
+        m = self.mapping(raw, path)
+        if not m:
+            return None
+        type_selector = None
+        if m.get("componentTypeSelector") is not None:
+            type_selector = self.type_selector(
+                m["componentTypeSelector"], f"{path}.componentTypeSelector"
+            )
+        instance_id_path = None
+        if m.get("componentInstanceSelector") is not None:
+            p = f"{path}.componentInstanceSelector"
+            inst = self.mapping(m["componentInstanceSelector"], p)
+            instance_id_path = self.jq(inst.get("idPath"), f"{p}.idPath", required=True)
+        replica_key_path = None
+        if m.get("replicaSelector") is not None:
+            p = f"{path}.replicaSelector"
+            rep = self.mapping(m["replicaSelector"], p)
+            replica_key_path = self.jq(rep.get("keyPath"), f"{p}.keyPath", required=True)
+        if type_selector is None and instance_id_path is None and replica_key_path is None:
+            return None
+        return PodSelector(
+            type_selector=type_selector,
+            instance_id_path=instance_id_path,
+            replica_key_path=replica_key_path,
+        )
+
+    def type_selector(self, raw: Any, path: str) -> TypeSelector:
+        m = self.mapping(raw, path)
+        key_path = self.jq(m.get("keyPath"), f"{path}.keyPath")
+        value = m.get("value")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = to_text(value)  # YAML `value: 0` means the label text "0"
+        value = self.string(value, f"{path}.value")
+        labels_raw = self.mapping(m.get("matchLabels"), f"{path}.matchLabels")
+        labels: list[tuple[str, str]] = []
+        for key, label_value in labels_raw.items():
+            if not isinstance(key, str) or not isinstance(label_value, str):
+                raise self.fail(
+                    f"{path}.matchLabels",
+                    f"label {key!r}: keys and values must be strings",
+                )
+            labels.append((key, label_value))
+        if key_path is None and not labels:
+            raise self.fail(path, "needs keyPath or matchLabels")
+        if value is not None and key_path is None:
+            raise self.fail(f"{path}.value", "value needs keyPath")
+        return TypeSelector(key_path=key_path, value=value, match_labels=tuple(sorted(labels)))
+
+    def status(self, raw: Any, path: str) -> StatusDefinition | None:
+        if raw is None:
+            return None
+        m = self.mapping(raw, path)
+        phase_path = None
+        if m.get("phaseDefinition") is not None:
+            p = f"{path}.phaseDefinition"
+            phase = self.mapping(m["phaseDefinition"], p)
+            phase_path = self.jq(phase.get("path"), f"{p}.path", required=True)
+        conditions_path = None
+        fields: dict[str, str] = {}
+        if m.get("conditionsDefinition") is not None:
+            p = f"{path}.conditionsDefinition"
+            cond = self.mapping(m["conditionsDefinition"], p)
+            conditions_path = self.jq(cond.get("path"), f"{p}.path", required=True)
+            for key, attr in (
+                ("typeFieldName", "type_field"),
+                ("statusFieldName", "status_field"),
+                ("messageFieldName", "message_field"),
+                ("reasonFieldName", "reason_field"),
+            ):
+                value = self.string(cond.get(key), f"{p}.{key}")
+                if value:  # null or "" -> the CRD default
+                    fields[attr] = value
+        mappings_path = f"{path}.statusMappings"
+        raw_mappings = self.mapping(m.get("statusMappings"), mappings_path, required=True)
+        mappings: dict[str, tuple[Matcher, ...]] = {}
+        for key, matchers_raw in raw_mappings.items():
+            key_path = f"{mappings_path}.{key}"
+            generic = STATUS_KEYS.get(key) if isinstance(key, str) else None
+            if generic is None:
+                raise self.fail(
+                    key_path,
+                    f"unknown status {key!r} (expected one of {', '.join(STATUS_KEYS)})",
+                )
+            matchers = self.sequence(matchers_raw, key_path)
+            mappings[generic] = tuple(
+                self.matcher(item, f"{key_path}[{i}]") for i, item in enumerate(matchers)
+            )
+        ordered = tuple((s, mappings[s]) for s in UPSTREAM_STATUS_ORDER if s in mappings)
+        return StatusDefinition(
+            phase_path=phase_path, conditions_path=conditions_path, mappings=ordered, **fields
+        )
+
+    def matcher(self, raw: Any, path: str) -> Matcher:
+        m = self.mapping(raw, path)
+        by_phase = self.string(m.get("byPhase"), f"{path}.byPhase")
+        conditions: list[ConditionMatch] = []
+        for i, item in enumerate(self.sequence(m.get("byConditions"), f"{path}.byConditions")):
+            p = f"{path}.byConditions[{i}]"
+            c = self.mapping(item, p, required=True)
+            ctype = self.string(c.get("type"), f"{p}.type", required=True)
+            assert ctype is not None
+            conditions.append(
+                ConditionMatch(
+                    type=ctype,
+                    status=self.scalar_text(c.get("status"), f"{p}.status"),
+                    reason=self.string(c.get("reason"), f"{p}.reason"),
+                )
+            )
+        expression = None
+        expected = None
+        if m.get("byExpression") is not None:
+            p = f"{path}.byExpression"
+            e = self.mapping(m["byExpression"], p)
+            expression = self.jq(e.get("expression"), f"{p}.expression", required=True)
+            expected = self.scalar_text(e.get("expectedResult"), f"{p}.expectedResult")
+            if expected is None:
+                raise self.fail(f"{p}.expectedResult", "required")
+        return Matcher(
+            by_phase=by_phase,
+            by_conditions=tuple(conditions),
+            by_expression=expression,
+            expected_result=expected,
+        )
+
+    def scalar_text(self, value: Any, path: str) -> str | None:
+        """Strings as they are; an unquoted YAML ``true`` or ``1`` as jq's ``tostring``."""
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, bool | int | float):
+            return to_text(value)
+        raise self.fail(path, f"must be a string, got {_type_name(value)}")
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "mapping"
+    if isinstance(value, list | tuple):
+        return "list"
+    if value is None:
+        return "null"
+    return type(value).__name__
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _derived_name(form: str, root_kind: Any) -> str:
+    """A stable name for a description without ``metadata.name`` (file-only samples)."""
+    prefix = "ri" if form == FORM_RI else "karta"
+    if isinstance(root_kind, Mapping):
+        kind = root_kind.get("kind")
+        group = root_kind.get("group")
+        if isinstance(kind, str) and kind:
+            suffix = f".{group}" if isinstance(group, str) and group else ""
+            return f"{prefix}-{kind.lower()}{suffix}"
+    return ""
+
+
+def _find_root_kind(obj: Mapping[str, Any]) -> Any:
+    spec = obj.get("spec")
+    structure = spec.get("structureDefinition") if isinstance(spec, Mapping) else None
+    root = structure.get("rootComponent") if isinstance(structure, Mapping) else None
+    return root.get("kind") if isinstance(root, Mapping) else None
+
+
+def parse_description(
+    obj: Mapping[str, Any], source: str, *, builtin: bool = False
+) -> Description:
+    """Parse one description object; raises ``DescriptionError`` on the first problem."""
+    if not isinstance(obj, Mapping):
+        raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}")
+    if not is_description_object(obj):
+        raise DescriptionError(
+            source,
+            "",
+            "",
+            f"not a description: apiVersion {obj.get('apiVersion')!r} kind {obj.get('kind')!r}"
+            f" (expected {KARTA_GROUP}/* {KARTA_KIND} or {RI_GROUP}/* {RI_KIND})",
+        )
+    form = FORM_KARTA if obj.get("kind") == KARTA_KIND else FORM_RI
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, Mapping) else None
+    if not isinstance(name, str) or not name:
+        name = _derived_name(form, _find_root_kind(obj))
+    p = _Parser(source, name)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise p.fail("metadata", f"must be a mapping, got {_type_name(metadata)}")
+    spec = p.mapping(obj.get("spec"), "spec", required=True)
+    structure = p.mapping(
+        spec.get("structureDefinition"), "spec.structureDefinition", required=True
+    )
+    if structure.get("rootComponent") is None:
+        raise p.fail(_ROOT, "required")
+    root = p.component(structure.get("rootComponent"), _ROOT, root=True)
+    root_raw = structure["rootComponent"]
+    status = p.status(root_raw.get("statusDefinition"), f"{_ROOT}.statusDefinition")
+
+    children: list[Component] = []
+    positions: dict[str, str] = {root.name: _ROOT}
+    for i, raw in enumerate(p.sequence(structure.get("childComponents"), _CHILDREN)):
+        path = f"{_CHILDREN}[{i}]"
+        child = p.component(raw, path, root=False)
+        if child.name in positions:
+            raise p.fail(
+                f"{path}.name",
+                f"duplicate component name {child.name!r} (also at {positions[child.name]})",
+            )
+        positions[child.name] = path
+        children.append(child)
+    _check_owner_refs(p, root, children)
+
+    additional: list[GVK] = []
+    add_path = "spec.structureDefinition.additionalChildKinds"
+    for i, raw in enumerate(p.sequence(structure.get("additionalChildKinds"), add_path)):
+        additional.append(p.gvk(raw, f"{add_path}[{i}]"))
+
+    pod_components = tuple(c for c in (root, *children) if c.pod_bearing)
+    return Description(
+        name=name,
+        source=source,
+        form=form,
+        root=root,
+        children=tuple(children),
+        additional_child_kinds=tuple(additional),
+        status=status,
+        builtin=builtin,
+        pod_components=pod_components,
+    )
+
+
+def _check_owner_refs(p: _Parser, root: Component, children: Sequence[Component]) -> None:
+    """Every child hangs under the root through known names, without cycles.
+
+    A child without ``ownerRef`` hangs directly under the root (the CRD allows leaving it
+    out; the root is the only sensible parent).
+    """
+    parent: dict[str, str] = {}
+    index = {c.name: i for i, c in enumerate(children)}
+    for i, child in enumerate(children):
+        ref = child.owner_ref if child.owner_ref is not None else root.name
+        if ref != root.name and ref not in index:
+            raise p.fail(
+                f"{_CHILDREN}[{i}].ownerRef",
+                f"unknown component {ref!r}",
+            )
+        parent[child.name] = ref
+    for i, child in enumerate(children):
+        chain = [child.name]
+        seen = {child.name}
+        current = parent[child.name]
+        while current != root.name:
+            chain.append(current)
+            if current in seen:
+                raise p.fail(
+                    f"{_CHILDREN}[{i}].ownerRef",
+                    f"ownerRef cycle: {' -> '.join(chain)}",
+                )
+            seen.add(current)
+            current = parent[current]
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def _documents(obj: Any) -> Iterator[tuple[str, Any]]:
+    """Flatten Kubernetes ``List`` objects (``kind: List`` or ``<Kind>List``)."""
+    if (
+        isinstance(obj, Mapping)
+        and isinstance(obj.get("kind"), str)
+        and obj["kind"].endswith("List")
+        and isinstance(obj.get("items"), list)
+    ):
+        for i, item in enumerate(obj["items"]):
+            yield f"items[{i}]", item
+    else:
+        yield "", obj
+
+
+def load_description_file(path: str | Path) -> tuple[list[Description], list[DescriptionError]]:
+    """Every description in one YAML (multi-document) or JSON file; never raises.
+
+    Documents before a YAML syntax error are kept; the error is reported once.
+    Documents that are not descriptions are reported too: a description folder should
+    hold only descriptions.
+    """
+    source = str(path)
+    descs: list[Description] = []
+    errors: list[DescriptionError] = []
+    try:
+        p = Path(path)
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            return [], [
+                DescriptionError(source, "", "", f"file too large ({size} > {MAX_FILE_BYTES})")
+            ]
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return [], [DescriptionError(source, "", "", f"cannot read: {_short(str(exc))}")]
+
+    docs: list[Any] = []
+    if p.suffix.lower() == ".json":
+        try:
+            docs.append(json.loads(text))
+        except ValueError as exc:
+            return [], [DescriptionError(source, "", "", f"invalid JSON: {_short(str(exc))}")]
+    else:
+        try:
+            for doc in yaml.load_all(text, Loader=_Loader):
+                docs.append(doc)
+        except yaml.YAMLError as exc:
+            errors.append(DescriptionError(source, "", "", _yaml_reason(exc)))
+        except RecursionError:
+            errors.append(DescriptionError(source, "", "", "invalid YAML: nested too deeply"))
+
+    for doc in docs:
+        if doc is None:
+            continue  # an empty document (e.g. a trailing ---)
+        for where, item in _documents(doc):
+            try:
+                descs.append(parse_description(item, source))
+            except DescriptionError as exc:
+                if where and not exc.path.startswith(where):
+                    exc.path = f"{where}.{exc.path}" if exc.path else where
+                errors.append(exc)
+            except RecursionError:
+                errors.append(DescriptionError(source, "", where, "nested too deeply"))
+    return descs, errors
+
+
+def _yaml_reason(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return f"invalid YAML: {_short(str(exc))}"
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context = getattr(exc, "context", None)
+    context_mark = getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    elif context:
+        text += f" ({context})"
+    return f"invalid YAML: {_short(text)}"
+
+
+def load_description_paths(
+    paths: Iterable[str | Path],
+) -> tuple[list[Description], list[DescriptionError]]:
+    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted)."""
+    descs: list[Description] = []
+    errors: list[DescriptionError] = []
+    for entry in paths:
+        p = Path(entry)
+        if p.is_dir():
+            files = sorted(
+                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FILE_SUFFIXES
+            )
+        elif p.exists():
+            files = [p]
+        else:
+            errors.append(DescriptionError(str(entry), "", "", "no such file or folder"))
+            continue
+        for f in files:
+            d, e = load_description_file(f)
+            descs.extend(d)
+            errors.extend(e)
+    return descs, errors
+
+
+# -- which description wins ------------------------------------------------------------------
+
+
+def _rank(desc: Description) -> tuple[bool, bool, str, str]:
+    """Lower wins: a user description, then the Karta form, then the name, then source."""
+    return (desc.builtin, desc.form != FORM_KARTA, desc.name, desc.source)
+
+
+def select_descriptions(
+    descs: Iterable[Description],
+) -> tuple[dict[GroupKind, Description], list[DescriptionError]]:
+    """One description per GroupKind (versions are ignored, as for owners).
+
+    A user description silently replaces a built-in one: that is what overriding means.
+    Every other loser is reported, naming the winner.
+    """
+    by_kind: dict[GroupKind, list[Description]] = {}
+    for d in descs:
+        by_kind.setdefault(d.group_kind, []).append(d)
+    winners: dict[GroupKind, Description] = {}
+    errors: list[DescriptionError] = []
+    for gk, candidates in by_kind.items():
+        ordered = sorted(candidates, key=_rank)
+        winner = ordered[0]
+        winners[gk] = winner
+        for loser in ordered[1:]:
+            if loser.builtin and not winner.builtin:
+                continue
+            errors.append(
+                DescriptionError(
+                    loser.source,
+                    loser.name,
+                    f"{_ROOT}.kind",
+                    f"another description of {gk} wins: {winner.name!r} from "
+                    f"{winner.source} ({_why(winner, loser)})",
+                )
+            )
+    return winners, errors
+
+
+def _why(winner: Description, loser: Description) -> str:
+    if winner.builtin != loser.builtin:
+        return "a user description beats a built-in"
+    if winner.form != loser.form:
+        return "the Karta form beats ResourceInterface"
+    if winner.name != loser.name:
+        return "the name sorting first wins"
+    return "same name: the source sorting first wins"

@@ -1,0 +1,173 @@
+"""Generic phase of one workload object from its description's ``statusDefinition``.
+
+Upstream reports every matching status and no single winner; a time series of "the
+phase" needs exactly one, so ``PHASE_PRIORITY`` picks it (reasoning in docs/karta.md).
+Evaluation never raises: a broken expression or an odd object yields ``Undefined`` with
+a reason, because one bad workload must not stop the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.karta.jqexpr import JqError, JqExpr, to_text
+from proxy.karta.model import UNDEFINED, UPSTREAM_STATUS_ORDER, Matcher, StatusDefinition
+
+#: The one current phase is the first of the matching statuses in this order.
+#: Terminal outcomes first (a finished job may still report a stale "running" signal),
+#: then transitions over the steady states they lead to or from, then Degraded over
+#: Running (a partial outage must not hide behind "running"), Initializing last (many
+#: kinds keep their "created" signal true for the whole life of the workload).
+PHASE_PRIORITY: tuple[str, ...] = (
+    "Failed",
+    "Completed",
+    "Suspending",
+    "Resuming",
+    "Suspended",
+    "Degraded",
+    "Running",
+    "Initializing",
+)
+
+REASON_NO_DEFINITION = "no_status_definition"
+REASON_NO_MATCH = "no_status_matched"
+REASON_JQ_ERROR = "jq_error"
+REASON_BAD_OBJECT = "invalid_object"
+_REASON_LIMIT = 160
+
+assert set(PHASE_PRIORITY) == set(UPSTREAM_STATUS_ORDER)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusResult:
+    #: the one current generic phase (``Undefined`` when nothing matched)
+    phase: str
+    #: every matching generic status in upstream order; ``("Undefined",)`` when none
+    statuses: tuple[str, ...]
+    #: why the phase is ``Undefined``; "" otherwise
+    reason: str
+
+
+_NO_DEFINITION = StatusResult(UNDEFINED, (UNDEFINED,), REASON_NO_DEFINITION)
+_NO_MATCH = StatusResult(UNDEFINED, (UNDEFINED,), REASON_NO_MATCH)
+
+
+class _Input:
+    """The object serialised once, so each of a description's expressions reuses it."""
+
+    __slots__ = ("_text", "obj")
+
+    def __init__(self, obj: Mapping[str, Any]) -> None:
+        self.obj = obj
+        self._text: str | None = None
+
+    def run(self, expr: JqExpr) -> list[Any]:
+        if self._text is None:
+            self._text = json.dumps(self.obj, allow_nan=False, separators=(",", ":"))
+        try:
+            return expr.all_text(self._text)
+        except JqError as exc:
+            detail = str(exc.__cause__ or exc)
+            raise _Failure(f"{REASON_JQ_ERROR}: {detail} (in {_clip(expr.source, 60)})") from exc
+
+
+class _Failure(Exception):
+    """Aborts one evaluation; the message is the reason, already short."""
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else to_text(value)
+
+
+class _Evaluation:
+    def __init__(self, status: StatusDefinition, obj: Mapping[str, Any]) -> None:
+        self.status = status
+        self.input = _Input(obj)
+        self._phase: str | None = None
+        self._phase_done = False
+        self._conditions: dict[str, Mapping[str, Any]] | None = None
+
+    def phase(self) -> str | None:
+        if not self._phase_done:
+            self._phase_done = True
+            if self.status.phase_path is not None:
+                out = self.input.run(self.status.phase_path)
+                first = out[0] if out else None
+                self._phase = first if isinstance(first, str) else None
+        return self._phase
+
+    def conditions(self) -> dict[str, Mapping[str, Any]]:
+        if self._conditions is None:
+            self._conditions = {}
+            if self.status.conditions_path is not None:
+                out = self.input.run(self.status.conditions_path)
+                items: list[Any]
+                if out and isinstance(out[0], list):
+                    items = out[0]
+                else:  # a path ending in [] yields the conditions one by one
+                    items = [v for v in out if isinstance(v, Mapping)]
+                type_field = self.status.type_field
+                for item in items:
+                    if isinstance(item, Mapping):
+                        ctype = _text(item.get(type_field))
+                        if ctype is not None:
+                            self._conditions[ctype] = item  # a later duplicate wins
+        return self._conditions
+
+    def matches(self, m: Matcher) -> bool:
+        if m.by_phase is not None and self.phase() != m.by_phase:
+            return False
+        if m.by_conditions:
+            conditions = self.conditions()
+            for want in m.by_conditions:
+                have = conditions.get(want.type)
+                if have is None:
+                    return False
+                if want.status is not None and (
+                    _text(have.get(self.status.status_field)) != want.status
+                ):
+                    return False
+                if want.reason is not None and (
+                    _text(have.get(self.status.reason_field)) != want.reason
+                ):
+                    return False
+        if m.by_expression is not None:
+            out = self.input.run(m.by_expression)
+            got = to_text(out[0]) if out else None
+            if got != m.expected_result:
+                return False
+        return True
+
+
+def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any]) -> StatusResult:
+    """Every matching generic status and the one current phase; never raises."""
+    if status is None:
+        return _NO_DEFINITION
+    try:
+        ev = _Evaluation(status, obj)
+        matched = [
+            name
+            for name, matchers in status.mappings
+            if any(ev.matches(m) for m in matchers)
+        ]
+    except _Failure as exc:
+        return StatusResult(UNDEFINED, (UNDEFINED,), _clip(str(exc), _REASON_LIMIT))
+    except (TypeError, ValueError, RecursionError) as exc:
+        # not JSON (NaN, bytes, cycles): report the object, keep the engine going
+        reason = _clip(f"{REASON_BAD_OBJECT}: {exc}", _REASON_LIMIT)
+        return StatusResult(UNDEFINED, (UNDEFINED,), reason)
+    if not matched:
+        return _NO_MATCH
+    statuses = tuple(s for s in UPSTREAM_STATUS_ORDER if s in matched)
+    phase = next(s for s in PHASE_PRIORITY if s in matched)
+    return StatusResult(phase, statuses, "")
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
