@@ -6,7 +6,14 @@ produce a ``Settings``; ``docs/configuration.md`` documents every key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
 
 
 class ConfigError(ValueError):
@@ -59,6 +66,9 @@ class UpstreamSettings:
     headers: dict[str, str] = field(default_factory=dict)
     #: answer 429 of our own when the upstream says 429 (off: map to 503 so senders retry)
     pass_through_429: bool = False
+    #: body encoding toward the upstream: "snappy" (every receiver takes it), "zstd", or
+    #: "same" (whatever the sender used)
+    encoding: str = "snappy"
 
 
 @dataclass
@@ -129,3 +139,252 @@ class Settings:
     log_level: str = "info"
     #: "json" or "text"
     log_format: str = "json"
+
+
+# -- loading ------------------------------------------------------------------------------
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_LOG_FORMATS = ("json", "text")
+_PROTOCOLS = ("auto", "v1", "passthrough")
+_ENCODINGS = ("snappy", "zstd", "same")
+_CONFLICT_POLICIES = ("replace", "keep")
+
+
+def load_settings(path: str | os.PathLike[str]) -> Settings:
+    """Read a YAML file into ``Settings``; unknown keys and wrong types are errors.
+
+    Every message names the file and the dotted key, so a typo in a ConfigMap is found
+    from the log line alone instead of being silently ignored.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{p}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    try:
+        return settings_from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
+def settings_from_dict(data: Any) -> Settings:
+    """Build ``Settings`` from plain data (a parsed YAML document)."""
+    result = _build(Settings, data, "")
+    assert isinstance(result, Settings)
+    return result
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, dict):
+        return "mapping"
+    return type(value).__name__
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix or "top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {_type_name(data)}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        if not isinstance(raw_key, str):
+            raise ConfigError(f"{where}: keys must be strings, got {raw_key!r}")
+        key = raw_key.replace("-", "_")
+        if key not in known:
+            raise ConfigError(
+                f"unknown key '{_key(prefix, raw_key)}' (known keys here: "
+                f"{', '.join(sorted(known))})"
+            )
+        kwargs[key] = _convert(hints[key], value, _key(prefix, key))
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    if is_dataclass(tp) and isinstance(tp, type):
+        return _build(tp, value, key)
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {_type_name(value)} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {_type_name(value)} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {_type_name(value)} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {_type_name(value)} {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {_type_name(value)} {value!r}")
+        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {_type_name(value)} {value!r}")
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ConfigError(f"{key}: entries must be string: string, got {k!r}: {v!r}")
+            out[k] = v
+        return out
+    if origin is tuple:
+        return _pair(value, key)
+    raise ConfigError(f"{key}: unsupported setting type {tp!r}")  # pragma: no cover
+
+
+def _pair(value: Any, key: str) -> tuple[str, str]:
+    """A (namespace label, pod label) pair: ``[ns, pod]`` or ``{namespace: .., pod: ..}``."""
+    if isinstance(value, dict):
+        if set(value) != {"namespace", "pod"}:
+            raise ConfigError(
+                f"{key}: expected keys 'namespace' and 'pod', got {sorted(map(str, value))}"
+            )
+        value = [value["namespace"], value["pod"]]
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, str) and v for v in value)
+    ):
+        raise ConfigError(
+            f"{key}: expected a pair [namespace_label, pod_label] of non-empty strings, "
+            f"got {value!r}"
+        )
+    return (value[0], value[1])
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); an empty host means all interfaces."""
+    host, sep, port_s = address.rpartition(":")
+    if not sep or not port_s.isdigit():
+        raise ConfigError(f"{key}: expected HOST:PORT, got {address!r}")
+    port = int(port_s)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{key}: port {port} out of range 0-65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "0.0.0.0", port
+
+
+def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive(value: float, key: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: must be greater than 0, got {value!r}")
+
+
+def _readable(path: str, key: str) -> None:
+    if path and not os.access(path, os.R_OK):
+        raise ConfigError(f"{key}: file {path!r} does not exist or is not readable")
+
+
+def validate(settings: Settings, *, require_upstream: bool = True) -> None:
+    """Check what the types cannot: ranges, choices, URLs, files that must exist.
+
+    Raises ``ConfigError`` naming the first bad key; the CLI turns it into one line and
+    exit code 2, so a bad setting never turns into a half-started proxy.
+    """
+    s = settings
+    parse_host_port(s.server.listen_address)
+    _positive(s.server.max_body_bytes, "server.max_body_bytes")
+    _positive(s.server.max_decoded_bytes, "server.max_decoded_bytes")
+    _positive(s.server.max_concurrent_requests, "server.max_concurrent_requests")
+    _positive(s.server.max_inflight_bytes, "server.max_inflight_bytes")
+    if s.server.max_inflight_bytes < s.server.max_body_bytes:
+        raise ConfigError(
+            "server.max_inflight_bytes: must be at least server.max_body_bytes "
+            f"({s.server.max_body_bytes}), got {s.server.max_inflight_bytes}"
+        )
+
+    u = s.upstream
+    if require_upstream and not u.url:
+        raise ConfigError("upstream.url: required (flag --upstream-url)")
+    if u.url:
+        parsed = urlsplit(u.url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got {u.url!r}")
+    _positive(u.timeout_seconds, "upstream.timeout_seconds")
+    _positive(u.connect_timeout_seconds, "upstream.connect_timeout_seconds")
+    _positive(u.max_connections, "upstream.max_connections")
+    _one_of(u.protocol, _PROTOCOLS, "upstream.protocol")
+    _one_of(u.encoding, _ENCODINGS, "upstream.encoding")
+    if bool(u.tls_cert_file) != bool(u.tls_key_file):
+        raise ConfigError("upstream.tls_cert_file and upstream.tls_key_file: set both or neither")
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "bearer_token_file",
+                 "basic_auth_password_file"):
+        _readable(getattr(u, name), f"upstream.{name}")
+    if u.bearer_token_file and (u.basic_auth_username or u.basic_auth_password_file):
+        raise ConfigError(
+            "upstream.bearer_token_file and upstream.basic_auth_*: choose one kind of auth"
+        )
+    if bool(u.basic_auth_username) != bool(u.basic_auth_password_file):
+        raise ConfigError(
+            "upstream.basic_auth_username and upstream.basic_auth_password_file: set both"
+        )
+    for i, h in enumerate(u.forward_headers):
+        if not h or any(c in h for c in " :\r\n"):
+            raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
+
+    e = s.enrich
+    if not e.pod_label_pairs:
+        raise ConfigError("enrich.pod_label_pairs: at least one (namespace, pod) pair")
+    _one_of(e.conflict_policy, _CONFLICT_POLICIES, "enrich.conflict_policy")
+    if e.cache_size < 0:
+        raise ConfigError(f"enrich.cache_size: must be 0 or more, got {e.cache_size}")
+
+    k = s.karta
+    for i, p in enumerate(k.description_paths):
+        if not os.path.exists(p):
+            raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")
+    if k.max_owner_hops < 1:
+        raise ConfigError(f"karta.max_owner_hops: must be 1 or more, got {k.max_owner_hops}")
+    if k.tombstone_seconds < 0:
+        raise ConfigError(f"karta.tombstone_seconds: must be 0 or more, got {k.tombstone_seconds}")
+
+    if s.kube.kubeconfig and not s.snapshot:
+        _readable(s.kube.kubeconfig, "kube.kubeconfig")
+    _positive(s.kube.resync_backoff_max_seconds, "kube.resync_backoff_max_seconds")
+
+    f = s.facts
+    _positive(f.interval_seconds, "facts.interval_seconds")
+    _positive(f.lease_duration_seconds, "facts.lease_duration_seconds")
+
+    if s.snapshot and not os.path.exists(s.snapshot):
+        raise ConfigError(f"snapshot: {s.snapshot!r} does not exist")
+    _one_of(s.log_level.lower(), _LOG_LEVELS, "log_level")
+    _one_of(s.log_format, _LOG_FORMATS, "log_format")

@@ -1,0 +1,119 @@
+"""The proxy's own operational metrics, on a registry of its own (served on ``/metrics``).
+
+A private ``CollectorRegistry`` per proxy keeps tests and in-process peers from sharing
+counters; other parts (kube source, facts) register their collectors on ``registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy import __version__
+from proxy.contract import CONTRACT_VERSION
+from proxy.index import PodIndex
+
+_P = "karta_proxy_"
+
+#: upstream latency buckets: remote-write round trips run from ~1 ms (local) to the timeout
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+class _IndexCollector(Collector):
+    """Index size and state read at scrape time (nothing on the request path)."""
+
+    def __init__(self, index_getter: Callable[[], PodIndex | None]) -> None:
+        self._get = index_getter
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        index = self._get()
+        if index is None:
+            return
+        g = GaugeMetricFamily(_P + "index_pods", "Pods with stamped labels in the index "
+                              "(tombstones included).")
+        g.add_metric([], len(index))
+        yield g
+        t = GaugeMetricFamily(_P + "index_tombstones", "Deleted pods still kept for late samples.")
+        t.add_metric([], index.tombstones())
+        yield t
+        w = GaugeMetricFamily(_P + "index_workloads", "Workloads known to the index.")
+        w.add_metric([], len(index.workloads))
+        yield w
+        r = GaugeMetricFamily(_P + "index_ready",
+                              "1 once every source delivered its initial state.")
+        r.add_metric([], 1.0 if index.ready else 0.0)
+        yield r
+        s = GaugeMetricFamily(_P + "index_stale", "1 while a source knows it is cut off.")
+        s.add_metric([], 1.0 if index.stale else 0.0)
+        yield s
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            _P + "requests", "Remote-write requests answered, by path, protocol and status code.",
+            ["path", "protocol", "code"], registry=r,
+        )
+        self.series = Counter(
+            _P + "series", "Series received (in) and forwarded (out).", ["direction"], registry=r,
+        )
+        self.samples = Counter(_P + "samples", "Float samples received.", registry=r)
+        self.histograms = Counter(_P + "histograms", "Native histogram samples received.",
+                                  registry=r)
+        self.exemplars = Counter(_P + "exemplars", "Exemplars received.", registry=r)
+        self.attributed = Counter(
+            _P + "series_attributed", "Series that received stamped labels.", registry=r,
+        )
+        self.unattributed = Counter(
+            _P + "series_unattributed", "Series forwarded without stamped labels, by reason.",
+            ["reason"], registry=r,
+        )
+        self.decode_errors = Counter(
+            _P + "decode_errors",
+            "Requests refused because the body could not be decoded, by kind.",
+            ["kind"], registry=r,
+        )
+        self.rejected = Counter(
+            _P + "requests_rejected", "Requests refused before decoding, by reason "
+            "(overload, too_large, not_ready, unsupported_media_type, method).",
+            ["reason"], registry=r,
+        )
+        self.upstream_duration = Histogram(
+            _P + "upstream_request_duration_seconds", "Round trip of one upstream request.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.upstream_responses = Counter(
+            _P + "upstream_responses", "Upstream answers by status code (timeout, "
+            "connect_error, error when none came).", ["code"], registry=r,
+        )
+        self.upstream_conversions = Counter(
+            _P + "upstream_v2_to_v1_conversions", "RW 2.0 requests converted to RW 1.0 for "
+            "the upstream.", registry=r,
+        )
+        self.request_duration = Histogram(
+            _P + "request_duration_seconds", "Time from request start to answer, by protocol.",
+            ["protocol"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inflight = Gauge(_P + "inflight_requests", "Remote-write requests being processed.",
+                              registry=r)
+        self.inflight_bytes = Gauge(
+            _P + "inflight_bytes", "Request body bytes (compressed + decoded) held right now.",
+            registry=r,
+        )
+        self.build_info = Gauge(
+            _P + "build_info", "Version of the proxy and of its metric contract.",
+            ["version", "contract_version"], registry=r,
+        )
+        self.build_info.labels(__version__, CONTRACT_VERSION).set(1)
+        self._index: PodIndex | None = None
+        r.register(_IndexCollector(lambda: self._index))
+
+    def watch_index(self, index: PodIndex) -> None:
+        self._index = index
