@@ -1,0 +1,1 @@
+"""Live cluster source: kubernetes-asyncio list/watch -> Karta engine -> pod index."""

@@ -1,0 +1,129 @@
+"""Connection to the API server: configuration, the ApiClient, raw JSON requests.
+
+kubernetes-asyncio is used unpatched for what it does well (kubeconfig / in-cluster
+config, auth, TLS, the aiohttp session); responses are read raw
+(``_preload_content=False``) and parsed with ``json`` because building its model
+objects for 100k pods costs more than the whole index.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+
+from proxy.config import KubeSettings
+
+log = logging.getLogger(__name__)
+
+ACCEPT_JSON = "application/json"
+ACCEPT_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+#: watches must ask for the object form: a List form makes a real server end the stream
+ACCEPT_METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+
+
+class KubeApiError(Exception):
+    """A non-2xx answer, with the API's Status reason and message when it sent one."""
+
+    def __init__(self, status: int, reason: str = "", message: str = "") -> None:
+        super().__init__(f"{status} {reason}: {message}".strip())
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+async def load_configuration(settings: KubeSettings) -> k8s_client.Configuration:
+    """kubeconfig from the setting or ``KUBECONFIG``; else the in-cluster service
+    account when running in a pod; else ``~/.kube/config``."""
+    cfg = k8s_client.Configuration()
+    path = settings.kubeconfig or os.environ.get("KUBECONFIG", "")
+    if path:
+        await k8s_config.load_kube_config(
+            config_file=path.split(os.pathsep)[0], client_configuration=cfg,
+            persist_config=False,
+        )
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config(client_configuration=cfg)
+    else:
+        await k8s_config.load_kube_config(client_configuration=cfg, persist_config=False)
+    return cfg
+
+
+class KubeClient:
+    """Raw JSON over kubernetes-asyncio's ApiClient (its auth, TLS and session)."""
+
+    def __init__(self, api: k8s_client.ApiClient) -> None:
+        self.api = api
+
+    @classmethod
+    async def connect(cls, settings: KubeSettings) -> KubeClient:
+        cfg = await load_configuration(settings)
+        api = k8s_client.ApiClient(configuration=cfg)
+        api.user_agent = "karta-proxy"
+        return cls(api)
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    async def open(
+        self,
+        path: str,
+        *,
+        method: str = "GET",
+        query: Mapping[str, str] | None = None,
+        accept: str = ACCEPT_JSON,
+        timeout: aiohttp.ClientTimeout | float | None = None,
+        body: Any = None,
+    ) -> aiohttp.ClientResponse:
+        """Send a request and return the open response; non-2xx raises KubeApiError."""
+        params: Sequence[tuple[str, str]] = list((query or {}).items())
+        resp: aiohttp.ClientResponse = await self.api.call_api(
+            path,
+            method,
+            query_params=params,
+            header_params={"Accept": accept, "Content-Type": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=timeout,
+        )
+        if not 200 <= resp.status <= 299:
+            raw = await resp.read()
+            resp.release()
+            raise _error(resp.status, raw)
+        return resp
+
+    async def request_json(
+        self,
+        path: str,
+        *,
+        method: str = "GET",
+        query: Mapping[str, str] | None = None,
+        accept: str = ACCEPT_JSON,
+        timeout: float | None = 60.0,
+        body: Any = None,
+    ) -> Any:
+        resp = await self.open(
+            path, method=method, query=query, accept=accept, timeout=timeout, body=body
+        )
+        try:
+            raw = await resp.read()
+        finally:
+            resp.release()
+        return json.loads(raw)
+
+
+def _error(status: int, raw: bytes) -> KubeApiError:
+    try:
+        doc = json.loads(raw)
+        if isinstance(doc, dict):
+            return KubeApiError(status, str(doc.get("reason", "")), str(doc.get("message", "")))
+    except ValueError:
+        pass
+    return KubeApiError(status, "", raw[:200].decode("utf-8", "replace"))

@@ -1,0 +1,519 @@
+"""An HTTP Kubernetes API simulator (aiohttp) for tests and benchmarks.
+
+It serves what a watching client meets on a real API server: discovery, paginated
+lists at a resourceVersion, chunked watch streams (ADDED / MODIFIED / DELETED /
+BOOKMARK / ERROR 410 after compaction), server-side watch timeouts, abrupt
+disconnects, metadata-only (PartialObjectMetadata) responses, namespace / label /
+field selectors, CRDs registered at runtime, and create / update / patch / delete with
+optimistic concurrency (Lease election builds on that). Tests drive it from Python
+(``create``, ``update``, ``delete``, ``compact``, ``disconnect_watches``, ``stop`` /
+``start``) and point kubernetes-asyncio at it through the kubeconfig it writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import copy
+import json
+import socket
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from tests.kubesim.resources import CORE_TYPES, ResourceType
+from tests.kubesim.store import (
+    ApiError,
+    Event,
+    Filter,
+    NotFound,
+    Obj,
+    ResourceStore,
+    Store,
+    WatchFeed,
+    parse_field_selector,
+    parse_label_selector,
+)
+
+META_GROUP_VERSION = "meta.k8s.io/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def partial_metadata(obj: Mapping[str, Any]) -> Obj:
+    return {
+        "apiVersion": META_GROUP_VERSION,
+        "kind": "PartialObjectMetadata",
+        "metadata": obj["metadata"],
+    }
+
+
+def _metadata_mode(accept: str) -> str:
+    """'' (full objects), 'object' (as=PartialObjectMetadata) or 'list' (...List)."""
+    for media in accept.split(","):
+        params = dict(
+            p.strip().split("=", 1) for p in media.split(";")[1:] if "=" in p
+        )
+        as_ = params.get("as", "")
+        if as_ and params.get("g") == "meta.k8s.io":
+            return "list" if as_ == "PartialObjectMetadataList" else "object"
+    return ""
+
+
+class KubeSim:
+    """One simulated API server on 127.0.0.1.
+
+    ``bookmark_interval`` and ``max_watch_seconds`` are short by default so tests see
+    bookmarks and server-side watch ends within seconds (a real server: ~1 min and
+    5-10 min).
+    """
+
+    def __init__(
+        self,
+        resources: Iterable[ResourceType] = CORE_TYPES,
+        *,
+        port: int | None = None,
+        token: str = "kubesim-token",
+        bookmark_interval: float = 1.0,
+        max_watch_seconds: float = 300.0,
+        max_log: int = 200_000,
+    ) -> None:
+        self.store = Store(max_log=max_log)
+        for rt in resources:
+            self.store.register(rt)
+        self.port = port or free_port()
+        self.token = token
+        self.bookmark_interval = bookmark_interval
+        self.max_watch_seconds = max_watch_seconds
+        #: answer every API request with this status while set (e.g. 503: an outage
+        #: where the server is up but failing)
+        self.fail_status: int | None = None
+        #: (method, path, query, accept) of recent requests, for assertions
+        self.requests: collections.deque[tuple[str, str, dict[str, str], str]] = (
+            collections.deque(maxlen=2000)
+        )
+        self._runner: web.AppRunner | None = None
+        self._snapshots: collections.OrderedDict[str, tuple[int, list[Obj]]] = (
+            collections.OrderedDict()
+        )
+        self._snap_seq = 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="kubesim-")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            return
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self._runner = runner
+
+    async def stop(self) -> None:
+        """Go away (connection refused from now on); open watches break abruptly."""
+        self.disconnect_watches()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def close(self) -> None:
+        await self.stop()
+        self._tmp.cleanup()
+
+    async def __aenter__(self) -> KubeSim:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def write_kubeconfig(self, path: str | Path | None = None) -> Path:
+        """A kubeconfig that points kubernetes-asyncio at this simulator."""
+        target = Path(path) if path else Path(self._tmp.name) / "kubeconfig"
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "kubesim", "cluster": {"server": self.url}}],
+            "users": [{"name": "kubesim", "user": {"token": self.token}}],
+            "contexts": [
+                {"name": "kubesim", "context": {"cluster": "kubesim", "user": "kubesim"}}
+            ],
+            "current-context": "kubesim",
+        }
+        target.write_text(json.dumps(cfg))
+        return target
+
+    # -- test control API ------------------------------------------------------------------
+
+    def register(self, *rtypes: ResourceType) -> None:
+        """Install CRDs at runtime: discovery lists them from now on."""
+        for rt in rtypes:
+            self.store.register(rt)
+
+    def unregister(self, *rtypes: ResourceType) -> None:
+        """Remove a served kind (and its objects); its watches end."""
+        for rt in rtypes:
+            self.store.unregister(rt)
+
+    def create(self, obj: Mapping[str, Any]) -> Obj:
+        return copy.deepcopy(self.store.create(self.store.for_object(obj), obj))
+
+    def update(self, obj: Mapping[str, Any]) -> Obj:
+        """Replace; a stale ``metadata.resourceVersion`` raises ``Conflict`` (409)."""
+        return copy.deepcopy(self.store.update(self.store.for_object(obj), obj))
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str = "") -> Obj:
+        rs = self.store.for_object({"apiVersion": api_version, "kind": kind})
+        key = (namespace if rs.rtype.namespaced else "", name)
+        obj = rs.objects.get(key)
+        if obj is None:
+            raise NotFound(f'{rs.rtype.plural} "{name}" not found')
+        return copy.deepcopy(obj)
+
+    def delete(self, obj: Mapping[str, Any], *, cascade: bool = True) -> Obj:
+        """Delete by apiVersion/kind/metadata.name(/namespace); ``cascade`` deletes the
+        objects it owns too (the garbage collector's background propagation)."""
+        rs = self.store.for_object(obj)
+        md = obj["metadata"]
+        gone = self.store.delete(rs, md.get("namespace", "default"), md["name"])
+        if cascade:
+            for dep_rs, dep in list(self.store.dependents(gone["metadata"]["uid"])):
+                dmd = dep["metadata"]
+                if (dmd.get("namespace", ""), dmd["name"]) in dep_rs.objects:
+                    self.delete(dep, cascade=True)
+        return gone
+
+    def objects(self, rtype: ResourceType) -> list[Obj]:
+        return list(self.store.resources[rtype.key].objects.values())
+
+    def compact(self) -> None:
+        """Drop the event log: watches from any older resourceVersion get 410 Gone."""
+        self.store.compact()
+        self._snapshots.clear()
+
+    def disconnect_watches(self) -> int:
+        """Break every open watch stream abruptly (no clean end of the chunked body)."""
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                feed.kill()
+                n += 1
+        return n
+
+    def watch_count(self, rtype: ResourceType | None = None) -> int:
+        stores = (
+            [self.store.resources[rtype.key]] if rtype else list(self.store.resources.values())
+        )
+        return sum(len(rs.feeds) for rs in stores if rs is not None)
+
+    @property
+    def resource_version(self) -> int:
+        return self.store.rv
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        path = request.path.rstrip("/")
+        query = dict(request.query)
+        accept = request.headers.get("Accept", "")
+        self.requests.append((request.method, path, query, accept))
+        try:
+            if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
+                raise ApiError(401, "Unauthorized", "Unauthorized")
+            if self.fail_status is not None:
+                raise ApiError(self.fail_status, "ServiceUnavailable", "simulated failure")
+            if path == "/version":
+                return web.json_response({"major": "1", "minor": "30", "gitVersion": "v1.30.0"})
+            if path in ("/api", "/apis") or path.startswith(("/api/", "/apis/")):
+                return await self._api(request, path, query, accept)
+            raise NotFound(f"no route {path}")
+        except ApiError as e:
+            return web.json_response(e.status(), status=e.code)
+
+    def _group_versions(self) -> dict[str, list[ResourceType]]:
+        out: dict[str, list[ResourceType]] = collections.defaultdict(list)
+        for rt in self.store.types():
+            out[rt.api_version].append(rt)
+        return out
+
+    async def _api(
+        self, request: web.Request, path: str, query: dict[str, str], accept: str
+    ) -> web.StreamResponse:
+        parts = path.split("/")[1:]
+        gvs = self._group_versions()
+        if parts == ["api"]:
+            return web.json_response({"kind": "APIVersions", "versions": ["v1"]})
+        if parts == ["apis"]:
+            groups = []
+            for gv in sorted(gvs):
+                if "/" not in gv:
+                    continue
+                group, version = gv.split("/")
+                entry = {"groupVersion": gv, "version": version}
+                groups.append({"name": group, "versions": [entry], "preferredVersion": entry})
+            return web.json_response({"kind": "APIGroupList", "apiVersion": "v1",
+                                      "groups": groups})
+        if parts[0] == "api":
+            gv, rest = (parts[1] if len(parts) > 1 else ""), parts[2:]
+        else:
+            if len(parts) == 2:
+                group = parts[1]
+                versions = [gv for gv in gvs if gv.startswith(group + "/")]
+                if not versions:
+                    raise NotFound(f"group {group} not served")
+                entries = [{"groupVersion": v, "version": v.split("/")[1]} for v in versions]
+                return web.json_response({"kind": "APIGroup", "apiVersion": "v1",
+                                          "name": group, "versions": entries,
+                                          "preferredVersion": entries[0]})
+            gv, rest = f"{parts[1]}/{parts[2]}", parts[3:]
+        if gv not in gvs:
+            raise NotFound(f"the server could not find the requested resource ({gv})")
+        if not rest:
+            return web.json_response({
+                "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
+                "resources": [rt.discovery_entry() for rt in gvs[gv]],
+            })
+        namespace: str | None = None
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        plural, name = rest[0], (rest[1] if len(rest) > 1 else "")
+        rtype = next((rt for rt in gvs[gv] if rt.plural == plural), None)
+        if rtype is None:
+            raise NotFound(f"the server could not find the requested resource ({plural})")
+        rs = self.store.resources[rtype.key]
+        if namespace is not None and not rtype.namespaced:
+            raise NotFound(f"{plural} is not namespaced")
+        method = request.method
+        if not name:
+            if method == "GET":
+                flt = Filter(
+                    namespace=namespace,
+                    labels=parse_label_selector(query["labelSelector"])
+                    if query.get("labelSelector") else None,
+                    fields=parse_field_selector(query["fieldSelector"])
+                    if query.get("fieldSelector") else None,
+                )
+                mode = _metadata_mode(accept)
+                if query.get("watch") in ("1", "true"):
+                    return await self._watch(request, rs, flt, mode, query)
+                return self._list(rs, flt, mode, query)
+            if method == "POST":
+                body = await request.json()
+                if rtype.namespaced:
+                    body.setdefault("metadata", {})["namespace"] = namespace or "default"
+                body["apiVersion"], body["kind"] = rtype.api_version, rtype.kind
+                return web.json_response(self.store.create(rs, body), status=201)
+            raise ApiError(405, "MethodNotAllowed", f"{method} not allowed on a collection")
+        key = ((namespace or "") if rtype.namespaced else "", name)
+        if method == "GET":
+            obj = rs.objects.get(key)
+            if obj is None:
+                raise NotFound(f'{plural}.{rtype.group} "{name}" not found')
+            if _metadata_mode(accept):
+                return web.json_response(partial_metadata(obj))
+            return web.json_response(obj)
+        if method == "PUT":
+            body = await request.json()
+            md = body.setdefault("metadata", {})
+            md["name"] = name
+            if rtype.namespaced:
+                md["namespace"] = namespace or "default"
+            return web.json_response(self.store.update(rs, body))
+        if method == "PATCH":
+            patch = await request.json()
+            current = rs.objects.get(key)
+            if current is None:
+                raise NotFound(f'{plural}.{rtype.group} "{name}" not found')
+            merged = _merge_patch(copy.deepcopy(current), patch)
+            return web.json_response(self.store.update(rs, merged))
+        if method == "DELETE":
+            obj = rs.objects.get(key)
+            if obj is None:
+                raise NotFound(f'{plural}.{rtype.group} "{name}" not found')
+            return web.json_response(self.delete(obj))
+        raise ApiError(405, "MethodNotAllowed", f"{method} not allowed")
+
+    # -- list ------------------------------------------------------------------------------
+
+    def _list(
+        self, rs: ResourceStore, flt: Filter, mode: str, query: dict[str, str]
+    ) -> web.Response:
+        rt = rs.rtype
+        limit = int(query.get("limit") or 0)
+        token = query.get("continue", "")
+        if token:
+            try:
+                state = json.loads(base64.urlsafe_b64decode(token.encode()))
+                snap_id, offset = state["id"], int(state["offset"])
+            except (ValueError, KeyError) as e:
+                raise ApiError(400, "BadRequest", f"invalid continue token: {e}") from e
+            snap = self._snapshots.get(snap_id)
+            if snap is None:
+                raise ApiError(410, "Expired", "The provided continue parameter is too old "
+                               "to display a consistent list result. You can start a new "
+                               "list without the continue parameter.")
+            rv, items = snap
+        else:
+            rv = self.store.rv
+            items = [o for o in rs.objects.values() if flt(o)]
+            items.sort(key=lambda o: (o["metadata"].get("namespace", ""),
+                                      o["metadata"]["name"]))
+            offset = 0
+            snap_id = ""
+        page = items[offset: offset + limit] if limit else items[offset:]
+        next_token = ""
+        remaining = len(items) - offset - len(page)
+        if remaining > 0:
+            if not snap_id:
+                self._snap_seq += 1
+                snap_id = str(self._snap_seq)
+                self._snapshots[snap_id] = (rv, items)
+                while len(self._snapshots) > 32:
+                    self._snapshots.popitem(last=False)
+            next_token = base64.urlsafe_b64encode(
+                json.dumps({"id": snap_id, "offset": offset + len(page)}).encode()
+            ).decode()
+        if mode:
+            out_items = [partial_metadata(o) for o in page]
+            body: Obj = {"kind": "PartialObjectMetadataList", "apiVersion": META_GROUP_VERSION}
+        else:
+            if rt.builtin:  # typed lists: items carry no apiVersion/kind
+                out_items = [
+                    {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
+                    for o in page
+                ]
+            else:
+                out_items = page
+            body = {"kind": rt.list_kind, "apiVersion": rt.api_version}
+        body["metadata"] = {"resourceVersion": str(rv)}
+        if next_token:
+            body["metadata"]["continue"] = next_token
+            body["metadata"]["remainingItemCount"] = remaining
+        body["items"] = out_items
+        return web.Response(body=json.dumps(body, separators=(",", ":")).encode(),
+                            content_type="application/json")
+
+    # -- watch -----------------------------------------------------------------------------
+
+    async def _watch(
+        self,
+        request: web.Request,
+        rs: ResourceStore,
+        flt: Filter,
+        mode: str,
+        query: dict[str, str],
+    ) -> web.StreamResponse:
+        rt = rs.rtype
+        timeout = self.max_watch_seconds
+        if query.get("timeoutSeconds"):
+            timeout = min(timeout, float(query["timeoutSeconds"]))
+        bookmarks = query.get("allowWatchBookmarks") in ("1", "true")
+        rv_param = query.get("resourceVersion", "")
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        feed = WatchFeed(rt)
+        # register and snapshot in one tick: nothing is missed, nothing duplicated
+        rs.feeds.add(feed)
+        initial: list[tuple[str, Obj]] = []
+        gone: ApiError | None = None
+        if rv_param in ("", "0"):
+            initial = [("ADDED", o) for o in rs.objects.values() if flt(o)]
+        else:
+            try:
+                initial = [x for ev in rs.since(int(rv_param)) if (x := _translate(ev, flt))]
+            except ApiError as e:
+                gone = e
+        try:
+            await resp.prepare(request)
+            if mode == "list":
+                # a real server ends such a stream with no events
+                await resp.write_eof()
+                return resp
+            if gone is not None:
+                await resp.write(_line({"type": "ERROR", "object": gone.status()}))
+                await resp.write_eof()
+                return resp
+            for etype, obj in initial:
+                await resp.write(_line({"type": etype,
+                                        "object": partial_metadata(obj) if mode else obj}))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                wait = min(remaining, self.bookmark_interval) if bookmarks else remaining
+                try:
+                    ev = await asyncio.wait_for(feed.queue.get(), wait)
+                except TimeoutError:
+                    if bookmarks and feed.queue.empty():
+                        kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
+                                             if mode else (rt.kind, rt.api_version))
+                        await resp.write(_line({"type": "BOOKMARK", "object": {
+                            "kind": kind, "apiVersion": api_version,
+                            "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                    continue
+                if ev is None or feed.killed:
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+                out = _translate(ev, flt)
+                if out is not None:
+                    await resp.write(_line({"type": out[0],
+                                            "object": partial_metadata(out[1]) if mode
+                                            else out[1]}))
+            await resp.write_eof()
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        finally:
+            rs.feeds.discard(feed)
+
+
+def _line(obj: Obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _translate(ev: Event, flt: Filter) -> tuple[str, Obj] | None:
+    """The event a filtered watch sees: an object moving into the selection is ADDED,
+    one moving out is DELETED."""
+    new_in = flt(ev.obj)
+    if ev.type == "MODIFIED":
+        old_in = flt(ev.old)
+        if new_in:
+            return ("MODIFIED" if old_in else "ADDED", ev.obj)
+        return ("DELETED", ev.obj) if old_in else None
+    return (ev.type, ev.obj) if new_in else None
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return patch
+    if not isinstance(target, dict):
+        target = {}
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = _merge_patch(target.get(k), v)
+    return target
+
