@@ -1,0 +1,187 @@
+"""``karta-proxy`` command line (also ``python -m proxy``), and the ``demo`` subcommand.
+
+Precedence: flags > ``--config`` YAML > built-in defaults (``NODE_NAME`` and
+``KUBECONFIG`` stand in for their flags when those are absent). An invalid setting ends
+the process before anything starts with one line on stderr and exit code 2, the
+convention of argparse, so supervisors and scripts can tell it from a runtime failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from proxy import __version__
+from proxy.config import ConfigError, Settings, load_settings, validate
+from proxy.contract import CONTRACT_VERSION
+
+PROG = "karta-proxy"
+EXIT_USAGE = 2
+
+_EPILOG = """\
+subcommands:
+  karta-proxy demo [--help]   run the bundled demo: a proxy on a bundled snapshot, a batch
+                              of cAdvisor, kubelet and DCGM series replayed through it,
+                              series before/after and a per-workload summary (loopback only)
+
+Precedence: flags override the --config file, which overrides the defaults. Every setting,
+with its YAML key, is in docs/configuration.md; config/karta-proxy.yaml shows them all.
+
+Without --snapshot the index comes from the Kubernetes API (in-cluster service account, or
+--kubeconfig / KUBECONFIG).
+
+Endpoints: POST /api/v1/write, /api/v1/push, /api/v1/receive (remote write 1.0 and 2.0,
+snappy or zstd); GET /metrics, /-/healthy, /-/ready, /.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Prometheus remote-write proxy that stamps Karta workload attribution "
+        "(karta_workload, karta_component, karta_instance, ...) onto pod series and "
+        "forwards them to one TSDB.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version",
+                   version=f"{PROG} {__version__} (contract {CONTRACT_VERSION})")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML file holding any setting (see config/karta-proxy.yaml); flags "
+                   "override it")
+    g = p.add_argument_group("serving")
+    g.add_argument("--listen-address", metavar="HOST:PORT",
+                   help="address to serve remote write and /metrics on (server.listen_address; "
+                   "default 0.0.0.0:9091)")
+    g.add_argument("--forward-before-ready", action="store_true", default=None,
+                   help="forward requests unenriched until the index is loaded instead of "
+                   "answering 503 (server.forward_before_ready)")
+    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="log level (log_level; default info)")
+    g.add_argument("--log-format", choices=("json", "text"),
+                   help="log format (log_format; default json)")
+    g = p.add_argument_group("upstream")
+    g.add_argument("--upstream-url", metavar="URL",
+                   help="remote-write URL of the TSDB to forward to, e.g. "
+                   "http://prometheus:9090/api/v1/write (upstream.url; required)")
+    g.add_argument("--upstream-protocol", choices=("auto", "v1", "passthrough"),
+                   help="RW 2.0 handling toward the upstream: auto converts to RW 1.0 after a "
+                   "415, v1 always converts, passthrough never (upstream.protocol)")
+    g.add_argument("--upstream-timeout", type=float, metavar="SECONDS",
+                   help="timeout of one upstream request (upstream.timeout_seconds; default 30)")
+    g.add_argument("--upstream-bearer-token-file", metavar="PATH",
+                   help="bearer token for the upstream, re-read when the file changes "
+                   "(upstream.bearer_token_file)")
+    g = p.add_argument_group("index source")
+    g.add_argument("--snapshot", metavar="PATH",
+                   help="file or folder of Kubernetes objects (YAML, a List, or JSON) to build "
+                   "the index from instead of a live cluster (snapshot)")
+    g.add_argument("--kubeconfig", metavar="PATH",
+                   help="kubeconfig of the cluster to watch (kube.kubeconfig; default "
+                   "$KUBECONFIG, else the in-cluster service account)")
+    g.add_argument("--namespace", metavar="NS", action="append",
+                   help="watch only this namespace; repeatable (kube.namespaces; default all)")
+    g.add_argument("--node-name", metavar="NODE",
+                   help="node-scoped mode: watch only this node's pods (kube.node_name; "
+                   "default $NODE_NAME)")
+    g = p.add_argument_group("descriptions")
+    g.add_argument("--description", metavar="PATH", action="append",
+                   help="file or folder of Karta / ResourceInterface descriptions; repeatable "
+                   "(karta.description_paths)")
+    g.add_argument("--no-builtin-descriptions", action="store_true", default=None,
+                   help="switch off the built-in descriptions of core kinds (karta.builtins)")
+    g.add_argument("--no-facts", action="store_true", default=None,
+                   help="do not write fact series upstream (facts.enabled)")
+    return p
+
+
+def build_demo_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} demo",
+        description="Run the bundled demo: karta-proxy on a bundled snapshot, a batch of "
+        "cAdvisor, kubelet-resource and DCGM series replayed through it to an in-process "
+        "receiver; prints series before/after and a per-workload summary. No cluster, TSDB "
+        "or network beyond loopback.",
+    )
+    p.add_argument("--snapshot", metavar="PATH",
+                   help="use this snapshot instead of the bundled one")
+    p.add_argument("--log-level", default="warning",
+                   choices=("debug", "info", "warning", "error"),
+                   help="log level of the proxy during the demo (default warning)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
+    """Config file, then flags on top; raises ConfigError."""
+    env = dict(os.environ) if env is None else env
+    s = load_settings(args.config) if args.config else Settings()
+    if args.listen_address is not None:
+        s.server.listen_address = args.listen_address
+    if args.forward_before_ready:
+        s.server.forward_before_ready = True
+    if args.log_level is not None:
+        s.log_level = args.log_level
+    if args.log_format is not None:
+        s.log_format = args.log_format
+    if args.upstream_url is not None:
+        s.upstream.url = args.upstream_url
+    if args.upstream_protocol is not None:
+        s.upstream.protocol = args.upstream_protocol
+    if args.upstream_timeout is not None:
+        s.upstream.timeout_seconds = args.upstream_timeout
+    if args.upstream_bearer_token_file is not None:
+        s.upstream.bearer_token_file = args.upstream_bearer_token_file
+    if args.snapshot is not None:
+        s.snapshot = args.snapshot
+    if args.kubeconfig is not None:
+        s.kube.kubeconfig = args.kubeconfig
+    elif not s.kube.kubeconfig and env.get("KUBECONFIG"):
+        s.kube.kubeconfig = env["KUBECONFIG"]
+    if args.namespace:
+        s.kube.namespaces = list(args.namespace)
+    if args.node_name is not None:
+        s.kube.node_name = args.node_name
+    elif env.get("NODE_NAME"):
+        s.kube.node_name = env["NODE_NAME"]
+    if args.description:
+        s.karta.description_paths = [*s.karta.description_paths, *args.description]
+    if args.no_builtin_descriptions:
+        s.karta.builtins = False
+    if args.no_facts:
+        s.facts.enabled = False
+    validate(s)
+    return s
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        demo_args = build_demo_parser().parse_args(argv[1:])
+        from proxy.demo import run_demo
+
+        return run_demo(demo_args)
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as e:
+        return _fail(str(e))
+    from proxy.log import setup_logging
+    from proxy.runtime import serve
+
+    setup_logging(settings.log_level, settings.log_format)
+    try:
+        return asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

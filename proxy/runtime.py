@@ -1,0 +1,184 @@
+"""Assembly of a running proxy: settings -> engine, index, source, enricher, upstream,
+fact writer, server; and an orderly shutdown on SIGTERM / SIGINT.
+
+Start order puts the HTTP server up before the index source, so liveness answers while
+the cluster state loads and readiness turns green when it is in. Stop order is the
+reverse: stop taking requests, let in-flight ones finish, then stop the sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from proxy import __version__
+from proxy.config import Settings, parse_host_port
+from proxy.contract import CONTRACT_VERSION
+from proxy.handler import RemoteWriteHandler
+from proxy.index import PodIndex
+from proxy.metrics import ProxyMetrics
+from proxy.server import build_app, start_site
+from proxy.upstream import Upstream
+
+log = logging.getLogger("karta.runtime")
+
+#: how often tombstones past their time are dropped from the index
+EXPIRE_INTERVAL_SECONDS = 30.0
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class Proxy:
+    """One proxy process worth of parts, startable and stoppable (tests run it in-process)."""
+
+    def __init__(self, settings: Settings) -> None:
+        from proxy.attribution import Enricher
+        from proxy.karta.engine import Engine
+
+        self.settings = settings
+        self.metrics = ProxyMetrics()
+        self.index = PodIndex(tombstone_seconds=settings.karta.tombstone_seconds)
+        self.metrics.watch_index(self.index)
+        self.engine = Engine(
+            builtins=settings.karta.builtins, max_owner_hops=settings.karta.max_owner_hops
+        )
+        self.enricher = Enricher(
+            self.index,
+            [tuple(p) for p in settings.enrich.pod_label_pairs],
+            conflict_policy=settings.enrich.conflict_policy,
+            cache_size=settings.enrich.cache_size,
+        )
+        self.upstream = Upstream(settings.upstream, self.metrics)
+        self.handler = RemoteWriteHandler(
+            settings.server, self.index, self.enricher, self.upstream, self.metrics
+        )
+        self.source: Service | None = None
+        self.source_name = ""
+        self.facts: Service | None = None
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self._expire_task: asyncio.Task[None] | None = None
+
+    # -- parts ----------------------------------------------------------------------------
+
+    def _load_description_files(self) -> None:
+        paths = self.settings.karta.description_paths
+        if not paths:
+            return
+        from proxy.karta.description import load_description_paths
+
+        descs, errors = load_description_paths(paths)
+        for err in errors:
+            log.error("invalid Karta description skipped", extra={"error": str(err)})
+        self.index.apply(self.engine.add_descriptions(descs))
+        log.info("descriptions loaded from files",
+                 extra={"descriptions": len(descs), "errors": len(errors)})
+
+    def _make_source(self) -> Service:
+        s = self.settings
+        if s.snapshot:
+            from proxy.snapshot import SnapshotSource
+
+            self.source_name = f"snapshot {s.snapshot}"
+            return SnapshotSource(s.snapshot, self.engine, self.index)
+        from proxy.kube.source import KubeSource
+
+        self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name
+                                           else "")
+        return KubeSource(s.kube, self.engine, self.index, metrics_registry=self.metrics.registry)
+
+    def _make_facts(self) -> Service | None:
+        from proxy.facts import FactsCollector, FactWriter
+
+        self.metrics.registry.register(FactsCollector(self.index))
+        if not self.settings.facts.enabled:
+            return None
+        writer: Service = FactWriter(self.settings.facts, self.index, self.upstream.send_v1)
+        return writer
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        log.info("starting karta-proxy", extra={
+            "version": __version__, "contract_version": CONTRACT_VERSION,
+            "upstream_url": s.upstream.url, "listen_address": s.server.listen_address,
+        })
+        await self.upstream.start()
+        self._load_description_files()
+        self.source = self._make_source()
+        self.facts = self._make_facts()
+        app = build_app(self.handler, self.index, self.metrics,
+                        upstream_url=s.upstream.url, source=self.source_name)
+        host, port = parse_host_port(s.server.listen_address)
+        self._runner, self.port = await start_site(app, host, port)
+        await self.source.start()
+        if self.facts is not None:
+            await self.facts.start()
+        self._expire_task = asyncio.create_task(self._expire_loop())
+        log.info("karta-proxy started", extra={
+            "port": self.port, "source": self.source_name, "pods": len(self.index),
+            "ready": self.index.ready,
+        })
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_SECONDS)
+            try:
+                self.index.expire()
+            except Exception:  # never let housekeeping end the process
+                log.exception("tombstone expiry failed")
+
+    async def stop(self) -> None:
+        """Stop taking requests, finish those in flight, then stop the sources."""
+        log.info("stopping karta-proxy")
+        if self._expire_task is not None:
+            self._expire_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expire_task
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for part in (self.facts, self.source):
+            if part is not None:
+                try:
+                    await part.stop()
+                except Exception:
+                    log.exception("error while stopping", extra={"part": type(part).__name__})
+        await self.upstream.close()
+        log.info("karta-proxy stopped")
+
+
+async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> int:
+    """Run until SIGTERM or SIGINT; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    proxy = Proxy(settings)
+    try:
+        await proxy.start()
+    except Exception as e:
+        log.error("cannot start", extra={"error": f"{type(e).__name__}: {e}"})
+        await _quietly(proxy.stop())
+        return 1
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    await proxy.stop()
+    return 0
+
+
+async def _quietly(aw: Any) -> None:
+    with contextlib.suppress(Exception):
+        await aw

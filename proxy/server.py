@@ -1,0 +1,107 @@
+"""The aiohttp application: remote-write routes, ``/metrics``, health, readiness, landing page.
+
+aiohttp would decompress request bodies itself (and fail on zstd); the runner is built
+with ``auto_decompress=False`` so the handler sees the raw bytes and applies its limits.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy import __version__
+from proxy.contract import CONTRACT_VERSION
+from proxy.handler import WRITE_PATHS, RemoteWriteHandler
+from proxy.index import PodIndex
+from proxy.metrics import ProxyMetrics
+
+log = logging.getLogger("karta.server")
+
+
+def build_app(
+    handler: RemoteWriteHandler,
+    index: PodIndex,
+    metrics: ProxyMetrics,
+    *,
+    upstream_url: str = "",
+    source: str = "",
+) -> web.Application:
+    """Routes of the proxy. ``source`` names where the index comes from (landing page)."""
+    app = web.Application()
+
+    async def metrics_view(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    async def healthy(_: web.Request) -> web.Response:
+        return web.Response(text="OK\n")
+
+    async def ready(_: web.Request) -> web.Response:
+        if index.ready:
+            return web.Response(text="ready\n")
+        if handler.settings.forward_before_ready:
+            # forwarding works (unenriched): say so, but stay not-ready for probes
+            return web.Response(status=503, text="index not ready (forwarding unenriched)\n")
+        return web.Response(status=503, text="index not ready\n")
+
+    async def landing(_: web.Request) -> web.Response:
+        rows = [
+            ("version", __version__),
+            ("contract version", CONTRACT_VERSION),
+            ("upstream", upstream_url),
+            ("index source", source),
+            ("index ready", "yes" if index.ready else "no"),
+            ("index stale", "yes" if index.stale else "no"),
+            ("pods in index", str(len(index))),
+            ("workloads", str(len(index.workloads))),
+            ("upstream protocol", "RW 1.0 only" if handler.upstream.v1_only else "as received"),
+        ]
+        table = "\n".join(
+            f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows
+        )
+        paths = ", ".join(f"<code>{p}</code>" for p in WRITE_PATHS)
+        page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>karta-proxy</title></head>
+<body>
+<h1>karta-proxy</h1>
+<p>Prometheus remote-write proxy stamping Karta workload attribution. Send remote write
+(POST) to {paths}.</p>
+<table>
+{table}
+</table>
+<ul>
+<li><a href="/metrics">/metrics</a></li>
+<li><a href="/-/healthy">/-/healthy</a></li>
+<li><a href="/-/ready">/-/ready</a></li>
+</ul>
+</body></html>
+"""
+        return web.Response(text=page, content_type="text/html")
+
+    for path in WRITE_PATHS:
+        app.router.add_route("*", path, handler.handle)
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/-/healthy", healthy)
+    app.router.add_get("/-/ready", ready)
+    app.router.add_get("/", landing)
+    return app
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``app``; returns the runner and the bound port (port 0 picks a free one)."""
+    runner = web.AppRunner(app, auto_decompress=False, access_log=None,
+                           handle_signals=False, shutdown_timeout=10.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = port
+    server = getattr(site, "_server", None)
+    if server is not None and server.sockets:
+        bound = server.sockets[0].getsockname()[1]
+    log.info("listening", extra={"host": host, "port": bound})
+    return runner, bound
