@@ -1,0 +1,346 @@
+"""The live cluster as a source of the pod index: watchers -> Karta engine -> PodIndex.
+
+Which kinds are watched follows the engine: pods always, the Karta description kinds
+when ``watch_descriptions`` is on, and whatever ``engine.required_kinds()`` asks for
+(owners on pod chains as metadata-only, described workload kinds as full objects).
+When a change set says the kinds changed (a description came or went), watches start,
+stop or switch mode. Everything the engine answers is applied to the index in one
+change set per slice of events, so the data path sees few generation bumps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from proxy.config import KubeSettings
+from proxy.index import PodIndex
+from proxy.karta.model import GroupKind
+from proxy.karta.results import ChangeSet
+from proxy.kube.client import KubeApiError, KubeClient
+from proxy.kube.discovery import ApiResource, Discovery
+from proxy.kube.watcher import ResourceWatcher, WatchEvent, WatchMetrics
+
+log = logging.getLogger(__name__)
+
+POD = GroupKind("", "Pod")
+KARTA = GroupKind("run.ai", "Karta")
+RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
+DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
+
+EXPIRE_INTERVAL = 30.0
+#: pod spec fields attribution can use; the rest (containers, volumes, ...) is dropped
+#: before the engine sees the object
+POD_SPEC_KEEP = ("nodeName", "hostname", "subdomain", "schedulerName", "priorityClassName")
+
+
+class EngineLike(Protocol):
+    """What the source needs of ``proxy.karta.engine.Engine``."""
+
+    def upsert(self, obj: Mapping[str, Any]) -> ChangeSet: ...
+
+    def delete(self, obj: Mapping[str, Any]) -> ChangeSet: ...
+
+    def required_kinds(self) -> Mapping[GroupKind, str]: ...
+
+
+def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
+    """Keep metadata, status.phase and the few spec fields attribution may read."""
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    md = obj.get("metadata") or {}
+    md.pop("managedFields", None)
+    out: dict[str, Any] = {
+        "apiVersion": obj.get("apiVersion", "v1"),
+        "kind": "Pod",
+        "metadata": md,
+        "spec": {k: spec[k] for k in POD_SPEC_KEEP if k in spec},
+    }
+    if "phase" in status:
+        out["status"] = {"phase": status["phase"]}
+    return out
+
+
+class KubeSource:
+    def __init__(
+        self,
+        settings: KubeSettings,
+        engine: EngineLike,
+        index: PodIndex,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
+        client: KubeClient | None = None,
+        watch_timeout: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.index = index
+        self.registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
+        self._client = client
+        self._own_client = client is None
+        self._watch_timeout = watch_timeout
+        self.metrics = WatchMetrics(self.registry)
+        self._last_current = Gauge(
+            "karta_proxy_watch_last_current_timestamp_seconds",
+            "Unix time each watched resource was last known current (list, event, bookmark).",
+            ["resource"],
+            registry=self.registry,
+        )
+        self._unserved_gauge = Gauge(
+            "karta_proxy_watch_unserved",
+            "1 for a kind the engine needs that the cluster does not serve (or forbids).",
+            ["resource"],
+            registry=self.registry,
+        )
+        Gauge("karta_proxy_index_pods", "Pods known to the index (live).",
+              registry=self.registry).set_function(lambda: len(index.pods))
+        Gauge("karta_proxy_index_stale",
+              "1 while the API server is unreachable and the index is served as last known.",
+              registry=self.registry).set_function(lambda: 1.0 if index.stale else 0.0)
+        self.discovery: Discovery | None = None
+        #: GroupKind -> (mode, watchers: one per namespace, or one cluster-wide)
+        self.watchers: dict[GroupKind, tuple[str, list[ResourceWatcher]]] = {}
+        #: kinds wanted but not served -> why
+        self.unserved_kinds: dict[GroupKind, str] = {}
+        self._unhealthy: set[str] = set()
+        self._kinds_changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        #: counts object errors (engine refused an object); never fatal
+        self.object_errors = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, list everything required, set ``index.ready``; watches continue in
+        background tasks. Failures to reach the server are retried (with backoff)
+        inside, so this waits until the cluster answered."""
+        if self._client is None:
+            self._client = await KubeClient.connect(self.settings)
+        self.discovery = Discovery(self._client)
+        # descriptions first: they decide which kinds the engine needs
+        if self.settings.watch_descriptions:
+            await self._reconcile(self._desired(descriptions_only=True))
+            await self._wait_synced()
+        while True:
+            self._kinds_changed.clear()
+            await self._reconcile(self._desired())
+            await self._wait_synced()
+            if not self._kinds_changed.is_set():
+                break
+        self.index.ready = True
+        log.info("cluster index ready: %d pods, %d watches", len(self.index.pods),
+                 sum(len(ws) for _, ws in self.watchers.values()))
+        self._tasks.append(asyncio.create_task(self._follow_kinds(), name="kube kinds"))
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="kube expire"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        for _, ws in list(self.watchers.values()):
+            for w in ws:
+                await w.stop()
+        self.watchers.clear()
+        if self._client is not None and self._own_client:
+            await self._client.close()
+            self._client = None
+
+    # -- which kinds -----------------------------------------------------------------------
+
+    def _desired(self, descriptions_only: bool = False) -> dict[GroupKind, str]:
+        want: dict[GroupKind, str] = {}
+        if self.settings.watch_descriptions:
+            for gk in DESCRIPTION_KINDS:
+                want[gk] = "full"
+        if descriptions_only:
+            return want
+        for gk, mode in self.engine.required_kinds().items():
+            if gk in DESCRIPTION_KINDS and not self.settings.watch_descriptions:
+                continue
+            want[gk] = "full" if mode == "full" or want.get(gk) == "full" else "metadata"
+        want[POD] = "full"
+        return want
+
+    async def _reconcile(self, want: Mapping[GroupKind, str]) -> None:
+        assert self.discovery is not None and self._client is not None
+        for gk in list(self.watchers):
+            if gk not in want:
+                await self._drop(gk)
+        for gk, mode in want.items():
+            current = self.watchers.get(gk)
+            if current is not None and current[0] == mode:
+                continue
+            try:
+                res = await self.discovery.resolve(gk)
+            except (KubeApiError, OSError, TimeoutError) as e:
+                log.warning("discovery of %s failed (%s); will retry", gk, e)
+                self._kinds_changed.set()
+                continue
+            except Exception as e:  # aiohttp client errors and the like
+                log.warning("discovery of %s failed (%s); will retry", gk, e)
+                self._kinds_changed.set()
+                continue
+            if res is None:
+                self._mark_unserved(gk, "not served by the cluster")
+                continue
+            self._mark_served(gk)
+            held: dict[str, tuple[str, str]] = {}
+            if current is not None:  # mode switch: the new watcher's relist diffs
+                for w in current[1]:
+                    await w.stop()
+                    held.update(w.held)
+            self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
+
+    def _start_watchers(
+        self, res: ApiResource, mode: str, held: dict[str, tuple[str, str]]
+    ) -> list[ResourceWatcher]:
+        assert self._client is not None
+        namespaces: list[str | None] = (
+            list(self.settings.namespaces) if res.namespaced and self.settings.namespaces
+            else [None]
+        )
+        field_selector = ""
+        if res.group_kind == POD and self.settings.node_name:
+            field_selector = f"spec.nodeName={self.settings.node_name}"
+        out = []
+        for ns in namespaces:
+            mine = {u: k for u, k in held.items() if ns is None or k[0] == ns}
+            kwargs: dict[str, Any] = {}
+            if self._watch_timeout is not None:
+                wt = self._watch_timeout
+                kwargs["watch_timeout"] = lambda wt=wt: wt
+            w = ResourceWatcher(
+                self._client, res, self, self.metrics,
+                metadata_only=(mode == "metadata"), namespace=ns,
+                field_selector=field_selector,
+                backoff_max=self.settings.resync_backoff_max_seconds,
+                held=mine, **kwargs,
+            )
+            w.start()
+            out.append(w)
+        return out
+
+    async def _drop(self, gk: GroupKind) -> None:
+        """Stop watching a kind no longer needed and retract its objects."""
+        _, ws = self.watchers.pop(gk)
+        for w in ws:
+            await w.stop()
+            stubs = [w.stub(uid) for uid in w.held]
+            w.held.clear()
+            for i in range(0, len(stubs), 256):
+                self._apply(w, [("DELETED", s) for s in stubs[i: i + 256]])
+                await asyncio.sleep(0)
+            self._unhealthy.discard(w.name)
+        self.index.stale = bool(self._unhealthy)
+
+    def _mark_unserved(self, gk: GroupKind, why: str) -> None:
+        if self.unserved_kinds.get(gk) != why:
+            log.warning("kind %s is needed but %s; attribution through it is unavailable",
+                        gk, why)
+        self.unserved_kinds[gk] = why
+        self._unserved_gauge.labels(str(gk)).set(1)
+
+    def _mark_served(self, gk: GroupKind) -> None:
+        if self.unserved_kinds.pop(gk, None) is not None:
+            log.info("kind %s is served now", gk)
+            self._unserved_gauge.labels(str(gk)).set(0)
+
+    async def _wait_synced(self) -> None:
+        while True:
+            pending = [
+                w.synced.wait()
+                for gk, (_, ws) in self.watchers.items()
+                if gk not in self.unserved_kinds
+                for w in ws
+                if not w.synced.is_set()
+            ]
+            if not pending:
+                return
+            await asyncio.wait(
+                [asyncio.ensure_future(p) for p in pending], timeout=1.0,
+                return_when=asyncio.ALL_COMPLETED,
+            )
+
+    async def _follow_kinds(self) -> None:
+        """Start / stop watches when descriptions change; retry unserved kinds."""
+        assert self.discovery is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kinds_changed.wait(), timeout=30.0)
+            self._kinds_changed.clear()
+            want = self._desired()
+            try:
+                if self.unserved_kinds:
+                    self.discovery.invalidate()
+                    for gk in list(self.unserved_kinds):
+                        if gk in self.watchers:
+                            await self._drop(gk)
+                await self._reconcile(want)
+            except Exception:  # never let the follower die
+                log.exception("reconciling watched kinds failed; retrying")
+                await asyncio.sleep(1.0)
+                self._kinds_changed.set()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL)
+            self.index.expire()
+
+    # -- WatchSink -------------------------------------------------------------------------
+
+    def handle(self, watcher: ResourceWatcher, events: list[WatchEvent]) -> None:
+        self._apply(watcher, events)
+
+    def _apply(self, watcher: ResourceWatcher, events: Iterable[WatchEvent]) -> None:
+        changes = ChangeSet()
+        is_pod = watcher.resource.group_kind == POD and not watcher.metadata_only
+        for etype, obj in events:
+            try:
+                if etype == "DELETED":
+                    c = self.engine.delete(obj)
+                else:
+                    c = self.engine.upsert(slim_pod(obj) if is_pod else obj)
+            except Exception:
+                self.object_errors += 1
+                md = obj.get("metadata") or {}
+                log.exception("engine failed on %s %s/%s", obj.get("kind"),
+                              md.get("namespace", ""), md.get("name"))
+                continue
+            if c:
+                changes.merge(c)
+        if changes:
+            self.index.apply(changes)
+            if changes.kinds_changed:
+                self._kinds_changed.set()
+
+    def current(self, watcher: ResourceWatcher) -> None:
+        now = time.time()
+        self.index.mark_fresh(watcher.name, now)
+        self._last_current.labels(watcher.name).set(now)
+
+    def health(self, watcher: ResourceWatcher, healthy: bool) -> None:
+        if healthy:
+            self._unhealthy.discard(watcher.name)
+        else:
+            self._unhealthy.add(watcher.name)
+        stale = bool(self._unhealthy)
+        if stale != self.index.stale:
+            log.warning("cluster index %s", "STALE: API server unreachable, serving the last "
+                        "known index" if stale else "current again")
+        self.index.stale = stale
+
+    def unserved(self, watcher: ResourceWatcher, error: KubeApiError) -> None:
+        gk = watcher.resource.group_kind
+        why = "forbidden (RBAC)" if error.status == 403 else "no longer served"
+        self._mark_unserved(gk, why)
+        watcher.synced.set()  # do not hold readiness hostage
+        self._kinds_changed.set()

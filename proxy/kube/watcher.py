@@ -1,0 +1,331 @@
+"""One list+watch loop for one resource (optionally one namespace, one field selector).
+
+The loop: list (paginated) -> watch from the list's resourceVersion with bookmarks ->
+on a clean end (server timeout) watch again from the last resourceVersion seen; on 410
+Gone relist and find deletions by diffing against what this watcher holds; on
+disconnects, refused connections and 5xx back off (exponential, full jitter) and
+resume. Events are handed to a sink in small slices with a yield to the event loop
+between slices, so a burst never stalls request handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.kube.client import (
+    ACCEPT_JSON,
+    ACCEPT_METADATA_LIST,
+    ACCEPT_METADATA_WATCH,
+    KubeApiError,
+    KubeClient,
+)
+from proxy.kube.discovery import ApiResource
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+#: (type, object) with type ADDED / MODIFIED / DELETED; objects carry apiVersion and kind
+WatchEvent = tuple[str, Obj]
+
+
+class WatchSink(Protocol):
+    def handle(self, watcher: ResourceWatcher, events: list[WatchEvent]) -> None: ...
+
+    def current(self, watcher: ResourceWatcher) -> None:
+        """The watcher is known current now (list done, event or bookmark seen)."""
+
+    def health(self, watcher: ResourceWatcher, healthy: bool) -> None:
+        """Reaching the API server failed (False) or works again (True)."""
+
+    def unserved(self, watcher: ResourceWatcher, error: KubeApiError) -> None:
+        """The server answers 404 / 403 for this resource: report, do not retry hard."""
+
+
+class WatchMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.events = Counter(
+            "karta_proxy_watch_events_total",
+            "Watch events received, by resource and type (ADDED, MODIFIED, DELETED, "
+            "BOOKMARK, ERROR, and RELIST_DELETED for deletions found by a relist diff).",
+            ["resource", "type"],
+            registry=registry,
+        )
+        self.restarts = Counter(
+            "karta_proxy_watch_restarts_total",
+            "Watch restarts by resource and reason (timeout: the server ended the "
+            "stream; gone: 410, relisted; disconnect; unreachable; error).",
+            ["resource", "reason"],
+            registry=registry,
+        )
+
+
+class _Gone(Exception):
+    """410: the resourceVersion is compacted away; only a relist helps."""
+
+
+class Backoff:
+    """Exponential with full jitter: ``uniform(0, min(cap, base * 2**n))``."""
+
+    def __init__(self, base: float = 0.2, cap: float = 30.0) -> None:
+        self.base = base
+        self.cap = cap
+        self.attempt = 0
+
+    def next(self) -> float:
+        delay = random.uniform(self.base / 2, min(self.cap, self.base * 2**self.attempt))
+        self.attempt = min(self.attempt + 1, 30)
+        return delay
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class ResourceWatcher:
+    def __init__(
+        self,
+        client: KubeClient,
+        resource: ApiResource,
+        sink: WatchSink,
+        metrics: WatchMetrics,
+        *,
+        metadata_only: bool = False,
+        namespace: str | None = None,
+        field_selector: str = "",
+        page_size: int = 500,
+        slice_size: int = 64,
+        watch_timeout: Callable[[], int] = lambda: random.randint(240, 480),
+        backoff_max: float = 30.0,
+        held: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
+        self.client = client
+        self.resource = resource
+        self.sink = sink
+        self.metrics = metrics
+        self.metadata_only = metadata_only
+        self.namespace = namespace if resource.namespaced else None
+        self.field_selector = field_selector
+        self.page_size = page_size
+        self.slice_size = slice_size
+        self.watch_timeout = watch_timeout
+        self.backoff = Backoff(cap=backoff_max)
+        self.name = f"{self.namespace}/{resource.name}" if self.namespace else resource.name
+        #: uid -> (namespace, name) of every object this watcher delivered: the relist
+        #: diff finds deletions here, and stopping the watcher can retract them
+        self.held: dict[str, tuple[str, str]] = held if held is not None else {}
+        self.resource_version = ""
+        self.synced = asyncio.Event()
+        self.healthy = True
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name=f"watch {self.name}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def stub(self, uid: str) -> Obj:
+        """A deletion object for a held uid (apiVersion, kind, metadata)."""
+        ns, name = self.held.get(uid, ("", ""))
+        md: Obj = {"name": name, "uid": uid}
+        if ns:
+            md["namespace"] = ns
+        return {"apiVersion": self.resource.api_version, "kind": self.resource.kind,
+                "metadata": md}
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        rv = ""
+        while True:
+            try:
+                if not rv:
+                    rv = await self._list()
+                rv = await self._watch(rv)
+                self.metrics.restarts.labels(self.name, "timeout").inc()
+                continue
+            except _Gone:
+                log.info("watch %s: resourceVersion %s gone (410), relisting", self.name, rv)
+                self.metrics.restarts.labels(self.name, "gone").inc()
+                rv = ""
+                continue
+            except KubeApiError as e:
+                if e.status == 410:
+                    self.metrics.restarts.labels(self.name, "gone").inc()
+                    rv = ""
+                    continue
+                if e.status in (403, 404):
+                    self.metrics.restarts.labels(self.name, "unserved").inc()
+                    self.sink.unserved(self, e)
+                    await asyncio.sleep(self.backoff.cap)
+                    rv = ""
+                    continue
+                reason = "error"
+                log.warning("watch %s: API error %s", self.name, e)
+                self._set_health(False)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+                # an open stream broke: resume at once (jittered), not stale yet
+                reason = "disconnect"
+                log.info("watch %s: stream broke (%s), resuming", self.name, type(e).__name__)
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                reason = "unreachable"
+                log.warning("watch %s: API server unreachable: %s", self.name, e or type(e))
+                self._set_health(False)
+            except ValueError as e:  # malformed JSON from the server: relist
+                reason = "error"
+                log.warning("watch %s: bad response: %s", self.name, e)
+                rv = ""
+            self.metrics.restarts.labels(self.name, reason).inc()
+            await asyncio.sleep(self.backoff.next())
+
+    def _set_health(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            self.sink.health(self, healthy)
+
+    def _query(self) -> dict[str, str]:
+        q: dict[str, str] = {}
+        if self.field_selector:
+            q["fieldSelector"] = self.field_selector
+        return q
+
+    async def _list(self) -> str:
+        """List everything (paginated), deliver it, retract what vanished; returns the
+        list's resourceVersion."""
+        path = self.resource.path(self.namespace)
+        accept = ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON
+        seen: set[str] = set()
+        token = ""
+        rv = ""
+        while True:
+            q = self._query()
+            q["limit"] = str(self.page_size)
+            if token:
+                q["continue"] = token
+            doc = await self.client.request_json(path, query=q, accept=accept)
+            self._set_health(True)
+            md = doc.get("metadata") or {}
+            rv = md.get("resourceVersion", "")
+            items = doc.get("items") or []
+            events: list[WatchEvent] = []
+            for obj in items:
+                self._fill(obj)
+                omd = obj["metadata"]
+                uid = omd.get("uid", "")
+                seen.add(uid)
+                self.held[uid] = (omd.get("namespace", ""), omd.get("name", ""))
+                events.append(("ADDED", obj))
+            await self._deliver(events)
+            token = md.get("continue", "")
+            if not token:
+                break
+        gone = [uid for uid in self.held if uid not in seen]
+        if gone:
+            deletions = [("DELETED", self.stub(uid)) for uid in gone]
+            for uid in gone:
+                del self.held[uid]
+            self.metrics.events.labels(self.name, "RELIST_DELETED").inc(len(gone))
+            await self._deliver(deletions)
+        self.resource_version = rv
+        self.backoff.reset()
+        self.sink.current(self)
+        self.synced.set()
+        return rv
+
+    async def _deliver(self, events: list[WatchEvent]) -> None:
+        for i in range(0, len(events), self.slice_size):
+            self.sink.handle(self, events[i: i + self.slice_size])
+            await asyncio.sleep(0)
+
+    def _fill(self, obj: Obj) -> None:
+        # typed lists and metadata-only answers leave out (or replace) apiVersion/kind
+        obj["apiVersion"] = self.resource.api_version
+        obj["kind"] = self.resource.kind
+
+    async def _watch(self, rv: str) -> str:
+        """Watch from ``rv`` until the server ends the stream; returns the last rv."""
+        server_timeout = self.watch_timeout()
+        q = self._query()
+        q.update(watch="1", resourceVersion=rv, allowWatchBookmarks="true",
+                 timeoutSeconds=str(server_timeout))
+        timeout = aiohttp.ClientTimeout(total=server_timeout + 30, sock_connect=10)
+        resp = await self.client.open(
+            self.resource.path(self.namespace), query=q, timeout=timeout,
+            accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON,
+        )
+        self._set_health(True)
+        buf = b""
+        try:
+            while True:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    if buf.strip():
+                        rv = await self._process([buf], rv)
+                    return rv
+                buf += chunk
+                if b"\n" not in chunk:
+                    continue
+                lines = buf.split(b"\n")
+                buf = lines.pop()
+                rv = await self._process(lines, rv)
+        finally:
+            resp.release()
+
+    async def _process(self, lines: list[bytes], rv: str) -> str:
+        for i in range(0, len(lines), self.slice_size):
+            events: list[WatchEvent] = []
+            got_any = False
+            for line in lines[i: i + self.slice_size]:
+                if not line.strip():
+                    continue
+                ev = json.loads(line)
+                etype = ev.get("type", "")
+                obj = ev.get("object") or {}
+                got_any = True
+                self.metrics.events.labels(self.name, etype).inc()
+                if etype == "BOOKMARK":
+                    rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                    continue
+                if etype == "ERROR":
+                    code = obj.get("code", 0)
+                    if code == 410:
+                        if events:
+                            self.sink.handle(self, events)
+                        raise _Gone()
+                    raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
+                                       str(obj.get("message", "")))
+                if etype not in ("ADDED", "MODIFIED", "DELETED"):
+                    continue
+                self._fill(obj)
+                md = obj["metadata"]
+                rv = md.get("resourceVersion", rv)
+                uid = md.get("uid", "")
+                if etype == "DELETED":
+                    if self.held.pop(uid, None) is None:
+                        continue  # never delivered (e.g. deleted before our list)
+                else:
+                    self.held[uid] = (md.get("namespace", ""), md.get("name", ""))
+                events.append((etype, obj))
+            if events:
+                self.sink.handle(self, events)
+            if got_any:
+                self.resource_version = rv
+                self.backoff.reset()
+                self.sink.current(self)
+                await asyncio.sleep(0)
+        return rv
