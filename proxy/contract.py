@@ -33,3 +33,93 @@ STAMPED_PREFIX = "karta_"
 
 #: Prefix of every series the proxy emits itself (facts and operational metrics).
 METRIC_PREFIX = "karta_"
+
+# -- Fact series (proxy/facts.py) ---------------------------------------------------------
+# Facts only: what the cluster and the index say, never a measurement, an aggregate or a
+# threshold. Written into the remote-write stream by one elected replica and served on
+# /metrics by every replica. docs/metrics.md documents each name, type, label and meaning.
+
+#: one series per known pod that is attributed: the join key for consumers that join
+FACT_POD_INFO = "karta_pod_info"
+#: one series per known pod the engine could not attribute, with the reason
+FACT_POD_UNATTRIBUTED_INFO = "karta_pod_unattributed_info"
+#: one series per workload: identity, the description that describes it, built-in or not
+FACT_WORKLOAD_INFO = "karta_workload_info"
+#: state set: one series per generic phase, 1 for the current phase, 0 for the others
+FACT_WORKLOAD_PHASE = "karta_workload_phase"
+#: unix time of the last observed phase change (time in phase = time() - this)
+FACT_WORKLOAD_PHASE_TRANSITION = "karta_workload_phase_transition_timestamp_seconds"
+#: one series per generic status, 1 for every status whose matchers match, 0 otherwise
+FACT_WORKLOAD_STATUS = "karta_workload_status"
+#: present while the phase is Undefined for a known reason (jq error, nothing matched)
+FACT_WORKLOAD_UNDEFINED_REASON_INFO = "karta_workload_phase_undefined_reason_info"
+#: per component instance, from the description's scaleDefinition
+FACT_COMPONENT_DESIRED_REPLICAS = "karta_component_desired_replicas"
+FACT_COMPONENT_DESIRED_REPLICAS_MIN = "karta_component_desired_replicas_min"
+FACT_COMPONENT_DESIRED_REPLICAS_MAX = "karta_component_desired_replicas_max"
+#: per component instance: pods the index knows (live, not tombstones)
+FACT_COMPONENT_OBSERVED_PODS = "karta_component_observed_pods"
+#: per watched resource: unix time it was last known current (list, event or bookmark)
+FACT_SOURCE_LAST_CURRENT = "karta_source_last_current_timestamp_seconds"
+#: the contract version (this module's CONTRACT_VERSION) as a label
+FACT_CONTRACT_INFO = "karta_contract_info"
+#: the proxy's version as a label
+FACT_BUILD_INFO = "karta_build_info"
+
+#: every fact series name, sorted
+FACT_SERIES: tuple[str, ...] = tuple(
+    sorted(
+        (
+            FACT_POD_INFO,
+            FACT_POD_UNATTRIBUTED_INFO,
+            FACT_WORKLOAD_INFO,
+            FACT_WORKLOAD_PHASE,
+            FACT_WORKLOAD_PHASE_TRANSITION,
+            FACT_WORKLOAD_STATUS,
+            FACT_WORKLOAD_UNDEFINED_REASON_INFO,
+            FACT_COMPONENT_DESIRED_REPLICAS,
+            FACT_COMPONENT_DESIRED_REPLICAS_MIN,
+            FACT_COMPONENT_DESIRED_REPLICAS_MAX,
+            FACT_COMPONENT_OBSERVED_PODS,
+            FACT_SOURCE_LAST_CURRENT,
+            FACT_CONTRACT_INFO,
+            FACT_BUILD_INFO,
+        )
+    )
+)
+
+# Labels of fact series besides the stamped ones (the stamped names carry the workload
+# identity, so facts join with enriched series on the same labels).
+FACT_LABEL_NAMESPACE = "namespace"  # the pod's namespace (pod facts)
+FACT_LABEL_POD = "pod"  # the pod's name (pod facts)
+FACT_LABEL_UID = "uid"  # the pod's uid (pod facts)
+FACT_LABEL_WORKLOAD_UID = "workload_uid"  # the workload object's uid
+FACT_LABEL_DESCRIPTION = "description"  # name of the Karta description in effect
+FACT_LABEL_BUILTIN = "builtin"  # "true" when the description is one of the project's
+FACT_LABEL_REASON = "reason"  # why: snake_case, a closed-ish set documented in metrics.md
+FACT_LABEL_PHASE = "phase"  # a generic phase (GENERIC_PHASES)
+FACT_LABEL_STATUS = "status"  # a generic status (GENERIC_PHASES)
+FACT_LABEL_RESOURCE = "resource"  # a watched resource, e.g. "pods", "jobs.batch"
+FACT_LABEL_VERSION = "version"  # contract or build version
+
+#: The identity of a workload in fact series: the stamped labels that name it.
+WORKLOAD_IDENTITY_LABELS: tuple[str, ...] = (
+    LABEL_GROUP,
+    LABEL_KIND,
+    LABEL_NAMESPACE,
+    LABEL_WORKLOAD,
+)
+
+# -- Operational metrics of the fact writer (on /metrics only, every replica) --------------
+OP_FACT_WRITER_LEADER = "karta_proxy_fact_writer_leader"
+OP_FACT_WRITES = "karta_proxy_fact_writes_total"
+OP_FACT_STALE_MARKERS = "karta_proxy_fact_stale_markers_total"
+OP_FACT_SERIES = "karta_proxy_fact_series"
+OP_FACT_LAST_WRITE = "karta_proxy_fact_last_write_timestamp_seconds"
+FACT_WRITER_METRICS: tuple[str, ...] = (
+    OP_FACT_LAST_WRITE,
+    OP_FACT_SERIES,
+    OP_FACT_STALE_MARKERS,
+    OP_FACT_WRITER_LEADER,
+    OP_FACT_WRITES,
+)

@@ -1,0 +1,230 @@
+"""LeaseElector against the HTTP API simulator, through kubernetes-asyncio, unpatched.
+
+Short leases (1.5 s) keep the suite fast; the logic is the same at 15 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from kubernetes_asyncio import client as k8s
+
+from proxy.config import KubeSettings
+from proxy.kube.client import load_configuration
+from proxy.lease import LeaseElector, micro_time
+from tests.kubesim.server import KubeSim
+
+DURATION = 1.5
+NS = "karta-system"
+NAME = "karta-proxy-facts"
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[KubeSim]:
+    async with KubeSim() as s:
+        yield s
+
+
+@pytest.fixture
+async def api(sim: KubeSim) -> AsyncIterator[Callable[[], k8s.ApiClient]]:
+    """A factory of ApiClients (one per simulated replica), all closed at the end."""
+    cfg = await load_configuration(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
+    made: list[k8s.ApiClient] = []
+
+    def make() -> k8s.ApiClient:
+        c = k8s.ApiClient(configuration=cfg)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+class Replicas:
+    """Electors running as tasks, like three proxy processes."""
+
+    def __init__(self, make: Callable[[], k8s.ApiClient], n: int) -> None:
+        self.electors = [
+            LeaseElector(make(), NS, NAME, f"replica-{i}", DURATION) for i in range(n)
+        ]
+        self.tasks = [asyncio.create_task(e.run()) for e in self.electors]
+
+    def leaders(self) -> list[LeaseElector]:
+        return [e for e in self.electors if e.is_leader]
+
+    async def one_leader(self, timeout: float) -> LeaseElector:
+        """Wait for exactly one leader; fail on two at any sample."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leaders = self.leaders()
+            assert len(leaders) <= 1, [e.identity for e in leaders]
+            if leaders:
+                return leaders[0]
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no leader within {timeout} s")
+
+    async def close(self) -> None:
+        for e in self.electors:
+            await e.stop(release=False)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def holder(sim: KubeSim) -> str:
+    lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+    return str(lease["spec"].get("holderIdentity") or "")
+
+
+async def test_single_candidate_creates_and_renews_the_lease(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    e = LeaseElector(api(), NS, NAME, "only", DURATION)
+    task = asyncio.create_task(e.run())
+    try:
+        await asyncio.wait_for(_until(lambda: e.is_leader), 3)
+        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+        assert lease["spec"]["holderIdentity"] == "only"
+        assert lease["spec"]["leaseDurationSeconds"] == 2  # ceil(1.5): the API takes ints
+        first_rv = int(lease["metadata"]["resourceVersion"])
+        await asyncio.sleep(DURATION * 1.2)  # several renewals
+        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+        assert int(lease["metadata"]["resourceVersion"]) > first_rv
+        assert lease["spec"]["renewTime"].endswith("Z") and "." in lease["spec"]["renewTime"]
+        assert e.is_leader
+    finally:
+        await e.stop()
+        await task
+    # released on a clean stop: holder emptied so a successor need not wait
+    assert holder(sim) == ""
+
+
+async def test_three_candidates_one_leader_and_takeover_when_the_leader_dies(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    r = Replicas(api, 3)
+    try:
+        leader = await r.one_leader(3)
+        assert holder(sim) == leader.identity
+        # stays stable across several renew periods, never two leaders
+        for _ in range(30):
+            assert r.leaders() == [leader]
+            await asyncio.sleep(DURATION / 15)
+        # the leader dies without releasing (a crash): the lease must expire first
+        died = time.monotonic()
+        await leader.stop(release=False)
+        survivors = [e for e in r.electors if e is not leader]
+        new = await r.one_leader(DURATION * 3)
+        took = time.monotonic() - died
+        assert new in survivors
+        # not before the lease ran out on the survivors' clocks, well within 2 durations
+        assert took >= DURATION * 0.9, took
+        assert took <= DURATION * 2 + 0.5, took
+        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+        assert lease["spec"]["holderIdentity"] == new.identity
+        assert lease["spec"]["leaseTransitions"] == 1
+    finally:
+        await r.close()
+
+
+async def test_clean_release_hands_over_at_once(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    r = Replicas(api, 2)
+    try:
+        leader = await r.one_leader(3)
+        t0 = time.monotonic()
+        await leader.stop(release=True)
+        new = await r.one_leader(DURATION * 3)
+        assert new is not leader
+        # an empty holder is free: the successor takes it at its next round (~D/3)
+        assert time.monotonic() - t0 < DURATION, time.monotonic() - t0
+    finally:
+        await r.close()
+
+
+async def test_an_unexpired_lease_of_another_holder_is_respected(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    """A lease held by a replica we never saw counts from when we first see it (own
+    clock), so a renewTime far in the past (clock skew) does not let us grab it early."""
+    from datetime import UTC, datetime, timedelta
+
+    old = datetime.now(UTC) - timedelta(hours=1)
+    sim.create(
+        {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": NAME, "namespace": NS},
+            "spec": {
+                "holderIdentity": "someone-else",
+                "leaseDurationSeconds": 2,
+                "renewTime": micro_time(old),
+                "acquireTime": micro_time(old),
+                "leaseTransitions": 4,
+            },
+        }
+    )
+    e = LeaseElector(api(), NS, NAME, "newcomer", DURATION)
+    task = asyncio.create_task(e.run())
+    try:
+        await asyncio.sleep(DURATION * 0.6)
+        assert not e.is_leader and holder(sim) == "someone-else"
+        await asyncio.wait_for(_until(lambda: e.is_leader), DURATION * 2)
+        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+        assert lease["spec"]["leaseTransitions"] == 5
+    finally:
+        await e.stop()
+        await task
+
+
+async def test_leader_steps_down_when_it_cannot_renew_and_recovers(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    e = LeaseElector(api(), NS, NAME, "solo", DURATION)
+    task = asyncio.create_task(e.run())
+    try:
+        await asyncio.wait_for(_until(lambda: e.is_leader), 3)
+        sim.fail_status = 503  # API server up but failing
+        t0 = time.monotonic()
+        await asyncio.wait_for(_until(lambda: not e.is_leader), DURATION * 2)
+        # stepped down by the renew deadline (2/3 D), before anyone could take over (D)
+        assert time.monotonic() - t0 <= DURATION, time.monotonic() - t0
+        assert "503" in e.last_error or "Service" in e.last_error
+        sim.fail_status = None
+        await asyncio.wait_for(_until(lambda: e.is_leader), DURATION * 2)
+    finally:
+        sim.fail_status = None
+        await e.stop()
+        await task
+
+
+async def test_a_stolen_lease_ends_leadership_at_the_next_renewal(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    e = LeaseElector(api(), NS, NAME, "victim", DURATION)
+    task = asyncio.create_task(e.run())
+    try:
+        await asyncio.wait_for(_until(lambda: e.is_leader), 3)
+        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+        lease["spec"]["holderIdentity"] = "intruder"
+        sim.update(lease)
+        await asyncio.wait_for(_until(lambda: not e.is_leader), DURATION)
+        assert holder(sim) == "intruder"
+    finally:
+        await e.stop()
+        await task
+    assert holder(sim) == "intruder"  # release only touches a lease we hold
+
+
+def test_micro_time_always_has_six_digits() -> None:
+    from datetime import UTC, datetime
+
+    assert micro_time(datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)) == "2025-01-02T03:04:05.000000Z"
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.02)
