@@ -313,7 +313,7 @@ class KubeSim:
                     if query.get("fieldSelector") else None,
                 )
                 mode = _metadata_mode(accept)
-                if query.get("watch") in ("1", "true"):
+                if _parse_bool(query.get("watch", "")):
                     return await self._watch(request, rs, flt, mode, query)
                 return self._list(rs, flt, mode, query)
             if method == "POST":
@@ -426,7 +426,7 @@ class KubeSim:
         timeout = self.max_watch_seconds
         if query.get("timeoutSeconds"):
             timeout = min(timeout, float(query["timeoutSeconds"]))
-        bookmarks = query.get("allowWatchBookmarks") in ("1", "true")
+        bookmarks = _parse_bool(query.get("allowWatchBookmarks", ""))
         rv_param = query.get("resourceVersion", "")
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
@@ -487,6 +487,11 @@ class KubeSim:
             raise
         finally:
             rs.feeds.discard(feed)
+
+
+def _parse_bool(text: str) -> bool:
+    """Go's strconv.ParseBool, as the API server reads query flags."""
+    return text in ("1", "t", "T", "TRUE", "true", "True")
 
 
 def _line(obj: Obj) -> bytes:

@@ -1,0 +1,216 @@
+"""The simulator behaves like an API server where the watch code depends on it.
+
+Driven through kubernetes-asyncio (unpatched), the same client the proxy uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from tests.kubesim import Conflict, KubeSim
+from tests.kubesim.resources import KARTA, RAY_JOB
+
+META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+META_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+
+
+def pod(name: str, ns: str = "default", node: str = "", **labels: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]},
+    }
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[KubeSim]:
+    s = KubeSim(bookmark_interval=0.2)
+    await s.start()
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def api(sim: KubeSim) -> AsyncIterator[k8s.ApiClient]:
+    cfg = k8s.Configuration()
+    await k8s_config.load_kube_config(config_file=str(sim.write_kubeconfig()),
+                                      client_configuration=cfg, persist_config=False)
+    client = k8s.ApiClient(configuration=cfg)
+    yield client
+    await client.close()
+
+
+async def raw(api: k8s.ApiClient, path: str, accept: str = "application/json",
+              **query: str) -> aiohttp.ClientResponse:
+    resp: aiohttp.ClientResponse = await api.call_api(
+        path, "GET", query_params=list(query.items()), header_params={"Accept": accept},
+        auth_settings=["BearerToken"], _preload_content=False,
+    )
+    return resp
+
+
+async def events(resp: aiohttp.ClientResponse, n: int, timeout: float = 5.0
+                 ) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    async def read() -> None:
+        while len(out) < n:
+            line = await resp.content.readline()
+            if not line:
+                return
+            out.append(json.loads(line))
+
+    await asyncio.wait_for(read(), timeout)
+    return out
+
+
+async def test_discovery_lists_core_kinds_and_runtime_crds(sim: KubeSim,
+                                                           api: k8s.ApiClient) -> None:
+    groups = await k8s.ApisApi(api).get_api_versions()
+    names = {g.name for g in groups.groups}
+    assert {"apps", "batch", "coordination.k8s.io"} <= names
+    assert "ray.io" not in names
+    sim.register(RAY_JOB, KARTA)
+    groups = await k8s.ApisApi(api).get_api_versions()
+    assert {"ray.io", "run.ai"} <= {g.name for g in groups.groups}
+    resources = json.loads(await (await raw(api, "/apis/run.ai/v1alpha1")).read())
+    karta = next(r for r in resources["resources"] if r["kind"] == "Karta")
+    assert karta["name"] == "kartas" and karta["namespaced"] is False
+    core = await k8s.CoreV1Api(api).get_api_resources()
+    assert "pods" in {r.name for r in core.resources}
+
+
+async def test_typed_api_and_pagination(sim: KubeSim, api: k8s.ApiClient) -> None:
+    for i in range(7):
+        sim.create(pod(f"p{i}", ns="a" if i % 2 else "b", node="n1" if i < 3 else "n2"))
+    core = k8s.CoreV1Api(api)
+    first = await core.list_pod_for_all_namespaces(limit=3)
+    assert len(first.items) == 3 and first.metadata._continue
+    names = [p.metadata.name for p in first.items]
+    rest = await core.list_pod_for_all_namespaces(limit=3, _continue=first.metadata._continue)
+    names += [p.metadata.name for p in rest.items]
+    last = await core.list_pod_for_all_namespaces(limit=3, _continue=rest.metadata._continue)
+    names += [p.metadata.name for p in last.items]
+    assert sorted(names) == [f"p{i}" for i in range(7)] and not last.metadata._continue
+    assert len((await core.list_namespaced_pod("a")).items) == 3
+    on_n1 = await core.list_pod_for_all_namespaces(field_selector="spec.nodeName=n1")
+    assert {p.metadata.name for p in on_n1.items} == {"p0", "p1", "p2"}
+
+
+async def test_list_items_are_typed_and_metadata_only(sim: KubeSim,
+                                                      api: k8s.ApiClient) -> None:
+    sim.create(pod("p", app="x"))
+    doc = json.loads(await (await raw(api, "/api/v1/pods")).read())
+    assert doc["kind"] == "PodList" and "kind" not in doc["items"][0]
+    meta = json.loads(await (await raw(api, "/api/v1/pods", accept=META_LIST)).read())
+    assert meta["kind"] == "PartialObjectMetadataList"
+    assert meta["items"][0]["kind"] == "PartialObjectMetadata"
+    assert "spec" not in meta["items"][0]
+    labelled = json.loads(await (await raw(api, "/api/v1/pods", labelSelector="app in (x,y)"))
+                          .read())
+    assert len(labelled["items"]) == 1
+
+
+async def test_watch_events_bookmarks_and_filters(sim: KubeSim, api: k8s.ApiClient) -> None:
+    sim.create(pod("early", node="n1"))
+    rv = str(sim.resource_version)
+    resp = await raw(api, "/api/v1/pods", watch="1", resourceVersion=rv,
+                     allowWatchBookmarks="true", fieldSelector="spec.nodeName=n1")
+    p = sim.create(pod("late"))  # unscheduled: not on n1 yet
+    p["spec"]["nodeName"] = "n1"
+    sim.update(p)  # bound to n1: the filtered watch sees ADDED
+    sim.delete(p)
+    got = await events(resp, 3)
+    assert [e["type"] for e in got] == ["ADDED", "DELETED", "BOOKMARK"]
+    assert got[2]["object"]["metadata"]["resourceVersion"] == str(sim.resource_version)
+    resp.release()
+
+
+async def test_metadata_watch_and_list_form_refusal(sim: KubeSim, api: k8s.ApiClient) -> None:
+    resp = await raw(api, "/api/v1/pods", accept=META_WATCH, watch="1", resourceVersion="0")
+    sim.create(pod("m"))
+    (ev,) = await events(resp, 1)
+    assert ev["object"]["kind"] == "PartialObjectMetadata" and "spec" not in ev["object"]
+    resp.release()
+    wrong = await raw(api, "/api/v1/pods", accept=META_LIST, watch="1", resourceVersion="0")
+    assert await wrong.read() == b""
+
+
+async def test_kubernetes_asyncio_watch_sees_410_after_compaction(sim: KubeSim,
+                                                                  api: k8s.ApiClient) -> None:
+    from kubernetes_asyncio import watch
+
+    sim.create(pod("a"))
+    old = str(sim.resource_version)
+    sim.create(pod("b"))
+    sim.compact()
+    w = watch.Watch()
+    with pytest.raises(ApiException) as err:
+        async for _ in w.stream(k8s.CoreV1Api(api).list_pod_for_all_namespaces,
+                                resource_version=old, timeout_seconds=5):
+            pass
+    assert err.value.status == 410
+    await w.close()
+
+
+async def test_server_timeout_disconnect_and_outage(sim: KubeSim, api: k8s.ApiClient) -> None:
+    resp = await raw(api, "/api/v1/pods", watch="1", timeoutSeconds="0.3")
+    assert await asyncio.wait_for(resp.read(), 5) == b""  # clean end after the timeout
+    resp = await raw(api, "/api/v1/pods", watch="1")
+    await asyncio.sleep(0.05)
+    assert sim.disconnect_watches() == 1
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(resp.read(), 5)
+    sim.create(pod("kept"))
+    await sim.stop()
+    with pytest.raises(aiohttp.ClientConnectorError):
+        await raw(api, "/api/v1/pods")
+    await sim.start()
+    doc = json.loads(await (await raw(api, "/api/v1/pods")).read())
+    assert [p["metadata"]["name"] for p in doc["items"]] == ["kept"]
+
+
+async def test_lease_optimistic_concurrency(sim: KubeSim, api: k8s.ApiClient) -> None:
+    coord = k8s.CoordinationV1Api(api)
+    body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name="l", namespace="ns"),
+                       spec=k8s.V1LeaseSpec(holder_identity="a", lease_duration_seconds=15))
+    created = await coord.create_namespaced_lease("ns", body)
+    got = await coord.read_namespaced_lease("l", "ns")
+    assert got.spec.holder_identity == "a"
+    got.spec.holder_identity = "b"
+    await coord.replace_namespaced_lease("l", "ns", got)
+    created.spec.holder_identity = "c"  # stale resourceVersion
+    with pytest.raises(ApiException) as err:
+        await coord.replace_namespaced_lease("l", "ns", created)
+    assert err.value.status == 409
+    with pytest.raises(ApiException) as err:
+        await coord.create_namespaced_lease("ns", body)
+    assert err.value.status == 409
+    stale = sim.get("coordination.k8s.io/v1", "Lease", "l", "ns")
+    sim.update(stale)
+    with pytest.raises(Conflict):
+        sim.update(stale)
+
+
+async def test_cascade_delete_and_auth(sim: KubeSim, api: k8s.ApiClient) -> None:
+    rs = sim.create({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                     "metadata": {"name": "rs", "namespace": "default"}})
+    child = pod("rs-1")
+    child["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                             "name": "rs", "uid": rs["metadata"]["uid"],
+                                             "controller": True}]
+    sim.create(child)
+    sim.delete(rs)
+    assert sim.objects(sim.store.resources[("", "pods")].rtype) == []
+    async with aiohttp.ClientSession() as s, s.get(sim.url + "/api/v1/pods") as r:
+        assert r.status == 401
