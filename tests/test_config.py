@@ -1,0 +1,206 @@
+"""Settings from YAML: every key maps to a field; typos and wrong types are precise errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    parse_host_port,
+    settings_from_dict,
+    validate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "karta-proxy.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    assert load_settings(write(tmp_path, "")) == Settings()
+
+
+def test_nested_values_and_types(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, """
+server:
+  listen_address: 127.0.0.1:9999
+  max_body_bytes: 1024
+  forward_before_ready: true
+upstream:
+  url: http://tsdb:9090/api/v1/write
+  timeout_seconds: 3          # an int where a float is expected is fine
+  headers: {X-Scope-OrgID: team-a}
+  forward_headers: [Authorization]
+enrich:
+  pod_label_pairs:
+    - [exported_namespace, exported_pod]
+    - {namespace: namespace, pod: pod}
+karta:
+  description_paths: [/tmp]
+log_level: debug
+"""))
+    assert s.server.listen_address == "127.0.0.1:9999"
+    assert s.server.max_body_bytes == 1024
+    assert s.server.forward_before_ready is True
+    assert s.upstream.timeout_seconds == 3.0 and isinstance(s.upstream.timeout_seconds, float)
+    assert s.upstream.headers == {"X-Scope-OrgID": "team-a"}
+    assert s.upstream.forward_headers == ["Authorization"]
+    assert s.enrich.pod_label_pairs == [
+        ("exported_namespace", "exported_pod"), ("namespace", "pod"),
+    ]
+    assert s.karta.description_paths == ["/tmp"]
+    assert s.log_level == "debug"
+    # untouched sections keep their defaults
+    assert s.facts == Settings().facts
+
+
+def test_dashes_are_accepted_for_underscores() -> None:
+    s = settings_from_dict({"server": {"listen-address": "127.0.0.1:1"}})
+    assert s.server.listen_address == "127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("upstream:\n  urll: x\n", "unknown key 'upstream.urll'"),
+        ("bogus: 1\n", "unknown key 'bogus'"),
+        ("server:\n  max_body_bytes: lots\n", "server.max_body_bytes: expected an integer, "
+         "got string 'lots'"),
+        ("server:\n  max_body_bytes: 1.5\n", "server.max_body_bytes: expected an integer"),
+        ("server:\n  forward_before_ready: 'yes'\n", "server.forward_before_ready: expected "
+         "true or false"),
+        ("upstream:\n  timeout_seconds: true\n", "upstream.timeout_seconds: expected a number"),
+        ("upstream: [1, 2]\n", "upstream: expected a mapping, got list"),
+        ("upstream:\n  forward_headers: Authorization\n", "upstream.forward_headers: expected "
+         "a list"),
+        ("upstream:\n  forward_headers: [1]\n", "upstream.forward_headers[0]: expected a "
+         "string"),
+        ("upstream:\n  headers: {a: 1}\n", "upstream.headers: entries must be string"),
+        ("enrich:\n  pod_label_pairs: [[ns]]\n", "enrich.pod_label_pairs[0]: expected a pair"),
+        ("enrich:\n  pod_label_pairs: [{ns: a, pod: b}]\n", "enrich.pod_label_pairs[0]: "
+         "expected keys 'namespace' and 'pod'"),
+        ("- a\n", "top level: expected a mapping, got list"),
+        ("server: {listen_address: [\n", "invalid YAML (line"),
+    ],
+)
+def test_errors_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert expected in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def valid(**upstream: object) -> Settings:
+    s = Settings()
+    s.upstream.url = "http://127.0.0.1:9090/api/v1/write"
+    for k, v in upstream.items():
+        setattr(s.upstream, k, v)
+    return s
+
+
+def test_validate_accepts_defaults_with_an_upstream() -> None:
+    validate(valid())
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda s: setattr(s.upstream, "url", ""), "upstream.url: required"),
+        (lambda s: setattr(s.upstream, "url", "tsdb:9090"), "upstream.url: expected an http"),
+        (lambda s: setattr(s.upstream, "protocol", "v3"), "upstream.protocol: expected one of"),
+        (lambda s: setattr(s.upstream, "encoding", "gzip"), "upstream.encoding"),
+        (lambda s: setattr(s.upstream, "timeout_seconds", 0), "upstream.timeout_seconds"),
+        (lambda s: setattr(s.upstream, "tls_cert_file", "/etc/hostname"), "set both or neither"),
+        (lambda s: setattr(s.upstream, "bearer_token_file", "/nonexistent/token"),
+         "upstream.bearer_token_file: file '/nonexistent/token' does not exist"),
+        (lambda s: setattr(s.upstream, "forward_headers", ["Bad Header"]),
+         "upstream.forward_headers[0]"),
+        (lambda s: setattr(s.server, "listen_address", "9091"), "expected HOST:PORT"),
+        (lambda s: setattr(s.server, "listen_address", "h:70000"), "out of range"),
+        (lambda s: setattr(s.server, "max_concurrent_requests", 0), "max_concurrent_requests"),
+        (lambda s: setattr(s.server, "max_inflight_bytes", 10), "max_inflight_bytes: must be "
+         "at least"),
+        (lambda s: setattr(s.enrich, "conflict_policy", "merge"), "enrich.conflict_policy"),
+        (lambda s: setattr(s.enrich, "pod_label_pairs", []), "enrich.pod_label_pairs"),
+        (lambda s: setattr(s, "snapshot", "/nonexistent/snap.yaml"), "snapshot:"),
+        (lambda s: setattr(s, "log_level", "loud"), "log_level"),
+        (lambda s: setattr(s.karta, "description_paths", ["/nonexistent"]),
+         "karta.description_paths[0]"),
+    ],
+)
+def test_validate_names_the_bad_key(change: Callable[[Settings], None], expected: str) -> None:
+    s = valid()
+    change(s)
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert expected in str(e.value)
+
+
+def test_validate_without_upstream_for_the_demo() -> None:
+    validate(Settings(), require_upstream=False)
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [("127.0.0.1:80", ("127.0.0.1", 80)), (":9091", ("0.0.0.0", 9091)),
+     ("[::1]:9091", ("::1", 9091))],
+)
+def test_parse_host_port(address: str, expected: tuple[str, int]) -> None:
+    assert parse_host_port(address) == expected
+
+
+def _keys(obj: object, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    assert is_dataclass(obj)
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            out |= _keys(value, key + ".")
+        else:
+            out.add(key)
+    return out
+
+
+def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in data.items():
+        if isinstance(v, dict) and k not in ("headers", "external_labels"):
+            out |= _yaml_keys(v, f"{prefix}{k}.")
+        else:
+            out.add(f"{prefix}{k}")
+    return out
+
+
+def test_example_config_has_every_key_with_its_default() -> None:
+    path = REPO / "config" / "karta-proxy.yaml"
+    example = load_settings(path)
+    defaults = Settings()
+    assert _yaml_keys(yaml.safe_load(path.read_text())) == _keys(defaults)
+    # the example differs from the defaults only where it must (an upstream URL)
+    example.upstream.url = defaults.upstream.url
+    assert asdict(example) == asdict(defaults)
+
+
+def test_configuration_doc_names_every_key() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    missing = [k for k in sorted(_keys(Settings())) if f"`{k}`" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"
