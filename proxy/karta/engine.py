@@ -1,0 +1,1003 @@
+"""The Karta engine: descriptions + cluster objects -> attribution and workload facts.
+
+Pure: no network, no HTTP, no Kubernetes client. Sources (``proxy.snapshot``,
+``proxy.kube``) feed it objects; ``proxy.index`` follows the change sets it returns.
+
+Why it is shaped this way:
+
+* Objects arrive in any order and change one at a time, so every call is incremental: it
+  re-attributes exactly the pods below the object that changed (the owner graph's reverse
+  edges say which) and returns only what changed. Nothing rescans all pods, except a
+  change of descriptions, which re-attributes the pods of the kinds it touches.
+* Memory is per pod, so a pod keeps only what selectors read (its metadata: name,
+  namespace, uid, labels, annotations, ownerReferences), shared with the object it came
+  from, never its spec or status. Whole objects are kept only for described kinds (and
+  bare pods), whose status, scale and instance ids are evaluated from them.
+* libjq costs ~30 us a call through the PyPI binding, so the plain label / annotation /
+  name lookups that nearly every pod selector is are answered with a dict probe; anything
+  else goes to jq with the same wrapper semantics (see ``_Probe``).
+
+The rules (topmost described owner, component choice, instance check, phase of a workload
+whose object was not seen) are documented in docs/karta-attribution.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from proxy.karta.jqexpr import JqError, JqExpr, to_text
+from proxy.karta.model import UNDEFINED, Component, Description, GroupKind, ScaleDefinition
+from proxy.karta.owners import (
+    POD,
+    REASON_NO_CONTROLLER_OWNER,
+    ObjectRecord,
+    OwnerGraph,
+    OwnerRef,
+    WalkResult,
+    controller_ref,
+    group_kind,
+)
+from proxy.karta.results import (
+    ChangeSet,
+    PodAttribution,
+    ReplicaFact,
+    WorkloadFacts,
+    WorkloadRef,
+)
+
+if TYPE_CHECKING:
+    from proxy.karta.description import DescriptionError
+
+log = logging.getLogger(__name__)
+
+#: Phase reason of a workload known only from an ownerReference (its object not seen yet,
+#: or seen before its kind was described).
+PHASE_REASON_OBJECT_MISSING = "workload_object_missing"
+
+#: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
+STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
+STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
+STAT_SELECTOR_ERROR = "selector_error"
+STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
+STAT_INVALID_OBJECT = "invalid_object"
+
+_DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
+_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+_MAP_PATH = re.compile(
+    r'^\s*\.metadata\.(labels|annotations)(?:\["([^"\\]*)"\]|\.([A-Za-z_][A-Za-z0-9_]*))\s*$'
+)
+_FIELD_PATH = re.compile(r"^\s*\.metadata\.(name|namespace|uid)\s*$")
+
+
+# -- pod-side selectors ------------------------------------------------------------------
+
+
+class _PodRec:
+    """A pod as the engine keeps it: the metadata selectors read, and where it was placed."""
+
+    __slots__ = (
+        "annotations",
+        "att",
+        "cache",
+        "key",
+        "labels",
+        "name",
+        "namespace",
+        "obj",
+        "owner",
+        "owner_refs",
+        "uid",
+        "wl",
+    )
+
+    def __init__(self, uid: str) -> None:
+        self.uid = uid
+        self.namespace = ""
+        self.name = ""
+        self.labels: Any = None
+        self.annotations: Any = None
+        self.owner_refs: Any = None
+        self.owner: OwnerRef | None = None
+        #: the whole (trimmed) pod, only while it is bare: it is then its own workload
+        self.obj: Mapping[str, Any] | None = None
+        self.cache: Any = None
+        self.att: PodAttribution | None = None
+        #: workload uid ("" when unattributed) and its (component, instance) count key
+        self.wl = ""
+        self.key: tuple[str, str] = ("", "")
+
+    def jq_input(self) -> dict[str, Any]:
+        """The pod as selectors see it (built per evaluation, not kept)."""
+        md: dict[str, Any] = {"name": self.name, "namespace": self.namespace, "uid": self.uid}
+        if self.labels is not None:
+            md["labels"] = self.labels
+        if self.annotations is not None:
+            md["annotations"] = self.annotations
+        if self.owner_refs is not None:
+            md["ownerReferences"] = self.owner_refs
+        return {"metadata": md}
+
+
+class _Probe:
+    """A jq path evaluated on a pod; plain metadata lookups skip libjq.
+
+    ``.metadata.labels["k"]``, ``.metadata.labels.k`` (same for annotations) and
+    ``.metadata.name|namespace|uid`` yield exactly what jq yields for them on a pod whose
+    labels are a map: the value or null. Everything else is handed to jq.
+    """
+
+    __slots__ = ("expr", "field", "key")
+
+    def __init__(self, expr: JqExpr) -> None:
+        self.expr = expr
+        self.field: str | None = None
+        self.key = ""
+        m = _MAP_PATH.match(expr.source)
+        if m is not None:
+            self.field = m.group(1)
+            self.key = m.group(2) if m.group(2) is not None else m.group(3)
+        else:
+            m = _FIELD_PATH.match(expr.source)
+            if m is not None:
+                self.field = m.group(1)
+
+    def outputs(self, pod: _PodRec) -> list[Any]:
+        f = self.field
+        if f is None:
+            return self.expr.all(pod.jq_input())
+        if f == "labels":
+            m = pod.labels
+        elif f == "annotations":
+            m = pod.annotations
+        else:
+            return [getattr(pod, f)]
+        if m is None:
+            return [None]
+        if not isinstance(m, dict):
+            return self.expr.all(pod.jq_input())  # jq decides what a non-map yields
+        return [m.get(self.key)]
+
+
+# The wrapper semantics of JqExpr.present / equals / single_id, over an output list.
+def _present(out: list[Any]) -> bool:
+    return any(v is not None for v in out)
+
+
+def _equals(out: list[Any], value: str) -> bool:
+    return any(v is not None and to_text(v) == value for v in out)
+
+
+def _single_id(out: list[Any]) -> str | None:
+    ids = [to_text(v) for v in out if v is not None and v != ""]
+    return ids[0] if len(ids) == 1 else None
+
+
+class _CompPlan:
+    """One pod-bearing component, ready to test pods."""
+
+    __slots__ = ("check_ids", "has_type", "inst", "match_labels", "name", "replica", "type",
+                 "value")
+
+    def __init__(self, comp: Component, by_name: Mapping[str, Component]) -> None:
+        self.name = comp.name
+        sel = comp.pod_selector
+        ts = sel.type_selector if sel is not None else None
+        self.type = _Probe(ts.key_path) if ts is not None and ts.key_path is not None else None
+        self.value = ts.value if ts is not None else None
+        self.match_labels = ts.match_labels if ts is not None else ()
+        self.has_type = self.type is not None or bool(self.match_labels)
+        ip = sel.instance_id_path if sel is not None else None
+        self.inst = _Probe(ip) if ip is not None else None
+        self.check_ids = comp.instance_id_path is not None
+        # replicaSelector: declared once, inherited along the component ownerRef chain
+        self.replica: _Probe | None = None
+        cur: Component | None = comp
+        for _ in range(len(by_name) + 1):
+            if cur is None:
+                break
+            rs = cur.pod_selector.replica_key_path if cur.pod_selector is not None else None
+            if rs is not None:
+                self.replica = _Probe(rs)
+                break
+            cur = by_name.get(cur.owner_ref) if cur.owner_ref else None
+
+    def accepts(self, pod: _PodRec) -> bool:
+        if self.match_labels:
+            labels = pod.labels if isinstance(pod.labels, dict) else {}
+            for k, v in self.match_labels:
+                if labels.get(k) != v:
+                    return False
+        if self.type is not None:
+            out = self.type.outputs(pod)
+            return _equals(out, self.value) if self.value is not None else _present(out)
+        return True
+
+
+class _FactComp:
+    """A component that gets replica facts: it scales, or pods land in it."""
+
+    __slots__ = ("ids_path", "name", "scale", "subtree")
+
+    def __init__(
+        self, name: str, scale: ScaleDefinition | None, ids_path: JqExpr | None,
+        subtree: frozenset[str],
+    ) -> None:
+        self.name = name
+        self.scale = scale
+        self.ids_path = ids_path
+        self.subtree = subtree
+
+
+class _Plan:
+    """A description prepared for the engine (built once per winning description)."""
+
+    def __init__(self, desc: Description) -> None:
+        self.desc = desc
+        comps = (desc.root, *desc.children)
+        by_name = {c.name: c for c in comps}
+        pod_comps = list(desc.pod_components) or [c for c in comps if c.pod_bearing]
+        self.pod_comps = [_CompPlan(c, by_name) for c in pod_comps]
+        self.single = len(self.pod_comps) == 1
+        #: with several components, one without a type selector takes what none accepts
+        self.fallback = next((c for c in self.pod_comps if not c.has_type), None)
+        self.selective = [c for c in self.pod_comps if c.has_type]
+        kids: dict[str, list[str]] = {}
+        for c in desc.children:
+            kids.setdefault(c.owner_ref or desc.root.name, []).append(c.name)
+
+        def subtree(name: str) -> frozenset[str]:
+            out = {name}
+            stack = [name]
+            while stack:
+                for k in kids.get(stack.pop(), ()):
+                    if k not in out:
+                        out.add(k)
+                        stack.append(k)
+            return frozenset(out)
+
+        pod_names = {c.name for c in pod_comps}
+        self.fact_comps: list[_FactComp] = []
+        for c in comps:
+            if c.scale is None and c.name not in pod_names:
+                continue
+            self.fact_comps.append(
+                _FactComp(c.name, c.scale, c.instance_id_path, subtree(c.name))
+            )
+        self.ids_comps: list[tuple[str, JqExpr]] = [
+            (c.name, c.instance_id_path) for c in comps if c.instance_id_path is not None
+        ]
+
+
+class _Eval:
+    """What the engine derives from one version of a workload object."""
+
+    __slots__ = ("ids", "phase", "reason", "scale", "statuses")
+
+    def __init__(self) -> None:
+        self.phase = UNDEFINED
+        self.statuses: tuple[str, ...] = (UNDEFINED,)
+        self.reason = ""
+        #: component -> instance ids in order (None: the path failed)
+        self.ids: dict[str, tuple[str, ...] | None] = {}
+        #: component -> (replicas, min, max) outputs
+        self.scale: dict[str, tuple[list[float | None], ...]] = {}
+
+    def same_ids(self, other: _Eval | None) -> bool:
+        return other is not None and other.ids == self.ids
+
+
+def _evaluate(plan: _Plan, obj: Mapping[str, Any], stats: Counter[str]) -> _Eval:
+    from proxy.karta.status import evaluate_status
+
+    ev = _Eval()
+    res = evaluate_status(plan.desc.status, obj)
+    ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
+    for name, path in plan.ids_comps:
+        try:
+            ev.ids[name] = tuple(path.ids(obj))
+        except JqError:
+            stats[STAT_WORKLOAD_JQ_ERROR] += 1
+            ev.ids[name] = None
+    for fc in plan.fact_comps:
+        if fc.scale is None:
+            continue
+        outs: list[list[float | None]] = []
+        for sp in (fc.scale.replicas, fc.scale.min_replicas, fc.scale.max_replicas):
+            try:
+                outs.append(sp.numbers(obj) if sp is not None else [])
+            except JqError:
+                stats[STAT_WORKLOAD_JQ_ERROR] += 1
+                outs.append([])
+        ev.scale[fc.name] = tuple(outs)
+    return ev
+
+
+def _total(values: list[float | None]) -> float | None:
+    """A component without instances: one number, or the sum of a list path's outputs."""
+    nums = [v for v in values if v is not None]
+    return sum(nums) if nums else None
+
+
+def _at(values: list[float | None], i: int) -> float | None:
+    return values[i] if i < len(values) else None
+
+
+def _trim(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Drop what no description reads and what weighs most: managedFields, last-applied."""
+    md = obj.get("metadata")
+    if not isinstance(md, Mapping):
+        return obj
+    ann = md.get("annotations")
+    heavy_ann = isinstance(ann, Mapping) and _LAST_APPLIED in ann
+    if "managedFields" not in md and not heavy_ann:
+        return obj
+    new_md = {k: v for k, v in md.items() if k != "managedFields"}
+    if heavy_ann and isinstance(ann, Mapping):
+        new_md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
+    out = dict(obj)
+    out["metadata"] = new_md
+    return out
+
+
+def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
+    """Best-effort root kind of a description object that failed to parse."""
+    try:
+        k = obj["spec"]["structureDefinition"]["rootComponent"]["kind"]
+        group, kind = k.get("group", ""), k["kind"]
+    except (KeyError, TypeError, AttributeError):
+        return None
+    if isinstance(group, str) and isinstance(kind, str) and kind:
+        return GroupKind(group, kind)
+    return None
+
+
+class _Workload:
+    __slots__ = ("counts", "facts", "objs", "phase", "plan", "ref", "since", "uid")
+
+    def __init__(self, uid: str, ref: WorkloadRef, plan: _Plan) -> None:
+        self.uid = uid
+        self.ref = ref
+        self.plan = plan
+        #: (component, instance) -> attributed pods
+        self.counts: dict[tuple[str, str], int] = {}
+        #: described objects (the workload itself, nested ones) that belong to it
+        self.objs: set[str] = set()
+        self.facts: WorkloadFacts | None = None
+        self.phase: str | None = None
+        self.since = 0.0
+
+
+# -- the engine --------------------------------------------------------------------------
+
+
+class Engine:
+    """Descriptions + cluster objects in, ``ChangeSet`` out (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        builtins: bool = True,
+        max_owner_hops: int = 6,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock = clock
+        self._pods: dict[str, _PodRec] = {}
+        self._graph = OwnerGraph(max_owner_hops, self._pods)
+        #: pods without a controller owner (the built-in Pod description's candidates)
+        self._bare: set[str] = set()
+        self._wl: dict[str, _Workload] = {}
+        self._plans: dict[GroupKind, _Plan] = {}
+        #: the plans an owner walk may stop at: all but Pod (only bare pods are Pod workloads)
+        self._walk_plans: dict[GroupKind, _Plan] = {}
+        self._sources: dict[str, list[Description]] = {}
+        self._api_specs: dict[str, Any] = {}
+        self._api_errors: dict[str, DescriptionError] = {}
+        self._source_errors: dict[str, list[DescriptionError]] = {}
+        self._selection_errors: list[DescriptionError] = []
+        #: kinds whose only description is invalid (source -> kind)
+        self._errored_by_source: dict[str, GroupKind] = {}
+        self._errored: frozenset[GroupKind] = frozenset()
+        self.description_errors: list[DescriptionError] = []
+        #: what the engine noticed: ambiguous components, unlisted instances, jq errors
+        self.stats: Counter[str] = Counter()
+        self._dirty: set[str] = set()
+        self._required: dict[GroupKind, str] = {POD: "full"}
+        self._kinds_touched = True
+        if builtins:
+            from proxy.karta.builtin import builtin_descriptions
+
+            self._sources["builtin"] = list(builtin_descriptions())
+        cs = ChangeSet()
+        self._reselect(cs)
+        self._finish(cs)
+
+    # -- public: objects ----------------------------------------------------------------
+
+    def upsert(self, obj: Mapping[str, Any]) -> ChangeSet:
+        """Add or replace one object: a Pod, any owner, a workload, or a description."""
+        cs = ChangeSet()
+        self._upsert(obj, cs)
+        self._finish(cs)
+        return cs
+
+    def delete(self, obj: Mapping[str, Any]) -> ChangeSet:
+        """Forget one object (``apiVersion``, ``kind``, ``metadata.uid`` are enough)."""
+        cs = ChangeSet()
+        self._delete(obj, cs)
+        self._finish(cs)
+        return cs
+
+    def upsert_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
+        """Many upserts, one change set; workload facts are computed once at the end."""
+        cs = ChangeSet()
+        for obj in objs:
+            self._upsert(obj, cs)
+        self._finish(cs)
+        return cs
+
+    def delete_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
+        cs = ChangeSet()
+        for obj in objs:
+            self._delete(obj, cs)
+        self._finish(cs)
+        return cs
+
+    # -- public: descriptions -----------------------------------------------------------
+
+    def add_descriptions(
+        self,
+        descs: Iterable[Description],
+        *,
+        source: str = "files",
+        errors: Iterable[DescriptionError] = (),
+    ) -> ChangeSet:
+        """Set the descriptions of one source (replacing what it gave before).
+
+        ``errors`` are that source's load errors (e.g. from ``load_description_paths``),
+        kept in ``description_errors`` so they are reported with the rest.
+        """
+        cs = ChangeSet()
+        self._sources[source] = list(descs)
+        self._source_errors[source] = list(errors)
+        self._reselect(cs)
+        self._finish(cs)
+        return cs
+
+    def remove_descriptions(self, source: str) -> ChangeSet:
+        cs = ChangeSet()
+        self._sources.pop(source, None)
+        self._source_errors.pop(source, None)
+        self._reselect(cs)
+        self._finish(cs)
+        return cs
+
+    # -- public: answers ----------------------------------------------------------------
+
+    def pod(self, uid: str) -> PodAttribution | None:
+        rec = self._pods.get(uid)
+        return rec.att if rec is not None else None
+
+    def pods(self) -> Iterable[PodAttribution]:
+        return [rec.att for rec in self._pods.values() if rec.att is not None]
+
+    def workloads(self) -> Iterable[WorkloadFacts]:
+        return [wl.facts for wl in self._wl.values() if wl.facts is not None]
+
+    def workload(self, uid: str) -> WorkloadFacts | None:
+        wl = self._wl.get(uid)
+        return wl.facts if wl is not None else None
+
+    def descriptions(self) -> dict[GroupKind, Description]:
+        """The description in force for each described kind."""
+        return {gk: plan.desc for gk, plan in self._plans.items()}
+
+    def required_kinds(self) -> dict[GroupKind, str]:
+        """Kinds a source must deliver: ``full`` objects, or ``metadata`` only.
+
+        ``full``: described kinds (status, scale and instance ids are read from them) and
+        Pod. ``metadata``: kinds seen as controller owners on chains, component kinds and
+        ``additionalChildKinds`` of the descriptions in force (owner walks pass them).
+        """
+        return dict(self._required)
+
+    # -- objects ------------------------------------------------------------------------
+
+    def _invalid(self, why: str, obj: Any) -> None:
+        self.stats[STAT_INVALID_OBJECT] += 1
+        ident = ""
+        if isinstance(obj, Mapping):
+            md = obj.get("metadata")
+            ident = f"{obj.get('kind')!s} {md.get('namespace') if isinstance(md, Mapping) else ''}"
+            ident += f"/{md.get('name') if isinstance(md, Mapping) else ''}"
+        log.warning("karta engine: ignored object %s: %s", ident, why)
+
+    def _upsert(self, obj: Mapping[str, Any], cs: ChangeSet) -> None:
+        if not isinstance(obj, Mapping):
+            self._invalid("not a mapping", obj)
+            return
+        kind, api, md = obj.get("kind"), obj.get("apiVersion"), obj.get("metadata")
+        if not isinstance(kind, str) or not isinstance(api, str) or not isinstance(md, Mapping):
+            self._invalid("apiVersion, kind and metadata are required", obj)
+            return
+        if kind in _DESCRIPTION_KINDS:
+            from proxy.karta.description import is_description_object
+
+            if is_description_object(obj):
+                self._upsert_description(obj, md, cs)
+                return
+        uid = md.get("uid")
+        if not isinstance(uid, str) or not uid:
+            self._invalid("metadata.uid is required", obj)
+            return
+        if kind == "Pod" and api == "v1":
+            self._upsert_pod(obj, md, uid, cs)
+        else:
+            self._upsert_object(obj, md, uid, group_kind(api, kind), cs)
+
+    def _delete(self, obj: Mapping[str, Any], cs: ChangeSet) -> None:
+        if not isinstance(obj, Mapping):
+            self._invalid("not a mapping", obj)
+            return
+        kind, md = obj.get("kind"), obj.get("metadata")
+        if not isinstance(md, Mapping):
+            self._invalid("metadata is required", obj)
+            return
+        if kind in _DESCRIPTION_KINDS:
+            from proxy.karta.description import is_description_object
+
+            if is_description_object(obj):
+                self._delete_description(md, cs)
+                return
+        uid = md.get("uid")
+        if not isinstance(uid, str) or not uid:
+            self._invalid("metadata.uid is required", obj)
+            return
+        if uid in self._pods:
+            self._delete_pod(uid, cs)
+        elif uid in self._graph.objects:
+            self._delete_object(uid, cs)
+
+    def _upsert_pod(
+        self, obj: Mapping[str, Any], md: Mapping[str, Any], uid: str, cs: ChangeSet
+    ) -> None:
+        ns, name = md.get("namespace") or "", md.get("name") or ""
+        labels, ann, refs = md.get("labels"), md.get("annotations"), md.get("ownerReferences")
+        rec = self._pods.get(uid)
+        new = rec is None
+        if rec is None:
+            rec = self._pods[uid] = _PodRec(uid)
+        elif (
+            rec.owner_refs == refs
+            and rec.labels == labels
+            and rec.annotations == ann
+            and rec.name == name
+            and rec.namespace == ns
+        ):
+            if rec.owner is None:  # a bare pod is its own workload: its status matters
+                rec.obj, rec.cache = _trim(obj), None
+                if rec.wl:
+                    self._dirty.add(rec.wl)
+            return  # nothing a selector or a walk reads has changed
+        rec.namespace, rec.name = str(ns), str(name)
+        rec.labels, rec.annotations = labels, ann
+        owner_changed = new or rec.owner_refs != refs
+        rec.owner_refs = refs
+        if owner_changed:
+            owner = controller_ref(refs)
+            if rec.owner is not None and not rec.owner.same(owner):
+                self._graph.unlink(uid, rec.owner)
+                rec.owner = None
+            if owner is not None and rec.owner is None:
+                rec.owner = self._graph.link(uid, owner)
+        if rec.owner is None:
+            self._bare.add(uid)
+            rec.obj, rec.cache = _trim(obj), None
+        else:
+            self._bare.discard(uid)
+            rec.obj = rec.cache = None
+        self._attribute_pod(rec, cs)
+        if owner_changed:  # pods can own objects (LWS leader pod -> worker StatefulSet)
+            self._reattribute(self._graph.descendants(uid), cs)
+
+    def _delete_pod(self, uid: str, cs: ChangeSet) -> None:
+        rec = self._pods.pop(uid)
+        if rec.owner is not None:
+            self._graph.unlink(uid, rec.owner)
+        self._bare.discard(uid)
+        self._leave(rec)
+        cs.pods[uid] = None
+        self._reattribute(self._graph.descendants(uid), cs)
+
+    def _upsert_object(
+        self,
+        obj: Mapping[str, Any],
+        md: Mapping[str, Any],
+        uid: str,
+        gk: GroupKind,
+        cs: ChangeSet,
+    ) -> None:
+        plan = self._plans.get(gk)
+        rec = ObjectRecord(
+            uid,
+            gk,
+            str(md.get("namespace") or ""),
+            str(md.get("name") or ""),
+            controller_ref(md.get("ownerReferences")),
+            _trim(obj) if plan is not None else None,
+        )
+        old = self._graph.put(rec)
+        if old is not None:
+            rec.member = old.member
+        if (
+            old is None
+            or old.gk != gk
+            or old.owner is not rec.owner
+            or old.name != rec.name
+            or old.namespace != rec.namespace
+        ):
+            self._reattribute([uid, *self._graph.descendants(uid)], cs)
+            return
+        # same place in the graph: only what is derived from the object itself can change
+        wl = self._wl.get(uid)
+        if wl is None:
+            return
+        self._dirty.add(uid)
+        before = old.cache[1] if old.cache is not None and old.cache[0] is wl.plan else None
+        after = self._eval(uid, wl.plan)
+        if before is not None and (after is None or not after.same_ids(before)):
+            self._reattribute(self._graph.descendants(uid), cs)
+
+    def _delete_object(self, uid: str, cs: ChangeSet) -> None:
+        old = self._graph.remove(uid)
+        if old is None:
+            return
+        if old.member:
+            wl = self._wl.get(old.member)
+            if wl is not None:
+                wl.objs.discard(uid)
+                self._dirty.add(old.member)
+        if uid in self._wl:
+            self._dirty.add(uid)
+        self._reattribute(self._graph.descendants(uid), cs)
+
+    # -- attribution --------------------------------------------------------------------
+
+    def _reattribute(self, uids: Iterable[str], cs: ChangeSet) -> None:
+        for uid in uids:
+            prec = self._pods.get(uid)
+            if prec is not None:
+                self._attribute_pod(prec, cs)
+                continue
+            orec = self._graph.objects.get(uid)
+            if orec is not None:
+                self._attribute_object(orec)
+
+    def _is_errored(self, gk: GroupKind) -> bool:
+        return gk in self._errored
+
+    def _workload_ref(self, top: WalkResult[_Plan], namespace: str) -> WorkloadRef:
+        """The workload's identity; shared by its pods (one object, not one per pod)."""
+        if top.obj is not None:
+            o = top.obj
+            fields = (o.namespace, o.gk.group, o.gk.kind, o.name, o.uid)
+        elif top.ref is not None:
+            r = top.ref
+            # known only from a reference: owners live in the namespace of their dependents
+            fields = (namespace, r.gk.group, r.gk.kind, r.name, r.uid)
+        else:  # a bare pod, its own workload
+            p = self._pods[top.uid]
+            fields = (p.namespace, "", "Pod", p.name, p.uid)
+        wl = self._wl.get(top.uid)
+        if wl is not None:
+            w = wl.ref
+            if (w.namespace, w.group, w.kind, w.name, w.uid) == fields:
+                return w
+        return WorkloadRef(*fields)
+
+    def _attribute_pod(self, rec: _PodRec, cs: ChangeSet) -> None:
+        if rec.owner is None:
+            plan = self._plans.get(POD)
+            if plan is None:
+                top: WalkResult[_Plan] = WalkResult(None, "", None, None,
+                                                    REASON_NO_CONTROLLER_OWNER)
+            else:
+                top = WalkResult(plan, rec.uid, None, None, "")
+        else:
+            top = self._graph.walk(rec.owner, self._walk_plans.get, self._is_errored)
+        plan = top.described
+        if plan is None:
+            att = PodAttribution(rec.namespace, rec.name, rec.uid, reason=top.reason)
+            if rec.wl:
+                self._leave(rec)
+        else:
+            wref = self._workload_ref(top, rec.namespace)
+            wl_uid = top.uid
+            comp, inst, replica = self._place(plan, rec, wl_uid)
+            att = PodAttribution(
+                rec.namespace, rec.name, rec.uid, wref, comp, inst, replica, plan.desc.name
+            )
+            key = (comp, inst)
+            if wl_uid != rec.wl or key != rec.key:
+                self._leave(rec)
+                wl = self._join(wl_uid, wref, plan)
+                wl.counts[key] = wl.counts.get(key, 0) + 1
+                rec.wl, rec.key = wl_uid, key
+            else:
+                self._join(wl_uid, wref, plan)
+        if att != rec.att:
+            rec.att = att
+            cs.pods[rec.uid] = att
+
+    def _leave(self, rec: _PodRec) -> None:
+        if not rec.wl:
+            return
+        wl = self._wl.get(rec.wl)
+        if wl is not None:
+            n = wl.counts.get(rec.key, 0) - 1
+            if n > 0:
+                wl.counts[rec.key] = n
+            else:
+                wl.counts.pop(rec.key, None)
+            self._dirty.add(rec.wl)
+        rec.wl, rec.key = "", ("", "")
+
+    def _join(self, uid: str, ref: WorkloadRef, plan: _Plan) -> _Workload:
+        wl = self._wl.get(uid)
+        if wl is None:
+            wl = self._wl[uid] = _Workload(uid, ref, plan)
+            self._dirty.add(uid)
+        elif wl.ref is not ref or wl.plan is not plan:
+            wl.ref, wl.plan = ref, plan
+            self._dirty.add(uid)
+        return wl
+
+    def _attribute_object(self, rec: ObjectRecord) -> None:
+        """A described object belongs to its topmost described owner (often itself)."""
+        plan = self._plans.get(rec.gk)
+        new = ""
+        if plan is None:
+            rec.obj = None  # no longer described: nothing to evaluate on it
+        else:
+            top = self._graph.walk(
+                rec.owner, self._walk_plans.get, self._is_errored,
+                WalkResult(plan, rec.uid, rec, None, ""),
+            )
+            assert top.described is not None
+            new = top.uid
+            self._join(new, self._workload_ref(top, rec.namespace), top.described)
+            self._wl[new].objs.add(rec.uid)
+            self._dirty.add(new)
+        if rec.member and rec.member != new:
+            wl = self._wl.get(rec.member)
+            if wl is not None:
+                wl.objs.discard(rec.uid)
+                self._dirty.add(rec.member)
+        rec.member = new
+
+    def _place(self, plan: _Plan, pod: _PodRec, wl_uid: str) -> tuple[str, str, str]:
+        """(component, instance, replica) of a pod in a workload of ``plan``."""
+        cp = None
+        if plan.single:
+            cp = plan.pod_comps[0]
+        else:
+            for c in plan.selective:
+                try:
+                    ok = c.accepts(pod)
+                except JqError:
+                    self.stats[STAT_SELECTOR_ERROR] += 1
+                    ok = False
+                if ok:
+                    if cp is not None:  # selectors must be exclusive: the first one wins
+                        self.stats[STAT_AMBIGUOUS_COMPONENT] += 1
+                        break
+                    cp = c
+            if cp is None:
+                cp = plan.fallback
+        if cp is None:
+            return "", "", ""
+        inst = ""
+        if cp.inst is not None:
+            try:
+                iid = _single_id(cp.inst.outputs(pod))
+            except JqError:
+                self.stats[STAT_SELECTOR_ERROR] += 1
+                iid = None
+            if iid is not None and cp.check_ids:
+                ev = self._eval(wl_uid, plan)
+                ids = ev.ids.get(cp.name) if ev is not None else None
+                if ids is not None and iid not in ids:
+                    self.stats[STAT_INSTANCE_NOT_LISTED] += 1
+                    iid = None
+            inst = iid or ""
+        replica = ""
+        if cp.replica is not None:
+            try:
+                replica = _single_id(cp.replica.outputs(pod)) or ""
+            except JqError:
+                self.stats[STAT_SELECTOR_ERROR] += 1
+        return cp.name, inst, replica
+
+    # -- workload facts -----------------------------------------------------------------
+
+    def _eval(self, uid: str, plan: _Plan) -> _Eval | None:
+        """Derived facts of the workload object, cached per object version and plan."""
+        holder: ObjectRecord | _PodRec | None = self._graph.objects.get(uid)
+        if holder is None:
+            holder = self._pods.get(uid)
+        if holder is None or holder.obj is None:
+            return None
+        c = holder.cache
+        if c is not None and c[0] is plan:
+            ev: _Eval = c[1]
+            return ev
+        ev = _evaluate(plan, holder.obj, self.stats)
+        holder.cache = (plan, ev)
+        return ev
+
+    def _facts(self, wl: _Workload) -> WorkloadFacts:
+        plan = wl.plan
+        ev = self._eval(wl.uid, plan)
+        statuses: tuple[str, ...]
+        if ev is None:
+            phase, statuses, reason = UNDEFINED, (UNDEFINED,), PHASE_REASON_OBJECT_MISSING
+        else:
+            phase, statuses, reason = ev.phase, ev.statuses, ev.reason
+        if phase != wl.phase:
+            wl.phase, wl.since = phase, self._clock()
+        return WorkloadFacts(
+            wl.ref,
+            plan.desc.name,
+            plan.desc.builtin,
+            phase,
+            statuses,
+            reason,
+            wl.since,
+            self._replica_facts(plan, ev, wl.counts),
+        )
+
+    @staticmethod
+    def _replica_facts(
+        plan: _Plan, ev: _Eval | None, counts: Mapping[tuple[str, str], int]
+    ) -> tuple[ReplicaFact, ...]:
+        rows: list[ReplicaFact] = []
+        covered: set[tuple[str, str]] = set()
+        for fc in plan.fact_comps:
+            scale = ev.scale.get(fc.name) if ev is not None else None
+            want, lo, hi = scale if scale is not None else ([], [], [])
+            ids = ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None
+            if ids is None and fc.ids_path is not None:
+                # instance ids unknown (object not seen, or the path failed): the
+                # instances the pods name, without desired counts
+                ids = tuple(sorted({i for (c, i) in counts if c in fc.subtree}))
+                want = lo = hi = []
+            if ids is None:
+                seen = sum(n for (c, _), n in counts.items() if c in fc.subtree)
+                rows.append(ReplicaFact(fc.name, "", _total(want), _total(lo), _total(hi), seen))
+                covered.add((fc.name, ""))
+                continue
+            for i, iid in enumerate(ids):
+                seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
+                rows.append(ReplicaFact(fc.name, iid, _at(want, i), _at(lo, i), _at(hi, i), seen))
+                covered.add((fc.name, iid))
+        for key in sorted(counts):
+            if key not in covered:
+                rows.append(ReplicaFact(key[0], key[1], None, None, None, counts[key]))
+        return tuple(rows)
+
+    def _finish(self, cs: ChangeSet) -> None:
+        """Settle the workloads touched by this call, and the required kinds."""
+        dirty, self._dirty = self._dirty, set()
+        for uid in dirty:
+            wl = self._wl.get(uid)
+            if wl is None:
+                continue
+            if not wl.counts and not wl.objs:
+                del self._wl[uid]
+                if wl.facts is not None:
+                    cs.workloads[uid] = None
+                continue
+            facts = self._facts(wl)
+            if facts != wl.facts:
+                wl.facts = facts
+                cs.workloads[uid] = facts
+        if self._kinds_touched or self._graph.kinds_touched:
+            self._kinds_touched = self._graph.kinds_touched = False
+            required = self._compute_required()
+            if required != self._required:
+                self._required = required
+                cs.kinds_changed = True
+
+    def _compute_required(self) -> dict[GroupKind, str]:
+        req: dict[GroupKind, str] = {gk: "metadata" for gk in self._graph.owner_kinds}
+        for plan in self._plans.values():
+            for c in plan.desc.children:
+                if c.kind is not None:
+                    req[c.kind.group_kind] = "metadata"
+            for g in plan.desc.additional_child_kinds:
+                req[g.group_kind] = "metadata"
+        for gk in self._plans:
+            req[gk] = "full"
+        req[POD] = "full"
+        return req
+
+    # -- descriptions -------------------------------------------------------------------
+
+    def _upsert_description(
+        self, obj: Mapping[str, Any], md: Mapping[str, Any], cs: ChangeSet
+    ) -> None:
+        from proxy.karta.description import DescriptionError, parse_description
+
+        source = f"api:{md.get('name') or md.get('uid') or ''}"
+        spec = obj.get("spec")
+        if source in self._api_specs and self._api_specs[source] == spec:
+            return  # a resync of an unchanged description: nothing to redo
+        self._api_specs[source] = spec
+        try:
+            desc = parse_description(obj, source)
+        except DescriptionError as exc:
+            self._sources.pop(source, None)
+            self._api_errors[source] = exc
+            gk = _raw_kind(obj)
+            if gk is not None:
+                self._errored_by_source[source] = gk
+            log.warning("karta engine: description %s skipped: %s", source, exc)
+        else:
+            self._sources[source] = [desc]
+            self._api_errors.pop(source, None)
+            self._errored_by_source.pop(source, None)
+        self._reselect(cs)
+
+    def _delete_description(self, md: Mapping[str, Any], cs: ChangeSet) -> None:
+        source = f"api:{md.get('name') or md.get('uid') or ''}"
+        self._api_specs.pop(source, None)
+        self._sources.pop(source, None)
+        self._api_errors.pop(source, None)
+        self._errored_by_source.pop(source, None)
+        self._reselect(cs)
+
+    def _reselect(self, cs: ChangeSet) -> None:
+        """Pick the description in force per kind; re-attribute what a change touches."""
+        from proxy.karta.description import select_descriptions
+
+        ordered = list(self._sources.get("builtin", ()))
+        for src, descs in self._sources.items():
+            if src != "builtin":
+                ordered.extend(descs)
+        winners, errors = select_descriptions(ordered)
+        self._selection_errors = list(errors)
+        self.description_errors = [
+            *(e for errs in self._source_errors.values() for e in errs),
+            *self._api_errors.values(),
+            *self._selection_errors,
+        ]
+        old = self._plans
+        new: dict[GroupKind, _Plan] = {}
+        for gk, desc in winners.items():
+            prev = old.get(gk)
+            new[gk] = prev if prev is not None and prev.desc is desc else _Plan(desc)
+        changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
+        errored = frozenset(self._errored_by_source.values()) - new.keys()
+        changed |= errored ^ self._errored
+        self._errored = errored
+        self._plans = new
+        self._walk_plans = {gk: p for gk, p in new.items() if gk != POD}
+        if not changed:
+            return
+        self._kinds_touched = True
+        affected: dict[str, None] = {}
+        for uid, rec in self._graph.objects.items():
+            if rec.gk in changed:
+                affected[uid] = None
+                affected.update(dict.fromkeys(self._graph.descendants(uid)))
+        for uid, gk in list(self._graph.referenced()):
+            if gk in changed and uid not in self._graph.objects:
+                affected.update(dict.fromkeys(self._graph.descendants(uid)))
+        if POD in changed:
+            affected.update(dict.fromkeys(self._bare))
+        self._reattribute(list(affected), cs)

@@ -1,0 +1,294 @@
+"""The owner graph: which object controls which, kept for upward walks and downward fan-out.
+
+Objects arrive in any order (a pod before its ReplicaSet, a ReplicaSet before its
+Deployment). The graph therefore records every controller reference as an edge even while
+the owner is absent: the reverse map (owner uid -> dependents) is both the owner "cache,
+misses included" of upstream and the list of exactly the pods and objects to re-attribute
+when that owner appears, changes owner or goes away. Nothing here knows about
+descriptions; the walk asks a callback whether a kind is described.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+from proxy.karta.model import GroupKind
+
+T = TypeVar("T")
+
+#: Unattributed reasons (snake_case; they become label values of the proxy's own metrics).
+REASON_NO_CONTROLLER_OWNER = "no_controller_owner"
+REASON_NO_DESCRIBED_OWNER = "no_described_owner"
+REASON_OWNER_MISSING = "owner_missing"
+REASON_HOP_LIMIT = "hop_limit"
+REASON_DESCRIPTION_ERROR = "description_error"
+
+POD = GroupKind("", "Pod")
+
+_GK_CACHE: dict[tuple[str, str], GroupKind] = {}
+
+
+def group_kind(api_version: str, kind: str) -> GroupKind:
+    """Interned GroupKind: every pod of a ReplicaSet shares one object, not a copy each."""
+    key = (api_version, kind)
+    gk = _GK_CACHE.get(key)
+    if gk is None:
+        if len(_GK_CACHE) > 10_000:  # hostile input must not grow this without bound
+            _GK_CACHE.clear()
+        gk = _GK_CACHE[key] = GroupKind.from_api_version(api_version, kind)
+    return gk
+
+
+class OwnerRef:
+    """A ``controller: true`` ownerReference: enough to name an owner that was never seen."""
+
+    __slots__ = ("api_version", "gk", "name", "uid")
+
+    def __init__(self, uid: str, gk: GroupKind, name: str, api_version: str) -> None:
+        self.uid = uid
+        self.gk = gk
+        self.name = name
+        self.api_version = api_version
+
+    def same(self, other: OwnerRef | None) -> bool:
+        return (
+            other is not None
+            and other.uid == self.uid
+            and other.gk == self.gk
+            and other.name == self.name
+        )
+
+    def __repr__(self) -> str:
+        return f"OwnerRef({self.gk}/{self.name} uid={self.uid})"
+
+
+def controller_ref(refs: Any) -> OwnerRef | None:
+    """The controller reference of an ownerReferences list; malformed entries are skipped."""
+    if not isinstance(refs, list):
+        return None
+    for ref in refs:
+        if not isinstance(ref, Mapping) or ref.get("controller") is not True:
+            continue
+        uid, kind, api_version = ref.get("uid"), ref.get("kind"), ref.get("apiVersion")
+        if isinstance(uid, str) and uid and isinstance(kind, str) and isinstance(api_version, str):
+            name = ref.get("name")
+            return OwnerRef(
+                uid, group_kind(api_version, kind), name if isinstance(name, str) else "",
+                api_version,
+            )
+    return None
+
+
+class ObjectRecord:
+    """A non-pod object as the engine keeps it.
+
+    ``obj`` is the (trimmed) object only for described kinds, whose status, scale and
+    instance ids are evaluated; owners of other kinds keep identity and owner only.
+    ``cache`` holds whatever the engine derived from ``obj`` (reset on every change).
+    """
+
+    __slots__ = ("cache", "gk", "member", "name", "namespace", "obj", "owner", "uid")
+
+    def __init__(
+        self,
+        uid: str,
+        gk: GroupKind,
+        namespace: str,
+        name: str,
+        owner: OwnerRef | None,
+        obj: Mapping[str, Any] | None,
+    ) -> None:
+        self.uid = uid
+        self.gk = gk
+        self.namespace = namespace
+        self.name = name
+        self.owner = owner
+        self.obj = obj
+        self.cache: Any = None
+        #: uid of the workload this described object belongs to ("" when none)
+        self.member = ""
+
+
+class _Dependents:
+    __slots__ = ("ref", "uids")
+
+    def __init__(self, ref: OwnerRef) -> None:
+        self.ref = ref
+        self.uids: set[str] = set()
+
+
+class WalkResult(Generic[T]):
+    """The topmost described element reached, or the reason none was."""
+
+    __slots__ = ("described", "obj", "reason", "ref", "uid")
+
+    def __init__(
+        self,
+        described: T | None,
+        uid: str,
+        obj: ObjectRecord | None,
+        ref: OwnerRef | None,
+        reason: str,
+    ) -> None:
+        self.described = described
+        self.uid = uid
+        self.obj = obj
+        self.ref = ref
+        self.reason = reason
+
+
+class OwnerGraph:
+    """Objects by uid, controller edges both ways, and the bounded upward walk."""
+
+    def __init__(self, max_hops: int, pods: Mapping[str, Any]) -> None:
+        self.max_hops = max_hops
+        self.objects: dict[str, ObjectRecord] = {}
+        #: pods can own objects too (a LeaderWorkerSet leader pod owns its workers'
+        #: StatefulSet); records with an ``owner`` attribute, walked as kind Pod
+        self._pods = pods
+        self._dependents: dict[str, _Dependents] = {}
+        #: kind -> number of live edges pointing at an owner of that kind
+        self.owner_kinds: Counter[GroupKind] = Counter()
+        #: set when a kind first appears on, or last disappears from, the edges
+        self.kinds_touched = False
+
+    # -- edges ----------------------------------------------------------------------------
+
+    def link(self, child_uid: str, ref: OwnerRef) -> OwnerRef:
+        """Record ``child -> ref``; returns the shared OwnerRef to keep (one per owner)."""
+        dep = self._dependents.get(ref.uid)
+        if dep is None:
+            dep = self._dependents[ref.uid] = _Dependents(ref)
+            self._count_kind(ref.gk, +1)
+        elif not dep.ref.same(ref):
+            # children disagree about the owner's kind or name: keep the newest
+            self._count_kind(dep.ref.gk, -1)
+            self._count_kind(ref.gk, +1)
+            dep.ref = ref
+        dep.uids.add(child_uid)
+        return dep.ref
+
+    def unlink(self, child_uid: str, ref: OwnerRef) -> None:
+        dep = self._dependents.get(ref.uid)
+        if dep is None:
+            return
+        dep.uids.discard(child_uid)
+        if not dep.uids:
+            del self._dependents[ref.uid]
+            self._count_kind(dep.ref.gk, -1)
+
+    def _count_kind(self, gk: GroupKind, delta: int) -> None:
+        n = self.owner_kinds[gk] + delta
+        if n <= 0:
+            del self.owner_kinds[gk]
+            self.kinds_touched = True
+        else:
+            self.owner_kinds[gk] = n
+            if n == 1 and delta > 0:
+                self.kinds_touched = True
+
+    def referenced(self) -> Iterator[tuple[str, GroupKind]]:
+        """(uid, kind) of every owner some child points at, present or not."""
+        for uid, dep in self._dependents.items():
+            yield uid, dep.ref.gk
+
+    def dependents(self, uid: str) -> set[str]:
+        dep = self._dependents.get(uid)
+        return dep.uids if dep is not None else set()
+
+    def descendants(self, uid: str) -> list[str]:
+        """Every pod and object below ``uid`` (cycles tolerated), nearest first."""
+        out: list[str] = []
+        seen = {uid}
+        stack = [uid]
+        while stack:
+            dep = self._dependents.get(stack.pop())
+            if dep is None:
+                continue
+            for child in dep.uids:
+                if child not in seen:
+                    seen.add(child)
+                    out.append(child)
+                    stack.append(child)
+        return out
+
+    # -- objects --------------------------------------------------------------------------
+
+    def put(self, rec: ObjectRecord) -> ObjectRecord | None:
+        """Store ``rec``; returns the record it replaced. Keeps the edge to its owner."""
+        old = self.objects.get(rec.uid)
+        old_owner = old.owner if old is not None else None
+        if old_owner is not None and rec.owner is not None and old_owner.same(rec.owner):
+            rec.owner = old_owner  # same edge: keep the shared reference
+        else:
+            if old_owner is not None:
+                self.unlink(rec.uid, old_owner)
+            if rec.owner is not None:
+                rec.owner = self.link(rec.uid, rec.owner)
+        self.objects[rec.uid] = rec
+        return old
+
+    def remove(self, uid: str) -> ObjectRecord | None:
+        old = self.objects.pop(uid, None)
+        if old is not None and old.owner is not None:
+            self.unlink(uid, old.owner)
+        return old
+
+    # -- the walk -------------------------------------------------------------------------
+
+    def walk(
+        self,
+        start: OwnerRef | None,
+        described: Callable[[GroupKind], T | None],
+        errored: Callable[[GroupKind], bool],
+        top: WalkResult[T] | None = None,
+    ) -> WalkResult[T]:
+        """Follow controller references up from ``start``; the highest described one wins.
+
+        ``top`` is what the caller already holds (a described object walking from itself).
+        An absent owner ends the walk; if its kind is described (known from the
+        reference), it is the workload, identified by the reference alone.
+        """
+        ref = start
+        hops = 0
+        missing = limit = bad = False
+        while ref is not None:
+            if hops >= self.max_hops:
+                limit = True
+                break
+            hops += 1
+            pod = None
+            up: OwnerRef | None = None
+            rec = self.objects.get(ref.uid)
+            if rec is not None:
+                gk = rec.gk
+                up = rec.owner
+            else:
+                pod = self._pods.get(ref.uid)
+                if pod is None:
+                    gk = ref.gk
+                else:
+                    gk = POD
+                    up = pod.owner
+            d = described(gk)
+            if d is not None:
+                top = WalkResult(d, ref.uid, rec, ref, "")
+            elif errored(gk):
+                bad = True
+            if rec is None and pod is None:
+                missing = True
+                break
+            ref = up
+        if top is not None:
+            return top
+        if bad:
+            reason = REASON_DESCRIPTION_ERROR
+        elif limit:
+            reason = REASON_HOP_LIMIT
+        elif missing:
+            reason = REASON_OWNER_MISSING
+        else:
+            reason = REASON_NO_DESCRIBED_OWNER
+        return WalkResult(None, "", None, None, reason)
