@@ -77,6 +77,7 @@ class KubeSource:
         metrics_registry: CollectorRegistry | None = None,
         client: KubeClient | None = None,
         watch_timeout: int | None = None,
+        recheck_interval: float = 30.0,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -85,6 +86,7 @@ class KubeSource:
         self._client = client
         self._own_client = client is None
         self._watch_timeout = watch_timeout
+        self._recheck_interval = recheck_interval
         self.metrics = WatchMetrics(self.registry)
         self._last_current = Gauge(
             "karta_proxy_watch_last_current_timestamp_seconds",
@@ -122,7 +124,7 @@ class KubeSource:
         inside, so this waits until the cluster answered."""
         if self._client is None:
             self._client = await KubeClient.connect(self.settings)
-        self.discovery = Discovery(self._client)
+        self.discovery = Discovery(self._client, refresh_interval=self._recheck_interval)
         # descriptions first: they decide which kinds the engine needs
         if self.settings.watch_descriptions:
             await self._reconcile(self._desired(descriptions_only=True))
@@ -275,7 +277,7 @@ class KubeSource:
         assert self.discovery is not None
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kinds_changed.wait(), timeout=30.0)
+                await asyncio.wait_for(self._kinds_changed.wait(), self._recheck_interval)
             self._kinds_changed.clear()
             want = self._desired()
             try:
@@ -301,26 +303,42 @@ class KubeSource:
         self._apply(watcher, events)
 
     def _apply(self, watcher: ResourceWatcher, events: Iterable[WatchEvent]) -> None:
+        """Feed a slice of events to the engine; apply the merged change set once."""
         changes = ChangeSet()
         is_pod = watcher.resource.group_kind == POD and not watcher.metadata_only
+        run: list[dict[str, Any]] = []
+        run_deletes = False
         for etype, obj in events:
+            deleting = etype == "DELETED"
+            if run and deleting != run_deletes:
+                self._feed(run, run_deletes, changes)
+                run = []
+            run_deletes = deleting
+            run.append(slim_pod(obj) if is_pod and not deleting else obj)
+        if run:
+            self._feed(run, run_deletes, changes)
+        if changes:
+            self.index.apply(changes)
+            if changes.kinds_changed:
+                self._kinds_changed.set()
+
+    def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:
+        many = getattr(self.engine, "delete_many" if deletes else "upsert_many", None)
+        if many is not None:
             try:
-                if etype == "DELETED":
-                    c = self.engine.delete(obj)
-                else:
-                    c = self.engine.upsert(slim_pod(obj) if is_pod else obj)
+                changes.merge(many(objs))
+                return
+            except Exception:  # find the culprit one by one below
+                log.exception("engine failed on a batch; retrying object by object")
+        one = self.engine.delete if deletes else self.engine.upsert
+        for obj in objs:
+            try:
+                changes.merge(one(obj))
             except Exception:
                 self.object_errors += 1
                 md = obj.get("metadata") or {}
                 log.exception("engine failed on %s %s/%s", obj.get("kind"),
                               md.get("namespace", ""), md.get("name"))
-                continue
-            if c:
-                changes.merge(c)
-        if changes:
-            self.index.apply(changes)
-            if changes.kinds_changed:
-                self._kinds_changed.set()
 
     def current(self, watcher: ResourceWatcher) -> None:
         now = time.time()

@@ -1,0 +1,278 @@
+"""KubeSource end to end: simulator -> kubernetes-asyncio -> watchers -> engine -> index."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.kube.conftest import (
+    SourceFactory,
+    deployment,
+    eventually,
+    labels,
+    owner,
+    pod,
+)
+from tests.kubesim import KubeSim
+from tests.kubesim.resources import JOB_SET
+
+# The project's own small RayJob description: pods sit under a RayCluster the RayJob owns.
+RAYJOB_KARTA = {
+    "apiVersion": "run.ai/v1alpha1",
+    "kind": "Karta",
+    "metadata": {"name": "test-rayjob"},
+    "spec": {"structureDefinition": {
+        "rootComponent": {
+            "name": "rayjob",
+            "kind": {"group": "ray.io", "version": "v1", "kind": "RayJob"},
+            "statusDefinition": {
+                "phaseDefinition": {"path": ".status.jobStatus"},
+                "statusMappings": {"running": [{"byPhase": "RUNNING"}]},
+            },
+        },
+        "additionalChildKinds": [{"group": "ray.io", "version": "v1", "kind": "RayCluster"}],
+        "childComponents": [
+            {"name": "head", "ownerRef": "rayjob",
+             "kind": {"group": "", "version": "v1", "kind": "Pod"},
+             "specDefinition": {"podTemplateSpecPath": ".spec.rayClusterSpec.headGroupSpec"
+                                                       ".template"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": '.metadata.labels["ray.io/node-type"]', "value": "head"}}},
+            {"name": "worker", "ownerRef": "rayjob",
+             "kind": {"group": "", "version": "v1", "kind": "Pod"},
+             "specDefinition": {"podTemplateSpecPath": ".spec.rayClusterSpec"
+                                                       ".workerGroupSpecs[]?.template"},
+             "instanceIdPath": ".spec.rayClusterSpec.workerGroupSpecs[]?.groupName",
+             "podSelector": {
+                 "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
+                                           "value": "worker"},
+                 "componentInstanceSelector": {"idPath": '.metadata.labels["ray.io/group"]'}}},
+        ],
+    }},
+}
+
+
+def rayjob(sim: KubeSim, name: str = "train", ns: str = "ml") -> list[str]:
+    """A RayJob, the RayCluster it creates, a head and two workers; returns pod names."""
+    job = sim.create({
+        "apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": name, "namespace": ns},
+        "spec": {"rayClusterSpec": {"headGroupSpec": {"template": {}},
+                                    "workerGroupSpecs": [{"groupName": "gpu", "template": {}}]}},
+        "status": {"jobStatus": "RUNNING"},
+    })
+    cluster = sim.create({
+        "apiVersion": "ray.io/v1", "kind": "RayCluster",
+        "metadata": {"name": f"{name}-rc", "namespace": ns, "ownerReferences": owner(job)},
+    })
+    names = [f"{name}-head", f"{name}-gpu-0", f"{name}-gpu-1"]
+    sim.create(pod(names[0], ns, owner_obj=cluster, labels={"ray.io/node-type": "head"}))
+    for n in names[1:]:
+        sim.create(pod(n, ns, owner_obj=cluster,
+                       labels={"ray.io/node-type": "worker", "ray.io/group": "gpu"}))
+    return names
+
+
+async def test_initial_list_fills_index_and_metrics(sim: KubeSim,
+                                                    make_source: SourceFactory) -> None:
+    deployment(sim, "web", replicas=3)
+    source = await make_source()
+    assert source.index.ready and not source.index.stale
+    got = labels(source, "default", "web-1-0")
+    assert got is not None
+    assert got["karta_workload"] == "web" and got["karta_kind"] == "Deployment"
+    assert got["karta_namespace"] == "default"
+    assert time.time() - source.index.freshness["pods"] < 5
+    reg = source.registry
+    assert reg.get_sample_value("karta_proxy_index_pods") == 3
+    assert reg.get_sample_value("karta_proxy_index_stale") == 0
+    assert reg.get_sample_value("karta_proxy_watch_last_current_timestamp_seconds",
+                                {"resource": "pods"}) is not None
+    # owners of pod chains are read metadata-only, described kinds in full
+    accepts = {(path, accept) for _, path, q, accept in sim.requests if "watch" not in q}
+    assert ("/apis/apps/v1/replicasets", "application/json") in accepts or any(
+        "PartialObjectMetadataList" in a for p, a in accepts if p.endswith("replicasets"))
+
+
+async def test_new_pod_attributed_within_a_second(sim: KubeSim,
+                                                  make_source: SourceFactory) -> None:
+    _, rs, _ = deployment(sim, "api", replicas=1)
+    source = await make_source()
+    sim.create(pod("api-1-new", owner_obj=rs))
+    took = await eventually(lambda: labels(source, "default", "api-1-new"), timeout=1.0)
+    assert took < 1.0
+    assert source.registry.get_sample_value(
+        "karta_proxy_watch_events_total", {"resource": "pods", "type": "ADDED"}) >= 1
+
+
+async def test_rolling_update_keeps_tombstones(sim: KubeSim,
+                                               make_source: SourceFactory) -> None:
+    _, _, old_pods = deployment(sim, "web", replicas=2, rev="1")
+    source = await make_source()
+    deployment(sim, "web", replicas=2, rev="2")
+    for p in old_pods:
+        sim.delete(p)
+    await eventually(lambda: labels(source, "default", "web-2-1")
+                     and source.index.tombstones() == 2)
+    # deleted pods keep their labels (late samples, stale markers) ...
+    old = labels(source, "default", "web-1-0")
+    assert old is not None and old["karta_workload"] == "web"
+    # ... and are gone from the live pods
+    assert {a.pod for a in source.index.pods.values()} == {"web-2-0", "web-2-1"}
+    assert labels(source, "default", "web-2-0") == old
+
+
+async def test_rayjob_with_its_raycluster(sim: KubeSim, make_source: SourceFactory) -> None:
+    sim.create(RAYJOB_KARTA)
+    names = rayjob(sim)
+    source = await make_source()
+    head = labels(source, "ml", names[0])
+    worker = labels(source, "ml", names[1])
+    assert head is not None and worker is not None
+    assert head["karta_workload"] == "train" and head["karta_kind"] == "RayJob"
+    assert head["karta_group"] == "ray.io" and head["karta_component"] == "head"
+    assert worker["karta_component"] == "worker" and worker["karta_instance"] == "gpu"
+    # RayJob is read in full (status), RayCluster only as an owner on the chain
+    modes = {str(gk): mode for gk, (mode, _) in source.watchers.items()}
+    assert modes["RayJob.ray.io"] == "full"
+    assert modes["RayCluster.ray.io"] == "metadata"
+    meta = [q for _, path, q, a in sim.requests
+            if path.endswith("/rayclusters") and "PartialObjectMetadata" in a]
+    assert meta
+
+
+async def test_description_added_after_workloads_then_deleted(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    names = rayjob(sim)
+    source = await make_source()
+    assert labels(source, "ml", names[0]) is None  # nothing describes RayJob yet
+
+    def rayjob_mode() -> str:
+        return next((m for gk, (m, _) in source.watchers.items() if gk.kind == "RayJob"), "")
+
+    assert rayjob_mode() != "full"  # at most seen as an owner (metadata)
+    karta = sim.create(RAYJOB_KARTA)
+    await eventually(lambda: (labels(source, "ml", names[2]) or {}).get("karta_kind")
+                     == "RayJob")
+    await eventually(lambda: rayjob_mode() == "full")
+    sim.delete(karta)
+    await eventually(lambda: labels(source, "ml", names[0]) is None)
+    await eventually(lambda: rayjob_mode() != "full")
+    assert source.index.ready
+
+
+async def test_compaction_410_relists_and_finds_deletions(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    _, rs, pods = deployment(sim, "web", replicas=3)
+    source = await make_source()
+    await sim.stop()
+    sim.delete(pods[0])
+    sim.create(pod("web-1-x", owner_obj=rs))
+    sim.compact()  # the watchers' resourceVersions are gone now
+    await sim.start()
+    await eventually(lambda: labels(source, "default", "web-1-x"), timeout=5)
+    await eventually(lambda: "web-1-0" not in {a.pod for a in source.index.pods.values()})
+    assert source.index.tombstones() == 1  # the deletion found by the relist diff
+    reg = source.registry
+    assert reg.get_sample_value("karta_proxy_watch_restarts_total",
+                                {"resource": "pods", "reason": "gone"}) >= 1
+    assert reg.get_sample_value("karta_proxy_watch_events_total",
+                                {"resource": "pods", "type": "RELIST_DELETED"}) == 1
+
+
+async def test_disconnects_resume_without_loss(sim: KubeSim,
+                                               make_source: SourceFactory) -> None:
+    _, rs, _ = deployment(sim, "web", replicas=1)
+    source = await make_source()
+    for i in range(3):
+        await eventually(lambda: sim.watch_count() >= len(source.watchers))
+        sim.disconnect_watches()
+        sim.create(pod(f"web-1-d{i}", owner_obj=rs))
+    for i in range(3):
+        await eventually(lambda i=i: labels(source, "default", f"web-1-d{i}"), timeout=5)
+    assert source.registry.get_sample_value(
+        "karta_proxy_watch_restarts_total", {"resource": "pods", "reason": "disconnect"}) >= 1
+
+
+async def test_outage_serves_last_index_stale_then_recovers(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    _, rs, _ = deployment(sim, "web", replicas=2)
+    source = await make_source()
+    await sim.stop()
+    await eventually(lambda: source.index.stale, timeout=5)
+    assert source.registry.get_sample_value("karta_proxy_index_stale") == 1
+    before = source.index.freshness["pods"]
+    await asyncio.sleep(0.5)
+    assert source.index.freshness["pods"] == before  # ages while cut off
+    assert labels(source, "default", "web-1-0") is not None  # still served
+    sim.create(pod("web-1-late", owner_obj=rs))  # happens during the outage
+    await sim.start()
+    await eventually(lambda: not source.index.stale and labels(source, "default", "web-1-late"),
+                     timeout=5)
+    assert source.index.freshness["pods"] > before
+    assert source.registry.get_sample_value(
+        "karta_proxy_watch_restarts_total", {"resource": "pods", "reason": "unreachable"}) >= 1
+
+
+async def test_namespace_filter(sim: KubeSim, make_source: SourceFactory) -> None:
+    deployment(sim, "a-app", ns="team-a", replicas=1)
+    deployment(sim, "b-app", ns="team-b", replicas=1)
+    source = await make_source(namespaces=["team-a"])
+    _, rs, _ = deployment(sim, "a-two", ns="team-a", replicas=1)
+    deployment(sim, "b-two", ns="team-b", replicas=1)
+    await eventually(lambda: labels(source, "team-a", "a-two-1-0"))
+    assert labels(source, "team-a", "a-app-1-0") is not None
+    assert {a.namespace for a in source.index.pods.values()} == {"team-a"}
+    pod_paths = {path for _, path, _, _ in sim.requests if path.endswith("/pods")}
+    assert pod_paths == {"/api/v1/namespaces/team-a/pods"}
+    assert "team-a/pods" in source.index.freshness
+
+
+async def test_node_mode(sim: KubeSim, make_source: SourceFactory) -> None:
+    deployment(sim, "here", replicas=2, node="n1")
+    deployment(sim, "there", replicas=2, node="n2")
+    source = await make_source(node_name="n1")
+    assert {a.pod for a in source.index.pods.values()} == {"here-1-0", "here-1-1"}
+    rs = sim.get("apps/v1", "ReplicaSet", "here-1", "default")
+    pending = sim.create(pod("here-1-2", owner_obj=rs, node=""))
+    await asyncio.sleep(0.2)
+    assert labels(source, "default", "here-1-2") is None  # not on this node (yet)
+    pending["spec"]["nodeName"] = "n1"
+    sim.update(pending)  # scheduled here: arrives as ADDED on the filtered watch
+    await eventually(lambda: labels(source, "default", "here-1-2"))
+    assert all(q.get("fieldSelector") == "spec.nodeName=n1"
+               for _, path, q, _ in sim.requests if path.endswith("/pods"))
+
+
+async def test_pod_name_reuse_with_new_uid(sim: KubeSim, make_source: SourceFactory) -> None:
+    _, rs, _ = deployment(sim, "db", replicas=1)
+    source = await make_source()
+    old = sim.get("v1", "Pod", "db-1-0", "default")
+    sim.delete(old)
+    new = sim.create(pod("db-1-0", owner_obj=rs))
+    new_uid = new["metadata"]["uid"]
+    await eventually(lambda: new_uid in source.index.pods)
+    assert old["metadata"]["uid"] not in source.index.pods
+    assert labels(source, "default", "db-1-0") is not None
+    assert source.index.tombstones() == 0  # the live pod owns the name, not the tombstone
+
+
+async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
+                                                   make_source: SourceFactory) -> None:
+    jobset_karta = {
+        "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "test-jobset"},
+        "spec": {"structureDefinition": {"rootComponent": {
+            "name": "jobset",
+            "kind": {"group": "jobset.x-k8s.io", "version": "v1alpha2", "kind": "JobSet"},
+            "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+        }}},
+    }
+    sim.create(jobset_karta)
+    deployment(sim, "web", replicas=1)
+    source = await make_source()
+    assert source.index.ready and labels(source, "default", "web-1-0") is not None
+    gk = next(gk for gk in source.unserved_kinds if gk.kind == "JobSet")
+    assert source.registry.get_sample_value("karta_proxy_watch_unserved",
+                                            {"resource": str(gk)}) == 1
+    sim.register(JOB_SET)  # the CRD gets installed later: picked up by the recheck
+    await eventually(lambda: gk in source.watchers and gk not in source.unserved_kinds,
+                     timeout=5)
