@@ -1,0 +1,143 @@
+"""Processes under measurement: start on free loopback ports, wait until they answer,
+read their CPU time from ``/proc``, stop them by PID.
+
+CPU time is the sum of user + system time over the process and every live descendant,
+plus the time of descendants it already reaped, so a relay that forks workers is charged
+for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses: split after the last ')'
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields is not None and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of ``pid`` and all its descendants (live or reaped)."""
+    total = 0
+    stack = [pid]
+    first = True
+    while stack:
+        p = stack.pop()
+        fields = _stat(p)
+        if fields is None:
+            continue
+        # after the name: state ppid ... utime(11) stime(12) cutime(13) cstime(14)
+        total += int(fields[11]) + int(fields[12])
+        if first:
+            total += int(fields[13]) + int(fields[14])
+            first = False
+        stack.extend(_children(p))
+    return total / _TICKS
+
+
+def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+class Process:
+    """One started program; ``stop`` ends it (and only it) by its PID."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        port: int,
+        ready_path: str,
+        log_path: Path,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.port = port
+        self.argv = list(argv)
+        self._ready_path = ready_path
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env=env,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll the ready path until it answers 200; raise with the log tail otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode}: {self.log_tail()}"
+                )
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                status, _ = http_get(self.port, self._ready_path, timeout=1.0)
+                if status == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s: {self.log_tail()}")
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def log_tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout)
+        self._log.close()
