@@ -99,9 +99,7 @@ def is_description_object(obj: Mapping[str, Any]) -> bool:
     if not isinstance(api_version, str) or not isinstance(kind, str):
         return False
     group = api_version.partition("/")[0] if "/" in api_version else ""
-    return (group == KARTA_GROUP and kind == KARTA_KIND) or (
-        group == RI_GROUP and kind == RI_KIND
-    )
+    return (group == KARTA_GROUP and kind == KARTA_KIND) or (group == RI_GROUP and kind == RI_KIND)
 
 
 class _Parser:
@@ -400,9 +398,7 @@ def _find_root_kind(obj: Mapping[str, Any]) -> Any:
     return root.get("kind") if isinstance(root, Mapping) else None
 
 
-def parse_description(
-    obj: Mapping[str, Any], source: str, *, builtin: bool = False
-) -> Description:
+def parse_description(obj: Mapping[str, Any], source: str, *, builtin: bool = False) -> Description:
     """Parse one description object; raises ``DescriptionError`` on the first problem."""
     if not isinstance(obj, Mapping):
         raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}")

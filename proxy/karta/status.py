@@ -151,9 +151,7 @@ def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any]) -> 
     try:
         ev = _Evaluation(status, obj)
         matched = [
-            name
-            for name, matchers in status.mappings
-            if any(ev.matches(m) for m in matchers)
+            name for name, matchers in status.mappings if any(ev.matches(m) for m in matchers)
         ]
     except _Failure as exc:
         return StatusResult(UNDEFINED, (UNDEFINED,), _clip(str(exc), _REASON_LIMIT))

@@ -1,0 +1,878 @@
+"""Loading and validating Karta descriptions: the samples, every validation error, files,
+folders, and which description wins for one GroupKind."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.karta.description import (
+    DescriptionError,
+    is_description_object,
+    load_description_file,
+    load_description_paths,
+    parse_description,
+    select_descriptions,
+)
+from proxy.karta.model import GVK, Description, GroupKind
+
+SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "karta" / "descriptions"
+ROOT = "spec.structureDefinition.rootComponent"
+CHILDREN = "spec.structureDefinition.childComponents"
+
+
+def samples_dir() -> Path:
+    if not SAMPLES.is_dir():
+        pytest.skip("../shared/karta/descriptions is absent")
+    return SAMPLES
+
+
+# -- the upstream samples -------------------------------------------------------------------
+
+#: file -> (name, GroupKind, form, pod-bearing components in declaration order)
+EXPECTED_SAMPLES: dict[str, tuple[str, GroupKind, str, tuple[str, ...]]] = {
+    "ri-jobset.yaml": (
+        "ri-jobset.jobset.x-k8s.io",
+        GroupKind("jobset.x-k8s.io", "JobSet"),
+        "ResourceInterface",
+        ("replicatedjob",),
+    ),
+    "ri-kserve.yaml": (
+        "serving-kserve-io-inferenceservice-v1beta1",
+        GroupKind("serving.kserve.io", "InferenceService"),
+        "ResourceInterface",
+        ("predictor", "transformer"),
+    ),
+    "ri-pytorch.yaml": (
+        "kubeflow-org-pytorchjob-v1",
+        GroupKind("kubeflow.org", "PyTorchJob"),
+        "ResourceInterface",
+        ("master", "worker"),
+    ),
+    "ri-raycluster.yaml": (
+        "ray-io-raycluster-v1",
+        GroupKind("ray.io", "RayCluster"),
+        "ResourceInterface",
+        ("head", "worker"),
+    ),
+    "wm-apps-statefulset-v1.yaml": (
+        "apps-statefulset-v1",
+        GroupKind("apps", "StatefulSet"),
+        "Karta",
+        ("statefulset",),
+    ),
+    "wm-leaderworkerset-x-k8s-io-leaderworkerset-v1.yaml": (
+        "leaderworkerset-x-k8s-io-leaderworkerset-v1",
+        GroupKind("leaderworkerset.x-k8s.io", "LeaderWorkerSet"),
+        "Karta",
+        ("leader", "worker"),
+    ),
+    "wm-raycluster.yaml": (
+        "ray-io-raycluster-v1",
+        GroupKind("ray.io", "RayCluster"),
+        "Karta",
+        ("head", "worker"),
+    ),
+    "wm-rayjob.yaml": (
+        "ray-io-rayjob-v1",
+        GroupKind("ray.io", "RayJob"),
+        "Karta",
+        ("head", "worker"),
+    ),
+    "wm-rayservice.yaml": (
+        "ray-io-rayservice-v1",
+        GroupKind("ray.io", "RayService"),
+        "Karta",
+        ("head", "worker"),
+    ),
+    "wm-serving-knative-dev-service-v1.yaml": (
+        "serving-knative-dev-service-v1",
+        GroupKind("serving.knative.dev", "Service"),
+        "Karta",
+        ("revision",),
+    ),
+    "wm-serving-kserve-io-llminferenceservice-v1alpha1.yaml": (
+        "serving-kserve-io-llminferenceservice-v1alpha1",
+        GroupKind("serving.kserve.io", "LLMInferenceService"),
+        "Karta",
+        ("main", "prefill", "worker", "router-scheduler"),
+    ),
+}
+
+
+@pytest.mark.parametrize("filename", sorted(EXPECTED_SAMPLES))
+def test_sample_loads(filename: str) -> None:
+    path = samples_dir() / filename
+    if not path.exists():
+        pytest.skip(f"{filename} is absent")
+    descs, errors = load_description_file(path)
+    assert errors == []
+    assert len(descs) == 1
+    d = descs[0]
+    name, gk, form, pod_components = EXPECTED_SAMPLES[filename]
+    assert (d.name, d.group_kind, d.form) == (name, gk, form)
+    assert tuple(c.name for c in d.pod_components) == pod_components
+    assert d.source == str(path)
+    assert not d.builtin
+    assert d.status is not None
+
+
+def test_every_sample_file_is_covered() -> None:
+    names = {p.name for p in samples_dir().iterdir() if p.suffix == ".yaml"}
+    assert names - set(EXPECTED_SAMPLES) <= {"ri-mpijob.yaml"}
+
+
+def test_mpijob_sample_gives_the_precise_yaml_error() -> None:
+    path = samples_dir() / "ri-mpijob.yaml"
+    if not path.exists():
+        pytest.skip("ri-mpijob.yaml is absent")
+    descs, errors = load_description_file(path)
+    assert descs == []
+    assert len(errors) == 1
+    err = errors[0]
+    assert (err.source, err.name, err.path) == (str(path), "", "")
+    # `status: "False"          running:` -- the mapping key glued onto a value
+    assert err.reason.startswith("invalid YAML: line 25, column 42: ")
+    assert "line 24" in err.reason
+
+
+def test_sample_details() -> None:
+    path = samples_dir() / "wm-leaderworkerset-x-k8s-io-leaderworkerset-v1.yaml"
+    if not path.exists():
+        pytest.skip("LWS sample absent")
+    (d,), _ = load_description_file(path)
+    group = d.children[0]
+    assert group.name == "group" and group.kind is None and not group.pod_bearing
+    assert group.pod_selector is not None and group.pod_selector.replica_key_path is not None
+    worker = d.children[2]
+    assert worker.owner_ref == "group"
+    assert worker.pod_selector is not None and worker.pod_selector.type_selector is not None
+    ts = worker.pod_selector.type_selector
+    assert ts.value is None and ts.key_path is not None
+    leader = d.children[1].pod_selector
+    assert leader is not None and leader.type_selector is not None
+    assert leader.type_selector.value == "0"
+
+    rayjob = samples_dir() / "wm-rayjob.yaml"
+    if rayjob.exists():
+        (rj,), _ = load_description_file(rayjob)
+        assert rj.status is not None
+        assert rj.status.reason_field == "reason"  # `reasonFieldName: null` -> default
+        worker_c = rj.children[1]
+        assert worker_c.instance_id_path is not None
+        assert worker_c.pod_selector is not None
+        assert worker_c.pod_selector.instance_id_path is not None
+
+    knative = samples_dir() / "wm-serving-knative-dev-service-v1.yaml"
+    if knative.exists():
+        (kn,), _ = load_description_file(knative)
+        assert kn.additional_child_kinds == (GVK("apps", "v1", "Deployment"),)
+
+
+def test_sample_folder_loads_all_but_mpijob() -> None:
+    descs, errors = load_description_paths([samples_dir()])
+    assert len(descs) == len(EXPECTED_SAMPLES)
+    assert [Path(e.source).name for e in errors] == ["ri-mpijob.yaml"]
+
+
+# -- validation: one tiny description per error ------------------------------------------------
+
+
+def base() -> dict[str, Any]:
+    """A small valid description: root with two pod-bearing children and a status."""
+    return {
+        "apiVersion": "run.ai/v1alpha1",
+        "kind": "Karta",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "structureDefinition": {
+                "rootComponent": {
+                    "name": "root",
+                    "kind": {"group": "example.com", "version": "v1", "kind": "Tiny"},
+                    "statusDefinition": {
+                        "phaseDefinition": {"path": ".status.phase"},
+                        "statusMappings": {"running": [{"byPhase": "Running"}]},
+                    },
+                },
+                "childComponents": [
+                    {
+                        "name": "a",
+                        "ownerRef": "root",
+                        "specDefinition": {"podTemplateSpecPath": ".spec.a"},
+                        "podSelector": {
+                            "componentTypeSelector": {
+                                "keyPath": ".metadata.labels.role",
+                                "value": "a",
+                            }
+                        },
+                    },
+                    {
+                        "name": "b",
+                        "ownerRef": "root",
+                        "specDefinition": {"podTemplateSpecPath": ".spec.b[]"},
+                        "instanceIdPath": ".spec.b[].name",
+                        "podSelector": {
+                            "componentTypeSelector": {"matchLabels": {"role": "b"}},
+                            "componentInstanceSelector": {"idPath": ".metadata.labels.group"},
+                        },
+                    },
+                ],
+            }
+        },
+    }
+
+
+def structure(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["structureDefinition"]
+
+
+def root(obj: dict[str, Any]) -> dict[str, Any]:
+    return structure(obj)["rootComponent"]
+
+
+def child(obj: dict[str, Any], i: int) -> dict[str, Any]:
+    return structure(obj)["childComponents"][i]
+
+
+def error_of(obj: Any, source: str = "test.yaml") -> DescriptionError:
+    with pytest.raises(DescriptionError) as info:
+        parse_description(obj, source)
+    return info.value
+
+
+def test_base_is_valid() -> None:
+    d = parse_description(base(), "test.yaml")
+    assert d.name == "tiny" and d.source == "test.yaml" and d.form == "Karta"
+    assert d.group_kind == GroupKind("example.com", "Tiny")
+    assert [c.name for c in d.pod_components] == ["a", "b"]
+    b = d.children[1]
+    assert b.pod_selector is not None and b.pod_selector.type_selector is not None
+    assert b.pod_selector.type_selector.match_labels == (("role", "b"),)
+
+
+def test_error_str_format() -> None:
+    err = DescriptionError("f.yaml", "tiny", "spec.x", "bad")
+    assert str(err) == "f.yaml (tiny): spec.x: bad"
+    assert err == DescriptionError("f.yaml", "tiny", "spec.x", "bad")
+    assert len({err, DescriptionError("f.yaml", "tiny", "spec.x", "bad")}) == 1
+
+
+def test_missing_root_component() -> None:
+    obj = base()
+    del structure(obj)["rootComponent"]
+    err = error_of(obj)
+    assert (err.source, err.name, err.path, err.reason) == ("test.yaml", "tiny", ROOT, "required")
+
+
+def test_missing_root_kind() -> None:
+    obj = base()
+    del root(obj)["kind"]
+    err = error_of(obj)
+    assert (err.name, err.path, err.reason) == ("tiny", f"{ROOT}.kind", "required")
+
+
+def test_root_kind_without_kind_name() -> None:
+    obj = base()
+    del root(obj)["kind"]["kind"]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{ROOT}.kind.kind", "required")
+
+
+def test_missing_structure() -> None:
+    obj = base()
+    del obj["spec"]["structureDefinition"]
+    err = error_of(obj)
+    assert (err.path, err.reason) == ("spec.structureDefinition", "required")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "path"),
+    [
+        (
+            lambda o: child(o, 1)["podSelector"]["componentInstanceSelector"].update(idPath=".a["),
+            f"{CHILDREN}[1].podSelector.componentInstanceSelector.idPath",
+        ),
+        (
+            lambda o: child(o, 0)["podSelector"]["componentTypeSelector"].update(keyPath=".x |"),
+            f"{CHILDREN}[0].podSelector.componentTypeSelector.keyPath",
+        ),
+        (lambda o: child(o, 1).update(instanceIdPath="..."), f"{CHILDREN}[1].instanceIdPath"),
+        (
+            lambda o: child(o, 0)["specDefinition"].update(podTemplateSpecPath="{"),
+            f"{CHILDREN}[0].specDefinition.podTemplateSpecPath",
+        ),
+        (
+            lambda o: child(o, 0).update(scaleDefinition={"replicasPath": ".a +"}),
+            f"{CHILDREN}[0].scaleDefinition.replicasPath",
+        ),
+        (
+            lambda o: child(o, 0).update(scaleDefinition={"maxReplicasPath": "if"}),
+            f"{CHILDREN}[0].scaleDefinition.maxReplicasPath",
+        ),
+        (
+            lambda o: root(o)["statusDefinition"]["phaseDefinition"].update(path=".["),
+            f"{ROOT}.statusDefinition.phaseDefinition.path",
+        ),
+        (
+            lambda o: root(o)["statusDefinition"].update(conditionsDefinition={"path": "]"}),
+            f"{ROOT}.statusDefinition.conditionsDefinition.path",
+        ),
+        (
+            lambda o: root(o)["statusDefinition"]["statusMappings"].update(
+                failed=[
+                    {"byPhase": "x"},
+                    {"byExpression": {"expression": ".a ==", "expectedResult": "true"}},
+                ]
+            ),
+            f"{ROOT}.statusDefinition.statusMappings.failed[1].byExpression.expression",
+        ),
+        (
+            lambda o: child(o, 0)["specDefinition"].update(
+                podTemplateSpecPath=None, fragmentedPodSpecDefinition={"imagePath": ".x[["}
+            ),
+            f"{CHILDREN}[0].specDefinition.fragmentedPodSpecDefinition.imagePath",
+        ),
+    ],
+)
+def test_jq_that_does_not_compile(mutate: Any, path: str) -> None:
+    obj = base()
+    mutate(obj)
+    err = error_of(obj)
+    assert (err.source, err.name, err.path) == ("test.yaml", "tiny", path)
+    assert "compile" in err.reason or "syntax error" in err.reason
+
+
+def test_jq_error_reason_is_jqs_message() -> None:
+    obj = base()
+    child(obj, 0)["podSelector"]["componentTypeSelector"]["keyPath"] = ".x |"
+    err = error_of(obj)
+    assert "syntax error" in err.reason
+    assert "\n" not in err.reason
+
+
+def test_empty_jq_expression() -> None:
+    obj = base()
+    child(obj, 0)["specDefinition"]["podTemplateSpecPath"] = "  "
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[0].specDefinition.podTemplateSpecPath",
+        "empty jq expression",
+    )
+
+
+def test_numeric_literal_is_a_jq_expression() -> None:
+    obj = base()
+    child(obj, 0)["scaleDefinition"] = {"replicasPath": 2, "minReplicasPath": "1"}
+    d = parse_description(obj, "test.yaml")
+    scale = d.children[0].scale
+    assert scale is not None and scale.replicas is not None and scale.min_replicas is not None
+    assert scale.replicas.number({}) == 2.0
+    assert scale.min_replicas.number({}) == 1.0
+
+
+def test_unknown_owner_ref() -> None:
+    obj = base()
+    child(obj, 1)["ownerRef"] = "nope"
+    err = error_of(obj)
+    assert (err.name, err.path, err.reason) == (
+        "tiny",
+        f"{CHILDREN}[1].ownerRef",
+        "unknown component 'nope'",
+    )
+
+
+def test_owner_ref_cycle() -> None:
+    obj = base()
+    child(obj, 0)["ownerRef"] = "b"
+    child(obj, 1)["ownerRef"] = "a"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{CHILDREN}[0].ownerRef", "ownerRef cycle: a -> b -> a")
+
+
+def test_owner_ref_to_itself() -> None:
+    obj = base()
+    child(obj, 1)["ownerRef"] = "b"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{CHILDREN}[1].ownerRef", "ownerRef cycle: b -> b")
+
+
+def test_owner_chain_through_children_is_fine() -> None:
+    obj = base()
+    child(obj, 1)["ownerRef"] = "a"
+    d = parse_description(obj, "test.yaml")
+    assert d.children[1].owner_ref == "a"
+
+
+def test_child_without_owner_ref_hangs_under_root() -> None:
+    obj = base()
+    del child(obj, 0)["ownerRef"]
+    d = parse_description(obj, "test.yaml")
+    assert d.children[0].owner_ref is None
+
+
+def test_root_with_owner_ref() -> None:
+    obj = base()
+    root(obj)["ownerRef"] = "a"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{ROOT}.ownerRef", "the root component has no owner")
+
+
+def test_duplicate_child_names() -> None:
+    obj = base()
+    child(obj, 1)["name"] = "a"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[1].name",
+        f"duplicate component name 'a' (also at {CHILDREN}[0])",
+    )
+
+
+def test_child_named_like_root() -> None:
+    obj = base()
+    child(obj, 0)["name"] = "root"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[0].name",
+        f"duplicate component name 'root' (also at {ROOT})",
+    )
+
+
+def test_child_without_name() -> None:
+    obj = base()
+    del child(obj, 0)["name"]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{CHILDREN}[0].name", "required")
+
+
+def test_instance_id_path_without_instance_selector() -> None:
+    obj = base()
+    del child(obj, 1)["podSelector"]["componentInstanceSelector"]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[1].instanceIdPath",
+        "instanceIdPath needs podSelector.componentInstanceSelector",
+    )
+
+
+def test_instance_selector_without_instance_id_path() -> None:
+    obj = base()
+    del child(obj, 1)["instanceIdPath"]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[1].podSelector.componentInstanceSelector",
+        "componentInstanceSelector needs instanceIdPath",
+    )
+
+
+def test_instance_selector_without_id_path() -> None:
+    obj = base()
+    child(obj, 1)["podSelector"]["componentInstanceSelector"] = {}
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[1].podSelector.componentInstanceSelector.idPath",
+        "required",
+    )
+
+
+def test_type_selector_with_neither_key_path_nor_match_labels() -> None:
+    obj = base()
+    child(obj, 0)["podSelector"]["componentTypeSelector"] = {"value": "a"}
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[0].podSelector.componentTypeSelector",
+        "needs keyPath or matchLabels",
+    )
+
+
+def test_type_selector_value_without_key_path() -> None:
+    obj = base()
+    child(obj, 1)["podSelector"]["componentTypeSelector"]["value"] = "b"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[1].podSelector.componentTypeSelector.value",
+        "value needs keyPath",
+    )
+
+
+def test_match_labels_must_be_strings() -> None:
+    obj = base()
+    child(obj, 1)["podSelector"]["componentTypeSelector"]["matchLabels"] = {"role": ["b"]}
+    err = error_of(obj)
+    assert err.path == f"{CHILDREN}[1].podSelector.componentTypeSelector.matchLabels"
+    assert "must be strings" in err.reason
+
+
+def test_type_selector_numeric_value_is_its_text() -> None:
+    obj = base()
+    child(obj, 0)["podSelector"]["componentTypeSelector"]["value"] = 0
+    d = parse_description(obj, "test.yaml")
+    sel = d.children[0].pod_selector
+    assert sel is not None and sel.type_selector is not None
+    assert sel.type_selector.value == "0"
+
+
+def test_unknown_status_mapping_key() -> None:
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["paused"] = [{"byPhase": "Paused"}]
+    err = error_of(obj)
+    assert err.path == f"{ROOT}.statusDefinition.statusMappings.paused"
+    assert err.reason.startswith("unknown status 'paused' (expected one of ")
+    assert "running" in err.reason
+
+
+def test_status_mapping_keys_are_lowercase() -> None:
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"] = {"Running": [{"byPhase": "Running"}]}
+    err = error_of(obj)
+    assert err.path == f"{ROOT}.statusDefinition.statusMappings.Running"
+
+
+def test_status_definition_without_mappings() -> None:
+    obj = base()
+    del root(obj)["statusDefinition"]["statusMappings"]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{ROOT}.statusDefinition.statusMappings", "required")
+
+
+def test_matcher_field_types() -> None:
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["failed"] = [
+        {"byConditions": [{"status": "True"}]}
+    ]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{ROOT}.statusDefinition.statusMappings.failed[0].byConditions[0].type",
+        "required",
+    )
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["failed"] = {"byPhase": "x"}
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{ROOT}.statusDefinition.statusMappings.failed",
+        "must be a list, got mapping",
+    )
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["failed"] = [
+        {"byExpression": {"expression": ".a"}}
+    ]
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{ROOT}.statusDefinition.statusMappings.failed[0].byExpression.expectedResult",
+        "required",
+    )
+
+
+def test_unquoted_yaml_scalars_in_matchers_are_text() -> None:
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["failed"] = [
+        {
+            "byConditions": [{"type": "Failed", "status": True}],
+            "byExpression": {"expression": ".a", "expectedResult": 3},
+        }
+    ]
+    d = parse_description(obj, "test.yaml")
+    assert d.status is not None
+    failed = dict(d.status.mappings)["Failed"][0]
+    assert failed.by_conditions[0].status == "true"
+    assert failed.expected_result == "3"
+
+
+def test_condition_field_names_default_when_null() -> None:
+    obj = base()
+    root(obj)["statusDefinition"]["conditionsDefinition"] = {
+        "path": ".status.conditions",
+        "typeFieldName": "kind",
+        "reasonFieldName": None,
+    }
+    d = parse_description(obj, "test.yaml")
+    assert d.status is not None
+    assert (d.status.type_field, d.status.status_field, d.status.reason_field) == (
+        "kind",
+        "status",
+        "reason",
+    )
+
+
+def test_two_spec_variants() -> None:
+    obj = base()
+    child(obj, 0)["specDefinition"]["podSpecPath"] = ".spec.a.spec"
+    err = error_of(obj)
+    assert err.path == f"{CHILDREN}[0].specDefinition"
+    assert err.reason.startswith("only one of podTemplateSpecPath")
+
+
+def test_metadata_path_only_with_pod_spec_path() -> None:
+    obj = base()
+    child(obj, 0)["specDefinition"]["metadataPath"] = ".spec.a.metadata"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (
+        f"{CHILDREN}[0].specDefinition.metadataPath",
+        "metadataPath is used only with podSpecPath",
+    )
+    obj = base()
+    child(obj, 0)["specDefinition"] = {"podSpecPath": ".spec.a.spec", "metadataPath": ".m"}
+    assert parse_description(obj, "test.yaml").children[0].pod_bearing
+
+
+def test_pod_bearing_variants_and_root() -> None:
+    obj = base()
+    root(obj)["specDefinition"] = {"podTemplateSpecPath": ".spec.template"}
+    child(obj, 0)["specDefinition"] = {"fragmentedPodSpecDefinition": {"containersPath": ".c"}}
+    child(obj, 1)["specDefinition"] = {}
+    d = parse_description(obj, "test.yaml")
+    assert [c.name for c in d.pod_components] == ["root", "a"]
+    assert d.root.pod_bearing and not d.children[1].pod_bearing
+
+
+def test_wrong_field_types() -> None:
+    obj = base()
+    structure(obj)["childComponents"] = {"name": "a"}
+    err = error_of(obj)
+    assert (err.path, err.reason) == (CHILDREN, "must be a list, got mapping")
+    obj = base()
+    root(obj)["kind"] = "Tiny"
+    err = error_of(obj)
+    assert (err.path, err.reason) == (f"{ROOT}.kind", "must be a mapping, got str")
+
+
+def test_not_a_description() -> None:
+    err = error_of({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}})
+    assert err.path == "" and err.reason.startswith("not a description")
+    err = error_of(["x"])
+    assert err.reason == "not a mapping but list"
+
+
+def test_is_description_object() -> None:
+    assert is_description_object({"apiVersion": "run.ai/v1alpha1", "kind": "Karta"})
+    assert is_description_object({"apiVersion": "run.ai/v2", "kind": "Karta"})
+    assert is_description_object(
+        {"apiVersion": "optimization.nvidia.com/v1alpha1", "kind": "ResourceInterface"}
+    )
+    assert not is_description_object({"apiVersion": "run.ai/v1alpha1", "kind": "ResourceInterface"})
+    assert not is_description_object({"apiVersion": "apps/v1", "kind": "Karta"})
+    assert not is_description_object({"kind": "Karta"})
+    assert not is_description_object({"apiVersion": 1, "kind": "Karta"})
+
+
+def test_resource_interface_without_name_gets_a_stable_name() -> None:
+    obj = base()
+    obj["apiVersion"] = "optimization.nvidia.com/v1alpha1"
+    obj["kind"] = "ResourceInterface"
+    del obj["metadata"]
+    d = parse_description(obj, "ri.yaml")
+    assert (d.name, d.form) == ("ri-tiny.example.com", "ResourceInterface")
+    child(obj, 0)["ownerRef"] = "nope"
+    assert error_of(obj).name == "ri-tiny.example.com"
+    root(obj)["kind"]["group"] = ""
+    assert error_of(obj).name == "ri-tiny"
+
+
+def test_karta_without_name_gets_a_stable_name() -> None:
+    obj = base()
+    obj["metadata"] = {}
+    assert parse_description(obj, "k.yaml").name == "karta-tiny.example.com"
+
+
+def test_unknown_fields_are_ignored() -> None:
+    obj = base()
+    obj["spec"]["optimizationInstructions"] = {"gangScheduling": {"podGroups": [{"x": "["}]}}
+    root(obj)["suspendDefinition"] = {"suspendActions": [{"path": ".spec.suspend"}]}
+    child(obj, 0)["somethingNew"] = {"x": 1}
+    assert parse_description(obj, "test.yaml").name == "tiny"
+
+
+def test_builtin_flag_and_source() -> None:
+    d = parse_description(base(), "builtin:tiny", builtin=True)
+    assert d.builtin and d.source == "builtin:tiny"
+
+
+# -- files and folders ------------------------------------------------------------------------
+
+
+def test_multi_document_file_keeps_the_valid_ones(tmp_path: Path) -> None:
+    bad = base()
+    bad["metadata"]["name"] = "bad"
+    child(bad, 1)["ownerRef"] = "nope"
+    other = base()
+    other["metadata"]["name"] = "other"
+    root(other)["kind"]["kind"] = "Other"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}
+    f = tmp_path / "many.yaml"
+    f.write_text(yaml.safe_dump_all([base(), bad, None, pod, other]))
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny", "other"]
+    assert [(e.source, e.name, e.path) for e in errors] == [
+        (str(f), "bad", f"{CHILDREN}[1].ownerRef"),
+        (str(f), "", ""),
+    ]
+    assert errors[1].reason.startswith("not a description")
+
+
+def test_kubernetes_list(tmp_path: Path) -> None:
+    bad = base()
+    del root(bad)["kind"]
+    f = tmp_path / "list.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [base(), bad]}))
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny"]
+    assert [(e.name, e.path, e.reason) for e in errors] == [
+        ("tiny", f"items[1].{ROOT}.kind", "required")
+    ]
+
+
+def test_karta_list_kind_from_the_api(tmp_path: Path) -> None:
+    f = tmp_path / "list.json"
+    f.write_text(
+        json.dumps({"apiVersion": "run.ai/v1alpha1", "kind": "KartaList", "items": [base()]})
+    )
+    descs, errors = load_description_file(f)
+    assert ([d.name for d in descs], errors) == (["tiny"], [])
+
+
+def test_json_file(tmp_path: Path) -> None:
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps(base()))
+    descs, errors = load_description_file(f)
+    assert ([d.name for d in descs], errors) == (["tiny"], [])
+    g = tmp_path / "broken.json"
+    g.write_text('{"apiVersion": ')
+    descs, errors = load_description_file(g)
+    assert descs == [] and len(errors) == 1
+    assert errors[0].source == str(g) and errors[0].reason.startswith("invalid JSON: ")
+
+
+def test_yaml_error_after_a_valid_document(tmp_path: Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text(yaml.safe_dump(base()) + "---\nkind: [unclosed\n")
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny"]
+    assert len(errors) == 1 and errors[0].reason.startswith("invalid YAML: line ")
+
+
+def test_unreadable_and_empty_files(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    descs, errors = load_description_file(missing)
+    assert descs == [] and errors[0].source == str(missing)
+    assert errors[0].reason.startswith("cannot read: ")
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    descs, errors = load_description_file(binary)
+    assert descs == [] and len(errors) == 1
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_description_file(empty) == ([], [])
+
+
+def test_scalar_document(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("just a string\n")
+    descs, errors = load_description_file(f)
+    assert descs == [] and errors[0].reason == "not a mapping but str"
+
+
+def test_folder_loading(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    one = base()
+    two = base()
+    two["metadata"]["name"] = "two"
+    root(two)["kind"]["kind"] = "Two"
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(one))
+    (tmp_path / "sub" / "a.yml").write_text(yaml.safe_dump(two))
+    (tmp_path / "notes.txt").write_text("not a description")
+    (tmp_path / "c.json").write_text("[")
+    descs, errors = load_description_paths([tmp_path, tmp_path / "nowhere"])
+    assert sorted(d.name for d in descs) == ["tiny", "two"]
+    assert [(Path(e.source).name, e.reason.split(":")[0]) for e in errors] == [
+        ("c.json", "invalid JSON"),
+        ("nowhere", "no such file or folder"),
+    ]
+    descs, errors = load_description_paths([tmp_path / "b.yaml"])
+    assert [d.name for d in descs] == ["tiny"] and errors == []
+
+
+# -- which description wins -------------------------------------------------------------------
+
+
+def make(
+    name: str,
+    *,
+    kind: str = "Tiny",
+    version: str = "v1",
+    form: str = "Karta",
+    builtin: bool = False,
+    source: str = "",
+) -> Description:
+    obj = copy.deepcopy(base())
+    obj["metadata"]["name"] = name
+    root(obj)["kind"].update(kind=kind, version=version)
+    if form == "ResourceInterface":
+        obj.update(apiVersion="optimization.nvidia.com/v1alpha1", kind="ResourceInterface")
+    return parse_description(obj, source or f"{name}.yaml", builtin=builtin)
+
+
+def test_user_beats_builtin_without_error() -> None:
+    user = make("zzz-user")
+    builtin = make("aaa-builtin", builtin=True, source="builtin:aaa-builtin")
+    winners, errors = select_descriptions([builtin, user])
+    assert winners == {GroupKind("example.com", "Tiny"): user}
+    assert errors == []
+
+
+def test_user_resource_interface_beats_builtin_karta() -> None:
+    user = make("ri", form="ResourceInterface")
+    builtin = make("b", builtin=True)
+    winners, errors = select_descriptions([builtin, user])
+    assert winners[user.group_kind] is user and errors == []
+
+
+def test_karta_beats_resource_interface() -> None:
+    ri = make("aaa", form="ResourceInterface")
+    karta = make("zzz")
+    winners, errors = select_descriptions([ri, karta])
+    assert winners[karta.group_kind] is karta
+    assert len(errors) == 1
+    err = errors[0]
+    assert (err.source, err.name, err.path) == ("aaa.yaml", "aaa", f"{ROOT}.kind")
+    assert err.reason == (
+        "another description of Tiny.example.com wins: 'zzz' from zzz.yaml "
+        "(the Karta form beats ResourceInterface)"
+    )
+
+
+def test_name_sorting_first_wins_whatever_the_version() -> None:
+    b = make("b", version="v2")
+    a = make("a", version="v1beta1")
+    c = make("c")
+    winners, errors = select_descriptions([b, c, a])
+    assert winners == {GroupKind("example.com", "Tiny"): a}
+    assert [(e.name, e.reason.endswith("(the name sorting first wins)")) for e in errors] == [
+        ("b", True),
+        ("c", True),
+    ]
+
+
+def test_same_name_twice() -> None:
+    a1 = make("a", source="x/a.yaml")
+    a2 = make("a", source="y/a.yaml")
+    winners, errors = select_descriptions([a2, a1])
+    assert winners[a1.group_kind] is a1
+    assert [e.source for e in errors] == ["y/a.yaml"]
+
+
+def test_two_builtins_for_one_kind_is_reported() -> None:
+    a = make("a", builtin=True)
+    b = make("b", builtin=True)
+    winners, errors = select_descriptions([a, b])
+    assert winners[a.group_kind] is a and [e.name for e in errors] == ["b"]
+
+
+def test_different_kinds_all_win() -> None:
+    a = make("a", kind="One")
+    b = make("b", kind="Two")
+    winners, errors = select_descriptions([a, b])
+    assert set(winners.values()) == {a, b} and errors == []

@@ -1,0 +1,556 @@
+"""Generic phase evaluation: upstream matcher semantics, the one-phase rule, the samples'
+status definitions on small workload objects, and that evaluation never raises."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.karta.builtin import builtin_descriptions
+from proxy.karta.description import load_description_paths, parse_description
+from proxy.karta.model import GENERIC_PHASES, UPSTREAM_STATUS_ORDER, Description, StatusDefinition
+from proxy.karta.status import PHASE_PRIORITY, StatusResult, evaluate_status
+
+SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "karta" / "descriptions"
+
+
+def sample(filename: str) -> Description:
+    path = SAMPLES / filename
+    if not path.is_file():
+        pytest.skip(f"../shared/karta/descriptions/{filename} is absent")
+    descs, errors = load_description_paths([path])
+    assert errors == [] and len(descs) == 1
+    return descs[0]
+
+
+def status_of(filename: str, obj: dict[str, Any]) -> StatusResult:
+    return evaluate_status(sample(filename).status, obj)
+
+
+def cond(ctype: str, status: str, reason: str | None = None) -> dict[str, str]:
+    out = {"type": ctype, "status": status}
+    if reason is not None:
+        out["reason"] = reason
+    return out
+
+
+def with_conditions(*conditions: dict[str, str]) -> dict[str, Any]:
+    return {"status": {"conditions": list(conditions)}}
+
+
+def ok(phase: str, *statuses: str) -> StatusResult:
+    return StatusResult(phase, statuses or (phase,), "")
+
+
+UNMATCHED = StatusResult("Undefined", ("Undefined",), "no_status_matched")
+
+
+# -- the samples ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("job_status", "expected"),
+    [
+        ("PENDING", "Initializing"),
+        ("RUNNING", "Running"),
+        ("SUCCEEDED", "Completed"),
+        ("FAILED", "Failed"),
+    ],
+)
+def test_rayjob_phase(job_status: str, expected: str) -> None:
+    obj = {"spec": {}, "status": {"jobStatus": job_status, "jobDeploymentStatus": "Running"}}
+    assert status_of("wm-rayjob.yaml", obj) == ok(expected)
+
+
+def test_rayjob_suspended_and_unknown() -> None:
+    suspended = {"spec": {"suspend": True}, "status": {"jobDeploymentStatus": "Suspended"}}
+    assert status_of("wm-rayjob.yaml", suspended) == ok("Suspended")
+    assert status_of("wm-rayjob.yaml", {"status": {"jobStatus": "STOPPED"}}) == UNMATCHED
+    assert status_of("wm-rayjob.yaml", {}) == UNMATCHED
+    # a phase that is not a string is no phase at all
+    assert status_of("wm-rayjob.yaml", {"status": {"jobStatus": ["RUNNING"]}}) == UNMATCHED
+
+
+def test_raycluster_phase_both_forms() -> None:
+    ready = {"spec": {}, "status": {"state": "ready"}}
+    assert status_of("wm-raycluster.yaml", ready) == ok("Running")
+    assert status_of("ri-raycluster.yaml", ready) == ok("Running")
+    assert status_of("wm-raycluster.yaml", {"status": {"state": "failed"}}) == ok("Failed")
+    assert status_of("wm-raycluster.yaml", {"spec": {"suspend": True}}) == ok("Suspended")
+    suspended = {"spec": {"suspend": True}, "status": {"state": "suspended"}}
+    assert status_of("wm-raycluster.yaml", suspended) == ok("Suspended")
+    # the older form has no suspended mapping
+    assert status_of("ri-raycluster.yaml", suspended) == UNMATCHED
+
+
+def test_jobset_conditions() -> None:
+    running = with_conditions(
+        cond("StartupPolicyCompleted", "True"), cond("Completed", "False"), cond("Failed", "False")
+    )
+    assert status_of("ri-jobset.yaml", running) == ok("Running")
+    starting = with_conditions(cond("StartupPolicyInProgress", "True"))
+    assert status_of("ri-jobset.yaml", starting) == ok("Initializing")
+    done = with_conditions(cond("StartupPolicyCompleted", "True"), cond("Completed", "True"))
+    assert status_of("ri-jobset.yaml", done) == ok("Completed")
+    failed = with_conditions(
+        cond("StartupPolicyCompleted", "True"), cond("Completed", "False"), cond("Failed", "True")
+    )
+    assert status_of("ri-jobset.yaml", failed) == ok("Failed")
+    # every byConditions entry must exist: Completed / Failed missing -> not running
+    partial = with_conditions(cond("StartupPolicyCompleted", "True"))
+    assert status_of("ri-jobset.yaml", partial) == UNMATCHED
+
+
+def test_pytorchjob_running_beats_initializing() -> None:
+    running = with_conditions(
+        cond("Created", "True"),
+        cond("Running", "True"),
+        cond("Succeeded", "False"),
+        cond("Failed", "False"),
+    )
+    assert status_of("ri-pytorch.yaml", running) == ok("Running", "Running", "Initializing")
+    done = with_conditions(
+        cond("Created", "True"), cond("Running", "False"), cond("Succeeded", "True")
+    )
+    assert status_of("ri-pytorch.yaml", done) == ok("Completed", "Completed", "Initializing")
+
+
+def test_leaderworkerset_by_expression_and_conditions() -> None:
+    lws = "wm-leaderworkerset-x-k8s-io-leaderworkerset-v1.yaml"
+    ready = {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}
+    assert status_of(lws, ready) == ok("Running")
+    not_ready = {"status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}}
+    assert status_of(lws, not_ready) == UNMATCHED
+    progressing = {
+        "status": {
+            "replicas": 2,
+            "readyReplicas": 1,
+            "conditions": [cond("Progressing", "True"), cond("Available", "False")],
+        }
+    }
+    assert status_of(lws, progressing) == ok("Initializing")
+    available = with_conditions(cond("Available", "True"), cond("Progressing", "True"))
+    assert status_of(lws, available) == ok("Running", "Running", "Initializing")
+    failed = with_conditions(
+        cond("Available", "False"), cond("Progressing", "False"), cond("UpdateInProgress", "False")
+    )
+    assert status_of(lws, failed) == ok("Failed")
+
+
+def statefulset(
+    replicas: int, ready: int, updated: int, *, same_revision: bool = True
+) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": 4},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": 4,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "currentRevision": "sts-1",
+            "updateRevision": "sts-1" if same_revision else "sts-2",
+        },
+    }
+
+
+def test_statefulset_sample() -> None:
+    f = "wm-apps-statefulset-v1.yaml"
+    assert status_of(f, statefulset(3, 3, 3)) == ok("Running")
+    assert status_of(f, statefulset(3, 1, 3)) == ok("Degraded")
+    assert status_of(f, statefulset(3, 0, 3)) == ok("Initializing")
+    assert status_of(f, statefulset(3, 3, 1, same_revision=False)) == ok("Initializing")
+
+
+def test_rayservice_reasons() -> None:
+    f = "wm-rayservice.yaml"
+    assert status_of(f, with_conditions(cond("Ready", "True"))) == ok("Running")
+    zero = with_conditions(cond("Ready", "False", "ZeroServeEndpoints"))
+    assert status_of(f, zero) == ok("Degraded")
+    init = with_conditions(cond("Ready", "False", "Initializing"))
+    assert status_of(f, init) == ok("Initializing")
+    timeout = with_conditions(cond("Ready", "False", "InitializingTimeout"))
+    assert status_of(f, timeout) == ok("Failed")
+    assert status_of(f, with_conditions(cond("Ready", "False", "Other"))) == UNMATCHED
+
+
+def test_knative_and_kserve() -> None:
+    kn = "wm-serving-knative-dev-service-v1.yaml"
+    assert status_of(kn, with_conditions(cond("Ready", "Unknown"))) == ok("Initializing")
+    assert status_of(kn, with_conditions(cond("Ready", "True"))) == ok("Running")
+    assert status_of(kn, with_conditions(cond("Ready", "False"))) == ok("Failed")
+    ks = "ri-kserve.yaml"
+    ready = with_conditions(
+        cond("PredictorReady", "True"),
+        cond("RoutesReady", "True"),
+        cond("LatestDeploymentReady", "True"),
+    )
+    assert status_of(ks, ready) == ok("Running")
+
+
+def test_llminferenceservice_expression() -> None:
+    f = "wm-serving-kserve-io-llminferenceservice-v1alpha1.yaml"
+    assert status_of(f, with_conditions(cond("Ready", "True"))) == ok("Running")
+    progressing = with_conditions(cond("Ready", "False", "Progressing"))
+    assert status_of(f, progressing) == ok("Initializing")
+    broken = with_conditions(cond("Ready", "False", "ImagePullBackOff"))
+    assert status_of(f, broken) == ok("Failed")
+    # `.status.conditions // []` guards the expression when there is no status at all
+    assert status_of(f, {}) == UNMATCHED
+
+
+# -- upstream matcher semantics, on tiny inline definitions -----------------------------------
+
+
+def definition(status: dict[str, Any]) -> StatusDefinition:
+    obj = {
+        "apiVersion": "run.ai/v1alpha1",
+        "kind": "Karta",
+        "metadata": {"name": "t"},
+        "spec": {
+            "structureDefinition": {
+                "rootComponent": {
+                    "name": "t",
+                    "kind": {"group": "example.com", "version": "v1", "kind": "T"},
+                    "statusDefinition": status,
+                }
+            }
+        },
+    }
+    d = parse_description(obj, "test")
+    assert d.status is not None
+    return d.status
+
+
+CONDITIONS = {"path": ".status.conditions"}
+
+
+def test_no_status_definition() -> None:
+    assert evaluate_status(None, {"status": {}}) == StatusResult(
+        "Undefined", ("Undefined",), "no_status_definition"
+    )
+
+
+def test_later_duplicate_condition_wins() -> None:
+    sd = definition(
+        {
+            "conditionsDefinition": CONDITIONS,
+            "statusMappings": {
+                "running": [{"byConditions": [{"type": "Ready", "status": "True"}]}],
+                "failed": [{"byConditions": [{"type": "Ready", "status": "False"}]}],
+            },
+        }
+    )
+    obj = with_conditions(cond("Ready", "False"), cond("Ready", "True"))
+    assert evaluate_status(sd, obj) == ok("Running")
+    obj = with_conditions(cond("Ready", "True"), cond("Ready", "False"))
+    assert evaluate_status(sd, obj) == ok("Failed")
+
+
+def test_condition_type_only_status_and_reason() -> None:
+    sd = definition(
+        {
+            "conditionsDefinition": CONDITIONS,
+            "statusMappings": {
+                "initializing": [{"byConditions": [{"type": "Created"}]}],
+                "failed": [{"byConditions": [{"type": "Ready", "reason": "Crash"}]}],
+                "degraded": [
+                    {"byConditions": [{"type": "Ready", "status": "False", "reason": "Slow"}]}
+                ],
+            },
+        }
+    )
+    assert evaluate_status(sd, with_conditions(cond("Created", "False"))) == ok("Initializing")
+    assert evaluate_status(sd, with_conditions(cond("Ready", "True", "Crash"))) == ok("Failed")
+    assert evaluate_status(sd, with_conditions(cond("Ready", "False", "Slow"))) == ok("Degraded")
+    assert evaluate_status(sd, with_conditions(cond("Ready", "True", "Slow"))) == UNMATCHED
+    assert evaluate_status(sd, with_conditions(cond("Ready", "False", "slow"))) == UNMATCHED
+    assert evaluate_status(sd, with_conditions(cond("Ready", "False"))) == UNMATCHED
+
+
+def test_custom_condition_field_names() -> None:
+    sd = definition(
+        {
+            "conditionsDefinition": {
+                "path": ".status.health",
+                "typeFieldName": "name",
+                "statusFieldName": "ok",
+                "reasonFieldName": "why",
+            },
+            "statusMappings": {
+                "failed": [
+                    {"byConditions": [{"type": "Disk", "status": "false", "reason": "Full"}]}
+                ]
+            },
+        }
+    )
+    obj = {"status": {"health": [{"name": "Disk", "ok": False, "why": "Full"}]}}
+    assert evaluate_status(sd, obj) == ok("Failed")
+    obj = {"status": {"health": [{"type": "Disk", "status": "false", "reason": "Full"}]}}
+    assert evaluate_status(sd, obj) == UNMATCHED
+
+
+def test_conditions_path_shapes() -> None:
+    sd = definition(
+        {
+            "conditionsDefinition": {"path": ".status.conditions[]?"},
+            "statusMappings": {
+                "running": [{"byConditions": [{"type": "Ready", "status": "True"}]}]
+            },
+        }
+    )
+    assert evaluate_status(sd, with_conditions(cond("Ready", "True"))) == ok("Running")
+    assert evaluate_status(sd, {"status": {"conditions": "Ready"}}) == UNMATCHED
+    sd = definition(
+        {
+            "conditionsDefinition": CONDITIONS,
+            "statusMappings": {"running": [{"byConditions": [{"type": "Ready"}]}]},
+        }
+    )
+    # one mapping where a list was expected reads as a single condition, like `[]?` output
+    assert evaluate_status(sd, {"status": {"conditions": {"type": "Ready"}}}) == ok("Running")
+    junk = {"status": {"conditions": [1, None, "x", {"status": "True"}, {"type": "Ready"}]}}
+    assert evaluate_status(sd, junk) == ok("Running")
+
+
+def test_by_phase_and_and_or() -> None:
+    sd = definition(
+        {
+            "phaseDefinition": {"path": ".status.phase"},
+            "conditionsDefinition": CONDITIONS,
+            "statusMappings": {
+                "running": [
+                    {
+                        "byPhase": "Up",
+                        "byConditions": [{"type": "Ready", "status": "True"}],
+                        "byExpression": {"expression": ".status.n > 0", "expectedResult": "true"},
+                    },
+                    {"byPhase": "Serving"},
+                ],
+            },
+        }
+    )
+    full = {"status": {"phase": "Up", "n": 1, "conditions": [cond("Ready", "True")]}}
+    assert evaluate_status(sd, full) == ok("Running")
+    broken: dict[str, Any]
+    for broken in ({"phase": "Down"}, {"n": 0}, {"conditions": []}):
+        obj = {"status": {**full["status"], **broken}}
+        assert evaluate_status(sd, obj) == UNMATCHED, broken
+    assert evaluate_status(sd, {"status": {"phase": "Serving"}}) == ok("Running")
+    assert evaluate_status(sd, {"status": {"phase": "up"}}) == UNMATCHED
+
+
+def test_empty_matcher_matches_and_empty_list_does_not() -> None:
+    sd = definition({"statusMappings": {"running": [{}], "failed": []}})
+    assert evaluate_status(sd, {}) == ok("Running")
+
+
+def test_phase_is_the_first_output_and_must_be_a_string() -> None:
+    sd = definition(
+        {
+            "phaseDefinition": {"path": ".status.phases[]"},
+            "statusMappings": {"running": [{"byPhase": "a"}], "failed": [{"byPhase": "b"}]},
+        }
+    )
+    assert evaluate_status(sd, {"status": {"phases": ["a", "b"]}}) == ok("Running")
+    assert evaluate_status(sd, {"status": {"phases": [1, "b"]}}) == UNMATCHED
+    assert evaluate_status(sd, {"status": {"phases": []}}) == UNMATCHED
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected", "value"),
+    [
+        (".v", "3", 3),
+        (".v", "3", 3.0),
+        (".v", "2.5", 2.5),
+        (".v", "true", True),
+        (".v", "null", None),
+        (".v", "abc", "abc"),
+        (".v | length", "2", [1, 2]),
+        (".v[]", "x", ["x", "y"]),  # the first output counts
+    ],
+)
+def test_by_expression_compares_tostring(expression: str, expected: str, value: Any) -> None:
+    sd = definition(
+        {
+            "statusMappings": {
+                "running": [
+                    {"byExpression": {"expression": expression, "expectedResult": expected}}
+                ]
+            }
+        }
+    )
+    assert evaluate_status(sd, {"v": value}) == ok("Running")
+
+
+def test_by_expression_without_output_does_not_match() -> None:
+    sd = definition(
+        {
+            "statusMappings": {
+                "running": [{"byExpression": {"expression": "empty", "expectedResult": "null"}}]
+            }
+        }
+    )
+    assert evaluate_status(sd, {}) == UNMATCHED
+
+
+def test_jq_runtime_error_gives_undefined_with_reason() -> None:
+    sd = definition(
+        {
+            "phaseDefinition": {"path": ".status.phase"},
+            "statusMappings": {
+                "running": [{"byPhase": "Running"}],
+                "failed": [
+                    {"byExpression": {"expression": ".status.items[] | .x", "expectedResult": "1"}}
+                ],
+            },
+        }
+    )
+    res = evaluate_status(sd, {"status": {"phase": "Running", "items": None}})
+    assert (res.phase, res.statuses) == ("Undefined", ("Undefined",))
+    assert res.reason.startswith("jq_error: Cannot iterate over null")
+    assert "(in .status.items[] | .x)" in res.reason
+    res = evaluate_status(sd, {"status": "weird"})
+    assert res.phase == "Undefined" and res.reason.startswith("jq_error: Cannot index string")
+
+
+def test_long_jq_error_reason_is_short() -> None:
+    long_expr = ".status.items[] | " + " + ".join(f".f{i}" for i in range(100))
+    sd = definition(
+        {
+            "statusMappings": {
+                "failed": [{"byExpression": {"expression": long_expr, "expectedResult": "1"}}]
+            }
+        }
+    )
+    res = evaluate_status(sd, {"status": {"items": 5}})
+    assert res.phase == "Undefined" and res.reason.startswith("jq_error: ")
+    assert len(res.reason) <= 160
+
+
+def test_object_that_is_not_json() -> None:
+    sd = definition(
+        {
+            "statusMappings": {
+                "running": [{"byExpression": {"expression": ".a", "expectedResult": "1"}}]
+            }
+        }
+    )
+    for bad in ({"a": b"bytes"}, {"a": math.nan}, {"a": {1, 2}}):
+        res = evaluate_status(sd, bad)
+        assert res.phase == "Undefined" and res.reason.startswith("invalid_object: ")
+
+
+def test_all_statuses_in_upstream_order_and_priority() -> None:
+    sd = definition({"statusMappings": {s.lower(): [{}] for s in reversed(UPSTREAM_STATUS_ORDER)}})
+    res = evaluate_status(sd, {})
+    assert res.statuses == UPSTREAM_STATUS_ORDER
+    assert res.phase == PHASE_PRIORITY[0] == "Failed"
+
+
+def test_priority_is_a_permutation_of_the_generic_statuses() -> None:
+    assert sorted(PHASE_PRIORITY) == sorted(UPSTREAM_STATUS_ORDER)
+    assert set(GENERIC_PHASES) == {*PHASE_PRIORITY, "Undefined"}
+
+
+@pytest.mark.parametrize("i", range(len(PHASE_PRIORITY) - 1))
+def test_priority_pairwise(i: int) -> None:
+    higher, lower = PHASE_PRIORITY[i], PHASE_PRIORITY[i + 1]
+    sd = definition({"statusMappings": {lower.lower(): [{}], higher.lower(): [{}]}})
+    res = evaluate_status(sd, {})
+    assert res.phase == higher
+    assert res.statuses == tuple(s for s in UPSTREAM_STATUS_ORDER if s in (higher, lower))
+
+
+# -- never raises -----------------------------------------------------------------------------
+
+
+def all_descriptions() -> list[Description]:
+    descs = list(builtin_descriptions())
+    if SAMPLES.is_dir():
+        loaded, _ = load_description_paths([SAMPLES])
+        descs.extend(loaded)
+    return descs
+
+
+DESCRIPTIONS = all_descriptions()
+KEYS = (
+    "status",
+    "spec",
+    "metadata",
+    "conditions",
+    "type",
+    "reason",
+    "phase",
+    "state",
+    "jobStatus",
+    "jobDeploymentStatus",
+    "replicas",
+    "readyReplicas",
+    "updatedReplicas",
+    "observedGeneration",
+    "generation",
+    "suspend",
+    "active",
+    "currentRevision",
+    "updateRevision",
+    "desiredNumberScheduled",
+    "numberReady",
+    "updatedNumberScheduled",
+    "lastScheduleTime",
+    "lastSuccessfulTime",
+    "items",
+)
+WORDS = ("True", "False", "Unknown", "Ready", "Running", "RUNNING", "ready", "Complete", "Failed")
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from(WORDS)
+    | st.text(max_size=8)
+)
+json_like = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=5)
+    ),
+    max_leaves=25,
+)
+conditions = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(WORDS) | json_like},
+        optional={"status": st.sampled_from(WORDS) | json_like, "reason": json_like},
+    ),
+    max_size=5,
+)
+workloads = st.fixed_dictionaries(
+    {},
+    optional={
+        "metadata": st.dictionaries(st.sampled_from(KEYS), json_like, max_size=3),
+        "spec": json_like,
+        "status": st.dictionaries(st.sampled_from(KEYS), json_like, max_size=6)
+        | st.fixed_dictionaries({"conditions": conditions}, optional={"phase": json_like}),
+    },
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(index=st.integers(min_value=0, max_value=len(DESCRIPTIONS) - 1), obj=workloads)
+def test_evaluate_status_never_raises(index: int, obj: dict[str, Any]) -> None:
+    d = DESCRIPTIONS[index]
+    res = evaluate_status(d.status, obj)
+    assert res.phase in GENERIC_PHASES
+    assert set(res.statuses) <= set(GENERIC_PHASES) and res.statuses
+    if res.phase == "Undefined":
+        assert res.statuses == ("Undefined",) and res.reason
+    else:
+        assert res.phase in res.statuses and res.reason == ""
+        assert res.statuses == tuple(s for s in UPSTREAM_STATUS_ORDER if s in res.statuses)
