@@ -18,7 +18,12 @@ from aiohttp import web
 
 from proxy.attribution import EnrichResult
 from proxy.codec import Protocol, protocol_from_content_type
-from proxy.compression import DecodeError, decompress
+from proxy.compression import (
+    DecodeError,
+    decompress,
+    snappy_declared_length,
+    zstd_declared_length,
+)
 from proxy.config import ServerSettings
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
@@ -31,8 +36,6 @@ ENCODINGS = ("snappy", "zstd")
 #: Retry-After (seconds) sent with our own 503s (overload, not ready)
 RETRY_AFTER = "1"
 
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
 
 class Enriching(typing.Protocol):
     """What the handler needs of ``proxy.attribution.Enricher``."""
@@ -43,32 +46,14 @@ class Enriching(typing.Protocol):
 
 
 def declared_decoded_size(body: bytes, encoding: str) -> int | None:
-    """The decoded size a body declares in its own header, or None if it declares none.
+    """The decoded size a body declares in its own header (None: a zstd frame without one).
 
-    Snappy block format opens with the decoded length as a uvarint; a zstd frame may carry
-    Frame_Content_Size. Used to reserve memory before decompressing (the decompressor
-    enforces the hard limit itself).
+    Used to reserve memory before decompressing; ``decompress`` enforces the hard limit.
+    Raises ``DecodeError`` for a header that is already corrupt.
     """
     if encoding == "snappy":
-        result = shift = 0
-        for i, b in enumerate(body[:10]):
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result if i < 5 else None
-            shift += 7
-        return None
-    if encoding == "zstd":
-        if len(body) < 6 or body[:4] != _ZSTD_MAGIC:
-            return None
-        fhd = body[4]
-        fcs_flag, single, did_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
-        pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[did_flag]
-        size = (1 if single else 0, 2, 4, 8)[fcs_flag]
-        if size == 0 or len(body) < pos + size:
-            return None
-        value = int.from_bytes(body[pos : pos + size], "little")
-        return value + 256 if size == 2 else value
-    return None
+        return snappy_declared_length(body)
+    return zstd_declared_length(body)
 
 
 class LoadBudget:
@@ -164,29 +149,19 @@ class RemoteWriteHandler:
     # -- request checks -------------------------------------------------------------------
 
     def _protocol(self, request: web.Request) -> Protocol:
-        ct = request.headers.get("Content-Type", "")
         try:
-            protocol = protocol_from_content_type(ct)
+            return protocol_from_content_type(request.headers.get("Content-Type", ""))
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="reject",
                            kind="unsupported_media_type") from None
-        except ValueError as e:
-            raise _Refusal(415, f"unsupported Content-Type {ct!r}: {e}", counter="reject",
-                           kind="unsupported_media_type") from None
-        if protocol is None:
-            raise _Refusal(415, f"unsupported Content-Type {ct!r}: expected "
-                           "application/x-protobuf (RW 1.0) or application/x-protobuf;"
-                           "proto=io.prometheus.write.v2.Request (RW 2.0)",
-                           counter="reject", kind="unsupported_media_type")
-        return protocol
 
     def _encoding(self, request: web.Request) -> str:
-        # Prometheus' own receiver snappy-decodes whatever the header says; an absent
-        # header is read as snappy the same way
-        enc = request.headers.get("Content-Encoding", "snappy").strip().lower() or "snappy"
+        # both RW versions require a compressed body: a missing header is refused too
+        enc = request.headers.get("Content-Encoding", "").strip().lower()
         if enc not in ENCODINGS:
-            raise _Refusal(415, f"unsupported Content-Encoding {enc!r}: expected snappy or zstd",
-                           counter="reject", kind="unsupported_media_type")
+            shown = enc or "none"
+            raise _Refusal(415, f"unsupported Content-Encoding {shown!r}: remote write needs "
+                           "snappy or zstd", counter="reject", kind="unsupported_media_type")
         return enc
 
     def _refuse(self, request: web.Request, r: _Refusal) -> web.Response:
@@ -245,14 +220,15 @@ class RemoteWriteHandler:
                 raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
                                counter="reject", kind="too_large")
             buf += chunk
-        if not buf:
-            raise _Refusal(400, "empty request body", counter="decode", kind="empty")
         return bytes(buf)
 
     async def _process(self, request: web.Request, protocol: Protocol, encoding: str,
                        body: bytes, held: _Held) -> web.StreamResponse:
         s = self.settings
-        declared = declared_decoded_size(body, encoding)
+        try:
+            declared = declared_decoded_size(body, encoding) if body else 0
+        except DecodeError as e:
+            raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         # a declared size past the limit is refused by decompress without allocating
         self._reserve(held, min(declared if declared is not None else s.max_decoded_bytes,
                                 s.max_decoded_bytes))

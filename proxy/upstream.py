@@ -10,6 +10,7 @@ never invents a 429 of its own.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import ssl
@@ -25,11 +26,6 @@ from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("karta.upstream")
-
-CT_V1 = "application/x-protobuf"
-CT_V2 = "application/x-protobuf;proto=io.prometheus.write.v2.Request"
-VERSION_V1 = "0.1.0"
-VERSION_V2 = "2.0.0"
 
 WRITTEN_SAMPLES = "X-Prometheus-Remote-Write-Samples-Written"
 WRITTEN_HISTOGRAMS = "X-Prometheus-Remote-Write-Histograms-Written"
@@ -211,14 +207,13 @@ class Upstream:
             out["Authorization"] = f"Bearer {self._token.get()}"
         elif self._password is not None:
             out = {k: v for k, v in out.items() if k.lower() != "authorization"}
-            auth = aiohttp.BasicAuth(self.settings.basic_auth_username, self._password.get())
-            out["Authorization"] = auth.encode()
+            pair = f"{self.settings.basic_auth_username}:{self._password.get()}"
+            out["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
         if not any(k.lower() == "user-agent" for k in out):
             out["User-Agent"] = "karta-proxy"
-        v2 = protocol is Protocol.V2
-        out["Content-Type"] = CT_V2 if v2 else CT_V1
+        out["Content-Type"] = protocol.content_type
         out["Content-Encoding"] = encoding
-        out["X-Prometheus-Remote-Write-Version"] = VERSION_V2 if v2 else VERSION_V1
+        out["X-Prometheus-Remote-Write-Version"] = protocol.version_header
         return out
 
     # -- forwarding -----------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""A scripted remote-write receiver on 127.0.0.1: answers as told, records what arrived.
+
+Real HTTP over loopback (aiohttp server), so the proxy's client, pooling, timeouts and
+header handling run for real; only the receiver's decisions are scripted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import snappy
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.compression import decompress
+
+
+@dataclass
+class Reply:
+    status: int = 204
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    #: seconds to wait before answering (timeouts)
+    delay: float = 0.0
+
+
+@dataclass
+class Received:
+    path: str
+    headers: CIMultiDict[str]
+    body: bytes
+    #: (host, port) of the client connection: one per pooled connection
+    peer: tuple[str, int] | None = None
+
+    @property
+    def raw(self) -> bytes:
+        """The decoded body (snappy or zstd per Content-Encoding)."""
+        enc = self.headers.get("Content-Encoding", "snappy")
+        if enc == "snappy":
+            return bytes(snappy.uncompress(self.body))
+        return decompress(self.body, enc, max_decoded=1 << 30)
+
+
+class ScriptedUpstream:
+    """``replies`` are used in order; the last one repeats. ``rule`` overrides per request."""
+
+    def __init__(self, *replies: Reply, rule: Callable[[Received], Reply | None] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.replies = list(replies) or [Reply()]
+        self.rule = rule
+        self.received: list[Received] = []
+        self.url = ""
+        self.port = 0
+        self._ssl = ssl_context
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        rec = Received(request.path, CIMultiDict(request.headers), await request.read(),
+                       tuple(peer[:2]) if peer else None)
+        self.received.append(rec)
+        reply = self.rule(rec) if self.rule is not None else None
+        if reply is None:
+            index = min(len(self.received) - 1, len(self.replies) - 1)
+            reply = self.replies[index]
+        if reply.delay:
+            await asyncio.sleep(reply.delay)
+        return web.Response(status=reply.status, headers=reply.headers, body=reply.body)
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, auto_decompress=False,
+                                     shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._ssl)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        scheme = "https" if self._ssl else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}/api/v1/write"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> ScriptedUpstream:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,360 @@
+"""The forwarding client against a real HTTP receiver on loopback: class of the answer,
+headers, auth, TLS, RW 2.0 -> 1.0 fallback."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from proxy.codec import Counts, Protocol
+from proxy.config import UpstreamSettings
+from proxy.metrics import ProxyMetrics
+from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
+from proxy.pb.prometheus import remote_pb2
+from proxy.upstream import (
+    WRITTEN_EXEMPLARS,
+    WRITTEN_HISTOGRAMS,
+    WRITTEN_SAMPLES,
+    FileSecret,
+    Upstream,
+    UpstreamFailure,
+    map_status,
+)
+from tests.scripted import Reply, ScriptedUpstream
+
+
+def v1_body() -> bytes:
+    req = remote_pb2.WriteRequest()
+    ts = req.timeseries.add()
+    ts.labels.add(name="__name__", value="up")
+    ts.labels.add(name="job", value="a")
+    ts.samples.add(value=1.0, timestamp=1000)
+    return req.SerializeToString()
+
+
+def v2_body() -> bytes:
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "up", "job", "a"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4])
+    ts.samples.add(value=1.0, timestamp=1000)
+    ts.samples.add(value=2.0, timestamp=2000)
+    return req.SerializeToString()
+
+
+COUNTS = Counts(series=1, samples=2, histograms=0, exemplars=0)
+
+
+def make(url: str, **kw: object) -> Upstream:
+    s = UpstreamSettings(url=url, timeout_seconds=2.0, connect_timeout_seconds=1.0)
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return Upstream(s, ProxyMetrics())
+
+
+async def test_success_forwards_body_and_selected_headers() -> None:
+    async with ScriptedUpstream(Reply(204)) as up:
+        u = make(up.url, headers={"X-Extra": "1"})
+        try:
+            answer = await u.forward(
+                v1_body(), Protocol.V1,
+                incoming_headers={"X-Scope-OrgID": "team-a", "Authorization": "Bearer s",
+                                  "THANOS-TENANT": "t", "X-Not-Listed": "no",
+                                  "Connection": "close", "User-Agent": "Prometheus/2.42.0"},
+            )
+        finally:
+            await u.close()
+    assert answer.status == 204 and answer.ok
+    rec = up.received[0]
+    assert rec.raw == v1_body()
+    h = rec.headers
+    assert h["Content-Encoding"] == "snappy"
+    assert h["Content-Type"] == "application/x-protobuf"
+    assert h["X-Prometheus-Remote-Write-Version"] == "0.1.0"
+    assert h["X-Scope-OrgID"] == "team-a"
+    assert h["Authorization"] == "Bearer s"
+    assert h["THANOS-TENANT"] == "t"
+    assert h["User-Agent"] == "Prometheus/2.42.0"
+    assert h["X-Extra"] == "1"
+    assert "X-Not-Listed" not in h
+
+
+async def test_zstd_toward_the_upstream_when_configured() -> None:
+    async with ScriptedUpstream() as up:
+        u = make(up.url, encoding="zstd")
+        try:
+            await u.forward(v1_body(), Protocol.V1)
+        finally:
+            await u.close()
+    assert up.received[0].headers["Content-Encoding"] == "zstd"
+    assert up.received[0].raw == v1_body()
+
+
+async def test_keep_alive_reuses_one_connection() -> None:
+    async with ScriptedUpstream() as up:
+        u = make(up.url)
+        try:
+            for _ in range(5):
+                assert (await u.forward(v1_body(), Protocol.V1)).ok
+        finally:
+            await u.close()
+    assert len(up.received) == 5
+    assert len({r.peer for r in up.received}) == 1
+
+
+@pytest.mark.parametrize(
+    ("reply", "status", "retry_after"),
+    [
+        (Reply(400, body=b"bad labels"), 400, None),
+        (Reply(404), 404, None),
+        (Reply(413), 413, None),
+        (Reply(429), 503, "1"),
+        (Reply(429, {"Retry-After": "7"}), 503, "7"),
+        (Reply(500, body=b"boom"), 502, None),
+        (Reply(502), 502, None),
+        (Reply(503, {"Retry-After": "30"}), 503, "30"),
+        (Reply(504), 504, None),
+        (Reply(307, {"Location": "/elsewhere"}), 502, None),
+        (Reply(200), 200, None),
+    ],
+)
+async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str | None) -> None:
+    async with ScriptedUpstream(reply) as up:
+        u = make(up.url)
+        try:
+            answer = await u.forward(v1_body(), Protocol.V1)
+        finally:
+            await u.close()
+    assert answer.status == status
+    assert answer.headers.get("Retry-After") == retry_after
+    assert answer.upstream == str(reply.status)
+    if reply.body:
+        assert reply.body in answer.body
+
+
+async def test_429_passes_when_configured() -> None:
+    async with ScriptedUpstream(Reply(429)) as up:
+        u = make(up.url, pass_through_429=True)
+        try:
+            assert (await u.forward(v1_body(), Protocol.V1)).status == 429
+        finally:
+            await u.close()
+
+
+async def test_error_body_is_truncated() -> None:
+    async with ScriptedUpstream(Reply(400, body=b"x" * 100_000)) as up:
+        u = make(up.url)
+        try:
+            answer = await u.forward(v1_body(), Protocol.V1)
+        finally:
+            await u.close()
+    assert answer.status == 400 and len(answer.body) <= 4096
+
+
+async def test_timeout_is_504() -> None:
+    async with ScriptedUpstream(Reply(204, delay=3.0)) as up:
+        u = make(up.url, timeout_seconds=0.3)
+        try:
+            answer = await u.forward(v1_body(), Protocol.V1)
+        finally:
+            await u.close()
+    assert answer.status == 504 and answer.upstream == "timeout"
+
+
+async def test_refused_connection_is_502() -> None:
+    up = ScriptedUpstream()
+    await up.start()
+    url = up.url
+    await up.stop()  # the port is now closed
+    u = make(url)
+    try:
+        answer = await u.forward(v1_body(), Protocol.V1)
+    finally:
+        await u.close()
+    assert answer.status == 502 and answer.upstream == "connect_error"
+    metrics = u.metrics
+    assert metrics is not None
+    assert metrics.registry.get_sample_value(
+        "karta_proxy_upstream_responses_total", {"code": "connect_error"}) == 1
+
+
+async def test_v2_written_headers_computed_when_upstream_omits_them() -> None:
+    async with ScriptedUpstream(Reply(204)) as up:
+        u = make(up.url)
+        try:
+            answer = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert up.received[0].headers["Content-Type"] == (
+        "application/x-protobuf;proto=io.prometheus.write.v2.Request")
+    assert up.received[0].headers["X-Prometheus-Remote-Write-Version"] == "2.0.0"
+    assert answer.headers[WRITTEN_SAMPLES] == "2"
+    assert answer.headers[WRITTEN_HISTOGRAMS] == "0"
+    assert answer.headers[WRITTEN_EXEMPLARS] == "0"
+
+
+async def test_v2_written_headers_passed_through() -> None:
+    given = {WRITTEN_SAMPLES: "1", WRITTEN_HISTOGRAMS: "0", WRITTEN_EXEMPLARS: "0"}
+    async with ScriptedUpstream(Reply(204, given)) as up:
+        u = make(up.url)
+        try:
+            answer = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert answer.headers[WRITTEN_SAMPLES] == "1"
+
+
+async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
+    def rule(rec: object) -> Reply:
+        from tests.scripted import Received
+
+        assert isinstance(rec, Received)
+        if "v2" in rec.headers["Content-Type"]:
+            return Reply(415, body=b"v1 only")
+        return Reply(204)
+
+    async with ScriptedUpstream(rule=rule) as up:
+        u = make(up.url)
+        try:
+            first = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+            second = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert first.status == 204 and first.converted
+    assert second.status == 204 and second.converted
+    kinds = [r.headers["Content-Type"] for r in up.received]
+    assert kinds == [
+        "application/x-protobuf;proto=io.prometheus.write.v2.Request",
+        "application/x-protobuf",
+        "application/x-protobuf",  # remembered: no second 415
+    ]
+    assert u.v1_only
+    converted = remote_pb2.WriteRequest.FromString(up.received[1].raw)
+    assert [(lb.name, lb.value) for lb in converted.timeseries[0].labels] == [
+        ("__name__", "up"), ("job", "a")]
+    assert [s.value for s in converted.timeseries[0].samples] == [1.0, 2.0]
+    assert up.received[1].headers["X-Prometheus-Remote-Write-Version"] == "0.1.0"
+    # a v1 upstream returns no Written headers: computed from the counts
+    assert first.headers[WRITTEN_SAMPLES] == "2"
+
+
+async def test_passthrough_protocol_returns_the_415() -> None:
+    async with ScriptedUpstream(Reply(415)) as up:
+        u = make(up.url, protocol="passthrough")
+        try:
+            answer = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert answer.status == 415 and len(up.received) == 1
+
+
+async def test_protocol_v1_always_converts() -> None:
+    async with ScriptedUpstream() as up:
+        u = make(up.url, protocol="v1")
+        try:
+            await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert up.received[0].headers["Content-Type"] == "application/x-protobuf"
+
+
+async def test_bearer_token_file_replaces_sender_auth(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret-1\n")
+    async with ScriptedUpstream() as up:
+        u = make(up.url, bearer_token_file=str(token))
+        try:
+            await u.forward(v1_body(), Protocol.V1, incoming_headers={"Authorization": "Basic x"})
+        finally:
+            await u.close()
+    assert up.received[0].headers.getall("Authorization") == ["Bearer secret-1"]
+
+
+async def test_basic_auth(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("hunter2")
+    async with ScriptedUpstream() as up:
+        u = make(up.url, basic_auth_username="karta", basic_auth_password_file=str(pw))
+        try:
+            await u.forward(v1_body(), Protocol.V1)
+        finally:
+            await u.close()
+    assert up.received[0].headers["Authorization"] == "Basic a2FydGE6aHVudGVyMg=="
+
+
+def test_file_secret_rereads_on_change(tmp_path: Path) -> None:
+    now = [0.0]
+    path = tmp_path / "token"
+    path.write_text("one")
+    secret = FileSecret(str(path), clock=lambda: now[0])
+    assert secret.get() == "one"
+    path.write_text("two-longer")
+    assert secret.get() == "one"  # not checked again within the interval
+    now[0] += 1.5
+    assert secret.get() == "two-longer"
+    path.unlink()
+    now[0] += 1.5
+    assert secret.get() == "two-longer"  # a vanished file keeps the last value
+
+
+async def test_send_v1_raises_on_refusal() -> None:
+    async with ScriptedUpstream(Reply(400, body=b"nope")) as up:
+        u = make(up.url)
+        try:
+            with pytest.raises(UpstreamFailure, match="400"):
+                await u.send_v1(v1_body())
+        finally:
+            await u.close()
+
+
+def test_map_status_never_invents_429() -> None:
+    for status in range(100, 600):
+        mapped, _ = map_status(status, {}, pass_through_429=False)
+        assert mapped != 429
+        assert (mapped >= 500) == (status >= 500 or status == 429 or status < 200
+                                   or 300 <= status < 400)
+
+
+# -- TLS --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=tsdb.karta.test",
+         "-addext", "subjectAltName=DNS:tsdb.karta.test"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
+def server_ctx(cert: Path, key: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(cert), str(key))
+    return ctx
+
+
+async def test_tls_with_ca_and_server_name(tls_files: tuple[Path, Path]) -> None:
+    cert, key = tls_files
+    async with ScriptedUpstream(ssl_context=server_ctx(cert, key)) as up:
+        ok = make(up.url, tls_ca_file=str(cert), tls_server_name="tsdb.karta.test")
+        unverified = make(up.url)  # system CAs: the self-signed cert is refused
+        insecure = make(up.url, tls_insecure_skip_verify=True)
+        try:
+            assert (await ok.forward(v1_body(), Protocol.V1)).status == 204
+            bad = await unverified.forward(v1_body(), Protocol.V1)
+            assert bad.status == 502 and bad.upstream == "connect_error"
+            assert (await insecure.forward(v1_body(), Protocol.V1)).status == 204
+        finally:
+            for u in (ok, unverified, insecure):
+                await u.close()
+    assert len(up.received) == 2
