@@ -1,0 +1,529 @@
+"""The snapshot source: the pod index from a file or folder of Kubernetes objects.
+
+A snapshot stands in for a live cluster (``--snapshot PATH``): the way to try the proxy
+without one, to run it where the API server is out of reach, and to test it. It is the
+same index the watches fill; the rest of the proxy cannot tell the two apart.
+
+Accepted, in any mix, from a file or a folder (recursively; ``*.yaml``, ``*.yml``,
+``*.json``, in sorted order):
+
+- multi-document YAML;
+- a ``kubectl get -A -o yaml`` (or ``-o json``) ``List``, and typed lists as the API serves
+  them (``PodList`` items carry no ``kind``; it is taken from the list);
+- JSON: one object, a List, or an array of objects;
+- Karta (``run.ai``) and ResourceInterface (``optimization.nvidia.com``) descriptions
+  among the objects: parsed with the file name as their source, invalid ones reported and
+  skipped, the rest in force.
+
+A file that cannot be read or parsed is reported with its reason and skipped; objects
+that are not Kubernetes objects are reported and skipped; nothing here raises past the
+loader except a path that does not exist at all. Objects without ``metadata.uid`` (hand
+written snapshots) get a stable one derived from kind, namespace and name, and owner
+references without a uid get the same derivation, so owner chains still connect.
+
+With ``reload_seconds`` the source polls the files' mtimes and applies what changed:
+changed and new objects are upserted, vanished ones deleted. A file that fails to parse
+on reload keeps its previous objects, so a half-written save never empties the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy.index import PodIndex
+from proxy.karta.description import DescriptionError, is_description_object, parse_description
+from proxy.karta.engine import Engine
+from proxy.karta.model import Description
+from proxy.karta.results import ChangeSet
+
+log = logging.getLogger("karta.snapshot")
+
+SUFFIXES = (".yaml", ".yml", ".json")
+#: one file's size limit; a 100k-pod ``kubectl get -o yaml`` is a few hundred MiB
+MAX_FILE_BYTES = 1024 * 1024 * 1024
+#: folders: files beyond this are reported and skipped
+MAX_FILES = 10_000
+#: the ``freshness`` resource name this source marks
+FRESHNESS_RESOURCE = "snapshot"
+#: the engine's description source name for descriptions found in snapshot files
+DESCRIPTION_SOURCE = "snapshot"
+#: minimum poll interval for reloads
+MIN_RELOAD_SECONDS = 0.2
+
+_UID_NAMESPACE = uuid.UUID("1b4e28ba-2fa1-41d2-883f-0016d3cca427")
+
+#: libyaml when present: several times faster on big snapshots
+_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class SnapshotError(Exception):
+    """The snapshot path itself is unusable (missing, or no loadable file at all)."""
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass
+class FileContent:
+    """What one file holds, parsed but not yet fed to an engine."""
+
+    path: str
+    objects: list[Mapping[str, Any]] = field(default_factory=list)
+    descriptions: list[Description] = field(default_factory=list)
+    description_errors: list[DescriptionError] = field(default_factory=list)
+    #: the description documents as read (parsed descriptions do not compare by value)
+    description_docs: list[Any] = field(default_factory=list)
+    #: "where: why" for documents that are not Kubernetes objects
+    invalid: list[str] = field(default_factory=list)
+    uids_derived: int = 0
+
+
+@dataclass
+class SnapshotContent:
+    """Every file of a snapshot path, parsed."""
+
+    path: str
+    files: dict[str, FileContent] = field(default_factory=dict)
+    skipped: list[SkippedFile] = field(default_factory=list)
+
+    def objects(self) -> dict[str, Mapping[str, Any]]:
+        """Objects by uid; a later file (sorted order) wins over an earlier one."""
+        out: dict[str, Mapping[str, Any]] = {}
+        for fc in self.files.values():
+            for obj in fc.objects:
+                out[obj["metadata"]["uid"]] = obj
+        return out
+
+    def descriptions(self) -> list[Description]:
+        return [d for fc in self.files.values() for d in fc.descriptions]
+
+    def description_errors(self) -> list[DescriptionError]:
+        return [e for fc in self.files.values() for e in fc.description_errors]
+
+    def description_docs(self) -> list[tuple[str, Any]]:
+        return [(fc.path, d) for fc in self.files.values() for d in fc.description_docs]
+
+
+@dataclass
+class SnapshotReport:
+    """What a load did: counts by kind, what was skipped and why, the engine's answer."""
+
+    path: str
+    files: list[str] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
+    #: objects handed to the engine, by kind (descriptions under Karta / ResourceInterface)
+    objects: Counter[str] = field(default_factory=Counter)
+    invalid_objects: list[str] = field(default_factory=list)
+    descriptions: list[str] = field(default_factory=list)
+    description_errors: list[DescriptionError] = field(default_factory=list)
+    uids_derived: int = 0
+    pods_attributed: int = 0
+    #: unattributed pods by the engine's reason
+    pods_unattributed: Counter[str] = field(default_factory=Counter)
+    workloads: int = 0
+    changes: ChangeSet = field(default_factory=ChangeSet)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Nothing was skipped: every file, object and description loaded."""
+        return not (self.skipped or self.invalid_objects or self.description_errors)
+
+    def problems(self) -> list[str]:
+        return (
+            [f"file skipped: {s}" for s in self.skipped]
+            + [f"object skipped: {s}" for s in self.invalid_objects]
+            + [f"description skipped: {e}" for e in self.description_errors]
+        )
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.objects.items()))
+        unatt = sum(self.pods_unattributed.values())
+        return (
+            f"snapshot {self.path}: {len(self.files)} file(s), {kinds or 'no objects'}; "
+            f"{self.workloads} workloads, {self.pods_attributed} pods attributed, "
+            f"{unatt} unattributed; {len(self.skipped)} file(s), "
+            f"{len(self.invalid_objects)} object(s), {len(self.description_errors)} "
+            f"description(s) skipped; {self.seconds * 1000:.0f} ms"
+        )
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
+    """The files a snapshot path stands for; raises ``SnapshotError`` if it does not exist."""
+    p = Path(path)
+    if p.is_file():
+        return [p], []
+    if not p.is_dir():
+        raise SnapshotError(f"snapshot {path}: no such file or folder")
+    files: list[Path] = []
+    skipped: list[SkippedFile] = []
+    for f in sorted(p.rglob("*")):
+        if not f.is_file() or any(part.startswith(".") for part in f.relative_to(p).parts):
+            continue  # hidden files and folders (editor swap files, .git) are not snapshot data
+        if f.suffix.lower() not in SUFFIXES:
+            skipped.append(SkippedFile(str(f), f"not {'/'.join(SUFFIXES)}"))
+        elif len(files) >= MAX_FILES:
+            skipped.append(SkippedFile(str(f), f"more than {MAX_FILES} files in the folder"))
+        else:
+            files.append(f)
+    return files, skipped
+
+
+def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileContent | SkippedFile:
+    """Parse one file; a file that cannot be read or parsed comes back as ``SkippedFile``."""
+    p = Path(path)
+    source = str(p)
+    try:
+        size = p.stat().st_size
+        if size > max_bytes:
+            return SkippedFile(source, f"too large ({size} bytes > {max_bytes})")
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        return SkippedFile(source, f"not UTF-8 text ({e.reason} at byte {e.start})")
+    except OSError as e:
+        return SkippedFile(source, f"cannot read: {e.strerror or e}")
+    try:
+        docs = _parse(text, json_file=p.suffix.lower() == ".json")
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        return SkippedFile(source, f"invalid JSON: {e}")
+    except yaml.YAMLError as e:
+        return SkippedFile(source, f"invalid YAML: {_yaml_reason(e)}")
+    except RecursionError:
+        return SkippedFile(source, "nested too deeply")
+    fc = FileContent(source)
+    for where, item in _flatten(docs):
+        _classify(fc, where, item)
+    if not fc.objects and not fc.descriptions and not fc.description_errors and fc.invalid:
+        return SkippedFile(source, f"no Kubernetes objects ({fc.invalid[0]})")
+    return fc
+
+
+def read_snapshot(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> SnapshotContent:
+    """Every file of a snapshot path, parsed; raises ``SnapshotError`` only for the path."""
+    files, skipped = snapshot_files(path)
+    content = SnapshotContent(str(path), skipped=list(skipped))
+    for f in files:
+        got = read_file(f, max_bytes=max_bytes)
+        if isinstance(got, SkippedFile):
+            content.skipped.append(got)
+        else:
+            content.files[got.path] = got
+    return content
+
+
+def _parse(text: str, *, json_file: bool) -> list[Any]:
+    if json_file:
+        return [json.loads(text)]
+    return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
+
+
+def _yaml_reason(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return str(e).replace("\n", " ")[:300]
+
+
+def _flatten(docs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
+    """Documents -> (where, item): arrays and ``*List`` objects opened one level deep."""
+    for i, doc in enumerate(docs):
+        here = f"document {i + 1}"
+        if isinstance(doc, list):
+            for j, item in enumerate(doc):
+                yield f"{here}[{j}]", item
+        elif (
+            isinstance(doc, Mapping)
+            and isinstance(doc.get("kind"), str)
+            and doc["kind"].endswith("List")
+            and isinstance(doc.get("items"), list)
+        ):
+            item_kind = doc["kind"][: -len("List")]
+            api = doc.get("apiVersion")
+            for j, item in enumerate(doc["items"]):
+                if isinstance(item, Mapping) and "kind" not in item and item_kind:
+                    # typed lists from the API (PodList, ...) leave kind off their items
+                    item = {"apiVersion": api, "kind": item_kind, **item}
+                yield f"{here}.items[{j}]", item
+        else:
+            yield here, doc
+
+
+def _classify(fc: FileContent, where: str, item: Any) -> None:
+    if not isinstance(item, Mapping):
+        fc.invalid.append(f"{fc.path}: {where}: not an object but {type(item).__name__}")
+        return
+    if is_description_object(item):
+        fc.description_docs.append(item)
+        try:
+            fc.descriptions.append(parse_description(item, fc.path))
+        except DescriptionError as e:
+            e.path = f"{where}: {e.path}" if e.path else where
+            fc.description_errors.append(e)
+        except RecursionError:
+            fc.description_errors.append(DescriptionError(fc.path, "", where, "nested too deeply"))
+        return
+    kind, api, md = item.get("kind"), item.get("apiVersion"), item.get("metadata")
+    if not isinstance(kind, str) or not kind or not isinstance(api, str) or not api:
+        fc.invalid.append(f"{fc.path}: {where}: apiVersion and kind are required")
+        return
+    if not isinstance(md, Mapping) or not isinstance(md.get("name"), str) or not md["name"]:
+        fc.invalid.append(f"{fc.path}: {where}: {kind} without metadata.name")
+        return
+    obj, derived = _with_uids(item, md)
+    fc.uids_derived += derived
+    fc.objects.append(obj)
+
+
+def derived_uid(kind: str, namespace: str, name: str) -> str:
+    """The uid given to an object written without one (stable across loads)."""
+    return str(uuid.uuid5(_UID_NAMESPACE, f"{kind}/{namespace}/{name}"))
+
+
+def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
+    """Fill in missing uids (object and owner references) without touching the input."""
+    derived = 0
+    ns = md.get("namespace") or ""
+    new_md: dict[str, Any] | None = None
+    if not isinstance(md.get("uid"), str) or not md.get("uid"):
+        new_md = dict(md)
+        new_md["uid"] = derived_uid(obj["kind"], ns, md["name"])
+        derived += 1
+    refs = md.get("ownerReferences")
+    if isinstance(refs, list) and any(
+        isinstance(r, Mapping) and not r.get("uid") and r.get("kind") and r.get("name")
+        for r in refs
+    ):
+        new_refs = []
+        for r in refs:
+            if isinstance(r, Mapping) and not r.get("uid") and r.get("kind") and r.get("name"):
+                r = {**r, "uid": derived_uid(str(r["kind"]), ns, str(r["name"]))}
+                derived += 1
+            new_refs.append(r)
+        new_md = dict(new_md if new_md is not None else md)
+        new_md["ownerReferences"] = new_refs
+    if new_md is None:
+        return obj, 0
+    return {**obj, "metadata": new_md}, derived
+
+
+# -- feeding an engine ------------------------------------------------------------------------
+
+
+def _feed_order(objs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Owners and workloads before pods: pods then attribute in one pass, not re-attribute."""
+    items = list(objs)
+    return [o for o in items if o["kind"] != "Pod"] + [o for o in items if o["kind"] == "Pod"]
+
+
+def _upsert(engine: Engine, objs: list[Mapping[str, Any]], report: SnapshotReport) -> ChangeSet:
+    try:
+        return engine.upsert_many(objs)
+    except Exception:  # an engine bug on one object must not cost the rest
+        log.exception("snapshot: engine failed on a batch; retrying object by object")
+    cs = ChangeSet()
+    for obj in objs:
+        try:
+            cs.merge(engine.upsert(obj))
+        except Exception as e:
+            md = obj.get("metadata") or {}
+            report.invalid_objects.append(
+                f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}: "
+                f"engine error {type(e).__name__}: {e}"
+            )
+    return cs
+
+
+def apply_content(
+    content: SnapshotContent, engine: Engine, *, previous: SnapshotContent | None = None
+) -> SnapshotReport:
+    """Feed parsed content to ``engine``; with ``previous``, only what changed since."""
+    started = time.monotonic()
+    report = SnapshotReport(content.path, files=list(content.files), skipped=list(content.skipped))
+    for fc in content.files.values():
+        report.invalid_objects.extend(fc.invalid)
+        report.uids_derived += fc.uids_derived
+        for d in fc.descriptions:
+            report.objects[d.form] += 1
+    report.descriptions = [f"{d.name} ({d.group_kind})" for d in content.descriptions()]
+    report.description_errors = content.description_errors()
+
+    changes = ChangeSet()
+    descs = content.descriptions()
+    errors = content.description_errors()
+    first = previous is None
+    if (first and (descs or errors)) or (
+        previous is not None and content.description_docs() != previous.description_docs()
+    ):
+        changes.merge(engine.add_descriptions(descs, source=DESCRIPTION_SOURCE, errors=errors))
+
+    objs = content.objects()
+    old = previous.objects() if previous is not None else {}
+    gone = [o for uid, o in old.items() if uid not in objs]
+    fresh = [o for uid, o in objs.items() if old.get(uid) != o]
+    for o in objs.values():
+        report.objects[o["kind"]] += 1
+    if gone:
+        changes.merge(engine.delete_many(gone))
+    if fresh:
+        changes.merge(_upsert(engine, _feed_order(fresh), report))
+
+    for att in engine.pods():
+        if att.workload is not None:
+            report.pods_attributed += 1
+        else:
+            report.pods_unattributed[att.reason or "unattributed"] += 1
+    report.workloads = sum(1 for _ in engine.workloads())
+    report.changes = changes
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def load_snapshot(path: str | Path, engine: Engine) -> SnapshotReport:
+    """Read a snapshot path and feed everything to ``engine``; never raises for bad files.
+
+    Raises ``SnapshotError`` when the path does not exist. The returned report carries the
+    engine's change set, for ``PodIndex.apply``.
+    """
+    started = time.monotonic()
+    content = read_snapshot(path)
+    report = apply_content(content, engine)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _signature(path: str | Path) -> tuple[tuple[str, int, int], ...]:
+    """What changes when any snapshot file is saved, added or removed."""
+    try:
+        files, _ = snapshot_files(path)
+    except SnapshotError:
+        return ()
+    out = []
+    for f in files:
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            out.append((str(f), st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+def log_report(report: SnapshotReport, *, reload: bool = False) -> None:
+    for problem in report.problems():
+        log.error("snapshot: %s", problem, extra={"snapshot": report.path})
+    log.info(
+        "snapshot reloaded" if reload else "snapshot loaded",
+        extra={
+            "snapshot": report.path,
+            "files": len(report.files),
+            "objects": dict(report.objects),
+            "workloads": report.workloads,
+            "pods_attributed": report.pods_attributed,
+            "pods_unattributed": dict(report.pods_unattributed),
+            "files_skipped": len(report.skipped),
+            "objects_skipped": len(report.invalid_objects),
+            "descriptions_skipped": len(report.description_errors),
+            "uids_derived": report.uids_derived,
+            "seconds": round(report.seconds, 3),
+        },
+    )
+
+
+class SnapshotSource:
+    """A source of the pod index, like the watches: ``start()`` loads, ``stop()`` ends polling."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        engine: Engine,
+        index: PodIndex,
+        *,
+        reload_seconds: float | None = None,
+    ) -> None:
+        self.path = str(path)
+        self.engine = engine
+        self.index = index
+        self.reload_seconds = max(MIN_RELOAD_SECONDS, reload_seconds) if reload_seconds else None
+        self.report: SnapshotReport | None = None
+        self.reloads = 0
+        self._content: SnapshotContent | None = None
+        self._signature: tuple[tuple[str, int, int], ...] = ()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Load, apply to the index, mark it ready and fresh; raises ``SnapshotError``."""
+        self._signature = await asyncio.to_thread(_signature, self.path)
+        content = await asyncio.to_thread(read_snapshot, self.path)
+        if not content.files:
+            reasons = "; ".join(str(s) for s in content.skipped[:5]) or "no snapshot files"
+            raise SnapshotError(f"snapshot {self.path}: nothing could be loaded: {reasons}")
+        self.report = apply_content(content, self.engine)
+        self._content = content
+        self.index.apply(self.report.changes)
+        self.index.ready = True
+        self.index.mark_fresh(FRESHNESS_RESOURCE)
+        log_report(self.report)
+        if self.reload_seconds:
+            self._task = asyncio.create_task(self._poll(), name="snapshot-reload")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def reload(self) -> SnapshotReport:
+        """Apply what changed on disk since the last load (files that fail keep their objects)."""
+        assert self._content is not None, "start() first"
+        self._signature = await asyncio.to_thread(_signature, self.path)
+        try:
+            content = await asyncio.to_thread(read_snapshot, self.path)
+        except SnapshotError as e:  # the whole path vanished: keep serving what we have
+            log.error("snapshot: reload failed, keeping the last state", extra={"error": str(e)})
+            content = SnapshotContent(self.path, skipped=[SkippedFile(self.path, str(e))])
+        for s in content.skipped:
+            kept = self._content.files.get(s.path)
+            if kept is not None:  # unreadable now (half-saved?): keep its last good objects
+                content.files[s.path] = kept
+        content.files = dict(sorted(content.files.items()))
+        report = apply_content(content, self.engine, previous=self._content)
+        self._content = content
+        self.report = report
+        self.reloads += 1
+        self.index.apply(report.changes)
+        self.index.mark_fresh(FRESHNESS_RESOURCE)
+        log_report(report, reload=True)
+        return report
+
+    async def _poll(self) -> None:
+        assert self.reload_seconds is not None
+        while True:
+            await asyncio.sleep(self.reload_seconds)
+            try:
+                sig = await asyncio.to_thread(_signature, self.path)
+                if sig != self._signature:
+                    await self.reload()
+                else:
+                    self.index.mark_fresh(FRESHNESS_RESOURCE)
+            except Exception:  # never let a reload end the process
+                log.exception("snapshot: reload failed")

@@ -1,0 +1,353 @@
+"""The snapshot source: every accepted format, bad input reported, reloads, the demo cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.index import PodIndex
+from proxy.karta.engine import Engine
+from proxy.snapshot import (
+    SnapshotError,
+    SnapshotSource,
+    derived_uid,
+    load_snapshot,
+    read_snapshot,
+)
+
+DEMO = Path(__file__).resolve().parents[1] / "proxy" / "demo_data" / "snapshot.yaml"
+
+
+def _deployment() -> list[dict[str, Any]]:
+    """A Deployment, its ReplicaSet and one pod, as the API serves them."""
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "api", "namespace": "shop", "uid": "d-1"},
+            "spec": {"replicas": 1},
+            "status": {"replicas": 1, "availableReplicas": 1, "readyReplicas": 1},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {
+                "name": "api-5f6d",
+                "namespace": "shop",
+                "uid": "rs-1",
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "Deployment", "name": "api",
+                     "uid": "d-1", "controller": True},
+                ],
+            },
+        },
+        _pod("api-5f6d-x1", "p-1", ("ReplicaSet", "api-5f6d", "rs-1")),
+    ]  # fmt: skip
+
+
+def _pod(name: str, uid: str | None, owner: tuple[str, str, str | None] | None) -> dict[str, Any]:
+    md: dict[str, Any] = {"name": name, "namespace": "shop"}
+    if uid:
+        md["uid"] = uid
+    if owner:
+        kind, oname, ouid = owner
+        ref: dict[str, Any] = {"apiVersion": "apps/v1", "kind": kind, "name": oname,
+                               "controller": True}  # fmt: skip
+        if ouid:
+            ref["uid"] = ouid
+        md["ownerReferences"] = [ref]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": md, "spec": {"containers": []}}
+
+
+def _workload_of(index: PodIndex, pod: str, ns: str = "shop") -> str | None:
+    pairs = index.lookup(ns.encode(), pod.encode())
+    return dict(pairs).get("karta_workload") if pairs else None
+
+
+def _load(path: Path) -> tuple[Engine, PodIndex, Any]:
+    engine = Engine()
+    index = PodIndex()
+    report = load_snapshot(path, engine)
+    index.apply(report.changes)
+    return engine, index, report
+
+
+def test_multi_document_yaml(tmp_path: Path) -> None:
+    f = tmp_path / "cluster.yaml"
+    f.write_text(yaml.safe_dump_all(_deployment()) + "---\n")  # trailing empty document
+    _, index, report = _load(f)
+    assert report.ok, report.problems()
+    assert report.objects == {"Deployment": 1, "ReplicaSet": 1, "Pod": 1}
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+    assert report.pods_attributed == 1
+
+
+def test_kubectl_list_yaml(tmp_path: Path) -> None:
+    f = tmp_path / "all.yml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": _deployment(),
+                                 "metadata": {"resourceVersion": ""}}))  # fmt: skip
+    _, index, report = _load(f)
+    assert report.ok, report.problems()
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+
+
+def test_typed_list_items_take_the_list_kind(tmp_path: Path) -> None:
+    """``GET /api/v1/pods`` answers a PodList whose items carry no kind or apiVersion."""
+    objs = _deployment()
+    pod = {k: v for k, v in objs[2].items() if k not in ("kind", "apiVersion")}
+    f = tmp_path / "pods.json"
+    f.write_text(json.dumps({"apiVersion": "v1", "kind": "PodList", "items": [pod]}))
+    owners = tmp_path / "owners.json"
+    owners.write_text(json.dumps(objs[:2]))  # a JSON array
+    _, index, report = _load(tmp_path)
+    assert report.ok, report.problems()
+    assert report.objects["Pod"] == 1
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+
+
+def test_json_object_list_and_array(tmp_path: Path) -> None:
+    d, rs, pod = _deployment()
+    (tmp_path / "a.json").write_text(json.dumps(d))
+    (tmp_path / "b.json").write_text(json.dumps({"apiVersion": "v1", "kind": "List",
+                                                 "items": [rs]}))  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps([pod]))
+    _, index, report = _load(tmp_path)
+    assert report.ok, report.problems()
+    assert len(report.files) == 3
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+
+
+def test_folder_recursive_sorted_and_foreign_files_reported(tmp_path: Path) -> None:
+    d, rs, pod = _deployment()
+    (tmp_path / "owners").mkdir()
+    (tmp_path / "owners" / "deploy.yaml").write_text(yaml.safe_dump_all([d, rs]))
+    (tmp_path / "pods.yaml").write_text(yaml.safe_dump(pod))
+    (tmp_path / "README.md").write_text("not a snapshot")
+    (tmp_path / ".hidden.yaml.swp").write_text("editor junk")
+    _, index, report = _load(tmp_path)
+    assert [Path(f).name for f in report.files] == ["deploy.yaml", "pods.yaml"]
+    assert [Path(s.path).name for s in report.skipped] == ["README.md"]
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+
+
+def test_bad_files_reported_and_the_rest_loaded(tmp_path: Path) -> None:
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump_all(_deployment()))
+    (tmp_path / "broken.yaml").write_text("kind: Pod\nmetadata: {name: [unclosed\n")
+    (tmp_path / "broken.json").write_text('{"kind": "Pod",')
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "scalars.yaml").write_text("just a string\n---\n42\n")
+    (tmp_path / "partial.yaml").write_text(
+        yaml.safe_dump_all([{"kind": "Pod"}, {"apiVersion": "v1", "kind": "Pod",
+                             "metadata": {"namespace": "x"}}, _pod("solo", "p-9", None)])
+    )  # fmt: skip
+    _, index, report = _load(tmp_path)
+    reasons = {Path(s.path).name: s.reason for s in report.skipped}
+    assert reasons["broken.yaml"].startswith("invalid YAML: line 3, column 1")
+    assert reasons["broken.json"].startswith("invalid JSON")
+    assert "UTF-8" in reasons["binary.yaml"]
+    assert "no Kubernetes objects" in reasons["scalars.yaml"]
+    assert len(report.invalid_objects) == 2
+    assert any("apiVersion and kind are required" in s for s in report.invalid_objects)
+    assert any("without metadata.name" in s for s in report.invalid_objects)
+    assert not report.ok
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+    assert _workload_of(index, "solo") == "solo"  # a bare pod is its own workload
+
+
+def test_missing_path_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="no such file or folder"):
+        load_snapshot(tmp_path / "nope.yaml", Engine())
+
+
+def test_descriptions_in_a_snapshot_and_invalid_ones_skipped(tmp_path: Path) -> None:
+    crd_obj = {
+        "apiVersion": "example.com/v1", "kind": "Trainer",
+        "metadata": {"name": "t1", "namespace": "shop", "uid": "t-1"},
+        "status": {"state": "Training"},
+    }  # fmt: skip
+    desc = {
+        "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "trainer"},
+        "spec": {"structureDefinition": {
+            "rootComponent": {
+                "name": "trainer",
+                "kind": {"group": "example.com", "version": "v1", "kind": "Trainer"},
+                "statusDefinition": {"phaseDefinition": {"path": ".status.state"},
+                                     "statusMappings": {"running": [{"byPhase": "Training"}]}},
+            },
+            "childComponents": [{
+                "name": "worker", "ownerRef": "trainer",
+                "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+            }],
+        }},
+    }  # fmt: skip
+    bad = {
+        "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "broken"},
+        "spec": {"structureDefinition": {"rootComponent": {
+            "name": "x", "kind": {"group": "example.com", "version": "v1", "kind": "Other"},
+            "statusDefinition": {"phaseDefinition": {"path": ".status | ]["}},
+        }}},
+    }  # fmt: skip
+    pod = _pod("t1-worker-0", "tp-1", None)
+    pod["metadata"]["ownerReferences"] = [
+        {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t1", "uid": "t-1",
+         "controller": True}
+    ]  # fmt: skip
+    f = tmp_path / "snap.yaml"
+    f.write_text(yaml.safe_dump_all([desc, bad, crd_obj, pod]))
+    engine, index, report = _load(f)
+    assert report.objects["Karta"] == 1
+    assert [e.name for e in report.description_errors] == ["broken"]
+    assert "document 2" in report.description_errors[0].path
+    assert any(e.name == "broken" for e in engine.description_errors)
+    pairs = dict(index.lookup(b"shop", b"t1-worker-0") or ())
+    assert pairs["karta_workload"] == "t1"
+    assert pairs["karta_kind"] == "Trainer"
+    assert pairs["karta_component"] == "worker"
+    phases = {w.ref.name: w.phase for w in engine.workloads()}
+    assert phases["t1"] == "Running"
+
+
+def test_missing_uids_are_derived_and_owner_chains_still_connect(tmp_path: Path) -> None:
+    objs = _deployment()
+    for o in objs:
+        del o["metadata"]["uid"]
+        for ref in o["metadata"].get("ownerReferences", []):
+            del ref["uid"]
+    f = tmp_path / "hand-written.yaml"
+    f.write_text(yaml.safe_dump_all(objs))
+    engine, index, report = _load(f)
+    assert report.uids_derived == 5  # three objects, two owner references
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+    uid = derived_uid("Pod", "shop", "api-5f6d-x1")
+    att = engine.pod(uid)
+    assert att is not None and att.workload is not None
+    assert att.workload.uid == derived_uid("Deployment", "shop", "api")
+
+
+def test_input_objects_are_not_mutated(tmp_path: Path) -> None:
+    objs = _deployment()
+    del objs[2]["metadata"]["uid"]
+    before = json.dumps(objs, sort_keys=True)
+    content = read_snapshot(_write(tmp_path / "s.yaml", objs))
+    assert content.files and json.dumps(objs, sort_keys=True) == before
+
+
+def _write(path: Path, objs: list[dict[str, Any]]) -> Path:
+    path.write_text(yaml.safe_dump_all(objs))
+    return path
+
+
+async def test_source_start_marks_ready_and_fresh(tmp_path: Path) -> None:
+    index = PodIndex()
+    src = SnapshotSource(_write(tmp_path / "s.yaml", _deployment()), Engine(), index)
+    assert not index.ready
+    await src.start()
+    try:
+        assert index.ready
+        assert "snapshot" in index.freshness
+        assert _workload_of(index, "api-5f6d-x1") == "api"
+        assert src.report is not None and src.report.ok
+    finally:
+        await src.stop()
+
+
+async def test_source_with_nothing_loadable_fails_to_start(tmp_path: Path) -> None:
+    (tmp_path / "broken.yaml").write_text("{{{{")
+    src = SnapshotSource(tmp_path, Engine(), PodIndex())
+    with pytest.raises(SnapshotError, match=r"nothing could be loaded.*broken\.yaml"):
+        await src.start()
+
+
+async def test_reload_applies_additions_changes_and_deletions(tmp_path: Path) -> None:
+    index = PodIndex()
+    f = _write(tmp_path / "s.yaml", _deployment())
+    src = SnapshotSource(f, Engine(), index, reload_seconds=0.2)
+    await src.start()
+    try:
+        objs = _deployment()
+        objs.append(_pod("late", "p-2", None))  # a new bare pod
+        objs[2]["metadata"]["labels"] = {"changed": "yes"}
+        _write(f, objs)
+        os.utime(f, ns=(1, 1))  # a different mtime whatever the clock resolution
+        await _until(lambda: _workload_of(index, "late") == "late")
+        assert _workload_of(index, "api-5f6d-x1") == "api"
+        # the pod goes away: a tombstone keeps its labels, the engine forgets it
+        _write(f, _deployment()[:2])
+        os.utime(f, ns=(2, 2))
+        await _until(lambda: src.reloads >= 2)
+        assert src.engine.pod("p-1") is None
+        assert index.tombstones() == 2
+    finally:
+        await src.stop()
+
+
+async def test_reload_keeps_the_objects_of_a_file_that_no_longer_parses(tmp_path: Path) -> None:
+    index = PodIndex()
+    f = _write(tmp_path / "s.yaml", _deployment())
+    src = SnapshotSource(tmp_path, Engine(), index)
+    await src.start()
+    f.write_text("kind: Pod\nmetadata: {name: [half-saved\n")
+    report = await src.reload()
+    assert [Path(s.path).name for s in report.skipped] == ["s.yaml"]
+    assert src.engine.pod("p-1") is not None
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+    assert index.tombstones() == 0
+
+
+async def _until(cond: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+#: namespace/pod -> kind, workload, component, instance, replica, reason ("-" for empty)
+DEMO_TABLE = """
+batch/nightly-etl-7q2wd Job nightly-etl job - - -
+default/debug-shell Pod debug-shell pod - - -
+gpu-monitoring/dcgm-exporter-5wz8k DaemonSet dcgm-exporter daemonset - - -
+gpu-monitoring/dcgm-exporter-r7p2j DaemonSet dcgm-exporter daemonset - - -
+ml/allreduce-bench-worker-0 - - - - - no_described_owner
+ml/llm-finetune-4rj6t RayJob llm-finetune submitter - - -
+ml/llm-finetune-raycluster-k7x2p-gpu-group-worker-2xk9d RayJob llm-finetune worker gpu-group - -
+ml/llm-finetune-raycluster-k7x2p-gpu-group-worker-7mnbv RayJob llm-finetune worker gpu-group - -
+ml/llm-finetune-raycluster-k7x2p-head-8jz5c RayJob llm-finetune head - - -
+ml/pretrain-driver-0-0-bq9tw JobSet pretrain replicatedjob driver 0 -
+ml/pretrain-workers-0-0-h5k8s JobSet pretrain replicatedjob workers 0 -
+ml/pretrain-workers-1-0-m2n4r JobSet pretrain replicatedjob workers 1 -
+web/frontend-6d8f7b9c5d-4xkqp Deployment frontend deployment - - -
+web/frontend-6d8f7b9c5d-9zt2m Deployment frontend deployment - - -
+web/postgres-0 StatefulSet postgres statefulset - - -
+web/postgres-1 StatefulSet postgres statefulset - - -
+"""
+
+
+def test_demo_snapshot_attribution_table() -> None:
+    engine, _, report = _load(DEMO)
+    assert report.ok, report.problems()
+    table = {
+        f"{a.namespace}/{a.pod}": [
+            a.workload.kind if a.workload else "",
+            a.workload.name if a.workload else "",
+            a.component,
+            a.instance,
+            a.replica,
+            a.reason,
+        ]
+        for a in engine.pods()
+    }
+    expected = {
+        row[0]: ["" if v == "-" else v for v in row[1:]]
+        for row in (line.split() for line in DEMO_TABLE.strip().splitlines())
+    }
+    assert table == expected
+    phases = {w.ref.name: w.phase for w in engine.workloads()}
+    assert set(phases.values()) == {"Running"}
+    assert len(phases) == 7
