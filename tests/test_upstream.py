@@ -7,6 +7,7 @@ import shutil
 import ssl
 import subprocess
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -26,9 +27,13 @@ from proxy.upstream import (
 )
 from tests.scripted import Reply, ScriptedUpstream
 
+# generated protobuf modules carry no type information
+WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
+RequestV2: Any = cast(Any, v2).Request
+
 
 def v1_body() -> bytes:
-    req = remote_pb2.WriteRequest()
+    req = WriteRequest()
     ts = req.timeseries.add()
     ts.labels.add(name="__name__", value="up")
     ts.labels.add(name="job", value="a")
@@ -37,7 +42,7 @@ def v1_body() -> bytes:
 
 
 def v2_body() -> bytes:
-    req = v2.Request()
+    req = RequestV2()
     req.symbols.extend(["", "__name__", "up", "job", "a"])
     ts = req.timeseries.add()
     ts.labels_refs.extend([1, 2, 3, 4])
@@ -233,7 +238,7 @@ async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
         "application/x-protobuf",  # remembered: no second 415
     ]
     assert u.v1_only
-    converted = remote_pb2.WriteRequest.FromString(up.received[1].raw)
+    converted = WriteRequest.FromString(up.received[1].raw)
     assert [(lb.name, lb.value) for lb in converted.timeseries[0].labels] == [
         ("__name__", "up"), ("job", "a")]
     assert [s.value for s in converted.timeseries[0].samples] == [1.0, 2.0]
