@@ -103,3 +103,8 @@ def deployment(sim: KubeSim, name: str, ns: str = "default", replicas: int = 2,
                            labels={"app": name}))
             for i in range(replicas)]
     return dep, rs, pods
+
+
+def metric(source: KubeSource, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample of the source's registry (0 when absent)."""
+    return source.registry.get_sample_value(name, labels or {}) or 0.0

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
+from proxy.kube.source import KubeSource
 from tests.kube.conftest import (
     SourceFactory,
     deployment,
     eventually,
     labels,
+    metric,
     owner,
     pod,
 )
@@ -50,6 +53,10 @@ RAYJOB_KARTA = {
         ],
     }},
 }
+
+
+def _has(source: KubeSource, name: str, ns: str = "default") -> Callable[[], object]:
+    return lambda: labels(source, ns, name)
 
 
 def rayjob(sim: KubeSim, name: str = "train", ns: str = "ml") -> list[str]:
@@ -100,8 +107,8 @@ async def test_new_pod_attributed_within_a_second(sim: KubeSim,
     sim.create(pod("api-1-new", owner_obj=rs))
     took = await eventually(lambda: labels(source, "default", "api-1-new"), timeout=1.0)
     assert took < 1.0
-    assert source.registry.get_sample_value(
-        "karta_proxy_watch_events_total", {"resource": "pods", "type": "ADDED"}) >= 1
+    added = {"resource": "pods", "type": "ADDED"}
+    assert metric(source, "karta_proxy_watch_events_total", added) >= 1
 
 
 async def test_rolling_update_keeps_tombstones(sim: KubeSim,
@@ -172,10 +179,9 @@ async def test_compaction_410_relists_and_finds_deletions(
     await eventually(lambda: labels(source, "default", "web-1-x"), timeout=5)
     await eventually(lambda: "web-1-0" not in {a.pod for a in source.index.pods.values()})
     assert source.index.tombstones() == 1  # the deletion found by the relist diff
-    reg = source.registry
-    assert reg.get_sample_value("karta_proxy_watch_restarts_total",
+    assert metric(source, "karta_proxy_watch_restarts_total",
                                 {"resource": "pods", "reason": "gone"}) >= 1
-    assert reg.get_sample_value("karta_proxy_watch_events_total",
+    assert metric(source, "karta_proxy_watch_events_total",
                                 {"resource": "pods", "type": "RELIST_DELETED"}) == 1
 
 
@@ -188,9 +194,9 @@ async def test_disconnects_resume_without_loss(sim: KubeSim,
         sim.disconnect_watches()
         sim.create(pod(f"web-1-d{i}", owner_obj=rs))
     for i in range(3):
-        await eventually(lambda i=i: labels(source, "default", f"web-1-d{i}"), timeout=5)
-    assert source.registry.get_sample_value(
-        "karta_proxy_watch_restarts_total", {"resource": "pods", "reason": "disconnect"}) >= 1
+        await eventually(_has(source, f"web-1-d{i}"), timeout=5)
+    why = {"resource": "pods", "reason": "disconnect"}
+    assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
 
 
 async def test_outage_serves_last_index_stale_then_recovers(
@@ -209,15 +215,15 @@ async def test_outage_serves_last_index_stale_then_recovers(
     await eventually(lambda: not source.index.stale and labels(source, "default", "web-1-late"),
                      timeout=5)
     assert source.index.freshness["pods"] > before
-    assert source.registry.get_sample_value(
-        "karta_proxy_watch_restarts_total", {"resource": "pods", "reason": "unreachable"}) >= 1
+    why = {"resource": "pods", "reason": "unreachable"}
+    assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
 
 
 async def test_namespace_filter(sim: KubeSim, make_source: SourceFactory) -> None:
     deployment(sim, "a-app", ns="team-a", replicas=1)
     deployment(sim, "b-app", ns="team-b", replicas=1)
     source = await make_source(namespaces=["team-a"])
-    _, rs, _ = deployment(sim, "a-two", ns="team-a", replicas=1)
+    deployment(sim, "a-two", ns="team-a", replicas=1)
     deployment(sim, "b-two", ns="team-b", replicas=1)
     await eventually(lambda: labels(source, "team-a", "a-two-1-0"))
     assert labels(source, "team-a", "a-app-1-0") is not None
