@@ -1,0 +1,516 @@
+"""Fact series: what the index knows, published as series into the remote-write stream.
+
+Facts only (attribution, identity, phase, desired and observed pods, freshness, versions):
+never a measurement, an aggregate or a threshold; the aggregates ship as recording rules
+(``config/rules/``). Every name comes from :mod:`proxy.contract` and is documented in
+``docs/metrics.md``.
+
+Two outlets share one producer (:func:`iter_facts`):
+
+* :class:`FactWriter` encodes the facts as an RW 1.0 ``WriteRequest`` at a fixed interval,
+  so they land in the same TSDB and tenant as the enriched series. Series that were
+  written last time and are gone now (a deleted workload or pod, a desired-replica path
+  that stopped answering) get a stale marker in the next write, so they end at once
+  instead of lingering for Prometheus' 5-minute lookback. With several replicas, a
+  :class:`proxy.lease.LeaseElector` lets only the leader write: the facts carry no
+  per-replica label, so a leader change continues the same series.
+* :class:`FactsCollector` serves the same facts on ``/metrics`` (a scrape has its own
+  staleness handling, so no markers there).
+
+The writer's encoder is a few lines of protobuf wire format on purpose: per write it only
+appends the sample to label bytes cached per pod / workload object (the index replaces an
+object when it changes, so identity tells what to re-encode). Building protobuf message
+objects for 100k pods every 15 s would cost far more than the facts are worth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import struct
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+import proxy
+from proxy import contract
+from proxy.config import FactSettings
+from proxy.index import PodIndex, stamped_pairs
+from proxy.karta.model import GENERIC_PHASES, UNDEFINED
+from proxy.karta.results import PodAttribution, WorkloadFacts
+
+if TYPE_CHECKING:
+    from proxy.lease import LeaseElector
+
+log = logging.getLogger(__name__)
+
+#: Prometheus' stale marker: a NaN with this exact bit pattern ends a series.
+STALE_NAN_BITS = 0x7FF0000000000002
+STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class Fact(NamedTuple):
+    """One fact series: name, its labels (sorted, no ``__name__``, no empty values), value."""
+
+    name: str
+    labels: Labels
+    value: float
+
+
+#: help text per fact series (also the remote-write metadata and the /metrics HELP)
+HELP: dict[str, str] = {
+    contract.FACT_POD_INFO: "Attribution of a pod to its Karta workload, component, "
+    "instance and replica (1 while the pod is known).",
+    contract.FACT_POD_UNATTRIBUTED_INFO: "A known pod that no Karta description "
+    "attributes, with the reason (1 while the pod is known).",
+    contract.FACT_WORKLOAD_INFO: "A workload: its identity, the Karta description that "
+    "describes it and whether that description is built in.",
+    contract.FACT_WORKLOAD_PHASE: "Generic phase of a workload as a state set: 1 for the "
+    "current phase, 0 for every other generic phase.",
+    contract.FACT_WORKLOAD_PHASE_TRANSITION: "Unix time of the workload's last observed "
+    "phase change; time() minus this is the time in the current phase.",
+    contract.FACT_WORKLOAD_STATUS: "Every generic status of a workload: 1 when its "
+    "status mappings match, 0 otherwise.",
+    contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO: "Why a workload's phase is Undefined "
+    "(present only while it is).",
+    contract.FACT_COMPONENT_DESIRED_REPLICAS: "Desired replicas of a component instance, "
+    "from the description's scaleDefinition.replicasPath.",
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN: "Lower bound of a component instance's "
+    "desired replicas (scaleDefinition.minReplicasPath).",
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX: "Upper bound of a component instance's "
+    "desired replicas (scaleDefinition.maxReplicasPath).",
+    contract.FACT_COMPONENT_OBSERVED_PODS: "Pods the index knows in a component instance.",
+    contract.FACT_SOURCE_LAST_CURRENT: "Unix time a watched resource was last known "
+    "current (list, event or bookmark).",
+    contract.FACT_CONTRACT_INFO: "Version of the metric and label contract (docs/metrics.md).",
+    contract.FACT_BUILD_INFO: "Version of karta-proxy.",
+}
+
+
+# -- the producer ----------------------------------------------------------------------------
+
+
+def _sorted(pairs: Iterable[tuple[str, str]]) -> Labels:
+    return tuple(sorted((k, v) for k, v in pairs if v))
+
+
+def pod_facts(att: PodAttribution) -> list[Fact]:
+    """The facts of one pod: its attribution, or why it has none."""
+    base = (
+        (contract.FACT_LABEL_NAMESPACE, att.namespace),
+        (contract.FACT_LABEL_POD, att.pod),
+        (contract.FACT_LABEL_UID, att.uid),
+    )
+    stamped = stamped_pairs(att)
+    if stamped:
+        return [Fact(contract.FACT_POD_INFO, _sorted((*base, *stamped)), 1.0)]
+    reason = att.reason or "unattributed"
+    return [
+        Fact(
+            contract.FACT_POD_UNATTRIBUTED_INFO,
+            _sorted((*base, (contract.FACT_LABEL_REASON, reason))),
+            1.0,
+        )
+    ]
+
+
+def workload_identity(wf: WorkloadFacts) -> Labels:
+    """The stamped labels that name a workload, as every enriched series carries them."""
+    r = wf.ref
+    return _sorted(
+        (
+            (contract.LABEL_GROUP, r.group),
+            (contract.LABEL_KIND, r.kind),
+            (contract.LABEL_NAMESPACE, r.namespace),
+            (contract.LABEL_WORKLOAD, r.name),
+        )
+    )
+
+
+def workload_facts(wf: WorkloadFacts) -> list[Fact]:
+    """Info, phase state set, transition time, statuses and replica facts of a workload."""
+    ident = workload_identity(wf)
+    out = [
+        Fact(
+            contract.FACT_WORKLOAD_INFO,
+            _sorted(
+                (
+                    *ident,
+                    (contract.FACT_LABEL_WORKLOAD_UID, wf.ref.uid),
+                    (contract.FACT_LABEL_DESCRIPTION, wf.description),
+                    (contract.FACT_LABEL_BUILTIN, "true" if wf.builtin else "false"),
+                )
+            ),
+            1.0,
+        )
+    ]
+    statuses = set(wf.statuses)
+    for phase in GENERIC_PHASES:
+        out.append(
+            Fact(
+                contract.FACT_WORKLOAD_PHASE,
+                _sorted((*ident, (contract.FACT_LABEL_PHASE, phase))),
+                1.0 if phase == wf.phase else 0.0,
+            )
+        )
+    for status in GENERIC_PHASES:
+        out.append(
+            Fact(
+                contract.FACT_WORKLOAD_STATUS,
+                _sorted((*ident, (contract.FACT_LABEL_STATUS, status))),
+                1.0 if status in statuses else 0.0,
+            )
+        )
+    out.append(Fact(contract.FACT_WORKLOAD_PHASE_TRANSITION, ident, float(wf.phase_since)))
+    if wf.phase == UNDEFINED and wf.phase_reason:
+        out.append(
+            Fact(
+                contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO,
+                _sorted((*ident, (contract.FACT_LABEL_REASON, wf.phase_reason))),
+                1.0,
+            )
+        )
+    for rf in wf.replicas:
+        labels = _sorted(
+            (
+                *ident,
+                (contract.LABEL_COMPONENT, rf.component),
+                (contract.LABEL_INSTANCE, rf.instance),
+            )
+        )
+        for name, value in (
+            (contract.FACT_COMPONENT_DESIRED_REPLICAS, rf.desired),
+            (contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN, rf.min_desired),
+            (contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX, rf.max_desired),
+            (contract.FACT_COMPONENT_OBSERVED_PODS, float(rf.observed)),
+        ):
+            if value is not None and not math.isnan(value):
+                out.append(Fact(name, labels, float(value)))
+    return out
+
+
+def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> list[Fact]:
+    """Facts about the proxy itself: freshness per watched resource, contract and build."""
+    out = [
+        Fact(
+            contract.FACT_SOURCE_LAST_CURRENT,
+            ((contract.FACT_LABEL_RESOURCE, resource),),
+            float(when),
+        )
+        for resource, when in sorted(index.freshness.items())
+        if resource
+    ]
+    out.append(
+        Fact(
+            contract.FACT_CONTRACT_INFO,
+            ((contract.FACT_LABEL_VERSION, contract.CONTRACT_VERSION),),
+            1.0,
+        )
+    )
+    out.append(Fact(contract.FACT_BUILD_INFO, ((contract.FACT_LABEL_VERSION, build_version),), 1.0))
+    return out
+
+
+def iter_facts(index: PodIndex, build_version: str = proxy.__version__) -> Iterator[Fact]:
+    """Every fact series of the index, in no particular order."""
+    for att in list(index.pods.values()):
+        yield from pod_facts(att)
+    for wf in list(index.workloads.values()):
+        yield from workload_facts(wf)
+    yield from process_facts(index, build_version)
+
+
+# -- RW 1.0 wire encoding ----------------------------------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field_bytes(tag: int, payload: bytes) -> bytes:
+    return bytes((tag,)) + _varint(len(payload)) + payload
+
+
+def encode_labels(name: str, labels: Labels, external: Labels = ()) -> bytes:
+    """TimeSeries.labels fields: ``__name__`` + labels + external labels, sorted by name.
+
+    A series' own label wins over an external label of the same name (Prometheus'
+    external-label rule), so a misconfigured external label cannot duplicate a name.
+    """
+    merged = dict(external)
+    merged.update(labels)
+    merged["__name__"] = name
+    out = bytearray()
+    for k in sorted(merged):
+        v = merged[k]
+        if not v:
+            continue
+        label = _field_bytes(0x0A, k.encode()) + _field_bytes(0x12, v.encode())
+        out += _field_bytes(0x0A, label)
+    return bytes(out)
+
+
+def _sample_field(value: float, ts_bytes: bytes) -> bytes:
+    """TimeSeries.samples (field 2) holding one Sample{value=1 double, timestamp=2}."""
+    sample = b"\x09" + struct.pack("<d", value) + ts_bytes
+    return b"\x12" + _varint(len(sample)) + sample
+
+
+def _metadata(name: str) -> bytes:
+    """WriteRequest.metadata (field 3): MetricMetadata{type=GAUGE, family, help}."""
+    body = (
+        b"\x08\x02"  # type = GAUGE
+        + _field_bytes(0x12, name.encode())
+        + _field_bytes(0x22, HELP.get(name, "").encode())
+    )
+    return _field_bytes(0x1A, body)
+
+
+_METADATA = b"".join(_metadata(n) for n in contract.FACT_SERIES)
+
+
+# -- the writer --------------------------------------------------------------------------------
+
+
+Encoded = list[tuple[bytes, float]]
+
+
+class FactWriter:
+    """Writes the fact series into the remote-write stream every ``interval_seconds``.
+
+    ``send`` gets an uncompressed RW 1.0 ``WriteRequest`` body (the server compresses and
+    forwards it like any other request). Only the lease holder writes when an ``elector``
+    is given. Stale markers follow what was last *successfully* sent: after a failed send
+    the next write still ends the series that went away.
+    """
+
+    def __init__(
+        self,
+        settings: FactSettings,
+        index: PodIndex,
+        send: Callable[[bytes], Awaitable[None]],
+        *,
+        elector: LeaseElector | None = None,
+        clock: Callable[[], float] = time.time,
+        build_version: str = proxy.__version__,
+    ) -> None:
+        self._settings = settings
+        self._index = index
+        self._send = send
+        self._elector = elector
+        self._clock = clock
+        self._build_version = build_version
+        self._external: Labels = _sorted(settings.external_labels.items())
+        self._pod_cache: dict[str, tuple[PodAttribution, Encoded]] = {}
+        self._workload_cache: dict[str, tuple[WorkloadFacts, Encoded]] = {}
+        #: label bytes of every series in the last successful write
+        self._written: set[bytes] = set()
+        #: what the last build produced (committed to _written once the send succeeds)
+        self._pending: set[bytes] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._was_leader = False
+        # counters for /metrics (FactWriterCollector)
+        self.writes_ok = 0
+        self.writes_failed = 0
+        self.last_series = 0
+        self.last_stale_markers = 0
+        self.stale_markers_total = 0
+        self.last_write_timestamp = 0.0
+
+    # -- building ------------------------------------------------------------------------
+
+    def _encode(self, facts: Iterable[Fact]) -> Encoded:
+        return [(encode_labels(f.name, f.labels, self._external), f.value) for f in facts]
+
+    def _current(self) -> list[tuple[bytes, float]]:
+        pods: dict[str, tuple[PodAttribution, Encoded]] = {}
+        series: list[tuple[bytes, float]] = []
+        for uid, att in list(self._index.pods.items()):
+            hit = self._pod_cache.get(uid)
+            if hit is None or hit[0] is not att:
+                hit = (att, self._encode(pod_facts(att)))
+            pods[uid] = hit
+            series.extend(hit[1])
+        self._pod_cache = pods
+        workloads: dict[str, tuple[WorkloadFacts, Encoded]] = {}
+        for uid, wf in list(self._index.workloads.items()):
+            whit = self._workload_cache.get(uid)
+            if whit is None or whit[0] is not wf:
+                whit = (wf, self._encode(workload_facts(wf)))
+            workloads[uid] = whit
+            series.extend(whit[1])
+        self._workload_cache = workloads
+        series.extend(self._encode(process_facts(self._index, self._build_version)))
+        return series
+
+    def build_request(self, now_ms: int) -> bytes:
+        """An uncompressed RW 1.0 WriteRequest: every fact at ``now_ms``, plus stale markers
+        for the series of the last successful write that are gone now."""
+        ts_bytes = b"\x10" + _varint(now_ms)
+        by_value: dict[float, bytes] = {}
+        seen: set[bytes] = set()
+        out = bytearray()
+        for key, value in self._current():
+            if key in seen:  # e.g. a workload re-created under the same name: first wins
+                continue
+            seen.add(key)
+            sample = by_value.get(value)
+            if sample is None:
+                sample = by_value[value] = _sample_field(value, ts_bytes)
+            ts = key + sample
+            out += b"\x0a" + _varint(len(ts)) + ts
+        gone = self._written - seen
+        if gone:
+            stale = _sample_field(STALE_NAN, ts_bytes)
+            for key in sorted(gone):
+                ts = key + stale
+                out += b"\x0a" + _varint(len(ts)) + ts
+        out += _METADATA
+        self._pending = seen
+        self.last_series = len(seen)
+        self.last_stale_markers = len(gone)
+        return bytes(out)
+
+    def commit(self) -> None:
+        """Record the last built request as delivered (its series are now 'written')."""
+        self._written = self._pending
+        self.stale_markers_total += self.last_stale_markers
+
+    def forget(self) -> None:
+        """Stop owning the written series (leadership lost: the next leader continues them)."""
+        self._written = set()
+        self._pending = set()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    @property
+    def is_writer(self) -> bool:
+        return self._elector is None or self._elector.is_leader
+
+    async def write_once(self) -> bool:
+        """Build and send one request if this replica writes; True when one was sent."""
+        leader = self.is_writer
+        if leader != self._was_leader:
+            log.info("fact writer %s", "takes over" if leader else "stands by")
+            self._was_leader = leader
+            if not leader:
+                self.forget()
+        if not leader:
+            return False
+        now = self._clock()
+        body = self.build_request(int(now * 1000))
+        try:
+            await self._send(body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the next write retries; stale markers are kept
+            self.writes_failed += 1
+            log.warning("fact write failed: %s", exc)
+            return False
+        self.writes_ok += 1
+        self.last_write_timestamp = now
+        self.commit()
+        return True
+
+    async def _run(self) -> None:
+        interval = max(0.05, float(self._settings.interval_seconds))
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                await self.write_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in building must not end the facts for good
+                log.exception("fact write crashed")
+            next_at += interval
+            now = loop.time()
+            if next_at < now:  # fell behind (a slow send): skip, do not burst
+                next_at = now + interval - (now - next_at) % interval
+            await asyncio.sleep(next_at - now)
+
+    async def start(self) -> None:
+        if self._task is None and self._settings.enabled:
+            self._task = asyncio.create_task(self._run(), name="fact-writer")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+# -- /metrics --------------------------------------------------------------------------------
+
+
+class FactsCollector(Collector):
+    """The fact series on ``/metrics`` (every replica, leader or not; no stale markers).
+
+    No external labels here: the scraping Prometheus adds its own target labels. Scrape
+    with ``honor_labels: true`` so the facts' ``namespace``/``pod`` labels are not renamed
+    to ``exported_*`` by the target's.
+    """
+
+    def __init__(self, index: PodIndex, build_version: str = proxy.__version__) -> None:
+        self._index = index
+        self._build_version = build_version
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {
+            name: Metric(name, HELP[name], "gauge") for name in contract.FACT_SERIES
+        }
+        for f in iter_facts(self._index, self._build_version):
+            families[f.name].add_sample(f.name, dict(f.labels), f.value)
+        for m in families.values():
+            if m.samples:
+                yield m
+
+
+def _family(counter_name: str) -> str:
+    return counter_name.removesuffix("_total")
+
+
+class FactWriterCollector(Collector):
+    """Operational metrics of the fact writer: is this replica the writer, how it fares."""
+
+    def __init__(self, writer: FactWriter) -> None:
+        self._writer = writer
+
+    def collect(self) -> Iterator[Metric]:
+        w = self._writer
+        leader = Metric(contract.OP_FACT_WRITER_LEADER, "1 when this replica writes the "
+                        "fact series (lease holder, or no election configured).", "gauge")
+        leader.add_sample(contract.OP_FACT_WRITER_LEADER, {}, 1.0 if w.is_writer else 0.0)
+        yield leader
+        writes = Metric(_family(contract.OP_FACT_WRITES), "Fact series writes by result.",
+                        "counter")
+        writes.add_sample(contract.OP_FACT_WRITES, {"result": "success"}, float(w.writes_ok))
+        writes.add_sample(contract.OP_FACT_WRITES, {"result": "failure"}, float(w.writes_failed))
+        yield writes
+        stale = Metric(_family(contract.OP_FACT_STALE_MARKERS), "Stale markers written for "
+                       "fact series that went away.", "counter")
+        stale.add_sample(contract.OP_FACT_STALE_MARKERS, {}, float(w.stale_markers_total))
+        yield stale
+        series = Metric(contract.OP_FACT_SERIES, "Fact series in the last write.", "gauge")
+        series.add_sample(contract.OP_FACT_SERIES, {}, float(w.last_series))
+        yield series
+        last = Metric(contract.OP_FACT_LAST_WRITE, "Unix time of the last successful "
+                      "fact write.", "gauge")
+        last.add_sample(contract.OP_FACT_LAST_WRITE, {}, w.last_write_timestamp)
+        yield last

@@ -1,0 +1,844 @@
+"""Fact series: what they say, how they are encoded, how they end, who writes them.
+
+The first part decodes the writer's requests with the protobuf modules generated from
+``proto/`` (an independent decoder of the hand encoder's bytes) and reads ``/metrics``
+with prometheus_client's own text parser. The second part posts the writer's requests to
+a real Prometheus (``--web.enable-remote-write-receiver``) and asks PromQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import snappy
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import contract
+from proxy.config import FactSettings
+from proxy.facts import (
+    STALE_NAN_BITS,
+    FactsCollector,
+    FactWriter,
+    FactWriterCollector,
+    iter_facts,
+)
+from proxy.index import PodIndex
+from proxy.karta.model import GENERIC_PHASES
+from proxy.karta.results import (
+    ChangeSet,
+    PodAttribution,
+    ReplicaFact,
+    WorkloadFacts,
+    WorkloadRef,
+)
+
+remote_pb2 = pytest.importorskip("proxy.pb.prometheus.remote_pb2")
+types_pb2 = pytest.importorskip("proxy.pb.prometheus.types_pb2")
+
+RAY = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w-ray")
+DEP = WorkloadRef(namespace="web", group="apps", kind="Deployment", name="api", uid="w-dep")
+
+
+def ray_facts(**kw: Any) -> WorkloadFacts:
+    base = WorkloadFacts(
+        ref=RAY,
+        description="rayjob",
+        builtin=False,
+        phase="Running",
+        statuses=("Running", "Degraded"),
+        phase_reason="",
+        phase_since=1_700_000_000.5,
+        replicas=(
+            ReplicaFact("head", "", 1, None, None, 1),
+            ReplicaFact("workers", "group-a", 4, 2, 8, 3),
+        ),
+    )
+    return replace(base, **kw)
+
+
+def dep_facts(**kw: Any) -> WorkloadFacts:
+    base = WorkloadFacts(
+        ref=DEP,
+        description="deployment",
+        builtin=True,
+        phase="Undefined",
+        statuses=("Undefined",),
+        phase_reason="no_status_matched",
+        phase_since=1_700_000_100.0,
+        replicas=(ReplicaFact("", "", 2, None, None, 2),),
+    )
+    return replace(base, **kw)
+
+
+PODS = {
+    "p-head": PodAttribution("ml", "train-head", "p-head", RAY, "head", description="rayjob"),
+    "p-w0": PodAttribution(
+        "ml", "train-w0", "p-w0", RAY, "workers", "group-a", "0", description="rayjob"
+    ),
+    "p-api": PodAttribution("web", "api-7d9-x", "p-api", DEP, description="deployment"),
+    "p-lost": PodAttribution("web", "loner", "p-lost", None, reason="no_described_owner"),
+}
+
+
+def small_index() -> PodIndex:
+    """Two workloads (one custom with instances and replicas, one built-in Undefined),
+    three attributed pods, one unattributed pod, two watched resources."""
+    index = PodIndex()
+    index.apply(
+        ChangeSet(
+            pods=dict(PODS),
+            workloads={"w-ray": ray_facts(), "w-dep": dep_facts()},
+        )
+    )
+    index.mark_fresh("pods", 1_700_000_500.0)
+    index.mark_fresh("rayjobs.ray.io", 1_700_000_400.0)
+    return index
+
+
+Series = dict[tuple[tuple[str, str], ...], list[tuple[float, int]]]
+
+
+def decode(body: bytes) -> Series:
+    """labels (with __name__, in wire order) -> [(value, timestamp)]"""
+    req = remote_pb2.WriteRequest()
+    req.ParseFromString(body)
+    out: Series = {}
+    for ts in req.timeseries:
+        labels = tuple((lb.name, lb.value) for lb in ts.labels)
+        out.setdefault(labels, []).extend((s.value, s.timestamp) for s in ts.samples)
+    return out
+
+
+def by_name(series: Series, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(kv for kv in labels if kv[0] != "__name__"): samples[-1][0]
+        for labels, samples in series.items()
+        if ("__name__", name) in labels
+    }
+
+
+def is_stale(v: float) -> bool:
+    return struct.unpack("<Q", struct.pack("<d", v))[0] == STALE_NAN_BITS
+
+
+async def _nosend(body: bytes) -> None:
+    raise AssertionError("not sent in this test")
+
+
+def writer(index: PodIndex, send: Callable[[bytes], Any] = _nosend, **kw: Any) -> FactWriter:
+    return FactWriter(FactSettings(**kw), index, send)
+
+
+# -- what the facts say ----------------------------------------------------------------------
+
+
+def test_pod_facts_join_on_the_stamped_labels() -> None:
+    series = decode(writer(small_index()).build_request(1_700_000_600_000))
+    info = by_name(series, contract.FACT_POD_INFO)
+    assert info == {
+        (
+            ("karta_component", "head"),
+            ("karta_group", "ray.io"),
+            ("karta_kind", "RayJob"),
+            ("karta_namespace", "ml"),
+            ("karta_workload", "train"),
+            ("namespace", "ml"),
+            ("pod", "train-head"),
+            ("uid", "p-head"),
+        ): 1.0,
+        (
+            ("karta_component", "workers"),
+            ("karta_group", "ray.io"),
+            ("karta_instance", "group-a"),
+            ("karta_kind", "RayJob"),
+            ("karta_namespace", "ml"),
+            ("karta_replica", "0"),
+            ("karta_workload", "train"),
+            ("namespace", "ml"),
+            ("pod", "train-w0"),
+            ("uid", "p-w0"),
+        ): 1.0,
+        (
+            ("karta_group", "apps"),
+            ("karta_kind", "Deployment"),
+            ("karta_namespace", "web"),
+            ("karta_workload", "api"),
+            ("namespace", "web"),
+            ("pod", "api-7d9-x"),
+            ("uid", "p-api"),
+        ): 1.0,
+    }
+    assert by_name(series, contract.FACT_POD_UNATTRIBUTED_INFO) == {
+        (
+            ("namespace", "web"),
+            ("pod", "loner"),
+            ("reason", "no_described_owner"),
+            ("uid", "p-lost"),
+        ): 1.0
+    }
+
+
+def test_phase_is_a_state_set_and_statuses_are_all_reported() -> None:
+    series = decode(writer(small_index()).build_request(1_700_000_600_000))
+    ident = (
+        ("karta_group", "ray.io"),
+        ("karta_kind", "RayJob"),
+        ("karta_namespace", "ml"),
+        ("karta_workload", "train"),
+    )
+    phase = {
+        dict(k)["phase"]: v
+        for k, v in by_name(series, contract.FACT_WORKLOAD_PHASE).items()
+        if k[:4] == ident
+    }
+    assert set(phase) == set(GENERIC_PHASES)
+    assert [p for p, v in phase.items() if v == 1.0] == ["Running"]
+    assert sum(phase.values()) == 1.0
+    status = {
+        dict(k)["status"]: v
+        for k, v in by_name(series, contract.FACT_WORKLOAD_STATUS).items()
+        if k[:4] == ident
+    }
+    assert set(status) == set(GENERIC_PHASES)
+    assert {s for s, v in status.items() if v == 1.0} == {"Running", "Degraded"}
+    assert by_name(series, contract.FACT_WORKLOAD_PHASE_TRANSITION)[ident] == 1_700_000_000.5
+    # the Undefined workload says why; the Running one has no reason series
+    assert by_name(series, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO) == {
+        (
+            ("karta_group", "apps"),
+            ("karta_kind", "Deployment"),
+            ("karta_namespace", "web"),
+            ("karta_workload", "api"),
+            ("reason", "no_status_matched"),
+        ): 1.0
+    }
+    info = by_name(series, contract.FACT_WORKLOAD_INFO)
+    assert info[
+        tuple(
+            sorted((*ident, ("builtin", "false"), ("description", "rayjob"),
+                    ("workload_uid", "w-ray")))
+        )
+    ] == 1.0
+    assert len(info) == 2
+
+
+def test_replica_facts_per_component_instance() -> None:
+    series = decode(writer(small_index()).build_request(1_700_000_600_000))
+    head = (
+        ("karta_component", "head"),
+        ("karta_group", "ray.io"),
+        ("karta_kind", "RayJob"),
+        ("karta_namespace", "ml"),
+        ("karta_workload", "train"),
+    )
+    workers = (
+        ("karta_component", "workers"),
+        ("karta_group", "ray.io"),
+        ("karta_instance", "group-a"),
+        ("karta_kind", "RayJob"),
+        ("karta_namespace", "ml"),
+        ("karta_workload", "train"),
+    )
+    desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
+    assert desired[head] == 1 and desired[workers] == 4
+    assert by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN) == {workers: 2.0}
+    assert by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX) == {workers: 8.0}
+    observed = by_name(series, contract.FACT_COMPONENT_OBSERVED_PODS)
+    assert observed[head] == 1 and observed[workers] == 3
+    # the Deployment's unnamed component: component and instance labels left out
+    dep = (
+        ("karta_group", "apps"),
+        ("karta_kind", "Deployment"),
+        ("karta_namespace", "web"),
+        ("karta_workload", "api"),
+    )
+    assert observed[dep] == 2 and desired[dep] == 2
+
+
+def test_freshness_contract_and_build_facts() -> None:
+    series = decode(writer(small_index()).build_request(1_700_000_600_000))
+    assert by_name(series, contract.FACT_SOURCE_LAST_CURRENT) == {
+        (("resource", "pods"),): 1_700_000_500.0,
+        (("resource", "rayjobs.ray.io"),): 1_700_000_400.0,
+    }
+    assert by_name(series, contract.FACT_CONTRACT_INFO) == {
+        (("version", contract.CONTRACT_VERSION),): 1.0
+    }
+    import proxy
+
+    assert by_name(series, contract.FACT_BUILD_INFO) == {(("version", proxy.__version__),): 1.0}
+
+
+# -- encoding ----------------------------------------------------------------------------------
+
+
+def test_request_is_valid_rw1_sorted_unique_labels_one_sample_each() -> None:
+    body = writer(small_index()).build_request(1_700_000_600_123)
+    req = remote_pb2.WriteRequest()
+    req.ParseFromString(body)
+    assert len(req.timeseries) > 0
+    keys = set()
+    for ts in req.timeseries:
+        names = [lb.name for lb in ts.labels]
+        assert names == sorted(names) and len(names) == len(set(names))
+        assert all(lb.value for lb in ts.labels)
+        assert "__name__" in names
+        assert [(s.timestamp) for s in ts.samples] == [1_700_000_600_123]
+        key = tuple((lb.name, lb.value) for lb in ts.labels)
+        assert key not in keys
+        keys.add(key)
+    # metadata for every fact family, as gauges with help
+    meta = {m.metric_family_name: m for m in req.metadata}
+    assert set(meta) == set(contract.FACT_SERIES)
+    assert all(m.type == types_pb2.MetricMetadata.GAUGE and m.help for m in meta.values())
+    # every byte accounted for: protobuf re-encodes to the same length, less the 9-byte
+    # `value = 0.0` fields it leaves out as proto3 defaults (the hand encoder writes them)
+    zeros = sum(1 for ts in req.timeseries for s in ts.samples if s.value == 0.0)
+    assert len(req.SerializeToString()) == len(body) - 9 * zeros
+
+
+def test_external_labels_added_but_never_override_fact_labels() -> None:
+    w = writer(small_index(), external_labels={"cluster": "eu-1", "namespace": "WRONG"})
+    series = decode(w.build_request(1_700_000_600_000))
+    for labels in series:
+        d = dict(labels)
+        assert d["cluster"] == "eu-1"
+        if d["__name__"] == contract.FACT_POD_INFO:
+            assert d["namespace"] in ("ml", "web")
+        if d["__name__"] == contract.FACT_CONTRACT_INFO:
+            assert d["namespace"] == "WRONG"  # no own namespace label: the external one
+
+
+def test_unicode_and_long_values_encode() -> None:
+    index = PodIndex()
+    long_name = "x" * 300  # a label longer than 127 bytes needs a two-byte length
+    wl = WorkloadRef("ns-é", "", "Pod", long_name, "u")
+    index.apply(
+        ChangeSet(
+            pods={"u": PodAttribution("ns-é", long_name, "u", wl, description="pod")},
+            workloads={
+                "u": WorkloadFacts(wl, "pod", True, "Running", ("Running",), "", 1.0)
+            },
+        )
+    )
+    series = decode(writer(index).build_request(1))
+    info = by_name(series, contract.FACT_POD_INFO)
+    assert len(info) == 1
+    d = dict(next(iter(info)))
+    assert d["pod"] == long_name and d["namespace"] == "ns-é"
+    assert "karta_group" not in d  # core group: empty, left out
+
+
+# -- ending series -----------------------------------------------------------------------------
+
+
+def test_gone_workload_and_pod_end_with_stale_markers_once() -> None:
+    index = small_index()
+    w = writer(index)
+    first = decode(w.build_request(1000))
+    w.commit()
+    index.apply(ChangeSet(pods={"p-api": None}, workloads={"w-dep": None}))
+    second = decode(w.build_request(2000))
+    w.commit()
+    stale = {labels for labels, samples in second.items() if is_stale(samples[0][0])}
+    live = {labels for labels, samples in second.items() if not is_stale(samples[0][0])}
+    gone = set(first) - live
+    assert stale == gone
+    names = {dict(labels)["__name__"] for labels in stale}
+    assert contract.FACT_POD_INFO in names and contract.FACT_WORKLOAD_PHASE in names
+    assert all(dict(labels).get("karta_workload") == "api" for labels in stale)
+    # 1 pod + info + 9 phases + 9 statuses + transition + reason + 2 replica facts
+    assert len(stale) == 1 + 1 + 9 + 9 + 1 + 1 + 2
+    assert all(samples == [(samples[0][0], 2000)] for samples in second.values())
+    third = decode(w.build_request(3000))
+    assert not any(is_stale(s[0][0]) for s in third.values())
+    assert set(third) == live
+
+
+def test_a_fact_that_stops_applying_ends_too() -> None:
+    """Not only deletions: a desired-replica path that stops answering, a phase leaving
+    Undefined (its reason series), a pod losing its attribution."""
+    index = small_index()
+    w = writer(index)
+    w.build_request(1000)
+    w.commit()
+    index.apply(
+        ChangeSet(
+            pods={"p-head": replace(PODS["p-head"], workload=None, component="",
+                                    reason="no_described_owner")},
+            workloads={
+                "w-ray": ray_facts(replicas=(ReplicaFact("head", "", None, None, None, 1),)),
+                "w-dep": dep_facts(phase="Running", statuses=("Running",), phase_reason=""),
+            },
+        )
+    )
+    series = decode(w.build_request(2000))
+    stale_names = sorted(
+        dict(labels)["__name__"] for labels, s in series.items() if is_stale(s[0][0])
+    )
+    assert stale_names == sorted(
+        [
+            contract.FACT_POD_INFO,  # p-head lost its attribution
+            contract.FACT_COMPONENT_DESIRED_REPLICAS,  # head desired no longer known
+            contract.FACT_COMPONENT_DESIRED_REPLICAS,  # workers instance gone
+            contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN,
+            contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX,
+            contract.FACT_COMPONENT_OBSERVED_PODS,  # workers instance gone
+            contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO,
+        ]
+    )
+    assert any(
+        dict(k).get("pod") == "train-head"
+        for k in by_name(series, contract.FACT_POD_UNATTRIBUTED_INFO)
+    )
+
+
+async def test_failed_send_keeps_the_stale_markers_for_the_next_write() -> None:
+    index = small_index()
+    sent: list[bytes] = []
+    fail = True
+
+    async def send(body: bytes) -> None:
+        if fail:
+            raise ConnectionError("upstream down")
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
+    fail = False
+    assert await w.write_once()
+    index.apply(ChangeSet(workloads={"w-dep": None}, pods={"p-api": None}))
+    fail = True
+    assert not await w.write_once()
+    assert w.writes_failed == 1
+    fail = False
+    assert await w.write_once()
+    stale = [k for k, s in decode(sent[-1]).items() if is_stale(s[0][0])]
+    assert len(stale) == 24
+    assert w.stale_markers_total == 24
+
+
+def test_unchanged_objects_are_not_re_encoded() -> None:
+    index = small_index()
+    w = writer(index)
+    a = w.build_request(1000)
+    calls = 0
+    orig = w._encode
+
+    def counting(facts: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return orig(facts)
+
+    w._encode = counting  # type: ignore[method-assign]
+    b = w.build_request(1000)
+    assert a == b
+    assert calls == 1  # only the process facts (freshness, versions)
+    index.apply(ChangeSet(workloads={"w-ray": ray_facts(phase="Failed")}))
+    w.build_request(1000)
+    assert calls == 3  # the changed workload + process facts
+
+
+# -- /metrics ----------------------------------------------------------------------------------
+
+
+def test_metrics_endpoint_serves_the_same_facts() -> None:
+    index = small_index()
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index))
+    text = generate_latest(registry).decode()
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    written = {
+        (dict(labels)["__name__"], tuple(kv for kv in labels if kv[0] != "__name__"), v[0][0])
+        for labels, v in decode(writer(index).build_request(1)).items()
+    }
+    assert scraped == written
+    assert {f.name for f in iter_facts(index)} == set(contract.FACT_SERIES)
+    assert "# TYPE karta_workload_phase gauge" in text
+
+
+def test_writer_collector_reports_leadership_and_writes() -> None:
+    w = writer(small_index())
+    registry = CollectorRegistry()
+    registry.register(FactWriterCollector(w))
+    w.writes_ok = 3
+    text = generate_latest(registry).decode()
+    assert f"{contract.OP_FACT_WRITER_LEADER} 1.0" in text
+    assert f'{contract.OP_FACT_WRITES}{{result="success"}} 3.0' in text
+    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert names == set(contract.FACT_WRITER_METRICS)
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+async def test_writer_loop_writes_at_the_interval_and_stops() -> None:
+    index = small_index()
+    bodies: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        bodies.append(body)
+
+    w = FactWriter(FactSettings(interval_seconds=0.1), index, send)
+    await w.start()
+    await asyncio.sleep(0.55)
+    await w.stop()
+    n = len(bodies)
+    assert 4 <= n <= 7, n  # one at start, then every 0.1 s
+    await asyncio.sleep(0.25)
+    assert len(bodies) == n
+    assert w.writes_ok == n
+
+
+async def test_disabled_writer_does_not_start() -> None:
+    w = FactWriter(FactSettings(enabled=False), small_index(), _nosend)
+    await w.start()
+    await asyncio.sleep(0.05)
+    await w.stop()
+    assert w.writes_ok == 0
+
+
+# -- against a real Prometheus -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Prometheus:
+    """A real Prometheus with the remote-write receiver, on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.skip("prometheus binary not installed")
+        self.dir = tempfile.TemporaryDirectory(prefix="karta-facts-prom-")
+        cfg = Path(self.dir.name) / "prometheus.yml"
+        cfg.write_text("global:\n  scrape_interval: 1h\n")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={self.dir.name}/data",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-remote-write-receiver",
+                "--storage.tsdb.retention.time=1d",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(Path(self.dir.name) / "log", "wb"),  # noqa: SIM115
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.close()
+        pytest.fail("prometheus did not become ready: " + self.log())
+
+    def log(self) -> str:
+        return (Path(self.dir.name) / "log").read_text(errors="replace")[-2000:]
+
+    def write(self, body: bytes) -> None:
+        req = urllib.request.Request(
+            self.url + "/api/v1/write",
+            data=snappy.compress(body),
+            headers={
+                "Content-Encoding": "snappy",
+                "Content-Type": "application/x-protobuf",
+                "X-Prometheus-Remote-Write-Version": "0.1.0",
+            },
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 204, r.status
+
+    def query(self, promql: str, at: float) -> dict[tuple[tuple[str, str], ...], float]:
+        qs = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=10) as r:
+            import json
+
+            doc = json.loads(r.read())
+        assert doc["status"] == "success", doc
+        return {
+            tuple(sorted(item["metric"].items())): float(item["value"][1])
+            for item in doc["data"]["result"]
+        }
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.dir.cleanup()
+
+
+@pytest.fixture(scope="module")
+def prom() -> Iterator[Prometheus]:
+    p = Prometheus()
+    yield p
+    p.close()
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _ident(name: str) -> str:
+    return f'karta_namespace="tsdb",karta_workload="{name}"'
+
+
+def _wl(name: str, uid: str) -> WorkloadRef:
+    return WorkloadRef("tsdb", "ray.io", "RayJob", name, uid)
+
+
+@pytest.mark.peers
+def test_tsdb_phase_changes_transition_time_in_phase_and_stale_end(prom: Prometheus) -> None:
+    """A workload goes Initializing -> Running -> Failed, then is deleted. PromQL sees the
+    state set, the transition time, `time() - ...` as time in phase, and no series after the
+    deletion (a stale marker, not a 5-minute ghost). A control workload whose facts merely
+    stop (no marker) is still there, so the check can tell the two apart."""
+    t0 = float(int(time.time()) - 1800)
+    clock = Clock(t0)
+    index = PodIndex()
+    w = FactWriter(FactSettings(external_labels={"cluster": "c1"}), index, _nosend, clock=clock)
+    ref, ctl = _wl("phased", "u-phased"), _wl("control", "u-ctl")
+
+    def wf(ref: WorkloadRef, phase: str, since: float) -> WorkloadFacts:
+        return WorkloadFacts(ref, "rayjob", False, phase, (phase,), "", since)
+
+    index.apply(ChangeSet(workloads={"u-phased": wf(ref, "Initializing", t0)}))
+    # the control workload is written by a writer that just stops (as if it died)
+    ctl_index = PodIndex()
+    ctl_index.apply(ChangeSet(workloads={"u-ctl": wf(ctl, "Running", t0)}))
+    wc = FactWriter(FactSettings(), ctl_index, _nosend, clock=clock)
+    timeline = {0: "Initializing", 60: "Running", 300: "Failed"}
+    phase = "Initializing"
+    since = t0
+    for step in range(0, 420, 15):  # every 15 s for 7 minutes
+        clock.t = t0 + step
+        if step in timeline and timeline[step] != phase:
+            phase, since = timeline[step], clock.t
+            index.apply(ChangeSet(workloads={"u-phased": wf(ref, phase, since)}))
+        prom.write(w.build_request(int(clock.t * 1000)))
+        w.commit()
+        prom.write(wc.build_request(int(clock.t * 1000)))
+        wc.commit()
+    t_del = t0 + 420
+    clock.t = t_del
+    index.apply(ChangeSet(workloads={"u-phased": None}))
+    prom.write(w.build_request(int(t_del * 1000)))
+    w.commit()
+
+    current = f"karta_workload_phase{{{_ident('phased')}}} == 1"
+    assert [dict(k)["phase"] for k in prom.query(current, t0 + 30)] == ["Initializing"]
+    assert [dict(k)["phase"] for k in prom.query(current, t0 + 200)] == ["Running"]
+    assert [dict(k)["phase"] for k in prom.query(current, t0 + 400)] == ["Failed"]
+    # one series per generic phase, each 0 or 1, and exactly one 1
+    allp = prom.query(f"karta_workload_phase{{{_ident('phased')}}}", t0 + 200)
+    assert {dict(k)["phase"] for k in allp} == set(GENERIC_PHASES)
+    assert sum(allp.values()) == 1
+    assert all(dict(k)["cluster"] == "c1" for k in allp)
+    # time in phase, one generic query
+    tip = f"time() - karta_workload_phase_transition_timestamp_seconds{{{_ident('phased')}}}"
+    for at, expected in ((t0 + 45, 45), (t0 + 200, 140), (t0 + 400, 100)):
+        (value,) = prom.query(tip, at).values()
+        assert abs(value - expected) < 0.01, (at - t0, value)
+    # transitions visible as changes of the timestamp series
+    (changes,) = prom.query(
+        f"changes(karta_workload_phase_transition_timestamp_seconds{{{_ident('phased')}}}[10m])",
+        t0 + 410,
+    ).values()
+    assert changes == 2
+    # deleted: gone right after the stale marker
+    assert prom.query(f"karta_workload_phase{{{_ident('phased')}}}", t_del - 1)
+    assert prom.query(f"karta_workload_phase{{{_ident('phased')}}}", t_del + 1) == {}
+    assert prom.query(f"karta_workload_info{{{_ident('phased')}}}", t_del + 60) == {}
+    # control: no stale marker, still answered within the 5-minute lookback (a ghost)
+    assert prom.query(f"karta_workload_info{{{_ident('control')}}}", t_del + 60)
+
+
+@pytest.mark.peers
+def test_tsdb_desired_vs_observed_follow_a_scale_up(prom: Prometheus) -> None:
+    t0 = float(int(time.time()) - 1200)
+    clock = Clock(t0)
+    index = PodIndex()
+    w = FactWriter(FactSettings(), index, _nosend, clock=clock)
+    ref = _wl("scaled", "u-scaled")
+
+    def state(desired: int, observed: int) -> ChangeSet:
+        pods: dict[str, PodAttribution | None] = {
+            f"sp{i}": PodAttribution("tsdb", f"scaled-w{i}", f"sp{i}", ref, "workers", "g")
+            for i in range(observed)
+        }
+        for i in range(observed, 6):
+            pods[f"sp{i}"] = None
+        return ChangeSet(
+            pods=pods,
+            workloads={
+                "u-scaled": WorkloadFacts(
+                    ref, "rayjob", False, "Running", ("Running",), "", t0,
+                    (ReplicaFact("workers", "g", desired, 1, 6, observed),),
+                )
+            },
+        )
+
+    plan = {0: (2, 2), 60: (5, 2), 75: (5, 3), 90: (5, 5)}
+    for step in range(0, 150, 15):
+        clock.t = t0 + step
+        if step in plan:
+            index.apply(state(*plan[step]))
+        prom.write(w.build_request(int(clock.t * 1000)))
+        w.commit()
+
+    sel = f'{{{_ident("scaled")},karta_component="workers",karta_instance="g"}}'
+
+    def at(step: int) -> tuple[float, float]:
+        (d,) = prom.query(f"karta_component_desired_replicas{sel}", t0 + step).values()
+        (o,) = prom.query(f"karta_component_observed_pods{sel}", t0 + step).values()
+        return d, o
+
+    assert at(30) == (2, 2)
+    assert at(65) == (5, 2)
+    assert at(80) == (5, 3)
+    assert at(120) == (5, 5)
+    # the pod facts follow the pods: 5 pod series at the end, 2 at the start
+    count = f'count(karta_pod_info{{{_ident("scaled")}}})'
+    assert list(prom.query(count, t0 + 30).values()) == [2]
+    assert list(prom.query(count, t0 + 120).values()) == [5]
+    assert prom.query(f"karta_component_desired_replicas_max{sel}", t0 + 120)
+
+
+@pytest.mark.peers
+async def test_three_replicas_write_each_fact_once_and_survive_the_leader_dying(
+    prom: Prometheus,
+) -> None:
+    """Three FactWriters with LeaseElectors against the API simulator, all posting to the
+    same Prometheus. Only the leader's sends happen; when it dies (elector stopped without
+    releasing) another takes over within about the lease duration, continuing the same
+    series (no replica label), so the TSDB holds exactly one sample per write."""
+    from kubernetes_asyncio import client as k8s
+
+    from proxy.config import KubeSettings
+    from proxy.kube.client import load_configuration
+    from proxy.lease import LeaseElector
+    from tests.kubesim.server import KubeSim
+
+    duration, interval = 1.5, 0.25
+    ref = _wl("replicated", "u-rep")
+    index = PodIndex()
+    index.apply(
+        ChangeSet(
+            workloads={"u-rep": WorkloadFacts(ref, "rayjob", False, "Running", ("Running",), "",
+                                              time.time())}
+        )
+    )
+    sends: list[tuple[str, float]] = []
+    async with KubeSim() as sim, aiohttp.ClientSession() as http:
+        cfg = await load_configuration(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
+        apis = [k8s.ApiClient(configuration=cfg) for _ in range(3)]
+        electors = [
+            LeaseElector(api, "karta", "facts", f"proxy-{i}", duration)
+            for i, api in enumerate(apis)
+        ]
+
+        def sender(identity: str) -> Callable[[bytes], Any]:
+            async def send(body: bytes) -> None:
+                async with http.post(
+                    prom.url + "/api/v1/write",
+                    data=snappy.compress(body),
+                    headers={"Content-Encoding": "snappy",
+                             "Content-Type": "application/x-protobuf"},
+                ) as r:
+                    assert r.status == 204, await r.text()
+                sends.append((identity, time.time()))
+
+            return send
+
+        writers = [
+            FactWriter(FactSettings(interval_seconds=interval), index,
+                       sender(e.identity), elector=e)
+            for e in electors
+        ]
+        tasks = [asyncio.create_task(e.run()) for e in electors]
+        for w in writers:
+            await w.start()
+        t_start = time.time()
+        try:
+            await asyncio.sleep(3.0)
+            leaders = [e for e in electors if e.is_leader]
+            assert len(leaders) == 1
+            first = leaders[0]
+            i = electors.index(first)
+            died = time.time()
+            await writers[i].stop()
+            await first.stop(release=False)
+            await asyncio.sleep(duration * 2 + 1.5)
+        finally:
+            for w in writers:
+                await w.stop()
+            for e in electors:
+                await e.stop(release=False)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for api in apis:
+                await api.close()
+        t_end = time.time()
+
+    senders = [s for s, _ in sends]
+    # one writer at a time: the sequence switches leader exactly once
+    runs = [s for j, s in enumerate(senders) if j == 0 or senders[j - 1] != s]
+    assert len(runs) == 2 and runs[0] == first.identity, runs
+    before = [t for s, t in sends if s == first.identity]
+    after = [t for s, t in sends if s != first.identity]
+    assert max(before) <= died + 0.01
+    gap = min(after) - died
+    assert duration * 0.9 <= gap <= duration * 2 + interval + 0.5, gap
+    # no sends overlapped in time while both were around: strictly increasing times
+    assert [t for _, t in sends] == sorted(t for _, t in sends)
+    # every write landed once: samples in the TSDB == writes made (not 3x)
+    window = int(t_end - t_start) + 5
+    q = f"count_over_time(karta_workload_info{{{_ident('replicated')}}}[{window}s])"
+    (stored,) = (await asyncio.to_thread(prom.query, q, t_end + 1)).values()
+    assert stored == len(sends)
+    # and the series carries no per-replica label: one series across the handover
+    assert len(await asyncio.to_thread(
+        prom.query, f"karta_workload_info{{{_ident('replicated')}}}", t_end)) == 1
+    assert not math.isnan(stored)
