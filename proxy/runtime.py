@@ -53,7 +53,7 @@ class Proxy:
         )
         self.enricher = Enricher(
             self.index,
-            [tuple(p) for p in settings.enrich.pod_label_pairs],
+            [(ns, pod) for ns, pod in settings.enrich.pod_label_pairs],
             conflict_policy=settings.enrich.conflict_policy,
             cache_size=settings.enrich.cache_size,
         )

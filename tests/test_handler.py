@@ -1,0 +1,414 @@
+"""The remote-write handler through real HTTP: a proxy assembled by ``proxy.runtime`` on a
+small snapshot, forwarding to a scripted loopback receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp
+import cramjam
+import pytest
+import snappy
+
+from proxy.config import Settings
+from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
+from proxy.pb.prometheus import remote_pb2
+from proxy.runtime import Proxy
+from tests.scripted import Reply, ScriptedUpstream
+
+WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
+RequestV2: Any = cast(Any, v2).Request
+
+CT_V1 = "application/x-protobuf"
+CT_V2 = "application/x-protobuf;proto=io.prometheus.write.v2.Request"
+STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
+
+SNAPSHOT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: cart, namespace: shop, uid: d-cart}
+spec: {replicas: 1, selector: {matchLabels: {app: cart}}}
+---
+apiVersion: apps/v1
+kind: ReplicaSet
+metadata:
+  name: cart-7d9f8
+  namespace: shop
+  uid: rs-cart
+  ownerReferences:
+  - {apiVersion: apps/v1, kind: Deployment, name: cart, uid: d-cart, controller: true}
+spec: {replicas: 1, selector: {matchLabels: {app: cart}}}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: cart-7d9f8-abcde
+  namespace: shop
+  uid: p-cart
+  labels: {app: cart}
+  ownerReferences:
+  - {apiVersion: apps/v1, kind: ReplicaSet, name: cart-7d9f8, uid: rs-cart, controller: true}
+spec: {nodeName: n1, containers: [{name: cart, image: cart:1}]}
+status: {phase: Running}
+"""
+
+CART = {
+    "karta_component": "deployment",
+    "karta_group": "apps",
+    "karta_kind": "Deployment",
+    "karta_namespace": "shop",
+    "karta_workload": "cart",
+}
+
+
+def series_v1(*label_sets: dict[str, str], value: float = 1.0) -> bytes:
+    req = WriteRequest()
+    for labels in label_sets:
+        ts = req.timeseries.add()
+        for k, v in sorted(labels.items()):
+            ts.labels.add(name=k, value=v)
+        ts.samples.add(value=value, timestamp=1_700_000_000_000)
+    return cast(bytes, req.SerializeToString())
+
+
+def series_v2(*label_sets: dict[str, str]) -> bytes:
+    req = RequestV2()
+    symbols = [""]
+    for labels in label_sets:
+        ts = req.timeseries.add()
+        for k, v in sorted(labels.items()):
+            for s in (k, v):
+                if s not in symbols:
+                    symbols.append(s)
+                ts.labels_refs.append(symbols.index(s))
+        ts.samples.add(value=1.0, timestamp=1_700_000_000_000)
+    req.symbols.extend(symbols)
+    return cast(bytes, req.SerializeToString())
+
+
+def labels_of(raw: bytes) -> list[dict[str, str]]:
+    series = WriteRequest.FromString(raw).timeseries
+    return [{lb.name: lb.value for lb in ts.labels} for ts in series]
+
+
+@dataclass
+class Running:
+    proxy: Proxy
+    upstream: ScriptedUpstream
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy.port}"
+
+    async def post(self, body: bytes, *, path: str = "/api/v1/write", ct: str = CT_V1,
+                   encoding: str | None = "snappy", compress: bool = True,
+                   headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+        h = {"Content-Type": ct, **(headers or {})}
+        if encoding is not None:
+            h["Content-Encoding"] = encoding
+        if compress:
+            body = (bytes(cramjam.zstd.compress(body)) if encoding == "zstd"
+                    else snappy.compress(body))
+        async with self.session.post(self.url + path, data=body, headers=h) as resp:
+            await resp.read()
+            return resp
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        v = self.proxy.metrics.registry.get_sample_value(name, labels or {})
+        return v or 0.0
+
+
+async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, **server: Any) -> Proxy:
+    snap = tmp_path / "snapshot.yaml"
+    snap.write_text(SNAPSHOT)
+    s = Settings()
+    s.snapshot = str(snap)
+    s.upstream.url = upstream.url
+    s.upstream.timeout_seconds = 5.0
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    for k, v in server.items():
+        setattr(s.server, k, v)
+    p = Proxy(s)
+    await p.start()
+    return p
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up)
+        try:
+            yield Running(p, up, session)
+        finally:
+            await p.stop()
+
+
+async def test_v1_enriches_attributable_series_and_passes_the_rest(running: Running) -> None:
+    cart = {"__name__": "container_memory_working_set_bytes", "namespace": "shop",
+            "pod": "cart-7d9f8-abcde", "container": "cart"}
+    unknown = {"__name__": "container_memory_working_set_bytes", "namespace": "shop",
+               "pod": "gone-1"}
+    node = {"__name__": "node_memory_working_set_bytes", "instance": "n1"}
+    resp = await running.post(series_v1(cart, unknown, node))
+    assert resp.status == 204
+    (rec,) = running.upstream.received
+    out = labels_of(rec.raw)
+    assert out[0] == {**cart, **CART}
+    assert out[1] == unknown and out[2] == node
+    assert running.metric("karta_proxy_series_total", {"direction": "in"}) == 3
+    assert running.metric("karta_proxy_series_total", {"direction": "out"}) == 3
+    assert running.metric("karta_proxy_samples_total") == 3
+    assert running.metric("karta_proxy_series_attributed_total") == 1
+    assert running.metric("karta_proxy_series_unattributed_total", {"reason": "pod_unknown"}) == 1
+    assert running.metric("karta_proxy_series_unattributed_total",
+                          {"reason": "no_pod_label"}) == 1
+    assert running.metric("karta_proxy_requests_total",
+                          {"path": "/api/v1/write", "protocol": "v1", "code": "204"}) == 1
+
+
+async def test_dcgm_exported_labels_name_the_gpu_pod(running: Running) -> None:
+    dcgm = {"__name__": "DCGM_FI_DEV_GPU_UTIL", "namespace": "gpu-monitoring",
+            "pod": "dcgm-exporter-x", "exported_namespace": "shop",
+            "exported_pod": "cart-7d9f8-abcde", "gpu": "0"}
+    assert (await running.post(series_v1(dcgm))).status == 204
+    assert labels_of(running.upstream.received[0].raw) == [{**dcgm, **CART}]
+
+
+async def test_stale_markers_get_the_same_labels(running: Running) -> None:
+    cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    assert (await running.post(series_v1(cart, value=STALE_NAN))).status == 204
+    out = WriteRequest.FromString(running.upstream.received[0].raw).timeseries[0]
+    assert {lb.name: lb.value for lb in out.labels} == {**cart, **CART}
+    assert struct.pack("<d", out.samples[0].value) == struct.pack("<d", STALE_NAN)
+
+
+async def test_zstd_and_all_three_paths(running: Running) -> None:
+    cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    for path in ("/api/v1/write", "/api/v1/push", "/api/v1/receive"):
+        assert (await running.post(series_v1(cart), path=path, encoding="zstd")).status == 204
+    assert len(running.upstream.received) == 3
+    assert all(labels_of(r.raw) == [{**cart, **CART}] for r in running.upstream.received)
+
+
+async def test_v2_enriched_with_written_headers(running: Running) -> None:
+    cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    async with running.session.post(
+        running.url + "/api/v1/write", data=snappy.compress(series_v2(cart, {"__name__": "x"})),
+        headers={"Content-Type": CT_V2, "Content-Encoding": "snappy",
+                 "X-Prometheus-Remote-Write-Version": "2.0.0"},
+    ) as resp:
+        assert resp.status == 204
+        assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "2"
+        assert resp.headers["X-Prometheus-Remote-Write-Histograms-Written"] == "0"
+        assert resp.headers["X-Prometheus-Remote-Write-Exemplars-Written"] == "0"
+    rec = running.upstream.received[0]
+    assert rec.headers["Content-Type"] == CT_V2
+    req = RequestV2.FromString(rec.raw)
+    syms = list(req.symbols)
+    refs = list(req.timeseries[0].labels_refs)
+    got = {syms[refs[i]]: syms[refs[i + 1]] for i in range(0, len(refs), 2)}
+    assert got == {**cart, **CART}
+
+
+async def test_end_to_end_headers_reach_the_upstream(running: Running) -> None:
+    resp = await running.post(series_v1({"__name__": "up"}),
+                              headers={"X-Scope-OrgID": "team-a", "Authorization": "Bearer t"})
+    assert resp.status == 204
+    h = running.upstream.received[0].headers
+    assert h["X-Scope-OrgID"] == "team-a" and h["Authorization"] == "Bearer t"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "fragment"),
+    [
+        ({"ct": "text/plain"}, 415, "Content-Type"),
+        ({"ct": "application/x-protobuf;proto=foo.Bar"}, 415, "foo.Bar"),
+        ({"encoding": "gzip"}, 415, "gzip"),
+        ({"encoding": None}, 415, "Content-Encoding"),
+    ],
+)
+async def test_unsupported_media_is_415(running: Running, kwargs: dict[str, Any], status: int,
+                                        fragment: str) -> None:
+    async with running.session.post(
+        running.url + "/api/v1/write", data=snappy.compress(series_v1({"__name__": "up"})),
+        headers={k: v for k, v in {
+            "Content-Type": kwargs.get("ct", CT_V1),
+            "Content-Encoding": kwargs.get("encoding", "snappy"),
+        }.items() if v is not None},
+    ) as resp:
+        text = await resp.text()
+    assert resp.status == status and fragment in text
+    assert running.upstream.received == []
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "unsupported_media_type"}) == 1
+
+
+def _snappy_bomb() -> bytes:
+    # declares 4 GiB - 1 decoded bytes in its header; nothing behind it
+    return bytes([0xFF, 0xFF, 0xFF, 0xFF, 0x0F]) + b"\x00" * 16
+
+
+@pytest.mark.parametrize(
+    ("body", "compress", "status", "kind"),
+    [
+        (b"", False, 400, "empty_body"),
+        (b"\xff\xff\xff", False, 400, "snappy_corrupt"),
+        (snappy.compress(b"x" * 1000)[:-5], False, 400, "snappy_corrupt"),
+        (_snappy_bomb(), False, 413, "too_large"),
+        (b"\x0a\x05\x0a\x03\x0a\x01", True, 400, "protobuf_invalid"),  # truncated fields
+        (b"\xff" * 64, True, 400, "protobuf_invalid"),
+        (series_v1({"__name__": "up", "pod": "aXb"}).replace(b"aXb", b"a\xffb"), True, 400,
+         "invalid_utf8"),
+    ],
+)
+async def test_bad_input_is_4xx_and_the_process_lives_on(
+    running: Running, body: bytes, compress: bool, status: int, kind: str
+) -> None:
+    resp = await running.post(body, compress=compress)
+    assert resp.status == status
+    assert running.metric("karta_proxy_decode_errors_total", {"kind": kind}) == 1, (
+        [(s.labels, s.value) for m in running.proxy.metrics.registry.collect()
+         if m.name == "karta_proxy_decode_errors" for s in m.samples])
+    assert running.upstream.received == []
+    # the next good request goes through
+    assert (await running.post(series_v1({"__name__": "up"}))).status == 204
+
+
+async def test_wrong_method_is_405(running: Running) -> None:
+    async with running.session.get(running.url + "/api/v1/write") as resp:
+        assert resp.status == 405
+        assert resp.headers["Allow"] == "POST"
+    async with running.session.put(running.url + "/api/v1/push", data=b"x") as resp:
+        assert resp.status == 405
+
+
+async def test_body_over_the_limit_is_413_declared_or_streamed(tmp_path: Path) -> None:
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up, max_body_bytes=1000, max_inflight_bytes=1 << 20)
+        try:
+            url = f"http://127.0.0.1:{p.port}/api/v1/write"
+            h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+            async with session.post(url, data=b"x" * 5000, headers=h) as resp:
+                assert resp.status == 413
+                assert "limit of 1000 bytes" in await resp.text()
+
+            async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
+                for _ in range(10):
+                    yield b"y" * 400
+
+            async with session.post(url, data=chunks(), headers=h) as resp:
+                assert resp.status == 413
+        finally:
+            await p.stop()
+    assert up.received == []
+
+
+async def test_decoded_limit_is_413_before_decompressing(tmp_path: Path) -> None:
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up, max_decoded_bytes=10_000)
+        try:
+            body = snappy.compress(series_v1(*({"__name__": f"m{i}"} for i in range(2000))))
+            async with session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
+                                    headers={"Content-Type": CT_V1,
+                                             "Content-Encoding": "snappy"}) as resp:
+                assert resp.status == 413
+                assert "exceeds the limit of 10000" in await resp.text()
+        finally:
+            await p.stop()
+
+
+async def test_overload_is_503_with_retry_after_never_a_queue(tmp_path: Path) -> None:
+    async with ScriptedUpstream(Reply(204, delay=0.5)) as up, \
+            aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up, max_concurrent_requests=2)
+        try:
+            url = f"http://127.0.0.1:{p.port}/api/v1/write"
+            body = snappy.compress(series_v1({"__name__": "up"}))
+            h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+
+            async def one() -> tuple[int, str | None]:
+                async with session.post(url, data=body, headers=h) as resp:
+                    await resp.read()
+                    return resp.status, resp.headers.get("Retry-After")
+
+            results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(6))), 10)
+        finally:
+            await p.stop()
+    statuses = sorted(s for s, _ in results)
+    assert statuses.count(204) == 2 and statuses.count(503) == 4
+    assert all(ra == "1" for s, ra in results if s == 503)
+    assert 429 not in statuses
+    assert len(up.received) == 2
+
+
+async def test_byte_budget_is_503(tmp_path: Path) -> None:
+    async with ScriptedUpstream(Reply(204, delay=0.5)) as up, \
+            aiohttp.ClientSession() as session:
+        big = snappy.compress(series_v1(*({"__name__": f"m{i}"} for i in range(3000))))
+        p = await start_proxy(tmp_path, up, max_body_bytes=len(big) + 10,
+                              max_inflight_bytes=200_000)
+        try:
+            url = f"http://127.0.0.1:{p.port}/api/v1/write"
+            h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+
+            async def one() -> int:
+                async with session.post(url, data=big, headers=h) as resp:
+                    await resp.read()
+                    return resp.status
+
+            results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(4))), 10)
+            assert p.metrics.registry.get_sample_value(
+                "karta_proxy_inflight_bytes") == 0
+        finally:
+            await p.stop()
+    assert 204 in results and 503 in results
+    assert len(up.received) == results.count(204)
+
+
+async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:
+    replies = [Reply(400, body=b"out of order sample"), Reply(500), Reply(429),
+               Reply(503, {"Retry-After": "9"})]
+    async with ScriptedUpstream(*replies) as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up)
+        try:
+            r = Running(p, up, session)
+            got = []
+            for _ in replies:
+                async with session.post(
+                    r.url + "/api/v1/write", data=snappy.compress(series_v1({"__name__": "u"})),
+                    headers={"Content-Type": CT_V1, "Content-Encoding": "snappy"},
+                ) as resp:
+                    got.append((resp.status, resp.headers.get("Retry-After"), await resp.text()))
+        finally:
+            await p.stop()
+    assert got[0][0] == 400 and "out of order sample" in got[0][2]
+    assert got[1][0] == 502
+    assert got[2][:2] == (503, "1")
+    assert got[3][:2] == (503, "9")
+
+
+async def test_v2_to_v1_upstream_through_the_proxy(tmp_path: Path) -> None:
+    def rule(rec: Any) -> Reply:
+        return Reply(415) if "v2" in rec.headers["Content-Type"] else Reply(204)
+
+    async with ScriptedUpstream(rule=rule) as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up)
+        try:
+            cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+            async with session.post(
+                f"http://127.0.0.1:{p.port}/api/v1/write",
+                data=snappy.compress(series_v2(cart)),
+                headers={"Content-Type": CT_V2, "Content-Encoding": "snappy"},
+            ) as resp:
+                assert resp.status == 204
+                assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "1"
+        finally:
+            await p.stop()
+    assert labels_of(up.received[-1].raw) == [{**cart, **CART}]
