@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -101,6 +102,20 @@ def _sorted(pairs: Iterable[tuple[str, str]]) -> Labels:
     return tuple(sorted((k, v) for k, v in pairs if v))
 
 
+_REASON_CODE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+
+def reason_code(text: str) -> str:
+    """The snake_case code of a reason (``"jq_error: <detail>"`` -> ``jq_error``).
+
+    Details (jq messages, object values) would make a label value that changes with the
+    object: one new series per message. The detail belongs in logs; the label keeps the
+    bounded code.
+    """
+    code = text.split(":", 1)[0].strip()
+    return code if _REASON_CODE.match(code) else "other"
+
+
 def pod_facts(att: PodAttribution) -> list[Fact]:
     """The facts of one pod: its attribution, or why it has none."""
     base = (
@@ -111,7 +126,7 @@ def pod_facts(att: PodAttribution) -> list[Fact]:
     stamped = stamped_pairs(att)
     if stamped:
         return [Fact(contract.FACT_POD_INFO, _sorted((*base, *stamped)), 1.0)]
-    reason = att.reason or "unattributed"
+    reason = reason_code(att.reason) if att.reason else "unattributed"
     return [
         Fact(
             contract.FACT_POD_UNATTRIBUTED_INFO,
@@ -173,7 +188,7 @@ def workload_facts(wf: WorkloadFacts) -> list[Fact]:
         out.append(
             Fact(
                 contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO,
-                _sorted((*ident, (contract.FACT_LABEL_REASON, wf.phase_reason))),
+                _sorted((*ident, (contract.FACT_LABEL_REASON, reason_code(wf.phase_reason)))),
                 1.0,
             )
         )

@@ -842,3 +842,15 @@ async def test_three_replicas_write_each_fact_once_and_survive_the_leader_dying(
     assert len(await asyncio.to_thread(
         prom.query, f"karta_workload_info{{{_ident('replicated')}}}", t_end)) == 1
     assert not math.isnan(stored)
+
+
+def test_reason_labels_keep_the_code_not_the_detail() -> None:
+    from proxy.facts import reason_code
+
+    assert reason_code("jq_error: .status.x: cannot iterate over null (in .status)") == "jq_error"
+    assert reason_code("no_status_matched") == "no_status_matched"
+    assert reason_code("Something: odd") == "other"
+    index = PodIndex()
+    index.apply(ChangeSet(workloads={"w-dep": dep_facts(phase_reason="jq_error: boom (in .x)")}))
+    facts = [f for f in iter_facts(index) if f.name == contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO]
+    assert [dict(f.labels)["reason"] for f in facts] == ["jq_error"]

@@ -1,0 +1,174 @@
+"""docs/metrics.md and what the proxy emits must agree: names, labels, types, version.
+
+The emitted side is real output: the fact series produced from a small index that uses
+every optional label, the labels ``stamped_pairs`` produces for a pod, and what the
+``/metrics`` collectors render. The documented side is parsed from the tables.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import contract
+from proxy.config import FactSettings
+from proxy.facts import FactsCollector, FactWriter, FactWriterCollector, iter_facts
+from proxy.index import PodIndex, stamped_pairs
+from proxy.karta.results import (
+    ChangeSet,
+    PodAttribution,
+    ReplicaFact,
+    WorkloadFacts,
+    WorkloadRef,
+)
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def section(text: str, heading: str) -> str:
+    m = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"docs/metrics.md has no '## {heading}' section"
+    return m.group(1)
+
+
+def table(text: str) -> dict[str, list[str]]:
+    """First-column name -> the other cells, for rows whose first cell is `code`."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\|\s*`([^`]+)`\s*\|(.*)\|\s*$", line)
+        if m:
+            assert m.group(1) not in rows, f"{m.group(1)} documented twice"
+            rows[m.group(1)] = [c.strip() for c in m.group(2).split("|")]
+    return rows
+
+
+def labels_cell(cell: str) -> set[str]:
+    return set(re.findall(r"`([^`]+)`", cell))
+
+
+@pytest.fixture(scope="module")
+def doc() -> str:
+    return DOC.read_text()
+
+
+def rich_index() -> PodIndex:
+    """Every optional label and every conditional series appears at least once."""
+    ray = WorkloadRef("ml", "ray.io", "RayJob", "train", "w1")
+    dep = WorkloadRef("ml", "apps", "Deployment", "api", "w2")
+    index = PodIndex()
+    index.apply(
+        ChangeSet(
+            pods={
+                "p1": PodAttribution("ml", "train-w-0", "p1", ray, "workers", "g1", "0"),
+                "p2": PodAttribution("ml", "api-5f-x", "p2", dep),
+                "p3": PodAttribution("ml", "stray", "p3", None, reason="no_described_owner"),
+            },
+            workloads={
+                "w1": WorkloadFacts(
+                    ray, "rayjob", False, "Running", ("Running", "Degraded"), "", 1.0,
+                    (ReplicaFact("workers", "g1", 2, 1, 4, 1),),
+                ),
+                "w2": WorkloadFacts(
+                    dep, "deployment", True, "Undefined", ("Undefined",), "no_status_matched", 2.0,
+                ),
+            },
+        )
+    )
+    index.mark_fresh("pods", 3.0)
+    return index
+
+
+def emitted_facts() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for f in iter_facts(rich_index()):
+        out.setdefault(f.name, set()).update(k for k, _ in f.labels)
+    return out
+
+
+def test_contract_version_matches_the_document_and_the_series(doc: str) -> None:
+    m = re.search(r"^Contract version: `([^`]+)`", doc, re.M)
+    assert m and m.group(1) == contract.CONTRACT_VERSION
+    assert re.fullmatch(r"\d+\.\d+\.\d+", contract.CONTRACT_VERSION)
+    versions = [
+        dict(f.labels)["version"]
+        for f in iter_facts(rich_index())
+        if f.name == contract.FACT_CONTRACT_INFO
+    ]
+    assert versions == [contract.CONTRACT_VERSION]
+
+
+def test_stamped_labels_are_documented(doc: str) -> None:
+    documented = set(table(section(doc, "Stamped labels")))
+    assert documented == set(contract.STAMPED_LABELS)
+    # and what the index actually stamps stays within them
+    ray = WorkloadRef("ml", "ray.io", "RayJob", "train", "w1")
+    stamped = {k for k, _ in stamped_pairs(PodAttribution("ml", "p", "u", ray, "c", "i", "r"))}
+    assert stamped == documented
+    assert all(name.startswith(contract.STAMPED_PREFIX) for name in documented)
+    assert list(contract.STAMPED_LABELS) == sorted(contract.STAMPED_LABELS)
+
+
+def test_fact_series_names_and_labels_match_the_document(doc: str) -> None:
+    rows = table(section(doc, "Fact series"))
+    emitted = emitted_facts()
+    assert set(rows) == set(emitted), (
+        f"undocumented: {sorted(set(emitted) - set(rows))}; "
+        f"documented, not emitted: {sorted(set(rows) - set(emitted))}"
+    )
+    assert set(rows) == set(contract.FACT_SERIES)
+    for name, cells in rows.items():
+        assert labels_cell(cells[1]) == emitted[name], name
+        assert name.startswith(contract.METRIC_PREFIX)
+
+
+def test_fact_series_types_match_what_metrics_serves(doc: str) -> None:
+    rows = table(section(doc, "Fact series"))
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(rich_index()))
+    served = {
+        fam.name: fam.type
+        for fam in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    for name, cells in rows.items():
+        assert cells[0].split()[0] == served[name], name
+
+
+def test_fact_writer_metrics_match_the_document(doc: str) -> None:
+    rows = table(section(doc, "Fact writer metrics"))
+    assert set(rows) == set(contract.FACT_WRITER_METRICS)
+    registry = CollectorRegistry()
+    registry.register(FactWriterCollector(FactWriter(FactSettings(), rich_index(), _send)))
+    served: dict[str, tuple[str, set[str]]] = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            served[s.name] = (fam.type, set(s.labels) | served.get(s.name, ("", set()))[1])
+    assert set(served) == set(rows)
+    for name, cells in rows.items():
+        typ, labels = served[name]
+        assert cells[0].split()[0] == typ, name
+        assert labels_cell(cells[1]) == labels, name
+
+
+def test_every_name_in_contract_py_is_documented(doc: str) -> None:
+    """A constant added to contract.py without a row in the document fails here."""
+    names = {
+        v
+        for k, v in vars(contract).items()
+        if isinstance(v, str) and (k.startswith(("FACT_", "OP_", "LABEL_")))
+        and not k.startswith("FACT_LABEL_")
+    }
+    for n in names:
+        assert f"`{n}`" in doc, n
+    fact_labels = {v for k, v in vars(contract).items() if k.startswith("FACT_LABEL_")}
+    documented_labels = set().union(
+        *(labels_cell(c[1]) for c in table(section(doc, "Fact series")).values())
+    )
+    assert fact_labels <= documented_labels
+
+
+async def _send(body: bytes) -> None:
+    return None
