@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import io
 import json
 import math
 import os
@@ -476,6 +477,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # progress shows when piped to a file
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     procs: list[Process] = []
