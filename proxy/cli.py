@@ -99,19 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_demo_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from proxy.demo import add_demo_arguments
+
+    return add_demo_arguments(argparse.ArgumentParser(
         prog=f"{PROG} demo",
         description="Run the bundled demo: karta-proxy on a bundled snapshot, a batch of "
         "cAdvisor, kubelet-resource and DCGM series replayed through it to an in-process "
         "receiver; prints series before/after and a per-workload summary. No cluster, TSDB "
         "or network beyond loopback.",
-    )
-    p.add_argument("--snapshot", metavar="PATH",
-                   help="use this snapshot instead of the bundled one")
-    p.add_argument("--log-level", default="warning",
-                   choices=("debug", "info", "warning", "error"),
-                   help="log level of the proxy during the demo (default warning)")
-    return p
+    ))
 
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:

@@ -1,0 +1,155 @@
+"""The command line: flags, precedence over the config file, exit codes, and a real process
+started with ``python -m proxy`` and stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.cli import build_parser, main, settings_from_args
+from proxy.config import ConfigError
+from proxy.sender import Series, send_series
+from tests.scripted import ScriptedUpstream
+from tests.test_handler import CART, SNAPSHOT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_documents_every_flag() -> None:
+    text = build_parser().format_help()
+    for flag in ("--listen-address", "--upstream-url", "--snapshot", "--config", "--log-level",
+                 "--kubeconfig", "--namespace", "--node-name", "--description",
+                 "--no-builtin-descriptions", "karta-proxy demo"):
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([], "upstream.url: required"),
+        (["--upstream-url", "ftp://x"], "upstream.url: expected an http"),
+        (["--upstream-url", "http://x", "--listen-address", "nope"], "expected HOST:PORT"),
+        (["--upstream-url", "http://x", "--snapshot", "/nonexistent"], "snapshot:"),
+    ],
+)
+def test_invalid_settings_exit_2_with_one_line(
+    args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("karta-proxy: error: ") and fragment in err
+
+
+def test_unknown_config_key_exits_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("upstream:\n  url: http://x\n  timeout: 3\n")
+    r = run_cli("--config", str(cfg))
+    assert r.returncode == 2
+    assert "unknown key 'upstream.timeout'" in r.stderr and str(cfg) in r.stderr
+
+
+def test_bad_flag_exits_2() -> None:
+    r = run_cli("--log-level", "loud")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "server: {listen_address: '127.0.0.1:1111'}\n"
+        "upstream: {url: 'http://from-file:9090/api/v1/write', timeout_seconds: 7}\n"
+        "karta: {description_paths: [/tmp]}\n"
+        "kube: {namespaces: [a], node_name: file-node}\n"
+    )
+    args = build_parser().parse_args([
+        "--config", str(cfg), "--upstream-url", "http://from-flag:9090/api/v1/write",
+        "--namespace", "b", "--namespace", "c", "--description", str(tmp_path),
+        "--no-builtin-descriptions", "--log-level", "debug",
+    ])
+    s = settings_from_args(args, env={"NODE_NAME": "env-node"})
+    assert s.upstream.url == "http://from-flag:9090/api/v1/write"
+    assert s.upstream.timeout_seconds == 7.0  # from the file
+    assert s.server.listen_address == "127.0.0.1:1111"
+    assert s.kube.namespaces == ["b", "c"]
+    assert s.kube.node_name == "env-node"
+    assert s.karta.description_paths == ["/tmp", str(tmp_path)]
+    assert s.karta.builtins is False
+    assert s.log_level == "debug"
+    s = settings_from_args(build_parser().parse_args(
+        ["--config", str(cfg), "--node-name", "flag-node"]), env={"NODE_NAME": "env-node"})
+    assert s.kube.node_name == "flag-node"
+    s = settings_from_args(build_parser().parse_args(["--config", str(cfg)]), env={})
+    assert s.kube.node_name == "file-node"
+
+
+def test_validation_error_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        settings_from_args(build_parser().parse_args([]), env={})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    port = _free_port()
+    async with ScriptedUpstream() as up:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "--snapshot", str(snap), "--upstream-url", up.url,
+            "--listen-address", f"127.0.0.1:{port}", "--no-facts", cwd=REPO,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as session:
+                deadline = asyncio.get_running_loop().time() + 20
+                while True:
+                    try:
+                        async with session.get(base + "/-/ready") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    assert asyncio.get_running_loop().time() < deadline, "never ready"
+                    assert proc.returncode is None
+                    await asyncio.sleep(0.1)
+                labels = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+                status, _, _ = await send_series(base + "/api/v1/write",
+                                                 [Series(labels, [(1000, 1.0)])], session=session)
+                assert status == 204
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0
+    from proxy.sender import decode_v1
+
+    (got,) = decode_v1(up.received[0].raw)
+    assert got.labels == {**labels, **CART}
+    lines = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    msgs = [rec["msg"] for rec in lines]
+    assert "karta-proxy started" in msgs and "karta-proxy stopped" in msgs
+    assert all({"ts", "level", "logger", "msg"} <= rec.keys() for rec in lines)
+
+
+def test_demo_subcommand() -> None:
+    r = run_cli("demo", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "none lost, none added" in r.stdout

@@ -1,0 +1,126 @@
+"""Routes of the application: /metrics, health, readiness, landing page."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import snappy
+
+from proxy import __version__
+from proxy.attribution import Enricher
+from proxy.config import ServerSettings, UpstreamSettings
+from proxy.contract import CONTRACT_VERSION
+from proxy.handler import RemoteWriteHandler
+from proxy.index import PodIndex
+from proxy.metrics import ProxyMetrics
+from proxy.sender import Series, build_v1
+from proxy.server import build_app, start_site
+from proxy.upstream import Upstream
+from tests.scripted import ScriptedUpstream
+
+
+class App:
+    def __init__(self, index: PodIndex, url: str, handler: RemoteWriteHandler) -> None:
+        self.index, self.url, self.handler = index, url, handler
+
+
+async def _serve(forward_before_ready: bool) -> AsyncIterator[tuple[App, ScriptedUpstream]]:
+    async with ScriptedUpstream() as up:
+        index = PodIndex()
+        metrics = ProxyMetrics()
+        metrics.watch_index(index)
+        upstream = Upstream(UpstreamSettings(url=up.url), metrics)
+        handler = RemoteWriteHandler(
+            ServerSettings(forward_before_ready=forward_before_ready), index,
+            Enricher(index, [("namespace", "pod")]), upstream, metrics,
+        )
+        app = build_app(handler, index, metrics, upstream_url=up.url, source="test")
+        runner, port = await start_site(app, "127.0.0.1", 0)
+        try:
+            yield App(index, f"http://127.0.0.1:{port}", handler), up
+        finally:
+            await runner.cleanup()
+            await upstream.close()
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[tuple[App, ScriptedUpstream]]:
+    async for a in _serve(False):
+        yield a
+
+
+@pytest.fixture
+async def app_forwarding() -> AsyncIterator[tuple[App, ScriptedUpstream]]:
+    async for a in _serve(True):
+        yield a
+
+
+BODY = snappy.compress(build_v1([Series({"__name__": "up", "namespace": "a", "pod": "b"},
+                                        [(1000, 1.0)])]))
+HEADERS = {"Content-Type": "application/x-protobuf", "Content-Encoding": "snappy"}
+
+
+async def test_health_and_readiness_follow_the_index(app: tuple[App, ScriptedUpstream]) -> None:
+    a, up = app
+    async with aiohttp.ClientSession() as s:
+        async with s.get(a.url + "/-/healthy") as r:
+            assert r.status == 200
+        async with s.get(a.url + "/-/ready") as r:
+            assert r.status == 503
+        async with s.post(a.url + "/api/v1/write", data=BODY, headers=HEADERS) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert up.received == []
+        a.index.ready = True
+        async with s.get(a.url + "/-/ready") as r:
+            assert r.status == 200
+        async with s.post(a.url + "/api/v1/write", data=BODY, headers=HEADERS) as r:
+            assert r.status == 204
+        assert len(up.received) == 1
+
+
+async def test_forward_before_ready(app_forwarding: tuple[App, ScriptedUpstream]) -> None:
+    a, up = app_forwarding
+    async with aiohttp.ClientSession() as s:
+        async with s.get(a.url + "/-/ready") as r:
+            assert r.status == 503  # probes still see not-ready
+        async with s.post(a.url + "/api/v1/write", data=BODY, headers=HEADERS) as r:
+            assert r.status == 204
+    assert up.received[0].raw == snappy.uncompress(BODY)  # unenriched, byte for byte
+
+
+async def test_metrics_exposition(app: tuple[App, ScriptedUpstream]) -> None:
+    a, _ = app
+    a.index.ready = True
+    async with aiohttp.ClientSession() as s:
+        async with s.post(a.url + "/api/v1/push", data=BODY, headers=HEADERS) as r:
+            assert r.status == 204
+        async with s.get(a.url + "/metrics") as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = await r.text()
+    for line in (
+        'karta_proxy_requests_total{code="204",path="/api/v1/push",protocol="v1"} 1.0',
+        'karta_proxy_series_total{direction="in"} 1.0',
+        'karta_proxy_series_total{direction="out"} 1.0',
+        'karta_proxy_samples_total 1.0',
+        'karta_proxy_series_unattributed_total{reason="pod_unknown"} 1.0',
+        'karta_proxy_upstream_responses_total{code="204"} 1.0',
+        'karta_proxy_upstream_request_duration_seconds_count 1.0',
+        'karta_proxy_inflight_requests 0.0',
+        f'karta_proxy_build_info{{contract_version="{CONTRACT_VERSION}",version="{__version__}"}}'
+        ' 1.0',
+        'karta_proxy_index_ready 1.0',
+    ):
+        assert line in text, line
+
+
+async def test_landing_page(app: tuple[App, ScriptedUpstream]) -> None:
+    a, up = app
+    async with aiohttp.ClientSession() as s, s.get(a.url + "/") as r:
+        assert r.status == 200 and r.content_type == "text/html"
+        page = await r.text()
+    assert __version__ in page and up.url in page
+    for link in ('href="/metrics"', 'href="/-/healthy"', 'href="/-/ready"'):
+        assert link in page
