@@ -1,0 +1,292 @@
+"""Per series: find the pod it names, look up its stamped labels, splice them in (cached).
+
+The request path costs one cache probe per series in steady state. The cache is keyed by
+a series' label bytes (RW 1.0: the raw bytes of its Label fields) and holds the finished
+label bytes to splice, or "unchanged". Entries that depend on the pod index remember the
+(namespace, pod) they looked up and the answer; when ``index.generation`` moves on they
+are revalidated with one index probe (the index interns its answers, so an identity check
+says "still the same"), not recomputed. Entries of series that name no pod never expire.
+
+:func:`enrich_v1_reference` / :func:`enrich_v2_reference` do the same job the plain way,
+through the generated protobuf classes; tests hold the fast path to them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy import codec, contract
+from proxy.codec import Counts
+from proxy.compression import DecodeError
+from proxy.index import LabelPairs, PodIndex
+
+POLICIES = ("replace", "keep")
+REASON_NO_POD_LABEL = "no_pod_label"
+
+_STAMPED = frozenset(n.encode() for n in contract.STAMPED_LABELS)
+_WORKLOAD = contract.LABEL_WORKLOAD.encode()
+
+
+@dataclass
+class EnrichResult:
+    #: the enriched request, uncompressed (the input object itself when nothing changed)
+    body: bytes
+    counts: Counts
+    #: series that carry stamped labels on the way out
+    attributed: int
+    #: reason -> series passed through unchanged for it
+    unattributed: dict[str, int] = field(default_factory=dict)
+
+
+def _tally(counts: Counts, body: bytes, reasons: list[str]) -> EnrichResult:
+    tally = Counter(reasons)
+    attributed = tally.pop("", 0)
+    return EnrichResult(body, counts, attributed, dict(tally))
+
+
+class Enricher:
+    """Stamps the index's labels onto the series of RW 1.0 / 2.0 requests."""
+
+    def __init__(
+        self,
+        index: PodIndex,
+        pod_label_pairs: Sequence[tuple[str, str]],
+        *,
+        conflict_policy: str = "replace",
+        cache_size: int = 500_000,
+    ) -> None:
+        if conflict_policy not in POLICIES:
+            raise ValueError(f"conflict_policy must be one of {POLICIES}, not {conflict_policy!r}")
+        if not pod_label_pairs:
+            raise ValueError("pod_label_pairs must name at least one (namespace, pod) pair")
+        self._index = index
+        self._pairs = tuple((ns.encode(), pod.encode()) for ns, pod in pod_label_pairs)
+        self._keep = conflict_policy == "keep"
+        self._cache_size = max(16, cache_size)
+        self._cache: dict[bytes, tuple[Any, ...]] = {}
+        #: LabelPairs -> encoded 1.0 Label fields, as (name, value, field) for the merge
+        self._stamp_v1: dict[LabelPairs, tuple[tuple[bytes, bytes, bytes], ...]] = {}
+        self._stamp_bytes: dict[LabelPairs, tuple[tuple[bytes, bytes], ...]] = {}
+        self._generation = index.generation
+        self.hits = 0
+        self.misses = 0
+
+    # -- public -------------------------------------------------------------------------
+
+    def enrich_v1(self, raw: bytes) -> EnrichResult:
+        gen = self._generation = self._index.generation
+        if len(self._stamp_v1) > 4 * 65536:
+            self._stamp_v1.clear()
+        body, counts, reasons = codec.splice_v1(raw, self._cache.get, self._miss_v1, gen)
+        return _tally(counts, body, reasons)
+
+    def enrich_v2(self, raw: bytes) -> EnrichResult:
+        self._generation = self._index.generation
+        memo: dict[tuple[bytes, bytes], tuple[Any, str]] = {}
+
+        def resolve(labels: list[tuple[bytes, bytes]]) -> tuple[Any, str]:
+            return self._resolve_v2(labels, memo)
+
+        body, counts, reasons = codec.splice_v2(raw, resolve, _STAMPED)
+        return _tally(counts, body, reasons)
+
+    def cache_len(self) -> int:
+        return len(self._cache)
+
+    # -- decisions ----------------------------------------------------------------------
+
+    def _find_pod(self, labels: dict[bytes, bytes]) -> tuple[bytes, bytes] | None:
+        for ns_name, pod_name in self._pairs:
+            ns = labels.get(ns_name)
+            if ns:
+                pod = labels.get(pod_name)
+                if pod:
+                    return ns, pod
+        return None
+
+    def _miss_v1(self, key: bytes) -> tuple[Any, ...]:
+        """Compute (or revalidate) the cache entry of one label set."""
+        gen = self._generation
+        old = self._cache.get(key)
+        if old is not None and old[4] is not None:
+            ns, pod, pairs = old[4], old[5], old[6]
+            now = self._index.lookup(ns, pod)
+            if now is pairs and (now is not None or self._index.reason(ns, pod) == old[3]):
+                ent = (gen, *old[1:])
+                self._cache[key] = ent
+                return ent
+        self.misses += 1
+        labels = codec.parse_labels_v1(key)
+        ent = self._decide_v1(key, labels, gen)
+        if len(self._cache) >= self._cache_size:
+            self._evict()
+        self._cache[key] = ent
+        return ent
+
+    def _decide_v1(
+        self, key: bytes, labels: list[codec.LabelField], gen: int
+    ) -> tuple[Any, ...]:
+        by_name = {name: value for name, value, _ in labels}
+        if self._keep and by_name.get(_WORKLOAD):
+            return (-1, None, 0, "", None, None, None)
+        found = self._find_pod(by_name)
+        if found is None:
+            return (-1, None, 0, REASON_NO_POD_LABEL, None, None, None)
+        ns, pod = found
+        pairs = self._index.lookup(ns, pod)
+        if pairs is None:
+            return (gen, None, 0, self._index.reason(ns, pod), ns, pod, None)
+        stamp = self._stamp_v1.get(pairs)
+        if stamp is None:
+            stamp = tuple(
+                (n.encode(), v.encode(), codec.encode_label_v1(n.encode(), v.encode()))
+                for n, v in pairs
+            )
+            self._stamp_v1[pairs] = stamp
+        merged = codec.merge_labels(labels, stamp, _STAMPED)
+        new = b"".join(lf[2] for lf in merged)
+        if new == key:  # already exactly so: pass the bytes through untouched
+            return (gen, None, 0, "", ns, pod, pairs)
+        return (gen, new, len(new) - len(key), "", ns, pod, pairs)
+
+    def _evict(self) -> None:
+        """Drop the oldest quarter (insertion order): cheap, and hot series come back."""
+        drop = list(itertools.islice(self._cache, len(self._cache) // 4 or 1))
+        for k in drop:
+            del self._cache[k]
+
+    def _resolve_v2(
+        self,
+        labels: list[tuple[bytes, bytes]],
+        memo: dict[tuple[bytes, bytes], tuple[Any, str]],
+    ) -> tuple[Any, str]:
+        by_name = dict(labels)
+        if self._keep and by_name.get(_WORKLOAD):
+            return None, ""
+        found = self._find_pod(by_name)
+        if found is None:
+            return None, REASON_NO_POD_LABEL
+        hit = memo.get(found)
+        if hit is not None:
+            return hit
+        ns, pod = found
+        pairs = self._index.lookup(ns, pod)
+        if pairs is None:
+            hit = (None, self._index.reason(ns, pod))
+        else:
+            stamp = self._stamp_bytes.get(pairs)
+            if stamp is None:
+                stamp = tuple((n.encode(), v.encode()) for n, v in pairs)
+                self._stamp_bytes[pairs] = stamp
+            hit = (stamp, "")
+        memo[found] = hit
+        return hit
+
+
+# -- the plain reference ------------------------------------------------------------------
+
+
+def _reference_decision(
+    labels: list[tuple[str, str]],
+    index: PodIndex,
+    pod_label_pairs: Sequence[tuple[str, str]],
+    conflict_policy: str,
+) -> tuple[list[tuple[str, str]] | None, str]:
+    """(new labels or None for unchanged, reason) — written for clarity, not speed."""
+    present = dict(labels)
+    if conflict_policy == "keep" and present.get(contract.LABEL_WORKLOAD):
+        return None, ""
+    for ns_name, pod_name in pod_label_pairs:
+        ns = present.get(ns_name, "")
+        pod = present.get(pod_name, "")
+        if ns and pod:
+            break
+    else:
+        return None, REASON_NO_POD_LABEL
+    stamped = index.lookup(ns.encode(), pod.encode())
+    if stamped is None:
+        return None, index.reason(ns.encode(), pod.encode())
+    kept = [(n, v) for n, v in labels if n not in contract.STAMPED_LABELS]
+    new = sorted([*kept, *stamped], key=lambda nv: nv[0].encode())
+    return new, ""
+
+
+def enrich_v1_reference(
+    raw: bytes,
+    index: PodIndex,
+    pod_label_pairs: Sequence[tuple[str, str]],
+    conflict_policy: str = "replace",
+) -> EnrichResult:
+    """The same result as :meth:`Enricher.enrich_v1`, through full protobuf objects."""
+    from proxy.pb.prometheus import remote_pb2
+
+    req = remote_pb2.WriteRequest()
+    try:
+        req.ParseFromString(raw)
+    except Exception as exc:
+        raise DecodeError("protobuf_invalid", 400, f"invalid protobuf: {exc}") from None
+    counts = Counts()
+    reasons: list[str] = []
+    for ts in req.timeseries:
+        counts.series += 1
+        counts.samples += len(ts.samples)
+        counts.exemplars += len(ts.exemplars)
+        counts.histograms += len(ts.histograms)
+        labels = [(lb.name, lb.value) for lb in ts.labels]
+        new, reason = _reference_decision(labels, index, pod_label_pairs, conflict_policy)
+        reasons.append(reason)
+        if new is not None:
+            del ts.labels[:]
+            for n, v in new:
+                ts.labels.add(name=n, value=v)
+    return _tally(counts, req.SerializeToString(), reasons)
+
+
+def enrich_v2_reference(
+    raw: bytes,
+    index: PodIndex,
+    pod_label_pairs: Sequence[tuple[str, str]],
+    conflict_policy: str = "replace",
+) -> EnrichResult:
+    """The same result as :meth:`Enricher.enrich_v2`, through full protobuf objects."""
+    from proxy.pb.io.prometheus.write.v2 import types_pb2
+
+    req = types_pb2.Request()
+    try:
+        req.ParseFromString(raw)
+    except Exception as exc:
+        raise DecodeError("protobuf_invalid", 400, f"invalid protobuf: {exc}") from None
+    symbols = list(req.symbols)
+    where = {s: i for i, s in reversed(list(enumerate(symbols)))}
+    counts = Counts()
+    reasons: list[str] = []
+    for ts in req.timeseries:
+        counts.series += 1
+        counts.samples += len(ts.samples)
+        counts.exemplars += len(ts.exemplars)
+        counts.histograms += len(ts.histograms)
+        refs = list(ts.labels_refs)
+        labels = [(symbols[refs[i]], symbols[refs[i + 1]]) for i in range(0, len(refs), 2)]
+        new, reason = _reference_decision(labels, index, pod_label_pairs, conflict_policy)
+        reasons.append(reason)
+        if new is None:
+            continue
+        if not symbols:
+            symbols.append("")
+            req.symbols.append("")
+            where[""] = 0
+        out: list[int] = []
+        for n, v in new:
+            for s in (n, v):
+                if s not in where:
+                    where[s] = len(symbols)
+                    symbols.append(s)
+                    req.symbols.append(s)
+                out.append(where[s])
+        del ts.labels_refs[:]
+        ts.labels_refs.extend(out)
+    return _tally(counts, req.SerializeToString(), reasons)

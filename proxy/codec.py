@@ -1,0 +1,730 @@
+"""Remote-write bodies at the wire level: scan, splice label bytes, convert 2.0 to 1.0.
+
+Nothing here builds protobuf objects on the request path. A 1.0 body is walked field by
+field; each TimeSeries' label fields are handed to the caller's cache as one ``bytes`` key
+and, when the series gets new labels, only its label fields and its length prefix are
+rewritten. Every other byte of the request is copied through as a span of the input.
+``docs/wire.md`` explains the splice and why it is sound.
+
+Wire facts used throughout (see ``proto/``): a 1.0 WriteRequest is ``timeseries = 1`` and
+``metadata = 3``; a TimeSeries is ``labels = 1``, ``samples = 2``, ``exemplars = 3``,
+``histograms = 4``; a Label is ``name = 1``, ``value = 2``. A 2.0 Request is
+``symbols = 4`` and ``timeseries = 5``; its TimeSeries has ``labels_refs = 1`` (packed
+uint32), ``samples = 2``, ``histograms = 3``, ``exemplars = 4``, ``metadata = 5``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.compression import DecodeError
+
+# -- protocols ----------------------------------------------------------------------------
+
+
+class Protocol(enum.Enum):
+    V1 = "prometheus.WriteRequest"
+    V2 = "io.prometheus.write.v2.Request"
+
+    @property
+    def content_type(self) -> str:
+        if self is Protocol.V1:
+            return "application/x-protobuf"
+        return "application/x-protobuf;proto=io.prometheus.write.v2.Request"
+
+    @property
+    def version_header(self) -> str:
+        """Value of ``X-Prometheus-Remote-Write-Version`` for this protocol."""
+        return "0.1.0" if self is Protocol.V1 else "2.0.0"
+
+
+def protocol_from_content_type(ct: str) -> Protocol:
+    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else."""
+    parts = [p.strip() for p in ct.split(";")]
+    media = parts[0].lower()
+    if media != "application/x-protobuf":
+        raise DecodeError(
+            "unsupported_content_type",
+            415,
+            f"unsupported Content-Type {ct!r}: remote write needs application/x-protobuf",
+        )
+    proto = ""
+    for param in parts[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "proto":
+            proto = value.strip().strip('"')
+    if proto in ("", Protocol.V1.value):
+        return Protocol.V1
+    if proto == Protocol.V2.value:
+        return Protocol.V2
+    raise DecodeError(
+        "unsupported_content_type",
+        415,
+        f"unsupported remote-write message {proto!r}: expected {Protocol.V1.value} "
+        f"or {Protocol.V2.value}",
+    )
+
+
+@dataclass(slots=True)
+class Counts:
+    """What a request carries, for the ``X-Prometheus-Remote-Write-*-Written`` headers."""
+
+    series: int = 0
+    samples: int = 0
+    histograms: int = 0
+    exemplars: int = 0
+
+    def add(self, other: Counts) -> None:
+        self.series += other.series
+        self.samples += other.samples
+        self.histograms += other.histograms
+        self.exemplars += other.exemplars
+
+
+# -- varints and fields -------------------------------------------------------------------
+
+
+def _invalid(what: str) -> DecodeError:
+    return DecodeError("protobuf_invalid", 400, f"invalid protobuf: {what}")
+
+
+def uvarint(buf: bytes, pos: int) -> tuple[int, int]:
+    """Decode a varint at ``pos``; returns (value, position after it)."""
+    result = 0
+    shift = 0
+    n = len(buf)
+    while True:
+        if pos >= n:
+            raise _invalid("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise _invalid("varint longer than 10 bytes")
+
+
+def encode_uvarint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def len_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag, length, payload."""
+    return encode_uvarint(number << 3 | 2) + encode_uvarint(len(payload)) + payload
+
+
+def skip_field(buf: bytes, pos: int, end: int) -> tuple[int, int, int, int]:
+    """Read the field at ``pos``: (field number, wire type, payload start, field end).
+
+    For length-delimited fields the payload start is after the length; for the others it
+    is after the tag. Groups (wire types 3, 4) are refused: no remote-write message has any.
+    """
+    key, p = uvarint(buf, pos)
+    number = key >> 3
+    wt = key & 7
+    if number == 0:
+        raise _invalid("field number 0")
+    if wt == 2:
+        ln, p = uvarint(buf, p)
+        q = p + ln
+    elif wt == 0:
+        _, q = uvarint(buf, p)
+    elif wt == 1:
+        q = p + 8
+    elif wt == 5:
+        q = p + 4
+    else:
+        raise _invalid(f"unsupported wire type {wt}")
+    if q > end:
+        raise _invalid("field runs past the end of its message")
+    return number, wt, p, q
+
+
+#: b"\x0a" + varint(n): the head of a TimeSeries (1.0) for small lengths, prebuilt
+_TS_HEAD_V1: list[bytes] = [b"\x0a" + encode_uvarint(n) for n in range(4096)]
+
+
+def _ts_head_v1(n: int) -> bytes:
+    return _TS_HEAD_V1[n] if n < 4096 else b"\x0a" + encode_uvarint(n)
+
+
+def _utf8(b: bytes, what: str) -> None:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError("invalid_utf8", 400, f"{what} is not valid UTF-8: {b[:64]!r}") from None
+
+
+# -- RW 1.0 labels ------------------------------------------------------------------------
+
+#: (name, value, the whole encoded Label field)
+LabelField = tuple[bytes, bytes, bytes]
+
+
+def parse_label_payload(buf: bytes, p: int, end: int) -> tuple[bytes, bytes]:
+    """Name and value of one Label message (unknown fields inside are skipped)."""
+    name = b""
+    value = b""
+    while p < end:
+        number, wt, s, q = skip_field(buf, p, end)
+        if number == 1 and wt == 2:
+            name = buf[s:q]
+        elif number == 2 and wt == 2:
+            value = buf[s:q]
+        elif number in (1, 2):
+            raise _invalid("label name/value with a wrong wire type")
+        p = q
+    return name, value
+
+
+def parse_labels_v1(fields: bytes, *, check_utf8: bool = True) -> list[LabelField]:
+    """Split a run of 1.0 Label fields (a cache key) into (name, value, field bytes)."""
+    out: list[LabelField] = []
+    p = 0
+    n = len(fields)
+    while p < n:
+        number, wt, s, q = skip_field(fields, p, n)
+        if number != 1 or wt != 2:
+            raise _invalid("expected a label field")
+        name, value = parse_label_payload(fields, s, q)
+        if check_utf8:
+            _utf8(name, "label name")
+            _utf8(value, "label value")
+        out.append((name, value, fields[p:q]))
+        p = q
+    return out
+
+
+def encode_label_v1(name: bytes, value: bytes) -> bytes:
+    return len_field(1, len_field(1, name) + len_field(2, value))
+
+
+def merge_labels(
+    labels: Sequence[tuple[bytes, bytes, bytes]],
+    stamp: Sequence[tuple[bytes, bytes, bytes]],
+    drop: Collection[bytes],
+) -> list[tuple[bytes, bytes, bytes]]:
+    """The series' labels minus those named in ``drop``, plus ``stamp``, sorted by name.
+
+    Items are (name, value, encoding); byte order of UTF-8 names is code point order, which
+    is the order Prometheus sorts by. The sort is stable, so a sender's (invalid) duplicate
+    names keep their relative order rather than being guessed away.
+    """
+    kept = [lf for lf in labels if lf[0] not in drop]
+    if not stamp:
+        return kept
+    if _is_sorted(kept):
+        # the usual case: one contiguous block goes in at a single position
+        first = stamp[0][0]
+        last = stamp[-1][0]
+        i = 0
+        while i < len(kept) and kept[i][0] < first:
+            i += 1
+        if i == len(kept) or kept[i][0] > last:
+            return [*kept[:i], *stamp, *kept[i:]]
+    merged = [*kept, *stamp]
+    merged.sort(key=lambda lf: lf[0])
+    return merged
+
+
+def _is_sorted(labels: Sequence[tuple[bytes, bytes, bytes]]) -> bool:
+    return all(labels[i][0] < labels[i + 1][0] for i in range(len(labels) - 1))
+
+
+# -- RW 1.0 splice ------------------------------------------------------------------------
+
+#: What the caller's cache holds per label set; the first four items are read here:
+#: (generation it is valid for, or -1 for always; new label fields or None for
+#: "unchanged"; len(new) - len(key); reason: "" when attributed, else the reason label).
+#: The caller may keep more items after those (e.g. what it needs to revalidate).
+Entry = tuple[Any, ...]
+CacheGet = Callable[[bytes], "Entry | None"]
+CacheMiss = Callable[[bytes], "Entry"]
+
+
+def _split_series_v1(
+    raw: bytes, p: int, end: int
+) -> tuple[bytes, int, list[tuple[int, int]], int, int, int]:
+    """Walk one TimeSeries: (label fields, end of the leading label run or -1 if labels are
+    not all in front, spans of the other fields, samples, exemplars, histograms)."""
+    label_spans: list[tuple[int, int]] = []
+    other: list[tuple[int, int]] = []
+    samples = exemplars = histograms = 0
+    lead_end = p
+    pos = p
+    while pos < end:
+        b = raw[pos]
+        if b == 0x0A:  # a label field
+            _, _, _, q = skip_field(raw, pos, end)
+            label_spans.append((pos, q))
+            if not other:
+                lead_end = q
+        else:
+            number, wt, _, q = skip_field(raw, pos, end)
+            if number == 1:
+                raise _invalid("label field with a wrong wire type")
+            if wt == 2:
+                if number == 2:
+                    samples += 1
+                elif number == 3:
+                    exemplars += 1
+                elif number == 4:
+                    histograms += 1
+            elif number in (2, 3, 4):
+                raise _invalid("series data field with a wrong wire type")
+            other.append((pos, q))
+        pos = q
+    if not other or all(s >= lead_end for s, _ in other):
+        key = raw[p:lead_end]
+        return key, lead_end, other, samples, exemplars, histograms
+    key = b"".join(raw[s:q] for s, q in label_spans)
+    return key, -1, other, samples, exemplars, histograms
+
+
+def splice_v1(
+    raw: bytes, get: CacheGet, miss: CacheMiss, generation: int
+) -> tuple[bytes, Counts, list[str]]:
+    """Rewrite the labels of every 1.0 series the cache says to; copy everything else.
+
+    ``get(label_bytes)`` is a cache probe (a dict's ``get``); ``miss(label_bytes)``
+    computes (and stores) the entry when the probe finds nothing valid for
+    ``generation``. Returns the new body (``raw`` itself when nothing changed), the counts,
+    and one reason per series ("" for attributed) for the caller to tally.
+
+    Fast path: Prometheus writes a series as its labels followed by one sample of 18 bytes
+    (a value and a 6-byte timestamp) or 9 bytes (value 0 left out). When the tail looks
+    like such a sample, the bytes before it are probed directly. A hit is proof: only
+    label runs that a full walk found are ever stored, so the prefix is exactly the label
+    fields and the tail is exactly one sample field. Anything else takes the full walk.
+    """
+    n = len(raw)
+    out: list[bytes] = []
+    append = out.append
+    reasons: list[str] = []
+    add_reason = reasons.append
+    copy_from = 0
+    pos = 0
+    series = samples = exemplars = histograms = 0
+    try:
+        while pos < n:
+            if raw[pos] == 0x0A:
+                b = raw[pos + 1]
+                if b < 0x80:
+                    p = pos + 2
+                    ln = b
+                else:
+                    ln, p = uvarint(raw, pos + 1)
+                end = p + ln
+                if end > n:
+                    raise _invalid("series runs past the end of the request")
+                series += 1
+                if ln > 18 and raw[end - 18] == 0x12 and raw[end - 17] == 16:
+                    q = end - 18
+                elif ln > 9 and raw[end - 9] == 0x12 and raw[end - 8] == 7:
+                    q = end - 9
+                else:
+                    q = -1
+                if q >= 0:
+                    ent = get(raw[p:q])
+                    if ent is not None and (ent[0] == generation or ent[0] < 0):
+                        samples += 1
+                        add_reason(ent[3])
+                        new = ent[1]
+                        if new is not None:
+                            append(raw[copy_from:pos])
+                            append(_ts_head_v1(ln + ent[2]))
+                            append(new)
+                            copy_from = q
+                        pos = end
+                        continue
+                # full walk
+                key, lead_end, other, s_, e_, h_ = _split_series_v1(raw, p, end)
+                samples += s_
+                exemplars += e_
+                histograms += h_
+                ent = get(key)
+                if ent is None or not (ent[0] == generation or ent[0] < 0):
+                    ent = miss(key)
+                add_reason(ent[3])
+                new = ent[1]
+                if new is not None:
+                    append(raw[copy_from:pos])
+                    if lead_end >= 0:
+                        append(_ts_head_v1(ln + ent[2]))
+                        append(new)
+                        copy_from = lead_end
+                    else:
+                        rest = b"".join(raw[s:e] for s, e in other)
+                        append(_ts_head_v1(len(new) + len(rest)))
+                        append(new)
+                        append(rest)
+                        copy_from = end
+                pos = end
+            else:
+                number, _, _, q = skip_field(raw, pos, n)
+                if number == 1:
+                    raise _invalid("timeseries field with a wrong wire type")
+                pos = q
+    except IndexError:
+        raise _invalid("truncated message") from None
+    counts = Counts(series, samples, histograms, exemplars)
+    if not out:
+        return raw, counts, reasons
+    append(raw[copy_from:])
+    return b"".join(out), counts, reasons
+
+
+def count_v1(raw: bytes) -> Counts:
+    """Counts of a 1.0 body without changing it (pass-through paths)."""
+    counts = Counts()
+    pos = 0
+    n = len(raw)
+    while pos < n:
+        number, wt, s, q = skip_field(raw, pos, n)
+        if number == 1:
+            if wt != 2:
+                raise _invalid("timeseries field with a wrong wire type")
+            _, _, _, s_, e_, h_ = _split_series_v1(raw, s, q)
+            counts.series += 1
+            counts.samples += s_
+            counts.exemplars += e_
+            counts.histograms += h_
+        pos = q
+    return counts
+
+
+# -- RW 2.0 -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ScanV2:
+    """Where things are in a 2.0 request."""
+
+    symbols: list[bytes]
+    #: end offset of the last symbols field (-1 when there is none)
+    symbols_end: int
+    #: (field start, payload start, field end) of every TimeSeries
+    series: list[tuple[int, int, int]]
+
+
+def scan_v2(raw: bytes) -> ScanV2:
+    symbols: list[bytes] = []
+    series: list[tuple[int, int, int]] = []
+    symbols_end = -1
+    pos = 0
+    n = len(raw)
+    while pos < n:
+        number, wt, s, q = skip_field(raw, pos, n)
+        if number == 4:
+            if wt != 2:
+                raise _invalid("symbols field with a wrong wire type")
+            symbols.append(raw[s:q])
+            symbols_end = q
+        elif number == 5:
+            if wt != 2:
+                raise _invalid("timeseries field with a wrong wire type")
+            series.append((pos, s, q))
+        pos = q
+    if symbols:
+        # one C-level check for all: NUL is ASCII, so joining keeps every fault visible
+        try:
+            b"\x00".join(symbols).decode("utf-8")
+        except UnicodeDecodeError:
+            bad = next(s for s in symbols if not _valid_utf8(s))
+            raise DecodeError(
+                "invalid_utf8", 400, f"symbol is not valid UTF-8: {bad[:64]!r}"
+            ) from None
+        if symbols[0] != b"":
+            raise _invalid("symbols table must start with the empty string")
+    return ScanV2(symbols, symbols_end, series)
+
+
+def _valid_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def decode_packed(buf: bytes, p: int, end: int, out: list[int]) -> None:
+    while p < end:
+        b = buf[p]
+        if b < 0x80:
+            out.append(b)
+            p += 1
+        else:
+            v, p = uvarint(buf, p)
+            out.append(v)
+    if p != end:
+        raise _invalid("packed varints run past their field")
+
+
+@dataclass(slots=True)
+class SeriesV2:
+    """One 2.0 TimeSeries taken apart: label refs and the spans of everything else."""
+
+    refs: list[int]
+    other: list[tuple[int, int]]
+    samples: int
+    histograms: int
+    exemplars: int
+
+
+def split_series_v2(raw: bytes, p: int, end: int) -> SeriesV2:
+    refs: list[int] = []
+    other: list[tuple[int, int]] = []
+    samples = histograms = exemplars = 0
+    while p < end:
+        number, wt, s, q = skip_field(raw, p, end)
+        if number == 1:
+            if wt == 2:
+                decode_packed(raw, s, q, refs)
+            elif wt == 0:
+                refs.append(uvarint(raw, s)[0])
+            else:
+                raise _invalid("labels_refs with a wrong wire type")
+        else:
+            if wt == 2:
+                if number == 2:
+                    samples += 1
+                elif number == 3:
+                    histograms += 1
+                elif number == 4:
+                    exemplars += 1
+            elif number in (2, 3, 4, 5):
+                raise _invalid("series data field with a wrong wire type")
+            other.append((p, q))
+        p = q
+    if len(refs) % 2:
+        raise _invalid("labels_refs has an odd number of entries")
+    return SeriesV2(refs, other, samples, histograms, exemplars)
+
+
+def _check_refs(refs: Sequence[int], nsym: int) -> None:
+    if refs and max(refs) >= nsym:
+        raise _invalid(f"symbol reference {max(refs)} past the table of {nsym}")
+
+
+#: resolve(labels) -> (stamp as sorted (name, value) pairs or None for "unchanged", reason)
+ResolveV2 = Callable[
+    [list[tuple[bytes, bytes]]], tuple["Sequence[tuple[bytes, bytes]] | None", str]
+]
+
+
+def splice_v2(
+    raw: bytes, resolve: ResolveV2, drop: Collection[bytes]
+) -> tuple[bytes, Counts, list[str]]:
+    """Rewrite ``labels_refs`` of every 2.0 series ``resolve`` stamps; copy the rest.
+
+    New strings go to the end of the symbols table (right after the last existing symbol
+    field), existing ones are reused, so every ref already in the request stays valid.
+    """
+    scan = scan_v2(raw)
+    syms = scan.symbols
+    nsym = len(syms)
+    sym_index: dict[bytes, int] | None = None
+    new_syms: list[bytes] = []
+    edits: list[tuple[int, int, bytes]] = []  # (start, end, replacement)
+    reasons: list[str] = []
+    counts = Counts()
+    for start, p, end in scan.series:
+        ser = split_series_v2(raw, p, end)
+        counts.series += 1
+        counts.samples += ser.samples
+        counts.histograms += ser.histograms
+        counts.exemplars += ser.exemplars
+        refs = ser.refs
+        _check_refs(refs, nsym)
+        labels = [(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)]
+        stamp, reason = resolve(labels)
+        reasons.append(reason)
+        if stamp is None:
+            continue
+        if sym_index is None:
+            sym_index = {}
+            for i in range(nsym - 1, -1, -1):
+                sym_index[syms[i]] = i
+            if not syms:
+                new_syms.append(b"")
+                sym_index[b""] = 0
+        pairs: list[tuple[bytes, bytes, bytes]] = []
+        for i in range(0, len(refs), 2):
+            pairs.append((labels[i // 2][0], labels[i // 2][1], _refs_bytes(refs[i], refs[i + 1])))
+        ours: list[tuple[bytes, bytes, bytes]] = []
+        for name, value in stamp:
+            rn = _sym_ref(name, sym_index, new_syms, nsym)
+            rv = _sym_ref(value, sym_index, new_syms, nsym)
+            ours.append((name, value, _refs_bytes(rn, rv)))
+        merged = merge_labels(pairs, ours, drop)
+        packed = b"".join(x[2] for x in merged)
+        body = len_field(1, packed) + b"".join(raw[s:q] for s, q in ser.other)
+        edits.append((start, end, len_field(5, body)))
+    if not edits:
+        return raw, counts, reasons
+    if new_syms:
+        at = scan.symbols_end if scan.symbols_end >= 0 else 0
+        block = b"".join(len_field(4, s) for s in new_syms)
+        edits.append((at, at, block))
+        edits.sort(key=lambda e: (e[0], e[1]))
+    out: list[bytes] = []
+    copy_from = 0
+    for s, e, rep in edits:
+        out.append(raw[copy_from:s])
+        out.append(rep)
+        copy_from = e
+    out.append(raw[copy_from:])
+    return b"".join(out), counts, reasons
+
+
+def _refs_bytes(a: int, b: int) -> bytes:
+    if a < 0x80 and b < 0x80:
+        return bytes((a, b))
+    return encode_uvarint(a) + encode_uvarint(b)
+
+
+def _sym_ref(s: bytes, index: dict[bytes, int], new_syms: list[bytes], base: int) -> int:
+    """The ref of string ``s``: an existing symbol, or a new one appended to the table."""
+    ref = index.get(s)
+    if ref is None:
+        ref = base + len(new_syms)
+        new_syms.append(s)
+        index[s] = ref
+    return ref
+
+
+def count_v2(raw: bytes) -> Counts:
+    scan = scan_v2(raw)
+    counts = Counts()
+    for _, p, end in scan.series:
+        ser = split_series_v2(raw, p, end)
+        _check_refs(ser.refs, len(scan.symbols))
+        counts.series += 1
+        counts.samples += ser.samples
+        counts.histograms += ser.histograms
+        counts.exemplars += ser.exemplars
+    return counts
+
+
+# -- RW 2.0 -> 1.0 ------------------------------------------------------------------------
+
+
+def _copy_fields(raw: bytes, p: int, end: int, skip: Collection[int]) -> bytes:
+    """The fields of one message minus those numbered in ``skip``, bytes as they were."""
+    parts: list[bytes] = []
+    start = p
+    while p < end:
+        number, _, _, q = skip_field(raw, p, end)
+        if number in skip:
+            parts.append(raw[start:p])
+            start = q
+        p = q
+    parts.append(raw[start:end])
+    return b"".join(parts)
+
+
+def _labels_v1(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
+    return b"".join(
+        encode_label_v1(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)
+    )
+
+
+def v2_to_v1(raw_v2: bytes) -> bytes:
+    """A 2.0 request as the equivalent 1.0 WriteRequest, for 1.0-only upstreams.
+
+    Labels and exemplar labels are resolved from the symbols; samples lose
+    ``start_timestamp`` and histograms ``start_timestamp`` (1.0 has neither); series
+    metadata becomes one 1.0 MetricMetadata per metric family (deduplicated); the rc.3
+    ``created_timestamp`` is dropped. Values, timestamps and histogram buckets keep their
+    bytes: the field numbers of Sample and Histogram agree between the versions.
+    """
+    scan = scan_v2(raw_v2)
+    syms = scan.symbols
+    nsym = len(syms)
+    out: list[bytes] = []
+    metadata: dict[tuple[bytes, int, bytes, bytes], None] = {}
+    for _, p, end in scan.series:
+        ser = split_series_v2(raw_v2, p, end)
+        _check_refs(ser.refs, nsym)
+        parts = [_labels_v1(ser.refs, syms)]
+        for s, q in ser.other:
+            number, _, ps, fq = skip_field(raw_v2, s, q)
+            if number == 2:  # Sample: drop start_timestamp = 3
+                parts.append(len_field(2, _copy_fields(raw_v2, ps, fq, (3,))))
+            elif number == 3:  # Histogram (2.0: 3, 1.0: 4): drop start_timestamp = 17
+                parts.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
+            elif number == 4:  # Exemplar (2.0: 4, 1.0: 3)
+                parts.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
+            elif number == 5:
+                name = _metric_name(ser.refs, syms)
+                mtype, help_ref, unit_ref = _metadata_v2(raw_v2, ps, fq)
+                _check_refs((help_ref, unit_ref), nsym)
+                if name and (mtype or help_ref or unit_ref):
+                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
+            # created_timestamp (6) and unknown fields have no 1.0 equivalent
+        out.append(len_field(1, b"".join(parts)))
+    for name, mtype, help_, unit in metadata:
+        body = b""
+        if mtype:
+            body += b"\x08" + encode_uvarint(mtype)
+        body += len_field(2, name)
+        if help_:
+            body += len_field(4, help_)
+        if unit:
+            body += len_field(5, unit)
+        out.append(len_field(3, body))
+    return b"".join(out)
+
+
+def _metric_name(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
+    for i in range(0, len(refs), 2):
+        if syms[refs[i]] == b"__name__":
+            return syms[refs[i + 1]]
+    return b""
+
+
+def _metadata_v2(raw: bytes, p: int, end: int) -> tuple[int, int, int]:
+    mtype = help_ref = unit_ref = 0
+    while p < end:
+        number, wt, s, q = skip_field(raw, p, end)
+        if wt == 0:
+            v = uvarint(raw, s)[0]
+            if number == 1:
+                mtype = v
+            elif number == 3:
+                help_ref = v
+            elif number == 4:
+                unit_ref = v
+        p = q
+    return mtype, help_ref, unit_ref
+
+
+def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
+    refs: list[int] = []
+    rest: list[bytes] = []
+    while p < end:
+        number, wt, s, q = skip_field(raw, p, end)
+        if number == 1:
+            if wt == 2:
+                decode_packed(raw, s, q, refs)
+            elif wt == 0:
+                refs.append(uvarint(raw, s)[0])
+            else:
+                raise _invalid("exemplar labels_refs with a wrong wire type")
+        else:
+            rest.append(raw[p:q])
+        p = q
+    if len(refs) % 2:
+        raise _invalid("exemplar labels_refs has an odd number of entries")
+    _check_refs(refs, len(syms))
+    return _labels_v1(refs, syms) + b"".join(rest)

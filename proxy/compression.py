@@ -1,0 +1,224 @@
+"""Request body encodings of remote write: snappy (block format) and zstd, with size limits.
+
+Every decoded byte is bounded before it is allocated: the snappy block header declares the
+decoded length, which is checked against ``max_decoded`` before decompressing; zstd frames
+declare their content size in the frame header (checked the same way), and frames that do
+not are decoded into a buffer that may grow only up to ``max_decoded``.
+
+No identity encoding: remote-write 1.0 and 2.0 both require a compressed body, and a
+receiver must answer 415 to an encoding it does not support, so a missing or ``identity``
+``Content-Encoding`` gets 415 like any other unknown one.
+"""
+
+from __future__ import annotations
+
+import cramjam
+import snappy
+
+#: encodings ``decompress`` and ``compress`` understand (Content-Encoding values)
+SUPPORTED_ENCODINGS: tuple[str, ...] = ("snappy", "zstd")
+
+_ZSTD_MAGIC = 0xFD2FB528
+# skippable frames: magic 0x184D2A50..0x184D2A5F
+_ZSTD_SKIPPABLE_MASK = 0xFFFFFFF0
+_ZSTD_SKIPPABLE = 0x184D2A50
+#: first buffer for zstd frames that do not declare their size (grows x4 up to the limit)
+_ZSTD_FIRST_GUESS = 1 << 20
+
+
+class DecodeError(Exception):
+    """A request body the proxy cannot read; ``status`` is the HTTP answer it deserves.
+
+    ``kind`` is a short snake_case label value for the decode-error counter.
+    """
+
+    def __init__(self, kind: str, status: int, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"DecodeError({self.kind!r}, {self.status}, {self.message!r})"
+
+
+def _too_large(declared: int, limit: int) -> DecodeError:
+    return DecodeError(
+        "too_large", 413, f"decoded body of {declared} bytes exceeds the limit of {limit} bytes"
+    )
+
+
+def normalize_encoding(encoding: str) -> str:
+    return encoding.strip().lower()
+
+
+def decompress(body: bytes, encoding: str, *, max_decoded: int) -> bytes:
+    """Decode a request body; raises :class:`DecodeError` (400, 413 or 415)."""
+    enc = normalize_encoding(encoding)
+    if enc not in SUPPORTED_ENCODINGS:
+        shown = enc or "none"
+        raise DecodeError(
+            "unsupported_encoding",
+            415,
+            f"unsupported Content-Encoding {shown!r}: remote write needs snappy or zstd",
+        )
+    if not body:
+        raise DecodeError("empty_body", 400, "empty request body")
+    if enc == "snappy":
+        return _snappy_decompress(body, max_decoded)
+    return _zstd_decompress(body, max_decoded)
+
+
+def compress(data: bytes, encoding: str) -> bytes:
+    """Encode a body for the upstream (snappy block format or zstd)."""
+    enc = normalize_encoding(encoding)
+    if enc == "snappy":
+        out: bytes = snappy.compress(data)
+        return out
+    if enc == "zstd":
+        return bytes(cramjam.zstd.compress(data, level=1))
+    raise ValueError(f"unsupported encoding {encoding!r}")
+
+
+# -- snappy --------------------------------------------------------------------------------
+
+
+def snappy_declared_length(body: bytes) -> int:
+    """The decoded length a snappy block declares in its varint header (uint32)."""
+    result = 0
+    for i in range(5):
+        if i >= len(body):
+            break
+        b = body[i]
+        result |= (b & 0x7F) << (7 * i)
+        if b < 0x80:
+            if result > 0xFFFFFFFF:
+                break
+            return result
+    raise DecodeError("snappy_corrupt", 400, "corrupt snappy block: bad length header")
+
+
+def _snappy_decompress(body: bytes, max_decoded: int) -> bytes:
+    declared = snappy_declared_length(body)
+    if declared > max_decoded:
+        raise _too_large(declared, max_decoded)
+    try:
+        out: bytes = snappy.uncompress(body)
+    except Exception as exc:  # python-snappy raises its own and cramjam's errors
+        detail = str(exc) or type(exc).__name__
+        raise DecodeError("snappy_corrupt", 400, f"corrupt snappy block: {detail}") from None
+    if len(out) != declared:  # the decoder checks this; be explicit about the promise
+        raise DecodeError("snappy_corrupt", 400, "corrupt snappy block: length mismatch")
+    return out
+
+
+# -- zstd ----------------------------------------------------------------------------------
+
+
+def zstd_declared_length(body: bytes) -> int | None:
+    """Sum of the content sizes the frames declare, or None when one does not declare it.
+
+    Walks frame headers only; a frame's compressed length is found by walking its block
+    headers (3 bytes each), so nothing is decompressed here.
+    """
+    pos = 0
+    n = len(body)
+    total = 0
+    known = True
+    while pos < n:
+        if n - pos < 4:
+            raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated frame")
+        magic = int.from_bytes(body[pos : pos + 4], "little")
+        if magic & _ZSTD_SKIPPABLE_MASK == _ZSTD_SKIPPABLE:
+            if n - pos < 8:
+                raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated frame")
+            pos += 8 + int.from_bytes(body[pos + 4 : pos + 8], "little")
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: bad frame magic")
+        pos += 4
+        if pos >= n:
+            raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated frame")
+        fhd = body[pos]
+        pos += 1
+        fcs_flag = fhd >> 6
+        single_segment = (fhd >> 5) & 1
+        checksum = (fhd >> 2) & 1
+        did_size = (0, 1, 2, 4)[fhd & 3]
+        if not single_segment:
+            pos += 1  # window descriptor
+        pos += did_size
+        fcs_size = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+        if pos + fcs_size > n:
+            raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated frame")
+        if fcs_size == 0:
+            known = False
+        else:
+            size = int.from_bytes(body[pos : pos + fcs_size], "little")
+            if fcs_size == 2:
+                size += 256
+            total += size
+        pos += fcs_size
+        # blocks
+        while True:
+            if pos + 3 > n:
+                raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated block")
+            bh = int.from_bytes(body[pos : pos + 3], "little")
+            pos += 3
+            last = bh & 1
+            btype = (bh >> 1) & 3
+            bsize = bh >> 3
+            if btype == 3:
+                raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: reserved block type")
+            pos += 1 if btype == 1 else bsize  # RLE blocks carry one byte
+            if last:
+                break
+        if checksum:
+            pos += 4
+    if pos > n:
+        raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated frame")
+    return total if known else None
+
+
+def _zstd_decompress(body: bytes, max_decoded: int) -> bytes:
+    declared = zstd_declared_length(body)
+    if declared is not None:
+        if declared > max_decoded:
+            raise _too_large(declared, max_decoded)
+        # one byte of slack: a frame decoding to more than it declared fails to fit
+        return _zstd_into(body, declared + 1, exact=declared)
+    size = min(max_decoded + 1, max(_ZSTD_FIRST_GUESS, len(body) * 8))
+    while True:
+        try:
+            return _zstd_into(body, size, exact=None)
+        except _BufferFull:
+            if size > max_decoded:
+                raise DecodeError(
+                    "too_large", 413, f"decoded body exceeds the limit of {max_decoded} bytes"
+                ) from None
+            size = min(max_decoded + 1, size * 4)
+
+
+class _BufferFull(Exception):
+    pass
+
+
+def _zstd_into(body: bytes, size: int, *, exact: int | None) -> bytes:
+    buf = bytearray(size)
+    try:
+        written = cramjam.zstd.decompress_into(body, buf)
+    except Exception as exc:  # cramjam.DecompressionError; message tells a full buffer
+        if "whole buffer" in str(exc) or "too small" in str(exc):
+            if exact is not None:
+                raise DecodeError(
+                    "zstd_corrupt", 400, "corrupt zstd body: more data than declared"
+                ) from None
+            raise _BufferFull from None
+        raise DecodeError("zstd_corrupt", 400, f"corrupt zstd body: {exc}") from None
+    if written >= size:
+        if exact is not None:
+            raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: more data than declared")
+        raise _BufferFull
+    if exact is not None and written != exact:
+        raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: less data than declared")
+    return bytes(memoryview(buf)[:written])

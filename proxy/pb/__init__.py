@@ -1,0 +1,1 @@
+"""Modules generated from proto/ (see proto/README.md); do not edit by hand."""

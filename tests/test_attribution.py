@@ -1,0 +1,259 @@
+"""Enricher: which pod a series names, what it gets, what passes through untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy import contract
+from proxy.attribution import Enricher, enrich_v1_reference, enrich_v2_reference
+from proxy.config import EnrichSettings
+from proxy.index import PodIndex
+from proxy.karta.results import ChangeSet, PodAttribution
+from tests.wire_fixtures import (
+    STALE_NAN,
+    TS,
+    WL_TRAIN,
+    index_with_pods,
+    is_stale,
+    labels_of,
+    labels_v2,
+    parse_v1,
+    parse_v2,
+    request_v1,
+    request_v2,
+    series_v1,
+)
+
+PAIRS = EnrichSettings().pod_label_pairs
+
+TRAIN_LABELS = [
+    ("karta_component", "head"),
+    ("karta_group", "ray.io"),
+    ("karta_instance", "train"),
+    ("karta_kind", "RayJob"),
+    ("karta_namespace", "ml"),
+    ("karta_workload", "train"),
+]
+
+
+def enricher(idx: PodIndex | None = None, **kw: Any) -> Enricher:
+    return Enricher(idx if idx is not None else index_with_pods(), PAIRS, **kw)
+
+
+def stamped(labels: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(n, v) for n, v in labels if n.startswith("karta_")]
+
+
+def test_plain_pod_labels_get_the_workload() -> None:
+    raw = request_v1(series_v1({"__name__": "container_cpu", "namespace": "ml",
+                                "pod": "train-head", "container": "ray"}))
+    res = enricher().enrich_v1(raw)
+    (ts,) = parse_v1(res.body).timeseries
+    assert stamped(labels_of(ts)) == TRAIN_LABELS
+    names = [n for n, _ in labels_of(ts)]
+    assert names == sorted(names)
+    assert res.attributed == 1 and res.unattributed == {}
+    assert (res.counts.series, res.counts.samples) == (1, 1)
+
+
+def test_dcgm_exported_pod_wins_over_the_exporters_pod() -> None:
+    raw = request_v1(series_v1({
+        "__name__": "DCGM_FI_DEV_GPU_UTIL", "exported_namespace": "ml",
+        "exported_pod": "train-head", "namespace": "web", "pod": "shop-abc", "gpu": "0"}))
+    (ts,) = parse_v1(enricher().enrich_v1(raw).body).timeseries
+    assert dict(labels_of(ts))["karta_workload"] == "train"
+    assert dict(labels_of(ts))["pod"] == "shop-abc"  # the exporter's labels are untouched
+
+
+def test_first_pair_with_both_labels_non_empty_wins() -> None:
+    raw = request_v1(
+        series_v1({"exported_namespace": "ml", "exported_pod": "", "namespace": "web",
+                   "pod": "shop-abc"}),
+        series_v1({"exported_pod": "train-head", "namespace": "web", "pod": "shop-abc"}),
+        series_v1({"pod_namespace": "ml", "pod_name": "train-head", "x": "y"}),
+    )
+    out = parse_v1(enricher().enrich_v1(raw).body).timeseries
+    assert [dict(labels_of(ts))["karta_workload"] for ts in out] == ["shop", "shop", "train"]
+
+
+def test_unattributed_pass_through_byte_exact_and_counted_by_reason() -> None:
+    raw = request_v1(
+        series_v1({"__name__": "node_load1", "instance": "n1"}),
+        series_v1({"namespace": "ml", "pod": "lonely"}),
+        series_v1({"namespace": "ml", "pod": "ghost"}),
+        series_v1({"namespace": "ml", "pod": "ghost", "c": "2"}),
+        metadata=True,
+    )
+    res = enricher().enrich_v1(raw)
+    assert res.body is raw
+    assert res.attributed == 0
+    assert res.unattributed == {"no_pod_label": 1, "no_described_owner": 1, "pod_unknown": 2}
+
+
+def test_stale_markers_get_the_same_labels() -> None:
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "train-head"},
+                               [(3.0, TS), (STALE_NAN, TS + 15000)]))
+    (ts,) = parse_v1(enricher().enrich_v1(raw).body).timeseries
+    assert stamped(labels_of(ts)) == TRAIN_LABELS
+    assert is_stale(ts.samples[1].value)
+
+
+def test_data_fields_pass_through_byte_exact() -> None:
+    original = series_v1({"namespace": "ml", "pod": "train-head"}, [(1.0, TS), (0.0, TS + 1)],
+                         exemplars=2, histograms=2)
+    raw = request_v1(original, metadata=True)
+    res = enricher().enrich_v1(raw)
+    req = parse_v1(res.body)
+    (ts,) = req.timeseries
+    assert ts.samples == original.samples
+    assert ts.exemplars == original.exemplars
+    assert ts.histograms == original.histograms
+    # the bytes after the label fields are the original ones
+    data = original.SerializeToString()[len(_labels_bytes(original)):]
+    tail = raw[raw.index(data):]  # samples, exemplars, histograms, then the metadata field
+    assert res.body.endswith(tail)
+    assert len(req.metadata) == 1
+    assert (res.counts.samples, res.counts.exemplars, res.counts.histograms) == (2, 2, 2)
+
+
+def _labels_bytes(ts: Any) -> bytes:
+    only = type(ts)()
+    only.labels.extend(ts.labels)
+    out: bytes = only.SerializeToString()
+    return out
+
+
+def test_replace_policy_replaces_sent_karta_labels_never_duplicates() -> None:
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "train-head",
+                                "karta_workload": "forged", "karta_replica": "7",
+                                "karta_zzz": "mine"}))
+    (ts,) = parse_v1(enricher().enrich_v1(raw).body).timeseries
+    labels = labels_of(ts)
+    names = [n for n, _ in labels]
+    assert names == sorted(set(names))
+    assert dict(labels)["karta_workload"] == "train"
+    assert "karta_replica" not in dict(labels)  # a stamped name the pod does not have
+    assert dict(labels)["karta_zzz"] == "mine"  # not a stamped name: the sender's own
+
+
+def test_keep_policy_leaves_series_with_karta_workload_alone() -> None:
+    raw = request_v1(
+        series_v1({"namespace": "ml", "pod": "train-head", "karta_workload": "other"}),
+        series_v1({"namespace": "ml", "pod": "train-head"}),
+    )
+    res = enricher(conflict_policy="keep").enrich_v1(raw)
+    first, second = parse_v1(res.body).timeseries
+    assert stamped(labels_of(first)) == [("karta_workload", "other")]
+    assert stamped(labels_of(second)) == TRAIN_LABELS
+    assert res.attributed == 2
+
+
+def test_bad_policy_refused() -> None:
+    with pytest.raises(ValueError):
+        enricher(conflict_policy="merge")
+
+
+def test_already_enriched_series_pass_through_unchanged() -> None:
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "train-head"}))
+    e = enricher()
+    once = e.enrich_v1(raw).body
+    twice = e.enrich_v1(once)
+    assert twice.body is once
+    assert twice.attributed == 1
+
+
+def test_index_changes_reach_cached_series() -> None:
+    idx = PodIndex()
+    e = enricher(idx)
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "late"}))
+    assert e.enrich_v1(raw).unattributed == {"pod_unknown": 1}
+    idx.apply(ChangeSet(pods={"u9": PodAttribution("ml", "late", "u9", WL_TRAIN, "w", "i")}))
+    res = e.enrich_v1(raw)
+    assert res.attributed == 1
+    assert dict(labels_of(parse_v1(res.body).timeseries[0]))["karta_component"] == "w"
+    idx.apply(ChangeSet(pods={"u9": PodAttribution("ml", "late", "u9", WL_TRAIN, "v", "i")}))
+    res = e.enrich_v1(raw)
+    assert dict(labels_of(parse_v1(res.body).timeseries[0]))["karta_component"] == "v"
+    # an unrelated change keeps the entry (revalidated, not recomputed)
+    misses = e.misses
+    idx.apply(ChangeSet(pods={"u8": PodAttribution("ml", "x", "u8", WL_TRAIN)}))
+    e.enrich_v1(raw)
+    assert e.misses == misses
+
+
+def test_cache_is_bounded() -> None:
+    e = enricher(cache_size=50)
+    for i in range(20):
+        e.enrich_v1(request_v1(*(series_v1({"namespace": "ml", "pod": "train-head",
+                                             "n": f"{i}-{j}"}) for j in range(10))))
+    assert e.cache_len() <= 50
+
+
+def test_v2_enrich_appends_symbols_and_keeps_refs() -> None:
+    raw = request_v2(
+        {"__name__": "container_cpu", "namespace": "ml", "pod": "train-head"},
+        {"__name__": "node_load1", "instance": "n1"},
+        histograms=1, exemplars=1, metadata=True,
+    )
+    before = parse_v2(raw)
+    res = enricher().enrich_v2(raw)
+    after = parse_v2(res.body)
+    assert list(after.symbols[: len(before.symbols)]) == list(before.symbols)
+    assert len(set(after.symbols)) == len(after.symbols)  # nothing added twice
+    first, _ = after.timeseries
+    assert stamped(labels_v2(after, first)) == TRAIN_LABELS
+    assert after.timeseries[1] == before.timeseries[1]
+    assert first.samples == before.timeseries[0].samples
+    assert first.histograms == before.timeseries[0].histograms
+    assert first.exemplars == before.timeseries[0].exemplars
+    assert first.metadata == before.timeseries[0].metadata
+    assert res.attributed == 1 and res.unattributed == {"no_pod_label": 1}
+    assert (res.counts.samples, res.counts.histograms, res.counts.exemplars) == (4, 2, 2)
+
+
+def test_v2_reuses_existing_symbols() -> None:
+    # "train" and "ml" are already in the table
+    raw = request_v2({"namespace": "ml", "pod": "train-head", "job": "train"})
+    res = enricher().enrich_v2(raw)
+    after = parse_v2(res.body)
+    added = list(after.symbols[len(parse_v2(raw).symbols):])
+    assert "train" not in added and "ml" not in added
+    assert sorted(added) == sorted({"karta_component", "head", "karta_group", "ray.io",
+                                     "karta_instance", "karta_kind", "RayJob",
+                                     "karta_namespace", "karta_workload"})
+
+
+def test_v2_untouched_is_byte_exact() -> None:
+    raw = request_v2({"namespace": "ml", "pod": "ghost"}, {"a": "b"})
+    res = enricher().enrich_v2(raw)
+    assert res.body is raw
+    assert res.unattributed == {"pod_unknown": 1, "no_pod_label": 1}
+
+
+@pytest.mark.parametrize("policy", ["replace", "keep"])
+def test_reference_agrees_on_fixtures(policy: str) -> None:
+    idx = index_with_pods()
+    raw1 = request_v1(
+        series_v1({"namespace": "ml", "pod": "train-head", "karta_workload": "x"}),
+        series_v1({"exported_namespace": "web", "exported_pod": "shop-abc"}, exemplars=1),
+        series_v1({"namespace": "ml", "pod": "lonely"}),
+        metadata=True,
+    )
+    fast = Enricher(idx, PAIRS, conflict_policy=policy).enrich_v1(raw1)
+    ref = enrich_v1_reference(raw1, idx, PAIRS, policy)
+    assert parse_v1(fast.body) == parse_v1(ref.body)
+    assert (fast.counts, fast.attributed, fast.unattributed) == (
+        ref.counts, ref.attributed, ref.unattributed)
+    raw2 = request_v2({"namespace": "ml", "pod": "train-head", "karta_workload": "x"},
+                      {"exported_namespace": "web", "exported_pod": "shop-abc"})
+    fast2 = Enricher(idx, PAIRS, conflict_policy=policy).enrich_v2(raw2)
+    ref2 = enrich_v2_reference(raw2, idx, PAIRS, policy)
+    a, b = parse_v2(fast2.body), parse_v2(ref2.body)
+    assert [labels_v2(a, t) for t in a.timeseries] == [labels_v2(b, t) for t in b.timeseries]
+    assert (fast2.counts, fast2.attributed) == (ref2.counts, ref2.attributed)
+
+
+def test_stamped_labels_come_from_the_contract() -> None:
+    assert {n for n, _ in TRAIN_LABELS} <= set(contract.STAMPED_LABELS)

@@ -1,0 +1,133 @@
+"""Body encodings: round trips, limits checked before allocation, corrupt input -> 4xx."""
+
+from __future__ import annotations
+
+import cramjam
+import pytest
+import snappy
+
+from proxy.compression import (
+    DecodeError,
+    compress,
+    decompress,
+    snappy_declared_length,
+    zstd_declared_length,
+)
+
+DATA = b"container_cpu_usage_seconds_total" * 3000
+
+
+@pytest.mark.parametrize("encoding", ["snappy", "zstd", "SNAPPY", " zstd "])
+def test_round_trip(encoding: str) -> None:
+    assert decompress(compress(DATA, encoding), encoding, max_decoded=len(DATA)) == DATA
+
+
+def test_snappy_is_block_format() -> None:
+    # the block format starts with the varint of the decoded length; framed starts with ff
+    body = compress(DATA, "snappy")
+    assert snappy_declared_length(body) == len(DATA)
+    assert snappy.uncompress(body) == DATA
+
+
+def _err(body: bytes, encoding: str, max_decoded: int = 1 << 20) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        decompress(body, encoding, max_decoded=max_decoded)
+    return info.value
+
+
+@pytest.mark.parametrize("encoding", ["", "identity", "gzip", "br", "snappy-framed"])
+def test_unsupported_encoding_is_415(encoding: str) -> None:
+    e = _err(compress(DATA, "snappy"), encoding)
+    assert (e.status, e.kind) == (415, "unsupported_encoding")
+    assert "snappy or zstd" in e.message
+
+
+@pytest.mark.parametrize("encoding", ["snappy", "zstd"])
+def test_empty_body_is_400(encoding: str) -> None:
+    e = _err(b"", encoding)
+    assert (e.status, e.kind) == (400, "empty_body")
+
+
+def test_limit_exactly_at_the_boundary() -> None:
+    body = compress(DATA, "snappy")
+    assert decompress(body, "snappy", max_decoded=len(DATA)) == DATA
+    e = _err(body, "snappy", max_decoded=len(DATA) - 1)
+    assert (e.status, e.kind) == (413, "too_large")
+
+
+def test_snappy_bomb_refused_from_the_header_alone() -> None:
+    # declares 4 GiB - 1 and carries nothing: refused before any allocation
+    bomb = b"\xff\xff\xff\xff\x0f" + b"\x00" * 16
+    e = _err(bomb, "snappy", max_decoded=64 << 20)
+    assert (e.status, e.kind) == (413, "too_large")
+    assert str(0xFFFFFFFF) in e.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff\xff\xff\xff\xff\xff",  # length header never ends
+        b"\x80",  # truncated header
+        b"\x05abc",  # declares 5, literal missing
+        compress(DATA, "snappy")[:50],  # truncated
+        b"\x0a" + b"\xfe" * 40,  # garbage
+    ],
+)
+def test_corrupt_snappy_is_400(body: bytes) -> None:
+    e = _err(body, "snappy")
+    assert (e.status, e.kind) == (400, "snappy_corrupt")
+
+
+def test_snappy_that_lies_about_its_length_is_400() -> None:
+    body = compress(DATA, "snappy")
+    # replace the header (3 bytes for ~100 KB) by a smaller declared length
+    lie = b"\x0a" + body[3:]
+    e = _err(lie, "snappy")
+    assert e.status == 400
+
+
+def test_zstd_declared_size_checked_before_decompressing() -> None:
+    body = compress(DATA, "zstd")
+    assert zstd_declared_length(body) == len(DATA)
+    e = _err(body, "zstd", max_decoded=len(DATA) - 1)
+    assert (e.status, e.kind) == (413, "too_large")
+
+
+def _zstd_streamed(data: bytes) -> bytes:
+    comp = cramjam.zstd.Compressor()
+    comp.compress(data)
+    return bytes(comp.finish())
+
+
+def test_zstd_without_declared_size_is_bounded() -> None:
+    bomb = _zstd_streamed(b"\x00" * (16 << 20))  # ~16 MiB of zeros in a few hundred bytes
+    assert zstd_declared_length(bomb) is None
+    assert len(bomb) < 4096
+    e = _err(bomb, "zstd", max_decoded=2 << 20)
+    assert (e.status, e.kind) == (413, "too_large")
+    # and within the limit it decodes (the buffer grows to fit)
+    assert len(decompress(bomb, "zstd", max_decoded=16 << 20)) == 16 << 20
+
+
+def test_zstd_multiple_frames() -> None:
+    body = compress(b"a" * 1000, "zstd") + _zstd_streamed(b"b" * 1000)
+    assert decompress(body, "zstd", max_decoded=2000) == b"a" * 1000 + b"b" * 1000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x28\xb5\x2f\xfd",
+        b"garbage!",
+        compress(DATA, "zstd")[:-3],
+        compress(DATA, "zstd")[:12] + b"\x00" * 40,
+    ],
+)
+def test_corrupt_zstd_is_400(body: bytes) -> None:
+    e = _err(body, "zstd")
+    assert (e.status, e.kind) == (400, "zstd_corrupt")
+
+
+def test_compress_refuses_unknown_encoding() -> None:
+    with pytest.raises(ValueError):
+        compress(DATA, "gzip")
