@@ -150,6 +150,11 @@ class _Parser:
             return None
         if not text.strip():
             raise self.fail(path, "empty jq expression")
+        banned = unsafe_jq_name(text)
+        if banned is not None:
+            raise self.fail(
+                path, f"jq {banned!r} is not allowed in descriptions ({_BANNED[banned]})"
+            )
         try:
             return JqExpr(text)
         except JqCompileError as exc:
@@ -362,6 +367,88 @@ class _Parser:
         if isinstance(value, bool | int | float):
             return to_text(value)
         raise self.fail(path, f"must be a string, got {_type_name(value)}")
+
+
+_UNBOUNDED = "may never end"
+_OUTSIDE = "reads outside the object"
+#: jq names a description may not use: evaluation runs in the engine's thread, so an
+#: expression that never ends (or exhausts memory) would stop attribution for the whole
+#: cluster, and one reading the environment could leak it into label values. None of
+#: them is needed to read fields of one object; ``..`` and ``limit`` remain available.
+_BANNED: dict[str, str] = {
+    "def": "recursive definitions " + _UNBOUNDED,
+    "recurse": _UNBOUNDED + " (use ..)",
+    "repeat": _UNBOUNDED,
+    "while": _UNBOUNDED,
+    "until": _UNBOUNDED,
+    "range": "can generate without bound",
+    "combinations": "grows exponentially",
+    "env": _OUTSIDE,
+    "$ENV": _OUTSIDE,
+    "input": _OUTSIDE,
+    "inputs": _OUTSIDE,
+    "import": _OUTSIDE,
+    "include": _OUTSIDE,
+    "get_search_list": _OUTSIDE,
+    "input_filename": _OUTSIDE,
+    "debug": "writes to stderr",
+    "stderr": "writes to stderr",
+    "halt": "stops the program",
+    "halt_error": "stops the program",
+}
+_IDENT_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_$")
+_IDENT_CHARS = _IDENT_START | frozenset("0123456789:")
+
+
+def unsafe_jq_name(source: str) -> str | None:
+    """The first banned name used as code in a jq program (not a field, key or string).
+
+    A small scanner rather than a regex: string literals may hold code again through
+    ``\\(...)`` interpolation, and ``.range`` or ``"range"`` are harmless.
+    """
+    # stack of open interpolation depths; each entry is the paren depth inside it
+    interp: list[int] = []
+    in_string = False
+    i, n = 0, len(source)
+    while i < n:
+        c = source[i]
+        if in_string:
+            if c == "\\" and i + 1 < n:
+                if source[i + 1] == "(":
+                    interp.append(0)
+                    in_string = False
+                i += 2
+                continue
+            if c == '"':
+                in_string = False
+            i += 1
+            continue
+        if c == '"':
+            in_string = True
+        elif c == "#":
+            while i < n and source[i] != "\n":
+                i += 1
+            continue
+        elif c == "(" and interp:
+            interp[-1] += 1
+        elif c == ")" and interp:
+            if interp[-1] == 0:
+                interp.pop()
+                in_string = True
+            else:
+                interp[-1] -= 1
+        elif c in _IDENT_START:
+            j = i + 1
+            while j < n and source[j] in _IDENT_CHARS:
+                j += 1
+            word = source[i:j]
+            prev = source[i - 1] if i else ""
+            if prev != "." and (word in _BANNED) and (not word.startswith("$") or word == "$ENV"):
+                return word
+            i = j
+            continue
+        i += 1
+    return None
 
 
 def _type_name(value: Any) -> str:

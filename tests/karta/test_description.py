@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.karta.description import (
     DescriptionError,
@@ -24,6 +26,7 @@ from proxy.karta.model import GVK, Description, GroupKind
 SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "karta" / "descriptions"
 ROOT = "spec.structureDefinition.rootComponent"
 CHILDREN = "spec.structureDefinition.childComponents"
+_DELETE = object()
 
 
 def samples_dir() -> Path:
@@ -876,3 +879,107 @@ def test_different_kinds_all_win() -> None:
     b = make("b", kind="Two")
     winners, errors = select_descriptions([a, b])
     assert set(winners.values()) == {a, b} and errors == []
+
+
+# -- jq that could stop the engine ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "banned"),
+    [
+        ("def f: f; f", "def"),
+        (".spec | recurse(.a)", "recurse"),
+        ("[range(0; 1e18)] | length", "range"),
+        ("repeat(.)", "repeat"),
+        ("env.HOME", "env"),
+        ("$ENV.AWS_SECRET_ACCESS_KEY", "$ENV"),
+        ('"id-\\(env.HOME)"', "env"),
+        ('"a\\("(")")b\\(input)"', "input"),
+        ("halt_error", "halt_error"),
+    ],
+)
+def test_jq_that_may_not_end_or_reads_outside_is_refused(expression: str, banned: str) -> None:
+    obj = base()
+    child(obj, 0)["scaleDefinition"] = {"replicasPath": expression}
+    err = error_of(obj)
+    assert err.path == f"{CHILDREN}[0].scaleDefinition.replicasPath"
+    assert err.reason.startswith(f"jq {banned!r} is not allowed in descriptions (")
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        ".spec.range",
+        '.metadata.labels["range"]',
+        '.a | select(.type == "while") | .b',
+        ".x # env is only a comment\n| .y",
+        ".a as $range | $range",
+        "[..] | length",
+        "limit(1; .spec.workerGroupSpecs[]?.groupName)",
+        '"\\(.a)-\\(.b)"',
+    ],
+)
+def test_harmless_names_are_allowed(expression: str) -> None:
+    obj = base()
+    child(obj, 0)["scaleDefinition"] = {"replicasPath": expression}
+    assert parse_description(obj, "test.yaml").children[0].scale is not None
+
+
+# -- parse never fails other than with DescriptionError ---------------------------------------
+
+json_like = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.sampled_from([".a", ".[", "root", "a", "b", "Running", ""])
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.extend(_paths(v, (*prefix, k)))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out.extend(_paths(v, (*prefix, i)))
+    return out
+
+
+BASE_PATHS = _paths(base())[1:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    edits=st.lists(
+        st.tuples(st.sampled_from(BASE_PATHS), json_like | st.just(_DELETE)), min_size=1, max_size=3
+    )
+)
+def test_parse_only_raises_description_error(edits: list[tuple[tuple[Any, ...], Any]]) -> None:
+    obj = base()
+    for path, value in edits:
+        parent: Any = obj
+        try:
+            for key in path[:-1]:
+                parent = parent[key]
+            if value is _DELETE:
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier edit removed this path
+    try:
+        d = parse_description(obj, "fuzz.yaml")
+    except DescriptionError as err:
+        assert err.source == "fuzz.yaml" and err.reason
+        assert "\n" not in str(err)
+    else:
+        names = [d.root.name, *(c.name for c in d.children)]
+        assert len(set(names)) == len(names)
+        assert all(c.pod_bearing for c in d.pod_components)
