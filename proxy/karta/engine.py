@@ -23,6 +23,7 @@ whose object was not seen) are documented in docs/karta-attribution.md.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import time
@@ -500,8 +501,9 @@ class Engine:
     def required_kinds(self) -> dict[GroupKind, str]:
         """Kinds a source must deliver: ``full`` objects, or ``metadata`` only.
 
-        ``full``: described kinds (status, scale and instance ids are read from them) and
-        Pod. ``metadata``: kinds seen as controller owners on chains, component kinds and
+        ``full``: described kinds (status, scale and instance ids are read from them),
+        kinds whose description is invalid (so fixing it needs no relist) and Pod.
+        ``metadata``: kinds seen as controller owners on chains, component kinds and
         ``additionalChildKinds`` of the descriptions in force (owner walks pass them).
         """
         return dict(self._required)
@@ -629,7 +631,8 @@ class Engine:
             str(md.get("namespace") or ""),
             str(md.get("name") or ""),
             controller_ref(md.get("ownerReferences")),
-            _trim(obj) if plan is not None else None,
+            # kinds with an invalid description too: fixing it must not wait for a relist
+            _trim(obj) if plan is not None or gk in self._errored else None,
         )
         old = self._graph.put(rec)
         if old is not None:
@@ -728,6 +731,7 @@ class Engine:
                 wl = self._join(wl_uid, wref, plan)
                 wl.counts[key] = wl.counts.get(key, 0) + 1
                 rec.wl, rec.key = wl_uid, key
+                self._dirty.add(wl_uid)
             else:
                 self._join(wl_uid, wref, plan)
         if att != rec.att:
@@ -762,7 +766,8 @@ class Engine:
         plan = self._plans.get(rec.gk)
         new = ""
         if plan is None:
-            rec.obj = None  # no longer described: nothing to evaluate on it
+            if rec.gk not in self._errored:
+                rec.obj = None  # no longer described: nothing to evaluate on it
         else:
             top = self._graph.walk(
                 rec.owner, self._walk_plans.get, self._is_errored,
@@ -921,7 +926,7 @@ class Engine:
                     req[c.kind.group_kind] = "metadata"
             for g in plan.desc.additional_child_kinds:
                 req[g.group_kind] = "metadata"
-        for gk in self._plans:
+        for gk in (*self._plans, *self._errored):
             req[gk] = "full"
         req[POD] = "full"
         return req
@@ -937,7 +942,7 @@ class Engine:
         spec = obj.get("spec")
         if source in self._api_specs and self._api_specs[source] == spec:
             return  # a resync of an unchanged description: nothing to redo
-        self._api_specs[source] = spec
+        self._api_specs[source] = copy.deepcopy(spec)  # the caller may reuse its dict
         try:
             desc = parse_description(obj, source)
         except DescriptionError as exc:
