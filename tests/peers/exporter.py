@@ -415,8 +415,12 @@ class ClusterModel:
                 "[STABLE] Current working set of the pod in bytes",
                 pmem,
             )
-            + "# HELP scrape_error [ALPHA] 1 if there was an error while getting container"
-            " metrics, 0 otherwise\n" + "# TYPE scrape_error gauge\nscrape_error 0\n"
+            + _family(
+                "scrape_error",
+                "gauge",
+                "[ALPHA] 1 if there was an error while getting container metrics, 0 otherwise",
+                [_line("scrape_error", {}, 0, ts, extra)],
+            )
         )
 
     def dcgm_text(

@@ -1,0 +1,97 @@
+"""The fixture exporter serves text Prometheus' parser reads, with counters that advance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.peers.exporter import FixtureExporter, start_exporter
+
+SNAPSHOT = Path(__file__).resolve().parents[2] / "proxy" / "demo_data" / "snapshot.yaml"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out
+
+
+async def test_routes_parse_and_counters_advance() -> None:
+    clock = Clock()
+    async with FixtureExporter(SNAPSHOT, clock=clock) as exp, aiohttp.ClientSession() as http:
+
+        async def get(path: str) -> str:
+            async with http.get(exp.url + path) as r:
+                assert r.status == 200
+                return await r.text()
+
+        cadvisor = _samples(await get("/metrics/cadvisor"))
+        resource = _samples(await get("/metrics/resource"))
+        dcgm = _samples(await get("/metrics"))
+        clock.now += 30
+        later = _samples(await get("/metrics/cadvisor"))
+
+    pod = "frontend-6d8f7b9c5d-4xkqp"
+    cpu = {
+        k: v
+        for k, v in cadvisor.items()
+        if k[0] == "container_cpu_usage_seconds_total" and ("pod", pod) in k[1]
+    }
+    assert len(cpu) == 3  # app container, POD sandbox, pod cgroup
+    containers = {dict(k[1]).get("container", "") for k in cpu}
+    assert containers == {"frontend", "POD", ""}
+    rate = exp.model.pod("web", pod).containers[0].cpu_cores
+    for k, v in cpu.items():
+        if dict(k[1]).get("container") == "frontend":
+            assert later[k] - v == pytest.approx(rate * 30)
+    assert any(k[0] == "pod_cpu_usage_seconds_total" for k in resource)
+    util = {dict(k[1]).get("pod"): v for k, v in dcgm.items() if k[0] == "DCGM_FI_DEV_GPU_UTIL"}
+    assert "pretrain-workers-1-0-m2n4r" in util  # raw exporter labels: pod/namespace
+    assert None in util  # an idle GPU has no pod labels
+    assert exp.scrapes == {"cadvisor": 2, "resource": 1, "dcgm": 1}
+
+
+async def test_start_exporter_with_objects_and_node_filter() -> None:
+    objs = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "n", "uid": "u"},
+            "spec": {
+                "nodeName": "node-a",
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "i",
+                        "resources": {"requests": {"cpu": "1", "nvidia.com/gpu": "1"}},
+                    }
+                ],
+            },
+        }
+    ]
+    url, stop = await start_exporter(objs)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/metrics?node=node-a") as r:
+                dcgm = _samples(await r.text())
+            async with http.get(url + "/metrics/resource?node=other") as r:
+                resource = _samples(await r.text())
+    finally:
+        await stop()
+    assert {dict(k[1])["pod"] for k in dcgm} == {"p"}
+    assert not any(k[0] == "pod_cpu_usage_seconds_total" for k in resource)
