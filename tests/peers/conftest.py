@@ -1,0 +1,362 @@
+"""Real remote-write peers on 127.0.0.1: Prometheus 2.42 (agent sender, receiver),
+VictoriaMetrics, vmagent; the fixture exporter; karta-proxy in-process on the demo snapshot.
+
+Every peer runs on a free port, logs to a file in the test's tmp dir, is stopped by its PID
+(SIGTERM, then SIGKILL after a deadline), and is skipped cleanly when its binary is absent.
+Every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from proxy.config import Settings
+from proxy.runtime import Proxy
+from tests.peers.exporter import DEMO_SNAPSHOT, FixtureExporter
+
+#: the pod the DCGM exporter target is labelled with (a pod of the demo's DaemonSet)
+DCGM_TARGET_NAMESPACE = "gpu-monitoring"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).parent == here:
+            item.add_marker(pytest.mark.peers)
+
+
+def need(binary: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        pytest.skip(f"{binary} not installed (Debian package: prometheus / victoria-metrics)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_until(
+    check: Callable[[], Awaitable[bool]], *, timeout: float, what: str, interval: float = 0.2
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await check():
+                return
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+@dataclass
+class Peer:
+    """One peer process, stopped by its PID."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    base_url: str
+    ready_path: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        async def ok() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited: {self.log_tail()}")
+            async with aiohttp.ClientSession() as s, s.get(
+                self.base_url + self.ready_path, timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                return r.status == 200
+
+        try:
+            await wait_until(ok, timeout=timeout, what=f"{self.name} ready")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.log_tail()}") from None
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM by PID, SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        return proc.returncode
+
+    async def astop(self, timeout: float = 20.0) -> int | None:
+        return await asyncio.to_thread(self.stop, timeout)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+class Peers:
+    """Factory of peers for one test; everything it started is stopped at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[Peer] = []
+
+    def _peer(self, name: str, argv: list[str], port: int, ready_path: str) -> Peer:
+        p = Peer(name, argv, self.tmp / f"{name}.log", f"http://127.0.0.1:{port}", ready_path)
+        p.start()
+        self.started.append(p)
+        return p
+
+    def _dir(self, name: str) -> Path:
+        d = self.tmp / name
+        d.mkdir(exist_ok=True)
+        return d
+
+    async def prometheus_receiver(self, name: str = "prom-receiver") -> Peer:
+        binary = need("prometheus")
+        port = free_port()
+        cfg = self.tmp / f"{name}.yml"
+        cfg.write_text("global: {scrape_interval: 1m}\n")
+        p = self._peer(name, [
+            binary, f"--config.file={cfg}", f"--storage.tsdb.path={self._dir(name)}",
+            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-remote-write-receiver",
+            "--log.level=warn",
+        ], port, "/-/ready")
+        await p.wait_ready()
+        return p
+
+    async def prometheus_agent(self, config: dict[str, Any], name: str = "prom-agent") -> Peer:
+        binary = need("prometheus")
+        port = free_port()
+        cfg = self.tmp / f"{name}.yml"
+        cfg.write_text(yaml.safe_dump(config))
+        p = self._peer(name, [
+            binary, "--enable-feature=agent", f"--config.file={cfg}",
+            f"--storage.agent.path={self._dir(name)}", f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ], port, "/-/ready")
+        await p.wait_ready()
+        return p
+
+    async def victoria_metrics(self, name: str = "vm", port: int | None = None) -> Peer:
+        binary = need("victoria-metrics")
+        port = port or free_port()
+        p = self._peer(name, [
+            binary, f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={self._dir(name)}",
+            "-search.latencyOffset=0s", "-search.disableCache", "-retentionPeriod=100y",
+            "-loggerLevel=WARN",
+        ], port, "/health")
+        await p.wait_ready()
+        return p
+
+    async def vmagent(self, scrape_config: dict[str, Any], remote_write_url: str,
+                      extra: Sequence[str] = (), name: str = "vmagent") -> Peer:
+        binary = need("vmagent")
+        port = free_port()
+        cfg = self.tmp / f"{name}.yml"
+        cfg.write_text(yaml.safe_dump(scrape_config))
+        p = self._peer(name, [
+            binary, f"-promscrape.config={cfg}", f"-remoteWrite.url={remote_write_url}",
+            f"-remoteWrite.tmpDataPath={self._dir(name)}", f"-httpListenAddr=127.0.0.1:{port}",
+            "-remoteWrite.flushInterval=500ms", "-loggerLevel=WARN", *extra,
+        ], port, "/health")
+        await p.wait_ready()
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.started):
+            p.stop()
+
+
+@pytest.fixture
+def peers(tmp_path: Path) -> Iterator[Peers]:
+    ps = Peers(tmp_path)
+    try:
+        yield ps
+    finally:
+        ps.stop_all()
+
+
+@pytest.fixture
+async def exporter() -> AsyncIterator[FixtureExporter]:
+    async with FixtureExporter(DEMO_SNAPSHOT) as exp:
+        yield exp
+
+
+def dcgm_target_pod(exp: FixtureExporter) -> str:
+    pods = [p.name for p in exp.model.pods if p.namespace == DCGM_TARGET_NAMESPACE]
+    assert pods, "the demo snapshot has a dcgm-exporter DaemonSet"
+    return sorted(pods)[0]
+
+
+def scrape_configs(exp: FixtureExporter, interval: str = "1s") -> list[dict[str, Any]]:
+    """cAdvisor, kubelet resource and DCGM jobs against the fixture exporter.
+
+    The DCGM target carries the exporter pod's own ``namespace``/``pod`` target labels and
+    ``honor_labels: false``, so the GPU's pod arrives as ``exported_namespace``/``exported_pod``
+    exactly as in a cluster.
+    """
+    target = exp.url.removeprefix("http://")
+    common = {"scrape_interval": interval, "scrape_timeout": interval}
+    return [
+        {"job_name": "cadvisor", "metrics_path": "/metrics/cadvisor",
+         "static_configs": [{"targets": [target]}], **common},
+        {"job_name": "kubelet-resource", "metrics_path": "/metrics/resource",
+         "static_configs": [{"targets": [target]}], **common},
+        {"job_name": "dcgm", "metrics_path": "/metrics", "honor_labels": False,
+         "static_configs": [{"targets": [target], "labels": {
+             "namespace": DCGM_TARGET_NAMESPACE, "pod": dcgm_target_pod(exp)}}], **common},
+    ]
+
+
+def remote_write(url: str) -> dict[str, Any]:
+    return {"url": url, "queue_config": {"batch_send_deadline": "500ms", "min_backoff": "50ms",
+                                         "max_backoff": "500ms"}}
+
+
+@dataclass
+class InProcessProxy:
+    proxy: Proxy
+    url: str = ""
+    write_url: str = ""
+
+
+@pytest.fixture
+async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]]:
+    """karta-proxy in this process on the demo snapshot, on a free port."""
+    started: list[Proxy] = []
+
+    async def make(upstream_url: str, **upstream: Any) -> InProcessProxy:
+        s = Settings()
+        s.snapshot = str(DEMO_SNAPSHOT)
+        s.upstream.url = upstream_url
+        s.upstream.timeout_seconds = 5.0
+        s.upstream.connect_timeout_seconds = 2.0
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.enabled = False
+        for k, v in upstream.items():
+            setattr(s.upstream, k, v)
+        p = Proxy(s)
+        await p.start()
+        started.append(p)
+        url = f"http://127.0.0.1:{p.port}"
+        return InProcessProxy(p, url, url + "/api/v1/write")
+
+    try:
+        yield make
+    finally:
+        for p in started:
+            await p.stop()
+
+
+# -- PromQL over the HTTP API (Prometheus and VictoriaMetrics speak the same) ---------------
+
+
+async def query(base: str, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+    params = {"query": promql}
+    if at is not None:
+        params["time"] = f"{at:.3f}"
+    async with aiohttp.ClientSession() as s, s.get(
+        base + "/api/v1/query", params=params, timeout=aiohttp.ClientTimeout(total=10)
+    ) as r:
+        body = await r.json()
+    assert body.get("status") == "success", body
+    return list(body["data"]["result"])
+
+
+async def scalar_by(base: str, promql: str, by: Sequence[str], at: float | None = None
+                    ) -> dict[tuple[str, ...], float]:
+    return {tuple(r["metric"].get(k, "") for k in by): float(r["value"][1])
+            for r in await query(base, promql, at)}
+
+
+async def series_set(base: str, match: str, start: float, end: float
+                     ) -> set[frozenset[tuple[str, str]]]:
+    async with aiohttp.ClientSession() as s, s.get(
+        base + "/api/v1/series", params={"match[]": match, "start": f"{start:.0f}",
+                                         "end": f"{end:.0f}"},
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as r:
+        body = await r.json()
+    assert body.get("status") == "success", body
+    return {frozenset(d.items()) for d in body["data"]}
+
+
+async def vm_flush(vm: Peer) -> None:
+    """Make VictoriaMetrics' freshly ingested rows searchable now."""
+    async with aiohttp.ClientSession() as s, s.get(vm.base_url + "/internal/force_flush") as r:
+        assert r.status == 200
+
+
+def close(a: float, b: float, rel: float = 1e-6) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)
+
+
+@dataclass
+class Expected:
+    """Per-workload figures the fixture exporter serves, keyed by the stamped identity."""
+
+    memory: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    gpu_util: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    unattributed_pods: set[tuple[str, str]] = field(default_factory=set)
+
+
+WORKLOAD_KEY = ("karta_namespace", "karta_kind", "karta_workload")
+
+
+def expected_by_workload(exp: FixtureExporter, proxy: Proxy) -> Expected:
+    """What ``sum by (karta_namespace, karta_kind, karta_workload)`` must give, from the
+    exporter's model and the index's answer per pod."""
+    out = Expected()
+
+    def key(ns: str, pod: str) -> tuple[str, str, str] | None:
+        pairs = proxy.index.lookup(ns.encode(), pod.encode())
+        if not pairs:
+            return None
+        d = dict(pairs)
+        return (d.get("karta_namespace", ""), d.get("karta_kind", ""),
+                d.get("karta_workload", ""))
+
+    for pod in exp.model.pods:
+        k = key(pod.namespace, pod.name)
+        if k is None:
+            out.unattributed_pods.add((pod.namespace, pod.name))
+            continue
+        out.memory[k] = out.memory.get(k, 0.0) + pod.memory_bytes
+    target_pod = dcgm_target_pod(exp)
+    for g in exp.model.gpus:
+        ns, pod = (g.holder[0], g.holder[1]) if g.holder else (DCGM_TARGET_NAMESPACE, target_pod)
+        k = key(ns, pod)
+        if k is not None:
+            out.gpu_util[k] = out.gpu_util.get(k, 0.0) + g.util
+    return out

@@ -1,0 +1,134 @@
+"""Prometheus 2.42 agent -> karta-proxy -> Prometheus 2.42 receiver / VictoriaMetrics, with a
+direct path beside it for comparison; PromQL over the real HTTP APIs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tests.peers.conftest import (
+    WORKLOAD_KEY,
+    InProcessProxy,
+    Peers,
+    close,
+    expected_by_workload,
+    query,
+    remote_write,
+    scalar_by,
+    scrape_configs,
+    series_set,
+    vm_flush,
+    wait_until,
+)
+from tests.peers.exporter import FixtureExporter
+
+pytestmark = pytest.mark.peers
+
+KARTA = "karta_"
+
+
+def strip_karta(s: frozenset[tuple[str, str]]) -> frozenset[tuple[str, str]]:
+    return frozenset((k, v) for k, v in s if not k.startswith(KARTA))
+
+
+async def test_agent_through_proxy_into_prometheus_and_vm(
+    peers: Peers, exporter: FixtureExporter,
+    make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    enriched = await peers.prometheus_receiver("prom-enriched")
+    direct = await peers.prometheus_receiver("prom-direct")
+    vm = await peers.victoria_metrics()
+    to_prom = await make_proxy(enriched.base_url + "/api/v1/write")
+    to_vm = await make_proxy(vm.base_url + "/api/v1/write")
+    start = time.time() - 5
+    agent = await peers.prometheus_agent({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": scrape_configs(exporter),
+        "remote_write": [remote_write(to_prom.write_url), remote_write(to_vm.write_url),
+                         remote_write(direct.base_url + "/api/v1/write")],
+    })
+    expected = expected_by_workload(exporter, to_prom.proxy)
+    n_pods = len(exporter.model.pods)
+
+    async def landed() -> bool:
+        got = await query(enriched.base_url, "count(pod_memory_working_set_bytes)")
+        return bool(got) and int(float(got[0]["value"][1])) == n_pods
+
+    await wait_until(landed, timeout=30, what="pod series in the receiving Prometheus")
+    # a few more scrapes, then stop the agent: it flushes its queues on the way out
+    seen = exporter.scrapes["resource"]
+    await wait_until(lambda: _true_after(exporter, "resource", seen + 3), timeout=20,
+                     what="3 more scrapes of /metrics/resource")
+    assert await agent.astop() == 0
+    end = time.time() + 5
+    await vm_flush(vm)
+
+    # -- per-workload sums: memory (kubelet resource) and GPU utilization (DCGM) ----------
+    for base in (enriched.base_url, vm.base_url):
+        mem = await scalar_by(base, "sum by (karta_namespace, karta_kind, karta_workload) "
+                              "(pod_memory_working_set_bytes{karta_workload!=''})", WORKLOAD_KEY)
+        assert mem.keys() == expected.memory.keys(), base
+        for k, v in expected.memory.items():
+            assert close(mem[k], v), (base, k, mem[k], v)
+        util = await scalar_by(base, "sum by (karta_namespace, karta_kind, karta_workload) "
+                               "(DCGM_FI_DEV_GPU_UTIL{karta_workload!=''})", WORKLOAD_KEY)
+        assert util.keys() == expected.gpu_util.keys(), base
+        for k, v in expected.gpu_util.items():
+            assert close(util[k], v), (base, k, util[k], v)
+        # DCGM series name the GPU's pod through exported_*; karta_namespace is its namespace,
+        # while namespace stays the exporter's
+        dcgm = await query(base, 'DCGM_FI_DEV_GPU_UTIL{exported_pod!="", karta_workload!=""}')
+        assert dcgm and all(r["metric"]["karta_namespace"] == r["metric"]["exported_namespace"]
+                            and r["metric"]["namespace"] == "gpu-monitoring" for r in dcgm)
+
+    # -- nothing lost, added or merged: the enriched series minus karta_* labels are
+    # exactly the direct path's series, and sample counts match ------------------------
+    every = '{__name__=~".+"}'
+    got = await series_set(enriched.base_url, every, start, end)
+    want = await series_set(direct.base_url, every, start, end)
+    assert len(got) == len(want)
+    assert {strip_karta(s) for s in got} == want
+    # unattributed series pass unchanged: those without karta labels are the direct path's
+    # series of unattributed pods and of no pod at all
+    plain = {s for s in got if not any(k.startswith(KARTA) for k, _ in s)}
+    for s in plain:
+        d = dict(s)
+        pod = (d.get("exported_namespace") or d.get("namespace", ""),
+               d.get("exported_pod") or d.get("pod", ""))
+        assert not pod[1] or pod in expected.unattributed_pods, d
+    assert plain <= want
+    # every raw sample, series by series: the same values at the same timestamps
+    at = time.time()
+    want_samples = await raw_samples(direct.base_url, every, at)
+    assert sum(len(v) for v in want_samples.values()) > 0
+    got_samples = await raw_samples(enriched.base_url, every, at)
+    assert {strip_karta(k): v for k, v in got_samples.items()} == want_samples
+    # VictoriaMetrics stores floats as decimals (about 12 significant digits)
+    vm_samples = {strip_karta(k): v for k, v in (await raw_samples(vm.base_url, every, at)).items()}
+    assert vm_samples.keys() == want_samples.keys()
+    for k, want_v in want_samples.items():
+        got_v = vm_samples[k]
+        assert [t for t, _ in got_v] == [t for t, _ in want_v], dict(k)
+        assert all(close(float(a), float(b), 1e-11) for (_, a), (_, b) in zip(got_v, want_v,
+                                                                            strict=True))
+
+    # the proxy counted what it saw
+    m = to_prom.proxy.metrics.registry
+    assert (m.get_sample_value("karta_proxy_series_attributed_total") or 0) > 0
+    assert m.get_sample_value("karta_proxy_requests_total",
+                              {"path": "/api/v1/write", "protocol": "v1", "code": "204"})
+
+
+async def raw_samples(base: str, match: str, at: float
+                      ) -> dict[frozenset[tuple[str, str]], list[tuple[float, str]]]:
+    """Every stored sample of the last 10 minutes, per series (a range-vector query)."""
+    out = {}
+    for r in await query(base, f"{match}[10m]", at):
+        out[frozenset(r["metric"].items())] = [(float(t), v) for t, v in r["values"]]
+    return out
+
+
+async def _true_after(exp: FixtureExporter, route: str, n: int) -> bool:
+    return exp.scrapes[route] >= n
