@@ -29,7 +29,7 @@ def recorded_names() -> list[str]:
     return names
 
 
-def tested_exprs() -> set[str]:
+def exprs_under_test() -> set[str]:
     out: set[str] = set()
     for f in TEST_FILES:
         for t in yaml.safe_load(f.read_text())["tests"]:
@@ -66,7 +66,7 @@ def test_promtool_test_rules(test_file: Path) -> None:
 
 
 def test_every_rule_has_a_unit_test() -> None:
-    missing = sorted(set(recorded_names()) - tested_exprs())
+    missing = sorted(set(recorded_names()) - exprs_under_test())
     assert not missing, f"rules without a promtool unit test: {missing}"
 
 
