@@ -355,8 +355,8 @@ def expected_by_workload(exp: FixtureExporter, proxy: Proxy) -> Expected:
         out.memory[k] = out.memory.get(k, 0.0) + pod.memory_bytes
     target_pod = dcgm_target_pod(exp)
     for g in exp.model.gpus:
-        ns, pod = (g.holder[0], g.holder[1]) if g.holder else (DCGM_TARGET_NAMESPACE, target_pod)
-        k = key(ns, pod)
+        ns, name = (g.holder[0], g.holder[1]) if g.holder else (DCGM_TARGET_NAMESPACE, target_pod)
+        k = key(ns, name)
         if k is not None:
             out.gpu_util[k] = out.gpu_util.get(k, 0.0) + g.util
     return out

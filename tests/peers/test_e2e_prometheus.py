@@ -108,9 +108,9 @@ async def test_agent_through_proxy_into_prometheus_and_vm(
     # VictoriaMetrics stores floats as decimals (about 12 significant digits)
     vm_samples = {strip_karta(k): v for k, v in (await raw_samples(vm.base_url, every, at)).items()}
     assert vm_samples.keys() == want_samples.keys()
-    for k, want_v in want_samples.items():
-        got_v = vm_samples[k]
-        assert [t for t, _ in got_v] == [t for t, _ in want_v], dict(k)
+    for series, want_v in want_samples.items():
+        got_v = vm_samples[series]
+        assert [t for t, _ in got_v] == [t for t, _ in want_v], dict(series)
         assert all(close(float(a), float(b), 1e-11) for (_, a), (_, b) in zip(got_v, want_v,
                                                                             strict=True))
 
