@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import date, datetime, timedelta
 from typing import Any
 
 from proxy.karta.jqexpr import JqError, JqExpr, to_text
@@ -66,7 +67,9 @@ class _Input:
 
     def run(self, expr: JqExpr) -> list[Any]:
         if self._text is None:
-            self._text = json.dumps(self.obj, allow_nan=False, separators=(",", ":"))
+            self._text = json.dumps(
+                self.obj, allow_nan=False, separators=(",", ":"), default=_json_default
+            )
         try:
             return expr.all_text(self._text)
         except JqError as exc:
@@ -76,6 +79,20 @@ class _Input:
 
 class _Failure(Exception):
     """Aborts one evaluation; the message is the reason, already short."""
+
+
+def _json_default(value: Any) -> Any:
+    """Timestamps as the API server writes them: YAML files (snapshots, fixtures) read
+    unquoted RFC 3339 times as datetime objects, and they must compare like the API's."""
+    if isinstance(value, datetime):
+        if value.tzinfo is not None and value.utcoffset() == timedelta(0):
+            value = value.replace(tzinfo=None)
+            text = value.isoformat(timespec="microseconds" if value.microsecond else "seconds")
+            return text + "Z"
+        return value.isoformat()
+    if isinstance(value, date):
+        return value.isoformat()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _text(value: Any) -> str | None:

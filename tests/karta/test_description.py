@@ -955,7 +955,7 @@ def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 BASE_PATHS = _paths(base())[1:]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     edits=st.lists(
         st.tuples(st.sampled_from(BASE_PATHS), json_like | st.just(_DELETE)), min_size=1, max_size=3

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -542,7 +543,7 @@ workloads = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(index=st.integers(min_value=0, max_value=len(DESCRIPTIONS) - 1), obj=workloads)
 def test_evaluate_status_never_raises(index: int, obj: dict[str, Any]) -> None:
     d = DESCRIPTIONS[index]
@@ -554,3 +555,26 @@ def test_evaluate_status_never_raises(index: int, obj: dict[str, Any]) -> None:
     else:
         assert res.phase in res.statuses and res.reason == ""
         assert res.statuses == tuple(s for s in UPSTREAM_STATUS_ORDER if s in res.statuses)
+
+
+def test_yaml_timestamps_compare_like_api_strings() -> None:
+    (cron,) = [d for d in builtin_descriptions() if d.group_kind.kind == "CronJob"]
+    obj = yaml.safe_load(
+        "spec: {suspend: false}\n"
+        "status:\n"
+        "  lastScheduleTime: 2026-01-01T10:10:00Z\n"
+        "  lastSuccessfulTime: 2026-01-01T10:05:42Z\n"
+    )
+    assert evaluate_status(cron.status, obj).phase == "Failed"
+    obj["status"]["lastSuccessfulTime"] = obj["status"]["lastScheduleTime"]
+    assert evaluate_status(cron.status, obj).phase == "Completed"
+    sd = definition(
+        {
+            "statusMappings": {
+                "running": [
+                    {"byExpression": {"expression": ".t", "expectedResult": "2026-01-01T10:10:00Z"}}
+                ]
+            }
+        }
+    )
+    assert evaluate_status(sd, obj | {"t": obj["status"]["lastScheduleTime"]}).phase == "Running"
