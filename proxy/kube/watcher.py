@@ -101,7 +101,7 @@ class ResourceWatcher:
         namespace: str | None = None,
         field_selector: str = "",
         page_size: int = 500,
-        slice_size: int = 64,
+        slice_size: int = 16,
         watch_timeout: Callable[[], int] = lambda: random.randint(240, 480),
         backoff_max: float = 30.0,
         held: dict[str, tuple[str, str]] | None = None,
@@ -210,30 +210,44 @@ class ResourceWatcher:
         path = self.resource.path(self.namespace)
         accept = ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON
         seen: set[str] = set()
-        token = ""
         rv = ""
-        while True:
+
+        async def page(token: str) -> Any:
             q = self._query()
             q["limit"] = str(self.page_size)
             if token:
                 q["continue"] = token
-            doc = await self.client.request_json(path, query=q, accept=accept)
-            self._set_health(True)
-            md = doc.get("metadata") or {}
-            rv = md.get("resourceVersion", "")
-            items = doc.get("items") or []
-            events: list[WatchEvent] = []
-            for obj in items:
-                self._fill(obj)
-                omd = obj["metadata"]
-                uid = omd.get("uid", "")
-                seen.add(uid)
-                self.held[uid] = (omd.get("namespace", ""), omd.get("name", ""))
-                events.append(("ADDED", obj))
-            await self._deliver(events)
-            token = md.get("continue", "")
-            if not token:
-                break
+            return await self.client.request_json(path, query=q, accept=accept)
+
+        # the next page is fetched while this one goes through the engine: the server's
+        # (and the network's) time overlaps ours
+        fetch: asyncio.Future[Any] = asyncio.ensure_future(page(""))
+        try:
+            while True:
+                doc = await fetch
+                self._set_health(True)
+                md = doc.get("metadata") or {}
+                rv = md.get("resourceVersion", "")
+                token = md.get("continue", "")
+                if token:
+                    fetch = asyncio.ensure_future(page(token))
+                events: list[WatchEvent] = []
+                for obj in doc.get("items") or []:
+                    self._fill(obj)
+                    omd = obj["metadata"]
+                    uid = omd.get("uid", "")
+                    seen.add(uid)
+                    self.held[uid] = (omd.get("namespace", ""), omd.get("name", ""))
+                    events.append(("ADDED", obj))
+                del doc
+                await self._deliver(events)
+                if not token:
+                    break
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(BaseException):
+                    await fetch
         gone = [uid for uid in self.held if uid not in seen]
         if gone:
             deletions = [("DELETED", self.stub(uid)) for uid in gone]

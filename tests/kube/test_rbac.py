@@ -1,0 +1,65 @@
+"""The shipped RBAC grants what the source reads, read-only, and nothing it does not read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.kube.conftest import SourceFactory, deployment
+from tests.kubesim import KubeSim
+
+RBAC = Path(__file__).resolve().parents[2] / "config" / "rbac"
+
+
+def _docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((RBAC / name).read_text()) if d]
+
+
+def _reads(sim: KubeSim) -> set[tuple[str, str]]:
+    """(group, plural) of every list/watch the source sent."""
+    out = set()
+    for method, path, _, _ in sim.requests:
+        parts = path.split("/")[1:]
+        if method != "GET" or len(parts) < 3:
+            continue
+        rest = parts[2:] if parts[0] == "api" else parts[3:]
+        group = "" if parts[0] == "api" else parts[1]
+        if rest and rest[0] == "namespaces" and len(rest) >= 3:
+            rest = rest[2:]
+        if rest:
+            out.add((group, rest[0]))
+    return out
+
+
+def _granted(role: dict[str, Any], verbs: set[str]) -> set[tuple[str, str]]:
+    return {(g, r) for rule in role["rules"] if verbs <= set(rule["verbs"])
+            for g in rule["apiGroups"] for r in rule["resources"]}
+
+
+async def test_cluster_role_covers_exactly_the_reads(sim: KubeSim,
+                                                     make_source: SourceFactory) -> None:
+    deployment(sim, "web", replicas=1)
+    await make_source()
+    reader = next(d for d in _docs("cluster-mode.yaml")
+                  if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "karta-proxy-reader")
+    granted = _granted(reader, {"get", "list", "watch"})
+    assert _reads(sim) == granted
+    assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in reader["rules"])
+
+
+async def test_namespaced_role_covers_the_namespaced_reads(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    deployment(sim, "web", ns="team-a", replicas=1)
+    await make_source(namespaces=["team-a"])
+    docs = _docs("namespaced-mode.yaml")
+    role = next(d for d in docs if d["kind"] == "Role")
+    cluster = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert role["metadata"]["namespace"] == "team-a"
+    granted = _granted(role, {"get", "list", "watch"}) | _granted(cluster,
+                                                                  {"get", "list", "watch"})
+    assert _reads(sim) == granted
+    namespaced_paths = {p for m, p, _, _ in sim.requests
+                        if m == "GET" and ("/pods" in p or "/replicasets" in p)}
+    assert all("/namespaces/team-a/" in p for p in namespaced_paths)
