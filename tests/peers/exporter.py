@@ -30,13 +30,16 @@ Use::
         exp.model          # ClusterModel: pods, gpus, expected rates
     url, stop = await start_exporter(objects); ...; await stop()
 
-``python -m tests.peers.exporter --demo-series`` regenerates
+``python -m tests.peers.exporter --serve 0.0.0.0:9400`` serves the demo snapshot's metrics
+(the docker-compose stack runs it); ``--demo-series`` regenerates
 ``proxy/demo_data/series.prom`` (the demo's recorded batch) from the demo snapshot.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hashlib
 import re
 import time
@@ -768,13 +771,41 @@ def merge_families(texts: Iterable[str]) -> str:
     )
 
 
+async def _serve(source: str, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    exp = FixtureExporter(source, host=host or "127.0.0.1", port=int(port))
+    await exp.start()
+    print(
+        f"fixture exporter on {exp.url} ({len(exp.model.pods)} pods, {len(exp.model.gpus)} GPUs)",
+        flush=True,
+    )
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await exp.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--demo-series", action="store_true", help=f"rewrite {DEMO_SERIES}")
+    ap.add_argument(
+        "--serve",
+        metavar="HOST:PORT",
+        help="serve the routes until interrupted (the docker-compose demo uses it)",
+    )
+    ap.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        default=str(DEMO_SNAPSHOT),
+        help="objects to serve metrics for (default: the demo snapshot)",
+    )
     args = ap.parse_args(argv)
     if args.demo_series:
         DEMO_SERIES.write_text(demo_series_text(load_objects(DEMO_SNAPSHOT)))
         print(f"wrote {DEMO_SERIES}")
+    if args.serve:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_serve(args.snapshot, args.serve))
     return 0
 
 
