@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -528,6 +529,8 @@ def parse_description(obj: Mapping[str, Any], source: str, *, builtin: bool = Fa
         positions[child.name] = path
         children.append(child)
     _check_owner_refs(p, root, children)
+    # a child without ownerRef hangs under the root: say so, so no reader has to know
+    children = [c if c.owner_ref else replace(c, owner_ref=root.name) for c in children]
 
     additional: list[GVK] = []
     add_path = "spec.structureDefinition.additionalChildKinds"

@@ -415,7 +415,7 @@ def test_child_without_owner_ref_hangs_under_root() -> None:
     obj = base()
     del child(obj, 0)["ownerRef"]
     d = parse_description(obj, "test.yaml")
-    assert d.children[0].owner_ref is None
+    assert d.children[0].owner_ref == "root"
 
 
 def test_root_with_owner_ref() -> None:
