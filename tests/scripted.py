@@ -48,12 +48,12 @@ class ScriptedUpstream:
     """``replies`` are used in order; the last one repeats. ``rule`` overrides per request."""
 
     def __init__(self, *replies: Reply, rule: Callable[[Received], Reply | None] | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, port: int = 0) -> None:
         self.replies = list(replies) or [Reply()]
         self.rule = rule
         self.received: list[Received] = []
         self.url = ""
-        self.port = 0
+        self.port = port
         self._ssl = ssl_context
         self._runner: web.AppRunner | None = None
 
@@ -76,7 +76,7 @@ class ScriptedUpstream:
         self._runner = web.AppRunner(app, access_log=None, auto_decompress=False,
                                      shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._ssl)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self._ssl)
         await site.start()
         server = site._server
         assert server is not None
