@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ class _Parser:
                 path, f"jq {banned!r} is not allowed in descriptions ({_BANNED[banned]})"
             )
         try:
-            return JqExpr(text)
+            return _compile(text)
         except JqCompileError as exc:
             raise self.fail(path, _short(str(exc.__cause__ or exc))) from None
 
@@ -450,6 +451,14 @@ def unsafe_jq_name(source: str) -> str | None:
             continue
         i += 1
     return None
+
+
+@lru_cache(maxsize=4096)
+def _compile(text: str) -> JqExpr:
+    """libjq spends ~5 ms compiling its builtins with every program; descriptions repeat
+    expressions (and API descriptions are re-parsed on every watch event), so compiled
+    programs are shared. A ``JqExpr`` holds no per-evaluation state."""
+    return JqExpr(text)
 
 
 def _type_name(value: Any) -> str:
