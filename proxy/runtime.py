@@ -64,6 +64,9 @@ class Proxy:
         self.source: Service | None = None
         self.source_name = ""
         self.facts: Service | None = None
+        self._elector: Any = None
+        self._elector_task: asyncio.Task[None] | None = None
+        self._kube_client: Any = None
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._expire_task: asyncio.Task[None] | None = None
@@ -97,13 +100,37 @@ class Proxy:
         return KubeSource(s.kube, self.engine, self.index, metrics_registry=self.metrics.registry)
 
     def _make_facts(self) -> Service | None:
-        from proxy.facts import FactsCollector, FactWriter
+        from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
 
         self.metrics.registry.register(FactsCollector(self.index))
         if not self.settings.facts.enabled:
             return None
-        writer: Service = FactWriter(self.settings.facts, self.index, self.upstream.send_v1)
+        writer = FactWriter(self.settings.facts, self.index, self.upstream.send_v1,
+                            elector=self._elector)
+        self.metrics.registry.register(FactWriterCollector(writer))
         return writer
+
+    async def _start_elector(self) -> None:
+        """One fact writer among replicas: a Lease, through the same cluster connection."""
+        f = self.settings.facts
+        if not (f.enabled and f.leader_election):
+            return
+        from proxy.kube.client import KubeClient
+        from proxy.lease import LeaseElector
+
+        self._kube_client = await KubeClient.connect(self.settings.kube)
+        self._elector = LeaseElector(self._kube_client.api, f.lease_namespace, f.lease_name,
+                                     f.identity, f.lease_duration_seconds)
+        self._elector_task = asyncio.create_task(self._elector.run(), name="fact-lease")
+
+    async def _stop_elector(self) -> None:
+        if self._elector is not None:
+            await self._elector.stop()
+        if self._elector_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._elector_task
+        if self._kube_client is not None:
+            await self._kube_client.close()
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -116,6 +143,7 @@ class Proxy:
         await self.upstream.start()
         self._load_description_files()
         self.source = self._make_source()
+        await self._start_elector()
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=s.upstream.url, source=self.source_name)
@@ -154,6 +182,7 @@ class Proxy:
                     await part.stop()
                 except Exception:
                     log.exception("error while stopping", extra={"part": type(part).__name__})
+        await self._stop_elector()
         await self.upstream.close()
         log.info("karta-proxy stopped")
 

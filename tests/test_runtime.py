@@ -1,0 +1,46 @@
+"""The assembled proxy: fact series reach the upstream through the same client, and the
+fact writer's metrics are on /metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+
+from proxy.config import Settings
+from proxy.runtime import Proxy
+from proxy.sender import decode_v1
+from tests.peers.conftest import wait_until
+from tests.scripted import ScriptedUpstream
+from tests.test_handler import SNAPSHOT
+
+
+async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    async with ScriptedUpstream() as up:
+        s = Settings()
+        s.snapshot = str(snap)
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.interval_seconds = 0.2
+        p = Proxy(s)
+        await p.start()
+        try:
+            async def written() -> bool:
+                return bool(up.received)
+
+            await wait_until(written, timeout=10, what="fact series upstream")
+            async with aiohttp.ClientSession() as session, session.get(
+                f"http://127.0.0.1:{p.port}/metrics"
+            ) as r:
+                text = await r.text()
+        finally:
+            await p.stop()
+    names = {ser.labels["__name__"] for rec in up.received for ser in decode_v1(rec.raw)}
+    assert any(n.startswith("karta_") for n in names), names
+    assert up.received[0].headers["Content-Type"] == "application/x-protobuf"
+    # the fact series on /metrics, and the writer's own state
+    assert any(line.startswith("karta_") and "cart" in line for line in text.splitlines())
+    assert "karta_proxy_index_pods 1.0" in text
+    assert "karta_proxy_fact_writer_leader 1.0" in text
