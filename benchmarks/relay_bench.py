@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -285,6 +286,9 @@ class Summary:
     latency_p99_ms: float
     added_p50_ms: float
     added_p99_ms: float
+    #: latency over the pass-through relay of the same round (what enrichment adds)
+    over_passthrough_p50_ms: float
+    over_passthrough_p99_ms: float
     delivered_fraction: float
     stamped_fraction: float
     errors: int
@@ -296,24 +300,33 @@ def summarize(rounds: list[dict[str, Phase]], relays: list[Relay]) -> dict[str, 
     for relay in relays:
         phases = [r[relay.name] for r in rounds if relay.name in r]
         cpu = [p.cpu_per_million for p in phases if p.cpu_per_million is not None]
-        p50, p99, add50, add99 = [], [], [], []
+        p50, p99, add50, add99, over50, over99 = [], [], [], [], [], []
         for r in rounds:
             phase = r.get(relay.name)
             if phase is None or not phase.latencies:
                 continue
             base = median(r["direct"].latencies) if "direct" in r else 0.0
-            p50.append(percentile(phase.latencies, 50) * 1e3)
-            p99.append(percentile(phase.latencies, 99) * 1e3)
-            add50.append((percentile(phase.latencies, 50) - base) * 1e3)
-            add99.append((percentile(phase.latencies, 99) - base) * 1e3)
+            lat50 = percentile(phase.latencies, 50)
+            lat99 = percentile(phase.latencies, 99)
+            p50.append(lat50 * 1e3)
+            p99.append(lat99 * 1e3)
+            add50.append((lat50 - base) * 1e3)
+            add99.append((lat99 - base) * 1e3)
+            if "pass-through" in r and r["pass-through"].latencies:
+                plain = median(r["pass-through"].latencies)
+                over50.append((lat50 - plain) * 1e3)
+                over99.append((lat99 - plain) * 1e3)
+        sync = not relay.asynchronous and relay.proc is not None
         samples = sum(p.samples for p in phases) or 1
         out[relay.name] = Summary(
             relay=relay.name,
             cpu_per_million=median(cpu),
             latency_p50_ms=median(p50),
             latency_p99_ms=median(p99),
-            added_p50_ms=math.nan if relay.asynchronous or relay.proc is None else median(add50),
-            added_p99_ms=math.nan if relay.asynchronous or relay.proc is None else median(add99),
+            added_p50_ms=median(add50) if sync else math.nan,
+            added_p99_ms=median(add99) if sync else math.nan,
+            over_passthrough_p50_ms=median(over50) if sync else math.nan,
+            over_passthrough_p99_ms=median(over99) if sync else math.nan,
             delivered_fraction=sum(p.delivered for p in phases) / samples,
             stamped_fraction=sum(p.stamped for p in phases) / samples,
             errors=sum(p.errors for p in phases),
@@ -367,6 +380,7 @@ def machine() -> dict[str, str]:
         "kernel": platform.release(),
         "vmagent": vm,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "loadavg_at_end": " ".join(f"{x:.1f}" for x in os.getloadavg()),
     }
 
 
@@ -412,6 +426,13 @@ def report(
         "karta-proxy / vmagent": (ratio(rounds, "karta-proxy", "vmagent"), 1.0),
     }
     print()
+    mach = machine()
+    print(
+        f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory']}; Python "
+        f"{mach['python']}; vmagent {mach['vmagent'] or '-'}; load average before rounds "
+        f"{info.get('loadavg_before', '-')}, at end {mach['loadavg_at_end']}"
+    )
+    print()
     print("CPU ratios (median of per-round ratios):")
     for label, (value, target) in ratios.items():
         verdict = "" if math.isnan(value) else ("ok" if value <= target else "MISSED")
@@ -422,10 +443,14 @@ def report(
         verdict = "ok" if kp.added_p99_ms <= 5.0 else "MISSED"
         print(
             f"  {'karta-proxy p99 added latency':<32}{_fmt(kp.added_p99_ms):>8}   "
-            f"target <= 5 ms  {verdict}"
+            f"target <= 5 ms  {verdict}   (p50 {_fmt(kp.added_p50_ms)} ms)"
+        )
+        print(
+            f"  {'  of which over pass-through':<32}{_fmt(kp.over_passthrough_p99_ms):>8}   "
+            f"(p50 {_fmt(kp.over_passthrough_p50_ms)} ms): what enrichment itself adds"
         )
     return {
-        "machine": machine(),
+        "machine": mach,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "corpus": info,
         "rounds": len(rounds),
@@ -434,6 +459,63 @@ def report(
         "skipped": skipped,
         "ratios": {k: v for k, (v, _) in ratios.items()},
     }
+
+
+# -- profiling ------------------------------------------------------------------------------
+
+
+def _start_profiler(out: Path | None, relays: list[Relay]) -> subprocess.Popen[bytes] | None:
+    if out is None:
+        return None
+    kp = next((r for r in relays if r.name == "karta-proxy" and r.proc is not None), None)
+    spy = shutil.which("py-spy")
+    if kp is None or kp.proc is None or spy is None:
+        print("--profile-proxy: needs py-spy on PATH and a running karta-proxy", file=sys.stderr)
+        return None
+    argv = [
+        spy,
+        "record",
+        "--pid",
+        str(kp.proc.pid),
+        "--rate",
+        "250",
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        "--nonblocking",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # let it attach before the first round
+    return proc
+
+
+def print_hot_spots(path: Path | None, top: int = 20) -> None:
+    """Self and inclusive share of on-CPU samples per function, from py-spy raw output."""
+    if path is None or not path.exists():
+        return
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return
+    print(f"\nkarta-proxy hot spots ({total} on-CPU samples, py-spy):")
+    print(f"  {'self':>6} {'incl':>6}  function")
+    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {n / total:>6.1%} {incl[f] / total:>6.1%}  {f}")
+    print("  inclusive, top:")
+    for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {own.get(f, 0) / total:>6.1%} {n / total:>6.1%}  {f}")
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -457,6 +539,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, snapshot)")
+    p.add_argument(
+        "--profile-proxy",
+        type=Path,
+        metavar="OUT",
+        help="record karta-proxy with py-spy (raw collapsed stacks) during the "
+        "rounds and print its hot spots; CPU figures of that run are inflated",
+    )
     p.add_argument(
         "--max-seconds", type=float, default=900.0, help="stop starting new rounds after this long"
     )
@@ -541,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             run_phase(relay, bodies[:warmup], spr, drain_timeout=60)
         print(f"warm-up: {warmup} requests through each relay in {time.monotonic() - t0:.1f}s")
 
+        info["loadavg_before"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        profiler = _start_profiler(args.profile_proxy, relays)
         rounds: list[dict[str, Phase]] = []
         for r in range(args.rounds):
             if time.monotonic() - started > args.max_seconds:
@@ -558,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
                 if p.cpu_per_million is not None
             )
             print(f"round {r + 1}/{args.rounds}: CPU-s/M {line}")
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(60)
+            print_hot_spots(args.profile_proxy)
         summaries = summarize(rounds, relays)
         result = report(args, info, summaries, rounds, skipped)
         print(f"\ntotal {time.monotonic() - started:.0f}s")
