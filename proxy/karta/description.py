@@ -224,7 +224,8 @@ class _Parser:
         frag_path = f"{path}.fragmentedPodSpecDefinition"
         fragmented = self.mapping(m.get("fragmentedPodSpecDefinition"), frag_path)
         for key, value in fragmented.items():
-            self.jq(value, f"{frag_path}.{key}")
+            if isinstance(key, str) and key.endswith("Path"):  # other fields: not ours
+                self.jq(value, f"{frag_path}.{key}")
         return bool(present)
 
     def scale(self, raw: Any, path: str) -> ScaleDefinition | None:
