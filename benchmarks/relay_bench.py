@@ -156,7 +156,6 @@ def _start_relay(name: str, upstream: Process, work: Path, snapshot: Path) -> Pr
         f"-remoteWrite.tmpDataPath={data}",
         "-remoteWrite.flushInterval=100ms",
         "-loggerLevel=ERROR",
-        "-memory.allowedPercent=20",
     ]
     if name == "vmagent+relabel":
         rules = work / "relabel.yaml"
@@ -626,9 +625,16 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         t0 = time.monotonic()
+        cold = {}
         for relay in relays:
-            run_phase(relay, bodies[:warmup], spr, drain_timeout=60)
-        print(f"warm-up: {warmup} requests through each relay in {time.monotonic() - t0:.1f}s")
+            phase = run_phase(relay, bodies[:warmup], spr, drain_timeout=120)
+            cold[relay.name] = phase.cpu_per_million
+        info["warmup_cpu_per_million"] = cold
+        print(
+            f"warm-up: {warmup} requests through each relay in {time.monotonic() - t0:.1f}s;"
+            " CPU-s/M (cold caches): "
+            + "  ".join(f"{k} {_fmt(v)}" for k, v in cold.items() if v is not None)
+        )
 
         info["loadavg_before"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
         profiler = _start_profiler(args.profile_proxy, relays)
