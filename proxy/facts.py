@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -233,10 +234,14 @@ def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> li
     return out
 
 
-def iter_facts(index: PodIndex, build_version: str = proxy.__version__) -> Iterator[Fact]:
-    """Every fact series of the index, in no particular order."""
-    for att in list(index.pods.values()):
-        yield from pod_facts(att)
+def iter_facts(
+    index: PodIndex, build_version: str = proxy.__version__, *, pods: bool = True
+) -> Iterator[Fact]:
+    """Every fact series of the index, in no particular order (``pods=False``: without the
+    per-pod ones)."""
+    if pods:
+        for att in list(index.pods.values()):
+            yield from pod_facts(att)
     for wf in list(index.workloads.values()):
         yield from workload_facts(wf)
     yield from process_facts(index, build_version)
@@ -245,7 +250,12 @@ def iter_facts(index: PodIndex, build_version: str = proxy.__version__) -> Itera
 # -- RW 1.0 wire encoding ----------------------------------------------------------------------
 
 
+_SMALL_VARINTS = tuple(bytes((i,)) for i in range(128))
+
+
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL_VARINTS[n]
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -258,7 +268,15 @@ def _varint(n: int) -> bytes:
 
 
 def _field_bytes(tag: int, payload: bytes) -> bytes:
-    return bytes((tag,)) + _varint(len(payload)) + payload
+    return _SMALL_VARINTS[tag] + _varint(len(payload)) + payload
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _label_field(name: str, value: str) -> bytes:
+    """TimeSeries.labels (field 1) holding Label{name=1, value=2}. Cached: most pairs
+    (identity labels, phases, external labels) repeat across thousands of series."""
+    label = _field_bytes(0x0A, name.encode()) + _field_bytes(0x12, value.encode())
+    return _field_bytes(0x0A, label)
 
 
 def encode_labels(name: str, labels: Labels, external: Labels = ()) -> bytes:
@@ -270,14 +288,7 @@ def encode_labels(name: str, labels: Labels, external: Labels = ()) -> bytes:
     merged = dict(external)
     merged.update(labels)
     merged["__name__"] = name
-    out = bytearray()
-    for k in sorted(merged):
-        v = merged[k]
-        if not v:
-            continue
-        label = _field_bytes(0x0A, k.encode()) + _field_bytes(0x12, v.encode())
-        out += _field_bytes(0x0A, label)
-    return bytes(out)
+    return b"".join(_label_field(k, merged[k]) for k in sorted(merged) if merged[k])
 
 
 def _sample_field(value: float, ts_bytes: bytes) -> bytes:
@@ -299,19 +310,33 @@ def _metadata(name: str) -> bytes:
 _METADATA = b"".join(_metadata(n) for n in contract.FACT_SERIES)
 
 
+def _split_header(prefix: bytes) -> bytes:
+    """The label bytes of a cached series prefix (``0x0a <varint length> <labels>``)."""
+    i = 1
+    while prefix[i] & 0x80:
+        i += 1
+    return prefix[i + 1 :]
+
+
 # -- the writer --------------------------------------------------------------------------------
 
+#: series per request: Prometheus refuses bodies over 32 MiB decoded and most receivers
+#: prefer requests of a few thousand series; 100k pods make ~30 requests per write
+MAX_SERIES_PER_REQUEST = 5000
 
+#: (series prefix, value); the prefix is ``0x0a <length> <label fields>``, the TimeSeries
+#: header and labels, ready to be followed by the sample of this write
 Encoded = list[tuple[bytes, float]]
 
 
 class FactWriter:
     """Writes the fact series into the remote-write stream every ``interval_seconds``.
 
-    ``send`` gets an uncompressed RW 1.0 ``WriteRequest`` body (the server compresses and
-    forwards it like any other request). Only the lease holder writes when an ``elector``
-    is given. Stale markers follow what was last *successfully* sent: after a failed send
-    the next write still ends the series that went away.
+    ``send`` gets uncompressed RW 1.0 ``WriteRequest`` bodies (the server compresses and
+    forwards them like any other request), at most ``MAX_SERIES_PER_REQUEST`` series each.
+    Only the lease holder writes when an ``elector`` is given. Stale markers follow what
+    was last *successfully* sent: after a failed send the next write still ends the series
+    that went away.
     """
 
     def __init__(
@@ -323,6 +348,7 @@ class FactWriter:
         elector: LeaseElector | None = None,
         clock: Callable[[], float] = time.time,
         build_version: str = proxy.__version__,
+        max_series_per_request: int = MAX_SERIES_PER_REQUEST,
     ) -> None:
         self._settings = settings
         self._index = index
@@ -330,10 +356,14 @@ class FactWriter:
         self._elector = elector
         self._clock = clock
         self._build_version = build_version
+        self._max_series = max(1, max_series_per_request)
         self._external: Labels = _sorted(settings.external_labels.items())
         self._pod_cache: dict[str, tuple[PodAttribution, Encoded]] = {}
         self._workload_cache: dict[str, tuple[WorkloadFacts, Encoded]] = {}
-        #: label bytes of every series in the last successful write
+        #: length of a sample field; the cached prefixes embed it (constant in practice:
+        #: millisecond timestamps are 6-byte varints from 2004 to 2109)
+        self._sample_len = -1
+        #: prefixes of every series in the last successful write
         self._written: set[bytes] = set()
         #: what the last build produced (committed to _written once the send succeeds)
         self._pending: set[bytes] = set()
@@ -346,15 +376,33 @@ class FactWriter:
         self.last_stale_markers = 0
         self.stale_markers_total = 0
         self.last_write_timestamp = 0.0
+        self.last_build_seconds = 0.0
 
     # -- building ------------------------------------------------------------------------
 
     def _encode(self, facts: Iterable[Fact]) -> Encoded:
-        return [(encode_labels(f.name, f.labels, self._external), f.value) for f in facts]
+        out: Encoded = []
+        for f in facts:
+            key = encode_labels(f.name, f.labels, self._external)
+            out.append((b"\x0a" + _varint(len(key) + self._sample_len) + key, f.value))
+        return out
 
-    def _current(self) -> list[tuple[bytes, float]]:
+    def _set_sample_len(self, n: int) -> None:
+        if n == self._sample_len:
+            return
+        self._sample_len = n
+        self._pod_cache.clear()
+        self._workload_cache.clear()
+
+        def rehead(p: bytes) -> bytes:
+            key = _split_header(p)
+            return b"\x0a" + _varint(len(key) + n) + key
+
+        self._written = {rehead(p) for p in self._written}
+
+    def _current(self) -> Encoded:
         pods: dict[str, tuple[PodAttribution, Encoded]] = {}
-        series: list[tuple[bytes, float]] = []
+        series: Encoded = []
         for uid, att in list(self._index.pods.items()):
             hit = self._pod_cache.get(uid)
             if hit is None or hit[0] is not att:
@@ -373,38 +421,63 @@ class FactWriter:
         series.extend(self._encode(process_facts(self._index, self._build_version)))
         return series
 
-    def build_request(self, now_ms: int) -> bytes:
-        """An uncompressed RW 1.0 WriteRequest: every fact at ``now_ms``, plus stale markers
-        for the series of the last successful write that are gone now."""
+    def build_requests(self, now_ms: int) -> list[bytes]:
+        """Uncompressed RW 1.0 WriteRequests holding every fact at ``now_ms``, plus stale
+        markers for the series of the last successful write that are gone now."""
+        started = time.perf_counter()
         ts_bytes = b"\x10" + _varint(now_ms)
-        by_value: dict[float, bytes] = {}
+        samples: dict[float, bytes] = {}
+        self._set_sample_len(len(_sample_field(0.0, ts_bytes)))
         seen: set[bytes] = set()
-        out = bytearray()
-        for key, value in self._current():
-            if key in seen:  # e.g. a workload re-created under the same name: first wins
+        bodies: list[bytes] = []
+        parts: list[bytes] = []
+        count = 0
+        limit = self._max_series
+        for prefix, value in self._current():
+            if prefix in seen:  # e.g. a workload re-created under the same name: first wins
                 continue
-            seen.add(key)
-            sample = by_value.get(value)
+            seen.add(prefix)
+            sample = samples.get(value)
             if sample is None:
-                sample = by_value[value] = _sample_field(value, ts_bytes)
-            ts = key + sample
-            out += b"\x0a" + _varint(len(ts)) + ts
+                sample = samples[value] = _sample_field(value, ts_bytes)
+            parts.append(prefix)
+            parts.append(sample)
+            count += 1
+            if count == limit:
+                bodies.append(b"".join(parts))
+                parts, count = [], 0
         gone = self._written - seen
         if gone:
             stale = _sample_field(STALE_NAN, ts_bytes)
-            for key in sorted(gone):
-                ts = key + stale
-                out += b"\x0a" + _varint(len(ts)) + ts
-        out += _METADATA
+            for prefix in sorted(gone):
+                parts.append(prefix)
+                parts.append(stale)
+                count += 1
+                if count == limit:
+                    bodies.append(b"".join(parts))
+                    parts, count = [], 0
+        parts.append(_METADATA)
+        bodies.append(b"".join(parts))
         self._pending = seen
         self.last_series = len(seen)
         self.last_stale_markers = len(gone)
-        return bytes(out)
+        self.last_build_seconds = time.perf_counter() - started
+        return bodies
+
+    def build_request(self, now_ms: int) -> bytes:
+        """All of :meth:`build_requests` in one body (protobuf messages concatenate)."""
+        return b"".join(self.build_requests(now_ms))
 
     def commit(self) -> None:
-        """Record the last built request as delivered (its series are now 'written')."""
+        """Record the last built requests as delivered (their series are now 'written')."""
         self._written = self._pending
         self.stale_markers_total += self.last_stale_markers
+
+    def commit_partial(self) -> None:
+        """Some requests of a write failed: keep owing the stale markers of the series
+        gone before, and owe them for every series of this write too (a marker for a
+        series that never landed is harmless; a missing one leaves a ghost)."""
+        self._written = self._written | self._pending
 
     def forget(self) -> None:
         """Stop owning the written series (leadership lost: the next leader continues them)."""
@@ -428,12 +501,16 @@ class FactWriter:
         if not leader:
             return False
         now = self._clock()
-        body = self.build_request(int(now * 1000))
+        bodies = self.build_requests(int(now * 1000))
         try:
-            await self._send(body)
+            for body in bodies:
+                await self._send(body)
+                await asyncio.sleep(0)  # let requests in flight interleave with a big write
         except asyncio.CancelledError:
+            self.commit_partial()
             raise
         except Exception as exc:  # the next write retries; stale markers are kept
+            self.commit_partial()
             self.writes_failed += 1
             log.warning("fact write failed: %s", exc)
             return False
@@ -482,15 +559,22 @@ class FactsCollector(Collector):
     to ``exported_*`` by the target's.
     """
 
-    def __init__(self, index: PodIndex, build_version: str = proxy.__version__) -> None:
+    def __init__(
+        self,
+        index: PodIndex,
+        build_version: str = proxy.__version__,
+        *,
+        pod_facts: bool = True,
+    ) -> None:
         self._index = index
         self._build_version = build_version
+        self._pod_facts = pod_facts
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {
             name: Metric(name, HELP[name], "gauge") for name in contract.FACT_SERIES
         }
-        for f in iter_facts(self._index, self._build_version):
+        for f in iter_facts(self._index, self._build_version, pods=self._pod_facts):
             families[f.name].add_sample(f.name, dict(f.labels), f.value)
         for m in families.values():
             if m.samples:
