@@ -653,7 +653,9 @@ class Engine:
         self._dirty.add(uid)
         before = old.cache[1] if old.cache is not None and old.cache[0] is wl.plan else None
         after = self._eval(uid, wl.plan)
-        if before is not None and (after is None or not after.same_ids(before)):
+        if (before is not None and (after is None or not after.same_ids(before))) or (
+            old.obj is None and after is not None and after.ids  # ids were unknown until now
+        ):
             self._reattribute(self._graph.descendants(uid), cs)
 
     def _delete_object(self, uid: str, cs: ChangeSet) -> None:

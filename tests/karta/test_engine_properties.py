@@ -1,0 +1,311 @@
+"""Property tests: any cluster, any event order -> the same answer as a rebuild.
+
+Random clusters mix described kinds (two of the test's own, nested, plus the built-ins),
+undescribed links and owners that never arrive; random event orders add, change, delete
+and re-add objects and switch a description on and off midway. Checked after every run:
+
+* the incremental engine equals a fresh engine fed only the final state;
+* the change sets, replayed, give exactly the engine's state, and report nothing that did
+  not change;
+* a pod is attributed iff its owner chain reaches a described kind (an independent
+  reference walk), to the topmost one; workload pod counts add up to the pods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.karta.description import parse_description
+from proxy.karta.engine import Engine, _equals, _PodRec, _present, _Probe, _single_id
+from proxy.karta.jqexpr import JqExpr
+from proxy.karta.model import Description, GroupKind
+from proxy.karta.results import ChangeSet
+
+NS = "ns"
+HOPS = 4
+
+
+def _karta(kind: str, children: list[dict[str, Any]], ids: bool = False) -> Description:
+    raw = {
+        "apiVersion": "run.ai/v1alpha1",
+        "kind": "Karta",
+        "metadata": {"name": f"prop-{kind.lower()}"},
+        "spec": {"structureDefinition": {
+            "rootComponent": {
+                "name": "root",
+                "kind": {"group": "example.com", "version": "v1", "kind": kind},
+                "statusDefinition": {"phaseDefinition": {"path": ".status.phase"},
+                                     "statusMappings": {"running": [{"byPhase": "Up"}]}},
+            },
+            "childComponents": children,
+        }},
+    }
+    return parse_description(raw, "prop")
+
+
+TOP = _karta("Top", [
+    {"name": "a", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+     "scaleDefinition": {"replicasPath": ".spec.a"},
+     "podSelector": {"componentTypeSelector": {"keyPath": '.metadata.labels["role"]',
+                                               "value": "a"}}},
+    {"name": "b", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.b"},
+     "scaleDefinition": {"replicasPath": ".spec.groups[]?.n"},
+     "instanceIdPath": ".spec.groups[]?.name",
+     "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "b"}},
+                     "componentInstanceSelector": {"idPath": ".metadata.labels.group"}}},
+])
+MID = _karta("Mid", [
+    {"name": "m", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec"},
+     "podSelector": {"replicaSelector": {"keyPath": '.metadata.labels["idx"]'}}},
+])
+
+#: kind -> apiVersion; described: Top, Mid (test's), Deployment, ReplicaSet, Job (built-in)
+KINDS = {
+    "Top": "example.com/v1",
+    "Mid": "example.com/v1",
+    "Link": "example.com/v1",
+    "Deployment": "apps/v1",
+    "ReplicaSet": "apps/v1",
+    "Job": "batch/v1",
+}
+BUILTIN_DESCRIBED = {"Deployment", "ReplicaSet", "Job"}
+
+
+def _owner_ref(kind: str, name: str) -> dict[str, Any]:
+    return {"apiVersion": KINDS[kind], "kind": kind, "name": name, "uid": f"u-{name}",
+            "controller": True}
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> dict[str, Any]:
+    """Objects (o0..), pods (p0..) and owners that may never arrive (ghosts)."""
+    n_obj = draw(st.integers(0, 7))
+    names: list[tuple[str, str]] = []  # (kind, name) of possible owners, objects first
+    objects: dict[str, dict[str, Any]] = {}
+    for i in range(n_obj):
+        kind = draw(st.sampled_from(sorted(KINDS)))
+        name = f"o{i}"
+        owner = draw(st.one_of(st.none(), st.sampled_from(names))) if names else None
+        if owner is None and draw(st.booleans()):  # an owner that never arrives
+            ghost = draw(st.sampled_from(sorted(KINDS)))
+            owner = (ghost, f"ghost-{ghost.lower()}-{i}")
+        md: dict[str, Any] = {"name": name, "namespace": NS, "uid": f"u-{name}"}
+        if owner is not None:
+            md["ownerReferences"] = [_owner_ref(*owner)]
+        groups = draw(st.lists(st.sampled_from(["g1", "g2", "g3"]), max_size=2, unique=True))
+        objects[md["uid"]] = {
+            "apiVersion": KINDS[kind], "kind": kind, "metadata": md,
+            "spec": {"a": draw(st.integers(0, 3)),
+                     "groups": [{"name": g, "n": 2} for g in groups]},
+            "status": {"phase": draw(st.sampled_from(["Up", "Down"]))},
+        }
+        names.append((kind, name))
+    pods: dict[str, dict[str, Any]] = {}
+    for i in range(draw(st.integers(0, 10))):
+        name = f"p{i}"
+        owner = draw(st.one_of(st.none(), st.sampled_from(names))) if names else None
+        if owner is None and draw(st.booleans()):  # shared by pods: one kind per uid
+            ghost = draw(st.sampled_from(sorted(KINDS)))
+            owner = (ghost, f"ghost-{ghost.lower()}")
+        pods[f"u-{name}"] = _pod(name, owner, draw(_labels()))
+    # an object may be owned by a pod (as LWS worker StatefulSets are)
+    pod_owns_object: bool = draw(st.booleans())
+    if pods and objects and pod_owns_object:
+        uid = draw(st.sampled_from(sorted(objects)))
+        puid = draw(st.sampled_from(sorted(pods)))
+        objects[uid]["metadata"]["ownerReferences"] = [{
+            "apiVersion": "v1", "kind": "Pod", "name": pods[puid]["metadata"]["name"],
+            "uid": puid, "controller": True}]
+    return {"objects": objects, "pods": pods}
+
+
+def _labels() -> st.SearchStrategy[dict[str, str]]:
+    return st.fixed_dictionaries({}, optional={
+        "role": st.sampled_from(["a", "b", "c"]),
+        "group": st.sampled_from(["g1", "g2", "zz"]),
+        "idx": st.sampled_from(["0", "1"]),
+    })
+
+
+def _pod(name: str, owner: tuple[str, str] | None, labels: dict[str, str]) -> dict[str, Any]:
+    md: dict[str, Any] = {"name": name, "namespace": NS, "uid": f"u-{name}", "labels": labels}
+    if owner is not None:
+        md["ownerReferences"] = [_owner_ref(*owner)]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": md,
+            "status": {"phase": "Running"}}
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> tuple[dict[str, Any], list[Any], dict[str, Any], bool]:
+    """A cluster, a random event sequence over it, the final state, final MID switch."""
+    c = draw(clusters())
+    everything = {**c["objects"], **c["pods"]}
+    uids = sorted(everything)
+    order = draw(st.permutations(uids)) if uids else []
+    events: list[Any] = [("upsert", everything[u]) for u in order]
+    final: dict[str, Any] = dict(everything)
+    mid_on = True
+    for _ in range(draw(st.integers(0, 8))):
+        what = draw(st.sampled_from(["delete", "readd", "relabel", "mid"]))
+        if what == "mid":
+            mid_on = not mid_on
+            events.append(("mid", mid_on))
+        elif not uids:
+            continue
+        else:
+            u = draw(st.sampled_from(uids))
+            if what == "delete":
+                events.append(("delete", everything[u]))
+                final.pop(u, None)
+            elif what == "readd":
+                events.append(("upsert", everything[u]))
+                final[u] = everything[u]
+            elif u in c["pods"]:
+                p = everything[u]
+                owner = p["metadata"].get("ownerReferences")
+                new = _pod(p["metadata"]["name"], None, draw(_labels()))
+                if owner is not None:
+                    new["metadata"]["ownerReferences"] = owner
+                events.append(("upsert", new))
+                final[u] = new
+    return c, events, final, mid_on
+
+
+def _engine(mid_on: bool) -> Engine:
+    e = Engine(max_owner_hops=HOPS, clock=lambda: 0.0)
+    e.add_descriptions([TOP], source="top")
+    if mid_on:
+        e.add_descriptions([MID], source="mid")
+    return e
+
+
+def _state(e: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    pods = {a.uid: a for a in e.pods()}
+    wls = {f.ref.uid: f for f in e.workloads()}
+    return pods, wls
+
+
+def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
+    """Independent walk: pod uid -> uid of the topmost described owner, or None."""
+    described = {"Top", *BUILTIN_DESCRIBED} | ({"Mid"} if mid_on else set())
+    out: dict[str, str | None] = {}
+    for uid, o in final.items():
+        if o["kind"] != "Pod":
+            continue
+        refs = o["metadata"].get("ownerReferences")
+        if not refs:
+            out[uid] = uid  # a bare pod: the built-in Pod description
+            continue
+        top = None
+        ref = refs[0]
+        for _ in range(HOPS):
+            if ref["kind"] in described:
+                top = ref["uid"]
+            owner = final.get(ref["uid"])
+            if owner is None:
+                break
+            nxt = owner["metadata"].get("ownerReferences")
+            if not nxt:
+                break
+            ref = nxt[0]
+        out[uid] = top
+    return out
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(histories())
+def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
+    _, events, final, mid_on = history
+    e = _engine(True)
+    mirror_pods: dict[str, Any] = {}
+    mirror_wls: dict[str, Any] = {}
+
+    def replay(cs: ChangeSet) -> None:
+        for uid, att in cs.pods.items():
+            assert mirror_pods.get(uid) != att, f"pod {uid} reported without a change"
+            if att is None:
+                mirror_pods.pop(uid)
+            else:
+                mirror_pods[uid] = att
+        for uid, facts in cs.workloads.items():
+            assert mirror_wls.get(uid) != facts, f"workload {uid} reported without a change"
+            if facts is None:
+                mirror_wls.pop(uid)
+            else:
+                mirror_wls[uid] = facts
+
+    current: dict[str, Any] = {}
+    for kind, arg in events:
+        if kind == "upsert":
+            current[arg["metadata"]["uid"]] = arg
+            replay(e.upsert(arg))
+        elif kind == "delete":
+            current.pop(arg["metadata"]["uid"], None)
+            replay(e.delete(arg))
+        else:
+            full = {gk for gk, mode in e.required_kinds().items() if mode == "full"}
+            cs = e.add_descriptions([MID], source="mid") if arg else e.remove_descriptions("mid")
+            replay(cs)
+            if cs.kinds_changed:  # what a source does: list again what it now needs in full
+                now = {gk for gk, mode in e.required_kinds().items() if mode == "full"}
+                for o in list(current.values()):
+                    gk = GroupKind.from_api_version(o["apiVersion"], o["kind"])
+                    if gk in now - full:
+                        replay(e.upsert(o))
+
+    pods, wls = _state(e)
+    assert (mirror_pods, mirror_wls) == (pods, wls)
+
+    fresh = _engine(mid_on)
+    fresh.upsert_many(list(final.values()))
+    assert _state(fresh) == (pods, wls)
+    assert fresh.required_kinds() == e.required_kinds()
+
+    want = _reference(final, mid_on)
+    got = {uid: (a.workload.uid if a.workload is not None else None) for uid, a in pods.items()}
+    assert got == want
+
+    # every attributed pod is counted once, in its own workload
+    for wuid, wl in e._wl.items():
+        attributed = [a for a in pods.values() if a.workload and a.workload.uid == wuid]
+        assert sum(wl.counts.values()) == len(attributed)
+        assert sorted((a.component, a.instance) for a in attributed) == sorted(
+            k for k, n in wl.counts.items() for _ in range(n)
+        )
+    assert set(wls) == set(e._wl)
+
+
+# -- the plain-lookup fast path agrees with jq ------------------------------------------
+
+_KEYS = st.sampled_from(["role", "app", "a.b/c", "x-y", "", "0"])
+_VALUES = st.one_of(st.sampled_from(["", "a", "0", "true", "null"]), st.text(max_size=3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    labels=st.one_of(st.none(), st.dictionaries(_KEYS, _VALUES, max_size=3)),
+    key=_KEYS,
+    value=_VALUES,
+    form=st.sampled_from(['.metadata.labels["{k}"]', ".metadata.labels.{k}",
+                          '.metadata.annotations["{k}"]', ".metadata.name",
+                          ".metadata.namespace"]),
+)
+def test_probe_fast_path_matches_jq(
+    labels: dict[str, str] | None, key: str, value: str, form: str
+) -> None:
+    src = form.format(k=key)
+    try:
+        expr = JqExpr(src)
+    except ValueError:
+        return  # e.g. ``.metadata.labels.a.b/c`` is not a plain lookup in jq either
+    probe = _Probe(expr)
+    rec = _PodRec("uid-1")
+    rec.name, rec.namespace, rec.labels, rec.annotations = "p", "ns", labels, labels
+    doc = rec.jq_input()
+    out = probe.outputs(rec)
+    assert _present(out) == expr.present(doc)
+    assert _equals(out, value) == expr.equals(doc, value)
+    assert _single_id(out) == expr.single_id(doc)
