@@ -10,6 +10,7 @@ files, so one broken document does not stop the others.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
@@ -47,6 +48,9 @@ STATUS_KEYS: dict[str, str] = {s.lower(): s for s in UPSTREAM_STATUS_ORDER}
 MAX_FILE_BYTES = 8 * 1024 * 1024
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
+_KIND_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*\Z")
+_GROUP_RE = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\Z")
+_VERSION_RE = re.compile(r"[a-z0-9]+\Z")
 _ROOT = "spec.structureDefinition.rootComponent"
 _CHILDREN = "spec.structureDefinition.childComponents"
 _SPEC_VARIANTS = ("podTemplateSpecPath", "podSpecPath", "fragmentedPodSpecDefinition")
@@ -170,6 +174,12 @@ class _Parser:
         version = self.string(m.get("version"), f"{path}.version", required=True)
         kind = self.string(m.get("kind"), f"{path}.kind", required=True)
         assert version is not None and kind is not None
+        if not _KIND_RE.match(kind):
+            raise self.fail(f"{path}.kind", f"not a Kubernetes kind: {_short(repr(kind), 80)}")
+        if group and not _GROUP_RE.match(group):
+            raise self.fail(f"{path}.group", f"not an API group: {_short(repr(group), 80)}")
+        if not _VERSION_RE.match(version):
+            raise self.fail(f"{path}.version", f"not an API version: {_short(repr(version), 80)}")
         return GVK(group, version, kind)
 
     def component(self, raw: Any, path: str, *, root: bool) -> Component:
@@ -225,7 +235,7 @@ class _Parser:
         fragmented = self.mapping(m.get("fragmentedPodSpecDefinition"), frag_path)
         for key, value in fragmented.items():
             if isinstance(key, str) and key.endswith("Path"):  # other fields: not ours
-                self.jq(value, f"{frag_path}.{key}")
+                self.jq(value, f"{frag_path}{_field(key)}")
         return bool(present)
 
     def scale(self, raw: Any, path: str) -> ScaleDefinition | None:
@@ -315,7 +325,7 @@ class _Parser:
         raw_mappings = self.mapping(m.get("statusMappings"), mappings_path, required=True)
         mappings: dict[str, tuple[Matcher, ...]] = {}
         for key, matchers_raw in raw_mappings.items():
-            key_path = f"{mappings_path}.{key}"
+            key_path = f"{mappings_path}{_field(key)}"
             generic = STATUS_KEYS.get(key) if isinstance(key, str) else None
             if generic is None:
                 raise self.fail(
@@ -462,6 +472,13 @@ def _compile(text: str) -> JqExpr:
     return JqExpr(text)
 
 
+def _field(key: Any) -> str:
+    """A mapping key as a path step: ``.name``, or ``["odd key"]`` when it is not plain."""
+    if isinstance(key, str) and key.isidentifier():
+        return f".{key}"
+    return f"[{json.dumps(key if isinstance(key, str) else str(key))}]"
+
+
 def _type_name(value: Any) -> str:
     if isinstance(value, Mapping):
         return "mapping"
@@ -475,6 +492,10 @@ def _type_name(value: Any) -> str:
 def _short(text: str, limit: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plain_name(name: str) -> bool:
+    return 0 < len(name) <= 253 and all(c.isprintable() and not c.isspace() for c in name)
 
 
 def _derived_name(form: str, root_kind: Any) -> str:
@@ -510,12 +531,19 @@ def parse_description(obj: Mapping[str, Any], source: str, *, builtin: bool = Fa
         )
     form = FORM_KARTA if obj.get("kind") == KARTA_KIND else FORM_RI
     metadata = obj.get("metadata")
-    name = metadata.get("name") if isinstance(metadata, Mapping) else None
-    if not isinstance(name, str) or not name:
-        name = _derived_name(form, _find_root_kind(obj))
+    given = metadata.get("name") if isinstance(metadata, Mapping) else None
+    derived = _derived_name(form, _find_root_kind(obj))
+    name = given if isinstance(given, str) and _plain_name(given) else derived
     p = _Parser(source, name)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise p.fail("metadata", f"must be a mapping, got {_type_name(metadata)}")
+    if given is not None and given != "" and name != given:
+        # the name ends up in errors, logs and facts: one printable token
+        raise p.fail(
+            "metadata.name", f"must be a name without spaces, got {_short(repr(given), 80)}"
+        )
+    if not _plain_name(name):
+        name = p.name = ""  # the root kind is no usable name either; its own check will say why
     spec = p.mapping(obj.get("spec"), "spec", required=True)
     structure = p.mapping(
         spec.get("structureDefinition"), "spec.structureDefinition", required=True

@@ -983,3 +983,32 @@ def test_parse_only_raises_description_error(edits: list[tuple[tuple[Any, ...], 
         names = [d.root.name, *(c.name for c in d.children)]
         assert len(set(names)) == len(names)
         assert all(c.pod_bearing for c in d.pod_components)
+
+
+def test_odd_keys_stay_on_one_line() -> None:
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["\n"] = []
+    err = error_of(obj)
+    assert err.path == f'{ROOT}.statusDefinition.statusMappings["\\n"]'
+    assert "\n" not in str(err)
+
+
+def test_names_and_kinds_are_plain_tokens() -> None:
+    obj = base()
+    obj["metadata"]["name"] = "two\nlines"
+    err = error_of(obj)
+    assert (err.name, err.path) == ("karta-tiny.example.com", "metadata.name")
+    assert err.reason == "must be a name without spaces, got 'two\\nlines'"
+    obj = base()
+    obj["metadata"]["name"] = 7
+    assert error_of(obj).path == "metadata.name"
+    for field, value in (("kind", "My Kind"), ("group", "Example.COM"), ("version", "v 1")):
+        obj = base()
+        root(obj)["kind"][field] = value
+        err = error_of(obj)
+        assert err.path == f"{ROOT}.kind.{field}", field
+    obj = base()
+    obj["metadata"] = {}
+    root(obj)["kind"]["kind"] = "a\nb"
+    err = error_of(obj)
+    assert (err.name, err.path) == ("", f"{ROOT}.kind.kind")
