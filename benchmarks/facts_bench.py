@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import snappy  # noqa: E402
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+import snappy
+from prometheus_client import CollectorRegistry, generate_latest
 
-from proxy.config import FactSettings  # noqa: E402
-from proxy.facts import FactsCollector, FactWriter, iter_facts  # noqa: E402
-from proxy.index import PodIndex  # noqa: E402
-from proxy.karta.results import (  # noqa: E402
+from proxy.config import FactSettings
+from proxy.facts import FactsCollector, FactWriter, iter_facts
+from proxy.index import PodIndex
+from proxy.karta.results import (
     ChangeSet,
     PodAttribution,
     ReplicaFact,
