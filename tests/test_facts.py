@@ -915,3 +915,147 @@ def test_metrics_can_leave_out_the_per_pod_facts() -> None:
     assert contract.FACT_WORKLOAD_PHASE in names
     assert contract.FACT_POD_INFO not in names
     assert contract.FACT_POD_UNATTRIBUTED_INFO not in names
+
+
+# -- end to end: API simulator -> watches -> engine -> index -> facts -> Prometheus -----------
+
+
+def _owner(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    md = obj["metadata"]
+    return [{"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": md["name"],
+             "uid": md["uid"], "controller": True}]
+
+
+def _pod(name: str, ns: str, rs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {"app": "web"},
+                     "ownerReferences": _owner(rs)},
+        "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": "img"}]},
+        "status": {"phase": "Running"},
+    }
+
+
+@pytest.mark.peers
+async def test_end_to_end_deployment_phase_scale_up_and_deletion(prom: Prometheus) -> None:
+    """A Deployment in the API simulator, watched through kubernetes-asyncio, interpreted
+    by the built-in description, written as facts into a real Prometheus: its phase
+    changes show as state-set and transition series, desired vs observed pods follow a
+    scale-up, and its facts end with stale markers when it is deleted."""
+    from proxy.config import KubeSettings
+    from proxy.karta.engine import Engine
+    from proxy.kube.source import KubeSource
+    from tests.kubesim.server import KubeSim
+
+    ns = "e2e"
+    async with KubeSim(bookmark_interval=0.2) as sim, aiohttp.ClientSession() as http:
+        kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()),
+                            resync_backoff_max_seconds=0.5)
+        index = PodIndex()
+        source = KubeSource(kube, Engine(), index, metrics_registry=CollectorRegistry(),
+                            watch_timeout=2, recheck_interval=0.5)
+
+        async def send(body: bytes) -> None:
+            async with http.post(prom.url + "/api/v1/write", data=snappy.compress(body),
+                                 headers={"Content-Encoding": "snappy",
+                                          "Content-Type": "application/x-protobuf"}) as r:
+                assert r.status == 204, await r.text()
+
+        w = FactWriter(FactSettings(interval_seconds=0.3), index, send)
+        dep = sim.create({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": ns},
+            "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+                     "template": {"metadata": {"labels": {"app": "web"}}}},
+        })
+        rs = sim.create({
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": "web-1", "namespace": ns, "ownerReferences": _owner(dep)},
+            "spec": {"replicas": 2},
+        })
+        for i in range(2):
+            sim.create(_pod(f"web-1-{i}", ns, rs))
+        await asyncio.wait_for(source.start(), 10)
+        await w.start()
+
+        def facts_of(name: str) -> list[Any]:
+            return [f for f in iter_facts(index) if f.name == name
+                    and dict(f.labels).get("karta_workload") == "web"]
+
+        def phase() -> str:
+            return next((dict(f.labels)["phase"] for f in facts_of(contract.FACT_WORKLOAD_PHASE)
+                         if f.value == 1.0), "")
+
+        def replicas() -> tuple[float, float]:
+            d = [f.value for f in facts_of(contract.FACT_COMPONENT_DESIRED_REPLICAS)]
+            o = [f.value for f in facts_of(contract.FACT_COMPONENT_OBSERVED_PODS)]
+            return (d[0] if d else -1, o[0] if o else -1)
+
+        async def settle(cond: Callable[[], bool]) -> float:
+            """Wait until the index shows it and two more writes went out; a query time."""
+            deadline = time.monotonic() + 5
+            while not cond():
+                assert time.monotonic() < deadline, (phase(), replicas())
+                await asyncio.sleep(0.02)
+            n = w.writes_ok
+            while w.writes_ok < n + 2:
+                assert time.monotonic() < deadline + 5
+                await asyncio.sleep(0.02)
+            return time.time()
+
+        def set_status(obj: dict[str, Any], n: int) -> None:
+            cur = sim.get("apps/v1", "Deployment", "web", ns)
+            cur["status"] = {"observedGeneration": cur["metadata"]["generation"],
+                             "replicas": n, "updatedReplicas": n, "readyReplicas": n,
+                             "availableReplicas": n}
+            sim.update(cur)
+
+        try:
+            t_init = await settle(lambda: phase() == "Initializing" and replicas() == (2, 2))
+            set_status(dep, 2)
+            t_run_seen = time.time()
+            t_run = await settle(lambda: phase() == "Running")
+            # scale up: spec changes (generation 2), the rollout is not done yet
+            cur = sim.get("apps/v1", "Deployment", "web", ns)
+            cur["spec"]["replicas"] = 4
+            sim.update(cur)
+            t_scaling = await settle(lambda: replicas() == (4, 2))
+            rs_now = sim.get("apps/v1", "ReplicaSet", "web-1", ns)
+            for i in range(2, 4):
+                sim.create(_pod(f"web-1-{i}", ns, rs_now))
+            t_pods = await settle(lambda: replicas() == (4, 4))
+            set_status(dep, 4)
+            t_scaled = await settle(lambda: phase() == "Running")
+            sim.delete(sim.get("apps/v1", "Deployment", "web", ns))
+            t_deleted = await settle(lambda: not facts_of(contract.FACT_WORKLOAD_INFO))
+        finally:
+            await w.stop()
+            await source.stop()
+
+    sel = 'karta_namespace="e2e",karta_kind="Deployment",karta_group="apps",karta_workload="web"'
+
+    def q(expr: str, at: float) -> dict[tuple[tuple[str, str], ...], float]:
+        return prom.query(expr, at)
+
+    def current(at: float) -> list[str]:
+        return [dict(k)["phase"] for k in q(f"karta_workload_phase{{{sel}}} == 1", at)]
+
+    assert await asyncio.to_thread(current, t_init) == ["Initializing"]
+    assert await asyncio.to_thread(current, t_run) == ["Running"]
+    assert await asyncio.to_thread(current, t_scaling) == ["Initializing"]
+    assert await asyncio.to_thread(current, t_scaled) == ["Running"]
+    # time in phase at t_run: since the Running status was observed, not since the write
+    (tip,) = (await asyncio.to_thread(
+        q, f"time() - karta_workload_phase_transition_timestamp_seconds{{{sel}}}", t_run
+    )).values()
+    assert 0 <= tip <= t_run - t_run_seen + 0.5, tip
+    # desired vs observed follow the scale-up
+    for at, expected in ((t_init, (2, 2)), (t_scaling, (4, 2)), (t_pods, (4, 4))):
+        d = await asyncio.to_thread(q, f"karta_component_desired_replicas{{{sel}}}", at)
+        o = await asyncio.to_thread(q, f"karta_component_observed_pods{{{sel}}}", at)
+        assert (list(d.values()), list(o.values())) == ([expected[0]], [expected[1]]), at
+    pods = await asyncio.to_thread(q, f"count(karta_pod_info{{{sel}}})", t_pods)
+    assert list(pods.values()) == [4]
+    # deleted: stale markers end every fact series of the workload at once
+    assert await asyncio.to_thread(q, f"{{__name__=~'karta_.+',{sel}}}", t_scaled)
+    assert await asyncio.to_thread(q, f"{{__name__=~'karta_.+',{sel}}}", t_deleted) == {}
