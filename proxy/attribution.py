@@ -112,8 +112,8 @@ class Enricher:
         """Compute (or revalidate) the cache entry of one label set."""
         gen = self._generation
         old = self._cache.get(key)
-        if old is not None and old[4] is not None:
-            ns, pod, pairs = old[4], old[5], old[6]
+        if old is not None and old[6] is not None:
+            ns, pod, pairs = old[6], old[7], old[8]
             now = self._index.lookup(ns, pod)
             if now is pairs and (now is not None or self._index.reason(ns, pod) == old[3]):
                 ent = (gen, *old[1:])
@@ -132,14 +132,14 @@ class Enricher:
     ) -> tuple[Any, ...]:
         by_name = {name: value for name, value, _ in labels}
         if self._keep and by_name.get(_WORKLOAD):
-            return (-1, None, 0, "", None, None, None)
+            return (-1, None, 0, "", None, None, None, None, None)
         found = self._find_pod(by_name)
         if found is None:
-            return (-1, None, 0, REASON_NO_POD_LABEL, None, None, None)
+            return (-1, None, 0, REASON_NO_POD_LABEL, None, None, None, None, None)
         ns, pod = found
         pairs = self._index.lookup(ns, pod)
         if pairs is None:
-            return (gen, None, 0, self._index.reason(ns, pod), ns, pod, None)
+            return (gen, None, 0, self._index.reason(ns, pod), None, None, ns, pod, None)
         stamp = self._stamp_v1.get(pairs)
         if stamp is None:
             stamp = tuple(
@@ -150,8 +150,8 @@ class Enricher:
         merged = codec.merge_labels(labels, stamp, _STAMPED)
         new = b"".join(lf[2] for lf in merged)
         if new == key:  # already exactly so: pass the bytes through untouched
-            return (gen, None, 0, "", ns, pod, pairs)
-        return (gen, new, len(new) - len(key), "", ns, pod, pairs)
+            return (gen, None, 0, "", None, None, ns, pod, pairs)
+        return (gen, new, len(new) - len(key), "", *codec.entry_heads(new), ns, pod, pairs)
 
     def _evict(self) -> None:
         """Drop the oldest quarter (insertion order): cheap, and hot series come back."""

@@ -243,10 +243,11 @@ def _is_sorted(labels: Sequence[tuple[bytes, bytes, bytes]]) -> bool:
 
 # -- RW 1.0 splice ------------------------------------------------------------------------
 
-#: What the caller's cache holds per label set; the first four items are read here:
+#: What the caller's cache holds per label set; the first six items are read here:
 #: (generation it is valid for, or -1 for always; new label fields or None for
-#: "unchanged"; len(new) - len(key); reason: "" when attributed, else the reason label).
-#: The caller may keep more items after those (e.g. what it needs to revalidate).
+#: "unchanged"; len(new) - len(key); reason: "" when attributed, else the reason label;
+#: the two items of :func:`entry_heads`). The caller may keep more items after those
+#: (e.g. what it needs to revalidate).
 Entry = tuple[Any, ...]
 CacheGet = Callable[[bytes], "Entry | None"]
 CacheMiss = Callable[[bytes], "Entry"]
@@ -260,14 +261,16 @@ def _split_series_v1(
     label_spans: list[tuple[int, int]] = []
     other: list[tuple[int, int]] = []
     samples = exemplars = histograms = 0
-    lead_end = p
+    lead_end = p  # end of the labels while they are all in front
     pos = p
     while pos < end:
         b = raw[pos]
         if b == 0x0A:  # a label field
             _, _, _, q = skip_field(raw, pos, end)
             label_spans.append((pos, q))
-            if not other:
+            if other:
+                lead_end = -1
+            elif lead_end >= 0:
                 lead_end = q
         else:
             number, wt, _, q = skip_field(raw, pos, end)
@@ -284,9 +287,8 @@ def _split_series_v1(
                 raise _invalid("series data field with a wrong wire type")
             other.append((pos, q))
         pos = q
-    if not other or all(s >= lead_end for s, _ in other):
-        key = raw[p:lead_end]
-        return key, lead_end, other, samples, exemplars, histograms
+    if lead_end >= 0:
+        return raw[p:lead_end], lead_end, other, samples, exemplars, histograms
     key = b"".join(raw[s:q] for s, q in label_spans)
     return key, -1, other, samples, exemplars, histograms
 
@@ -306,6 +308,7 @@ def splice_v1(
     like such a sample, the bytes before it are probed directly. A hit is proof: only
     label runs that a full walk found are ever stored, so the prefix is exactly the label
     fields and the tail is exactly one sample field. Anything else takes the full walk.
+    This loop is the proxy's hottest code: it is written for few bytecodes per series.
     """
     n = len(raw)
     out: list[bytes] = []
@@ -314,74 +317,93 @@ def splice_v1(
     add_reason = reasons.append
     copy_from = 0
     pos = 0
-    series = samples = exemplars = histograms = 0
+    slow = samples = exemplars = histograms = 0
     try:
         while pos < n:
-            if raw[pos] == 0x0A:
-                b = raw[pos + 1]
-                if b < 0x80:
-                    p = pos + 2
-                    ln = b
-                else:
-                    ln, p = uvarint(raw, pos + 1)
-                end = p + ln
-                if end > n:
-                    raise _invalid("series runs past the end of the request")
-                series += 1
-                if ln > 18 and raw[end - 18] == 0x12 and raw[end - 17] == 16:
-                    q = end - 18
-                elif ln > 9 and raw[end - 9] == 0x12 and raw[end - 8] == 7:
-                    q = end - 9
-                else:
-                    q = -1
-                if q >= 0:
-                    ent = get(raw[p:q])
-                    if ent is not None and (ent[0] == generation or ent[0] < 0):
-                        samples += 1
-                        add_reason(ent[3])
-                        new = ent[1]
-                        if new is not None:
-                            append(raw[copy_from:pos])
-                            append(_ts_head_v1(ln + ent[2]))
-                            append(new)
-                            copy_from = q
-                        pos = end
-                        continue
-                # full walk
-                key, lead_end, other, s_, e_, h_ = _split_series_v1(raw, p, end)
-                samples += s_
-                exemplars += e_
-                histograms += h_
-                ent = get(key)
-                if ent is None or not (ent[0] == generation or ent[0] < 0):
-                    ent = miss(key)
-                add_reason(ent[3])
-                new = ent[1]
-                if new is not None:
-                    append(raw[copy_from:pos])
-                    if lead_end >= 0:
-                        append(_ts_head_v1(ln + ent[2]))
-                        append(new)
-                        copy_from = lead_end
-                    else:
-                        rest = b"".join(raw[s:e] for s, e in other)
-                        append(_ts_head_v1(len(new) + len(rest)))
-                        append(new)
-                        append(rest)
-                        copy_from = end
-                pos = end
-            else:
+            if raw[pos] != 0x0A:
                 number, _, _, q = skip_field(raw, pos, n)
                 if number == 1:
                     raise _invalid("timeseries field with a wrong wire type")
                 pos = q
+                continue
+            b = raw[pos + 1]
+            if b < 0x80:
+                p = pos + 2
+                end = p + b
+            else:
+                b2 = raw[pos + 2]
+                if b2 < 0x80:
+                    p = pos + 3
+                    end = p + ((b & 0x7F) | (b2 << 7))
+                else:
+                    ln, p = uvarint(raw, pos + 1)
+                    end = p + ln
+            if end > n:
+                raise _invalid("series runs past the end of the request")
+            q = end - 18
+            if q > p and raw[q] == 0x12 and raw[q + 1] == 16:
+                ent = get(raw[p:q])
+                if ent is not None and (ent[0] == generation or ent[0] < 0):
+                    add_reason(ent[3])
+                    head = ent[4]
+                    if head is not None:
+                        append(raw[copy_from:pos])
+                        append(head)
+                        copy_from = q
+                    pos = end
+                    continue
+            else:
+                q = end - 9
+                if q > p and raw[q] == 0x12 and raw[q + 1] == 7:
+                    ent = get(raw[p:q])
+                    if ent is not None and (ent[0] == generation or ent[0] < 0):
+                        add_reason(ent[3])
+                        head = ent[5]
+                        if head is not None:
+                            append(raw[copy_from:pos])
+                            append(head)
+                            copy_from = q
+                        pos = end
+                        continue
+            # full walk
+            slow += 1
+            key, lead_end, other, s_, e_, h_ = _split_series_v1(raw, p, end)
+            samples += s_
+            exemplars += e_
+            histograms += h_
+            ent = get(key)
+            if ent is None or not (ent[0] == generation or ent[0] < 0):
+                ent = miss(key)
+            add_reason(ent[3])
+            new = ent[1]
+            if new is not None:
+                append(raw[copy_from:pos])
+                if lead_end >= 0:
+                    append(_ts_head_v1(end - p + ent[2]))
+                    append(new)
+                    copy_from = lead_end
+                else:
+                    rest = b"".join(raw[s:e] for s, e in other)
+                    append(_ts_head_v1(len(new) + len(rest)))
+                    append(new)
+                    append(rest)
+                    copy_from = end
+            pos = end
     except IndexError:
         raise _invalid("truncated message") from None
-    counts = Counts(series, samples, histograms, exemplars)
+    series = len(reasons)
+    counts = Counts(series, samples + series - slow, histograms, exemplars)
     if not out:
         return raw, counts, reasons
     append(raw[copy_from:])
     return b"".join(out), counts, reasons
+
+
+def entry_heads(new: bytes | None) -> tuple[bytes | None, bytes | None]:
+    """Items 4 and 5 of a cache entry: series head + new labels for the two fast tails."""
+    if new is None:
+        return None, None
+    return _ts_head_v1(len(new) + 18) + new, _ts_head_v1(len(new) + 9) + new
 
 
 def count_v1(raw: bytes) -> Counts:
@@ -656,15 +678,17 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
     for _, p, end in scan.series:
         ser = split_series_v2(raw_v2, p, end)
         _check_refs(ser.refs, nsym)
-        parts = [_labels_v1(ser.refs, syms)]
+        samples: list[bytes] = []
+        exemplars: list[bytes] = []
+        histograms: list[bytes] = []
         for s, q in ser.other:
             number, _, ps, fq = skip_field(raw_v2, s, q)
             if number == 2:  # Sample: drop start_timestamp = 3
-                parts.append(len_field(2, _copy_fields(raw_v2, ps, fq, (3,))))
+                samples.append(len_field(2, _copy_fields(raw_v2, ps, fq, (3,))))
             elif number == 3:  # Histogram (2.0: 3, 1.0: 4): drop start_timestamp = 17
-                parts.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
+                histograms.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
             elif number == 4:  # Exemplar (2.0: 4, 1.0: 3)
-                parts.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
+                exemplars.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
             elif number == 5:
                 name = _metric_name(ser.refs, syms)
                 mtype, help_ref, unit_ref = _metadata_v2(raw_v2, ps, fq)
@@ -672,7 +696,9 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
                 if name and (mtype or help_ref or unit_ref):
                     metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
             # created_timestamp (6) and unknown fields have no 1.0 equivalent
-        out.append(len_field(1, b"".join(parts)))
+        # 1.0 field order: labels, samples, exemplars, histograms
+        body = b"".join((_labels_v1(ser.refs, syms), *samples, *exemplars, *histograms))
+        out.append(len_field(1, body))
     for name, mtype, help_, unit in metadata:
         body = b""
         if mtype:
