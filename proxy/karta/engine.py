@@ -92,7 +92,6 @@ class _PodRec:
         "namespace",
         "obj",
         "owner",
-        "owner_refs",
         "uid",
         "wl",
     )
@@ -103,7 +102,6 @@ class _PodRec:
         self.name = ""
         self.labels: Any = None
         self.annotations: Any = None
-        self.owner_refs: Any = None
         self.owner: OwnerRef | None = None
         #: the whole (trimmed) pod, only while it is bare: it is then its own workload
         self.obj: Mapping[str, Any] | None = None
@@ -120,8 +118,10 @@ class _PodRec:
             md["labels"] = self.labels
         if self.annotations is not None:
             md["annotations"] = self.annotations
-        if self.owner_refs is not None:
-            md["ownerReferences"] = self.owner_refs
+        o = self.owner
+        if o is not None:  # the controller reference is all the engine keeps of the list
+            md["ownerReferences"] = [{"apiVersion": o.api_version, "kind": o.gk.kind,
+                                      "name": o.name, "uid": o.uid, "controller": True}]
         return {"metadata": md}
 
 
@@ -569,13 +569,14 @@ class Engine:
         self, obj: Mapping[str, Any], md: Mapping[str, Any], uid: str, cs: ChangeSet
     ) -> None:
         ns, name = md.get("namespace") or "", md.get("name") or ""
-        labels, ann, refs = md.get("labels"), md.get("annotations"), md.get("ownerReferences")
+        labels, ann = md.get("labels"), md.get("annotations")
+        owner = controller_ref(md.get("ownerReferences"))
         rec = self._pods.get(uid)
-        new = rec is None
+        same_owner = False
         if rec is None:
             rec = self._pods[uid] = _PodRec(uid)
         elif (
-            rec.owner_refs == refs
+            (same_owner := (owner.same(rec.owner) if owner is not None else rec.owner is None))
             and rec.labels == labels
             and rec.annotations == ann
             and rec.name == name
@@ -588,14 +589,12 @@ class Engine:
             return  # nothing a selector or a walk reads has changed
         rec.namespace, rec.name = str(ns), str(name)
         rec.labels, rec.annotations = labels, ann
-        owner_changed = new or rec.owner_refs != refs
-        rec.owner_refs = refs
+        owner_changed = not same_owner
         if owner_changed:
-            owner = controller_ref(refs)
-            if rec.owner is not None and not rec.owner.same(owner):
+            if rec.owner is not None:
                 self._graph.unlink(uid, rec.owner)
                 rec.owner = None
-            if owner is not None and rec.owner is None:
+            if owner is not None:
                 rec.owner = self._graph.link(uid, owner)
         if rec.owner is None:
             self._bare.add(uid)
