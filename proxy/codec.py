@@ -188,21 +188,76 @@ def parse_label_payload(buf: bytes, p: int, end: int) -> tuple[bytes, bytes]:
 
 
 def parse_labels_v1(fields: bytes, *, check_utf8: bool = True) -> list[LabelField]:
-    """Split a run of 1.0 Label fields (a cache key) into (name, value, field bytes)."""
+    """Split a run of 1.0 Label fields (a cache key) into (name, value, field bytes).
+
+    The common shape (``0a L 0a N name 12 V value`` with one-byte lengths) is read inline;
+    anything else (long labels, unknown fields inside a Label, other field order) goes
+    through the generic field reader.
+    """
     out: list[LabelField] = []
     p = 0
     n = len(fields)
+    plain = True  # every label in the inline shape: the framing is what _utf8_ok assumes
     while p < n:
-        number, wt, s, q = skip_field(fields, p, n)
-        if number != 1 or wt != 2:
+        if fields[p] != 0x0A:
             raise _invalid("expected a label field")
-        name, value = parse_label_payload(fields, s, q)
-        if check_utf8:
-            _utf8(name, "label name")
-            _utf8(value, "label value")
+        c = fields[p + 1] if p + 1 < n else 0x80
+        if c < 0x80:
+            s = p + 2
+            q = s + c
+        elif p + 2 < n and fields[p + 2] < 0x80:
+            s = p + 3
+            q = s + ((c & 0x7F) | (fields[p + 2] << 7))
+        else:
+            _, _, s, q = skip_field(fields, p, n)
+        if q > n:
+            raise _invalid("label runs past the end of its series")
+        # name: 0a N name; value: 12 V value (absent when empty); V may take two bytes
+        name: bytes | None = None
+        value = b""
+        if q - s >= 2 and fields[s] == 0x0A and fields[s + 1] < 0x80:
+            ne = s + 2 + fields[s + 1]
+            if ne == q:
+                name, value = fields[s + 2 : ne], b""
+            elif ne + 2 <= q and fields[ne] == 0x12:
+                v = fields[ne + 1]
+                if v < 0x80 and ne + 2 + v == q:
+                    name, value = fields[s + 2 : ne], fields[ne + 2 : q]
+                elif v >= 0x80 and ne + 3 <= q and fields[ne + 2] < 0x80 and (
+                    ne + 3 + ((v & 0x7F) | (fields[ne + 2] << 7)) == q
+                ):
+                    name, value = fields[s + 2 : ne], fields[ne + 3 : q]
+        if name is None:
+            plain = False
+            name, value = parse_label_payload(fields, s, q)
         out.append((name, value, fields[p:q]))
         p = q
+    if check_utf8 and not (plain and _utf8_ok(fields)):
+        # the framing has non-ASCII bytes (a length >= 128) or a string is bad: check
+        # each string; NUL is ASCII, so joining with it hides no fault
+        try:
+            b"\x00".join([x for lf in out for x in lf[:2]]).decode("utf-8")
+        except UnicodeDecodeError:
+            for name, value, _ in out:
+                _utf8(name, "label name")
+                _utf8(value, "label value")
     return out
+
+
+def _utf8_ok(b: bytes) -> bool:
+    """True when ``b`` decodes as UTF-8 as a whole.
+
+    For a run of Label fields in the plain shape (tags 0a/12, no other fields) this proves
+    every name and value valid: a multi-byte sequence cannot span an ASCII byte, each
+    string is bounded by ASCII tags and length bytes, and a two-byte length puts a lone
+    non-ASCII byte between two ASCII ones, which fails the decode. A False is
+    inconclusive.
+    """
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def encode_label_v1(name: bytes, value: bytes) -> bytes:
@@ -265,8 +320,16 @@ def _split_series_v1(
     pos = p
     while pos < end:
         b = raw[pos]
-        if b == 0x0A:  # a label field
-            _, _, _, q = skip_field(raw, pos, end)
+        if b == 0x0A:  # a label field; one- and two-byte lengths read inline
+            c = raw[pos + 1] if pos + 1 < end else 0x80
+            if c < 0x80:
+                q = pos + 2 + c
+            elif pos + 2 < end and raw[pos + 2] < 0x80:
+                q = pos + 3 + ((c & 0x7F) | (raw[pos + 2] << 7))
+            else:
+                _, _, _, q = skip_field(raw, pos, end)
+            if q > end:
+                raise _invalid("label runs past the end of its series")
             label_spans.append((pos, q))
             if other:
                 lead_end = -1

@@ -255,3 +255,19 @@ def test_label_value_that_looks_like_a_sample_tail() -> None:
         out, counts, _ = codec.splice_v1(raw, cache.get, miss, 0)
         assert counts.samples == 0
         assert labels_of(parse_v1(out).timeseries[0]) == [("a", tricky), ("zz", "1")]
+
+
+def test_invalid_utf8_cannot_hide_behind_framing_bytes() -> None:
+    # name ends with E2 82, then an unknown field 37 (varint) whose tag starts A8: "₨"
+    unknown = bytes([0xA8, 0x02, 0x00])  # tag 0x128 = field 37, wire type 0; value 0
+    label = codec.len_field(1, b"ab\xe2\x82") + unknown + codec.len_field(2, b"v")
+    with pytest.raises(DecodeError) as info:
+        codec.parse_labels_v1(codec.len_field(1, label))
+    assert info.value.kind == "invalid_utf8"
+
+
+def test_long_labels_are_still_checked_for_utf8() -> None:
+    label = codec.len_field(1, b"id") + codec.len_field(2, b"x" * 200 + b"\xff")
+    with pytest.raises(DecodeError) as info:
+        codec.parse_labels_v1(codec.len_field(1, label))
+    assert info.value.kind == "invalid_utf8"
