@@ -91,7 +91,9 @@ class Gen:
         bare = plan.count("Pod")
         per, extra = divmod(max(0, pods - bare), max(1, workloads - bare))
         for i, kind in enumerate(plan):
-            count = 1 if kind == "Pod" else per + (1 if i < extra else 0)
+            count = 1
+            if kind != "Pod":
+                count, extra = per + (1 if extra > 0 else 0), extra - 1
             getattr(self, f"_{kind.lower()}")(f"w{i}", f"ns-{i % NS_COUNT}", count)
 
     def uid(self) -> str:

@@ -275,10 +275,39 @@ class _Plan:
         ]
 
 
+class _Rows:
+    """(component, instance or None = all, desired, min, max, counted components) rows."""
+
+    __slots__ = ("covered", "rows")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str | None, float | None, float | None, float | None,
+                              tuple[str, ...]]] = []
+        self.covered: set[tuple[str, str]] = set()
+
+    @classmethod
+    def build(cls, plan: _Plan, ev: _Eval) -> _Rows | None:
+        out = cls()
+        for fc in plan.fact_comps:
+            want, lo, hi = ev.scale.get(fc.name, ([], [], []))
+            comps = (fc.name, *sorted(fc.subtree - {fc.name}))
+            if fc.ids_path is None:
+                out.rows.append((fc.name, None, _total(want), _total(lo), _total(hi), comps))
+                out.covered.add((fc.name, ""))
+                continue
+            ids = ev.ids.get(fc.name)
+            if ids is None:
+                return None  # the instances are whatever the pods say: no fixed rows
+            for i, iid in enumerate(ids):
+                out.rows.append((fc.name, iid, _at(want, i), _at(lo, i), _at(hi, i), comps))
+                out.covered.add((fc.name, iid))
+        return out
+
+
 class _Eval:
     """What the engine derives from one version of a workload object."""
 
-    __slots__ = ("ids", "phase", "reason", "scale", "statuses")
+    __slots__ = ("ids", "phase", "reason", "rows", "rows_built", "scale", "statuses")
 
     def __init__(self) -> None:
         self.phase = UNDEFINED
@@ -288,6 +317,15 @@ class _Eval:
         self.ids: dict[str, tuple[str, ...] | None] = {}
         #: component -> (replicas, min, max) outputs
         self.scale: dict[str, tuple[list[float | None], ...]] = {}
+        #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
+        self.rows: _Rows | None = None
+        self.rows_built = False
+
+    def template(self, plan: _Plan) -> _Rows | None:
+        """Rows and desired values of this object version; only ``observed`` varies."""
+        if not self.rows_built:
+            self.rows, self.rows_built = _Rows.build(plan, self), True
+        return self.rows
 
     def same_ids(self, other: _Eval | None) -> bool:
         return other is not None and other.ids == self.ids
@@ -359,14 +397,15 @@ def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
 
 
 class _Workload:
-    __slots__ = ("counts", "facts", "objs", "phase", "plan", "ref", "since", "uid")
+    __slots__ = ("by_comp", "counts", "facts", "objs", "phase", "plan", "ref", "since", "uid")
 
     def __init__(self, uid: str, ref: WorkloadRef, plan: _Plan) -> None:
         self.uid = uid
         self.ref = ref
         self.plan = plan
-        #: (component, instance) -> attributed pods
+        #: (component, instance) -> attributed pods, and component -> attributed pods
         self.counts: dict[tuple[str, str], int] = {}
+        self.by_comp: dict[str, int] = {}
         #: described objects (the workload itself, nested ones) that belong to it
         self.objs: set[str] = set()
         self.facts: WorkloadFacts | None = None
@@ -731,6 +770,7 @@ class Engine:
                 self._leave(rec)
                 wl = self._join(wl_uid, wref, plan)
                 wl.counts[key] = wl.counts.get(key, 0) + 1
+                wl.by_comp[comp] = wl.by_comp.get(comp, 0) + 1
                 rec.wl, rec.key = wl_uid, key
                 self._dirty.add(wl_uid)
             else:
@@ -749,6 +789,12 @@ class Engine:
                 wl.counts[rec.key] = n
             else:
                 wl.counts.pop(rec.key, None)
+            comp = rec.key[0]
+            n = wl.by_comp.get(comp, 0) - 1
+            if n > 0:
+                wl.by_comp[comp] = n
+            else:
+                wl.by_comp.pop(comp, None)
             self._dirty.add(rec.wl)
         rec.wl, rec.key = "", ("", "")
 
@@ -864,11 +910,37 @@ class Engine:
             statuses,
             reason,
             wl.since,
-            self._replica_facts(plan, ev, wl.counts),
+            self._replica_facts(plan, ev, wl),
         )
 
     @staticmethod
-    def _replica_facts(
+    def _replica_facts(plan: _Plan, ev: _Eval | None, wl: _Workload) -> tuple[ReplicaFact, ...]:
+        """Desired vs observed rows; runs on every pod event of the workload, so the fixed
+        part comes from the object version's template and only counts are looked up."""
+        counts = wl.counts
+        tpl = ev.template(plan) if ev is not None else None
+        if tpl is None:
+            return Engine._replica_facts_untemplated(plan, ev, counts)
+        by_comp = wl.by_comp
+        rows: list[ReplicaFact] = []
+        for name, iid, want, lo, hi, comps in tpl.rows:
+            if iid is None:
+                seen = by_comp.get(name, 0)
+                for c in comps[1:]:
+                    seen += by_comp.get(c, 0)
+                rows.append(ReplicaFact(name, "", want, lo, hi, seen))
+            else:
+                seen = counts.get((name, iid), 0)
+                for c in comps[1:]:
+                    seen += counts.get((c, iid), 0)
+                rows.append(ReplicaFact(name, iid, want, lo, hi, seen))
+        extra = [k for k in counts if k not in tpl.covered]
+        for key in sorted(extra):
+            rows.append(ReplicaFact(key[0], key[1], None, None, None, counts[key]))
+        return tuple(rows)
+
+    @staticmethod
+    def _replica_facts_untemplated(
         plan: _Plan, ev: _Eval | None, counts: Mapping[tuple[str, str], int]
     ) -> tuple[ReplicaFact, ...]:
         rows: list[ReplicaFact] = []
