@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
             "compressed_kib": sum(map(len, bodies)) / len(bodies) / 1024,
             "raw_kib": raw_kib,
             "warmup": warmup,
-            "snapshot_objects": len(cluster.objects) + len(cluster.pods),
+            "snapshot_objects": len(cluster.objects),
         }
         print(
             f"corpus: {len(bodies)} requests of {spr} series built in "
