@@ -403,15 +403,18 @@ def report(
     )
     print()
     head = (
-        f"{'relay':<17}{'CPU-s/M samples':>16}{'lat p50 ms':>12}{'lat p99 ms':>12}"
+        f"{'relay':<17}{'CPU-s/M samples':>16}{'(range)':>13}{'lat p50 ms':>12}{'lat p99 ms':>12}"
         f"{'added p50':>11}{'added p99':>11}{'delivered':>11}{'stamped':>9}"
     )
     print(head)
     print("-" * len(head))
     for name, s in summaries.items():
         lat_note = s.relay.startswith("vmagent")
+        spread = (
+            f"{min(s.per_round_cpu):.2f}-{max(s.per_round_cpu):.2f}" if s.per_round_cpu else "-"
+        )
         print(
-            f"{name:<17}{_fmt(s.cpu_per_million):>16}"
+            f"{name:<17}{_fmt(s.cpu_per_million):>16}{spread:>13}"
             f"{_fmt(s.latency_p50_ms):>12}{_fmt(s.latency_p99_ms):>12}"
             f"{_fmt(s.added_p50_ms):>11}{_fmt(s.added_p99_ms):>11}"
             f"{s.delivered_fraction:>11.1%}{s.stamped_fraction:>9.1%}"
