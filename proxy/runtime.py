@@ -12,9 +12,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from proxy import __version__
 from proxy.config import Settings, parse_host_port
@@ -29,6 +33,24 @@ log = logging.getLogger("karta.runtime")
 
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
+
+
+#: families the kube source registers that ``ProxyMetrics`` already serves from the index
+#: (served twice, a scrape would see duplicate families)
+SHARED_INDEX_FAMILIES = frozenset({"karta_proxy_index_pods", "karta_proxy_index_stale"})
+
+
+class RegistryView(Collector):
+    """Another registry's families on /metrics, leaving out names served elsewhere."""
+
+    def __init__(self, registry: CollectorRegistry, skip: frozenset[str]) -> None:
+        self._registry = registry
+        self._skip = skip
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if family.name not in self._skip:
+                yield family
 
 
 class Service(Protocol):
@@ -97,7 +119,9 @@ class Proxy:
 
         self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name
                                            else "")
-        return KubeSource(s.kube, self.engine, self.index, metrics_registry=self.metrics.registry)
+        kube_registry = CollectorRegistry()
+        self.metrics.registry.register(RegistryView(kube_registry, SHARED_INDEX_FAMILIES))
+        return KubeSource(s.kube, self.engine, self.index, metrics_registry=kube_registry)
 
     def _make_facts(self) -> Service | None:
         from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
@@ -195,15 +219,27 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> in
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     proxy = Proxy(settings)
-    try:
-        await proxy.start()
-    except Exception as e:
-        log.error("cannot start", extra={"error": f"{type(e).__name__}: {e}"})
+    # The start waits for the initial sync, which lasts as long as the API server is away:
+    # a SIGTERM meanwhile must still end the process (cleanly, exit 0).
+    starting = asyncio.create_task(proxy.start(), name="start")
+    stopping = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("stop requested before the index was loaded")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await starting
+        await proxy.stop()
+        return 0
+    error = starting.exception()
+    if error is not None:
+        stopping.cancel()
+        log.error("cannot start", extra={"error": f"{type(error).__name__}: {error}"})
         await _quietly(proxy.stop())
         return 1
     if ready is not None:
         ready.set()
-    await stop.wait()
+    await stopping
     await proxy.stop()
     return 0
 

@@ -42,11 +42,17 @@ def build_app(
         return web.Response(text="OK\n")
 
     async def ready(_: web.Request) -> web.Response:
+        # Readiness answers "will a remote write sent here be accepted?", because that is
+        # what a Service routes on. A stale index (API server unreachable) still enriches
+        # with the last known state, so it stays ready; before the first load it is ready
+        # only when forward_before_ready says to forward unenriched meanwhile (otherwise
+        # the Service would never send the traffic that setting is for).
         if index.ready:
+            if index.stale:
+                return web.Response(text="ready (index stale: serving the last known state)\n")
             return web.Response(text="ready\n")
         if handler.settings.forward_before_ready:
-            # forwarding works (unenriched): say so, but stay not-ready for probes
-            return web.Response(status=503, text="index not ready (forwarding unenriched)\n")
+            return web.Response(text="ready (index not loaded yet: forwarding unenriched)\n")
         return web.Response(status=503, text="index not ready\n")
 
     async def landing(_: web.Request) -> web.Response:

@@ -153,3 +153,41 @@ def test_demo_subcommand() -> None:
     r = run_cli("demo", timeout=60)
     assert r.returncode == 0, r.stderr
     assert "none lost, none added" in r.stdout
+
+
+async def test_sigterm_while_waiting_for_the_cluster_exits_0(tmp_path: Path) -> None:
+    """The API server never answers: the process serves /-/healthy, is not ready, and a
+    SIGTERM still ends it cleanly (the start waits for the initial sync)."""
+    from tests.kubesim import KubeSim
+
+    sim = KubeSim()  # never started: connection refused
+    kubeconfig = sim.write_kubeconfig(tmp_path / "kubeconfig")
+    await sim.close()
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
+        "--listen-address", f"127.0.0.1:{port}", "--log-level", "error", cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:
+                try:
+                    async with session.get(base + "/-/healthy") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert asyncio.get_running_loop().time() < deadline, "never healthy"
+                assert proc.returncode is None
+                await asyncio.sleep(0.1)
+            async with session.get(base + "/-/ready") as r:
+                assert r.status == 503
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0

@@ -80,11 +80,25 @@ async def test_health_and_readiness_follow_the_index(app: tuple[App, ScriptedUps
         assert len(up.received) == 1
 
 
+async def test_stale_index_stays_ready(app: tuple[App, ScriptedUpstream]) -> None:
+    """An API-server outage keeps the last index: still enriching, so still ready."""
+    a, up = app
+    a.index.ready = True
+    a.index.stale = True
+    async with aiohttp.ClientSession() as s:
+        async with s.get(a.url + "/-/ready") as r:
+            assert r.status == 200 and "stale" in await r.text()
+        async with s.post(a.url + "/api/v1/write", data=BODY, headers=HEADERS) as r:
+            assert r.status == 204
+    assert len(up.received) == 1
+
+
 async def test_forward_before_ready(app_forwarding: tuple[App, ScriptedUpstream]) -> None:
     a, up = app_forwarding
     async with aiohttp.ClientSession() as s:
         async with s.get(a.url + "/-/ready") as r:
-            assert r.status == 503  # probes still see not-ready
+            # ready for traffic (a Service routes on it), and says why
+            assert r.status == 200 and "forwarding unenriched" in await r.text()
         async with s.post(a.url + "/api/v1/write", data=BODY, headers=HEADERS) as r:
             assert r.status == 204
     assert up.received[0].raw == snappy.uncompress(BODY)  # unenriched, byte for byte

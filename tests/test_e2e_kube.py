@@ -1,0 +1,311 @@
+"""End to end through a live (simulated) cluster: the proxy as ``proxy.runtime`` assembles it,
+watching the Kubernetes API simulator, forwarding what the project's sender sends into a
+real Prometheus receiver, queried with PromQL.
+
+Scenarios: a Deployment's pods attributed in the TSDB; pods created while running are
+attributed in forwarded series (the latency from ``sim.create`` to the first enriched
+sample is measured and printed, bounded generously, never timed tightly); a deleted pod's
+late samples keep their labels; an API-server outage keeps forwarding with the last
+index while readiness stays green and the freshness fact ages; readiness before the
+initial sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.config import Settings
+from proxy.runtime import Proxy
+from proxy.sender import Series, send_series
+from tests.kube.conftest import deployment
+from tests.kube.conftest import pod as pod_object
+from tests.kubesim import KubeSim
+from tests.peers.conftest import Peer, Peers, query, wait_until
+from tests.peers.conftest import peers as peers  # the shared fixture, reused
+
+pytestmark = pytest.mark.peers
+
+NS = "shop"
+APP = "web"
+PROBE = "karta_e2e_probe"
+LIVE_PODS = 50
+#: generous: attribution normally takes milliseconds; this only catches "never"
+LATENCY_BOUND_SECONDS = 10.0
+STAMPED = {"karta_namespace": NS, "karta_group": "apps", "karta_kind": "Deployment",
+           "karta_workload": APP, "karta_component": "deployment"}
+
+Obj = dict[str, Any]
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[KubeSim]:
+    s = KubeSim(bookmark_interval=0.2, max_watch_seconds=5.0)
+    yield s
+    await s.close()
+
+
+def kube_settings(sim: KubeSim, upstream_url: str) -> Settings:
+    s = Settings()
+    s.kube.kubeconfig = str(sim.write_kubeconfig())
+    s.kube.resync_backoff_max_seconds = 0.5
+    s.upstream.url = upstream_url
+    s.upstream.timeout_seconds = 5.0
+    s.upstream.connect_timeout_seconds = 2.0
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.interval_seconds = 0.5
+    return s
+
+
+async def start_proxy(settings: Settings) -> Proxy:
+    p = Proxy(settings)
+    try:
+        await asyncio.wait_for(p.start(), 15)
+    except BaseException:
+        await p.stop()
+        raise
+    return p
+
+
+def probe(pod: str, value: float = 1.0, ts_ms: int | None = None) -> Series:
+    ts = int(time.time() * 1000) if ts_ms is None else ts_ms
+    return Series({"__name__": PROBE, "namespace": NS, "pod": pod}, [(ts, value)])
+
+
+async def send(session: aiohttp.ClientSession, proxy: Proxy, series: Sequence[Series]) -> int:
+    status, _, _ = await send_series(f"http://127.0.0.1:{proxy.port}/api/v1/write",
+                                     list(series), session=session, timeout=10)
+    return status
+
+
+async def get(session: aiohttp.ClientSession, proxy: Proxy, path: str) -> tuple[int, str]:
+    async with session.get(f"http://127.0.0.1:{proxy.port}{path}") as r:
+        return r.status, await r.text()
+
+
+async def probe_labels(tsdb: Peer, pod: str) -> list[dict[str, str]]:
+    return [r["metric"] for r in await query(tsdb.base_url, f'{PROBE}{{pod="{pod}"}}')]
+
+
+def stamped(labels: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in labels.items() if k.startswith("karta_")}
+
+
+def families(text: str) -> dict[str, Any]:
+    """Parse /metrics; a family served twice is an error (a scrape would reject it)."""
+    out: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name not in out, f"/metrics serves {fam.name} twice"
+        out[fam.name] = fam
+    return out
+
+
+def sample(fams: dict[str, Any], name: str, **labels: str) -> float:
+    family = name.removesuffix("_total")
+    for s in fams[family].samples:
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def test_live_cluster_through_the_proxy_into_prometheus(
+    peers: Peers, sim: KubeSim
+) -> None:
+    _, rs, pods = deployment(sim, APP, NS, replicas=3)
+    await sim.start()
+    tsdb = await peers.prometheus_receiver()
+    proxy = await start_proxy(kube_settings(sim, tsdb.base_url + "/api/v1/write"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _deployment_pods_attributed(session, proxy, tsdb, pods)
+            await _live_pods_attributed_fast(session, proxy, tsdb, sim, rs)
+            await _deleted_pod_keeps_labels(session, proxy, tsdb, sim)
+            await _outage_keeps_forwarding(session, proxy, tsdb, sim, rs)
+    finally:
+        await proxy.stop()
+
+
+async def _deployment_pods_attributed(session: aiohttp.ClientSession, proxy: Proxy,
+                                      tsdb: Peer, pods: list[Obj]) -> None:
+    names = [p["metadata"]["name"] for p in pods]
+    assert await send(session, proxy, [probe(n) for n in names]) == 204
+    for n in names:
+        (labels,) = await probe_labels(tsdb, n)
+        assert stamped(labels) == STAMPED, labels
+        assert labels["namespace"] == NS and labels["pod"] == n
+
+    # the fact writer shares the upstream: the workload's facts land beside its series
+    async def facts_landed() -> bool:
+        got = await query(tsdb.base_url, f'karta_workload_info{{karta_workload="{APP}"}}')
+        return bool(got)
+
+    await wait_until(facts_landed, timeout=10, what="fact series in the TSDB")
+
+
+async def _live_pods_attributed_fast(session: aiohttp.ClientSession, proxy: Proxy, tsdb: Peer,
+                                     sim: KubeSim, rs: Obj) -> None:
+    """Create pods while a sender keeps naming them; the TSDB tells when each pod's
+    series first arrived enriched. Sender, proxy and simulator share this event loop,
+    so the figures include their contention (an upper bound of the proxy's share)."""
+    names = [f"{APP}-live-{i}" for i in range(LIVE_PODS)]
+    created: dict[str, float] = {}
+    stop = asyncio.Event()
+
+    async def sender() -> None:
+        last = 0
+        while not stop.is_set():
+            now = max(int(time.time() * 1000), last + 1)  # strictly increasing per series
+            last = now
+            batch = [probe(n, ts_ms=now) for n in names if n in created]
+            if batch:
+                assert await send(session, proxy, batch) == 204
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(sender())
+    try:
+        for n in names:
+            obj = pod_object(n, NS, owner_obj=rs, labels={"app": APP})
+            created[n] = time.time()
+            sim.create(obj)
+            await asyncio.sleep(0.03)
+        deadline = time.monotonic() + LATENCY_BOUND_SECONDS
+        while not all(proxy.index.lookup(NS.encode(), n.encode()) for n in names):
+            assert time.monotonic() < deadline, "live pods not attributed"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # a few enriched sends of the last pod
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+    rows = await query(tsdb.base_url, f'{PROBE}{{karta_workload="{APP}",pod=~"{APP}-live-.*"}}[5m]')
+    first: dict[str, float] = {}
+    for r in rows:
+        assert stamped(r["metric"]) == STAMPED, r["metric"]
+        first[r["metric"]["pod"]] = min(float(t) for t, _ in r["values"])
+    assert set(first) == set(names), set(names) - set(first)
+    latency = [first[n] - created[n] for n in names]
+    assert all(0 <= x < LATENCY_BOUND_SECONDS for x in latency), latency
+    print(f"\nattribution latency, sim.create -> first enriched forward ({LIVE_PODS} pods): "
+          f"p50 {statistics.median(latency) * 1000:.0f} ms, "
+          f"p99 {percentile(latency, 0.99) * 1000:.0f} ms, max {max(latency) * 1000:.0f} ms")
+
+
+async def _deleted_pod_keeps_labels(session: aiohttp.ClientSession, proxy: Proxy, tsdb: Peer,
+                                    sim: KubeSim) -> None:
+    gone = f"{APP}-live-0"
+    obj = sim.get("v1", "Pod", gone, NS)
+    uid = obj["metadata"]["uid"]
+    sim.delete(obj)
+    deadline = time.monotonic() + 5
+    while uid in proxy.index.pods:
+        assert time.monotonic() < deadline, "pod deletion not seen"
+        await asyncio.sleep(0.02)
+    assert proxy.index.tombstones() >= 1
+    late = Series({"__name__": f"{PROBE}_late", "namespace": NS, "pod": gone},
+                  [(int(time.time() * 1000), 7.0)])
+    assert await send(session, proxy, [late]) == 204
+    (row,) = await query(tsdb.base_url, f'{PROBE}_late{{pod="{gone}"}}')
+    assert stamped(row["metric"]) == STAMPED
+
+
+async def _outage_keeps_forwarding(session: aiohttp.ClientSession, proxy: Proxy, tsdb: Peer,
+                                   sim: KubeSim, rs: Obj) -> None:
+    before = families((await get(session, proxy, "/metrics"))[1])
+    assert sample(before, "karta_proxy_index_stale") == 0
+    assert time.time() - sample(before, "karta_source_last_current_timestamp_seconds",
+                                resource="pods") < 2
+
+    await sim.stop()
+    t_down = time.time()
+    deadline = time.monotonic() + 5
+    while not proxy.index.stale:
+        assert time.monotonic() < deadline, "outage not noticed"
+        await asyncio.sleep(0.02)
+    # a pod appears while the proxy cannot see it: picked up after the outage
+    sim.create(pod_object(f"{APP}-during-outage", NS, owner_obj=rs, labels={"app": APP}))
+    await asyncio.sleep(1.5)
+
+    status, text = await get(session, proxy, "/-/ready")
+    assert status == 200 and "stale" in text
+    survivor = f"{APP}-live-1"
+    assert await send(session, proxy, [probe(survivor, 2.0)]) == 204
+    rows = await query(tsdb.base_url, f'{PROBE}{{pod="{survivor}"}} == 2')
+    assert [stamped(r["metric"]) for r in rows] == [STAMPED]
+
+    during = families((await get(session, proxy, "/metrics"))[1])
+    assert sample(during, "karta_proxy_index_stale") == 1
+    age = time.time() - sample(during, "karta_source_last_current_timestamp_seconds",
+                               resource="pods")
+    assert age >= time.time() - t_down - 0.5 and age >= 1.0, age
+    assert sample(during, "karta_proxy_index_ready") == 1
+
+    # the written fact ages in the TSDB too (the writer keeps writing through the outage)
+    async def fact_aged() -> bool:
+        got = await query(tsdb.base_url, 'time() - karta_source_last_current_timestamp_seconds'
+                          '{resource="pods"}')
+        return bool(got) and float(got[0]["value"][1]) >= 1.0
+
+    await wait_until(fact_aged, timeout=5, what="an aged freshness fact in the TSDB")
+
+    await sim.start()
+    deadline = time.monotonic() + 10
+    while proxy.index.stale or not proxy.index.lookup(NS.encode(), f"{APP}-during-outage".encode()):
+        assert time.monotonic() < deadline, "not current again after the outage"
+        await asyncio.sleep(0.05)
+    after = families((await get(session, proxy, "/metrics"))[1])
+    assert sample(after, "karta_proxy_index_stale") == 0
+    assert time.time() - sample(after, "karta_source_last_current_timestamp_seconds",
+                                resource="pods") < 2
+
+
+async def test_readiness_before_the_initial_sync(peers: Peers, sim: KubeSim) -> None:
+    """API server away at start: 503 (and writes refused with Retry-After) until the first
+    sync, unless forward_before_ready, which is ready at once and forwards unenriched."""
+    _, _, pods = deployment(sim, APP, NS, replicas=1)
+    name = pods[0]["metadata"]["name"]
+    tsdb = await peers.prometheus_receiver()
+    strict = Proxy(kube_settings(sim, tsdb.base_url + "/api/v1/write"))
+    eager_settings = kube_settings(sim, tsdb.base_url + "/api/v1/write")
+    eager_settings.server.forward_before_ready = True
+    eager = Proxy(eager_settings)
+    starts = [asyncio.create_task(p.start()) for p in (strict, eager)]
+    try:
+        deadline = time.monotonic() + 10
+        while not (strict.port and eager.port):
+            assert time.monotonic() < deadline, "not listening"
+            await asyncio.sleep(0.01)
+        async with aiohttp.ClientSession() as session:
+            assert (await get(session, strict, "/-/healthy"))[0] == 200
+            assert (await get(session, strict, "/-/ready"))[0] == 503
+            status, text = await get(session, eager, "/-/ready")
+            assert status == 200 and "unenriched" in text
+            assert await send(session, strict, [probe(name, 1.0)]) == 503
+            assert await send(session, eager, [probe(name, 1.0)]) == 204
+            (labels,) = await probe_labels(tsdb, name)
+            assert stamped(labels) == {}
+
+            await sim.start()
+            await asyncio.wait_for(asyncio.gather(*starts), 15)
+            for p in (strict, eager):
+                assert (await get(session, p, "/-/ready")) == (200, "ready\n")
+            assert await send(session, strict, [probe(name, 2.0)]) == 204
+            rows = await query(tsdb.base_url, f'{PROBE}{{pod="{name}"}} == 2')
+            assert [stamped(r["metric"]) for r in rows] == [STAMPED]
+    finally:
+        for t in starts:
+            t.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        for p in (strict, eager):
+            await p.stop()
