@@ -85,7 +85,8 @@ def test_relay_bench_runs_end_to_end(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     relays = result["relays"]
     assert relays["pass-through"]["delivered_fraction"] == 1.0
-    assert relays["pass-through"]["cpu_per_million"] > 0
+    # a few tiny requests may fit in one clock tick: a number, not necessarily above 0
+    assert relays["pass-through"]["cpu_per_million"] >= 0
     if shutil.which("vmagent"):
         assert relays["vmagent"]["delivered_fraction"] == 1.0
         assert relays["vmagent+relabel"]["stamped_fraction"] > 0
