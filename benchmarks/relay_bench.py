@@ -659,8 +659,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"round {r + 1}/{args.rounds}: CPU-s/M {line}")
         if profiler is not None:
-            profiler.send_signal(signal.SIGINT)
-            profiler.wait(60)
+            profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            try:
+                profiler.wait(60)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+                profiler.wait()
             print_hot_spots(args.profile_proxy)
         summaries = summarize(rounds, relays)
         result = report(args, info, summaries, rounds, skipped)
