@@ -124,10 +124,10 @@ class FactSettings:
     identity: str = ""
     #: labels added to every fact series (e.g. cluster)
     external_labels: dict[str, str] = field(default_factory=dict)
-    #: serve the per-pod facts (karta_pod_info, ...) on /metrics too; with ~100k pods a
-    #: scrape takes seconds (prometheus_client renders ~10-40 us a sample), so large
-    #: clusters read them from the remote-write stream only
-    metrics_pod_facts: bool = True
+    #: serve the per-pod facts (karta_pod_info, ...) on /metrics too. Off by default: at
+    #: ~100k pods they make a scrape take 5-13 s (prometheus_client renders ~10-40 us a
+    #: sample); the remote-write stream always carries them, /metrics keeps the rest
+    metrics_pod_facts: bool = False
 
 
 @dataclass

@@ -126,7 +126,8 @@ class Proxy:
     def _make_facts(self) -> Service | None:
         from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
 
-        self.metrics.registry.register(FactsCollector(self.index))
+        self.metrics.registry.register(
+            FactsCollector(self.index, pod_facts=self.settings.facts.metrics_pod_facts))
         if not self.settings.facts.enabled:
             return None
         writer = FactWriter(self.settings.facts, self.index, self.upstream.send_v1,

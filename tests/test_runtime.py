@@ -39,8 +39,39 @@ async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
             await p.stop()
     names = {ser.labels["__name__"] for rec in up.received for ser in decode_v1(rec.raw)}
     assert any(n.startswith("karta_") for n in names), names
+    assert "karta_pod_info" in names  # pod facts always go into the stream
     assert up.received[0].headers["Content-Type"] == "application/x-protobuf"
-    # the fact series on /metrics, and the writer's own state
-    assert any(line.startswith("karta_") and "cart" in line for line in text.splitlines())
+    # the workload facts on /metrics (pod facts only when asked), and the writer's state
+    assert any(line.startswith("karta_workload_info") and "cart" in line
+               for line in text.splitlines())
+    assert "karta_pod_info" not in text
     assert "karta_proxy_index_pods 1.0" in text
     assert "karta_proxy_fact_writer_leader 1.0" in text
+
+
+async def test_metrics_pod_facts_switch(tmp_path: Path) -> None:
+    """facts.metrics_pod_facts: true puts the per-pod facts on /metrics as well."""
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    async with ScriptedUpstream() as up:
+        s = Settings()
+        s.snapshot = str(snap)
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.enabled = False
+        s.facts.metrics_pod_facts = True
+        p = Proxy(s)
+        await p.start()
+        try:
+            text = await get_text(p, "/metrics")
+        finally:
+            await p.stop()
+    assert 'karta_pod_info{' in text and 'pod="cart-7d9f8-abcde"' in text
+
+
+async def get_text(p: Proxy, path: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(
+        f"http://127.0.0.1:{p.port}{path}"
+    ) as r:
+        assert r.status == 200
+        return await r.text()
