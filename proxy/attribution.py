@@ -14,14 +14,16 @@ through the generated protobuf classes; tests hold the fast path to them.
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy import codec, contract
 from proxy.codec import Counts
 from proxy.compression import DecodeError
+from proxy.config import EnrichSettings, PodLabelRule
 from proxy.index import LabelPairs, PodIndex
 
 POLICIES = ("replace", "keep")
@@ -29,6 +31,87 @@ REASON_NO_POD_LABEL = "no_pod_label"
 
 _STAMPED = frozenset(n.encode() for n in contract.STAMPED_LABELS)
 _WORKLOAD = contract.LABEL_WORKLOAD.encode()
+_NAME = b"__name__"
+
+#: (namespace label, pod label, ((label, compiled regex), ...) that disqualify the pair)
+_Pair = tuple[bytes, bytes, tuple[tuple[bytes, "re.Pattern[str]"], ...]]
+
+
+def default_pod_label_rules() -> list[PodLabelRule]:
+    """The configured default rules (DCGM), for callers that pass none."""
+    return EnrichSettings().pod_label_rules
+
+
+def _compile_pairs(pairs: Sequence[Any]) -> tuple[_Pair, ...]:
+    out: list[_Pair] = []
+    for pair in pairs:
+        if isinstance(pair, tuple | list):
+            ns, pod, unless = pair[0], pair[1], {}
+        else:
+            ns, pod, unless = pair.namespace, pair.pod, pair.unless
+        out.append((
+            ns.encode(),
+            pod.encode(),
+            tuple((label.encode(), re.compile(rx)) for label, rx in unless.items()),
+        ))
+    return tuple(out)
+
+
+class PodFinder:
+    """Which (namespace, pod) a series names: per metric-name prefix rules, then the
+    default pairs. Runs on cache misses only (the metric name is part of the label key)."""
+
+    def __init__(
+        self,
+        pod_label_pairs: Sequence[tuple[str, str]],
+        pod_label_rules: Sequence[PodLabelRule] | None = None,
+    ) -> None:
+        if not pod_label_pairs:
+            raise ValueError("pod_label_pairs must name at least one (namespace, pod) pair")
+        rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
+        self.default = _compile_pairs(pod_label_pairs)
+        self.rules = tuple(
+            (r.metric_prefix.encode(), _compile_pairs(r.pod_label_pairs)) for r in rules
+        )
+        #: every label name a decision reads
+        self.names = frozenset(
+            {_NAME, _WORKLOAD}
+            | {x for _, ps in (("", self.default), *self.rules) for p in ps for x in p[:2]}
+            | {lb for _, ps in (("", self.default), *self.rules) for p in ps for lb, _ in p[2]}
+        )
+
+    def pairs_for(self, metric: bytes) -> tuple[_Pair, ...]:
+        for prefix, pairs in self.rules:
+            if metric.startswith(prefix):
+                return pairs
+        return self.default
+
+    def find(self, labels: Mapping[bytes, bytes]) -> tuple[bytes, bytes] | None:
+        """The first usable pair's (namespace, pod) values, or None (``no_pod_label``)."""
+        pairs = self.pairs_for(labels.get(_NAME, b"")) if self.rules else self.default
+        for ns_name, pod_name, unless in pairs:
+            ns = labels.get(ns_name)
+            if ns:
+                pod = labels.get(pod_name)
+                if pod and not (unless and _disqualified(labels, unless)):
+                    return ns, pod
+        return None
+
+
+def _disqualified(
+    labels: Mapping[bytes, bytes], unless: tuple[tuple[bytes, re.Pattern[str]], ...]
+) -> bool:
+    for label, rx in unless:
+        value = labels.get(label, b"")
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DecodeError(
+                "invalid_utf8", 400, f"label value is not valid UTF-8: {value[:64]!r}"
+            ) from None
+        if rx.fullmatch(text):
+            return True
+    return False
 
 
 @dataclass
@@ -58,13 +141,13 @@ class Enricher:
         *,
         conflict_policy: str = "replace",
         cache_size: int = 500_000,
+        pod_label_rules: Sequence[PodLabelRule] | None = None,
     ) -> None:
+        """``pod_label_rules`` None means the configured defaults; pass [] for none."""
         if conflict_policy not in POLICIES:
             raise ValueError(f"conflict_policy must be one of {POLICIES}, not {conflict_policy!r}")
-        if not pod_label_pairs:
-            raise ValueError("pod_label_pairs must name at least one (namespace, pod) pair")
         self._index = index
-        self._pairs = tuple((ns.encode(), pod.encode()) for ns, pod in pod_label_pairs)
+        self._finder = PodFinder(pod_label_pairs, pod_label_rules)
         self._keep = conflict_policy == "keep"
         self._cache_size = max(16, cache_size)
         self._cache: dict[bytes, tuple[Any, ...]] = {}
@@ -99,15 +182,6 @@ class Enricher:
 
     # -- decisions ----------------------------------------------------------------------
 
-    def _find_pod(self, labels: dict[bytes, bytes]) -> tuple[bytes, bytes] | None:
-        for ns_name, pod_name in self._pairs:
-            ns = labels.get(ns_name)
-            if ns:
-                pod = labels.get(pod_name)
-                if pod:
-                    return ns, pod
-        return None
-
     def _miss_v1(self, key: bytes) -> tuple[Any, ...]:
         """Compute (or revalidate) the cache entry of one label set."""
         gen = self._generation
@@ -133,7 +207,7 @@ class Enricher:
         by_name = {name: value for name, value, _ in labels}
         if self._keep and by_name.get(_WORKLOAD):
             return (-1, None, 0, "", None, None, None, None, None)
-        found = self._find_pod(by_name)
+        found = self._finder.find(by_name)
         if found is None:
             return (-1, None, 0, REASON_NO_POD_LABEL, None, None, None, None, None)
         ns, pod = found
@@ -167,7 +241,7 @@ class Enricher:
         by_name = dict(labels)
         if self._keep and by_name.get(_WORKLOAD):
             return None, ""
-        found = self._find_pod(by_name)
+        found = self._finder.find(by_name)
         if found is None:
             return None, REASON_NO_POD_LABEL
         hit = memo.get(found)
@@ -195,15 +269,25 @@ def _reference_decision(
     index: PodIndex,
     pod_label_pairs: Sequence[tuple[str, str]],
     conflict_policy: str,
+    pod_label_rules: Sequence[PodLabelRule] | None,
 ) -> tuple[list[tuple[str, str]] | None, str]:
     """(new labels or None for unchanged, reason) — written for clarity, not speed."""
     present = dict(labels)
     if conflict_policy == "keep" and present.get(contract.LABEL_WORKLOAD):
         return None, ""
-    for ns_name, pod_name in pod_label_pairs:
+    rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
+    metric = present.get("__name__", "")
+    pairs: list[tuple[str, str, dict[str, str]]] = [(ns, pod, {}) for ns, pod in pod_label_pairs]
+    for rule in rules:
+        if metric.startswith(rule.metric_prefix):
+            pairs = [(p.namespace, p.pod, p.unless) for p in rule.pod_label_pairs]
+            break
+    for ns_name, pod_name, unless in pairs:
         ns = present.get(ns_name, "")
         pod = present.get(pod_name, "")
-        if ns and pod:
+        if ns and pod and not any(
+            re.fullmatch(rx, present.get(label, "")) for label, rx in unless.items()
+        ):
             break
     else:
         return None, REASON_NO_POD_LABEL
@@ -220,6 +304,7 @@ def enrich_v1_reference(
     index: PodIndex,
     pod_label_pairs: Sequence[tuple[str, str]],
     conflict_policy: str = "replace",
+    pod_label_rules: Sequence[PodLabelRule] | None = None,
 ) -> EnrichResult:
     """The same result as :meth:`Enricher.enrich_v1`, through full protobuf objects."""
     from proxy.pb.prometheus import remote_pb2
@@ -237,7 +322,9 @@ def enrich_v1_reference(
         counts.exemplars += len(ts.exemplars)
         counts.histograms += len(ts.histograms)
         labels = [(lb.name, lb.value) for lb in ts.labels]
-        new, reason = _reference_decision(labels, index, pod_label_pairs, conflict_policy)
+        new, reason = _reference_decision(
+            labels, index, pod_label_pairs, conflict_policy, pod_label_rules
+        )
         reasons.append(reason)
         if new is not None:
             del ts.labels[:]
@@ -251,6 +338,7 @@ def enrich_v2_reference(
     index: PodIndex,
     pod_label_pairs: Sequence[tuple[str, str]],
     conflict_policy: str = "replace",
+    pod_label_rules: Sequence[PodLabelRule] | None = None,
 ) -> EnrichResult:
     """The same result as :meth:`Enricher.enrich_v2`, through full protobuf objects."""
     from proxy.pb.io.prometheus.write.v2 import types_pb2
@@ -271,7 +359,9 @@ def enrich_v2_reference(
         counts.histograms += len(ts.histograms)
         refs = list(ts.labels_refs)
         labels = [(symbols[refs[i]], symbols[refs[i + 1]]) for i in range(0, len(refs), 2)]
-        new, reason = _reference_decision(labels, index, pod_label_pairs, conflict_policy)
+        new, reason = _reference_decision(
+            labels, index, pod_label_pairs, conflict_policy, pod_label_rules
+        )
         reasons.append(reason)
         if new is None:
             continue

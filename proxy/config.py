@@ -7,6 +7,7 @@ produce a ``Settings``; ``docs/configuration.md`` documents every key.
 from __future__ import annotations
 
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -72,8 +73,51 @@ class UpstreamSettings:
 
 
 @dataclass
+class PodLabelPair:
+    """A (namespace label, pod label) pair with labels that disqualify it."""
+
+    namespace: str
+    pod: str
+    #: label -> regular expression (anchored at both ends, like a PromQL ``=~``): the pair
+    #: is not used when the series' value of that label (a missing label reads "") matches
+    unless: dict[str, str] = field(default_factory=dict)
+
+
+#: the exporter's own container names: a DCGM series whose plain (namespace, pod) comes
+#: with one of these (or with no container at all) names the exporter, not a GPU's pod
+DCGM_EXPORTER_CONTAINERS = "|nvidia-dcgm-exporter|dcgm-exporter|exporter"
+
+
+@dataclass
+class PodLabelRule:
+    """Which labels name the pod for metrics whose name starts with ``metric_prefix``."""
+
+    metric_prefix: str
+    #: ordered like ``enrich.pod_label_pairs``; the first usable pair wins
+    pod_label_pairs: list[PodLabelPair]
+
+
+def _default_pod_label_rules() -> list[PodLabelRule]:
+    # DCGM: under honor_labels false the GPU's pod is exported_*, and the plain pair is
+    # always the exporter's (its container label, a target label, is the exporter's). Under
+    # honor_labels true the plain pair + container are the GPU's pod. An idle GPU has only
+    # the target's pair: without a container, or with the exporter's.
+    return [
+        PodLabelRule(
+            metric_prefix="DCGM_",
+            pod_label_pairs=[
+                PodLabelPair("exported_namespace", "exported_pod"),
+                PodLabelPair("pod_namespace", "pod_name"),
+                PodLabelPair("namespace", "pod", {"container": DCGM_EXPORTER_CONTAINERS}),
+            ],
+        )
+    ]
+
+
+@dataclass
 class EnrichSettings:
     #: ordered (namespace label, pod label) pairs; the first pair present in a series wins
+    #: (metrics a ``pod_label_rules`` entry matches use that entry's pairs instead)
     pod_label_pairs: list[tuple[str, str]] = field(
         default_factory=lambda: [
             ("exported_namespace", "exported_pod"),
@@ -81,6 +125,8 @@ class EnrichSettings:
             ("pod_namespace", "pod_name"),
         ]
     )
+    #: per metric-name prefix pairs; the first rule whose prefix matches ``__name__`` wins
+    pod_label_rules: list[PodLabelRule] = field(default_factory=_default_pod_label_rules)
     #: "replace": stamped labels replace same-named labels a sender sent;
     #: "keep": a series that already carries karta_workload passes through unchanged
     conflict_policy: str = "replace"
@@ -140,6 +186,10 @@ class Settings:
     facts: FactSettings = field(default_factory=FactSettings)
     #: file or folder of Kubernetes objects; when set, no live cluster is used
     snapshot: str = ""
+    #: poll the snapshot's files this often and apply what changed (0: load once). On by
+    #: default: a poll is a few stat calls, it lets a ConfigMap-mounted snapshot follow its
+    #: updates, and it keeps the snapshot's freshness fact current while the files are
+    snapshot_reload_seconds: float = 30.0
     log_level: str = "info"
     #: "json" or "text"
     log_format: str = "json"
@@ -228,6 +278,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
+    if tp is PodLabelPair:
+        return _pod_label_pair(value, key)
     if is_dataclass(tp) and isinstance(tp, type):
         return _build(tp, value, key)
     origin = typing.get_origin(tp)
@@ -284,6 +336,17 @@ def _pair(value: Any, key: str) -> tuple[str, str]:
             f"got {value!r}"
         )
     return (value[0], value[1])
+
+
+def _pod_label_pair(value: Any, key: str) -> PodLabelPair:
+    """``[ns, pod]``, or ``{namespace: .., pod: .., unless: {label: regex}}``."""
+    if isinstance(value, dict) and "unless" in value:
+        rest = {k: v for k, v in value.items() if k != "unless"}
+        ns, pod = _pair(rest, key)
+        unless = _convert(dict[str, str], value["unless"], f"{key}.unless")
+        return PodLabelPair(ns, pod, unless)
+    ns, pod = _pair(value, key)
+    return PodLabelPair(ns, pod)
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -367,6 +430,21 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     e = s.enrich
     if not e.pod_label_pairs:
         raise ConfigError("enrich.pod_label_pairs: at least one (namespace, pod) pair")
+    for i, rule in enumerate(e.pod_label_rules):
+        where = f"enrich.pod_label_rules[{i}]"
+        if not rule.metric_prefix:
+            raise ConfigError(f"{where}.metric_prefix: must not be empty")
+        if not rule.pod_label_pairs:
+            raise ConfigError(f"{where}.pod_label_pairs: at least one (namespace, pod) pair")
+        for j, pair in enumerate(rule.pod_label_pairs):
+            for label, pattern in pair.unless.items():
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise ConfigError(
+                        f"{where}.pod_label_pairs[{j}].unless.{label}: invalid regular "
+                        f"expression {pattern!r}: {exc}"
+                    ) from None
     _one_of(e.conflict_policy, _CONFLICT_POLICIES, "enrich.conflict_policy")
     if e.cache_size < 0:
         raise ConfigError(f"enrich.cache_size: must be 0 or more, got {e.cache_size}")
@@ -390,5 +468,9 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
 
     if s.snapshot and not os.path.exists(s.snapshot):
         raise ConfigError(f"snapshot: {s.snapshot!r} does not exist")
+    if s.snapshot_reload_seconds < 0:
+        raise ConfigError(
+            f"snapshot_reload_seconds: must be 0 (off) or more, got {s.snapshot_reload_seconds}"
+        )
     _one_of(s.log_level.lower(), _LOG_LEVELS, "log_level")
     _one_of(s.log_format, _LOG_FORMATS, "log_format")

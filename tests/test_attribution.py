@@ -8,9 +8,9 @@ import pytest
 
 from proxy import contract
 from proxy.attribution import Enricher, enrich_v1_reference, enrich_v2_reference
-from proxy.config import EnrichSettings
+from proxy.config import EnrichSettings, settings_from_dict
 from proxy.index import PodIndex
-from proxy.karta.results import ChangeSet, PodAttribution
+from proxy.karta.results import ChangeSet, PodAttribution, WorkloadRef
 from tests.wire_fixtures import (
     STALE_NAN,
     TS,
@@ -257,3 +257,109 @@ def test_reference_agrees_on_fixtures(policy: str) -> None:
 
 def test_stamped_labels_come_from_the_contract() -> None:
     assert {n for n, _ in TRAIN_LABELS} <= set(contract.STAMPED_LABELS)
+
+
+# -- DCGM: the GPU's pod, never the exporter's ----------------------------------------------
+
+EXPORTER = "nvidia-dcgm-exporter-7xk2p"
+_DCGM_TARGET = {  # what the scrape config adds (a prometheus-operator ServiceMonitor)
+    "endpoint": "gpu-metrics",
+    "instance": "10.1.0.7:9400",
+    "job": "nvidia-dcgm-exporter",
+    "service": "nvidia-dcgm-exporter",
+}
+_DCGM_GPU = {
+    "DCGM_FI_DRIVER_VERSION": "535.104.05",
+    "Hostname": "gpu-node-1",
+    "UUID": "GPU-4c2b9f1e-8a1d-2f6e-9b0c-3d5e7f9a1b2c",
+    "device": "nvidia0",
+    "gpu": "0",
+    "modelName": "NVIDIA A100-SXM4-80GB",
+    "pci_bus_id": "00000000:07:00.0",
+}
+
+
+def _index_with_exporter() -> PodIndex:
+    idx = index_with_pods()
+    ds = WorkloadRef("gpu-operator", "apps", "DaemonSet", "nvidia-dcgm-exporter", "w9")
+    idx.apply(ChangeSet(pods={"u9": PodAttribution(
+        "gpu-operator", EXPORTER, "u9", ds, "", "nvidia-dcgm-exporter")}))
+    return idx
+
+
+def _dcgm(metric: str, honor_labels: bool, gpu_pod: tuple[str, str, str] | None,
+          target_container: bool = True) -> dict[str, str]:
+    """A DCGM series as a Prometheus agent sends it. ``gpu_pod``: (namespace, pod,
+    container) of the pod holding the GPU, None for an idle GPU."""
+    out = {"__name__": metric, **_DCGM_TARGET, **_DCGM_GPU,
+           "namespace": "gpu-operator", "pod": EXPORTER}
+    if target_container:
+        out["container"] = "nvidia-dcgm-exporter"
+    if gpu_pod is not None:
+        ns, pod, container = gpu_pod
+        if honor_labels:  # the exporter's labels win over the target's
+            out.update(namespace=ns, pod=pod, container=container)
+        else:  # renamed exported_* by the server
+            out.update(exported_namespace=ns, exported_pod=pod, exported_container=container)
+    return out
+
+
+TRAIN_GPU = ("ml", "train-head", "ray-worker")
+
+
+@pytest.mark.parametrize("honor_labels", [False, True])
+@pytest.mark.parametrize("target_container", [True, False])
+def test_dcgm_gpu_of_a_pod_is_the_pods_idle_gpu_is_nobodys(
+    honor_labels: bool, target_container: bool
+) -> None:
+    busy = _dcgm("DCGM_FI_DEV_FB_USED", honor_labels, TRAIN_GPU, target_container)
+    idle = _dcgm("DCGM_FI_DEV_FB_USED", honor_labels, None, target_container)
+    # the exporter's own cAdvisor series: the plain pair is right for it
+    own = {"__name__": "container_memory_working_set_bytes", "namespace": "gpu-operator",
+           "pod": EXPORTER, "container": "nvidia-dcgm-exporter", "job": "kubelet"}
+    raw = request_v1(series_v1(busy), series_v1(idle), series_v1(own))
+    idx = _index_with_exporter()
+    res = Enricher(idx, PAIRS).enrich_v1(raw)
+    out = [dict(labels_of(ts)) for ts in parse_v1(res.body).timeseries]
+    assert out[0]["karta_workload"] == "train"
+    assert {k: v for k, v in out[0].items() if not k.startswith("karta_")} == busy
+    assert out[1] == idle  # untouched: not charged to the dcgm-exporter
+    assert out[2]["karta_workload"] == "nvidia-dcgm-exporter"
+    assert res.attributed == 2 and res.unattributed == {"no_pod_label": 1}
+    ref = enrich_v1_reference(raw, idx, PAIRS)
+    assert parse_v1(ref.body) == parse_v1(res.body)
+    # RW 2.0 decides the same way
+    raw2 = request_v2(busy, idle, own)
+    res2 = Enricher(idx, PAIRS).enrich_v2(raw2)
+    req2 = parse_v2(res2.body)
+    assert [dict(labels_v2(req2, ts)).get("karta_workload") for ts in req2.timeseries] == [
+        "train", None, "nvidia-dcgm-exporter"]
+    assert res2.unattributed == {"no_pod_label": 1}
+
+
+def test_without_rules_an_idle_gpu_falls_back_to_the_exporters_pod() -> None:
+    """What the rule is for: the plain pair alone names the exporter."""
+    idle = _dcgm("DCGM_FI_DEV_FB_USED", False, None)
+    res = Enricher(_index_with_exporter(), PAIRS, pod_label_rules=[]).enrich_v1(
+        request_v1(series_v1(idle)))
+    assert dict(labels_of(parse_v1(res.body).timeseries[0]))["karta_workload"] == (
+        "nvidia-dcgm-exporter")
+
+
+def test_rules_come_from_the_settings() -> None:
+    s = settings_from_dict({"enrich": {"pod_label_rules": [{
+        "metric_prefix": "gpu_", "pod_label_pairs": [
+            {"namespace": "namespace", "pod": "pod", "unless": {"job": "exp.*"}}]}]}})
+    rules = s.enrich.pod_label_rules
+    e = Enricher(index_with_pods(), PAIRS, pod_label_rules=rules)
+    raw = request_v1(
+        series_v1({"__name__": "gpu_x", "namespace": "ml", "pod": "train-head", "job": "j"}),
+        series_v1({"__name__": "gpu_x", "namespace": "ml", "pod": "train-head",
+                   "job": "exporter"}),
+        series_v1({"__name__": "DCGM_X", "namespace": "ml", "pod": "train-head",
+                   "job": "exporter"}),  # no DCGM rule in these settings: plain pair
+    )
+    res = e.enrich_v1(raw)
+    assert res.attributed == 2 and res.unattributed == {"no_pod_label": 1}
+    assert parse_v1(res.body) == parse_v1(enrich_v1_reference(raw, index_with_pods(), PAIRS,
+                                                              pod_label_rules=rules).body)

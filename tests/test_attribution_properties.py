@@ -38,7 +38,8 @@ names = st.sampled_from(
      "pod_name", "container", "karta_workload", "karta_replica", "karta_component",
      "karta_zzz", "karta_", "job", "a", "zz", "\x12\x10"]
 ) | text.filter(bool)
-values = st.sampled_from(["ml", "web", "train-head", "shop-abc", "lonely", "ghost", ""]) | text
+values = st.sampled_from(["ml", "web", "train-head", "shop-abc", "lonely", "ghost", "",
+                          "DCGM_FI_DEV_FB_USED", "nvidia-dcgm-exporter"]) | text
 PODS = [("ml", "train-head"), ("web", "shop-abc"), ("ml", "lonely"), ("ml", "ghost")]
 
 
@@ -52,6 +53,9 @@ def label_sets(draw: Any) -> dict[str, str]:
         ns, pod = draw(st.sampled_from(PODS))
         labels[ns_name] = ns
         labels[pod_name] = pod
+    if draw(st.integers(0, 3)) == 0:  # DCGM: its own pod-label rule (exporter or GPU pod)
+        labels["__name__"] = "DCGM_FI_DEV_FB_USED"
+        labels["container"] = draw(st.sampled_from(["", "main", "nvidia-dcgm-exporter"]))
     for name in draw(st.lists(st.sampled_from(
         ["karta_workload", "karta_replica", "karta_kind", "karta_zzz", "karta_a"]), max_size=2
     )):
