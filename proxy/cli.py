@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snapshot", metavar="PATH",
                    help="file or folder of Kubernetes objects (YAML, a List, or JSON) to build "
                    "the index from instead of a live cluster (snapshot)")
+    g.add_argument("--snapshot-reload-seconds", type=float, metavar="SECONDS",
+                   help="poll the snapshot's files this often and apply changes; 0 loads "
+                   "once (snapshot_reload_seconds; default 30)")
     g.add_argument("--kubeconfig", metavar="PATH",
                    help="kubeconfig of the cluster to watch (kube.kubeconfig; default "
                    "$KUBECONFIG, else the in-cluster service account)")
@@ -132,6 +135,8 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         s.upstream.bearer_token_file = args.upstream_bearer_token_file
     if args.snapshot is not None:
         s.snapshot = args.snapshot
+    if args.snapshot_reload_seconds is not None:
+        s.snapshot_reload_seconds = args.snapshot_reload_seconds
     if args.kubeconfig is not None:
         s.kube.kubeconfig = args.kubeconfig
     elif not s.kube.kubeconfig and env.get("KUBECONFIG"):

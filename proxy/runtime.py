@@ -114,7 +114,8 @@ class Proxy:
             from proxy.snapshot import SnapshotSource
 
             self.source_name = f"snapshot {s.snapshot}"
-            return SnapshotSource(s.snapshot, self.engine, self.index)
+            return SnapshotSource(s.snapshot, self.engine, self.index,
+                                  reload_seconds=s.snapshot_reload_seconds or None)
         from proxy.kube.source import KubeSource
 
         self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name

@@ -31,6 +31,7 @@ def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]
 def test_help_documents_every_flag() -> None:
     text = build_parser().format_help()
     for flag in ("--listen-address", "--upstream-url", "--snapshot", "--config", "--log-level",
+                 "--snapshot-reload-seconds",
                  "--kubeconfig", "--namespace", "--node-name", "--description",
                  "--no-builtin-descriptions", "karta-proxy demo"):
         assert flag in text, flag
@@ -93,6 +94,18 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert s.kube.node_name == "flag-node"
     s = settings_from_args(build_parser().parse_args(["--config", str(cfg)]), env={})
     assert s.kube.node_name == "file-node"
+
+
+def test_snapshot_reload_flag(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("upstream: {url: 'http://x:1/api/v1/write'}\nsnapshot_reload_seconds: 5\n")
+    s = settings_from_args(build_parser().parse_args(["--config", str(cfg)]), env={})
+    assert s.snapshot_reload_seconds == 5.0
+    s = settings_from_args(build_parser().parse_args(
+        ["--config", str(cfg), "--snapshot-reload-seconds", "0"]), env={})
+    assert s.snapshot_reload_seconds == 0.0
+    assert settings_from_args(build_parser().parse_args(
+        ["--upstream-url", "http://x:1"]), env={}).snapshot_reload_seconds == 30.0
 
 
 def test_validation_error_is_a_config_error() -> None:

@@ -142,6 +142,7 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
         (lambda s: setattr(s.enrich, "pod_label_pairs", []), "enrich.pod_label_pairs"),
         (lambda s: setattr(s, "snapshot", "/nonexistent/snap.yaml"), "snapshot:"),
         (lambda s: setattr(s, "log_level", "loud"), "log_level"),
+        (lambda s: setattr(s, "snapshot_reload_seconds", -1), "snapshot_reload_seconds"),
         (lambda s: setattr(s.karta, "description_paths", ["/nonexistent"]),
          "karta.description_paths[0]"),
     ],

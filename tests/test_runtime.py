@@ -3,6 +3,8 @@ fact writer's metrics are on /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
@@ -75,3 +77,51 @@ async def get_text(p: Proxy, path: str) -> str:
     ) as r:
         assert r.status == 200
         return await r.text()
+
+
+async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
+    """snapshot_reload_seconds polls the snapshot: a pod added to the file gets labels, a
+    pod removed from it becomes a tombstone (still labelled)."""
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    s = Settings()
+    s.snapshot = str(snap)
+    s.snapshot_reload_seconds = 0.2
+    s.upstream.url = "http://127.0.0.1:9/api/v1/write"
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    p = Proxy(s)
+    await p.start()
+    try:
+        assert p.index.lookup(b"shop", b"cart-7d9f8-fghij") is None
+        second = SNAPSHOT.split("---\n")[-1].replace("abcde", "fghij").replace("p-cart", "p-2")
+        without_first = "---\n".join(SNAPSHOT.split("---\n")[:-1])
+        snap.write_text(without_first + "---\n" + second)
+        deadline = time.monotonic() + 10
+        while p.index.lookup(b"shop", b"cart-7d9f8-fghij") is None:
+            assert time.monotonic() < deadline, "snapshot change not picked up"
+            await asyncio.sleep(0.05)
+        assert "p-cart" not in p.index.pods  # gone from the file: a tombstone
+        assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
+    finally:
+        await p.stop()
+
+
+async def test_snapshot_reload_off(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    s = Settings()
+    s.snapshot = str(snap)
+    s.snapshot_reload_seconds = 0
+    s.upstream.url = "http://127.0.0.1:9/api/v1/write"
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    p = Proxy(s)
+    await p.start()
+    try:
+        snap.write_text(SNAPSHOT.replace("abcde", "fghij").replace("p-cart", "p-2"))
+        await asyncio.sleep(0.6)
+        assert p.index.lookup(b"shop", b"cart-7d9f8-fghij") is None
+        assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
+    finally:
+        await p.stop()
