@@ -164,7 +164,8 @@ class FactSettings:
     #: elect one writer among replicas through a coordination.k8s.io Lease
     leader_election: bool = False
     lease_name: str = "karta-proxy-facts"
-    lease_namespace: str = "default"
+    #: empty: the proxy's own namespace (POD_NAMESPACE, else the service account's)
+    lease_namespace: str = ""
     lease_duration_seconds: float = 15.0
     #: identity in the lease; defaults to the hostname
     identity: str = ""

@@ -195,7 +195,8 @@ async def _live_pods_attributed_fast(session: aiohttp.ClientSession, proxy: Prox
         assert stamped(r["metric"]) == STAMPED, r["metric"]
         first[r["metric"]["pod"]] = min(float(t) for t, _ in r["values"])
     assert set(first) == set(names), set(names) - set(first)
-    latency = [first[n] - created[n] for n in names]
+    # sample timestamps are whole milliseconds: compare with the creation's millisecond
+    latency = [first[n] - int(created[n] * 1000) / 1000 for n in names]
     assert all(0 <= x < LATENCY_BOUND_SECONDS for x in latency), latency
     print(f"\nattribution latency, sim.create -> first enriched forward ({LIVE_PODS} pods): "
           f"p50 {statistics.median(latency) * 1000:.0f} ms, "

@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from proxy.config import Settings
-from proxy.runtime import Proxy
+from proxy.runtime import Proxy, own_namespace
 from proxy.sender import decode_v1
 from tests.peers.conftest import wait_until
 from tests.scripted import ScriptedUpstream
@@ -125,3 +126,45 @@ async def test_snapshot_reload_off(tmp_path: Path) -> None:
         assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
     finally:
         await p.stop()
+
+
+def test_own_namespace(tmp_path: Path) -> None:
+    sa = tmp_path / "namespace"
+    assert own_namespace({}, sa) == "default"  # outside a cluster
+    sa.write_text("karta-proxy\n")
+    assert own_namespace({}, sa) == "karta-proxy"
+    assert own_namespace({"POD_NAMESPACE": "from-env"}, sa) == "from-env"
+    assert own_namespace({"POD_NAMESPACE": " "}, sa) == "karta-proxy"
+
+
+async def test_lease_in_the_own_namespace_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """facts.lease_namespace empty: the Lease is taken in the pod's namespace."""
+    from tests.kubesim import KubeSim
+    from tests.kubesim.resources import LEASE
+
+    monkeypatch.setenv("POD_NAMESPACE", "karta-proxy")
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        s = Settings()
+        s.snapshot = str(snap)
+        s.kube.kubeconfig = str(sim.write_kubeconfig())
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.leader_election = True
+        s.facts.interval_seconds = 0.2
+        p = Proxy(s)
+        await p.start()
+        try:
+            async def leased() -> bool:
+                return bool(sim.objects(LEASE))
+
+            await wait_until(leased, timeout=10, what="the fact writer's Lease")
+            (lease,) = sim.objects(LEASE)
+            assert lease["metadata"]["namespace"] == "karta-proxy"
+            assert lease["metadata"]["name"] == "karta-proxy-facts"
+            assert p.lease_namespace == "karta-proxy"
+        finally:
+            await p.stop()
