@@ -175,6 +175,9 @@ class FactSettings:
     #: ~100k pods they make a scrape take 5-13 s (prometheus_client renders ~10-40 us a
     #: sample); the remote-write stream always carries them, /metrics keeps the rest
     metrics_pod_facts: bool = False
+    #: write facts even in node mode (kube.node_name), where a replica sees one node's pods
+    #: only and its pod facts and observed-pod counts are partial; off: node mode writes none
+    allow_in_node_mode: bool = False
 
 
 @dataclass

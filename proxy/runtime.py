@@ -110,6 +110,8 @@ class Proxy:
         self.source: Service | None = None
         self.source_name = ""
         self.facts: Service | None = None
+        #: whether this process writes fact series (facts.enabled, unless node mode)
+        self.writes_facts = self._decide_fact_writing()
         self._elector: Any = None
         #: where the fact writer's Lease is (resolved at start when election is on)
         self.lease_namespace = ""
@@ -150,12 +152,27 @@ class Proxy:
         self.metrics.registry.register(RegistryView(kube_registry, SHARED_INDEX_FAMILIES))
         return KubeSource(s.kube, self.engine, self.index, metrics_registry=kube_registry)
 
+    def _decide_fact_writing(self) -> bool:
+        """Fact series describe the whole cluster; a node-mode replica sees one node's pods,
+        so its observed-pod counts and pod facts would be partial (and every replica of the
+        DaemonSet would write the same series). Off there unless explicitly allowed."""
+        s = self.settings
+        if not s.facts.enabled:
+            return False
+        if s.kube.node_name and not s.snapshot and not s.facts.allow_in_node_mode:
+            log.info("fact series not written in node mode: this replica sees only node %s's "
+                     "pods, so its facts would be partial; run one cluster-mode replica for "
+                     "facts, or set facts.allow_in_node_mode", s.kube.node_name,
+                     extra={"node_name": s.kube.node_name})
+            return False
+        return True
+
     def _make_facts(self) -> Service | None:
         from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
 
         self.metrics.registry.register(
             FactsCollector(self.index, pod_facts=self.settings.facts.metrics_pod_facts))
-        if not self.settings.facts.enabled:
+        if not self.writes_facts:
             return None
         writer = FactWriter(self.settings.facts, self.index, self.upstream.send_v1,
                             elector=self._elector)
@@ -165,7 +182,7 @@ class Proxy:
     async def _start_elector(self) -> None:
         """One fact writer among replicas: a Lease, through the same cluster connection."""
         f = self.settings.facts
-        if not (f.enabled and f.leader_election):
+        if not (self.writes_facts and f.leader_election):
             return
         from proxy.kube.client import KubeClient
         from proxy.lease import LeaseElector

@@ -4,6 +4,7 @@ fact writer's metrics are on /metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -168,3 +169,36 @@ async def test_lease_in_the_own_namespace_by_default(
             assert p.lease_namespace == "karta-proxy"
         finally:
             await p.stop()
+
+
+@pytest.mark.parametrize("allow", [False, True])
+async def test_node_mode_writes_no_facts_unless_allowed(
+    allow: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node-mode replica sees one node's pods: its facts would be partial, so it writes
+    none (and says so) unless facts.allow_in_node_mode."""
+    from tests.kube.conftest import deployment
+    from tests.kubesim import KubeSim
+
+    caplog.set_level(logging.INFO, logger="karta.runtime")
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        deployment(sim, "web", "shop", replicas=2, node="n1")
+        s = Settings()
+        s.kube.kubeconfig = str(sim.write_kubeconfig())
+        s.kube.node_name = "n1"
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.interval_seconds = 0.1
+        s.facts.allow_in_node_mode = allow
+        p = Proxy(s)
+        await p.start()
+        try:
+            assert p.index.lookup(b"shop", b"web-1-0") is not None  # the data path works
+            await asyncio.sleep(0.5)
+        finally:
+            await p.stop()
+    assert p.writes_facts is allow
+    assert (p.facts is not None) is allow
+    assert bool(up.received) is allow  # only fact writes reach the upstream here
+    noted = any("not written in node mode" in r.getMessage() for r in caplog.records)
+    assert noted is not allow
