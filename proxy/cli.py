@@ -31,18 +31,22 @@ Precedence: flags override the --config file, which overrides the defaults. Ever
 with its YAML key, is in docs/configuration.md; config/karta-proxy.yaml shows them all.
 
 Without --snapshot the index comes from the Kubernetes API (in-cluster service account, or
---kubeconfig / KUBECONFIG).
+--kubeconfig / KUBECONFIG). Environment: KUBECONFIG and NODE_NAME stand in for absent
+flags; POD_NAMESPACE (else the service account's namespace) places the fact writer's Lease.
+In node mode (--node-name) no fact series are written (facts.allow_in_node_mode).
 
 Endpoints: POST /api/v1/write, /api/v1/push, /api/v1/receive (remote write 1.0 and 2.0,
 snappy or zstd); GET /metrics, /-/healthy, /-/ready, /.
+
+Exit codes: 0 after SIGTERM/SIGINT, 1 when starting fails, 2 for an invalid setting.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Prometheus remote-write proxy that stamps Karta workload attribution "
-        "(karta_workload, karta_component, karta_instance, ...) onto pod series and "
+        description="Prometheus remote-write proxy that stamps Karta workload attribution\n"
+        "(karta_workload, karta_component, karta_instance, ...) onto pod series and\n"
         "forwards them to one TSDB.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to serve remote write and /metrics on (server.listen_address; "
                    "default 0.0.0.0:9091)")
     g.add_argument("--forward-before-ready", action="store_true", default=None,
-                   help="forward requests unenriched until the index is loaded instead of "
-                   "answering 503 (server.forward_before_ready)")
+                   help="until the index is loaded, forward requests unenriched (and report "
+                   "ready) instead of answering 503 (server.forward_before_ready)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (log_level; default info)")
     g.add_argument("--log-format", choices=("json", "text"),
@@ -96,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(karta.description_paths)")
     g.add_argument("--no-builtin-descriptions", action="store_true", default=None,
                    help="switch off the built-in descriptions of core kinds (karta.builtins)")
+    g = p.add_argument_group("facts")
     g.add_argument("--no-facts", action="store_true", default=None,
                    help="do not write fact series upstream (facts.enabled)")
     return p

@@ -404,7 +404,8 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
 
     u = s.upstream
     if require_upstream and not u.url:
-        raise ConfigError("upstream.url: required (flag --upstream-url)")
+        raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
+                          "--upstream-url http://prometheus:9090/api/v1/write")
     if u.url:
         parsed = urlsplit(u.url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:

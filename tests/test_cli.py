@@ -54,6 +54,26 @@ def test_invalid_settings_exit_2_with_one_line(
     assert err.count("\n") == 1 and err.startswith("karta-proxy: error: ") and fragment in err
 
 
+def test_no_upstream_is_one_clear_line_and_exit_2() -> None:
+    r = run_cli()
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "karta-proxy: error: upstream.url: required: the TSDB's remote-write URL, e.g. "
+        "--upstream-url http://prometheus:9090/api/v1/write"
+    ]
+
+
+def test_help_texts() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: karta-proxy ")
+    for section in ("serving:", "upstream:", "index source:", "descriptions:", "facts:",
+                    "Exit codes:"):
+        assert section in r.stdout, section
+    r = run_cli("demo", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: karta-proxy demo ")
+    assert "--snapshot" in r.stdout and "--series" in r.stdout
+
+
 def test_unknown_config_key_exits_2(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("upstream:\n  url: http://x\n  timeout: 3\n")
