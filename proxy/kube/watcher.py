@@ -4,8 +4,10 @@ The loop: list (paginated) -> watch from the list's resourceVersion with bookmar
 on a clean end (server timeout) watch again from the last resourceVersion seen; on 410
 Gone relist and find deletions by diffing against what this watcher holds; on
 disconnects, refused connections and 5xx back off (exponential, full jitter) and
-resume. Events are handed to a sink in small slices with a yield to the event loop
-between slices, so a burst never stalls request handling.
+resume; a stream that stays silent (no event, no bookmark) for ``idle_timeout`` is
+taken for dead and resumed. Events are handed to a sink in slices sized to a time
+budget, with a yield to the event loop after each slice, so a burst never stalls
+request handling however costly each event is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -68,8 +71,23 @@ class WatchMetrics:
         )
 
 
+#: work (JSON decoding + engine + index) between two yields to the event loop. Also
+#: during the initial sync: larger slices there starve the reads of the next list page
+#: (aiohttp reads it between slices) and made the sync slower, not faster.
+SLICE_BUDGET = 0.004
+MAX_SLICE = 4096
+#: no byte (event or bookmark) for this long on an open watch -> taken for dead. A real
+#: API server sends a bookmark about every minute to watches that ask for them, and
+#: ends every watch after ``timeoutSeconds``; a half-open TCP connection sends nothing.
+IDLE_TIMEOUT = 150.0
+
+
 class _Gone(Exception):
     """410: the resourceVersion is compacted away; only a relist helps."""
+
+
+class _Idle(Exception):
+    """An open watch sent nothing for ``idle_timeout``: a dead peer or a hung stream."""
 
 
 class Backoff:
@@ -100,9 +118,10 @@ class ResourceWatcher:
         metadata_only: bool = False,
         namespace: str | None = None,
         field_selector: str = "",
-        page_size: int = 500,
-        slice_size: int = 16,
+        page_size: int = 2000,
+        slice_budget: float = SLICE_BUDGET,
         watch_timeout: Callable[[], int] = lambda: random.randint(240, 480),
+        idle_timeout: float = IDLE_TIMEOUT,
         backoff_max: float = 30.0,
         held: dict[str, tuple[str, str]] | None = None,
     ) -> None:
@@ -114,8 +133,11 @@ class ResourceWatcher:
         self.namespace = namespace if resource.namespaced else None
         self.field_selector = field_selector
         self.page_size = page_size
-        self.slice_size = slice_size
+        self.slice_budget = slice_budget
+        #: events per slice, adapted so that a slice takes about the budget
+        self.slice_size = 64
         self.watch_timeout = watch_timeout
+        self.idle_timeout = idle_timeout
         self.backoff = Backoff(cap=backoff_max)
         self.name = f"{self.namespace}/{resource.name}" if self.namespace else resource.name
         #: uid -> (namespace, name) of every object this watcher delivered: the relist
@@ -178,6 +200,12 @@ class ResourceWatcher:
                 reason = "error"
                 log.warning("watch %s: API error %s", self.name, e)
                 self._set_health(False)
+            except _Idle:
+                # the server never closed the stream; it may be fine for new requests:
+                # resume (jittered), the next request tells whether it is reachable
+                reason = "idle"
+                log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
+                            self.name, self.idle_timeout)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
                 # an open stream broke: resume at once (jittered), not stale yet
                 reason = "disconnect"
@@ -240,7 +268,7 @@ class ResourceWatcher:
                     self.held[uid] = (omd.get("namespace", ""), omd.get("name", ""))
                     events.append(("ADDED", obj))
                 del doc
-                await self._deliver(events)
+                await self.deliver(events)
                 if not token:
                     break
         finally:
@@ -254,17 +282,29 @@ class ResourceWatcher:
             for uid in gone:
                 del self.held[uid]
             self.metrics.events.labels(self.name, "RELIST_DELETED").inc(len(gone))
-            await self._deliver(deletions)
+            await self.deliver(deletions)
         self.resource_version = rv
         self.backoff.reset()
         self.sink.current(self)
         self.synced.set()
         return rv
 
-    async def _deliver(self, events: list[WatchEvent]) -> None:
-        for i in range(0, len(events), self.slice_size):
-            self.sink.handle(self, events[i: i + self.slice_size])
+    async def deliver(self, events: list[WatchEvent]) -> None:
+        """Hand events to the sink in slices of about the time budget each."""
+        i = 0
+        while i < len(events):
+            size = self.slice_size
+            t0 = time.perf_counter()
+            self.sink.handle(self, events[i: i + size])
+            self._adapt(min(size, len(events) - i), time.perf_counter() - t0)
+            i += size
             await asyncio.sleep(0)
+
+    def _adapt(self, n: int, elapsed: float) -> None:
+        """Size the next slice so that it takes about the budget: shrink at once after
+        a costly slice, grow at most 2x per slice after cheap ones."""
+        fit = int(self.slice_budget * n / elapsed) if elapsed > 0 else MAX_SLICE
+        self.slice_size = max(1, min(MAX_SLICE, 2 * self.slice_size, fit))
 
     def _fill(self, obj: Obj) -> None:
         # typed lists and metadata-only answers leave out (or replace) apiVersion/kind
@@ -277,7 +317,10 @@ class ResourceWatcher:
         q = self._query()
         q.update(watch="1", resourceVersion=rv, allowWatchBookmarks="true",
                  timeoutSeconds=str(server_timeout))
-        timeout = aiohttp.ClientTimeout(total=server_timeout + 30, sock_connect=10)
+        # sock_read: no byte for idle_timeout (between reads, or before the headers) ends
+        # the wait; total: a backstop should the server ignore timeoutSeconds
+        timeout = aiohttp.ClientTimeout(total=server_timeout + 30, sock_connect=10,
+                                        sock_read=self.idle_timeout)
         resp = await self.client.open(
             self.resource.path(self.namespace), query=q, timeout=timeout,
             accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON,
@@ -286,7 +329,10 @@ class ResourceWatcher:
         buf = b""
         try:
             while True:
-                chunk = await resp.content.readany()
+                try:
+                    chunk = await resp.content.readany()
+                except aiohttp.ServerTimeoutError as e:
+                    raise _Idle() from e
                 if not chunk:
                     if buf.strip():
                         rv = await self._process([buf], rv)
@@ -301,10 +347,14 @@ class ResourceWatcher:
             resp.release()
 
     async def _process(self, lines: list[bytes], rv: str) -> str:
-        for i in range(0, len(lines), self.slice_size):
+        """Decode and deliver watch lines, a time-budgeted slice at a time."""
+        i = 0
+        while i < len(lines):
+            size = self.slice_size
+            t0 = time.perf_counter()
             events: list[WatchEvent] = []
             got_any = False
-            for line in lines[i: i + self.slice_size]:
+            for line in lines[i: i + size]:
                 if not line.strip():
                     continue
                 ev = json.loads(line)
@@ -341,5 +391,7 @@ class ResourceWatcher:
                 self.resource_version = rv
                 self.backoff.reset()
                 self.sink.current(self)
-                await asyncio.sleep(0)
+            self._adapt(min(size, len(lines) - i), time.perf_counter() - t0)
+            i += size
+            await asyncio.sleep(0)
         return rv
