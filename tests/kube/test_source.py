@@ -282,3 +282,86 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
     sim.register(JOB_SET)  # the CRD gets installed later: picked up by the recheck
     await eventually(lambda: gk in source.watchers and gk not in source.unserved_kinds,
                      timeout=5)
+
+
+# The project's own RayCluster description: phase from .status.state, worker replicas per
+# worker group (the instance).
+RAYCLUSTER_KARTA = {
+    "apiVersion": "run.ai/v1alpha1",
+    "kind": "Karta",
+    "metadata": {"name": "test-raycluster"},
+    "spec": {"structureDefinition": {
+        "rootComponent": {
+            "name": "raycluster",
+            "kind": {"group": "ray.io", "version": "v1", "kind": "RayCluster"},
+            "statusDefinition": {
+                "phaseDefinition": {"path": ".status.state"},
+                "statusMappings": {"running": [{"byPhase": "ready"}],
+                                   "failed": [{"byPhase": "failed"}]},
+            },
+        },
+        "childComponents": [
+            {"name": "head", "ownerRef": "raycluster",
+             "kind": {"group": "", "version": "v1", "kind": "Pod"},
+             "specDefinition": {"podTemplateSpecPath": ".spec.headGroupSpec.template"},
+             "scaleDefinition": {"replicasPath": "1"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": '.metadata.labels["ray.io/node-type"]', "value": "head"}}},
+            {"name": "worker", "ownerRef": "raycluster",
+             "kind": {"group": "", "version": "v1", "kind": "Pod"},
+             "specDefinition": {"podTemplateSpecPath": ".spec.workerGroupSpecs[].template"},
+             "scaleDefinition": {"replicasPath": ".spec.workerGroupSpecs[].replicas"},
+             "instanceIdPath": ".spec.workerGroupSpecs[].groupName",
+             "podSelector": {
+                 "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
+                                           "value": "worker"},
+                 "componentInstanceSelector": {"idPath": '.metadata.labels["ray.io/group"]'}}},
+        ],
+    }},
+}
+
+
+async def test_description_of_an_owner_kind_switches_it_to_full_objects(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """RayClusters first seen as owners (metadata only) must be read in full once a
+    description names their kind: phase and replica facts come from spec and status."""
+    rc = sim.create({
+        "apiVersion": "ray.io/v1", "kind": "RayCluster",
+        "metadata": {"name": "rc", "namespace": "ml"},
+        "spec": {"workerGroupSpecs": [{"groupName": "gpu", "replicas": 3}]},
+        "status": {"state": "ready"},
+    })
+    sim.create(pod("rc-head", "ml", owner_obj=rc, labels={"ray.io/node-type": "head"}))
+    for i in range(2):
+        sim.create(pod(f"rc-gpu-{i}", "ml", owner_obj=rc,
+                       labels={"ray.io/node-type": "worker", "ray.io/group": "gpu"}))
+    source = await make_source()
+    uid = rc["metadata"]["uid"]
+
+    def mode() -> str:
+        return next((m for gk, (m, _) in source.watchers.items() if gk.kind == "RayCluster"), "")
+
+    assert mode() == "metadata"  # an owner on pod chains, nothing describes it yet
+    assert uid not in source.index.workloads
+    karta = sim.create(RAYCLUSTER_KARTA)
+    await eventually(lambda: mode() == "full" and uid in source.index.workloads
+                     and source.index.workloads[uid].phase_reason == "", timeout=5)
+    facts = source.index.workloads[uid]
+    assert facts.phase.lower() == "running", facts
+    replicas = {(r.component, r.instance): (r.desired, r.observed) for r in facts.replicas}
+    assert replicas[("worker", "gpu")] == (3, 2)
+    assert replicas[("head", "")] == (1, 1)
+    assert (labels(source, "ml", "rc-gpu-1") or {}).get("karta_instance") == "gpu"
+    full = [a for _, path, q, a in sim.requests
+            if path.endswith("/rayclusters") and "watch" not in q and "as=" not in a]
+    assert full, "RayClusters were not relisted as full objects"
+    # the object changes in the cluster: the full watch follows it
+    rc = sim.get("ray.io/v1", "RayCluster", "rc", "ml")
+    rc["status"] = {"state": "failed"}
+    sim.update(rc)
+    await eventually(lambda: source.index.workloads[uid].phase.lower() == "failed")
+    # the description goes away: back to metadata only, the workload is retracted
+    sim.delete(karta)
+    await eventually(lambda: mode() == "metadata" and uid not in source.index.workloads,
+                     timeout=5)
+    await eventually(lambda: labels(source, "ml", "rc-head") is None)
