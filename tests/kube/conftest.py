@@ -40,7 +40,7 @@ async def make_source(sim: KubeSim) -> AsyncIterator[SourceFactory]:
         kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()),
                             resync_backoff_max_seconds=0.5, **settings)
         source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
-                            watch_timeout=2, recheck_interval=0.5)
+                            watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5)
         started.append(source)
         await asyncio.wait_for(source.start(), 10)
         return source

@@ -199,6 +199,23 @@ async def test_disconnects_resume_without_loss(sim: KubeSim,
     assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
 
 
+async def test_silent_stream_is_reconnected(sim: KubeSim, make_source: SourceFactory) -> None:
+    """A watch that goes quiet without closing (half-open connection, stuck server) is
+    given up after the idle timeout (1.5 s here; bookmarks come every 0.2 s), not after
+    timeoutSeconds + 30 s (the server's timeoutSeconds is 2 s, ignored while hung)."""
+    _, rs, _ = deployment(sim, "web", replicas=1)
+    source = await make_source()
+    await eventually(lambda: sim.watch_count() >= len(source.watchers))
+    assert sim.hang_watches() >= 1
+    sim.create(pod("web-1-quiet", owner_obj=rs))
+    await asyncio.sleep(0.5)
+    assert labels(source, "default", "web-1-quiet") is None  # the hung stream said nothing
+    await eventually(_has(source, "web-1-quiet"), timeout=6)
+    why = {"resource": "pods", "reason": "idle"}
+    assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
+    assert not source.index.stale  # the server answers new requests: not an outage
+
+
 async def test_outage_serves_last_index_stale_then_recovers(
         sim: KubeSim, make_source: SourceFactory) -> None:
     _, rs, _ = deployment(sim, "web", replicas=2)

@@ -219,6 +219,19 @@ class KubeSim:
                 n += 1
         return n
 
+    def hang_watches(self) -> int:
+        """Make every open watch stream go silent without closing: no more events,
+        bookmarks or end of stream, whatever timeoutSeconds said. The connection stays
+        open until the client gives up (or ``disconnect_watches`` / ``stop``). New
+        watches are served normally."""
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                if not feed.hung:
+                    feed.hang()
+                    n += 1
+        return n
+
     def watch_count(self, rtype: ResourceType | None = None) -> int:
         stores = (
             [self.store.resources[rtype.key]] if rtype else list(self.store.resources.values())
@@ -458,6 +471,14 @@ class KubeSim:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
+                if feed.hung:
+                    # silent from now on, whatever the deadline: swallow events until
+                    # killed (the client may have gone; nobody reads this connection)
+                    while not feed.killed and await feed.queue.get() is not None:
+                        pass
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -465,6 +486,8 @@ class KubeSim:
                 try:
                     ev = await asyncio.wait_for(feed.queue.get(), wait)
                 except TimeoutError:
+                    if feed.hung:
+                        continue
                     if bookmarks and feed.queue.empty():
                         kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
                                              if mode else (rt.kind, rt.api_version))
@@ -476,6 +499,8 @@ class KubeSim:
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
+                if feed.hung:
+                    continue
                 out = _translate(ev, flt)
                 if out is not None:
                     await resp.write(_line({"type": out[0],

@@ -82,10 +82,16 @@ class WatchFeed:
     queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
     #: set by ``disconnect`` -> the handler aborts the connection without a clean end
     killed: bool = False
+    #: set by ``hang`` -> the handler writes nothing more (no event, no bookmark, no end)
+    #: but keeps the connection open: a half-open connection or a stuck server
+    hung: bool = False
 
     def kill(self) -> None:
         self.killed = True
         self.queue.put_nowait(None)
+
+    def hang(self) -> None:
+        self.hung = True
 
 
 def now_rfc3339() -> str:

@@ -180,6 +180,27 @@ async def test_server_timeout_disconnect_and_outage(sim: KubeSim, api: k8s.ApiCl
     assert [p["metadata"]["name"] for p in doc["items"]] == ["kept"]
 
 
+async def test_hung_watch_stays_open_and_silent(sim: KubeSim, api: k8s.ApiClient) -> None:
+    resp = await raw(api, "/api/v1/pods", watch="1", resourceVersion="0",
+                     allowWatchBookmarks="true", timeoutSeconds="1")
+    sim.create(pod("before"))
+    (ev,) = await events(resp, 1)
+    assert ev["type"] == "ADDED"
+    assert sim.hang_watches() == 1
+    sim.create(pod("after"))
+    # no event, no bookmark (every 0.2 s) and no end at timeoutSeconds=1
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(resp.content.readany(), 1.5)
+    assert sim.watch_count() == 1
+    fresh = await raw(api, "/api/v1/pods", watch="1", resourceVersion="0")
+    got = await events(fresh, 2)  # new watches are served normally
+    assert [e["object"]["metadata"]["name"] for e in got] == ["before", "after"]
+    fresh.release()
+    assert sim.disconnect_watches() >= 1  # the hung one breaks like any other
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(resp.read(), 5)
+
+
 async def test_lease_optimistic_concurrency(sim: KubeSim, api: k8s.ApiClient) -> None:
     coord = k8s.CoordinationV1Api(api)
     body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name="l", namespace="ns"),
