@@ -27,6 +27,7 @@ from proxy.config import EnrichSettings, PodLabelRule
 from proxy.index import LabelPairs, PodIndex
 
 POLICIES = ("replace", "keep")
+DEFAULT_CACHE_SIZE = EnrichSettings().cache_size
 REASON_NO_POD_LABEL = "no_pod_label"
 
 _STAMPED = frozenset(n.encode() for n in contract.STAMPED_LABELS)
@@ -126,9 +127,20 @@ class EnrichResult:
 
 
 def _tally(counts: Counts, body: bytes, reasons: list[str]) -> EnrichResult:
+    """``reasons``: one item per series, "" for attributed."""
     tally = Counter(reasons)
     attributed = tally.pop("", 0)
     return EnrichResult(body, counts, attributed, dict(tally))
+
+
+def _tally_unattributed(counts: Counts, body: bytes, reasons: list[str]) -> EnrichResult:
+    """``reasons``: one item per unattributed series only."""
+    return EnrichResult(body, counts, counts.series - len(reasons), dict(Counter(reasons)))
+
+
+#: interning tables (stamp blocks, pod keys) are cleared past this many items: they only
+#: share memory between entries, nothing depends on them
+_INTERN_LIMIT = 4 * 65536
 
 
 class Enricher:
@@ -140,7 +152,7 @@ class Enricher:
         pod_label_pairs: Sequence[tuple[str, str]],
         *,
         conflict_policy: str = "replace",
-        cache_size: int = 500_000,
+        cache_size: int = DEFAULT_CACHE_SIZE,
         pod_label_rules: Sequence[PodLabelRule] | None = None,
     ) -> None:
         """``pod_label_rules`` None means the configured defaults; pass [] for none."""
@@ -150,9 +162,14 @@ class Enricher:
         self._finder = PodFinder(pod_label_pairs, pod_label_rules)
         self._keep = conflict_policy == "keep"
         self._cache_size = max(16, cache_size)
+        #: label bytes -> codec.Entry + (pod key or None, the index's answer or None)
         self._cache: dict[bytes, tuple[Any, ...]] = {}
         #: LabelPairs -> encoded 1.0 Label fields, as (name, value, field) for the merge
         self._stamp_v1: dict[LabelPairs, tuple[tuple[bytes, bytes, bytes], ...]] = {}
+        #: LabelPairs -> the same fields as one block of bytes, shared by the pod's entries
+        self._blocks: dict[LabelPairs, bytes] = {}
+        #: (namespace, pod) -> itself: one tuple per pod for every entry that names it
+        self._pod_keys: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = {}
         self._stamp_bytes: dict[LabelPairs, tuple[tuple[bytes, bytes], ...]] = {}
         self._generation = index.generation
         self.hits = 0
@@ -162,10 +179,12 @@ class Enricher:
 
     def enrich_v1(self, raw: bytes) -> EnrichResult:
         gen = self._generation = self._index.generation
-        if len(self._stamp_v1) > 4 * 65536:
+        if len(self._blocks) > _INTERN_LIMIT or len(self._pod_keys) > _INTERN_LIMIT:
             self._stamp_v1.clear()
+            self._blocks.clear()
+            self._pod_keys.clear()
         body, counts, reasons = codec.splice_v1(raw, self._cache.get, self._miss_v1, gen)
-        return _tally(counts, body, reasons)
+        return _tally_unattributed(counts, body, reasons)
 
     def enrich_v2(self, raw: bytes) -> EnrichResult:
         self._generation = self._index.generation
@@ -183,49 +202,82 @@ class Enricher:
     # -- decisions ----------------------------------------------------------------------
 
     def _miss_v1(self, key: bytes) -> tuple[Any, ...]:
-        """Compute (or revalidate) the cache entry of one label set."""
+        """Compute (or revalidate) the cache entry of one label set.
+
+        Raises DecodeError when ``key`` is not a run of Label fields (see codec.CacheMiss).
+        """
         gen = self._generation
         old = self._cache.get(key)
-        if old is not None and old[6] is not None:
-            ns, pod, pairs = old[6], old[7], old[8]
+        if old is not None and old[7] is not None:
+            ns, pod = old[7]
             now = self._index.lookup(ns, pod)
-            if now is pairs and (now is not None or self._index.reason(ns, pod) == old[3]):
+            if now is old[8] and (now is not None or self._index.reason(ns, pod) == old[1]):
                 ent = (gen, *old[1:])
                 self._cache[key] = ent
                 return ent
+        ent = self._decide_v1(key, gen)
         self.misses += 1
-        labels = codec.parse_labels_v1(key)
-        ent = self._decide_v1(key, labels, gen)
         if len(self._cache) >= self._cache_size:
             self._evict()
         self._cache[key] = ent
         return ent
 
-    def _decide_v1(
-        self, key: bytes, labels: list[codec.LabelField], gen: int
-    ) -> tuple[Any, ...]:
-        by_name = {name: value for name, value, _ in labels}
-        if self._keep and by_name.get(_WORKLOAD):
-            return (-1, None, 0, "", None, None, None, None, None)
-        found = self._finder.find(by_name)
+    def _decide_v1(self, key: bytes, gen: int) -> tuple[Any, ...]:
+        scan = codec.scan_labels_v1(key, self._finder.names)
+        if scan is None:  # an unusual shape, or karta_ labels of the sender's own
+            return self._decide_v1_general(key, gen)
+        got, at = scan
+        found = self._finder.find(got)
         if found is None:
-            return (-1, None, 0, REASON_NO_POD_LABEL, None, None, None, None, None)
+            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), 0, None, None, None)
+        return self._stamp_entry(key, gen, found, at, None)
+
+    def _stamp_entry(
+        self,
+        key: bytes,
+        gen: int,
+        found: tuple[bytes, bytes],
+        at: int,
+        labels: list[codec.LabelField] | None,
+    ) -> tuple[Any, ...]:
+        """The entry of a series naming pod ``found``: the block goes in at ``at``, or,
+        with ``labels`` (the general path), labels are merged and the whole run kept."""
+        pod_key = self._pod_keys.setdefault(found, found)
         ns, pod = found
         pairs = self._index.lookup(ns, pod)
         if pairs is None:
-            return (gen, None, 0, self._index.reason(ns, pod), None, None, ns, pod, None)
-        stamp = self._stamp_v1.get(pairs)
-        if stamp is None:
-            stamp = tuple(
-                (n.encode(), v.encode(), codec.encode_label_v1(n.encode(), v.encode()))
-                for n, v in pairs
-            )
-            self._stamp_v1[pairs] = stamp
-        merged = codec.merge_labels(labels, stamp, _STAMPED)
+            reason = self._index.reason(ns, pod)
+            return codec.make_entry(gen, reason, len(key), 0, None, pod_key, None)
+        if labels is None:
+            block = self._blocks.get(pairs)
+            if block is None:
+                block = b"".join(lf[2] for lf in self._stamp_fields(pairs))
+                self._blocks[pairs] = block
+            return codec.make_entry(gen, "", len(key), at, block, pod_key, pairs)
+        merged = codec.merge_labels(labels, self._stamp_fields(pairs), _STAMPED)
         new = b"".join(lf[2] for lf in merged)
         if new == key:  # already exactly so: pass the bytes through untouched
-            return (gen, None, 0, "", None, None, ns, pod, pairs)
-        return (gen, new, len(new) - len(key), "", *codec.entry_heads(new), ns, pod, pairs)
+            return codec.make_entry(gen, "", len(key), 0, None, pod_key, pairs)
+        return codec.make_entry(gen, "", len(key), codec.WHOLE, new, pod_key, pairs)
+
+    def _stamp_fields(self, pairs: LabelPairs) -> tuple[tuple[bytes, bytes, bytes], ...]:
+        stamp = self._stamp_v1.get(pairs)
+        if stamp is None:
+            enc = sorted((n.encode(), v.encode()) for n, v in pairs)
+            stamp = tuple((n, v, codec.encode_label_v1(n, v)) for n, v in enc)
+            self._stamp_v1[pairs] = stamp
+        return stamp
+
+    def _decide_v1_general(self, key: bytes, gen: int) -> tuple[Any, ...]:
+        """Every layout: the labels parsed in full (UTF-8 checked), merged and sorted."""
+        labels = codec.parse_labels_v1(key)
+        by_name = {name: value for name, value, _ in labels}
+        if self._keep and by_name.get(_WORKLOAD):
+            return codec.make_entry(-1, "", len(key), 0, None, None, None)
+        found = self._finder.find(by_name)
+        if found is None:
+            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), 0, None, None, None)
+        return self._stamp_entry(key, gen, found, 0, labels)
 
     def _evict(self) -> None:
         """Drop the oldest quarter (insertion order): cheap, and hot series come back."""

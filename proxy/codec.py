@@ -244,6 +244,90 @@ def parse_labels_v1(fields: bytes, *, check_utf8: bool = True) -> list[LabelFiel
     return out
 
 
+_KARTA = b"karta_"
+
+
+def scan_labels_v1(key: bytes, wanted: Collection[bytes]) -> tuple[dict[bytes, bytes], int] | None:
+    """The cheap read of a label run on a cache miss: the values of the ``wanted`` names
+    and the offset of the first label sorting after every ``karta_`` name (where the
+    stamped block goes; ``len(key)`` when none does).
+
+    Only for the usual shape: labels sorted by name and unique, no ``karta_`` name, each
+    Label exactly ``0a N name [12 V value]`` with one-byte name length and one- or two-byte
+    lengths otherwise, every string valid UTF-8. Anything else answers None and takes
+    :func:`parse_labels_v1`, which reads every layout and says what is wrong.
+
+    UTF-8 of every string in one C-level decode: in this shape the only non-ASCII framing
+    bytes are the first bytes of two-byte lengths, each between two ASCII bytes (a tag
+    before, the length's second byte after), so each decodes to exactly one U+FFFD with
+    ``errors="replace"`` and cannot join a string's bytes; the strings are all valid when
+    the count of U+FFFD is exactly the count of such lengths (a string that really holds
+    U+FFFD only sends the key to the general path).
+    """
+    got: dict[bytes, bytes] = {}
+    n = len(key)
+    p = 0
+    at = -1
+    wide = 0  # two-byte lengths
+    prev = b""
+    try:
+        while p < n:
+            if key[p] != 0x0A:
+                return None
+            c = key[p + 1]
+            if c < 0x80:
+                s = p + 2
+                q = s + c
+            else:
+                c2 = key[p + 2]
+                if c2 >= 0x80:
+                    return None
+                s = p + 3
+                q = s + ((c & 0x7F) | (c2 << 7))
+                wide += 1
+            ln = key[s + 1]
+            if key[s] != 0x0A or ln >= 0x80:
+                return None
+            ne = s + 2 + ln
+            name = key[s + 2 : ne]
+            if name <= prev:
+                return None  # unsorted or duplicate: the general path sorts like the reference
+            prev = name
+            if ne == q:
+                vs = q
+            else:
+                v = key[ne + 1]
+                if key[ne] != 0x12:
+                    return None
+                if v < 0x80:
+                    vs = ne + 2
+                else:
+                    vs = ne + 3
+                    v = (v & 0x7F) | (key[ne + 2] << 7)
+                    if key[ne + 2] >= 0x80:
+                        return None
+                    wide += 1
+                if vs + v != q:
+                    return None
+            if name in wanted:
+                got[name] = key[vs:q]
+            if at < 0 and name > _KARTA:
+                if name.startswith(_KARTA):
+                    return None  # a karta_ label to replace or merge around: general path
+                at = p
+            p = q
+    except IndexError:
+        return None
+    if p != n:
+        return None
+    if wide:
+        if key.decode("utf-8", "replace").count("\ufffd") != wide:
+            return None
+    elif not _utf8_ok(key):
+        return None
+    return got, (n if at < 0 else at)
+
+
 def _utf8_ok(b: bytes) -> bool:
     """True when ``b`` decodes as UTF-8 as a whole.
 
@@ -298,14 +382,57 @@ def _is_sorted(labels: Sequence[tuple[bytes, bytes, bytes]]) -> bool:
 
 # -- RW 1.0 splice ------------------------------------------------------------------------
 
-#: What the caller's cache holds per label set; the first six items are read here:
-#: (generation it is valid for, or -1 for always; new label fields or None for
-#: "unchanged"; len(new) - len(key); reason: "" when attributed, else the reason label;
-#: the two items of :func:`entry_heads`). The caller may keep more items after those
-#: (e.g. what it needs to revalidate).
+#: What the caller's cache holds per label set; the first seven items are read here:
+#: ``(generation, reason, at, data, head18, head9, delta, ...)``:
+#:
+#: - generation it is valid for, or -1 for always;
+#: - reason: "" when attributed, else the reason label value;
+#: - at: -1 "unchanged" (data None); -2 ``data`` is the whole new run of label fields;
+#:   ``>= 0`` the new labels are ``key[:at] + data + key[at:]`` (the stamped labels form
+#:   one block in sorted order, so most entries keep only that block, shared by every
+#:   series of the pod, instead of a copy of the labels);
+#: - head18 / head9: the series head (``0a`` + length) for the two fast tails;
+#: - delta: len(new labels) - len(key).
+#:
+#: The caller may keep more items after those (e.g. what it needs to revalidate).
 Entry = tuple[Any, ...]
 CacheGet = Callable[[bytes], "Entry | None"]
+#: computes (and stores) an entry; must raise :class:`DecodeError` when the key is not a
+#: run of complete Label fields (the fast path offers keys it has not walked)
 CacheMiss = Callable[[bytes], "Entry"]
+
+UNCHANGED = -1
+WHOLE = -2
+
+
+def make_entry(
+    generation: int, reason: str, key_len: int, at: int, data: bytes | None, *extra: Any
+) -> Entry:
+    """An :data:`Entry` (``data`` None or empty: unchanged), heads from the shared table."""
+    if not data:
+        return (generation, reason, UNCHANGED, None, None, None, 0, *extra)
+    new_len = len(data) + (key_len if at >= 0 else 0)
+    return (
+        generation,
+        reason,
+        at,
+        data,
+        _ts_head_v1(new_len + 18),
+        _ts_head_v1(new_len + 9),
+        new_len - key_len,
+        *extra,
+    )
+
+
+def entry_labels(key: bytes, ent: Entry) -> bytes | None:
+    """The new label fields an entry stands for (None: unchanged)."""
+    at = ent[2]
+    if at == UNCHANGED:
+        return None
+    if at == WHOLE:
+        data: bytes = ent[3]
+        return data
+    return key[:at] + ent[3] + key[at:]
 
 
 def _split_series_v1(
@@ -364,13 +491,16 @@ def splice_v1(
     ``get(label_bytes)`` is a cache probe (a dict's ``get``); ``miss(label_bytes)``
     computes (and stores) the entry when the probe finds nothing valid for
     ``generation``. Returns the new body (``raw`` itself when nothing changed), the counts,
-    and one reason per series ("" for attributed) for the caller to tally.
+    and the reasons of the series passed through unattributed, one item per series (the
+    attributed ones are ``counts.series - len(reasons)``), for the caller to tally.
 
     Fast path: Prometheus writes a series as its labels followed by one sample of 18 bytes
     (a value and a 6-byte timestamp) or 9 bytes (value 0 left out). When the tail looks
-    like such a sample, the bytes before it are probed directly. A hit is proof: only
-    label runs that a full walk found are ever stored, so the prefix is exactly the label
-    fields and the tail is exactly one sample field. Anything else takes the full walk.
+    like such a sample, the bytes before it are the key. A hit is proof: only complete
+    runs of Label fields are ever stored, so the prefix is exactly the label fields and the
+    tail exactly one sample field. On a miss the key is offered to ``miss``, which parses
+    it as Label fields; when it is not (the tail only looked like a sample), the series
+    takes the full walk, which handles every valid layout.
     This loop is the proxy's hottest code: it is written for few bytecodes per series.
     """
     n = len(raw)
@@ -380,7 +510,7 @@ def splice_v1(
     add_reason = reasons.append
     copy_from = 0
     pos = 0
-    slow = samples = exemplars = histograms = 0
+    series = slow = samples = exemplars = histograms = 0
     try:
         while pos < n:
             if raw[pos] != 0x0A:
@@ -389,6 +519,7 @@ def splice_v1(
                     raise _invalid("timeseries field with a wrong wire type")
                 pos = q
                 continue
+            series += 1
             b = raw[pos + 1]
             if b < 0x80:
                 p = pos + 2
@@ -405,29 +536,39 @@ def splice_v1(
                 raise _invalid("series runs past the end of the request")
             q = end - 18
             if q > p and raw[q] == 0x12 and raw[q + 1] == 16:
-                ent = get(raw[p:q])
-                if ent is not None and (ent[0] == generation or ent[0] < 0):
-                    add_reason(ent[3])
-                    head = ent[4]
-                    if head is not None:
+                tail = 4
+            else:
+                q = end - 9
+                tail = 5 if q > p and raw[q] == 0x12 and raw[q + 1] == 7 else 0
+            if tail:
+                key = raw[p:q]
+                ent = get(key)
+                if ent is None or not (ent[0] == generation or ent[0] < 0):
+                    try:
+                        ent = miss(key)
+                    except DecodeError as exc:
+                        if exc.kind != "protobuf_invalid":
+                            raise
+                        ent = None  # not a label run after all: walk the series
+                if ent is not None:
+                    reason = ent[1]
+                    if reason:
+                        add_reason(reason)
+                    at = ent[2]
+                    if at >= 0:
                         append(raw[copy_from:pos])
-                        append(head)
+                        append(ent[tail])
+                        cut = p + at
+                        append(raw[p:cut])
+                        append(ent[3])
+                        copy_from = cut
+                    elif at == WHOLE:
+                        append(raw[copy_from:pos])
+                        append(ent[tail])
+                        append(ent[3])
                         copy_from = q
                     pos = end
                     continue
-            else:
-                q = end - 9
-                if q > p and raw[q] == 0x12 and raw[q + 1] == 7:
-                    ent = get(raw[p:q])
-                    if ent is not None and (ent[0] == generation or ent[0] < 0):
-                        add_reason(ent[3])
-                        head = ent[5]
-                        if head is not None:
-                            append(raw[copy_from:pos])
-                            append(head)
-                            copy_from = q
-                        pos = end
-                        continue
             # full walk
             slow += 1
             key, lead_end, other, s_, e_, h_ = _split_series_v1(raw, p, end)
@@ -437,12 +578,13 @@ def splice_v1(
             ent = get(key)
             if ent is None or not (ent[0] == generation or ent[0] < 0):
                 ent = miss(key)
-            add_reason(ent[3])
-            new = ent[1]
+            if ent[1]:
+                add_reason(ent[1])
+            new = entry_labels(key, ent)
             if new is not None:
                 append(raw[copy_from:pos])
                 if lead_end >= 0:
-                    append(_ts_head_v1(end - p + ent[2]))
+                    append(_ts_head_v1(end - p + ent[6]))
                     append(new)
                     copy_from = lead_end
                 else:
@@ -454,19 +596,11 @@ def splice_v1(
             pos = end
     except IndexError:
         raise _invalid("truncated message") from None
-    series = len(reasons)
     counts = Counts(series, samples + series - slow, histograms, exemplars)
     if not out:
         return raw, counts, reasons
     append(raw[copy_from:])
     return b"".join(out), counts, reasons
-
-
-def entry_heads(new: bytes | None) -> tuple[bytes | None, bytes | None]:
-    """Items 4 and 5 of a cache entry: series head + new labels for the two fast tails."""
-    if new is None:
-        return None, None
-    return _ts_head_v1(len(new) + 18) + new, _ts_head_v1(len(new) + 9) + new
 
 
 def count_v1(raw: bytes) -> Counts:

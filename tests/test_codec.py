@@ -50,7 +50,8 @@ _EMPTY: dict[bytes, tuple[object, ...]] = {}
 
 
 def _never(key: bytes) -> tuple[object, ...]:
-    return (-1, None, 0, "x", None, None)
+    codec.parse_labels_v1(key)  # a miss must refuse what is not a label run
+    return codec.make_entry(-1, "x", len(key), 0, None)
 
 
 def _splice_identity(raw: bytes) -> tuple[bytes, Counts, list[str]]:
@@ -77,7 +78,8 @@ def test_counts_v2() -> None:
 
 def _stamp_all(stamp: bytes) -> codec.CacheMiss:
     def miss(key: bytes) -> tuple[object, ...]:
-        return (-1, key + stamp, len(stamp), "", *codec.entry_heads(key + stamp))
+        codec.parse_labels_v1(key)
+        return codec.make_entry(-1, "", len(key), codec.WHOLE, key + stamp)
 
     return miss
 
@@ -214,7 +216,9 @@ def _warm(raw: bytes) -> tuple[dict[bytes, tuple[object, ...]], codec.CacheMiss]
     stamp = ZZ
 
     def miss(key: bytes) -> tuple[object, ...]:
-        ent = (-1, key + stamp, len(stamp), "", *codec.entry_heads(key + stamp))
+        codec.parse_labels_v1(key)
+        # the block form: the stamp goes in at the end of the labels (zz sorts last)
+        ent = codec.make_entry(-1, "", len(key), len(key), stamp)
         cache[key] = ent
         return ent
 
@@ -271,3 +275,66 @@ def test_long_labels_are_still_checked_for_utf8() -> None:
     with pytest.raises(DecodeError) as info:
         codec.parse_labels_v1(codec.len_field(1, label))
     assert info.value.kind == "invalid_utf8"
+
+
+# -- the cheap read of a label run on a miss ------------------------------------------------
+
+
+def _run(*labels: tuple[str, str]) -> bytes:
+    return b"".join(codec.encode_label_v1(n.encode(), v.encode()) for n, v in labels)
+
+
+def test_scan_labels_reads_wanted_values_and_the_block_position() -> None:
+    key = _run(("__name__", "up"), ("id", "x" * 300), ("job", ""), ("pod", "p"), ("zone", "a"))
+    got, at = codec.scan_labels_v1(key, {b"pod", b"job", b"__name__", b"nope"}) or ({}, -1)
+    assert got == {b"pod": b"p", b"job": b"", b"__name__": b"up"}
+    assert at == len(_run(("__name__", "up"), ("id", "x" * 300), ("job", "")))
+    assert codec.scan_labels_v1(_run(("a", "1")), ()) == ({}, len(_run(("a", "1"))))
+    assert codec.scan_labels_v1(b"", ()) == ({}, 0)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        _run(("b", "1"), ("a", "1")),  # unsorted
+        _run(("a", "1"), ("a", "2")),  # duplicate
+        _run(("a", "1"), ("karta_workload", "w")),  # the sender's own karta_ label
+        _run(("n" * 200, "1")),  # long name
+        codec.len_field(1, codec.len_field(2, b"v") + codec.len_field(1, b"n")),  # order
+        codec.len_field(1, codec.len_field(1, b"n") + b"\x18\x01"),  # unknown field
+        _run(("a", "1"))[:-1],  # truncated
+        _run(("a", "1")) + b"\x12\x00",  # not a label field
+    ],
+)
+def test_scan_labels_leaves_unusual_shapes_to_the_full_parse(key: bytes) -> None:
+    assert codec.scan_labels_v1(key, {b"a", b"n"}) is None
+
+
+def test_entry_labels_of_each_form() -> None:
+    key = _run(("a", "1"), ("z", "2"))
+    block = _run(("karta_workload", "w"))
+    at = len(_run(("a", "1")))
+    assert codec.entry_labels(key, codec.make_entry(0, "", len(key), at, block)) == _run(
+        ("a", "1"), ("karta_workload", "w"), ("z", "2"))
+    whole = _run(("b", "2"))
+    assert codec.entry_labels(key, codec.make_entry(0, "", len(key), codec.WHOLE, whole)) == whole
+    assert codec.entry_labels(key, codec.make_entry(0, "r", len(key), at, None)) is None
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_scan_labels_checks_the_utf8_of_every_string(long: bool) -> None:
+    pad = "x" * (200 if long else 3)  # a long value: two-byte lengths in the framing
+    good = _run(("a", pad + "é€😀"), ("b", "\ufffd"), ("c", pad))
+    assert codec.scan_labels_v1(_run(("a", pad + "é€😀"), ("c", pad)), ()) is not None
+    # with long framing, a string that really holds U+FFFD is left to the full parse,
+    # which accepts it
+    assert (codec.scan_labels_v1(good, ()) is None) == long
+    assert [lf[1] for lf in codec.parse_labels_v1(good)][1] == "\ufffd".encode()
+    for bad in (b"\xff", b"\xe2\x82", b"\xc3"):
+        key = _run(("a", pad), ("b", "v"), ("c", pad)).replace(b"\x01v", b"\x01" + bad[:1])
+        key = key if len(bad) == 1 else _run(("a", pad), ("c", pad)) + codec.len_field(
+            1, codec.len_field(1, b"d") + codec.len_field(2, bad))
+        assert codec.scan_labels_v1(key, ()) is None
+        with pytest.raises(DecodeError) as info:
+            codec.parse_labels_v1(key)
+        assert info.value.kind == "invalid_utf8"
