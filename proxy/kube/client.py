@@ -12,6 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,33 @@ ACCEPT_JSON = "application/json"
 ACCEPT_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 #: watches must ask for the object form: a List form makes a real server end the stream
 ACCEPT_METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+
+
+#: mounted into every pod with a service account token (the in-cluster config reads the
+#: token and CA beside it)
+SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def default_namespace(
+    env: Mapping[str, str] | None = None,
+    sa_namespace_file: Path = SERVICE_ACCOUNT_NAMESPACE_FILE,
+) -> str:
+    """The namespace this process runs in: ``POD_NAMESPACE`` (downward API), else the
+    service account's namespace file, else ``default`` (outside a cluster).
+
+    Objects the proxy itself writes (the fact writer's Lease) belong there: it is where
+    the shipped RBAC (config/rbac/) grants them, beside the ServiceAccount, so a
+    deployment never has to name its namespace twice.
+    """
+    env = os.environ if env is None else env
+    ns = env.get("POD_NAMESPACE", "").strip()
+    if ns:
+        return ns
+    try:
+        ns = sa_namespace_file.read_text(encoding="utf-8").strip()
+    except OSError:
+        ns = ""
+    return ns or "default"
 
 
 class KubeApiError(Exception):

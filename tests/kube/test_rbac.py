@@ -63,3 +63,28 @@ async def test_namespaced_role_covers_the_namespaced_reads(
     namespaced_paths = {p for m, p, _, _ in sim.requests
                         if m == "GET" and ("/pods" in p or "/replicasets" in p)}
     assert all("/namespaces/team-a/" in p for p in namespaced_paths)
+
+
+def test_lease_role_sits_beside_the_service_account() -> None:
+    """The Lease is written in the proxy's own namespace (facts.lease_namespace empty ->
+    default_namespace(): the service account's): the Role granting it must be there."""
+    from proxy.config import FactSettings
+
+    account = next(d for d in _docs("serviceaccount.yaml") if d["kind"] == "ServiceAccount")
+    home = account["metadata"]["namespace"]
+    assert FactSettings().lease_namespace == ""  # empty = the proxy's own namespace
+    lease_roles = [(name, d) for name in ("cluster-mode.yaml", "namespaced-mode.yaml",
+                                          "fact-lease.yaml")
+                   for d in _docs(name) if d["kind"] == "Role"
+                   and any("leases" in r["resources"] for r in d["rules"])]
+    assert [name for name, _ in lease_roles] == ["fact-lease.yaml"]  # one place, both modes
+    docs = _docs("fact-lease.yaml")
+    role = lease_roles[0][1]
+    assert role["metadata"]["namespace"] == home
+    names = {n for r in role["rules"] for n in r.get("resourceNames", ())}
+    assert names == {FactSettings().lease_name}
+    binding = next(d for d in docs if d["kind"] == "RoleBinding"
+                   and d["roleRef"]["name"] == role["metadata"]["name"])
+    assert binding["metadata"]["namespace"] == home
+    assert {(s["name"], s["namespace"]) for s in binding["subjects"]} == {
+        (account["metadata"]["name"], home)}
