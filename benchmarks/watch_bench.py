@@ -4,7 +4,8 @@ The API simulator runs in a child process (so its CPU does not show up as our
 event-loop lag); this process runs the real KubeSource -> Engine -> PodIndex through
 kubernetes-asyncio, as the proxy does. Measures:
 
-- initial sync: wall time of ``KubeSource.start()`` and the RSS it added (index + engine);
+- initial sync: wall time (and CPU time) of ``KubeSource.start()`` and the RSS it added
+  (index + engine);
 - churn: event-loop lag (a 5 ms ticker's overshoot) p50 / p99, idle baseline first, and
   attribution latency (pod created in the simulator -> attributed in the index) p99.
 
@@ -192,7 +193,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         idle = await lag_probe(3.0)
         child.stdin.write("churn\n")
         child.stdin.flush()
+        c1 = time.process_time()
         busy = await lag_probe(args.churn_seconds)
+        churn_cpu_s = time.process_time() - c1
         done = await asyncio.to_thread(child.stdout.readline)
         await asyncio.sleep(1.0)  # the tail of the churn reaches the index
         await source.stop()
@@ -201,7 +204,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "sync_s": sync_s, "sync_cpu_s": sync_cpu_s, "synced_pods": synced_pods,
             "index_rss_mib": rss1 - rss0, "rss_total_mib": rss1,
             "churn_events": 2 * int(done.split()[1]) if done.startswith("churn-done") else 0,
-            "churn_seconds": args.churn_seconds,
+            "churn_seconds": args.churn_seconds, "churn_cpu_s": churn_cpu_s,
             "lag_idle_p50_ms": pct(idle, 50) * 1e3, "lag_idle_p99_ms": pct(idle, 99) * 1e3,
             "lag_p50_ms": pct(busy, 50) * 1e3, "lag_p99_ms": pct(busy, 99) * 1e3,
             "lag_max_ms": max(busy, default=0.0) * 1e3,
@@ -241,7 +244,9 @@ def main() -> None:
           f"index+engine RSS "
           f"{r['index_rss_mib']:.0f} MiB (target <= 300 MiB); process RSS "
           f"{r['rss_total_mib']:.0f} MiB; simulator populate {r['populate_s']:.1f} s")
-    print(f"churn: {r['churn_events']} pod events in {r['churn_seconds']:.0f} s")
+    print(f"churn: {r['churn_events']} pod events in {r['churn_seconds']:.0f} s, "
+          f"{r['churn_cpu_s']:.1f} CPU-s in this process "
+          f"({r['churn_cpu_s'] / max(r['churn_events'], 1) * 1e6:.0f} us per event)")
     print(f"event-loop lag: idle p50 {r['lag_idle_p50_ms']:.2f} ms p99 "
           f"{r['lag_idle_p99_ms']:.2f} ms | churn p50 {r['lag_p50_ms']:.2f} ms p99 "
           f"{r['lag_p99_ms']:.2f} ms max {r['lag_max_ms']:.1f} ms (target p99 <= 20 ms); "

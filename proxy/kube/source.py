@@ -224,7 +224,7 @@ class KubeSource:
                 self._mark_unserved(gk, "not served by the cluster")
                 continue
             self._mark_served(gk)
-            held: dict[str, tuple[str, str]] = {}
+            held: dict[str, str] = {}
             if current is not None:  # mode switch: the new watcher's relist diffs
                 for w in current[1]:
                     await w.stop()
@@ -232,7 +232,7 @@ class KubeSource:
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
 
     def _start_watchers(
-        self, res: ApiResource, mode: str, held: dict[str, tuple[str, str]]
+        self, res: ApiResource, mode: str, held: dict[str, str]
     ) -> list[ResourceWatcher]:
         assert self._client is not None
         namespaces: list[str | None] = (
@@ -244,7 +244,7 @@ class KubeSource:
             field_selector = f"spec.nodeName={self.settings.node_name}"
         out = []
         for ns in namespaces:
-            mine = {u: k for u, k in held.items() if ns is None or k[0] == ns}
+            mine = {u: k for u, k in held.items() if ns is None or k.startswith(f"{ns}/")}
             kwargs: dict[str, Any] = {}
             if self._watch_timeout is not None:
                 wt = self._watch_timeout
