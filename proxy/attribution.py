@@ -13,6 +13,7 @@ through the generated protobuf classes; tests hold the fast path to them.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections import Counter
@@ -33,6 +34,7 @@ REASON_NO_POD_LABEL = "no_pod_label"
 _STAMPED = frozenset(n.encode() for n in contract.STAMPED_LABELS)
 _WORKLOAD = contract.LABEL_WORKLOAD.encode()
 _NAME = b"__name__"
+_KARTA = contract.STAMPED_PREFIX.encode()
 
 #: (namespace label, pod label, ((label, compiled regex), ...) that disqualify the pair)
 _Pair = tuple[bytes, bytes, tuple[tuple[bytes, "re.Pattern[str]"], ...]]
@@ -170,7 +172,12 @@ class Enricher:
         self._blocks: dict[LabelPairs, bytes] = {}
         #: (namespace, pod) -> itself: one tuple per pod for every entry that names it
         self._pod_keys: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = {}
-        self._stamp_bytes: dict[LabelPairs, tuple[tuple[bytes, bytes], ...]] = {}
+        #: LabelPairs -> the stamped names and values, flat, sorted by name (RW 2.0)
+        self._stamp_bytes: dict[LabelPairs, tuple[bytes, ...]] = {}
+        #: resolved label strings -> (generation, reason, at, data, pod key, answer)
+        self._cache_v2: dict[codec.LabelKey, tuple[Any, ...]] = {}
+        #: RW 2.0 strings seen, one object each (see codec.splice_v2)
+        self._symbols: dict[bytes, bytes] = {}
         self._generation = index.generation
         self.hits = 0
         self.misses = 0
@@ -179,25 +186,30 @@ class Enricher:
 
     def enrich_v1(self, raw: bytes) -> EnrichResult:
         gen = self._generation = self._index.generation
-        if len(self._blocks) > _INTERN_LIMIT or len(self._pod_keys) > _INTERN_LIMIT:
-            self._stamp_v1.clear()
-            self._blocks.clear()
-            self._pod_keys.clear()
+        self._trim_interned()
         body, counts, reasons = codec.splice_v1(raw, self._cache.get, self._miss_v1, gen)
         return _tally_unattributed(counts, body, reasons)
 
     def enrich_v2(self, raw: bytes) -> EnrichResult:
-        self._generation = self._index.generation
-        memo: dict[tuple[bytes, bytes], tuple[Any, str]] = {}
+        gen = self._generation = self._index.generation
+        self._trim_interned()
+        body, counts, reasons = codec.splice_v2(
+            raw, self._cache_v2.get, self._miss_v2, gen, self._symbols
+        )
+        return _tally_unattributed(counts, body, reasons)
 
-        def resolve(labels: list[tuple[bytes, bytes]]) -> tuple[Any, str]:
-            return self._resolve_v2(labels, memo)
-
-        body, counts, reasons = codec.splice_v2(raw, resolve, _STAMPED)
-        return _tally(counts, body, reasons)
+    def _trim_interned(self) -> None:
+        if len(self._symbols) > max(_INTERN_LIMIT, 4 * self._cache_size):
+            self._symbols.clear()
+        if len(self._pod_keys) > _INTERN_LIMIT or len(self._stamp_v1) > _INTERN_LIMIT:
+            self._stamp_v1.clear()
+            self._stamp_bytes.clear()
+            self._blocks.clear()
+            self._pod_keys.clear()
 
     def cache_len(self) -> int:
-        return len(self._cache)
+        """Entries of the RW 1.0 and RW 2.0 caches (each bounded by cache_size)."""
+        return len(self._cache) + len(self._cache_v2)
 
     # -- decisions ----------------------------------------------------------------------
 
@@ -218,7 +230,7 @@ class Enricher:
         ent = self._decide_v1(key, gen)
         self.misses += 1
         if len(self._cache) >= self._cache_size:
-            self._evict()
+            _evict(self._cache)
         self._cache[key] = ent
         return ent
 
@@ -279,38 +291,70 @@ class Enricher:
             return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), 0, None, None, None)
         return self._stamp_entry(key, gen, found, 0, labels)
 
-    def _evict(self) -> None:
-        """Drop the oldest quarter (insertion order): cheap, and hot series come back."""
-        drop = list(itertools.islice(self._cache, len(self._cache) // 4 or 1))
-        for k in drop:
-            del self._cache[k]
+    # -- RW 2.0: keyed by the resolved label strings ------------------------------------
 
-    def _resolve_v2(
-        self,
-        labels: list[tuple[bytes, bytes]],
-        memo: dict[tuple[bytes, bytes], tuple[Any, str]],
-    ) -> tuple[Any, str]:
-        by_name = dict(labels)
+    def _miss_v2(self, key: codec.LabelKey) -> tuple[Any, ...]:
+        """The entry of one resolved label set (name, value, name, value, ...)."""
+        gen = self._generation
+        cache = self._cache_v2
+        old = cache.get(key)
+        if old is not None and old[4] is not None:
+            ns, pod = old[4]
+            now = self._index.lookup(ns, pod)
+            if now is old[5] and (now is not None or self._index.reason(ns, pod) == old[1]):
+                ent = (gen, *old[1:])
+                cache[key] = ent
+                return ent
+        ent = self._decide_v2(key, gen)
+        self.misses += 1
+        if len(cache) >= self._cache_size:
+            _evict(cache)
+        cache[key] = ent
+        return ent
+
+    def _decide_v2(self, key: codec.LabelKey, gen: int) -> tuple[Any, ...]:
+        names = key[0::2]
+        by_name = dict(zip(names, key[1::2], strict=True))
         if self._keep and by_name.get(_WORKLOAD):
-            return None, ""
+            return (codec.ALWAYS, "", codec.UNCHANGED, None, None, None)
         found = self._finder.find(by_name)
         if found is None:
-            return None, REASON_NO_POD_LABEL
-        hit = memo.get(found)
-        if hit is not None:
-            return hit
+            return (codec.ALWAYS, REASON_NO_POD_LABEL, codec.UNCHANGED, None, None, None)
+        pod_key = self._pod_keys.setdefault(found, found)
         ns, pod = found
         pairs = self._index.lookup(ns, pod)
         if pairs is None:
-            hit = (None, self._index.reason(ns, pod))
-        else:
-            stamp = self._stamp_bytes.get(pairs)
-            if stamp is None:
-                stamp = tuple((n.encode(), v.encode()) for n, v in pairs)
-                self._stamp_bytes[pairs] = stamp
-            hit = (stamp, "")
-        memo[found] = hit
-        return hit
+            reason = self._index.reason(ns, pod)
+            return (gen, reason, codec.UNCHANGED, None, pod_key, None)
+        stamp = self._stamp_fields(pairs)
+        if not stamp:
+            return (gen, "", codec.UNCHANGED, None, pod_key, pairs)
+        plain = all(a < b for a, b in itertools.pairwise(names)) and not any(
+            n.startswith(_KARTA) for n in names
+        )
+        if plain:  # the block goes in between the names around "karta_"
+            at = bisect.bisect_right(names, _KARTA)
+            return (gen, "", at, self._stamp_flat(pairs), pod_key, pairs)
+        labels = [(n, v, b"") for n, v in zip(names, key[1::2], strict=True)]
+        merged = codec.merge_labels(labels, stamp, _STAMPED)
+        new = tuple((n, v) for n, v, _ in merged)
+        if [x[:2] for x in merged] == [x[:2] for x in labels]:
+            return (gen, "", codec.UNCHANGED, None, pod_key, pairs)
+        return (gen, "", codec.WHOLE, new, pod_key, pairs)
+
+    def _stamp_flat(self, pairs: LabelPairs) -> tuple[bytes, ...]:
+        stamp = self._stamp_bytes.get(pairs)
+        if stamp is None:
+            stamp = tuple(x for n, v, _ in self._stamp_fields(pairs) for x in (n, v))
+            self._stamp_bytes[pairs] = stamp
+        return stamp
+
+
+def _evict(cache: dict[Any, Any]) -> None:
+    """Drop the oldest quarter (insertion order): cheap, and hot series come back."""
+    drop = list(itertools.islice(cache, len(cache) // 4 or 1))
+    for k in drop:
+        del cache[k]
 
 
 # -- the plain reference ------------------------------------------------------------------

@@ -16,6 +16,7 @@ uint32), ``samples = 2``, ``histograms = 3``, ``exemplars = 4``, ``metadata = 5`
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,8 @@ class Counts:
 
 # -- varints and fields -------------------------------------------------------------------
 
+_BYTE = [bytes((i,)) for i in range(128)]
+
 
 def _invalid(what: str) -> DecodeError:
     return DecodeError("protobuf_invalid", 400, f"invalid protobuf: {what}")
@@ -110,6 +113,10 @@ def uvarint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def encode_uvarint(n: int) -> bytes:
+    if n < 0x80:
+        return _BYTE[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -156,6 +163,14 @@ _TS_HEAD_V1: list[bytes] = [b"\x0a" + encode_uvarint(n) for n in range(4096)]
 
 def _ts_head_v1(n: int) -> bytes:
     return _TS_HEAD_V1[n] if n < 4096 else b"\x0a" + encode_uvarint(n)
+
+
+_HEADS = {tag: [bytes((tag,)) + encode_uvarint(n) for n in range(4096)] for tag in (0x0A, 0x2A)}
+
+
+def _head(tag: int, n: int) -> bytes:
+    """Tag + length of a length-delimited field (prebuilt for the usual tags and sizes)."""
+    return _HEADS[tag][n] if n < 4096 else bytes((tag,)) + encode_uvarint(n)
 
 
 def _utf8(b: bytes, what: str) -> None:
@@ -385,7 +400,8 @@ def _is_sorted(labels: Sequence[tuple[bytes, bytes, bytes]]) -> bool:
 #: What the caller's cache holds per label set; the first seven items are read here:
 #: ``(generation, reason, at, data, head18, head9, delta, ...)``:
 #:
-#: - generation it is valid for, or -1 for always;
+#: - the generation it is valid for (valid while ``entry[0] >= generation``; entries valid
+#:   for ever hold :data:`ALWAYS`);
 #: - reason: "" when attributed, else the reason label value;
 #: - at: -1 "unchanged" (data None); -2 ``data`` is the whole new run of label fields;
 #:   ``>= 0`` the new labels are ``key[:at] + data + key[at:]`` (the stamped labels form
@@ -403,12 +419,18 @@ CacheMiss = Callable[[bytes], "Entry"]
 
 UNCHANGED = -1
 WHOLE = -2
+#: the generation of entries that never expire (series that name no pod): one comparison
+#: ``entry[0] < generation`` tells a stale entry on the hot path
+ALWAYS = 1 << 62
 
 
 def make_entry(
     generation: int, reason: str, key_len: int, at: int, data: bytes | None, *extra: Any
 ) -> Entry:
-    """An :data:`Entry` (``data`` None or empty: unchanged), heads from the shared table."""
+    """An :data:`Entry` (``data`` None or empty: unchanged), heads from the shared table;
+    a negative ``generation`` means :data:`ALWAYS`."""
+    if generation < 0:
+        generation = ALWAYS
     if not data:
         return (generation, reason, UNCHANGED, None, None, None, 0, *extra)
     new_len = len(data) + (key_len if at >= 0 else 0)
@@ -543,7 +565,7 @@ def splice_v1(
             if tail:
                 key = raw[p:q]
                 ent = get(key)
-                if ent is None or not (ent[0] == generation or ent[0] < 0):
+                if ent is None or ent[0] < generation:
                     try:
                         ent = miss(key)
                     except DecodeError as exc:
@@ -576,7 +598,7 @@ def splice_v1(
             exemplars += e_
             histograms += h_
             ent = get(key)
-            if ent is None or not (ent[0] == generation or ent[0] < 0):
+            if ent is None or ent[0] < generation:
                 ent = miss(key)
             if ent[1]:
                 add_reason(ent[1])
@@ -638,22 +660,47 @@ class ScanV2:
 
 def scan_v2(raw: bytes) -> ScanV2:
     symbols: list[bytes] = []
+    add_symbol = symbols.append
     series: list[tuple[int, int, int]] = []
+    add_series = series.append
     symbols_end = -1
     pos = 0
     n = len(raw)
-    while pos < n:
-        number, wt, s, q = skip_field(raw, pos, n)
-        if number == 4:
-            if wt != 2:
-                raise _invalid("symbols field with a wrong wire type")
-            symbols.append(raw[s:q])
-            symbols_end = q
-        elif number == 5:
-            if wt != 2:
-                raise _invalid("timeseries field with a wrong wire type")
-            series.append((pos, s, q))
-        pos = q
+    try:
+        while pos < n:
+            tag = raw[pos]
+            if tag == 0x22 or tag == 0x2A:  # symbols = 4, timeseries = 5; short lengths inline
+                c = raw[pos + 1]
+                if c < 0x80:
+                    s = pos + 2
+                    q = s + c
+                elif raw[pos + 2] < 0x80:
+                    s = pos + 3
+                    q = s + ((c & 0x7F) | (raw[pos + 2] << 7))
+                else:
+                    _, _, s, q = skip_field(raw, pos, n)
+                if q > n:
+                    raise _invalid("field runs past the end of its message")
+                if tag == 0x22:
+                    add_symbol(raw[s:q])
+                    symbols_end = q
+                else:
+                    add_series((pos, s, q))
+                pos = q
+                continue
+            number, wt, s, q = skip_field(raw, pos, n)
+            if number == 4:
+                if wt != 2:
+                    raise _invalid("symbols field with a wrong wire type")
+                add_symbol(raw[s:q])
+                symbols_end = q
+            elif number == 5:
+                if wt != 2:
+                    raise _invalid("timeseries field with a wrong wire type")
+                add_series((pos, s, q))
+            pos = q
+    except IndexError:
+        raise _invalid("truncated message") from None
     if symbols:
         # one C-level check for all: NUL is ASCII, so joining keeps every fault visible
         try:
@@ -735,74 +782,207 @@ def _check_refs(refs: Sequence[int], nsym: int) -> None:
         raise _invalid(f"symbol reference {max(refs)} past the table of {nsym}")
 
 
-#: resolve(labels) -> (stamp as sorted (name, value) pairs or None for "unchanged", reason)
-ResolveV2 = Callable[
-    [list[tuple[bytes, bytes]]], tuple["Sequence[tuple[bytes, bytes]] | None", str]
-]
+#: What the caller's cache holds per resolved label set (the tuple of a series' label
+#: strings, name, value, name, value, ...), first four items read here:
+#: ``(generation, reason, at, data, ...)``: generation and reason as in :data:`Entry`;
+#: ``at`` -1 unchanged, >= 0 the pair index where the stamped ``data`` (name, value,
+#: name, value, ... sorted by name) goes in, -2 ``data`` is every (name, value) pair of the
+#: new label set.
+EntryV2 = tuple[Any, ...]
+LabelKey = tuple[bytes, ...]
+CacheGetV2 = Callable[[LabelKey], "EntryV2 | None"]
+CacheMissV2 = Callable[[LabelKey], "EntryV2"]
+
+_NVARINTS: dict[int, re.Pattern[bytes]] = {}
+
+
+def _varints_end(raw: bytes, s: int, q: int, k: int) -> int:
+    """Offset after the first ``k`` varints packed in ``raw[s:q]`` (one C-level match)."""
+    if k == 0:
+        return s
+    rx = _NVARINTS.get(k)
+    if rx is None:
+        rx = _NVARINTS[k] = re.compile(rb"(?:[\x80-\xff]*[\x00-\x7f]){%d}" % k)
+    m = rx.match(raw, s, q)
+    if m is None:  # pragma: no cover - the refs were decoded from these bytes
+        raise _invalid("packed varints")
+    return m.end()
+
+
+def _decode_refs(raw: bytes, s: int, q: int) -> list[int]:
+    out: list[int] = []
+    decode_packed(raw, s, q, out)
+    return out
+
+
+def _encode_refs(refs: Sequence[int]) -> bytes:
+    if not refs or max(refs) < 0x80:
+        return bytes(refs)
+    return b"".join(encode_uvarint(r) for r in refs)
 
 
 def splice_v2(
-    raw: bytes, resolve: ResolveV2, drop: Collection[bytes]
+    raw: bytes,
+    get: CacheGetV2,
+    miss: CacheMissV2,
+    generation: int,
+    intern: dict[bytes, bytes] | None = None,
 ) -> tuple[bytes, Counts, list[str]]:
-    """Rewrite ``labels_refs`` of every 2.0 series ``resolve`` stamps; copy the rest.
+    """Rewrite ``labels_refs`` of every 2.0 series the cache stamps; copy the rest.
 
-    New strings go to the end of the symbols table (right after the last existing symbol
-    field), existing ones are reused, so every ref already in the request stays valid.
+    The cache is keyed by the resolved label strings, so it carries across requests
+    (refs are per request, strings are not). New strings go to the end of the symbols
+    table (right after the last existing symbol field), existing ones are reused, so every
+    ref already in the request stays valid. Returns the body (``raw`` itself when nothing
+    changed), the counts, and the reasons of the unattributed series (as ``splice_v1``).
+
+    Fast layout (what Prometheus writes): one packed ``labels_refs`` field first, then
+    exactly one sample field. Its refs are decoded in place, and a stamped series' new
+    refs are the old packed bytes cut at the block position with the stamp's refs in
+    between. Any other layout is taken apart field by field.
+
+    ``intern`` (the caller's, kept across requests): the key's strings are looked up there
+    first, so keys of later requests hold the very objects the cache's keys hold and a
+    probe compares identities instead of bytes.
     """
     scan = scan_v2(raw)
     syms = scan.symbols
     nsym = len(syms)
+    key_syms = syms if intern is None else list(map(intern.setdefault, syms, syms))
     sym_index: dict[bytes, int] | None = None
     new_syms: list[bytes] = []
-    edits: list[tuple[int, int, bytes]] = []  # (start, end, replacement)
-    reasons: list[str] = []
-    counts = Counts()
-    for start, p, end in scan.series:
-        ser = split_series_v2(raw, p, end)
-        counts.series += 1
-        counts.samples += ser.samples
-        counts.histograms += ser.histograms
-        counts.exemplars += ser.exemplars
-        refs = ser.refs
-        _check_refs(refs, nsym)
-        labels = [(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)]
-        stamp, reason = resolve(labels)
-        reasons.append(reason)
-        if stamp is None:
-            continue
-        if sym_index is None:
-            sym_index = {}
-            for i in range(nsym - 1, -1, -1):
-                sym_index[syms[i]] = i
-            if not syms:
-                new_syms.append(b"")
-                sym_index[b""] = 0
-        pairs: list[tuple[bytes, bytes, bytes]] = []
-        for i in range(0, len(refs), 2):
-            pairs.append((labels[i // 2][0], labels[i // 2][1], _refs_bytes(refs[i], refs[i + 1])))
-        ours: list[tuple[bytes, bytes, bytes]] = []
-        for name, value in stamp:
-            rn = _sym_ref(name, sym_index, new_syms, nsym)
-            rv = _sym_ref(value, sym_index, new_syms, nsym)
-            ours.append((name, value, _refs_bytes(rn, rv)))
-        merged = merge_labels(pairs, ours, drop)
-        packed = b"".join(x[2] for x in merged)
-        body = len_field(1, packed) + b"".join(raw[s:q] for s, q in ser.other)
-        edits.append((start, end, len_field(5, body)))
-    if not edits:
-        return raw, counts, reasons
-    if new_syms:
-        at = scan.symbols_end if scan.symbols_end >= 0 else 0
-        block = b"".join(len_field(4, s) for s in new_syms)
-        edits.append((at, at, block))
-        edits.sort(key=lambda e: (e[0], e[1]))
+    #: id(stamp) -> (stamp, its refs packed): the stamp kept so its id stays its own
+    stamp_refs: dict[int, tuple[Any, bytes]] = {}
+    #: string -> its ref in this request, encoded
+    enc_ref: dict[bytes, bytes] = {}
     out: list[bytes] = []
+    append = out.append
     copy_from = 0
-    for s, e, rep in edits:
-        out.append(raw[copy_from:s])
-        out.append(rep)
-        copy_from = e
-    out.append(raw[copy_from:])
+    # new symbols go right after the last symbols field: a slot in ``out``, filled at the end
+    sym_at = scan.symbols_end if scan.symbols_end >= 0 else 0
+    sym_slot = -1
+    reasons: list[str] = []
+    add_reason = reasons.append
+    series = samples = histograms = exemplars = 0
+    try:
+        for start, p, end in scan.series:
+            series += 1
+            labels: list[bytes] | None = None  # name, value, name, value, ...
+            s = q = -1
+            if p < end and raw[p] == 0x0A:
+                c = raw[p + 1]
+                if c < 0x80:
+                    s = p + 2
+                    q = s + c
+                elif raw[p + 2] < 0x80:
+                    s = p + 3
+                    q = s + ((c & 0x7F) | (raw[p + 2] << 7))
+                if 0 <= q < end - 1 and raw[q] == 0x12 and raw[q + 1] < 0x80 and (
+                    q + 2 + raw[q + 1] == end
+                ):
+                    # refs resolved as they are read (q < end: raw[i + 1] exists)
+                    labels = []
+                    add = labels.append
+                    i = s
+                    try:
+                        while i < q:
+                            b = raw[i]
+                            if b < 0x80:
+                                add(key_syms[b])
+                                i += 1
+                            else:
+                                b2 = raw[i + 1]
+                                if b2 < 0x80:
+                                    add(key_syms[(b & 0x7F) | (b2 << 7)])
+                                    i += 2
+                                else:
+                                    v, i = uvarint(raw, i)
+                                    add(key_syms[v])
+                    except IndexError:
+                        raise _invalid(f"a symbol reference is past the table of {nsym}") from None
+                    if i != q:
+                        raise _invalid("packed varints run past their field")
+                    samples += 1
+            ser = None
+            if labels is None:
+                ser = split_series_v2(raw, p, end)
+                refs = ser.refs
+                if refs and max(refs) >= nsym:
+                    raise _invalid(f"symbol reference {max(refs)} past the table of {nsym}")
+                labels = [key_syms[r] for r in refs]
+                samples += ser.samples
+                histograms += ser.histograms
+                exemplars += ser.exemplars
+            if len(labels) & 1:
+                raise _invalid("labels_refs has an odd number of entries")
+            key = tuple(labels)
+            ent = get(key)
+            if ent is None or ent[0] < generation:
+                ent = miss(key)
+            if ent[1]:
+                add_reason(ent[1])
+            at = ent[2]
+            if at == UNCHANGED:
+                continue
+            if sym_index is None:
+                # the first occurrence of a string wins, as a reader would look it up
+                sym_index = dict(zip(reversed(syms), range(nsym - 1, -1, -1), strict=True))
+                if not syms:
+                    new_syms.append(b"")
+                    sym_index[b""] = 0
+            data = ent[3]
+            if at >= 0:
+                memo = stamp_refs.get(id(data))
+                if memo is None:
+                    for x in data:
+                        if x not in enc_ref:
+                            enc_ref[x] = encode_uvarint(_sym_ref(x, sym_index, new_syms, nsym))
+                    sp = b"".join(map(enc_ref.__getitem__, data))
+                    stamp_refs[id(data)] = (data, sp)
+                else:
+                    sp = memo[1]
+            if sym_slot < 0 and sym_at <= start:
+                append(raw[copy_from:sym_at])
+                sym_slot = len(out)
+                append(b"")
+                copy_from = sym_at
+            append(raw[copy_from:start])
+            copy_from = end
+            if at >= 0 and ser is None:
+                # the packed refs cut at the block; the sample after them copied as it was
+                cut = _varints_end(raw, s, q, 2 * at)
+                n_refs = q - s + len(sp)
+                lab_head = _head(0x0A, n_refs)
+                append(_head(0x2A, len(lab_head) + n_refs + end - q) + lab_head)
+                append(raw[s:cut])
+                append(sp)
+                append(raw[cut:end])
+                continue
+            refs = ser.refs if ser is not None else _decode_refs(raw, s, q)
+            if at >= 0:
+                packed = _encode_refs(refs[: 2 * at]) + sp + _encode_refs(refs[2 * at :])
+            else:
+                packed = b"".join(
+                    _refs_bytes(
+                        _sym_ref(n, sym_index, new_syms, nsym),
+                        _sym_ref(v, sym_index, new_syms, nsym),
+                    )
+                    for n, v in data
+                )
+            rest = raw[q:end] if ser is None else b"".join(raw[a:b] for a, b in ser.other)
+            append(len_field(5, len_field(1, packed) + rest))
+    except IndexError:
+        raise _invalid("truncated message") from None
+    counts = Counts(series, samples, histograms, exemplars)
+    if not out:
+        return raw, counts, reasons
+    if sym_slot < 0:  # the symbols come after every changed series
+        append(raw[copy_from:sym_at])
+        sym_slot = len(out)
+        append(b"")
+        copy_from = sym_at
+    out[sym_slot] = b"".join(len_field(4, x) for x in new_syms)
+    append(raw[copy_from:])
     return b"".join(out), counts, reasons
 
 

@@ -363,3 +363,28 @@ def test_rules_come_from_the_settings() -> None:
     assert res.attributed == 2 and res.unattributed == {"no_pod_label": 1}
     assert parse_v1(res.body) == parse_v1(enrich_v1_reference(raw, index_with_pods(), PAIRS,
                                                               pod_label_rules=rules).body)
+
+
+def test_v2_cache_carries_across_requests_with_other_symbol_tables() -> None:
+    idx = index_with_pods()
+    e = enricher(idx)
+    first = {"__name__": "container_cpu", "namespace": "ml", "pod": "train-head"}
+    other = {"__name__": "node_load1", "instance": "n1"}
+    a = e.enrich_v2(request_v2(first, other))
+    misses = e.misses
+    # the same label sets, other refs: strings in another order, an extra symbol first
+    raw_b = request_v2(other, first, symbols=["", "zzz", "n1", "instance"])
+    b = e.enrich_v2(raw_b)
+    assert e.misses == misses  # both served from the cache
+    req_a, req_b = parse_v2(a.body), parse_v2(b.body)
+    assert labels_v2(req_b, req_b.timeseries[1]) == labels_v2(req_a, req_a.timeseries[0])
+    assert (b.attributed, b.unattributed) == (1, {"no_pod_label": 1})
+    ref = enrich_v2_reference(raw_b, idx, PAIRS)
+    assert [labels_v2(req_b, t) for t in req_b.timeseries] == [
+        labels_v2(parse_v2(ref.body), t) for t in parse_v2(ref.body).timeseries]
+    # an index change reaches cached RW 2.0 entries too
+    idx.apply(ChangeSet(pods={"u1": PodAttribution("ml", "train-head", "u1", WL_TRAIN,
+                                                   "tail", "train")}))
+    c = e.enrich_v2(raw_b)
+    req_c = parse_v2(c.body)
+    assert dict(labels_v2(req_c, req_c.timeseries[1]))["karta_component"] == "tail"

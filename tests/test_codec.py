@@ -156,22 +156,54 @@ def test_invalid_utf8_label_is_a_decode_error() -> None:
 )
 def test_garbage_v2_is_a_decode_error(raw: bytes) -> None:
     with pytest.raises(DecodeError) as info:
-        codec.splice_v2(raw, lambda labels: (None, ""), frozenset())
+        codec.splice_v2(raw, _EMPTY_V2.get, _unchanged_v2, 0)
     assert info.value.status == 400
+
+
+_EMPTY_V2: dict[codec.LabelKey, tuple[object, ...]] = {}
+
+
+def _unchanged_v2(key: codec.LabelKey) -> tuple[object, ...]:
+    return (codec.ALWAYS, "r", codec.UNCHANGED, None)
 
 
 def test_v2_unpacked_refs_accepted() -> None:
     # labels_refs sent one varint at a time (legal protobuf for a packed field)
     raw = (codec.len_field(4, b"") + codec.len_field(4, b"a") + codec.len_field(4, b"b")
            + codec.len_field(5, b"\x08\x01\x08\x02"))
-    seen: list[list[tuple[bytes, bytes]]] = []
+    seen: list[codec.LabelKey] = []
 
-    def resolve(labels: list[tuple[bytes, bytes]]) -> tuple[None, str]:
-        seen.append(labels)
-        return None, "r"
+    def miss(key: codec.LabelKey) -> tuple[object, ...]:
+        seen.append(key)
+        return (codec.ALWAYS, "", 0, (b"c", b"d"))
 
-    codec.splice_v2(raw, resolve, frozenset())
-    assert seen == [[(b"a", b"b")]]
+    out, counts, reasons = codec.splice_v2(raw, _EMPTY_V2.get, miss, 0)
+    assert seen == [(b"a", b"b")]
+    assert (counts.series, counts.samples, reasons) == (1, 0, [])
+    # the stamp goes in at pair 0, the refs are re-encoded packed, "c" and "d" appended
+    assert out == (codec.len_field(4, b"") + codec.len_field(4, b"a") + codec.len_field(4, b"b")
+                   + codec.len_field(4, b"c") + codec.len_field(4, b"d")
+                   + codec.len_field(5, codec.len_field(1, b"\x03\x04\x01\x02")))
+
+
+def test_v2_fast_layout_cuts_packed_refs_at_the_block() -> None:
+    """Multi-byte refs: the stamp's refs go in after the k-th varint (s9 is ref 10)."""
+    syms = [b"", *(b"s%d" % i for i in range(300))]
+    refs = [5, 200, 150, 7, 299, 1]  # three pairs, two-byte varints among them
+    packed = b"".join(codec.encode_uvarint(r) for r in refs)
+    sample = codec.len_field(2, b"\x09" + b"\x00" * 8)
+    raw = b"".join(codec.len_field(4, x) for x in syms) + codec.len_field(
+        5, codec.len_field(1, packed) + sample)
+
+    def miss(key: codec.LabelKey) -> tuple[object, ...]:
+        assert key == tuple(syms[r] for r in refs)
+        return (codec.ALWAYS, "", 2, (b"s9", b"new"))
+
+    out, counts, _ = codec.splice_v2(raw, _EMPTY_V2.get, miss, 0)
+    new_refs = b"".join(codec.encode_uvarint(r) for r in [*refs[:4], 10, 301, *refs[4:]])
+    assert out == (b"".join(codec.len_field(4, x) for x in syms) + codec.len_field(4, b"new")
+                   + codec.len_field(5, codec.len_field(1, new_refs) + sample))
+    assert counts.samples == 1
 
 
 def test_v2_to_v1_converts_everything() -> None:
