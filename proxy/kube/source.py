@@ -28,6 +28,7 @@ from proxy.kube.client import KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource, Discovery
 from proxy.kube.watcher import (
     IDLE_TIMEOUT,
+    Backoff,
     ResourceWatcher,
     WatchEvent,
     WatchMetrics,
@@ -151,10 +152,14 @@ class KubeSource:
         if self.settings.watch_descriptions:
             await self._reconcile(self._desired(descriptions_only=True))
             await self._wait_synced()
+        backoff = Backoff(cap=self.settings.resync_backoff_max_seconds)
         while True:
             self._kinds_changed.clear()
-            await self._reconcile(self._desired())
+            failed = await self._reconcile(self._desired())
             await self._wait_synced()
+            if failed:  # discovery unreachable: retry, but never in a tight loop
+                await asyncio.sleep(backoff.next())
+                continue
             if not self._kinds_changed.is_set():
                 break
         self.index.ready = True
@@ -201,8 +206,11 @@ class KubeSource:
         want[POD] = "full"
         return want
 
-    async def _reconcile(self, want: Mapping[GroupKind, str]) -> None:
+    async def _reconcile(self, want: Mapping[GroupKind, str]) -> int:
+        """Start, switch and drop watchers to match ``want``; returns how many kinds could
+        not be resolved (the caller retries those after a backoff)."""
         assert self.discovery is not None and self._client is not None
+        failed = 0
         for gk in list(self.watchers):
             if gk not in want:
                 await self._drop(gk)
@@ -212,13 +220,9 @@ class KubeSource:
                 continue
             try:
                 res = await self.discovery.resolve(gk)
-            except (KubeApiError, OSError, TimeoutError) as e:
+            except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
                 log.warning("discovery of %s failed (%s); will retry", gk, e)
-                self._kinds_changed.set()
-                continue
-            except Exception as e:  # aiohttp client errors and the like
-                log.warning("discovery of %s failed (%s); will retry", gk, e)
-                self._kinds_changed.set()
+                failed += 1
                 continue
             if res is None:
                 self._mark_unserved(gk, "not served by the cluster")
@@ -230,6 +234,7 @@ class KubeSource:
                     await w.stop()
                     held.update(w.held)
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
+        return failed
 
     def _start_watchers(
         self, res: ApiResource, mode: str, held: dict[str, str]
@@ -303,6 +308,7 @@ class KubeSource:
     async def _follow_kinds(self) -> None:
         """Start / stop watches when descriptions change; retry unserved kinds."""
         assert self.discovery is not None
+        backoff = Backoff(cap=self.settings.resync_backoff_max_seconds)
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kinds_changed.wait(), self._recheck_interval)
@@ -314,11 +320,15 @@ class KubeSource:
                     for gk in list(self.unserved_kinds):
                         if gk in self.watchers:
                             await self._drop(gk)
-                await self._reconcile(want)
+                failed = await self._reconcile(want)
             except Exception:  # never let the follower die
                 log.exception("reconciling watched kinds failed; retrying")
-                await asyncio.sleep(1.0)
+                failed = 1
+            if failed:
+                await asyncio.sleep(backoff.next())
                 self._kinds_changed.set()
+            else:
+                backoff.reset()
 
     async def _housekeeping(self) -> None:
         while True:

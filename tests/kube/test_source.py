@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.config import KubeSettings
+from proxy.index import PodIndex
+from proxy.karta.engine import Engine
 from proxy.kube.source import KubeSource
 from tests.kube.conftest import (
     SourceFactory,
@@ -382,3 +389,20 @@ async def test_description_of_an_owner_kind_switches_it_to_full_objects(
     await eventually(lambda: mode() == "metadata" and uid not in source.index.workloads,
                      timeout=5)
     await eventually(lambda: labels(source, "ml", "rc-head") is None)
+
+
+async def test_unreachable_at_start_retries_with_backoff(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """An API server that is down when the proxy starts is retried, never in a tight loop."""
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    await sim.stop()
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry())
+    caplog.set_level(logging.WARNING, logger="proxy.kube.source")
+    task = asyncio.create_task(source.start())
+    await asyncio.sleep(1.5)
+    attempts = sum("discovery of" in r.getMessage() for r in caplog.records)
+    assert 1 <= attempts <= 60, attempts  # a tight loop made ~1,600 in 1.5 s
+    await sim.start()
+    await asyncio.wait_for(task, 10)
+    assert source.index.ready
+    await source.stop()
