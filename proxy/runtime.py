@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -35,28 +33,6 @@ log = logging.getLogger("karta.runtime")
 
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
-
-
-#: the namespace of the pod's service account, mounted into every pod that has one
-SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-def own_namespace(env: Mapping[str, str] | None = None,
-                  sa_file: Path = SERVICE_ACCOUNT_NAMESPACE_FILE) -> str:
-    """The namespace this process runs in: ``POD_NAMESPACE`` (downward API), else the
-    service account's namespace file, else ``default`` (outside a cluster).
-
-    The Lease lives where the RBAC manifests grant it (the proxy's own namespace), so no
-    namespace has to be written twice in a deployment.
-    """
-    env = os.environ if env is None else env
-    if env.get("POD_NAMESPACE", "").strip():
-        return env["POD_NAMESPACE"].strip()
-    try:
-        ns = sa_file.read_text(encoding="utf-8").strip()
-    except OSError:
-        ns = ""
-    return ns or "default"
 
 
 #: families the kube source registers that ``ProxyMetrics`` already serves from the index
@@ -184,10 +160,10 @@ class Proxy:
         f = self.settings.facts
         if not (self.writes_facts and f.leader_election):
             return
-        from proxy.kube.client import KubeClient
+        from proxy.kube.client import KubeClient, default_namespace
         from proxy.lease import LeaseElector
 
-        self.lease_namespace = f.lease_namespace or own_namespace()
+        self.lease_namespace = f.lease_namespace or default_namespace()
         log.info("fact writer election", extra={
             "lease": f"{self.lease_namespace}/{f.lease_name}",
             "namespace_from": "setting" if f.lease_namespace else "own namespace"})

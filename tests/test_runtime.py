@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from proxy.config import Settings
-from proxy.runtime import Proxy, own_namespace
+from proxy.runtime import Proxy
 from proxy.sender import decode_v1
 from tests.peers.conftest import wait_until
 from tests.scripted import ScriptedUpstream
@@ -127,15 +127,6 @@ async def test_snapshot_reload_off(tmp_path: Path) -> None:
         assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
     finally:
         await p.stop()
-
-
-def test_own_namespace(tmp_path: Path) -> None:
-    sa = tmp_path / "namespace"
-    assert own_namespace({}, sa) == "default"  # outside a cluster
-    sa.write_text("karta-proxy\n")
-    assert own_namespace({}, sa) == "karta-proxy"
-    assert own_namespace({"POD_NAMESPACE": "from-env"}, sa) == "from-env"
-    assert own_namespace({"POD_NAMESPACE": " "}, sa) == "karta-proxy"
 
 
 async def test_lease_in_the_own_namespace_by_default(
