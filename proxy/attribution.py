@@ -220,10 +220,10 @@ class Enricher:
         """
         gen = self._generation
         old = self._cache.get(key)
-        if old is not None and old[7] is not None:
-            ns, pod = old[7]
+        if old is not None and old[6] is not None:
+            ns, pod = old[6]
             now = self._index.lookup(ns, pod)
-            if now is old[8] and (now is not None or self._index.reason(ns, pod) == old[1]):
+            if now is old[7] and (now is not None or self._index.reason(ns, pod) == old[5]):
                 ent = (gen, *old[1:])
                 self._cache[key] = ent
                 return ent
@@ -241,7 +241,7 @@ class Enricher:
         got, at = scan
         found = self._finder.find(got)
         if found is None:
-            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), 0, None, None, None)
+            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), None, None, None)
         return self._stamp_entry(key, gen, found, at, None)
 
     def _stamp_entry(
@@ -259,18 +259,20 @@ class Enricher:
         pairs = self._index.lookup(ns, pod)
         if pairs is None:
             reason = self._index.reason(ns, pod)
-            return codec.make_entry(gen, reason, len(key), 0, None, pod_key, None)
+            return codec.make_entry(gen, reason, len(key), None, pod_key, None)
         if labels is None:
             block = self._blocks.get(pairs)
             if block is None:
                 block = b"".join(lf[2] for lf in self._stamp_fields(pairs))
                 self._blocks[pairs] = block
-            return codec.make_entry(gen, "", len(key), at, block, pod_key, pairs)
+            if not block:
+                return codec.make_entry(gen, "", len(key), None, pod_key, pairs)
+            return codec.make_entry(gen, "", len(key), key[:at] + block + key[at:], pod_key, pairs)
         merged = codec.merge_labels(labels, self._stamp_fields(pairs), _STAMPED)
         new = b"".join(lf[2] for lf in merged)
         if new == key:  # already exactly so: pass the bytes through untouched
-            return codec.make_entry(gen, "", len(key), 0, None, pod_key, pairs)
-        return codec.make_entry(gen, "", len(key), codec.WHOLE, new, pod_key, pairs)
+            return codec.make_entry(gen, "", len(key), None, pod_key, pairs)
+        return codec.make_entry(gen, "", len(key), new, pod_key, pairs)
 
     def _stamp_fields(self, pairs: LabelPairs) -> tuple[tuple[bytes, bytes, bytes], ...]:
         stamp = self._stamp_v1.get(pairs)
@@ -285,10 +287,10 @@ class Enricher:
         labels = codec.parse_labels_v1(key)
         by_name = {name: value for name, value, _ in labels}
         if self._keep and by_name.get(_WORKLOAD):
-            return codec.make_entry(-1, "", len(key), 0, None, None, None)
+            return codec.make_entry(-1, "", len(key), None, None, None)
         found = self._finder.find(by_name)
         if found is None:
-            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), 0, None, None, None)
+            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), None, None, None)
         return self._stamp_entry(key, gen, found, 0, labels)
 
     # -- RW 2.0: keyed by the resolved label strings ------------------------------------

@@ -397,18 +397,17 @@ def _is_sorted(labels: Sequence[tuple[bytes, bytes, bytes]]) -> bool:
 
 # -- RW 1.0 splice ------------------------------------------------------------------------
 
-#: What the caller's cache holds per label set; the first seven items are read here:
-#: ``(generation, reason, at, data, head18, head9, delta, ...)``:
+#: What the caller's cache holds per label set; the first six items are read here:
+#: ``(generation, new, head18, head9, delta, reason, ...)``:
 #:
 #: - the generation it is valid for (valid while ``entry[0] >= generation``; entries valid
 #:   for ever hold :data:`ALWAYS`);
-#: - reason: "" when attributed, else the reason label value;
-#: - at: -1 "unchanged" (data None); -2 ``data`` is the whole new run of label fields;
-#:   ``>= 0`` the new labels are ``key[:at] + data + key[at:]`` (the stamped labels form
-#:   one block in sorted order, so most entries keep only that block, shared by every
-#:   series of the pod, instead of a copy of the labels);
-#: - head18 / head9: the series head (``0a`` + length) for the two fast tails;
-#: - delta: len(new labels) - len(key).
+#: - new: the new run of label fields, or None for "unchanged";
+#: - head18 / head9: the series head (``0a`` + length) for the two fast tails, objects of a
+#:   shared table (an entry holds one copy of its labels, not one per head);
+#: - delta: len(new) - len(key);
+#: - reason: "" when attributed, else the reason label value (only unchanged entries have
+#:   one, so a stamped hit never reads it).
 #:
 #: The caller may keep more items after those (e.g. what it needs to revalidate).
 Entry = tuple[Any, ...]
@@ -417,44 +416,24 @@ CacheGet = Callable[[bytes], "Entry | None"]
 #: run of complete Label fields (the fast path offers keys it has not walked)
 CacheMiss = Callable[[bytes], "Entry"]
 
-UNCHANGED = -1
-WHOLE = -2
 #: the generation of entries that never expire (series that name no pod): one comparison
 #: ``entry[0] < generation`` tells a stale entry on the hot path
 ALWAYS = 1 << 62
 
 
 def make_entry(
-    generation: int, reason: str, key_len: int, at: int, data: bytes | None, *extra: Any
+    generation: int, reason: str, key_len: int, new: bytes | None, *extra: Any
 ) -> Entry:
-    """An :data:`Entry` (``data`` None or empty: unchanged), heads from the shared table;
-    a negative ``generation`` means :data:`ALWAYS`."""
+    """An :data:`Entry` (``new`` None: unchanged); a negative ``generation`` means
+    :data:`ALWAYS`."""
     if generation < 0:
         generation = ALWAYS
-    if not data:
-        return (generation, reason, UNCHANGED, None, None, None, 0, *extra)
-    new_len = len(data) + (key_len if at >= 0 else 0)
-    return (
-        generation,
-        reason,
-        at,
-        data,
-        _ts_head_v1(new_len + 18),
-        _ts_head_v1(new_len + 9),
-        new_len - key_len,
-        *extra,
-    )
-
-
-def entry_labels(key: bytes, ent: Entry) -> bytes | None:
-    """The new label fields an entry stands for (None: unchanged)."""
-    at = ent[2]
-    if at == UNCHANGED:
-        return None
-    if at == WHOLE:
-        data: bytes = ent[3]
-        return data
-    return key[:at] + ent[3] + key[at:]
+    if new is None:
+        return (generation, None, None, None, 0, reason, *extra)
+    if reason:
+        raise ValueError("a stamped entry is attributed: it has no reason")
+    n = len(new)
+    return (generation, new, _ts_head_v1(n + 18), _ts_head_v1(n + 9), n - key_len, "", *extra)
 
 
 def _split_series_v1(
@@ -558,10 +537,10 @@ def splice_v1(
                 raise _invalid("series runs past the end of the request")
             q = end - 18
             if q > p and raw[q] == 0x12 and raw[q + 1] == 16:
-                tail = 4
+                tail = 2
             else:
                 q = end - 9
-                tail = 5 if q > p and raw[q] == 0x12 and raw[q + 1] == 7 else 0
+                tail = 3 if q > p and raw[q] == 0x12 and raw[q + 1] == 7 else 0
             if tail:
                 key = raw[p:q]
                 ent = get(key)
@@ -573,22 +552,14 @@ def splice_v1(
                             raise
                         ent = None  # not a label run after all: walk the series
                 if ent is not None:
-                    reason = ent[1]
-                    if reason:
-                        add_reason(reason)
-                    at = ent[2]
-                    if at >= 0:
+                    new = ent[1]
+                    if new is not None:
                         append(raw[copy_from:pos])
                         append(ent[tail])
-                        cut = p + at
-                        append(raw[p:cut])
-                        append(ent[3])
-                        copy_from = cut
-                    elif at == WHOLE:
-                        append(raw[copy_from:pos])
-                        append(ent[tail])
-                        append(ent[3])
+                        append(new)
                         copy_from = q
+                    elif ent[5]:
+                        add_reason(ent[5])
                     pos = end
                     continue
             # full walk
@@ -600,13 +571,11 @@ def splice_v1(
             ent = get(key)
             if ent is None or ent[0] < generation:
                 ent = miss(key)
-            if ent[1]:
-                add_reason(ent[1])
-            new = entry_labels(key, ent)
+            new = ent[1]
             if new is not None:
                 append(raw[copy_from:pos])
                 if lead_end >= 0:
-                    append(_ts_head_v1(end - p + ent[6]))
+                    append(_ts_head_v1(end - p + ent[4]))
                     append(new)
                     copy_from = lead_end
                 else:
@@ -615,6 +584,8 @@ def splice_v1(
                     append(new)
                     append(rest)
                     copy_from = end
+            elif ent[5]:
+                add_reason(ent[5])
             pos = end
     except IndexError:
         raise _invalid("truncated message") from None
@@ -789,6 +760,8 @@ def _check_refs(refs: Sequence[int], nsym: int) -> None:
 #: name, value, ... sorted by name) goes in, -2 ``data`` is every (name, value) pair of the
 #: new label set.
 EntryV2 = tuple[Any, ...]
+UNCHANGED = -1
+WHOLE = -2
 LabelKey = tuple[bytes, ...]
 CacheGetV2 = Callable[[LabelKey], "EntryV2 | None"]
 CacheMissV2 = Callable[[LabelKey], "EntryV2"]

@@ -51,7 +51,7 @@ _EMPTY: dict[bytes, tuple[object, ...]] = {}
 
 def _never(key: bytes) -> tuple[object, ...]:
     codec.parse_labels_v1(key)  # a miss must refuse what is not a label run
-    return codec.make_entry(-1, "x", len(key), 0, None)
+    return codec.make_entry(-1, "x", len(key), None)
 
 
 def _splice_identity(raw: bytes) -> tuple[bytes, Counts, list[str]]:
@@ -79,7 +79,7 @@ def test_counts_v2() -> None:
 def _stamp_all(stamp: bytes) -> codec.CacheMiss:
     def miss(key: bytes) -> tuple[object, ...]:
         codec.parse_labels_v1(key)
-        return codec.make_entry(-1, "", len(key), codec.WHOLE, key + stamp)
+        return codec.make_entry(-1, "", len(key), key + stamp)
 
     return miss
 
@@ -249,8 +249,7 @@ def _warm(raw: bytes) -> tuple[dict[bytes, tuple[object, ...]], codec.CacheMiss]
 
     def miss(key: bytes) -> tuple[object, ...]:
         codec.parse_labels_v1(key)
-        # the block form: the stamp goes in at the end of the labels (zz sorts last)
-        ent = codec.make_entry(-1, "", len(key), len(key), stamp)
+        ent = codec.make_entry(-1, "", len(key), key + stamp)
         cache[key] = ent
         return ent
 
@@ -342,15 +341,16 @@ def test_scan_labels_leaves_unusual_shapes_to_the_full_parse(key: bytes) -> None
     assert codec.scan_labels_v1(key, {b"a", b"n"}) is None
 
 
-def test_entry_labels_of_each_form() -> None:
-    key = _run(("a", "1"), ("z", "2"))
-    block = _run(("karta_workload", "w"))
-    at = len(_run(("a", "1")))
-    assert codec.entry_labels(key, codec.make_entry(0, "", len(key), at, block)) == _run(
-        ("a", "1"), ("karta_workload", "w"), ("z", "2"))
-    whole = _run(("b", "2"))
-    assert codec.entry_labels(key, codec.make_entry(0, "", len(key), codec.WHOLE, whole)) == whole
-    assert codec.entry_labels(key, codec.make_entry(0, "r", len(key), at, None)) is None
+def test_entries_share_their_heads() -> None:
+    key = _run(("a", "1"))
+    new = key + _run(("karta_workload", "w"))
+    ent = codec.make_entry(3, "", len(key), new)
+    assert ent[:2] == (3, new) and ent[4] == len(new) - len(key)
+    assert ent[2] == codec.len_field(1, new + b"x" * 18)[: len(ent[2])]
+    assert ent[2] is codec.make_entry(0, "", 0, new)[2]  # one object per length
+    assert codec.make_entry(-1, "r", len(key), None)[:2] == (codec.ALWAYS, None)
+    with pytest.raises(ValueError):
+        codec.make_entry(0, "r", len(key), new)
 
 
 @pytest.mark.parametrize("long", [False, True])
