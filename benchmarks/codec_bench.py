@@ -7,6 +7,9 @@ through, in the same process and run:
 - ``pass-through``: snappy decompress + compress, nothing else (the baseline);
 - ``enrich``: decompress + ``Enricher.enrich_v1`` + compress, cache warm (steady state:
   every label set was seen once in a warm-up round, as after the first scrape interval);
+- ``enrich-churn``: steady state while the cluster changes: one pod event (of a pod the
+  series do not name) is applied to the index before each request, as in a live cluster
+  where pods start and stop all the time (the index update, ~10 us, is in the figure);
 - ``enrich-cold``: the same with an empty cache each round (the first scrape after start);
 - ``enrich-v2``: the same corpus as RW 2.0 requests through ``Enricher.enrich_v2``, cache
   warm (its cache carries across requests, keyed by the resolved label strings);
@@ -41,6 +44,7 @@ from proxy.attribution import Enricher, enrich_v1_reference
 from proxy.compression import compress, decompress
 from proxy.config import EnrichSettings
 from proxy.index import PodIndex
+from proxy.karta.results import ChangeSet, PodAttribution
 
 MAX_DECODED = 64 << 20
 
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for body in rounds[0]:  # warm-up: every label set seen once
         enrich(body)
+    events = iter(range(10**9))  # names of the churn rows' pod events
     for body in v2_rounds[0]:
         enrich_v2(body)
 
@@ -148,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         bodies = rounds[r]
         record("pass-through", bodies, counts, passthrough)
         record("enrich", bodies, counts, enrich)
+
+        def enrich_churn(body: bytes) -> object:
+            i = next(events)
+            index.apply(ChangeSet(pods={f"churn-{i}": PodAttribution(
+                "churn", f"pod-{i}", f"churn-{i}", None, reason="no_described_owner")}))
+            return enrich(body)
+
+        record("enrich-churn", bodies, counts, enrich_churn)
         cold = Enricher(index, settings.pod_label_pairs, cache_size=settings.cache_size)
 
         def enrich_cold(body: bytes, cold: Enricher = cold) -> object:

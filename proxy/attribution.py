@@ -1,11 +1,12 @@
 """Per series: find the pod it names, look up its stamped labels, splice them in (cached).
 
 The request path costs one cache probe per series in steady state. The cache is keyed by
-a series' label bytes (RW 1.0: the raw bytes of its Label fields) and holds the finished
-label bytes to splice, or "unchanged". Entries that depend on the pod index remember the
-(namespace, pod) they looked up and the answer; when ``index.generation`` moves on they
-are revalidated with one index probe (the index interns its answers, so an identity check
-says "still the same"), not recomputed. Entries of series that name no pod never expire.
+a series' label bytes (RW 1.0: the raw bytes of its Label fields; RW 2.0: the resolved
+label strings) and holds the finished labels to splice, or "unchanged". Entries that
+depend on the pod index share one cell per pod holding the index's answer; the index's
+change listener replaces it when that pod changes, which makes exactly that pod's entries
+stale (a pod event elsewhere costs the request path nothing). Entries of series that name
+no pod never expire.
 
 :func:`enrich_v1_reference` / :func:`enrich_v2_reference` do the same job the plain way,
 through the generated protobuf classes; tests hold the fast path to them.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import re
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from proxy.codec import Counts
 from proxy.compression import DecodeError
 from proxy.config import EnrichSettings, PodLabelRule
 from proxy.index import LabelPairs, PodIndex
+from proxy.karta.results import ChangeSet
 
 POLICIES = ("replace", "keep")
 DEFAULT_CACHE_SIZE = EnrichSettings().cache_size
@@ -164,115 +167,159 @@ class Enricher:
         self._finder = PodFinder(pod_label_pairs, pod_label_rules)
         self._keep = conflict_policy == "keep"
         self._cache_size = max(16, cache_size)
-        #: label bytes -> codec.Entry + (pod key or None, the index's answer or None)
+        #: label bytes -> codec.Entry
         self._cache: dict[bytes, tuple[Any, ...]] = {}
+        #: resolved label strings -> codec.EntryV2
+        self._cache_v2: dict[codec.LabelKey, tuple[Any, ...]] = {}
+        #: (namespace, pod) -> [the index's answer (token), namespace, pod]: one per pod,
+        #: shared by its entries; replacing item 0 makes all of them stale at once
+        self._cells: dict[tuple[bytes, bytes], list[Any]] = {}
+        #: pod uid -> (namespace, pod), to find the cell of a removed pod
+        self._uid_keys: dict[str, tuple[bytes, bytes]] = {
+            uid: (att.namespace.encode(), att.pod.encode()) for uid, att in index.pods.items()
+        }
+        self._seen_generation = index.generation
         #: LabelPairs -> encoded 1.0 Label fields, as (name, value, field) for the merge
         self._stamp_v1: dict[LabelPairs, tuple[tuple[bytes, bytes, bytes], ...]] = {}
-        #: LabelPairs -> the same fields as one block of bytes, shared by the pod's entries
+        #: LabelPairs -> the same fields as one block of bytes
         self._blocks: dict[LabelPairs, bytes] = {}
-        #: (namespace, pod) -> itself: one tuple per pod for every entry that names it
-        self._pod_keys: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = {}
         #: LabelPairs -> the stamped names and values, flat, sorted by name (RW 2.0)
         self._stamp_bytes: dict[LabelPairs, tuple[bytes, ...]] = {}
-        #: resolved label strings -> (generation, reason, at, data, pod key, answer)
-        self._cache_v2: dict[codec.LabelKey, tuple[Any, ...]] = {}
         #: RW 2.0 strings seen, one object each (see codec.splice_v2)
         self._symbols: dict[bytes, bytes] = {}
-        self._generation = index.generation
-        self.hits = 0
         self.misses = 0
+        ref = weakref.ref(self)
+
+        def on_change(changes: ChangeSet) -> None:
+            enricher = ref()
+            if enricher is not None:
+                enricher._on_change(changes)
+
+        index.subscribe(on_change)
 
     # -- public -------------------------------------------------------------------------
 
     def enrich_v1(self, raw: bytes) -> EnrichResult:
-        gen = self._generation = self._index.generation
-        self._trim_interned()
-        body, counts, reasons = codec.splice_v1(raw, self._cache.get, self._miss_v1, gen)
+        self._before_request()
+        body, counts, reasons = codec.splice_v1(raw, self._cache.get, self._miss_v1)
         return _tally_unattributed(counts, body, reasons)
 
     def enrich_v2(self, raw: bytes) -> EnrichResult:
-        gen = self._generation = self._index.generation
-        self._trim_interned()
+        self._before_request()
         body, counts, reasons = codec.splice_v2(
-            raw, self._cache_v2.get, self._miss_v2, gen, self._symbols
+            raw, self._cache_v2.get, self._miss_v2, self._symbols
         )
         return _tally_unattributed(counts, body, reasons)
-
-    def _trim_interned(self) -> None:
-        if len(self._symbols) > max(_INTERN_LIMIT, 4 * self._cache_size):
-            self._symbols.clear()
-        if len(self._pod_keys) > _INTERN_LIMIT or len(self._stamp_v1) > _INTERN_LIMIT:
-            self._stamp_v1.clear()
-            self._stamp_bytes.clear()
-            self._blocks.clear()
-            self._pod_keys.clear()
 
     def cache_len(self) -> int:
         """Entries of the RW 1.0 and RW 2.0 caches (each bounded by cache_size)."""
         return len(self._cache) + len(self._cache_v2)
 
+    # -- keeping entries current --------------------------------------------------------
+
+    def _token(self, ns: bytes, pod: bytes) -> Any:
+        """The index's answer for a pod: its stamped pairs (interned), else its reason."""
+        pairs = self._index.lookup(ns, pod)
+        return pairs if pairs is not None else self._index.reason(ns, pod)
+
+    def _cell(self, found: tuple[bytes, bytes]) -> list[Any]:
+        cell = self._cells.get(found)
+        if cell is None:
+            cell = [self._token(*found), *found]
+            self._cells[found] = cell
+        return cell
+
+    def _on_change(self, changes: ChangeSet) -> None:
+        """Index listener: refresh the cells of the pods a change set touches (per pod
+        event, never per series); their entries go stale, every other entry stays."""
+        cells = self._cells
+        for uid, att in changes.pods.items():
+            keys: tuple[tuple[bytes, bytes], ...]
+            if att is not None:
+                key = (att.namespace.encode(), att.pod.encode())
+                old = self._uid_keys.get(uid)
+                self._uid_keys[uid] = key
+                keys = (key,) if old is None or old == key else (key, old)
+            else:
+                gone = self._uid_keys.pop(uid, None)
+                keys = (gone,) if gone is not None else ()
+            for k in keys:
+                cell = cells.get(k)
+                if cell is not None:
+                    cell[0] = self._token(*k)
+        self._seen_generation = self._index.generation
+
+    def _before_request(self) -> None:
+        if self._index.generation != self._seen_generation:
+            # a change no listener call explained (tombstones expired): check every cell;
+            # unchanged answers keep their identity, so their entries stay valid
+            for (ns, pod), cell in self._cells.items():
+                token = self._token(ns, pod)
+                if token is not cell[0] and token != cell[0]:
+                    cell[0] = token
+            self._seen_generation = self._index.generation
+        if len(self._symbols) > max(_INTERN_LIMIT, 4 * self._cache_size):
+            self._symbols.clear()
+        if len(self._cells) > _INTERN_LIMIT:
+            for cell in self._cells.values():
+                cell[0] = _DEAD  # entries holding a dropped cell must not live on
+            self._cells.clear()
+        if len(self._stamp_v1) > _INTERN_LIMIT:
+            self._stamp_v1.clear()
+            self._stamp_bytes.clear()
+            self._blocks.clear()
+
     # -- decisions ----------------------------------------------------------------------
 
     def _miss_v1(self, key: bytes) -> tuple[Any, ...]:
-        """Compute (or revalidate) the cache entry of one label set.
+        """Compute the cache entry of one label set (new, or stale after a pod change).
 
         Raises DecodeError when ``key`` is not a run of Label fields (see codec.CacheMiss).
         """
-        gen = self._generation
-        old = self._cache.get(key)
-        if old is not None and old[6] is not None:
-            ns, pod = old[6]
-            now = self._index.lookup(ns, pod)
-            if now is old[7] and (now is not None or self._index.reason(ns, pod) == old[5]):
-                ent = (gen, *old[1:])
-                self._cache[key] = ent
-                return ent
-        ent = self._decide_v1(key, gen)
+        ent = self._decide_v1(key)
         self.misses += 1
-        if len(self._cache) >= self._cache_size:
-            _evict(self._cache)
-        self._cache[key] = ent
+        cache = self._cache
+        if len(cache) >= self._cache_size and key not in cache:
+            _evict(cache)
+        cache[key] = ent
         return ent
 
-    def _decide_v1(self, key: bytes, gen: int) -> tuple[Any, ...]:
+    def _decide_v1(self, key: bytes) -> tuple[Any, ...]:
         scan = codec.scan_labels_v1(key, self._finder.names)
         if scan is None:  # an unusual shape, or karta_ labels of the sender's own
-            return self._decide_v1_general(key, gen)
+            return self._decide_v1_general(key)
         got, at = scan
         found = self._finder.find(got)
         if found is None:
-            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), None, None, None)
-        return self._stamp_entry(key, gen, found, at, None)
+            return codec.make_entry(codec.ALWAYS, None, REASON_NO_POD_LABEL, len(key), None)
+        return self._stamp_entry(key, found, at, None)
 
     def _stamp_entry(
         self,
         key: bytes,
-        gen: int,
         found: tuple[bytes, bytes],
         at: int,
         labels: list[codec.LabelField] | None,
     ) -> tuple[Any, ...]:
-        """The entry of a series naming pod ``found``: the block goes in at ``at``, or,
-        with ``labels`` (the general path), labels are merged and the whole run kept."""
-        pod_key = self._pod_keys.setdefault(found, found)
-        ns, pod = found
-        pairs = self._index.lookup(ns, pod)
-        if pairs is None:
-            reason = self._index.reason(ns, pod)
-            return codec.make_entry(gen, reason, len(key), None, pod_key, None)
+        """The entry of a series naming pod ``found``: the stamp block goes in at ``at``,
+        or, with ``labels`` (the general path), labels are merged and sorted."""
+        cell = self._cell(found)
+        token = cell[0]
+        if isinstance(token, str):  # no labels for this pod: the reason
+            return codec.make_entry(cell, token, token, len(key), None)
+        pairs: LabelPairs = token
         if labels is None:
             block = self._blocks.get(pairs)
             if block is None:
                 block = b"".join(lf[2] for lf in self._stamp_fields(pairs))
                 self._blocks[pairs] = block
-            if not block:
-                return codec.make_entry(gen, "", len(key), None, pod_key, pairs)
-            return codec.make_entry(gen, "", len(key), key[:at] + block + key[at:], pod_key, pairs)
+            new = key[:at] + block + key[at:] if block else None
+            return codec.make_entry(cell, token, "", len(key), new)
         merged = codec.merge_labels(labels, self._stamp_fields(pairs), _STAMPED)
         new = b"".join(lf[2] for lf in merged)
         if new == key:  # already exactly so: pass the bytes through untouched
-            return codec.make_entry(gen, "", len(key), None, pod_key, pairs)
-        return codec.make_entry(gen, "", len(key), new, pod_key, pairs)
+            return codec.make_entry(cell, token, "", len(key), None)
+        return codec.make_entry(cell, token, "", len(key), new)
 
     def _stamp_fields(self, pairs: LabelPairs) -> tuple[tuple[bytes, bytes, bytes], ...]:
         stamp = self._stamp_v1.get(pairs)
@@ -282,67 +329,56 @@ class Enricher:
             self._stamp_v1[pairs] = stamp
         return stamp
 
-    def _decide_v1_general(self, key: bytes, gen: int) -> tuple[Any, ...]:
+    def _decide_v1_general(self, key: bytes) -> tuple[Any, ...]:
         """Every layout: the labels parsed in full (UTF-8 checked), merged and sorted."""
         labels = codec.parse_labels_v1(key)
         by_name = {name: value for name, value, _ in labels}
         if self._keep and by_name.get(_WORKLOAD):
-            return codec.make_entry(-1, "", len(key), None, None, None)
+            return codec.make_entry(codec.ALWAYS, None, "", len(key), None)
         found = self._finder.find(by_name)
         if found is None:
-            return codec.make_entry(-1, REASON_NO_POD_LABEL, len(key), None, None, None)
-        return self._stamp_entry(key, gen, found, 0, labels)
+            return codec.make_entry(codec.ALWAYS, None, REASON_NO_POD_LABEL, len(key), None)
+        return self._stamp_entry(key, found, 0, labels)
 
     # -- RW 2.0: keyed by the resolved label strings ------------------------------------
 
     def _miss_v2(self, key: codec.LabelKey) -> tuple[Any, ...]:
         """The entry of one resolved label set (name, value, name, value, ...)."""
-        gen = self._generation
-        cache = self._cache_v2
-        old = cache.get(key)
-        if old is not None and old[4] is not None:
-            ns, pod = old[4]
-            now = self._index.lookup(ns, pod)
-            if now is old[5] and (now is not None or self._index.reason(ns, pod) == old[1]):
-                ent = (gen, *old[1:])
-                cache[key] = ent
-                return ent
-        ent = self._decide_v2(key, gen)
+        ent = self._decide_v2(key)
         self.misses += 1
-        if len(cache) >= self._cache_size:
+        cache = self._cache_v2
+        if len(cache) >= self._cache_size and key not in cache:
             _evict(cache)
         cache[key] = ent
         return ent
 
-    def _decide_v2(self, key: codec.LabelKey, gen: int) -> tuple[Any, ...]:
+    def _decide_v2(self, key: codec.LabelKey) -> tuple[Any, ...]:
         names = key[0::2]
         by_name = dict(zip(names, key[1::2], strict=True))
         if self._keep and by_name.get(_WORKLOAD):
-            return (codec.ALWAYS, "", codec.UNCHANGED, None, None, None)
+            return (codec.ALWAYS, "", codec.UNCHANGED, None, None)
         found = self._finder.find(by_name)
         if found is None:
-            return (codec.ALWAYS, REASON_NO_POD_LABEL, codec.UNCHANGED, None, None, None)
-        pod_key = self._pod_keys.setdefault(found, found)
-        ns, pod = found
-        pairs = self._index.lookup(ns, pod)
-        if pairs is None:
-            reason = self._index.reason(ns, pod)
-            return (gen, reason, codec.UNCHANGED, None, pod_key, None)
+            return (codec.ALWAYS, REASON_NO_POD_LABEL, codec.UNCHANGED, None, None)
+        cell = self._cell(found)
+        token = cell[0]
+        if isinstance(token, str):
+            return (cell, token, codec.UNCHANGED, None, token)
+        pairs: LabelPairs = token
         stamp = self._stamp_fields(pairs)
         if not stamp:
-            return (gen, "", codec.UNCHANGED, None, pod_key, pairs)
+            return (cell, "", codec.UNCHANGED, None, token)
         plain = all(a < b for a, b in itertools.pairwise(names)) and not any(
             n.startswith(_KARTA) for n in names
         )
         if plain:  # the block goes in between the names around "karta_"
             at = bisect.bisect_right(names, _KARTA)
-            return (gen, "", at, self._stamp_flat(pairs), pod_key, pairs)
+            return (cell, "", at, self._stamp_flat(pairs), token)
         labels = [(n, v, b"") for n, v in zip(names, key[1::2], strict=True)]
         merged = codec.merge_labels(labels, stamp, _STAMPED)
-        new = tuple((n, v) for n, v, _ in merged)
         if [x[:2] for x in merged] == [x[:2] for x in labels]:
-            return (gen, "", codec.UNCHANGED, None, pod_key, pairs)
-        return (gen, "", codec.WHOLE, new, pod_key, pairs)
+            return (cell, "", codec.UNCHANGED, None, token)
+        return (cell, "", codec.WHOLE, tuple((n, v) for n, v, _ in merged), token)
 
     def _stamp_flat(self, pairs: LabelPairs) -> tuple[bytes, ...]:
         stamp = self._stamp_bytes.get(pairs)
@@ -350,6 +386,10 @@ class Enricher:
             stamp = tuple(x for n, v, _ in self._stamp_fields(pairs) for x in (n, v))
             self._stamp_bytes[pairs] = stamp
         return stamp
+
+
+#: a token no answer is: the cell of a dropped pod holds it, so its entries are stale
+_DEAD = object()
 
 
 def _evict(cache: dict[Any, Any]) -> None:

@@ -398,10 +398,12 @@ def _is_sorted(labels: Sequence[tuple[bytes, bytes, bytes]]) -> bool:
 # -- RW 1.0 splice ------------------------------------------------------------------------
 
 #: What the caller's cache holds per label set; the first six items are read here:
-#: ``(generation, new, head18, head9, delta, reason, ...)``:
+#: ``(cell, new, head18, head9, delta, reason, token, ...)``:
 #:
-#: - the generation it is valid for (valid while ``entry[0] >= generation``; entries valid
-#:   for ever hold :data:`ALWAYS`);
+#: - cell / token: the entry is valid while ``cell[0] is token``. The cache's owner keeps
+#:   one cell per pod holding the index's current answer for it and replaces ``cell[0]``
+#:   when the pod changes, so every entry of that pod (and only those) goes stale at once.
+#:   Entries of series that name no pod use :data:`ALWAYS`;
 #: - new: the new run of label fields, or None for "unchanged";
 #: - head18 / head9: the series head (``0a`` + length) for the two fast tails, objects of a
 #:   shared table (an entry holds one copy of its labels, not one per head);
@@ -416,24 +418,20 @@ CacheGet = Callable[[bytes], "Entry | None"]
 #: run of complete Label fields (the fast path offers keys it has not walked)
 CacheMiss = Callable[[bytes], "Entry"]
 
-#: the generation of entries that never expire (series that name no pod): one comparison
-#: ``entry[0] < generation`` tells a stale entry on the hot path
-ALWAYS = 1 << 62
+#: the cell of entries that never go stale (series that name no pod); their token is None
+ALWAYS: list[Any] = [None]
 
 
 def make_entry(
-    generation: int, reason: str, key_len: int, new: bytes | None, *extra: Any
+    cell: list[Any], token: Any, reason: str, key_len: int, new: bytes | None, *extra: Any
 ) -> Entry:
-    """An :data:`Entry` (``new`` None: unchanged); a negative ``generation`` means
-    :data:`ALWAYS`."""
-    if generation < 0:
-        generation = ALWAYS
+    """An :data:`Entry` (``new`` None: unchanged), valid while ``cell[0] is token``."""
     if new is None:
-        return (generation, None, None, None, 0, reason, *extra)
+        return (cell, None, None, None, 0, reason, token, *extra)
     if reason:
         raise ValueError("a stamped entry is attributed: it has no reason")
     n = len(new)
-    return (generation, new, _ts_head_v1(n + 18), _ts_head_v1(n + 9), n - key_len, "", *extra)
+    return (cell, new, _ts_head_v1(n + 18), _ts_head_v1(n + 9), n - key_len, "", token, *extra)
 
 
 def _split_series_v1(
@@ -485,7 +483,7 @@ def _split_series_v1(
 
 
 def splice_v1(
-    raw: bytes, get: CacheGet, miss: CacheMiss, generation: int
+    raw: bytes, get: CacheGet, miss: CacheMiss
 ) -> tuple[bytes, Counts, list[str]]:
     """Rewrite the labels of every 1.0 series the cache says to; copy everything else.
 
@@ -544,7 +542,7 @@ def splice_v1(
             if tail:
                 key = raw[p:q]
                 ent = get(key)
-                if ent is None or ent[0] < generation:
+                if ent is None or ent[0][0] is not ent[6]:
                     try:
                         ent = miss(key)
                     except DecodeError as exc:
@@ -569,7 +567,7 @@ def splice_v1(
             exemplars += e_
             histograms += h_
             ent = get(key)
-            if ent is None or ent[0] < generation:
+            if ent is None or ent[0][0] is not ent[6]:
                 ent = miss(key)
             new = ent[1]
             if new is not None:
@@ -755,7 +753,7 @@ def _check_refs(refs: Sequence[int], nsym: int) -> None:
 
 #: What the caller's cache holds per resolved label set (the tuple of a series' label
 #: strings, name, value, name, value, ...), first four items read here:
-#: ``(generation, reason, at, data, ...)``: generation and reason as in :data:`Entry`;
+#: ``(cell, reason, at, data, token, ...)``: cell, token and reason as in :data:`Entry`;
 #: ``at`` -1 unchanged, >= 0 the pair index where the stamped ``data`` (name, value,
 #: name, value, ... sorted by name) goes in, -2 ``data`` is every (name, value) pair of the
 #: new label set.
@@ -798,7 +796,6 @@ def splice_v2(
     raw: bytes,
     get: CacheGetV2,
     miss: CacheMissV2,
-    generation: int,
     intern: dict[bytes, bytes] | None = None,
 ) -> tuple[bytes, Counts, list[str]]:
     """Rewrite ``labels_refs`` of every 2.0 series the cache stamps; copy the rest.
@@ -890,7 +887,7 @@ def splice_v2(
                 raise _invalid("labels_refs has an odd number of entries")
             key = tuple(labels)
             ent = get(key)
-            if ent is None or ent[0] < generation:
+            if ent is None or ent[0][0] is not ent[4]:
                 ent = miss(key)
             if ent[1]:
                 add_reason(ent[1])

@@ -130,9 +130,10 @@ class EnrichSettings:
     #: "replace": stamped labels replace same-named labels a sender sent;
     #: "keep": a series that already carries karta_workload passes through unchanged
     conflict_policy: str = "replace"
-    #: entries of the per-series cache keyed by label bytes (~800 B each with ~560-byte
-    #: label sets, docs/wire.md: 250,000 stay under ~256 MiB up to ~850-byte label sets)
-    cache_size: int = 250_000
+    #: entries of each per-series cache (RW 1.0 keyed by label bytes, RW 2.0 by label
+    #: strings): ~1.4 KB each with ~560-byte label sets (docs/wire.md), so 180,000 stay
+    #: under ~256 MiB
+    cache_size: int = 180_000
 
 
 @dataclass

@@ -388,3 +388,42 @@ def test_v2_cache_carries_across_requests_with_other_symbol_tables() -> None:
     c = e.enrich_v2(raw_b)
     req_c = parse_v2(c.body)
     assert dict(labels_v2(req_c, req_c.timeseries[1]))["karta_component"] == "tail"
+
+
+# -- entries follow the index per pod ---------------------------------------------------------
+
+
+def test_tombstones_and_expiry_reach_cached_series() -> None:
+    now = [1000.0]
+    idx = PodIndex(tombstone_seconds=60, clock=lambda: now[0])
+    idx.apply(ChangeSet(pods={"u1": PodAttribution("ml", "a", "u1", WL_TRAIN, "x", "i"),
+                              "u2": PodAttribution("ml", "b", "u2", None, reason="why")}))
+    e = enricher(idx)  # created after the index was filled: removals still find their pod
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "a"}),
+                     series_v1({"namespace": "ml", "pod": "b"}))
+    assert e.enrich_v1(raw).unattributed == {"why": 1}
+    idx.apply(ChangeSet(pods={"u1": None, "u2": None}))  # both deleted
+    res = e.enrich_v1(raw)
+    assert res.attributed == 1  # a's tombstone keeps its labels for a while
+    assert res.unattributed == {"pod_unknown": 1}  # b was never attributed: now unknown
+    now[0] += 61
+    assert idx.expire() == 1  # no change set: the enricher sees the generation move
+    res = e.enrich_v1(raw)
+    assert res.attributed == 0 and res.unattributed == {"pod_unknown": 2}
+    assert e.enrich_v2(request_v2({"namespace": "ml", "pod": "a"})).unattributed == {
+        "pod_unknown": 1}
+
+
+def test_a_pod_event_makes_only_that_pods_entries_stale() -> None:
+    idx = index_with_pods()
+    e = enricher(idx)
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "train-head", "c": "1"}),
+                     series_v1({"namespace": "web", "pod": "shop-abc", "c": "1"}))
+    e.enrich_v1(raw)
+    misses = e.misses
+    idx.apply(ChangeSet(pods={"u2": PodAttribution("web", "shop-abc", "u2", WL_TRAIN, "new",
+                                                   "shop")}))
+    res = e.enrich_v1(raw)
+    assert e.misses == misses + 1  # shop-abc's series only
+    out = [dict(labels_of(ts)) for ts in parse_v1(res.body).timeseries]
+    assert out[1]["karta_component"] == "new" and out[0]["karta_component"] == "head"

@@ -51,11 +51,11 @@ _EMPTY: dict[bytes, tuple[object, ...]] = {}
 
 def _never(key: bytes) -> tuple[object, ...]:
     codec.parse_labels_v1(key)  # a miss must refuse what is not a label run
-    return codec.make_entry(-1, "x", len(key), None)
+    return codec.make_entry(codec.ALWAYS, None, "x", len(key), None)
 
 
 def _splice_identity(raw: bytes) -> tuple[bytes, Counts, list[str]]:
-    return codec.splice_v1(raw, _EMPTY.get, _never, 0)
+    return codec.splice_v1(raw, _EMPTY.get, _never)
 
 
 def test_counts_v1() -> None:
@@ -79,7 +79,7 @@ def test_counts_v2() -> None:
 def _stamp_all(stamp: bytes) -> codec.CacheMiss:
     def miss(key: bytes) -> tuple[object, ...]:
         codec.parse_labels_v1(key)
-        return codec.make_entry(-1, "", len(key), key + stamp)
+        return codec.make_entry(codec.ALWAYS, None, "", len(key), key + stamp)
 
     return miss
 
@@ -94,7 +94,7 @@ def test_labels_after_samples_are_still_found() -> None:
     sample = ts.samples[0].SerializeToString()
     body = codec.len_field(2, sample) + codec.len_field(1, labels)
     raw = codec.len_field(1, body)
-    out, counts, _ = codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ), 0)
+    out, counts, _ = codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ))
     (got,) = parse_v1(out).timeseries
     assert labels_of(got) == [("a", "1"), ("zz", "1")]
     assert got.samples == ts.samples
@@ -104,7 +104,7 @@ def test_labels_after_samples_are_still_found() -> None:
 def test_long_series_and_long_labels() -> None:
     big = "v" * 5000  # label and series lengths need multi-byte varints
     raw = request_v1(series_v1({"a": big, "b": "x" * 200}), series_v1({"c": "d"}))
-    out, _, _ = codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ), 0)
+    out, _, _ = codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ))
     first, second = parse_v1(out).timeseries
     assert labels_of(first) == [("a", big), ("b", "x" * 200), ("zz", "1")]
     assert labels_of(second) == [("c", "d"), ("zz", "1")]
@@ -113,7 +113,7 @@ def test_long_series_and_long_labels() -> None:
 def test_unknown_fields_pass_through() -> None:
     extra = codec.len_field(15, b"future") + b"\xa0\x06\x01"  # field 100 varint
     raw = request_v1(series_v1({"a": "1"})) + extra
-    out, _, _ = codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ), 0)
+    out, _, _ = codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ))
     assert out.endswith(extra)
 
 
@@ -133,7 +133,7 @@ GARBAGE = [
 @pytest.mark.parametrize("raw", GARBAGE[:-1])
 def test_garbage_v1_is_a_decode_error(raw: bytes) -> None:
     with pytest.raises(DecodeError) as info:
-        codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ), 0)
+        codec.splice_v1(raw, _EMPTY.get, _stamp_all(ZZ))
     assert (info.value.status, info.value.kind) == (400, "protobuf_invalid")
 
 
@@ -156,7 +156,7 @@ def test_invalid_utf8_label_is_a_decode_error() -> None:
 )
 def test_garbage_v2_is_a_decode_error(raw: bytes) -> None:
     with pytest.raises(DecodeError) as info:
-        codec.splice_v2(raw, _EMPTY_V2.get, _unchanged_v2, 0)
+        codec.splice_v2(raw, _EMPTY_V2.get, _unchanged_v2)
     assert info.value.status == 400
 
 
@@ -164,7 +164,7 @@ _EMPTY_V2: dict[codec.LabelKey, tuple[object, ...]] = {}
 
 
 def _unchanged_v2(key: codec.LabelKey) -> tuple[object, ...]:
-    return (codec.ALWAYS, "r", codec.UNCHANGED, None)
+    return (codec.ALWAYS, "r", codec.UNCHANGED, None, None)
 
 
 def test_v2_unpacked_refs_accepted() -> None:
@@ -175,9 +175,9 @@ def test_v2_unpacked_refs_accepted() -> None:
 
     def miss(key: codec.LabelKey) -> tuple[object, ...]:
         seen.append(key)
-        return (codec.ALWAYS, "", 0, (b"c", b"d"))
+        return (codec.ALWAYS, "", 0, (b"c", b"d"), None)
 
-    out, counts, reasons = codec.splice_v2(raw, _EMPTY_V2.get, miss, 0)
+    out, counts, reasons = codec.splice_v2(raw, _EMPTY_V2.get, miss)
     assert seen == [(b"a", b"b")]
     assert (counts.series, counts.samples, reasons) == (1, 0, [])
     # the stamp goes in at pair 0, the refs are re-encoded packed, "c" and "d" appended
@@ -197,9 +197,9 @@ def test_v2_fast_layout_cuts_packed_refs_at_the_block() -> None:
 
     def miss(key: codec.LabelKey) -> tuple[object, ...]:
         assert key == tuple(syms[r] for r in refs)
-        return (codec.ALWAYS, "", 2, (b"s9", b"new"))
+        return (codec.ALWAYS, "", 2, (b"s9", b"new"), None)
 
-    out, counts, _ = codec.splice_v2(raw, _EMPTY_V2.get, miss, 0)
+    out, counts, _ = codec.splice_v2(raw, _EMPTY_V2.get, miss)
     new_refs = b"".join(codec.encode_uvarint(r) for r in [*refs[:4], 10, 301, *refs[4:]])
     assert out == (b"".join(codec.len_field(4, x) for x in syms) + codec.len_field(4, b"new")
                    + codec.len_field(5, codec.len_field(1, new_refs) + sample))
@@ -249,11 +249,11 @@ def _warm(raw: bytes) -> tuple[dict[bytes, tuple[object, ...]], codec.CacheMiss]
 
     def miss(key: bytes) -> tuple[object, ...]:
         codec.parse_labels_v1(key)
-        ent = codec.make_entry(-1, "", len(key), key + stamp)
+        ent = codec.make_entry(codec.ALWAYS, None, "", len(key), key + stamp)
         cache[key] = ent
         return ent
 
-    codec.splice_v1(raw, cache.get, miss, 0)
+    codec.splice_v1(raw, cache.get, miss)
     return cache, miss
 
 
@@ -273,7 +273,7 @@ def test_warm_cache_counts_and_splices_exactly(samples: list[tuple[float, int]])
     cache, miss = _warm(request_v1(series_v1(labels)))  # the label run is now cached
     ts = series_v1(labels, samples, exemplars=0)
     raw = request_v1(ts)
-    out, counts, _ = codec.splice_v1(raw, cache.get, miss, 0)
+    out, counts, _ = codec.splice_v1(raw, cache.get, miss)
     assert counts.samples == len(samples)
     (got,) = parse_v1(out).timeseries
     assert labels_of(got) == [("namespace", "ml"), ("pod", "train-head"), ("zz", "1")]
@@ -287,7 +287,7 @@ def test_label_value_that_looks_like_a_sample_tail() -> None:
     raw = request_v1(series_v1({"a": tricky}, []))
     cache, miss = _warm(raw)
     for _ in range(2):
-        out, counts, _ = codec.splice_v1(raw, cache.get, miss, 0)
+        out, counts, _ = codec.splice_v1(raw, cache.get, miss)
         assert counts.samples == 0
         assert labels_of(parse_v1(out).timeseries[0]) == [("a", tricky), ("zz", "1")]
 
@@ -341,16 +341,35 @@ def test_scan_labels_leaves_unusual_shapes_to_the_full_parse(key: bytes) -> None
     assert codec.scan_labels_v1(key, {b"a", b"n"}) is None
 
 
-def test_entries_share_their_heads() -> None:
+def test_entries_share_their_heads_and_go_stale_with_their_cell() -> None:
     key = _run(("a", "1"))
     new = key + _run(("karta_workload", "w"))
-    ent = codec.make_entry(3, "", len(key), new)
-    assert ent[:2] == (3, new) and ent[4] == len(new) - len(key)
+    cell: list[object] = ["answer"]
+    ent = codec.make_entry(cell, "answer", "", len(key), new)
+    assert ent[1] == new and ent[4] == len(new) - len(key)
     assert ent[2] == codec.len_field(1, new + b"x" * 18)[: len(ent[2])]
-    assert ent[2] is codec.make_entry(0, "", 0, new)[2]  # one object per length
-    assert codec.make_entry(-1, "r", len(key), None)[:2] == (codec.ALWAYS, None)
+    assert ent[2] is codec.make_entry(cell, None, "", 0, new)[2]  # one object per length
     with pytest.raises(ValueError):
-        codec.make_entry(0, "r", len(key), new)
+        codec.make_entry(cell, None, "r", len(key), new)
+    # splice: valid while cell[0] is the token; then the miss is asked again
+    raw = request_v1(series_v1({"a": "1"}))
+    cache: dict[bytes, tuple[object, ...]] = {}
+    asked: list[bytes] = []
+
+    def miss(key: bytes) -> tuple[object, ...]:
+        codec.parse_labels_v1(key)
+        asked.append(key)
+        ent = codec.make_entry(cell, cell[0], "", len(key), key + ZZ)
+        cache[key] = ent
+        return ent
+
+    for _ in range(2):
+        codec.splice_v1(raw, cache.get, miss)
+    assert len(asked) == 1
+    cell[0] = "another answer"
+    out, _, _ = codec.splice_v1(raw, cache.get, miss)
+    assert len(asked) == 2
+    assert labels_of(parse_v1(out).timeseries[0]) == [("a", "1"), ("zz", "1")]
 
 
 @pytest.mark.parametrize("long", [False, True])
