@@ -78,6 +78,7 @@ class Proxy:
             [(ns, pod) for ns, pod in settings.enrich.pod_label_pairs],
             conflict_policy=settings.enrich.conflict_policy,
             cache_size=settings.enrich.cache_size,
+            pod_label_rules=settings.enrich.pod_label_rules,
         )
         self.upstream = Upstream(settings.upstream, self.metrics)
         self.handler = RemoteWriteHandler(

@@ -11,9 +11,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.config import Settings
+from proxy.config import Settings, load_settings
 from proxy.runtime import Proxy
-from proxy.sender import decode_v1
+from proxy.sender import Series, decode_v1, send_series
 from tests.peers.conftest import wait_until
 from tests.scripted import ScriptedUpstream
 from tests.test_handler import SNAPSHOT
@@ -193,3 +193,39 @@ async def test_node_mode_writes_no_facts_unless_allowed(
     assert bool(up.received) is allow  # only fact writes reach the upstream here
     noted = any("not written in node mode" in r.getMessage() for r in caplog.records)
     assert noted is not allow
+
+
+async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> None:
+    """A rule set in the YAML file decides which labels name the pod."""
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(
+        "enrich:\n"
+        "  pod_label_rules:\n"
+        "  - metric_prefix: app_\n"
+        "    pod_label_pairs:\n"
+        "    - {namespace: target_ns, pod: target_pod}\n"
+    )
+    async with ScriptedUpstream() as up:
+        s = load_settings(cfg)
+        s.snapshot = str(snap)
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.enabled = False
+        p = Proxy(s)
+        await p.start()
+        try:
+            ruled = Series({"__name__": "app_requests_total", "target_ns": "shop",
+                            "target_pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])
+            unruled = Series({"__name__": "other_total", "target_ns": "shop",
+                              "target_pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])
+            status, _, _ = await send_series(
+                f"http://127.0.0.1:{p.port}/api/v1/write", [ruled, unruled]
+            )
+        finally:
+            await p.stop()
+    assert status == 204
+    got = {ser.labels["__name__"]: ser.labels for rec in up.received for ser in decode_v1(rec.raw)}
+    assert got["app_requests_total"]["karta_workload"] == "cart"
+    assert "karta_workload" not in got["other_total"]  # the default pairs name no pod here
