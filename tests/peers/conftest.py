@@ -353,10 +353,10 @@ def expected_by_workload(exp: FixtureExporter, proxy: Proxy) -> Expected:
             out.unattributed_pods.add((pod.namespace, pod.name))
             continue
         out.memory[k] = out.memory.get(k, 0.0) + pod.memory_bytes
-    target_pod = dcgm_target_pod(exp)
     for g in exp.model.gpus:
-        ns, name = (g.holder[0], g.holder[1]) if g.holder else (DCGM_TARGET_NAMESPACE, target_pod)
-        k = key(ns, name)
+        # an idle GPU (no holder) names only the exporter's own pod: the default DCGM
+        # pod-label rule leaves it unattributed rather than charging it to the exporter
+        k = key(g.holder[0], g.holder[1]) if g.holder else None
         if k is not None:
             out.gpu_util[k] = out.gpu_util.get(k, 0.0) + g.util
     return out

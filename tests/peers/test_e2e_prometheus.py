@@ -95,9 +95,17 @@ async def test_agent_through_proxy_into_prometheus_and_vm(
     plain = {s for s in got if not any(k.startswith(KARTA) for k, _ in s)}
     for s in plain:
         d = dict(s)
+        if d["__name__"].startswith("DCGM_") and not d.get("exported_pod"):
+            continue  # an idle GPU: only the exporter's own pod labels, left unattributed
         pod = (d.get("exported_namespace") or d.get("namespace", ""),
                d.get("exported_pod") or d.get("pod", ""))
         assert not pod[1] or pod in expected.unattributed_pods, d
+    # idle GPUs reach the TSDB unchanged, charged to no workload (not to the exporter)
+    idle = [g for g in exporter.model.gpus if not g.holder]
+    assert idle, "the demo snapshot has idle GPUs"
+    got_idle = await query(enriched.base_url,
+                           'DCGM_FI_DEV_GPU_UTIL{exported_pod="", karta_workload=""}')
+    assert len(got_idle) == len(idle)
     assert plain <= want
     # every raw sample, series by series: the same values at the same timestamps
     at = time.time()
