@@ -41,6 +41,8 @@ from prometheus_client.registry import Collector
 
 import proxy
 from proxy import contract
+from proxy.codec import encode_uvarint as _varint
+from proxy.codec import len_field
 from proxy.config import FactSettings
 from proxy.index import PodIndex, stamped_pairs
 from proxy.karta.model import GENERIC_PHASES, UNDEFINED
@@ -250,33 +252,12 @@ def iter_facts(
 # -- RW 1.0 wire encoding ----------------------------------------------------------------------
 
 
-_SMALL_VARINTS = tuple(bytes((i,)) for i in range(128))
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _SMALL_VARINTS[n]
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field_bytes(tag: int, payload: bytes) -> bytes:
-    return _SMALL_VARINTS[tag] + _varint(len(payload)) + payload
-
-
 @functools.lru_cache(maxsize=1 << 16)
 def _label_field(name: str, value: str) -> bytes:
     """TimeSeries.labels (field 1) holding Label{name=1, value=2}. Cached: most pairs
     (identity labels, phases, external labels) repeat across thousands of series."""
-    label = _field_bytes(0x0A, name.encode()) + _field_bytes(0x12, value.encode())
-    return _field_bytes(0x0A, label)
+    label = len_field(1, name.encode()) + len_field(2, value.encode())
+    return len_field(1, label)
 
 
 def encode_labels(name: str, labels: Labels, external: Labels = ()) -> bytes:
@@ -301,10 +282,10 @@ def _metadata(name: str) -> bytes:
     """WriteRequest.metadata (field 3): MetricMetadata{type=GAUGE, family, help}."""
     body = (
         b"\x08\x02"  # type = GAUGE
-        + _field_bytes(0x12, name.encode())
-        + _field_bytes(0x22, HELP.get(name, "").encode())
+        + len_field(2, name.encode())
+        + len_field(4, HELP.get(name, "").encode())
     )
-    return _field_bytes(0x1A, body)
+    return len_field(3, body)
 
 
 _METADATA = b"".join(_metadata(n) for n in contract.FACT_SERIES)
