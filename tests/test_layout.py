@@ -1,0 +1,74 @@
+"""The layout shows the data path: the import graph of ``proxy`` has no cycles, and the
+Karta engine and the wire codec stay free of the layers above them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "proxy"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> project modules it imports (module level and function level alike)."""
+    files = {_module_name(p): p for p in PKG.rglob("*.py") if "pb" not in p.parts}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if name in files and name != mod and name != "proxy":
+                    graph[mod].add(name)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return [*stack[stack.index(n):], n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    assert _cycle(import_graph()) is None, " -> ".join(_cycle(import_graph()) or [])
+
+
+def test_engine_imports_nothing_of_the_rest() -> None:
+    for mod, deps in import_graph().items():
+        if mod.startswith("proxy.karta"):
+            outside = {d for d in deps if not d.startswith("proxy.karta")}
+            assert not outside, (mod, outside)
+
+
+def test_wire_codec_stays_below_enrichment() -> None:
+    allowed = {"proxy.compression", "proxy.codec"}
+    for mod in ("proxy.codec", "proxy.compression"):
+        deps = import_graph()[mod]
+        assert deps <= allowed, (mod, deps - allowed)
