@@ -1,8 +1,13 @@
 """CPU cost of the wire layer per million samples: enrichment against plain relaying.
 
-Replays a corpus of realistic 2,000-series RW 1.0 requests (cAdvisor container_* and DCGM
-with exported_* labels, ~5k pods, ~92% of them in the index; see ``codec_corpus.py``)
-through, in the same process and run:
+Replays the relay benchmark's corpus (``relay/corpus.py``: a ~5k-pod cluster of
+Deployments, StatefulSets, Jobs, CronJobs, DaemonSets and bare pods, with its cAdvisor
+``container_*`` and DCGM series, ~95% of them naming a pod of the snapshot) as 2,000-series
+RW 1.0 requests. The index is filled the way the product fills it: the cluster is written
+as a snapshot file, loaded into a Karta ``Engine`` with ``proxy.snapshot.load_snapshot``
+and its change set applied to the ``PodIndex``, so the benchmark also exercises the real
+attribution. Each scrape round sends every series once, in the same requests; in the same
+process and run:
 
 - ``pass-through``: snappy decompress + compress, nothing else (the baseline);
 - ``enrich``: decompress + ``Enricher.enrich_v1`` + compress, cache warm (steady state:
@@ -22,7 +27,8 @@ round replays every request once; printed are the median over rounds of CPU-s pe
 million samples, the p50/p99 per-request times, and ratios to pass-through computed per
 round then medianed.
 
-    python3 benchmarks/codec_bench.py [--rounds 5] [--pods 5000] [--reference-requests 3]
+    python3 benchmarks/codec_bench.py [--rounds 5] [--pods 5000] [--series-per-request 2000]
+                                      [--reference-requests 3]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import argparse
 import gc
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,13 +45,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import codec_corpus as corpus
+from relay import corpus
 
 from proxy.attribution import Enricher, enrich_v1_reference
 from proxy.compression import compress, decompress
 from proxy.config import EnrichSettings
 from proxy.index import PodIndex
+from proxy.karta.engine import Engine
 from proxy.karta.results import ChangeSet, PodAttribution
+from proxy.snapshot import load_snapshot
 
 MAX_DECODED = 64 << 20
 
@@ -67,6 +76,34 @@ def _v1_to_v2(raw: bytes) -> bytes:
     out.symbols.extend(syms)
     body: bytes = out.SerializeToString()
     return body
+
+
+def _load_index(cluster: corpus.Cluster) -> tuple[PodIndex, str]:
+    """The cluster through a snapshot file and the engine into an index, as the product's
+    ``--snapshot`` start does; returns the index and a one-line summary of the load."""
+    index = PodIndex()
+    with tempfile.TemporaryDirectory(prefix="codec-bench-") as work:
+        path = corpus.write_snapshot(cluster, Path(work) / "snapshot.yaml")
+        report = load_snapshot(path, Engine())
+    problems = report.problems()
+    if problems:
+        raise SystemExit(f"snapshot did not load cleanly: {problems[:3]}")
+    index.apply(report.changes)
+    index.ready = True
+    return index, (
+        f"{report.pods_attributed} pods attributed, {report.workloads} workloads, "
+        f"loaded in {report.seconds:.1f}s"
+    )
+
+
+def _scrape_round(stream: corpus.SeriesStream, spr: int) -> list[bytes]:
+    """Every series once, cut into requests of ``spr`` (the last one shorter): the stream
+    starts each round at its first series, so every round holds the same label sets in the
+    same requests, with new timestamps and values."""
+    out = []
+    for start in range(0, stream.universe, spr):
+        out.append(stream.next_body(min(spr, stream.universe - start)))
+    return out
 
 
 def _run(
@@ -92,27 +129,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pods", type=int, default=5000)
+    ap.add_argument("--series-per-request", type=int, default=2000)
     ap.add_argument("--reference-requests", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.pods < 1 or args.series_per_request < 1:
+        ap.error("--rounds, --pods and --series-per-request must be at least 1")
 
     t_setup = time.time()
-    pods = corpus.make_pods(args.pods)
-    index = PodIndex()
-    corpus.fill_index(index, pods)
-    labels = corpus.label_sets(pods)
-    # round 0 warms the cache; the measured rounds carry new samples for the same series
-    rounds_raw = corpus.build_requests(labels, args.rounds + 1)
-    rounds = [[compress(r, "snappy") for r in rnd] for rnd in rounds_raw]
-    v2_rounds = [[compress(_v1_to_v2(r), "snappy") for r in rnd] for rnd in rounds_raw[:2]]
+    cluster = corpus.build_cluster(args.pods)
+    index, loaded = _load_index(cluster)
+    stream = corpus.SeriesStream(cluster)
+    spr = args.series_per_request
+    # round 0 warms the cache; the measured rounds carry new samples for the same series.
+    # Raw bodies are kept only as long as needed (a round is ~80 MB raw at 5k pods).
+    rounds: list[list[bytes]] = []
+    v2_rounds: list[list[bytes]] = []
+    raw_bytes = 0
+    for r in range(args.rounds + 1):
+        raw_round = _scrape_round(stream, spr)
+        rounds.append([compress(b, "snappy") for b in raw_round])
+        if r < 2:
+            v2_rounds.append([compress(_v1_to_v2(b), "snappy") for b in raw_round])
+            raw_bytes = sum(map(len, raw_round))
+        del raw_round
     n_req = len(rounds[0])
-    spr = corpus.SERIES_PER_REQUEST
-    counts = [min(spr, len(labels) - i * spr) for i in range(n_req)]  # one sample each
-    raw_mb = sum(map(len, rounds_raw[0])) / n_req / 1e6
-    comp_kb = sum(map(len, rounds[0])) / n_req / 1e3
+    counts = [min(spr, stream.universe - i * spr) for i in range(n_req)]  # one sample each
     print(
-        f"corpus: {len(pods)} pods, {len(labels)} series, {n_req} requests of "
-        f"{corpus.SERIES_PER_REQUEST} series per round ({raw_mb:.2f} MB raw, "
-        f"{comp_kb:.0f} kB snappy each); set-up {time.time() - t_setup:.1f}s"
+        f"corpus: {len(cluster.pods)} pods ({loaded}), {stream.universe} series "
+        f"({stream.attributable / stream.universe:.1%} name a pod of the snapshot), "
+        f"{n_req} requests of up to {spr} series per round ({raw_bytes / n_req / 1e6:.2f} MB "
+        f"raw, {sum(map(len, rounds[0])) / n_req / 1e3:.0f} kB snappy each); "
+        f"set-up {time.time() - t_setup:.1f}s"
     )
 
     settings = EnrichSettings()
@@ -134,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         res = enrich_v1_reference(raw, index, settings.pod_label_pairs)
         return compress(res.body, "snappy")
 
+    stamped = 0
     for body in rounds[0]:  # warm-up: every label set seen once
-        enrich(body)
+        raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
+        stamped += enricher.enrich_v1(raw).attributed
+    print(f"attributed by the index in the warm-up round: {stamped} series "
+          f"({stamped / stream.universe:.1%})")
     events = iter(range(10**9))  # names of the churn rows' pod events
     for body in v2_rounds[0]:
         enrich_v2(body)
@@ -190,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{_pct(lat, 0.99) * 1e3:>12.2f}{ratio:>16.2f}"
         )
     print(f"\ncache entries (1.0 + 2.0): {enricher.cache_len()}, misses after warm-up: "
-          f"{enricher.misses - 2 * len(labels)}")
+          f"{enricher.misses - 2 * stream.universe}")
     return 0
 
 
