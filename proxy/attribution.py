@@ -437,6 +437,21 @@ def _reference_decision(
     return new, ""
 
 
+def _parse_reference(msg: Any, raw: bytes) -> Any:
+    try:
+        msg.ParseFromString(raw)
+    except Exception as exc:
+        raise DecodeError("protobuf_invalid", 400, f"invalid protobuf: {exc}") from None
+    return msg
+
+
+def _count_reference(counts: Counts, ts: Any) -> None:
+    counts.series += 1
+    counts.samples += len(ts.samples)
+    counts.exemplars += len(ts.exemplars)
+    counts.histograms += len(ts.histograms)
+
+
 def enrich_v1_reference(
     raw: bytes,
     index: PodIndex,
@@ -447,18 +462,11 @@ def enrich_v1_reference(
     """The same result as :meth:`Enricher.enrich_v1`, through full protobuf objects."""
     from proxy.pb.prometheus import remote_pb2
 
-    req = remote_pb2.WriteRequest()
-    try:
-        req.ParseFromString(raw)
-    except Exception as exc:
-        raise DecodeError("protobuf_invalid", 400, f"invalid protobuf: {exc}") from None
+    req = _parse_reference(remote_pb2.WriteRequest(), raw)
     counts = Counts()
     reasons: list[str] = []
     for ts in req.timeseries:
-        counts.series += 1
-        counts.samples += len(ts.samples)
-        counts.exemplars += len(ts.exemplars)
-        counts.histograms += len(ts.histograms)
+        _count_reference(counts, ts)
         labels = [(lb.name, lb.value) for lb in ts.labels]
         new, reason = _reference_decision(
             labels, index, pod_label_pairs, conflict_policy, pod_label_rules
@@ -481,20 +489,13 @@ def enrich_v2_reference(
     """The same result as :meth:`Enricher.enrich_v2`, through full protobuf objects."""
     from proxy.pb.io.prometheus.write.v2 import types_pb2
 
-    req = types_pb2.Request()
-    try:
-        req.ParseFromString(raw)
-    except Exception as exc:
-        raise DecodeError("protobuf_invalid", 400, f"invalid protobuf: {exc}") from None
+    req = _parse_reference(types_pb2.Request(), raw)
     symbols = list(req.symbols)
     where = {s: i for i, s in reversed(list(enumerate(symbols)))}
     counts = Counts()
     reasons: list[str] = []
     for ts in req.timeseries:
-        counts.series += 1
-        counts.samples += len(ts.samples)
-        counts.exemplars += len(ts.exemplars)
-        counts.histograms += len(ts.histograms)
+        _count_reference(counts, ts)
         refs = list(ts.labels_refs)
         labels = [(symbols[refs[i]], symbols[refs[i + 1]]) for i in range(0, len(refs), 2)]
         new, reason = _reference_decision(

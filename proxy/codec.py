@@ -705,6 +705,16 @@ def decode_packed(buf: bytes, p: int, end: int, out: list[int]) -> None:
         raise _invalid("packed varints run past their field")
 
 
+def read_refs(raw: bytes, wt: int, s: int, q: int, refs: list[int], what: str) -> None:
+    """A ``labels_refs`` field, packed (the norm) or one unpacked element (also legal)."""
+    if wt == 2:
+        decode_packed(raw, s, q, refs)
+    elif wt == 0:
+        refs.append(uvarint(raw, s)[0])
+    else:
+        raise _invalid(f"{what} with a wrong wire type")
+
+
 @dataclass(slots=True)
 class SeriesV2:
     """One 2.0 TimeSeries taken apart: label refs and the spans of everything else."""
@@ -723,12 +733,7 @@ def split_series_v2(raw: bytes, p: int, end: int) -> SeriesV2:
     while p < end:
         number, wt, s, q = skip_field(raw, p, end)
         if number == 1:
-            if wt == 2:
-                decode_packed(raw, s, q, refs)
-            elif wt == 0:
-                refs.append(uvarint(raw, s)[0])
-            else:
-                raise _invalid("labels_refs with a wrong wire type")
+            read_refs(raw, wt, s, q, refs, "labels_refs")
         else:
             if wt == 2:
                 if number == 2:
@@ -1088,12 +1093,7 @@ def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
     while p < end:
         number, wt, s, q = skip_field(raw, p, end)
         if number == 1:
-            if wt == 2:
-                decode_packed(raw, s, q, refs)
-            elif wt == 0:
-                refs.append(uvarint(raw, s)[0])
-            else:
-                raise _invalid("exemplar labels_refs with a wrong wire type")
+            read_refs(raw, wt, s, q, refs, "exemplar labels_refs")
         else:
             rest.append(raw[p:q])
         p = q
