@@ -210,7 +210,8 @@ class KubeSource:
         """Start, switch and drop watchers to match ``want``; returns how many kinds could
         not be resolved (the caller retries those after a backoff)."""
         assert self.discovery is not None and self._client is not None
-        failed = 0
+        failed: list[GroupKind] = []
+        error: Exception | None = None
         for gk in list(self.watchers):
             if gk not in want:
                 await self._drop(gk)
@@ -221,8 +222,8 @@ class KubeSource:
             try:
                 res = await self.discovery.resolve(gk)
             except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
-                log.warning("discovery of %s failed (%s); will retry", gk, e)
-                failed += 1
+                failed.append(gk)
+                error = e
                 continue
             if res is None:
                 self._mark_unserved(gk, "not served by the cluster")
@@ -234,7 +235,10 @@ class KubeSource:
                     await w.stop()
                     held.update(w.held)
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
-        return failed
+        if failed:  # one line per round, not one per kind: an outage must not flood logs
+            log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
+                        len(failed), ", ".join(map(str, failed)), error)
+        return len(failed)
 
     def _start_watchers(
         self, res: ApiResource, mode: str, held: dict[str, str]
