@@ -305,6 +305,10 @@ def _split_header(prefix: bytes) -> bytes:
 #: prefer requests of a few thousand series; 100k pods make ~30 requests per write
 MAX_SERIES_PER_REQUEST = 5000
 
+#: how long a standby replica remembers a fact series it no longer sees: Prometheus'
+#: default lookback, after which a series without samples is gone from queries anyway
+STANDBY_MEMORY = 300.0
+
 #: (series prefix, value); the prefix is ``0x0a <length> <label fields>``, the TimeSeries
 #: header and labels, ready to be followed by the sample of this write
 Encoded = list[tuple[bytes, float]]
@@ -348,6 +352,9 @@ class FactWriter:
         self._written: set[bytes] = set()
         #: what the last build produced (committed to _written once the send succeeds)
         self._pending: set[bytes] = set()
+        #: while another replica writes: series prefix -> last time it existed here, kept
+        #: for STANDBY_MEMORY seconds, so a takeover ends what the old leader left behind
+        self._standby: dict[bytes, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._was_leader = False
         # counters for /metrics (FactWriterCollector)
@@ -380,6 +387,7 @@ class FactWriter:
             return b"\x0a" + _varint(len(key) + n) + key
 
         self._written = {rehead(p) for p in self._written}
+        self._standby = {rehead(p): t for p, t in self._standby.items()}
 
     def _current(self) -> Encoded:
         pods: dict[str, tuple[PodAttribution, Encoded]] = {}
@@ -449,6 +457,24 @@ class FactWriter:
         """All of :meth:`build_requests` in one body (protobuf messages concatenate)."""
         return b"".join(self.build_requests(now_ms))
 
+    def track_standby(self, now: float) -> None:
+        """Remember which fact series exist while another replica writes them.
+
+        The series a leader wrote are the ones this replica sees too (the same cluster,
+        the same index). On takeover, those gone by then get stale markers in the first
+        write: otherwise what vanished between the old leader's last write and the new
+        one's first would linger for the 5-minute lookback. Costs a key walk per interval
+        (no encoding of samples); entries older than STANDBY_MEMORY are dropped, since a
+        TSDB has forgotten them by itself by then.
+        """
+        self._set_sample_len(len(_sample_field(0.0, b"\x10" + _varint(int(now * 1000)))))
+        standby = self._standby
+        for prefix, _ in self._current():
+            standby[prefix] = now
+        horizon = now - STANDBY_MEMORY
+        if any(t < horizon for t in standby.values()):
+            self._standby = {k: t for k, t in standby.items() if t >= horizon}
+
     def commit(self) -> None:
         """Record the last built requests as delivered (their series are now 'written')."""
         self._written = self._pending
@@ -477,9 +503,13 @@ class FactWriter:
         if leader != self._was_leader:
             log.info("fact writer %s", "takes over" if leader else "stands by")
             self._was_leader = leader
-            if not leader:
+            if leader:  # owe stale markers for what the previous writer wrote recently
+                self._written = self._written | set(self._standby)
+                self._standby = {}
+            else:
                 self.forget()
         if not leader:
+            self.track_standby(self._clock())
             return False
         now = self._clock()
         bodies = self.build_requests(int(now * 1000))

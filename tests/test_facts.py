@@ -1059,3 +1059,70 @@ async def test_end_to_end_deployment_phase_scale_up_and_deletion(prom: Prometheu
     # deleted: stale markers end every fact series of the workload at once
     assert await asyncio.to_thread(q, f"{{__name__=~'karta_.+',{sel}}}", t_scaled)
     assert await asyncio.to_thread(q, f"{{__name__=~'karta_.+',{sel}}}", t_deleted) == {}
+
+
+async def test_takeover_ends_what_vanished_while_the_old_leader_was_dying() -> None:
+    """Two writers with LeaseElectors against the API simulator. The leader stops writing
+    (it is dying), a workload is deleted, the lease expires, the standby takes over: its
+    first write carries stale markers for the deleted workload's facts, although it never
+    wrote them itself."""
+    from kubernetes_asyncio import client as k8s
+
+    from proxy.config import KubeSettings
+    from proxy.kube.client import load_configuration
+    from proxy.lease import LeaseElector
+    from proxy.sender import decode_v1, is_stale
+    from tests.kubesim.server import KubeSim
+
+    duration, interval = 1.0, 0.2
+    index = PodIndex()
+    for name in ("kept", "deleted"):
+        ref = _wl(name, f"u-{name}")
+        index.apply(ChangeSet(workloads={ref.uid: WorkloadFacts(
+            ref, "rayjob", False, "Running", ("Running",), "", time.time())}))
+    sends: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    def sender(identity: str) -> Callable[[bytes], Any]:
+        async def send(body: bytes) -> None:
+            sends[identity].append(body)
+        return send
+
+    async with KubeSim() as sim:
+        cfg = await load_configuration(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
+        apis = [k8s.ApiClient(configuration=cfg) for _ in range(2)]
+        electors = [LeaseElector(api, "karta", "facts", ident, duration)
+                    for api, ident in zip(apis, ("a", "b"), strict=True)]
+        writers = {e.identity: FactWriter(FactSettings(interval_seconds=interval), index,
+                                          sender(e.identity), elector=e) for e in electors}
+        tasks = [asyncio.create_task(e.run()) for e in electors]
+        try:
+            for w in writers.values():
+                await w.start()
+            deadline = time.monotonic() + 10
+            while not any(sends.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(3 * interval)  # the standby has looked around a few times
+            leader = next(e for e in electors if e.is_leader)
+            standby = next(e for e in electors if e is not leader)
+            await writers[leader.identity].stop()  # dying: writes no more
+            index.apply(ChangeSet(workloads={"u-deleted": None}))
+            await asyncio.sleep(2 * interval)  # the standby notices, but does not write
+            assert not sends[standby.identity]
+            await leader.stop(release=False)
+            deadline = time.monotonic() + 10
+            while not sends[standby.identity] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            for w in writers.values():
+                await w.stop()
+            for e in electors:
+                await e.stop(release=False)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for api in apis:
+                await api.close()
+
+    first = [s for body in sends[standby.identity][:1] for s in decode_v1(body)]
+    info = {s.labels["karta_workload"]: s for s in first
+            if s.labels["__name__"] == "karta_workload_info"}
+    assert not is_stale(info["kept"].samples[0][1])
+    assert is_stale(info["deleted"].samples[0][1]), "the takeover ends the deleted workload"
