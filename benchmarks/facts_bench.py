@@ -116,6 +116,8 @@ def main() -> None:
         w.build_request(now)
         churned.append(time.perf_counter() - t)
         w.commit()
+    # what a standby replica pays per interval to end the old leader's series on takeover
+    standby = timed(lambda: w.track_standby(time.time()), a.repeat)
     compress = timed(lambda: snappy.compress(body), a.repeat)
     pb = timed(lambda: protobuf_build(index), max(1, a.repeat // 2))
     registry = CollectorRegistry()
@@ -128,6 +130,8 @@ def main() -> None:
     print(f"build cold:            {cold * 1000:8.0f} ms")
     print(f"build warm (median):   {med(warm) * 1000:8.0f} ms")
     print(f"build 1% churn (med):  {med(churned) * 1000:8.0f} ms")
+    print(f"standby walk (median): {med(standby) * 1000:8.0f} ms  "
+          f"(a replica that does not write, per interval)")
     print(f"snappy (median):       {med(compress) * 1000:8.0f} ms")
     print(f"protobuf classes (med):{med(pb) * 1000:8.0f} ms  "
           f"(warm hand encoder is {med(pb) / med(warm):.1f}x faster)")
