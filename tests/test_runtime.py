@@ -81,17 +81,24 @@ async def get_text(p: Proxy, path: str) -> str:
         return await r.text()
 
 
-async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
-    """snapshot_reload_seconds polls the snapshot: a pod added to the file gets labels, a
-    pod removed from it becomes a tombstone (still labelled)."""
+def snapshot_settings(tmp_path: Path) -> Settings:
+    """A proxy on the test snapshot, on a free port, facts off, upstream unreachable."""
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
     s = Settings()
     s.snapshot = str(snap)
-    s.snapshot_reload_seconds = 0.2
     s.upstream.url = "http://127.0.0.1:9/api/v1/write"
     s.server.listen_address = "127.0.0.1:0"
     s.facts.enabled = False
+    return s
+
+
+async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
+    """snapshot_reload_seconds polls the snapshot: a pod added to the file gets labels, a
+    pod removed from it becomes a tombstone (still labelled)."""
+    s = snapshot_settings(tmp_path)
+    snap = Path(s.snapshot)
+    s.snapshot_reload_seconds = 0.2
     p = Proxy(s)
     await p.start()
     try:
@@ -110,14 +117,9 @@ async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
 
 
 async def test_snapshot_reload_off(tmp_path: Path) -> None:
-    snap = tmp_path / "snap.yaml"
-    snap.write_text(SNAPSHOT)
-    s = Settings()
-    s.snapshot = str(snap)
+    s = snapshot_settings(tmp_path)
+    snap = Path(s.snapshot)
     s.snapshot_reload_seconds = 0
-    s.upstream.url = "http://127.0.0.1:9/api/v1/write"
-    s.server.listen_address = "127.0.0.1:0"
-    s.facts.enabled = False
     p = Proxy(s)
     await p.start()
     try:
