@@ -139,6 +139,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def wait_for_200(session: aiohttp.ClientSession, url: str,
+                       proc: asyncio.subprocess.Process, timeout: float = 20) -> None:
+    """Poll ``url`` until it answers 200, while the process lives; bounded in time."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            async with session.get(url) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        assert asyncio.get_running_loop().time() < deadline, f"{url} never answered 200"
+        assert proc.returncode is None, "the process ended"
+        await asyncio.sleep(0.1)
+
+
 async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> None:
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
@@ -152,17 +168,7 @@ async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> N
         try:
             base = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as session:
-                deadline = asyncio.get_running_loop().time() + 20
-                while True:
-                    try:
-                        async with session.get(base + "/-/ready") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    assert asyncio.get_running_loop().time() < deadline, "never ready"
-                    assert proc.returncode is None
-                    await asyncio.sleep(0.1)
+                await wait_for_200(session, base + "/-/ready", proc)
                 labels = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
                 status, _, _ = await send_series(base + "/api/v1/write",
                                                  [Series(labels, [(1000, 1.0)])], session=session)
@@ -206,17 +212,7 @@ async def test_sigterm_while_waiting_for_the_cluster_exits_0(tmp_path: Path) -> 
     try:
         base = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as session:
-            deadline = asyncio.get_running_loop().time() + 20
-            while True:
-                try:
-                    async with session.get(base + "/-/healthy") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert asyncio.get_running_loop().time() < deadline, "never healthy"
-                assert proc.returncode is None
-                await asyncio.sleep(0.1)
+            await wait_for_200(session, base + "/-/healthy", proc)
             async with session.get(base + "/-/ready") as r:
                 assert r.status == 503
     finally:
