@@ -1,0 +1,2456 @@
+/*
+ * The native splice: the per-series work of a whole remote-write request, in C, with the
+ * GIL released.
+ *
+ * What it does is exactly what proxy/wire/splice_v1.py and splice_v2.py do (those are
+ * the reference; tests/wire/test_native_differential.py holds the two equal on random
+ * valid and invalid requests, and a bounded fuzz run in CI looks for crashes):
+ *
+ *   - walk every series at wire level (RW 1.0 labels, RW 2.0 symbols + refs), checking
+ *     the framing and the UTF-8 of every label string;
+ *   - find the pod's (namespace, pod) through the plan's pairs and metric rules, with
+ *     their `unless` conditions (literal alternations natively; any other regex calls
+ *     back into Python under the GIL);
+ *   - look the pod up in a per-pod table (PodTable), whose size grows with pods, never
+ *     with series; the index's change listener keeps it current;
+ *   - splice the stamp in sorted position: the sender's labels of stamped names dropped,
+ *     a series whose labels are already right left byte-exact, every other byte of the
+ *     request copied as a span of the input.
+ *
+ * Concurrency: the table is guarded by a writer-preferring rwlock. A splice takes the
+ * read lock (with the GIL released) for the duration of one request; table updates take
+ * the write lock, also with the GIL released, so no thread ever waits for the lock while
+ * holding the GIL and the two can never deadlock. Entries are immutable blocks: an update
+ * swaps the slot's pointer under the write lock and frees the old block after.
+ *
+ * Memory: one malloc'd block per pod (key, RW 1.0 fields, label descriptors), and per
+ * request only scratch arrays freed before return. Nothing outlives a request.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* ------------------------------------------------------------------------------------ */
+/* errors                                                                               */
+
+static PyObject *DecodeErrorType = NULL; /* proxy.compression.DecodeError, set at import */
+
+typedef struct {
+    const char *kind; /* NULL: no error */
+    int status;
+    char message[160];
+    int python; /* 1: a Python exception is already set (matcher callback) */
+} Err;
+
+static void
+err_set(Err *e, const char *kind, const char *fmt, ...)
+{
+    if (e->kind != NULL)
+        return;
+    e->kind = kind;
+    e->status = 400;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+}
+
+#define INVALID(e, ...) err_set((e), "protobuf_invalid", "invalid protobuf: " __VA_ARGS__)
+
+static void
+err_raise(Err *e)
+{
+    if (e->python)
+        return;
+    if (DecodeErrorType == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", e->kind, e->message);
+        return;
+    }
+    PyObject *exc = PyObject_CallFunction(DecodeErrorType, "sis", e->kind, e->status, e->message);
+    if (exc != NULL) {
+        PyErr_SetObject(DecodeErrorType, exc);
+        Py_DECREF(exc);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* wire primitives                                                                      */
+
+/* A varint at *pos (< end); returns 0 on a truncated or over-long one. At most 10 bytes,
+ * the 10th carrying only the top bit, as protobuf readers require. */
+static inline int
+rd_varint(const uint8_t *buf, size_t end, size_t *pos, uint64_t *out)
+{
+    size_t p = *pos;
+    if (p < end && buf[p] < 0x80) {
+        *out = buf[p];
+        *pos = p + 1;
+        return 1;
+    }
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (p >= end)
+            return 0;
+        uint8_t b = buf[p++];
+        if (shift == 63 && b > 1)
+            return 0;
+        v |= (uint64_t)(b & 0x7F) << shift;
+        if (b < 0x80) {
+            *out = v;
+            *pos = p;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    uint64_t number;
+    int wt;
+    size_t start; /* the field's first byte */
+    size_t ps;    /* payload start (after the length for wire type 2) */
+    size_t end;   /* after the field */
+} Field;
+
+/* Read one field at pos, inside [.., end). Mirrors primitives.read_field. */
+static int
+rd_field(const uint8_t *buf, size_t pos, size_t end, Field *f, Err *e)
+{
+    uint64_t key, ln;
+    size_t p = pos;
+    if (!rd_varint(buf, end, &p, &key)) {
+        INVALID(e, "truncated or over-long varint");
+        return 0;
+    }
+    f->start = pos;
+    f->number = key >> 3;
+    f->wt = (int)(key & 7);
+    if (f->number == 0) {
+        INVALID(e, "field number 0");
+        return 0;
+    }
+    if (f->number > ((1u << 29) - 1)) {
+        INVALID(e, "field number %llu is past 2^29 - 1", (unsigned long long)f->number);
+        return 0;
+    }
+    switch (f->wt) {
+    case 2:
+        if (!rd_varint(buf, end, &p, &ln)) {
+            INVALID(e, "truncated or over-long varint");
+            return 0;
+        }
+        if (ln > end - p) {
+            INVALID(e, "field runs past the end of its message");
+            return 0;
+        }
+        f->ps = p;
+        f->end = p + ln;
+        return 1;
+    case 0:
+        f->ps = p;
+        if (!rd_varint(buf, end, &p, &ln)) {
+            INVALID(e, "truncated or over-long varint");
+            return 0;
+        }
+        f->end = p;
+        return 1;
+    case 1:
+    case 5: {
+        size_t w = f->wt == 1 ? 8 : 4;
+        if (w > end - p) {
+            INVALID(e, "field runs past the end of its message");
+            return 0;
+        }
+        f->ps = p;
+        f->end = p + w;
+        return 1;
+    }
+    default:
+        INVALID(e, "unsupported wire type %d", f->wt);
+        return 0;
+    }
+}
+
+static inline size_t
+varint_len(uint64_t v)
+{
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static inline size_t
+put_varint(uint8_t *out, uint64_t v)
+{
+    size_t n = 0;
+    while (v >= 0x80) {
+        out[n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    out[n++] = (uint8_t)v;
+    return n;
+}
+
+/* Strict UTF-8, as Python's decoder: no overlongs, no surrogates, nothing past U+10FFFF. */
+static int
+utf8_ok(const uint8_t *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        /* eight ASCII bytes at a time */
+        while (i + 8 <= n) {
+            uint64_t w;
+            memcpy(&w, s + i, 8);
+            if (w & 0x8080808080808080ULL)
+                break;
+            i += 8;
+        }
+        if (i >= n)
+            break;
+        uint8_t c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        if (c >= 0xC2 && c <= 0xDF) {
+            if (i + 1 >= n || (s[i + 1] & 0xC0) != 0x80)
+                return 0;
+            i += 2;
+        }
+        else if (c >= 0xE0 && c <= 0xEF) {
+            if (i + 2 >= n)
+                return 0;
+            uint8_t c1 = s[i + 1], c2 = s[i + 2];
+            if ((c1 & 0xC0) != 0x80 || (c2 & 0xC0) != 0x80)
+                return 0;
+            if (c == 0xE0 && c1 < 0xA0)
+                return 0; /* overlong */
+            if (c == 0xED && c1 > 0x9F)
+                return 0; /* surrogate */
+            i += 3;
+        }
+        else if (c >= 0xF0 && c <= 0xF4) {
+            if (i + 3 >= n)
+                return 0;
+            uint8_t c1 = s[i + 1], c2 = s[i + 2], c3 = s[i + 3];
+            if ((c1 & 0xC0) != 0x80 || (c2 & 0xC0) != 0x80 || (c3 & 0xC0) != 0x80)
+                return 0;
+            if (c == 0xF0 && c1 < 0x90)
+                return 0; /* overlong */
+            if (c == 0xF4 && c1 > 0x8F)
+                return 0; /* past U+10FFFF */
+            i += 4;
+        }
+        else
+            return 0;
+    }
+    return 1;
+}
+
+/* A fast 64-bit hash of a byte string (multiply-xorshift over 8-byte words). */
+static inline uint64_t
+hash_bytes(const uint8_t *s, size_t n, uint64_t h)
+{
+    const uint64_t m = 0x9E3779B97F4A7C15ULL;
+    h ^= (uint64_t)n * 0xff51afd7ed558ccdULL;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, s, 8);
+        h = (h ^ w) * m;
+        h ^= h >> 29;
+        s += 8;
+        n -= 8;
+    }
+    if (n) {
+        uint64_t w = 0;
+        memcpy(&w, s, n);
+        h = (h ^ w) * m;
+        h ^= h >> 29;
+    }
+    h ^= h >> 32;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 29;
+    return h;
+}
+
+static inline int
+str_cmp(const uint8_t *a, size_t an, const uint8_t *b, size_t bn)
+{
+    size_t k = an < bn ? an : bn;
+    int c = k ? memcmp(a, b, k) : 0;
+    if (c)
+        return c;
+    return an < bn ? -1 : an > bn ? 1 : 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* growable scratch arrays (plain malloc: used with the GIL released)                   */
+
+typedef struct {
+    void *data;
+    size_t len, cap, item;
+    int failed;
+} Vec;
+
+static void
+vec_init(Vec *v, size_t item)
+{
+    v->data = NULL;
+    v->len = v->cap = 0;
+    v->item = item;
+    v->failed = 0;
+}
+
+static void *
+vec_push(Vec *v, size_t k)
+{
+    if (v->len + k > v->cap) {
+        size_t cap = v->cap ? v->cap : 64;
+        while (cap < v->len + k)
+            cap *= 2;
+        void *d = realloc(v->data, cap * v->item);
+        if (d == NULL) {
+            v->failed = 1;
+            return NULL;
+        }
+        v->data = d;
+        v->cap = cap;
+    }
+    void *at = (char *)v->data + v->len * v->item;
+    v->len += k;
+    return at;
+}
+
+static void
+vec_free(Vec *v)
+{
+    free(v->data);
+    v->data = NULL;
+    v->len = v->cap = 0;
+}
+
+/* Scratch bytes that never move once handed out (spans point into them). */
+typedef struct Chunk {
+    struct Chunk *next;
+    size_t used, cap;
+    uint8_t data[];
+} Chunk;
+
+typedef struct {
+    Chunk *head;
+    int failed;
+} Arena;
+
+static uint8_t *
+arena_alloc(Arena *a, size_t n)
+{
+    if (a->head == NULL || a->head->cap - a->head->used < n) {
+        size_t cap = n > 16384 ? n : 16384;
+        Chunk *c = malloc(sizeof(Chunk) + cap);
+        if (c == NULL) {
+            a->failed = 1;
+            return NULL;
+        }
+        c->next = a->head;
+        c->used = 0;
+        c->cap = cap;
+        a->head = c;
+    }
+    uint8_t *p = a->head->data + a->head->used;
+    a->head->used += n;
+    return p;
+}
+
+static void
+arena_free(Arena *a)
+{
+    while (a->head) {
+        Chunk *n = a->head->next;
+        free(a->head);
+        a->head = n;
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the pod table                                                                        */
+
+typedef struct {
+    uint32_t field_off, field_len; /* the encoded RW 1.0 Label field, in the entry's bytes */
+    uint32_t name_off, name_len;
+    uint32_t value_off, value_len;
+} StampLabel;
+
+typedef struct {
+    uint64_t hash;
+    uint32_t ns_len, pod_len;
+    int32_t reason; /* -1: attributed (a stamp); else an index into the table's reasons */
+    uint32_t nlabels;
+    uint32_t fields_len;
+    uint32_t labels_off; /* offset of the StampLabel array in data */
+    uint8_t data[];      /* ns, pod, fields, padding, StampLabel[nlabels] */
+} Entry;
+
+#define ENTRY_NS(en) ((en)->data)
+#define ENTRY_POD(en) ((en)->data + (en)->ns_len)
+#define ENTRY_FIELDS(en) ((en)->data + (en)->ns_len + (en)->pod_len)
+#define ENTRY_LABELS(en) ((const StampLabel *)((en)->data + (en)->labels_off))
+
+static Entry TOMB_ENTRY;
+#define TOMB (&TOMB_ENTRY)
+
+typedef struct {
+    uint64_t hash;
+    Entry *entry; /* NULL: empty; TOMB: deleted */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_rwlock_t lock;
+    Slot *slots;
+    size_t cap;   /* a power of two */
+    size_t used;  /* live entries */
+    size_t tombs; /* deleted slots */
+    uint64_t seed;
+    PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown */
+    PyObject *reason_ix; /* dict str -> int */
+} PodTable;
+
+static uint64_t
+key_hash(const PodTable *t, const uint8_t *ns, size_t nsl, const uint8_t *pod, size_t podl)
+{
+    return hash_bytes(pod, podl, hash_bytes(ns, nsl, t->seed));
+}
+
+/* The slot of (ns, pod), or NULL. Read lock (or write lock) held. */
+static inline const Entry *
+table_find(const PodTable *t, uint64_t h, const uint8_t *ns, size_t nsl, const uint8_t *pod,
+           size_t podl)
+{
+    if (t->cap == 0)
+        return NULL;
+    size_t mask = t->cap - 1;
+    size_t i = (size_t)h & mask;
+    for (;;) {
+        const Slot *s = &t->slots[i];
+        if (s->entry == NULL)
+            return NULL;
+        if (s->hash == h && s->entry != TOMB) {
+            const Entry *en = s->entry;
+            if (en->ns_len == nsl && en->pod_len == podl && memcmp(ENTRY_NS(en), ns, nsl) == 0 &&
+                memcmp(ENTRY_POD(en), pod, podl) == 0)
+                return en;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* Grow or clean the slot array when live + deleted slots pass half of it. Write lock. */
+static int
+table_reserve(PodTable *t, size_t more)
+{
+    if ((t->used + t->tombs + more) * 2 <= t->cap)
+        return 1;
+    size_t cap = 64;
+    while ((t->used + more) * 2 > cap)
+        cap *= 2;
+    Slot *slots = calloc(cap, sizeof(Slot));
+    if (slots == NULL)
+        return 0;
+    for (size_t i = 0; i < t->cap; i++) {
+        Entry *en = t->slots[i].entry;
+        if (en == NULL || en == TOMB)
+            continue;
+        size_t j = (size_t)t->slots[i].hash & (cap - 1);
+        while (slots[j].entry != NULL)
+            j = (j + 1) & (cap - 1);
+        slots[j] = t->slots[i];
+    }
+    free(t->slots);
+    t->slots = slots;
+    t->cap = cap;
+    t->tombs = 0;
+    return 1;
+}
+
+/* Put (replace) or remove (en == NULL) the entry of key; returns the old entry to free
+ * once the lock is released. Write lock held; table_reserve(1) done for a put. */
+static Entry *
+table_put(PodTable *t, uint64_t h, const uint8_t *ns, size_t nsl, const uint8_t *pod,
+          size_t podl, Entry *en)
+{
+    size_t mask = t->cap - 1;
+    size_t i = (size_t)h & mask;
+    size_t tomb = (size_t)-1;
+    for (;;) {
+        Slot *s = &t->slots[i];
+        if (s->entry == NULL)
+            break;
+        if (s->entry == TOMB) {
+            if (tomb == (size_t)-1)
+                tomb = i;
+        }
+        else if (s->hash == h) {
+            Entry *old = s->entry;
+            if (old->ns_len == nsl && old->pod_len == podl &&
+                memcmp(ENTRY_NS(old), ns, nsl) == 0 && memcmp(ENTRY_POD(old), pod, podl) == 0) {
+                if (en != NULL)
+                    s->entry = en;
+                else {
+                    s->entry = TOMB;
+                    t->used--;
+                    t->tombs++;
+                }
+                return old;
+            }
+        }
+        i = (i + 1) & mask;
+    }
+    if (en == NULL)
+        return NULL;
+    if (tomb != (size_t)-1) {
+        i = tomb;
+        t->tombs--;
+    }
+    t->slots[i].hash = h;
+    t->slots[i].entry = en;
+    t->used++;
+    return NULL;
+}
+
+static int
+reason_index(PodTable *t, PyObject *reason)
+{
+    PyObject *ix = PyDict_GetItemWithError(t->reason_ix, reason);
+    if (ix != NULL)
+        return (int)PyLong_AsLong(ix);
+    if (PyErr_Occurred())
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(t->reasons);
+    if (n >= 1 << 20) {
+        PyErr_SetString(PyExc_ValueError, "too many distinct reasons");
+        return -1;
+    }
+    PyObject *num = PyLong_FromSsize_t(n);
+    if (num == NULL)
+        return -1;
+    int rc = PyDict_SetItem(t->reason_ix, reason, num);
+    Py_DECREF(num);
+    if (rc < 0 || PyList_Append(t->reasons, reason) < 0)
+        return -1;
+    return (int)n;
+}
+
+static int
+as_bytes(PyObject *o, const uint8_t **s, Py_ssize_t *n, const char *what)
+{
+    if (!PyBytes_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be bytes, not %.80s", what, Py_TYPE(o)->tp_name);
+        return 0;
+    }
+    *s = (const uint8_t *)PyBytes_AS_STRING(o);
+    *n = PyBytes_GET_SIZE(o);
+    return 1;
+}
+
+/* A new entry for (ns, pod) -> answer: a tuple of (name, value) str pairs, or a reason. */
+static Entry *
+entry_new(PodTable *t, PyObject *nso, PyObject *podo, PyObject *answer)
+{
+    const uint8_t *ns, *pod;
+    Py_ssize_t nsl, podl;
+    if (!as_bytes(nso, &ns, &nsl, "namespace") || !as_bytes(podo, &pod, &podl, "pod"))
+        return NULL;
+    if (nsl > UINT32_MAX / 4 || podl > UINT32_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "namespace or pod too long");
+        return NULL;
+    }
+    int reason = -1;
+    Py_ssize_t nl = 0;
+    PyObject *labels = NULL; /* list of (name bytes, value bytes) sorted by name */
+    size_t fields_len = 0;
+    if (PyUnicode_Check(answer)) {
+        if (PyUnicode_GET_LENGTH(answer) == 0) {
+            PyErr_SetString(PyExc_ValueError, "a reason must not be empty");
+            return NULL;
+        }
+        reason = reason_index(t, answer);
+        if (reason < 0)
+            return NULL;
+    }
+    else {
+        PyObject *seq = PySequence_Fast(answer, "an answer is a tuple of (name, value) pairs or a reason");
+        if (seq == NULL)
+            return NULL;
+        labels = PyList_New(0);
+        if (labels == NULL) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+            PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+            PyObject *n, *v;
+            if (!PyArg_ParseTuple(pair, "UU;a stamped label is a (name, value) pair of str", &n, &v))
+                goto fail;
+            if (PyUnicode_GET_LENGTH(v) == 0)
+                continue; /* empty values are left out, as PodStamp.of does */
+            PyObject *nb = PyUnicode_AsUTF8String(n), *vb = PyUnicode_AsUTF8String(v);
+            if (nb == NULL || vb == NULL) {
+                Py_XDECREF(nb);
+                Py_XDECREF(vb);
+                goto fail;
+            }
+            PyObject *tup = PyTuple_Pack(2, nb, vb);
+            Py_DECREF(nb);
+            Py_DECREF(vb);
+            if (tup == NULL || PyList_Append(labels, tup) < 0) {
+                Py_XDECREF(tup);
+                goto fail;
+            }
+            Py_DECREF(tup);
+        }
+        Py_DECREF(seq);
+        seq = NULL;
+        if (PyList_Sort(labels) < 0)
+            goto fail;
+        nl = PyList_GET_SIZE(labels);
+        for (Py_ssize_t i = 0; i < nl; i++) {
+            PyObject *tup = PyList_GET_ITEM(labels, i);
+            size_t n = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(tup, 0));
+            size_t v = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(tup, 1));
+            size_t inner = 1 + varint_len(n) + n + 1 + varint_len(v) + v;
+            fields_len += 1 + varint_len(inner) + inner;
+        }
+        if (fields_len > UINT32_MAX / 4) {
+            PyErr_SetString(PyExc_ValueError, "stamp too long");
+            goto fail;
+        }
+        goto build;
+    fail:
+        Py_XDECREF(seq);
+        Py_DECREF(labels);
+        return NULL;
+    }
+build:;
+    size_t head = (size_t)nsl + (size_t)podl + fields_len;
+    size_t labels_off = (head + 7) & ~(size_t)7;
+    Entry *en = malloc(sizeof(Entry) + labels_off + (size_t)nl * sizeof(StampLabel));
+    if (en == NULL) {
+        Py_XDECREF(labels);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    en->hash = key_hash(t, ns, (size_t)nsl, pod, (size_t)podl);
+    en->ns_len = (uint32_t)nsl;
+    en->pod_len = (uint32_t)podl;
+    en->reason = reason;
+    en->nlabels = (uint32_t)nl;
+    en->fields_len = (uint32_t)fields_len;
+    en->labels_off = (uint32_t)labels_off;
+    memcpy(en->data, ns, (size_t)nsl);
+    memcpy(en->data + nsl, pod, (size_t)podl);
+    uint8_t *f = en->data + nsl + podl;
+    StampLabel *sl = (StampLabel *)(en->data + labels_off);
+    size_t off = 0;
+    for (Py_ssize_t i = 0; i < nl; i++) {
+        PyObject *tup = PyList_GET_ITEM(labels, i);
+        PyObject *nb = PyTuple_GET_ITEM(tup, 0), *vb = PyTuple_GET_ITEM(tup, 1);
+        size_t n = (size_t)PyBytes_GET_SIZE(nb), v = (size_t)PyBytes_GET_SIZE(vb);
+        size_t inner = 1 + varint_len(n) + n + 1 + varint_len(v) + v;
+        size_t start = off;
+        f[off++] = 0x0A;
+        off += put_varint(f + off, inner);
+        f[off++] = 0x0A;
+        off += put_varint(f + off, n);
+        sl[i].name_off = (uint32_t)(nsl + podl + off);
+        sl[i].name_len = (uint32_t)n;
+        memcpy(f + off, PyBytes_AS_STRING(nb), n);
+        off += n;
+        f[off++] = 0x12;
+        off += put_varint(f + off, v);
+        sl[i].value_off = (uint32_t)(nsl + podl + off);
+        sl[i].value_len = (uint32_t)v;
+        memcpy(f + off, PyBytes_AS_STRING(vb), v);
+        off += v;
+        sl[i].field_off = (uint32_t)(nsl + podl + start);
+        sl[i].field_len = (uint32_t)(off - start);
+    }
+    Py_XDECREF(labels);
+    return en;
+}
+
+typedef struct {
+    Entry *entry; /* NULL: delete */
+    PyObject *ns, *pod;
+} Change;
+
+/* Apply changes under one write lock; takes ownership of the entries. */
+static int
+table_apply(PodTable *t, Change *ch, size_t n)
+{
+    Entry **old = calloc(n ? n : 1, sizeof(Entry *));
+    if (old == NULL) {
+        for (size_t i = 0; i < n; i++)
+            free(ch[i].entry);
+        PyErr_NoMemory();
+        return 0;
+    }
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&t->lock);
+    if (!table_reserve(t, n))
+        ok = 0;
+    else {
+        for (size_t i = 0; i < n; i++) {
+            const uint8_t *ns = (const uint8_t *)PyBytes_AS_STRING(ch[i].ns);
+            const uint8_t *pod = (const uint8_t *)PyBytes_AS_STRING(ch[i].pod);
+            size_t nsl = (size_t)PyBytes_GET_SIZE(ch[i].ns), podl = (size_t)PyBytes_GET_SIZE(ch[i].pod);
+            uint64_t h = ch[i].entry ? ch[i].entry->hash : key_hash(t, ns, nsl, pod, podl);
+            old[i] = table_put(t, h, ns, nsl, pod, podl, ch[i].entry);
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        for (size_t i = 0; i < n; i++)
+            free(ch[i].entry);
+        free(old);
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++)
+        free(old[i]);
+    free(old);
+    return 1;
+}
+
+static PyObject *
+PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (!PyArg_ParseTuple(args, ":PodTable") || (kw && PyDict_Size(kw))) {
+        PyErr_SetString(PyExc_TypeError, "PodTable() takes no arguments");
+        return NULL;
+    }
+    PodTable *t = (PodTable *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+#ifdef PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+    pthread_rwlock_init(&t->lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    t->slots = NULL;
+    t->cap = t->used = t->tombs = 0;
+    t->seed = ((uint64_t)(uintptr_t)t * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)time(NULL);
+    t->reasons = PyList_New(0);
+    t->reason_ix = PyDict_New();
+    if (t->reasons == NULL || t->reason_ix == NULL) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    const char *fixed[] = {"no_pod_label", "pod_unknown"};
+    for (int i = 0; i < 2; i++) {
+        PyObject *s = PyUnicode_FromString(fixed[i]);
+        if (s == NULL || reason_index(t, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(t);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return (PyObject *)t;
+}
+
+static void
+table_free_entries(PodTable *t)
+{
+    for (size_t i = 0; i < t->cap; i++)
+        if (t->slots[i].entry != NULL && t->slots[i].entry != TOMB)
+            free(t->slots[i].entry);
+    free(t->slots);
+    t->slots = NULL;
+    t->cap = t->used = t->tombs = 0;
+}
+
+static void
+PodTable_dealloc(PodTable *t)
+{
+    table_free_entries(t);
+    pthread_rwlock_destroy(&t->lock);
+    Py_XDECREF(t->reasons);
+    Py_XDECREF(t->reason_ix);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int
+check_key(PyObject *ns, PyObject *pod)
+{
+    if (!PyBytes_Check(ns) || !PyBytes_Check(pod)) {
+        PyErr_SetString(PyExc_TypeError, "namespace and pod must be bytes");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+PodTable_set(PodTable *t, PyObject *args)
+{
+    PyObject *ns, *pod, *answer;
+    if (!PyArg_ParseTuple(args, "OOO:set", &ns, &pod, &answer) || !check_key(ns, pod))
+        return NULL;
+    Change c = {entry_new(t, ns, pod, answer), ns, pod};
+    if (c.entry == NULL || !table_apply(t, &c, 1))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+PodTable_delete(PodTable *t, PyObject *args)
+{
+    PyObject *ns, *pod;
+    if (!PyArg_ParseTuple(args, "OO:delete", &ns, &pod) || !check_key(ns, pod))
+        return NULL;
+    Change c = {NULL, ns, pod};
+    if (!table_apply(t, &c, 1))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+PodTable_update(PodTable *t, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "update() takes a sequence of (ns, pod, answer)");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Change *ch = calloc(n ? (size_t)n : 1, sizeof(Change));
+    if (ch == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *ns, *pod, *answer;
+        if (!PyArg_ParseTuple(item, "OOO;a change is (namespace, pod, answer or None)", &ns, &pod,
+                              &answer) ||
+            !check_key(ns, pod))
+            goto fail;
+        ch[i].ns = ns;
+        ch[i].pod = pod;
+        if (answer != Py_None && (ch[i].entry = entry_new(t, ns, pod, answer)) == NULL)
+            goto fail;
+    }
+    int ok = table_apply(t, ch, (size_t)n);
+    free(ch);
+    Py_DECREF(seq);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+fail:
+    for (Py_ssize_t j = 0; j < i; j++)
+        free(ch[j].entry);
+    free(ch);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *
+PodTable_get(PodTable *t, PyObject *args)
+{
+    PyObject *nso, *podo;
+    if (!PyArg_ParseTuple(args, "OO:get", &nso, &podo) || !check_key(nso, podo))
+        return NULL;
+    const uint8_t *ns = (const uint8_t *)PyBytes_AS_STRING(nso);
+    const uint8_t *pod = (const uint8_t *)PyBytes_AS_STRING(podo);
+    size_t nsl = (size_t)PyBytes_GET_SIZE(nso), podl = (size_t)PyBytes_GET_SIZE(podo);
+    PyObject *out = NULL;
+    int reason = -2;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_rdlock(&t->lock);
+    Py_END_ALLOW_THREADS
+    /* holding the read lock with the GIL is fine here: nothing below waits */
+    const Entry *en = table_find(t, key_hash(t, ns, nsl, pod, podl), ns, nsl, pod, podl);
+    if (en == NULL)
+        out = Py_NewRef(Py_None);
+    else if (en->reason >= 0)
+        reason = en->reason;
+    else {
+        out = PyTuple_New(en->nlabels);
+        const StampLabel *sl = ENTRY_LABELS(en);
+        for (uint32_t i = 0; out != NULL && i < en->nlabels; i++) {
+            PyObject *p = Py_BuildValue("(y#y#)", en->data + sl[i].name_off, (Py_ssize_t)sl[i].name_len,
+                                        en->data + sl[i].value_off, (Py_ssize_t)sl[i].value_len);
+            if (p == NULL)
+                Py_CLEAR(out);
+            else
+                PyTuple_SET_ITEM(out, i, p);
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    if (reason >= 0)
+        out = Py_NewRef(PyList_GET_ITEM(t->reasons, reason));
+    return out;
+}
+
+static PyObject *
+PodTable_clear(PodTable *t, PyObject *Py_UNUSED(ignored))
+{
+    Slot *slots;
+    size_t cap;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&t->lock);
+    slots = t->slots;
+    cap = t->cap;
+    t->slots = NULL;
+    t->cap = t->used = t->tombs = 0;
+    pthread_rwlock_unlock(&t->lock);
+    Py_END_ALLOW_THREADS
+    for (size_t i = 0; i < cap; i++)
+        if (slots[i].entry != NULL && slots[i].entry != TOMB)
+            free(slots[i].entry);
+    free(slots);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t
+PodTable_len(PodTable *t)
+{
+    return (Py_ssize_t)t->used;
+}
+
+static PyObject *
+PodTable_memory(PodTable *t, PyObject *Py_UNUSED(ignored))
+{
+    /* bytes held by the table: slots and entry blocks */
+    size_t total = t->cap * sizeof(Slot);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_rdlock(&t->lock);
+    for (size_t i = 0; i < t->cap; i++) {
+        const Entry *en = t->slots[i].entry;
+        if (en != NULL && en != TOMB)
+            total += sizeof(Entry) + en->labels_off + en->nlabels * sizeof(StampLabel);
+    }
+    pthread_rwlock_unlock(&t->lock);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSize_t(total);
+}
+
+static PyMethodDef PodTable_methods[] = {
+    {"set", (PyCFunction)PodTable_set, METH_VARARGS,
+     "set(namespace, pod, answer): answer is the stamped (name, value) pairs or a reason"},
+    {"delete", (PyCFunction)PodTable_delete, METH_VARARGS, "delete(namespace, pod)"},
+    {"update", (PyCFunction)PodTable_update, METH_O,
+     "update([(namespace, pod, answer or None), ...]) under one write lock"},
+    {"get", (PyCFunction)PodTable_get, METH_VARARGS,
+     "get(namespace, pod) -> ((name, value), ...) as bytes, a reason, or None"},
+    {"clear", (PyCFunction)PodTable_clear, METH_NOARGS, "remove every pod"},
+    {"memory", (PyCFunction)PodTable_memory, METH_NOARGS, "bytes held by the table"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods PodTable_as_sequence = {
+    .sq_length = (lenfunc)PodTable_len,
+};
+
+static PyObject *
+PodTable_implementation(PyObject *Py_UNUSED(self), void *Py_UNUSED(closure))
+{
+    return PyUnicode_FromString("native");
+}
+
+static PyGetSetDef PodTable_getset[] = {
+    {"implementation", PodTable_implementation, NULL, "which table this is", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PodTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.wire._splice.PodTable",
+    .tp_basicsize = sizeof(PodTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "(namespace, pod) -> stamp or reason; guarded by a writer-preferring rwlock",
+    .tp_new = PodTable_new,
+    .tp_dealloc = (destructor)PodTable_dealloc,
+    .tp_methods = PodTable_methods,
+    .tp_getset = PodTable_getset,
+    .tp_as_sequence = &PodTable_as_sequence,
+};
+
+/* ------------------------------------------------------------------------------------ */
+/* the plan                                                                             */
+
+#define MAX_SLOTS 64
+#define FLAG_STAMPED 1
+
+typedef struct {
+    const uint8_t *s;
+    size_t n;
+} Str;
+
+typedef struct {
+    int slot;
+    size_t nlit;
+    Str *lits;
+    PyObject *matcher; /* callable(value: bytes) -> bool, when not literals */
+} UnlessC;
+
+typedef struct {
+    int ns_slot, pod_slot;
+    size_t nunless;
+    UnlessC *unless;
+} PairC;
+
+typedef struct {
+    Str prefix;
+    size_t npairs;
+    PairC *pairs;
+} RuleC;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keep; /* a list holding every object the plan points into */
+    Str names[MAX_SLOTS];
+    uint8_t flags[MAX_SLOTS];
+    int nslots;
+    uint64_t len_mask; /* bit k: some wanted name has length k (k < 64) */
+    int long_names;    /* some wanted name is 64 bytes or longer */
+    size_t npairs;
+    PairC *pairs;
+    size_t nrules;
+    RuleC *rules;
+    int keep_sent;
+    int has_matcher;
+} Plan;
+
+#define SLOT_NAME 0
+#define SLOT_WORKLOAD 1
+
+static int
+plan_slot(Plan *pl, PyObject *name, int flags)
+{
+    const uint8_t *s;
+    Py_ssize_t n;
+    if (!as_bytes(name, &s, &n, "a label name"))
+        return -1;
+    for (int i = 0; i < pl->nslots; i++)
+        if (pl->names[i].n == (size_t)n && memcmp(pl->names[i].s, s, (size_t)n) == 0) {
+            pl->flags[i] |= (uint8_t)flags;
+            return i;
+        }
+    if (pl->nslots >= MAX_SLOTS) {
+        PyErr_SetString(PyExc_ValueError, "a plan reads at most 64 distinct label names");
+        return -1;
+    }
+    if (PyList_Append(pl->keep, name) < 0)
+        return -1;
+    int i = pl->nslots++;
+    pl->names[i].s = s;
+    pl->names[i].n = (size_t)n;
+    pl->flags[i] = (uint8_t)flags;
+    if (n < 64)
+        pl->len_mask |= (uint64_t)1 << n;
+    else
+        pl->long_names = 1;
+    return i;
+}
+
+/* pairs: [(ns bytes, pod bytes, [(label bytes, literals tuple | None, matcher | None)])] */
+static int
+plan_pairs(Plan *pl, PyObject *seq_in, PairC **out, size_t *nout)
+{
+    PyObject *seq = PySequence_Fast(seq_in, "pairs must be a sequence");
+    if (seq == NULL)
+        return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    *out = PyMem_Calloc(n ? (size_t)n : 1, sizeof(PairC));
+    *nout = (size_t)n;
+    if (*out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ns, *pod, *unless;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOO;a pair is (ns, pod, unless)", &ns,
+                              &pod, &unless))
+            goto fail;
+        PairC *p = &(*out)[i];
+        if ((p->ns_slot = plan_slot(pl, ns, 0)) < 0 || (p->pod_slot = plan_slot(pl, pod, 0)) < 0)
+            goto fail;
+        PyObject *us = PySequence_Fast(unless, "unless must be a sequence");
+        if (us == NULL)
+            goto fail;
+        Py_ssize_t nu = PySequence_Fast_GET_SIZE(us);
+        p->unless = PyMem_Calloc(nu ? (size_t)nu : 1, sizeof(UnlessC));
+        p->nunless = (size_t)nu;
+        if (p->unless == NULL) {
+            Py_DECREF(us);
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t j = 0; j < nu; j++) {
+            PyObject *label, *lits, *matcher;
+            UnlessC *u = &p->unless[j];
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(us, j), "OOO;unless is (label, literals, matcher)",
+                                  &label, &lits, &matcher) ||
+                (u->slot = plan_slot(pl, label, 0)) < 0) {
+                Py_DECREF(us);
+                goto fail;
+            }
+            if (lits != Py_None) {
+                PyObject *ls = PySequence_Fast(lits, "literals must be a sequence");
+                if (ls == NULL || PyList_Append(pl->keep, ls) < 0) {
+                    Py_XDECREF(ls);
+                    Py_DECREF(us);
+                    goto fail;
+                }
+                Py_DECREF(ls); /* kept alive by pl->keep */
+                Py_ssize_t nl = PySequence_Fast_GET_SIZE(ls);
+                u->lits = PyMem_Calloc(nl ? (size_t)nl : 1, sizeof(Str));
+                u->nlit = (size_t)nl;
+                if (u->lits == NULL) {
+                    Py_DECREF(us);
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                for (Py_ssize_t k = 0; k < nl; k++) {
+                    Py_ssize_t ln;
+                    if (!as_bytes(PySequence_Fast_GET_ITEM(ls, k), &u->lits[k].s, &ln, "a literal")) {
+                        Py_DECREF(us);
+                        goto fail;
+                    }
+                    u->lits[k].n = (size_t)ln;
+                }
+            }
+            else {
+                if (!PyCallable_Check(matcher)) {
+                    PyErr_SetString(PyExc_TypeError, "an unless without literals needs a matcher");
+                    Py_DECREF(us);
+                    goto fail;
+                }
+                if (PyList_Append(pl->keep, matcher) < 0) {
+                    Py_DECREF(us);
+                    goto fail;
+                }
+                u->matcher = matcher;
+                pl->has_matcher = 1;
+            }
+        }
+        Py_DECREF(us);
+    }
+    Py_DECREF(seq);
+    return 1;
+fail:
+    Py_DECREF(seq);
+    return 0;
+}
+
+static void
+free_pairs(PairC *pairs, size_t n)
+{
+    if (pairs == NULL)
+        return;
+    for (size_t i = 0; i < n; i++) {
+        if (pairs[i].unless) {
+            for (size_t j = 0; j < pairs[i].nunless; j++)
+                PyMem_Free(pairs[i].unless[j].lits);
+            PyMem_Free(pairs[i].unless);
+        }
+    }
+    PyMem_Free(pairs);
+}
+
+static void
+Plan_dealloc(Plan *pl)
+{
+    free_pairs(pl->pairs, pl->npairs);
+    if (pl->rules) {
+        for (size_t i = 0; i < pl->nrules; i++)
+            free_pairs(pl->rules[i].pairs, pl->rules[i].npairs);
+        PyMem_Free(pl->rules);
+    }
+    Py_XDECREF(pl->keep);
+    Py_TYPE(pl)->tp_free((PyObject *)pl);
+}
+
+static PyObject *
+Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"pairs", "rules", "keep_sent", "stamped", "workload_label", NULL};
+    PyObject *pairs, *rules, *stamped, *workload;
+    int keep_sent;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO:Plan", kwlist, &pairs, &rules, &keep_sent,
+                                     &stamped, &workload))
+        return NULL;
+    Plan *pl = (Plan *)type->tp_alloc(type, 0);
+    if (pl == NULL)
+        return NULL;
+    pl->keep = PyList_New(0);
+    if (pl->keep == NULL)
+        goto fail;
+    pl->keep_sent = keep_sent;
+    PyObject *name = PyBytes_FromString("__name__");
+    if (name == NULL)
+        goto fail;
+    int s0 = plan_slot(pl, name, 0);
+    Py_DECREF(name);
+    if (s0 != SLOT_NAME || plan_slot(pl, workload, 0) != SLOT_WORKLOAD)
+        goto fail;
+    PyObject *st = PySequence_Fast(stamped, "stamped must be a collection of bytes");
+    if (st == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(st); i++)
+        if (plan_slot(pl, PySequence_Fast_GET_ITEM(st, i), FLAG_STAMPED) < 0) {
+            Py_DECREF(st);
+            goto fail;
+        }
+    Py_DECREF(st);
+    if (!plan_pairs(pl, pairs, &pl->pairs, &pl->npairs))
+        goto fail;
+    if (pl->npairs == 0) {
+        PyErr_SetString(PyExc_ValueError, "a splice plan needs at least one (namespace, pod) pair");
+        goto fail;
+    }
+    PyObject *rs = PySequence_Fast(rules, "rules must be a sequence");
+    if (rs == NULL)
+        goto fail;
+    Py_ssize_t nr = PySequence_Fast_GET_SIZE(rs);
+    pl->rules = PyMem_Calloc(nr ? (size_t)nr : 1, sizeof(RuleC));
+    pl->nrules = (size_t)nr;
+    if (pl->rules == NULL) {
+        Py_DECREF(rs);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        PyObject *prefix, *rpairs;
+        Py_ssize_t pn;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(rs, i), "OO;a rule is (prefix, pairs)", &prefix,
+                              &rpairs) ||
+            !as_bytes(prefix, &pl->rules[i].prefix.s, &pn, "a metric prefix") ||
+            PyList_Append(pl->keep, prefix) < 0 ||
+            !plan_pairs(pl, rpairs, &pl->rules[i].pairs, &pl->rules[i].npairs)) {
+            Py_DECREF(rs);
+            goto fail;
+        }
+        pl->rules[i].prefix.n = (size_t)pn;
+    }
+    Py_DECREF(rs);
+    return (PyObject *)pl;
+fail:
+    Py_DECREF(pl);
+    return NULL;
+}
+
+static PyTypeObject PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.wire._splice.Plan",
+    .tp_basicsize = sizeof(Plan),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label): a compiled SplicePlan",
+    .tp_new = Plan_new,
+    .tp_dealloc = (destructor)Plan_dealloc,
+};
+
+/* The slot of a label name, or -1. */
+static inline int
+slot_of(const Plan *pl, const uint8_t *s, size_t n)
+{
+    if (n < 64) {
+        if (!((pl->len_mask >> n) & 1))
+            return -1;
+    }
+    else if (!pl->long_names)
+        return -1;
+    for (int i = 0; i < pl->nslots; i++)
+        if (pl->names[i].n == n && memcmp(pl->names[i].s, s, n) == 0)
+            return i;
+    return -1;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* one request                                                                          */
+
+typedef struct {
+    const uint8_t *name, *value, *field; /* field: the Label field's bytes (RW 1.0) */
+    uint32_t nlen, vlen, flen;
+    int slot;
+    uint32_t r0, r1;     /* RW 2.0 refs; a stamp label has STAMP_REF */
+    const Entry *stamp;  /* RW 2.0: the entry of a stamp label */
+    uint32_t stamp_ix;   /* its index in the entry */
+} Lab;
+
+#define STAMP_REF UINT32_MAX
+
+typedef struct {
+    const uint8_t *p; /* NULL: the symbols placeholder */
+    size_t n;
+} Span;
+
+typedef struct {
+    const Plan *plan;
+    const PodTable *table;
+    Err err;
+    PyThreadState *ts; /* the released thread state, for matcher callbacks */
+    /* counts */
+    uint64_t series, samples, histograms, exemplars, attributed;
+    uint64_t *tally; /* per reason index */
+    size_t ntally;
+    /* per-series scratch */
+    Vec labs;   /* Lab */
+    Vec merged; /* Lab */
+    Vec tmp;    /* Lab, merge sort */
+    uint64_t series_id;
+    uint64_t seen[MAX_SLOTS];
+    Str vals[MAX_SLOTS];
+    /* output */
+    Vec spans; /* Span */
+    Arena arena;
+    size_t out_len;
+    size_t copy_from;
+    const uint8_t *raw;
+} Req;
+
+static void
+req_init(Req *r, const Plan *pl, const PodTable *t, const uint8_t *raw)
+{
+    memset(r, 0, sizeof *r);
+    r->plan = pl;
+    r->table = t;
+    r->raw = raw;
+    vec_init(&r->labs, sizeof(Lab));
+    vec_init(&r->merged, sizeof(Lab));
+    vec_init(&r->tmp, sizeof(Lab));
+    vec_init(&r->spans, sizeof(Span));
+}
+
+static void
+req_free(Req *r)
+{
+    vec_free(&r->labs);
+    vec_free(&r->merged);
+    vec_free(&r->tmp);
+    vec_free(&r->spans);
+    arena_free(&r->arena);
+    free(r->tally);
+}
+
+static int
+oom(Req *r)
+{
+    if (r->labs.failed || r->merged.failed || r->tmp.failed || r->spans.failed || r->arena.failed) {
+        err_set(&r->err, "out_of_memory", "out of memory");
+        r->err.status = 503;
+        return 1;
+    }
+    return 0;
+}
+
+static void
+tally(Req *r, int reason)
+{
+    if (reason < 0) {
+        r->attributed++;
+        return;
+    }
+    if ((size_t)reason >= r->ntally) {
+        size_t n = (size_t)reason + 16;
+        uint64_t *t = realloc(r->tally, n * sizeof(uint64_t));
+        if (t == NULL) {
+            r->arena.failed = 1;
+            return;
+        }
+        memset(t + r->ntally, 0, (n - r->ntally) * sizeof(uint64_t));
+        r->tally = t;
+        r->ntally = n;
+    }
+    r->tally[reason]++;
+}
+
+static inline void
+emit(Req *r, const uint8_t *p, size_t n)
+{
+    if (n == 0 && p != NULL)
+        return;
+    Span *s = vec_push(&r->spans, 1);
+    if (s == NULL)
+        return;
+    s->p = p;
+    s->n = n;
+    r->out_len += n;
+}
+
+/* copy the input from copy_from up to `upto` */
+static inline void
+emit_input(Req *r, size_t upto)
+{
+    if (upto > r->copy_from)
+        emit(r, r->raw + r->copy_from, upto - r->copy_from);
+    r->copy_from = upto;
+}
+
+/* Does an `unless` condition hold for the value? The matcher runs under the GIL. */
+static int
+unless_holds(Req *r, const UnlessC *u, const uint8_t *v, size_t vn)
+{
+    if (u->matcher == NULL) {
+        for (size_t i = 0; i < u->nlit; i++)
+            if (u->lits[i].n == vn && memcmp(u->lits[i].s, v, vn) == 0)
+                return 1;
+        return 0;
+    }
+    PyEval_RestoreThread(r->ts);
+    int res = -1;
+    PyObject *arg = PyBytes_FromStringAndSize((const char *)v, (Py_ssize_t)vn);
+    if (arg != NULL) {
+        PyObject *out = PyObject_CallOneArg(u->matcher, arg);
+        Py_DECREF(arg);
+        if (out != NULL) {
+            res = PyObject_IsTrue(out);
+            Py_DECREF(out);
+        }
+    }
+    if (res < 0) {
+        /* keep the Python exception for the caller: remember it, clear it for now */
+        r->err.kind = "matcher";
+        r->err.python = 1;
+        r->err.status = 500;
+        res = 0;
+    }
+    r->ts = PyEval_SaveThread();
+    return res;
+}
+
+#define VAL(r, slot) ((r)->seen[slot] == (r)->series_id ? &(r)->vals[slot] : NULL)
+
+/* The decision of one series (labels in r->labs, slots set): the entry to stamp, or
+ * NULL with *reason set (-1: attributed as it is). */
+static const Entry *
+decide(Req *r, int *reason)
+{
+    const Plan *pl = r->plan;
+    const Str *v;
+    *reason = -1;
+    if (pl->keep_sent && (v = VAL(r, SLOT_WORKLOAD)) != NULL && v->n > 0)
+        return NULL;
+    const PairC *pairs = pl->pairs;
+    size_t npairs = pl->npairs;
+    if (pl->nrules) {
+        const Str *name = VAL(r, SLOT_NAME);
+        const uint8_t *ms = name ? name->s : (const uint8_t *)"";
+        size_t mn = name ? name->n : 0;
+        for (size_t i = 0; i < pl->nrules; i++) {
+            const RuleC *rule = &pl->rules[i];
+            if (rule->prefix.n <= mn && memcmp(ms, rule->prefix.s, rule->prefix.n) == 0) {
+                pairs = rule->pairs;
+                npairs = rule->npairs;
+                break;
+            }
+        }
+    }
+    for (size_t i = 0; i < npairs; i++) {
+        const PairC *p = &pairs[i];
+        const Str *ns = VAL(r, p->ns_slot), *pod = VAL(r, p->pod_slot);
+        if (ns == NULL || ns->n == 0 || pod == NULL || pod->n == 0)
+            continue;
+        int skip = 0;
+        for (size_t j = 0; j < p->nunless && !skip; j++) {
+            const Str *uv = VAL(r, p->unless[j].slot);
+            skip = unless_holds(r, &p->unless[j], uv ? uv->s : (const uint8_t *)"", uv ? uv->n : 0);
+            if (r->err.kind)
+                return NULL;
+        }
+        if (skip)
+            continue;
+        const PodTable *t = r->table;
+        const Entry *en = table_find(t, key_hash(t, ns->s, ns->n, pod->s, pod->n), ns->s, ns->n,
+                                     pod->s, pod->n);
+        if (en == NULL) {
+            *reason = 1; /* pod_unknown */
+            return NULL;
+        }
+        if (en->reason >= 0) {
+            *reason = en->reason;
+            return NULL;
+        }
+        return en;
+    }
+    *reason = 0; /* no_pod_label */
+    return NULL;
+}
+
+static inline int
+lab_cmp(const Lab *a, const Lab *b)
+{
+    return str_cmp(a->name, a->nlen, b->name, b->nlen);
+}
+
+/* Stable merge sort of n labels (ties keep their order). */
+static void
+lab_sort(Lab *a, Lab *tmp, size_t n)
+{
+    for (size_t width = 1; width < n; width *= 2) {
+        for (size_t lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = lo + width < n ? lo + width : n;
+            size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi)
+                tmp[k++] = lab_cmp(&a[j], &a[i]) < 0 ? a[j++] : a[i++];
+            while (i < mid)
+                tmp[k++] = a[i++];
+            while (j < hi)
+                tmp[k++] = a[j++];
+        }
+        memcpy(a, tmp, n * sizeof(Lab));
+    }
+}
+
+/* r->merged := the series' labels minus stamped names, plus the stamp, stably sorted by
+ * name (as splice_v1.merge / splice_v2 sort kept + stamp). Returns 0 on OOM. */
+static int
+merge_stamp(Req *r, const Entry *en)
+{
+    Lab *labs = r->labs.data;
+    size_t n = r->labs.len;
+    r->merged.len = 0;
+    size_t total = n + en->nlabels;
+    r->tmp.len = 0;
+    if (vec_push(&r->merged, total) == NULL || vec_push(&r->tmp, total + en->nlabels) == NULL)
+        return 0;
+    r->tmp.len = 0;
+    Lab *m = r->merged.data;
+    size_t k = 0;
+    int sorted = 1;
+    const Lab *prev = NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (labs[i].slot >= 0 && (r->plan->flags[labs[i].slot] & FLAG_STAMPED))
+            continue;
+        if (prev != NULL && lab_cmp(prev, &labs[i]) > 0)
+            sorted = 0;
+        prev = &labs[i];
+        m[k++] = labs[i];
+    }
+    size_t kept = k;
+    const StampLabel *sl = ENTRY_LABELS(en);
+    Lab *st = (Lab *)r->tmp.data; /* the stamp labels, then reused as sort scratch */
+    for (uint32_t i = 0; i < en->nlabels; i++) {
+        Lab *x = &st[i];
+        x->name = en->data + sl[i].name_off;
+        x->nlen = sl[i].name_len;
+        x->value = en->data + sl[i].value_off;
+        x->vlen = sl[i].value_len;
+        x->field = en->data + sl[i].field_off;
+        x->flen = sl[i].field_len;
+        x->slot = -1;
+        x->r0 = x->r1 = STAMP_REF;
+        x->stamp = en;
+        x->stamp_ix = i;
+    }
+    if (sorted) {
+        /* linear merge of two sorted runs; ties: the kept label first (stable) */
+        Lab *out = (Lab *)r->tmp.data + en->nlabels;
+        size_t i = 0, j = 0, o = 0;
+        while (i < kept && j < en->nlabels)
+            out[o++] = lab_cmp(&st[j], &m[i]) < 0 ? st[j++] : m[i++];
+        while (i < kept)
+            out[o++] = m[i++];
+        while (j < en->nlabels)
+            out[o++] = st[j++];
+        /* tmp holds stamp (nlabels) + merged (total): make room */
+        memcpy(m, out, o * sizeof(Lab));
+        r->merged.len = o;
+        return 1;
+    }
+    for (uint32_t i = 0; i < en->nlabels; i++)
+        m[k++] = st[i];
+    r->merged.len = k;
+    lab_sort(m, (Lab *)r->tmp.data, k);
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* RW 1.0                                                                               */
+
+/* Read a Label message's name and value (last one wins; other fields skipped). */
+static int
+read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
+{
+    lab->name = lab->value = raw + p;
+    lab->nlen = lab->vlen = 0;
+    /* the usual shape: 0a N name [12 V value], one-byte lengths */
+    if (end - p >= 2 && raw[p] == 0x0A && raw[p + 1] < 0x80) {
+        size_t ne = p + 2 + raw[p + 1];
+        if (ne == end) {
+            lab->name = raw + p + 2;
+            lab->nlen = raw[p + 1];
+            lab->value = raw + end;
+            return 1;
+        }
+        if (ne + 2 <= end && raw[ne] == 0x12 && raw[ne + 1] < 0x80 && ne + 2 + raw[ne + 1] == end) {
+            lab->name = raw + p + 2;
+            lab->nlen = raw[p + 1];
+            lab->value = raw + ne + 2;
+            lab->vlen = raw[ne + 1];
+            return 1;
+        }
+    }
+    while (p < end) {
+        Field f;
+        if (!rd_field(raw, p, end, &f, e))
+            return 0;
+        if (f.number == 1 || f.number == 2) {
+            if (f.wt != 2) {
+                INVALID(e, "label name/value with a wrong wire type");
+                return 0;
+            }
+            if (f.end - f.ps > UINT32_MAX) {
+                INVALID(e, "label too long");
+                return 0;
+            }
+            if (f.number == 1) {
+                lab->name = raw + f.ps;
+                lab->nlen = (uint32_t)(f.end - f.ps);
+            }
+            else {
+                lab->value = raw + f.ps;
+                lab->vlen = (uint32_t)(f.end - f.ps);
+            }
+        }
+        p = f.end;
+    }
+    return 1;
+}
+
+static void
+series_v1(Req *r, size_t start, size_t s, size_t q)
+{
+    const uint8_t *raw = r->raw;
+    Err *e = &r->err;
+    r->series++;
+    r->series_id++;
+    r->labs.len = 0;
+    size_t lead_end = s;
+    int in_front = 1;
+    int any_other = 0;
+    size_t p = s;
+    while (p < q) {
+        Field f;
+        if (raw[p] == 0x0A) {
+            /* a label field, lengths read inline */
+            size_t c = p + 1 < q ? raw[p + 1] : 0x80;
+            size_t ps, pe;
+            if (c < 0x80) {
+                ps = p + 2;
+                pe = ps + c;
+            }
+            else if (!rd_field(raw, p, q, &f, e))
+                return;
+            else {
+                ps = f.ps;
+                pe = f.end;
+            }
+            if (pe > q) {
+                INVALID(e, "field runs past the end of its message");
+                return;
+            }
+            Lab *lab = vec_push(&r->labs, 1);
+            if (lab == NULL)
+                return;
+            if (!read_label(raw, ps, pe, lab, e))
+                return;
+            lab->field = raw + p;
+            lab->flen = (uint32_t)(pe - p);
+            if (any_other)
+                in_front = 0;
+            else
+                lead_end = pe;
+            p = pe;
+            continue;
+        }
+        if (!rd_field(raw, p, q, &f, e))
+            return;
+        if (f.number == 1) {
+            if (f.wt != 2) {
+                INVALID(e, "label field with a wrong wire type");
+                return;
+            }
+            /* a label whose tag is not the one-byte 0a (an over-long varint) */
+            Lab *lab = vec_push(&r->labs, 1);
+            if (lab == NULL || !read_label(raw, f.ps, f.end, lab, e))
+                return;
+            lab->field = raw + p;
+            lab->flen = (uint32_t)(f.end - p);
+            if (any_other)
+                in_front = 0;
+            else
+                lead_end = f.end;
+            p = f.end;
+            continue;
+        }
+        if (f.number >= 2 && f.number <= 4) {
+            if (f.wt != 2) {
+                INVALID(e, "series data field with a wrong wire type");
+                return;
+            }
+            if (f.number == 2)
+                r->samples++;
+            else if (f.number == 3)
+                r->exemplars++;
+            else
+                r->histograms++;
+        }
+        any_other = 1;
+        p = f.end;
+    }
+    Lab *labs = r->labs.data;
+    size_t n = r->labs.len;
+    const Plan *pl = r->plan;
+    for (size_t i = 0; i < n; i++) {
+        if (!utf8_ok(labs[i].name, labs[i].nlen)) {
+            err_set(e, "invalid_utf8", "label name is not valid UTF-8");
+            return;
+        }
+        if (!utf8_ok(labs[i].value, labs[i].vlen)) {
+            err_set(e, "invalid_utf8", "label value is not valid UTF-8");
+            return;
+        }
+        int slot = slot_of(pl, labs[i].name, labs[i].nlen);
+        labs[i].slot = slot;
+        if (slot >= 0) {
+            r->seen[slot] = r->series_id;
+            r->vals[slot].s = labs[i].value;
+            r->vals[slot].n = labs[i].vlen;
+        }
+    }
+    int reason;
+    const Entry *en = decide(r, &reason);
+    if (e->kind)
+        return;
+    tally(r, en ? -1 : reason);
+    if (en == NULL || en->nlabels == 0)
+        return;
+    if (!merge_stamp(r, en))
+        return;
+    Lab *m = r->merged.data;
+    size_t mn = r->merged.len;
+    if (mn == n) {
+        int same = 1;
+        for (size_t i = 0; i < n && same; i++)
+            same = m[i].flen == labs[i].flen && memcmp(m[i].field, labs[i].field, m[i].flen) == 0;
+        if (same)
+            return; /* already exactly so */
+    }
+    size_t new_len = 0;
+    for (size_t i = 0; i < mn; i++)
+        new_len += m[i].flen;
+    size_t rest = 0;
+    if (in_front)
+        rest = q - lead_end;
+    else {
+        /* every non-label field, in order */
+        size_t pp = s;
+        while (pp < q) {
+            Field f;
+            rd_field(raw, pp, q, &f, e); /* read before: cannot fail */
+            if (f.number != 1)
+                rest += f.end - pp;
+            pp = f.end;
+        }
+    }
+    uint64_t body = new_len + rest;
+    uint8_t *head = arena_alloc(&r->arena, 11);
+    if (head == NULL)
+        return;
+    head[0] = 0x0A;
+    size_t hl = 1 + put_varint(head + 1, body);
+    emit_input(r, start);
+    emit(r, head, hl);
+    for (size_t i = 0; i < mn; i++)
+        emit(r, m[i].field, m[i].flen);
+    if (in_front)
+        emit(r, raw + lead_end, q - lead_end);
+    else {
+        size_t pp = s;
+        while (pp < q) {
+            Field f;
+            rd_field(raw, pp, q, &f, e);
+            if (f.number != 1)
+                emit(r, raw + pp, f.end - pp);
+            pp = f.end;
+        }
+    }
+    r->copy_from = q;
+}
+
+static void
+walk_v1(Req *r, size_t n)
+{
+    const uint8_t *raw = r->raw;
+    size_t pos = 0;
+    while (pos < n && !r->err.kind) {
+        Field f;
+        if (raw[pos] == 0x0A) {
+            /* a series, lengths of up to three bytes inline */
+            size_t p = pos + 1;
+            uint64_t ln;
+            if (!rd_varint(raw, n, &p, &ln)) {
+                INVALID(&r->err, "truncated or over-long varint");
+                return;
+            }
+            if (ln > n - p) {
+                INVALID(&r->err, "field runs past the end of its message");
+                return;
+            }
+            series_v1(r, pos, p, p + ln);
+            pos = p + ln;
+        }
+        else {
+            if (!rd_field(raw, pos, n, &f, &r->err))
+                return;
+            if (f.number == 1) {
+                if (f.wt != 2) {
+                    INVALID(&r->err, "timeseries field with a wrong wire type");
+                    return;
+                }
+                series_v1(r, pos, f.ps, f.end);
+            }
+            pos = f.end;
+        }
+        if (oom(r))
+            return;
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* RW 2.0                                                                               */
+
+typedef struct {
+    Vec syms;   /* Str */
+    Vec slots;  /* int8_t per symbol: its plan slot */
+    Vec series; /* size_t[3]: start, payload, end */
+    size_t symbols_end;
+    int has_symbols;
+    /* the first ref of each string, built when the first series is stamped */
+    int32_t *index;
+    size_t icap;
+    Vec added; /* Str: strings appended to the table */
+    /* entry -> offset of its refs in `refpool` (2 per stamp label) */
+    const Entry **memo_key;
+    size_t *memo_val;
+    size_t mcap, mlen;
+    Vec refpool; /* uint32_t */
+    Vec refs;    /* uint32_t: the refs of the current series */
+    Vec newrefs; /* uint32_t */
+} V2;
+
+static void
+v2_free(V2 *v)
+{
+    vec_free(&v->syms);
+    vec_free(&v->slots);
+    vec_free(&v->series);
+    vec_free(&v->added);
+    vec_free(&v->refpool);
+    vec_free(&v->refs);
+    vec_free(&v->newrefs);
+    free(v->index);
+    free(v->memo_key);
+    free(v->memo_val);
+}
+
+static int
+v2_scan(Req *r, V2 *v, size_t n)
+{
+    const uint8_t *raw = r->raw;
+    Err *e = &r->err;
+    size_t pos = 0;
+    while (pos < n) {
+        Field f;
+        if (!rd_field(raw, pos, n, &f, e))
+            return 0;
+        if (f.number == 4) {
+            if (f.wt != 2) {
+                INVALID(e, "symbols field with a wrong wire type");
+                return 0;
+            }
+            Str *s = vec_push(&v->syms, 1);
+            if (s == NULL)
+                return 0;
+            s->s = raw + f.ps;
+            s->n = f.end - f.ps;
+            v->symbols_end = f.end;
+            v->has_symbols = 1;
+        }
+        else if (f.number == 5) {
+            if (f.wt != 2) {
+                INVALID(e, "timeseries field with a wrong wire type");
+                return 0;
+            }
+            size_t *t = vec_push(&v->series, 3);
+            if (t == NULL)
+                return 0;
+            t[0] = pos;
+            t[1] = f.ps;
+            t[2] = f.end;
+        }
+        pos = f.end;
+    }
+    Str *syms = v->syms.data;
+    int8_t *slots = vec_push(&v->slots, v->syms.len ? v->syms.len : 1);
+    if (slots == NULL)
+        return 0;
+    for (size_t i = 0; i < v->syms.len; i++) {
+        if (!utf8_ok(syms[i].s, syms[i].n)) {
+            err_set(e, "invalid_utf8", "symbol is not valid UTF-8");
+            return 0;
+        }
+        slots[i] = (int8_t)slot_of(r->plan, syms[i].s, syms[i].n);
+    }
+    if (v->syms.len && syms[0].n != 0) {
+        INVALID(e, "symbols table must start with the empty string");
+        return 0;
+    }
+    return 1;
+}
+
+/* The ref of string s in this request: its first occurrence, or appended. */
+static int64_t
+v2_ref(Req *r, V2 *v, const uint8_t *s, size_t n)
+{
+    size_t mask = v->icap - 1;
+    uint64_t h = hash_bytes(s, n, 0x5bd1e995);
+    size_t i = (size_t)h & mask;
+    size_t nsym = v->syms.len;
+    for (;;) {
+        int32_t ix = v->index[i];
+        if (ix < 0)
+            break;
+        const Str *x = (size_t)ix < nsym ? &((Str *)v->syms.data)[ix]
+                                         : &((Str *)v->added.data)[(size_t)ix - nsym];
+        if (x->n == n && memcmp(x->s, s, n) == 0)
+            return ix;
+        i = (i + 1) & mask;
+    }
+    /* append: the index was sized for every symbol plus what stamps can add */
+    if ((nsym + v->added.len + 1) * 2 > v->icap) {
+        /* grow and rehash */
+        size_t cap = v->icap * 2;
+        int32_t *idx = malloc(cap * sizeof(int32_t));
+        if (idx == NULL) {
+            r->arena.failed = 1;
+            return -1;
+        }
+        memset(idx, 0xff, cap * sizeof(int32_t));
+        for (size_t k = 0; k < v->icap; k++) {
+            int32_t ix = v->index[k];
+            if (ix < 0)
+                continue;
+            const Str *x = (size_t)ix < nsym ? &((Str *)v->syms.data)[ix]
+                                             : &((Str *)v->added.data)[(size_t)ix - nsym];
+            size_t j = (size_t)hash_bytes(x->s, x->n, 0x5bd1e995) & (cap - 1);
+            while (idx[j] >= 0)
+                j = (j + 1) & (cap - 1);
+            idx[j] = ix;
+        }
+        free(v->index);
+        v->index = idx;
+        v->icap = cap;
+        mask = cap - 1;
+        i = (size_t)h & mask;
+        while (v->index[i] >= 0)
+            i = (i + 1) & mask;
+    }
+    Str *a = vec_push(&v->added, 1);
+    if (a == NULL)
+        return -1;
+    a->s = s;
+    a->n = n;
+    int64_t ref = (int64_t)(nsym + v->added.len - 1);
+    if (ref > INT32_MAX) {
+        INVALID(&r->err, "symbols table too large");
+        return -1;
+    }
+    v->index[i] = (int32_t)ref;
+    return ref;
+}
+
+static int
+v2_build_index(Req *r, V2 *v)
+{
+    size_t nsym = v->syms.len;
+    size_t cap = 64;
+    while (cap < (nsym + 16) * 2)
+        cap *= 2;
+    v->index = malloc(cap * sizeof(int32_t));
+    if (v->index == NULL) {
+        r->arena.failed = 1;
+        return 0;
+    }
+    memset(v->index, 0xff, cap * sizeof(int32_t));
+    v->icap = cap;
+    if (nsym > INT32_MAX) {
+        INVALID(&r->err, "symbols table too large");
+        return 0;
+    }
+    Str *syms = v->syms.data;
+    for (size_t k = 0; k < nsym; k++) {
+        uint64_t h = hash_bytes(syms[k].s, syms[k].n, 0x5bd1e995);
+        size_t i = (size_t)h & (cap - 1);
+        int dup = 0;
+        while (v->index[i] >= 0) {
+            const Str *x = &syms[v->index[i]];
+            if (x->n == syms[k].n && memcmp(x->s, syms[k].s, x->n) == 0) {
+                dup = 1; /* the first occurrence wins */
+                break;
+            }
+            i = (i + 1) & (cap - 1);
+        }
+        if (!dup)
+            v->index[i] = (int32_t)k;
+    }
+    if (nsym == 0) {
+        /* a table that is to hold anything starts with "" */
+        if (v2_ref(r, v, (const uint8_t *)"", 0) < 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* The refs (name, value per label) of an entry's stamp in this request, memoized. */
+static const uint32_t *
+v2_stamp_refs(Req *r, V2 *v, const Entry *en)
+{
+    if (v->mlen * 2 + 2 > v->mcap) {
+        size_t cap = v->mcap ? v->mcap * 2 : 64;
+        const Entry **keys = calloc(cap, sizeof(Entry *));
+        size_t *vals = malloc(cap * sizeof(size_t));
+        if (keys == NULL || vals == NULL) {
+            free(keys);
+            free(vals);
+            r->arena.failed = 1;
+            return NULL;
+        }
+        for (size_t k = 0; k < v->mcap; k++) {
+            if (v->memo_key[k] == NULL)
+                continue;
+            size_t j = ((uintptr_t)v->memo_key[k] >> 4) * 0x9E3779B97F4A7C15ULL >> 20 & (cap - 1);
+            while (keys[j] != NULL)
+                j = (j + 1) & (cap - 1);
+            keys[j] = v->memo_key[k];
+            vals[j] = v->memo_val[k];
+        }
+        free(v->memo_key);
+        free(v->memo_val);
+        v->memo_key = keys;
+        v->memo_val = vals;
+        v->mcap = cap;
+    }
+    size_t mask = v->mcap - 1;
+    size_t j = ((uintptr_t)en >> 4) * 0x9E3779B97F4A7C15ULL >> 20 & mask;
+    while (v->memo_key[j] != NULL) {
+        if (v->memo_key[j] == en)
+            return (uint32_t *)v->refpool.data + v->memo_val[j];
+        j = (j + 1) & mask;
+    }
+    size_t off = v->refpool.len;
+    if (vec_push(&v->refpool, 2 * (size_t)en->nlabels) == NULL)
+        return NULL;
+    const StampLabel *sl = ENTRY_LABELS(en);
+    for (uint32_t i = 0; i < en->nlabels; i++) {
+        int64_t a = v2_ref(r, v, en->data + sl[i].name_off, sl[i].name_len);
+        int64_t b = a < 0 ? -1 : v2_ref(r, v, en->data + sl[i].value_off, sl[i].value_len);
+        if (b < 0)
+            return NULL;
+        uint32_t *pool = (uint32_t *)v->refpool.data + off;
+        pool[2 * i] = (uint32_t)a;
+        pool[2 * i + 1] = (uint32_t)b;
+    }
+    v->memo_key[j] = en;
+    v->memo_val[j] = off;
+    v->mlen++;
+    return (uint32_t *)v->refpool.data + off;
+}
+
+static int
+decode_packed(Req *r, V2 *v, const uint8_t *raw, size_t p, size_t end)
+{
+    while (p < end) {
+        uint64_t x;
+        if (!rd_varint(raw, end, &p, &x)) {
+            INVALID(&r->err, "packed varints run past their field");
+            return 0;
+        }
+        uint32_t *slot = vec_push(&v->refs, 1);
+        if (slot == NULL)
+            return 0;
+        *slot = x > UINT32_MAX ? UINT32_MAX : (uint32_t)x;
+    }
+    return 1;
+}
+
+static void
+series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
+{
+    const uint8_t *raw = r->raw;
+    Err *e = &r->err;
+    r->series++;
+    r->series_id++;
+    v->refs.len = 0;
+    size_t p = s;
+    while (p < q) {
+        Field f;
+        if (!rd_field(raw, p, q, &f, e))
+            return;
+        if (f.number == 1) {
+            if (f.wt == 2) {
+                if (!decode_packed(r, v, raw, f.ps, f.end))
+                    return;
+            }
+            else if (f.wt == 0) {
+                uint64_t x = 0;
+                size_t pp = f.ps;
+                rd_varint(raw, f.end, &pp, &x);
+                uint32_t *slot = vec_push(&v->refs, 1);
+                if (slot == NULL)
+                    return;
+                *slot = x > UINT32_MAX ? UINT32_MAX : (uint32_t)x;
+            }
+            else {
+                INVALID(e, "labels_refs with a wrong wire type");
+                return;
+            }
+        }
+        else if (f.number >= 2 && f.number <= 5) {
+            if (f.wt != 2) {
+                INVALID(e, "series data field with a wrong wire type");
+                return;
+            }
+            if (f.number == 2)
+                r->samples++;
+            else if (f.number == 3)
+                r->histograms++;
+            else if (f.number == 4)
+                r->exemplars++;
+        }
+        p = f.end;
+    }
+    size_t nrefs = v->refs.len;
+    uint32_t *refs = v->refs.data;
+    size_t nsym = v->syms.len;
+    if (nrefs & 1) {
+        INVALID(e, "labels_refs has an odd number of entries");
+        return;
+    }
+    for (size_t i = 0; i < nrefs; i++)
+        if (refs[i] >= nsym) {
+            INVALID(e, "symbol reference %u past the table of %zu", refs[i], nsym);
+            return;
+        }
+    const Str *syms = v->syms.data;
+    const int8_t *slots = v->slots.data;
+    r->labs.len = 0;
+    Lab *labs = vec_push(&r->labs, nrefs / 2);
+    if (labs == NULL && nrefs)
+        return;
+    for (size_t i = 0; i < nrefs / 2; i++) {
+        uint32_t a = refs[2 * i], b = refs[2 * i + 1];
+        Lab *lab = &labs[i];
+        lab->name = syms[a].s;
+        lab->nlen = (uint32_t)syms[a].n;
+        lab->value = syms[b].s;
+        lab->vlen = (uint32_t)syms[b].n;
+        lab->field = NULL;
+        lab->flen = 0;
+        lab->r0 = a;
+        lab->r1 = b;
+        lab->stamp = NULL;
+        int slot = slots[a];
+        lab->slot = slot;
+        if (slot >= 0) {
+            r->seen[slot] = r->series_id;
+            r->vals[slot].s = lab->value;
+            r->vals[slot].n = lab->vlen;
+        }
+    }
+    int reason;
+    const Entry *en = decide(r, &reason);
+    if (e->kind)
+        return;
+    tally(r, en ? -1 : reason);
+    if (en == NULL || en->nlabels == 0)
+        return;
+    if (!merge_stamp(r, en))
+        return;
+    Lab *m = r->merged.data;
+    size_t mn = r->merged.len;
+    labs = r->labs.data;
+    size_t n = r->labs.len;
+    if (mn == n) {
+        int same = 1;
+        for (size_t i = 0; i < n && same; i++)
+            same = str_cmp(m[i].name, m[i].nlen, labs[i].name, labs[i].nlen) == 0 &&
+                   str_cmp(m[i].value, m[i].vlen, labs[i].value, labs[i].vlen) == 0;
+        if (same)
+            return;
+    }
+    if (v->index == NULL && !v2_build_index(r, v))
+        return;
+    const uint32_t *sr = v2_stamp_refs(r, v, en);
+    if (sr == NULL)
+        return;
+    m = r->merged.data; /* (not moved: merged is not pushed to above) */
+    size_t plen = 0;
+    for (size_t i = 0; i < mn; i++) {
+        uint32_t a = m[i].r0, b = m[i].r1;
+        if (a == STAMP_REF) {
+            a = sr[2 * m[i].stamp_ix];
+            b = sr[2 * m[i].stamp_ix + 1];
+        }
+        plen += varint_len(a) + varint_len(b);
+    }
+    size_t other = 0;
+    p = s;
+    while (p < q) {
+        Field f;
+        rd_field(raw, p, q, &f, e);
+        if (f.number != 1)
+            other += f.end - p;
+        p = f.end;
+    }
+    size_t body = 1 + varint_len(plen) + plen + other;
+    uint8_t *buf = arena_alloc(&r->arena, 11 + 11 + plen);
+    if (buf == NULL)
+        return;
+    size_t k = 0;
+    buf[k++] = 0x2A;
+    k += put_varint(buf + k, body);
+    buf[k++] = 0x0A;
+    k += put_varint(buf + k, plen);
+    for (size_t i = 0; i < mn; i++) {
+        uint32_t a = m[i].r0, b = m[i].r1;
+        if (a == STAMP_REF) {
+            a = sr[2 * m[i].stamp_ix];
+            b = sr[2 * m[i].stamp_ix + 1];
+        }
+        k += put_varint(buf + k, a);
+        k += put_varint(buf + k, b);
+    }
+    size_t at = v->has_symbols ? v->symbols_end : 0;
+    if (!*inserted && at <= start) {
+        emit_input(r, at);
+        emit(r, NULL, 0); /* the symbols placeholder */
+        *inserted = 1;
+    }
+    emit_input(r, start);
+    emit(r, buf, k);
+    p = s;
+    while (p < q) {
+        Field f;
+        rd_field(raw, p, q, &f, e);
+        if (f.number != 1)
+            emit(r, raw + p, f.end - p);
+        p = f.end;
+    }
+    r->copy_from = q;
+}
+
+static void
+walk_v2(Req *r, V2 *v, size_t n)
+{
+    if (!v2_scan(r, v, n) || oom(r))
+        return;
+    int inserted = 0;
+    size_t *series = v->series.data;
+    for (size_t i = 0; i < v->series.len / 3 && !r->err.kind; i++) {
+        series_v2(r, v, series[3 * i], series[3 * i + 1], series[3 * i + 2], &inserted);
+        if (oom(r))
+            return;
+    }
+    if (r->err.kind || r->spans.len == 0)
+        return;
+    if (!inserted) {
+        emit_input(r, v->has_symbols ? v->symbols_end : 0);
+        emit(r, NULL, 0);
+    }
+    /* fill the placeholder with the appended symbols */
+    size_t len = 0;
+    Str *added = v->added.data;
+    for (size_t i = 0; i < v->added.len; i++)
+        len += 1 + varint_len(added[i].n) + added[i].n;
+    uint8_t *buf = arena_alloc(&r->arena, len ? len : 1);
+    if (buf == NULL)
+        return;
+    size_t k = 0;
+    for (size_t i = 0; i < v->added.len; i++) {
+        buf[k++] = 0x22;
+        k += put_varint(buf + k, added[i].n);
+        memcpy(buf + k, added[i].s, added[i].n);
+        k += added[i].n;
+    }
+    Span *spans = r->spans.data;
+    for (size_t i = 0; i < r->spans.len; i++)
+        if (spans[i].p == NULL) {
+            spans[i].p = buf;
+            spans[i].n = k;
+            r->out_len += k;
+        }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the entry points                                                                     */
+
+static PyObject *
+splice(PyObject *args, int version)
+{
+    PyObject *rawo;
+    Plan *pl;
+    PodTable *t;
+    if (!PyArg_ParseTuple(args, "OO!O!", &rawo, &PlanType, &pl, &PodTableType, &t))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(rawo, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Req r;
+    V2 v;
+    memset(&v, 0, sizeof v);
+    vec_init(&v.syms, sizeof(Str));
+    vec_init(&v.slots, sizeof(int8_t));
+    vec_init(&v.series, sizeof(size_t));
+    vec_init(&v.added, sizeof(Str));
+    vec_init(&v.refpool, sizeof(uint32_t));
+    vec_init(&v.refs, sizeof(uint32_t));
+    vec_init(&v.newrefs, sizeof(uint32_t));
+    req_init(&r, pl, t, view.buf);
+    size_t n = (size_t)view.len;
+    PyObject *body = NULL;
+
+    r.ts = PyEval_SaveThread();
+    pthread_rwlock_rdlock(&t->lock);
+    if (version == 1)
+        walk_v1(&r, n);
+    else
+        walk_v2(&r, &v, n);
+    oom(&r);
+    if (!r.err.kind && r.spans.len) {
+        emit_input(&r, n);
+        if (!oom(&r)) {
+            /* the output object needs the GIL; the copy does not */
+            PyEval_RestoreThread(r.ts);
+            body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r.out_len);
+            r.ts = PyEval_SaveThread();
+            if (body != NULL) {
+                uint8_t *o = (uint8_t *)PyBytes_AS_STRING(body);
+                Span *sp = r.spans.data;
+                for (size_t i = 0; i < r.spans.len; i++) {
+                    memcpy(o, sp[i].p, sp[i].n);
+                    o += sp[i].n;
+                }
+            }
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    PyEval_RestoreThread(r.ts);
+
+    PyObject *result = NULL;
+    if (r.err.kind) {
+        Py_XDECREF(body);
+        if (!r.err.python)
+            err_raise(&r.err);
+        else if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "an unless matcher failed");
+        goto done;
+    }
+    if (r.spans.len && body == NULL)
+        goto done; /* MemoryError set */
+    if (body == NULL) {
+        if (PyBytes_CheckExact(rawo))
+            body = Py_NewRef(rawo);
+        else if ((body = PyBytes_FromStringAndSize(view.buf, view.len)) == NULL)
+            goto done;
+    }
+    PyObject *reasons = PyDict_New();
+    if (reasons == NULL) {
+        Py_DECREF(body);
+        goto done;
+    }
+    for (size_t i = 0; i < r.ntally; i++) {
+        if (!r.tally[i])
+            continue;
+        PyObject *cnt = PyLong_FromUnsignedLongLong(r.tally[i]);
+        if (cnt == NULL || PyDict_SetItem(reasons, PyList_GET_ITEM(t->reasons, i), cnt) < 0) {
+            Py_XDECREF(cnt);
+            Py_DECREF(reasons);
+            Py_DECREF(body);
+            goto done;
+        }
+        Py_DECREF(cnt);
+    }
+    result = Py_BuildValue("(NKKKKKN)", body, (unsigned long long)r.series,
+                           (unsigned long long)r.samples, (unsigned long long)r.histograms,
+                           (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons);
+done:
+    req_free(&r);
+    v2_free(&v);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyObject *
+splice_v1_py(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    return splice(args, 1);
+}
+
+static PyObject *
+splice_v2_py(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    return splice(args, 2);
+}
+
+static PyObject *
+set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
+{
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
+        PyErr_SetString(PyExc_TypeError, "an exception class is needed");
+        return NULL;
+    }
+    Py_XSETREF(DecodeErrorType, Py_NewRef(cls));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"splice_v1", splice_v1_py, METH_VARARGS,
+     "splice_v1(raw, plan, table) -> (body, series, samples, histograms, exemplars, "
+     "attributed, {reason: count})"},
+    {"splice_v2", splice_v2_py, METH_VARARGS, "splice_v2(raw, plan, table): as splice_v1, RW 2.0"},
+    {"set_error_class", set_error_class, METH_O,
+     "the exception raised for bad input: cls(kind, status, message)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_splice", "The native remote-write splice (see _splice.c).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__splice(void)
+{
+    if (PyType_Ready(&PodTableType) < 0 || PyType_Ready(&PlanType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "PodTable", (PyObject *)&PodTableType) < 0 ||
+        PyModule_AddObjectRef(m, "Plan", (PyObject *)&PlanType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,133 @@
+"""RW 2.0 -> 1.0: a 2.0 request as the equivalent 1.0 WriteRequest, for 1.0-only upstreams.
+
+Values, timestamps and histogram buckets keep their bytes: the field numbers of Sample and
+Histogram agree between the versions. Only what 1.0 has no place for is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from proxy.wire.primitives import (
+    encode_label_v1,
+    encode_uvarint,
+    invalid,
+    len_field,
+    read_field,
+    read_refs,
+    uvarint,
+)
+from proxy.wire.splice_v2 import scan_v2, split_series_v2
+
+def _check_refs(refs: Sequence[int], nsym: int) -> None:
+    if refs and max(refs) >= nsym:
+        raise invalid(f"symbol reference {max(refs)} past the table of {nsym}")
+
+
+def _copy_fields(raw: bytes, p: int, end: int, skip: Collection[int]) -> bytes:
+    """The fields of one message minus those numbered in ``skip``, bytes as they were."""
+    parts: list[bytes] = []
+    start = p
+    while p < end:
+        number, _, _, q = read_field(raw, p, end)
+        if number in skip:
+            parts.append(raw[start:p])
+            start = q
+        p = q
+    parts.append(raw[start:end])
+    return b"".join(parts)
+
+
+def _labels_v1(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
+    return b"".join(
+        encode_label_v1(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)
+    )
+
+
+def v2_to_v1(raw_v2: bytes) -> bytes:
+    """A 2.0 request as the equivalent 1.0 WriteRequest, for 1.0-only upstreams.
+
+    Labels and exemplar labels are resolved from the symbols; samples lose
+    ``start_timestamp`` and histograms ``start_timestamp`` (1.0 has neither); series
+    metadata becomes one 1.0 MetricMetadata per metric family (deduplicated); the rc.3
+    ``created_timestamp`` is dropped. Values, timestamps and histogram buckets keep their
+    bytes: the field numbers of Sample and Histogram agree between the versions.
+    """
+    scan = scan_v2(raw_v2)
+    syms = scan.symbols
+    nsym = len(syms)
+    out: list[bytes] = []
+    metadata: dict[tuple[bytes, int, bytes, bytes], None] = {}
+    for _, p, end in scan.series:
+        ser = split_series_v2(raw_v2, p, end, nsym)
+        samples: list[bytes] = []
+        exemplars: list[bytes] = []
+        histograms: list[bytes] = []
+        for s, q in ser.other:
+            number, _, ps, fq = read_field(raw_v2, s, q)
+            if number == 2:  # Sample: drop start_timestamp = 3
+                samples.append(len_field(2, _copy_fields(raw_v2, ps, fq, (3,))))
+            elif number == 3:  # Histogram (2.0: 3, 1.0: 4): drop start_timestamp = 17
+                histograms.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
+            elif number == 4:  # Exemplar (2.0: 4, 1.0: 3)
+                exemplars.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
+            elif number == 5:
+                name = _metric_name(ser.refs, syms)
+                mtype, help_ref, unit_ref = _metadata_v2(raw_v2, ps, fq)
+                _check_refs((help_ref, unit_ref), nsym)
+                if name and (mtype or help_ref or unit_ref):
+                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
+            # created_timestamp (6) and unknown fields have no 1.0 equivalent
+        # 1.0 field order: labels, samples, exemplars, histograms
+        body = b"".join((_labels_v1(ser.refs, syms), *samples, *exemplars, *histograms))
+        out.append(len_field(1, body))
+    for name, mtype, help_, unit in metadata:
+        body = b""
+        if mtype:
+            body += b"\x08" + encode_uvarint(mtype)
+        body += len_field(2, name)
+        if help_:
+            body += len_field(4, help_)
+        if unit:
+            body += len_field(5, unit)
+        out.append(len_field(3, body))
+    return b"".join(out)
+
+
+def _metric_name(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
+    for i in range(0, len(refs), 2):
+        if syms[refs[i]] == b"__name__":
+            return syms[refs[i + 1]]
+    return b""
+
+
+def _metadata_v2(raw: bytes, p: int, end: int) -> tuple[int, int, int]:
+    mtype = help_ref = unit_ref = 0
+    while p < end:
+        number, wt, s, q = read_field(raw, p, end)
+        if wt == 0:
+            v = uvarint(raw, s)[0]
+            if number == 1:
+                mtype = v
+            elif number == 3:
+                help_ref = v
+            elif number == 4:
+                unit_ref = v
+        p = q
+    return mtype, help_ref, unit_ref
+
+
+def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
+    refs: list[int] = []
+    rest: list[bytes] = []
+    while p < end:
+        number, wt, s, q = read_field(raw, p, end)
+        if number == 1:
+            read_refs(raw, wt, s, q, refs, "exemplar labels_refs")
+        else:
+            rest.append(raw[p:q])
+        p = q
+    if len(refs) % 2:
+        raise invalid("exemplar labels_refs has an odd number of entries")
+    _check_refs(refs, len(syms))
+    return _labels_v1(refs, syms) + b"".join(rest)

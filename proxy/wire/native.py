@@ -1,0 +1,110 @@
+"""Which splice runs: the native one (``_splice.c``) when it is built, else the pure-Python
+reference, with a loud warning, since that one costs ~50-100x more CPU per series.
+
+:class:`Splicer` is what the enrichment layer holds: a plan compiled for the chosen
+implementation and that implementation's pod table. Both implementations answer the same
+:class:`~proxy.wire.plan.SpliceResult` for the same request.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any, Literal
+
+from proxy.compression import DecodeError
+from proxy.wire import splice_v1 as _py_v1
+from proxy.wire import splice_v2 as _py_v2
+from proxy.wire.plan import SplicePlan, SpliceResult
+from proxy.wire.podtable import PodTable
+from proxy.wire.primitives import Counts
+
+log = logging.getLogger("karta.wire")
+
+_native: ModuleType | None
+try:
+    from proxy.wire import _splice as _native
+except ImportError as exc:  # not built: no compiler at install time
+    _native = None
+    NATIVE_MISSING = f"{exc}"
+else:
+    _native.set_error_class(DecodeError)
+    NATIVE_MISSING = ""
+
+Implementation = Literal["native", "python"]
+#: the splice a new :class:`Splicer` uses unless told otherwise
+DEFAULT: Implementation = "native" if _native is not None else "python"
+
+
+def native_available() -> bool:
+    return _native is not None
+
+
+def warn_if_python() -> None:
+    """The start-up warning when the native splice is missing."""
+    if _native is None:
+        log.warning(
+            "native splice not built: running the pure-Python splice, ~50-100x the CPU per "
+            "series; reinstall with a C compiler and the Python headers "
+            "(python3 -m pip install -e .)",
+            extra={"error": NATIVE_MISSING},
+        )
+
+
+def _compile(plan: SplicePlan) -> Any:
+    """The plan as the native splice reads it: plain tuples and bytes."""
+    assert _native is not None
+
+    def pairs(ps: Any) -> list[tuple[bytes, bytes, list[tuple[bytes, Any, Any]]]]:
+        return [
+            (p.namespace, p.pod, [
+                (u.label, tuple(sorted(u.literals)) if u.literals is not None else None,
+                 None if u.literals is not None else u.matches)
+                for u in p.unless
+            ])
+            for p in ps
+        ]
+
+    return _native.Plan(
+        pairs(plan.pairs),
+        [(r.prefix, pairs(r.pairs)) for r in plan.rules],
+        plan.keep_sent,
+        sorted(plan.stamped),
+        plan.workload_label,
+    )
+
+
+class Splicer:
+    """A plan and a pod table, spliced by one implementation."""
+
+    def __init__(self, plan: SplicePlan, implementation: Implementation | None = None) -> None:
+        impl = implementation or DEFAULT
+        if impl == "native" and _native is None:
+            raise RuntimeError(f"the native splice is not built: {NATIVE_MISSING}")
+        self.plan = plan
+        self.implementation: Implementation = impl
+        self.table: Any
+        if impl == "native":
+            assert _native is not None
+            self._compiled = _compile(plan)
+            self.table = _native.PodTable()
+        else:
+            self._compiled = None
+            self.table = PodTable()
+
+    def splice_v1(self, raw: bytes) -> SpliceResult:
+        if self._compiled is None:
+            return _py_v1.splice_v1(raw, self.plan, self.table)
+        assert _native is not None
+        return _result(_native.splice_v1(raw, self._compiled, self.table))
+
+    def splice_v2(self, raw: bytes) -> SpliceResult:
+        if self._compiled is None:
+            return _py_v2.splice_v2(raw, self.plan, self.table)
+        assert _native is not None
+        return _result(_native.splice_v2(raw, self._compiled, self.table))
+
+
+def _result(t: tuple[bytes, int, int, int, int, int, dict[str, int]]) -> SpliceResult:
+    body, series, samples, histograms, exemplars, attributed, reasons = t
+    return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons)

@@ -1,0 +1,178 @@
+"""What a splice is told and what it answers: which labels name a series' pod
+(:class:`SplicePlan`), the per-pod answers it stamps (:class:`PodStamp`, kept in a pod
+table), and the outcome of one request (:class:`SpliceResult`).
+
+The decision here (:func:`decide`) is the reference the native splice
+(``proxy/wire/_splice.c``) mirrors label for label; both splices read a plan and a pod
+table and nothing else, so the two can be held equal by differential tests.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from proxy.compression import DecodeError
+from proxy.wire.primitives import Counts, encode_label_v1
+
+#: every reason a splice itself gives (the pod table's entries carry the engine's)
+REASON_NO_POD_LABEL = "no_pod_label"
+REASON_POD_UNKNOWN = "pod_unknown"
+NAME_LABEL = b"__name__"
+
+#: characters that stand for themselves in a regex
+_LITERAL = re.compile(r"[A-Za-z0-9_\-/:=@ ]*")
+
+
+@dataclass(frozen=True, slots=True)
+class Unless:
+    """A pair is skipped when this label's value (missing reads "") fully matches."""
+
+    label: bytes
+    pattern: str
+    #: the pattern as a set of literals, when it is only an alternation of them (the
+    #: DCGM default is): the native splice matches those without the regex engine
+    literals: frozenset[bytes] | None
+    regex: re.Pattern[str]
+
+    @classmethod
+    def compile(cls, label: str, pattern: str) -> Unless:
+        regex = re.compile(pattern)
+        alts = pattern.split("|")
+        literals = (
+            frozenset(a.encode() for a in alts)
+            if all(_LITERAL.fullmatch(a) for a in alts)
+            else None
+        )
+        return cls(label.encode(), pattern, literals, regex)
+
+    def matches(self, value: bytes) -> bool:
+        if self.literals is not None:
+            return value in self.literals
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:  # pragma: no cover - label values are checked first
+            raise DecodeError(
+                "invalid_utf8", 400, f"label value is not valid UTF-8: {value[:64]!r}"
+            ) from None
+        return self.regex.fullmatch(text) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PodPair:
+    """A (namespace label, pod label) pair naming the pod a series belongs to."""
+
+    namespace: bytes
+    pod: bytes
+    unless: tuple[Unless, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRule:
+    """Pairs used instead of the defaults for metrics whose name starts with ``prefix``."""
+
+    prefix: bytes
+    pairs: tuple[PodPair, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SplicePlan:
+    """Everything a splice needs besides the request and the pod table."""
+
+    pairs: tuple[PodPair, ...]
+    rules: tuple[MetricRule, ...] = ()
+    #: conflict policy ``keep``: a series carrying a non-empty ``karta_workload`` of its
+    #: own passes through unchanged (and counts as attributed)
+    keep_sent: bool = False
+    #: the label names the proxy stamps: a sender's labels of these names are replaced
+    stamped: frozenset[bytes] = frozenset()
+    #: the label whose presence ``keep_sent`` looks at
+    workload_label: bytes = b"karta_workload"
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            raise ValueError("a splice plan needs at least one (namespace, pod) pair")
+
+    def pairs_for(self, metric: bytes) -> tuple[PodPair, ...]:
+        for rule in self.rules:
+            if metric.startswith(rule.prefix):
+                return rule.pairs
+        return self.pairs
+
+    def find(self, labels: Mapping[bytes, bytes]) -> tuple[bytes, bytes] | None:
+        """The first usable pair's (namespace, pod) values, or None (``no_pod_label``)."""
+        for pair in self.pairs_for(labels.get(NAME_LABEL, b"")):
+            ns = labels.get(pair.namespace)
+            pod = labels.get(pair.pod)
+            if ns and pod and not any(u.matches(labels.get(u.label, b"")) for u in pair.unless):
+                return ns, pod
+        return None
+
+    @property
+    def names(self) -> frozenset[bytes]:
+        """Every label name a decision reads."""
+        pairs = [*self.pairs, *(p for r in self.rules for p in r.pairs)]
+        return frozenset(
+            {NAME_LABEL, self.workload_label}
+            | {n for p in pairs for n in (p.namespace, p.pod)}
+            | {u.label for p in pairs for u in p.unless}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PodStamp:
+    """The labels stamped onto a pod's series, sorted by name, and their RW 1.0 fields."""
+
+    labels: tuple[tuple[bytes, bytes], ...]
+    fields: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[str, str]]) -> PodStamp:
+        labels = tuple(sorted((n.encode(), v.encode()) for n, v in pairs if v))
+        return cls(labels, tuple(encode_label_v1(n, v) for n, v in labels))
+
+
+#: what a pod table answers for a (namespace, pod): a stamp, or why there is none
+PodAnswer = PodStamp | str
+
+
+def decide(
+    plan: SplicePlan,
+    labels: Sequence[tuple[bytes, bytes]],
+    lookup: Callable[[bytes, bytes], PodAnswer | None],
+) -> tuple[str, PodStamp | None]:
+    """(reason, stamp) of one series: ("", stamp) to stamp, ("", None) attributed as it
+    is (``keep``), (reason, None) unattributed. Duplicated names: the last one counts."""
+    by_name = dict(labels)
+    if plan.keep_sent and by_name.get(plan.workload_label):
+        return "", None
+    found = plan.find(by_name)
+    if found is None:
+        return REASON_NO_POD_LABEL, None
+    answer = lookup(*found)
+    if answer is None:
+        return REASON_POD_UNKNOWN, None
+    if isinstance(answer, str):
+        return answer, None
+    return "", answer
+
+
+@dataclass(slots=True)
+class SpliceResult:
+    """One request's outcome."""
+
+    #: the enriched request, uncompressed (the input object itself when nothing changed)
+    body: bytes
+    counts: Counts
+    #: series that carry stamped labels on the way out
+    attributed: int = 0
+    #: reason -> series passed through unchanged for it
+    unattributed: dict[str, int] = field(default_factory=dict)
+
+    def tally(self, reason: str) -> None:
+        if reason:
+            self.unattributed[reason] = self.unattributed.get(reason, 0) + 1
+        else:
+            self.attributed += 1
+

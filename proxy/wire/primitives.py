@@ -1,0 +1,202 @@
+"""Protobuf wire primitives shared by every encoder and decoder of the project: varints,
+field framing, the RW 1.0 Label encoding, and the remote-write message kinds.
+
+One place for these (as VictoriaMetrics keeps them in ``lib/prompb``) so the splices, the
+2.0 -> 1.0 conversion and the fact encoder cannot drift apart on the framing.
+
+Wire facts used throughout (see ``proto/``): a 1.0 WriteRequest is ``timeseries = 1`` and
+``metadata = 3``; a TimeSeries is ``labels = 1``, ``samples = 2``, ``exemplars = 3``,
+``histograms = 4``; a Label is ``name = 1``, ``value = 2``. A 2.0 Request is
+``symbols = 4`` and ``timeseries = 5``; its TimeSeries has ``labels_refs = 1`` (packed
+uint32), ``samples = 2``, ``histograms = 3``, ``exemplars = 4``, ``metadata = 5``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from proxy.compression import DecodeError
+
+
+class Protocol(enum.Enum):
+    """The two remote-write messages; the value is the protobuf message name."""
+
+    V1 = "prometheus.WriteRequest"
+    V2 = "io.prometheus.write.v2.Request"
+
+    @property
+    def content_type(self) -> str:
+        if self is Protocol.V1:
+            return "application/x-protobuf"
+        return "application/x-protobuf;proto=io.prometheus.write.v2.Request"
+
+    @property
+    def version_header(self) -> str:
+        """Value of ``X-Prometheus-Remote-Write-Version`` for this protocol."""
+        return "0.1.0" if self is Protocol.V1 else "2.0.0"
+
+
+@dataclass(slots=True)
+class Counts:
+    """What a request carries, for the ``X-Prometheus-Remote-Write-*-Written`` headers."""
+
+    series: int = 0
+    samples: int = 0
+    histograms: int = 0
+    exemplars: int = 0
+
+    def add(self, other: Counts) -> None:
+        self.series += other.series
+        self.samples += other.samples
+        self.histograms += other.histograms
+        self.exemplars += other.exemplars
+
+
+def invalid(what: str) -> DecodeError:
+    """The error of every malformed protobuf: 400 ``protobuf_invalid``."""
+    return DecodeError("protobuf_invalid", 400, f"invalid protobuf: {what}")
+
+
+def check_utf8(b: bytes, what: str) -> None:
+    """400 ``invalid_utf8`` unless ``b`` is valid UTF-8 (Prometheus refuses such labels)."""
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError("invalid_utf8", 400, f"{what} is not valid UTF-8: {b[:64]!r}") from None
+
+
+# -- varints and fields -------------------------------------------------------------------
+
+_BYTE = [bytes((i,)) for i in range(128)]
+
+
+def uvarint(buf: bytes, pos: int) -> tuple[int, int]:
+    """Decode a varint at ``pos``; returns (value, position after it).
+
+    At most 10 bytes, and the 10th may only carry the top bit of a 64-bit value: protobuf
+    readers refuse anything longer or larger, so the proxy does too.
+    """
+    result = 0
+    shift = 0
+    n = len(buf)
+    while True:
+        if pos >= n:
+            raise invalid("truncated varint")
+        b = buf[pos]
+        pos += 1
+        if shift == 63 and b > 1:
+            raise invalid("varint overflows 64 bits")
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_uvarint(n: int) -> bytes:
+    if n < 0x80:
+        return _BYTE[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def len_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag, length, payload."""
+    return encode_uvarint(number << 3 | 2) + encode_uvarint(len(payload)) + payload
+
+
+#: largest field number protobuf allows (2^29 - 1)
+MAX_FIELD_NUMBER = (1 << 29) - 1
+
+
+def read_field(buf: bytes, pos: int, end: int) -> tuple[int, int, int, int]:
+    """Read the field at ``pos``: (field number, wire type, payload start, field end).
+
+    For length-delimited fields the payload start is after the length; for the others it
+    is after the tag. Groups (wire types 3, 4) are refused: no remote-write message has
+    any. A field that runs past ``end`` is refused.
+    """
+    key, p = uvarint(buf, pos)
+    number = key >> 3
+    wt = key & 7
+    if number == 0:
+        raise invalid("field number 0")
+    if number > MAX_FIELD_NUMBER:
+        raise invalid(f"field number {number} is past 2^29 - 1")
+    if wt == 2:
+        ln, p = uvarint(buf, p)
+        q = p + ln
+    elif wt == 0:
+        _, q = uvarint(buf, p)
+    elif wt == 1:
+        q = p + 8
+    elif wt == 5:
+        q = p + 4
+    else:
+        raise invalid(f"unsupported wire type {wt}")
+    if q > end:
+        raise invalid("field runs past the end of its message")
+    return number, wt, p, q
+
+
+def decode_packed(buf: bytes, p: int, end: int, out: list[int]) -> None:
+    """Append the packed varints of ``buf[p:end]`` to ``out``."""
+    while p < end:
+        b = buf[p]
+        if b < 0x80:
+            out.append(b)
+            p += 1
+        else:
+            v, p = uvarint(buf, p)
+            out.append(v)
+    if p != end:
+        raise invalid("packed varints run past their field")
+
+
+def read_refs(raw: bytes, wt: int, s: int, q: int, refs: list[int], what: str) -> None:
+    """A ``labels_refs`` field, packed (the norm) or one unpacked element (also legal)."""
+    if wt == 2:
+        decode_packed(raw, s, q, refs)
+    elif wt == 0:
+        refs.append(uvarint(raw, s)[0])
+    else:
+        raise invalid(f"{what} with a wrong wire type")
+
+
+def encode_refs(refs: list[int]) -> bytes:
+    """Packed varints (the payload of a ``labels_refs`` field)."""
+    if not refs or max(refs) < 0x80:
+        return bytes(refs)
+    return b"".join(encode_uvarint(r) for r in refs)
+
+
+# -- labels -------------------------------------------------------------------------------
+
+
+def encode_label_v1(name: bytes, value: bytes) -> bytes:
+    """One RW 1.0 Label field, as Prometheus writes it (empty value left out)."""
+    inner = len_field(1, name) + (len_field(2, value) if value else b"")
+    return len_field(1, inner)
+
+
+def parse_label(buf: bytes, p: int, end: int) -> tuple[bytes, bytes]:
+    """Name and value of one Label message (unknown fields inside are skipped; the last of
+    a repeated name or value wins, as in every protobuf reader)."""
+    name = b""
+    value = b""
+    while p < end:
+        number, wt, s, q = read_field(buf, p, end)
+        if number == 1 and wt == 2:
+            name = buf[s:q]
+        elif number == 2 and wt == 2:
+            value = buf[s:q]
+        elif number in (1, 2):
+            raise invalid("label name/value with a wrong wire type")
+        p = q
+    return name, value

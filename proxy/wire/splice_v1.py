@@ -1,0 +1,108 @@
+"""The RW 1.0 splice in pure Python: the reference the native splice is held equal to.
+
+Every series of a WriteRequest is walked field by field; the pod its labels name is
+looked up in the pod table; a stamped series gets its labels rewritten (the sender's
+labels of stamped names dropped, the stamp merged in, sorted by name), and every other
+byte of the request (samples, exemplars, histograms, metadata, unknown fields, series
+that keep their labels) is copied as a span of the input. ``docs/wire.md`` explains why
+that is sound.
+"""
+
+from __future__ import annotations
+
+from proxy.wire.plan import PodStamp, SplicePlan, SpliceResult, decide
+from proxy.wire.podtable import PodTable
+from proxy.wire.primitives import (
+    Counts,
+    check_utf8,
+    encode_uvarint,
+    invalid,
+    parse_label,
+    read_field,
+)
+
+#: (name, value, the Label field's bytes as they were sent or as the stamp encodes them)
+LabelField = tuple[bytes, bytes, bytes]
+
+
+def merge(labels: list[LabelField], stamp: PodStamp, stamped: frozenset[bytes]
+          ) -> list[LabelField]:
+    """The series' labels minus those of stamped names, plus the stamp, sorted by name.
+
+    Byte order of UTF-8 names is code-point order, Prometheus' order. The sort is stable,
+    so a sender's (invalid) duplicate names keep their relative order.
+    """
+    kept = [lf for lf in labels if lf[0] not in stamped]
+    add = [(n, v, f) for (n, v), f in zip(stamp.labels, stamp.fields, strict=True)]
+    return sorted(kept + add, key=lambda lf: lf[0])
+
+
+def splice_v1(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
+    """Stamp every series of a 1.0 request whose pod the table knows."""
+    n = len(raw)
+    result = SpliceResult(raw, Counts())
+    out: list[bytes] = []
+    copy_from = 0
+    pos = 0
+    while pos < n:
+        number, wt, s, q = read_field(raw, pos, n)
+        if number == 1:
+            if wt != 2:
+                raise invalid("timeseries field with a wrong wire type")
+            new = _series(raw, s, q, plan, table, result)
+            if new is not None:
+                out.append(raw[copy_from:pos])
+                out.append(new)
+                copy_from = q
+        pos = q
+    if out:
+        out.append(raw[copy_from:])
+        result.body = b"".join(out)
+    return result
+
+
+def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
+            result: SpliceResult) -> bytes | None:
+    """The new TimeSeries field, or None when the series keeps its bytes."""
+    counts = result.counts
+    counts.series += 1
+    labels: list[LabelField] = []
+    other: list[tuple[int, int]] = []
+    lead_end = s  # end of the labels while they are all in front; -1 once they are not
+    p = s
+    while p < q:
+        number, wt, ps, pq = read_field(raw, p, q)
+        if number == 1:
+            if wt != 2:
+                raise invalid("label field with a wrong wire type")
+            name, value = parse_label(raw, ps, pq)
+            labels.append((name, value, raw[p:pq]))
+            if other:
+                lead_end = -1
+            elif lead_end >= 0:
+                lead_end = pq
+        else:
+            if number in (2, 3, 4):
+                if wt != 2:
+                    raise invalid("series data field with a wrong wire type")
+                if number == 2:
+                    counts.samples += 1
+                elif number == 3:
+                    counts.exemplars += 1
+                else:
+                    counts.histograms += 1
+            other.append((p, pq))
+        p = pq
+    for name, value, _ in labels:
+        check_utf8(name, "label name")
+        check_utf8(value, "label value")
+    reason, stamp = decide(plan, [lf[:2] for lf in labels], table.get)
+    result.tally(reason)
+    if stamp is None or not stamp.labels:
+        return None
+    new = b"".join(lf[2] for lf in merge(labels, stamp, plan.stamped))
+    if new == b"".join(lf[2] for lf in labels):
+        return None  # already exactly so: the bytes pass through untouched
+    rest = raw[lead_end:q] if lead_end >= 0 else b"".join(raw[a:b] for a, b in other)
+    return b"\x0a" + encode_uvarint(len(new) + len(rest)) + new + rest
+
