@@ -8,7 +8,6 @@ import aiohttp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.codec import Protocol
 from proxy.demo import Receiver
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2pb
 from proxy.pb.prometheus import remote_pb2
@@ -24,6 +23,7 @@ from proxy.sender import (
     send_series,
     series_from_exposition,
 )
+from proxy.wire.primitives import Protocol
 
 SERIES = [
     Series(

@@ -11,7 +11,6 @@ from typing import Any, cast
 
 import pytest
 
-from proxy.codec import Counts, Protocol
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
@@ -25,6 +24,7 @@ from proxy.upstream import (
     UpstreamFailure,
     map_status,
 )
+from proxy.wire.primitives import Counts, Protocol
 from tests.scripted import Reply, ScriptedUpstream
 
 # generated protobuf modules carry no type information

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 import snappy
 
-from proxy.codec import Protocol
 from proxy.sender import Series, build_v1, build_v2, send, send_series
+from proxy.wire.primitives import Protocol
 from tests.peers.conftest import (
     InProcessProxy,
     Peers,
