@@ -9,7 +9,7 @@ setup(
         Extension(
             "proxy.wire._splice",
             sources=["proxy/wire/_splice.c"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
             optional=True,
         )

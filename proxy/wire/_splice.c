@@ -254,6 +254,38 @@ utf8_ok(const uint8_t *s, size_t n)
     return 1;
 }
 
+static inline uint64_t
+load64(const uint8_t *p)
+{
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+/* True when every byte is ASCII (then the string is valid UTF-8): 8 bytes at a time, the
+ * tail as one overlapping load. */
+static inline int
+ascii(const uint8_t *s, size_t n)
+{
+    const uint64_t hi = 0x8080808080808080ULL;
+    if (n >= 8) {
+        uint64_t acc = load64(s + n - 8);
+        for (size_t i = 0; i + 8 <= n; i += 8)
+            acc |= load64(s + i);
+        return !(acc & hi);
+    }
+    uint8_t acc = 0;
+    for (size_t i = 0; i < n; i++)
+        acc |= s[i];
+    return acc < 0x80;
+}
+
+static inline int
+text_ok(const uint8_t *s, size_t n)
+{
+    return ascii(s, n) || utf8_ok(s, n);
+}
+
 /* A fast 64-bit hash of a byte string (multiply-xorshift over 8-byte words). */
 static inline uint64_t
 hash_bytes(const uint8_t *s, size_t n, uint64_t h)
@@ -270,7 +302,8 @@ hash_bytes(const uint8_t *s, size_t n, uint64_t h)
     }
     if (n) {
         uint64_t w = 0;
-        memcpy(&w, s, n);
+        for (size_t i = 0; i < n; i++)
+            w |= (uint64_t)s[i] << (8 * i);
         h = (h ^ w) * m;
         h ^= h >> 29;
     }
@@ -283,11 +316,39 @@ hash_bytes(const uint8_t *s, size_t n, uint64_t h)
 static inline int
 str_cmp(const uint8_t *a, size_t an, const uint8_t *b, size_t bn)
 {
+    /* adjacent label names mostly differ in their first byte */
+    if (an && bn && a[0] != b[0])
+        return a[0] < b[0] ? -1 : 1;
     size_t k = an < bn ? an : bn;
-    int c = k ? memcmp(a, b, k) : 0;
-    if (c)
-        return c;
+    if (k >= 8) {
+        /* the first eight bytes decide most comparisons of label names */
+        uint64_t x = __builtin_bswap64(load64(a)), y = __builtin_bswap64(load64(b));
+        if (x != y)
+            return x < y ? -1 : 1;
+        int c = memcmp(a + 8, b + 8, k - 8);
+        if (c)
+            return c;
+    }
+    else
+        for (size_t i = 0; i < k; i++)
+            if (a[i] != b[i])
+                return a[i] < b[i] ? -1 : 1;
     return an < bn ? -1 : an > bn ? 1 : 0;
+}
+
+/* a == b for two strings of length n (short ones compared inline) */
+static inline int
+str_eq(const uint8_t *a, const uint8_t *b, size_t n)
+{
+    if (n >= 8) {
+        if (load64(a) != load64(b) || load64(a + n - 8) != load64(b + n - 8))
+            return 0;
+        return n <= 16 || memcmp(a + 8, b + 8, n - 16) == 0;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (a[i] != b[i])
+            return 0;
+    return 1;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -443,8 +504,8 @@ table_find(const PodTable *t, uint64_t h, const uint8_t *ns, size_t nsl, const u
             return NULL;
         if (s->hash == h && s->entry != TOMB) {
             const Entry *en = s->entry;
-            if (en->ns_len == nsl && en->pod_len == podl && memcmp(ENTRY_NS(en), ns, nsl) == 0 &&
-                memcmp(ENTRY_POD(en), pod, podl) == 0)
+            if (en->ns_len == nsl && en->pod_len == podl && str_eq(ENTRY_NS(en), ns, nsl) &&
+                str_eq(ENTRY_POD(en), pod, podl))
                 return en;
         }
         i = (i + 1) & mask;
@@ -1021,6 +1082,7 @@ typedef struct {
     int nslots;
     uint64_t len_mask; /* bit k: some wanted name has length k (k < 64) */
     int long_names;    /* some wanted name is 64 bytes or longer */
+    int8_t bucket[256][4]; /* name hash -> up to 4 candidate slots, -1 terminated */
     size_t npairs;
     PairC *pairs;
     size_t nrules;
@@ -1031,6 +1093,13 @@ typedef struct {
 
 #define SLOT_NAME 0
 #define SLOT_WORKLOAD 1
+
+/* The bucket of a (non-empty) label name: length and first and last bytes. */
+static inline size_t
+name_bucket(const uint8_t *s, size_t n)
+{
+    return (n * 31u + (size_t)s[0] * 7u + s[n - 1]) & 255u;
+}
 
 static int
 plan_slot(Plan *pl, PyObject *name, int flags)
@@ -1050,7 +1119,20 @@ plan_slot(Plan *pl, PyObject *name, int flags)
     }
     if (PyList_Append(pl->keep, name) < 0)
         return -1;
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "a label name must not be empty");
+        return -1;
+    }
+    int8_t *b = pl->bucket[name_bucket(s, (size_t)n)];
+    int k = 0;
+    while (k < 4 && b[k] >= 0)
+        k++;
+    if (k == 4) {
+        PyErr_SetString(PyExc_ValueError, "too many label names of one hash: rename one");
+        return -1;
+    }
     int i = pl->nslots++;
+    b[k] = (int8_t)i;
     pl->names[i].s = s;
     pl->names[i].n = (size_t)n;
     pl->flags[i] = (uint8_t)flags;
@@ -1192,6 +1274,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     Plan *pl = (Plan *)type->tp_alloc(type, 0);
     if (pl == NULL)
         return NULL;
+    memset(pl->bucket, 0xff, sizeof pl->bucket);
     pl->keep = PyList_New(0);
     if (pl->keep == NULL)
         goto fail;
@@ -1258,7 +1341,7 @@ static PyTypeObject PlanType = {
     .tp_dealloc = (destructor)Plan_dealloc,
 };
 
-/* The slot of a label name, or -1. */
+/* The slot of a label name, or -1: a length mask, then one bucket of candidates. */
 static inline int
 slot_of(const Plan *pl, const uint8_t *s, size_t n)
 {
@@ -1268,9 +1351,12 @@ slot_of(const Plan *pl, const uint8_t *s, size_t n)
     }
     else if (!pl->long_names)
         return -1;
-    for (int i = 0; i < pl->nslots; i++)
-        if (pl->names[i].n == n && memcmp(pl->names[i].s, s, n) == 0)
-            return i;
+    const int8_t *b = pl->bucket[name_bucket(s, n)];
+    for (int k = 0; k < 4 && b[k] >= 0; k++) {
+        const Str *c = &pl->names[b[k]];
+        if (c->n == n && str_eq(c->s, s, n))
+            return b[k];
+    }
     return -1;
 }
 
@@ -1401,7 +1487,7 @@ unless_holds(Req *r, const UnlessC *u, const uint8_t *v, size_t vn)
 {
     if (u->matcher == NULL) {
         for (size_t i = 0; i < u->nlit; i++)
-            if (u->lits[i].n == vn && memcmp(u->lits[i].s, v, vn) == 0)
+            if (u->lits[i].n == vn && str_eq(u->lits[i].s, v, vn))
                 return 1;
         return 0;
     }
@@ -1447,7 +1533,7 @@ decide(Req *r, int *reason)
         size_t mn = name ? name->n : 0;
         for (size_t i = 0; i < pl->nrules; i++) {
             const RuleC *rule = &pl->rules[i];
-            if (rule->prefix.n <= mn && memcmp(ms, rule->prefix.s, rule->prefix.n) == 0) {
+            if (rule->prefix.n <= mn && str_eq(ms, rule->prefix.s, rule->prefix.n)) {
                 pairs = rule->pairs;
                 npairs = rule->npairs;
                 break;
@@ -1574,32 +1660,43 @@ merge_stamp(Req *r, const Entry *en)
     return 1;
 }
 
+#define NO_POSITION ((size_t)-1)
+
+/* Where the stamp goes in as one block: the index of the first label after it, when the
+ * labels are strictly sorted and the block fits between two of them (then the result is
+ * what the stable sort of merge_stamp gives); NO_POSITION otherwise. `plain`: the caller
+ * knows no label of a stamped name is in the series (and, RW 1.0, that the labels are all
+ * in front). */
+static size_t
+stamp_position(const Lab *labs, size_t n, const Entry *en, int plain)
+{
+    if (!plain)
+        return NO_POSITION;
+    for (size_t i = 1; i < n; i++)
+        if (str_cmp(labs[i - 1].name, labs[i - 1].nlen, labs[i].name, labs[i].nlen) >= 0)
+            return NO_POSITION;
+    const StampLabel *sl = ENTRY_LABELS(en);
+    const uint8_t *first = en->data + sl[0].name_off, *last = en->data + sl[en->nlabels - 1].name_off;
+    size_t fn = sl[0].name_len, ln = sl[en->nlabels - 1].name_len;
+    size_t i = n;
+    while (i > 0 && str_cmp(labs[i - 1].name, labs[i - 1].nlen, first, fn) > 0)
+        i--; /* from the end: the stamp's karta_ names sort before namespace, pod, ... */
+    if (i > 0 && str_cmp(labs[i - 1].name, labs[i - 1].nlen, first, fn) == 0)
+        return NO_POSITION;
+    if (i < n && str_cmp(labs[i].name, labs[i].nlen, last, ln) <= 0)
+        return NO_POSITION;
+    return i;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* RW 1.0                                                                               */
 
-/* Read a Label message's name and value (last one wins; other fields skipped). */
+/* Any Label layout: fields in any order, unknown fields, long lengths. */
 static int
-read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
+read_label_slow(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
 {
     lab->name = lab->value = raw + p;
     lab->nlen = lab->vlen = 0;
-    /* the usual shape: 0a N name [12 V value], one-byte lengths */
-    if (end - p >= 2 && raw[p] == 0x0A && raw[p + 1] < 0x80) {
-        size_t ne = p + 2 + raw[p + 1];
-        if (ne == end) {
-            lab->name = raw + p + 2;
-            lab->nlen = raw[p + 1];
-            lab->value = raw + end;
-            return 1;
-        }
-        if (ne + 2 <= end && raw[ne] == 0x12 && raw[ne + 1] < 0x80 && ne + 2 + raw[ne + 1] == end) {
-            lab->name = raw + p + 2;
-            lab->nlen = raw[p + 1];
-            lab->value = raw + ne + 2;
-            lab->vlen = raw[ne + 1];
-            return 1;
-        }
-    }
     while (p < end) {
         Field f;
         if (!rd_field(raw, p, end, &f, e))
@@ -1627,6 +1724,42 @@ read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
     return 1;
 }
 
+/* Read a Label message's name and value (last one wins; other fields skipped). */
+static inline __attribute__((always_inline)) int
+read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
+{
+    lab->name = lab->value = raw + p;
+    lab->nlen = lab->vlen = 0;
+    /* the usual shape: 0a N name [12 V value], N one byte, V one or two bytes */
+    if (end - p >= 2 && raw[p] == 0x0A && raw[p + 1] < 0x80) {
+        size_t ne = p + 2 + raw[p + 1];
+        if (ne == end) {
+            lab->name = raw + p + 2;
+            lab->nlen = raw[p + 1];
+            lab->value = raw + end;
+            return 1;
+        }
+        if (ne + 2 <= end && raw[ne] == 0x12) {
+            size_t v = raw[ne + 1], vs = ne + 2;
+            int ok = 1;
+            if (v >= 0x80) {
+                ok = ne + 3 <= end && raw[ne + 2] < 0x80;
+                v = ok ? (v & 0x7F) | ((size_t)raw[ne + 2] << 7) : 0;
+                vs = ne + 3;
+            }
+            if (ok && vs + v == end) {
+                lab->name = raw + p + 2;
+                lab->nlen = raw[p + 1];
+                lab->value = raw + vs;
+                lab->vlen = (uint32_t)v;
+                return 1;
+            }
+        }
+    }
+    return read_label_slow(raw, p, end, lab, e);
+}
+
+
 static void
 series_v1(Req *r, size_t start, size_t s, size_t q)
 {
@@ -1649,6 +1782,10 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
                 ps = p + 2;
                 pe = ps + c;
             }
+            else if (p + 2 < q && raw[p + 2] < 0x80) {
+                ps = p + 3;
+                pe = ps + ((c & 0x7F) | ((size_t)raw[p + 2] << 7));
+            }
             else if (!rd_field(raw, p, q, &f, e))
                 return;
             else {
@@ -1659,7 +1796,8 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
                 INVALID(e, "field runs past the end of its message");
                 return;
             }
-            Lab *lab = vec_push(&r->labs, 1);
+            Lab *lab = r->labs.len < r->labs.cap ? (Lab *)r->labs.data + r->labs.len++
+                                                 : vec_push(&r->labs, 1);
             if (lab == NULL)
                 return;
             if (!read_label(raw, ps, pe, lab, e))
@@ -1711,12 +1849,13 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
     Lab *labs = r->labs.data;
     size_t n = r->labs.len;
     const Plan *pl = r->plan;
+    int any_stamped = 0;
     for (size_t i = 0; i < n; i++) {
-        if (!utf8_ok(labs[i].name, labs[i].nlen)) {
+        if (!text_ok(labs[i].name, labs[i].nlen)) {
             err_set(e, "invalid_utf8", "label name is not valid UTF-8");
             return;
         }
-        if (!utf8_ok(labs[i].value, labs[i].vlen)) {
+        if (!text_ok(labs[i].value, labs[i].vlen)) {
             err_set(e, "invalid_utf8", "label value is not valid UTF-8");
             return;
         }
@@ -1726,6 +1865,7 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
             r->seen[slot] = r->series_id;
             r->vals[slot].s = labs[i].value;
             r->vals[slot].n = labs[i].vlen;
+            any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
     int reason;
@@ -1735,6 +1875,23 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
     tally(r, en ? -1 : reason);
     if (en == NULL || en->nlabels == 0)
         return;
+    size_t at = stamp_position(labs, n, en, in_front && !any_stamped);
+    if (at != NO_POSITION) {
+        /* the usual case: the stamp goes in as one block, everything else is the input */
+        size_t ins = at < n ? (size_t)(labs[at].field - raw) : lead_end;
+        uint8_t *head = arena_alloc(&r->arena, 11);
+        if (head == NULL)
+            return;
+        head[0] = 0x0A;
+        size_t hl = 1 + put_varint(head + 1, (q - s) + en->fields_len);
+        emit_input(r, start);
+        emit(r, head, hl);
+        emit(r, raw + s, ins - s);
+        emit(r, ENTRY_FIELDS(en), en->fields_len);
+        emit(r, raw + ins, q - ins);
+        r->copy_from = q;
+        return;
+    }
     if (!merge_stamp(r, en))
         return;
     Lab *m = r->merged.data;
@@ -1906,7 +2063,7 @@ v2_scan(Req *r, V2 *v, size_t n)
     if (slots == NULL)
         return 0;
     for (size_t i = 0; i < v->syms.len; i++) {
-        if (!utf8_ok(syms[i].s, syms[i].n)) {
+        if (!text_ok(syms[i].s, syms[i].n)) {
             err_set(e, "invalid_utf8", "symbol is not valid UTF-8");
             return 0;
         }
@@ -2094,6 +2251,72 @@ decode_packed(Req *r, V2 *v, const uint8_t *raw, size_t p, size_t end)
     return 1;
 }
 
+/* Emit a stamped 2.0 series: its new labels_refs (kept refs as they were, stamp labels
+ * by the request's refs of their strings) first, then every other field as it was. */
+static void
+emit_series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, const Lab *m, size_t mn,
+               const uint32_t *sr, size_t refs_end, int simple, int *inserted)
+{
+    const uint8_t *raw = r->raw;
+    size_t plen = 0;
+    for (size_t i = 0; i < mn; i++) {
+        uint32_t a = m[i].r0, b = m[i].r1;
+        if (a == STAMP_REF) {
+            a = sr[2 * m[i].stamp_ix];
+            b = sr[2 * m[i].stamp_ix + 1];
+        }
+        plen += varint_len(a) + varint_len(b);
+    }
+    size_t other = 0;
+    if (simple)
+        other = q - refs_end;
+    else
+        for (size_t p = s; p < q;) {
+            Field f;
+            rd_field(raw, p, q, &f, &r->err); /* read before: cannot fail */
+            if (f.number != 1)
+                other += f.end - p;
+            p = f.end;
+        }
+    size_t body = 1 + varint_len(plen) + plen + other;
+    uint8_t *buf = arena_alloc(&r->arena, 11 + 11 + plen);
+    if (buf == NULL)
+        return;
+    size_t k = 0;
+    buf[k++] = 0x2A;
+    k += put_varint(buf + k, body);
+    buf[k++] = 0x0A;
+    k += put_varint(buf + k, plen);
+    for (size_t i = 0; i < mn; i++) {
+        uint32_t a = m[i].r0, b = m[i].r1;
+        if (a == STAMP_REF) {
+            a = sr[2 * m[i].stamp_ix];
+            b = sr[2 * m[i].stamp_ix + 1];
+        }
+        k += put_varint(buf + k, a);
+        k += put_varint(buf + k, b);
+    }
+    size_t at = v->has_symbols ? v->symbols_end : 0;
+    if (!*inserted && at <= start) {
+        emit_input(r, at);
+        emit(r, NULL, 0); /* the symbols placeholder */
+        *inserted = 1;
+    }
+    emit_input(r, start);
+    emit(r, buf, k);
+    if (simple)
+        emit(r, raw + refs_end, q - refs_end);
+    else
+        for (size_t p = s; p < q;) {
+            Field f;
+            rd_field(raw, p, q, &f, &r->err);
+            if (f.number != 1)
+                emit(r, raw + p, f.end - p);
+            p = f.end;
+        }
+    r->copy_from = q;
+}
+
 static void
 series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
 {
@@ -2102,12 +2325,21 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     r->series++;
     r->series_id++;
     v->refs.len = 0;
+    /* simple: at most one labels_refs field, and it comes first (then the other fields
+     * are the one span [refs_end, q)) */
+    int simple = 1, seen_refs = 0;
+    size_t refs_end = s;
     size_t p = s;
     while (p < q) {
         Field f;
         if (!rd_field(raw, p, q, &f, e))
             return;
         if (f.number == 1) {
+            if (!seen_refs && p == s)
+                refs_end = f.end;
+            else
+                simple = 0;
+            seen_refs = 1;
             if (f.wt == 2) {
                 if (!decode_packed(r, v, raw, f.ps, f.end))
                     return;
@@ -2154,28 +2386,29 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         }
     const Str *syms = v->syms.data;
     const int8_t *slots = v->slots.data;
+    const Plan *pl = r->plan;
     r->labs.len = 0;
-    Lab *labs = vec_push(&r->labs, nrefs / 2);
-    if (labs == NULL && nrefs)
+    size_t n = nrefs / 2;
+    Lab *labs = vec_push(&r->labs, n);
+    if (labs == NULL && n)
         return;
-    for (size_t i = 0; i < nrefs / 2; i++) {
+    int any_stamped = 0;
+    for (size_t i = 0; i < n; i++) {
         uint32_t a = refs[2 * i], b = refs[2 * i + 1];
         Lab *lab = &labs[i];
         lab->name = syms[a].s;
         lab->nlen = (uint32_t)syms[a].n;
         lab->value = syms[b].s;
         lab->vlen = (uint32_t)syms[b].n;
-        lab->field = NULL;
-        lab->flen = 0;
         lab->r0 = a;
         lab->r1 = b;
-        lab->stamp = NULL;
         int slot = slots[a];
         lab->slot = slot;
         if (slot >= 0) {
             r->seen[slot] = r->series_id;
             r->vals[slot].s = lab->value;
             r->vals[slot].n = lab->vlen;
+            any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
     int reason;
@@ -2185,12 +2418,31 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     tally(r, en ? -1 : reason);
     if (en == NULL || en->nlabels == 0)
         return;
+    const uint32_t *sr;
+    size_t at = stamp_position(labs, n, en, !any_stamped);
+    if (at != NO_POSITION) {
+        if ((v->index == NULL && !v2_build_index(r, v)) || (sr = v2_stamp_refs(r, v, en)) == NULL)
+            return;
+        /* the usual case: the stamp's labels go in as one block at `at` */
+        Lab *m = vec_push(&r->merged, 0); /* reuse merged's storage */
+        r->merged.len = 0;
+        m = vec_push(&r->merged, n + en->nlabels);
+        if (m == NULL)
+            return;
+        memcpy(m, labs, at * sizeof(Lab));
+        for (uint32_t i = 0; i < en->nlabels; i++) {
+            m[at + i].r0 = m[at + i].r1 = STAMP_REF;
+            m[at + i].stamp_ix = i;
+        }
+        memcpy(m + at + en->nlabels, labs + at, (n - at) * sizeof(Lab));
+        emit_series_v2(r, v, start, s, q, m, n + en->nlabels, sr, refs_end, simple, inserted);
+        return;
+    }
     if (!merge_stamp(r, en))
         return;
     Lab *m = r->merged.data;
     size_t mn = r->merged.len;
     labs = r->labs.data;
-    size_t n = r->labs.len;
     if (mn == n) {
         int same = 1;
         for (size_t i = 0; i < n && same; i++)
@@ -2199,65 +2451,9 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         if (same)
             return;
     }
-    if (v->index == NULL && !v2_build_index(r, v))
+    if ((v->index == NULL && !v2_build_index(r, v)) || (sr = v2_stamp_refs(r, v, en)) == NULL)
         return;
-    const uint32_t *sr = v2_stamp_refs(r, v, en);
-    if (sr == NULL)
-        return;
-    m = r->merged.data; /* (not moved: merged is not pushed to above) */
-    size_t plen = 0;
-    for (size_t i = 0; i < mn; i++) {
-        uint32_t a = m[i].r0, b = m[i].r1;
-        if (a == STAMP_REF) {
-            a = sr[2 * m[i].stamp_ix];
-            b = sr[2 * m[i].stamp_ix + 1];
-        }
-        plen += varint_len(a) + varint_len(b);
-    }
-    size_t other = 0;
-    p = s;
-    while (p < q) {
-        Field f;
-        rd_field(raw, p, q, &f, e);
-        if (f.number != 1)
-            other += f.end - p;
-        p = f.end;
-    }
-    size_t body = 1 + varint_len(plen) + plen + other;
-    uint8_t *buf = arena_alloc(&r->arena, 11 + 11 + plen);
-    if (buf == NULL)
-        return;
-    size_t k = 0;
-    buf[k++] = 0x2A;
-    k += put_varint(buf + k, body);
-    buf[k++] = 0x0A;
-    k += put_varint(buf + k, plen);
-    for (size_t i = 0; i < mn; i++) {
-        uint32_t a = m[i].r0, b = m[i].r1;
-        if (a == STAMP_REF) {
-            a = sr[2 * m[i].stamp_ix];
-            b = sr[2 * m[i].stamp_ix + 1];
-        }
-        k += put_varint(buf + k, a);
-        k += put_varint(buf + k, b);
-    }
-    size_t at = v->has_symbols ? v->symbols_end : 0;
-    if (!*inserted && at <= start) {
-        emit_input(r, at);
-        emit(r, NULL, 0); /* the symbols placeholder */
-        *inserted = 1;
-    }
-    emit_input(r, start);
-    emit(r, buf, k);
-    p = s;
-    while (p < q) {
-        Field f;
-        rd_field(raw, p, q, &f, e);
-        if (f.number != 1)
-            emit(r, raw + p, f.end - p);
-        p = f.end;
-    }
-    r->copy_from = q;
+    emit_series_v2(r, v, start, s, q, r->merged.data, mn, sr, refs_end, simple, inserted);
 }
 
 static void
