@@ -1,15 +1,17 @@
 """The pod index: the one piece of shared state between the cluster side and the data path.
 
 Sources (snapshot, watches) feed the Karta engine; the engine's change sets are applied
-here; the request path only ever calls :meth:`PodIndex.lookup`, a single dict probe on
-prepared data. Deleted pods stay as tombstones for ``tombstone_seconds`` so late samples
-and stale markers still get their labels.
+here. The request path never reads it directly: the splice reads its own per-pod table,
+which the index's pod listeners keep equal to :meth:`PodIndex.answer`. Deleted pods stay as tombstones for ``tombstone_seconds`` so late samples
+and stale markers still get their labels. Pod listeners (:meth:`PodIndex.subscribe_pods`)
+hear of every key whose answer may have changed, which is how the splice's pod table
+stays current.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from proxy import contract
@@ -18,6 +20,9 @@ from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
 #: Sorted (name, value) pairs, empty values left out. Interned: every pod of one
 #: (workload, component, instance, replica) shares the same tuple object.
 LabelPairs = tuple[tuple[str, str], ...]
+
+#: (namespace, pod) as a series names them
+PodKey = tuple[bytes, bytes]
 
 DEFAULT_TOMBSTONE_SECONDS = 600.0
 
@@ -65,8 +70,6 @@ class PodIndex:
         self._unattributed: dict[tuple[bytes, bytes], str] = {}
         self.pods: dict[str, PodAttribution] = {}
         self.workloads: dict[str, WorkloadFacts] = {}
-        #: bumped on every change that can alter a lookup result (cache invalidation)
-        self.generation = 0
         #: True once every required source has delivered its initial state
         self.ready = False
         #: resource name -> unix time it was last known current (list, event, bookmark)
@@ -74,6 +77,7 @@ class PodIndex:
         #: True while a source knows it is cut off (the index is served as last known)
         self.stale = False
         self._listeners: list[Callable[[ChangeSet], None]] = []
+        self._pod_listeners: list[Callable[[Collection[PodKey]], None]] = []
 
     # -- request path -------------------------------------------------------------------
 
@@ -83,11 +87,24 @@ class PodIndex:
         return entry.pairs if entry is not None else None
 
     def reason(self, namespace: bytes, pod: bytes) -> str:
-        """Why a pod has no labels: the engine's reason, or ``pod_unknown``.
-
-        Only called for series that ``lookup`` could not stamp, and cached by the caller.
-        """
+        """Why a pod has no labels: the engine's reason, or ``pod_unknown``."""
         return self._unattributed.get((namespace, pod), "pod_unknown")
+
+    def answer(self, namespace: bytes, pod: bytes) -> LabelPairs | str | None:
+        """What the splice's pod table holds for a pod: its stamped pairs, the reason it
+        has none, or None for a pod the index does not know."""
+        entry = self._by_name.get((namespace, pod))
+        if entry is not None:
+            return entry.pairs
+        return self._unattributed.get((namespace, pod))
+
+    def answers(self) -> Iterator[tuple[bytes, bytes, LabelPairs | str]]:
+        """Every pod the index knows, with its :meth:`answer` (to fill a pod table)."""
+        for (ns, pod), e in self._by_name.items():
+            yield ns, pod, e.pairs
+        for (ns, pod), reason in self._unattributed.items():
+            if (ns, pod) not in self._by_name:
+                yield ns, pod, reason
 
     # -- cluster side -------------------------------------------------------------------
 
@@ -95,21 +112,37 @@ class PodIndex:
         """Call ``listener`` with every applied change set (fact series follow this way)."""
         self._listeners.append(listener)
 
+    def subscribe_pods(self, listener: Callable[[Collection[PodKey]], None]) -> None:
+        """Call ``listener`` with the (namespace, pod) keys whose :meth:`answer` may have
+        changed, after every change set and every tombstone expiry (the splice's pod
+        table follows this way)."""
+        self._pod_listeners.append(listener)
+
+    def _notify_pods(self, keys: set[PodKey]) -> None:
+        if keys:
+            for listener in self._pod_listeners:
+                listener(keys)
+
     def apply(self, changes: ChangeSet) -> None:
         if not changes:
             return
         now = self._clock()
+        keys: set[PodKey] = set()
         for uid, att in changes.pods.items():
+            old = self._key_by_uid.get(uid)
+            if old is not None:
+                keys.add(old)
             if att is None:
                 self._remove_pod(uid, now)
             else:
                 self._put_pod(uid, att)
+                keys.add(self._key_by_uid[uid])
         for wuid, facts in changes.workloads.items():
             if facts is None:
                 self.workloads.pop(wuid, None)
             else:
                 self.workloads[wuid] = facts
-        self.generation += 1
+        self._notify_pods(keys)
         for listener in self._listeners:
             listener(changes)
 
@@ -146,8 +179,8 @@ class PodIndex:
         dead = [k for k, e in self._by_name.items() if e.expires is not None and e.expires <= now]
         for k in dead:
             del self._by_name[k]
+        self._notify_pods(set(dead))
         if dead:
-            self.generation += 1
             live = {e.pairs for e in self._by_name.values()}
             self._interned = {p: p for p in live}
         return len(dead)

@@ -67,16 +67,19 @@ def test_deleted_pod_is_a_tombstone_until_expiry() -> None:
     clock = FakeClock()
     idx = PodIndex(tombstone_seconds=600, clock=clock)
     idx.apply(ChangeSet(pods={"u1": att("u1", "a", component="head")}))
-    gen = idx.generation
+    heard: list[set[tuple[bytes, bytes]]] = []
+    idx.subscribe_pods(lambda keys: heard.append(set(keys)))
     idx.apply(ChangeSet(pods={"u1": None}))
-    assert idx.generation > gen
+    assert heard == [{(b"ml", b"a")}]
     assert idx.lookup(b"ml", b"a") is not None, "late samples still get labels"
     assert idx.tombstones() == 1
     clock.now += 599
     assert idx.expire() == 0
     clock.now += 2
     assert idx.expire() == 1
+    assert heard[-1] == {(b"ml", b"a")}, "expiry is heard too"
     assert idx.lookup(b"ml", b"a") is None
+    assert idx.answer(b"ml", b"a") is None
 
 
 def test_name_reuse_with_new_uid_wins_over_tombstone() -> None:
