@@ -28,6 +28,8 @@ class PodTable:
         self._stamps: dict[tuple[tuple[str, str], ...], PodStamp] = {}
 
     def set(self, namespace: bytes, pod: bytes, answer: Answer) -> None:
+        if not isinstance(namespace, bytes) or not isinstance(pod, bytes):
+            raise TypeError("namespace and pod must be bytes")
         if isinstance(answer, str):
             if not answer:
                 raise ValueError("a reason must not be empty")
