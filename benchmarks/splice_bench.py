@@ -1,4 +1,5 @@
-"""CPU cost of the wire layer per million samples: enrichment against plain relaying.
+"""CPU cost of the splice per million samples: enrichment against plain relaying, in one
+process (the native splice, two threads, the pure-Python splice, the protobuf reference).
 
 Replays the relay benchmark's corpus (``relay/corpus.py``: a ~5k-pod cluster of
 Deployments, StatefulSets, Jobs, CronJobs, DaemonSets and bare pods, with its cAdvisor
@@ -10,24 +11,23 @@ attribution. Each scrape round sends every series once, in the same requests; in
 process and run:
 
 - ``pass-through``: snappy decompress + compress, nothing else (the baseline);
-- ``enrich``: decompress + ``Enricher.enrich_v1`` + compress, cache warm (steady state:
-  every label set was seen once in a warm-up round, as after the first scrape interval);
-- ``enrich-churn``: steady state while the cluster changes: one pod event (of a pod the
-  series do not name) is applied to the index before each request, as in a live cluster
-  where pods start and stop all the time (the index update, ~10 us, is in the figure);
-- ``enrich-cold``: the same with an empty cache each round (the first scrape after start);
-- ``enrich-v2``: the same corpus as RW 2.0 requests through ``Enricher.enrich_v2``, cache
-  warm (its cache carries across requests, keyed by the resolved label strings);
-- ``enrich-v2-cold``: the same with an empty cache each round;
-- ``reference``: decompress + the pure-Python protobuf reference + compress (a few
-  requests only: it is slow).
+- ``enrich``: decompress + ``Enricher.enrich_v1`` (the native splice) + compress. There
+  is no per-series state, so the first sight of a series costs what the hundredth does;
+- ``enrich-churn``: the same while the cluster changes: one pod event is applied to the
+  index (and through its listener to the pod table) before each request;
+- ``enrich-v2``: the same corpus as RW 2.0 requests through ``Enricher.enrich_v2``;
+- ``enrich-2-threads``: ``enrich`` on two threads at once (the splice and snappy release
+  the GIL); CPU-s per M samples summed over both, and the wall-time speed-up printed;
+- ``python-splice``: the pure-Python reference splice (what runs without the extension;
+  a few requests only);
+- ``reference``: decompress + the protobuf-class reference + compress (a few requests).
 
 CPU seconds come from ``time.process_time`` around each request (single thread). Each
 round replays every request once; printed are the median over rounds of CPU-s per
 million samples, the p50/p99 per-request times, and ratios to pass-through computed per
 round then medianed.
 
-    python3 benchmarks/codec_bench.py [--rounds 5] [--pods 5000] [--series-per-request 2000]
+    python3 benchmarks/splice_bench.py [--rounds 5] [--pods 5000] [--series-per-request 2000]
                                       [--reference-requests 3]
 """
 
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,7 +83,7 @@ def _load_index(cluster: corpus.Cluster) -> tuple[PodIndex, str]:
     """The cluster through a snapshot file and the engine into an index, as the product's
     ``--snapshot`` start does; returns the index and a one-line summary of the load."""
     index = PodIndex()
-    with tempfile.TemporaryDirectory(prefix="codec-bench-") as work:
+    with tempfile.TemporaryDirectory(prefix="splice-bench-") as work:
         path = corpus.write_snapshot(cluster, Path(work) / "snapshot.yaml")
         report = load_snapshot(path, Engine())
     problems = report.problems()
@@ -163,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     settings = EnrichSettings()
-    enricher = Enricher(index, settings.pod_label_pairs, cache_size=settings.cache_size)
+    enricher = Enricher(index, settings.pod_label_pairs)
+    slow = Enricher(index, settings.pod_label_pairs, implementation="python")
+    print(f"splice: {enricher.implementation}; pod table: {len(enricher.table)} pods"
+          + (f", {enricher.table.memory() / len(enricher.table):.0f} B per pod"
+             if hasattr(enricher.table, "memory") and len(enricher.table) else ""))
 
     def passthrough(body: bytes) -> object:
         return compress(decompress(body, "snappy", max_decoded=MAX_DECODED), "snappy")
@@ -175,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     def enrich_v2(body: bytes) -> object:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
         return compress(enricher.enrich_v2(raw).body, "snappy")
+
+    def python_splice(body: bytes) -> object:
+        raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
+        return compress(slow.enrich_v1(raw).body, "snappy")
 
     def reference(body: bytes) -> object:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list[float]] = {}
     latencies: dict[str, list[float]] = {}
+    speedups: list[float] = []
 
     def record(name: str, bodies: list[bytes], counts: list[int], step: Callable[[bytes], object]
                ) -> None:
@@ -212,21 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             return enrich(body)
 
         record("enrich-churn", bodies, counts, enrich_churn)
-        cold = Enricher(index, settings.pod_label_pairs, cache_size=settings.cache_size)
-
-        def enrich_cold(body: bytes, cold: Enricher = cold) -> object:
-            raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
-            return compress(cold.enrich_v1(raw).body, "snappy")
-
-        record("enrich-cold", bodies[:4], counts[:4], enrich_cold)
         record("enrich-v2", v2_rounds[1], counts, enrich_v2)
-        cold2 = Enricher(index, settings.pod_label_pairs, cache_size=settings.cache_size)
-
-        def enrich_v2_cold(body: bytes, cold: Enricher = cold2) -> object:
-            raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
-            return compress(cold.enrich_v2(raw).body, "snappy")
-
-        record("enrich-v2-cold", v2_rounds[1][:4], counts[:4], enrich_v2_cold)
+        cpu, wall1, wall2 = _two_threads(bodies, counts, enrich)
+        results.setdefault("enrich-2-threads", []).append(cpu)
+        latencies.setdefault("enrich-2-threads", []).append(wall2)
+        speedups.append(wall1 / wall2)
+        record("python-splice", bodies[:4], counts[:4], python_splice)
         k = args.reference_requests
         record("reference", bodies[:k], counts[:k], reference)
 
@@ -240,9 +241,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<16}{statistics.median(cpus):>16.3f}{_pct(lat, 0.5) * 1e3:>12.2f}"
             f"{_pct(lat, 0.99) * 1e3:>12.2f}{ratio:>16.2f}"
         )
-    print(f"\ncache entries (1.0 + 2.0): {enricher.cache_len()}, misses after warm-up: "
-          f"{enricher.misses - 2 * stream.universe}")
+    print(f"\ntwo threads vs one, same requests: {statistics.median(speedups):.2f}x the "
+          f"throughput (median over rounds; enrich-2-threads latency columns: wall s/round)")
     return 0
+
+
+def _two_threads(bodies: list[bytes], counts: list[int], step: Callable[[bytes], object]
+                 ) -> tuple[float, float, float]:
+    """CPU-s per M samples of two threads each doing ``step`` over ``bodies``, the wall time
+    of one thread doing them alone, and of the two together (twice the work)."""
+    t0 = time.perf_counter()
+    for b in bodies:
+        step(b)
+    wall1 = time.perf_counter() - t0
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: [step(b) for b in bodies], range(2)))
+    wall2 = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    return cpu / (2 * sum(counts)) * 1e6, wall1, wall2 / 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """karta-proxy: a Prometheus remote-write proxy that stamps Karta workload attribution.
 
-The data path reads top to bottom: ``codec`` (wire format) -> ``attribution`` (label
-splicing) -> ``upstream`` (forwarding), fed by ``index``, which is fed by ``snapshot``
+The data path reads top to bottom: ``wire`` (wire format, the splice) -> ``attribution``
+(plan and pod table) -> ``upstream`` (forwarding), fed by ``index``, which is fed by ``snapshot``
 or ``kube`` watches through the ``karta`` engine.
 """
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from proxy import __version__
 from proxy.config import ConfigError, Settings, load_settings, validate
 from proxy.contract import CONTRACT_VERSION
+from proxy.wire.native import DEFAULT as SPLICE
 
 PROG = "karta-proxy"
 EXIT_USAGE = 2
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version",
-                   version=f"{PROG} {__version__} (contract {CONTRACT_VERSION})")
+                   version=f"{PROG} {__version__} (contract {CONTRACT_VERSION}, "
+                   f"{SPLICE} splice)")
     p.add_argument("--config", metavar="FILE",
                    help="YAML file holding any setting (see config/karta-proxy.yaml); flags "
                    "override it")

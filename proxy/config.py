@@ -6,6 +6,7 @@ produce a ``Settings``; ``docs/configuration.md`` documents every key.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import typing
@@ -15,6 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
+
+log = logging.getLogger("karta.config")
 
 
 class ConfigError(ValueError):
@@ -34,6 +37,8 @@ class ServerSettings:
     max_inflight_bytes: int = 512 * 1024 * 1024
     #: forward unenriched before the index is ready instead of answering 503
     forward_before_ready: bool = False
+    #: threads that decompress, splice and compress requests; 0: one per usable core
+    worker_threads: int = 0
 
 
 @dataclass
@@ -130,10 +135,6 @@ class EnrichSettings:
     #: "replace": stamped labels replace same-named labels a sender sent;
     #: "keep": a series that already carries karta_workload passes through unchanged
     conflict_policy: str = "replace"
-    #: entries of each per-series cache (RW 1.0 keyed by label bytes, RW 2.0 by label
-    #: strings): ~1.4 KB each with ~560-byte label sets (docs/wire.md), so 180,000 stay
-    #: under ~256 MiB
-    cache_size: int = 180_000
 
 
 @dataclass
@@ -259,6 +260,12 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+#: settings of earlier versions that are now ignored (with a warning), and why
+_REMOVED = {
+    "enrich.cache_size": "the splice keeps no per-series state since 0.2 (docs/wire.md)",
+}
+
+
 def _key(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -274,6 +281,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if not isinstance(raw_key, str):
             raise ConfigError(f"{where}: keys must be strings, got {raw_key!r}")
         key = raw_key.replace("-", "_")
+        if _key(prefix, key) in _REMOVED:
+            log.warning("ignoring a removed setting", extra={
+                "key": _key(prefix, key), "reason": _REMOVED[_key(prefix, key)]})
+            continue
         if key not in known:
             raise ConfigError(
                 f"unknown key '{_key(prefix, raw_key)}' (known keys here: "
@@ -397,6 +408,10 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _positive(s.server.max_body_bytes, "server.max_body_bytes")
     _positive(s.server.max_decoded_bytes, "server.max_decoded_bytes")
     _positive(s.server.max_concurrent_requests, "server.max_concurrent_requests")
+    if not 0 <= s.server.worker_threads <= 256:
+        raise ConfigError(
+            f"server.worker_threads: must be 0 (one per core) to 256, got {s.server.worker_threads}"
+        )
     _positive(s.server.max_inflight_bytes, "server.max_inflight_bytes")
     if s.server.max_inflight_bytes < s.server.max_body_bytes:
         raise ConfigError(
@@ -453,8 +468,6 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
                         f"expression {pattern!r}: {exc}"
                     ) from None
     _one_of(e.conflict_policy, _CONFLICT_POLICIES, "enrich.conflict_policy")
-    if e.cache_size < 0:
-        raise ConfigError(f"enrich.cache_size: must be 0 or more, got {e.cache_size}")
 
     k = s.karta
     for i, p in enumerate(k.description_paths):

@@ -28,9 +28,10 @@ import aiohttp
 from aiohttp import web
 
 from proxy import contract
-from proxy.codec import Protocol, protocol_from_content_type
 from proxy.compression import DecodeError, decompress
+from proxy.handler import protocol_from_content_type
 from proxy.sender import Series, decode, send_series, series_from_exposition
+from proxy.wire.primitives import Protocol
 
 DEMO_DATA = Path(__file__).resolve().parent / "demo_data"
 BUNDLED_SNAPSHOT = DEMO_DATA / "snapshot.yaml"

@@ -41,12 +41,12 @@ from prometheus_client.registry import Collector
 
 import proxy
 from proxy import contract
-from proxy.codec import encode_uvarint as _varint
-from proxy.codec import len_field
 from proxy.config import FactSettings
 from proxy.index import PodIndex, stamped_pairs
 from proxy.karta.model import GENERIC_PHASES, UNDEFINED
 from proxy.karta.results import PodAttribution, WorkloadFacts
+from proxy.wire.primitives import encode_uvarint as _varint
+from proxy.wire.primitives import len_field
 
 if TYPE_CHECKING:
     from proxy.lease import LeaseElector

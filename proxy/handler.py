@@ -1,5 +1,9 @@
 """The remote-write HTTP handler: receive -> decode -> enrich -> forward, with bounded load.
 
+Decompressing, splicing and compressing one request run together in a worker thread (the
+splice and cramjam release the GIL), so one process uses every core and health checks,
+watches, fact writes and ``/metrics`` never wait behind a big request on the event loop.
+
 Every refusal is a 4xx or 5xx with a one-line message, a log line and a counter, and
 nothing is allocated past the configured limits: the compressed body is read in chunks
 against ``max_body_bytes`` and the decoded size is taken from the body's own header
@@ -9,17 +13,20 @@ the answer is 503 with ``Retry-After`` at once (never a queue, never a 429 of ou
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 import typing
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.attribution import EnrichResult
-from proxy.codec import Protocol, protocol_from_content_type
 from proxy.compression import (
     DecodeError,
+    compress,
     decompress,
     snappy_declared_length,
     zstd_declared_length,
@@ -28,6 +35,8 @@ from proxy.config import ServerSettings
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Answer, Upstream
+from proxy.wire.plan import SpliceResult
+from proxy.wire.primitives import Protocol
 
 log = logging.getLogger("karta.handler")
 
@@ -38,11 +47,58 @@ RETRY_AFTER = "1"
 
 
 class Enriching(typing.Protocol):
-    """What the handler needs of ``proxy.attribution.Enricher``."""
+    """What the handler needs of ``proxy.attribution.Enricher`` (called from worker
+    threads)."""
 
-    def enrich_v1(self, raw: bytes) -> EnrichResult: ...
+    def enrich_v1(self, raw: bytes) -> SpliceResult: ...
 
-    def enrich_v2(self, raw: bytes) -> EnrichResult: ...
+    def enrich_v2(self, raw: bytes) -> SpliceResult: ...
+
+
+def protocol_from_content_type(ct: str) -> Protocol:
+    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else."""
+    parts = [p.strip() for p in ct.split(";")]
+    media = parts[0].lower()
+    if media != "application/x-protobuf":
+        raise DecodeError(
+            "unsupported_content_type",
+            415,
+            f"unsupported Content-Type {ct!r}: remote write needs application/x-protobuf",
+        )
+    proto = ""
+    for param in parts[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "proto":
+            proto = value.strip().strip('"')
+    if proto in ("", Protocol.V1.value):
+        return Protocol.V1
+    if proto == Protocol.V2.value:
+        return Protocol.V2
+    raise DecodeError(
+        "unsupported_content_type",
+        415,
+        f"unsupported remote-write message {proto!r}: expected {Protocol.V1.value} "
+        f"or {Protocol.V2.value}",
+    )
+
+
+def worker_count(configured: int) -> int:
+    """Worker threads for the request work: ``configured``, or one per usable core."""
+    if configured > 0:
+        return configured
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request after its worker-thread part: the enrichment and the body to send."""
+
+    result: SpliceResult
+    #: ``result.body`` compressed for the upstream; None when the upstream converts first
+    encoded: bytes | None
 
 
 def declared_decoded_size(body: bytes, encoding: str) -> int | None:
@@ -126,6 +182,12 @@ class RemoteWriteHandler:
         self.upstream = upstream
         self.metrics = metrics
         self.budget = LoadBudget(settings.max_concurrent_requests, settings.max_inflight_bytes)
+        self.workers = worker_count(settings.worker_threads)
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="karta-splice")
+
+    def close(self) -> None:
+        """Stop the worker threads (after the server stopped taking requests)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -232,29 +294,40 @@ class RemoteWriteHandler:
         # a declared size past the limit is refused by decompress without allocating
         self._reserve(held, min(declared if declared is not None else s.max_decoded_bytes,
                                 s.max_decoded_bytes))
+        out_encoding = self.upstream.out_encoding(encoding)
+        encode = not self.upstream.converts(protocol)
+        loop = asyncio.get_running_loop()
         try:
-            raw = decompress(body, encoding, max_decoded=s.max_decoded_bytes)
-        except DecodeError as e:
-            raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
-        del body
-        try:
-            result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
-                      else self.enricher.enrich_v1(raw))
+            prepared = await loop.run_in_executor(
+                self._executor, self._prepare, body, encoding, protocol,
+                out_encoding if encode else None,
+            )
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ValueError as e:
             raise _Refusal(400, f"cannot decode the remote-write message: {e}",
                            counter="decode", kind="protobuf") from None
+        del body
+        result = prepared.result
         self._count(result)
         answer = await self.upstream.forward(
             result.body, protocol, incoming_headers=request.headers, encoding=encoding,
-            counts=result.counts,
+            counts=result.counts, encoded=prepared.encoded,
         )
         if answer.ok:
             self.metrics.series.labels("out").inc(result.counts.series)
         return self._answer(answer)
 
-    def _count(self, result: EnrichResult) -> None:
+    def _prepare(self, body: bytes, encoding: str, protocol: Protocol,
+                 out_encoding: str | None) -> Prepared:
+        """The worker-thread part of a request: decompress, splice, compress."""
+        raw = decompress(body, encoding, max_decoded=self.settings.max_decoded_bytes)
+        result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
+                  else self.enricher.enrich_v1(raw))
+        encoded = compress(result.body, out_encoding) if out_encoding is not None else None
+        return Prepared(result, encoded)
+
+    def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts
         m.series.labels("in").inc(c.series)
         m.samples.inc(c.samples)

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from proxy import __version__
 from proxy.contract import CONTRACT_VERSION
 from proxy.index import PodIndex
+from proxy.wire.native import DEFAULT as SPLICE
 
 _P = "karta_proxy_"
 
@@ -108,10 +109,11 @@ class ProxyMetrics:
             registry=r,
         )
         self.build_info = Gauge(
-            _P + "build_info", "Version of the proxy and of its metric contract.",
-            ["version", "contract_version"], registry=r,
+            _P + "build_info", "Version of the proxy, of its metric contract, and which "
+            "splice runs (native or python).",
+            ["version", "contract_version", "splice"], registry=r,
         )
-        self.build_info.labels(__version__, CONTRACT_VERSION).set(1)
+        self.build_info.labels(__version__, CONTRACT_VERSION, SPLICE).set(1)
         self._index: PodIndex | None = None
         r.register(_IndexCollector(lambda: self._index))
 

@@ -28,6 +28,7 @@ from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.server import build_app, start_site
 from proxy.upstream import Upstream
+from proxy.wire.native import warn_if_python
 
 log = logging.getLogger("karta.runtime")
 
@@ -77,7 +78,6 @@ class Proxy:
             self.index,
             [(ns, pod) for ns, pod in settings.enrich.pod_label_pairs],
             conflict_policy=settings.enrich.conflict_policy,
-            cache_size=settings.enrich.cache_size,
             pod_label_rules=settings.enrich.pod_label_rules,
         )
         self.upstream = Upstream(settings.upstream, self.metrics)
@@ -189,7 +189,9 @@ class Proxy:
         log.info("starting karta-proxy", extra={
             "version": __version__, "contract_version": CONTRACT_VERSION,
             "upstream_url": s.upstream.url, "listen_address": s.server.listen_address,
+            "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
+        warn_if_python()
         await self.upstream.start()
         self._load_description_files()
         self.source = self._make_source()
@@ -234,6 +236,7 @@ class Proxy:
                     log.exception("error while stopping", extra={"part": type(part).__name__})
         await self._stop_elector()
         await self.upstream.close()
+        await asyncio.to_thread(self.handler.close)
         log.info("karta-proxy stopped")
 
 

@@ -23,10 +23,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
-from proxy.codec import Protocol
 from proxy.compression import compress
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2pb
 from proxy.pb.prometheus import remote_pb2
+from proxy.wire.primitives import Protocol
 
 #: Prometheus' staleness marker: a NaN with this exact bit pattern ends a series.
 STALE_NAN_BITS = 0x7FF0000000000002

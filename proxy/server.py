@@ -17,6 +17,7 @@ from proxy.contract import CONTRACT_VERSION
 from proxy.handler import WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
+from proxy.wire.native import DEFAULT as SPLICE
 
 log = logging.getLogger("karta.server")
 
@@ -66,6 +67,7 @@ def build_app(
             ("pods in index", str(len(index))),
             ("workloads", str(len(index.workloads))),
             ("upstream protocol", "RW 1.0 only" if handler.upstream.v1_only else "as received"),
+            ("splice", f"{SPLICE} ({handler.workers} worker threads)"),
         ]
         table = "\n".join(
             f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows

@@ -10,6 +10,7 @@ never invents a 429 of its own.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
@@ -20,10 +21,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from proxy.codec import Counts, Protocol, v2_to_v1
 from proxy.compression import compress
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
+from proxy.wire.convert import v2_to_v1
+from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.upstream")
 
@@ -218,6 +220,15 @@ class Upstream:
 
     # -- forwarding -----------------------------------------------------------------------
 
+    def out_encoding(self, encoding: str) -> str:
+        """The Content-Encoding sent upstream for a request the sender encoded so."""
+        return encoding if self.settings.encoding == "same" else self.settings.encoding
+
+    def converts(self, protocol: Protocol) -> bool:
+        """True when a request of this protocol is converted to RW 1.0 before sending."""
+        return (protocol is Protocol.V2 and self.v1_only
+                and self.settings.protocol != "passthrough")
+
     async def forward(
         self,
         raw: bytes,
@@ -226,21 +237,25 @@ class Upstream:
         incoming_headers: Mapping[str, str] | None = None,
         encoding: str = "snappy",
         counts: Counts | None = None,
+        encoded: bytes | None = None,
     ) -> Answer:
         """Send one uncompressed request body upstream; return what to answer the sender.
 
         ``encoding`` is the sender's; ``settings.encoding`` decides what goes out.
+        ``encoded``: ``raw`` already compressed with :meth:`out_encoding` (the handler does
+        it in its worker thread); otherwise it is compressed here, off the event loop.
         ``counts`` lets the RW 2.0 ``...-Written`` headers be computed when the upstream
         gives none (a v1 upstream never does).
         """
         incoming = incoming_headers or {}
-        out_encoding = encoding if self.settings.encoding == "same" else self.settings.encoding
+        out_encoding = self.out_encoding(encoding)
         converted = False
-        if protocol is Protocol.V2 and self.v1_only and self.settings.protocol != "passthrough":
-            raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
+        if self.converts(protocol):
+            raw, protocol, converted = await asyncio.to_thread(v2_to_v1, raw), Protocol.V1, True
+            encoded = None
             if self.metrics is not None:
                 self.metrics.upstream_conversions.inc()
-        answer = await self._post(raw, protocol, incoming, out_encoding)
+        answer = await self._post(raw, encoded, protocol, incoming, out_encoding)
         if (
             answer.upstream == "415"
             and protocol is Protocol.V2
@@ -251,10 +266,10 @@ class Upstream:
                 extra={"upstream_url": self.settings.url},
             )
             self.v1_only = True
-            raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
+            raw, protocol, converted = await asyncio.to_thread(v2_to_v1, raw), Protocol.V1, True
             if self.metrics is not None:
                 self.metrics.upstream_conversions.inc()
-            answer = await self._post(raw, protocol, incoming, out_encoding)
+            answer = await self._post(raw, None, protocol, incoming, out_encoding)
         answer.converted = converted
         if answer.ok and (converted or protocol is Protocol.V2):
             self._written_headers(answer, counts)
@@ -276,12 +291,13 @@ class Upstream:
                 answer.headers[name] = str(value)
 
     async def _post(
-        self, raw: bytes, protocol: Protocol, incoming: Mapping[str, str], encoding: str
+        self, raw: bytes, encoded: bytes | None, protocol: Protocol,
+        incoming: Mapping[str, str], encoding: str,
     ) -> Answer:
         if self._session is None:
             await self.start()
         assert self._session is not None
-        body = compress(raw, encoding)
+        body = encoded if encoded is not None else await asyncio.to_thread(compress, raw, encoding)
         headers = self._headers(incoming, protocol, encoding)
         server_hostname = self.settings.tls_server_name or None
         started = time.perf_counter()

@@ -15,10 +15,13 @@ import cramjam
 import pytest
 import snappy
 
+from proxy.compression import DecodeError
 from proxy.config import Settings
+from proxy.handler import protocol_from_content_type
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
+from proxy.wire.primitives import Protocol
 from tests.scripted import Reply, ScriptedUpstream
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
@@ -412,3 +415,29 @@ async def test_v2_to_v1_upstream_through_the_proxy(tmp_path: Path) -> None:
         finally:
             await p.stop()
     assert labels_of(up.received[-1].raw) == [{**cart, **CART}]
+
+
+# -- content negotiation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ct", "proto"),
+    [
+        ("application/x-protobuf", Protocol.V1),
+        ("application/x-protobuf;proto=prometheus.WriteRequest", Protocol.V1),
+        ("Application/X-Protobuf; proto=prometheus.WriteRequest", Protocol.V1),
+        ("application/x-protobuf;proto=io.prometheus.write.v2.Request", Protocol.V2),
+        ('application/x-protobuf; proto="io.prometheus.write.v2.Request"', Protocol.V2),
+    ],
+)
+def test_protocol_from_content_type(ct: str, proto: Protocol) -> None:
+    assert protocol_from_content_type(ct) is proto
+
+
+@pytest.mark.parametrize(
+    "ct", ["", "application/json", "text/plain", "application/x-protobuf;proto=foo.Bar"]
+)
+def test_unsupported_content_type_is_415(ct: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        protocol_from_content_type(ct)
+    assert info.value.status == 415

@@ -19,6 +19,7 @@ from proxy.wire.primitives import (
 )
 from proxy.wire.splice_v2 import scan_v2, split_series_v2
 
+
 def _check_refs(refs: Sequence[int], nsym: int) -> None:
     if refs and max(refs) >= nsym:
         raise invalid(f"symbol reference {max(refs)} past the table of {nsym}")

@@ -23,12 +23,13 @@ log = logging.getLogger("karta.wire")
 
 _native: ModuleType | None
 try:
-    from proxy.wire import _splice as _native
+    from proxy.wire import _splice
 except ImportError as exc:  # not built: no compiler at install time
     _native = None
     NATIVE_MISSING = f"{exc}"
 else:
-    _native.set_error_class(DecodeError)
+    _native = _splice
+    _splice.set_error_class(DecodeError)
     NATIVE_MISSING = ""
 
 Implementation = Literal["native", "python"]

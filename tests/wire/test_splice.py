@@ -1,0 +1,255 @@
+"""The splices at the wire level, on both implementations: counts, odd but valid layouts,
+what stays byte-exact, and garbage refused with the right error."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.compression import DecodeError
+from proxy.wire.native import Splicer
+from proxy.wire.primitives import Counts, encode_label_v1, encode_uvarint, len_field
+from tests.wire.conftest import STAMPED, MakeSplicer
+from tests.wire_fixtures import (
+    STALE_NAN,
+    TS,
+    labels_of,
+    labels_v2,
+    parse_v1,
+    parse_v2,
+    request_v1,
+    request_v2,
+    series_v1,
+)
+
+POD = {"namespace": "ml", "pod": "p"}
+STAMPED_POD = [("karta_workload", "w"), ("namespace", "ml"), ("pod", "p")]
+
+
+def test_counts_v1_and_unattributed_bytes_pass_through(splicer: Splicer) -> None:
+    raw = request_v1(
+        series_v1({"a": "1"}, [(1.0, TS), (STALE_NAN, TS + 1)], exemplars=1),
+        series_v1({"namespace": "ml", "pod": "gone"}, [], histograms=3),
+        metadata=True,
+    )
+    res = splicer.splice_v1(raw)
+    assert res.body is raw
+    assert res.counts == Counts(series=2, samples=2, histograms=3, exemplars=1)
+    assert (res.attributed, res.unattributed) == (0, {"no_pod_label": 1, "pod_unknown": 1})
+
+
+def test_counts_v2(splicer: Splicer) -> None:
+    raw = request_v2({"a": "1"}, {"a": "2"}, histograms=1, exemplars=2)
+    res = splicer.splice_v2(raw)
+    assert res.body is raw
+    assert res.counts == Counts(series=2, samples=4, histograms=2, exemplars=4)
+
+
+def test_reasons_come_from_the_table(splicer: Splicer) -> None:
+    splicer.table.set(b"ml", b"q", "no_described_owner")
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "q"}), series_v1(POD))
+    res = splicer.splice_v1(raw)
+    assert (res.attributed, res.unattributed) == (1, {"no_described_owner": 1})
+    splicer.table.delete(b"ml", b"p")
+    assert splicer.splice_v1(raw).unattributed == {"no_described_owner": 1, "pod_unknown": 1}
+
+
+def test_labels_after_samples_are_still_found(splicer: Splicer) -> None:
+    # valid protobuf: fields of a repeated message may come in any order
+    ts = series_v1(POD)
+    labels = b"".join(len_field(1, lb.SerializeToString()) for lb in ts.labels)
+    sample = len_field(2, ts.samples[0].SerializeToString())
+    raw = len_field(1, sample + labels)
+    res = splicer.splice_v1(raw)
+    (got,) = parse_v1(res.body).timeseries
+    assert labels_of(got) == STAMPED_POD
+    assert got.samples == ts.samples
+    assert res.counts.samples == 1
+
+
+def test_long_series_and_long_labels(splicer: Splicer) -> None:
+    big = "v" * 20000  # label and series lengths need three-byte varints
+    raw = request_v1(series_v1({**POD, "a": big, "b": "x" * 200}), series_v1(POD))
+    first, second = parse_v1(splicer.splice_v1(raw).body).timeseries
+    assert labels_of(first) == [("a", big), ("b", "x" * 200), *STAMPED_POD]
+    assert labels_of(second) == STAMPED_POD
+
+
+def test_unknown_fields_pass_through(splicer: Splicer) -> None:
+    extra = len_field(15, b"future") + b"\xa0\x06\x01"  # field 100 varint
+    inner = len_field(9, b"x")  # unknown field inside the series
+    raw = len_field(1, series_v1(POD).SerializeToString() + inner) + extra
+    out = splicer.splice_v1(raw).body
+    assert out.endswith(inner + extra)
+    assert labels_of(parse_v1(out).timeseries[0]) == STAMPED_POD
+
+
+def test_sent_stamped_labels_are_replaced_and_other_karta_labels_kept(splicer: Splicer) -> None:
+    raw = request_v1(series_v1({**POD, "karta_workload": "forged", "karta_extra": "x",
+                                "karta_kind": "Fake"}))
+    (got,) = parse_v1(splicer.splice_v1(raw).body).timeseries
+    assert labels_of(got) == [("karta_extra", "x"), *STAMPED_POD]
+
+
+def test_already_stamped_series_pass_through_byte_exact(splicer: Splicer) -> None:
+    once = splicer.splice_v1(request_v1(series_v1(POD))).body
+    again = splicer.splice_v1(once)
+    assert again.body is once and again.attributed == 1
+
+
+def test_unsorted_labels_are_sorted_when_stamped(splicer: Splicer) -> None:
+    ts = series_v1({})
+    del ts.labels[:]
+    for n, v in (("pod", "p"), ("b", "2"), ("namespace", "ml"), ("a", "1")):
+        ts.labels.add(name=n, value=v)
+    (got,) = parse_v1(splicer.splice_v1(request_v1(ts)).body).timeseries
+    assert [n for n, _ in labels_of(got)] == ["a", "b", "karta_workload", "namespace", "pod"]
+
+
+def test_label_value_that_looks_like_a_sample_tail(splicer: Splicer) -> None:
+    tricky = "x\x12\x07\x10abcdef"  # the last 9 bytes look like a 9-byte sample field
+    raw = request_v1(series_v1({**POD, "a": tricky}, []))
+    for _ in range(2):
+        res = splicer.splice_v1(raw)
+        assert res.counts.samples == 0
+        assert labels_of(parse_v1(res.body).timeseries[0]) == [("a", tricky), *STAMPED_POD]
+
+
+GARBAGE_V1 = [
+    b"\x0a\x05abc",  # series longer than the body
+    b"\x0a",  # truncated
+    b"\x0b\x00",  # group start
+    b"\x08",  # truncated varint field
+    b"\xff" * 12,  # over-long varint
+    b"\x08" + b"\xff" * 10 + b"\x01",  # an 11-byte varint value
+    b"\x00\x01",  # field number 0
+    encode_uvarint(1 << 29 << 3) + b"\x00",  # field number 2^29
+    b"\x0a\x04\x0a\x05ab",  # label longer than its series
+    b"\x0a\x02\x08\x01",  # label field with a varint wire type
+    b"\x08\x01",  # timeseries field with a varint wire type
+    b"\x0a\x02\x10\x01",  # sample field with a varint wire type
+    b"\x0a\x04\x0a\x02\x08\x01",  # label name with a varint wire type
+]
+
+
+@pytest.mark.parametrize("raw", GARBAGE_V1)
+def test_garbage_v1_is_a_decode_error(splicer: Splicer, raw: bytes) -> None:
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(raw)
+    assert (info.value.status, info.value.kind) == (400, "protobuf_invalid")
+
+
+def _label(name: bytes, value: bytes) -> bytes:
+    return len_field(1, len_field(1, name) + len_field(2, value))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"\xff", b"\xe2\x82", b"\xc3", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+     b"x" * 200 + b"\xff", b"\xe0\x80\xaf"],
+)
+@pytest.mark.parametrize("where", ["name", "value", "unattributed"])
+def test_invalid_utf8_is_a_decode_error(splicer: Splicer, bad: bytes, where: str) -> None:
+    labels = _label(b"namespace", b"ml") + _label(b"pod", b"p" if where != "unattributed"
+                                                 else b"nobody")
+    labels += _label(b"id" + bad, b"v") if where == "name" else _label(b"id", bad)
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(len_field(1, labels))
+    assert (info.value.status, info.value.kind) == (400, "invalid_utf8")
+
+
+def test_invalid_utf8_cannot_hide_behind_framing_bytes(splicer: Splicer) -> None:
+    # name ends with E2 82, then an unknown field 37 (varint) whose tag starts A8: "₨"
+    unknown = bytes([0xA8, 0x02, 0x00])
+    label = len_field(1, b"ab\xe2\x82") + unknown + len_field(2, b"v")
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(len_field(1, len_field(1, label)))
+    assert info.value.kind == "invalid_utf8"
+
+
+def test_valid_multibyte_and_replacement_characters_pass(splicer: Splicer) -> None:
+    raw = request_v1(series_v1({**POD, "a": "é€😀" + "x" * 300, "b": "\ufffd"}))
+    (got,) = parse_v1(splicer.splice_v1(raw).body).timeseries
+    assert dict(labels_of(got))["b"] == "\ufffd"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x22\x01\xff",  # a symbol that is not UTF-8
+        b"\x22\x01a",  # symbols not starting with ""
+        b"\x22\x00\x2a\x04\x0a\x02\x00\x05",  # ref past the table
+        b"\x22\x00\x2a\x03\x0a\x01\x00",  # odd number of refs
+        b"\x2a\x05\x0a",  # truncated
+        b"\x20\x01",  # symbols with a varint wire type
+        b"\x22\x00\x2a\x02\x12\x00\x2a\x02\x10\x01",  # sample with a varint wire type
+    ],
+)
+def test_garbage_v2_is_a_decode_error(splicer: Splicer, raw: bytes) -> None:
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v2(raw)
+    assert info.value.status == 400
+
+
+def _symbols(*syms: bytes) -> bytes:
+    return b"".join(len_field(4, s) for s in syms)
+
+
+def test_v2_unpacked_refs_accepted(splicer: Splicer) -> None:
+    # labels_refs sent one varint at a time (legal protobuf for a packed field)
+    raw = _symbols(b"", b"namespace", b"ml", b"pod", b"p") + len_field(
+        5, b"\x08\x01\x08\x02\x08\x03\x08\x04")
+    res = splicer.splice_v2(raw)
+    assert (res.counts.series, res.counts.samples, res.attributed) == (1, 0, 1)
+    # the stamp sorts first; its strings are appended; the refs re-encoded packed
+    assert res.body == (_symbols(b"", b"namespace", b"ml", b"pod", b"p", b"karta_workload", b"w")
+                        + len_field(5, len_field(1, b"\x05\x06\x01\x02\x03\x04")))
+
+
+def test_v2_multibyte_refs_and_existing_symbols(splicer: Splicer) -> None:
+    syms = [b"", *(b"s%d" % i for i in range(300)), b"namespace", b"ml", b"pod", b"p", b"w"]
+    ix = {s: i for i, s in enumerate(syms)}
+    refs = [ix[b"s5"], ix[b"s200"], ix[b"namespace"], ix[b"ml"], ix[b"pod"], ix[b"p"]]
+    sample = len_field(2, b"\x09" + b"\x00" * 8)
+    raw = _symbols(*syms) + len_field(
+        5, len_field(1, b"".join(encode_uvarint(r) for r in refs)) + sample)
+    res = splicer.splice_v2(raw)
+    req = parse_v2(res.body)
+    assert labels_v2(req, req.timeseries[0]) == [*STAMPED_POD, ("s5", "s200")]  # sorted
+    # "w" was in the table already: only "karta_workload" is appended
+    assert list(req.symbols[len(syms):]) == ["karta_workload"]
+    assert res.body.endswith(sample)
+
+
+def test_v2_symbols_go_after_the_last_symbols_field(splicer: Splicer) -> None:
+    series = len_field(5, len_field(1, bytes([1, 2, 3, 4])))
+    raw = _symbols(b"", b"namespace", b"ml") + series + _symbols(b"pod", b"p") + series
+    res = splicer.splice_v2(raw)
+    req = parse_v2(res.body)
+    assert [labels_v2(req, t) for t in req.timeseries] == [STAMPED_POD, STAMPED_POD]
+    assert list(req.symbols) == ["", "namespace", "ml", "pod", "p", "karta_workload", "w"]
+
+
+def test_v2_untouched_is_byte_exact(splicer: Splicer) -> None:
+    raw = request_v2({"namespace": "ml", "pod": "ghost"}, {"a": "b"})
+    res = splicer.splice_v2(raw)
+    assert res.body is raw
+    assert res.unattributed == {"pod_unknown": 1, "no_pod_label": 1}
+
+
+def test_v2_sent_stamped_labels_replaced(splicer: Splicer) -> None:
+    raw = request_v2({**POD, "karta_workload": "forged", "karta_instance": "x"})
+    req = parse_v2(splicer.splice_v2(raw).body)
+    assert labels_v2(req, req.timeseries[0]) == STAMPED_POD
+
+
+def test_a_stamp_of_many_labels_in_sorted_position(make_splicer: MakeSplicer) -> None:
+    sp = make_splicer()
+    stamp = (("karta_workload", "w"), ("karta_component", "c"), ("karta_kind", "K"))
+    sp.table.set(b"ml", b"p", stamp)
+    raw = request_v1(series_v1({**POD, "__name__": "m", "karta": "a", "karta_z": "z"}))
+    (got,) = parse_v1(sp.splice_v1(raw).body).timeseries
+    assert [n for n, _ in labels_of(got)] == [
+        "__name__", "karta", "karta_component", "karta_kind", "karta_workload", "karta_z",
+        "namespace", "pod"]
+    assert encode_label_v1(b"karta_kind", b"K") in sp.splice_v1(raw).body
+    assert b"karta_kind" in STAMPED
