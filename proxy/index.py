@@ -2,10 +2,10 @@
 
 Sources (snapshot, watches) feed the Karta engine; the engine's change sets are applied
 here. The request path never reads it directly: the splice reads its own per-pod table,
-which the index's pod listeners keep equal to :meth:`PodIndex.answer`. Deleted pods stay as tombstones for ``tombstone_seconds`` so late samples
-and stale markers still get their labels. Pod listeners (:meth:`PodIndex.subscribe_pods`)
-hear of every key whose answer may have changed, which is how the splice's pod table
-stays current.
+which the index's pod listeners (:meth:`PodIndex.subscribe_pods`) keep equal to
+:meth:`PodIndex.answer`, hearing of every key whose answer may have changed. Deleted pods
+stay as tombstones for ``tombstone_seconds`` so late samples and stale markers still get
+their labels.
 """
 
 from __future__ import annotations
