@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from proxy.wire.plan import MAX_LABEL_NAMES
+
 log = logging.getLogger("karta.config")
 
 
@@ -468,6 +470,14 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
                         f"expression {pattern!r}: {exc}"
                     ) from None
     _one_of(e.conflict_policy, _CONFLICT_POLICIES, "enrich.conflict_policy")
+    names = {n for pair in e.pod_label_pairs for n in pair} | {
+        n for rule in e.pod_label_rules for p in rule.pod_label_pairs
+        for n in (p.namespace, p.pod, *p.unless)}
+    if "" in names:
+        raise ConfigError("enrich: a label name of pod_label_pairs or pod_label_rules is empty")
+    if len(names) > MAX_LABEL_NAMES - 10:
+        raise ConfigError(f"enrich: pod_label_pairs and pod_label_rules name {len(names)} "
+                          f"distinct labels; at most {MAX_LABEL_NAMES - 10}")
 
     k = s.karta
     for i, p in enumerate(k.description_paths):

@@ -1047,7 +1047,11 @@ static PyTypeObject PodTableType = {
 /* ------------------------------------------------------------------------------------ */
 /* the plan                                                                             */
 
-#define MAX_SLOTS 64
+/* Label names a plan reads (its pairs, unless labels, __name__, the stamped names);
+ * proxy/wire/native.py refuses larger plans with a clear error before they get here. */
+#define MAX_SLOTS 1024
+#define BUCKETS 4096
+#define PER_BUCKET 8
 #define FLAG_STAMPED 1
 
 typedef struct {
@@ -1082,7 +1086,7 @@ typedef struct {
     int nslots;
     uint64_t len_mask; /* bit k: some wanted name has length k (k < 64) */
     int long_names;    /* some wanted name is 64 bytes or longer */
-    int8_t bucket[256][4]; /* name hash -> up to 4 candidate slots, -1 terminated */
+    int16_t bucket[BUCKETS][PER_BUCKET]; /* name hash -> candidate slots, -1 terminated */
     size_t npairs;
     PairC *pairs;
     size_t nrules;
@@ -1098,7 +1102,7 @@ typedef struct {
 static inline size_t
 name_bucket(const uint8_t *s, size_t n)
 {
-    return (n * 31u + (size_t)s[0] * 7u + s[n - 1]) & 255u;
+    return (n * 131u + (size_t)s[0] * 31u + (size_t)s[n / 2] * 7u + s[n - 1]) & (BUCKETS - 1);
 }
 
 static int
@@ -1114,7 +1118,7 @@ plan_slot(Plan *pl, PyObject *name, int flags)
             return i;
         }
     if (pl->nslots >= MAX_SLOTS) {
-        PyErr_SetString(PyExc_ValueError, "a plan reads at most 64 distinct label names");
+        PyErr_Format(PyExc_ValueError, "a plan reads at most %d distinct label names", MAX_SLOTS);
         return -1;
     }
     if (PyList_Append(pl->keep, name) < 0)
@@ -1123,16 +1127,16 @@ plan_slot(Plan *pl, PyObject *name, int flags)
         PyErr_SetString(PyExc_ValueError, "a label name must not be empty");
         return -1;
     }
-    int8_t *b = pl->bucket[name_bucket(s, (size_t)n)];
+    int16_t *b = pl->bucket[name_bucket(s, (size_t)n)];
     int k = 0;
-    while (k < 4 && b[k] >= 0)
+    while (k < PER_BUCKET && b[k] >= 0)
         k++;
-    if (k == 4) {
+    if (k == PER_BUCKET) {
         PyErr_SetString(PyExc_ValueError, "too many label names of one hash: rename one");
         return -1;
     }
     int i = pl->nslots++;
-    b[k] = (int8_t)i;
+    b[k] = (int16_t)i;
     pl->names[i].s = s;
     pl->names[i].n = (size_t)n;
     pl->flags[i] = (uint8_t)flags;
@@ -1351,8 +1355,8 @@ slot_of(const Plan *pl, const uint8_t *s, size_t n)
     }
     else if (!pl->long_names)
         return -1;
-    const int8_t *b = pl->bucket[name_bucket(s, n)];
-    for (int k = 0; k < 4 && b[k] >= 0; k++) {
+    const int16_t *b = pl->bucket[name_bucket(s, n)];
+    for (int k = 0; k < PER_BUCKET && b[k] >= 0; k++) {
         const Str *c = &pl->names[b[k]];
         if (c->n == n && str_eq(c->s, s, n))
             return b[k];
@@ -1989,7 +1993,7 @@ walk_v1(Req *r, size_t n)
 
 typedef struct {
     Vec syms;   /* Str */
-    Vec slots;  /* int8_t per symbol: its plan slot */
+    Vec slots;  /* int16_t per symbol: its plan slot */
     Vec series; /* size_t[3]: start, payload, end */
     size_t symbols_end;
     int has_symbols;
@@ -2059,7 +2063,7 @@ v2_scan(Req *r, V2 *v, size_t n)
         pos = f.end;
     }
     Str *syms = v->syms.data;
-    int8_t *slots = vec_push(&v->slots, v->syms.len ? v->syms.len : 1);
+    int16_t *slots = vec_push(&v->slots, v->syms.len ? v->syms.len : 1);
     if (slots == NULL)
         return 0;
     for (size_t i = 0; i < v->syms.len; i++) {
@@ -2067,7 +2071,7 @@ v2_scan(Req *r, V2 *v, size_t n)
             err_set(e, "invalid_utf8", "symbol is not valid UTF-8");
             return 0;
         }
-        slots[i] = (int8_t)slot_of(r->plan, syms[i].s, syms[i].n);
+        slots[i] = (int16_t)slot_of(r->plan, syms[i].s, syms[i].n);
     }
     if (v->syms.len && syms[0].n != 0) {
         INVALID(e, "symbols table must start with the empty string");
@@ -2385,7 +2389,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             return;
         }
     const Str *syms = v->syms.data;
-    const int8_t *slots = v->slots.data;
+    const int16_t *slots = v->slots.data;
     const Plan *pl = r->plan;
     r->labs.len = 0;
     size_t n = nrefs / 2;
@@ -2516,7 +2520,7 @@ splice(PyObject *args, int version)
     V2 v;
     memset(&v, 0, sizeof v);
     vec_init(&v.syms, sizeof(Str));
-    vec_init(&v.slots, sizeof(int8_t));
+    vec_init(&v.slots, sizeof(int16_t));
     vec_init(&v.series, sizeof(size_t));
     vec_init(&v.added, sizeof(Str));
     vec_init(&v.refpool, sizeof(uint32_t));

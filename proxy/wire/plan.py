@@ -20,6 +20,8 @@ from proxy.wire.primitives import Counts, encode_label_v1
 REASON_NO_POD_LABEL = "no_pod_label"
 REASON_POD_UNKNOWN = "pod_unknown"
 NAME_LABEL = b"__name__"
+#: label names a plan may read (the native splice's fixed table holds 1024)
+MAX_LABEL_NAMES = 1000
 
 #: characters that stand for themselves in a regex
 _LITERAL = re.compile(r"[A-Za-z0-9_\-/:=@ ]*")
@@ -93,6 +95,14 @@ class SplicePlan:
     def __post_init__(self) -> None:
         if not self.pairs:
             raise ValueError("a splice plan needs at least one (namespace, pod) pair")
+        names = self.names | self.stamped
+        if len(names) > MAX_LABEL_NAMES:
+            raise ValueError(
+                f"the pod label pairs and rules read {len(names)} distinct label names "
+                f"(with the stamped ones); at most {MAX_LABEL_NAMES}"
+            )
+        if any(not n for n in names):
+            raise ValueError("a label name of the pod label pairs or rules is empty")
 
     def pairs_for(self, metric: bytes) -> tuple[PodPair, ...]:
         for rule in self.rules:
