@@ -446,7 +446,11 @@ typedef struct {
     uint32_t field_off, field_len; /* the encoded RW 1.0 Label field, in the entry's bytes */
     uint32_t name_off, name_len;
     uint32_t value_off, value_len;
+    uint64_t name_hash, value_hash; /* hash_bytes(.., V2_SEED): RW 2.0 symbol lookups */
 } StampLabel;
+
+/* the seed of the per-request RW 2.0 symbol index (stamp strings carry their hash) */
+#define V2_SEED 0x5bd1e995ULL
 
 typedef struct {
     uint64_t hash;
@@ -741,6 +745,8 @@ build:;
         off += v;
         sl[i].field_off = (uint32_t)(nsl + podl + start);
         sl[i].field_len = (uint32_t)(off - start);
+        sl[i].name_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(nb), n, V2_SEED);
+        sl[i].value_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(vb), v, V2_SEED);
     }
     Py_XDECREF(labels);
     return en;
@@ -1052,6 +1058,7 @@ static PyTypeObject PodTableType = {
 #define MAX_SLOTS 1024
 #define BUCKETS 4096
 #define PER_BUCKET 8
+#define BUCKET_FULL (-2)
 #define FLAG_STAMPED 1
 
 typedef struct {
@@ -1131,12 +1138,11 @@ plan_slot(Plan *pl, PyObject *name, int flags)
     int k = 0;
     while (k < PER_BUCKET && b[k] >= 0)
         k++;
-    if (k == PER_BUCKET) {
-        PyErr_SetString(PyExc_ValueError, "too many label names of one hash: rename one");
-        return -1;
-    }
     int i = pl->nslots++;
-    b[k] = (int16_t)i;
+    if (k < PER_BUCKET - 1)
+        b[k] = (int16_t)i;
+    else
+        b[PER_BUCKET - 1] = BUCKET_FULL; /* the names of a full bucket are found by a scan */
     pl->names[i].s = s;
     pl->names[i].n = (size_t)n;
     pl->flags[i] = (uint8_t)flags;
@@ -1356,7 +1362,13 @@ slot_of(const Plan *pl, const uint8_t *s, size_t n)
     else if (!pl->long_names)
         return -1;
     const int16_t *b = pl->bucket[name_bucket(s, n)];
-    for (int k = 0; k < PER_BUCKET && b[k] >= 0; k++) {
+    for (int k = 0; k < PER_BUCKET && b[k] != -1; k++) {
+        if (b[k] == BUCKET_FULL) {
+            for (int i = 0; i < pl->nslots; i++)
+                if (pl->names[i].n == n && str_eq(pl->names[i].s, s, n))
+                    return i;
+            return -1;
+        }
         const Str *c = &pl->names[b[k]];
         if (c->n == n && str_eq(c->s, s, n))
             return b[k];
@@ -2082,10 +2094,9 @@ v2_scan(Req *r, V2 *v, size_t n)
 
 /* The ref of string s in this request: its first occurrence, or appended. */
 static int64_t
-v2_ref(Req *r, V2 *v, const uint8_t *s, size_t n)
+v2_ref(Req *r, V2 *v, const uint8_t *s, size_t n, uint64_t h)
 {
     size_t mask = v->icap - 1;
-    uint64_t h = hash_bytes(s, n, 0x5bd1e995);
     size_t i = (size_t)h & mask;
     size_t nsym = v->syms.len;
     for (;;) {
@@ -2114,7 +2125,7 @@ v2_ref(Req *r, V2 *v, const uint8_t *s, size_t n)
                 continue;
             const Str *x = (size_t)ix < nsym ? &((Str *)v->syms.data)[ix]
                                              : &((Str *)v->added.data)[(size_t)ix - nsym];
-            size_t j = (size_t)hash_bytes(x->s, x->n, 0x5bd1e995) & (cap - 1);
+            size_t j = (size_t)hash_bytes(x->s, x->n, V2_SEED) & (cap - 1);
             while (idx[j] >= 0)
                 j = (j + 1) & (cap - 1);
             idx[j] = ix;
@@ -2161,7 +2172,7 @@ v2_build_index(Req *r, V2 *v)
     }
     Str *syms = v->syms.data;
     for (size_t k = 0; k < nsym; k++) {
-        uint64_t h = hash_bytes(syms[k].s, syms[k].n, 0x5bd1e995);
+        uint64_t h = hash_bytes(syms[k].s, syms[k].n, V2_SEED);
         size_t i = (size_t)h & (cap - 1);
         int dup = 0;
         while (v->index[i] >= 0) {
@@ -2177,7 +2188,7 @@ v2_build_index(Req *r, V2 *v)
     }
     if (nsym == 0) {
         /* a table that is to hold anything starts with "" */
-        if (v2_ref(r, v, (const uint8_t *)"", 0) < 0)
+        if (v2_ref(r, v, (const uint8_t *)"", 0, hash_bytes((const uint8_t *)"", 0, V2_SEED)) < 0)
             return 0;
     }
     return 1;
@@ -2224,8 +2235,10 @@ v2_stamp_refs(Req *r, V2 *v, const Entry *en)
         return NULL;
     const StampLabel *sl = ENTRY_LABELS(en);
     for (uint32_t i = 0; i < en->nlabels; i++) {
-        int64_t a = v2_ref(r, v, en->data + sl[i].name_off, sl[i].name_len);
-        int64_t b = a < 0 ? -1 : v2_ref(r, v, en->data + sl[i].value_off, sl[i].value_len);
+        int64_t a = v2_ref(r, v, en->data + sl[i].name_off, sl[i].name_len, sl[i].name_hash);
+        int64_t b = a < 0 ? -1
+                          : v2_ref(r, v, en->data + sl[i].value_off, sl[i].value_len,
+                                   sl[i].value_hash);
         if (b < 0)
             return NULL;
         uint32_t *pool = (uint32_t *)v->refpool.data + off;
