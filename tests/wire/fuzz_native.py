@@ -1,0 +1,1119 @@
+"""Mutation fuzzer for the native splice (``proxy/wire/_splice.c``), and the request
+generator the wire tests share.
+
+Run standalone (``tests/wire/test_native_fuzz.py`` runs it in a subprocess, so a crash
+kills this process and never the test run)::
+
+    python tests/wire/fuzz_native.py --seconds 60 --seed 1
+
+It builds a seed corpus of valid RW 1.0 and 2.0 requests (wire-level, with everything
+the splices must cope with: unsorted and duplicated labels, labels after samples,
+unknown fields, non-minimal varints, unpacked refs, long and multi-byte strings), then
+mutates them at random (bit flips, interesting bytes, inserts, deletes, duplicated
+spans, crossovers, corrupted varints, edited length fields, wrong wire types) and
+splices each mutant natively under several plans; every few iterations the pure-Python
+reference splices the same input and the two must agree (same body, counts and
+reasons, or the same ``DecodeError`` kind and status). Then a fixed-input loop checks
+that memory (RSS) and reference counts do not grow.
+
+Exit status: 0 all good, 1 a disagreement or a leak (the reproducer is printed), 2 the
+native splice is not built; a crash is death by a signal. Before every native call the
+input is written to ``--crash-file`` (an mmap'd file, so it survives a segfault): the
+parent reports it, and ``--replay FILE`` re-runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import mmap
+import os
+import random
+import struct
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:  # run as a script: make ``proxy`` importable from the tree
+    sys.path.insert(0, str(_ROOT))
+
+from proxy import contract  # noqa: E402
+from proxy.attribution import build_plan  # noqa: E402
+from proxy.compression import DecodeError  # noqa: E402
+from proxy.config import PodLabelPair, PodLabelRule  # noqa: E402
+from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
+from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
+from proxy.wire.native import Splicer, native_available  # noqa: E402
+from proxy.wire.plan import SplicePlan, SpliceResult  # noqa: E402
+
+# -- wire encoding ------------------------------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def varint_padded(n: int, size: int) -> bytes:
+    """``n`` as a varint of exactly ``size`` bytes (non-minimal when longer than needed;
+    more than 10 bytes is over-long, which every protobuf reader refuses)."""
+    out = bytearray()
+    for i in range(size):
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if i < size - 1 else 0))
+    return bytes(out)
+
+
+def min_varint_len(n: int) -> int:
+    return len(varint(n))
+
+
+def key(num: int, wt: int) -> bytes:
+    return varint(num << 3 | wt)
+
+
+@dataclass
+class Node:
+    """One protobuf field: a wire-level tree the generator builds and the poisons edit."""
+
+    num: int
+    wt: int
+    #: wt 0: the varint's bytes; wt 1 / 5: the fixed bytes; wt 2: bytes or a submessage
+    payload: bytes | list[Node]
+    #: what the field is, for the poisons: "series", "label", "name", "value", "symbol",
+    #: "refs", "data", "unknown", "metadata"
+    kind: str = "unknown"
+    #: the tag's bytes when not the minimal encoding
+    tag: bytes | None = None
+    #: the length's bytes (wt 2) when not the minimal encoding of the payload's length
+    length: bytes | None = None
+    #: the refs of a "refs" node (RW 2.0), for the poisons
+    refs: list[int] = field(default_factory=list)
+
+
+def encode(nodes: Sequence[Node]) -> bytes:
+    out = bytearray()
+    for n in nodes:
+        out += n.tag if n.tag is not None else key(n.num, n.wt)
+        if n.wt == 2:
+            body = encode(n.payload) if isinstance(n.payload, list) else n.payload
+            out += n.length if n.length is not None else varint(len(body))
+            out += body
+        else:
+            assert isinstance(n.payload, bytes)
+            out += n.payload
+    return bytes(out)
+
+
+def len_node(num: int, payload: bytes | list[Node], kind: str = "unknown") -> Node:
+    return Node(num, 2, payload, kind)
+
+
+# -- what the requests name ---------------------------------------------------------------
+
+STAMPED = list(contract.STAMPED_LABELS)
+PAIR_LABELS = [("exported_namespace", "exported_pod"), ("namespace", "pod"),
+               ("pod_namespace", "pod_name")]
+#: pairs of long label names: the native splice's name lookup special-cases names of
+#: 64 bytes and more
+LONG_PAIRS = [("n" * 63, "p" * 64), ("q" * 65, "ü" * 40)]
+LONG_1 = "l" * 200  # a length of two varint bytes
+LONG_2 = "m" * 17_000  # three varint bytes
+UTF8 = ["ü", "日本語", "😀", "\u0800", "\U0010ffff", "\x7f", "a\x00b", "\x0a\x12\x22\x2a"]
+NAMESPACES = ["ml", "web", "kube-system", "ns-ü"]
+POD_NAMES = ["train-head", "shop-abc", "lonely", "ghost", "gpu-0", "pod-日本", LONG_1[:150]]
+PODS = [(ns, pod) for ns in NAMESPACES for pod in POD_NAMES]
+CONTAINERS = ["", "main", "nvidia-dcgm-exporter", "dcgm-exporter", "exporter", "exp",
+              "exporter2", "xexp", "Exporter"]
+OTHER_KARTA = ["karta_", "karta_zzz", "karta_a", "karta_workloadx", "karta_pod_info"]
+NAMES = ["__name__", "job", "instance", "a", "zz", "le", "container", "", "ü名", LONG_1,
+         "n" * 62, "p" * 63, "n" * 64, "q" * 66,
+         *[n for pair in PAIR_LABELS for n in pair], *STAMPED, *OTHER_KARTA, *UTF8]
+METRICS = ["up", "DCGM_FI_DEV_FB_USED", "DCGM_", "DCGM", "dcgm_x", "karta_pod_info",
+           "http_requests_total", ""]
+VALUES = ["", "x", "0", "ml", "web", "train-head", "ghost", LONG_1, "wl", *UTF8, *METRICS,
+          *CONTAINERS, *NAMESPACES, *POD_NAMES]
+STAMP_VALUES = ["train", "shop", "head", "RayJob", "ray.io", "0", "1", "ü-wl", "日本", "",
+                LONG_1, "x" * 130, "\U0010ffff"]
+REASONS = ["no_described_owner", "tombstone", "pod_unknown", "no_pod_label", "r-ü", "x"]
+#: regexes that are not literal alternations (the native splice calls back into Python)
+REGEXES = ["exp.*", "(nvidia-)?dcgm-exporter|exporter|", ".*ü.*", "[a-z]+", "main|"]
+#: literal alternations (matched natively)
+LITERALS = ["|nvidia-dcgm-exporter|dcgm-exporter|exporter", "main", "|main", "exporter"]
+#: byte strings that are not UTF-8: overlong, surrogate, past U+10FFFF, F5+, truncated
+BAD_UTF8 = [b"\xc0\xaf", b"\xc1\xbf", b"\xe0\x80\xaf", b"\xe0\x9f\xbf", b"\xed\xa0\x80",
+            b"\xed\xbf\xbf", b"\xf0\x80\x80\xaf", b"\xf0\x8f\xbf\xbf", b"\xf4\x90\x80\x80",
+            b"\xf5\x80\x80\x80", b"\xf8\x88\x80\x80\x80", b"\xff", b"\xfe", b"\x80", b"\xbf",
+            b"\xc2", b"\xe2\x82", b"\xf0\x9f\x98", b"\xc2\x41", b"\xe2\x28\xa1"]
+
+
+def _samples_v1() -> list[bytes]:
+    out = [pb1.Sample(value=v, timestamp=t).SerializeToString()
+           for v, t in [(1.5, 1_767_000_000_000), (0.0, 0), (float("nan"), -1), (-2.0, 2**62)]]
+    return out
+
+
+def _exemplars_v1() -> list[bytes]:
+    ex = pb1.Exemplar(value=1.0, timestamp=5)
+    ex.labels.add(name="trace_id", value="abc")
+    return [ex.SerializeToString(), pb1.Exemplar().SerializeToString()]
+
+
+def _histograms_v1() -> list[bytes]:
+    h = pb1.Histogram(count_int=10, sum=3.5, schema=3, zero_threshold=1e-128, zero_count_int=1,
+                      timestamp=7)
+    h.positive_spans.add(offset=-2, length=2)
+    h.positive_deltas.extend([4, -1])
+    return [h.SerializeToString()]
+
+
+def _metadata_v1() -> list[bytes]:
+    return [pb1.MetricMetadata(type=pb1.MetricMetadata.COUNTER, metric_family_name="x_total",
+                               help="help", unit="s").SerializeToString(),
+            pb1.MetricMetadata(metric_family_name="日本").SerializeToString()]
+
+
+def _samples_v2() -> list[bytes]:
+    return [pb2.Sample(value=2.5, timestamp=1_767_000_000_000,
+                       start_timestamp=1).SerializeToString(),
+            pb2.Sample(value=float("inf")).SerializeToString()]
+
+
+def _histograms_v2() -> list[bytes]:
+    h = pb2.Histogram(count_float=2.0, sum=1.0, schema=0, timestamp=3, start_timestamp=1)
+    h.positive_spans.add(offset=0, length=1)
+    h.positive_counts.append(2.0)
+    return [h.SerializeToString()]
+
+
+def _exemplars_v2() -> list[bytes]:
+    return [pb2.Exemplar(labels_refs=[0, 0], value=1.0, timestamp=3).SerializeToString()]
+
+
+def _metadata_v2() -> list[bytes]:
+    return [pb2.Metadata(type=pb2.Metadata.METRIC_TYPE_GAUGE, help_ref=0,
+                         unit_ref=0).SerializeToString()]
+
+
+SAMPLES_V1, EXEMPLARS_V1, HISTOGRAMS_V1, METADATA_V1 = (
+    _samples_v1(), _exemplars_v1(), _histograms_v1(), _metadata_v1())
+SAMPLES_V2, HISTOGRAMS_V2, EXEMPLARS_V2, METADATA_V2 = (
+    _samples_v2(), _histograms_v2(), _exemplars_v2(), _metadata_v2())
+
+
+# -- plans and tables ---------------------------------------------------------------------
+
+Answer = tuple[tuple[str, str], ...] | str
+
+
+@dataclass
+class Setup:
+    """A plan and the table contents both implementations get."""
+
+    name: str
+    plan: SplicePlan
+    answers: list[tuple[bytes, bytes, Answer]]
+
+
+def random_plan(rnd: random.Random) -> tuple[str, SplicePlan]:
+    """A plan as ``build_plan`` makes them: random pairs, rules and conflict policy."""
+    pairs = list(PAIR_LABELS)
+    rnd.shuffle(pairs)
+    pairs = pairs[: rnd.randint(1, 3)]
+    if rnd.random() < 0.1:
+        pairs.append(("namespace", "pod_name"))
+    if rnd.random() < 0.15:
+        pairs.insert(rnd.randint(0, len(pairs)), rnd.choice(LONG_PAIRS))
+    policy = rnd.choice(["replace", "keep"])
+    which = rnd.choice(["default", "none", "regex", "literal", "multi"])
+    rules: list[PodLabelRule] | None
+    if which == "default":
+        rules = None
+    elif which == "none":
+        rules = []
+    else:
+        def unless() -> dict[str, str]:
+            pool = REGEXES if which == "regex" else LITERALS
+            out = {"container": rnd.choice(pool)}
+            if which == "multi":
+                out[rnd.choice(["job", "a", "ü名", "karta_workload"])] = rnd.choice(
+                    REGEXES + LITERALS)
+            return out
+
+        rules = [
+            PodLabelRule(rnd.choice(["DCGM_", "DCGM", "", "up", "dcgm"]), [
+                PodLabelPair("exported_namespace", "exported_pod"),
+                PodLabelPair("namespace", "pod", unless()),
+            ]),
+            PodLabelRule("http", [PodLabelPair("pod_namespace", "pod_name", unless())]),
+        ]
+    name = f"{policy}/{which}/{'+'.join(p for p, _ in pairs)}"
+    return name, build_plan(pairs, rules, policy)
+
+
+def random_stamp(rnd: random.Random, suffix: str = "") -> tuple[tuple[str, str], ...]:
+    """A pod's stamp; ``suffix`` makes its values the pod's own."""
+    if rnd.random() < 0.05:
+        return ()
+    names = rnd.sample(STAMPED, rnd.randint(1, len(STAMPED)))
+    if rnd.random() < 0.1:  # a name outside the stamped set: kept next to a sender's
+        names.append(rnd.choice(["karta_extra", "a", "job"]))
+    if rnd.random() < 0.05:  # a name twice
+        names.append(names[0])
+    return tuple((n, rnd.choice(STAMP_VALUES) + suffix) for n in names)
+
+
+def random_answers(rnd: random.Random, pods: Sequence[tuple[str, str]] = PODS, *,
+                   unique: bool = False) -> list[tuple[bytes, bytes, Answer]]:
+    """Stamps for about half the pods, reasons for a quarter; ``unique``: every pod's
+    stamp values and reasons its own (many symbols to add, many reasons to count)."""
+    out: list[tuple[bytes, bytes, Answer]] = []
+    for i, (ns, pod) in enumerate(pods):
+        roll = rnd.random()
+        if roll < 0.5:
+            out.append((ns.encode(), pod.encode(), random_stamp(rnd, f"-{i}" if unique else "")))
+        elif roll < 0.75:
+            reason = f"reason-{i}" if unique else rnd.choice(REASONS)
+            out.append((ns.encode(), pod.encode(), reason))
+    return out
+
+
+def random_setup(rnd: random.Random, pods: Sequence[tuple[str, str]] = PODS, *,
+                 unique: bool = False) -> Setup:
+    name, plan = random_plan(rnd)
+    return Setup(name, plan, random_answers(rnd, pods, unique=unique))
+
+
+#: many pods, for requests with many series of distinct stamps
+WIDE_PODS = [(f"ns{i % 7}", f"pod-{i}") for i in range(300)]
+
+
+def splicers(setup: Setup) -> tuple[Splicer, Splicer]:
+    """(native, python) splicers of the setup, their tables filled alike."""
+    native = Splicer(setup.plan, "native")
+    python = Splicer(setup.plan, "python")
+    for s in (native, python):
+        s.table.update(list(setup.answers))
+    return native, python
+
+
+# -- outcomes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a splice answered: a result, or an error (kind, status)."""
+
+    ok: bool
+    body: bytes = b""
+    same_object: bool = False
+    counts: tuple[int, int, int, int] = (0, 0, 0, 0)
+    attributed: int = 0
+    unattributed: tuple[tuple[str, int], ...] = ()
+    error: tuple[str, Any] = ("", 0)
+
+    def describe(self) -> str:
+        if not self.ok:
+            return f"error {self.error}"
+        return (f"ok body={self.body.hex()} same_object={self.same_object} "
+                f"counts={self.counts} attributed={self.attributed} "
+                f"unattributed={dict(self.unattributed)}")
+
+
+def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
+    """Call a splice; a DecodeError is an outcome, any other exception one too (by type,
+    so that it shows up as a disagreement with the other implementation)."""
+    try:
+        res = fn(raw)
+    except DecodeError as exc:
+        return Outcome(False, error=(exc.kind, exc.status))
+    except Exception as exc:  # a bug either way: reported as a disagreement
+        return Outcome(False, error=(f"{type(exc).__name__}: {exc}", "not a DecodeError"))
+    c = res.counts
+    return Outcome(True, res.body, res.body is raw, (c.series, c.samples, c.histograms,
+                                                     c.exemplars),
+                   res.attributed, tuple(sorted(res.unattributed.items())))
+
+
+def both(native: Splicer, python: Splicer, version: int, raw: bytes) -> tuple[Outcome, Outcome]:
+    if version == 1:
+        return outcome(native.splice_v1, raw), outcome(python.splice_v1, raw)
+    return outcome(native.splice_v2, raw), outcome(python.splice_v2, raw)
+
+
+# -- valid requests -----------------------------------------------------------------------
+
+
+class Gen:
+    """Valid RW 1.0 / 2.0 requests as :class:`Node` trees, driven by a ``random.Random``
+    (hypothesis' ``st.randoms()`` in the property tests, a seeded one in the fuzzer)."""
+
+    def __init__(self, rnd: random.Random, *, huge: bool = True,
+                 pods: Sequence[tuple[str, str]] = PODS,
+                 series: tuple[int, int] | None = None) -> None:
+        self.r = rnd
+        #: allow the 17,000-byte strings (three-byte lengths)
+        self.huge = huge
+        #: the pods the series name
+        self.pods = pods
+        #: (least, most) series per request; None: a few (0 to 8)
+        self.series = series
+
+    def n_series(self) -> int:
+        if self.series is not None:
+            return self.r.randint(*self.series)
+        return self.r.choice([0, 1, 1, 2, 3, 4, 6, 8])
+
+    def chance(self, p: float) -> bool:
+        return self.r.random() < p
+
+    def text(self, pool: Sequence[str]) -> str:
+        r = self.r
+        if self.huge and self.chance(0.01):
+            return LONG_2
+        if self.chance(0.05):
+            return "".join(r.choice([*UTF8, "a", "b", "_"]) for _ in range(r.randint(1, 6)))
+        return r.choice(pool)
+
+    def label_set(self) -> list[tuple[bytes, bytes]]:
+        """Labels as a sender may send them: mostly naming a pod of the table through one
+        of the pairs, sometimes DCGM, sometimes with karta_ labels of its own; unsorted
+        and duplicated names now and then."""
+        r = self.r
+        labels: list[tuple[str, str]] = []
+        for _ in range(r.randint(0, 4)):
+            labels.append((self.text(NAMES), self.text(VALUES)))
+        if self.chance(0.8):
+            ns_label, pod_label = r.choice(PAIR_LABELS if self.chance(0.9) else LONG_PAIRS)
+            ns, pod = r.choice(self.pods)
+            if self.chance(0.05):
+                ns, pod = r.choice([("", pod), (ns, ""), ("ml", "nope")])
+            labels += [(ns_label, ns), (pod_label, pod)]
+            if self.chance(0.2):  # a second pair, maybe of another pod
+                ns_label, pod_label = r.choice(PAIR_LABELS)
+                ns, pod = r.choice(self.pods)
+                labels += [(ns_label, ns), (pod_label, pod)]
+        if self.chance(0.3):
+            labels.append(("__name__", r.choice(METRICS)))
+        if self.chance(0.3):
+            labels.append(("container", r.choice(CONTAINERS)))
+        if self.chance(0.3):
+            for n in r.sample(STAMPED + OTHER_KARTA, r.randint(1, 3)):
+                labels.append((n, r.choice(["", "forged", "train", *STAMP_VALUES])))
+        # unique names unless a duplicate is asked for: the last one of a name wins
+        by_name = dict(labels)
+        out = [(n.encode(), v.encode()) for n, v in by_name.items()]
+        roll = r.random()
+        if roll < 0.8:
+            out.sort()
+        elif roll < 0.9:
+            r.shuffle(out)
+        else:
+            out.sort(reverse=True)
+        if out and self.chance(0.1):
+            dup, _ = r.choice(out)
+            out.insert(r.randint(0, len(out)), (dup, r.choice(VALUES).encode()))
+        return out
+
+    def sized_len(self, payload_len: int) -> bytes | None:
+        """A non-minimal length now and then, of at most 5 bytes (valid protobuf: the
+        generated classes refuse longer ones, the splices take up to 10)."""
+        size = min_varint_len(payload_len)
+        if size < 5 and self.chance(0.03):
+            return varint_padded(payload_len, min(5, size + self.r.randint(1, 3)))
+        return None
+
+    def sized_tag(self, num: int, wt: int) -> bytes | None:
+        """A non-minimal tag now and then, of at most 5 bytes (a tag is a uint32: the
+        generated classes refuse a longer one, the splices take up to 10)."""
+        k = num << 3 | wt
+        if min_varint_len(k) < 5 and self.chance(0.03):
+            return varint_padded(k, min(5, min_varint_len(k) + self.r.randint(1, 2)))
+        return None
+
+    def unknown(self, avoid: Sequence[int]) -> Node:
+        r = self.r
+        num = r.choice([n for n in (1, 2, 3, 4, 5, 6, 7, 15, 16, 100, 2047, 2**29 - 1)
+                        if n not in avoid])
+        wt = r.choice([0, 1, 2, 5])
+        payload: bytes
+        if wt == 0:
+            payload = varint(r.choice([0, 1, 127, 128, 2**63, 2**64 - 1]))
+        elif wt == 1:
+            payload = bytes(r.randrange(256) for _ in range(8))
+        elif wt == 5:
+            payload = bytes(r.randrange(256) for _ in range(4))
+        else:
+            payload = bytes(r.randrange(256) for _ in range(r.randint(0, 6)))
+        return Node(num, wt, payload, "unknown", tag=self.sized_tag(num, wt))
+
+    def finish(self, n: Node) -> Node:
+        """Non-minimal tag / length encodings, now and then."""
+        if n.tag is None:
+            n.tag = self.sized_tag(n.num, n.wt)
+        if n.wt == 2 and n.length is None:
+            body = encode(n.payload) if isinstance(n.payload, list) else n.payload
+            n.length = self.sized_len(len(body))
+        return n
+
+    def mix(self, first: list[Node], then: list[Node]) -> list[Node]:
+        """``first`` before ``then`` mostly; interleaved sometimes (still valid)."""
+        if not self.chance(0.15):
+            return first + then
+        out = first + then
+        self.r.shuffle(out)
+        return out
+
+    # RW 1.0
+
+    def label_v1(self, name: bytes, value: bytes) -> Node:
+        r = self.r
+        fields: list[Node] = [self.finish(len_node(1, name, "name"))]
+        if value or self.chance(0.2):
+            fields.append(self.finish(len_node(2, value, "value")))
+        if self.chance(0.1):
+            fields.reverse()
+        if self.chance(0.05):  # a decoy name / value first: the last one wins
+            fields.insert(0, len_node(r.choice([1, 2]), r.choice(VALUES).encode(), "decoy"))
+        if self.chance(0.08):
+            fields.insert(r.randint(0, len(fields)), self.unknown((1, 2)))
+        return self.finish(len_node(1, fields, "label"))
+
+    def series_v1(self) -> Node:
+        r = self.r
+        labels = [self.label_v1(n, v) for n, v in self.label_set()]
+        data: list[Node] = []
+        for _ in range(r.choice([0, 1, 1, 1, 2, 3])):
+            data.append(len_node(2, r.choice(SAMPLES_V1), "data"))
+        for _ in range(r.choice([0, 0, 0, 1, 2])):
+            data.append(len_node(3, r.choice(EXEMPLARS_V1), "data"))
+        for _ in range(r.choice([0, 0, 0, 1])):
+            data.append(len_node(4, r.choice(HISTOGRAMS_V1), "data"))
+        for _ in range(r.choice([0, 0, 0, 0, 1, 2])):
+            data.append(self.unknown((1, 2, 3, 4)))
+        return self.finish(len_node(1, self.mix(labels, data), "series"))
+
+    def request_v1(self) -> list[Node]:
+        r = self.r
+        nodes = [self.series_v1() for _ in range(self.n_series())]
+        for _ in range(r.choice([0, 0, 1, 2])):
+            nodes.insert(r.randint(0, len(nodes)), len_node(3, r.choice(METADATA_V1),
+                                                            "metadata"))
+        for _ in range(r.choice([0, 0, 0, 1])):
+            nodes.insert(r.randint(0, len(nodes)), self.unknown((1, 3)))
+        return nodes
+
+    # RW 2.0
+
+    def request_v2(self) -> list[Node]:
+        r = self.r
+        sets = [self.label_set() for _ in range(self.n_series())]
+        if sets and self.chance(0.1):
+            sets[r.randrange(len(sets))] = []  # a series without labels
+        strings = sorted({s for ls in sets for nv in ls for s in nv} - {b""})
+        r.shuffle(strings)
+        if not strings and self.chance(0.5):
+            symbols: list[bytes] = []  # an empty table (only the label-less series use it)
+        else:
+            symbols = [b""]
+            for s in strings:
+                symbols.append(s)
+                if self.chance(0.1):  # the string again, maybe referenced by either copy
+                    symbols.append(s)
+            if self.chance(0.15):  # refs above 127 (two-byte varints)
+                pad = [f"f{i}".encode() for i in range(r.randint(120, 300))]
+                at = r.randint(1, len(symbols))
+                symbols[at:at] = pad
+            if self.chance(0.1):
+                symbols.append(b"")  # "" again
+        where: dict[bytes, list[int]] = {}
+        for i, s in enumerate(symbols):
+            where.setdefault(s, []).append(i)
+
+        series = [self.series_v2(ls, where) for ls in sets]
+        syms = [len_node(4, s, "symbol") for s in symbols]
+        # mostly: symbols first; sometimes some symbols after the series
+        nodes: list[Node]
+        if self.chance(0.2):
+            nodes = syms + series
+            r.shuffle(nodes)
+            # a symbol's place among symbols is its ref: keep their relative order
+            it = iter(syms)
+            nodes = [next(it) if n.kind == "symbol" else n for n in nodes]
+        else:
+            nodes = syms + series
+        for _ in range(r.choice([0, 0, 0, 1, 2])):
+            nodes.insert(r.randint(0, len(nodes)), self.unknown((4, 5)))
+        return nodes
+
+    def refs_nodes(self, refs: list[int]) -> list[Node]:
+        r = self.r
+        roll = r.random()
+        if not refs:
+            return [Node(1, 2, b"", "refs")] if roll < 0.2 else []
+        if roll < 0.75:
+            parts = [refs]
+        elif roll < 0.9:  # split over two packed fields
+            k = r.randint(0, len(refs))
+            parts = [refs[:k], refs[k:]]
+        else:  # unpacked: one varint field per ref (wire type 0, legal)
+            return [Node(1, 0, varint(x), "refs", refs=[x]) for x in refs]
+        out = []
+        for part in parts:
+            enc = b"".join(
+                varint_padded(x, min_varint_len(x) + 1) if self.chance(0.03) else varint(x)
+                for x in part)
+            out.append(self.finish(Node(1, 2, enc, "refs", refs=list(part))))
+        return out
+
+    def series_v2(self, labels: list[tuple[bytes, bytes]], where: dict[bytes, list[int]]
+                  ) -> Node:
+        r = self.r
+        refs: list[int] = []
+        for n, v in labels:
+            refs += [r.choice(where[n]), r.choice(where[v])]
+        data: list[Node] = []
+        for _ in range(r.choice([0, 1, 1, 2])):
+            data.append(len_node(2, r.choice(SAMPLES_V2), "data"))
+        for _ in range(r.choice([0, 0, 1])):
+            data.append(len_node(3, r.choice(HISTOGRAMS_V2), "data"))
+        for _ in range(r.choice([0, 0, 1])):
+            data.append(len_node(4, r.choice(EXEMPLARS_V2), "data"))
+        if self.chance(0.3):
+            data.append(len_node(5, r.choice(METADATA_V2), "data"))
+        if self.chance(0.1):
+            data.append(Node(6, 0, varint(r.choice([0, 1_767_000_000_000])), "data"))
+        for _ in range(r.choice([0, 0, 0, 1])):
+            data.append(self.unknown((1, 2, 3, 4, 5)))
+        return self.finish(len_node(5, self.mix(self.refs_nodes(refs), data), "series"))
+
+
+# -- invalid requests: poisons (certainly refused) and byte mutations ---------------------
+
+POISONS_COMMON = ["field_number_0", "field_number_big", "group", "wire_type_6_7",
+                  "overlong_tag", "overlong_length", "length_past_end", "wrong_wire_type",
+                  "bad_utf8", "truncated_tag"]
+POISONS_V1 = POISONS_COMMON
+POISONS_V2 = [*POISONS_COMMON, "odd_refs", "ref_past_table", "symbol_0_not_empty"]
+
+
+def _containers(nodes: list[Node], version: int) -> list[tuple[str, list[Node]]]:
+    """Every message the splice parses: the request, its series, (1.0) their labels."""
+    out: list[tuple[str, list[Node]]] = [("request", nodes)]
+    for n in nodes:
+        if n.kind == "series" and isinstance(n.payload, list):
+            out.append(("series", n.payload))
+            if version == 1:
+                for lab in n.payload:
+                    if lab.kind == "label" and isinstance(lab.payload, list):
+                        out.append(("label", lab.payload))
+    return out
+
+
+#: known fields and the wire types they must have, per message
+_KNOWN = {
+    1: {"request": (1,), "series": (1, 2, 3, 4), "label": (1, 2)},
+    2: {"request": (4, 5), "series": (2, 3, 4, 5)},
+}
+
+
+def _ensure_series(nodes: list[Node], version: int) -> list[Node]:
+    series = [n for n in nodes if n.kind == "series"]
+    if series:
+        return series
+    n = len_node(1 if version == 1 else 5, [], "series")
+    nodes.append(n)
+    return [n]
+
+
+def poison(nodes: list[Node], version: int, what: str, rnd: random.Random) -> None:
+    """Make the request certainly invalid, in the way ``what`` names (in place)."""
+    r = rnd
+    conts = _containers(nodes, version)
+    ctx, cont = r.choice(conts)
+    at = r.randint(0, len(cont))
+    if what == "field_number_0":
+        cont.insert(at, Node(0, 0, b"\x01", tag=varint(r.choice([0, 1, 2, 5]))))
+    elif what == "field_number_big":
+        num = r.choice([2**29, 2**29 + 1, 2**32, 2**61 - 1])
+        cont.insert(at, Node(num, 0, b"\x01"))
+    elif what == "group":
+        cont.insert(at, Node(r.choice([1, 2, 5, 9]), r.choice([3, 4]), b""))
+    elif what == "wire_type_6_7":
+        cont.insert(at, Node(r.choice([1, 3, 9]), r.choice([6, 7]), b""))
+    elif what == "overlong_tag":
+        n = Node(r.choice([1, 2, 9]), 0, b"\x00")
+        n.tag = r.choice([b"\x80" * 10 + b"\x00",  # 11 bytes
+                          b"\xff" * 9 + b"\x02",  # 10 bytes, past 64 bits
+                          b"\x8a" + b"\x80" * 9 + b"\x00"])
+        cont.insert(at, n)
+    elif what == "overlong_length":
+        n = len_node(r.choice([1, 9, 15]), b"ab")
+        n.length = r.choice([b"\x82" + b"\x80" * 9 + b"\x00", b"\xff" * 9 + b"\x7f"])
+        cont.insert(at, n)
+    elif what == "length_past_end":
+        n = len_node(r.choice([1, 2, 9]), b"abc")
+        n.length = varint(3 + r.choice([1, 2, 100, 2**31, 2**63]))
+        cont.append(n)  # the last field of its message: nothing follows to absorb it
+    elif what == "truncated_tag":
+        cont.append(Node(0, 0, b"", tag=r.choice([b"\x80", b"\xff\xff", b"\x8a"])))
+    elif what == "wrong_wire_type":
+        num = r.choice(_KNOWN[version].get(ctx, (1,)) if ctx in _KNOWN[version]
+                       else (1,))
+        if ctx not in _KNOWN[version]:
+            ctx, cont = conts[0]
+            num = r.choice(_KNOWN[version]["request"])
+        if version == 2 and ctx == "series" and num == 1:
+            wt = r.choice([1, 5])  # labels_refs may be wire type 0 (unpacked)
+        else:
+            wt = r.choice([0, 1, 5])
+        payload = {0: b"\x01", 1: b"\x00" * 8, 5: b"\x00" * 4}[wt]
+        cont.insert(r.randint(0, len(cont)), Node(num, wt, payload))
+    elif what == "bad_utf8":
+        bad = r.choice(BAD_UTF8)
+        good = r.choice(["", "a", "ü", "pod-"])
+        s = r.choice([bad + good.encode(), good.encode() + bad, b"abc" + bad + b"def"])
+        if version == 1:
+            series = r.choice(_ensure_series(nodes, 1))
+            assert isinstance(series.payload, list)
+            if r.random() < 0.5:
+                lab = [len_node(1, s, "name"), len_node(2, b"v", "value")]
+            else:
+                lab = [len_node(1, b"n", "name"), len_node(2, s, "value")]
+            series.length = None
+            series.payload.insert(r.randint(0, len(series.payload)), len_node(1, lab, "label"))
+        else:
+            syms = [i for i, n in enumerate(nodes) if n.kind == "symbol"]
+            if syms:  # anywhere but first (a bad first symbol is reported either way)
+                nodes.insert(r.randint(syms[0] + 1, len(nodes)), len_node(4, s, "symbol"))
+            else:
+                nodes[0:0] = [len_node(4, b"", "symbol"), len_node(4, s, "symbol")]
+    elif what in ("odd_refs", "ref_past_table"):
+        nsym = sum(1 for n in nodes if n.kind == "symbol")
+        series = r.choice(_ensure_series(nodes, 2))
+        assert isinstance(series.payload, list)
+        series.length = None
+        if what == "odd_refs":
+            ref = r.randrange(nsym) if nsym else 0
+            series.payload.insert(r.randint(0, len(series.payload)),
+                                  Node(1, 0, varint(ref), "refs", refs=[ref]))
+            if not nsym:  # an odd count is checked before the table
+                pass
+        else:
+            bad_ref = nsym + r.choice([0, 1, 127, 2**32, 2**63])
+            ok = r.randrange(nsym) if nsym else bad_ref
+            pair = [bad_ref, ok] if r.random() < 0.5 else [ok, bad_ref]
+            series.payload.insert(r.randint(0, len(series.payload)),
+                                  Node(1, 2, b"".join(varint(x) for x in pair), "refs",
+                                       refs=pair))
+    elif what == "symbol_0_not_empty":
+        first = next((i for i, n in enumerate(nodes) if n.kind == "symbol"), None)
+        if first is not None:
+            nodes[first] = len_node(4, r.choice([b"x", b"\x00", LONG_1.encode()]), "symbol")
+        else:
+            nodes.insert(r.randint(0, len(nodes)), len_node(4, b"x", "symbol"))
+    else:  # pragma: no cover
+        raise ValueError(what)
+    # the lengths of the containers around the poison are recomputed by encode()
+    for top in nodes:
+        if top.kind == "series":
+            top.length = None
+            if isinstance(top.payload, list):
+                for child in top.payload:
+                    if child.kind == "label":
+                        child.length = None
+
+
+#: byte mutations a fuzzer applies
+MUTATIONS = ["flip_bit", "set_byte", "insert_bytes", "delete_span", "duplicate_span",
+             "truncate", "overlong_varint", "huge_varint", "length_edit", "wrong_wire_type",
+             "swap_spans", "bad_utf8"]
+INTERESTING = [0x00, 0x01, 0x02, 0x05, 0x07, 0x08, 0x0A, 0x12, 0x1A, 0x22, 0x2A, 0x7F, 0x80,
+               0x81, 0xC0, 0xED, 0xF5, 0xFF]
+
+
+def _length_positions(raw: bytes) -> list[tuple[int, int, int]]:
+    """(position of the length varint, its size, its value) of every length-delimited
+    field found by a lenient walk that descends into every payload that parses."""
+    out: list[tuple[int, int, int]] = []
+
+    def walk(p: int, end: int, depth: int) -> bool:
+        while p < end:
+            k, q = _rd(raw, p, end)
+            if k is None:
+                return False
+            wt = k & 7
+            if wt == 2:
+                ln, s = _rd(raw, q, end)
+                if ln is None or s + ln > end:
+                    return False
+                out.append((q, s - q, ln))
+                if depth < 3:
+                    walk(s, s + ln, depth + 1)
+                p = s + ln
+            elif wt == 0:
+                _, q2 = _rd(raw, q, end)
+                if _ is None:
+                    return False
+                p = q2
+            elif wt in (1, 5):
+                p = q + (8 if wt == 1 else 4)
+            else:
+                return False
+        return p == end
+
+    walk(0, len(raw), 0)
+    return out
+
+
+def _rd(buf: bytes, p: int, end: int) -> tuple[int | None, int]:
+    v = 0
+    for i in range(10):
+        if p >= end:
+            return None, p
+        b = buf[p]
+        p += 1
+        v |= (b & 0x7F) << (7 * i)
+        if b < 0x80:
+            return v, p
+    return None, p
+
+
+def mutate(raw: bytes, rnd: random.Random, corpus: Sequence[bytes] = ()) -> bytes:
+    """One random byte-level mutation."""
+    r = rnd
+    b = bytearray(raw)
+    n = len(b)
+    what = r.choice(MUTATIONS)
+    pos = r.randint(0, n)
+    if what == "flip_bit" and n:
+        b[pos % n] ^= 1 << r.randrange(8)
+    elif what == "set_byte" and n:
+        b[pos % n] = r.choice(INTERESTING) if r.random() < 0.7 else r.randrange(256)
+    elif what == "insert_bytes":
+        b[pos:pos] = bytes(r.choice(INTERESTING) if r.random() < 0.5 else r.randrange(256)
+                           for _ in range(r.randint(1, 4)))
+    elif what == "delete_span" and n:
+        b[pos:pos + r.randint(1, 8)] = b""
+    elif what == "duplicate_span" and n:
+        a = r.randrange(n)
+        span = b[a:a + r.randint(1, 32)]
+        b[pos:pos] = span
+    elif what == "swap_spans" and corpus:
+        other = r.choice(corpus)
+        a = r.randint(0, len(other))
+        b[pos:pos + r.randint(0, 16)] = other[a:a + r.randint(1, 64)]
+    elif what == "truncate":
+        del b[pos:]
+    elif what == "overlong_varint":
+        b[pos:pos] = b"\x80" * r.choice([9, 10, 11]) + b"\x00"
+    elif what == "huge_varint":
+        b[pos:pos] = r.choice([b"\xff" * 9 + b"\x01", b"\xff" * 9 + b"\x7f",
+                               varint(2**29 << 3), varint(2**32 - 1), varint(2**31)])
+    elif what == "length_edit":
+        lens = _length_positions(raw)
+        if lens:
+            at, size, ln = r.choice(lens)
+            new = max(0, ln + r.choice([-3, -2, -1, 1, 2, 3, 127, 128, 2**14, 2**31]))
+            enc = varint(new) if r.random() < 0.8 else varint_padded(new, r.randint(
+                min_varint_len(new), 11))
+            b[at:at + size] = enc
+    elif what == "wrong_wire_type":
+        b[pos:pos] = key(r.choice([1, 2, 3, 4, 5]), r.choice([0, 1, 3, 4, 5, 6, 7]))
+    elif what == "bad_utf8":
+        b[pos:pos] = r.choice(BAD_UTF8)
+    return bytes(b)
+
+
+# -- the fuzzer ---------------------------------------------------------------------------
+
+
+class CrashFile:
+    """The input about to be spliced, in an mmap'd file: it survives a segfault."""
+
+    HEAD = struct.Struct("<IIQ")  # protocol, setup index, length
+    SIZE = 1 << 22
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, self.SIZE)
+            self.map = mmap.mmap(fd, self.SIZE)
+        finally:
+            os.close(fd)
+
+    def record(self, version: int, setup: int, raw: bytes) -> None:
+        n = min(len(raw), self.SIZE - self.HEAD.size)
+        self.HEAD.pack_into(self.map, 0, version, setup, n)
+        self.map[self.HEAD.size:self.HEAD.size + n] = raw[:n]
+
+    def remove(self) -> None:
+        """A run that ends on its own has nothing to leave behind."""
+        self.map.close()
+        self.path.unlink(missing_ok=True)
+
+    @classmethod
+    def read(cls, path: Path) -> tuple[int, int, bytes] | None:
+        data = path.read_bytes()
+        if len(data) < cls.HEAD.size:
+            return None
+        version, setup, n = cls.HEAD.unpack_from(data, 0)
+        if version == 0:
+            return None
+        return version, setup, data[cls.HEAD.size:cls.HEAD.size + n]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_corpus(rnd: random.Random, size: int) -> list[tuple[int, bytes]]:
+    """(protocol, request) seeds: generated valid requests of both protocols, plus a few
+    fixed edge cases."""
+    gen = Gen(rnd, huge=False)
+    out: list[tuple[int, bytes]] = [(1, b""), (2, b""), (1, b"\x0a\x00"), (2, b"\x2a\x00"),
+                                    (2, b"\x22\x00\x2a\x00")]
+    while len(out) < size:
+        if rnd.random() < 0.5:
+            out.append((1, encode(gen.request_v1())))
+        else:
+            out.append((2, encode(gen.request_v2())))
+    return out
+
+
+def fixed_setups(seed: int) -> list[Setup]:
+    """Plans and tables the fuzzer cycles through: the product's default plan under both
+    policies, no rules, a regex unless (the Python callback), and random ones."""
+    rnd = random.Random(seed ^ 0x5EED)
+    answers = random_answers(rnd)
+    default_replace = build_plan(PAIR_LABELS, None, "replace")
+    default_keep = build_plan(PAIR_LABELS, None, "keep")
+    no_rules = build_plan(PAIR_LABELS, [], "replace")
+    regex = build_plan(PAIR_LABELS, [PodLabelRule("DCGM_", [
+        PodLabelPair("exported_namespace", "exported_pod"),
+        PodLabelPair("namespace", "pod", {"container": "exp.*"}),
+    ])], "replace")
+    out = [Setup("default/replace", default_replace, answers),
+           Setup("default/keep", default_keep, answers),
+           Setup("no-rules", no_rules, random_answers(rnd)),
+           Setup("regex-unless", regex, answers)]
+    for _ in range(4):
+        out.append(random_setup(rnd))
+    return out
+
+
+def report_disagreement(version: int, setup: Setup, raw: bytes, nat: Outcome, py: Outcome
+                        ) -> None:
+    print("DISAGREEMENT", file=sys.stderr)
+    print(f"  protocol: RW {'1.0' if version == 1 else '2.0'}", file=sys.stderr)
+    print(f"  setup: {setup.name}", file=sys.stderr)
+    print(f"  input ({len(raw)} bytes): {raw.hex()}", file=sys.stderr)
+    print(f"  native: {nat.describe()}", file=sys.stderr)
+    print(f"  python: {py.describe()}", file=sys.stderr)
+
+
+def _splice_all(splicers_: list[Splicer], inputs: list[tuple[int, bytes]], rounds: int
+                ) -> None:
+    """Every input through every splicer, ``rounds`` times (no reference kept)."""
+    for _ in range(rounds):
+        for sp in splicers_:
+            for version, raw in inputs:
+                with contextlib.suppress(DecodeError):
+                    (sp.splice_v1 if version == 1 else sp.splice_v2)(raw)
+
+
+def leak_check(setups: list[Setup], corpus: list[tuple[int, bytes]], rnd: random.Random,
+               calls: int, limit_mb: float) -> bool:
+    """A fixed set of inputs (valid, mutated, errors; both protocols; all setups), each
+    call on a fresh bytes object; RSS after a warm-up vs at the end, and the reference
+    counts of the inputs, plans, tables and reason strings."""
+    pairs = [splicers(s)[0] for s in setups]
+    inputs: list[tuple[int, bytes]] = []
+    for version, raw in corpus[:200]:
+        inputs.append((version, raw))
+        inputs.append((version, mutate(raw, rnd)))
+    ok = True
+    # reference counts: the same objects spliced many times
+    probe = [raw for _, raw in inputs[:50]]
+    before = [sys.getrefcount(x) for x in probe]
+    reason_objs = []
+    for s, sp in zip(setups, pairs, strict=True):
+        for ns, pod, ans in s.answers:
+            if isinstance(ans, str):
+                reason_objs.append(sp.table.get(ns, pod))
+                break
+    reasons_before = [sys.getrefcount(x) for x in reason_objs]
+    tables_before = [sys.getrefcount(sp.table) for sp in pairs]
+    _splice_all(pairs, [(v, x) for (v, _), x in zip(inputs, probe, strict=False)], 20)
+    after = [sys.getrefcount(x) for x in probe]
+    if after != before:
+        print(f"LEAK: input reference counts grew: {before} -> {after}", file=sys.stderr)
+        ok = False
+    reasons_after = [sys.getrefcount(x) for x in reason_objs]
+    if reasons_after != reasons_before:
+        print(f"LEAK: reason reference counts grew: {reasons_before} -> {reasons_after}",
+              file=sys.stderr)
+        ok = False
+    if [sys.getrefcount(sp.table) for sp in pairs] != tables_before:
+        print("LEAK: table reference counts grew", file=sys.stderr)
+        ok = False
+
+    def run(n: int) -> None:
+        k = 0
+        while k < n:
+            for sp in pairs:
+                for version, raw in inputs:
+                    fresh = bytes(bytearray(raw))
+                    fn = sp.splice_v1 if version == 1 else sp.splice_v2
+                    with contextlib.suppress(DecodeError):
+                        fn(fresh)
+                    k += 1
+                    if k >= n:
+                        return
+
+    run(min(calls // 5, 50_000))  # warm-up: allocator pools and caches settle
+    gc.collect()
+    rss0 = rss_bytes()
+    run(calls)
+    gc.collect()
+    rss1 = rss_bytes()
+    growth = (rss1 - rss0) / 2**20
+    print(f"leak check: {calls} calls, RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MB "
+          f"({growth:+.2f} MB, limit {limit_mb} MB)")
+    if growth > limit_mb:
+        print(f"LEAK: RSS grew by {growth:.1f} MB over {calls} calls", file=sys.stderr)
+        ok = False
+    return ok
+
+
+def fuzz(args: argparse.Namespace) -> int:
+    rnd = random.Random(args.seed)
+    setups = fixed_setups(args.seed)
+    pairs = [splicers(s) for s in setups]
+    corpus = build_corpus(rnd, args.corpus)
+    crash = CrashFile(Path(args.crash_file))
+    seeds = [raw for _, raw in corpus]
+    print(f"fuzz: seed {args.seed}, {len(corpus)} seeds, {len(setups)} setups, "
+          f"{args.seconds:g} s, crash file {args.crash_file}", flush=True)
+
+    start = time.monotonic()
+    deadline = start + args.seconds
+    iterations = compared = errors = changed = 0
+    rss_warm: int | None = None
+    warm_at = max(1000, min(20_000, args.max_iterations // 10))
+    kinds: dict[str, int] = {}
+    while iterations < args.max_iterations:
+        if iterations % 256 == 0 and time.monotonic() > deadline:
+            break
+        version, base = corpus[rnd.randrange(len(corpus))]
+        raw = base
+        for _ in range(rnd.choice([0, 1, 1, 1, 1, 2, 3, 5])):
+            raw = mutate(raw, rnd, seeds)
+        if rnd.random() < 0.05:  # the other protocol's parser on these bytes
+            version = 3 - version
+        si = rnd.randrange(len(setups))
+        native, python = pairs[si]
+        crash.record(version, si, raw)
+        nat = outcome(native.splice_v1 if version == 1 else native.splice_v2, raw)
+        iterations += 1
+        if not nat.ok:
+            errors += 1
+            kinds[str(nat.error[0])] = kinds.get(str(nat.error[0]), 0) + 1
+            if nat.error[1] == "not a DecodeError":
+                report_disagreement(version, setups[si], raw, nat, Outcome(False))
+                return 1
+        elif not nat.same_object:
+            changed += 1
+        if iterations % args.compare_every == 0 or (nat.ok and rnd.random() < 0.02):
+            py = outcome(python.splice_v1 if version == 1 else python.splice_v2, raw)
+            compared += 1
+            if py != nat:
+                report_disagreement(version, setups[si], raw, nat, py)
+                return 1
+        # valid mutants grow the corpus (bounded; replaced at random once full)
+        if nat.ok and len(raw) <= 4096 and rnd.random() < 0.05:
+            if len(corpus) < args.corpus * 4:
+                corpus.append((version, raw))
+            else:
+                corpus[rnd.randrange(args.corpus, len(corpus))] = (version, raw)
+        if iterations == warm_at:
+            gc.collect()
+            rss_warm = rss_bytes()
+    crash.remove()
+    elapsed = time.monotonic() - start
+    gc.collect()
+    rss_end = rss_bytes()
+    print(f"fuzz: {iterations} iterations in {elapsed:.1f} s ({iterations / elapsed:,.0f}/s), "
+          f"{compared} compared with the Python splice, {changed} changed bodies, "
+          f"{errors} refused: {dict(sorted(kinds.items()))}", flush=True)
+    ok = True
+    if rss_warm is not None:
+        growth = (rss_end - rss_warm) / 2**20
+        print(f"fuzz: RSS after warm-up {rss_warm / 2**20:.1f} MB, at the end "
+              f"{rss_end / 2**20:.1f} MB ({growth:+.2f} MB)")
+        if growth > args.rss_limit_mb:
+            print(f"LEAK: RSS grew by {growth:.1f} MB during the fuzz run", file=sys.stderr)
+            ok = False
+    if args.leak_calls:
+        ok = leak_check(setups, corpus, rnd, args.leak_calls, args.leak_limit_mb) and ok
+    print("fuzz: OK" if ok else "fuzz: FAILED", flush=True)
+    return 0 if ok else 1
+
+
+def replay(args: argparse.Namespace) -> int:
+    got = CrashFile.read(Path(args.replay))
+    if got is None:
+        print("replay: the file holds no input")
+        return 0
+    version, si, raw = got
+    setups = fixed_setups(args.seed)
+    native, python = splicers(setups[si])
+    print(f"replay: RW {version}.0, setup {setups[si].name}, input {raw.hex()}", flush=True)
+    py = outcome(python.splice_v1 if version == 1 else python.splice_v2, raw)
+    print(f"python: {py.describe()}", flush=True)
+    nat = outcome(native.splice_v1 if version == 1 else native.splice_v2, raw)
+    print(f"native: {nat.describe()}", flush=True)
+    return 0 if nat == py else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0,
+                   help="time budget of the fuzz loop (the leak check runs after it)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-iterations", type=int, default=50_000_000)
+    p.add_argument("--corpus", type=int, default=400, help="generated seed requests")
+    p.add_argument("--compare-every", type=int, default=8,
+                   help="splice every n-th input with the Python reference too")
+    p.add_argument("--rss-limit-mb", type=float, default=20.0,
+                   help="RSS growth allowed from the warm-up to the end of the fuzz loop")
+    p.add_argument("--leak-calls", type=int, default=200_000,
+                   help="calls of the fixed-input leak check (0: skip it)")
+    p.add_argument("--leak-limit-mb", type=float, default=8.0,
+                   help="RSS growth allowed over the leak check")
+    p.add_argument("--crash-file", default=os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"karta-fuzz-native-{os.getpid()}.bin"))
+    p.add_argument("--replay", help="re-run the input a crash file holds")
+    args = p.parse_args(argv)
+    if not native_available():
+        print("the native splice is not built", file=sys.stderr)
+        return 2
+    if args.replay:
+        return replay(args)
+    return fuzz(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
