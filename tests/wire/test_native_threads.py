@@ -215,7 +215,11 @@ def test_splices_in_threads_while_the_table_changes(plan: SplicePlan) -> None:
         futures = [pool.submit(worker, k) for k in range(THREADS)]
         deadline = time.monotonic() + SECONDS
         try:
-            while time.monotonic() < deadline and not all(f.done() for f in futures):
+            # at least 100 changes while the workers run (each waits for the write lock,
+            # so on a loaded box they come slowly), within a hard bound of time
+            hard = deadline + 30
+            while ((time.monotonic() < deadline or changes < 100) and time.monotonic() < hard
+                   and not all(f.done() for f in futures)):
                 mutate_table(sp.table, rnd)
                 changes += 1
                 if changes % 64 == 0:
@@ -224,7 +228,7 @@ def test_splices_in_threads_while_the_table_changes(plan: SplicePlan) -> None:
             stop.set()
         splices = [f.result() for f in futures]  # re-raises a worker's failure
     assert all(n > 0 for n in splices), splices
-    assert changes > 100
+    assert changes >= 100 or any(n == MAX_SPLICES for n in splices), (changes, splices)
     # the table is still whole: every pod answers one of its stamps, a reason, or None
     for pod in PODS:
         got = sp.table.get(*pod)
