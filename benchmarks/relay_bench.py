@@ -23,6 +23,17 @@ round. Printed: medians over rounds, and ratios computed per round then medianed
 
     python benchmarks/relay_bench.py [--requests N] [--rounds R] [--series-per-request 2000]
                                      [--pods 5000] [--quick] [--relays a,b] [--json OUT]
+
+``--corpus high-cardinality`` is the scale of issue #8 (``relay/highcard.py``): 37,500
+pods and 2,000,000 distinct series, each seen once per pass; four sender processes
+(``relay/load.py``); one warm-up pass per relay; per request size (2,000 and 500) rounds
+of saturating phases (CPU-s per M samples, samples/s, peak RSS from ``VmHWM``) and a
+paced open-loop run at 20 requests/s (p50 / p99 added latency); an RW 2.0 karta-proxy
+row; karta-proxy under ``taskset -c 0`` against ``taskset -c 0,1``. See
+``benchmarks/README.md``.
+
+    python benchmarks/relay_bench.py --corpus high-cardinality [--pods 37500]
+        [--series 2000000] [--sizes 2000,500] [--rounds 5] [--quick] [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +61,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from relay import corpus as corpus_mod
-from relay.procs import Process, free_port, http_get
+from relay import highcard, load
+from relay.procs import Process, free_port, http_get, peak_rss_bytes, reset_peak_rss
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -102,23 +115,39 @@ class Relay:
         return stats
 
 
-def _start_upstream(name: str, work: Path) -> Process:
+def _start_upstream(name: str, work: Path, defer: bool = False) -> Process:
     port = free_port()
+    sink = HERE / "relay" / "null_upstream.py"
+    argv = [sys.executable, str(sink), "--listen", f"127.0.0.1:{port}"]
     return Process(
         f"{name} upstream",
-        [sys.executable, str(HERE / "relay" / "null_upstream.py"), "--listen", f"127.0.0.1:{port}"],
+        [*argv, "--defer"] if defer else argv,
         port=port,
         ready_path="/-/ready",
         log_path=work / f"{name}-upstream.log",
     )
 
 
-def _start_relay(name: str, upstream: Process, work: Path, snapshot: Path) -> Process:
+def _start_relay(
+    name: str,
+    upstream: Process,
+    work: Path,
+    snapshot: Path,
+    *,
+    cpus: list[int] | None = None,
+    proxy_repo: Path = REPO,
+    log_name: str | None = None,
+    proxy_args: Sequence[str] = (),
+) -> Process:
+    """Start relay ``name`` (one of RELAYS) forwarding to ``upstream``; ``cpus``: under
+    ``taskset -c`` (inherited by every thread and child)."""
     port = free_port()
     url = f"http://127.0.0.1:{upstream.port}{WRITE_PATH}"
-    log = work / f"{name}.log"
+    log = work / f"{log_name or name}.log"
+    pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
     if name == "pass-through":
         argv = [
+            *pin,
             sys.executable,
             str(HERE / "relay" / "passthrough.py"),
             "--listen",
@@ -129,8 +158,11 @@ def _start_relay(name: str, upstream: Process, work: Path, snapshot: Path) -> Pr
         return Process(name, argv, port=port, ready_path="/-/ready", log_path=log)
     if name == "karta-proxy":
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(proxy_repo), env.get("PYTHONPATH")) if p
+        )
         argv = [
+            *pin,
             sys.executable,
             "-m",
             "proxy",
@@ -142,14 +174,16 @@ def _start_relay(name: str, upstream: Process, work: Path, snapshot: Path) -> Pr
             str(snapshot),
             "--log-level",
             "warning",
+            *proxy_args,
         ]
         return Process(
-            name, argv, port=port, ready_path="/-/ready", log_path=log, cwd=REPO, env=env
+            name, argv, port=port, ready_path="/-/ready", log_path=log, cwd=proxy_repo, env=env
         )
     vmagent = shutil.which("vmagent")
     assert vmagent is not None
     data = work / f"{name}-data"
     argv = [
+        *pin,
         vmagent,
         f"-httpListenAddr=127.0.0.1:{port}",
         f"-remoteWrite.url={url}",
@@ -164,11 +198,11 @@ def _start_relay(name: str, upstream: Process, work: Path, snapshot: Path) -> Pr
     return Process(name, argv, port=port, ready_path="/health", log_path=log)
 
 
-def skip_reason(name: str) -> str:
+def skip_reason(name: str, proxy_repo: Path = REPO) -> str:
     if name.startswith("vmagent") and shutil.which("vmagent") is None:
         return "vmagent binary not found"
-    if name == "karta-proxy" and not (REPO / "proxy" / "cli.py").exists():
-        return "proxy/cli.py not present yet"
+    if name == "karta-proxy" and not (proxy_repo / "proxy" / "cli.py").exists():
+        return f"{proxy_repo}/proxy/cli.py not present"
     return ""
 
 
@@ -520,11 +554,721 @@ def print_hot_spots(path: Path | None, top: int = 20) -> None:
         print(f"  {own.get(f, 0) / total:>6.1%} {n / total:>6.1%}  {f}")
 
 
+# -- high-cardinality mode ------------------------------------------------------------------
+
+HC_RW2 = "karta-proxy-rw2"
+HC_1CORE = "karta-proxy-1core"
+#: the rows of the high-cardinality mode, in print order: (key, relay kind, protocol)
+HC_ROWS = (
+    ("direct", "direct", "v1"),
+    ("direct-rw2", "direct", "v2"),
+    ("pass-through", "pass-through", "v1"),
+    ("karta-proxy", "karta-proxy", "v1"),
+    (HC_RW2, "karta-proxy", "v2"),
+    ("vmagent", "vmagent", "v1"),
+    ("vmagent+relabel", "vmagent+relabel", "v1"),
+)
+HC_LABELS = {
+    "direct": "direct",
+    "direct-rw2": "direct (RW 2.0)",
+    "pass-through": "pass-through",
+    "karta-proxy": "karta-proxy",
+    HC_RW2: "karta-proxy RW 2.0",
+    "vmagent": "vmagent",
+    "vmagent+relabel": "vmagent+relabel",
+    HC_1CORE: "karta-proxy 1 core",
+}
+#: issue #8's targets
+HC_TARGETS = {
+    "cpu_vs_passthrough": 1.3,
+    "cpu_vs_vmagent": 1.0,
+    "rw2_vs_rw1": 1.5,
+    "peak_rss_mb": 300.0,
+    "added_p99_ms": 3.0,
+    "two_core_speedup": 1.7,
+}
+
+
+def _hc_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    quick = args.quick
+    args.pods = args.pods or (200 if quick else highcard.DEFAULT_PODS)
+    args.series = args.series or (8000 if quick else highcard.DEFAULT_SERIES)
+    sizes = args.sizes or ("200,50" if quick else "2000,500")
+    try:
+        args.size_list = [int(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--sizes: integers, comma-separated, not {sizes!r}")
+    if not args.size_list or min(args.size_list) < 1:
+        p.error("--sizes: at least one size, each >= 1")
+    args.rounds = args.rounds or (1 if quick else 5)
+    args.samples_per_round = args.samples_per_round or (1000 if quick else 200_000)
+    args.paced_requests = args.paced_requests or (10 if quick else 200)
+    if args.taskset_rounds is None:
+        args.taskset_rounds = 1 if quick else 4
+    keys = [k for k, _, _ in HC_ROWS] + [HC_1CORE]
+    wanted = [r.strip() for r in (args.relays or ",".join(keys)).split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in keys]
+    if unknown:
+        p.error(f"unknown relays {unknown}; choose from {keys}")
+    if "direct" not in wanted:
+        wanted.insert(0, "direct")
+    if HC_RW2 in wanted and "direct-rw2" not in wanted:
+        wanted.insert(1, "direct-rw2")
+    args.relay_names = [k for k in keys if k in wanted]
+    return args
+
+
+@dataclass
+class HcRelay:
+    key: str
+    kind: str  # direct, pass-through, karta-proxy, vmagent, vmagent+relabel
+    protocol: str  # v1 | v2
+    upstream: Process
+    proc: Process | None = None
+    cpus: list[int] | None = None
+
+    @property
+    def port(self) -> int:
+        return self.proc.port if self.proc is not None else self.upstream.port
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.kind.startswith("vmagent")
+
+    @property
+    def label(self) -> str:
+        return HC_LABELS.get(self.key, self.key)
+
+    def stats(self) -> dict[str, Any]:
+        _, body = http_get(self.upstream.port, "/stats", timeout=120)
+        stats: dict[str, Any] = json.loads(body)
+        return stats
+
+
+@dataclass
+class HcPhase:
+    """One relay, one batch of requests."""
+
+    relay: str
+    samples: int
+    seconds: float
+    cpu_seconds: float | None
+    delivered: int
+    stamped: int
+    expected_stamped: int
+    v2_series: int
+    errors: int
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def cpu_per_million(self) -> float | None:
+        if self.cpu_seconds is None or not self.samples:
+            return None
+        return self.cpu_seconds / self.samples * 1e6
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else math.nan
+
+
+class HcRun:
+    """Bodies, their stream positions, the sender pool."""
+
+    def __init__(
+        self, universe: highcard.Universe, bodies: dict[str, list[bytes]], pool: load.SenderPool
+    ) -> None:
+        self.universe = universe
+        self.bodies = bodies
+        self.pool = pool
+        self.spans: list[tuple[int, int]] = []  # per body index: (stream position, size)
+
+    def add_segment(self, seg: highcard.Segment) -> range:
+        first = len(self.spans)
+        self.spans += [(seg.start + i * seg.size, seg.size) for i in range(seg.count)]
+        return range(first, len(self.spans))
+
+    def phase(
+        self,
+        relay: HcRelay,
+        items: Sequence[int],
+        *,
+        rate: float | None = None,
+        drain_timeout: float = 120.0,
+    ) -> HcPhase:
+        samples = sum(self.spans[i][1] for i in items)
+        stamped_expected = sum(
+            self.universe.attributable_between(pos, pos + n)
+            for pos, n in (self.spans[i] for i in items)
+        )
+        before = relay.stats()
+        cpu0 = relay.proc.cpu() if relay.proc is not None else None
+        res = self.pool.run(relay.port, relay.protocol, items, rate)
+        deadline = time.monotonic() + drain_timeout
+        after = relay.stats()
+        while after["samples"] - before["samples"] < samples and time.monotonic() < deadline:
+            time.sleep(0.05)
+            after = relay.stats()
+        cpu1 = relay.proc.cpu() if relay.proc is not None else None
+        ended = res.ended
+        if relay.asynchronous and after["last_arrival"] > ended:
+            ended = after["last_arrival"]  # it answered before forwarding
+        if res.errors:
+            print(
+                f"  ! {relay.key}: {res.errors} failed requests, last: {res.last_error}",
+                file=sys.stderr,
+            )
+        return HcPhase(
+            relay=relay.key,
+            samples=samples,
+            seconds=ended - res.started,
+            cpu_seconds=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+            delivered=after["samples"] - before["samples"],
+            stamped=after["stamped"] - before["stamped"],
+            expected_stamped=stamped_expected,
+            v2_series=after["v2_series"] - before["v2_series"],
+            errors=res.errors + after["errors"] - before["errors"],
+            latencies=[x for _, x in res.latencies],
+        )
+
+
+def _chunks(items: range, n: int) -> list[range]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+@dataclass
+class HcSize:
+    """Everything measured at one request size."""
+
+    size: int
+    rounds: list[dict[str, HcPhase]] = field(default_factory=list)
+    paced: dict[str, HcPhase] = field(default_factory=dict)
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    raw_kib: dict[str, float] = field(default_factory=dict)
+    compressed_kib: dict[str, float] = field(default_factory=dict)
+
+
+def _hc_ratio(rounds: list[dict[str, HcPhase]], a: str, b: str) -> float:
+    values = []
+    for r in rounds:
+        if a in r and b in r:
+            x, y = r[a].cpu_per_million, r[b].cpu_per_million
+            if x is not None and y:
+                values.append(x / y)
+    return median(values)
+
+
+def _hc_summary(res: HcSize, relays: list[HcRelay]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    direct = {proto: res.paced.get(key) for key, proto in (("direct", "v1"), ("direct-rw2", "v2"))}
+    for relay in relays:
+        if relay.key == HC_1CORE:
+            continue
+        phases = [r[relay.key] for r in res.rounds if relay.key in r]
+        cpu = [p.cpu_per_million for p in phases if p.cpu_per_million is not None]
+        paced = res.paced.get(relay.key)
+        row: dict[str, Any] = {
+            "cpu_per_million": median(cpu),
+            "per_round_cpu": cpu,
+            "samples_per_second": median([p.samples_per_second for p in phases]),
+            "peak_rss_mb": res.peak_rss[relay.key] / 1e6 if relay.key in res.peak_rss else None,
+        }
+        for q in (50, 99):
+            row[f"latency_p{q}_ms"] = math.nan
+            row[f"added_p{q}_ms"] = math.nan
+        base = direct.get(relay.protocol)
+        if paced is not None and paced.latencies:
+            for q in (50, 99):
+                row[f"latency_p{q}_ms"] = percentile(paced.latencies, q) * 1e3
+            if base is not None and base.latencies and relay.proc is not None:
+                b = median(base.latencies)
+                for q in (50, 99):
+                    row[f"added_p{q}_ms"] = (percentile(paced.latencies, q) - b) * 1e3
+        every = phases + ([paced] if paced is not None else [])
+        sent = sum(p.samples for p in every) or 1
+        row["delivered_fraction"] = sum(p.delivered for p in every) / sent
+        row["stamped_fraction"] = sum(p.stamped for p in every) / sent
+        row["expected_stamped_fraction"] = sum(p.expected_stamped for p in every) / sent
+        row["rw2_fraction"] = sum(p.v2_series for p in every) / sent
+        row["errors"] = sum(p.errors for p in every)
+        out[relay.key] = row
+    return out
+
+
+def _hc_start(
+    args: argparse.Namespace, work: Path, snapshot: Path
+) -> tuple[list[HcRelay], list[Process], dict[str, str]]:
+    cpus = sorted(os.sched_getaffinity(0))
+    two = cpus[:2] if len(cpus) >= 2 and shutil.which("taskset") else None
+    relays: list[HcRelay] = []
+    procs: list[Process] = []
+    skipped: dict[str, str] = {}
+    rows = {k: (kind, proto) for k, kind, proto in HC_ROWS}
+    rows[HC_1CORE] = ("karta-proxy", "v1")
+    config = work / "karta-proxy-bench.yaml"
+    config.write_text(f"facts:\n  interval_seconds: {args.fact_interval:g}\n")
+    for key in args.relay_names:
+        kind, proto = rows[key]
+        why = skip_reason(kind, args.proxy_repo)
+        if key == HC_1CORE and not why:
+            if args.taskset_rounds <= 0:
+                why = "--taskset-rounds 0"
+            elif two is None:
+                why = "needs 2 CPUs and taskset"
+        if why:
+            skipped[key] = why
+            continue
+        up = _start_upstream(key.replace("+", "-"), work, defer=True)
+        procs.append(up)
+        relay = HcRelay(key, kind, proto, up)
+        if kind != "direct":
+            # the 2-core side of the scaling row: karta-proxy pinned to the first two CPUs
+            # (on a 2-core box, every CPU); the 1-core side to the first one
+            pin = two[:1] if key == HC_1CORE and two else (two if key == "karta-proxy" else None)
+            relay.cpus = pin
+            relay.proc = _start_relay(
+                kind,
+                up,
+                work,
+                snapshot,
+                cpus=pin,
+                proxy_repo=args.proxy_repo,
+                log_name=key,
+                proxy_args=["--config", str(config)],
+            )
+            procs.append(relay.proc)
+        relays.append(relay)
+    return relays, procs, skipped
+
+
+def _hc_wait_ready(relays: list[HcRelay], skipped: dict[str, str]) -> list[HcRelay]:
+    ready = []
+    for relay in relays:
+        try:
+            relay.upstream.wait_ready(60)
+            if relay.proc is not None:
+                relay.proc.wait_ready(600 if relay.kind == "karta-proxy" else 120)
+        except RuntimeError as exc:
+            skipped[relay.key] = f"did not start: {exc}"
+            continue
+        ready.append(relay)
+    return ready
+
+
+def _hc_report(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    sizes: list[HcSize],
+    relays: list[HcRelay],
+    taskset: list[dict[str, HcPhase]],
+    overall_peak: dict[str, int],
+    skipped: dict[str, str],
+) -> dict[str, Any]:
+    print()
+    print(
+        f"corpus: high-cardinality, {info['pods']:,} pods ({info['snapshot_objects']:,} "
+        f"snapshot objects), {info['series']:,} distinct series per pass "
+        f"({info['label_bytes_per_series']:.0f} label bytes, "
+        f"{info['labels_per_series']:.1f} labels per series on average; "
+        f"{info['attributable_fraction']:.1%} attributable; "
+        f"{info['container_families']} container_* families per app container)"
+    )
+    print(
+        f"method: {info['warmup_passes']:g} warm-up pass(es) per relay, then per request size "
+        f"{args.rounds} rounds of {args.samples_per_round:,} samples per relay "
+        f"(rotating order, {args.senders} sender connections, saturating) and a paced run "
+        f"of {args.paced_requests} requests at {args.rate:g}/s; medians over rounds"
+    )
+    out_sizes: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    headline = 2000 if any(s.size == 2000 for s in sizes) else (sizes[0].size if sizes else 0)
+    for res in sizes:
+        summary = _hc_summary(res, relays)
+        ratios = {
+            "karta-proxy / pass-through": _hc_ratio(res.rounds, "karta-proxy", "pass-through"),
+            "karta-proxy / vmagent": _hc_ratio(res.rounds, "karta-proxy", "vmagent"),
+            "karta-proxy / vmagent+relabel": _hc_ratio(
+                res.rounds, "karta-proxy", "vmagent+relabel"
+            ),
+            "karta-proxy RW 2.0 / RW 1.0": _hc_ratio(res.rounds, HC_RW2, "karta-proxy"),
+        }
+        print()
+        sizes_text = ", ".join(
+            f"RW {'2.0' if p == 'v2' else '1.0'} {res.raw_kib[p]:,.0f} KiB raw / "
+            f"{res.compressed_kib[p]:,.0f} KiB snappy"
+            for p in sorted(res.raw_kib)
+        )
+        print(f"{res.size} series per request ({sizes_text}), {len(res.rounds)} rounds")
+        head = (
+            f"{'relay':<20}{'CPU-s/M':>9}{'(range)':>13}{'samples/s':>11}{'peak RSS':>10}"
+            f"{'lat p50':>9}{'lat p99':>9}{'added p50':>10}{'added p99':>10}"
+            f"{'delivered':>10}{'stamped':>9}{'/pass-thr':>10}{'/vmagent':>9}"
+        )
+        print(head)
+        print(f"{'':<20}{'':>9}{'':>13}{'':>11}{'MB':>10}{'ms':>9}{'ms':>9}{'ms':>10}{'ms':>10}")
+        print("-" * len(head))
+        for relay in relays:
+            row = summary.get(relay.key)
+            if row is None:
+                continue
+            per = row["per_round_cpu"]
+            spread = f"{min(per):.2f}-{max(per):.2f}" if per else "-"
+            rss = row["peak_rss_mb"]
+            vs_pt = _hc_ratio(res.rounds, relay.key, "pass-through")
+            vs_vm = _hc_ratio(res.rounds, relay.key, "vmagent")
+            stamped = f"{row['stamped_fraction']:.1%}"
+            if (
+                relay.kind == "karta-proxy"
+                and row["stamped_fraction"] != row["expected_stamped_fraction"]
+            ):
+                stamped += "!"
+            note = ""
+            if relay.asynchronous:
+                note = "  (async: ack before forward)"
+            elif relay.protocol == "v2" and relay.proc is not None and row["rw2_fraction"] < 1:
+                note = f"  (! {row['rw2_fraction']:.0%} arrived as RW 2.0)"
+            print(
+                f"{relay.label:<20}{_fmt(row['cpu_per_million']):>9}{spread:>13}"
+                f"{_fmt(row['samples_per_second'], ',.0f'):>11}"
+                f"{_fmt(rss if rss is not None else math.nan, '.0f'):>10}"
+                f"{_fmt(row['latency_p50_ms']):>9}{_fmt(row['latency_p99_ms']):>9}"
+                f"{_fmt(row['added_p50_ms']):>10}{_fmt(row['added_p99_ms']):>10}"
+                f"{row['delivered_fraction']:>10.1%}{stamped:>9}"
+                f"{_fmt(vs_pt):>10}{_fmt(vs_vm):>9}{note}"
+            )
+        out_sizes[str(res.size)] = {"relays": summary, "ratios": ratios}
+        if res.size == headline:
+            kp = summary.get("karta-proxy", {})
+            rw2 = summary.get(HC_RW2, {})
+            targets = {
+                "series_per_request": res.size,
+                "cpu_vs_passthrough": ratios["karta-proxy / pass-through"],
+                "cpu_vs_vmagent": ratios["karta-proxy / vmagent"],
+                "rw2_vs_rw1": ratios["karta-proxy RW 2.0 / RW 1.0"],
+                "added_p99_ms": kp.get("added_p99_ms", math.nan),
+                "added_p50_ms": kp.get("added_p50_ms", math.nan),
+                "rw2_added_p99_ms": rw2.get("added_p99_ms", math.nan),
+            }
+    for key in skipped:
+        print(f"{HC_LABELS.get(key, key):<20}skipped: {skipped[key]}")
+    peak = {k: v / 1e6 for k, v in overall_peak.items()}
+    targets["peak_rss_mb"] = max(
+        (peak[k] for k in ("karta-proxy", HC_RW2) if k in peak), default=math.nan
+    )
+    targets["peak_rss_mb_by_relay"] = peak
+    speedups = []
+    rates: dict[str, list[float]] = {"karta-proxy": [], HC_1CORE: []}
+    cpu_ts: dict[str, list[float]] = {"karta-proxy": [], HC_1CORE: []}
+    for r in taskset:
+        if "karta-proxy" in r and HC_1CORE in r:
+            speedups.append(r["karta-proxy"].samples_per_second / r[HC_1CORE].samples_per_second)
+        for k, ph in r.items():
+            rates[k].append(ph.samples_per_second)
+            if ph.cpu_per_million is not None:
+                cpu_ts[k].append(ph.cpu_per_million)
+    targets["two_core_speedup"] = median(speedups)
+    if taskset:
+        print()
+        print(
+            f"scaling ({headline} series per request, {args.senders} sender connections, "
+            f"saturating, {len(taskset)} rounds of {args.samples_per_round:,} samples):"
+        )
+        for k, label in (("karta-proxy", "taskset -c 0,1"), (HC_1CORE, "taskset -c 0")):
+            print(
+                f"  karta-proxy {label:<16}{_fmt(median(rates[k]), ',.0f'):>12} samples/s"
+                f"   {_fmt(median(cpu_ts[k]))} CPU-s/M"
+            )
+    print()
+    mach = machine()
+    print(
+        f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory']}; Python "
+        f"{mach['python']}; vmagent {mach['vmagent'] or '-'}; load average before rounds "
+        f"{info.get('loadavg_before', '-')}, at end {mach['loadavg_at_end']}"
+    )
+    print()
+    print(f"targets (issue #8), {targets.get('series_per_request', headline)} series per request:")
+
+    def line(label: str, value: float, key: str, unit: str = "", more: str = "") -> None:
+        target = HC_TARGETS[key]
+        if math.isnan(value):
+            verdict = "-"
+        elif key == "two_core_speedup":  # judged as printed (2 decimals)
+            verdict = "ok" if round(value, 2) >= target else "MISSED"
+        else:
+            verdict = "ok" if round(value, 2) <= target else "MISSED"
+        sign = ">=" if key == "two_core_speedup" else "<="
+        print(
+            f"  {label:<40}{_fmt(value):>8}{unit:<3} target {sign} {target:g}{unit}  "
+            f"{verdict}{more}"
+        )
+
+    line(
+        "karta-proxy / pass-through (CPU)",
+        targets.get("cpu_vs_passthrough", math.nan),
+        "cpu_vs_passthrough",
+    )
+    line(
+        "karta-proxy / vmagent plain (CPU)",
+        targets.get("cpu_vs_vmagent", math.nan),
+        "cpu_vs_vmagent",
+    )
+    line("karta-proxy RW 2.0 / RW 1.0 (CPU)", targets.get("rw2_vs_rw1", math.nan), "rw2_vs_rw1")
+    line(
+        "karta-proxy peak RSS (VmHWM, whole run)",
+        targets["peak_rss_mb"],
+        "peak_rss_mb",
+        " MB",
+        "   (" + ", ".join(f"{HC_LABELS.get(k, k)} {v:.0f}" for k, v in peak.items()) + ")",
+    )
+    line(
+        f"karta-proxy p99 added latency @{args.rate:g}/s",
+        targets.get("added_p99_ms", math.nan),
+        "added_p99_ms",
+        " ms",
+        f"   (p50 {_fmt(targets.get('added_p50_ms', math.nan))} ms)",
+    )
+    line("samples/s, 2 cores / 1 core", targets["two_core_speedup"], "two_core_speedup")
+    return {
+        "mode": "high-cardinality",
+        "machine": mach,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "corpus": info,
+        "rounds": args.rounds,
+        "samples_per_round": args.samples_per_round,
+        "senders": args.senders,
+        "paced": {"requests": args.paced_requests, "rate": args.rate},
+        "sizes": out_sizes,
+        "taskset": {
+            "rounds": len(taskset),
+            "samples_per_second": {k: median(v) for k, v in rates.items()},
+            "cpu_per_million": {k: median(v) for k, v in cpu_ts.items()},
+            "speedups": speedups,
+        },
+        "targets": targets,
+        "skipped": skipped,
+    }
+
+
+def main_high_cardinality(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="relay-bench-hc-"))
+    procs: list[Process] = []
+    pool: load.SenderPool | None = None
+    try:
+        t0 = time.monotonic()
+        cluster = corpus_mod.build_cluster(args.pods, long_names=True)
+        snapshot = highcard.write_snapshot_json(cluster, work / "snapshot.json")
+        # the relays load the snapshot while the corpus is built
+        relays, procs, skipped = _hc_start(args, work, snapshot)
+        universe = highcard.build_universe(cluster, args.series)
+        n = universe.series
+        sizes = args.size_list
+        big = max(sizes)
+        per_round = {s: max(1, args.samples_per_round // s) for s in sizes}
+        pos = 0
+        segments: list[tuple[str, int, highcard.Segment]] = []
+
+        def seg(kind: str, size: int, count: int) -> None:
+            nonlocal pos
+            sg = highcard.Segment(pos, size, count)
+            segments.append((kind, size, sg))
+            pos = sg.stop
+
+        seg("warmup", big, max(1, math.ceil(args.warmup_passes * n / big)))
+        for s in sizes:
+            seg("rounds", s, args.rounds * per_round[s])
+            seg("paced", s, args.paced_requests)
+        want_1core = any(r.key == HC_1CORE for r in relays)
+        if want_1core:
+            seg("taskset", big, args.taskset_rounds * per_round[big])
+        protocols = ["v1"] + (["v2"] if any(r.protocol == "v2" for r in relays) else [])
+        t1 = time.monotonic()
+        measured = [sg for kind, _, sg in segments if kind != "taskset"]
+        bodies = highcard.build_bodies(universe, measured, protocols)
+        if want_1core:
+            extra = highcard.build_bodies(universe, [segments[-1][2]], ["v1"])
+            bodies["v1"] += extra["v1"]
+        built = time.monotonic() - t1
+        stats = highcard.describe(universe)
+        info: dict[str, Any] = {
+            "pods": len(cluster.pods),
+            "snapshot_objects": len(cluster.objects),
+            "series": n,
+            "attributable_fraction": universe.attributable / n,
+            "container_families": universe.container_families,
+            "warmup_passes": args.warmup_passes,
+            "sizes": sizes,
+            "bodies": {p: len(b) for p, b in bodies.items()},
+            "body_mb": {p: sum(map(len, b)) / 1e6 for p, b in bodies.items()},
+            **stats,
+        }
+        print(
+            f"corpus: {len(cluster.pods):,} pods, {n:,} series "
+            f"({stats['label_bytes_per_series']:.0f} label bytes per series), "
+            + ", ".join(
+                f"{len(b):,} {p} bodies ({info['body_mb'][p]:,.0f} MB snappy)"
+                for p, b in bodies.items()
+            )
+            + f"; built in {time.monotonic() - t0:.0f}s (bodies {built:.0f}s); work dir {work}"
+        )
+        pool = load.SenderPool(bodies, args.senders)
+        run = HcRun(universe, bodies, pool)
+        ranges: dict[tuple[str, int], range] = {}
+        for kind, size, sg in segments:
+            ranges[(kind, size)] = run.add_segment(sg)
+        relays = _hc_wait_ready(relays, skipped)
+        print(
+            "relays: "
+            + ", ".join(
+                f"{r.key} (pid {r.proc.pid if r.proc else r.upstream.pid}"
+                + (f", cpus {','.join(map(str, r.cpus))}" if r.cpus else "")
+                + ")"
+                for r in relays
+            )
+        )
+        by_key = {r.key: r for r in relays}
+        overall_peak: dict[str, int] = {}
+
+        def note_peaks() -> None:
+            for r in relays:
+                if r.proc is not None:
+                    rss = peak_rss_bytes(r.proc.pid)
+                    overall_peak[r.key] = max(overall_peak.get(r.key, 0), rss)
+
+        # warm-up: every series once (per relay), in chunks so the sinks keep up
+        t2 = time.monotonic()
+        cold: dict[str, dict[str, float]] = {}
+        warm = ranges[("warmup", big)]
+        for relay in relays:
+            if relay.proc is None:
+                continue
+            warm_phases = [
+                run.phase(relay, chunk, drain_timeout=300)
+                for chunk in _chunks(warm, max(1, 200_000 // big))
+            ]
+            cpu = sum(p.cpu_seconds or 0.0 for p in warm_phases)
+            samples = sum(p.samples for p in warm_phases)
+            cold[relay.key] = {
+                "cpu_per_million": cpu / samples * 1e6,
+                "samples_per_second": samples / sum(p.seconds for p in warm_phases),
+                "delivered_fraction": sum(p.delivered for p in warm_phases) / samples,
+            }
+        note_peaks()
+        info["warmup"] = cold
+        print(
+            f"warm-up: {len(warm)} requests of {big} per relay in {time.monotonic() - t2:.0f}s; "
+            "CPU-s/M (first sight of every series): "
+            + "  ".join(f"{k} {v['cpu_per_million']:.2f}" for k, v in cold.items())
+        )
+        info["loadavg_before"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+        rotation = [r for r in relays if r.key != HC_1CORE]
+        results: list[HcSize] = []
+        stop = False
+        for size in sizes:
+            res = HcSize(size)
+            first = ranges[("rounds", size)][0]
+            for p in protocols:
+                body = bodies[p][first]
+                res.compressed_kib[p] = len(body) / 1024
+                raw = universe.body_v2 if p == "v2" else universe.body_v1
+                res.raw_kib[p] = len(raw(*run.spans[first])) / 1024
+            note_peaks()
+            for r in rotation:
+                if r.proc is not None:
+                    reset_peak_rss(r.proc.pid)
+            chunks = _chunks(ranges[("rounds", size)], per_round[size])
+            for i, chunk in enumerate(chunks):
+                if time.monotonic() - started > args.max_seconds:
+                    print("stopping rounds: --max-seconds reached", file=sys.stderr)
+                    stop = True
+                    break
+                k = i % len(rotation)
+                phases: dict[str, HcPhase] = {}
+                for relay in rotation[k:] + rotation[:k]:
+                    phases[relay.key] = run.phase(relay, chunk)
+                res.rounds.append(phases)
+                print(
+                    f"{size}/request round {i + 1}/{len(chunks)}: CPU-s/M "
+                    + "  ".join(
+                        f"{p.relay} {_fmt(p.cpu_per_million)}"
+                        for p in phases.values()
+                        if p.cpu_per_million is not None
+                    )
+                )
+            for relay in rotation:
+                if relay.asynchronous:
+                    continue
+                res.paced[relay.key] = run.phase(relay, ranges[("paced", size)], rate=args.rate)
+            print(
+                f"{size}/request paced at {args.rate:g}/s, p99 ms: "
+                + "  ".join(
+                    f"{k} {_fmt(percentile(p.latencies, 99) * 1e3)}" for k, p in res.paced.items()
+                )
+            )
+            for r in rotation:
+                if r.proc is not None:
+                    res.peak_rss[r.key] = peak_rss_bytes(r.proc.pid)
+            note_peaks()
+            results.append(res)
+            if stop:
+                break
+
+        taskset: list[dict[str, HcPhase]] = []
+        if want_1core and "karta-proxy" in by_key and HC_1CORE in by_key and not stop:
+            pair = [by_key["karta-proxy"], by_key[HC_1CORE]]
+            for i, chunk in enumerate(_chunks(ranges[("taskset", big)], per_round[big])):
+                phases = {}
+                for relay in pair if i % 2 == 0 else pair[::-1]:
+                    phases[relay.key] = run.phase(relay, chunk)
+                taskset.append(phases)
+                print(
+                    f"scaling round {i + 1}: samples/s "
+                    + "  ".join(f"{k} {p.samples_per_second:,.0f}" for k, p in phases.items())
+                )
+            note_peaks()
+
+        result = _hc_report(args, info, results, relays, taskset, overall_peak, skipped)
+        print(f"\ntotal {time.monotonic() - started:.0f}s")
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2, default=str))
+        failed = 0
+        lost = []
+        for size_result in result["sizes"].values():
+            for key, row in size_result["relays"].items():
+                failed += row["errors"]
+                if row["delivered_fraction"] != 1.0:
+                    lost.append(key)
+        for key, row in info["warmup"].items():
+            if row["delivered_fraction"] != 1.0:
+                lost.append(f"{key} (warm-up)")
+        if failed or lost:
+            print(f"errors: {failed} failed requests; incomplete delivery: {lost}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        if pool is not None:
+            pool.close()
+        for proc in reversed(procs):
+            proc.stop()
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 # -- main -----------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--corpus",
+        choices=("default", "high-cardinality"),
+        default="default",
+        help="default: the ~5k-pod corpus cycled through, one sender; high-cardinality: "
+        "37.5k pods, 2M series each seen once per pass, 4 sender connections, several "
+        "request sizes, paced latency, the 1-core vs 2-core row",
+    )
     p.add_argument("--requests", type=int, default=None, help="requests per relay per round")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--series-per-request", type=int, default=2000)
@@ -537,7 +1281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="small sizes: a check, not a figure")
     p.add_argument(
-        "--relays", default=",".join(RELAYS), help=f"comma-separated subset of {','.join(RELAYS)}"
+        "--relays",
+        default=None,
+        help=f"comma-separated subset of {','.join(RELAYS)} (high-cardinality also: "
+        f"{HC_RW2}, {HC_1CORE})",
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, snapshot)")
@@ -549,14 +1296,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rounds and print its hot spots; CPU figures of that run are inflated",
     )
     p.add_argument(
-        "--max-seconds", type=float, default=900.0, help="stop starting new rounds after this long"
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop starting new rounds after this long (default 900; high-cardinality 1800)",
+    )
+    p.add_argument(
+        "--proxy-repo",
+        type=Path,
+        default=REPO,
+        help="checkout whose `python -m proxy` is measured (default: this one), e.g. a "
+        "clean clone of the last commit while the working tree is mid-edit",
+    )
+    hc = p.add_argument_group("high-cardinality mode")
+    hc.add_argument("--series", type=int, default=None, help="distinct series per pass")
+    hc.add_argument(
+        "--sizes", default=None, help="series per request, comma-separated (default 2000,500)"
+    )
+    hc.add_argument(
+        "--samples-per-round",
+        type=int,
+        default=None,
+        help="samples per relay per round and size (default 200000)",
+    )
+    hc.add_argument("--senders", type=int, default=4, help="sender processes (connections)")
+    hc.add_argument("--rate", type=float, default=20.0, help="requests/s of the paced run")
+    hc.add_argument(
+        "--paced-requests", type=int, default=None, help="requests per relay of the paced run"
+    )
+    hc.add_argument(
+        "--taskset-rounds",
+        type=int,
+        default=None,
+        help="rounds of the 1-core vs 2-core row (0: skip it)",
+    )
+    hc.add_argument(
+        "--fact-interval",
+        type=float,
+        default=3600.0,
+        help="karta-proxy's facts.interval_seconds (default 3600: its one fact write "
+        "at start falls in the warm-up and counts in the peak RSS, and no proxy's "
+        "periodic write lands in another relay's phase; 15 is the product's default)",
+    )
+    hc.add_argument(
+        "--warmup-passes",
+        type=float,
+        default=1.0,
+        help="passes through the universe per relay before measuring (default 1)",
     )
     args = p.parse_args(argv)
     quick = args.quick
+    if args.max_seconds is None:
+        args.max_seconds = 1800.0 if args.corpus == "high-cardinality" else 900.0
+    if args.corpus == "high-cardinality":
+        return _hc_args(p, args)
     args.requests = args.requests or (10 if quick else 150)
     args.rounds = args.rounds or (2 if quick else 5)
     args.pods = args.pods or (500 if quick else 5000)
-    wanted = [r.strip() for r in args.relays.split(",") if r.strip()]
+    wanted = [r.strip() for r in (args.relays or ",".join(RELAYS)).split(",") if r.strip()]
     unknown = [r for r in wanted if r not in RELAYS]
     if unknown:
         p.error(f"unknown relays {unknown}; choose from {RELAYS}")
@@ -570,6 +1367,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)  # progress shows when piped to a file
+    if args.corpus == "high-cardinality":
+        return main_high_cardinality(args)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     procs: list[Process] = []
@@ -601,7 +1400,7 @@ def main(argv: list[str] | None = None) -> int:
         relays: list[Relay] = []
         skipped: dict[str, str] = {}
         for name in args.relay_names:
-            why = skip_reason(name)
+            why = skip_reason(name, args.proxy_repo)
             if why:
                 skipped[name] = why
                 continue
@@ -609,7 +1408,7 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(up)
             proc = None
             if name != "direct":
-                proc = _start_relay(name, up, work, snapshot)
+                proc = _start_relay(name, up, work, snapshot, proxy_repo=args.proxy_repo)
                 procs.append(proc)
             relays.append(Relay(name, up, proc, asynchronous=name.startswith("vmagent")))
         for relay in list(relays):

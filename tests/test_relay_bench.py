@@ -4,6 +4,7 @@ assertions (figures come from the benchmark itself, see docs/performance.md)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,15 @@ import snappy
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from relay import corpus  # noqa: E402
-from relay.null_upstream import KARTA_WORKLOAD_LABEL, count_series  # noqa: E402
+from relay import corpus, highcard  # noqa: E402
+from relay.null_upstream import (  # noqa: E402
+    CORPUS_SAMPLE,
+    KARTA_WORKLOAD_LABEL,
+    Stats,
+    count,
+    count_series,
+    scan_v2,
+)
 
 
 def test_corpus_bodies_are_valid_write_requests() -> None:
@@ -98,3 +106,158 @@ def test_relay_bench_runs_end_to_end(tmp_path: Path) -> None:
         assert kp["delivered_fraction"] >= 1.0  # fact series may come on top
         assert kp["stamped_fraction"] > 0.5
     assert "karta-proxy / pass-through" in proc.stdout
+
+
+# -- the high-cardinality mode ----------------------------------------------------------------
+
+
+def _universe(pods: int = 120, series: int = 3000) -> highcard.Universe:
+    cluster = corpus.build_cluster(pods, seed=3, long_names=True)
+    return highcard.build_universe(cluster, series)
+
+
+def test_high_cardinality_universe_holds_each_series_once_per_pass() -> None:
+    u = _universe()
+    assert u.series == 3000
+    labels = [u.labels(p) for p in range(u.series)]
+    keys = {tuple(sorted(lb.items())) for lb in labels}
+    assert len(keys) == u.series  # distinct
+    # the next pass goes through the same series, in the same order
+    assert u.labels(u.series + 17) == labels[17]
+    names = {lb["__name__"] for lb in labels}
+    assert {"container_cpu_usage_seconds_total", "container_network_receive_bytes_total"} <= names
+    assert any(n.startswith("DCGM_") for n in names)
+    assert 0.85 < u.attributable / u.series < 1.0
+    assert u.attributable_between(0, 2 * u.series) == 2 * u.attributable
+    stats = highcard.describe(u)
+    assert 500 < stats["label_bytes_per_series"] < 700
+    assert 11 < stats["labels_per_series"] < 15
+    with pytest.raises(ValueError, match="at most"):
+        highcard.build_universe(corpus.build_cluster(20, seed=3), 1_000_000)
+
+
+def test_high_cardinality_bodies_v1_and_v2_hold_the_same_samples() -> None:
+    pb1 = pytest.importorskip("proxy.pb.prometheus.remote_pb2")
+    pb2 = pytest.importorskip("proxy.pb.io.prometheus.write.v2.types_pb2")
+    u = _universe()
+    n = 400
+    for pos in (0, u.series - 100):  # the second one wraps into the next pass
+        v1 = pb1.WriteRequest()
+        v1.ParseFromString(u.body_v1(pos, n))
+        v2 = pb2.Request()
+        v2.ParseFromString(u.body_v2(pos, n))
+        assert v2.symbols[0] == ""
+        assert len(v1.timeseries) == len(v2.timeseries) == n
+        for k, (a, b) in enumerate(zip(v1.timeseries, v2.timeseries, strict=True)):
+            pairs = [(x.name, x.value) for x in a.labels]
+            refs = b.labels_refs
+            assert pairs == [
+                (v2.symbols[refs[i]], v2.symbols[refs[i + 1]]) for i in range(0, len(refs), 2)
+            ]
+            assert pairs == sorted(u.labels(pos + k).items(), key=lambda kv: kv[0].encode())
+            assert len(a.samples) == len(b.samples) == 1
+            assert a.samples[0].value == b.samples[0].value
+            assert a.samples[0].timestamp == b.samples[0].timestamp
+    # a later pass: same labels, later timestamp, counters grown
+    first, later = pb1.WriteRequest(), pb1.WriteRequest()
+    first.ParseFromString(u.body_v1(0, 50))
+    later.ParseFromString(u.body_v1(u.series, 50))
+    assert [t.labels for t in first.timeseries] == [t.labels for t in later.timeseries]
+    dt = later.timeseries[0].samples[0].timestamp - first.timeseries[0].samples[0].timestamp
+    assert dt == highcard.PASS_MS
+    assert [t.samples[0].value for t in first.timeseries] != [
+        t.samples[0].value for t in later.timeseries
+    ]
+
+
+def test_high_cardinality_bodies_built_in_workers_match() -> None:
+    u = _universe()
+    segs = [highcard.Segment(0, 200, 5), highcard.Segment(1000, 50, 3)]
+    bodies = highcard.build_bodies(u, segs, ("v1", "v2"), workers=2, chunk=2)
+    assert len(bodies["v1"]) == len(bodies["v2"]) == 8
+    assert snappy.uncompress(bodies["v1"][1]) == u.body_v1(200, 200)
+    assert snappy.uncompress(bodies["v2"][6]) == u.body_v2(1050, 50)
+
+
+def _stamp_v2(body: bytes, extra_symbols: int) -> bytes:
+    """An RW 2.0 body with every second series given karta_workload="w" (by re-encoding
+    it the way a proxy might: new symbols appended after the existing ones)."""
+    pb2 = pytest.importorskip("proxy.pb.io.prometheus.write.v2.types_pb2")
+    req = pb2.Request()
+    req.ParseFromString(body)
+    for i in range(extra_symbols):
+        req.symbols.append(f"pad-{i}")
+    k = len(req.symbols)
+    req.symbols.extend(["karta_workload", "w"])
+    for i, ts in enumerate(req.timeseries):
+        if i % 2 == 0:
+            ts.labels_refs.extend([k, k + 1])
+    out: bytes = req.SerializeToString()
+    return out
+
+
+@pytest.mark.parametrize("extra_symbols", [0, 200])  # the symbol's ref below / above 128
+def test_null_upstream_counts_rw2_series_samples_and_stamps(extra_symbols: int) -> None:
+    u = _universe()
+    plain = u.body_v2(0, 30)
+    assert scan_v2(plain) == (30, 0)
+    stamped = _stamp_v2(plain, extra_symbols)
+    assert scan_v2(stamped) == (30, 15)
+    stats = Stats()
+    count(stats, stamped, v2=True, corpus_only=True)
+    assert (stats.series, stats.v2_series, stats.samples, stats.stamped) == (30, 30, 30, 15)
+
+
+def test_null_upstream_tells_corpus_samples_from_other_series() -> None:
+    u = _universe()
+    body = u.body_v1(0, 40)
+    assert len(CORPUS_SAMPLE.findall(body)) == 40
+    now_ms = 1_790_000_000_000  # the wall clock of a fact write, not the corpus' clock
+    fact = corpus.encode_series(
+        {"__name__": "karta_workload_info", "karta_workload": "w"}, 1.0, now_ms
+    )
+    stats = Stats()
+    count(stats, body, v2=False, corpus_only=True)
+    count(stats, fact, v2=False, corpus_only=True)
+    assert (stats.series, stats.samples, stats.other_series, stats.stamped) == (41, 40, 1, 0)
+
+
+def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, str(BENCH / "relay_bench.py"), "--corpus", "high-cardinality", "--quick",
+        "--pods", "120", "--series", "3000", "--sizes", "100,25", "--samples-per-round", "500",
+        "--paced-requests", "6", "--rate", "40", "--json", str(out), "--max-seconds", "120",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "high-cardinality"
+    assert result["corpus"]["series"] == 3000
+    assert set(result["sizes"]) == {"100", "25"}
+    for size in result["sizes"].values():
+        relays = size["relays"]
+        assert relays["direct"]["delivered_fraction"] == 1.0
+        assert relays["pass-through"]["delivered_fraction"] == 1.0
+        assert relays["pass-through"]["latency_p99_ms"] > 0
+        if shutil.which("vmagent"):
+            assert relays["vmagent"]["delivered_fraction"] == 1.0
+            assert relays["vmagent+relabel"]["stamped_fraction"] > 0
+        if (BENCH.parent / "proxy" / "cli.py").exists():
+            for key in ("karta-proxy", "karta-proxy-rw2"):
+                row = relays[key]
+                assert row["delivered_fraction"] == 1.0
+                assert row["stamped_fraction"] == row["expected_stamped_fraction"] > 0.5
+                assert row["peak_rss_mb"] > 0
+            assert relays["karta-proxy-rw2"]["rw2_fraction"] == 1.0  # forwarded as RW 2.0
+            assert relays["karta-proxy"]["rw2_fraction"] == 0.0
+    if not shutil.which("vmagent"):
+        assert "vmagent" in result["skipped"]
+    if (BENCH.parent / "proxy" / "cli.py").exists():
+        targets = result["targets"]
+        assert targets["peak_rss_mb"] > 0
+        assert "samples/s, 2 cores / 1 core" in proc.stdout
+        if len(os.sched_getaffinity(0)) >= 2 and shutil.which("taskset"):
+            assert result["taskset"]["rounds"] == 1
+            assert targets["two_core_speedup"] > 0
+    assert "karta-proxy / pass-through (CPU)" in proc.stdout

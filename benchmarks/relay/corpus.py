@@ -169,8 +169,33 @@ _DAEMONSETS = (
 _GPU_MODELS = ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3")
 
 
-def build_cluster(pods: int = 5000, seed: int = 7, unknown_fraction: float = 0.04) -> Cluster:
-    """About ``pods`` pods in a mix of workload kinds; ~8% of them hold GPUs."""
+_ORG_UNITS = ("commerce", "platform", "data", "ml", "growth", "payments", "identity", "media")
+_ENVS = ("prod", "staging", "canary")
+_APP_ROLES = ("service", "worker", "api", "consumer", "server", "scheduler")
+
+
+def _long_namespaces(n: int) -> list[str]:
+    """``unit-word-env`` names as a large organisation's clusters have them."""
+    out = []
+    for i in range(n):
+        unit = _ORG_UNITS[i % len(_ORG_UNITS)]
+        word = _APP_WORDS[(i // len(_ORG_UNITS)) % len(_APP_WORDS)]
+        k = i // (len(_ORG_UNITS) * len(_APP_WORDS))
+        env = _ENVS[k % len(_ENVS)]
+        suffix = f"-{k // len(_ENVS)}" if k >= len(_ENVS) else ""
+        out.append(f"{unit}-{word}-{env}{suffix}")
+    return out
+
+
+def build_cluster(
+    pods: int = 5000, seed: int = 7, unknown_fraction: float = 0.04, long_names: bool = False
+) -> Cluster:
+    """About ``pods`` pods in a mix of workload kinds; ~8% of them hold GPUs.
+
+    ``long_names`` (the high-cardinality corpus): namespaces like ``payments-cart-prod``,
+    apps like ``cart-worker-123`` and nodes like ``ip-10-0-3-17.ec2.internal`` instead of
+    ``team-07``, ``cart-123`` and ``node-017``.
+    """
     rng = random.Random(seed)
     names = _Names(rng)
     cluster = Cluster()
@@ -178,10 +203,16 @@ def build_cluster(pods: int = 5000, seed: int = 7, unknown_fraction: float = 0.0
     gpu_nodes = max(1, n_nodes // 4)
     for i in range(n_nodes):
         gpus = 8 if i < gpu_nodes else 0
-        cluster.nodes.append((f"node-{i:03d}", f"10.0.{i // 250}.{i % 250 + 2}", gpus))
+        ip = f"10.0.{i // 250}.{i % 250 + 2}"
+        node = f"ip-{ip.replace('.', '-')}.ec2.internal" if long_names else f"node-{i:03d}"
+        cluster.nodes.append((node, ip, gpus))
     cpu_nodes = cluster.nodes[gpu_nodes:] or cluster.nodes
     gpu_free = {n: g for n, _, g in cluster.nodes[:gpu_nodes]}
-    namespaces = [f"team-{i:02d}" for i in range(max(2, pods // 125))]
+    n_namespaces = max(2, pods // 125)
+    if long_names:
+        namespaces = _long_namespaces(n_namespaces)
+    else:
+        namespaces = [f"team-{i:02d}" for i in range(n_namespaces)]
 
     def place(gpus: int) -> tuple[str, str, int]:
         if gpus:
@@ -249,7 +280,10 @@ def build_cluster(pods: int = 5000, seed: int = 7, unknown_fraction: float = 0.0
     while len(cluster.pods) < pods:
         serial += 1
         ns = rng.choice(namespaces)
-        app = f"{rng.choice(_APP_WORDS)}-{serial}"
+        if long_names:
+            app = f"{rng.choice(_APP_WORDS)}-{rng.choice(_APP_ROLES)}-{serial}"
+        else:
+            app = f"{rng.choice(_APP_WORDS)}-{serial}"
         roll = rng.random()
         if roll < 0.50:  # Deployment -> ReplicaSet -> pods
             replicas = rng.choice((1, 2, 2, 3, 3, 4, 6, 10))

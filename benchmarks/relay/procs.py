@@ -1,9 +1,11 @@
 """Processes under measurement: start on free loopback ports, wait until they answer,
-read their CPU time from ``/proc``, stop them by PID.
+read their CPU time and peak memory from ``/proc``, stop them by PID.
 
 CPU time is the sum of user + system time over the process and every live descendant,
 plus the time of descendants it already reaped, so a relay that forks workers is charged
-for all of them.
+for all of them. Peak memory is ``VmHWM`` (peak resident set) summed over the process and
+its live descendants; ``reset_peak_rss`` sets it back to the current RSS (``clear_refs``
+value 5, Linux >= 4.0) so a phase can have a peak of its own.
 """
 
 from __future__ import annotations
@@ -43,6 +45,50 @@ def _children(pid: int) -> list[int]:
             if fields is not None and int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants."""
+    out = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        if _stat(p) is None:
+            continue
+        out.append(p)
+        stack.extend(_children(p))
+    return out
+
+
+def _status_kib(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Sum of ``VmHWM`` over ``pid`` and its live descendants."""
+    return sum(_status_kib(p, "VmHWM") for p in tree(pid)) * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    """Sum of ``VmRSS`` over ``pid`` and its live descendants."""
+    return sum(_status_kib(p, "VmRSS") for p in tree(pid)) * 1024
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset ``VmHWM`` of the tree to its current RSS; False where the kernel refused."""
+    ok = True
+    for p in tree(pid):
+        try:
+            Path(f"/proc/{p}/clear_refs").write_text("5")
+        except OSError:
+            ok = False
+    return ok
 
 
 def cpu_seconds(pid: int) -> float:
