@@ -809,7 +809,8 @@ PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     pthread_rwlockattr_t attr;
     pthread_rwlockattr_init(&attr);
-#ifdef PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP
+#ifdef __GLIBC__
+    /* an enum in glibc, not a macro: without it readers that overlap starve the writer */
     pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
 #endif
     pthread_rwlock_init(&t->lock, &attr);
@@ -1533,14 +1534,16 @@ unless_holds(Req *r, const UnlessC *u, const uint8_t *v, size_t vn)
 
 /* The decision of one series (labels in r->labs, slots set): the entry to stamp, or
  * NULL with *reason set (-1: attributed as it is). */
-static const Entry *
-decide(Req *r, int *reason)
+/* The pod a series names (labels in r->labs' slots: r->vals): 1 with *ns / *pod set, 0
+ * with *reason set (-1: attributed as it is, `keep`; 0: no_pod_label). */
+static int
+choose_pod(Req *r, Str *ns_out, Str *pod_out, int *reason)
 {
     const Plan *pl = r->plan;
     const Str *v;
     *reason = -1;
     if (pl->keep_sent && (v = VAL(r, SLOT_WORKLOAD)) != NULL && v->n > 0)
-        return NULL;
+        return 0;
     const PairC *pairs = pl->pairs;
     size_t npairs = pl->npairs;
     if (pl->nrules) {
@@ -1566,25 +1569,43 @@ decide(Req *r, int *reason)
             const Str *uv = VAL(r, p->unless[j].slot);
             skip = unless_holds(r, &p->unless[j], uv ? uv->s : (const uint8_t *)"", uv ? uv->n : 0);
             if (r->err.kind)
-                return NULL;
+                return 0;
         }
         if (skip)
             continue;
-        const PodTable *t = r->table;
-        const Entry *en = table_find(t, key_hash(t, ns->s, ns->n, pod->s, pod->n), ns->s, ns->n,
-                                     pod->s, pod->n);
-        if (en == NULL) {
-            *reason = 1; /* pod_unknown */
-            return NULL;
-        }
-        if (en->reason >= 0) {
-            *reason = en->reason;
-            return NULL;
-        }
-        return en;
+        *ns_out = *ns;
+        *pod_out = *pod;
+        return 1;
     }
     *reason = 0; /* no_pod_label */
-    return NULL;
+    return 0;
+}
+
+/* The entry of a chosen pod, or NULL with *reason set (pod_unknown, or the pod's own). */
+static inline const Entry *
+lookup_pod(const PodTable *t, uint64_t h, const Str *ns, const Str *pod, int *reason)
+{
+    const Entry *en = table_find(t, h, ns->s, ns->n, pod->s, pod->n);
+    if (en == NULL) {
+        *reason = 1; /* pod_unknown */
+        return NULL;
+    }
+    if (en->reason >= 0) {
+        *reason = en->reason;
+        return NULL;
+    }
+    return en;
+}
+
+/* choose_pod + lookup_pod at once (RW 2.0). */
+static const Entry *
+decide(Req *r, int *reason)
+{
+    Str ns, pod;
+    if (!choose_pod(r, &ns, &pod, reason))
+        return NULL;
+    const PodTable *t = r->table;
+    return lookup_pod(t, key_hash(t, ns.s, ns.n, pod.s, pod.n), &ns, &pod, reason);
 }
 
 static inline int
@@ -1616,10 +1637,8 @@ lab_sort(Lab *a, Lab *tmp, size_t n)
 /* r->merged := the series' labels minus stamped names, plus the stamp, stably sorted by
  * name (as splice_v1.merge / splice_v2 sort kept + stamp). Returns 0 on OOM. */
 static int
-merge_stamp(Req *r, const Entry *en)
+merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en)
 {
-    Lab *labs = r->labs.data;
-    size_t n = r->labs.len;
     r->merged.len = 0;
     size_t total = n + en->nlabels;
     r->tmp.len = 0;
@@ -1776,16 +1795,36 @@ read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
 }
 
 
-static void
-series_v1(Req *r, size_t start, size_t s, size_t q)
+/* RW 1.0 series go through a short pipeline so that table lookups do not wait on memory:
+ * a series is parsed and its slot prefetched (stage A), LEAD series later its slot is read
+ * and its entry prefetched (stage B), and LEAD series after that it is looked up and
+ * spliced (stage C). Output order is the input order: stage C runs in series order. */
+#define LEAD 4
+#define PIPE (2 * LEAD + 1)
+
+typedef struct {
+    size_t start, s, q, lead_end;
+    int in_front, any_stamped;
+    Vec labs;     /* Lab */
+    int reason;   /* after stage A: -2 look the pod up; -1 attributed as it is; >= 0 a reason */
+    Str ns, pod;
+    uint64_t hash;
+} Pending;
+
+/* Stage A: walk one series (labels, counts, UTF-8, the plan's slots) and choose its pod. */
+static int
+parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
 {
     const uint8_t *raw = r->raw;
     Err *e = &r->err;
     r->series++;
     r->series_id++;
-    r->labs.len = 0;
-    size_t lead_end = s;
-    int in_front = 1;
+    P->labs.len = 0;
+    P->start = start;
+    P->s = s;
+    P->q = q;
+    P->lead_end = s;
+    P->in_front = 1;
     int any_other = 0;
     size_t p = s;
     while (p < q) {
@@ -1803,54 +1842,54 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
                 pe = ps + ((c & 0x7F) | ((size_t)raw[p + 2] << 7));
             }
             else if (!rd_field(raw, p, q, &f, e))
-                return;
+                return 0;
             else {
                 ps = f.ps;
                 pe = f.end;
             }
             if (pe > q) {
                 INVALID(e, "field runs past the end of its message");
-                return;
+                return 0;
             }
-            Lab *lab = r->labs.len < r->labs.cap ? (Lab *)r->labs.data + r->labs.len++
-                                                 : vec_push(&r->labs, 1);
+            Lab *lab = P->labs.len < P->labs.cap ? (Lab *)P->labs.data + P->labs.len++
+                                                 : vec_push(&P->labs, 1);
             if (lab == NULL)
-                return;
+                return 0;
             if (!read_label(raw, ps, pe, lab, e))
-                return;
+                return 0;
             lab->field = raw + p;
             lab->flen = (uint32_t)(pe - p);
             if (any_other)
-                in_front = 0;
+                P->in_front = 0;
             else
-                lead_end = pe;
+                P->lead_end = pe;
             p = pe;
             continue;
         }
         if (!rd_field(raw, p, q, &f, e))
-            return;
+            return 0;
         if (f.number == 1) {
             if (f.wt != 2) {
                 INVALID(e, "label field with a wrong wire type");
-                return;
+                return 0;
             }
             /* a label whose tag is not the one-byte 0a (an over-long varint) */
-            Lab *lab = vec_push(&r->labs, 1);
+            Lab *lab = vec_push(&P->labs, 1);
             if (lab == NULL || !read_label(raw, f.ps, f.end, lab, e))
-                return;
+                return 0;
             lab->field = raw + p;
             lab->flen = (uint32_t)(f.end - p);
             if (any_other)
-                in_front = 0;
+                P->in_front = 0;
             else
-                lead_end = f.end;
+                P->lead_end = f.end;
             p = f.end;
             continue;
         }
         if (f.number >= 2 && f.number <= 4) {
             if (f.wt != 2) {
                 INVALID(e, "series data field with a wrong wire type");
-                return;
+                return 0;
             }
             if (f.number == 2)
                 r->samples++;
@@ -1862,18 +1901,18 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
         any_other = 1;
         p = f.end;
     }
-    Lab *labs = r->labs.data;
-    size_t n = r->labs.len;
+    Lab *labs = P->labs.data;
+    size_t n = P->labs.len;
     const Plan *pl = r->plan;
     int any_stamped = 0;
     for (size_t i = 0; i < n; i++) {
         if (!text_ok(labs[i].name, labs[i].nlen)) {
             err_set(e, "invalid_utf8", "label name is not valid UTF-8");
-            return;
+            return 0;
         }
         if (!text_ok(labs[i].value, labs[i].vlen)) {
             err_set(e, "invalid_utf8", "label value is not valid UTF-8");
-            return;
+            return 0;
         }
         int slot = slot_of(pl, labs[i].name, labs[i].nlen);
         labs[i].slot = slot;
@@ -1884,14 +1923,56 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
             any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
-    int reason;
-    const Entry *en = decide(r, &reason);
-    if (e->kind)
+    P->any_stamped = any_stamped;
+    if (choose_pod(r, &P->ns, &P->pod, &P->reason)) {
+        const PodTable *t = r->table;
+        P->reason = -2;
+        P->hash = key_hash(t, P->ns.s, P->ns.n, P->pod.s, P->pod.n);
+        if (t->cap)
+            __builtin_prefetch(&t->slots[(size_t)P->hash & (t->cap - 1)]);
+    }
+    return !e->kind;
+}
+
+/* Stage B: read the slot (prefetched) and prefetch the entry it points at. */
+static inline void
+probe_v1(const PodTable *t, const Pending *P)
+{
+    if (P->reason != -2 || t->cap == 0)
         return;
+    size_t mask = t->cap - 1;
+    for (size_t i = (size_t)P->hash & mask;; i = (i + 1) & mask) {
+        const Slot *sl = &t->slots[i];
+        if (sl->entry == NULL)
+            return;
+        if (sl->hash == P->hash && sl->entry != TOMB) {
+            const uint8_t *en = (const uint8_t *)sl->entry;
+            __builtin_prefetch(en);
+            __builtin_prefetch(en + 64);
+            __builtin_prefetch(en + 128);
+            return;
+        }
+    }
+}
+
+/* Stage C: look the pod up and splice the series. */
+static void
+finish_v1(Req *r, Pending *P)
+{
+    const uint8_t *raw = r->raw;
+    Err *e = &r->err;
+    size_t start = P->start, s = P->s, q = P->q, lead_end = P->lead_end;
+    int in_front = P->in_front;
+    Lab *labs = P->labs.data;
+    size_t n = P->labs.len;
+    int reason = P->reason;
+    const Entry *en = NULL;
+    if (reason == -2)
+        en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
     tally(r, en ? -1 : reason);
     if (en == NULL || en->nlabels == 0)
         return;
-    size_t at = stamp_position(labs, n, en, in_front && !any_stamped);
+    size_t at = stamp_position(labs, n, en, in_front && !P->any_stamped);
     if (at != NO_POSITION) {
         /* the usual case: the stamp goes in as one block, everything else is the input */
         size_t ins = at < n ? (size_t)(labs[at].field - raw) : lead_end;
@@ -1908,7 +1989,7 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
         r->copy_from = q;
         return;
     }
-    if (!merge_stamp(r, en))
+    if (!merge_stamp(r, labs, n, en))
         return;
     Lab *m = r->merged.data;
     size_t mn = r->merged.len;
@@ -1927,8 +2008,7 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
         rest = q - lead_end;
     else {
         /* every non-label field, in order */
-        size_t pp = s;
-        while (pp < q) {
+        for (size_t pp = s; pp < q;) {
             Field f;
             rd_field(raw, pp, q, &f, e); /* read before: cannot fail */
             if (f.number != 1)
@@ -1936,28 +2016,25 @@ series_v1(Req *r, size_t start, size_t s, size_t q)
             pp = f.end;
         }
     }
-    uint64_t body = new_len + rest;
     uint8_t *head = arena_alloc(&r->arena, 11);
     if (head == NULL)
         return;
     head[0] = 0x0A;
-    size_t hl = 1 + put_varint(head + 1, body);
+    size_t hl = 1 + put_varint(head + 1, new_len + rest);
     emit_input(r, start);
     emit(r, head, hl);
     for (size_t i = 0; i < mn; i++)
         emit(r, m[i].field, m[i].flen);
     if (in_front)
         emit(r, raw + lead_end, q - lead_end);
-    else {
-        size_t pp = s;
-        while (pp < q) {
+    else
+        for (size_t pp = s; pp < q;) {
             Field f;
             rd_field(raw, pp, q, &f, e);
             if (f.number != 1)
                 emit(r, raw + pp, f.end - pp);
             pp = f.end;
         }
-    }
     r->copy_from = q;
 }
 
@@ -1965,39 +2042,63 @@ static void
 walk_v1(Req *r, size_t n)
 {
     const uint8_t *raw = r->raw;
+    Pending ring[PIPE];
+    for (int i = 0; i < PIPE; i++)
+        vec_init(&ring[i].labs, sizeof(Lab));
+    size_t parsed = 0, done = 0; /* series through stage A, through stage C */
     size_t pos = 0;
     while (pos < n && !r->err.kind) {
         Field f;
+        size_t start = pos, s, q;
         if (raw[pos] == 0x0A) {
-            /* a series, lengths of up to three bytes inline */
+            /* a series, its length read inline */
             size_t p = pos + 1;
             uint64_t ln;
             if (!rd_varint(raw, n, &p, &ln)) {
                 INVALID(&r->err, "truncated or over-long varint");
-                return;
+                break;
             }
             if (ln > n - p) {
                 INVALID(&r->err, "field runs past the end of its message");
-                return;
+                break;
             }
-            series_v1(r, pos, p, p + ln);
-            pos = p + ln;
+            s = p;
+            q = p + ln;
         }
         else {
             if (!rd_field(raw, pos, n, &f, &r->err))
-                return;
-            if (f.number == 1) {
-                if (f.wt != 2) {
-                    INVALID(&r->err, "timeseries field with a wrong wire type");
-                    return;
-                }
-                series_v1(r, pos, f.ps, f.end);
-            }
+                break;
             pos = f.end;
+            if (f.number != 1)
+                continue;
+            if (f.wt != 2) {
+                INVALID(&r->err, "timeseries field with a wrong wire type");
+                break;
+            }
+            s = f.ps;
+            q = f.end;
         }
-        if (oom(r))
-            return;
+        pos = q;
+        if (!parse_v1(r, &ring[parsed % PIPE], start, s, q) || oom(r))
+            break;
+        parsed++;
+        if (parsed > LEAD)
+            probe_v1(r->table, &ring[(parsed - 1 - LEAD) % PIPE]);
+        if (parsed > 2 * LEAD) {
+            finish_v1(r, &ring[done % PIPE]);
+            done++;
+            if (oom(r))
+                break;
+        }
     }
+    while (!r->err.kind && done < parsed) {
+        finish_v1(r, &ring[done % PIPE]);
+        done++;
+        if (oom(r))
+            break;
+    }
+    for (int i = 0; i < PIPE; i++)
+        vec_free(&ring[i].labs);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -2455,7 +2556,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         emit_series_v2(r, v, start, s, q, m, n + en->nlabels, sr, refs_end, simple, inserted);
         return;
     }
-    if (!merge_stamp(r, en))
+    if (!merge_stamp(r, r->labs.data, n, en))
         return;
     Lab *m = r->merged.data;
     size_t mn = r->merged.len;
