@@ -44,6 +44,10 @@ WRITE_PATHS = ("/api/v1/write", "/api/v1/push", "/api/v1/receive")
 ENCODINGS = ("snappy", "zstd")
 #: Retry-After (seconds) sent with our own 503s (overload, not ready)
 RETRY_AFTER = "1"
+#: requests that decode to at most this many bytes are decompressed, spliced and
+#: compressed on the event loop: their work (~0.2 ms at 64 KiB) costs less than handing
+#: them to a worker thread and back; bigger ones go to the worker threads
+INLINE_DECODED_BYTES = 64 * 1024
 
 
 class Enriching(typing.Protocol):
@@ -294,14 +298,15 @@ class RemoteWriteHandler:
         # a declared size past the limit is refused by decompress without allocating
         self._reserve(held, min(declared if declared is not None else s.max_decoded_bytes,
                                 s.max_decoded_bytes))
-        out_encoding = self.upstream.out_encoding(encoding)
-        encode = not self.upstream.converts(protocol)
-        loop = asyncio.get_running_loop()
+        out_encoding = self.upstream.out_encoding(encoding) if not self.upstream.converts(
+            protocol) else None
         try:
-            prepared = await loop.run_in_executor(
-                self._executor, self._prepare, body, encoding, protocol,
-                out_encoding if encode else None,
-            )
+            if declared is not None and declared <= INLINE_DECODED_BYTES:
+                # shorter than a round trip through the pool (two thread switches)
+                prepared = self._prepare(body, encoding, protocol, out_encoding)
+            else:
+                prepared = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._prepare, body, encoding, protocol, out_encoding)
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ValueError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import snappy
 
 from proxy.compression import DecodeError
 from proxy.config import Settings
-from proxy.handler import protocol_from_content_type
+from proxy.handler import INLINE_DECODED_BYTES, protocol_from_content_type
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
@@ -174,6 +175,31 @@ async def test_v1_enriches_attributable_series_and_passes_the_rest(running: Runn
                           {"reason": "no_pod_label"}) == 1
     assert running.metric("karta_proxy_requests_total",
                           {"path": "/api/v1/write", "protocol": "v1", "code": "204"}) == 1
+
+
+async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> None:
+    # past INLINE_DECODED_BYTES the request goes through the worker threads
+    cart = {"__name__": "container_cpu_usage_seconds_total", "namespace": "shop",
+            "pod": "cart-7d9f8-abcde", "container": "cart"}
+    sets = [{**cart, "id": f"/kubepods/{i:06d}" + "x" * 40} for i in range(2000)]
+    raw = series_v1(*sets)
+    assert len(raw) > INLINE_DECODED_BYTES
+    calls: list[str] = []
+    enrich = running.proxy.enricher.enrich_v1
+
+    def spy(body: bytes) -> Any:
+        calls.append(threading.current_thread().name)
+        return enrich(body)
+
+    running.proxy.handler.enricher = cast(Any, type("E", (), {
+        "enrich_v1": staticmethod(spy), "enrich_v2": running.proxy.enricher.enrich_v2}))()
+    resp = await running.post(raw)
+    assert resp.status == 204
+    assert calls and calls[0].startswith("karta-splice")
+    (rec,) = running.upstream.received
+    assert all(out == {**sent, **CART} for out, sent in zip(labels_of(rec.raw), sets,
+                                                              strict=True))
+    assert running.proxy.handler.workers >= 1
 
 
 async def test_dcgm_exported_labels_name_the_gpu_pod(running: Running) -> None:
