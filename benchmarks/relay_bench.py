@@ -53,7 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,7 +369,12 @@ def summarize(rounds: list[dict[str, Phase]], relays: list[Relay]) -> dict[str, 
     return out
 
 
-def ratio(rounds: list[dict[str, Phase]], a: str, b: str) -> float:
+class _Costed(typing.Protocol):
+    @property
+    def cpu_per_million(self) -> float | None: ...
+
+
+def ratio(rounds: Sequence[Mapping[str, _Costed]], a: str, b: str) -> float:
     """Median over rounds of the per-round CPU ratio a / b (same-round noise cancels)."""
     values = []
     for r in rounds:
@@ -747,16 +753,6 @@ class HcSize:
     compressed_kib: dict[str, float] = field(default_factory=dict)
 
 
-def _hc_ratio(rounds: list[dict[str, HcPhase]], a: str, b: str) -> float:
-    values = []
-    for r in rounds:
-        if a in r and b in r:
-            x, y = r[a].cpu_per_million, r[b].cpu_per_million
-            if x is not None and y:
-                values.append(x / y)
-    return median(values)
-
-
 def _hc_summary(res: HcSize, relays: list[HcRelay]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     direct = {proto: res.paced.get(key) for key, proto in (("direct", "v1"), ("direct-rw2", "v2"))}
@@ -884,12 +880,12 @@ def _hc_report(
     for res in sizes:
         summary = _hc_summary(res, relays)
         ratios = {
-            "karta-proxy / pass-through": _hc_ratio(res.rounds, "karta-proxy", "pass-through"),
-            "karta-proxy / vmagent": _hc_ratio(res.rounds, "karta-proxy", "vmagent"),
-            "karta-proxy / vmagent+relabel": _hc_ratio(
+            "karta-proxy / pass-through": ratio(res.rounds, "karta-proxy", "pass-through"),
+            "karta-proxy / vmagent": ratio(res.rounds, "karta-proxy", "vmagent"),
+            "karta-proxy / vmagent+relabel": ratio(
                 res.rounds, "karta-proxy", "vmagent+relabel"
             ),
-            "karta-proxy RW 2.0 / RW 1.0": _hc_ratio(res.rounds, HC_RW2, "karta-proxy"),
+            "karta-proxy RW 2.0 / RW 1.0": ratio(res.rounds, HC_RW2, "karta-proxy"),
         }
         print()
         sizes_text = ", ".join(
@@ -913,8 +909,8 @@ def _hc_report(
             per = row["per_round_cpu"]
             spread = f"{min(per):.2f}-{max(per):.2f}" if per else "-"
             rss = row["peak_rss_mb"]
-            vs_pt = _hc_ratio(res.rounds, relay.key, "pass-through")
-            vs_vm = _hc_ratio(res.rounds, relay.key, "vmagent")
+            vs_pt = ratio(res.rounds, relay.key, "pass-through")
+            vs_vm = ratio(res.rounds, relay.key, "vmagent")
             stamped = f"{row['stamped_fraction']:.1%}"
             if (
                 relay.kind == "karta-proxy"
