@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections import Counter
@@ -44,7 +45,7 @@ import yaml
 
 from proxy.index import PodIndex
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
-from proxy.karta.engine import Engine
+from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
 from proxy.karta.results import ChangeSet
 
@@ -203,17 +204,21 @@ def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileConte
         return SkippedFile(source, f"not UTF-8 text ({e.reason} at byte {e.start})")
     except OSError as e:
         return SkippedFile(source, f"cannot read: {e.strerror or e}")
+    fc = FileContent(source)
     try:
-        docs = _parse(text, json_file=p.suffix.lower() == ".json")
+        if p.suffix.lower() == ".json":
+            items = _json_items(text)
+        else:
+            items = _flatten(_parse(text, json_file=False))
+        for where, item in items:
+            _classify(fc, where, item)
     except ValueError as e:  # JSONDecodeError is a ValueError
         return SkippedFile(source, f"invalid JSON: {e}")
     except yaml.YAMLError as e:
         return SkippedFile(source, f"invalid YAML: {_yaml_reason(e)}")
     except RecursionError:
         return SkippedFile(source, "nested too deeply")
-    fc = FileContent(source)
-    for where, item in _flatten(docs):
-        _classify(fc, where, item)
+    del text
     if not fc.objects and not fc.descriptions and not fc.description_errors and fc.invalid:
         return SkippedFile(source, f"no Kubernetes objects ({fc.invalid[0]})")
     return fc
@@ -244,6 +249,97 @@ def _yaml_reason(e: yaml.YAMLError) -> str:
     if mark is not None and problem:
         return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
     return str(e).replace("\n", " ")[:300]
+
+
+_JSON = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _json_items(text: str) -> Iterator[tuple[str, Any]]:
+    """What ``_flatten`` yields for a JSON file, a ``*List``'s items decoded one at a time.
+
+    A List of a large cluster (``kubectl get ... -o json``) is tens of megabytes: parsed
+    whole, its objects would all be alive at once (~5x the text) before a single one is
+    slimmed. Here only one item is: a first pass finds the list's kind (kubectl writes it
+    after the items) decoding and dropping the items, a second yields them.
+    """
+    pos = _SPACE.match(text).end()  # type: ignore[union-attr]
+    if not text.startswith("{", pos):
+        yield from _flatten([json.loads(text)])
+        return
+    members, items_at = _members(text, pos)
+    kind = members.get("kind")
+    if items_at < 0 or not (isinstance(kind, str) and kind.endswith("List")):
+        yield from _flatten([json.loads(text)])
+        return
+    item_kind, api = kind[: -len("List")], members.get("apiVersion")
+    for j, item in enumerate(_array(text, items_at)):
+        if isinstance(item, Mapping) and "kind" not in item and item_kind:
+            item = {"apiVersion": api, "kind": item_kind, **item}
+        yield f"document 1.items[{j}]", item
+
+
+def _space(text: str, pos: int) -> int:
+    return _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+
+
+def _expect(text: str, pos: int, ch: str) -> int:
+    if not text.startswith(ch, pos):
+        raise json.JSONDecodeError(f"expected {ch!r}", text, pos)
+    return _space(text, pos + 1)
+
+
+def _array(text: str, pos: int) -> Iterator[Any]:
+    """The values of the JSON array at ``pos``, one at a time."""
+    pos = _expect(text, pos, "[")
+    if text.startswith("]", pos):
+        return
+    while True:
+        value, pos = _JSON.raw_decode(text, pos)
+        yield value
+        pos = _space(text, pos)
+        if text.startswith("]", pos):
+            return
+        pos = _expect(text, pos, ",")
+
+
+def _members(text: str, pos: int) -> tuple[dict[str, Any], int]:
+    """The top-level members of the JSON object at ``pos`` but ``items``, which is only
+    walked (its values dropped as decoded); and where the ``items`` array starts."""
+    members: dict[str, Any] = {}
+    items_at = -1
+    pos = _expect(text, pos, "{")
+    if not text.startswith("}", pos):
+        while True:
+            key, pos = _JSON.raw_decode(text, pos)
+            if not isinstance(key, str):
+                raise json.JSONDecodeError("expected a member name", text, pos)
+            pos = _expect(text, _space(text, pos), ":")
+            if key == "items" and text.startswith("[", pos):
+                items_at = pos
+                pos = _skip_array(text, pos)
+            else:
+                members[key], pos = _JSON.raw_decode(text, pos)
+            pos = _space(text, pos)
+            if text.startswith("}", pos):
+                break
+            pos = _expect(text, pos, ",")
+    if _space(text, pos + 1) != len(text):
+        raise json.JSONDecodeError("extra data", text, pos + 1)
+    return members, items_at
+
+
+def _skip_array(text: str, pos: int) -> int:
+    """The end of the JSON array at ``pos``, its values decoded and dropped one by one."""
+    pos = _expect(text, pos, "[")
+    if text.startswith("]", pos):
+        return pos + 1
+    while True:
+        _, pos = _JSON.raw_decode(text, pos)
+        pos = _space(text, pos)
+        if text.startswith("]", pos):
+            return pos + 1
+        pos = _expect(text, pos, ",")
 
 
 def _flatten(docs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
@@ -293,6 +389,9 @@ def _classify(fc: FileContent, where: str, item: Any) -> None:
         return
     obj, derived = _with_uids(item, md)
     fc.uids_derived += derived
+    if kind == "Pod" and api == "v1":
+        # what the watches keep of a pod, so a snapshot of a large cluster holds as little
+        obj = slim_pod(dict(obj))
     fc.objects.append(obj)
 
 

@@ -14,10 +14,14 @@ import yaml
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.snapshot import (
+    SkippedFile,
     SnapshotError,
     SnapshotSource,
+    _flatten,
+    _json_items,
     derived_uid,
     load_snapshot,
+    read_file,
     read_snapshot,
 )
 
@@ -351,3 +355,53 @@ def test_demo_snapshot_attribution_table() -> None:
     phases = {w.ref.name: w.phase for w in engine.workloads()}
     assert set(phases.values()) == {"Running"}
     assert len(phases) == 7
+
+
+# -- JSON lists are read one item at a time -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        # kubectl get -o json: kind after the items
+        {"apiVersion": "v1", "items": [{"apiVersion": "v1", "kind": "Pod",
+                                        "metadata": {"name": "a"}}], "kind": "List",
+         "metadata": {}},
+        # the API's typed list: kind first, items without kind
+        {"kind": "PodList", "apiVersion": "v1", "metadata": {},
+         "items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}]},
+        {"kind": "List", "items": []},
+        {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"},
+         "items": [1, 2]},  # not a List: an object with an items field of its own
+        [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}}],
+        {"kind": "List"},
+        "just a string",
+    ],
+)
+def test_json_items_are_what_a_whole_parse_gives(doc: Any) -> None:
+    for text in (json.dumps(doc), json.dumps(doc, indent=2)):
+        assert list(_json_items(text)) == list(_flatten([doc]))
+
+
+@pytest.mark.parametrize("text", ['{"kind": "List", "items": [1, 2', '{"kind": "List"} x',
+                                  '{"kind": "List", "items": [1,, 2]}', '{"a" 1}', "{"])
+def test_json_items_refuse_what_json_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        list(_json_items(text))
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_a_json_list_snapshot_loads_its_pods_slimmed(tmp_path: Path) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "p-1", "namespace": "ns", "uid": "u1",
+                        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                             "name": "rs", "uid": "r1", "controller": True}]},
+           "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x" * 1000}]},
+           "status": {"phase": "Running", "containerStatuses": [{"name": "c"}]}}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"apiVersion": "v1", "items": [pod], "kind": "List"}))
+    fc = read_file(path)
+    assert not isinstance(fc, SkippedFile)
+    (obj,) = fc.objects
+    assert obj["spec"] == {"nodeName": "n1"} and obj["status"] == {"phase": "Running"}

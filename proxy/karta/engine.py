@@ -384,6 +384,38 @@ def _trim(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
+#: pod spec fields attribution can use; the rest (containers, volumes, ...) is dropped
+#: before the engine sees the object
+POD_SPEC_KEEP = ("nodeName", "hostname", "subdomain", "schedulerName", "priorityClassName")
+
+
+def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
+    """Keep metadata, status.phase and the few spec fields attribution may read.
+
+    A pod without a controller is its own workload (the bare-pod description reads its
+    status, a user description of Pod may read more): it is kept whole. Such pods are
+    few; the 100k pods of controllers are what must stay small.
+    """
+    md = obj.get("metadata") or {}
+    md.pop("managedFields", None)
+    ann = md.get("annotations")
+    if ann and _LAST_APPLIED in ann:
+        md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
+    if not any(ref.get("controller") for ref in md.get("ownerReferences") or ()):
+        return obj
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    out: dict[str, Any] = {
+        "apiVersion": obj.get("apiVersion", "v1"),
+        "kind": "Pod",
+        "metadata": md,
+        "spec": {k: spec[k] for k in POD_SPEC_KEEP if k in spec},
+    }
+    if "phase" in status:
+        out["status"] = {"phase": status["phase"]}
+    return out
+
+
 def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
     """Best-effort root kind of a description object that failed to parse."""
     try:

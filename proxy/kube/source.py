@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
+from proxy.karta.engine import slim_pod
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
 from proxy.kube.client import KubeApiError, KubeClient
@@ -44,10 +45,6 @@ DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
 EXPIRE_INTERVAL = 30.0
 #: during the initial sync, ``gc.freeze()`` after every this many objects (see _apply)
 SYNC_FREEZE_EVERY = 2000
-_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
-#: pod spec fields attribution can use; the rest (containers, volumes, ...) is dropped
-#: before the engine sees the object
-POD_SPEC_KEEP = ("nodeName", "hostname", "subdomain", "schedulerName", "priorityClassName")
 
 
 class EngineLike(Protocol):
@@ -58,33 +55,6 @@ class EngineLike(Protocol):
     def delete(self, obj: Mapping[str, Any]) -> ChangeSet: ...
 
     def required_kinds(self) -> Mapping[GroupKind, str]: ...
-
-
-def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
-    """Keep metadata, status.phase and the few spec fields attribution may read.
-
-    A pod without a controller is its own workload (the bare-pod description reads its
-    status, a user description of Pod may read more): it is kept whole. Such pods are
-    few; the 100k pods of controllers are what must stay small.
-    """
-    md = obj.get("metadata") or {}
-    md.pop("managedFields", None)
-    ann = md.get("annotations")
-    if ann and _LAST_APPLIED in ann:
-        md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
-    if not any(ref.get("controller") for ref in md.get("ownerReferences") or ()):
-        return obj
-    spec = obj.get("spec") or {}
-    status = obj.get("status") or {}
-    out: dict[str, Any] = {
-        "apiVersion": obj.get("apiVersion", "v1"),
-        "kind": "Pod",
-        "metadata": md,
-        "spec": {k: spec[k] for k in POD_SPEC_KEEP if k in spec},
-    }
-    if "phase" in status:
-        out["status"] = {"phase": status["phase"]}
-    return out
 
 
 class KubeSource:
