@@ -209,7 +209,7 @@ def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileConte
         if p.suffix.lower() == ".json":
             items = _json_items(text)
         else:
-            items = _flatten(_parse(text, json_file=False))
+            items = _flatten(_parse_yaml(text))
         for where, item in items:
             _classify(fc, where, item)
     except ValueError as e:  # JSONDecodeError is a ValueError
@@ -237,9 +237,7 @@ def read_snapshot(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> Snaps
     return content
 
 
-def _parse(text: str, *, json_file: bool) -> list[Any]:
-    if json_file:
-        return [json.loads(text)]
+def _parse_yaml(text: str) -> list[Any]:
     return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
 
 

@@ -3,8 +3,8 @@
 Random RW 1.0 / 2.0 requests with histograms, exemplars, metadata, stale markers, labels
 that already carry karta_ names, unicode and control characters (bytes that look like
 protobuf tags inside label values), pods the index knows, knows as unattributed, or not
-at all. Each request goes through the same Enricher twice, so the second pass runs on a
-warm cache (the fast path that probes label bytes directly).
+at all. Each request goes through the same Enricher twice: no state may carry from one
+request to the next, so both answers must be the same.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _series_fields(raw: bytes) -> list[bytes]:
 def test_v1_fast_path_matches_reference(raw: bytes, policy: str) -> None:
     ref = enrich_v1_reference(raw, INDEX, PAIRS, policy)
     enricher = Enricher(INDEX, PAIRS, conflict_policy=policy)
-    for _ in range(2):  # cold, then warm cache
+    for _ in range(2):  # the same answer twice: no state carries between requests
         fast = enricher.enrich_v1(raw)
         parsed = remote_pb2.WriteRequest.FromString(fast.body)
         assert parsed.SerializeToString() == ref.body
@@ -211,7 +211,7 @@ def test_v2_matches_reference_and_reads_with_upstream(
 ) -> None:
     enricher = Enricher(INDEX, PAIRS, conflict_policy=policy)
     fast = enricher.enrich_v2(raw)
-    warm = enricher.enrich_v2(raw)  # the cross-request cache gives the same answer
+    warm = enricher.enrich_v2(raw)  # a second request gives the same answer
     assert (warm.body, warm.counts, warm.attributed, warm.unattributed) == (
         fast.body, fast.counts, fast.attributed, fast.unattributed)
     ref = enrich_v2_reference(raw, INDEX, PAIRS, policy)
