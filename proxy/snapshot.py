@@ -206,10 +206,8 @@ def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileConte
         return SkippedFile(source, f"cannot read: {e.strerror or e}")
     fc = FileContent(source)
     try:
-        if p.suffix.lower() == ".json":
-            items = _json_items(text)
-        else:
-            items = _flatten(_parse_yaml(text))
+        json_file = p.suffix.lower() == ".json"
+        items = _json_items(text) if json_file else _flatten(_parse_yaml(text))
         for where, item in items:
             _classify(fc, where, item)
     except ValueError as e:  # JSONDecodeError is a ValueError
