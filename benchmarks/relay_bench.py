@@ -369,6 +369,17 @@ def summarize(rounds: list[dict[str, Phase]], relays: list[Relay]) -> dict[str, 
     return out
 
 
+def print_machine(info: dict[str, Any]) -> dict[str, str]:
+    """Print what ran the benchmark and how loaded it was; returns it for the JSON."""
+    mach = machine()
+    print(
+        f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory']}; Python "
+        f"{mach['python']}; vmagent {mach['vmagent'] or '-'}; load average before rounds "
+        f"{info.get('loadavg_before', '-')}, at end {mach['loadavg_at_end']}"
+    )
+    return mach
+
+
 class _Costed(typing.Protocol):
     @property
     def cpu_per_million(self) -> float | None: ...
@@ -468,12 +479,7 @@ def report(
         "karta-proxy / vmagent": (ratio(rounds, "karta-proxy", "vmagent"), 1.0),
     }
     print()
-    mach = machine()
-    print(
-        f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory']}; Python "
-        f"{mach['python']}; vmagent {mach['vmagent'] or '-'}; load average before rounds "
-        f"{info.get('loadavg_before', '-')}, at end {mach['loadavg_at_end']}"
-    )
+    mach = print_machine(info)
     print()
     print("CPU ratios (median of per-round ratios):")
     for label, (value, target) in ratios.items():
@@ -974,12 +980,7 @@ def _hc_report(
                 f"   {_fmt(median(cpu_ts[k]))} CPU-s/M"
             )
     print()
-    mach = machine()
-    print(
-        f"machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory']}; Python "
-        f"{mach['python']}; vmagent {mach['vmagent'] or '-'}; load average before rounds "
-        f"{info.get('loadavg_before', '-')}, at end {mach['loadavg_at_end']}"
-    )
+    mach = print_machine(info)
     print()
     print(f"targets (issue #8), {targets.get('series_per_request', headline)} series per request:")
 
