@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -162,13 +161,6 @@ def _reference_decision(
     return new, ""
 
 
-def _tally(counts: Counts, body: bytes, reasons: list[str]) -> SpliceResult:
-    """``reasons``: one item per series, "" for attributed."""
-    tally = Counter(reasons)
-    attributed = tally.pop("", 0)
-    return SpliceResult(body, counts, attributed, dict(tally))
-
-
 def _parse_reference(msg: Any, raw: bytes) -> Any:
     try:
         msg.ParseFromString(raw)
@@ -195,20 +187,20 @@ def enrich_v1_reference(
     from proxy.pb.prometheus import remote_pb2
 
     req = _parse_reference(remote_pb2.WriteRequest(), raw)
-    counts = Counts()
-    reasons: list[str] = []
+    result = SpliceResult(raw, Counts())
     for ts in req.timeseries:
-        _count_reference(counts, ts)
+        _count_reference(result.counts, ts)
         labels = [(lb.name, lb.value) for lb in ts.labels]
         new, reason = _reference_decision(
             labels, index, pod_label_pairs, conflict_policy, pod_label_rules
         )
-        reasons.append(reason)
+        result.tally(reason)
         if new is not None:
             del ts.labels[:]
             for n, v in new:
                 ts.labels.add(name=n, value=v)
-    return _tally(counts, req.SerializeToString(), reasons)
+    result.body = req.SerializeToString()
+    return result
 
 
 def enrich_v2_reference(
@@ -224,16 +216,15 @@ def enrich_v2_reference(
     req = _parse_reference(types_pb2.Request(), raw)
     symbols = list(req.symbols)
     where = {s: i for i, s in reversed(list(enumerate(symbols)))}
-    counts = Counts()
-    reasons: list[str] = []
+    result = SpliceResult(raw, Counts())
     for ts in req.timeseries:
-        _count_reference(counts, ts)
+        _count_reference(result.counts, ts)
         refs = list(ts.labels_refs)
         labels = [(symbols[refs[i]], symbols[refs[i + 1]]) for i in range(0, len(refs), 2)]
         new, reason = _reference_decision(
             labels, index, pod_label_pairs, conflict_policy, pod_label_rules
         )
-        reasons.append(reason)
+        result.tally(reason)
         if new is None:
             continue
         if not symbols:
@@ -250,4 +241,5 @@ def enrich_v2_reference(
                 out.append(where[s])
         del ts.labels_refs[:]
         ts.labels_refs.extend(out)
-    return _tally(counts, req.SerializeToString(), reasons)
+    result.body = req.SerializeToString()
+    return result
