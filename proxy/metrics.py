@@ -98,6 +98,21 @@ class ProxyMetrics:
             _P + "upstream_v2_to_v1_conversions", "RW 2.0 requests converted to RW 1.0 for "
             "the upstream.", registry=r,
         )
+        self.upstream_rw2_fallbacks = Counter(
+            _P + "upstream_rw2_fallbacks", "RW 2.0 requests the upstream did not take "
+            "(415, or a 2xx without Written headers), resent as RW 1.0, by reason.",
+            ["reason"], registry=r,
+        )
+        self.upstream_misconfigured = Counter(
+            _P + "upstream_misconfigured", "Upstream answers that are the proxy's "
+            "configuration's fault (not_write_endpoint, credentials_refused), answered 503.",
+            ["url", "reason", "code"], registry=r,
+        )
+        self.upstream_info = Gauge(
+            _P + "upstream_info", "The upstream, the protocol learned for it (rw1, "
+            "as_received, unknown) and the outcome of its last check.",
+            ["url", "protocol", "check"], registry=r,
+        )
         self.request_duration = Histogram(
             _P + "request_duration_seconds", "Time from request start to answer, by protocol.",
             ["protocol"], buckets=_LATENCY_BUCKETS, registry=r,

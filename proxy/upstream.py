@@ -5,19 +5,33 @@ senders drop a batch on 4xx and retry it on 5xx, so an upstream 400 must stay a 
 (else bad data is retried forever) and an unreachable or failing upstream must become a
 5xx (else good data is dropped). Prometheus drops 429'd batches by default, so an
 upstream 429 becomes a 503 with ``Retry-After`` unless configured otherwise; the proxy
-never invents a 429 of its own.
+never invents a 429 of its own. An upstream answer that says "this is not a write
+endpoint" (404, 405, ...) or "the proxy's credentials are wrong" is the operator's
+mistake, not the sender's: it becomes a 503, so the data waits in the sender's queue
+until the configuration is fixed.
+
+RW 2.0 is honest: the ``...-Written`` headers the sender gets are the upstream's own.
+A 1.0-only receiver (Prometheus 2.x, VictoriaMetrics) answers an RW 2.0 body with a 2xx
+and stores nothing, and sends no Written headers; so a 2xx without them to an RW 2.0
+request with data in it means "not understood": the request is converted to RW 1.0,
+sent again, and the upstream is remembered as 1.0-only. Only for a request that went
+out as RW 1.0 does the proxy fill the headers in itself, from the request's counts,
+because a 1.0 receiver's 2xx means all of it was written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import os
 import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -48,6 +62,11 @@ _NEVER_FORWARD = frozenset(
 MAX_ERROR_BODY = 4096
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
+#: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
+MISCONFIGURED_RETRY_AFTER = "30"
+#: answers that say the URL is not a remote-write endpoint (wrong path, receiver not
+#: enabled, a redirect to somewhere else): the sender's data is fine, the URL is not
+NOT_A_WRITE_ENDPOINT = frozenset({301, 302, 303, 307, 308, 404, 405, 410, 501})
 
 
 @dataclass(slots=True)
@@ -65,6 +84,55 @@ class Answer:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One request body ready for the upstream, made by :meth:`Upstream.prepare` (in a
+    worker thread: conversion and compression are the CPU-heavy part)."""
+
+    #: the uncompressed body, in ``protocol``
+    raw: bytes
+    protocol: Protocol
+    #: Content-Encoding toward the upstream
+    encoding: str
+    #: ``raw`` compressed with ``encoding``
+    encoded: bytes
+    #: what the request carries; the Written headers of a converted request come from it
+    counts: Counts | None = None
+    #: ``raw`` is the RW 1.0 form of the sender's RW 2.0 request
+    converted: bool = False
+
+
+ProbeOutcome = Literal[
+    "rw2", "rw1", "not_write_endpoint", "credentials_refused", "unavailable", "refused",
+]
+
+
+@dataclass(slots=True, frozen=True)
+class Probe:
+    """What an empty write told about the upstream (at start, and after a reconnect)."""
+
+    outcome: ProbeOutcome
+    #: the upstream's status code, or timeout / connect_error / error
+    code: str
+    detail: str = ""
+
+
+def display_url(url: str) -> str:
+    """``url`` without credentials, for logs and label values."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def has_written_headers(headers: Mapping[str, str]) -> bool:
+    """True when an answer carries any RW 2.0 ``...-Written`` header."""
+    return any(name in headers for name in _WRITTEN)
 
 
 class UpstreamFailure(RuntimeError):
@@ -154,43 +222,94 @@ def map_status(
     return 502, out
 
 
+def misconfiguration(status: int, *, own_credentials: bool) -> str:
+    """Why an upstream answer is the operator's mistake rather than the sender's, or "".
+
+    ``not_write_endpoint`` for a wrong URL (404 from Prometheus without
+    ``--web.enable-remote-write-receiver``, ``/api/v1/push`` on Prometheus, ...);
+    ``credentials_refused`` for a 401 / 403 to credentials the proxy itself sets. A 401
+    to the sender's own forwarded credentials stays the sender's (as on the direct path).
+    """
+    if status in NOT_A_WRITE_ENDPOINT:
+        return "not_write_endpoint"
+    if status in (401, 403) and own_credentials:
+        return "credentials_refused"
+    return ""
+
+
+#: what each path usually is, for the hint in a "not a write endpoint" log line
+_PATH_HINT = (
+    "Prometheus: /api/v1/write (needs --web.enable-remote-write-receiver); Mimir / Cortex: "
+    "/api/v1/push; Thanos Receive: /api/v1/receive; VictoriaMetrics: /api/v1/write"
+)
+
+
 class Upstream:
-    """One upstream URL behind a pooled keep-alive ``ClientSession``."""
+    """One upstream URL behind a pooled keep-alive ``ClientSession``.
+
+    Protocol knowledge lives here: ``v1_only`` says RW 2.0 requests are converted first.
+    With ``upstream.protocol: auto`` it is learned (a probe at start, a 415, or a 2xx
+    without Written headers) and checked again after the upstream was unreachable,
+    since what answers after a reconnect may be another receiver (an upgrade, a load
+    balancer's other backend).
+    """
 
     def __init__(self, settings: UpstreamSettings, metrics: ProxyMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.url = display_url(settings.url)
         self._session: aiohttp.ClientSession | None = None
-        #: learned from a 415 to an RW 2.0 request (or configured): send RW 1.0 only
+        #: send RW 1.0 only: configured (``v1``) or learned (``auto``)
         self.v1_only = settings.protocol == "v1"
+        #: the last probe's finding (None before the first)
+        self.probe: Probe | None = None
+        #: a probe is due before the next RW 2.0 request (at start, after a reconnect)
+        self._recheck = False
+        self._check_lock = asyncio.Lock()
+        self._check_task: asyncio.Task[Probe] | None = None
+        self._warned_passthrough = False
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
         self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
         self._password = (
             FileSecret(settings.basic_auth_password_file)
             if settings.basic_auth_password_file else None
         )
+        self.own_credentials = bool(
+            self._token is not None or self._password is not None
+            or any(k.lower() == "authorization" for k in settings.headers)
+        )
+        self._publish()
 
-    async def start(self) -> None:
-        if self._session is not None:
-            return
-        s = self.settings
-        ctx = build_ssl_context(s)
-        connector = aiohttp.TCPConnector(
-            limit=s.max_connections,
-            ssl=ctx if ctx is not None else True,
-            keepalive_timeout=60.0,
-            enable_cleanup_closed=True,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=s.timeout_seconds, sock_connect=s.connect_timeout_seconds
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
+    async def start(self, *, check: bool = False) -> None:
+        """Open the connection pool; ``check``: probe the upstream in the background (the
+        first RW 2.0 request waits for that probe rather than racing it)."""
+        if self._session is None:
+            s = self.settings
+            ctx = build_ssl_context(s)
+            connector = aiohttp.TCPConnector(
+                limit=s.max_connections,
+                ssl=ctx if ctx is not None else True,
+                keepalive_timeout=60.0,
+                enable_cleanup_closed=True,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(
+                    total=s.timeout_seconds, sock_connect=s.connect_timeout_seconds
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+        if check and self._check_task is None:
+            self._recheck = True
+            self._check_task = asyncio.create_task(self.check(), name="upstream-check")
 
     async def close(self) -> None:
+        if self._check_task is not None and not self._check_task.done():
+            self._check_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._check_task
+        self._check_task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -218,7 +337,7 @@ class Upstream:
         out["X-Prometheus-Remote-Write-Version"] = protocol.version_header
         return out
 
-    # -- forwarding -----------------------------------------------------------------------
+    # -- what goes out --------------------------------------------------------------------
 
     def out_encoding(self, encoding: str) -> str:
         """The Content-Encoding sent upstream for a request the sender encoded so."""
@@ -229,7 +348,21 @@ class Upstream:
         return (protocol is Protocol.V2 and self.v1_only
                 and self.settings.protocol != "passthrough")
 
-    async def forward(
+    def prepare(self, raw: bytes, protocol: Protocol, encoding: str,
+                counts: Counts | None = None) -> Outgoing:
+        """The body as it goes out: converted when the upstream is 1.0-only, compressed.
+
+        CPU work only (the handler calls it in a worker thread). Raises ``DecodeError``
+        for an RW 2.0 body that cannot be converted (a sender's error: 400).
+        """
+        out_encoding = self.out_encoding(encoding)
+        converted = False
+        if self.converts(protocol):
+            raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
+        return Outgoing(raw, protocol, out_encoding, compress(raw, out_encoding), counts,
+                        converted)
+
+    async def send(
         self,
         raw: bytes,
         protocol: Protocol,
@@ -237,105 +370,117 @@ class Upstream:
         incoming_headers: Mapping[str, str] | None = None,
         encoding: str = "snappy",
         counts: Counts | None = None,
-        encoded: bytes | None = None,
     ) -> Answer:
-        """Send one uncompressed request body upstream; return what to answer the sender.
+        """Prepare (off the event loop) and forward an uncompressed body."""
+        out = await asyncio.to_thread(self.prepare, raw, protocol, encoding, counts)
+        return await self.forward(out, incoming_headers)
 
-        ``encoding`` is the sender's; ``settings.encoding`` decides what goes out.
-        ``encoded``: ``raw`` already compressed with :meth:`out_encoding` (the handler does
-        it in its worker thread); otherwise it is compressed here, off the event loop.
-        ``counts`` lets the RW 2.0 ``...-Written`` headers be computed when the upstream
-        gives none (a v1 upstream never does).
+    # -- forwarding -----------------------------------------------------------------------
+
+    async def forward(self, out: Outgoing, incoming_headers: Mapping[str, str] | None = None
+                      ) -> Answer:
+        """Send one prepared request; return what to answer the sender.
+
+        An RW 2.0 request the upstream did not take (415, or a 2xx without Written
+        headers to a request with data) is converted and sent again, and the upstream
+        remembered as 1.0-only. Raises ``DecodeError`` when that conversion fails.
         """
         incoming = incoming_headers or {}
-        out_encoding = self.out_encoding(encoding)
-        converted = False
-        if self.converts(protocol):
-            raw, protocol, converted = await asyncio.to_thread(v2_to_v1, raw), Protocol.V1, True
-            encoded = None
-            if self.metrics is not None:
-                self.metrics.upstream_conversions.inc()
-        answer = await self._post(raw, encoded, protocol, incoming, out_encoding)
-        if (
-            answer.upstream == "415"
-            and protocol is Protocol.V2
-            and self.settings.protocol == "auto"
-        ):
-            log.warning(
-                "upstream refused RW 2.0 with 415; converting to RW 1.0 from now on",
-                extra={"upstream_url": self.settings.url},
-            )
-            self.v1_only = True
-            raw, protocol, converted = await asyncio.to_thread(v2_to_v1, raw), Protocol.V1, True
-            if self.metrics is not None:
-                self.metrics.upstream_conversions.inc()
-            answer = await self._post(raw, None, protocol, incoming, out_encoding)
-        answer.converted = converted
-        if answer.ok and (converted or protocol is Protocol.V2):
-            self._written_headers(answer, counts)
+        if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
+            if self._recheck:
+                await self.check()
+            if self.v1_only and out.protocol is Protocol.V2:
+                out = await asyncio.to_thread(self._convert, out)
+        if out.converted and self.metrics is not None:
+            self.metrics.upstream_conversions.inc()
+        answer = await self._post(out, incoming)
+        if out.protocol is Protocol.V2:
+            refused = self._refused_v2(answer, out.counts)
+            if refused and self.settings.protocol == "auto":
+                self._learn_v1_only(refused, answer)
+                out = await asyncio.to_thread(self._convert, out)
+                if self.metrics is not None:
+                    self.metrics.upstream_conversions.inc()
+                answer = await self._post(out, incoming)
+            elif refused == "no_written_headers" and not self._warned_passthrough:
+                self._warned_passthrough = True
+                log.warning(
+                    "upstream answered an RW 2.0 request with 2xx but no Written headers: "
+                    "it probably does not take RW 2.0, and RW 2.0 senders count such "
+                    "answers as failures; upstream.protocol is passthrough, so nothing is "
+                    "converted", extra={"upstream_url": self.url})
+        answer.converted = out.converted
+        if answer.ok and out.converted:
+            self._written_headers(answer, out.counts)
         return answer
 
-    def _written_headers(self, answer: Answer, counts: Counts | None) -> None:
-        if counts is None:
-            return
-        have = {k.lower() for k in answer.headers}
-        computed = {
-            WRITTEN_SAMPLES: counts.samples,
-            WRITTEN_HISTOGRAMS: counts.histograms,
-            # RW 1.0 cannot carry RW 2.0 exemplar refs differently; a v1 upstream that
-            # accepted the request accepted the exemplars too
-            WRITTEN_EXEMPLARS: counts.exemplars,
-        }
-        for name, value in computed.items():
-            if name.lower() not in have:
-                answer.headers[name] = str(value)
+    def _convert(self, out: Outgoing) -> Outgoing:
+        raw = v2_to_v1(out.raw)
+        return Outgoing(raw, Protocol.V1, out.encoding, compress(raw, out.encoding),
+                        out.counts, True)
 
-    async def _post(
-        self, raw: bytes, encoded: bytes | None, protocol: Protocol,
-        incoming: Mapping[str, str], encoding: str,
-    ) -> Answer:
+    @staticmethod
+    def _refused_v2(answer: Answer, counts: Counts | None) -> str:
+        """Why an answer to an RW 2.0 request says the upstream did not take RW 2.0."""
+        if answer.upstream == "415":
+            return "unsupported_media_type"
+        carries = counts is None or bool(counts.samples or counts.histograms or counts.exemplars)
+        if answer.ok and carries and not has_written_headers(answer.headers):
+            return "no_written_headers"
+        return ""
+
+    def _learn_v1_only(self, reason: str, answer: Answer) -> None:
+        log.warning(
+            "upstream did not take RW 2.0; converting RW 2.0 requests to RW 1.0 from now on",
+            extra={"upstream_url": self.url, "reason": reason, "upstream_status": answer.upstream},
+        )
+        self.v1_only = True
+        if self.metrics is not None:
+            self.metrics.upstream_rw2_fallbacks.labels(reason).inc()
+        self._publish()
+
+    def _written_headers(self, answer: Answer, counts: Counts | None) -> None:
+        """Written headers for a request that went out as RW 1.0: a 1.0 receiver's 2xx
+        means the whole request was written, and an RW 2.0 sender drops data on a 2xx
+        without them. The upstream's own headers win where it sent any."""
+        if counts is None or has_written_headers(answer.headers):
+            return
+        answer.headers[WRITTEN_SAMPLES] = str(counts.samples)
+        answer.headers[WRITTEN_HISTOGRAMS] = str(counts.histograms)
+        answer.headers[WRITTEN_EXEMPLARS] = str(counts.exemplars)
+
+    async def _post(self, out: Outgoing, incoming: Mapping[str, str]) -> Answer:
         if self._session is None:
             await self.start()
         assert self._session is not None
-        body = encoded if encoded is not None else await asyncio.to_thread(compress, raw, encoding)
-        headers = self._headers(incoming, protocol, encoding)
+        headers = self._headers(incoming, out.protocol, out.encoding)
         server_hostname = self.settings.tls_server_name or None
         started = time.perf_counter()
         code = "error"
         try:
             async with self._session.post(
-                self.settings.url, data=body, headers=headers, allow_redirects=False,
+                self.settings.url, data=out.encoded, headers=headers, allow_redirects=False,
                 server_hostname=server_hostname,
             ) as resp:
                 code = str(resp.status)
                 text = await resp.content.read(MAX_ERROR_BODY)
-                status, out = map_status(resp.status, resp.headers,
-                                         pass_through_429=self.settings.pass_through_429)
-                for name in _WRITTEN:
-                    if name in resp.headers:
-                        out[name] = resp.headers[name]
-                if status != resp.status and resp.status >= 300:
-                    text = f"upstream answered {resp.status}: ".encode() + text
-                if status >= 500 or resp.status >= 300:
-                    log.warning(
-                        "upstream did not accept the request",
-                        extra={"upstream_status": resp.status, "status": status,
-                               "body": text[:512].decode("utf-8", "replace")},
-                    )
-                return Answer(status, text[:MAX_ERROR_BODY], out, code)
+                return self._answer(resp.status, resp.headers, text, code)
         except TimeoutError:
             code = "timeout"
-            log.warning("upstream timed out", extra={"upstream_url": self.settings.url,
+            self._recheck = self.settings.protocol == "auto"
+            log.warning("upstream timed out", extra={"upstream_url": self.url,
                                                      "timeout_s": self.settings.timeout_seconds})
             return Answer(504, b"upstream timed out", {}, code)
         except aiohttp.ClientConnectorError as e:
             code = "connect_error"
-            log.warning("upstream unreachable", extra={"upstream_url": self.settings.url,
+            self._recheck = self.settings.protocol == "auto"
+            log.warning("upstream unreachable", extra={"upstream_url": self.url,
                                                        "error": str(e)})
             return Answer(502, f"upstream unreachable: {e}".encode(), {}, code)
         except aiohttp.ClientError as e:
             code = "error"
-            log.warning("upstream request failed", extra={"upstream_url": self.settings.url,
+            self._recheck = self.settings.protocol == "auto"
+            log.warning("upstream request failed", extra={"upstream_url": self.url,
                                                           "error": repr(e)})
             return Answer(502, f"upstream request failed: {e!r}".encode(), {}, code)
         finally:
@@ -343,12 +488,133 @@ class Upstream:
                 self.metrics.upstream_duration.observe(time.perf_counter() - started)
                 self.metrics.upstream_responses.labels(code).inc()
 
+    def _answer(self, upstream_status: int, upstream_headers: Mapping[str, str], text: bytes,
+                code: str) -> Answer:
+        status, out = map_status(upstream_status, upstream_headers,
+                                 pass_through_429=self.settings.pass_through_429)
+        for name in _WRITTEN:
+            if name in upstream_headers:
+                out[name] = upstream_headers[name]
+        reason = misconfiguration(upstream_status, own_credentials=self.own_credentials)
+        if reason:
+            what = ("is not a remote-write endpoint" if reason == "not_write_endpoint"
+                    else "refused the proxy's credentials")
+            log.error(
+                f"upstream {what}: fix upstream.url / credentials; senders get 503 and keep "
+                "their data meanwhile",
+                extra={"upstream_url": self.url, "upstream_status": upstream_status,
+                       "reason": reason, "hint": _PATH_HINT,
+                       "body": text[:512].decode("utf-8", "replace")},
+            )
+            if self.metrics is not None:
+                self.metrics.upstream_misconfigured.labels(self.url, reason, code).inc()
+            message = (f"upstream {self.url} answered {upstream_status}: it {what} "
+                       f"(proxy misconfigured; retry later): ").encode() + text
+            return Answer(503, message[:MAX_ERROR_BODY],
+                          {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
+        if status != upstream_status and upstream_status >= 300:
+            text = f"upstream answered {upstream_status}: ".encode() + text
+        if status >= 500 or upstream_status >= 300:
+            log.warning(
+                "upstream did not accept the request",
+                extra={"upstream_status": upstream_status, "status": status,
+                       "body": text[:512].decode("utf-8", "replace")},
+            )
+        return Answer(status, text[:MAX_ERROR_BODY], out, code)
+
+    # -- what the upstream is -------------------------------------------------------------
+
+    async def check(self) -> Probe:
+        """Probe the upstream with an empty write and say loudly what was found.
+
+        With ``protocol: auto`` the empty write is RW 2.0: a 2.0 receiver answers 2xx
+        with Written headers (of 0), a 1.0-only one 2xx without them (it reads the body
+        as an empty 1.0 request) or 415. Otherwise it is RW 1.0, an endpoint check only.
+        Concurrent callers share one probe.
+        """
+        async with self._check_lock:
+            if not self._recheck and self.probe is not None:
+                return self.probe
+            probe = await self._probe()
+            self.probe = probe
+            self._recheck = probe.outcome == "unavailable" and self.settings.protocol == "auto"
+            if self.settings.protocol == "auto":
+                if probe.outcome == "rw2":
+                    self.v1_only = False
+                elif probe.outcome == "rw1":
+                    self.v1_only = True
+            self._log_probe(probe)
+            self._publish()
+            return probe
+
+    async def _probe(self) -> Probe:
+        auto = self.settings.protocol == "auto"
+        protocol = Protocol.V2 if auto else Protocol.V1
+        empty = Outgoing(b"", protocol, self.out_encoding("snappy"),
+                         compress(b"", self.out_encoding("snappy")))
+        answer = await self._post(empty, {})
+        if answer.upstream == "415" and auto:
+            answer = await self._post(
+                Outgoing(b"", Protocol.V1, empty.encoding, empty.encoded), {})
+            if answer.ok:
+                return Probe("rw1", answer.upstream, "answered 415 to RW 2.0")
+        detail = answer.body[:200].decode("utf-8", "replace")
+        if answer.ok:
+            if not auto:
+                return Probe("rw1", answer.upstream)
+            return Probe("rw2" if has_written_headers(answer.headers) else "rw1",
+                         answer.upstream)
+        code = int(answer.upstream) if answer.upstream.isdigit() else 0
+        reason = misconfiguration(code, own_credentials=self.own_credentials) if code else ""
+        if reason == "not_write_endpoint":
+            return Probe("not_write_endpoint", answer.upstream, detail)
+        if reason == "credentials_refused":
+            return Probe("credentials_refused", answer.upstream, detail)
+        if answer.status >= 500:
+            return Probe("unavailable", answer.upstream, detail)
+        return Probe("refused", answer.upstream, detail)
+
+    def _log_probe(self, probe: Probe) -> None:
+        extra = {"upstream_url": self.url, "upstream_status": probe.code,
+                 "outcome": probe.outcome}
+        if probe.outcome == "rw2":
+            log.info("upstream takes remote write 2.0: RW 2.0 requests pass through", extra=extra)
+        elif probe.outcome == "rw1":
+            log.info("upstream takes remote write 1.0 only: RW 2.0 requests are converted",
+                     extra=extra)
+        elif probe.outcome == "not_write_endpoint":
+            log.error("upstream URL is NOT a remote-write endpoint: every write will be "
+                      "answered 503 until upstream.url is fixed",
+                      extra={**extra, "hint": _PATH_HINT, "body": probe.detail})
+        elif probe.outcome == "credentials_refused":
+            log.error("upstream refused the proxy's credentials: every write will be "
+                      "answered 503 until they are fixed", extra={**extra, "body": probe.detail})
+        elif probe.outcome == "unavailable":
+            log.warning("upstream not available at the check; checked again when it "
+                        "answers", extra={**extra, "body": probe.detail})
+        else:
+            log.warning("upstream refused an empty write", extra={**extra, "body": probe.detail})
+
+    def _publish(self) -> None:
+        if self.metrics is None:
+            return
+        if self.v1_only:
+            protocol = "rw1"
+        elif self.settings.protocol == "passthrough" or (
+                self.probe is not None and self.probe.outcome == "rw2"):
+            protocol = "as_received"
+        else:
+            protocol = "unknown"
+        check = self.probe.outcome if self.probe is not None else "pending"
+        self.metrics.upstream_info.clear()
+        self.metrics.upstream_info.labels(self.url, protocol, check).set(1)
+
     async def send_v1(self, raw: bytes) -> None:
         """Post an uncompressed RW 1.0 body of the proxy's own (fact series).
 
         Raises ``UpstreamFailure`` unless the upstream accepted it, so the caller can
         count and retry on its own schedule.
         """
-        answer = await self.forward(raw, Protocol.V1)
+        answer = await self.send(raw, Protocol.V1)
         if not answer.ok:
             raise UpstreamFailure(answer)

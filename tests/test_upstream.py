@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import pytest
 
+from proxy.compression import DecodeError
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
@@ -22,6 +23,7 @@ from proxy.upstream import (
     FileSecret,
     Upstream,
     UpstreamFailure,
+    display_url,
     map_status,
 )
 from proxy.wire.primitives import Counts, Protocol
@@ -65,7 +67,7 @@ async def test_success_forwards_body_and_selected_headers() -> None:
     async with ScriptedUpstream(Reply(204)) as up:
         u = make(up.url, headers={"X-Extra": "1"})
         try:
-            answer = await u.forward(
+            answer = await u.send(
                 v1_body(), Protocol.V1,
                 incoming_headers={"X-Scope-OrgID": "team-a", "Authorization": "Bearer s",
                                   "THANOS-TENANT": "t", "X-Not-Listed": "no",
@@ -92,7 +94,7 @@ async def test_zstd_toward_the_upstream_when_configured() -> None:
     async with ScriptedUpstream() as up:
         u = make(up.url, encoding="zstd")
         try:
-            await u.forward(v1_body(), Protocol.V1)
+            await u.send(v1_body(), Protocol.V1)
         finally:
             await u.close()
     assert up.received[0].headers["Content-Encoding"] == "zstd"
@@ -104,7 +106,7 @@ async def test_keep_alive_reuses_one_connection() -> None:
         u = make(up.url)
         try:
             for _ in range(5):
-                assert (await u.forward(v1_body(), Protocol.V1)).ok
+                assert (await u.send(v1_body(), Protocol.V1)).ok
         finally:
             await u.close()
     assert len(up.received) == 5
@@ -115,7 +117,7 @@ async def test_keep_alive_reuses_one_connection() -> None:
     ("reply", "status", "retry_after"),
     [
         (Reply(400, body=b"bad labels"), 400, None),
-        (Reply(404), 404, None),
+        (Reply(404), 503, "30"),  # not a write endpoint: the sender keeps its data
         (Reply(413), 413, None),
         (Reply(429), 503, "1"),
         (Reply(429, {"Retry-After": "7"}), 503, "7"),
@@ -123,7 +125,7 @@ async def test_keep_alive_reuses_one_connection() -> None:
         (Reply(502), 502, None),
         (Reply(503, {"Retry-After": "30"}), 503, "30"),
         (Reply(504), 504, None),
-        (Reply(307, {"Location": "/elsewhere"}), 502, None),
+        (Reply(307, {"Location": "/elsewhere"}), 503, "30"),
         (Reply(200), 200, None),
     ],
 )
@@ -131,7 +133,7 @@ async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str |
     async with ScriptedUpstream(reply) as up:
         u = make(up.url)
         try:
-            answer = await u.forward(v1_body(), Protocol.V1)
+            answer = await u.send(v1_body(), Protocol.V1)
         finally:
             await u.close()
     assert answer.status == status
@@ -145,7 +147,7 @@ async def test_429_passes_when_configured() -> None:
     async with ScriptedUpstream(Reply(429)) as up:
         u = make(up.url, pass_through_429=True)
         try:
-            assert (await u.forward(v1_body(), Protocol.V1)).status == 429
+            assert (await u.send(v1_body(), Protocol.V1)).status == 429
         finally:
             await u.close()
 
@@ -154,7 +156,7 @@ async def test_error_body_is_truncated() -> None:
     async with ScriptedUpstream(Reply(400, body=b"x" * 100_000)) as up:
         u = make(up.url)
         try:
-            answer = await u.forward(v1_body(), Protocol.V1)
+            answer = await u.send(v1_body(), Protocol.V1)
         finally:
             await u.close()
     assert answer.status == 400 and len(answer.body) <= 4096
@@ -164,7 +166,7 @@ async def test_timeout_is_504() -> None:
     async with ScriptedUpstream(Reply(204, delay=3.0)) as up:
         u = make(up.url, timeout_seconds=0.3)
         try:
-            answer = await u.forward(v1_body(), Protocol.V1)
+            answer = await u.send(v1_body(), Protocol.V1)
         finally:
             await u.close()
     assert answer.status == 504 and answer.upstream == "timeout"
@@ -177,7 +179,7 @@ async def test_refused_connection_is_502() -> None:
     await up.stop()  # the port is now closed
     u = make(url)
     try:
-        answer = await u.forward(v1_body(), Protocol.V1)
+        answer = await u.send(v1_body(), Protocol.V1)
     finally:
         await u.close()
     assert answer.status == 502 and answer.upstream == "connect_error"
@@ -187,30 +189,197 @@ async def test_refused_connection_is_502() -> None:
         "karta_proxy_upstream_responses_total", {"code": "connect_error"}) == 1
 
 
-async def test_v2_written_headers_computed_when_upstream_omits_them() -> None:
+async def test_v2_2xx_without_written_headers_is_resent_as_v1_and_remembered() -> None:
+    # Prometheus 2.x and VictoriaMetrics read an RW 2.0 body as an empty 1.0 request:
+    # 204, no Written headers, nothing stored. The proxy must not call that success.
     async with ScriptedUpstream(Reply(204)) as up:
         u = make(up.url)
         try:
-            answer = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+            first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+            second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
         finally:
             await u.close()
-    assert up.received[0].headers["Content-Type"] == (
-        "application/x-protobuf;proto=io.prometheus.write.v2.Request")
-    assert up.received[0].headers["X-Prometheus-Remote-Write-Version"] == "2.0.0"
-    assert answer.headers[WRITTEN_SAMPLES] == "2"
-    assert answer.headers[WRITTEN_HISTOGRAMS] == "0"
-    assert answer.headers[WRITTEN_EXEMPLARS] == "0"
+    kinds = [r.headers["Content-Type"] for r in up.received]
+    assert kinds == [
+        "application/x-protobuf;proto=io.prometheus.write.v2.Request",
+        "application/x-protobuf",
+        "application/x-protobuf",  # remembered
+    ]
+    assert u.v1_only and first.converted and second.converted
+    # the 1.0 upstream's 2xx covers the whole request: its counts are what was written
+    assert first.headers[WRITTEN_SAMPLES] == "2"
+    assert first.headers[WRITTEN_HISTOGRAMS] == "0"
+    assert first.headers[WRITTEN_EXEMPLARS] == "0"
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_rw2_fallbacks_total", {"reason": "no_written_headers"}) == 1
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_info", {"url": up.url, "protocol": "rw1", "check": "pending"}
+    ) == 1
 
 
-async def test_v2_written_headers_passed_through() -> None:
+async def test_v2_without_data_and_without_written_headers_is_not_a_refusal() -> None:
+    empty = RequestV2()
+    empty.symbols.extend([""])
+    async with ScriptedUpstream(Reply(204)) as up:
+        u = make(up.url)
+        try:
+            answer = await u.send(empty.SerializeToString(), Protocol.V2,
+                                  counts=Counts(0, 0, 0, 0))
+        finally:
+            await u.close()
+    assert answer.status == 204 and len(up.received) == 1 and not u.v1_only
+    assert WRITTEN_SAMPLES not in answer.headers
+
+
+async def test_v2_written_headers_passed_through_never_made_up() -> None:
+    # a 2.0 receiver that wrote only part of the request: the sender hears exactly that
     given = {WRITTEN_SAMPLES: "1", WRITTEN_HISTOGRAMS: "0", WRITTEN_EXEMPLARS: "0"}
     async with ScriptedUpstream(Reply(204, given)) as up:
         u = make(up.url)
         try:
-            answer = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+            answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
         finally:
             await u.close()
-    assert answer.headers[WRITTEN_SAMPLES] == "1"
+    assert answer.headers[WRITTEN_SAMPLES] == "1" and not answer.converted
+    assert len(up.received) == 1 and not u.v1_only
+
+
+async def test_passthrough_never_converts_and_never_makes_up_written_headers() -> None:
+    async with ScriptedUpstream(Reply(204)) as up:
+        u = make(up.url, protocol="passthrough")
+        try:
+            answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert answer.status == 204 and len(up.received) == 1
+    assert WRITTEN_SAMPLES not in answer.headers
+
+
+async def test_conversion_failure_after_a_refusal_is_a_decode_error() -> None:
+    # a ref past the symbol table, seen only when the body has to be converted
+    bad = RequestV2()
+    bad.symbols.extend(["", "__name__", "up"])
+    ts = bad.timeseries.add()
+    ts.labels_refs.extend([1, 2])
+    ts.samples.add(value=1.0, timestamp=1)
+    ex = ts.exemplars.add(value=1.0, timestamp=1)
+    ex.labels_refs.extend([7, 8])
+    async with ScriptedUpstream(Reply(415)) as up:
+        u = make(up.url)
+        try:
+            with pytest.raises(DecodeError) as info:
+                await u.send(bad.SerializeToString(), Protocol.V2, counts=COUNTS)
+        finally:
+            await u.close()
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("status", [404, 405, 410, 501, 308])
+async def test_not_a_write_endpoint_is_503_with_a_counter_naming_the_url(status: int) -> None:
+    async with ScriptedUpstream(Reply(status, body=b"404 page not found")) as up:
+        u = make(up.url)
+        try:
+            answer = await u.send(v1_body(), Protocol.V1)
+        finally:
+            await u.close()
+    # the sender keeps the batch (a 4xx would make Prometheus and vmagent drop it)
+    assert answer.status == 503 and answer.headers["Retry-After"]
+    assert b"not a remote-write endpoint" in answer.body and up.url.encode() in answer.body
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_misconfigured_total",
+        {"url": up.url, "reason": "not_write_endpoint", "code": str(status)}) == 1
+
+
+async def test_401_to_the_proxys_own_credentials_is_503(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("wrong\n")
+    async with ScriptedUpstream(Reply(401)) as up:
+        own = make(up.url, bearer_token_file=str(token))
+        theirs = make(up.url)
+        try:
+            mine = await own.send(v1_body(), Protocol.V1)
+            senders = await theirs.send(v1_body(), Protocol.V1,
+                                        incoming_headers={"Authorization": "Bearer x"})
+        finally:
+            await own.close()
+            await theirs.close()
+    assert mine.status == 503 and b"credentials" in mine.body
+    # the sender's own credentials: its answer, as on the direct path
+    assert senders.status == 401
+
+
+def test_display_url_drops_credentials() -> None:
+    assert display_url("https://u:secret@tsdb:9090/api/v1/write") == "https://tsdb:9090/api/v1/write"
+    assert display_url("http://tsdb/api/v1/write") == "http://tsdb/api/v1/write"
+
+
+def _rw2_receiver(rec: Any) -> Reply:
+    if "v2" in rec.headers["Content-Type"]:
+        return Reply(204, {WRITTEN_SAMPLES: "0", WRITTEN_HISTOGRAMS: "0",
+                           WRITTEN_EXEMPLARS: "0"})
+    return Reply(204)
+
+
+@pytest.mark.parametrize(
+    ("reply", "outcome", "v1_only"),
+    [
+        (Reply(204), "rw1", True),
+        (Reply(415), "rw1", True),
+        (None, "rw2", False),
+        (Reply(404), "not_write_endpoint", False),
+        (Reply(503), "unavailable", False),
+        (Reply(400, body=b"nope"), "refused", False),
+    ],
+)
+async def test_check_finds_what_the_upstream_is(reply: Reply | None, outcome: str,
+                                                v1_only: bool) -> None:
+    def rule(rec: Any) -> Reply:
+        if reply is None:
+            return _rw2_receiver(rec)
+        if reply.status == 415 and "v2" not in rec.headers["Content-Type"]:
+            return Reply(204)
+        return reply
+
+    async with ScriptedUpstream(rule=rule) as up:
+        u = make(up.url)
+        try:
+            await u.start(check=True)
+            probe = await u.check()
+        finally:
+            await u.close()
+    assert probe.outcome == outcome and u.v1_only is v1_only
+    assert all(r.body == snappy_empty() for r in up.received)
+
+
+def snappy_empty() -> bytes:
+    import snappy
+
+    return bytes(snappy.compress(b""))
+
+
+async def test_checked_again_after_a_reconnect() -> None:
+    # 1.0-only at first; the upstream goes away and comes back as a 2.0 receiver
+    async with ScriptedUpstream(Reply(204)) as up:
+        u = make(up.url)
+        await u.start(check=True)
+        assert (await u.check()).outcome == "rw1"
+        port = up.port
+    try:
+        assert (await u.send(v2_body(), Protocol.V2, counts=COUNTS)).status == 502
+        async with ScriptedUpstream(rule=_rw2_receiver, port=port) as again:
+            first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+            second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+    finally:
+        await u.close()
+    # the probe goes before the first request after the reconnect (which was already
+    # converted, and is sent so: correct either way); from then on RW 2.0 passes
+    assert again.received[0].body == snappy_empty()
+    assert "v2" in again.received[0].headers["Content-Type"]
+    assert first.status == 204 and second.status == 204 and not u.v1_only
+    assert not second.converted
+    assert "v2" in again.received[-1].headers["Content-Type"]
 
 
 async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
@@ -225,8 +394,8 @@ async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
     async with ScriptedUpstream(rule=rule) as up:
         u = make(up.url)
         try:
-            first = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
-            second = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+            first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+            second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
         finally:
             await u.close()
     assert first.status == 204 and first.converted
@@ -243,7 +412,7 @@ async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
         ("__name__", "up"), ("job", "a")]
     assert [s.value for s in converted.timeseries[0].samples] == [1.0, 2.0]
     assert up.received[1].headers["X-Prometheus-Remote-Write-Version"] == "0.1.0"
-    # a v1 upstream returns no Written headers: computed from the counts
+    # a v1 upstream returns no Written headers: its 2xx covers the whole request
     assert first.headers[WRITTEN_SAMPLES] == "2"
 
 
@@ -251,7 +420,7 @@ async def test_passthrough_protocol_returns_the_415() -> None:
     async with ScriptedUpstream(Reply(415)) as up:
         u = make(up.url, protocol="passthrough")
         try:
-            answer = await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+            answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
         finally:
             await u.close()
     assert answer.status == 415 and len(up.received) == 1
@@ -261,7 +430,7 @@ async def test_protocol_v1_always_converts() -> None:
     async with ScriptedUpstream() as up:
         u = make(up.url, protocol="v1")
         try:
-            await u.forward(v2_body(), Protocol.V2, counts=COUNTS)
+            await u.send(v2_body(), Protocol.V2, counts=COUNTS)
         finally:
             await u.close()
     assert up.received[0].headers["Content-Type"] == "application/x-protobuf"
@@ -273,7 +442,7 @@ async def test_bearer_token_file_replaces_sender_auth(tmp_path: Path) -> None:
     async with ScriptedUpstream() as up:
         u = make(up.url, bearer_token_file=str(token))
         try:
-            await u.forward(v1_body(), Protocol.V1, incoming_headers={"Authorization": "Basic x"})
+            await u.send(v1_body(), Protocol.V1, incoming_headers={"Authorization": "Basic x"})
         finally:
             await u.close()
     assert up.received[0].headers.getall("Authorization") == ["Bearer secret-1"]
@@ -285,7 +454,7 @@ async def test_basic_auth(tmp_path: Path) -> None:
     async with ScriptedUpstream() as up:
         u = make(up.url, basic_auth_username="karta", basic_auth_password_file=str(pw))
         try:
-            await u.forward(v1_body(), Protocol.V1)
+            await u.send(v1_body(), Protocol.V1)
         finally:
             await u.close()
     assert up.received[0].headers["Authorization"] == "Basic a2FydGE6aHVudGVyMg=="
@@ -355,10 +524,10 @@ async def test_tls_with_ca_and_server_name(tls_files: tuple[Path, Path]) -> None
         unverified = make(up.url)  # system CAs: the self-signed cert is refused
         insecure = make(up.url, tls_insecure_skip_verify=True)
         try:
-            assert (await ok.forward(v1_body(), Protocol.V1)).status == 204
-            bad = await unverified.forward(v1_body(), Protocol.V1)
+            assert (await ok.send(v1_body(), Protocol.V1)).status == 204
+            bad = await unverified.send(v1_body(), Protocol.V1)
             assert bad.status == 502 and bad.upstream == "connect_error"
-            assert (await insecure.forward(v1_body(), Protocol.V1)).status == 204
+            assert (await insecure.send(v1_body(), Protocol.V1)).status == 204
         finally:
             for u in (ok, unverified, insecure):
                 await u.close()
