@@ -192,7 +192,7 @@ class Proxy:
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
         warn_if_python()
-        await self.upstream.start()
+        await self.upstream.start(check=True)
         self._load_description_files()
         self.source = self._make_source()
         await self._start_elector()
