@@ -9,6 +9,12 @@ nothing is allocated past the configured limits: the compressed body is read in 
 against ``max_body_bytes`` and the decoded size is taken from the body's own header
 before decompressing. Load is bounded by a request count and a byte budget; past either
 the answer is 503 with ``Retry-After`` at once (never a queue, never a 429 of our own).
+
+Admission is decided on the headers alone, before a byte of the body is read: a refused
+request is answered with ``Connection: close``, so its body is never parsed into the
+process (aiohttp discards what is already in flight). An admitted body holds budget
+only for the bytes that have arrived, and must arrive within a deadline and above a
+minimum rate, so a sender that stalls mid-body holds a slot for seconds, not forever.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from aiohttp import web
 
 from proxy.compression import (
     DecodeError,
-    compress,
     decompress,
     snappy_declared_length,
     zstd_declared_length,
@@ -34,7 +39,7 @@ from proxy.compression import (
 from proxy.config import ServerSettings
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
-from proxy.upstream import Answer, Upstream
+from proxy.upstream import Answer, Outgoing, Upstream
 from proxy.wire.plan import SpliceResult
 from proxy.wire.primitives import Protocol
 
@@ -60,7 +65,13 @@ class Enriching(typing.Protocol):
 
 
 def protocol_from_content_type(ct: str) -> Protocol:
-    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else."""
+    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else.
+
+    No Content-Type at all is RW 1.0, as Prometheus' own receiver takes it: early 1.0
+    senders set none, and refusing them would drop data a direct write keeps.
+    """
+    if not ct.strip():
+        return Protocol.V1
     parts = [p.strip() for p in ct.split(";")]
     media = parts[0].lower()
     if media != "application/x-protobuf":
@@ -101,8 +112,8 @@ class Prepared:
     """One request after its worker-thread part: the enrichment and the body to send."""
 
     result: SpliceResult
-    #: ``result.body`` compressed for the upstream; None when the upstream converts first
-    encoded: bytes | None
+    #: ``result.body`` as it goes upstream (converted, compressed)
+    outgoing: Outgoing
 
 
 def declared_decoded_size(body: bytes, encoding: str) -> int | None:
@@ -142,6 +153,11 @@ class LoadBudget:
 
     def release(self, n: int) -> None:
         self.bytes -= n
+
+
+#: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
+#: start, a sender's first write): the rate is what arrived over the time past it
+BODY_RATE_GRACE_SECONDS = 1.0
 
 
 class _Held:
@@ -212,6 +228,27 @@ class RemoteWriteHandler:
         )
         return response
 
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """The route's ``Expect`` handler: never ``100 Continue`` here (aiohttp's default
+        sends it before the handler runs, so a sender over the limits would send its body
+        anyway); ``_read_body`` sends it once the request is admitted."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            self.metrics.rejected.labels("expectation").inc()
+            response = _text(417, f"unsupported Expect {expect!r}: only 100-continue")
+            response.force_close()
+            return response
+        return None
+
+    def header_timed_out(self, remote: str) -> None:
+        """A connection closed because its request headers did not arrive in time."""
+        self.metrics.rejected.labels("header_timeout").inc()
+        log.warning("request refused", extra={
+            "status": 408, "kind": "header_timeout", "remote": remote,
+            "reason": "request line and headers not received within "
+                      f"{self.settings.header_read_timeout_seconds:g} s",
+        })
+
     # -- request checks -------------------------------------------------------------------
 
     def _protocol(self, request: web.Request) -> Protocol:
@@ -222,11 +259,11 @@ class RemoteWriteHandler:
                            kind="unsupported_media_type") from None
 
     def _encoding(self, request: web.Request) -> str:
-        # both RW versions require a compressed body: a missing header is refused too
-        enc = request.headers.get("Content-Encoding", "").strip().lower()
+        # no Content-Encoding is snappy, as Prometheus' receiver takes it (both RW versions
+        # require a compressed body, and snappy is the one every sender speaks)
+        enc = request.headers.get("Content-Encoding", "").strip().lower() or "snappy"
         if enc not in ENCODINGS:
-            shown = enc or "none"
-            raise _Refusal(415, f"unsupported Content-Encoding {shown!r}: remote write needs "
+            raise _Refusal(415, f"unsupported Content-Encoding {enc!r}: remote write needs "
                            "snappy or zstd", counter="reject", kind="unsupported_media_type")
         return enc
 
@@ -240,7 +277,12 @@ class RemoteWriteHandler:
             "status": r.status, "kind": r.kind, "reason": r.message, "path": request.path,
             "remote": request.remote, "user_agent": request.headers.get("User-Agent", ""),
         })
-        return _text(r.status, r.message, r.headers)
+        response = _text(r.status, r.message, r.headers)
+        if not request.content.is_eof():
+            # the body was not (all) read: closing is cheaper than reading it to keep the
+            # connection (a keep-alive sender reconnects), and a stalled one goes away
+            response.force_close()
+        return response
 
     # -- the bounded part -----------------------------------------------------------------
 
@@ -261,8 +303,7 @@ class RemoteWriteHandler:
         held = _Held()
         self.metrics.inflight.inc()
         try:
-            self._reserve(held, length if length is not None else s.max_body_bytes)
-            body = await self._read_body(request)
+            body = await self._read_body(request, held)
             return await self._process(request, protocol, encoding, body, held)
         finally:
             self.budget.leave()
@@ -278,15 +319,48 @@ class RemoteWriteHandler:
         held.bytes += n
         self.metrics.inflight_bytes.inc(n)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.settings.max_body_bytes
+    async def _read_body(self, request: web.Request, held: _Held) -> bytes:
+        """The body, reserved chunk by chunk as it arrives (never the maximum up front:
+        a sender that stalls holds only what it sent), within the read deadline and above
+        the minimum rate; a stall past either is a 408 that releases the slot."""
+        s = self.settings
+        limit = s.max_body_bytes
+        if request.headers.get("Expect", "").lower() == "100-continue" and \
+                request.version >= (1, 1):
+            # only now that the request holds a slot: a refused sender never sends its body
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + s.body_read_timeout_seconds
+        rate = s.min_body_bytes_per_second
         buf = bytearray()
-        async for chunk in request.content.iter_any():
+        content = request.content
+        while True:
+            # the next byte is due when the bytes so far stop covering the minimum rate
+            due = started + BODY_RATE_GRACE_SECONDS + (len(buf) + 1) / rate
+            try:
+                async with asyncio.timeout_at(min(deadline, due)):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise self._stalled(len(buf), loop.time() - started, due < deadline) from None
+            if not chunk:
+                return bytes(buf)
             if len(buf) + len(chunk) > limit:
                 raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
                                counter="reject", kind="too_large")
+            self._reserve(held, len(chunk))
             buf += chunk
-        return bytes(buf)
+
+    def _stalled(self, received: int, elapsed: float, too_slow: bool) -> _Refusal:
+        s = self.settings
+        if too_slow:
+            return _Refusal(408, f"request body too slow: {received} bytes in {elapsed:.1f} s, "
+                            f"below {s.min_body_bytes_per_second} bytes/s",
+                            counter="reject", kind="body_too_slow")
+        return _Refusal(408, f"request body not received within "
+                        f"{s.body_read_timeout_seconds:g} s ({received} bytes arrived)",
+                        counter="reject", kind="body_timeout")
 
     async def _process(self, request: web.Request, protocol: Protocol, encoding: str,
                        body: bytes, held: _Held) -> web.StreamResponse:
@@ -298,15 +372,13 @@ class RemoteWriteHandler:
         # a declared size past the limit is refused by decompress without allocating
         self._reserve(held, min(declared if declared is not None else s.max_decoded_bytes,
                                 s.max_decoded_bytes))
-        out_encoding = self.upstream.out_encoding(encoding) if not self.upstream.converts(
-            protocol) else None
         try:
             if declared is not None and declared <= INLINE_DECODED_BYTES:
                 # shorter than a round trip through the pool (two thread switches)
-                prepared = self._prepare(body, encoding, protocol, out_encoding)
+                prepared = self._prepare(body, encoding, protocol)
             else:
                 prepared = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._prepare, body, encoding, protocol, out_encoding)
+                    self._executor, self._prepare, body, encoding, protocol)
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ValueError as e:
@@ -315,22 +387,21 @@ class RemoteWriteHandler:
         del body
         result = prepared.result
         self._count(result)
-        answer = await self.upstream.forward(
-            result.body, protocol, incoming_headers=request.headers, encoding=encoding,
-            counts=result.counts, encoded=prepared.encoded,
-        )
+        try:
+            answer = await self.upstream.forward(prepared.outgoing, request.headers)
+        except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
+            raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         if answer.ok:
             self.metrics.series.labels("out").inc(result.counts.series)
         return self._answer(answer)
 
-    def _prepare(self, body: bytes, encoding: str, protocol: Protocol,
-                 out_encoding: str | None) -> Prepared:
-        """The worker-thread part of a request: decompress, splice, compress."""
+    def _prepare(self, body: bytes, encoding: str, protocol: Protocol) -> Prepared:
+        """The worker-thread part of a request: decompress, splice, convert, compress."""
         raw = decompress(body, encoding, max_decoded=self.settings.max_decoded_bytes)
         result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
                   else self.enricher.enrich_v1(raw))
-        encoded = compress(result.body, out_encoding) if out_encoding is not None else None
-        return Prepared(result, encoded)
+        return Prepared(result, self.upstream.prepare(result.body, protocol, encoding,
+                                                      result.counts))
 
     def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts

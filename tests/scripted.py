@@ -10,6 +10,7 @@ import asyncio
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import snappy
 from aiohttp import web
@@ -44,14 +45,44 @@ class Received:
         return decompress(self.body, enc, max_decoded=1 << 30)
 
 
+def rw2_receiver(rec: Received) -> Reply:
+    """Answer as an RW 2.0 receiver does (Prometheus 3, Mimir): RW 2.0 requests get the
+    Written headers, counted from the body; RW 1.0 requests a plain 204."""
+    if "io.prometheus.write.v2.Request" not in rec.headers.get("Content-Type", ""):
+        return Reply(204)
+    from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
+
+    req = cast(Any, v2).Request.FromString(rec.raw)
+    return Reply(204, {
+        "X-Prometheus-Remote-Write-Samples-Written": str(sum(len(t.samples)
+                                                             for t in req.timeseries)),
+        "X-Prometheus-Remote-Write-Histograms-Written": str(sum(len(t.histograms)
+                                                                for t in req.timeseries)),
+        "X-Prometheus-Remote-Write-Exemplars-Written": str(sum(len(t.exemplars)
+                                                               for t in req.timeseries)),
+    })
+
+
+def _is_empty_write(rec: Received) -> bool:
+    try:
+        return rec.raw == b""
+    except Exception:  # not a compressed body at all: a request like any other
+        return False
+
+
 class ScriptedUpstream:
     """``replies`` are used in order; the last one repeats. ``rule`` overrides per request."""
 
     def __init__(self, *replies: Reply, rule: Callable[[Received], Reply | None] | None = None,
-                 ssl_context: ssl.SSLContext | None = None, port: int = 0) -> None:
+                 ssl_context: ssl.SSLContext | None = None, port: int = 0,
+                 record_empty: bool = False) -> None:
         self.replies = list(replies) or [Reply()]
         self.rule = rule
         self.received: list[Received] = []
+        #: empty writes (the proxy's upstream check) are answered like the next request
+        #: but kept here, not in ``received``, unless ``record_empty``
+        self.empty_writes: list[Received] = []
+        self._record_empty = record_empty
         self.url = ""
         self.port = port
         self._ssl = ssl_context
@@ -61,10 +92,14 @@ class ScriptedUpstream:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         rec = Received(request.path, CIMultiDict(request.headers), await request.read(),
                        tuple(peer[:2]) if peer else None)
-        self.received.append(rec)
+        if not self._record_empty and _is_empty_write(rec):
+            self.empty_writes.append(rec)
+            index = min(len(self.received), len(self.replies) - 1)
+        else:
+            self.received.append(rec)
+            index = min(len(self.received) - 1, len(self.replies) - 1)
         reply = self.rule(rec) if self.rule is not None else None
         if reply is None:
-            index = min(len(self.received) - 1, len(self.replies) - 1)
             reply = self.replies[index]
         if reply.delay:
             await asyncio.sleep(reply.delay)

@@ -23,7 +23,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
 from proxy.wire.primitives import Protocol
-from tests.scripted import Reply, ScriptedUpstream
+from tests.scripted import Reply, ScriptedUpstream, rw2_receiver
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 RequestV2: Any = cast(Any, v2).Request
@@ -226,7 +226,19 @@ async def test_zstd_and_all_three_paths(running: Running) -> None:
     assert all(labels_of(r.raw) == [{**cart, **CART}] for r in running.upstream.received)
 
 
-async def test_v2_enriched_with_written_headers(running: Running) -> None:
+@pytest.fixture
+async def running_rw2(tmp_path: Path) -> AsyncIterator[Running]:
+    """The proxy in front of an RW 2.0 receiver."""
+    async with ScriptedUpstream(rule=rw2_receiver) as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up)
+        try:
+            yield Running(p, up, session)
+        finally:
+            await p.stop()
+
+
+async def test_v2_enriched_with_written_headers(running_rw2: Running) -> None:
+    running = running_rw2
     cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
     async with running.session.post(
         running.url + "/api/v1/write", data=snappy.compress(series_v2(cart, {"__name__": "x"})),
@@ -260,7 +272,7 @@ async def test_end_to_end_headers_reach_the_upstream(running: Running) -> None:
         ({"ct": "text/plain"}, 415, "Content-Type"),
         ({"ct": "application/x-protobuf;proto=foo.Bar"}, 415, "foo.Bar"),
         ({"encoding": "gzip"}, 415, "gzip"),
-        ({"encoding": None}, 415, "Content-Encoding"),
+        ({"encoding": "identity"}, 415, "identity"),
     ],
 )
 async def test_unsupported_media_is_415(running: Running, kwargs: dict[str, Any], status: int,
@@ -277,6 +289,21 @@ async def test_unsupported_media_is_415(running: Running, kwargs: dict[str, Any]
     assert running.upstream.received == []
     assert running.metric("karta_proxy_requests_rejected_total",
                           {"reason": "unsupported_media_type"}) == 1
+
+
+@pytest.mark.parametrize("missing", [("Content-Type",), ("Content-Encoding",),
+                                     ("Content-Type", "Content-Encoding")])
+async def test_missing_headers_are_rw1_snappy_as_prometheus_takes_them(
+        running: Running, missing: tuple[str, ...]) -> None:
+    # Prometheus' own receiver reads a request without them as RW 1.0 + snappy
+    cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    headers = {k: v for k, v in {"Content-Type": CT_V1, "Content-Encoding": "snappy"}.items()
+               if k not in missing}
+    async with aiohttp.ClientSession(skip_auto_headers=("Content-Type",)) as session, \
+            session.post(running.url + "/api/v1/write", data=snappy.compress(series_v1(cart)),
+                         headers=headers) as resp:
+        assert resp.status == 204, await resp.text()
+    assert labels_of(running.upstream.received[0].raw) == [{**cart, **CART}]
 
 
 def _snappy_bomb() -> bytes:
@@ -423,6 +450,50 @@ async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:
     assert got[3][:2] == (503, "9")
 
 
+def _v2_with_bad_exemplar(case: str) -> bytes:
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "up", "namespace", "shop", "pod", "cart-7d9f8-abcde"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4, 5, 6])
+    ts.samples.add(value=1.0, timestamp=1_700_000_000_000)
+    ex = ts.exemplars.add(value=1.0, timestamp=1_700_000_000_000)
+    if case == "ref_past_table":
+        ex.labels_refs.extend([40, 41])
+    else:  # odd number of refs
+        ex.labels_refs.extend([1])
+    return cast(bytes, req.SerializeToString())
+
+
+@pytest.mark.parametrize("case", ["ref_past_table", "odd_refs"])
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+async def test_malformed_v2_toward_a_v1_upstream_is_400_never_500(
+        tmp_path: Path, case: str, protocol: str) -> None:
+    # converted up front (upstream.protocol v1) or after the upstream's 415 (auto): either
+    # way a 400 with its kind, counted; a 500 would be retried by the sender forever
+    def rule(rec: Any) -> Reply:
+        return Reply(415) if "v2" in rec.headers["Content-Type"] else Reply(204)
+
+    async with ScriptedUpstream(rule=rule) as up, aiohttp.ClientSession() as session:
+        p = await start_proxy(tmp_path, up)
+        p.upstream.settings.protocol = protocol
+        p.upstream.v1_only = protocol == "v1"
+        try:
+            async with session.post(
+                f"http://127.0.0.1:{p.port}/api/v1/write",
+                data=snappy.compress(_v2_with_bad_exemplar(case)),
+                headers={"Content-Type": CT_V2, "Content-Encoding": "snappy"},
+            ) as resp:
+                text = await resp.text()
+            assert resp.status == 400, text
+            errors = p.metrics.registry.get_sample_value(
+                "karta_proxy_decode_errors_total", {"kind": "protobuf_invalid"})
+            assert errors == 1
+        finally:
+            await p.stop()
+    assert not any("v2" not in r.headers["Content-Type"] and len(r.raw) > 0
+                   for r in up.received), "nothing converted reached the upstream"
+
+
 async def test_v2_to_v1_upstream_through_the_proxy(tmp_path: Path) -> None:
     def rule(rec: Any) -> Reply:
         return Reply(415) if "v2" in rec.headers["Content-Type"] else Reply(204)
@@ -460,8 +531,12 @@ def test_protocol_from_content_type(ct: str, proto: Protocol) -> None:
     assert protocol_from_content_type(ct) is proto
 
 
+def test_no_content_type_is_rw1() -> None:
+    assert protocol_from_content_type("") is Protocol.V1
+
+
 @pytest.mark.parametrize(
-    "ct", ["", "application/json", "text/plain", "application/x-protobuf;proto=foo.Bar"]
+    "ct", ["application/json", "text/plain", "application/x-protobuf;proto=foo.Bar"]
 )
 def test_unsupported_content_type_is_415(ct: str) -> None:
     with pytest.raises(DecodeError) as info:

@@ -1,0 +1,110 @@
+"""RW 2.0 senders in front of the real RW 1.0-only receivers, on the proxy's defaults.
+
+Prometheus 2.42 and VictoriaMetrics answer an RW 2.0 body with 204 and store nothing. The
+proxy must never pass that on as success: every sample is stored, or the sender gets a
+5xx. Also: a wrong upstream path is a 503 (the sender keeps its batch), found at start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from proxy.config import UpstreamSettings
+from proxy.metrics import ProxyMetrics
+from proxy.sender import Series, build_v2, send_series
+from proxy.upstream import WRITTEN_SAMPLES, Upstream
+from proxy.wire.primitives import Counts, Protocol
+from tests.peers.conftest import InProcessProxy, Peer, Peers, query, vm_flush, wait_until
+
+pytestmark = pytest.mark.peers
+
+NAMESPACE, POD = "web", "frontend-6d8f7b9c5d-4xkqp"
+
+
+def batch(metric: str, n_series: int = 3, n_samples: int = 4) -> list[Series]:
+    now = int(time.time() * 1000) - 60_000
+    return [
+        Series({"__name__": metric, "namespace": NAMESPACE, "pod": POD, "idx": str(i)},
+               [(now + k * 1000, float(i * 10 + k)) for k in range(n_samples)])
+        for i in range(n_series)
+    ]
+
+
+async def receiver(peers: Peers, kind: str) -> Peer:
+    return await (peers.prometheus_receiver() if kind == "prometheus"
+                  else peers.victoria_metrics())
+
+
+async def stored_samples(peer: Peer, kind: str, metric: str) -> float:
+    if kind == "vm":
+        await vm_flush(peer)
+    rows = await query(peer.base_url, f"sum(count_over_time({metric}[10m]))")
+    return float(rows[0]["value"][1]) if rows else 0.0
+
+
+@pytest.mark.parametrize("kind", ["prometheus", "vm"])
+async def test_rw2_sender_on_defaults_every_sample_is_stored(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], kind: str,
+) -> None:
+    rx = await receiver(peers, kind)
+    proxy = await make_proxy(rx.base_url + "/api/v1/write")
+    upstream = proxy.proxy.upstream
+    assert (await upstream.check()).outcome == "rw1"  # the start's check, awaited
+    status, headers, text = await send_series(proxy.write_url, batch("rw2_on_defaults"),
+                                              protocol=Protocol.V2)
+    assert status == 204, text
+    assert headers[WRITTEN_SAMPLES] == "12"
+
+    async def stored() -> bool:
+        return await stored_samples(rx, kind, "rw2_on_defaults") == 12
+
+    await wait_until(stored, timeout=15, what="12 samples stored")
+    rows = await query(rx.base_url, "rw2_on_defaults")
+    assert len(rows) == 3 and all(r["metric"].get("karta_workload") for r in rows)
+
+
+@pytest.mark.parametrize("kind", ["prometheus", "vm"])
+async def test_without_the_start_check_the_first_answer_is_not_believed(
+    peers: Peers, kind: str,
+) -> None:
+    # no probe: the first RW 2.0 request meets the receiver's 204-and-nothing-stored
+    rx = await receiver(peers, kind)
+    u = Upstream(UpstreamSettings(url=rx.base_url + "/api/v1/write"), ProxyMetrics())
+    series = batch("rw2_unprobed", n_series=2, n_samples=3)
+    try:
+        first = await u.send(build_v2(series), Protocol.V2, counts=Counts(2, 6, 0, 0))
+        second = await u.send(build_v2(batch("rw2_unprobed_again", 1, 2)), Protocol.V2,
+                              counts=Counts(1, 2, 0, 0))
+    finally:
+        await u.close()
+    assert first.ok and first.converted and u.v1_only
+    assert first.headers[WRITTEN_SAMPLES] == "6"
+    assert second.ok and second.converted
+
+    async def stored() -> bool:
+        return (await stored_samples(rx, kind, "rw2_unprobed") == 6
+                and await stored_samples(rx, kind, "rw2_unprobed_again") == 2)
+
+    await wait_until(stored, timeout=15, what="8 samples stored")
+
+
+async def test_wrong_path_on_prometheus_is_503_and_found_at_start(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    rx = await peers.prometheus_receiver()
+    url = rx.base_url + "/api/v1/push"  # Mimir's path; Prometheus answers 404
+    proxy = await make_proxy(url)
+    upstream = proxy.proxy.upstream
+    assert (await upstream.check()).outcome == "not_write_endpoint"
+    for protocol in (Protocol.V1, Protocol.V2):
+        status, headers, text = await send_series(proxy.write_url, batch("wrong_path"),
+                                                  protocol=protocol)
+        assert status == 503 and headers.get("Retry-After"), text
+        assert "not a remote-write endpoint" in text and url in text
+    metrics = proxy.proxy.metrics.registry
+    assert (metrics.get_sample_value("karta_proxy_upstream_misconfigured_total",
+                                     {"url": url, "reason": "not_write_endpoint",
+                                      "code": "404"}) or 0) >= 2
