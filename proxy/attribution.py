@@ -33,6 +33,8 @@ from proxy.wire.plan import (
 from proxy.wire.primitives import Counts
 
 POLICIES = ("replace", "keep")
+#: ``enrich.sender_karta_labels``: what happens to ``karta_*`` labels a sender put on
+SENDER_KARTA_LABELS = ("drop", "keep")
 
 
 def default_pod_label_rules() -> list[PodLabelRule]:
@@ -58,10 +60,14 @@ def build_plan(
     pod_label_pairs: Sequence[tuple[str, str]],
     pod_label_rules: Sequence[PodLabelRule] | None = None,
     conflict_policy: str = "replace",
+    sender_karta_labels: str = "drop",
 ) -> SplicePlan:
     """The splice plan of the ``enrich`` settings (``pod_label_rules`` None: the defaults)."""
     if conflict_policy not in POLICIES:
         raise ValueError(f"conflict_policy must be one of {POLICIES}, not {conflict_policy!r}")
+    if sender_karta_labels not in SENDER_KARTA_LABELS:
+        raise ValueError(f"sender_karta_labels must be one of {SENDER_KARTA_LABELS}, "
+                         f"not {sender_karta_labels!r}")
     if not pod_label_pairs:
         raise ValueError("pod_label_pairs must name at least one (namespace, pod) pair")
     rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
@@ -71,6 +77,7 @@ def build_plan(
         keep_sent=conflict_policy == "keep",
         stamped=frozenset(n.encode() for n in contract.STAMPED_LABELS),
         workload_label=contract.LABEL_WORKLOAD.encode(),
+        drop_sent=sender_karta_labels == "drop",
     )
 
 
@@ -89,10 +96,12 @@ class Enricher:
         conflict_policy: str = "replace",
         pod_label_rules: Sequence[PodLabelRule] | None = None,
         implementation: Implementation | None = None,
+        sender_karta_labels: str = "drop",
     ) -> None:
         """``pod_label_rules`` None means the configured defaults; pass [] for none."""
         self._index = index
-        self.plan = build_plan(pod_label_pairs, pod_label_rules, conflict_policy)
+        self.plan = build_plan(pod_label_pairs, pod_label_rules, conflict_policy,
+                               sender_karta_labels)
         self._splicer = Splicer(self.plan, implementation)
         self.table = self._splicer.table
         self.table.update(list(index.answers()))
@@ -109,6 +118,14 @@ class Enricher:
     def implementation(self) -> Implementation:
         """Which splice runs: "native" or "python"."""
         return self._splicer.implementation
+
+    def replan(self, plan: SplicePlan) -> None:
+        """A reload's new ``enrich`` settings: a new plan over the same pod table. One
+        attribute store swaps it, so a request in a worker thread splices with the plan
+        it started with, and the next one with the new."""
+        splicer = Splicer(plan, self._splicer.implementation)
+        splicer.table = self.table
+        self._splicer, self.plan = splicer, plan
 
     def enrich_v1(self, raw: bytes) -> SpliceResult:
         return self._splicer.splice_v1(raw)
@@ -132,11 +149,25 @@ def _reference_decision(
     pod_label_pairs: Sequence[tuple[str, str]],
     conflict_policy: str,
     pod_label_rules: Sequence[PodLabelRule] | None,
-) -> tuple[list[tuple[str, str]] | None, str]:
-    """(new labels or None for unchanged, reason) — written for clarity, not speed."""
+    sender_karta_labels: str,
+) -> tuple[list[tuple[str, str]] | None, str, bool]:
+    """(new labels or None for unchanged, reason, whether a sender's karta_* label was
+    lost) — written for clarity, not speed."""
+    names = [n for n, _ in labels]
+    if "" in names or len(set(names)) != len(names):
+        raise DecodeError("invalid_labels", 400, "an empty or repeated label name")
     present = dict(labels)
     if conflict_policy == "keep" and present.get(contract.LABEL_WORKLOAD):
-        return None, ""
+        return None, "", False
+
+    def dropped(name: str) -> bool:
+        return name in contract.STAMPED_LABELS or (
+            sender_karta_labels == "drop" and name.startswith(contract.STAMPED_PREFIX))
+
+    def unstamped(reason: str) -> tuple[list[tuple[str, str]] | None, str, bool]:
+        kept = [(n, v) for n, v in labels if sender_karta_labels == "keep" or not dropped(n)]
+        return (kept, reason, True) if len(kept) != len(labels) else (None, reason, False)
+
     rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
     metric = present.get("__name__", "")
     pairs: list[tuple[str, str, dict[str, str]]] = [(ns, pod, {}) for ns, pod in pod_label_pairs]
@@ -152,13 +183,16 @@ def _reference_decision(
         ):
             break
     else:
-        return None, REASON_NO_POD_LABEL
+        return unstamped(REASON_NO_POD_LABEL)
     stamped = index.lookup(ns.encode(), pod.encode())
     if stamped is None:
-        return None, index.reason(ns.encode(), pod.encode())
-    kept = [(n, v) for n, v in labels if n not in contract.STAMPED_LABELS]
+        return unstamped(index.reason(ns.encode(), pod.encode()))
+    if not [v for _, v in stamped if v]:
+        return unstamped("")
+    kept = [(n, v) for n, v in labels if not dropped(n)]
     new = sorted([*kept, *stamped], key=lambda nv: nv[0].encode())
-    return new, ""
+    lost = any(dropped(n) and (n, v) not in stamped for n, v in labels)
+    return new, "", lost
 
 
 def _parse_reference(msg: Any, raw: bytes) -> Any:
@@ -182,6 +216,7 @@ def enrich_v1_reference(
     pod_label_pairs: Sequence[tuple[str, str]],
     conflict_policy: str = "replace",
     pod_label_rules: Sequence[PodLabelRule] | None = None,
+    sender_karta_labels: str = "drop",
 ) -> SpliceResult:
     """The same result as :meth:`Enricher.enrich_v1`, through full protobuf objects."""
     from proxy.pb.prometheus import remote_pb2
@@ -191,10 +226,12 @@ def enrich_v1_reference(
     for ts in req.timeseries:
         _count_reference(result.counts, ts)
         labels = [(lb.name, lb.value) for lb in ts.labels]
-        new, reason = _reference_decision(
-            labels, index, pod_label_pairs, conflict_policy, pod_label_rules
+        new, reason, lost = _reference_decision(
+            labels, index, pod_label_pairs, conflict_policy, pod_label_rules,
+            sender_karta_labels,
         )
         result.tally(reason)
+        result.stripped += lost
         if new is not None:
             del ts.labels[:]
             for n, v in new:
@@ -209,6 +246,7 @@ def enrich_v2_reference(
     pod_label_pairs: Sequence[tuple[str, str]],
     conflict_policy: str = "replace",
     pod_label_rules: Sequence[PodLabelRule] | None = None,
+    sender_karta_labels: str = "drop",
 ) -> SpliceResult:
     """The same result as :meth:`Enricher.enrich_v2`, through full protobuf objects."""
     from proxy.pb.io.prometheus.write.v2 import types_pb2
@@ -221,10 +259,12 @@ def enrich_v2_reference(
         _count_reference(result.counts, ts)
         refs = list(ts.labels_refs)
         labels = [(symbols[refs[i]], symbols[refs[i + 1]]) for i in range(0, len(refs), 2)]
-        new, reason = _reference_decision(
-            labels, index, pod_label_pairs, conflict_policy, pod_label_rules
+        new, reason, lost = _reference_decision(
+            labels, index, pod_label_pairs, conflict_policy, pod_label_rules,
+            sender_karta_labels,
         )
         result.tally(reason)
+        result.stripped += lost
         if new is None:
             continue
         if not symbols:

@@ -146,7 +146,42 @@ def test_replace_policy_replaces_sent_karta_labels_never_duplicates() -> None:
     assert names == sorted(set(names))
     assert dict(labels)["karta_workload"] == "train"
     assert "karta_replica" not in dict(labels)  # a stamped name the pod does not have
-    assert dict(labels)["karta_zzz"] == "mine"  # not a stamped name: the sender's own
+    assert "karta_zzz" not in dict(labels)  # every karta_* of the sender goes by default
+
+
+def test_sender_karta_labels_keep_keeps_names_outside_the_contract() -> None:
+    raw = request_v1(series_v1({"namespace": "ml", "pod": "train-head",
+                                "karta_workload": "forged", "karta_zzz": "mine"}),
+                     series_v1({"a": "b", "karta_workload": "forged"}))
+    res = enricher(sender_karta_labels="keep").enrich_v1(raw)
+    first, second = parse_v1(res.body).timeseries
+    assert dict(labels_of(first))["karta_zzz"] == "mine"
+    assert dict(labels_of(first))["karta_workload"] == "train"
+    assert labels_of(second) == [("a", "b"), ("karta_workload", "forged")]
+    assert res.stripped == 1
+    with pytest.raises(ValueError):
+        enricher(sender_karta_labels="trust")
+
+
+@pytest.mark.parametrize("labels", [
+    {"a": "b", "karta_workload": "someone-else"},                    # no pod label
+    {"namespace": "ml", "pod": "ghost", "karta_workload": "x"},      # unknown pod
+    {"namespace": "ml", "pod": "lonely", "karta_kind": "Fake"},      # known, unattributed
+])
+@pytest.mark.parametrize("version", [1, 2])
+def test_spoofed_attribution_is_dropped_from_unstamped_series(labels: dict[str, str],
+                                                              version: int) -> None:
+    """Issue 9 item 5: a sender cannot charge its usage to another workload."""
+    e = enricher()
+    if version == 1:
+        res = e.enrich_v1(request_v1(series_v1(labels)))
+        got = labels_of(parse_v1(res.body).timeseries[0])
+    else:
+        res = e.enrich_v2(request_v2(labels))
+        req = parse_v2(res.body)
+        got = labels_v2(req, req.timeseries[0])
+    assert got == sorted((n, v) for n, v in labels.items() if not n.startswith("karta_"))
+    assert (res.attributed, res.stripped) == (0, 1)
 
 
 def test_keep_policy_leaves_series_with_karta_workload_alone() -> None:
@@ -253,15 +288,16 @@ def test_reference_agrees_on_fixtures(policy: str) -> None:
     fast = Enricher(idx, PAIRS, conflict_policy=policy).enrich_v1(raw1)
     ref = enrich_v1_reference(raw1, idx, PAIRS, policy)
     assert parse_v1(fast.body) == parse_v1(ref.body)
-    assert (fast.counts, fast.attributed, fast.unattributed) == (
-        ref.counts, ref.attributed, ref.unattributed)
+    assert (fast.counts, fast.attributed, fast.unattributed, fast.stripped) == (
+        ref.counts, ref.attributed, ref.unattributed, ref.stripped)
     raw2 = request_v2({"namespace": "ml", "pod": "train-head", "karta_workload": "x"},
                       {"exported_namespace": "web", "exported_pod": "shop-abc"})
     fast2 = Enricher(idx, PAIRS, conflict_policy=policy).enrich_v2(raw2)
     ref2 = enrich_v2_reference(raw2, idx, PAIRS, policy)
     a, b = parse_v2(fast2.body), parse_v2(ref2.body)
     assert [labels_v2(a, t) for t in a.timeseries] == [labels_v2(b, t) for t in b.timeseries]
-    assert (fast2.counts, fast2.attributed) == (ref2.counts, ref2.attributed)
+    assert (fast2.counts, fast2.attributed, fast2.stripped) == (
+        ref2.counts, ref2.attributed, ref2.stripped)
 
 
 def test_stamped_labels_come_from_the_contract() -> None:

@@ -104,17 +104,20 @@ def _series_fields(raw: bytes) -> list[bytes]:
     return [ts.SerializeToString() for ts in req.timeseries]
 
 
+SENDER = st.sampled_from(["drop", "drop", "keep"])
+
+
 @SETTINGS
-@given(raw=requests_v1(), policy=st.sampled_from(["replace", "keep"]))
-def test_v1_fast_path_matches_reference(raw: bytes, policy: str) -> None:
-    ref = enrich_v1_reference(raw, INDEX, PAIRS, policy)
-    enricher = Enricher(INDEX, PAIRS, conflict_policy=policy)
+@given(raw=requests_v1(), policy=st.sampled_from(["replace", "keep"]), sender=SENDER)
+def test_v1_fast_path_matches_reference(raw: bytes, policy: str, sender: str) -> None:
+    ref = enrich_v1_reference(raw, INDEX, PAIRS, policy, sender_karta_labels=sender)
+    enricher = Enricher(INDEX, PAIRS, conflict_policy=policy, sender_karta_labels=sender)
     for _ in range(2):  # the same answer twice: no state carries between requests
         fast = enricher.enrich_v1(raw)
         parsed = remote_pb2.WriteRequest.FromString(fast.body)
         assert parsed.SerializeToString() == ref.body
-        assert (fast.counts, fast.attributed, fast.unattributed) == (
-            ref.counts, ref.attributed, ref.unattributed)
+        assert (fast.counts, fast.attributed, fast.unattributed, fast.stripped) == (
+            ref.counts, ref.attributed, ref.unattributed, ref.stripped)
         before = remote_pb2.WriteRequest.FromString(raw)
         for old, new in zip(before.timeseries, parsed.timeseries, strict=True):
             if list(old.labels) == list(new.labels):
@@ -131,8 +134,8 @@ def test_v1_fast_path_matches_reference(raw: bytes, policy: str) -> None:
                 e.SerializeToString() for e in new.exemplars]
             assert [h.SerializeToString() for h in old.histograms] == [
                 h.SerializeToString() for h in new.histograms]
-        if fast.attributed == 0 or ref.body == raw:
-            # nothing to stamp: the input comes back as it was
+        if (fast.attributed == 0 and fast.stripped == 0) or ref.body == raw:
+            # nothing to stamp or drop: the input comes back as it was
             assert fast.body == raw
 
 
@@ -205,23 +208,28 @@ def _resolved(req: Any) -> list[list[tuple[str, str]]]:
 
 
 @SETTINGS
-@given(raw=requests_v2(), policy=st.sampled_from(["replace", "keep"]))
+@given(raw=requests_v2(), policy=st.sampled_from(["replace", "keep"]), sender=SENDER)
 def test_v2_matches_reference_and_reads_with_upstream(
-    raw: bytes, policy: str, upstream: dict[str, Any]
+    raw: bytes, policy: str, sender: str, upstream: dict[str, Any]
 ) -> None:
-    enricher = Enricher(INDEX, PAIRS, conflict_policy=policy)
+    enricher = Enricher(INDEX, PAIRS, conflict_policy=policy, sender_karta_labels=sender)
     fast = enricher.enrich_v2(raw)
     warm = enricher.enrich_v2(raw)  # a second request gives the same answer
     assert (warm.body, warm.counts, warm.attributed, warm.unattributed) == (
         fast.body, fast.counts, fast.attributed, fast.unattributed)
-    ref = enrich_v2_reference(raw, INDEX, PAIRS, policy)
+    ref = enrich_v2_reference(raw, INDEX, PAIRS, policy, sender_karta_labels=sender)
     before = v2.Request.FromString(raw)
     mine = v2.Request.FromString(fast.body)
     theirs = upstream["io.prometheus.write.v2.Request"].FromString(fast.body)
     reference = v2.Request.FromString(ref.body)
     assert _resolved(theirs) == _resolved(mine) == _resolved(reference)
-    assert (fast.counts, fast.attributed, fast.unattributed) == (
-        ref.counts, ref.attributed, ref.unattributed)
+    assert (fast.counts, fast.attributed, fast.unattributed, fast.stripped) == (
+        ref.counts, ref.attributed, ref.unattributed, ref.stripped)
+    if sender == "drop" and policy == "replace":  # no sender's karta_* label gets through
+        stamps = {tuple(INDEX.lookup(ns.encode(), pod.encode()) or ()) for ns, pod in PODS}
+        for labels in _resolved(mine):
+            sent = tuple(sorted((n, v) for n, v in labels if n.startswith("karta_")))
+            assert not sent or sent in stamps, labels
     # symbol table: "" first, old symbols unchanged in place, no new duplicate
     assert theirs.symbols[0] == ""
     assert list(theirs.symbols[: len(before.symbols)]) == list(before.symbols)
@@ -238,5 +246,5 @@ def test_v2_matches_reference_and_reads_with_upstream(
         if labels != old_labels:  # enriched: sorted and unique (the input was)
             names = [n.encode() for n, _ in labels]
             assert names == sorted(set(names))
-    if fast.attributed == 0:
+    if fast.attributed == 0 and fast.stripped == 0:
         assert fast.body == raw

@@ -351,6 +351,132 @@ str_eq(const uint8_t *a, const uint8_t *b, size_t n)
     return 1;
 }
 
+/* A label name of the proxy's own prefix (plan.KARTA_PREFIX). */
+static inline int
+is_karta(const uint8_t *s, size_t n)
+{
+    return n >= 6 && s[0] == 'k' && memcmp(s, "karta_", 6) == 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the payloads a splice copies: walked, never rewritten (primitives.check_*)           */
+
+/* wire type of each known field (1, 2, ...; -1: any) */
+static const int8_t SAMPLE_WT[] = {1, 0, 0};  /* value, timestamp, (2.0) start_timestamp */
+static const int8_t EXEMPLAR_WT[] = {-1, 1, 0};        /* labels read apart, value, ts */
+static const int8_t METADATA_V2_WT[] = {0, -1, 0, 0};  /* type, -, help_ref, unit_ref */
+
+/* Every field's framing (rd_field's rules) and the wire types of the known ones. */
+static int
+check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64_t nk,
+             const char *what, Err *e)
+{
+    while (p < end) {
+        Field f;
+        if (!rd_field(raw, p, end, &f, e))
+            return 0;
+        if (f.number <= nk && wts[f.number - 1] >= 0 && f.wt != wts[f.number - 1]) {
+            INVALID(e, "%s field %d with a wrong wire type", what, (int)f.number);
+            return 0;
+        }
+        p = f.end;
+    }
+    return 1;
+}
+
+/* A Sample (nk: 2 for RW 1.0, 3 for 2.0); the usual shape `09 <8 bytes> 10 <varint>`
+ * without the general walk. */
+static inline int
+check_sample(const uint8_t *raw, size_t p, size_t end, uint64_t nk, Err *e)
+{
+    if (end - p >= 11 && raw[p] == 0x09 && raw[p + 9] == 0x10) {
+        size_t q = p + 10;
+        uint64_t x;
+        if (rd_varint(raw, end, &q, &x) && q == end)
+            return 1;
+    }
+    return check_fields(raw, p, end, SAMPLE_WT, nk, "sample", e);
+}
+
+/* An RW 2.0 Exemplar: framing; its label refs an even number, inside the table. */
+static int
+check_exemplar_v2(const uint8_t *raw, size_t p, size_t end, size_t nsym, Err *e)
+{
+    size_t count = 0;
+    uint64_t top = 0;
+    while (p < end) {
+        Field f;
+        if (!rd_field(raw, p, end, &f, e))
+            return 0;
+        if (f.number == 1) {
+            uint64_t x = 0;
+            size_t pp = f.ps;
+            if (f.wt == 2) {
+                while (pp < f.end) {
+                    if (!rd_varint(raw, f.end, &pp, &x)) {
+                        INVALID(e, "packed varints run past their field");
+                        return 0;
+                    }
+                    count++;
+                    top = x > top ? x : top;
+                }
+            }
+            else if (f.wt == 0) {
+                rd_varint(raw, f.end, &pp, &x); /* read by rd_field: cannot fail */
+                count++;
+                top = x > top ? x : top;
+            }
+            else {
+                INVALID(e, "exemplar labels_refs with a wrong wire type");
+                return 0;
+            }
+        }
+        else if (f.number <= 3 && f.wt != EXEMPLAR_WT[f.number - 1]) {
+            INVALID(e, "exemplar field %d with a wrong wire type", (int)f.number);
+            return 0;
+        }
+        p = f.end;
+    }
+    if (count & 1) {
+        INVALID(e, "exemplar labels_refs has an odd number of entries");
+        return 0;
+    }
+    if (count && top >= nsym) {
+        INVALID(e, "exemplar symbol reference %llu past the table of %zu",
+                (unsigned long long)top, nsym);
+        return 0;
+    }
+    return 1;
+}
+
+/* An RW 2.0 Metadata: framing; help_ref and unit_ref inside the table. */
+static int
+check_metadata_v2(const uint8_t *raw, size_t p, size_t end, size_t nsym, Err *e)
+{
+    while (p < end) {
+        Field f;
+        if (!rd_field(raw, p, end, &f, e))
+            return 0;
+        if (f.number <= 4 && METADATA_V2_WT[f.number - 1] >= 0 &&
+            f.wt != METADATA_V2_WT[f.number - 1]) {
+            INVALID(e, "metadata field %d with a wrong wire type", (int)f.number);
+            return 0;
+        }
+        if (f.number == 3 || f.number == 4) {
+            uint64_t x = 0;
+            size_t pp = f.ps;
+            rd_varint(raw, f.end, &pp, &x);
+            if (x >= nsym) {
+                INVALID(e, "metadata symbol reference %llu past the table of %zu",
+                        (unsigned long long)x, nsym);
+                return 0;
+            }
+        }
+        p = f.end;
+    }
+    return 1;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* growable scratch arrays (plain malloc: used with the GIL released)                   */
 
@@ -1100,6 +1226,7 @@ typedef struct {
     size_t nrules;
     RuleC *rules;
     int keep_sent;
+    int drop_sent; /* sender_karta_labels: drop (plan.SplicePlan.drop_sent) */
     int has_matcher;
 } Plan;
 
@@ -1276,11 +1403,12 @@ Plan_dealloc(Plan *pl)
 static PyObject *
 Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"pairs", "rules", "keep_sent", "stamped", "workload_label", NULL};
+    static char *kwlist[] = {"pairs", "rules", "keep_sent", "stamped", "workload_label",
+                             "drop_sent", NULL};
     PyObject *pairs, *rules, *stamped, *workload;
-    int keep_sent;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO:Plan", kwlist, &pairs, &rules, &keep_sent,
-                                     &stamped, &workload))
+    int keep_sent, drop_sent = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|p:Plan", kwlist, &pairs, &rules,
+                                     &keep_sent, &stamped, &workload, &drop_sent))
         return NULL;
     Plan *pl = (Plan *)type->tp_alloc(type, 0);
     if (pl == NULL)
@@ -1290,6 +1418,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (pl->keep == NULL)
         goto fail;
     pl->keep_sent = keep_sent;
+    pl->drop_sent = drop_sent;
     PyObject *name = PyBytes_FromString("__name__");
     if (name == NULL)
         goto fail;
@@ -1347,7 +1476,8 @@ static PyTypeObject PlanType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.wire._splice.Plan",
     .tp_basicsize = sizeof(Plan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label): a compiled SplicePlan",
+    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label, drop_sent=True): a "
+              "compiled SplicePlan",
     .tp_new = Plan_new,
     .tp_dealloc = (destructor)Plan_dealloc,
 };
@@ -1403,6 +1533,7 @@ typedef struct {
     PyThreadState *ts; /* the released thread state, for matcher callbacks */
     /* counts */
     uint64_t series, samples, histograms, exemplars, attributed;
+    uint64_t stripped; /* series that lost a karta_* label of the sender */
     uint64_t *tally; /* per reason index */
     size_t ntally;
     /* per-series scratch */
@@ -1634,10 +1765,65 @@ lab_sort(Lab *a, Lab *tmp, size_t n)
     }
 }
 
-/* r->merged := the series' labels minus stamped names, plus the stamp, stably sorted by
- * name (as splice_v1.merge / splice_v2 sort kept + stamp). Returns 0 on OOM. */
+/* Is a sender's label of this name removed (plan.SplicePlan.dropped)? */
+static inline int
+dropped(const Plan *pl, const Lab *l)
+{
+    return (l->slot >= 0 && (pl->flags[l->slot] & FLAG_STAMPED)) ||
+           (pl->drop_sent && is_karta(l->name, l->nlen));
+}
+
+/* Does the stamp carry this label, name and value? */
 static int
-merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en)
+in_stamp(const Entry *en, const Lab *l)
+{
+    const StampLabel *sl = ENTRY_LABELS(en);
+    for (uint32_t i = 0; i < en->nlabels; i++)
+        if (sl[i].name_len == l->nlen && sl[i].value_len == l->vlen &&
+            memcmp(en->data + sl[i].name_off, l->name, l->nlen) == 0 &&
+            memcmp(en->data + sl[i].value_off, l->value, l->vlen) == 0)
+            return 1;
+    return 0;
+}
+
+/* 400 invalid_labels for an empty or a repeated name (plan.check_names, in its order);
+ * *sorted := the names are strictly sorted. Unsorted names are sorted in a copy (rare:
+ * senders sort). Returns 0 with the error set, or on OOM. */
+static int
+check_names(Req *r, const Lab *labs, size_t n, int any_empty, int *sorted)
+{
+    if (any_empty) {
+        err_set(&r->err, "invalid_labels", "a label with an empty name");
+        return 0;
+    }
+    *sorted = 1;
+    for (size_t i = 1; i < n; i++)
+        if (str_cmp(labs[i - 1].name, labs[i - 1].nlen, labs[i].name, labs[i].nlen) >= 0) {
+            *sorted = 0;
+            break;
+        }
+    if (*sorted)
+        return 1;
+    r->merged.len = r->tmp.len = 0;
+    Lab *a = vec_push(&r->merged, n), *t = vec_push(&r->tmp, n);
+    if (a == NULL || t == NULL)
+        return 0;
+    memcpy(a, labs, n * sizeof(Lab));
+    lab_sort(a, t, n);
+    for (size_t i = 1; i < n; i++)
+        if (lab_cmp(&a[i - 1], &a[i]) == 0) {
+            err_set(&r->err, "invalid_labels", "label name %.*s repeated in one series",
+                    (int)(a[i].nlen < 64 ? a[i].nlen : 64), (const char *)a[i].name);
+            return 0;
+        }
+    return 1;
+}
+
+/* r->merged := the series' labels minus those the plan drops, plus the stamp, stably
+ * sorted by name (as splice_v1.merge / splice_v2 sort kept + stamp); *lost := a dropped
+ * label is not in the stamp as it was. Returns 0 on OOM. */
+static int
+merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en, int *lost)
 {
     r->merged.len = 0;
     size_t total = n + en->nlabels;
@@ -1649,9 +1835,12 @@ merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en)
     size_t k = 0;
     int sorted = 1;
     const Lab *prev = NULL;
+    *lost = 0;
     for (size_t i = 0; i < n; i++) {
-        if (labs[i].slot >= 0 && (r->plan->flags[labs[i].slot] & FLAG_STAMPED))
+        if (dropped(r->plan, &labs[i])) {
+            *lost |= !in_stamp(en, &labs[i]);
             continue;
+        }
         if (prev != NULL && lab_cmp(prev, &labs[i]) > 0)
             sorted = 0;
         prev = &labs[i];
@@ -1698,18 +1887,14 @@ merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en)
 #define NO_POSITION ((size_t)-1)
 
 /* Where the stamp goes in as one block: the index of the first label after it, when the
- * labels are strictly sorted and the block fits between two of them (then the result is
- * what the stable sort of merge_stamp gives); NO_POSITION otherwise. `plain`: the caller
- * knows no label of a stamped name is in the series (and, RW 1.0, that the labels are all
- * in front). */
+ * block fits between two labels (then the result is what the stable sort of merge_stamp
+ * gives); NO_POSITION otherwise. `plain`: the caller knows the labels are strictly sorted
+ * (check_names), none is one the plan drops (and, RW 1.0, they are all in front). */
 static size_t
 stamp_position(const Lab *labs, size_t n, const Entry *en, int plain)
 {
     if (!plain)
         return NO_POSITION;
-    for (size_t i = 1; i < n; i++)
-        if (str_cmp(labs[i - 1].name, labs[i - 1].nlen, labs[i].name, labs[i].nlen) >= 0)
-            return NO_POSITION;
     const StampLabel *sl = ENTRY_LABELS(en);
     const uint8_t *first = en->data + sl[0].name_off, *last = en->data + sl[en->nlabels - 1].name_off;
     size_t fn = sl[0].name_len, ln = sl[en->nlabels - 1].name_len;
@@ -1795,6 +1980,40 @@ read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
 }
 
 
+/* An RW 1.0 Exemplar: framing; each label's framing and UTF-8. */
+static int
+check_exemplar_v1(const uint8_t *raw, size_t p, size_t end, Err *e)
+{
+    while (p < end) {
+        Field f;
+        if (!rd_field(raw, p, end, &f, e))
+            return 0;
+        if (f.number == 1) {
+            Lab lab;
+            if (f.wt != 2) {
+                INVALID(e, "exemplar label with a wrong wire type");
+                return 0;
+            }
+            if (!read_label(raw, f.ps, f.end, &lab, e))
+                return 0;
+            if (!text_ok(lab.name, lab.nlen)) {
+                err_set(e, "invalid_utf8", "exemplar label name is not valid UTF-8");
+                return 0;
+            }
+            if (!text_ok(lab.value, lab.vlen)) {
+                err_set(e, "invalid_utf8", "exemplar label value is not valid UTF-8");
+                return 0;
+            }
+        }
+        else if (f.number <= 3 && f.wt != EXEMPLAR_WT[f.number - 1]) {
+            INVALID(e, "exemplar field %d with a wrong wire type", (int)f.number);
+            return 0;
+        }
+        p = f.end;
+    }
+    return 1;
+}
+
 /* RW 1.0 series go through a short pipeline so that table lookups do not wait on memory:
  * a series is parsed and its slot prefetched (stage A), LEAD series later its slot is read
  * and its entry prefetched (stage B), and LEAD series after that it is looked up and
@@ -1804,7 +2023,7 @@ read_label(const uint8_t *raw, size_t p, size_t end, Lab *lab, Err *e)
 
 typedef struct {
     size_t start, s, q, lead_end;
-    int in_front, any_stamped;
+    int in_front, any_stamped, any_karta, sorted;
     Vec labs;     /* Lab */
     int reason;   /* after stage A: -2 look the pod up; -1 attributed as it is; >= 0 a reason */
     Str ns, pod;
@@ -1891,12 +2110,21 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
                 INVALID(e, "series data field with a wrong wire type");
                 return 0;
             }
-            if (f.number == 2)
+            int ok;
+            if (f.number == 2) {
                 r->samples++;
-            else if (f.number == 3)
+                ok = check_sample(raw, f.ps, f.end, 2, e);
+            }
+            else if (f.number == 3) {
                 r->exemplars++;
-            else
+                ok = check_exemplar_v1(raw, f.ps, f.end, e);
+            }
+            else {
                 r->histograms++;
+                ok = check_fields(raw, f.ps, f.end, NULL, 0, "histogram", e);
+            }
+            if (!ok)
+                return 0;
         }
         any_other = 1;
         p = f.end;
@@ -1904,8 +2132,10 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
     Lab *labs = P->labs.data;
     size_t n = P->labs.len;
     const Plan *pl = r->plan;
-    int any_stamped = 0;
+    int any_stamped = 0, any_karta = 0, any_empty = 0;
     for (size_t i = 0; i < n; i++) {
+        any_karta |= is_karta(labs[i].name, labs[i].nlen);
+        any_empty |= labs[i].nlen == 0;
         if (!text_ok(labs[i].name, labs[i].nlen)) {
             err_set(e, "invalid_utf8", "label name is not valid UTF-8");
             return 0;
@@ -1924,6 +2154,9 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         }
     }
     P->any_stamped = any_stamped;
+    P->any_karta = any_karta;
+    if (!check_names(r, labs, n, any_empty, &P->sorted))
+        return 0;
     if (choose_pod(r, &P->ns, &P->pod, &P->reason)) {
         const PodTable *t = r->table;
         P->reason = -2;
@@ -1955,51 +2188,15 @@ probe_v1(const PodTable *t, const Pending *P)
     }
 }
 
-/* Stage C: look the pod up and splice the series. */
+/* Emit a series with new labels: its head, the Label fields m[0..mn), then every other
+ * field in its order. */
 static void
-finish_v1(Req *r, Pending *P)
+emit_series_v1(Req *r, Pending *P, const Lab *m, size_t mn)
 {
     const uint8_t *raw = r->raw;
     Err *e = &r->err;
     size_t start = P->start, s = P->s, q = P->q, lead_end = P->lead_end;
     int in_front = P->in_front;
-    Lab *labs = P->labs.data;
-    size_t n = P->labs.len;
-    int reason = P->reason;
-    const Entry *en = NULL;
-    if (reason == -2)
-        en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
-    tally(r, en ? -1 : reason);
-    if (en == NULL || en->nlabels == 0)
-        return;
-    size_t at = stamp_position(labs, n, en, in_front && !P->any_stamped);
-    if (at != NO_POSITION) {
-        /* the usual case: the stamp goes in as one block, everything else is the input */
-        size_t ins = at < n ? (size_t)(labs[at].field - raw) : lead_end;
-        uint8_t *head = arena_alloc(&r->arena, 11);
-        if (head == NULL)
-            return;
-        head[0] = 0x0A;
-        size_t hl = 1 + put_varint(head + 1, (q - s) + en->fields_len);
-        emit_input(r, start);
-        emit(r, head, hl);
-        emit(r, raw + s, ins - s);
-        emit(r, ENTRY_FIELDS(en), en->fields_len);
-        emit(r, raw + ins, q - ins);
-        r->copy_from = q;
-        return;
-    }
-    if (!merge_stamp(r, labs, n, en))
-        return;
-    Lab *m = r->merged.data;
-    size_t mn = r->merged.len;
-    if (mn == n) {
-        int same = 1;
-        for (size_t i = 0; i < n && same; i++)
-            same = m[i].flen == labs[i].flen && memcmp(m[i].field, labs[i].field, m[i].flen) == 0;
-        if (same)
-            return; /* already exactly so */
-    }
     size_t new_len = 0;
     for (size_t i = 0; i < mn; i++)
         new_len += m[i].flen;
@@ -2036,6 +2233,82 @@ finish_v1(Req *r, Pending *P)
             pp = f.end;
         }
     r->copy_from = q;
+}
+
+/* The labels of a series that is not stamped, minus those the plan drops, in the
+ * sender's order (not sorted): r->merged; returns how many, or (size_t)-1 on OOM. */
+static size_t
+kept_labels(Req *r, const Lab *labs, size_t n)
+{
+    r->merged.len = 0;
+    Lab *m = vec_push(&r->merged, n ? n : 1);
+    if (m == NULL)
+        return (size_t)-1;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!dropped(r->plan, &labs[i]))
+            m[k++] = labs[i];
+    return k;
+}
+
+/* Stage C: look the pod up and splice the series. */
+static void
+finish_v1(Req *r, Pending *P)
+{
+    const uint8_t *raw = r->raw;
+    size_t start = P->start, s = P->s, q = P->q, lead_end = P->lead_end;
+    int in_front = P->in_front;
+    Lab *labs = P->labs.data;
+    size_t n = P->labs.len;
+    int reason = P->reason;
+    const Entry *en = NULL;
+    if (reason == -2)
+        en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
+    tally(r, en ? -1 : reason);
+    int drop = r->plan->drop_sent && P->any_karta;
+    if (en == NULL || en->nlabels == 0) {
+        /* not stamped: under drop_sent the sender's karta_* labels go; `keep` (reason -1
+         * from stage A) lets the sender's attribution pass */
+        if (drop && P->reason != -1) {
+            size_t k = kept_labels(r, labs, n);
+            if (k != (size_t)-1 && k != n) {
+                r->stripped++;
+                emit_series_v1(r, P, r->merged.data, k);
+            }
+        }
+        return;
+    }
+    size_t at = stamp_position(labs, n, en, in_front && P->sorted && !P->any_stamped && !drop);
+    if (at != NO_POSITION) {
+        /* the usual case: the stamp goes in as one block, everything else is the input */
+        size_t ins = at < n ? (size_t)(labs[at].field - raw) : lead_end;
+        uint8_t *head = arena_alloc(&r->arena, 11);
+        if (head == NULL)
+            return;
+        head[0] = 0x0A;
+        size_t hl = 1 + put_varint(head + 1, (q - s) + en->fields_len);
+        emit_input(r, start);
+        emit(r, head, hl);
+        emit(r, raw + s, ins - s);
+        emit(r, ENTRY_FIELDS(en), en->fields_len);
+        emit(r, raw + ins, q - ins);
+        r->copy_from = q;
+        return;
+    }
+    int lost;
+    if (!merge_stamp(r, labs, n, en, &lost))
+        return;
+    Lab *m = r->merged.data;
+    size_t mn = r->merged.len;
+    if (mn == n) {
+        int same = 1;
+        for (size_t i = 0; i < n && same; i++)
+            same = m[i].flen == labs[i].flen && memcmp(m[i].field, labs[i].field, m[i].flen) == 0;
+        if (same)
+            return; /* already exactly so */
+    }
+    r->stripped += (uint64_t)lost;
+    emit_series_v1(r, P, m, mn);
 }
 
 static void
@@ -2107,6 +2380,7 @@ walk_v1(Req *r, size_t n)
 typedef struct {
     Vec syms;   /* Str */
     Vec slots;  /* int16_t per symbol: its plan slot */
+    Vec karta;  /* uint8_t per symbol: it starts with karta_ */
     Vec series; /* size_t[3]: start, payload, end */
     size_t symbols_end;
     int has_symbols;
@@ -2128,6 +2402,7 @@ v2_free(V2 *v)
 {
     vec_free(&v->syms);
     vec_free(&v->slots);
+    vec_free(&v->karta);
     vec_free(&v->series);
     vec_free(&v->added);
     vec_free(&v->refpool);
@@ -2177,7 +2452,8 @@ v2_scan(Req *r, V2 *v, size_t n)
     }
     Str *syms = v->syms.data;
     int16_t *slots = vec_push(&v->slots, v->syms.len ? v->syms.len : 1);
-    if (slots == NULL)
+    uint8_t *karta = vec_push(&v->karta, v->syms.len ? v->syms.len : 1);
+    if (slots == NULL || karta == NULL)
         return 0;
     for (size_t i = 0; i < v->syms.len; i++) {
         if (!text_ok(syms[i].s, syms[i].n)) {
@@ -2185,6 +2461,7 @@ v2_scan(Req *r, V2 *v, size_t n)
             return 0;
         }
         slots[i] = (int16_t)slot_of(r->plan, syms[i].s, syms[i].n);
+        karta[i] = (uint8_t)is_karta(syms[i].s, syms[i].n);
     }
     if (v->syms.len && syms[0].n != 0) {
         INVALID(e, "symbols table must start with the empty string");
@@ -2481,12 +2758,23 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
                 INVALID(e, "series data field with a wrong wire type");
                 return;
             }
-            if (f.number == 2)
+            int ok;
+            if (f.number == 2) {
                 r->samples++;
-            else if (f.number == 3)
+                ok = check_sample(raw, f.ps, f.end, 3, e);
+            }
+            else if (f.number == 3) {
                 r->histograms++;
-            else if (f.number == 4)
+                ok = check_fields(raw, f.ps, f.end, NULL, 0, "histogram", e);
+            }
+            else if (f.number == 4) {
                 r->exemplars++;
+                ok = check_exemplar_v2(raw, f.ps, f.end, v->syms.len, e);
+            }
+            else
+                ok = check_metadata_v2(raw, f.ps, f.end, v->syms.len, e);
+            if (!ok)
+                return;
         }
         p = f.end;
     }
@@ -2504,13 +2792,14 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         }
     const Str *syms = v->syms.data;
     const int16_t *slots = v->slots.data;
+    const uint8_t *karta = v->karta.data;
     const Plan *pl = r->plan;
     r->labs.len = 0;
     size_t n = nrefs / 2;
     Lab *labs = vec_push(&r->labs, n);
     if (labs == NULL && n)
         return;
-    int any_stamped = 0;
+    int any_stamped = 0, any_karta = 0, any_empty = 0, sorted;
     for (size_t i = 0; i < n; i++) {
         uint32_t a = refs[2 * i], b = refs[2 * i + 1];
         Lab *lab = &labs[i];
@@ -2520,6 +2809,8 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         lab->vlen = (uint32_t)syms[b].n;
         lab->r0 = a;
         lab->r1 = b;
+        any_karta |= karta[a];
+        any_empty |= lab->nlen == 0;
         int slot = slots[a];
         lab->slot = slot;
         if (slot >= 0) {
@@ -2529,15 +2820,29 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
+    if (!check_names(r, labs, n, any_empty, &sorted))
+        return;
     int reason;
     const Entry *en = decide(r, &reason);
     if (e->kind)
         return;
     tally(r, en ? -1 : reason);
-    if (en == NULL || en->nlabels == 0)
+    int drop = pl->drop_sent && any_karta;
+    if (en == NULL || en->nlabels == 0) {
+        /* not stamped: under drop_sent the sender's karta_* labels go (their refs; the
+         * table keeps its strings); `keep` (NULL, reason -1) lets them pass */
+        if (drop && !(en == NULL && reason == -1)) {
+            size_t k = kept_labels(r, labs, n);
+            if (k != (size_t)-1 && k != n) {
+                r->stripped++;
+                emit_series_v2(r, v, start, s, q, r->merged.data, k, NULL, refs_end, simple,
+                               inserted);
+            }
+        }
         return;
+    }
     const uint32_t *sr;
-    size_t at = stamp_position(labs, n, en, !any_stamped);
+    size_t at = stamp_position(labs, n, en, sorted && !any_stamped && !drop);
     if (at != NO_POSITION) {
         if ((v->index == NULL && !v2_build_index(r, v)) || (sr = v2_stamp_refs(r, v, en)) == NULL)
             return;
@@ -2556,7 +2861,8 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         emit_series_v2(r, v, start, s, q, m, n + en->nlabels, sr, refs_end, simple, inserted);
         return;
     }
-    if (!merge_stamp(r, r->labs.data, n, en))
+    int lost;
+    if (!merge_stamp(r, r->labs.data, n, en, &lost))
         return;
     Lab *m = r->merged.data;
     size_t mn = r->merged.len;
@@ -2569,6 +2875,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         if (same)
             return;
     }
+    r->stripped += (uint64_t)lost;
     if ((v->index == NULL && !v2_build_index(r, v)) || (sr = v2_stamp_refs(r, v, en)) == NULL)
         return;
     emit_series_v2(r, v, start, s, q, r->merged.data, mn, sr, refs_end, simple, inserted);
@@ -2635,6 +2942,7 @@ splice(PyObject *args, int version)
     memset(&v, 0, sizeof v);
     vec_init(&v.syms, sizeof(Str));
     vec_init(&v.slots, sizeof(int16_t));
+    vec_init(&v.karta, sizeof(uint8_t));
     vec_init(&v.series, sizeof(size_t));
     vec_init(&v.added, sizeof(Str));
     vec_init(&v.refpool, sizeof(uint32_t));
@@ -2705,9 +3013,10 @@ splice(PyObject *args, int version)
         }
         Py_DECREF(cnt);
     }
-    result = Py_BuildValue("(NKKKKKN)", body, (unsigned long long)r.series,
+    result = Py_BuildValue("(NKKKKKNK)", body, (unsigned long long)r.series,
                            (unsigned long long)r.samples, (unsigned long long)r.histograms,
-                           (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons);
+                           (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons,
+                           (unsigned long long)r.stripped);
 done:
     req_free(&r);
     v2_free(&v);
@@ -2741,7 +3050,7 @@ set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
      "splice_v1(raw, plan, table) -> (body, series, samples, histograms, exemplars, "
-     "attributed, {reason: count})"},
+     "attributed, {reason: count}, stripped)"},
     {"splice_v2", splice_v2_py, METH_VARARGS, "splice_v2(raw, plan, table): as splice_v1, RW 2.0"},
     {"set_error_class", set_error_class, METH_O,
      "the exception raised for bad input: cls(kind, status, message)"},

@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 _Unless = tuple[bytes, Sequence[bytes] | None, Callable[[bytes], bool] | None]
 _Pair = tuple[bytes, bytes, Sequence[_Unless]]
 _Answer = tuple[tuple[str, str], ...] | str
-_Result = tuple[bytes, int, int, int, int, int, dict[str, int]]
+_Result = tuple[bytes, int, int, int, int, int, dict[str, int], int]
 
 class PodTable:
     implementation: str
@@ -25,6 +25,7 @@ class Plan:
         keep_sent: bool,
         stamped: Sequence[bytes],
         workload_label: bytes,
+        drop_sent: bool = True,
     ) -> None: ...
 
 def splice_v1(raw: bytes, plan: Plan, table: PodTable) -> _Result: ...

@@ -72,6 +72,7 @@ def _compile(plan: SplicePlan) -> Any:
         plan.keep_sent,
         sorted(plan.stamped),
         plan.workload_label,
+        plan.drop_sent,
     )
 
 
@@ -106,6 +107,7 @@ class Splicer:
         return _result(_native.splice_v2(raw, self._compiled, self.table))
 
 
-def _result(t: tuple[bytes, int, int, int, int, int, dict[str, int]]) -> SpliceResult:
-    body, series, samples, histograms, exemplars, attributed, reasons = t
-    return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons)
+def _result(t: tuple[bytes, int, int, int, int, int, dict[str, int], int]) -> SpliceResult:
+    body, series, samples, histograms, exemplars, attributed, reasons, stripped = t
+    return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
+                        stripped)

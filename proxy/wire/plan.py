@@ -20,6 +20,8 @@ from proxy.wire.primitives import Counts, encode_label_v1
 REASON_NO_POD_LABEL = "no_pod_label"
 REASON_POD_UNKNOWN = "pod_unknown"
 NAME_LABEL = b"__name__"
+#: labels of this prefix belong to the proxy: a sender's are dropped (``drop_sent``)
+KARTA_PREFIX = b"karta_"
 #: label names a plan may read (the native splice's fixed table holds 1024)
 MAX_LABEL_NAMES = 1000
 
@@ -91,6 +93,11 @@ class SplicePlan:
     stamped: frozenset[bytes] = frozenset()
     #: the label whose presence ``keep_sent`` looks at
     workload_label: bytes = b"karta_workload"
+    #: ``sender_karta_labels: drop``: every label of the sender whose name starts with
+    #: ``karta_`` is removed from every series, stamped or not (False: only the stamped
+    #: names, and only from a series that is stamped). A series ``keep_sent`` lets pass
+    #: keeps its labels either way: that policy trusts the sender's attribution.
+    drop_sent: bool = True
 
     def __post_init__(self) -> None:
         if not self.pairs:
@@ -103,6 +110,11 @@ class SplicePlan:
             )
         if any(not n for n in names):
             raise ValueError("a label name of the pod label pairs or rules is empty")
+
+    def dropped(self, name: bytes) -> bool:
+        """Is a sender's label of this name removed (from a stamped series; from any
+        series under ``drop_sent``)?"""
+        return name in self.stamped or (self.drop_sent and name.startswith(KARTA_PREFIX))
 
     def pairs_for(self, metric: bytes) -> tuple[PodPair, ...]:
         for rule in self.rules:
@@ -153,7 +165,7 @@ def decide(
     lookup: Callable[[bytes, bytes], PodAnswer | None],
 ) -> tuple[str, PodStamp | None]:
     """(reason, stamp) of one series: ("", stamp) to stamp, ("", None) attributed as it
-    is (``keep``), (reason, None) unattributed. Duplicated names: the last one counts."""
+    is (``keep``), (reason, None) unattributed. Names are unique (:func:`check_names`)."""
     by_name = dict(labels)
     if plan.keep_sent and by_name.get(plan.workload_label):
         return "", None
@@ -168,6 +180,18 @@ def decide(
     return "", answer
 
 
+def check_names(names: Sequence[bytes]) -> None:
+    """400 ``invalid_labels`` for an empty or a repeated label name, in any series: a
+    TSDB refuses such a series (Prometheus 2.42 with a 500, which senders retry forever),
+    and the stamp of a series with two values for one name would be a guess."""
+    if b"" in names:
+        raise DecodeError("invalid_labels", 400, "a label with an empty name")
+    if len(set(names)) != len(names):
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        raise DecodeError("invalid_labels", 400,
+                          f"label name {dup[:64]!r} repeated in one series")
+
+
 @dataclass(slots=True)
 class SpliceResult:
     """One request's outcome."""
@@ -179,6 +203,9 @@ class SpliceResult:
     attributed: int = 0
     #: reason -> series passed through unchanged for it
     unattributed: dict[str, int] = field(default_factory=dict)
+    #: series that lost a ``karta_*`` label of the sender (one whose name and value the
+    #: series does not carry on the way out: dropped, or replaced by the stamp)
+    stripped: int = 0
 
     def tally(self, reason: str) -> None:
         if reason:

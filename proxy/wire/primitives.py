@@ -200,3 +200,73 @@ def parse_label(buf: bytes, p: int, end: int) -> tuple[bytes, bytes]:
             raise invalid("label name/value with a wrong wire type")
         p = q
     return name, value
+
+
+# -- the payloads a splice copies (samples, exemplars, histograms, metadata) -------------
+
+#: wire type of each known field (numbers 1, 2, ...; -1: any): a sample, RW 1.0 and 2.0
+SAMPLE_WIRE_TYPES = (1, 0, 0)
+#: an exemplar's value and timestamp (field 1, its labels, is read on its own)
+EXEMPLAR_WIRE_TYPES = (-1, 1, 0)
+#: an RW 2.0 Metadata: type, (reserved), help_ref, unit_ref
+METADATA_V2_WIRE_TYPES = (0, -1, 0, 0)
+
+
+def check_fields(buf: bytes, p: int, end: int, wire_types: tuple[int, ...], what: str
+                 ) -> None:
+    """Walk a payload the splice copies unparsed: every field's framing (read_field's
+    rules) and the wire type of its known fields, as a protobuf reader would refuse them.
+
+    Mirrors ``check_fields`` of ``_splice.c``; a histogram is walked with no known
+    fields (its packed and unpacked repeated fields make several wire types legal)."""
+    k = len(wire_types)
+    while p < end:
+        number, wt, _, q = read_field(buf, p, end)
+        if number <= k and wire_types[number - 1] >= 0 and wt != wire_types[number - 1]:
+            raise invalid(f"{what} field {number} with a wrong wire type")
+        p = q
+
+
+def check_exemplar_v1(buf: bytes, p: int, end: int) -> None:
+    """An RW 1.0 Exemplar: its framing, and each label's framing and UTF-8."""
+    while p < end:
+        number, wt, s, q = read_field(buf, p, end)
+        if number == 1:
+            if wt != 2:
+                raise invalid("exemplar label with a wrong wire type")
+            name, value = parse_label(buf, s, q)
+            check_utf8(name, "exemplar label name")
+            check_utf8(value, "exemplar label value")
+        elif number <= 3 and wt != EXEMPLAR_WIRE_TYPES[number - 1]:
+            raise invalid(f"exemplar field {number} with a wrong wire type")
+        p = q
+
+
+def check_exemplar_v2(buf: bytes, p: int, end: int, nsym: int) -> None:
+    """An RW 2.0 Exemplar: its framing; its label refs an even number, inside the table."""
+    refs: list[int] = []
+    while p < end:
+        number, wt, s, q = read_field(buf, p, end)
+        if number == 1:
+            read_refs(buf, wt, s, q, refs, "exemplar labels_refs")
+        elif number <= 3 and wt != EXEMPLAR_WIRE_TYPES[number - 1]:
+            raise invalid(f"exemplar field {number} with a wrong wire type")
+        p = q
+    if len(refs) % 2:
+        raise invalid("exemplar labels_refs has an odd number of entries")
+    if refs and max(refs) >= nsym:
+        raise invalid(f"exemplar symbol reference {max(refs)} past the table of {nsym}")
+
+
+def check_metadata_v2(buf: bytes, p: int, end: int, nsym: int) -> None:
+    """An RW 2.0 Metadata: its framing; help_ref and unit_ref inside the table."""
+    while p < end:
+        number, wt, s, q = read_field(buf, p, end)
+        if number <= 4 and METADATA_V2_WIRE_TYPES[number - 1] >= 0 and (
+                wt != METADATA_V2_WIRE_TYPES[number - 1]):
+            raise invalid(f"metadata field {number} with a wrong wire type")
+        if number in (3, 4):
+            ref = uvarint(buf, s)[0]
+            if ref >= nsym:
+                raise invalid(f"metadata symbol reference {ref} past the table of {nsym}")
+        p = q

@@ -10,10 +10,13 @@ that is sound.
 
 from __future__ import annotations
 
-from proxy.wire.plan import PodStamp, SplicePlan, SpliceResult, decide
+from proxy.wire.plan import PodStamp, SplicePlan, SpliceResult, check_names, decide
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import (
+    SAMPLE_WIRE_TYPES,
     Counts,
+    check_exemplar_v1,
+    check_fields,
     check_utf8,
     encode_uvarint,
     invalid,
@@ -25,14 +28,12 @@ from proxy.wire.primitives import (
 LabelField = tuple[bytes, bytes, bytes]
 
 
-def merge(labels: list[LabelField], stamp: PodStamp, stamped: frozenset[bytes]
-          ) -> list[LabelField]:
-    """The series' labels minus those of stamped names, plus the stamp, sorted by name.
+def merge(labels: list[LabelField], stamp: PodStamp, plan: SplicePlan) -> list[LabelField]:
+    """The series' labels minus those the plan drops, plus the stamp, sorted by name.
 
-    Byte order of UTF-8 names is code-point order, Prometheus' order. The sort is stable,
-    so a sender's (invalid) duplicate names keep their relative order.
+    Byte order of UTF-8 names is code-point order, Prometheus' order.
     """
-    kept = [lf for lf in labels if lf[0] not in stamped]
+    kept = [lf for lf in labels if not plan.dropped(lf[0])]
     add = [(n, v, f) for (n, v), f in zip(stamp.labels, stamp.fields, strict=True)]
     return sorted(kept + add, key=lambda lf: lf[0])
 
@@ -87,22 +88,35 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
                     raise invalid("series data field with a wrong wire type")
                 if number == 2:
                     counts.samples += 1
+                    check_fields(raw, ps, pq, SAMPLE_WIRE_TYPES[:2], "sample")
                 elif number == 3:
                     counts.exemplars += 1
+                    check_exemplar_v1(raw, ps, pq)
                 else:
                     counts.histograms += 1
+                    check_fields(raw, ps, pq, (), "histogram")
             other.append((p, pq))
         p = pq
     for name, value, _ in labels:
         check_utf8(name, "label name")
         check_utf8(value, "label value")
+    check_names([lf[0] for lf in labels])
     reason, stamp = decide(plan, [lf[:2] for lf in labels], table.get)
     result.tally(reason)
     if stamp is None or not stamp.labels:
-        return None
-    new = b"".join(lf[2] for lf in merge(labels, stamp, plan.stamped))
-    if new == b"".join(lf[2] for lf in labels):
-        return None  # already exactly so: the bytes pass through untouched
+        if not plan.drop_sent or (stamp is None and not reason):
+            return None  # nothing to drop, or ``keep``: the sender's attribution passes
+        kept = [lf for lf in labels if not plan.dropped(lf[0])]
+        if len(kept) == len(labels):
+            return None
+        result.stripped += 1
+        new = b"".join(lf[2] for lf in kept)  # in the sender's order, not sorted
+    else:
+        new = b"".join(lf[2] for lf in merge(labels, stamp, plan))
+        if new == b"".join(lf[2] for lf in labels):
+            return None  # already exactly so: the bytes pass through untouched
+        result.stripped += any(plan.dropped(n) and (n, v) not in stamp.labels
+                               for n, v, _ in labels)
     rest = raw[lead_end:q] if lead_end >= 0 else b"".join(raw[a:b] for a, b in other)
     return b"\x0a" + encode_uvarint(len(new) + len(rest)) + new + rest
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.compression import DecodeError
-from proxy.wire.plan import SplicePlan, SpliceResult, decide
+from proxy.wire.plan import SplicePlan, SpliceResult, check_names, decide
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import (
+    SAMPLE_WIRE_TYPES,
     Counts,
+    check_exemplar_v2,
+    check_fields,
+    check_metadata_v2,
     encode_refs,
     encode_uvarint,
     invalid,
@@ -94,10 +98,15 @@ def split_series_v2(raw: bytes, p: int, end: int, nsym: int) -> SeriesV2:
                     raise invalid("series data field with a wrong wire type")
                 if number == 2:
                     samples += 1
+                    check_fields(raw, s, q, SAMPLE_WIRE_TYPES, "sample")
                 elif number == 3:
                     histograms += 1
+                    check_fields(raw, s, q, (), "histogram")
                 elif number == 4:
                     exemplars += 1
+                    check_exemplar_v2(raw, s, q, nsym)
+                else:
+                    check_metadata_v2(raw, s, q, nsym)
             other.append((p, q))
         p = q
     if len(refs) % 2:
@@ -143,27 +152,39 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
         counts.exemplars += ser.exemplars
         refs = ser.refs
         labels = [(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)]
+        check_names([n for n, _ in labels])
         reason, stamp = decide(plan, labels, table.get)
         result.tally(reason)
+        #: (name, value, refs as sent; None: a stamp label's, found or added)
+        kept: list[tuple[bytes, bytes, tuple[int, int] | None]] = [
+            (n, v, (refs[2 * i], refs[2 * i + 1]))
+            for i, (n, v) in enumerate(labels) if not plan.dropped(n)]
         if stamp is None or not stamp.labels:
-            continue
-        kept = [(n, v, (refs[2 * i], refs[2 * i + 1]))
-                for i, (n, v) in enumerate(labels) if n not in plan.stamped]
-        merged = sorted(kept + [(n, v, None) for n, v in stamp.labels], key=lambda x: x[0])
-        if [(n, v) for n, v, _ in merged] == labels:
-            continue  # already exactly so
-        if table_refs is None:
-            table_refs = _Symbols(syms)
+            if not plan.drop_sent or (stamp is None and not reason) or len(kept) == len(labels):
+                continue  # nothing to drop, or ``keep``: the sender's attribution passes
+            result.stripped += 1
+            merged = kept  # in the sender's order, not sorted; no string to add
+        else:
+            merged = sorted(kept + [(n, v, None) for n, v in stamp.labels],
+                            key=lambda x: x[0])
+            if [(n, v) for n, v, _ in merged] == labels:
+                continue  # already exactly so
+            result.stripped += any(plan.dropped(n) and (n, v) not in stamp.labels
+                                   for n, v in labels)
+            if table_refs is None:
+                table_refs = _Symbols(syms)
         new_refs: list[int] = []
         for n, v, pair in merged:
-            new_refs.extend(pair if pair is not None else (table_refs.ref(n), table_refs.ref(v)))
+            if pair is None:
+                assert table_refs is not None
+                pair = (table_refs.ref(n), table_refs.ref(v))
+            new_refs.extend(pair)
         body = len_field(1, encode_refs(new_refs)) + b"".join(raw[a:b] for a, b in ser.other)
         edits.append((start, end, b"\x2a" + encode_uvarint(len(body)) + body))
     if not edits:
         return result
-    assert table_refs is not None
     at = scan.symbols_end if scan.symbols_end >= 0 else 0
-    added = b"".join(len_field(4, s) for s in table_refs.added)
+    added = b"".join(len_field(4, s) for s in table_refs.added) if table_refs else b""
     out: list[bytes] = []
     copy_from = 0
     inserted = False

@@ -136,7 +136,7 @@ PODS = [(ns, pod) for ns in NAMESPACES for pod in POD_NAMES]
 CONTAINERS = ["", "main", "nvidia-dcgm-exporter", "dcgm-exporter", "exporter", "exp",
               "exporter2", "xexp", "Exporter"]
 OTHER_KARTA = ["karta_", "karta_zzz", "karta_a", "karta_workloadx", "karta_pod_info"]
-NAMES = ["__name__", "job", "instance", "a", "zz", "le", "container", "", "ü名", LONG_1,
+NAMES = ["__name__", "job", "instance", "a", "zz", "le", "container", "ü名", LONG_1,
          "n" * 62, "p" * 63, "n" * 64, "q" * 66,
          *[n for pair in PAIR_LABELS for n in pair], *STAMPED, *OTHER_KARTA, *UTF8]
 METRICS = ["up", "DCGM_FI_DEV_FB_USED", "DCGM_", "DCGM", "dcgm_x", "karta_pod_info",
@@ -321,13 +321,15 @@ class Outcome:
     attributed: int = 0
     unattributed: tuple[tuple[str, int], ...] = ()
     error: tuple[str, Any] = ("", 0)
+    #: series that lost a sender's karta_* label
+    stripped: int = 0
 
     def describe(self) -> str:
         if not self.ok:
             return f"error {self.error}"
         return (f"ok body={self.body.hex()} same_object={self.same_object} "
                 f"counts={self.counts} attributed={self.attributed} "
-                f"unattributed={dict(self.unattributed)}")
+                f"unattributed={dict(self.unattributed)} stripped={self.stripped}")
 
 
 def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
@@ -342,7 +344,8 @@ def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
     c = res.counts
     return Outcome(True, res.body, res.body is raw, (c.series, c.samples, c.histograms,
                                                      c.exemplars),
-                   res.attributed, tuple(sorted(res.unattributed.items())))
+                   res.attributed, tuple(sorted(res.unattributed.items())),
+                   stripped=res.stripped)
 
 
 def both(native: Splicer, python: Splicer, version: int, raw: bytes) -> tuple[Outcome, Outcome]:
@@ -420,10 +423,7 @@ class Gen:
             r.shuffle(out)
         else:
             out.sort(reverse=True)
-        if out and self.chance(0.1):
-            dup, _ = r.choice(out)
-            out.insert(r.randint(0, len(out)), (dup, r.choice(VALUES).encode()))
-        return out
+        return out  # a repeated or an empty name is invalid: the poisons make those
 
     def sized_len(self, payload_len: int) -> bytes | None:
         """A non-minimal length now and then, of at most 5 bytes (valid protobuf: the
@@ -587,15 +587,30 @@ class Gen:
             data.append(len_node(2, r.choice(SAMPLES_V2), "data"))
         for _ in range(r.choice([0, 0, 1])):
             data.append(len_node(3, r.choice(HISTOGRAMS_V2), "data"))
+        nsym = sum(len(v) for v in where.values())
         for _ in range(r.choice([0, 0, 1])):
-            data.append(len_node(4, r.choice(EXEMPLARS_V2), "data"))
+            ex = r.choice(EXEMPLARS_V2) if nsym else pb2.Exemplar(value=1.0).SerializeToString()
+            if nsym and self.chance(0.5):  # refs anywhere in the table
+                ex = pb2.Exemplar(labels_refs=[r.randrange(nsym) for _ in range(2)],
+                                  timestamp=9).SerializeToString()
+            data.append(len_node(4, ex, "data"))
         if self.chance(0.3):
-            data.append(len_node(5, r.choice(METADATA_V2), "data"))
+            md = r.choice(METADATA_V2)
+            if nsym and self.chance(0.5):
+                md = pb2.Metadata(type=pb2.Metadata.METRIC_TYPE_COUNTER,
+                                  help_ref=r.randrange(nsym),
+                                  unit_ref=r.randrange(nsym)).SerializeToString()
+            data.append(len_node(5, md, "data"))
         if self.chance(0.1):
             data.append(Node(6, 0, varint(r.choice([0, 1_767_000_000_000])), "data"))
         for _ in range(r.choice([0, 0, 0, 1])):
             data.append(self.unknown((1, 2, 3, 4, 5)))
-        return self.finish(len_node(5, self.mix(self.refs_nodes(refs), data), "series"))
+        refs_nodes = self.refs_nodes(refs)
+        fields = self.mix(refs_nodes, data)
+        # the refs fields in their order (they are one list: swapped, they pair up wrong)
+        it = iter(refs_nodes)
+        fields = [next(it) if n.kind == "refs" else n for n in fields]
+        return self.finish(len_node(5, fields, "series"))
 
 
 # -- invalid requests: poisons (certainly refused) and byte mutations ---------------------
@@ -603,8 +618,47 @@ class Gen:
 POISONS_COMMON = ["field_number_0", "field_number_big", "group", "wire_type_6_7",
                   "overlong_tag", "overlong_length", "length_past_end", "wrong_wire_type",
                   "bad_utf8", "truncated_tag"]
-POISONS_V1 = POISONS_COMMON
-POISONS_V2 = [*POISONS_COMMON, "odd_refs", "ref_past_table", "symbol_0_not_empty"]
+#: payloads the splice copies, each certainly refused: an 11-byte varint, a varint past
+#: 64 bits, a field number past 2^29 - 1, a known field of the wrong wire type, a group
+BAD_SAMPLES = [
+    bytes.fromhex("09000000000000f03f10") + b"\x80" * 10 + b"\x00",
+    bytes.fromhex("09000000000000f03f10") + b"\xff" * 9 + b"\x02",
+    bytes.fromhex("09000000000000f03f") + key(2**29, 0) + b"\x01",
+    b"\x08\x01",  # the value as a varint
+    bytes.fromhex("09000000000000f03f") + b"\x11" + bytes(8),  # the timestamp as fixed64
+    b"\x1b",  # a group
+]
+BAD_HISTOGRAMS = [b"\x08" + b"\x80" * 10 + b"\x00", key(2**30, 0) + b"\x00", b"\x00\x00",
+                  b"\x08"]
+POISONS_COMMON += ["bad_sample", "bad_histogram", "bad_exemplar", "dup_name", "empty_name"]
+POISONS_V1 = [*POISONS_COMMON, "bad_exemplar_utf8"]
+POISONS_V2 = [*POISONS_COMMON, "odd_refs", "ref_past_table", "symbol_0_not_empty",
+              "exemplar_ref_past_table", "exemplar_odd_refs", "metadata_ref_past_table"]
+
+
+def expected_kind(what: str) -> str:
+    """The error kind a poison gets."""
+    if what in ("bad_utf8", "bad_exemplar_utf8"):
+        return "invalid_utf8"
+    if what in ("dup_name", "empty_name"):
+        return "invalid_labels"
+    return "protobuf_invalid"
+
+
+def _nsym(nodes: list[Node]) -> int:
+    return sum(1 for n in nodes if n.kind == "symbol")
+
+
+def _add_symbol(nodes: list[Node], s: bytes) -> int:
+    """Append a symbol after the last one (so no ref moves); its ref."""
+    syms = [i for i, n in enumerate(nodes) if n.kind == "symbol"]
+    if not syms:
+        nodes.insert(0, len_node(4, b"", "symbol"))
+        syms = [0]
+        if s == b"":
+            return 0
+    nodes.insert(syms[-1] + 1, len_node(4, s, "symbol"))
+    return len(syms)
 
 
 def _containers(nodes: list[Node], version: int) -> list[tuple[str, list[Node]]]:
@@ -716,6 +770,55 @@ def poison(nodes: list[Node], version: int, what: str, rnd: random.Random) -> No
             series.payload.insert(r.randint(0, len(series.payload)),
                                   Node(1, 2, b"".join(varint(x) for x in pair), "refs",
                                        refs=pair))
+    elif what in ("bad_sample", "bad_histogram", "bad_exemplar", "bad_exemplar_utf8",
+                  "exemplar_ref_past_table", "exemplar_odd_refs", "metadata_ref_past_table"):
+        series = r.choice(_ensure_series(nodes, version))
+        assert isinstance(series.payload, list)
+        nsym = _nsym(nodes) if version == 2 else 0
+        if what == "bad_sample":
+            num, payload = 2, r.choice(BAD_SAMPLES)
+        elif what == "bad_histogram":
+            num, payload = (4 if version == 1 else 3), r.choice(BAD_HISTOGRAMS)
+        elif what == "bad_exemplar":  # its value as a varint, or bad framing inside
+            num, payload = (3 if version == 1 else 4), r.choice(
+                [b"\x10\x01", b"\x18" + b"\x80" * 10 + b"\x00", key(2**29, 2) + b"\x00"])
+        elif what == "bad_exemplar_utf8":
+            bad = r.choice(BAD_UTF8)
+            ex_label = [len_node(1, bad, "name"), len_node(2, b"v", "value")]
+            if r.random() < 0.5:
+                ex_label = [len_node(1, b"trace_id", "name"), len_node(2, b"x" + bad, "value")]
+            num, payload = 3, encode([len_node(1, ex_label, "label")]) + b"\x11" + bytes(8)
+        elif what == "exemplar_ref_past_table":
+            bad_ref = nsym + r.choice([0, 1, 300, 2**32])
+            refs = [bad_ref, 0] if r.random() < 0.5 else [0, bad_ref]
+            packed = b"".join(varint(x) for x in refs)
+            num, payload = 4, key(1, 2) + varint(len(packed)) + packed
+        elif what == "exemplar_odd_refs":
+            if not nsym:
+                _add_symbol(nodes, b"")
+            num, payload = 4, key(1, 2) + b"\x01\x00"
+        else:
+            which = r.choice([3, 4])
+            num, payload = 5, key(which, 0) + varint(nsym + r.choice([0, 1, 2**31]))
+        series.length = None
+        series.payload.insert(r.randint(0, len(series.payload)), len_node(num, payload, "data"))
+    elif what in ("dup_name", "empty_name"):
+        series = r.choice(_ensure_series(nodes, version))
+        assert isinstance(series.payload, list)
+        series.length = None
+        name = b"" if what == "empty_name" else r.choice([b"a", b"pod", b"karta_workload"])
+        copies = 1 if what == "empty_name" else 2
+        if version == 1:
+            for _ in range(copies):
+                dup = Node(1, 2, [len_node(1, name, "name"), len_node(2, b"v", "value")],
+                           "label")
+                series.payload.insert(r.randint(0, len(series.payload)), dup)
+        else:
+            k = _add_symbol(nodes, name)
+            refs = [k, k] * copies
+            series.payload.insert(r.randint(0, len(series.payload)),
+                                  Node(1, 2, b"".join(varint(x) for x in refs), "refs",
+                                       refs=refs))
     elif what == "symbol_0_not_empty":
         first = next((i for i, n in enumerate(nodes) if n.kind == "symbol"), None)
         if first is not None:

@@ -40,6 +40,7 @@ from tests.wire.fuzz_native import (
     Setup,
     both,
     encode,
+    expected_kind,
     fixed_setups,
     key,
     mutate,
@@ -123,10 +124,6 @@ def test_valid_v2(rnd: random.Random, setup_rnd: random.Random) -> None:
     check_valid(random_setup(setup_rnd), 2, encode(Gen(rnd).request_v2()))
 
 
-def _expected_kind(what: str) -> str:
-    return "invalid_utf8" if what == "bad_utf8" else "protobuf_invalid"
-
-
 @settings(SETTINGS, max_examples=examples(600))
 @given(rnd=randoms, setup_rnd=randoms, what=st.sampled_from(POISONS_V1))
 def test_poisoned_v1(rnd: random.Random, setup_rnd: random.Random, what: str) -> None:
@@ -135,7 +132,7 @@ def test_poisoned_v1(rnd: random.Random, setup_rnd: random.Random, what: str) ->
     raw = encode(nodes)
     nat, _ = check_agree(random_setup(setup_rnd), 1, raw)
     assert not nat.ok, f"{what}: an invalid request accepted: {raw.hex()}"
-    assert nat.error == (_expected_kind(what), 400)
+    assert nat.error == (expected_kind(what), 400)
 
 
 @settings(SETTINGS, max_examples=examples(600))
@@ -146,7 +143,7 @@ def test_poisoned_v2(rnd: random.Random, setup_rnd: random.Random, what: str) ->
     raw = encode(nodes)
     nat, _ = check_agree(random_setup(setup_rnd), 2, raw)
     assert not nat.ok, f"{what}: an invalid request accepted: {raw.hex()}"
-    assert nat.error == (_expected_kind(what), 400)
+    assert nat.error == (expected_kind(what), 400)
 
 
 @settings(SETTINGS, max_examples=examples(1000))
@@ -253,9 +250,10 @@ def test_edge_cases_v2(raw: bytes) -> None:
 
 def test_generated_requests_are_attributed_often() -> None:
     """The generator is worth its examples: many series name a pod the table stamps,
-    and many requests change (so the splice paths, not only the pass-through, run)."""
+    and many requests change (so the splice paths, not only the pass-through, run), and
+    many series lose a sender's karta_* label (the drop paths, stamped or not)."""
     rnd = random.Random(11)
-    stats = {1: [0, 0, 0], 2: [0, 0, 0]}
+    stats = {1: [0, 0, 0, 0], 2: [0, 0, 0, 0]}
     for i in range(200):
         version = 1 + i % 2
         gen = Gen(rnd, huge=False)
@@ -265,9 +263,11 @@ def test_generated_requests_are_attributed_often() -> None:
         stats[version][0] += nat.counts[0]
         stats[version][1] += nat.attributed
         stats[version][2] += not nat.same_object
-    for version, (series, attributed, changed) in stats.items():
+        stats[version][3] += nat.stripped
+    for version, (series, attributed, changed, stripped) in stats.items():
         assert attributed > series // 5, (version, stats)
         assert changed > 20, (version, stats)
+        assert stripped > 20, (version, stats)
 
 
 def _many_pairs_agree(pairs: list[tuple[str, str]]) -> None:

@@ -7,8 +7,9 @@ import pytest
 
 from proxy.compression import DecodeError
 from proxy.wire.native import Splicer
+from proxy.wire.plan import SplicePlan
 from proxy.wire.primitives import Counts, encode_label_v1, encode_uvarint, len_field
-from tests.wire.conftest import STAMPED, MakeSplicer
+from tests.wire.conftest import PLAN, STAMPED, MakeSplicer
 from tests.wire_fixtures import (
     STALE_NAN,
     TS,
@@ -83,11 +84,94 @@ def test_unknown_fields_pass_through(splicer: Splicer) -> None:
     assert labels_of(parse_v1(out).timeseries[0]) == STAMPED_POD
 
 
-def test_sent_stamped_labels_are_replaced_and_other_karta_labels_kept(splicer: Splicer) -> None:
-    raw = request_v1(series_v1({**POD, "karta_workload": "forged", "karta_extra": "x",
-                                "karta_kind": "Fake"}))
-    (got,) = parse_v1(splicer.splice_v1(raw).body).timeseries
+FORGED = {"karta_workload": "forged", "karta_extra": "x", "karta_kind": "Fake"}
+KEEP_SENT = SplicePlan(pairs=PLAN.pairs, stamped=STAMPED, drop_sent=False)
+KEEP_POLICY = SplicePlan(pairs=PLAN.pairs, stamped=STAMPED, keep_sent=True)
+
+
+def test_sent_karta_labels_are_dropped_from_stamped_series(splicer: Splicer) -> None:
+    raw = request_v1(series_v1({**POD, **FORGED}))
+    res = splicer.splice_v1(raw)
+    (got,) = parse_v1(res.body).timeseries
+    assert labels_of(got) == STAMPED_POD
+    assert (res.attributed, res.stripped) == (1, 1)
+
+
+def test_sender_karta_labels_keep_replaces_only_stamped_names(make_splicer: MakeSplicer
+                                                              ) -> None:
+    sp = make_splicer(KEEP_SENT)
+    res = sp.splice_v1(request_v1(series_v1({**POD, **FORGED})))
+    (got,) = parse_v1(res.body).timeseries
     assert labels_of(got) == [("karta_extra", "x"), *STAMPED_POD]
+    assert res.stripped == 1  # the forged karta_workload was replaced
+    unstamped = request_v1(series_v1({"a": "1", **FORGED}))
+    res = sp.splice_v1(unstamped)
+    assert res.body is unstamped and res.stripped == 0
+
+
+@pytest.mark.parametrize("labels,reason", [
+    ({"a": "1"}, "no_pod_label"),
+    ({"namespace": "ml", "pod": "ghost"}, "pod_unknown"),
+    ({"namespace": "ml", "pod": "q"}, "no_described_owner"),
+    ({"namespace": "ml", "pod": "empty"}, ""),
+])
+def test_sent_karta_labels_are_dropped_from_unstamped_series_v1(
+        make_splicer: MakeSplicer, labels: dict[str, str], reason: str) -> None:
+    sp = make_splicer()
+    sp.table.set(b"ml", b"q", "no_described_owner")
+    sp.table.set(b"ml", b"empty", ())
+    # labels after a sample and unsorted: kept in the sender's order, the data as it was
+    ts = series_v1({})
+    del ts.labels[:]
+    sent = [*labels.items(), ("karta_workload", "victim"), ("b", "2"), ("karta_zz", "z")]
+    for n, v in sent:
+        ts.labels.add(name=n, value=v)
+    inner = b"".join(len_field(1, lb.SerializeToString()) for lb in ts.labels)
+    sample = len_field(2, ts.samples[0].SerializeToString())
+    untouched = request_v1(series_v1({"x": "y"}))
+    raw = untouched + len_field(1, sample + inner)
+    res = sp.splice_v1(raw)
+    _, got = parse_v1(res.body).timeseries
+    assert res.body.startswith(untouched)
+    assert labels_of(got) == [(n, v) for n, v in sent if not n.startswith("karta_")]
+    assert got.samples == ts.samples
+    assert res.stripped == 1
+    expected = {"no_pod_label": 1}
+    if reason:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert (res.attributed, res.unattributed) == (0 if reason else 1, expected)
+
+
+def test_sent_karta_labels_are_dropped_from_unstamped_series_v2(splicer: Splicer) -> None:
+    raw = request_v2({"a": "1", "karta_workload": "victim", "karta_": "x"},
+                     {"namespace": "ml", "pod": "ghost", "karta_kind": "Job"},
+                     {"b": "2"})
+    res = splicer.splice_v2(raw)
+    req = parse_v2(res.body)
+    assert [labels_v2(req, t) for t in req.timeseries] == [
+        [("a", "1")], [("namespace", "ml"), ("pod", "ghost")], [("b", "2")]]
+    before = parse_v2(raw)
+    assert list(req.symbols) == list(before.symbols)  # the table keeps its strings
+    assert [t.samples for t in req.timeseries] == [t.samples for t in before.timeseries]
+    assert res.stripped == 2
+    # the untouched third series is the input's bytes
+    assert res.body.endswith(before.timeseries[2].SerializeToString())
+
+
+def test_keep_policy_lets_a_sent_workload_pass_and_drops_the_rest(make_splicer: MakeSplicer
+                                                                  ) -> None:
+    sp = make_splicer(KEEP_POLICY)
+    chained = series_v1({**POD, "karta_workload": "from-first-proxy", "karta_kind": "K"})
+    spoof = series_v1({"a": "1", "karta_kind": "K", "karta_workload": ""})
+    res = sp.splice_v1(request_v1(chained, spoof))
+    first, second = parse_v1(res.body).timeseries
+    assert first.SerializeToString() == chained.SerializeToString()
+    assert labels_of(second) == [("a", "1")]
+    assert (res.attributed, res.stripped, res.unattributed) == (1, 1, {"no_pod_label": 1})
+    raw2 = request_v2({**POD, "karta_workload": "from-first-proxy"}, {"a": "1", "karta_x": "y"})
+    req = parse_v2(sp.splice_v2(raw2).body)
+    assert [labels_v2(req, t) for t in req.timeseries] == [
+        [("karta_workload", "from-first-proxy"), *POD.items()], [("a", "1")]]
 
 
 def test_already_stamped_series_pass_through_byte_exact(splicer: Splicer) -> None:
@@ -129,6 +213,85 @@ GARBAGE_V1 = [
     b"\x0a\x02\x10\x01",  # sample field with a varint wire type
     b"\x0a\x04\x0a\x02\x08\x01",  # label name with a varint wire type
 ]
+#: a sample's bytes: value 1.0, then the timestamp's tag
+_VALUE = b"\x09" + bytes(7) + b"\xf0"
+
+
+def _stamped_series_v1(*data: bytes) -> bytes:
+    """A series the table stamps, with these data fields: the splice copies them."""
+    return len_field(1, series_v1(POD, []).SerializeToString() + b"".join(data))
+
+
+#: payloads the splice copies without rewriting them, each refused as a protobuf reader
+#: refuses it (docs/wire.md "Bad input")
+BAD_PAYLOADS_V1 = {
+    "11-byte varint timestamp": len_field(2, _VALUE + b"\x10" + b"\x80" * 10 + b"\x00"),
+    "timestamp past 64 bits": len_field(2, _VALUE + b"\x10" + b"\xff" * 9 + b"\x02"),
+    "sample field number 2^29": len_field(2, _VALUE + encode_uvarint(1 << 29 << 3) + b"\x00"),
+    "sample value as varint": len_field(2, b"\x08\x01"),
+    "sample timestamp as fixed64": len_field(2, _VALUE + b"\x11" + bytes(8)),
+    "sample truncated": len_field(2, _VALUE[:5]),
+    "histogram 11-byte varint": len_field(4, b"\x08" + b"\x80" * 10 + b"\x00"),
+    "histogram group": len_field(4, b"\x43"),
+    "exemplar field number 0": len_field(3, b"\x00\x01"),
+    "exemplar value as varint": len_field(3, b"\x10\x01"),
+    "exemplar label as varint": len_field(3, b"\x08\x01"),
+    "exemplar label name as varint": len_field(3, len_field(1, b"\x08\x01")),
+}
+
+
+@pytest.mark.parametrize("data", list(BAD_PAYLOADS_V1.values()), ids=list(BAD_PAYLOADS_V1))
+@pytest.mark.parametrize("stamped", [True, False])
+def test_garbage_in_copied_payloads_v1(splicer: Splicer, data: bytes, stamped: bool) -> None:
+    raw = _stamped_series_v1(data) if stamped else len_field(1, data)
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(raw)
+    assert (info.value.status, info.value.kind) == (400, "protobuf_invalid")
+
+
+@pytest.mark.parametrize("where", ["name", "value"])
+def test_invalid_utf8_in_an_exemplar_label(splicer: Splicer, where: str) -> None:
+    label = _label(b"trace\xff", b"v") if where == "name" else _label(b"trace_id", b"\xed\xa0\x80")
+    raw = _stamped_series_v1(len_field(3, label + b"\x11" + bytes(8)))
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(raw)
+    assert (info.value.status, info.value.kind) == (400, "invalid_utf8")
+
+
+def test_valid_payloads_pass_byte_exact(splicer: Splicer) -> None:
+    """Unknown fields, non-minimal varints, start timestamps: valid, copied as they were."""
+    sample = _VALUE + b"\x10" + b"\x81\x80\x80\x00" + len_field(9, b"x") + b"\x18\x05"
+    exemplar = _label(b"trace_id", b"\xc3\xbc") + b"\x11" + bytes(8) + b"\x18\x01"
+    data = len_field(2, sample) + len_field(3, exemplar) + len_field(4, b"\x08\x01\x7a\x00")
+    res = splicer.splice_v1(_stamped_series_v1(data))
+    assert res.body.endswith(data)
+    assert res.counts == Counts(series=1, samples=1, histograms=1, exemplars=1)
+
+
+@pytest.mark.parametrize("labels", [
+    [(b"a", b"1"), (b"a", b"2")],
+    [(b"a", b"1"), (b"b", b"1"), (b"a", b"1")],
+    [(b"", b"1")],
+    [(b"", b"")],
+])
+@pytest.mark.parametrize("pod", [b"p", b"ghost", None])
+def test_repeated_or_empty_label_names_are_refused(splicer: Splicer,
+                                                   labels: list[tuple[bytes, bytes]],
+                                                   pod: bytes | None) -> None:
+    """In every series, stamped or not: a TSDB refuses them (Prometheus 2.42 with a 500,
+    retried forever), and a stamp cannot choose between two values of a name."""
+    pod_labels = [(b"namespace", b"ml"), (b"pod", pod)] if pod else []
+    all_labels = [*labels, *pod_labels]
+    raw = len_field(1, b"".join(_label(n, v) for n, v in all_labels))
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(raw)
+    assert (info.value.status, info.value.kind) == (400, "invalid_labels")
+    syms = sorted({s for nv in all_labels for s in nv} | {b""})
+    ix = {s: i for i, s in enumerate(syms)}
+    refs = bytes(ix[s] for nv in all_labels for s in nv)
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v2(_symbols(*syms) + len_field(5, len_field(1, refs)))
+    assert (info.value.status, info.value.kind) == (400, "invalid_labels")
 
 
 @pytest.mark.parametrize("raw", GARBAGE_V1)
@@ -182,12 +345,33 @@ def test_valid_multibyte_and_replacement_characters_pass(splicer: Splicer) -> No
         b"\x2a\x05\x0a",  # truncated
         b"\x20\x01",  # symbols with a varint wire type
         b"\x22\x00\x2a\x02\x12\x00\x2a\x02\x10\x01",  # sample with a varint wire type
+        # the payloads the splice copies
+        b"\x22\x00\x2a\x07\x22\x05\x0a\x02\x00\x01\x00",  # exemplar ref past the table
+        b"\x22\x00\x2a\x06\x22\x04\x0a\x01\x00\x00",  # exemplar refs odd
+        b"\x22\x00\x2a\x04\x22\x02\x08\x00",  # exemplar refs unpacked, odd
+        b"\x22\x00\x2a\x04\x2a\x02\x18\x01",  # metadata help_ref past the table
+        b"\x22\x00\x2a\x04\x2a\x02\x20\x05",  # metadata unit_ref past the table
+        b"\x22\x00\x2a\x04\x2a\x02\x19\x00",  # metadata help_ref as fixed64 (cut)
+        b"\x22\x00\x2a\x05\x2a\x03\x08\x80\x80",  # metadata type truncated
+        b"\x22\x00\x2a\x0e\x12\x0c" + _VALUE + b"\x10" + b"\x80\x80",  # cut sample
+        b"\x22\x00\x2a\x16\x12\x14" + _VALUE + b"\x18" + b"\x80" * 10 + b"\x00",
+        b"\x22\x00\x2a\x04\x1a\x02\x00\x00",  # histogram field number 0
     ],
 )
 def test_garbage_v2_is_a_decode_error(splicer: Splicer, raw: bytes) -> None:
     with pytest.raises(DecodeError) as info:
         splicer.splice_v2(raw)
     assert info.value.status == 400
+    assert info.value.kind == ("invalid_utf8" if raw == b"\x22\x01\xff" else "protobuf_invalid")
+
+
+def test_v2_payload_refs_inside_the_table_pass(splicer: Splicer) -> None:
+    syms = _symbols(b"", b"namespace", b"ml", b"pod", b"p", b"trace_id", b"abc")
+    exemplar = len_field(4, len_field(1, b"\x05\x06") + b"\x11" + bytes(8))
+    metadata = len_field(5, b"\x08\x02\x18\x06\x20\x05")
+    raw = syms + len_field(5, len_field(1, b"\x01\x02\x03\x04") + exemplar + metadata)
+    res = splicer.splice_v2(raw)
+    assert res.attributed == 1 and res.body.endswith(exemplar + metadata)
 
 
 def _symbols(*syms: bytes) -> bytes:
@@ -243,7 +427,7 @@ def test_v2_sent_stamped_labels_replaced(splicer: Splicer) -> None:
 
 
 def test_a_stamp_of_many_labels_in_sorted_position(make_splicer: MakeSplicer) -> None:
-    sp = make_splicer()
+    sp = make_splicer(KEEP_SENT)  # a sender's karta_z kept: it falls inside the block
     stamp = (("karta_workload", "w"), ("karta_component", "c"), ("karta_kind", "K"))
     sp.table.set(b"ml", b"p", stamp)
     raw = request_v1(series_v1({**POD, "__name__": "m", "karta": "a", "karta_z": "z"}))
