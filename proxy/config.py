@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import ssl
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -41,6 +42,23 @@ class ServerSettings:
     forward_before_ready: bool = False
     #: threads that decompress, splice and compress requests; 0: one per usable core
     worker_threads: int = 0
+    #: a request's line and headers must arrive within this (from their first byte), or
+    #: the connection gets 408 and is closed
+    header_read_timeout_seconds: float = 10.0
+    #: a request's whole body must arrive within this (from the end of its headers) -> 408
+    body_read_timeout_seconds: float = 30.0
+    #: and never slower than this on average (after its first second) -> 408
+    min_body_bytes_per_second: int = 16384
+    #: serve HTTPS with this certificate (PEM, chain after the leaf) and key; both or neither.
+    #: The files are re-read when they change (checked every few seconds) and on reload
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    #: CA bundle (PEM) that client certificates must chain to (mTLS)
+    tls_client_ca_file: str = ""
+    #: as Prometheus' web config: "NoClientCert", "VerifyClientCertIfGiven" or
+    #: "RequireAndVerifyClientCert"; empty: RequireAndVerifyClientCert with a client CA,
+    #: NoClientCert without
+    tls_client_auth_type: str = ""
 
 
 @dataclass
@@ -137,6 +155,11 @@ class EnrichSettings:
     #: "replace": stamped labels replace same-named labels a sender sent;
     #: "keep": a series that already carries karta_workload passes through unchanged
     conflict_policy: str = "replace"
+    #: "drop": every karta_* label a sender sent is removed from every series, stamped or
+    #: not (no sender can charge its usage to a workload); "keep": only the stamped names,
+    #: and only from series the proxy stamps (before issue 9). A series conflict_policy
+    #: "keep" lets pass keeps its labels either way
+    sender_karta_labels: str = "drop"
 
 
 @dataclass
@@ -211,6 +234,7 @@ _LOG_FORMATS = ("json", "text")
 _PROTOCOLS = ("auto", "v1", "passthrough")
 _ENCODINGS = ("snappy", "zstd", "same")
 _CONFLICT_POLICIES = ("replace", "keep")
+_SENDER_KARTA_LABELS = ("drop", "keep")
 
 
 def load_settings(path: str | os.PathLike[str]) -> Settings:
@@ -399,6 +423,56 @@ def _readable(path: str, key: str) -> None:
         raise ConfigError(f"{key}: file {path!r} does not exist or is not readable")
 
 
+#: ``server.tls_client_auth_type`` values (Prometheus web-config names)
+CLIENT_AUTH_TYPES = ("NoClientCert", "VerifyClientCertIfGiven", "RequireAndVerifyClientCert")
+
+
+def client_auth_type(s: ServerSettings) -> str:
+    """The client-certificate policy in force: the setting, or its default for the CA."""
+    if s.tls_client_auth_type:
+        return s.tls_client_auth_type
+    return "RequireAndVerifyClientCert" if s.tls_client_ca_file else "NoClientCert"
+
+
+def _validate_server_tls(s: ServerSettings) -> None:
+    """The listening side's TLS: pairs set together, files readable and loadable.
+
+    The certificate and key are loaded here, so a key that does not match its certificate
+    (or a file that is not PEM) is a ConfigError at start, and a failed reload, rather than
+    a handshake error on every connection.
+    """
+    if bool(s.tls_cert_file) != bool(s.tls_key_file):
+        raise ConfigError("server.tls_cert_file and server.tls_key_file: set both or neither")
+    if s.tls_client_auth_type:
+        _one_of(s.tls_client_auth_type, CLIENT_AUTH_TYPES, "server.tls_client_auth_type")
+    if not s.tls_cert_file:
+        if s.tls_client_ca_file or s.tls_client_auth_type:
+            raise ConfigError("server.tls_client_ca_file / server.tls_client_auth_type: need "
+                              "server.tls_cert_file and server.tls_key_file (TLS is off)")
+        return
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        _readable(getattr(s, name), f"server.{name}")
+    mode = client_auth_type(s)
+    if mode != "NoClientCert" and not s.tls_client_ca_file:
+        raise ConfigError(f"server.tls_client_auth_type: {mode} needs server.tls_client_ca_file "
+                          "(the CA that client certificates must chain to)")
+    if mode == "NoClientCert" and s.tls_client_ca_file:
+        raise ConfigError("server.tls_client_ca_file: set, but server.tls_client_auth_type is "
+                          "NoClientCert, so no client certificate would be checked")
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        probe.load_cert_chain(s.tls_cert_file, s.tls_key_file)
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"server.tls_cert_file / server.tls_key_file: cannot load "
+                          f"{s.tls_cert_file!r} with {s.tls_key_file!r}: {e}") from None
+    if s.tls_client_ca_file:
+        try:
+            probe.load_verify_locations(cafile=s.tls_client_ca_file)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"server.tls_client_ca_file: cannot load "
+                              f"{s.tls_client_ca_file!r}: {e}") from None
+
+
 def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     """Check what the types cannot: ranges, choices, URLs, files that must exist.
 
@@ -415,11 +489,15 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
             f"server.worker_threads: must be 0 (one per core) to 256, got {s.server.worker_threads}"
         )
     _positive(s.server.max_inflight_bytes, "server.max_inflight_bytes")
+    _positive(s.server.header_read_timeout_seconds, "server.header_read_timeout_seconds")
+    _positive(s.server.body_read_timeout_seconds, "server.body_read_timeout_seconds")
+    _positive(s.server.min_body_bytes_per_second, "server.min_body_bytes_per_second")
     if s.server.max_inflight_bytes < s.server.max_body_bytes:
         raise ConfigError(
             "server.max_inflight_bytes: must be at least server.max_body_bytes "
             f"({s.server.max_body_bytes}), got {s.server.max_inflight_bytes}"
         )
+    _validate_server_tls(s.server)
 
     u = s.upstream
     if require_upstream and not u.url:
@@ -470,6 +548,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
                         f"expression {pattern!r}: {exc}"
                     ) from None
     _one_of(e.conflict_policy, _CONFLICT_POLICIES, "enrich.conflict_policy")
+    _one_of(e.sender_karta_labels, _SENDER_KARTA_LABELS, "enrich.sender_karta_labels")
     names = {n for pair in e.pod_label_pairs for n in pair} | {
         n for rule in e.pod_label_rules for p in rule.pod_label_pairs
         for n in (p.namespace, p.pod, *p.unless)}

@@ -76,6 +76,11 @@ class ProxyMetrics:
             _P + "series_unattributed", "Series forwarded without stamped labels, by reason.",
             ["reason"], registry=r,
         )
+        self.sender_karta_dropped = Counter(
+            _P + "series_sender_karta_labels_dropped", "Series that lost a karta_* label the "
+            "sender put on them (enrich.sender_karta_labels: drop, or a stamped name the "
+            "stamp replaced with another value).", registry=r,
+        )
         self.decode_errors = Counter(
             _P + "decode_errors",
             "Requests refused because the body could not be decoded, by kind.",
@@ -83,7 +88,8 @@ class ProxyMetrics:
         )
         self.rejected = Counter(
             _P + "requests_rejected", "Requests refused before decoding, by reason "
-            "(overload, too_large, not_ready, unsupported_media_type, method).",
+            "(overload, too_large, not_ready, unsupported_media_type, method, "
+            "header_timeout, body_timeout, body_too_slow, expectation).",
             ["reason"], registry=r,
         )
         self.upstream_duration = Histogram(
@@ -129,6 +135,26 @@ class ProxyMetrics:
             ["version", "contract_version", "splice"], registry=r,
         )
         self.build_info.labels(__version__, CONTRACT_VERSION, SPLICE).set(1)
+        # named after Prometheus' prometheus_config_last_reload_*: the same alerts work
+        self.config_reload_successful = Gauge(
+            _P + "config_last_reload_successful", "1 when the last configuration load (the "
+            "start, SIGHUP or POST /-/reload) succeeded, 0 when it failed and the previous "
+            "configuration stayed in force.", registry=r,
+        )
+        self.config_reload_timestamp = Gauge(
+            _P + "config_last_reload_success_timestamp_seconds", "When the configuration was "
+            "last loaded successfully (unix seconds).", registry=r,
+        )
+        self.config_restart_required = Gauge(
+            _P + "config_restart_required", "1 when the configuration file changes keys that "
+            "only a restart applies (listen address, worker threads, upstream, ...); the "
+            "running values stay until then.", registry=r,
+        )
+        self.tls_reloads = Counter(
+            _P + "tls_certificate_reloads", "Loads of the listening side's certificate, key "
+            "and client CA after they changed or on a reload, by result (success, failure).",
+            ["result"], registry=r,
+        )
         self._index: PodIndex | None = None
         r.register(_IndexCollector(lambda: self._index))
 

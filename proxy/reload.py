@@ -1,0 +1,96 @@
+"""Which settings a reload (SIGHUP, ``POST /-/reload``) applies, and which wait for a restart.
+
+A reload reads the configuration again (the ``--config`` file with the flags on top),
+validates all of it, and applies what can change under a running process; anything else
+keeps its running value, and the log names each such key. ``proxy.runtime`` does the
+applying; this module only compares settings, so the rule is one list, testable alone.
+
+Live: the enrichment (a new splice plan, swapped between requests), the description files
+and the built-in switch (the engine re-evaluates, the index follows), ``log_level``. The
+TLS certificate, key and client CA are loaded again (their paths are not live). Credential
+files need nothing: the upstream re-reads them whenever they change.
+
+Restart: the listening address, the worker threads and every other ``server`` bound (fixed
+when the listener and the pool are made), the upstream (one pooled session), the index
+source, the fact writer, ``log_format``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+from proxy.config import Settings
+
+#: dotted keys (or sections) a reload applies; everything else takes a restart
+LIVE_KEYS: tuple[str, ...] = (
+    "enrich",
+    "karta.description_paths",
+    "karta.builtins",
+    "log_level",
+)
+
+
+@dataclass(frozen=True)
+class ReloadOutcome:
+    """What one reload did: applied or not, why not, and what waits for a restart."""
+
+    ok: bool
+    #: why the reload failed (the new configuration was not applied); "" when ok
+    error: str = ""
+    #: keys changed and applied
+    applied: tuple[str, ...] = ()
+    #: keys changed in the file but kept at their running value until a restart
+    restart_required: tuple[str, ...] = ()
+
+
+def is_live(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in LIVE_KEYS)
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ; a section is walked, anything else is a value."""
+    out: list[str] = []
+    for f in fields(old):
+        key = f"{prefix}{f.name}"
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if is_dataclass(a) and not isinstance(a, type):
+            out.extend(changed_keys(a, b, key + "."))
+        elif a != b:
+            out.append(key)
+    return out
+
+
+def _set(settings: Settings, key: str, value: Any) -> None:
+    *path, name = key.split(".")
+    target: Any = settings
+    for part in path:
+        target = getattr(target, part)
+    setattr(target, name, value)
+
+
+def _get(settings: Settings, key: str) -> Any:
+    target: Any = settings
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@dataclass(frozen=True)
+class Merge:
+    """The settings to run with after a reload, and how they came about."""
+
+    settings: Settings
+    applied: tuple[str, ...]
+    restart_required: tuple[str, ...]
+
+
+def merge(running: Settings, loaded: Settings) -> Merge:
+    """The running settings with the live keys of ``loaded`` in them."""
+    keys = changed_keys(running, loaded)
+    applied = tuple(k for k in keys if is_live(k))
+    out = copy.deepcopy(running)
+    for k in applied:
+        _set(out, k, copy.deepcopy(_get(loaded, k)))
+    return Merge(out, applied, tuple(k for k in keys if not is_live(k)))

@@ -1,0 +1,93 @@
+"""Throw-away PKI for TLS tests: a CA, a server certificate for 127.0.0.1 / localhost and
+client certificates, made with ``cryptography`` (a test dependency) into PEM files."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+@dataclass(frozen=True)
+class Pem:
+    """A certificate and its key, as files."""
+
+    cert: Path
+    key: Path
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+class Authority:
+    """A self-signed CA that issues server and client certificates into ``folder``."""
+
+    def __init__(self, folder: Path, name: str = "test-ca") -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        self._cert = (
+            x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+            .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+        self.ca_file = folder / f"{name}.pem"
+        _write_cert(self.ca_file, self._cert)
+
+    def issue(self, cn: str, *, server: bool) -> Pem:
+        """A leaf certificate: ``server`` for 127.0.0.1 and localhost, else a client's."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        b = (
+            x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self._cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False)
+        )
+        if server:
+            b = b.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+        cert = b.sign(self._key, hashes.SHA256())
+        pem = Pem(self.folder / f"{cn}.crt", self.folder / f"{cn}.key")
+        _write_cert(pem.cert, cert)
+        _write_key(pem.key, key)
+        return pem
+
+
+def install(src: Pem, dst: Pem) -> None:
+    """Put ``src`` in ``dst``'s place the way a Secret volume does: a new file renamed over
+    the old (a new inode), the certificate first, so a check can catch the pair half done."""
+    for a, b in ((src.cert, dst.cert), (src.key, dst.key)):
+        tmp = b.with_suffix(b.suffix + ".tmp")
+        tmp.write_bytes(a.read_bytes())
+        os.replace(tmp, b)
