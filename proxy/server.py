@@ -15,11 +15,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy import __version__
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import WRITE_PATHS, RemoteWriteHandler
+from proxy.header_deadline import HeaderDeadlineRunner
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.wire.native import DEFAULT as SPLICE
 
 log = logging.getLogger("karta.server")
+
+#: after an answer that left the body unread (a refusal with ``Connection: close``): how
+#: long the rest of it is read and dropped before closing, so a sender still writing sees
+#: the answer rather than a reset; a stalled sender is dropped after it (aiohttp's default
+#: is 10 s of a socket per refused stall)
+LINGER_SECONDS = 1.0
+
+#: the app's remote-write handler, for ``start_site`` (its header deadline and counter)
+REMOTE_WRITE = web.AppKey("remote_write", RemoteWriteHandler)
 
 
 def build_app(
@@ -32,6 +42,7 @@ def build_app(
 ) -> web.Application:
     """Routes of the proxy. ``source`` names where the index comes from (landing page)."""
     app = web.Application()
+    app[REMOTE_WRITE] = handler
 
     async def metrics_view(_: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
@@ -92,7 +103,7 @@ def build_app(
         return web.Response(text=page, content_type="text/html")
 
     for path in WRITE_PATHS:
-        app.router.add_route("*", path, handler.handle)
+        app.router.add_route("*", path, handler.handle, expect_handler=handler.expect)
     app.router.add_get("/metrics", metrics_view)
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
@@ -102,8 +113,11 @@ def build_app(
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve ``app``; returns the runner and the bound port (port 0 picks a free one)."""
-    runner = web.AppRunner(app, auto_decompress=False, access_log=None,
-                           handle_signals=False, shutdown_timeout=10.0)
+    handler = app[REMOTE_WRITE]
+    runner = HeaderDeadlineRunner(
+        app, header_timeout=handler.settings.header_read_timeout_seconds,
+        on_timeout=handler.header_timed_out, auto_decompress=False, access_log=None,
+        handle_signals=False, shutdown_timeout=10.0, lingering_time=LINGER_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
