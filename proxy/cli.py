@@ -37,7 +37,13 @@ flags; POD_NAMESPACE (else the service account's namespace) places the fact writ
 In node mode (--node-name) no fact series are written (facts.allow_in_node_mode).
 
 Endpoints: POST /api/v1/write, /api/v1/push, /api/v1/receive (remote write 1.0 and 2.0,
-snappy or zstd); GET /metrics, /-/healthy, /-/ready, /.
+snappy or zstd); GET /metrics, /-/healthy, /-/ready, /; POST /-/reload.
+
+Reload: SIGHUP or POST /-/reload reads the --config file again (flags still win) and the
+description files, and applies enrich.*, karta.description_paths, karta.builtins and
+log_level; other changed keys are logged and wait for a restart. An invalid new config
+keeps the old one (karta_proxy_config_last_reload_successful 0). TLS files are re-read
+when they change.
 
 Exit codes: 0 after SIGTERM/SIGINT, 1 when starting fails, 2 for an invalid setting.
 """
@@ -65,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--forward-before-ready", action="store_true", default=None,
                    help="until the index is loaded, forward requests unenriched (and report "
                    "ready) instead of answering 503 (server.forward_before_ready)")
+    g.add_argument("--tls-cert-file", metavar="PATH",
+                   help="serve HTTPS with this certificate (PEM), re-read when it changes "
+                   "(server.tls_cert_file; needs --tls-key-file)")
+    g.add_argument("--tls-key-file", metavar="PATH",
+                   help="the certificate's private key (PEM) (server.tls_key_file)")
+    g.add_argument("--tls-client-ca-file", metavar="PATH",
+                   help="CA bundle client certificates must chain to: mutual TLS "
+                   "(server.tls_client_ca_file)")
+    g.add_argument("--tls-client-auth-type",
+                   choices=("NoClientCert", "VerifyClientCertIfGiven",
+                            "RequireAndVerifyClientCert"),
+                   help="client certificate policy (server.tls_client_auth_type; default "
+                   "RequireAndVerifyClientCert with a client CA, else NoClientCert)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (log_level; default info)")
     g.add_argument("--log-format", choices=("json", "text"),
@@ -128,6 +147,9 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         s.server.listen_address = args.listen_address
     if args.forward_before_ready:
         s.server.forward_before_ready = True
+    for flag in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_client_auth_type"):
+        if getattr(args, flag) is not None:
+            setattr(s.server, flag, getattr(args, flag))
     if args.log_level is not None:
         s.log_level = args.log_level
     if args.log_format is not None:
@@ -186,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     setup_logging(settings.log_level, settings.log_format)
     try:
-        return asyncio.run(serve(settings))
+        # a reload reads the file again and puts the same flags on top
+        return asyncio.run(serve(settings, loader=lambda: settings_from_args(args)))
     except KeyboardInterrupt:
         return 130
 

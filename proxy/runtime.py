@@ -1,5 +1,6 @@
 """Assembly of a running proxy: settings -> engine, index, source, enricher, upstream,
-fact writer, server; and an orderly shutdown on SIGTERM / SIGINT.
+fact writer, server; an orderly shutdown on SIGTERM / SIGINT; a reload on SIGHUP or
+``POST /-/reload`` (what it applies: ``proxy.reload``).
 
 Start order puts the HTTP server up before the index source, so liveness answers while
 the cluster state loads and readiness turns green when it is in. Stop order is the
@@ -12,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -21,12 +23,14 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from proxy import __version__
-from proxy.config import Settings, parse_host_port
+from proxy.config import ConfigError, EnrichSettings, Settings, parse_host_port
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
+from proxy.reload import ReloadOutcome, merge
 from proxy.server import build_app, start_site
+from proxy.tls import ServerTLS
 from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
 
@@ -54,6 +58,17 @@ class RegistryView(Collector):
                 yield family
 
 
+def enrich_arguments(e: EnrichSettings) -> dict[str, Any]:
+    """The ``enrich`` settings as ``Enricher`` / ``build_plan`` keywords: one place, so the
+    plan at start and the plan of a reload cannot differ."""
+    return {
+        "pod_label_pairs": [(ns, pod) for ns, pod in e.pod_label_pairs],
+        "conflict_policy": e.conflict_policy,
+        "pod_label_rules": e.pod_label_rules,
+        "sender_karta_labels": e.sender_karta_labels,
+    }
+
+
 class Service(Protocol):
     async def start(self) -> None: ...
 
@@ -63,23 +78,32 @@ class Service(Protocol):
 class Proxy:
     """One proxy process worth of parts, startable and stoppable (tests run it in-process)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self, settings: Settings, *, loader: Callable[[], Settings] | None = None,
+        tls_check_interval: float | None = None,
+    ) -> None:
+        """``loader`` reads the configuration again for a reload (the CLI's: the file and
+        the flags); without one a reload re-reads the description files and the TLS files
+        with the settings as they are."""
         from proxy.attribution import Enricher
         from proxy.karta.engine import Engine
 
         self.settings = settings
+        self._loader = loader
+        self._reload_lock = asyncio.Lock()
+        self._tls_check_interval = tls_check_interval
+        self.tls: ServerTLS | None = None
         self.metrics = ProxyMetrics()
+        # the configuration this process was given is its first successful load
+        self.metrics.config_reload_successful.set(1)
+        self.metrics.config_reload_timestamp.set(time.time())
+        self.metrics.config_restart_required.set(0)
         self.index = PodIndex(tombstone_seconds=settings.karta.tombstone_seconds)
         self.metrics.watch_index(self.index)
         self.engine = Engine(
             builtins=settings.karta.builtins, max_owner_hops=settings.karta.max_owner_hops
         )
-        self.enricher = Enricher(
-            self.index,
-            [(ns, pod) for ns, pod in settings.enrich.pod_label_pairs],
-            conflict_policy=settings.enrich.conflict_policy,
-            pod_label_rules=settings.enrich.pod_label_rules,
-        )
+        self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
         self.upstream = Upstream(settings.upstream, self.metrics)
         self.handler = RemoteWriteHandler(
             settings.server, self.index, self.enricher, self.upstream, self.metrics
@@ -198,9 +222,15 @@ class Proxy:
         await self._start_elector()
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
-                        upstream_url=s.upstream.url, source=self.source_name)
+                        upstream_url=s.upstream.url, source=self.source_name,
+                        reload=self.reload)
         host, port = parse_host_port(s.server.listen_address)
-        self._runner, self.port = await start_site(app, host, port)
+        if s.server.tls_cert_file:
+            self.tls = self._make_tls()
+        self._runner, self.port = await start_site(
+            app, host, port, ssl_context=self.tls.context if self.tls is not None else None)
+        if self.tls is not None:
+            self.tls.start()
         await self.source.start()
         if self.facts is not None:
             await self.facts.start()
@@ -209,6 +239,100 @@ class Proxy:
             "port": self.port, "source": self.source_name, "pods": len(self.index),
             "ready": self.index.ready,
         })
+
+    def _make_tls(self) -> ServerTLS:
+        def count(ok: bool) -> None:
+            self.metrics.tls_reloads.labels("success" if ok else "failure").inc()
+
+        kwargs: dict[str, Any] = {"on_reload": count}
+        if self._tls_check_interval is not None:
+            kwargs["check_interval"] = self._tls_check_interval
+        tls = ServerTLS(self.settings.server, **kwargs)
+        log.info("serving HTTPS", extra={
+            "cert_file": tls.cert_file, "client_auth_type": tls.client_auth_type,
+            "client_ca_file": tls.client_ca_file, "check_interval_s": tls.check_interval})
+        return tls
+
+    # -- reload ---------------------------------------------------------------------------
+
+    async def reload(self) -> ReloadOutcome:
+        """Read the configuration again and apply what can change live; never raises.
+
+        Everything that can fail (reading and validating the file, the descriptions, the
+        new plan) happens before anything is applied: a failed reload leaves the proxy as
+        it was, says why in the log, and sets ``config_last_reload_successful`` to 0.
+        """
+        async with self._reload_lock:
+            try:
+                outcome = await self._reload()
+            except Exception as e:  # a reload must not end the process
+                log.exception("reload failed")
+                outcome = ReloadOutcome(False, f"{type(e).__name__}: {e}")
+        m = self.metrics
+        if outcome.ok:
+            m.config_reload_successful.set(1)
+            m.config_reload_timestamp.set(time.time())
+            m.config_restart_required.set(1 if outcome.restart_required else 0)
+        else:
+            m.config_reload_successful.set(0)
+            log.error("reload failed; the configuration in force stays",
+                      extra={"error": outcome.error})
+        return outcome
+
+    async def _reload(self) -> ReloadOutcome:
+        from proxy.attribution import build_plan
+        from proxy.karta.description import load_description_paths
+
+        log.info("reloading the configuration")
+        try:
+            loaded = (await asyncio.to_thread(self._loader) if self._loader is not None
+                      else self.settings)
+        except ConfigError as e:
+            return ReloadOutcome(False, str(e))
+        merged = merge(self.settings, loaded)
+        new = merged.settings
+        paths = new.karta.description_paths
+        descs, errors = (await asyncio.to_thread(load_description_paths, paths) if paths
+                         else ([], []))
+        if errors:
+            for err in errors:
+                log.error("invalid Karta description", extra={"error": str(err)})
+            return ReloadOutcome(False, f"{len(errors)} invalid description(s), the first: "
+                                 f"{errors[0]}")
+        replan = any(k.startswith("enrich.") for k in merged.applied)
+        try:
+            plan = build_plan(**enrich_arguments(new.enrich)) if replan else None
+        except ValueError as e:
+            return ReloadOutcome(False, f"enrich: {e}")
+
+        # -- nothing below fails on valid input: apply ------------------------------------
+        if "karta.builtins" in merged.applied:
+            if new.karta.builtins:
+                from proxy.karta.builtin import builtin_descriptions
+
+                self.index.apply(self.engine.add_descriptions(builtin_descriptions(),
+                                                              source="builtin"))
+            else:
+                self.index.apply(self.engine.remove_descriptions("builtin"))
+        if paths:
+            self.index.apply(self.engine.add_descriptions(descs))
+        else:
+            self.index.apply(self.engine.remove_descriptions("files"))
+        if plan is not None:
+            self.enricher.replan(plan)
+        if "log_level" in merged.applied:
+            logging.getLogger().setLevel(new.log_level.upper())
+        self.settings = new
+        if self.tls is not None:
+            self.tls.check(force=True)
+        if merged.restart_required:
+            log.warning("configuration changes that take a restart; the running values stay",
+                        extra={"keys": list(merged.restart_required)})
+        log.info("configuration reloaded", extra={
+            "applied": list(merged.applied), "descriptions": len(descs),
+            "restart_required": list(merged.restart_required)})
+        return ReloadOutcome(True, applied=merged.applied,
+                             restart_required=merged.restart_required)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -228,6 +352,8 @@ class Proxy:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.tls is not None:
+            await self.tls.stop()
         for part in (self.facts, self.source):
             if part is not None:
                 try:
@@ -240,14 +366,27 @@ class Proxy:
         log.info("karta-proxy stopped")
 
 
-async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> int:
-    """Run until SIGTERM or SIGINT; returns the process exit code."""
+async def serve(
+    settings: Settings, *, ready: asyncio.Event | None = None,
+    loader: Callable[[], Settings] | None = None,
+) -> int:
+    """Run until SIGTERM or SIGINT, reloading on SIGHUP; returns the process exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    proxy = Proxy(settings)
+    proxy = Proxy(settings, loader=loader)
+    reloads: set[asyncio.Task[ReloadOutcome]] = set()
+
+    def on_sighup() -> None:
+        # SIGHUP's default action ends the process; handled, it reloads (as Prometheus)
+        task = loop.create_task(proxy.reload(), name="reload")
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
     # The start waits for the initial sync, which lasts as long as the API server is away:
     # a SIGTERM meanwhile must still end the process (cleanly, exit 0).
     starting = asyncio.create_task(proxy.start(), name="start")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import html
 import logging
+import ssl
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,6 +20,7 @@ from proxy.handler import WRITE_PATHS, RemoteWriteHandler
 from proxy.header_deadline import HeaderDeadlineRunner
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
+from proxy.reload import ReloadOutcome
 from proxy.wire.native import DEFAULT as SPLICE
 
 log = logging.getLogger("karta.server")
@@ -39,8 +42,10 @@ def build_app(
     *,
     upstream_url: str = "",
     source: str = "",
+    reload: Callable[[], Awaitable[ReloadOutcome]] | None = None,
 ) -> web.Application:
-    """Routes of the proxy. ``source`` names where the index comes from (landing page)."""
+    """Routes of the proxy. ``source`` names where the index comes from (landing page);
+    ``reload`` serves ``POST /-/reload`` (absent: no such route)."""
     app = web.Application()
     app[REMOTE_WRITE] = handler
 
@@ -78,6 +83,8 @@ def build_app(
             ("pods in index", str(len(index))),
             ("workloads", str(len(index.workloads))),
             ("upstream protocol", "RW 1.0 only" if handler.upstream.v1_only else "as received"),
+            ("upstream check", handler.upstream.probe.outcome
+             if handler.upstream.probe is not None else "pending"),
             ("splice", f"{SPLICE} ({handler.workers} worker threads)"),
         ]
         table = "\n".join(
@@ -102,6 +109,22 @@ def build_app(
 """
         return web.Response(text=page, content_type="text/html")
 
+    async def reload_view(_: web.Request) -> web.Response:
+        # as Prometheus' /-/reload: 200 once applied, 500 with the reason when the new
+        # configuration was refused (the old one stays)
+        assert reload is not None
+        outcome = await reload()
+        if not outcome.ok:
+            return web.Response(status=500, text=f"reload failed: {outcome.error}\n")
+        text = "configuration reloaded\n"
+        if outcome.restart_required:
+            text += ("changed, applied at the next restart: "
+                     f"{', '.join(outcome.restart_required)}\n")
+        return web.Response(text=text)
+
+    if reload is not None:
+        app.router.add_post("/-/reload", reload_view)
+        app.router.add_put("/-/reload", reload_view)
     for path in WRITE_PATHS:
         app.router.add_route("*", path, handler.handle, expect_handler=handler.expect)
     app.router.add_get("/metrics", metrics_view)
@@ -111,19 +134,23 @@ def build_app(
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``app``; returns the runner and the bound port (port 0 picks a free one)."""
+async def start_site(
+    app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` (HTTPS with ``ssl_context``); returns the runner and the bound port
+    (port 0 picks a free one)."""
     handler = app[REMOTE_WRITE]
     runner = HeaderDeadlineRunner(
         app, header_timeout=handler.settings.header_read_timeout_seconds,
         on_timeout=handler.header_timed_out, auto_decompress=False, access_log=None,
         handle_signals=False, shutdown_timeout=10.0, lingering_time=LINGER_SECONDS)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     await site.start()
     bound = port
     server = getattr(site, "_server", None)
     if server is not None and server.sockets:
         bound = server.sockets[0].getsockname()[1]
-    log.info("listening", extra={"host": host, "port": bound})
+    log.info("listening", extra={"host": host, "port": bound,
+                                 "scheme": "https" if ssl_context is not None else "http"})
     return runner, bound

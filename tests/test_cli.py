@@ -33,7 +33,9 @@ def test_help_documents_every_flag() -> None:
     for flag in ("--listen-address", "--upstream-url", "--snapshot", "--config", "--log-level",
                  "--snapshot-reload-seconds",
                  "--kubeconfig", "--namespace", "--node-name", "--description",
-                 "--no-builtin-descriptions", "karta-proxy demo"):
+                 "--no-builtin-descriptions", "karta-proxy demo", "--tls-cert-file",
+                 "--tls-key-file", "--tls-client-ca-file", "--tls-client-auth-type",
+                 "/-/reload", "SIGHUP"):
         assert flag in text, flag
 
 
@@ -126,6 +128,24 @@ def test_snapshot_reload_flag(tmp_path: Path) -> None:
     assert s.snapshot_reload_seconds == 0.0
     assert settings_from_args(build_parser().parse_args(
         ["--upstream-url", "http://x:1"]), env={}).snapshot_reload_seconds == 30.0
+
+
+def test_tls_flags_set_the_server_keys(tmp_path: Path) -> None:
+    from tests.tls_certs import Authority
+
+    ca = Authority(tmp_path / "pki")
+    pem = ca.issue("proxy", server=True)
+    s = settings_from_args(build_parser().parse_args([
+        "--upstream-url", "http://x:1", "--tls-cert-file", str(pem.cert),
+        "--tls-key-file", str(pem.key), "--tls-client-ca-file", str(ca.ca_file),
+        "--tls-client-auth-type", "VerifyClientCertIfGiven"]), env={})
+    assert (s.server.tls_cert_file, s.server.tls_key_file, s.server.tls_client_ca_file,
+            s.server.tls_client_auth_type) == (str(pem.cert), str(pem.key), str(ca.ca_file),
+                                               "VerifyClientCertIfGiven")
+    r = run_cli("--upstream-url", "http://x:1", "--tls-cert-file", str(pem.cert))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "karta-proxy: error: server.tls_cert_file and server.tls_key_file: set both or neither"]
 
 
 def test_validation_error_is_a_config_error() -> None:

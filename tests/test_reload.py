@@ -1,0 +1,360 @@
+"""Reload (proxy/reload.py, Proxy.reload in proxy/runtime.py): SIGHUP and POST /-/reload
+read the configuration and the description files again, apply what is live, keep the
+rest until a restart, and keep everything when the new configuration is invalid.
+
+In-process for the logic (the assembled proxy, a real HTTP server, a scripted upstream);
+one test runs the real ``karta-proxy`` process and sends it SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from proxy.config import Settings, load_settings, validate
+from proxy.reload import changed_keys, merge
+from proxy.runtime import Proxy
+from proxy.sender import Series, decode_v1, send_series
+from tests.scripted import ScriptedUpstream
+from tests.test_handler import CART, SNAPSHOT
+
+REPO = Path(__file__).resolve().parents[1]
+CART_POD = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+#: the cart pod named through other labels than the default pairs
+CART_OTHER = {"__name__": "up", "app_ns": "shop", "app_pod": "cart-7d9f8-abcde"}
+
+#: a user description of Deployment: it wins over the built-in; its component is "web"
+WEB_DEPLOYMENT = """\
+apiVersion: run.ai/v1alpha1
+kind: Karta
+metadata: {name: my-deployment}
+spec:
+  structureDefinition:
+    rootComponent:
+      name: web
+      kind: {group: apps, version: v1, kind: Deployment}
+      specDefinition: {podTemplateSpecPath: .spec.template}
+    additionalChildKinds:
+      - {group: apps, version: v1, kind: ReplicaSet}
+"""
+
+RELOADS_OK = "karta_proxy_config_last_reload_successful"
+RELOAD_TS = "karta_proxy_config_last_reload_success_timestamp_seconds"
+RESTART = "karta_proxy_config_restart_required"
+
+
+# -- which keys are live ---------------------------------------------------------------------
+
+
+def test_merge_applies_live_keys_and_keeps_the_rest() -> None:
+    running = Settings()
+    loaded = Settings()
+    loaded.server.listen_address = "127.0.0.1:1"
+    loaded.server.worker_threads = 3
+    loaded.upstream.url = "http://elsewhere/api/v1/write"
+    loaded.enrich.conflict_policy = "keep"
+    loaded.enrich.pod_label_pairs = [("a", "b")]
+    loaded.karta.builtins = False
+    loaded.log_level = "debug"
+    m = merge(running, loaded)
+    assert set(m.applied) == {"enrich.conflict_policy", "enrich.pod_label_pairs",
+                              "karta.builtins", "log_level"}
+    assert set(m.restart_required) == {"server.listen_address", "server.worker_threads",
+                                       "upstream.url"}
+    assert m.settings.server.listen_address == running.server.listen_address
+    assert m.settings.server.worker_threads == 0
+    assert m.settings.upstream.url == ""
+    assert m.settings.enrich.pod_label_pairs == [("a", "b")]
+    assert m.settings.log_level == "debug"
+    # the running settings are not touched, and the merge shares nothing with the loaded
+    assert running.enrich.conflict_policy == "replace"
+    loaded.enrich.pod_label_pairs.append(("c", "d"))
+    assert m.settings.enrich.pod_label_pairs == [("a", "b")]
+    assert changed_keys(running, Settings()) == []
+
+
+# -- the assembled proxy ----------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    proxy: Proxy
+    upstream: ScriptedUpstream
+    config: Path
+    base: str
+    session: aiohttp.ClientSession
+
+    def metric(self, name: str) -> float:
+        v = self.proxy.metrics.registry.get_sample_value(name, {})
+        assert v is not None, name
+        return v
+
+    def write_config(self, **extra: Any) -> None:
+        """The test's config file: the fixture's keys, with ``extra`` sections merged in."""
+        data: dict[str, Any] = {
+            "snapshot": str(self.config.parent / "snap.yaml"),
+            "upstream": {"url": self.upstream.url, "timeout_seconds": 5.0},
+            "server": {"listen_address": "127.0.0.1:0"},
+            "facts": {"enabled": False},
+        }
+        for k, v in extra.items():
+            data[k] = {**data[k], **v} if isinstance(v, dict) and k in data else v
+        self.config.write_text(yaml.safe_dump(data))
+
+    async def send(self, labels: dict[str, str]) -> dict[str, str]:
+        """One series through the proxy; the labels the upstream got."""
+        before = len(self.upstream.received)
+        status, _, body = await send_series(self.base + "/api/v1/write",
+                                            [Series(labels, [(1000, 1.0)])],
+                                            session=self.session)
+        assert status == 204, body
+        (got,) = decode_v1(self.upstream.received[before].raw)
+        return dict(got.labels)
+
+    async def post_reload(self) -> tuple[int, str]:
+        async with self.session.post(self.base + "/-/reload") as r:
+            return r.status, await r.text()
+
+
+def _loader(path: Path) -> Any:
+    def load() -> Settings:
+        s = load_settings(path)
+        validate(s)
+        return s
+
+    return load
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    (tmp_path / "descriptions").mkdir()
+    config = tmp_path / "karta-proxy.yaml"
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        r = Running(None, up, config, "", session)  # type: ignore[arg-type]
+        r.write_config(karta={"description_paths": [str(tmp_path / "descriptions")]})
+        p = Proxy(_loader(config)(), loader=_loader(config))
+        await p.start()
+        r.proxy, r.base = p, f"http://127.0.0.1:{p.port}"
+        try:
+            yield r
+        finally:
+            await p.stop()
+
+
+async def test_descriptions_and_enrich_change_on_reload(running: Running) -> None:
+    r = running
+    assert r.metric(RELOADS_OK) == 1.0
+    started_ts = r.metric(RELOAD_TS)
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    assert await r.send(CART_OTHER) == CART_OTHER  # no pair names app_ns / app_pod
+
+    (r.config.parent / "descriptions" / "web.yaml").write_text(WEB_DEPLOYMENT)
+    r.write_config(
+        karta={"description_paths": [str(r.config.parent / "descriptions")]},
+        enrich={"pod_label_pairs": [["namespace", "pod"], ["app_ns", "app_pod"]]})
+    status, text = await r.post_reload()
+    assert (status, text) == (200, "configuration reloaded\n")
+    web = {**CART, "karta_component": "web"}
+    assert await r.send(CART_POD) == {**CART_POD, **web}  # the new description
+    assert await r.send(CART_OTHER) == {**CART_OTHER, **web}  # the new plan
+    assert r.metric(RELOADS_OK) == 1.0
+    assert r.metric(RELOAD_TS) > started_ts
+    assert r.metric(RESTART) == 0.0
+
+    # the description file goes away: the built-in is back, at the next reload
+    (r.config.parent / "descriptions" / "web.yaml").unlink()
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+
+
+async def test_sender_karta_labels_setting_reaches_the_plan(running: Running) -> None:
+    r = running
+    spoofed = {"__name__": "up", "karta_team": "someone-else"}  # names no pod
+    assert await r.send(spoofed) == {"__name__": "up"}  # default: drop
+    r.write_config(enrich={"sender_karta_labels": "keep"})
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(spoofed) == spoofed
+
+
+async def test_builtins_switch_reloads(running: Running) -> None:
+    r = running
+    r.write_config(karta={"builtins": False})
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(CART_POD) == CART_POD  # nothing describes a Deployment now
+    r.write_config(karta={"builtins": True})
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+
+
+@pytest.mark.parametrize("breakage", ["yaml", "unknown_key", "bad_value", "bad_description",
+                                      "missing_path"])
+async def test_an_invalid_config_keeps_the_old_one(running: Running, breakage: str) -> None:
+    r = running
+    folder = r.config.parent / "descriptions"
+    good_ts = r.metric(RELOAD_TS)
+    if breakage == "yaml":
+        r.config.write_text("upstream: [unclosed\n")
+    elif breakage == "unknown_key":
+        r.write_config(enrich={"pod_label_pairs": [["app_ns", "app_pod"]]},
+                       server={"listen_adress": "x"})
+    elif breakage == "bad_value":
+        r.write_config(enrich={"pod_label_pairs": [["app_ns", "app_pod"]],
+                               "conflict_policy": "sometimes"})
+    elif breakage == "bad_description":
+        (folder / "web.yaml").write_text(WEB_DEPLOYMENT.replace("kind: Deployment}",
+                                                                "kind: }"))
+        r.write_config(karta={"description_paths": [str(folder)]},
+                       enrich={"pod_label_pairs": [["app_ns", "app_pod"]]})
+    else:
+        r.write_config(karta={"description_paths": [str(folder / "gone")]},
+                       enrich={"pod_label_pairs": [["app_ns", "app_pod"]]})
+    status, text = await r.post_reload()
+    assert status == 500 and text.startswith("reload failed: "), (status, text)
+    assert r.metric(RELOADS_OK) == 0.0
+    assert r.metric(RELOAD_TS) == good_ts
+    # nothing of the new file applied: the old pairs and descriptions enrich as before
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    assert await r.send(CART_OTHER) == CART_OTHER
+    # fixed: the next reload succeeds
+    (folder / "web.yaml").unlink(missing_ok=True)
+    r.write_config(karta={"description_paths": [str(folder)]})
+    assert (await r.post_reload())[0] == 200
+    assert r.metric(RELOADS_OK) == 1.0
+
+
+async def test_keys_that_take_a_restart_keep_their_running_value(running: Running) -> None:
+    r = running
+    r.write_config(karta={"description_paths": [str(r.config.parent / "descriptions")]},
+                   server={"listen_address": "127.0.0.1:1", "worker_threads": 2},
+                   enrich={"pod_label_pairs": [["app_ns", "app_pod"]]})
+    status, text = await r.post_reload()
+    assert status == 200
+    assert "server.listen_address" in text and "server.worker_threads" in text, text
+    assert r.metric(RESTART) == 1.0
+    assert r.proxy.settings.server.listen_address == "127.0.0.1:0"
+    assert r.proxy.settings.server.worker_threads == 0
+    # the live part of the same file applied, and the proxy still serves where it was
+    assert await r.send(CART_OTHER) == {**CART_OTHER, **CART}
+
+
+async def test_reload_endpoint_methods(running: Running) -> None:
+    async with running.session.get(running.base + "/-/reload") as resp:
+        assert resp.status == 405
+        assert "POST" in resp.headers.get("Allow", "")
+    async with running.session.put(running.base + "/-/reload") as resp:
+        assert resp.status == 200
+
+
+async def test_concurrent_reloads_run_one_at_a_time(running: Running) -> None:
+    outcomes = await asyncio.gather(*(running.proxy.reload() for _ in range(5)))
+    assert all(o.ok for o in outcomes)
+
+
+# -- the real process ---------------------------------------------------------------------------
+
+
+async def _metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    async with session.get(base + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("karta_proxy_config_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def _until(check: Any, what: str, timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = await check()
+            if got:
+                return got
+        except aiohttp.ClientError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_sighup_reloads_the_process_and_a_bad_file_keeps_it_running(
+    tmp_path: Path,
+) -> None:
+    from tests.peers.conftest import free_port
+
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    port = free_port()
+    config = tmp_path / "karta-proxy.yaml"
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        def write(pairs: list[list[str]], policy: str = "replace") -> None:
+            config.write_text(yaml.safe_dump({
+                "snapshot": str(tmp_path / "snap.yaml"), "facts": {"enabled": False},
+                "upstream": {"url": up.url},
+                "enrich": {"pod_label_pairs": pairs, "conflict_policy": policy}}))
+
+        write([["namespace", "pod"]])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "--config", str(config),
+            "--listen-address", f"127.0.0.1:{port}", "--log-format", "text", cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async def ready() -> bool:
+                async with session.get(base + "/-/ready") as resp:
+                    return resp.status == 200
+
+            await _until(ready, "the process ready")
+            first = await _metrics(session, base)
+            assert first[RELOADS_OK] == 1.0 and first[RELOAD_TS] > 0
+
+            async def stamped(labels: dict[str, str]) -> dict[str, str]:
+                n = len(up.received)
+                status, _, _ = await send_series(base + "/api/v1/write",
+                                                 [Series(labels, [(1000, 1.0)])],
+                                                 session=session)
+                assert status == 204
+                (got,) = decode_v1(up.received[n].raw)
+                return dict(got.labels)
+
+            assert await stamped(CART_OTHER) == CART_OTHER
+            write([["app_ns", "app_pod"]])
+            await asyncio.sleep(0.05)  # the timestamp has a resolution; make it move
+            proc.send_signal(signal.SIGHUP)
+
+            async def reloaded() -> dict[str, float] | None:
+                m = await _metrics(session, base)
+                return m if m[RELOAD_TS] > first[RELOAD_TS] else None
+
+            after = await _until(reloaded, "a successful reload after SIGHUP")
+            assert after[RELOADS_OK] == 1.0
+            assert await stamped(CART_OTHER) == {**CART_OTHER, **CART}
+
+            write([["namespace", "pod"]], policy="sometimes")
+            proc.send_signal(signal.SIGHUP)
+
+            async def failed() -> bool:
+                return (await _metrics(session, base))[RELOADS_OK] == 0.0
+
+            await _until(failed, "the failed reload reported")
+            assert proc.returncode is None, "SIGHUP must not end the process"
+            assert (await _metrics(session, base))[RELOAD_TS] == after[RELOAD_TS]
+            assert await stamped(CART_OTHER) == {**CART_OTHER, **CART}  # the old config
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    log = err.decode()
+    assert "configuration reloaded" in log
+    assert "reload failed; the configuration in force stays" in log
+    assert "enrich.conflict_policy" in log  # the log says why

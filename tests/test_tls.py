@@ -1,0 +1,252 @@
+"""TLS on the listening side (proxy/tls.py, server.tls_* settings): HTTPS, client
+certificates (mTLS) refused or verified per ``tls_client_auth_type``, and certificates
+rotated under a running proxy. The real assembled proxy, real handshakes on 127.0.0.1.
+The Prometheus agent writing over ``tls_config`` is in tests/peers/test_e2e_tls.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.config import ConfigError, Settings, validate
+from proxy.runtime import Proxy
+from proxy.sender import Series, send_series
+from tests.scripted import ScriptedUpstream
+from tests.test_handler import SNAPSHOT
+from tests.tls_certs import Authority, Pem, install
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One handshake and ``GET /-/healthy`` as a client saw them."""
+
+    #: the server certificate's common name ("" when the handshake failed)
+    server_cn: str
+    #: the status line ("" when the server refused the connection)
+    status: str
+    error: str = ""
+
+
+async def fetch(port: int, ca: Path, client: Pem | None = None) -> Seen:
+    """A fresh connection (so a fresh handshake) and one request on it."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if client is not None:
+        ctx.load_cert_chain(client.cert, client.key)
+    cn = ""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port, ssl=ctx), 5)
+    except (ssl.SSLError, OSError) as e:
+        return Seen("", "", f"{type(e).__name__}: {e}")
+    try:
+        cert = writer.get_extra_info("peercert") or {}
+        cn = dict(x[0] for x in cert.get("subject", ())).get("commonName", "")
+        writer.write(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 5)
+        return Seen(cn, line.decode().strip())
+    except (ssl.SSLError, OSError, asyncio.IncompleteReadError) as e:
+        # TLS 1.3: the client's side of the handshake ends before the server has checked
+        # the client's certificate, so a refusal shows on the first read
+        return Seen(cn, "", f"{type(e).__name__}: {e}")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+@dataclass
+class Pki:
+    ca: Authority
+    server: Pem
+    client: Pem
+    #: a CA the proxy does not trust, and a client certificate of it
+    other_client: Pem
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    ca = Authority(tmp_path / "pki", "test-ca")
+    other = Authority(tmp_path / "other", "other-ca")
+    return Pki(ca, ca.issue("proxy-a", server=True), ca.issue("agent", server=False),
+               other.issue("intruder", server=False))
+
+
+def tls_settings(tmp_path: Path, upstream_url: str, pki: Pki, **server: str) -> Settings:
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    s = Settings()
+    s.snapshot = str(snap)
+    s.upstream.url = upstream_url
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    s.server.tls_cert_file = str(pki.server.cert)
+    s.server.tls_key_file = str(pki.server.key)
+    for k, v in server.items():
+        setattr(s.server, k, v)
+    validate(s)
+    return s
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[ScriptedUpstream]:
+    async with ScriptedUpstream() as up:
+        yield up
+
+
+async def started(s: Settings, tls_check_interval: float | None = None) -> Proxy:
+    p = Proxy(s, tls_check_interval=tls_check_interval)
+    await p.start()
+    return p
+
+
+async def test_https_remote_write_is_enriched_and_plain_http_is_not_served(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    p = await started(tls_settings(tmp_path, upstream.url, pki))
+    try:
+        seen = await fetch(p.port, pki.ca.ca_file)
+        assert (seen.server_cn, seen.status) == ("proxy-a", "HTTP/1.1 200 OK"), seen
+        ctx = ssl.create_default_context(cafile=str(pki.ca.ca_file))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+            status, _, body = await send_series(
+                f"https://127.0.0.1:{p.port}/api/v1/write",
+                [Series({"__name__": "m", "namespace": "shop", "pod": "cart-7d9f-abcde"})],
+                session=session)
+        assert status == 204, body
+        assert upstream.received, "the write reached the upstream"
+        # plain HTTP on the TLS port: no answer, and the proxy keeps serving
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(aiohttp.ClientError):
+                await session.get(f"http://127.0.0.1:{p.port}/-/healthy",
+                                  timeout=aiohttp.ClientTimeout(total=5))
+        assert (await fetch(p.port, pki.ca.ca_file)).status == "HTTP/1.1 200 OK"
+    finally:
+        await p.stop()
+
+
+async def test_require_client_cert_refuses_without_one_or_from_another_ca(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    # tls_client_auth_type left empty: a client CA means RequireAndVerifyClientCert
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(pki.ca.ca_file))
+    p = await started(s)
+    try:
+        no_cert = await fetch(p.port, pki.ca.ca_file)
+        assert no_cert.status == "", no_cert
+        foreign = await fetch(p.port, pki.ca.ca_file, pki.other_client)
+        assert foreign.status == "", foreign
+        ok = await fetch(p.port, pki.ca.ca_file, pki.client)
+        assert ok.status == "HTTP/1.1 200 OK", ok
+    finally:
+        await p.stop()
+
+
+async def test_verify_if_given_takes_no_cert_but_refuses_a_bad_one(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(pki.ca.ca_file),
+                     tls_client_auth_type="VerifyClientCertIfGiven")
+    p = await started(s)
+    try:
+        assert (await fetch(p.port, pki.ca.ca_file)).status == "HTTP/1.1 200 OK"
+        assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == "HTTP/1.1 200 OK"
+        assert (await fetch(p.port, pki.ca.ca_file, pki.other_client)).status == ""
+    finally:
+        await p.stop()
+
+
+async def test_rotated_certificate_is_served_on_new_handshakes(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """A Secret-volume style swap: new files renamed over the old. The watcher loads them;
+    a pair caught half-swapped (new certificate, old key) is not loaded, and the old
+    certificate keeps serving meanwhile."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    p = await started(s, tls_check_interval=0.1)
+    rotated = pki.ca.issue("proxy-b", server=True)
+    try:
+        assert p.tls is not None
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-a"
+        # half done: the certificate of b with the key of a
+        pki.server.cert.write_bytes(rotated.cert.read_bytes())
+        assert p.tls.check() is False
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-a"
+        install(rotated, pki.server)  # now the key too
+
+        deadline = time.monotonic() + 10
+        seen = await fetch(p.port, pki.ca.ca_file)
+        while seen.server_cn != "proxy-b" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            seen = await fetch(p.port, pki.ca.ca_file)
+        assert (seen.server_cn, seen.status) == ("proxy-b", "HTTP/1.1 200 OK"), seen
+        async with aiohttp.ClientSession() as session, session.get(
+            f"https://127.0.0.1:{p.port}/metrics",
+            ssl=ssl.create_default_context(cafile=str(pki.ca.ca_file))) as r:
+            text = await r.text()
+        assert 'karta_proxy_tls_certificate_reloads_total{result="failure"} 1.0' in text
+        assert 'karta_proxy_tls_certificate_reloads_total{result="success"} 1.0' in text
+    finally:
+        await p.stop()
+
+
+async def test_a_new_client_ca_is_trusted_after_it_is_added(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """CA rotation: the bundle gains the new CA; its clients get in without a restart."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    newer = Authority(tmp_path / "newer", "newer-ca")
+    newer_client = newer.issue("agent-2", server=False)
+    try:
+        assert p.tls is not None
+        assert (await fetch(p.port, pki.ca.ca_file, newer_client)).status == ""
+        bundle.write_bytes(pki.ca.ca_file.read_bytes() + newer.ca_file.read_bytes())
+        assert p.tls.check() is True
+        assert (await fetch(p.port, pki.ca.ca_file, newer_client)).status == "HTTP/1.1 200 OK"
+        assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == "HTTP/1.1 200 OK"
+    finally:
+        await p.stop()
+
+
+@pytest.mark.parametrize(
+    ("server", "fragment"),
+    [
+        ({"tls_key_file": ""}, "set both or neither"),
+        ({"tls_cert_file": ""}, "set both or neither"),
+        ({"tls_key_file": "OTHER_KEY"}, "cannot load"),
+        ({"tls_cert_file": "/nonexistent.pem"}, "does not exist or is not readable"),
+        ({"tls_client_auth_type": "RequireAnyClientCert"}, "expected one of"),
+        ({"tls_client_auth_type": "RequireAndVerifyClientCert"}, "needs server.tls_client_ca"),
+        ({"tls_client_ca_file": "CA", "tls_client_auth_type": "NoClientCert"},
+         "no client certificate would be checked"),
+        ({"tls_client_ca_file": "NOT_PEM"}, "server.tls_client_ca_file: cannot load"),
+        ({"tls_cert_file": "", "tls_key_file": "", "tls_client_ca_file": "CA"}, "TLS is off"),
+    ],
+)
+def test_invalid_tls_settings_name_the_key(
+    tmp_path: Path, pki: Pki, server: dict[str, str], fragment: str,
+) -> None:
+    other_key = pki.ca.issue("someone-else", server=True).key
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello\n")
+    subst = {"OTHER_KEY": str(other_key), "CA": str(pki.ca.ca_file), "NOT_PEM": str(not_pem)}
+    s = Settings()
+    s.upstream.url = "http://127.0.0.1:1/api/v1/write"
+    s.server.tls_cert_file = str(pki.server.cert)
+    s.server.tls_key_file = str(pki.server.key)
+    for k, v in server.items():
+        setattr(s.server, k, subst.get(v, v))
+    with pytest.raises(ConfigError, match=r"server\.tls_") as e:
+        validate(s)
+    assert fragment in str(e.value)
