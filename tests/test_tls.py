@@ -192,8 +192,10 @@ async def test_rotated_certificate_is_served_on_new_handshakes(
             f"https://127.0.0.1:{p.port}/metrics",
             ssl=ssl.create_default_context(cafile=str(pki.ca.ca_file))) as r:
             text = await r.text()
-        assert 'karta_proxy_tls_certificate_reloads_total{result="failure"} 1.0' in text
-        assert 'karta_proxy_tls_certificate_reloads_total{result="success"} 1.0' in text
+        counts = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("karta_proxy_tls_certificate_reloads_total{")}
+        # the watcher may also catch the install between its two renames: a second failure
+        assert counts["failure"] >= 1.0 and counts["success"] == 1.0, counts
     finally:
         await p.stop()
 
