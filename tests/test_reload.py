@@ -255,9 +255,38 @@ async def test_reload_endpoint_methods(running: Running) -> None:
         assert resp.status == 200
 
 
-async def test_concurrent_reloads_run_one_at_a_time(running: Running) -> None:
-    outcomes = await asyncio.gather(*(running.proxy.reload() for _ in range(5)))
+async def test_concurrent_reloads_run_one_at_a_time(tmp_path: Path) -> None:
+    """SIGHUP and /-/reload at once: one reload at a time, each sees a whole file."""
+    import threading
+
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    s = Settings()
+    s.snapshot = str(tmp_path / "snap.yaml")
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    active, peak = 0, 0
+    lock = threading.Lock()
+
+    def slow_loader() -> Settings:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.05)
+        with lock:
+            active -= 1
+        return s
+
+    async with ScriptedUpstream() as up:
+        s.upstream.url = up.url
+        p = Proxy(s, loader=slow_loader)
+        await p.start()
+        try:
+            outcomes = await asyncio.gather(*(p.reload() for _ in range(5)))
+        finally:
+            await p.stop()
     assert all(o.ok for o in outcomes)
+    assert peak == 1
 
 
 # -- the real process ---------------------------------------------------------------------------
