@@ -384,15 +384,19 @@ check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64
     return 1;
 }
 
-/* A Sample (nk: 2 for RW 1.0, 3 for 2.0); the usual shape `09 <8 bytes> 10 <varint>`
- * without the general walk. */
+/* A Sample (nk: 2 for RW 1.0, 3 for 2.0). The usual shape, `09 <8 bytes> 10 <varint of
+ * at most 8 bytes>` ending the payload, is checked with one load: the varint's bytes
+ * before its last have the top bit set, its last does not (the walk would accept exactly
+ * that); anything else takes the general walk. */
 static inline int
 check_sample(const uint8_t *raw, size_t p, size_t end, uint64_t nk, Err *e)
 {
-    if (end - p >= 11 && raw[p] == 0x09 && raw[p + 9] == 0x10) {
-        size_t q = p + 10;
-        uint64_t x;
-        if (rd_varint(raw, end, &q, &x) && q == end)
+    size_t len = end - p;
+    if (len >= 11 && len <= 18 && raw[p] == 0x09 && raw[p + 9] == 0x10) {
+        unsigned shift = 8u * (unsigned)(18 - len); /* the varint: the top 18 - len .. */
+        uint64_t mask = 0x8080808080808080ULL << shift;
+        uint64_t top = load64(raw + end - 8) & mask; /* end - 8 >= p + 3: inside */
+        if (top == (mask & 0x0080808080808080ULL))
             return 1;
     }
     return check_fields(raw, p, end, SAMPLE_WT, nk, "sample", e);
@@ -581,12 +585,15 @@ typedef struct {
 typedef struct {
     uint64_t hash;
     uint32_t ns_len, pod_len;
-    int32_t reason; /* -1: attributed (a stamp); else an index into the table's reasons */
+    int32_t reason; /* < 0: a stamp (STAMP_KARTA: every name starts with karta_, as the
+                     * contract's do); else an index into the table's reasons */
     uint32_t nlabels;
     uint32_t fields_len;
     uint32_t labels_off; /* offset of the StampLabel array in data */
     uint8_t data[];      /* ns, pod, fields, padding, StampLabel[nlabels] */
 } Entry;
+
+#define STAMP_KARTA (-2)
 
 #define ENTRY_NS(en) ((en)->data)
 #define ENTRY_POD(en) ((en)->data + (en)->ns_len)
@@ -873,6 +880,10 @@ build:;
         sl[i].field_len = (uint32_t)(off - start);
         sl[i].name_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(nb), n, V2_SEED);
         sl[i].value_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(vb), v, V2_SEED);
+        if (i == 0 && reason == -1)
+            en->reason = STAMP_KARTA;
+        if (!is_karta(en->data + sl[i].name_off, n))
+            en->reason = -1;
     }
     Py_XDECREF(labels);
     return en;
@@ -1786,37 +1797,54 @@ in_stamp(const Entry *en, const Lab *l)
     return 0;
 }
 
-/* 400 invalid_labels for an empty or a repeated name (plan.check_names, in its order);
- * *sorted := the names are strictly sorted. Unsorted names are sorted in a copy (rare:
- * senders sort). Returns 0 with the error set, or on OOM. */
-static int
-check_names(Req *r, const Lab *labs, size_t n, int any_empty, int *sorted)
+/* 400 invalid_labels for an empty or a repeated name (plan.check_names); *sorted := the
+ * names are strictly sorted (then an empty one can only be the first). Unsorted names are
+ * sorted in a copy (rare: senders sort). Returns 0 with the error set, or on OOM. */
+static inline int
+check_names(Req *r, const Lab *labs, size_t n, int *sorted)
 {
-    if (any_empty) {
-        err_set(&r->err, "invalid_labels", "a label with an empty name");
-        return 0;
-    }
     *sorted = 1;
     for (size_t i = 1; i < n; i++)
         if (str_cmp(labs[i - 1].name, labs[i - 1].nlen, labs[i].name, labs[i].nlen) >= 0) {
             *sorted = 0;
             break;
         }
-    if (*sorted)
-        return 1;
-    r->merged.len = r->tmp.len = 0;
-    Lab *a = vec_push(&r->merged, n), *t = vec_push(&r->tmp, n);
-    if (a == NULL || t == NULL)
+    const Lab *a = labs;
+    if (!*sorted) {
+        Lab *b, *t;
+        r->merged.len = r->tmp.len = 0;
+        if ((b = vec_push(&r->merged, n)) == NULL || (t = vec_push(&r->tmp, n)) == NULL)
+            return 0;
+        memcpy(b, labs, n * sizeof(Lab));
+        lab_sort(b, t, n);
+        a = b;
+    }
+    if (n && a[0].nlen == 0) {
+        err_set(&r->err, "invalid_labels", "a label with an empty name");
         return 0;
-    memcpy(a, labs, n * sizeof(Lab));
-    lab_sort(a, t, n);
-    for (size_t i = 1; i < n; i++)
+    }
+    for (size_t i = 1; i < n && !*sorted; i++)
         if (lab_cmp(&a[i - 1], &a[i]) == 0) {
             err_set(&r->err, "invalid_labels", "label name %.*s repeated in one series",
                     (int)(a[i].nlen < 64 ? a[i].nlen : 64), (const char *)a[i].name);
             return 0;
         }
     return 1;
+}
+
+/* Under drop_sent: does the series carry a karta_* label? For strictly sorted labels and
+ * a stamp block at `at` whose names all start with karta_ (the contract's do), such
+ * labels can only be a run next to the block: two checks instead of a scan. */
+static inline int
+karta_around(const Lab *labs, size_t n, size_t at, const Entry *en)
+{
+    if (en->reason == STAMP_KARTA)
+        return (at > 0 && is_karta(labs[at - 1].name, labs[at - 1].nlen)) ||
+               (at < n && is_karta(labs[at].name, labs[at].nlen));
+    for (size_t i = 0; i < n; i++)
+        if (is_karta(labs[i].name, labs[i].nlen))
+            return 1;
+    return 0;
 }
 
 /* r->merged := the series' labels minus those the plan drops, plus the stamp, stably
@@ -2023,7 +2051,7 @@ check_exemplar_v1(const uint8_t *raw, size_t p, size_t end, Err *e)
 
 typedef struct {
     size_t start, s, q, lead_end;
-    int in_front, any_stamped, any_karta, sorted;
+    int in_front, any_stamped, sorted;
     Vec labs;     /* Lab */
     int reason;   /* after stage A: -2 look the pod up; -1 attributed as it is; >= 0 a reason */
     Str ns, pod;
@@ -2132,10 +2160,8 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
     Lab *labs = P->labs.data;
     size_t n = P->labs.len;
     const Plan *pl = r->plan;
-    int any_stamped = 0, any_karta = 0, any_empty = 0;
+    int any_stamped = 0;
     for (size_t i = 0; i < n; i++) {
-        any_karta |= is_karta(labs[i].name, labs[i].nlen);
-        any_empty |= labs[i].nlen == 0;
         if (!text_ok(labs[i].name, labs[i].nlen)) {
             err_set(e, "invalid_utf8", "label name is not valid UTF-8");
             return 0;
@@ -2154,8 +2180,7 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         }
     }
     P->any_stamped = any_stamped;
-    P->any_karta = any_karta;
-    if (!check_names(r, labs, n, any_empty, &P->sorted))
+    if (!check_names(r, labs, n, &P->sorted))
         return 0;
     if (choose_pod(r, &P->ns, &P->pod, &P->reason)) {
         const PodTable *t = r->table;
@@ -2265,11 +2290,11 @@ finish_v1(Req *r, Pending *P)
     if (reason == -2)
         en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
     tally(r, en ? -1 : reason);
-    int drop = r->plan->drop_sent && P->any_karta;
+    int drop_sent = r->plan->drop_sent;
     if (en == NULL || en->nlabels == 0) {
         /* not stamped: under drop_sent the sender's karta_* labels go; `keep` (reason -1
          * from stage A) lets the sender's attribution pass */
-        if (drop && P->reason != -1) {
+        if (drop_sent && P->reason != -1) {
             size_t k = kept_labels(r, labs, n);
             if (k != (size_t)-1 && k != n) {
                 r->stripped++;
@@ -2278,7 +2303,9 @@ finish_v1(Req *r, Pending *P)
         }
         return;
     }
-    size_t at = stamp_position(labs, n, en, in_front && P->sorted && !P->any_stamped && !drop);
+    size_t at = stamp_position(labs, n, en, in_front && P->sorted && !P->any_stamped);
+    if (at != NO_POSITION && drop_sent && karta_around(labs, n, at, en))
+        at = NO_POSITION; /* a sender's karta_* label to drop: the merge does it */
     if (at != NO_POSITION) {
         /* the usual case: the stamp goes in as one block, everything else is the input */
         size_t ins = at < n ? (size_t)(labs[at].field - raw) : lead_end;
@@ -2380,7 +2407,6 @@ walk_v1(Req *r, size_t n)
 typedef struct {
     Vec syms;   /* Str */
     Vec slots;  /* int16_t per symbol: its plan slot */
-    Vec karta;  /* uint8_t per symbol: it starts with karta_ */
     Vec series; /* size_t[3]: start, payload, end */
     size_t symbols_end;
     int has_symbols;
@@ -2402,7 +2428,6 @@ v2_free(V2 *v)
 {
     vec_free(&v->syms);
     vec_free(&v->slots);
-    vec_free(&v->karta);
     vec_free(&v->series);
     vec_free(&v->added);
     vec_free(&v->refpool);
@@ -2452,8 +2477,7 @@ v2_scan(Req *r, V2 *v, size_t n)
     }
     Str *syms = v->syms.data;
     int16_t *slots = vec_push(&v->slots, v->syms.len ? v->syms.len : 1);
-    uint8_t *karta = vec_push(&v->karta, v->syms.len ? v->syms.len : 1);
-    if (slots == NULL || karta == NULL)
+    if (slots == NULL)
         return 0;
     for (size_t i = 0; i < v->syms.len; i++) {
         if (!text_ok(syms[i].s, syms[i].n)) {
@@ -2461,7 +2485,6 @@ v2_scan(Req *r, V2 *v, size_t n)
             return 0;
         }
         slots[i] = (int16_t)slot_of(r->plan, syms[i].s, syms[i].n);
-        karta[i] = (uint8_t)is_karta(syms[i].s, syms[i].n);
     }
     if (v->syms.len && syms[0].n != 0) {
         INVALID(e, "symbols table must start with the empty string");
@@ -2792,14 +2815,13 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         }
     const Str *syms = v->syms.data;
     const int16_t *slots = v->slots.data;
-    const uint8_t *karta = v->karta.data;
     const Plan *pl = r->plan;
     r->labs.len = 0;
     size_t n = nrefs / 2;
     Lab *labs = vec_push(&r->labs, n);
     if (labs == NULL && n)
         return;
-    int any_stamped = 0, any_karta = 0, any_empty = 0, sorted;
+    int any_stamped = 0, sorted;
     for (size_t i = 0; i < n; i++) {
         uint32_t a = refs[2 * i], b = refs[2 * i + 1];
         Lab *lab = &labs[i];
@@ -2809,8 +2831,6 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         lab->vlen = (uint32_t)syms[b].n;
         lab->r0 = a;
         lab->r1 = b;
-        any_karta |= karta[a];
-        any_empty |= lab->nlen == 0;
         int slot = slots[a];
         lab->slot = slot;
         if (slot >= 0) {
@@ -2820,18 +2840,17 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
-    if (!check_names(r, labs, n, any_empty, &sorted))
+    if (!check_names(r, labs, n, &sorted))
         return;
     int reason;
     const Entry *en = decide(r, &reason);
     if (e->kind)
         return;
     tally(r, en ? -1 : reason);
-    int drop = pl->drop_sent && any_karta;
     if (en == NULL || en->nlabels == 0) {
         /* not stamped: under drop_sent the sender's karta_* labels go (their refs; the
          * table keeps its strings); `keep` (NULL, reason -1) lets them pass */
-        if (drop && !(en == NULL && reason == -1)) {
+        if (pl->drop_sent && !(en == NULL && reason == -1)) {
             size_t k = kept_labels(r, labs, n);
             if (k != (size_t)-1 && k != n) {
                 r->stripped++;
@@ -2842,7 +2861,9 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         return;
     }
     const uint32_t *sr;
-    size_t at = stamp_position(labs, n, en, sorted && !any_stamped && !drop);
+    size_t at = stamp_position(labs, n, en, sorted && !any_stamped);
+    if (at != NO_POSITION && pl->drop_sent && karta_around(labs, n, at, en))
+        at = NO_POSITION; /* a sender's karta_* label to drop: the merge does it */
     if (at != NO_POSITION) {
         if ((v->index == NULL && !v2_build_index(r, v)) || (sr = v2_stamp_refs(r, v, en)) == NULL)
             return;
@@ -2942,7 +2963,6 @@ splice(PyObject *args, int version)
     memset(&v, 0, sizeof v);
     vec_init(&v.syms, sizeof(Str));
     vec_init(&v.slots, sizeof(int16_t));
-    vec_init(&v.karta, sizeof(uint8_t));
     vec_init(&v.series, sizeof(size_t));
     vec_init(&v.added, sizeof(Str));
     vec_init(&v.refpool, sizeof(uint32_t));
