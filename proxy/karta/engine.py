@@ -12,7 +12,8 @@ Why it is shaped this way:
 * Memory is per pod, so a pod keeps only what selectors read (its metadata: name,
   namespace, uid, labels, annotations, ownerReferences), shared with the object it came
   from, never its spec or status. Whole objects are kept only for described kinds (and
-  bare pods), whose status, scale and instance ids are evaluated from them.
+  bare pods), whose status, scale and instance ids are evaluated from them, and then as
+  JSON text (``proxy.karta.packed``), parsed again only to be evaluated.
 * libjq costs ~30 us a call through the PyPI binding, so the plain label / annotation /
   name lookups that nearly every pod selector is are answered with a dict probe; anything
   else goes to jq with the same wrapper semantics (see ``_Probe``).
@@ -43,6 +44,7 @@ from proxy.karta.owners import (
     controller_ref,
     group_kind,
 )
+from proxy.karta.packed import Packed, pack, unpack
 from proxy.karta.results import (
     ChangeSet,
     PodAttribution,
@@ -103,8 +105,8 @@ class _PodRec:
         self.labels: Any = None
         self.annotations: Any = None
         self.owner: OwnerRef | None = None
-        #: the whole (trimmed) pod, only while it is bare: it is then its own workload
-        self.obj: Mapping[str, Any] | None = None
+        #: the whole (trimmed, packed) pod, only while it is bare: its own workload
+        self.obj: Mapping[str, Any] | Packed | None = None
         self.cache: Any = None
         self.att: PodAttribution | None = None
         #: workload uid ("" when unattributed) and its (component, instance) count key
@@ -654,7 +656,7 @@ class Engine:
             and rec.namespace == ns
         ):
             if rec.owner is None:  # a bare pod is its own workload: its status matters
-                rec.obj, rec.cache = _trim(obj), None
+                rec.obj, rec.cache = pack(_trim(obj)), None
                 if rec.wl:
                     self._dirty.add(rec.wl)
             return  # nothing a selector or a walk reads has changed
@@ -669,7 +671,7 @@ class Engine:
                 rec.owner = self._graph.link(uid, owner)
         if rec.owner is None:
             self._bare.add(uid)
-            rec.obj, rec.cache = _trim(obj), None
+            rec.obj, rec.cache = pack(_trim(obj)), None
         else:
             self._bare.discard(uid)
             rec.obj = rec.cache = None
@@ -702,7 +704,7 @@ class Engine:
             str(md.get("name") or ""),
             controller_ref(md.get("ownerReferences")),
             # kinds with an invalid description too: fixing it must not wait for a relist
-            _trim(obj) if plan is not None or gk in self._errored else None,
+            pack(_trim(obj)) if plan is not None or gk in self._errored else None,
         )
         old = self._graph.put(rec)
         if old is not None:
@@ -920,7 +922,7 @@ class Engine:
         if c is not None and c[0] is plan:
             ev: _Eval = c[1]
             return ev
-        ev = _evaluate(plan, holder.obj, self.stats)
+        ev = _evaluate(plan, unpack(holder.obj), self.stats)
         holder.cache = (plan, ev)
         return ev
 

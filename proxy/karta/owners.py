@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from proxy.karta.model import GroupKind
+from proxy.karta.packed import Packed
 
 T = TypeVar("T")
 
@@ -84,7 +85,7 @@ def controller_ref(refs: Any) -> OwnerRef | None:
 class ObjectRecord:
     """A non-pod object as the engine keeps it.
 
-    ``obj`` is the (trimmed) object only for described kinds, whose status, scale and
+    ``obj`` is the (trimmed, packed) object only for described kinds, whose status, scale and
     instance ids are evaluated; owners of other kinds keep identity and owner only.
     ``cache`` holds whatever the engine derived from ``obj`` (reset on every change).
     """
@@ -98,7 +99,7 @@ class ObjectRecord:
         namespace: str,
         name: str,
         owner: OwnerRef | None,
-        obj: Mapping[str, Any] | None,
+        obj: Mapping[str, Any] | Packed | None,
     ) -> None:
         self.uid = uid
         self.gk = gk
