@@ -410,15 +410,23 @@ class FactWriter:
         series.extend(self._encode(process_facts(self._index, self._build_version)))
         return series
 
-    def build_requests(self, now_ms: int) -> list[bytes]:
+    def iter_requests(self, now_ms: int) -> Iterator[bytes]:
         """Uncompressed RW 1.0 WriteRequests holding every fact at ``now_ms``, plus stale
-        markers for the series of the last successful write that are gone now."""
+        markers for the series of the last successful write that are gone now.
+
+        One request at a time, so a write holds one body, not all of them (~60 MB for
+        290k fact series at 37.5k pods). ``_pending`` grows as the requests are made: a
+        write that stops half-way owes markers for what it had sent (``commit_partial``).
+        The statistics are set once the last request is made; ``last_build_seconds``
+        counts the building only, not the time the caller spends between requests.
+        """
         started = time.perf_counter()
+        building = 0.0
         ts_bytes = b"\x10" + _varint(now_ms)
         samples: dict[float, bytes] = {}
         self._set_sample_len(len(_sample_field(0.0, ts_bytes)))
         seen: set[bytes] = set()
-        bodies: list[bytes] = []
+        self._pending = seen
         parts: list[bytes] = []
         count = 0
         limit = self._max_series
@@ -433,8 +441,10 @@ class FactWriter:
             parts.append(sample)
             count += 1
             if count == limit:
-                bodies.append(b"".join(parts))
-                parts, count = [], 0
+                body, parts, count = b"".join(parts), [], 0
+                building += time.perf_counter() - started
+                yield body
+                started = time.perf_counter()
         gone = self._written - seen
         if gone:
             stale = _sample_field(STALE_NAN, ts_bytes)
@@ -443,15 +453,21 @@ class FactWriter:
                 parts.append(stale)
                 count += 1
                 if count == limit:
-                    bodies.append(b"".join(parts))
-                    parts, count = [], 0
+                    body, parts, count = b"".join(parts), [], 0
+                    building += time.perf_counter() - started
+                    yield body
+                    started = time.perf_counter()
         parts.append(_METADATA)
-        bodies.append(b"".join(parts))
-        self._pending = seen
+        body = b"".join(parts)
+        del parts
         self.last_series = len(seen)
         self.last_stale_markers = len(gone)
-        self.last_build_seconds = time.perf_counter() - started
-        return bodies
+        self.last_build_seconds = building + time.perf_counter() - started
+        yield body
+
+    def build_requests(self, now_ms: int) -> list[bytes]:
+        """All of :meth:`iter_requests` at once."""
+        return list(self.iter_requests(now_ms))
 
     def build_request(self, now_ms: int) -> bytes:
         """All of :meth:`build_requests` in one body (protobuf messages concatenate)."""
@@ -512,19 +528,27 @@ class FactWriter:
             self.track_standby(self._clock())
             return False
         now = self._clock()
-        bodies = self.build_requests(int(now * 1000))
-        try:
-            for body in bodies:
+        bodies = self.iter_requests(int(now * 1000))
+        while True:
+            try:
+                body = next(bodies)
+            except StopIteration:
+                break
+            except Exception:  # a bug in building (the loop logs it): owe what was sent
+                self.commit_partial()
+                raise
+            try:
                 await self._send(body)
                 await asyncio.sleep(0)  # let requests in flight interleave with a big write
-        except asyncio.CancelledError:
-            self.commit_partial()
-            raise
-        except Exception as exc:  # the next write retries; stale markers are kept
-            self.commit_partial()
-            self.writes_failed += 1
-            log.warning("fact write failed: %s", exc)
-            return False
+            except asyncio.CancelledError:
+                self.commit_partial()
+                raise
+            except Exception as exc:  # the next write retries; stale markers are kept
+                self.commit_partial()
+                self.writes_failed += 1
+                log.warning("fact write failed: %s", exc)
+                return False
+            del body
         self.writes_ok += 1
         self.last_write_timestamp = now
         self.commit()
