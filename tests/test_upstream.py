@@ -342,7 +342,7 @@ async def test_check_finds_what_the_upstream_is(reply: Reply | None, outcome: st
             return Reply(204)
         return reply
 
-    async with ScriptedUpstream(rule=rule) as up:
+    async with ScriptedUpstream(rule=rule, record_empty=True) as up:
         u = make(up.url)
         try:
             await u.start(check=True)
@@ -361,14 +361,14 @@ def snappy_empty() -> bytes:
 
 async def test_checked_again_after_a_reconnect() -> None:
     # 1.0-only at first; the upstream goes away and comes back as a 2.0 receiver
-    async with ScriptedUpstream(Reply(204)) as up:
+    async with ScriptedUpstream(Reply(204), record_empty=True) as up:
         u = make(up.url)
         await u.start(check=True)
         assert (await u.check()).outcome == "rw1"
         port = up.port
     try:
         assert (await u.send(v2_body(), Protocol.V2, counts=COUNTS)).status == 502
-        async with ScriptedUpstream(rule=_rw2_receiver, port=port) as again:
+        async with ScriptedUpstream(rule=_rw2_receiver, port=port, record_empty=True) as again:
             first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
             second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     finally:
