@@ -437,3 +437,25 @@ def test_a_stamp_of_many_labels_in_sorted_position(make_splicer: MakeSplicer) ->
         "namespace", "pod"]
     assert encode_label_v1(b"karta_kind", b"K") in sp.splice_v1(raw).body
     assert b"karta_kind" in STAMPED
+
+
+@pytest.mark.parametrize("sent", [
+    {"karta_a": "x"}, {"karta_zz": "x"}, {"jz": "1", "karta_zz": "x"}, {"karta_": ""},
+])
+@pytest.mark.parametrize("extra_stamp", [(), (("job", "j"),)])
+def test_sent_karta_labels_next_to_the_block_or_not_are_dropped(
+        make_splicer: MakeSplicer, sent: dict[str, str],
+        extra_stamp: tuple[tuple[str, str], ...]) -> None:
+    """The native splice looks for a sorted series' karta_ labels next to the stamp's
+    block only when every stamp name starts with karta_; a stamp of another name (not
+    the contract's, but a table may hold one) makes it scan: dropped either way."""
+    sp = make_splicer()
+    sp.table.set(b"ml", b"p", (("karta_workload", "w"), *extra_stamp))
+    raw = request_v1(series_v1({**POD, "a": "1", **sent}))
+    res = sp.splice_v1(raw)
+    (got,) = parse_v1(res.body).timeseries
+    assert labels_of(got) == sorted([("a", "1"), *extra_stamp, *STAMPED_POD]
+                                    + [(n, v) for n, v in sent.items() if n == "jz"])
+    assert res.stripped == 1
+    req = parse_v2(sp.splice_v2(request_v2({**POD, "a": "1", **sent})).body)
+    assert labels_v2(req, req.timeseries[0]) == labels_of(got)
