@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from relay import corpus as corpus_mod
-from relay.procs import Process, cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
+from relay.procs import Process, cpu_seconds, http_get, peak_rss_bytes, reset_peak_rss, rss_bytes
 from relay_bench import REPO, WRITE_PATH, _start_relay, _start_upstream, median, percentile
 
 HEADERS = (
@@ -244,9 +244,14 @@ class Bench:
             p.stop()
 
 
-def start(args: argparse.Namespace, work: Path) -> Bench:
+def start(args: argparse.Namespace, work: Path, *, defer: bool = True) -> Bench:
     """Build the corpus, start a null upstream and a proxy (``--slots`` slots) for
-    ``--proxy-repo`` and, with ``--baseline-repo``, for that checkout too."""
+    ``--proxy-repo`` and, with ``--baseline-repo``, for that checkout too.
+
+    ``defer``: the sink counts only when asked (``GET /stats``, after every phase), so it
+    costs the box nothing during a phase; it drains by itself at 256 MiB pending, a
+    multi-second stall of the upstream, so a long run (the soak) has it count as it goes
+    instead."""
     cluster = corpus_mod.build_cluster(args.pods)
     snapshot = corpus_mod.write_snapshot(cluster, work / "snapshot.yaml")
     corpus = corpus_mod.build_corpus(cluster, args.bodies, args.series_per_request)
@@ -258,7 +263,7 @@ def start(args: argparse.Namespace, work: Path) -> Bench:
     bench = Bench([], [request_bytes(b) for b in corpus.bodies], args.series_per_request, work)
     try:
         for name, repo in repos:
-            upstream = _start_upstream(name, work, defer=True)
+            upstream = _start_upstream(name, work, defer=defer)
             upstream.wait_ready(30)
             proxy = _start_relay("karta-proxy", upstream, work, snapshot, proxy_repo=repo,
                                  log_name=f"karta-proxy-{name}",
@@ -352,7 +357,10 @@ async def main_async(args: argparse.Namespace, bench: Bench) -> Rounds:
                 print(f"  round {i + 1} {p.name} {lv:g}x: {r.samples_per_s:.0f} samples/s, "
                       f"p50 {r.accepted_p50_ms:.0f} ms, {r.refused_per_s:.0f} 503/s, "
                       f"{r.errors} errors, RSS {r.rss_end_mib:.0f} MiB", flush=True)
-                await asyncio.sleep(1.0)  # let refused connections and lingering bodies go
+                # let refused connections and lingering bodies go; the sink counts what
+                # it kept, outside the measurement
+                await asyncio.to_thread(http_get, p.upstream.port, "/stats", 300.0)
+                await asyncio.sleep(1.0)
             out[p.name].append(result)
     return out
 

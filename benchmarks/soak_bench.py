@@ -129,7 +129,7 @@ def verdict(before: PhaseResult, samples: list[Sample], last_error: str,
     p50 = after.accepted_p50_ms / before.accepted_p50_ms if before.accepted_p50_ms else 0.0
     print(f"\nRSS: first minute median {median(first):.0f} MiB, last minute median "
           f"{median(last):.0f} MiB, max {max(s.rss_mib for s in samples):.0f} MiB; slope "
-          f"past the first minute {slope:+.2f} MiB/min")
+          f"past the first minute {slope:+.2f} MiB/min ({len(steady)} samples)")
     print(f"under overload: {median([s.samples_per_s for s in samples]):.0f} samples/s "
           f"(median of windows; nominal {before.samples_per_s:.0f}), "
           f"{median([s.refused_per_s for s in samples]):.0f} 503/s")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"karta-proxy of {args.proxy_repo}: {args.slots} slots; {args.level:g}x for "
               f"{args.duration:g} s; 503 retried after {args.retry_delay:g} s", flush=True)
-        bench = start(args, work)
+        bench = start(args, work, defer=False)  # a deferring sink stalls at 256 MiB
         before, samples, last_error, after = asyncio.run(soak(bench, args))
         failed = verdict(before, samples, last_error, after)
         if args.json:
