@@ -384,6 +384,61 @@ check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64
     return 1;
 }
 
+/* A Histogram's fields 1-17 (primitives.HISTOGRAM_FIELDS): a wire type, or H_SPANS (a
+ * BucketSpan message: two varints), H_VARINTS / H_DOUBLES (one per field, or packed). */
+#define H_SPANS 8
+#define H_VARINTS 9
+#define H_DOUBLES 10
+static const int8_t HISTOGRAM_WT[] = {0, 1, 1, 0, 1, 0, 1, H_SPANS, H_VARINTS, H_DOUBLES,
+                                      H_SPANS, H_VARINTS, H_DOUBLES, 0, 0, H_DOUBLES, 0};
+static const int8_t SPAN_WT[] = {0, 0};
+
+/* A Histogram (nk: 16 fields in RW 1.0, 17 in 2.0): framing, wire types, its spans'
+ * framing, packed varints that parse, packed doubles of whole 8-byte values. */
+static int
+check_histogram(const uint8_t *raw, size_t p, size_t end, uint64_t nk, Err *e)
+{
+    while (p < end) {
+        Field f;
+        if (!rd_field(raw, p, end, &f, e))
+            return 0;
+        int kind = f.number <= nk ? HISTOGRAM_WT[f.number - 1] : -1;
+        int bad = 0;
+        if (kind == H_SPANS) {
+            if (f.wt != 2)
+                bad = 1;
+            else if (!check_fields(raw, f.ps, f.end, SPAN_WT, 2, "bucket span", e))
+                return 0;
+        }
+        else if (kind == H_VARINTS || kind == H_DOUBLES) {
+            if (f.wt == 2) {
+                if (kind == H_DOUBLES && (f.end - f.ps) % 8) {
+                    INVALID(e, "histogram field %d: packed doubles of %zu bytes",
+                            (int)f.number, f.end - f.ps);
+                    return 0;
+                }
+                for (size_t pp = f.ps; kind == H_VARINTS && pp < f.end;) {
+                    uint64_t x;
+                    if (!rd_varint(raw, f.end, &pp, &x)) {
+                        INVALID(e, "packed varints run past their field");
+                        return 0;
+                    }
+                }
+            }
+            else
+                bad = f.wt != (kind == H_VARINTS ? 0 : 1);
+        }
+        else
+            bad = kind != -1 && f.wt != kind;
+        if (bad) {
+            INVALID(e, "histogram field %d with a wrong wire type", (int)f.number);
+            return 0;
+        }
+        p = f.end;
+    }
+    return 1;
+}
+
 /* A Sample (nk: 2 for RW 1.0, 3 for 2.0). The usual shape, `09 <8 bytes> 10 <varint of
  * at most 8 bytes>` ending the payload, is checked with one load: the varint's bytes
  * before its last have the top bit set, its last does not (the walk would accept exactly
@@ -2149,7 +2204,7 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
             }
             else {
                 r->histograms++;
-                ok = check_fields(raw, f.ps, f.end, NULL, 0, "histogram", e);
+                ok = check_histogram(raw, f.ps, f.end, 16, e);
             }
             if (!ok)
                 return 0;
@@ -2788,7 +2843,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             }
             else if (f.number == 3) {
                 r->histograms++;
-                ok = check_fields(raw, f.ps, f.end, NULL, 0, "histogram", e);
+                ok = check_histogram(raw, f.ps, f.end, 17, e);
             }
             else if (f.number == 4) {
                 r->exemplars++;

@@ -210,6 +210,10 @@ SAMPLE_WIRE_TYPES = (1, 0, 0)
 EXEMPLAR_WIRE_TYPES = (-1, 1, 0)
 #: an RW 2.0 Metadata: type, (reserved), help_ref, unit_ref
 METADATA_V2_WIRE_TYPES = (0, -1, 0, 0)
+#: a Histogram's fields 1-17 (RW 1.0 has 1-16): a wire type, or "s" BucketSpans (a
+#: message of two varints), "v" sint64s and "d" doubles (one per field, or packed)
+HISTOGRAM_FIELDS: tuple[int | str, ...] = (
+    0, 1, 1, 0, 1, 0, 1, "s", "v", "d", "s", "v", "d", 0, 0, "d", 0)
 
 
 def check_fields(buf: bytes, p: int, end: int, wire_types: tuple[int, ...], what: str
@@ -217,13 +221,36 @@ def check_fields(buf: bytes, p: int, end: int, wire_types: tuple[int, ...], what
     """Walk a payload the splice copies unparsed: every field's framing (read_field's
     rules) and the wire type of its known fields, as a protobuf reader would refuse them.
 
-    Mirrors ``check_fields`` of ``_splice.c``; a histogram is walked with no known
-    fields (its packed and unpacked repeated fields make several wire types legal)."""
+    Mirrors ``check_fields`` of ``_splice.c``."""
     k = len(wire_types)
     while p < end:
         number, wt, _, q = read_field(buf, p, end)
         if number <= k and wire_types[number - 1] >= 0 and wt != wire_types[number - 1]:
             raise invalid(f"{what} field {number} with a wrong wire type")
+        p = q
+
+
+def check_histogram(buf: bytes, p: int, end: int, known: int) -> None:
+    """A Histogram (``known``: 16 fields in RW 1.0, 17 in 2.0): its framing, the wire types
+    of its fields, its spans' framing, packed varints that parse, packed doubles of
+    whole 8-byte values."""
+    while p < end:
+        number, wt, s, q = read_field(buf, p, end)
+        kind = HISTOGRAM_FIELDS[number - 1] if number <= known else -1
+        if kind == "s":
+            if wt != 2:
+                raise invalid(f"histogram field {number} with a wrong wire type")
+            check_fields(buf, s, q, (0, 0), "bucket span")
+        elif kind in ("v", "d"):
+            if wt == 2:
+                if kind == "v":
+                    decode_packed(buf, s, q, [])
+                elif (q - s) % 8:
+                    raise invalid(f"histogram field {number}: packed doubles of {q - s} bytes")
+            elif wt != (0 if kind == "v" else 1):
+                raise invalid(f"histogram field {number} with a wrong wire type")
+        elif kind != -1 and wt != kind:
+            raise invalid(f"histogram field {number} with a wrong wire type")
         p = q
 
 

@@ -17,6 +17,7 @@ from proxy.wire.primitives import (
     Counts,
     check_exemplar_v1,
     check_fields,
+    check_histogram,
     check_utf8,
     encode_uvarint,
     invalid,
@@ -94,7 +95,7 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
                     check_exemplar_v1(raw, ps, pq)
                 else:
                     counts.histograms += 1
-                    check_fields(raw, ps, pq, (), "histogram")
+                    check_histogram(raw, ps, pq, 16)
             other.append((p, pq))
         p = pq
     for name, value, _ in labels:

@@ -20,6 +20,7 @@ from proxy.wire.primitives import (
     Counts,
     check_exemplar_v2,
     check_fields,
+    check_histogram,
     check_metadata_v2,
     encode_refs,
     encode_uvarint,
@@ -101,7 +102,7 @@ def split_series_v2(raw: bytes, p: int, end: int, nsym: int) -> SeriesV2:
                     check_fields(raw, s, q, SAMPLE_WIRE_TYPES, "sample")
                 elif number == 3:
                     histograms += 1
-                    check_fields(raw, s, q, (), "histogram")
+                    check_histogram(raw, s, q, 17)
                 elif number == 4:
                     exemplars += 1
                     check_exemplar_v2(raw, s, q, nsym)

@@ -169,12 +169,22 @@ def _exemplars_v1() -> list[bytes]:
     return [ex.SerializeToString(), pb1.Exemplar().SerializeToString()]
 
 
+#: a histogram's repeated fields one value per field (unpacked: legal, and refused by
+#: nothing), and an unknown field
+UNPACKED_HISTOGRAM = (b"\x08\x01\x48\x04\x48\x01\x51" + bytes(8) + b"\x69" + bytes(8)
+                      + b"\x82\x01\x08" + bytes(8) + b"\xa8\x1f\x01")
+
+
 def _histograms_v1() -> list[bytes]:
     h = pb1.Histogram(count_int=10, sum=3.5, schema=3, zero_threshold=1e-128, zero_count_int=1,
                       timestamp=7)
     h.positive_spans.add(offset=-2, length=2)
     h.positive_deltas.extend([4, -1])
-    return [h.SerializeToString()]
+    g = pb1.Histogram(count_float=2.0, schema=-4, reset_hint=pb1.Histogram.GAUGE)
+    g.negative_spans.add(offset=1, length=1)
+    g.negative_counts.append(2.0)
+    g.custom_values.extend([0.5, 1.0])
+    return [h.SerializeToString(), g.SerializeToString(), UNPACKED_HISTOGRAM]
 
 
 def _metadata_v1() -> list[bytes]:
@@ -193,7 +203,7 @@ def _histograms_v2() -> list[bytes]:
     h = pb2.Histogram(count_float=2.0, sum=1.0, schema=0, timestamp=3, start_timestamp=1)
     h.positive_spans.add(offset=0, length=1)
     h.positive_counts.append(2.0)
-    return [h.SerializeToString()]
+    return [h.SerializeToString(), UNPACKED_HISTOGRAM]
 
 
 def _exemplars_v2() -> list[bytes]:
@@ -629,7 +639,9 @@ BAD_SAMPLES = [
     b"\x1b",  # a group
 ]
 BAD_HISTOGRAMS = [b"\x08" + b"\x80" * 10 + b"\x00", key(2**30, 0) + b"\x00", b"\x00\x00",
-                  b"\x08"]
+                  b"\x08", b"\x18\x01", b"\x58\x01", b"\x42\x03\x08\x01\x13",
+                  b"\x4a\x02\x01\x80", b"\x62\x0b" + b"\x80" * 10 + b"\x00",
+                  b"\x6a\x03\x00\x00\x00", b"\x61" + bytes(8), b"\x0d" + bytes(4)]
 POISONS_COMMON += ["bad_sample", "bad_histogram", "bad_exemplar", "dup_name", "empty_name"]
 POISONS_V1 = [*POISONS_COMMON, "bad_exemplar_utf8"]
 POISONS_V2 = [*POISONS_COMMON, "odd_refs", "ref_past_table", "symbol_0_not_empty",

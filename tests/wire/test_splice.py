@@ -233,6 +233,15 @@ BAD_PAYLOADS_V1 = {
     "sample truncated": len_field(2, _VALUE[:5]),
     "histogram 11-byte varint": len_field(4, b"\x08" + b"\x80" * 10 + b"\x00"),
     "histogram group": len_field(4, b"\x43"),
+    "histogram sum as varint": len_field(4, b"\x18\x01"),
+    "histogram span as varint": len_field(4, b"\x58\x01"),
+    "histogram span length as fixed32": len_field(4, len_field(11, b"\x08\x01\x15" + bytes(4))),
+    "histogram span 11-byte varint": len_field(4, len_field(8, b"\x08" + b"\x80" * 10 + b"\x00")),
+    "histogram packed deltas 11-byte varint": len_field(4, len_field(12, b"\x80" * 10 + b"\x00")),
+    "histogram packed deltas truncated": len_field(4, len_field(9, b"\x02\x81")),
+    "histogram deltas as fixed64": len_field(4, b"\x61" + bytes(8)),
+    "histogram packed counts of 7 bytes": len_field(4, len_field(13, bytes(7))),
+    "histogram count as fixed32": len_field(4, b"\x0d" + bytes(4)),
     "exemplar field number 0": len_field(3, b"\x00\x01"),
     "exemplar value as varint": len_field(3, b"\x10\x01"),
     "exemplar label as varint": len_field(3, b"\x08\x01"),
@@ -262,7 +271,11 @@ def test_valid_payloads_pass_byte_exact(splicer: Splicer) -> None:
     """Unknown fields, non-minimal varints, start timestamps: valid, copied as they were."""
     sample = _VALUE + b"\x10" + b"\x81\x80\x80\x00" + len_field(9, b"x") + b"\x18\x05"
     exemplar = _label(b"trace_id", b"\xc3\xbc") + b"\x11" + bytes(8) + b"\x18\x01"
-    data = len_field(2, sample) + len_field(3, exemplar) + len_field(4, b"\x08\x01\x7a\x00")
+    # a histogram: deltas and counts packed and unpacked, a span, an unknown field
+    histogram = (b"\x08\x01" + len_field(11, b"\x08\x03\x10\x02") + b"\x60\x04\x60\x01"
+                 + len_field(13, bytes(16)) + b"\x69" + bytes(8) + b"\x88\x01\x02"
+                 + len_field(16, bytes(8)) + b"\xa2\x01\x00")
+    data = len_field(2, sample) + len_field(3, exemplar) + len_field(4, histogram)
     res = splicer.splice_v1(_stamped_series_v1(data))
     assert res.body.endswith(data)
     assert res.counts == Counts(series=1, samples=1, histograms=1, exemplars=1)
