@@ -45,6 +45,7 @@ from proxy.config import FactSettings
 from proxy.index import PodIndex, stamped_pairs
 from proxy.karta.model import GENERIC_PHASES, UNDEFINED
 from proxy.karta.results import PodAttribution, WorkloadFacts
+from proxy.wire.native import DEFAULT as SPLICE
 from proxy.wire.primitives import encode_uvarint as _varint
 from proxy.wire.primitives import len_field
 
@@ -215,7 +216,10 @@ def workload_facts(wf: WorkloadFacts) -> list[Fact]:
 
 
 def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> list[Fact]:
-    """Facts about the proxy itself: freshness per watched resource, contract and build."""
+    """Facts about the proxy itself: freshness per watched resource, contract and build.
+
+    ``karta_build_info`` is the process's one build-info series (on /metrics as well):
+    the contract names it, so the operational twin it once had was dropped instead."""
     out = [
         Fact(
             contract.FACT_SOURCE_LAST_CURRENT,
@@ -232,7 +236,9 @@ def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> li
             1.0,
         )
     )
-    out.append(Fact(contract.FACT_BUILD_INFO, ((contract.FACT_LABEL_VERSION, build_version),), 1.0))
+    out.append(Fact(contract.FACT_BUILD_INFO, ((contract.FACT_LABEL_SPLICE, SPLICE),
+                                              (contract.FACT_LABEL_VERSION, build_version)),
+                    1.0))
     return out
 
 
@@ -252,10 +258,12 @@ def iter_facts(
 # -- RW 1.0 wire encoding ----------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 12)
 def _label_field(name: str, value: str) -> bytes:
     """TimeSeries.labels (field 1) holding Label{name=1, value=2}. Cached: most pairs
-    (identity labels, phases, external labels) repeat across thousands of series."""
+    (identity labels, phases, external labels) repeat across thousands of series, one
+    workload's ~20 series in a row. Small: pods' names and uids never repeat, and 64k
+    entries held ~17 MB for them."""
     label = len_field(1, name.encode()) + len_field(2, value.encode())
     return len_field(1, label)
 

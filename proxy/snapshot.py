@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ from proxy.index import PodIndex
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
+from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
 
 log = logging.getLogger("karta.snapshot")
@@ -84,23 +86,38 @@ class SkippedFile:
 
 
 class ObjectStub:
-    """What a source remembers of an object it applied: enough to delete it, and a digest
-    to tell whether the next read of it changed.
+    """An object as a source holds it: its identity, a digest that tells whether the next
+    read of it changed, and while it is still to be applied its JSON text.
 
-    A source keeps its last content to apply only the difference on reload; kept as
-    parsed dicts, a 37.5k-pod snapshot's objects stay alive beside the engine (~70 MB).
+    Read for a source, objects are held as text (``read_snapshot(packed=True)``): parsed
+    dicts are ~5x their text, and a 37.5k-pod snapshot's would all be alive before the
+    engine had seen one (~190 MB). Once applied, a source keeps only the identity and the
+    digest, to apply only the difference on reload.
     """
 
-    __slots__ = ("api_version", "digest", "kind", "name", "namespace", "uid")
+    __slots__ = ("api_version", "digest", "kind", "name", "namespace", "text", "uid")
 
-    def __init__(self, obj: Mapping[str, Any], digest: bytes) -> None:
+    def __init__(self, obj: Mapping[str, Any], digest: bytes, text: str | None = None) -> None:
         md = obj["metadata"]
-        self.api_version: str = obj["apiVersion"]
-        self.kind: str = obj["kind"]
+        self.api_version: str = _intern(obj["apiVersion"])
+        self.kind: str = _intern(obj["kind"])
         self.uid: str = md["uid"]
         self.name: str = md.get("name") or ""
-        self.namespace: str = md.get("namespace") or ""
+        self.namespace: str = _intern(md.get("namespace") or "")
         self.digest = digest
+        self.text = text
+
+    def load(self) -> dict[str, Any]:
+        """The object, parsed again from its text (only stubs still to be applied have it)."""
+        assert self.text is not None, "an applied stub has no object any more"
+        obj: dict[str, Any] = json.loads(self.text)
+        return obj
+
+    def applied(self) -> ObjectStub:
+        """The stub without its text."""
+        out = copy.copy(self)
+        out.text = None
+        return out
 
     def as_object(self) -> dict[str, Any]:
         """The object as a deletion needs it (kind and uid; name for the log)."""
@@ -108,14 +125,34 @@ class ObjectStub:
                 "metadata": {"uid": self.uid, "name": self.name, "namespace": self.namespace}}
 
 
-def digest(obj: Mapping[str, Any]) -> bytes | None:
-    """A digest that is equal only for equal objects (key order aside); None for objects
-    JSON does not carry exactly (YAML timestamps, NaN, non-string keys), kept whole."""
-    try:
-        text = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return None
+def _text_digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def digest(obj: Mapping[str, Any]) -> bytes | None:
+    """A digest equal only for equal objects (the text of :func:`pack`); None for objects
+    JSON does not carry exactly (YAML timestamps, NaN, non-string keys): kept whole."""
+    packed = pack(obj)
+    return _text_digest(packed.text) if isinstance(packed, Packed) else None
+
+
+def hold(obj: Mapping[str, Any]) -> Held:
+    """An object read for a source: as a stub with its text, or whole if JSON does not
+    carry it exactly."""
+    packed = pack(obj)
+    if not isinstance(packed, Packed):
+        return obj
+    return ObjectStub(obj, _text_digest(packed.text), packed.text)
+
+
+_INTERNED: dict[str, str] = {}
+
+
+def _intern(s: str) -> str:
+    """One string object for the few kinds, apiVersions and namespaces of a cluster."""
+    if len(_INTERNED) > 100_000:  # a hostile snapshot must not grow this without bound
+        _INTERNED.clear()
+    return _INTERNED.setdefault(s, s)
 
 
 #: an object as parsed, or as remembered once applied
@@ -129,12 +166,22 @@ def _uid(obj: Held) -> str:
     return uid
 
 
-def _same(old: Held | None, new: Mapping[str, Any]) -> bool:
+def _same(old: Held | None, new: Held) -> bool:
     if old is None:
         return False
+    if isinstance(new, ObjectStub):
+        return isinstance(old, ObjectStub) and old.digest == new.digest
     if isinstance(old, ObjectStub):
         return old.digest == digest(new)
     return old == new
+
+
+def _kind(obj: Held) -> str:
+    return obj.kind if isinstance(obj, ObjectStub) else str(obj["kind"])
+
+
+def _load(obj: Held) -> Mapping[str, Any]:
+    return obj.load() if isinstance(obj, ObjectStub) else obj
 
 
 @dataclass
@@ -178,8 +225,13 @@ class SnapshotContent:
         for path, fc in self.files.items():
             objs: list[Held] = []
             for o in fc.objects:
-                d = None if isinstance(o, ObjectStub) or id(o) not in winners else digest(o)
-                objs.append(ObjectStub(o, d) if d is not None else o)  # type: ignore[arg-type]
+                if id(o) not in winners:
+                    objs.append(o)
+                elif isinstance(o, ObjectStub):
+                    objs.append(o.applied() if o.text is not None else o)
+                else:
+                    d = digest(o)
+                    objs.append(ObjectStub(o, d) if d is not None else o)
             out.files[path] = FileContent(
                 fc.path, objs, fc.descriptions, fc.description_errors, fc.description_docs,
                 fc.invalid, fc.uids_derived,
@@ -264,8 +316,13 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
     return files, skipped
 
 
-def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileContent | SkippedFile:
-    """Parse one file; a file that cannot be read or parsed comes back as ``SkippedFile``."""
+def read_file(
+    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False
+) -> FileContent | SkippedFile:
+    """Parse one file; a file that cannot be read or parsed comes back as ``SkippedFile``.
+
+    ``packed``: objects held as :class:`ObjectStub` with their text (see there), as a
+    source reads them; else as parsed dicts."""
     p = Path(path)
     source = str(p)
     try:
@@ -282,7 +339,7 @@ def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileConte
         json_file = p.suffix.lower() == ".json"
         items = _json_items(text) if json_file else _flatten(_parse_yaml(text))
         for where, item in items:
-            _classify(fc, where, item)
+            _classify(fc, where, item, packed)
     except ValueError as e:  # JSONDecodeError is a ValueError
         return SkippedFile(source, f"invalid JSON: {e}")
     except yaml.YAMLError as e:
@@ -295,12 +352,14 @@ def read_file(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> FileConte
     return fc
 
 
-def read_snapshot(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> SnapshotContent:
+def read_snapshot(
+    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False
+) -> SnapshotContent:
     """Every file of a snapshot path, parsed; raises ``SnapshotError`` only for the path."""
     files, skipped = snapshot_files(path)
     content = SnapshotContent(str(path), skipped=list(skipped))
     for f in files:
-        got = read_file(f, max_bytes=max_bytes)
+        got = read_file(f, max_bytes=max_bytes, packed=packed)
         if isinstance(got, SkippedFile):
             content.skipped.append(got)
         else:
@@ -435,7 +494,7 @@ def _flatten(docs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
             yield here, doc
 
 
-def _classify(fc: FileContent, where: str, item: Any) -> None:
+def _classify(fc: FileContent, where: str, item: Any, packed: bool = False) -> None:
     if not isinstance(item, Mapping):
         fc.invalid.append(f"{fc.path}: {where}: not an object but {type(item).__name__}")
         return
@@ -461,7 +520,7 @@ def _classify(fc: FileContent, where: str, item: Any) -> None:
     if kind == "Pod" and api == "v1":
         # what the watches keep of a pod, so a snapshot of a large cluster holds as little
         obj = slim_pod(dict(obj))
-    fc.objects.append(obj)
+    fc.objects.append(hold(obj) if packed else obj)
 
 
 def derived_uid(kind: str, namespace: str, name: str) -> str:
@@ -499,19 +558,20 @@ def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[s
 # -- feeding an engine ------------------------------------------------------------------------
 
 
-def _feed_order(objs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def _feed_order(objs: Iterable[Held]) -> list[Held]:
     """Owners and workloads before pods: pods then attribute in one pass, not re-attribute."""
     items = list(objs)
-    return [o for o in items if o["kind"] != "Pod"] + [o for o in items if o["kind"] == "Pod"]
+    return [o for o in items if _kind(o) != "Pod"] + [o for o in items if _kind(o) == "Pod"]
 
 
-def _upsert(engine: Engine, objs: list[Mapping[str, Any]], report: SnapshotReport) -> ChangeSet:
-    try:
-        return engine.upsert_many(objs)
+def _upsert(engine: Engine, held: list[Held], report: SnapshotReport) -> ChangeSet:
+    try:  # objects held as text are parsed one at a time, as the engine takes them
+        return engine.upsert_many(_load(o) for o in held)
     except Exception:  # an engine bug on one object must not cost the rest
         log.exception("snapshot: engine failed on a batch; retrying object by object")
     cs = ChangeSet()
-    for obj in objs:
+    for o in held:
+        obj = _load(o)
         try:
             cs.merge(engine.upsert(obj))
         except Exception as e:
@@ -550,11 +610,11 @@ def apply_content(
     old = previous.objects() if previous is not None else {}
     gone = [o.as_object() if isinstance(o, ObjectStub) else o
             for uid, o in old.items() if uid not in objs]
-    # a stub is a kept file's object that won before too: applied as it is
+    # a stub without text is a kept file's object that won before too: applied as it is
     fresh = [o for uid, o in objs.items()
-             if not isinstance(o, ObjectStub) and not _same(old.get(uid), o)]
+             if not (isinstance(o, ObjectStub) and o.text is None) and not _same(old.get(uid), o)]
     for o in objs.values():
-        report.objects[o.kind if isinstance(o, ObjectStub) else o["kind"]] += 1
+        report.objects[_kind(o)] += 1
     if gone:
         changes.merge(engine.delete_many(gone))
     if fresh:
@@ -643,7 +703,7 @@ class SnapshotSource:
     async def start(self) -> None:
         """Load, apply to the index, mark it ready and fresh; raises ``SnapshotError``."""
         self._signature = await asyncio.to_thread(_signature, self.path)
-        content = await asyncio.to_thread(read_snapshot, self.path)
+        content = await asyncio.to_thread(read_snapshot, self.path, packed=True)
         if not content.files:
             reasons = "; ".join(str(s) for s in content.skipped[:5]) or "no snapshot files"
             raise SnapshotError(f"snapshot {self.path}: nothing could be loaded: {reasons}")
@@ -669,7 +729,7 @@ class SnapshotSource:
         assert self._content is not None, "start() first"
         self._signature = await asyncio.to_thread(_signature, self.path)
         try:
-            content = await asyncio.to_thread(read_snapshot, self.path)
+            content = await asyncio.to_thread(read_snapshot, self.path, packed=True)
         except SnapshotError as e:  # the whole path vanished: keep serving what we have
             log.error("snapshot: reload failed, keeping the last state", extra={"error": str(e)})
             content = SnapshotContent(self.path, skipped=[SkippedFile(self.path, str(e))])

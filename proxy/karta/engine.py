@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -418,6 +419,25 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _interned(m: Any, *, values: bool) -> Any:
+    """A pod's label (or annotation) map as the engine keeps it: its own copy, keys (and
+    label values) interned, so the pods of a workload share one string per key and value
+    instead of a copy each (~10 MB at 37.5k pods). ``sys.intern`` strings die with their
+    last user, so churn does not accumulate them. Anything but a string map is kept as
+    it is (selectors decide what it means)."""
+    if type(m) is not dict:
+        return m
+    intern = sys.intern
+    out: dict[Any, Any] = {}
+    for k, v in m.items():
+        if type(k) is str:
+            k = intern(k)
+        if values and type(v) is str:
+            v = intern(v)
+        out[k] = v
+    return out
+
+
 def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
     """Best-effort root kind of a description object that failed to parse."""
     try:
@@ -642,7 +662,8 @@ class Engine:
         self, obj: Mapping[str, Any], md: Mapping[str, Any], uid: str, cs: ChangeSet
     ) -> None:
         ns, name = md.get("namespace") or "", md.get("name") or ""
-        labels, ann = md.get("labels"), md.get("annotations")
+        labels = _interned(md.get("labels"), values=True)
+        ann = _interned(md.get("annotations"), values=False)
         owner = controller_ref(md.get("ownerReferences"))
         rec = self._pods.get(uid)
         same_owner = False
@@ -660,7 +681,7 @@ class Engine:
                 if rec.wl:
                     self._dirty.add(rec.wl)
             return  # nothing a selector or a walk reads has changed
-        rec.namespace, rec.name = str(ns), str(name)
+        rec.namespace, rec.name = sys.intern(str(ns)), str(name)
         rec.labels, rec.annotations = labels, ann
         owner_changed = not same_owner
         if owner_changed:

@@ -1,0 +1,235 @@
+"""Where karta-proxy's memory goes at start, phase by phase (#8's peak RSS target).
+
+The phases are the ones ``proxy.runtime.Proxy.start`` goes through with ``--snapshot``,
+run in this process on the parts the runtime builds (engine with the built-in
+descriptions, index, native splice's pod table, fact writer), in the runtime's order:
+
+1. ``import``: the proxy's modules and the empty parts;
+2. ``snapshot parse``: ``read_snapshot`` (JSON List read one item at a time, pods slimmed);
+3. ``engine``: ``apply_content``, every object through the Karta engine;
+4. ``index fill``: ``PodIndex.apply`` of the engine's change set;
+5. ``pod table fill``: the ``Enricher`` filling the native splice's per-pod table;
+6. ``source settled``: what ``SnapshotSource`` keeps once ``start`` returns;
+7. ``first fact write``: ``FactWriter.iter_requests``, each body dropped once made (as
+   ``write_once`` sends them);
+8. ``malloc_trim``: glibc's ``malloc_trim(0)`` (what returning free heap to the OS buys).
+
+Per phase: RSS after it, the phase's own peak RSS (``VmHWM`` reset with ``clear_refs``
+before it), and with ``--tracemalloc`` the Python heap after it, its peak, and the top
+allocation sites of what the phase left alive. tracemalloc slows the run ~3x and adds
+its own bookkeeping to RSS, so RSS figures come from a run without it.
+
+The default snapshot is the high-cardinality benchmark's cluster (``relay/highcard.py``:
+``corpus.build_cluster(37500, long_names=True)`` written as a JSON List), built once and
+cached under ``--work``.
+
+    python3 benchmarks/memory_bench.py [--pods 37500] [--tracemalloc] [--snapshot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+MB = 1024 * 1024
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` figure in bytes (``VmRSS``, ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class Phase:
+    name: str
+    rss: int
+    peak: int
+    seconds: float
+    traced: int = 0
+    traced_peak: int = 0
+    top: str = ""
+
+
+class Meter:
+    """Measures one phase at a time: RSS, the phase's own peak, optionally tracemalloc."""
+
+    def __init__(self, trace: bool, top: int) -> None:
+        self.trace = trace
+        self.top = top
+        self.phases: list[Phase] = []
+        self._snap: tracemalloc.Snapshot | None = None
+        if trace:
+            tracemalloc.start(1)
+            self._snap = tracemalloc.take_snapshot()
+
+    def begin(self) -> float:
+        _reset_peak()
+        if self.trace:
+            tracemalloc.reset_peak()
+        return time.perf_counter()
+
+    def end(self, name: str, started: float) -> None:
+        seconds = time.perf_counter() - started
+        gc.collect()
+        ph = Phase(name, _status("VmRSS"), _status("VmHWM"), seconds)
+        if self.trace:
+            ph.traced, ph.traced_peak = tracemalloc.get_traced_memory()
+            snap = tracemalloc.take_snapshot().filter_traces(
+                (tracemalloc.Filter(False, tracemalloc.__file__),)
+            )
+            if self._snap is not None:
+                diff = snap.compare_to(self._snap, "lineno")[: self.top]
+                ph.top = "\n".join(
+                    f"      {d.size_diff / MB:+8.1f} MB {d.count_diff:+9d} blocks  "
+                    f"{d.traceback[0].filename.split('/work/main/')[-1]}:{d.traceback[0].lineno}"
+                    for d in diff
+                    if abs(d.size_diff) >= 512 * 1024
+                )
+            self._snap = snap
+        self.phases.append(ph)
+        print(self.line(ph), flush=True)
+        if ph.top:
+            print(ph.top, flush=True)
+
+    def line(self, ph: Phase) -> str:
+        out = f"{ph.name:<20} rss {ph.rss / MB:7.1f} MB  peak {ph.peak / MB:7.1f} MB  "
+        out += f"{ph.seconds:6.2f} s"
+        if self.trace:
+            out += f"  heap {ph.traced / MB:7.1f} MB  heap peak {ph.traced_peak / MB:7.1f} MB"
+        return out
+
+
+def _snapshot(args: argparse.Namespace) -> Path:
+    if args.snapshot:
+        return Path(args.snapshot)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"highcard-{args.pods}.json"
+    if not path.exists():
+        from relay import corpus, highcard
+
+        cluster = corpus.build_cluster(args.pods, seed=7, long_names=True)
+        highcard.write_snapshot_json(cluster, path)
+        del cluster
+    return path
+
+
+def malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``; False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))
+
+
+def run(args: argparse.Namespace) -> list[Phase]:
+    snapshot = _snapshot(args)
+    print(f"snapshot {snapshot} ({snapshot.stat().st_size / MB:.1f} MB)", flush=True)
+    gc.collect()
+    start_rss = _status("VmRSS")
+    m = Meter(args.tracemalloc, args.top)
+    t = m.begin()
+    from proxy.attribution import Enricher
+    from proxy.config import FactSettings, Settings
+    from proxy.facts import FactWriter
+    from proxy.index import PodIndex
+    from proxy.karta.engine import Engine
+    from proxy.snapshot import SnapshotSource, apply_content, read_snapshot
+
+    settings = Settings()
+    index = PodIndex(tombstone_seconds=settings.karta.tombstone_seconds)
+    engine = Engine(builtins=settings.karta.builtins,
+                    max_owner_hops=settings.karta.max_owner_hops)
+    m.end("import", t)
+
+    t = m.begin()
+    content = read_snapshot(snapshot, packed=True)  # as SnapshotSource reads it
+    m.end("snapshot parse", t)
+
+    t = m.begin()
+    report = apply_content(content, engine)
+    m.end("engine", t)
+
+    t = m.begin()
+    index.apply(report.changes)
+    m.end("index fill", t)
+
+    t = m.begin()
+    enricher = Enricher(index, list(settings.enrich.pod_label_pairs),
+                        conflict_policy=settings.enrich.conflict_policy,
+                        pod_label_rules=settings.enrich.pod_label_rules)
+    m.end("pod table fill", t)
+
+    t = m.begin()
+    # what SnapshotSource.start keeps: its change set goes with the report, the content
+    # stays only as the source keeps it (SnapshotSource.retain)
+    source = SnapshotSource(str(snapshot), engine, index)
+    source._content, source.report = content.compact(), report
+    del content, report
+    m.end("source settled", t)
+
+    t = m.begin()
+    writer = FactWriter(FactSettings(), index, _no_send)
+    size = 0
+    for body in writer.iter_requests(int(time.time() * 1000)):  # as write_once sends them
+        size += len(body)
+        del body
+    series = writer.last_series
+    writer.commit()
+    m.end("first fact write", t)
+    print(f"{'':<20} {series:,} fact series, {size / MB:.1f} MB of bodies", flush=True)
+
+    t = m.begin()
+    trimmed = malloc_trim()
+    m.end("malloc_trim" if trimmed else "malloc_trim (none)", t)
+
+    peak = max(p.peak for p in m.phases)
+    print(f"\nprocess at start {start_rss / MB:.1f} MB; peak over the phases "
+          f"{peak / MB:.1f} MB; settled {m.phases[-1].rss / MB:.1f} MB "
+          f"({len(index):,} pods in the index)", flush=True)
+    # keep the parts alive until here, as a running proxy does
+    del enricher, writer, engine, source
+    return m.phases
+
+
+async def _no_send(body: bytes) -> None:
+    return None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pods", type=int, default=37_500)
+    p.add_argument("--snapshot", help="a snapshot path instead of the benchmark's cluster")
+    p.add_argument("--work", default="/tmp/karta-memory-bench", help="where the snapshot is cached")
+    p.add_argument("--tracemalloc", action="store_true", help="Python heap per phase and its top sites")
+    p.add_argument("--top", type=int, default=8, help="allocation sites shown per phase")
+    args = p.parse_args()
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
