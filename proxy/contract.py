@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.0.0"
+CONTRACT_VERSION = "1.1.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -101,6 +101,7 @@ FACT_LABEL_PHASE = "phase"  # a generic phase (GENERIC_PHASES)
 FACT_LABEL_STATUS = "status"  # a generic status (GENERIC_PHASES)
 FACT_LABEL_RESOURCE = "resource"  # a watched resource, e.g. "pods", "jobs.batch"
 FACT_LABEL_VERSION = "version"  # contract or build version
+FACT_LABEL_SPLICE = "splice"  # which splice runs: "native", or "python" (the fallback)
 
 #: The identity of a workload in fact series: the stamped labels that name it.
 WORKLOAD_IDENTITY_LABELS: tuple[str, ...] = (

@@ -1,21 +1,28 @@
 """The proxy's own operational metrics, on a registry of its own (served on ``/metrics``).
 
 A private ``CollectorRegistry`` per proxy keeps tests and in-process peers from sharing
-counters; other parts (kube source, facts) register their collectors on ``registry``.
+counters; other parts (kube source, facts) register their collectors on ``registry``. The
+standard ``process_*`` / ``python_*`` collectors are registered here too, since the private
+registry does not get the default registry's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy import __version__
-from proxy.contract import CONTRACT_VERSION
 from proxy.index import PodIndex
-from proxy.wire.native import DEFAULT as SPLICE
 
 _P = "karta_proxy_"
 
@@ -129,12 +136,12 @@ class ProxyMetrics:
             _P + "inflight_bytes", "Request body bytes (compressed + decoded) held right now.",
             registry=r,
         )
-        self.build_info = Gauge(
-            _P + "build_info", "Version of the proxy, of its metric contract, and which "
-            "splice runs (native or python).",
-            ["version", "contract_version", "splice"], registry=r,
-        )
-        self.build_info.labels(__version__, CONTRACT_VERSION, SPLICE).set(1)
+        # process_* (CPU, RSS, open fds, start time), python_info and python_gc_*: what
+        # stock dashboards and alerts read from any Python target. The build-info series is
+        # the contract's karta_build_info (proxy/facts.py), registered with the facts.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         # named after Prometheus' prometheus_config_last_reload_*: the same alerts work
         self.config_reload_successful = Gauge(
             _P + "config_last_reload_successful", "1 when the last configuration load (the "

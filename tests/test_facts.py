@@ -284,7 +284,11 @@ def test_freshness_contract_and_build_facts() -> None:
     }
     import proxy
 
-    assert by_name(series, contract.FACT_BUILD_INFO) == {(("version", proxy.__version__),): 1.0}
+    from proxy.wire.native import DEFAULT as SPLICE
+
+    assert by_name(series, contract.FACT_BUILD_INFO) == {
+        (("splice", SPLICE), ("version", proxy.__version__)): 1.0
+    }
 
 
 # -- encoding ----------------------------------------------------------------------------------

@@ -73,6 +73,26 @@ async def test_metrics_pod_facts_switch(tmp_path: Path) -> None:
     assert 'karta_pod_info{' in text and 'pod="cart-7d9f8-abcde"' in text
 
 
+async def test_metrics_has_the_standard_collectors_and_one_build_info(tmp_path: Path) -> None:
+    """Stock dashboards read process_* and python_*; exactly one *_build_info series."""
+    from proxy import __version__
+    from proxy.wire.native import DEFAULT as SPLICE
+
+    p = Proxy(snapshot_settings(tmp_path))
+    await p.start()
+    try:
+        text = await get_text(p, "/metrics")
+    finally:
+        await p.stop()
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    for prefix in ("process_cpu_seconds_total ", "process_resident_memory_bytes ",
+                   "process_open_fds ", "process_start_time_seconds ", "python_info{",
+                   "python_gc_objects_collected_total{"):
+        assert any(s.startswith(prefix) for s in samples), prefix
+    build = [s for s in samples if s.split("{")[0].split(" ")[0].endswith("_build_info")]
+    assert build == [f'karta_build_info{{splice="{SPLICE}",version="{__version__}"}} 1.0']
+
+
 async def get_text(p: Proxy, path: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(
         f"http://127.0.0.1:{p.port}{path}"
