@@ -61,13 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version",
                    version=f"{PROG} {__version__} (contract {CONTRACT_VERSION}, "
                    f"{SPLICE} splice)")
-    p.add_argument("--config", metavar="FILE",
+    p.add_argument("--config", "--config.file", metavar="FILE", dest="config",
                    help="YAML file holding any setting (see config/karta-proxy.yaml); flags "
-                   "override it")
+                   "override it (--config.file: Prometheus' name)")
     g = p.add_argument_group("serving")
-    g.add_argument("--listen-address", metavar="HOST:PORT",
+    g.add_argument("--listen-address", "--web.listen-address", metavar="HOST:PORT",
+                   dest="listen_address",
                    help="address to serve remote write and /metrics on (server.listen_address; "
-                   "default 0.0.0.0:9091)")
+                   "default 0.0.0.0:9091; --web.listen-address: Prometheus' name)")
     g.add_argument("--forward-before-ready", action="store_true", default=None,
                    help="until the index is loaded, forward requests unenriched (and report "
                    "ready) instead of answering 503 (server.forward_before_ready)")
@@ -86,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "RequireAndVerifyClientCert with a client CA, else NoClientCert)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (log_level; default info)")
-    g.add_argument("--log-format", choices=("json", "text"),
-                   help="log format (log_format; default json)")
+    g.add_argument("--log-format", choices=("auto", "json", "text"),
+                   help="log format (log_format; default auto: text when stderr is a "
+                   "terminal, else JSON)")
     g = p.add_argument_group("upstream")
     g.add_argument("--upstream-url", metavar="URL",
                    help="remote-write URL of the TSDB to forward to, e.g. "

@@ -223,14 +223,15 @@ class Settings:
     #: updates, and it keeps the snapshot's freshness fact current while the files are
     snapshot_reload_seconds: float = 30.0
     log_level: str = "info"
-    #: "json" or "text"
-    log_format: str = "json"
+    #: "auto" (text when stderr is a terminal, else JSON), "json" or "text": a person at a
+    #: terminal reads lines, a log pipeline (kubectl logs, journald, a file) parses objects
+    log_format: str = "auto"
 
 
 # -- loading ------------------------------------------------------------------------------
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_LOG_FORMATS = ("json", "text")
+_LOG_FORMATS = ("auto", "json", "text")
 _PROTOCOLS = ("auto", "v1", "passthrough")
 _ENCODINGS = ("snappy", "zstd", "same")
 _CONFLICT_POLICIES = ("replace", "keep")

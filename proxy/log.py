@@ -1,7 +1,9 @@
 """Structured logs: one JSON object per line, so log pipelines can filter on fields.
 
 Callers pass context through ``extra={...}``; every extra key becomes a top-level field.
-``text`` format exists for people reading a terminal.
+``text`` format exists for people reading a terminal; ``auto`` (the default) picks it when
+stderr is one, as Prometheus' own tools do, so a first run reads well and a container's log
+still parses.
 """
 
 from __future__ import annotations
@@ -50,10 +52,22 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(level: str = "info", fmt: str = "json", stream: IO[str] | None = None) -> None:
+def resolve_format(fmt: str, stream: IO[str]) -> str:
+    """``auto`` -> ``text`` on a terminal, ``json`` otherwise; other formats stay."""
+    if fmt != "auto":
+        return fmt
+    try:
+        return "text" if stream.isatty() else "json"
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return "json"
+
+
+def setup_logging(level: str = "info", fmt: str = "auto", stream: IO[str] | None = None) -> None:
     """Configure the root logger once per process (replaces earlier handlers)."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    out = stream or sys.stderr
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter() if resolve_format(fmt, out) == "json"
+                         else TextFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -148,6 +148,28 @@ def test_tls_flags_set_the_server_keys(tmp_path: Path) -> None:
         "karta-proxy: error: server.tls_cert_file and server.tls_key_file: set both or neither"]
 
 
+def test_prometheus_flag_names_are_aliases(tmp_path: Path) -> None:
+    """--web.listen-address and --config.file, as Prometheus and the exporters spell them."""
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text("upstream: {url: 'http://tsdb:9090/api/v1/write'}\nlog_format: text\n")
+    s = settings_from_args(build_parser().parse_args(
+        ["--config.file", str(cfg), "--web.listen-address", "127.0.0.1:19091"]), env={})
+    assert s.upstream.url == "http://tsdb:9090/api/v1/write" and s.log_format == "text"
+    assert s.server.listen_address == "127.0.0.1:19091"
+    same = settings_from_args(build_parser().parse_args(
+        ["--config", str(cfg), "--listen-address", "127.0.0.1:19091"]), env={})
+    assert same == s
+    text = build_parser().format_help()
+    assert "--web.listen-address" in text and "--config.file" in text
+
+
+def test_log_format_flag_takes_auto() -> None:
+    args = ["--upstream-url", "http://x:1"]
+    assert settings_from_args(build_parser().parse_args(args), env={}).log_format == "auto"
+    s = settings_from_args(build_parser().parse_args([*args, "--log-format", "json"]), env={})
+    assert s.log_format == "json"
+
+
 def test_validation_error_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         settings_from_args(build_parser().parse_args([]), env={})

@@ -1,0 +1,84 @@
+"""Log formats: JSON for pipelines, text for people, ``auto`` choosing by whether stderr is
+a terminal (a real pseudo-terminal here, not a stand-in)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from proxy.log import resolve_format, setup_logging
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def pty_stream() -> Iterator[IO[str]]:
+    primary, secondary = os.openpty()
+    stream = os.fdopen(secondary, "w")
+    try:
+        yield stream
+    finally:
+        stream.close()
+        os.close(primary)
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logger() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_auto_is_text_on_a_terminal_and_json_elsewhere(pty_stream: IO[str]) -> None:
+    assert resolve_format("auto", pty_stream) == "text"
+    assert resolve_format("auto", io.StringIO()) == "json"
+    with open(os.devnull, "w") as devnull:  # a file, not a terminal
+        assert resolve_format("auto", devnull) == "json"
+    # a configured format is kept whatever the stream
+    assert resolve_format("json", pty_stream) == "json"
+    assert resolve_format("text", io.StringIO()) == "text"
+
+
+def test_setup_logging_auto_writes_json_to_a_pipe() -> None:
+    out = io.StringIO()
+    setup_logging("info", "auto", stream=out)
+    logging.getLogger("karta.test").info("hello", extra={"port": 1})
+    rec = json.loads(out.getvalue())
+    assert (rec["msg"], rec["port"], rec["level"]) == ("hello", 1, "info")
+
+
+def test_text_format_is_one_readable_line() -> None:
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    logging.getLogger("karta.test").warning("upstream slow", extra={"upstream_status": 503})
+    line = out.getvalue()
+    assert line.count("\n") == 1 and not line.startswith("{")
+    assert "warning karta.test: upstream slow upstream_status=503" in line
+
+
+def test_the_default_is_auto() -> None:
+    from proxy.config import Settings
+
+    assert Settings().log_format == "auto"
+
+
+def test_a_process_logging_into_a_pipe_logs_json() -> None:
+    """The default, end to end: a child whose stderr is a pipe (a container log) gets JSON."""
+    code = ("import logging; from proxy.config import Settings; from proxy.log import "
+            "setup_logging; s = Settings(); setup_logging(s.log_level, s.log_format); "
+            "logging.getLogger('karta.x').info('up')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stderr)["msg"] == "up"
