@@ -45,7 +45,10 @@ log_level; other changed keys are logged and wait for a restart. An invalid new 
 keeps the old one (karta_proxy_config_last_reload_successful 0). TLS files are re-read
 when they change.
 
-Exit codes: 0 after SIGTERM/SIGINT, 1 when starting fails, 2 for an invalid setting.
+Exit codes: 0 after SIGTERM/SIGINT; 2 for an invalid setting; 1 when starting fails (the
+port is taken, the snapshot cannot be loaded, no cluster is configured, ...). Either
+failure is one line on stderr, "karta-proxy: error: ...", naming what to fix, before
+anything listens. An API server that does not answer yet is waited for (not ready).
 """
 
 
@@ -189,7 +192,9 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    from proxy.log import error_line
+
+    error_line(message)
     return EXIT_USAGE
 
 

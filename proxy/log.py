@@ -52,6 +52,17 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+#: the program name that starts an operator-facing error line
+PROG = "karta-proxy"
+
+
+def error_line(message: str, stream: IO[str] | None = None) -> None:
+    """The one plain line a failed start ends with, whatever failed (a setting, the port,
+    the snapshot, the cluster): ``karta-proxy: error: ...``, as argparse words its own, so
+    a person and a supervisor's log see the same thing whatever the log format."""
+    print(f"{PROG}: error: {message}", file=stream or sys.stderr, flush=True)
+
+
 def resolve_format(fmt: str, stream: IO[str]) -> str:
     """``auto`` -> ``text`` on a terminal, ``json`` otherwise; other formats stay."""
     if fmt != "auto":

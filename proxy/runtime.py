@@ -2,8 +2,12 @@
 fact writer, server; an orderly shutdown on SIGTERM / SIGINT; a reload on SIGHUP or
 ``POST /-/reload`` (what it applies: ``proxy.reload``).
 
-Start order puts the HTTP server up before the index source, so liveness answers while
-the cluster state loads and readiness turns green when it is in. Stop order is the
+Start order puts the HTTP server up before the Kubernetes source lists, so liveness
+answers while the cluster state loads and readiness turns green when it is in. What can
+only be fixed by the operator is found before the server says "listening": the cluster
+connection is configured first, and a snapshot (read in a moment, and either loadable or
+not) is loaded first. Such a failure is a ``StartError`` whose message names what to fix;
+``serve`` prints it as one plain line and returns ``EXIT_START``. Stop order is the
 reverse: stop taking requests, let in-flight ones finish, then stop the sources.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import time
@@ -27,6 +32,7 @@ from proxy.config import ConfigError, EnrichSettings, Settings, parse_host_port
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
+from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome, merge
 from proxy.server import build_app, start_site
@@ -35,6 +41,29 @@ from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
 
 log = logging.getLogger("karta.runtime")
+
+#: exit code of a start that failed (port, snapshot, cluster connection, ...); settings
+#: errors are 2 (proxy/cli.py), a clean stop 0
+EXIT_START = 1
+
+
+class StartError(Exception):
+    """A start that cannot succeed until the operator changes something; the message says
+    what failed and what to fix, in one line."""
+
+
+def _listen_error(address: str, e: OSError) -> StartError:
+    why = e.strerror or str(e)
+    if e.errno == errno.EADDRINUSE:
+        fix = ("another process holds the port: stop it, or set --listen-address "
+               "(server.listen_address) to a free one")
+    elif e.errno == errno.EACCES:
+        fix = "ports below 1024 need privileges: use a higher port in --listen-address"
+    elif e.errno == errno.EADDRNOTAVAIL:
+        fix = "the host is not an address of this machine: fix --listen-address"
+    else:
+        fix = "fix --listen-address (server.listen_address)"
+    return StartError(f"cannot listen on {address}: {why}; {fix}")
 
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
@@ -151,7 +180,37 @@ class Proxy:
                                            else "")
         kube_registry = CollectorRegistry()
         self.metrics.registry.register(RegistryView(kube_registry, SHARED_INDEX_FAMILIES))
-        return KubeSource(s.kube, self.engine, self.index, metrics_registry=kube_registry)
+        return KubeSource(s.kube, self.engine, self.index, metrics_registry=kube_registry,
+                          client=self._kube_client)
+
+    async def _connect_cluster(self) -> Any:
+        """The one cluster connection (source and Lease share it). Only the configuration
+        is loaded here: an API server that does not answer yet is waited for (the process
+        serves, not ready), but no kubeconfig or service account at all cannot get better."""
+        if self._kube_client is None:
+            from proxy.kube.client import KubeClient
+
+            s = self.settings.kube
+            try:
+                self._kube_client = await KubeClient.connect(s)
+            except Exception as e:
+                where = (f"kubeconfig {s.kubeconfig}" if s.kubeconfig
+                         else "no kubeconfig, no in-cluster service account")
+                raise StartError(
+                    f"no Kubernetes cluster to watch ({where}): {type(e).__name__}: {e}; set "
+                    "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a service "
+                    "account, or use --snapshot") from e
+        return self._kube_client
+
+    async def _load_snapshot(self) -> None:
+        from proxy.snapshot import SnapshotError
+
+        assert self.source is not None
+        try:
+            await self.source.start()
+        except SnapshotError as e:
+            raise StartError(f"{e}; fix the file or point --snapshot (snapshot) at another"
+                             ) from e
 
     def _decide_fact_writing(self) -> bool:
         """Fact series describe the whole cluster; a node-mode replica sees one node's pods,
@@ -185,15 +244,15 @@ class Proxy:
         f = self.settings.facts
         if not (self.writes_facts and f.leader_election):
             return
-        from proxy.kube.client import KubeClient, default_namespace
+        from proxy.kube.client import default_namespace
         from proxy.lease import LeaseElector
 
         self.lease_namespace = f.lease_namespace or default_namespace()
         log.info("fact writer election", extra={
             "lease": f"{self.lease_namespace}/{f.lease_name}",
             "namespace_from": "setting" if f.lease_namespace else "own namespace"})
-        self._kube_client = await KubeClient.connect(self.settings.kube)
-        self._elector = LeaseElector(self._kube_client.api, self.lease_namespace, f.lease_name,
+        client = await self._connect_cluster()
+        self._elector = LeaseElector(client.api, self.lease_namespace, f.lease_name,
                                      f.identity, f.lease_duration_seconds)
         self._elector_task = asyncio.create_task(self._elector.run(), name="fact-lease")
 
@@ -218,7 +277,11 @@ class Proxy:
         warn_if_python()
         await self.upstream.start(check=True)
         self._load_description_files()
+        if not s.snapshot:
+            await self._connect_cluster()
         self.source = self._make_source()
+        if s.snapshot:
+            await self._load_snapshot()
         await self._start_elector()
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
@@ -227,11 +290,15 @@ class Proxy:
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:
             self.tls = self._make_tls()
-        self._runner, self.port = await start_site(
-            app, host, port, ssl_context=self.tls.context if self.tls is not None else None)
+        try:
+            self._runner, self.port = await start_site(
+                app, host, port, ssl_context=self.tls.context if self.tls is not None else None)
+        except OSError as e:
+            raise _listen_error(s.server.listen_address, e) from e
         if self.tls is not None:
             self.tls.start()
-        await self.source.start()
+        if not s.snapshot:
+            await self.source.start()
         if self.facts is not None:
             await self.facts.start()
         self._expire_task = asyncio.create_task(self._expire_loop())
@@ -402,9 +469,11 @@ async def serve(
     error = starting.exception()
     if error is not None:
         stopping.cancel()
-        log.error("cannot start", extra={"error": f"{type(error).__name__}: {error}"})
         await _quietly(proxy.stop())
-        return 1
+        # after the stop's own log lines: the last line on stderr says what to fix
+        error_line(str(error) if isinstance(error, StartError)
+                   else f"cannot start: {type(error).__name__}: {error}")
+        return EXIT_START
     if ready is not None:
         ready.set()
     await stopping

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -228,6 +229,64 @@ async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> N
     msgs = [rec["msg"] for rec in lines]
     assert "karta-proxy started" in msgs and "karta-proxy stopped" in msgs
     assert all({"ts", "level", "logger", "msg"} <= rec.keys() for rec in lines)
+
+
+def _start_failure(args: list[str], env: dict[str, str] | None = None
+                   ) -> tuple[int, str, list[dict[str, object]]]:
+    """Run the real process to its failed start: exit code, the plain lines, the log."""
+    r = subprocess.run([sys.executable, "-m", "proxy", *args], cwd=REPO, capture_output=True,
+                       text=True, timeout=60, env=env)
+    lines = r.stderr.splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    plain = [line for line in lines if not line.startswith("{")]
+    return r.returncode, "\n".join(plain), records
+
+
+def _assert_reported(code: int, plain: str, records: list[dict[str, object]],
+                     *fragments: str) -> None:
+    assert code == 1
+    assert plain.count("\n") == 0 and plain.startswith("karta-proxy: error: "), plain
+    for fragment in fragments:
+        assert fragment in plain, (fragment, plain)
+    msgs = [rec["msg"] for rec in records]
+    assert "listening" not in msgs and "karta-proxy started" not in msgs, msgs
+    assert not any(rec["level"] == "error" for rec in records), records
+
+
+def test_a_taken_port_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code, plain, records = _start_failure([
+            "--snapshot", str(snap), "--upstream-url", "http://127.0.0.1:9/api/v1/write",
+            "--no-facts", "--web.listen-address", f"127.0.0.1:{port}"])
+    _assert_reported(code, plain, records, f"cannot listen on 127.0.0.1:{port}",
+                     "another process holds the port", "--listen-address")
+
+
+def test_an_unloadable_snapshot_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.yaml"
+    snap.write_text("kind: [unclosed\n  : : :\n")
+    code, plain, records = _start_failure([
+        "--snapshot", str(snap), "--upstream-url", "http://127.0.0.1:9/api/v1/write",
+        "--no-facts", "--listen-address", f"127.0.0.1:{_free_port()}"])
+    _assert_reported(code, plain, records, f"snapshot {snap}", "nothing could be loaded",
+                     "--snapshot")
+
+
+def test_no_cluster_to_watch_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """No kubeconfig, no service account, no ~/.kube/config: nothing to wait for."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+    env["HOME"] = str(tmp_path)
+    code, plain, records = _start_failure([
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
+        "--listen-address", f"127.0.0.1:{_free_port()}"], env=env)
+    _assert_reported(code, plain, records, "no Kubernetes cluster to watch", "--kubeconfig",
+                     "--snapshot")
 
 
 def test_demo_subcommand() -> None:

@@ -93,6 +93,26 @@ async def test_metrics_has_the_standard_collectors_and_one_build_info(tmp_path: 
     assert build == [f'karta_build_info{{splice="{SPLICE}",version="{__version__}"}} 1.0']
 
 
+async def test_serve_reports_a_failed_start_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serve() turns a start failure into EXIT_START and one plain line naming the fix;
+    nothing listens (the port stays the other holder's)."""
+    import socket
+
+    from proxy.runtime import EXIT_START, serve
+
+    s = snapshot_settings(tmp_path)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        s.server.listen_address = f"127.0.0.1:{holder.getsockname()[1]}"
+        assert await asyncio.wait_for(serve(s), 30) == EXIT_START
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"karta-proxy: error: cannot listen on {s.server.listen_address}")
+    assert "cannot start" not in "\n".join(err)
+
+
 async def get_text(p: Proxy, path: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(
         f"http://127.0.0.1:{p.port}{path}"
