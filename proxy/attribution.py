@@ -157,16 +157,19 @@ def _reference_decision(
     if "" in names or len(set(names)) != len(names):
         raise DecodeError("invalid_labels", 400, "an empty or repeated label name")
     present = dict(labels)
+    in_order = names == sorted(names)
     if conflict_policy == "keep" and present.get(contract.LABEL_WORKLOAD):
-        return None, "", False
+        return (None if in_order else sorted(labels)), "", False
 
     def dropped(name: str) -> bool:
         return name in contract.STAMPED_LABELS or (
             sender_karta_labels == "drop" and name.startswith(contract.STAMPED_PREFIX))
 
     def unstamped(reason: str) -> tuple[list[tuple[str, str]] | None, str, bool]:
+        # whatever else happens, the labels go out sorted
         kept = [(n, v) for n, v in labels if sender_karta_labels == "keep" or not dropped(n)]
-        return (kept, reason, True) if len(kept) != len(labels) else (None, reason, False)
+        lost = len(kept) != len(labels)
+        return (None if in_order and not lost else sorted(kept)), reason, lost
 
     rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
     metric = present.get("__name__", "")

@@ -2331,6 +2331,28 @@ kept_labels(Req *r, const Lab *labs, size_t n)
     return k;
 }
 
+/* The labels of a series that is not stamped, as they go out: `k` of them (k < n: those
+ * kept_labels left in r->merged; k == n: all of `labs`), stably sorted by name (a sender
+ * that does not sort would otherwise reach the TSDB so). NULL on OOM. */
+static const Lab *
+sorted_labels(Req *r, const Lab *labs, size_t n, size_t k)
+{
+    if (k == n) {
+        r->merged.len = 0;
+        Lab *m = vec_push(&r->merged, n ? n : 1);
+        if (m == NULL)
+            return NULL;
+        memcpy(m, labs, n * sizeof(Lab));
+    }
+    r->tmp.len = 0;
+    Lab *t = vec_push(&r->tmp, k ? k : 1);
+    if (t == NULL)
+        return NULL;
+    Lab *m = r->merged.data;
+    lab_sort(m, t, k);
+    return m;
+}
+
 /* Stage C: look the pod up and splice the series. */
 static void
 finish_v1(Req *r, Pending *P)
@@ -2348,14 +2370,19 @@ finish_v1(Req *r, Pending *P)
     int drop_sent = r->plan->drop_sent;
     if (en == NULL || en->nlabels == 0) {
         /* not stamped: under drop_sent the sender's karta_* labels go; `keep` (reason -1
-         * from stage A) lets the sender's attribution pass */
+         * from stage A) lets the sender's attribution pass; unsorted labels go out sorted */
+        size_t k = n;
         if (drop_sent && P->reason != -1) {
-            size_t k = kept_labels(r, labs, n);
-            if (k != (size_t)-1 && k != n) {
-                r->stripped++;
-                emit_series_v1(r, P, r->merged.data, k);
-            }
+            k = kept_labels(r, labs, n);
+            if (k == (size_t)-1)
+                return;
+            r->stripped += k != n;
         }
+        if (P->sorted && k == n)
+            return;
+        const Lab *m = sorted_labels(r, labs, n, k);
+        if (m != NULL)
+            emit_series_v1(r, P, m, k);
         return;
     }
     size_t at = stamp_position(labs, n, en, in_front && P->sorted && !P->any_stamped);
@@ -2424,6 +2451,15 @@ walk_v1(Req *r, size_t n)
             if (!rd_field(raw, pos, n, &f, &r->err))
                 break;
             pos = f.end;
+            if ((f.number == 4 || f.number == 5) && f.wt == 2) {
+                /* RW 2.0's symbols / timeseries: a 2.0 body sent as 1.0 would be read as
+                 * an empty request and answered 2xx with nothing stored */
+                err_set(&r->err, "protocol_mismatch",
+                        "the body is an RW 2.0 request (symbols / timeseries fields 4, 5) but "
+                        "the Content-Type says RW 1.0: send it as "
+                        "application/x-protobuf;proto=io.prometheus.write.v2.Request");
+                break;
+            }
             if (f.number != 1)
                 continue;
             if (f.wt != 2) {
@@ -2503,6 +2539,14 @@ v2_scan(Req *r, V2 *v, size_t n)
         Field f;
         if (!rd_field(raw, pos, n, &f, e))
             return 0;
+        if ((f.number == 1 || f.number == 3) && f.wt == 2) {
+            /* reserved in 2.0: an RW 1.0 body (timeseries 1, metadata 3) would be read as
+             * an empty 2.0 request and answered 2xx with nothing stored */
+            err_set(e, "protocol_mismatch",
+                    "the body is an RW 1.0 request (timeseries / metadata fields 1, 3) but "
+                    "the Content-Type says RW 2.0: send it as application/x-protobuf");
+            return 0;
+        }
         if (f.number == 4) {
             if (f.wt != 2) {
                 INVALID(e, "symbols field with a wrong wire type");
@@ -2905,14 +2949,18 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     if (en == NULL || en->nlabels == 0) {
         /* not stamped: under drop_sent the sender's karta_* labels go (their refs; the
          * table keeps its strings); `keep` (NULL, reason -1) lets them pass */
+        size_t k = n;
         if (pl->drop_sent && !(en == NULL && reason == -1)) {
-            size_t k = kept_labels(r, labs, n);
-            if (k != (size_t)-1 && k != n) {
-                r->stripped++;
-                emit_series_v2(r, v, start, s, q, r->merged.data, k, NULL, refs_end, simple,
-                               inserted);
-            }
+            k = kept_labels(r, labs, n);
+            if (k == (size_t)-1)
+                return;
+            r->stripped += k != n;
         }
+        if (sorted && k == n)
+            return;
+        const Lab *m = sorted_labels(r, labs, n, k);
+        if (m != NULL)
+            emit_series_v2(r, v, start, s, q, m, k, NULL, refs_end, simple, inserted);
         return;
     }
     const uint32_t *sr;

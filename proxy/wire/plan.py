@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from proxy.compression import DecodeError
 from proxy.wire.primitives import Counts, encode_label_v1
@@ -178,6 +179,11 @@ def decide(
     if isinstance(answer, str):
         return answer, None
     return "", answer
+
+
+def names_sorted(names: Sequence[bytes]) -> bool:
+    """Strictly increasing (byte order of UTF-8 is code-point order, Prometheus')."""
+    return all(a < b for a, b in pairwise(names))
 
 
 def check_names(names: Sequence[bytes]) -> None:

@@ -10,7 +10,15 @@ that is sound.
 
 from __future__ import annotations
 
-from proxy.wire.plan import PodStamp, SplicePlan, SpliceResult, check_names, decide
+from proxy.compression import DecodeError
+from proxy.wire.plan import (
+    PodStamp,
+    SplicePlan,
+    SpliceResult,
+    check_names,
+    decide,
+    names_sorted,
+)
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import (
     SAMPLE_WIRE_TYPES,
@@ -48,6 +56,13 @@ def splice_v1(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
     pos = 0
     while pos < n:
         number, wt, s, q = read_field(raw, pos, n)
+        if number in (4, 5) and wt == 2:
+            # RW 2.0's symbols / timeseries: read as 1.0 it would be an empty request, 2xx'd
+            raise DecodeError(
+                "protocol_mismatch", 400,
+                "the body is an RW 2.0 request (symbols / timeseries fields 4, 5) but the "
+                "Content-Type says RW 1.0: send it as "
+                "application/x-protobuf;proto=io.prometheus.write.v2.Request")
         if number == 1:
             if wt != 2:
                 raise invalid("timeseries field with a wrong wire type")
@@ -105,13 +120,14 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
     reason, stamp = decide(plan, [lf[:2] for lf in labels], table.get)
     result.tally(reason)
     if stamp is None or not stamp.labels:
-        if not plan.drop_sent or (stamp is None and not reason):
-            return None  # nothing to drop, or ``keep``: the sender's attribution passes
-        kept = [lf for lf in labels if not plan.dropped(lf[0])]
-        if len(kept) == len(labels):
+        kept = labels  # nothing to drop, or ``keep``: the sender's attribution passes
+        if plan.drop_sent and not (stamp is None and not reason):
+            kept = [lf for lf in labels if not plan.dropped(lf[0])]
+            result.stripped += len(kept) != len(labels)
+        if len(kept) == len(labels) and names_sorted([lf[0] for lf in labels]):
             return None
-        result.stripped += 1
-        new = b"".join(lf[2] for lf in kept)  # in the sender's order, not sorted
+        # a sender that does not sort would reach the TSDB so: the labels go out sorted
+        new = b"".join(lf[2] for lf in sorted(kept, key=lambda lf: lf[0]))
     else:
         new = b"".join(lf[2] for lf in merge(labels, stamp, plan))
         if new == b"".join(lf[2] for lf in labels):

@@ -13,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.compression import DecodeError
-from proxy.wire.plan import SplicePlan, SpliceResult, check_names, decide
+from proxy.wire.plan import (
+    SplicePlan,
+    SpliceResult,
+    check_names,
+    decide,
+    names_sorted,
+)
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import (
     SAMPLE_WIRE_TYPES,
@@ -51,6 +57,12 @@ def scan_v2(raw: bytes) -> ScanV2:
     n = len(raw)
     while pos < n:
         number, wt, s, q = read_field(raw, pos, n)
+        if number in (1, 3) and wt == 2:
+            # reserved in 2.0: an RW 1.0 body would read as an empty 2.0 request, 2xx'd
+            raise DecodeError(
+                "protocol_mismatch", 400,
+                "the body is an RW 1.0 request (timeseries / metadata fields 1, 3) but the "
+                "Content-Type says RW 2.0: send it as application/x-protobuf")
         if number == 4:
             if wt != 2:
                 raise invalid("symbols field with a wrong wire type")
@@ -161,10 +173,15 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
             (n, v, (refs[2 * i], refs[2 * i + 1]))
             for i, (n, v) in enumerate(labels) if not plan.dropped(n)]
         if stamp is None or not stamp.labels:
-            if not plan.drop_sent or (stamp is None and not reason) or len(kept) == len(labels):
-                continue  # nothing to drop, or ``keep``: the sender's attribution passes
-            result.stripped += 1
-            merged = kept  # in the sender's order, not sorted; no string to add
+            if not plan.drop_sent or (stamp is None and not reason):
+                # nothing to drop, or ``keep``: the sender's attribution passes
+                kept = [(n, v, (refs[2 * i], refs[2 * i + 1]))
+                        for i, (n, v) in enumerate(labels)]
+            elif len(kept) != len(labels):
+                result.stripped += 1
+            if len(kept) == len(labels) and names_sorted([n for n, _ in labels]):
+                continue
+            merged = sorted(kept, key=lambda x: x[0])  # no string to add
         else:
             merged = sorted(kept + [(n, v, None) for n, v in stamp.labels],
                             key=lambda x: x[0])

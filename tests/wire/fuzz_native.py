@@ -520,7 +520,8 @@ class Gen:
             nodes.insert(r.randint(0, len(nodes)), len_node(3, r.choice(METADATA_V1),
                                                             "metadata"))
         for _ in range(r.choice([0, 0, 0, 1])):
-            nodes.insert(r.randint(0, len(nodes)), self.unknown((1, 3)))
+            # (4, 5: RW 2.0's fields, refused as protocol_mismatch)
+            nodes.insert(r.randint(0, len(nodes)), self.unknown((1, 3, 4, 5)))
         return nodes
 
     # RW 2.0
@@ -563,7 +564,8 @@ class Gen:
         else:
             nodes = syms + series
         for _ in range(r.choice([0, 0, 0, 1, 2])):
-            nodes.insert(r.randint(0, len(nodes)), self.unknown((4, 5)))
+            # (1, 3: RW 1.0's fields, refused as protocol_mismatch)
+            nodes.insert(r.randint(0, len(nodes)), self.unknown((1, 3, 4, 5)))
         return nodes
 
     def refs_nodes(self, refs: list[int]) -> list[Node]:

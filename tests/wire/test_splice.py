@@ -120,7 +120,7 @@ def test_sent_karta_labels_are_dropped_from_unstamped_series_v1(
     sp = make_splicer()
     sp.table.set(b"ml", b"q", "no_described_owner")
     sp.table.set(b"ml", b"empty", ())
-    # labels after a sample and unsorted: kept in the sender's order, the data as it was
+    # labels after a sample and unsorted: they go out sorted, the data as it was
     ts = series_v1({})
     del ts.labels[:]
     sent = [*labels.items(), ("karta_workload", "victim"), ("b", "2"), ("karta_zz", "z")]
@@ -133,7 +133,7 @@ def test_sent_karta_labels_are_dropped_from_unstamped_series_v1(
     res = sp.splice_v1(raw)
     _, got = parse_v1(res.body).timeseries
     assert res.body.startswith(untouched)
-    assert labels_of(got) == [(n, v) for n, v in sent if not n.startswith("karta_")]
+    assert labels_of(got) == sorted((n, v) for n, v in sent if not n.startswith("karta_"))
     assert got.samples == ts.samples
     assert res.stripped == 1
     expected = {"no_pod_label": 1}
@@ -472,3 +472,42 @@ def test_sent_karta_labels_next_to_the_block_or_not_are_dropped(
     assert res.stripped == 1
     req = parse_v2(sp.splice_v2(request_v2({**POD, "a": "1", **sent})).body)
     assert labels_v2(req, req.timeseries[0]) == labels_of(got)
+
+
+def test_unsorted_labels_of_an_unstamped_series_go_out_sorted(splicer: Splicer) -> None:
+    # a sender that does not sort: Prometheus sorts on ingest, so the proxy must not
+    # refuse it, and what it forwards is valid RW (names sorted)
+    ts = series_v1({})
+    del ts.labels[:]
+    for n, v in [("job", "a"), ("__name__", "up"), ("instance", "x")]:
+        ts.labels.add(name=n, value=v)
+    raw = request_v1(ts)
+    res = splicer.splice_v1(raw)
+    (got,) = parse_v1(res.body).timeseries
+    assert labels_of(got) == [("__name__", "up"), ("instance", "x"), ("job", "a")]
+    assert got.samples == ts.samples and res.stripped == 0
+
+
+def test_unsorted_refs_of_an_unstamped_v2_series_go_out_sorted(splicer: Splicer) -> None:
+    raw = request_v2({"__name__": "up", "job": "a"})
+    req = parse_v2(raw)
+    refs = list(req.timeseries[0].labels_refs)
+    del req.timeseries[0].labels_refs[:]
+    req.timeseries[0].labels_refs.extend(refs[2:] + refs[:2])  # job first
+    res = splicer.splice_v2(req.SerializeToString())
+    out = parse_v2(res.body)
+    assert labels_v2(out, out.timeseries[0]) == [("__name__", "up"), ("job", "a")]
+
+
+def test_a_v2_body_under_the_v1_content_type_is_refused(splicer: Splicer) -> None:
+    raw = request_v2({"__name__": "up", "namespace": "ml", "pod": "p"})
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v1(raw)
+    assert (info.value.kind, info.value.status) == ("protocol_mismatch", 400)
+
+
+def test_a_v1_body_under_the_v2_content_type_is_refused(splicer: Splicer) -> None:
+    raw = request_v1(series_v1(POD))
+    with pytest.raises(DecodeError) as info:
+        splicer.splice_v2(raw)
+    assert (info.value.kind, info.value.status) == ("protocol_mismatch", 400)
