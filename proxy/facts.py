@@ -473,6 +473,14 @@ class FactWriter:
         self.last_build_seconds = building + time.perf_counter() - started
         yield body
 
+    @staticmethod
+    def _finish(bodies: Iterator[bytes]) -> None:
+        """Make the rest of a write's requests without sending them, so what a failed
+        write owes (``_pending``) and reports (``last_series``, ...) is the whole write's,
+        as when every body was built before the first send."""
+        for _ in bodies:
+            pass
+
     def build_requests(self, now_ms: int) -> list[bytes]:
         """All of :meth:`iter_requests` at once."""
         return list(self.iter_requests(now_ms))
@@ -549,9 +557,11 @@ class FactWriter:
                 await self._send(body)
                 await asyncio.sleep(0)  # let requests in flight interleave with a big write
             except asyncio.CancelledError:
+                self._finish(bodies)
                 self.commit_partial()
                 raise
             except Exception as exc:  # the next write retries; stale markers are kept
+                self._finish(bodies)
                 self.commit_partial()
                 self.writes_failed += 1
                 log.warning("fact write failed: %s", exc)

@@ -910,6 +910,50 @@ async def test_a_write_failing_halfway_still_owes_every_stale_marker() -> None:
     assert len(stale) == 24
 
 
+async def test_a_write_makes_each_request_after_sending_the_one_before() -> None:
+    """One body alive at a time: a 37.5k-pod write is ~60 MB of bodies."""
+    index = small_index()
+    made: list[int] = []
+    sent: list[int] = []
+    w = FactWriter(FactSettings(), index, _nosend, clock=lambda: 10.0, max_series_per_request=5)
+    real = w.iter_requests
+
+    def counting(now_ms: int) -> Iterator[bytes]:
+        for body in real(now_ms):
+            made.append(len(made))
+            assert len(sent) == len(made) - 1  # the one before was sent first
+            yield body
+
+    async def send(body: bytes) -> None:
+        sent.append(len(sent))
+
+    w.iter_requests = counting  # type: ignore[method-assign]
+    w._send = send
+    assert await w.write_once()
+    assert len(made) > 3 and sent == made
+    assert w.last_series == len(decode(b"".join(writer(small_index()).build_requests(1))))
+
+
+async def test_a_failed_write_reports_and_owes_the_whole_write() -> None:
+    index = small_index()
+    whole = writer(small_index()).build_requests(10_000)
+
+    async def send(body: bytes) -> None:
+        raise ConnectionError("upstream down")
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, max_series_per_request=5)
+    assert not await w.write_once()
+    assert w.last_series == sum(len(decode(b)) for b in whole)
+    assert w.writes_failed == 1
+    # every series of the failed write is owed a marker once it goes away
+    index.apply(ChangeSet(workloads={"w-dep": None, "w-ray": None},
+                          pods={uid: None for uid in PODS}))
+    bodies = w.build_requests(20_000)
+    stale = {k for body in bodies for k, s in decode(body).items() if is_stale(s[0][0])}
+    assert stale == {k for body in whole for k in decode(body)} - {
+        k for body in bodies for k, s in decode(body).items() if not is_stale(s[0][0])}
+
+
 def test_metrics_can_leave_out_the_per_pod_facts() -> None:
     registry = CollectorRegistry()
     registry.register(FactsCollector(small_index(), pod_facts=False))
