@@ -405,3 +405,72 @@ def test_a_json_list_snapshot_loads_its_pods_slimmed(tmp_path: Path) -> None:
     assert not isinstance(fc, SkippedFile)
     (obj,) = fc.objects
     assert obj["spec"] == {"nodeName": "n1"} and obj["status"] == {"phase": "Running"}
+
+
+# -- what a source holds ------------------------------------------------------------------
+
+
+def test_a_source_reads_objects_as_text_and_keeps_only_stubs_once_applied(
+    tmp_path: Path,
+) -> None:
+    from proxy.snapshot import ObjectStub, apply_content
+
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": _deployment()}))
+    content = read_snapshot(path, packed=True)
+    (fc,) = content.files.values()
+    assert all(isinstance(o, ObjectStub) and o.text for o in fc.objects)
+    engine, index = Engine(), PodIndex()
+    report = apply_content(content, engine)
+    index.apply(report.changes)
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+    kept = content.compact()
+    (kfc,) = kept.files.values()
+    assert all(isinstance(o, ObjectStub) and o.text is None for o in kfc.objects)
+    # unchanged: nothing to apply; changed and removed: applied from the stubs
+    again = apply_content(read_snapshot(path, packed=True), engine, previous=kept)
+    assert not again.changes
+    objs = _deployment()
+    objs[2]["metadata"]["labels"] = {"changed": "yes"}
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": objs[1:]}))
+    changed = apply_content(read_snapshot(path, packed=True), engine, previous=kept)
+    assert set(changed.changes.workloads) == {"d-1"}  # the Deployment went away
+    assert engine.pod("p-1") is not None
+
+
+async def test_reload_of_objects_json_does_not_carry_exactly(tmp_path: Path) -> None:
+    """YAML timestamps stay parsed objects (compared whole on reload), the rest stubs."""
+    f = tmp_path / "s.yaml"
+    objs = _deployment()
+    text = yaml.safe_dump_all(objs) + "---\n" + (
+        "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j, namespace: shop, uid: j-1}\n"
+        "status: {startTime: 2024-01-02T03:04:05Z, active: 1}\n")
+    f.write_text(text)
+    index = PodIndex()
+    src = SnapshotSource(f, Engine(), index)
+    await src.start()
+    assert src.report is not None and src.report.objects["Job"] == 1
+    f.write_text(text.replace("active: 1", "active: 0"))
+    report = await src.reload()
+    assert set(report.changes.workloads) == {"j-1"}  # the Job's phase changed
+    report = await src.reload()
+    assert not report.changes
+
+
+def test_an_object_shadowed_by_a_later_file_is_applied_when_that_file_goes(
+    tmp_path: Path,
+) -> None:
+    from proxy.snapshot import apply_content
+
+    pod = _pod("p", "p-9", None)
+    _write(tmp_path / "a.yaml", [pod])
+    later = dict(pod, metadata={**pod["metadata"], "labels": {"from": "b"}})
+    _write(tmp_path / "b.yaml", [later])
+    engine = Engine()
+    first = read_snapshot(tmp_path, packed=True)
+    apply_content(first, engine)
+    kept = first.compact()
+    (tmp_path / "b.yaml").unlink()
+    report = apply_content(read_snapshot(tmp_path, packed=True), engine, previous=kept)
+    assert report.objects["Pod"] == 1
+    assert engine._pods["p-9"].labels is None  # a.yaml's version, without labels
