@@ -142,11 +142,19 @@ class Peers:
         d.mkdir(exist_ok=True)
         return d
 
-    async def prometheus_receiver(self, name: str = "prom-receiver") -> Peer:
+    async def prometheus_receiver(
+        self, name: str = "prom-receiver", *, rule_files: Sequence[Path] = (),
+        evaluation_interval: str = "1m",
+    ) -> Peer:
+        """A receiving Prometheus; ``rule_files`` are evaluated every ``evaluation_interval``
+        over what is written into it (the shipped recording rules, for the dashboards)."""
         binary = need("prometheus")
         port = free_port()
         cfg = self.tmp / f"{name}.yml"
-        cfg.write_text("global: {scrape_interval: 1m}\n")
+        cfg.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1m", "evaluation_interval": evaluation_interval},
+            "rule_files": [str(f) for f in rule_files],
+        }))
         p = self._peer(name, [
             binary, f"--config.file={cfg}", f"--storage.tsdb.path={self._dir(name)}",
             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-remote-write-receiver",
@@ -256,7 +264,9 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]
     """karta-proxy in this process on the demo snapshot, on a free port."""
     started: list[Proxy] = []
 
-    async def make(upstream_url: str, **upstream: Any) -> InProcessProxy:
+    async def make(upstream_url: str, configure: Callable[[Settings], None] | None = None,
+                   **upstream: Any) -> InProcessProxy:
+        """``configure`` changes the settings last (e.g. turns the fact writer on)."""
         s = Settings()
         s.snapshot = str(DEMO_SNAPSHOT)
         s.upstream.url = upstream_url
@@ -266,6 +276,8 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]
         s.facts.enabled = False
         for k, v in upstream.items():
             setattr(s.upstream, k, v)
+        if configure is not None:
+            configure(s)
         p = Proxy(s)
         await p.start()
         started.append(p)
