@@ -224,7 +224,8 @@ def main() -> int:
     p.add_argument("--pods", type=int, default=37_500)
     p.add_argument("--snapshot", help="a snapshot path instead of the benchmark's cluster")
     p.add_argument("--work", default="/tmp/karta-memory-bench", help="where the snapshot is cached")
-    p.add_argument("--tracemalloc", action="store_true", help="Python heap per phase and its top sites")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="Python heap per phase and its top sites")
     p.add_argument("--top", type=int, default=8, help="allocation sites shown per phase")
     args = p.parse_args()
     run(args)

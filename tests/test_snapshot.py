@@ -404,6 +404,7 @@ def test_a_json_list_snapshot_loads_its_pods_slimmed(tmp_path: Path) -> None:
     fc = read_file(path)
     assert not isinstance(fc, SkippedFile)
     (obj,) = fc.objects
+    assert isinstance(obj, dict)  # read_file holds parsed objects unless packed=True
     assert obj["spec"] == {"nodeName": "n1"} and obj["status"] == {"phase": "Running"}
 
 
