@@ -283,7 +283,6 @@ def test_freshness_contract_and_build_facts() -> None:
         (("version", contract.CONTRACT_VERSION),): 1.0
     }
     import proxy
-
     from proxy.wire.native import DEFAULT as SPLICE
 
     assert by_name(series, contract.FACT_BUILD_INFO) == {
