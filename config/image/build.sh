@@ -24,7 +24,7 @@ root="$(cd "$here/../.." && pwd)"
 tag="${1:-localhost/karta-proxy:dev}"
 suite="${SUITE:-bookworm}"
 mirror="${MIRROR:-http://deb.debian.org/debian}"
-cache="${KARTA_IMAGE_CACHE:-$HOME/.cache/karta-proxy/image}"
+cache="${KARTA_IMAGE_CACHE:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/karta-proxy/image}"
 isolation=(--isolation chroot)
 mkdir -p "$cache"
 
