@@ -23,6 +23,10 @@ from proxy.wire.plan import MAX_LABEL_NAMES
 log = logging.getLogger("karta.config")
 
 
+#: a VictoriaMetrics cluster tenant: ``accountID`` or ``accountID:projectID`` (uint32s)
+TENANT = re.compile(r"\d{1,10}(:\d{1,10})?")
+
+
 class ConfigError(ValueError):
     """A setting is invalid; the message names the key and why."""
 
@@ -95,6 +99,9 @@ class UpstreamSettings:
     #: body encoding toward the upstream: "snappy" (every receiver takes it), "zstd", or
     #: "same" (whatever the sender used)
     encoding: str = "snappy"
+    #: the tenant put in a ``{tenant}`` of ``url`` for requests whose path names none
+    #: (and for the proxy's own fact series)
+    default_tenant: str = "0"
 
 
 @dataclass
@@ -508,6 +515,12 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
         parsed = urlsplit(u.url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got {u.url!r}")
+        if u.url.count("{") != u.url.count("{tenant}") or u.url.count("}") != u.url.count(
+                "{tenant}"):
+            raise ConfigError(f"upstream.url: the only placeholder is {{tenant}}, got {u.url!r}")
+    if not TENANT.fullmatch(u.default_tenant):
+        raise ConfigError("upstream.default_tenant: a VictoriaMetrics tenant: accountID or "
+                          f"accountID:projectID (numbers), got {u.default_tenant!r}")
     _positive(u.timeout_seconds, "upstream.timeout_seconds")
     _positive(u.connect_timeout_seconds, "upstream.connect_timeout_seconds")
     _positive(u.max_connections, "upstream.max_connections")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import typing
 from collections.abc import Mapping
@@ -46,6 +47,20 @@ from proxy.wire.primitives import Protocol
 log = logging.getLogger("karta.handler")
 
 WRITE_PATHS = ("/api/v1/write", "/api/v1/push", "/api/v1/receive")
+#: VictoriaMetrics cluster (vminsert) write paths: the tenant goes to the same upstream path
+TENANT_WRITE_PATHS = (
+    "/insert/{tenant}/prometheus/api/v1/write",
+    "/insert/{tenant}/prometheus",
+    "/insert/{tenant}/prometheus/",
+)
+_TENANT_PATH = re.compile(r"^/insert/([^/]+)/prometheus(?:/api/v1/write)?/?$")
+#: a tenant in a path: VictoriaMetrics' ``accountID[:projectID]``, or ``multitenant``
+_TENANT = re.compile(r"\d{1,10}(:\d{1,10})?|multitenant")
+
+
+def is_write_path(path: str) -> bool:
+    """One of the remote-write routes (fixed or with a tenant)."""
+    return path in WRITE_PATHS or _TENANT_PATH.match(path) is not None
 ENCODINGS = ("snappy", "zstd")
 #: Retry-After (seconds) sent with our own 503s (overload, not ready)
 RETRY_AFTER = "1"
@@ -155,6 +170,14 @@ class LoadBudget:
         self.bytes -= n
 
 
+OVERLOAD_MESSAGE = "overloaded: too many requests in flight"
+#: the whole answer when every slot is taken, written by ``proxy.connection_guard`` as
+#: soon as the headers are parsed (see ``RemoteWriteHandler.shed``)
+OVERLOAD_ANSWER = (
+    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    f"Retry-After: {RETRY_AFTER}\r\nContent-Length: {len(OVERLOAD_MESSAGE) + 1}\r\n"
+    f"Connection: close\r\n\r\n{OVERLOAD_MESSAGE}\n").encode()
+
 #: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
 #: start, a sender's first write): the rate is what arrived over the time past it
 BODY_RATE_GRACE_SECONDS = 1.0
@@ -216,13 +239,21 @@ class RemoteWriteHandler:
             if request.method != "POST":
                 raise _Refusal(405, f"method {request.method} not allowed: remote write is POST",
                                counter="reject", kind="method", headers={"Allow": "POST"})
+            tenant = request.match_info.get("tenant")
+            if tenant is not None and not _TENANT.fullmatch(tenant):
+                raise _Refusal(400, f"invalid tenant {tenant[:64]!r} in the path: expected "
+                               "accountID, accountID:projectID or multitenant",
+                               counter="reject", kind="invalid_tenant")
             protocol = self._protocol(request)
             protocol_label = protocol.name.lower()
             encoding = self._encoding(request)
             response = await self._within_budget(request, protocol, encoding)
         except _Refusal as r:
             response = self._refuse(request, r)
-        self.metrics.requests.labels(request.path, protocol_label, str(response.status)).inc()
+        # the route, not the path: one series per tenant path template, not per tenant
+        route = request.match_info.route.resource
+        path = route.canonical if route is not None else request.path
+        self.metrics.requests.labels(path, protocol_label, str(response.status)).inc()
         self.metrics.request_duration.labels(protocol_label).observe(
             time.perf_counter() - started
         )
@@ -239,6 +270,30 @@ class RemoteWriteHandler:
             response.force_close()
             return response
         return None
+
+    def shed(self, method: str, path: str, headers: Mapping[str, str], remote: str
+             ) -> bytes | None:
+        """The whole answer to a remote write refused for overload on its headers, before
+        aiohttp makes a request of it (``proxy.connection_guard``); None: handle it.
+
+        Only the slot check is made here, the one that fails by the hundreds per second
+        under overload; every other refusal stays in ``handle``."""
+        if self.budget.requests < self.budget.max_requests or method != "POST" \
+                or not is_write_path(path):
+            return None
+        try:
+            protocol_label = protocol_from_content_type(
+                headers.get("Content-Type", "")).name.lower()
+        except DecodeError:
+            protocol_label = "unknown"
+        self.metrics.rejected.labels("overload").inc()
+        self.metrics.requests.labels(path, protocol_label, "503").inc()
+        if log.isEnabledFor(logging.INFO):
+            log.info("request refused", extra={
+                "status": 503, "kind": "overload", "reason": OVERLOAD_MESSAGE, "path": path,
+                "remote": remote, "user_agent": headers.get("User-Agent", ""),
+            })
+        return OVERLOAD_ANSWER
 
     def header_timed_out(self, remote: str) -> None:
         """A connection closed because its request headers did not arrive in time."""
@@ -298,7 +353,7 @@ class RemoteWriteHandler:
             raise _Refusal(413, f"request body of {length} bytes exceeds the limit of "
                            f"{s.max_body_bytes} bytes", counter="reject", kind="too_large")
         if not self.budget.try_enter():
-            raise _Refusal(503, "overloaded: too many requests in flight", counter="reject",
+            raise _Refusal(503, OVERLOAD_MESSAGE, counter="reject",
                            kind="overload", headers={"Retry-After": RETRY_AFTER})
         held = _Held()
         self.metrics.inflight.inc()
@@ -388,7 +443,8 @@ class RemoteWriteHandler:
         result = prepared.result
         self._count(result)
         try:
-            answer = await self.upstream.forward(prepared.outgoing, request.headers)
+            answer = await self.upstream.forward(prepared.outgoing, request.headers,
+                                                 tenant=request.match_info.get("tenant"))
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         if answer.ok:
@@ -413,6 +469,8 @@ class RemoteWriteHandler:
             m.exemplars.inc(c.exemplars)
         if result.attributed:
             m.attributed.inc(result.attributed)
+        if result.stripped:
+            m.sender_karta_dropped.inc(result.stripped)
         for reason, n in result.unattributed.items():
             m.unattributed.labels(reason).inc(n)
 

@@ -26,6 +26,7 @@ import base64
 import contextlib
 import logging
 import os
+import re
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -237,6 +238,33 @@ def misconfiguration(status: int, *, own_credentials: bool) -> str:
     return ""
 
 
+#: the place of the tenant in ``upstream.url`` (VictoriaMetrics cluster, Mimir-style bases)
+TENANT_PLACEHOLDER = "{tenant}"
+#: a vminsert write URL's path: ``/insert/<tenant>/prometheus[/api/v1/write]``
+_VMINSERT_PATH = re.compile(
+    r"^(?P<head>.*/insert/)(?P<tenant>[^/]+)(?P<tail>/prometheus(?:/api/v1/write)?/?)$")
+
+
+def tenant_url(url: str, tenant: str | None, default_tenant: str) -> str | None:
+    """The upstream URL for a request that named ``tenant`` in its path (None: it named
+    none); None when the URL has no place for a tenant.
+
+    ``{tenant}`` in ``url`` is replaced; a VictoriaMetrics cluster write URL
+    (``.../insert/<t>/prometheus/api/v1/write``) gets its tenant swapped. A request with
+    no tenant goes to ``url`` (with ``default_tenant`` in a placeholder).
+    """
+    if TENANT_PLACEHOLDER in url:
+        return url.replace(TENANT_PLACEHOLDER, tenant if tenant is not None else default_tenant)
+    if tenant is None:
+        return url
+    parts = urlsplit(url)
+    m = _VMINSERT_PATH.match(parts.path)
+    if m is None:
+        return None
+    path = m.group("head") + tenant + m.group("tail")
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
+
+
 #: what each path usually is, for the hint in a "not a write endpoint" log line
 _PATH_HINT = (
     "Prometheus: /api/v1/write (needs --web.enable-remote-write-receiver); Mimir / Cortex: "
@@ -258,6 +286,8 @@ class Upstream:
         self.settings = settings
         self.metrics = metrics
         self.url = display_url(settings.url)
+        #: where a request that names no tenant goes (the proxy's own, the check)
+        self._default_url = tenant_url(settings.url, None, settings.default_tenant) or ""
         self._session: aiohttp.ClientSession | None = None
         #: send RW 1.0 only: configured (``v1``) or learned (``auto``)
         self.v1_only = settings.protocol == "v1"
@@ -377,15 +407,20 @@ class Upstream:
 
     # -- forwarding -----------------------------------------------------------------------
 
-    async def forward(self, out: Outgoing, incoming_headers: Mapping[str, str] | None = None
-                      ) -> Answer:
+    async def forward(self, out: Outgoing, incoming_headers: Mapping[str, str] | None = None,
+                      *, tenant: str | None = None) -> Answer:
         """Send one prepared request; return what to answer the sender.
 
-        An RW 2.0 request the upstream did not take (415, or a 2xx without Written
-        headers to a request with data) is converted and sent again, and the upstream
-        remembered as 1.0-only. Raises ``DecodeError`` when that conversion fails.
+        ``tenant``: the one the request's path named (``/insert/<tenant>/prometheus/...``),
+        sent to the same tenant upstream (:func:`tenant_url`). An RW 2.0 request the
+        upstream did not take (415, or a 2xx without Written headers to a request with
+        data) is converted and sent again, and the upstream remembered as 1.0-only.
+        Raises ``DecodeError`` when that conversion fails.
         """
         incoming = incoming_headers or {}
+        url = tenant_url(self.settings.url, tenant, self.settings.default_tenant)
+        if url is None:
+            return self._no_tenant_place(tenant or "")
         if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
             if self._recheck:
                 await self.check()
@@ -393,7 +428,7 @@ class Upstream:
                 out = await asyncio.to_thread(self._convert, out)
         if out.converted and self.metrics is not None:
             self.metrics.upstream_conversions.inc()
-        answer = await self._post(out, incoming)
+        answer = await self._post(out, incoming, url)
         if out.protocol is Protocol.V2:
             refused = self._refused_v2(answer, out.counts)
             if refused and self.settings.protocol == "auto":
@@ -401,7 +436,7 @@ class Upstream:
                 out = await asyncio.to_thread(self._convert, out)
                 if self.metrics is not None:
                     self.metrics.upstream_conversions.inc()
-                answer = await self._post(out, incoming)
+                answer = await self._post(out, incoming, url)
             elif refused == "no_written_headers" and not self._warned_passthrough:
                 self._warned_passthrough = True
                 log.warning(
@@ -413,6 +448,20 @@ class Upstream:
         if answer.ok and out.converted:
             self._written_headers(answer, out.counts)
         return answer
+
+    def _no_tenant_place(self, tenant: str) -> Answer:
+        """A request for a tenant, and an upstream URL with no place for one: sending it
+        to the URL as it is would store it outside the tenant the sender named."""
+        log.error("a request named tenant %s, but upstream.url has no place for a tenant: "
+                  "use a VictoriaMetrics cluster URL (.../insert/{tenant}/prometheus/api/v1/"
+                  "write) or put {tenant} in it; answered 503", tenant,
+                  extra={"upstream_url": self.url, "tenant": tenant})
+        if self.metrics is not None:
+            self.metrics.upstream_misconfigured.labels(self.url, "no_tenant_place", "").inc()
+        return Answer(503, (f"the request names tenant {tenant!r} but the proxy's upstream "
+                            f"{self.url} has no place for a tenant (proxy misconfigured; "
+                            "retry later)").encode(),
+                      {"Retry-After": MISCONFIGURED_RETRY_AFTER}, "")
 
     def _convert(self, out: Outgoing) -> Outgoing:
         raw = v2_to_v1(out.raw)
@@ -449,7 +498,7 @@ class Upstream:
         answer.headers[WRITTEN_HISTOGRAMS] = str(counts.histograms)
         answer.headers[WRITTEN_EXEMPLARS] = str(counts.exemplars)
 
-    async def _post(self, out: Outgoing, incoming: Mapping[str, str]) -> Answer:
+    async def _post(self, out: Outgoing, incoming: Mapping[str, str], url: str = "") -> Answer:
         if self._session is None:
             await self.start()
         assert self._session is not None
@@ -459,7 +508,8 @@ class Upstream:
         code = "error"
         try:
             async with self._session.post(
-                self.settings.url, data=out.encoded, headers=headers, allow_redirects=False,
+                url or self._default_url, data=out.encoded, headers=headers,
+                allow_redirects=False,
                 server_hostname=server_hostname,
             ) as resp:
                 code = str(resp.status)

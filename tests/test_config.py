@@ -125,6 +125,9 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
     [
         (lambda s: setattr(s.upstream, "url", ""), "upstream.url: required"),
         (lambda s: setattr(s.upstream, "url", "tsdb:9090"), "upstream.url: expected an http"),
+        (lambda s: setattr(s.upstream, "url", "http://vm/insert/{t}/prometheus"),
+         "the only placeholder is {tenant}"),
+        (lambda s: setattr(s.upstream, "default_tenant", "acme"), "upstream.default_tenant"),
         (lambda s: setattr(s.upstream, "protocol", "v3"), "upstream.protocol: expected one of"),
         (lambda s: setattr(s.upstream, "encoding", "gzip"), "upstream.encoding"),
         (lambda s: setattr(s.upstream, "timeout_seconds", 0), "upstream.timeout_seconds"),

@@ -128,12 +128,13 @@ class Running:
         return v or 0.0
 
 
-async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, **server: Any) -> Proxy:
+async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
+                      upstream_url: str = "", **server: Any) -> Proxy:
     snap = tmp_path / "snapshot.yaml"
     snap.write_text(SNAPSHOT)
     s = Settings()
     s.snapshot = str(snap)
-    s.upstream.url = upstream.url
+    s.upstream.url = upstream_url or upstream.url
     s.upstream.timeout_seconds = 5.0
     s.server.listen_address = "127.0.0.1:0"
     s.facts.enabled = False
@@ -542,3 +543,61 @@ def test_unsupported_content_type_is_415(ct: str) -> None:
     with pytest.raises(DecodeError) as info:
         protocol_from_content_type(ct)
     assert info.value.status == 415
+
+
+@pytest.mark.parametrize(
+    ("upstream_path", "sent_to", "arrives_at"),
+    [
+        ("/insert/0/prometheus/api/v1/write", "/insert/42/prometheus/api/v1/write",
+         "/insert/42/prometheus/api/v1/write"),
+        ("/insert/0/prometheus/api/v1/write", "/insert/7:3/prometheus",
+         "/insert/7:3/prometheus/api/v1/write"),
+        ("/insert/0/prometheus/", "/insert/multitenant/prometheus/",
+         "/insert/multitenant/prometheus/"),
+        ("/insert/0/prometheus/api/v1/write", "/api/v1/write",
+         "/insert/0/prometheus/api/v1/write"),
+        ("/select/{tenant}/x/api/v1/push", "/insert/9/prometheus/api/v1/write",
+         "/select/9/x/api/v1/push"),
+        ("/select/{tenant}/x/api/v1/push", "/api/v1/write", "/select/0/x/api/v1/push"),
+    ],
+)
+async def test_tenant_paths_reach_the_same_tenant_upstream(
+        tmp_path: Path, upstream_path: str, sent_to: str, arrives_at: str) -> None:
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        base = up.url.removesuffix("/api/v1/write")
+        p = await start_proxy(tmp_path, up, upstream_url=base + upstream_path)
+        try:
+            cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+            async with session.post(
+                f"http://127.0.0.1:{p.port}{sent_to}", data=snappy.compress(series_v1(cart)),
+                headers={"Content-Type": CT_V1, "Content-Encoding": "snappy"},
+            ) as resp:
+                assert resp.status == 204, await resp.text()
+        finally:
+            await p.stop()
+    assert [r.path for r in up.received] == [arrives_at]
+    assert labels_of(up.received[0].raw) == [{**cart, **CART}]
+
+
+async def test_tenant_path_without_a_place_upstream_is_503(running: Running) -> None:
+    # the upstream is a plain /api/v1/write: forwarding would drop the tenant the sender
+    # named and store its data in the TSDB's only one
+    resp = await running.post(series_v1({"__name__": "up"}),
+                              path="/insert/42/prometheus/api/v1/write")
+    assert resp.status == 503 and resp.headers["Retry-After"]
+    assert running.upstream.received == []
+    assert running.metric("karta_proxy_upstream_misconfigured_total",
+                          {"url": running.upstream.url, "reason": "no_tenant_place",
+                           "code": ""}) == 1
+
+
+async def test_invalid_tenant_is_400(running: Running) -> None:
+    resp = await running.post(series_v1({"__name__": "up"}),
+                              path="/insert/acme/prometheus/api/v1/write")
+    assert resp.status == 400
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "invalid_tenant"}) == 1
+    # counted under the route, not one label value per tenant
+    assert running.metric("karta_proxy_requests_total", {
+        "path": "/insert/{tenant}/prometheus/api/v1/write", "protocol": "unknown",
+        "code": "400"}) == 1

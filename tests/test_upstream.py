@@ -25,6 +25,7 @@ from proxy.upstream import (
     UpstreamFailure,
     display_url,
     map_status,
+    tenant_url,
 )
 from proxy.wire.primitives import Counts, Protocol
 from tests.scripted import Reply, ScriptedUpstream
@@ -532,3 +533,21 @@ async def test_tls_with_ca_and_server_name(tls_files: tuple[Path, Path]) -> None
             for u in (ok, unverified, insecure):
                 await u.close()
     assert len(up.received) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "tenant", "expected"),
+    [
+        ("http://vm:8480/insert/0/prometheus/api/v1/write", "5",
+         "http://vm:8480/insert/5/prometheus/api/v1/write"),
+        ("http://vm:8480/insert/0/prometheus", "5:1", "http://vm:8480/insert/5:1/prometheus"),
+        ("http://vm:8480/insert/0/prometheus/api/v1/write", None,
+         "http://vm:8480/insert/0/prometheus/api/v1/write"),
+        ("http://gw/{tenant}/push", "3", "http://gw/3/push"),
+        ("http://gw/{tenant}/push", None, "http://gw/0/push"),
+        ("http://prom:9090/api/v1/write", None, "http://prom:9090/api/v1/write"),
+        ("http://prom:9090/api/v1/write", "5", None),  # no place for a tenant
+    ],
+)
+def test_tenant_url(url: str, tenant: str | None, expected: str | None) -> None:
+    assert tenant_url(url, tenant, "0") == expected

@@ -83,3 +83,25 @@ async def test_vmagent_through_proxy_into_victoria_metrics(
     plain = await query(vm.base_url, "pod_memory_working_set_bytes{karta_workload=''}")
     assert {(r["metric"]["namespace"], r["metric"]["pod"]) for r in plain} == \
         expected.unattributed_pods
+
+
+async def test_vmagent_on_a_vminsert_tenant_path_reaches_the_same_tenant_upstream(
+    peers: Peers, exporter: FixtureExporter,
+    make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # a VictoriaMetrics cluster user points vmagent at the proxy as at vminsert
+    async with ScriptedUpstream() as vminsert:
+        base = vminsert.url.removesuffix("/api/v1/write")
+        proxy = await make_proxy(base + "/insert/0/prometheus/api/v1/write")
+        await peers.vmagent({"scrape_configs": scrape_configs(exporter)},
+                            proxy.url + "/insert/42:7/prometheus/api/v1/write")
+
+        async def arrived() -> bool:
+            return any(r.body for r in vminsert.received)
+
+        await wait_until(arrived, timeout=30, what="vmagent's first request upstream")
+    paths = {r.path for r in vminsert.received if r.body}
+    assert paths == {"/insert/42:7/prometheus/api/v1/write"}
+    enriched = [s for r in vminsert.received if r.body for s in decode_v1(r.raw)
+                if "karta_workload" in s.labels]
+    assert enriched
