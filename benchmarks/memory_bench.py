@@ -9,10 +9,12 @@ descriptions, index, native splice's pod table, fact writer), in the runtime's o
 3. ``engine``: ``apply_content``, every object through the Karta engine;
 4. ``index fill``: ``PodIndex.apply`` of the engine's change set;
 5. ``pod table fill``: the ``Enricher`` filling the native splice's per-pod table;
-6. ``source settled``: what ``SnapshotSource`` keeps once ``start`` returns;
+6. ``source settled``: what ``SnapshotSource`` keeps once ``start`` returns (stubs of
+   the objects, and the freed heap handed back: ``proxy.memory.trim``);
 7. ``first fact write``: ``FactWriter.iter_requests``, each body dropped once made (as
    ``write_once`` sends them);
-8. ``malloc_trim``: glibc's ``malloc_trim(0)`` (what returning free heap to the OS buys).
+8. ``malloc_trim``: ``proxy.memory.trim`` once more (what handing back the heap the
+   fact write freed would buy: the runtime does not do it).
 
 Per phase: RSS after it, the phase's own peak RSS (``VmHWM`` reset with ``clear_refs``
 before it), and with ``--tracemalloc`` the Python heap after it, its peak, and the top
@@ -29,7 +31,6 @@ cached under ``--work``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import sys
 import time
@@ -136,15 +137,6 @@ def _snapshot(args: argparse.Namespace) -> Path:
     return path
 
 
-def malloc_trim() -> bool:
-    """glibc's ``malloc_trim(0)``; False where there is no glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.malloc_trim(0))
-
-
 def run(args: argparse.Namespace) -> list[Phase]:
     snapshot = _snapshot(args)
     print(f"snapshot {snapshot} ({snapshot.stat().st_size / MB:.1f} MB)", flush=True)
@@ -152,6 +144,7 @@ def run(args: argparse.Namespace) -> list[Phase]:
     start_rss = _status("VmRSS")
     m = Meter(args.tracemalloc, args.top)
     t = m.begin()
+    from proxy import memory
     from proxy.attribution import Enricher
     from proxy.config import FactSettings, Settings
     from proxy.facts import FactWriter
@@ -189,6 +182,7 @@ def run(args: argparse.Namespace) -> list[Phase]:
     source = SnapshotSource(str(snapshot), engine, index)
     source._content, source.report = content.compact(), report
     del content, report
+    memory.trim()  # as SnapshotSource.start does once the objects' texts are freed
     m.end("source settled", t)
 
     t = m.begin()
@@ -203,7 +197,7 @@ def run(args: argparse.Namespace) -> list[Phase]:
     print(f"{'':<20} {series:,} fact series, {size / MB:.1f} MB of bodies", flush=True)
 
     t = m.begin()
-    trimmed = malloc_trim()
+    trimmed = memory.trim()
     m.end("malloc_trim" if trimmed else "malloc_trim (none)", t)
 
     peak = max(p.peak for p in m.phases)

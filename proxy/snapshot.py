@@ -45,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from proxy import memory
 from proxy.index import PodIndex
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
@@ -710,6 +711,7 @@ class SnapshotSource:
         self.report = apply_content(content, self.engine)
         self._content = content.compact()
         del content
+        memory.trim()  # the objects' texts are freed: not the process' RSS from now on
         self.index.apply(self.report.changes)
         self.index.ready = True
         self.index.mark_fresh(FRESHNESS_RESOURCE)
@@ -741,6 +743,7 @@ class SnapshotSource:
         report = apply_content(content, self.engine, previous=self._content)
         self._content = content.compact()
         del content
+        memory.trim()
         self.report = report
         self.reloads += 1
         self.index.apply(report.changes)
