@@ -15,21 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
+from proxy.connection_guard import LINGER_SECONDS, GuardedRunner
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import WRITE_PATHS, RemoteWriteHandler
-from proxy.header_deadline import HeaderDeadlineRunner
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome
 from proxy.wire.native import DEFAULT as SPLICE
 
 log = logging.getLogger("karta.server")
-
-#: after an answer that left the body unread (a refusal with ``Connection: close``): how
-#: long the rest of it is read and dropped before closing, so a sender still writing sees
-#: the answer rather than a reset; a stalled sender is dropped after it (aiohttp's default
-#: is 10 s of a socket per refused stall)
-LINGER_SECONDS = 1.0
 
 #: the app's remote-write handler, for ``start_site`` (its header deadline and counter)
 REMOTE_WRITE = web.AppKey("remote_write", RemoteWriteHandler)
@@ -140,10 +134,11 @@ async def start_site(
     """Serve ``app`` (HTTPS with ``ssl_context``); returns the runner and the bound port
     (port 0 picks a free one)."""
     handler = app[REMOTE_WRITE]
-    runner = HeaderDeadlineRunner(
+    runner = GuardedRunner(
         app, header_timeout=handler.settings.header_read_timeout_seconds,
-        on_timeout=handler.header_timed_out, auto_decompress=False, access_log=None,
-        handle_signals=False, shutdown_timeout=10.0, lingering_time=LINGER_SECONDS)
+        on_timeout=handler.header_timed_out, shed=handler.shed, auto_decompress=False,
+        access_log=None, handle_signals=False, shutdown_timeout=10.0,
+        lingering_time=LINGER_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     await site.start()

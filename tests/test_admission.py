@@ -12,8 +12,8 @@ from pathlib import Path
 
 import snappy
 
+from proxy.connection_guard import LINGER_SECONDS
 from proxy.runtime import Proxy
-from proxy.server import LINGER_SECONDS
 from tests.scripted import Reply, ScriptedUpstream
 from tests.test_handler import CT_V1, series_v1, start_proxy
 
@@ -258,3 +258,23 @@ async def test_a_refusal_closes_the_connection_instead_of_reading_the_body(
             assert (await holder).status == 204
         finally:
             await p.stop()
+
+
+async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> None:
+    async with ScriptedUpstream(Reply(204, delay=1.0)) as up:
+        p = await start_proxy(tmp_path, up, max_concurrent_requests=1)
+        try:
+            holder = asyncio.create_task(post(p))
+            await asyncio.sleep(0.3)
+            answers = await asyncio.gather(*(post(p) for _ in range(5)))
+            assert all(a.status == 503 and a.headers["retry-after"] == "1" and a.closed
+                       and a.body == b"overloaded: too many requests in flight\n"
+                       for a in answers), answers
+            assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 5
+            assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
+                          protocol="v1", code="503") == 5
+            assert (await holder).status == 204
+            assert (await post(p)).status == 204  # the slot is free again: handled as usual
+        finally:
+            await p.stop()
+    assert len(up.received) == 2
