@@ -317,9 +317,17 @@ MAX_SERIES_PER_REQUEST = 5000
 #: default lookback, after which a series without samples is gone from queries anyway
 STANDBY_MEMORY = 300.0
 
-#: (series prefix, value); the prefix is ``0x0a <length> <label fields>``, the TimeSeries
-#: header and labels, ready to be followed by the sample of this write
-Encoded = list[tuple[bytes, float]]
+class Encoded(NamedTuple):
+    """The fact series of one pod or workload, as the writer caches them between writes.
+
+    A prefix is ``0x0a <length> <label fields>``, the TimeSeries header and labels, ready
+    to be followed by the sample of a write; ``values[i]`` is the value of ``prefixes[i]``.
+    Two tuples, not a (prefix, value) pair per series: 290k series at 37.5k pods, the
+    pairs and lists were ~13 MB of the cache.
+    """
+
+    prefixes: tuple[bytes, ...]
+    values: tuple[float, ...]
 
 
 class FactWriter:
@@ -377,11 +385,13 @@ class FactWriter:
     # -- building ------------------------------------------------------------------------
 
     def _encode(self, facts: Iterable[Fact]) -> Encoded:
-        out: Encoded = []
+        prefixes: list[bytes] = []
+        values: list[float] = []
         for f in facts:
             key = encode_labels(f.name, f.labels, self._external)
-            out.append((b"\x0a" + _varint(len(key) + self._sample_len) + key, f.value))
-        return out
+            prefixes.append(b"\x0a" + _varint(len(key) + self._sample_len) + key)
+            values.append(f.value)
+        return Encoded(tuple(prefixes), tuple(values))
 
     def _set_sample_len(self, n: int) -> None:
         if n == self._sample_len:
@@ -397,26 +407,30 @@ class FactWriter:
         self._written = {rehead(p) for p in self._written}
         self._standby = {rehead(p): t for p, t in self._standby.items()}
 
-    def _current(self) -> Encoded:
+    def _current(self) -> Iterator[tuple[bytes, float]]:
+        """(prefix, value) of every fact series now, one at a time (a write's requests are
+        made as they are sent); the index as it was when the first one is asked for."""
+        pod_items = list(self._index.pods.items())
+        workload_items = list(self._index.workloads.items())
+        process = process_facts(self._index, self._build_version)
         pods: dict[str, tuple[PodAttribution, Encoded]] = {}
-        series: Encoded = []
-        for uid, att in list(self._index.pods.items()):
+        for uid, att in pod_items:
             hit = self._pod_cache.get(uid)
             if hit is None or hit[0] is not att:
                 hit = (att, self._encode(pod_facts(att)))
             pods[uid] = hit
-            series.extend(hit[1])
+            yield from zip(*hit[1], strict=True)
+        del pod_items
         self._pod_cache = pods
         workloads: dict[str, tuple[WorkloadFacts, Encoded]] = {}
-        for uid, wf in list(self._index.workloads.items()):
+        for uid, wf in workload_items:
             whit = self._workload_cache.get(uid)
             if whit is None or whit[0] is not wf:
                 whit = (wf, self._encode(workload_facts(wf)))
             workloads[uid] = whit
-            series.extend(whit[1])
+            yield from zip(*whit[1], strict=True)
         self._workload_cache = workloads
-        series.extend(self._encode(process_facts(self._index, self._build_version)))
-        return series
+        yield from zip(*self._encode(process), strict=True)
 
     def iter_requests(self, now_ms: int) -> Iterator[bytes]:
         """Uncompressed RW 1.0 WriteRequests holding every fact at ``now_ms``, plus stale
