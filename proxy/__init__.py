@@ -5,4 +5,10 @@ The data path reads top to bottom: ``wire`` (wire format, the splice) -> ``attri
 or ``kube`` watches through the ``karta`` engine.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    #: one place for the version: pyproject.toml, as installed
+    __version__ = version("karta-proxy")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"

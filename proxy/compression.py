@@ -98,13 +98,17 @@ def snappy_declared_length(body: bytes) -> int:
     raise DecodeError("snappy_corrupt", 400, "corrupt snappy block: bad length header")
 
 
+#: what python-snappy raises for a bad block: its own error, or cramjam's beneath it
+_SNAPPY_ERRORS = (snappy.UncompressError, cramjam.DecompressionError)
+
+
 def _snappy_decompress(body: bytes, max_decoded: int) -> bytes:
     declared = snappy_declared_length(body)
     if declared > max_decoded:
         raise _too_large(declared, max_decoded)
     try:
         out: bytes = snappy.uncompress(body)
-    except Exception as exc:  # python-snappy raises its own and cramjam's errors
+    except _SNAPPY_ERRORS as exc:
         detail = str(exc) or type(exc).__name__
         raise DecodeError("snappy_corrupt", 400, f"corrupt snappy block: {detail}") from None
     if len(out) != declared:  # the decoder checks this; be explicit about the promise
@@ -207,7 +211,9 @@ def _zstd_into(body: bytes, size: int, *, exact: int | None) -> bytes:
     buf = bytearray(size)
     try:
         written = cramjam.zstd.decompress_into(body, buf)
-    except Exception as exc:  # cramjam.DecompressionError; message tells a full buffer
+    except cramjam.DecompressionError as exc:
+        # cramjam has one error type for a corrupt frame and for a full buffer: only its
+        # message tells them apart (a full buffer is retried bigger, up to the limit)
         if "whole buffer" in str(exc) or "too small" in str(exc):
             if exact is not None:
                 raise DecodeError(

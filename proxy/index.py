@@ -10,9 +10,12 @@ their labels.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
+
+from cachetools import TTLCache
 
 from proxy import contract
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
@@ -44,6 +47,25 @@ def stamped_pairs(att: PodAttribution) -> LabelPairs:
     return tuple((k, v) for k, v in values if v)
 
 
+class _Tombstones(TTLCache[PodKey, str]):
+    """Deleted pods (key -> uid) until ``tombstone_seconds`` after their deletion.
+
+    A TTL cache keeps them in expiry order, so an expiry pass costs what expired, not a
+    scan of every pod. TTLCache also expires on its own inside an insert or a read; every
+    expiry goes through :meth:`expire`, so :attr:`gone` collects them all for the index
+    to drop and announce.
+    """
+
+    def __init__(self, ttl: float, timer: Callable[[], float]) -> None:
+        super().__init__(maxsize=math.inf, ttl=ttl, timer=timer)
+        self.gone: list[tuple[PodKey, str]] = []
+
+    def expire(self, time: float | None = None) -> list[tuple[PodKey, str]]:
+        items: list[tuple[PodKey, str]] = super().expire(time)
+        self.gone.extend(items)
+        return items
+
+
 @dataclass(slots=True)
 class _Entry:
     uid: str
@@ -64,6 +86,7 @@ class PodIndex:
         self._tombstone_seconds = tombstone_seconds
         self._clock = clock
         self._by_name: dict[tuple[bytes, bytes], _Entry] = {}
+        self._tombstones = _Tombstones(tombstone_seconds, clock)
         self._key_by_uid: dict[str, tuple[bytes, bytes]] = {}
         self._interned: dict[LabelPairs, LabelPairs] = {}
         #: known pods that the engine could not attribute -> its reason
@@ -158,10 +181,12 @@ class PodIndex:
             self._unattributed[key] = att.reason or "unattributed"
             # the newest pod of a name wins, even over a (tombstoned) attributed namesake
             self._by_name.pop(key, None)
+            self._tombstones.pop(key, None)
             return
         self._unattributed.pop(key, None)
         pairs = self._interned.setdefault(pairs, pairs)
         self._by_name[key] = _Entry(uid, pairs)
+        self._tombstones.pop(key, None)
 
     def _remove_pod(self, uid: str, now: float) -> None:
         self.pods.pop(uid, None)
@@ -172,13 +197,18 @@ class PodIndex:
         entry = self._by_name.get(key)
         if entry is not None and entry.uid == uid:
             entry.expires = now + self._tombstone_seconds
+            self._tombstones[key] = uid
 
     def expire(self) -> int:
         """Drop tombstones past their time; returns how many. Call periodically."""
-        now = self._clock()
-        dead = [k for k, e in self._by_name.items() if e.expires is not None and e.expires <= now]
-        for k in dead:
-            del self._by_name[k]
+        self._tombstones.expire()
+        gone, self._tombstones.gone = self._tombstones.gone, []
+        dead = []
+        for key, uid in gone:
+            entry = self._by_name.get(key)
+            if entry is not None and entry.uid == uid and entry.expires is not None:
+                del self._by_name[key]
+                dead.append(key)
         self._notify_pods(set(dead))
         if dead:
             live = {e.pairs for e in self._by_name.values()}
@@ -194,7 +224,7 @@ class PodIndex:
         return len(self._by_name)
 
     def tombstones(self) -> int:
-        return sum(1 for e in self._by_name.values() if e.expires is not None)
+        return len(self._tombstones) + len(self._tombstones.gone)
 
     def entries(self) -> Iterator[tuple[bytes, bytes, LabelPairs]]:
         for (ns, pod), e in self._by_name.items():

@@ -82,6 +82,28 @@ def test_deleted_pod_is_a_tombstone_until_expiry() -> None:
     assert idx.answer(b"ml", b"a") is None
 
 
+def test_tombstones_expire_in_order_even_when_the_ttl_cache_expires_them_itself() -> None:
+    # the TTL cache drops what is past its time inside an insert too: those must still
+    # leave the index and be heard
+    clock = FakeClock()
+    idx = PodIndex(tombstone_seconds=60, clock=clock)
+    idx.apply(ChangeSet(pods={u: att(u, u, component="head") for u in ("a", "b", "c")}))
+    heard: list[set[tuple[bytes, bytes]]] = []
+    idx.subscribe_pods(lambda keys: heard.append(set(keys)))
+    idx.apply(ChangeSet(pods={"a": None}))
+    clock.now += 30
+    idx.apply(ChangeSet(pods={"b": None}))
+    clock.now += 31  # a is past its time, b is not
+    idx.apply(ChangeSet(pods={"c": None}))  # an insert: the cache expires a on its own
+    assert idx.tombstones() == 3  # a's expiry is pending until expire()
+    assert idx.expire() == 1
+    assert heard[-1] == {(b"ml", b"a")}
+    assert idx.lookup(b"ml", b"a") is None and idx.lookup(b"ml", b"b") is not None
+    assert idx.tombstones() == 2
+    clock.now += 60
+    assert idx.expire() == 2 and idx.tombstones() == 0 and len(idx) == 0
+
+
 def test_name_reuse_with_new_uid_wins_over_tombstone() -> None:
     clock = FakeClock()
     idx = PodIndex(clock=clock)
@@ -105,6 +127,7 @@ def test_new_unattributed_pod_replaces_tombstone_of_old() -> None:
     idx.apply(ChangeSet(pods={"new": att("new", "a", workload=None, reason="no_described_owner")}))
     assert idx.lookup(b"ml", b"a") is None
     assert idx.reason(b"ml", b"a") == "no_described_owner"
+    assert idx.tombstones() == 0
 
 
 def test_listeners_see_every_change_set() -> None:
