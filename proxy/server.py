@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy import __version__
 from proxy.connection_guard import LINGER_SECONDS, GuardedRunner
 from proxy.contract import CONTRACT_VERSION
-from proxy.handler import WRITE_PATHS, RemoteWriteHandler
+from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome
@@ -119,7 +119,7 @@ def build_app(
     if reload is not None:
         app.router.add_post("/-/reload", reload_view)
         app.router.add_put("/-/reload", reload_view)
-    for path in WRITE_PATHS:
+    for path in (*WRITE_PATHS, *TENANT_WRITE_PATHS):
         app.router.add_route("*", path, handler.handle, expect_handler=handler.expect)
     app.router.add_get("/metrics", metrics_view)
     app.router.add_get("/-/healthy", healthy)
