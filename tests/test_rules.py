@@ -2,7 +2,8 @@
 
 ``promtool test rules`` runs tests/rules/*.yaml (fixtures with cAdvisor sandbox and
 pod-cgroup series, DCGM ``exported_*`` series, two clusters, a scale-up and a phase
-change); the checks below make sure no rule escapes a unit test or the docs.
+change; dcgm-exporter series of whole, time-sliced and MIG GPUs); the checks below make
+sure no rule escapes a unit test or the docs, and no GPU rule counts a shared GPU twice.
 """
 
 from __future__ import annotations
@@ -90,3 +91,19 @@ def test_rules_read_only_contract_names() -> None:
         contract.FACT_WORKLOAD_PHASE,
         contract.FACT_WORKLOAD_PHASE_TRANSITION,
     } <= used_facts
+
+
+def test_gpu_rules_split_shared_devices() -> None:
+    """A DCGM rule over the raw series would count a time-sliced GPU once per pod sharing it.
+
+    dcgm-exporter --kubernetes-virtual-gpus repeats the device's value on one series per
+    allocation, so every rule must divide by the allocations of the same device (a GPU, or
+    a MIG slice: UUID + GPU_I_ID) before it aggregates.
+    """
+    split = "/ on (cluster, Hostname, gpu, UUID, GPU_I_ID) group_left ()"
+    count = "count by (cluster, Hostname, gpu, UUID, GPU_I_ID) ("
+    for f in RULE_FILES:
+        for group in yaml.safe_load(f.read_text())["groups"]:
+            for r in group["rules"]:
+                if "record" in r and ":DCGM_" in r["record"]:
+                    assert split in r["expr"] and count in r["expr"], r["record"]
