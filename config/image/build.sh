@@ -30,6 +30,15 @@ mkdir -p "$cache"
 
 log() { echo "build.sh: $*" >&2; }
 
+# what a failed run leaves behind: a working container, the staged context
+ctr=""
+ctx=""
+cleanup() {
+  if [ -n "$ctr" ]; then buildah rm "$ctr" >/dev/null 2>&1 || true; fi
+  if [ -n "$ctx" ]; then rm -rf "$ctx"; fi
+}
+trap cleanup EXIT
+
 # -- 1. the base ------------------------------------------------------------------------
 base="${BASE:-}"
 if [ -z "$base" ]; then
@@ -37,12 +46,13 @@ if [ -z "$base" ]; then
   base="localhost/karta-base:$suite-$day"
   if ! buildah inspect --type image "$base" >/dev/null 2>&1; then
     tarball="$cache/$suite-python3-$day.tar"
-    if [ ! -s "$tarball" ]; then
+    if [ ! -f "$tarball" ] || [ ! -s "$tarball" ]; then
       log "mmdebstrap $suite (minbase + python3) -> $tarball"
-      find "$cache" -maxdepth 1 -name "$suite-python3-*.tar" -delete
-      mmdebstrap --quiet --variant=minbase --include=python3 --mode=root \
-        "$suite" "$tarball.part" "$mirror" >&2
-      mv "$tarball.part" "$tarball"
+      rm -rf "$cache/$suite-python3-"*.tar "$cache/.partial.tar"
+      # --format=tar: mmdebstrap otherwise picks the format from the file name
+      mmdebstrap --quiet --variant=minbase --include=python3 --mode=root --format=tar \
+        "$suite" "$cache/.partial.tar" "$mirror" >&2
+      mv "$cache/.partial.tar" "$tarball"
     fi
     log "importing $tarball as $base"
     ctr="$(buildah from scratch)"
@@ -51,6 +61,7 @@ if [ -z "$base" ]; then
     buildah umount "$ctr" >/dev/null
     buildah config --cmd /bin/bash "$ctr"
     buildah commit -q --rm "$ctr" "$base" >/dev/null
+    ctr=""
   fi
 fi
 
@@ -59,6 +70,7 @@ ctr="$(buildah from -q "$base")"
 pyver="$(buildah run "${isolation[@]}" "$ctr" -- python3 -c \
   'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 buildah rm "$ctr" >/dev/null
+ctr=""
 deps="$(python3 - "$root/pyproject.toml" <<'EOF'
 import sys, tomllib
 with open(sys.argv[1], "rb") as f:
@@ -84,7 +96,6 @@ fi
 
 # -- 3. the image -----------------------------------------------------------------------
 ctx="$(mktemp -d "${TMPDIR:-/tmp}/karta-image-ctx.XXXXXX")"
-trap 'rm -rf "$ctx"' EXIT
 mkdir -p "$ctx/config/image/wheelhouse"
 cp "$root/pyproject.toml" "$root/setup.py" "$root/README.md" "$ctx/"
 tar -C "$root" --exclude=__pycache__ --exclude='*.so' --exclude='*.pyc' -cf - proxy \
@@ -92,7 +103,17 @@ tar -C "$root" --exclude=__pycache__ --exclude='*.so' --exclude='*.pyc' -cf - pr
 cp "$here/Containerfile" "$ctx/config/image/"
 cp "$wheelhouse"/*.whl "$ctx/config/image/wheelhouse/"
 log "buildah bud $tag (base $base, Python $pyver)"
+previous="$(buildah images -q --no-trunc "$tag" 2>/dev/null || true)"
 buildah bud "${isolation[@]}" --quiet --layers=false \
   --build-arg "BASE=$base" --build-arg PIP_OFFLINE=1 \
   -f "$ctx/config/image/Containerfile" -t "$tag" "$ctx" >&2
+# the image the tag named before, and the bases of earlier days: ~300 MB each
+current="$(buildah images -q --no-trunc "$tag")"
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+  buildah rmi "$previous" >/dev/null 2>&1 || true
+fi
+if [ -z "${BASE:-}" ]; then
+  buildah images --format '{{.Name}}:{{.Tag}}' | grep -x "localhost/karta-base:$suite-[0-9]*" \
+    | grep -vx "$base" | xargs -r buildah rmi >/dev/null 2>&1 || true
+fi
 echo "$tag"
