@@ -711,8 +711,8 @@ class SnapshotSource:
         self.report = apply_content(content, self.engine)
         self._content = content.compact()
         del content
-        memory.trim()  # the objects' texts are freed: not the process' RSS from now on
         self.index.apply(self.report.changes)
+        memory.trim()  # the objects' texts are freed: not the process' RSS from now on
         self.index.ready = True
         self.index.mark_fresh(FRESHNESS_RESOURCE)
         log_report(self.report)
