@@ -12,13 +12,15 @@ Routes (``?node=NAME`` limits any of them to one node, as a per-node target woul
 - ``/metrics/resource``: ``container_*`` and ``pod_cpu_usage_seconds_total``,
   ``pod_memory_working_set_bytes``, ``node_*``, all with explicit millisecond timestamps;
 - ``/metrics``: DCGM ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_FB_USED``,
-  ``DCGM_FI_PROF_GR_ENGINE_ACTIVE`` with gpu/UUID/modelName/Hostname and the GPU's
+  ``DCGM_FI_PROF_GR_ENGINE_ACTIVE``, ``DCGM_FI_DEV_POWER_USAGE`` and the counter
+  ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` with gpu/UUID/modelName/Hostname and the GPU's
   ``pod``/``namespace``/``container``, exactly as dcgm-exporter serves them. Scrape it with
   target labels ``namespace``/``pod`` (the exporter pod's) and ``honor_labels: false`` to
   get the ``exported_*`` labels Prometheus produces in a cluster.
 
 CPU counters advance in real time at a fixed rate per container (0.6 x its CPU request,
-0.05 cores without one); memory and GPU values are constant. ``ClusterModel`` exposes the
+0.05 cores without one), each GPU's energy counter at its power draw; memory and the GPU
+gauges are constant. ``ClusterModel`` exposes the
 expected figures so tests can check PromQL sums per workload.
 
 Use::
@@ -63,6 +65,9 @@ MEMORY_NO_REQUEST = 48 * 1024 * 1024
 SANDBOX_CPU = 0.0005
 SANDBOX_MEMORY = 512 * 1024
 GPU_FB_TOTAL_MIB = 81920
+#: an A100 SXM4's draw idle and its board limit (TDP), W; a busy GPU draws in between
+GPU_IDLE_POWER_W = 56.0
+GPU_MAX_POWER_W = 400.0
 
 _QUANTITY = re.compile(r"^([0-9.]+(?:[eE][-+]?[0-9]+)?)([a-zA-Z]*)$")
 _SUFFIX = {
@@ -157,6 +162,9 @@ class GpuModel:
     util: float
     fb_used_mib: float
     gr_engine_active: float
+    power_w: float
+    #: DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION at the model's t0: mJ since the node booted
+    energy_at_t0_mj: float
 
 
 @dataclass
@@ -213,6 +221,10 @@ class ClusterModel:
                 holder = holders[i] if i < len(holders) else None
                 h = int(_digest(node, str(i))[:8], 16)
                 util = float(35 + h % 60) if holder else 0.0
+                power = round(
+                    GPU_IDLE_POWER_W + (GPU_MAX_POWER_W - GPU_IDLE_POWER_W) * 0.85 * util / 100, 3
+                )
+                uptime_s = 3600.0 * (24 + h % 700)  # booted one to thirty days before t0
                 self.gpus.append(
                     GpuModel(
                         node=node,
@@ -224,6 +236,8 @@ class ClusterModel:
                         util=util,
                         fb_used_mib=float(round(GPU_FB_TOTAL_MIB * util / 110)) if holder else 0.0,
                         gr_engine_active=round(util / 100 * 0.93, 4),
+                        power_w=power,
+                        energy_at_t0_mj=float(round(power * 1000 * uptime_s)),
                     )
                 )
 
@@ -244,6 +258,10 @@ class ClusterModel:
         """A counter that has run at ``rate`` since ``t0`` (plus a per-series offset)."""
         start = 1000.0 + int(_digest(key)[:6], 16) % 5000
         return round(start + rate * max(0.0, at - self.t0), 6)
+
+    def energy_counter(self, gpu: GpuModel, at: float) -> float:
+        """DCGM's energy counter, whole mJ since boot: it has run at the GPU's power since t0."""
+        return float(round(gpu.energy_at_t0_mj + gpu.power_w * 1000 * max(0.0, at - self.t0)))
 
     # -- exposition text ---------------------------------------------------------------
 
@@ -433,17 +451,22 @@ class ClusterModel:
         node: str | None = None,
         extra: str = "",
         target: Callable[[str], Mapping[str, str]] | None = None,
+        now: float | None = None,
     ) -> str:
         """dcgm-exporter's ``/metrics`` (no timestamps unless ``at`` is given).
 
         ``target(node)`` gives the scrape target's labels; pod labels the exporter sets that
         collide with them are renamed ``exported_*``, as Prometheus does with
-        ``honor_labels: false``.
+        ``honor_labels: false``. The energy counter reads ``now`` (default: ``at``, else the
+        wall clock), so a live exporter without timestamps still advances it.
         """
         ts = _ms(at) if at is not None else None
+        counted_at = now if now is not None else at if at is not None else time.time()
         util: list[str] = []
         fb: list[str] = []
         gr: list[str] = []
+        power: list[str] = []
+        energy: list[str] = []
         for g in self.gpus:
             if node is not None and g.node != node:
                 continue
@@ -468,6 +491,9 @@ class ClusterModel:
             util.append(_line("DCGM_FI_DEV_GPU_UTIL", labels, g.util, ts, extra))
             fb.append(_line("DCGM_FI_DEV_FB_USED", labels, g.fb_used_mib, ts, extra))
             gr.append(_line("DCGM_FI_PROF_GR_ENGINE_ACTIVE", labels, g.gr_engine_active, ts, extra))
+            power.append(_line("DCGM_FI_DEV_POWER_USAGE", labels, g.power_w, ts, extra))
+            energy.append(_line("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", labels,
+                                self.energy_counter(g, counted_at), ts, extra))
         return (
             _family("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", util)
             + _family("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", fb)
@@ -476,6 +502,14 @@ class ClusterModel:
                 "gauge",
                 "Ratio of time the graphics engine is active.",
                 gr,
+            )
+            # HELP texts and types as in dcgm-exporter's etc/default-counters.csv
+            + _family("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", power)
+            + _family(
+                "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+                "counter",
+                "Total energy consumption since boot (in mJ).",
+                energy,
             )
         )
 
@@ -659,7 +693,9 @@ class FixtureExporter:
 
     async def _dcgm(self, request: web.Request) -> web.Response:
         self.scrapes["dcgm"] += 1
-        return self._text(self.model.dcgm_text(node=request.query.get("node")))
+        return self._text(
+            self.model.dcgm_text(node=request.query.get("node"), now=self._clock())
+        )
 
 
 async def start_exporter(

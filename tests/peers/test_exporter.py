@@ -45,6 +45,7 @@ async def test_routes_parse_and_counters_advance() -> None:
         dcgm = _samples(await get("/metrics"))
         clock.now += 30
         later = _samples(await get("/metrics/cadvisor"))
+        dcgm_later = _samples(await get("/metrics"))
 
     pod = "frontend-6d8f7b9c5d-4xkqp"
     cpu = {
@@ -63,7 +64,17 @@ async def test_routes_parse_and_counters_advance() -> None:
     util = {dict(k[1]).get("pod"): v for k, v in dcgm.items() if k[0] == "DCGM_FI_DEV_GPU_UTIL"}
     assert "pretrain-workers-1-0-m2n4r" in util  # raw exporter labels: pod/namespace
     assert None in util  # an idle GPU has no pod labels
-    assert exp.scrapes == {"cadvisor": 2, "resource": 1, "dcgm": 1}
+    # the energy counter (mJ) advances at the GPU's power draw (W), idle GPUs' too; the
+    # power gauge stays; prometheus_client's parser names counter samples ..._total
+    power = {dict(k[1])["UUID"]: v for k, v in dcgm.items() if k[0] == "DCGM_FI_DEV_POWER_USAGE"}
+    energy = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"
+    advanced = {dict(k[1])["UUID"]: dcgm_later[k] - v for k, v in dcgm.items() if k[0] == energy}
+    assert power.keys() == advanced.keys() == {g.uuid for g in exp.model.gpus}
+    for gpu, watts in power.items():
+        assert 0 < watts <= 400 and advanced[gpu] == pytest.approx(watts * 1000 * 30, abs=1)
+    assert {k: v for k, v in dcgm_later.items() if k[0] != energy} == {
+        k: v for k, v in dcgm.items() if k[0] != energy}
+    assert exp.scrapes == {"cadvisor": 2, "resource": 1, "dcgm": 2}
 
 
 async def test_start_exporter_with_objects_and_node_filter() -> None:
