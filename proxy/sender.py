@@ -234,12 +234,20 @@ def series_from_exposition(
     ``honor_labels: false``, except that the exposed ones are dropped, not renamed).
     """
     by_key: dict[tuple[tuple[str, str], ...], Series] = {}
+    # prometheus_client's parser names a counter's samples <family>_total even where the
+    # text has no _total (DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION); a scraper keeps the name
+    # as written, so the names of the text win
+    written = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()
+               if line and not line.startswith("#")}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
             labels = {k: v for k, v in smp.labels.items() if v != ""}
             if extra_labels:
                 labels.update(extra_labels)
-            labels["__name__"] = smp.name
+            name = smp.name
+            if name not in written and name.endswith("_total") and name[:-6] in written:
+                name = name[:-6]
+            labels["__name__"] = name
             key = tuple(sorted(labels.items()))
             s = by_key.get(key)
             if s is None:

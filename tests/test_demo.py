@@ -113,9 +113,6 @@ def test_bundled_series_match_the_generator() -> None:
     assert BUNDLED_SERIES.read_text() == want, "run: python -m tests.peers.exporter --demo-series"
 
 
-@pytest.mark.xfail(strict=True, reason="proxy.sender.series_from_exposition takes sample names "
-                   "from prometheus_client's parser, which appends _total to a counter's "
-                   "samples that have none (DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)")
 async def test_demo_sends_the_names_of_the_batch() -> None:
     """The demo plays a Prometheus agent: it writes the names the exposition holds, as
     Prometheus would, not a client library's renaming of them."""

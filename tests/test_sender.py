@@ -155,3 +155,12 @@ async def test_send_v1_snappy_and_v2_zstd_with_headers() -> None:
     want = [({k: v for k, v in s.labels.items() if v}, s.samples) for s in SERIES]
     assert [(s.labels, s.samples) for s in r1.series] == want
     assert [(s.labels, s.samples) for s in r2.series] == want
+
+
+def test_counter_names_as_written_not_as_the_client_library_renames_them() -> None:
+    text = ("# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"
+            'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu="0"} 12345\n'
+            "# TYPE requests_total counter\n"
+            "requests_total 3\n")
+    names = {s.name for s in series_from_exposition(text, 1000)}
+    assert names == {"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "requests_total"}
