@@ -26,11 +26,11 @@ import pytest
 
 from proxy import contract
 from proxy.config import Settings
+from proxy.demo_exporter import FixtureExporter
 from tests.peers.conftest import InProcessProxy, Peers, remote_write, scrape_configs
 from tests.peers.conftest import exporter as exporter  # the shared fixtures, reused
 from tests.peers.conftest import make_proxy as make_proxy
 from tests.peers.conftest import peers as peers
-from tests.peers.exporter import FixtureExporter
 from tests.test_rules import RULE_FILES, recorded_names
 
 ROOT = Path(__file__).resolve().parents[1]

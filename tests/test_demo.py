@@ -12,7 +12,7 @@ import pytest
 
 from proxy import contract
 from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT, UNATTRIBUTED, run, run_demo
-from tests.peers.exporter import ClusterModel, demo_series_text, load_objects
+from proxy.demo_exporter import ClusterModel, demo_series_text, load_objects
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_cli_demo_subcommand() -> None:
 def test_bundled_series_match_the_generator() -> None:
     """series.prom is generated from snapshot.yaml: regenerate it when the snapshot changes."""
     want = demo_series_text(load_objects(BUNDLED_SNAPSHOT))
-    assert BUNDLED_SERIES.read_text() == want, "run: python -m tests.peers.exporter --demo-series"
+    assert BUNDLED_SERIES.read_text() == want, "run: python -m proxy.demo_exporter --demo-series"
 
 
 async def test_demo_sends_the_names_of_the_batch() -> None:

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from proxy.config import Settings
+from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter
 from proxy.runtime import Proxy
 from tests.peers.conftest import (
     WORKLOAD_KEY,
@@ -37,7 +38,6 @@ from tests.peers.conftest import (
     scrape_configs,
     wait_until,
 )
-from tests.peers.exporter import DEMO_SNAPSHOT, FixtureExporter
 
 pytestmark = pytest.mark.image
 

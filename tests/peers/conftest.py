@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from proxy.config import Settings
+from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter
 from proxy.runtime import Proxy
-from tests.peers.exporter import DEMO_SNAPSHOT, FixtureExporter
 
 #: the pod the DCGM exporter target is labelled with (a pod of the demo's DaemonSet)
 DCGM_TARGET_NAMESPACE = "gpu-monitoring"

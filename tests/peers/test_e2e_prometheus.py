@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from proxy.demo_exporter import FixtureExporter
 from tests.peers.conftest import (
     WORKLOAD_KEY,
     InProcessProxy,
@@ -22,7 +23,6 @@ from tests.peers.conftest import (
     vm_flush,
     wait_until,
 )
-from tests.peers.exporter import FixtureExporter
 
 pytestmark = pytest.mark.peers
 

@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import Settings, validate
+from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter
 from proxy.runtime import Proxy
 from tests.peers.conftest import Peer, Peers, query, remote_write, scrape_configs, wait_until
-from tests.peers.exporter import DEMO_SNAPSHOT, FixtureExporter
 from tests.test_tls import fetch
 from tests.tls_certs import Authority, install
 

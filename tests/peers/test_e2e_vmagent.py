@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from proxy.demo_exporter import FixtureExporter
 from proxy.sender import decode_v1
 from tests.peers.conftest import (
     WORKLOAD_KEY,
@@ -20,7 +21,6 @@ from tests.peers.conftest import (
     vm_flush,
     wait_until,
 )
-from tests.peers.exporter import FixtureExporter
 from tests.scripted import ScriptedUpstream
 
 pytestmark = pytest.mark.peers

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import snappy
 
+from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter
 from proxy.sender import Series, build_v1, build_v2, send, send_series
 from proxy.wire.primitives import Protocol
 from tests.peers.conftest import (
@@ -27,7 +28,6 @@ from tests.peers.conftest import (
     vm_flush,
     wait_until,
 )
-from tests.peers.exporter import DEMO_SNAPSHOT, FixtureExporter
 from tests.scripted import Reply, ScriptedUpstream
 
 pytestmark = pytest.mark.peers

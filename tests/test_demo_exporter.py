@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.peers.exporter import FixtureExporter, start_exporter
+from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter, start_exporter
 
-SNAPSHOT = Path(__file__).resolve().parents[2] / "proxy" / "demo_data" / "snapshot.yaml"
+SNAPSHOT = DEMO_SNAPSHOT
 
 
 class Clock:
