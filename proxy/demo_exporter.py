@@ -825,8 +825,12 @@ async def _serve(source: str, address: str) -> None:
         await exp.stop()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, apart from ``main`` so the compose test can parse compose's words."""
+    ap = argparse.ArgumentParser(
+        prog="python -m proxy.demo_exporter",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     ap.add_argument("--demo-series", action="store_true", help=f"rewrite {DEMO_SERIES}")
     ap.add_argument(
         "--serve",
@@ -839,7 +843,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=str(DEMO_SNAPSHOT),
         help="objects to serve metrics for (default: the demo snapshot)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.demo_series:
         DEMO_SERIES.write_text(demo_series_text(load_objects(DEMO_SNAPSHOT)))
         print(f"wrote {DEMO_SERIES}")

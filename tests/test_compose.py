@@ -1,8 +1,9 @@
-"""docker-compose.yml cannot run here; keep it valid and in step with the CLI and promtool."""
+"""docker-compose.yml cannot run here; keep it valid and in step with the image, the CLI and
+promtool."""
 
 from __future__ import annotations
 
-import shlex
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from proxy.cli import build_parser, settings_from_args
+from proxy.demo_exporter import build_parser as build_exporter_parser
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
@@ -23,11 +25,31 @@ def _compose() -> dict[str, Any]:
     return doc
 
 
-def _proxy_args() -> list[str]:
-    cmd = _compose()["services"]["karta-proxy"]["command"]
-    script = cmd[-1]
-    words = shlex.split(script)
-    return words[words.index("karta-proxy") + 1 :]
+#: where the Containerfile links the installed package's demo_data (the bundled snapshot)
+IMAGE_DEMO = "/opt/karta-proxy/demo"
+CONTAINERFILE = REPO / "config/image/Containerfile"
+
+
+def _host_path(service: dict[str, Any], path: str) -> Path:
+    """The repo file behind a path in a container: a mounted file, or the image's demo data."""
+    for vol in service.get("volumes", []):
+        src, dst = vol.split(":")[:2]
+        if path == dst:
+            return REPO / src
+        if path.startswith(dst.rstrip("/") + "/"):
+            return REPO / src / path[len(dst) :].lstrip("/")
+    if path.startswith(IMAGE_DEMO + "/"):
+        return REPO / "proxy/demo_data" / path[len(IMAGE_DEMO) + 1 :]
+    raise AssertionError(f"{path}: neither mounted nor in the image")
+
+
+def _host_args(service: dict[str, Any], flags: set[str]) -> list[str]:
+    """The service's command words, the values of ``flags`` mapped to repo paths."""
+    words = [str(w) for w in service["command"]]
+    return [
+        str(_host_path(service, w)) if i and words[i - 1] in flags else w
+        for i, w in enumerate(words)
+    ]
 
 
 def test_compose_is_valid_yaml_with_the_stack() -> None:
@@ -42,13 +64,52 @@ def test_compose_is_valid_yaml_with_the_stack() -> None:
                 assert (REPO / src).exists(), src
 
 
-def test_proxy_flags_are_the_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)  # the container runs from a copy of the repo
-    args = _proxy_args()
-    ns = build_parser().parse_args(args)  # SystemExit on an unknown flag
-    s = settings_from_args(ns, env={})
-    assert s.snapshot == "proxy/demo_data/snapshot.yaml"
-    assert (REPO / s.snapshot).is_file()
+@pytest.mark.parametrize("name", ["exporter", "karta-proxy"])
+def test_project_services_run_the_image_not_the_source_tree(name: str) -> None:
+    """Built from config/image/Containerfile once: no pip at start, no tests/ code, no
+    source tree mounted in."""
+    svc = _compose()["services"][name]
+    assert svc["build"]["context"] == "."
+    assert REPO / svc["build"]["context"] / svc["build"]["dockerfile"] == CONTAINERFILE
+    assert CONTAINERFILE.is_file()
+    assert "BASE" in svc["build"].get("args", {})  # the Containerfile's build argument
+    assert re.search(r"^ARG BASE\b", CONTAINERFILE.read_text(), re.M)
+    words = " ".join(str(w) for w in [*svc.get("entrypoint", []), *svc["command"]])
+    assert "pip" not in words and "tests." not in words and "tests/" not in words
+    for vol in svc.get("volumes", []):
+        assert vol.split(":")[0] not in (".", "./"), vol  # no source tree
+
+
+def test_image_links_the_demo_data_where_compose_looks() -> None:
+    text = CONTAINERFILE.read_text()
+    link = re.search(r"ln -s .*/demo_data\"?\s*(?:\\\s*)?(/\S+?);", text)
+    assert link and link.group(1) == IMAGE_DEMO, "the image no longer links demo_data there"
+    assert "COPY proxy/ " in text  # the demo exporter ships in the image with the package
+
+
+def test_exporter_command_is_the_demo_exporter() -> None:
+    svc = _compose()["services"]["exporter"]
+    assert svc["entrypoint"] == ["python", "-m", "proxy.demo_exporter"]
+    args = build_exporter_parser().parse_args(_host_args(svc, {"--snapshot"}))
+    assert args.serve == "0.0.0.0:9400"
+    assert Path(args.snapshot) == REPO / "proxy/demo_data/snapshot.yaml"
+    assert Path(args.snapshot).is_file()
+    agent = yaml.safe_load((REPO / "config/compose/agent.yml").read_text())
+    targets = {
+        t for j in agent["scrape_configs"] for sc in j["static_configs"] for t in sc["targets"]
+    }
+    assert targets == {"exporter:9400"}
+
+
+def test_proxy_flags_are_the_cli_flags() -> None:
+    svc = _compose()["services"]["karta-proxy"]
+    assert "entrypoint" not in svc  # the image's: karta-proxy
+    assert re.search(r'^ENTRYPOINT \["karta-proxy"\]', CONTAINERFILE.read_text(), re.M)
+    assert f"{IMAGE_DEMO}/snapshot.yaml" in svc["command"]
+    ns = build_parser().parse_args(_host_args(svc, {"--snapshot", "--config"}))
+    s = settings_from_args(ns, env={})  # SystemExit above on an unknown flag
+    assert s.snapshot is not None and Path(s.snapshot) == REPO / "proxy/demo_data/snapshot.yaml"
+    assert Path(s.snapshot).is_file()
     assert s.upstream.url == "http://tsdb:9090/api/v1/write"
     assert s.server.listen_address == "0.0.0.0:9091"
     assert s.facts.external_labels == {"cluster": "demo"}  # from config/compose/karta-proxy.yaml
