@@ -175,6 +175,11 @@ def _start_relay(
             str(snapshot),
             "--log-level",
             "warning",
+            # the null sink answers 204 without Written headers, as a 1.0-only receiver
+            # does: on its default (auto) the proxy would rightly convert RW 2.0 for it;
+            # the RW 2.0 rows measure RW 2.0 forwarded as RW 2.0, as to a 2.0 receiver
+            "--upstream-protocol",
+            "passthrough",
             *proxy_args,
         ]
         return Process(
