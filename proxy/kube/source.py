@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from proxy import memory
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.engine import slim_pod
@@ -140,6 +141,7 @@ class KubeSource:
         gc.unfreeze()  # frozen piecewise during the sync (see _apply): one full pass
         gc.collect()
         gc.freeze()
+        memory.trim()  # the sync's freed list pages: not the process' RSS from now on
         log.info("cluster index ready: %d pods, %d watches", len(self.index.pods),
                  sum(len(ws) for _, ws in self.watchers.values()))
         self._tasks.append(asyncio.create_task(self._follow_kinds(), name="kube kinds"))
