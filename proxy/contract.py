@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.1.0"
+CONTRACT_VERSION = "1.2.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -59,6 +59,8 @@ FACT_COMPONENT_DESIRED_REPLICAS_MIN = "karta_component_desired_replicas_min"
 FACT_COMPONENT_DESIRED_REPLICAS_MAX = "karta_component_desired_replicas_max"
 #: per component instance: pods the index knows (live, not tombstones)
 FACT_COMPONENT_OBSERVED_PODS = "karta_component_observed_pods"
+#: per namespace: pods the index knows, by attribution state (and reason when unattributed)
+FACT_NAMESPACE_PODS = "karta_namespace_pods"
 #: per watched resource: unix time it was last known current (list, event or bookmark)
 FACT_SOURCE_LAST_CURRENT = "karta_source_last_current_timestamp_seconds"
 #: the contract version (this module's CONTRACT_VERSION) as a label
@@ -81,6 +83,7 @@ FACT_SERIES: tuple[str, ...] = tuple(
             FACT_COMPONENT_DESIRED_REPLICAS_MIN,
             FACT_COMPONENT_DESIRED_REPLICAS_MAX,
             FACT_COMPONENT_OBSERVED_PODS,
+            FACT_NAMESPACE_PODS,
             FACT_SOURCE_LAST_CURRENT,
             FACT_CONTRACT_INFO,
             FACT_BUILD_INFO,
@@ -97,11 +100,16 @@ FACT_LABEL_WORKLOAD_UID = "workload_uid"  # the workload object's uid
 FACT_LABEL_DESCRIPTION = "description"  # name of the Karta description in effect
 FACT_LABEL_BUILTIN = "builtin"  # "true" when the description is one of the project's
 FACT_LABEL_REASON = "reason"  # why: snake_case, a closed-ish set documented in metrics.md
+FACT_LABEL_STATE = "state"  # attribution state of pods: "attributed" or "unattributed"
 FACT_LABEL_PHASE = "phase"  # a generic phase (GENERIC_PHASES)
 FACT_LABEL_STATUS = "status"  # a generic status (GENERIC_PHASES)
 FACT_LABEL_RESOURCE = "resource"  # a watched resource, e.g. "pods", "jobs.batch"
 FACT_LABEL_VERSION = "version"  # contract or build version
 FACT_LABEL_SPLICE = "splice"  # which splice runs: "native", or "python" (the fallback)
+
+#: values of FACT_LABEL_STATE
+STATE_ATTRIBUTED = "attributed"
+STATE_UNATTRIBUTED = "unattributed"
 
 #: The identity of a workload in fact series: the stamped labels that name it.
 WORKLOAD_IDENTITY_LABELS: tuple[str, ...] = (

@@ -33,6 +33,7 @@ import math
 import re
 import struct
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -92,6 +93,8 @@ HELP: dict[str, str] = {
     contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX: "Upper bound of a component instance's "
     "desired replicas (scaleDefinition.maxReplicasPath).",
     contract.FACT_COMPONENT_OBSERVED_PODS: "Pods the index knows in a component instance.",
+    contract.FACT_NAMESPACE_PODS: "Pods the index knows in a namespace, attributed or "
+    "not; unattributed ones by reason.",
     contract.FACT_SOURCE_LAST_CURRENT: "Unix time a watched resource was last known "
     "current (list, event or bookmark).",
     contract.FACT_CONTRACT_INFO: "Version of the metric and label contract (docs/metrics.md).",
@@ -138,6 +141,53 @@ def pod_facts(att: PodAttribution) -> list[Fact]:
             1.0,
         )
     ]
+
+
+def coverage_facts(pods: Iterable[PodAttribution]) -> list[Fact]:
+    """Attribution coverage: pods per namespace, attributed or unattributed by reason.
+
+    So a dashboard or an alert reads coverage from a few series per namespace instead of
+    counting the per-pod facts (one series per pod, and left out of /metrics by default).
+    The same split as :func:`pod_facts`, counted in one pass: raw reasons first (a small
+    set), then their codes. A namespace with pods always has its ``attributed`` series,
+    0 when none is, so a share that falls to nothing is a 0, not a gap; a reason is
+    present only while some pod has it (its series ends with a stale marker).
+    """
+    raw: Counter[tuple[str, str | None]] = Counter(
+        (a.namespace, None if a.workload is not None else a.reason) for a in pods
+    )
+    attributed: Counter[str] = Counter()
+    unattributed: Counter[tuple[str, str]] = Counter()
+    for (namespace, reason), n in raw.items():
+        if reason is None:
+            attributed[namespace] += n
+        else:
+            attributed[namespace] += 0
+            unattributed[namespace, reason_code(reason) if reason else "unattributed"] += n
+    ns_label, state = contract.LABEL_NAMESPACE, contract.FACT_LABEL_STATE
+    out = [
+        Fact(
+            contract.FACT_NAMESPACE_PODS,
+            _sorted(((ns_label, namespace), (state, contract.STATE_ATTRIBUTED))),
+            float(n),
+        )
+        for namespace, n in sorted(attributed.items())
+    ]
+    out.extend(
+        Fact(
+            contract.FACT_NAMESPACE_PODS,
+            _sorted(
+                (
+                    (ns_label, namespace),
+                    (state, contract.STATE_UNATTRIBUTED),
+                    (contract.FACT_LABEL_REASON, code),
+                )
+            ),
+            float(n),
+        )
+        for (namespace, code), n in sorted(unattributed.items())
+    )
+    return out
 
 
 def workload_identity(wf: WorkloadFacts) -> Labels:
@@ -246,10 +296,13 @@ def iter_facts(
     index: PodIndex, build_version: str = proxy.__version__, *, pods: bool = True
 ) -> Iterator[Fact]:
     """Every fact series of the index, in no particular order (``pods=False``: without the
-    per-pod ones)."""
+    per-pod ones; the per-namespace coverage, a few series, is always there)."""
+    pod_list = list(index.pods.values())
+    yield from coverage_facts(pod_list)
     if pods:
-        for att in list(index.pods.values()):
+        for att in pod_list:
             yield from pod_facts(att)
+    del pod_list
     for wf in list(index.workloads.values()):
         yield from workload_facts(wf)
     yield from process_facts(index, build_version)
@@ -413,6 +466,7 @@ class FactWriter:
         pod_items = list(self._index.pods.items())
         workload_items = list(self._index.workloads.items())
         process = process_facts(self._index, self._build_version)
+        coverage = coverage_facts(att for _, att in pod_items)
         pods: dict[str, tuple[PodAttribution, Encoded]] = {}
         for uid, att in pod_items:
             hit = self._pod_cache.get(uid)
@@ -430,6 +484,7 @@ class FactWriter:
             workloads[uid] = whit
             yield from zip(*whit[1], strict=True)
         self._workload_cache = workloads
+        yield from zip(*self._encode(coverage), strict=True)
         yield from zip(*self._encode(process), strict=True)
 
     def iter_requests(self, now_ms: int) -> Iterator[bytes]:

@@ -453,10 +453,10 @@ def test_unchanged_objects_are_not_re_encoded() -> None:
     w._encode = counting  # type: ignore[method-assign]
     b = w.build_request(1000)
     assert a == b
-    assert calls == 1  # only the process facts (freshness, versions)
+    assert calls == 2  # only the few, uncached ones: coverage and the process facts
     index.apply(ChangeSet(workloads={"w-ray": ray_facts(phase="Failed")}))
     w.build_request(1000)
-    assert calls == 3  # the changed workload + process facts
+    assert calls == 5  # the changed workload + coverage + process facts
 
 
 # -- /metrics ----------------------------------------------------------------------------------
@@ -751,6 +751,45 @@ def test_tsdb_desired_vs_observed_follow_a_scale_up(prom: Prometheus) -> None:
 
 
 @pytest.mark.peers
+def test_tsdb_coverage_share_per_namespace_without_a_join(prom: Prometheus) -> None:
+    """Pods of namespace `cov` lose their attribution one by one: the share attributed,
+    read from karta_namespace_pods alone, goes 1 -> 0.5 -> 0 (a 0, not a gap), the
+    reasons appear, and the namespace ends at once when its pods go."""
+    t0 = float(int(time.time()) - 900)
+    clock = Clock(t0)
+    index = PodIndex()
+    w = FactWriter(FactSettings(external_labels={"cluster": "cov"}), index, _nosend, clock=clock)
+    ref = WorkloadRef("cov", "apps", "Deployment", "api", "u-cov")
+
+    def pods(attributed: int) -> ChangeSet:
+        return ChangeSet(pods={
+            f"c{i}": PodAttribution("cov", f"api-{i}", f"c{i}", ref if i < attributed else None,
+                                    reason="" if i < attributed else "owner_missing")
+            for i in range(4)
+        })
+
+    plan: dict[int, ChangeSet] = {0: pods(4), 60: pods(2), 120: pods(0),
+                                  180: ChangeSet(pods={f"c{i}": None for i in range(4)})}
+    for step in range(0, 195, 15):
+        clock.t = t0 + step
+        if step in plan:
+            index.apply(plan[step])
+        prom.write(w.build_request(int(clock.t * 1000)))
+        w.commit()
+
+    sel = 'cluster="cov"'
+    share = (f'sum by (karta_namespace) (karta_namespace_pods{{{sel},state="attributed"}})'
+             f' / sum by (karta_namespace) (karta_namespace_pods{{{sel}}})')
+    assert prom.query(share, t0 + 30) == {(("karta_namespace", "cov"),): 1.0}
+    assert prom.query(share, t0 + 90) == {(("karta_namespace", "cov"),): 0.5}
+    assert prom.query(share, t0 + 150) == {(("karta_namespace", "cov"),): 0.0}
+    unattributed = f'karta_namespace_pods{{{sel},state="unattributed"}}'
+    assert list(prom.query(unattributed, t0 + 150).values()) == [4.0]
+    assert prom.query(share, t0 + 181) == {}
+    assert prom.query(f"karta_namespace_pods{{{sel}}}", t0 + 181) == {}
+
+
+@pytest.mark.peers
 async def test_three_replicas_write_each_fact_once_and_survive_the_leader_dying(
     prom: Prometheus,
 ) -> None:
@@ -962,6 +1001,94 @@ def test_metrics_can_leave_out_the_per_pod_facts() -> None:
     assert contract.FACT_WORKLOAD_PHASE in names
     assert contract.FACT_POD_INFO not in names
     assert contract.FACT_POD_UNATTRIBUTED_INFO not in names
+    assert contract.FACT_NAMESPACE_PODS in names  # coverage stays: a few series
+
+
+# -- attribution coverage ------------------------------------------------------------------
+
+
+def _coverage(series: Series) -> dict[tuple[str, str, str], float]:
+    """(namespace, state, reason) -> pods, from the written karta_namespace_pods."""
+    return {
+        (d["karta_namespace"], d["state"], d.get("reason", "")): v
+        for d, v in ((dict(k), v) for k, v in by_name(series, contract.FACT_NAMESPACE_PODS).items())
+    }
+
+
+def test_coverage_counts_pods_per_namespace_by_state_and_reason() -> None:
+    """The same split as the per-pod facts: codes, not details; an empty reason is
+    `unattributed`; a namespace with no attributed pod still has its 0."""
+    index = small_index()
+    index.apply(ChangeSet(pods={
+        "q1": PodAttribution("batch", "a", "q1", None, reason="owner_missing"),
+        "q2": PodAttribution("batch", "b", "q2", None, reason="owner_missing"),
+        "q3": PodAttribution("batch", "c", "q3", None, reason="description_error: jq: bad"),
+        "q4": PodAttribution("batch", "d", "q4", None),
+        "q5": PodAttribution("web", "e", "q5", None, reason="no_described_owner"),
+    }))
+    series = decode(writer(index, external_labels={"cluster": "c1"}).build_request(1000))
+    assert _coverage(series) == {
+        ("ml", "attributed", ""): 2,
+        ("web", "attributed", ""): 1,
+        ("web", "unattributed", "no_described_owner"): 2,
+        ("batch", "attributed", ""): 0,
+        ("batch", "unattributed", "owner_missing"): 2,
+        ("batch", "unattributed", "description_error"): 1,
+        ("batch", "unattributed", "unattributed"): 1,
+    }
+    labels = {k for k in series if ("__name__", contract.FACT_NAMESPACE_PODS) in k}
+    assert all(dict(k)["cluster"] == "c1" for k in labels)
+    # and it agrees with counting the per-pod facts, pod by pod
+    per_pod: dict[tuple[str, str, str], float] = {}
+    for f in iter_facts(index):
+        d = dict(f.labels)
+        if f.name == contract.FACT_POD_INFO:
+            key = (d["namespace"], "attributed", "")
+        elif f.name == contract.FACT_POD_UNATTRIBUTED_INFO:
+            key = (d["namespace"], "unattributed", d["reason"])
+        else:
+            continue
+        per_pod[key] = per_pod.get(key, 0) + 1
+    assert {k: v for k, v in _coverage(series).items() if v} == per_pod
+
+
+def test_coverage_follows_attribution_and_ends_with_stale_markers() -> None:
+    index = small_index()
+    w = writer(index)
+    w.build_request(1000)
+    w.commit()
+    # the stray pod gets attributed; the api pod loses its workload's description
+    index.apply(ChangeSet(pods={
+        "p-lost": replace(PODS["p-lost"], workload=DEP, reason=""),
+        "p-api": replace(PODS["p-api"], workload=None, reason="owner_missing"),
+    }))
+    series = decode(w.build_request(2000))
+    w.commit()
+    cov = _coverage(series)
+    assert cov[("web", "attributed", "")] == 1
+    assert cov[("web", "unattributed", "owner_missing")] == 1
+    assert is_stale(cov[("web", "unattributed", "no_described_owner")])
+    # the last pods of a namespace go: its series end, nothing lingers at 0
+    index.apply(ChangeSet(pods={"p-lost": None, "p-api": None}))
+    cov = _coverage(decode(w.build_request(3000)))
+    w.commit()
+    assert is_stale(cov[("web", "attributed", "")])
+    assert is_stale(cov[("web", "unattributed", "owner_missing")])
+    assert cov[("ml", "attributed", "")] == 2
+    assert set(_coverage(decode(w.build_request(4000)))) == {("ml", "attributed", "")}
+
+
+def test_coverage_is_a_few_series_however_many_pods() -> None:
+    """Memory and write size follow namespaces x reasons, not pods."""
+    index = PodIndex()
+    index.apply(ChangeSet(pods={
+        f"u{i}": PodAttribution(f"ns{i % 7}", f"p{i}", f"u{i}", DEP if i % 5 else None,
+                                reason="" if i % 5 else "no_described_owner")
+        for i in range(5000)
+    }))
+    facts = [f for f in iter_facts(index, pods=False) if f.name == contract.FACT_NAMESPACE_PODS]
+    assert len(facts) == 14
+    assert sum(f.value for f in facts) == 5000
 
 
 # -- end to end: API simulator -> watches -> engine -> index -> facts -> Prometheus -----------
