@@ -56,6 +56,7 @@ from proxy.karta.results import (
 
 if TYPE_CHECKING:
     from proxy.karta.description import DescriptionError
+    from proxy.karta.explain import Explanation
 
 log = logging.getLogger(__name__)
 
@@ -586,6 +587,26 @@ class Engine:
     def workload(self, uid: str) -> WorkloadFacts | None:
         wl = self._wl.get(uid)
         return wl.facts if wl is not None else None
+
+    def explain(self, namespace: str, pod: str) -> Explanation | None:
+        """Why ``namespace/pod`` got its attribution, walked again on demand (the status
+        page; read-only, a scan of the pods: never on the request path). None for a pod
+        the engine does not hold; of two pods of one name, the newest."""
+        from proxy.karta.explain import explain_pod
+
+        found = None
+        for rec in self._pods.values():
+            if rec.name == pod and rec.namespace == namespace and rec.att is not None:
+                found = rec
+        if found is None or found.att is None:
+            return None
+
+        def description_of(gk: GroupKind) -> str | None:
+            plan = self._walk_plans.get(gk)
+            return plan.desc.name if plan is not None else None
+
+        return explain_pod(found, found.att, self._pods, self._graph, description_of,
+                           self._is_errored)
 
     def descriptions(self) -> dict[GroupKind, Description]:
         """The description in force for each described kind."""
