@@ -1,0 +1,261 @@
+"""The README works as written: its first two commands, the interpreter ``.ci/run`` picks,
+and the no-cluster walkthrough, run line by line against the real Debian Prometheus."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.peers.conftest import Peer, free_port, need, query, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+PYTHON_ENV = REPO / ".ci" / "python-env"
+SETUP = "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/karta-proxy demo"
+TESTS = "bash .ci/run"
+WALKTHROUGH = "### Without a cluster: the walkthrough"
+#: the walkthrough's loopback ports, each replaced by a free one when the test runs it
+PORTS = (9090, 9091, 9095, 9400)
+SCRATCH = "/tmp/karta-walkthrough"
+#: Prometheus' remote-write batching, a 5 s scrape interval, rule evaluation: well inside
+WAIT_SECONDS = 90.0
+
+
+@dataclass(frozen=True)
+class Block:
+    """A fenced code block of the README: its language and its lines."""
+
+    lang: str
+    lines: list[str]
+
+
+def blocks(text: str) -> Iterator[Block]:
+    for m in re.finditer(r"^ *```(\w*)\n(.*?)^ *```", text, re.M | re.S):
+        yield Block(m.group(1), [line.strip() for line in m.group(2).splitlines()])
+
+
+def commands(block: Block) -> list[str]:
+    """The commands of a shell block: comments and trailing ``# ...`` dropped."""
+    out = []
+    for line in block.lines:
+        cmd = re.sub(r"\s+#.*$", "", line).strip()
+        if cmd and not cmd.startswith("#"):
+            out.append(cmd)
+    return out
+
+
+def section(title: str) -> list[Block]:
+    text = README.read_text()
+    start = text.index(title + "\n")
+    end = text.find("\n## ", start)
+    return list(blocks(text[start : end if end > 0 else len(text)]))
+
+
+# -- the first two commands --------------------------------------------------------------------
+
+
+def test_readme_starts_with_the_set_up_and_the_test_command() -> None:
+    first = next(blocks(README.read_text()))
+    assert first.lang == "sh"
+    assert commands(first) == [SETUP, TESTS]
+    assert README.read_text().index("```") < README.read_text().index("\n## ")  # at the top
+
+
+def test_set_up_makes_the_virtualenv_before_any_pip() -> None:
+    """A stock Debian python3 refuses ``pip install`` (externally-managed-environment): the
+    set-up never calls the system pip, only the virtualenv's, after making it."""
+    steps = [shlex.split(s) for s in SETUP.split("&&")]
+    assert steps[0][:3] == ["python3", "-m", "venv"]
+    venv = steps[0][3]
+    for step in steps[1:]:
+        assert step[0].startswith(venv + "/bin/"), step
+    assert not re.search(r"(^|\s)(pip3?|python3 -m pip)\s", SETUP)
+    # what the user types next is said
+    assert f". {venv}/bin/activate" in README.read_text()
+
+
+def test_ci_run_installs_and_runs_with_the_chosen_interpreter() -> None:
+    text = (REPO / ".ci" / "run").read_text()
+    assert 'PY=$(bash .ci/python-env)' in text
+    body = text[text.index("PY=$(bash .ci/python-env)") :]
+    for step in ("-m pip install", "-m ruff check .", "-m mypy proxy tests benchmarks",
+                 "-m pytest -q"):
+        assert f'"$PY" {step}' in body, step
+    assert not re.search(r"^python3 -m", text, re.M)  # nothing bypasses the choice
+
+
+def _python_env(tmp: Path, python: str) -> tuple[str, str]:
+    env = {**os.environ, "PYTHON": python, "KARTA_VENV": str(tmp / "venv")}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run(["bash", str(PYTHON_ENV)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), proc.stderr
+
+
+def _interpreter(python: str) -> str:
+    out = subprocess.run([python, "-c", "import sys; print(sys.executable)"],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip()
+
+
+def test_python_env_keeps_a_running_virtualenv(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "ci")],
+                   check=True, timeout=60)
+    python = str(tmp_path / "ci" / "bin" / "python")
+    got, _ = _python_env(tmp_path, python)
+    assert got == _interpreter(python)
+    assert not (tmp_path / "venv").exists()  # in a virtualenv, nothing else is made
+
+
+def test_python_env_keeps_a_python_whose_pip_takes_installs(tmp_path: Path) -> None:
+    if sys.prefix != sys.base_prefix:
+        pytest.skip("the tests run in a virtualenv: no system python of theirs to look at")
+    if (Path(sysconfig.get_path("stdlib")) / "EXTERNALLY-MANAGED").exists():
+        pytest.skip("this python3 is externally managed")
+    got, _ = _python_env(tmp_path, sys.executable)
+    assert got == _interpreter(sys.executable)
+    assert not (tmp_path / "venv").exists()
+
+
+def _refusing_pythons(tmp: Path) -> Iterator[tuple[str, str]]:
+    """Interpreters whose pip refuses: Debian's (the PEP 668 marker), and one whose
+    ``-m pip`` fails (no python3-pip), made by wrapping this one."""
+    debian = Path("/usr/bin/python3")
+    stdlib = subprocess.run(
+        [str(debian), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
+        capture_output=True, text=True, timeout=30,
+    ).stdout.strip() if debian.exists() else ""
+    if stdlib and (Path(stdlib) / "EXTERNALLY-MANAGED").exists():
+        yield "externally-managed", str(debian)
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    wrapper = tmp / "no-pip-python3"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = pip ]; then echo "No module named pip" >&2; exit 1; fi\n'
+        f'exec {shlex.quote(str(base))} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    yield "no-pip", str(wrapper)
+
+
+def test_python_env_makes_and_reuses_a_virtualenv_when_pip_refuses(tmp_path: Path) -> None:
+    cases = list(_refusing_pythons(tmp_path))
+    assert cases  # at least the wrapper
+    for name, python in cases:
+        case = tmp_path / name
+        case.mkdir()
+        got, err = _python_env(case, python)
+        assert got == str(case / "venv" / "bin" / "python"), (name, err)
+        assert "creating the virtualenv" in err
+        pip = subprocess.run([got, "-m", "pip", "--version"], capture_output=True, text=True,
+                             timeout=60)
+        assert pip.returncode == 0 and str(case / "venv") in pip.stdout, (name, pip)
+        again, err = _python_env(case, python)  # the second run reuses it
+        assert again == got and "creating" not in err, (name, err)
+
+
+# -- the walkthrough ---------------------------------------------------------------------------
+
+
+def test_walkthrough_names_files_that_exist() -> None:
+    sh = next(b for b in section(WALKTHROUGH) if b.lang == "sh")
+    for cmd in commands(sh):
+        for word in shlex.split(cmd):
+            value = word.split("=", 1)[-1]
+            if value.startswith(("config/", "proxy/")):
+                assert (REPO / value).is_file(), value
+    text = " ".join(commands(sh))
+    assert "--web.enable-remote-write-receiver" in text
+    assert "--snapshot proxy/demo_data/snapshot.yaml" in text
+
+
+def test_walkthrough_agent_config_is_the_shipped_one() -> None:
+    shown = [b for b in section(WALKTHROUGH) if b.lang == "yaml"]
+    assert shown, "the README shows the agent's remote_write block"
+    agent = yaml.safe_load((REPO / "config/walkthrough/agent.yml").read_text())
+    assert yaml.safe_load("\n".join(shown[0].lines)) == {"remote_write": agent["remote_write"]}
+
+
+def _substitute(text: str, ports: dict[int, int], scratch: Path) -> str:
+    for old, new in ports.items():
+        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
+    return text.replace(SCRATCH, str(scratch))
+
+
+def _argv(cmd: str, agent_config: Path) -> list[str]:
+    """A README line as argv: the binaries of this machine, the port-substituted agent
+    config; every other word as written."""
+    words = shlex.split(cmd)
+    if words[0] == "prometheus":
+        words[0] = need("prometheus")
+    elif words[0] == "karta-proxy":  # the same command line as the console script
+        words[:1] = [sys.executable, "-m", "proxy"]
+    elif words[0] == "python3":
+        words[0] = sys.executable
+    return [w.replace("config/walkthrough/agent.yml", str(agent_config)) for w in words]
+
+
+def _ready_path(argv: list[str]) -> tuple[str, str]:
+    """The address a walkthrough process serves on, and its readiness path."""
+    joined = " ".join(argv)
+    m = re.search(r"(?:--web\.listen-address=|--listen-address |--serve )127\.0\.0\.1:(\d+)",
+                  joined)
+    assert m, joined
+    path = "/metrics" if "proxy.demo_exporter" in joined else "/-/ready"
+    return f"http://127.0.0.1:{m.group(1)}", path
+
+
+@pytest.mark.peers
+async def test_walkthrough_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    need("prometheus")
+    monkeypatch.chdir(REPO)  # "from the repository root"
+    blocks_ = section(WALKTHROUGH)
+    sh = next(b for b in blocks_ if b.lang == "sh")
+    promql = [q for b in blocks_ if b.lang == "promql" for q in b.lines if q]
+    assert len(commands(sh)) == 4 and len(promql) >= 3
+    ports = {p: free_port() for p in PORTS}
+    agent_config = tmp_path / "agent.yml"
+    agent_config.write_text(
+        _substitute((REPO / "config/walkthrough/agent.yml").read_text(), ports, tmp_path)
+    )
+    started: list[Peer] = []
+    try:
+        for i, cmd in enumerate(commands(sh)):
+            argv = _argv(_substitute(cmd, ports, tmp_path), agent_config)
+            base, ready = _ready_path(argv)
+            peer = Peer(f"step{i + 1}", argv, tmp_path / f"step{i + 1}.log", base, ready)
+            peer.start()
+            started.append(peer)
+            await peer.wait_ready(timeout=30)
+        tsdb = f"http://127.0.0.1:{ports[9090]}"
+        deadline = time.monotonic() + WAIT_SECONDS
+        for q in promql:
+            async def answered(q: str = q) -> bool:
+                rows = await query(tsdb, q)
+                return bool(rows) and all(r["metric"].get("karta_workload") for r in rows)
+
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                await wait_until(answered, timeout=left, what=q, interval=1.0)
+            except AssertionError as e:
+                logs = "\n".join(f"--- {p.name}\n{p.log_tail(1500)}" for p in started)
+                raise AssertionError(f"{e}\n{logs}") from None
+        gpu = {r["metric"]["karta_workload"] for r in await query(tsdb, promql[0])}
+        assert {"pretrain", "llm-finetune"} <= gpu
+    finally:
+        for peer in reversed(started):
+            await peer.astop()
