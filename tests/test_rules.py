@@ -1,13 +1,16 @@
-"""The shipped recording rules: valid for promtool, unit-tested rule by rule, documented.
+"""The shipped recording and alerting rules: valid for promtool, unit-tested rule by rule,
+documented.
 
 ``promtool test rules`` runs tests/rules/*.yaml (fixtures with cAdvisor sandbox and
 pod-cgroup series, DCGM ``exported_*`` series, two clusters, a scale-up and a phase
-change; dcgm-exporter series of whole, time-sliced and MIG GPUs); the checks below make
-sure no rule escapes a unit test or the docs, and no GPU rule counts a shared GPU twice.
+change; dcgm-exporter series of whole, time-sliced and MIG GPUs; namespaces losing
+attribution coverage); the checks below make sure no rule escapes a unit test or the
+docs, no alert is only ever tested silent, and no GPU rule counts a shared GPU twice.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -28,6 +31,24 @@ def recorded_names() -> list[str]:
         for group in yaml.safe_load(f.read_text())["groups"]:
             names.extend(r["record"] for r in group["rules"] if "record" in r)
     return names
+
+
+def alert_names() -> list[str]:
+    names: list[str] = []
+    for f in RULE_FILES:
+        for group in yaml.safe_load(f.read_text())["groups"]:
+            names.extend(r["alert"] for r in group["rules"] if "alert" in r)
+    return names
+
+
+def alert_tests() -> dict[str, list[bool]]:
+    """alertname -> for each alert_rule_test case of it: does it expect the alert to fire."""
+    out: dict[str, list[bool]] = {}
+    for f in TEST_FILES:
+        for t in yaml.safe_load(f.read_text())["tests"]:
+            for case in t.get("alert_rule_test", []):
+                out.setdefault(case["alertname"], []).append(bool(case.get("exp_alerts")))
+    return out
 
 
 def exprs_under_test() -> set[str]:
@@ -69,6 +90,34 @@ def test_promtool_test_rules(test_file: Path) -> None:
 def test_every_rule_has_a_unit_test() -> None:
     missing = sorted(set(recorded_names()) - exprs_under_test())
     assert not missing, f"rules without a promtool unit test: {missing}"
+
+
+def test_every_alert_is_tested_firing_and_not() -> None:
+    """An alert test that only ever expects silence passes for a rule that never fires."""
+    names = alert_names()
+    assert len(names) == len(set(names)), "an alert name is used twice"
+    assert {"KartaAttributionCoverageDropped", "KartaPodsUnattributed"} <= set(names)
+    cases = alert_tests()
+    for name in names:
+        assert True in cases.get(name, []), f"{name}: no promtool test where it fires"
+        assert False in cases.get(name, []), f"{name}: no promtool test where it does not"
+
+
+def test_every_alert_is_documented_and_reads_contract_names() -> None:
+    """Alerts read facts (contract names) or recorded rules, nothing else of karta's."""
+    from proxy import contract
+
+    doc = (ROOT / "docs" / "recording-rules.md").read_text()
+    known = set(contract.FACT_SERIES) | set(recorded_names())
+    for f in RULE_FILES:
+        for group in yaml.safe_load(f.read_text())["groups"]:
+            for r in group["rules"]:
+                if "alert" not in r:
+                    continue
+                assert f"`{r['alert']}`" in doc, f"{r['alert']} missing from the docs"
+                read = set(re.findall(r"\b(karta_[a-zA-Z0-9_:]+)\s*\{", r["expr"]))
+                assert read and read <= known, (r["alert"], read - known)
+                assert r["labels"]["severity"] and r["annotations"]["summary"], r["alert"]
 
 
 def test_every_rule_is_documented() -> None:
