@@ -286,7 +286,7 @@ class Proxy:
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=s.upstream.url, source=self.source_name,
-                        reload=self.reload)
+                        reload=self.reload, explain=self.engine.explain)
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:
             self.tls = self._make_tls()

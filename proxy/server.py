@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
+from proxy.attribution_page import Explainer, add_routes
 from proxy.connection_guard import LINGER_SECONDS, GuardedRunner
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
@@ -37,9 +38,11 @@ def build_app(
     upstream_url: str = "",
     source: str = "",
     reload: Callable[[], Awaitable[ReloadOutcome]] | None = None,
+    explain: Explainer | None = None,
 ) -> web.Application:
     """Routes of the proxy. ``source`` names where the index comes from (landing page);
-    ``reload`` serves ``POST /-/reload`` (absent: no such route)."""
+    ``reload`` serves ``POST /-/reload`` (absent: no such route); ``explain`` gives the
+    attribution page its owner chains (absent: the page shows the index's answers only)."""
     app = web.Application()
     app[REMOTE_WRITE] = handler
 
@@ -95,6 +98,7 @@ def build_app(
 {table}
 </table>
 <ul>
+<li><a href="/attribution">/attribution</a>: why a pod has its workload labels, or none</li>
 <li><a href="/metrics">/metrics</a></li>
 <li><a href="/-/healthy">/-/healthy</a></li>
 <li><a href="/-/ready">/-/ready</a></li>
@@ -125,6 +129,7 @@ def build_app(
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
     app.router.add_get("/", landing)
+    add_routes(app, index, explain)
     return app
 
 

@@ -1,0 +1,398 @@
+"""The attribution status page: why a pod has the labels it has, or why it has none.
+
+Operators otherwise learn why a pod is unattributed only from
+``karta_pod_unattributed_info``. ``GET /attribution`` is a plain form and a
+server-rendered page (no script, no external asset: it must work from a port-forward
+with no internet); ``GET /api/v1/attribution`` and ``/api/v1/attribution/unattributed``
+answer the same as JSON, in the Prometheus API's envelope (``status``, ``data``, or
+``errorType`` and ``error``).
+
+Everything is computed per page view from the index and the engine (the owner chain is
+walked again by :meth:`proxy.karta.engine.Engine.explain`); the request path is not
+involved. Pod names, namespaces, labels and reasons come from the cluster, so every
+value is HTML-escaped, and the page is served with a Content-Security-Policy that allows
+no script at all.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+from aiohttp import web
+
+from proxy.index import PodIndex
+from proxy.karta.explain import (
+    END_HOP_LIMIT,
+    END_NO_CONTROLLER,
+    END_OWNER_MISSING,
+    END_TOP,
+    Explanation,
+)
+from proxy.karta.owners import (
+    REASON_DESCRIPTION_ERROR,
+    REASON_HOP_LIMIT,
+    REASON_NO_CONTROLLER_OWNER,
+    REASON_NO_DESCRIBED_OWNER,
+    REASON_OWNER_MISSING,
+)
+from proxy.karta.results import PodAttribution
+
+#: the engine's explanation of a pod by (namespace, name); None for an unknown pod
+Explainer = Callable[[str, str], Explanation | None]
+
+PAGE_PATH = "/attribution"
+API_PATH = "/api/v1/attribution"
+UNATTRIBUTED_API_PATH = "/api/v1/attribution/unattributed"
+
+#: pods listed per reason on the page (the JSON's default ``limit`` too); counts are whole
+LIST_LIMIT = 500
+MAX_LIST_LIMIT = 100_000
+
+#: the index's reason for an unattributed pod whose engine reason is empty
+UNATTRIBUTED = "unattributed"
+
+REASONS = {
+    REASON_NO_CONTROLLER_OWNER: "the pod has no controller reference and the built-in Pod "
+                                "description is off",
+    REASON_NO_DESCRIBED_OWNER: "the owner chain ends (an owner without a controller) before "
+                               "any described kind",
+    REASON_OWNER_MISSING: "the chain is broken by an owner not seen (yet), of an undescribed "
+                          "kind, before any described kind",
+    REASON_HOP_LIMIT: "max_owner_hops references followed without reaching a described kind "
+                      "(or an ownerReference cycle)",
+    REASON_DESCRIPTION_ERROR: "the chain passes a kind whose only description is invalid",
+}
+
+WALK_ENDS = {
+    END_NO_CONTROLLER: "the pod has no controller reference: it is its own top",
+    END_TOP: "reached an owner without a controller reference: the top of the chain",
+    END_OWNER_MISSING: "an owner not seen (yet): known from its reference only",
+    END_HOP_LIMIT: "max_owner_hops references followed",
+}
+
+#: no script, no remote anything: the page is a form and a table
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                               "form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PodReport:
+    """One pod's answer, and how it was reached when the engine could say."""
+
+    attribution: PodAttribution
+    #: None when no engine was given (the answer comes from the index alone)
+    explanation: Explanation | None
+
+
+@dataclass(frozen=True, slots=True)
+class Unattributed:
+    """The unattributed pods of one reason, sorted by namespace and name."""
+
+    reason: str
+    count: int
+    #: at most the asked limit of them
+    pods: tuple[PodAttribution, ...]
+
+
+# -- answers ------------------------------------------------------------------------------
+
+
+def find_pod(index: PodIndex, explain: Explainer | None, namespace: str,
+             pod: str) -> PodReport | None:
+    """The engine's explanation, else the index's answer alone; None for an unknown pod."""
+    if explain is not None:
+        ex = explain(namespace, pod)
+        if ex is not None:
+            return PodReport(ex.attribution, ex)
+    for att in index.pods.values():
+        if att.namespace == namespace and att.pod == pod:
+            return PodReport(att, None)
+    return None
+
+
+def unattributed(index: PodIndex, limit: int = LIST_LIMIT) -> list[Unattributed]:
+    """Unattributed pods grouped by reason, the biggest group first."""
+    groups: dict[str, list[PodAttribution]] = {}
+    for att in index.pods.values():
+        if att.workload is None:
+            groups.setdefault(att.reason or UNATTRIBUTED, []).append(att)
+    out = []
+    for reason, atts in groups.items():
+        atts.sort(key=lambda a: (a.namespace, a.pod, a.uid))
+        out.append(Unattributed(reason, len(atts), tuple(atts[:limit])))
+    out.sort(key=lambda u: (-u.count, u.reason))
+    return out
+
+
+def index_state(index: PodIndex, now: float) -> dict[str, Any]:
+    """How current the index is: per resource, when it was last known current."""
+    return {
+        "ready": index.ready,
+        "stale": index.stale,
+        "freshness": [
+            {"resource": name, "last_current": ts, "age_seconds": round(max(0.0, now - ts), 3)}
+            for name, ts in sorted(index.freshness.items())
+        ],
+    }
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+
+def _attribution_json(att: PodAttribution) -> dict[str, Any]:
+    w = att.workload
+    return {
+        "namespace": att.namespace,
+        "pod": att.pod,
+        "uid": att.uid,
+        "attributed": w is not None,
+        "workload": None if w is None else {
+            "namespace": w.namespace, "group": w.group, "kind": w.kind, "name": w.name,
+            "uid": w.uid,
+        },
+        "component": att.component,
+        "instance": att.instance,
+        "replica": att.replica,
+        "description": att.description,
+        "reason": "" if w is not None else (att.reason or UNATTRIBUTED),
+    }
+
+
+def report_json(report: PodReport, index: PodIndex, now: float) -> dict[str, Any]:
+    data = _attribution_json(report.attribution)
+    ex = report.explanation
+    data["chain"] = None if ex is None else [
+        {"kind": link.kind, "group": link.group, "name": link.name, "uid": link.uid,
+         "seen": link.seen, "described": link.described, "description": link.description,
+         "description_error": link.description_error, "workload": link.workload}
+        for link in ex.chain
+    ]
+    data["walk_end"] = None if ex is None else ex.walk_end
+    data["max_owner_hops"] = None if ex is None else ex.max_owner_hops
+    data["index"] = index_state(index, now)
+    return data
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"status": "error", "errorType": kind, "error": message},
+                             status=status)
+
+
+def _query(request: web.Request) -> tuple[str, str] | str:
+    """(namespace, pod), or what is wrong with the query."""
+    ns = request.query.get("namespace", "")
+    pod = request.query.get("pod", "")
+    if not ns or not pod:
+        return "both namespace and pod are required (?namespace=NS&pod=NAME)"
+    return ns, pod
+
+
+# -- HTML ---------------------------------------------------------------------------------
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _pod_link(namespace: str, pod: str) -> str:
+    href = PAGE_PATH + "?" + urlencode({"namespace": namespace, "pod": pod})
+    return f'<a href="{_e(href)}">{_e(namespace)}/{_e(pod)}</a>'
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _index_html(index: PodIndex, now: float) -> str:
+    state = index_state(index, now)
+    rows = "".join(
+        f"<tr><td>{_e(f['resource'])}</td>"
+        f"<td>{_e(time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(f['last_current'])))} UTC"
+        f"</td><td>{_e(_age(f['age_seconds']))}</td></tr>"
+        for f in state["freshness"]
+    ) or '<tr><td colspan="3">nothing loaded yet</td></tr>'
+    stale = ('<strong class="bad">yes: a source is cut off, the last known state is '
+             'served</strong>' if index.stale else "no")
+    return f"""<section id="index">
+<h2>Index</h2>
+<p>ready: {"yes" if index.ready else "<strong class='bad'>no</strong>"}; stale: {stale};
+pods: {len(index.pods)}; workloads: {len(index.workloads)}</p>
+<table><tr><th>resource</th><th>last known current</th><th>age</th></tr>{rows}</table>
+</section>"""
+
+
+def _form_html(namespace: str, pod: str) -> str:
+    return f"""<form id="search" method="get" action="{PAGE_PATH}">
+<label>namespace <input name="namespace" value="{_e(namespace)}" required></label>
+<label>pod <input name="pod" value="{_e(pod)}" required size="50"></label>
+<button type="submit">Explain</button>
+</form>"""
+
+
+def _chain_html(report: PodReport) -> str:
+    ex = report.explanation
+    att = report.attribution
+    if ex is None:
+        return "<p>owner chain: not available (no engine attached to this page)</p>"
+    items = [f"<li>Pod {_e(att.namespace)}/{_e(att.pod)} (the pod itself)</li>"]
+    for link in ex.chain:
+        kind = f"{link.kind}.{link.group}" if link.group else link.kind
+        notes = []
+        if link.description:
+            notes.append(f"described by <code>{_e(link.description)}</code>")
+        elif link.description_error:
+            notes.append('<span class="bad">its description is invalid</span>')
+        else:
+            notes.append("not described")
+        if not link.seen:
+            notes.append("not seen: known from the reference only")
+        mark = ' class="workload"' if link.workload else ""
+        top = " <strong>&larr; workload</strong>" if link.workload else ""
+        items.append(f"<li{mark}>{_e(kind)} {_e(link.name)} "
+                     f"<small>uid {_e(link.uid)}</small>: {'; '.join(notes)}{top}</li>")
+    end = WALK_ENDS.get(ex.walk_end, ex.walk_end)
+    return (f'<h3>Owner chain walked</h3><ol id="chain">{"".join(items)}</ol>'
+            f'<p id="walk-end">walk ended: <code>{_e(ex.walk_end)}</code>: {_e(end)} '
+            f"(max_owner_hops {ex.max_owner_hops})</p>")
+
+
+def _report_html(report: PodReport) -> str:
+    att = report.attribution
+    w = att.workload
+    rows: list[tuple[str, str]] = [("pod", f"{_e(att.namespace)}/{_e(att.pod)}"),
+                                   ("uid", _e(att.uid))]
+    if w is None:
+        reason = att.reason or UNATTRIBUTED
+        rows += [("attributed", '<strong class="bad">no</strong>'),
+                 ("reason", f"<code>{_e(reason)}</code>: {_e(REASONS.get(reason, ''))}")]
+    else:
+        kind = f"{w.kind}.{w.group}" if w.group else w.kind
+        rows += [
+            ("attributed", "yes"),
+            ("workload", f"{_e(kind)} {_e(w.namespace)}/{_e(w.name)} "
+                         f"<small>uid {_e(w.uid)}</small>"),
+            ("component", _e(att.component) or "<em>none (no component selector accepted)</em>"),
+            ("instance", _e(att.instance) or "<em>none</em>"),
+            ("replica", _e(att.replica) or "<em>none</em>"),
+            ("description", f"<code>{_e(att.description)}</code>"),
+        ]
+    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    return (f'<section id="result"><h2>{_e(att.namespace)}/{_e(att.pod)}</h2>'
+            f'<table id="answer">{table}</table>{_chain_html(report)}</section>')
+
+
+def _unattributed_html(groups: list[Unattributed]) -> str:
+    total = sum(g.count for g in groups)
+    parts = [f'<section id="unattributed"><h2>Unattributed pods ({total})</h2>']
+    if not groups:
+        parts.append("<p>none: every pod has a workload</p>")
+    for g in groups:
+        more = (f"<li>... and {g.count - len(g.pods)} more (see "
+                f'<a href="{UNATTRIBUTED_API_PATH}">the JSON</a>)</li>'
+                if g.count > len(g.pods) else "")
+        pods = "".join(f"<li>{_pod_link(a.namespace, a.pod)}</li>" for a in g.pods)
+        parts.append(f"<h3><code>{_e(g.reason)}</code> ({g.count})</h3>"
+                     f"<p>{_e(REASONS.get(g.reason, ''))}</p><ul>{pods}{more}</ul>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+_STYLE = """body{font-family:sans-serif;margin:1.5em;max-width:70em}
+table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .5em;text-align:left}
+.bad{color:#b00}li.workload{font-weight:bold}form{margin:1em 0}small{color:#666}"""
+
+
+def render_page(index: PodIndex, now: float, namespace: str, pod: str,
+                report: PodReport | None, message: str) -> str:
+    body = [_index_html(index, now), _form_html(namespace, pod)]
+    if message:
+        body.append(f'<p id="message" class="bad">{_e(message)}</p>')
+    if report is not None:
+        body.append(_report_html(report))
+    body.append(_unattributed_html(unattributed(index)))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>karta-proxy: attribution</title>
+<style>{_STYLE}</style></head>
+<body>
+<h1>Attribution</h1>
+<p><a href="/">karta-proxy</a> &middot; why a pod has the workload labels it has, or why
+it has none. As JSON: <code>{API_PATH}?namespace=NS&amp;pod=NAME</code>,
+<a href="{UNATTRIBUTED_API_PATH}">{UNATTRIBUTED_API_PATH}</a>.</p>
+{"".join(body)}
+</body></html>
+"""
+
+
+# -- routes -------------------------------------------------------------------------------
+
+
+def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None) -> None:
+    """``GET /attribution`` and its two JSON twins."""
+
+    async def page(request: web.Request) -> web.Response:
+        ns = request.query.get("namespace", "")
+        pod = request.query.get("pod", "")
+        report = None
+        message = ""
+        status = 200
+        if ns or pod:
+            q = _query(request)
+            if isinstance(q, str):
+                status, message = 400, q
+            else:
+                report = find_pod(index, explain, *q)
+                if report is None:
+                    status = 404
+                    message = f"no pod {ns}/{pod} in the index"
+        text = render_page(index, time.time(), ns, pod, report, message)
+        return web.Response(text=text, content_type="text/html", status=status,
+                            headers=SECURITY_HEADERS)
+
+    async def api_pod(request: web.Request) -> web.Response:
+        q = _query(request)
+        if isinstance(q, str):
+            return _error(400, "bad_data", q)
+        report = find_pod(index, explain, *q)
+        if report is None:
+            return _error(404, "not_found", f"no pod {q[0]}/{q[1]} in the index")
+        return web.json_response({"status": "success",
+                                  "data": report_json(report, index, time.time())})
+
+    async def api_unattributed(request: web.Request) -> web.Response:
+        raw = request.query.get("limit", str(LIST_LIMIT))
+        try:
+            limit = int(raw)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            return _error(400, "bad_data",
+                          f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, not {raw!r}")
+        groups = unattributed(index, limit)
+        data = {
+            "total": sum(g.count for g in groups),
+            "reasons": [
+                {"reason": g.reason, "count": g.count, "truncated": g.count > len(g.pods),
+                 "pods": [{"namespace": a.namespace, "pod": a.pod, "uid": a.uid}
+                          for a in g.pods]}
+                for g in groups
+            ],
+            "index": index_state(index, time.time()),
+        }
+        return web.json_response({"status": "success", "data": data})
+
+    app.router.add_get(PAGE_PATH, page)
+    app.router.add_get(API_PATH, api_pod)
+    app.router.add_get(UNATTRIBUTED_API_PATH, api_unattributed)

@@ -1,0 +1,303 @@
+"""The attribution status page and its JSON twins, on the demo snapshot in-process: the
+answers, the errors, escaping of what the cluster names, and the page in headless Chromium
+(searched through its form, read as rendered, kept as a screenshot)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.config import Settings
+from proxy.demo import BUNDLED_SNAPSHOT
+from proxy.runtime import Proxy
+from tests.peers.conftest import free_port, wait_until
+
+#: a pod whose every name is markup: the page must show it as text
+EVIL_NAME = "<script>alert(1)</script>"
+EVIL_NS = 'evil"><b>ns'
+EVIL_KIND = "<img src=x onerror=alert(2)>"
+EVIL_OWNER = "</td><script>alert(3)</script>"
+EVIL_POD = f"""apiVersion: v1
+kind: Pod
+metadata:
+  name: "{EVIL_NAME}"
+  namespace: '{EVIL_NS}'
+  uid: evil-pod-1
+  labels: {{x: "<i>"}}
+  ownerReferences:
+  - {{apiVersion: evil.example/v1, kind: "{EVIL_KIND}", name: "{EVIL_OWNER}",
+     uid: evil-owner-1, controller: true}}
+spec: {{containers: [{{name: c, image: x}}]}}
+status: {{phase: Running}}
+"""
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path) -> AsyncIterator[str]:
+    """karta-proxy on the demo snapshot plus the hostile pod; its base URL."""
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    shutil.copy(BUNDLED_SNAPSHOT, snap / "demo.yaml")
+    (snap / "evil.yaml").write_text(EVIL_POD)
+    s = Settings()
+    s.snapshot = str(snap)
+    s.upstream.url = "http://127.0.0.1:9/api/v1/write"  # nothing is written in these tests
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    p = Proxy(s)
+    await p.start()
+    try:
+        yield f"http://127.0.0.1:{p.port}"
+    finally:
+        await p.stop()
+
+
+async def _get(url: str, **params: str) -> tuple[int, str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(
+        url, params=params, timeout=aiohttp.ClientTimeout(total=10)
+    ) as r:
+        text = await r.text()
+        body = await r.json() if r.content_type == "application/json" else None
+        return r.status, text, (body, r.headers)
+
+
+async def test_api_explains_an_attributed_pod(proxy: str) -> None:
+    status, _, (body, _) = await _get(proxy + "/api/v1/attribution", namespace="web",
+                                      pod="frontend-6d8f7b9c5d-4xkqp")
+    assert status == 200 and body["status"] == "success"
+    d = body["data"]
+    assert d["attributed"] is True and d["reason"] == ""
+    assert {k: d["workload"][k] for k in ("kind", "group", "name", "namespace")} == {
+        "kind": "Deployment", "group": "apps", "name": "frontend", "namespace": "web"}
+    assert (d["component"], d["instance"], d["description"]) == (
+        "deployment", "", "builtin-apps-deployment")
+    assert [(c["kind"], c["name"], c["description"], c["workload"]) for c in d["chain"]] == [
+        ("ReplicaSet", "frontend-6d8f7b9c5d", "builtin-apps-replicaset", False),
+        ("Deployment", "frontend", "builtin-apps-deployment", True),
+    ]
+    assert d["walk_end"] == "top_reached"
+    idx = d["index"]
+    assert idx["ready"] is True and idx["stale"] is False
+    assert [f["resource"] for f in idx["freshness"]] == ["snapshot"]
+    assert 0 <= idx["freshness"][0]["age_seconds"] < 60
+
+
+async def test_api_explains_an_unattributed_pod_and_lists_them(proxy: str) -> None:
+    status, _, (body, _) = await _get(proxy + "/api/v1/attribution", namespace="ml",
+                                      pod="allreduce-bench-worker-0")
+    assert status == 200
+    d = body["data"]
+    assert d["attributed"] is False and d["workload"] is None
+    assert d["reason"] == "no_described_owner"
+    assert [(c["kind"], c["described"]) for c in d["chain"]] == [("MPIJob", False)]
+
+    status, _, (body, _) = await _get(proxy + "/api/v1/attribution/unattributed")
+    assert status == 200
+    d = body["data"]
+    assert d["total"] == 2
+    by_reason = {r["reason"]: r for r in d["reasons"]}
+    assert set(by_reason) == {"no_described_owner", "owner_missing"}
+    assert by_reason["no_described_owner"]["pods"] == [
+        {"namespace": "ml", "pod": "allreduce-bench-worker-0",
+         "uid": "c7c521eb-58c8-5155-a056-66de81b20ee1"}]
+    assert by_reason["owner_missing"]["pods"][0]["pod"] == EVIL_NAME
+    assert not any(r["truncated"] for r in d["reasons"])
+    status, _, (body, _) = await _get(proxy + "/api/v1/attribution/unattributed", limit="1")
+    assert status == 200 and all(len(r["pods"]) == 1 for r in body["data"]["reasons"])
+
+
+async def test_api_errors(proxy: str) -> None:
+    status, _, (body, _) = await _get(proxy + "/api/v1/attribution", namespace="web",
+                                      pod="nope")
+    assert status == 404
+    assert body == {"status": "error", "errorType": "not_found",
+                    "error": "no pod web/nope in the index"}
+    for params in ({}, {"namespace": "web"}, {"pod": "postgres-0"},
+                   {"namespace": "", "pod": "postgres-0"}):
+        status, _, (body, _) = await _get(proxy + "/api/v1/attribution", **params)
+        assert status == 400 and body["errorType"] == "bad_data", params
+    for limit in ("0", "x", "-1", "100001"):
+        status, _, (body, _) = await _get(proxy + "/api/v1/attribution/unattributed",
+                                          limit=limit)
+        assert status == 400 and body["errorType"] == "bad_data", limit
+
+
+async def test_page_escapes_what_the_cluster_names(proxy: str) -> None:
+    status, text, (_, headers) = await _get(proxy + "/attribution", namespace=EVIL_NS,
+                                            pod=EVIL_NAME)
+    assert status == 200
+    assert "script-src" not in headers["Content-Security-Policy"]  # no script allowed
+    assert headers["Content-Security-Policy"].startswith("default-src 'none'")
+    for raw in (EVIL_NAME, EVIL_NS, EVIL_KIND, EVIL_OWNER, "<i>", "<script"):
+        assert raw not in text, raw
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "&lt;img src=x onerror=alert(2)&gt;" in text
+    assert "owner_missing" in text
+    # the form keeps the search, escaped inside the attribute
+    assert 'value="evil&quot;&gt;&lt;b&gt;ns"' in text
+    # the unattributed list links to the pod, its query string escaped too
+    assert "namespace=evil%22%3E%3Cb%3Ens&amp;pod=%3Cscript%3Ealert%281%29%3C%2Fscript%3E" \
+        in text
+
+
+async def test_page_status_codes_and_landing_link(proxy: str) -> None:
+    status, text, _ = await _get(proxy + "/attribution")
+    assert status == 200 and "Unattributed pods (2)" in text and 'id="result"' not in text
+    status, text, _ = await _get(proxy + "/attribution", namespace="web", pod="nope")
+    assert status == 404 and "no pod web/nope in the index" in text
+    status, text, _ = await _get(proxy + "/attribution", namespace="web")
+    assert status == 400 and "both namespace and pod are required" in text
+    status, text, _ = await _get(proxy + "/")
+    assert status == 200 and '<a href="/attribution">' in text
+
+
+# -- headless Chromium, over WebDriver (chromedriver's HTTP API; no client library) -------
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+ELEMENT = "element-6066-11e4-a52e-4f735466cecf"
+
+
+class WebDriver:
+    """The few WebDriver commands the test needs, over chromedriver's HTTP API."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str) -> None:
+        self.http, self.base, self.session = http, base, ""
+
+    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        url = f"{self.base}/session/{self.session}{path}" if self.session else self.base + path
+        async with self.http.request(method, url, json=body) as r:
+            out = await r.json()
+            if r.status != 200:
+                raise AssertionError(f"WebDriver {method} {path}: {r.status} {out}")
+            return out["value"]
+
+    async def start(self, profile: Path) -> None:
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1200,1400",
+                f"--user-data-dir={profile}"]
+        caps = {"capabilities": {"alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {"binary": CHROMIUM, "args": args}}}}
+        self.session = (await self.call("POST", "/session", caps))["sessionId"]
+
+    async def find(self, css: str) -> str:
+        el = await self.call("POST", "/element", {"using": "css selector", "value": css})
+        return str(el[ELEMENT])
+
+    async def text(self, css: str) -> str:
+        return str(await self.call("GET", f"/element/{await self.find(css)}/text"))
+
+
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[WebDriver]:
+    for binary, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if not os.access(binary, os.X_OK):
+            pytest.skip(f"{binary} not installed (Debian package: {package})")
+    port = free_port()
+    driver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    timeout = aiohttp.ClientTimeout(total=60)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            wd = WebDriver(http, f"http://127.0.0.1:{port}")
+
+            async def up() -> bool:
+                return bool((await wd.call("GET", "/status"))["ready"])
+
+            await wait_until(up, timeout=20, what="chromedriver")
+            await wd.start(tmp_path / "chromium-profile")
+            try:
+                yield wd
+            finally:
+                await wd.call("DELETE", "")
+    finally:
+        driver.terminate()
+        try:
+            driver.wait(10)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            driver.wait()
+
+
+async def test_page_in_headless_chromium(proxy: str, browser: WebDriver,
+                                         tmp_path: Path) -> None:
+    wd = browser
+    await wd.call("POST", "/url", {"url": proxy + "/"})
+    landing_link = await wd.find('a[href="/attribution"]')
+    await wd.call("POST", f"/element/{landing_link}/click", {})
+    unattributed = await wd.text("#unattributed")
+    assert "Unattributed pods (2)" in unattributed
+    assert "no_described_owner (1)" in unattributed and "ml/allreduce-bench-worker-0" in \
+        unattributed
+    assert "snapshot" in await wd.text("#index")
+
+    # search a pod through the form
+    for name, value in (("namespace", "ml"), ("pod", "llm-finetune-raycluster-k7x2p-head-8jz5c")):
+        el = await wd.find(f"input[name={name}]")
+        await wd.call("POST", f"/element/{el}/clear", {})
+        await wd.call("POST", f"/element/{el}/value", {"text": value})
+    await wd.call("POST", f"/element/{await wd.find('#search button')}/click", {})
+
+    async def searched() -> bool:
+        return "pod=llm-finetune" in str(await wd.call("GET", "/url"))
+
+    await wait_until(searched, timeout=10, what="the search page")
+    answer = await wd.text("#answer")
+    assert "RayJob.ray.io ml/llm-finetune" in answer
+    assert "demo-rayjob" in answer
+    chain = (await wd.text("#chain")).splitlines()
+    assert chain[0].startswith("Pod ml/llm-finetune-raycluster-k7x2p-head-8jz5c")
+    assert chain[1].startswith("RayCluster.ray.io llm-finetune-raycluster-k7x2p")
+    assert "not described" in chain[1]
+    assert chain[2].startswith("RayJob.ray.io llm-finetune") and "workload" in chain[2]
+    assert "top_reached" in await wd.text("#walk-end")
+
+    shot = base64.b64decode(await wd.call("GET", "/screenshot"))
+    assert shot.startswith(b"\x89PNG")
+    out_dir = Path(os.environ.get("ARTIFACTS_DIR") or tmp_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "attribution-page.png"
+    path.write_bytes(shot)
+    print(f"attribution page screenshot: {path}")
+
+    # the hostile pod, rendered: its names show as text, nothing runs
+    unattributed = await wd.text("#unattributed")
+    assert f"{EVIL_NS}/{EVIL_NAME}" in unattributed
+    link = await wd.find("#unattributed a[href*='evil']")
+    await wd.call("POST", f"/element/{link}/click", {})
+
+    async def followed() -> bool:
+        return "evil-owner" not in str(await wd.call("GET", "/url")) and "pod=%3Cscript" in \
+            str(await wd.call("GET", "/url"))
+
+    await wait_until(followed, timeout=10, what="the hostile pod's page")
+    assert f"{EVIL_NS}/{EVIL_NAME}" in await wd.text("#result h2")
+    assert EVIL_OWNER in await wd.text("#chain")
+    async with wd.http.get(f"{wd.base}/session/{wd.session}/alert/text") as r:
+        assert r.status == 404 and (await r.json())["value"]["error"] == "no such alert"
+
+
+def test_without_an_engine_the_index_answers_alone() -> None:
+    """build_app without ``explain`` (tests, embedders): the answer, no chain."""
+    from proxy.attribution_page import find_pod, report_json
+    from proxy.index import PodIndex
+    from proxy.karta.engine import Engine
+    from proxy.snapshot import load_snapshot
+
+    index = PodIndex()
+    index.apply(load_snapshot(BUNDLED_SNAPSHOT, Engine()).changes)
+    report = find_pod(index, None, "web", "postgres-1")
+    assert report is not None and report.explanation is None
+    data = report_json(report, index, 0.0)
+    assert data["workload"]["name"] == "postgres" and data["chain"] is None
+    assert find_pod(index, None, "web", "nope") is None
