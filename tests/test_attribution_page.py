@@ -301,3 +301,12 @@ def test_without_an_engine_the_index_answers_alone() -> None:
     data = report_json(report, index, 0.0)
     assert data["workload"]["name"] == "postgres" and data["chain"] is None
     assert find_pod(index, None, "web", "nope") is None
+
+
+def test_the_routes_are_in_the_operations_endpoints_table() -> None:
+    from proxy.attribution_page import API_PATH, PAGE_PATH, UNATTRIBUTED_API_PATH
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `GET ")]
+    for path in (PAGE_PATH, API_PATH, UNATTRIBUTED_API_PATH):
+        assert any(row.startswith(f"| `GET {path}") for row in rows), path
