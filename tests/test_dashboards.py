@@ -57,7 +57,7 @@ MAY_BE_EMPTY = {
     contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX: "the same, maxReplicasPath",
 }
 #: the drop documented in docs/metrics.md for scraping /metrics beside the written facts
-FACTS_DROP = "karta_(pod|workload|component|source)_.*"
+FACTS_DROP = "karta_(pod|workload|component|namespace|source)_.*"
 
 
 # -- the dashboards as data -----------------------------------------------------------------
@@ -160,13 +160,27 @@ def test_workload_dashboard_filters_by_the_template_variables() -> None:
         "datasource", "cluster", "namespace", "kind", "workload"]
     for q in queries(WORKLOADS):
         # every workload series is selected by the identity; facts about pods and the
-        # index by cluster; the proxy's counters are not per workload
+        # index by cluster, coverage (per namespace) by cluster and namespace; the proxy's
+        # counters are not per workload
         if "karta_proxy_" in q.expr:
             continue
         assert '$cluster' in q.expr, q
+        if contract.FACT_NAMESPACE_PODS in q.expr:
+            assert "$namespace" in q.expr and "karta_pod_" not in q.expr, q
+            continue
         if "karta_pod_" not in q.expr and "karta_source_" not in q.expr:
             for var in ("$namespace", "$kind", "$workload"):
                 assert var in q.expr, (q, var)
+
+
+def test_coverage_panels_read_the_coverage_fact_not_the_pod_facts() -> None:
+    """Coverage from a few series per namespace, as the alerts read it; the per-pod facts
+    only where the pods themselves are listed."""
+    by_panel = {q.panel: q.expr for q in queries(WORKLOADS)}
+    for title in ("Pods attributed", "Unattributed pods by reason",
+                  "Attributed share per namespace"):
+        assert contract.FACT_NAMESPACE_PODS in by_panel[title], title
+    assert [p for p, e in by_panel.items() if "karta_pod_" in e] == ["Unattributed pods"]
 
 
 def test_every_recording_rule_is_on_the_workload_dashboard() -> None:
