@@ -246,7 +246,8 @@ async def test_walkthrough_runs_as_written(
         for q in promql:
             async def answered(q: str = q) -> bool:
                 rows = await query(tsdb, q)
-                return bool(rows) and all(r["metric"].get("karta_workload") for r in rows)
+                # the idle GPU and the undescribed MPIJob's pod are a row without one
+                return any(r["metric"].get("karta_workload") for r in rows)
 
             left = max(1.0, deadline - time.monotonic())
             try:
@@ -254,7 +255,7 @@ async def test_walkthrough_runs_as_written(
             except AssertionError as e:
                 logs = "\n".join(f"--- {p.name}\n{p.log_tail(1500)}" for p in started)
                 raise AssertionError(f"{e}\n{logs}") from None
-        gpu = {r["metric"]["karta_workload"] for r in await query(tsdb, promql[0])}
+        gpu = {r["metric"].get("karta_workload") for r in await query(tsdb, promql[0])}
         assert {"pretrain", "llm-finetune"} <= gpu
     finally:
         for peer in reversed(started):
