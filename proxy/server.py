@@ -147,10 +147,8 @@ async def start_site(
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     await site.start()
-    bound = port
-    server = getattr(site, "_server", None)
-    if server is not None and server.sockets:
-        bound = server.sockets[0].getsockname()[1]
+    # the runner's public view of its sockets: (host, port, ...) per bound address
+    bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
     log.info("listening", extra={"host": host, "port": bound,
                                  "scheme": "https" if ssl_context is not None else "http"})
     return runner, bound

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -54,6 +54,10 @@ class EngineLike(Protocol):
     def upsert(self, obj: Mapping[str, Any]) -> ChangeSet: ...
 
     def delete(self, obj: Mapping[str, Any]) -> ChangeSet: ...
+
+    def upsert_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet: ...
+
+    def delete_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet: ...
 
     def required_kinds(self) -> Mapping[GroupKind, str]: ...
 
@@ -346,13 +350,12 @@ class KubeSource:
                 self._since_freeze = 0
 
     def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:
-        many = getattr(self.engine, "delete_many" if deletes else "upsert_many", None)
-        if many is not None:
-            try:
-                changes.merge(many(objs))
-                return
-            except Exception:  # find the culprit one by one below
-                log.exception("engine failed on a batch; retrying object by object")
+        many = self.engine.delete_many if deletes else self.engine.upsert_many
+        try:
+            changes.merge(many(objs))
+            return
+        except Exception:  # find the culprit one by one below
+            log.exception("engine failed on a batch; retrying object by object")
         one = self.engine.delete if deletes else self.engine.upsert
         for obj in objs:
             try:
