@@ -319,4 +319,32 @@ async def test_every_panel_evaluates_in_prometheus_fed_through_the_proxy(
                 for kind, lines in (("error", failed), ("no data", empty)) for line in lines]
     assert not problems, "\n".join(problems)
     assert concrete[PROXY]["instance"] == proxy.url.removeprefix("http://")
+    await _coverage_agrees_with_the_pod_facts(tsdb.base_url, proxy)
     assert time.monotonic() - started < 60
+
+
+async def _coverage_agrees_with_the_pod_facts(base: str, proxy: InProcessProxy) -> None:
+    """What the coverage panels read, written through the proxy, is what counting the
+    per-pod facts in the TSDB says (the query they replaced), namespace by namespace."""
+    sel = f'cluster="{CLUSTER}"'
+    coverage, error = await evaluate(
+        base, f'sum by (karta_namespace, state, reason) (karta_namespace_pods{{{sel}}})')
+    assert not error, error
+    counted, error = await evaluate(base, f"""
+        label_replace(label_replace(count by (namespace) (karta_pod_info{{{sel}}}),
+          "state", "attributed", "", ""), "karta_namespace", "$1", "namespace", "(.*)")
+        or label_replace(label_replace(
+          count by (namespace, reason) (karta_pod_unattributed_info{{{sel}}}),
+          "state", "unattributed", "", ""), "karta_namespace", "$1", "namespace", "(.*)")""")
+    assert not error, error
+
+    def as_dict(result: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
+        return {(r["metric"]["karta_namespace"], r["metric"]["state"],
+                 r["metric"].get("reason", "")): float(r["value"][1]) for r in result}
+
+    # a namespace without attributed pods has a 0 there, and nothing to count here
+    assert {k: v for k, v in as_dict(coverage).items() if v} == as_dict(counted)
+    assert coverage
+    states = {k[1] for k in as_dict(coverage)}
+    assert states == {contract.STATE_ATTRIBUTED, contract.STATE_UNATTRIBUTED}
+    assert sum(as_dict(coverage).values()) == len(proxy.proxy.index.pods)
