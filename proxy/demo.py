@@ -42,6 +42,14 @@ MAX_DECODED = 64 * 1024 * 1024
 #: the demo gives up after this long (it takes well under a second)
 DEADLINE_SECONDS = 30.0
 UNATTRIBUTED = "(unattributed)"
+#: what the demo ends with, for a user to paste into a Prometheus the walkthrough feeds; the
+#: README's walkthrough shows the same lines (tests/test_readme.py holds them equal)
+NEXT_QUERIES = (
+    "sum by (karta_namespace, karta_kind, karta_workload) (DCGM_FI_DEV_GPU_UTIL)",
+    "sum by (karta_namespace, karta_workload, karta_component) "
+    '(rate(container_cpu_usage_seconds_total{container!~"|POD",image!=""}[5m]))',
+    "karta_workload:DCGM_FI_DEV_POWER_USAGE:sum",
+)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -226,7 +234,30 @@ async def run(
         + (" (none lost, none added)" if got == want else " (MISMATCH)"),
         file=out,
     )
+    _print_next(out)
     return DemoResult(sent, received, statuses, summary, errors)
+
+
+def _print_next(out: IO[str]) -> None:
+    """The way on from here: the demo's receiver is gone when it exits, so the next step is
+    a real Prometheus, and the queries to paste into it."""
+    print(
+        "\nNext: the same series in a real Prometheus, no cluster needed. With the virtualenv\n"
+        "active (. .venv/bin/activate), run the four commands of README.md's walkthrough\n"
+        '("Without a cluster"): a Prometheus with --web.enable-remote-write-receiver,\n'
+        "karta-proxy --snapshot proxy/demo_data/snapshot.yaml, python3 -m proxy.demo_exporter,\n"
+        "and a Prometheus agent (config/walkthrough/agent.yml). Then query\n"
+        "http://127.0.0.1:9090:\n",
+        file=out,
+    )
+    for q in NEXT_QUERIES:
+        print(f"  {q}", file=out)
+    print(
+        "\nA rate() at \"now\" reads low for the first minutes (remote-write lag plus\n"
+        "extrapolation; docs/demo.md). With a cluster: karta-proxy --upstream-url\n"
+        "http://YOUR-TSDB/api/v1/write, and your agents' remote_write pointed at it.",
+        file=out,
+    )
 
 
 def _print_header(

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from proxy import contract
-from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT, UNATTRIBUTED, run, run_demo
+from proxy.demo import (
+    BUNDLED_SERIES,
+    BUNDLED_SNAPSHOT,
+    NEXT_QUERIES,
+    UNATTRIBUTED,
+    run,
+    run_demo,
+)
 from proxy.demo_exporter import ClusterModel, demo_series_text, load_objects
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +98,17 @@ def test_run_demo_prints_the_summary() -> None:
     text = out.getvalue()
     assert "Per workload" in text and "JobSet" in text and "RayJob" in text
     assert "+karta_workload=" in text
+
+
+def test_demo_ends_with_the_queries_to_paste_and_the_next_step() -> None:
+    out = io.StringIO()
+    assert run_demo(None, out=out) == 0
+    tail = out.getvalue().split("none lost, none added)", 1)[1]
+    assert "Next:" in tail and "README.md's walkthrough" in tail
+    assert "--web.enable-remote-write-receiver" in tail
+    for q in NEXT_QUERIES:  # the walkthrough runs these (tests/test_readme.py)
+        assert f"\n  {q}\n" in tail, q
+    assert 'rate() at "now" reads low' in tail
 
 
 def test_cli_demo_subcommand() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from proxy.demo import NEXT_QUERIES
 from tests.peers.conftest import Peer, free_port, need, query, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,6 +187,11 @@ def test_walkthrough_agent_config_is_the_shipped_one() -> None:
     assert shown, "the README shows the agent's remote_write block"
     agent = yaml.safe_load((REPO / "config/walkthrough/agent.yml").read_text())
     assert yaml.safe_load("\n".join(shown[0].lines)) == {"remote_write": agent["remote_write"]}
+
+
+def test_walkthrough_queries_are_the_ones_the_demo_ends_with() -> None:
+    promql = [q for b in section(WALKTHROUGH) if b.lang == "promql" for q in b.lines if q]
+    assert promql == list(NEXT_QUERIES)
 
 
 def _substitute(text: str, ports: dict[int, int], scratch: Path) -> str:
