@@ -2,8 +2,9 @@
 
 Upstream evaluates descriptions with gojq; we use libjq through the PyPI ``jq`` package.
 Every expression is compiled once, when its description is loaded, and evaluated per
-object event (never per sample). Evaluation never raises: a jq runtime error becomes
-``JqError`` that callers turn into a reason (``Undefined`` phase, unattributed pod).
+object event (never per sample). Evaluation raises nothing but ``JqError``: a jq runtime
+error becomes one, and callers turn it into a reason (``Undefined`` phase, unattributed
+pod).
 """
 
 from __future__ import annotations
