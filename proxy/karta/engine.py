@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.karta.jqexpr import JqError, JqExpr, to_text
 from proxy.karta.model import UNDEFINED, Component, Description, GroupKind, ScaleDefinition
 from proxy.karta.owners import (
+    NODE,
     POD,
     REASON_NO_CONTROLLER_OWNER,
     ObjectRecord,
@@ -47,6 +48,8 @@ from proxy.karta.owners import (
 )
 from proxy.karta.packed import Packed, pack, unpack
 from proxy.karta.results import (
+    PHASE_SINCE_OBJECT,
+    PHASE_SINCE_OBSERVED,
     ChangeSet,
     PodAttribution,
     ReplicaFact,
@@ -78,6 +81,11 @@ _MAP_PATH = re.compile(
     r'^\s*\.metadata\.(labels|annotations)(?:\["([^"\\]*)"\]|\.([A-Za-z_][A-Za-z0-9_]*))\s*$'
 )
 _FIELD_PATH = re.compile(r"^\s*\.metadata\.(name|namespace|uid)\s*$")
+#: the kind of the pod's controller, as the built-in Pod description asks for it
+_CONTROLLER_KIND_PATH = re.compile(
+    r"^\s*\.metadata\.ownerReferences\[\]\?\s*\|\s*select\(\s*\.controller\s*==\s*true\s*\)"
+    r"\s*\|\s*\.kind\s*$"
+)
 
 
 # -- pod-side selectors ------------------------------------------------------------------
@@ -134,7 +142,9 @@ class _Probe:
 
     ``.metadata.labels["k"]``, ``.metadata.labels.k`` (same for annotations) and
     ``.metadata.name|namespace|uid`` yield exactly what jq yields for them on a pod whose
-    labels are a map: the value or null. Everything else is handed to jq.
+    labels are a map: the value or null. ``.metadata.ownerReferences[]? | select(.controller
+    == true) | .kind`` (the built-in Pod description's test for pods controlled by a pod)
+    yields the kept controller reference's kind, or nothing. Everything else is handed to jq.
     """
 
     __slots__ = ("expr", "field", "key")
@@ -151,6 +161,8 @@ class _Probe:
             m = _FIELD_PATH.match(expr.source)
             if m is not None:
                 self.field = m.group(1)
+            elif _CONTROLLER_KIND_PATH.match(expr.source):
+                self.field = "controller_kind"
 
     def outputs(self, pod: _PodRec) -> list[Any]:
         f = self.field
@@ -160,6 +172,8 @@ class _Probe:
             m = pod.labels
         elif f == "annotations":
             m = pod.annotations
+        elif f == "controller_kind":
+            return [pod.owner.gk.kind] if pod.owner is not None else []
         else:
             return [getattr(pod, f)]
         if m is None:
@@ -267,12 +281,20 @@ class _Plan:
             return frozenset(out)
 
         pod_names = {c.name for c in pod_comps}
+        # A Pod workload (a bare pod and the pods it controls) has a row per component
+        # only while it has pods there: nearly every bare pod controls none, and a 0 row
+        # each would be noise. Its rows count their own component only: the pod's row
+        # says 1 of 1 (itself), the controlled pods have theirs.
+        own_only = desc.group_kind == POD
+        if own_only:
+            pod_names = set()
         self.fact_comps: list[_FactComp] = []
         for c in comps:
             if c.scale is None and c.name not in pod_names:
                 continue
             self.fact_comps.append(
-                _FactComp(c.name, c.scale, c.instance_id_path, subtree(c.name))
+                _FactComp(c.name, c.scale, c.instance_id_path,
+                          frozenset({c.name}) if own_only else subtree(c.name))
             )
         self.ids_comps: list[tuple[str, JqExpr]] = [
             (c.name, c.instance_id_path) for c in comps if c.instance_id_path is not None
@@ -311,10 +333,12 @@ class _Rows:
 class _Eval:
     """What the engine derives from one version of a workload object."""
 
-    __slots__ = ("ids", "phase", "reason", "rows", "rows_built", "scale", "statuses")
+    __slots__ = ("ids", "phase", "reason", "rows", "rows_built", "scale", "since", "statuses")
 
     def __init__(self) -> None:
         self.phase = UNDEFINED
+        #: when the phase began according to the object (None: the object does not say)
+        self.since: float | None = None
         self.statuses: tuple[str, ...] = (UNDEFINED,)
         self.reason = ""
         #: component -> instance ids in order (None: the path failed)
@@ -341,6 +365,7 @@ def _evaluate(plan: _Plan, obj: Mapping[str, Any], stats: Counter[str]) -> _Eval
     ev = _Eval()
     res = evaluate_status(plan.desc.status, obj)
     ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
+    ev.since = res.since
     for name, path in plan.ids_comps:
         try:
             ev.ids[name] = tuple(path.ids(obj))
@@ -397,15 +422,16 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
     """Keep metadata, status.phase and the few spec fields attribution may read.
 
     A pod without a controller is its own workload (the bare-pod description reads its
-    status, a user description of Pod may read more): it is kept whole. Such pods are
-    few; the 100k pods of controllers are what must stay small.
+    status, a user description of Pod may read more): it is kept whole, and so is a
+    static pod's mirror (controlled by its Node, a workload of its own too). Such pods
+    are few; the 100k pods of controllers are what must stay small.
     """
     md = obj.get("metadata") or {}
     md.pop("managedFields", None)
     ann = md.get("annotations")
     if ann and _LAST_APPLIED in ann:
         md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
-    if not any(ref.get("controller") for ref in md.get("ownerReferences") or ()):
+    if pod_controller(md.get("ownerReferences")) is None:
         return obj
     spec = obj.get("spec") or {}
     status = obj.get("status") or {}
@@ -418,6 +444,16 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
     if "phase" in status:
         out["status"] = {"phase": status["phase"]}
     return out
+
+
+def pod_controller(refs: Any) -> OwnerRef | None:
+    """A pod's controller as attribution sees it: a mirror pod's Node is none.
+
+    The kubelet mirrors a static pod into the API with its Node as controller; nothing
+    above the Node manages it, so it is a workload of its own, like a bare pod (and the
+    engine need not watch Nodes to learn that)."""
+    ref = controller_ref(refs)
+    return None if ref is not None and ref.gk == NODE else ref
 
 
 def _interned(m: Any, *, values: bool) -> Any:
@@ -685,7 +721,7 @@ class Engine:
         ns, name = md.get("namespace") or "", md.get("name") or ""
         labels = _interned(md.get("labels"), values=True)
         ann = _interned(md.get("annotations"), values=False)
-        owner = controller_ref(md.get("ownerReferences"))
+        owner = pod_controller(md.get("ownerReferences"))
         rec = self._pods.get(uid)
         same_owner = False
         if rec is None:
@@ -829,6 +865,12 @@ class Engine:
                 top = WalkResult(plan, rec.uid, None, None, "")
         else:
             top = self._graph.walk(rec.owner, self._walk_plans.get, self._is_errored)
+            if top.described is None and top.root_pod:
+                # a bare pod that controls pods (a Spark driver its executors) is their
+                # workload under the Pod description, which places them in its components
+                plan = self._plans.get(POD)
+                if plan is not None:
+                    top = WalkResult(plan, top.root_pod, None, None, "")
         plan = top.described
         if plan is None:
             att = PodAttribution(rec.namespace, rec.name, rec.uid, reason=top.reason)
@@ -978,6 +1020,10 @@ class Engine:
             phase, statuses, reason = ev.phase, ev.statuses, ev.reason
         if phase != wl.phase:
             wl.phase, wl.since = phase, self._clock()
+        if ev is not None and ev.since is not None:
+            since, source = ev.since, PHASE_SINCE_OBJECT
+        else:
+            since, source = wl.since, PHASE_SINCE_OBSERVED
         return WorkloadFacts(
             wl.ref,
             plan.desc.name,
@@ -985,8 +1031,9 @@ class Engine:
             phase,
             statuses,
             reason,
-            wl.since,
+            since,
             self._replica_facts(plan, ev, wl),
+            source,
         )
 
     @staticmethod
@@ -1153,5 +1200,7 @@ class Engine:
             if gk in changed and uid not in self._graph.objects:
                 affected.update(dict.fromkeys(self._graph.descendants(uid)))
         if POD in changed:
-            affected.update(dict.fromkeys(self._bare))
+            for uid in self._bare:  # and the pods they control (Pod workloads too)
+                affected[uid] = None
+                affected.update(dict.fromkeys(self._graph.descendants(uid)))
         self._reattribute(list(affected), cs)

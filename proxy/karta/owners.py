@@ -27,6 +27,8 @@ REASON_HOP_LIMIT = "hop_limit"
 REASON_DESCRIPTION_ERROR = "description_error"
 
 POD = GroupKind("", "Pod")
+#: a static pod's mirror is controlled by its Node (see ``engine.pod_controller``)
+NODE = GroupKind("", "Node")
 
 _GK_CACHE: dict[tuple[str, str], GroupKind] = {}
 
@@ -123,7 +125,7 @@ class _Dependents:
 class WalkResult(Generic[T]):
     """The topmost described element reached, or the reason none was."""
 
-    __slots__ = ("described", "obj", "reason", "ref", "uid")
+    __slots__ = ("described", "obj", "reason", "ref", "root_pod", "uid")
 
     def __init__(
         self,
@@ -132,12 +134,16 @@ class WalkResult(Generic[T]):
         obj: ObjectRecord | None,
         ref: OwnerRef | None,
         reason: str,
+        root_pod: str = "",
     ) -> None:
         self.described = described
         self.uid = uid
         self.obj = obj
         self.ref = ref
         self.reason = reason
+        #: uid of the pod the chain ended at, when it ended at a present pod without a
+        #: controller before any described kind (the engine makes that pod the workload)
+        self.root_pod = root_pod
 
 
 class OwnerGraph:
@@ -255,6 +261,7 @@ class OwnerGraph:
         ref = start
         hops = 0
         missing = limit = bad = False
+        last_pod = ""
         while ref is not None:
             if hops >= self.max_hops:
                 limit = True
@@ -281,6 +288,7 @@ class OwnerGraph:
             if rec is None and pod is None:
                 missing = True
                 break
+            last_pod = ref.uid if pod is not None and up is None else ""
             ref = up
         if top is not None:
             return top
@@ -292,4 +300,5 @@ class OwnerGraph:
             reason = REASON_OWNER_MISSING
         else:
             reason = REASON_NO_DESCRIBED_OWNER
+            return WalkResult(None, "", None, None, reason, last_pod)
         return WalkResult(None, "", None, None, reason)

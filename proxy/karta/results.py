@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: where ``WorkloadFacts.phase_since`` comes from: the object's own record (the
+#: ``lastTransitionTime`` of the conditions the phase matched on), or this process's clock
+#: when it saw the phase change (the object carries no evidence)
+PHASE_SINCE_OBJECT = "object"
+PHASE_SINCE_OBSERVED = "observed"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkloadRef:
@@ -64,9 +70,12 @@ class WorkloadFacts:
     statuses: tuple[str, ...]
     #: why the phase is Undefined ("" otherwise)
     phase_reason: str
-    #: unix seconds when ``phase`` last changed, as observed by this process
+    #: unix seconds when ``phase`` began: from the object where it says (the matched
+    #: conditions' ``lastTransitionTime``), else when this process saw it change
     phase_since: float
     replicas: tuple[ReplicaFact, ...] = ()
+    #: ``PHASE_SINCE_OBJECT`` or ``PHASE_SINCE_OBSERVED``: which of the two ``phase_since`` is
+    phase_since_source: str = PHASE_SINCE_OBSERVED
 
 
 @dataclass(slots=True)

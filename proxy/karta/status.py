@@ -4,6 +4,10 @@ Upstream reports every matching status and no single winner; a time series of "t
 phase" needs exactly one, so ``PHASE_PRIORITY`` picks it (reasoning in docs/karta.md).
 Evaluation never raises: a broken expression or an odd object yields ``Undefined`` with
 a reason, because one bad workload must not stop the engine.
+
+When the phase began is read from the object too (``StatusResult.since``): the
+``lastTransitionTime`` of the conditions its matcher matched on. The API server keeps that
+across restarts of the proxy and changes of leader; the proxy's own observation does not.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from proxy.karta.jqexpr import JqError, JqExpr, to_text
@@ -50,6 +54,10 @@ class StatusResult:
     statuses: tuple[str, ...]
     #: why the phase is ``Undefined``; "" otherwise
     reason: str
+    #: unix seconds the phase began, from the object: the latest ``lastTransitionTime`` of
+    #: the conditions of the phase's first matching matcher that has ``byConditions``
+    #: (None when no such matcher matches or a time is missing or unreadable)
+    since: float | None = None
 
 
 _NO_DEFINITION = StatusResult(UNDEFINED, (UNDEFINED,), REASON_NO_DEFINITION)
@@ -136,6 +144,19 @@ class _Evaluation:
                             self._conditions[ctype] = item  # a later duplicate wins
         return self._conditions
 
+    def since(self, m: Matcher) -> float | None:
+        """When ``m``'s conditions (all present: it matched) last changed, the latest of
+        them: the matcher holds since the last of its conditions took its value."""
+        conditions = self.conditions()
+        latest: float | None = None
+        for want in m.by_conditions:
+            have = conditions.get(want.type)
+            t = _timestamp(have.get(_TRANSITION_FIELD)) if have is not None else None
+            if t is None:
+                return None
+            latest = t if latest is None else max(latest, t)
+        return latest
+
     def matches(self, m: Matcher) -> bool:
         if m.by_phase is not None and self.phase() != m.by_phase:
             return False
@@ -180,7 +201,48 @@ def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any]) -> 
         return _NO_MATCH
     statuses = tuple(s for s in UPSTREAM_STATUS_ORDER if s in matched)
     phase = next(s for s in PHASE_PRIORITY if s in matched)
-    return StatusResult(phase, statuses, "")
+    return StatusResult(phase, statuses, "", _phase_since(ev, status, phase))
+
+
+#: the condition field that says when its status last changed (Kubernetes API convention)
+_TRANSITION_FIELD = "lastTransitionTime"
+
+
+def _phase_since(ev: _Evaluation, status: StatusDefinition, phase: str) -> float | None:
+    """The object's evidence of when ``phase`` began, or None.
+
+    Only matchers with ``byConditions`` carry evidence; a description that wants its phase
+    dated lists such a matcher first (the built-ins do: a narrower twin of a replica-count
+    rule, same status). A matcher that fails here (a jq error after the one that matched)
+    only means no evidence: the phase stands as evaluated."""
+    for name, matchers in status.mappings:
+        if name != phase:
+            continue
+        for m in matchers:
+            if not m.by_conditions:
+                continue
+            try:
+                if not ev.matches(m):
+                    continue
+                since = ev.since(m)
+            except (_Failure, TypeError, ValueError, RecursionError):
+                return None
+            if since is not None:
+                return since
+    return None
+
+
+def _timestamp(value: Any) -> float | None:
+    """RFC 3339 text (``2024-05-01T10:00:00Z``) as unix seconds; anything else None."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if t.tzinfo is None:  # the API writes UTC; a bare time from a hand-written file too
+        t = t.replace(tzinfo=UTC)
+    return t.timestamp()
 
 
 def _clip(text: str, limit: int) -> str:

@@ -15,11 +15,15 @@ A fixture (``tests/karta/fixtures/*.yaml``) has:
     fixture's objects or pods; ``owner: {apiVersion, kind, name}`` names one that is not
     in the fixture. ``metadata.uid`` defaults to ``<kind>-<name>`` in lower case.
 ``pods``
-    ``{name, owner, labels, annotations, phase, expect}``; ``expect`` is
-    ``[Kind/name, component, instance, replica]`` or ``{reason: <why unattributed>}``.
+    ``{name, owner, labels, annotations, phase, status, spec, expect}``; ``expect`` is
+    ``[Kind/name, component, instance, replica]`` or ``{reason: <why unattributed>}``;
+    ``status`` (the whole status, conditions included) replaces ``{phase: <phase>}``,
+    ``spec`` is merged into the default one.
 ``workloads``
-    ``Kind/name -> {phase, reason?, replicas: [[component, instance, desired, min, max,
-    observed], ...]}``; exactly these workloads must exist.
+    ``Kind/name -> {phase, reason?, since?, replicas: [[component, instance, desired, min,
+    max, observed], ...]}``; exactly these workloads must exist. ``since`` is the phase's
+    start as the object says it (RFC 3339); without it, the phase must be dated by the
+    engine's clock (observed).
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ def load_cluster(path: Path) -> Cluster:
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": md,
-            "spec": {"containers": [{"name": "main", "image": "example.com/app:1"}]},
-            "status": {"phase": p.get("phase", "Running")},
+            "spec": {"containers": [{"name": "main", "image": "example.com/app:1"}],
+                     **(p.get("spec") or {})},
+            "status": p.get("status") or {"phase": p.get("phase", "Running")},
         }
         pods.append(pod)
         owners.append(p.get("owner"))

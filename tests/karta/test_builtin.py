@@ -47,6 +47,10 @@ def test_builtins_cover_the_core_kinds() -> None:
     for d in descs:
         assert d.builtin
         assert d.source == f"builtin:{d.name}"
+        if d.name == "builtin-core-pod":  # the pod, and the pods it controls
+            assert [c.name for c in d.pod_components] == ["pod", "controlled"]
+            assert [c.name for c in d.children] == ["controlled"]
+            continue
         assert d.pod_components == (d.root,), d.name  # the root carries the pods
         assert d.children == ()
         assert d.status is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -266,11 +267,13 @@ def test_reasons_without_builtins() -> None:
         pod("static", node),
         pod("orphan", widget_ref),
         pod("rs-pod", replicaset("r", None)),
+        pod("executor", pod("bare")),
     ])
     reasons = {a.pod: a.reason for a in cs.pods.values() if a is not None}
     assert reasons == {
         "bare": "no_controller_owner",
-        "static": "no_described_owner",
+        "static": "no_controller_owner",  # a mirror pod is a bare pod to the engine
+        "executor": "no_described_owner",  # the Pod description is what places it
         "orphan": "owner_missing",
         "rs-pod": "owner_missing",
     }
@@ -466,3 +469,194 @@ def test_construction(builtins: bool) -> None:
     assert e.description_errors == []
     assert list(e.pods()) == [] and list(e.workloads()) == []
     assert (GroupKind("apps", "Deployment") in e.required_kinds()) is builtins
+
+
+# -- pods controlled by a bare pod; static pods; phase times from the object ------------
+
+
+def spark_pod(name: str, role: str, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A pod as spark-submit makes it: the driver without a controller, executors with the
+    driver pod as controller."""
+    return pod(name, owner, **{"spark-app-selector": "spark-1a2b", "spark-role": role})
+
+
+def test_a_bare_pod_is_the_workload_of_the_pods_it_controls() -> None:
+    e = Engine()
+    driver = spark_pod("pi-driver", "driver")
+    execs = [spark_pod(f"pi-exec-{i}", "executor", driver) for i in (1, 2)]
+    # executors before their driver (a watch may deliver them so): missing owner first
+    e.upsert_many(execs)
+    assert P(e, "pod-pi-exec-1").reason == "owner_missing"
+    cs = e.upsert(driver)
+    assert {uid: (wname(a), a.component) for uid, a in cs.pods.items() if a} == {
+        "pod-pi-driver": ("pi-driver", "pod"),
+        "pod-pi-exec-1": ("pi-driver", "controlled"),
+        "pod-pi-exec-2": ("pi-driver", "controlled"),
+    }
+    a = P(e, "pod-pi-exec-1")
+    assert a.workload is not None and (a.workload.kind, a.workload.group) == ("Pod", "")
+    w = W(e, "pod-pi-driver")
+    assert [(r.component, r.desired, r.observed) for r in w.replicas] == [
+        ("pod", 1.0, 1), ("controlled", None, 2)]
+
+    cs = e.delete(execs[0])
+    assert [(r.component, r.observed) for r in W(cs, "pod-pi-driver").replicas] == [
+        ("pod", 1), ("controlled", 1)]
+    cs = e.delete(driver)  # the executors' owner is gone (the GC deletes them next)
+    assert P(cs, "pod-pi-exec-2").reason == "owner_missing"
+    assert cs.workloads["pod-pi-driver"] is None
+
+
+def test_a_described_owner_above_the_driver_wins() -> None:
+    """spark-operator: the SparkApplication controls the driver; once it is described,
+    driver and executors are its components, not a Pod workload."""
+    app = obj("sparkoperator.k8s.io/v1beta2", "SparkApplication", "pi",
+              status={"applicationState": {"state": "RUNNING"}})
+    driver = spark_pod("pi-driver", "driver", app)
+    execs = [spark_pod(f"pi-exec-{i}", "executor", driver) for i in (1, 2)]
+    e = Engine()
+    e.upsert_many([app, driver, *execs])
+    assert {P(e, f"pod-{n}").reason for n in ("pi-driver", "pi-exec-1")} == {
+        "no_described_owner"}
+    role = '.metadata.labels["spark-role"]'
+    spark = describe(karta(
+        {"group": "sparkoperator.k8s.io", "kind": "SparkApplication"},
+        [{"name": "driver", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.driver"},
+          "podSelector": {"componentTypeSelector": {"keyPath": role, "value": "driver"}}},
+         {"name": "executor", "ownerRef": "root",
+          "specDefinition": {"podSpecPath": ".spec.executor"},
+          "podSelector": {"componentTypeSelector": {"keyPath": role, "value": "executor"}}}],
+    ))
+    cs = e.add_descriptions([spark])
+    assert {a.pod: (wname(a), a.component) for a in cs.pods.values() if a} == {
+        "pi-driver": ("pi", "driver"), "pi-exec-1": ("pi", "executor"),
+        "pi-exec-2": ("pi", "executor")}
+    assert "pod-pi-driver" not in e._wl
+    cs = e.remove_descriptions("files")
+    assert {a.pod: a.reason for a in cs.pods.values() if a} == {
+        "pi-driver": "no_described_owner", "pi-exec-1": "no_described_owner",
+        "pi-exec-2": "no_described_owner"}
+
+
+def test_a_driver_that_gains_a_controller_takes_its_executors_along() -> None:
+    e = Engine()
+    driver = spark_pod("pi-driver", "driver")
+    ex = spark_pod("pi-exec-1", "executor", driver)
+    e.upsert_many([driver, ex])
+    assert wname(P(e, "pod-pi-exec-1")) == "pi-driver"
+    dep = deployment("web")
+    rs = replicaset("web-1", dep)
+    e.upsert_many([dep, rs])
+    cs = e.upsert(spark_pod("pi-driver", "driver", rs))
+    assert {a.pod: (wname(a), a.component) for a in cs.pods.values() if a} == {
+        "pi-driver": ("web", "deployment"), "pi-exec-1": ("web", "deployment")}
+    assert cs.workloads["pod-pi-driver"] is None
+
+
+def test_switching_the_pod_description_replaces_controlled_pods_too() -> None:
+    e = Engine()
+    driver = spark_pod("pi-driver", "driver")
+    e.upsert_many([driver, spark_pod("pi-exec-1", "executor", driver)])
+    mine = describe(karta({"group": "", "kind": "Pod"}, [],
+                          specDefinition={"podSpecPath": ".spec"}))
+    cs = e.add_descriptions([mine])
+    assert {a.pod: (wname(a), a.component) for a in cs.pods.values() if a} == {
+        "pi-driver": ("pi-driver", "root"), "pi-exec-1": ("pi-driver", "root")}
+
+
+def mirror_pod(name: str, node: str = "cp-1", **status: Any) -> dict[str, Any]:
+    """A static pod as the kubelet mirrors it: its Node as controller."""
+    p = obj("v1", "Pod", name, obj("v1", "Node", node), status={"phase": "Running", **status},
+            metadata={"labels": {"component": name.rsplit("-", 2)[0], "tier": "control-plane"},
+                      "annotations": {"kubernetes.io/config.mirror": "3c1a",
+                                      "kubernetes.io/config.source": "file"}},
+            spec={"nodeName": node, "containers": [{"name": "c", "image": "x"}]})
+    p["metadata"]["ownerReferences"][-1]["apiVersion"] = "v1"
+    return p
+
+
+def test_static_pods_are_their_own_workloads_and_nodes_are_not_watched() -> None:
+    e = Engine()
+    cs = e.upsert_many([mirror_pod("kube-apiserver-cp-1"), mirror_pod("etcd-cp-1")])
+    assert {a.pod: (a.workload.kind if a.workload else a.reason, a.component)
+            for a in cs.pods.values() if a} == {
+        "kube-apiserver-cp-1": ("Pod", "pod"), "etcd-cp-1": ("Pod", "pod")}
+    assert GroupKind("", "Node") not in e.required_kinds()
+    assert W(e, "pod-etcd-cp-1").phase == "Running"
+
+
+def test_slim_pod_keeps_mirror_pods_whole() -> None:
+    from proxy.karta.engine import slim_pod
+
+    p = mirror_pod("etcd-cp-1", conditions=[{"type": "Ready", "status": "True"}])
+    assert slim_pod(p)["status"]["conditions"] == [{"type": "Ready", "status": "True"}]
+    owned = pod("web-1-a", replicaset("web-1", None))
+    owned["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    assert "conditions" not in slim_pod(owned)["status"]
+
+
+def _cond(ctype: str, status: str, when: str, **rest: str) -> dict[str, str]:
+    return {"type": ctype, "status": status, "lastTransitionTime": when, **rest}
+
+
+T0 = "2026-11-30T09:00:02Z"
+T0_UNIX = 1796029202.0
+
+
+def test_phase_since_comes_from_the_matched_condition_and_survives_a_restart() -> None:
+    """Two engines on the same objects at different times (a restart, a new leader) give
+    the same phase time when the object says it; the observation fallback is labelled."""
+    def objects() -> list[dict[str, Any]]:
+        dep = deployment("web")
+        dep["status"]["conditions"] = [
+            _cond("Available", "True", T0, reason="MinimumReplicasAvailable"),
+            _cond("Progressing", "True", "2026-11-01T00:00:00Z", reason="NewReplicaSetAvailable"),
+        ]
+        job = obj("batch/v1", "Job", "train", spec={"parallelism": 1},
+                  status={"succeeded": 1, "conditions": [
+                      _cond("SuccessCriteriaMet", "True", "2026-11-30T10:00:00Z"),
+                      _cond("Complete", "True", "2026-11-30T10:00:01Z")]})
+        sts = obj("apps/v1", "StatefulSet", "db", metadata={"generation": 1},
+                  spec={"replicas": 1},
+                  status={"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1,
+                          "readyReplicas": 1, "currentRevision": "r1", "updateRevision": "r1"})
+        bare = pod("debug")
+        bare["status"]["conditions"] = [_cond("Initialized", "True", "2026-11-30T08:00:00Z"),
+                                        _cond("Ready", "False", "2026-11-30T08:05:00Z")]
+        return [dep, job, sts, bare]
+
+    got = []
+    for now in (100.0, 5000.0):
+        e = Engine(clock=functools.partial(float, now))
+        e.upsert_many(objects())
+        got.append({f.ref.name: (f.phase, f.phase_since, f.phase_since_source)
+                    for f in e.workloads()})
+    first, second = got
+    assert first["web"] == second["web"] == ("Running", T0_UNIX, "object")
+    assert first["train"] == second["train"] == ("Completed", T0_UNIX + 3599.0, "object")
+    assert first["debug"] == second["debug"] == ("Running", T0_UNIX - 3602.0, "object")
+    # a StatefulSet has no conditions: only the proxy's observation, and it says so
+    assert (first["db"], second["db"]) == (("Running", 100.0, "observed"),
+                                           ("Running", 5000.0, "observed"))
+
+
+def test_phase_since_follows_the_object_and_falls_back_when_evidence_goes() -> None:
+    clock = Clock()
+    e = Engine(clock=clock)
+    dep = deployment("web")
+    dep["status"]["conditions"] = [_cond("Available", "True", T0)]
+    e.upsert(dep)
+    assert (W(e, "deployment-web").phase_since, W(e, "deployment-web").phase_since_source) == (
+        T0_UNIX, "object")
+    clock.now = 2000.0  # a rollout: not settled, no condition dates it
+    rolling = deployment("web")
+    rolling["metadata"]["generation"] = 2
+    rolling["status"]["conditions"] = [_cond("Available", "True", T0)]
+    w = W(e.upsert(rolling), "deployment-web")
+    assert (w.phase, w.phase_since, w.phase_since_source) == ("Initializing", 2000.0, "observed")
+    # a time the object does not spell as RFC 3339 is no evidence
+    odd = deployment("web")
+    odd["status"]["conditions"] = [_cond("Available", "True", "yesterday")]
+    clock.now = 3000.0
+    w = W(e.upsert(odd), "deployment-web")
+    assert (w.phase, w.phase_since, w.phase_since_source) == ("Running", 3000.0, "observed")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine, _equals, _PodRec, _present, _Probe, _single_id
 from proxy.karta.jqexpr import JqExpr
 from proxy.karta.model import Description, GroupKind
+from proxy.karta.owners import OwnerRef
 from proxy.karta.results import ChangeSet
 
 NS = "ns"
@@ -119,6 +121,13 @@ def clusters(draw: st.DrawFn) -> dict[str, Any]:
         objects[uid]["metadata"]["ownerReferences"] = [{
             "apiVersion": "v1", "kind": "Pod", "name": pods[puid]["metadata"]["name"],
             "uid": puid, "controller": True}]
+    # a pod may be controlled by another pod (Spark executors by their driver)
+    if len(pods) >= 2 and draw(st.booleans()):
+        child, parent = draw(st.lists(st.sampled_from(sorted(pods)), min_size=2, max_size=2,
+                                      unique=True))
+        pods[child]["metadata"]["ownerReferences"] = [{
+            "apiVersion": "v1", "kind": "Pod", "name": pods[parent]["metadata"]["name"],
+            "uid": parent, "controller": True}]
     return {"objects": objects, "pods": pods}
 
 
@@ -209,6 +218,8 @@ def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
                 break
             nxt = owner["metadata"].get("ownerReferences")
             if not nxt:
+                if top is None and owner["kind"] == "Pod":
+                    top = ref["uid"]  # a bare pod at the top of pods: their workload
                 break
             ref = nxt[0]
         out[uid] = top
@@ -309,3 +320,22 @@ def test_probe_fast_path_matches_jq(
     assert _present(out) == expr.present(doc)
     assert _equals(out, value) == expr.equals(doc, value)
     assert _single_id(out) == expr.single_id(doc)
+
+
+@pytest.mark.parametrize("owner_kind", [None, "Pod", "ReplicaSet"])
+@pytest.mark.parametrize("src", [
+    ".metadata.ownerReferences[]? | select(.controller == true) | .kind",
+    " .metadata.ownerReferences[]?|select( .controller==true )|.kind ",
+])
+def test_controller_kind_fast_path_matches_jq(owner_kind: str | None, src: str) -> None:
+    """The built-in Pod description's selector for pods controlled by a pod."""
+    expr = JqExpr(src)
+    probe = _Probe(expr)
+    assert probe.field == "controller_kind"
+    rec = _PodRec("uid-1")
+    rec.name, rec.namespace = "p", "ns"
+    if owner_kind is not None:
+        rec.owner = OwnerRef("o-1", GroupKind("", owner_kind), "o", "v1")
+    doc = rec.jq_input()
+    assert probe.outputs(rec) == expr.all(doc)
+    assert _equals(probe.outputs(rec), "Pod") == expr.equals(doc, "Pod")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import random
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,11 @@ def check_cluster(engine: Engine, cluster: Cluster) -> None:
         assert (key, f.phase) == (key, exp["phase"])
         assert f.phase in f.statuses
         assert f.phase_reason == exp.get("reason", f.phase_reason)
-        assert f.phase_since == 1000.0
+        if "since" in exp:
+            when = datetime.fromisoformat(exp["since"]).timestamp()
+            assert (key, f.phase_since, f.phase_since_source) == (key, when, "object")
+        else:
+            assert (key, f.phase_since, f.phase_since_source) == (key, 1000.0, "observed")
         rows = [
             [r.component, r.instance, r.desired, r.min_desired, r.max_desired, r.observed]
             for r in f.replicas
