@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.2.0"
+CONTRACT_VERSION = "1.3.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -47,7 +47,7 @@ FACT_POD_UNATTRIBUTED_INFO = "karta_pod_unattributed_info"
 FACT_WORKLOAD_INFO = "karta_workload_info"
 #: state set: one series per generic phase, 1 for the current phase, 0 for the others
 FACT_WORKLOAD_PHASE = "karta_workload_phase"
-#: unix time of the last observed phase change (time in phase = time() - this)
+#: unix time the current phase began (time in phase = time() - this), with ``source``
 FACT_WORKLOAD_PHASE_TRANSITION = "karta_workload_phase_transition_timestamp_seconds"
 #: one series per generic status, 1 for every status whose matchers match, 0 otherwise
 FACT_WORKLOAD_STATUS = "karta_workload_status"
@@ -106,6 +106,9 @@ FACT_LABEL_STATUS = "status"  # a generic status (GENERIC_PHASES)
 FACT_LABEL_RESOURCE = "resource"  # a watched resource, e.g. "pods", "jobs.batch"
 FACT_LABEL_VERSION = "version"  # contract or build version
 FACT_LABEL_SPLICE = "splice"  # which splice runs: "native", or "python" (the fallback)
+#: where a phase transition time comes from: "object" (the object's conditions'
+#: lastTransitionTime) or "observed" (when this proxy saw the phase change)
+FACT_LABEL_SOURCE = "source"
 
 #: values of FACT_LABEL_STATE
 STATE_ATTRIBUTED = "attributed"

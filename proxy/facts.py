@@ -80,8 +80,9 @@ HELP: dict[str, str] = {
     "describes it and whether that description is built in.",
     contract.FACT_WORKLOAD_PHASE: "Generic phase of a workload as a state set: 1 for the "
     "current phase, 0 for every other generic phase.",
-    contract.FACT_WORKLOAD_PHASE_TRANSITION: "Unix time of the workload's last observed "
-    "phase change; time() minus this is the time in the current phase.",
+    contract.FACT_WORKLOAD_PHASE_TRANSITION: "Unix time the workload's current phase "
+    "began: from the object's conditions (source=object) or as this proxy saw it change "
+    "(source=observed); time() minus this is the time in the current phase.",
     contract.FACT_WORKLOAD_STATUS: "Every generic status of a workload: 1 when its "
     "status mappings match, 0 otherwise.",
     contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO: "Why a workload's phase is Undefined "
@@ -237,7 +238,11 @@ def workload_facts(wf: WorkloadFacts) -> list[Fact]:
                 1.0 if status in statuses else 0.0,
             )
         )
-    out.append(Fact(contract.FACT_WORKLOAD_PHASE_TRANSITION, ident, float(wf.phase_since)))
+    out.append(Fact(
+        contract.FACT_WORKLOAD_PHASE_TRANSITION,
+        _sorted((*ident, (contract.FACT_LABEL_SOURCE, wf.phase_since_source))),
+        float(wf.phase_since),
+    ))
     if wf.phase == UNDEFINED and wf.phase_reason:
         out.append(
             Fact(
@@ -386,8 +391,8 @@ class Encoded(NamedTuple):
 class FactWriter:
     """Writes the fact series into the remote-write stream every ``interval_seconds``.
 
-    ``send`` gets uncompressed RW 1.0 ``WriteRequest`` bodies (the server compresses and
-    forwards them like any other request), at most ``MAX_SERIES_PER_REQUEST`` series each.
+    ``send`` gets uncompressed RW 1.0 ``WriteRequest`` bodies (``Upstream.send_v1``
+    compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each.
     Only the lease holder writes when an ``elector`` is given. Stale markers follow what
     was last *successfully* sent: after a failed send the next write still ends the series
     that went away.

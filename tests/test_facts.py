@@ -39,6 +39,7 @@ from proxy.facts import (
     FactWriter,
     FactWriterCollector,
     iter_facts,
+    workload_facts,
 )
 from proxy.index import PodIndex
 from proxy.karta.model import GENERIC_PHASES
@@ -219,7 +220,12 @@ def test_phase_is_a_state_set_and_statuses_are_all_reported() -> None:
     }
     assert set(status) == set(GENERIC_PHASES)
     assert {s for s, v in status.items() if v == 1.0} == {"Running", "Degraded"}
-    assert by_name(series, contract.FACT_WORKLOAD_PHASE_TRANSITION)[ident] == 1_700_000_000.5
+    # the transition time says where it comes from (one series per workload)
+    assert by_name(series, contract.FACT_WORKLOAD_PHASE_TRANSITION)[
+        (*ident, ("source", "observed"))] == 1_700_000_000.5
+    dated = {f.labels: f.value for f in workload_facts(ray_facts(phase_since_source="object"))
+             if f.name == contract.FACT_WORKLOAD_PHASE_TRANSITION}
+    assert dated == {(*ident, ("source", "object")): 1_700_000_000.5}
     # the Undefined workload says why; the Running one has no reason series
     assert by_name(series, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO) == {
         (
