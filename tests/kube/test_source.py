@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -408,3 +409,61 @@ async def test_unreachable_at_start_retries_with_backoff(
     await asyncio.wait_for(task, 10)
     assert source.index.ready
     await source.stop()
+
+
+async def test_phase_times_from_objects_survive_a_restart_of_the_source(
+    sim: KubeSim, make_source: SourceFactory
+) -> None:
+    """Two sources one after the other on the same cluster (a rollout of the proxy, a new
+    leader): a workload whose object dates its phase has the same transition time in
+    both; one that does not is dated by each process's observation, and says so. Spark
+    executors and a static pod are attributed as the API serves them."""
+    when = "2026-11-29T12:30:00Z"
+    sim.create({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "shop", "generation": 1},
+        "spec": {"replicas": 1},
+        "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1,
+                   "readyReplicas": 1, "conditions": [
+                       {"type": "Available", "status": "True", "lastTransitionTime": when}]}})
+    sim.create({"apiVersion": "apps/v1", "kind": "StatefulSet",
+                "metadata": {"name": "db", "namespace": "shop", "generation": 1},
+                "spec": {"replicas": 0},
+                "status": {"observedGeneration": 1, "replicas": 0}})
+    driver = pod("pi-driver", "spark", labels={"spark-role": "driver"})
+    driver["status"]["conditions"] = [
+        {"type": "Initialized", "status": "True", "lastTransitionTime": "2026-11-30T09:00:02Z"}]
+    driver = sim.create(driver)
+    sim.create(pod("pi-exec-1", "spark", owner_obj=driver, labels={"spark-role": "executor"}))
+    mirror = pod("etcd-cp-1", "kube-system", labels={"component": "etcd"})
+    mirror["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": "cp-1",
+                                              "uid": "node-uid-cp-1", "controller": True}]
+    mirror["status"]["conditions"] = [
+        {"type": "Initialized", "status": "True", "lastTransitionTime": "2026-11-02T07:12:41Z"}]
+    sim.create(mirror)
+
+    def times(source: KubeSource) -> dict[str, tuple[float, str]]:
+        engine = source.engine
+        assert isinstance(engine, Engine)
+        return {f.ref.name: (f.phase_since, f.phase_since_source) for f in engine.workloads()}
+
+    names = {"web", "db", "pi-driver", "etcd-cp-1"}
+    first_source = await make_source()
+    await eventually(lambda: names <= set(times(first_source)))
+    first = times(first_source)
+    assert labels(first_source, "spark", "pi-exec-1") == {
+        "karta_namespace": "spark", "karta_kind": "Pod", "karta_workload": "pi-driver",
+        "karta_component": "controlled"}
+    assert labels(first_source, "kube-system", "etcd-cp-1") == {
+        "karta_namespace": "kube-system", "karta_kind": "Pod", "karta_workload": "etcd-cp-1",
+        "karta_component": "pod"}
+    await first_source.stop()
+    await asyncio.sleep(1.1)
+    second_source = await make_source()
+    await eventually(lambda: names <= set(times(second_source)))
+    second = times(second_source)
+    for name in ("web", "pi-driver", "etcd-cp-1"):
+        assert first[name] == second[name] and first[name][1] == "object", name
+    assert first["web"][0] == datetime.fromisoformat(when).timestamp()
+    assert first["db"][1] == second["db"][1] == "observed"
+    assert second["db"][0] >= first["db"][0] + 1.0
