@@ -13,9 +13,21 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from msgspec import inspect as mi
 
 from proxy import __version__
-from proxy.config import ConfigError, Settings, load_settings, validate
+from proxy.config import (
+    ConfigError,
+    Flag,
+    SettingInfo,
+    Settings,
+    choices,
+    load_settings,
+    schema,
+    validate,
+)
 from proxy.contract import CONTRACT_VERSION
 from proxy.wire.native import DEFAULT as SPLICE
 
@@ -67,69 +79,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "--config.file", metavar="FILE", dest="config",
                    help="YAML file holding any setting (see config/karta-proxy.yaml); flags "
                    "override it (--config.file: Prometheus' name)")
-    g = p.add_argument_group("serving")
-    g.add_argument("--listen-address", "--web.listen-address", metavar="HOST:PORT",
-                   dest="listen_address",
-                   help="address to serve remote write and /metrics on (server.listen_address; "
-                   "default 0.0.0.0:9091; --web.listen-address: Prometheus' name)")
-    g.add_argument("--forward-before-ready", action="store_true", default=None,
-                   help="until the index is loaded, forward requests unenriched (and report "
-                   "ready) instead of answering 503 (server.forward_before_ready)")
-    g.add_argument("--tls-cert-file", metavar="PATH",
-                   help="serve HTTPS with this certificate (PEM), re-read when it changes "
-                   "(server.tls_cert_file; needs --tls-key-file)")
-    g.add_argument("--tls-key-file", metavar="PATH",
-                   help="the certificate's private key (PEM) (server.tls_key_file)")
-    g.add_argument("--tls-client-ca-file", metavar="PATH",
-                   help="CA bundle client certificates must chain to: mutual TLS "
-                   "(server.tls_client_ca_file)")
-    g.add_argument("--tls-client-auth-type",
-                   choices=("NoClientCert", "VerifyClientCertIfGiven",
-                            "RequireAndVerifyClientCert"),
-                   help="client certificate policy (server.tls_client_auth_type; default "
-                   "RequireAndVerifyClientCert with a client CA, else NoClientCert)")
-    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                   help="log level (log_level; default info)")
-    g.add_argument("--log-format", choices=("auto", "json", "text"),
-                   help="log format (log_format; default auto: text when stderr is a "
-                   "terminal, else JSON)")
-    g = p.add_argument_group("upstream")
-    g.add_argument("--upstream-url", metavar="URL",
-                   help="remote-write URL of the TSDB to forward to, e.g. "
-                   "http://prometheus:9090/api/v1/write (upstream.url; required)")
-    g.add_argument("--upstream-protocol", choices=("auto", "v1", "passthrough"),
-                   help="RW 2.0 handling toward the upstream: auto converts to RW 1.0 after a "
-                   "415, v1 always converts, passthrough never (upstream.protocol)")
-    g.add_argument("--upstream-timeout", type=float, metavar="SECONDS",
-                   help="timeout of one upstream request (upstream.timeout_seconds; default 30)")
-    g.add_argument("--upstream-bearer-token-file", metavar="PATH",
-                   help="bearer token for the upstream, re-read when the file changes "
-                   "(upstream.bearer_token_file)")
-    g = p.add_argument_group("index source")
-    g.add_argument("--snapshot", metavar="PATH",
-                   help="file or folder of Kubernetes objects (YAML, a List, or JSON) to build "
-                   "the index from instead of a live cluster (snapshot)")
-    g.add_argument("--snapshot-reload-seconds", type=float, metavar="SECONDS",
-                   help="poll the snapshot's files this often and apply changes; 0 loads "
-                   "once (snapshot_reload_seconds; default 30)")
-    g.add_argument("--kubeconfig", metavar="PATH",
-                   help="kubeconfig of the cluster to watch (kube.kubeconfig; default "
-                   "$KUBECONFIG, else the in-cluster service account)")
-    g.add_argument("--namespace", metavar="NS", action="append",
-                   help="watch only this namespace; repeatable (kube.namespaces; default all)")
-    g.add_argument("--node-name", metavar="NODE",
-                   help="node-scoped mode: watch only this node's pods (kube.node_name; "
-                   "default $NODE_NAME)")
-    g = p.add_argument_group("descriptions")
-    g.add_argument("--description", metavar="PATH", action="append",
-                   help="file or folder of Karta / ResourceInterface descriptions; repeatable "
-                   "(karta.description_paths)")
-    g.add_argument("--no-builtin-descriptions", action="store_true", default=None,
-                   help="switch off the built-in descriptions of core kinds (karta.builtins)")
-    g = p.add_argument_group("facts")
-    g.add_argument("--no-facts", action="store_true", default=None,
-                   help="do not write fact series upstream (facts.enabled)")
+    groups = {name: p.add_argument_group(name) for name in FLAG_GROUPS}
+    for info in schema():
+        if info.flag is not None:
+            _add_flag(groups[info.flag.group], info, info.flag)
     return p
+
+
+#: the ``--help`` sections, in order
+FLAG_GROUPS = ("serving", "upstream", "index source", "descriptions", "facts")
+
+
+def _add_flag(g: argparse._ArgumentGroup, info: SettingInfo, flag: Flag) -> None:
+    """One setting's flag, its type, choices and help all read from the declaration."""
+    t = info.type
+    help_text = f"{flag.help or info.help} ({info.key}"
+    if not isinstance(t, mi.BoolType | mi.ListType) and info.default not in ("", None):
+        help_text += f"; default {info.default}"
+    help_text += "; repeatable)" if flag.repeat else ")"
+    kw: dict[str, Any] = {"dest": info.key, "help": help_text}
+    if isinstance(t, mi.BoolType):
+        kw.update(action="store_true", default=None)
+    elif isinstance(t, mi.LiteralType):
+        kw["choices"] = choices(t)
+    else:
+        kw["metavar"] = flag.metavar
+        if isinstance(t, mi.IntType | mi.FloatType):
+            kw["type"] = int if isinstance(t, mi.IntType) else float
+        if flag.repeat:
+            kw["action"] = "append"
+    g.add_argument(*flag.names, **kw)
 
 
 def build_demo_parser() -> argparse.ArgumentParser:
@@ -148,47 +127,30 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
     """Config file, then flags on top; raises ConfigError."""
     env = dict(os.environ) if env is None else env
     s = load_settings(args.config) if args.config else Settings()
-    if args.listen_address is not None:
-        s.server.listen_address = args.listen_address
-    if args.forward_before_ready:
-        s.server.forward_before_ready = True
-    for flag in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_client_auth_type"):
-        if getattr(args, flag) is not None:
-            setattr(s.server, flag, getattr(args, flag))
-    if args.log_level is not None:
-        s.log_level = args.log_level
-    if args.log_format is not None:
-        s.log_format = args.log_format
-    if args.upstream_url is not None:
-        s.upstream.url = args.upstream_url
-    if args.upstream_protocol is not None:
-        s.upstream.protocol = args.upstream_protocol
-    if args.upstream_timeout is not None:
-        s.upstream.timeout_seconds = args.upstream_timeout
-    if args.upstream_bearer_token_file is not None:
-        s.upstream.bearer_token_file = args.upstream_bearer_token_file
-    if args.snapshot is not None:
-        s.snapshot = args.snapshot
-    if args.snapshot_reload_seconds is not None:
-        s.snapshot_reload_seconds = args.snapshot_reload_seconds
-    if args.kubeconfig is not None:
-        s.kube.kubeconfig = args.kubeconfig
-    elif not s.kube.kubeconfig and env.get("KUBECONFIG"):
-        s.kube.kubeconfig = env["KUBECONFIG"]
-    if args.namespace:
-        s.kube.namespaces = list(args.namespace)
-    if args.node_name is not None:
-        s.kube.node_name = args.node_name
-    elif env.get("NODE_NAME"):
-        s.kube.node_name = env["NODE_NAME"]
-    if args.description:
-        s.karta.description_paths = [*s.karta.description_paths, *args.description]
-    if args.no_builtin_descriptions:
-        s.karta.builtins = False
-    if args.no_facts:
-        s.facts.enabled = False
+    for info in schema():
+        if info.flag is not None:
+            _apply_flag(s, info, info.flag, getattr(args, info.key), env)
     validate(s)
     return s
+
+
+def _apply_flag(s: Settings, info: SettingInfo, flag: Flag, value: Any,
+                env: dict[str, str]) -> None:
+    """A flag given wins over the file; its environment variable stands in when it is not."""
+    *path, name = info.key.split(".")
+    target: Any = s
+    for part in path:
+        target = getattr(target, part)
+    if value is None:
+        fallback = env.get(flag.env) if flag.env else None
+        if fallback and (flag.env_over_file or getattr(target, name) == info.default):
+            setattr(target, name, fallback)
+        return
+    if isinstance(info.type, mi.BoolType):
+        value = not flag.names[0].startswith("--no-")
+    elif flag.repeat == "extend":
+        value = [*getattr(target, name), *value]
+    setattr(target, name, value)
 
 
 def _fail(message: str) -> int:

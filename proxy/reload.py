@@ -18,10 +18,10 @@ source, the fact writer, ``log_format``.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from proxy.config import Settings
+from proxy.config import Section, Settings
 
 #: dotted keys (or sections) a reload applies; everything else takes a restart
 LIVE_KEYS: tuple[str, ...] = (
@@ -52,10 +52,10 @@ def is_live(key: str) -> bool:
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ; a section is walked, anything else is a value."""
     out: list[str] = []
-    for f in fields(old):
-        key = f"{prefix}{f.name}"
-        a, b = getattr(old, f.name), getattr(new, f.name)
-        if is_dataclass(a) and not isinstance(a, type):
+    for name in old.__struct_fields__:
+        key = f"{prefix}{name}"
+        a, b = getattr(old, name), getattr(new, name)
+        if isinstance(a, Section):
             out.extend(changed_keys(a, b, key + "."))
         elif a != b:
             out.append(key)

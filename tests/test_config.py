@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
 from proxy.config import (
     ConfigError,
+    Section,
     Settings,
     load_settings,
     parse_host_port,
+    schema,
     settings_from_dict,
     validate,
 )
+from proxy.config_docs import doc_tables, example_yaml
+from proxy.config_docs import main as config_docs_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,6 +96,20 @@ def test_dashes_are_accepted_for_underscores() -> None:
         ("enrich:\n  pod_label_pairs: [{ns: a, pod: b}]\n", "enrich.pod_label_pairs[0]: "
          "expected keys 'namespace' and 'pod'"),
         ("- a\n", "top level: expected a mapping, got list"),
+        # bounds and choices come from the schema, with the same wording as validate's
+        ("server:\n  max_body_bytes: 0\n", "server.max_body_bytes: must be greater than 0, "
+         "got 0"),
+        ("server:\n  worker_threads: 300\n", "server.worker_threads: must be 0 to 256, got 300"),
+        ("karta:\n  max_owner_hops: 0\n", "karta.max_owner_hops: must be 1 or more, got 0"),
+        ("upstream:\n  protocol: v3\n", "upstream.protocol: expected one of auto, "
+         "passthrough, v1; got 'v3'"),
+        ("log_level: loud\n", "log_level: expected one of"),
+        ("enrich:\n  pod_label_pairs: []\n", "enrich.pod_label_pairs: must have at least one"),
+        ("enrich:\n  pod_label_rules: [{pod_label_pairs: [[a, b]]}]\n",
+         "enrich.pod_label_rules[0]: missing key 'metric_prefix'"),
+        ("enrich:\n  pod_label_rules: [{metric_prefix: X, pod_label_pairs: "
+         "[{namespace: a, pod: b, unless: {c: 1}}]}]\n",
+         "enrich.pod_label_rules[0].pod_label_pairs[0].unless: entries must be string"),
         ("server: {listen_address: [\n", "invalid YAML (line"),
     ],
 )
@@ -173,11 +191,11 @@ def test_parse_host_port(address: str, expected: tuple[str, int]) -> None:
 
 def _keys(obj: object, prefix: str = "") -> set[str]:
     out: set[str] = set()
-    assert is_dataclass(obj)
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        key = f"{prefix}{f.name}"
-        if is_dataclass(value):
+    assert isinstance(obj, Section)
+    for name in obj.__struct_fields__:
+        value = getattr(obj, name)
+        key = f"{prefix}{name}"
+        if isinstance(value, Section):
             out |= _keys(value, key + ".")
         else:
             out.add(key)
@@ -194,6 +212,22 @@ def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
     return out
 
 
+def test_schema_lists_every_leaf_setting_once() -> None:
+    keys = [i.key for i in schema()]
+    assert len(keys) == len(set(keys)) and set(keys) == _keys(Settings())
+    for info in schema():
+        assert info.help, f"{info.key} has no help"
+        assert info.example == info.default or info.key == "upstream.url", info.key
+
+
+def test_example_config_is_generated_from_the_schema() -> None:
+    """config/karta-proxy.yaml is what ``python -m proxy.config_docs --write`` writes."""
+    path = REPO / "config" / "karta-proxy.yaml"
+    assert path.read_text() == example_yaml(), (
+        "config/karta-proxy.yaml differs from the schema: run python -m proxy.config_docs "
+        "--write")
+
+
 def test_example_config_has_every_key_with_its_default() -> None:
     path = REPO / "config" / "karta-proxy.yaml"
     example = load_settings(path)
@@ -201,10 +235,52 @@ def test_example_config_has_every_key_with_its_default() -> None:
     assert _yaml_keys(yaml.safe_load(path.read_text())) == _keys(defaults)
     # the example differs from the defaults only where it must (an upstream URL)
     example.upstream.url = defaults.upstream.url
-    assert asdict(example) == asdict(defaults)
+    assert msgspec.to_builtins(example) == msgspec.to_builtins(defaults)
+    assert example == defaults
 
 
-def test_configuration_doc_names_every_key() -> None:
+def test_configuration_doc_tables_are_generated_from_the_schema() -> None:
     doc = (REPO / "docs" / "configuration.md").read_text()
-    missing = [k for k in sorted(_keys(Settings())) if f"`{k}`" not in doc]
+    assert doc_tables(doc) == doc, (
+        "docs/configuration.md's settings tables differ from the schema (keys, order or "
+        "defaults): run python -m proxy.config_docs --write")
+    missing = [k for k in sorted(_keys(Settings())) if f"| `{k}` |" not in doc]
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_doc_check_fails_on_a_drifted_default() -> None:
+    """The check above can fail: a default edited by hand in the doc is put back."""
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    drifted = doc.replace("| `upstream.max_connections` | `64` |",
+                          "| `upstream.max_connections` | `65` |")
+    assert drifted != doc and doc_tables(drifted) == doc
+    assert config_docs_main([]) == 0
+
+
+def test_every_flag_is_in_the_configuration_doc() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    for info in schema():
+        if info.flag is not None:
+            for name in info.flag.names:
+                assert f"`{name}" in doc, name
+
+
+def test_a_removed_key_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="karta.config"):
+        s = settings_from_dict({"enrich": {"cache-size": 1000, "conflict_policy": "keep"}})
+    assert s.enrich.conflict_policy == "keep"
+    (record,) = [r for r in caplog.records if r.getMessage() == "ignoring a removed setting"]
+    assert record.__dict__["key"] == "enrich.cache_size"
+
+
+def test_validate_checks_values_set_in_code_against_the_schema() -> None:
+    """Flags and code assign attributes without decoding: validate applies the schema too."""
+    s = valid()
+    s.server.worker_threads = -1
+    with pytest.raises(ConfigError, match=r"server.worker_threads: must be 0 to 256, got -1"):
+        validate(s)
+    s = valid()
+    s.upstream.timeout_seconds = "soon"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"upstream.timeout_seconds: expected a number, got "
+                       r"string 'soon'"):
+        validate(s)

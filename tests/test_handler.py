@@ -17,7 +17,7 @@ import pytest
 import snappy
 
 from proxy.compression import DecodeError
-from proxy.config import Settings
+from proxy.config import Settings, UpstreamProtocol
 from proxy.handler import INLINE_DECODED_BYTES, protocol_from_content_type
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
@@ -468,7 +468,7 @@ def _v2_with_bad_exemplar(case: str) -> bytes:
 @pytest.mark.parametrize("case", ["ref_past_table", "odd_refs"])
 @pytest.mark.parametrize("protocol", ["v1", "auto"])
 async def test_malformed_v2_toward_a_v1_upstream_is_400_never_500(
-        tmp_path: Path, case: str, protocol: str) -> None:
+        tmp_path: Path, case: str, protocol: UpstreamProtocol) -> None:
     # converted up front (upstream.protocol v1) or after the upstream's 415 (auto): either
     # way a 400 with its kind, counted; a 500 would be retried by the sender forever
     def rule(rec: Any) -> Reply:
