@@ -578,3 +578,95 @@ def test_yaml_timestamps_compare_like_api_strings() -> None:
         }
     )
     assert evaluate_status(sd, obj | {"t": obj["status"]["lastScheduleTime"]}).phase == "Running"
+
+
+# -- when the phase began, from the object ------------------------------------------------
+
+
+def _lt(ctype: str, status: str, when: Any) -> dict[str, Any]:
+    return {"type": ctype, "status": status, "lastTransitionTime": when}
+
+
+DATED = definition({
+    "conditionsDefinition": CONDITIONS,
+    "phaseDefinition": {"path": ".status.phase"},
+    "statusMappings": {
+        "running": [
+            {"byPhase": "Up"},  # matches first, but carries no evidence
+            {"byConditions": [{"type": "Ready", "status": "True"},
+                              {"type": "Synced", "status": "True"}]},
+            {"byConditions": [{"type": "Ready", "status": "True"}]},
+        ],
+        "failed": [{"byExpression": {"expression": ".status.broken", "expectedResult": "true"}}],
+    },
+})
+
+
+def test_since_is_the_latest_time_of_the_first_dated_matcher() -> None:
+    obj = {"status": {"phase": "Up", "conditions": [
+        _lt("Ready", "True", "2026-01-01T00:00:00Z"),
+        _lt("Synced", "True", "2026-01-01T00:01:00.5Z")]}}
+    res = evaluate_status(DATED, obj)
+    assert (res.phase, res.since) == ("Running", 1767225660.5)
+    # one of its conditions has no readable time: the next dated matcher gives it
+    for bad in (None, "", "yesterday", 17):
+        obj["status"]["conditions"][1]["lastTransitionTime"] = bad
+        assert evaluate_status(DATED, obj).since == 1767225600.0, bad
+    # an offset other than Z is read as written
+    obj["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T01:00:00+01:00"
+    assert evaluate_status(DATED, obj).since == 1767225600.0
+
+
+def test_no_evidence_without_a_dated_matcher() -> None:
+    assert evaluate_status(DATED, {"status": {"phase": "Up"}}).since is None
+    res = evaluate_status(DATED, {"status": {"broken": True}})
+    assert (res.phase, res.since) == ("Failed", None)
+    assert evaluate_status(DATED, {"status": {}}).since is None  # Undefined
+
+
+def test_a_failing_dated_matcher_costs_the_evidence_not_the_phase() -> None:
+    d = definition({
+        "conditionsDefinition": CONDITIONS,
+        "statusMappings": {"running": [
+            {"byExpression": {"expression": ".status.up", "expectedResult": "true"}},
+            {"byConditions": [{"type": "Ready"}],
+             "byExpression": {"expression": ".status.n[]", "expectedResult": "1"}},
+        ]},
+    })
+    obj = {"status": {"up": True, "n": None, "conditions": [
+        _lt("Ready", "True", "2026-01-01T00:00:00Z")]}}
+    assert evaluate_status(d, obj) == StatusResult("Running", ("Running",), "", None)
+
+
+def test_builtins_date_their_phases_from_their_conditions() -> None:
+    by_kind = {d.group_kind.kind: d for d in builtin_descriptions()}
+    job = {"spec": {}, "status": {"conditions": [
+        _lt("SuccessCriteriaMet", "True", "2026-01-01T00:00:00Z"),
+        _lt("Complete", "True", "2026-01-01T00:00:01Z")]}}
+    res = evaluate_status(by_kind["Job"].status, job)
+    assert (res.phase, res.since) == ("Completed", 1767225601.0)
+    suspended = {"spec": {"suspend": True}, "status": {"conditions": [
+        _lt("Suspended", "True", "2026-01-01T00:00:00Z")]}}
+    res = evaluate_status(by_kind["Job"].status, suspended)
+    assert (res.phase, res.since) == ("Suspended", 1767225600.0)
+    running_job = {"spec": {}, "status": {"active": 1}}
+    assert evaluate_status(by_kind["Job"].status, running_job).since is None
+    pod = {"status": {"phase": "Failed", "conditions": [
+        _lt("Initialized", "True", "2026-01-01T00:00:00Z"),
+        _lt("Ready", "False", "2026-01-01T00:10:00Z")]}}
+    res = evaluate_status(by_kind["Pod"].status, pod)
+    assert (res.phase, res.since) == ("Failed", 1767226200.0)
+    pod["status"]["phase"] = "Running"
+    assert evaluate_status(by_kind["Pod"].status, pod).since == 1767225600.0
+    pending = {"status": {"phase": "Pending", "conditions": [
+        _lt("PodScheduled", "False", "2026-01-01T00:00:05Z")]}}
+    assert evaluate_status(by_kind["Pod"].status, pending).since == 1767225605.0
+    dep = {"metadata": {"generation": 1}, "spec": {"replicas": 1},
+           "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1,
+                      "readyReplicas": 1,
+                      "conditions": [_lt("Available", "True", "2026-01-01T00:00:00Z")]}}
+    res = evaluate_status(by_kind["Deployment"].status, dep)
+    assert (res.phase, res.since) == ("Running", 1767225600.0)
+    dep["status"]["conditions"] = []  # counts only (a hand-written snapshot): still Running
+    res = evaluate_status(by_kind["Deployment"].status, dep)
+    assert (res.phase, res.since) == ("Running", None)
