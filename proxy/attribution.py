@@ -15,11 +15,11 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from proxy import contract
 from proxy.compression import DecodeError
-from proxy.config import EnrichSettings, PodLabelRule
+from proxy.config import ConflictPolicy, EnrichSettings, PodLabelRule, SenderKartaLabels
 from proxy.index import PodIndex
 from proxy.wire.native import Implementation, Splicer
 from proxy.wire.plan import (
@@ -32,9 +32,10 @@ from proxy.wire.plan import (
 )
 from proxy.wire.primitives import Counts
 
-POLICIES = ("replace", "keep")
+#: ``enrich.conflict_policy`` values, as the settings schema declares them
+POLICIES: tuple[str, ...] = get_args(ConflictPolicy)
 #: ``enrich.sender_karta_labels``: what happens to ``karta_*`` labels a sender put on
-SENDER_KARTA_LABELS = ("drop", "keep")
+SENDER_KARTA_LABELS: tuple[str, ...] = get_args(SenderKartaLabels)
 
 
 def default_pod_label_rules() -> list[PodLabelRule]:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from msgspec import inspect as mi
 
 from proxy.cli import build_parser, main, settings_from_args
-from proxy.config import ConfigError
+from proxy.config import ConfigError, choices, schema
 from proxy.sender import Series, send_series
 from tests.scripted import ScriptedUpstream
 from tests.test_handler import CART, SNAPSHOT
@@ -174,6 +175,45 @@ def test_log_format_flag_takes_auto() -> None:
 def test_validation_error_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         settings_from_args(build_parser().parse_args([]), env={})
+
+
+def test_every_flag_comes_from_the_schema() -> None:
+    """Names, choices and the key each flag sets are the declaration's, not a second list."""
+    actions = {a.dest: a for a in build_parser()._actions}
+    flagged = [i for i in schema() if i.flag is not None]
+    assert {i.key for i in flagged} == set(actions) - {"help", "version", "config"}
+    for info in flagged:
+        assert info.flag is not None
+        action = actions[info.key]
+        assert tuple(action.option_strings) == info.flag.names, info.key
+        assert info.key in (action.help or ""), info.key
+        if isinstance(info.type, mi.LiteralType):
+            assert tuple(action.choices or ()) == choices(info.type), info.key
+    assert actions["server.tls_client_auth_type"].choices == (
+        "NoClientCert", "RequireAndVerifyClientCert", "VerifyClientCertIfGiven")
+
+
+def test_flag_values_get_the_schema_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "karta-proxy: error: upstream.timeout_seconds: must be greater than 0, got 0.0\n")
+
+
+def test_kubeconfig_env_is_a_default_below_the_file(tmp_path: Path) -> None:
+    """KUBECONFIG stands in for an absent --kubeconfig only where the file sets none either
+    (NODE_NAME, by contrast, beats the file, as its flag would)."""
+    a, b = tmp_path / "a.kubeconfig", tmp_path / "b.kubeconfig"
+    a.write_text("{}")
+    b.write_text("{}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"upstream: {{url: 'http://x:1'}}\nkube: {{kubeconfig: '{a}'}}\n")
+    env = {"KUBECONFIG": str(b)}
+    assert settings_from_args(build_parser().parse_args(
+        ["--upstream-url", "http://x:1"]), env=env).kube.kubeconfig == str(b)
+    assert settings_from_args(build_parser().parse_args(
+        ["--config", str(cfg)]), env=env).kube.kubeconfig == str(a)
+    assert settings_from_args(build_parser().parse_args(
+        ["--config", str(cfg), "--kubeconfig", str(b)]), env={}).kube.kubeconfig == str(b)
 
 
 def _free_port() -> int:

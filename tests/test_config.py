@@ -14,6 +14,7 @@ from proxy.config import (
     ConfigError,
     Section,
     Settings,
+    choices,
     load_settings,
     parse_host_port,
     schema,
@@ -284,3 +285,14 @@ def test_validate_checks_values_set_in_code_against_the_schema() -> None:
     with pytest.raises(ConfigError, match=r"upstream.timeout_seconds: expected a number, got "
                        r"string 'soon'"):
         validate(s)
+
+
+def test_choices_are_declared_once() -> None:
+    """The modules that act on a choice take its values from the schema's Literal."""
+    from proxy.attribution import POLICIES, SENDER_KARTA_LABELS
+    from proxy.tls import VERIFY_MODES
+
+    by_key = {i.key: i for i in schema()}
+    assert set(POLICIES) == set(choices(by_key["enrich.conflict_policy"].type))
+    assert set(SENDER_KARTA_LABELS) == set(choices(by_key["enrich.sender_karta_labels"].type))
+    assert set(VERIFY_MODES) == set(choices(by_key["server.tls_client_auth_type"].type))
