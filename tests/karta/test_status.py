@@ -603,17 +603,17 @@ DATED = definition({
 
 
 def test_since_is_the_latest_time_of_the_first_dated_matcher() -> None:
-    obj = {"status": {"phase": "Up", "conditions": [
-        _lt("Ready", "True", "2026-01-01T00:00:00Z"),
-        _lt("Synced", "True", "2026-01-01T00:01:00.5Z")]}}
+    conds = [_lt("Ready", "True", "2026-01-01T00:00:00Z"),
+             _lt("Synced", "True", "2026-01-01T00:01:00.5Z")]
+    obj: dict[str, Any] = {"status": {"phase": "Up", "conditions": conds}}
     res = evaluate_status(DATED, obj)
     assert (res.phase, res.since) == ("Running", 1767225660.5)
     # one of its conditions has no readable time: the next dated matcher gives it
     for bad in (None, "", "yesterday", 17):
-        obj["status"]["conditions"][1]["lastTransitionTime"] = bad
+        conds[1]["lastTransitionTime"] = bad
         assert evaluate_status(DATED, obj).since == 1767225600.0, bad
     # an offset other than Z is read as written
-    obj["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T01:00:00+01:00"
+    conds[0]["lastTransitionTime"] = "2026-01-01T01:00:00+01:00"
     assert evaluate_status(DATED, obj).since == 1767225600.0
 
 
@@ -651,7 +651,7 @@ def test_builtins_date_their_phases_from_their_conditions() -> None:
     assert (res.phase, res.since) == ("Suspended", 1767225600.0)
     running_job = {"spec": {}, "status": {"active": 1}}
     assert evaluate_status(by_kind["Job"].status, running_job).since is None
-    pod = {"status": {"phase": "Failed", "conditions": [
+    pod: dict[str, Any] = {"status": {"phase": "Failed", "conditions": [
         _lt("Initialized", "True", "2026-01-01T00:00:00Z"),
         _lt("Ready", "False", "2026-01-01T00:10:00Z")]}}
     res = evaluate_status(by_kind["Pod"].status, pod)
@@ -661,7 +661,7 @@ def test_builtins_date_their_phases_from_their_conditions() -> None:
     pending = {"status": {"phase": "Pending", "conditions": [
         _lt("PodScheduled", "False", "2026-01-01T00:00:05Z")]}}
     assert evaluate_status(by_kind["Pod"].status, pending).since == 1767225605.0
-    dep = {"metadata": {"generation": 1}, "spec": {"replicas": 1},
+    dep: dict[str, Any] = {"metadata": {"generation": 1}, "spec": {"replicas": 1},
            "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1,
                       "readyReplicas": 1,
                       "conditions": [_lt("Available", "True", "2026-01-01T00:00:00Z")]}}
