@@ -23,7 +23,6 @@ from proxy.config import (
     Flag,
     SettingInfo,
     Settings,
-    choices,
     load_settings,
     schema,
     validate,
@@ -100,8 +99,8 @@ def _add_flag(g: argparse._ArgumentGroup, info: SettingInfo, flag: Flag) -> None
     kw: dict[str, Any] = {"dest": info.key, "help": help_text}
     if isinstance(t, mi.BoolType):
         kw.update(action="store_true", default=None)
-    elif isinstance(t, mi.LiteralType):
-        kw["choices"] = choices(t)
+    elif info.choices:
+        kw["choices"] = info.choices
     else:
         kw["metavar"] = flag.metavar
         if isinstance(t, mi.IntType | mi.FloatType):

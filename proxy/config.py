@@ -10,13 +10,14 @@ is checked by the small ``validate`` at the end.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
 import msgspec
@@ -367,6 +368,8 @@ class SettingInfo(NamedTuple):
     example: Any
     #: the default column of docs/configuration.md when the rendered default is not it
     default_doc: str
+    #: a ``Literal`` setting's values in declaration order, the empty "choose for me" left out
+    choices: tuple[str, ...]
 
 
 def _unwrap(t: mi.Type) -> tuple[mi.Type, dict[str, Any]]:
@@ -381,9 +384,17 @@ def _default(f: mi.Field) -> Any:
     return f.default
 
 
+def _literal_values(hint: Any) -> tuple[str, ...]:
+    """A Literal's values as written (msgspec's view sorts them)."""
+    if get_origin(hint) is Annotated:
+        hint = get_args(hint)[0]
+    return tuple(str(v) for v in get_args(hint) if v) if get_origin(hint) is Literal else ()
+
+
 def _walk(cls: type, prefix: str) -> Iterator[SettingInfo]:
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
+    hints = get_type_hints(cls, include_extras=True)
     for f in info.fields:
         t, extra = _unwrap(f.type)
         key = f"{prefix}{f.name}"
@@ -393,7 +404,7 @@ def _walk(cls: type, prefix: str) -> Iterator[SettingInfo]:
         default = _default(f)
         yield SettingInfo(key, prefix.rstrip("."), t, default, extra.get("help", ""),
                           extra.get("flag"), extra.get("example", default),
-                          extra.get("default_doc", ""))
+                          extra.get("default_doc", ""), _literal_values(hints[f.name]))
 
 
 def schema() -> list[SettingInfo]:
@@ -401,9 +412,9 @@ def schema() -> list[SettingInfo]:
     return list(_walk(Settings, ""))
 
 
-def choices(t: mi.Type) -> tuple[str, ...]:
-    """A ``Literal`` setting's values, the empty "choose for me" value left out."""
-    return tuple(str(v) for v in t.values if v) if isinstance(t, mi.LiteralType) else ()
+@functools.cache
+def _choices_by_key() -> dict[str, tuple[str, ...]]:
+    return {i.key: i.choices for i in schema() if i.choices}
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -562,10 +573,11 @@ def _explain(message: str, data: Any) -> str:
     missing = re.match(r"Object missing required field `(\w+)`", m["what"])
     if missing:
         return f"{key or 'top level'}: missing key '{missing[1]}'"
-    return f"{key or 'top level'}: {_expected(_unwrap(t)[0], value)}"
+    allowed = _choices_by_key().get(key, ())
+    return f"{key or 'top level'}: {_expected(_unwrap(t)[0], value, allowed)}"
 
 
-def _expected(t: mi.Type, value: Any) -> str:
+def _expected(t: mi.Type, value: Any, allowed: tuple[str, ...]) -> str:
     got = f"got {_type_name(value)} {value!r}"
     if isinstance(t, mi.BoolType):
         return f"expected true or false, {got}"
@@ -581,8 +593,7 @@ def _expected(t: mi.Type, value: Any) -> str:
             return f"must be greater than {t.gt}, got {value!r}"
         return f"must be {t.ge} or more, got {value!r}"
     if isinstance(t, mi.LiteralType):
-        allowed = ", ".join(str(v) for v in t.values if v != "")
-        return f"expected one of {allowed}; got {value!r}"
+        return f"expected one of {', '.join(allowed)}; got {value!r}"
     if isinstance(t, mi.StrType):
         return f"expected a string, {got}" if not isinstance(value, str) else "must not be empty"
     if isinstance(t, mi.ListType):

@@ -14,7 +14,6 @@ from proxy.config import (
     ConfigError,
     Section,
     Settings,
-    choices,
     load_settings,
     parse_host_port,
     schema,
@@ -102,8 +101,8 @@ def test_dashes_are_accepted_for_underscores() -> None:
          "got 0"),
         ("server:\n  worker_threads: 300\n", "server.worker_threads: must be 0 to 256, got 300"),
         ("karta:\n  max_owner_hops: 0\n", "karta.max_owner_hops: must be 1 or more, got 0"),
-        ("upstream:\n  protocol: v3\n", "upstream.protocol: expected one of auto, "
-         "passthrough, v1; got 'v3'"),
+        ("upstream:\n  protocol: v3\n", "upstream.protocol: expected one of auto, v1, "
+         "passthrough; got 'v3'"),
         ("log_level: loud\n", "log_level: expected one of"),
         ("enrich:\n  pod_label_pairs: []\n", "enrich.pod_label_pairs: must have at least one"),
         ("enrich:\n  pod_label_rules: [{pod_label_pairs: [[a, b]]}]\n",
@@ -293,6 +292,6 @@ def test_choices_are_declared_once() -> None:
     from proxy.tls import VERIFY_MODES
 
     by_key = {i.key: i for i in schema()}
-    assert set(POLICIES) == set(choices(by_key["enrich.conflict_policy"].type))
-    assert set(SENDER_KARTA_LABELS) == set(choices(by_key["enrich.sender_karta_labels"].type))
-    assert set(VERIFY_MODES) == set(choices(by_key["server.tls_client_auth_type"].type))
+    assert set(POLICIES) == set(by_key["enrich.conflict_policy"].choices)
+    assert set(SENDER_KARTA_LABELS) == set(by_key["enrich.sender_karta_labels"].choices)
+    assert set(VERIFY_MODES) == set(by_key["server.tls_client_auth_type"].choices)
