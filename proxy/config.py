@@ -59,13 +59,14 @@ class Flag(NamedTuple):
 
 
 def setting(help: str, *, flag: Flag | None = None, example: Any = None,
-            default_doc: str = "", **bounds: Any) -> Meta:
+            default_doc: str = "", fold_case: bool = False, **bounds: Any) -> Meta:
     """The metadata of one setting: its help and flag ride in ``Meta.extra``.
 
     ``example`` is the value config/karta-proxy.yaml shows instead of the default (a
-    required URL); ``default_doc`` replaces the rendered default in docs/configuration.md.
+    required URL); ``default_doc`` replaces the rendered default in docs/configuration.md;
+    ``fold_case`` lower-cases a YAML string before it is checked (``log_level: INFO``).
     """
-    extra: dict[str, Any] = {"help": help}
+    extra: dict[str, Any] = {"help": help, "fold_case": fold_case}
     if flag is not None:
         extra["flag"] = flag
     if example is not None:
@@ -343,7 +344,7 @@ class Settings(Section):
         "poll the snapshot's files this often and apply what changed; 0 loads once",
         flag=Flag(("--snapshot-reload-seconds",), SOURCE, "SECONDS"), ge=0)] = 30.0
     log_level: Annotated[LogLevel, setting(
-        "log level", flag=Flag(("--log-level",), SERVING))] = "info"
+        "log level", flag=Flag(("--log-level",), SERVING), fold_case=True)] = "info"
     log_format: Annotated[LogFormat, setting(
         "log format: auto (text when stderr is a terminal, else JSON), json or text",
         flag=Flag(("--log-format",), SERVING))] = "auto"
@@ -486,7 +487,9 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
     Dashes for underscores, removed keys (a warning), unknown keys (with the known ones
     listed), and a pair written as ``[ns, pod]`` or as a mapping.
     """
-    t, _ = _unwrap(t)
+    t, extra = _unwrap(t)
+    if extra.get("fold_case") and isinstance(value, str):
+        return value.lower()
     if isinstance(t, mi.TupleType):
         return list(_pair(value, key))
     if isinstance(t, mi.ListType) and isinstance(value, list):

@@ -70,6 +70,10 @@ log_level: debug
     assert s.facts == Settings().facts
 
 
+def test_log_level_is_case_insensitive_in_the_file() -> None:
+    assert settings_from_dict({"log_level": "WARNING"}).log_level == "warning"
+
+
 def test_dashes_are_accepted_for_underscores() -> None:
     s = settings_from_dict({"server": {"listen-address": "127.0.0.1:1"}})
     assert s.server.listen_address == "127.0.0.1:1"
