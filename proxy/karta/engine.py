@@ -143,7 +143,7 @@ class _Probe:
     ``.metadata.labels["k"]``, ``.metadata.labels.k`` (same for annotations) and
     ``.metadata.name|namespace|uid`` yield exactly what jq yields for them on a pod whose
     labels are a map: the value or null. ``.metadata.ownerReferences[]? | select(.controller
-    == true) | .kind`` (the built-in Pod description's test for pods controlled by a pod)
+    == true) | .kind`` (the built-in Pod description's test for its controlled pods)
     yields the kept controller reference's kind, or nothing. Everything else is handed to jq.
     """
 

@@ -553,6 +553,18 @@ def test_a_driver_that_gains_a_controller_takes_its_executors_along() -> None:
     assert cs.workloads["pod-pi-driver"] is None
 
 
+def test_pods_below_a_bare_pod_through_other_objects_are_controlled_too() -> None:
+    """Any chain that ends at a bare pod: pod -> (undescribed) Widget -> bare pod."""
+    e = Engine()
+    top = pod("operator")
+    widget = obj("example.com/v1", "Widget", "w", top)
+    e.upsert_many([top, widget, pod("w-0", widget)])
+    a = P(e, "pod-w-0")
+    assert (wname(a), a.component) == ("operator", "controlled")
+    assert [(r.component, r.observed) for r in W(e, "pod-operator").replicas] == [
+        ("pod", 1), ("controlled", 1)]
+
+
 def test_switching_the_pod_description_replaces_controlled_pods_too() -> None:
     e = Engine()
     driver = spark_pod("pi-driver", "driver")
