@@ -13,6 +13,7 @@ reads and for naming the Service and port that exist.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy import contract
 from proxy.cli import build_parser, settings_from_args
 from proxy.config import Settings, load_settings
 
@@ -184,8 +186,24 @@ def test_service_monitor_names_the_service_and_its_port() -> None:
     assert spec["namespaceSelector"]["matchNames"] == [svc.namespace]
     ports = {p["name"] for p in svc.body["spec"]["ports"]}
     for ep in spec["endpoints"]:
-        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}, ep
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme",
+                           "honorLabels", "metricRelabelings"}, ep
         assert ep["port"] in ports and ep["path"] == "/metrics"
+
+
+def test_service_monitor_drops_the_scraped_copy_of_the_facts() -> None:
+    # the regex of docs/metrics.md: every fact series but build/contract info, which are
+    # one per replica
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    (ep,) = one(render("cluster"), "ServiceMonitor").body["spec"]["endpoints"]
+    assert ep["honorLabels"] is True
+    (drop,) = ep["metricRelabelings"]
+    assert drop["action"] == "drop" and drop["sourceLabels"] == ["__name__"]
+    assert f'`__name__=~"{drop["regex"]}"`' in doc
+    rx = re.compile(drop["regex"])
+    for name in contract.FACT_SERIES:
+        kept = name in (contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO)
+        assert bool(rx.fullmatch(name)) is not kept, name
 
 
 # -- the objects agree with one another --------------------------------------------------
