@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.karta.model import GroupKind
 from proxy.kube.client import KubeApiError, KubeClient
@@ -46,6 +46,14 @@ class ApiResource:
         if namespace and self.namespaced:
             return f"{base}/namespaces/{namespace}/{self.plural}"
         return f"{base}/{self.plural}"
+
+
+class Resolver(Protocol):
+    """What the source needs of discovery (``Discovery``, or a static table in tests)."""
+
+    async def resolve(self, gk: GroupKind) -> ApiResource | None: ...
+
+    def invalidate(self) -> None: ...
 
 
 class Discovery:

@@ -27,11 +27,13 @@ from proxy.karta.engine import slim_pod
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
 from proxy.kube.client import KubeApiError, KubeClient
-from proxy.kube.discovery import ApiResource, Discovery
+from proxy.kube.discovery import ApiResource, Discovery, Resolver
 from proxy.kube.watcher import (
     IDLE_TIMEOUT,
     Backoff,
-    ResourceWatcher,
+    ClientWatchers,
+    Watcher,
+    WatcherFactory,
     WatchEvent,
     WatchMetrics,
 )
@@ -74,7 +76,11 @@ class KubeSource:
         watch_timeout: int | None = None,
         watch_idle_timeout: float = IDLE_TIMEOUT,
         recheck_interval: float = 30.0,
+        watchers: WatcherFactory | None = None,
+        discovery: Resolver | None = None,
     ) -> None:
+        """``watchers`` and ``discovery`` replace the ones built over the client (tests
+        put fakes there); with both given, no client is needed."""
         self.settings = settings
         self.engine = engine
         self.index = index
@@ -102,9 +108,12 @@ class KubeSource:
         Gauge("karta_proxy_index_stale",
               "1 while the API server is unreachable and the index is served as last known.",
               registry=self.registry).set_function(lambda: 1.0 if index.stale else 0.0)
-        self.discovery: Discovery | None = None
+        self._given_discovery = discovery
+        self._given_watchers = watchers
+        self.discovery: Resolver | None = None
+        self._make_watcher: WatcherFactory | None = None
         #: GroupKind -> (mode, watchers: one per namespace, or one cluster-wide)
-        self.watchers: dict[GroupKind, tuple[str, list[ResourceWatcher]]] = {}
+        self.watchers: dict[GroupKind, tuple[str, list[Watcher]]] = {}
         #: kinds wanted but not served -> why
         self.unserved_kinds: dict[GroupKind, str] = {}
         self._unhealthy: set[str] = set()
@@ -120,9 +129,31 @@ class KubeSource:
         """Connect, list everything required, set ``index.ready``; watches continue in
         background tasks. Failures to reach the server are retried (with backoff)
         inside, so this waits until the cluster answered."""
-        if self._client is None:
+        await self.sync()
+        self._tasks.append(asyncio.create_task(self._follow_kinds(), name="kube kinds"))
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="kube expire"))
+
+    async def sync(self) -> None:
+        """The first half of ``start``: watches started and listed, ``index.ready`` set,
+        but nothing follows description changes yet (``refresh_kinds`` does one round of
+        that): tests drive the reconcile logic step by step from here."""
+        if self._client is None and (self._given_discovery is None
+                                     or self._given_watchers is None):
             self._client = await KubeClient.connect(self.settings)
-        self.discovery = Discovery(self._client, refresh_interval=self._recheck_interval)
+        if self._given_discovery is not None:
+            self.discovery = self._given_discovery
+        else:
+            assert self._client is not None
+            self.discovery = Discovery(self._client, refresh_interval=self._recheck_interval)
+        if self._given_watchers is not None:
+            self._make_watcher = self._given_watchers
+        else:
+            assert self._client is not None
+            self._make_watcher = ClientWatchers(
+                self._client, self.metrics,
+                backoff_max=self.settings.resync_backoff_max_seconds,
+                idle_timeout=self._idle_timeout, watch_timeout=self._watch_timeout,
+            )
         # descriptions first: they decide which kinds the engine needs
         if self.settings.watch_descriptions:
             await self._reconcile(self._desired(descriptions_only=True))
@@ -148,8 +179,6 @@ class KubeSource:
         memory.trim()  # the sync's freed list pages: not the process' RSS from now on
         log.info("cluster index ready: %d pods, %d watches", len(self.index.pods),
                  sum(len(ws) for _, ws in self.watchers.values()))
-        self._tasks.append(asyncio.create_task(self._follow_kinds(), name="kube kinds"))
-        self._tasks.append(asyncio.create_task(self._housekeeping(), name="kube expire"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -185,7 +214,7 @@ class KubeSource:
     async def _reconcile(self, want: Mapping[GroupKind, str]) -> int:
         """Start, switch and drop watchers to match ``want``; returns how many kinds could
         not be resolved (the caller retries those after a backoff)."""
-        assert self.discovery is not None and self._client is not None
+        assert self.discovery is not None
         failed: list[GroupKind] = []
         error: Exception | None = None
         for gk in list(self.watchers):
@@ -218,8 +247,8 @@ class KubeSource:
 
     def _start_watchers(
         self, res: ApiResource, mode: str, held: dict[str, str]
-    ) -> list[ResourceWatcher]:
-        assert self._client is not None
+    ) -> list[Watcher]:
+        assert self._make_watcher is not None
         namespaces: list[str | None] = (
             list(self.settings.namespaces) if res.namespaced and self.settings.namespaces
             else [None]
@@ -230,18 +259,8 @@ class KubeSource:
         out = []
         for ns in namespaces:
             mine = {u: k for u, k in held.items() if ns is None or k.startswith(f"{ns}/")}
-            kwargs: dict[str, Any] = {}
-            if self._watch_timeout is not None:
-                wt = self._watch_timeout
-                kwargs["watch_timeout"] = lambda wt=wt: wt
-            w = ResourceWatcher(
-                self._client, res, self, self.metrics,
-                metadata_only=(mode == "metadata"), namespace=ns,
-                field_selector=field_selector,
-                backoff_max=self.settings.resync_backoff_max_seconds,
-                idle_timeout=self._idle_timeout,
-                held=mine, **kwargs,
-            )
+            w = self._make_watcher(res, self, metadata_only=(mode == "metadata"),
+                                   namespace=ns, field_selector=field_selector, held=mine)
             w.start()
             out.append(w)
         return out
@@ -293,14 +312,8 @@ class KubeSource:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kinds_changed.wait(), self._recheck_interval)
             self._kinds_changed.clear()
-            want = self._desired()
             try:
-                if self.unserved_kinds:
-                    self.discovery.invalidate()
-                    for gk in list(self.unserved_kinds):
-                        if gk in self.watchers:
-                            await self._drop(gk)
-                failed = await self._reconcile(want)
+                failed = await self.refresh_kinds()
             except Exception:  # never let the follower die
                 log.exception("reconciling watched kinds failed; retrying")
                 failed = 1
@@ -310,6 +323,19 @@ class KubeSource:
             else:
                 backoff.reset()
 
+    async def refresh_kinds(self) -> int:
+        """One round of following the kinds: rediscover unserved kinds, then start, stop
+        or switch watches to what the engine needs now; returns how many kinds could not
+        be resolved."""
+        assert self.discovery is not None
+        want = self._desired()
+        if self.unserved_kinds:
+            self.discovery.invalidate()
+            for gk in list(self.unserved_kinds):
+                if gk in self.watchers:
+                    await self._drop(gk)
+        return await self._reconcile(want)
+
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL)
@@ -317,10 +343,10 @@ class KubeSource:
 
     # -- WatchSink -------------------------------------------------------------------------
 
-    def handle(self, watcher: ResourceWatcher, events: list[WatchEvent]) -> None:
+    def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         self._apply(watcher, events)
 
-    def _apply(self, watcher: ResourceWatcher, events: list[WatchEvent]) -> None:
+    def _apply(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         """Feed a slice of events to the engine; apply the merged change set once."""
         changes = ChangeSet()
         is_pod = watcher.resource.group_kind == POD and not watcher.metadata_only
@@ -366,12 +392,12 @@ class KubeSource:
                 log.exception("engine failed on %s %s/%s", obj.get("kind"),
                               md.get("namespace", ""), md.get("name"))
 
-    def current(self, watcher: ResourceWatcher) -> None:
+    def current(self, watcher: Watcher) -> None:
         now = time.time()
         self.index.mark_fresh(watcher.name, now)
         self._last_current.labels(watcher.name).set(now)
 
-    def health(self, watcher: ResourceWatcher, healthy: bool) -> None:
+    def health(self, watcher: Watcher, healthy: bool) -> None:
         if healthy:
             self._unhealthy.discard(watcher.name)
         else:
@@ -382,7 +408,7 @@ class KubeSource:
                         "known index" if stale else "current again")
         self.index.stale = stale
 
-    def unserved(self, watcher: ResourceWatcher, error: KubeApiError) -> None:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
         gk = watcher.resource.group_kind
         why = "forbidden (RBAC)" if error.status == 403 else "no longer served"
         self._mark_unserved(gk, why)

@@ -40,16 +40,64 @@ Obj = dict[str, Any]
 WatchEvent = tuple[str, Obj]
 
 
-class WatchSink(Protocol):
-    def handle(self, watcher: ResourceWatcher, events: list[WatchEvent]) -> None: ...
+class Watcher(Protocol):
+    """What the source needs of one list+watch loop: ``ResourceWatcher``, or a fake at
+    this seam, so the source's reconcile logic is testable without a server or timing."""
 
-    def current(self, watcher: ResourceWatcher) -> None:
+    resource: ApiResource
+    metadata_only: bool
+    #: ``namespace/plural.group``: the freshness and health key
+    name: str
+    #: uid -> "namespace/name" of every object delivered and not yet retracted
+    held: dict[str, str]
+    #: set once the first list was delivered (or the kind turned out unserved)
+    synced: asyncio.Event
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stub(self, uid: str) -> Obj: ...
+
+    async def deliver(self, events: list[WatchEvent]) -> None: ...
+
+
+class WatcherFactory(Protocol):
+    """Builds the watchers of a ``KubeSource`` (in the spirit of the OpenTelemetry
+    k8sattributes processor's ``InformerProvider``): the seam where tests put a fake."""
+
+    def __call__(
+        self,
+        resource: ApiResource,
+        sink: WatchSink,
+        *,
+        metadata_only: bool,
+        namespace: str | None,
+        field_selector: str,
+        held: dict[str, str],
+    ) -> Watcher: ...
+
+
+def deletion_stub(resource: ApiResource, uid: str, key: str) -> Obj:
+    """A deletion object (apiVersion, kind, metadata) for a held uid whose held key is
+    ``namespace/name``: all the engine needs to retract it."""
+    ns, _, name = key.rpartition("/")
+    md: Obj = {"name": name, "uid": uid}
+    if ns:
+        md["namespace"] = ns
+    return {"apiVersion": resource.api_version, "kind": resource.kind, "metadata": md}
+
+
+class WatchSink(Protocol):
+    def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None: ...
+
+    def current(self, watcher: Watcher) -> None:
         """The watcher is known current now (list done, event or bookmark seen)."""
 
-    def health(self, watcher: ResourceWatcher, healthy: bool) -> None:
+    def health(self, watcher: Watcher, healthy: bool) -> None:
         """Reaching the API server failed (False) or works again (True)."""
 
-    def unserved(self, watcher: ResourceWatcher, error: KubeApiError) -> None:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
         """The server answers 404 / 403 for this resource: report, do not retry hard."""
 
 
@@ -105,6 +153,47 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+class ClientWatchers:
+    """The production ``WatcherFactory``: ``ResourceWatcher``s over one client, sharing
+    the metrics and the timing settings."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        metrics: WatchMetrics,
+        *,
+        backoff_max: float = 30.0,
+        idle_timeout: float = IDLE_TIMEOUT,
+        watch_timeout: int | None = None,
+    ) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.backoff_max = backoff_max
+        self.idle_timeout = idle_timeout
+        self.watch_timeout = watch_timeout
+
+    def __call__(
+        self,
+        resource: ApiResource,
+        sink: WatchSink,
+        *,
+        metadata_only: bool,
+        namespace: str | None,
+        field_selector: str,
+        held: dict[str, str],
+    ) -> ResourceWatcher:
+        kwargs: dict[str, Any] = {}
+        if self.watch_timeout is not None:
+            wt = self.watch_timeout
+            kwargs["watch_timeout"] = lambda: wt
+        return ResourceWatcher(
+            self.client, resource, sink, self.metrics,
+            metadata_only=metadata_only, namespace=namespace, field_selector=field_selector,
+            backoff_max=self.backoff_max, idle_timeout=self.idle_timeout, held=held,
+            **kwargs,
+        )
 
 
 class ResourceWatcher:
@@ -166,12 +255,7 @@ class ResourceWatcher:
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
-        ns, _, name = self.held.get(uid, "").rpartition("/")
-        md: Obj = {"name": name, "uid": uid}
-        if ns:
-            md["namespace"] = ns
-        return {"apiVersion": self.resource.api_version, "kind": self.resource.kind,
-                "metadata": md}
+        return deletion_stub(self.resource, uid, self.held.get(uid, ""))
 
     # -- the loop --------------------------------------------------------------------------
 
