@@ -1,0 +1,332 @@
+"""The fact writer: the fact series into the remote-write stream, by one replica.
+
+Every ``interval_seconds`` the writer encodes the facts (:mod:`proxy.facts.model`,
+:mod:`proxy.facts.encoder`) as RW 1.0 ``WriteRequest`` bodies, so they land in the same
+TSDB and tenant as the enriched series. Series that were written last time and are gone
+now (a deleted workload or pod, a desired-replica path that stopped answering) get a
+stale marker in the next write, so they end at once instead of lingering for
+Prometheus' 5-minute lookback. With several replicas, a
+:class:`proxy.lease.LeaseElector` lets only the leader write: the facts carry no
+per-replica label, so a leader change continues the same series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import proxy
+from proxy.config import FactSettings
+from proxy.facts.encoder import (
+    METADATA,
+    STALE_NAN,
+    Encoded,
+    encode_facts,
+    rehead,
+    sample_field,
+    timestamp_field,
+)
+from proxy.facts.model import (
+    Fact,
+    Labels,
+    coverage_facts,
+    label_set,
+    pod_facts,
+    process_facts,
+    workload_facts,
+)
+from proxy.index import PodIndex
+from proxy.karta.results import PodAttribution, WorkloadFacts
+
+if TYPE_CHECKING:
+    from proxy.lease import LeaseElector
+
+log = logging.getLogger(__name__)
+
+#: series per request: Prometheus refuses bodies over 32 MiB decoded and most receivers
+#: prefer requests of a few thousand series; 100k pods make ~30 requests per write
+MAX_SERIES_PER_REQUEST = 5000
+
+#: how long a standby replica remembers a fact series it no longer sees: Prometheus'
+#: default lookback, after which a series without samples is gone from queries anyway
+STANDBY_MEMORY = 300.0
+
+
+class FactWriter:
+    """Writes the fact series into the remote-write stream every ``interval_seconds``.
+
+    ``send`` gets uncompressed RW 1.0 ``WriteRequest`` bodies (``Upstream.send_v1``
+    compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each.
+    Only the lease holder writes when an ``elector`` is given. Stale markers follow what
+    was last *successfully* sent: after a failed send the next write still ends the series
+    that went away.
+    """
+
+    def __init__(
+        self,
+        settings: FactSettings,
+        index: PodIndex,
+        send: Callable[[bytes], Awaitable[None]],
+        *,
+        elector: LeaseElector | None = None,
+        clock: Callable[[], float] = time.time,
+        build_version: str = proxy.__version__,
+        max_series_per_request: int = MAX_SERIES_PER_REQUEST,
+    ) -> None:
+        self._settings = settings
+        self._index = index
+        self._send = send
+        self._elector = elector
+        self._clock = clock
+        self._build_version = build_version
+        self._max_series = max(1, max_series_per_request)
+        self._external: Labels = label_set(settings.external_labels.items())
+        self._pod_cache: dict[str, tuple[PodAttribution, Encoded]] = {}
+        self._workload_cache: dict[str, tuple[WorkloadFacts, Encoded]] = {}
+        #: length of a sample field; the cached prefixes embed it (constant in practice:
+        #: millisecond timestamps are 6-byte varints from 2004 to 2109)
+        self._sample_len = -1
+        #: prefixes of every series in the last successful write
+        self._written: set[bytes] = set()
+        #: what the last build produced (committed to _written once the send succeeds)
+        self._pending: set[bytes] = set()
+        #: while another replica writes: series prefix -> last time it existed here, kept
+        #: for STANDBY_MEMORY seconds, so a takeover ends what the old leader left behind
+        self._standby: dict[bytes, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._was_leader = False
+        # counters for /metrics (FactWriterCollector)
+        self.writes_ok = 0
+        self.writes_failed = 0
+        self.last_series = 0
+        self.last_stale_markers = 0
+        self.stale_markers_total = 0
+        self.last_write_timestamp = 0.0
+        self.last_build_seconds = 0.0
+
+    # -- building ------------------------------------------------------------------------
+
+    def _encode(self, facts: Iterable[Fact]) -> Encoded:
+        return encode_facts(facts, self._external, self._sample_len)
+
+    def _set_sample_len(self, n: int) -> None:
+        if n == self._sample_len:
+            return
+        self._sample_len = n
+        self._pod_cache.clear()
+        self._workload_cache.clear()
+        self._written = {rehead(p, n) for p in self._written}
+        self._standby = {rehead(p, n): t for p, t in self._standby.items()}
+
+    def _current(self) -> Iterator[tuple[bytes, float]]:
+        """(prefix, value) of every fact series now, one at a time (a write's requests are
+        made as they are sent); the index as it was when the first one is asked for."""
+        pod_items = list(self._index.pods.items())
+        workload_items = list(self._index.workloads.items())
+        process = process_facts(self._index, self._build_version)
+        coverage = coverage_facts(att for _, att in pod_items)
+        pods: dict[str, tuple[PodAttribution, Encoded]] = {}
+        for uid, att in pod_items:
+            hit = self._pod_cache.get(uid)
+            if hit is None or hit[0] is not att:
+                hit = (att, self._encode(pod_facts(att)))
+            pods[uid] = hit
+            yield from zip(*hit[1], strict=True)
+        del pod_items
+        self._pod_cache = pods
+        workloads: dict[str, tuple[WorkloadFacts, Encoded]] = {}
+        for uid, wf in workload_items:
+            whit = self._workload_cache.get(uid)
+            if whit is None or whit[0] is not wf:
+                whit = (wf, self._encode(workload_facts(wf)))
+            workloads[uid] = whit
+            yield from zip(*whit[1], strict=True)
+        self._workload_cache = workloads
+        yield from zip(*self._encode(coverage), strict=True)
+        yield from zip(*self._encode(process), strict=True)
+
+    def iter_requests(self, now_ms: int) -> Iterator[bytes]:
+        """Uncompressed RW 1.0 WriteRequests holding every fact at ``now_ms``, plus stale
+        markers for the series of the last successful write that are gone now.
+
+        One request at a time, so a write holds one body, not all of them (~60 MB for
+        290k fact series at 37.5k pods). ``_pending`` grows as the requests are made: a
+        write that stops half-way owes markers for what it had sent (``commit_partial``).
+        The statistics are set once the last request is made; ``last_build_seconds``
+        counts the building only, not the time the caller spends between requests.
+        """
+        started = time.perf_counter()
+        building = 0.0
+        ts_bytes = timestamp_field(now_ms)
+        samples: dict[float, bytes] = {}
+        self._set_sample_len(len(sample_field(0.0, ts_bytes)))
+        seen: set[bytes] = set()
+        self._pending = seen
+        parts: list[bytes] = []
+        count = 0
+        limit = self._max_series
+        for prefix, value in self._current():
+            if prefix in seen:  # e.g. a workload re-created under the same name: first wins
+                continue
+            seen.add(prefix)
+            sample = samples.get(value)
+            if sample is None:
+                sample = samples[value] = sample_field(value, ts_bytes)
+            parts.append(prefix)
+            parts.append(sample)
+            count += 1
+            if count == limit:
+                body, parts, count = b"".join(parts), [], 0
+                building += time.perf_counter() - started
+                yield body
+                started = time.perf_counter()
+        gone = self._written - seen
+        if gone:
+            stale = sample_field(STALE_NAN, ts_bytes)
+            for prefix in sorted(gone):
+                parts.append(prefix)
+                parts.append(stale)
+                count += 1
+                if count == limit:
+                    body, parts, count = b"".join(parts), [], 0
+                    building += time.perf_counter() - started
+                    yield body
+                    started = time.perf_counter()
+        parts.append(METADATA)
+        body = b"".join(parts)
+        del parts
+        self.last_series = len(seen)
+        self.last_stale_markers = len(gone)
+        self.last_build_seconds = building + time.perf_counter() - started
+        yield body
+
+    @staticmethod
+    def _finish(bodies: Iterator[bytes]) -> None:
+        """Make the rest of a write's requests without sending them, so what a failed
+        write owes (``_pending``) and reports (``last_series``, ...) is the whole write's,
+        as when every body was built before the first send."""
+        for _ in bodies:
+            pass
+
+    def build_requests(self, now_ms: int) -> list[bytes]:
+        """All of :meth:`iter_requests` at once."""
+        return list(self.iter_requests(now_ms))
+
+    def build_request(self, now_ms: int) -> bytes:
+        """All of :meth:`build_requests` in one body (protobuf messages concatenate)."""
+        return b"".join(self.build_requests(now_ms))
+
+    def track_standby(self, now: float) -> None:
+        """Remember which fact series exist while another replica writes them.
+
+        The series a leader wrote are the ones this replica sees too (the same cluster,
+        the same index). On takeover, those gone by then get stale markers in the first
+        write: otherwise what vanished between the old leader's last write and the new
+        one's first would linger for the 5-minute lookback. Costs a key walk per interval
+        (no encoding of samples); entries older than STANDBY_MEMORY are dropped, since a
+        TSDB has forgotten them by itself by then.
+        """
+        self._set_sample_len(len(sample_field(0.0, timestamp_field(int(now * 1000)))))
+        standby = self._standby
+        for prefix, _ in self._current():
+            standby[prefix] = now
+        horizon = now - STANDBY_MEMORY
+        if any(t < horizon for t in standby.values()):
+            self._standby = {k: t for k, t in standby.items() if t >= horizon}
+
+    def commit(self) -> None:
+        """Record the last built requests as delivered (their series are now 'written')."""
+        self._written = self._pending
+        self.stale_markers_total += self.last_stale_markers
+
+    def commit_partial(self) -> None:
+        """Some requests of a write failed: keep owing the stale markers of the series
+        gone before, and owe them for every series of this write too (a marker for a
+        series that never landed is harmless; a missing one leaves a ghost)."""
+        self._written = self._written | self._pending
+
+    def forget(self) -> None:
+        """Stop owning the written series (leadership lost: the next leader continues them)."""
+        self._written = set()
+        self._pending = set()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    @property
+    def is_writer(self) -> bool:
+        return self._elector is None or self._elector.is_leader
+
+    async def write_once(self) -> bool:
+        """Build and send one request if this replica writes; True when one was sent."""
+        leader = self.is_writer
+        if leader != self._was_leader:
+            log.info("fact writer %s", "takes over" if leader else "stands by")
+            self._was_leader = leader
+            if leader:  # owe stale markers for what the previous writer wrote recently
+                self._written = self._written | set(self._standby)
+                self._standby = {}
+            else:
+                self.forget()
+        if not leader:
+            self.track_standby(self._clock())
+            return False
+        now = self._clock()
+        bodies = self.iter_requests(int(now * 1000))
+        while True:
+            try:
+                body = next(bodies)
+            except StopIteration:
+                break
+            except Exception:  # a bug in building (the loop logs it): owe what was sent
+                self.commit_partial()
+                raise
+            try:
+                await self._send(body)
+                await asyncio.sleep(0)  # let requests in flight interleave with a big write
+            except asyncio.CancelledError:
+                self._finish(bodies)
+                self.commit_partial()
+                raise
+            except Exception as exc:  # the next write retries; stale markers are kept
+                self._finish(bodies)
+                self.commit_partial()
+                self.writes_failed += 1
+                log.warning("fact write failed: %s", exc)
+                return False
+            del body
+        self.writes_ok += 1
+        self.last_write_timestamp = now
+        self.commit()
+        return True
+
+    async def _run(self) -> None:
+        interval = max(0.05, float(self._settings.interval_seconds))
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                await self.write_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in building must not end the facts for good
+                log.exception("fact write crashed")
+            next_at += interval
+            now = loop.time()
+            if next_at < now:  # fell behind (a slow send): skip, do not burst
+                next_at = now + interval - (now - next_at) % interval
+            await asyncio.sleep(next_at - now)
+
+    async def start(self) -> None:
+        if self._task is None and self._settings.enabled:
+            self._task = asyncio.create_task(self._run(), name="fact-writer")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
