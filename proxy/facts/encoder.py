@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from proxy import contract
 from proxy.facts.model import HELP, Fact, Labels
+from proxy.wire.primitives import encode_label_v1, len_field
 from proxy.wire.primitives import encode_uvarint as _varint
-from proxy.wire.primitives import len_field
 
 #: Prometheus' stale marker: a NaN with this exact bit pattern ends a series.
 STALE_NAN_BITS = 0x7FF0000000000002
@@ -25,12 +25,12 @@ STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
 
 @functools.lru_cache(maxsize=1 << 12)
 def _label_field(name: str, value: str) -> bytes:
-    """TimeSeries.labels (field 1) holding Label{name=1, value=2}. Cached: most pairs
-    (identity labels, phases, external labels) repeat across thousands of series, one
-    workload's ~20 series in a row. Small: pods' names and uids never repeat, and 64k
-    entries held ~17 MB for them."""
-    label = len_field(1, name.encode()) + len_field(2, value.encode())
-    return len_field(1, label)
+    """TimeSeries.labels (field 1): the shared Label encoding, cached by the text pair.
+
+    Cached: most pairs (identity labels, phases, external labels) repeat across thousands
+    of series, one workload's ~20 series in a row. Small: pods' names and uids never
+    repeat, and 64k entries held ~17 MB for them."""
+    return encode_label_v1(name.encode(), value.encode())
 
 
 def encode_labels(name: str, labels: Labels, external: Labels = ()) -> bytes:
