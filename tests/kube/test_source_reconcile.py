@@ -1,0 +1,360 @@
+"""KubeSource's reconcile, mode-switch, health and tombstone logic at the watcher seam.
+
+A ``FakeCluster`` stands in for discovery and the watchers: watchers list when started
+and get every change pushed synchronously, and a test drives the follower one round at
+a time (``refresh_kinds``), so nothing here sleeps or waits for a condition. The watch
+protocol itself is tested against the simulator in test_source.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.config import KubeSettings
+from proxy.index import PodIndex
+from proxy.karta.engine import Engine
+from proxy.karta.model import GroupKind
+from proxy.kube.source import KubeSource
+from tests.kube.conftest import labels, metric, owner, pod
+from tests.kube.fake_watcher import (
+    BUILTIN,
+    JOB_SET,
+    RAY_CLUSTER,
+    RAY_JOB,
+    FakeCluster,
+    FakeWatcher,
+)
+from tests.kube.test_source import RAYCLUSTER_KARTA, RAYJOB_KARTA
+
+Obj = dict[str, Any]
+RAY_JOB_GK = GroupKind("ray.io", "RayJob")
+RAY_CLUSTER_GK = GroupKind("ray.io", "RayCluster")
+
+JOBSET_KARTA = {
+    "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "test-jobset"},
+    "spec": {"structureDefinition": {"rootComponent": {
+        "name": "jobset",
+        "kind": {"group": "jobset.x-k8s.io", "version": "v1alpha2", "kind": "JobSet"},
+        "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+    }}},
+}
+
+
+class Clock:
+    """The index's clock, moved by hand (tombstone expiry)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def cluster() -> FakeCluster:
+    return FakeCluster(*BUILTIN, RAY_JOB, RAY_CLUSTER)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+Synced = Callable[..., Awaitable[KubeSource]]
+
+
+@pytest.fixture
+async def synced(cluster: FakeCluster, clock: Clock) -> AsyncIterator[Synced]:
+    """A source over the fake cluster after its initial sync, with no follower task."""
+    made: list[KubeSource] = []
+
+    async def make(**settings: Any) -> KubeSource:
+        source = KubeSource(KubeSettings(**settings), Engine(),
+                            PodIndex(tombstone_seconds=60, clock=clock),
+                            metrics_registry=CollectorRegistry(),
+                            watchers=cluster, discovery=cluster)
+        made.append(source)
+        await source.sync()
+        return source
+
+    yield make
+    for s in made:
+        await s.stop()
+
+
+def deployment(cluster: FakeCluster, name: str, ns: str = "default", replicas: int = 2,
+               node: str = "n1") -> list[Obj]:
+    dep = cluster.create({"apiVersion": "apps/v1", "kind": "Deployment",
+                          "metadata": {"name": name, "namespace": ns},
+                          "spec": {"replicas": replicas}})
+    rs = cluster.create({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                         "metadata": {"name": f"{name}-1", "namespace": ns,
+                                      "ownerReferences": owner(dep)}})
+    return [cluster.create(pod(f"{name}-1-{i}", ns, owner_obj=rs, node=node))
+            for i in range(replicas)]
+
+
+def ray_cluster(cluster: FakeCluster, name: str = "rc", ns: str = "ml") -> Obj:
+    """A RayCluster with a head and two workers of group ``gpu``."""
+    rc = cluster.create({
+        "apiVersion": "ray.io/v1", "kind": "RayCluster",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"workerGroupSpecs": [{"groupName": "gpu", "replicas": 3}]},
+        "status": {"state": "ready"},
+    })
+    cluster.create(pod(f"{name}-head", ns, owner_obj=rc, labels={"ray.io/node-type": "head"}))
+    for i in range(2):
+        cluster.create(pod(f"{name}-gpu-{i}", ns, owner_obj=rc,
+                           labels={"ray.io/node-type": "worker", "ray.io/group": "gpu"}))
+    return rc
+
+
+def modes(source: KubeSource) -> dict[str, str]:
+    return {gk.kind: mode for gk, (mode, _) in source.watchers.items()}
+
+
+def watchers_of(source: KubeSource, gk: GroupKind) -> list[FakeWatcher]:
+    ws = source.watchers[gk][1]
+    assert all(isinstance(w, FakeWatcher) for w in ws)
+    return [w for w in ws if isinstance(w, FakeWatcher)]
+
+
+async def test_sync_watches_what_the_engine_needs(cluster: FakeCluster,
+                                                  synced: Synced) -> None:
+    deployment(cluster, "web")
+    source = await synced()
+    assert source.index.ready and not source.index.stale
+    got = labels(source, "default", "web-1-0")
+    assert got is not None and got["karta_workload"] == "web"
+    assert modes(source) == {k: "full" for k in (
+        "Pod", "Karta", "ResourceInterface", "ReplicaSet", "Deployment", "StatefulSet",
+        "DaemonSet", "Job", "CronJob")}
+    assert all(w.started and w.synced.is_set() for w in cluster.watchers)
+    assert metric(source, "karta_proxy_index_pods") == 2
+    assert "pods" in source.index.freshness
+    assert metric(source, "karta_proxy_watch_last_current_timestamp_seconds",
+                  {"resource": "pods"}) > 0
+    assert not source.unserved_kinds
+    # nothing described changed: a follower round starts and stops nothing
+    before = list(cluster.watchers)
+    assert await source.refresh_kinds() == 0
+    assert cluster.watchers == before and all(w.live for w in before)
+
+
+async def test_owner_kind_switches_to_full_and_back(cluster: FakeCluster,
+                                                    synced: Synced) -> None:
+    """An owner kind is read metadata-only until a description names it; the switch
+    stops the old watcher and hands its held objects to the new one (whose relist
+    diffs against them), and losing the description switches back and retracts."""
+    rc = ray_cluster(cluster)
+    uid = rc["metadata"]["uid"]
+    source = await synced()
+    assert modes(source)["RayCluster"] == "metadata"
+    [meta] = watchers_of(source, RAY_CLUSTER_GK)
+    assert meta.metadata_only and meta.held == {uid: "ml/rc"}
+    assert uid not in source.index.workloads
+
+    karta = cluster.create(RAYCLUSTER_KARTA)
+    assert source._kinds_changed.is_set()  # the description asks for a new mode
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayCluster"] == "full"
+    [full] = watchers_of(source, RAY_CLUSTER_GK)
+    assert meta.stopped and full.live and not full.metadata_only
+    assert full.held_at_start == {uid: "ml/rc"}
+    facts = source.index.workloads[uid]
+    assert facts.phase.lower() == "running"
+    replicas = {(r.component, r.instance): (r.desired, r.observed) for r in facts.replicas}
+    assert replicas == {("worker", "gpu"): (3, 2), ("head", ""): (1, 1)}
+    assert (labels(source, "ml", "rc-gpu-1") or {}).get("karta_instance") == "gpu"
+
+    rc["status"] = {"state": "failed"}
+    cluster.update(rc)
+    assert source.index.workloads[uid].phase.lower() == "failed"
+
+    cluster.delete(karta)
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayCluster"] == "metadata"
+    assert full.stopped
+    assert uid not in source.index.workloads
+    assert labels(source, "ml", "rc-head") is None
+
+
+async def test_mode_switch_relist_retracts_what_vanished_meanwhile(
+        cluster: FakeCluster, synced: Synced) -> None:
+    kept = ray_cluster(cluster, "kept")
+    lost = cluster.create({"apiVersion": "ray.io/v1", "kind": "RayCluster",  # no pods
+                           "metadata": {"name": "lost", "namespace": "ml"}})
+    source = await synced()
+    cluster.delete_quietly(lost)  # the metadata watch missed this deletion
+    cluster.create(RAYCLUSTER_KARTA)
+    assert await source.refresh_kinds() == 0
+    [full] = watchers_of(source, RAY_CLUSTER_GK)
+    assert lost["metadata"]["uid"] in full.held_at_start
+    assert set(full.held) == {kept["metadata"]["uid"]}
+    assert set(source.index.workloads) >= {kept["metadata"]["uid"]}
+    assert lost["metadata"]["uid"] not in source.index.workloads
+
+
+async def test_kind_no_longer_needed_is_dropped_and_retracted(cluster: FakeCluster,
+                                                              synced: Synced) -> None:
+    job = cluster.create({
+        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "metadata": {"name": "train", "namespace": "ml"},
+        "spec": {"rayClusterSpec": {"headGroupSpec": {"template": {}}}},
+        "status": {"jobStatus": "RUNNING"},
+    })
+    source = await synced()
+    assert "RayJob" not in modes(source)  # nothing needs it: no pod, no description
+    karta = cluster.create(RAYJOB_KARTA)
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayJob"] == "full" and modes(source)["RayCluster"] == "metadata"
+    [w] = watchers_of(source, RAY_JOB_GK)
+    assert job["metadata"]["uid"] in source.index.workloads
+    w.fail()
+    assert source.index.stale
+    cluster.delete(karta)
+    assert await source.refresh_kinds() == 0
+    assert "RayJob" not in modes(source) and "RayCluster" not in modes(source)
+    assert w.stopped and not w.held
+    assert job["metadata"]["uid"] not in source.index.workloads
+    assert not source.index.stale  # a dropped watch no longer counts as cut off
+
+
+async def test_deleted_pod_is_a_tombstone_until_it_expires(
+        cluster: FakeCluster, synced: Synced, clock: Clock) -> None:
+    old = deployment(cluster, "web", replicas=2)
+    source = await synced()
+    cluster.delete(old[0])
+    assert source.index.tombstones() == 1
+    assert {a.pod for a in source.index.pods.values()} == {"web-1-1"}
+    kept = labels(source, "default", "web-1-0")
+    assert kept is not None and kept["karta_workload"] == "web"  # late samples still match
+    clock.now += 59
+    source.index.expire()
+    assert labels(source, "default", "web-1-0") == kept
+    clock.now += 2
+    source.index.expire()
+    assert labels(source, "default", "web-1-0") is None
+    assert source.index.tombstones() == 0
+
+
+async def test_name_reused_by_a_new_pod_owns_it_not_the_tombstone(
+        cluster: FakeCluster, synced: Synced) -> None:
+    [old] = deployment(cluster, "db", replicas=1)
+    source = await synced()
+    cluster.delete(old)
+    new = dict(old, metadata={k: v for k, v in old["metadata"].items() if k != "uid"})
+    new = cluster.create(new)
+    assert new["metadata"]["uid"] in source.index.pods
+    assert old["metadata"]["uid"] not in source.index.pods
+    assert source.index.tombstones() == 0
+    assert labels(source, "default", "db-1-0") is not None
+
+
+async def test_relist_diff_deletion_is_a_tombstone(cluster: FakeCluster,
+                                                   synced: Synced) -> None:
+    """A pod deleted while the watch was down comes back as a relist deletion: the
+    source treats it as any deletion (a tombstone, not a lost name)."""
+    pods = deployment(cluster, "web", replicas=2)
+    source = await synced()
+    [w] = watchers_of(source, GroupKind("", "Pod"))
+    cluster.delete_quietly(pods[0])
+    await w.stop()
+    relist = cluster(w.resource, source, metadata_only=False, namespace=None,
+                     field_selector="", held=w.held)
+    relist.start()
+    assert source.index.tombstones() == 1
+    assert labels(source, "default", "web-1-0") is not None
+
+
+async def test_unserved_kind_is_reported_then_picked_up(cluster: FakeCluster,
+                                                        synced: Synced) -> None:
+    cluster.create(JOBSET_KARTA)
+    source = await synced()
+    gk = JOB_SET.group_kind
+    assert source.unserved_kinds == {gk: "not served by the cluster"}
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 1
+    assert source.index.ready  # never held hostage by a missing CRD
+    assert await source.refresh_kinds() == 0  # still missing: no watch, asked again
+    assert gk not in source.watchers and cluster.invalidations == 1
+    cluster.serve(JOB_SET)  # the CRD is installed
+    assert await source.refresh_kinds() == 0
+    assert cluster.invalidations == 2
+    assert modes(source)["JobSet"] == "full" and not source.unserved_kinds
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
+
+
+async def test_forbidden_watch_is_reported_dropped_and_retried(cluster: FakeCluster,
+                                                               synced: Synced) -> None:
+    cluster.create(RAYJOB_KARTA)
+    source = await synced()
+    [w] = watchers_of(source, RAY_JOB_GK)
+    source._kinds_changed.clear()
+    w.refuse(403)
+    assert source.unserved_kinds == {RAY_JOB_GK: "forbidden (RBAC)"}
+    assert source._kinds_changed.is_set()  # the follower is woken to rediscover
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(RAY_JOB_GK)}) == 1
+    assert await source.refresh_kinds() == 0  # served again (RBAC fixed): a new watch
+    [again] = watchers_of(source, RAY_JOB_GK)
+    assert w.stopped and again is not w and again.live
+    assert not source.unserved_kinds
+
+
+async def test_unreachable_watch_marks_the_index_stale(cluster: FakeCluster,
+                                                       synced: Synced) -> None:
+    deployment(cluster, "web", replicas=1)
+    source = await synced()
+    [pods] = watchers_of(source, GroupKind("", "Pod"))
+    [rs] = watchers_of(source, GroupKind("apps", "ReplicaSet"))
+    pods.fail()
+    rs.fail()
+    assert source.index.stale and metric(source, "karta_proxy_index_stale") == 1
+    assert labels(source, "default", "web-1-0") is not None  # served as last known
+    pods.recover()
+    assert source.index.stale  # one watch is still cut off
+    rs.recover()
+    assert not source.index.stale and metric(source, "karta_proxy_index_stale") == 0
+
+
+async def test_discovery_failure_is_counted_and_retried(cluster: FakeCluster,
+                                                        synced: Synced) -> None:
+    source = await synced()
+    cluster.create(RAYJOB_KARTA)
+    cluster.discovery_error = OSError("connection refused")
+    assert await source.refresh_kinds() == 2  # RayJob and RayCluster
+    assert "RayJob" not in modes(source)
+    cluster.discovery_error = None
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayJob"] == "full"
+
+
+async def test_namespaces_and_node_name_shape_the_watches(cluster: FakeCluster,
+                                                          synced: Synced) -> None:
+    deployment(cluster, "a-here", ns="team-a", node="n1")
+    deployment(cluster, "a-there", ns="team-a", node="n2")
+    deployment(cluster, "b-here", ns="team-b", node="n1")
+    deployment(cluster, "c-here", ns="team-c", node="n1")
+    source = await synced(namespaces=["team-a", "team-b"], node_name="n1")
+    pod_watches = watchers_of(source, GroupKind("", "Pod"))
+    assert sorted(w.name for w in pod_watches) == ["team-a/pods", "team-b/pods"]
+    assert {w.field_selector for w in pod_watches} == {"spec.nodeName=n1"}
+    rs_watches = watchers_of(source, GroupKind("apps", "ReplicaSet"))
+    assert {w.field_selector for w in rs_watches} == {""} and len(rs_watches) == 2
+    [karta] = watchers_of(source, GroupKind("run.ai", "Karta"))
+    assert karta.namespace is None  # cluster-scoped: one watch
+    assert {(a.namespace, a.pod) for a in source.index.pods.values()} == {
+        ("team-a", "a-here-1-0"), ("team-a", "a-here-1-1"),
+        ("team-b", "b-here-1-0"), ("team-b", "b-here-1-1")}
+    assert {"team-a/pods", "team-b/pods"} <= set(source.index.freshness)
+
+
+async def test_descriptions_off_watches_no_description_kinds(cluster: FakeCluster,
+                                                             synced: Synced) -> None:
+    deployment(cluster, "web", replicas=1)
+    source = await synced(watch_descriptions=False)
+    assert "Karta" not in modes(source) and "ResourceInterface" not in modes(source)
+    assert labels(source, "default", "web-1-0") is not None
