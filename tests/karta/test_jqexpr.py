@@ -1,0 +1,107 @@
+"""jq expressions with the upstream Karta wrapper semantics, on their own."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from proxy.karta.jqexpr import JqCompileError, JqError, JqExpr, to_text
+
+OBJ: dict[str, Any] = {
+    "metadata": {"name": "web", "labels": {"role": "head", "n": 3}},
+    "spec": {"groups": [{"name": "gpu", "replicas": 2}, {"name": "cpu", "replicas": "4"},
+                        {"name": None, "replicas": True}, {"name": "", "replicas": "x"}]},
+    "status": {"phase": "Running", "ready": True, "count": 2.0},
+}
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    ("s", "s"), (True, "true"), (False, "false"), (None, "null"), (2.0, "2"), (3, "3"),
+    (2.5, "2.5"), (2.0**60, "1.152921504606847e+18"), ({"b": 1, "a": [1, 2]}, '{"a":[1,2],"b":1}'),
+])
+def test_to_text_is_jq_tostring(value: Any, text: str) -> None:
+    assert to_text(value) == text
+
+
+def test_compile_error_names_the_expression() -> None:
+    with pytest.raises(JqCompileError, match=r"\.spec\[") as info:
+        JqExpr(".spec[")
+    assert isinstance(info.value, ValueError)
+
+
+def test_runtime_error_is_a_jq_error() -> None:
+    with pytest.raises(JqError, match="error"):
+        JqExpr('error("boom")').all(OBJ)
+    with pytest.raises(JqError):
+        JqExpr(".metadata.name | tonumber").first(OBJ)
+    with pytest.raises(JqError):
+        JqExpr(".").all({"not json": b"bytes"})  # not JSON at all
+    with pytest.raises(JqError):
+        JqExpr(".").all_text("{not json")
+
+
+def test_all_and_first() -> None:
+    e = JqExpr(".spec.groups[].name")
+    assert e.all(OBJ) == ["gpu", "cpu", None, ""]
+    assert e.first(OBJ) == "gpu"
+    assert JqExpr("empty").first(OBJ) is None
+    assert JqExpr(".spec.groups[].name").all_text('{"spec":{"groups":[{"name":"a"}]}}') == ["a"]
+
+
+def test_present_is_a_non_null_result() -> None:
+    assert JqExpr(".metadata.labels.role").present(OBJ)
+    assert not JqExpr(".metadata.labels.missing").present(OBJ)
+    assert not JqExpr("empty").present(OBJ)
+    assert JqExpr(".status.ready").present(OBJ)
+    assert JqExpr("false").present(OBJ)  # false is a value, not an absence
+
+
+def test_equals_compares_text() -> None:
+    assert JqExpr(".metadata.labels.role").equals(OBJ, "head")
+    assert JqExpr(".metadata.labels.n").equals(OBJ, "3")
+    assert JqExpr(".status.ready").equals(OBJ, "true")
+    assert JqExpr(".spec.groups[].name").equals(OBJ, "cpu")  # any output
+    assert not JqExpr(".metadata.labels.missing").equals(OBJ, "null")  # null never matches
+
+
+def test_single_id_needs_exactly_one() -> None:
+    assert JqExpr(".metadata.name").single_id(OBJ) == "web"
+    assert JqExpr(".status.count").single_id(OBJ) == "2"
+    assert JqExpr(".spec.groups[].name").single_id(OBJ) is None  # two ids
+    assert JqExpr(".spec.groups[2:][].name").single_id(OBJ) is None  # only null and ""
+    assert JqExpr(".missing").single_id(OBJ) is None
+
+
+def test_ids_skip_null_and_empty() -> None:
+    assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu"]
+    assert JqExpr(".missing").ids(OBJ) == []
+
+
+def test_tostring_first() -> None:
+    assert JqExpr(".status.phase").tostring_first(OBJ) == "Running"
+    assert JqExpr(".status.ready").tostring_first(OBJ) == "true"
+    assert JqExpr(".missing").tostring_first(OBJ) == "null"
+    assert JqExpr("empty").tostring_first(OBJ) is None
+
+
+def test_number_takes_the_first_numeric_output() -> None:
+    assert JqExpr(".spec.groups[0].replicas").number(OBJ) == 2.0
+    assert JqExpr(".spec.groups[1].replicas").number(OBJ) == 4.0  # numeric string
+    assert JqExpr(".spec.groups[3].replicas").number(OBJ) is None  # "x"
+    assert JqExpr("null, true, 7").number(OBJ) == 7.0  # null and booleans skipped
+    assert JqExpr("empty").number(OBJ) is None
+    assert JqExpr("[1]").number(OBJ) is None
+
+
+def test_numbers_one_per_output() -> None:
+    got = JqExpr(".spec.groups[].replicas").numbers(OBJ)
+    assert got == [2.0, 4.0, None, None]
+    assert JqExpr('null, {}, "1e3"').numbers(OBJ) == [None, None, 1000.0]
+    nan = JqExpr('"nan"').numbers(OBJ)[0]
+    assert nan is not None and math.isnan(nan)
+
+
+def test_repr_names_the_source() -> None:
+    assert repr(JqExpr(".a")) == "JqExpr('.a')"
