@@ -38,6 +38,7 @@ from proxy.facts import (
     FactsCollector,
     FactWriter,
     FactWriterCollector,
+    WriterState,
     iter_facts,
     workload_facts,
 )
@@ -518,6 +519,22 @@ async def test_writer_loop_writes_at_the_interval_and_stops() -> None:
     await asyncio.sleep(0.25)
     assert len(bodies) == n
     assert w.writes_ok == n
+
+
+async def test_writer_without_election_starts_standby_and_leads_from_its_first_write(
+) -> None:
+    """The state machine's entry: STANDBY until the first interval asks, then LEADER for
+    good when no election is configured (step() is idempotent in a state)."""
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), small_index(), send)
+    assert w.state is WriterState.STANDBY
+    assert w.step() is WriterState.LEADER and w.step() is WriterState.LEADER
+    assert await w.write_once()
+    assert w.state is WriterState.LEADER and len(sent) == 1
 
 
 async def test_disabled_writer_does_not_start() -> None:
@@ -1284,14 +1301,18 @@ async def test_takeover_ends_what_vanished_while_the_old_leader_was_dying() -> N
             await asyncio.sleep(3 * interval)  # the standby has looked around a few times
             leader = next(e for e in electors if e.is_leader)
             standby = next(e for e in electors if e is not leader)
+            assert writers[leader.identity].state is WriterState.LEADER
+            assert writers[standby.identity].state is WriterState.STANDBY
             await writers[leader.identity].stop()  # dying: writes no more
             index.apply(ChangeSet(workloads={"u-deleted": None}))
             await asyncio.sleep(2 * interval)  # the standby notices, but does not write
             assert not sends[standby.identity]
+            assert writers[standby.identity].state is WriterState.STANDBY
             await leader.stop(release=False)
             deadline = time.monotonic() + 10
             while not sends[standby.identity] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            assert writers[standby.identity].state is WriterState.LEADER
         finally:
             for w in writers.values():
                 await w.stop()

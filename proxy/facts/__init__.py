@@ -22,7 +22,7 @@ from proxy.facts.model import (
     workload_facts,
     workload_identity,
 )
-from proxy.facts.writer import MAX_SERIES_PER_REQUEST, STANDBY_MEMORY, FactWriter
+from proxy.facts.writer import MAX_SERIES_PER_REQUEST, STANDBY_MEMORY, FactWriter, WriterState
 
 __all__ = [
     "HELP",
@@ -35,6 +35,7 @@ __all__ = [
     "FactWriterCollector",
     "FactsCollector",
     "Labels",
+    "WriterState",
     "coverage_facts",
     "encode_labels",
     "iter_facts",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -54,6 +55,20 @@ MAX_SERIES_PER_REQUEST = 5000
 #: how long a standby replica remembers a fact series it no longer sees: Prometheus'
 #: default lookback, after which a series without samples is gone from queries anyway
 STANDBY_MEMORY = 300.0
+
+
+class WriterState(enum.Enum):
+    """Whether this replica writes the fact series; :meth:`FactWriter.step` moves between
+    the two.
+
+    * ``STANDBY``: another replica writes (or none has yet): each interval only remembers
+      which series exist (:meth:`FactWriter.track_standby`), so a takeover can end what
+      the old leader left behind. A writer starts here.
+    * ``LEADER``: this replica writes, and owes stale markers for what it wrote.
+    """
+
+    STANDBY = "standby"
+    LEADER = "leader"
 
 
 class FactWriter:
@@ -98,7 +113,8 @@ class FactWriter:
         #: for STANDBY_MEMORY seconds, so a takeover ends what the old leader left behind
         self._standby: dict[bytes, float] = {}
         self._task: asyncio.Task[None] | None = None
-        self._was_leader = False
+        #: the leader/standby state: changed only by step()
+        self.state = WriterState.STANDBY
         # counters for /metrics (FactWriterCollector)
         self.writes_ok = 0
         self.writes_failed = 0
@@ -258,23 +274,40 @@ class FactWriter:
 
     @property
     def is_writer(self) -> bool:
+        """This replica should write now: it holds the lease, or no election is set up."""
         return self._elector is None or self._elector.is_leader
 
+    def step(self) -> WriterState:
+        """Move to the state the election asks for; every transition happens here.
+
+        STANDBY -> LEADER (takes over): owe stale markers for what the previous writer
+        wrote recently, as far as this replica saw those series while standing by.
+        LEADER -> STANDBY (stands by): stop owning the written series; the next leader
+        continues them.
+        """
+        target = WriterState.LEADER if self.is_writer else WriterState.STANDBY
+        if target is self.state:
+            return target
+        if target is WriterState.LEADER:
+            log.info("fact writer takes over")
+            self._written = self._written | set(self._standby)
+            self._standby = {}
+        else:
+            log.info("fact writer stands by")
+            self.forget()
+        self.state = target
+        return target
+
     async def write_once(self) -> bool:
-        """Build and send one request if this replica writes; True when one was sent."""
-        leader = self.is_writer
-        if leader != self._was_leader:
-            log.info("fact writer %s", "takes over" if leader else "stands by")
-            self._was_leader = leader
-            if leader:  # owe stale markers for what the previous writer wrote recently
-                self._written = self._written | set(self._standby)
-                self._standby = {}
-            else:
-                self.forget()
-        if not leader:
+        """One interval: build and send the facts if this replica leads, else remember
+        which series exist (standby); True when a write was sent."""
+        if self.step() is WriterState.STANDBY:
             self.track_standby(self._clock())
             return False
-        now = self._clock()
+        return await self._write(self._clock())
+
+    async def _write(self, now: float) -> bool:
+        """Send one write's requests; what is owed afterwards follows what was sent."""
         bodies = self.iter_requests(int(now * 1000))
         while True:
             try:
