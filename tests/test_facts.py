@@ -492,7 +492,7 @@ def test_writer_collector_reports_leadership_and_writes() -> None:
     w = writer(small_index())
     registry = CollectorRegistry()
     registry.register(FactWriterCollector(w))
-    w.writes_ok = 3
+    w.metrics.writes_ok.inc(3)
     text = generate_latest(registry).decode()
     assert f"{contract.OP_FACT_WRITER_LEADER} 1.0" in text
     assert f'{contract.OP_FACT_WRITES}{{result="success"}} 3.0' in text

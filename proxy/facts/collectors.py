@@ -1,16 +1,25 @@
-"""The facts on ``/metrics``, and the fact writer's own operational metrics."""
+"""The facts on ``/metrics``, and the fact writer's own operational metrics.
+
+The writer's metrics are plain prometheus_client ``Counter`` / ``Gauge`` objects
+(:class:`FactWriterMetrics`), which the writer counts into. The facts themselves are not:
+they are the index's state at the scrape, series that come and go with pods and
+workloads and whose label sets differ within a family (``reason`` only on unattributed
+pods), so :class:`FactsCollector` builds them per scrape from the fact model instead of
+keeping a labelled child per series (290k of them at 37.5k pods) between scrapes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 import proxy
 from proxy import contract
 from proxy.facts.model import HELP, iter_facts
-from proxy.facts.writer import FactWriter
 from proxy.index import PodIndex
 
 
@@ -44,35 +53,56 @@ class FactsCollector(Collector):
                 yield m
 
 
-def _family(counter_name: str) -> str:
-    return counter_name.removesuffix("_total")
+class FactWriterMetrics:
+    """The fact writer's counters and gauges, outside any registry (the writer's
+    :class:`FactWriterCollector` serves them where the runtime registers it)."""
+
+    def __init__(self) -> None:
+        self.leader = Gauge(contract.OP_FACT_WRITER_LEADER, "1 when this replica writes the "
+                            "fact series (lease holder, or no election configured).",
+                            registry=None)
+        self.writes = Counter(contract.OP_FACT_WRITES, "Fact series writes by result.",
+                              ["result"], registry=None)
+        self.writes_ok = self.writes.labels(result="success")
+        self.writes_failed = self.writes.labels(result="failure")
+        self.stale_markers = Counter(contract.OP_FACT_STALE_MARKERS, "Stale markers written "
+                                     "for fact series that went away.", registry=None)
+        self.series = Gauge(contract.OP_FACT_SERIES, "Fact series in the last write.",
+                            registry=None)
+        self.last_write = Gauge(contract.OP_FACT_LAST_WRITE, "Unix time of the last "
+                                "successful fact write.", registry=None)
+
+    def families(self) -> Iterator[Metric]:
+        """Every family, without the counters' ``_created`` samples: docs/metrics.md
+        lists what the writer serves, and the creation time of a process-lifetime
+        counter says nothing ``process_start_time_seconds`` does not."""
+        for metric in (self.leader, self.writes, self.stale_markers, self.series,
+                       self.last_write):
+            for family in metric.collect():
+                family.samples = [s for s in family.samples
+                                  if not s.name.endswith("_created")]
+                yield family
+
+
+def sample_value(metric: Counter | Gauge) -> float:
+    """The value of an unlabelled metric or one labelled child (tests, benchmarks)."""
+    family = next(iter(metric.collect()))
+    return next(s.value for s in family.samples if not s.name.endswith("_created"))
+
+
+class MeteredWriter(Protocol):
+    """What :class:`FactWriterCollector` reads of a writer (no import of the writer, which
+    counts into :class:`FactWriterMetrics` defined here)."""
+
+    @property
+    def metrics(self) -> FactWriterMetrics: ...
 
 
 class FactWriterCollector(Collector):
     """Operational metrics of the fact writer: is this replica the writer, how it fares."""
 
-    def __init__(self, writer: FactWriter) -> None:
-        self._writer = writer
+    def __init__(self, writer: MeteredWriter) -> None:
+        self._metrics = writer.metrics
 
     def collect(self) -> Iterator[Metric]:
-        w = self._writer
-        leader = Metric(contract.OP_FACT_WRITER_LEADER, "1 when this replica writes the "
-                        "fact series (lease holder, or no election configured).", "gauge")
-        leader.add_sample(contract.OP_FACT_WRITER_LEADER, {}, 1.0 if w.is_writer else 0.0)
-        yield leader
-        writes = Metric(_family(contract.OP_FACT_WRITES), "Fact series writes by result.",
-                        "counter")
-        writes.add_sample(contract.OP_FACT_WRITES, {"result": "success"}, float(w.writes_ok))
-        writes.add_sample(contract.OP_FACT_WRITES, {"result": "failure"}, float(w.writes_failed))
-        yield writes
-        stale = Metric(_family(contract.OP_FACT_STALE_MARKERS), "Stale markers written for "
-                       "fact series that went away.", "counter")
-        stale.add_sample(contract.OP_FACT_STALE_MARKERS, {}, float(w.stale_markers_total))
-        yield stale
-        series = Metric(contract.OP_FACT_SERIES, "Fact series in the last write.", "gauge")
-        series.add_sample(contract.OP_FACT_SERIES, {}, float(w.last_series))
-        yield series
-        last = Metric(contract.OP_FACT_LAST_WRITE, "Unix time of the last successful "
-                      "fact write.", "gauge")
-        last.add_sample(contract.OP_FACT_LAST_WRITE, {}, w.last_write_timestamp)
-        yield last
+        return self._metrics.families()
