@@ -1,0 +1,229 @@
+"""One ResourceWatcher on its own, against the simulator, with a recording sink; plus
+its pure parts (backoff, slice sizing, deletion stubs)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.config import KubeSettings
+from proxy.kube.client import KubeApiError, KubeClient
+from proxy.kube.discovery import ApiResource
+from proxy.kube.watcher import (
+    MAX_SLICE,
+    Backoff,
+    ClientWatchers,
+    ResourceWatcher,
+    Watcher,
+    WatchEvent,
+    WatchMetrics,
+    deletion_stub,
+)
+from tests.kube.conftest import eventually, pod
+from tests.kubesim import KubeSim
+
+PODS = ApiResource("", "v1", "Pod", "pods", True)
+KARTAS = ApiResource("run.ai", "v1alpha1", "Karta", "kartas", False)
+
+
+class RecordingSink:
+    """A WatchSink that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list[WatchEvent] = []
+        self.slices: list[int] = []
+        self.times_current = 0
+        self.healthy: list[bool] = []
+        self.refused: list[int] = []
+
+    def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
+        self.events.extend(events)
+        self.slices.append(len(events))
+
+    def current(self, watcher: Watcher) -> None:
+        self.times_current += 1
+
+    def health(self, watcher: Watcher, healthy: bool) -> None:
+        self.healthy.append(healthy)
+
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
+        self.refused.append(error.status)
+        watcher.synced.set()
+
+    def names(self, etype: str) -> list[str]:
+        return [o["metadata"]["name"] for t, o in self.events if t == etype]
+
+
+@pytest.fixture
+async def client(sim: KubeSim) -> AsyncIterator[KubeClient]:
+    c = await KubeClient.connect(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
+    yield c
+    await c.close()
+
+
+Make = Callable[..., ResourceWatcher]
+
+
+@pytest.fixture
+async def make(client: KubeClient) -> AsyncIterator[Make]:
+    made: list[ResourceWatcher] = []
+    metrics = WatchMetrics(CollectorRegistry())
+
+    def build(sink: RecordingSink, resource: ApiResource = PODS,
+              **kwargs: object) -> ResourceWatcher:
+        kwargs.setdefault("watch_timeout", lambda: 2)
+        kwargs.setdefault("idle_timeout", 1.5)
+        kwargs.setdefault("backoff_max", 0.3)
+        w = ResourceWatcher(client, resource, sink, metrics, **kwargs)  # type: ignore[arg-type]
+        made.append(w)
+        return w
+
+    yield build
+    for w in made:
+        await w.stop()
+
+
+# -- pure parts ----------------------------------------------------------------------------
+
+
+def test_backoff_grows_with_full_jitter_up_to_the_cap() -> None:
+    b = Backoff(base=0.2, cap=1.0)
+    delays = [b.next() for _ in range(40)]
+    assert all(0.1 <= d <= 1.0 for d in delays)
+    assert delays[0] <= 0.2  # first attempt: at most the base
+    assert b.attempt == 30  # the exponent stops growing (no float overflow)
+    b.reset()
+    assert b.attempt == 0 and b.next() <= 0.2
+
+
+def test_slice_size_shrinks_at_once_and_grows_at_most_twofold() -> None:
+    sink = RecordingSink()
+    w = ResourceWatcher(None, PODS, sink, WatchMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                        slice_budget=0.004)
+    w.slice_size = 1000
+    w._adapt(1000, 0.04)  # 10x over budget
+    assert w.slice_size == 100
+    w._adapt(100, 0.0001)  # far under budget: at most doubled
+    assert w.slice_size == 200
+    w._adapt(200, 0.0)  # unmeasurably fast
+    assert w.slice_size == 400
+    for _ in range(20):
+        w._adapt(w.slice_size, 0.0)
+    assert w.slice_size == MAX_SLICE
+    w._adapt(10, 10.0)
+    assert w.slice_size == 1  # never zero
+
+
+def test_deletion_stub_and_name() -> None:
+    assert deletion_stub(PODS, "u1", "ml/web-0") == {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-0", "uid": "u1", "namespace": "ml"}}
+    assert deletion_stub(KARTAS, "u2", "/rayjob") == {
+        "apiVersion": "run.ai/v1alpha1", "kind": "Karta",
+        "metadata": {"name": "rayjob", "uid": "u2"}}
+    w = ResourceWatcher(None, PODS, RecordingSink(),  # type: ignore[arg-type]
+                        WatchMetrics(CollectorRegistry()), namespace="ml",
+                        held={"u1": "ml/web-0"})
+    assert w.name == "ml/pods" and w.stub("u1") == deletion_stub(PODS, "u1", "ml/web-0")
+    cluster_wide = ResourceWatcher(None, KARTAS, RecordingSink(),  # type: ignore[arg-type]
+                                   WatchMetrics(CollectorRegistry()), namespace="ml")
+    assert cluster_wide.namespace is None and cluster_wide.name == "kartas.run.ai"
+
+
+async def test_client_watchers_builds_configured_resource_watchers(
+        client: KubeClient) -> None:
+    factory = ClientWatchers(client, WatchMetrics(CollectorRegistry()), backoff_max=2.0,
+                             idle_timeout=5.0, watch_timeout=7)
+    held = {"u": "ml/a"}
+    w = factory(PODS, RecordingSink(), metadata_only=True, namespace="ml",
+                field_selector="spec.nodeName=n1", held=held)
+    assert isinstance(w, ResourceWatcher)
+    assert (w.metadata_only, w.namespace, w.field_selector) == (True, "ml", "spec.nodeName=n1")
+    assert w.held is held and w.backoff.cap == 2.0 and w.idle_timeout == 5.0
+    assert w.watch_timeout() == 7
+    default = ClientWatchers(client, WatchMetrics(CollectorRegistry()))(
+        PODS, RecordingSink(), metadata_only=False, namespace=None, field_selector="",
+        held={})
+    assert 240 <= default.watch_timeout() <= 480  # jittered, as a real client does
+
+
+# -- against the simulator -----------------------------------------------------------------
+
+
+async def test_paginated_list_then_watch(sim: KubeSim, make: Make) -> None:
+    for i in range(5):
+        sim.create(pod(f"p{i}"))
+    sink = RecordingSink()
+    w = make(sink, page_size=2)
+    w.start()
+    await asyncio.wait_for(w.synced.wait(), 5)
+    assert sorted(sink.names("ADDED")) == [f"p{i}" for i in range(5)]
+    assert all(o["apiVersion"] == "v1" and o["kind"] == "Pod" for _, o in sink.events)
+    assert len(w.held) == 5 and w.resource_version
+    lists = [q for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" not in q]
+    assert [q.get("limit") for q in lists] == ["2", "2", "2"]
+    assert sum("continue" in q for q in lists) == 2
+    assert sink.healthy == [] and sink.times_current >= 1  # healthy from the start: no change
+    # then the watch: a creation, a deletion, and a deletion of something never seen
+    p5 = sim.create(pod("p5"))
+    await eventually(lambda: "p5" in sink.names("ADDED"))
+    sim.delete(p5)
+    await eventually(lambda: "p5" in sink.names("DELETED"))
+    assert p5["metadata"]["uid"] not in w.held
+    watches = [q for _, path, q, _ in sim.requests if "watch" in q]
+    assert watches and watches[0]["allowWatchBookmarks"] == "true"
+    assert watches[0]["timeoutSeconds"] == "2"
+
+
+async def test_metadata_only_and_field_selector(sim: KubeSim, make: Make) -> None:
+    sim.create(pod("here", node="n1"))
+    sim.create(pod("there", node="n2"))
+    sink = RecordingSink()
+    w = make(sink, metadata_only=True, field_selector="spec.nodeName=n1", namespace="default")
+    w.start()
+    await asyncio.wait_for(w.synced.wait(), 5)
+    assert sink.names("ADDED") == ["here"]
+    [(_, obj)] = sink.events
+    assert "spec" not in obj and obj["kind"] == "Pod" and obj["apiVersion"] == "v1"
+    asked = [(q, a) for _, path, q, a in sim.requests
+             if path == "/api/v1/namespaces/default/pods"]
+    assert asked and all(q["fieldSelector"] == "spec.nodeName=n1" for q, _ in asked)
+    assert all("PartialObjectMetadata" in a for _, a in asked)
+
+
+async def test_stopped_watcher_delivers_nothing_more(sim: KubeSim, make: Make) -> None:
+    sink = RecordingSink()
+    w = make(sink)
+    w.start()
+    await asyncio.wait_for(w.synced.wait(), 5)
+    await w.stop()
+    sim.create(pod("late"))
+    await asyncio.sleep(0.3)  # a stopped watcher must stay silent: nothing to wait for
+    assert "late" not in sink.names("ADDED")
+    await w.stop()  # idempotent
+
+
+async def test_unreachable_then_back(sim: KubeSim, make: Make) -> None:
+    sink = RecordingSink()
+    w = make(sink)
+    w.start()
+    await asyncio.wait_for(w.synced.wait(), 5)
+    await sim.stop()
+    await eventually(lambda: sink.healthy[-1:] == [False], timeout=5)
+    assert not w.healthy
+    sim.create(pod("meanwhile"))
+    await sim.start()
+    await eventually(lambda: "meanwhile" in sink.names("ADDED"), timeout=5)
+    assert sink.healthy[-1] is True and w.healthy
+
+
+async def test_unserved_resource_is_reported(sim: KubeSim, make: Make) -> None:
+    sink = RecordingSink()
+    w = make(sink, resource=ApiResource("nothing.example", "v1", "Thing", "things", True))
+    w.start()
+    await asyncio.wait_for(w.synced.wait(), 5)
+    assert sink.refused[:1] == [404]  # not served: reported, no events, synced anyway
+    assert sink.events == []
