@@ -34,7 +34,7 @@ STAMPED_PREFIX = "karta_"
 #: Prefix of every series the proxy emits itself (facts and operational metrics).
 METRIC_PREFIX = "karta_"
 
-# -- Fact series (proxy/facts.py) ---------------------------------------------------------
+# -- Fact series (proxy/facts/model.py) ---------------------------------------------------
 # Facts only: what the cluster and the index say, never a measurement, an aggregate or a
 # threshold. Written into the remote-write stream by one elected replica and served on
 # /metrics by every replica. docs/metrics.md documents each name, type, label and meaning.

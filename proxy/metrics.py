@@ -138,7 +138,7 @@ class ProxyMetrics:
         )
         # process_* (CPU, RSS, open fds, start time), python_info and python_gc_*: what
         # stock dashboards and alerts read from any Python target. The build-info series is
-        # the contract's karta_build_info (proxy/facts.py), registered with the facts.
+        # the contract's karta_build_info (proxy/facts/model.py), registered with the facts.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)

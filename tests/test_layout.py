@@ -75,3 +75,23 @@ def test_wire_layer_stays_below_enrichment() -> None:
     for mod in (*wire, "proxy.compression"):
         outside = {d for d in graph[mod] if d not in wire and d != "proxy.compression"}
         assert not outside, (mod, outside)
+
+
+def test_fact_layers_model_below_encoder_and_collectors_below_writer() -> None:
+    """The fact model knows neither the encoder, the collectors nor the writer; the
+    encoder and the collectors build on the model only; the writer on all three."""
+    graph = import_graph()
+    facts = {m for m in graph if m.startswith("proxy.facts.")}
+    assert facts == {"proxy.facts.model", "proxy.facts.encoder", "proxy.facts.writer",
+                     "proxy.facts.collectors"}
+    below = {
+        "proxy.facts.model": set(),
+        "proxy.facts.encoder": {"proxy.facts.model"},
+        "proxy.facts.collectors": {"proxy.facts.model"},
+        "proxy.facts.writer": {"proxy.facts.model", "proxy.facts.encoder",
+                               "proxy.facts.collectors"},
+    }
+    for mod, allowed in below.items():
+        inside = {d for d in graph[mod] if d.startswith("proxy.facts")}
+        assert inside <= allowed, (mod, inside - allowed)
+        assert "proxy.facts" not in graph[mod], mod  # never through the re-exports
