@@ -311,7 +311,6 @@ class KubeSource:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kinds_changed.wait(), self._recheck_interval)
-            self._kinds_changed.clear()
             try:
                 failed = await self.refresh_kinds()
             except Exception:  # never let the follower die
@@ -323,10 +322,17 @@ class KubeSource:
             else:
                 backoff.reset()
 
+    @property
+    def kinds_pending(self) -> bool:
+        """A change set or a refused watch asked for the watched kinds to be reconciled,
+        and no ``refresh_kinds`` round has run since."""
+        return self._kinds_changed.is_set()
+
     async def refresh_kinds(self) -> int:
         """One round of following the kinds: rediscover unserved kinds, then start, stop
         or switch watches to what the engine needs now; returns how many kinds could not
         be resolved."""
+        self._kinds_changed.clear()
         assert self.discovery is not None
         want = self._desired()
         if self.unserved_kinds:

@@ -1,4 +1,8 @@
-"""KubeSource end to end: simulator -> kubernetes-asyncio -> watchers -> engine -> index."""
+"""KubeSource end to end: simulator -> kubernetes-asyncio -> watchers -> engine -> index.
+
+The watch protocol through the source (lists, watches, 410, disconnects, outages). The
+reconcile, mode-switch and tombstone logic alone, without timing: test_source_reconcile.py.
+"""
 
 from __future__ import annotations
 
@@ -155,26 +159,6 @@ async def test_rayjob_with_its_raycluster(sim: KubeSim, make_source: SourceFacto
     assert meta
 
 
-async def test_description_added_after_workloads_then_deleted(
-        sim: KubeSim, make_source: SourceFactory) -> None:
-    names = rayjob(sim)
-    source = await make_source()
-    assert labels(source, "ml", names[0]) is None  # nothing describes RayJob yet
-
-    def rayjob_mode() -> str:
-        return next((m for gk, (m, _) in source.watchers.items() if gk.kind == "RayJob"), "")
-
-    assert rayjob_mode() != "full"  # at most seen as an owner (metadata)
-    karta = sim.create(RAYJOB_KARTA)
-    await eventually(lambda: (labels(source, "ml", names[2]) or {}).get("karta_kind")
-                     == "RayJob")
-    await eventually(lambda: rayjob_mode() == "full")
-    sim.delete(karta)
-    await eventually(lambda: labels(source, "ml", names[0]) is None)
-    await eventually(lambda: rayjob_mode() != "full")
-    assert source.index.ready
-
-
 async def test_compaction_410_relists_and_finds_deletions(
         sim: KubeSim, make_source: SourceFactory) -> None:
     _, rs, pods = deployment(sim, "web", replicas=3)
@@ -272,19 +256,6 @@ async def test_node_mode(sim: KubeSim, make_source: SourceFactory) -> None:
     await eventually(lambda: labels(source, "default", "here-1-2"))
     assert all(q.get("fieldSelector") == "spec.nodeName=n1"
                for _, path, q, _ in sim.requests if path.endswith("/pods"))
-
-
-async def test_pod_name_reuse_with_new_uid(sim: KubeSim, make_source: SourceFactory) -> None:
-    _, rs, _ = deployment(sim, "db", replicas=1)
-    source = await make_source()
-    old = sim.get("v1", "Pod", "db-1-0", "default")
-    sim.delete(old)
-    new = sim.create(pod("db-1-0", owner_obj=rs))
-    new_uid = new["metadata"]["uid"]
-    await eventually(lambda: new_uid in source.index.pods)
-    assert old["metadata"]["uid"] not in source.index.pods
-    assert labels(source, "default", "db-1-0") is not None
-    assert source.index.tombstones() == 0  # the live pod owns the name, not the tombstone
 
 
 async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,

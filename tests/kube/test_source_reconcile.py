@@ -159,8 +159,9 @@ async def test_owner_kind_switches_to_full_and_back(cluster: FakeCluster,
     assert uid not in source.index.workloads
 
     karta = cluster.create(RAYCLUSTER_KARTA)
-    assert source._kinds_changed.is_set()  # the description asks for a new mode
+    assert source.kinds_pending  # the description asks for a new mode
     assert await source.refresh_kinds() == 0
+    assert not source.kinds_pending
     assert modes(source)["RayCluster"] == "full"
     [full] = watchers_of(source, RAY_CLUSTER_GK)
     assert meta.stopped and full.live and not full.metadata_only
@@ -181,6 +182,40 @@ async def test_owner_kind_switches_to_full_and_back(cluster: FakeCluster,
     assert full.stopped
     assert uid not in source.index.workloads
     assert labels(source, "ml", "rc-head") is None
+
+
+async def test_description_added_after_its_workloads_then_deleted(
+        cluster: FakeCluster, synced: Synced) -> None:
+    """Pods under a RayCluster under a RayJob: unattributed until a description names
+    RayJob, attributed to it while it exists, unattributed again once it is deleted."""
+    job = cluster.create({
+        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "metadata": {"name": "train", "namespace": "ml"},
+        "spec": {"rayClusterSpec": {"headGroupSpec": {"template": {}},
+                                    "workerGroupSpecs": [{"groupName": "gpu",
+                                                          "template": {}}]}},
+        "status": {"jobStatus": "RUNNING"},
+    })
+    rc = cluster.create({"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                         "metadata": {"name": "train-rc", "namespace": "ml",
+                                      "ownerReferences": owner(job)}})
+    cluster.create(pod("train-head", "ml", owner_obj=rc, labels={"ray.io/node-type": "head"}))
+    cluster.create(pod("train-gpu-0", "ml", owner_obj=rc,
+                       labels={"ray.io/node-type": "worker", "ray.io/group": "gpu"}))
+    source = await synced()
+    assert labels(source, "ml", "train-head") is None  # nothing describes RayJob yet
+    assert modes(source)["RayJob"] == "metadata"  # seen as an owner on the chain
+    karta = cluster.create(RAYJOB_KARTA)
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayJob"] == "full"
+    worker = labels(source, "ml", "train-gpu-0") or {}
+    assert (worker.get("karta_kind"), worker.get("karta_workload")) == ("RayJob", "train")
+    assert worker.get("karta_component") == "worker" and worker.get("karta_instance") == "gpu"
+    cluster.delete(karta)
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayJob"] == "metadata"
+    assert labels(source, "ml", "train-head") is None
+    assert source.index.ready
 
 
 async def test_mode_switch_relist_retracts_what_vanished_meanwhile(
@@ -293,10 +328,10 @@ async def test_forbidden_watch_is_reported_dropped_and_retried(cluster: FakeClus
     cluster.create(RAYJOB_KARTA)
     source = await synced()
     [w] = watchers_of(source, RAY_JOB_GK)
-    source._kinds_changed.clear()
+    assert not source.kinds_pending
     w.refuse(403)
     assert source.unserved_kinds == {RAY_JOB_GK: "forbidden (RBAC)"}
-    assert source._kinds_changed.is_set()  # the follower is woken to rediscover
+    assert source.kinds_pending  # the follower is woken to rediscover
     assert metric(source, "karta_proxy_watch_unserved", {"resource": str(RAY_JOB_GK)}) == 1
     assert await source.refresh_kinds() == 0  # served again (RBAC fixed): a new watch
     [again] = watchers_of(source, RAY_JOB_GK)
