@@ -93,6 +93,12 @@ class LeaseElector:
         """True while holding the lease and last renewed within the renew deadline."""
         return self._leader and self._mono() - self._renewed_at < self.renew_deadline
 
+    @property
+    def observed_version(self) -> str:
+        """resourceVersion of the lease record last seen ("" before the first read): its
+        expiry is measured from when that record was first seen."""
+        return self._observed[2] if self._observed is not None else ""
+
     def _set_leader(self, leader: bool) -> None:
         if leader and not self._leader:
             self.acquisitions += 1
