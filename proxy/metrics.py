@@ -65,6 +65,20 @@ class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self._add_request_metrics(r)
+        self._add_upstream_metrics(r)
+        # process_* (CPU, RSS, open fds, start time), python_info and python_gc_*: what
+        # stock dashboards and alerts read from any Python target. The build-info series is
+        # the contract's karta_build_info (proxy/facts/model.py), registered with the facts.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self._add_config_metrics(r)
+        self._index: PodIndex | None = None
+        r.register(_IndexCollector(lambda: self._index))
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """What came in and what became of it: the request side's own counters."""
         self.requests = Counter(
             _P + "requests", "Remote-write requests answered, by path, protocol and status code.",
             ["path", "protocol", "code"], registry=r,
@@ -99,6 +113,19 @@ class ProxyMetrics:
             "header_timeout, body_timeout, body_too_slow, expectation).",
             ["reason"], registry=r,
         )
+        self.request_duration = Histogram(
+            _P + "request_duration_seconds", "Time from request start to answer, by protocol.",
+            ["protocol"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inflight = Gauge(_P + "inflight_requests", "Remote-write requests being processed.",
+                              registry=r)
+        self.inflight_bytes = Gauge(
+            _P + "inflight_bytes", "Request body bytes (compressed + decoded) held right now.",
+            registry=r,
+        )
+
+    def _add_upstream_metrics(self, r: CollectorRegistry) -> None:
+        """The forwarding side: how the upstream answered and what protocol it was sent."""
         self.upstream_duration = Histogram(
             _P + "upstream_request_duration_seconds", "Round trip of one upstream request.",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -126,23 +153,10 @@ class ProxyMetrics:
             "as_received, unknown) and the outcome of its last check.",
             ["url", "protocol", "check"], registry=r,
         )
-        self.request_duration = Histogram(
-            _P + "request_duration_seconds", "Time from request start to answer, by protocol.",
-            ["protocol"], buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.inflight = Gauge(_P + "inflight_requests", "Remote-write requests being processed.",
-                              registry=r)
-        self.inflight_bytes = Gauge(
-            _P + "inflight_bytes", "Request body bytes (compressed + decoded) held right now.",
-            registry=r,
-        )
-        # process_* (CPU, RSS, open fds, start time), python_info and python_gc_*: what
-        # stock dashboards and alerts read from any Python target. The build-info series is
-        # the contract's karta_build_info (proxy/facts/model.py), registered with the facts.
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
-        # named after Prometheus' prometheus_config_last_reload_*: the same alerts work
+
+    def _add_config_metrics(self, r: CollectorRegistry) -> None:
+        """Configuration and certificate reloads: named after Prometheus' own so that the
+        same alerts work (prometheus_config_last_reload_*)."""
         self.config_reload_successful = Gauge(
             _P + "config_last_reload_successful", "1 when the last configuration load (the "
             "start, SIGHUP or POST /-/reload) succeeded, 0 when it failed and the previous "
@@ -162,8 +176,6 @@ class ProxyMetrics:
             "and client CA after they changed or on a reload, by result (success, failure).",
             ["result"], registry=r,
         )
-        self._index: PodIndex | None = None
-        r.register(_IndexCollector(lambda: self._index))
 
     def watch_index(self, index: PodIndex) -> None:
         self._index = index
