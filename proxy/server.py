@@ -45,47 +45,99 @@ def build_app(
     attribution page its owner chains (absent: the page shows the index's answers only)."""
     app = web.Application()
     app[REMOTE_WRITE] = handler
+    pages = _Pages(handler, index, metrics, upstream_url, source)
+    if reload is not None:
+        reload_view = _reload_view(reload)
+        app.router.add_post("/-/reload", reload_view)
+        app.router.add_put("/-/reload", reload_view)
+    for path in (*WRITE_PATHS, *TENANT_WRITE_PATHS):
+        app.router.add_route("*", path, handler.handle, expect_handler=handler.expect)
+    app.router.add_get("/metrics", pages.metrics_view)
+    app.router.add_get("/-/healthy", _healthy)
+    app.router.add_get("/-/ready", pages.ready)
+    app.router.add_get("/", pages.landing)
+    add_routes(app, index, explain)
+    return app
 
-    async def metrics_view(_: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
+
+async def _healthy(_: web.Request) -> web.Response:
+    return web.Response(text="OK\n")
+
+
+def _reload_view(
+    reload: Callable[[], Awaitable[ReloadOutcome]],
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def reload_view(_: web.Request) -> web.Response:
+        # as Prometheus' /-/reload: 200 once applied, 500 with the reason when the new
+        # configuration was refused (the old one stays)
+        outcome = await reload()
+        if not outcome.ok:
+            return web.Response(status=500, text=f"reload failed: {outcome.error}\n")
+        text = "configuration reloaded\n"
+        if outcome.restart_required:
+            text += ("changed, applied at the next restart: "
+                     f"{', '.join(outcome.restart_required)}\n")
+        return web.Response(text=text)
+
+    return reload_view
+
+
+class _Pages:
+    """The views that read the proxy's live state (index, upstream, registry): one object
+    so that each view is a small named method rather than a closure inside build_app."""
+
+    def __init__(
+        self, handler: RemoteWriteHandler, index: PodIndex, metrics: ProxyMetrics,
+        upstream_url: str, source: str,
+    ) -> None:
+        self.handler = handler
+        self.index = index
+        self.metrics = metrics
+        self.upstream_url = upstream_url
+        self.source = source
+
+    async def metrics_view(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
-    async def healthy(_: web.Request) -> web.Response:
-        return web.Response(text="OK\n")
-
-    async def ready(_: web.Request) -> web.Response:
+    async def ready(self, _: web.Request) -> web.Response:
         # Readiness answers "will a remote write sent here be accepted?", because that is
         # what a Service routes on. A stale index (API server unreachable) still enriches
         # with the last known state, so it stays ready; before the first load it is ready
         # only when forward_before_ready says to forward unenriched meanwhile (otherwise
         # the Service would never send the traffic that setting is for).
+        index = self.index
         if index.ready:
             if index.stale:
                 return web.Response(text="ready (index stale: serving the last known state)\n")
             return web.Response(text="ready\n")
-        if handler.settings.forward_before_ready:
+        if self.handler.settings.forward_before_ready:
             return web.Response(text="ready (index not loaded yet: forwarding unenriched)\n")
         return web.Response(status=503, text="index not ready\n")
 
-    async def landing(_: web.Request) -> web.Response:
-        rows = [
+    def _status_rows(self) -> list[tuple[str, str]]:
+        index, upstream = self.index, self.handler.upstream
+        return [
             ("version", __version__),
             ("contract version", CONTRACT_VERSION),
-            ("upstream", upstream_url),
-            ("index source", source),
+            ("upstream", self.upstream_url),
+            ("index source", self.source),
             ("index ready", "yes" if index.ready else "no"),
             ("index stale", "yes" if index.stale else "no"),
             ("pods in index", str(len(index))),
             ("workloads", str(len(index.workloads))),
-            ("upstream protocol", "RW 1.0 only" if handler.upstream.v1_only else "as received"),
-            ("upstream check", handler.upstream.probe.outcome
-             if handler.upstream.probe is not None else "pending"),
-            ("splice", f"{SPLICE} ({handler.workers} worker threads)"),
+            ("upstream protocol", "RW 1.0 only" if upstream.v1_only else "as received"),
+            ("upstream check", upstream.probe.outcome
+             if upstream.probe is not None else "pending"),
+            ("splice", f"{SPLICE} ({self.handler.workers} worker threads)"),
         ]
+
+    async def landing(self, _: web.Request) -> web.Response:
         table = "\n".join(
-            f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows
+            f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+            for k, v in self._status_rows()
         )
         paths = ", ".join(f"<code>{p}</code>" for p in WRITE_PATHS)
         page = f"""<!doctype html>
@@ -106,31 +158,6 @@ def build_app(
 </body></html>
 """
         return web.Response(text=page, content_type="text/html")
-
-    async def reload_view(_: web.Request) -> web.Response:
-        # as Prometheus' /-/reload: 200 once applied, 500 with the reason when the new
-        # configuration was refused (the old one stays)
-        assert reload is not None
-        outcome = await reload()
-        if not outcome.ok:
-            return web.Response(status=500, text=f"reload failed: {outcome.error}\n")
-        text = "configuration reloaded\n"
-        if outcome.restart_required:
-            text += ("changed, applied at the next restart: "
-                     f"{', '.join(outcome.restart_required)}\n")
-        return web.Response(text=text)
-
-    if reload is not None:
-        app.router.add_post("/-/reload", reload_view)
-        app.router.add_put("/-/reload", reload_view)
-    for path in (*WRITE_PATHS, *TENANT_WRITE_PATHS):
-        app.router.add_route("*", path, handler.handle, expect_handler=handler.expect)
-    app.router.add_get("/metrics", metrics_view)
-    app.router.add_get("/-/healthy", healthy)
-    app.router.add_get("/-/ready", ready)
-    app.router.add_get("/", landing)
-    add_routes(app, index, explain)
-    return app
 
 
 async def start_site(
