@@ -344,110 +344,54 @@ class ClusterModel:
     def resource_text(self, at: float, *, node: str | None = None, extra: str = "") -> str:
         """kubelet ``/metrics/resource``: every sample carries its own timestamp."""
         ts = _ms(at)
-        ccpu: list[str] = []
-        cmem: list[str] = []
-        cstart: list[str] = []
-        pcpu: list[str] = []
-        pmem: list[str] = []
-        ncpu: list[str] = []
-        nmem: list[str] = []
         pods = self._pods(node)
+        lines: dict[str, list[str]] = {f.name: [] for f in _RESOURCE_FAMILIES}
         for pod in pods:
-            base = {"namespace": pod.namespace, "pod": pod.name}
-            for c in pod.containers:
-                labels = {"container": c.name, **base}
-                ccpu.append(
-                    _line(
-                        "container_cpu_usage_seconds_total",
-                        labels,
-                        self.cpu_counter(c.cpu_cores, c.container_id, at),
-                        ts,
-                        extra,
-                    )
-                )
-                cmem.append(
-                    _line("container_memory_working_set_bytes", labels, c.memory_bytes, ts, extra)
-                )
-                cstart.append(
-                    _line("container_start_time_seconds", labels, round(self.t0 - 3600), ts, extra)
-                )
-            pcpu.append(
-                _line("pod_cpu_usage_seconds_total", base, self.pod_cpu_counter(pod, at), ts, extra)
-            )
-            pmem.append(_line("pod_memory_working_set_bytes", base, pod.memory_bytes, ts, extra))
+            self._resource_pod_lines(pod, at, ts, extra, lines)
         for n in [node] if node else self.nodes:
-            on_node = [p for p in pods if p.node == n]
             # one target per node in a cluster; serving every node at once, name the node
             nlabels = {} if node else {"node": n}
-            ncpu.append(
-                _line(
-                    "node_cpu_usage_seconds_total",
-                    nlabels,
-                    sum(self.pod_cpu_counter(p, at) for p in on_node)
-                    + self.cpu_counter(0.4, n, at),
-                    ts,
-                    extra,
-                )
+            self._resource_node_lines(n, nlabels, pods, at, ts, extra, lines)
+        lines["scrape_error"].append(_line("scrape_error", {}, 0, ts, extra))
+        return "".join(_family(f.name, f.kind, f.help, lines[f.name]) for f in _RESOURCE_FAMILIES)
+
+    def _resource_pod_lines(
+        self, pod: PodModel, at: float, ts: int, extra: str, lines: dict[str, list[str]],
+    ) -> None:
+        base = {"namespace": pod.namespace, "pod": pod.name}
+        for c in pod.containers:
+            labels = {"container": c.name, **base}
+            lines["container_cpu_usage_seconds_total"].append(_line(
+                "container_cpu_usage_seconds_total", labels,
+                self.cpu_counter(c.cpu_cores, c.container_id, at), ts, extra,
+            ))
+            lines["container_memory_working_set_bytes"].append(
+                _line("container_memory_working_set_bytes", labels, c.memory_bytes, ts, extra)
             )
-            nmem.append(
-                _line(
-                    "node_memory_working_set_bytes",
-                    nlabels,
-                    sum(p.memory_bytes for p in on_node) + 2 * 1024**3,
-                    ts,
-                    extra,
-                )
+            lines["container_start_time_seconds"].append(
+                _line("container_start_time_seconds", labels, round(self.t0 - 3600), ts, extra)
             )
-        return (
-            _family(
-                "container_cpu_usage_seconds_total",
-                "counter",
-                "[STABLE] Cumulative cpu time consumed by the container in core-seconds",
-                ccpu,
-            )
-            + _family(
-                "container_memory_working_set_bytes",
-                "gauge",
-                "[STABLE] Current working set of the container in bytes",
-                cmem,
-            )
-            + _family(
-                "container_start_time_seconds",
-                "gauge",
-                "[STABLE] Start time of the container since unix epoch in seconds",
-                cstart,
-            )
-            + _family(
-                "node_cpu_usage_seconds_total",
-                "counter",
-                "[STABLE] Cumulative cpu time consumed by the node in core-seconds",
-                ncpu,
-            )
-            + _family(
-                "node_memory_working_set_bytes",
-                "gauge",
-                "[STABLE] Current working set of the node in bytes",
-                nmem,
-            )
-            + _family(
-                "pod_cpu_usage_seconds_total",
-                "counter",
-                "[STABLE] Cumulative cpu time consumed by the pod in core-seconds",
-                pcpu,
-            )
-            + _family(
-                "pod_memory_working_set_bytes",
-                "gauge",
-                "[STABLE] Current working set of the pod in bytes",
-                pmem,
-            )
-            + _family(
-                "scrape_error",
-                "gauge",
-                "[ALPHA] 1 if there was an error while getting container metrics, 0 otherwise",
-                [_line("scrape_error", {}, 0, ts, extra)],
-            )
+        lines["pod_cpu_usage_seconds_total"].append(
+            _line("pod_cpu_usage_seconds_total", base, self.pod_cpu_counter(pod, at), ts, extra)
         )
+        lines["pod_memory_working_set_bytes"].append(
+            _line("pod_memory_working_set_bytes", base, pod.memory_bytes, ts, extra)
+        )
+
+    def _resource_node_lines(
+        self, n: str, nlabels: Mapping[str, str], pods: Sequence[PodModel], at: float,
+        ts: int, extra: str, lines: dict[str, list[str]],
+    ) -> None:
+        on_node = [p for p in pods if p.node == n]
+        lines["node_cpu_usage_seconds_total"].append(_line(
+            "node_cpu_usage_seconds_total", nlabels,
+            sum(self.pod_cpu_counter(p, at) for p in on_node) + self.cpu_counter(0.4, n, at),
+            ts, extra,
+        ))
+        lines["node_memory_working_set_bytes"].append(_line(
+            "node_memory_working_set_bytes", nlabels,
+            sum(p.memory_bytes for p in on_node) + 2 * 1024**3, ts, extra,
+        ))
 
     def dcgm_text(
         self,
@@ -596,6 +540,36 @@ def _number(value: float) -> str:
     if float(value).is_integer() and abs(value) < 1e15:
         return str(int(value))
     return repr(float(value))
+
+
+@dataclass(frozen=True)
+class _FamilySpec:
+    """A metric family's exposition header, so a page lists its families once, in order."""
+
+    name: str
+    kind: str
+    help: str
+
+
+#: kubelet /metrics/resource, in the order the kubelet serves them
+_RESOURCE_FAMILIES = (
+    _FamilySpec("container_cpu_usage_seconds_total", "counter",
+                "[STABLE] Cumulative cpu time consumed by the container in core-seconds"),
+    _FamilySpec("container_memory_working_set_bytes", "gauge",
+                "[STABLE] Current working set of the container in bytes"),
+    _FamilySpec("container_start_time_seconds", "gauge",
+                "[STABLE] Start time of the container since unix epoch in seconds"),
+    _FamilySpec("node_cpu_usage_seconds_total", "counter",
+                "[STABLE] Cumulative cpu time consumed by the node in core-seconds"),
+    _FamilySpec("node_memory_working_set_bytes", "gauge",
+                "[STABLE] Current working set of the node in bytes"),
+    _FamilySpec("pod_cpu_usage_seconds_total", "counter",
+                "[STABLE] Cumulative cpu time consumed by the pod in core-seconds"),
+    _FamilySpec("pod_memory_working_set_bytes", "gauge",
+                "[STABLE] Current working set of the pod in bytes"),
+    _FamilySpec("scrape_error", "gauge",
+                "[ALPHA] 1 if there was an error while getting container metrics, 0 otherwise"),
+)
 
 
 def _line(
