@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.karta.jqexpr import JqError, JqExpr, to_text
 from proxy.karta.model import UNDEFINED, Component, Description, GroupKind, ScaleDefinition
@@ -301,31 +301,51 @@ class _Plan:
         ]
 
 
-class _Rows:
-    """(component, instance or None = all, desired, min, max, counted components) rows."""
+class _TemplateRow(NamedTuple):
+    """One replica fact row's fixed part; only the observed count is looked up per event.
+
+    A NamedTuple: ``_replica_facts`` unpacks these on every pod event of a workload, and
+    unpacking one costs what unpacking a plain tuple does."""
+
+    component: str
+    #: the instance id, or None for the component as a whole (no instances)
+    instance: str | None
+    desired: float | None
+    min_replicas: float | None
+    max_replicas: float | None
+    #: the component first, then the components below it whose pods it counts
+    counted: tuple[str, ...]
+
+
+class _RowTemplate:
+    """The replica rows an object version fixes, and the (component, instance) keys they
+    cover (pods counted under any other key get a row of their own)."""
 
     __slots__ = ("covered", "rows")
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, str | None, float | None, float | None, float | None,
-                              tuple[str, ...]]] = []
+        self.rows: list[_TemplateRow] = []
         self.covered: set[tuple[str, str]] = set()
 
     @classmethod
-    def build(cls, plan: _Plan, ev: _Eval) -> _Rows | None:
+    def build(cls, plan: _Plan, ev: _Eval) -> _RowTemplate | None:
         out = cls()
         for fc in plan.fact_comps:
             want, lo, hi = ev.scale.get(fc.name, ([], [], []))
             comps = (fc.name, *sorted(fc.subtree - {fc.name}))
             if fc.ids_path is None:
-                out.rows.append((fc.name, None, _total(want), _total(lo), _total(hi), comps))
+                out.rows.append(
+                    _TemplateRow(fc.name, None, _total(want), _total(lo), _total(hi), comps)
+                )
                 out.covered.add((fc.name, ""))
                 continue
             ids = ev.ids.get(fc.name)
             if ids is None:
                 return None  # the instances are whatever the pods say: no fixed rows
             for i, iid in enumerate(ids):
-                out.rows.append((fc.name, iid, _at(want, i), _at(lo, i), _at(hi, i), comps))
+                out.rows.append(
+                    _TemplateRow(fc.name, iid, _at(want, i), _at(lo, i), _at(hi, i), comps)
+                )
                 out.covered.add((fc.name, iid))
         return out
 
@@ -346,13 +366,13 @@ class _Eval:
         #: component -> (replicas, min, max) outputs
         self.scale: dict[str, tuple[list[float | None], ...]] = {}
         #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
-        self.rows: _Rows | None = None
+        self.rows: _RowTemplate | None = None
         self.rows_built = False
 
-    def template(self, plan: _Plan) -> _Rows | None:
+    def template(self, plan: _Plan) -> _RowTemplate | None:
         """Rows and desired values of this object version; only ``observed`` varies."""
         if not self.rows_built:
-            self.rows, self.rows_built = _Rows.build(plan, self), True
+            self.rows, self.rows_built = _RowTemplate.build(plan, self), True
         return self.rows
 
     def same_ids(self, other: _Eval | None) -> bool:
