@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import json
 import math
-import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from relay import corpus as corpus_mod
 from relay.procs import Process, cpu_seconds, http_get, peak_rss_bytes, reset_peak_rss, rss_bytes
+from relay.workdir import discard_work_dir
 from relay_bench import REPO, WRITE_PATH, _start_relay, _start_upstream, median, percentile
 
 HEADERS = (
@@ -397,10 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bench is not None:
             bench.stop()
-        if args.keep:
-            print(f"work dir kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        discard_work_dir(work, keep=args.keep)
 
 
 if __name__ == "__main__":

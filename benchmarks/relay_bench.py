@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from relay import corpus as corpus_mod
 from relay import highcard, load
 from relay.procs import Process, free_port, http_get, peak_rss_bytes, reset_peak_rss
+from relay.workdir import discard_work_dir
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -1252,10 +1253,7 @@ def main_high_cardinality(args: argparse.Namespace) -> int:
             pool.close()
         for proc in reversed(procs):
             proc.stop()
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        discard_work_dir(work, keep=args.keep)
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -1481,10 +1479,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in reversed(procs):
             proc.stop()
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        discard_work_dir(work, keep=args.keep)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overload_bench import Bench, Load, PhaseResult, add_common, run_phase, start
 from relay.procs import rss_bytes
+from relay.workdir import discard_work_dir
 from relay_bench import median, percentile
 
 #: recovery: phase 3 against phase 1
@@ -175,10 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bench is not None:
             bench.stop()
-        if args.keep:
-            print(f"work dir kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        discard_work_dir(work, keep=args.keep)
 
 
 if __name__ == "__main__":
