@@ -30,7 +30,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.karta.jqexpr import JqError, JqExpr, to_text
@@ -117,7 +117,7 @@ class _PodRec:
         self.owner: OwnerRef | None = None
         #: the whole (trimmed, packed) pod, only while it is bare: its own workload
         self.obj: Mapping[str, Any] | Packed | None = None
-        self.cache: Any = None
+        self.cache: _EvalCache | None = None
         self.att: PodAttribution | None = None
         #: workload uid ("" when unattributed) and its (component, instance) count key
         self.wl = ""
@@ -331,7 +331,7 @@ class _RowTemplate:
     def build(cls, plan: _Plan, ev: _Eval) -> _RowTemplate | None:
         out = cls()
         for fc in plan.fact_comps:
-            want, lo, hi = ev.scale.get(fc.name, ([], [], []))
+            want, lo, hi = ev.scale.get(fc.name, _NO_SCALE)
             comps = (fc.name, *sorted(fc.subtree - {fc.name}))
             if fc.ids_path is None:
                 out.rows.append(
@@ -350,6 +350,18 @@ class _RowTemplate:
         return out
 
 
+class _ScaleOutputs(NamedTuple):
+    """A component's scale paths evaluated on the object: each a list of numbers, one per
+    instance (or summed when the component has no instances); empty when unset or failed."""
+
+    replicas: Sequence[float | None]
+    min_replicas: Sequence[float | None]
+    max_replicas: Sequence[float | None]
+
+
+_NO_SCALE = _ScaleOutputs((), (), ())
+
+
 class _Eval:
     """What the engine derives from one version of a workload object."""
 
@@ -363,8 +375,7 @@ class _Eval:
         self.reason = ""
         #: component -> instance ids in order (None: the path failed)
         self.ids: dict[str, tuple[str, ...] | None] = {}
-        #: component -> (replicas, min, max) outputs
-        self.scale: dict[str, tuple[list[float | None], ...]] = {}
+        self.scale: dict[str, _ScaleOutputs] = {}
         #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
         self.rows: _RowTemplate | None = None
         self.rows_built = False
@@ -377,6 +388,18 @@ class _Eval:
 
     def same_ids(self, other: _Eval | None) -> bool:
         return other is not None and other.ids == self.ids
+
+
+class _EvalCache(NamedTuple):
+    """What an object record's ``cache`` holds: the evaluation of its current version under
+    the plan it was made with (a new description makes it stale)."""
+
+    plan: _Plan
+    ev: _Eval
+
+
+def _cached(cache: _EvalCache | None, plan: _Plan) -> _Eval | None:
+    return cache.ev if cache is not None and cache.plan is plan else None
 
 
 def _evaluate(plan: _Plan, obj: Mapping[str, Any], stats: Counter[str]) -> _Eval:
@@ -402,17 +425,17 @@ def _evaluate(plan: _Plan, obj: Mapping[str, Any], stats: Counter[str]) -> _Eval
             except JqError:
                 stats[STAT_WORKLOAD_JQ_ERROR] += 1
                 outs.append([])
-        ev.scale[fc.name] = tuple(outs)
+        ev.scale[fc.name] = _ScaleOutputs(*outs)
     return ev
 
 
-def _total(values: list[float | None]) -> float | None:
+def _total(values: Sequence[float | None]) -> float | None:
     """A component without instances: one number, or the sum of a list path's outputs."""
     nums = [v for v in values if v is not None]
     return sum(nums) if nums else None
 
 
-def _at(values: list[float | None], i: int) -> float | None:
+def _at(values: Sequence[float | None], i: int) -> float | None:
     return values[i] if i < len(values) else None
 
 
@@ -505,6 +528,17 @@ def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
     if isinstance(group, str) and isinstance(kind, str) and kind:
         return GroupKind(group, kind)
     return None
+
+
+class _Placement(NamedTuple):
+    """A pod's component, instance and replica in its workload ("": none)."""
+
+    component: str
+    instance: str
+    replica: str
+
+
+_UNPLACED = _Placement("", "", "")
 
 
 class _Workload:
@@ -821,7 +855,7 @@ class Engine:
         if wl is None:
             return
         self._dirty.add(uid)
-        before = old.cache[1] if old.cache is not None and old.cache[0] is wl.plan else None
+        before = _cached(old.cache, wl.plan)
         after = self._eval(uid, wl.plan)
         if (before is not None and (after is None or not after.same_ids(before))) or (
             old.obj is None and after is not None and after.ids  # ids were unknown until now
@@ -899,7 +933,7 @@ class Engine:
         else:
             wref = self._workload_ref(top, rec.namespace)
             wl_uid = top.uid
-            comp, inst, replica = self._place(plan, rec, wl_uid)
+            comp, inst, replica = self._placement(plan, rec, wl_uid)
             att = PodAttribution(
                 rec.namespace, rec.name, rec.uid, wref, comp, inst, replica, plan.desc.name
             )
@@ -970,8 +1004,8 @@ class Engine:
                 self._dirty.add(rec.member)
         rec.member = new
 
-    def _place(self, plan: _Plan, pod: _PodRec, wl_uid: str) -> tuple[str, str, str]:
-        """(component, instance, replica) of a pod in a workload of ``plan``."""
+    def _placement(self, plan: _Plan, pod: _PodRec, wl_uid: str) -> _Placement:
+        """Where a pod lands in a workload of ``plan``."""
         cp = None
         if plan.single:
             cp = plan.pod_comps[0]
@@ -990,7 +1024,7 @@ class Engine:
             if cp is None:
                 cp = plan.fallback
         if cp is None:
-            return "", "", ""
+            return _UNPLACED
         inst = ""
         if cp.inst is not None:
             try:
@@ -1011,7 +1045,7 @@ class Engine:
                 replica = _single_id(cp.replica.outputs(pod)) or ""
             except JqError:
                 self.stats[STAT_SELECTOR_ERROR] += 1
-        return cp.name, inst, replica
+        return _Placement(cp.name, inst, replica)
 
     # -- workload facts -----------------------------------------------------------------
 
@@ -1022,12 +1056,10 @@ class Engine:
             holder = self._pods.get(uid)
         if holder is None or holder.obj is None:
             return None
-        c = holder.cache
-        if c is not None and c[0] is plan:
-            ev: _Eval = c[1]
-            return ev
-        ev = _evaluate(plan, unpack(holder.obj), self.stats)
-        holder.cache = (plan, ev)
+        ev = _cached(holder.cache, plan)
+        if ev is None:
+            ev = _evaluate(plan, unpack(holder.obj), self.stats)
+            holder.cache = _EvalCache(plan, ev)
         return ev
 
     def _facts(self, wl: _Workload) -> WorkloadFacts:
@@ -1090,13 +1122,13 @@ class Engine:
         covered: set[tuple[str, str]] = set()
         for fc in plan.fact_comps:
             scale = ev.scale.get(fc.name) if ev is not None else None
-            want, lo, hi = scale if scale is not None else ([], [], [])
+            want, lo, hi = scale if scale is not None else _NO_SCALE
             ids = ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None
             if ids is None and fc.ids_path is not None:
                 # instance ids unknown (object not seen, or the path failed): the
                 # instances the pods name, without desired counts
                 ids = tuple(sorted({i for (c, i) in counts if c in fc.subtree}))
-                want = lo = hi = []
+                want = lo = hi = ()
             if ids is None:
                 seen = sum(n for (c, _), n in counts.items() if c in fc.subtree)
                 rows.append(ReplicaFact(fc.name, "", _total(want), _total(lo), _total(hi), seen))

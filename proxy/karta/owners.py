@@ -89,7 +89,8 @@ class ObjectRecord:
 
     ``obj`` is the (trimmed, packed) object only for described kinds, whose status, scale and
     instance ids are evaluated; owners of other kinds keep identity and owner only.
-    ``cache`` holds whatever the engine derived from ``obj`` (reset on every change).
+    ``cache`` holds whatever the engine derived from ``obj`` (reset on every change; typed
+    ``Any`` because that type lives in the engine, above this module).
     """
 
     __slots__ = ("cache", "gk", "member", "name", "namespace", "obj", "owner", "uid")
