@@ -244,6 +244,21 @@ class Bench:
             p.stop()
 
 
+@contextlib.contextmanager
+def running(args: argparse.Namespace, prefix: str, *, defer: bool = True) -> Iterator[Bench]:
+    """``start`` in a fresh work directory; on the way out the proxies stop before the
+    directory (their logs) goes, whatever ended the run."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    bench = None
+    try:
+        bench = start(args, work, defer=defer)
+        yield bench
+    finally:
+        if bench is not None:
+            bench.stop()
+        discard_work_dir(work, keep=args.keep)
+
+
 def start(args: argparse.Namespace, work: Path, *, defer: bool = True) -> Bench:
     """Build the corpus, start a null upstream and a proxy (``--slots`` slots) for
     ``--proxy-repo`` and, with ``--baseline-repo``, for that checkout too.
@@ -375,13 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     args.levels = [float(x) for x in args.levels.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="karta-overload-"))
-    bench = None
-    try:
-        print(f"karta-proxy of {args.proxy_repo}: {args.slots} slots; levels "
-              f"{args.levels} x {args.slots} connections; {args.series_per_request} series "
-              f"per request; 503 retried after {args.retry_delay:g} s", flush=True)
-        bench = start(args, work)
+    print(f"karta-proxy of {args.proxy_repo}: {args.slots} slots; levels "
+          f"{args.levels} x {args.slots} connections; {args.series_per_request} series "
+          f"per request; 503 retried after {args.retry_delay:g} s", flush=True)
+    with running(args, "karta-overload-") as bench:
         rounds = asyncio.run(main_async(args, bench))
         for name, rs in rounds.items():
             report(rs, args.levels, name)
@@ -394,10 +406,6 @@ def main(argv: list[str] | None = None) -> int:
         bad = sum(r[lv].errors + r[lv].refused_bare
                   for rs in rounds.values() for r in rs for lv in args.levels)
         return 1 if bad else 0
-    finally:
-        if bench is not None:
-            bench.stop()
-        discard_work_dir(work, keep=args.keep)
 
 
 if __name__ == "__main__":

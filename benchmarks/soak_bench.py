@@ -27,16 +27,14 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overload_bench import Bench, Load, PhaseResult, add_common, run_phase, start
+from overload_bench import Bench, Load, PhaseResult, add_common, run_phase, running
 from relay.procs import rss_bytes
-from relay.workdir import discard_work_dir
 from relay_bench import median, percentile
 
 #: recovery: phase 3 against phase 1
@@ -159,12 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=3.0)
     args = p.parse_args(argv)
     args.baseline_repo = None
-    work = Path(tempfile.mkdtemp(prefix="karta-soak-"))
-    bench = None
-    try:
-        print(f"karta-proxy of {args.proxy_repo}: {args.slots} slots; {args.level:g}x for "
-              f"{args.duration:g} s; 503 retried after {args.retry_delay:g} s", flush=True)
-        bench = start(args, work, defer=False)  # a deferring sink stalls at 256 MiB
+    print(f"karta-proxy of {args.proxy_repo}: {args.slots} slots; {args.level:g}x for "
+          f"{args.duration:g} s; 503 retried after {args.retry_delay:g} s", flush=True)
+    # a deferring sink stalls at 256 MiB
+    with running(args, "karta-soak-", defer=False) as bench:
         before, samples, last_error, after = asyncio.run(soak(bench, args))
         failed = verdict(before, samples, last_error, after)
         if args.json:
@@ -172,10 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                 "before": asdict(before), "after": asdict(after),
                 "samples": [asdict(s) for s in samples], "failed": failed}, indent=1))
         return 1 if failed else 0
-    finally:
-        if bench is not None:
-            bench.stop()
-        discard_work_dir(work, keep=args.keep)
 
 
 if __name__ == "__main__":
