@@ -10,6 +10,7 @@ import html
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -82,19 +83,16 @@ def _reload_view(
     return reload_view
 
 
+@dataclass(frozen=True)
 class _Pages:
     """The views that read the proxy's live state (index, upstream, registry): one object
     so that each view is a small named method rather than a closure inside build_app."""
 
-    def __init__(
-        self, handler: RemoteWriteHandler, index: PodIndex, metrics: ProxyMetrics,
-        upstream_url: str, source: str,
-    ) -> None:
-        self.handler = handler
-        self.index = index
-        self.metrics = metrics
-        self.upstream_url = upstream_url
-        self.source = source
+    handler: RemoteWriteHandler
+    index: PodIndex
+    metrics: ProxyMetrics
+    upstream_url: str
+    source: str
 
     async def metrics_view(self, _: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
