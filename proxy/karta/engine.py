@@ -117,7 +117,7 @@ class _PodRec:
         self.owner: OwnerRef | None = None
         #: the whole (trimmed, packed) pod, only while it is bare: its own workload
         self.obj: Mapping[str, Any] | Packed | None = None
-        self.cache: _EvalCache | None = None
+        self.cache: _FactsCache | None = None
         self.att: PodAttribution | None = None
         #: workload uid ("" when unattributed) and its (component, instance) count key
         self.wl = ""
@@ -197,7 +197,7 @@ def _single_id(out: list[Any]) -> str | None:
     return ids[0] if len(ids) == 1 else None
 
 
-class _CompPlan:
+class _PodComponentPlan:
     """One pod-bearing component, ready to test pods."""
 
     __slots__ = ("check_ids", "has_type", "inst", "match_labels", "name", "replica", "type",
@@ -253,7 +253,7 @@ class _FactComp:
         self.subtree = subtree
 
 
-class _Plan:
+class _DescriptionPlan:
     """A description prepared for the engine (built once per winning description)."""
 
     def __init__(self, desc: Description) -> None:
@@ -261,7 +261,7 @@ class _Plan:
         comps = (desc.root, *desc.children)
         by_name = {c.name: c for c in comps}
         pod_comps = list(desc.pod_components) or [c for c in comps if c.pod_bearing]
-        self.pod_comps = [_CompPlan(c, by_name) for c in pod_comps]
+        self.pod_comps = [_PodComponentPlan(c, by_name) for c in pod_comps]
         self.single = len(self.pod_comps) == 1
         #: with several components, one without a type selector takes what none accepts
         self.fallback = next((c for c in self.pod_comps if not c.has_type), None)
@@ -328,14 +328,14 @@ class _RowTemplate:
         self.covered: set[tuple[str, str]] = set()
 
     @classmethod
-    def build(cls, plan: _Plan, ev: _Eval) -> _RowTemplate | None:
+    def build(cls, plan: _DescriptionPlan, ev: _ObjectFacts) -> _RowTemplate | None:
         out = cls()
         for fc in plan.fact_comps:
             want, lo, hi = ev.scale.get(fc.name, _NO_SCALE)
             comps = (fc.name, *sorted(fc.subtree - {fc.name}))
             if fc.ids_path is None:
                 out.rows.append(
-                    _TemplateRow(fc.name, None, _total(want), _total(lo), _total(hi), comps)
+                    _TemplateRow(fc.name, None, _summed(want), _summed(lo), _summed(hi), comps)
                 )
                 out.covered.add((fc.name, ""))
                 continue
@@ -344,7 +344,7 @@ class _RowTemplate:
                 return None  # the instances are whatever the pods say: no fixed rows
             for i, iid in enumerate(ids):
                 out.rows.append(
-                    _TemplateRow(fc.name, iid, _at(want, i), _at(lo, i), _at(hi, i), comps)
+                    _TemplateRow(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), comps)
                 )
                 out.covered.add((fc.name, iid))
         return out
@@ -362,7 +362,7 @@ class _ScaleOutputs(NamedTuple):
 _NO_SCALE = _ScaleOutputs((), (), ())
 
 
-class _Eval:
+class _ObjectFacts:
     """What the engine derives from one version of a workload object."""
 
     __slots__ = ("ids", "phase", "reason", "rows", "rows_built", "scale", "since", "statuses")
@@ -380,32 +380,34 @@ class _Eval:
         self.rows: _RowTemplate | None = None
         self.rows_built = False
 
-    def template(self, plan: _Plan) -> _RowTemplate | None:
+    def template(self, plan: _DescriptionPlan) -> _RowTemplate | None:
         """Rows and desired values of this object version; only ``observed`` varies."""
         if not self.rows_built:
             self.rows, self.rows_built = _RowTemplate.build(plan, self), True
         return self.rows
 
-    def same_ids(self, other: _Eval | None) -> bool:
+    def same_ids(self, other: _ObjectFacts | None) -> bool:
         return other is not None and other.ids == self.ids
 
 
-class _EvalCache(NamedTuple):
+class _FactsCache(NamedTuple):
     """What an object record's ``cache`` holds: the evaluation of its current version under
     the plan it was made with (a new description makes it stale)."""
 
-    plan: _Plan
-    ev: _Eval
+    plan: _DescriptionPlan
+    facts: _ObjectFacts
 
 
-def _cached(cache: _EvalCache | None, plan: _Plan) -> _Eval | None:
-    return cache.ev if cache is not None and cache.plan is plan else None
+def _cached(cache: _FactsCache | None, plan: _DescriptionPlan) -> _ObjectFacts | None:
+    return cache.facts if cache is not None and cache.plan is plan else None
 
 
-def _evaluate(plan: _Plan, obj: Mapping[str, Any], stats: Counter[str]) -> _Eval:
+def _read_object_facts(
+    plan: _DescriptionPlan, obj: Mapping[str, Any], stats: Counter[str]
+) -> _ObjectFacts:
     from proxy.karta.status import evaluate_status
 
-    ev = _Eval()
+    ev = _ObjectFacts()
     res = evaluate_status(plan.desc.status, obj)
     ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
     ev.since = res.since
@@ -429,13 +431,14 @@ def _evaluate(plan: _Plan, obj: Mapping[str, Any], stats: Counter[str]) -> _Eval
     return ev
 
 
-def _total(values: Sequence[float | None]) -> float | None:
+def _summed(values: Sequence[float | None]) -> float | None:
     """A component without instances: one number, or the sum of a list path's outputs."""
     nums = [v for v in values if v is not None]
     return sum(nums) if nums else None
 
 
-def _at(values: Sequence[float | None], i: int) -> float | None:
+def _nth(values: Sequence[float | None], i: int) -> float | None:
+    """Instance ``i``'s number: a scale path yields one per listed instance, or too few."""
     return values[i] if i < len(values) else None
 
 
@@ -544,7 +547,7 @@ _UNPLACED = _Placement("", "", "")
 class _Workload:
     __slots__ = ("by_comp", "counts", "facts", "objs", "phase", "plan", "ref", "since", "uid")
 
-    def __init__(self, uid: str, ref: WorkloadRef, plan: _Plan) -> None:
+    def __init__(self, uid: str, ref: WorkloadRef, plan: _DescriptionPlan) -> None:
         self.uid = uid
         self.ref = ref
         self.plan = plan
@@ -577,9 +580,9 @@ class Engine:
         #: pods without a controller owner (the built-in Pod description's candidates)
         self._bare: set[str] = set()
         self._wl: dict[str, _Workload] = {}
-        self._plans: dict[GroupKind, _Plan] = {}
+        self._plans: dict[GroupKind, _DescriptionPlan] = {}
         #: the plans an owner walk may stop at: all but Pod (only bare pods are Pod workloads)
-        self._walk_plans: dict[GroupKind, _Plan] = {}
+        self._walk_plans: dict[GroupKind, _DescriptionPlan] = {}
         self._sources: dict[str, list[Description]] = {}
         self._api_specs: dict[str, Any] = {}
         self._api_errors: dict[str, DescriptionError] = {}
@@ -600,7 +603,7 @@ class Engine:
             self._sources["builtin"] = list(builtin_descriptions())
         cs = ChangeSet()
         self._reselect(cs)
-        self._finish(cs)
+        self._settle(cs)
 
     # -- public: objects ----------------------------------------------------------------
 
@@ -608,14 +611,14 @@ class Engine:
         """Add or replace one object: a Pod, any owner, a workload, or a description."""
         cs = ChangeSet()
         self._upsert(obj, cs)
-        self._finish(cs)
+        self._settle(cs)
         return cs
 
     def delete(self, obj: Mapping[str, Any]) -> ChangeSet:
         """Forget one object (``apiVersion``, ``kind``, ``metadata.uid`` are enough)."""
         cs = ChangeSet()
         self._delete(obj, cs)
-        self._finish(cs)
+        self._settle(cs)
         return cs
 
     def upsert_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
@@ -623,14 +626,14 @@ class Engine:
         cs = ChangeSet()
         for obj in objs:
             self._upsert(obj, cs)
-        self._finish(cs)
+        self._settle(cs)
         return cs
 
     def delete_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
         cs = ChangeSet()
         for obj in objs:
             self._delete(obj, cs)
-        self._finish(cs)
+        self._settle(cs)
         return cs
 
     # -- public: descriptions -----------------------------------------------------------
@@ -651,7 +654,7 @@ class Engine:
         self._sources[source] = list(descs)
         self._source_errors[source] = list(errors)
         self._reselect(cs)
-        self._finish(cs)
+        self._settle(cs)
         return cs
 
     def remove_descriptions(self, source: str) -> ChangeSet:
@@ -659,7 +662,7 @@ class Engine:
         self._sources.pop(source, None)
         self._source_errors.pop(source, None)
         self._reselect(cs)
-        self._finish(cs)
+        self._settle(cs)
         return cs
 
     # -- public: answers ----------------------------------------------------------------
@@ -856,7 +859,7 @@ class Engine:
             return
         self._dirty.add(uid)
         before = _cached(old.cache, wl.plan)
-        after = self._eval(uid, wl.plan)
+        after = self._object_facts(uid, wl.plan)
         if (before is not None and (after is None or not after.same_ids(before))) or (
             old.obj is None and after is not None and after.ids  # ids were unknown until now
         ):
@@ -890,7 +893,7 @@ class Engine:
     def _is_errored(self, gk: GroupKind) -> bool:
         return gk in self._errored
 
-    def _workload_ref(self, top: WalkResult[_Plan], namespace: str) -> WorkloadRef:
+    def _workload_ref(self, top: WalkResult[_DescriptionPlan], namespace: str) -> WorkloadRef:
         """The workload's identity; shared by its pods (one object, not one per pod)."""
         if top.obj is not None:
             o = top.obj
@@ -913,7 +916,7 @@ class Engine:
         if rec.owner is None:
             plan = self._plans.get(POD)
             if plan is None:
-                top: WalkResult[_Plan] = WalkResult(None, "", None, None,
+                top: WalkResult[_DescriptionPlan] = WalkResult(None, "", None, None,
                                                     REASON_NO_CONTROLLER_OWNER)
             else:
                 top = WalkResult(plan, rec.uid, None, None, "")
@@ -970,7 +973,7 @@ class Engine:
             self._dirty.add(rec.wl)
         rec.wl, rec.key = "", ("", "")
 
-    def _join(self, uid: str, ref: WorkloadRef, plan: _Plan) -> _Workload:
+    def _join(self, uid: str, ref: WorkloadRef, plan: _DescriptionPlan) -> _Workload:
         wl = self._wl.get(uid)
         if wl is None:
             wl = self._wl[uid] = _Workload(uid, ref, plan)
@@ -1004,7 +1007,7 @@ class Engine:
                 self._dirty.add(rec.member)
         rec.member = new
 
-    def _placement(self, plan: _Plan, pod: _PodRec, wl_uid: str) -> _Placement:
+    def _placement(self, plan: _DescriptionPlan, pod: _PodRec, wl_uid: str) -> _Placement:
         """Where a pod lands in a workload of ``plan``."""
         cp = None
         if plan.single:
@@ -1033,7 +1036,7 @@ class Engine:
                 self.stats[STAT_SELECTOR_ERROR] += 1
                 iid = None
             if iid is not None and cp.check_ids:
-                ev = self._eval(wl_uid, plan)
+                ev = self._object_facts(wl_uid, plan)
                 ids = ev.ids.get(cp.name) if ev is not None else None
                 if ids is not None and iid not in ids:
                     self.stats[STAT_INSTANCE_NOT_LISTED] += 1
@@ -1049,7 +1052,7 @@ class Engine:
 
     # -- workload facts -----------------------------------------------------------------
 
-    def _eval(self, uid: str, plan: _Plan) -> _Eval | None:
+    def _object_facts(self, uid: str, plan: _DescriptionPlan) -> _ObjectFacts | None:
         """Derived facts of the workload object, cached per object version and plan."""
         holder: ObjectRecord | _PodRec | None = self._graph.objects.get(uid)
         if holder is None:
@@ -1058,13 +1061,13 @@ class Engine:
             return None
         ev = _cached(holder.cache, plan)
         if ev is None:
-            ev = _evaluate(plan, unpack(holder.obj), self.stats)
-            holder.cache = _EvalCache(plan, ev)
+            ev = _read_object_facts(plan, unpack(holder.obj), self.stats)
+            holder.cache = _FactsCache(plan, ev)
         return ev
 
-    def _facts(self, wl: _Workload) -> WorkloadFacts:
+    def _workload_facts(self, wl: _Workload) -> WorkloadFacts:
         plan = wl.plan
-        ev = self._eval(wl.uid, plan)
+        ev = self._object_facts(wl.uid, plan)
         statuses: tuple[str, ...]
         if ev is None:
             phase, statuses, reason = UNDEFINED, (UNDEFINED,), PHASE_REASON_OBJECT_MISSING
@@ -1089,7 +1092,9 @@ class Engine:
         )
 
     @staticmethod
-    def _replica_facts(plan: _Plan, ev: _Eval | None, wl: _Workload) -> tuple[ReplicaFact, ...]:
+    def _replica_facts(
+        plan: _DescriptionPlan, ev: _ObjectFacts | None, wl: _Workload
+    ) -> tuple[ReplicaFact, ...]:
         """Desired vs observed rows; runs on every pod event of the workload, so the fixed
         part comes from the object version's template and only counts are looked up."""
         counts = wl.counts
@@ -1116,7 +1121,7 @@ class Engine:
 
     @staticmethod
     def _replica_facts_untemplated(
-        plan: _Plan, ev: _Eval | None, counts: Mapping[tuple[str, str], int]
+        plan: _DescriptionPlan, ev: _ObjectFacts | None, counts: Mapping[tuple[str, str], int]
     ) -> tuple[ReplicaFact, ...]:
         rows: list[ReplicaFact] = []
         covered: set[tuple[str, str]] = set()
@@ -1131,19 +1136,23 @@ class Engine:
                 want = lo = hi = ()
             if ids is None:
                 seen = sum(n for (c, _), n in counts.items() if c in fc.subtree)
-                rows.append(ReplicaFact(fc.name, "", _total(want), _total(lo), _total(hi), seen))
+                rows.append(
+                    ReplicaFact(fc.name, "", _summed(want), _summed(lo), _summed(hi), seen)
+                )
                 covered.add((fc.name, ""))
                 continue
             for i, iid in enumerate(ids):
                 seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
-                rows.append(ReplicaFact(fc.name, iid, _at(want, i), _at(lo, i), _at(hi, i), seen))
+                rows.append(
+                    ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)
+                )
                 covered.add((fc.name, iid))
         for key in sorted(counts):
             if key not in covered:
                 rows.append(ReplicaFact(key[0], key[1], None, None, None, counts[key]))
         return tuple(rows)
 
-    def _finish(self, cs: ChangeSet) -> None:
+    def _settle(self, cs: ChangeSet) -> None:
         """Settle the workloads touched by this call, and the required kinds."""
         dirty, self._dirty = self._dirty, set()
         for uid in dirty:
@@ -1155,7 +1164,7 @@ class Engine:
                 if wl.facts is not None:
                     cs.workloads[uid] = None
                 continue
-            facts = self._facts(wl)
+            facts = self._workload_facts(wl)
             if facts != wl.facts:
                 wl.facts = facts
                 cs.workloads[uid] = facts
@@ -1230,10 +1239,10 @@ class Engine:
             *self._selection_errors,
         ]
         old = self._plans
-        new: dict[GroupKind, _Plan] = {}
+        new: dict[GroupKind, _DescriptionPlan] = {}
         for gk, desc in winners.items():
             prev = old.get(gk)
-            new[gk] = prev if prev is not None and prev.desc is desc else _Plan(desc)
+            new[gk] = prev if prev is not None and prev.desc is desc else _DescriptionPlan(desc)
         changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
         errored = frozenset(self._errored_by_source.values()) - new.keys()
         changed |= errored ^ self._errored
