@@ -15,7 +15,7 @@ import snappy
 from proxy.connection_guard import LINGER_SECONDS
 from proxy.runtime import Proxy
 from tests.scripted import Reply, ScriptedUpstream
-from tests.test_handler import CT_V1, series_v1, start_proxy
+from tests.test_handler import CT_V1, proxy_running, series_v1
 
 HEAD = ("POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: {CT_V1}\r\nContent-Encoding: snappy\r\n")
@@ -80,201 +80,193 @@ def metric(p: Proxy, name: str, **labels: str) -> float:
 async def test_stalled_chunked_uploads_hold_only_what_they_sent(tmp_path: Path) -> None:
     # before: each chunked request reserved max_body_bytes, so 4 stalls took the whole
     # byte budget and every other sender got 503 while they stayed open
-    async with ScriptedUpstream() as up:
-        p = await start_proxy(tmp_path, up, max_body_bytes=1 << 20, max_inflight_bytes=4 << 20,
-                              body_read_timeout_seconds=1.0, min_body_bytes_per_second=1)
-        try:
-            stalled = []
-            for _ in range(4):
-                r, w = await connect(p)
-                w.write((HEAD + "Transfer-Encoding: chunked\r\n\r\n10\r\n").encode()
-                        + b"x" * 16 + b"\r\n")
-                stalled.append((r, w))
-            await asyncio.sleep(0.3)
-            assert metric(p, "karta_proxy_inflight_requests") == 4
-            assert metric(p, "karta_proxy_inflight_bytes") == 4 * 16
-            ok = await post(p)
-            assert ok.status == 204, ok
-            t0 = time.monotonic()
-            answers = [await read_answer(r) for r, _ in stalled]
-            waited = time.monotonic() - t0
-            for _, w in stalled:
-                w.close()
-            assert [a.status for a in answers] == [408] * 4
-            assert all(a.closed and b"not received within 1 s" in a.body for a in answers)
-            assert waited < 2.5
-            assert metric(p, "karta_proxy_requests_rejected_total", reason="body_timeout") == 4
-            assert metric(p, "karta_proxy_inflight_bytes") == 0
-            assert metric(p, "karta_proxy_inflight_requests") == 0
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, max_body_bytes=1 << 20, max_inflight_bytes=4 << 20,
+                      body_read_timeout_seconds=1.0, min_body_bytes_per_second=1) as p,
+    ):
+        stalled = []
+        for _ in range(4):
+            r, w = await connect(p)
+            w.write((HEAD + "Transfer-Encoding: chunked\r\n\r\n10\r\n").encode()
+                    + b"x" * 16 + b"\r\n")
+            stalled.append((r, w))
+        await asyncio.sleep(0.3)
+        assert metric(p, "karta_proxy_inflight_requests") == 4
+        assert metric(p, "karta_proxy_inflight_bytes") == 4 * 16
+        ok = await post(p)
+        assert ok.status == 204, ok
+        t0 = time.monotonic()
+        answers = [await read_answer(r) for r, _ in stalled]
+        waited = time.monotonic() - t0
+        for _, w in stalled:
+            w.close()
+        assert [a.status for a in answers] == [408] * 4
+        assert all(a.closed and b"not received within 1 s" in a.body for a in answers)
+        assert waited < 2.5
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="body_timeout") == 4
+        assert metric(p, "karta_proxy_inflight_bytes") == 0
+        assert metric(p, "karta_proxy_inflight_requests") == 0
     assert len(up.received) == 1
 
 
 async def test_declared_length_trickled_is_408_too_slow_and_frees_the_slots(
         tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up:
-        p = await start_proxy(tmp_path, up, max_concurrent_requests=4,
-                              body_read_timeout_seconds=20.0, min_body_bytes_per_second=1000)
-        try:
-            stalled = []
-            for _ in range(4):
-                r, w = await connect(p)
-                w.write((HEAD + "Content-Length: 1000000\r\n\r\n").encode() + b"ab")
-                stalled.append((r, w))
-            await asyncio.sleep(0.2)
-            busy = await post(p)
-            assert busy.status == 503 and busy.headers["retry-after"] == "1"
-            # due: 1 s of grace + 3 bytes / 1000 bytes/s after the body's start
-            answers = [await read_answer(r, timeout=4.0) for r, _ in stalled]
-            for _, w in stalled:
-                w.close()
-            assert [a.status for a in answers] == [408] * 4
-            assert all(b"too slow: 2 bytes" in a.body for a in answers)
-            assert metric(p, "karta_proxy_requests_rejected_total", reason="body_too_slow") == 4
-            assert (await post(p)).status == 204
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=4,
+                      body_read_timeout_seconds=20.0, min_body_bytes_per_second=1000) as p,
+    ):
+        stalled = []
+        for _ in range(4):
+            r, w = await connect(p)
+            w.write((HEAD + "Content-Length: 1000000\r\n\r\n").encode() + b"ab")
+            stalled.append((r, w))
+        await asyncio.sleep(0.2)
+        busy = await post(p)
+        assert busy.status == 503 and busy.headers["retry-after"] == "1"
+        # due: 1 s of grace + 3 bytes / 1000 bytes/s after the body's start
+        answers = [await read_answer(r, timeout=4.0) for r, _ in stalled]
+        for _, w in stalled:
+            w.close()
+        assert [a.status for a in answers] == [408] * 4
+        assert all(b"too slow: 2 bytes" in a.body for a in answers)
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="body_too_slow") == 4
+        assert (await post(p)).status == 204
 
 
 async def test_a_body_at_the_minimum_rate_is_taken(tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up:
-        # 12 bytes/s after the first second: the body's second half (byte 25 on) is due
-        # at 1 + 25 / 12 s, and comes at 1.6 s
-        p = await start_proxy(tmp_path, up, body_read_timeout_seconds=10.0,
-                              min_body_bytes_per_second=12)
-        try:
-            r, w = await connect(p)
-            w.write((HEAD + f"Content-Length: {len(BODY)}\r\n\r\n").encode())
-            half = len(BODY) // 2
-            for part in (BODY[:half], BODY[half:]):
-                await asyncio.sleep(0.8)
-                w.write(part)
-            a = await read_answer(r)
-            w.close()
-            assert a.status == 204, a
-        finally:
-            await p.stop()
+    # 12 bytes/s after the first second: the body's second half (byte 25 on) is due
+    # at 1 + 25 / 12 s, and comes at 1.6 s
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, body_read_timeout_seconds=10.0,
+                      min_body_bytes_per_second=12) as p,
+    ):
+        r, w = await connect(p)
+        w.write((HEAD + f"Content-Length: {len(BODY)}\r\n\r\n").encode())
+        half = len(BODY) // 2
+        for part in (BODY[:half], BODY[half:]):
+            await asyncio.sleep(0.8)
+            w.write(part)
+        a = await read_answer(r)
+        w.close()
+        assert a.status == 204, a
     assert len(up.received) == 1
 
 
 async def test_slow_headers_get_408_and_the_connection_closed(tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up:
-        p = await start_proxy(tmp_path, up, header_read_timeout_seconds=0.5)
-        try:
-            r1, w1 = await connect(p)  # half a request, then nothing
-            w1.write(b"POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ")
-            r2, w2 = await connect(p)  # connected, never a byte
-            t0 = time.monotonic()
-            a1, a2 = await read_answer(r1), await read_answer(r2)
-            waited = time.monotonic() - t0
-            w1.close()
-            w2.close()
-            assert (a1.status, a2.status) == (408, 408)
-            assert a1.closed and a2.closed
-            assert 0.4 < waited < 2.0
-            assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 2
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, header_read_timeout_seconds=0.5) as p,
+    ):
+        r1, w1 = await connect(p)  # half a request, then nothing
+        w1.write(b"POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ")
+        r2, w2 = await connect(p)  # connected, never a byte
+        t0 = time.monotonic()
+        a1, a2 = await read_answer(r1), await read_answer(r2)
+        waited = time.monotonic() - t0
+        w1.close()
+        w2.close()
+        assert (a1.status, a2.status) == (408, 408)
+        assert a1.closed and a2.closed
+        assert 0.4 < waited < 2.0
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 2
 
 
 async def test_idle_keep_alive_and_slow_bodies_are_not_header_timeouts(tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up:
-        p = await start_proxy(tmp_path, up, header_read_timeout_seconds=0.4,
-                              min_body_bytes_per_second=1)
-        try:
-            r, w = await connect(p)
-            one = (HEAD + f"Content-Length: {len(BODY)}\r\n\r\n").encode()
-            w.write(one + BODY)
-            assert (await read_answer(r)).status == 204
-            await asyncio.sleep(0.7)  # idle between requests: keepalive_timeout's, not ours
-            w.write(one + BODY[:3])
-            await asyncio.sleep(0.7)  # a body slower than the header deadline
-            w.write(BODY[3:])
-            a = await read_answer(r)
-            w.close()
-            assert a.status == 204, a
-            assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 0
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, header_read_timeout_seconds=0.4,
+                      min_body_bytes_per_second=1) as p,
+    ):
+        r, w = await connect(p)
+        one = (HEAD + f"Content-Length: {len(BODY)}\r\n\r\n").encode()
+        w.write(one + BODY)
+        assert (await read_answer(r)).status == 204
+        await asyncio.sleep(0.7)  # idle between requests: keepalive_timeout's, not ours
+        w.write(one + BODY[:3])
+        await asyncio.sleep(0.7)  # a body slower than the header deadline
+        w.write(BODY[3:])
+        a = await read_answer(r)
+        w.close()
+        assert a.status == 204, a
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 0
     assert len(up.received) == 2
 
 
 async def test_no_100_continue_for_a_request_that_is_refused(tmp_path: Path) -> None:
-    async with ScriptedUpstream(Reply(204, delay=1.0)) as up:
-        p = await start_proxy(tmp_path, up, max_body_bytes=10_000, max_concurrent_requests=1)
-        try:
-            expect = "Expect: 100-continue\r\n"
-            r, w = await connect(p)  # over the limit: 413 at once, never 100
-            w.write((HEAD + expect + "Content-Length: 20000\r\n\r\n").encode())
-            big = await read_answer(r)
-            w.close()
-            assert big.status == 413 and big.interim == b"" and big.closed
+    async with (
+        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        proxy_running(tmp_path, up, max_body_bytes=10_000, max_concurrent_requests=1) as p,
+    ):
+        expect = "Expect: 100-continue\r\n"
+        r, w = await connect(p)  # over the limit: 413 at once, never 100
+        w.write((HEAD + expect + "Content-Length: 20000\r\n\r\n").encode())
+        big = await read_answer(r)
+        w.close()
+        assert big.status == 413 and big.interim == b"" and big.closed
 
-            r, w = await connect(p)  # admitted: 100, then the body, then the answer
-            w.write((HEAD + expect + f"Content-Length: {len(BODY)}\r\n\r\n").encode())
-            async with asyncio.timeout(5):
-                cont = await r.readuntil(b"\r\n\r\n")
-            assert cont == b"HTTP/1.1 100 Continue\r\n\r\n"
-            w.write(BODY)
-            # the one slot is held while the upstream answers: refused without a 100
-            r2, w2 = await connect(p)
-            await asyncio.sleep(0.2)
-            w2.write((HEAD + expect + f"Content-Length: {len(BODY)}\r\n\r\n").encode())
-            busy = await read_answer(r2)
-            w2.close()
-            assert busy.status == 503 and busy.interim == b"" and busy.closed
-            ok = await read_answer(r)
-            w.close()
-            assert ok.status == 204
+        r, w = await connect(p)  # admitted: 100, then the body, then the answer
+        w.write((HEAD + expect + f"Content-Length: {len(BODY)}\r\n\r\n").encode())
+        async with asyncio.timeout(5):
+            cont = await r.readuntil(b"\r\n\r\n")
+        assert cont == b"HTTP/1.1 100 Continue\r\n\r\n"
+        w.write(BODY)
+        # the one slot is held while the upstream answers: refused without a 100
+        r2, w2 = await connect(p)
+        await asyncio.sleep(0.2)
+        w2.write((HEAD + expect + f"Content-Length: {len(BODY)}\r\n\r\n").encode())
+        busy = await read_answer(r2)
+        w2.close()
+        assert busy.status == 503 and busy.interim == b"" and busy.closed
+        ok = await read_answer(r)
+        w.close()
+        assert ok.status == 204
 
-            r, w = await connect(p)
-            w.write((HEAD + "Expect: something-else\r\nContent-Length: 3\r\n\r\n").encode())
-            odd = await read_answer(r)
-            w.close()
-            assert odd.status == 417
-        finally:
-            await p.stop()
+        r, w = await connect(p)
+        w.write((HEAD + "Expect: something-else\r\nContent-Length: 3\r\n\r\n").encode())
+        odd = await read_answer(r)
+        w.close()
+        assert odd.status == 417
     assert len(up.received) == 1
 
 
 async def test_a_refusal_closes_the_connection_instead_of_reading_the_body(
         tmp_path: Path) -> None:
-    async with ScriptedUpstream(Reply(204, delay=1.0)) as up:
-        p = await start_proxy(tmp_path, up, max_concurrent_requests=1)
-        try:
-            holder = asyncio.create_task(post(p))
-            await asyncio.sleep(0.3)
-            r, w = await connect(p)
-            # headers and a sliver of a 1 MB body: refused on the headers alone
-            w.write((HEAD + "Content-Length: 1000000\r\n\r\n").encode() + b"x" * 100)
-            t0 = time.monotonic()
-            busy = await read_answer(r)
-            w.close()
-            assert busy.status == 503 and busy.headers["retry-after"] == "1"
-            assert busy.headers["connection"].lower() == "close" and busy.closed
-            # answered at once and closed after LINGER_SECONDS, never waiting for the body
-            assert time.monotonic() - t0 < LINGER_SECONDS + 0.8
-            assert (await holder).status == 204
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+    ):
+        holder = asyncio.create_task(post(p))
+        await asyncio.sleep(0.3)
+        r, w = await connect(p)
+        # headers and a sliver of a 1 MB body: refused on the headers alone
+        w.write((HEAD + "Content-Length: 1000000\r\n\r\n").encode() + b"x" * 100)
+        t0 = time.monotonic()
+        busy = await read_answer(r)
+        w.close()
+        assert busy.status == 503 and busy.headers["retry-after"] == "1"
+        assert busy.headers["connection"].lower() == "close" and busy.closed
+        # answered at once and closed after LINGER_SECONDS, never waiting for the body
+        assert time.monotonic() - t0 < LINGER_SECONDS + 0.8
+        assert (await holder).status == 204
 
 
 async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> None:
-    async with ScriptedUpstream(Reply(204, delay=1.0)) as up:
-        p = await start_proxy(tmp_path, up, max_concurrent_requests=1)
-        try:
-            holder = asyncio.create_task(post(p))
-            await asyncio.sleep(0.3)
-            answers = await asyncio.gather(*(post(p) for _ in range(5)))
-            assert all(a.status == 503 and a.headers["retry-after"] == "1" and a.closed
-                       and a.body == b"overloaded: too many requests in flight\n"
-                       for a in answers), answers
-            assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 5
-            assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
-                          protocol="v1", code="503") == 5
-            assert (await holder).status == 204
-            assert (await post(p)).status == 204  # the slot is free again: handled as usual
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+    ):
+        holder = asyncio.create_task(post(p))
+        await asyncio.sleep(0.3)
+        answers = await asyncio.gather(*(post(p) for _ in range(5)))
+        assert all(a.status == 503 and a.headers["retry-after"] == "1" and a.closed
+                   and a.body == b"overloaded: too many requests in flight\n"
+                   for a in answers), answers
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 5
+        assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
+                      protocol="v1", code="503") == 5
+        assert (await holder).status == 204
+        assert (await post(p)).status == 204  # the slot is free again: handled as usual
     assert len(up.received) == 2

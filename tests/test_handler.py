@@ -4,6 +4,7 @@ small snapshot, forwarding to a scripted loopback receiver."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import threading
 from collections.abc import AsyncIterator
@@ -145,14 +146,25 @@ async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
     return p
 
 
+@contextlib.asynccontextmanager
+async def proxy_running(tmp_path: Path, upstream: ScriptedUpstream, *,
+                        upstream_url: str = "", **server: Any) -> AsyncIterator[Proxy]:
+    """``start_proxy`` for one ``async with``: the proxy stops however the test ends."""
+    p = await start_proxy(tmp_path, upstream, upstream_url=upstream_url, **server)
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
 @pytest.fixture
 async def running(tmp_path: Path) -> AsyncIterator[Running]:
-    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up)
-        try:
-            yield Running(p, up, session)
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream() as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        yield Running(p, up, session)
 
 
 async def test_v1_enriches_attributable_series_and_passes_the_rest(running: Running) -> None:
@@ -230,12 +242,12 @@ async def test_zstd_and_all_three_paths(running: Running) -> None:
 @pytest.fixture
 async def running_rw2(tmp_path: Path) -> AsyncIterator[Running]:
     """The proxy in front of an RW 2.0 receiver."""
-    async with ScriptedUpstream(rule=rw2_receiver) as up, aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up)
-        try:
-            yield Running(p, up, session)
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream(rule=rw2_receiver) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        yield Running(p, up, session)
 
 
 async def test_v2_enriched_with_written_headers(running_rw2: Running) -> None:
@@ -347,57 +359,56 @@ async def test_wrong_method_is_405(running: Running) -> None:
 
 
 async def test_body_over_the_limit_is_413_declared_or_streamed(tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up, max_body_bytes=1000, max_inflight_bytes=1 << 20)
-        try:
-            url = f"http://127.0.0.1:{p.port}/api/v1/write"
-            h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
-            async with session.post(url, data=b"x" * 5000, headers=h) as resp:
-                assert resp.status == 413
-                assert "limit of 1000 bytes" in await resp.text()
+    async with (
+        ScriptedUpstream() as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up, max_body_bytes=1000, max_inflight_bytes=1 << 20) as p,
+    ):
+        url = f"http://127.0.0.1:{p.port}/api/v1/write"
+        h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+        async with session.post(url, data=b"x" * 5000, headers=h) as resp:
+            assert resp.status == 413
+            assert "limit of 1000 bytes" in await resp.text()
 
-            async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
-                for _ in range(10):
-                    yield b"y" * 400
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
+            for _ in range(10):
+                yield b"y" * 400
 
-            async with session.post(url, data=chunks(), headers=h) as resp:
-                assert resp.status == 413
-        finally:
-            await p.stop()
+        async with session.post(url, data=chunks(), headers=h) as resp:
+            assert resp.status == 413
     assert up.received == []
 
 
 async def test_decoded_limit_is_413_before_decompressing(tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up, max_decoded_bytes=10_000)
-        try:
-            body = snappy.compress(series_v1(*({"__name__": f"m{i}"} for i in range(2000))))
-            async with session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
-                                    headers={"Content-Type": CT_V1,
-                                             "Content-Encoding": "snappy"}) as resp:
-                assert resp.status == 413
-                assert "exceeds the limit of 10000" in await resp.text()
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream() as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up, max_decoded_bytes=10_000) as p,
+    ):
+        body = snappy.compress(series_v1(*({"__name__": f"m{i}"} for i in range(2000))))
+        async with session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
+                                headers={"Content-Type": CT_V1,
+                                         "Content-Encoding": "snappy"}) as resp:
+            assert resp.status == 413
+            assert "exceeds the limit of 10000" in await resp.text()
 
 
 async def test_overload_is_503_with_retry_after_never_a_queue(tmp_path: Path) -> None:
-    async with ScriptedUpstream(Reply(204, delay=0.5)) as up, \
-            aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up, max_concurrent_requests=2)
-        try:
-            url = f"http://127.0.0.1:{p.port}/api/v1/write"
-            body = snappy.compress(series_v1({"__name__": "up"}))
-            h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+    async with (
+        ScriptedUpstream(Reply(204, delay=0.5)) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up, max_concurrent_requests=2) as p,
+    ):
+        url = f"http://127.0.0.1:{p.port}/api/v1/write"
+        body = snappy.compress(series_v1({"__name__": "up"}))
+        h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
 
-            async def one() -> tuple[int, str | None]:
-                async with session.post(url, data=body, headers=h) as resp:
-                    await resp.read()
-                    return resp.status, resp.headers.get("Retry-After")
+        async def one() -> tuple[int, str | None]:
+            async with session.post(url, data=body, headers=h) as resp:
+                await resp.read()
+                return resp.status, resp.headers.get("Retry-After")
 
-            results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(6))), 10)
-        finally:
-            await p.stop()
+        results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(6))), 10)
     statuses = sorted(s for s, _ in results)
     assert statuses.count(204) == 2 and statuses.count(503) == 4
     assert all(ra == "1" for s, ra in results if s == 503)
@@ -409,9 +420,8 @@ async def test_byte_budget_is_503(tmp_path: Path) -> None:
     async with ScriptedUpstream(Reply(204, delay=0.5)) as up, \
             aiohttp.ClientSession() as session:
         big = snappy.compress(series_v1(*({"__name__": f"m{i}"} for i in range(3000))))
-        p = await start_proxy(tmp_path, up, max_body_bytes=len(big) + 10,
-                              max_inflight_bytes=200_000)
-        try:
+        async with proxy_running(tmp_path, up, max_body_bytes=len(big) + 10,
+                                 max_inflight_bytes=200_000) as p:
             url = f"http://127.0.0.1:{p.port}/api/v1/write"
             h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
 
@@ -423,8 +433,6 @@ async def test_byte_budget_is_503(tmp_path: Path) -> None:
             results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(4))), 10)
             assert p.metrics.registry.get_sample_value(
                 "karta_proxy_inflight_bytes") == 0
-        finally:
-            await p.stop()
     assert 204 in results and 503 in results
     assert len(up.received) == results.count(204)
 
@@ -432,19 +440,19 @@ async def test_byte_budget_is_503(tmp_path: Path) -> None:
 async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:
     replies = [Reply(400, body=b"out of order sample"), Reply(500), Reply(429),
                Reply(503, {"Retry-After": "9"})]
-    async with ScriptedUpstream(*replies) as up, aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up)
-        try:
-            r = Running(p, up, session)
-            got = []
-            for _ in replies:
-                async with session.post(
-                    r.url + "/api/v1/write", data=snappy.compress(series_v1({"__name__": "u"})),
-                    headers={"Content-Type": CT_V1, "Content-Encoding": "snappy"},
-                ) as resp:
-                    got.append((resp.status, resp.headers.get("Retry-After"), await resp.text()))
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream(*replies) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        r = Running(p, up, session)
+        got = []
+        for _ in replies:
+            async with session.post(
+                r.url + "/api/v1/write", data=snappy.compress(series_v1({"__name__": "u"})),
+                headers={"Content-Type": CT_V1, "Content-Encoding": "snappy"},
+            ) as resp:
+                got.append((resp.status, resp.headers.get("Retry-After"), await resp.text()))
     assert got[0][0] == 400 and "out of order sample" in got[0][2]
     assert got[1][0] == 502
     assert got[2][:2] == (503, "1")
@@ -499,19 +507,19 @@ async def test_v2_to_v1_upstream_through_the_proxy(tmp_path: Path) -> None:
     def rule(rec: Any) -> Reply:
         return Reply(415) if "v2" in rec.headers["Content-Type"] else Reply(204)
 
-    async with ScriptedUpstream(rule=rule) as up, aiohttp.ClientSession() as session:
-        p = await start_proxy(tmp_path, up)
-        try:
-            cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
-            async with session.post(
-                f"http://127.0.0.1:{p.port}/api/v1/write",
-                data=snappy.compress(series_v2(cart)),
-                headers={"Content-Type": CT_V2, "Content-Encoding": "snappy"},
-            ) as resp:
-                assert resp.status == 204
-                assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "1"
-        finally:
-            await p.stop()
+    async with (
+        ScriptedUpstream(rule=rule) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+        async with session.post(
+            f"http://127.0.0.1:{p.port}/api/v1/write",
+            data=snappy.compress(series_v2(cart)),
+            headers={"Content-Type": CT_V2, "Content-Encoding": "snappy"},
+        ) as resp:
+            assert resp.status == 204
+            assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "1"
     assert labels_of(up.received[-1].raw) == [{**cart, **CART}]
 
 
@@ -565,16 +573,13 @@ async def test_tenant_paths_reach_the_same_tenant_upstream(
         tmp_path: Path, upstream_path: str, sent_to: str, arrives_at: str) -> None:
     async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
         base = up.url.removesuffix("/api/v1/write")
-        p = await start_proxy(tmp_path, up, upstream_url=base + upstream_path)
-        try:
+        async with proxy_running(tmp_path, up, upstream_url=base + upstream_path) as p:
             cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
             async with session.post(
                 f"http://127.0.0.1:{p.port}{sent_to}", data=snappy.compress(series_v1(cart)),
                 headers={"Content-Type": CT_V1, "Content-Encoding": "snappy"},
             ) as resp:
                 assert resp.status == 204, await resp.text()
-        finally:
-            await p.stop()
     assert [r.path for r in up.received] == [arrives_at]
     assert labels_of(up.received[0].raw) == [{**cart, **CART}]
 

@@ -3,9 +3,11 @@ headers, auth, TLS, RW 2.0 -> 1.0 fallback."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import ssl
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -64,18 +66,25 @@ def make(url: str, **kw: object) -> Upstream:
     return Upstream(s, ProxyMetrics())
 
 
+@contextlib.asynccontextmanager
+async def opened(url: str, **kw: object) -> AsyncIterator[Upstream]:
+    """``make`` for one ``async with``: the client's connections close however the test
+    ends."""
+    u = make(url, **kw)
+    try:
+        yield u
+    finally:
+        await u.close()
+
+
 async def test_success_forwards_body_and_selected_headers() -> None:
-    async with ScriptedUpstream(Reply(204)) as up:
-        u = make(up.url, headers={"X-Extra": "1"})
-        try:
-            answer = await u.send(
-                v1_body(), Protocol.V1,
-                incoming_headers={"X-Scope-OrgID": "team-a", "Authorization": "Bearer s",
-                                  "THANOS-TENANT": "t", "X-Not-Listed": "no",
-                                  "Connection": "close", "User-Agent": "Prometheus/2.42.0"},
-            )
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url, headers={"X-Extra": "1"}) as u:
+        answer = await u.send(
+            v1_body(), Protocol.V1,
+            incoming_headers={"X-Scope-OrgID": "team-a", "Authorization": "Bearer s",
+                              "THANOS-TENANT": "t", "X-Not-Listed": "no",
+                              "Connection": "close", "User-Agent": "Prometheus/2.42.0"},
+        )
     assert answer.status == 204 and answer.ok
     rec = up.received[0]
     assert rec.raw == v1_body()
@@ -92,24 +101,16 @@ async def test_success_forwards_body_and_selected_headers() -> None:
 
 
 async def test_zstd_toward_the_upstream_when_configured() -> None:
-    async with ScriptedUpstream() as up:
-        u = make(up.url, encoding="zstd")
-        try:
-            await u.send(v1_body(), Protocol.V1)
-        finally:
-            await u.close()
+    async with ScriptedUpstream() as up, opened(up.url, encoding="zstd") as u:
+        await u.send(v1_body(), Protocol.V1)
     assert up.received[0].headers["Content-Encoding"] == "zstd"
     assert up.received[0].raw == v1_body()
 
 
 async def test_keep_alive_reuses_one_connection() -> None:
-    async with ScriptedUpstream() as up:
-        u = make(up.url)
-        try:
-            for _ in range(5):
-                assert (await u.send(v1_body(), Protocol.V1)).ok
-        finally:
-            await u.close()
+    async with ScriptedUpstream() as up, opened(up.url) as u:
+        for _ in range(5):
+            assert (await u.send(v1_body(), Protocol.V1)).ok
     assert len(up.received) == 5
     assert len({r.peer for r in up.received}) == 1
 
@@ -131,12 +132,8 @@ async def test_keep_alive_reuses_one_connection() -> None:
     ],
 )
 async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str | None) -> None:
-    async with ScriptedUpstream(reply) as up:
-        u = make(up.url)
-        try:
-            answer = await u.send(v1_body(), Protocol.V1)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(reply) as up, opened(up.url) as u:
+        answer = await u.send(v1_body(), Protocol.V1)
     assert answer.status == status
     assert answer.headers.get("Retry-After") == retry_after
     assert answer.upstream == str(reply.status)
@@ -145,31 +142,22 @@ async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str |
 
 
 async def test_429_passes_when_configured() -> None:
-    async with ScriptedUpstream(Reply(429)) as up:
-        u = make(up.url, pass_through_429=True)
-        try:
-            assert (await u.send(v1_body(), Protocol.V1)).status == 429
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(429)) as up, opened(up.url, pass_through_429=True) as u:
+        assert (await u.send(v1_body(), Protocol.V1)).status == 429
 
 
 async def test_error_body_is_truncated() -> None:
-    async with ScriptedUpstream(Reply(400, body=b"x" * 100_000)) as up:
-        u = make(up.url)
-        try:
-            answer = await u.send(v1_body(), Protocol.V1)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(400, body=b"x" * 100_000)) as up, opened(up.url) as u:
+        answer = await u.send(v1_body(), Protocol.V1)
     assert answer.status == 400 and len(answer.body) <= 4096
 
 
 async def test_timeout_is_504() -> None:
-    async with ScriptedUpstream(Reply(204, delay=3.0)) as up:
-        u = make(up.url, timeout_seconds=0.3)
-        try:
-            answer = await u.send(v1_body(), Protocol.V1)
-        finally:
-            await u.close()
+    async with (
+        ScriptedUpstream(Reply(204, delay=3.0)) as up,
+        opened(up.url, timeout_seconds=0.3) as u,
+    ):
+        answer = await u.send(v1_body(), Protocol.V1)
     assert answer.status == 504 and answer.upstream == "timeout"
 
 
@@ -178,11 +166,8 @@ async def test_refused_connection_is_502() -> None:
     await up.start()
     url = up.url
     await up.stop()  # the port is now closed
-    u = make(url)
-    try:
+    async with opened(url) as u:
         answer = await u.send(v1_body(), Protocol.V1)
-    finally:
-        await u.close()
     assert answer.status == 502 and answer.upstream == "connect_error"
     metrics = u.metrics
     assert metrics is not None
@@ -193,13 +178,9 @@ async def test_refused_connection_is_502() -> None:
 async def test_v2_2xx_without_written_headers_is_resent_as_v1_and_remembered() -> None:
     # Prometheus 2.x and VictoriaMetrics read an RW 2.0 body as an empty 1.0 request:
     # 204, no Written headers, nothing stored. The proxy must not call that success.
-    async with ScriptedUpstream(Reply(204)) as up:
-        u = make(up.url)
-        try:
-            first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-            second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url) as u:
+        first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+        second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     kinds = [r.headers["Content-Type"] for r in up.received]
     assert kinds == [
         "application/x-protobuf;proto=io.prometheus.write.v2.Request",
@@ -222,13 +203,9 @@ async def test_v2_2xx_without_written_headers_is_resent_as_v1_and_remembered() -
 async def test_v2_without_data_and_without_written_headers_is_not_a_refusal() -> None:
     empty = RequestV2()
     empty.symbols.extend([""])
-    async with ScriptedUpstream(Reply(204)) as up:
-        u = make(up.url)
-        try:
-            answer = await u.send(empty.SerializeToString(), Protocol.V2,
-                                  counts=Counts(0, 0, 0, 0))
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url) as u:
+        answer = await u.send(empty.SerializeToString(), Protocol.V2,
+                              counts=Counts(0, 0, 0, 0))
     assert answer.status == 204 and len(up.received) == 1 and not u.v1_only
     assert WRITTEN_SAMPLES not in answer.headers
 
@@ -236,23 +213,15 @@ async def test_v2_without_data_and_without_written_headers_is_not_a_refusal() ->
 async def test_v2_written_headers_passed_through_never_made_up() -> None:
     # a 2.0 receiver that wrote only part of the request: the sender hears exactly that
     given = {WRITTEN_SAMPLES: "1", WRITTEN_HISTOGRAMS: "0", WRITTEN_EXEMPLARS: "0"}
-    async with ScriptedUpstream(Reply(204, given)) as up:
-        u = make(up.url)
-        try:
-            answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(204, given)) as up, opened(up.url) as u:
+        answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     assert answer.headers[WRITTEN_SAMPLES] == "1" and not answer.converted
     assert len(up.received) == 1 and not u.v1_only
 
 
 async def test_passthrough_never_converts_and_never_makes_up_written_headers() -> None:
-    async with ScriptedUpstream(Reply(204)) as up:
-        u = make(up.url, protocol="passthrough")
-        try:
-            answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url, protocol="passthrough") as u:
+        answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     assert answer.status == 204 and len(up.received) == 1
     assert WRITTEN_SAMPLES not in answer.headers
 
@@ -266,24 +235,19 @@ async def test_conversion_failure_after_a_refusal_is_a_decode_error() -> None:
     ts.samples.add(value=1.0, timestamp=1)
     ex = ts.exemplars.add(value=1.0, timestamp=1)
     ex.labels_refs.extend([7, 8])
-    async with ScriptedUpstream(Reply(415)) as up:
-        u = make(up.url)
-        try:
-            with pytest.raises(DecodeError) as info:
-                await u.send(bad.SerializeToString(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(415)) as up, opened(up.url) as u:
+        with pytest.raises(DecodeError) as info:
+            await u.send(bad.SerializeToString(), Protocol.V2, counts=COUNTS)
     assert info.value.status == 400
 
 
 @pytest.mark.parametrize("status", [404, 405, 410, 501, 308])
 async def test_not_a_write_endpoint_is_503_with_a_counter_naming_the_url(status: int) -> None:
-    async with ScriptedUpstream(Reply(status, body=b"404 page not found")) as up:
-        u = make(up.url)
-        try:
-            answer = await u.send(v1_body(), Protocol.V1)
-        finally:
-            await u.close()
+    async with (
+        ScriptedUpstream(Reply(status, body=b"404 page not found")) as up,
+        opened(up.url) as u,
+    ):
+        answer = await u.send(v1_body(), Protocol.V1)
     # the sender keeps the batch (a 4xx would make Prometheus and vmagent drop it)
     assert answer.status == 503 and answer.headers["Retry-After"]
     assert b"not a remote-write endpoint" in answer.body and up.url.encode() in answer.body
@@ -343,13 +307,9 @@ async def test_check_finds_what_the_upstream_is(reply: Reply | None, outcome: st
             return Reply(204)
         return reply
 
-    async with ScriptedUpstream(rule=rule, record_empty=True) as up:
-        u = make(up.url)
-        try:
-            await u.start(check=True)
-            probe = await u.check()
-        finally:
-            await u.close()
+    async with ScriptedUpstream(rule=rule, record_empty=True) as up, opened(up.url) as u:
+        await u.start(check=True)
+        probe = await u.check()
     assert probe.outcome == outcome and u.v1_only is v1_only
     assert all(r.body == snappy_empty() for r in up.received)
 
@@ -392,13 +352,9 @@ async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
             return Reply(415, body=b"v1 only")
         return Reply(204)
 
-    async with ScriptedUpstream(rule=rule) as up:
-        u = make(up.url)
-        try:
-            first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-            second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url) as u:
+        first = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+        second = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     assert first.status == 204 and first.converted
     assert second.status == 204 and second.converted
     kinds = [r.headers["Content-Type"] for r in up.received]
@@ -418,46 +374,33 @@ async def test_v2_to_v1_on_415_retries_once_and_remembers() -> None:
 
 
 async def test_passthrough_protocol_returns_the_415() -> None:
-    async with ScriptedUpstream(Reply(415)) as up:
-        u = make(up.url, protocol="passthrough")
-        try:
-            answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(415)) as up, opened(up.url, protocol="passthrough") as u:
+        answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     assert answer.status == 415 and len(up.received) == 1
 
 
 async def test_protocol_v1_always_converts() -> None:
-    async with ScriptedUpstream() as up:
-        u = make(up.url, protocol="v1")
-        try:
-            await u.send(v2_body(), Protocol.V2, counts=COUNTS)
-        finally:
-            await u.close()
+    async with ScriptedUpstream() as up, opened(up.url, protocol="v1") as u:
+        await u.send(v2_body(), Protocol.V2, counts=COUNTS)
     assert up.received[0].headers["Content-Type"] == "application/x-protobuf"
 
 
 async def test_bearer_token_file_replaces_sender_auth(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("secret-1\n")
-    async with ScriptedUpstream() as up:
-        u = make(up.url, bearer_token_file=str(token))
-        try:
-            await u.send(v1_body(), Protocol.V1, incoming_headers={"Authorization": "Basic x"})
-        finally:
-            await u.close()
+    async with ScriptedUpstream() as up, opened(up.url, bearer_token_file=str(token)) as u:
+        await u.send(v1_body(), Protocol.V1, incoming_headers={"Authorization": "Basic x"})
     assert up.received[0].headers.getall("Authorization") == ["Bearer secret-1"]
 
 
 async def test_basic_auth(tmp_path: Path) -> None:
     pw = tmp_path / "pw"
     pw.write_text("hunter2")
-    async with ScriptedUpstream() as up:
-        u = make(up.url, basic_auth_username="karta", basic_auth_password_file=str(pw))
-        try:
-            await u.send(v1_body(), Protocol.V1)
-        finally:
-            await u.close()
+    async with (
+        ScriptedUpstream() as up,
+        opened(up.url, basic_auth_username="karta", basic_auth_password_file=str(pw)) as u,
+    ):
+        await u.send(v1_body(), Protocol.V1)
     assert up.received[0].headers["Authorization"] == "Basic a2FydGE6aHVudGVyMg=="
 
 
@@ -477,13 +420,9 @@ def test_file_secret_rereads_on_change(tmp_path: Path) -> None:
 
 
 async def test_send_v1_raises_on_refusal() -> None:
-    async with ScriptedUpstream(Reply(400, body=b"nope")) as up:
-        u = make(up.url)
-        try:
-            with pytest.raises(UpstreamFailure, match="400"):
-                await u.send_v1(v1_body())
-        finally:
-            await u.close()
+    async with ScriptedUpstream(Reply(400, body=b"nope")) as up, opened(up.url) as u:
+        with pytest.raises(UpstreamFailure, match="400"):
+            await u.send_v1(v1_body())
 
 
 def test_map_status_never_invents_429() -> None:
