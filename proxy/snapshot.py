@@ -52,6 +52,7 @@ from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
 from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
+from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("karta.snapshot")
 
@@ -720,11 +721,8 @@ class SnapshotSource:
             self._task = asyncio.create_task(self._poll(), name="snapshot-reload")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     async def reload(self) -> SnapshotReport:
         """Apply what changed on disk since the last load (files that fail keep their objects)."""

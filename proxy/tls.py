@@ -19,7 +19,6 @@ next check retries. Each distinct failure is logged once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import ssl
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.config import ServerSettings, client_auth_type
+from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("karta.tls")
 
@@ -182,8 +182,5 @@ class ServerTLS:
             self._task = asyncio.create_task(self._watch(), name="tls-files")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
