@@ -4,8 +4,10 @@ fact writer's metrics are on /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -20,17 +22,11 @@ from tests.test_handler import SNAPSHOT
 
 
 async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
-    snap = tmp_path / "snap.yaml"
-    snap.write_text(SNAPSHOT)
     async with ScriptedUpstream() as up:
-        s = Settings()
-        s.snapshot = str(snap)
-        s.upstream.url = up.url
-        s.server.listen_address = "127.0.0.1:0"
+        s = snapshot_settings(tmp_path, up.url)
+        s.facts.enabled = True
         s.facts.interval_seconds = 0.2
-        p = Proxy(s)
-        await p.start()
-        try:
+        async with started(s) as p:
             async def written() -> bool:
                 return bool(up.received)
 
@@ -39,8 +35,6 @@ async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
                 f"http://127.0.0.1:{p.port}/metrics"
             ) as r:
                 text = await r.text()
-        finally:
-            await p.stop()
     names = {ser.labels["__name__"] for rec in up.received for ser in decode_v1(rec.raw)}
     assert any(n.startswith("karta_") for n in names), names
     assert "karta_pod_info" in names  # pod facts always go into the stream
@@ -55,21 +49,11 @@ async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
 
 async def test_metrics_pod_facts_switch(tmp_path: Path) -> None:
     """facts.metrics_pod_facts: true puts the per-pod facts on /metrics as well."""
-    snap = tmp_path / "snap.yaml"
-    snap.write_text(SNAPSHOT)
     async with ScriptedUpstream() as up:
-        s = Settings()
-        s.snapshot = str(snap)
-        s.upstream.url = up.url
-        s.server.listen_address = "127.0.0.1:0"
-        s.facts.enabled = False
+        s = snapshot_settings(tmp_path, up.url)
         s.facts.metrics_pod_facts = True
-        p = Proxy(s)
-        await p.start()
-        try:
+        async with started(s) as p:
             text = await get_text(p, "/metrics")
-        finally:
-            await p.stop()
     assert 'karta_pod_info{' in text and 'pod="cart-7d9f8-abcde"' in text
 
 
@@ -78,12 +62,8 @@ async def test_metrics_has_the_standard_collectors_and_one_build_info(tmp_path: 
     from proxy import __version__
     from proxy.wire.native import DEFAULT as SPLICE
 
-    p = Proxy(snapshot_settings(tmp_path))
-    await p.start()
-    try:
+    async with started(snapshot_settings(tmp_path)) as p:
         text = await get_text(p, "/metrics")
-    finally:
-        await p.stop()
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     for prefix in ("process_cpu_seconds_total ", "process_resident_memory_bytes ",
                    "process_open_fds ", "process_start_time_seconds ", "python_info{",
@@ -121,16 +101,29 @@ async def get_text(p: Proxy, path: str) -> str:
         return await r.text()
 
 
-def snapshot_settings(tmp_path: Path) -> Settings:
-    """A proxy on the test snapshot, on a free port, facts off, upstream unreachable."""
+def snapshot_settings(tmp_path: Path, upstream_url: str = "http://127.0.0.1:9/api/v1/write",
+                      *, base: Settings | None = None) -> Settings:
+    """A proxy on the test snapshot, on a free port, facts off, upstream unreachable
+    unless named; ``base``: settings loaded from a file, completed the same way."""
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
-    s = Settings()
+    s = base if base is not None else Settings()
     s.snapshot = str(snap)
-    s.upstream.url = "http://127.0.0.1:9/api/v1/write"
+    s.upstream.url = upstream_url
     s.server.listen_address = "127.0.0.1:0"
     s.facts.enabled = False
     return s
+
+
+@contextlib.asynccontextmanager
+async def started(s: Settings) -> AsyncIterator[Proxy]:
+    """The proxy started on ``s``, stopped however the test ends."""
+    p = Proxy(s)
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.stop()
 
 
 async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
@@ -139,9 +132,7 @@ async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
     s = snapshot_settings(tmp_path)
     snap = Path(s.snapshot)
     s.snapshot_reload_seconds = 0.2
-    p = Proxy(s)
-    await p.start()
-    try:
+    async with started(s) as p:
         assert p.index.lookup(b"shop", b"cart-7d9f8-fghij") is None
         second = SNAPSHOT.split("---\n")[-1].replace("abcde", "fghij").replace("p-cart", "p-2")
         without_first = "---\n".join(SNAPSHOT.split("---\n")[:-1])
@@ -152,23 +143,17 @@ async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
             await asyncio.sleep(0.05)
         assert "p-cart" not in p.index.pods  # gone from the file: a tombstone
         assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
-    finally:
-        await p.stop()
 
 
 async def test_snapshot_reload_off(tmp_path: Path) -> None:
     s = snapshot_settings(tmp_path)
     snap = Path(s.snapshot)
     s.snapshot_reload_seconds = 0
-    p = Proxy(s)
-    await p.start()
-    try:
+    async with started(s) as p:
         snap.write_text(SNAPSHOT.replace("abcde", "fghij").replace("p-cart", "p-2"))
         await asyncio.sleep(0.6)
         assert p.index.lookup(b"shop", b"cart-7d9f8-fghij") is None
         assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
-    finally:
-        await p.stop()
 
 
 async def test_lease_in_the_own_namespace_by_default(
@@ -179,19 +164,13 @@ async def test_lease_in_the_own_namespace_by_default(
     from tests.kubesim.resources import LEASE
 
     monkeypatch.setenv("POD_NAMESPACE", "karta-proxy")
-    snap = tmp_path / "snap.yaml"
-    snap.write_text(SNAPSHOT)
     async with KubeSim() as sim, ScriptedUpstream() as up:
-        s = Settings()
-        s.snapshot = str(snap)
+        s = snapshot_settings(tmp_path, up.url)
         s.kube.kubeconfig = str(sim.write_kubeconfig())
-        s.upstream.url = up.url
-        s.server.listen_address = "127.0.0.1:0"
+        s.facts.enabled = True
         s.facts.leader_election = True
         s.facts.interval_seconds = 0.2
-        p = Proxy(s)
-        await p.start()
-        try:
+        async with started(s) as p:
             async def leased() -> bool:
                 return bool(sim.objects(LEASE))
 
@@ -200,8 +179,6 @@ async def test_lease_in_the_own_namespace_by_default(
             assert lease["metadata"]["namespace"] == "karta-proxy"
             assert lease["metadata"]["name"] == "karta-proxy-facts"
             assert p.lease_namespace == "karta-proxy"
-        finally:
-            await p.stop()
 
 
 @pytest.mark.parametrize("allow", [False, True])
@@ -223,13 +200,9 @@ async def test_node_mode_writes_no_facts_unless_allowed(
         s.server.listen_address = "127.0.0.1:0"
         s.facts.interval_seconds = 0.1
         s.facts.allow_in_node_mode = allow
-        p = Proxy(s)
-        await p.start()
-        try:
+        async with started(s) as p:
             assert p.index.lookup(b"shop", b"web-1-0") is not None  # the data path works
             await asyncio.sleep(0.5)
-        finally:
-            await p.stop()
     assert p.writes_facts is allow
     assert (p.facts is not None) is allow
     assert bool(up.received) is allow  # only fact writes reach the upstream here
@@ -239,8 +212,6 @@ async def test_node_mode_writes_no_facts_unless_allowed(
 
 async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> None:
     """A rule set in the YAML file decides which labels name the pod."""
-    snap = tmp_path / "snap.yaml"
-    snap.write_text(SNAPSHOT)
     cfg = tmp_path / "proxy.yaml"
     cfg.write_text(
         "enrich:\n"
@@ -250,14 +221,8 @@ async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> 
         "    - {namespace: target_ns, pod: target_pod}\n"
     )
     async with ScriptedUpstream() as up:
-        s = load_settings(cfg)
-        s.snapshot = str(snap)
-        s.upstream.url = up.url
-        s.server.listen_address = "127.0.0.1:0"
-        s.facts.enabled = False
-        p = Proxy(s)
-        await p.start()
-        try:
+        s = snapshot_settings(tmp_path, up.url, base=load_settings(cfg))
+        async with started(s) as p:
             ruled = Series({"__name__": "app_requests_total", "target_ns": "shop",
                             "target_pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])
             unruled = Series({"__name__": "other_total", "target_ns": "shop",
@@ -265,8 +230,6 @@ async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> 
             status, _, _ = await send_series(
                 f"http://127.0.0.1:{p.port}/api/v1/write", [ruled, unruled]
             )
-        finally:
-            await p.stop()
     assert status == 204
     got = {ser.labels["__name__"]: ser.labels for rec in up.received for ser in decode_v1(rec.raw)}
     assert got["app_requests_total"]["karta_workload"] == "cart"
