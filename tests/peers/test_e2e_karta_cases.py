@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from proxy.config import Settings
-from proxy.runtime import Proxy
 from proxy.sender import Series, send_series
 from tests.peers.conftest import Peer, Peers, query, wait_until
+from tests.test_e2e_kube import start_proxy
 
 pytestmark = pytest.mark.peers
 
@@ -114,16 +114,6 @@ def settings(snapshot: Path, upstream: str) -> Settings:
     return s
 
 
-async def start(s: Settings) -> Proxy:
-    p = Proxy(s)
-    try:
-        await asyncio.wait_for(p.start(), 15)
-    except BaseException:
-        await p.stop()
-        raise
-    return p
-
-
 async def transition_times(tsdb: Peer, after: float) -> dict[str, tuple[str, float]]:
     """workload -> (source, value) of the newest transition samples written after ``after``."""
     name = "karta_workload_phase_transition_timestamp_seconds"
@@ -146,7 +136,7 @@ async def test_spark_static_pods_and_phase_times_through_a_restart(
     tsdb = await peers.prometheus_receiver()
     write = tsdb.base_url + "/api/v1/write"
     t_first = time.time()
-    proxy = await start(settings(snap, write))
+    proxy = await start_proxy(settings(snap, write))
     try:
         series = [Series({"__name__": PROBE, "namespace": ns, "pod": pod}, [(
             int(time.time() * 1000), value)])
@@ -194,7 +184,7 @@ async def test_spark_static_pods_and_phase_times_through_a_restart(
     # a restart (a rollout of the proxy, a new leader): same snapshot, a later clock
     await asyncio.sleep(1.5)
     t_second = time.time()
-    proxy = await start(settings(snap, write))
+    proxy = await start_proxy(settings(snap, write))
     try:
         second: dict[str, tuple[str, float]] = {}
 
