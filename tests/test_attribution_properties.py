@@ -20,7 +20,7 @@ from proxy.config import EnrichSettings
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2, types_pb2
 from tests.upstream_proto import upstream_v2
-from tests.wire_fixtures import STALE_NAN, TS, index_with_pods
+from tests.wire_fixtures import STALE_NAN, TS, Symbols, index_with_pods
 
 PAIRS = EnrichSettings().pod_label_pairs
 INDEX = index_with_pods()
@@ -167,15 +167,8 @@ def requests_v2(draw: Any) -> bytes:
     req = v2.Request()
     preset = st.lists(st.sampled_from(["ml", "karta_kind", "train", "x"]), unique=True,
                       max_size=3)
-    syms = ["", *draw(preset)]
-    where = {s: i for i, s in enumerate(syms)}
-
-    def ref(s: str) -> int:
-        if s not in where:
-            where[s] = len(syms)
-            syms.append(s)
-        return where[s]
-
+    table = Symbols(["", *draw(preset)])
+    ref = table.ref
     for labels in draw(st.lists(label_sets(), max_size=6)):
         ts = req.timeseries.add()
         for k in sorted(labels, key=str.encode):
@@ -192,7 +185,7 @@ def requests_v2(draw: Any) -> bytes:
         if draw(st.booleans()):
             ts.metadata.type = draw(st.integers(0, 7))
             ts.metadata.help_ref = ref(draw(text))
-    req.symbols.extend(syms)
+    req.symbols.extend(table.strings)
     out: bytes = req.SerializeToString()
     return out
 

@@ -74,18 +74,26 @@ def labels_of(ts: types_pb2.TimeSeries) -> list[tuple[str, str]]:
     return [(lb.name, lb.value) for lb in ts.labels]
 
 
+class Symbols:
+    """An RW 2.0 symbol table built the way a sender builds it: a string's index is fixed
+    at its first use, after the ``preset`` ones (``""`` first, as the spec asks)."""
+
+    def __init__(self, preset: list[str] | None = None) -> None:
+        self.strings: list[str] = list(preset) if preset is not None else [""]
+        self._where = {s: i for i, s in enumerate(self.strings)}
+
+    def ref(self, s: str) -> int:
+        if s not in self._where:
+            self._where[s] = len(self.strings)
+            self.strings.append(s)
+        return self._where[s]
+
+
 def request_v2(*series: dict[str, str], symbols: list[str] | None = None,
                histograms: int = 0, exemplars: int = 0, metadata: bool = False) -> bytes:
     req = v2.Request()
-    syms: list[str] = list(symbols) if symbols is not None else [""]
-    where = {s: i for i, s in enumerate(syms)}
-
-    def ref(s: str) -> int:
-        if s not in where:
-            where[s] = len(syms)
-            syms.append(s)
-        return where[s]
-
+    table = Symbols(symbols)
+    ref = table.ref
     for labels in series:
         ts = req.timeseries.add()
         for k in sorted(labels):
@@ -104,7 +112,7 @@ def request_v2(*series: dict[str, str], symbols: list[str] | None = None,
             ts.metadata.type = v2.Metadata.METRIC_TYPE_GAUGE
             ts.metadata.help_ref = ref("a gauge")
             ts.metadata.unit_ref = ref("bytes")
-    req.symbols.extend(syms)
+    req.symbols.extend(table.strings)
     return req.SerializeToString()
 
 
