@@ -517,26 +517,28 @@ class Upstream:
                 return self._answer(resp.status, resp.headers, text, code)
         except TimeoutError:
             code = "timeout"
-            self._recheck = self.settings.protocol == "auto"
-            log.warning("upstream timed out", extra={"upstream_url": self.url,
-                                                     "timeout_s": self.settings.timeout_seconds})
-            return Answer(504, b"upstream timed out", {}, code)
+            return self._no_answer(504, code, "upstream timed out",
+                                   timeout_s=self.settings.timeout_seconds)
         except aiohttp.ClientConnectorError as e:
             code = "connect_error"
-            self._recheck = self.settings.protocol == "auto"
-            log.warning("upstream unreachable", extra={"upstream_url": self.url,
-                                                       "error": str(e)})
-            return Answer(502, f"upstream unreachable: {e}".encode(), {}, code)
+            return self._no_answer(502, code, "upstream unreachable", str(e), error=str(e))
         except aiohttp.ClientError as e:
             code = "error"
-            self._recheck = self.settings.protocol == "auto"
-            log.warning("upstream request failed", extra={"upstream_url": self.url,
-                                                          "error": repr(e)})
-            return Answer(502, f"upstream request failed: {e!r}".encode(), {}, code)
+            return self._no_answer(502, code, "upstream request failed", repr(e), error=repr(e))
         finally:
             if self.metrics is not None:
                 self.metrics.upstream_duration.observe(time.perf_counter() - started)
                 self.metrics.upstream_responses.labels(code).inc()
+
+    def _no_answer(self, status: int, code: str, what: str, detail: str = "",
+                   **extra: object) -> Answer:
+        """No HTTP answer came (timeout, no connection, broken transport): the sender gets
+        ``status`` and ``what: detail``, and with protocol auto the upstream may have been
+        replaced meanwhile, so a probe is due before the next RW 2.0 request."""
+        self._recheck = self.settings.protocol == "auto"
+        log.warning(what, extra={"upstream_url": self.url, **extra})
+        body = f"{what}: {detail}" if detail else what
+        return Answer(status, body.encode(), {}, code)
 
     def _answer(self, upstream_status: int, upstream_headers: Mapping[str, str], text: bytes,
                 code: str) -> Answer:
