@@ -50,17 +50,13 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
 from proxy.wire.native import Splicer, native_available  # noqa: E402
 from proxy.wire.plan import SplicePlan, SpliceResult  # noqa: E402
+from proxy.wire.primitives import encode_uvarint  # noqa: E402
 
 # -- wire encoding ------------------------------------------------------------------------
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+#: the proxy's own minimal encoder: what it writes is what a sender writes
+varint = encode_uvarint
 
 
 def varint_padded(n: int, size: int) -> bytes:
