@@ -259,6 +259,19 @@ class InProcessProxy:
     write_url: str = ""
 
 
+def proxy_settings(snapshot: Path, upstream_url: str) -> Settings:
+    """karta-proxy on ``snapshot`` and a free port, facts off, with upstream timeouts that
+    a peer on loopback never reaches unless it is down."""
+    s = Settings()
+    s.snapshot = str(snapshot)
+    s.upstream.url = upstream_url
+    s.upstream.timeout_seconds = 5.0
+    s.upstream.connect_timeout_seconds = 2.0
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    return s
+
+
 @pytest.fixture
 async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]]:
     """karta-proxy in this process on the demo snapshot, on a free port."""
@@ -267,13 +280,7 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]
     async def make(upstream_url: str, configure: Callable[[Settings], None] | None = None,
                    **upstream: Any) -> InProcessProxy:
         """``configure`` changes the settings last (e.g. turns the fact writer on)."""
-        s = Settings()
-        s.snapshot = str(DEMO_SNAPSHOT)
-        s.upstream.url = upstream_url
-        s.upstream.timeout_seconds = 5.0
-        s.upstream.connect_timeout_seconds = 2.0
-        s.server.listen_address = "127.0.0.1:0"
-        s.facts.enabled = False
+        s = proxy_settings(DEMO_SNAPSHOT, upstream_url)
         for k, v in upstream.items():
             setattr(s.upstream, k, v)
         if configure is not None:

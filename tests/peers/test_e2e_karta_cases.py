@@ -24,7 +24,7 @@ import yaml
 
 from proxy.config import Settings
 from proxy.sender import Series, send_series
-from tests.peers.conftest import Peer, Peers, query, wait_until
+from tests.peers.conftest import Peer, Peers, proxy_settings, query, wait_until
 from tests.test_e2e_kube import start_proxy
 
 pytestmark = pytest.mark.peers
@@ -103,12 +103,7 @@ def cluster() -> list[Obj]:
 
 
 def settings(snapshot: Path, upstream: str) -> Settings:
-    s = Settings()
-    s.snapshot = str(snapshot)
-    s.upstream.url = upstream
-    s.upstream.timeout_seconds = 5.0
-    s.upstream.connect_timeout_seconds = 2.0
-    s.server.listen_address = "127.0.0.1:0"
+    s = proxy_settings(snapshot, upstream)
     s.facts.enabled = True
     s.facts.interval_seconds = 0.5
     return s
