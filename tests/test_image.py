@@ -207,11 +207,17 @@ async def test_agent_through_the_image_into_prometheus(container: str, tmp_path:
             })
             n_pods = len(exporter.model.pods)
 
-            async def landed() -> bool:
-                got = await query(receiver.base_url, "count(pod_memory_working_set_bytes)")
-                return bool(got) and int(float(got[0]["value"][1])) == n_pods
+            n_gpus = len(exporter.model.gpus)
 
-            await wait_until(landed, timeout=60, what="pod series in the receiving Prometheus")
+            async def landed() -> bool:
+                # both scrape jobs' series: the kubelet's and DCGM's land independently
+                pods = await query(receiver.base_url, "count(pod_memory_working_set_bytes)")
+                gpus = await query(receiver.base_url, "count(DCGM_FI_DEV_GPU_UTIL)")
+                return (bool(pods) and int(float(pods[0]["value"][1])) == n_pods
+                        and bool(gpus) and int(float(gpus[0]["value"][1])) == n_gpus)
+
+            await wait_until(landed, timeout=60,
+                             what="pod and GPU series in the receiving Prometheus")
             mem = await scalar_by(
                 receiver.base_url, "sum by (karta_namespace, karta_kind, karta_workload) "
                 "(pod_memory_working_set_bytes{karta_workload!=''})", WORKLOAD_KEY)
