@@ -89,6 +89,24 @@ class _Client:
         return False, "unreachable"
 
 
+@dataclass
+class _Tally:
+    """One command's outcome in a sender process: the answered items' latencies (from when
+    each was due, if paced, else from its send) and the failures."""
+
+    lat: list[tuple[int, float]] = field(default_factory=list)
+    errors: int = 0
+    last: str = ""
+
+    def add(self, sent: tuple[bool, str], item: int, since: float) -> None:
+        ok, why = sent
+        if ok:
+            self.lat.append((item, time.monotonic() - since))
+        else:
+            self.errors += 1
+            self.last = why
+
+
 def _worker(
     rank: int,
     size: int,
@@ -107,21 +125,14 @@ def _worker(
         port, protocol, items, rate, t0 = cmd
         headers = HEADERS[protocol]
         source = bodies[protocol]
-        lat: list[tuple[int, float]] = []
-        errors = 0
-        last = ""
+        tally = _Tally()
         if rate:  # paced: this process sends items rank, rank + size, ...
             for k in range(rank, len(items), size):
                 due = t0 + k / rate
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                ok, why = client.send(port, source[items[k]], headers)
-                if ok:
-                    lat.append((items[k], time.monotonic() - due))
-                else:
-                    errors += 1
-                    last = why
+                tally.add(client.send(port, source[items[k]], headers), items[k], due)
         else:
             while True:
                 with counter.get_lock():
@@ -130,13 +141,8 @@ def _worker(
                 if k >= len(items):
                     break
                 t = time.monotonic()
-                ok, why = client.send(port, source[items[k]], headers)
-                if ok:
-                    lat.append((items[k], time.monotonic() - t))
-                else:
-                    errors += 1
-                    last = why
-        conn.send((time.monotonic(), errors, last, lat))
+                tally.add(client.send(port, source[items[k]], headers), items[k], t)
+        conn.send((time.monotonic(), tally.errors, tally.last, tally.lat))
 
 
 class SenderPool:
