@@ -79,13 +79,14 @@ async def test_agent_writes_over_mtls_and_one_without_a_cert_is_refused(
     n_pods = len(exporter.model.pods)
 
     async def landed() -> bool:
-        got = await query(receiver.base_url,
-                          "count(pod_memory_working_set_bytes{karta_workload!=''})")
-        return bool(got) and int(float(got[0]["value"][1])) > 0
+        # every pod's series (a scrape's samples may arrive over several sends), enriched
+        got = await query(receiver.base_url, "count(pod_memory_working_set_bytes)")
+        stamped = await query(receiver.base_url,
+                              "count(pod_memory_working_set_bytes{karta_workload!=''})")
+        return (bool(got) and int(float(got[0]["value"][1])) == n_pods
+                and bool(stamped) and int(float(stamped[0]["value"][1])) > 0)
 
     await wait_until(landed, timeout=30, what="enriched series through the mTLS proxy")
-    got = await query(receiver.base_url, "count(pod_memory_working_set_bytes)")
-    assert int(float(got[0]["value"][1])) == n_pods
 
     async def refused_queue_retrying() -> bool:
         retried = await agent_values(agent, "prometheus_remote_storage_samples_retried")
