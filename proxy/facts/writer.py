@@ -185,13 +185,26 @@ class FactWriter:
         parts: list[bytes] = []
         count = 0
         limit = self._max_series
-        for prefix, value in self._current():
-            if prefix in seen:  # e.g. a workload re-created under the same name: first wins
-                continue
-            seen.add(prefix)
-            sample = samples.get(value)
-            if sample is None:
-                sample = samples[value] = sample_field(value, ts_bytes)
+        gone: set[bytes] = set()
+
+        def series() -> Iterator[tuple[bytes, bytes]]:
+            """(prefix, sample field) of every fact now, then a stale marker for each
+            series of the last write that is gone (known once the facts are through)."""
+            for prefix, value in self._current():
+                if prefix in seen:  # e.g. a workload re-created under the same name: first wins
+                    continue
+                seen.add(prefix)
+                sample = samples.get(value)
+                if sample is None:
+                    sample = samples[value] = sample_field(value, ts_bytes)
+                yield prefix, sample
+            gone.update(self._written - seen)
+            if gone:
+                stale = sample_field(STALE_NAN, ts_bytes)
+                for prefix in sorted(gone):
+                    yield prefix, stale
+
+        for prefix, sample in series():
             parts.append(prefix)
             parts.append(sample)
             count += 1
@@ -200,18 +213,6 @@ class FactWriter:
                 building += time.perf_counter() - started
                 yield body
                 started = time.perf_counter()
-        gone = self._written - seen
-        if gone:
-            stale = sample_field(STALE_NAN, ts_bytes)
-            for prefix in sorted(gone):
-                parts.append(prefix)
-                parts.append(stale)
-                count += 1
-                if count == limit:
-                    body, parts, count = b"".join(parts), [], 0
-                    building += time.perf_counter() - started
-                    yield body
-                    started = time.perf_counter()
         parts.append(METADATA)
         body = b"".join(parts)
         del parts
