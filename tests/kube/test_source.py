@@ -130,7 +130,10 @@ async def test_rolling_update_keeps_tombstones(sim: KubeSim,
     deployment(sim, "web", replicas=2, rev="2")
     for p in old_pods:
         sim.delete(p)
-    await eventually(lambda: labels(source, "default", "web-2-1")
+    # a pod that arrives before its new ReplicaSet is named after the ReplicaSet until the
+    # ReplicaSet's own event comes (the watches are separate streams): wait for both
+    await eventually(lambda: all((labels(source, "default", p) or {}).get("karta_kind")
+                                 == "Deployment" for p in ("web-2-0", "web-2-1"))
                      and source.index.tombstones() == 2)
     # deleted pods keep their labels (late samples, stale markers) ...
     old = labels(source, "default", "web-1-0")
