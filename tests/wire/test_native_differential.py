@@ -127,21 +127,23 @@ def test_valid_v2(rnd: random.Random, setup_rnd: random.Random) -> None:
 @settings(SETTINGS, max_examples=examples(600))
 @given(rnd=randoms, setup_rnd=randoms, what=st.sampled_from(POISONS_V1))
 def test_poisoned_v1(rnd: random.Random, setup_rnd: random.Random, what: str) -> None:
-    nodes = Gen(rnd, huge=False).request_v1()
-    poison(nodes, 1, what, rnd)
-    raw = encode(nodes)
-    nat, _ = check_agree(random_setup(setup_rnd), 1, raw)
-    assert not nat.ok, f"{what}: an invalid request accepted: {raw.hex()}"
-    assert nat.error == (expected_kind(what), 400)
+    check_poisoned(rnd, setup_rnd, 1, what)
 
 
 @settings(SETTINGS, max_examples=examples(600))
 @given(rnd=randoms, setup_rnd=randoms, what=st.sampled_from(POISONS_V2))
 def test_poisoned_v2(rnd: random.Random, setup_rnd: random.Random, what: str) -> None:
-    nodes = Gen(rnd, huge=False).request_v2()
-    poison(nodes, 2, what, rnd)
+    check_poisoned(rnd, setup_rnd, 2, what)
+
+
+def check_poisoned(rnd: random.Random, setup_rnd: random.Random, version: int,
+                   what: str) -> None:
+    """A request with one ``what`` defect: both splices refuse it, as that defect's kind."""
+    gen = Gen(rnd, huge=False)
+    nodes = gen.request_v1() if version == 1 else gen.request_v2()
+    poison(nodes, version, what, rnd)
     raw = encode(nodes)
-    nat, _ = check_agree(random_setup(setup_rnd), 2, raw)
+    nat, _ = check_agree(random_setup(setup_rnd), version, raw)
     assert not nat.ok, f"{what}: an invalid request accepted: {raw.hex()}"
     assert nat.error == (expected_kind(what), 400)
 
