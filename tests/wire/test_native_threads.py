@@ -194,6 +194,18 @@ def mutate_table(table: Any, rnd: random.Random) -> None:
         table.update(changes)
 
 
+def splice_until(sp: Splicer, stop: threading.Event, k: int) -> int:
+    """One thread's splices, RW 1.0 and 2.0 in turn (worker ``k`` starts on its own one),
+    each checked, until ``stop`` or MAX_SPLICES; how many it made."""
+    done = 0
+    while not stop.is_set() and done < MAX_SPLICES:
+        version = 1 + (done + k) % 2
+        res = sp.splice_v1(RAW_V1) if version == 1 else sp.splice_v2(RAW_V2)
+        check_result(res, version)
+        done += 1
+    return done
+
+
 @pytest.mark.parametrize("plan", [DEFAULT_PLAN, REGEX_PLAN], ids=["literal-unless", "regex-unless"])
 def test_splices_in_threads_while_the_table_changes(plan: SplicePlan) -> None:
     sp = Splicer(plan, "native")
@@ -201,18 +213,9 @@ def test_splices_in_threads_while_the_table_changes(plan: SplicePlan) -> None:
     sp.table.update([(ns, pod, rnd.choice(VARIANTS[(ns, pod)])) for ns, pod in PODS])
     stop = threading.Event()
 
-    def worker(k: int) -> int:
-        done = 0
-        while not stop.is_set() and done < MAX_SPLICES:
-            version = 1 + (done + k) % 2
-            res = sp.splice_v1(RAW_V1) if version == 1 else sp.splice_v2(RAW_V2)
-            check_result(res, version)
-            done += 1
-        return done
-
     changes = 0
     with ThreadPoolExecutor(THREADS) as pool:
-        futures = [pool.submit(worker, k) for k in range(THREADS)]
+        futures = [pool.submit(splice_until, sp, stop, k) for k in range(THREADS)]
         deadline = time.monotonic() + SECONDS
         try:
             # at least 100 changes while the workers run (each waits for the write lock,
@@ -250,18 +253,9 @@ def test_table_updates_from_threads_while_splicing() -> None:
             n += 1
         return n
 
-    def reader(k: int) -> int:
-        n = 0
-        while not stop.is_set() and n < MAX_SPLICES:
-            version = 1 + (n + k) % 2
-            res = sp.splice_v1(RAW_V1) if version == 1 else sp.splice_v2(RAW_V2)
-            check_result(res, version)
-            n += 1
-        return n
-
     with ThreadPoolExecutor(THREADS) as pool:
-        futures = [pool.submit(writer, 1), pool.submit(writer, 2), pool.submit(reader, 0),
-                   pool.submit(reader, 1)]
+        futures = [pool.submit(writer, 1), pool.submit(writer, 2),
+                   pool.submit(splice_until, sp, stop, 0), pool.submit(splice_until, sp, stop, 1)]
         time.sleep(SECONDS / 2)
         stop.set()
         counts = [f.result(timeout=60) for f in futures]
