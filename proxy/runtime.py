@@ -402,6 +402,8 @@ class Proxy:
                              restart_required=merged.restart_required)
 
     async def _expire_loop(self) -> None:
+        """Tombstone expiry, for every source (the one place it runs: the snapshot and the
+        kube source only add tombstones)."""
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_SECONDS)
             try:

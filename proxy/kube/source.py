@@ -45,7 +45,6 @@ KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
 DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
 
-EXPIRE_INTERVAL = 30.0
 #: during the initial sync, ``gc.freeze()`` after every this many objects (see _apply)
 SYNC_FREEZE_EVERY = 2000
 
@@ -131,7 +130,6 @@ class KubeSource:
         inside, so this waits until the cluster answered."""
         await self.sync()
         self._tasks.append(asyncio.create_task(self._follow_kinds(), name="kube kinds"))
-        self._tasks.append(asyncio.create_task(self._housekeeping(), name="kube expire"))
 
     async def sync(self) -> None:
         """The first half of ``start``: watches started and listed, ``index.ready`` set,
@@ -341,11 +339,6 @@ class KubeSource:
                 if gk in self.watchers:
                     await self._drop(gk)
         return await self._reconcile(want)
-
-    async def _housekeeping(self) -> None:
-        while True:
-            await asyncio.sleep(EXPIRE_INTERVAL)
-            self.index.expire()
 
     # -- WatchSink -------------------------------------------------------------------------
 
