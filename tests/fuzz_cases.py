@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import cramjam
 import snappy
 
+from proxy.wire.primitives import encode_uvarint, len_field
+
 CT_V1 = "application/x-protobuf"
 CT_V2 = "application/x-protobuf;proto=io.prometheus.write.v2.Request"
 #: the value of every ``karta_*`` label a case forges: it must never reach the upstream
@@ -128,17 +130,17 @@ class Generator:
             ts = bytearray()
             for k, v in spec.labels:
                 kb, vb = self._s(k), self._s(v)
-                lab = _len(1, kb) + _len(2, vb)
-                ts += _len(1, lab)
+                lab = len_field(1, kb) + len_field(2, vb)
+                ts += len_field(1, lab)
             for t, val in spec.samples:
-                ts += _len(2, _sample(val, t))
+                ts += len_field(2, _sample(val, t))
             if spec.exemplar:
                 ex = bytearray()
                 for k, v in spec.exemplar:
-                    ex += _len(1, _len(1, self._s(k)) + _len(2, self._s(v)))
+                    ex += len_field(1, len_field(1, self._s(k)) + len_field(2, self._s(v)))
                 ex += b"\x11" + bytes(8) + b"\x18\x01"  # value 0.0, timestamp 1
-                ts += _len(3, bytes(ex))
-            out += _len(1, bytes(ts))
+                ts += len_field(3, bytes(ex))
+            out += len_field(1, bytes(ts))
         return bytes(out)
 
     def body_v2(self, specs: list[SeriesSpec], *, break_refs: str = "") -> bytes:
@@ -167,19 +169,19 @@ class Generator:
                 ex_refs = ex_refs[:-1]
             elif break_refs == "metadata_past":
                 meta[0] = 77_777
-            ts = bytearray(_len(1, b"".join(_uvarint(x) for x in refs)))
+            ts = bytearray(len_field(1, b"".join(encode_uvarint(x) for x in refs)))
             for t, val in spec.samples:
-                ts += _len(2, _sample(val, t))
+                ts += len_field(2, _sample(val, t))
             if spec.exemplar:
-                ex = _len(1, b"".join(_uvarint(x) for x in ex_refs)) + b"\x11" + bytes(8)
-                ts += _len(4, ex)
-            md = b"\x08\x01" + b"\x18" + _uvarint(meta[0]) + b"\x20" + _uvarint(meta[1])
-            ts += _len(5, md)
-            series += _len(5, bytes(ts))
+                ex = len_field(1, b"".join(encode_uvarint(x) for x in ex_refs)) + b"\x11" + bytes(8)
+                ts += len_field(4, ex)
+            md = b"\x08\x01" + b"\x18" + encode_uvarint(meta[0]) + b"\x20" + encode_uvarint(meta[1])
+            ts += len_field(5, md)
+            series += len_field(5, bytes(ts))
         syms = list(symbols)
         if break_refs == "first_symbol":
             syms[0] = b"notempty"
-        head = b"".join(_len(4, s) for s in syms)
+        head = b"".join(len_field(4, s) for s in syms)
         return head + bytes(series)
 
     # -- mutations ------------------------------------------------------------------------
@@ -197,14 +199,14 @@ class Generator:
         elif how == "long_varint":
             b += b"\x10" + b"\xff" * 10 + b"\x01"  # an 11-byte varint
         elif how == "big_field":
-            b += _uvarint((1 << 29) << 3 | 0) + b"\x01"
+            b += encode_uvarint((1 << 29) << 3 | 0) + b"\x01"
         elif how == "wire_type":
             b += bytes([(1 << 3) | r.choice([3, 4, 6, 7])]) + b"\x00"
         elif how == "insert":
             at = r.randrange(len(b) + 1)
             b[at:at] = r.randbytes(r.randint(1, 8))
         elif how == "len_past_end":
-            b += b"\x0a" + _uvarint(len(b) + 1000) + b"\x00"
+            b += b"\x0a" + encode_uvarint(len(b) + 1000) + b"\x00"
         return bytes(b), how
 
     def compress(self, raw: bytes, encoding: str) -> bytes:
@@ -306,20 +308,4 @@ class Generator:
 
 def _sample(value: float, timestamp_ms: int) -> bytes:
     """A Sample (the same fields in both versions): value = 1 (double), timestamp = 2."""
-    return b"\x09" + struct.pack("<d", value) + b"\x10" + _uvarint(timestamp_ms)
-
-
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _len(number: int, payload: bytes) -> bytes:
-    return _uvarint(number << 3 | 2) + _uvarint(len(payload)) + payload
+    return b"\x09" + struct.pack("<d", value) + b"\x10" + encode_uvarint(timestamp_ms)

@@ -53,13 +53,13 @@ def rw2_receiver(rec: Received) -> Reply:
     from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 
     req = cast(Any, v2).Request.FromString(rec.raw)
+    from proxy.upstream import WRITTEN_EXEMPLARS, WRITTEN_HISTOGRAMS, WRITTEN_SAMPLES
+
+    series = req.timeseries
     return Reply(204, {
-        "X-Prometheus-Remote-Write-Samples-Written": str(sum(len(t.samples)
-                                                             for t in req.timeseries)),
-        "X-Prometheus-Remote-Write-Histograms-Written": str(sum(len(t.histograms)
-                                                                for t in req.timeseries)),
-        "X-Prometheus-Remote-Write-Exemplars-Written": str(sum(len(t.exemplars)
-                                                               for t in req.timeseries)),
+        WRITTEN_SAMPLES: str(sum(len(t.samples) for t in series)),
+        WRITTEN_HISTOGRAMS: str(sum(len(t.histograms) for t in series)),
+        WRITTEN_EXEMPLARS: str(sum(len(t.exemplars) for t in series)),
     })
 
 
