@@ -19,13 +19,10 @@ import errno
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from proxy import __version__
 from proxy.config import ConfigError, EnrichSettings, Settings, parse_host_port
@@ -67,24 +64,6 @@ def _listen_error(address: str, e: OSError) -> StartError:
 
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
-
-
-#: families the kube source registers that ``ProxyMetrics`` already serves from the index
-#: (served twice, a scrape would see duplicate families)
-SHARED_INDEX_FAMILIES = frozenset({"karta_proxy_index_pods", "karta_proxy_index_stale"})
-
-
-class RegistryView(Collector):
-    """Another registry's families on /metrics, leaving out names served elsewhere."""
-
-    def __init__(self, registry: CollectorRegistry, skip: frozenset[str]) -> None:
-        self._registry = registry
-        self._skip = skip
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            if family.name not in self._skip:
-                yield family
 
 
 def enrich_arguments(e: EnrichSettings) -> dict[str, Any]:
@@ -178,9 +157,7 @@ class Proxy:
 
         self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name
                                            else "")
-        kube_registry = CollectorRegistry()
-        self.metrics.registry.register(RegistryView(kube_registry, SHARED_INDEX_FAMILIES))
-        return KubeSource(s.kube, self.engine, self.index, metrics_registry=kube_registry,
+        return KubeSource(s.kube, self.engine, self.index, metrics_registry=self.metrics.registry,
                           client=self._kube_client)
 
     async def _connect_cluster(self) -> Any:

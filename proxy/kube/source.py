@@ -102,11 +102,6 @@ class KubeSource:
             ["resource"],
             registry=self.registry,
         )
-        Gauge("karta_proxy_index_pods", "Pods known to the index (live).",
-              registry=self.registry).set_function(lambda: len(index.pods))
-        Gauge("karta_proxy_index_stale",
-              "1 while the API server is unreachable and the index is served as last known.",
-              registry=self.registry).set_function(lambda: 1.0 if index.stale else 0.0)
         self._given_discovery = discovery
         self._given_watchers = watchers
         self.discovery: Resolver | None = None
