@@ -25,19 +25,13 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 
 
-def recorded_names() -> list[str]:
+def rule_names(field: str) -> list[str]:
+    """The names of the shipped rules of one type (``record`` or ``alert``), in file order,
+    repeats kept so a test can tell a name defined twice."""
     names: list[str] = []
     for f in RULE_FILES:
         for group in yaml.safe_load(f.read_text())["groups"]:
-            names.extend(r["record"] for r in group["rules"] if "record" in r)
-    return names
-
-
-def alert_names() -> list[str]:
-    names: list[str] = []
-    for f in RULE_FILES:
-        for group in yaml.safe_load(f.read_text())["groups"]:
-            names.extend(r["alert"] for r in group["rules"] if "alert" in r)
+            names.extend(r[field] for r in group["rules"] if field in r)
     return names
 
 
@@ -61,7 +55,7 @@ def exprs_under_test() -> set[str]:
 
 def test_there_are_rules_and_tests() -> None:
     assert RULE_FILES and TEST_FILES
-    names = recorded_names()
+    names = rule_names("record")
     assert len(names) == len(set(names)), "a rule name is recorded twice"
     for name in names:  # level:metric:operations, at a karta level
         level, metric, ops = name.split(":")
@@ -88,13 +82,13 @@ def test_promtool_test_rules(test_file: Path) -> None:
 
 
 def test_every_rule_has_a_unit_test() -> None:
-    missing = sorted(set(recorded_names()) - exprs_under_test())
+    missing = sorted(set(rule_names("record")) - exprs_under_test())
     assert not missing, f"rules without a promtool unit test: {missing}"
 
 
 def test_every_alert_is_tested_firing_and_not() -> None:
     """An alert test that only ever expects silence passes for a rule that never fires."""
-    names = alert_names()
+    names = rule_names("alert")
     assert len(names) == len(set(names)), "an alert name is used twice"
     assert {"KartaAttributionCoverageDropped", "KartaPodsUnattributed"} <= set(names)
     cases = alert_tests()
@@ -108,7 +102,7 @@ def test_every_alert_is_documented_and_reads_contract_names() -> None:
     from proxy import contract
 
     doc = (ROOT / "docs" / "recording-rules.md").read_text()
-    known = set(contract.FACT_SERIES) | set(recorded_names())
+    known = set(contract.FACT_SERIES) | set(rule_names("record"))
     for f in RULE_FILES:
         for group in yaml.safe_load(f.read_text())["groups"]:
             for r in group["rules"]:
@@ -122,7 +116,7 @@ def test_every_alert_is_documented_and_reads_contract_names() -> None:
 
 def test_every_rule_is_documented() -> None:
     doc = (ROOT / "docs" / "recording-rules.md").read_text()
-    missing = [n for n in recorded_names() if f"`{n}`" not in doc]
+    missing = [n for n in rule_names("record") if f"`{n}`" not in doc]
     assert not missing, f"rules missing from docs/recording-rules.md: {missing}"
 
 
