@@ -25,6 +25,7 @@ import yaml
 from msgspec import Meta, Struct, field
 from msgspec import inspect as mi
 
+from proxy.karta.yamltext import yaml_error
 from proxy.wire.plan import MAX_LABEL_NAMES
 
 log = logging.getLogger("karta.config")
@@ -435,10 +436,7 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{p}: invalid YAML{where}: {problem}") from None
+        raise ConfigError(f"{p}: {yaml_error(e)}") from None
     if data is None:
         data = {}
     try:

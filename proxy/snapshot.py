@@ -52,6 +52,7 @@ from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
 from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
+from proxy.karta.yamltext import Loader, yaml_error
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("karta.snapshot")
@@ -69,10 +70,6 @@ DESCRIPTION_SOURCE = "snapshot"
 MIN_RELOAD_SECONDS = 0.2
 
 _UID_NAMESPACE = uuid.UUID("1b4e28ba-2fa1-41d2-883f-0016d3cca427")
-
-#: libyaml when present: several times faster on big snapshots
-_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
 
 class SnapshotError(Exception):
     """The snapshot path itself is unusable (missing, or no loadable file at all)."""
@@ -345,7 +342,7 @@ def read_file(
     except ValueError as e:  # JSONDecodeError is a ValueError
         return SkippedFile(source, f"invalid JSON: {e}")
     except yaml.YAMLError as e:
-        return SkippedFile(source, f"invalid YAML: {_yaml_reason(e)}")
+        return SkippedFile(source, yaml_error(e))
     except RecursionError:
         return SkippedFile(source, "nested too deeply")
     del text
@@ -370,15 +367,7 @@ def read_snapshot(
 
 
 def _parse_yaml(text: str) -> list[Any]:
-    return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
-
-
-def _yaml_reason(e: yaml.YAMLError) -> str:
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None)
-    if mark is not None and problem:
-        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    return str(e).replace("\n", " ")[:300]
+    return [d for d in yaml.load_all(text, Loader=Loader) if d is not None]
 
 
 _JSON = json.JSONDecoder()

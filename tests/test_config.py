@@ -114,7 +114,7 @@ def test_dashes_are_accepted_for_underscores() -> None:
         ("enrich:\n  pod_label_rules: [{metric_prefix: X, pod_label_pairs: "
          "[{namespace: a, pod: b, unless: {c: 1}}]}]\n",
          "enrich.pod_label_rules[0].pod_label_pairs[0].unless: entries must be string"),
-        ("server: {listen_address: [\n", "invalid YAML (line"),
+        ("server: {listen_address: [\n", "invalid YAML: line 2, column 1"),
     ],
 )
 def test_errors_name_the_key(tmp_path: Path, text: str, expected: str) -> None:

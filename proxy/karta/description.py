@@ -33,6 +33,7 @@ from proxy.karta.model import (
     StatusDefinition,
     TypeSelector,
 )
+from proxy.karta.yamltext import Loader, yaml_error
 
 KARTA_GROUP = "run.ai"
 KARTA_KIND = "Karta"
@@ -54,12 +55,6 @@ _VERSION_RE = re.compile(r"[a-z0-9]+\Z")
 _ROOT = "spec.structureDefinition.rootComponent"
 _CHILDREN = "spec.structureDefinition.childComponents"
 _SPEC_VARIANTS = ("podTemplateSpecPath", "podSpecPath", "fragmentedPodSpecDefinition")
-
-try:  # the C loader is much faster; fall back where libyaml is absent
-    _Loader: Any = yaml.CSafeLoader
-except AttributeError:  # pragma: no cover
-    _Loader = yaml.SafeLoader
-
 
 class DescriptionError(Exception):
     """One reason a description (or a file of them) was rejected.
@@ -666,10 +661,10 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
             return [], [DescriptionError(source, "", "", f"invalid JSON: {_short(str(exc))}")]
     else:
         try:
-            for doc in yaml.load_all(text, Loader=_Loader):
+            for doc in yaml.load_all(text, Loader=Loader):
                 docs.append(doc)
         except yaml.YAMLError as exc:
-            errors.append(DescriptionError(source, "", "", _yaml_reason(exc)))
+            errors.append(DescriptionError(source, "", "", yaml_error(exc)))
         except RecursionError:
             errors.append(DescriptionError(source, "", "", "invalid YAML: nested too deeply"))
 
@@ -686,21 +681,6 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
             except RecursionError:
                 errors.append(DescriptionError(source, "", where, "nested too deeply"))
     return descs, errors
-
-
-def _yaml_reason(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None)
-    if mark is None or not problem:
-        return f"invalid YAML: {_short(str(exc))}"
-    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    context = getattr(exc, "context", None)
-    context_mark = getattr(exc, "context_mark", None)
-    if context and context_mark is not None:
-        text += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
-    elif context:
-        text += f" ({context})"
-    return f"invalid YAML: {_short(text)}"
 
 
 def load_description_paths(
