@@ -7,16 +7,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter, start_exporter
+from tests.clock import ManualClock
 
 SNAPSHOT = DEMO_SNAPSHOT
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -30,7 +23,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 async def test_routes_parse_and_counters_advance() -> None:
-    clock = Clock()
+    clock = ManualClock(1_800_000_000.0)
     async with FixtureExporter(SNAPSHOT, clock=clock) as exp, aiohttp.ClientSession() as http:
 
         async def get(path: str) -> str:

@@ -5,17 +5,7 @@ from __future__ import annotations
 from proxy import contract
 from proxy.index import PodIndex, stamped_pairs
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadRef
-
-
-class FakeClock:
-    """A settable monotonic clock, so tombstone expiry is tested without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
+from tests.clock import ManualClock
 
 WL = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w1")
 
@@ -64,7 +54,7 @@ def test_unattributed_pod_has_reason_and_no_labels() -> None:
 
 
 def test_deleted_pod_is_a_tombstone_until_expiry() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     idx = PodIndex(tombstone_seconds=600, clock=clock)
     idx.apply(ChangeSet(pods={"u1": att("u1", "a", component="head")}))
     heard: list[set[tuple[bytes, bytes]]] = []
@@ -85,7 +75,7 @@ def test_deleted_pod_is_a_tombstone_until_expiry() -> None:
 def test_tombstones_expire_in_order_even_when_the_ttl_cache_expires_them_itself() -> None:
     # the TTL cache drops what is past its time inside an insert too: those must still
     # leave the index and be heard
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     idx = PodIndex(tombstone_seconds=60, clock=clock)
     idx.apply(ChangeSet(pods={u: att(u, u, component="head") for u in ("a", "b", "c")}))
     heard: list[set[tuple[bytes, bytes]]] = []
@@ -105,7 +95,7 @@ def test_tombstones_expire_in_order_even_when_the_ttl_cache_expires_them_itself(
 
 
 def test_name_reuse_with_new_uid_wins_over_tombstone() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     idx = PodIndex(clock=clock)
     idx.apply(ChangeSet(pods={"old": att("old", "a", component="head")}))
     idx.apply(ChangeSet(pods={"old": None}))

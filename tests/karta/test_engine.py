@@ -17,6 +17,7 @@ from proxy.karta.engine import (
 )
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
+from tests.clock import ManualClock
 
 NS = "team-a"
 
@@ -138,19 +139,11 @@ def wname(att: PodAttribution) -> str:
     return att.workload.name
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # -- order of arrival ------------------------------------------------------------------
 
 
 def test_pod_before_its_owners_is_reattributed_when_they_arrive() -> None:
-    e = Engine(clock=Clock())
+    e = Engine(clock=ManualClock(100.0))
     dep = deployment("web")
     rs = replicaset("web-1", dep)
     p1, p2 = pod("web-1-a", rs), pod("web-1-b", rs)
@@ -179,7 +172,7 @@ def test_pod_before_its_owners_is_reattributed_when_they_arrive() -> None:
 
 
 def test_unchanged_and_status_only_updates_touch_nothing_or_only_facts() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     e = Engine(clock=clock)
     dep = deployment("web", replicas=2, ready=0)
     rs = replicaset("web-1", dep)
@@ -653,7 +646,7 @@ def test_phase_since_comes_from_the_matched_condition_and_survives_a_restart() -
 
 
 def test_phase_since_follows_the_object_and_falls_back_when_evidence_goes() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     e = Engine(clock=clock)
     dep = deployment("web")
     dep["status"]["conditions"] = [_cond("Available", "True", T0)]

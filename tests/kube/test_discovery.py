@@ -11,16 +11,9 @@ from proxy.config import KubeSettings
 from proxy.karta.model import GroupKind
 from proxy.kube.client import KubeClient
 from proxy.kube.discovery import ApiResource, Discovery
+from tests.clock import ManualClock
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import JOB_SET, ResourceType
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -70,7 +63,7 @@ async def test_answers_are_cached(sim: KubeSim, client: KubeClient) -> None:
 
 async def test_a_miss_refreshes_at_most_every_interval(sim: KubeSim,
                                                        client: KubeClient) -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     d = Discovery(client, refresh_interval=30.0, clock=clock)
     gk = GroupKind(JOB_SET.group, JOB_SET.kind)
     assert await d.resolve(gk) is None  # not installed

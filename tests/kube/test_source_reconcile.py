@@ -19,6 +19,7 @@ from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.kube.source import KubeSource
+from tests.clock import ManualClock
 from tests.kube.conftest import labels, metric, owner, pod
 from tests.kube.fake_watcher import (
     BUILTIN,
@@ -44,31 +45,22 @@ JOBSET_KARTA = {
 }
 
 
-class Clock:
-    """The index's clock, moved by hand (tombstone expiry)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def cluster() -> FakeCluster:
     return FakeCluster(*BUILTIN, RAY_JOB, RAY_CLUSTER)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    """The index's clock (tombstone expiry)."""
+    return ManualClock(1000.0)
 
 
 Synced = Callable[..., Awaitable[KubeSource]]
 
 
 @pytest.fixture
-async def synced(cluster: FakeCluster, clock: Clock) -> AsyncIterator[Synced]:
+async def synced(cluster: FakeCluster, clock: ManualClock) -> AsyncIterator[Synced]:
     """A source over the fake cluster after its initial sync, with no follower task."""
     made: list[KubeSource] = []
 
@@ -260,7 +252,7 @@ async def test_kind_no_longer_needed_is_dropped_and_retracted(cluster: FakeClust
 
 
 async def test_deleted_pod_is_a_tombstone_until_it_expires(
-        cluster: FakeCluster, synced: Synced, clock: Clock) -> None:
+        cluster: FakeCluster, synced: Synced, clock: ManualClock) -> None:
     old = deployment(cluster, "web", replicas=2)
     source = await synced()
     cluster.delete(old[0])
