@@ -13,6 +13,7 @@ and re-add objects and switch a description on and off midway. Checked after eve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -226,6 +227,18 @@ def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
     return out
 
 
+def _follow(mirror: dict[str, Any], changes: Mapping[str, Any], what: str) -> None:
+    """Apply one part of a ChangeSet (pods or workloads) to a caller's mirror, as the index
+    does: None retracts. An entry equal to what the mirror holds fails, as the engine
+    reports only what changed."""
+    for uid, value in changes.items():
+        assert mirror.get(uid) != value, f"{what} {uid} reported without a change"
+        if value is None:
+            mirror.pop(uid)
+        else:
+            mirror[uid] = value
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(histories())
 def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
@@ -235,18 +248,8 @@ def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
     mirror_wls: dict[str, Any] = {}
 
     def replay(cs: ChangeSet) -> None:
-        for uid, att in cs.pods.items():
-            assert mirror_pods.get(uid) != att, f"pod {uid} reported without a change"
-            if att is None:
-                mirror_pods.pop(uid)
-            else:
-                mirror_pods[uid] = att
-        for uid, facts in cs.workloads.items():
-            assert mirror_wls.get(uid) != facts, f"workload {uid} reported without a change"
-            if facts is None:
-                mirror_wls.pop(uid)
-            else:
-                mirror_wls[uid] = facts
+        _follow(mirror_pods, cs.pods, "pod")
+        _follow(mirror_wls, cs.workloads, "workload")
 
     current: dict[str, Any] = {}
     for kind, arg in events:
