@@ -53,7 +53,9 @@ TENANT_WRITE_PATHS = (
     "/insert/{tenant}/prometheus",
     "/insert/{tenant}/prometheus/",
 )
-_TENANT_PATH = re.compile(r"^/insert/([^/]+)/prometheus(?:/api/v1/write)?/?$")
+#: the routes of TENANT_WRITE_PATHS as one pattern (what the router serves, no more)
+_TENANT_PATH = re.compile("(?:" + "|".join(
+    re.escape(p).replace(re.escape("{tenant}"), "[^/]+") for p in TENANT_WRITE_PATHS) + r")\Z")
 #: a tenant in a path: VictoriaMetrics' ``accountID[:projectID]``, or ``multitenant``
 _TENANT = re.compile(r"\d{1,10}(:\d{1,10})?|multitenant")
 
