@@ -6,8 +6,10 @@ Short leases (1.5 s) keep the suite fast; the logic is the same at 15 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from kubernetes_asyncio import client as k8s
@@ -86,30 +88,45 @@ class Replicas:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+def lease(sim: KubeSim) -> dict[str, Any]:
+    return sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
+
+
 def holder(sim: KubeSim) -> str:
-    lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
-    return str(lease["spec"].get("holderIdentity") or "")
+    return str(lease(sim)["spec"].get("holderIdentity") or "")
+
+
+@contextlib.asynccontextmanager
+async def running(e: LeaseElector) -> AsyncIterator[LeaseElector]:
+    """One elector's loop as a task for the block, stopped with a release at its end (also
+    when the block fails, so no task outlives the test)."""
+    task = asyncio.create_task(e.run())
+    try:
+        yield e
+    finally:
+        await e.stop()
+        await task
+
+
+async def leading(e: LeaseElector, timeout: float, leader: bool = True) -> None:
+    """Wait until ``e`` holds the lease (``leader=False``: has lost it); fail past timeout."""
+    await asyncio.wait_for(_until(lambda: e.is_leader == leader), timeout)
 
 
 async def test_single_candidate_creates_and_renews_the_lease(
     sim: KubeSim, api: Callable[[], k8s.ApiClient]
 ) -> None:
-    e = LeaseElector(api(), NS, NAME, "only", DURATION)
-    task = asyncio.create_task(e.run())
-    try:
-        await asyncio.wait_for(_until(lambda: e.is_leader), 3)
-        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
-        assert lease["spec"]["holderIdentity"] == "only"
-        assert lease["spec"]["leaseDurationSeconds"] == 2  # ceil(1.5): the API takes ints
-        first_rv = int(lease["metadata"]["resourceVersion"])
+    async with running(LeaseElector(api(), NS, NAME, "only", DURATION)) as e:
+        await leading(e, 3)
+        first = lease(sim)
+        assert first["spec"]["holderIdentity"] == "only"
+        assert first["spec"]["leaseDurationSeconds"] == 2  # ceil(1.5): the API takes ints
         await asyncio.sleep(DURATION * 1.2)  # several renewals
-        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
-        assert int(lease["metadata"]["resourceVersion"]) > first_rv
-        assert lease["spec"]["renewTime"].endswith("Z") and "." in lease["spec"]["renewTime"]
+        renewed = lease(sim)
+        assert (int(renewed["metadata"]["resourceVersion"])
+                > int(first["metadata"]["resourceVersion"]))
+        assert renewed["spec"]["renewTime"].endswith("Z") and "." in renewed["spec"]["renewTime"]
         assert e.is_leader
-    finally:
-        await e.stop()
-        await task
     # released on a clean stop: holder emptied so a successor need not wait
     assert holder(sim) == ""
 
@@ -132,7 +149,7 @@ async def test_three_candidates_one_leader_and_takeover_when_the_leader_dies(
         survivors = [e for e in r.electors if e is not leader]
         # once both have seen the dead leader's last renewal (their wait starts there),
         # most of the wait passes at once on their clocks
-        final = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)["metadata"]
+        final = lease(sim)["metadata"]
         deadline = time.monotonic() + DURATION
         while not all(e.observed_version == final["resourceVersion"] for e in survivors):
             assert time.monotonic() < deadline, "survivors never read the last renewal"
@@ -144,9 +161,8 @@ async def test_three_candidates_one_leader_and_takeover_when_the_leader_dies(
         # not before the lease ran out on the survivors' clocks, well within 2 durations
         assert took >= DURATION * 0.9, took
         assert took <= DURATION * 2 + 0.5, took
-        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
-        assert lease["spec"]["holderIdentity"] == new.identity
-        assert lease["spec"]["leaseTransitions"] == 1
+        assert lease(sim)["spec"]["holderIdentity"] == new.identity
+        assert lease(sim)["spec"]["leaseTransitions"] == 1
     finally:
         await r.close()
 
@@ -189,55 +205,41 @@ async def test_an_unexpired_lease_of_another_holder_is_respected(
             },
         }
     )
-    e = LeaseElector(api(), NS, NAME, "newcomer", DURATION)
-    task = asyncio.create_task(e.run())
-    try:
+    async with running(LeaseElector(api(), NS, NAME, "newcomer", DURATION)) as e:
         await asyncio.sleep(DURATION * 0.6)
         assert not e.is_leader and holder(sim) == "someone-else"
-        await asyncio.wait_for(_until(lambda: e.is_leader), DURATION * 2)
-        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
-        assert lease["spec"]["leaseTransitions"] == 5
-    finally:
-        await e.stop()
-        await task
+        await leading(e, DURATION * 2)
+        assert lease(sim)["spec"]["leaseTransitions"] == 5
 
 
 async def test_leader_steps_down_when_it_cannot_renew_and_recovers(
     sim: KubeSim, api: Callable[[], k8s.ApiClient]
 ) -> None:
-    e = LeaseElector(api(), NS, NAME, "solo", DURATION)
-    task = asyncio.create_task(e.run())
-    try:
-        await asyncio.wait_for(_until(lambda: e.is_leader), 3)
-        sim.fail_status = 503  # API server up but failing
-        t0 = time.monotonic()
-        await asyncio.wait_for(_until(lambda: not e.is_leader), DURATION * 2)
-        # stepped down by the renew deadline (2/3 D), before anyone could take over (D)
-        assert time.monotonic() - t0 <= DURATION, time.monotonic() - t0
-        assert "503" in e.last_error or "Service" in e.last_error
-        sim.fail_status = None
-        await asyncio.wait_for(_until(lambda: e.is_leader), DURATION * 2)
-    finally:
-        sim.fail_status = None
-        await e.stop()
-        await task
+    async with running(LeaseElector(api(), NS, NAME, "solo", DURATION)) as e:
+        try:
+            await leading(e, 3)
+            sim.fail_status = 503  # API server up but failing
+            t0 = time.monotonic()
+            await leading(e, DURATION * 2, leader=False)
+            # stepped down by the renew deadline (2/3 D), before anyone could take over (D)
+            assert time.monotonic() - t0 <= DURATION, time.monotonic() - t0
+            assert "503" in e.last_error or "Service" in e.last_error
+            sim.fail_status = None
+            await leading(e, DURATION * 2)
+        finally:
+            sim.fail_status = None  # before the stop: the release must reach the API
 
 
 async def test_a_stolen_lease_ends_leadership_at_the_next_renewal(
     sim: KubeSim, api: Callable[[], k8s.ApiClient]
 ) -> None:
-    e = LeaseElector(api(), NS, NAME, "victim", DURATION)
-    task = asyncio.create_task(e.run())
-    try:
-        await asyncio.wait_for(_until(lambda: e.is_leader), 3)
-        lease = sim.get("coordination.k8s.io/v1", "Lease", NAME, NS)
-        lease["spec"]["holderIdentity"] = "intruder"
-        sim.update(lease)
-        await asyncio.wait_for(_until(lambda: not e.is_leader), DURATION)
+    async with running(LeaseElector(api(), NS, NAME, "victim", DURATION)) as e:
+        await leading(e, 3)
+        stolen = lease(sim)
+        stolen["spec"]["holderIdentity"] = "intruder"
+        sim.update(stolen)
+        await leading(e, DURATION, leader=False)
         assert holder(sim) == "intruder"
-    finally:
-        await e.stop()
-        await task
     assert holder(sim) == "intruder"  # release only touches a lease we hold
 
 
