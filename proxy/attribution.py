@@ -6,8 +6,9 @@ pure-Python reference. Nothing here is per series: the table holds one entry per
 index knows (live pods, tombstones, known-but-unattributed pods), updated per pod event by
 the index's listener, so memory grows with the cluster, never with the series count.
 
-:func:`enrich_v1_reference` / :func:`enrich_v2_reference` do the same job the plain way,
-through the generated protobuf classes: an oracle independent of the wire code.
+:func:`enrich_reference` (``enrich_v1_reference`` / ``enrich_v2_reference``) does the same
+job the plain way, through the generated protobuf classes: an oracle independent of the
+wire code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Collection, Sequence
+from functools import partial
 from typing import Any, get_args
 
 from proxy import contract
@@ -30,7 +32,7 @@ from proxy.wire.plan import (
     SpliceResult,
     Unless,
 )
-from proxy.wire.primitives import Counts
+from proxy.wire.primitives import Counts, Protocol
 
 #: ``enrich.conflict_policy`` values, as the settings schema declares them
 POLICIES: tuple[str, ...] = get_args(ConflictPolicy)
@@ -214,7 +216,59 @@ def _count_reference(counts: Counts, ts: Any) -> None:
     counts.histograms += len(ts.histograms)
 
 
-def enrich_v1_reference(
+class _RequestV1:
+    """A parsed RW 1.0 request: a series' labels are its own name/value pairs."""
+
+    def __init__(self, raw: bytes) -> None:
+        from proxy.pb.prometheus import remote_pb2
+
+        self.message = _parse_reference(remote_pb2.WriteRequest(), raw)
+
+    def labels(self, ts: Any) -> list[tuple[str, str]]:
+        return [(lb.name, lb.value) for lb in ts.labels]
+
+    def relabel(self, ts: Any, new: list[tuple[str, str]]) -> None:
+        del ts.labels[:]
+        for n, v in new:
+            ts.labels.add(name=n, value=v)
+
+
+class _RequestV2:
+    """A parsed RW 2.0 request: a series' labels are references into the request's
+    symbol table, which new names and values are appended to (the empty string first)."""
+
+    def __init__(self, raw: bytes) -> None:
+        from proxy.pb.io.prometheus.write.v2 import types_pb2
+
+        self.message = _parse_reference(types_pb2.Request(), raw)
+        self._symbols = list(self.message.symbols)
+        self._where = {s: i for i, s in reversed(list(enumerate(self._symbols)))}
+
+    def labels(self, ts: Any) -> list[tuple[str, str]]:
+        refs = list(ts.labels_refs)
+        return [(self._symbols[refs[i]], self._symbols[refs[i + 1]])
+                for i in range(0, len(refs), 2)]
+
+    def relabel(self, ts: Any, new: list[tuple[str, str]]) -> None:
+        if not self._symbols:
+            self._add("")
+        out = [self._ref(s) for n, v in new for s in (n, v)]
+        del ts.labels_refs[:]
+        ts.labels_refs.extend(out)
+
+    def _ref(self, s: str) -> int:
+        if s not in self._where:
+            self._add(s)
+        return self._where[s]
+
+    def _add(self, s: str) -> None:
+        self._where[s] = len(self._symbols)
+        self._symbols.append(s)
+        self.message.symbols.append(s)
+
+
+def enrich_reference(
+    protocol: Protocol,
     raw: bytes,
     index: PodIndex,
     pod_label_pairs: Sequence[tuple[str, str]],
@@ -222,68 +276,24 @@ def enrich_v1_reference(
     pod_label_rules: Sequence[PodLabelRule] | None = None,
     sender_karta_labels: str = "drop",
 ) -> SpliceResult:
-    """The same result as :meth:`Enricher.enrich_v1`, through full protobuf objects."""
-    from proxy.pb.prometheus import remote_pb2
-
-    req = _parse_reference(remote_pb2.WriteRequest(), raw)
+    """The same result as :meth:`Enricher.enrich_v1` / :meth:`Enricher.enrich_v2`,
+    through full protobuf objects."""
+    req = _RequestV1(raw) if protocol is Protocol.V1 else _RequestV2(raw)
     result = SpliceResult(raw, Counts())
-    for ts in req.timeseries:
+    for ts in req.message.timeseries:
         _count_reference(result.counts, ts)
-        labels = [(lb.name, lb.value) for lb in ts.labels]
         new, reason, lost = _reference_decision(
-            labels, index, pod_label_pairs, conflict_policy, pod_label_rules,
+            req.labels(ts), index, pod_label_pairs, conflict_policy, pod_label_rules,
             sender_karta_labels,
         )
         result.tally(reason)
         result.stripped += lost
         if new is not None:
-            del ts.labels[:]
-            for n, v in new:
-                ts.labels.add(name=n, value=v)
-    result.body = req.SerializeToString()
+            req.relabel(ts, new)
+    result.body = req.message.SerializeToString()
     return result
 
 
-def enrich_v2_reference(
-    raw: bytes,
-    index: PodIndex,
-    pod_label_pairs: Sequence[tuple[str, str]],
-    conflict_policy: str = "replace",
-    pod_label_rules: Sequence[PodLabelRule] | None = None,
-    sender_karta_labels: str = "drop",
-) -> SpliceResult:
-    """The same result as :meth:`Enricher.enrich_v2`, through full protobuf objects."""
-    from proxy.pb.io.prometheus.write.v2 import types_pb2
-
-    req = _parse_reference(types_pb2.Request(), raw)
-    symbols = list(req.symbols)
-    where = {s: i for i, s in reversed(list(enumerate(symbols)))}
-    result = SpliceResult(raw, Counts())
-    for ts in req.timeseries:
-        _count_reference(result.counts, ts)
-        refs = list(ts.labels_refs)
-        labels = [(symbols[refs[i]], symbols[refs[i + 1]]) for i in range(0, len(refs), 2)]
-        new, reason, lost = _reference_decision(
-            labels, index, pod_label_pairs, conflict_policy, pod_label_rules,
-            sender_karta_labels,
-        )
-        result.tally(reason)
-        result.stripped += lost
-        if new is None:
-            continue
-        if not symbols:
-            symbols.append("")
-            req.symbols.append("")
-            where[""] = 0
-        out: list[int] = []
-        for n, v in new:
-            for s in (n, v):
-                if s not in where:
-                    where[s] = len(symbols)
-                    symbols.append(s)
-                    req.symbols.append(s)
-                out.append(where[s])
-        del ts.labels_refs[:]
-        ts.labels_refs.extend(out)
-    result.body = req.SerializeToString()
-    return result
+#: the reference of one protocol, called as ``enrich_reference`` without ``protocol``
+enrich_v1_reference = partial(enrich_reference, Protocol.V1)
+enrich_v2_reference = partial(enrich_reference, Protocol.V2)
