@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -265,32 +266,101 @@ def test_error_str_format() -> None:
     assert len({err, DescriptionError("f.yaml", "tiny", "spec.x", "bad")}) == 1
 
 
-def test_missing_root_component() -> None:
+#: one invalid edit of base() per error: (edit, path, reason), the reason exact
+INVALID: list[Any] = [
+    pytest.param(lambda o: structure(o).pop("rootComponent"), ROOT, "required",
+                 id="no-root-component"),
+    pytest.param(lambda o: root(o).pop("kind"), f"{ROOT}.kind", "required", id="no-root-kind"),
+    pytest.param(lambda o: root(o)["kind"].pop("kind"), f"{ROOT}.kind.kind", "required",
+                 id="root-kind-without-kind-name"),
+    pytest.param(lambda o: o["spec"].pop("structureDefinition"), "spec.structureDefinition",
+                 "required", id="no-structure"),
+    pytest.param(lambda o: child(o, 0)["specDefinition"].update(podTemplateSpecPath="  "),
+                 f"{CHILDREN}[0].specDefinition.podTemplateSpecPath", "empty jq expression",
+                 id="empty-jq"),
+    pytest.param(lambda o: child(o, 1).update(ownerRef="nope"), f"{CHILDREN}[1].ownerRef",
+                 "unknown component 'nope'", id="unknown-owner-ref"),
+    pytest.param(lambda o: (child(o, 0).update(ownerRef="b"), child(o, 1).update(ownerRef="a")),
+                 f"{CHILDREN}[0].ownerRef", "ownerRef cycle: a -> b -> a", id="owner-ref-cycle"),
+    pytest.param(lambda o: child(o, 1).update(ownerRef="b"), f"{CHILDREN}[1].ownerRef",
+                 "ownerRef cycle: b -> b", id="owner-ref-to-itself"),
+    pytest.param(lambda o: root(o).update(ownerRef="a"), f"{ROOT}.ownerRef",
+                 "the root component has no owner", id="root-with-owner-ref"),
+    pytest.param(lambda o: child(o, 1).update(name="a"), f"{CHILDREN}[1].name",
+                 f"duplicate component name 'a' (also at {CHILDREN}[0])",
+                 id="duplicate-child-names"),
+    pytest.param(lambda o: child(o, 0).update(name="root"), f"{CHILDREN}[0].name",
+                 f"duplicate component name 'root' (also at {ROOT})", id="child-named-like-root"),
+    pytest.param(lambda o: child(o, 0).pop("name"), f"{CHILDREN}[0].name", "required",
+                 id="child-without-name"),
+    pytest.param(lambda o: child(o, 1)["podSelector"].pop("componentInstanceSelector"),
+                 f"{CHILDREN}[1].instanceIdPath",
+                 "instanceIdPath needs podSelector.componentInstanceSelector",
+                 id="instance-id-path-without-instance-selector"),
+    pytest.param(lambda o: child(o, 1).pop("instanceIdPath"),
+                 f"{CHILDREN}[1].podSelector.componentInstanceSelector",
+                 "componentInstanceSelector needs instanceIdPath",
+                 id="instance-selector-without-instance-id-path"),
+    pytest.param(lambda o: child(o, 1)["podSelector"].update(componentInstanceSelector={}),
+                 f"{CHILDREN}[1].podSelector.componentInstanceSelector.idPath", "required",
+                 id="instance-selector-without-id-path"),
+    pytest.param(lambda o: child(o, 0)["podSelector"].update(componentTypeSelector={"value": "a"}),
+                 f"{CHILDREN}[0].podSelector.componentTypeSelector",
+                 "needs keyPath or matchLabels", id="type-selector-without-key-path-or-labels"),
+    pytest.param(lambda o: child(o, 1)["podSelector"]["componentTypeSelector"].update(value="b"),
+                 f"{CHILDREN}[1].podSelector.componentTypeSelector.value", "value needs keyPath",
+                 id="type-selector-value-without-key-path"),
+    pytest.param(lambda o: child(o, 1)["podSelector"]["componentTypeSelector"].update(
+                     matchLabels={"role": ["b"]}),
+                 f"{CHILDREN}[1].podSelector.componentTypeSelector.matchLabels",
+                 "label 'role': keys and values must be strings", id="match-labels-not-strings"),
+    pytest.param(lambda o: root(o)["statusDefinition"].pop("statusMappings"),
+                 f"{ROOT}.statusDefinition.statusMappings", "required",
+                 id="status-definition-without-mappings"),
+    pytest.param(lambda o: root(o)["statusDefinition"]["statusMappings"].update(
+                     failed=[{"byConditions": [{"status": "True"}]}]),
+                 f"{ROOT}.statusDefinition.statusMappings.failed[0].byConditions[0].type",
+                 "required", id="condition-matcher-without-type"),
+    pytest.param(lambda o: root(o)["statusDefinition"]["statusMappings"].update(
+                     failed={"byPhase": "x"}),
+                 f"{ROOT}.statusDefinition.statusMappings.failed", "must be a list, got mapping",
+                 id="matchers-not-a-list"),
+    pytest.param(lambda o: root(o)["statusDefinition"]["statusMappings"].update(
+                     failed=[{"byExpression": {"expression": ".a"}}]),
+                 f"{ROOT}.statusDefinition.statusMappings.failed[0].byExpression.expectedResult",
+                 "required", id="expression-matcher-without-expected-result"),
+    pytest.param(lambda o: child(o, 0)["specDefinition"].update(metadataPath=".spec.a.metadata"),
+                 f"{CHILDREN}[0].specDefinition.metadataPath",
+                 "metadataPath is used only with podSpecPath",
+                 id="metadata-path-without-pod-spec-path"),
+    pytest.param(lambda o: child(o, 0)["specDefinition"].update(podSpecPath=".spec.a.spec"),
+                 f"{CHILDREN}[0].specDefinition",
+                 "only one of podTemplateSpecPath, podSpecPath, fragmentedPodSpecDefinition "
+                 "may be set", id="two-spec-variants"),
+    pytest.param(lambda o: structure(o).update(childComponents={"name": "a"}), CHILDREN,
+                 "must be a list, got mapping", id="children-not-a-list"),
+    pytest.param(lambda o: root(o).update(kind="Tiny"), f"{ROOT}.kind",
+                 "must be a mapping, got str", id="kind-not-a-mapping"),
+]
+
+
+@pytest.mark.parametrize(("edit", "path", "reason"), INVALID)
+def test_invalid_description(edit: Callable[[dict[str, Any]], object], path: str,
+                             reason: str) -> None:
     obj = base()
-    del structure(obj)["rootComponent"]
+    edit(obj)
     err = error_of(obj)
-    assert (err.source, err.name, err.path, err.reason) == ("test.yaml", "tiny", ROOT, "required")
+    assert (err.source, err.name, err.path, err.reason) == ("test.yaml", "tiny", path, reason)
 
 
-def test_missing_root_kind() -> None:
+@pytest.mark.parametrize("key", ["paused", "Running"])  # unknown, and not lowercase
+def test_unknown_status_mapping_key(key: str) -> None:
     obj = base()
-    del root(obj)["kind"]
+    root(obj)["statusDefinition"]["statusMappings"][key] = [{"byPhase": "Paused"}]
     err = error_of(obj)
-    assert (err.name, err.path, err.reason) == ("tiny", f"{ROOT}.kind", "required")
-
-
-def test_root_kind_without_kind_name() -> None:
-    obj = base()
-    del root(obj)["kind"]["kind"]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{ROOT}.kind.kind", "required")
-
-
-def test_missing_structure() -> None:
-    obj = base()
-    del obj["spec"]["structureDefinition"]
-    err = error_of(obj)
-    assert (err.path, err.reason) == ("spec.structureDefinition", "required")
+    assert err.path == f"{ROOT}.statusDefinition.statusMappings.{key}"
+    assert err.reason.startswith(f"unknown status '{key}' (expected one of ")
+    assert "running" in err.reason
 
 
 @pytest.mark.parametrize(
@@ -358,16 +428,6 @@ def test_jq_error_reason_is_jqs_message() -> None:
     assert "\n" not in err.reason
 
 
-def test_empty_jq_expression() -> None:
-    obj = base()
-    child(obj, 0)["specDefinition"]["podTemplateSpecPath"] = "  "
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[0].specDefinition.podTemplateSpecPath",
-        "empty jq expression",
-    )
-
-
 def test_numeric_literal_is_a_jq_expression() -> None:
     obj = base()
     child(obj, 0)["scaleDefinition"] = {"replicasPath": 2, "minReplicasPath": "1"}
@@ -376,32 +436,6 @@ def test_numeric_literal_is_a_jq_expression() -> None:
     assert scale is not None and scale.replicas is not None and scale.min_replicas is not None
     assert scale.replicas.number({}) == 2.0
     assert scale.min_replicas.number({}) == 1.0
-
-
-def test_unknown_owner_ref() -> None:
-    obj = base()
-    child(obj, 1)["ownerRef"] = "nope"
-    err = error_of(obj)
-    assert (err.name, err.path, err.reason) == (
-        "tiny",
-        f"{CHILDREN}[1].ownerRef",
-        "unknown component 'nope'",
-    )
-
-
-def test_owner_ref_cycle() -> None:
-    obj = base()
-    child(obj, 0)["ownerRef"] = "b"
-    child(obj, 1)["ownerRef"] = "a"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{CHILDREN}[0].ownerRef", "ownerRef cycle: a -> b -> a")
-
-
-def test_owner_ref_to_itself() -> None:
-    obj = base()
-    child(obj, 1)["ownerRef"] = "b"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{CHILDREN}[1].ownerRef", "ownerRef cycle: b -> b")
 
 
 def test_owner_chain_through_children_is_fine() -> None:
@@ -418,98 +452,6 @@ def test_child_without_owner_ref_hangs_under_root() -> None:
     assert d.children[0].owner_ref == "root"
 
 
-def test_root_with_owner_ref() -> None:
-    obj = base()
-    root(obj)["ownerRef"] = "a"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{ROOT}.ownerRef", "the root component has no owner")
-
-
-def test_duplicate_child_names() -> None:
-    obj = base()
-    child(obj, 1)["name"] = "a"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[1].name",
-        f"duplicate component name 'a' (also at {CHILDREN}[0])",
-    )
-
-
-def test_child_named_like_root() -> None:
-    obj = base()
-    child(obj, 0)["name"] = "root"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[0].name",
-        f"duplicate component name 'root' (also at {ROOT})",
-    )
-
-
-def test_child_without_name() -> None:
-    obj = base()
-    del child(obj, 0)["name"]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{CHILDREN}[0].name", "required")
-
-
-def test_instance_id_path_without_instance_selector() -> None:
-    obj = base()
-    del child(obj, 1)["podSelector"]["componentInstanceSelector"]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[1].instanceIdPath",
-        "instanceIdPath needs podSelector.componentInstanceSelector",
-    )
-
-
-def test_instance_selector_without_instance_id_path() -> None:
-    obj = base()
-    del child(obj, 1)["instanceIdPath"]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[1].podSelector.componentInstanceSelector",
-        "componentInstanceSelector needs instanceIdPath",
-    )
-
-
-def test_instance_selector_without_id_path() -> None:
-    obj = base()
-    child(obj, 1)["podSelector"]["componentInstanceSelector"] = {}
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[1].podSelector.componentInstanceSelector.idPath",
-        "required",
-    )
-
-
-def test_type_selector_with_neither_key_path_nor_match_labels() -> None:
-    obj = base()
-    child(obj, 0)["podSelector"]["componentTypeSelector"] = {"value": "a"}
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[0].podSelector.componentTypeSelector",
-        "needs keyPath or matchLabels",
-    )
-
-
-def test_type_selector_value_without_key_path() -> None:
-    obj = base()
-    child(obj, 1)["podSelector"]["componentTypeSelector"]["value"] = "b"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[1].podSelector.componentTypeSelector.value",
-        "value needs keyPath",
-    )
-
-
-def test_match_labels_must_be_strings() -> None:
-    obj = base()
-    child(obj, 1)["podSelector"]["componentTypeSelector"]["matchLabels"] = {"role": ["b"]}
-    err = error_of(obj)
-    assert err.path == f"{CHILDREN}[1].podSelector.componentTypeSelector.matchLabels"
-    assert "must be strings" in err.reason
-
-
 def test_type_selector_numeric_value_is_its_text() -> None:
     obj = base()
     child(obj, 0)["podSelector"]["componentTypeSelector"]["value"] = 0
@@ -517,57 +459,6 @@ def test_type_selector_numeric_value_is_its_text() -> None:
     sel = d.children[0].pod_selector
     assert sel is not None and sel.type_selector is not None
     assert sel.type_selector.value == "0"
-
-
-def test_unknown_status_mapping_key() -> None:
-    obj = base()
-    root(obj)["statusDefinition"]["statusMappings"]["paused"] = [{"byPhase": "Paused"}]
-    err = error_of(obj)
-    assert err.path == f"{ROOT}.statusDefinition.statusMappings.paused"
-    assert err.reason.startswith("unknown status 'paused' (expected one of ")
-    assert "running" in err.reason
-
-
-def test_status_mapping_keys_are_lowercase() -> None:
-    obj = base()
-    root(obj)["statusDefinition"]["statusMappings"] = {"Running": [{"byPhase": "Running"}]}
-    err = error_of(obj)
-    assert err.path == f"{ROOT}.statusDefinition.statusMappings.Running"
-
-
-def test_status_definition_without_mappings() -> None:
-    obj = base()
-    del root(obj)["statusDefinition"]["statusMappings"]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{ROOT}.statusDefinition.statusMappings", "required")
-
-
-def test_matcher_field_types() -> None:
-    obj = base()
-    root(obj)["statusDefinition"]["statusMappings"]["failed"] = [
-        {"byConditions": [{"status": "True"}]}
-    ]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{ROOT}.statusDefinition.statusMappings.failed[0].byConditions[0].type",
-        "required",
-    )
-    obj = base()
-    root(obj)["statusDefinition"]["statusMappings"]["failed"] = {"byPhase": "x"}
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{ROOT}.statusDefinition.statusMappings.failed",
-        "must be a list, got mapping",
-    )
-    obj = base()
-    root(obj)["statusDefinition"]["statusMappings"]["failed"] = [
-        {"byExpression": {"expression": ".a"}}
-    ]
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{ROOT}.statusDefinition.statusMappings.failed[0].byExpression.expectedResult",
-        "required",
-    )
 
 
 def test_unquoted_yaml_scalars_in_matchers_are_text() -> None:
@@ -601,22 +492,7 @@ def test_condition_field_names_default_when_null() -> None:
     )
 
 
-def test_two_spec_variants() -> None:
-    obj = base()
-    child(obj, 0)["specDefinition"]["podSpecPath"] = ".spec.a.spec"
-    err = error_of(obj)
-    assert err.path == f"{CHILDREN}[0].specDefinition"
-    assert err.reason.startswith("only one of podTemplateSpecPath")
-
-
-def test_metadata_path_only_with_pod_spec_path() -> None:
-    obj = base()
-    child(obj, 0)["specDefinition"]["metadataPath"] = ".spec.a.metadata"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (
-        f"{CHILDREN}[0].specDefinition.metadataPath",
-        "metadataPath is used only with podSpecPath",
-    )
+def test_metadata_path_with_pod_spec_path() -> None:
     obj = base()
     child(obj, 0)["specDefinition"] = {"podSpecPath": ".spec.a.spec", "metadataPath": ".m"}
     assert parse_description(obj, "test.yaml").children[0].pod_bearing
@@ -630,17 +506,6 @@ def test_pod_bearing_variants_and_root() -> None:
     d = parse_description(obj, "test.yaml")
     assert [c.name for c in d.pod_components] == ["root", "a"]
     assert d.root.pod_bearing and not d.children[1].pod_bearing
-
-
-def test_wrong_field_types() -> None:
-    obj = base()
-    structure(obj)["childComponents"] = {"name": "a"}
-    err = error_of(obj)
-    assert (err.path, err.reason) == (CHILDREN, "must be a list, got mapping")
-    obj = base()
-    root(obj)["kind"] = "Tiny"
-    err = error_of(obj)
-    assert (err.path, err.reason) == (f"{ROOT}.kind", "must be a mapping, got str")
 
 
 def test_not_a_description() -> None:
