@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from proxy.karta.model import GroupKind
@@ -84,6 +85,7 @@ def controller_ref(refs: Any) -> OwnerRef | None:
     return None
 
 
+@dataclass(slots=True, eq=False)
 class ObjectRecord:
     """A non-pod object as the engine keeps it.
 
@@ -93,26 +95,15 @@ class ObjectRecord:
     ``Any`` because that type lives in the engine, above this module).
     """
 
-    __slots__ = ("cache", "gk", "member", "name", "namespace", "obj", "owner", "uid")
-
-    def __init__(
-        self,
-        uid: str,
-        gk: GroupKind,
-        namespace: str,
-        name: str,
-        owner: OwnerRef | None,
-        obj: Mapping[str, Any] | Packed | None,
-    ) -> None:
-        self.uid = uid
-        self.gk = gk
-        self.namespace = namespace
-        self.name = name
-        self.owner = owner
-        self.obj = obj
-        self.cache: Any = None
-        #: uid of the workload this described object belongs to ("" when none)
-        self.member = ""
+    uid: str
+    gk: GroupKind
+    namespace: str
+    name: str
+    owner: OwnerRef | None
+    obj: Mapping[str, Any] | Packed | None
+    cache: Any = field(default=None, init=False)
+    #: uid of the workload this described object belongs to ("" when none)
+    member: str = field(default="", init=False)
 
 
 class _Dependents:
@@ -123,28 +114,18 @@ class _Dependents:
         self.uids: set[str] = set()
 
 
+@dataclass(slots=True, eq=False)
 class WalkResult(Generic[T]):
     """The topmost described element reached, or the reason none was."""
 
-    __slots__ = ("described", "obj", "reason", "ref", "root_pod", "uid")
-
-    def __init__(
-        self,
-        described: T | None,
-        uid: str,
-        obj: ObjectRecord | None,
-        ref: OwnerRef | None,
-        reason: str,
-        root_pod: str = "",
-    ) -> None:
-        self.described = described
-        self.uid = uid
-        self.obj = obj
-        self.ref = ref
-        self.reason = reason
-        #: uid of the pod the chain ended at, when it ended at a present pod without a
-        #: controller before any described kind (the engine makes that pod the workload)
-        self.root_pod = root_pod
+    described: T | None
+    uid: str
+    obj: ObjectRecord | None
+    ref: OwnerRef | None
+    reason: str
+    #: uid of the pod the chain ended at, when it ended at a present pod without a
+    #: controller before any described kind (the engine makes that pod the workload)
+    root_pod: str = ""
 
 
 class OwnerGraph:
