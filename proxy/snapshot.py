@@ -39,7 +39,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -231,10 +231,7 @@ class SnapshotContent:
                 else:
                     d = digest(o)
                     objs.append(ObjectStub(o, d) if d is not None else o)
-            out.files[path] = FileContent(
-                fc.path, objs, fc.descriptions, fc.description_errors, fc.description_docs,
-                fc.invalid, fc.uids_derived,
-            )
+            out.files[path] = replace(fc, objects=objs)
         return out
 
     def descriptions(self) -> list[Description]:
