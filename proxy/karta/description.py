@@ -142,6 +142,16 @@ class _Parser:
             raise self.fail(path, "must not be empty")
         return value
 
+    def section_jq(self, m: Mapping[str, Any], section: str, key: str,
+                   path: str) -> JqExpr | None:
+        """The jq field ``key`` of an optional section (``componentInstanceSelector``,
+        ``replicaSelector``, ``phaseDefinition``): None without the section, required in
+        it."""
+        if m.get(section) is None:
+            return None
+        p = f"{path}.{section}"
+        return self.jq(self.mapping(m[section], p).get(key), f"{p}.{key}", required=True)
+
     def jq(self, value: Any, path: str, *, required: bool = False) -> JqExpr | None:
         """Compile one jq field. Bare numbers are accepted as the literal they spell."""
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -252,16 +262,8 @@ class _Parser:
             type_selector = self.type_selector(
                 m["componentTypeSelector"], f"{path}.componentTypeSelector"
             )
-        instance_id_path = None
-        if m.get("componentInstanceSelector") is not None:
-            p = f"{path}.componentInstanceSelector"
-            inst = self.mapping(m["componentInstanceSelector"], p)
-            instance_id_path = self.jq(inst.get("idPath"), f"{p}.idPath", required=True)
-        replica_key_path = None
-        if m.get("replicaSelector") is not None:
-            p = f"{path}.replicaSelector"
-            rep = self.mapping(m["replicaSelector"], p)
-            replica_key_path = self.jq(rep.get("keyPath"), f"{p}.keyPath", required=True)
+        instance_id_path = self.section_jq(m, "componentInstanceSelector", "idPath", path)
+        replica_key_path = self.section_jq(m, "replicaSelector", "keyPath", path)
         if type_selector is None and instance_id_path is None and replica_key_path is None:
             return None
         return PodSelector(
@@ -296,11 +298,7 @@ class _Parser:
         if raw is None:
             return None
         m = self.mapping(raw, path)
-        phase_path = None
-        if m.get("phaseDefinition") is not None:
-            p = f"{path}.phaseDefinition"
-            phase = self.mapping(m["phaseDefinition"], p)
-            phase_path = self.jq(phase.get("path"), f"{p}.path", required=True)
+        phase_path = self.section_jq(m, "phaseDefinition", "path", path)
         conditions_path = None
         fields: dict[str, str] = {}
         if m.get("conditionsDefinition") is not None:
