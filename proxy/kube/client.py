@@ -100,23 +100,17 @@ class KubeClient:
         await self.api.close()
 
     async def open(
-        self,
-        path: str,
-        *,
-        method: str = "GET",
-        query: Mapping[str, str] | None = None,
-        accept: str = ACCEPT_JSON,
+        self, path: str, *, query: Mapping[str, str] | None = None, accept: str = ACCEPT_JSON,
         timeout: aiohttp.ClientTimeout | float | None = None,
-        body: Any = None,
     ) -> aiohttp.ClientResponse:
-        """Send a request and return the open response; non-2xx raises KubeApiError."""
+        """GET ``path`` and return the open response; non-2xx raises KubeApiError. Only
+        GET: the source lists, watches and discovers (the Lease has its typed client)."""
         params: Sequence[tuple[str, str]] = list((query or {}).items())
         resp: aiohttp.ClientResponse = await self.api.call_api(
             path,
-            method,
+            "GET",
             query_params=params,
             header_params={"Accept": accept, "Content-Type": "application/json"},
-            body=body,
             auth_settings=["BearerToken"],
             _preload_content=False,
             _request_timeout=timeout,
@@ -128,18 +122,11 @@ class KubeClient:
         return resp
 
     async def request_json(
-        self,
-        path: str,
-        *,
-        method: str = "GET",
-        query: Mapping[str, str] | None = None,
-        accept: str = ACCEPT_JSON,
+        self, path: str, *, query: Mapping[str, str] | None = None, accept: str = ACCEPT_JSON,
         timeout: float | None = 60.0,
-        body: Any = None,
     ) -> Any:
-        resp = await self.open(
-            path, method=method, query=query, accept=accept, timeout=timeout, body=body
-        )
+        """GET ``path`` and decode the whole answer (``open`` for a stream)."""
+        resp = await self.open(path, query=query, accept=accept, timeout=timeout)
         try:
             raw = await resp.read()
         finally:
