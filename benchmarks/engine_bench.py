@@ -41,38 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine
 from proxy.karta.jqexpr import JqExpr
+from tests.karta.descriptions import raycluster_karta
 
 NS_COUNT = 40
 
-RAY = {
-    "apiVersion": "run.ai/v1alpha1",
-    "kind": "Karta",
-    "metadata": {"name": "bench-raycluster"},
-    "spec": {"structureDefinition": {
-        "rootComponent": {
-            "name": "raycluster",
-            "kind": {"group": "ray.io", "version": "v1", "kind": "RayCluster"},
-            "statusDefinition": {"phaseDefinition": {"path": ".status.state"},
-                                 "statusMappings": {"running": [{"byPhase": "ready"}],
-                                                    "failed": [{"byPhase": "failed"}]}},
-        },
-        "childComponents": [
-            {"name": "head", "ownerRef": "raycluster",
-             "specDefinition": {"podTemplateSpecPath": ".spec.headGroupSpec.template"},
-             "scaleDefinition": {"replicasPath": "1"},
-             "podSelector": {"componentTypeSelector": {
-                 "keyPath": '.metadata.labels["ray.io/node-type"]', "value": "head"}}},
-            {"name": "worker", "ownerRef": "raycluster",
-             "specDefinition": {"podTemplateSpecPath": ".spec.workerGroupSpecs[]?.template"},
-             "scaleDefinition": {"replicasPath": ".spec.workerGroupSpecs[]?.replicas"},
-             "instanceIdPath": ".spec.workerGroupSpecs[]?.groupName",
-             "podSelector": {
-                 "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
-                                           "value": "worker"},
-                 "componentInstanceSelector": {"idPath": '.metadata.labels["ray.io/group"]'}}},
-        ],
-    }},
-}
+#: the RayCluster description of the kube source tests, named for the benchmark
+RAY = raycluster_karta("bench-raycluster")
 
 
 class Gen:

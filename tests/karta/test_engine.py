@@ -18,6 +18,7 @@ from proxy.karta.engine import (
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
 from tests.clock import ManualClock
+from tests.karta import descriptions
 
 NS = "team-a"
 
@@ -51,52 +52,18 @@ def pod(name: str, owner: dict[str, Any] | None = None, **labels: str) -> dict[s
 
 
 def karta(kind: dict[str, str], children: list[dict[str, Any]], **root: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "run.ai/v1alpha1",
-        "kind": "Karta",
-        "metadata": {"name": f"test-{kind['kind'].lower()}"},
-        "spec": {
-            "structureDefinition": {
-                "rootComponent": {"name": "root", "kind": {"version": "v1", **kind}, **root},
-                "childComponents": children,
-            }
-        },
-    }
+    """A description of ``kind`` (group and kind) whose root component is named ``root``."""
+    return descriptions.karta(f"test-{kind['kind'].lower()}",
+                              {"name": "root", "kind": {"version": "v1", **kind}, **root},
+                              children)
 
 
 def describe(raw: dict[str, Any]) -> Description:
     return parse_description(raw, "test")
 
 
-RAY = {"group": "ray.io", "kind": "RayCluster"}
-RAY_KARTA = karta(
-    RAY,
-    [
-        {
-            "name": "head",
-            "ownerRef": "root",
-            "specDefinition": {"podTemplateSpecPath": ".spec.headGroupSpec.template"},
-            "podSelector": {
-                "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
-                                          "value": "head"}
-            },
-        },
-        {
-            "name": "worker",
-            "ownerRef": "root",
-            "specDefinition": {"podTemplateSpecPath": ".spec.workerGroupSpecs[]?.template"},
-            "scaleDefinition": {"replicasPath": ".spec.workerGroupSpecs[]?.replicas"},
-            "instanceIdPath": ".spec.workerGroupSpecs[]?.groupName",
-            "podSelector": {
-                "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
-                                          "value": "worker"},
-                "componentInstanceSelector": {"idPath": '.metadata.labels["ray.io/group"]'},
-            },
-        },
-    ],
-    statusDefinition={"phaseDefinition": {"path": ".status.state"},
-                      "statusMappings": {"running": [{"byPhase": "ready"}]}},
-)
+#: the kube source tests' RayCluster description, but for a head without replicas
+RAY_KARTA = descriptions.raycluster_karta(head_replicas=False)
 
 
 def raycluster(name: str, groups: list[str], state: str = "ready") -> dict[str, Any]:

@@ -19,6 +19,7 @@ from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.kube.source import KubeSource
+from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.kube.conftest import (
     SourceFactory,
     deployment,
@@ -30,41 +31,6 @@ from tests.kube.conftest import (
 )
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import JOB_SET
-
-# The project's own small RayJob description: pods sit under a RayCluster the RayJob owns.
-RAYJOB_KARTA = {
-    "apiVersion": "run.ai/v1alpha1",
-    "kind": "Karta",
-    "metadata": {"name": "test-rayjob"},
-    "spec": {"structureDefinition": {
-        "rootComponent": {
-            "name": "rayjob",
-            "kind": {"group": "ray.io", "version": "v1", "kind": "RayJob"},
-            "statusDefinition": {
-                "phaseDefinition": {"path": ".status.jobStatus"},
-                "statusMappings": {"running": [{"byPhase": "RUNNING"}]},
-            },
-        },
-        "additionalChildKinds": [{"group": "ray.io", "version": "v1", "kind": "RayCluster"}],
-        "childComponents": [
-            {"name": "head", "ownerRef": "rayjob",
-             "kind": {"group": "", "version": "v1", "kind": "Pod"},
-             "specDefinition": {"podTemplateSpecPath": ".spec.rayClusterSpec.headGroupSpec"
-                                                       ".template"},
-             "podSelector": {"componentTypeSelector": {
-                 "keyPath": '.metadata.labels["ray.io/node-type"]', "value": "head"}}},
-            {"name": "worker", "ownerRef": "rayjob",
-             "kind": {"group": "", "version": "v1", "kind": "Pod"},
-             "specDefinition": {"podTemplateSpecPath": ".spec.rayClusterSpec"
-                                                       ".workerGroupSpecs[]?.template"},
-             "instanceIdPath": ".spec.rayClusterSpec.workerGroupSpecs[]?.groupName",
-             "podSelector": {
-                 "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
-                                           "value": "worker"},
-                 "componentInstanceSelector": {"idPath": '.metadata.labels["ray.io/group"]'}}},
-        ],
-    }},
-}
 
 
 def _has(source: KubeSource, name: str, ns: str = "default") -> Callable[[], object]:
@@ -261,15 +227,7 @@ async def test_node_mode(sim: KubeSim, make_source: SourceFactory) -> None:
 
 async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
                                                    make_source: SourceFactory) -> None:
-    jobset_karta = {
-        "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "test-jobset"},
-        "spec": {"structureDefinition": {"rootComponent": {
-            "name": "jobset",
-            "kind": {"group": "jobset.x-k8s.io", "version": "v1alpha2", "kind": "JobSet"},
-            "specDefinition": {"podTemplateSpecPath": ".spec.template"},
-        }}},
-    }
-    sim.create(jobset_karta)
+    sim.create(JOBSET_KARTA)
     deployment(sim, "web", replicas=1)
     source = await make_source()
     assert source.index.ready and labels(source, "default", "web-1-0") is not None
@@ -279,43 +237,6 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
     sim.register(JOB_SET)  # the CRD gets installed later: picked up by the recheck
     await eventually(lambda: gk in source.watchers and gk not in source.unserved_kinds,
                      timeout=5)
-
-
-# The project's own RayCluster description: phase from .status.state, worker replicas per
-# worker group (the instance).
-RAYCLUSTER_KARTA = {
-    "apiVersion": "run.ai/v1alpha1",
-    "kind": "Karta",
-    "metadata": {"name": "test-raycluster"},
-    "spec": {"structureDefinition": {
-        "rootComponent": {
-            "name": "raycluster",
-            "kind": {"group": "ray.io", "version": "v1", "kind": "RayCluster"},
-            "statusDefinition": {
-                "phaseDefinition": {"path": ".status.state"},
-                "statusMappings": {"running": [{"byPhase": "ready"}],
-                                   "failed": [{"byPhase": "failed"}]},
-            },
-        },
-        "childComponents": [
-            {"name": "head", "ownerRef": "raycluster",
-             "kind": {"group": "", "version": "v1", "kind": "Pod"},
-             "specDefinition": {"podTemplateSpecPath": ".spec.headGroupSpec.template"},
-             "scaleDefinition": {"replicasPath": "1"},
-             "podSelector": {"componentTypeSelector": {
-                 "keyPath": '.metadata.labels["ray.io/node-type"]', "value": "head"}}},
-            {"name": "worker", "ownerRef": "raycluster",
-             "kind": {"group": "", "version": "v1", "kind": "Pod"},
-             "specDefinition": {"podTemplateSpecPath": ".spec.workerGroupSpecs[].template"},
-             "scaleDefinition": {"replicasPath": ".spec.workerGroupSpecs[].replicas"},
-             "instanceIdPath": ".spec.workerGroupSpecs[].groupName",
-             "podSelector": {
-                 "componentTypeSelector": {"keyPath": '.metadata.labels["ray.io/node-type"]',
-                                           "value": "worker"},
-                 "componentInstanceSelector": {"idPath": '.metadata.labels["ray.io/group"]'}}},
-        ],
-    }},
-}
 
 
 async def test_description_of_an_owner_kind_switches_it_to_full_objects(

@@ -20,6 +20,7 @@ from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.kube.source import KubeSource
 from tests.clock import ManualClock
+from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.kube.conftest import labels, metric, owner, pod
 from tests.kube.fake_watcher import (
     BUILTIN,
@@ -29,21 +30,10 @@ from tests.kube.fake_watcher import (
     FakeCluster,
     FakeWatcher,
 )
-from tests.kube.test_source import RAYCLUSTER_KARTA, RAYJOB_KARTA
 
 Obj = dict[str, Any]
 RAY_JOB_GK = GroupKind("ray.io", "RayJob")
 RAY_CLUSTER_GK = GroupKind("ray.io", "RayCluster")
-
-JOBSET_KARTA = {
-    "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "test-jobset"},
-    "spec": {"structureDefinition": {"rootComponent": {
-        "name": "jobset",
-        "kind": {"group": "jobset.x-k8s.io", "version": "v1alpha2", "kind": "JobSet"},
-        "specDefinition": {"podTemplateSpecPath": ".spec.template"},
-    }}},
-}
-
 
 @pytest.fixture
 def cluster() -> FakeCluster:
