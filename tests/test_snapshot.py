@@ -24,6 +24,7 @@ from proxy.snapshot import (
     read_file,
     read_snapshot,
 )
+from tests.karta.descriptions import component, karta
 
 DEMO = Path(__file__).resolve().parents[1] / "proxy" / "demo_data" / "snapshot.yaml"
 
@@ -175,28 +176,15 @@ def test_descriptions_in_a_snapshot_and_invalid_ones_skipped(tmp_path: Path) -> 
         "metadata": {"name": "t1", "namespace": "shop", "uid": "t-1"},
         "status": {"state": "Training"},
     }  # fmt: skip
-    desc = {
-        "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "trainer"},
-        "spec": {"structureDefinition": {
-            "rootComponent": {
-                "name": "trainer",
-                "kind": {"group": "example.com", "version": "v1", "kind": "Trainer"},
-                "statusDefinition": {"phaseDefinition": {"path": ".status.state"},
-                                     "statusMappings": {"running": [{"byPhase": "Training"}]}},
-            },
-            "childComponents": [{
-                "name": "worker", "ownerRef": "trainer",
-                "specDefinition": {"podTemplateSpecPath": ".spec.template"},
-            }],
-        }},
-    }  # fmt: skip
-    bad = {
-        "apiVersion": "run.ai/v1alpha1", "kind": "Karta", "metadata": {"name": "broken"},
-        "spec": {"structureDefinition": {"rootComponent": {
-            "name": "x", "kind": {"group": "example.com", "version": "v1", "kind": "Other"},
-            "statusDefinition": {"phaseDefinition": {"path": ".status | ]["}},
-        }}},
-    }  # fmt: skip
+    desc = karta("trainer", component(
+        "trainer", "example.com", "Trainer",
+        statusDefinition={"phaseDefinition": {"path": ".status.state"},
+                          "statusMappings": {"running": [{"byPhase": "Training"}]}},
+    ), [{"name": "worker", "ownerRef": "trainer",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"}}])  # fmt: skip
+    bad = karta("broken", component(
+        "x", "example.com", "Other",
+        statusDefinition={"phaseDefinition": {"path": ".status | ]["}}))  # fmt: skip
     pod = _pod("t1-worker-0", "tp-1", None)
     pod["metadata"]["ownerReferences"] = [
         {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t1", "uid": "t-1",

@@ -13,6 +13,7 @@ from proxy.karta.builtin import builtin_descriptions, builtin_files
 from proxy.karta.description import parse_description, select_descriptions
 from proxy.karta.model import GVK, Description, GroupKind
 from proxy.karta.status import StatusResult, evaluate_status
+from tests.karta.descriptions import component, karta
 
 EXPECTED = {
     GroupKind("apps", "Deployment"): "builtin-apps-deployment",
@@ -72,20 +73,8 @@ def test_intermediate_kinds() -> None:
 
 
 def test_user_description_overrides_a_builtin() -> None:
-    user = {
-        "apiVersion": "run.ai/v1alpha1",
-        "kind": "Karta",
-        "metadata": {"name": "my-deployments"},
-        "spec": {
-            "structureDefinition": {
-                "rootComponent": {
-                    "name": "d",
-                    "kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
-                    "specDefinition": {"podTemplateSpecPath": ".spec.template"},
-                }
-            }
-        },
-    }
+    user = karta("my-deployments", component(
+        "d", "apps", "Deployment", specDefinition={"podTemplateSpecPath": ".spec.template"}))
     mine = parse_description(user, "mine.yaml")
     winners, errors = select_descriptions([*builtin_descriptions(), mine])
     assert errors == []

@@ -23,6 +23,7 @@ from proxy.karta.description import (
     select_descriptions,
 )
 from proxy.karta.model import GVK, Description, GroupKind
+from tests.karta.descriptions import component, karta
 
 SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "karta" / "descriptions"
 ROOT = "spec.structureDefinition.rootComponent"
@@ -189,46 +190,28 @@ def test_sample_folder_loads_all_but_mpijob() -> None:
 
 def base() -> dict[str, Any]:
     """A small valid description: root with two pod-bearing children and a status."""
-    return {
-        "apiVersion": "run.ai/v1alpha1",
-        "kind": "Karta",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "structureDefinition": {
-                "rootComponent": {
-                    "name": "root",
-                    "kind": {"group": "example.com", "version": "v1", "kind": "Tiny"},
-                    "statusDefinition": {
-                        "phaseDefinition": {"path": ".status.phase"},
-                        "statusMappings": {"running": [{"byPhase": "Running"}]},
-                    },
-                },
-                "childComponents": [
-                    {
-                        "name": "a",
-                        "ownerRef": "root",
-                        "specDefinition": {"podTemplateSpecPath": ".spec.a"},
-                        "podSelector": {
-                            "componentTypeSelector": {
-                                "keyPath": ".metadata.labels.role",
-                                "value": "a",
-                            }
-                        },
-                    },
-                    {
-                        "name": "b",
-                        "ownerRef": "root",
-                        "specDefinition": {"podTemplateSpecPath": ".spec.b[]"},
-                        "instanceIdPath": ".spec.b[].name",
-                        "podSelector": {
-                            "componentTypeSelector": {"matchLabels": {"role": "b"}},
-                            "componentInstanceSelector": {"idPath": ".metadata.labels.group"},
-                        },
-                    },
-                ],
-            }
+    status = {"phaseDefinition": {"path": ".status.phase"},
+              "statusMappings": {"running": [{"byPhase": "Running"}]}}
+    return karta("tiny", component("root", "example.com", "Tiny", statusDefinition=status), [
+        {
+            "name": "a",
+            "ownerRef": "root",
+            "specDefinition": {"podTemplateSpecPath": ".spec.a"},
+            "podSelector": {
+                "componentTypeSelector": {"keyPath": ".metadata.labels.role", "value": "a"}
+            },
         },
-    }
+        {
+            "name": "b",
+            "ownerRef": "root",
+            "specDefinition": {"podTemplateSpecPath": ".spec.b[]"},
+            "instanceIdPath": ".spec.b[].name",
+            "podSelector": {
+                "componentTypeSelector": {"matchLabels": {"role": "b"}},
+                "componentInstanceSelector": {"idPath": ".metadata.labels.group"},
+            },
+        },
+    ])
 
 
 def structure(obj: dict[str, Any]) -> dict[str, Any]:

@@ -26,27 +26,17 @@ from proxy.karta.jqexpr import JqExpr
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.owners import OwnerRef
 from proxy.karta.results import ChangeSet
+from tests.karta.descriptions import component, karta
 
 NS = "ns"
 HOPS = 4
 
 
-def _karta(kind: str, children: list[dict[str, Any]], ids: bool = False) -> Description:
-    raw = {
-        "apiVersion": "run.ai/v1alpha1",
-        "kind": "Karta",
-        "metadata": {"name": f"prop-{kind.lower()}"},
-        "spec": {"structureDefinition": {
-            "rootComponent": {
-                "name": "root",
-                "kind": {"group": "example.com", "version": "v1", "kind": kind},
-                "statusDefinition": {"phaseDefinition": {"path": ".status.phase"},
-                                     "statusMappings": {"running": [{"byPhase": "Up"}]}},
-            },
-            "childComponents": children,
-        }},
-    }
-    return parse_description(raw, "prop")
+def _karta(kind: str, children: list[dict[str, Any]]) -> Description:
+    status = {"phaseDefinition": {"path": ".status.phase"},
+              "statusMappings": {"running": [{"byPhase": "Up"}]}}
+    root = component("root", "example.com", kind, statusDefinition=status)
+    return parse_description(karta(f"prop-{kind.lower()}", root, children), "prop")
 
 
 TOP = _karta("Top", [

@@ -16,6 +16,7 @@ from proxy.karta.builtin import builtin_descriptions
 from proxy.karta.description import load_description_paths, parse_description
 from proxy.karta.model import GENERIC_PHASES, UPSTREAM_STATUS_ORDER, Description, StatusDefinition
 from proxy.karta.status import PHASE_PRIORITY, StatusResult, evaluate_status
+from tests.karta.descriptions import component, karta
 
 SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "karta" / "descriptions"
 
@@ -209,20 +210,7 @@ def test_llminferenceservice_expression() -> None:
 
 
 def definition(status: dict[str, Any]) -> StatusDefinition:
-    obj = {
-        "apiVersion": "run.ai/v1alpha1",
-        "kind": "Karta",
-        "metadata": {"name": "t"},
-        "spec": {
-            "structureDefinition": {
-                "rootComponent": {
-                    "name": "t",
-                    "kind": {"group": "example.com", "version": "v1", "kind": "T"},
-                    "statusDefinition": status,
-                }
-            }
-        },
-    }
+    obj = karta("t", component("t", "example.com", "T", statusDefinition=status))
     d = parse_description(obj, "test")
     assert d.status is not None
     return d.status
