@@ -42,23 +42,19 @@ class _IndexCollector(Collector):
         index = self._get()
         if index is None:
             return
-        g = GaugeMetricFamily(_P + "index_pods", "Pods with stamped labels in the index "
-                              "(tombstones included).")
-        g.add_metric([], len(index))
-        yield g
-        t = GaugeMetricFamily(_P + "index_tombstones", "Deleted pods still kept for late samples.")
-        t.add_metric([], index.tombstones())
-        yield t
-        w = GaugeMetricFamily(_P + "index_workloads", "Workloads known to the index.")
-        w.add_metric([], len(index.workloads))
-        yield w
-        r = GaugeMetricFamily(_P + "index_ready",
-                              "1 once every source delivered its initial state.")
-        r.add_metric([], 1.0 if index.ready else 0.0)
-        yield r
-        s = GaugeMetricFamily(_P + "index_stale", "1 while a source knows it is cut off.")
-        s.add_metric([], 1.0 if index.stale else 0.0)
-        yield s
+        yield _gauge("index_pods", "Pods with stamped labels in the index (tombstones "
+                     "included).", len(index))
+        yield _gauge("index_tombstones", "Deleted pods still kept for late samples.",
+                     index.tombstones())
+        yield _gauge("index_workloads", "Workloads known to the index.", len(index.workloads))
+        yield _gauge("index_ready", "1 once every source delivered its initial state.",
+                     1.0 if index.ready else 0.0)
+        yield _gauge("index_stale", "1 while a source knows it is cut off.",
+                     1.0 if index.stale else 0.0)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(_P + name, documentation, value=value)
 
 
 class ProxyMetrics:
