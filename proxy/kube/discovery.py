@@ -14,27 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proxy.karta.model import GroupKind
+from proxy.karta.model import GVK, GroupKind
 from proxy.kube.client import KubeApiError, KubeClient
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class ApiResource:
-    group: str
-    version: str
-    kind: str
+class ApiResource(GVK):
+    """A kind as the cluster serves it: its group/version/kind (``api_version`` and
+    ``group_kind`` come with them), plural and scope."""
+
     plural: str
     namespaced: bool
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-    @property
-    def group_kind(self) -> GroupKind:
-        return GroupKind(self.group, self.kind)
 
     @property
     def name(self) -> str:
