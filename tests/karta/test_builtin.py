@@ -14,6 +14,7 @@ from proxy.karta.description import parse_description, select_descriptions
 from proxy.karta.model import GVK, Description, GroupKind
 from proxy.karta.status import StatusResult, evaluate_status
 from tests.karta.descriptions import component, karta
+from tests.karta.workloads import statefulset
 
 EXPECTED = {
     GroupKind("apps", "Deployment"): "builtin-apps-deployment",
@@ -182,23 +183,6 @@ def test_deployment_phases() -> None:
     zero = deployment(0, ready=0, conditions=[AVAILABLE])
     del zero["status"]["readyReplicas"], zero["status"]["updatedReplicas"]
     assert phase("Deployment", zero).phase == "Running"
-
-
-def statefulset(
-    replicas: int, *, ready: int, updated: int | None = None, revision: str = "r1"
-) -> dict[str, Any]:
-    return {
-        "metadata": {"generation": 1},
-        "spec": {"replicas": replicas},
-        "status": {
-            "observedGeneration": 1,
-            "replicas": replicas,
-            "readyReplicas": ready,
-            "updatedReplicas": replicas if updated is None else updated,
-            "currentRevision": "r1",
-            "updateRevision": revision,
-        },
-    }
 
 
 def test_statefulset_phases() -> None:

@@ -17,6 +17,7 @@ from proxy.karta.description import load_description_paths, parse_description
 from proxy.karta.model import GENERIC_PHASES, UPSTREAM_STATUS_ORDER, Description, StatusDefinition
 from proxy.karta.status import PHASE_PRIORITY, StatusResult, evaluate_status
 from tests.karta.descriptions import component, karta
+from tests.karta.workloads import statefulset
 
 SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "karta" / "descriptions"
 
@@ -45,6 +46,11 @@ def with_conditions(*conditions: dict[str, str]) -> dict[str, Any]:
     return {"status": {"conditions": list(conditions)}}
 
 
+def ready(status: str, reason: str | None = None) -> dict[str, Any]:
+    """An object whose one condition is ``Ready`` (Knative, KServe, RayService style)."""
+    return with_conditions(cond("Ready", status, reason))
+
+
 def ok(phase: str, *statuses: str) -> StatusResult:
     return StatusResult(phase, statuses or (phase,), "")
 
@@ -54,156 +60,114 @@ UNMATCHED = StatusResult("Undefined", ("Undefined",), "no_status_matched")
 
 # -- the samples ------------------------------------------------------------------------------
 
+RAYJOB = "wm-rayjob.yaml"
+RAYCLUSTER, RAYCLUSTER_RI = "wm-raycluster.yaml", "ri-raycluster.yaml"
+JOBSET = "ri-jobset.yaml"
+PYTORCH = "ri-pytorch.yaml"
+LWS = "wm-leaderworkerset-x-k8s-io-leaderworkerset-v1.yaml"
+STATEFULSET = "wm-apps-statefulset-v1.yaml"
+RAYSERVICE = "wm-rayservice.yaml"
+KNATIVE = "wm-serving-knative-dev-service-v1.yaml"
+KSERVE = "ri-kserve.yaml"
+LLMISVC = "wm-serving-kserve-io-llminferenceservice-v1alpha1.yaml"
 
-@pytest.mark.parametrize(
-    ("job_status", "expected"),
-    [
-        ("PENDING", "Initializing"),
-        ("RUNNING", "Running"),
-        ("SUCCEEDED", "Completed"),
-        ("FAILED", "Failed"),
-    ],
-)
-def test_rayjob_phase(job_status: str, expected: str) -> None:
-    obj = {"spec": {}, "status": {"jobStatus": job_status, "jobDeploymentStatus": "Running"}}
-    assert status_of("wm-rayjob.yaml", obj) == ok(expected)
+RAY_READY = {"spec": {}, "status": {"state": "ready"}}
+RAY_SUSPENDED = {"spec": {"suspend": True}, "status": {"state": "suspended"}}
 
-
-def test_rayjob_suspended_and_unknown() -> None:
-    suspended = {"spec": {"suspend": True}, "status": {"jobDeploymentStatus": "Suspended"}}
-    assert status_of("wm-rayjob.yaml", suspended) == ok("Suspended")
-    assert status_of("wm-rayjob.yaml", {"status": {"jobStatus": "STOPPED"}}) == UNMATCHED
-    assert status_of("wm-rayjob.yaml", {}) == UNMATCHED
+#: (sample file, workload object, the status evaluation expected)
+SAMPLE_CASES = [
+    *(pytest.param(RAYJOB, {"spec": {}, "status": {"jobStatus": job_status,
+                                                    "jobDeploymentStatus": "Running"}},
+                   ok(expected), id=f"rayjob-{job_status.lower()}")
+      for job_status, expected in [("PENDING", "Initializing"), ("RUNNING", "Running"),
+                                   ("SUCCEEDED", "Completed"), ("FAILED", "Failed")]),
+    pytest.param(RAYJOB, {"spec": {"suspend": True}, "status": {"jobDeploymentStatus":
+                                                                "Suspended"}},
+                 ok("Suspended"), id="rayjob-suspended"),
+    pytest.param(RAYJOB, {"status": {"jobStatus": "STOPPED"}}, UNMATCHED, id="rayjob-unknown"),
+    pytest.param(RAYJOB, {}, UNMATCHED, id="rayjob-no-status"),
     # a phase that is not a string is no phase at all
-    assert status_of("wm-rayjob.yaml", {"status": {"jobStatus": ["RUNNING"]}}) == UNMATCHED
-
-
-def test_raycluster_phase_both_forms() -> None:
-    ready = {"spec": {}, "status": {"state": "ready"}}
-    assert status_of("wm-raycluster.yaml", ready) == ok("Running")
-    assert status_of("ri-raycluster.yaml", ready) == ok("Running")
-    assert status_of("wm-raycluster.yaml", {"status": {"state": "failed"}}) == ok("Failed")
-    assert status_of("wm-raycluster.yaml", {"spec": {"suspend": True}}) == ok("Suspended")
-    suspended = {"spec": {"suspend": True}, "status": {"state": "suspended"}}
-    assert status_of("wm-raycluster.yaml", suspended) == ok("Suspended")
+    pytest.param(RAYJOB, {"status": {"jobStatus": ["RUNNING"]}}, UNMATCHED,
+                 id="rayjob-phase-not-a-string"),
+    pytest.param(RAYCLUSTER, RAY_READY, ok("Running"), id="raycluster-ready"),
+    pytest.param(RAYCLUSTER_RI, RAY_READY, ok("Running"), id="raycluster-ri-ready"),
+    pytest.param(RAYCLUSTER, {"status": {"state": "failed"}}, ok("Failed"),
+                 id="raycluster-failed"),
+    pytest.param(RAYCLUSTER, {"spec": {"suspend": True}}, ok("Suspended"),
+                 id="raycluster-suspend-asked"),
+    pytest.param(RAYCLUSTER, RAY_SUSPENDED, ok("Suspended"), id="raycluster-suspended"),
     # the older form has no suspended mapping
-    assert status_of("ri-raycluster.yaml", suspended) == UNMATCHED
-
-
-def test_jobset_conditions() -> None:
-    running = with_conditions(
-        cond("StartupPolicyCompleted", "True"), cond("Completed", "False"), cond("Failed", "False")
-    )
-    assert status_of("ri-jobset.yaml", running) == ok("Running")
-    starting = with_conditions(cond("StartupPolicyInProgress", "True"))
-    assert status_of("ri-jobset.yaml", starting) == ok("Initializing")
-    done = with_conditions(cond("StartupPolicyCompleted", "True"), cond("Completed", "True"))
-    assert status_of("ri-jobset.yaml", done) == ok("Completed")
-    failed = with_conditions(
-        cond("StartupPolicyCompleted", "True"), cond("Completed", "False"), cond("Failed", "True")
-    )
-    assert status_of("ri-jobset.yaml", failed) == ok("Failed")
+    pytest.param(RAYCLUSTER_RI, RAY_SUSPENDED, UNMATCHED, id="raycluster-ri-suspended"),
+    pytest.param(JOBSET, with_conditions(cond("StartupPolicyCompleted", "True"),
+                                         cond("Completed", "False"), cond("Failed", "False")),
+                 ok("Running"), id="jobset-running"),
+    pytest.param(JOBSET, with_conditions(cond("StartupPolicyInProgress", "True")),
+                 ok("Initializing"), id="jobset-starting"),
+    pytest.param(JOBSET, with_conditions(cond("StartupPolicyCompleted", "True"),
+                                         cond("Completed", "True")),
+                 ok("Completed"), id="jobset-completed"),
+    pytest.param(JOBSET, with_conditions(cond("StartupPolicyCompleted", "True"),
+                                         cond("Completed", "False"), cond("Failed", "True")),
+                 ok("Failed"), id="jobset-failed"),
     # every byConditions entry must exist: Completed / Failed missing -> not running
-    partial = with_conditions(cond("StartupPolicyCompleted", "True"))
-    assert status_of("ri-jobset.yaml", partial) == UNMATCHED
-
-
-def test_pytorchjob_running_beats_initializing() -> None:
-    running = with_conditions(
-        cond("Created", "True"),
-        cond("Running", "True"),
-        cond("Succeeded", "False"),
-        cond("Failed", "False"),
-    )
-    assert status_of("ri-pytorch.yaml", running) == ok("Running", "Running", "Initializing")
-    done = with_conditions(
-        cond("Created", "True"), cond("Running", "False"), cond("Succeeded", "True")
-    )
-    assert status_of("ri-pytorch.yaml", done) == ok("Completed", "Completed", "Initializing")
-
-
-def test_leaderworkerset_by_expression_and_conditions() -> None:
-    lws = "wm-leaderworkerset-x-k8s-io-leaderworkerset-v1.yaml"
-    ready = {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}
-    assert status_of(lws, ready) == ok("Running")
-    not_ready = {"status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}}
-    assert status_of(lws, not_ready) == UNMATCHED
-    progressing = {
-        "status": {
-            "replicas": 2,
-            "readyReplicas": 1,
-            "conditions": [cond("Progressing", "True"), cond("Available", "False")],
-        }
-    }
-    assert status_of(lws, progressing) == ok("Initializing")
-    available = with_conditions(cond("Available", "True"), cond("Progressing", "True"))
-    assert status_of(lws, available) == ok("Running", "Running", "Initializing")
-    failed = with_conditions(
-        cond("Available", "False"), cond("Progressing", "False"), cond("UpdateInProgress", "False")
-    )
-    assert status_of(lws, failed) == ok("Failed")
-
-
-def statefulset(
-    replicas: int, ready: int, updated: int, *, same_revision: bool = True
-) -> dict[str, Any]:
-    return {
-        "metadata": {"generation": 4},
-        "spec": {"replicas": replicas},
-        "status": {
-            "observedGeneration": 4,
-            "replicas": replicas,
-            "readyReplicas": ready,
-            "updatedReplicas": updated,
-            "currentRevision": "sts-1",
-            "updateRevision": "sts-1" if same_revision else "sts-2",
-        },
-    }
-
-
-def test_statefulset_sample() -> None:
-    f = "wm-apps-statefulset-v1.yaml"
-    assert status_of(f, statefulset(3, 3, 3)) == ok("Running")
-    assert status_of(f, statefulset(3, 1, 3)) == ok("Degraded")
-    assert status_of(f, statefulset(3, 0, 3)) == ok("Initializing")
-    assert status_of(f, statefulset(3, 3, 1, same_revision=False)) == ok("Initializing")
-
-
-def test_rayservice_reasons() -> None:
-    f = "wm-rayservice.yaml"
-    assert status_of(f, with_conditions(cond("Ready", "True"))) == ok("Running")
-    zero = with_conditions(cond("Ready", "False", "ZeroServeEndpoints"))
-    assert status_of(f, zero) == ok("Degraded")
-    init = with_conditions(cond("Ready", "False", "Initializing"))
-    assert status_of(f, init) == ok("Initializing")
-    timeout = with_conditions(cond("Ready", "False", "InitializingTimeout"))
-    assert status_of(f, timeout) == ok("Failed")
-    assert status_of(f, with_conditions(cond("Ready", "False", "Other"))) == UNMATCHED
-
-
-def test_knative_and_kserve() -> None:
-    kn = "wm-serving-knative-dev-service-v1.yaml"
-    assert status_of(kn, with_conditions(cond("Ready", "Unknown"))) == ok("Initializing")
-    assert status_of(kn, with_conditions(cond("Ready", "True"))) == ok("Running")
-    assert status_of(kn, with_conditions(cond("Ready", "False"))) == ok("Failed")
-    ks = "ri-kserve.yaml"
-    ready = with_conditions(
-        cond("PredictorReady", "True"),
-        cond("RoutesReady", "True"),
-        cond("LatestDeploymentReady", "True"),
-    )
-    assert status_of(ks, ready) == ok("Running")
-
-
-def test_llminferenceservice_expression() -> None:
-    f = "wm-serving-kserve-io-llminferenceservice-v1alpha1.yaml"
-    assert status_of(f, with_conditions(cond("Ready", "True"))) == ok("Running")
-    progressing = with_conditions(cond("Ready", "False", "Progressing"))
-    assert status_of(f, progressing) == ok("Initializing")
-    broken = with_conditions(cond("Ready", "False", "ImagePullBackOff"))
-    assert status_of(f, broken) == ok("Failed")
+    pytest.param(JOBSET, with_conditions(cond("StartupPolicyCompleted", "True")), UNMATCHED,
+                 id="jobset-partial-conditions"),
+    # running beats initializing
+    pytest.param(PYTORCH, with_conditions(cond("Created", "True"), cond("Running", "True"),
+                                          cond("Succeeded", "False"), cond("Failed", "False")),
+                 ok("Running", "Running", "Initializing"), id="pytorch-running"),
+    pytest.param(PYTORCH, with_conditions(cond("Created", "True"), cond("Running", "False"),
+                                          cond("Succeeded", "True")),
+                 ok("Completed", "Completed", "Initializing"), id="pytorch-completed"),
+    # by expression, then by conditions
+    pytest.param(LWS, {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}},
+                 ok("Running"), id="lws-ready"),
+    pytest.param(LWS, {"status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}},
+                 UNMATCHED, id="lws-not-ready"),
+    pytest.param(LWS, {"status": {"replicas": 2, "readyReplicas": 1,
+                                  "conditions": [cond("Progressing", "True"),
+                                                 cond("Available", "False")]}},
+                 ok("Initializing"), id="lws-progressing"),
+    pytest.param(LWS, with_conditions(cond("Available", "True"), cond("Progressing", "True")),
+                 ok("Running", "Running", "Initializing"), id="lws-available"),
+    pytest.param(LWS, with_conditions(cond("Available", "False"), cond("Progressing", "False"),
+                                      cond("UpdateInProgress", "False")),
+                 ok("Failed"), id="lws-failed"),
+    pytest.param(STATEFULSET, statefulset(3, ready=3), ok("Running"), id="statefulset-ready"),
+    pytest.param(STATEFULSET, statefulset(3, ready=1), ok("Degraded"), id="statefulset-degraded"),
+    pytest.param(STATEFULSET, statefulset(3, ready=0), ok("Initializing"),
+                 id="statefulset-starting"),
+    pytest.param(STATEFULSET, statefulset(3, ready=3, updated=1, revision="r2"),
+                 ok("Initializing"), id="statefulset-rolling"),
+    # Ready=False is told apart by its reason
+    pytest.param(RAYSERVICE, ready("True"), ok("Running"), id="rayservice-ready"),
+    pytest.param(RAYSERVICE, ready("False", "ZeroServeEndpoints"),
+                 ok("Degraded"), id="rayservice-zero-endpoints"),
+    pytest.param(RAYSERVICE, ready("False", "Initializing"),
+                 ok("Initializing"), id="rayservice-initializing"),
+    pytest.param(RAYSERVICE, ready("False", "InitializingTimeout"),
+                 ok("Failed"), id="rayservice-timeout"),
+    pytest.param(RAYSERVICE, ready("False", "Other"), UNMATCHED, id="rayservice-other-reason"),
+    pytest.param(KNATIVE, ready("Unknown"), ok("Initializing"), id="knative-unknown"),
+    pytest.param(KNATIVE, ready("True"), ok("Running"), id="knative-ready"),
+    pytest.param(KNATIVE, ready("False"), ok("Failed"), id="knative-failed"),
+    pytest.param(KSERVE, with_conditions(cond("PredictorReady", "True"),
+                                         cond("RoutesReady", "True"),
+                                         cond("LatestDeploymentReady", "True")),
+                 ok("Running"), id="kserve-ready"),
+    # by expression
+    pytest.param(LLMISVC, ready("True"), ok("Running"), id="llmisvc-ready"),
+    pytest.param(LLMISVC, ready("False", "Progressing"),
+                 ok("Initializing"), id="llmisvc-progressing"),
+    pytest.param(LLMISVC, ready("False", "ImagePullBackOff"), ok("Failed"), id="llmisvc-broken"),
     # `.status.conditions // []` guards the expression when there is no status at all
-    assert status_of(f, {}) == UNMATCHED
+    pytest.param(LLMISVC, {}, UNMATCHED, id="llmisvc-no-status"),
+]
+
+
+@pytest.mark.parametrize(("filename", "obj", "expected"), SAMPLE_CASES)
+def test_sample_status(filename: str, obj: dict[str, Any], expected: StatusResult) -> None:
+    assert status_of(filename, obj) == expected
 
 
 # -- upstream matcher semantics, on tiny inline definitions -----------------------------------
@@ -255,11 +219,11 @@ def test_condition_type_only_status_and_reason() -> None:
         }
     )
     assert evaluate_status(sd, with_conditions(cond("Created", "False"))) == ok("Initializing")
-    assert evaluate_status(sd, with_conditions(cond("Ready", "True", "Crash"))) == ok("Failed")
-    assert evaluate_status(sd, with_conditions(cond("Ready", "False", "Slow"))) == ok("Degraded")
-    assert evaluate_status(sd, with_conditions(cond("Ready", "True", "Slow"))) == UNMATCHED
-    assert evaluate_status(sd, with_conditions(cond("Ready", "False", "slow"))) == UNMATCHED
-    assert evaluate_status(sd, with_conditions(cond("Ready", "False"))) == UNMATCHED
+    assert evaluate_status(sd, ready("True", "Crash")) == ok("Failed")
+    assert evaluate_status(sd, ready("False", "Slow")) == ok("Degraded")
+    assert evaluate_status(sd, ready("True", "Slow")) == UNMATCHED
+    assert evaluate_status(sd, ready("False", "slow")) == UNMATCHED
+    assert evaluate_status(sd, ready("False")) == UNMATCHED
 
 
 def test_custom_condition_field_names() -> None:
@@ -293,7 +257,7 @@ def test_conditions_path_shapes() -> None:
             },
         }
     )
-    assert evaluate_status(sd, with_conditions(cond("Ready", "True"))) == ok("Running")
+    assert evaluate_status(sd, ready("True")) == ok("Running")
     assert evaluate_status(sd, {"status": {"conditions": "Ready"}}) == UNMATCHED
     sd = definition(
         {
