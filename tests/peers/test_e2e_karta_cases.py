@@ -117,6 +117,19 @@ async def transition_times(tsdb: Peer, after: float) -> dict[str, tuple[str, flo
             for r in got}
 
 
+async def all_dated(tsdb: Peer, after: float, what: str) -> dict[str, tuple[str, float]]:
+    """Wait until every workload of the cluster has a transition sample written after
+    ``after``; returns them as ``transition_times`` does."""
+    got: dict[str, tuple[str, float]] = {}
+
+    async def every_workload() -> bool:
+        got.update(await transition_times(tsdb, after))
+        return {DRIVER, APISERVER, "web", "db"} <= set(got)
+
+    await wait_until(every_workload, timeout=15, what=what)
+    return got
+
+
 def unix(rfc3339: str) -> float:
     from datetime import datetime
 
@@ -162,13 +175,7 @@ async def test_spark_static_pods_and_phase_times_through_a_restart(
 
         await wait_until(observed_pods, timeout=15, what="the driver workload's replica facts")
 
-        first: dict[str, tuple[str, float]] = {}
-
-        async def all_dated() -> bool:
-            first.update(await transition_times(tsdb, t_first))
-            return {DRIVER, APISERVER, "web", "db"} <= set(first)
-
-        await wait_until(all_dated, timeout=15, what="transition times of every workload")
+        first = await all_dated(tsdb, t_first, "transition times of every workload")
     finally:
         await proxy.stop()
     assert first[DRIVER] == ("object", unix(DRIVER_SINCE))
@@ -181,13 +188,7 @@ async def test_spark_static_pods_and_phase_times_through_a_restart(
     t_second = time.time()
     proxy = await start_proxy(settings(snap, write))
     try:
-        second: dict[str, tuple[str, float]] = {}
-
-        async def rewritten() -> bool:
-            second.update(await transition_times(tsdb, t_second))
-            return {DRIVER, APISERVER, "web", "db"} <= set(second)
-
-        await wait_until(rewritten, timeout=15, what="transition times after the restart")
+        second = await all_dated(tsdb, t_second, "transition times after the restart")
     finally:
         await proxy.stop()
     for w in (DRIVER, APISERVER, "web"):
