@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy import contract
+from proxy.aux_server import AuxServer
 from proxy.compression import DecodeError, decompress
 from proxy.handler import protocol_from_content_type
 from proxy.sender import Series, decode, send_series, series_from_exposition
@@ -81,29 +82,19 @@ class Received:
 
 
 @dataclass
-class Receiver:
+class Receiver(AuxServer):
     """A remote-write receiver on 127.0.0.1 that keeps what it is sent, decoded."""
 
     requests: list[Received] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     url: str = ""
-    _runner: web.AppRunner | None = None
 
     async def start(self) -> str:
         app = web.Application(client_max_size=MAX_DECODED)
         app.router.add_post("/api/v1/write", self._write)
-        self._runner = web.AppRunner(app, access_log=None, auto_decompress=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
+        port = await self.serve(app, "127.0.0.1", 0, auto_decompress=False)
         self.url = f"http://127.0.0.1:{port}/api/v1/write"
         return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     def series(self) -> list[Series]:
         return [s for r in self.requests for s in r.series]

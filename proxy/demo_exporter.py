@@ -57,6 +57,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from proxy.aux_server import AuxServer
 from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -607,7 +608,7 @@ def load_objects(source: str | Path | Iterable[Mapping[str, Any]]) -> list[Mappi
     return list(source)
 
 
-class FixtureExporter:
+class FixtureExporter(AuxServer):
     """The aiohttp exporter; ``async with`` or ``start()`` / ``stop()``."""
 
     def __init__(
@@ -622,7 +623,6 @@ class FixtureExporter:
         self.model = ClusterModel.from_objects(load_objects(source), t0=clock())
         self._host = host
         self._port = port
-        self._runner: web.AppRunner | None = None
         self.url = ""
         #: scrapes served per route, for tests that wait for a scrape
         self.scrapes: dict[str, int] = {"cadvisor": 0, "resource": 0, "dcgm": 0}
@@ -632,27 +632,9 @@ class FixtureExporter:
         app.router.add_get("/metrics/cadvisor", self._cadvisor)
         app.router.add_get("/metrics/resource", self._resource)
         app.router.add_get("/metrics", self._dcgm)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        server = site._server
-        assert server is not None and server.sockets  # type: ignore[attr-defined]
-        port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        port = await self.serve(app, self._host, self._port)
         self.url = f"http://{self._host}:{port}"
         return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> FixtureExporter:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     def _text(self, body: str) -> web.Response:
         return web.Response(

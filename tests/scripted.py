@@ -16,6 +16,7 @@ import snappy
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.aux_server import AuxServer
 from proxy.compression import decompress
 
 
@@ -70,7 +71,7 @@ def _is_empty_write(rec: Received) -> bool:
         return False
 
 
-class ScriptedUpstream:
+class ScriptedUpstream(AuxServer):
     """``replies`` are used in order; the last one repeats. ``rule`` overrides per request."""
 
     def __init__(self, *replies: Reply, rule: Callable[[Received], Reply | None] | None = None,
@@ -86,7 +87,6 @@ class ScriptedUpstream:
         self.url = ""
         self.port = port
         self._ssl = ssl_context
-        self._runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.Response:
         peer = request.transport.get_extra_info("peername") if request.transport else None
@@ -108,26 +108,8 @@ class ScriptedUpstream:
     async def start(self) -> str:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, auto_decompress=False,
-                                     shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self._ssl)
-        await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.port = await self.serve(app, "127.0.0.1", self.port, ssl_context=self._ssl,
+                                     auto_decompress=False, shutdown_timeout=0.5)
         scheme = "https" if self._ssl else "http"
         self.url = f"{scheme}://127.0.0.1:{self.port}/api/v1/write"
         return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> ScriptedUpstream:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
