@@ -86,6 +86,14 @@ async def make(client: KubeClient) -> AsyncIterator[Make]:
         await w.stop()
 
 
+async def started(make: Make, sink: RecordingSink, **kwargs: object) -> ResourceWatcher:
+    """A watcher started and past its initial list (or told its resource is not served)."""
+    w = make(sink, **kwargs)
+    w.start()
+    await asyncio.wait_for(w.synced.wait(), 5)
+    return w
+
+
 # -- pure parts ----------------------------------------------------------------------------
 
 
@@ -157,9 +165,7 @@ async def test_paginated_list_then_watch(sim: KubeSim, make: Make) -> None:
     for i in range(5):
         sim.create(pod(f"p{i}"))
     sink = RecordingSink()
-    w = make(sink, page_size=2)
-    w.start()
-    await asyncio.wait_for(w.synced.wait(), 5)
+    w = await started(make, sink, page_size=2)
     assert sorted(sink.names("ADDED")) == [f"p{i}" for i in range(5)]
     assert all(o["apiVersion"] == "v1" and o["kind"] == "Pod" for _, o in sink.events)
     assert len(w.held) == 5 and w.resource_version
@@ -182,9 +188,8 @@ async def test_metadata_only_and_field_selector(sim: KubeSim, make: Make) -> Non
     sim.create(pod("here", node="n1"))
     sim.create(pod("there", node="n2"))
     sink = RecordingSink()
-    w = make(sink, metadata_only=True, field_selector="spec.nodeName=n1", namespace="default")
-    w.start()
-    await asyncio.wait_for(w.synced.wait(), 5)
+    await started(make, sink, metadata_only=True, field_selector="spec.nodeName=n1",
+                  namespace="default")
     assert sink.names("ADDED") == ["here"]
     [(_, obj)] = sink.events
     assert "spec" not in obj and obj["kind"] == "Pod" and obj["apiVersion"] == "v1"
@@ -196,9 +201,7 @@ async def test_metadata_only_and_field_selector(sim: KubeSim, make: Make) -> Non
 
 async def test_stopped_watcher_delivers_nothing_more(sim: KubeSim, make: Make) -> None:
     sink = RecordingSink()
-    w = make(sink)
-    w.start()
-    await asyncio.wait_for(w.synced.wait(), 5)
+    w = await started(make, sink)
     await w.stop()
     sim.create(pod("late"))
     await asyncio.sleep(0.3)  # a stopped watcher must stay silent: nothing to wait for
@@ -208,9 +211,7 @@ async def test_stopped_watcher_delivers_nothing_more(sim: KubeSim, make: Make) -
 
 async def test_unreachable_then_back(sim: KubeSim, make: Make) -> None:
     sink = RecordingSink()
-    w = make(sink)
-    w.start()
-    await asyncio.wait_for(w.synced.wait(), 5)
+    w = await started(make, sink)
     await sim.stop()
     await eventually(lambda: sink.healthy[-1:] == [False], timeout=5)
     assert not w.healthy
@@ -222,8 +223,7 @@ async def test_unreachable_then_back(sim: KubeSim, make: Make) -> None:
 
 async def test_unserved_resource_is_reported(sim: KubeSim, make: Make) -> None:
     sink = RecordingSink()
-    w = make(sink, resource=ApiResource("nothing.example", "v1", "Thing", "things", True))
-    w.start()
-    await asyncio.wait_for(w.synced.wait(), 5)
+    await started(make, sink,
+                  resource=ApiResource("nothing.example", "v1", "Thing", "things", True))
     assert sink.refused[:1] == [404]  # not served: reported, no events, synced anyway
     assert sink.events == []
