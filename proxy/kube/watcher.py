@@ -19,7 +19,8 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Protocol, TypedDict, Unpack
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
@@ -32,6 +33,7 @@ from proxy.kube.client import (
     KubeClient,
 )
 from proxy.kube.discovery import ApiResource
+from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +64,37 @@ class Watcher(Protocol):
     async def deliver(self, events: list[WatchEvent]) -> None: ...
 
 
+class WatchScope(TypedDict):
+    """What a ``WatcherFactory`` is told of one watch besides its resource and sink."""
+
+    #: metadata-only objects (owners on pod chains) or whole ones (described kinds)
+    metadata_only: bool
+    #: one namespace, or None: cluster-wide (always None for a cluster-scoped kind)
+    namespace: str | None
+    #: e.g. ``spec.nodeName=n1`` in node mode; "" for none
+    field_selector: str
+    #: uid -> "namespace/name" the watch starts out holding (a mode switch hands it on)
+    held: dict[str, str]
+
+
 class WatcherFactory(Protocol):
     """Builds the watchers of a ``KubeSource`` (in the spirit of the OpenTelemetry
     k8sattributes processor's ``InformerProvider``): the seam where tests put a fake."""
 
-    def __call__(
-        self,
-        resource: ApiResource,
-        sink: WatchSink,
-        *,
-        metadata_only: bool,
-        namespace: str | None,
-        field_selector: str,
-        held: dict[str, str],
-    ) -> Watcher: ...
+    def __call__(self, resource: ApiResource, sink: WatchSink,
+                 **scope: Unpack[WatchScope]) -> Watcher: ...
+
+
+def watch_namespace(resource: ApiResource, namespace: str | None) -> str | None:
+    """The namespace a watch of ``resource`` is limited to: none for a cluster-scoped kind."""
+    return namespace if resource.namespaced else None
+
+
+def watch_name(resource: ApiResource, namespace: str | None) -> str:
+    """``namespace/plural.group``, or ``plural.group`` cluster-wide: a watch's freshness,
+    health and metric key."""
+    ns = watch_namespace(resource, namespace)
+    return f"{ns}/{resource.name}" if ns else resource.name
 
 
 def deletion_stub(resource: ApiResource, uid: str, key: str) -> Obj:
@@ -155,44 +174,32 @@ class Backoff:
         self.attempt = 0
 
 
+def random_watch_timeout() -> int:
+    """A watch's ``timeoutSeconds``: 4 to 8 minutes, spread so that the watches of one
+    process (and of its replicas) do not all end and reconnect at once."""
+    return random.randint(240, 480)
+
+
+@dataclass
 class ClientWatchers:
     """The production ``WatcherFactory``: ``ResourceWatcher``s over one client, sharing
     the metrics and the timing settings."""
 
-    def __init__(
-        self,
-        client: KubeClient,
-        metrics: WatchMetrics,
-        *,
-        backoff_max: float = 30.0,
-        idle_timeout: float = IDLE_TIMEOUT,
-        watch_timeout: int | None = None,
-    ) -> None:
-        self.client = client
-        self.metrics = metrics
-        self.backoff_max = backoff_max
-        self.idle_timeout = idle_timeout
-        self.watch_timeout = watch_timeout
+    client: KubeClient
+    metrics: WatchMetrics
+    _: KW_ONLY
+    backoff_max: float = 30.0
+    idle_timeout: float = IDLE_TIMEOUT
+    #: a fixed ``timeoutSeconds`` for every watch (None: the watcher's random 4-8 minutes)
+    watch_timeout: int | None = None
 
-    def __call__(
-        self,
-        resource: ApiResource,
-        sink: WatchSink,
-        *,
-        metadata_only: bool,
-        namespace: str | None,
-        field_selector: str,
-        held: dict[str, str],
-    ) -> ResourceWatcher:
-        kwargs: dict[str, Any] = {}
-        if self.watch_timeout is not None:
-            wt = self.watch_timeout
-            kwargs["watch_timeout"] = lambda: wt
+    def __call__(self, resource: ApiResource, sink: WatchSink,
+                 **scope: Unpack[WatchScope]) -> ResourceWatcher:
+        wt = self.watch_timeout
         return ResourceWatcher(
-            self.client, resource, sink, self.metrics,
-            metadata_only=metadata_only, namespace=namespace, field_selector=field_selector,
-            backoff_max=self.backoff_max, idle_timeout=self.idle_timeout, held=held,
-            **kwargs,
+            self.client, resource, sink, self.metrics, backoff_max=self.backoff_max,
+            idle_timeout=self.idle_timeout,
+            watch_timeout=random_watch_timeout if wt is None else lambda: wt, **scope,
         )
 
 
@@ -209,7 +216,7 @@ class ResourceWatcher:
         field_selector: str = "",
         page_size: int = 2000,
         slice_budget: float = SLICE_BUDGET,
-        watch_timeout: Callable[[], int] = lambda: random.randint(240, 480),
+        watch_timeout: Callable[[], int] = random_watch_timeout,
         idle_timeout: float = IDLE_TIMEOUT,
         backoff_max: float = 30.0,
         held: dict[str, str] | None = None,
@@ -219,7 +226,7 @@ class ResourceWatcher:
         self.sink = sink
         self.metrics = metrics
         self.metadata_only = metadata_only
-        self.namespace = namespace if resource.namespaced else None
+        self.namespace = watch_namespace(resource, namespace)
         self.field_selector = field_selector
         self.page_size = page_size
         self.slice_budget = slice_budget
@@ -228,7 +235,7 @@ class ResourceWatcher:
         self.watch_timeout = watch_timeout
         self.idle_timeout = idle_timeout
         self.backoff = Backoff(cap=backoff_max)
-        self.name = f"{self.namespace}/{resource.name}" if self.namespace else resource.name
+        self.name = watch_name(resource, namespace)
         #: uid -> "namespace/name" of every object this watcher delivered: the relist
         #: diff finds deletions here, and stopping the watcher can retract them. Plain
         #: strings, not tuples: a dict of atomic values stays untracked by the cyclic GC;
@@ -248,10 +255,7 @@ class ResourceWatcher:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""

@@ -18,7 +18,13 @@ from typing import Any
 from proxy.karta.model import GroupKind
 from proxy.kube.client import KubeApiError
 from proxy.kube.discovery import ApiResource
-from proxy.kube.watcher import WatchEvent, WatchSink, deletion_stub
+from proxy.kube.watcher import (
+    WatchEvent,
+    WatchSink,
+    deletion_stub,
+    watch_name,
+    watch_namespace,
+)
 
 Obj = dict[str, Any]
 
@@ -52,9 +58,9 @@ class FakeWatcher:
         self.resource = resource
         self.sink = sink
         self.metadata_only = metadata_only
-        self.namespace = namespace if resource.namespaced else None
+        self.namespace = watch_namespace(resource, namespace)
         self.field_selector = field_selector
-        self.name = f"{self.namespace}/{resource.name}" if self.namespace else resource.name
+        self.name = watch_name(resource, namespace)
         self.held = held
         #: what the source handed over at construction (a mode switch passes it on)
         self.held_at_start = dict(held)
