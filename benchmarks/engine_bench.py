@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,16 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
+def per_call(call: Callable[[Any], Any], objs: Iterable[Any]) -> list[float]:
+    """Seconds of each ``call(obj)``, one object after the other."""
+    samples = []
+    for o in objs:
+        t0 = time.perf_counter()
+        call(o)
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
 def build(feed: Callable[[Engine], Any]) -> tuple[Engine, float]:
     eng = new_engine()
     t = time.perf_counter()
@@ -267,56 +277,32 @@ def main() -> int:
     rnd = random.Random(11)
     n = args.events
     print(f"per event ({n} events each, engine holding the full cluster):")
-    samples: list[float] = []
-    new_pods = []
-    for i in range(n):
+
+    def new_pod(i: int) -> dict[str, Any]:
         rs = rnd.choice(g.rs)
-        p = g.pod(f"{rs['metadata']['name']}-new{i}", rs["metadata"]["namespace"], rs,
-                  {"app": "x", "pod-template-hash": "7d9c5"})
-        new_pods.append(p)
-        t0 = time.perf_counter()
-        e.upsert(p)
-        samples.append(time.perf_counter() - t0)
-    per_event("new pod (ReplicaSet)", samples, jq_t)
+        return g.pod(f"{rs['metadata']['name']}-new{i}", rs["metadata"]["namespace"], rs,
+                     {"app": "x", "pod-template-hash": "7d9c5"})
 
-    samples = []
-    ray_pods = [p for p in g.pods if "ray.io/node-type" in p["metadata"]["labels"]]
-    for _ in range(n):
-        p = rnd.choice(ray_pods)
-        md = dict(p["metadata"])
-        labels = dict(md["labels"])
+    def relabelled(p: dict[str, Any]) -> dict[str, Any]:
+        labels = dict(p["metadata"]["labels"])
         labels["ray.io/group"] = "gpu" if labels["ray.io/group"] == "cpu" else "cpu"
-        md["labels"] = labels
-        q = {**p, "metadata": md}
-        t0 = time.perf_counter()
-        e.upsert(q)
-        samples.append(time.perf_counter() - t0)
-    per_event("pod relabelled (RayCluster worker)", samples, jq_t)
+        return {**p, "metadata": {**p["metadata"], "labels": labels}}
 
-    samples = []
-    for _ in range(n):
-        p = rnd.choice(g.pods)
-        q = {**p, "status": {"phase": "Running", "podIP": "10.0.0.2"}}
-        t0 = time.perf_counter()
-        e.upsert(q)
-        samples.append(time.perf_counter() - t0)
-    per_event("pod status-only update", samples, jq_t)
+    def status_touched(w: dict[str, Any]) -> dict[str, Any]:
+        return {**w, "status": {**w.get("status", {}), "observedGeneration": rnd.randrange(3)}}
 
-    samples = []
-    for p in new_pods:
-        t0 = time.perf_counter()
-        e.delete(p)
-        samples.append(time.perf_counter() - t0)
-    per_event("pod deleted", samples, jq_t)
-
-    samples = []
-    for _ in range(min(n, 2000)):
-        w = rnd.choice(g.workload_objs)
-        q = {**w, "status": {**w.get("status", {}), "observedGeneration": rnd.randrange(3)}}
-        t0 = time.perf_counter()
-        e.upsert(q)
-        samples.append(time.perf_counter() - t0)
-    per_event("workload status update", samples, jq_t)
+    new_pods = [new_pod(i) for i in range(n)]  # added, then deleted again
+    ray_pods = [p for p in g.pods if "ray.io/node-type" in p["metadata"]["labels"]]
+    # the other events' objects are made as the timing goes (generators), outside its calls
+    per_event("new pod (ReplicaSet)", per_call(e.upsert, new_pods), jq_t)
+    relabels = (relabelled(rnd.choice(ray_pods)) for _ in range(n))
+    per_event("pod relabelled (RayCluster worker)", per_call(e.upsert, relabels), jq_t)
+    status_only = ({**p, "status": {"phase": "Running", "podIP": "10.0.0.2"}}
+                   for p in (rnd.choice(g.pods) for _ in range(n)))
+    per_event("pod status-only update", per_call(e.upsert, status_only), jq_t)
+    per_event("pod deleted", per_call(e.delete, new_pods), jq_t)
+    workload_updates = (status_touched(rnd.choice(g.workload_objs)) for _ in range(min(n, 2000)))
+    per_event("workload status update", per_call(e.upsert, workload_updates), jq_t)
     del e
     gc.collect()
 
