@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
+from proxy.kube.client import KubeClient
 from proxy.kube.source import KubeSource
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import KARTA, RAY_CLUSTER, RAY_JOB, RESOURCE_INTERFACE
@@ -27,6 +28,14 @@ async def sim() -> AsyncIterator[KubeSim]:
     await s.start()
     yield s
     await s.close()
+
+
+@pytest.fixture
+async def client(sim: KubeSim) -> AsyncIterator[KubeClient]:
+    """A KubeClient on the simulator, for the tests of one piece (a watcher, discovery)."""
+    c = await KubeClient.connect(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
+    yield c
+    await c.close()
 
 
 SourceFactory = Callable[..., Awaitable[KubeSource]]

@@ -3,24 +3,12 @@ misses refreshed at most every ``refresh_interval`` (an injected clock, no sleep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
-from proxy.config import KubeSettings
 from proxy.karta.model import GroupKind
 from proxy.kube.client import KubeClient
 from proxy.kube.discovery import ApiResource, Discovery
 from tests.clock import ManualClock
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import JOB_SET, ResourceType
-
-
-@pytest.fixture
-async def client(sim: KubeSim) -> AsyncIterator[KubeClient]:
-    c = await KubeClient.connect(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
-    yield c
-    await c.close()
 
 
 def discovery_requests(sim: KubeSim) -> int:

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.config import KubeSettings
 from proxy.kube.client import KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource
 from proxy.kube.watcher import (
@@ -55,13 +54,6 @@ class RecordingSink:
 
     def names(self, etype: str) -> list[str]:
         return [o["metadata"]["name"] for t, o in self.events if t == etype]
-
-
-@pytest.fixture
-async def client(sim: KubeSim) -> AsyncIterator[KubeClient]:
-    c = await KubeClient.connect(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
-    yield c
-    await c.close()
 
 
 Make = Callable[..., ResourceWatcher]
