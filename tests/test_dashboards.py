@@ -31,7 +31,7 @@ from tests.peers.conftest import InProcessProxy, Peers, remote_write, scrape_con
 from tests.peers.conftest import exporter as exporter  # the shared fixtures, reused
 from tests.peers.conftest import make_proxy as make_proxy
 from tests.peers.conftest import peers as peers
-from tests.test_rules import RULE_FILES, recorded_names
+from tests.test_rules import RULE_FILES, rule_names
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / "config" / "grafana"
@@ -185,7 +185,7 @@ def test_coverage_panels_read_the_coverage_fact_not_the_pod_facts() -> None:
 
 def test_every_recording_rule_is_on_the_workload_dashboard() -> None:
     text = WORKLOADS.read_text()
-    unused = [n for n in recorded_names() if n not in text]
+    unused = [n for n in rule_names("record") if n not in text]
     assert not unused, f"recording rules no panel shows: {unused}"
 
 
@@ -200,7 +200,7 @@ def _operational_names() -> set[str]:
 
 def test_every_series_a_panel_reads_exists() -> None:
     """A misspelt name would only show as an empty panel; here it fails by name."""
-    known = (set(recorded_names()) | set(contract.FACT_SERIES) | _operational_names()
+    known = (set(rule_names("record")) | set(contract.FACT_SERIES) | _operational_names()
              | {"up", "process_cpu_seconds_total", "process_resident_memory_bytes",
                 "process_open_fds", "process_max_fds", "python_info"})
     for path in DASHBOARDS:
