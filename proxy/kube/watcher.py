@@ -64,8 +64,9 @@ class Watcher(Protocol):
     async def deliver(self, events: list[WatchEvent]) -> None: ...
 
 
-class WatchScope(TypedDict):
-    """What a ``WatcherFactory`` is told of one watch besides its resource and sink."""
+class WatchScope(TypedDict, total=False):
+    """What a watcher is told of its watch besides its resource and sink (``WatchBase``
+    says what a key left out means)."""
 
     #: metadata-only objects (owners on pod chains) or whole ones (described kinds)
     metadata_only: bool
@@ -85,18 +86,6 @@ class WatcherFactory(Protocol):
                  **scope: Unpack[WatchScope]) -> Watcher: ...
 
 
-def watch_namespace(resource: ApiResource, namespace: str | None) -> str | None:
-    """The namespace a watch of ``resource`` is limited to: none for a cluster-scoped kind."""
-    return namespace if resource.namespaced else None
-
-
-def watch_name(resource: ApiResource, namespace: str | None) -> str:
-    """``namespace/plural.group``, or ``plural.group`` cluster-wide: a watch's freshness,
-    health and metric key."""
-    ns = watch_namespace(resource, namespace)
-    return f"{ns}/{resource.name}" if ns else resource.name
-
-
 def deletion_stub(resource: ApiResource, uid: str, key: str) -> Obj:
     """A deletion object (apiVersion, kind, metadata) for a held uid whose held key is
     ``namespace/name``: all the engine needs to retract it."""
@@ -105,6 +94,36 @@ def deletion_stub(resource: ApiResource, uid: str, key: str) -> Obj:
     if ns:
         md["namespace"] = ns
     return {"apiVersion": resource.api_version, "kind": resource.kind, "metadata": md}
+
+
+class WatchBase:
+    """What every watcher holds, whatever feeds it (the API server, or a fake cluster):
+    the data of the ``Watcher`` Protocol, and deletion stubs of what it holds. Left out
+    of the scope: whole objects, cluster-wide, no field selector, nothing held yet."""
+
+    def __init__(self, resource: ApiResource, sink: WatchSink,
+                 **scope: Unpack[WatchScope]) -> None:
+        self.resource = resource
+        self.sink = sink
+        self.metadata_only = scope.get("metadata_only", False)
+        self.namespace = scope.get("namespace") if resource.namespaced else None
+        self.field_selector = scope.get("field_selector", "")
+        #: ``namespace/plural.group`` (``plural.group`` cluster-wide): the freshness,
+        #: health and metric key
+        self.name = f"{self.namespace}/{resource.name}" if self.namespace else resource.name
+        #: uid -> "namespace/name" of every object this watcher delivered: the relist
+        #: diff finds deletions here, and stopping the watcher can retract them. Plain
+        #: strings, not tuples: a dict of atomic values stays untracked by the cyclic GC;
+        #: with tuples the GC untracks it in a full collection and the next insertion
+        #: puts all 100k entries back into the young generation (a 10 ms collection).
+        held = scope.get("held")
+        self.held: dict[str, str] = held if held is not None else {}
+        #: set once the first list was delivered (or the kind turned out unserved)
+        self.synced = asyncio.Event()
+
+    def stub(self, uid: str) -> Obj:
+        """A deletion object for a held uid (apiVersion, kind, metadata)."""
+        return deletion_stub(self.resource, uid, self.held.get(uid, ""))
 
 
 class WatchSink(Protocol):
@@ -203,7 +222,7 @@ class ClientWatchers:
         )
 
 
-class ResourceWatcher:
+class ResourceWatcher(WatchBase):
     def __init__(
         self,
         client: KubeClient,
@@ -211,23 +230,16 @@ class ResourceWatcher:
         sink: WatchSink,
         metrics: WatchMetrics,
         *,
-        metadata_only: bool = False,
-        namespace: str | None = None,
-        field_selector: str = "",
         page_size: int = 2000,
         slice_budget: float = SLICE_BUDGET,
         watch_timeout: Callable[[], int] = random_watch_timeout,
         idle_timeout: float = IDLE_TIMEOUT,
         backoff_max: float = 30.0,
-        held: dict[str, str] | None = None,
+        **scope: Unpack[WatchScope],
     ) -> None:
+        super().__init__(resource, sink, **scope)
         self.client = client
-        self.resource = resource
-        self.sink = sink
         self.metrics = metrics
-        self.metadata_only = metadata_only
-        self.namespace = watch_namespace(resource, namespace)
-        self.field_selector = field_selector
         self.page_size = page_size
         self.slice_budget = slice_budget
         #: events per slice, adapted so that a slice takes about the budget
@@ -235,15 +247,7 @@ class ResourceWatcher:
         self.watch_timeout = watch_timeout
         self.idle_timeout = idle_timeout
         self.backoff = Backoff(cap=backoff_max)
-        self.name = watch_name(resource, namespace)
-        #: uid -> "namespace/name" of every object this watcher delivered: the relist
-        #: diff finds deletions here, and stopping the watcher can retract them. Plain
-        #: strings, not tuples: a dict of atomic values stays untracked by the cyclic GC;
-        #: with tuples the GC untracks it in a full collection and the next insertion
-        #: puts all 100k entries back into the young generation (a 10 ms collection).
-        self.held: dict[str, str] = held if held is not None else {}
         self.resource_version = ""
-        self.synced = asyncio.Event()
         self.healthy = True
         self._task: asyncio.Task[None] | None = None
 
@@ -256,10 +260,6 @@ class ResourceWatcher:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
-
-    def stub(self, uid: str) -> Obj:
-        """A deletion object for a held uid (apiVersion, kind, metadata)."""
-        return deletion_stub(self.resource, uid, self.held.get(uid, ""))
 
     # -- the loop --------------------------------------------------------------------------
 

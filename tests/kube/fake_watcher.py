@@ -10,21 +10,14 @@ itself (pagination, bookmarks, 410, idle streams) stays tested against the simul
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
-from typing import Any
+from typing import Any, Unpack
 
 from proxy.karta.model import GroupKind
 from proxy.kube.client import KubeApiError
 from proxy.kube.discovery import ApiResource
-from proxy.kube.watcher import (
-    WatchEvent,
-    WatchSink,
-    deletion_stub,
-    watch_name,
-    watch_namespace,
-)
+from proxy.kube.watcher import WatchBase, WatchEvent, WatchScope, WatchSink
 
 Obj = dict[str, Any]
 
@@ -48,23 +41,15 @@ BUILTIN = (
 )
 
 
-class FakeWatcher:
+class FakeWatcher(WatchBase):
     """One watch of a fake cluster: lists when started, then gets every change pushed."""
 
-    def __init__(self, cluster: FakeCluster, resource: ApiResource, sink: WatchSink, *,
-                 metadata_only: bool, namespace: str | None, field_selector: str,
-                 held: dict[str, str]) -> None:
+    def __init__(self, cluster: FakeCluster, resource: ApiResource, sink: WatchSink,
+                 **scope: Unpack[WatchScope]) -> None:
+        super().__init__(resource, sink, **scope)
         self.cluster = cluster
-        self.resource = resource
-        self.sink = sink
-        self.metadata_only = metadata_only
-        self.namespace = watch_namespace(resource, namespace)
-        self.field_selector = field_selector
-        self.name = watch_name(resource, namespace)
-        self.held = held
         #: what the source handed over at construction (a mode switch passes it on)
-        self.held_at_start = dict(held)
-        self.synced = asyncio.Event()
+        self.held_at_start = dict(self.held)
         self.started = False
         self.stopped = False
 
@@ -97,9 +82,6 @@ class FakeWatcher:
     @property
     def live(self) -> bool:
         return self.started and not self.stopped
-
-    def stub(self, uid: str) -> Obj:
-        return deletion_stub(self.resource, uid, self.held.get(uid, ""))
 
     async def deliver(self, events: list[WatchEvent]) -> None:
         self.sink.handle(self, events)
@@ -174,11 +156,9 @@ class FakeCluster:
 
     # -- WatcherFactory ----------------------------------------------------------------
 
-    def __call__(self, resource: ApiResource, sink: WatchSink, *, metadata_only: bool,
-                 namespace: str | None, field_selector: str,
-                 held: dict[str, str]) -> FakeWatcher:
-        w = FakeWatcher(self, resource, sink, metadata_only=metadata_only,
-                        namespace=namespace, field_selector=field_selector, held=held)
+    def __call__(self, resource: ApiResource, sink: WatchSink,
+                 **scope: Unpack[WatchScope]) -> FakeWatcher:
+        w = FakeWatcher(self, resource, sink, **scope)
         self.watchers.append(w)
         return w
 
