@@ -1,1 +1,2 @@
-"""Live cluster source: kubernetes-asyncio list/watch -> Karta engine -> pod index."""
+"""Live cluster source: the project's own list/watch loop (``watcher``, over
+kubernetes-asyncio's ``call_api``) -> Karta engine -> pod index."""
