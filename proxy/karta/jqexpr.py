@@ -36,6 +36,32 @@ def to_text(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+# Upstream's wrapper semantics, over the outputs of a path: ``JqExpr`` runs the program
+# and applies them; the engine applies them as well to outputs it reads without libjq
+# (plain metadata lookups), so both answer alike.
+
+
+def outputs_present(out: list[Any]) -> bool:
+    """Upstream's key-only type selector: the path yields a non-null result."""
+    return any(v is not None for v in out)
+
+
+def outputs_equal(out: list[Any], value: str) -> bool:
+    """Upstream's ``keyPath`` + ``value``: some output equals the string value."""
+    return any(v is not None and to_text(v) == value for v in out)
+
+
+def output_ids(out: list[Any]) -> list[str]:
+    """The id list of an ``instanceIdPath``: the non-null, non-empty outputs as text."""
+    return [to_text(v) for v in out if v is not None and v != ""]
+
+
+def single_output_id(out: list[Any]) -> str | None:
+    """Instance / replica ids: exactly one non-null, non-empty result, else None."""
+    ids = output_ids(out)
+    return ids[0] if len(ids) == 1 else None
+
+
 class JqExpr:
     """One compiled jq program."""
 
@@ -75,21 +101,16 @@ class JqExpr:
         return out[0] if out else None
 
     def present(self, obj: Any) -> bool:
-        """Upstream's key-only type selector: the path yields a non-null result."""
-        return any(v is not None for v in self.all(obj))
+        return outputs_present(self.all(obj))
 
     def equals(self, obj: Any, value: str) -> bool:
-        """Upstream's ``keyPath`` + ``value``: some output equals the string value."""
-        return any(v is not None and to_text(v) == value for v in self.all(obj))
+        return outputs_equal(self.all(obj), value)
 
     def single_id(self, obj: Any) -> str | None:
-        """Instance / replica ids: exactly one non-null, non-empty result, else None."""
-        ids = [to_text(v) for v in self.all(obj) if v is not None and v != ""]
-        return ids[0] if len(ids) == 1 else None
+        return single_output_id(self.all(obj))
 
     def ids(self, obj: Any) -> list[str]:
-        """The id list of an ``instanceIdPath`` (non-null outputs as text)."""
-        return [to_text(v) for v in self.all(obj) if v is not None and v != ""]
+        return output_ids(self.all(obj))
 
     def tostring_first(self, obj: Any) -> str | None:
         """``byExpression``: first output of ``(<expr>) | tostring``."""
