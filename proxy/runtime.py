@@ -33,6 +33,7 @@ from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome, merge
 from proxy.server import build_app, start_site
+from proxy.tasks import cancel_and_wait
 from proxy.tls import ServerTLS
 from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
@@ -391,10 +392,7 @@ class Proxy:
     async def stop(self) -> None:
         """Stop taking requests, finish those in flight, then stop the sources."""
         log.info("stopping karta-proxy")
-        if self._expire_task is not None:
-            self._expire_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expire_task
+        await cancel_and_wait(self._expire_task)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -37,6 +37,7 @@ from proxy.kube.watcher import (
     WatchEvent,
     WatchMetrics,
 )
+from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +176,7 @@ class KubeSource:
 
     async def stop(self) -> None:
         for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_and_wait(t)
         self._tasks.clear()
         for _, ws in list(self.watchers.values()):
             for w in ws:
