@@ -13,6 +13,10 @@ process and run:
 - ``pass-through``: snappy decompress + compress, nothing else (the baseline);
 - ``enrich``: decompress + ``Enricher.enrich_v1`` (the native splice) + compress. There
   is no per-series state, so the first sight of a series costs what the hundredth does;
+- ``enrich-parts``: ``enrich`` the way the handler does a big request alone in its worker
+  pool (``handler.splice_in_parts``): cut in two at a series boundary, each half spliced
+  and snappy-compressed on its own thread, the blocks joined; compare its wall columns
+  with ``enrich``'s (the latency a request sees), its CPU with ``enrich``'s (the cost);
 - ``enrich-churn``: the same while the cluster changes: one pod event is applied to the
   index (and through its listener to the pod table) before each request;
 - ``enrich-v2``: the same corpus as RW 2.0 requests through ``Enricher.enrich_v2``;
@@ -22,7 +26,8 @@ process and run:
   a few requests only);
 - ``reference``: decompress + the protobuf-class reference + compress (a few requests).
 
-CPU seconds come from ``time.process_time`` around each request (single thread). Each
+CPU seconds come from ``time.process_time`` around each request (the whole process), wall
+seconds from ``time.perf_counter``. Each
 round replays every request once; printed are the median over rounds of CPU-s per
 million samples, the p50/p99 per-request times, and ratios to pass-through computed per
 round then medianed.
@@ -51,10 +56,12 @@ from relay import corpus
 from proxy.attribution import Enricher, enrich_v1_reference
 from proxy.compression import compress, decompress
 from proxy.config import EnrichSettings
+from proxy.handler import splice_in_parts
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.results import ChangeSet, PodAttribution
 from proxy.snapshot import load_snapshot
+from proxy.wire.native import split_v1
 
 MAX_DECODED = 64 << 20
 
@@ -109,16 +116,19 @@ def _scrape_round(stream: corpus.SeriesStream, spr: int) -> list[bytes]:
 
 def _run(
     bodies: list[bytes], samples: list[int], step: Callable[[bytes], object]
-) -> tuple[float, list[float]]:
-    """CPU-s per million samples over ``bodies``, and each request's CPU seconds."""
+) -> tuple[float, list[float], list[float]]:
+    """CPU-s per million samples over ``bodies``, each request's CPU seconds (of the whole
+    process: a request in parts runs on two threads) and wall seconds."""
     times: list[float] = []
+    walls: list[float] = []
     gc.collect()
-    clock = time.process_time
+    clock, wall = time.process_time, time.perf_counter
     for body in bodies:
-        t0 = clock()
+        t0, w0 = clock(), wall()
         step(body)
+        walls.append(wall() - w0)
         times.append(clock() - t0)
-    return sum(times) / sum(samples) * 1e6, times
+    return sum(times) / sum(samples) * 1e6, times, walls
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -177,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
         return compress(enricher.enrich_v1(raw).body, "snappy")
 
+    parts_pool = ThreadPoolExecutor(1, thread_name_prefix="parts")
+
+    def enrich_parts(body: bytes) -> object:
+        raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
+        cuts = split_v1(raw, 2)
+        return splice_in_parts(raw, cuts, enricher.enrich_v1, parts_pool)[1]
+
     def enrich_v2(body: bytes) -> object:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
         return compress(enricher.enrich_v2(raw).body, "snappy")
@@ -202,18 +219,21 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list[float]] = {}
     latencies: dict[str, list[float]] = {}
+    walls: dict[str, list[float]] = {}
     speedups: list[float] = []
 
     def record(name: str, bodies: list[bytes], counts: list[int], step: Callable[[bytes], object]
                ) -> None:
-        cpu, times = _run(bodies, counts, step)
+        cpu, times, wall = _run(bodies, counts, step)
         results.setdefault(name, []).append(cpu)
         latencies.setdefault(name, []).extend(times)
+        walls.setdefault(name, []).extend(wall)
 
     for r in range(1, args.rounds + 1):
         bodies = rounds[r]
         record("pass-through", bodies, counts, passthrough)
         record("enrich", bodies, counts, enrich)
+        record("enrich-parts", bodies, counts, enrich_parts)
 
         def enrich_churn(body: bytes) -> object:
             i = next(events)
@@ -233,14 +253,17 @@ def main(argv: list[str] | None = None) -> int:
 
     base = results["pass-through"]
     print(f"\n{'path':<16}{'CPU-s/M samples':>16}{'p50 ms/req':>12}{'p99 ms/req':>12}"
-          f"{'x pass-through':>16}")
+          f"{'x pass-through':>16}{'wall p50 ms':>13}{'wall p99 ms':>13}")
     for name, cpus in results.items():
         ratio = statistics.median(c / b for c, b in zip(cpus, base, strict=True))
         lat = latencies[name]
+        wall = walls.get(name)
         print(
             f"{name:<16}{statistics.median(cpus):>16.3f}{_pct(lat, 0.5) * 1e3:>12.2f}"
             f"{_pct(lat, 0.99) * 1e3:>12.2f}{ratio:>16.2f}"
+            + (f"{_pct(wall, 0.5) * 1e3:>13.2f}{_pct(wall, 0.99) * 1e3:>13.2f}" if wall else "")
         )
+    parts_pool.shutdown()
     print(f"\ntwo threads vs one, same requests: {statistics.median(speedups):.2f}x the "
           f"throughput (median over rounds; enrich-2-threads latency columns: wall s/round)")
     return 0

@@ -12,6 +12,9 @@ receiver must answer 415 to an encoding it does not support, so a missing or ``i
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Sequence
+
 import cramjam
 import snappy
 
@@ -81,6 +84,46 @@ def compress(data: bytes, encoding: str) -> bytes:
 
 
 # -- snappy --------------------------------------------------------------------------------
+
+
+def snappy_part(data: bytes) -> SnappyPart:
+    """One part of a body compressed on its own, to be joined by :func:`join_snappy`."""
+    return SnappyPart(cramjam.snappy.compress_raw(data), len(data))
+
+
+class SnappyPart(typing.NamedTuple):
+    #: a whole snappy block (its length preamble, then its elements)
+    block: cramjam.Buffer
+    #: the bytes it decodes to
+    decoded: int
+
+
+def join_snappy(parts: Sequence[SnappyPart]) -> bytes:
+    """One snappy block of the parts' bodies concatenated, without compressing again.
+
+    A block is a varint of the decoded length, then literals and back-copies whose offsets
+    reach only into the block's own output; so the parts' elements, one after the other
+    behind one preamble of the total, decode to the concatenation (every copy finds the
+    same bytes at the same distance). Each part's own preamble is dropped.
+    """
+    out: list[bytes | memoryview] = [_snappy_preamble(sum(p.decoded for p in parts))]
+    for p in parts:
+        view = memoryview(p.block)
+        skip = 0
+        while view[skip] & 0x80:
+            skip += 1
+        out.append(view[skip + 1:])
+    return b"".join(out)
+
+
+def _snappy_preamble(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
 
 
 def snappy_declared_length(body: bytes) -> int:

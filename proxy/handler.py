@@ -12,7 +12,9 @@ the answer is 503 with ``Retry-After`` at once (never a queue, never a 429 of ou
 
 Admission is decided on the headers alone, before a byte of the body is read: a refused
 request is answered with ``Connection: close``, so its body is never parsed into the
-process (aiohttp discards what is already in flight). An admitted body holds budget
+process (aiohttp discards what is already in flight). The overload refusal, by far the
+most frequent, is answered by the connection itself (``proxy.connection_guard``), which
+keeps the connection open when the body can be skipped cheaply. An admitted body holds budget
 only for the bytes that have arrived, and must arrive within a deadline and above a
 minimum rate, so a sender that stalls mid-body holds a slot for seconds, not forever.
 """
@@ -20,29 +22,35 @@ minimum rate, so a sender that stalls mid-body holds a slot for seconds, not for
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
 import time
 import typing
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from proxy.compression import (
     DecodeError,
+    SnappyPart,
     decompress,
+    join_snappy,
     snappy_declared_length,
+    snappy_part,
     zstd_declared_length,
 )
 from proxy.config import ServerSettings
+from proxy.connection_guard import Canned, canned
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Answer, Outgoing, Upstream
+from proxy.wire.native import split_v1
 from proxy.wire.plan import SpliceResult
-from proxy.wire.primitives import Protocol
+from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.handler")
 
@@ -70,6 +78,10 @@ RETRY_AFTER = "1"
 #: compressed on the event loop: their work (~0.2 ms at 64 KiB) costs less than handing
 #: them to a worker thread and back; bigger ones go to the worker threads
 INLINE_DECODED_BYTES = 64 * 1024
+#: an RW 1.0 request that reaches an idle worker pool is spliced and compressed in parts
+#: of at least this many decoded bytes, one per worker, at once: its latency is then about
+#: decompress + (splice + compress) / workers (docs/wire.md, "Requests in parts")
+PART_DECODED_BYTES = 128 * 1024
 
 
 class Enriching(typing.Protocol):
@@ -133,6 +145,37 @@ class Prepared:
     outgoing: Outgoing
 
 
+def splice_in_parts(raw: bytes, cuts: list[int], enrich: Callable[[bytes], SpliceResult],
+                    pool: Executor) -> tuple[SpliceResult, bytes]:
+    """An RW 1.0 request spliced and snappy-compressed in parts at once (cut at ``cuts``,
+    from ``split_v1``), the first part in this thread, the others in ``pool``; the parts'
+    snappy blocks joined into one block, their results summed (the body left empty: it
+    went out compressed).
+
+    The same body, counts and errors as the whole (the 1.0 splice keeps no state across
+    series); the first part's error in request order wins."""
+    spans = list(itertools.pairwise([0, *cuts, len(raw)]))
+
+    def part(a: int, b: int) -> tuple[SpliceResult, SnappyPart]:
+        result = enrich(raw[a:b])
+        return result, snappy_part(result.body)
+
+    futures = [pool.submit(part, a, b) for a, b in spans[1:]]
+    try:
+        done = [part(*spans[0])]
+    finally:
+        wait(futures)  # every part ends before its request does
+    done += [f.result() for f in futures]  # a failed part raises, the first in order
+    merged = SpliceResult(b"", Counts())
+    for result, _ in done:
+        merged.counts.add(result.counts)
+        merged.attributed += result.attributed
+        merged.stripped += result.stripped
+        for reason, n in result.unattributed.items():
+            merged.unattributed[reason] = merged.unattributed.get(reason, 0) + n
+    return merged, join_snappy([block for _, block in done])
+
+
 def declared_decoded_size(body: bytes, encoding: str) -> int | None:
     """The decoded size a body declares in its own header (None: a zstd frame without one).
 
@@ -175,10 +218,8 @@ class LoadBudget:
 OVERLOAD_MESSAGE = "overloaded: too many requests in flight"
 #: the whole answer when every slot is taken, written by ``proxy.connection_guard`` as
 #: soon as the headers are parsed (see ``RemoteWriteHandler.shed``)
-OVERLOAD_ANSWER = (
-    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    f"Retry-After: {RETRY_AFTER}\r\nContent-Length: {len(OVERLOAD_MESSAGE) + 1}\r\n"
-    f"Connection: close\r\n\r\n{OVERLOAD_MESSAGE}\n").encode()
+OVERLOAD_ANSWER = canned("503 Service Unavailable", {"Retry-After": RETRY_AFTER},
+                         OVERLOAD_MESSAGE + "\n")
 
 #: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
 #: start, a sender's first write): the rate is what arrived over the time past it
@@ -229,10 +270,18 @@ class RemoteWriteHandler:
         self.budget = LoadBudget(settings.max_concurrent_requests, settings.max_inflight_bytes)
         self.workers = worker_count(settings.worker_threads)
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="karta-splice")
+        #: the other parts of a request in parts (a part never waits on another part, so
+        #: this pool cannot deadlock); None with one worker
+        self._parts = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix="karta-part")
+                       if self.workers > 1 else None)
+        #: requests in the worker threads now (counted on the event loop)
+        self._in_workers = 0
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._parts is not None:
+            self._parts.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -274,7 +323,7 @@ class RemoteWriteHandler:
         return None
 
     def shed(self, method: str, path: str, headers: Mapping[str, str], remote: str
-             ) -> bytes | None:
+             ) -> Canned | None:
         """The whole answer to a remote write refused for overload on its headers, before
         aiohttp makes a request of it (``proxy.connection_guard``); None: handle it.
 
@@ -434,8 +483,13 @@ class RemoteWriteHandler:
                 # shorter than a round trip through the pool (two thread switches)
                 prepared = self._prepare(body, encoding, protocol)
             else:
-                prepared = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._prepare, body, encoding, protocol)
+                parts = self._parts_for(declared, protocol, encoding)
+                self._in_workers += 1
+                try:
+                    prepared = await asyncio.get_running_loop().run_in_executor(
+                        self._executor, self._prepare, body, encoding, protocol, parts)
+                finally:
+                    self._in_workers -= 1
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ValueError as e:
@@ -453,9 +507,25 @@ class RemoteWriteHandler:
             self.metrics.series.labels("out").inc(result.counts.series)
         return self._answer(answer)
 
-    def _prepare(self, body: bytes, encoding: str, protocol: Protocol) -> Prepared:
+    def _parts_for(self, declared: int | None, protocol: Protocol, encoding: str) -> int:
+        """How many parts to splice a request in: one per worker for a big RW 1.0 request
+        going out as snappy while no other request is in the workers (under load every
+        worker has a request of its own already, and parts would only add hand-offs)."""
+        if (self._parts is None or self._in_workers or declared is None
+                or protocol is not Protocol.V1
+                or self.upstream.out_encoding(encoding) != "snappy"):
+            return 1
+        return max(1, min(self.workers, declared // PART_DECODED_BYTES))
+
+    def _prepare(self, body: bytes, encoding: str, protocol: Protocol, parts: int = 1
+                 ) -> Prepared:
         """The worker-thread part of a request: decompress, splice, convert, compress."""
         raw = decompress(body, encoding, max_decoded=self.settings.max_decoded_bytes)
+        cuts = split_v1(raw, parts) if parts > 1 else []
+        if cuts:
+            assert self._parts is not None
+            merged, encoded = splice_in_parts(raw, cuts, self.enricher.enrich_v1, self._parts)
+            return Prepared(merged, self.upstream.prepared_v1(encoded, merged.counts))
         result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
                   else self.enricher.enrich_v1(raw))
         return Prepared(result, self.upstream.prepare(result.body, protocol, encoding,

@@ -92,7 +92,8 @@ class Outgoing:
     """One request body ready for the upstream, made by :meth:`Upstream.prepare` (in a
     worker thread: conversion and compression are the CPU-heavy part)."""
 
-    #: the uncompressed body, in ``protocol``
+    #: the uncompressed body, in ``protocol``; ``b""`` for an RW 1.0 body compressed in
+    #: parts (:meth:`Upstream.prepared_v1`): only an RW 2.0 body is read again, to convert it
     raw: bytes
     protocol: Protocol
     #: Content-Encoding toward the upstream
@@ -391,6 +392,10 @@ class Upstream:
             raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
         return Outgoing(raw, protocol, out_encoding, compress(raw, out_encoding), counts,
                         converted)
+
+    def prepared_v1(self, encoded: bytes, counts: Counts | None = None) -> Outgoing:
+        """An RW 1.0 body the handler compressed itself (snappy, in parts at once)."""
+        return Outgoing(b"", Protocol.V1, "snappy", encoded, counts)
 
     async def send(
         self,

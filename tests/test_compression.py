@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import cramjam
 import pytest
 import snappy
@@ -10,7 +12,9 @@ from proxy.compression import (
     DecodeError,
     compress,
     decompress,
+    join_snappy,
     snappy_declared_length,
+    snappy_part,
     zstd_declared_length,
 )
 
@@ -131,3 +135,22 @@ def test_corrupt_zstd_is_400(body: bytes) -> None:
 def test_compress_refuses_unknown_encoding() -> None:
     with pytest.raises(ValueError):
         compress(DATA, "gzip")
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [5, 17], [len(DATA) // 2], [0, 0, 10]])
+def test_parts_compressed_apart_join_into_one_block(cuts: list[int]) -> None:
+    # repetitive data: every part's back-copies reach far back inside the part only
+    bounds = [0, *cuts, len(DATA)]
+    parts = [snappy_part(DATA[a:b]) for a, b in itertools.pairwise(bounds)]
+    joined = join_snappy(parts)
+    assert snappy_declared_length(joined) == len(DATA)
+    assert snappy.uncompress(joined) == DATA
+    assert bytes(cramjam.snappy.decompress_raw(joined)) == DATA
+    assert decompress(joined, "snappy", max_decoded=len(DATA)) == DATA
+
+
+def test_joined_block_has_one_preamble_of_any_width() -> None:
+    big = bytes(range(256)) * 600  # 153,600 bytes: a three-byte length preamble
+    joined = join_snappy([snappy_part(big), snappy_part(b""), snappy_part(big[:100])])
+    assert snappy.uncompress(joined) == big + big[:100]
+    assert join_snappy([snappy_part(b"")]) == snappy.compress(b"")

@@ -3159,6 +3159,56 @@ splice_v2_py(PyObject *Py_UNUSED(m), PyObject *args)
     return splice(args, 2);
 }
 
+/* Where an RW 1.0 request can be cut into `pieces` parts that are spliced apart: the end of
+ * the first top-level field at or past each k / pieces of the body (k = 1 .. pieces - 1),
+ * never the body's end. The splice has no request-level state in RW 1.0, so splicing the
+ * parts and concatenating them is splicing the whole (docs/wire.md). Framing is read with
+ * the splice's rules; a field it cannot read means no cut at all (the whole request then
+ * gets the splice's error). Mirrors splice_v1.split_points. */
+static PyObject *
+split_v1_py(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *rawo;
+    Py_ssize_t pieces;
+    if (!PyArg_ParseTuple(args, "On:split_v1", &rawo, &pieces))
+        return NULL;
+    if (pieces < 1) {
+        PyErr_SetString(PyExc_ValueError, "pieces must be at least 1");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(rawo, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *cuts = PyList_New(0);
+    if (cuts == NULL)
+        goto done;
+    const uint8_t *raw = view.buf;
+    size_t n = (size_t)view.len, pos = 0, k = 1, parts = (size_t)pieces;
+    Err e;
+    memset(&e, 0, sizeof e);
+    while (pos < n && k < parts) {
+        Field f;
+        if (!rd_field(raw, pos, n, &f, &e)) {
+            Py_SETREF(cuts, PyList_New(0));
+            break;
+        }
+        pos = f.end;
+        if (pos < n && pos >= n * k / parts) {
+            PyObject *o = PyLong_FromSize_t(pos);
+            if (o == NULL || PyList_Append(cuts, o) < 0) {
+                Py_XDECREF(o);
+                Py_CLEAR(cuts);
+                break;
+            }
+            Py_DECREF(o);
+            k++;
+        }
+    }
+done:
+    PyBuffer_Release(&view);
+    return cuts;
+}
+
 static PyObject *
 set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 {
@@ -3175,6 +3225,8 @@ static PyMethodDef module_methods[] = {
      "splice_v1(raw, plan, table) -> (body, series, samples, histograms, exemplars, "
      "attributed, {reason: count}, stripped)"},
     {"splice_v2", splice_v2_py, METH_VARARGS, "splice_v2(raw, plan, table): as splice_v1, RW 2.0"},
+    {"split_v1", split_v1_py, METH_VARARGS,
+     "split_v1(raw, pieces) -> [offsets where the RW 1.0 request can be cut into pieces]"},
     {"set_error_class", set_error_class, METH_O,
      "the exception raised for bad input: cls(kind, status, message)"},
     {NULL, NULL, 0, NULL},

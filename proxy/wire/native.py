@@ -107,6 +107,16 @@ class Splicer:
         return _result(_native.splice_v2(raw, self._compiled, self.table))
 
 
+def split_v1(raw: bytes, pieces: int) -> list[int]:
+    """Where an RW 1.0 request can be cut into ``pieces`` parts spliced apart
+    (:func:`proxy.wire.splice_v1.split_points`; the same cuts from either implementation,
+    so either may split for a splicer of the other)."""
+    if _native is None:
+        return _py_v1.split_points(raw, pieces)
+    cuts: list[int] = _native.split_v1(raw, pieces)
+    return cuts
+
+
 def _result(t: tuple[bytes, int, int, int, int, int, dict[str, int], int]) -> SpliceResult:
     body, series, samples, histograms, exemplars, attributed, reasons, stripped = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,

@@ -78,6 +78,31 @@ def splice_v1(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
     return result
 
 
+def split_points(raw: bytes, pieces: int) -> list[int]:
+    """Where a 1.0 request can be cut into ``pieces`` parts spliced apart: after the first
+    top-level field that ends at or past each ``k / pieces`` of the body, never at its end.
+
+    Sound because the 1.0 splice keeps no state across top-level fields: the spliced parts,
+    concatenated, are the spliced whole, and its first error is the first part's that has
+    one. A field that cannot be read means no cut (the whole request gets the error).
+    """
+    if pieces < 1:
+        raise ValueError("pieces must be at least 1")
+    n = len(raw)
+    cuts: list[int] = []
+    pos = 0
+    k = 1
+    while pos < n and k < pieces:
+        try:
+            pos = read_field(raw, pos, n)[3]
+        except DecodeError:
+            return []
+        if pos < n and pos >= n * k // pieces:
+            cuts.append(pos)
+            k += 1
+    return cuts
+
+
 def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
             result: SpliceResult) -> bytes | None:
     """The new TimeSeries field, or None when the series keeps its bytes."""

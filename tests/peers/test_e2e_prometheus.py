@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
+import aiohttp
 import pytest
+import snappy
 
 from proxy.demo_exporter import FixtureExporter
+from proxy.handler import PART_DECODED_BYTES
+from proxy.pb.prometheus import remote_pb2
+from proxy.runtime import Proxy
 from tests.peers.conftest import (
     WORKLOAD_KEY,
     InProcessProxy,
@@ -25,6 +31,7 @@ from tests.peers.conftest import (
 )
 
 pytestmark = pytest.mark.peers
+WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 
 KARTA = "karta_"
 
@@ -140,3 +147,53 @@ async def raw_samples(base: str, match: str, at: float
 
 async def _true_after(exp: FixtureExporter, route: str, n: int) -> bool:
     return exp.scrapes[route] >= n
+
+
+async def test_a_request_spliced_in_parts_is_stored_whole(
+    peers: Peers, exporter: FixtureExporter,
+    make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    """A big RW 1.0 request alone in the worker pool goes out as one snappy block joined
+    from parts compressed apart (``handler.splice_in_parts``): Prometheus' and
+    VictoriaMetrics' own (Go) snappy decoders read it, and every series lands, stamped."""
+    prom = await peers.prometheus_receiver()
+    vm = await peers.victoria_metrics()
+    pod = next(p for p in exporter.model.pods if p.containers)
+    n = 3000
+    at = int(time.time() * 1000)
+    req = WriteRequest()
+    for i in range(n):
+        ts = req.timeseries.add()
+        for k, v in sorted({"__name__": "karta_parts_probe", "namespace": pod.namespace,
+                            "pod": pod.name, "id": f"/kubepods/{i:06d}/" + "c" * 120}.items()):
+            ts.labels.add(name=k, value=v)
+        ts.samples.add(value=float(i), timestamp=at)
+    raw: bytes = req.SerializeToString()
+    assert len(raw) > 2 * PART_DECODED_BYTES
+    for base in (prom.base_url, vm.base_url):
+        proxy = await make_proxy(base + "/api/v1/write")
+        if proxy.proxy.handler.workers < 2:
+            pytest.skip("one usable core: no request is spliced in parts")
+        async with aiohttp.ClientSession() as session, session.post(
+                proxy.write_url, data=snappy.compress(raw),
+                headers={"Content-Type": "application/x-protobuf",
+                         "Content-Encoding": "snappy"}) as resp:
+            assert resp.status == 204, await resp.text()
+    stamp = dict(exporter_stamp(proxy.proxy, pod.namespace, pod.name))
+    assert stamp
+    workload = stamp["karta_workload"]
+    for base in (prom.base_url, vm.base_url):
+
+        async def landed(base: str = base) -> bool:
+            await vm_flush(vm)
+            got = await query(base, f'count(karta_parts_probe{{karta_workload="{workload}"}})',
+                              at / 1000)
+            return bool(got) and int(float(got[0]["value"][1])) == n
+
+        await wait_until(landed, timeout=15, what=f"{n} stamped series at {base}")
+        total = await query(base, "sum(karta_parts_probe)", at / 1000)
+        assert float(total[0]["value"][1]) == n * (n - 1) / 2
+
+
+def exporter_stamp(proxy: Proxy, namespace: str, pod: str) -> tuple[tuple[str, str], ...]:
+    return tuple(proxy.index.lookup(namespace.encode(), pod.encode()) or ())

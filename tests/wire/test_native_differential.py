@@ -20,6 +20,8 @@ symbol that is not empty) or mutated byte-wise (both must still agree).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import random
 
@@ -30,7 +32,8 @@ from hypothesis import strategies as st
 from proxy.attribution import build_plan
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2
 from proxy.pb.prometheus import remote_pb2
-from proxy.wire.native import native_available
+from proxy.wire.native import Splicer, native_available, split_v1
+from proxy.wire.splice_v1 import split_points
 from tests.wire.fuzz_native import (
     POISONS_V1,
     POISONS_V2,
@@ -44,6 +47,7 @@ from tests.wire.fuzz_native import (
     fixed_setups,
     key,
     mutate,
+    outcome,
     poison,
     random_setup,
     splicers,
@@ -311,3 +315,77 @@ def test_wide_requests(rnd: random.Random, setup_rnd: random.Random, version: in
     gen = Gen(rnd, huge=False, pods=WIDE_PODS, series=(100, 500))
     raw = encode(gen.request_v1() if version == 1 else gen.request_v2())
     check_valid(random_setup(setup_rnd, WIDE_PODS, unique=True), version, raw)
+
+
+# -- a request in parts (the handler splices big RW 1.0 requests so, one part per worker) --
+
+
+def in_parts(splicer: Splicer, raw: bytes, cuts: list[int]) -> Outcome:
+    """The outcome of splicing the parts one by one, summed as the handler sums them: the
+    bodies joined, the counts added, the first part's error in request order."""
+    bodies, counts, attributed, stripped = [], [0, 0, 0, 0], 0, 0
+    reasons: dict[str, int] = {}
+    for a, b in itertools.pairwise([0, *cuts, len(raw)]):
+        part = outcome(splicer.splice_v1, raw[a:b])
+        if not part.ok:
+            return part
+        bodies.append(part.body)
+        counts = [x + y for x, y in zip(counts, part.counts, strict=True)]
+        attributed += part.attributed
+        stripped += part.stripped
+        for reason, n in part.unattributed:
+            reasons[reason] = reasons.get(reason, 0) + n
+    body = b"".join(bodies)
+    return Outcome(True, body, body == raw, (counts[0], counts[1], counts[2], counts[3]),
+                   attributed, tuple(sorted(reasons.items())), stripped=stripped)
+
+
+def check_parts(setup: Setup, raw: bytes, pieces: int) -> list[int]:
+    """Both implementations cut where the reference does, and the parts, spliced apart,
+    give what the whole gives (both implementations)."""
+    cuts = split_points(raw, pieces)
+    assert cuts == split_v1(raw, pieces), f"native cuts differ for {raw.hex()}"
+    assert cuts == sorted(set(cuts)) and all(0 < c < len(raw) for c in cuts)
+    assert len(cuts) < pieces
+    for splicer in splicers(setup):
+        whole = outcome(splicer.splice_v1, raw)
+        parts = in_parts(splicer, raw, cuts)
+        if whole.ok:
+            # "same object" is the whole's notion; the parts' is "the same bytes"
+            whole = dataclasses.replace(whole, same_object=whole.body == raw)
+        assert parts == whole, (
+            f"{splicer.implementation}: {pieces} parts at {cuts} differ from the whole\n"
+            f"input: {raw.hex()}\nparts: {parts.describe()}\nwhole: {whole.describe()}")
+    return cuts
+
+
+@settings(SETTINGS, max_examples=examples(300))
+@given(rnd=randoms, setup_rnd=randoms, pieces=st.integers(1, 5),
+       defect=st.sampled_from(["none", "none", "poison", "mutate"]))
+def test_parts_splice_as_the_whole(rnd: random.Random, setup_rnd: random.Random, pieces: int,
+                                   defect: str) -> None:
+    gen = Gen(rnd, huge=False)
+    nodes = gen.request_v1()
+    if defect == "poison":
+        poison(nodes, 1, rnd.choice(POISONS_V1), rnd)
+    raw = encode(nodes)
+    if defect == "mutate":
+        raw = mutate(raw, rnd)
+    check_parts(random_setup(setup_rnd), raw, pieces)
+
+
+def test_parts_cut_near_the_fractions() -> None:
+    series = [f(1, lab(b"__name__", b"m%02d" % i), lab(b"pod", b"p")) for i in range(100)]
+    raw = b"".join(series)
+    size = len(series[0])
+    cuts = check_parts(SETUPS[0], raw, 4)
+    assert len(cuts) == 3
+    for k, cut in enumerate(cuts, 1):
+        assert cut % size == 0 and 0 <= cut - len(raw) * k // 4 < size
+    assert split_points(b"\x0a\xff\xff\x03" + raw, 2) == []  # the first field runs past the end
+    # a truncated last series is past the last cut: the last part gets the whole's error
+    assert check_parts(SETUPS[0], raw[:-1], 4) == cuts
+    assert split_points(series[0] * 3, 8) == [size, 2 * size]  # fewer fields than pieces
+    assert split_points(raw, 1) == [] and split_points(b"", 3) == []
+    with pytest.raises(ValueError):
+        split_v1(raw, 0)
