@@ -12,9 +12,7 @@ the answer is 503 with ``Retry-After`` at once (never a queue, never a 429 of ou
 
 Admission is decided on the headers alone, before a byte of the body is read: a refused
 request is answered with ``Connection: close``, so its body is never parsed into the
-process (aiohttp discards what is already in flight). The overload refusal, by far the
-most frequent, is answered by the connection itself (``proxy.connection_guard``), which
-keeps the connection open when the body can be skipped cheaply. An admitted body holds budget
+process (aiohttp discards what is already in flight). An admitted body holds budget
 only for the bytes that have arrived, and must arrive within a deadline and above a
 minimum rate, so a sender that stalls mid-body holds a slot for seconds, not forever.
 """
@@ -44,7 +42,6 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import ServerSettings
-from proxy.connection_guard import Canned, canned
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Answer, Outgoing, Upstream
@@ -218,8 +215,10 @@ class LoadBudget:
 OVERLOAD_MESSAGE = "overloaded: too many requests in flight"
 #: the whole answer when every slot is taken, written by ``proxy.connection_guard`` as
 #: soon as the headers are parsed (see ``RemoteWriteHandler.shed``)
-OVERLOAD_ANSWER = canned("503 Service Unavailable", {"Retry-After": RETRY_AFTER},
-                         OVERLOAD_MESSAGE + "\n")
+OVERLOAD_ANSWER = (
+    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    f"Retry-After: {RETRY_AFTER}\r\nContent-Length: {len(OVERLOAD_MESSAGE) + 1}\r\n"
+    f"Connection: close\r\n\r\n{OVERLOAD_MESSAGE}\n").encode()
 
 #: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
 #: start, a sender's first write): the rate is what arrived over the time past it
@@ -323,7 +322,7 @@ class RemoteWriteHandler:
         return None
 
     def shed(self, method: str, path: str, headers: Mapping[str, str], remote: str
-             ) -> Canned | None:
+             ) -> bytes | None:
         """The whole answer to a remote write refused for overload on its headers, before
         aiohttp makes a request of it (``proxy.connection_guard``); None: handle it.
 
