@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import proxy
@@ -162,6 +162,20 @@ def coverage_facts(pods: Iterable[PodAttribution]) -> list[Fact]:
     return out
 
 
+#: the families of a workload's component instances (one series each per instance)
+REPLICA_FAMILIES = frozenset((
+    contract.FACT_COMPONENT_DESIRED_REPLICAS,
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN,
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX,
+    contract.FACT_COMPONENT_OBSERVED_PODS,
+))
+#: the families made per pod (:func:`pod_facts`) and about the process (:func:`process_facts`)
+POD_FAMILIES = frozenset((contract.FACT_POD_INFO, contract.FACT_POD_UNATTRIBUTED_INFO))
+PROCESS_FAMILIES = frozenset((
+    contract.FACT_SOURCE_LAST_CURRENT, contract.FACT_CONTRACT_INFO, contract.FACT_BUILD_INFO,
+))
+
+
 def workload_identity(wf: WorkloadFacts) -> Labels:
     """The stamped labels that name a workload, as every enriched series carries them."""
     r = wf.ref
@@ -175,11 +189,14 @@ def workload_identity(wf: WorkloadFacts) -> Labels:
     )
 
 
-def workload_facts(wf: WorkloadFacts) -> list[Fact]:
-    """Info, phase state set, transition time, statuses and replica facts of a workload."""
+def workload_facts(wf: WorkloadFacts, family: str | None = None) -> list[Fact]:
+    """Info, phase state set, transition time, statuses and replica facts of a workload
+    (``family``: only that family's, in the same order; /metrics renders a family at a
+    time without building the others)."""
     ident = workload_identity(wf)
-    out = [
-        Fact(
+    out: list[Fact] = []
+    if family in (None, contract.FACT_WORKLOAD_INFO):
+        out.append(Fact(
             contract.FACT_WORKLOAD_INFO,
             label_set(
                 (
@@ -190,31 +207,34 @@ def workload_facts(wf: WorkloadFacts) -> list[Fact]:
                 )
             ),
             1.0,
-        )
-    ]
-    statuses = set(wf.statuses)
-    for phase in GENERIC_PHASES:
-        out.append(
-            Fact(
-                contract.FACT_WORKLOAD_PHASE,
-                label_set((*ident, (contract.FACT_LABEL_PHASE, phase))),
-                1.0 if phase == wf.phase else 0.0,
+        ))
+    if family in (None, contract.FACT_WORKLOAD_PHASE):
+        for phase in GENERIC_PHASES:
+            out.append(
+                Fact(
+                    contract.FACT_WORKLOAD_PHASE,
+                    label_set((*ident, (contract.FACT_LABEL_PHASE, phase))),
+                    1.0 if phase == wf.phase else 0.0,
+                )
             )
-        )
-    for status in GENERIC_PHASES:
-        out.append(
-            Fact(
-                contract.FACT_WORKLOAD_STATUS,
-                label_set((*ident, (contract.FACT_LABEL_STATUS, status))),
-                1.0 if status in statuses else 0.0,
+    if family in (None, contract.FACT_WORKLOAD_STATUS):
+        statuses = set(wf.statuses)
+        for status in GENERIC_PHASES:
+            out.append(
+                Fact(
+                    contract.FACT_WORKLOAD_STATUS,
+                    label_set((*ident, (contract.FACT_LABEL_STATUS, status))),
+                    1.0 if status in statuses else 0.0,
+                )
             )
-        )
-    out.append(Fact(
-        contract.FACT_WORKLOAD_PHASE_TRANSITION,
-        label_set((*ident, (contract.FACT_LABEL_SOURCE, wf.phase_since_source))),
-        float(wf.phase_since),
-    ))
-    if wf.phase == UNDEFINED and wf.phase_reason:
+    if family in (None, contract.FACT_WORKLOAD_PHASE_TRANSITION):
+        out.append(Fact(
+            contract.FACT_WORKLOAD_PHASE_TRANSITION,
+            label_set((*ident, (contract.FACT_LABEL_SOURCE, wf.phase_since_source))),
+            float(wf.phase_since),
+        ))
+    if (family in (None, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO)
+            and wf.phase == UNDEFINED and wf.phase_reason):
         out.append(
             Fact(
                 contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO,
@@ -222,6 +242,8 @@ def workload_facts(wf: WorkloadFacts) -> list[Fact]:
                 1.0,
             )
         )
+    if family is not None and family not in REPLICA_FAMILIES:
+        return out
     for rf in wf.replicas:
         labels = label_set(
             (
@@ -236,6 +258,8 @@ def workload_facts(wf: WorkloadFacts) -> list[Fact]:
             (contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX, rf.max_desired),
             (contract.FACT_COMPONENT_OBSERVED_PODS, float(rf.observed)),
         ):
+            if family not in (None, name):
+                continue
             if value is not None and not math.isnan(value):
                 out.append(Fact(name, labels, float(value)))
     return out
@@ -282,3 +306,25 @@ def iter_facts(
     for wf in list(index.workloads.values()):
         yield from workload_facts(wf)
     yield from process_facts(index, build_version)
+
+
+def family_facts(
+    name: str,
+    index: PodIndex,
+    pods: Sequence[PodAttribution],
+    workloads: Sequence[WorkloadFacts],
+    build_version: str = proxy.__version__,
+) -> Iterator[Fact]:
+    """The series of one fact family, in :func:`iter_facts`' order, from ``pods`` and
+    ``workloads`` (the index's, taken once, so every family of one page describes the
+    same state); process facts from ``index`` as it is now."""
+    if name == contract.FACT_NAMESPACE_PODS:
+        yield from coverage_facts(pods)
+    elif name in POD_FAMILIES:
+        for att in pods:
+            yield from (f for f in pod_facts(att) if f.name == name)
+    elif name in PROCESS_FAMILIES:
+        yield from (f for f in process_facts(index, build_version) if f.name == name)
+    else:
+        for wf in workloads:
+            yield from workload_facts(wf, name)

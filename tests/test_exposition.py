@@ -1,0 +1,136 @@
+"""The /metrics page as chunks: the bytes of ``generate_latest``, a chunk of text held at
+a time, valid for Prometheus' own linter."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tracemalloc
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import exposition
+from proxy.exposition import CHUNK_BYTES, TextFamily
+from proxy.facts import FactsCollector
+from proxy.index import PodIndex
+from proxy.karta.results import ChangeSet, PodAttribution, ReplicaFact, WorkloadFacts, WorkloadRef
+from proxy.metrics import ProxyMetrics
+
+
+def big_index(workloads: int = 400, per: int = 10) -> PodIndex:
+    """``workloads`` RayJobs of ``per`` pods: ~21 series per workload, one per pod."""
+    cs = ChangeSet()
+    for w in range(workloads):
+        ref = WorkloadRef(f"ns-{w % 7}", "ray.io", "RayJob", f"job-{w}", f"w{w}")
+        cs.workloads[ref.uid] = WorkloadFacts(
+            ref, "rayjob", False, "Running", ("Running",), "", 1.7e9 + w,
+            (ReplicaFact("workers", "g0", per, 1, 2 * per, per),))
+        for p in range(per):
+            cs.pods[f"p{w}-{p}"] = PodAttribution(ref.namespace, f"job-{w}-{p}", f"p{w}-{p}",
+                                                  ref, "workers", "g0", str(p))
+    cs.pods["lost"] = PodAttribution("ns-0", "loner", "lost", None, reason="no_owner: x")
+    index = PodIndex()
+    index.apply(cs)
+    index.mark_fresh("pods", 1_700_000_000.25)
+    return index
+
+
+def proxy_registry(index: PodIndex) -> CollectorRegistry:
+    """The proxy's registry as the runtime fills it: its own metrics, then the facts."""
+    registry = ProxyMetrics().registry
+    registry.register(FactsCollector(index, "1.2.3"))
+    return registry
+
+
+def steady(page: bytes) -> list[bytes]:
+    """The page without the samples of the process collectors (memory, CPU, GC counts
+    move between two renderings); their HELP and TYPE lines stay."""
+    return [line for line in page.splitlines(keepends=True)
+            if not line.startswith((b"process_", b"python_gc_"))]
+
+
+def test_the_page_is_generate_latest_byte_for_byte() -> None:
+    registry = proxy_registry(big_index())
+    page = b"".join(exposition.chunks(registry))
+    assert steady(page) == steady(generate_latest(registry))
+    names = {f.name for f in text_string_to_metric_families(page.decode())}
+    assert {"karta_pod_info", "karta_workload_phase", "karta_proxy_requests"} <= names
+
+
+def test_label_values_and_help_are_escaped_as_prometheus_client_does() -> None:
+    rows = [((("a", 'say "hi"'), ("b", "back\\slash"), ("c", "two\nlines")), 1.5),
+            ((("z", "é ü 日本"),), float("nan")), ((), float("inf")), ((("k", "v"),), 1e21)]
+    plain = Metric("odd_family", 'help with \\ and\nnewline', "gauge")
+    for labels, value in rows:
+        plain.add_sample("odd_family", dict(labels), value)
+    ours = CollectorRegistry()
+    theirs = CollectorRegistry()
+
+    class One:
+        def __init__(self, m: Metric) -> None:
+            self.m = m
+
+        def collect(self) -> list[Metric]:
+            return [self.m]
+
+    ours.register(One(TextFamily("odd_family", 'help with \\ and\nnewline', rows)))
+    theirs.register(One(plain))
+    assert b"".join(exposition.chunks(ours)) == generate_latest(theirs)
+
+
+def test_a_text_family_read_as_samples_is_the_same_family() -> None:
+    """Any other reader of the registry (generate_latest, a parser in a test) gets the
+    samples, made on first access, once."""
+    index = big_index(20, 2)
+    fams = list(FactsCollector(index).collect())
+    assert all(isinstance(f, TextFamily) for f in fams)
+    phase = next(f for f in fams if f.name == "karta_workload_phase")
+    assert len(phase.samples) == 20 * 9 and phase.samples is phase.samples
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index))
+    assert b"".join(exposition.chunks(registry)) == generate_latest(registry)
+
+
+def test_chunks_are_bounded_and_the_page_is_never_held_whole() -> None:
+    registry = proxy_registry(big_index(600, 10))
+    tracemalloc.start()
+    try:
+        sizes = [len(c) for c in exposition.chunks(registry)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    page = sum(sizes)
+    assert page > 3_000_000
+    assert max(sizes) < CHUNK_BYTES + 1024  # a chunk is whole lines, a line is short
+    assert peak < page / 5, f"{peak} bytes traced for a {page}-byte page"
+
+
+def test_empty_fact_families_are_left_out() -> None:
+    index = PodIndex()
+    index.apply(ChangeSet(pods={"p": PodAttribution("ns", "p", "p", None, reason="x")}))
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index))
+    page = b"".join(exposition.chunks(registry)).decode()
+    assert page == generate_latest(registry).decode()
+    assert "karta_workload_phase" not in page and "karta_pod_unattributed_info{" in page
+
+
+def test_counters_and_gauges_pass_through_unchanged() -> None:
+    registry = CollectorRegistry()
+    Counter("things", "Things done.", ["kind"], registry=registry).labels("a").inc(2)
+    Gauge("level", "A level.", registry=registry).set(0.5)
+    assert b"".join(exposition.chunks(registry)) == generate_latest(registry)
+
+
+def test_promtool_accepts_the_page() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    page = b"".join(exposition.chunks(proxy_registry(big_index(50, 3))))
+    done = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True,
+                          timeout=60, check=False)
+    assert b"error" not in done.stderr.lower(), done.stderr.decode()
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
