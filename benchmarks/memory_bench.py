@@ -13,8 +13,11 @@ descriptions, index, native splice's pod table, fact writer), in the runtime's o
    the objects, and the freed heap handed back: ``proxy.memory.trim``);
 7. ``first fact write``: ``FactWriter.iter_requests``, each body dropped once made (as
    ``write_once`` sends them);
-8. ``malloc_trim``: ``proxy.memory.trim`` once more (what handing back the heap the
-   fact write freed would buy: the runtime does not do it).
+8. ``metrics scrape``: one ``/metrics`` page as the server writes it
+   (``proxy.exposition.chunks`` over the runtime's registry: the proxy's metrics, the
+   facts, the writer's metrics), each chunk dropped once made;
+9. ``malloc_trim``: ``proxy.memory.trim`` once more (what handing back the heap the
+   fact write and the scrape freed would buy).
 
 Per phase: RSS after it, the phase's own peak RSS (``VmHWM`` reset with ``clear_refs``
 before it), and with ``--tracemalloc`` the Python heap after it, its peak, and the top
@@ -144,12 +147,13 @@ def run(args: argparse.Namespace) -> list[Phase]:
     start_rss = _status("VmRSS")
     m = Meter(args.tracemalloc, args.top)
     t = m.begin()
-    from proxy import memory
+    from proxy import exposition, memory
     from proxy.attribution import Enricher
     from proxy.config import FactSettings, Settings
-    from proxy.facts import FactWriter
+    from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
     from proxy.index import PodIndex
     from proxy.karta.engine import Engine
+    from proxy.metrics import ProxyMetrics
     from proxy.snapshot import SnapshotSource, apply_content, read_snapshot
 
     settings = Settings()
@@ -195,6 +199,17 @@ def run(args: argparse.Namespace) -> list[Phase]:
     writer.commit()
     m.end("first fact write", t)
     print(f"{'':<20} {series:,} fact series, {size / MB:.1f} MB of bodies", flush=True)
+
+    t = m.begin()
+    registry = ProxyMetrics().registry  # as Proxy._make_facts registers them
+    registry.register(FactsCollector(index))
+    registry.register(FactWriterCollector(writer))
+    size = 0
+    for chunk in exposition.chunks(registry):  # as the /metrics view writes them
+        size += len(chunk)
+        del chunk
+    m.end("metrics scrape", t)
+    print(f"{'':<20} {size / MB:.1f} MB of text", flush=True)
 
     t = m.begin()
     trimmed = memory.trim()

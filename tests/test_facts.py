@@ -466,6 +466,100 @@ def test_unchanged_objects_are_not_re_encoded() -> None:
     assert calls == 5  # the changed workload + coverage + process facts
 
 
+# -- the writer's cache: a workload's series share its identity labels ------------------------
+
+
+def _stale_and_live(body: bytes) -> tuple[Series, Series]:
+    series = decode(body)
+    stale = {k: v for k, v in series.items() if is_stale(v[0][0])}
+    return stale, {k: v for k, v in series.items() if k not in stale}
+
+
+def test_a_recreated_workload_continues_its_series_and_ends_only_the_old_uid() -> None:
+    """A Deployment deleted and created again under its name (a new uid) is the same
+    identity: its ~20 shared-identity series continue without a marker, written once
+    while both objects are in the index, and only the info series of the old uid ends,
+    with the very labels it was written with (external labels in the shared run too)."""
+    index = small_index()
+    w = writer(index, external_labels={"cluster": "c1", "zone": "z"})
+    first = decode(w.build_request(1000))
+    w.commit()
+    again = replace(DEP, uid="w-dep-2")
+    index.apply(ChangeSet(workloads={"w-dep-2": dep_facts(ref=again)}))  # both for a while
+    stale, live = _stale_and_live(w.build_request(2000))
+    w.commit()
+    assert not stale
+    assert set(first) < set(live)  # every series continues, and the new info series is new
+    new = set(live) - set(first)
+    assert [dict(k)["workload_uid"] for k in new] == ["w-dep-2"]
+    index.apply(ChangeSet(workloads={"w-dep": None}))  # the old object goes
+    stale, live = _stale_and_live(w.build_request(3000))
+    w.commit()
+    (gone,) = stale
+    assert dict(gone)["__name__"] == contract.FACT_WORKLOAD_INFO
+    assert dict(gone)["workload_uid"] == "w-dep" and gone in first
+    assert ("cluster", "c1") in gone and ("zone", "z") in gone
+    assert set(live) == set(first) - {gone} | new
+
+
+def test_a_marker_carries_the_written_labels_after_the_cache_let_go() -> None:
+    """The writer keeps a gone series' labels in its written set, not in the cache: a
+    workload deleted while the upstream is down loses its cache entry at once, and the
+    markers two writes later are still byte for byte the series first written."""
+    index = small_index()
+    w = writer(index)
+    first = w.build_request(1000)
+    w.commit()
+    index.apply(ChangeSet(workloads={"w-ray": None}, pods={"p-head": None, "p-w0": None}))
+    w.build_request(2000)
+    w.commit_partial()  # that write failed
+    assert "w-ray" not in w._workload_cache and "p-head" not in w._pod_cache
+    w.build_request(3000)
+    w.commit_partial()  # and the next one
+    stale, _ = _stale_and_live(w.build_request(4000))
+    w.commit()
+    written = decode(first)
+    assert stale and set(stale) <= set(written)
+    ended = [k for k in stale if dict(k)["__name__"] != contract.FACT_NAMESPACE_PODS]
+    assert {dict(k).get("karta_workload") for k in ended} == {"train"}
+    assert len(ended) == 2 + 1 + 9 + 9 + 1 + 2 + 4  # pods, info, phases, statuses,
+    # transition, replica rows (the head has no min/max: desired and observed; workers 4)
+    assert not _stale_and_live(w.build_request(5000))[0]  # ended once
+
+
+def test_stale_markers_are_in_label_order_whatever_the_pieces() -> None:
+    """The markers of one write come sorted by their bytes (the TimeSeries field, whose
+    samples are all the one stale marker), as when each series was one bytes object:
+    the wire does not change with the cache's layout."""
+    from proxy.wire.primitives import len_field
+
+    index = small_index()
+    w = writer(index, external_labels={"a": "first", "zz": "last"})
+    w.build_request(1000)
+    w.commit()
+    index.apply(ChangeSet(workloads={"w-ray": None, "w-dep": None}, pods=dict.fromkeys(PODS)))
+    req = remote_pb2.WriteRequest()
+    req.ParseFromString(w.build_request(2000))
+    stale = [len_field(1, ts.SerializeToString())
+             for ts in req.timeseries if is_stale(ts.samples[0].value)]
+    assert len(stale) > 40 and stale == sorted(stale)
+
+
+def test_series_of_one_label_set_are_one_tuple_whoever_makes_them() -> None:
+    """Equal label sets make equal cached series (the written set compares them): two
+    workload objects of one identity, encoded separately, agree on every shared series."""
+    from proxy.facts.encoder import encode_facts
+
+    a = encode_facts(workload_facts(dep_facts()), (("cluster", "c1"),), 11)
+    b = encode_facts(workload_facts(dep_facts(ref=replace(DEP, uid="other"))),
+                     (("cluster", "c1"),), 11)
+    shared = set(a.series) & set(b.series)
+    assert len(shared) == len(a.series) - 1  # all but the info series (workload_uid)
+    runs = [p for s in a.series for p in s if b"\x0ekarta_workload\x12" in p]
+    assert len(runs) == len(a.series)  # every series has its identity in a shared run,
+    assert len({id(p) for p in runs}) == len(set(runs)) <= 4  # held once per shape
+
+
 # -- /metrics ----------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import proxy
 from proxy.config import FactSettings
@@ -27,9 +27,11 @@ from proxy.facts.encoder import (
     METADATA,
     STALE_NAN,
     Encoded,
+    Series,
     encode_facts,
     rehead,
     sample_field,
+    series_bytes,
     timestamp_field,
 )
 from proxy.facts.model import (
@@ -56,6 +58,17 @@ MAX_SERIES_PER_REQUEST = 5000
 #: how long a standby replica remembers a fact series it no longer sees: Prometheus'
 #: default lookback, after which a series without samples is gone from queries anyway
 STANDBY_MEMORY = 300.0
+
+
+_Obj = TypeVar("_Obj", PodAttribution, WorkloadFacts)
+
+
+class _Cached(NamedTuple, Generic[_Obj]):
+    """A pod's or workload's encoded series, valid while the index holds this very object
+    (index records are replaced, never changed, when what they say changes)."""
+
+    obj: _Obj
+    encoded: Encoded
 
 
 class WriterState(enum.Enum):
@@ -101,18 +114,20 @@ class FactWriter:
         self._build_version = build_version
         self._max_series = max(1, max_series_per_request)
         self._external: Labels = label_set(settings.external_labels.items())
-        self._pod_cache: dict[str, tuple[PodAttribution, Encoded]] = {}
-        self._workload_cache: dict[str, tuple[WorkloadFacts, Encoded]] = {}
-        #: length of a sample field; the cached prefixes embed it (constant in practice:
-        #: millisecond timestamps are 6-byte varints from 2004 to 2109)
+        self._pod_cache: dict[str, _Cached[PodAttribution]] = {}
+        self._workload_cache: dict[str, _Cached[WorkloadFacts]] = {}
+        #: length of a sample field; the cached series headers embed it (constant in
+        #: practice: millisecond timestamps are 6-byte varints from 2004 to 2109)
         self._sample_len = -1
-        #: prefixes of every series in the last successful write
-        self._written: set[bytes] = set()
+        #: every series in the last successful write: the cache's own tuples, so the set
+        #: costs its table only, and it keeps a gone series' bytes (its stale marker) after
+        #: the cache has let go of the pod or workload
+        self._written: set[Series] = set()
         #: what the last build produced (committed to _written once the send succeeds)
-        self._pending: set[bytes] = set()
-        #: while another replica writes: series prefix -> last time it existed here, kept
-        #: for STANDBY_MEMORY seconds, so a takeover ends what the old leader left behind
-        self._standby: dict[bytes, float] = {}
+        self._pending: set[Series] = set()
+        #: while another replica writes: series -> last time it existed here, kept for
+        #: STANDBY_MEMORY seconds, so a takeover ends what the old leader left behind
+        self._standby: dict[Series, float] = {}
         self._task: asyncio.Task[None] | None = None
         #: the leader/standby state: changed only by step()
         self.state = WriterState.STANDBY
@@ -138,29 +153,31 @@ class FactWriter:
         self._written = {rehead(p, n) for p in self._written}
         self._standby = {rehead(p, n): t for p, t in self._standby.items()}
 
-    def _current(self) -> Iterator[tuple[bytes, float]]:
-        """(prefix, value) of every fact series now, one at a time (a write's requests are
+    def _cached(self, items: list[tuple[str, _Obj]], cache: dict[str, _Cached[_Obj]],
+                facts: Callable[[_Obj], list[Fact]],
+                fresh: dict[str, _Cached[_Obj]]) -> Iterator[tuple[Series, float]]:
+        """(series, value) of each object in ``items``, encoded again only where the
+        index's object is not the cached one; ``fresh`` becomes the cache of what is now."""
+        for uid, obj in items:
+            hit = cache.get(uid)
+            if hit is None or hit.obj is not obj:
+                hit = _Cached(obj, self._encode(facts(obj)))
+            fresh[uid] = hit
+            yield from zip(*hit.encoded, strict=True)
+
+    def _current(self) -> Iterator[tuple[Series, float]]:
+        """(series, value) of every fact series now, one at a time (a write's requests are
         made as they are sent); the index as it was when the first one is asked for."""
         pod_items = list(self._index.pods.items())
         workload_items = list(self._index.workloads.items())
         process = process_facts(self._index, self._build_version)
         coverage = coverage_facts(att for _, att in pod_items)
-        pods: dict[str, tuple[PodAttribution, Encoded]] = {}
-        for uid, att in pod_items:
-            hit = self._pod_cache.get(uid)
-            if hit is None or hit[0] is not att:
-                hit = (att, self._encode(pod_facts(att)))
-            pods[uid] = hit
-            yield from zip(*hit[1], strict=True)
+        pods: dict[str, _Cached[PodAttribution]] = {}
+        yield from self._cached(pod_items, self._pod_cache, pod_facts, pods)
         del pod_items
         self._pod_cache = pods
-        workloads: dict[str, tuple[WorkloadFacts, Encoded]] = {}
-        for uid, wf in workload_items:
-            whit = self._workload_cache.get(uid)
-            if whit is None or whit[0] is not wf:
-                whit = (wf, self._encode(workload_facts(wf)))
-            workloads[uid] = whit
-            yield from zip(*whit[1], strict=True)
+        workloads: dict[str, _Cached[WorkloadFacts]] = {}
+        yield from self._cached(workload_items, self._workload_cache, workload_facts, workloads)
         self._workload_cache = workloads
         yield from zip(*self._encode(coverage), strict=True)
         yield from zip(*self._encode(process), strict=True)
@@ -180,32 +197,34 @@ class FactWriter:
         ts_bytes = timestamp_field(now_ms)
         samples: dict[float, bytes] = {}
         self._set_sample_len(len(sample_field(0.0, ts_bytes)))
-        seen: set[bytes] = set()
+        seen: set[Series] = set()
         self._pending = seen
         parts: list[bytes] = []
         count = 0
         limit = self._max_series
-        gone: set[bytes] = set()
+        gone: set[Series] = set()
 
-        def series() -> Iterator[tuple[bytes, bytes]]:
-            """(prefix, sample field) of every fact now, then a stale marker for each
+        def series() -> Iterator[tuple[Series, bytes]]:
+            """(series, sample field) of every fact now, then a stale marker for each
             series of the last write that is gone (known once the facts are through)."""
-            for prefix, value in self._current():
-                if prefix in seen:  # e.g. a workload re-created under the same name: first wins
-                    continue
-                seen.add(prefix)
+            before = 0
+            for one, value in self._current():
+                seen.add(one)  # one hash of the tuple, not two (``in``, then ``add``)
+                if len(seen) == before:  # e.g. a workload re-created under the same name:
+                    continue  # first wins
+                before += 1
                 sample = samples.get(value)
                 if sample is None:
                     sample = samples[value] = sample_field(value, ts_bytes)
-                yield prefix, sample
+                yield one, sample
             gone.update(self._written - seen)
             if gone:
                 stale = sample_field(STALE_NAN, ts_bytes)
-                for prefix in sorted(gone):
-                    yield prefix, stale
+                for one in sorted(gone, key=series_bytes):
+                    yield one, stale
 
-        for prefix, sample in series():
-            parts.append(prefix)
+        for one, sample in series():
+            parts.extend(one)
             parts.append(sample)
             count += 1
             if count == limit:
@@ -250,8 +269,8 @@ class FactWriter:
         """
         self._set_sample_len(len(sample_field(0.0, timestamp_field(int(now * 1000)))))
         standby = self._standby
-        for prefix, _ in self._current():
-            standby[prefix] = now
+        for one, _ in self._current():
+            standby[one] = now
         horizon = now - STANDBY_MEMORY
         if any(t < horizon for t in standby.values()):
             self._standby = {k: t for k, t in standby.items() if t >= horizon}
