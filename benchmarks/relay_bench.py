@@ -285,11 +285,7 @@ def run_phase(
         time.sleep(0.02)
         after = relay.upstream_stats()
     cpu1 = relay.proc.cpu() if relay.proc is not None else None
-    if sender.errors:
-        print(
-            f"  ! {relay.name}: {sender.errors} failed requests, last: {sender.last_error}",
-            file=sys.stderr,
-        )
+    warn_failed(relay.name, sender.errors, sender.last_error)
     return Phase(
         relay=relay.name,
         samples=len(bodies) * series_per_request,
@@ -302,6 +298,12 @@ def run_phase(
 
 
 # -- statistics -----------------------------------------------------------------------------
+
+
+def warn_failed(relay: str, errors: int, last_error: str) -> None:
+    """A phase's failed requests, on stderr (every sample must reach the sink)."""
+    if errors:
+        print(f"  ! {relay}: {errors} failed requests, last: {last_error}", file=sys.stderr)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -730,11 +732,7 @@ class HcRun:
         ended = res.ended
         if relay.asynchronous and after["last_arrival"] > ended:
             ended = after["last_arrival"]  # it answered before forwarding
-        if res.errors:
-            print(
-                f"  ! {relay.key}: {res.errors} failed requests, last: {res.last_error}",
-                file=sys.stderr,
-            )
+        warn_failed(relay.key, res.errors, res.last_error)
         return HcPhase(
             relay=relay.key,
             samples=samples,

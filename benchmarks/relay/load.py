@@ -11,17 +11,19 @@ The processes are forked once the bodies are built, so they share them with the 
   taking turns; latency is counted from the due time, so a slow answer that delays the
   next send is charged to the relay, not hidden (no coordinated omission).
 
-Sending a pre-built body costs the sender ~0.1 ms of CPU per request (``http.client``,
-the kernel's loopback copy), far below any relay's cost per request.
+Sending a pre-built body costs the sender little more than the kernel's loopback copy: a
+raw socket, the head prebuilt, head and body in one ``sendmsg``, the answer's status read
+(``_Client``); the senders share the two cores with the relay, above all in the 2-core
+row, so they are kept cheap.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.sharedctypes
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,32 +63,76 @@ class Result:
         return self.ended - self.started
 
 
+def request_head(protocol: str) -> bytes:
+    """The request line and headers of a write, up to ``Content-Length: `` (the length
+    and the blank line follow per body)."""
+    lines = [f"POST {WRITE_PATH} HTTP/1.1", "Host: 127.0.0.1",
+             *(f"{k}: {v}" for k, v in HEADERS[protocol].items()), "Content-Length: "]
+    return "\r\n".join(lines).encode()
+
+
 class _Client:
+    """One keep-alive connection on a raw socket: the prebuilt head and the body go out in
+    one ``sendmsg`` (no copy of the body, no header building), the answer is read for its
+    status and its body skipped. Sender CPU shares the box's cores with the relay it
+    measures, so it is kept to little more than the kernel's copies: 125-190 us of CPU per
+    340 KB request, against 290-510 us through ``http.client`` (measured, same sink)."""
+
     def __init__(self) -> None:
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None
         self._port = 0
 
-    def send(self, port: int, body: bytes, headers: dict[str, str]) -> tuple[bool, str]:
+    def send(self, port: int, body: bytes, head: bytes) -> tuple[bool, str]:
         for attempt in (0, 1):
-            if self._conn is None or self._port != port:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            if self._sock is None or self._port != port:
+                self.close()
+                self._sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._port = port
             try:
-                self._conn.request("POST", WRITE_PATH, body=body, headers=headers)
-                resp = self._conn.getresponse()
-                text = resp.read()
-            except (OSError, http.client.HTTPException) as exc:
-                self._conn.close()
-                self._conn = None
+                status, text, close = self._exchange(self._sock, head, body)
+            except (OSError, ValueError) as exc:
+                self.close()
                 if attempt:
                     return False, repr(exc)
                 continue
-            if resp.status // 100 != 2:
-                return False, f"HTTP {resp.status}: {text[:200]!r}"
+            if close:
+                self.close()
+            if status // 100 != 2:
+                return False, f"HTTP {status}: {text[:200]!r}"
             return True, ""
         return False, "unreachable"
+
+    @staticmethod
+    def _exchange(sock: socket.socket, head: bytes, body: bytes) -> tuple[int, bytes, bool]:
+        """Write one request, read its answer: (status, body, the server closes)."""
+        first = head + b"%d\r\n\r\n" % len(body)
+        sent = sock.sendmsg([first, body])
+        if sent < len(first) + len(body):
+            sock.sendall(memoryview(first + body)[sent:])  # rare: a partial write
+        buf = b""
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ValueError("connection closed before the answer")
+            buf += chunk
+        lines = buf[:end].split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        fields = {k.strip().lower(): v.strip() for k, _, v in
+                  (ln.partition(b":") for ln in lines[1:])}
+        length = int(fields.get(b"content-length", b"0"))
+        text = buf[end + 4:]
+        while len(text) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ValueError("connection closed inside the answer")
+            text += chunk
+        return status, text[:length], fields.get(b"connection", b"").lower() == b"close"
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 @dataclass
@@ -123,7 +169,7 @@ def _worker(
         if cmd is None:
             return
         port, protocol, items, rate, t0 = cmd
-        headers = HEADERS[protocol]
+        head = request_head(protocol)
         source = bodies[protocol]
         tally = _Tally()
         if rate:  # paced: this process sends items rank, rank + size, ...
@@ -132,7 +178,7 @@ def _worker(
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                tally.add(client.send(port, source[items[k]], headers), items[k], due)
+                tally.add(client.send(port, source[items[k]], head), items[k], due)
         else:
             while True:
                 with counter.get_lock():
@@ -141,7 +187,7 @@ def _worker(
                 if k >= len(items):
                     break
                 t = time.monotonic()
-                tally.add(client.send(port, source[items[k]], headers), items[k], t)
+                tally.add(client.send(port, source[items[k]], head), items[k], t)
         conn.send((time.monotonic(), tally.errors, tally.last, tally.lat))
 
 
