@@ -620,30 +620,25 @@ class Engine:
 
     def upsert(self, obj: Mapping[str, Any]) -> ChangeSet:
         """Add or replace one object: a Pod, any owner, a workload, or a description."""
-        cs = ChangeSet()
-        self._upsert(obj, cs)
-        self._settle(cs)
-        return cs
+        return self.upsert_many((obj,))
 
     def delete(self, obj: Mapping[str, Any]) -> ChangeSet:
         """Forget one object (``apiVersion``, ``kind``, ``metadata.uid`` are enough)."""
-        cs = ChangeSet()
-        self._delete(obj, cs)
-        self._settle(cs)
-        return cs
+        return self.delete_many((obj,))
 
     def upsert_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
         """Many upserts, one change set; workload facts are computed once at the end."""
-        cs = ChangeSet()
-        for obj in objs:
-            self._upsert(obj, cs)
-        self._settle(cs)
-        return cs
+        return self._apply_each(objs, self._upsert)
 
     def delete_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
+        """Many deletions, one change set."""
+        return self._apply_each(objs, self._delete)
+
+    def _apply_each(self, objs: Iterable[Mapping[str, Any]],
+                    step: Callable[[Mapping[str, Any], ChangeSet], None]) -> ChangeSet:
         cs = ChangeSet()
         for obj in objs:
-            self._delete(obj, cs)
+            step(obj, cs)
         self._settle(cs)
         return cs
 
