@@ -172,6 +172,12 @@ class ProxyMetrics:
             "and client CA after they changed or on a reload, by result (success, failure).",
             ["result"], registry=r,
         )
+        self.tls_handshake_failures = Counter(
+            _P + "tls_handshake_failures", "TLS handshakes on the listening side that failed, "
+            "by reason (no_client_certificate, untrusted_certificate, "
+            "server_certificate_rejected, client_closed, not_tls, protocol, timeout, other).",
+            ["reason"], registry=r,
+        )
 
     def watch_index(self, index: PodIndex) -> None:
         self._index = index

@@ -35,6 +35,7 @@ from proxy.reload import ReloadOutcome, merge
 from proxy.server import build_app, start_site
 from proxy.tasks import cancel_and_wait
 from proxy.tls import ServerTLS
+from proxy.tls_handshake import REASONS
 from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
 
@@ -270,7 +271,8 @@ class Proxy:
             self.tls = self._make_tls()
         try:
             self._runner, self.port = await start_site(
-                app, host, port, ssl_context=self.tls.context if self.tls is not None else None)
+                app, host, port, ssl_context=self.tls.context if self.tls is not None else None,
+                refusals=self.tls.refusals if self.tls is not None else None)
         except OSError as e:
             raise _listen_error(s.server.listen_address, e) from e
         if self.tls is not None:
@@ -289,7 +291,11 @@ class Proxy:
         def count(ok: bool) -> None:
             self.metrics.tls_reloads.labels("success" if ok else "failure").inc()
 
-        kwargs: dict[str, Any] = {"on_reload": count}
+        failures = self.metrics.tls_handshake_failures
+        for reason in REASONS:  # every reason present from the start, at 0
+            failures.labels(reason.value)
+        kwargs: dict[str, Any] = {
+            "on_reload": count, "on_refused": lambda reason: failures.labels(reason).inc()}
         if self._tls_check_interval is not None:
             kwargs["check_interval"] = self._tls_check_interval
         tls = ServerTLS(self.settings.server, **kwargs)

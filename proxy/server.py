@@ -24,6 +24,7 @@ from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome
+from proxy.tls_handshake import Refusals, TLSSite
 from proxy.wire.native import DEFAULT as SPLICE
 
 log = logging.getLogger("karta.server")
@@ -166,9 +167,10 @@ class _Pages:
 
 async def start_site(
     app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+    refusals: Refusals | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` (HTTPS with ``ssl_context``); returns the runner and the bound port
-    (port 0 picks a free one)."""
+    """Serve ``app`` (HTTPS with ``ssl_context``, its failed handshakes told to
+    ``refusals``); returns the runner and the bound port (port 0 picks a free one)."""
     handler = app[REMOTE_WRITE]
     runner = GuardedRunner(
         app, header_timeout=handler.settings.header_read_timeout_seconds,
@@ -176,7 +178,12 @@ async def start_site(
         access_log=None, handle_signals=False, shutdown_timeout=10.0,
         lingering_time=LINGER_SECONDS)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+    site: web.BaseSite
+    if ssl_context is None:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+    else:
+        site = TLSSite(runner, host, port, ssl_context=ssl_context, reuse_address=True,
+                       refusals=refusals if refusals is not None else Refusals())
     await site.start()
     # the runner's public view of its sockets: (host, port, ...) per bound address
     bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)

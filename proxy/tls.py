@@ -14,6 +14,9 @@ Files are checked with a stat every ``check_interval`` seconds (inode, mtime, si
 Kubernetes Secret volume swaps a symlink, which changes the inode). A certificate caught
 half-written (its key not yet matching) is not loaded; the old one keeps serving and the
 next check retries. Each distinct failure is logged once.
+
+A handshake the context refuses is counted and logged by ``refusals``
+(proxy/tls_handshake.py), which the listener reports to.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 from proxy.config import ServerSettings, client_auth_type
 from proxy.tasks import cancel_and_wait
+from proxy.tls_handshake import Refusals
 
 log = logging.getLogger("karta.tls")
 
@@ -73,8 +77,10 @@ class ServerTLS:
     def __init__(
         self, settings: ServerSettings, *, check_interval: float = CHECK_INTERVAL_SECONDS,
         on_reload: Callable[[bool], None] | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
-        """Loads the files now: a bad certificate fails the start, not the first handshake."""
+        """Loads the files now: a bad certificate fails the start, not the first handshake.
+        ``on_refused`` counts a failed handshake by its reason (proxy/tls_handshake.py)."""
         self.cert_file = settings.tls_cert_file
         self.key_file = settings.tls_key_file
         self.client_ca_file = settings.tls_client_ca_file
@@ -89,6 +95,8 @@ class ServerTLS:
         #: the last failure logged (the files' stamps and why), so each is logged once
         self._failed: tuple[Stamps | None, str] | None = None
         self._task: asyncio.Task[None] | None = None
+        #: failed handshakes, counted and logged; the listener (TLSSite) reports to it
+        self.refusals = Refusals(on_refused)
 
     def _read_stamps(self) -> Stamps:
         return Stamps(_stamp(self.cert_file), _stamp(self.key_file), _stamp(self.client_ca_file))
@@ -184,3 +192,4 @@ class ServerTLS:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        self.refusals.close()

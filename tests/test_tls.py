@@ -35,10 +35,12 @@ class Seen:
     error: str = ""
 
 
-async def fetch(port: int, ca: Path, client: Pem | None = None) -> Seen:
-    """A fresh connection (so a fresh handshake) and one request on it."""
-    ctx = ssl.create_default_context(cafile=str(ca))
-    if client is not None:
+async def fetch(port: int, ca: Path, client: Pem | None = None,
+                context: ssl.SSLContext | None = None) -> Seen:
+    """A fresh connection (so a fresh handshake) and one request on it; ``context``, when
+    given, is the client's instead of one made of ``ca`` and ``client``."""
+    ctx = context if context is not None else ssl.create_default_context(cafile=str(ca))
+    if client is not None and context is None:
         ctx.load_cert_chain(client.cert, client.key)
     cn = ""
     try:
@@ -61,6 +63,22 @@ async def fetch(port: int, ca: Path, client: Pem | None = None) -> Seen:
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
+
+
+async def write_stored(port: int, ca: Path, upstream: ScriptedUpstream,
+                       client: Pem | None = None) -> None:
+    """A remote write over HTTPS is answered 204 and reaches the upstream."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if client is not None:
+        ctx.load_cert_chain(client.cert, client.key)
+    before = len(upstream.received)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+        status, _, body = await send_series(
+            f"https://127.0.0.1:{port}/api/v1/write",
+            [Series({"__name__": "m", "namespace": "shop", "pod": "cart-7d9f-abcde"})],
+            session=session)
+    assert status == 204, body
+    assert len(upstream.received) > before, "the write reached the upstream"
 
 
 @dataclass
@@ -115,14 +133,7 @@ async def test_https_remote_write_is_enriched_and_plain_http_is_not_served(
     try:
         seen = await fetch(p.port, pki.ca.ca_file)
         assert (seen.server_cn, seen.status) == ("proxy-a", "HTTP/1.1 200 OK"), seen
-        ctx = ssl.create_default_context(cafile=str(pki.ca.ca_file))
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
-            status, _, body = await send_series(
-                f"https://127.0.0.1:{p.port}/api/v1/write",
-                [Series({"__name__": "m", "namespace": "shop", "pod": "cart-7d9f-abcde"})],
-                session=session)
-        assert status == 204, body
-        assert upstream.received, "the write reached the upstream"
+        await write_stored(p.port, pki.ca.ca_file, upstream)
         # plain HTTP on the TLS port: no answer, and the proxy keeps serving
         async with aiohttp.ClientSession() as session:
             with pytest.raises(aiohttp.ClientError):

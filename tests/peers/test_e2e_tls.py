@@ -1,7 +1,8 @@
 """Prometheus 2.42 agent -> karta-proxy over HTTPS with mutual TLS (``remote_write.tls_config``)
 -> Prometheus 2.42 receiver, with a throw-away CA. A second queue of the same agent without
-a client certificate is refused in the handshake and delivers nothing; a certificate
-rotated under the running proxy keeps the writes flowing."""
+a client certificate, and a third that does not trust the proxy's CA, are refused in the
+handshake, deliver nothing, and are counted by the proxy; a certificate rotated under the
+running proxy keeps the writes flowing."""
 
 from __future__ import annotations
 
@@ -71,10 +72,15 @@ async def test_agent_writes_over_mtls_and_one_without_a_cert_is_refused(
         "ca_file": str(ca.ca_file), "cert_file": str(client.cert), "key_file": str(client.key)}}
     no_cert = {**remote_write(url), "name": "no-cert",
                "tls_config": {"ca_file": str(ca.ca_file)}}
+    # a client certificate, but the proxy's own certificate is of a CA it does not trust
+    elsewhere = Authority(tmp_path / "elsewhere", "elsewhere-ca")
+    wrong_ca = {**remote_write(url), "name": "wrong-ca", "tls_config": {
+        "ca_file": str(elsewhere.ca_file), "cert_file": str(client.cert),
+        "key_file": str(client.key)}}
     agent = await peers.prometheus_agent({
         "global": {"scrape_interval": "1s"},
         "scrape_configs": scrape_configs(exporter),
-        "remote_write": [with_cert, no_cert],
+        "remote_write": [with_cert, no_cert, wrong_ca],
     })
     n_pods = len(exporter.model.pods)
 
@@ -100,6 +106,17 @@ async def test_agent_writes_over_mtls_and_one_without_a_cert_is_refused(
         agent, "prometheus_remote_storage_queue_highest_sent_timestamp_seconds")
     assert sent.get("with-cert", 0.0) > 0, sent
     assert sent.get("no-cert", 0.0) == 0.0, sent
+    assert sent.get("wrong-ca", 0.0) == 0.0, sent
+
+    async def refusals_counted() -> bool:
+        # Go's TLS sends an alert when it refuses the proxy's certificate
+        counts = {r: proxy.metrics.registry.get_sample_value(
+            "karta_proxy_tls_handshake_failures_total", {"reason": r}) or 0.0
+            for r in ("no_client_certificate", "server_certificate_rejected")}
+        return all(v > 0 for v in counts.values())
+
+    await wait_until(refusals_counted, timeout=30,
+                     what="both refused queues counted as handshake failures")
     ok = proxy.metrics.registry.get_sample_value(
         "karta_proxy_requests_total", {"path": "/api/v1/write", "protocol": "v1", "code": "204"})
     assert ok and ok > 0

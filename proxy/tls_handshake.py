@@ -1,0 +1,289 @@
+"""Refused TLS handshakes on the listening side: counted by reason and logged, rate-limited.
+
+asyncio drops a failed server-side handshake silently: ``SSLProtocol._fatal_error`` logs an
+``OSError`` (``ssl.SSLError`` is one) only in loop debug mode, and the accept task that
+awaits the handshake reports its exception only in debug mode too; a loop exception
+handler is never called. So an agent refused for a missing or untrusted client
+certificate, or one sending plain HTTP to the TLS port, left nothing on the proxy.
+
+The one place that sees both the outcome and the peer is the TLS protocol of a connection,
+so ``TLSSite`` makes it here: it listens without ``ssl=`` and its protocol factory returns
+asyncio's own ``SSLProtocol`` (a subclass that remembers the peer address) around aiohttp's
+connection protocol, with a handshake waiter whose done callback classifies a failure. That
+is what ``loop.create_server(ssl=...)`` builds (``_make_ssl_transport``), so a valid
+handshake runs the same code with the same timeouts; the cost is one callback per
+connection. ``asyncio.sslproto`` is CPython's module, not a documented API:
+tests/test_tls_handshake.py pins what is used of it (the constructor, the waiter, the
+``SSLObject`` on ``_sslobj``).
+
+A client that connects and closes before its ClientHello (a ``tcpSocket`` probe, a port
+check) is no handshake failure and is not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+import ssl
+import time
+from asyncio import sslproto
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger("karta.tls")
+
+
+class Reason(enum.StrEnum):
+    """The ``reason`` label values, a closed set (docs/operations.md, TLS)."""
+
+    NO_CLIENT_CERTIFICATE = enum.auto()
+    UNTRUSTED_CERTIFICATE = enum.auto()
+    SERVER_CERTIFICATE_REJECTED = enum.auto()
+    CLIENT_CLOSED = enum.auto()
+    NOT_TLS = enum.auto()
+    PROTOCOL = enum.auto()
+    TIMEOUT = enum.auto()
+    OTHER = enum.auto()
+
+
+REASONS: tuple[Reason, ...] = tuple(Reason)
+
+#: OpenSSL's reason codes (``ssl.SSLError.reason``) -> the label; the rest is ``other``
+_BY_SSL_REASON: dict[str, Reason] = {
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE": Reason.NO_CLIENT_CERTIFICATE,
+    "CERTIFICATE_VERIFY_FAILED": Reason.UNTRUSTED_CERTIFICATE,
+    # the client's alert: it did not accept the proxy's certificate
+    "TLSV1_ALERT_UNKNOWN_CA": Reason.SERVER_CERTIFICATE_REJECTED,
+    "SSLV3_ALERT_BAD_CERTIFICATE": Reason.SERVER_CERTIFICATE_REJECTED,
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN": Reason.SERVER_CERTIFICATE_REJECTED,
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED": Reason.SERVER_CERTIFICATE_REJECTED,
+    "SSLV3_ALERT_CERTIFICATE_REVOKED": Reason.SERVER_CERTIFICATE_REJECTED,
+    "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE": Reason.SERVER_CERTIFICATE_REJECTED,
+    "TLSV1_ALERT_ACCESS_DENIED": Reason.SERVER_CERTIFICATE_REJECTED,
+    # the first bytes are no TLS record: plain HTTP, a proxy CONNECT, anything else
+    "HTTP_REQUEST": Reason.NOT_TLS,
+    "HTTPS_PROXY_REQUEST": Reason.NOT_TLS,
+    "WRONG_VERSION_NUMBER": Reason.NOT_TLS,
+    "PACKET_LENGTH_TOO_LONG": Reason.NOT_TLS,
+    "RECORD_LAYER_FAILURE": Reason.NOT_TLS,
+    # TLS, but nothing both sides speak: version, cipher, group, signature algorithm
+    "UNSUPPORTED_PROTOCOL": Reason.PROTOCOL,
+    "NO_PROTOCOLS_AVAILABLE": Reason.PROTOCOL,
+    "VERSION_TOO_LOW": Reason.PROTOCOL,
+    "WRONG_SSL_VERSION": Reason.PROTOCOL,
+    "NO_SHARED_CIPHER": Reason.PROTOCOL,
+    "NO_SHARED_GROUPS": Reason.PROTOCOL,
+    "NO_SUITABLE_SIGNATURE_ALGORITHM": Reason.PROTOCOL,
+    "INAPPROPRIATE_FALLBACK": Reason.PROTOCOL,
+    "TLSV1_ALERT_PROTOCOL_VERSION": Reason.PROTOCOL,
+    "TLSV1_ALERT_INAPPROPRIATE_FALLBACK": Reason.PROTOCOL,
+    "SSLV3_ALERT_HANDSHAKE_FAILURE": Reason.PROTOCOL,
+    "TLSV1_ALERT_INSUFFICIENT_SECURITY": Reason.PROTOCOL,
+}
+
+#: at most one log line per reason in this many seconds
+LOG_INTERVAL_SECONDS = 10.0
+#: distinct peer hosts named in a summary line
+_PEERS_NAMED = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """One failed handshake, as counted and logged."""
+
+    reason: Reason
+    #: OpenSSL's reason code (``PEER_DID_NOT_RETURN_A_CERTIFICATE``, ...), "" without one
+    ssl_reason: str
+    #: the error as ssl words it (with the verification message for a certificate)
+    error: str
+    #: "host:port" of the client
+    peer: str
+
+
+def classify(exc: BaseException, *, hello_seen: bool) -> tuple[Reason, str] | None:
+    """(reason, OpenSSL's code) of a handshake that ended with ``exc``; None when it is no
+    refusal: the client left before saying anything (``hello_seen`` False)."""
+    if isinstance(exc, ssl.SSLError):
+        code = getattr(exc, "reason", None) or ""  # set by OpenSSL, absent when made by hand
+        return _BY_SSL_REASON.get(code, Reason.OTHER), code
+    if isinstance(exc, ConnectionAbortedError):  # SSLProtocol's handshake timeout
+        return Reason.TIMEOUT, ""
+    if isinstance(exc, ConnectionError) and hello_seen:
+        # gone after its ClientHello without an alert: most often a client that did not
+        # accept the proxy's certificate (Python's ssl sends no alert), or a scanner
+        return Reason.CLIENT_CLOSED, ""
+    return None
+
+
+#: what ssl wraps OpenSSL's words in: "[SSL: CODE] words (_ssl.c:1006)"
+_SSL_WRAPPING = re.compile(r"^\[SSL: \w+\] |\s*\(_ssl\.c:\d+\)$")
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message:
+        return f"certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return _SSL_WRAPPING.sub("", exc.strerror or str(exc))
+    if isinstance(exc, ConnectionResetError) and not str(exc):  # SSLProtocol's EOF
+        return "connection closed by the client"
+    return str(exc) or type(exc).__name__
+
+
+def _peer_text(peer: Any) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return str(peer or "")
+
+
+def _host(peer: str) -> str:
+    return peer.rsplit(":", 1)[0]
+
+
+@dataclass
+class _Window:
+    """The log state of one reason: when the next line may go, and what waits for it."""
+
+    next_line_at: float = 0.0
+    suppressed: int = 0
+    last: Refusal | None = None
+    hosts: set[str] = field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Refusals:
+    """Counts refused handshakes and logs them: the first of a reason at once, the rest of
+    its ``interval`` in one summary line at the end of it, so a fleet of misconfigured
+    agents retrying every second makes one line per reason per interval, not thousands."""
+
+    def __init__(self, count: Callable[[str], None] | None = None, *,
+                 interval: float = LOG_INTERVAL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``count`` is told each failure's reason (the label value) before it is logged."""
+        self._count = count
+        self.interval = interval
+        self._clock = clock
+        self._windows = {reason: _Window() for reason in REASONS}
+
+    def refused(self, r: Refusal) -> None:
+        if self._count is not None:
+            self._count(r.reason.value)
+        w = self._windows[r.reason]
+        now = self._clock()
+        if w.suppressed == 0 and now >= w.next_line_at:
+            w.next_line_at = now + self.interval
+            log.warning("TLS handshake failed", extra={
+                "peer": r.peer, "reason": r.reason.value, "ssl_reason": r.ssl_reason,
+                "error": r.error})
+            return
+        w.suppressed += 1
+        w.last = r
+        if len(w.hosts) <= _PEERS_NAMED:
+            w.hosts.add(_host(r.peer))
+        if w.timer is None:
+            w.timer = asyncio.get_running_loop().call_later(
+                max(0.0, w.next_line_at - now), self._summarize, r.reason)
+
+    def _summarize(self, reason: Reason) -> None:
+        w = self._windows[reason]
+        w.timer = None
+        if w.suppressed == 0 or w.last is None:
+            return
+        hosts = sorted(w.hosts)
+        log.warning("TLS handshakes failed", extra={
+            "reason": reason.value, "count": w.suppressed, "seconds": self.interval,
+            "peers": ", ".join(hosts[:_PEERS_NAMED]) + (", ..." if len(hosts) > _PEERS_NAMED
+                                                        else ""),
+            "last_peer": w.last.peer, "ssl_reason": w.last.ssl_reason,
+            "error": w.last.error})
+        w.next_line_at = self._clock() + self.interval
+        w.suppressed, w.last, w.hosts = 0, None, set()
+
+    def close(self) -> None:
+        """Write what waits for a summary now (the proxy is stopping) and cancel the timers."""
+        for reason, w in self._windows.items():
+            if w.timer is not None:
+                w.timer.cancel()
+                self._summarize(reason)
+
+
+class _WatchedTLS(sslproto.SSLProtocol):
+    """asyncio's TLS protocol, remembering the peer for the refusal's log line."""
+
+    peer: str = ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.peer = _peer_text(transport.get_extra_info("peername"))
+        super().connection_made(transport)
+
+
+def _hello_seen(proto: _WatchedTLS) -> bool:
+    # a server-side SSLObject knows the shared ciphers once the ClientHello is read
+    sslobj = getattr(proto, "_sslobj", None)
+    try:
+        return sslobj is not None and sslobj.shared_ciphers() is not None
+    except (ssl.SSLError, ValueError):
+        return False
+
+
+def tls_protocol_factory(
+    loop: asyncio.AbstractEventLoop, app_factory: Callable[[], asyncio.BaseProtocol],
+    context: ssl.SSLContext, refusals: Refusals, *, handshake_timeout: int | None = None,
+) -> Callable[[], asyncio.BaseProtocol]:
+    """A protocol factory for a plain listener that serves TLS as ``create_server(ssl=)``
+    would, and reports each failed handshake to ``refusals``."""
+
+    def make() -> asyncio.BaseProtocol:
+        waiter = loop.create_future()
+        proto = _WatchedTLS(loop, app_factory(), context, waiter, server_side=True,
+                            ssl_handshake_timeout=handshake_timeout)
+
+        def done(f: asyncio.Future[None]) -> None:
+            exc = None if f.cancelled() else f.exception()  # also marks it retrieved
+            if exc is None:
+                return
+            try:
+                found = classify(exc, hello_seen=_hello_seen(proto))
+                if found is not None:
+                    refusals.refused(Refusal(found[0], found[1], _error_text(exc), proto.peer))
+            except Exception:  # never let accounting break the loop's callback
+                log.exception("TLS handshake failure not recorded")
+
+        waiter.add_done_callback(done)
+        return proto
+
+    return make
+
+
+class TLSSite(web.BaseSite):
+    """aiohttp's ``TCPSite`` for HTTPS, with the TLS layer made by ``tls_protocol_factory``."""
+
+    __slots__ = ("_handshake_timeout", "_host", "_port", "_refusals", "_reuse_address")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
+                 ssl_context: ssl.SSLContext, refusals: Refusals,
+                 reuse_address: bool | None = None,
+                 handshake_timeout: int | None = None) -> None:
+        super().__init__(runner, ssl_context=ssl_context)
+        self._host, self._port, self._reuse_address = host, port, reuse_address
+        self._refusals = refusals
+        self._handshake_timeout = handshake_timeout
+
+    @property
+    def name(self) -> str:
+        return f"https://{self._host or '0.0.0.0'}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server, context = self._runner.server, self._ssl_context
+        assert server is not None and context is not None
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            tls_protocol_factory(loop, server, context, self._refusals,
+                                 handshake_timeout=self._handshake_timeout),
+            self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address)
