@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import ssl
 import time
@@ -231,3 +232,14 @@ def test_classify_without_an_openssl_reason(
     OpenSSL codes themselves are covered by the handshakes above."""
     found = classify(error, hello_seen=hello_seen)
     assert (found[0] if found else None) == reason
+
+
+def test_the_reasons_are_the_documented_ones() -> None:
+    """docs/operations.md lists the label values twice: the metric's row and the TLS
+    section's table of what each means; both must be the closed set the code counts."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    (row,) = [line for line in doc.splitlines() if line.startswith(f"| `{FAILURES}` |")]
+    listed = re.findall(r"`([a-z_]+)`", row.split("|")[3].split("(", 1)[1])
+    section = doc.split("**Failed handshakes.**")[1].split("**Rotation.**")[0]
+    table = re.findall(r"^\| `([a-z_]+)` \| ", section.split("|---|---|---|")[1], re.M)
+    assert listed == table == [r.value for r in REASONS]
