@@ -18,6 +18,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -25,6 +26,13 @@ from prometheus_client.registry import Collector
 from proxy.index import PodIndex
 
 _P = "karta_proxy_"
+
+# No ``*_created`` series beside every counter and histogram (prometheus_client's default
+# in the text format): each is one more series per labelled child in every TSDB that
+# scrapes the proxy, and the creation time of a process-lifetime counter says nothing
+# ``process_start_time_seconds`` does not. The switch is process-wide; the proxy owns
+# its process.
+disable_created_metrics()
 
 #: upstream latency buckets: remote-write round trips run from ~1 ms (local) to the timeout
 _LATENCY_BUCKETS = (

@@ -234,3 +234,39 @@ async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> 
     got = {ser.labels["__name__"]: ser.labels for rec in up.received for ser in decode_v1(rec.raw)}
     assert got["app_requests_total"]["karta_workload"] == "cart"
     assert "karta_workload" not in got["other_total"]  # the default pairs name no pod here
+
+
+async def test_every_family_on_metrics_is_documented(tmp_path: Path) -> None:
+    """An operator looks a metric up by name: every ``karta_proxy_*`` / ``karta_source_*``
+    family the assembled proxy serves (TLS on, so its refusal counter is there too; facts
+    on, so the writer's) has a row in a metric table of the docs: operations.md for the
+    proxy's own, metrics.md for the contract, kubernetes.md for the sources."""
+    import re
+    import ssl
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.tls_certs import Authority
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    rows: set[str] = set()
+    for page in ("operations.md", "metrics.md", "kubernetes.md"):
+        rows |= set(re.findall(r"^\| `(karta_[a-z0-9_]+)`", (docs / page).read_text(), re.M))
+    ca = Authority(tmp_path / "pki")
+    server = ca.issue("proxy", server=True)
+    s = snapshot_settings(tmp_path)
+    s.facts.enabled = True
+    s.server.tls_cert_file, s.server.tls_key_file = str(server.cert), str(server.key)
+    async with started(s) as p, aiohttp.ClientSession() as session, session.get(
+        f"https://127.0.0.1:{p.port}/metrics",
+        ssl=ssl.create_default_context(cafile=str(ca.ca_file)),
+    ) as r:
+        assert r.status == 200
+        text = await r.text()
+    served = {f.name for f in text_string_to_metric_families(text)
+              if f.name.startswith(("karta_proxy_", "karta_source_"))}
+    assert "karta_proxy_tls_handshake_failures" in served
+    assert "karta_proxy_fact_writer_leader" in served
+    # the parser names a counter without its _total; the tables name the series
+    missing = sorted(n for n in served if n not in rows and n + "_total" not in rows)
+    assert not missing, f"served on /metrics but in no metric table: {missing}"
