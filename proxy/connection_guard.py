@@ -16,8 +16,20 @@ than request slots it was ~93% busy while the worker threads idled, and every re
 that went through aiohttp's request machinery (a ``Request``, a task, the handler, a
 ``Response``, its headers) was loop time taken from the admitted requests. So the parser
 is wrapped: when a request's headers are parsed and the server's ``shed`` hook says it
-would be refused for overload, aiohttp never sees it. The connection writes the canned
-answer the hook returns (503 + ``Retry-After`` + ``Connection: close``), half-closes,
+would be refused for overload, aiohttp never sees it, and the connection writes the
+canned answer the hook returns (503 + ``Retry-After``) itself.
+
+A refused sender retries, and one that has to reconnect first costs the proxy an accept,
+a new protocol with its parser and task, and a close, several times what the refusal
+does. So the answer keeps the connection open whenever the rest of the request can be
+skipped cheaply: an HTTP/1.1 request with a declared ``Content-Length`` of at most
+``DRAIN_MAX_BYTES`` (or none), no ``Expect``, no ``Connection: close``, no upgrade. The
+parser goes on framing the body (so a pipelined request after it is read as the
+request it is), and what it hands over is dropped as it comes, never buffered and never
+counted against the byte budget; the body must be complete within ``header_timeout``,
+or the connection is closed as below (the sender already has its answer). Any other
+refused request (chunked, larger, ``Expect: 100-continue``, whose sender may or may not
+send the body) gets the answer with ``Connection: close``: the connection half-closes,
 drops whatever else arrives without parsing it, and closes after ``LINGER_SECONDS`` (or
 when the sender closes first, as it does once it has read the answer).
 
@@ -29,7 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
@@ -40,22 +53,70 @@ from aiohttp.web_protocol import RequestHandler
 #: the answer rather than a reset; a stalled sender is dropped after it (aiohttp's default
 #: is 10 s of a socket per refused stall)
 LINGER_SECONDS = 1.0
+#: a refused request's declared body up to this size is skipped to keep the connection
+#: (reading it costs the proxy less than the sender's reconnect does); a larger one gets
+#: ``Connection: close``
+DRAIN_MAX_BYTES = 1 << 20
+#: past this many bytes of answers not yet taken by a sender (one that pipelines refused
+#: requests without reading), a refusal closes the connection instead
+MAX_UNSENT_BYTES = 64 * 1024
 
-_TEXT_408 = b"request headers not received in time\n"
+
+@dataclass(frozen=True, slots=True)
+class Canned:
+    """A whole answer the connection writes itself, in the two forms it is sent in."""
+
+    #: the connection stays open for the next request
+    keep_alive: bytes
+    #: with ``Connection: close``
+    close: bytes
+
+
+def canned(status: str, headers: Mapping[str, str], text: str) -> Canned:
+    """A plain-text answer (``status``: code and reason) with ``headers`` and a
+    ``Content-Length``, in both forms."""
+    body = text.encode()
+    head = "".join([f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n",
+                    *(f"{k}: {v}\r\n" for k, v in headers.items()),
+                    f"Content-Length: {len(body)}\r\n"])
+    return Canned(keep_alive=f"{head}\r\n".encode() + body,
+                  close=f"{head}Connection: close\r\n\r\n".encode() + body)
+
+
 #: written to a connection whose headers ran out of time (no request to answer exists)
-RESPONSE_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_TEXT_408), _TEXT_408))
+RESPONSE_408 = canned("408 Request Timeout", {}, "request headers not received in time\n").close
 
 #: told the peer address of each connection closed for its headers
 OnTimeout = Callable[[str], None]
 #: (method, path without the query, headers, peer address) of a parsed request -> the
-#: whole answer to write instead of handling it, or None to handle it
-Shed = Callable[[str, str, Any, str], bytes | None]
+#: answer to write instead of handling it, or None to handle it
+Shed = Callable[[str, str, Any, str], Canned | None]
 
 
 def _peer(transport: asyncio.BaseTransport | None) -> str:
     peer = transport.get_extra_info("peername") if transport is not None else None
     return str(peer[0]) if isinstance(peer, tuple) and peer else ""
+
+
+def _keeps_connection(message: Any) -> bool:
+    """Whether a refused request can be answered on a connection that stays open: its
+    body is framed by a length small enough to skip, and its sender sends it."""
+    if message.should_close or message.upgrade or message.chunked \
+            or message.version != (1, 1) or "Expect" in message.headers:
+        return False
+    try:
+        return int(message.headers.get("Content-Length", "0")) <= DRAIN_MAX_BYTES
+    except ValueError:  # pragma: no cover - the parser already refused it
+        return False
+
+
+def _discard(payload: Any) -> None:
+    """Drop what a skipped body's reader holds. Not ``read_nowait``: that resumes the
+    transport and so re-enters ``data_received`` from inside the parser."""
+    buffer = getattr(payload, "_buffer", None)
+    if buffer:
+        buffer.clear()
+        payload._size = 0
 
 
 class _SheddingParser:
@@ -70,11 +131,18 @@ class _SheddingParser:
 
     def feed_data(self, data: bytes) -> tuple[Any, Any, Any]:
         messages, upgraded, tail = self._inner.feed_data(data)
-        if messages and not self._protocol._request_in_progress:
-            answer = self._protocol.shed_answer(messages[0][0])
-            if answer is not None:
-                self._protocol.shed(answer)
-                return [], False, b""  # nothing after it is handled either
+        protocol = self._protocol
+        if protocol._skipping is not None:
+            protocol.skipped()
+        # a refusal is written at once, so only while no earlier request awaits its answer
+        while messages and not protocol._request_in_progress:
+            message, payload = messages[0]
+            answer = protocol.shed_answer(message)
+            if answer is None:
+                break
+            if not protocol.shed(message, payload, answer):
+                return [], False, b""  # closing: nothing after it is handled either
+            messages = messages[1:]
         return messages, upgraded, tail
 
     def __getattr__(self, name: str) -> Any:
@@ -82,13 +150,23 @@ class _SheddingParser:
 
 
 class _GuardedProtocol(RequestHandler):
-    __slots__ = ("_body", "_header_timer", "_linger", "_shedding")
+    __slots__ = ("_body", "_drain_deadline", "_drain_timer", "_header_timer", "_linger",
+                 "_shed_count", "_shedding", "_skipping")
 
     def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
+        #: one timer for the skipped bodies of a connection, re-armed for the deadline of
+        #: the one being skipped when it fires (not one timer per refusal)
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._drain_deadline = 0.0
+        #: closing after a refusal: every byte from now on is dropped unparsed
         self._shedding = False
+        #: the body of a refused request on a connection kept open, while it arrives
+        self._skipping: Any = None
+        #: requests refused on this connection (their headers end like a handled one's)
+        self._shed_count = 0
         #: the last parsed request's body: while it is incomplete, bytes are body bytes
         self._body: Any = None
         if manager.shed is not None:
@@ -100,10 +178,11 @@ class _GuardedProtocol(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
-        self._body = None
+        for timer in (self._linger, self._drain_timer):
+            if timer is not None:
+                timer.cancel()
+        self._linger = self._drain_timer = None
+        self._body = self._skipping = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -111,11 +190,11 @@ class _GuardedProtocol(RequestHandler):
             return  # the rest of a shed request: dropped, never parsed
         # bytes after a complete body (or before any request) start the next headers
         headers_pending = self._body is None or self._body.is_eof()
-        before = self._request_count
+        before = self._request_count + self._shed_count
         super().data_received(data)
         if self._shedding:
             return
-        if self._request_count != before:
+        if self._request_count + self._shed_count != before:
             self._disarm()
             if self._messages:
                 self._body = self._messages[-1][1]
@@ -124,7 +203,7 @@ class _GuardedProtocol(RequestHandler):
 
     # -- shedding -------------------------------------------------------------------------
 
-    def shed_answer(self, message: Any) -> bytes | None:
+    def shed_answer(self, message: Any) -> Canned | None:
         server = self._manager
         if not isinstance(server, _GuardedServer) or server.shed is None or self._messages \
                 or not isinstance(getattr(message, "path", None), str):
@@ -132,15 +211,73 @@ class _GuardedProtocol(RequestHandler):
         path = message.path.partition("?")[0]
         return server.shed(message.method, path, message.headers, _peer(self.transport))
 
-    def shed(self, answer: bytes) -> None:
-        """Answer at once, then drop the rest unread until the sender closes or the linger
-        time is up."""
+    def shed(self, message: Any, payload: Any, answer: Canned) -> bool:
+        """Answer ``message`` at once; True when the connection stays open (the rest of its
+        body is skipped as it comes), False when it closes."""
         self._disarm()
+        self._shed_count += 1
+        transport = self.transport
+        if transport is None:
+            self._shedding = True
+            return False
+        if not _keeps_connection(message) \
+                or transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+            transport.write(answer.close)
+            self._close_after_answer()
+            return False
+        transport.write(answer.keep_alive)
+        self._body = payload
+        if payload.is_eof():
+            self._consumed()
+        else:
+            _discard(payload)
+            self._skipping = payload
+            server = cast(_GuardedServer, self._manager)
+            self._drain_deadline = self._loop.time() + server.header_timeout
+            if self._drain_timer is None:
+                self._drain_timer = self._loop.call_at(self._drain_deadline, self._drain_due)
+        # as after an answered request: idle from now on counts toward keepalive_timeout
+        close_time = self._loop.time() + self._keepalive_timeout
+        self._next_keepalive_close_time = close_time
+        if self._keepalive_handle is None:
+            self._keepalive_handle = self._loop.call_at(close_time, self._process_keepalive)
+        return True
+
+    def skipped(self) -> None:
+        """More of a refused request's body went through the parser: dropped, and once it
+        is complete the connection reads the next request."""
+        payload = self._skipping
+        _discard(payload)
+        if payload.is_eof():
+            self._skipping = None
+            self._consumed()
+
+    def _consumed(self) -> None:
+        """Free the parser's queue slot of a refused request, as aiohttp does for a handled
+        one (the parser stops between requests once too many are unconsumed)."""
+        if self._parser is not None:
+            self._parser.message_consumed()
+
+    def _drain_due(self) -> None:
+        """A refused request's body past its deadline stopped short: the sender has its
+        answer, so the connection closes as after a closing refusal."""
+        self._drain_timer = None
+        if self._skipping is None:
+            return
+        if self._loop.time() < self._drain_deadline:  # a later body than the one armed for
+            self._drain_timer = self._loop.call_at(self._drain_deadline, self._drain_due)
+            return
+        self._skipping = None
+        if self.transport is not None and not self._force_close:
+            self._close_after_answer()
+
+    def _close_after_answer(self) -> None:
+        """Half-close, then drop the rest unread until the sender closes or the linger time
+        is up."""
         self._shedding = True
         transport = self.transport
         if transport is None:
             return
-        transport.write(answer)
         if transport.can_write_eof():
             transport.write_eof()
         # the parser's buffer for the dropped body may have paused reading: drain it

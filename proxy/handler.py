@@ -12,7 +12,9 @@ the answer is 503 with ``Retry-After`` at once (never a queue, never a 429 of ou
 
 Admission is decided on the headers alone, before a byte of the body is read: a refused
 request is answered with ``Connection: close``, so its body is never parsed into the
-process (aiohttp discards what is already in flight). An admitted body holds budget
+process (aiohttp discards what is already in flight). The overload refusal, by far the
+most frequent, is answered by the connection itself (``proxy.connection_guard``), which
+keeps the connection open when the body can be skipped cheaply. An admitted body holds budget
 only for the bytes that have arrived, and must arrive within a deadline and above a
 minimum rate, so a sender that stalls mid-body holds a slot for seconds, not forever.
 """
@@ -31,6 +33,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from proxy.compression import (
     DecodeError,
@@ -42,6 +45,7 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import ServerSettings
+from proxy.connection_guard import Canned, canned
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Answer, Outgoing, Upstream
@@ -65,9 +69,16 @@ _TENANT_PATH = re.compile("(?:" + "|".join(
 _TENANT = re.compile(r"\d{1,10}(:\d{1,10})?|multitenant")
 
 
-def is_write_path(path: str) -> bool:
-    """One of the remote-write routes (fixed or with a tenant)."""
-    return path in WRITE_PATHS or _TENANT_PATH.match(path) is not None
+def write_route(path: str) -> str | None:
+    """The remote-write route a path is served by, as ``requests_total`` names it (the
+    tenant path's template, not the tenant); None: not a remote-write path."""
+    if path in WRITE_PATHS:
+        return path
+    if _TENANT_PATH.match(path) is None:
+        return None
+    return "/insert/{tenant}/" + path.split("/", 3)[3]  # /insert/<tenant>/<the rest>
+
+
 ENCODINGS = ("snappy", "zstd")
 #: Retry-After (seconds) sent with our own 503s (overload, not ready)
 RETRY_AFTER = "1"
@@ -215,10 +226,11 @@ class LoadBudget:
 OVERLOAD_MESSAGE = "overloaded: too many requests in flight"
 #: the whole answer when every slot is taken, written by ``proxy.connection_guard`` as
 #: soon as the headers are parsed (see ``RemoteWriteHandler.shed``)
-OVERLOAD_ANSWER = (
-    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    f"Retry-After: {RETRY_AFTER}\r\nContent-Length: {len(OVERLOAD_MESSAGE) + 1}\r\n"
-    f"Connection: close\r\n\r\n{OVERLOAD_MESSAGE}\n").encode()
+OVERLOAD_ANSWER = canned("503 Service Unavailable", {"Retry-After": RETRY_AFTER},
+                         OVERLOAD_MESSAGE + "\n")
+
+#: (route, Content-Type) pairs whose shed-request counter is kept at hand
+SHED_COUNTERS_CACHED = 64
 
 #: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
 #: start, a sender's first write): the rate is what arrived over the time past it
@@ -268,6 +280,9 @@ class RemoteWriteHandler:
         self.metrics = metrics
         self.budget = LoadBudget(settings.max_concurrent_requests, settings.max_inflight_bytes)
         self.workers = worker_count(settings.worker_threads)
+        self._overload_rejected = metrics.rejected.labels("overload")
+        #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
+        self._shed_counters: dict[tuple[str, str], Counter] = {}
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="karta-splice")
         #: the other parts of a request in parts (a part never waits on another part, so
         #: this pool cannot deadlock); None with one worker
@@ -322,28 +337,42 @@ class RemoteWriteHandler:
         return None
 
     def shed(self, method: str, path: str, headers: Mapping[str, str], remote: str
-             ) -> bytes | None:
+             ) -> Canned | None:
         """The whole answer to a remote write refused for overload on its headers, before
         aiohttp makes a request of it (``proxy.connection_guard``); None: handle it.
 
         Only the slot check is made here, the one that fails by the hundreds per second
         under overload; every other refusal stays in ``handle``."""
-        if self.budget.requests < self.budget.max_requests or method != "POST" \
-                or not is_write_path(path):
+        if self.budget.requests < self.budget.max_requests or method != "POST":
             return None
-        try:
-            protocol_label = protocol_from_content_type(
-                headers.get("Content-Type", "")).name.lower()
-        except DecodeError:
-            protocol_label = "unknown"
-        self.metrics.rejected.labels("overload").inc()
-        self.metrics.requests.labels(path, protocol_label, "503").inc()
+        route = write_route(path)
+        if route is None:
+            return None
+        content_type = headers.get("Content-Type", "")
+        counter = self._shed_counters.get((route, content_type))
+        if counter is None:
+            counter = self._shed_counter(route, content_type)
+        self._overload_rejected.inc()
+        counter.inc()
         if log.isEnabledFor(logging.INFO):
             log.info("request refused", extra={
                 "status": 503, "kind": "overload", "reason": OVERLOAD_MESSAGE, "path": path,
                 "remote": remote, "user_agent": headers.get("User-Agent", ""),
             })
         return OVERLOAD_ANSWER
+
+    def _shed_counter(self, route: str, content_type: str) -> Counter:
+        """``requests_total`` of a shed request, cached by route and Content-Type for the
+        next ones (``labels`` and the Content-Type parse cost more than the rest of a
+        refusal); the cache is bounded, the Content-Type being the sender's to choose."""
+        try:
+            protocol_label = protocol_from_content_type(content_type).name.lower()
+        except DecodeError:
+            protocol_label = "unknown"
+        counter = self.metrics.requests.labels(route, protocol_label, "503")
+        if len(self._shed_counters) < SHED_COUNTERS_CACHED:
+            self._shed_counters[(route, content_type)] = counter
+        return counter
 
     def header_timed_out(self, remote: str) -> None:
         """A connection closed because its request headers did not arrive in time."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import snappy
 
-from proxy.connection_guard import LINGER_SECONDS
+from proxy.connection_guard import DRAIN_MAX_BYTES, LINGER_SECONDS
 from proxy.runtime import Proxy
 from tests.scripted import Reply, ScriptedUpstream
 from tests.test_handler import CT_V1, proxy_running, series_v1
@@ -232,7 +232,7 @@ async def test_no_100_continue_for_a_request_that_is_refused(tmp_path: Path) -> 
     assert len(up.received) == 1
 
 
-async def test_a_refusal_closes_the_connection_instead_of_reading_the_body(
+async def test_a_refusal_closes_the_connection_instead_of_reading_a_big_body(
         tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=1.0)) as up,
@@ -241,8 +241,9 @@ async def test_a_refusal_closes_the_connection_instead_of_reading_the_body(
         holder = asyncio.create_task(post(p))
         await asyncio.sleep(0.3)
         r, w = await connect(p)
-        # headers and a sliver of a 1 MB body: refused on the headers alone
-        w.write((HEAD + "Content-Length: 1000000\r\n\r\n").encode() + b"x" * 100)
+        # headers and a sliver of a body too big to skip: refused on the headers alone
+        w.write((HEAD + f"Content-Length: {DRAIN_MAX_BYTES + 1}\r\n\r\n").encode()
+                + b"x" * 100)
         t0 = time.monotonic()
         busy = await read_answer(r)
         w.close()
@@ -261,12 +262,131 @@ async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> No
         holder = asyncio.create_task(post(p))
         await asyncio.sleep(0.3)
         answers = await asyncio.gather(*(post(p) for _ in range(5)))
-        assert all(a.status == 503 and a.headers["retry-after"] == "1" and a.closed
+        assert all(a.status == 503 and a.headers["retry-after"] == "1"
+                   and "connection" not in a.headers
                    and a.body == b"overloaded: too many requests in flight\n"
                    for a in answers), answers
         assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 5
         assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
                       protocol="v1", code="503") == 5
+        # a tenant's path is counted under its route, as a handled request is
+        r, w = await connect(p)
+        w.write(request().replace(b"/api/v1/write", b"/insert/42/prometheus", 1))
+        assert (await read_answer(r)).status == 503
+        w.close()
+        assert metric(p, "karta_proxy_requests_total", path="/insert/{tenant}/prometheus",
+                      protocol="v1", code="503") == 1
         assert (await holder).status == 204
         assert (await post(p)).status == 204  # the slot is free again: handled as usual
     assert len(up.received) == 2
+
+
+def request(body: bytes = BODY, extra: str = "") -> bytes:
+    return (HEAD + extra + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def holding_the_slot(p: Proxy) -> asyncio.Task[Answer]:
+    """A request that holds the one slot for the upstream's first (1 s) answer."""
+    holder = asyncio.create_task(post(p))
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if metric(p, "karta_proxy_inflight_requests") == 1:
+            return holder
+    raise AssertionError("the holder never got the slot")
+
+
+async def test_a_refused_connection_stays_open_and_serves_the_next_request(
+        tmp_path: Path) -> None:
+    async with (
+        ScriptedUpstream(Reply(204, delay=1.0), Reply(204)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+    ):
+        holder = await holding_the_slot(p)
+        held = metric(p, "karta_proxy_inflight_bytes")  # the holder's own
+        r, w = await connect(p)
+        for _ in range(3):  # refused, and the body skipped, on the same connection
+            w.write(request())
+            busy = await read_answer(r)
+            assert busy.status == 503 and busy.headers["retry-after"] == "1", busy
+            assert "connection" not in busy.headers
+        assert metric(p, "karta_proxy_inflight_bytes") == held
+        assert (await holder).status == 204
+        w.write(request())  # the slot is free: the same connection is served as usual
+        ok = await read_answer(r)
+        w.close()
+        assert ok.status == 204, ok
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 3
+    assert [rec.raw for rec in up.received][1:] == [snappy.uncompress(BODY)]
+
+
+async def test_pipelined_refusals_skip_their_bodies_without_desyncing(tmp_path: Path) -> None:
+    # a refused body that holds a whole request: skipped as body bytes, never parsed
+    inner = request(BODY)
+    async with (
+        ScriptedUpstream(Reply(204, delay=1.0), Reply(204)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+    ):
+        holder = await holding_the_slot(p)
+        r, w = await connect(p)
+        w.write(request(inner) + request() + request(b""))
+        busy = [await read_answer(r) for _ in range(3)]
+        assert [a.status for a in busy] == [503] * 3, busy
+        # a body that arrives in pieces, with the next request behind its last piece
+        w.write(request(inner)[:200])
+        assert (await read_answer(r)).status == 503
+        w.write(request(inner)[200:-7])
+        await asyncio.sleep(0.1)
+        w.write(request(inner)[-7:] + request()[:50])
+        assert (await holder).status == 204
+        w.write(request()[50:])  # finishes the request whose head came with the body's end
+        ok = await read_answer(r)
+        w.close()
+        assert ok.status == 204, ok
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 4
+    assert len(up.received) == 2 and up.received[1].raw == snappy.uncompress(BODY)
+
+
+async def test_a_refused_body_that_stalls_is_closed(tmp_path: Path) -> None:
+    async with (
+        ScriptedUpstream(Reply(204, delay=2.0)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1,
+                      header_read_timeout_seconds=0.5) as p,
+    ):
+        holder = await holding_the_slot(p)
+        held = metric(p, "karta_proxy_inflight_bytes")
+        r, w = await connect(p)
+        w.write(request(b"x" * 1000)[:-900])  # the headers and 100 of 1000 bytes
+        t0 = time.monotonic()
+        busy = await read_answer(r)
+        assert busy.status == 503 and "connection" not in busy.headers
+        async with asyncio.timeout(3):
+            end = await r.read(1)  # closed once the rest is overdue
+        waited = time.monotonic() - t0
+        w.close()
+        assert end == b"" and 0.4 < waited < 1.5, (end, waited)
+        assert metric(p, "karta_proxy_inflight_bytes") == held
+        assert (await holder).status == 204
+
+
+async def test_refusals_that_cannot_be_skipped_close_the_connection(tmp_path: Path) -> None:
+    # chunked (no length to skip), Expect (the sender may never send the body), the
+    # sender's own Connection: close, HTTP/1.0 (closes by default)
+    heads = [
+        HEAD + "Transfer-Encoding: chunked\r\n\r\n10\r\n" + "x" * 16 + "\r\n",
+        HEAD + f"Expect: 100-continue\r\nContent-Length: {len(BODY)}\r\n\r\n",
+        HEAD + f"Connection: close\r\nContent-Length: {len(BODY)}\r\n\r\n",
+        HEAD.replace("HTTP/1.1", "HTTP/1.0") + f"Content-Length: {len(BODY)}\r\n\r\n",
+    ]
+    async with (
+        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+    ):
+        holder = await holding_the_slot(p)
+        for head in heads:
+            r, w = await connect(p)
+            w.write(head.encode())
+            busy = await read_answer(r)
+            w.close()
+            assert busy.status == 503 and busy.interim == b"", (head, busy)
+            assert busy.headers["connection"].lower() == "close" and busy.closed, head
+        assert (await holder).status == 204
