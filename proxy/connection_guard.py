@@ -98,14 +98,15 @@ def _peer(transport: asyncio.BaseTransport | None) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
-def _keeps_connection(message: Any) -> bool:
+def skippable(version: tuple[int, int], keep_alive: bool, headers: Mapping[str, str]) -> bool:
     """Whether a refused request can be answered on a connection that stays open: its
-    body is framed by a length small enough to skip, and its sender sends it."""
-    if message.should_close or message.upgrade or message.chunked \
-            or message.version != (1, 1) or "Expect" in message.headers:
+    body is framed by a length small enough to skip, and its sender sends it (no
+    ``Expect``: a sender waiting for ``100 Continue`` may never send it)."""
+    if not keep_alive or version != (1, 1) or "Expect" in headers or "Upgrade" in headers \
+            or "Transfer-Encoding" in headers:
         return False
     try:
-        return int(message.headers.get("Content-Length", "0")) <= DRAIN_MAX_BYTES
+        return int(headers.get("Content-Length", "0")) <= DRAIN_MAX_BYTES
     except ValueError:  # pragma: no cover - the parser already refused it
         return False
 
@@ -220,7 +221,7 @@ class _GuardedProtocol(RequestHandler):
         if transport is None:
             self._shedding = True
             return False
-        if not _keeps_connection(message) \
+        if not skippable(message.version, not message.should_close, message.headers) \
                 or transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
             transport.write(answer.close)
             self._close_after_answer()

@@ -45,7 +45,7 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import ServerSettings
-from proxy.connection_guard import Canned, canned
+from proxy.connection_guard import Canned, canned, skippable
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Answer, Outgoing, Upstream
@@ -412,9 +412,14 @@ class RemoteWriteHandler:
             "remote": request.remote, "user_agent": request.headers.get("User-Agent", ""),
         })
         response = _text(r.status, r.message, r.headers)
-        if not request.content.is_eof():
+        if not request.content.is_eof() and not (
+                r.kind == "overload"
+                and skippable(request.version, request.keep_alive, request.headers)):
             # the body was not (all) read: closing is cheaper than reading it to keep the
-            # connection (a keep-alive sender reconnects), and a stalled one goes away
+            # connection, and a stalled one goes away. Not for overload (a slot taken
+            # between the headers and the handler, or the byte budget): that sender retries
+            # at once, and its reconnect costs more than aiohttp's lingering read of a body
+            # small enough to skip (LINGER_SECONDS at most, then it closes)
             response.force_close()
         return response
 

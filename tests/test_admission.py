@@ -390,3 +390,24 @@ async def test_refusals_that_cannot_be_skipped_close_the_connection(tmp_path: Pa
             assert busy.status == 503 and busy.interim == b"", (head, busy)
             assert busy.headers["connection"].lower() == "close" and busy.closed, head
         assert (await holder).status == 204
+
+
+async def test_an_overload_refusal_past_the_headers_keeps_a_skippable_connection(
+        tmp_path: Path) -> None:
+    # the byte budget refuses mid-body, in the handler: aiohttp reads the rest and the
+    # connection serves the next request (no reconnect for a sender that retries at once)
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, max_inflight_bytes=600) as p,
+    ):
+        r, w = await connect(p)
+        w.write(request(b"x" * 1000))
+        busy = await read_answer(r)
+        assert busy.status == 503 and busy.headers["retry-after"] == "1", busy
+        assert "connection" not in busy.headers
+        w.write(request())
+        ok = await read_answer(r)
+        w.close()
+        assert ok.status == 204, ok
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 1
+    assert len(up.received) == 1
