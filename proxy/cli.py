@@ -171,9 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ConfigError as e:
         return _fail(str(e))
+    from proxy import memory
     from proxy.log import setup_logging
     from proxy.runtime import serve
 
+    memory.limit_arenas()  # before any thread starts (proxy.memory)
     setup_logging(settings.log_level, settings.log_format)
     try:
         # a reload reads the file again and puts the same flags on top

@@ -37,3 +37,24 @@ def test_freed_blocks_of_a_load_are_returned() -> None:
 def test_trim_is_harmless_to_call_again() -> None:
     memory.trim()
     assert memory.trim() in (True, False)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or not ctypes.util.find_library("c"),
+                    reason="glibc's mallopt")
+def test_arenas_are_capped_unless_the_operator_chose() -> None:
+    """In a fresh process (before any thread): capped; with MALLOC_ARENA_MAX set, left
+    to glibc, which reads the variable itself."""
+    import os
+    import subprocess
+    import sys
+
+    if memory._libc() is None:
+        pytest.skip("no glibc")
+    code = "from proxy import memory; print(memory.limit_arenas())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    mine = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert mine.stdout.strip() == "True"
+    theirs = subprocess.run([sys.executable, "-c", code], env={**env, "MALLOC_ARENA_MAX": "4"},
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert theirs.stdout.strip() == "False"

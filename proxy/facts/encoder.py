@@ -157,6 +157,10 @@ def _pieces(pairs: list[tuple[str, str]], shared: dict[tuple[tuple[str, str], ..
     return out
 
 
+#: the values of a pod's one info series: one tuple for all of them
+_ONE = (1.0,)
+
+
 def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> Encoded:
     """The series of ``facts`` with ``external`` labels, for samples of ``sample_len``.
 
@@ -177,4 +181,4 @@ def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> En
             pieces = [b"".join(_label_field(k, v) for k, v in pairs)]
         series.append((series_header(sum(map(len, pieces)) + sample_len), *pieces))
         values.append(f.value)
-    return Encoded(tuple(series), tuple(values))
+    return Encoded(tuple(series), _ONE if values == [1.0] else tuple(values))
