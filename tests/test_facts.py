@@ -57,6 +57,11 @@ types_pb2 = pytest.importorskip("proxy.pb.prometheus.types_pb2")
 
 RAY = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w-ray")
 DEP = WorkloadRef(namespace="web", group="apps", kind="Deployment", name="api", uid="w-dep")
+#: the identity labels of RAY and DEP, as their series carry them (sorted)
+RAY_IDENT = (("karta_group", "ray.io"), ("karta_kind", "RayJob"), ("karta_namespace", "ml"),
+             ("karta_workload", "train"))
+DEP_IDENT = (("karta_group", "apps"), ("karta_kind", "Deployment"), ("karta_namespace", "web"),
+             ("karta_workload", "api"))
 
 
 def ray_facts(**kw: Any) -> WorkloadFacts:
@@ -200,12 +205,7 @@ def test_pod_facts_join_on_the_stamped_labels() -> None:
 
 def test_phase_is_a_state_set_and_statuses_are_all_reported() -> None:
     series = decode(writer(small_index()).build_request(1_700_000_600_000))
-    ident = (
-        ("karta_group", "ray.io"),
-        ("karta_kind", "RayJob"),
-        ("karta_namespace", "ml"),
-        ("karta_workload", "train"),
-    )
+    ident = RAY_IDENT
     phase = {
         dict(k)["phase"]: v
         for k, v in by_name(series, contract.FACT_WORKLOAD_PHASE).items()
@@ -229,13 +229,7 @@ def test_phase_is_a_state_set_and_statuses_are_all_reported() -> None:
     assert dated == {(*ident, ("source", "object")): 1_700_000_000.5}
     # the Undefined workload says why; the Running one has no reason series
     assert by_name(series, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO) == {
-        (
-            ("karta_group", "apps"),
-            ("karta_kind", "Deployment"),
-            ("karta_namespace", "web"),
-            ("karta_workload", "api"),
-            ("reason", "no_status_matched"),
-        ): 1.0
+        (*DEP_IDENT, ("reason", "no_status_matched")): 1.0
     }
     info = by_name(series, contract.FACT_WORKLOAD_INFO)
     assert info[
@@ -249,21 +243,9 @@ def test_phase_is_a_state_set_and_statuses_are_all_reported() -> None:
 
 def test_replica_facts_per_component_instance() -> None:
     series = decode(writer(small_index()).build_request(1_700_000_600_000))
-    head = (
-        ("karta_component", "head"),
-        ("karta_group", "ray.io"),
-        ("karta_kind", "RayJob"),
-        ("karta_namespace", "ml"),
-        ("karta_workload", "train"),
-    )
-    workers = (
-        ("karta_component", "workers"),
-        ("karta_group", "ray.io"),
-        ("karta_instance", "group-a"),
-        ("karta_kind", "RayJob"),
-        ("karta_namespace", "ml"),
-        ("karta_workload", "train"),
-    )
+    head = (("karta_component", "head"), *RAY_IDENT)
+    workers = tuple(sorted((("karta_component", "workers"), ("karta_instance", "group-a"),
+                            *RAY_IDENT)))
     desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
     assert desired[head] == 1 and desired[workers] == 4
     assert by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN) == {workers: 2.0}
@@ -271,13 +253,7 @@ def test_replica_facts_per_component_instance() -> None:
     observed = by_name(series, contract.FACT_COMPONENT_OBSERVED_PODS)
     assert observed[head] == 1 and observed[workers] == 3
     # the Deployment's unnamed component: component and instance labels left out
-    dep = (
-        ("karta_group", "apps"),
-        ("karta_kind", "Deployment"),
-        ("karta_namespace", "web"),
-        ("karta_workload", "api"),
-    )
-    assert observed[dep] == 2 and desired[dep] == 2
+    assert observed[DEP_IDENT] == 2 and desired[DEP_IDENT] == 2
 
 
 def test_freshness_contract_and_build_facts() -> None:
