@@ -24,11 +24,18 @@ before it), and with ``--tracemalloc`` the Python heap after it, its peak, and t
 allocation sites of what the phase left alive. tracemalloc slows the run ~3x and adds
 its own bookkeeping to RSS, so RSS figures come from a run without it.
 
+``--process`` measures the real thing instead: ``python -m proxy --snapshot`` with its
+defaults against a null upstream (``relay/null_upstream.py``), ``VmHWM`` from ``/proc``
+once it is ready and its first fact write has landed, after one ``/metrics`` scrape, and
+(``--writes N``, with ``facts.interval_seconds`` set to ``--interval``) after N more
+writes and another scrape.
+
 The default snapshot is the high-cardinality benchmark's cluster (``relay/highcard.py``:
 ``corpus.build_cluster(37500, long_names=True)`` written as a JSON List), built once and
 cached under ``--work``.
 
     python3 benchmarks/memory_bench.py [--pods 37500] [--tracemalloc] [--snapshot PATH]
+    python3 benchmarks/memory_bench.py --process [--writes 10 --interval 6]
 """
 
 from __future__ import annotations
@@ -202,7 +209,7 @@ def run(args: argparse.Namespace) -> list[Phase]:
 
     t = m.begin()
     registry = ProxyMetrics().registry  # as Proxy._make_facts registers them
-    registry.register(FactsCollector(index))
+    registry.register(FactsCollector(index, pod_facts=settings.facts.metrics_pod_facts))
     registry.register(FactWriterCollector(writer))
     size = 0
     for chunk in exposition.chunks(registry):  # as the /metrics view writes them
@@ -228,6 +235,58 @@ async def _no_send(body: bytes) -> None:
     return None
 
 
+def run_process(args: argparse.Namespace) -> dict[str, float]:
+    """VmHWM / VmRSS (MiB) of ``python -m proxy --snapshot`` at the points named above."""
+    import json
+    import tempfile
+
+    from relay.procs import Process, free_port, http_get
+
+    snapshot = _snapshot(args)
+    work = Path(tempfile.mkdtemp(prefix="karta-memory-process-"))
+    up, port = free_port(), free_port()
+    sink = Process("sink", [sys.executable, str(HERE / "relay" / "null_upstream.py"),
+                            "--listen", f"127.0.0.1:{up}"],
+                   port=up, ready_path="/-/ready", log_path=work / "sink.log")
+    config = work / "config.yaml"
+    config.write_text(f"facts:\n  interval_seconds: {args.interval if args.writes else 3600}\n")
+    proxy = Process("karta-proxy", [
+        sys.executable, "-m", "proxy", "--config", str(config), "--snapshot", str(snapshot),
+        "--upstream-url", f"http://127.0.0.1:{up}/api/v1/write",
+        "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning",
+    ], port=port, ready_path="/-/ready", log_path=work / "proxy.log", cwd=HERE.parent)
+    status = Path(f"/proc/{proxy.pid}/status")
+
+    def mib(field: str) -> float:
+        line = next(x for x in status.read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
+
+    out: dict[str, float] = {}
+    try:
+        sink.wait_ready(30)
+        proxy.wait_ready(300)
+        last, still, deadline = -1, 0, time.monotonic() + 300
+        while still < 3 and time.monotonic() < deadline:  # the first write has landed
+            requests = json.loads(http_get(up, "/stats")[1])["requests"]
+            still = still + 1 if requests == last and requests > 0 else 0
+            last = requests
+            time.sleep(1)
+        out["first write: VmHWM"], out["first write: VmRSS"] = mib("VmHWM"), mib("VmRSS")
+        http_get(port, "/metrics", timeout=300)
+        out["+ scrape: VmHWM"], out["+ scrape: VmRSS"] = mib("VmHWM"), mib("VmRSS")
+        if args.writes:
+            time.sleep(args.writes * args.interval)
+            http_get(port, "/metrics", timeout=300)
+            key = f"+ {args.writes} writes every {args.interval:g} s + scrape"
+            out[key + ": VmHWM"], out[key + ": VmRSS"] = mib("VmHWM"), mib("VmRSS")
+    finally:
+        proxy.stop()
+        sink.stop()
+    for name, value in out.items():
+        print(f"{name:<48} {value:7.1f} MiB ({value * MB / 1e6:6.1f} MB)", flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pods", type=int, default=37_500)
@@ -236,8 +295,17 @@ def main() -> int:
     p.add_argument("--tracemalloc", action="store_true",
                    help="Python heap per phase and its top sites")
     p.add_argument("--top", type=int, default=8, help="allocation sites shown per phase")
+    p.add_argument("--process", action="store_true",
+                   help="measure a started `python -m proxy --snapshot` instead of the phases")
+    p.add_argument("--writes", type=int, default=0,
+                   help="--process: wait this many more fact writes, then scrape again")
+    p.add_argument("--interval", type=float, default=6.0,
+                   help="--process: facts.interval_seconds with --writes")
     args = p.parse_args()
-    run(args)
+    if args.process:
+        run_process(args)
+    else:
+        run(args)
     return 0
 
 
