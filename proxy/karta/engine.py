@@ -33,7 +33,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from proxy.karta.jqexpr import JqError, JqExpr, to_text
+from proxy.karta.jqexpr import (
+    JqError,
+    JqExpr,
+    outputs_equal,
+    outputs_present,
+    single_output_id,
+)
 from proxy.karta.model import UNDEFINED, Component, Description, GroupKind, ScaleDefinition
 from proxy.karta.owners import (
     NODE,
@@ -190,20 +196,6 @@ class _Probe:
         return [m.get(self.key)]
 
 
-# The wrapper semantics of JqExpr.present / equals / single_id, over an output list.
-def _present(out: list[Any]) -> bool:
-    return any(v is not None for v in out)
-
-
-def _equals(out: list[Any], value: str) -> bool:
-    return any(v is not None and to_text(v) == value for v in out)
-
-
-def _single_id(out: list[Any]) -> str | None:
-    ids = [to_text(v) for v in out if v is not None and v != ""]
-    return ids[0] if len(ids) == 1 else None
-
-
 class _PodComponentPlan:
     """One pod-bearing component, ready to test pods."""
 
@@ -241,7 +233,9 @@ class _PodComponentPlan:
                     return False
         if self.type is not None:
             out = self.type.outputs(pod)
-            return _equals(out, self.value) if self.value is not None else _present(out)
+            if self.value is not None:
+                return outputs_equal(out, self.value)
+            return outputs_present(out)
         return True
 
 
@@ -1038,7 +1032,7 @@ class Engine:
         inst = ""
         if cp.inst is not None:
             try:
-                iid = _single_id(cp.inst.outputs(pod))
+                iid = single_output_id(cp.inst.outputs(pod))
             except JqError:
                 self.stats[STAT_SELECTOR_ERROR] += 1
                 iid = None
@@ -1052,7 +1046,7 @@ class Engine:
         replica = ""
         if cp.replica is not None:
             try:
-                replica = _single_id(cp.replica.outputs(pod)) or ""
+                replica = single_output_id(cp.replica.outputs(pod)) or ""
             except JqError:
                 self.stats[STAT_SELECTOR_ERROR] += 1
         return _Placement(cp.name, inst, replica)

@@ -21,8 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.karta.description import parse_description
-from proxy.karta.engine import Engine, _equals, _PodRec, _present, _Probe, _single_id
+from proxy.karta.engine import Engine, _PodRec, _Probe
 from proxy.karta.jqexpr import JqExpr
+from proxy.karta.jqexpr import outputs_equal as _equals
+from proxy.karta.jqexpr import outputs_present as _present
+from proxy.karta.jqexpr import single_output_id as _single_id
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.owners import OwnerRef
 from proxy.karta.results import ChangeSet
