@@ -101,10 +101,13 @@ class _Pages:
         # text at 37.5k pods, and the event loop gets a turn between chunks.
         resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE_LATEST})
         await resp.prepare(request)
-        for chunk in exposition.chunks(self.metrics.registry):
-            await resp.write(chunk)
-            await asyncio.sleep(0)
-        await resp.write_eof()
+        try:
+            for chunk in exposition.chunks(self.metrics.registry):
+                await resp.write(chunk)
+                await asyncio.sleep(0)
+            await resp.write_eof()
+        except ConnectionResetError:  # the scraper went away (its timeout): nothing to answer
+            log.debug("/metrics scraper left mid-page")
         return resp
 
     async def ready(self, _: web.Request) -> web.Response:
