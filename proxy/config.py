@@ -123,7 +123,7 @@ class ServerSettings(Section):
         ge=0, le=256)] = 0
     header_read_timeout_seconds: Annotated[float, setting(
         "a request's line and headers must arrive within this (from their first byte), "
-        "else 408 and close", gt=0)] = 10.0
+        "else 408 and close; with TLS, also the handshake's deadline", gt=0)] = 10.0
     body_read_timeout_seconds: Annotated[float, setting(
         "a request's whole body must arrive within this (from the end of its headers), "
         "else 408", gt=0)] = 30.0

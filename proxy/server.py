@@ -185,8 +185,11 @@ async def start_site(
     if ssl_context is None:
         site = web.TCPSite(runner, host, port, reuse_address=True)
     else:
+        # the handshake is a client's first bytes, as a request line would be: the same
+        # deadline (asyncio's own is 60 s, long enough for an idle client to hold a slot)
         site = TLSSite(runner, host, port, ssl_context=ssl_context, reuse_address=True,
-                       refusals=refusals if refusals is not None else Refusals())
+                       refusals=refusals if refusals is not None else Refusals(),
+                       handshake_timeout=handler.settings.header_read_timeout_seconds)
     await site.start()
     # the runner's public view of its sockets: (host, port, ...) per bound address
     bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)

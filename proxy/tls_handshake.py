@@ -233,7 +233,7 @@ def _hello_seen(proto: _WatchedTLS) -> bool:
 
 def tls_protocol_factory(
     loop: asyncio.AbstractEventLoop, app_factory: Callable[[], asyncio.BaseProtocol],
-    context: ssl.SSLContext, refusals: Refusals, *, handshake_timeout: int | None = None,
+    context: ssl.SSLContext, refusals: Refusals, *, handshake_timeout: float | None = None,
 ) -> Callable[[], asyncio.BaseProtocol]:
     """A protocol factory for a plain listener that serves TLS as ``create_server(ssl=)``
     would, and reports each failed handshake to ``refusals``."""
@@ -268,7 +268,7 @@ class TLSSite(web.BaseSite):
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
                  ssl_context: ssl.SSLContext, refusals: Refusals,
                  reuse_address: bool | None = None,
-                 handshake_timeout: int | None = None) -> None:
+                 handshake_timeout: float | None = None) -> None:
         super().__init__(runner, ssl_context=ssl_context)
         self._host, self._port, self._reuse_address = host, port, reuse_address
         self._refusals = refusals

@@ -189,7 +189,7 @@ async def test_a_burst_of_one_reason_is_one_line_then_one_summary_per_interval(
 async def test_a_client_silent_past_the_handshake_timeout_is_counted(
     pki: Pki, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The timeout is asyncio's 60 s in the proxy; a site of 1 s shows it is counted."""
+    """The proxy's is server.header_read_timeout_seconds; a site of 1 s shows it is counted."""
     caplog.set_level(logging.WARNING, logger="karta.tls")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(pki.server.cert, pki.server.key)
@@ -243,3 +243,23 @@ def test_the_reasons_are_the_documented_ones() -> None:
     section = doc.split("**Failed handshakes.**")[1].split("**Rotation.**")[0]
     table = re.findall(r"^\| `([a-z_]+)` \| ", section.split("|---|---|---|")[1], re.M)
     assert listed == table == [r.value for r in REASONS]
+
+
+async def test_the_proxy_ends_a_silent_handshake_at_the_header_deadline(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """A client that connects to the TLS port and sends nothing holds its connection no
+    longer than a plain-HTTP client holds one without a request line."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    s.server.header_read_timeout_seconds = 1.0
+    p = await started(s)
+    try:
+        t0 = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "the proxy hung up"
+        assert 0.9 < time.monotonic() - t0 < 4
+        writer.close()
+        assert (await counted(p, {Reason.TIMEOUT: 1}))[Reason.TIMEOUT] == 1
+        await write_stored(p.port, pki.ca.ca_file, upstream)  # and the port still serves
+    finally:
+        await p.stop()
