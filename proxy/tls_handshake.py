@@ -240,8 +240,10 @@ def tls_protocol_factory(
 
     def make() -> asyncio.BaseProtocol:
         waiter = loop.create_future()
+        # typeshed says int for SSLProtocol's timeout; asyncio takes any number of seconds
+        # (create_server's own parameter is a float), and it is a float setting here
         proto = _WatchedTLS(loop, app_factory(), context, waiter, server_side=True,
-                            ssl_handshake_timeout=handshake_timeout)
+                            ssl_handshake_timeout=handshake_timeout)  # type: ignore[arg-type]
 
         def done(f: asyncio.Future[None]) -> None:
             exc = None if f.cancelled() else f.exception()  # also marks it retrieved
