@@ -152,6 +152,20 @@ class ProxyMetrics:
             "configuration's fault (not_write_endpoint, credentials_refused), answered 503.",
             ["url", "reason", "code"], registry=r,
         )
+        self.upstream_splits = Counter(
+            _P + "upstream_split_requests", "Requests the upstream refused as too large "
+            "(413), sent again in parts cut at series boundaries, by result: stored (every "
+            "part 2xx), failed (a part failed otherwise), too_large (one series, or a part "
+            "at 16 parts, still too large: the 413 reaches the sender).",
+            ["result"], registry=r,
+        )
+        for result in ("stored", "failed", "too_large"):
+            self.upstream_splits.labels(result)
+        self.upstream_split_parts = Counter(
+            _P + "upstream_split_parts", "Parts sent for requests the upstream refused as "
+            "too large (413) and answered (a part refused again and cut is not counted).",
+            registry=r,
+        )
         self.upstream_info = Gauge(
             _P + "upstream_info", "The upstream, the protocol learned for it (rw1, "
             "as_received, unknown) and the outcome of its last check.",

@@ -17,6 +17,11 @@ request with data in it means "not understood": the request is converted to RW 1
 sent again, and the upstream is remembered as 1.0-only. Only for a request that went
 out as RW 1.0 does the proxy fill the headers in itself, from the request's counts,
 because a 1.0 receiver's 2xx means all of it was written.
+
+An answer that refuses the request for its size (413, or VictoriaMetrics' 400 saying so)
+would make the sender drop a batch it sized under the upstream's limit before the stamp
+made it bigger: such a request is sent again in parts cut at series boundaries
+(``proxy.wire.halves``), and the sender hears 2xx only when every part was stored.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from proxy.compression import compress
+from proxy.compression import DecodeError, compress, decompress
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.wire.convert import v2_to_v1
+from proxy.wire.halves import Layout, layout
 from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.upstream")
@@ -68,6 +74,22 @@ MISCONFIGURED_RETRY_AFTER = "30"
 #: answers that say the URL is not a remote-write endpoint (wrong path, receiver not
 #: enabled, a redirect to somewhere else): the sender's data is fine, the URL is not
 NOT_A_WRITE_ENDPOINT = frozenset({301, 302, 303, 307, 308, 404, 405, 410, 501})
+#: how many times a request the upstream refused as too large (413) is cut in halves:
+#: at most 2 ** 4 = 16 parts, 30 requests in all
+MAX_SPLIT_DEPTH = 4
+#: the decoded size trusted when the proxy's own outgoing body is read again to be cut
+OWN_BODY_LIMIT = 1 << 31
+#: VictoriaMetrics (single node and vminsert) answers a request over its
+#: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
+#: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
+_VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
+
+
+def too_large(answer: Answer) -> bool:
+    """The upstream refused the request for its size: a 413, or VictoriaMetrics' 400 for
+    the same (its own words), which a sender drops just as well."""
+    return answer.upstream == "413" or (
+        answer.upstream == "400" and _VM_TOO_LARGE.search(answer.body) is not None)
 
 
 @dataclass(slots=True)
@@ -104,6 +126,45 @@ class Outgoing:
     counts: Counts | None = None
     #: ``raw`` is the RW 1.0 form of the sender's RW 2.0 request
     converted: bool = False
+
+
+@dataclass(slots=True)
+class _Parts:
+    """What the parts of one request sent again in parts (after a 413) got so far."""
+
+    layout: Layout
+    encoding: str
+    #: the parts are RW 1.0 made from the sender's RW 2.0 request (or one of them went so)
+    converted: bool
+    incoming: Mapping[str, str]
+    url: str
+    #: parts answered
+    sent: int = 0
+    #: the sums of the parts' RW 2.0 Written headers, for those any part sent
+    written: dict[str, int] = field(default_factory=dict)
+    #: the first 2xx
+    ok: Answer | None = None
+    #: the first answer that makes the sender retry (5xx): no part is sent after it
+    retry: Answer | None = None
+    #: the first answer that makes the sender drop the batch (4xx): the rest is still sent
+    refused: Answer | None = None
+    #: a part was refused as too large and could not be cut further
+    too_large: bool = False
+
+    def add(self, answer: Answer, converted: bool, *, too_large: bool) -> None:
+        self.sent += 1
+        self.converted = self.converted or converted
+        for name in _WRITTEN:
+            value = answer.headers.get(name, "")
+            if value.isdigit():
+                self.written[name] = self.written.get(name, 0) + int(value)
+        if answer.ok:
+            self.ok = self.ok or answer
+        elif answer.status >= 500:
+            self.retry = answer
+        else:
+            self.too_large = self.too_large or (self.refused is None and too_large)
+            self.refused = self.refused or answer
 
 
 ProbeOutcome = Literal[
@@ -426,6 +487,15 @@ class Upstream:
         url = tenant_url(self.settings.url, tenant, self.settings.default_tenant)
         if url is None:
             return self._no_tenant_place(tenant or "")
+        answer, sent = await self._deliver(out, incoming, url)
+        if too_large(answer):
+            answer = await self._in_parts(sent, answer, incoming, url)
+        return answer
+
+    async def _deliver(self, out: Outgoing, incoming: Mapping[str, str], url: str
+                       ) -> tuple[Answer, Outgoing]:
+        """One request to the upstream, converted first or resent converted as the
+        upstream's protocol needs; the answer, and the request as it last went out."""
         if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
             if self._recheck:
                 await self.check()
@@ -452,7 +522,7 @@ class Upstream:
         answer.converted = out.converted
         if answer.ok and out.converted:
             self._written_headers(answer, out.counts)
-        return answer
+        return answer, out
 
     def _no_tenant_place(self, tenant: str) -> Answer:
         """A request for a tenant, and an upstream URL with no place for one: sending it
@@ -502,6 +572,108 @@ class Upstream:
         answer.headers[WRITTEN_SAMPLES] = str(counts.samples)
         answer.headers[WRITTEN_HISTOGRAMS] = str(counts.histograms)
         answer.headers[WRITTEN_EXEMPLARS] = str(counts.exemplars)
+
+    # -- a request too large for the upstream --------------------------------------------
+
+    async def _in_parts(self, sent: Outgoing, answer: Answer, incoming: Mapping[str, str],
+                        url: str) -> Answer:
+        """The upstream refused ``sent`` as too large (:func:`too_large`): send it again
+        in halves cut at series boundaries (``proxy.wire.halves``), a half refused so cut
+        again, down to ``MAX_SPLIT_DEPTH`` levels (16 parts). Senders drop a 413'd batch,
+        and the stamp makes a body ~20% bigger than the sender sized it under the
+        upstream's limit.
+
+        The sender gets 2xx only when every part got 2xx. A part that would make the sender
+        retry (5xx) ends it: that answer, and the whole is retried (a part already stored
+        is stored again: the same samples). A part the sender would drop (4xx) is answered,
+        but the other parts are still sent, so whatever can be stored is. RW 2.0's Written
+        headers are the sums of the parts' own."""
+        try:
+            lay = await asyncio.to_thread(self._layout, sent)
+        except DecodeError as e:  # pragma: no cover - the splice read the same fields
+            log.error("cannot cut a request the upstream refused as too large",
+                      extra={"upstream_url": self.url, "error": e.message})
+            return self._count_split("too_large", answer)
+        if len(lay.series) < 2:
+            return self._count_split(
+                "too_large", self._too_large(answer, len(sent.encoded), len(lay.series)))
+        log.info("upstream refused a request as too large (413): sending it in parts cut "
+                 "at series boundaries", extra={
+                     "upstream_url": self.url, "bytes": len(sent.encoded),
+                     "decoded_bytes": len(lay.raw), "series": len(lay.series)})
+        parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
+        await self._send_halves(parts, 0, len(lay.series), 1)
+        result = "stored"
+        if parts.retry is not None or parts.refused is not None:
+            final = parts.retry or parts.refused
+            assert final is not None
+            result = "too_large" if parts.retry is None and parts.too_large else "failed"
+        else:
+            assert parts.ok is not None
+            final = Answer(parts.ok.status, b"", {
+                k: v for k, v in parts.ok.headers.items() if k not in _WRITTEN},
+                parts.ok.upstream)
+        for name, total in parts.written.items():
+            final.headers[name] = str(total)
+        final.converted = parts.converted
+        if final.ok and parts.converted:
+            self._written_headers(final, sent.counts)
+        log.log(logging.INFO if final.ok else logging.WARNING,
+                "request sent in parts after a 413", extra={
+                    "upstream_url": self.url, "parts": parts.sent, "status": final.status})
+        return self._count_split(result, final)
+
+    async def _send_halves(self, parts: _Parts, lo: int, hi: int, depth: int) -> None:
+        """Send ``series[lo:hi]`` of ``parts`` as two halves, one after the other."""
+        mid = parts.layout.middle(lo, hi)
+        for a, b in ((lo, mid), (mid, hi)):
+            if parts.retry is not None:
+                return
+            out = await asyncio.to_thread(self._part, parts, a, b)
+            answer, sent = await self._deliver(out, parts.incoming, parts.url)
+            refused = too_large(answer)
+            if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
+                await self._send_halves(parts, a, b, depth + 1)
+                continue
+            if refused:
+                answer = self._too_large(answer, len(sent.encoded), b - a)
+            if self.metrics is not None:
+                self.metrics.upstream_split_parts.inc()
+            parts.add(answer, sent.converted, too_large=refused)
+
+    @staticmethod
+    def _layout(sent: Outgoing) -> Layout:
+        """The fields of a request as it went out (decoded again when the handler kept
+        only its compressed form, ``prepared_v1``)."""
+        raw = sent.raw if sent.raw or not sent.encoded else decompress(
+            sent.encoded, sent.encoding, max_decoded=OWN_BODY_LIMIT)
+        return layout(raw, sent.protocol)
+
+    @staticmethod
+    def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
+        raw = parts.layout.part(lo, hi)
+        return Outgoing(raw, parts.layout.protocol, parts.encoding,
+                        compress(raw, parts.encoding), None, parts.converted)
+
+    def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
+        """A 413 the proxy cannot cut further (one series, or ``MAX_SPLIT_DEPTH`` levels):
+        it reaches the sender, which drops the batch; said loudly, the fix is the
+        operator's (the upstream's limit, or the sender's batch size)."""
+        log.error("upstream refused a request as too large (413) and it cannot be cut "
+                  "further: the sender drops it; raise the upstream's request size limit "
+                  "(Mimir distributor.max_recv_msg_size, VictoriaMetrics "
+                  "-maxInsertRequestSize, ...) or lower the sender's batch size",
+                  extra={"upstream_url": self.url, "bytes": size, "series": series,
+                         "body": answer.body[:512].decode("utf-8", "replace")})
+        answer.body = (f"upstream {self.url} refused {size} bytes ({series} series) as too "
+                       "large: ").encode() + answer.body
+        answer.body = answer.body[:MAX_ERROR_BODY]
+        return answer
+
+    def _count_split(self, result: str, answer: Answer) -> Answer:
+        if self.metrics is not None:
+            self.metrics.upstream_splits.labels(result).inc()
+        return answer
 
     async def _post(self, out: Outgoing, incoming: Mapping[str, str], url: str = "") -> Answer:
         if self._session is None:

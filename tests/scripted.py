@@ -64,6 +64,20 @@ def rw2_receiver(rec: Received) -> Reply:
     })
 
 
+def size_limit(max_bytes: int, then: Callable[[Received], Reply] | None = None, *,
+               refusal: Reply | None = None) -> Callable[[Received], Reply]:
+    """A receiver with a request size limit (Mimir's ``distributor.max_recv_msg_size``,
+    Thanos Receive's): ``refusal`` (a 413) for a compressed body over ``max_bytes``, else
+    ``then`` (a plain 204 by default)."""
+
+    def rule(rec: Received) -> Reply:
+        if len(rec.body) > max_bytes:
+            return refusal or Reply(413, body=b"request body too large")
+        return then(rec) if then is not None else Reply(204)
+
+    return rule
+
+
 def _is_empty_write(rec: Received) -> bool:
     try:
         return rec.raw == b""

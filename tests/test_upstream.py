@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 
-from proxy.compression import DecodeError
+from proxy.compression import DecodeError, compress, join_snappy, snappy_part
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
@@ -29,8 +29,10 @@ from proxy.upstream import (
     map_status,
     tenant_url,
 )
+from proxy.wire.convert import v2_to_v1
+from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol
-from tests.scripted import Reply, ScriptedUpstream
+from tests.scripted import Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 # generated protobuf modules carry no type information
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
@@ -490,3 +492,193 @@ async def test_tls_with_ca_and_server_name(tls_files: tuple[Path, Path]) -> None
 )
 def test_tenant_url(url: str, tenant: str | None, expected: str | None) -> None:
     assert tenant_url(url, tenant, "0") == expected
+
+
+# -- a request too large for the upstream (413): sent again in parts --------------------------
+
+
+def many_v1(n: int, *, metadata: bool = True) -> bytes:
+    """``n`` series of distinct labels and samples, and a metadata entry after them (as
+    Prometheus orders a request that carries any)."""
+    req = WriteRequest()
+    for i in range(n):
+        ts = req.timeseries.add()
+        ts.labels.add(name="__name__", value="requests_total")
+        ts.labels.add(name="pod", value=f"pod-{i:04d}-{i * 7919 % 10007:05d}")
+        for j in range(3):
+            ts.samples.add(value=i * 1.37 + j, timestamp=1000 + j * 15000 + i)
+    if metadata:
+        req.metadata.add(type=1, metric_family_name="requests_total", help="requests")
+    return req.SerializeToString()
+
+
+def many_v2(n: int) -> bytes:
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "requests_total", "pod"])
+    for i in range(n):
+        req.symbols.append(f"pod-{i:04d}-{i * 7919 % 10007:05d}")
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 3, 4 + i])
+        for j in range(3):
+            ts.samples.add(value=i * 1.37 + j, timestamp=1000 + j * 15000 + i)
+    return req.SerializeToString()
+
+
+def series_of(raw: bytes, protocol: Protocol) -> list[tuple[tuple[str, str], ...]]:
+    """The series of a request, each as its labels and samples (RW 2.0 refs resolved)."""
+    if protocol is Protocol.V1:
+        req = WriteRequest.FromString(raw)
+        return [tuple((lb.name, lb.value) for lb in ts.labels)
+                + tuple((str(s.timestamp), repr(s.value)) for s in ts.samples)
+                for ts in req.timeseries]
+    req = RequestV2.FromString(raw)
+    sym = list(req.symbols)
+    return [tuple((sym[a], sym[b]) for a, b in zip(ts.labels_refs[::2], ts.labels_refs[1::2],
+                                                  strict=True))
+            + tuple((str(s.timestamp), repr(s.value)) for s in ts.samples)
+            for ts in req.timeseries]
+
+
+def split_count(u: Upstream, result: str) -> float | None:
+    assert u.metrics is not None
+    return u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_split_requests_total", {"result": result})
+
+
+def stored_parts(up: ScriptedUpstream, limit: int) -> list[bytes]:
+    """The bodies a ``size_limit(limit)`` receiver took."""
+    return [r.raw for r in up.received if len(r.body) <= limit]
+
+
+@pytest.mark.parametrize("compressed_in_parts", [False, True])
+async def test_413_is_sent_in_halves_every_series_once(compressed_in_parts: bool) -> None:
+    raw = many_v1(64)
+    whole = len(compress(raw, "snappy"))
+    limit = whole * 6 // 10  # halves fit, the whole does not
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        if compressed_in_parts:  # as the handler sends a big request spliced in parts
+            [cut] = split_v1(raw, 2)
+            encoded = join_snappy([snappy_part(raw[:cut]), snappy_part(raw[cut:])])
+            answer = await u.forward(u.prepared_v1(encoded, COUNTS))
+        else:
+            answer = await u.send(raw, Protocol.V1)
+    assert answer.status == 204, answer.body
+    assert [len(r.body) > limit for r in up.received] == [True, False, False]
+    parts = stored_parts(up, limit)
+    got = [s for p in parts for s in series_of(p, Protocol.V1)]
+    assert got == series_of(raw, Protocol.V1)  # every series once, in order, labels intact
+    metadata = [len(WriteRequest.FromString(p).metadata) for p in parts]
+    assert metadata == [1, 0]  # with the first part, once
+    assert split_count(u, "stored") == 1 and split_count(u, "failed") == 0
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value("karta_proxy_upstream_split_parts_total") == 2
+
+
+#: how VictoriaMetrics refuses a request over -maxInsertRequestSize (1.79 to today)
+VM_TOO_BIG = (b'remoteAddr: "127.0.0.1:50058"; requestURI: /api/v1/write; too big unpacked '
+              b"request; mustn't exceed `-maxInsertRequestSize=28129` bytes; got 52791 bytes")
+
+
+async def test_victoriametrics_400_for_its_size_limit_is_sent_in_parts_too() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    rule = size_limit(limit, refusal=Reply(400, body=VM_TOO_BIG))
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V1)
+    assert answer.status == 204 and len(up.received) == 3
+    parts = stored_parts(up, limit)
+    assert [s for p in parts for s in series_of(p, Protocol.V1)] == series_of(raw, Protocol.V1)
+
+
+async def test_any_other_400_is_not_sent_in_parts() -> None:
+    async with ScriptedUpstream(Reply(400, body=b"too big a value")) as up, opened(up.url) as u:
+        answer = await u.send(many_v1(8), Protocol.V1)
+    assert answer.status == 400 and len(up.received) == 1
+    assert split_count(u, "too_large") == 0
+
+
+async def test_413_parts_cut_again_until_they_fit() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) // 5  # about 8 parts
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V1)
+    assert answer.ok
+    parts = stored_parts(up, limit)
+    assert 5 <= len(parts) <= 16
+    assert [s for p in parts for s in series_of(p, Protocol.V1)] == series_of(raw, Protocol.V1)
+    assert sum(len(WriteRequest.FromString(p).metadata) for p in parts) == 1
+
+
+async def test_413_rw2_parts_carry_the_symbols_and_sum_the_written_headers() -> None:
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(limit, rw2_receiver)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+    assert answer.ok and not answer.converted and not u.v1_only
+    parts = stored_parts(up, limit)
+    assert len(parts) >= 2
+    assert all(list(RequestV2.FromString(p).symbols) == list(RequestV2.FromString(raw).symbols)
+               for p in parts)  # refs unchanged: each part has the whole table
+    assert [s for p in parts for s in series_of(p, Protocol.V2)] == series_of(raw, Protocol.V2)
+    # the sums of what the upstream said for each part
+    assert answer.headers[WRITTEN_SAMPLES] == "120"
+    assert answer.headers[WRITTEN_HISTOGRAMS] == "0"
+
+
+async def test_413_rw2_converted_for_a_v1_upstream_in_parts() -> None:
+    raw = many_v2(40)
+    limit = len(compress(v2_to_v1(raw), "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url, protocol="v1") as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+    assert answer.ok and answer.converted
+    parts = stored_parts(up, limit)
+    assert all("v2" not in r.headers["Content-Type"] for r in up.received)
+    assert [s for p in parts for s in series_of(p, Protocol.V1)] == series_of(
+        v2_to_v1(raw), Protocol.V1)
+    # a 1.0 receiver's 2xx to every part: the whole request was written
+    assert answer.headers[WRITTEN_SAMPLES] == "120"
+
+
+async def test_413_a_part_that_503s_makes_the_sender_retry() -> None:
+    replies = [Reply(413), Reply(204), Reply(503, {"Retry-After": "5"}), Reply(204)]
+    async with ScriptedUpstream(*replies) as up, opened(up.url) as u:
+        answer = await u.send(many_v1(8), Protocol.V1)
+    assert answer.status == 503 and answer.headers["Retry-After"] == "5"
+    assert len(up.received) == 3  # nothing sent after the part that failed
+    assert split_count(u, "failed") == 1 and split_count(u, "stored") == 0
+
+
+async def test_413_a_part_refused_with_400_still_sends_the_rest() -> None:
+    # the sender drops a 4xx'd batch: every part that can be stored is
+    replies = [Reply(413), Reply(400, body=b"out of order"), Reply(204)]
+    async with ScriptedUpstream(*replies) as up, opened(up.url) as u:
+        answer = await u.send(many_v1(8), Protocol.V1)
+    assert answer.status == 400 and b"out of order" in answer.body
+    assert len(up.received) == 3
+    assert split_count(u, "failed") == 1
+
+
+async def test_413_to_a_single_series_passes_with_an_error_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with ScriptedUpstream(Reply(413, body=b"too big")) as up, opened(up.url) as u:
+        with caplog.at_level("ERROR", logger="karta.upstream"):
+            answer = await u.send(v1_body(), Protocol.V1)
+    assert answer.status == 413 and len(up.received) == 1
+    assert up.url.encode() in answer.body and b"1 series" in answer.body
+    assert b"too big" in answer.body
+    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.__dict__["upstream_url"] == up.url
+    assert record.__dict__["bytes"] == len(up.received[0].body)
+    assert split_count(u, "too_large") == 1
+
+
+async def test_413_recursion_is_bounded_at_16_parts() -> None:
+    async with ScriptedUpstream(Reply(413)) as up, opened(up.url) as u:
+        answer = await u.send(many_v1(64), Protocol.V1)
+    assert answer.status == 413
+    assert len(up.received) == 1 + 2 + 4 + 8 + 16
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value("karta_proxy_upstream_split_parts_total") == 16
+    assert split_count(u, "too_large") == 1 and split_count(u, "stored") == 0

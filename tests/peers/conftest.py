@@ -176,13 +176,14 @@ class Peers:
         await p.wait_ready()
         return p
 
-    async def victoria_metrics(self, name: str = "vm", port: int | None = None) -> Peer:
+    async def victoria_metrics(self, name: str = "vm", port: int | None = None,
+                               extra: Sequence[str] = ()) -> Peer:
         binary = need("victoria-metrics")
         port = port or free_port()
         p = self._peer(name, [
             binary, f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={self._dir(name)}",
             "-search.latencyOffset=0s", "-search.disableCache", "-retentionPeriod=100y",
-            "-loggerLevel=WARN",
+            "-loggerLevel=WARN", *extra,
         ], port, "/health")
         await p.wait_ready()
         return p
