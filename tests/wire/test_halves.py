@@ -7,10 +7,11 @@ from typing import Any, cast
 
 import pytest
 
+from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.wire.halves import layout
-from proxy.wire.primitives import Protocol
+from proxy.wire.primitives import Protocol, encode_uvarint
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 RequestV2: Any = cast(Any, v2).Request
@@ -62,3 +63,18 @@ def test_v2_parts_each_carry_the_whole_symbol_table() -> None:
     assert all(list(p.symbols) == list(req.symbols) for p in parts)
     assert [list(t.labels_refs) for p in parts for t in p.timeseries] == [[1, 2], [1, 3], [1, 4]]
     assert lay.part(0, 3) == raw
+
+
+def test_unknown_fields_of_long_tags_stay_with_the_first_part_and_bad_bodies_raise() -> None:
+    raw = v1([3, 4])
+    # field 16, length-delimited: a two-byte tag whose first byte is 0x82
+    unknown = encode_uvarint(16 << 3 | 2) + b"\x02" + b"\x0a\x00"
+    lay = layout(unknown + raw, Protocol.V1)
+    assert len(lay.series) == 2 and len(lay.other) == 2
+    assert lay.part(1, 2) == raw[lay.series[1].start - len(unknown):lay.series[1].end
+                                 - len(unknown)]
+    assert lay.part(0, 1).startswith(unknown)
+    one = layout(raw[:lay.series[0].end - len(unknown)], Protocol.V1)  # one field alone
+    assert len(one.series) == 1 and not one.other
+    with pytest.raises(DecodeError):
+        layout(raw[:-1], Protocol.V1)
