@@ -134,10 +134,12 @@ class _Parts:
 
     layout: Layout
     encoding: str
-    #: the parts are RW 1.0 made from the sender's RW 2.0 request (or one of them went so)
-    converted: bool
+    #: the layout is the RW 1.0 form of the sender's RW 2.0 request
+    layout_converted: bool
     incoming: Mapping[str, str]
     url: str
+    #: a part went out as RW 1.0 made from RW 2.0 (the layout was, or a part was converted)
+    converted: bool = False
     #: parts answered
     sent: int = 0
     #: the sums of the parts' RW 2.0 Written headers, for those any part sent
@@ -597,11 +599,11 @@ class Upstream:
         if len(lay.series) < 2:
             return self._count_split(
                 "too_large", self._too_large(answer, len(sent.encoded), len(lay.series)))
-        log.info("upstream refused a request as too large (413): sending it in parts cut "
+        log.info("upstream refused a request as too large: sending it in parts cut "
                  "at series boundaries", extra={
                      "upstream_url": self.url, "bytes": len(sent.encoded),
                      "decoded_bytes": len(lay.raw), "series": len(lay.series)})
-        parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
+        parts = _Parts(lay, sent.encoding, sent.converted, incoming, url, sent.converted)
         await self._send_halves(parts, 0, len(lay.series), 1)
         result = "stored"
         if parts.retry is not None or parts.refused is not None:
@@ -619,7 +621,7 @@ class Upstream:
         if final.ok and parts.converted:
             self._written_headers(final, sent.counts)
         log.log(logging.INFO if final.ok else logging.WARNING,
-                "request sent in parts after a 413", extra={
+                "request sent in parts after the upstream refused it as too large", extra={
                     "upstream_url": self.url, "parts": parts.sent, "status": final.status})
         return self._count_split(result, final)
 
@@ -653,13 +655,13 @@ class Upstream:
     def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
         raw = parts.layout.part(lo, hi)
         return Outgoing(raw, parts.layout.protocol, parts.encoding,
-                        compress(raw, parts.encoding), None, parts.converted)
+                        compress(raw, parts.encoding), None, parts.layout_converted)
 
     def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
         """A 413 the proxy cannot cut further (one series, or ``MAX_SPLIT_DEPTH`` levels):
         it reaches the sender, which drops the batch; said loudly, the fix is the
         operator's (the upstream's limit, or the sender's batch size)."""
-        log.error("upstream refused a request as too large (413) and it cannot be cut "
+        log.error("upstream refused a request as too large and it cannot be cut "
                   "further: the sender drops it; raise the upstream's request size limit "
                   "(Mimir distributor.max_recv_msg_size, VictoriaMetrics "
                   "-maxInsertRequestSize, ...) or lower the sender's batch size",

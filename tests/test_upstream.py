@@ -641,6 +641,22 @@ async def test_413_rw2_converted_for_a_v1_upstream_in_parts() -> None:
     assert answer.headers[WRITTEN_SAMPLES] == "120"
 
 
+async def test_413_rw2_parts_to_an_upstream_found_1_0_only_on_the_way() -> None:
+    # auto, not checked yet: the 1.0-only receiver refuses the whole for its size, then
+    # answers the first RW 2.0 part 204 without Written headers (nothing stored)
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+    assert answer.ok and answer.converted and u.v1_only
+    v1_parts = [r.raw for r in up.received
+                if len(r.body) <= limit and "v2" not in r.headers["Content-Type"]]
+    assert [s for p in v1_parts for s in series_of(p, Protocol.V1)] == series_of(
+        v2_to_v1(raw), Protocol.V1)
+    assert answer.headers[WRITTEN_SAMPLES] == "120"
+
+
 async def test_413_a_part_that_503s_makes_the_sender_retry() -> None:
     replies = [Reply(413), Reply(204), Reply(503, {"Retry-After": "5"}), Reply(204)]
     async with ScriptedUpstream(*replies) as up, opened(up.url) as u:
