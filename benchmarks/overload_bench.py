@@ -270,14 +270,17 @@ def start(args: argparse.Namespace, work: Path, *, defer: bool = True) -> Bench:
     cluster = corpus_mod.build_cluster(args.pods)
     snapshot = corpus_mod.write_snapshot(cluster, work / "snapshot.yaml")
     corpus = corpus_mod.build_corpus(cluster, args.bodies, args.series_per_request)
-    config = work / "overload.yaml"
-    config.write_text(f"server:\n  max_concurrent_requests: {args.slots}\n")
-    repos = [("this", args.proxy_repo)]
+    repos = [("this", args.proxy_repo, args.this_slots or args.slots, args.admission_wait)]
     if args.baseline_repo is not None:
-        repos.append(("baseline", args.baseline_repo))
+        repos.append(("baseline", args.baseline_repo, args.slots, args.baseline_admission_wait))
     bench = Bench([], [request_bytes(b) for b in corpus.bodies], args.series_per_request, work)
     try:
-        for name, repo in repos:
+        for name, repo, slots, wait in repos:
+            config = work / f"overload-{name}.yaml"
+            # no admission_wait_seconds line unless asked: a checkout older than the
+            # setting refuses a config that names it
+            config.write_text(f"server:\n  max_concurrent_requests: {slots}\n" + (
+                f"  admission_wait_seconds: {wait}\n" if wait is not None else ""))
             upstream = _start_upstream(name, work, defer=defer)
             upstream.wait_ready(30)
             proxy = _start_relay("karta-proxy", upstream, work, snapshot, proxy_repo=repo,
@@ -295,6 +298,14 @@ def add_common(p: argparse.ArgumentParser) -> None:
     """Options shared with ``soak_bench.py``."""
     p.add_argument("--slots", type=int, default=64,
                    help="server.max_concurrent_requests of the proxy (nominal connections)")
+    p.add_argument("--this-slots", type=int, default=0,
+                   help="max_concurrent_requests of --proxy-repo's proxy only (default "
+                        "--slots; the levels stay multiples of --slots)")
+    p.add_argument("--admission-wait", type=float, default=None,
+                   help="server.admission_wait_seconds of --proxy-repo's proxy (default: "
+                        "not set, the checkout's default)")
+    p.add_argument("--baseline-admission-wait", type=float, default=None,
+                   help="the same for --baseline-repo's proxy")
     p.add_argument("--retry-delay", type=float, default=0.05,
                    help="seconds a sender waits after a 503 before sending again")
     p.add_argument("--pods", type=int, default=5000)

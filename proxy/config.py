@@ -111,7 +111,11 @@ class ServerSettings(Section):
         "decoded size limit, read from the snappy/zstd header before decompressing; "
         "larger bodies get 413", gt=0)] = 64 * MiB
     max_concurrent_requests: Annotated[int, setting(
-        "requests processed at once; past it 503 + Retry-After (never queued)", gt=0)] = 64
+        "requests processed at once; past it a request waits up to admission_wait_seconds "
+        "for a slot (three per slot may wait), then 503 + Retry-After", gt=0)] = 64
+    admission_wait_seconds: Annotated[float, setting(
+        "how long a request that finds every slot taken waits for one, in arrival order, "
+        "with its body unread; 0: 503 at once", ge=0, le=30)] = 2.0
     max_inflight_bytes: Annotated[int, setting(
         "bytes of request bodies held at once (compressed + decoded); past it 503 + "
         "Retry-After; at least max_body_bytes", gt=0)] = 512 * MiB

@@ -33,6 +33,11 @@ send the body) gets the answer with ``Connection: close``: the connection half-c
 drops whatever else arrives without parsing it, and closes after ``LINGER_SECONDS`` (or
 when the sender closes first, as it does once it has read the answer).
 
+**Waiting.** When the hook answers ``Wait`` instead (every slot taken, a place in line
+free: ``proxy.admission``), the request goes to aiohttp as usual but the connection stops
+reading at once, so the body stays in the kernel while the handler waits for a slot;
+the handler says when it is done waiting (``admitted``) and the connection reads on.
+
 aiohttp has no hook for either, so the connection protocol is a subclass of its
 ``RequestHandler`` that watches ``data_received`` and wraps its parser.
 """
@@ -86,11 +91,23 @@ def canned(status: str, headers: Mapping[str, str], text: str) -> Canned:
 #: written to a connection whose headers ran out of time (no request to answer exists)
 RESPONSE_408 = canned("408 Request Timeout", {}, "request headers not received in time\n").close
 
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The shed hook's answer for a request that is to wait for a slot: aiohttp handles it,
+    and the connection reads nothing more until the handler says it was ``admitted`` (its
+    body stays in the kernel's buffers meanwhile). ``release`` gives back the place in line
+    the hook promised it, when the connection goes before its handler ever ran."""
+
+    release: Callable[[], None]
+
 #: told the peer address of each connection closed for its headers
 OnTimeout = Callable[[str], None]
 #: (method, path without the query, headers, peer address) of a parsed request -> the
-#: answer to write instead of handling it, or None to handle it
-Shed = Callable[[str, str, Any, str], Canned | None]
+#: answer to write instead of handling it, a ``Wait`` to handle it once the connection has
+#: stopped reading, or None to handle it
+Shed = Callable[[str, str, Any, str], Canned | Wait | None]
 
 
 def _peer(transport: asyncio.BaseTransport | None) -> str:
@@ -141,6 +158,9 @@ class _SheddingParser:
             answer = protocol.shed_answer(message)
             if answer is None:
                 break
+            if isinstance(answer, Wait):
+                protocol.hold(answer, payload)
+                break
             if not protocol.shed(message, payload, answer):
                 return [], False, b""  # closing: nothing after it is handled either
             messages = messages[1:]
@@ -151,8 +171,8 @@ class _SheddingParser:
 
 
 class _GuardedProtocol(RequestHandler):
-    __slots__ = ("_body", "_drain_deadline", "_drain_timer", "_header_timer", "_linger",
-                 "_shed_count", "_shedding", "_skipping")
+    __slots__ = ("_body", "_drain_deadline", "_drain_timer", "_header_timer", "_holding",
+                 "_linger", "_shed_count", "_shedding", "_skipping")
 
     def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -170,6 +190,9 @@ class _GuardedProtocol(RequestHandler):
         self._shed_count = 0
         #: the last parsed request's body: while it is incomplete, bytes are body bytes
         self._body: Any = None
+        #: reading paused while the request with this body waits for a slot (``hold`` /
+        #: ``admitted``), and its promise
+        self._holding: tuple[Wait, Any] | None = None
         if manager.shed is not None:
             self._parser = cast(Any, _SheddingParser(self._parser, self))
 
@@ -184,6 +207,11 @@ class _GuardedProtocol(RequestHandler):
                 timer.cancel()
         self._linger = self._drain_timer = None
         self._body = self._skipping = None
+        holding = self._holding
+        if holding is not None and any(p is holding[1] for _, p in self._messages):
+            # gone before aiohttp handed the request to the handler, which never will now
+            self._holding = None
+            holding[0].release()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -204,7 +232,17 @@ class _GuardedProtocol(RequestHandler):
 
     # -- shedding -------------------------------------------------------------------------
 
-    def shed_answer(self, message: Any) -> Canned | None:
+    def hold(self, wait: Wait, payload: Any) -> None:
+        """Stop reading while the request just parsed (its body ``payload``) waits for a
+        slot."""
+        self._holding = (wait, payload)
+        # the transport only, as aiohttp's flow control pauses it (the parser's own pause
+        # is for a body being parsed, and there may be none); the flag keeps aiohttp from
+        # resuming it when its message queue drains
+        self._reading_paused = True
+        self._pause_transport_reading()
+
+    def shed_answer(self, message: Any) -> Canned | Wait | None:
         server = self._manager
         if not isinstance(server, _GuardedServer) or server.shed is None or self._messages \
                 or not isinstance(getattr(message, "path", None), str):
@@ -313,6 +351,28 @@ class _GuardedProtocol(RequestHandler):
         server.on_timeout(_peer(self.transport))
         self.transport.write(RESPONSE_408)
         self.force_close()  # asyncio closes after the 408 is flushed
+
+
+def holding(request: web.BaseRequest) -> bool:
+    """Whether ``request`` came with a ``Wait`` (its connection not reading) that the
+    handler has not yet said it is done with."""
+    protocol = request.protocol
+    return isinstance(protocol, _GuardedProtocol) and protocol._holding is not None
+
+
+def admitted(request: web.BaseRequest) -> bool:
+    """The handler is done waiting for a slot for ``request`` (it holds one, or is refused):
+    the connection reads again if a ``Wait`` stopped it (aiohttp's own flow control pauses
+    it again if the body outruns the handler). True: it had (the handler still owns the
+    place in line its ``Wait`` promised)."""
+    protocol = request.protocol
+    if not isinstance(protocol, _GuardedProtocol) or protocol._holding is None:
+        return False
+    protocol._holding = None
+    protocol._reading_paused = False
+    if not protocol._buffer_paused:
+        protocol._resume_transport_reading()
+    return True
 
 
 class _GuardedServer(web.Server):

@@ -8,7 +8,9 @@ Every refusal is a 4xx or 5xx with a one-line message, a log line and a counter,
 nothing is allocated past the configured limits: the compressed body is read in chunks
 against ``max_body_bytes`` and the decoded size is taken from the body's own header
 before decompressing. Load is bounded by a request count and a byte budget; past either
-the answer is 503 with ``Retry-After`` at once (never a queue, never a 429 of our own).
+the answer is 503 with ``Retry-After`` (never a 429 of our own): at once for the bytes,
+and for a slot after at most ``admission_wait_seconds`` in line for one
+(``proxy.admission``), with the body unread meanwhile.
 
 Admission is decided on the headers alone, before a byte of the body is read: a refused
 request is answered with ``Connection: close``, so its body is never parsed into the
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
+from proxy.admission import Outcome, Slots
 from proxy.compression import (
     DecodeError,
     SnappyPart,
@@ -45,7 +48,7 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import ServerSettings
-from proxy.connection_guard import Canned, canned, skippable
+from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Answer, Outgoing, Upstream
@@ -196,22 +199,11 @@ def declared_decoded_size(body: bytes, encoding: str) -> int | None:
 
 
 class LoadBudget:
-    """Requests and bytes held at once; ``try_*`` never waits, so nothing queues."""
+    """Bytes held at once; ``try_reserve`` never waits."""
 
-    def __init__(self, max_requests: int, max_bytes: int) -> None:
-        self.max_requests = max_requests
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.requests = 0
         self.bytes = 0
-
-    def try_enter(self) -> bool:
-        if self.requests >= self.max_requests:
-            return False
-        self.requests += 1
-        return True
-
-    def leave(self) -> None:
-        self.requests -= 1
 
     def try_reserve(self, n: int) -> bool:
         if self.bytes + n > self.max_bytes:
@@ -222,6 +214,12 @@ class LoadBudget:
     def release(self, n: int) -> None:
         self.bytes -= n
 
+
+#: requests that may wait for a slot, per slot (past them: 503 at once). Three: at 4x more
+#: connections than slots every fast-retrying sender has a place to wait in, and the
+#: overload bench's 503s/s at 4x fell from ~1,100 to ~40 (one per slot left ~1,200);
+#: a waiter holds a connection, its headers and what arrived with them (docs/operations.md)
+WAITERS_PER_SLOT = 3
 
 OVERLOAD_MESSAGE = "overloaded: too many requests in flight"
 #: the whole answer when every slot is taken, written by ``proxy.connection_guard`` as
@@ -260,6 +258,14 @@ class _Refusal(Exception):
         self.headers = dict(headers or {})
 
 
+def _socket_fd(request: web.Request) -> int:
+    """The connection's socket descriptor, for ``Slots.enter`` to notice a sender that
+    goes away while waiting (-1: none)."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock.fileno() if sock is not None else -1
+
+
 def _text(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.Response(status=status, text=message + "\n", headers=headers)
 
@@ -278,7 +284,12 @@ class RemoteWriteHandler:
         self.enricher = enricher
         self.upstream = upstream
         self.metrics = metrics
-        self.budget = LoadBudget(settings.max_concurrent_requests, settings.max_inflight_bytes)
+        self.budget = LoadBudget(settings.max_inflight_bytes)
+        #: request slots, and requests that may wait for one (proxy.admission)
+        self.slots = Slots(settings.max_concurrent_requests,
+                           settings.max_concurrent_requests * WAITERS_PER_SLOT,
+                           settings.admission_wait_seconds)
+        self._wait = Wait(self.slots.unpromise)
         self.workers = worker_count(settings.worker_threads)
         self._overload_rejected = metrics.rejected.labels("overload")
         #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
@@ -315,6 +326,8 @@ class RemoteWriteHandler:
             response = await self._within_budget(request, protocol, encoding)
         except _Refusal as r:
             response = self._refuse(request, r)
+        finally:
+            self._unhold(request)
         # the route, not the path: one series per tenant path template, not per tenant
         route = request.match_info.route.resource
         path = route.canonical if route is not None else request.path
@@ -333,21 +346,33 @@ class RemoteWriteHandler:
             self.metrics.rejected.labels("expectation").inc()
             response = _text(417, f"unsupported Expect {expect!r}: only 100-continue")
             response.force_close()
+            self._unhold(request)
             return response
         return None
 
+    def _unhold(self, request: web.Request) -> None:
+        """A request refused before it waited its turn: its connection reads again (to skip
+        its body, or the next request) and its promised place is given back."""
+        if admitted(request):
+            self.slots.unpromise()
+
     def shed(self, method: str, path: str, headers: Mapping[str, str], remote: str
-             ) -> Canned | None:
+             ) -> Canned | Wait | None:
         """The whole answer to a remote write refused for overload on its headers, before
-        aiohttp makes a request of it (``proxy.connection_guard``); None: handle it.
+        aiohttp makes a request of it (``proxy.connection_guard``); a ``Wait``: handle it,
+        it waits for a slot with the connection not reading, its place in line promised;
+        None: handle it.
 
         Only the slot check is made here, the one that fails by the hundreds per second
         under overload; every other refusal stays in ``handle``."""
-        if self.budget.requests < self.budget.max_requests or method != "POST":
+        if not self.slots.full() or method != "POST":
             return None
         route = write_route(path)
         if route is None:
             return None
+        if self.slots.may_wait():
+            self.slots.promise()
+            return self._wait
         content_type = headers.get("Content-Type", "")
         counter = self._shed_counters.get((route, content_type))
         if counter is None:
@@ -436,16 +461,22 @@ class RemoteWriteHandler:
         if length is not None and length > s.max_body_bytes:
             raise _Refusal(413, f"request body of {length} bytes exceeds the limit of "
                            f"{s.max_body_bytes} bytes", counter="reject", kind="too_large")
-        if not self.budget.try_enter():
-            raise _Refusal(503, OVERLOAD_MESSAGE, counter="reject",
-                           kind="overload", headers={"Retry-After": RETRY_AFTER})
+        outcome = await self.slots.enter(_socket_fd(request), promised=holding(request))
+        admitted(request)
+        if outcome is not Outcome.ADMITTED:
+            # GONE: the sender closed while waiting, so this answer goes nowhere; counted
+            # and logged as the overload refusal it was
+            raise _Refusal(503, OVERLOAD_MESSAGE if outcome is Outcome.REFUSED
+                           else "overloaded: the sender left while waiting for a slot",
+                           counter="reject", kind="overload",
+                           headers={"Retry-After": RETRY_AFTER})
         held = _Held()
         self.metrics.inflight.inc()
         try:
             body = await self._read_body(request, held)
             return await self._process(request, protocol, encoding, body, held)
         finally:
-            self.budget.leave()
+            self.slots.leave()
             self.metrics.inflight.dec()
             self.budget.release(held.bytes)
             self.metrics.inflight_bytes.dec(held.bytes)

@@ -6,16 +6,24 @@ settings so each test takes a second or two."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import sys
+import termios
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import snappy
 
+from proxy.admission import Outcome, Slots
 from proxy.connection_guard import DRAIN_MAX_BYTES, LINGER_SECONDS
+from proxy.handler import WAITERS_PER_SLOT
 from proxy.runtime import Proxy
 from tests.scripted import Reply, ScriptedUpstream
-from tests.test_handler import CT_V1, proxy_running, series_v1
+from tests.test_handler import CT_V1, proxy_running, series_v1, start_proxy
 
 HEAD = ("POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: {CT_V1}\r\nContent-Encoding: snappy\r\n")
@@ -114,7 +122,7 @@ async def test_declared_length_trickled_is_408_too_slow_and_frees_the_slots(
         tmp_path: Path) -> None:
     async with (
         ScriptedUpstream() as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=4,
+        proxy_running(tmp_path, up, max_concurrent_requests=4, admission_wait_seconds=0.0,
                       body_read_timeout_seconds=20.0, min_body_bytes_per_second=1000) as p,
     ):
         stalled = []
@@ -198,7 +206,8 @@ async def test_idle_keep_alive_and_slow_bodies_are_not_header_timeouts(tmp_path:
 async def test_no_100_continue_for_a_request_that_is_refused(tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=1.0)) as up,
-        proxy_running(tmp_path, up, max_body_bytes=10_000, max_concurrent_requests=1) as p,
+        proxy_running(tmp_path, up, max_body_bytes=10_000, max_concurrent_requests=1,
+                      admission_wait_seconds=0.0) as p,
     ):
         expect = "Expect: 100-continue\r\n"
         r, w = await connect(p)  # over the limit: 413 at once, never 100
@@ -236,7 +245,7 @@ async def test_a_refusal_closes_the_connection_instead_of_reading_a_big_body(
         tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=1.0)) as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
         holder = asyncio.create_task(post(p))
         await asyncio.sleep(0.3)
@@ -257,7 +266,7 @@ async def test_a_refusal_closes_the_connection_instead_of_reading_a_big_body(
 async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=1.0)) as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
         holder = asyncio.create_task(post(p))
         await asyncio.sleep(0.3)
@@ -299,7 +308,7 @@ async def test_a_refused_connection_stays_open_and_serves_the_next_request(
         tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=1.0), Reply(204)) as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
         holder = await holding_the_slot(p)
         held = metric(p, "karta_proxy_inflight_bytes")  # the holder's own
@@ -324,7 +333,7 @@ async def test_pipelined_refusals_skip_their_bodies_without_desyncing(tmp_path: 
     inner = request(BODY)
     async with (
         ScriptedUpstream(Reply(204, delay=1.0), Reply(204)) as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
         holder = await holding_the_slot(p)
         r, w = await connect(p)
@@ -349,7 +358,7 @@ async def test_pipelined_refusals_skip_their_bodies_without_desyncing(tmp_path: 
 async def test_a_refused_body_that_stalls_is_closed(tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=2.0)) as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=1,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0,
                       header_read_timeout_seconds=0.5) as p,
     ):
         holder = await holding_the_slot(p)
@@ -377,11 +386,8 @@ async def test_refusals_that_cannot_be_skipped_close_the_connection(tmp_path: Pa
         HEAD + f"Connection: close\r\nContent-Length: {len(BODY)}\r\n\r\n",
         HEAD.replace("HTTP/1.1", "HTTP/1.0") + f"Content-Length: {len(BODY)}\r\n\r\n",
     ]
-    async with (
-        ScriptedUpstream(Reply(204, delay=1.0)) as up,
-        proxy_running(tmp_path, up, max_concurrent_requests=1) as p,
-    ):
-        holder = await holding_the_slot(p)
+    async with slot_taken(tmp_path, delay=1.0, wait=0.0) as t:
+        p, holder = t.proxy, t.holder
         for head in heads:
             r, w = await connect(p)
             w.write(head.encode())
@@ -411,3 +417,178 @@ async def test_an_overload_refusal_past_the_headers_keeps_a_skippable_connection
         assert ok.status == 204, ok
         assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 1
     assert len(up.received) == 1
+
+
+# -- waiting for a slot (server.admission_wait_seconds) ---------------------------------
+
+
+def unread(p: Proxy) -> int:
+    """Bytes in the kernel's receive queue of the one waiting request's socket: what the
+    proxy has not read of it."""
+    (waiter,) = p.handler.slots._waiters
+    buf = bytearray(4)
+    fcntl.ioctl(waiter.fd, termios.FIONREAD, buf)
+    return int.from_bytes(buf, sys.byteorder)
+
+
+async def waiting(p: Proxy, n: int = 1) -> None:
+    for _ in range(100):
+        if p.handler.slots.waiting == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{p.handler.slots.waiting} waiting, expected {n}")
+
+
+@dataclass
+class SlotTaken:
+    """A proxy with one slot, held by ``holder`` for the upstream's ``delay``."""
+
+    proxy: Proxy
+    upstream: ScriptedUpstream
+    holder: asyncio.Task[Answer]
+
+
+@contextlib.asynccontextmanager
+async def slot_taken(tmp_path: Path, *, delay: float, wait: float, **server: Any
+                     ) -> AsyncIterator[SlotTaken]:
+    async with (
+        ScriptedUpstream(Reply(204, delay=delay)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=wait,
+                      **server) as p,
+    ):
+        yield SlotTaken(p, up, await holding_the_slot(p))
+
+
+async def test_a_request_finding_the_slots_full_waits_with_its_body_unread_and_is_served(
+        tmp_path: Path) -> None:
+    async with slot_taken(tmp_path, delay=0.6, wait=3.0, body_read_timeout_seconds=0.3) as t:
+        p, up, holder = t.proxy, t.upstream, t.holder
+        held = p.handler.budget.bytes
+        body = snappy.compress(series_v1(*({"__name__": "up", "job": f"j{i}"}
+                                           for i in range(2000))))
+        r, w = await connect(p)
+        started = time.monotonic()
+        w.write((HEAD + f"Content-Length: {len(body)}\r\n\r\n").encode())
+        await waiting(p)
+        w.write(body)
+        await asyncio.sleep(0.2)
+        # nothing of the body read (it is all in the kernel) nor budgeted
+        assert unread(p) == len(body)
+        assert p.handler.budget.bytes == held
+        answer = await read_answer(r)
+        waited = time.monotonic() - started
+        w.close()
+        assert (await holder).status == 204
+        # served once the slot freed; the wait (longer than the body deadline) is not
+        # counted against the body
+        assert answer.status == 204 and waited > 0.3
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 0
+    assert len(up.received) == 2
+
+
+async def test_a_request_that_waits_past_the_bound_gets_503_and_keeps_its_connection(
+        tmp_path: Path) -> None:
+    async with slot_taken(tmp_path, delay=1.5, wait=0.3) as t:
+        p, holder = t.proxy, t.holder
+        r, w = await connect(p)
+        started = time.monotonic()
+        w.write(request())
+        busy = await read_answer(r)
+        waited = time.monotonic() - started
+        assert busy.status == 503 and busy.headers["retry-after"] == "1"
+        assert 0.25 < waited < 1.2 and "connection" not in busy.headers
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 1
+        assert (await holder).status == 204
+        w.write(request())  # the same connection, its refused body skipped
+        assert (await read_answer(r)).status == 204
+        w.close()
+
+
+async def test_waiters_beyond_the_cap_are_refused_at_once(tmp_path: Path) -> None:
+    async with slot_taken(tmp_path, delay=0.8, wait=5.0) as t:
+        p, holder = t.proxy, t.holder
+        waiters = []
+        for n in range(1, WAITERS_PER_SLOT + 1):
+            waiters.append(asyncio.create_task(post(p)))
+            await waiting(p, n)
+        started = time.monotonic()
+        extra = await post(p)  # one slot: every place in line taken
+        assert extra.status == 503 and extra.headers["retry-after"] == "1"
+        assert time.monotonic() - started < 0.3
+        assert (await holder).status == 204
+        assert [(await w).status for w in waiters] == [204] * WAITERS_PER_SLOT
+        assert p.handler.slots.waiting == 0 and p.handler.slots.requests == 0
+
+
+async def test_a_waiter_whose_sender_leaves_gives_up_its_place(tmp_path: Path) -> None:
+    async with slot_taken(tmp_path, delay=1.0, wait=5.0) as t:
+        p, up, holder = t.proxy, t.upstream, t.holder
+        _, w = await connect(p)
+        w.write(request())
+        await waiting(p)
+        w.close()
+        await waiting(p, 0)  # noticed while the connection reads nothing
+        assert (await post(p)).status == 204  # waited, then served
+        assert (await holder).status == 204
+    assert len(up.received) == 2  # the one that left was never forwarded
+
+
+async def test_stopping_with_a_waiter_does_not_hang(tmp_path: Path) -> None:
+    async with ScriptedUpstream(Reply(204, delay=0.5)) as up:
+        p = await start_proxy(tmp_path, up, max_concurrent_requests=1,
+                              admission_wait_seconds=20.0)
+        stopped = False
+        try:
+            holder = await holding_the_slot(p)
+            waiter = asyncio.create_task(post(p))
+            await waiting(p)
+            started = time.monotonic()
+            await asyncio.wait_for(p.stop(), 5.0)
+            stopped = True
+            assert time.monotonic() - started < 3.0
+            assert (await holder).status == 204
+            assert (await asyncio.wait_for(waiter, 5.0)).status in (204, 503)
+        finally:
+            if not stopped:
+                await p.stop()
+
+
+async def test_slots_go_to_waiters_in_arrival_order_and_a_cancelled_one_passes_it_on(
+        ) -> None:
+    slots = Slots(1, 3, 5.0)
+    assert slots.try_enter()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        assert await slots.enter() is Outcome.ADMITTED
+        order.append(name)
+
+    tasks = {n: asyncio.create_task(wait(n)) for n in "abc"}
+    await asyncio.sleep(0)
+    assert slots.waiting == 3 and not slots.may_wait()
+    assert not slots.try_enter()
+    slots.leave()  # to a, whose task is cancelled before it runs: on to b
+    tasks["a"].cancel()
+    await asyncio.sleep(0.01)
+    assert order == ["b"] and slots.requests == 1
+    slots.leave()
+    await asyncio.sleep(0.01)
+    assert order == ["b", "c"]
+    slots.leave()
+    assert slots.requests == 0 and slots.waiting == 0
+    assert await Slots(1, 1, 0.05).enter() is Outcome.ADMITTED
+    full = Slots(1, 1, 0.05)
+    full.try_enter()
+    assert await full.enter() is Outcome.REFUSED and full.waiting == 0
+    promised = Slots(1, 1, 5.0)
+    promised.try_enter()
+    promised.promise()  # the one place, promised on the headers: nobody else may wait
+    assert not promised.may_wait() and await promised.enter() is Outcome.REFUSED
+    waits = asyncio.create_task(promised.enter(promised=True))
+    await asyncio.sleep(0)
+    assert promised.waiting == 1 and promised.promised == 0
+    promised.leave()
+    assert await waits is Outcome.ADMITTED
+    no_wait = Slots(1, 1, 0.0)
+    no_wait.try_enter()
+    assert not no_wait.may_wait() and await no_wait.enter() is Outcome.REFUSED

@@ -401,7 +401,8 @@ async def test_overload_is_503_with_retry_after_never_a_queue(tmp_path: Path) ->
     async with (
         ScriptedUpstream(Reply(204, delay=0.5)) as up,
         aiohttp.ClientSession() as session,
-        proxy_running(tmp_path, up, max_concurrent_requests=2) as p,
+        proxy_running(tmp_path, up, max_concurrent_requests=2,
+                      admission_wait_seconds=0.0) as p,
     ):
         url = f"http://127.0.0.1:{p.port}/api/v1/write"
         body = snappy.compress(series_v1({"__name__": "up"}))
