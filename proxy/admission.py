@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 #: how often the waiters' sockets are checked for a sender that went away
 SWEEP_SECONDS = 0.1
-_GONE = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+#: the peer closed (``POLLRDHUP`` is Linux's; elsewhere only a reset is seen)
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+_GONE = _RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class Outcome(enum.Enum):
@@ -138,7 +140,7 @@ class Slots:
             return
         poller = select.poll()
         for w in polled:
-            poller.register(w.fd, select.POLLRDHUP)
+            poller.register(w.fd, _RDHUP)
         gone = {fd for fd, events in poller.poll(0) if events & _GONE}
         for w in polled:
             if w.fd in gone:
