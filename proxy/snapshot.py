@@ -699,7 +699,9 @@ class SnapshotSource:
         self._content = content.compact()
         del content
         self.index.apply(self.report.changes)
-        memory.trim()  # the objects' texts are freed: not the process' RSS from now on
+        # the objects' texts are freed, the engine's records long-lived: out of the cyclic
+        # collector's view and the freed heap handed back (proxy.memory.settle)
+        memory.settle()
         self.index.ready = True
         self.index.mark_fresh(FRESHNESS_RESOURCE)
         log_report(self.report)
@@ -727,10 +729,10 @@ class SnapshotSource:
         report = apply_content(content, self.engine, previous=self._content)
         self._content = content.compact()
         del content
-        memory.trim()
         self.report = report
         self.reloads += 1
         self.index.apply(report.changes)
+        memory.settle()
         self.index.mark_fresh(FRESHNESS_RESOURCE)
         log_report(report, reload=True)
         return report

@@ -58,3 +58,33 @@ def test_arenas_are_capped_unless_the_operator_chose() -> None:
     theirs = subprocess.run([sys.executable, "-c", code], env={**env, "MALLOC_ARENA_MAX": "4"},
                             capture_output=True, text=True, timeout=60, check=True)
     assert theirs.stdout.strip() == "False"
+
+
+class _Node:
+    """A container the cyclic collector tracks (and can hold in a cycle)."""
+
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def test_settle_freezes_what_is_alive_and_frees_old_cycles() -> None:
+    """What a load leaves alive is out of every later collection's walk; a cycle that
+    was garbage before is still freed by the settle's one collection, even one that an
+    earlier settle had frozen (a reload's replaced objects)."""
+    import gc
+    import weakref
+
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a  # a cycle: reference counting alone never frees it
+    gone = weakref.ref(a)
+    memory.settle()  # frozen while alive
+    try:
+        kept = _Node()
+        memory.settle()
+        assert gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects()), "still walked by gc"
+        del a, b
+        memory.settle()
+        assert gone() is None, "a frozen cycle that became garbage was not freed"
+    finally:
+        gc.unfreeze()

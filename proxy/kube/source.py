@@ -163,14 +163,10 @@ class KubeSource:
             if not self._kinds_changed.is_set():
                 break
         self.index.ready = True
-        # The index and engine are now a large, long-lived heap: move it out of the
-        # cyclic collector's view, or every full collection walks millions of objects and
-        # stalls the event loop for hundreds of milliseconds under churn. gc.freeze() is
-        # process-wide: what the rest of the process holds now is frozen as well.
-        gc.unfreeze()  # frozen piecewise during the sync (see _apply): one full pass
-        gc.collect()
-        gc.freeze()
-        memory.trim()  # the sync's freed list pages: not the process' RSS from now on
+        # The index and engine are now a large, long-lived heap, frozen piecewise during
+        # the sync (see _apply): one full pass over it, frozen whole, the freed list
+        # pages handed back (proxy.memory.settle)
+        memory.settle()
         log.info("cluster index ready: %d pods, %d watches", len(self.index.pods),
                  sum(len(ws) for _, ws in self.watchers.values()))
 
