@@ -138,7 +138,8 @@ class _Parts:
     layout_converted: bool
     incoming: Mapping[str, str]
     url: str
-    #: a part went out as RW 1.0 made from RW 2.0 (the layout was, or a part was converted)
+    #: a part went out as RW 1.0 made from RW 2.0 (the layout was, or a part was converted
+    #: on the way): every part sent says so in its own flag, which :meth:`add` gathers
     converted: bool = False
     #: parts answered
     sent: int = 0
@@ -603,7 +604,7 @@ class Upstream:
                  "at series boundaries", extra={
                      "upstream_url": self.url, "bytes": len(sent.encoded),
                      "decoded_bytes": len(lay.raw), "series": len(lay.series)})
-        parts = _Parts(lay, sent.encoding, sent.converted, incoming, url, sent.converted)
+        parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
         await self._send_halves(parts, 0, len(lay.series), 1)
         result = "stored"
         if parts.retry is not None or parts.refused is not None:
