@@ -130,10 +130,10 @@ class Enricher:
         splicer.table = self.table
         self._splicer, self.plan = splicer, plan
 
-    def enrich_v1(self, raw: bytes) -> SpliceResult:
+    def enrich_v1(self, raw: bytes | memoryview) -> SpliceResult:
         return self._splicer.splice_v1(raw)
 
-    def enrich_v2(self, raw: bytes) -> SpliceResult:
+    def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult:
         return self._splicer.splice_v2(raw)
 
     def _refresh(self, keys: Collection[tuple[bytes, bytes]]) -> None:

@@ -176,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from proxy.runtime import serve
 
     memory.limit_arenas()  # before any thread starts (proxy.memory)
+    memory.keep_request_buffers()
     setup_logging(settings.log_level, settings.log_format)
     try:
         # a reload reads the file again and puts the same flags on top

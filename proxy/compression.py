@@ -12,6 +12,7 @@ receiver must answer 415 to an encoding it does not support, so a missing or ``i
 
 from __future__ import annotations
 
+import threading
 import typing
 from collections.abc import Sequence
 
@@ -55,8 +56,49 @@ def normalize_encoding(encoding: str) -> str:
     return encoding.strip().lower()
 
 
+class _Scratch(threading.local):
+    """This thread's reusable snappy buffers.
+
+    cramjam's allocating calls zero a fresh buffer (the decoded size, or the worst-case
+    compressed size) and python-snappy copies the result once more into ``bytes``: ~0.4 ms
+    of a 2,000-series request's 3 ms of snappy work, on every request (perf: memset and
+    memmove, 16% of a splice worker's CPU). Decoding into and encoding from buffers a
+    thread keeps skips both.
+    """
+
+    def __init__(self) -> None:
+        self.decoded = bytearray()
+        self.encoded = bytearray()
+
+
+_SCRATCH = _Scratch()
+#: the largest block a thread decodes or encodes through its scratch buffers; bigger ones
+#: are allocated per call, so a thread keeps at most this much per buffer
+SCRATCH_BYTES = 8 << 20
+
+
+def _scratch(buf: bytearray, n: int) -> bytearray:
+    if len(buf) < n:
+        buf.extend(bytes(n - len(buf)))
+    return buf
+
+
 def decompress(body: bytes, encoding: str, *, max_decoded: int) -> bytes:
     """Decode a request body; raises :class:`DecodeError` (400, 413 or 415)."""
+    out = _decode(body, encoding, max_decoded, scratch=False)
+    assert isinstance(out, bytes)
+    return out
+
+
+def decompress_scratch(body: bytes, encoding: str, *, max_decoded: int) -> bytes | memoryview:
+    """:func:`decompress`, but a snappy body is decoded into this thread's reusable buffer:
+    the view returned is valid only until the thread's next call. For a caller done with
+    it by then (the splice copies whatever it keeps, an untouched body included)."""
+    return _decode(body, encoding, max_decoded, scratch=True)
+
+
+def _decode(body: bytes, encoding: str, max_decoded: int, *, scratch: bool
+            ) -> bytes | memoryview:
     enc = normalize_encoding(encoding)
     if enc not in SUPPORTED_ENCODINGS:
         shown = enc or "none"
@@ -68,7 +110,7 @@ def decompress(body: bytes, encoding: str, *, max_decoded: int) -> bytes:
     if not body:
         raise DecodeError("empty_body", 400, "empty request body")
     if enc == "snappy":
-        return _snappy_decompress(body, max_decoded)
+        return _snappy_decompress(body, max_decoded, scratch)
     return _zstd_decompress(body, max_decoded)
 
 
@@ -76,8 +118,14 @@ def compress(data: bytes, encoding: str) -> bytes:
     """Encode a body for the upstream (snappy block format or zstd)."""
     enc = normalize_encoding(encoding)
     if enc == "snappy":
-        out: bytes = snappy.compress(data)
-        return out
+        bound = cramjam.snappy.compress_raw_max_len(data)
+        if bound > SCRATCH_BYTES:
+            out: bytes = snappy.compress(data)
+            return out
+        buf = _scratch(_SCRATCH.encoded, bound)
+        n = cramjam.snappy.compress_raw_into(data, buf)
+        with memoryview(buf) as view:
+            return bytes(view[:n])
     if enc == "zstd":
         return bytes(cramjam.zstd.compress(data, level=1))
     raise ValueError(f"unsupported encoding {encoding!r}")
@@ -145,12 +193,18 @@ def snappy_declared_length(body: bytes) -> int:
 _SNAPPY_ERRORS = (snappy.UncompressError, cramjam.DecompressionError)
 
 
-def _snappy_decompress(body: bytes, max_decoded: int) -> bytes:
+def _snappy_decompress(body: bytes, max_decoded: int, scratch: bool = False
+                       ) -> bytes | memoryview:
     declared = snappy_declared_length(body)
     if declared > max_decoded:
         raise _too_large(declared, max_decoded)
     try:
-        out: bytes = snappy.uncompress(body)
+        if scratch and declared <= SCRATCH_BYTES:
+            buf = _scratch(_SCRATCH.decoded, declared)
+            n = cramjam.snappy.decompress_raw_into(body, buf)
+            out: bytes | memoryview = memoryview(buf)[:n]
+        else:
+            out = snappy.uncompress(body)
     except _SNAPPY_ERRORS as exc:
         detail = str(exc) or type(exc).__name__
         raise DecodeError("snappy_corrupt", 400, f"corrupt snappy block: {detail}") from None

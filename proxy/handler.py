@@ -41,7 +41,7 @@ from proxy.admission import Outcome, Slots
 from proxy.compression import (
     DecodeError,
     SnappyPart,
-    decompress,
+    decompress_scratch,
     join_snappy,
     snappy_declared_length,
     snappy_part,
@@ -99,9 +99,9 @@ class Enriching(typing.Protocol):
     """What the handler needs of ``proxy.attribution.Enricher`` (called from worker
     threads)."""
 
-    def enrich_v1(self, raw: bytes) -> SpliceResult: ...
+    def enrich_v1(self, raw: bytes | memoryview) -> SpliceResult: ...
 
-    def enrich_v2(self, raw: bytes) -> SpliceResult: ...
+    def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult: ...
 
 
 def protocol_from_content_type(ct: str) -> Protocol:
@@ -156,7 +156,8 @@ class Prepared:
     outgoing: Outgoing
 
 
-def splice_in_parts(raw: bytes, cuts: list[int], enrich: Callable[[bytes], SpliceResult],
+def splice_in_parts(raw: bytes | memoryview, cuts: list[int],
+                    enrich: Callable[[bytes | memoryview], SpliceResult],
                     pool: Executor) -> tuple[SpliceResult, bytes]:
     """An RW 1.0 request spliced and snappy-compressed in parts at once (cut at ``cuts``,
     from ``split_v1``), the first part in this thread, the others in ``pool``; the parts'
@@ -584,7 +585,9 @@ class RemoteWriteHandler:
     def _prepare(self, body: bytes, encoding: str, protocol: Protocol, parts: int = 1
                  ) -> Prepared:
         """The worker-thread part of a request: decompress, splice, convert, compress."""
-        raw = decompress(body, encoding, max_decoded=self.settings.max_decoded_bytes)
+        # the splice copies what it keeps (an untouched body included), so the body may be
+        # decoded into the thread's scratch buffer (proxy.compression._Scratch)
+        raw = decompress_scratch(body, encoding, max_decoded=self.settings.max_decoded_bytes)
         cuts = split_v1(raw, parts) if parts > 1 else []
         if cuts:
             assert self._parts is not None

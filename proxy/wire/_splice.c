@@ -645,8 +645,18 @@ typedef struct {
     uint32_t nlabels;
     uint32_t fields_len;
     uint32_t labels_off; /* offset of the StampLabel array in data */
-    uint8_t data[];      /* ns, pod, fields, padding, StampLabel[nlabels] */
+    /* the first and the last stamp name (offsets in data): where an RW 1.0 stamp goes in
+     * is decided from the entry's hot part alone, without its StampLabel array */
+    uint32_t first_off, first_len, last_off, last_len;
+    uint8_t data[];      /* ns, pod, fields (the hot part), padding, StampLabel[nlabels] */
 } Entry;
+
+/* Entries are cache-line aligned, so an RW 1.0 lookup reads exactly the lines of the
+ * entry's hot part: header, key and fields (~5 lines at real stamps, where the whole
+ * entry with its StampLabel array is ~8). */
+#define LINE 64
+#define ENTRY_HOT_LINES(en) \
+    ((sizeof(Entry) + (size_t)(en)->ns_len + (en)->pod_len + (en)->fields_len + LINE - 1) / LINE)
 
 #define STAMP_KARTA (-2)
 
@@ -893,7 +903,8 @@ entry_new(PodTable *t, PyObject *nso, PyObject *podo, PyObject *answer)
 build:;
     size_t head = (size_t)nsl + (size_t)podl + fields_len;
     size_t labels_off = (head + 7) & ~(size_t)7;
-    Entry *en = malloc(sizeof(Entry) + labels_off + (size_t)nl * sizeof(StampLabel));
+    size_t total = sizeof(Entry) + labels_off + (size_t)nl * sizeof(StampLabel);
+    Entry *en = aligned_alloc(LINE, (total + LINE - 1) / LINE * LINE);
     if (en == NULL) {
         Py_XDECREF(labels);
         PyErr_NoMemory();
@@ -906,6 +917,7 @@ build:;
     en->nlabels = (uint32_t)nl;
     en->fields_len = (uint32_t)fields_len;
     en->labels_off = (uint32_t)labels_off;
+    en->first_off = en->first_len = en->last_off = en->last_len = 0;
     memcpy(en->data, ns, (size_t)nsl);
     memcpy(en->data + nsl, pod, (size_t)podl);
     uint8_t *f = en->data + nsl + podl;
@@ -935,6 +947,12 @@ build:;
         sl[i].field_len = (uint32_t)(off - start);
         sl[i].name_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(nb), n, V2_SEED);
         sl[i].value_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(vb), v, V2_SEED);
+        if (i == 0) {
+            en->first_off = sl[i].name_off;
+            en->first_len = sl[i].name_len;
+        }
+        en->last_off = sl[i].name_off;
+        en->last_len = sl[i].name_len;
         if (i == 0 && reason == -1)
             en->reason = STAMP_KARTA;
         if (!is_karta(en->data + sl[i].name_off, n))
@@ -1978,9 +1996,8 @@ stamp_position(const Lab *labs, size_t n, const Entry *en, int plain)
 {
     if (!plain)
         return NO_POSITION;
-    const StampLabel *sl = ENTRY_LABELS(en);
-    const uint8_t *first = en->data + sl[0].name_off, *last = en->data + sl[en->nlabels - 1].name_off;
-    size_t fn = sl[0].name_len, ln = sl[en->nlabels - 1].name_len;
+    const uint8_t *first = en->data + en->first_off, *last = en->data + en->last_off;
+    size_t fn = en->first_len, ln = en->last_len;
     size_t i = n;
     while (i > 0 && str_cmp(labs[i - 1].name, labs[i - 1].nlen, first, fn) > 0)
         i--; /* from the end: the stamp's karta_ names sort before namespace, pod, ... */
@@ -2102,7 +2119,7 @@ check_exemplar_v1(const uint8_t *raw, size_t p, size_t end, Err *e)
  * and its entry prefetched (stage B), and LEAD series after that it is looked up and
  * spliced (stage C). Output order is the input order: stage C runs in series order. */
 #define LEAD 4
-#define PIPE (2 * LEAD + 1)
+#define PIPE (3 * LEAD + 1)
 
 typedef struct {
     size_t start, s, q, lead_end;
@@ -2111,6 +2128,7 @@ typedef struct {
     int reason;   /* after stage A: -2 look the pod up; -1 attributed as it is; >= 0 a reason */
     Str ns, pod;
     uint64_t hash;
+    const Entry *cand; /* stage B's entry of a matching hash (its first line prefetched) */
 } Pending;
 
 /* Stage A: walk one series (labels, counts, UTF-8, the plan's slots) and choose its pod. */
@@ -2247,10 +2265,12 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
     return !e->kind;
 }
 
-/* Stage B: read the slot (prefetched) and prefetch the entry it points at. */
+/* Stage B: read the slot (prefetched) and prefetch the first line of the entry it points
+ * at; stage B2 reads that line's lengths and prefetches the rest of the hot part. */
 static inline void
-probe_v1(const PodTable *t, const Pending *P)
+probe_v1(const PodTable *t, Pending *P)
 {
+    P->cand = NULL;
     if (P->reason != -2 || t->cap == 0)
         return;
     size_t mask = t->cap - 1;
@@ -2259,13 +2279,22 @@ probe_v1(const PodTable *t, const Pending *P)
         if (sl->entry == NULL)
             return;
         if (sl->hash == P->hash && sl->entry != TOMB) {
-            const uint8_t *en = (const uint8_t *)sl->entry;
-            __builtin_prefetch(en);
-            __builtin_prefetch(en + 64);
-            __builtin_prefetch(en + 128);
+            P->cand = sl->entry;
+            __builtin_prefetch(sl->entry);
             return;
         }
     }
+}
+
+static inline void
+probe2_v1(const Pending *P)
+{
+    if (P->cand == NULL)
+        return;
+    const uint8_t *en = (const uint8_t *)P->cand;
+    size_t lines = ENTRY_HOT_LINES(P->cand);
+    for (size_t k = 1; k < lines; k++)
+        __builtin_prefetch(en + LINE * k);
 }
 
 /* Emit a series with new labels: its head, the Label fields m[0..mn), then every other
@@ -2475,7 +2504,9 @@ walk_v1(Req *r, size_t n)
         parsed++;
         if (parsed > LEAD)
             probe_v1(r->table, &ring[(parsed - 1 - LEAD) % PIPE]);
-        if (parsed > 2 * LEAD) {
+        if (parsed > 2 * LEAD)
+            probe2_v1(&ring[(parsed - 1 - 2 * LEAD) % PIPE]);
+        if (parsed > 3 * LEAD) {
             finish_v1(r, &ring[done % PIPE]);
             done++;
             if (oom(r))

@@ -94,25 +94,25 @@ class Splicer:
             self._compiled = None
             self.table = PodTable()
 
-    def splice_v1(self, raw: bytes) -> SpliceResult:
+    def splice_v1(self, raw: bytes | memoryview) -> SpliceResult:
         if self._compiled is None:
-            return _py_v1.splice_v1(raw, self.plan, self.table)
+            return _py_v1.splice_v1(bytes(raw), self.plan, self.table)
         assert _native is not None
         return _result(_native.splice_v1(raw, self._compiled, self.table))
 
-    def splice_v2(self, raw: bytes) -> SpliceResult:
+    def splice_v2(self, raw: bytes | memoryview) -> SpliceResult:
         if self._compiled is None:
-            return _py_v2.splice_v2(raw, self.plan, self.table)
+            return _py_v2.splice_v2(bytes(raw), self.plan, self.table)
         assert _native is not None
         return _result(_native.splice_v2(raw, self._compiled, self.table))
 
 
-def split_v1(raw: bytes, pieces: int) -> list[int]:
+def split_v1(raw: bytes | memoryview, pieces: int) -> list[int]:
     """Where an RW 1.0 request can be cut into ``pieces`` parts spliced apart
     (:func:`proxy.wire.splice_v1.split_points`; the same cuts from either implementation,
     so either may split for a splicer of the other)."""
     if _native is None:
-        return _py_v1.split_points(raw, pieces)
+        return _py_v1.split_points(bytes(raw), pieces)
     cuts: list[int] = _native.split_v1(raw, pieces)
     return cuts
 
