@@ -12,6 +12,7 @@ receiver must answer 415 to an encoding it does not support, so a missing or ``i
 
 from __future__ import annotations
 
+import mmap
 import threading
 import typing
 from collections.abc import Sequence
@@ -67,8 +68,15 @@ class _Scratch(threading.local):
     """
 
     def __init__(self) -> None:
-        self.decoded = bytearray()
-        self.encoded = bytearray()
+        self.decoded = _EMPTY
+        self.encoded = _EMPTY
+
+
+#: a scratch buffer is an anonymous mapping, not a bytearray: its pages are made resident
+#: by the bytes a call writes, not by zeroing it whole when it grows (the encode buffer is
+#: sized for the worst case, ~1.17x the input, and a call writes ~a third of that), and it
+#: is outside malloc's heap
+_EMPTY = mmap.mmap(-1, mmap.PAGESIZE)
 
 
 _SCRATCH = _Scratch()
@@ -77,10 +85,14 @@ _SCRATCH = _Scratch()
 SCRATCH_BYTES = 8 << 20
 
 
-def _scratch(buf: bytearray, n: int) -> bytearray:
-    if len(buf) < n:
-        buf.extend(bytes(n - len(buf)))
-    return buf
+def _scratch(buf: mmap.mmap, n: int) -> mmap.mmap:
+    """``buf``, or a new mapping of at least ``n`` bytes (whole MiBs) where it is smaller.
+
+    The old mapping is not closed: a view of it that is still alive keeps it until that
+    view goes."""
+    if len(buf) >= n:
+        return buf
+    return mmap.mmap(-1, (n + (1 << 20) - 1) & ~((1 << 20) - 1))
 
 
 def decompress(body: bytes, encoding: str, *, max_decoded: int) -> bytes:
@@ -122,7 +134,7 @@ def compress(data: bytes, encoding: str) -> bytes:
         if bound > SCRATCH_BYTES:
             out: bytes = snappy.compress(data)
             return out
-        buf = _scratch(_SCRATCH.encoded, bound)
+        buf = _SCRATCH.encoded = _scratch(_SCRATCH.encoded, bound)
         n = cramjam.snappy.compress_raw_into(data, buf)
         with memoryview(buf) as view:
             return bytes(view[:n])
@@ -200,7 +212,7 @@ def _snappy_decompress(body: bytes, max_decoded: int, scratch: bool = False
         raise _too_large(declared, max_decoded)
     try:
         if scratch and declared <= SCRATCH_BYTES:
-            buf = _scratch(_SCRATCH.decoded, declared)
+            buf = _SCRATCH.decoded = _scratch(_SCRATCH.decoded, declared)
             n = cramjam.snappy.decompress_raw_into(body, buf)
             out: bytes | memoryview = memoryview(buf)[:n]
         else:

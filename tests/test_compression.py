@@ -154,3 +154,93 @@ def test_joined_block_has_one_preamble_of_any_width() -> None:
     joined = join_snappy([snappy_part(big), snappy_part(b""), snappy_part(big[:100])])
     assert snappy.uncompress(joined) == big + big[:100]
     assert join_snappy([snappy_part(b"")]) == snappy.compress(b"")
+
+
+# -- the scratch buffers -------------------------------------------------------------------
+
+
+def test_scratch_decode_is_the_decode() -> None:
+    from proxy.compression import decompress_scratch
+
+    for data in (b"", b"x", DATA, bytes(range(256)) * 5000):
+        body = compress(data, "snappy") if data else snappy.compress(b"")
+        out = decompress_scratch(body, "snappy", max_decoded=1 << 24)
+        assert bytes(out) == data
+    # zstd has no scratch buffer: bytes, as from decompress
+    z = compress(DATA, "zstd")
+    assert decompress_scratch(z, "zstd", max_decoded=1 << 24) == DATA
+
+
+def test_scratch_view_is_reused_by_the_next_call_of_the_thread() -> None:
+    """The contract the splice relies on: a view is good until the thread's next call."""
+    from proxy.compression import decompress_scratch
+
+    a = decompress_scratch(compress(b"a" * 5000, "snappy"), "snappy", max_decoded=1 << 20)
+    kept = bytes(a)
+    b = decompress_scratch(compress(b"b" * 5000, "snappy"), "snappy", max_decoded=1 << 20)
+    assert bytes(b) == b"b" * 5000
+    assert bytes(a) == b"b" * 5000 != kept  # the same memory, overwritten
+
+
+def test_scratch_grows_and_a_live_view_of_the_old_buffer_stays_valid() -> None:
+    from proxy.compression import decompress_scratch
+
+    small = decompress_scratch(compress(b"s" * 1000, "snappy"), "snappy", max_decoded=1 << 24)
+    big = decompress_scratch(compress(b"B" * (3 << 20), "snappy"), "snappy",
+                             max_decoded=1 << 24)
+    assert bytes(small) == b"s" * 1000  # the old mapping lives while a view does
+    assert bytes(big) == b"B" * (3 << 20)
+
+
+def test_scratch_is_per_thread() -> None:
+    import threading
+
+    from proxy.compression import decompress_scratch
+
+    bodies = {i: compress(bytes([65 + i]) * 200_000, "snappy") for i in range(4)}
+    seen: dict[int, bool] = {}
+    start = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        start.wait()
+        ok = True
+        for _ in range(30):
+            out = decompress_scratch(bodies[i], "snappy", max_decoded=1 << 20)
+            ok &= bytes(out) == bytes([65 + i]) * 200_000
+        seen[i] = ok
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == dict.fromkeys(range(4), True)
+
+
+def test_scratch_decode_refuses_what_decompress_refuses() -> None:
+    from proxy.compression import decompress_scratch
+
+    body = compress(DATA, "snappy")
+    with pytest.raises(DecodeError) as info:
+        decompress_scratch(body[:-7], "snappy", max_decoded=1 << 20)
+    assert (info.value.kind, info.value.status) == ("snappy_corrupt", 400)
+    with pytest.raises(DecodeError) as info:
+        decompress_scratch(body, "snappy", max_decoded=len(DATA) - 1)
+    assert (info.value.kind, info.value.status) == ("too_large", 413)
+
+
+def test_past_the_scratch_size_bodies_are_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.compression as c
+
+    monkeypatch.setattr(c, "SCRATCH_BYTES", 1000)
+    assert type(c.decompress_scratch(compress(DATA, "snappy"), "snappy",
+                                     max_decoded=1 << 20)) is bytes
+    assert snappy.uncompress(c.compress(DATA, "snappy")) == DATA
+
+
+def test_compress_through_scratch_is_snappys_block() -> None:
+    for data in (b"", b"q", DATA, bytes(range(256)) * 9000):
+        out = compress(data, "snappy")
+        assert type(out) is bytes
+        assert out == snappy.compress(data)
+        assert snappy.uncompress(out) == data

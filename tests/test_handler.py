@@ -219,6 +219,32 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     assert running.metric("karta_proxy_series_attributed_total") == len(sets)
 
 
+async def test_bodies_decoded_into_scratch_buffers_go_out_as_sent(running: Running) -> None:
+    """A worker decodes each body into its thread's reusable buffer; whatever goes
+    upstream is a copy, so requests untouched by the splice (no pod label: it hands back
+    the body itself) and stamped ones, many at once, each reach the upstream as sent."""
+    cart = {"__name__": "container_cpu_usage_seconds_total", "namespace": "shop",
+            "pod": "cart-7d9f8-abcde", "container": "cart"}
+
+    def body(i: int, stamped: bool) -> tuple[bytes, list[dict[str, str]]]:
+        base = cart if stamped else {"__name__": "node_cpu_seconds_total", "instance": "n1"}
+        sets = [{**base, "id": f"/req{i:02d}/{k:05d}" + "y" * 40} for k in range(1500)]
+        return series_v1(*sets, value=float(i)), sets
+
+    sent = [body(i, stamped=i % 3 == 0) for i in range(12)]
+    assert all(len(raw) > INLINE_DECODED_BYTES for raw, _ in sent)
+    statuses = await asyncio.gather(*(running.post(raw) for raw, _ in sent))
+    assert [r.status for r in statuses] == [204] * len(sent)
+    got = {labels_of(rec.raw)[0]["id"].split("/")[1]: rec.raw for rec in running.upstream.received}
+    assert len(got) == len(sent)
+    for i, (raw, sets) in enumerate(sent):
+        out = got[f"req{i:02d}"]
+        if i % 3:
+            assert out == raw  # untouched: byte for byte
+        else:
+            assert labels_of(out) == [{**s, **CART} for s in sets]
+
+
 async def test_dcgm_exported_labels_name_the_gpu_pod(running: Running) -> None:
     dcgm = {"__name__": "DCGM_FI_DEV_GPU_UTIL", "namespace": "gpu-monitoring",
             "pod": "dcgm-exporter-x", "exported_namespace": "shop",

@@ -88,3 +88,53 @@ def test_settle_freezes_what_is_alive_and_frees_old_cycles() -> None:
         assert gone() is None, "a frozen cycle that became garbage was not freed"
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or not ctypes.util.find_library("c"),
+                    reason="glibc's mallopt")
+def test_request_buffers_stay_on_the_heap_unless_the_operator_chose() -> None:
+    """Two threads doing what splice workers do (decode, a bigger body, encode, free)
+    fault their pages in again and again on glibc's defaults, and reuse them once set
+    (minor page faults of a fresh process over 80 such requests, with and without)."""
+    import os
+    import subprocess
+    import sys
+
+    if memory._libc() is None:
+        pytest.skip("no glibc")
+    code = (
+        "import os, resource, sys, threading\n"
+        "import cramjam\n"
+        "from proxy import memory\n"
+        "memory.limit_arenas()\n"
+        "was_set = memory.keep_request_buffers() if sys.argv[1] == '1' else None\n"
+        "z = cramjam.snappy.compress_raw(os.urandom(200_000) * 6)\n"
+        "def work(n):\n"
+        "    for _ in range(n):\n"
+        "        raw = bytes(cramjam.snappy.decompress_raw(z))\n"
+        "        out = raw + b'x' * 300_000\n"
+        "        del raw\n"
+        "        c = bytes(cramjam.snappy.compress_raw(out))\n"
+        "        del out, c\n"
+        "def both(n):\n"
+        "    ts = [threading.Thread(target=work, args=(n,)) for _ in range(2)]\n"
+        "    [t.start() for t in ts]; [t.join() for t in ts]\n"
+        "both(5)\n"
+        "f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "both(40)\n"
+        "print(was_set, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+
+    def run(flag: str, extra: dict[str, str] | None = None) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", code, flag], env={**env, **(extra or {})},
+                             capture_output=True, text=True, timeout=120, check=True)
+        was_set, faults = out.stdout.split()
+        return was_set, int(faults)
+
+    _, default_faults = run("0")
+    kept, kept_faults = run("1")
+    assert kept == "True"
+    assert kept_faults * 5 < default_faults, (kept_faults, default_faults)
+    assert run("1", {"MALLOC_TRIM_THRESHOLD_": "131072"})[0] == "False"
