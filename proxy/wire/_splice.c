@@ -2425,10 +2425,17 @@ finish_v1(Req *r, Pending *P)
             return;
         head[0] = 0x0A;
         size_t hl = 1 + put_varint(head + 1, (q - s) + en->fields_len);
+        /* the stamp is copied now, while its entry's lines are in cache (prefetched for
+         * this series); the spans are gathered after the walk, when the entry would be
+         * a cache miss again, and the arena's bytes are recent and sequential */
+        uint8_t *stamp = arena_alloc(&r->arena, en->fields_len);
+        if (stamp == NULL)
+            return;
+        memcpy(stamp, ENTRY_FIELDS(en), en->fields_len);
         emit_input(r, start);
         emit(r, head, hl);
         emit(r, raw + s, ins - s);
-        emit(r, ENTRY_FIELDS(en), en->fields_len);
+        emit(r, stamp, en->fields_len);
         emit(r, raw + ins, q - ins);
         r->copy_from = q;
         return;
