@@ -1214,7 +1214,8 @@ PodTable_memory(PodTable *t, PyObject *Py_UNUSED(ignored))
     for (size_t i = 0; i < t->cap; i++) {
         const Entry *en = t->slots[i].entry;
         if (en != NULL && en != TOMB)
-            total += sizeof(Entry) + en->labels_off + en->nlabels * sizeof(StampLabel);
+            total += (sizeof(Entry) + en->labels_off + en->nlabels * sizeof(StampLabel) +
+                      LINE - 1) / LINE * LINE; /* as allocated: whole cache lines */
     }
     pthread_rwlock_unlock(&t->lock);
     Py_END_ALLOW_THREADS
