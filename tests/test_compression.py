@@ -227,6 +227,12 @@ def test_scratch_decode_refuses_what_decompress_refuses() -> None:
     with pytest.raises(DecodeError) as info:
         decompress_scratch(body, "snappy", max_decoded=len(DATA) - 1)
     assert (info.value.kind, info.value.status) == ("too_large", 413)
+    # a block that decodes to more than its header declares: refused, whatever room the
+    # scratch buffer has past the declared length
+    lying = bytes([10]) + compress(b"z" * 100_000, "snappy")[3:]
+    with pytest.raises(DecodeError) as info:
+        decompress_scratch(lying, "snappy", max_decoded=1 << 20)
+    assert (info.value.kind, info.value.status) == ("snappy_corrupt", 400)
 
 
 def test_past_the_scratch_size_bodies_are_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
