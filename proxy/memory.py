@@ -108,6 +108,20 @@ def trim() -> bool:
         return False
 
 
+def freeze_survivors() -> None:
+    """Leave what is alive now out of later collections, without collecting first.
+
+    For what a periodic job built and keeps until its next run (the fact writer's cache:
+    ~290k series tuples at 37.5k pods). Left tracked, every full collection walked them
+    again: 77-210 ms with the GIL held, every ~10 s while relaying with facts every 5 s,
+    and the p99 latency a request saw went from 10 to 190 ms (``relay_bench.py
+    --fact-interval 5``). ``gc.freeze()`` only moves the tracked objects to the permanent
+    generation: O(1), and reference counting still frees them when they go (tuples of
+    bytes hold no cycles); ``settle`` (a reload) collects what is left in frozen cycles.
+    """
+    gc.freeze()
+
+
 def settle() -> None:
     """After a source applied a load: collect once, freeze what is alive, give the freed
     heap back.

@@ -1411,3 +1411,50 @@ def test_what_a_write_remembers_leaves_the_cyclic_collectors_view() -> None:
     gc.collect()
     assert w._written, "nothing remembered"
     assert not gc.is_tracked(w._written)
+
+
+def test_a_big_write_pauses_between_its_requests_and_in_its_stale_scan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building yields an empty body (a pause) every PAUSE_EVERY_SERIES series made or
+    checked for stale markers, so a write at 37.5k pods never holds the event loop for a
+    whole request or a whole scan of the written set; the requests are what they were."""
+    import proxy.facts.writer as fw
+
+    whole = writer(small_index()).build_requests(10_000)
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 3)
+    w = writer(small_index())
+    first = list(w.iter_requests(10_000))
+    assert b"" in first
+    assert [b for b in first if b] == whole
+    w.commit()
+    # the second write scans the first's written set: pauses there too, and none of the
+    # series is gone
+    again = list(w.iter_requests(20_000))
+    made = sum(1 for b in again if b)
+    assert len(again) - made >= len(decode(b"".join(whole))) // 3
+    assert w.last_stale_markers == 0
+
+
+async def test_a_write_lets_the_loop_run_at_its_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.facts.writer as fw
+
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 2)
+    ticks: list[int] = []
+    sent: list[bytes] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(len(sent))
+            await asyncio.sleep(0)
+
+    async def send(body: bytes) -> None:
+        assert body  # a pause is never sent
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    assert await w.write_once()
+    task.cancel()
+    assert len(sent) == 1  # one request (fewer series than a request holds)
+    assert ticks.count(0) > 3  # the loop ran while that request was being built
