@@ -1458,3 +1458,29 @@ async def test_a_write_lets_the_loop_run_at_its_pauses(monkeypatch: pytest.Monke
     task.cancel()
     assert len(sent) == 1  # one request (fewer series than a request holds)
     assert ticks.count(0) > 3  # the loop ran while that request was being built
+
+
+async def test_a_failed_write_lets_the_loop_run_while_it_finishes() -> None:
+    """After a refused request the rest of the write is still made (what it owes is the
+    whole write's), with the loop let in between: not one stretch of the loop's time."""
+    ticks: list[int] = []
+    failed: list[bool] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(len(failed))
+            await asyncio.sleep(0)
+
+    async def send(body: bytes) -> None:
+        failed.append(True)
+        raise ConnectionError("upstream refuses")
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0,
+                   max_series_per_request=2)
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    assert not await w.write_once()
+    task.cancel()
+    assert failed == [True]
+    assert ticks.count(1) > 3  # the loop ran while the rest of the write was made
+    assert w.last_series == len(decode(b"".join(writer(small_index()).build_requests(1))))

@@ -286,6 +286,14 @@ class FactWriter:
         for _ in bodies:
             pass
 
+    @staticmethod
+    async def _finish_pausing(bodies: Iterator[bytes]) -> None:
+        """:meth:`_finish` with the event loop let in at every pause and request: an
+        upstream that refuses fact writes would otherwise stop the loop for the rest of
+        every write (~0.6-0.9 s at 37.5k pods, measured)."""
+        for _ in bodies:
+            await asyncio.sleep(0)
+
     def build_requests(self, now_ms: int) -> list[bytes]:
         """All of :meth:`iter_requests` at once (its pauses left out)."""
         return [body for body in self.iter_requests(now_ms) if body]
@@ -401,7 +409,7 @@ class FactWriter:
                 self.commit_partial()
                 raise
             except Exception as exc:  # the next write retries; stale markers are kept
-                self._finish(bodies)
+                await self._finish_pausing(bodies)
                 self.commit_partial()
                 self.metrics.writes_failed.inc()
                 log.warning("fact write failed: %s", exc)
