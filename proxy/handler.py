@@ -595,8 +595,11 @@ class RemoteWriteHandler:
             return Prepared(merged, self.upstream.prepared_v1(encoded, merged.counts))
         result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
                   else self.enricher.enrich_v1(raw))
-        return Prepared(result, self.upstream.prepare(result.body, protocol, encoding,
-                                                      result.counts))
+        outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts)
+        # it goes out compressed: the decoded body is not held while the request is in
+        # flight (as in parts; 1.5 MB per 2,000-series request)
+        result.body = b""
+        return Prepared(result, outgoing)
 
     def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts

@@ -114,8 +114,8 @@ class Outgoing:
     """One request body ready for the upstream, made by :meth:`Upstream.prepare` (in a
     worker thread: conversion and compression are the CPU-heavy part)."""
 
-    #: the uncompressed body, in ``protocol``; ``b""`` for an RW 1.0 body compressed in
-    #: parts (:meth:`Upstream.prepared_v1`): only an RW 2.0 body is read again, to convert it
+    #: the uncompressed body, in ``protocol``; ``b""`` for an RW 1.0 body (only an RW 2.0
+    #: body is read again, to convert it; a 413's parts decode ``encoded``)
     raw: bytes
     protocol: Protocol
     #: Content-Encoding toward the upstream
@@ -454,8 +454,12 @@ class Upstream:
         converted = False
         if self.converts(protocol):
             raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
-        return Outgoing(raw, protocol, out_encoding, compress(raw, out_encoding), counts,
-                        converted)
+        encoded = compress(raw, out_encoding)
+        # only an RW 2.0 body is read again (to convert it, should the upstream turn out
+        # 1.0-only); a 413's parts decode an RW 1.0 body from ``encoded``, so a request in
+        # flight holds its body once
+        return Outgoing(raw if protocol is Protocol.V2 else b"", protocol, out_encoding,
+                        encoded, counts, converted)
 
     def prepared_v1(self, encoded: bytes, counts: Counts | None = None) -> Outgoing:
         """An RW 1.0 body the handler compressed itself (snappy, in parts at once)."""
