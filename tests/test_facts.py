@@ -1435,27 +1435,37 @@ def test_a_big_write_pauses_between_its_requests_and_in_its_stale_scan(
     assert w.last_stale_markers == 0
 
 
+async def _loop_turns_during(w: FactWriter, calls: list[bytes]) -> tuple[bool, list[int]]:
+    """write_once's result, and for each turn the event loop got meanwhile how many
+    bodies had reached ``send`` by then."""
+    ticks: list[int] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(len(calls))
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        return await w.write_once(), ticks
+    finally:
+        task.cancel()
+
+
 async def test_a_write_lets_the_loop_run_at_its_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
     import proxy.facts.writer as fw
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 2)
-    ticks: list[int] = []
     sent: list[bytes] = []
-
-    async def ticker() -> None:
-        while True:
-            ticks.append(len(sent))
-            await asyncio.sleep(0)
 
     async def send(body: bytes) -> None:
         assert body  # a pause is never sent
         sent.append(body)
 
     w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    assert await w.write_once()
-    task.cancel()
+    ok, ticks = await _loop_turns_during(w, sent)
+    assert ok
     assert len(sent) == 1  # one request (fewer series than a request holds)
     assert ticks.count(0) > 3  # the loop ran while that request was being built
 
@@ -1463,24 +1473,16 @@ async def test_a_write_lets_the_loop_run_at_its_pauses(monkeypatch: pytest.Monke
 async def test_a_failed_write_lets_the_loop_run_while_it_finishes() -> None:
     """After a refused request the rest of the write is still made (what it owes is the
     whole write's), with the loop let in between: not one stretch of the loop's time."""
-    ticks: list[int] = []
-    failed: list[bool] = []
-
-    async def ticker() -> None:
-        while True:
-            ticks.append(len(failed))
-            await asyncio.sleep(0)
+    failed: list[bytes] = []
 
     async def send(body: bytes) -> None:
-        failed.append(True)
+        failed.append(body)
         raise ConnectionError("upstream refuses")
 
     w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0,
                    max_series_per_request=2)
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    assert not await w.write_once()
-    task.cancel()
-    assert failed == [True]
+    ok, ticks = await _loop_turns_during(w, failed)
+    assert not ok
+    assert len(failed) == 1
     assert ticks.count(1) > 3  # the loop ran while the rest of the write was made
     assert w.last_series == len(decode(b"".join(writer(small_index()).build_requests(1))))

@@ -239,6 +239,8 @@ class FactWriter:
                 if sample is None:
                     sample = samples[value] = sample_field(value, ts_bytes)
                 yield one, sample
+                if before % PAUSE_EVERY_SERIES == 0:
+                    yield None
             # a rebinding of _written during a pause (commit, forget) leaves this one whole
             for checked, one in enumerate(self._written, 1):
                 if one not in seen:
@@ -260,10 +262,6 @@ class FactWriter:
             parts.extend(one)
             parts.append(sample)
             count += 1
-            if count % PAUSE_EVERY_SERIES == 0 and count != limit:
-                building += time.perf_counter() - started
-                yield b""
-                started = time.perf_counter()
             if count == limit:
                 body, parts, count = b"".join(parts), [], 0
                 building += time.perf_counter() - started
