@@ -8,7 +8,8 @@ setup(
     ext_modules=[
         Extension(
             "proxy.wire._splice",
-            sources=["proxy/wire/_splice.c"],
+            sources=["proxy/wire/_splice.c", "proxy/wire/_snappy_edit.c"],
+            depends=["proxy/wire/_snappy_edit.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
             optional=True,

@@ -146,14 +146,24 @@ def compress(data: bytes, encoding: str) -> bytes:
 # -- snappy --------------------------------------------------------------------------------
 
 
+def snappy_block(data: bytes) -> bytes:
+    """``data`` as one snappy block (what :func:`compress` makes for ``snappy``)."""
+    return compress(data, "snappy")
+
+
 def snappy_part(data: bytes) -> SnappyPart:
     """One part of a body compressed on its own, to be joined by :func:`join_snappy`."""
-    return SnappyPart(cramjam.snappy.compress_raw(data), len(data))
+    return block_part(snappy_block(data))
+
+
+def block_part(block: bytes) -> SnappyPart:
+    """A part already a snappy block (the splice's), to be joined by :func:`join_snappy`."""
+    return SnappyPart(block, snappy_declared_length(block))
 
 
 class SnappyPart(typing.NamedTuple):
     #: a whole snappy block (its length preamble, then its elements)
-    block: cramjam.Buffer
+    block: bytes
     #: the bytes it decodes to
     decoded: int
 

@@ -34,6 +34,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_snappy_edit.h"
+
 /* ------------------------------------------------------------------------------------ */
 /* errors                                                                               */
 
@@ -1606,10 +1608,8 @@ typedef struct {
 
 #define STAMP_REF UINT32_MAX
 
-typedef struct {
-    const uint8_t *p; /* NULL: the symbols placeholder */
-    size_t n;
-} Span;
+/* p NULL: the RW 2.0 symbols placeholder, until the walk's end fills it */
+typedef EditSpan Span;
 
 typedef struct {
     const Plan *plan;
@@ -3089,17 +3089,89 @@ walk_v2(Req *r, V2 *v, size_t n)
 /* ------------------------------------------------------------------------------------ */
 /* the entry points                                                                     */
 
+/* The output of a walk: a bytes object of the spans (GIL held; r->ts saved state is
+ * restored and saved again around the allocation). With `block` (the sender's snappy block,
+ * decoding to raw at offset `base`), the output is a snappy block made from that block
+ * (_snappy_edit.c) and *encoded is set; when that cannot be done, the plain bytes. Runs
+ * with the table's read lock held: spans may point into entries. */
+static PyObject *
+splice_output(Req *r, const Py_buffer *block, size_t base, size_t n, int *encoded)
+{
+    *encoded = 0;
+    PyObject *body = NULL;
+    if (block != NULL) {
+        size_t cap = snappy_edit_bound(r->out_len);
+        PyEval_RestoreThread(r->ts);
+        body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
+        r->ts = PyEval_SaveThread();
+        if (body == NULL)
+            return NULL;
+        size_t w = snappy_edit(block->buf, (size_t)block->len, base, r->raw, n, r->spans.data,
+                               r->spans.len, r->out_len, (uint8_t *)PyBytes_AS_STRING(body),
+                               cap);
+        PyEval_RestoreThread(r->ts);
+        if (w == 0)
+            Py_CLEAR(body);
+        else if (_PyBytes_Resize(&body, (Py_ssize_t)w) == 0)
+            *encoded = 1;
+        else
+            PyErr_Clear(); /* body is NULL: the plain bytes below */
+        r->ts = PyEval_SaveThread();
+        if (body != NULL)
+            return body;
+    }
+    /* the output object needs the GIL; the copy does not */
+    PyEval_RestoreThread(r->ts);
+    body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r->out_len);
+    r->ts = PyEval_SaveThread();
+    if (body != NULL) {
+        uint8_t *o = (uint8_t *)PyBytes_AS_STRING(body);
+        Span *sp = r->spans.data;
+        for (size_t i = 0; i < r->spans.len; i++) {
+            memcpy(o, sp[i].p, sp[i].n);
+            o += sp[i].n;
+        }
+    }
+    return body;
+}
+
+/* The snappy preamble's decoded length, or (size_t)-1. */
+static size_t
+snappy_declared(const Py_buffer *block)
+{
+    const uint8_t *b = block->buf;
+    uint64_t v = 0;
+    for (Py_ssize_t i = 0; i < 5 && i < block->len; i++) {
+        v |= (uint64_t)(b[i] & 0x7F) << (7 * i);
+        if (b[i] < 0x80)
+            return v > UINT32_MAX ? (size_t)-1 : (size_t)v;
+    }
+    return (size_t)-1;
+}
+
 static PyObject *
 splice(PyObject *args, int version)
 {
-    PyObject *rawo;
+    PyObject *rawo, *blocko = Py_None;
+    Py_ssize_t base_arg = 0;
     Plan *pl;
     PodTable *t;
-    if (!PyArg_ParseTuple(args, "OO!O!", &rawo, &PlanType, &pl, &PodTableType, &t))
+    if (!PyArg_ParseTuple(args, "OO!O!|On", &rawo, &PlanType, &pl, &PodTableType, &t, &blocko,
+                          &base_arg))
         return NULL;
-    Py_buffer view;
+    if (base_arg < 0) {
+        PyErr_SetString(PyExc_ValueError, "base must not be negative");
+        return NULL;
+    }
+    Py_buffer view, block;
     if (PyObject_GetBuffer(rawo, &view, PyBUF_SIMPLE) < 0)
         return NULL;
+    int with_block = blocko != Py_None;
+    if (with_block && PyObject_GetBuffer(blocko, &block, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    size_t base = (size_t)base_arg;
     Req r;
     V2 v;
     memset(&v, 0, sizeof v);
@@ -3113,6 +3185,10 @@ splice(PyObject *args, int version)
     req_init(&r, pl, t, view.buf);
     size_t n = (size_t)view.len;
     PyObject *body = NULL;
+    int encoded = 0;
+    /* the sender's block itself goes out when nothing changed and it is all of it */
+    int whole = with_block && base == 0 && snappy_declared(&block) == n &&
+                PyBytes_CheckExact(blocko);
 
     r.ts = PyEval_SaveThread();
     pthread_rwlock_rdlock(&t->lock);
@@ -3121,22 +3197,10 @@ splice(PyObject *args, int version)
     else
         walk_v2(&r, &v, n);
     oom(&r);
-    if (!r.err.kind && r.spans.len) {
+    if (!r.err.kind && (r.spans.len || (with_block && !whole))) {
         emit_input(&r, n);
-        if (!oom(&r)) {
-            /* the output object needs the GIL; the copy does not */
-            PyEval_RestoreThread(r.ts);
-            body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r.out_len);
-            r.ts = PyEval_SaveThread();
-            if (body != NULL) {
-                uint8_t *o = (uint8_t *)PyBytes_AS_STRING(body);
-                Span *sp = r.spans.data;
-                for (size_t i = 0; i < r.spans.len; i++) {
-                    memcpy(o, sp[i].p, sp[i].n);
-                    o += sp[i].n;
-                }
-            }
-        }
+        if (!oom(&r))
+            body = splice_output(&r, with_block ? &block : NULL, base, n, &encoded);
     }
     pthread_rwlock_unlock(&t->lock);
     PyEval_RestoreThread(r.ts);
@@ -3150,10 +3214,16 @@ splice(PyObject *args, int version)
             PyErr_SetString(PyExc_RuntimeError, "an unless matcher failed");
         goto done;
     }
-    if (r.spans.len && body == NULL)
+    if (r.spans.len && body == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
         goto done; /* MemoryError set */
+    }
     if (body == NULL) {
-        if (PyBytes_CheckExact(rawo))
+        if (whole) {
+            body = Py_NewRef(blocko);
+            encoded = 1;
+        } else if (PyBytes_CheckExact(rawo))
             body = Py_NewRef(rawo);
         else if ((body = PyBytes_FromStringAndSize(view.buf, view.len)) == NULL)
             goto done;
@@ -3175,13 +3245,15 @@ splice(PyObject *args, int version)
         }
         Py_DECREF(cnt);
     }
-    result = Py_BuildValue("(NKKKKKNK)", body, (unsigned long long)r.series,
+    result = Py_BuildValue("(NKKKKKNKO)", body, (unsigned long long)r.series,
                            (unsigned long long)r.samples, (unsigned long long)r.histograms,
                            (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons,
-                           (unsigned long long)r.stripped);
+                           (unsigned long long)r.stripped, encoded ? Py_True : Py_False);
 done:
     req_free(&r);
     v2_free(&v);
+    if (with_block)
+        PyBuffer_Release(&block);
     PyBuffer_Release(&view);
     return result;
 }
@@ -3261,9 +3333,11 @@ set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
-     "splice_v1(raw, plan, table) -> (body, series, samples, histograms, exemplars, "
-     "attributed, {reason: count}, stripped)"},
-    {"splice_v2", splice_v2_py, METH_VARARGS, "splice_v2(raw, plan, table): as splice_v1, RW 2.0"},
+     "splice_v1(raw, plan, table[, block, base]) -> (body, series, samples, histograms, "
+     "exemplars, attributed, {reason: count}, stripped, encoded): with block (a snappy block "
+     "decoding to raw at offset base), body is the output as a snappy block when encoded"},
+    {"splice_v2", splice_v2_py, METH_VARARGS,
+     "splice_v2(raw, plan, table[, block, base]): as splice_v1, RW 2.0"},
     {"split_v1", split_v1_py, METH_VARARGS,
      "split_v1(raw, pieces) -> [offsets where the RW 1.0 request can be cut into pieces]"},
     {"set_error_class", set_error_class, METH_O,

@@ -12,12 +12,12 @@ import logging
 from types import ModuleType
 from typing import Any, Literal
 
-from proxy.compression import DecodeError
+from proxy.compression import DecodeError, snappy_block
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
 from proxy.wire.plan import SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
-from proxy.wire.primitives import Counts
+from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.wire")
 
@@ -106,6 +106,27 @@ class Splicer:
         assert _native is not None
         return _result(_native.splice_v2(raw, self._compiled, self.table))
 
+    def splice_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
+                      base: int = 0) -> SpliceResult:
+        """The splice with its body as a snappy block: ``block`` is the sender's snappy
+        block, ``raw`` its decoded bytes from offset ``base`` (the whole of them, or the
+        part of a request in parts).
+
+        The native splice makes the block from the sender's own (``_snappy_edit.c``: its
+        elements kept, their offsets moved, nothing compressed again); the reference
+        compresses the spliced body. Either decodes to what :meth:`splice_v1` /
+        :meth:`splice_v2` answer for ``raw``."""
+        if self._compiled is None:
+            result = (self.splice_v2(raw) if protocol is Protocol.V2 else self.splice_v1(raw))
+            result.body = snappy_block(result.body)
+            return result
+        assert _native is not None
+        splice = _native.splice_v2 if protocol is Protocol.V2 else _native.splice_v1
+        result = _result(splice(raw, self._compiled, self.table, block, base))
+        if not result.encoded:  # a block the edit could not use: compressed as before
+            result.body = snappy_block(result.body)
+        return result
+
 
 def split_v1(raw: bytes | memoryview, pieces: int) -> list[int]:
     """Where an RW 1.0 request can be cut into ``pieces`` parts spliced apart
@@ -117,7 +138,7 @@ def split_v1(raw: bytes | memoryview, pieces: int) -> list[int]:
     return cuts
 
 
-def _result(t: tuple[bytes, int, int, int, int, int, dict[str, int], int]) -> SpliceResult:
-    body, series, samples, histograms, exemplars, attributed, reasons, stripped = t
+def _result(t: tuple[Any, ...]) -> SpliceResult:
+    body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
-                        stripped)
+                        stripped, encoded)

@@ -202,7 +202,8 @@ def check_names(names: Sequence[bytes]) -> None:
 class SpliceResult:
     """One request's outcome."""
 
-    #: the enriched request, uncompressed (the input object itself when nothing changed)
+    #: the enriched request, uncompressed (the input object itself when nothing changed);
+    #: a snappy block when ``encoded``
     body: bytes
     counts: Counts
     #: series that carry stamped labels on the way out
@@ -212,6 +213,8 @@ class SpliceResult:
     #: series that lost a ``karta_*`` label of the sender (one whose name and value the
     #: series does not carry on the way out: dropped, or replaced by the stamp)
     stripped: int = 0
+    #: ``body`` is a snappy block (``Splicer.splice_snappy``)
+    encoded: bool = False
 
     def tally(self, reason: str) -> None:
         if reason:

@@ -1,0 +1,517 @@
+/*
+ * Snappy in the compressed domain (see _snappy_edit.h).
+ *
+ * Why: a spliced request is the sender's request with a few bytes changed per series (a
+ * new length, a stamp inserted, a sender's karta_* label dropped). Compressing it again
+ * costs more than the splice itself (~1.3 ms of a 2,000-series request, against ~0.6 ms
+ * for the splice), and finds little the sender's compressor had not already found. So
+ * the output block is made from the sender's block: each of its elements that lands in
+ * the output is written again as it was, a copy with its offset moved by what the edits
+ * inserted or removed between its source and its destination. Nothing is searched for.
+ *
+ * A snappy block: a varint of the decoded length, then elements, each a literal (the
+ * bytes follow) or a copy (length, offset back into what was decoded so far; copy-1: len
+ * 4-11, offset < 2048; copy-2: len 1-64, offset < 65536; copy-4: len 1-64, offset < 2^32).
+ *
+ * The edits are the splice's spans (EditSpan): pieces of the decoded input in increasing
+ * order (a range, "kept"), and new bytes between them. An input element covering a kept
+ * range is cut to it; a copy's source is looked up among the kept ranges: where it lies in
+ * one, the copy goes out with the distance between the two positions in the output; where
+ * it lies in bytes the output does not carry (a series' old length, a dropped label, or
+ * before this part of the block), those bytes go out as literals, read from the decoded
+ * input. New bytes of 16 or more (a stamp) are remembered by their hash, so the same bytes
+ * again go out as a copy of the first: a pod's stamp costs 3-5 bytes from its second series
+ * on, as a compressor would have found.
+ *
+ * Memory: the kept ranges (one per kept span), the pending literal's pieces and a fixed
+ * table of recent new bytes; freed before return. Nothing depends on the pod table.
+ */
+
+#include "_snappy_edit.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------ */
+/* the input block's elements                                                           */
+
+typedef struct {
+    const uint8_t *c;
+    size_t cn, cp;    /* the block, and the next element's tag */
+    uint64_t declared;
+    uint64_t pos, end; /* the current element's decoded bytes [pos, end) */
+    uint64_t off;      /* its copy offset; 0: a literal */
+} Reader;
+
+/* The next element; 0 at the end of the block or on anything malformed (*bad set). */
+static int
+rd_next(Reader *r, int *bad)
+{
+    r->pos = r->end;
+    if (r->cp >= r->cn)
+        return 0;
+    const uint8_t *c = r->c;
+    size_t left = r->cn - r->cp - 1;
+    uint8_t tag = c[r->cp++];
+    uint64_t len, off = 0;
+    switch (tag & 3) {
+    case 0: {
+        uint64_t x = tag >> 2;
+        if (x >= 60) {
+            size_t nb = (size_t)x - 59;
+            if (left < nb)
+                goto bad;
+            x = 0;
+            for (size_t i = 0; i < nb; i++)
+                x |= (uint64_t)c[r->cp + i] << (8 * i);
+            r->cp += nb;
+            left -= nb;
+        }
+        len = x + 1;
+        if (left < len)
+            goto bad;
+        r->cp += (size_t)len;
+        break;
+    }
+    case 1:
+        if (left < 1)
+            goto bad;
+        len = 4 + ((tag >> 2) & 7);
+        off = ((uint64_t)(tag >> 5) << 8) | c[r->cp];
+        r->cp += 1;
+        break;
+    case 2:
+        if (left < 2)
+            goto bad;
+        len = 1 + (tag >> 2);
+        off = c[r->cp] | (uint64_t)c[r->cp + 1] << 8;
+        r->cp += 2;
+        break;
+    default:
+        if (left < 4)
+            goto bad;
+        len = 1 + (tag >> 2);
+        off = c[r->cp] | (uint64_t)c[r->cp + 1] << 8 | (uint64_t)c[r->cp + 2] << 16 |
+              (uint64_t)c[r->cp + 3] << 24;
+        r->cp += 4;
+        break;
+    }
+    if ((tag & 3) && (off == 0 || off > r->pos))
+        goto bad;
+    if (len > r->declared - r->pos)
+        goto bad;
+    r->end = r->pos + len;
+    r->off = off;
+    return 1;
+bad:
+    *bad = 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the output                                                                           */
+
+typedef struct {
+    uint64_t in_start, in_end, out_start;
+    size_t span; /* the span it comes from */
+} Range;
+
+/* new bytes written so far, by hash (a direct-mapped table: a collision forgets) */
+#define SEEN_SLOTS 2048
+/* the kept ranges' index: one entry per 64 bytes of the input */
+#define INDEX_SHIFT 6
+#define SEEN_MIN_BYTES 4
+
+typedef struct {
+    uint64_t h;
+    const uint8_t *p;
+    size_t n;
+    uint64_t out;
+} Seen;
+
+typedef struct {
+    uint8_t *p, *end;
+    int failed;
+    /* the tag byte of the literal run being written, or NULL */
+    uint8_t *lit_tag;
+    /* the kept ranges, the index of their blocks, and the input they come from */
+    const Range *rg;
+    size_t nr;
+    const int32_t *idx;
+    const uint8_t *raw;
+    uint64_t base;
+    Seen seen[SEEN_SLOTS];
+} Writer;
+
+/* Literal bytes: written in place behind a tag byte kept for the run they join (a run
+ * over 60 bytes needs 1-4 more bytes of tag: moved up at its end, by flush). */
+static inline void
+lit(Writer *w, const uint8_t *p, size_t n)
+{
+    if ((size_t)(w->end - w->p) < n + 6) {
+        w->failed = 1;
+        return;
+    }
+    if (w->lit_tag == NULL)
+        w->lit_tag = w->p++;
+    memcpy(w->p, p, n);
+    w->p += n;
+}
+
+static inline void
+flush(Writer *w)
+{
+    uint8_t *t = w->lit_tag;
+    if (t == NULL)
+        return;
+    w->lit_tag = NULL;
+    size_t n = (size_t)(w->p - t - 1);
+    if (n == 0) { /* cannot happen: a run starts with its bytes */
+        w->p = t;
+        return;
+    }
+    size_t x = n - 1;
+    if (x < 60) {
+        *t = (uint8_t)(x << 2);
+        return;
+    }
+    int nb = x < (1u << 8) ? 1 : x < (1u << 16) ? 2 : x < (1u << 24) ? 3 : 4;
+    memmove(t + 1 + nb, t + 1, n); /* room was checked by lit */
+    *t = (uint8_t)((59 + nb) << 2);
+    for (int i = 0; i < nb; i++)
+        t[1 + i] = (uint8_t)(x >> (8 * i));
+    w->p += nb;
+}
+
+/* One copy element: 4 <= len <= 64, d < 2^32 (room for 5 bytes checked by the caller). */
+static inline void
+copy_one(Writer *w, uint64_t d, size_t len)
+{
+    uint8_t *o = w->p;
+    if (len <= 11 && d < 2048) {
+        o[0] = (uint8_t)(1 | ((len - 4) << 2) | ((d >> 8) << 5));
+        o[1] = (uint8_t)d;
+        w->p = o + 2;
+    } else if (d < 65536) {
+        o[0] = (uint8_t)(2 | ((len - 1) << 2));
+        o[1] = (uint8_t)d;
+        o[2] = (uint8_t)(d >> 8);
+        w->p = o + 3;
+    } else {
+        o[0] = (uint8_t)(3 | ((len - 1) << 2));
+        o[1] = (uint8_t)d;
+        o[2] = (uint8_t)(d >> 8);
+        o[3] = (uint8_t)(d >> 16);
+        o[4] = (uint8_t)(d >> 24);
+        w->p = o + 5;
+    }
+}
+
+/* A copy of len >= 4 bytes from d back: elements of 64, then one of 60 where the rest
+ * would be under 4, as snappy's own encoder cuts them. */
+static void
+copy(Writer *w, uint64_t d, size_t len)
+{
+    flush(w);
+    if ((size_t)(w->end - w->p) < (len / 60 + 2) * 5) {
+        w->failed = 1;
+        return;
+    }
+    while (len >= 68) {
+        copy_one(w, d, 64);
+        len -= 64;
+    }
+    if (len > 64) {
+        copy_one(w, d, 60);
+        len -= 60;
+    }
+    copy_one(w, d, len);
+}
+
+/* The kept range holding input position x, or the last one before it; -1: x is before
+ * every kept range. From the index of 64-byte blocks (kept ranges are longer than that,
+ * nearly always: a step or two). */
+static inline long
+range_at(const Writer *w, uint64_t x)
+{
+    if (x < w->base)
+        return -1;
+    long j = w->idx[(x - w->base) >> INDEX_SHIFT];
+    while ((size_t)(j + 1) < w->nr && w->rg[j + 1].in_start <= x)
+        j++;
+    return j;
+}
+
+/* The output's bytes [dst_out, dst_out + m), which are the input's [dst_in, dst_in + m),
+ * equal to the input's [src, src + m): copies where the source is in the output too,
+ * literals where it is not. */
+static void
+copy_piece(Writer *w, uint64_t src, uint64_t dst_in, size_t m, uint64_t dst_out)
+{
+    while (m && !w->failed) {
+        long j = range_at(w, src);
+        size_t take;
+        if (j < 0 || src >= w->rg[j].in_end) {
+            /* bytes the output does not carry: up to the next kept range, as literals */
+            uint64_t next = w->rg[j + 1].in_start; /* a kept range: dst_in's, or before */
+            take = next - src < m ? (size_t)(next - src) : m;
+            lit(w, w->raw + (dst_in - w->base), take);
+        } else {
+            const Range *g = &w->rg[j];
+            take = g->in_end - src < m ? (size_t)(g->in_end - src) : m;
+            uint64_t d = dst_out - (g->out_start + (src - g->in_start));
+            if (take >= 4 && (d < 65536 || take >= 8) && d <= UINT32_MAX)
+                copy(w, d, take);
+            else
+                lit(w, w->raw + (dst_in - w->base), take);
+        }
+        src += take;
+        dst_in += take;
+        dst_out += take;
+        m -= take;
+    }
+}
+
+static inline uint64_t
+hash_new(const uint8_t *s, size_t n)
+{
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ n;
+    while (n >= 8) {
+        uint64_t x;
+        memcpy(&x, s, 8);
+        h = (h ^ x) * 0xff51afd7ed558ccdULL;
+        h ^= h >> 31;
+        s += 8;
+        n -= 8;
+    }
+    uint64_t x = 0;
+    for (size_t i = 0; i < n; i++)
+        x |= (uint64_t)s[i] << (8 * i);
+    h = (h ^ x) * 0xc4ceb9fe1a85ec53ULL;
+    return h ^ (h >> 29);
+}
+
+/* How far back the same n bytes were written in this output (found by their hash), or 0;
+ * either way they are remembered as written at out (the nearest: shorter offsets). */
+static uint64_t
+seen(Writer *w, const uint8_t *p, size_t n, uint64_t out)
+{
+    uint64_t h = hash_new(p, n);
+    Seen *s = &w->seen[h & (SEEN_SLOTS - 1)];
+    uint64_t d = 0;
+    if (s->p != NULL && s->h == h && s->n == n && memcmp(s->p, p, n) == 0 &&
+        out - s->out <= UINT32_MAX)
+        d = out - s->out;
+    else {
+        s->h = h;
+        s->p = p;
+        s->n = n;
+    }
+    s->out = out;
+    return d;
+}
+
+/* Bytes at output position out: a copy of the same bytes written before, or a literal. */
+static void
+dedupe(Writer *w, const uint8_t *p, size_t n, uint64_t out)
+{
+    uint64_t d = n >= SEEN_MIN_BYTES ? seen(w, p, n, out) : 0;
+    if (d)
+        copy(w, d, n);
+    else
+        lit(w, p, n);
+}
+
+/* The length of the RW 1.0 Label field at p (`0A len 0A nl name 12 vl value`, one-byte
+ * name and value lengths), with *name_part the bytes `0A nl name 12` start at p + *head;
+ * 0: not such a field. */
+static size_t
+label_field(const uint8_t *p, size_t n, size_t *head, size_t *vhead)
+{
+    if (n < 2 || p[0] != 0x0A)
+        return 0;
+    size_t len, h;
+    if (p[1] < 0x80) {
+        len = p[1];
+        h = 2;
+    } else if (n >= 3 && p[2] < 0x80) {
+        len = (size_t)(p[1] & 0x7F) | (size_t)p[2] << 7;
+        h = 3;
+    } else
+        return 0;
+    if (len > n - h || len < 4 || p[h] != 0x0A || p[h + 1] >= 0x80)
+        return 0;
+    size_t nl = p[h + 1], v = h + 2 + nl; /* the value's tag */
+    if (v + 2 > h + len || p[v] != 0x12 || p[v + 1] >= 0x80 || v + 2 + p[v + 1] != h + len)
+        return 0;
+    *head = h;
+    *vhead = v + 1;
+    return h + len;
+}
+
+/* New bytes at output position out. A stamp seen before in this output is one copy; else
+ * its Label fields one by one: a field seen before is a copy, else its name (`0A nl name
+ * 12`, the same for every pod) and its value (a namespace, a kind, a workload: shared by
+ * a workload's pods) each are one where seen before. */
+static void
+new_bytes(Writer *w, const uint8_t *p, size_t n, uint64_t out)
+{
+    uint64_t d = n >= SEEN_MIN_BYTES ? seen(w, p, n, out) : 0;
+    if (d) {
+        copy(w, d, n);
+        return;
+    }
+    size_t i = 0, head, vhead;
+    while (i < n) {
+        size_t f = label_field(p + i, n - i, &head, &vhead);
+        if (f == 0) {
+            lit(w, p + i, n - i);
+            return;
+        }
+        /* (a span of one field was looked up whole already) */
+        d = f < n ? seen(w, p + i, f, out + i) : 0;
+        if (d)
+            copy(w, d, f);
+        else {
+            lit(w, p + i, head);
+            dedupe(w, p + i + head, vhead - head, out + i + head);
+            lit(w, p + i + vhead, 1);
+            dedupe(w, p + i + vhead + 1, f - vhead - 1, out + i + vhead + 1);
+        }
+        i += f;
+    }
+}
+
+size_t
+snappy_edit_bound(size_t out_len)
+{
+    return 32 + out_len + out_len / 6;
+}
+
+size_t
+snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *raw,
+            size_t raw_len, const EditSpan *spans, size_t nspans, size_t out_len, uint8_t *out,
+            size_t out_cap)
+{
+    /* the preamble: the decoded length, a uint32 varint */
+    Reader rd;
+    memset(&rd, 0, sizeof rd);
+    rd.c = block;
+    rd.cn = block_len;
+    uint64_t declared = 0;
+    for (int i = 0;; i++) {
+        if (i == 5 || rd.cp >= block_len)
+            return 0;
+        uint8_t b = block[rd.cp++];
+        declared |= (uint64_t)(b & 0x7F) << (7 * i);
+        if (b < 0x80)
+            break;
+    }
+    if (declared > UINT32_MAX || declared < (uint64_t)base + raw_len || out_len > UINT32_MAX)
+        return 0;
+    rd.declared = declared;
+
+    /* the kept ranges: spans inside raw, in increasing order (any other is new bytes) */
+    Range *rg = malloc((nspans + 1) * sizeof(Range));
+    if (rg == NULL)
+        return 0;
+    size_t nr = 0;
+    uint64_t kept_to = base, opos = 0;
+    uintptr_t lo = (uintptr_t)raw, hi = lo + raw_len;
+    for (size_t i = 0; i < nspans; i++) {
+        uintptr_t p = (uintptr_t)spans[i].p;
+        if (spans[i].n && p >= lo && p <= hi && spans[i].n <= hi - p &&
+            base + (p - lo) >= kept_to) {
+            rg[nr].in_start = base + (p - lo);
+            rg[nr].in_end = rg[nr].in_start + spans[i].n;
+            rg[nr].out_start = opos;
+            rg[nr].span = i;
+            kept_to = rg[nr].in_end;
+            nr++;
+        }
+        opos += spans[i].n;
+    }
+    if (opos != out_len) {
+        free(rg);
+        return 0;
+    }
+    rg[nr].in_start = rg[nr].in_end = UINT64_MAX; /* a sentinel: "the next kept range" */
+    rg[nr].span = nspans;
+
+    if (nr > INT32_MAX) {
+        free(rg);
+        return 0;
+    }
+    size_t nblocks = (raw_len >> INDEX_SHIFT) + 1;
+    int32_t *idx = malloc(nblocks * sizeof(int32_t));
+    Writer *w = calloc(1, sizeof(Writer));
+    if (w == NULL || idx == NULL) {
+        free(w);
+        free(idx);
+        free(rg);
+        return 0;
+    }
+    for (size_t b = 0, j = 0; b < nblocks; b++) {
+        uint64_t x = base + ((uint64_t)b << INDEX_SHIFT);
+        while (j < nr && rg[j].in_start <= x)
+            j++;
+        idx[b] = (int32_t)j - 1;
+    }
+    w->idx = idx;
+    w->p = out;
+    w->end = out + out_cap;
+    w->rg = rg;
+    w->nr = nr;
+    w->raw = raw;
+    w->base = base;
+    if (out_cap < 5) {
+        w->failed = 1;
+    } else {
+        uint64_t v = out_len;
+        while (v >= 0x80) {
+            *w->p++ = (uint8_t)(v | 0x80);
+            v >>= 7;
+        }
+        *w->p++ = (uint8_t)v;
+    }
+
+    int bad = 0;
+    int have = rd_next(&rd, &bad);
+    size_t k = 0;
+    opos = 0;
+    for (size_t i = 0; i < nspans && !w->failed && !bad; i++) {
+        if (k < nr && rg[k].span == i) {
+            uint64_t a = rg[k].in_start, b = rg[k].in_end;
+            while (a < b && !w->failed) {
+                while (have && rd.end <= a)
+                    have = rd_next(&rd, &bad);
+                if (!have) {
+                    bad = 1;
+                    break;
+                }
+                size_t m = (size_t)((rd.end < b ? rd.end : b) - a);
+                if (rd.off == 0)
+                    lit(w, raw + (a - base), m);
+                else if (a - rd.off >= rg[k].in_start && m >= 4 &&
+                         (size_t)(w->end - w->p) >= 8) {
+                    /* the source in this kept range too: the copy as it was (m <= 64) */
+                    flush(w);
+                    copy_one(w, rd.off, m);
+                } else
+                    copy_piece(w, a - rd.off, a, m, opos);
+                a += m;
+                opos += m;
+            }
+            k++;
+        } else {
+            new_bytes(w, spans[i].p, spans[i].n, opos);
+            opos += spans[i].n;
+        }
+    }
+    flush(w);
+    size_t written = (w->failed || bad) ? 0 : (size_t)(w->p - out);
+    free(w);
+    free(idx);
+    free(rg);
+    return written;
+}
