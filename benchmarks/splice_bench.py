@@ -13,9 +13,12 @@ process and run:
 - ``pass-through``: snappy decompress + compress, nothing else (the baseline);
 - ``enrich``: decompress + ``Enricher.enrich_v1`` (the native splice) + compress. There
   is no per-series state, so the first sight of a series costs what the hundredth does;
-- ``enrich-parts``: ``enrich`` the way the handler does a big request alone in its worker
+- ``enrich-edit``: what the handler does for snappy in and out: decompress +
+  ``Enricher.enrich_snappy``, whose output block is made from the sender's block
+  (``_snappy_edit.c``), not compressed again;
+- ``enrich-parts``: ``enrich-edit`` the way the handler does a big request alone in its worker
   pool (``handler.splice_in_parts``): cut in two at a series boundary, each half spliced
-  and snappy-compressed on its own thread, the blocks joined; compare its wall columns
+  and its block made on its own thread, the blocks joined; compare its wall columns
   with ``enrich``'s (the latency a request sees), its CPU with ``enrich``'s (the cost);
 - ``enrich-churn``: the same while the cluster changes: one pod event is applied to the
   index (and through its listener to the pod table) before each request;
@@ -46,6 +49,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,6 +66,7 @@ from proxy.karta.engine import Engine
 from proxy.karta.results import ChangeSet, PodAttribution
 from proxy.snapshot import load_snapshot
 from proxy.wire.native import split_v1
+from proxy.wire.primitives import Protocol
 
 MAX_DECODED = 64 << 20
 
@@ -187,12 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
         return compress(enricher.enrich_v1(raw).body, "snappy")
 
+    def enrich_edit(body: bytes) -> object:
+        raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
+        return enricher.enrich_snappy(Protocol.V1, raw, body).body
+
     parts_pool = ThreadPoolExecutor(1, thread_name_prefix="parts")
 
     def enrich_parts(body: bytes) -> object:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
         cuts = split_v1(raw, 2)
-        return splice_in_parts(raw, cuts, enricher.enrich_v1, parts_pool)[1]
+        return splice_in_parts(raw, body, cuts, partial(enricher.enrich_snappy, Protocol.V1),
+                               parts_pool)[1]
 
     def enrich_v2(body: bytes) -> object:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
@@ -233,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         bodies = rounds[r]
         record("pass-through", bodies, counts, passthrough)
         record("enrich", bodies, counts, enrich)
+        record("enrich-edit", bodies, counts, enrich_edit)
         record("enrich-parts", bodies, counts, enrich_parts)
 
         def enrich_churn(body: bytes) -> object:

@@ -136,6 +136,12 @@ class Enricher:
     def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult:
         return self._splicer.splice_v2(raw)
 
+    def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
+                      base: int = 0) -> SpliceResult:
+        """:meth:`enrich_v1` / :meth:`enrich_v2` with the body as a snappy block made from
+        the sender's (``Splicer.splice_snappy``)."""
+        return self._splicer.splice_snappy(protocol, raw, block, base)
+
     def _refresh(self, keys: Collection[tuple[bytes, bytes]]) -> None:
         """Index listener: the table's entries of these pods take the index's answer now
         (per pod event, never per series)."""

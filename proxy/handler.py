@@ -41,10 +41,10 @@ from proxy.admission import Outcome, Slots
 from proxy.compression import (
     DecodeError,
     SnappyPart,
+    block_part,
     decompress_scratch,
     join_snappy,
     snappy_declared_length,
-    snappy_part,
     zstd_declared_length,
 )
 from proxy.config import ServerSettings
@@ -103,6 +103,9 @@ class Enriching(typing.Protocol):
 
     def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult: ...
 
+    def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
+                      base: int = 0) -> SpliceResult: ...
+
 
 def protocol_from_content_type(ct: str) -> Protocol:
     """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else.
@@ -156,21 +159,21 @@ class Prepared:
     outgoing: Outgoing
 
 
-def splice_in_parts(raw: bytes | memoryview, cuts: list[int],
-                    enrich: Callable[[bytes | memoryview], SpliceResult],
+def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
+                    enrich: Callable[[bytes | memoryview, bytes, int], SpliceResult],
                     pool: Executor) -> tuple[SpliceResult, bytes]:
-    """An RW 1.0 request spliced and snappy-compressed in parts at once (cut at ``cuts``,
-    from ``split_v1``), the first part in this thread, the others in ``pool``; the parts'
-    snappy blocks joined into one block, their results summed (the body left empty: it
-    went out compressed).
+    """An RW 1.0 request spliced in parts at once (cut at ``cuts``, from ``split_v1``),
+    the first part in this thread, the others in ``pool``: each part's output a snappy
+    block made from the sender's ``block`` (``enrich(part, block, offset)``), the blocks
+    joined into one, their results summed (the body left empty: it went out compressed).
 
     The same body, counts and errors as the whole (the 1.0 splice keeps no state across
     series); the first part's error in request order wins."""
     spans = list(itertools.pairwise([0, *cuts, len(raw)]))
 
     def part(a: int, b: int) -> tuple[SpliceResult, SnappyPart]:
-        result = enrich(raw[a:b])
-        return result, snappy_part(result.body)
+        result = enrich(raw[a:b], block, a)
+        return result, block_part(result.body)
 
     futures = [pool.submit(part, a, b) for a, b in spans[1:]]
     try:
@@ -574,10 +577,10 @@ class RemoteWriteHandler:
 
     def _parts_for(self, declared: int | None, protocol: Protocol, encoding: str) -> int:
         """How many parts to splice a request in: one per worker for a big RW 1.0 request
-        going out as snappy while no other request is in the workers (under load every
+        in and out as snappy while no other request is in the workers (under load every
         worker has a request of its own already, and parts would only add hand-offs)."""
         if (self._parts is None or self._in_workers or declared is None
-                or protocol is not Protocol.V1
+                or protocol is not Protocol.V1 or encoding != "snappy"
                 or self.upstream.out_encoding(encoding) != "snappy"):
             return 1
         return max(1, min(self.workers, declared // PART_DECODED_BYTES))
@@ -591,15 +594,26 @@ class RemoteWriteHandler:
         cuts = split_v1(raw, parts) if parts > 1 else []
         if cuts:
             assert self._parts is not None
-            merged, encoded = splice_in_parts(raw, cuts, self.enricher.enrich_v1, self._parts)
-            return Prepared(merged, self.upstream.prepared_v1(encoded, merged.counts))
-        result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
-                  else self.enricher.enrich_v1(raw))
-        outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts)
+            merged, encoded = splice_in_parts(raw, body, cuts, self._enrich_v1_part, self._parts)
+            return Prepared(merged, self.upstream.prepared(encoded, Protocol.V1, merged.counts))
+        if encoding == "snappy" and self.upstream.out_encoding(encoding) == "snappy" \
+                and not self.upstream.converts(protocol):
+            # snappy in and out: the output block is made from the sender's (the splice's
+            # edits applied to its elements), not compressed again
+            result = self.enricher.enrich_snappy(protocol, raw, body)
+            outgoing = self.upstream.prepared(result.body, protocol, result.counts)
+        else:
+            result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
+                      else self.enricher.enrich_v1(raw))
+            outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts)
         # it goes out compressed: the decoded body is not held while the request is in
         # flight (as in parts; 1.5 MB per 2,000-series request)
         result.body = b""
         return Prepared(result, outgoing)
+
+    def _enrich_v1_part(self, raw: bytes | memoryview, block: bytes, base: int
+                        ) -> SpliceResult:
+        return self.enricher.enrich_snappy(Protocol.V1, raw, block, base)
 
     def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts

@@ -461,9 +461,12 @@ class Upstream:
         return Outgoing(raw if protocol is Protocol.V2 else b"", protocol, out_encoding,
                         encoded, counts, converted)
 
-    def prepared_v1(self, encoded: bytes, counts: Counts | None = None) -> Outgoing:
-        """An RW 1.0 body the handler compressed itself (snappy, in parts at once)."""
-        return Outgoing(b"", Protocol.V1, "snappy", encoded, counts)
+    def prepared(self, encoded: bytes, protocol: Protocol, counts: Counts | None = None
+                 ) -> Outgoing:
+        """A body the handler's splice wrote as a snappy block itself (in parts at once,
+        or made from the sender's block), in the protocol it arrived in; an RW 2.0 one is
+        decoded again only should it need converting (``_convert``)."""
+        return Outgoing(b"", protocol, "snappy", encoded, counts)
 
     async def send(
         self,
@@ -546,7 +549,7 @@ class Upstream:
                       {"Retry-After": MISCONFIGURED_RETRY_AFTER}, "")
 
     def _convert(self, out: Outgoing) -> Outgoing:
-        raw = v2_to_v1(out.raw)
+        raw = v2_to_v1(self._raw(out))
         return Outgoing(raw, Protocol.V1, out.encoding, compress(raw, out.encoding),
                         out.counts, True)
 
@@ -649,12 +652,16 @@ class Upstream:
             parts.add(answer, sent.converted, too_large=refused)
 
     @staticmethod
-    def _layout(sent: Outgoing) -> Layout:
-        """The fields of a request as it went out (decoded again when the handler kept
-        only its compressed form, ``prepared_v1``)."""
-        raw = sent.raw if sent.raw or not sent.encoded else decompress(
+    def _raw(sent: Outgoing) -> bytes:
+        """A request's body as it went out, uncompressed (decoded again when the handler
+        kept only its compressed form, ``prepared``)."""
+        return sent.raw if sent.raw or not sent.encoded else decompress(
             sent.encoded, sent.encoding, max_decoded=OWN_BODY_LIMIT)
-        return layout(raw, sent.protocol)
+
+    @classmethod
+    def _layout(cls, sent: Outgoing) -> Layout:
+        """The fields of a request as it went out."""
+        return layout(cls._raw(sent), sent.protocol)
 
     @staticmethod
     def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:

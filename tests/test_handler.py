@@ -198,14 +198,15 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     raw = series_v1(*sets)
     assert len(raw) > INLINE_DECODED_BYTES
     calls: list[str] = []
-    enrich = running.proxy.enricher.enrich_v1
+    enrich = running.proxy.enricher.enrich_snappy
 
-    def spy(body: bytes) -> Any:
+    def spy(protocol: Protocol, body: bytes, block: bytes, base: int = 0) -> Any:
         calls.append(threading.current_thread().name)
-        return enrich(body)
+        return enrich(protocol, body, block, base)
 
     running.proxy.handler.enricher = cast(Any, type("E", (), {
-        "enrich_v1": staticmethod(spy), "enrich_v2": running.proxy.enricher.enrich_v2}))()
+        "enrich_snappy": staticmethod(spy), "enrich_v1": running.proxy.enricher.enrich_v1,
+        "enrich_v2": running.proxy.enricher.enrich_v2}))()
     resp = await running.post(raw)
     assert resp.status == 204
     # with two workers or more, a request alone in the pool is spliced in parts at once

@@ -559,7 +559,7 @@ async def test_413_is_sent_in_halves_every_series_once(compressed_in_parts: bool
         if compressed_in_parts:  # as the handler sends a big request spliced in parts
             [cut] = split_v1(raw, 2)
             encoded = join_snappy([snappy_part(raw[:cut]), snappy_part(raw[cut:])])
-            answer = await u.forward(u.prepared_v1(encoded, COUNTS))
+            answer = await u.forward(u.prepared(encoded, Protocol.V1, COUNTS))
         else:
             answer = await u.send(raw, Protocol.V1)
     assert answer.status == 204, answer.body

@@ -43,19 +43,28 @@ typedef struct {
     uint64_t off;      /* its copy offset; 0: a literal */
 } Reader;
 
+static inline uint32_t
+load32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* The next element; 0 at the end of the block or on anything malformed (*bad set). */
-static int
+static inline int
 rd_next(Reader *r, int *bad)
 {
+    static const uint32_t MASK[5] = {0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF};
     r->pos = r->end;
-    if (r->cp >= r->cn)
+    size_t cp = r->cp;
+    if (cp >= r->cn)
         return 0;
     const uint8_t *c = r->c;
-    size_t left = r->cn - r->cp - 1;
-    uint8_t tag = c[r->cp++];
+    size_t left = r->cn - cp - 1;
+    uint8_t tag = c[cp++];
     uint64_t len, off = 0;
-    switch (tag & 3) {
-    case 0: {
+    if ((tag & 3) == 0) {
         uint64_t x = tag >> 2;
         if (x >= 60) {
             size_t nb = (size_t)x - 59;
@@ -63,43 +72,36 @@ rd_next(Reader *r, int *bad)
                 goto bad;
             x = 0;
             for (size_t i = 0; i < nb; i++)
-                x |= (uint64_t)c[r->cp + i] << (8 * i);
-            r->cp += nb;
+                x |= (uint64_t)c[cp + i] << (8 * i);
+            cp += nb;
             left -= nb;
         }
         len = x + 1;
         if (left < len)
             goto bad;
-        r->cp += (size_t)len;
-        break;
+        cp += (size_t)len;
+    } else {
+        /* copy-1: 1 byte of offset (3 more bits in the tag), copy-2: 2, copy-4: 4 */
+        size_t nb = (tag & 3) == 3 ? 4 : (tag & 3);
+        if (left < nb)
+            goto bad;
+        uint32_t v = left >= 4 ? load32(c + cp) : (uint32_t)c[cp] |
+                     (nb > 1 ? (uint32_t)c[cp + 1] << 8 : 0);
+        v &= MASK[nb];
+        if ((tag & 3) == 1) {
+            len = 4 + ((tag >> 2) & 7);
+            off = ((uint64_t)(tag >> 5) << 8) | v;
+        } else {
+            len = 1 + (tag >> 2);
+            off = v;
+        }
+        cp += nb;
+        if (off == 0 || off > r->pos)
+            goto bad;
     }
-    case 1:
-        if (left < 1)
-            goto bad;
-        len = 4 + ((tag >> 2) & 7);
-        off = ((uint64_t)(tag >> 5) << 8) | c[r->cp];
-        r->cp += 1;
-        break;
-    case 2:
-        if (left < 2)
-            goto bad;
-        len = 1 + (tag >> 2);
-        off = c[r->cp] | (uint64_t)c[r->cp + 1] << 8;
-        r->cp += 2;
-        break;
-    default:
-        if (left < 4)
-            goto bad;
-        len = 1 + (tag >> 2);
-        off = c[r->cp] | (uint64_t)c[r->cp + 1] << 8 | (uint64_t)c[r->cp + 2] << 16 |
-              (uint64_t)c[r->cp + 3] << 24;
-        r->cp += 4;
-        break;
-    }
-    if ((tag & 3) && (off == 0 || off > r->pos))
-        goto bad;
     if (len > r->declared - r->pos)
         goto bad;
+    r->cp = cp;
     r->end = r->pos + len;
     r->off = off;
     return 1;
@@ -111,9 +113,10 @@ bad:
 /* ------------------------------------------------------------------------------------ */
 /* the output                                                                           */
 
+/* 16 bytes (positions are below 2^32: snappy's limit), four to a cache line */
 typedef struct {
-    uint64_t in_start, in_end, out_start;
-    size_t span; /* the span it comes from */
+    uint32_t in_start, in_end, out_start;
+    uint32_t span; /* the span it comes from */
 } Range;
 
 /* new bytes written so far, by hash (a direct-mapped table: a collision forgets) */
@@ -407,7 +410,8 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
         if (b < 0x80)
             break;
     }
-    if (declared > UINT32_MAX || declared < (uint64_t)base + raw_len || out_len > UINT32_MAX)
+    if (declared >= UINT32_MAX || declared < (uint64_t)base + raw_len ||
+        out_len >= UINT32_MAX || nspans >= UINT32_MAX)
         return 0;
     rd.declared = declared;
 
@@ -422,10 +426,10 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
         uintptr_t p = (uintptr_t)spans[i].p;
         if (spans[i].n && p >= lo && p <= hi && spans[i].n <= hi - p &&
             base + (p - lo) >= kept_to) {
-            rg[nr].in_start = base + (p - lo);
-            rg[nr].in_end = rg[nr].in_start + spans[i].n;
-            rg[nr].out_start = opos;
-            rg[nr].span = i;
+            rg[nr].in_start = (uint32_t)(base + (p - lo));
+            rg[nr].in_end = (uint32_t)(rg[nr].in_start + spans[i].n);
+            rg[nr].out_start = (uint32_t)opos;
+            rg[nr].span = (uint32_t)i;
             kept_to = rg[nr].in_end;
             nr++;
         }
@@ -435,8 +439,8 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
         free(rg);
         return 0;
     }
-    rg[nr].in_start = rg[nr].in_end = UINT64_MAX; /* a sentinel: "the next kept range" */
-    rg[nr].span = nspans;
+    rg[nr].in_start = rg[nr].in_end = UINT32_MAX; /* a sentinel: "the next kept range" */
+    rg[nr].span = UINT32_MAX;
 
     if (nr > INT32_MAX) {
         free(rg);
@@ -490,15 +494,21 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
                     break;
                 }
                 size_t m = (size_t)((rd.end < b ? rd.end : b) - a);
-                if (rd.off == 0)
+                if (rd.off == 0) {
                     lit(w, raw + (a - base), m);
-                else if (a - rd.off >= rg[k].in_start && m >= 4 &&
-                         (size_t)(w->end - w->p) >= 8) {
-                    /* the source in this kept range too: the copy as it was (m <= 64) */
-                    flush(w);
-                    copy_one(w, rd.off, m);
-                } else
-                    copy_piece(w, a - rd.off, a, m, opos);
+                } else {
+                    /* the usual copy: its source all in one kept range, 4-64 bytes */
+                    uint64_t src = a - rd.off;
+                    long j = src >= rg[k].in_start ? (long)k : range_at(w, src);
+                    uint64_t d;
+                    if (j >= 0 && src + m <= rg[j].in_end && m >= 4 &&
+                        (d = opos - (rg[j].out_start + (src - rg[j].in_start))) < 65536 &&
+                        (size_t)(w->end - w->p) >= 8) {
+                        flush(w);
+                        copy_one(w, d, m);
+                    } else
+                        copy_piece(w, src, a, m, opos);
+                }
                 a += m;
                 opos += m;
             }

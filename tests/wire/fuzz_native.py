@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cramjam
+import snappy
+
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # run as a script: make ``proxy`` importable from the tree
     sys.path.insert(0, str(_ROOT))
@@ -50,7 +53,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
 from proxy.wire.native import Splicer, native_available  # noqa: E402
 from proxy.wire.plan import SplicePlan, SpliceResult  # noqa: E402
-from proxy.wire.primitives import encode_uvarint  # noqa: E402
+from proxy.wire.primitives import Protocol, encode_uvarint  # noqa: E402
 
 # -- wire encoding ------------------------------------------------------------------------
 
@@ -1091,15 +1094,21 @@ def leak_check(setups: list[Setup], corpus: list[tuple[int, bytes]], rnd: random
         print("LEAK: table reference counts grew", file=sys.stderr)
         ok = False
 
+    blocks = [bytes(cramjam.snappy.compress_raw(raw)) for _, raw in inputs]
+
     def run(n: int) -> None:
         k = 0
         while k < n:
             for sp in pairs:
-                for version, raw in inputs:
+                for (version, raw), block in zip(inputs, blocks, strict=True):
                     fresh = bytes(bytearray(raw))
                     fn = sp.splice_v1 if version == 1 else sp.splice_v2
                     with contextlib.suppress(DecodeError):
-                        fn(fresh)
+                        if k % 2:
+                            fn(fresh)
+                        else:  # the output as a snappy block made from the sender's
+                            sp.splice_snappy(Protocol.V1 if version == 1 else Protocol.V2,
+                                             fresh, block)
                     k += 1
                     if k >= n:
                         return
@@ -1131,7 +1140,7 @@ def fuzz(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     deadline = start + args.seconds
-    iterations = compared = errors = changed = 0
+    iterations = compared = errors = changed = edits = 0
     rss_warm: int | None = None
     warm_at = max(1000, min(20_000, args.max_iterations // 10))
     kinds: dict[str, int] = {}
@@ -1157,6 +1166,23 @@ def fuzz(args: argparse.Namespace) -> int:
                 return 1
         elif not nat.same_object:
             changed += 1
+        if nat.ok and iterations % args.edit_every == 0:
+            # the output as a snappy block made from the sender's: a true block must
+            # decode to the body; a damaged one must never crash (it is used or not)
+            block = bytes(cramjam.snappy.compress_raw(raw))
+            if rnd.random() < 0.3:
+                block = mutate(block, rnd)
+            protocol = Protocol.V1 if version == 1 else Protocol.V2
+            try:
+                edited = native.splice_snappy(protocol, raw, block)
+            except DecodeError:
+                edited = None
+            edits += 1
+            if edited is None or (block == bytes(cramjam.snappy.compress_raw(raw))
+                                  and snappy.uncompress(edited.body) != nat.body):
+                print(f"EDIT MISMATCH: RW {version}.0, setup {setups[si].name}, "
+                      f"input {raw.hex()}, block {block.hex()}", file=sys.stderr)
+                return 1
         if iterations % args.compare_every == 0 or (nat.ok and rnd.random() < 0.02):
             py = outcome(python.splice_v1 if version == 1 else python.splice_v2, raw)
             compared += 1
@@ -1177,7 +1203,8 @@ def fuzz(args: argparse.Namespace) -> int:
     gc.collect()
     rss_end = rss_bytes()
     print(f"fuzz: {iterations} iterations in {elapsed:.1f} s ({iterations / elapsed:,.0f}/s), "
-          f"{compared} compared with the Python splice, {changed} changed bodies, "
+          f"{compared} compared with the Python splice, {edits} as snappy blocks, "
+          f"{changed} changed bodies, "
           f"{errors} refused: {dict(sorted(kinds.items()))}", flush=True)
     ok = True
     if rss_warm is not None:
@@ -1218,6 +1245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", type=int, default=400, help="generated seed requests")
     p.add_argument("--compare-every", type=int, default=8,
                    help="splice every n-th input with the Python reference too")
+    p.add_argument("--edit-every", type=int, default=4,
+                   help="splice every n-th valid input to a snappy block too (_snappy_edit.c)")
     p.add_argument("--rss-limit-mb", type=float, default=20.0,
                    help="RSS growth allowed from the warm-up to the end of the fuzz loop")
     p.add_argument("--leak-calls", type=int, default=200_000,

@@ -1,0 +1,79 @@
+"""Snappy blocks of every shape a sender may write, for the compressed-domain splice
+(``proxy/wire/_snappy_edit.c``) to take apart: literals of 1 byte to several KiB (tags of
+one to four length bytes), copy-1, copy-2 and copy-4 elements, overlapping copies (offset
+below the length), copies of 1-3 bytes (legal, though no common encoder writes them),
+and offsets far back. cramjam's own encoder (what python-snappy and Rust senders write)
+makes only some of these, and small blocks never reach copy-4.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _literal(data: bytes) -> bytes:
+    x = len(data) - 1
+    if x < 60:
+        return bytes([x << 2]) + data
+    nb = (x.bit_length() + 7) // 8
+    return bytes([(59 + nb) << 2]) + x.to_bytes(nb, "little") + data
+
+
+def _copy(offset: int, length: int, kind: int) -> bytes:
+    if kind == 1:
+        return bytes([1 | (length - 4) << 2 | (offset >> 8) << 5, offset & 0xFF])
+    if kind == 2:
+        return bytes([2 | (length - 1) << 2]) + offset.to_bytes(2, "little")
+    return bytes([3 | (length - 1) << 2]) + offset.to_bytes(4, "little")
+
+
+def random_block(data: bytes, rnd: random.Random) -> bytes:
+    """A valid snappy block of ``data`` whose elements are chosen at random: at each
+    position a copy where some earlier position (a 4-byte match remembered, or the byte
+    before: runs) repeats what follows, else a literal of random length."""
+    out = bytearray(_varint(len(data)))
+    last: dict[bytes, int] = {}
+    i = 0
+    n = len(data)
+    while i < n:
+        candidates = []
+        gram = data[i:i + 4]
+        if len(gram) == 4 and gram in last:
+            candidates.append(i - last[gram])
+        if i >= 1:
+            candidates.append(1)
+        if i >= 2:
+            candidates.append(rnd.randint(1, i))
+        best = (0, 0)
+        for d in candidates:
+            k = 0
+            while k < 64 and i + k < n and data[i + k] == data[i + k - d]:
+                k += 1
+            if k > best[1]:
+                best = (d, k)
+        d, k = best
+        if k and rnd.random() < 0.85:
+            k = rnd.randint(1, k) if rnd.random() < 0.2 else k
+            kinds = [3]
+            if d < 65536:
+                kinds.append(2)
+            if d < 2048 and 4 <= k <= 11:
+                kinds.append(1)
+            out += _copy(d, k, rnd.choice(kinds))
+            step = k
+        else:
+            step = min(n - i, rnd.choice([1, 2, 5, 17, 60, 61, 200, 300, 5000]))
+            out += _literal(data[i:i + step])
+        for j in range(i, min(i + step, n - 3)):
+            last[data[j:j + 4]] = j
+        i += step
+    return bytes(out)

@@ -1,0 +1,204 @@
+"""The splice's output as a snappy block made from the sender's block
+(``Splicer.splice_snappy``, ``proxy/wire/_snappy_edit.c``), against the reference.
+
+The contract: for a block that decodes to the request (``raw``, or the part of it from
+``base``), the native splice answers a snappy block (``encoded``) that decodes, with any
+strict decoder, to exactly the body the pure-Python splice makes of ``raw``; its counts
+and tallies are the reference's. A block that does not hold together (truncated, a
+declared length short of the request, an element that reads past it) is not used: the
+body is then compressed as before, and is still the reference's. Nothing here may crash
+or read out of bounds (the bounded fuzz run, ``fuzz_native.py``, tries that too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import cramjam
+import pytest
+import snappy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.compression import block_part, join_snappy
+from proxy.wire.native import Splicer, native_available, split_v1
+from proxy.wire.primitives import Protocol
+from tests.wire.fuzz_native import (
+    WIDE_PODS,
+    Gen,
+    Setup,
+    encode,
+    random_setup,
+    splicers,
+)
+from tests.wire.snappy_blocks import random_block
+from tests.wire.test_native_differential import SETTINGS, examples, randoms
+
+if not native_available():
+    pytest.skip("the native splice is not built", allow_module_level=True)
+
+PROTOCOLS = {1: Protocol.V1, 2: Protocol.V2}
+
+
+def sender_block(raw: bytes, rnd: random.Random) -> bytes:
+    """A block as a sender might write it: cramjam's encoder, or one of any shape."""
+    if rnd.random() < 0.5:
+        return bytes(cramjam.snappy.compress_raw(raw))
+    return random_block(raw, rnd)
+
+
+def reference_body(python: Splicer, version: int, raw: bytes) -> bytes:
+    res = python.splice_v1(raw) if version == 1 else python.splice_v2(raw)
+    return bytes(res.body)
+
+
+def check_edit(native: Splicer, python: Splicer, version: int, raw: bytes, block: bytes
+               ) -> bytes:
+    """The native block decodes to the reference body; counts and tallies agree."""
+    protocol = PROTOCOLS[version]
+    ref = python.splice_v1(raw) if version == 1 else python.splice_v2(raw)
+    got = native.splice_snappy(protocol, raw, block)
+    assert got.encoded, f"a consistent block was not used: {raw.hex()}"
+    decoded = snappy.uncompress(got.body)
+    assert decoded == bytes(ref.body), (
+        f"RW {version}.0: the edited block decodes to other bytes\ninput: {raw.hex()}\n"
+        f"block: {block.hex()}\nnative: {got.body.hex()}")
+    assert (got.counts, got.attributed, got.unattributed, got.stripped) == (
+        ref.counts, ref.attributed, ref.unattributed, ref.stripped)
+    if bytes(ref.body) == raw:  # nothing changed: the sender's block goes out as it came
+        assert got.body is block or snappy.uncompress(got.body) == raw
+    return got.body
+
+
+@SETTINGS
+@given(rnd=randoms, setup_rnd=randoms, version=st.sampled_from([1, 2]))
+def test_edited_blocks_decode_to_the_reference(rnd: random.Random, setup_rnd: random.Random,
+                                               version: int) -> None:
+    gen = Gen(rnd)
+    raw = encode(gen.request_v1() if version == 1 else gen.request_v2())
+    native, python = splicers(random_setup(setup_rnd))
+    check_edit(native, python, version, raw, sender_block(raw, rnd))
+
+
+@settings(SETTINGS, max_examples=examples(60))
+@given(rnd=randoms, setup_rnd=randoms, version=st.sampled_from([1, 2]))
+def test_wide_requests_with_many_stamps(rnd: random.Random, setup_rnd: random.Random,
+                                        version: int) -> None:
+    # many series of many pods: stamps written again as copies of their first, by field
+    gen = Gen(rnd, huge=False, pods=WIDE_PODS, series=(100, 500))
+    raw = encode(gen.request_v1() if version == 1 else gen.request_v2())
+    native, python = splicers(random_setup(setup_rnd, WIDE_PODS))
+    check_edit(native, python, version, raw, sender_block(raw, rnd))
+
+
+@settings(SETTINGS, max_examples=examples(300))
+@given(rnd=randoms, setup_rnd=randoms, pieces=st.integers(2, 5))
+def test_parts_from_one_block_join_to_the_whole(rnd: random.Random, setup_rnd: random.Random,
+                                                pieces: int) -> None:
+    # the handler's requests in parts: each part's block made from the whole request's
+    # block at the part's offset, the blocks joined behind one preamble
+    raw = encode(Gen(rnd, huge=False).request_v1())
+    block = sender_block(raw, rnd)
+    native, python = splicers(random_setup(setup_rnd))
+    cuts = split_v1(raw, pieces)
+    parts = []
+    for a, b in itertools.pairwise([0, *cuts, len(raw)]):
+        got = native.splice_snappy(Protocol.V1, raw[a:b], block, a)
+        assert got.encoded
+        parts.append(block_part(got.body))
+    joined = join_snappy(parts)
+    assert snappy.uncompress(joined) == reference_body(python, 1, raw)
+
+
+def _broken(block: bytes, rnd: random.Random) -> bytes:
+    how = rnd.choice(["truncate", "short", "garbage", "flip"])
+    if how == "truncate":
+        return block[:rnd.randrange(len(block))]
+    if how == "short":  # a declared length short of the request
+        return b"\x01" + block[len(snappy.compress(b"")) :]
+    if how == "garbage":
+        return bytes(rnd.randrange(256) for _ in range(rnd.randint(0, 40)))
+    b = bytearray(block)
+    b[rnd.randrange(len(b))] ^= 1 << rnd.randrange(8)
+    return bytes(b)
+
+
+@settings(SETTINGS, max_examples=examples(400))
+@given(rnd=randoms, setup_rnd=randoms, version=st.sampled_from([1, 2]))
+def test_a_block_that_does_not_hold_is_not_used(rnd: random.Random, setup_rnd: random.Random,
+                                                version: int) -> None:
+    # never a crash or a read past its end; when the edit cannot use it, the body is
+    # compressed as before: the reference's all the same
+    gen = Gen(rnd, huge=False)
+    raw = encode(gen.request_v1() if version == 1 else gen.request_v2())
+    native, python = splicers(random_setup(setup_rnd))
+    block = _broken(sender_block(raw, rnd), rnd)
+    got = native.splice_snappy(PROTOCOLS[version], raw, block)
+    if got.encoded and got.body is block:
+        return  # nothing to change: the block went out as the sender sent it
+    if got.encoded:
+        # the block held together (a flipped literal byte): the edit trusts the caller's
+        # promise that it decodes to raw, so only its framing is checked here
+        snappy.uncompress(got.body)
+        return
+    assert snappy.uncompress(got.body) == reference_body(python, version, raw)
+
+
+def test_an_unchanged_request_goes_out_as_the_sender_compressed_it() -> None:
+    # no pod in the table: nothing to stamp, so the sender's own block is the answer
+    setup = random_setup(random.Random(3))
+    empty = Splicer(setup.plan, "native")
+    raw = _field(1, _field(1, _field(1, b"__name__") + _field(2, b"up"))
+                 + _field(2, b"\x09" + bytes(8) + b"\x10\x01"))
+    block = snappy.compress(raw)
+    got = empty.splice_snappy(Protocol.V1, raw, block)
+    assert got.encoded and got.body is block
+
+
+def test_the_python_splice_answers_a_compressed_body_too() -> None:
+    rnd = random.Random(5)
+    setup = random_setup(rnd)
+    _, python = splicers(setup)
+    raw = encode(Gen(rnd).request_v1())
+    got = python.splice_snappy(Protocol.V1, raw, snappy.compress(raw))
+    assert snappy.uncompress(got.body) == reference_body(python, 1, raw)
+
+
+def test_realistic_stamps_cost_little_next_to_compressing_again() -> None:
+    # 2,000 series of 200 pods of 20 workloads, in random order: the edited block is
+    # within 15% of what compressing the spliced body again gives
+    rnd = random.Random(11)
+    pods = [(f"ns{w % 5}", f"wl{w}-{i}") for w in range(20) for i in range(10)]
+    answers = [(ns.encode(), pod.encode(), (
+        ("karta_component", "worker"), ("karta_kind", "Deployment"),
+        ("karta_namespace", ns), ("karta_workload", pod.rsplit("-", 1)[0])))
+        for ns, pod in pods]
+    base_setup = random_setup(random.Random(1))
+    setup = Setup("realistic", base_setup.plan, answers)
+    native, python = splicers(setup)
+    series = []
+    for _ in range(2000):
+        ns, pod = rnd.choice(pods)
+        labels = sorted({b"__name__": b"container_cpu_usage_seconds_total",
+                         b"container": b"app", b"namespace": ns.encode(),
+                         b"pod": pod.encode(), b"node": b"node-%d" % rnd.randrange(50),
+                         b"id": b"/kubepods/burstable/pod%032x" % rnd.getrandbits(128)}.items())
+        lab = b"".join(_field(1, _field(1, k) + _field(2, v)) for k, v in labels)
+        sample = _field(2, b"\x09" + rnd.randbytes(8) + b"\x10" + b"\x01")
+        series.append(_field(1, lab + sample))
+    raw = b"".join(series)
+    block = snappy.compress(raw)
+    edited = check_edit(native, python, 1, raw, block)
+    again = snappy.compress(reference_body(python, 1, raw))
+    assert len(edited) <= 1.15 * len(again), (len(edited), len(again), len(block))
+
+
+def _field(num: int, payload: bytes) -> bytes:
+    n = len(payload)
+    head = bytearray([num << 3 | 2])
+    while n >= 0x80:
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return bytes(head) + payload
