@@ -170,7 +170,8 @@ def test_realistic_stamps_cost_little_next_to_compressing_again() -> None:
     # within 15% of what compressing the spliced body again gives
     rnd = random.Random(11)
     pods = [(f"ns{w % 5}", f"wl{w}-{i}") for w in range(20) for i in range(10)]
-    answers = [(ns.encode(), pod.encode(), (
+    answers: list[tuple[bytes, bytes, tuple[tuple[str, str], ...] | str]] = [
+        (ns.encode(), pod.encode(), (
         ("karta_component", "worker"), ("karta_kind", "Deployment"),
         ("karta_namespace", ns), ("karta_workload", pod.rsplit("-", 1)[0])))
         for ns, pod in pods]
