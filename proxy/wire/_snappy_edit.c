@@ -142,6 +142,7 @@ typedef struct {
     size_t nr;
     const int32_t *idx;
     const uint8_t *raw;
+    size_t raw_len;
     uint64_t base;
     Seen seen[SEEN_SLOTS];
 } Writer;
@@ -159,6 +160,22 @@ lit(Writer *w, const uint8_t *p, size_t n)
         w->lit_tag = w->p++;
     memcpy(w->p, p, n);
     w->p += n;
+}
+
+/* n bytes of the decoded input at offset off (a literal of the sender's, or a piece of a
+ * copy that has no source in the output): short ones as one 16-byte move where the input
+ * and the output have the room (the bytes past n are overwritten by what follows). */
+static inline void
+lit_raw(Writer *w, size_t off, size_t n)
+{
+    if (n <= 16 && off + 16 <= w->raw_len && (size_t)(w->end - w->p) >= 16 + 6) {
+        if (w->lit_tag == NULL)
+            w->lit_tag = w->p++;
+        memcpy(w->p, w->raw + off, 16);
+        w->p += n;
+        return;
+    }
+    lit(w, w->raw + off, n);
 }
 
 static inline void
@@ -258,7 +275,7 @@ copy_piece(Writer *w, uint64_t src, uint64_t dst_in, size_t m, uint64_t dst_out)
             /* bytes the output does not carry: up to the next kept range, as literals */
             uint64_t next = w->rg[j + 1].in_start; /* a kept range: dst_in's, or before */
             take = next - src < m ? (size_t)(next - src) : m;
-            lit(w, w->raw + (dst_in - w->base), take);
+            lit_raw(w, (size_t)(dst_in - w->base), take);
         } else {
             const Range *g = &w->rg[j];
             take = g->in_end - src < m ? (size_t)(g->in_end - src) : m;
@@ -266,7 +283,7 @@ copy_piece(Writer *w, uint64_t src, uint64_t dst_in, size_t m, uint64_t dst_out)
             if (take >= 4 && (d < 65536 || take >= 8) && d <= UINT32_MAX)
                 copy(w, d, take);
             else
-                lit(w, w->raw + (dst_in - w->base), take);
+                lit_raw(w, (size_t)(dst_in - w->base), take);
         }
         src += take;
         dst_in += take;
@@ -385,6 +402,120 @@ new_bytes(Writer *w, const uint8_t *p, size_t n, uint64_t out)
     }
 }
 
+/* Elements of the block that lie whole inside kept range k (ending at b), from the reader's
+ * current one (parsed, not yet written; it starts at output position opos), written as they
+ * were, a copy's offset moved, for as long as nothing is unusual: a literal over 64 bytes,
+ * a copy-4, a copy whose source is not in one kept range or lands 64 KiB back or more, an
+ * element past b. Then the reader is left on the element not taken (parsed again by the
+ * general path); returns the input position reached (the reader's pos: no progress when
+ * the first element is unusual). */
+static uint64_t
+keep_run(Writer *w, Reader *rd, size_t k, uint64_t b)
+{
+    const Range *rg = w->rg;
+    const uint8_t *c = rd->c;
+    const size_t cn = rd->cn;
+    const int64_t delta_k = (int64_t)rg[k].out_start - (int64_t)rg[k].in_start;
+    /* the current element: [pos, end), copy offset off (0: literal), the block after it cp;
+     * its tag at tag_at */
+    uint64_t pos = rd->pos, end = rd->end, off = rd->off;
+    size_t cp = rd->cp, tag_at = cp;
+    int parsed = 1;
+    uint8_t *o = w->p;
+    uint8_t *const limit = w->end - 80; /* room for one element and a literal tag */
+    while (end <= b) {
+        size_t len = (size_t)(end - pos);
+        if (o >= limit)
+            break;
+        if (off == 0) {
+            if (len > 64)
+                break;
+            if (w->lit_tag == NULL)
+                w->lit_tag = o++;
+            const uint8_t *src = c + cp - len; /* a literal's bytes end where cp starts */
+            if (len <= 16 && cp - len + 16 <= cn)
+                memcpy(o, src, 16); /* the bytes past len are overwritten after */
+            else
+                memcpy(o, src, len);
+            o += len;
+        } else {
+            uint64_t s = pos - off;
+            long j = (long)k;
+            if (s < rg[k].in_start)
+                j = range_at(w, s);
+            if (j < 0 || s + len > rg[j].in_end || len < 4)
+                break;
+            uint64_t d = (uint64_t)((int64_t)off + delta_k -
+                                    ((int64_t)rg[j].out_start - (int64_t)rg[j].in_start));
+            if (d >= 65536)
+                break;
+            if (w->lit_tag != NULL) {
+                w->p = o;
+                flush(w);
+                o = w->p;
+            }
+            if (len <= 11 && d < 2048) {
+                o[0] = (uint8_t)(1 | ((len - 4) << 2) | ((d >> 8) << 5));
+                o[1] = (uint8_t)d;
+                o += 2;
+            } else {
+                o[0] = (uint8_t)(2 | ((len - 1) << 2));
+                o[1] = (uint8_t)d;
+                o[2] = (uint8_t)(d >> 8);
+                o += 3;
+            }
+        }
+        /* written: parse the next one */
+        pos = end;
+        parsed = 0;
+        tag_at = cp;
+        if (cp >= cn)
+            break;
+        uint8_t tag = c[cp];
+        size_t left = cn - cp - 1;
+        if ((tag & 3) == 0) {
+            len = (size_t)(tag >> 2) + 1;
+            if (len > 60 || left < len)
+                break;
+            off = 0;
+            cp += 1 + len;
+        } else if ((tag & 3) == 1) {
+            if (left < 1)
+                break;
+            len = 4 + ((tag >> 2) & 7);
+            off = ((size_t)(tag >> 5) << 8) | c[cp + 1];
+            cp += 2;
+        } else if ((tag & 3) == 2) {
+            if (left < 2)
+                break;
+            len = 1 + (tag >> 2);
+            off = (size_t)c[cp + 1] | (size_t)c[cp + 2] << 8;
+            cp += 3;
+        } else
+            break;
+        if (off > pos || (off == 0 && (tag & 3)) || len > rd->declared - pos) {
+            cp = tag_at; /* malformed: the general path says so */
+            break;
+        }
+        end = pos + len;
+        parsed = 1;
+    }
+    w->p = o;
+    if (parsed) {
+        /* the element [pos, end) parsed and not written */
+        rd->pos = pos;
+        rd->end = end;
+        rd->off = off;
+        rd->cp = cp;
+    } else {
+        /* everything before pos written; the next element's tag at tag_at */
+        rd->pos = rd->end = pos;
+        rd->off = 0;
+        rd->cp = tag_at;
+    }
+    return pos;
+}
+
 size_t
 snappy_edit_bound(size_t out_len)
 {
@@ -467,6 +598,7 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
     w->rg = rg;
     w->nr = nr;
     w->raw = raw;
+    w->raw_len = raw_len;
     w->base = base;
     if (out_cap < 5) {
         w->failed = 1;
@@ -493,22 +625,20 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
                     bad = 1;
                     break;
                 }
-                size_t m = (size_t)((rd.end < b ? rd.end : b) - a);
-                if (rd.off == 0) {
-                    lit(w, raw + (a - base), m);
-                } else {
-                    /* the usual copy: its source all in one kept range, 4-64 bytes */
-                    uint64_t src = a - rd.off;
-                    long j = src >= rg[k].in_start ? (long)k : range_at(w, src);
-                    uint64_t d;
-                    if (j >= 0 && src + m <= rg[j].in_end && m >= 4 &&
-                        (d = opos - (rg[j].out_start + (src - rg[j].in_start))) < 65536 &&
-                        (size_t)(w->end - w->p) >= 8) {
-                        flush(w);
-                        copy_one(w, d, m);
-                    } else
-                        copy_piece(w, src, a, m, opos);
+                if (rd.pos == a && rd.end <= b) {
+                    /* whole elements inside the kept range, the usual case */
+                    uint64_t to = keep_run(w, &rd, k, b);
+                    if (to > a) {
+                        opos += to - a;
+                        a = to;
+                        continue;
+                    }
                 }
+                size_t m = (size_t)((rd.end < b ? rd.end : b) - a);
+                if (rd.off == 0)
+                    lit_raw(w, (size_t)(a - base), m);
+                else
+                    copy_piece(w, a - rd.off, a, m, opos);
                 a += m;
                 opos += m;
             }
