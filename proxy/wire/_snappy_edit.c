@@ -292,23 +292,27 @@ copy_piece(Writer *w, uint64_t src, uint64_t dst_in, size_t m, uint64_t dst_out)
     }
 }
 
+/* A hash of new bytes from their length and their first, middle and last 8 bytes only: a
+ * table hit is checked byte for byte anyway, and two stamps, fields or values that differ
+ * (a workload, a namespace such as team-app-env) differ in one of those nearly always. So
+ * a lookup costs the same for any size. */
 static inline uint64_t
 hash_new(const uint8_t *s, size_t n)
 {
-    uint64_t h = 0x9E3779B97F4A7C15ULL ^ n;
-    while (n >= 8) {
-        uint64_t x;
-        memcpy(&x, s, 8);
-        h = (h ^ x) * 0xff51afd7ed558ccdULL;
-        h ^= h >> 31;
-        s += 8;
-        n -= 8;
+    uint64_t a, b, m;
+    if (n >= 8) {
+        memcpy(&a, s, 8);
+        memcpy(&m, s + n / 2 - 4, 8);
+        memcpy(&b, s + n - 8, 8);
+    } else {
+        a = b = m = 0;
+        for (size_t i = 0; i < n; i++)
+            a |= (uint64_t)s[i] << (8 * i);
     }
-    uint64_t x = 0;
-    for (size_t i = 0; i < n; i++)
-        x |= (uint64_t)s[i] << (8 * i);
-    h = (h ^ x) * 0xc4ceb9fe1a85ec53ULL;
-    return h ^ (h >> 29);
+    uint64_t h = (a ^ (0x9E3779B97F4A7C15ULL * n)) * 0xff51afd7ed558ccdULL;
+    h = (h ^ (h >> 31) ^ m) * 0xc4ceb9fe1a85ec53ULL;
+    h = (h ^ (h >> 29) ^ b) * 0xff51afd7ed558ccdULL;
+    return h ^ (h >> 32);
 }
 
 /* How far back the same n bytes were written in this output (found by their hash), or 0;
