@@ -311,8 +311,11 @@ hash_new(const uint8_t *s, size_t n)
     }
     uint64_t h = (a ^ (0x9E3779B97F4A7C15ULL * n)) * 0xff51afd7ed558ccdULL;
     h = (h ^ (h >> 31) ^ m) * 0xc4ceb9fe1a85ec53ULL;
-    h = (h ^ (h >> 29) ^ b) * 0xff51afd7ed558ccdULL;
-    return h ^ (h >> 32);
+    h ^= (h >> 29) ^ b;
+    /* murmur3's finalizer: every input bit reaches the low bits, the table's index */
+    h = (h ^ (h >> 33)) * 0xff51afd7ed558ccdULL;
+    h = (h ^ (h >> 33)) * 0xc4ceb9fe1a85ec53ULL;
+    return h ^ (h >> 33);
 }
 
 /* How far back the same n bytes were written in this output (found by their hash), or 0;
