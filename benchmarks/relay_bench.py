@@ -975,7 +975,7 @@ def _hc_report(
     if taskset:
         print()
         print(
-            f"scaling ({headline} series per request, {args.senders} sender connections, "
+            f"scaling ({headline} series per request, {args.scaling_senders} sender connections, "
             f"saturating, {len(taskset)} rounds of {args.samples_per_round:,} samples):"
         )
         for k, label in (("karta-proxy", "taskset -c 0,1"), (HC_1CORE, "taskset -c 0")):
@@ -1036,6 +1036,7 @@ def _hc_report(
         "rounds": args.rounds,
         "samples_per_round": args.samples_per_round,
         "senders": args.senders,
+        "scaling_senders": args.scaling_senders,
         "paced": {"requests": args.paced_requests, "rate": args.rate},
         "sizes": out_sizes,
         "taskset": {
@@ -1217,6 +1218,11 @@ def main_high_cardinality(args: argparse.Namespace) -> int:
         taskset: list[dict[str, HcPhase]] = []
         if want_1core and "karta-proxy" in by_key and HC_1CORE in by_key and not stop:
             pair = [by_key["karta-proxy"], by_key[HC_1CORE]]
+            # enough connections that the relay, not the senders' round trips, sets the
+            # pace: with 4, a relay on 2 cores waits on its senders part of the time
+            if args.scaling_senders != args.senders:
+                pool.close()
+                pool = run.pool = load.SenderPool(bodies, args.scaling_senders)
             for i, chunk in enumerate(_chunks(ranges[("taskset", big)], per_round[big])):
                 phases = {}
                 for relay in pair if i % 2 == 0 else pair[::-1]:
@@ -1318,6 +1324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="samples per relay per round and size (default 200000)",
     )
     hc.add_argument("--senders", type=int, default=4, help="sender processes (connections)")
+    hc.add_argument("--scaling-senders", type=int, default=8,
+                    help="sender processes of the 2-core vs 1-core row: enough that the relay, "
+                         "not the senders' round trips, sets the pace")
     hc.add_argument("--rate", type=float, default=20.0, help="requests/s of the paced run")
     hc.add_argument(
         "--paced-requests", type=int, default=None, help="requests per relay of the paced run"
