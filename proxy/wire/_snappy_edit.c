@@ -523,6 +523,20 @@ keep_run(Writer *w, Reader *rd, size_t k, uint64_t b)
     return pos;
 }
 
+int64_t
+snappy_block_length(const uint8_t *block, size_t block_len, size_t *head)
+{
+    uint64_t v = 0;
+    for (size_t i = 0; i < 5 && i < block_len; i++) {
+        v |= (uint64_t)(block[i] & 0x7F) << (7 * i);
+        if (block[i] < 0x80) {
+            *head = i + 1;
+            return v > UINT32_MAX ? -1 : (int64_t)v;
+        }
+    }
+    return -1;
+}
+
 size_t
 snappy_edit_bound(size_t out_len)
 {
@@ -534,24 +548,17 @@ snappy_edit(const uint8_t *block, size_t block_len, size_t base, const uint8_t *
             size_t raw_len, const EditSpan *spans, size_t nspans, size_t out_len, uint8_t *out,
             size_t out_cap)
 {
-    /* the preamble: the decoded length, a uint32 varint */
+    /* the preamble: the decoded length */
     Reader rd;
     memset(&rd, 0, sizeof rd);
     rd.c = block;
     rd.cn = block_len;
-    uint64_t declared = 0;
-    for (int i = 0;; i++) {
-        if (i == 5 || rd.cp >= block_len)
-            return 0;
-        uint8_t b = block[rd.cp++];
-        declared |= (uint64_t)(b & 0x7F) << (7 * i);
-        if (b < 0x80)
-            break;
-    }
-    if (declared >= UINT32_MAX || declared < (uint64_t)base + raw_len ||
-        out_len >= UINT32_MAX || nspans >= UINT32_MAX)
+    int64_t declared = snappy_block_length(block, block_len, &rd.cp);
+    if (declared < 0 || (uint64_t)declared >= UINT32_MAX ||
+        (uint64_t)declared < (uint64_t)base + raw_len || out_len >= UINT32_MAX ||
+        nspans >= UINT32_MAX)
         return 0;
-    rd.declared = declared;
+    rd.declared = (uint64_t)declared;
 
     /* the kept ranges: spans inside raw, in increasing order (any other is new bytes) */
     Range *rg = malloc((nspans + 1) * sizeof(Range));

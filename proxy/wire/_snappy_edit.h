@@ -15,6 +15,10 @@ typedef struct {
     size_t n;
 } EditSpan;
 
+/* The decoded length a snappy block declares (its uint32 varint preamble), with *head set
+ * to the preamble's size; -1 when the preamble is malformed. */
+int64_t snappy_block_length(const uint8_t *block, size_t block_len, size_t *head);
+
 /* The most bytes snappy_edit may write for an output of out_len bytes. */
 size_t snappy_edit_bound(size_t out_len);
 

@@ -3139,14 +3139,9 @@ splice_output(Req *r, const Py_buffer *block, size_t base, size_t n, int *encode
 static size_t
 snappy_declared(const Py_buffer *block)
 {
-    const uint8_t *b = block->buf;
-    uint64_t v = 0;
-    for (Py_ssize_t i = 0; i < 5 && i < block->len; i++) {
-        v |= (uint64_t)(b[i] & 0x7F) << (7 * i);
-        if (b[i] < 0x80)
-            return v > UINT32_MAX ? (size_t)-1 : (size_t)v;
-    }
-    return (size_t)-1;
+    size_t head;
+    int64_t n = snappy_block_length(block->buf, (size_t)block->len, &head);
+    return n < 0 ? (size_t)-1 : (size_t)n;
 }
 
 static PyObject *

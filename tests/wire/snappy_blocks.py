@@ -10,14 +10,7 @@ from __future__ import annotations
 
 import random
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+from proxy.wire.primitives import encode_uvarint
 
 
 def _literal(data: bytes) -> bytes:
@@ -40,7 +33,7 @@ def random_block(data: bytes, rnd: random.Random) -> bytes:
     """A valid snappy block of ``data`` whose elements are chosen at random: at each
     position a copy where some earlier position (a 4-byte match remembered, or the byte
     before: runs) repeats what follows, else a literal of random length."""
-    out = bytearray(_varint(len(data)))
+    out = bytearray(encode_uvarint(len(data)))
     last: dict[bytes, int] = {}
     i = 0
     n = len(data)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from proxy.compression import block_part, join_snappy
 from proxy.wire.native import Splicer, native_available, split_v1
-from proxy.wire.primitives import Protocol
+from proxy.wire.primitives import Protocol, len_field
 from tests.wire.fuzz_native import (
     WIDE_PODS,
     Gen,
@@ -149,8 +149,8 @@ def test_an_unchanged_request_goes_out_as_the_sender_compressed_it() -> None:
     # no pod in the table: nothing to stamp, so the sender's own block is the answer
     setup = random_setup(random.Random(3))
     empty = Splicer(setup.plan, "native")
-    raw = _field(1, _field(1, _field(1, b"__name__") + _field(2, b"up"))
-                 + _field(2, b"\x09" + bytes(8) + b"\x10\x01"))
+    raw = len_field(1, len_field(1, len_field(1, b"__name__") + len_field(2, b"up"))
+                 + len_field(2, b"\x09" + bytes(8) + b"\x10\x01"))
     block = snappy.compress(raw)
     got = empty.splice_snappy(Protocol.V1, raw, block)
     assert got.encoded and got.body is block
@@ -185,21 +185,11 @@ def test_realistic_stamps_cost_little_next_to_compressing_again() -> None:
                          b"container": b"app", b"namespace": ns.encode(),
                          b"pod": pod.encode(), b"node": b"node-%d" % rnd.randrange(50),
                          b"id": b"/kubepods/burstable/pod%032x" % rnd.getrandbits(128)}.items())
-        lab = b"".join(_field(1, _field(1, k) + _field(2, v)) for k, v in labels)
-        sample = _field(2, b"\x09" + rnd.randbytes(8) + b"\x10" + b"\x01")
-        series.append(_field(1, lab + sample))
+        lab = b"".join(len_field(1, len_field(1, k) + len_field(2, v)) for k, v in labels)
+        sample = len_field(2, b"\x09" + rnd.randbytes(8) + b"\x10" + b"\x01")
+        series.append(len_field(1, lab + sample))
     raw = b"".join(series)
     block = snappy.compress(raw)
     edited = check_edit(native, python, 1, raw, block)
     again = snappy.compress(reference_body(python, 1, raw))
     assert len(edited) <= 1.15 * len(again), (len(edited), len(again), len(block))
-
-
-def _field(num: int, payload: bytes) -> bytes:
-    n = len(payload)
-    head = bytearray([num << 3 | 2])
-    while n >= 0x80:
-        head.append(n & 0x7F | 0x80)
-        n >>= 7
-    head.append(n)
-    return bytes(head) + payload
