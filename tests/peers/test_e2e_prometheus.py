@@ -3,6 +3,7 @@ direct path beside it for comparison; PromQL over the real HTTP APIs."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -29,6 +30,7 @@ from tests.peers.conftest import (
     vm_flush,
     wait_until,
 )
+from tests.wire.snappy_blocks import element_kinds, random_block
 
 pytestmark = pytest.mark.peers
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
@@ -202,6 +204,55 @@ async def test_a_request_spliced_in_parts_is_stored_whole(
 
         await wait_until(landed, timeout=15, what=f"{n} stamped series at {base}")
         total = await query(base, "sum(karta_parts_probe)", at / 1000)
+        assert float(total[0]["value"][1]) == n * (n - 1) / 2
+
+
+async def test_sender_blocks_of_every_shape_are_stored_whole(
+    peers: Peers, exporter: FixtureExporter,
+    make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    """The upstream's snappy block is made from the sender's (``_snappy_edit.c``): a
+    sender block of every element shape (long literals, copy-1/2/4, overlapping copies,
+    sources over 64 KiB back) comes out as a block whose copies reach as far, and
+    Prometheus' and VictoriaMetrics' own (Go) decoders read it: every series lands,
+    stamped, with its value."""
+    prom = await peers.prometheus_receiver()
+    vm = await peers.victoria_metrics()
+    pod = next(p for p in exporter.model.pods if p.containers)
+    n = 3000
+    at = int(time.time() * 1000)
+    rnd = random.Random(5)
+    ids = [f"/kubepods/burstable/pod{rnd.getrandbits(128):032x}" for _ in range(n // 2)]
+    req = WriteRequest()
+    for i in range(n):
+        ts = req.timeseries.add()
+        # an id repeats ~100 KiB later (its series another): a copy-4 in the sender's block
+        for k, v in sorted({"__name__": "karta_shapes_probe", "namespace": pod.namespace,
+                            "pod": pod.name, "id": ids[i % len(ids)],
+                            "half": str(i // len(ids))}.items()):
+            ts.labels.add(name=k, value=v)
+        ts.samples.add(value=float(i), timestamp=at)
+    raw: bytes = req.SerializeToString()
+    block = random_block(raw, rnd)
+    assert element_kinds(block)["copy4"] > 100
+    for base in (prom.base_url, vm.base_url):
+        proxy = await make_proxy(base + "/api/v1/write")
+        async with aiohttp.ClientSession() as session, session.post(
+                proxy.write_url, data=block,
+                headers={"Content-Type": "application/x-protobuf",
+                         "Content-Encoding": "snappy"}) as resp:
+            assert resp.status == 204, await resp.text()
+    workload = dict(exporter_stamp(proxy.proxy, pod.namespace, pod.name))["karta_workload"]
+    for base in (prom.base_url, vm.base_url):
+
+        async def landed(base: str = base) -> bool:
+            await vm_flush(vm)
+            got = await query(base, f'count(karta_shapes_probe{{karta_workload="{workload}"}})',
+                              at / 1000)
+            return bool(got) and int(float(got[0]["value"][1])) == n
+
+        await wait_until(landed, timeout=15, what=f"{n} stamped series at {base}")
+        total = await query(base, "sum(karta_shapes_probe)", at / 1000)
         assert float(total[0]["value"][1]) == n * (n - 1) / 2
 
 

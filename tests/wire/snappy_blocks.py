@@ -31,10 +31,12 @@ def _copy(offset: int, length: int, kind: int) -> bytes:
 
 def random_block(data: bytes, rnd: random.Random) -> bytes:
     """A valid snappy block of ``data`` whose elements are chosen at random: at each
-    position a copy where some earlier position (a 4-byte match remembered, or the byte
-    before: runs) repeats what follows, else a literal of random length."""
+    position a copy where some earlier position (a 4-byte match remembered: its last or its
+    first occurrence, so offsets reach far back; or the byte before: runs) repeats what
+    follows, else a literal of random length."""
     out = bytearray(encode_uvarint(len(data)))
     last: dict[bytes, int] = {}
+    first: dict[bytes, int] = {}
     i = 0
     n = len(data)
     while i < n:
@@ -42,6 +44,7 @@ def random_block(data: bytes, rnd: random.Random) -> bytes:
         gram = data[i:i + 4]
         if len(gram) == 4 and gram in last:
             candidates.append(i - last[gram])
+            candidates.append(i - first[gram])
         if i >= 1:
             candidates.append(1)
         if i >= 2:
@@ -68,5 +71,31 @@ def random_block(data: bytes, rnd: random.Random) -> bytes:
             out += _literal(data[i:i + step])
         for j in range(i, min(i + step, n - 3)):
             last[data[j:j + 4]] = j
+            first.setdefault(data[j:j + 4], j)
         i += step
     return bytes(out)
+
+
+def element_kinds(block: bytes) -> dict[str, int]:
+    """How many elements of each kind a snappy block holds (literal, copy1, copy2, copy4)."""
+    p = 0
+    while block[p] & 0x80:
+        p += 1
+    p += 1
+    kinds = {"literal": 0, "copy1": 0, "copy2": 0, "copy4": 0}
+    while p < len(block):
+        tag = block[p]
+        p += 1
+        kind = tag & 3
+        if kind == 0:
+            x = tag >> 2
+            if x >= 60:
+                nb = x - 59
+                x = int.from_bytes(block[p:p + nb], "little")
+                p += nb
+            p += x + 1
+            kinds["literal"] += 1
+        else:
+            p += (1, 2, 4)[kind - 1]
+            kinds[("copy1", "copy2", "copy4")[kind - 1]] += 1
+    return kinds

@@ -32,7 +32,7 @@ from tests.wire.fuzz_native import (
     random_setup,
     splicers,
 )
-from tests.wire.snappy_blocks import random_block
+from tests.wire.snappy_blocks import element_kinds, random_block
 from tests.wire.test_native_differential import SETTINGS, examples, randoms
 
 if not native_available():
@@ -193,3 +193,29 @@ def test_realistic_stamps_cost_little_next_to_compressing_again() -> None:
     edited = check_edit(native, python, 1, raw, block)
     again = snappy.compress(reference_body(python, 1, raw))
     assert len(edited) <= 1.15 * len(again), (len(edited), len(again), len(block))
+
+
+def far_request(n: int = 3000, rnd: random.Random | None = None) -> bytes:
+    """RW 1.0 series of one pod whose `id` values repeat ~100 KiB apart: a sender's copies
+    of them reach further back than a copy-2 can (copy-4)."""
+    rnd = rnd or random.Random(7)
+    ids = [b"/kubepods/burstable/pod%032x" % rnd.getrandbits(128) for _ in range(n // 2)]
+    series = []
+    for i in range(n):
+        labels = sorted({b"__name__": b"container_memory_rss", b"namespace": b"ml",
+                         b"pod": b"train-head", b"id": ids[i % len(ids)]}.items())
+        lab = b"".join(len_field(1, len_field(1, k) + len_field(2, v)) for k, v in labels)
+        series.append(len_field(1, lab + len_field(2, b"\x09" + bytes(8) + b"\x10\x01")))
+    return b"".join(series)
+
+
+def test_far_copies_go_out_as_copy4() -> None:
+    # a source over 64 KiB back, in the sender's block and in ours (the stamps move it)
+    raw = far_request()
+    block = random_block(raw, random.Random(3))
+    assert element_kinds(block)["copy4"] > 100
+    setup = random_setup(random.Random(2))
+    native, python = splicers(Setup("one-pod", setup.plan, [
+        (b"ml", b"train-head", (("karta_workload", "train"), ("karta_kind", "Job")))]))
+    edited = check_edit(native, python, 1, raw, block)
+    assert element_kinds(edited)["copy4"] > 100
