@@ -19,11 +19,11 @@
  * one, the copy goes out with the distance between the two positions in the output; where
  * it lies in bytes the output does not carry (a series' old length, a dropped label, or
  * before this part of the block), those bytes go out as literals, read from the decoded
- * input. New bytes of 16 or more (a stamp) are remembered by their hash, so the same bytes
- * again go out as a copy of the first: a pod's stamp costs 3-5 bytes from its second series
- * on, as a compressor would have found.
+ * input. New bytes (a stamp) are remembered by their hash, so the same bytes again go out
+ * as a copy of the first: a pod's stamp costs 3-5 bytes from its second series on; a
+ * stamp not seen yet goes field by field, then name and value (new_bytes).
  *
- * Memory: the kept ranges (one per kept span), the pending literal's pieces and a fixed
+ * Memory: the kept ranges (one per kept span), a 64-byte block index of them and a fixed
  * table of recent new bytes; freed before return. Nothing depends on the pod table.
  */
 
@@ -152,6 +152,8 @@ typedef struct {
 static inline void
 lit(Writer *w, const uint8_t *p, size_t n)
 {
+    if (n == 0) /* an RW 2.0 symbols span with nothing appended */
+        return;
     if ((size_t)(w->end - w->p) < n + 6) {
         w->failed = 1;
         return;
@@ -185,11 +187,7 @@ flush(Writer *w)
     if (t == NULL)
         return;
     w->lit_tag = NULL;
-    size_t n = (size_t)(w->p - t - 1);
-    if (n == 0) { /* cannot happen: a run starts with its bytes */
-        w->p = t;
-        return;
-    }
+    size_t n = (size_t)(w->p - t - 1); /* >= 1: a run starts with its bytes */
     size_t x = n - 1;
     if (x < 60) {
         *t = (uint8_t)(x << 2);
@@ -410,117 +408,54 @@ new_bytes(Writer *w, const uint8_t *p, size_t n, uint64_t out)
 }
 
 /* Elements of the block that lie whole inside kept range k (ending at b), from the reader's
- * current one (parsed, not yet written; it starts at output position opos), written as they
- * were, a copy's offset moved, for as long as nothing is unusual: a literal over 64 bytes,
- * a copy-4, a copy whose source is not in one kept range or lands 64 KiB back or more, an
- * element past b. Then the reader is left on the element not taken (parsed again by the
- * general path); returns the input position reached (the reader's pos: no progress when
- * the first element is unusual). */
+ * current one (parsed, not yet written), written as they were, a copy's offset moved, for
+ * as long as nothing is unusual: a literal over 64 bytes, a copy whose source is not in one
+ * kept range or lands 64 KiB back or more, an element past b, the end of the block or a
+ * malformed element. The reader is left on the first element not written (the general
+ * path takes it from there); returns the input position reached (no progress when the
+ * first element is unusual). */
 static uint64_t
 keep_run(Writer *w, Reader *rd, size_t k, uint64_t b)
 {
     const Range *rg = w->rg;
-    const uint8_t *c = rd->c;
-    const size_t cn = rd->cn;
     const int64_t delta_k = (int64_t)rg[k].out_start - (int64_t)rg[k].in_start;
-    /* the current element: [pos, end), copy offset off (0: literal), the block after it cp;
-     * its tag at tag_at */
-    uint64_t pos = rd->pos, end = rd->end, off = rd->off;
-    size_t cp = rd->cp, tag_at = cp;
-    int parsed = 1;
+    Reader r = *rd; /* a local copy: kept in registers across the output's byte stores */
+    int bad = 0;    /* the general path finds a malformed element again, and says so */
     uint8_t *o = w->p;
     uint8_t *const limit = w->end - 80; /* room for one element and a literal tag */
-    while (end <= b) {
-        size_t len = (size_t)(end - pos);
-        if (o >= limit)
-            break;
-        if (off == 0) {
+    while (r.end <= b && o < limit) {
+        size_t len = (size_t)(r.end - r.pos);
+        if (r.off == 0) {
             if (len > 64)
                 break;
             if (w->lit_tag == NULL)
                 w->lit_tag = o++;
-            const uint8_t *src = c + cp - len; /* a literal's bytes end where cp starts */
-            if (len <= 16 && cp - len + 16 <= cn)
+            const uint8_t *src = r.c + r.cp - len; /* a literal's bytes end where cp is */
+            if (len <= 16 && r.cp - len + 16 <= r.cn)
                 memcpy(o, src, 16); /* the bytes past len are overwritten after */
             else
                 memcpy(o, src, len);
             o += len;
         } else {
-            uint64_t s = pos - off;
-            long j = (long)k;
-            if (s < rg[k].in_start)
-                j = range_at(w, s);
+            uint64_t s = r.pos - r.off;
+            long j = s >= rg[k].in_start ? (long)k : range_at(w, s);
             if (j < 0 || s + len > rg[j].in_end || len < 4)
                 break;
-            uint64_t d = (uint64_t)((int64_t)off + delta_k -
+            uint64_t d = (uint64_t)((int64_t)r.off + delta_k -
                                     ((int64_t)rg[j].out_start - (int64_t)rg[j].in_start));
             if (d >= 65536)
                 break;
-            if (w->lit_tag != NULL) {
-                w->p = o;
-                flush(w);
-                o = w->p;
-            }
-            if (len <= 11 && d < 2048) {
-                o[0] = (uint8_t)(1 | ((len - 4) << 2) | ((d >> 8) << 5));
-                o[1] = (uint8_t)d;
-                o += 2;
-            } else {
-                o[0] = (uint8_t)(2 | ((len - 1) << 2));
-                o[1] = (uint8_t)d;
-                o[2] = (uint8_t)(d >> 8);
-                o += 3;
-            }
+            w->p = o;
+            flush(w);
+            copy_one(w, d, len);
+            o = w->p;
         }
-        /* written: parse the next one */
-        pos = end;
-        parsed = 0;
-        tag_at = cp;
-        if (cp >= cn)
+        if (!rd_next(&r, &bad))
             break;
-        uint8_t tag = c[cp];
-        size_t left = cn - cp - 1;
-        if ((tag & 3) == 0) {
-            len = (size_t)(tag >> 2) + 1;
-            if (len > 60 || left < len)
-                break;
-            off = 0;
-            cp += 1 + len;
-        } else if ((tag & 3) == 1) {
-            if (left < 1)
-                break;
-            len = 4 + ((tag >> 2) & 7);
-            off = ((size_t)(tag >> 5) << 8) | c[cp + 1];
-            cp += 2;
-        } else if ((tag & 3) == 2) {
-            if (left < 2)
-                break;
-            len = 1 + (tag >> 2);
-            off = (size_t)c[cp + 1] | (size_t)c[cp + 2] << 8;
-            cp += 3;
-        } else
-            break;
-        if (off > pos || (off == 0 && (tag & 3)) || len > rd->declared - pos) {
-            cp = tag_at; /* malformed: the general path says so */
-            break;
-        }
-        end = pos + len;
-        parsed = 1;
     }
     w->p = o;
-    if (parsed) {
-        /* the element [pos, end) parsed and not written */
-        rd->pos = pos;
-        rd->end = end;
-        rd->off = off;
-        rd->cp = cp;
-    } else {
-        /* everything before pos written; the next element's tag at tag_at */
-        rd->pos = rd->end = pos;
-        rd->off = 0;
-        rd->cp = tag_at;
-    }
-    return pos;
+    *rd = r;
+    return r.pos;
 }
 
 int64_t
