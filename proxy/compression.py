@@ -146,14 +146,9 @@ def compress(data: bytes, encoding: str) -> bytes:
 # -- snappy --------------------------------------------------------------------------------
 
 
-def snappy_block(data: bytes) -> bytes:
-    """``data`` as one snappy block (what :func:`compress` makes for ``snappy``)."""
-    return compress(data, "snappy")
-
-
 def snappy_part(data: bytes) -> SnappyPart:
     """One part of a body compressed on its own, to be joined by :func:`join_snappy`."""
-    return block_part(snappy_block(data))
+    return block_part(compress(data, "snappy"))
 
 
 def block_part(block: bytes) -> SnappyPart:

@@ -12,7 +12,7 @@ import logging
 from types import ModuleType
 from typing import Any, Literal
 
-from proxy.compression import DecodeError, snappy_block
+from proxy.compression import DecodeError, compress
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
 from proxy.wire.plan import SplicePlan, SpliceResult
@@ -118,13 +118,13 @@ class Splicer:
         :meth:`splice_v2` answer for ``raw``."""
         if self._compiled is None:
             result = (self.splice_v2(raw) if protocol is Protocol.V2 else self.splice_v1(raw))
-            result.body = snappy_block(result.body)
+            result.body = compress(result.body, "snappy")
             return result
         assert _native is not None
         splice = _native.splice_v2 if protocol is Protocol.V2 else _native.splice_v1
         result = _result(splice(raw, self._compiled, self.table, block, base))
         if not result.encoded:  # a block the edit could not use: compressed as before
-            result.body = snappy_block(result.body)
+            result.body = compress(result.body, "snappy")
         return result
 
 

@@ -19,6 +19,7 @@ from proxy.runtime import Proxy
 from tests.peers.conftest import (
     WORKLOAD_KEY,
     InProcessProxy,
+    Peer,
     Peers,
     close,
     expected_by_workload,
@@ -186,25 +187,11 @@ async def test_a_request_spliced_in_parts_is_stored_whole(
         proxy = await make_proxy(base + "/api/v1/write")
         if proxy.proxy.handler.workers < 2:
             pytest.skip("one usable core: no request is spliced in parts")
-        async with aiohttp.ClientSession() as session, session.post(
-                proxy.write_url, data=snappy.compress(raw),
-                headers={"Content-Type": "application/x-protobuf",
-                         "Content-Encoding": "snappy"}) as resp:
-            assert resp.status == 204, await resp.text()
+        await post_snappy(proxy.write_url, snappy.compress(raw))
     stamp = dict(exporter_stamp(proxy.proxy, pod.namespace, pod.name))
     assert stamp
     workload = stamp["karta_workload"]
-    for base in (prom.base_url, vm.base_url):
-
-        async def landed(base: str = base) -> bool:
-            await vm_flush(vm)
-            got = await query(base, f'count(karta_parts_probe{{karta_workload="{workload}"}})',
-                              at / 1000)
-            return bool(got) and int(float(got[0]["value"][1])) == n
-
-        await wait_until(landed, timeout=15, what=f"{n} stamped series at {base}")
-        total = await query(base, "sum(karta_parts_probe)", at / 1000)
-        assert float(total[0]["value"][1]) == n * (n - 1) / 2
+    await stored_whole(prom.base_url, vm, "karta_parts_probe", workload, n, at)
 
 
 async def test_sender_blocks_of_every_shape_are_stored_whole(
@@ -237,22 +224,33 @@ async def test_sender_blocks_of_every_shape_are_stored_whole(
     assert element_kinds(block)["copy4"] > 100
     for base in (prom.base_url, vm.base_url):
         proxy = await make_proxy(base + "/api/v1/write")
-        async with aiohttp.ClientSession() as session, session.post(
-                proxy.write_url, data=block,
-                headers={"Content-Type": "application/x-protobuf",
-                         "Content-Encoding": "snappy"}) as resp:
-            assert resp.status == 204, await resp.text()
+        await post_snappy(proxy.write_url, block)
     workload = dict(exporter_stamp(proxy.proxy, pod.namespace, pod.name))["karta_workload"]
-    for base in (prom.base_url, vm.base_url):
+    await stored_whole(prom.base_url, vm, "karta_shapes_probe", workload, n, at)
+
+
+async def post_snappy(url: str, block: bytes) -> None:
+    """One RW 1.0 write of a snappy block, answered 204."""
+    async with aiohttp.ClientSession() as session, session.post(
+            url, data=block, headers={"Content-Type": "application/x-protobuf",
+                                      "Content-Encoding": "snappy"}) as resp:
+        assert resp.status == 204, await resp.text()
+
+
+async def stored_whole(prom_url: str, vm: Peer, metric: str, workload: str, n: int,
+                       at: int) -> None:
+    """``n`` series of ``metric``, values 0 .. n - 1 at ``at``, all stamped with
+    ``workload``, in both the Prometheus receiver and VictoriaMetrics."""
+    for base in (prom_url, vm.base_url):
 
         async def landed(base: str = base) -> bool:
             await vm_flush(vm)
-            got = await query(base, f'count(karta_shapes_probe{{karta_workload="{workload}"}})',
+            got = await query(base, f'count({metric}{{karta_workload="{workload}"}})',
                               at / 1000)
             return bool(got) and int(float(got[0]["value"][1])) == n
 
         await wait_until(landed, timeout=15, what=f"{n} stamped series at {base}")
-        total = await query(base, "sum(karta_shapes_probe)", at / 1000)
+        total = await query(base, f"sum({metric})", at / 1000)
         assert float(total[0]["value"][1]) == n * (n - 1) / 2
 
 
