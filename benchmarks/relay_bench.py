@@ -63,7 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from relay import corpus as corpus_mod
 from relay import highcard, load
-from relay.procs import Process, free_port, http_get, peak_rss_bytes, reset_peak_rss
+from relay.procs import (
+    Process,
+    cpu_seconds,
+    free_port,
+    http_get,
+    peak_rss_bytes,
+    reset_peak_rss,
+)
 from relay.workdir import discard_work_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -679,12 +686,21 @@ class HcPhase:
     v2_series: int
     errors: int
     latencies: list[float] = field(default_factory=list)
+    #: CPU of the load's own side in the phase: the sender processes and the relay's sink,
+    #: which share the machine's cores with the relay
+    harness_cpu_seconds: float | None = None
 
     @property
     def cpu_per_million(self) -> float | None:
         if self.cpu_seconds is None or not self.samples:
             return None
         return self.cpu_seconds / self.samples * 1e6
+
+    @property
+    def harness_cpu_per_million(self) -> float | None:
+        if self.harness_cpu_seconds is None or not self.samples:
+            return None
+        return self.harness_cpu_seconds / self.samples * 1e6
 
     @property
     def samples_per_second(self) -> float:
@@ -722,8 +738,10 @@ class HcRun:
         )
         before = relay.stats()
         cpu0 = relay.proc.cpu() if relay.proc is not None else None
+        harness0 = self._harness_cpu(relay)
         res = self.pool.run(relay.port, relay.protocol, items, rate)
         deadline = time.monotonic() + drain_timeout
+        harness1 = self._harness_cpu(relay)  # before /stats: the deferred sink counts then
         after = relay.stats()
         while after["samples"] - before["samples"] < samples and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -744,7 +762,25 @@ class HcRun:
             v2_series=after["v2_series"] - before["v2_series"],
             errors=res.errors + after["errors"] - before["errors"],
             latencies=[x for _, x in res.latencies],
+            harness_cpu_seconds=harness1 - harness0,
         )
+
+    def _harness_cpu(self, relay: HcRelay) -> float:
+        """CPU seconds so far of the senders and of ``relay``'s sink."""
+        return sum(map(cpu_seconds, self.pool.pids)) + relay.upstream.cpu()
+
+
+def _scaling_bound(one_core: float, two_core: float, harness: float, cpus: int) -> float:
+    """The most samples/s a relay on 2 cores can reach over the same relay on 1, on a machine
+    of ``cpus`` cores that also runs the load (senders and sink, ``harness`` CPU-s per M
+    samples): the 1-core relay has its core to itself (rate ``1 / one_core``) while the
+    2-core one shares its two with the load (rate at most ``2 / (two_core + harness)``);
+    a machine with cores to spare for the load is bounded by 2 alone. NaN when unknown."""
+    if math.isnan(one_core) or math.isnan(two_core) or math.isnan(harness) or two_core <= 0:
+        return math.nan
+    if cpus > 2:
+        return 2.0 * one_core / two_core
+    return 2.0 * one_core / (two_core + harness)
 
 
 def _chunks(items: range, n: int) -> list[range]:
@@ -964,6 +1000,7 @@ def _hc_report(
     speedups = []
     rates: dict[str, list[float]] = {"karta-proxy": [], HC_1CORE: []}
     cpu_ts: dict[str, list[float]] = {"karta-proxy": [], HC_1CORE: []}
+    harness: dict[str, list[float]] = {"karta-proxy": [], HC_1CORE: []}
     for r in taskset:
         if "karta-proxy" in r and HC_1CORE in r:
             speedups.append(r["karta-proxy"].samples_per_second / r[HC_1CORE].samples_per_second)
@@ -971,7 +1008,10 @@ def _hc_report(
             rates[k].append(ph.samples_per_second)
             if ph.cpu_per_million is not None:
                 cpu_ts[k].append(ph.cpu_per_million)
+            if ph.harness_cpu_per_million is not None:
+                harness[k].append(ph.harness_cpu_per_million)
     targets["two_core_speedup"] = median(speedups)
+    bound = math.nan
     if taskset:
         print()
         print(
@@ -982,6 +1022,15 @@ def _hc_report(
             print(
                 f"  karta-proxy {label:<16}{_fmt(median(rates[k]), ',.0f'):>12} samples/s"
                 f"   {_fmt(median(cpu_ts[k]))} CPU-s/M"
+                f"   senders + sink {_fmt(median(harness[k]))} CPU-s/M"
+            )
+        bound = _scaling_bound(median(cpu_ts[HC_1CORE]), median(cpu_ts["karta-proxy"]),
+                               median(harness["karta-proxy"]), len(os.sched_getaffinity(0)))
+        if not math.isnan(bound):
+            print(
+                f"  the senders and the sink run on the same cores: with these CPU costs the "
+                f"most the 2-core proxy can reach here is {bound:.2f}x the 1-core one "
+                "(2 x 1-core CPU-s/M / (2-core CPU-s/M + senders and sink))"
             )
     print()
     mach = print_machine(info)
@@ -1027,7 +1076,8 @@ def _hc_report(
         " ms",
         f"   (p50 {_fmt(targets.get('added_p50_ms', math.nan))} ms)",
     )
-    line("samples/s, 2 cores / 1 core", targets["two_core_speedup"], "two_core_speedup")
+    line("samples/s, 2 cores / 1 core", targets["two_core_speedup"], "two_core_speedup",
+         "" if math.isnan(bound) else f"   (at most {bound:.2f} on this machine, above)")
     return {
         "mode": "high-cardinality",
         "machine": mach,
@@ -1044,6 +1094,8 @@ def _hc_report(
             "samples_per_second": {k: median(v) for k, v in rates.items()},
             "cpu_per_million": {k: median(v) for k, v in cpu_ts.items()},
             "speedups": speedups,
+            "harness_cpu_per_million": {k: median(v) for k, v in harness.items()},
+            "speedup_bound": bound,
         },
         "targets": targets,
         "skipped": skipped,

@@ -4,6 +4,7 @@ assertions (figures come from the benchmark itself, see docs/performance.md)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -260,4 +261,20 @@ def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
         if len(os.sched_getaffinity(0)) >= 2 and shutil.which("taskset"):
             assert result["taskset"]["rounds"] == 1
             assert targets["two_core_speedup"] > 0
+            # the load's own CPU is measured (in clock ticks: 0 is possible at this size),
+            # and with it the most this machine allows
+            harness = result["taskset"]["harness_cpu_per_million"]
+            assert harness["karta-proxy"] >= 0 and harness["karta-proxy-1core"] >= 0
+            assert 0 < result["taskset"]["speedup_bound"] <= 2.0 + 1e-9
     assert "karta-proxy / pass-through (CPU)" in proc.stdout
+
+
+def test_scaling_bound_counts_the_load_on_a_two_core_machine() -> None:
+    import relay_bench
+
+    # the 1-core relay has its core; the 2-core one shares two cores with the load
+    assert relay_bench._scaling_bound(1.5, 1.5, 0.0, 2) == 2.0
+    assert relay_bench._scaling_bound(1.43, 1.50, 0.33, 2) == pytest.approx(1.563, abs=1e-3)
+    # cores to spare for the load: only the relay's own costs count
+    assert relay_bench._scaling_bound(1.5, 1.6, 0.33, 8) == pytest.approx(1.875)
+    assert math.isnan(relay_bench._scaling_bound(math.nan, 1.5, 0.3, 2))
