@@ -1077,7 +1077,7 @@ def _hc_report(
         f"   (p50 {_fmt(targets.get('added_p50_ms', math.nan))} ms)",
     )
     line("samples/s, 2 cores / 1 core", targets["two_core_speedup"], "two_core_speedup",
-         "" if math.isnan(bound) else f"   (at most {bound:.2f} on this machine, above)")
+         more="" if math.isnan(bound) else f"   (at most {bound:.2f} on this machine, above)")
     return {
         "mode": "high-cardinality",
         "machine": mach,
