@@ -775,8 +775,10 @@ def _scaling_bound(one_core: float, two_core: float, harness: float, cpus: int) 
     of ``cpus`` cores that also runs the load (senders and sink, ``harness`` CPU-s per M
     samples): the 1-core relay has its core to itself (rate ``1 / one_core``) while the
     2-core one shares its two with the load (rate at most ``2 / (two_core + harness)``);
-    a machine with cores to spare for the load is bounded by 2 alone. NaN when unknown."""
-    if math.isnan(one_core) or math.isnan(two_core) or math.isnan(harness) or two_core <= 0:
+    a machine with cores to spare for the load is bounded by 2 alone. NaN when unknown
+    (CPU is read in clock ticks: a short phase may read none)."""
+    if math.isnan(one_core) or math.isnan(two_core) or math.isnan(harness) \
+            or one_core <= 0 or two_core <= 0:
         return math.nan
     if cpus > 2:
         return 2.0 * one_core / two_core
