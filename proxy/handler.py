@@ -53,6 +53,7 @@ from proxy.config import ServerSettings
 from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
+from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, Outgoing, Upstream
 from proxy.wire.native import split_v1
 from proxy.wire.plan import SpliceResult
@@ -303,8 +304,7 @@ class RemoteWriteHandler:
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="karta-splice")
         #: the other parts of a request in parts (a part never waits on another part, so
         #: this pool cannot deadlock); None with one worker
-        self._parts = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix="karta-part")
-                       if self.workers > 1 else None)
+        self._parts = PartThreads(self.workers - 1) if self.workers > 1 else None
         #: requests in the worker threads now (counted on the event loop)
         self._in_workers = 0
 
@@ -596,6 +596,9 @@ class RemoteWriteHandler:
         cuts = split_v1(raw, parts) if parts > 1 else []
         if cuts:
             assert self._parts is not None
+            # the parts on other cores than this one (else Linux may wake the part thread
+            # here, and the parts take turns on one core: proxy.part_threads)
+            self._parts.elsewhere()
             merged, encoded = splice_in_parts(raw, body, cuts, self._enrich_v1_part, self._parts)
             return Prepared(merged, self.upstream.prepared(encoded, Protocol.V1, merged.counts))
         if encoding == "snappy" and self.upstream.out_encoding(encoding) == "snappy" \
