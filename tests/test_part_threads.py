@@ -39,9 +39,17 @@ def test_the_part_threads_leave_the_callers_core_and_only_it(pool: PartThreads) 
     avoided = pool.elsewhere()
     assert avoided is not None and avoided in CPUS
     assert os.sched_getaffinity(tid) == CPUS - {avoided}
-    # and the kernel holds to it: the part thread runs elsewhere now
+
+
+@needs_two
+def test_a_part_wakes_elsewhere_then_widens_again(pool: PartThreads) -> None:
+    """The narrowing decides where the part thread wakes; running, it may use every core
+    the caller may (so the kernel can still balance it against other work)."""
+    tid = started(pool)
     for _ in range(20):
+        avoided = pool.elsewhere()
         assert pool.submit(current_cpu).result(timeout=10) != avoided
+        assert os.sched_getaffinity(tid) == CPUS
 
 
 @needs_two
