@@ -692,15 +692,16 @@ class HcPhase:
 
     @property
     def cpu_per_million(self) -> float | None:
-        if self.cpu_seconds is None or not self.samples:
-            return None
-        return self.cpu_seconds / self.samples * 1e6
+        return self._per_million(self.cpu_seconds)
 
     @property
     def harness_cpu_per_million(self) -> float | None:
-        if self.harness_cpu_seconds is None or not self.samples:
+        return self._per_million(self.harness_cpu_seconds)
+
+    def _per_million(self, seconds: float | None) -> float | None:
+        if seconds is None or not self.samples:
             return None
-        return self.harness_cpu_seconds / self.samples * 1e6
+        return seconds / self.samples * 1e6
 
     @property
     def samples_per_second(self) -> float:
