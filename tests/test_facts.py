@@ -42,6 +42,7 @@ from proxy.facts import (
     iter_facts,
     workload_facts,
 )
+from proxy.facts.writer import COVERAGE_KEY, PROCESS_KEY
 from proxy.index import PodIndex
 from proxy.karta.model import GENERIC_PHASES
 from proxy.karta.results import (
@@ -478,6 +479,90 @@ def test_a_recreated_workload_continues_its_series_and_ends_only_the_old_uid() -
     assert set(live) == set(first) - {gone} | new
 
 
+def test_an_instance_listed_twice_is_written_once_with_its_first_value() -> None:
+    """An object's instance ids can repeat (a path that lists one twice): its series would
+    be two samples of one series at one timestamp, which a TSDB refuses."""
+    index = PodIndex()
+    twice = (ReplicaFact("workers", "g", 4, None, None, 3),
+             ReplicaFact("workers", "g", 9, None, None, 3))
+    index.apply(ChangeSet(workloads={"w-ray": ray_facts(replicas=twice)}))
+    series = decode(writer(index).build_request(1000))
+    desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
+    assert list(desired.values()) == [4.0]
+    assert all(len(samples) == 1 for samples in series.values())
+
+
+def test_a_failed_write_owes_markers_for_every_version_it_may_have_left() -> None:
+    """Write 1 lands with instance a; write 2 (instance b) fails half-way; write 3 has
+    instance c: both a and b may be in the TSDB, so both end."""
+    index = PodIndex()
+    w = writer(index)
+
+    def workers(inst: str) -> None:
+        index.apply(ChangeSet(workloads={"w-ray": ray_facts(
+            replicas=(ReplicaFact("workers", inst, 4, None, None, 3),))}))
+
+    workers("a")
+    w.build_request(1000)
+    w.commit()
+    workers("b")
+    w.build_request(2000)
+    w.commit_partial()
+    workers("c")
+    stale, live = _stale_and_live(w.build_request(3000))
+    w.commit()
+    desired = contract.FACT_COMPONENT_DESIRED_REPLICAS
+    assert {dict(k)["karta_instance"] for k in by_name(stale, desired)} == {"a", "b"}
+    assert {dict(k)["karta_instance"] for k in by_name(live, desired)} == {"c"}
+    stale, _ = _stale_and_live(w.build_request(4000))
+    assert not stale  # owed once
+
+
+class _Elector:
+    """The lease's one seam the writer reads (``is_leader``)."""
+
+    def __init__(self) -> None:
+        self.is_leader = False
+
+
+async def test_a_takeover_ends_what_changed_or_went_while_standing_by() -> None:
+    """A standby remembers every version of every group it saw in the last
+    STANDBY_MEMORY seconds: an instance gone from a live workload and a deleted
+    workload both end at takeover; what it saw longer ago than that is forgotten."""
+    from proxy.facts import STANDBY_MEMORY
+
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    now = [1000.0]
+    index = small_index()
+    elector = _Elector()
+    w = FactWriter(FactSettings(), index, send, elector=elector,  # type: ignore[arg-type]
+                   clock=lambda: now[0])
+    old = PodIndex()
+    old.apply(ChangeSet(workloads={"w-old": replace(ray_facts(), ref=replace(RAY, name="o"))}))
+    w._index = old  # a workload seen once, long before the takeover
+    assert not await w.write_once()
+    w._index = index
+    now[0] += STANDBY_MEMORY + 1
+    assert not await w.write_once()
+    index.apply(ChangeSet(workloads={"w-ray": ray_facts(replicas=ray_facts().replicas[:1])}))
+    now[0] += 10
+    assert not await w.write_once()  # group-a gone from RAY: remembered
+    index.apply(ChangeSet(workloads={"w-dep": None}))
+    now[0] += 10
+    elector.is_leader = True
+    assert await w.write_once() and w.state is WriterState.LEADER
+    stale, _ = _stale_and_live(b"".join(sent))
+    ended = {(dict(k)["__name__"], dict(k).get("karta_workload"), dict(k).get("karta_instance"))
+             for k in stale}
+    assert ("karta_component_desired_replicas", "train", "group-a") in ended
+    assert {w for _, w, _ in ended} == {"train", "api"}  # not "o": forgotten
+    assert not any(i == "" and w == "train" for _, w, i in ended)  # the head continues
+
+
 def test_a_marker_carries_the_written_labels_after_the_cache_let_go() -> None:
     """The writer keeps a gone series' labels in its written set, not in the cache: a
     workload deleted while the upstream is down loses its cache entry at once, and the
@@ -529,11 +614,13 @@ def test_series_of_one_label_set_are_one_tuple_whoever_makes_them() -> None:
     a = encode_facts(workload_facts(dep_facts()), (("cluster", "c1"),), 11)
     b = encode_facts(workload_facts(dep_facts(ref=replace(DEP, uid="other"))),
                      (("cluster", "c1"),), 11)
-    shared = set(a.series) & set(b.series)
-    assert len(shared) == len(a.series) - 1  # all but the info series (workload_uid)
-    runs = [p for s in a.series for p in s if b"\x0ekarta_workload\x12" in p]
-    assert len(runs) == len(a.series)  # every series has its identity in a shared run,
+    series = list(a.series())
+    shared = set(series) & set(b.series())
+    assert len(shared) == len(series) - 1  # all but the info series (workload_uid)
+    runs = [p for s in series for p in s if b"\x0ekarta_workload\x12" in p]
+    assert len(runs) == len(series)  # every series has its identity in a shared run,
     assert len({id(p) for p in runs}) == len(set(runs)) <= 4  # held once per shape
+    assert a.shape is b.shape  # and the groups' shapes are one object
 
 
 # -- /metrics ----------------------------------------------------------------------------------
@@ -1399,18 +1486,29 @@ async def test_takeover_ends_what_vanished_while_the_old_leader_was_dying() -> N
     assert is_stale(info["deleted"].samples[0][1]), "the takeover ends the deleted workload"
 
 
-def test_what_a_write_remembers_leaves_the_cyclic_collectors_view() -> None:
-    """The written series (290k at 37.5k pods) are walked by no full collection once the
-    collector has seen them: their record holds only bytes and tuples of bytes."""
+async def test_what_a_write_remembers_is_the_caches_groups_out_of_the_collectors_view(
+) -> None:
+    """The written set costs a table entry per pod and workload, not per series (290k at
+    37.5k pods): it holds the cache's own groups, and a write leaves them, with the
+    cache, out of every later full collection (``memory.freeze_survivors``)."""
     import gc
 
-    w = writer(small_index())
-    w.build_request(1000)
-    w.commit()
-    gc.collect()
-    gc.collect()
-    assert w._written, "nothing remembered"
-    assert not gc.is_tracked(w._written)
+    async def send(body: bytes) -> None:
+        pass
+
+    index = small_index()
+    w = writer(index, send)
+    try:
+        assert await w.write_once()
+        assert len(w._written) == len(index.pods) + len(index.workloads) + 2
+        cached = [c.group for c in w._pod_cache.values()]
+        cached += [c.group for c in w._workload_cache.values()]
+        assert all(any(g is c for c in cached) for k, g in w._written.items()
+                   if k not in (COVERAGE_KEY, PROCESS_KEY))
+        assert w.last_series > len(w._written)
+        assert not any(o is w._written for o in gc.get_objects())  # frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_a_big_write_pauses_between_its_requests_and_in_its_stale_scan(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from proxy import contract
@@ -109,25 +109,80 @@ def series_bytes(series: Series) -> bytes:
     return b"".join(series)
 
 
-def rehead(series: Series, sample_len: int) -> Series:
-    """A kept series for a sample field of another length."""
-    pieces = series[1:]
-    return (series_header(sum(map(len, pieces)) + sample_len), *pieces)
+#: the values of a group of one series of value 1 (a pod's info series): one tuple for all
+_ONE = (1.0,)
 
 
-class Encoded(NamedTuple):
-    """The fact series of one pod or workload, as the writer caches them between writes:
-    ``values[i]`` is the value of ``series[i]``.
+@functools.lru_cache(maxsize=1 << 10)
+def _shape(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """One object per shape: the ~11k workloads of a cluster have a handful of shapes."""
+    return counts
 
-    Two tuples, not a (series, value) pair per series: 290k series at 37.5k pods, the
-    pairs and lists were ~13 MB of the cache. A workload's series share its identity
-    piece: held as one bytes object per series (``0x0a <length> <labels>``), the prefixes
-    were ~60 MB at 37.5k pods, 86% of them the workloads' ~21 series repeating the same
-    ~150 bytes of identity labels.
+
+class Group(NamedTuple):
+    """The fact series of one pod or workload (or the coverage, or the process facts), as
+    the writer keeps them between writes: ``values[i]`` is the value of the i-th series.
+
+    Flat, not a tuple per series: a workload's ~22 series as tuples of pieces were 18 MiB
+    of the writer's cache at 37.5k pods (11.7k workloads), a 72-byte tuple each; laid end
+    to end they are one tuple of pointers per workload. ``shape`` says how many pieces
+    each series has (its header, then its label pieces) and is one object for every group
+    of that shape. A workload's series share its identity piece (:func:`_pieces`): held
+    as one bytes object per series, the prefixes were ~60 MB at 37.5k pods.
+
+    A group is a tuple subclass, which the cyclic collector never untracks (it does so
+    for exact tuples only): the writer leaves its groups out of later collections with
+    ``memory.freeze_survivors`` after each write, as it does its cache.
     """
 
-    series: tuple[Series, ...]
+    pieces: tuple[bytes, ...]
+    shape: tuple[int, ...]
     values: tuple[float, ...]
+
+    def series(self) -> Iterator[Series]:
+        """Each series' header and label pieces, in order."""
+        pieces, start = self.pieces, 0
+        if len(self.shape) == 1:  # a pod's: the pieces are the series
+            yield pieces
+            return
+        for n in self.shape:
+            yield pieces[start:start + n]
+            start += n
+
+
+def _make(flat: list[bytes], counts: list[int], values: list[float]) -> Group:
+    vals = tuple(values)
+    return Group(tuple(flat), _shape(tuple(counts)), _ONE if vals == _ONE else vals)
+
+
+def _group(series: Iterable[Series], values: Iterable[float]) -> Group:
+    flat: list[bytes] = []
+    counts: list[int] = []
+    for one in series:
+        flat.extend(one)
+        counts.append(len(one))
+    return _make(flat, counts, list(values))
+
+
+def union(first: Group, then: Group) -> Group:
+    """The series of ``first``, then those of ``then`` that ``first`` lacks (with their
+    values): what one write made of two objects of one identity, or what is owed stale
+    markers after writes that did not all land."""
+    have = set(first.series())
+    extra = [(s, v) for s, v in zip(then.series(), then.values, strict=True) if s not in have]
+    if not extra:
+        return first
+    return _group([*first.series(), *(s for s, _ in extra)],
+                  [*first.values, *(v for _, v in extra)])
+
+
+def rehead(group: Group, sample_len: int) -> Group:
+    """A kept group for sample fields of another length (its headers count the sample)."""
+    return _group(
+        ((series_header(sum(map(len, one[1:])) + sample_len), *one[1:])
+         for one in group.series()),
+        group.values,
+    )
 
 
 def _pieces(pairs: list[tuple[str, str]], shared: dict[tuple[tuple[str, str], ...], bytes],
@@ -157,19 +212,18 @@ def _pieces(pairs: list[tuple[str, str]], shared: dict[tuple[tuple[str, str], ..
     return out
 
 
-#: the values of a pod's one info series: one tuple for all of them
-_ONE = (1.0,)
-
-
-def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> Encoded:
-    """The series of ``facts`` with ``external`` labels, for samples of ``sample_len``.
+def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> Group:
+    """The series of ``facts`` with ``external`` labels, for samples of ``sample_len``; a
+    label set that comes twice is written once, with its first value.
 
     A workload family's series is ``(header, pieces...)`` with the identity and external
     labels in shared runs (:func:`_pieces`); every other series (a pod's, the coverage's,
     the process') is ``(header, labels)``: nothing in it repeats. Which it is depends on the
-    family alone, so one label set always makes the same tuple (written sets compare them).
+    family alone, so one label set always makes the same tuple (the writer compares a
+    group's series with what it wrote last time).
     """
-    series: list[Series] = []
+    flat: list[bytes] = []
+    counts: list[int] = []
     values: list[float] = []
     shared: dict[tuple[tuple[str, str], ...], bytes] = {}
     shared_names = IDENTITY_LABELS | {k for k, _ in external}
@@ -179,6 +233,14 @@ def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> En
             pieces = _pieces(pairs, shared, shared_names)
         else:
             pieces = [b"".join(_label_field(k, v) for k, v in pairs)]
-        series.append((series_header(sum(map(len, pieces)) + sample_len), *pieces))
+        flat.append(series_header(sum(map(len, pieces)) + sample_len))
+        flat.extend(pieces)
+        counts.append(len(pieces) + 1)
         values.append(f.value)
-    return Encoded(tuple(series), _ONE if values == [1.0] else tuple(values))
+    group = _make(flat, counts, values)
+    if len(counts) > 1 and len(set(group.series())) < len(counts):  # e.g. an instance id
+        first: dict[Series, float] = {}  # listed twice in the object
+        for one, value in zip(group.series(), group.values, strict=True):
+            first.setdefault(one, value)
+        return _group(first, first.values())
+    return group

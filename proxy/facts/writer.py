@@ -18,6 +18,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from itertools import islice
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import proxy
@@ -27,13 +28,14 @@ from proxy.facts.collectors import FactWriterMetrics, sample_value
 from proxy.facts.encoder import (
     METADATA,
     STALE_NAN,
-    Encoded,
+    Group,
     Series,
     encode_facts,
     rehead,
     sample_field,
     series_bytes,
     timestamp_field,
+    union,
 )
 from proxy.facts.model import (
     Fact,
@@ -55,11 +57,12 @@ log = logging.getLogger(__name__)
 #: series per request: Prometheus refuses bodies over 32 MiB decoded and most receivers
 #: prefer requests of a few thousand series; 100k pods make ~30 requests per write
 MAX_SERIES_PER_REQUEST = 5000
-#: a write's building yields to the event loop every this many series (an empty body in
-#: ``iter_requests``): a write at 37.5k pods is ~1 s of the loop's time, and built in
-#: stretches of one request (5,000 series, ~20 ms) and one stale-marker scan of the
-#: written set (290k series, ~180 ms) it made the p99 latency of the requests relayed
-#: meanwhile ~150 ms (relay_bench.py --fact-interval 5)
+#: a write's building yields to the event loop every this many series made, or groups
+#: checked for stale markers (an empty body in ``iter_requests``): a cold write at 37.5k
+#: pods is ~1 s of the loop's time, and built in stretches of one request (5,000 series,
+#: ~20 ms) and one stale-marker scan of the written set (then per series: 290k, ~180 ms)
+#: it made the p99 latency of the requests relayed meanwhile ~150 ms (relay_bench.py
+#: --fact-interval 5)
 PAUSE_EVERY_SERIES = 1000
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
@@ -76,15 +79,35 @@ STANDBY_MEMORY = 300.0
 
 _Obj = TypeVar("_Obj", PodAttribution, WorkloadFacts)
 
+#: What the written set is keyed by: a pod's uid (or its namespace and name if it has
+#: none), a workload's (group, kind, namespace, name), or one of the two keys below. Every
+#: fact series carries the labels of its key, so a series can only ever be made under
+#: one key: what a key had last time and lacks now is exactly what is gone.
+Key = str | tuple[str, ...]
+COVERAGE_KEY: Key = ("coverage",)
+PROCESS_KEY: Key = ("process",)
+
+
+def pod_key(att: PodAttribution) -> Key:
+    """Its series' uid label, or (namespace, pod) when it has none (an empty label is
+    no label)."""
+    return att.uid or (att.namespace, att.pod)
+
+
+def workload_key(wf: WorkloadFacts) -> Key:
+    """The identity every series of the workload carries (:func:`workload_identity`):
+    two objects of one identity (deleted and made again) continue the same series."""
+    r = wf.ref
+    return (r.group, r.kind, r.namespace, r.name)
+
 
 class _Cached(NamedTuple, Generic[_Obj]):
-    """A pod's or workload's encoded series (:class:`~proxy.facts.encoder.Encoded`, flat:
-    one record less per pod), valid while the index holds this very object (index
-    records are replaced, never changed, when what they say changes)."""
+    """A pod's or workload's key and encoded series, valid while the index holds this
+    very object (index records are replaced, never changed, when what they say changes)."""
 
     obj: _Obj
-    series: tuple[Series, ...]
-    values: tuple[float, ...]
+    key: Key
+    group: Group
 
 
 class WriterState(enum.Enum):
@@ -135,18 +158,18 @@ class FactWriter:
         #: length of a sample field; the cached series headers embed it (constant in
         #: practice: millisecond timestamps are 6-byte varints from 2004 to 2109)
         self._sample_len = -1
-        #: every series in the last successful write: the cache's own tuples, so it costs
-        #: its table only, and it keeps a gone series' bytes (its stale marker) after the
-        #: cache has let go of the pod or workload. A dict of keys, not a set: a dict
-        #: holding only untracked objects (tuples of bytes) leaves the cyclic collector's
-        #: view, a set never does, and every full collection walked its 290k entries at
-        #: 37.5k pods (~50-70 ms with the GIL held)
-        self._written: dict[Series, None] = {}
+        #: the series of the last successful write, by key (:data:`Key`): the cache's own
+        #: groups, so it costs its table only (~48k keys at 37.5k pods), and it keeps a
+        #: gone series' bytes (its stale marker) after the cache has let go of the pod or
+        #: workload. Per series it was a 290k-key dict, 10 MiB, twice during a write.
+        #: Replaced, never changed in place: a scan of it may be paused half-way.
+        self._written: dict[Key, Group] = {}
         #: what the last build produced (committed to _written once the send succeeds)
-        self._pending: dict[Series, None] = {}
-        #: while another replica writes: series -> last time it existed here, kept for
-        #: STANDBY_MEMORY seconds, so a takeover ends what the old leader left behind
-        self._standby: dict[Series, float] = {}
+        self._pending: dict[Key, Group] = {}
+        #: while another replica writes: the groups seen under each key, each with the last
+        #: time it was seen, kept for STANDBY_MEMORY seconds, so a takeover ends what the
+        #: old leader left behind
+        self._standby: dict[Key, dict[Group, float]] = {}
         self._task: asyncio.Task[None] | None = None
         #: the leader/standby state: changed only by step()
         self.state = WriterState.STANDBY
@@ -160,7 +183,7 @@ class FactWriter:
 
     # -- building ------------------------------------------------------------------------
 
-    def _encode(self, facts: Iterable[Fact]) -> Encoded:
+    def _encode(self, facts: Iterable[Fact]) -> Group:
         return encode_facts(facts, self._external, self._sample_len)
 
     def _set_sample_len(self, n: int) -> None:
@@ -169,43 +192,45 @@ class FactWriter:
         self._sample_len = n
         self._pod_cache.clear()
         self._workload_cache.clear()
-        self._written = dict.fromkeys(rehead(p, n) for p in self._written)
-        self._standby = {rehead(p, n): t for p, t in self._standby.items()}
+        self._written = {k: rehead(g, n) for k, g in self._written.items()}
+        self._standby = {k: {rehead(g, n): t for g, t in seen.items()}
+                         for k, seen in self._standby.items()}
 
     def _cached(self, items: list[tuple[str, _Obj]], cache: dict[str, _Cached[_Obj]],
-                facts: Callable[[_Obj], list[Fact]],
-                fresh: dict[str, _Cached[_Obj]]) -> Iterator[tuple[Series, float]]:
-        """(series, value) of each object in ``items``, encoded again only where the
-        index's object is not the cached one; ``fresh`` becomes the cache of what is now."""
+                facts: Callable[[_Obj], list[Fact]], key: Callable[[_Obj], Key],
+                fresh: dict[str, _Cached[_Obj]]) -> Iterator[tuple[Key, Group]]:
+        """(key, group) of each object in ``items``, encoded again only where the index's
+        object is not the cached one; ``fresh`` becomes the cache of what is now."""
         for uid, obj in items:
             hit = cache.get(uid)
             if hit is None or hit.obj is not obj:
-                hit = _Cached(obj, *self._encode(facts(obj)))
+                hit = _Cached(obj, key(obj), self._encode(facts(obj)))
             fresh[uid] = hit
-            yield from zip(hit.series, hit.values, strict=True)
+            yield hit.key, hit.group
 
-    def _current(self) -> Iterator[tuple[Series, float]]:
-        """(series, value) of every fact series now, one at a time (a write's requests are
+    def _current(self) -> Iterator[tuple[Key, Group]]:
+        """(key, group) of every fact series now, one at a time (a write's requests are
         made as they are sent); the index as it was when the first one is asked for."""
         pod_items = list(self._index.pods.items())
         workload_items = list(self._index.workloads.items())
         process = process_facts(self._index, self._build_version)
         coverage = coverage_facts(att for _, att in pod_items)
         pods: dict[str, _Cached[PodAttribution]] = {}
-        yield from self._cached(pod_items, self._pod_cache, pod_facts, pods)
+        yield from self._cached(pod_items, self._pod_cache, pod_facts, pod_key, pods)
         del pod_items
         self._pod_cache = pods
         workloads: dict[str, _Cached[WorkloadFacts]] = {}
-        yield from self._cached(workload_items, self._workload_cache, workload_facts, workloads)
+        yield from self._cached(workload_items, self._workload_cache, workload_facts,
+                                workload_key, workloads)
         self._workload_cache = workloads
-        yield from zip(*self._encode(coverage), strict=True)
-        yield from zip(*self._encode(process), strict=True)
+        yield COVERAGE_KEY, self._encode(coverage)
+        yield PROCESS_KEY, self._encode(process)
 
     def iter_requests(self, now_ms: int) -> Iterator[bytes]:
         """Uncompressed RW 1.0 WriteRequests holding every fact at ``now_ms``, plus stale
         markers for the series of the last successful write that are gone now. An empty
         body is a pause, not a request: a point where the caller lets other work run
-        (every ``PAUSE_EVERY_SERIES`` series made or checked).
+        (every ``PAUSE_EVERY_SERIES`` series made or groups checked).
 
         One request at a time, so a write holds one body, not all of them (~60 MB for
         290k fact series at 37.5k pods). ``_pending`` grows as the requests are made: a
@@ -218,33 +243,46 @@ class FactWriter:
         ts_bytes = timestamp_field(now_ms)
         samples: dict[float, bytes] = {}
         self._set_sample_len(len(sample_field(0.0, ts_bytes)))
-        seen: dict[Series, None] = {}
-        self._pending = seen
+        current: dict[Key, Group] = {}
+        self._pending = current
         parts: list[bytes] = []
         count = 0
         limit = self._max_series
-        gone: set[Series] = set()
+        made = 0
+        gone: list[Series] = []
 
         def series() -> Iterator[tuple[Series, bytes] | None]:
             """(series, sample field) of every fact now, then a stale marker for each
             series of the last write that is gone (known once the facts are through);
             None: a pause."""
-            before = 0
-            for one, value in self._current():
-                seen[one] = None  # one hash of the tuple, not two (``in``, then a store)
-                if len(seen) == before:  # e.g. a workload re-created under the same name:
-                    continue  # first wins
-                before += 1
-                sample = samples.get(value)
-                if sample is None:
-                    sample = samples[value] = sample_field(value, ts_bytes)
-                yield one, sample
-                if before % PAUSE_EVERY_SERIES == 0:
-                    yield None
+            nonlocal made
+            for key, group in self._current():
+                had = current.get(key)
+                if had is None:
+                    current[key] = group
+                    new: Iterable[tuple[Series, float]] = (
+                        ((group.pieces, group.values[0]),) if len(group.values) == 1
+                        else zip(group.series(), group.values, strict=True))
+                else:  # e.g. a workload re-created under the same name: first wins
+                    current[key] = both = union(had, group)
+                    new = islice(zip(both.series(), both.values, strict=True),
+                                 len(had.shape), None)
+                for one, value in new:
+                    sample = samples.get(value)
+                    if sample is None:
+                        sample = samples[value] = sample_field(value, ts_bytes)
+                    yield one, sample
+                    made += 1
+                    if made % PAUSE_EVERY_SERIES == 0:
+                        yield None
             # a rebinding of _written during a pause (commit, forget) leaves this one whole
-            for checked, one in enumerate(self._written, 1):
-                if one not in seen:
-                    gone.add(one)
+            for checked, (key, was) in enumerate(self._written.items(), 1):
+                now = current.get(key)
+                if now is None:
+                    gone.extend(was.series())
+                elif now is not was:
+                    kept = set(now.series())
+                    gone.extend(one for one in was.series() if one not in kept)
                 if checked % PAUSE_EVERY_SERIES == 0:
                     yield None
             if gone:
@@ -270,8 +308,8 @@ class FactWriter:
         parts.append(METADATA)
         body = b"".join(parts)
         del parts
-        self.last_series = len(seen)
-        self.metrics.series.set(len(seen))
+        self.last_series = made
+        self.metrics.series.set(made)
         self.last_stale_markers = len(gone)
         self.last_build_seconds = building + time.perf_counter() - started
         yield body
@@ -306,17 +344,33 @@ class FactWriter:
         The series a leader wrote are the ones this replica sees too (the same cluster,
         the same index). On takeover, those gone by then get stale markers in the first
         write: otherwise what vanished between the old leader's last write and the new
-        one's first would linger for the 5-minute lookback. Costs a key walk per interval
-        (no encoding of samples); entries older than STANDBY_MEMORY are dropped, since a
-        TSDB has forgotten them by itself by then.
+        one's first would linger for the 5-minute lookback. Costs a walk of the groups
+        per interval (no encoding of samples); a group not seen for STANDBY_MEMORY
+        seconds is dropped, since a TSDB has forgotten its series by itself by then.
         """
         self._set_sample_len(len(sample_field(0.0, timestamp_field(int(now * 1000)))))
         standby = self._standby
-        for one, _ in self._current():
-            standby[one] = now
+        for key, group in self._current():
+            seen = standby.get(key)
+            if seen is None:
+                standby[key] = {group: now}
+            else:
+                seen[group] = now
         horizon = now - STANDBY_MEMORY
-        if any(t < horizon for t in standby.values()):
-            self._standby = {k: t for k, t in standby.items() if t >= horizon}
+        if any(t < horizon for seen in standby.values() for t in seen.values()):
+            kept = ((k, {g: t for g, t in seen.items() if t >= horizon})
+                    for k, seen in standby.items())
+            self._standby = {k: seen for k, seen in kept if seen}
+
+    @staticmethod
+    def _owed(written: dict[Key, Group], more: Iterable[tuple[Key, Group]]) -> dict[Key, Group]:
+        """A new written set: every series of ``written`` and of ``more``, by key (what
+        stale markers are owed for)."""
+        out = dict(written)
+        for key, group in more:
+            had = out.get(key)
+            out[key] = group if had is None or had is group else union(had, group)
+        return out
 
     def commit(self) -> None:
         """Record the last built requests as delivered (their series are now 'written')."""
@@ -327,7 +381,7 @@ class FactWriter:
         """Some requests of a write failed: keep owing the stale markers of the series
         gone before, and owe them for every series of this write too (a marker for a
         series that never landed is harmless; a missing one leaves a ghost)."""
-        self._written = self._written | self._pending
+        self._written = self._owed(self._written, self._pending.items())
 
     def forget(self) -> None:
         """Stop owning the written series (leadership lost: the next leader continues them)."""
@@ -368,7 +422,8 @@ class FactWriter:
             return target
         if target is WriterState.LEADER:
             log.info("fact writer takes over")
-            self._written = self._written | dict.fromkeys(self._standby)
+            self._written = self._owed(
+                self._written, ((k, g) for k, seen in self._standby.items() for g in seen))
             self._standby = {}
         else:
             log.info("fact writer stands by")
