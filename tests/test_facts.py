@@ -1533,6 +1533,42 @@ def test_a_big_write_pauses_between_its_requests_and_in_its_stale_scan(
     assert w.last_stale_markers == 0
 
 
+def test_a_slow_stretch_pauses_before_its_thousand_series(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stretch that has held the loop PAUSE_AFTER_SECONDS pauses early (checked every 16
+    series): a cold write encodes a series in ~20 us, so 1,000 of them were 20 ms."""
+    import proxy.facts.writer as fw
+
+    index = PodIndex()
+    index.apply(ChangeSet(pods={f"p{i}": PodAttribution("ns", f"pod-{i}", f"p{i}")
+                                for i in range(64)}))
+    whole = writer(index).build_requests(10_000)
+    monkeypatch.setattr(fw, "PAUSE_AFTER_SECONDS", 0.0)
+    made = list(writer(index).iter_requests(10_000))
+    assert made.count(b"") == 64 // 16
+    assert [b for b in made if b] == whole
+
+
+def test_the_index_may_change_during_a_writes_pauses() -> None:
+    """A write describes the index as it was at its start, whatever is applied while it
+    is paused, and the next write sees the change."""
+    index = small_index()
+    w = FactWriter(FactSettings(), index, _nosend, max_series_per_request=3)
+    bodies = w.iter_requests(1000)
+    first = [next(bodies)]
+    index.apply(ChangeSet(workloads={"w-ray": None}, pods={"p-new": PodAttribution(
+        "web", "api-9", "p-new", DEP, description="deployment")}))
+    first.extend(bodies)
+    w.commit()
+    written = decode(b"".join(first))
+    assert not any(is_stale(v[0][0]) for v in written.values())
+    assert ("karta_workload", "train") in {kv for k in written for kv in k}
+    assert not any(("pod", "api-9") in k for k in written)
+    stale, live = _stale_and_live(w.build_request(2000))
+    assert {dict(k).get("karta_workload") for k in stale} >= {"train"}
+    assert any(("pod", "api-9") in k for k in live)
+
+
 async def _loop_turns_during(w: FactWriter, calls: list[bytes]) -> tuple[bool, list[int]]:
     """write_once's result, and for each turn the event loop got meanwhile how many
     bodies had reached ``send`` by then."""

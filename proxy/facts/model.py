@@ -125,9 +125,18 @@ def coverage_facts(pods: Iterable[PodAttribution]) -> list[Fact]:
     0 when none is, so a share that falls to nothing is a 0, not a gap; a reason is
     present only while some pod has it (its series ends with a stale marker).
     """
-    raw: Counter[tuple[str, str | None]] = Counter(
-        (a.namespace, None if a.workload is not None else a.reason) for a in pods
-    )
+    return coverage_of(Counter(map(coverage_key, pods)))
+
+
+def coverage_key(att: PodAttribution) -> tuple[str, str | None]:
+    """What :func:`coverage_facts` counts a pod under: its namespace, and None when it is
+    attributed, else its raw reason."""
+    return att.namespace, None if att.workload is not None else att.reason
+
+
+def coverage_of(raw: Counter[tuple[str, str | None]]) -> list[Fact]:
+    """:func:`coverage_facts` of pods already counted by :func:`coverage_key` (the fact
+    writer counts them as it walks the pods, a stretch at a time)."""
     attributed: Counter[str] = Counter()
     unattributed: Counter[tuple[str, str]] = Counter()
     for (namespace, reason), n in raw.items():

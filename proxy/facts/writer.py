@@ -17,6 +17,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
@@ -40,7 +41,8 @@ from proxy.facts.encoder import (
 from proxy.facts.model import (
     Fact,
     Labels,
-    coverage_facts,
+    coverage_key,
+    coverage_of,
     label_set,
     pod_facts,
     process_facts,
@@ -64,6 +66,10 @@ MAX_SERIES_PER_REQUEST = 5000
 #: it made the p99 latency of the requests relayed meanwhile ~150 ms (relay_bench.py
 #: --fact-interval 5)
 PAUSE_EVERY_SERIES = 1000
+#: and whenever building has held the loop this long (checked every 16 series): a series
+#: encoded afresh costs ~20 us, so the stretches of a cold write (at start, or after a
+#: reload) were 20-25 ms of the loop's time each at 1,000 series
+PAUSE_AFTER_SECONDS = 0.002
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
 #: requests: the bodies sent (2 MB each, and their compressed copies) and the encoding
@@ -196,7 +202,7 @@ class FactWriter:
         self._standby = {k: {rehead(g, n): t for g, t in seen.items()}
                          for k, seen in self._standby.items()}
 
-    def _cached(self, items: list[tuple[str, _Obj]], cache: dict[str, _Cached[_Obj]],
+    def _cached(self, items: Iterable[tuple[str, _Obj]], cache: dict[str, _Cached[_Obj]],
                 facts: Callable[[_Obj], list[Fact]], key: Callable[[_Obj], Key],
                 fresh: dict[str, _Cached[_Obj]]) -> Iterator[tuple[Key, Group]]:
         """(key, group) of each object in ``items``, encoded again only where the index's
@@ -210,20 +216,30 @@ class FactWriter:
 
     def _current(self) -> Iterator[tuple[Key, Group]]:
         """(key, group) of every fact series now, one at a time (a write's requests are
-        made as they are sent); the index as it was when the first one is asked for."""
-        pod_items = list(self._index.pods.items())
-        workload_items = list(self._index.workloads.items())
+        made as they are sent); the index as it was when the first one is asked for.
+
+        The index's tables are copied (a dict copy: no tuple per entry) and the coverage is
+        counted as the pods go by: at 37.5k pods, listing the items and counting the
+        coverage up front held the event loop for 20-33 ms before the first pause.
+        """
+        pods_now = dict(self._index.pods)
+        workloads_now = dict(self._index.workloads)
         process = process_facts(self._index, self._build_version)
-        coverage = coverage_facts(att for _, att in pod_items)
+        tally: Counter[tuple[str, str | None]] = Counter()
+
+        def counted() -> Iterator[tuple[str, PodAttribution]]:
+            for item in pods_now.items():
+                tally[coverage_key(item[1])] += 1
+                yield item
+
         pods: dict[str, _Cached[PodAttribution]] = {}
-        yield from self._cached(pod_items, self._pod_cache, pod_facts, pod_key, pods)
-        del pod_items
+        yield from self._cached(counted(), self._pod_cache, pod_facts, pod_key, pods)
         self._pod_cache = pods
         workloads: dict[str, _Cached[WorkloadFacts]] = {}
-        yield from self._cached(workload_items, self._workload_cache, workload_facts,
+        yield from self._cached(workloads_now.items(), self._workload_cache, workload_facts,
                                 workload_key, workloads)
         self._workload_cache = workloads
-        yield COVERAGE_KEY, self._encode(coverage)
+        yield COVERAGE_KEY, self._encode(coverage_of(tally))
         yield PROCESS_KEY, self._encode(process)
 
     def iter_requests(self, now_ms: int) -> Iterator[bytes]:
@@ -273,7 +289,9 @@ class FactWriter:
                         sample = samples[value] = sample_field(value, ts_bytes)
                     yield one, sample
                     made += 1
-                    if made % PAUSE_EVERY_SERIES == 0:
+                    if made % PAUSE_EVERY_SERIES == 0 or (
+                            made % 16 == 0
+                            and time.perf_counter() - started > PAUSE_AFTER_SECONDS):
                         yield None
             # a rebinding of _written during a pause (commit, forget) leaves this one whole
             for checked, (key, was) in enumerate(self._written.items(), 1):
