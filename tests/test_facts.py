@@ -1513,30 +1513,33 @@ async def test_what_a_write_remembers_is_the_caches_groups_out_of_the_collectors
 
 def test_a_big_write_pauses_between_its_requests_and_in_its_stale_scan(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Building yields an empty body (a pause) every PAUSE_EVERY_SERIES series made or
-    checked for stale markers, so a write at 37.5k pods never holds the event loop for a
-    whole request or a whole scan of the written set; the requests are what they were."""
+    """Building yields an empty body (a pause) after each group (a pod's or a workload's
+    series) that takes the series made past a multiple of PAUSE_EVERY_SERIES, and every
+    PAUSE_EVERY_SERIES groups checked for stale markers, so a write at 37.5k pods never
+    holds the event loop for a whole request or a whole scan of the written set; the
+    requests are what they were."""
     import proxy.facts.writer as fw
 
-    whole = writer(small_index()).build_requests(10_000)
-    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 3)
-    w = writer(small_index())
+    index = small_index()
+    groups = len(index.pods) + len(index.workloads) + 2  # and the coverage, the process
+    whole = writer(index).build_requests(10_000)
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
+    w = writer(index)
     first = list(w.iter_requests(10_000))
-    assert b"" in first
+    assert first.count(b"") == groups
     assert [b for b in first if b] == whole
     w.commit()
     # the second write scans the first's written set: pauses there too, and none of the
     # series is gone
     again = list(w.iter_requests(20_000))
-    made = sum(1 for b in again if b)
-    assert len(again) - made >= len(decode(b"".join(whole))) // 3
+    assert again.count(b"") == 2 * groups
     assert w.last_stale_markers == 0
 
 
 def test_a_slow_stretch_pauses_before_its_thousand_series(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stretch that has held the loop PAUSE_AFTER_SECONDS pauses early (checked every 16
-    series): a cold write encodes a series in ~20 us, so 1,000 of them were 20 ms."""
+    """A stretch that has held the loop PAUSE_AFTER_SECONDS pauses early (checked after
+    each group): a cold write encodes a series in ~20 us, so 1,000 of them were 20 ms."""
     import proxy.facts.writer as fw
 
     index = PodIndex()
@@ -1545,7 +1548,7 @@ def test_a_slow_stretch_pauses_before_its_thousand_series(
     whole = writer(index).build_requests(10_000)
     monkeypatch.setattr(fw, "PAUSE_AFTER_SECONDS", 0.0)
     made = list(writer(index).iter_requests(10_000))
-    assert made.count(b"") == 64 // 16
+    assert made.count(b"") == 64 + 2  # every pod, the coverage, the process
     assert [b for b in made if b] == whole
 
 

@@ -10,8 +10,9 @@ objects for 100k pods every 15 s would cost far more than the facts are worth.
 from __future__ import annotations
 
 import functools
+import operator
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from proxy import contract
@@ -148,6 +149,22 @@ class Group(NamedTuple):
         for n in self.shape:
             yield pieces[start:start + n]
             start += n
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def interleaver(shape: tuple[int, ...]) -> Callable[[tuple[bytes, ...]], tuple[bytes, ...]]:
+    """For a group of ``shape``: from ``pieces + samples`` (one sample field per series),
+    each series' pieces followed by its sample field, in one C call. A write makes a
+    group's part of a request with it instead of a step of Python per series: that step
+    was ~85% of a warm write (0.2-0.3 s at 37.5k pods, the event loop's time)."""
+    take: list[int] = []
+    start, samples = 0, sum(shape)
+    for i, n in enumerate(shape):
+        take.extend(range(start, start + n))
+        take.append(samples + i)
+        start += n
+    return operator.itemgetter(*take)  # >= 3 indices (a header, a label piece, a
+    # sample): a tuple, never a bare item
 
 
 def _make(flat: list[bytes], counts: list[int], values: list[float]) -> Group:

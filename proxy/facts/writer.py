@@ -32,6 +32,7 @@ from proxy.facts.encoder import (
     Group,
     Series,
     encode_facts,
+    interleaver,
     rehead,
     sample_field,
     series_bytes,
@@ -59,16 +60,17 @@ log = logging.getLogger(__name__)
 #: series per request: Prometheus refuses bodies over 32 MiB decoded and most receivers
 #: prefer requests of a few thousand series; 100k pods make ~30 requests per write
 MAX_SERIES_PER_REQUEST = 5000
-#: a write's building yields to the event loop every this many series made, or groups
-#: checked for stale markers (an empty body in ``iter_requests``): a cold write at 37.5k
-#: pods is ~1 s of the loop's time, and built in stretches of one request (5,000 series,
+#: a write's building yields to the event loop (an empty body in ``iter_requests``) after
+#: the group (a pod's or workload's series) that takes the series made past a multiple of
+#: this, and every this many groups checked for stale markers: a cold write at 37.5k pods
+#: is ~1 s of the loop's time, and built in stretches of one request (5,000 series,
 #: ~20 ms) and one stale-marker scan of the written set (then per series: 290k, ~180 ms)
 #: it made the p99 latency of the requests relayed meanwhile ~150 ms (relay_bench.py
 #: --fact-interval 5)
 PAUSE_EVERY_SERIES = 1000
-#: and whenever building has held the loop this long (checked every 16 series): a series
-#: encoded afresh costs ~20 us, so the stretches of a cold write (at start, or after a
-#: reload) were 20-25 ms of the loop's time each at 1,000 series
+#: and after any group once building has held the loop this long: a series encoded afresh
+#: costs ~20 us, so the stretches of a cold write (at start, or after a reload) were
+#: 20-25 ms of the loop's time each at 1,000 series
 PAUSE_AFTER_SECONDS = 0.002
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
@@ -114,6 +116,19 @@ class _Cached(NamedTuple, Generic[_Obj]):
     obj: _Obj
     key: Key
     group: Group
+
+
+class _Samples(dict[float, bytes]):
+    """A write's sample field per value (one timestamp for the whole write), made on first
+    use: most fact values are 0 or 1."""
+
+    def __init__(self, ts_bytes: bytes) -> None:
+        super().__init__()
+        self._ts = ts_bytes
+
+    def __missing__(self, value: float) -> bytes:
+        field = self[value] = sample_field(value, self._ts)
+        return field
 
 
 class WriterState(enum.Enum):
@@ -246,7 +261,7 @@ class FactWriter:
         """Uncompressed RW 1.0 WriteRequests holding every fact at ``now_ms``, plus stale
         markers for the series of the last successful write that are gone now. An empty
         body is a pause, not a request: a point where the caller lets other work run
-        (every ``PAUSE_EVERY_SERIES`` series made or groups checked).
+        (``PAUSE_EVERY_SERIES``, ``PAUSE_AFTER_SECONDS``).
 
         One request at a time, so a write holds one body, not all of them (~60 MB for
         290k fact series at 37.5k pods). ``_pending`` grows as the requests are made: a
@@ -257,8 +272,8 @@ class FactWriter:
         started = time.perf_counter()
         building = 0.0
         ts_bytes = timestamp_field(now_ms)
-        samples: dict[float, bytes] = {}
-        self._set_sample_len(len(sample_field(0.0, ts_bytes)))
+        samples = _Samples(ts_bytes)
+        self._set_sample_len(len(samples[0.0]))
         current: dict[Key, Group] = {}
         self._pending = current
         parts: list[bytes] = []
@@ -267,32 +282,37 @@ class FactWriter:
         made = 0
         gone: list[Series] = []
 
-        def series() -> Iterator[tuple[Series, bytes] | None]:
-            """(series, sample field) of every fact now, then a stale marker for each
-            series of the last write that is gone (known once the facts are through);
-            None: a pause."""
+        def chunks() -> Iterator[tuple[tuple[bytes, ...], int] | None]:
+            """(the wire pieces of n series, n): every fact now, a group at a time, then a
+            stale marker for each series of the last write that is gone (known once the
+            facts are through); None: a pause. A group is never split across requests
+            unless it alone holds more series than a request."""
             nonlocal made
             for key, group in self._current():
                 had = current.get(key)
-                if had is None:
+                n = len(group.values)
+                if had is None and n <= limit:
                     current[key] = group
-                    new: Iterable[tuple[Series, float]] = (
-                        ((group.pieces, group.values[0]),) if len(group.values) == 1
-                        else zip(group.series(), group.values, strict=True))
-                else:  # e.g. a workload re-created under the same name: first wins
-                    current[key] = both = union(had, group)
-                    new = islice(zip(both.series(), both.values, strict=True),
-                                 len(had.shape), None)
-                for one, value in new:
-                    sample = samples.get(value)
-                    if sample is None:
-                        sample = samples[value] = sample_field(value, ts_bytes)
-                    yield one, sample
-                    made += 1
-                    if made % PAUSE_EVERY_SERIES == 0 or (
-                            made % 16 == 0
-                            and time.perf_counter() - started > PAUSE_AFTER_SECONDS):
-                        yield None
+                    if n:  # (the coverage of no pods has no series)
+                        yield interleaver(group.shape)(
+                            group.pieces + tuple(map(samples.__getitem__, group.values))), n
+                else:
+                    if had is None:
+                        current[key] = group
+                        new: Iterable[tuple[Series, float]] = zip(
+                            group.series(), group.values, strict=True)
+                    else:  # e.g. a workload re-created under the same name: first wins
+                        current[key] = both = union(had, group)
+                        new = islice(zip(both.series(), both.values, strict=True),
+                                     len(had.shape), None)
+                    n = 0
+                    for one, value in new:
+                        yield (*one, samples[value]), 1
+                        n += 1
+                made += n
+                if (made // PAUSE_EVERY_SERIES != (made - n) // PAUSE_EVERY_SERIES
+                        or time.perf_counter() - started > PAUSE_AFTER_SECONDS):
+                    yield None
             # a rebinding of _written during a pause (commit, forget) leaves this one whole
             for checked, (key, was) in enumerate(self._written.items(), 1):
                 now = current.get(key)
@@ -306,23 +326,22 @@ class FactWriter:
             if gone:
                 stale = sample_field(STALE_NAN, ts_bytes)
                 for one in sorted(gone, key=series_bytes):
-                    yield one, stale
+                    yield (*one, stale), 1
 
-        for item in series():
+        for item in chunks():
             if item is None:
                 building += time.perf_counter() - started
                 yield b""
                 started = time.perf_counter()
                 continue
-            one, sample = item
-            parts.extend(one)
-            parts.append(sample)
-            count += 1
-            if count == limit:
+            pieces, n = item
+            if count + n > limit:
                 body, parts, count = b"".join(parts), [], 0
                 building += time.perf_counter() - started
                 yield body
                 started = time.perf_counter()
+            parts.extend(pieces)
+            count += n
         parts.append(METADATA)
         body = b"".join(parts)
         del parts
