@@ -1607,6 +1607,27 @@ async def test_a_write_lets_the_loop_run_at_its_pauses(monkeypatch: pytest.Monke
     assert ticks.count(0) > 3  # the loop ran while that request was being built
 
 
+async def test_a_pause_gives_the_loop_time_not_one_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relayed request needs many turns of the loop; one turn per pause made requests
+    relayed during a big write 4-8x slower. So a pause lasts PAUSE_SECONDS, and the
+    loop turns many times in each."""
+    import proxy.facts.writer as fw
+
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)  # a pause after every group
+    monkeypatch.setattr(fw, "PAUSE_SECONDS", 0.005)
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    index = small_index()
+    pauses = len(index.pods) + len(index.workloads) + 2
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
+    ok, ticks = await _loop_turns_during(w, sent)
+    assert ok and len(sent) == 1
+    assert ticks.count(0) >= 3 * pauses
+
+
 async def test_a_failed_write_lets_the_loop_run_while_it_finishes() -> None:
     """After a refused request the rest of the write is still made (what it owes is the
     whole write's), with the loop let in between: not one stretch of the loop's time."""
