@@ -118,7 +118,8 @@ def workload_key(wf: WorkloadFacts) -> Key:
 
 class _Cached(NamedTuple, Generic[_Obj]):
     """A pod's or workload's key and encoded series, valid while the index holds this
-    very object (index records are replaced, never changed, when what they say changes)."""
+    very object (index records are replaced, never changed, when what they say changes).
+    The key is kept, not derived each write: a workload's is a new tuple each time."""
 
     obj: _Obj
     key: Key
@@ -297,25 +298,18 @@ class FactWriter:
             nonlocal made
             for key, group in self._current():
                 had = current.get(key)
-                n = len(group.values)
-                if had is None and n <= limit:
-                    current[key] = group
+                # two objects of one key (a workload re-created under its name): first wins
+                whole = current[key] = group if had is None else union(had, group)
+                skip = 0 if had is None else len(had.shape)
+                n = len(whole.values) - skip
+                if not skip and n <= limit:
                     if n:  # (the coverage of no pods has no series)
-                        yield interleaver(group.shape)(
-                            group.pieces + tuple(map(samples.__getitem__, group.values))), n
-                else:
-                    if had is None:
-                        current[key] = group
-                        new: Iterable[tuple[Series, float]] = zip(
-                            group.series(), group.values, strict=True)
-                    else:  # e.g. a workload re-created under the same name: first wins
-                        current[key] = both = union(had, group)
-                        new = islice(zip(both.series(), both.values, strict=True),
-                                     len(had.shape), None)
-                    n = 0
-                    for one, value in new:
+                        yield interleaver(whole.shape)(
+                            whole.pieces + tuple(map(samples.__getitem__, whole.values))), n
+                else:  # what the key had not made yet, a series at a time
+                    for one, value in islice(zip(whole.series(), whole.values, strict=True),
+                                             skip, None):
                         yield (*one, samples[value]), 1
-                        n += 1
                 made += n
                 if (made // PAUSE_EVERY_SERIES != (made - n) // PAUSE_EVERY_SERIES
                         or time.perf_counter() - started > PAUSE_AFTER_SECONDS):
