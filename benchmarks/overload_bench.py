@@ -264,7 +264,7 @@ def start(args: argparse.Namespace, work: Path, *, defer: bool = True) -> Bench:
     ``--proxy-repo`` and, with ``--baseline-repo``, for that checkout too.
 
     ``defer``: the sink counts only when asked (``GET /stats``, after every phase), so it
-    costs the box nothing during a phase; it drains by itself at 256 MiB pending, a
+    costs the box nothing during a phase; it drains by itself at 1 GiB pending, a
     multi-second stall of the upstream, so a long run (the soak) has it count as it goes
     instead."""
     cluster = corpus_mod.build_cluster(args.pods)

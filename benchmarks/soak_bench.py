@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args.baseline_repo = None
     print(f"karta-proxy of {args.proxy_repo}: {args.slots} slots; {args.level:g}x for "
           f"{args.duration:g} s; 503 retried after {args.retry_delay:g} s", flush=True)
-    # a deferring sink stalls at 256 MiB
+    # a deferring sink stalls at 1 GiB (null_upstream.DEFER_LIMIT)
     with running(args, "karta-soak-", defer=False) as bench:
         before, samples, last_error, after = asyncio.run(soak(bench, args))
         failed = verdict(before, samples, last_error, after)

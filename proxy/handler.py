@@ -308,6 +308,11 @@ class RemoteWriteHandler:
         #: requests in the worker threads now (counted on the event loop)
         self._in_workers = 0
 
+    def relaying(self) -> bool:
+        """Whether a remote-write request is being handled now (it holds a slot: from its
+        headers to its answer); background work (the fact writer) yields to it."""
+        return self.slots.requests > 0
+
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
         self._executor.shutdown(wait=True, cancel_futures=True)

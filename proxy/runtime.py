@@ -214,7 +214,7 @@ class Proxy:
         if not self.writes_facts:
             return None
         writer = FactWriter(self.settings.facts, self.index, self.upstream.send_v1,
-                            elector=self._elector)
+                            elector=self._elector, busy=self.handler.relaying)
         self.metrics.registry.register(FactWriterCollector(writer))
         return writer
 

@@ -1628,6 +1628,69 @@ async def test_a_pause_gives_the_loop_time_not_one_turn(monkeypatch: pytest.Monk
     assert ticks.count(0) >= 3 * pauses
 
 
+async def test_a_write_waits_at_its_pauses_while_requests_are_relayed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Background work yields to requests: while ``busy`` says a request is being relayed,
+    a write makes no progress past its next pause, and it goes on once none is."""
+    import proxy.facts.writer as fw
+
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
+    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    relaying = True
+    asked = 0
+
+    def busy() -> bool:
+        nonlocal asked
+        asked += 1
+        return relaying
+
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    w = FactWriter(FactSettings(interval_seconds=600), small_index(), send,
+                   clock=lambda: 10.0, busy=busy)
+    task = asyncio.create_task(w.write_once())
+    await asyncio.sleep(0.1)
+    assert not task.done() and not sent
+    waited = asked
+    assert waited > 10  # asked again and again, not once
+    await asyncio.sleep(0.05)
+    assert asked > waited and not sent  # still waiting: the first pause never ended
+    relaying = False
+    assert await asyncio.wait_for(task, 5.0)
+    assert len(sent) == 1
+
+
+async def test_a_write_waits_for_requests_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy always busy still writes its facts: a pause waits at most
+    DEFER_MAX_SECONDS, and a write defers for at most DEFER_SHARE of the interval in all."""
+    import proxy.facts.writer as fw
+
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
+    index = small_index()
+    pauses = len(index.pods) + len(index.workloads) + 2
+
+    async def send(body: bytes) -> None:
+        pass
+
+    # per pause: a few ms each
+    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 0.005)
+    w = FactWriter(FactSettings(interval_seconds=600), index, send, clock=lambda: 10.0,
+                   busy=lambda: True)
+    started = time.monotonic()
+    assert await asyncio.wait_for(w.write_once(), 5.0)
+    assert time.monotonic() - started >= pauses * 0.005
+    # in all: a share of a 0.4 s interval, however long a pause may wait
+    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    w = FactWriter(FactSettings(interval_seconds=0.4), index, send, clock=lambda: 10.0,
+                   busy=lambda: True)
+    started = time.monotonic()
+    assert await asyncio.wait_for(w.write_once(), 5.0)
+    assert time.monotonic() - started < 0.4 * fw.DEFER_SHARE + 1.0
+
+
 async def test_a_failed_write_lets_the_loop_run_while_it_finishes() -> None:
     """After a refused request the rest of the write is still made (what it owes is the
     whole write's), with the loop let in between: not one stretch of the loop's time."""

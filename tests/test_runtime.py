@@ -17,7 +17,7 @@ from proxy.config import Settings, load_settings
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
 from tests.peers.conftest import wait_until
-from tests.scripted import ScriptedUpstream
+from tests.scripted import Received, Reply, ScriptedUpstream
 from tests.test_handler import SNAPSHOT
 
 
@@ -234,6 +234,55 @@ async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> 
     got = {ser.labels["__name__"]: ser.labels for rec in up.received for ser in decode_v1(rec.raw)}
     assert got["app_requests_total"]["karta_workload"] == "cart"
     assert "karta_workload" not in got["other_total"]  # the default pairs name no pod here
+
+
+async def test_a_fact_write_waits_for_the_request_being_relayed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fact writer yields to the remote-write handler: a write made while a request is
+    being relayed sends nothing until that request is answered."""
+    import proxy.facts.writer as fw
+    from proxy.facts import FactWriter
+
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)  # a pause after the first group
+    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    answered: list[float] = []  # when the relayed request is answered upstream
+    facts: list[float] = []  # when each fact request arrives
+
+    def rule(rec: Received) -> Reply:
+        if "relayed_total" in {ser.labels["__name__"] for ser in decode_v1(rec.raw)}:
+            answered.append(time.monotonic() + 0.5)
+            return Reply(delay=0.5)
+        facts.append(time.monotonic())
+        return Reply()
+
+    async with ScriptedUpstream(rule=rule) as up:
+        s = snapshot_settings(tmp_path, up.url)
+        s.facts.enabled = True
+        s.facts.interval_seconds = 600  # the first write at start, then only when asked
+        async with started(s) as p:
+            writer = p.facts
+            assert isinstance(writer, FactWriter)
+
+            async def first_written() -> bool:
+                return writer.writes_ok == 1
+
+            await wait_until(first_written, timeout=10, what="the first fact write")
+            relayed = asyncio.create_task(send_series(
+                f"http://127.0.0.1:{p.port}/api/v1/write",
+                [Series({"__name__": "relayed_total", "namespace": "shop",
+                         "pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])]))
+
+            async def relaying() -> bool:
+                return p.handler.relaying()
+
+            await wait_until(relaying, timeout=10, what="the request in the proxy")
+            before = len(facts)
+            assert await writer.write_once()
+            assert not p.handler.relaying()
+            status, _, _ = await relayed
+    assert status == 204
+    assert len(answered) == 1 and facts[before:]
+    assert min(facts[before:]) >= answered[0]
 
 
 async def test_every_family_on_metrics_is_documented(tmp_path: Path) -> None:

@@ -79,6 +79,17 @@ PAUSE_AFTER_SECONDS = 0.002
 #: write every 15 s); with 1 ms they take at most ~12. A warm write then spends ~0.1 s
 #: more of wall time (its CPU is the same), a cold one ~0.8 s
 PAUSE_SECONDS = 0.001
+#: at a pause, while requests are being relayed (``busy``), the write waits for them,
+#: up to this long per pause: background work, it yields to requests. A relayed request
+#: needs the GIL a few times in its worker as well as its turns of the loop, and a
+#: write's stretch of Python holds it for the interpreter's switch interval (5 ms) before
+#: a waiting worker gets it; requests relayed during a write took up to ~12 ms instead
+#: of ~5 with pauses alone (docs/performance.md, "Eighth pass"). Under saturation (always
+#: busy) a write still runs one stretch (~2 ms) per this long
+DEFER_MAX_SECONDS = 0.02
+#: and for at most this share of the write interval in all, after which the write goes
+#: at the pace of its pauses alone, so a busy proxy still writes every fact each interval
+DEFER_SHARE = 0.25
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
 #: requests: the bodies sent (2 MB each, and their compressed copies) and the encoding
@@ -160,7 +171,8 @@ class FactWriter:
     compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each.
     Only the lease holder writes when an ``elector`` is given. Stale markers follow what
     was last *successfully* sent: after a failed send the next write still ends the series
-    that went away.
+    that went away. ``busy`` says whether requests are being relayed now: a write defers
+    to them at its pauses (``DEFER_MAX_SECONDS``, ``DEFER_SHARE``).
     """
 
     def __init__(
@@ -173,11 +185,13 @@ class FactWriter:
         clock: Callable[[], float] = time.time,
         build_version: str = proxy.__version__,
         max_series_per_request: int = MAX_SERIES_PER_REQUEST,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
         self._settings = settings
         self._index = index
         self._send = send
         self._elector = elector
+        self._busy = busy
         self._clock = clock
         self._build_version = build_version
         self._max_series = max(1, max_series_per_request)
@@ -360,13 +374,28 @@ class FactWriter:
         for _ in bodies:
             pass
 
-    @staticmethod
-    async def _finish_pausing(bodies: Iterator[bytes]) -> None:
+    async def _finish_pausing(self, bodies: Iterator[bytes], defer_until: float) -> None:
         """:meth:`_finish` with the event loop let in at every pause and request: an
         upstream that refuses fact writes would otherwise stop the loop for the rest of
         every write (~0.6-0.9 s at 37.5k pods, measured)."""
         for body in bodies:
-            await asyncio.sleep(0 if body else PAUSE_SECONDS)
+            if body:
+                await asyncio.sleep(0)
+            else:
+                await self._pause(defer_until)
+
+    async def _pause(self, defer_until: float) -> None:
+        """A pause in building: ``PAUSE_SECONDS`` of the loop's time, then, while requests
+        are being relayed and the write may still defer (``defer_until``, loop time),
+        more, up to ``DEFER_MAX_SECONDS`` in all."""
+        await asyncio.sleep(PAUSE_SECONDS)
+        busy = self._busy
+        if busy is None or not busy():
+            return
+        loop = asyncio.get_running_loop()
+        until = min(loop.time() + DEFER_MAX_SECONDS, defer_until)
+        while busy() and loop.time() < until:
+            await asyncio.sleep(PAUSE_SECONDS)
 
     def build_requests(self, now_ms: int) -> list[bytes]:
         """All of :meth:`iter_requests` at once (its pauses left out)."""
@@ -480,6 +509,8 @@ class FactWriter:
     async def _write(self, now: float) -> bool:
         """Send one write's requests; what is owed afterwards follows what was sent."""
         bodies = self.iter_requests(int(now * 1000))
+        defer_until = (asyncio.get_running_loop().time()
+                       + DEFER_SHARE * self._settings.interval_seconds)
         sent = 0
         while True:
             try:
@@ -490,7 +521,7 @@ class FactWriter:
                 self.commit_partial()
                 raise
             if not body:  # a pause in the building
-                await asyncio.sleep(PAUSE_SECONDS)
+                await self._pause(defer_until)
                 continue
             try:
                 await self._send(body)
@@ -500,7 +531,7 @@ class FactWriter:
                 self.commit_partial()
                 raise
             except Exception as exc:  # the next write retries; stale markers are kept
-                await self._finish_pausing(bodies)
+                await self._finish_pausing(bodies, defer_until)
                 self.commit_partial()
                 self.metrics.writes_failed.inc()
                 log.warning("fact write failed: %s", exc)
