@@ -1663,6 +1663,30 @@ async def test_a_write_waits_at_its_pauses_while_requests_are_relayed(
     assert len(sent) == 1
 
 
+async def test_with_no_request_to_wait_for_a_pause_is_turns_of_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told that nothing is relayed, a pause gives the loop ARRIVAL_TURNS turns (a request
+    that arrived during the stretch takes its slot in them) and no real time: between
+    requests a write goes at the pace of its building."""
+    import proxy.facts.writer as fw
+
+    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
+    monkeypatch.setattr(fw, "PAUSE_SECONDS", 0.5)
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    index = small_index()
+    pauses = len(index.pods) + len(index.workloads) + 2
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, busy=lambda: False)
+    started = time.monotonic()
+    ok, ticks = await _loop_turns_during(w, sent)
+    assert ok and len(sent) == 1
+    assert time.monotonic() - started < 0.5
+    assert ticks.count(0) >= fw.ARRIVAL_TURNS * pauses
+
+
 async def test_a_write_waits_for_requests_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
     """A proxy always busy still writes its facts: a pause waits at most
     DEFER_MAX_SECONDS, and a write defers for at most DEFER_SHARE of the interval in all."""

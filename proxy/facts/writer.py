@@ -70,26 +70,31 @@ MAX_SERIES_PER_REQUEST = 5000
 PAUSE_EVERY_SERIES = 1000
 #: and after any group once building has held the loop this long: a series encoded afresh
 #: costs ~20 us, so the stretches of a cold write (at start, or after a reload) were
-#: 20-25 ms of the loop's time each at 1,000 series
-PAUSE_AFTER_SECONDS = 0.002
-#: how long a pause gives the event loop: real time, not one turn (``sleep(0)``). A
+#: 20-25 ms of the loop's time each at 1,000 series. A request that arrives during a
+#: stretch waits for its end before the write yields to it (``busy``), so the stretch is
+#: short; between requests a pause costs a few turns of the loop, not real time
+PAUSE_AFTER_SECONDS = 0.0005
+#: a pause with nothing to yield to gives the loop this many turns: a request whose
+#: headers arrived during the stretch holds its slot (``busy``) after 4 (the socket's
+#: read, aiohttp's protocol task, the request's task; measured in-process)
+ARRIVAL_TURNS = 6
+#: while a request is being relayed (``busy``), a pause waits for it to be answered, up
+#: to this long: background work yields to requests. Without it a write's stretches and
+#: sends interleaved with a relayed request's turns of the loop and its worker's takes
+#: of the GIL, and requests relayed during a write at 37.5k pods took 8-12 ms, not ~5
+#: (docs/performance.md, "Eighth pass"). Under saturation (always busy) a write still
+#: makes one stretch per this long
+DEFER_MAX_SECONDS = 0.02
+#: and it waits so for at most this share of the write interval in all; after that, and
+#: when there is no ``busy`` to ask, a pause gives the loop ``PAUSE_SECONDS`` of real time
+#: whatever it serves, so that a busy proxy still writes every fact each interval
+DEFER_SHARE = 0.25
+#: how long such a pause gives the event loop: real time, not one turn (``sleep(0)``). A
 #: relayed request needs many turns of the loop (its body, the hand-off to a worker and
 #: back, the upstream's post and answer), and with one turn per 2 ms of building, requests
 #: relayed during a write at 37.5k pods took 20-40 ms instead of ~5 (paced at 20/s, a
-#: write every 15 s); with 1 ms they take at most ~12. A warm write then spends ~0.1 s
-#: more of wall time (its CPU is the same), a cold one ~0.8 s
+#: write every 15 s); with 1 ms they took at most ~12
 PAUSE_SECONDS = 0.001
-#: at a pause, while requests are being relayed (``busy``), the write waits for them,
-#: up to this long per pause: background work, it yields to requests. A relayed request
-#: needs the GIL a few times in its worker as well as its turns of the loop, and a
-#: write's stretch of Python holds it for the interpreter's switch interval (5 ms) before
-#: a waiting worker gets it; requests relayed during a write took up to ~12 ms instead
-#: of ~5 with pauses alone (docs/performance.md, "Eighth pass"). Under saturation (always
-#: busy) a write still runs one stretch (~2 ms) per this long
-DEFER_MAX_SECONDS = 0.02
-#: and for at most this share of the write interval in all, after which the write goes
-#: at the pace of its pauses alone, so a busy proxy still writes every fact each interval
-DEFER_SHARE = 0.25
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
 #: requests: the bodies sent (2 MB each, and their compressed copies) and the encoding
@@ -385,14 +390,17 @@ class FactWriter:
                 await self._pause(defer_until)
 
     async def _pause(self, defer_until: float) -> None:
-        """A pause in building: ``PAUSE_SECONDS`` of the loop's time, then, while requests
-        are being relayed and the write may still defer (``defer_until``, loop time),
-        more, up to ``DEFER_MAX_SECONDS`` in all."""
-        await asyncio.sleep(PAUSE_SECONDS)
+        """A pause in building, and before each send: while the write may still defer
+        (``defer_until``, loop time), a few turns of the loop and then, while a request is
+        being relayed, a wait for it (``DEFER_MAX_SECONDS`` at most); else
+        ``PAUSE_SECONDS`` of the loop's time."""
         busy = self._busy
-        if busy is None or not busy():
-            return
         loop = asyncio.get_running_loop()
+        if busy is None or loop.time() >= defer_until:
+            await asyncio.sleep(PAUSE_SECONDS)
+            return
+        for _ in range(ARRIVAL_TURNS):
+            await asyncio.sleep(0)
         until = min(loop.time() + DEFER_MAX_SECONDS, defer_until)
         while busy() and loop.time() < until:
             await asyncio.sleep(PAUSE_SECONDS)
@@ -524,8 +532,8 @@ class FactWriter:
                 await self._pause(defer_until)
                 continue
             try:
+                await self._pause(defer_until)  # a request that came meanwhile goes first
                 await self._send(body)
-                await asyncio.sleep(0)  # let requests in flight interleave with a big write
             except asyncio.CancelledError:
                 self._finish(bodies)
                 self.commit_partial()
