@@ -234,7 +234,10 @@ class FactWriter:
     def _encode(self, facts: Iterable[Fact]) -> Group:
         return encode_facts(facts, self._external, self._sample_len)
 
-    def _set_sample_len(self, n: int) -> None:
+    def _set_sample_len(self, ts_bytes: bytes) -> None:
+        """The cached series headers count their sample field: re-made should a sample's
+        length change with the timestamp's (``ts_bytes``, the write's)."""
+        n = len(sample_field(0.0, ts_bytes))
         if n == self._sample_len:
             return
         self._sample_len = n
@@ -300,7 +303,7 @@ class FactWriter:
         building = 0.0
         ts_bytes = timestamp_field(now_ms)
         samples = _Samples(ts_bytes)
-        self._set_sample_len(len(samples[0.0]))
+        self._set_sample_len(ts_bytes)
         current: dict[Key, Group] = {}
         self._pending = current
         parts: list[bytes] = []
@@ -423,7 +426,7 @@ class FactWriter:
         per interval (no encoding of samples); a group not seen for STANDBY_MEMORY
         seconds is dropped, since a TSDB has forgotten its series by itself by then.
         """
-        self._set_sample_len(len(sample_field(0.0, timestamp_field(int(now * 1000)))))
+        self._set_sample_len(timestamp_field(int(now * 1000)))
         standby = self._standby
         for key, group in self._current():
             seen = standby.get(key)
