@@ -425,15 +425,28 @@ class FactWriter:
         one's first would linger for the 5-minute lookback. Costs a walk of the groups
         per interval (no encoding of samples); a group not seen for STANDBY_MEMORY
         seconds is dropped, since a TSDB has forgotten its series by itself by then.
+        All at once: the writer's own loop takes it in stretches (:meth:`_standby_steps`).
         """
+        for _ in self._standby_steps(now):
+            pass
+
+    def _standby_steps(self, now: float) -> Iterator[None]:
+        """:meth:`track_standby`, yielding where the event loop may run: a standby's first
+        walk encodes every pod and workload (a cold build, ~1.5 s at 100k pods) and a
+        later one is ~0.12 s, which in one stretch held a standby replica's loop, its
+        relayed requests and health checks, that long."""
         self._set_sample_len(timestamp_field(int(now * 1000)))
         standby = self._standby
+        started = time.perf_counter()
         for key, group in self._current():
             seen = standby.get(key)
             if seen is None:
                 standby[key] = {group: now}
             else:
                 seen[group] = now
+            if time.perf_counter() - started > PAUSE_AFTER_SECONDS:
+                yield
+                started = time.perf_counter()
         horizon = now - STANDBY_MEMORY
         if any(t < horizon for seen in standby.values() for t in seen.values()):
             kept = ((k, {g: t for g, t in seen.items() if t >= horizon})
@@ -513,9 +526,19 @@ class FactWriter:
         """One interval: build and send the facts if this replica leads, else remember
         which series exist (standby); True when a write was sent."""
         if self.step() is WriterState.STANDBY:
-            self.track_standby(self._clock())
+            await self._stand_by(self._clock())
             return False
         return await self._write(self._clock())
+
+    async def _stand_by(self, now: float) -> None:
+        """:meth:`track_standby` with the pauses of a write (a standby replica relays
+        requests too)."""
+        defer_until = (asyncio.get_running_loop().time()
+                       + DEFER_SHARE * self._settings.interval_seconds)
+        for _ in self._standby_steps(now):
+            await self._pause(defer_until)
+        memory.freeze_survivors()  # the cache and the groups seen, as after a write
+        memory.trim()  # the cache this walk replaced
 
     async def _write(self, now: float) -> bool:
         """Send one write's requests; what is owed afterwards follows what was sent."""
