@@ -110,9 +110,12 @@ class _One(Collector):
 
 def chunks(registry: Any) -> Iterator[bytes]:
     """The text exposition of ``registry`` (anything with ``collect()``), a family or a
-    chunk at a time: the same bytes as ``generate_latest(registry)``."""
+    chunk at a time: the same bytes as ``generate_latest(registry)``. An empty chunk
+    comes after each family: a point to pause at with nothing to write, since a
+    collector may do a family's work (finding it has no series) before yielding it."""
     for metric in registry.collect():
         if isinstance(metric, TextFamily):
             yield from metric.chunks()
         else:
             yield generate_latest(_One(metric))
+        yield b""

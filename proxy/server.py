@@ -6,11 +6,10 @@ with ``auto_decompress=False`` so the handler sees the raw bytes and applies its
 
 from __future__ import annotations
 
-import asyncio
 import html
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -26,11 +25,27 @@ from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome
 from proxy.tls_handshake import Refusals, TLSSite
 from proxy.wire.native import DEFAULT as SPLICE
+from proxy.yielding import Pacer
 
 log = logging.getLogger("karta.server")
 
 #: the app's remote-write handler, for ``start_site`` (its header deadline and counter)
 REMOTE_WRITE = web.AppKey("remote_write", RemoteWriteHandler)
+#: a ``/metrics`` page waits for the requests being relayed (``proxy.yielding``) for at
+#: most this share of the scraper's timeout (Prometheus sends it in
+#: ``X-Prometheus-Scrape-Timeout-Seconds``), so that it still ends in time ...
+PAGE_DEFER_SHARE = 0.25
+#: ... or this long when the scraper does not say (a quarter of Prometheus' default 10 s)
+PAGE_DEFER_SECONDS = 2.5
+
+
+def page_defer_budget(headers: Mapping[str, str]) -> float:
+    """How long one ``/metrics`` page may wait for requests in all."""
+    try:
+        timeout = float(headers.get("X-Prometheus-Scrape-Timeout-Seconds", ""))
+    except ValueError:
+        return PAGE_DEFER_SECONDS
+    return PAGE_DEFER_SHARE * timeout if 0 < timeout < float("inf") else PAGE_DEFER_SECONDS
 
 
 def build_app(
@@ -98,13 +113,17 @@ class _Pages:
 
     async def metrics_view(self, request: web.Request) -> web.StreamResponse:
         # Streamed a chunk at a time (proxy.exposition): the fact families are ~41 MB of
-        # text at 37.5k pods, and the event loop gets a turn between chunks.
+        # text at 37.5k pods, ~1.1 s of Python. Between chunks the page gives way to the
+        # requests being relayed (proxy.yielding): with one turn of the loop there,
+        # requests relayed during a scrape took 100-420 ms instead of ~5.
         resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE_LATEST})
         await resp.prepare(request)
+        pacer = Pacer(self.handler.relaying, page_defer_budget(request.headers))
         try:
             for chunk in exposition.chunks(self.metrics.registry):
-                await resp.write(chunk)
-                await asyncio.sleep(0)
+                if chunk:
+                    await resp.write(chunk)
+                await pacer.pause()
             await resp.write_eof()
         except ConnectionResetError:  # the scraper went away (its timeout): nothing to answer
             log.debug("/metrics scraper left mid-page")

@@ -31,7 +31,7 @@ import snappy
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import contract
+from proxy import contract, yielding
 from proxy.config import FactSettings
 from proxy.facts import (
     STALE_NAN_BITS,
@@ -1632,7 +1632,7 @@ async def test_a_pause_gives_the_loop_time_not_one_turn(monkeypatch: pytest.Monk
     import proxy.facts.writer as fw
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)  # a pause after every group
-    monkeypatch.setattr(fw, "PAUSE_SECONDS", 0.005)
+    monkeypatch.setattr(yielding, "PAUSE_SECONDS", 0.005)
     sent: list[bytes] = []
 
     async def send(body: bytes) -> None:
@@ -1653,7 +1653,7 @@ async def test_a_write_waits_at_its_pauses_while_requests_are_relayed(
     import proxy.facts.writer as fw
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
-    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
     relaying = True
     asked = 0
 
@@ -1689,7 +1689,7 @@ async def test_with_no_request_to_wait_for_a_pause_is_turns_of_the_loop(
     import proxy.facts.writer as fw
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
-    monkeypatch.setattr(fw, "PAUSE_SECONDS", 0.5)
+    monkeypatch.setattr(yielding, "PAUSE_SECONDS", 0.5)
     sent: list[bytes] = []
 
     async def send(body: bytes) -> None:
@@ -1702,7 +1702,7 @@ async def test_with_no_request_to_wait_for_a_pause_is_turns_of_the_loop(
     ok, ticks = await _loop_turns_during(w, sent)
     assert ok and len(sent) == 1
     assert time.monotonic() - started < 0.5
-    assert ticks.count(0) >= fw.ARRIVAL_TURNS * pauses
+    assert ticks.count(0) >= yielding.ARRIVAL_TURNS * pauses
 
 
 async def test_a_write_waits_for_requests_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1718,14 +1718,14 @@ async def test_a_write_waits_for_requests_only_so_long(monkeypatch: pytest.Monke
         pass
 
     # per pause: a few ms each
-    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 0.005)
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 0.005)
     w = FactWriter(FactSettings(interval_seconds=600), index, send, clock=lambda: 10.0,
                    busy=lambda: True)
     started = time.monotonic()
     assert await asyncio.wait_for(w.write_once(), 5.0)
     assert time.monotonic() - started >= pauses * 0.005
     # in all: a share of a 0.4 s interval, however long a pause may wait
-    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
     w = FactWriter(FactSettings(interval_seconds=0.4), index, send, clock=lambda: 10.0,
                    busy=lambda: True)
     started = time.monotonic()
@@ -1740,7 +1740,7 @@ async def test_a_standby_walk_lets_the_loop_run_and_yields_to_requests(
     import proxy.facts.writer as fw
 
     monkeypatch.setattr(fw, "PAUSE_AFTER_SECONDS", 0.0)  # a pause after every group
-    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
 
     async def send(body: bytes) -> None:
         raise AssertionError("a standby sends nothing")
@@ -1751,7 +1751,7 @@ async def test_a_standby_walk_lets_the_loop_run_and_yields_to_requests(
                    elector=_Elector(), busy=lambda: False)  # type: ignore[arg-type]
     ok, ticks = await _loop_turns_during(w, [])
     assert not ok and w.state is WriterState.STANDBY
-    assert len(ticks) >= fw.ARRIVAL_TURNS * groups
+    assert len(ticks) >= yielding.ARRIVAL_TURNS * groups
     assert len(w._standby) == groups  # and the walk saw every key
     relaying = True
     w = FactWriter(FactSettings(interval_seconds=600), index, send,

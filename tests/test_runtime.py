@@ -241,10 +241,11 @@ async def test_a_fact_write_waits_for_the_request_being_relayed(
     """The fact writer yields to the remote-write handler: a write made while a request is
     being relayed sends nothing until that request is answered."""
     import proxy.facts.writer as fw
+    from proxy import yielding
     from proxy.facts import FactWriter
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)  # a pause after the first group
-    monkeypatch.setattr(fw, "DEFER_MAX_SECONDS", 30.0)
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
     answered: list[float] = []  # when the relayed request is answered upstream
     facts: list[float] = []  # when each fact request arrives
 

@@ -336,4 +336,26 @@ def family_facts(
         yield from (f for f in process_facts(index, build_version) if f.name == name)
     else:
         for wf in workloads:
-            yield from workload_facts(wf, name)
+            if _may_have(wf, name):
+                yield from workload_facts(wf, name)
+
+
+#: the value of each replica family in a workload's component instance
+_REPLICA_VALUE = {
+    contract.FACT_COMPONENT_DESIRED_REPLICAS: lambda rf: rf.desired,
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN: lambda rf: rf.min_desired,
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX: lambda rf: rf.max_desired,
+}
+
+
+def _may_have(wf: WorkloadFacts, family: str) -> bool:
+    """Whether ``workload_facts(wf, family)`` can have a series, told without making its
+    labels: a family that few workloads have (replica bounds, an undefined phase's
+    reason) was a scan of every workload's labels per page, 17-34 ms at 11.7k workloads,
+    in one stretch of the event loop."""
+    if family == contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO:
+        return wf.phase == UNDEFINED and bool(wf.phase_reason)
+    value = _REPLICA_VALUE.get(family)
+    if value is None:
+        return True
+    return any(v is not None and not math.isnan(v) for v in map(value, wf.replicas))

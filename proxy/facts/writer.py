@@ -51,6 +51,7 @@ from proxy.facts.model import (
 )
 from proxy.index import PodIndex
 from proxy.karta.results import PodAttribution, WorkloadFacts
+from proxy.yielding import Busy, Pacer
 
 if TYPE_CHECKING:
     from proxy.lease import LeaseElector
@@ -73,28 +74,12 @@ PAUSE_EVERY_SERIES = 1000
 #: 20-25 ms of the loop's time each at 1,000 series. A request that arrives during a
 #: stretch waits for its end before the write yields to it (``busy``), so the stretch is
 #: short; between requests a pause costs a few turns of the loop, not real time
+#: (:mod:`proxy.yielding`)
 PAUSE_AFTER_SECONDS = 0.0005
-#: a pause with nothing to yield to gives the loop this many turns: a request whose
-#: headers arrived during the stretch holds its slot (``busy``) after 4 (the socket's
-#: read, aiohttp's protocol task, the request's task; measured in-process)
-ARRIVAL_TURNS = 6
-#: while a request is being relayed (``busy``), a pause waits for it to be answered, up
-#: to this long: background work yields to requests. Without it a write's stretches and
-#: sends interleaved with a relayed request's turns of the loop and its worker's takes
-#: of the GIL, and requests relayed during a write at 37.5k pods took 8-12 ms, not ~5
-#: (docs/performance.md, "Eighth pass"). Under saturation (always busy) a write still
-#: makes one stretch per this long
-DEFER_MAX_SECONDS = 0.02
-#: and it waits so for at most this share of the write interval in all; after that, and
-#: when there is no ``busy`` to ask, a pause gives the loop ``PAUSE_SECONDS`` of real time
-#: whatever it serves, so that a busy proxy still writes every fact each interval
+#: a write waits for the requests being relayed at its pauses
+#: (:class:`proxy.yielding.Pacer`) for at most this share of the interval in all, so that
+#: a saturated proxy still writes every fact each interval
 DEFER_SHARE = 0.25
-#: how long such a pause gives the event loop: real time, not one turn (``sleep(0)``). A
-#: relayed request needs many turns of the loop (its body, the hand-off to a worker and
-#: back, the upstream's post and answer), and with one turn per 2 ms of building, requests
-#: relayed during a write at 37.5k pods took 20-40 ms instead of ~5 (paced at 20/s, a
-#: write every 15 s); with 1 ms they took at most ~12
-PAUSE_SECONDS = 0.001
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
 #: requests: the bodies sent (2 MB each, and their compressed copies) and the encoding
@@ -176,8 +161,8 @@ class FactWriter:
     compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each.
     Only the lease holder writes when an ``elector`` is given. Stale markers follow what
     was last *successfully* sent: after a failed send the next write still ends the series
-    that went away. ``busy`` says whether requests are being relayed now: a write defers
-    to them at its pauses (``DEFER_MAX_SECONDS``, ``DEFER_SHARE``).
+    that went away. ``busy`` says whether requests are being relayed now: a write (and a
+    standby's walk) waits for them at its pauses (:mod:`proxy.yielding`, ``DEFER_SHARE``).
     """
 
     def __init__(
@@ -190,7 +175,7 @@ class FactWriter:
         clock: Callable[[], float] = time.time,
         build_version: str = proxy.__version__,
         max_series_per_request: int = MAX_SERIES_PER_REQUEST,
-        busy: Callable[[], bool] | None = None,
+        busy: Busy | None = None,
     ) -> None:
         self._settings = settings
         self._index = index
@@ -382,7 +367,8 @@ class FactWriter:
         for _ in bodies:
             pass
 
-    async def _finish_pausing(self, bodies: Iterator[bytes], defer_until: float) -> None:
+    @staticmethod
+    async def _finish_pausing(bodies: Iterator[bytes], pacer: Pacer) -> None:
         """:meth:`_finish` with the event loop let in at every pause and request: an
         upstream that refuses fact writes would otherwise stop the loop for the rest of
         every write (~0.6-0.9 s at 37.5k pods, measured)."""
@@ -390,23 +376,11 @@ class FactWriter:
             if body:
                 await asyncio.sleep(0)
             else:
-                await self._pause(defer_until)
+                await pacer.pause()
 
-    async def _pause(self, defer_until: float) -> None:
-        """A pause in building, and before each send: while the write may still defer
-        (``defer_until``, loop time), a few turns of the loop and then, while a request is
-        being relayed, a wait for it (``DEFER_MAX_SECONDS`` at most); else
-        ``PAUSE_SECONDS`` of the loop's time."""
-        busy = self._busy
-        loop = asyncio.get_running_loop()
-        if busy is None or loop.time() >= defer_until:
-            await asyncio.sleep(PAUSE_SECONDS)
-            return
-        for _ in range(ARRIVAL_TURNS):
-            await asyncio.sleep(0)
-        until = min(loop.time() + DEFER_MAX_SECONDS, defer_until)
-        while busy() and loop.time() < until:
-            await asyncio.sleep(PAUSE_SECONDS)
+    def _pacer(self) -> Pacer:
+        """The pauses of one write or standby walk."""
+        return Pacer(self._busy, DEFER_SHARE * self._settings.interval_seconds)
 
     def build_requests(self, now_ms: int) -> list[bytes]:
         """All of :meth:`iter_requests` at once (its pauses left out)."""
@@ -533,18 +507,16 @@ class FactWriter:
     async def _stand_by(self, now: float) -> None:
         """:meth:`track_standby` with the pauses of a write (a standby replica relays
         requests too)."""
-        defer_until = (asyncio.get_running_loop().time()
-                       + DEFER_SHARE * self._settings.interval_seconds)
+        pacer = self._pacer()
         for _ in self._standby_steps(now):
-            await self._pause(defer_until)
+            await pacer.pause()
         memory.freeze_survivors()  # the cache and the groups seen, as after a write
         memory.trim()  # the cache this walk replaced
 
     async def _write(self, now: float) -> bool:
         """Send one write's requests; what is owed afterwards follows what was sent."""
         bodies = self.iter_requests(int(now * 1000))
-        defer_until = (asyncio.get_running_loop().time()
-                       + DEFER_SHARE * self._settings.interval_seconds)
+        pacer = self._pacer()
         sent = 0
         while True:
             try:
@@ -555,17 +527,17 @@ class FactWriter:
                 self.commit_partial()
                 raise
             if not body:  # a pause in the building
-                await self._pause(defer_until)
+                await pacer.pause()
                 continue
             try:
-                await self._pause(defer_until)  # a request that came meanwhile goes first
+                await pacer.pause()  # a request that came meanwhile goes first
                 await self._send(body)
             except asyncio.CancelledError:
                 self._finish(bodies)
                 self.commit_partial()
                 raise
             except Exception as exc:  # the next write retries; stale markers are kept
-                await self._finish_pausing(bodies, defer_until)
+                await self._finish_pausing(bodies, pacer)
                 self.commit_partial()
                 self.metrics.writes_failed.inc()
                 log.warning("fact write failed: %s", exc)
