@@ -286,6 +286,42 @@ async def test_a_fact_write_waits_for_the_request_being_relayed(
     assert min(facts[before:]) >= answered[0]
 
 
+async def test_a_metrics_page_waits_for_the_request_being_relayed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /metrics page (the fact families: ~1 s of Python at 37.5k pods) gives way to the
+    remote-write handler as a fact write does: it ends only once the request being
+    relayed is answered, and it is whole."""
+    from proxy import yielding
+
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
+    answered: list[float] = []
+
+    def rule(rec: Received) -> Reply:
+        if "relayed_total" in {ser.labels["__name__"] for ser in decode_v1(rec.raw)}:
+            answered.append(time.monotonic() + 0.5)
+            return Reply(delay=0.5)
+        return Reply()
+
+    async with ScriptedUpstream(rule=rule) as up:
+        s = snapshot_settings(tmp_path, up.url)
+        async with started(s) as p:
+            relayed = asyncio.create_task(send_series(
+                f"http://127.0.0.1:{p.port}/api/v1/write",
+                [Series({"__name__": "relayed_total", "namespace": "shop",
+                         "pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])]))
+
+            async def relaying() -> bool:
+                return p.handler.relaying()
+
+            await wait_until(relaying, timeout=10, what="the request in the proxy")
+            text = await get_text(p, "/metrics")
+            served = time.monotonic()
+            status, _, _ = await relayed
+    assert status == 204 and len(answered) == 1
+    assert served >= answered[0]
+    assert "karta_workload_info{" in text and "karta_proxy_index_pods" in text
+
+
 async def test_every_family_on_metrics_is_documented(tmp_path: Path) -> None:
     """An operator looks a metric up by name: every ``karta_proxy_*`` / ``karta_source_*``
     family the assembled proxy serves (TLS on, so its refusal counter is there too; facts

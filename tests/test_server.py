@@ -137,3 +137,14 @@ async def test_landing_page(app: tuple[App, ScriptedUpstream]) -> None:
     assert __version__ in page and up.url in page
     for link in ('href="/metrics"', 'href="/-/healthy"', 'href="/-/ready"'):
         assert link in page
+
+
+def test_a_metrics_page_waits_for_requests_a_share_of_the_scrape_timeout() -> None:
+    from proxy.server import PAGE_DEFER_SECONDS, page_defer_budget
+
+    assert page_defer_budget({"X-Prometheus-Scrape-Timeout-Seconds": "10"}) == 2.5
+    assert page_defer_budget({"X-Prometheus-Scrape-Timeout-Seconds": "2"}) == 0.5
+    for odd in ({}, {"X-Prometheus-Scrape-Timeout-Seconds": "soon"},
+                {"X-Prometheus-Scrape-Timeout-Seconds": "-1"},
+                {"X-Prometheus-Scrape-Timeout-Seconds": "inf"}):
+        assert page_defer_budget(odd) == PAGE_DEFER_SECONDS
