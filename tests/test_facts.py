@@ -1625,14 +1625,17 @@ async def test_a_write_lets_the_loop_run_at_its_pauses(monkeypatch: pytest.Monke
     assert ticks.count(0) > 3  # the loop ran while that request was being built
 
 
-async def test_a_pause_gives_the_loop_time_not_one_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("told", [False, True])
+async def test_a_pause_lets_the_loop_run(monkeypatch: pytest.MonkeyPatch, told: bool) -> None:
     """A relayed request needs many turns of the loop; one turn per pause made requests
-    relayed during a big write 4-8x slower. So a pause lasts PAUSE_SECONDS, and the
-    loop turns many times in each."""
+    relayed during a big write 4-8x slower. Not told whether requests are relayed, a
+    pause lasts PAUSE_SECONDS and the loop turns many times in each; told that none is, a
+    pause is ARRIVAL_TURNS turns (a request that arrived during the stretch takes its
+    slot in them) and no real time: between requests a write goes at its own pace."""
     import proxy.facts.writer as fw
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)  # a pause after every group
-    monkeypatch.setattr(yielding, "PAUSE_SECONDS", 0.005)
+    monkeypatch.setattr(yielding, "PAUSE_SECONDS", 0.5 if told else 0.005)
     sent: list[bytes] = []
 
     async def send(body: bytes) -> None:
@@ -1640,10 +1643,16 @@ async def test_a_pause_gives_the_loop_time_not_one_turn(monkeypatch: pytest.Monk
 
     index = small_index()
     pauses = len(index.pods) + len(index.workloads) + 2
-    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0,
+                   busy=(lambda: False) if told else None)
+    started = time.monotonic()
     ok, ticks = await _loop_turns_during(w, sent)
     assert ok and len(sent) == 1
-    assert ticks.count(0) >= 3 * pauses
+    if told:
+        assert time.monotonic() - started < 0.5
+        assert ticks.count(0) >= yielding.ARRIVAL_TURNS * pauses
+    else:
+        assert ticks.count(0) >= 3 * pauses
 
 
 async def test_a_write_waits_at_its_pauses_while_requests_are_relayed(
@@ -1679,30 +1688,6 @@ async def test_a_write_waits_at_its_pauses_while_requests_are_relayed(
     relaying = False
     assert await asyncio.wait_for(task, 5.0)
     assert len(sent) == 1
-
-
-async def test_with_no_request_to_wait_for_a_pause_is_turns_of_the_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Told that nothing is relayed, a pause gives the loop ARRIVAL_TURNS turns (a request
-    that arrived during the stretch takes its slot in them) and no real time: between
-    requests a write goes at the pace of its building."""
-    import proxy.facts.writer as fw
-
-    monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)
-    monkeypatch.setattr(yielding, "PAUSE_SECONDS", 0.5)
-    sent: list[bytes] = []
-
-    async def send(body: bytes) -> None:
-        sent.append(body)
-
-    index = small_index()
-    pauses = len(index.pods) + len(index.workloads) + 2
-    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, busy=lambda: False)
-    started = time.monotonic()
-    ok, ticks = await _loop_turns_during(w, sent)
-    assert ok and len(sent) == 1
-    assert time.monotonic() - started < 0.5
-    assert ticks.count(0) >= yielding.ARRIVAL_TURNS * pauses
 
 
 async def test_a_write_waits_for_requests_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -236,6 +236,34 @@ async def test_configured_pod_label_rules_reach_the_enricher(tmp_path: Path) -> 
     assert "karta_workload" not in got["other_total"]  # the default pairs name no pod here
 
 
+def _holding(answered: list[float], others: list[float]) -> Callable[[Received], Reply]:
+    """An upstream rule: the request of ``relayed_total`` is answered after 0.5 s (when,
+    in ``answered``), anything else at once (when it arrived, in ``others``)."""
+
+    def rule(rec: Received) -> Reply:
+        if "relayed_total" in {ser.labels["__name__"] for ser in decode_v1(rec.raw)}:
+            answered.append(time.monotonic() + 0.5)
+            return Reply(delay=0.5)
+        others.append(time.monotonic())
+        return Reply()
+
+    return rule
+
+
+async def _relaying(p: Proxy) -> asyncio.Task[tuple[int, dict[str, str], str]]:
+    """A request of ``relayed_total`` sent to ``p``, once ``p`` is handling it."""
+    relayed = asyncio.create_task(send_series(
+        f"http://127.0.0.1:{p.port}/api/v1/write",
+        [Series({"__name__": "relayed_total", "namespace": "shop",
+                 "pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])]))
+
+    async def relaying() -> bool:
+        return p.handler.relaying()
+
+    await wait_until(relaying, timeout=10, what="the request in the proxy")
+    return relayed
+
+
 async def test_a_fact_write_waits_for_the_request_being_relayed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fact writer yields to the remote-write handler: a write made while a request is
@@ -246,17 +274,10 @@ async def test_a_fact_write_waits_for_the_request_being_relayed(
 
     monkeypatch.setattr(fw, "PAUSE_EVERY_SERIES", 1)  # a pause after the first group
     monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
-    answered: list[float] = []  # when the relayed request is answered upstream
+    answered: list[float] = []
     facts: list[float] = []  # when each fact request arrives
 
-    def rule(rec: Received) -> Reply:
-        if "relayed_total" in {ser.labels["__name__"] for ser in decode_v1(rec.raw)}:
-            answered.append(time.monotonic() + 0.5)
-            return Reply(delay=0.5)
-        facts.append(time.monotonic())
-        return Reply()
-
-    async with ScriptedUpstream(rule=rule) as up:
+    async with ScriptedUpstream(rule=_holding(answered, facts)) as up:
         s = snapshot_settings(tmp_path, up.url)
         s.facts.enabled = True
         s.facts.interval_seconds = 600  # the first write at start, then only when asked
@@ -268,15 +289,7 @@ async def test_a_fact_write_waits_for_the_request_being_relayed(
                 return writer.writes_ok == 1
 
             await wait_until(first_written, timeout=10, what="the first fact write")
-            relayed = asyncio.create_task(send_series(
-                f"http://127.0.0.1:{p.port}/api/v1/write",
-                [Series({"__name__": "relayed_total", "namespace": "shop",
-                         "pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])]))
-
-            async def relaying() -> bool:
-                return p.handler.relaying()
-
-            await wait_until(relaying, timeout=10, what="the request in the proxy")
+            relayed = await _relaying(p)
             before = len(facts)
             assert await writer.write_once()
             assert not p.handler.relaying()
@@ -296,27 +309,12 @@ async def test_a_metrics_page_waits_for_the_request_being_relayed(
     monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
     answered: list[float] = []
 
-    def rule(rec: Received) -> Reply:
-        if "relayed_total" in {ser.labels["__name__"] for ser in decode_v1(rec.raw)}:
-            answered.append(time.monotonic() + 0.5)
-            return Reply(delay=0.5)
-        return Reply()
-
-    async with ScriptedUpstream(rule=rule) as up:
-        s = snapshot_settings(tmp_path, up.url)
-        async with started(s) as p:
-            relayed = asyncio.create_task(send_series(
-                f"http://127.0.0.1:{p.port}/api/v1/write",
-                [Series({"__name__": "relayed_total", "namespace": "shop",
-                         "pod": "cart-7d9f8-abcde"}, [(1_000, 1.0)])]))
-
-            async def relaying() -> bool:
-                return p.handler.relaying()
-
-            await wait_until(relaying, timeout=10, what="the request in the proxy")
-            text = await get_text(p, "/metrics")
-            served = time.monotonic()
-            status, _, _ = await relayed
+    async with ScriptedUpstream(rule=_holding(answered, [])) as up, \
+            started(snapshot_settings(tmp_path, up.url)) as p:
+        relayed = await _relaying(p)
+        text = await get_text(p, "/metrics")
+        served = time.monotonic()
+        status, _, _ = await relayed
     assert status == 204 and len(answered) == 1
     assert served >= answered[0]
     assert "karta_workload_info{" in text and "karta_proxy_index_pods" in text
