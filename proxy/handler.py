@@ -310,7 +310,8 @@ class RemoteWriteHandler:
 
     def relaying(self) -> bool:
         """Whether a remote-write request is being handled now (it holds a slot: from its
-        headers to its answer); background work (the fact writer) yields to it."""
+        headers to its answer); background work on the event loop (a fact write, a standby's
+        walk, a ``/metrics`` page: ``proxy.yielding``) waits for it."""
         return self.slots.requests > 0
 
     def close(self) -> None:
