@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import typing
 from collections.abc import Mapping, Sequence
@@ -790,6 +791,36 @@ def _chunks(items: range, n: int) -> list[range]:
     return [items[i : i + n] for i in range(0, len(items), n)]
 
 
+@contextlib.contextmanager
+def _scraping(port: int, every: float) -> typing.Iterator[list[float]]:
+    """``GET /metrics`` of the relay on ``port`` every ``every`` seconds (the first after
+    ``every``) while the block runs, as a Prometheus scraping it would; yields the list
+    that gets each scrape's seconds. Nothing when ``every`` is 0."""
+    took: list[float] = []
+    if every <= 0:
+        yield took
+        return
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.wait(every):
+            started = time.monotonic()
+            try:
+                http_get(port, "/metrics", timeout=60)
+            except OSError as exc:
+                print(f"  /metrics scrape failed: {exc!r}", flush=True)
+                continue
+            took.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=scrape, name="scraper", daemon=True)
+    thread.start()
+    try:
+        yield took
+    finally:
+        stop.set()
+        thread.join(timeout=90)
+
+
 @dataclass
 class HcSize:
     """Everything measured at one request size."""
@@ -797,6 +828,8 @@ class HcSize:
     size: int
     rounds: list[dict[str, HcPhase]] = field(default_factory=list)
     paced: dict[str, HcPhase] = field(default_factory=dict)
+    #: --scrape-interval: the seconds each /metrics scrape took during the paced run
+    scrapes: dict[str, list[float]] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
     raw_kib: dict[str, float] = field(default_factory=dict)
     compressed_kib: dict[str, float] = field(default_factory=dict)
@@ -921,7 +954,10 @@ def _hc_report(
         f"method: {info['warmup_passes']:g} warm-up pass(es) per relay, then per request size "
         f"{args.rounds} rounds of {args.samples_per_round:,} samples per relay "
         f"(rotating order, {args.senders} sender connections, saturating) and a paced run "
-        f"of {args.paced_requests} requests at {args.rate:g}/s; medians over rounds"
+        f"of {args.paced_requests} requests at {args.rate:g}/s"
+        + (f" (karta-proxy's /metrics scraped every {args.scrape_interval:g} s meanwhile)"
+           if args.scrape_interval > 0 else "")
+        + "; medians over rounds"
     )
     out_sizes: dict[str, Any] = {}
     targets: dict[str, Any] = {}
@@ -980,7 +1016,8 @@ def _hc_report(
                 f"{row['delivered_fraction']:>10.1%}{stamped:>9}"
                 f"{_fmt(vs_pt):>10}{_fmt(vs_vm):>9}{note}"
             )
-        out_sizes[str(res.size)] = {"relays": summary, "ratios": ratios}
+        out_sizes[str(res.size)] = {"relays": summary, "ratios": ratios,
+                                    "metrics_scrape_seconds": res.scrapes}
         if res.size == headline:
             kp = summary.get("karta-proxy", {})
             rw2 = summary.get(HC_RW2, {})
@@ -1090,7 +1127,8 @@ def _hc_report(
         "samples_per_round": args.samples_per_round,
         "senders": args.senders,
         "scaling_senders": args.scaling_senders,
-        "paced": {"requests": args.paced_requests, "rate": args.rate},
+        "paced": {"requests": args.paced_requests, "rate": args.rate,
+                  "scrape_interval": args.scrape_interval},
         "sizes": out_sizes,
         "taskset": {
             "rounds": len(taskset),
@@ -1255,11 +1293,20 @@ def main_high_cardinality(args: argparse.Namespace) -> int:
             for relay in rotation:
                 if relay.asynchronous:
                     continue
-                res.paced[relay.key] = run.phase(relay, ranges[("paced", size)], rate=args.rate)
+                every = args.scrape_interval if relay.kind == "karta-proxy" else 0.0
+                with _scraping(relay.port, every) as scrapes:
+                    res.paced[relay.key] = run.phase(relay, ranges[("paced", size)],
+                                                     rate=args.rate)
+                if scrapes:
+                    res.scrapes[relay.key] = scrapes
             print(
                 f"{size}/request paced at {args.rate:g}/s, p99 ms: "
                 + "  ".join(
                     f"{k} {_fmt(percentile(p.latencies, 99) * 1e3)}" for k, p in res.paced.items()
+                )
+                + "".join(
+                    f"; {k}: {len(sc)} /metrics scrapes of {median(sc):.2f} s (median)"
+                    for k, sc in res.scrapes.items()
                 )
             )
             for r in rotation:
@@ -1399,6 +1446,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="karta-proxy's facts.interval_seconds (default 3600: its one fact write "
         "at start falls in the warm-up and counts in the peak RSS, and no proxy's "
         "periodic write lands in another relay's phase; 15 is the product's default)",
+    )
+    hc.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=0.0,
+        help="scrape each karta-proxy's /metrics every this many seconds during its paced "
+        "run, as a Prometheus scraping it would (0: no scrapes; the page holds the fact "
+        "families, ~44 MB at 37.5k pods)",
     )
     hc.add_argument(
         "--warmup-passes",
