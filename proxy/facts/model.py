@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import proxy
 from proxy import contract
 from proxy.index import PodIndex, stamped_pairs
 from proxy.karta.model import GENERIC_PHASES, UNDEFINED
-from proxy.karta.results import PodAttribution, WorkloadFacts
+from proxy.karta.results import PodAttribution, ReplicaFact, WorkloadFacts
 from proxy.wire.native import DEFAULT as SPLICE
 
 Labels = tuple[tuple[str, str], ...]
@@ -171,6 +171,14 @@ def coverage_of(raw: Counter[tuple[str, str | None]]) -> list[Fact]:
     return out
 
 
+#: each replica family's value in a workload's component instance, in the order a
+#: workload's facts list them (None or NaN: no series)
+_REPLICA_VALUE: dict[str, Callable[[ReplicaFact], float | None]] = {
+    contract.FACT_COMPONENT_DESIRED_REPLICAS: lambda rf: rf.desired,
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN: lambda rf: rf.min_desired,
+    contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX: lambda rf: rf.max_desired,
+    contract.FACT_COMPONENT_OBSERVED_PODS: lambda rf: float(rf.observed),
+}
 #: the families of a workload's component instances (one series each per instance)
 REPLICA_FAMILIES = frozenset((
     contract.FACT_COMPONENT_DESIRED_REPLICAS,
@@ -261,14 +269,10 @@ def workload_facts(wf: WorkloadFacts, family: str | None = None) -> list[Fact]:
                 (contract.LABEL_INSTANCE, rf.instance),
             )
         )
-        for name, value in (
-            (contract.FACT_COMPONENT_DESIRED_REPLICAS, rf.desired),
-            (contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN, rf.min_desired),
-            (contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX, rf.max_desired),
-            (contract.FACT_COMPONENT_OBSERVED_PODS, float(rf.observed)),
-        ):
+        for name, value_of in _REPLICA_VALUE.items():
             if family not in (None, name):
                 continue
+            value = value_of(rf)
             if value is not None and not math.isnan(value):
                 out.append(Fact(name, labels, float(value)))
     return out
@@ -345,14 +349,6 @@ def family_facts(
                 yield from workload_facts(wf, name)
 
 
-#: the value of each replica family in a workload's component instance
-_REPLICA_VALUE = {
-    contract.FACT_COMPONENT_DESIRED_REPLICAS: lambda rf: rf.desired,
-    contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN: lambda rf: rf.min_desired,
-    contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX: lambda rf: rf.max_desired,
-}
-
-
 def _may_have(wf: WorkloadFacts, family: str) -> bool:
     """Whether ``workload_facts(wf, family)`` can have a series, told without making its
     labels: a family that few workloads have (replica bounds, an undefined phase's
@@ -360,7 +356,7 @@ def _may_have(wf: WorkloadFacts, family: str) -> bool:
     in one stretch of the event loop."""
     if family == contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO:
         return wf.phase == UNDEFINED and bool(wf.phase_reason)
-    value = _REPLICA_VALUE.get(family)
-    if value is None:
+    value_of = _REPLICA_VALUE.get(family)
+    if value_of is None:
         return True
-    return any(v is not None and not math.isnan(v) for v in map(value, wf.replicas))
+    return any(v is not None and not math.isnan(v) for v in map(value_of, wf.replicas))
