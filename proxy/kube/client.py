@@ -121,17 +121,24 @@ class KubeClient:
             raise _error(resp.status, raw)
         return resp
 
+    async def request_bytes(
+        self, path: str, *, query: Mapping[str, str] | None = None, accept: str = ACCEPT_JSON,
+        timeout: float | None = 60.0,
+    ) -> bytes:
+        """GET ``path`` and read the whole answer (``open`` for a stream)."""
+        resp = await self.open(path, query=query, accept=accept, timeout=timeout)
+        try:
+            return await resp.read()
+        finally:
+            resp.release()
+
     async def request_json(
         self, path: str, *, query: Mapping[str, str] | None = None, accept: str = ACCEPT_JSON,
         timeout: float | None = 60.0,
     ) -> Any:
-        """GET ``path`` and decode the whole answer (``open`` for a stream)."""
-        resp = await self.open(path, query=query, accept=accept, timeout=timeout)
-        try:
-            raw = await resp.read()
-        finally:
-            resp.release()
-        return json.loads(raw)
+        """GET ``path`` and decode the whole answer."""
+        return json.loads(await self.request_bytes(path, query=query, accept=accept,
+                                                   timeout=timeout))
 
 
 def _error(status: int, raw: bytes) -> KubeApiError:

@@ -96,6 +96,9 @@ class KubeSim:
         #: answer every API request with this status while set (e.g. 503: an outage
         #: where the server is up but failing)
         self.fail_status: int | None = None
+        #: bodies to answer the next list requests with (200, JSON content type), one
+        #: each: a server or a proxy in between that sends what is not a valid list
+        self.garbled_lists: list[bytes] = []
         #: (method, path, query, accept) of recent requests, for assertions
         self.requests: collections.deque[tuple[str, str, dict[str, str], str]] = (
             collections.deque(maxlen=2000)
@@ -370,6 +373,8 @@ class KubeSim:
     def _list(
         self, rs: ResourceStore, flt: Filter, mode: str, query: dict[str, str]
     ) -> web.Response:
+        if self.garbled_lists:
+            return web.Response(body=self.garbled_lists.pop(0), content_type="application/json")
         rt = rs.rtype
         limit = int(query.get("limit") or 0)
         token = query.get("continue", "")
