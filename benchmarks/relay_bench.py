@@ -654,6 +654,8 @@ class HcRelay:
     upstream: Process
     proc: Process | None = None
     cpus: list[int] | None = None
+    #: --snapshot-change-interval: the snapshot this karta-proxy alone reloads
+    snapshot: Path | None = None
 
     @property
     def port(self) -> int:
@@ -821,6 +823,46 @@ def _scraping(port: int, every: float) -> typing.Iterator[list[float]]:
         thread.join(timeout=90)
 
 
+#: where a pod object begins in the high-cardinality snapshot (compact JSON)
+_POD_MARK = '"kind":"Pod","metadata":{'
+
+
+@contextlib.contextmanager
+def _changing(path: Path | None, every: float) -> typing.Iterator[list[float]]:
+    """Rewrite the snapshot at ``path`` every ``every`` seconds while the block runs, 1%
+    of its pods changed each time (an annotation, so attribution stays the same), as a
+    periodic export of a live cluster would; karta-proxy polls it every second and
+    reloads. Yields the list that gets the seconds each rewrite took."""
+    took: list[float] = []
+    if path is None or every <= 0:
+        yield took
+        return
+    head, *pods = path.read_text().split(_POD_MARK)
+    stop = threading.Event()
+
+    def change() -> None:
+        n = 0
+        while not stop.wait(every):
+            n += 1
+            started = time.monotonic()
+            text = head + "".join(
+                _POD_MARK + (f'"annotations":{{"bench/rev":"{n}"}},' if i % 100 == n % 100
+                             else "") + pod
+                for i, pod in enumerate(pods))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+            took.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=change, name="snapshot-changer", daemon=True)
+    thread.start()
+    try:
+        yield took
+    finally:
+        stop.set()
+        thread.join(timeout=90)
+
+
 @dataclass
 class HcSize:
     """Everything measured at one request size."""
@@ -830,6 +872,8 @@ class HcSize:
     paced: dict[str, HcPhase] = field(default_factory=dict)
     #: --scrape-interval: the seconds each /metrics scrape took during the paced run
     scrapes: dict[str, list[float]] = field(default_factory=dict)
+    #: --snapshot-change-interval: how often each karta-proxy's snapshot was rewritten
+    snapshot_changes: dict[str, int] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
     raw_kib: dict[str, float] = field(default_factory=dict)
     compressed_kib: dict[str, float] = field(default_factory=dict)
@@ -903,15 +947,22 @@ def _hc_start(
             # (on a 2-core box, every CPU); the 1-core side to the first one
             pin = two[:1] if key == HC_1CORE and two else (two if key == "karta-proxy" else None)
             relay.cpus = pin
+            extra: list[str] = []
+            own = snapshot
+            if kind == "karta-proxy" and args.snapshot_change_interval > 0:
+                # its own copy: only the relay being measured sees its snapshot change
+                own = relay.snapshot = work / f"snapshot-{key}.json"
+                shutil.copyfile(snapshot, own)
+                extra = ["--snapshot-reload-seconds", "1"]
             relay.proc = _start_relay(
                 kind,
                 up,
                 work,
-                snapshot,
+                own,
                 cpus=pin,
                 proxy_repo=args.proxy_repo,
                 log_name=key,
-                proxy_args=["--config", str(config)],
+                proxy_args=["--config", str(config), *extra],
             )
             procs.append(relay.proc)
         relays.append(relay)
@@ -957,6 +1008,8 @@ def _hc_report(
         f"of {args.paced_requests} requests at {args.rate:g}/s"
         + (f" (karta-proxy's /metrics scraped every {args.scrape_interval:g} s meanwhile)"
            if args.scrape_interval > 0 else "")
+        + (f" (karta-proxy's snapshot changed every {args.snapshot_change_interval:g} s "
+           "meanwhile)" if args.snapshot_change_interval > 0 else "")
         + "; medians over rounds"
     )
     out_sizes: dict[str, Any] = {}
@@ -1128,7 +1181,8 @@ def _hc_report(
         "senders": args.senders,
         "scaling_senders": args.scaling_senders,
         "paced": {"requests": args.paced_requests, "rate": args.rate,
-                  "scrape_interval": args.scrape_interval},
+                  "scrape_interval": args.scrape_interval,
+                  "snapshot_change_interval": args.snapshot_change_interval},
         "sizes": out_sizes,
         "taskset": {
             "rounds": len(taskset),
@@ -1294,11 +1348,14 @@ def main_high_cardinality(args: argparse.Namespace) -> int:
                 if relay.asynchronous:
                     continue
                 every = args.scrape_interval if relay.kind == "karta-proxy" else 0.0
-                with _scraping(relay.port, every) as scrapes:
+                with (_scraping(relay.port, every) as scrapes,
+                      _changing(relay.snapshot, args.snapshot_change_interval) as changes):
                     res.paced[relay.key] = run.phase(relay, ranges[("paced", size)],
                                                      rate=args.rate)
                 if scrapes:
                     res.scrapes[relay.key] = scrapes
+                if changes:
+                    res.snapshot_changes[relay.key] = len(changes)
             print(
                 f"{size}/request paced at {args.rate:g}/s, p99 ms: "
                 + "  ".join(
@@ -1307,6 +1364,10 @@ def main_high_cardinality(args: argparse.Namespace) -> int:
                 + "".join(
                     f"; {k}: {len(sc)} /metrics scrapes of {median(sc):.2f} s (median)"
                     for k, sc in res.scrapes.items()
+                )
+                + "".join(
+                    f"; {k}: its snapshot changed {n} times"
+                    for k, n in res.snapshot_changes.items()
                 )
             )
             for r in rotation:
@@ -1454,6 +1515,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="scrape each karta-proxy's /metrics every this many seconds during its paced "
         "run, as a Prometheus scraping it would (0: no scrapes; the page holds the fact "
         "families, ~44 MB at 37.5k pods)",
+    )
+    hc.add_argument(
+        "--snapshot-change-interval",
+        type=float,
+        default=0.0,
+        help="rewrite each karta-proxy's snapshot every this many seconds during its paced "
+        "run, 1%% of the pods changed, with the proxy polling it every second (0: the "
+        "snapshot stays as loaded)",
     )
     hc.add_argument(
         "--warmup-passes",

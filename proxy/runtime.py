@@ -154,7 +154,8 @@ class Proxy:
 
             self.source_name = f"snapshot {s.snapshot}"
             return SnapshotSource(s.snapshot, self.engine, self.index,
-                                  reload_seconds=s.snapshot_reload_seconds or None)
+                                  reload_seconds=s.snapshot_reload_seconds or None,
+                                  busy=self.handler.relaying)
         from proxy.kube.source import KubeSource
 
         self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name

@@ -37,7 +37,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
 from proxy.karta.yamltext import Loader, yaml_error
 from proxy.tasks import cancel_and_wait
+from proxy.yielding import Busy, ThreadPacer
 
 log = logging.getLogger("karta.snapshot")
 
@@ -203,6 +204,17 @@ class FileContent:
 
 #: objects freed per step of :meth:`SnapshotContent.release`
 RELEASE_SLICE = 2000
+#: how long a reload's pauses may wait in all for requests being relayed: a reload under
+#: constant load ends at most this much later than on an idle proxy
+RELOAD_DEFER_SECONDS = 10.0
+
+#: called once per object by work that runs in a worker thread during a reload: a
+#: :class:`~proxy.yielding.ThreadPacer`, or nothing
+Pace = Callable[[], None]
+
+
+def _unpaced() -> None:
+    pass
 
 
 @dataclass
@@ -213,23 +225,25 @@ class SnapshotContent:
     files: dict[str, FileContent] = field(default_factory=dict)
     skipped: list[SkippedFile] = field(default_factory=list)
 
-    def objects(self) -> dict[str, Held]:
+    def objects(self, pace: Pace = _unpaced) -> dict[str, Held]:
         """Objects by uid; a later file (sorted order) wins over an earlier one."""
         out: dict[str, Held] = {}
         for fc in self.files.values():
             for obj in fc.objects:
                 out[_uid(obj)] = obj
+                pace()
         return out
 
-    def compact(self) -> SnapshotContent:
+    def compact(self, pace: Pace = _unpaced) -> SnapshotContent:
         """This content as a source keeps it after applying it: every object that won
         (see :meth:`objects`) as an :class:`ObjectStub`; shadowed objects and those
         without a digest stay whole, so a later reload applies exactly what it did."""
-        winners = {id(o) for o in self.objects().values()}
+        winners = {id(o) for o in self.objects(pace).values()}
         out = SnapshotContent(self.path, skipped=list(self.skipped))
         for path, fc in self.files.items():
             objs: list[Held] = []
             for o in fc.objects:
+                pace()
                 if id(o) not in winners:
                     objs.append(o)
                 elif isinstance(o, ObjectStub):
@@ -240,7 +254,7 @@ class SnapshotContent:
             out.files[path] = replace(fc, objects=objs)
         return out
 
-    def release(self) -> None:
+    def release(self, pace: Pace = _unpaced) -> None:
         """Drop every object, a slice at a time. Freeing a whole content in one go (one
         ``del``) is one C call: ~30 ms with the GIL held at 37.5k pods, wherever it
         runs; in slices a worker thread frees it while the event loop keeps its turns.
@@ -249,6 +263,7 @@ class SnapshotContent:
             objs = fc.objects
             while objs:
                 del objs[-RELEASE_SLICE:]
+                pace()
         self.files.clear()
 
     def descriptions(self) -> list[Description]:
@@ -330,7 +345,8 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
 
 
 def read_file(
-    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False
+    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False,
+    pace: Pace = _unpaced,
 ) -> FileContent | SkippedFile:
     """Parse one file; a file that cannot be read or parsed comes back as ``SkippedFile``.
 
@@ -350,9 +366,10 @@ def read_file(
     fc = FileContent(source)
     try:
         json_file = p.suffix.lower() == ".json"
-        items = _json_items(text) if json_file else _flatten(_parse_yaml(text))
+        items = _json_items(text, pace) if json_file else _flatten(_parse_yaml(text))
         for where, item in items:
             _classify(fc, where, item, packed)
+            pace()
     except ValueError as e:  # JSONDecodeError is a ValueError
         return SkippedFile(source, f"invalid JSON: {e}")
     except yaml.YAMLError as e:
@@ -366,13 +383,14 @@ def read_file(
 
 
 def read_snapshot(
-    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False
+    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False,
+    pace: Pace = _unpaced,
 ) -> SnapshotContent:
     """Every file of a snapshot path, parsed; raises ``SnapshotError`` only for the path."""
     files, skipped = snapshot_files(path)
     content = SnapshotContent(str(path), skipped=list(skipped))
     for f in files:
-        got = read_file(f, max_bytes=max_bytes, packed=packed)
+        got = read_file(f, max_bytes=max_bytes, packed=packed, pace=pace)
         if isinstance(got, SkippedFile):
             content.skipped.append(got)
         else:
@@ -388,7 +406,7 @@ _JSON = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]*")
 
 
-def _json_items(text: str) -> Iterator[tuple[str, Any]]:
+def _json_items(text: str, pace: Pace = _unpaced) -> Iterator[tuple[str, Any]]:
     """What ``_flatten`` yields for a JSON file, a ``*List``'s items decoded one at a time.
 
     A List of a large cluster (``kubectl get ... -o json``) is tens of megabytes: parsed
@@ -400,7 +418,7 @@ def _json_items(text: str) -> Iterator[tuple[str, Any]]:
     if not text.startswith("{", pos):
         yield from _flatten([json.loads(text)])
         return
-    members, items_at = _members(text, pos)
+    members, items_at = _members(text, pos, pace)
     kind = members.get("kind")
     if items_at < 0 or not (isinstance(kind, str) and kind.endswith("List")):
         yield from _flatten([json.loads(text)])
@@ -436,7 +454,7 @@ def _array(text: str, pos: int) -> Iterator[Any]:
         pos = _expect(text, pos, ",")
 
 
-def _members(text: str, pos: int) -> tuple[dict[str, Any], int]:
+def _members(text: str, pos: int, pace: Pace = _unpaced) -> tuple[dict[str, Any], int]:
     """The top-level members of the JSON object at ``pos`` but ``items``, which is only
     walked (its values dropped as decoded); and where the ``items`` array starts."""
     members: dict[str, Any] = {}
@@ -450,7 +468,7 @@ def _members(text: str, pos: int) -> tuple[dict[str, Any], int]:
             pos = _expect(text, _space(text, pos), ":")
             if key == "items" and text.startswith("[", pos):
                 items_at = pos
-                pos = _skip_array(text, pos)
+                pos = _skip_array(text, pos, pace)
             else:
                 members[key], pos = _JSON.raw_decode(text, pos)
             pos = _space(text, pos)
@@ -462,13 +480,14 @@ def _members(text: str, pos: int) -> tuple[dict[str, Any], int]:
     return members, items_at
 
 
-def _skip_array(text: str, pos: int) -> int:
+def _skip_array(text: str, pos: int, pace: Pace = _unpaced) -> int:
     """The end of the JSON array at ``pos``, its values decoded and dropped one by one."""
     pos = _expect(text, pos, "[")
     if text.startswith("]", pos):
         return pos + 1
     while True:
         _, pos = _JSON.raw_decode(text, pos)
+        pace()
         pos = _space(text, pos)
         if text.startswith("]", pos):
             return pos + 1
@@ -601,8 +620,8 @@ class ContentPlan:
     fresh: list[Held]
 
 
-def plan_content(content: SnapshotContent, previous: SnapshotContent | None = None
-                 ) -> ContentPlan:
+def plan_content(content: SnapshotContent, previous: SnapshotContent | None = None,
+                 pace: Pace = _unpaced) -> ContentPlan:
     """Diff ``content`` against ``previous`` (None: a first load, everything is new).
 
     At 37.5k pods this is ~0.2 s of Python over every object; a reload makes it in a
@@ -621,15 +640,20 @@ def plan_content(content: SnapshotContent, previous: SnapshotContent | None = No
     changed_descriptions = (first and bool(descs or errors)) or (
         previous is not None and content.description_docs() != previous.description_docs()
     )
-    objs = content.objects()
-    old = previous.objects() if previous is not None else {}
-    gone = [o.as_object() if isinstance(o, ObjectStub) else o
-            for uid, o in old.items() if uid not in objs]
-    # a stub without text is a kept file's object that won before too: applied as it is
-    fresh = [o for uid, o in objs.items()
-             if not (isinstance(o, ObjectStub) and o.text is None) and not _same(old.get(uid), o)]
-    for o in objs.values():
+    objs = content.objects(pace)
+    old = previous.objects(pace) if previous is not None else {}
+    gone: list[Mapping[str, Any]] = []
+    for uid, o in old.items():
+        if uid not in objs:
+            gone.append(o.as_object() if isinstance(o, ObjectStub) else o)
+        pace()
+    fresh: list[Held] = []
+    for uid, o in objs.items():
         report.objects[_kind(o)] += 1
+        # a stub without text is a kept file's object that won before too: applied as is
+        if not (isinstance(o, ObjectStub) and o.text is None) and not _same(old.get(uid), o):
+            fresh.append(o)
+        pace()
     return ContentPlan(report, (descs, errors) if changed_descriptions else None, gone,
                        _feed_order(fresh))
 
@@ -715,12 +739,13 @@ def log_report(report: SnapshotReport, *, reload: bool = False) -> None:
     )
 
 
-def _compact_releasing(content: SnapshotContent, previous: SnapshotContent) -> SnapshotContent:
+def _compact_releasing(content: SnapshotContent, previous: SnapshotContent,
+                       pace: Pace = _unpaced) -> SnapshotContent:
     """``content`` compacted to keep; the read ``content`` and the ``previous`` kept one
     released (in a worker thread, slice by slice, not freed on the event loop)."""
-    kept = content.compact()
-    content.release()
-    previous.release()
+    kept = content.compact(pace)
+    content.release(pace)
+    previous.release(pace)
     return kept
 
 
@@ -734,8 +759,11 @@ class SnapshotSource:
         index: PodIndex,
         *,
         reload_seconds: float | None = None,
+        busy: Busy | None = None,
     ) -> None:
         self.path = str(path)
+        #: whether a request is being relayed: a reload's work in its thread waits for it
+        self.busy = busy
         self.engine = engine
         self.index = index
         self.reload_seconds = max(MIN_RELOAD_SECONDS, reload_seconds) if reload_seconds else None
@@ -772,9 +800,10 @@ class SnapshotSource:
     async def reload(self) -> SnapshotReport:
         """Apply what changed on disk since the last load (files that fail keep their objects)."""
         assert self._content is not None, "start() first"
+        pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
         self._signature = await asyncio.to_thread(_signature, self.path)
         try:
-            content = await asyncio.to_thread(read_snapshot, self.path, packed=True)
+            content = await asyncio.to_thread(read_snapshot, self.path, packed=True, pace=pace)
         except SnapshotError as e:  # the whole path vanished: keep serving what we have
             log.error("snapshot: reload failed, keeping the last state", extra={"error": str(e)})
             content = SnapshotContent(self.path, skipped=[SkippedFile(self.path, str(e))])
@@ -789,11 +818,12 @@ class SnapshotSource:
         # the diff and the compaction read every object (~0.6 s at 37.5k pods): in a
         # thread, as the read is, so the event loop holds only for the engine's share
         started = time.monotonic()
-        plan = await asyncio.to_thread(plan_content, content, self._content)
+        plan = await asyncio.to_thread(plan_content, content, self._content, pace)
         plan.report.seconds = time.monotonic() - started
         report = apply_plan(plan, self.engine)
         del plan
-        self._content = await asyncio.to_thread(_compact_releasing, content, self._content)
+        self._content = await asyncio.to_thread(_compact_releasing, content, self._content,
+                                                pace)
         del content
         self.report = report
         self.reloads += 1

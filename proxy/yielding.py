@@ -25,6 +25,7 @@ write within its interval, a page within the scraper's timeout).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 #: a pause gives the loop this many turns before it asks ``busy``: a request whose
@@ -63,3 +64,42 @@ class Pacer:
         until = min(loop.time() + DEFER_MAX_SECONDS, self._until)
         while busy() and loop.time() < until:
             await asyncio.sleep(PAUSE_SECONDS)
+
+
+#: a worker thread's work between two pauses: the event loop waits at most this long for
+#: the GIL when a request arrives (the interpreter's own switch interval is 5 ms)
+THREAD_STRETCH_SECONDS = 0.0005
+
+
+class ThreadPacer:
+    """The pauses of background work in a worker thread (a snapshot reload's read and
+    diff): call it once per unit of work (an object); every ``THREAD_STRETCH_SECONDS``
+    it pauses.
+
+    A thread needs this as much as the loop does: its Python holds the GIL, and the loop
+    and the splice workers each waited up to the switch interval (5 ms) for it, several
+    times per request. During a 2.5 s reload at 37.5k pods requests took 60-180 ms and
+    queued (docs/performance.md, "Ninth pass"). A pause hands the GIL over (a sleep
+    releases it), and while the budget lasts and a request is being relayed, waits for
+    it in ``PAUSE_SECONDS`` sleeps, at most ``DEFER_MAX_SECONDS`` per pause."""
+
+    def __init__(self, busy: Busy | None, budget: float) -> None:
+        self._busy = busy
+        self._until = time.monotonic() + budget
+        self._next = time.perf_counter() + THREAD_STRETCH_SECONDS
+
+    def __call__(self) -> None:
+        if time.perf_counter() >= self._next:
+            self.pause()
+            self._next = time.perf_counter() + THREAD_STRETCH_SECONDS
+
+    def pause(self) -> None:
+        time.sleep(0)
+        busy = self._busy
+        now = time.monotonic()
+        if busy is None or now >= self._until:
+            return
+        until = min(now + DEFER_MAX_SECONDS, self._until)
+        while busy() and time.monotonic() < until:
+            time.sleep(PAUSE_SECONDS)
+

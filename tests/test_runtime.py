@@ -320,6 +320,30 @@ async def test_a_metrics_page_waits_for_the_request_being_relayed(
     assert "karta_workload_info{" in text and "karta_proxy_index_pods" in text
 
 
+async def test_a_snapshot_reload_waits_for_the_request_being_relayed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot reload reads and diffs in a worker thread, which gives way to the
+    remote-write handler as the loop's background work does: it ends only once the
+    request being relayed is answered, and applies what changed."""
+    from proxy import yielding
+    from proxy.snapshot import SnapshotSource
+
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
+    monkeypatch.setattr(yielding, "THREAD_STRETCH_SECONDS", 0.0)  # pause at every object
+    answered: list[float] = []
+    async with ScriptedUpstream(rule=_holding(answered, [])) as up, \
+            started(snapshot_settings(tmp_path, up.url)) as p:
+        source = p.source
+        assert isinstance(source, SnapshotSource)
+        relayed = await _relaying(p)
+        report = await source.reload()
+        reloaded = time.monotonic()
+        status, _, _ = await relayed
+    assert status == 204 and len(answered) == 1
+    assert reloaded >= answered[0]
+    assert report.objects and not report.changes  # the same files: read, nothing to apply
+
+
 async def test_every_family_on_metrics_is_documented(tmp_path: Path) -> None:
     """An operator looks a metric up by name: every ``karta_proxy_*`` / ``karta_source_*``
     family the assembled proxy serves (TLS on, so its refusal counter is there too; facts

@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 import pytest
 
 from proxy import yielding
-from proxy.yielding import Pacer
+from proxy.yielding import Pacer, ThreadPacer
 
 
 async def _turns_during(coro: Awaitable[None]) -> int:
@@ -72,3 +72,83 @@ async def test_without_busy_a_pause_is_real_time() -> None:
     started = time.monotonic()
     await pacer.pause()
     assert time.monotonic() - started >= yielding.PAUSE_SECONDS * 0.9
+
+
+# -- ThreadPacer: the same for work in a worker thread ---------------------------------------
+
+
+def test_a_thread_pacer_pauses_once_per_stretch_not_per_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = 0
+
+    def busy() -> bool:
+        nonlocal asked
+        asked += 1
+        return False
+
+    pace = ThreadPacer(busy, budget=10.0)
+    started = time.perf_counter()
+    while time.perf_counter() - started < 0.05:
+        pace()
+    # a pause per THREAD_STRETCH_SECONDS of work (0.5 ms: ~100 in 50 ms), not per call
+    assert 20 <= asked <= 0.05 / yielding.THREAD_STRETCH_SECONDS + 5
+
+
+async def test_a_thread_pacer_gives_the_loop_its_turns_and_waits_for_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pure Python in a thread holds the GIL for the switch interval (5 ms) at a time;
+    paced, it lets the loop take it every stretch, and stands still while a request is
+    being relayed."""
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
+    relaying = False
+    progress = 0
+
+    def work(seconds: float) -> None:
+        nonlocal progress
+        pace = ThreadPacer(lambda: relaying, budget=10.0)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            progress += 1
+            pace()
+
+    loop = asyncio.get_running_loop()
+    wakes = 0
+    done = False
+
+    async def ticker() -> None:  # sleeps 1 ms a time: then needs the GIL back
+        nonlocal wakes
+        while not done:
+            await asyncio.sleep(0.001)
+            wakes += 1
+
+    task = loop.create_task(ticker())
+    await asyncio.to_thread(work, 0.2)
+    done = True
+    await task
+    # unpaced, each wake-up waited the switch interval: ~32 in 0.2 s; paced ~165
+    assert wakes >= 80, wakes
+    relaying = True
+    working = asyncio.create_task(asyncio.to_thread(work, 0.2))
+    await asyncio.sleep(0.05)
+    stood = progress
+    await asyncio.sleep(0.1)
+    assert progress - stood < 1000  # a pause's wait: no work while relaying
+    relaying = False
+    await asyncio.wait_for(working, 5.0)
+
+
+def test_a_thread_pacer_waits_at_most_so_long_and_at_most_its_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 0.02)
+    pace = ThreadPacer(lambda: True, budget=0.1)
+    started = time.monotonic()
+    pace.pause()  # always busy: one pause, <= 20 ms
+    assert 0.015 <= time.monotonic() - started < 0.5
+    monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
+    started = time.monotonic()
+    pace.pause()  # the rest of the budget, not 30 s
+    pace.pause()  # past it: no wait
+    assert time.monotonic() - started < 0.5
+    started = time.monotonic()
+    ThreadPacer(None, budget=10.0).pause()  # nothing to ask: no wait
+    assert time.monotonic() - started < 0.01

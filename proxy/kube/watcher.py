@@ -168,7 +168,7 @@ MAX_SLICE = 4096
 IDLE_TIMEOUT = 150.0
 
 
-class _ListMeta(msgspec.Struct):
+class _ListMeta(msgspec.Struct, gc=False):
     resourceVersion: str = ""
     continue_: str = msgspec.field(default="", name="continue")
 
@@ -181,14 +181,15 @@ class _ListPage(msgspec.Struct):
     items: list[msgspec.Raw] | None = None
 
 
-class _ItemMeta(msgspec.Struct):
+class _ItemMeta(msgspec.Struct, gc=False):
     uid: str = ""
     resourceVersion: str = ""
 
 
-class _ItemHead(msgspec.Struct):
+class _ItemHead(msgspec.Struct, gc=False):
     """What a relist needs of an item to skip it: the rest (managedFields and all) is
-    scanned over, not built into objects."""
+    scanned over, not built into objects. Not tracked by the cyclic collector (strings
+    only): one per item would only bring the next young collection nearer."""
 
     metadata: _ItemMeta | None = None
 
