@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import io
 import json
 import os
 from pathlib import Path
@@ -11,10 +12,14 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from proxy import snapshot
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.snapshot import (
+    READ_CHARS,
     SkippedFile,
     SnapshotError,
     SnapshotSource,
@@ -488,18 +493,89 @@ def test_demo_snapshot_attribution_table() -> None:
         "just a string",
     ],
 )
-def test_json_items_are_what_a_whole_parse_gives(doc: Any) -> None:
-    for text in (json.dumps(doc), json.dumps(doc, indent=2)):
-        assert list(_json_items(text)) == list(_flatten([doc]))
+@pytest.mark.parametrize("window", [1, 2, 7, 64, READ_CHARS])
+def test_json_items_are_what_a_whole_parse_gives(
+        doc: Any, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the window's size, down to one character: values cut at its end (a
+    number, a string, an object) are read on with the next chunk."""
+    monkeypatch.setattr(snapshot, "READ_CHARS", window)
+    for text in (json.dumps(doc), json.dumps(doc, indent=2), f"  {json.dumps(doc)}\n"):
+        assert list(_json_items(io.StringIO(text))) == list(_flatten([doc]))
 
 
+@pytest.mark.parametrize("window", [1, 3, READ_CHARS])
 @pytest.mark.parametrize("text", ['{"kind": "List", "items": [1, 2', '{"kind": "List"} x',
-                                  '{"kind": "List", "items": [1,, 2]}', '{"a" 1}', "{"])
-def test_json_items_refuse_what_json_refuses(text: str) -> None:
+                                  '{"kind": "List", "items": [1,, 2]}', '{"a" 1}', "{",
+                                  "", "  ", "[1, 2] 3", "[1 2]", '"a" "b"', "12 3", "[",
+                                  '{"kind": "List", "items": [1, 2], 3: 4}'])
+def test_json_items_refuse_what_json_refuses(
+        text: str, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot, "READ_CHARS", window)
     with pytest.raises(ValueError):
-        list(_json_items(text))
+        list(_json_items(io.StringIO(text)))
     with pytest.raises(ValueError):
         json.loads(text)
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20))
+@settings(max_examples=300, deadline=None)
+def test_json_items_of_any_list_are_its_items(item: Any) -> None:
+    """Any JSON value as the items of a List, read through a 3-character window."""
+    doc = {"items": [item, {"n": item}], "kind": "List", "apiVersion": "v1"}
+    old = snapshot.READ_CHARS
+    snapshot.READ_CHARS = 3
+    try:
+        for text in (json.dumps(doc), json.dumps(doc, indent=1)):
+            assert list(_json_items(io.StringIO(text))) == list(_flatten([doc]))
+    finally:
+        snapshot.READ_CHARS = old
+
+
+def test_a_json_file_is_never_read_whole(tmp_path: Path) -> None:
+    """A 6 MB List is read through the window: the largest read is READ_CHARS."""
+    pods = [_pod(f"p{i}", f"u-{i}", None) for i in range(20_000)]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"items": pods, "kind": "List", "apiVersion": "v1"}))
+    reads: list[int] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, *args: Any, **kw: Any) -> Any:
+        f = real_open(self, *args, **kw)
+        read = f.read
+
+        def sized(n: int = -1) -> Any:
+            reads.append(n)
+            return read(n)
+
+        f.read = sized
+        return f
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "open", counting_open)
+        fc = read_file(path)
+    assert not isinstance(fc, SkippedFile) and len(fc.objects) == len(pods)
+    assert reads and all(0 < n <= READ_CHARS for n in reads)
+
+
+def test_a_broken_json_file_is_refused_with_positions_in_the_file(tmp_path: Path) -> None:
+    good = json.dumps({"kind": "List", "items": [{"a": i} for i in range(5000)]})
+    path = tmp_path / "broken.json"
+    path.write_text(good[:-20] + "x" + good[-19:])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(snapshot, "READ_CHARS", 1000)
+        got = read_file(path)
+    assert isinstance(got, SkippedFile)
+    try:
+        json.loads(path.read_text())
+    except ValueError as e:
+        assert got.reason == f"invalid JSON: {e}"
+    (tmp_path / "latin.json").write_bytes(b'{"kind": "List", "items": ["\xe9"]}')
+    got = read_file(tmp_path / "latin.json")
+    assert isinstance(got, SkippedFile) and got.reason.startswith("not UTF-8 text (")
+    assert "at byte 28" in got.reason  # in the file, not in a window
 
 
 def test_a_json_list_snapshot_loads_its_pods_slimmed(tmp_path: Path) -> None:
