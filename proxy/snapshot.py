@@ -138,17 +138,18 @@ def digest(obj: Mapping[str, Any]) -> bytes | None:
     return _text_digest(packed.text) if isinstance(packed, Packed) else None
 
 
-def hold(obj: Mapping[str, Any], applied: Mapping[str, bytes] | None = None) -> Held:
+def hold(obj: Mapping[str, Any], applied: Mapping[str, Held] | None = None) -> Held:
     """An object read for a source: as a stub with its text, or whole if JSON does not
-    carry it exactly. A stub of what the engine already has (its digest is ``applied``
-    under its uid) keeps no text: on a reload that is nearly every object, and their
-    texts were half of what a reload added to the peak RSS (~36 MB at 37.5k pods)."""
+    carry it exactly. An object the engine already has (the same digest as the applied
+    stub of its uid in ``applied``) is that stub, without a text: on a reload that is
+    nearly every object, and a second stub and a text each were ~50 MB at 37.5k pods."""
     packed = pack(obj)
     if not isinstance(packed, Packed):
         return obj
     digest = _text_digest(packed.text)
-    if applied is not None and applied.get(obj["metadata"]["uid"]) == digest:
-        return ObjectStub(obj, digest)
+    kept = applied.get(obj["metadata"]["uid"]) if applied is not None else None
+    if isinstance(kept, ObjectStub) and kept.text is None and kept.digest == digest:
+        return kept
     return ObjectStub(obj, digest, packed.text)
 
 
@@ -238,12 +239,6 @@ class SnapshotContent:
                 out[_uid(obj)] = obj
                 pace()
         return out
-
-    def digests(self, pace: Pace = _unpaced) -> dict[str, bytes]:
-        """uid -> digest of every object that won and is held as a stub: what a reload
-        finds the engine to have already (see :func:`hold`)."""
-        return {uid: o.digest for uid, o in self.objects(pace).items()
-                if isinstance(o, ObjectStub)}
 
     def compact(self, pace: Pace = _unpaced) -> SnapshotContent:
         """This content as a source keeps it after applying it: every object that won
@@ -357,7 +352,7 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
 
 def read_file(
     path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False,
-    pace: Pace = _unpaced, applied: Mapping[str, bytes] | None = None,
+    pace: Pace = _unpaced, applied: Mapping[str, Held] | None = None,
 ) -> FileContent | SkippedFile:
     """Parse one file; a file that cannot be read or parsed comes back as ``SkippedFile``.
 
@@ -415,7 +410,7 @@ def _unreadable(p: Path, e: ValueError) -> str:
 
 def read_snapshot(
     path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False,
-    pace: Pace = _unpaced, applied: Mapping[str, bytes] | None = None,
+    pace: Pace = _unpaced, applied: Mapping[str, Held] | None = None,
 ) -> SnapshotContent:
     """Every file of a snapshot path, parsed; raises ``SnapshotError`` only for the path."""
     files, skipped = snapshot_files(path)
@@ -627,7 +622,7 @@ def _flatten(docs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
 
 
 def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
-              applied: Mapping[str, bytes] | None = None) -> None:
+              applied: Mapping[str, Held] | None = None) -> None:
     if not isinstance(item, Mapping):
         fc.invalid.append(f"{fc.path}: {where}: not an object but {type(item).__name__}")
         return
@@ -849,8 +844,9 @@ def log_report(report: SnapshotReport, *, reload: bool = False) -> None:
 
 
 def _reread(path: str, previous: SnapshotContent, pace: Pace) -> SnapshotContent:
-    """The files read again, as stubs, with no text for what ``previous`` applied."""
-    return read_snapshot(path, packed=True, pace=pace, applied=previous.digests(pace))
+    """The files read again, as stubs; what ``previous`` applied and is unchanged as
+    its stub."""
+    return read_snapshot(path, packed=True, pace=pace, applied=previous.objects(pace))
 
 
 def _compact_releasing(content: SnapshotContent, previous: SnapshotContent,

@@ -401,6 +401,35 @@ async def test_a_reload_diffs_and_compacts_off_the_event_loop(
     assert not again.changes and again.objects == report.objects
 
 
+async def test_a_reload_keeps_the_stubs_of_what_did_not_change(tmp_path: Path) -> None:
+    """A reload reads every object again, but what the engine has already stays the one
+    stub it was: no second stub and no text for it while the reload runs."""
+    from proxy.snapshot import ObjectStub
+
+    pods = [_pod(f"p{i}", f"u-{i}", None) for i in range(3)]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"kind": "List", "items": pods}))
+    src = SnapshotSource(path, Engine(), PodIndex())
+    await src.start()
+    try:
+        assert src._content is not None
+        before = src._content.objects()
+        pods[1]["metadata"]["labels"] = {"changed": "yes"}
+        path.write_text(json.dumps({"kind": "List", "items": pods}))
+        read = snapshot._reread(str(path), src._content, lambda: None)
+        after = read.objects()
+        assert after["u-0"] is before["u-0"] and after["u-2"] is before["u-2"]
+        changed = after["u-1"]
+        assert isinstance(changed, ObjectStub) and changed.text and changed is not before["u-1"]
+        report = await src.reload()
+        assert report.objects["Pod"] == 3 and not report.invalid_objects
+        labels = src.engine._pods["u-1"].labels
+        assert labels is not None and dict(labels) == {"changed": "yes"}
+        assert src.engine._pods["u-0"].labels is None
+    finally:
+        gc.unfreeze()
+
+
 def test_release_drops_the_objects_but_not_those_a_kept_content_shares(
     tmp_path: Path,
 ) -> None:
