@@ -373,8 +373,9 @@ def read_file(
                     _classify(fc, where, item, packed, applied)
                     pace()
         else:
-            for where, item in _flatten(_parse_yaml(p.read_text(encoding="utf-8"))):
+            for where, item in _flatten(_parse_yaml(p.read_text(encoding="utf-8"), pace)):
                 _classify(fc, where, item, packed, applied)
+                pace()
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         if json_file:
             return SkippedFile(source, _unreadable(p, e))
@@ -424,8 +425,13 @@ def read_snapshot(
     return content
 
 
-def _parse_yaml(text: str) -> list[Any]:
-    return [d for d in yaml.load_all(text, Loader=Loader) if d is not None]
+def _parse_yaml(text: str, pace: Pace = _unpaced) -> list[Any]:
+    docs = []
+    for d in yaml.load_all(text, Loader=Loader):
+        if d is not None:
+            docs.append(d)
+        pace()
+    return docs
 
 
 _JSON = json.JSONDecoder()
