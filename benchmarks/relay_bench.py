@@ -794,73 +794,69 @@ def _chunks(items: range, n: int) -> list[range]:
 
 
 @contextlib.contextmanager
-def _scraping(port: int, every: float) -> typing.Iterator[list[float]]:
-    """``GET /metrics`` of the relay on ``port`` every ``every`` seconds (the first after
-    ``every``) while the block runs, as a Prometheus scraping it would; yields the list
-    that gets each scrape's seconds. Nothing when ``every`` is 0."""
+def _periodically(name: str, every: float,
+                  step: typing.Callable[[], object]) -> typing.Iterator[list[float]]:
+    """Run ``step`` every ``every`` seconds (the first after ``every``) in a thread while
+    the block runs; yields the list that gets the seconds each step took (a step that
+    raises ``OSError`` is reported and not counted). Nothing when ``every`` is 0."""
     took: list[float] = []
     if every <= 0:
         yield took
         return
     stop = threading.Event()
 
-    def scrape() -> None:
+    def run() -> None:
         while not stop.wait(every):
             started = time.monotonic()
             try:
-                http_get(port, "/metrics", timeout=60)
+                step()
             except OSError as exc:
-                print(f"  /metrics scrape failed: {exc!r}", flush=True)
+                print(f"  {name} failed: {exc!r}", flush=True)
                 continue
             took.append(time.monotonic() - started)
 
-    thread = threading.Thread(target=scrape, name="scraper", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         yield took
     finally:
         stop.set()
         thread.join(timeout=90)
+
+
+def _scraping(port: int, every: float) -> typing.ContextManager[list[float]]:
+    """``GET /metrics`` of the relay on ``port`` every ``every`` seconds while the block
+    runs, as a Prometheus scraping it would."""
+    return _periodically("/metrics scrape", every,
+                         lambda: http_get(port, "/metrics", timeout=60))
 
 
 #: where a pod object begins in the high-cardinality snapshot (compact JSON)
 _POD_MARK = '"kind":"Pod","metadata":{'
 
 
-@contextlib.contextmanager
-def _changing(path: Path | None, every: float) -> typing.Iterator[list[float]]:
+def _changing(path: Path | None, every: float) -> typing.ContextManager[list[float]]:
     """Rewrite the snapshot at ``path`` every ``every`` seconds while the block runs, 1%
     of its pods changed each time (an annotation, so attribution stays the same), as a
     periodic export of a live cluster would; karta-proxy polls it every second and
-    reloads. Yields the list that gets the seconds each rewrite took."""
-    took: list[float] = []
+    reloads."""
     if path is None or every <= 0:
-        yield took
-        return
+        return _periodically("snapshot change", 0, lambda: None)
     head, *pods = path.read_text().split(_POD_MARK)
-    stop = threading.Event()
+    n = 0
 
     def change() -> None:
-        n = 0
-        while not stop.wait(every):
-            n += 1
-            started = time.monotonic()
-            text = head + "".join(
-                _POD_MARK + (f'"annotations":{{"bench/rev":"{n}"}},' if i % 100 == n % 100
-                             else "") + pod
-                for i, pod in enumerate(pods))
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
-            took.append(time.monotonic() - started)
+        nonlocal n
+        n += 1
+        text = head + "".join(
+            _POD_MARK + (f'"annotations":{{"bench/rev":"{n}"}},' if i % 100 == n % 100
+                         else "") + pod
+            for i, pod in enumerate(pods))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
-    thread = threading.Thread(target=change, name="snapshot-changer", daemon=True)
-    thread.start()
-    try:
-        yield took
-    finally:
-        stop.set()
-        thread.join(timeout=90)
+    return _periodically("snapshot change", every, change)
 
 
 @dataclass

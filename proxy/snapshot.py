@@ -495,10 +495,24 @@ class _JsonStream:
             self._pos = end
             return value
 
-    def ended(self) -> bool:
-        """Nothing but space left."""
+    def array(self) -> Iterator[Any]:
+        """The values of the array the stream is at, one at a time."""
+        self.expect("[")
+        if self.at("]"):
+            self._pos += 1
+            return
+        while True:
+            yield self.value()
+            if self.at("]"):
+                self._pos += 1
+                return
+            self.expect(",")
+
+    def end(self) -> None:
+        """Nothing but space may be left."""
         self.at("")
-        return self._pos >= len(self._buf)
+        if self._pos < len(self._buf):
+            raise json.JSONDecodeError("extra data", self._buf, self._pos)
 
 
 def _json_items(f: IO[str], pace: Pace = _unpaced) -> Iterator[tuple[str, Any]]:
@@ -512,23 +526,13 @@ def _json_items(f: IO[str], pace: Pace = _unpaced) -> Iterator[tuple[str, Any]]:
     """
     s = _JsonStream(f)
     if s.at("["):
-        s.expect("[")
-        j = 0
-        if not s.at("]"):
-            while True:
-                yield f"document 1[{j}]", s.value()
-                j += 1
-                if s.at("]"):
-                    break
-                s.expect(",")
-        s.expect("]")
-        if not s.ended():
-            raise json.JSONDecodeError("extra data", "", 0)
+        for j, value in enumerate(s.array()):
+            yield f"document 1[{j}]", value
+        s.end()
         return
     if not s.at("{"):
         value = s.value()
-        if not s.ended():
-            raise json.JSONDecodeError("extra data", "", 0)
+        s.end()
         yield from _flatten([value])
         return
     members, has_items = _members(s, pace)
@@ -547,19 +551,10 @@ def _json_items(f: IO[str], pace: Pace = _unpaced) -> Iterator[tuple[str, Any]]:
             break
         s.value()
         s.expect(",")
-    s.expect("[")
-    j = 0
-    if s.at("]"):
-        return
-    while True:
-        item = s.value()
+    for j, item in enumerate(s.array()):
         if isinstance(item, Mapping) and "kind" not in item and item_kind:
             item = {"apiVersion": api, "kind": item_kind, **item}
         yield f"document 1.items[{j}]", item
-        j += 1
-        if s.at("]"):
-            return
-        s.expect(",")
 
 
 def _members(s: _JsonStream, pace: Pace = _unpaced) -> tuple[dict[str, Any], bool]:
@@ -576,31 +571,16 @@ def _members(s: _JsonStream, pace: Pace = _unpaced) -> tuple[dict[str, Any], boo
             s.expect(":")
             if key == "items" and s.at("["):
                 has_items = True
-                _skip_array(s, pace)
+                for _ in s.array():  # decoded and dropped one by one
+                    pace()
             else:
                 members[key] = s.value()
             if s.at("}"):
                 break
             s.expect(",")
     s.expect("}")
-    if not s.ended():
-        raise json.JSONDecodeError("extra data", "", 0)
+    s.end()
     return members, has_items
-
-
-def _skip_array(s: _JsonStream, pace: Pace = _unpaced) -> None:
-    """Walk the JSON array ``s`` is at, its values decoded and dropped one by one."""
-    s.expect("[")
-    if s.at("]"):
-        s.expect("]")
-        return
-    while True:
-        s.value()
-        pace()
-        if s.at("]"):
-            s.expect("]")
-            return
-        s.expect(",")
 
 
 def _flatten(docs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
