@@ -42,27 +42,47 @@ PAUSE_SECONDS = 0.001
 Busy = Callable[[], bool]
 
 
-class Pacer:
+class _Budget:
+    """What one piece of background work may wait for requests being relayed: while
+    ``busy()``, ``DEFER_MAX_SECONDS`` per pause, ``budget`` seconds in all (on ``clock``)."""
+
+    def __init__(self, busy: Busy | None, budget: float, clock: Callable[[], float]) -> None:
+        self._busy = busy
+        self._clock = clock
+        self._until = clock() + budget
+
+    def _deadline(self) -> float | None:
+        """Until when this pause may wait; None: not at all (nothing to ask whether a
+        request is relayed, or the budget is spent)."""
+        now = self._clock()
+        if self._busy is None or now >= self._until:
+            return None
+        return min(now + DEFER_MAX_SECONDS, self._until)
+
+    def _waits(self, deadline: float | None) -> bool:
+        """Whether to wait on: a request is being relayed and the deadline is ahead."""
+        return (deadline is not None and self._busy is not None and self._busy()
+                and self._clock() < deadline)
+
+
+class Pacer(_Budget):
     """The pauses of one piece of background work (one fact write, one page); made on
     the event loop, ``budget`` seconds of waiting for requests from now on."""
 
     def __init__(self, busy: Busy | None, budget: float) -> None:
-        self._busy = busy
-        self._until = asyncio.get_running_loop().time() + budget
+        super().__init__(busy, budget, asyncio.get_running_loop().time)
 
     async def pause(self) -> None:
         """Let the loop run: while the budget lasts, a few turns and then, while a request
         is being relayed, a wait for it (``DEFER_MAX_SECONDS`` at most); else
         ``PAUSE_SECONDS`` of real time."""
-        busy = self._busy
-        loop = asyncio.get_running_loop()
-        if busy is None or loop.time() >= self._until:
+        if self._deadline() is None:
             await asyncio.sleep(PAUSE_SECONDS)
             return
         for _ in range(ARRIVAL_TURNS):
             await asyncio.sleep(0)
-        until = min(loop.time() + DEFER_MAX_SECONDS, self._until)
-        while busy() and loop.time() < until:
+        deadline = self._deadline()
+        while self._waits(deadline):
             await asyncio.sleep(PAUSE_SECONDS)
 
 
@@ -71,7 +91,7 @@ class Pacer:
 THREAD_STRETCH_SECONDS = 0.0005
 
 
-class ThreadPacer:
+class ThreadPacer(_Budget):
     """The pauses of background work in a worker thread (a snapshot reload's read and
     diff): call it once per unit of work (an object); every ``THREAD_STRETCH_SECONDS``
     it pauses.
@@ -84,8 +104,7 @@ class ThreadPacer:
     it in ``PAUSE_SECONDS`` sleeps, at most ``DEFER_MAX_SECONDS`` per pause."""
 
     def __init__(self, busy: Busy | None, budget: float) -> None:
-        self._busy = busy
-        self._until = time.monotonic() + budget
+        super().__init__(busy, budget, time.monotonic)
         self._next = time.perf_counter() + THREAD_STRETCH_SECONDS
 
     def __call__(self) -> None:
@@ -95,11 +114,6 @@ class ThreadPacer:
 
     def pause(self) -> None:
         time.sleep(0)
-        busy = self._busy
-        now = time.monotonic()
-        if busy is None or now >= self._until:
-            return
-        until = min(now + DEFER_MAX_SECONDS, self._until)
-        while busy() and time.monotonic() < until:
+        deadline = self._deadline()
+        while self._waits(deadline):
             time.sleep(PAUSE_SECONDS)
-

@@ -416,7 +416,7 @@ async def test_a_reload_keeps_the_stubs_of_what_did_not_change(tmp_path: Path) -
         before = src._content.objects()
         pods[1]["metadata"]["labels"] = {"changed": "yes"}
         path.write_text(json.dumps({"kind": "List", "items": pods}))
-        read = snapshot._reread(str(path), src._content, lambda: None)
+        read = snapshot.read_snapshot(path, packed=True, applied=src._content.objects())
         after = read.objects()
         assert after["u-0"] is before["u-0"] and after["u-2"] is before["u-2"]
         changed = after["u-1"]

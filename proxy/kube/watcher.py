@@ -401,8 +401,7 @@ class ResourceWatcher(WatchBase):
         if gone:
             deletions = [("DELETED", self.stub(uid)) for uid in gone]
             for uid in gone:
-                del self.held[uid]
-                self.versions.pop(uid, None)
+                self._forget(uid)
             self.metrics.events.labels(self.name, "RELIST_DELETED").inc(len(gone))
             await self.deliver(deletions)
         self.resource_version = rv
@@ -414,12 +413,10 @@ class ResourceWatcher(WatchBase):
     async def _deliver_items(self, items: list[msgspec.Raw], seen: set[str]) -> None:
         """Decode a page's items and hand the changed ones to the sink, in slices of
         about the time budget each (decoding included)."""
-        i = 0
-        while i < len(items):
-            size = self.slice_size
-            t0 = time.perf_counter()
+
+        def step(i: int, j: int) -> None:
             events: list[WatchEvent] = []
-            for raw in items[i: i + size]:
+            for raw in items[i:j]:
                 head = (_HEAD.decode(raw).metadata or _ItemMeta())
                 uid, version = head.uid, head.resourceVersion
                 seen.add(uid)
@@ -427,26 +424,39 @@ class ResourceWatcher(WatchBase):
                     continue
                 obj = _JSON.decode(raw)
                 self._fill(obj)
-                omd = obj["metadata"]
-                self.held[uid] = f"{omd.get('namespace', '')}/{omd.get('name', '')}"
-                self.versions[uid] = version
+                self._hold(uid, obj["metadata"], version)
                 events.append(("ADDED", obj))
             if events:
                 self.sink.handle(self, events)
-            self._adapt(min(size, len(items) - i), time.perf_counter() - t0)
-            i += size
-            await asyncio.sleep(0)
+
+        await self._in_slices(len(items), step)
 
     async def deliver(self, events: list[WatchEvent]) -> None:
         """Hand events to the sink in slices of about the time budget each."""
+        await self._in_slices(len(events), lambda i, j: self.sink.handle(self, events[i:j]))
+
+    async def _in_slices(self, n: int, step: Callable[[int, int], None]) -> None:
+        """``step(i, j)`` over ``range(n)`` a slice at a time, each sized to take about
+        the time budget, with a turn of the event loop after each."""
         i = 0
-        while i < len(events):
-            size = self.slice_size
+        while i < n:
+            j = min(n, i + self.slice_size)
             t0 = time.perf_counter()
-            self.sink.handle(self, events[i: i + size])
-            self._adapt(min(size, len(events) - i), time.perf_counter() - t0)
-            i += size
+            step(i, j)
+            self._adapt(j - i, time.perf_counter() - t0)
+            i = j
             await asyncio.sleep(0)
+
+    def _hold(self, uid: str, md: Obj, version: str) -> None:
+        """Remember a delivered object: its key for deletion stubs, its version for the
+        next relist."""
+        self.held[uid] = f"{md.get('namespace', '')}/{md.get('name', '')}"
+        self.versions[uid] = version
+
+    def _forget(self, uid: str) -> bool:
+        """Forget a retracted object; whether it was delivered."""
+        self.versions.pop(uid, None)
+        return self.held.pop(uid, None) is not None
 
     def _adapt(self, n: int, elapsed: float) -> None:
         """Size the next slice so that it takes about the budget: shrink at once after
@@ -496,13 +506,12 @@ class ResourceWatcher(WatchBase):
 
     async def _process(self, lines: list[bytes], rv: str) -> str:
         """Decode and deliver watch lines, a time-budgeted slice at a time."""
-        i = 0
-        while i < len(lines):
-            size = self.slice_size
-            t0 = time.perf_counter()
+
+        def step(i: int, j: int) -> None:
+            nonlocal rv
             events: list[WatchEvent] = []
             got_any = False
-            for line in lines[i: i + size]:
+            for line in lines[i:j]:
                 if not line.strip():
                     continue
                 ev = _JSON.decode(line)
@@ -528,12 +537,10 @@ class ResourceWatcher(WatchBase):
                 rv = md.get("resourceVersion", rv)
                 uid = md.get("uid", "")
                 if etype == "DELETED":
-                    self.versions.pop(uid, None)
-                    if self.held.pop(uid, None) is None:
+                    if not self._forget(uid):
                         continue  # never delivered (e.g. deleted before our list)
                 else:
-                    self.held[uid] = f"{md.get('namespace', '')}/{md.get('name', '')}"
-                    self.versions[uid] = md.get("resourceVersion", "")
+                    self._hold(uid, md, md.get("resourceVersion", ""))
                 events.append((etype, obj))
             if events:
                 self.sink.handle(self, events)
@@ -541,7 +548,6 @@ class ResourceWatcher(WatchBase):
                 self.resource_version = rv
                 self.backoff.reset()
                 self.sink.current(self)
-            self._adapt(min(size, len(lines) - i), time.perf_counter() - t0)
-            i += size
-            await asyncio.sleep(0)
+
+        await self._in_slices(len(lines), step)
         return rv
