@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 import pytest
 
 from proxy import yielding
-from proxy.yielding import Pacer, ThreadPacer
+from proxy.yielding import Pacer, Slices, ThreadPacer
 
 
 async def _turns_during(coro: Awaitable[None]) -> int:
@@ -152,3 +152,39 @@ def test_a_thread_pacer_waits_at_most_so_long_and_at_most_its_budget(
     started = time.monotonic()
     ThreadPacer(None, budget=10.0).pause()  # nothing to ask: no wait
     assert time.monotonic() - started < 0.01
+
+
+def test_a_run_shrinks_at_once_and_grows_at_most_twofold() -> None:
+    s = Slices(0.004, most=4096)
+    s.size = 1000
+    s.adapt(1000, 0.04)  # 10x over budget
+    assert s.size == 100
+    s.adapt(100, 0.0001)  # far under budget: at most doubled
+    assert s.size == 200
+    s.adapt(200, 0.0)  # unmeasurably fast
+    assert s.size == 400
+    for _ in range(20):
+        s.adapt(s.size, 0.0)
+    assert s.size == 4096
+    s.adapt(10, 10.0)
+    assert s.size == 1  # never zero
+
+
+def test_runs_cover_every_item_once_in_order_and_follow_the_cost() -> None:
+    now = 0.0
+    s = Slices(0.25, first=4, clock=lambda: now)
+    done: list[int] = []
+    sizes: list[int] = []
+
+    def step(i: int, j: int) -> None:
+        nonlocal now
+        sizes.append(j - i)
+        done.extend(range(i, j))
+        now += (j - i) / 64  # 16 items fit the budget (binary fractions: exact)
+
+    yields = sum(1 for _ in s.run(300, step))
+    assert done == list(range(300))
+    assert yields == len(sizes)
+    assert sizes[:3] == [4, 8, 16]  # cheap: at most doubled, then what fits
+    assert set(sizes[2:-1]) == {16}
+    assert list(s.run(0, step)) == []

@@ -511,7 +511,7 @@ class FactWriter:
         for _ in self._standby_steps(now):
             await pacer.pause()
         memory.freeze_survivors()  # the cache and the groups seen, as after a write
-        memory.trim()  # the cache this walk replaced
+        await memory.trim_off_loop()  # the cache this walk replaced
 
     async def _write(self, now: float) -> bool:
         """Send one write's requests; what is owed afterwards follows what was sent."""
@@ -545,12 +545,12 @@ class FactWriter:
             del body
             sent += 1
             if sent % TRIM_EVERY_REQUESTS == 0:
-                memory.trim()
+                await memory.trim_off_loop()
         self.metrics.writes_ok.inc()
         self.metrics.last_write.set(now)
         self.commit()
         memory.freeze_survivors()  # the cache and the written set, out of full collections
-        memory.trim()  # the written set this write replaced
+        await memory.trim_off_loop()  # the written set this write replaced
         return True
 
     async def _run(self) -> None:

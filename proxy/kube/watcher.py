@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol, TypedDict, Unpack
@@ -34,6 +33,7 @@ from proxy.kube.client import (
 )
 from proxy.kube.discovery import ApiResource
 from proxy.tasks import cancel_and_wait
+from proxy.yielding import Slices
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +274,8 @@ class ResourceWatcher(WatchBase):
         self.client = client
         self.metrics = metrics
         self.page_size = page_size
-        self.slice_budget = slice_budget
-        #: events per slice, adapted so that a slice takes about the budget
-        self.slice_size = 64
+        #: events per slice, adapted so that a slice takes about ``slice_budget``
+        self.slices = Slices(slice_budget, most=MAX_SLICE)
         self.watch_timeout = watch_timeout
         self.idle_timeout = idle_timeout
         self.backoff = Backoff(cap=backoff_max)
@@ -438,13 +437,7 @@ class ResourceWatcher(WatchBase):
     async def _in_slices(self, n: int, step: Callable[[int, int], None]) -> None:
         """``step(i, j)`` over ``range(n)`` a slice at a time, each sized to take about
         the time budget, with a turn of the event loop after each."""
-        i = 0
-        while i < n:
-            j = min(n, i + self.slice_size)
-            t0 = time.perf_counter()
-            step(i, j)
-            self._adapt(j - i, time.perf_counter() - t0)
-            i = j
+        for _ in self.slices.run(n, step):
             await asyncio.sleep(0)
 
     def _hold(self, uid: str, md: Obj, version: str) -> None:
@@ -457,12 +450,6 @@ class ResourceWatcher(WatchBase):
         """Forget a retracted object; whether it was delivered."""
         self.versions.pop(uid, None)
         return self.held.pop(uid, None) is not None
-
-    def _adapt(self, n: int, elapsed: float) -> None:
-        """Size the next slice so that it takes about the budget: shrink at once after
-        a costly slice, grow at most 2x per slice after cheap ones."""
-        fit = int(self.slice_budget * n / elapsed) if elapsed > 0 else MAX_SLICE
-        self.slice_size = max(1, min(MAX_SLICE, 2 * self.slice_size, fit))
 
     def _fill(self, obj: Obj) -> None:
         # typed lists and metadata-only answers leave out (or replace) apiVersion/kind

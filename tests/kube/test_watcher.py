@@ -99,22 +99,11 @@ def test_backoff_grows_with_full_jitter_up_to_the_cap() -> None:
     assert b.attempt == 0 and b.next() <= 0.2
 
 
-def test_slice_size_shrinks_at_once_and_grows_at_most_twofold() -> None:
+def test_slices_are_sized_by_the_watchers_budget() -> None:
     sink = RecordingSink()
     w = ResourceWatcher(None, PODS, sink, WatchMetrics(CollectorRegistry()),  # type: ignore[arg-type]
                         slice_budget=0.004)
-    w.slice_size = 1000
-    w._adapt(1000, 0.04)  # 10x over budget
-    assert w.slice_size == 100
-    w._adapt(100, 0.0001)  # far under budget: at most doubled
-    assert w.slice_size == 200
-    w._adapt(200, 0.0)  # unmeasurably fast
-    assert w.slice_size == 400
-    for _ in range(20):
-        w._adapt(w.slice_size, 0.0)
-    assert w.slice_size == MAX_SLICE
-    w._adapt(10, 10.0)
-    assert w.slice_size == 1  # never zero
+    assert w.slices.budget == 0.004 and w.slices.most == MAX_SLICE
 
 
 def test_deletion_stub_and_name() -> None:
