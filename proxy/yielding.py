@@ -125,8 +125,8 @@ class Slices:
     2x after a cheap one (a cost per item that varies, a description's status expressions
     or a 4 KB pod against a 1 KB one, is followed within a run or two).
 
-    One instance per kind of work keeps its size from one piece to the next (a watch's
-    events, a reload's objects)."""
+    An instance keeps its size from one piece of work to the next: a watcher's from one
+    batch of events to the next; a reload makes one of its own."""
 
     def __init__(self, budget: float, *, first: int = 64, most: int = 4096,
                  clock: Callable[[], float] = time.perf_counter) -> None:
