@@ -51,7 +51,7 @@ from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
 from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
-from proxy.karta.yamltext import Loader, yaml_error
+from proxy.karta.yamltext import load_documents, yaml_error
 from proxy.tasks import cancel_and_wait
 from proxy.yielding import Busy, Pacer, Slices, ThreadPacer
 
@@ -372,10 +372,14 @@ def read_file(
                 for where, item in _json_items(f, pace):
                     _classify(fc, where, item, packed, applied)
                     pace()
-        else:
-            for where, item in _flatten(_parse_yaml(p.read_text(encoding="utf-8"), pace)):
-                _classify(fc, where, item, packed, applied)
-                pace()
+        else:  # built from the parser's events, read a block at a time (load_documents),
+            # and read whole into documents without cycles: no collection walks them
+            with p.open(encoding="utf-8") as f, memory.collections_paused():
+                docs = load_documents(f, pace)
+                for where, item in _flatten(docs, release=True):
+                    _classify(fc, where, item, packed, applied)
+                    del item
+                    pace()
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         if json_file:
             return SkippedFile(source, _unreadable(p, e))
@@ -423,15 +427,6 @@ def read_snapshot(
         else:
             content.files[got.path] = got
     return content
-
-
-def _parse_yaml(text: str, pace: Pace = _unpaced) -> list[Any]:
-    docs = []
-    for d in yaml.load_all(text, Loader=Loader):
-        if d is not None:
-            docs.append(d)
-        pace()
-    return docs
 
 
 _JSON = json.JSONDecoder()
@@ -583,28 +578,41 @@ def _members(s: _JsonStream, pace: Pace = _unpaced) -> tuple[dict[str, Any], boo
     return members, has_items
 
 
-def _flatten(docs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
-    """Documents -> (where, item): arrays and ``*List`` objects opened one level deep."""
+def _flatten(docs: Iterable[Any], *, release: bool = False) -> Iterator[tuple[str, Any]]:
+    """Documents -> (where, item): arrays and ``*List`` objects opened one level deep.
+
+    ``release``: the documents are the caller's to give up. Each item is dropped from its
+    document as it is handed out (and each document from a list ``docs``), so the
+    caller's reference is the last one and they are freed one at a time as it goes,
+    not all at once at the end."""
     for i, doc in enumerate(docs):
+        if release and isinstance(docs, list):
+            docs[i] = None
         here = f"document {i + 1}"
+        item_kind, api = "", None
         if isinstance(doc, list):
-            for j, item in enumerate(doc):
-                yield f"{here}[{j}]", item
+            items: list[Any] = doc
+            opened = f"{here}["
         elif (
             isinstance(doc, Mapping)
             and isinstance(doc.get("kind"), str)
             and doc["kind"].endswith("List")
             and isinstance(doc.get("items"), list)
         ):
-            item_kind = doc["kind"][: -len("List")]
-            api = doc.get("apiVersion")
-            for j, item in enumerate(doc["items"]):
-                if isinstance(item, Mapping) and "kind" not in item and item_kind:
-                    # typed lists from the API (PodList, ...) leave kind off their items
-                    item = {"apiVersion": api, "kind": item_kind, **item}
-                yield f"{here}.items[{j}]", item
+            items = doc["items"]
+            opened = f"{here}.items["
+            item_kind, api = doc["kind"][: -len("List")], doc.get("apiVersion")
         else:
             yield here, doc
+            continue
+        for j, item in enumerate(items):
+            if release:
+                items[j] = None
+            if item_kind and isinstance(item, Mapping) and "kind" not in item:
+                # typed lists from the API (PodList, ...) leave kind off their items
+                item = {"apiVersion": api, "kind": item_kind, **item}
+            yield f"{opened}{j}]", item
+            del item
 
 
 def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,

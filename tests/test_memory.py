@@ -154,3 +154,20 @@ def test_request_buffers_stay_on_the_heap_unless_the_operator_chose() -> None:
     assert kept == "True"
     assert kept_faults * 5 < default_faults, (kept_faults, default_faults)
     assert run("1", {"MALLOC_TRIM_THRESHOLD_": "131072"})[0] == "False"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collections_pause_inside_and_come_back_as_they_were(enabled: bool) -> None:
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with memory.collections_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), memory.collections_paused():
+            raise RuntimeError
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

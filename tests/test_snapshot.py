@@ -228,6 +228,28 @@ def test_missing_uids_are_derived_and_owner_chains_still_connect(tmp_path: Path)
     assert att.workload.uid == derived_uid("Deployment", "shop", "api")
 
 
+def test_flatten_can_release_what_it_handed_out() -> None:
+    """A read's documents are freed an item at a time as they are read (``release``),
+    not whole at the end; the items are the same either way."""
+    def docs() -> list[Any]:
+        return [{"kind": "PodList", "apiVersion": "v1", "items": [{"metadata": {"name": "a"}},
+                                                                 {"metadata": {"name": "b"}}]},
+                [{"kind": "Pod"}, {"kind": "Pod", "n": 2}], {"kind": "Pod", "n": 3}]
+
+    kept = docs()
+    released = docs()
+    items = released[0]["items"]
+    gen = _flatten(released, release=True)
+    got = [next(gen)]
+    assert released[0] is None  # the list lets go of the document
+    got.append(next(gen))
+    assert items == [None, None]  # and of each item handed out
+    got.extend(gen)
+    assert got == list(_flatten(kept)) and len(got) == 5
+    assert released == [None, None, None]
+    assert got[0][1] == {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}}
+
+
 def test_input_objects_are_not_mutated(tmp_path: Path) -> None:
     objs = _deployment()
     del objs[2]["metadata"]["uid"]
