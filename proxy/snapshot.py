@@ -385,7 +385,7 @@ def read_file(
             return SkippedFile(source, _unreadable(p, e))
         if isinstance(e, UnicodeDecodeError):
             return SkippedFile(source, f"not UTF-8 text ({e.reason} at byte {e.start})")
-        return SkippedFile(source, f"invalid JSON: {e}")
+        return SkippedFile(source, f"invalid YAML: {e}")  # a tagged value its constructor refused
     except OSError as e:
         return SkippedFile(source, f"cannot read: {e.strerror or e}")
     except yaml.YAMLError as e:

@@ -250,6 +250,14 @@ def test_flatten_can_release_what_it_handed_out() -> None:
     assert got[0][1] == {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}}
 
 
+def test_a_yaml_value_its_tag_refuses_is_an_invalid_yaml_file(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("kind: Pod\nmetadata: {name: x}\nspec: {n: !!int abc}\n")
+    got = read_file(f)
+    assert isinstance(got, SkippedFile)
+    assert got.reason.startswith("invalid YAML: ") and "abc" in got.reason, got.reason
+
+
 def test_input_objects_are_not_mutated(tmp_path: Path) -> None:
     objs = _deployment()
     del objs[2]["metadata"]["uid"]
