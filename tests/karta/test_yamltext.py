@@ -137,3 +137,18 @@ def test_one_big_document_is_read_a_block_at_a_time_and_paced() -> None:
     assert stream.largest < len(text) // 10
     # ~16 events a pod: a pause every _PACE_EVERY events, not one for the document
     assert paces >= 2000 * 16 // yamltext._PACE_EVERY
+
+
+def _outcome(load: Any, text: str) -> tuple[str, str]:
+    """What loading ``text`` gives: the documents' repr (NaN-safe), or the error raised."""
+    try:
+        return "ok", repr(load(text))
+    except Exception as e:  # any refusal, compared by type and text
+        return type(e).__name__, yaml_error(e) if isinstance(e, yaml.YAMLError) else str(e)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab01.-:?,[]{}#&*!|>'\"%@`~<= \n\t\\")), max_size=40))
+def test_any_text_loads_or_is_refused_as_pyyaml_does(text: str) -> None:
+    ours = _outcome(lambda t: load_documents(io.StringIO(t)), text)
+    assert ours == _outcome(_reference, text)
