@@ -869,7 +869,7 @@ class HcSize:
     paced: dict[str, HcPhase] = field(default_factory=dict)
     #: --scrape-interval: the seconds each /metrics scrape took during the paced run
     scrapes: dict[str, list[float]] = field(default_factory=dict)
-    #: --snapshot-change-interval: how often each karta-proxy's snapshot was rewritten
+    #: --snapshot-change-interval: how often each relay's snapshot copy was rewritten
     snapshot_changes: dict[str, int] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
     raw_kib: dict[str, float] = field(default_factory=dict)

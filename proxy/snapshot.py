@@ -956,8 +956,9 @@ class SnapshotSource:
         plan.report.seconds = time.monotonic() - started
         report = plan.report
         # the engine's share on the loop, in runs that give way to the requests relayed
-        # (proxy.yielding), each applied to the index at once
-        loop_pace = Pacer(self.busy, RELOAD_DEFER_SECONDS)
+        # (proxy.yielding), each applied to the index at once; within what is left of the
+        # reload's one budget
+        loop_pace = Pacer(self.busy, pace.remaining())
         for _ in apply_steps(plan, self.engine, self.index):
             await loop_pace.pause()
         del plan, applied

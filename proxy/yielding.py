@@ -51,6 +51,11 @@ class _Budget:
         self._clock = clock
         self._until = clock() + budget
 
+    def remaining(self) -> float:
+        """Seconds of the budget left: what a later part of the same work is given, so
+        that its parts together keep to one budget."""
+        return max(0.0, self._until - self._clock())
+
     def _deadline(self) -> float | None:
         """Until when this pause may wait; None: not at all (nothing to ask whether a
         request is relayed, or the budget is spent)."""

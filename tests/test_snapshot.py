@@ -483,6 +483,32 @@ async def test_a_reload_applies_its_changes_in_runs_that_let_the_loop_turn(
     assert len(turns) >= 10, len(turns)
 
 
+async def test_a_reload_waits_for_requests_within_one_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's share on the loop gets what the thread's work left of the reload's
+    ``RELOAD_DEFER_SECONDS``, not a budget of its own: under constant load a reload ends
+    at most that much later."""
+    budgets: list[float] = []
+    pacer = snapshot.Pacer
+
+    def recorded(busy: Any, budget: float) -> Any:
+        budgets.append(budget)
+        return pacer(busy, budget)
+
+    monkeypatch.setattr(snapshot, "RELOAD_DEFER_SECONDS", 0.5)
+    monkeypatch.setattr(snapshot, "Pacer", recorded)
+    f = _write(tmp_path / "s.yaml", _deployment_of(3))
+    src = SnapshotSource(f, Engine(), PodIndex(), busy=lambda: True)
+    await src.start()
+    try:
+        _write(f, _deployment_of(3, bare=True))
+        await src.reload()
+    finally:
+        gc.unfreeze()
+    assert len(budgets) == 1 and budgets[0] < 0.5
+
+
 async def test_a_description_change_during_a_reload_is_not_undone_by_it(
     tmp_path: Path
 ) -> None:

@@ -188,3 +188,10 @@ def test_runs_cover_every_item_once_in_order_and_follow_the_cost() -> None:
     assert sizes[:3] == [4, 8, 16]  # cheap: at most doubled, then what fits
     assert set(sizes[2:-1]) == {16}
     assert list(s.run(0, step)) == []
+
+
+def test_what_is_left_of_a_budget_goes_down_to_zero() -> None:
+    pacer = ThreadPacer(lambda: True, budget=0.05)
+    assert 0.0 < pacer.remaining() <= 0.05
+    time.sleep(0.06)
+    assert pacer.remaining() == 0.0
