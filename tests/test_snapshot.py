@@ -7,6 +7,7 @@ import gc
 import io
 import json
 import os
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,17 @@ from hypothesis import strategies as st
 from proxy import snapshot
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
+from proxy.karta.yamltext import Reread
 from proxy.snapshot import (
     READ_CHARS,
+    FileContent,
     SkippedFile,
     SnapshotError,
     SnapshotSource,
+    _classify,
     _flatten,
     _json_items,
+    _yaml_items,
     derived_uid,
     load_snapshot,
     read_file,
@@ -648,24 +653,25 @@ def test_demo_snapshot_attribution_table() -> None:
 # -- JSON lists are read one item at a time -----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "doc",
-    [
-        # kubectl get -o json: kind after the items
-        {"apiVersion": "v1", "items": [{"apiVersion": "v1", "kind": "Pod",
-                                        "metadata": {"name": "a"}}], "kind": "List",
-         "metadata": {}},
-        # the API's typed list: kind first, items without kind
-        {"kind": "PodList", "apiVersion": "v1", "metadata": {},
-         "items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}]},
-        {"kind": "List", "items": []},
-        {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"},
-         "items": [1, 2]},  # not a List: an object with an items field of its own
-        [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}}],
-        {"kind": "List"},
-        "just a string",
-    ],
-)
+#: one document each: lists as kubectl and the API write them, and what is not one
+LIST_DOCS: list[Any] = [
+    # kubectl get -o json: kind after the items
+    {"apiVersion": "v1", "items": [{"apiVersion": "v1", "kind": "Pod",
+                                    "metadata": {"name": "a"}}], "kind": "List",
+     "metadata": {}},
+    # the API's typed list: kind first, items without kind
+    {"kind": "PodList", "apiVersion": "v1", "metadata": {},
+     "items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}]},
+    {"kind": "List", "items": []},
+    {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"},
+     "items": [1, 2]},  # not a List: an object with an items field of its own
+    [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a"}}],
+    {"kind": "List"},
+    "just a string",
+]
+
+
+@pytest.mark.parametrize("doc", LIST_DOCS)
 @pytest.mark.parametrize("window", [1, 2, 7, 64, READ_CHARS])
 def test_json_items_are_what_a_whole_parse_gives(
         doc: Any, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -834,3 +840,103 @@ def test_an_object_shadowed_by_a_later_file_is_applied_when_that_file_goes(
     report = apply_content(read_snapshot(tmp_path, packed=True), engine, previous=kept)
     assert report.objects["Pod"] == 1
     assert engine._pods["p-9"].labels is None  # a.yaml's version, without labels
+
+
+# -- YAML lists are read one item at a time -----------------------------------------------
+
+
+def _as_read(fc: FileContent | SkippedFile) -> Any:
+    if isinstance(fc, SkippedFile):
+        return fc.reason
+    return fc.objects, fc.invalid, fc.description_docs, fc.uids_derived
+
+
+def _read_whole(path: Path) -> Any:
+    """What ``read_file`` gave before a list's items were handed out as built: every
+    document parsed whole, then classified."""
+    fc = FileContent(str(path))
+    docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.SafeLoader) if d is not None]
+    for where, item in _flatten(docs):
+        _classify(fc, where, item)
+    if not fc.objects and not fc.description_docs and fc.invalid:
+        return f"no Kubernetes objects ({fc.invalid[0]})"
+    return _as_read(fc)
+
+
+_POD_A = "{apiVersion: v1, kind: Pod, metadata: {name: a}}"
+#: what only YAML text can say (keys given twice), or orders kubectl does not write
+YAML_LISTS = {
+    "items given twice": f"apiVersion: v1\nkind: List\nitems: [{_POD_A}]\n"
+                         "items: [{apiVersion: v1, kind: Pod, metadata: {name: b}}]\n",
+    "items, then not a sequence": f"items:\n- {_POD_A}\nitems: ~\nkind: List\n",
+    "kind after kindless items": "apiVersion: v1\nitems:\n- metadata: {name: a}\nkind: PodList\n",
+    "apiVersion after kindless items": "kind: PodList\nitems:\n- metadata: {name: a}\n"
+                                       "apiVersion: v1\n",
+    "kind given again after items": "apiVersion: v1\nkind: PodList\nitems:\n"
+                                    "- metadata: {name: a}\nkind: ServiceList\n",
+    "kinds of their own and not": f"apiVersion: v1\nitems:\n- {_POD_A}\n- metadata: {{name: b}}\n"
+                                  "- {kind: Pod, apiVersion: v1, metadata: {name: c}}\n"
+                                  "kind: PodList\n",
+    "a kindless item of a plain List": "apiVersion: v1\nitems:\n- metadata: {name: a}\n"
+                                       "kind: List\n",
+    "an alias after an item": f"items: [{_POD_A}, &b {{kind: Pod}}]\nkind: List\nx: *b\n",
+    "documents around a list": f"{_POD_A}\n---\nitems: [{_POD_A}, 3]\nkind: List\n---\n"
+                               "- {kind: Pod}\n---\n~\n---\nitems: [x]\nkind: Widget\n",
+}
+
+
+@pytest.mark.parametrize("text", [*(yaml.safe_dump(d, sort_keys=s) for d in LIST_DOCS
+                                    for s in (True, False)), *YAML_LISTS.values()],
+                         ids=[*(f"{i}-{s}" for i in range(len(LIST_DOCS)) for s in "sk"),
+                              *YAML_LISTS])
+def test_a_yaml_file_reads_as_if_parsed_whole(text: str, tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    assert _as_read(read_file(path)) == _read_whole(path)
+
+
+@pytest.mark.parametrize("name", ["items given twice", "items, then not a sequence",
+                                  "kind given again after items", "an alias after an item"])
+def test_a_yaml_document_not_the_list_its_items_were_read_for_is_read_again(name: str) -> None:
+    with pytest.raises(Reread):
+        list(_yaml_items(io.StringIO(YAML_LISTS[name])))
+
+
+_list_docs = st.fixed_dictionaries(
+    {"items": st.lists(st.one_of(
+        st.fixed_dictionaries({"metadata": st.fixed_dictionaries({"name": st.sampled_from("ab")})},
+                              optional={"kind": st.sampled_from(["Pod", "Service"]),
+                                        "apiVersion": st.just("v1")}),
+        st.integers(), st.none()), max_size=4)},
+    optional={"kind": st.sampled_from(["List", "PodList", "Widget", "", 3]),
+              "apiVersion": st.sampled_from(["v1", "apps/v1"]), "metadata": st.just({})})
+
+
+@settings(max_examples=200, deadline=None)
+@given(docs=st.lists(st.one_of(_list_docs, st.lists(_list_docs, max_size=2)),
+                     min_size=1, max_size=3), sort_keys=st.booleans(),
+       flow=st.sampled_from([None, True, False]))
+def test_any_yaml_lists_read_as_if_parsed_whole(docs: list[Any], sort_keys: bool,
+                                                flow: bool | None) -> None:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "s.yaml"
+        path.write_text(yaml.safe_dump_all(docs, sort_keys=sort_keys, default_flow_style=flow))
+        assert _as_read(read_file(path)) == _read_whole(path)
+
+
+def test_a_yaml_list_is_read_one_item_at_a_time(tmp_path: Path) -> None:
+    """A 3,000-pod ``kubectl get -o yaml`` export: the read's peak is what it keeps (held
+    as a source holds them) and one item, not the whole list built first (6x)."""
+    pods = [_pod(f"p{i}", f"u-{i}", ("ReplicaSet", "rs", "rs-1")) for i in range(3000)]
+    path = tmp_path / "pods.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "v1", "items": pods, "kind": "List",
+                                    "metadata": {"resourceVersion": ""}}))
+    tracemalloc.start()
+    try:
+        fc = read_file(path, packed=True)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not isinstance(fc, SkippedFile) and len(fc.objects) == 3000
+    assert peak < 1.5 * kept, (kept, peak)

@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.karta import yamltext
-from proxy.karta.yamltext import Loader, load_documents, yaml_error
+from proxy.karta.yamltext import (
+    HANDED_OUT,
+    Document,
+    Item,
+    Loader,
+    Reread,
+    load_documents,
+    read_documents,
+    yaml_error,
+)
 
 
 def parse_error(text: str) -> yaml.YAMLError:
@@ -152,3 +161,97 @@ def _outcome(load: Any, text: str) -> tuple[str, str]:
 def test_any_text_loads_or_is_refused_as_pyyaml_does(text: str) -> None:
     ours = _outcome(lambda t: load_documents(io.StringIO(t)), text)
     assert ours == _outcome(_reference, text)
+
+
+# -- read_documents ----------------------------------------------------------------------
+
+
+def _reassembled(text: str) -> list[Any]:
+    """The documents of ``read_documents``, their items put back where they were handed
+    out from."""
+    docs: list[Any] = []
+    items: dict[int, list[Any]] = {}
+    for part in read_documents(io.StringIO(text)):
+        if isinstance(part, Item):
+            got = items.setdefault(part.document, [])
+            assert part.index == len(got)
+            got.append(part.value)
+            continue
+        assert part.number == len(docs) + 1
+        doc, opened = part.value, items.pop(part.number, [])
+        if isinstance(doc, list) and part.opened:
+            assert doc == []  # a document that is a sequence: every element handed out
+            doc = opened
+        elif part.opened:
+            assert part.opened == 1 and doc["items"] is HANDED_OUT
+            doc["items"] = opened
+        else:
+            assert not opened
+        docs.append(doc)
+    assert not items
+    return docs
+
+
+@settings(max_examples=300, deadline=None)
+@given(docs=st.lists(st.one_of(
+    _values,
+    st.dictionaries(st.sampled_from(["apiVersion", "kind", "items", "metadata"]),
+                    _values, max_size=4),
+    st.fixed_dictionaries({"items": st.lists(_values, max_size=4)},
+                          optional={"kind": st.sampled_from(["List", "PodList", "Pod", 7])}),
+), min_size=1, max_size=3), flow=st.sampled_from([None, True, False]),
+    sort_keys=st.booleans())
+def test_documents_with_their_items_handed_out_equal_pyyamls(
+        docs: list[Any], flow: bool | None, sort_keys: bool) -> None:
+    text = yaml.safe_dump_all(docs, default_flow_style=flow, sort_keys=sort_keys,
+                              allow_unicode=True)
+    assert _reassembled(text) == _reference(text)
+
+
+def test_only_a_top_level_items_sequence_is_handed_out() -> None:
+    text = ("kind: List\nitems:\n- {a: 1, items: [x, y]}\n- [2]\nmetadata: {items: [z]}\n"
+            "---\n- {b: 1}\n- 3\n---\nitems: {a: 1}\n---\n[[4]]\n")
+    parts, heads = [], []
+    for p in read_documents(io.StringIO(text)):  # the head as it is when the item comes
+        parts.append(p)
+        heads.append(dict(p.head) if isinstance(p, Item) and p.head is not None else None)
+    assert [(p.document, p.index, p.value, h) for p, h in zip(parts, heads, strict=True)
+            if isinstance(p, Item)] == [
+        (1, 0, {"a": 1, "items": ["x", "y"]}, {"kind": "List"}),
+        (1, 1, [2], {"kind": "List"}),
+        (2, 0, {"b": 1}, None),
+        (2, 1, 3, None),
+        (4, 0, [4], None),
+    ]
+    assert [p for p in parts if isinstance(p, Document)] == [
+        Document(1, {"kind": "List", "items": HANDED_OUT, "metadata": {"items": ["z"]}}, 1),
+        Document(2, [], 1),
+        Document(3, {"items": {"a": 1}}),
+        Document(4, [], 1),
+    ]
+    assert _reassembled(text) == _reference(text)
+
+
+def test_an_item_is_handed_out_before_its_list_is_read() -> None:
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"p{i}"}}
+            for i in range(5000)]
+    stream = _Reads(yaml.safe_dump({"apiVersion": "v1", "items": pods, "kind": "List"}))
+    first = next(read_documents(stream))
+    assert isinstance(first, Item) and first.value == pods[0]
+    assert stream.tell() < len(stream.getvalue()) // 10
+
+
+@pytest.mark.parametrize("text", [
+    "items: [a]\n---\nb: &x 1\nc: *x\n",  # an alias after a document handed out
+    "items: [a, b]\nkind: &k List\n",  # an anchor after an item
+])
+def test_what_needs_pyyaml_after_something_was_handed_out_is_a_reread(text: str) -> None:
+    with pytest.raises(Reread):
+        list(read_documents(io.StringIO(text)))
+    assert load_documents(io.StringIO(text)) == _reference(text)
+
+
+def test_what_needs_pyyaml_before_anything_was_handed_out_is_read_by_it() -> None:
+    text = "a: &x {b: 1}\nc: *x\nitems: [1, 2]\n---\nitems: [3]\n"
+    parts = list(read_documents(io.StringIO(text)))
+    assert parts == [Document(1, _reference(text)[0]), Document(2, {"items": [3]})]
