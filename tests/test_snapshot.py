@@ -7,6 +7,7 @@ import gc
 import io
 import json
 import os
+import tempfile
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -918,7 +919,6 @@ _list_docs = st.fixed_dictionaries(
        flow=st.sampled_from([None, True, False]))
 def test_any_yaml_lists_read_as_if_parsed_whole(docs: list[Any], sort_keys: bool,
                                                 flow: bool | None) -> None:
-    import tempfile
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "s.yaml"
         path.write_text(yaml.safe_dump_all(docs, sort_keys=sort_keys, default_flow_style=flow))
