@@ -24,6 +24,7 @@ import functools
 import gc
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,24 +120,45 @@ async def trim_off_loop() -> bool:
     return await asyncio.to_thread(trim)
 
 
+class _Pauses:
+    """Who is in :func:`collections_paused` now, and the collector's state before the
+    first of them came in: the last to leave puts it back, so pauses that overlap in
+    two threads do not end each other's early."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.was_enabled = False
+
+
+_pauses = _Pauses()
+
+
 @contextlib.contextmanager
 def collections_paused() -> Iterator[None]:
     """No cyclic collection while the block runs (the collector's state as it was after).
 
-    For building a big tree that holds no cycles, as a YAML snapshot document is built
-    whole before its objects are read: at 37.5k pods each full collection on the way
-    walked all of it again, ~1.2 s of them per read in a worker thread, up to 0.38 s at
-    once with the GIL held and the event loop waiting. The pause is process-wide: cyclic
-    garbage that other threads make meanwhile waits for the next collection (it is not
-    lost, as a frozen cycle would be). Reference counting frees everything else as ever.
+    For reading a big file into objects that hold no cycles, as a YAML snapshot is read:
+    the read's allocations would start full collections that walk the whole process
+    heap with the GIL held, the event loop waiting (one of 39-45 ms in a bare process
+    reading 37.5k pods; when the document was built whole before its items were read,
+    each walked all of it again, ~1.2 s of them per read, up to 0.38 s at once). The
+    pause is process-wide: cyclic garbage that other threads make meanwhile waits for
+    the next collection (it is not lost, as a frozen cycle would be). Reference counting
+    frees everything else as ever.
     """
-    was = gc.isenabled()
-    gc.disable()
+    with _pauses.lock:
+        if not _pauses.inside:
+            _pauses.was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses.inside += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pauses.lock:
+            _pauses.inside -= 1
+            if not _pauses.inside and _pauses.was_enabled:
+                gc.enable()
 
 
 def freeze_survivors() -> None:

@@ -171,3 +171,33 @@ def test_collections_pause_inside_and_come_back_as_they_were(enabled: bool) -> N
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_collections_paused_in_two_threads_end_with_the_last() -> None:
+    """Pauses that overlap: the first to leave does not end the other's; the last puts
+    the collector back as it was before the first."""
+    import gc
+    import threading
+
+    was = gc.isenabled()
+    gc.enable()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with memory.collections_paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    try:
+        with memory.collections_paused():
+            t.start()
+            assert inside.wait(10)
+        assert not gc.isenabled()  # the other thread is still inside
+        leave.set()
+        t.join(10)
+        assert gc.isenabled()
+    finally:
+        leave.set()
+        t.join(10)
+        (gc.enable if was else gc.disable)()
