@@ -29,6 +29,7 @@ from proxy.config import ConfigError, EnrichSettings, Settings, parse_host_port
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
+from proxy.karta.model import Description
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome, merge
@@ -38,6 +39,7 @@ from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
 from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
+from proxy.yielding import Pacer, Slices, in_runs
 
 log = logging.getLogger("karta.runtime")
 
@@ -331,6 +333,20 @@ class Proxy:
                       extra={"error": outcome.error})
         return outcome
 
+    async def _describe(self, descs: list[Description] | None, source: str) -> None:
+        """Set (``None``: remove) one source's descriptions; what that changes is
+        re-attributed in runs that give way to the requests being relayed, each applied
+        to the index at once (in one go, three described kinds held the loop 2.5-3.4 s
+        at 37.5k pods). Descriptions read again unchanged change nothing."""
+        from proxy.snapshot import APPLY_SLICE_SECONDS, RELOAD_DEFER_SECONDS
+
+        change = self.engine.change_descriptions(descs, source=source)
+        self.index.apply(change.changes)
+        owed = change.owed
+        await in_runs(len(owed), lambda i, j: self.index.apply(self.engine.reattribute(owed[i:j])),
+                      Slices(APPLY_SLICE_SECONDS, first=16),
+                      Pacer(self.handler.relaying, RELOAD_DEFER_SECONDS))
+
     async def _reload(self) -> ReloadOutcome:
         from proxy.attribution import build_plan
         from proxy.karta.description import load_description_paths
@@ -362,14 +378,10 @@ class Proxy:
             if new.karta.builtins:
                 from proxy.karta.builtin import builtin_descriptions
 
-                self.index.apply(self.engine.add_descriptions(builtin_descriptions(),
-                                                              source="builtin"))
+                await self._describe(builtin_descriptions(), "builtin")
             else:
-                self.index.apply(self.engine.remove_descriptions("builtin"))
-        if paths:
-            self.index.apply(self.engine.add_descriptions(descs))
-        else:
-            self.index.apply(self.engine.remove_descriptions("files"))
+                await self._describe(None, "builtin")
+        await self._describe(descs if paths else None, "files")
         if plan is not None:
             self.enricher.replan(plan)
         if "log_level" in merged.applied:

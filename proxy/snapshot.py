@@ -861,8 +861,11 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
 
     if plan.descriptions is not None:
         descs, errors = plan.descriptions
-        done(engine.add_descriptions(descs, source=DESCRIPTION_SOURCE, errors=errors))
+        change = engine.change_descriptions(descs, source=DESCRIPTION_SOURCE, errors=errors)
+        done(change.changes)
         yield
+        owed = change.owed
+        yield from slices.run(len(owed), lambda i, j: done(engine.reattribute(owed[i:j])))
     gone, fresh = plan.gone, plan.fresh
     yield from slices.run(len(gone), lambda i, j: done(engine.delete_many(gone[i:j])))
     yield from slices.run(len(fresh), lambda i, j: done(_upsert(engine, fresh[i:j], report)))

@@ -157,3 +157,12 @@ class Slices:
         """Size the next run from this one: ``n`` items in ``elapsed`` seconds."""
         fit = int(self.budget * n / elapsed) if elapsed > 0 else self.most
         self.size = max(1, min(self.most, 2 * self.size, fit))
+
+
+async def in_runs(n: int, step: Callable[[int, int], object], slices: Slices,
+                  pacer: Pacer) -> None:
+    """``step(i, j)`` over ``range(n)`` in the runs of ``slices``, with a pause of
+    ``pacer`` after each: background work on the event loop that gives way to the
+    requests being relayed (a configuration reload's re-attribution)."""
+    for _ in slices.run(n, step):
+        await pacer.pause()

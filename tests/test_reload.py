@@ -11,7 +11,7 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from proxy.config import Settings, load_settings, validate
+from proxy.karta.results import ChangeSet
 from proxy.reload import changed_keys, merge
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
@@ -287,6 +288,83 @@ async def test_concurrent_reloads_run_one_at_a_time(tmp_path: Path) -> None:
             await p.stop()
     assert all(o.ok for o in outcomes)
     assert peak == 1
+
+
+def _cluster(deployments: int, pods_each: int) -> str:
+    """A snapshot of ``deployments`` Deployments in ``shop``, each with a ReplicaSet and
+    ``pods_each`` pods."""
+    objs: list[dict[str, Any]] = []
+    for d in range(deployments):
+        name = f"web{d}"
+        objs.append({"apiVersion": "apps/v1", "kind": "Deployment",
+                     "metadata": {"name": name, "namespace": "shop", "uid": f"d{d}"},
+                     "spec": {"replicas": pods_each}})
+        owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name, "uid": f"d{d}",
+                 "controller": True}
+        objs.append({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                     "metadata": {"name": f"{name}-1", "namespace": "shop", "uid": f"rs{d}",
+                                  "ownerReferences": [owner]}})
+        rs = {**owner, "kind": "ReplicaSet", "name": f"{name}-1", "uid": f"rs{d}"}
+        objs.extend({"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": f"{name}-1-{i}", "namespace": "shop",
+                                  "uid": f"p{d}-{i}", "ownerReferences": [rs]},
+                     "status": {"phase": "Running"}} for i in range(pods_each))
+    return yaml.safe_dump_all(objs)
+
+
+async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one_not_at_all(
+        tmp_path: Path) -> None:
+    """A reload whose description files change re-attributes every pod of the kind in
+    runs that let the event loop turn (in one go: the loop held for all of them), and a
+    reload that reads the same files again re-attributes nothing."""
+    (tmp_path / "snap.yaml").write_text(_cluster(400, 10))
+    folder = tmp_path / "descriptions"
+    folder.mkdir()
+    config = tmp_path / "karta-proxy.yaml"
+    config.write_text(yaml.safe_dump({
+        "snapshot": str(tmp_path / "snap.yaml"), "server": {"listen_address": "127.0.0.1:0"},
+        "facts": {"enabled": False}, "karta": {"description_paths": [str(folder)]},
+        "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+    p = Proxy(_loader(config)(), loader=_loader(config))
+    await p.start()
+    reattributed: list[int] = []
+    real = p.engine.reattribute
+
+    def counting(uids: Iterable[str]) -> ChangeSet:
+        uids = list(uids)
+        reattributed.append(len(uids))
+        return real(uids)
+
+    p.engine.reattribute = counting  # type: ignore[method-assign]
+    gaps: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    try:
+        (folder / "web.yaml").write_text(WEB_DEPLOYMENT)
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        assert (await p.reload()).ok
+        stop = True
+        await tick
+        att = p.engine.pod("p7-3")
+        assert att is not None and att.component == "web"
+        # 4,000 pods and 800 owners, in runs (one go held the loop ~0.3 s)
+        assert sum(reattributed) == 4800 and len(reattributed) > 5, reattributed
+        assert max(gaps) < 0.1, max(gaps)
+
+        reattributed.clear()
+        assert (await p.reload()).ok  # the same files read again
+        assert sum(reattributed) == 0
+    finally:
+        await p.stop()
 
 
 # -- the real process ---------------------------------------------------------------------------

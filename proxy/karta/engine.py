@@ -58,6 +58,7 @@ from proxy.karta.results import (
     PHASE_SINCE_OBSERVED,
     ChangeSet,
     PodAttribution,
+    Reattribution,
     ReplicaFact,
     WorkloadFacts,
     WorkloadRef,
@@ -607,7 +608,7 @@ class Engine:
 
             self._sources["builtin"] = list(builtin_descriptions())
         cs = ChangeSet()
-        self._reselect(cs)
+        self._reattribute(self._reselect(), cs)
         self._settle(cs)
 
     # -- public: objects ----------------------------------------------------------------
@@ -645,24 +646,54 @@ class Engine:
         source: str = "files",
         errors: Iterable[DescriptionError] = (),
     ) -> ChangeSet:
-        """Set the descriptions of one source (replacing what it gave before).
+        """Set the descriptions of one source (replacing what it gave before), and
+        re-attribute what that changes at once.
 
         ``errors`` are that source's load errors (e.g. from ``load_description_paths``),
         kept in ``description_errors`` so they are reported with the rest.
         """
+        return self._at_once(self.change_descriptions(descs, source=source, errors=errors))
+
+    def remove_descriptions(self, source: str) -> ChangeSet:
+        return self._at_once(self.change_descriptions(None, source=source))
+
+    def change_descriptions(
+        self,
+        descs: Iterable[Description] | None,
+        *,
+        source: str = "files",
+        errors: Iterable[DescriptionError] = (),
+    ) -> Reattribution:
+        """Set the descriptions of one source (``None``: remove them), owing the objects
+        it changes a new attribution (:meth:`reattribute`).
+
+        For a caller on the event loop, which re-attributes in runs and lets the loop in
+        between: in one go, three described kinds took 2.5-3.4 s at 37.5k pods, and
+        every request relayed meanwhile waited. Until an object owed is re-attributed, it
+        keeps the attribution it had.
+        """
+        if descs is None:
+            self._sources.pop(source, None)
+            self._source_errors.pop(source, None)
+        else:
+            self._sources[source] = list(descs)
+            self._source_errors[source] = list(errors)
+        owed = self._reselect()
         cs = ChangeSet()
-        self._sources[source] = list(descs)
-        self._source_errors[source] = list(errors)
-        self._reselect(cs)
+        self._settle(cs)
+        return Reattribution(cs, owed)
+
+    def reattribute(self, uids: Iterable[str]) -> ChangeSet:
+        """Attribute these objects (owed by :meth:`change_descriptions`) again under the
+        descriptions in force now; one gone meanwhile is skipped."""
+        cs = ChangeSet()
+        self._reattribute(uids, cs)
         self._settle(cs)
         return cs
 
-    def remove_descriptions(self, source: str) -> ChangeSet:
-        cs = ChangeSet()
-        self._sources.pop(source, None)
-        self._source_errors.pop(source, None)
-        self._reselect(cs)
-        self._settle(cs)
+    def _at_once(self, change: Reattribution) -> ChangeSet:
+        cs = change.changes
+        cs.merge(self.reattribute(change.owed))
         return cs
 
     # -- public: answers ----------------------------------------------------------------
@@ -1216,7 +1247,7 @@ class Engine:
             self._sources[source] = [desc]
             self._api_errors.pop(source, None)
             self._errored_by_source.pop(source, None)
-        self._reselect(cs)
+        self._reattribute(self._reselect(), cs)
 
     def _delete_description(self, md: Mapping[str, Any], cs: ChangeSet) -> None:
         source = f"api:{md.get('name') or md.get('uid') or ''}"
@@ -1224,10 +1255,11 @@ class Engine:
         self._sources.pop(source, None)
         self._api_errors.pop(source, None)
         self._errored_by_source.pop(source, None)
-        self._reselect(cs)
+        self._reattribute(self._reselect(), cs)
 
-    def _reselect(self, cs: ChangeSet) -> None:
-        """Pick the description in force per kind; re-attribute what a change touches."""
+    def _reselect(self) -> list[str]:
+        """Pick the description in force per kind; the objects a change touches (to
+        re-attribute: their pods, the objects whose owner chains pass through them)."""
         from proxy.karta.description import select_descriptions
 
         ordered = list(self._sources.get("builtin", ()))
@@ -1245,7 +1277,9 @@ class Engine:
         new: dict[GroupKind, _DescriptionPlan] = {}
         for gk, desc in winners.items():
             prev = old.get(gk)
-            new[gk] = prev if prev is not None and prev.desc is desc else _DescriptionPlan(desc)
+            # by value: a description read again unchanged (every configuration reload
+            # re-reads the files) keeps its plan, and its kind is not re-attributed
+            new[gk] = prev if prev is not None and prev.desc == desc else _DescriptionPlan(desc)
         changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
         errored = frozenset(self._errored_by_source.values()) - new.keys()
         changed |= errored ^ self._errored
@@ -1253,7 +1287,7 @@ class Engine:
         self._plans = new
         self._walk_plans = {gk: p for gk, p in new.items() if gk != POD}
         if not changed:
-            return
+            return []
         self._kinds_touched = True
         affected: dict[str, None] = {}
         for uid, rec in self._graph.objects.items():
@@ -1267,4 +1301,4 @@ class Engine:
             for uid in self._bare:  # and the pods they control (Pod workloads too)
                 affected[uid] = None
                 affected.update(dict.fromkeys(self._graph.descendants(uid)))
-        self._reattribute(list(affected), cs)
+        return list(affected)

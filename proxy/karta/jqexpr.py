@@ -77,6 +77,17 @@ class JqExpr:
     def __repr__(self) -> str:
         return f"JqExpr({self.source!r})"
 
+    def __eq__(self, other: object) -> bool:
+        """By the program's text: two compilations of one text are the same program, so
+        a description read again compares equal to the one in force (an unchanged
+        description file, re-read at every configuration reload, re-attributes nothing)."""
+        if not isinstance(other, JqExpr):
+            return NotImplemented
+        return self.source == other.source
+
+    def __hash__(self) -> int:
+        return hash(self.source)
+
     def all(self, obj: Any) -> list[Any]:
         """Every output, in order."""
         try:

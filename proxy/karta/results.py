@@ -98,3 +98,13 @@ class ChangeSet:
 
     def __bool__(self) -> bool:
         return bool(self.pods or self.workloads or self.kinds_changed)
+
+
+@dataclass(slots=True)
+class Reattribution:
+    """A change of descriptions, made (``Engine.change_descriptions``): what it changed
+    itself (the kinds to watch), and the objects it owes a new attribution, to be given
+    in runs (``Engine.reattribute``)."""
+
+    changes: ChangeSet
+    owed: list[str]

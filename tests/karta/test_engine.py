@@ -318,6 +318,55 @@ def test_adding_and_removing_a_description_reattributes_its_kind_only() -> None:
     assert P(e, "pod-w1").reason == "no_described_owner"
 
 
+def _ray_cluster_engine(e: Engine) -> None:
+    rc = raycluster("rc", ["cpu"])
+    e.upsert_many([rc, pod("head", rc, **{"ray.io/node-type": "head"}),
+                   *(pod(f"w{i}", rc, **{"ray.io/node-type": "worker", "ray.io/group": "cpu"})
+                     for i in range(5))])
+
+
+def test_a_description_read_again_unchanged_reattributes_nothing() -> None:
+    """Every configuration reload reads the description files again: equal descriptions
+    (their jq programs compiled anew) keep the plan in force, and nothing is redone."""
+    e = Engine()
+    _ray_cluster_engine(e)
+    assert set(e.add_descriptions([describe(RAY_KARTA)]).pods) >= {"pod-head", "pod-w0"}
+    again = describe(RAY_KARTA)
+    assert again == describe(RAY_KARTA) and hash(again) == hash(describe(RAY_KARTA))
+    change = e.change_descriptions([again])
+    assert change.owed == [] and not change.changes
+    assert not e.add_descriptions([describe(RAY_KARTA)])
+    # a changed one is a change
+    other = descriptions.raycluster_karta(head_replicas=True)
+    assert e.change_descriptions([describe(other)]).owed
+
+
+def test_a_description_change_reattributed_in_runs_ends_as_at_once() -> None:
+    """``change_descriptions`` owes the objects it changes; until ``reattribute`` gets to
+    one it keeps its attribution, and in runs the end is what ``add_descriptions`` gives."""
+    at_once, in_runs = Engine(clock=ManualClock(100.0)), Engine(clock=ManualClock(100.0))
+    for e in (at_once, in_runs):
+        _ray_cluster_engine(e)
+    whole = at_once.add_descriptions([describe(RAY_KARTA)], source="files")
+
+    change = in_runs.change_descriptions([describe(RAY_KARTA)], source="files")
+    assert change.changes.kinds_changed and not change.changes.pods
+    assert len(change.owed) == 7  # the six pods, and the RayCluster object
+    assert P(in_runs, "pod-w1").reason == "no_described_owner"  # not re-attributed yet
+    merged = ChangeSet()
+    merged.merge(change.changes)
+    for i in range(0, len(change.owed), 2):
+        merged.merge(in_runs.reattribute(change.owed[i:i + 2]))
+    assert merged.pods == whole.pods
+    assert {u: in_runs.pod(u) for u in whole.pods} == {u: at_once.pod(u) for u in whole.pods}
+    assert list(in_runs.workloads()) == list(at_once.workloads())
+
+    gone = in_runs.change_descriptions(None, source="files")
+    in_runs.delete(pod("w1"))  # gone before its run: skipped
+    rest = in_runs.reattribute(gone.owed)
+    assert P(rest, "pod-w0").reason == "no_described_owner" and "pod-w1" not in rest.pods
+
+
 def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     e = Engine()
     e.add_descriptions([describe(RAY_KARTA)])

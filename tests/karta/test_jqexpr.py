@@ -105,3 +105,9 @@ def test_numbers_one_per_output() -> None:
 
 def test_repr_names_the_source() -> None:
     assert repr(JqExpr(".a")) == "JqExpr('.a')"
+
+
+def test_two_compilations_of_one_text_are_equal() -> None:
+    """So a description read again compares equal to the one in force."""
+    a, b = JqExpr(".a | length"), JqExpr(".a | length")
+    assert a == b and hash(a) == hash(b) and a != JqExpr(".b") and a != ".a | length"
