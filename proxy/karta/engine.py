@@ -601,6 +601,9 @@ class Engine:
         #: what the engine noticed: ambiguous components, unlisted instances, jq errors
         self.stats: Counter[str] = Counter()
         self._dirty: set[str] = set()
+        #: where a description object's re-attribution goes during ``upsert_many(...,
+        #: owed=)``; None: done at once
+        self._owing: list[str] | None = None
         self._required: dict[GroupKind, str] = {POD: "full"}
         self._kinds_touched = True
         if builtins:
@@ -621,19 +624,30 @@ class Engine:
         """Forget one object (``apiVersion``, ``kind``, ``metadata.uid`` are enough)."""
         return self.delete_many((obj,))
 
-    def upsert_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
-        """Many upserts, one change set; workload facts are computed once at the end."""
-        return self._apply_each(objs, self._upsert)
+    def upsert_many(self, objs: Iterable[Mapping[str, Any]], *,
+                    owed: list[str] | None = None) -> ChangeSet:
+        """Many upserts, one change set; workload facts are computed once at the end.
 
-    def delete_many(self, objs: Iterable[Mapping[str, Any]]) -> ChangeSet:
-        """Many deletions, one change set."""
-        return self._apply_each(objs, self._delete)
+        ``owed``: a description object among them re-attributes nothing itself; the
+        objects its change touches are added to ``owed``, for the caller to give in runs
+        (:meth:`reattribute`), as :meth:`change_descriptions` does for files."""
+        return self._apply_each(objs, self._upsert, owed)
+
+    def delete_many(self, objs: Iterable[Mapping[str, Any]], *,
+                    owed: list[str] | None = None) -> ChangeSet:
+        """Many deletions, one change set (``owed``: as for :meth:`upsert_many`)."""
+        return self._apply_each(objs, self._delete, owed)
 
     def _apply_each(self, objs: Iterable[Mapping[str, Any]],
-                    step: Callable[[Mapping[str, Any], ChangeSet], None]) -> ChangeSet:
+                    step: Callable[[Mapping[str, Any], ChangeSet], None],
+                    owed: list[str] | None) -> ChangeSet:
         cs = ChangeSet()
-        for obj in objs:
-            step(obj, cs)
+        self._owing = owed
+        try:
+            for obj in objs:
+                step(obj, cs)
+        finally:
+            self._owing = None
         self._settle(cs)
         return cs
 
@@ -1247,7 +1261,7 @@ class Engine:
             self._sources[source] = [desc]
             self._api_errors.pop(source, None)
             self._errored_by_source.pop(source, None)
-        self._reattribute(self._reselect(), cs)
+        self._reselect_api(cs)
 
     def _delete_description(self, md: Mapping[str, Any], cs: ChangeSet) -> None:
         source = f"api:{md.get('name') or md.get('uid') or ''}"
@@ -1255,7 +1269,16 @@ class Engine:
         self._sources.pop(source, None)
         self._api_errors.pop(source, None)
         self._errored_by_source.pop(source, None)
-        self._reattribute(self._reselect(), cs)
+        self._reselect_api(cs)
+
+    def _reselect_api(self, cs: ChangeSet) -> None:
+        """After a description object changed: re-attribute what that touches, or owe it
+        to the caller's list (``upsert_many(..., owed=)``)."""
+        touched = self._reselect()
+        if self._owing is not None:
+            self._owing.extend(touched)
+        else:
+            self._reattribute(touched, cs)
 
     def _reselect(self) -> list[str]:
         """Pick the description in force per kind; the objects a change touches (to

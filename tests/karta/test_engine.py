@@ -367,6 +367,27 @@ def test_a_description_change_reattributed_in_runs_ends_as_at_once() -> None:
     assert P(rest, "pod-w0").reason == "no_described_owner" and "pod-w1" not in rest.pods
 
 
+def test_a_description_object_upserted_with_owed_leaves_its_reattribution_to_the_caller(
+        ) -> None:
+    """``upsert_many(..., owed=)``: the objects a description object's change touches go
+    to the list; given with ``reattribute``, the end is what the upsert alone gives."""
+    karta_obj = {**RAY_KARTA, "metadata": {**RAY_KARTA["metadata"], "uid": "karta-1"}}
+    at_once, owing = Engine(clock=ManualClock(100.0)), Engine(clock=ManualClock(100.0))
+    for e in (at_once, owing):
+        _ray_cluster_engine(e)
+    whole = at_once.upsert(karta_obj)
+    owed: list[str] = []
+    cs = owing.upsert_many([karta_obj], owed=owed)
+    assert len(owed) == 7 and not cs.pods and cs.kinds_changed
+    assert P(owing, "pod-w1").reason == "no_described_owner"
+    cs.merge(owing.reattribute(owed))
+    assert cs.pods == whole.pods
+    assert list(owing.workloads()) == list(at_once.workloads())
+    owed.clear()
+    assert not owing.delete_many([karta_obj], owed=owed).pods and len(owed) == 7
+    assert not owing.upsert_many([pod("w9")], owed=owed).kinds_changed  # no description
+
+
 def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     e = Engine()
     e.add_descriptions([describe(RAY_KARTA)])

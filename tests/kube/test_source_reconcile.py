@@ -8,7 +8,7 @@ protocol itself is tested against the simulator in test_source.py.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
+from proxy.karta.results import ChangeSet
 from proxy.kube.source import KubeSource
 from tests.clock import ManualClock
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
@@ -198,6 +199,37 @@ async def test_description_added_after_its_workloads_then_deleted(
     assert modes(source)["RayJob"] == "metadata"
     assert labels(source, "ml", "train-head") is None
     assert source.index.ready
+
+
+async def test_a_description_change_after_the_sync_is_given_in_slices_by_the_follower(
+        cluster: FakeCluster, synced: Synced) -> None:
+    """A description object's change re-attributes nothing in its watch event's slice
+    (one slice for every pod of the kind held the loop for seconds at scale): what it
+    owes is given by the follower's next round, in slices. During the sync it is given
+    at once, before the index is ready."""
+    karta = cluster.create(RAYCLUSTER_KARTA)
+    for i in range(700):
+        ray_cluster(cluster, f"rc{i}")
+    source = await synced()
+    assert (labels(source, "ml", "rc5-gpu-1") or {}).get("karta_workload") == "rc5"
+    runs: list[int] = []
+    real = source.engine.reattribute
+
+    def counting(uids: Iterable[str]) -> ChangeSet:
+        uids = list(uids)
+        runs.append(len(uids))
+        return real(uids)
+
+    source.engine.reattribute = counting  # type: ignore[method-assign]
+    cluster.delete(karta)
+    # owed, not given yet: the pods keep their attribution, and the follower is woken
+    assert (labels(source, "ml", "rc5-gpu-1") or {}).get("karta_workload") == "rc5"
+    assert source.kinds_pending and not runs
+    assert await source.refresh_kinds() == 0
+    assert labels(source, "ml", "rc5-gpu-1") is None
+    assert labels(source, "ml", "rc699-head") is None
+    # 2,100 pods and 700 RayClusters; slices start at 64 and at most double
+    assert sum(runs) == 2800 and len(runs) >= 5, runs
 
 
 async def test_mode_switch_relist_retracts_what_vanished_meanwhile(
