@@ -323,8 +323,8 @@ class KubeSource:
 
     @property
     def kinds_pending(self) -> bool:
-        """A change set or a refused watch asked for the watched kinds to be reconciled,
-        and no ``refresh_kinds`` round has run since."""
+        """A change set, a refused watch or a description change's re-attribution owed
+        asked for the follower's round, and no ``refresh_kinds`` round has run since."""
         return self._kinds_changed.is_set()
 
     async def refresh_kinds(self) -> int:
@@ -356,7 +356,17 @@ class KubeSource:
                 await asyncio.sleep(0)
 
     def _give(self, owed: list[str], i: int, j: int) -> None:
-        cs = self.engine.reattribute(owed[i:j])
+        try:
+            cs = self.engine.reattribute(owed[i:j])
+        except Exception:  # find the culprit one by one, as _feed does
+            log.exception("engine failed re-attributing a slice; retrying object by object")
+            cs = ChangeSet()
+            for uid in owed[i:j]:
+                try:
+                    cs.merge(self.engine.reattribute((uid,)))
+                except Exception:
+                    self.object_errors += 1
+                    log.exception("engine failed re-attributing %s", uid)
         self.index.apply(cs)
         if cs.kinds_changed:
             self._kinds_changed.set()

@@ -232,6 +232,30 @@ async def test_a_description_change_after_the_sync_is_given_in_slices_by_the_fol
     assert sum(runs) == 2800 and len(runs) >= 5, runs
 
 
+async def test_an_engine_failure_in_a_slice_owed_loses_only_its_culprit(
+        cluster: FakeCluster, synced: Synced) -> None:
+    karta = cluster.create(RAYCLUSTER_KARTA)
+    ray_cluster(cluster, "a")
+    ray_cluster(cluster, "b")
+    source = await synced()
+    real = source.engine.reattribute
+    bad = cluster.objects(GroupKind("", "Pod"))[0]["metadata"]["uid"]
+
+    def failing(uids: Iterable[str]) -> ChangeSet:
+        uids = list(uids)
+        if bad in uids:
+            raise RuntimeError("engine bug")
+        return real(uids)
+
+    source.engine.reattribute = failing  # type: ignore[method-assign]
+    cluster.delete(karta)
+    assert await source.refresh_kinds() == 0
+    assert source.object_errors == 1
+    named = {p["metadata"]["name"] for p in cluster.objects(GroupKind("", "Pod"))
+             if p["metadata"]["uid"] != bad}
+    assert len(named) == 5 and all(labels(source, "ml", n) is None for n in named)
+
+
 async def test_mode_switch_relist_retracts_what_vanished_meanwhile(
         cluster: FakeCluster, synced: Synced) -> None:
     kept = ray_cluster(cluster, "kept")
