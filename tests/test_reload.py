@@ -11,7 +11,7 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from proxy.config import Settings, load_settings, validate
-from proxy.karta.results import ChangeSet
 from proxy.reload import changed_keys, merge
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
+from tests.karta.runs import record_runs
 from tests.scripted import ScriptedUpstream
 from tests.test_handler import CART, SNAPSHOT
 
@@ -327,15 +327,7 @@ async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one
         "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
     p = Proxy(_loader(config)(), loader=_loader(config))
     await p.start()
-    reattributed: list[int] = []
-    real = p.engine.reattribute
-
-    def counting(uids: Iterable[str]) -> ChangeSet:
-        uids = list(uids)
-        reattributed.append(len(uids))
-        return real(uids)
-
-    p.engine.reattribute = counting  # type: ignore[method-assign]
+    reattributed = record_runs(p.engine)
     gaps: list[float] = []
     stop = False
 

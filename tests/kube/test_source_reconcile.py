@@ -22,6 +22,7 @@ from proxy.karta.results import ChangeSet
 from proxy.kube.source import KubeSource
 from tests.clock import ManualClock
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
+from tests.karta.runs import record_runs
 from tests.kube.conftest import labels, metric, owner, pod
 from tests.kube.fake_watcher import (
     BUILTIN,
@@ -212,15 +213,7 @@ async def test_a_description_change_after_the_sync_is_given_in_slices_by_the_fol
         ray_cluster(cluster, f"rc{i}")
     source = await synced()
     assert (labels(source, "ml", "rc5-gpu-1") or {}).get("karta_workload") == "rc5"
-    runs: list[int] = []
-    real = source.engine.reattribute
-
-    def counting(uids: Iterable[str]) -> ChangeSet:
-        uids = list(uids)
-        runs.append(len(uids))
-        return real(uids)
-
-    source.engine.reattribute = counting  # type: ignore[method-assign]
+    runs = record_runs(source.engine)  # type: ignore[arg-type]
     cluster.delete(karta)
     # owed, not given yet: the pods keep their attribution, and the follower is woken
     assert (labels(source, "ml", "rc5-gpu-1") or {}).get("karta_workload") == "rc5"
