@@ -39,7 +39,7 @@ from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
 from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
-from proxy.yielding import Pacer, Slices, in_runs
+from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices, in_runs
 
 log = logging.getLogger("karta.runtime")
 
@@ -338,13 +338,11 @@ class Proxy:
         re-attributed in runs that give way to the requests being relayed, each applied
         to the index at once (in one go, three described kinds held the loop 2.5-3.4 s
         at 37.5k pods). Descriptions read again unchanged change nothing."""
-        from proxy.snapshot import APPLY_SLICE_SECONDS, RELOAD_DEFER_SECONDS
-
         change = self.engine.change_descriptions(descs, source=source)
         self.index.apply(change.changes)
         owed = change.owed
         await in_runs(len(owed), lambda i, j: self.index.apply(self.engine.reattribute(owed[i:j])),
-                      Slices(APPLY_SLICE_SECONDS, first=16),
+                      Slices(LOOP_RUN_SECONDS, first=16),
                       Pacer(self.handler.relaying, RELOAD_DEFER_SECONDS))
 
     async def _reload(self) -> ReloadOutcome:

@@ -60,7 +60,14 @@ from proxy.karta.yamltext import (
     yaml_error,
 )
 from proxy.tasks import cancel_and_wait
-from proxy.yielding import Busy, Pacer, Slices, ThreadPacer
+from proxy.yielding import (
+    LOOP_RUN_SECONDS,
+    RELOAD_DEFER_SECONDS,
+    Busy,
+    Pacer,
+    Slices,
+    ThreadPacer,
+)
 
 log = logging.getLogger("karta.snapshot")
 
@@ -217,9 +224,6 @@ class FileContent:
 
 #: objects freed per step of :meth:`SnapshotContent.release`
 RELEASE_SLICE = 2000
-#: how long a reload's pauses may wait in all for requests being relayed: a reload under
-#: constant load ends at most this much later than on an idle proxy
-RELOAD_DEFER_SECONDS = 10.0
 
 #: called once per object by work that runs in a worker thread during a reload: a
 #: :class:`~proxy.yielding.ThreadPacer`, or nothing
@@ -376,25 +380,18 @@ def read_file(
             return SkippedFile(source, f"too large ({size} bytes > {max_bytes})")
         if json_file:  # read through a window, never whole (_JsonStream)
             with p.open(encoding="utf-8") as f:
-                for where, item in _json_items(f, pace):
-                    _classify(fc, where, item, packed, applied)
-                    pace()
+                _classify_all(fc, _json_items(f, pace), packed, applied, pace)
         else:  # built from the parser's events, read a block at a time, a list's items
             # handed out as they are built (yamltext.read_documents); documents without
             # cycles: no collection walks them
             with p.open(encoding="utf-8") as f, memory.collections_paused():
                 try:
-                    for where, item in _yaml_items(f, pace):
-                        _classify(fc, where, item, packed, applied)
-                        del item
-                        pace()
-                except Reread:
-                    fc = FileContent(source)
+                    _classify_all(fc, _yaml_items(f, pace), packed, applied, pace)
+                except Reread:  # what was read is dropped; the file read again whole
                     f.seek(0)
-                    for where, item in _flatten(load_documents(f, pace), release=True):
-                        _classify(fc, where, item, packed, applied)
-                        del item
-                        pace()
+                    fc = _classify_all(FileContent(source),
+                                       _flatten(load_documents(f, pace), release=True),
+                                       packed, applied, pace)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         if json_file:
             return SkippedFile(source, _unreadable(p, e))
@@ -409,6 +406,16 @@ def read_file(
         return SkippedFile(source, "nested too deeply")
     if not fc.objects and not fc.descriptions and not fc.description_errors and fc.invalid:
         return SkippedFile(source, f"no Kubernetes objects ({fc.invalid[0]})")
+    return fc
+
+
+def _classify_all(fc: FileContent, items: Iterator[tuple[str, Any]], packed: bool,
+                  applied: Mapping[str, Held] | None, pace: Pace) -> FileContent:
+    """Every (where, item) of a file into ``fc``, pacing after each."""
+    for where, item in items:
+        _classify(fc, where, item, packed, applied)
+        del item  # not held through the pause: an item is freed once classified
+        pace()
     return fc
 
 
@@ -827,13 +834,6 @@ def plan_content(content: SnapshotContent, previous: SnapshotContent | None = No
                        _feed_order(fresh))
 
 
-#: the engine's share of a reload runs on the event loop in runs of about this long, each
-#: followed by a pause for the requests being relayed: in one go it was 15-27 ms at 37.5k
-#: pods with 1% of them changed (the changed objects, ~20 us each, and counting every pod
-#: for the report), a stall for any request relayed meanwhile
-APPLY_SLICE_SECONDS = 0.002
-
-
 def apply_plan(plan: ContentPlan, engine: Engine) -> SnapshotReport:
     """Hand a plan's changes to the engine; the report with the engine's answer."""
     for _ in apply_steps(plan, engine):
@@ -844,7 +844,7 @@ def apply_plan(plan: ContentPlan, engine: Engine) -> SnapshotReport:
 def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
                 ) -> Iterator[None]:
     """:func:`apply_plan`, yielding where the event loop may run (runs of about
-    ``APPLY_SLICE_SECONDS``). With ``index``, each run's changes are applied to it at
+    ``LOOP_RUN_SECONDS``). With ``index``, each run's changes are applied to it at
     once, as a watch's are: another writer of the engine between two runs (a
     configuration reload's descriptions) applies its changes at once too, and this
     reload's older ones must not land after them. ``plan.report.changes`` gets them all
@@ -852,7 +852,7 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
     started = time.monotonic()
     report = plan.report
     changes = report.changes = ChangeSet()
-    slices = Slices(APPLY_SLICE_SECONDS, first=16)
+    slices = Slices(LOOP_RUN_SECONDS, first=16)
 
     def done(cs: ChangeSet) -> None:
         changes.merge(cs)

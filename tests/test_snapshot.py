@@ -454,7 +454,7 @@ async def test_a_reload_applies_its_changes_in_runs_that_let_the_loop_turn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine's share of a reload is on the event loop (15-27 ms in one go at 37.5k
-    pods, 1% changed): in runs of ``APPLY_SLICE_SECONDS``, with the loop let in between.
+    pods, 1% changed): in runs of ``LOOP_RUN_SECONDS``, with the loop let in between.
     Each object is made to cost 1 ms here, 100 ms in all."""
     import time
 

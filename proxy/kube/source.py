@@ -16,8 +16,8 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -45,6 +45,8 @@ from proxy.yielding import Slices
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 POD = GroupKind("", "Pod")
 KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
@@ -56,10 +58,6 @@ SYNC_FREEZE_EVERY = 2000
 
 class EngineLike(Protocol):
     """What the source needs of ``proxy.karta.engine.Engine``."""
-
-    def upsert(self, obj: Mapping[str, Any]) -> ChangeSet: ...
-
-    def delete(self, obj: Mapping[str, Any]) -> ChangeSet: ...
 
     def upsert_many(self, objs: Iterable[Mapping[str, Any]], *,
                     owed: list[str] | None = None) -> ChangeSet: ...
@@ -356,20 +354,28 @@ class KubeSource:
                 await asyncio.sleep(0)
 
     def _give(self, owed: list[str], i: int, j: int) -> None:
-        try:
-            cs = self.engine.reattribute(owed[i:j])
-        except Exception:  # find the culprit one by one, as _feed does
-            log.exception("engine failed re-attributing a slice; retrying object by object")
-            cs = ChangeSet()
-            for uid in owed[i:j]:
-                try:
-                    cs.merge(self.engine.reattribute((uid,)))
-                except Exception:
-                    self.object_errors += 1
-                    log.exception("engine failed re-attributing %s", uid)
+        cs = self._alone_if_failing(owed[i:j], self.engine.reattribute, str)
         self.index.apply(cs)
         if cs.kinds_changed:
             self._kinds_changed.set()
+
+    def _alone_if_failing(self, items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet],
+                          name: Callable[[T], str]) -> ChangeSet:
+        """``call(items)``; if the engine fails on them, ``call`` on each alone, so that an
+        object it fails on (a bug) costs that object only: counted (``object_errors``) and
+        logged by ``name``."""
+        try:
+            return call(items)
+        except Exception:
+            log.exception("engine failed on a batch; retrying object by object")
+        cs = ChangeSet()
+        for item in items:
+            try:
+                cs.merge(call([item]))
+            except Exception:
+                self.object_errors += 1
+                log.exception("engine failed on %s", name(item))
+        return cs
 
     # -- WatchSink -------------------------------------------------------------------------
 
@@ -412,20 +418,8 @@ class KubeSource:
         # once synced, a description object's re-attribution is owed to the follower
         # (reattribute_owed); during the sync it is done at once, before index.ready
         owed = self._owed if self.index.ready else None
-        try:
-            changes.merge(many(objs, owed=owed))
-            return
-        except Exception:  # find the culprit one by one below
-            log.exception("engine failed on a batch; retrying object by object")
-        one = self.engine.delete if deletes else self.engine.upsert
-        for obj in objs:
-            try:
-                changes.merge(one(obj))
-            except Exception:
-                self.object_errors += 1
-                md = obj.get("metadata") or {}
-                log.exception("engine failed on %s %s/%s", obj.get("kind"),
-                              md.get("namespace", ""), md.get("name"))
+        changes.merge(self._alone_if_failing(objs, lambda batch: many(batch, owed=owed),
+                                             _object_name))
 
     def current(self, watcher: Watcher) -> None:
         now = time.time()
@@ -449,3 +443,9 @@ class KubeSource:
         self._mark_unserved(gk, why)
         watcher.synced.set()  # do not hold readiness hostage
         self._kinds_changed.set()
+
+
+def _object_name(obj: Mapping[str, Any]) -> str:
+    """``Kind namespace/name``, for a log line."""
+    md = obj.get("metadata") or {}
+    return f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}"
