@@ -611,7 +611,7 @@ class Engine:
 
             self._sources["builtin"] = list(builtin_descriptions())
         cs = ChangeSet()
-        self._reattribute(self._reselect(), cs)
+        self._reattribute_below(self._reselect(), cs)
         self._settle(cs)
 
     # -- public: objects ----------------------------------------------------------------
@@ -679,7 +679,8 @@ class Engine:
         errors: Iterable[DescriptionError] = (),
     ) -> Reattribution:
         """Set the descriptions of one source (``None``: remove them), owing the objects
-        it changes a new attribution (:meth:`reattribute`).
+        of the kinds that changes, and what lies below them, a new attribution
+        (:meth:`reattribute`).
 
         For a caller on the event loop, which re-attributes in runs and lets the loop in
         between: in one go, three described kinds took 2.5-3.4 s at 37.5k pods, and
@@ -698,10 +699,11 @@ class Engine:
         return Reattribution(cs, owed)
 
     def reattribute(self, uids: Iterable[str]) -> ChangeSet:
-        """Attribute these objects (owed by :meth:`change_descriptions`) again under the
-        descriptions in force now; one gone meanwhile is skipped."""
+        """Attribute these objects (owed by :meth:`change_descriptions`), and what lies
+        below each of them at this call, again under the descriptions in force; one gone
+        meanwhile is skipped."""
         cs = ChangeSet()
-        self._reattribute(uids, cs)
+        self._reattribute_below(uids, cs)
         self._settle(cs)
         return cs
 
@@ -924,6 +926,22 @@ class Engine:
         self._reattribute(self._graph.descendants(uid), cs)
 
     # -- attribution --------------------------------------------------------------------
+
+    def _reattribute_below(self, roots: Iterable[str], cs: ChangeSet) -> None:
+        """Re-attribute ``roots`` and what lies below each *now*, each object once.
+
+        What lies below is found here, not when the descriptions changed: between the
+        change and a caller's later run, an object that joined a root was attributed
+        under the new descriptions as it joined, and one that left was re-attributed as
+        it left, so each object existing at the change gets the new descriptions either
+        way."""
+        todo: dict[str, None] = {}
+        below = self._graph.add_descendants
+        for uid in roots:
+            if uid not in todo:
+                todo[uid] = None
+                below(uid, todo)
+        self._reattribute(todo, cs)
 
     def _reattribute(self, uids: Iterable[str], cs: ChangeSet) -> None:
         for uid in uids:
@@ -1278,11 +1296,12 @@ class Engine:
         if self._owing is not None:
             self._owing.extend(touched)
         else:
-            self._reattribute(touched, cs)
+            self._reattribute_below(touched, cs)
 
     def _reselect(self) -> list[str]:
-        """Pick the description in force per kind; the objects a change touches (to
-        re-attribute: their pods, the objects whose owner chains pass through them)."""
+        """Pick the description in force per kind; the objects whose kind's description
+        changed, to re-attribute with everything below them (their pods, the objects
+        whose owner chains pass through them)."""
         from proxy.karta.description import select_descriptions
 
         ordered = list(self._sources.get("builtin", ()))
@@ -1312,16 +1331,17 @@ class Engine:
         if not changed:
             return []
         self._kinds_touched = True
-        affected: dict[str, None] = {}
-        for uid, rec in self._graph.objects.items():
-            if rec.gk in changed:
-                affected[uid] = None
-                affected.update(dict.fromkeys(self._graph.descendants(uid)))
-        for uid, gk in list(self._graph.referenced()):
-            if gk in changed and uid not in self._graph.objects:
-                affected.update(dict.fromkeys(self._graph.descendants(uid)))
+        # the objects of a changed kind, the absent owners of one, and bare pods when
+        # Pod's description changed: what lies below them is found as they are given
+        # (:meth:`_reattribute_below`), so the loop is not held for a walk of every
+        # object below (51k at 37.5k pods, 70-100 ms) when the change is made. A kind's
+        # name is a cheaper first test than hashing a GroupKind per object.
+        names = {gk.kind for gk in changed}
+        objects = self._graph.objects
+        roots = [uid for uid, rec in objects.items()
+                 if rec.gk.kind in names and rec.gk in changed]
+        roots += [uid for uid, gk in self._graph.absent_owners()
+                  if gk.kind in names and gk in changed]
         if POD in changed:
-            for uid in self._bare:  # and the pods they control (Pod workloads too)
-                affected[uid] = None
-                affected.update(dict.fromkeys(self._graph.descendants(uid)))
-        return list(affected)
+            roots += self._bare  # and the pods they control (Pod workloads too)
+        return roots

@@ -11,7 +11,7 @@ descriptions; the walk asks a callback whether a kind is described.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -178,10 +178,12 @@ class OwnerGraph:
             if n == 1 and delta > 0:
                 self.kinds_touched = True
 
-    def referenced(self) -> Iterator[tuple[str, GroupKind]]:
-        """(uid, kind) of every owner some child points at, present or not."""
-        for uid, dep in self._dependents.items():
-            yield uid, dep.ref.gk
+    def absent_owners(self) -> list[tuple[str, GroupKind]]:
+        """(uid, kind) of every owner some child points at that is not present itself
+        (not watched, or not seen yet)."""
+        objects = self.objects
+        return [(uid, dep.ref.gk) for uid, dep in self._dependents.items()
+                if uid not in objects]
 
     def dependents(self, uid: str) -> set[str]:
         dep = self._dependents.get(uid)
@@ -189,19 +191,29 @@ class OwnerGraph:
 
     def descendants(self, uid: str) -> list[str]:
         """Every pod and object below ``uid`` (cycles tolerated), nearest first."""
-        out: list[str] = []
-        seen = {uid}
+        below: dict[str, None] = {uid: None}
+        self.add_descendants(uid, below)
+        return list(below)[1:]
+
+    def add_descendants(self, uid: str, into: dict[str, None]) -> None:
+        """Add every pod and object below ``uid`` to ``into``, in the order
+        :meth:`descendants` gives them, skipping what is there already and what lies
+        below it.
+
+        For a caller gathering the objects below many (a run of what a description change
+        owes): when everything in ``into`` came with all its descendants, the walk stops
+        at what is there, so a subtree shared by two of them is walked once. ``uid``
+        itself is not added, only what lies below it."""
+        dependents = self._dependents
         stack = [uid]
         while stack:
-            dep = self._dependents.get(stack.pop())
+            dep = dependents.get(stack.pop())
             if dep is None:
                 continue
             for child in dep.uids:
-                if child not in seen:
-                    seen.add(child)
-                    out.append(child)
+                if child not in into:
+                    into[child] = None
                     stack.append(child)
-        return out
 
     # -- objects --------------------------------------------------------------------------
 

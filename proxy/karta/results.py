@@ -103,8 +103,8 @@ class ChangeSet:
 @dataclass(slots=True)
 class Reattribution:
     """A change of descriptions, made (``Engine.change_descriptions``): what it changed
-    itself (the kinds to watch), and the objects it owes a new attribution, to be given
-    in runs (``Engine.reattribute``)."""
+    itself (the kinds to watch), and the objects it owes a new attribution, each with
+    what lies below it, to be given in runs (``Engine.reattribute``)."""
 
     changes: ChangeSet
     owed: list[str]

@@ -318,11 +318,21 @@ def test_adding_and_removing_a_description_reattributes_its_kind_only() -> None:
     assert P(e, "pod-w1").reason == "no_described_owner"
 
 
-def _ray_cluster_engine(e: Engine) -> None:
-    rc = raycluster("rc", ["cpu"])
-    e.upsert_many([rc, pod("head", rc, **{"ray.io/node-type": "head"}),
-                   *(pod(f"w{i}", rc, **{"ray.io/node-type": "worker", "ray.io/group": "cpu"})
-                     for i in range(5))])
+def _ray_cluster_engine(e: Engine, *clusters: str) -> list[str]:
+    """RayClusters (``rc`` when none is named), each with a head and five workers; the
+    uids of their pods (``pod-head``, ``pod-w0``...; ``pod-rc2-w0``... for the others)."""
+    uids = []
+    for name in clusters or ("rc",):
+        rc, prefix = raycluster(name, ["cpu"]), "" if name == "rc" else f"{name}-"
+        pods = [pod(f"{prefix}head", rc, **{"ray.io/node-type": "head"}),
+                *(_ray_worker(f"{prefix}w{i}", rc) for i in range(5))]
+        e.upsert_many([rc, *pods])
+        uids += [p["metadata"]["uid"] for p in pods]
+    return uids
+
+
+def _ray_worker(name: str, rc: dict[str, Any]) -> dict[str, Any]:
+    return pod(name, rc, **{"ray.io/node-type": "worker", "ray.io/group": "cpu"})
 
 
 def test_a_description_read_again_unchanged_reattributes_nothing() -> None:
@@ -342,29 +352,60 @@ def test_a_description_read_again_unchanged_reattributes_nothing() -> None:
 
 
 def test_a_description_change_reattributed_in_runs_ends_as_at_once() -> None:
-    """``change_descriptions`` owes the objects it changes; until ``reattribute`` gets to
-    one it keeps its attribution, and in runs the end is what ``add_descriptions`` gives."""
+    """``change_descriptions`` owes the objects of the kinds it changes; until
+    ``reattribute`` gets to one, it and what lies below it keep their attribution, and in
+    runs the end is what ``add_descriptions`` gives."""
     at_once, in_runs = Engine(clock=ManualClock(100.0)), Engine(clock=ManualClock(100.0))
     for e in (at_once, in_runs):
-        _ray_cluster_engine(e)
+        uids = _ray_cluster_engine(e, "rc", "rc2", "rc3")
     whole = at_once.add_descriptions([describe(RAY_KARTA)], source="files")
 
     change = in_runs.change_descriptions([describe(RAY_KARTA)], source="files")
     assert change.changes.kinds_changed and not change.changes.pods
-    assert len(change.owed) == 7  # the six pods, and the RayCluster object
+    # the RayCluster objects: what lies below each is found as it is given
+    assert change.owed == ["raycluster-rc", "raycluster-rc2", "raycluster-rc3"]
     assert P(in_runs, "pod-w1").reason == "no_described_owner"  # not re-attributed yet
     merged = ChangeSet()
     merged.merge(change.changes)
-    for i in range(0, len(change.owed), 2):
-        merged.merge(in_runs.reattribute(change.owed[i:i + 2]))
+    for uid in change.owed:
+        run = in_runs.reattribute([uid])
+        assert len(run.pods) == 6  # its pods, each once
+        merged.merge(run)
     assert merged.pods == whole.pods
-    assert {u: in_runs.pod(u) for u in whole.pods} == {u: at_once.pod(u) for u in whole.pods}
+    assert {u: in_runs.pod(u) for u in uids} == {u: at_once.pod(u) for u in uids}
     assert list(in_runs.workloads()) == list(at_once.workloads())
 
     gone = in_runs.change_descriptions(None, source="files")
     in_runs.delete(pod("w1"))  # gone before its run: skipped
     rest = in_runs.reattribute(gone.owed)
     assert P(rest, "pod-w0").reason == "no_described_owner" and "pod-w1" not in rest.pods
+
+
+def test_pods_that_join_leave_or_move_between_the_runs_end_as_at_once() -> None:
+    """What lies below an owed object is found when its run comes: a pod that joined it
+    meanwhile, left it, or moved to an object already given ends as if the change had been
+    made at once, before those events."""
+    at_once, in_runs = Engine(clock=ManualClock(100.0)), Engine(clock=ManualClock(100.0))
+    for e in (at_once, in_runs):
+        uids = _ray_cluster_engine(e, "rc", "rc2", "rc3")
+    at_once.add_descriptions([describe(RAY_KARTA)], source="files")
+    change = in_runs.change_descriptions([describe(RAY_KARTA)], source="files")
+    first, *later = change.owed
+    assert first == "raycluster-rc"
+    in_runs.reattribute([first])
+    rc, rc2 = raycluster("rc", ["cpu"]), raycluster("rc2", ["cpu"])
+    for e in (at_once, in_runs):
+        e.upsert(_ray_worker("rc2-w9", rc2))  # joins an object not given yet
+        e.delete(pod("rc2-w1"))  # leaves it
+        e.upsert(_ray_worker("rc3-w0", rc))  # moves to the object given already
+    assert P(in_runs, "pod-rc2-w0").reason == "no_described_owner"  # still owed
+    in_runs.reattribute(later)
+    present = [u for u in [*uids, "pod-rc2-w9"] if u != "pod-rc2-w1"]
+    assert {u: in_runs.pod(u) for u in present} == {u: at_once.pod(u) for u in present}
+    moved = P(in_runs, "pod-rc3-w0").workload
+    assert moved is not None and moved.name == "rc"
+    assert in_runs.pod("pod-rc2-w1") is None
+    assert list(in_runs.workloads()) == list(at_once.workloads())
 
 
 def test_a_description_object_upserted_with_owed_leaves_its_reattribution_to_the_caller(
@@ -378,13 +419,13 @@ def test_a_description_object_upserted_with_owed_leaves_its_reattribution_to_the
     whole = at_once.upsert(karta_obj)
     owed: list[str] = []
     cs = owing.upsert_many([karta_obj], owed=owed)
-    assert len(owed) == 7 and not cs.pods and cs.kinds_changed
+    assert owed == ["raycluster-rc"] and not cs.pods and cs.kinds_changed
     assert P(owing, "pod-w1").reason == "no_described_owner"
     cs.merge(owing.reattribute(owed))
     assert cs.pods == whole.pods
     assert list(owing.workloads()) == list(at_once.workloads())
     owed.clear()
-    assert not owing.delete_many([karta_obj], owed=owed).pods and len(owed) == 7
+    assert not owing.delete_many([karta_obj], owed=owed).pods and owed == ["raycluster-rc"]
     assert not owing.upsert_many([pod("w9")], owed=owed).kinds_changed  # no description
 
 

@@ -100,7 +100,10 @@ def test_edges_to_an_absent_owner_are_kept_and_counted_by_kind() -> None:
     assert g.link("pod-2", ref("rs-1")) is shared  # one OwnerRef per owner
     assert g.dependents("rs-1") == {"pod-1", "pod-2"}
     assert g.owner_kinds == {RS: 1} and g.kinds_touched
-    assert list(g.referenced()) == [("rs-1", RS)]
+    assert g.absent_owners() == [("rs-1", RS)]
+    g.put(record("rs-1", RS))
+    assert g.absent_owners() == []  # present now
+    g.remove("rs-1")
     g.kinds_touched = False
     g.unlink("pod-1", shared)
     assert g.owner_kinds == {RS: 1} and not g.kinds_touched
