@@ -123,10 +123,12 @@ class KubeSource:
         #: counts object errors (engine refused an object); never fatal
         self.object_errors = 0
         self._since_freeze = 0
-        #: objects a description object's change owes a new attribution, given in runs
-        #: by the follower (:meth:`reattribute_owed`)
+        #: objects a description object's change owes a new attribution, each with what
+        #: lies below it, given in runs by the follower (:meth:`reattribute_owed`); the
+        #: first run is small, as each owed object may bring several (a Deployment: its
+        #: ReplicaSets and their pods)
         self._owed: list[str] = []
-        self._owed_slices = Slices(SLICE_BUDGET, most=MAX_SLICE)
+        self._owed_slices = Slices(SLICE_BUDGET, first=16, most=MAX_SLICE)
 
     # -- lifecycle -------------------------------------------------------------------------
 
