@@ -1334,14 +1334,9 @@ class Engine:
         # the objects of a changed kind, the absent owners of one, and bare pods when
         # Pod's description changed: what lies below them is found as they are given
         # (:meth:`_reattribute_below`), so the loop is not held for a walk of every
-        # object below (51k at 37.5k pods, 70-100 ms) when the change is made. A kind's
-        # name is a cheaper first test than hashing a GroupKind per object.
-        names = {gk.kind for gk in changed}
-        objects = self._graph.objects
-        roots = [uid for uid, rec in objects.items()
-                 if rec.gk.kind in names and rec.gk in changed]
-        roots += [uid for uid, gk in self._graph.absent_owners()
-                  if gk.kind in names and gk in changed]
+        # object below (51k at 37.5k pods, 70-100 ms) when the change is made
+        roots = [uid for uid, rec in self._graph.objects.items() if rec.gk in changed]
+        roots += [uid for uid, gk in self._graph.absent_owners() if gk in changed]
         if POD in changed:
             roots += self._bare  # and the pods they control (Pod workloads too)
         return roots
