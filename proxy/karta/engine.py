@@ -629,8 +629,9 @@ class Engine:
         """Many upserts, one change set; workload facts are computed once at the end.
 
         ``owed``: a description object among them re-attributes nothing itself; the
-        objects its change touches are added to ``owed``, for the caller to give in runs
-        (:meth:`reattribute`), as :meth:`change_descriptions` does for files."""
+        objects of the kinds its change touches are added to ``owed``, for the caller to
+        give, each with what lies below it, in runs (:meth:`reattribute`), as
+        :meth:`change_descriptions` does for files."""
         return self._apply_each(objs, self._upsert, owed)
 
     def delete_many(self, objs: Iterable[Mapping[str, Any]], *,
@@ -898,7 +899,7 @@ class Engine:
             or old.name != rec.name
             or old.namespace != rec.namespace
         ):
-            self._reattribute([uid, *self._graph.descendants(uid)], cs)
+            self._reattribute_below([uid], cs)
             return
         # same place in the graph: only what is derived from the object itself can change
         wl = self._wl.get(uid)
