@@ -463,7 +463,7 @@ def _decode(data: Any) -> Settings:
 
 #: settings of earlier versions that are now ignored (with a warning), and why
 _REMOVED = {
-    "enrich.cache_size": "the splice keeps no per-series state since 0.2 (docs/wire.md)",
+    "enrich.cache_size": "the splice keeps no per-series state since 0.2.0 (docs/wire.md)",
 }
 
 
