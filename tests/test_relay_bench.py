@@ -3,12 +3,16 @@ assertions (figures come from the benchmark itself, see docs/performance.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -280,3 +284,78 @@ def test_scaling_bound_counts_the_load_on_a_two_core_machine() -> None:
     assert relay_bench._scaling_bound(1.5, 1.6, 0.33, 8) == pytest.approx(1.875)
     assert math.isnan(relay_bench._scaling_bound(math.nan, 1.5, 0.3, 2))
     assert math.isnan(relay_bench._scaling_bound(0.0, 1.5, 0.3, 2))  # no tick measured
+
+
+class _Recorder(ThreadingHTTPServer):
+    """A sink on 127.0.0.1 that answers 204 and notes when each body arrived, and which."""
+
+    def __init__(self, arrivals: list[tuple[float, int, bytes]], mark: int) -> None:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                arrivals.append((time.monotonic(), server.mark, body))
+                self.send_response(204)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.mark = mark
+
+
+def test_paced_turns_give_each_relay_the_rate_the_relays_evenly_apart() -> None:
+    from relay.load import turn
+
+    turns = [turn(c, 3, 20.0) for c in range(9)]
+    assert [(k, j) for _, k, j in turns] == [(k, j) for k in range(3) for j in range(3)]
+    due = [after for after, _, _ in turns]
+    assert due == sorted(due)
+    for j in range(3):  # each relay: 20 requests a second
+        assert [b - a for a, b in itertools.pairwise(due[j::3])] == pytest.approx([0.05] * 2)
+    assert [b - a for a, b in itertools.pairwise(due)] == pytest.approx([0.05 / 3] * 8)
+    assert turn(5, 1, 20.0) == (0.25, 5, 0)  # one relay: the plain paced schedule
+
+
+def test_paced_together_gives_every_relay_each_request_in_turns() -> None:
+    from relay import load
+
+    bodies = {"v1": [b"body-%d" % i for i in range(6)]}
+    arrivals: list[tuple[float, int, bytes]] = []
+    sinks = [_Recorder(arrivals, mark) for mark in range(3)]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in sinks]
+    for t in threads:
+        t.start()
+    pool = load.SenderPool(bodies, size=2)
+    try:
+        items = [1, 3, 5, 0]
+        # 4/s: turns 83 ms apart, each answered long before the next is due
+        results = pool.run_together([(s.server_address[1], "v1") for s in sinks], items, 4)
+    finally:
+        pool.close()
+        for s in sinks:
+            s.shutdown()
+            s.server_close()
+    assert [r.errors for r in results] == [0, 0, 0]
+    for result in results:  # each relay got every item once, timed from its due time
+        assert sorted(item for item, _ in result.latencies) == sorted(items)
+        assert all(0 <= lat < 5 for _, lat in result.latencies)
+    arrivals.sort()
+    assert [(mark, body) for _, mark, body in arrivals] == [
+        (mark, b"body-%d" % item) for item in items for mark in range(3)]
+
+
+def test_saturating_sends_go_to_one_relay() -> None:
+    from relay import load
+
+    pool = load.SenderPool({"v1": [b"x"]}, size=1)
+    try:
+        with pytest.raises(ValueError, match="one relay"):
+            pool._run([(1, "v1"), (2, "v1")], [0], None)
+    finally:
+        pool.close()

@@ -9,7 +9,10 @@ The processes are forked once the bodies are built, so they share them with the 
   there are processes, the relay is never waiting on the sender;
 - ``paced``: an open-loop schedule, request ``k`` due at ``t0 + k / rate``, the processes
   taking turns; latency is counted from the due time, so a slow answer that delays the
-  next send is charged to the relay, not hidden (no coordinated omission).
+  next send is charged to the relay, not hidden (no coordinated omission). Several relays
+  can be paced together (``run_together``): each still gets ``rate`` requests a second,
+  relay ``j`` of ``n`` shifted by ``j / (n * rate)``, so their requests take turns and
+  every relay's latencies are taken through the same stretch of the machine's noise.
 
 Sending a pre-built body costs the sender little more than the kernel's loopback copy: a
 raw socket, the head prebuilt, head and body in one ``sendmsg``, the answer's status read
@@ -152,6 +155,17 @@ class _Tally:
             self.errors += 1
             self.last = why
 
+    def outcome(self) -> tuple[int, str, list[tuple[int, float]]]:
+        return self.errors, self.last, self.lat
+
+
+def turn(c: int, relays: int, rate: float) -> tuple[float, int, int]:
+    """Turn ``c`` of a paced run to ``relays`` relays at ``rate`` requests/s each: (seconds
+    after the start it is due, the request, the relay). Request ``k`` goes to every relay
+    in turn, relay ``j`` a ``j / relays`` share of the interval after relay 0."""
+    k, j = divmod(c, relays)
+    return (k + j / relays) / rate, k, j
+
 
 def _worker(
     rank: int,
@@ -160,7 +174,7 @@ def _worker(
     bodies: Mapping[str, Sequence[bytes]],
     counter: Any,
 ) -> None:
-    client = _Client()
+    clients: dict[int, _Client] = {}  # one keep-alive connection per relay
     while True:
         try:
             cmd = conn.recv()
@@ -168,18 +182,23 @@ def _worker(
             return
         if cmd is None:
             return
-        port, protocol, items, rate, t0 = cmd
-        head = request_head(protocol)
-        source = bodies[protocol]
-        tally = _Tally()
-        if rate:  # paced: this process sends items rank, rank + size, ...
-            for k in range(rank, len(items), size):
-                due = t0 + k / rate
+        targets, items, rate, t0 = cmd
+        heads = [request_head(protocol) for _, protocol in targets]
+        sources = [bodies[protocol] for _, protocol in targets]
+        sends = [clients.setdefault(port, _Client()).send for port, _ in targets]
+        tallies = [_Tally() for _ in targets]
+        n = len(targets)
+        if rate:
+            # paced: this process takes turns rank, rank + size, ... (in due order)
+            for c in range(rank, len(items) * n, size):
+                after, k, j = turn(c, n, rate)
+                due = t0 + after
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                tally.add(client.send(port, source[items[k]], head), items[k], due)
-        else:
+                tallies[j].add(sends[j](targets[j][0], sources[j][items[k]], heads[j]),
+                               items[k], due)
+        else:  # saturating: one relay
             while True:
                 with counter.get_lock():
                     k = counter.value
@@ -187,8 +206,9 @@ def _worker(
                 if k >= len(items):
                     break
                 t = time.monotonic()
-                tally.add(client.send(port, source[items[k]], head), items[k], t)
-        conn.send((time.monotonic(), tally.errors, tally.last, tally.lat))
+                tallies[0].add(sends[0](targets[0][0], sources[0][items[k]], heads[0]),
+                               items[k], t)
+        conn.send((time.monotonic(), [tally.outcome() for tally in tallies]))
 
 
 class SenderPool:
@@ -221,23 +241,39 @@ class SenderPool:
         self, port: int, protocol: str, items: Sequence[int], rate: float | None = None
     ) -> Result:
         """Send bodies ``items`` (indexes) to ``port``; saturating, or paced at ``rate``/s."""
+        return self._run([(port, protocol)], items, rate)[0]
+
+    def run_together(
+        self, targets: Sequence[tuple[int, str]], items: Sequence[int], rate: float
+    ) -> list[Result]:
+        """Pace ``items`` to each (port, protocol) of ``targets`` at ``rate``/s at once, the
+        relays taking turns; one result per target."""
+        return self._run(list(targets), items, rate)
+
+    def _run(
+        self, targets: list[tuple[int, str]], items: Sequence[int], rate: float | None
+    ) -> list[Result]:
+        if not rate and len(targets) != 1:
+            raise ValueError("saturating sends go to one relay")
         items = list(items)
         with self._counter.get_lock():
             self._counter.value = 0
         t0 = time.monotonic() + (0.05 if rate else 0.0)
         started = time.monotonic()
         for conn in self._conns:
-            conn.send((port, protocol, items, rate or 0.0, t0))
-        result = Result(started=t0 if rate else started, ended=started)
+            conn.send((targets, items, rate or 0.0, t0))
+        results = [Result(started=t0 if rate else started, ended=started) for _ in targets]
         for conn in self._conns:
-            ended, errors, last, lat = conn.recv()
-            result.ended = max(result.ended, ended)
-            result.errors += errors
-            result.last_error = last or result.last_error
-            result.latencies.extend(lat)
-            result.sent += len(lat) + errors
-        result.latencies.sort()
-        return result
+            ended, outcomes = conn.recv()
+            for result, (errors, last, lat) in zip(results, outcomes, strict=True):
+                result.ended = max(result.ended, ended)
+                result.errors += errors
+                result.last_error = last or result.last_error
+                result.latencies.extend(lat)
+                result.sent += len(lat) + errors
+        for result in results:
+            result.latencies.sort()
+        return results
 
     def close(self) -> None:
         for conn in self._conns:
