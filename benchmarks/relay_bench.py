@@ -929,6 +929,9 @@ def _hc_summary(res: HcSize, relays: list[HcRelay]) -> dict[str, dict[str, Any]]
         if paced is not None and paced.latencies:
             for q in (50, 99):
                 row[f"latency_p{q}_ms"] = percentile(paced.latencies, q) * 1e3
+            # in due order: where in the run the slow ones fell, and whether the relays'
+            # slow ones fell together (the box) or apart (the relay)
+            row["paced_latencies_ms"] = [round(x * 1e3, 3) for x in paced.latencies]
             if base is not None and base.latencies and relay.proc is not None:
                 b = median(base.latencies)
                 for q in (50, 99):
