@@ -245,6 +245,9 @@ def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
         assert relays["direct"]["delivered_fraction"] == 1.0
         assert relays["pass-through"]["delivered_fraction"] == 1.0
         assert relays["pass-through"]["latency_p99_ms"] > 0
+        # every relay paced with every paced request (at once, taking turns)
+        assert len(relays["direct"]["paced_latencies_ms"]) == 6
+        assert len(relays["pass-through"]["paced_latencies_ms"]) == 6
         if shutil.which("vmagent"):
             assert relays["vmagent"]["delivered_fraction"] == 1.0
             assert relays["vmagent+relabel"]["stamped_fraction"] > 0
