@@ -28,8 +28,8 @@ round. Printed: medians over rounds, and ratios computed per round then medianed
 pods and 2,000,000 distinct series, each seen once per pass; four sender processes
 (``relay/load.py``); one warm-up pass per relay; per request size (2,000 and 500) rounds
 of saturating phases (CPU-s per M samples, samples/s, peak RSS from ``VmHWM``) and a
-paced open-loop run at 20 requests/s per relay, the relays paced at once and taking
-turns (p50 / p99 added latency); an RW 2.0 karta-proxy
+paced open-loop run at 20 requests/s per relay (p50 / p99 added latency); an RW 2.0
+karta-proxy
 row; karta-proxy under ``taskset -c 0`` against ``taskset -c 0,1``. See
 ``benchmarks/README.md``.
 
@@ -631,8 +631,7 @@ def _hc_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
         p.error("--sizes: at least one size, each >= 1")
     args.rounds = args.rounds or (1 if quick else 5)
     args.samples_per_round = args.samples_per_round or (1000 if quick else 200_000)
-    # 600: the p99 is the 6th slowest, not the 2nd of 200 (the relays paced together take
-    # 30 s per request size, where four apart took 40 s at 200 each)
+    # 600 (30 s per relay and size): the p99 is the 6th slowest, not the 2nd of 200
     args.paced_requests = args.paced_requests or (10 if quick else 600)
     if args.taskset_rounds is None:
         args.taskset_rounds = 1 if quick else 4
@@ -932,6 +931,8 @@ def _hc_summary(res: HcSize, relays: list[HcRelay]) -> dict[str, dict[str, Any]]
             # in due order: where in the run the slow ones fell, and whether the relays'
             # slow ones fell together (the box) or apart (the relay)
             row["paced_latencies_ms"] = [round(x * 1e3, 3) for x in paced.latencies]
+            if paced.cpu_seconds is not None:  # the relay's CPU per paced request
+                row["paced_cpu_ms_per_request"] = paced.cpu_seconds / len(paced.latencies) * 1e3
             if base is not None and base.latencies and relay.proc is not None:
                 b = median(base.latencies)
                 for q in (50, 99):
@@ -1043,8 +1044,8 @@ def _hc_report(
         f"{args.rounds} rounds of {args.samples_per_round:,} samples per relay "
         f"(rotating order, {args.senders} sender connections, saturating) and a paced run "
         f"of {args.paced_requests} requests at {args.rate:g}/s per relay"
-        + (", one relay after another" if args.paced_apart
-           else ", every relay at once, their requests taking turns")
+        + (", every relay at once, their requests taking turns" if args.paced_together
+           else ", one relay after another")
         + (f" (karta-proxy's /metrics scraped every {args.scrape_interval:g} s meanwhile)"
            if args.scrape_interval > 0 else "")
         + (f" (a snapshot rewritten every {args.snapshot_change_interval:g} s meanwhile, "
@@ -1385,7 +1386,7 @@ def main_high_cardinality(args: argparse.Namespace) -> int:
                     )
                 )
             paced = [r for r in rotation if not r.asynchronous]
-            for group in ([[r] for r in paced] if args.paced_apart else [paced]):
+            for group in ([paced] if args.paced_together else [[r] for r in paced]):
                 with contextlib.ExitStack() as stack:
                     scrapes = {
                         r.key: stack.enter_context(_scraping(
@@ -1560,11 +1561,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "families, ~44 MB at 37.5k pods)",
     )
     hc.add_argument(
-        "--paced-apart",
+        "--paced-together",
         action="store_true",
-        help="pace the relays one after another instead of all at once taking turns "
-        "(apart, each relay's p99 is taken through a different stretch of the machine's "
-        "noise)",
+        help="pace every synchronous relay at once, their requests taking turns, so each "
+        "relay's latencies come from the same stretch of the machine's noise (default: one "
+        "relay after another; together, the pass-through's CPU per request tripled in some "
+        "runs, unexplained: docs/performance.md, Thirteenth pass)",
     )
     hc.add_argument(
         "--snapshot-change-interval",
