@@ -29,8 +29,7 @@ pods and 2,000,000 distinct series, each seen once per pass; four sender process
 (``relay/load.py``); one warm-up pass per relay; per request size (2,000 and 500) rounds
 of saturating phases (CPU-s per M samples, samples/s, peak RSS from ``VmHWM``) and a
 paced open-loop run at 20 requests/s per relay (p50 / p99 added latency); an RW 2.0
-karta-proxy
-row; karta-proxy under ``taskset -c 0`` against ``taskset -c 0,1``. See
+karta-proxy row; karta-proxy under ``taskset -c 0`` against ``taskset -c 0,1``. See
 ``benchmarks/README.md``.
 
     python benchmarks/relay_bench.py --corpus high-cardinality [--pods 37500]
