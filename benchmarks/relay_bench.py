@@ -165,7 +165,10 @@ def _start_relay(
             "--upstream-url",
             url,
         ]
-        return Process(name, argv, port=port, ready_path="/-/ready", log_path=log)
+        # this repository's proxy.memory (the allocator thresholds karta-proxy has too)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        return Process(name, argv, port=port, ready_path="/-/ready", log_path=log, env=env)
     if name == "karta-proxy":
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(

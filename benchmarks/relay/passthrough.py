@@ -1,9 +1,13 @@
 """The baseline relay: decompress, recompress, forward, nothing else.
 
 Same HTTP stack as karta-proxy (aiohttp server without access log or automatic
-decompression, one pooled aiohttp client session to the upstream) and the same codec
-library (python-snappy), so that the ratio karta-proxy / pass-through isolates what
-enrichment costs on top of merely being a Python remote-write relay.
+decompression, one pooled aiohttp client session to the upstream), the same codec
+library (python-snappy) and the same allocator thresholds (``proxy.memory``: freed
+request buffers stay in the heap), so that the ratio karta-proxy / pass-through isolates
+what enrichment costs on top of merely being a Python remote-write relay. Without the
+thresholds, glibc trimmed and faulted in a request's buffers again in some runs, and the
+pass-through's CPU per paced request tripled (3.7 -> 10.3-11.3 ms; docs/performance.md,
+"Thirteenth pass").
 
     python passthrough.py --listen 127.0.0.1:PORT --upstream-url http://127.0.0.1:P/api/v1/write
 """
@@ -81,6 +85,9 @@ async def _ok() -> web.Response:
 
 
 def main() -> None:
+    from proxy.memory import keep_request_buffers
+
+    keep_request_buffers()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", required=True, help="HOST:PORT")
     parser.add_argument("--upstream-url", required=True)
