@@ -1567,8 +1567,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="pace every synchronous relay at once, their requests taking turns, so each "
         "relay's latencies come from the same stretch of the machine's noise (default: one "
-        "relay after another; together, the pass-through's CPU per request tripled in some "
-        "runs, unexplained: docs/performance.md, Thirteenth pass)",
+        "relay after another, the condition of the p99 target: one relay at 20/s with "
+        "nothing else sent meanwhile)",
     )
     hc.add_argument(
         "--snapshot-change-interval",
