@@ -138,6 +138,13 @@ def _start_upstream(name: str, work: Path, defer: bool = False) -> Process:
     )
 
 
+def _importing(repo: Path) -> dict[str, str]:
+    """This environment with ``repo`` first on ``PYTHONPATH`` (its ``proxy`` package)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _start_relay(
     name: str,
     upstream: Process,
@@ -166,14 +173,10 @@ def _start_relay(
             url,
         ]
         # this repository's proxy.memory (the allocator thresholds karta-proxy has too)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        return Process(name, argv, port=port, ready_path="/-/ready", log_path=log, env=env)
+        return Process(name, argv, port=port, ready_path="/-/ready", log_path=log,
+                       env=_importing(REPO))
     if name == "karta-proxy":
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(proxy_repo), env.get("PYTHONPATH")) if p
-        )
+        env = _importing(proxy_repo)
         argv = [
             *pin,
             sys.executable,

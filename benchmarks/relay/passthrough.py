@@ -5,9 +5,9 @@ decompression, one pooled aiohttp client session to the upstream), the same code
 library (python-snappy) and the same allocator thresholds (``proxy.memory``: freed
 request buffers stay in the heap), so that the ratio karta-proxy / pass-through isolates
 what enrichment costs on top of merely being a Python remote-write relay. Without the
-thresholds, glibc trimmed and faulted in a request's buffers again in some runs, and the
-pass-through's CPU per paced request tripled (3.7 -> 10.3-11.3 ms; docs/performance.md,
-"Thirteenth pass").
+thresholds, its CPU per paced request tripled in some runs with the relays paced
+together (3.7 -> 10.3-11.3 ms), and in none with them (docs/performance.md, "Thirteenth
+pass").
 
     python passthrough.py --listen 127.0.0.1:PORT --upstream-url http://127.0.0.1:P/api/v1/write
 """
