@@ -1340,4 +1340,5 @@ class Engine:
         roots += [uid for uid, gk in self._graph.absent_owners() if gk in changed]
         if POD in changed:
             roots += self._bare  # and the pods they control (Pod workloads too)
-        return roots
+        # one below another is given with it already
+        return self._graph.topmost(roots)

@@ -195,6 +195,32 @@ class OwnerGraph:
         self.add_descendants(uid, below)
         return list(below)[1:]
 
+    def topmost(self, uids: list[str]) -> list[str]:
+        """``uids`` without those that lie below another of them, in their order.
+
+        For what a description change owes, each given with what lies below it: when two
+        kinds change at once (a Deployment's and a ReplicaSet's description), a ReplicaSet
+        owed under its Deployment and again as itself would be re-attributed twice, with
+        all its pods. One on an owner cycle back to itself is kept, so a cycle of owed
+        objects is never dropped whole."""
+        among = set(uids)
+        objects, pods = self.objects, self._pods
+        out = []
+        for uid in uids:
+            rec = objects.get(uid)
+            ref = rec.owner if rec is not None else getattr(pods.get(uid), "owner", None)
+            below = False
+            for _ in range(self.max_hops):
+                if ref is None or ref.uid == uid:
+                    below = below and ref is None
+                    break
+                below = below or ref.uid in among
+                up = objects.get(ref.uid)
+                ref = up.owner if up is not None else getattr(pods.get(ref.uid), "owner", None)
+            if not below:
+                out.append(uid)
+        return out
+
     def add_descendants(self, uid: str, into: dict[str, None]) -> None:
         """Add every pod and object below ``uid`` to ``into``, in the order
         :meth:`descendants` gives them, skipping what is there already and what lies

@@ -408,6 +408,26 @@ def test_pods_that_join_leave_or_move_between_the_runs_end_as_at_once() -> None:
     assert list(in_runs.workloads()) == list(at_once.workloads())
 
 
+def test_a_change_of_nested_kinds_owes_each_object_once_under_its_topmost() -> None:
+    """Builtins off changes Deployment, ReplicaSet and Pod at once: a ReplicaSet below an
+    owed Deployment is given with it, not owed again, so each pod is re-attributed once."""
+    # what the end must be: an engine that never had builtins
+    at_once, in_runs = Engine(builtins=False), Engine(clock=ManualClock(100.0))
+    dep, lone = deployment("web"), replicaset("lone-1", None)
+    rs = replicaset("web-1", dep)
+    objs = [dep, rs, lone, pod("a", rs), pod("b", rs), pod("c", lone), pod("bare")]
+    for e in (at_once, in_runs):
+        e.upsert_many(objs)
+    change = in_runs.change_descriptions(None, source="builtin")
+    uids = [o["metadata"]["uid"] for o in objs]
+    assert sorted(change.owed) == sorted([dep["metadata"]["uid"], lone["metadata"]["uid"],
+                                          "pod-bare"])
+    given = [u for uid in change.owed for u in in_runs.reattribute([uid]).pods]
+    assert sorted(given) == ["pod-a", "pod-b", "pod-bare", "pod-c"]  # each once
+    assert {u: in_runs.pod(u) for u in uids} == {u: at_once.pod(u) for u in uids}
+    assert P(in_runs, "pod-a").reason == "no_described_owner"
+
+
 def test_a_description_object_upserted_with_owed_leaves_its_reattribution_to_the_caller(
         ) -> None:
     """``upsert_many(..., owed=)``: the objects a description object's change touches go

@@ -94,6 +94,23 @@ def test_same_compares_identity_not_api_version() -> None:
 # -- edges ---------------------------------------------------------------------------------
 
 
+def test_topmost_drops_what_lies_below_another_but_never_a_whole_cycle() -> None:
+    pods: dict[str, Any] = {"pod-1": PodRecord(ref("rs-1")), "pod-2": PodRecord(None)}
+    g = OwnerGraph(max_hops=8, pods=pods)
+    g.put(record("dep-1", DEPLOY))
+    g.put(record("rs-1", RS, g.link("rs-1", ref("dep-1", DEPLOY))))
+    g.put(record("rs-2", RS, g.link("rs-2", ref("gone", DEPLOY))))  # an absent owner
+    g.link("pod-1", ref("rs-1"))
+    assert g.topmost(["rs-1", "dep-1", "pod-1", "pod-2"]) == ["dep-1", "pod-2"]
+    assert g.topmost(["rs-1", "pod-1"]) == ["rs-1"]  # its owner is not among them
+    assert g.topmost(["rs-2", "gone"]) == ["gone"]
+    # a cycle: each member reaches itself, so none is dropped for the other
+    g.put(record("a", JOB, g.link("a", ref("b", JOB))))
+    g.put(record("b", JOB, g.link("b", ref("a", JOB))))
+    g.put(record("c", JOB, g.link("c", ref("a", JOB))))
+    assert g.topmost(["a", "b", "c"]) == ["a", "b"]
+
+
 def test_edges_to_an_absent_owner_are_kept_and_counted_by_kind() -> None:
     g = OwnerGraph(10, {})
     shared = g.link("pod-1", ref("rs-1"))
