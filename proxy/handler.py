@@ -33,7 +33,7 @@ import re
 import time
 import typing
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -54,6 +54,7 @@ from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skip
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
+from proxy.thread_names import named_pool
 from proxy.upstream import Answer, Outgoing, Upstream
 from proxy.wire.native import split_v1
 from proxy.wire.plan import SpliceResult
@@ -303,7 +304,7 @@ class RemoteWriteHandler:
         self._overload_rejected = metrics.rejected.labels("overload")
         #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
         self._shed_counters: dict[tuple[str, str], Counter] = {}
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="karta-splice")
+        self._executor = named_pool("karta-splice", self.workers)
         #: the other parts of a request in parts (a part never waits on another part, so
         #: this pool cannot deadlock); None with one worker
         self._parts = PartThreads(self.workers - 1) if self.workers > 1 else None

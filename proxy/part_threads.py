@@ -28,6 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from proxy.thread_names import name_os_thread
+
 T = TypeVar("T")
 
 
@@ -68,6 +70,7 @@ class PartThreads(ThreadPoolExecutor):
         super().__init__(count, thread_name_prefix="karta-part", initializer=self._started)
 
     def _started(self) -> None:
+        name_os_thread()
         self._tids.append(threading.get_native_id())
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:

@@ -35,6 +35,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome, merge
 from proxy.server import build_app, start_site
 from proxy.tasks import cancel_and_wait
+from proxy.thread_names import named_pool
 from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
 from proxy.upstream import Upstream
@@ -433,6 +434,9 @@ async def serve(
 ) -> int:
     """Run until SIGTERM or SIGINT, reloading on SIGHUP; returns the process exit code."""
     loop = asyncio.get_running_loop()
+    # asyncio's own default pool (``to_thread``: snapshot reads, forwarding's prepare),
+    # its threads named for the OS too (proxy.thread_names)
+    loop.set_default_executor(named_pool("karta-aux"))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):

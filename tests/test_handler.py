@@ -198,10 +198,14 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     raw = series_v1(*sets)
     assert len(raw) > max(INLINE_DECODED_BYTES, 2 * PART_DECODED_BYTES)
     calls: list[str] = []
+    os_names: list[str] = []
     enrich = running.proxy.enricher.enrich_snappy
 
     def spy(protocol: Protocol, body: bytes, block: bytes, base: int = 0) -> Any:
         calls.append(threading.current_thread().name)
+        comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        if comm.exists():
+            os_names.append(comm.read_text().strip())
         return enrich(protocol, body, block, base)
 
     running.proxy.handler.enricher = cast(Any, type("E", (), {
@@ -214,6 +218,8 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
         else {"karta-splice"}
     assert calls and {c.split("_")[0] for c in calls} == threads
     assert len(calls) == min(running.proxy.handler.workers, len(raw) // PART_DECODED_BYTES)
+    # top -H and ps -L tell the workers apart too (proxy.thread_names)
+    assert os_names in ([], calls)
     (rec,) = running.upstream.received
     assert all(out == {**sent, **CART} for out, sent in zip(labels_of(rec.raw), sets,
                                                               strict=True))
