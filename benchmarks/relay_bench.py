@@ -66,11 +66,14 @@ from relay import corpus as corpus_mod
 from relay import highcard, load
 from relay.procs import (
     Process,
+    ThreadUse,
     cpu_seconds,
     free_port,
     http_get,
     peak_rss_bytes,
     reset_peak_rss,
+    thread_use,
+    thread_use_between,
 )
 from relay.workdir import discard_work_dir
 
@@ -700,6 +703,10 @@ class HcPhase:
     #: CPU of the load's own side in the phase: the sender processes and the relay's sink,
     #: which share the machine's cores with the relay
     harness_cpu_seconds: float | None = None
+    #: requests sent in the phase
+    requests: int = 0
+    #: what the relay's threads spent in the phase, per role (``procs.thread_use``)
+    threads: dict[str, ThreadUse] = field(default_factory=dict)
 
     @property
     def cpu_per_million(self) -> float | None:
@@ -717,6 +724,16 @@ class HcPhase:
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class _PhaseStart:
+    """A relay's readings as a phase begins."""
+
+    stats: dict[str, Any]
+    cpu_seconds: float | None
+    threads: dict[str, ThreadUse]
+    harness_cpu_seconds: float
 
 
 class HcRun:
@@ -759,22 +776,23 @@ class HcRun:
         return {relay.key: self._finish(relay, items, start, res, drain_timeout)
                 for relay, start, res in zip(relays, starts, results, strict=True)}
 
-    def _start(self, relay: HcRelay) -> tuple[dict[str, Any], float | None, float]:
-        """What a phase's figures are taken against: the sink's counts, the relay's CPU, the
-        load's CPU."""
+    def _start(self, relay: HcRelay) -> _PhaseStart:
+        """What a phase's figures are taken against: the sink's counts, the relay's CPU (and
+        its threads'), the load's CPU."""
         before = relay.stats()
         cpu0 = relay.proc.cpu() if relay.proc is not None else None
-        return before, cpu0, self._harness_cpu(relay)
+        threads0 = thread_use(relay.proc.pid) if relay.proc is not None else {}
+        return _PhaseStart(before, cpu0, threads0, self._harness_cpu(relay))
 
     def _finish(
         self,
         relay: HcRelay,
         items: Sequence[int],
-        start: tuple[dict[str, Any], float | None, float],
+        start: _PhaseStart,
         res: load.Result,
         drain_timeout: float,
     ) -> HcPhase:
-        before, cpu0, harness0 = start
+        before, cpu0, harness0 = start.stats, start.cpu_seconds, start.harness_cpu_seconds
         samples = sum(self.spans[i][1] for i in items)
         stamped_expected = sum(
             self.universe.attributable_between(pos, pos + n)
@@ -787,6 +805,8 @@ class HcRun:
             time.sleep(0.05)
             after = relay.stats()
         cpu1 = relay.proc.cpu() if relay.proc is not None else None
+        threads = (thread_use_between(start.threads, thread_use(relay.proc.pid))
+                   if relay.proc is not None else {})
         ended = res.ended
         if relay.asynchronous and after["last_arrival"] > ended:
             ended = after["last_arrival"]  # it answered before forwarding
@@ -803,6 +823,8 @@ class HcRun:
             errors=res.errors + after["errors"] - before["errors"],
             latencies=[x for _, x in res.latencies],
             harness_cpu_seconds=harness1 - harness0,
+            requests=len(items),
+            threads=threads,
         )
 
     def _harness_cpu(self, relay: HcRelay) -> float:
@@ -911,6 +933,31 @@ class HcSize:
     compressed_kib: dict[str, float] = field(default_factory=dict)
 
 
+#: a thread role's figures per request: what ``_threads_per_request`` gives
+THREAD_FIGURES = ("cpu_ms", "voluntary_switches", "involuntary_switches", "run_wait_ms")
+
+
+def _threads_per_request(phase: HcPhase) -> dict[str, dict[str, float]]:
+    """What each thread role of the relay spent per request of ``phase``: CPU, context
+    switches given up (voluntary: the thread waited for work or a lock) and taken
+    (involuntary: preempted), time runnable but waiting for a core."""
+    n = phase.requests or 1
+    return {role: {"threads": use.threads,
+                   "cpu_ms": use.cpu_seconds / n * 1e3,
+                   "voluntary_switches": use.voluntary_switches / n,
+                   "involuntary_switches": use.involuntary_switches / n,
+                   "run_wait_ms": use.run_wait_seconds / n * 1e3}
+            for role, use in sorted(phase.threads.items())}
+
+
+def _threads_median(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    roles = sorted({role for r in rounds for role in r})
+    return {role: {"threads": max(r[role]["threads"] for r in rounds if role in r),
+                   **{k: median([r[role][k] for r in rounds if role in r])
+                      for k in THREAD_FIGURES}}
+            for role in roles}
+
+
 def _hc_summary(res: HcSize, relays: list[HcRelay]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     direct = {proto: res.paced.get(key) for key, proto in (("direct", "v1"), ("direct-rw2", "v2"))}
@@ -949,6 +996,10 @@ def _hc_summary(res: HcSize, relays: list[HcRelay]) -> dict[str, dict[str, Any]]
         row["expected_stamped_fraction"] = sum(p.expected_stamped for p in every) / sent
         row["rw2_fraction"] = sum(p.v2_series for p in every) / sent
         row["errors"] = sum(p.errors for p in every)
+        per_round_threads = [_threads_per_request(p) for p in phases if p.threads]
+        if per_round_threads:
+            row["per_round_threads"] = per_round_threads
+            row["threads_per_request"] = _threads_median(per_round_threads)
         out[relay.key] = row
     return out
 
@@ -1024,6 +1075,25 @@ def _hc_wait_ready(relays: list[HcRelay], skipped: dict[str, str]) -> list[HcRel
             continue
         ready.append(relay)
     return ready
+
+
+def _print_threads(res: HcSize, summary: dict[str, dict[str, Any]],
+                   relays: list[HcRelay]) -> None:
+    """Where each Python relay's CPU went in the saturated rounds, by thread: a relay
+    whose cost moves from run to run shows which of its threads moved, and whether they
+    waited for cores (the box) or handed work to each other (switches)."""
+    rows = [(r, summary[r.key]["threads_per_request"]) for r in relays
+            if r.key in summary and "threads_per_request" in summary[r.key]
+            and r.kind in ("pass-through", "karta-proxy")]
+    if not rows:
+        return
+    print(f"  by thread, per request (medians over the {len(res.rounds)} rounds): CPU ms, "
+          "context switches voluntary / involuntary, ms runnable waiting for a core")
+    for relay, threads in rows:
+        for role, f in threads.items():
+            print(f"    {relay.label:<20}{role:<16}x{f['threads']:<3.0f}"
+                  f"{f['cpu_ms']:>7.2f} ms{f['voluntary_switches']:>8.1f} /"
+                  f"{f['involuntary_switches']:>5.1f}{f['run_wait_ms']:>8.2f} ms waiting")
 
 
 def _hc_report(
@@ -1115,6 +1185,7 @@ def _hc_report(
                 f"{row['delivered_fraction']:>10.1%}{stamped:>9}"
                 f"{_fmt(vs_pt):>10}{_fmt(vs_vm):>9}{note}"
             )
+        _print_threads(res, summary, relays)
         out_sizes[str(res.size)] = {"relays": summary, "ratios": ratios,
                                     "metrics_scrape_seconds": res.scrapes}
         if res.size == headline:

@@ -248,6 +248,9 @@ def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
         # every relay paced with every paced request (at once, taking turns)
         assert len(relays["direct"]["paced_latencies_ms"]) == 6
         assert len(relays["pass-through"]["paced_latencies_ms"]) == 6
+        # where the Python relays' CPU went, by thread: the event loop at least
+        loop = relays["pass-through"]["threads_per_request"]["main"]
+        assert loop["threads"] == 1 and loop["cpu_ms"] >= 0 and loop["voluntary_switches"] > 0
         if shutil.which("vmagent"):
             assert relays["vmagent"]["delivered_fraction"] == 1.0
             assert relays["vmagent+relabel"]["stamped_fraction"] > 0
@@ -259,6 +262,7 @@ def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
                 assert row["peak_rss_mb"] > 0
             assert relays["karta-proxy-rw2"]["rw2_fraction"] == 1.0  # forwarded as RW 2.0
             assert relays["karta-proxy"]["rw2_fraction"] == 0.0
+            assert "main" in relays["karta-proxy"]["threads_per_request"]
     if not shutil.which("vmagent"):
         assert "vmagent" in result["skipped"]
     if (BENCH.parent / "proxy" / "cli.py").exists():
@@ -275,6 +279,39 @@ def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
             bound = result["taskset"]["speedup_bound"]
             assert math.isnan(bound) or 0 < bound <= 2.0 + 1e-9
     assert "karta-proxy / pass-through (CPU)" in proc.stdout
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
+def test_thread_use_tells_threads_apart_by_their_os_names() -> None:
+    from relay.procs import MAIN_THREAD, thread_role, thread_use, thread_use_between
+
+    from proxy.thread_names import name_os_thread
+
+    assert thread_role("karta-splice_1") == "karta-splice"
+    assert thread_role("karta-aux") == "karta-aux" and thread_role("x_y") == "x_y"
+    go, done = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        name_os_thread()
+        go.wait(10)
+        end = time.thread_time() + 0.15
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.05)  # a switch given up, between the readings
+        done.set()
+        time.sleep(0.2)  # alive while the second reading is taken
+
+    t = threading.Thread(target=busy, name="bench-busy_0")
+    t.start()
+    before = thread_use(os.getpid())
+    go.set()
+    done.wait(10)
+    spent = thread_use_between(before, thread_use(os.getpid()))
+    t.join()
+    assert MAIN_THREAD in spent and spent["bench-busy"].threads == 1
+    assert spent["bench-busy"].cpu_seconds >= 0.1  # in clock ticks
+    assert spent["bench-busy"].voluntary_switches >= 1  # it slept
+    assert spent["bench-busy"].run_wait_seconds >= 0
 
 
 def test_scaling_bound_counts_the_load_on_a_two_core_machine() -> None:

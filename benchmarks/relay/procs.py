@@ -17,6 +17,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -187,3 +188,86 @@ class Process:
                 self.popen.kill()
                 self.popen.wait(timeout)
         self._log.close()
+
+
+@dataclass(frozen=True)
+class ThreadUse:
+    """What threads of one role spent: CPU, context switches, and time runnable but
+    waiting for a core (``schedstat``'s second field; 0 where the kernel keeps none)."""
+
+    threads: int
+    cpu_seconds: float
+    voluntary_switches: int
+    involuntary_switches: int
+    run_wait_seconds: float
+
+    def __sub__(self, other: ThreadUse) -> ThreadUse:
+        return ThreadUse(
+            max(self.threads, other.threads),
+            self.cpu_seconds - other.cpu_seconds,
+            self.voluntary_switches - other.voluntary_switches,
+            self.involuntary_switches - other.involuntary_switches,
+            self.run_wait_seconds - other.run_wait_seconds,
+        )
+
+    def __add__(self, other: ThreadUse) -> ThreadUse:
+        return ThreadUse(
+            self.threads + other.threads,
+            self.cpu_seconds + other.cpu_seconds,
+            self.voluntary_switches + other.voluntary_switches,
+            self.involuntary_switches + other.involuntary_switches,
+            self.run_wait_seconds + other.run_wait_seconds,
+        )
+
+
+NO_USE = ThreadUse(0, 0.0, 0, 0, 0.0)
+
+#: the role of the thread whose id is the process's: the event loop, in a Python relay
+MAIN_THREAD = "main"
+
+
+def thread_role(name: str) -> str:
+    """A thread's role from its OS name: the pool's prefix (``karta-splice_1`` ->
+    ``karta-splice``)."""
+    head, sep, tail = name.rpartition("_")
+    return head if sep and tail.isdigit() else name
+
+
+def thread_use(pid: int) -> dict[str, ThreadUse]:
+    """Per role (:func:`thread_role` of each thread's OS name; :data:`MAIN_THREAD` for the
+    main thread), what the live threads of ``pid`` have spent so far. A thread that has
+    ended takes its figures with it: take this where the pools' threads live on."""
+    out: dict[str, ThreadUse] = {}
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return out
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        try:
+            stat = Path(f"{base}/stat").read_text()
+            status = Path(f"{base}/status").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        switches = {k: int(v) for k, _, v in (line.partition(":\t") for line in
+                                              status.splitlines())
+                    if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
+        try:
+            wait_ns = int(Path(f"{base}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            wait_ns = 0
+        use = ThreadUse(1, (int(fields[11]) + int(fields[12])) / _TICKS,
+                        switches.get("voluntary_ctxt_switches", 0),
+                        switches.get("nonvoluntary_ctxt_switches", 0), wait_ns / 1e9)
+        role = MAIN_THREAD if tid == pid else thread_role(name)
+        out[role] = out.get(role, NO_USE) + use
+    return out
+
+
+def thread_use_between(before: dict[str, ThreadUse],
+                       after: dict[str, ThreadUse]) -> dict[str, ThreadUse]:
+    """What each role spent between two :func:`thread_use` readings; a role that appeared
+    meanwhile (a pool starts its threads on demand) counts from zero."""
+    return {role: use - before.get(role, NO_USE) for role, use in after.items()}
