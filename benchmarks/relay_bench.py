@@ -934,7 +934,8 @@ class HcSize:
 
 
 #: a thread role's figures per request: what ``_threads_per_request`` gives
-THREAD_FIGURES = ("cpu_ms", "voluntary_switches", "involuntary_switches", "run_wait_ms")
+THREAD_FIGURES = ("cpu_ms", "system_ms", "voluntary_switches", "involuntary_switches",
+                  "run_wait_ms")
 
 
 def _threads_per_request(phase: HcPhase) -> dict[str, dict[str, float]]:
@@ -944,6 +945,7 @@ def _threads_per_request(phase: HcPhase) -> dict[str, dict[str, float]]:
     n = phase.requests or 1
     return {role: {"threads": use.threads,
                    "cpu_ms": use.cpu_seconds / n * 1e3,
+                   "system_ms": use.system_seconds / n * 1e3,
                    "voluntary_switches": use.voluntary_switches / n,
                    "involuntary_switches": use.involuntary_switches / n,
                    "run_wait_ms": use.run_wait_seconds / n * 1e3}
@@ -1087,12 +1089,14 @@ def _print_threads(res: HcSize, summary: dict[str, dict[str, Any]],
             and r.kind in ("pass-through", "karta-proxy")]
     if not rows:
         return
-    print(f"  by thread, per request (medians over the {len(res.rounds)} rounds): CPU ms, "
-          "context switches voluntary / involuntary, ms runnable waiting for a core")
+    print(f"  by thread, per request (medians over the {len(res.rounds)} rounds): CPU ms "
+          "(of it in the kernel), context switches voluntary / involuntary, ms runnable "
+          "waiting for a core")
     for relay, threads in rows:
         for role, f in threads.items():
             print(f"    {relay.label:<20}{role:<16}x{f['threads']:<3.0f}"
-                  f"{f['cpu_ms']:>7.2f} ms{f['voluntary_switches']:>8.1f} /"
+                  f"{f['cpu_ms']:>7.2f} ms ({f['system_ms']:.2f})"
+                  f"{f['voluntary_switches']:>8.1f} /"
                   f"{f['involuntary_switches']:>5.1f}{f['run_wait_ms']:>8.2f} ms waiting")
 
 

@@ -192,11 +192,13 @@ class Process:
 
 @dataclass(frozen=True)
 class ThreadUse:
-    """What threads of one role spent: CPU, context switches, and time runnable but
-    waiting for a core (``schedstat``'s second field; 0 where the kernel keeps none)."""
+    """What threads of one role spent: CPU (and of it, in the kernel: socket copies,
+    wake-ups), context switches, and time runnable but waiting for a core
+    (``schedstat``'s second field; 0 where the kernel keeps none)."""
 
     threads: int
     cpu_seconds: float
+    system_seconds: float
     voluntary_switches: int
     involuntary_switches: int
     run_wait_seconds: float
@@ -205,6 +207,7 @@ class ThreadUse:
         return ThreadUse(
             max(self.threads, other.threads),
             self.cpu_seconds - other.cpu_seconds,
+            self.system_seconds - other.system_seconds,
             self.voluntary_switches - other.voluntary_switches,
             self.involuntary_switches - other.involuntary_switches,
             self.run_wait_seconds - other.run_wait_seconds,
@@ -214,13 +217,14 @@ class ThreadUse:
         return ThreadUse(
             self.threads + other.threads,
             self.cpu_seconds + other.cpu_seconds,
+            self.system_seconds + other.system_seconds,
             self.voluntary_switches + other.voluntary_switches,
             self.involuntary_switches + other.involuntary_switches,
             self.run_wait_seconds + other.run_wait_seconds,
         )
 
 
-NO_USE = ThreadUse(0, 0.0, 0, 0, 0.0)
+NO_USE = ThreadUse(0, 0.0, 0.0, 0, 0, 0.0)
 
 #: the role of the thread whose id is the process's: the event loop, in a Python relay
 MAIN_THREAD = "main"
@@ -258,7 +262,7 @@ def thread_use(pid: int) -> dict[str, ThreadUse]:
             wait_ns = int(Path(f"{base}/schedstat").read_text().split()[1])
         except (OSError, IndexError, ValueError):
             wait_ns = 0
-        use = ThreadUse(1, (int(fields[11]) + int(fields[12])) / _TICKS,
+        use = ThreadUse(1, (int(fields[11]) + int(fields[12])) / _TICKS, int(fields[12]) / _TICKS,
                         switches.get("voluntary_ctxt_switches", 0),
                         switches.get("nonvoluntary_ctxt_switches", 0), wait_ns / 1e9)
         role = MAIN_THREAD if tid == pid else thread_role(name)
