@@ -29,6 +29,7 @@ from proxy.config import ConfigError, EnrichSettings, Settings, parse_host_port
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
+from proxy.karta.batches import alone_if_failing
 from proxy.karta.model import Description
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
@@ -342,7 +343,14 @@ class Proxy:
         change = self.engine.change_descriptions(descs, source=source)
         self.index.apply(change.changes)
         owed = change.owed
-        await in_runs(len(owed), lambda i, j: self.index.apply(self.engine.reattribute(owed[i:j])),
+
+        def failed(uid: str, error: Exception) -> None:
+            # an engine bug on one owed object costs that object (and what lies below
+            # it) its new attribution, never the rest of the reload's runs
+            log.error("engine failed on the re-attribution of %s", uid, exc_info=error)
+
+        await in_runs(len(owed), lambda i, j: self.index.apply(
+                          alone_if_failing(owed[i:j], self.engine.reattribute, failed)),
                       Slices(LOOP_RUN_SECONDS, first=16),
                       Pacer(self.handler.relaying, RELOAD_DEFER_SECONDS))
 

@@ -46,6 +46,7 @@ import yaml
 
 from proxy import memory
 from proxy.index import PodIndex
+from proxy.karta.batches import alone_if_failing
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
@@ -762,22 +763,26 @@ def _feed_order(objs: Iterable[Held]) -> list[Held]:
 
 
 def _upsert(engine: Engine, held: list[Held], report: SnapshotReport) -> ChangeSet:
-    try:  # objects held as text are parsed one at a time, as the engine takes them
-        return engine.upsert_many(_load(o) for o in held)
-    except Exception:  # an engine bug on one object must not cost the rest
-        log.exception("snapshot: engine failed on a batch; retrying object by object")
-    cs = ChangeSet()
-    for o in held:
-        obj = _load(o)
-        try:
-            cs.merge(engine.upsert(obj))
-        except Exception as e:
-            md = obj.get("metadata") or {}
-            report.invalid_objects.append(
-                f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}: "
-                f"engine error {type(e).__name__}: {e}"
-            )
-    return cs
+    # objects held as text are parsed one at a time, as the engine takes them
+    return alone_if_failing(held, lambda batch: engine.upsert_many(_load(o) for o in batch),
+                            _skipping(report, lambda o: _object_name(_load(o))))
+
+
+def _object_name(obj: Mapping[str, Any]) -> str:
+    md = obj.get("metadata") or {}
+    return f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}"
+
+
+def _skipping(report: SnapshotReport, name: Callable[[Any], str]
+              ) -> Callable[[Any, Exception], None]:
+    """What to do with an object the engine fails on (a bug, proxy.karta.batches): it is
+    skipped, reported with the snapshot's other skipped objects, and logged."""
+    def failed(item: Any, error: Exception) -> None:
+        what = name(item)
+        report.invalid_objects.append(f"{what}: engine error {type(error).__name__}: {error}")
+        log.error("snapshot: engine failed on %s", what, exc_info=error)
+
+    return failed
 
 
 @dataclass
@@ -865,9 +870,13 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
         done(change.changes)
         yield
         owed = change.owed
-        yield from slices.run(len(owed), lambda i, j: done(engine.reattribute(owed[i:j])))
+        owed_failed = _skipping(report, lambda uid: f"the re-attribution of {uid}")
+        yield from slices.run(len(owed), lambda i, j: done(
+            alone_if_failing(owed[i:j], engine.reattribute, owed_failed)))
     gone, fresh = plan.gone, plan.fresh
-    yield from slices.run(len(gone), lambda i, j: done(engine.delete_many(gone[i:j])))
+    gone_failed = _skipping(report, lambda obj: f"the deletion of {_object_name(obj)}")
+    yield from slices.run(len(gone), lambda i, j: done(
+        alone_if_failing(gone[i:j], engine.delete_many, gone_failed)))
     yield from slices.run(len(fresh), lambda i, j: done(_upsert(engine, fresh[i:j], report)))
     attributions = list(engine.pods())
 

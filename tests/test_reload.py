@@ -8,6 +8,7 @@ one test runs the real ``karta-proxy`` process and sends it SIGHUP."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 import time
@@ -356,6 +357,48 @@ async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one
         reattributed.clear()
         assert (await p.reload()).ok  # the same files read again
         assert sum(reattributed) == 0
+    finally:
+        await p.stop()
+
+
+async def test_an_engine_failure_in_a_reloads_runs_costs_only_its_culprit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine bug on one object a description change owes keeps that object (with
+    what lies below it) at its old attribution, logged; the rest of its run and the
+    runs after it are re-attributed, and the reload succeeds."""
+    (tmp_path / "snap.yaml").write_text(_cluster(60, 2))
+    folder = tmp_path / "descriptions"
+    folder.mkdir()
+    config = tmp_path / "karta-proxy.yaml"
+    config.write_text(yaml.safe_dump({
+        "snapshot": str(tmp_path / "snap.yaml"), "server": {"listen_address": "127.0.0.1:0"},
+        "facts": {"enabled": False}, "karta": {"description_paths": [str(folder)]},
+        "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+    p = Proxy(_loader(config)(), loader=_loader(config))
+    await p.start()
+    real = p.engine.reattribute
+    runs: list[int] = []
+
+    def failing(uids: Any) -> Any:
+        uids = list(uids)
+        runs.append(len(uids))
+        if "d3" in uids:
+            raise RuntimeError("engine bug")
+        return real(uids)
+
+    p.engine.reattribute = failing  # type: ignore[method-assign]
+    try:
+        (folder / "web.yaml").write_text(WEB_DEPLOYMENT)
+        with caplog.at_level(logging.ERROR):
+            assert (await p.reload()).ok
+        for d in range(60):
+            att = p.engine.pod(f"p{d}-1")
+            assert att is not None
+            assert (att.component == "web") == (d != 3), (d, att)
+            assert (dict(p.index.lookup(b"shop", f"web{d}-1-1".encode()) or ())
+                    .get("karta_component") == "web") == (d != 3), d
+        assert len(runs) >= 3  # in runs, d3's given again alone
+        assert "engine failed on the re-attribution of d3" in caplog.text
     finally:
         await p.stop()
 

@@ -940,3 +940,82 @@ def test_a_yaml_list_is_read_one_item_at_a_time(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert not isinstance(fc, SkippedFile) and len(fc.objects) == 3000
     assert peak < 1.5 * kept, (kept, peak)
+
+
+async def test_an_engine_failure_on_one_object_of_a_reload_costs_that_object_only(
+        tmp_path: Path) -> None:
+    """An engine bug on one object of a reload's runs (a deletion, an upsert, a
+    re-attribution a description change owes) skips that object, reported with the
+    snapshot's skipped objects, and the rest of its run and the runs after it are
+    applied."""
+    objs = _deployment() + [_pod(f"bare-{i}", f"b-{i}", None) for i in range(4)]
+    f = _write(tmp_path / "s.yaml", objs)
+    engine, index = Engine(), PodIndex()
+    src = SnapshotSource(f, engine, index)
+    await src.start()
+    real_delete, real_upsert = engine.delete_many, engine.upsert_many
+
+    def named(objs: Any, bad: str) -> list[Any]:
+        objs = list(objs)
+        if any((o.get("metadata") or {}).get("name") == bad for o in objs):
+            raise RuntimeError(f"engine bug on {bad}")
+        return objs
+
+    engine.delete_many = (  # type: ignore[method-assign]
+        lambda objs, **kw: real_delete(named(objs, "bare-1"), **kw))
+    engine.upsert_many = (  # type: ignore[method-assign]
+        lambda objs, **kw: real_upsert(named(objs, "late-1"), **kw))
+    try:
+        # two bare pods go, two come
+        _write(f, [*_deployment(), _pod("bare-0", "b-0", None), _pod("bare-3", "b-3", None),
+                   _pod("late-0", "l-0", None), _pod("late-1", "l-1", None)])
+        await src.reload()
+    finally:
+        gc.unfreeze()
+    report = src.report
+    assert report is not None
+    assert sorted(report.invalid_objects) == [
+        "Pod shop/late-1: engine error RuntimeError: engine bug on late-1",
+        "the deletion of Pod shop/bare-1: engine error RuntimeError: engine bug on bare-1",
+    ]
+    assert engine.pod("b-2") is None and engine.pod("b-1") is not None  # only the culprit
+    assert engine.pod("l-0") is not None and engine.pod("l-1") is None
+    assert _workload_of(index, "late-0") == "late-0"
+
+
+def test_an_engine_failure_on_an_owed_object_costs_that_object_only(tmp_path: Path) -> None:
+    """A description change in a snapshot owes its kind's objects a new attribution; one
+    the engine fails on keeps the old one, reported, and the others get theirs."""
+    def trainer(name: str) -> list[dict[str, Any]]:
+        pod = _pod(f"{name}-worker-0", f"{name}-p", None)
+        pod["metadata"]["ownerReferences"] = [
+            {"apiVersion": "example.com/v1", "kind": "Trainer", "name": name,
+             "uid": f"{name}-uid", "controller": True}]
+        return [{"apiVersion": "example.com/v1", "kind": "Trainer",
+                 "metadata": {"name": name, "namespace": "shop", "uid": f"{name}-uid"}}, pod]
+
+    def desc(component_name: str) -> dict[str, Any]:
+        return karta("trainer", component("trainer", "example.com", "Trainer"), [
+            {"name": component_name, "ownerRef": "trainer",
+             "specDefinition": {"podTemplateSpecPath": ".spec.template"}}])
+
+    objs = trainer("a") + trainer("b") + trainer("c")
+    before = read_snapshot(_write(tmp_path / "before.yaml", [*objs, desc("worker")]))
+    engine = Engine()
+    first = snapshot.apply_content(before, engine)
+    assert not first.invalid_objects
+    real = engine.reattribute
+
+    def failing(uids: Any) -> Any:
+        uids = list(uids)
+        if "b-uid" in uids:
+            raise RuntimeError("engine bug")
+        return real(uids)
+
+    engine.reattribute = failing  # type: ignore[method-assign]
+    after = read_snapshot(_write(tmp_path / "after.yaml", [*objs, desc("gpu")]))
+    report = snapshot.apply_content(after, engine, previous=before)
+    assert report.invalid_objects == [
+        "the re-attribution of b-uid: engine error RuntimeError: engine bug"]
+    components = {n: (engine.pod(f"{n}-p") or pytest.fail(n)).component for n in "abc"}
+    assert components == {"a": "gpu", "b": "worker", "c": "gpu"}

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from proxy import memory
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
+from proxy.karta.batches import alone_if_failing
 from proxy.karta.engine import slim_pod
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
@@ -363,21 +364,13 @@ class KubeSource:
 
     def _alone_if_failing(self, items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet],
                           name: Callable[[T], str]) -> ChangeSet:
-        """``call(items)``; if the engine fails on them, ``call`` on each alone, so that an
-        object it fails on (a bug) costs that object only: counted (``object_errors``) and
-        logged by ``name``."""
-        try:
-            return call(items)
-        except Exception:
-            log.exception("engine failed on a batch; retrying object by object")
-        cs = ChangeSet()
-        for item in items:
-            try:
-                cs.merge(call([item]))
-            except Exception:
-                self.object_errors += 1
-                log.exception("engine failed on %s", name(item))
-        return cs
+        """``call(items)``, an object the engine fails on (a bug) costing that object only:
+        counted (``object_errors``) and logged by ``name``."""
+        def failed(item: T, error: Exception) -> None:
+            self.object_errors += 1
+            log.error("engine failed on %s", name(item), exc_info=error)
+
+        return alone_if_failing(items, call, failed)
 
     # -- WatchSink -------------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+"""Engine calls over a batch that one object's engine failure cannot fail whole.
+
+The engine is fed in batches (a watch's slice of events, a snapshot's runs, what a
+description change owes). An exception from the engine is a bug, but a bug on one object
+must cost that object only: its batch is given again one object at a time, and each
+object the engine still fails on is reported, never raised. Every writer of the engine
+(the watches, the snapshot, a configuration reload) goes through :func:`alone_if_failing`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from proxy.karta.results import ChangeSet
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def alone_if_failing(items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet],
+                     failed: Callable[[T, Exception], None]) -> ChangeSet:
+    """``call(items)``; if the engine fails on them, ``call`` on each item alone, and
+    ``failed(item, error)`` for each it fails on again (count it, log it, report it).
+
+    A batch that failed part-way may have changed the engine before the failure without
+    the change reaching the caller; given again, those objects are unchanged and give
+    nothing. Engine failures are bugs, logged with their tracebacks; this keeps them from
+    costing the rest of the batch, not from costing anything."""
+    try:
+        return call(items)
+    except Exception:
+        log.exception("engine failed on a batch of %d; retrying object by object", len(items))
+    cs = ChangeSet()
+    for item in items:
+        try:
+            cs.merge(call([item]))
+        except Exception as e:
+            failed(item, e)
+    return cs
