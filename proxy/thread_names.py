@@ -4,7 +4,8 @@ Python 3.11 names its threads only for itself: ``top -H``, ``ps -L``, ``perf`` a
 ``/proc/PID/task/TID/comm`` all see every thread as the process's own name, so an
 operator cannot tell the event loop from a splice worker when one of them burns a core.
 :func:`name_os_thread` gives the calling thread its Python name at the OS level too; the
-worker pools call it as each thread starts. (Python 3.14 does this itself; this is a no-op where ``prctl`` is missing.)
+worker pools call it as each thread starts. (Python 3.14 does this itself; this is a
+no-op where ``prctl`` is missing.)
 """
 
 from __future__ import annotations
