@@ -313,12 +313,10 @@ def _cluster(deployments: int, pods_each: int) -> str:
     return yaml.safe_dump_all(objs)
 
 
-async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one_not_at_all(
-        tmp_path: Path) -> None:
-    """A reload whose description files change re-attributes every pod of the kind in
-    runs that let the event loop turn (in one go: the loop held for all of them), and a
-    reload that reads the same files again re-attributes nothing."""
-    (tmp_path / "snap.yaml").write_text(_cluster(400, 10))
+async def _described_proxy(tmp_path: Path, snapshot: str) -> tuple[Proxy, Path]:
+    """A started proxy on ``snapshot`` whose descriptions are read from a folder (empty
+    yet) at each reload; the proxy and the folder."""
+    (tmp_path / "snap.yaml").write_text(snapshot)
     folder = tmp_path / "descriptions"
     folder.mkdir()
     config = tmp_path / "karta-proxy.yaml"
@@ -328,6 +326,15 @@ async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one
         "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
     p = Proxy(_loader(config)(), loader=_loader(config))
     await p.start()
+    return p, folder
+
+
+async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one_not_at_all(
+        tmp_path: Path) -> None:
+    """A reload whose description files change re-attributes every pod of the kind in
+    runs that let the event loop turn (in one go: the loop held for all of them), and a
+    reload that reads the same files again re-attributes nothing."""
+    p, folder = await _described_proxy(tmp_path, _cluster(400, 10))
     reattributed = record_runs(p.engine)
     gaps: list[float] = []
     stop = False
@@ -366,16 +373,7 @@ async def test_an_engine_failure_in_a_reloads_runs_costs_only_its_culprit(
     """An engine bug on one object a description change owes keeps that object (with
     what lies below it) at its old attribution, logged; the rest of its run and the
     runs after it are re-attributed, and the reload succeeds."""
-    (tmp_path / "snap.yaml").write_text(_cluster(60, 2))
-    folder = tmp_path / "descriptions"
-    folder.mkdir()
-    config = tmp_path / "karta-proxy.yaml"
-    config.write_text(yaml.safe_dump({
-        "snapshot": str(tmp_path / "snap.yaml"), "server": {"listen_address": "127.0.0.1:0"},
-        "facts": {"enabled": False}, "karta": {"description_paths": [str(folder)]},
-        "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
-    p = Proxy(_loader(config)(), loader=_loader(config))
-    await p.start()
+    p, folder = await _described_proxy(tmp_path, _cluster(60, 2))
     real = p.engine.reattribute
     runs: list[int] = []
 
