@@ -344,15 +344,19 @@ class Proxy:
         self.index.apply(change.changes)
         owed = change.owed
 
-        def failed(uid: str, error: Exception) -> None:
-            # an engine bug on one owed object costs that object (and what lies below
-            # it) its new attribution, never the rest of the reload's runs
-            log.error("engine failed on the re-attribution of %s", uid, exc_info=error)
-
-        await in_runs(len(owed), lambda i, j: self.index.apply(
-                          alone_if_failing(owed[i:j], self.engine.reattribute, failed)),
+        # an engine bug on one owed object costs that object (and what lies below it) its
+        # new attribution, never the rest of the reload's runs; logged once per reload
+        failures: list[tuple[str, Exception]] = []
+        await in_runs(len(owed), lambda i, j: self.index.apply(alone_if_failing(
+                          owed[i:j], self.engine.reattribute,
+                          lambda uid, error: failures.append((uid, error)))),
                       Slices(LOOP_RUN_SECONDS, first=16),
                       Pacer(self.handler.relaying, RELOAD_DEFER_SECONDS))
+        if failures:
+            error = failures[0][1]
+            log.error("engine failed on the re-attribution of %d of %d objects; they keep "
+                      "their attribution: %s", len(failures), len(owed),
+                      ", ".join(u for u, _ in failures[:5]), exc_info=error)
 
     async def _reload(self) -> ReloadOutcome:
         from proxy.attribution import build_plan

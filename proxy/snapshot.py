@@ -776,11 +776,12 @@ def _object_name(obj: Mapping[str, Any]) -> str:
 def _skipping(report: SnapshotReport, name: Callable[[Any], str]
               ) -> Callable[[Any, Exception], None]:
     """What to do with an object the engine fails on (a bug, proxy.karta.batches): it is
-    skipped, reported with the snapshot's other skipped objects, and logged."""
+    skipped and reported with the snapshot's other skipped objects, one log line each
+    (``log_report``; the batch's traceback is logged once where it failed, not once per
+    object: an engine bug that hits every pod would log tens of thousands)."""
     def failed(item: Any, error: Exception) -> None:
-        what = name(item)
-        report.invalid_objects.append(f"{what}: engine error {type(error).__name__}: {error}")
-        log.error("snapshot: engine failed on %s", what, exc_info=error)
+        report.invalid_objects.append(
+            f"{name(item)}: engine error {type(error).__name__}: {error}")
 
     return failed
 
