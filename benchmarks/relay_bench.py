@@ -158,9 +158,11 @@ def _start_relay(
     proxy_repo: Path = REPO,
     log_name: str | None = None,
     proxy_args: Sequence[str] = (),
+    wrap: Sequence[str] = (),
 ) -> Process:
     """Start relay ``name`` (one of RELAYS) forwarding to ``upstream``; ``cpus``: under
-    ``taskset -c`` (inherited by every thread and child)."""
+    ``taskset -c`` (inherited by every thread and child); ``wrap``: a Python relay run
+    through this script and its arguments first (``relay/profiled.py OUT``)."""
     port = free_port()
     url = f"http://127.0.0.1:{upstream.port}{WRITE_PATH}"
     log = work / f"{log_name or name}.log"
@@ -169,6 +171,7 @@ def _start_relay(
         argv = [
             *pin,
             sys.executable,
+            *wrap,
             str(HERE / "relay" / "passthrough.py"),
             "--listen",
             f"127.0.0.1:{port}",
@@ -183,6 +186,7 @@ def _start_relay(
         argv = [
             *pin,
             sys.executable,
+            *wrap,
             "-m",
             "proxy",
             "--listen-address",
