@@ -52,7 +52,7 @@ from proxy.compression import (
 from proxy.config import ServerSettings
 from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
 from proxy.index import PodIndex
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.thread_names import named_pool
 from proxy.upstream import Answer, Outgoing, Upstream
@@ -305,6 +305,16 @@ class RemoteWriteHandler:
         #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
         self._shed_counters: dict[tuple[str, str], Counter] = {}
         self._executor = named_pool("karta-splice", self.workers)
+        # the request path's metric updates, cheap: each labelled child looked up once,
+        # the in-flight gauges read at scrape time from what the handler keeps anyway
+        self._requests = Children(metrics.requests)
+        self._durations = Children(metrics.request_duration)
+        self._series = Children(metrics.series)
+        self._unattributed = Children(metrics.unattributed)
+        #: requests admitted and not yet answered (karta_proxy_inflight_requests)
+        self._inflight = 0
+        metrics.inflight.set_function(lambda: self._inflight)
+        metrics.inflight_bytes.set_function(lambda: self.budget.bytes)
         #: the other parts of a request in parts (a part never waits on another part, so
         #: this pool cannot deadlock); None with one worker
         self._parts = PartThreads(self.workers - 1) if self.workers > 1 else None
@@ -346,10 +356,8 @@ class RemoteWriteHandler:
         # the route, not the path: one series per tenant path template, not per tenant
         route = request.match_info.route.resource
         path = route.canonical if route is not None else request.path
-        self.metrics.requests.labels(path, protocol_label, str(response.status)).inc()
-        self.metrics.request_duration.labels(protocol_label).observe(
-            time.perf_counter() - started
-        )
+        self._requests(path, protocol_label, str(response.status)).inc()
+        self._durations(protocol_label).observe(time.perf_counter() - started)
         return response
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
@@ -486,15 +494,14 @@ class RemoteWriteHandler:
                            counter="reject", kind="overload",
                            headers={"Retry-After": RETRY_AFTER})
         held = _Held()
-        self.metrics.inflight.inc()
+        self._inflight += 1
         try:
             body = await self._read_body(request, held)
             return await self._process(request, protocol, encoding, body, held)
         finally:
             self.slots.leave()
-            self.metrics.inflight.dec()
+            self._inflight -= 1
             self.budget.release(held.bytes)
-            self.metrics.inflight_bytes.dec(held.bytes)
 
     def _reserve(self, held: _Held, n: int) -> None:
         if not self.budget.try_reserve(n):
@@ -502,7 +509,6 @@ class RemoteWriteHandler:
                            counter="reject", kind="overload",
                            headers={"Retry-After": RETRY_AFTER})
         held.bytes += n
-        self.metrics.inflight_bytes.inc(n)
 
     async def _read_body(self, request: web.Request, held: _Held) -> bytes:
         """The body, reserved chunk by chunk as it arrives (never the maximum up front:
@@ -583,7 +589,7 @@ class RemoteWriteHandler:
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         if answer.ok:
-            self.metrics.series.labels("out").inc(result.counts.series)
+            self._series("out").inc(result.counts.series)
         return self._answer(answer)
 
     def _parts_for(self, declared: int | None, protocol: Protocol, encoding: str) -> int:
@@ -631,7 +637,7 @@ class RemoteWriteHandler:
 
     def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts
-        m.series.labels("in").inc(c.series)
+        self._series("in").inc(c.series)
         m.samples.inc(c.samples)
         if c.histograms:
             m.histograms.inc(c.histograms)
@@ -642,7 +648,7 @@ class RemoteWriteHandler:
         if result.stripped:
             m.sender_karta_dropped.inc(result.stripped)
         for reason, n in result.unattributed.items():
-            m.unattributed.labels(reason).inc(n)
+            self._unattributed(reason).inc(n)
 
     @staticmethod
     def _answer(answer: Answer) -> web.Response:

@@ -9,6 +9,7 @@ registry does not get the default registry's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,6 +22,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from proxy.index import PodIndex
@@ -38,6 +40,33 @@ disable_created_metrics()
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children, each looked up once.
+
+    ``labels()`` validates, converts and locks on every call, ~6 Python calls; the
+    request path updates seven labelled metrics per request on the event loop thread,
+    whose share of a request is what karta-proxy spends beyond a plain relay
+    (docs/performance.md, "Fourteenth pass"). Label values on the request path come from
+    small fixed sets (routes, protocols, status codes, reasons), so the map stays small.
+    Nothing on that path removes a child; a metric whose children are removed must not be
+    cached this way."""
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class _IndexCollector(Collector):

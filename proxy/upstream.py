@@ -43,7 +43,7 @@ import aiohttp
 
 from proxy.compression import DecodeError, compress, decompress
 from proxy.config import UpstreamSettings
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import Children, ProxyMetrics
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import Layout, layout
 from proxy.wire.primitives import Counts, Protocol
@@ -350,6 +350,8 @@ class Upstream:
     def __init__(self, settings: UpstreamSettings, metrics: ProxyMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        #: the responses counter's children, each looked up once (proxy.metrics.Children)
+        self._responses = Children(metrics.upstream_responses) if metrics is not None else None
         self.url = display_url(settings.url)
         #: where a request that names no tenant goes (the proxy's own, the check)
         self._default_url = tenant_url(settings.url, None, settings.default_tenant) or ""
@@ -717,9 +719,9 @@ class Upstream:
             code = "error"
             return self._no_answer(502, code, "upstream request failed", repr(e), error=repr(e))
         finally:
-            if self.metrics is not None:
+            if self.metrics is not None and self._responses is not None:
                 self.metrics.upstream_duration.observe(time.perf_counter() - started)
-                self.metrics.upstream_responses.labels(code).inc()
+                self._responses(code).inc()
 
     def _no_answer(self, status: int, code: str, what: str, detail: str = "",
                    **extra: object) -> Answer:
