@@ -417,7 +417,7 @@ class RemoteWriteHandler:
             protocol_label = protocol_from_content_type(content_type).name.lower()
         except DecodeError:
             protocol_label = "unknown"
-        counter = self.metrics.requests.labels(route, protocol_label, "503")
+        counter = self._requests(route, protocol_label, "503")
         if len(self._shed_counters) < SHED_COUNTERS_CACHED:
             self._shed_counters[(route, content_type)] = counter
         return counter
