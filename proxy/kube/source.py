@@ -365,10 +365,12 @@ class KubeSource:
     def _alone_if_failing(self, items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet],
                           name: Callable[[T], str]) -> ChangeSet:
         """``call(items)``, an object the engine fails on (a bug) costing that object only:
-        counted (``object_errors``) and logged by ``name``."""
+        counted (``object_errors``) and logged by ``name``, one line each (the batch's
+        traceback is logged once where it failed, not once per object: an engine bug that
+        hits every pod would log tens of thousands)."""
         def failed(item: T, error: Exception) -> None:
             self.object_errors += 1
-            log.error("engine failed on %s", name(item), exc_info=error)
+            log.error("engine failed on %s: %s: %s", name(item), type(error).__name__, error)
 
         return alone_if_failing(items, call, failed)
 

@@ -9,6 +9,7 @@ protocol itself is tested against the simulator in test_source.py.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -227,7 +228,7 @@ async def test_a_description_change_after_the_sync_is_given_in_slices_by_the_fol
 
 
 async def test_an_engine_failure_in_a_slice_owed_loses_only_its_culprit(
-        cluster: FakeCluster, synced: Synced) -> None:
+        cluster: FakeCluster, synced: Synced, caplog: pytest.LogCaptureFixture) -> None:
     """Only the owed object whose re-attribution fails keeps, with what lies below it,
     its old attribution (counted and logged); the rest of its slice is given."""
     karta = cluster.create(RAYCLUSTER_KARTA)
@@ -248,8 +249,13 @@ async def test_an_engine_failure_in_a_slice_owed_loses_only_its_culprit(
     # again as their watch changes mode): only the owed re-attribution moves the labels
     renamed = json.loads(json.dumps(karta).replace('"name": "worker"', '"name": "gpu"'))
     cluster.update(renamed)
-    assert await source.refresh_kinds() == 0
+    with caplog.at_level(logging.ERROR):
+        assert await source.refresh_kinds() == 0
     assert source.object_errors == 1
+    # the batch's traceback once, the culprit in one line
+    failures = [r for r in caplog.records if "engine failed" in r.getMessage()]
+    assert [r.exc_info is not None for r in failures] == [True, False], failures
+    assert bad in failures[1].getMessage() and "engine bug" in failures[1].getMessage()
     for rc, component in (("a", "worker"), ("b", "gpu"), ("c", "gpu")):
         assert (labels(source, "ml", f"{rc}-gpu-0") or {}).get("karta_component") == component
 
