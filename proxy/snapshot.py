@@ -46,7 +46,7 @@ import yaml
 
 from proxy import memory
 from proxy.index import PodIndex
-from proxy.karta.batches import alone_if_failing
+from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
 from proxy.karta.model import Description
@@ -765,12 +765,7 @@ def _feed_order(objs: Iterable[Held]) -> list[Held]:
 def _upsert(engine: Engine, held: list[Held], report: SnapshotReport) -> ChangeSet:
     # objects held as text are parsed one at a time, as the engine takes them
     return alone_if_failing(held, lambda batch: engine.upsert_many(_load(o) for o in batch),
-                            _skipping(report, lambda o: _object_name(_load(o))))
-
-
-def _object_name(obj: Mapping[str, Any]) -> str:
-    md = obj.get("metadata") or {}
-    return f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}"
+                            _skipping(report, lambda o: object_name(_load(o))))
 
 
 def _skipping(report: SnapshotReport, name: Callable[[Any], str]
@@ -875,7 +870,7 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
         yield from slices.run(len(owed), lambda i, j: done(
             alone_if_failing(owed[i:j], engine.reattribute, owed_failed)))
     gone, fresh = plan.gone, plan.fresh
-    gone_failed = _skipping(report, lambda obj: f"the deletion of {_object_name(obj)}")
+    gone_failed = _skipping(report, lambda obj: f"the deletion of {object_name(obj)}")
     yield from slices.run(len(gone), lambda i, j: done(
         alone_if_failing(gone[i:j], engine.delete_many, gone_failed)))
     yield from slices.run(len(fresh), lambda i, j: done(_upsert(engine, fresh[i:j], report)))

@@ -10,8 +10,8 @@ object the engine still fails on is reported, never raised. Every writer of the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from proxy.karta.results import ChangeSet
 
@@ -40,3 +40,10 @@ def alone_if_failing(items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet
         except Exception as e:
             failed(item, e)
     return cs
+
+
+def object_name(obj: Mapping[str, Any]) -> str:
+    """``Kind namespace/name``: how an object the engine failed on is named in a log line
+    or a report."""
+    md = obj.get("metadata") or {}
+    return f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}"

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from proxy import memory
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
-from proxy.karta.batches import alone_if_failing
+from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.engine import slim_pod
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
@@ -416,7 +416,7 @@ class KubeSource:
         # (reattribute_owed); during the sync it is done at once, before index.ready
         owed = self._owed if self.index.ready else None
         changes.merge(self._alone_if_failing(objs, lambda batch: many(batch, owed=owed),
-                                             _object_name))
+                                             object_name))
 
     def current(self, watcher: Watcher) -> None:
         now = time.time()
@@ -442,7 +442,3 @@ class KubeSource:
         self._kinds_changed.set()
 
 
-def _object_name(obj: Mapping[str, Any]) -> str:
-    """``Kind namespace/name``, for a log line."""
-    md = obj.get("metadata") or {}
-    return f"{obj.get('kind')} {md.get('namespace', '')}/{md.get('name')}"
