@@ -204,22 +204,30 @@ class OwnerGraph:
         all its pods. One on an owner cycle back to itself is kept, so a cycle of owed
         objects is never dropped whole."""
         among = set(uids)
-        objects, pods = self.objects, self._pods
         out = []
         for uid in uids:
-            rec = objects.get(uid)
-            ref = rec.owner if rec is not None else getattr(pods.get(uid), "owner", None)
+            ref = self._owner(uid)
             below = False
             for _ in range(self.max_hops):
-                if ref is None or ref.uid == uid:
-                    below = below and ref is None
+                if ref is None:
+                    break
+                if ref.uid == uid:  # on a cycle back to itself
+                    below = False
                     break
                 below = below or ref.uid in among
-                up = objects.get(ref.uid)
-                ref = up.owner if up is not None else getattr(pods.get(ref.uid), "owner", None)
+                ref = self._owner(ref.uid)
             if not below:
                 out.append(uid)
         return out
+
+    def _owner(self, uid: str) -> OwnerRef | None:
+        """The controller reference of the object or pod ``uid``; None for a root or one
+        not held."""
+        rec = self.objects.get(uid)
+        if rec is not None:
+            return rec.owner
+        pod = self._pods.get(uid)
+        return pod.owner if pod is not None else None
 
     def add_descendants(self, uid: str, into: dict[str, None]) -> None:
         """Add every pod and object below ``uid`` to ``into``, in the order
