@@ -525,23 +525,34 @@ class RemoteWriteHandler:
         started = loop.time()
         deadline = started + s.body_read_timeout_seconds
         rate = s.min_body_bytes_per_second
-        buf = bytearray()
+        chunks: list[bytes] = []
+        received = 0
         content = request.content
         while True:
-            # the next byte is due when the bytes so far stop covering the minimum rate
-            due = started + BODY_RATE_GRACE_SECONDS + (len(buf) + 1) / rate
-            try:
-                async with asyncio.timeout_at(min(deadline, due)):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise self._stalled(len(buf), loop.time() - started, due < deadline) from None
+            # what has arrived is taken as it is; a deadline only for a wait (by the time a
+            # request holds its slot its body is usually all here: no timer, and a body of
+            # one chunk is returned without a copy)
+            chunk = content.read_nowait()
             if not chunk:
-                return bytes(buf)
-            if len(buf) + len(chunk) > limit:
+                if content.at_eof():
+                    break
+                # the next byte is due when the bytes so far stop covering the minimum rate
+                due = started + BODY_RATE_GRACE_SECONDS + (received + 1) / rate
+                try:
+                    async with asyncio.timeout_at(min(deadline, due)):
+                        chunk = await content.readany()
+                except TimeoutError:
+                    raise self._stalled(received, loop.time() - started,
+                                        due < deadline) from None
+                if not chunk:
+                    break
+            if received + len(chunk) > limit:
                 raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
                                counter="reject", kind="too_large")
             self._reserve(held, len(chunk))
-            buf += chunk
+            received += len(chunk)
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _stalled(self, received: int, elapsed: float, too_slow: bool) -> _Refusal:
         s = self.settings
