@@ -52,9 +52,9 @@ from proxy.compression import (
 from proxy.config import ServerSettings
 from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
 from proxy.index import PodIndex
+from proxy.loop_workers import LoopWorkers
 from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
-from proxy.thread_names import named_pool
 from proxy.upstream import Answer, Outgoing, Upstream
 from proxy.wire.native import split_v1
 from proxy.wire.plan import SpliceResult
@@ -304,7 +304,7 @@ class RemoteWriteHandler:
         self._overload_rejected = metrics.rejected.labels("overload")
         #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
         self._shed_counters: dict[tuple[str, str], Counter] = {}
-        self._executor = named_pool("karta-splice", self.workers)
+        self._pool = LoopWorkers("karta-splice", self.workers)
         # the request path's metric updates, cheap: each labelled child looked up once,
         # the in-flight gauges read at scrape time from what the handler keeps anyway
         self._requests = Children(metrics.requests)
@@ -329,7 +329,7 @@ class RemoteWriteHandler:
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown()
         if self._parts is not None:
             self._parts.shutdown(wait=True, cancel_futures=True)
 
@@ -582,8 +582,8 @@ class RemoteWriteHandler:
                 parts = self._parts_for(declared, protocol, encoding)
                 self._in_workers += 1
                 try:
-                    prepared = await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self._prepare, body, encoding, protocol, parts)
+                    prepared = await self._pool.run(self._prepare, body, encoding,
+                                                       protocol, parts)
                 finally:
                     self._in_workers -= 1
         except DecodeError as e:

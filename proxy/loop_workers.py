@@ -1,0 +1,109 @@
+"""Threads that run a request's CPU work and hand the result straight to the event loop.
+
+``loop.run_in_executor`` costs the event loop thread ~75 Python calls per request: a
+``concurrent.futures.Future`` with its condition variable, the executor's lock and
+thread-count check, an asyncio future chained to the first one and the copy of its state
+back (``benchmarks/loop_bench.py``). The loop thread is where karta-proxy spends beyond a
+plain relay, and interpreter work there slows most when the machine does
+(docs/performance.md, "Fourteenth pass"). Here a job is one tuple on a queue and the
+answer one ``call_soon_threadsafe`` that sets the awaiting future: ~10 calls.
+
+The threads (one per core the proxy may use) start with the first job and are named for the OS
+(``proxy.thread_names``). A job still queued when the workers are shut down is cancelled;
+one running finishes, its result dropped when no one waits for it any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from proxy.thread_names import name_os_thread
+
+T = TypeVar("T")
+
+#: a job: the loop to answer on, the future to set there, the call
+_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+def _set_result(fut: asyncio.Future[Any], result: Any) -> None:
+    if not fut.done():  # cancelled meanwhile: the request was abandoned
+        fut.set_result(result)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _cancel(fut: asyncio.Future[Any]) -> None:
+    fut.cancel()
+
+
+class LoopWorkers:
+    """A fixed set of named threads; :meth:`run` awaits a call made in one of them."""
+
+    def __init__(self, prefix: str, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a worker pool needs at least one thread, not {count}")
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{prefix}_{i}", daemon=True)
+                         for i in range(count)]
+        self._started = False
+
+    def _start(self) -> None:
+        self._started = True
+        for t in self._threads:
+            t.start()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread; its result, or what it raised."""
+        if self._closed:
+            raise RuntimeError("the worker threads are shut down")
+        if not self._started:  # at the first job: a handler never used starts none
+            self._start()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
+        return await fut
+
+    def shutdown(self) -> None:
+        """Stop the threads once each has finished its job (queued ones are cancelled),
+        and wait for them."""
+        self._closed = True
+        if not self._started:
+            return
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+    def _work(self) -> None:
+        name_os_thread()
+        jobs = self._jobs
+        while (job := jobs.get()) is not None:
+            self._do(*job)
+            del job  # nothing of a request kept while waiting for the next
+
+    def _do(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any],
+            fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if self._closed:
+            self._answer(loop, _cancel, fut)
+            return
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting request, as an executor does
+            self._answer(loop, _set_exception, fut, e)
+        else:
+            self._answer(loop, _set_result, fut, result)
+
+    @staticmethod
+    def _answer(loop: asyncio.AbstractEventLoop, how: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: no one to answer
+            loop.call_soon_threadsafe(how, *args)

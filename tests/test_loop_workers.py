@@ -1,0 +1,103 @@
+"""The request workers: a call made in a named thread, its result or error handed to the
+awaiting coroutine, a shut-down pool taking no more and cancelling what is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from proxy.loop_workers import LoopWorkers
+
+
+def _where(x: int) -> tuple[str, int]:
+    return threading.current_thread().name, x * 2
+
+
+def _comm() -> str:
+    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
+async def test_a_call_runs_in_a_named_worker_and_its_result_comes_back() -> None:
+    pool = LoopWorkers("karta-test", 2)
+    try:
+        results = await asyncio.gather(*(pool.run(_where, i) for i in range(20)))
+        assert [x for _, x in results] == [i * 2 for i in range(20)]
+        assert {name for name, _ in results} <= {"karta-test_0", "karta-test_1"}
+        assert threading.current_thread().name not in {name for name, _ in results}
+        if Path("/proc/self/task").is_dir():
+            assert (await pool.run(_comm)).startswith("karta-test_")
+    finally:
+        pool.shutdown()
+
+
+async def test_an_error_reaches_the_caller_and_the_worker_goes_on() -> None:
+    pool = LoopWorkers("karta-test", 1)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            await pool.run(lambda: 1 // 0)
+        assert await pool.run(_where, 3) == ("karta-test_0", 6)
+    finally:
+        pool.shutdown()
+
+
+async def test_the_loop_runs_while_a_worker_does() -> None:
+    pool = LoopWorkers("karta-test", 1)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await pool.run(time.sleep, 0.2)
+        assert ticks >= 5
+    finally:
+        ticker.cancel()
+        pool.shutdown()
+
+
+async def test_an_abandoned_call_is_dropped_and_the_next_one_answered() -> None:
+    pool = LoopWorkers("karta-test", 1)
+    try:
+        slow = asyncio.create_task(pool.run(time.sleep, 0.2))
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert await pool.run(_where, 1) == ("karta-test_0", 2)
+    finally:
+        pool.shutdown()
+
+
+async def test_after_shutdown_queued_calls_are_cancelled_and_new_ones_refused() -> None:
+    pool = LoopWorkers("karta-test", 1)
+    busy = asyncio.create_task(pool.run(time.sleep, 0.3))
+    await asyncio.sleep(0.05)
+    queued = asyncio.create_task(pool.run(_where, 1))
+    await asyncio.sleep(0.01)
+    await asyncio.to_thread(pool.shutdown)
+    await busy  # the running one finishes
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    with pytest.raises(RuntimeError, match="shut down"):
+        await pool.run(_where, 2)
+    assert not any(t.name.startswith("karta-test_") for t in threading.enumerate())
+
+
+def test_a_pool_never_used_starts_no_thread_and_shuts_down_at_once() -> None:
+    before = threading.active_count()
+    pool = LoopWorkers("karta-test", 4)
+    assert threading.active_count() == before
+    pool.shutdown()
+
+
+def test_a_pool_needs_a_thread() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        LoopWorkers("karta-test", 0)
