@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from relay import corpus as corpus_mod
 from relay import load
 from relay.procs import Process
-from relay.workdir import discard_work_dir
+from relay.workdir import discard_work_dir, results_path
 from relay_bench import HERE, _start_relay, _start_upstream
 
 RELAYS = ("pass-through", "karta-proxy")
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--series-per-request", type=int, default=2000)
     p.add_argument("--pods", type=int, default=5000)
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=results_path)
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, profiles)")
     p.add_argument("--quick", action="store_true", help="small sizes: a check, not a figure")
     args = p.parse_args(argv)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from relay import corpus as corpus_mod
 from relay.procs import Process, cpu_seconds, http_get, peak_rss_bytes, reset_peak_rss, rss_bytes
-from relay.workdir import discard_work_dir
+from relay.workdir import discard_work_dir, results_path
 from relay_bench import REPO, WRITE_PATH, _start_relay, _start_upstream, median, percentile
 
 HEADERS = (
@@ -315,7 +315,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="the checkout whose python -m proxy is measured")
     p.add_argument("--baseline-repo", type=Path, default=None,
                    help="also measure this checkout's proxy, alternating, and compare")
-    p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    p.add_argument("--json", type=results_path, help="also write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, snapshot)")
 
 

@@ -75,7 +75,7 @@ from relay.procs import (
     thread_use,
     thread_use_between,
 )
-from relay.workdir import discard_work_dir
+from relay.workdir import discard_work_dir, results_path
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -1581,7 +1581,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(RELAYS)} (high-cardinality also: "
         f"{HC_RW2}, {HC_1CORE})",
     )
-    p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    p.add_argument("--json", type=results_path, help="also write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, snapshot)")
     p.add_argument(
         "--profile-proxy",

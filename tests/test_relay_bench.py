@@ -3,6 +3,7 @@ assertions (figures come from the benchmark itself, see docs/performance.md)."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -30,6 +31,7 @@ from relay.null_upstream import (  # noqa: E402
     count_series,
     scan_v2,
 )
+from relay.workdir import results_path  # noqa: E402
 
 
 def test_corpus_bodies_are_valid_write_requests() -> None:
@@ -399,3 +401,13 @@ def test_saturating_sends_go_to_one_relay() -> None:
             pool._run([(1, "v1"), (2, "v1")], [0], None)
     finally:
         pool.close()
+
+
+def test_a_results_file_is_checked_before_the_run(tmp_path: Path) -> None:
+    made = results_path(str(tmp_path / "new" / "dir" / "out.json"))
+    assert made.parent.is_dir() and not made.exists()
+    with pytest.raises(argparse.ArgumentTypeError, match="is a directory"):
+        results_path(str(tmp_path))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot make"):
+        results_path(str(tmp_path / "file" / "out.json"))
