@@ -983,6 +983,33 @@ async def test_an_engine_failure_on_one_object_of_a_reload_costs_that_object_onl
     assert _workload_of(index, "late-0") == "late-0"
 
 
+async def test_pods_upserted_before_an_engine_failure_reach_the_index(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine fails part-way through a reload's upserts (a bug on one pod): the pods
+    it took before the failure are in the index, not only the engine (given again, they
+    are unchanged and give nothing, so only the batch's own changes can carry them)."""
+    f = _write(tmp_path / "s.yaml", _deployment())
+    engine, index = Engine(), PodIndex()
+    src = SnapshotSource(f, engine, index)
+    await src.start()
+    real = Engine._upsert_pod
+
+    def upsert_pod(self: Engine, obj: Any, md: Any, uid: str, cs: Any) -> None:
+        if md.get("name") == "late-1":
+            raise RuntimeError("engine bug on late-1")
+        real(self, obj, md, uid, cs)
+
+    monkeypatch.setattr(Engine, "_upsert_pod", upsert_pod)
+    try:
+        _write(f, [*_deployment(), *(_pod(f"late-{i}", f"l-{i}", None) for i in range(3))])
+        await src.reload()
+    finally:
+        gc.unfreeze()
+    assert src.report is not None and src.report.invalid_objects == [
+        "Pod shop/late-1: engine error RuntimeError: engine bug on late-1"]
+    assert [_workload_of(index, f"late-{i}") for i in range(3)] == ["late-0", None, "late-2"]
+
+
 def test_an_engine_failure_on_an_owed_object_costs_that_object_only(tmp_path: Path) -> None:
     """A description change in a snapshot owes its kind's objects a new attribution; one
     the engine fails on keeps the old one, reported, and the others get theirs."""

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from proxy.karta.results import ChangeSet
+from proxy.karta.results import ChangeSet, PartialBatch
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +25,30 @@ def alone_if_failing(items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet
     """``call(items)``; if the engine fails on them, ``call`` on each item alone, and
     ``failed(item, error)`` for each it fails on again (count it, log it, report it).
 
-    A batch that failed part-way may have changed the engine before the failure without
-    the change reaching the caller; given again, those objects are unchanged and give
-    nothing. Engine failures are bugs, logged with their tracebacks; this keeps them from
-    costing the rest of the batch, not from costing anything."""
+    What the batch changed before its failure (``PartialBatch.changes``) comes first in
+    the answer: the engine holds it already, and given again, those objects are unchanged
+    and give nothing. Engine failures are bugs, logged with their tracebacks; this keeps
+    them from costing the rest of the batch, not from costing anything."""
+    cs = ChangeSet()
     try:
         return call(items)
+    except PartialBatch as e:
+        log.exception("engine failed on a batch of %d; retrying object by object", len(items))
+        if e.changes is not None:
+            cs.merge(e.changes)
     except Exception:
         log.exception("engine failed on a batch of %d; retrying object by object", len(items))
-    cs = ChangeSet()
     for item in items:
         try:
             cs.merge(call([item]))
         except Exception as e:
-            failed(item, e)
+            cause = e
+            if isinstance(e, PartialBatch):
+                if e.changes is not None:  # what the object did before failing
+                    cs.merge(e.changes)
+                if isinstance(e.__cause__, Exception):
+                    cause = e.__cause__
+            failed(item, cause)
     return cs
 
 

@@ -57,6 +57,7 @@ from proxy.karta.results import (
     PHASE_SINCE_OBJECT,
     PHASE_SINCE_OBSERVED,
     ChangeSet,
+    PartialBatch,
     PodAttribution,
     Reattribution,
     ReplicaFact,
@@ -647,10 +648,21 @@ class Engine:
         try:
             for obj in objs:
                 step(obj, cs)
+        except Exception as e:
+            raise self._partial(cs) from e
         finally:
             self._owing = None
         self._settle(cs)
         return cs
+
+    def _partial(self, cs: ChangeSet) -> PartialBatch:
+        """What a batch that failed part-way did before the failure, settled
+        (:class:`PartialBatch`)."""
+        try:
+            self._settle(cs)
+        except Exception:
+            return PartialBatch(None)
+        return PartialBatch(cs)
 
     # -- public: descriptions -----------------------------------------------------------
 
@@ -704,7 +716,10 @@ class Engine:
         below each of them at this call, again under the descriptions in force; one gone
         meanwhile is skipped."""
         cs = ChangeSet()
-        self._reattribute_below(uids, cs)
+        try:
+            self._reattribute_below(uids, cs)
+        except Exception as e:
+            raise self._partial(cs) from e
         self._settle(cs)
         return cs
 

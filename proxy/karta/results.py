@@ -100,6 +100,19 @@ class ChangeSet:
         return bool(self.pods or self.workloads or self.kinds_changed)
 
 
+class PartialBatch(Exception):
+    """The engine failed part-way through a batch (a bug; the cause is ``__cause__``).
+
+    ``changes`` is what the batch changed before the failure, settled: the engine holds
+    those changes already, so the caller applies them, or its followers would keep the
+    old attributions of every object before the failing one (given again, those objects
+    are unchanged and give nothing). None when settling failed too."""
+
+    def __init__(self, changes: ChangeSet | None) -> None:
+        super().__init__("the engine failed part-way through a batch")
+        self.changes = changes
+
+
 @dataclass(slots=True)
 class Reattribution:
     """A change of descriptions, made (``Engine.change_descriptions``): what it changed
