@@ -8,9 +8,9 @@ plain relay, and interpreter work there slows most when the machine does
 (docs/performance.md, "Fourteenth pass"). Here a job is one tuple on a queue and the
 answer one ``call_soon_threadsafe`` that sets the awaiting future: ~10 calls.
 
-The threads (one per core the proxy may use) start with the first job and are named for the OS
-(``proxy.thread_names``). A job still queued when the workers are shut down is cancelled;
-one running finishes, its result dropped when no one waits for it any more.
+The threads (one per core the proxy may use) start with the first job and are named for
+the OS (``proxy.thread_names``). A job still queued when the workers are shut down is
+cancelled; one running finishes, its result dropped when no one waits for it any more.
 """
 
 from __future__ import annotations

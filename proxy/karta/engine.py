@@ -658,9 +658,13 @@ class Engine:
     def _partial(self, cs: ChangeSet) -> PartialBatch:
         """What a batch that failed part-way did before the failure, settled
         (:class:`PartialBatch`)."""
+        dirty = set(self._dirty)
         try:
             self._settle(cs)
         except Exception:
+            # the workloads stay to settle at the next call, as if this one had not tried
+            self._dirty |= dirty
+            log.exception("settling a batch the engine failed on failed too")
             return PartialBatch(None)
         return PartialBatch(cs)
 

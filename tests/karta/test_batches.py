@@ -118,3 +118,30 @@ def test_a_reattribution_that_fails_part_way_gives_what_it_did() -> None:
         engine.reattribute(["u-a", "u-b"])
     assert done == ["a"] and isinstance(raised.value.__cause__, RuntimeError)
     assert raised.value.changes is not None and set(raised.value.changes.pods) == {"u-a"}
+
+
+def test_a_batch_whose_settling_fails_too_leaves_its_workloads_to_settle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine()
+    monkeypatch.setattr(Engine, "_upsert_pod", _bug_on("bad"))
+    real_settle = Engine._settle
+    settles = 0
+
+    def settle(self: Engine, cs: ChangeSet) -> None:
+        nonlocal settles
+        settles += 1
+        if settles == 1:
+            raise RuntimeError("another engine bug")
+        real_settle(self, cs)
+
+    monkeypatch.setattr(Engine, "_settle", settle)
+    with pytest.raises(PartialBatch) as raised:
+        engine.upsert_many([_pod("a"), _pod("bad")])
+    assert raised.value.changes is None
+    later = engine.upsert_many([_pod("c")])
+    workloads = set()
+    for uid in ("u-a", "u-c"):
+        att = engine.pod(uid)
+        assert att is not None and att.workload is not None
+        workloads.add(att.workload.uid)
+    assert workloads <= set(later.workloads)
