@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from proxy.loop_workers import LoopWorkers
+from tests.loop_turns import LoopTurns
 
 
 def _where(x: int) -> tuple[str, int]:
@@ -46,20 +47,11 @@ async def test_an_error_reaches_the_caller_and_the_worker_goes_on() -> None:
 
 async def test_the_loop_runs_while_a_worker_does() -> None:
     pool = LoopWorkers("karta-test", 1)
-    ticks = 0
-
-    async def tick() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0.005)
-
-    ticker = asyncio.create_task(tick())
     try:
-        await pool.run(time.sleep, 0.2)
-        assert ticks >= 5
+        async with LoopTurns(0.005) as loop:
+            await pool.run(time.sleep, 0.2)
+        assert loop.turns >= 5
     finally:
-        ticker.cancel()
         pool.shutdown()
 
 

@@ -37,6 +37,7 @@ from proxy.snapshot import (
     read_snapshot,
 )
 from tests.karta.descriptions import component, karta
+from tests.loop_turns import LoopTurns
 
 DEMO = Path(__file__).resolve().parents[1] / "proxy" / "demo_data" / "snapshot.yaml"
 
@@ -397,15 +398,15 @@ async def test_a_reload_diffs_and_compacts_off_the_event_loop(
 
     import proxy.snapshot as snapshot
 
-    turns = 0
+    loop = LoopTurns(0.001)
     during: dict[str, int] = {}
 
     def blocking(name: str, step: Any) -> Any:
         def run(*args: Any) -> Any:
-            before = turns
+            before = loop.turns
             time.sleep(0.05)
             out = step(*args)
-            during[name] = turns - before
+            during[name] = loop.turns - before
             return out
         return run
 
@@ -417,18 +418,11 @@ async def test_a_reload_diffs_and_compacts_off_the_event_loop(
     src = SnapshotSource(f, Engine(), index)
     await src.start()
 
-    async def tick() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0.001)
-
-    ticker = asyncio.create_task(tick())
     try:
-        _write(f, [*_deployment(), _pod("late", "p-2", None)])
-        report = await src.reload()
+        async with loop:
+            _write(f, [*_deployment(), _pod("late", "p-2", None)])
+            report = await src.reload()
     finally:
-        ticker.cancel()
         gc.unfreeze()
     assert set(report.changes.pods) == {"p-2"} and _workload_of(index, "late") == "late"
     assert during["plan"] >= 3 and during["compact"] >= 3, during

@@ -10,27 +10,14 @@ import pytest
 
 from proxy import yielding
 from proxy.yielding import Pacer, Slices, ThreadPacer
+from tests.loop_turns import LoopTurns
 
 
 async def _turns_during(coro: Awaitable[None]) -> int:
     """How many turns the event loop made while ``coro`` (awaited) ran."""
-    turns = 0
-    done = False
-
-    async def ticker() -> None:
-        nonlocal turns
-        while not done:
-            turns += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    try:
+    async with LoopTurns() as loop:
         await coro
-    finally:
-        done = True
-        await task
-    return turns
+    return loop.turns
 
 
 async def test_with_nothing_relayed_a_pause_is_turns_not_time() -> None:
