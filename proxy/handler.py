@@ -305,6 +305,7 @@ class RemoteWriteHandler:
         #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
         self._shed_counters: dict[tuple[str, str], Counter] = {}
         self._pool = LoopWorkers("karta-splice", self.workers)
+        metrics.watch_workers(self._pool)
         # the request path's metric updates, cheap: each labelled child looked up once,
         # the in-flight gauges read at scrape time from what the handler keeps anyway
         self._requests = Children(metrics.requests)

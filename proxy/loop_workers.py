@@ -11,6 +11,11 @@ answer one ``call_soon_threadsafe`` that sets the awaiting future: ~10 calls.
 The threads (one per core the proxy may use) start with the first job and are named for
 the OS (``proxy.thread_names``). A job still queued when the workers are shut down is
 cancelled; one running finishes, its result dropped when no one waits for it any more.
+
+Each thread adds up the time it spends on jobs, and the queue says how many wait: read at
+scrape time (``karta_proxy_worker_busy_seconds_total``, ``..._queued_requests``), they
+tell a proxy at capacity (every worker busy all the time) with nothing added on the
+event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,9 +58,25 @@ class LoopWorkers:
             raise ValueError(f"a worker pool needs at least one thread, not {count}")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{prefix}_{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"{prefix}_{i}",
+                                          daemon=True)
                          for i in range(count)]
         self._started = False
+        #: seconds each thread spent on jobs (each item written by its own thread only)
+        self._busy = [0.0] * count
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
+
+    def busy_seconds(self) -> float:
+        """Time the threads spent on jobs since they started, summed (a job is counted
+        when it ends)."""
+        return sum(self._busy)
+
+    def queued(self) -> int:
+        """Jobs waiting for a free thread now."""
+        return self._jobs.qsize() if not self._closed else 0
 
     def _start(self) -> None:
         self._started = True
@@ -84,11 +106,13 @@ class LoopWorkers:
             if t is not threading.current_thread():
                 t.join()
 
-    def _work(self) -> None:
+    def _work(self, i: int) -> None:
         name_os_thread()
-        jobs = self._jobs
+        jobs, busy, clock = self._jobs, self._busy, time.perf_counter
         while (job := jobs.get()) is not None:
+            started = clock()
             self._do(*job)
+            busy[i] += clock() - started
             del job  # nothing of a request kept while waiting for the next
 
     def _do(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any],

@@ -21,11 +21,12 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from proxy.index import PodIndex
+from proxy.loop_workers import LoopWorkers
 
 _P = "karta_proxy_"
 
@@ -90,6 +91,27 @@ class _IndexCollector(Collector):
                      1.0 if index.stale else 0.0)
 
 
+class _WorkerCollector(Collector):
+    """The splice workers' use, read at scrape time: busy seconds over threads is their
+    utilization, 1 a proxy at capacity (requests queue for a worker)."""
+
+    def __init__(self, workers_getter: Callable[[], LoopWorkers | None]) -> None:
+        self._get = workers_getter
+
+    def collect(self) -> Iterator[Metric]:
+        workers = self._get()
+        if workers is None:
+            return
+        yield _gauge("worker_threads", "Threads that decompress, splice and compress "
+                     "requests (server.worker_threads).", workers.threads)
+        yield CounterMetricFamily(
+            _P + "worker_busy_seconds", "Time the worker threads spent on requests, summed "
+            "over threads; its rate over worker_threads is their utilization.",
+            value=workers.busy_seconds())
+        yield _gauge("worker_queued_requests", "Requests waiting for a free worker thread.",
+                     workers.queued())
+
+
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(_P + name, documentation, value=value)
 
@@ -109,6 +131,8 @@ class ProxyMetrics:
         self._add_config_metrics(r)
         self._index: PodIndex | None = None
         r.register(_IndexCollector(lambda: self._index))
+        self._workers: LoopWorkers | None = None
+        r.register(_WorkerCollector(lambda: self._workers))
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """What came in and what became of it: the request side's own counters."""
@@ -232,3 +256,6 @@ class ProxyMetrics:
 
     def watch_index(self, index: PodIndex) -> None:
         self._index = index
+
+    def watch_workers(self, workers: LoopWorkers) -> None:
+        self._workers = workers

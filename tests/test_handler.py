@@ -224,6 +224,10 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     assert all(out == {**sent, **CART} for out, sent in zip(labels_of(rec.raw), sets,
                                                               strict=True))
     assert running.metric("karta_proxy_series_attributed_total") == len(sets)
+    # the workers' use, for capacity: threads, busy time, nothing left waiting
+    assert running.metric("karta_proxy_worker_threads") == running.proxy.handler.workers
+    assert running.metric("karta_proxy_worker_busy_seconds_total") > 0
+    assert running.metric("karta_proxy_worker_queued_requests") == 0
 
     # under 2 x PART_DECODED_BYTES (~300 KiB, what a 500-series request of real labels
     # decodes to) it is spliced whole: parts would cost more hand-offs than they save

@@ -93,3 +93,20 @@ def test_a_pool_never_used_starts_no_thread_and_shuts_down_at_once() -> None:
 def test_a_pool_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least one"):
         LoopWorkers("karta-test", 0)
+
+
+async def test_busy_time_and_queued_jobs_are_counted() -> None:
+    pool = LoopWorkers("karta-test", 1)
+    assert (pool.threads, pool.busy_seconds(), pool.queued()) == (1, 0.0, 0)
+    try:
+        first = asyncio.create_task(pool.run(time.sleep, 0.2))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(pool.run(time.sleep, 0.1))
+        await asyncio.sleep(0.01)
+        assert pool.queued() == 1  # waits for the one thread
+        await asyncio.gather(first, second)
+        assert pool.queued() == 0
+        assert 0.29 <= pool.busy_seconds() < 1.0
+    finally:
+        pool.shutdown()
+    assert pool.queued() == 0
