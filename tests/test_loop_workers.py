@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,21 @@ from tests.loop_turns import LoopTurns
 
 def _where(x: int) -> tuple[str, int]:
     return threading.current_thread().name, x * 2
+
+
+def _holding(seconds: float) -> tuple[threading.Event, Callable[[], None]]:
+    """A job that says when a worker took it, then holds the worker ``seconds``."""
+    taken = threading.Event()
+
+    def job() -> None:
+        taken.set()
+        time.sleep(seconds)
+
+    return taken, job
+
+
+async def _taken(event: threading.Event) -> None:
+    assert await asyncio.to_thread(event.wait, 10)
 
 
 def _comm() -> str:
@@ -70,8 +86,9 @@ async def test_an_abandoned_call_is_dropped_and_the_next_one_answered() -> None:
 
 async def test_after_shutdown_queued_calls_are_cancelled_and_new_ones_refused() -> None:
     pool = LoopWorkers("karta-test", 1)
-    busy = asyncio.create_task(pool.run(time.sleep, 0.3))
-    await asyncio.sleep(0.05)
+    taken, job = _holding(0.3)
+    busy = asyncio.create_task(pool.run(job))
+    await _taken(taken)
     queued = asyncio.create_task(pool.run(_where, 1))
     await asyncio.sleep(0.01)
     await asyncio.to_thread(pool.shutdown)
@@ -99,8 +116,9 @@ async def test_busy_time_and_queued_jobs_are_counted() -> None:
     pool = LoopWorkers("karta-test", 1)
     assert (pool.threads, pool.busy_seconds(), pool.queued()) == (1, 0.0, 0)
     try:
-        first = asyncio.create_task(pool.run(time.sleep, 0.2))
-        await asyncio.sleep(0.05)
+        taken, job = _holding(0.2)
+        first = asyncio.create_task(pool.run(job))
+        await _taken(taken)
         second = asyncio.create_task(pool.run(time.sleep, 0.1))
         await asyncio.sleep(0.01)
         assert pool.queued() == 1  # waits for the one thread
