@@ -44,6 +44,7 @@ _LATENCY_BUCKETS = (
 
 
 M = TypeVar("M", bound=MetricWrapperBase)
+S = TypeVar("S")
 
 
 class Children(Generic[M]):
@@ -70,46 +71,45 @@ class Children(Generic[M]):
         return child
 
 
-class _IndexCollector(Collector):
-    """Index size and state read at scrape time (nothing on the request path)."""
+class _AtScrape(Collector, Generic[S]):
+    """Families read from an object at scrape time (nothing on the request path); none
+    until the object is there."""
 
-    def __init__(self, index_getter: Callable[[], PodIndex | None]) -> None:
-        self._get = index_getter
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        index = self._get()
-        if index is None:
-            return
-        yield _gauge("index_pods", "Pods with stamped labels in the index (tombstones "
-                     "included).", len(index))
-        yield _gauge("index_tombstones", "Deleted pods still kept for late samples.",
-                     index.tombstones())
-        yield _gauge("index_workloads", "Workloads known to the index.", len(index.workloads))
-        yield _gauge("index_ready", "1 once every source delivered its initial state.",
-                     1.0 if index.ready else 0.0)
-        yield _gauge("index_stale", "1 while a source knows it is cut off.",
-                     1.0 if index.stale else 0.0)
-
-
-class _WorkerCollector(Collector):
-    """The splice workers' use, read at scrape time: busy seconds over threads is their
-    utilization, 1 a proxy at capacity (requests queue for a worker)."""
-
-    def __init__(self, workers_getter: Callable[[], LoopWorkers | None]) -> None:
-        self._get = workers_getter
+    def __init__(self, getter: Callable[[], S | None],
+                 families: Callable[[S], Iterator[Metric]]) -> None:
+        self._get = getter
+        self._families = families
 
     def collect(self) -> Iterator[Metric]:
-        workers = self._get()
-        if workers is None:
-            return
-        yield _gauge("worker_threads", "Threads that decompress, splice and compress "
-                     "requests (server.worker_threads).", workers.threads)
-        yield CounterMetricFamily(
-            _P + "worker_busy_seconds", "Time the worker threads spent on requests, summed "
-            "over threads; its rate over worker_threads is their utilization.",
-            value=workers.busy_seconds())
-        yield _gauge("worker_queued_requests", "Requests waiting for a free worker thread.",
-                     workers.queued())
+        obj = self._get()
+        if obj is not None:
+            yield from self._families(obj)
+
+
+def _index_families(index: PodIndex) -> Iterator[Metric]:
+    """The index's size and state."""
+    yield _gauge("index_pods", "Pods with stamped labels in the index (tombstones "
+                 "included).", len(index))
+    yield _gauge("index_tombstones", "Deleted pods still kept for late samples.",
+                 index.tombstones())
+    yield _gauge("index_workloads", "Workloads known to the index.", len(index.workloads))
+    yield _gauge("index_ready", "1 once every source delivered its initial state.",
+                 1.0 if index.ready else 0.0)
+    yield _gauge("index_stale", "1 while a source knows it is cut off.",
+                 1.0 if index.stale else 0.0)
+
+
+def _worker_families(workers: LoopWorkers) -> Iterator[Metric]:
+    """The splice workers' use: busy seconds over threads is their utilization, 1 a proxy
+    at capacity (requests queue for a worker)."""
+    yield _gauge("worker_threads", "Threads that decompress, splice and compress "
+                 "requests (server.worker_threads).", workers.threads)
+    yield CounterMetricFamily(
+        _P + "worker_busy_seconds", "Time the worker threads spent on requests, summed "
+        "over threads; its rate over worker_threads is their utilization.",
+        value=workers.busy_seconds())
+    yield _gauge("worker_queued_requests", "Requests waiting for a free worker thread.",
+                 workers.queued())
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -130,9 +130,9 @@ class ProxyMetrics:
         GCCollector(registry=r)
         self._add_config_metrics(r)
         self._index: PodIndex | None = None
-        r.register(_IndexCollector(lambda: self._index))
+        r.register(_AtScrape(lambda: self._index, _index_families))
         self._workers: LoopWorkers | None = None
-        r.register(_WorkerCollector(lambda: self._workers))
+        r.register(_AtScrape(lambda: self._workers, _worker_families))
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """What came in and what became of it: the request side's own counters."""
