@@ -32,24 +32,25 @@ def alone_if_failing(items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet
     cs = ChangeSet()
     try:
         return call(items)
-    except PartialBatch as e:
+    except Exception as e:
         log.exception("engine failed on a batch of %d; retrying object by object", len(items))
-        if e.changes is not None:
-            cs.merge(e.changes)
-    except Exception:
-        log.exception("engine failed on a batch of %d; retrying object by object", len(items))
+        _salvage(e, cs)
     for item in items:
         try:
             cs.merge(call([item]))
         except Exception as e:
-            cause = e
-            if isinstance(e, PartialBatch):
-                if e.changes is not None:  # what the object did before failing
-                    cs.merge(e.changes)
-                if isinstance(e.__cause__, Exception):
-                    cause = e.__cause__
-            failed(item, cause)
+            failed(item, _salvage(e, cs))
     return cs
+
+
+def _salvage(error: Exception, cs: ChangeSet) -> Exception:
+    """What the engine changed before ``error`` (a :class:`PartialBatch`'s changes),
+    merged into ``cs``; the error to report: the engine's own, not the wrapper."""
+    if not isinstance(error, PartialBatch):
+        return error
+    if error.changes is not None:
+        cs.merge(error.changes)
+    return error.__cause__ if isinstance(error.__cause__, Exception) else error
 
 
 def object_name(obj: Mapping[str, Any]) -> str:
