@@ -37,6 +37,7 @@ from proxy.snapshot import (
     read_snapshot,
 )
 from tests.karta.descriptions import component, karta
+from tests.karta.engine_bugs import fail_on_pod
 from tests.loop_turns import LoopTurns
 
 DEMO = Path(__file__).resolve().parents[1] / "proxy" / "demo_data" / "snapshot.yaml"
@@ -986,14 +987,7 @@ async def test_pods_upserted_before_an_engine_failure_reach_the_index(
     engine, index = Engine(), PodIndex()
     src = SnapshotSource(f, engine, index)
     await src.start()
-    real = Engine._upsert_pod
-
-    def upsert_pod(self: Engine, obj: Any, md: Any, uid: str, cs: Any) -> None:
-        if md.get("name") == "late-1":
-            raise RuntimeError("engine bug on late-1")
-        real(self, obj, md, uid, cs)
-
-    monkeypatch.setattr(Engine, "_upsert_pod", upsert_pod)
+    fail_on_pod(monkeypatch, "late-1", "engine bug on late-1")
     try:
         _write(f, [*_deployment(), *(_pod(f"late-{i}", f"l-{i}", None) for i in range(3))])
         await src.reload()

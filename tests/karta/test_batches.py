@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,6 +11,7 @@ import pytest
 from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.engine import Engine
 from proxy.karta.results import ChangeSet, PartialBatch
+from tests.karta.engine_bugs import fail_on_pod
 
 
 def _changes(items: Sequence[str]) -> ChangeSet:
@@ -65,20 +66,6 @@ def test_what_a_failing_batch_did_comes_first_and_the_failure_says_its_cause() -
     assert failed == [("bad", "RuntimeError('engine bug')")]
 
 
-def _bug_on(name: str) -> Callable[..., None]:
-    """``Engine._upsert_pod`` failing on the pod ``name``, as a bug would, after the
-    pods before it in a batch were upserted."""
-    real = Engine._upsert_pod
-
-    def upsert_pod(self: Engine, obj: Mapping[str, Any], md: Mapping[str, Any], uid: str,
-                   cs: ChangeSet) -> None:
-        if md.get("name") == name:
-            raise RuntimeError("engine bug")
-        real(self, obj, md, uid, cs)
-
-    return upsert_pod
-
-
 def _pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Running"},
             "metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}"}}
@@ -89,7 +76,7 @@ def test_pods_upserted_before_the_engine_failed_reach_the_answer(
     """A batch of pod events failing on its second pod: the first one's attribution is
     in the answer (before, the engine held it and no follower ever got it)."""
     engine = Engine()
-    monkeypatch.setattr(Engine, "_upsert_pod", _bug_on("bad"))
+    fail_on_pod(monkeypatch, "bad")
     failed: list[str] = []
     cs = alone_if_failing([_pod("a"), _pod("bad"), _pod("c")], engine.upsert_many,
                           lambda obj, e: failed.append(f"{object_name(obj)}: {e}"))
@@ -123,7 +110,7 @@ def test_a_reattribution_that_fails_part_way_gives_what_it_did() -> None:
 def test_a_batch_whose_settling_fails_too_leaves_its_workloads_to_settle(
         monkeypatch: pytest.MonkeyPatch) -> None:
     engine = Engine()
-    monkeypatch.setattr(Engine, "_upsert_pod", _bug_on("bad"))
+    fail_on_pod(monkeypatch, "bad")
     real_settle = Engine._settle
     settles = 0
 
