@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import itertools
 import mmap
 import os
 import random
@@ -47,13 +49,14 @@ if str(_ROOT) not in sys.path:  # run as a script: make ``proxy`` importable fro
 
 from proxy import contract  # noqa: E402
 from proxy.attribution import build_plan  # noqa: E402
-from proxy.compression import DecodeError  # noqa: E402
+from proxy.compression import DecodeError, block_part, join_snappy  # noqa: E402
 from proxy.config import PodLabelPair, PodLabelRule  # noqa: E402
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
-from proxy.wire.native import Splicer, native_available  # noqa: E402
+from proxy.wire.native import Splicer, native_available, split_v1  # noqa: E402
 from proxy.wire.plan import SplicePlan, SpliceResult  # noqa: E402
 from proxy.wire.primitives import Protocol, encode_uvarint  # noqa: E402
+from tests.wire.snappy_blocks import random_block  # noqa: E402
 
 # -- wire encoding ------------------------------------------------------------------------
 
@@ -954,11 +957,22 @@ def mutate(raw: bytes, rnd: random.Random, corpus: Sequence[bytes] = ()) -> byte
 # -- the fuzzer ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """The input a crash file holds: a request, and the sender's block when the call was
+    the output as a snappy block made from it (``splice_snappy``)."""
+
+    version: int
+    setup: int
+    raw: bytes
+    block: bytes | None
+
+
 class CrashFile:
     """The input about to be spliced, in an mmap'd file: it survives a segfault."""
 
-    HEAD = struct.Struct("<IIQ")  # protocol, setup index, length
-    SIZE = 1 << 22
+    HEAD = struct.Struct("<IIQQ")  # protocol, setup index, request length, block length + 1
+    SIZE = 1 << 23
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -969,10 +983,16 @@ class CrashFile:
         finally:
             os.close(fd)
 
-    def record(self, version: int, setup: int, raw: bytes) -> None:
-        n = min(len(raw), self.SIZE - self.HEAD.size)
-        self.HEAD.pack_into(self.map, 0, version, setup, n)
+    def record(self, version: int, setup: int, raw: bytes, block: bytes | None = None
+               ) -> None:
+        room = (self.SIZE - self.HEAD.size) // 2
+        n = min(len(raw), room)
+        m = min(len(block), room) if block is not None else -1
+        self.HEAD.pack_into(self.map, 0, version, setup, n, m + 1)
         self.map[self.HEAD.size:self.HEAD.size + n] = raw[:n]
+        if block is not None:
+            at = self.HEAD.size + n
+            self.map[at:at + m] = block[:m]
 
     def remove(self) -> None:
         """A run that ends on its own has nothing to leave behind."""
@@ -980,14 +1000,16 @@ class CrashFile:
         self.path.unlink(missing_ok=True)
 
     @classmethod
-    def read(cls, path: Path) -> tuple[int, int, bytes] | None:
+    def read(cls, path: Path) -> Recorded | None:
         data = path.read_bytes()
         if len(data) < cls.HEAD.size:
             return None
-        version, setup, n = cls.HEAD.unpack_from(data, 0)
+        version, setup, n, m = cls.HEAD.unpack_from(data, 0)
         if version == 0:
             return None
-        return version, setup, data[cls.HEAD.size:cls.HEAD.size + n]
+        at = cls.HEAD.size + n
+        return Recorded(version, setup, data[cls.HEAD.size:at],
+                        data[at:at + m - 1] if m else None)
 
 
 def rss_bytes() -> int:
@@ -1128,6 +1150,56 @@ def leak_check(setups: list[Setup], corpus: list[tuple[int, bytes]], rnd: random
     return ok
 
 
+def sender_block(raw: bytes, rnd: random.Random) -> bytes:
+    """A block that decodes to ``raw`` as a sender might write it: cramjam's encoder
+    (python-snappy, Rust senders), or elements of any shape (``snappy_blocks``: long
+    literal tags, copy-4, overlapping and 1-3 byte copies, offsets far back)."""
+    if rnd.random() < 0.5:
+        return bytes(cramjam.snappy.compress_raw(raw))
+    return random_block(raw, rnd)
+
+
+def _decodes_to(block: bytes, raw: bytes) -> bool:
+    try:
+        return bool(snappy.uncompress(block) == raw)
+    except Exception:  # any refusal: not a block of raw
+        return False
+
+
+def edit_mismatch(native: Splicer, version: int, raw: bytes, body: bytes,
+                  rnd: random.Random, *, block: bytes | None = None,
+                  record: Callable[[bytes], None] | None = None) -> str | None:
+    """The output as a snappy block made from the sender's (``_snappy_edit.c``): a block
+    that decodes to ``raw`` must give one that decodes to ``body``, whole or, for RW 1.0,
+    in parts at their offsets joined as the handler joins them; a damaged block must never
+    crash (it is used or not). ``block``: this one (a replay), checked as a true block
+    when it decodes to ``raw``; ``record`` is told the block before the native calls.
+    What went wrong, or None."""
+    protocol = Protocol.V1 if version == 1 else Protocol.V2
+    if block is None:
+        true_block = sender_block(raw, rnd)
+        block = mutate(true_block, rnd) if rnd.random() < 0.3 else true_block
+    else:
+        true_block = block if _decodes_to(block, raw) else b""
+    if record is not None:
+        record(block)
+    try:
+        edited = native.splice_snappy(protocol, raw, block)
+    except DecodeError as e:
+        return f"refused ({e.kind}): input {raw.hex()}, block {block.hex()}"
+    if block != true_block:
+        return None
+    if snappy.uncompress(edited.body) != body:
+        return f"whole: input {raw.hex()}, block {block.hex()}"
+    cuts = split_v1(raw, rnd.randint(2, 4)) if version == 1 and rnd.random() < 0.25 else []
+    if cuts:
+        parts = [block_part(native.splice_snappy(protocol, raw[a:b], block, a).body)
+                 for a, b in itertools.pairwise([0, *cuts, len(raw)])]
+        if snappy.uncompress(join_snappy(parts)) != body:
+            return f"in parts at {cuts}: input {raw.hex()}, block {block.hex()}"
+    return None
+
+
 def fuzz(args: argparse.Namespace) -> int:
     rnd = random.Random(args.seed)
     setups = fixed_setups(args.seed)
@@ -1167,21 +1239,12 @@ def fuzz(args: argparse.Namespace) -> int:
         elif not nat.same_object:
             changed += 1
         if nat.ok and iterations % args.edit_every == 0:
-            # the output as a snappy block made from the sender's: a true block must
-            # decode to the body; a damaged one must never crash (it is used or not)
-            block = bytes(cramjam.snappy.compress_raw(raw))
-            if rnd.random() < 0.3:
-                block = mutate(block, rnd)
-            protocol = Protocol.V1 if version == 1 else Protocol.V2
-            try:
-                edited = native.splice_snappy(protocol, raw, block)
-            except DecodeError:
-                edited = None
             edits += 1
-            if edited is None or (block == bytes(cramjam.snappy.compress_raw(raw))
-                                  and snappy.uncompress(edited.body) != nat.body):
-                print(f"EDIT MISMATCH: RW {version}.0, setup {setups[si].name}, "
-                      f"input {raw.hex()}, block {block.hex()}", file=sys.stderr)
+            wrong = edit_mismatch(native, version, raw, nat.body, rnd,
+                                  record=functools.partial(crash.record, version, si, raw))
+            if wrong is not None:
+                print(f"EDIT MISMATCH: RW {version}.0, setup {setups[si].name}, {wrong}",
+                      file=sys.stderr)
                 return 1
         if iterations % args.compare_every == 0 or (nat.ok and rnd.random() < 0.02):
             py = outcome(python.splice_v1 if version == 1 else python.splice_v2, raw)
@@ -1225,15 +1288,24 @@ def replay(args: argparse.Namespace) -> int:
     if got is None:
         print("replay: the file holds no input")
         return 0
-    version, si, raw = got
+    version, raw = got.version, got.raw
     setups = fixed_setups(args.seed)
-    native, python = splicers(setups[si])
-    print(f"replay: RW {version}.0, setup {setups[si].name}, input {raw.hex()}", flush=True)
+    native, python = splicers(setups[got.setup])
+    print(f"replay: RW {version}.0, setup {setups[got.setup].name}, input {raw.hex()}",
+          flush=True)
     py = outcome(python.splice_v1 if version == 1 else python.splice_v2, raw)
     print(f"python: {py.describe()}", flush=True)
     nat = outcome(native.splice_v1 if version == 1 else native.splice_v2, raw)
     print(f"native: {nat.describe()}", flush=True)
-    return 0 if nat == py else 1
+    if nat != py:
+        return 1
+    if got.block is not None and nat.ok:
+        print(f"replay: the edit of block {got.block.hex()}", flush=True)
+        wrong = edit_mismatch(native, version, raw, nat.body, random.Random(args.seed),
+                              block=got.block)
+        print(f"edit: {wrong or 'OK'}", flush=True)
+        return 1 if wrong else 0
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

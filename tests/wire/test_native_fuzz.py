@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cramjam
 import pytest
 
 from proxy.wire.native import native_available
@@ -35,10 +36,12 @@ def _crash_report(crash_file: Path, seed: str) -> str:
     got = CrashFile.read(crash_file) if crash_file.exists() else None
     if got is None:
         return "no input recorded"
-    version, setup, raw = got
-    return (f"input being spliced: RW {version}.0, setup #{setup}, {len(raw)} bytes:\n"
-            f"{raw.hex()}\nreplay: python {DRIVER.relative_to(ROOT)} --seed {seed} "
-            f"--replay {crash_file}")
+    block = "" if got.block is None else (
+        f"\nits output as a snappy block made from this one ({len(got.block)} bytes):\n"
+        f"{got.block.hex()}")
+    return (f"input being spliced: RW {got.version}.0, setup #{got.setup}, "
+            f"{len(got.raw)} bytes:\n{got.raw.hex()}{block}\n"
+            f"replay: python {DRIVER.relative_to(ROOT)} --seed {seed} --replay {crash_file}")
 
 
 def test_fuzz_native(tmp_path: Path) -> None:
@@ -57,15 +60,39 @@ def test_fuzz_native(tmp_path: Path) -> None:
     print(proc.stdout)
 
 
+#: one series: namespace="ml", pod="p1"
+ONE_SERIES = bytes.fromhex("0a1c0a0f0a096e616d65737061636512026d6c0a090a03706f6412027031")
+
+
 def test_replay_of_a_recorded_input(tmp_path: Path) -> None:
     """The crash file round-trips: what the driver records, ``--replay`` re-runs."""
     crash_file = tmp_path / "input.bin"
     rec = CrashFile(crash_file)
-    # one series: namespace="ml", pod="p1"
-    rec.record(1, 0, bytes.fromhex("0a1a0a0d0a096e616d65737061636512026d6c0a090a03706f6412027031"))
+    rec.record(1, 0, ONE_SERIES)
     rec.map.flush()
     proc = _run(["--seed", "1", "--replay", str(crash_file)], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "replay: RW 1.0" in proc.stdout
+    assert "the edit" not in proc.stdout
     got = CrashFile.read(crash_file)
-    assert got is not None and got[0] == 1
+    assert got is not None and (got.version, got.raw, got.block) == (1, ONE_SERIES, None)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_replay_of_a_recorded_edit(tmp_path: Path, damaged: bool) -> None:
+    """A crash in the snappy edit leaves the sender's block beside the request; the
+    replay runs the edit of that block again (a damaged block: never a crash, used or
+    not; a true one: its output must decode to the splice's body)."""
+    crash_file = tmp_path / "input.bin"
+    block = bytes(cramjam.snappy.compress_raw(ONE_SERIES))
+    if damaged:
+        block = block[:-3]
+    rec = CrashFile(crash_file)
+    rec.record(1, 0, ONE_SERIES, block)
+    rec.map.flush()
+    got = CrashFile.read(crash_file)
+    assert got is not None and (got.raw, got.block) == (ONE_SERIES, block)
+    proc = _run(["--seed", "1", "--replay", str(crash_file)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"the edit of block {block.hex()}" in proc.stdout
+    assert "edit: OK" in proc.stdout

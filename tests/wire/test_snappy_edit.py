@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import random
 
-import cramjam
 import pytest
 import snappy
 from hypothesis import given, settings
@@ -30,6 +29,7 @@ from tests.wire.fuzz_native import (
     Setup,
     encode,
     random_setup,
+    sender_block,
     splicers,
 )
 from tests.wire.snappy_blocks import element_kinds, random_block
@@ -39,13 +39,6 @@ if not native_available():
     pytest.skip("the native splice is not built", allow_module_level=True)
 
 PROTOCOLS = {1: Protocol.V1, 2: Protocol.V2}
-
-
-def sender_block(raw: bytes, rnd: random.Random) -> bytes:
-    """A block as a sender might write it: cramjam's encoder, or one of any shape."""
-    if rnd.random() < 0.5:
-        return bytes(cramjam.snappy.compress_raw(raw))
-    return random_block(raw, rnd)
 
 
 def reference_body(python: Splicer, version: int, raw: bytes) -> bytes:

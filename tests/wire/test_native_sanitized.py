@@ -1,0 +1,144 @@
+"""The native splice built with AddressSanitizer and UndefinedBehaviorSanitizer, then run
+under the fuzz driver and the native tests.
+
+Why: the plain build's fuzz run (``test_native_fuzz.py``) catches a crash, a wrong answer
+and a leak, but not a read a few bytes past a buffer, a use after free or undefined
+behaviour (a signed overflow, an over-wide shift) that happens to do no harm on this
+machine with this compiler. A request is sender-controlled bytes; here any of those
+stops the run with the sanitizer's report instead.
+
+How: ``proxy/`` and ``tests/`` are copied to a temporary tree and the extension is built
+there with the sanitizers (the tree's own build stays as it is), so the subprocesses,
+started in the copy, import the sanitized ``proxy.wire._splice``. The interpreter is not
+sanitized: its sanitizer runtimes are preloaded, and ``PYTHONMALLOC=malloc`` makes every
+Python object a ``malloc`` of its own, so ASan's red zones sit right behind each bytes
+object's data (a read past a request's end is caught, not lost inside obmalloc's
+arenas). Leaks are left to the plain build's RSS checks: LeakSanitizer cannot tell the
+interpreter's objects still alive at exit from a leak.
+
+``KARTA_SANITIZED_FUZZ_SECONDS`` sets the fuzz budget (default 30; the sanitized build runs
+about half as fast as the plain one). Skipped where gcc or its sanitizer runtimes are
+missing (Debian's gcc brings both).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.wire.native import native_available
+
+if not native_available():
+    pytest.skip("the native splice is not built", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
+#: what a report looks like, from either sanitizer
+REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: UndefinedBehaviorSanitizer")
+#: the native tests run again on the sanitized build (the fuzz driver's own test and the
+#: tests of the Python splice alone add nothing here)
+NATIVE_TESTS = ("test_native.py", "test_native_differential.py", "test_native_threads.py",
+                "test_snappy_edit.py", "test_halves.py", "test_splice.py", "test_convert.py")
+
+
+def _runtime(name: str) -> str | None:
+    """The path of gcc's sanitizer runtime ``lib<name>.so``, or None when it has none
+    (gcc then prints the bare name back)."""
+    out = subprocess.run(["gcc", f"-print-file-name=lib{name}.so"], capture_output=True,
+                         text=True, check=False).stdout.strip()
+    return out if os.path.isabs(out) and os.path.exists(out) else None
+
+
+class Sanitized:
+    """A copy of the tree with the sanitized extension, and how to run Python in it."""
+
+    def __init__(self, root: Path, runtimes: list[str]) -> None:
+        self.root = root
+        self.env = dict(
+            os.environ,
+            LD_PRELOAD=" ".join(runtimes),
+            ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:exitcode=86",
+            UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+            PYTHONMALLOC="malloc",
+            PYTHONFAULTHANDLER="1",
+            PYTHONDONTWRITEBYTECODE="1",
+        )
+
+    def run(self, args: list[str], timeout: float, **env: str
+            ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *args], cwd=self.root, env=self.env | env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _report(proc: subprocess.CompletedProcess[str]) -> str:
+    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-12000:]}")
+
+
+def _clean(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, _report(proc)
+    found = [r for r in REPORTS if r in proc.stderr]
+    assert not found, f"sanitizer report ({found})\n{_report(proc)}"
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory: pytest.TempPathFactory) -> Sanitized:
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc: the sanitized build needs it")
+    runtimes = [_runtime("asan"), _runtime("ubsan")]
+    if None in runtimes:
+        pytest.skip("gcc has no ASan/UBSan runtime here")
+    root = tmp_path_factory.mktemp("sanitized")
+    skip = shutil.ignore_patterns("*.so", "__pycache__", ".hypothesis", "*.egg-info")
+    for part in ("proxy", "tests"):
+        shutil.copytree(ROOT / part, root / part, ignore=skip)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, root / name)
+    env = dict(os.environ, CFLAGS=FLAGS, LDFLAGS="-fsanitize=address,undefined")
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=600,
+                           check=False)
+    assert built.returncode == 0, _report(built)
+    tree = Sanitized(root, [r for r in runtimes if r is not None])
+    probe = tree.run(["-c", "import proxy.wire._splice as s; print(s.__file__)"], timeout=60)
+    _clean(probe)
+    assert probe.stdout.strip().startswith(str(root)), probe.stdout  # the copy's build
+    return tree
+
+
+def test_the_sanitizers_report_a_read_past_a_buffer(sanitized: Sanitized) -> None:
+    """The set-up catches what it is for: a read 8 bytes past a bytes object's data (a
+    red zone right behind it, with PYTHONMALLOC=malloc) stops the process with a report."""
+    proc = sanitized.run(["-c", "import ctypes; b = ctypes.create_string_buffer(64); "
+                                "ctypes.string_at(ctypes.addressof(b), 72)"], timeout=60)
+    assert proc.returncode == 86, _report(proc)
+    assert "heap-buffer-overflow" in proc.stderr, _report(proc)
+
+
+def test_fuzz_run_on_the_sanitized_build(sanitized: Sanitized) -> None:
+    seconds = os.environ.get("KARTA_SANITIZED_FUZZ_SECONDS", "30")
+    seed = os.environ.get("KARTA_FUZZ_SEED", "1")
+    # every other valid input as a snappy edit too; no RSS checks (ASan holds freed
+    # memory in quarantine, and the plain build's run checks leaks)
+    proc = sanitized.run(["tests/wire/fuzz_native.py", "--seconds", seconds, "--seed", seed,
+                          "--edit-every", "2", "--leak-calls", "0", "--rss-limit-mb", "1e9",
+                          "--crash-file", str(sanitized.root / "last-input.bin")],
+                         timeout=float(seconds) + 600)
+    _clean(proc)
+    assert "fuzz: OK" in proc.stdout, _report(proc)
+    print(proc.stdout)
+
+
+def test_native_tests_on_the_sanitized_build(sanitized: Sanitized) -> None:
+    # the differential properties at a quarter of their examples: the sanitized build is
+    # slower, and the plain run covers the full count
+    proc = sanitized.run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *(f"tests/wire/{t}" for t in NATIVE_TESTS)], timeout=1200,
+                         KARTA_DIFF_SCALE="0.25")
+    _clean(proc)
+    print(proc.stdout[-2000:])
