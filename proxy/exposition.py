@@ -16,7 +16,7 @@ A :class:`TextFamily` is a ``Metric`` too: a consumer that reads ``samples`` (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -108,14 +108,32 @@ class _One(Collector):
         yield self._metric
 
 
-def chunks(registry: Any) -> Iterator[bytes]:
+def restricted(metric: Metric, names: Container[str]) -> Metric | None:
+    """``metric`` with only its samples named in ``names`` (``requests_total``, not
+    ``requests``; ``duration_seconds_bucket``), or None when it has none: what
+    prometheus_client's own ``name[]`` filter keeps. A :class:`TextFamily` (a gauge: its
+    samples carry its name) is kept or left out whole, its rows never read when left out."""
+    if isinstance(metric, TextFamily):
+        return metric if metric.name in names else None
+    samples = [s for s in metric.samples if s.name in names]
+    if not samples:
+        return None
+    out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+    out.samples = samples
+    return out
+
+
+def chunks(registry: Any, names: Container[str] | None = None) -> Iterator[bytes]:
     """The text exposition of ``registry`` (anything with ``collect()``), a family or a
-    chunk at a time: the same bytes as ``generate_latest(registry)``. An empty chunk
-    comes after each family: a point to pause at with nothing to write, since a
-    collector may do a family's work (finding it has no series) before yielding it."""
+    chunk at a time: the same bytes as ``generate_latest(registry)``; with ``names``, only
+    the samples so named (:func:`restricted`), in the registry's order. An empty chunk
+    comes after each family, kept or not: a point to pause at with nothing to write,
+    since a collector may do a family's work (finding it has no series) before yielding
+    it."""
     for metric in registry.collect():
-        if isinstance(metric, TextFamily):
-            yield from metric.chunks()
-        else:
-            yield generate_latest(_One(metric))
+        kept = metric if names is None else restricted(metric, names)
+        if isinstance(kept, TextFamily):
+            yield from kept.chunks()
+        elif kept is not None:
+            yield generate_latest(_One(kept))
         yield b""

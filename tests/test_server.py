@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import snappy
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
 from proxy.attribution import Enricher
 from proxy.config import ServerSettings, UpstreamSettings
+from proxy.facts import FactsCollector
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
@@ -30,6 +32,7 @@ async def _serve(forward_before_ready: bool) -> AsyncIterator[tuple[App, Scripte
         index = PodIndex()
         metrics = ProxyMetrics()
         metrics.watch_index(index)
+        metrics.registry.register(FactsCollector(index))  # the page as the runtime fills it
         upstream = Upstream(UpstreamSettings(url=up.url), metrics)
         handler = RemoteWriteHandler(
             ServerSettings(forward_before_ready=forward_before_ready), index,
@@ -127,6 +130,34 @@ async def test_metrics_exposition(app: tuple[App, ScriptedUpstream]) -> None:
         'karta_proxy_index_ready 1.0',
     ):
         assert line in text, line
+
+
+async def _sample_names(url: str) -> set[str]:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200
+        return {smp.name for fam in text_string_to_metric_families(await r.text())
+                for smp in fam.samples}
+
+
+async def test_metrics_name_filter_keeps_only_the_series_named(
+        app: tuple[App, ScriptedUpstream]) -> None:
+    # prometheus_client's convention (scrape_config ``params: {name[]: [...]}``): sample
+    # names, so a counter is asked for as ..._total and a histogram by its parts
+    a, _ = app
+    a.index.ready = True
+    async with aiohttp.ClientSession() as s, s.post(a.url + "/api/v1/push", data=BODY,
+                                                    headers=HEADERS) as r:
+        assert r.status == 204
+    whole = await _sample_names(a.url + "/metrics")
+    assert {"karta_build_info", "karta_contract_info", "karta_proxy_samples_total"} <= whole
+    wanted = ["karta_proxy_samples_total", "karta_build_info", "process_open_fds",
+              "karta_proxy_upstream_request_duration_seconds_count", "no_such_series"]
+    query = "&".join(f"name[]={n}" for n in wanted)
+    assert await _sample_names(f"{a.url}/metrics?{query}") == set(wanted) - {"no_such_series"}
+    # a family asked for by its family name only: a counter has no sample of that name
+    assert await _sample_names(a.url + "/metrics?name[]=karta_proxy_samples") == set()
+    # nothing asked for (no name[], or another parameter): the whole page
+    assert await _sample_names(a.url + "/metrics?other=1") == whole
 
 
 async def test_landing_page(app: tuple[App, ScriptedUpstream]) -> None:
