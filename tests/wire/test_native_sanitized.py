@@ -40,10 +40,17 @@ ROOT = Path(__file__).resolve().parents[2]
 FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
 #: what a report looks like, from either sanitizer
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: UndefinedBehaviorSanitizer")
-#: the native tests run again on the sanitized build (the fuzz driver's own test and the
-#: tests of the Python splice alone add nothing here)
-NATIVE_TESTS = ("test_native.py", "test_native_differential.py", "test_native_threads.py",
-                "test_snappy_edit.py", "test_halves.py", "test_splice.py", "test_convert.py")
+#: the tests run again on the sanitized build: the native ones (the fuzz driver's own
+#: test and the Python splice's alone add nothing here), and the request path around the
+#: extension (the thread's scratch buffer it reads, requests in parts on other threads,
+#: the worker threads, bodies cut or refused mid-way)
+NATIVE_TESTS = (
+    "tests/wire/test_native.py", "tests/wire/test_native_differential.py",
+    "tests/wire/test_native_threads.py", "tests/wire/test_snappy_edit.py",
+    "tests/wire/test_halves.py", "tests/wire/test_splice.py", "tests/wire/test_convert.py",
+    "tests/test_handler.py", "tests/test_compression.py", "tests/test_part_threads.py",
+    "tests/test_admission.py",
+)
 
 
 def _runtime(name: str) -> str | None:
@@ -137,8 +144,8 @@ def test_fuzz_run_on_the_sanitized_build(sanitized: Sanitized) -> None:
 def test_native_tests_on_the_sanitized_build(sanitized: Sanitized) -> None:
     # the differential properties at a quarter of their examples: the sanitized build is
     # slower, and the plain run covers the full count
-    proc = sanitized.run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *(f"tests/wire/{t}" for t in NATIVE_TESTS)], timeout=1200,
+    proc = sanitized.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", *NATIVE_TESTS],
+                         timeout=1200,
                          KARTA_DIFF_SCALE="0.25")
     _clean(proc)
     print(proc.stdout[-2000:])
