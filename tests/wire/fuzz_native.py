@@ -1167,14 +1167,14 @@ def _decodes_to(block: bytes, raw: bytes) -> bool:
 
 
 def edit_mismatch(native: Splicer, version: int, raw: bytes, body: bytes,
-                  rnd: random.Random, *, block: bytes | None = None,
+                  rnd: random.Random, *, pieces: int = 0, block: bytes | None = None,
                   record: Callable[[bytes], None] | None = None) -> str | None:
     """The output as a snappy block made from the sender's (``_snappy_edit.c``): a block
-    that decodes to ``raw`` must give one that decodes to ``body``, whole or, for RW 1.0,
-    in parts at their offsets joined as the handler joins them; a damaged block must never
-    crash (it is used or not). ``block``: this one (a replay), checked as a true block
-    when it decodes to ``raw``; ``record`` is told the block before the native calls.
-    What went wrong, or None."""
+    that decodes to ``raw`` must give one that decodes to ``body``, whole and, for RW 1.0
+    with ``pieces``, in that many parts at their offsets joined as the handler joins them;
+    a damaged block must never crash (it is used or not). ``block``: this one (a replay),
+    checked as a true block when it decodes to ``raw``; ``record`` is told the block
+    before the native calls. What went wrong, or None."""
     protocol = Protocol.V1 if version == 1 else Protocol.V2
     if block is None:
         true_block = sender_block(raw, rnd)
@@ -1191,7 +1191,7 @@ def edit_mismatch(native: Splicer, version: int, raw: bytes, body: bytes,
         return None
     if snappy.uncompress(edited.body) != body:
         return f"whole: input {raw.hex()}, block {block.hex()}"
-    cuts = split_v1(raw, rnd.randint(2, 4)) if version == 1 and rnd.random() < 0.25 else []
+    cuts = split_v1(raw, pieces) if version == 1 and pieces > 1 else []
     if cuts:
         parts = [block_part(native.splice_snappy(protocol, raw[a:b], block, a).body)
                  for a, b in itertools.pairwise([0, *cuts, len(raw)])]
@@ -1241,6 +1241,7 @@ def fuzz(args: argparse.Namespace) -> int:
         if nat.ok and iterations % args.edit_every == 0:
             edits += 1
             wrong = edit_mismatch(native, version, raw, nat.body, rnd,
+                                  pieces=rnd.randint(2, 4) if rnd.random() < 0.25 else 0,
                                   record=functools.partial(crash.record, version, si, raw))
             if wrong is not None:
                 print(f"EDIT MISMATCH: RW {version}.0, setup {setups[si].name}, {wrong}",
@@ -1301,10 +1302,13 @@ def replay(args: argparse.Namespace) -> int:
         return 1
     if got.block is not None and nat.ok:
         print(f"replay: the edit of block {got.block.hex()}", flush=True)
-        wrong = edit_mismatch(native, version, raw, nat.body, random.Random(args.seed),
-                              block=got.block)
-        print(f"edit: {wrong or 'OK'}", flush=True)
-        return 1 if wrong else 0
+        for pieces in (0, 2, 3, 4):  # whole, and in parts as the run may have cut it
+            wrong = edit_mismatch(native, version, raw, nat.body, random.Random(args.seed),
+                                  pieces=pieces, block=got.block)
+            if wrong:
+                print(f"edit: {wrong}", flush=True)
+                return 1
+        print("edit: OK", flush=True)
     return 0
 
 
