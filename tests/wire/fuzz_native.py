@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import itertools
 import mmap
 import os
 import random
@@ -36,6 +35,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,9 @@ if str(_ROOT) not in sys.path:  # run as a script: make ``proxy`` importable fro
 
 from proxy import contract  # noqa: E402
 from proxy.attribution import build_plan  # noqa: E402
-from proxy.compression import DecodeError, block_part, join_snappy  # noqa: E402
+from proxy.compression import DecodeError  # noqa: E402
 from proxy.config import PodLabelPair, PodLabelRule  # noqa: E402
+from proxy.handler import splice_in_parts  # noqa: E402
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
 from proxy.wire.native import Splicer, native_available, split_v1  # noqa: E402
@@ -1193,11 +1194,16 @@ def edit_mismatch(native: Splicer, version: int, raw: bytes, body: bytes,
         return f"whole: input {raw.hex()}, block {block.hex()}"
     cuts = split_v1(raw, pieces) if version == 1 and pieces > 1 else []
     if cuts:
-        parts = [block_part(native.splice_snappy(protocol, raw[a:b], block, a).body)
-                 for a, b in itertools.pairwise([0, *cuts, len(raw)])]
-        if snappy.uncompress(join_snappy(parts)) != body:
+        # the handler's own way: the first part here, the others on a thread, joined
+        _, joined = splice_in_parts(
+            raw, block, cuts, functools.partial(native.splice_snappy, protocol), _PARTS)
+        if snappy.uncompress(joined) != body:
             return f"in parts at {cuts}: input {raw.hex()}, block {block.hex()}"
     return None
+
+
+#: the thread the parts of an edit after the first run on, as in the handler's part pool
+_PARTS = ThreadPoolExecutor(1, thread_name_prefix="fuzz-part")
 
 
 def fuzz(args: argparse.Namespace) -> int:
