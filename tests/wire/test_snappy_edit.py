@@ -12,16 +12,17 @@ or read out of bounds (the bounded fuzz run, ``fuzz_native.py``, tries that too)
 
 from __future__ import annotations
 
-import itertools
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import snappy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.compression import block_part, join_snappy
+from proxy.handler import splice_in_parts
 from proxy.wire.native import Splicer, native_available, split_v1
+from proxy.wire.plan import SpliceResult
 from proxy.wire.primitives import Protocol, len_field
 from tests.wire.fuzz_native import (
     WIDE_PODS,
@@ -89,19 +90,25 @@ def test_wide_requests_with_many_stamps(rnd: random.Random, setup_rnd: random.Ra
 @given(rnd=randoms, setup_rnd=randoms, pieces=st.integers(2, 5))
 def test_parts_from_one_block_join_to_the_whole(rnd: random.Random, setup_rnd: random.Random,
                                                 pieces: int) -> None:
-    # the handler's requests in parts: each part's block made from the whole request's
-    # block at the part's offset, the blocks joined behind one preamble
+    # the handler's requests in parts (``splice_in_parts``): each part's block made from
+    # the whole request's block at the part's offset, the blocks joined behind one preamble
     raw = encode(Gen(rnd, huge=False).request_v1())
     block = sender_block(raw, rnd)
     native, python = splicers(random_setup(setup_rnd))
-    cuts = split_v1(raw, pieces)
-    parts = []
-    for a, b in itertools.pairwise([0, *cuts, len(raw)]):
-        got = native.splice_snappy(Protocol.V1, raw[a:b], block, a)
-        assert got.encoded
-        parts.append(block_part(got.body))
-    joined = join_snappy(parts)
-    assert snappy.uncompress(joined) == reference_body(python, 1, raw)
+
+    def part(piece: bytes | memoryview, whole: bytes, base: int) -> SpliceResult:
+        got = native.splice_snappy(Protocol.V1, piece, whole, base)
+        assert got.encoded, "a part's block was compressed again, not made from the sender's"
+        return got
+
+    merged, joined = splice_in_parts(raw, block, split_v1(raw, pieces), part, _PARTS)
+    ref = python.splice_v1(raw)
+    assert snappy.uncompress(joined) == bytes(ref.body)
+    assert (merged.counts, merged.attributed, merged.unattributed, merged.stripped) == (
+        ref.counts, ref.attributed, ref.unattributed, ref.stripped)
+
+
+_PARTS = ThreadPoolExecutor(1, thread_name_prefix="test-part")
 
 
 def _broken(block: bytes, rnd: random.Random) -> bytes:
