@@ -7,7 +7,7 @@ milliseconds. So a request that finds every slot taken may wait up to ``wait_sec
 for one, in arrival order, before it is refused as before. What waits is the connection
 and its parsed headers only: the connection stops reading (``proxy.connection_guard``),
 so the body stays in the kernel's buffers, holds no budget, and no deadline that could
-408 a sender runs meanwhile (the body deadline starts once a slot is held).
+refuse a sender runs meanwhile (the body deadline starts once a slot is held).
 
 Waiters are bounded (``max_waiters``); past them a request is refused at once. The
 place is promised on the headers (``promise``, by the connection's shed hook, before the

@@ -130,9 +130,9 @@ class ServerSettings(Section):
         "else 408 and close; with TLS, also the handshake's deadline", gt=0)] = 10.0
     body_read_timeout_seconds: Annotated[float, setting(
         "a request's whole body must arrive within this (from the end of its headers), "
-        "else 408", gt=0)] = 30.0
+        "else 503 (the sender sends it again)", gt=0)] = 30.0
     min_body_bytes_per_second: Annotated[int, setting(
-        "and never slower than this on average (after its first second), else 408",
+        "and never slower than this on average (after its first second), else 503",
         gt=0)] = 16384
     tls_cert_file: Annotated[str, setting(
         "serve HTTPS with this certificate (PEM, chain after the leaf), re-read when it "

@@ -514,7 +514,7 @@ class RemoteWriteHandler:
     async def _read_body(self, request: web.Request, held: _Held) -> bytes:
         """The body, reserved chunk by chunk as it arrives (never the maximum up front:
         a sender that stalls holds only what it sent), within the read deadline and above
-        the minimum rate; a stall past either is a 408 that releases the slot."""
+        the minimum rate; a stall past either is a 503 that releases the slot."""
         s = self.settings
         limit = s.max_body_bytes
         if request.headers.get("Expect", "").lower() == "100-continue" and \
@@ -556,14 +556,20 @@ class RemoteWriteHandler:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _stalled(self, received: int, elapsed: float, too_slow: bool) -> _Refusal:
+        """A body that stopped coming (or came too slowly) is refused with a 503, not a
+        408: a sender keeps a batch it gets a 5xx for and sends it again, but drops one it
+        gets any other 4xx for (Prometheus; 408 included), and a slow link or a stalled
+        connection is no fault of the data."""
         s = self.settings
         if too_slow:
-            return _Refusal(408, f"request body too slow: {received} bytes in {elapsed:.1f} s, "
-                            f"below {s.min_body_bytes_per_second} bytes/s",
-                            counter="reject", kind="body_too_slow")
-        return _Refusal(408, f"request body not received within "
-                        f"{s.body_read_timeout_seconds:g} s ({received} bytes arrived)",
-                        counter="reject", kind="body_timeout")
+            return _Refusal(503, f"request body too slow: {received} bytes in {elapsed:.1f} s, "
+                            f"below {s.min_body_bytes_per_second} bytes/s; send it again",
+                            counter="reject", kind="body_too_slow",
+                            headers={"Retry-After": RETRY_AFTER})
+        return _Refusal(503, f"request body not received within "
+                        f"{s.body_read_timeout_seconds:g} s ({received} bytes arrived); "
+                        "send it again", counter="reject", kind="body_timeout",
+                        headers={"Retry-After": RETRY_AFTER})
 
     async def _process(self, request: web.Request, protocol: Protocol, encoding: str,
                        body: bytes, held: _Held) -> web.StreamResponse:

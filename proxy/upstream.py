@@ -74,6 +74,8 @@ MISCONFIGURED_RETRY_AFTER = "30"
 #: answers that say the URL is not a remote-write endpoint (wrong path, receiver not
 #: enabled, a redirect to somewhere else): the sender's data is fine, the URL is not
 NOT_A_WRITE_ENDPOINT = frozenset({301, 302, 303, 307, 308, 404, 405, 410, 501})
+#: 4xx answers that mean "not now" rather than "not this data": the sender gets 503
+TRANSIENT_4XX = frozenset({408, 425, 429})
 #: how many times a request the upstream refused as too large (413) is cut in halves:
 #: at most 2 ** 4 = 16 parts, 30 requests in all
 MAX_SPLIT_DEPTH = 4
@@ -264,11 +266,14 @@ def build_ssl_context(s: UpstreamSettings) -> ssl.SSLContext | None:
 def map_status(
     status: int, headers: Mapping[str, str], *, pass_through_429: bool
 ) -> tuple[int, dict[str, str]]:
-    """The upstream's status -> the status the sender gets, keeping its class.
+    """The upstream's status -> the status the sender gets, keeping its class where the
+    sender would act on it alike.
 
-    2xx and 4xx pass as they are; 429 becomes 503 (Prometheus would drop the batch on a
-    429); 503 and 504 pass; any other 5xx, 1xx or 3xx becomes 502. ``Retry-After``
-    always passes through.
+    2xx and 4xx pass as they are, but for the ones that say "later", not "never": 429
+    (unless ``pass_through_429``), 408 (the upstream, or a load balancer before it, timed
+    out waiting for the body) and 425 (too early) become 503, since a sender drops a batch
+    on any 4xx but 429 (Prometheus; 429 too by default); 503 and 504 pass; any other
+    5xx, 1xx or 3xx becomes 502. ``Retry-After`` always passes through.
     """
     out: dict[str, str] = {}
     retry_after = headers.get("Retry-After")
@@ -276,9 +281,9 @@ def map_status(
         out["Retry-After"] = retry_after
     if 200 <= status < 300:
         return status, out
-    if status == 429:
-        if pass_through_429:
-            return 429, out
+    if status == 429 and pass_through_429:
+        return 429, out
+    if status in TRANSIENT_4XX:
         out.setdefault("Retry-After", DEFAULT_RETRY_AFTER)
         return 503, out
     if 400 <= status < 500:

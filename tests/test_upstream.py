@@ -125,6 +125,9 @@ async def test_keep_alive_reuses_one_connection() -> None:
         (Reply(413), 413, None),
         (Reply(429), 503, "1"),
         (Reply(429, {"Retry-After": "7"}), 503, "7"),
+        # "not now", not "not this data": a sender drops a batch on a 4xx but 429
+        (Reply(408, body=b"timed out reading the body"), 503, "1"),
+        (Reply(425), 503, "1"),
         (Reply(500, body=b"boom"), 502, None),
         (Reply(502), 502, None),
         (Reply(503, {"Retry-After": "30"}), 503, "30"),
@@ -431,7 +434,7 @@ def test_map_status_never_invents_429() -> None:
     for status in range(100, 600):
         mapped, _ = map_status(status, {}, pass_through_429=False)
         assert mapped != 429
-        assert (mapped >= 500) == (status >= 500 or status == 429 or status < 200
+        assert (mapped >= 500) == (status >= 500 or status in (408, 425, 429) or status < 200
                                    or 300 <= status < 400)
 
 

@@ -20,6 +20,7 @@ from proxy.sender import Series, build_v1, build_v2, send, send_series
 from proxy.wire.primitives import Protocol
 from tests.peers.conftest import (
     InProcessProxy,
+    Peer,
     Peers,
     free_port,
     query,
@@ -44,6 +45,8 @@ POD = {"__name__": "pod_memory_working_set_bytes", "namespace": "web",
         (Reply(500, body=b"internal"), 502, None),
         (Reply(503, {"Retry-After": "12"}), 503, "12"),
         (Reply(429), 503, "1"),
+        (Reply(408, body=b"timeout reading the body"), 503, "1"),
+        (Reply(425), 503, "1"),
         (Reply(204, delay=3.0), 504, None),
     ],
 )
@@ -135,6 +138,46 @@ async def test_agent_rides_through_an_upstream_outage(
     attributed = [p for p in exporter.model.pods
                   if proxy.proxy.index.lookup(p.namespace.encode(), p.name.encode())]
     assert len(enriched) == len(attributed) > 0
+
+
+async def test_agent_keeps_batches_an_upstream_408s(
+    peers: Peers, exporter: FixtureExporter,
+    make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # an upstream (or a load balancer before it) that times out reading bodies for a
+    # while: passed on as a 408, Prometheus would drop every batch of that while
+    # ("non-recoverable error"); as the 503 the proxy answers, it sends them again
+    async with ScriptedUpstream(*[Reply(408, body=b"request timeout")] * 3, Reply(204)) as up:
+        proxy = await make_proxy(up.url)
+        agent = await peers.prometheus_agent({
+            "global": {"scrape_interval": "500ms"},
+            "scrape_configs": scrape_configs(exporter, "500ms")[1:2],  # kubelet resource
+            "remote_write": [remote_write(proxy.write_url)],
+        })
+
+        async def sent() -> bool:
+            return len(up.received) >= 6
+
+        await wait_until(sent, timeout=30, what="writes past the upstream's 408s")
+        metrics = await agent_metrics(agent)
+        assert agent.stop() == 0
+    assert metrics["prometheus_remote_storage_samples_failed_total"] == 0, metrics
+    assert metrics["prometheus_remote_storage_samples_retried_total"] > 0, metrics
+    # the batches refused at first arrived again, whole
+    refused = [r.raw for r in up.received[:3]]
+    assert all(any(raw == later.raw for later in up.received[3:]) for raw in refused)
+
+
+async def agent_metrics(agent: Peer) -> dict[str, float]:
+    """An agent's own ``prometheus_remote_storage_*`` counters, summed over their labels."""
+    async with aiohttp.ClientSession() as s, s.get(agent.base_url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("prometheus_remote_storage_"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _after(exp: FixtureExporter, n: int) -> Callable[[], Awaitable[bool]]:
