@@ -85,6 +85,9 @@ OWN_BODY_LIMIT = 1 << 31
 #: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
 #: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
 _VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
+#: VictoriaMetrics and vmagent answer a path they do not serve (``/api/v1/push``, a typo)
+#: with a 400, where other receivers answer 404: ``unsupported path requested: "/x"``
+_VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
 
 
 def too_large(answer: Answer) -> bool:
@@ -293,15 +296,17 @@ def map_status(
     return 502, out
 
 
-def misconfiguration(status: int, *, own_credentials: bool) -> str:
+def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -> str:
     """Why an upstream answer is the operator's mistake rather than the sender's, or "".
 
     ``not_write_endpoint`` for a wrong URL (404 from Prometheus without
-    ``--web.enable-remote-write-receiver``, ``/api/v1/push`` on Prometheus, ...);
-    ``credentials_refused`` for a 401 / 403 to credentials the proxy itself sets. A 401
-    to the sender's own forwarded credentials stays the sender's (as on the direct path).
+    ``--web.enable-remote-write-receiver``, ``/api/v1/push`` on Prometheus, VictoriaMetrics'
+    and vmagent's 400 ``unsupported path requested``, ...); ``credentials_refused`` for a
+    401 / 403 to credentials the proxy itself sets. A 401 to the sender's own forwarded
+    credentials stays the sender's (as on the direct path).
     """
-    if status in NOT_A_WRITE_ENDPOINT:
+    if status in NOT_A_WRITE_ENDPOINT or (
+            status == 400 and _VM_UNSUPPORTED_PATH.search(body) is not None):
         return "not_write_endpoint"
     if status in (401, 403) and own_credentials:
         return "credentials_refused"
@@ -745,7 +750,8 @@ class Upstream:
         for name in _WRITTEN:
             if name in upstream_headers:
                 out[name] = upstream_headers[name]
-        reason = misconfiguration(upstream_status, own_credentials=self.own_credentials)
+        reason = misconfiguration(upstream_status, own_credentials=self.own_credentials,
+                                  body=text)
         if reason:
             what = ("is not a remote-write endpoint" if reason == "not_write_endpoint"
                     else "refused the proxy's credentials")
@@ -815,7 +821,8 @@ class Upstream:
             return Probe("rw2" if has_written_headers(answer.headers) else "rw1",
                          answer.upstream)
         code = int(answer.upstream) if answer.upstream.isdigit() else 0
-        reason = misconfiguration(code, own_credentials=self.own_credentials) if code else ""
+        reason = (misconfiguration(code, own_credentials=self.own_credentials, body=answer.body)
+                  if code else "")
         if reason == "not_write_endpoint":
             return Probe("not_write_endpoint", answer.upstream, detail)
         if reason == "credentials_refused":

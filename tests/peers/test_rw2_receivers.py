@@ -91,11 +91,22 @@ async def test_without_the_start_check_the_first_answer_is_not_believed(
     await wait_until(stored, timeout=15, what="8 samples stored")
 
 
-async def test_wrong_path_on_prometheus_is_503_and_found_at_start(
-    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+@pytest.mark.parametrize(("kind", "code"), [
+    ("prometheus", "404"),
+    # VictoriaMetrics and vmagent answer a path they do not serve with a 400 ("unsupported
+    # path requested"): passed on, every sender would drop every batch
+    ("victoria-metrics", "400"),
+    ("vmagent", "400"),
+])
+async def test_wrong_path_is_503_and_found_at_start(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], kind: str, code: str,
 ) -> None:
-    rx = await peers.prometheus_receiver()
-    url = rx.base_url + "/api/v1/push"  # Mimir's path; Prometheus answers 404
+    if kind == "vmagent":
+        sink = await peers.victoria_metrics()
+        rx = await peers.vmagent({"scrape_configs": []}, sink.base_url + "/api/v1/write")
+    else:
+        rx = await receiver(peers, kind)
+    url = rx.base_url + "/api/v1/push"  # Mimir's path, which these do not serve
     proxy = await make_proxy(url)
     upstream = proxy.proxy.upstream
     assert (await upstream.check()).outcome == "not_write_endpoint"
@@ -107,4 +118,4 @@ async def test_wrong_path_on_prometheus_is_503_and_found_at_start(
     metrics = proxy.proxy.metrics.registry
     assert (metrics.get_sample_value("karta_proxy_upstream_misconfigured_total",
                                      {"url": url, "reason": "not_write_endpoint",
-                                      "code": "404"}) or 0) >= 2
+                                      "code": code}) or 0) >= 2
