@@ -35,7 +35,7 @@ import re
 import ssl
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -375,6 +375,10 @@ class Upstream:
         self._check_lock = asyncio.Lock()
         self._check_task: asyncio.Task[Probe] | None = None
         self._warned_passthrough = False
+        #: ``upstream.encoding: zstd`` toward an upstream the check found refusing zstd
+        #: (Debian's VictoriaMetrics 1.79: 400 "snappy: corrupt input"): snappy instead,
+        #: as vmagent falls back, rather than every write refused and dropped
+        self.zstd_refused = False
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
         self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
         self._password = (
@@ -448,7 +452,8 @@ class Upstream:
 
     def out_encoding(self, encoding: str) -> str:
         """The Content-Encoding sent upstream for a request the sender encoded so."""
-        return encoding if self.settings.encoding == "same" else self.settings.encoding
+        out = encoding if self.settings.encoding == "same" else self.settings.encoding
+        return "snappy" if self.zstd_refused else out
 
     def converts(self, protocol: Protocol) -> bool:
         """True when a request of this protocol is converted to RW 1.0 before sending."""
@@ -523,6 +528,11 @@ class Upstream:
                 await self.check()
             if self.v1_only and out.protocol is Protocol.V2:
                 out = await asyncio.to_thread(self._convert, out)
+        if out.encoding == "zstd":
+            if self.probe is None:  # the check at start tells whether zstd is taken
+                await self.check()
+            if self.zstd_refused:  # prepared as zstd before the check found it refused
+                out = await asyncio.to_thread(self._as_snappy, out)
         if out.converted and self.metrics is not None:
             self.metrics.upstream_conversions.inc()
         answer = await self._post(out, incoming, url)
@@ -662,6 +672,12 @@ class Upstream:
             if self.metrics is not None:
                 self.metrics.upstream_split_parts.inc()
             parts.add(answer, sent.converted, too_large=refused)
+
+    @classmethod
+    def _as_snappy(cls, out: Outgoing) -> Outgoing:
+        """``out`` compressed with snappy instead (CPU work: a worker thread's)."""
+        return replace(out, encoding="snappy",
+                                   encoded=compress(cls._raw(out), "snappy"))
 
     @staticmethod
     def _raw(sent: Outgoing) -> bytes:
@@ -809,6 +825,8 @@ class Upstream:
         empty = Outgoing(b"", protocol, self.out_encoding("snappy"),
                          compress(b"", self.out_encoding("snappy")))
         answer = await self._post(empty, {})
+        if empty.encoding == "zstd" and answer.upstream in ("400", "415"):
+            answer = await self._zstd_refused(answer, empty)
         if answer.upstream == "415" and auto:
             answer = await self._post(
                 Outgoing(b"", Protocol.V1, empty.encoding, empty.encoded), {})
@@ -830,6 +848,23 @@ class Upstream:
         if answer.status >= 500:
             return Probe("unavailable", answer.upstream, detail)
         return Probe("refused", answer.upstream, detail)
+
+    async def _zstd_refused(self, answer: Answer, empty: Outgoing) -> Answer:
+        """The check's zstd write was refused: if the same write as snappy is taken,
+        the upstream does not read zstd, and every request goes out as snappy from now on
+        (else every write would be refused, and dropped by its sender). The answer to
+        the snappy write, or ``answer`` when snappy fares no better."""
+        snappy_empty = Outgoing(b"", empty.protocol, "snappy", compress(b"", "snappy"))
+        retry = await self._post(snappy_empty, {})
+        if retry.upstream in ("400", "415"):
+            return answer
+        if retry.ok:
+            self.zstd_refused = True
+            log.warning("upstream refused zstd but takes snappy: sending snappy, whatever "
+                        "upstream.encoding says (set it to snappy to silence this)",
+                        extra={"upstream_url": self.url, "upstream_status": answer.upstream,
+                               "body": answer.body[:200].decode("utf-8", "replace")})
+        return retry
 
     def _log_probe(self, probe: Probe) -> None:
         extra = {"upstream_url": self.url, "upstream_status": probe.code,

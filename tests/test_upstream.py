@@ -32,7 +32,7 @@ from proxy.upstream import (
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol
-from tests.scripted import Reply, ScriptedUpstream, rw2_receiver, size_limit
+from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 # generated protobuf modules carry no type information
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
@@ -144,6 +144,34 @@ async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str |
     assert answer.upstream == str(reply.status)
     if reply.body:
         assert reply.body in answer.body
+
+
+def _no_zstd(rec: Received) -> Reply | None:
+    """A receiver that reads no zstd (Debian's VictoriaMetrics 1.79)."""
+    if rec.headers.get("Content-Encoding") == "zstd":
+        return Reply(400, body=b"cannot decompress: snappy: corrupt input")
+    return None
+
+
+async def test_zstd_refused_at_the_check_goes_out_as_snappy() -> None:
+    async with ScriptedUpstream(rule=_no_zstd) as up, opened(up.url, encoding="zstd") as u:
+        # the first write waits for the check, which finds zstd refused
+        answer = await u.send(v1_body(), Protocol.V1, encoding="zstd")
+        assert answer.ok and u.zstd_refused
+        assert [r.headers["Content-Encoding"] for r in up.empty_writes] == ["zstd", "snappy"]
+        assert up.received[0].headers["Content-Encoding"] == "snappy"
+        assert up.received[0].raw == v1_body()
+
+
+async def test_zstd_refusal_of_bad_data_is_not_a_refusal_of_zstd() -> None:
+    # the check's snappy write refused too: the 400 is about something else
+    async with (
+        ScriptedUpstream(Reply(400, body=b"no")) as up,
+        opened(up.url, encoding="zstd") as u,
+    ):
+        probe = await u.check()
+        assert probe.outcome == "refused" and not u.zstd_refused
+        assert [r.headers["Content-Encoding"] for r in up.empty_writes] == ["zstd", "snappy"]
 
 
 async def test_429_passes_when_configured() -> None:

@@ -168,6 +168,31 @@ async def test_agent_keeps_batches_an_upstream_408s(
     assert all(any(raw == later.raw for later in up.received[3:]) for raw in refused)
 
 
+@pytest.mark.parametrize("protocol", [Protocol.V1, Protocol.V2])
+async def test_zstd_refused_by_the_upstream_goes_out_as_snappy(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], protocol: Protocol,
+) -> None:
+    # Debian's VictoriaMetrics 1.79 reads no zstd (400 "snappy: corrupt input"): with
+    # upstream.encoding zstd every write was refused, and dropped by its sender
+    vm = await peers.victoria_metrics()
+    proxy = await make_proxy(vm.base_url + "/api/v1/write", encoding="zstd")
+    upstream = proxy.proxy.upstream
+    assert (await upstream.check()).outcome in ("rw1", "rw2")
+    assert upstream.zstd_refused and upstream.out_encoding("zstd") == "snappy"
+    metric = f"zstd_fallback_{protocol.name.lower()}"
+    now = int(time.time() * 1000)
+    status, _, text = await send_series(
+        proxy.write_url, [Series({**POD, "__name__": metric}, [(now, 7.0)])],
+        protocol=protocol, encoding="zstd")
+    assert status == 204, text
+
+    async def stored() -> bool:
+        await vm_flush(vm)
+        return bool(await query(vm.base_url, f"{metric}{{karta_workload!=''}}"))
+
+    await wait_until(stored, timeout=15, what="the sample stored, stamped")
+
+
 async def agent_metrics(agent: Peer) -> dict[str, float]:
     """An agent's own ``prometheus_remote_storage_*`` counters, summed over their labels."""
     async with aiohttp.ClientSession() as s, s.get(agent.base_url + "/metrics") as r:
