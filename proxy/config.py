@@ -118,7 +118,8 @@ class ServerSettings(Section):
         "with its body unread; 0: 503 at once", ge=0, le=30)] = 2.0
     max_inflight_bytes: Annotated[int, setting(
         "bytes of request bodies held at once (compressed + decoded); past it 503 + "
-        "Retry-After; at least max_body_bytes", gt=0)] = 512 * MiB
+        "Retry-After, but a request alone in flight is always taken; at least "
+        "max_body_bytes", gt=0)] = 512 * MiB
     forward_before_ready: Annotated[bool, setting(
         "until the index is loaded, forward requests unenriched (and report ready) instead "
         "of answering 503", flag=Flag(("--forward-before-ready",), SERVING))] = False

@@ -215,8 +215,14 @@ class LoadBudget:
         self.max_bytes = max_bytes
         self.bytes = 0
 
-    def try_reserve(self, n: int) -> bool:
-        if self.bytes + n > self.max_bytes:
+    def try_reserve(self, n: int, own: int = 0) -> bool:
+        """Reserve ``n`` more bytes for a request that holds ``own`` already, if they fit.
+
+        A request that holds everything held (alone in flight) always may: its size is
+        bounded anyway (``max_body_bytes`` + ``max_decoded_bytes``), and with a budget
+        below that a request too big for it alone would be refused on every retry, its
+        data never stored. So the bound is the larger of the budget and one request."""
+        if self.bytes + n > self.max_bytes and self.bytes > own:
             return False
         self.bytes += n
         return True
@@ -505,7 +511,7 @@ class RemoteWriteHandler:
             self.budget.release(held.bytes)
 
     def _reserve(self, held: _Held, n: int) -> None:
-        if not self.budget.try_reserve(n):
+        if not self.budget.try_reserve(n, held.bytes):
             raise _Refusal(503, "overloaded: too many request bytes in flight",
                            counter="reject", kind="overload",
                            headers={"Retry-After": RETRY_AFTER})

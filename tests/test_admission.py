@@ -410,17 +410,45 @@ async def test_an_overload_refusal_past_the_headers_keeps_a_skippable_connection
         ScriptedUpstream() as up,
         proxy_running(tmp_path, up, max_inflight_bytes=600) as p,
     ):
+        # another request holds 16 bytes of the budget (a request alone may exceed it)
+        _, hw = await connect(p)
+        hw.write((HEAD + "Transfer-Encoding: chunked\r\n\r\n10\r\n").encode()
+                 + b"x" * 16 + b"\r\n")
+        for _ in range(100):
+            if metric(p, "karta_proxy_inflight_bytes") == 16:
+                break
+            await asyncio.sleep(0.01)
         r, w = await connect(p)
         w.write(request(b"x" * 1000))
         busy = await read_answer(r)
         assert busy.status == 503 and busy.headers["retry-after"] == "1", busy
         assert "connection" not in busy.headers
+        hw.close()
         w.write(request())
         ok = await read_answer(r)
         w.close()
         assert ok.status == 204, ok
         assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 1
     assert len(up.received) == 1
+
+
+async def test_a_request_alone_is_taken_even_when_larger_than_the_budget(
+        tmp_path: Path) -> None:
+    # max_inflight_bytes below max_body_bytes + max_decoded_bytes: a request that needs
+    # more than the whole budget was refused with a 503 on every retry, its data never
+    # stored; alone in flight it is taken (its size has limits of its own)
+    body = snappy.compress(series_v1(*({"__name__": "m", "i": str(i), "pad": "p" * 200}
+                                       for i in range(5000))))
+    assert len(body) < 600_000 < len(snappy.uncompress(body))
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, max_inflight_bytes=600_000) as p,
+    ):
+        for _ in range(2):
+            ok = await post(p, body)
+            assert ok.status == 204, ok
+        assert metric(p, "karta_proxy_inflight_bytes") == 0
+    assert len(up.received) == 2
 
 
 # -- waiting for a slot (server.admission_wait_seconds) ---------------------------------
