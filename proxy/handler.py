@@ -355,6 +355,11 @@ class RemoteWriteHandler:
             protocol = self._protocol(request)
             protocol_label = protocol.name.lower()
             encoding = self._encoding(request)
+            header = self.upstream.unforwardable(request.headers)
+            if header:
+                raise _Refusal(400, f"header {header} is not valid UTF-8: it cannot be "
+                               "forwarded to the upstream as it came", counter="reject",
+                               kind="invalid_header")
             response = await self._within_budget(request, protocol, encoding)
         except _Refusal as r:
             response = self._refuse(request, r)

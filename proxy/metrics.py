@@ -167,7 +167,8 @@ class ProxyMetrics:
         self.rejected = Counter(
             _P + "requests_rejected", "Requests refused before decoding, by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
-            "header_timeout, body_timeout, body_too_slow, expectation).",
+            "invalid_tenant, invalid_header, header_timeout, body_timeout, body_too_slow, "
+            "expectation).",
             ["reason"], registry=r,
         )
         self.request_duration = Histogram(
@@ -202,7 +203,8 @@ class ProxyMetrics:
         )
         self.upstream_misconfigured = Counter(
             _P + "upstream_misconfigured", "Upstream answers that are the proxy's "
-            "configuration's fault (not_write_endpoint, credentials_refused), answered 503.",
+            "configuration's fault (not_write_endpoint, credentials_refused, "
+            "no_tenant_place), answered 503.",
             ["url", "reason", "code"], registry=r,
         )
         self.upstream_splits = Counter(

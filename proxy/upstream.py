@@ -427,6 +427,18 @@ class Upstream:
 
     # -- headers --------------------------------------------------------------------------
 
+    def unforwardable(self, incoming: Mapping[str, str]) -> str:
+        """The name of a header to forward whose value is not UTF-8 (aiohttp keeps such
+        bytes as surrogates, and its client leaves them out: ``X-Scope-OrgID: caf\\xe9``
+        would reach the upstream as ``caf``, another tenant), or ""."""
+        for name, value in incoming.items():
+            if not value.isascii() and name.lower() in self._forward:
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name
+        return ""
+
     def _headers(self, incoming: Mapping[str, str], protocol: Protocol, encoding: str
                  ) -> dict[str, str]:
         out: dict[str, str] = {}

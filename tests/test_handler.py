@@ -328,6 +328,30 @@ async def test_end_to_end_headers_reach_the_upstream(running: Running) -> None:
     assert h["X-Scope-OrgID"] == "team-a" and h["Authorization"] == "Bearer t"
 
 
+async def test_a_forwarded_header_not_utf8_is_400_never_altered(running: Running) -> None:
+    # aiohttp keeps a header's non-UTF-8 bytes as surrogates and its client leaves them
+    # out: "caf\xe9" reached the upstream as "caf", the data stored in another tenant
+    body = snappy.compress(series_v1({"__name__": "up"}))
+
+    async def raw_post(tenant: bytes) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", running.proxy.port)
+        w.write(b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nContent-Type: " + CT_V1.encode()
+                + b"\r\nX-Scope-OrgID: " + tenant + b"\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        answer = await asyncio.wait_for(r.read(), 5)
+        w.close()
+        return answer
+
+    refused = await raw_post(b"caf\xe9")
+    assert refused.startswith(b"HTTP/1.1 400") and b"X-Scope-OrgID is not valid UTF-8" in refused
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "invalid_header"}) == 1
+    assert running.upstream.received == []
+    taken = await raw_post("équipe".encode())  # UTF-8 passes, byte for byte
+    assert taken.startswith(b"HTTP/1.1 204"), taken
+    assert running.upstream.received[0].headers["X-Scope-OrgID"] == "équipe"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "status", "fragment"),
     [
