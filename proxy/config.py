@@ -202,6 +202,15 @@ class UpstreamSettings(Section):
     encoding: Annotated[Encoding, setting(
         "body encoding toward the upstream: snappy (every receiver takes it), zstd, or same "
         "(as the sender's)")] = "snappy"
+    rw1_confirms_histograms: Annotated[bool, setting(
+        "an RW 2.0 request converted for a 1.0-only upstream: its 2xx is taken to mean the "
+        "native histograms were stored (Histograms-Written); off: 0 is claimed, since "
+        "VictoriaMetrics drops them and still answers 2xx. On for Prometheus, Mimir or "
+        "Thanos with native histograms on")] = False
+    rw1_confirms_exemplars: Annotated[bool, setting(
+        "the same for exemplars (Exemplars-Written); off: 0 is claimed, since Prometheus "
+        "without exemplar storage and VictoriaMetrics drop them and still answer 2xx")
+    ] = False
     default_tenant: Annotated[str, setting(
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
         "fact series (accountID or accountID:projectID)")] = "0"

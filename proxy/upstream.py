@@ -608,14 +608,21 @@ class Upstream:
         self._publish()
 
     def _written_headers(self, answer: Answer, counts: Counts | None) -> None:
-        """Written headers for a request that went out as RW 1.0: a 1.0 receiver's 2xx
-        means the whole request was written, and an RW 2.0 sender drops data on a 2xx
-        without them. The upstream's own headers win where it sent any."""
+        """Written headers for a request that went out as RW 1.0 (an RW 2.0 sender drops
+        data on a 2xx without them): a 1.0 receiver's 2xx means its samples were written
+        (it refuses a request whose samples it cannot take), but not its histograms or
+        exemplars, which VictoriaMetrics, and Prometheus without exemplar storage, drop
+        and still answer 2xx; those are claimed only where the operator says the upstream
+        keeps them (``rw1_confirms_*``), else 0, so the sender sees a partial write
+        rather than a loss it was told was stored. The upstream's own headers win."""
         if counts is None or has_written_headers(answer.headers):
             return
+        s = self.settings
         answer.headers[WRITTEN_SAMPLES] = str(counts.samples)
-        answer.headers[WRITTEN_HISTOGRAMS] = str(counts.histograms)
-        answer.headers[WRITTEN_EXEMPLARS] = str(counts.exemplars)
+        answer.headers[WRITTEN_HISTOGRAMS] = str(
+            counts.histograms if s.rw1_confirms_histograms else 0)
+        answer.headers[WRITTEN_EXEMPLARS] = str(
+            counts.exemplars if s.rw1_confirms_exemplars else 0)
 
     # -- a request too large for the upstream --------------------------------------------
 

@@ -221,7 +221,7 @@ async def test_v2_2xx_without_written_headers_is_resent_as_v1_and_remembered() -
         "application/x-protobuf",  # remembered
     ]
     assert u.v1_only and first.converted and second.converted
-    # the 1.0 upstream's 2xx covers the whole request: its counts are what was written
+    # the 1.0 upstream's 2xx covers the samples: their count is what was written
     assert first.headers[WRITTEN_SAMPLES] == "2"
     assert first.headers[WRITTEN_HISTOGRAMS] == "0"
     assert first.headers[WRITTEN_EXEMPLARS] == "0"
@@ -231,6 +231,23 @@ async def test_v2_2xx_without_written_headers_is_resent_as_v1_and_remembered() -
     assert u.metrics.registry.get_sample_value(
         "karta_proxy_upstream_info", {"url": up.url, "protocol": "rw1", "check": "pending"}
     ) == 1
+
+
+@pytest.mark.parametrize("confirms", [False, True])
+async def test_converted_written_headers_claim_histograms_and_exemplars_only_if_told(
+        confirms: bool) -> None:
+    # a 1.0 receiver's 2xx says its samples were written; VictoriaMetrics drops native
+    # histograms and exemplars (Prometheus without exemplar storage, exemplars) and
+    # answers 2xx all the same
+    counts = Counts(series=3, samples=5, histograms=2, exemplars=4)
+    async with ScriptedUpstream(Reply(204)) as up, opened(
+            up.url, protocol="v1", rw1_confirms_histograms=confirms,
+            rw1_confirms_exemplars=confirms) as u:
+        answer = await u.send(v2_body(), Protocol.V2, counts=counts)
+    assert answer.ok and answer.converted
+    assert answer.headers[WRITTEN_SAMPLES] == "5"
+    assert answer.headers[WRITTEN_HISTOGRAMS] == ("2" if confirms else "0")
+    assert answer.headers[WRITTEN_EXEMPLARS] == ("4" if confirms else "0")
 
 
 async def test_v2_without_data_and_without_written_headers_is_not_a_refusal() -> None:

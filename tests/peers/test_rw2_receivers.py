@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
 
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.sender import Series, build_v2, send_series
-from proxy.upstream import WRITTEN_SAMPLES, Upstream
+from proxy.upstream import WRITTEN_EXEMPLARS, WRITTEN_SAMPLES, Upstream
 from proxy.wire.primitives import Counts, Protocol
 from tests.peers.conftest import InProcessProxy, Peer, Peers, query, vm_flush, wait_until
 
@@ -64,6 +65,30 @@ async def test_rw2_sender_on_defaults_every_sample_is_stored(
     await wait_until(stored, timeout=15, what="12 samples stored")
     rows = await query(rx.base_url, "rw2_on_defaults")
     assert len(rows) == 3 and all(r["metric"].get("karta_workload") for r in rows)
+
+
+@pytest.mark.parametrize("kind", ["prometheus", "vm"])
+async def test_exemplars_a_1_0_receiver_drops_are_not_claimed_written(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], kind: str,
+) -> None:
+    # Prometheus 2.42 without exemplar storage and VictoriaMetrics take the request (2xx)
+    # and drop its exemplars: Exemplars-Written said 1, a loss the sender was told was
+    # stored; now 0 (upstream.rw1_confirms_exemplars off, the default)
+    rx = await receiver(peers, kind)
+    proxy = await make_proxy(rx.base_url + "/api/v1/write")
+    await proxy.proxy.upstream.check()
+    now = int(time.time() * 1000) - 1000
+    series = Series({"__name__": "rw2_exemplar", "namespace": NAMESPACE, "pod": POD},
+                    [(now, 1.0)], exemplars=[({"trace_id": "abc"}, now, 1.0)])
+    status, headers, text = await send_series(proxy.write_url, [series], protocol=Protocol.V2)
+    assert status == 204, text
+    assert (headers[WRITTEN_SAMPLES], headers[WRITTEN_EXEMPLARS]) == ("1", "0")
+    if kind == "prometheus":  # where an exemplar could be read back, there is none
+        async with aiohttp.ClientSession() as s, s.get(
+                rx.base_url + "/api/v1/query_exemplars",
+                params={"query": "rw2_exemplar", "start": str(now / 1000 - 60),
+                        "end": str(now / 1000 + 60)}) as r:
+            assert (await r.json())["data"] == []
 
 
 @pytest.mark.parametrize("kind", ["prometheus", "vm"])
