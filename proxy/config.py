@@ -172,7 +172,8 @@ class UpstreamSettings(Section):
     max_connections: Annotated[int, setting(
         "pooled keep-alive connections to the upstream", gt=0)] = 64
     protocol: Annotated[UpstreamProtocol, setting(
-        "RW 2.0 toward the upstream: auto converts to RW 1.0 after a 415 and remembers, v1 "
+        "RW 2.0 toward the upstream: auto converts to RW 1.0 after a 415 or a 2xx without "
+        "Written headers and remembers, v1 "
         "always converts, passthrough never",
         flag=Flag(("--upstream-protocol",), UPSTREAM))] = "auto"
     tls_ca_file: Annotated[str, setting("CA bundle to verify an https:// upstream")] = ""
@@ -331,7 +332,9 @@ class FactSettings(Section):
         "the Lease's namespace; empty: the proxy's own ($POD_NAMESPACE, else the service "
         "account's)")] = ""
     lease_duration_seconds: Annotated[float, setting("lease duration", gt=0)] = 15.0
-    identity: Annotated[str, setting("identity in the lease; empty: the hostname")] = ""
+    identity: Annotated[str, setting(
+        "identity in the lease; empty: $POD_NAME (else the hostname) and a random suffix")
+    ] = ""
     external_labels: Annotated[dict[str, str], setting(
         "labels added to every fact series (e.g. cluster: prod-1)")
     ] = field(default_factory=dict)

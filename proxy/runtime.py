@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -56,7 +57,9 @@ class StartError(Exception):
 
 
 def _listen_error(address: str, e: OSError) -> StartError:
-    why = e.strerror or str(e)
+    # asyncio's own strerror repeats the address ("error while attempting to bind on
+    # address ('h', p): address already in use"): the plain words of the errno instead
+    why = os.strerror(e.errno) if e.errno else (e.strerror or str(e))
     if e.errno == errno.EADDRINUSE:
         fix = ("another process holds the port: stop it, or set --listen-address "
                "(server.listen_address) to a free one")

@@ -1,6 +1,6 @@
 """The project's own remote-write client: build RW 1.0 / 2.0 bodies, send them, read them back.
 
-The demo, the tests and the benchmarks need a sender that the Debian peers cannot be:
+The demo and the tests need a sender that the Debian peers cannot be:
 one that speaks RW 2.0, sends zstd, and sets tenant and auth headers (Debian's
 Prometheus 2.42 ignores ``remote_write.headers``). It builds bodies with the generated
 protobuf modules (``proxy/pb``), never with the proxy's own wire code, so a test that
