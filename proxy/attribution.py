@@ -76,7 +76,10 @@ def build_plan(
     rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
     return SplicePlan(
         pairs=_pairs(pod_label_pairs),
-        rules=tuple(MetricRule(r.metric_prefix.encode(), _pairs(r.pod_label_pairs)) for r in rules),
+        # the reserved names first: a series named karta_* names no pod
+        rules=(MetricRule(contract.METRIC_PREFIX.encode(), ()),
+               *(MetricRule(r.metric_prefix.encode(), _pairs(r.pod_label_pairs))
+                 for r in rules)),
         keep_sent=conflict_policy == "keep",
         stamped=frozenset(n.encode() for n in contract.STAMPED_LABELS),
         workload_label=contract.LABEL_WORKLOAD.encode(),
@@ -187,6 +190,8 @@ def _reference_decision(
         if metric.startswith(rule.metric_prefix):
             pairs = [(p.namespace, p.pod, p.unless) for p in rule.pod_label_pairs]
             break
+    if metric.startswith(contract.METRIC_PREFIX):
+        pairs = []
     for ns_name, pod_name, unless in pairs:
         ns = present.get(ns_name, "")
         pod = present.get(pod_name, "")

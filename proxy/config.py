@@ -740,6 +740,17 @@ def _validate_enrich(e: EnrichSettings) -> None:
         for n in (p.namespace, p.pod, *p.unless)}
     if "" in names:
         raise ConfigError("enrich: a label name of pod_label_pairs or pod_label_rules is empty")
+    karta = sorted(n for n in names if n.startswith("karta_"))
+    if karta:
+        # the sender's karta_* labels are dropped: one that named the pod would leave a
+        # series stamped for a pod it no longer names, the pod chosen by the sender
+        raise ConfigError(f"enrich: pod_label_pairs and pod_label_rules may not read "
+                          f"karta_* labels (the proxy's own): {', '.join(karta)}")
+    for i, rule in enumerate(e.pod_label_rules):
+        if rule.metric_prefix.startswith("karta_"):
+            raise ConfigError(f"enrich.pod_label_rules[{i}].metric_prefix: "
+                              f"{rule.metric_prefix!r} is under karta_, the proxy's own "
+                              "metric names, whose series name no pod")
     if len(names) > MAX_LABEL_NAMES - 10:
         raise ConfigError(f"enrich: pod_label_pairs and pod_label_rules name {len(names)} "
                           f"distinct labels; at most {MAX_LABEL_NAMES - 10}")

@@ -31,7 +31,10 @@ STAMPED_LABELS: tuple[str, ...] = (
 )
 STAMPED_PREFIX = "karta_"
 
-#: Prefix of every series the proxy emits itself (facts and operational metrics).
+#: Prefix of every series the proxy emits itself (facts and operational metrics). A
+#: series a sender writes under it names no pod (``no_pod_label``): it is never stamped,
+#: so a forged fact (``karta_workload_phase{phase="Failed", exported_namespace=...,
+#: exported_pod=<a victim's pod>}``) cannot borrow a real workload's identity.
 METRIC_PREFIX = "karta_"
 
 # -- Fact series (proxy/facts/model.py) ---------------------------------------------------

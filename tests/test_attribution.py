@@ -184,6 +184,34 @@ def test_spoofed_attribution_is_dropped_from_unstamped_series(labels: dict[str, 
     assert (res.attributed, res.stripped) == (0, 1)
 
 
+@pytest.mark.parametrize("name", [*contract.FACT_SERIES, "karta_proxy_samples_total"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_series_named_like_the_proxys_own_is_never_stamped(name: str, version: int) -> None:
+    # a sender's forged fact naming a real pod must not get that workload's identity
+    # (an alert on karta_workload_phase{phase="Failed", karta_workload=...} would fire)
+    labels = {"__name__": name, "phase": "Failed", "exported_namespace": "ml",
+              "exported_pod": "train-head", "karta_workload": "train"}
+    idx = index_with_pods()
+    e = enricher(idx)
+    if version == 1:
+        raw = request_v1(series_v1(labels))
+        res = e.enrich_v1(raw)
+        got = labels_of(parse_v1(res.body).timeseries[0])
+        ref = enrich_v1_reference(raw, idx, PAIRS, "replace")
+        assert parse_v1(ref.body) == parse_v1(res.body)
+    else:
+        raw = request_v2(labels)
+        res = e.enrich_v2(raw)
+        req = parse_v2(res.body)
+        got = labels_v2(req, req.timeseries[0])
+        ref = enrich_v2_reference(raw, idx, PAIRS, "replace")
+        refreq = parse_v2(ref.body)
+        assert labels_v2(refreq, refreq.timeseries[0]) == got
+    assert got == sorted((n, v) for n, v in labels.items() if not n.startswith("karta_"))
+    assert (res.attributed, res.unattributed, res.stripped) == (0, {"no_pod_label": 1}, 1)
+    assert (ref.attributed, ref.unattributed, ref.stripped) == (0, {"no_pod_label": 1}, 1)
+
+
 def test_keep_policy_leaves_series_with_karta_workload_alone() -> None:
     raw = request_v1(
         series_v1({"namespace": "ml", "pod": "train-head", "karta_workload": "other"}),

@@ -12,6 +12,8 @@ import yaml
 
 from proxy.config import (
     ConfigError,
+    PodLabelPair,
+    PodLabelRule,
     Section,
     Settings,
     load_settings,
@@ -165,6 +167,11 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
          "at least"),
         (lambda s: setattr(s.enrich, "conflict_policy", "merge"), "enrich.conflict_policy"),
         (lambda s: setattr(s.enrich, "pod_label_pairs", []), "enrich.pod_label_pairs"),
+        (lambda s: setattr(s.enrich, "pod_label_pairs", [("karta_namespace", "pod")]),
+         "may not read karta_* labels (the proxy's own): karta_namespace"),
+        (lambda s: setattr(s.enrich, "pod_label_rules", [PodLabelRule(
+            "karta_workload_", [PodLabelPair("namespace", "pod")])]),
+         "enrich.pod_label_rules[0].metric_prefix"),
         (lambda s: setattr(s, "snapshot", "/nonexistent/snap.yaml"), "snapshot:"),
         (lambda s: setattr(s, "log_level", "loud"), "log_level"),
         (lambda s: setattr(s, "snapshot_reload_seconds", -1), "snapshot_reload_seconds"),
