@@ -326,6 +326,9 @@ def _zstd_into(body: bytes, size: int, *, exact: int | None) -> bytes:
     try:
         written = cramjam.zstd.decompress_into(body, buf)
     except cramjam.DecompressionError as exc:
+        # the error's traceback holds this frame for as long as the error lives: not the
+        # buffer (up to max_decoded_bytes) with it
+        del buf
         # cramjam has one error type for a corrupt frame and for a full buffer: only its
         # message tells them apart (a full buffer is retried bigger, up to the limit)
         if "whole buffer" in str(exc) or "too small" in str(exc):
@@ -335,10 +338,11 @@ def _zstd_into(body: bytes, size: int, *, exact: int | None) -> bytes:
                 ) from None
             raise _BufferFull from None
         raise DecodeError("zstd_corrupt", 400, f"corrupt zstd body: {exc}") from None
-    if written >= size:
+    if written >= size or (exact is not None and written != exact):
+        del buf  # as above
+        if written < size:
+            raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: less data than declared")
         if exact is not None:
             raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: more data than declared")
         raise _BufferFull
-    if exact is not None and written != exact:
-        raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: less data than declared")
     return bytes(memoryview(buf)[:written])

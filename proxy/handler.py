@@ -186,7 +186,9 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
         done = [part(*spans[0])]
     finally:
         wait(futures)  # every part ends before its request does
-    done += [f.result() for f in futures]  # a failed part raises, the first in order
+    while futures:  # a failed part raises, the first in order; its future is out of
+        # this frame by then (the failure's traceback holds the frame: no cycle through it)
+        done.append(futures.pop(0).result())
     merged = SpliceResult(b"", Counts())
     for result, _ in done:
         merged.counts.add(result.counts)

@@ -92,7 +92,13 @@ class LoopWorkers:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._jobs.put((loop, fut, fn, args))
-        return await fut
+        try:
+            return await fut
+        finally:
+            # a failure's traceback holds this frame, and the future holds the failure:
+            # a cycle that only the garbage collector would free, with the request's
+            # buffers in the frames of the traceback (tens of MB a request)
+            del fut
 
     def shutdown(self) -> None:
         """Stop the threads once each has finished its job (queued ones are cancelled),
@@ -126,6 +132,10 @@ class LoopWorkers:
             self._answer(loop, _set_exception, fut, e)
         else:
             self._answer(loop, _set_result, fut, result)
+        finally:
+            # the failure's traceback holds this frame: without its references to the
+            # future (which holds the failure) and the call, no cycle (see ``run``)
+            del fut, fn, args
 
     @staticmethod
     def _answer(loop: asyncio.AbstractEventLoop, how: Callable[..., None], *args: Any) -> None:
