@@ -29,6 +29,11 @@ _ZSTD_SKIPPABLE_MASK = 0xFFFFFFF0
 _ZSTD_SKIPPABLE = 0x184D2A50
 #: first buffer for zstd frames that do not declare their size (grows x4 up to the limit)
 _ZSTD_FIRST_GUESS = 1 << 20
+#: frames and blocks the header walk reads before it gives up on a declared size: one
+#: sender's zstd body is one frame of full 128 KiB blocks (512 at 64 MiB), but 15 MB of
+#: empty frames were 1.75M steps of Python, 6 s that held the event loop; past the limit
+#: the body counts as declaring no size (decompressed in a worker, in C, to the limit)
+ZSTD_WALK_STEPS = 4096
 
 
 class DecodeError(Exception):
@@ -234,7 +239,8 @@ def _snappy_decompress(body: bytes, max_decoded: int, scratch: bool = False
 
 
 def zstd_declared_length(body: bytes) -> int | None:
-    """Sum of the content sizes the frames declare, or None when one does not declare it.
+    """Sum of the content sizes the frames declare, or None when one does not declare it
+    (or the body has more than ``ZSTD_WALK_STEPS`` frames and blocks).
 
     Walks frame headers only; a frame's compressed length is found by walking its block
     headers (3 bytes each), so nothing is decompressed here.
@@ -243,7 +249,11 @@ def zstd_declared_length(body: bytes) -> int | None:
     n = len(body)
     total = 0
     known = True
+    steps = 0
     while pos < n:
+        steps += 1
+        if steps > ZSTD_WALK_STEPS:
+            return None
         if n - pos < 4:
             raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated frame")
         magic = int.from_bytes(body[pos : pos + 4], "little")
@@ -281,6 +291,9 @@ def zstd_declared_length(body: bytes) -> int | None:
         while True:
             if pos + 3 > n:
                 raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: truncated block")
+            steps += 1
+            if steps > ZSTD_WALK_STEPS:
+                return None
             bh = int.from_bytes(body[pos : pos + 3], "little")
             pos += 3
             last = bh & 1

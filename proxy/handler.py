@@ -595,7 +595,8 @@ class RemoteWriteHandler:
         self._reserve(held, min(declared if declared is not None else s.max_decoded_bytes,
                                 s.max_decoded_bytes))
         try:
-            if declared is not None and declared <= INLINE_DECODED_BYTES:
+            if declared is not None and declared <= INLINE_DECODED_BYTES \
+                    and len(body) <= INLINE_DECODED_BYTES:
                 # shorter than a round trip through the pool (two thread switches)
                 prepared = self._prepare(body, encoding, protocol)
             else:

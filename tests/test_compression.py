@@ -9,6 +9,7 @@ import pytest
 import snappy
 
 from proxy.compression import (
+    ZSTD_WALK_STEPS,
     DecodeError,
     compress,
     decompress,
@@ -111,6 +112,18 @@ def test_zstd_without_declared_size_is_bounded() -> None:
     assert (e.status, e.kind) == (413, "too_large")
     # and within the limit it decodes (the buffer grows to fit)
     assert len(decompress(bomb, "zstd", max_decoded=16 << 20)) == 16 << 20
+
+
+def test_zstd_header_walk_is_bounded() -> None:
+    # 15 MB of empty frames were 1.75M steps of Python walking headers on the event loop
+    # (6 s); past ZSTD_WALK_STEPS frames and blocks the body declares no size
+    empty = bytes(cramjam.zstd.compress(b""))  # a frame and its one block: two steps
+    assert zstd_declared_length(empty * (ZSTD_WALK_STEPS // 2)) == 0
+    many = empty * (ZSTD_WALK_STEPS // 2 + 1)
+    assert zstd_declared_length(many) is None
+    assert decompress(many, "zstd", max_decoded=1 << 20) == b""  # in C, to the limit
+    bomb = empty * 1_000_000
+    assert zstd_declared_length(bomb) is None
 
 
 def test_zstd_multiple_frames() -> None:

@@ -25,6 +25,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
 from proxy.wire.primitives import Protocol
+from tests.loop_turns import LoopTurns
 from tests.scripted import Reply, ScriptedUpstream, rw2_receiver
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
@@ -719,3 +720,16 @@ async def test_a_refused_request_leaves_no_cycle_holding_its_buffers(
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+async def test_a_body_of_many_zstd_frames_does_not_hold_the_loop(running: Running) -> None:
+    # 15 MB of empty zstd frames (1.75M): the header walk ran in Python on the event loop,
+    # twice, and the body was decompressed there too (it declares 0 bytes): /-/healthy
+    # waited 5.8 s behind it. Now the walk stops at ZSTD_WALK_STEPS and the rest is C in
+    # a worker thread
+    body = bytes(cramjam.zstd.compress(b"")) * 1_500_000
+    async with LoopTurns(0.01) as turns:
+        resp = await running.post(body, encoding="zstd", compress=False)
+        during = turns.turns
+    assert resp.status == 204  # an empty write, as it declares
+    assert during >= 5, during  # the loop kept turning while the request was handled
