@@ -528,6 +528,13 @@ def _interned(m: Any, *, values: bool) -> Any:
     return out
 
 
+def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
+    """The source of a description object: ``api:<kind>/<name>`` (the uid without a
+    name). With the kind: a ``Karta`` and a ``ResourceInterface`` of one name are two
+    objects (two resources), so neither may replace, or delete, the other's description."""
+    return f"api:{obj.get('kind')}/{md.get('name') or md.get('uid') or ''}"
+
+
 def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
     """Best-effort root kind of a description object that failed to parse."""
     try:
@@ -828,7 +835,7 @@ class Engine:
             from proxy.karta.description import is_description_object
 
             if is_description_object(obj):
-                self._delete_description(md, cs)
+                self._delete_description(obj, md, cs)
                 return
         uid = md.get("uid")
         if not isinstance(uid, str) or not uid:
@@ -1281,7 +1288,7 @@ class Engine:
     ) -> None:
         from proxy.karta.description import DescriptionError, parse_description
 
-        source = f"api:{md.get('name') or md.get('uid') or ''}"
+        source = _api_source(obj, md)
         spec = obj.get("spec")
         if source in self._api_specs and self._api_specs[source] == spec:
             return  # a resync of an unchanged description: nothing to redo
@@ -1301,8 +1308,10 @@ class Engine:
             self._errored_by_source.pop(source, None)
         self._reselect_api(cs)
 
-    def _delete_description(self, md: Mapping[str, Any], cs: ChangeSet) -> None:
-        source = f"api:{md.get('name') or md.get('uid') or ''}"
+    def _delete_description(
+        self, obj: Mapping[str, Any], md: Mapping[str, Any], cs: ChangeSet
+    ) -> None:
+        source = _api_source(obj, md)
         self._api_specs.pop(source, None)
         self._sources.pop(source, None)
         self._api_errors.pop(source, None)

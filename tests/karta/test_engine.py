@@ -515,6 +515,36 @@ def test_description_objects_from_the_api() -> None:
     assert cs.kinds_changed and P(cs, "pod-h").reason == "no_described_owner"
 
 
+def test_a_karta_and_a_resourceinterface_of_one_name_are_two_descriptions() -> None:
+    """Two resources, two objects: migrating a kind from a ResourceInterface to a Karta
+    of the same name, then deleting the ResourceInterface, leaves the Karta in force
+    (both were keyed ``api:<name>``: each replaced the other, and the deletion took the
+    Karta's description with it)."""
+    e = Engine()
+    rc = raycluster("rc", ["cpu"])
+    e.upsert_many([rc, pod("h", rc, **{"ray.io/node-type": "head"})])
+    ri = dict(RAY_KARTA, apiVersion="optimization.nvidia.com/v1alpha1",
+              kind="ResourceInterface")
+    assert P(e.upsert(ri), "pod-h").component == "head"
+    e.upsert(RAY_KARTA)  # the same name, the current form
+    assert {gk.kind for gk in e.descriptions()} >= {"RayCluster"}
+    # the RI loses to the Karta (rule 2); both are known, neither replaced the other
+    assert [err.source for err in e.description_errors] == [
+        "api:ResourceInterface/test-raycluster"]
+    cs = e.delete({"apiVersion": "optimization.nvidia.com/v1alpha1",
+                   "kind": "ResourceInterface", "metadata": {"name": "test-raycluster"}})
+    assert not cs.pods  # the Karta describes RayCluster as before
+    assert P(e, "pod-h").component == "head"
+    assert GroupKind("ray.io", "RayCluster") in e.descriptions()
+    assert e.description_errors == []
+    # and the other way round: the Karta deleted, a ResourceInterface of its name returns
+    e.upsert(ri)
+    e.delete({"apiVersion": "run.ai/v1alpha1", "kind": "Karta",
+              "metadata": {"name": "test-raycluster"}})
+    assert GroupKind("ray.io", "RayCluster") in e.descriptions()
+    assert P(e, "pod-h").component == "head"
+
+
 def test_user_description_overrides_builtin_and_builtins_can_be_off() -> None:
     raw = karta({"group": "apps", "kind": "Deployment"}, [],
                 specDefinition={"podTemplateSpecPath": ".spec.template"})
