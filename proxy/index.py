@@ -89,8 +89,11 @@ class PodIndex:
         self._tombstones = _Tombstones(tombstone_seconds, clock)
         self._key_by_uid: dict[str, tuple[bytes, bytes]] = {}
         self._interned: dict[LabelPairs, LabelPairs] = {}
-        #: known pods that the engine could not attribute -> its reason
-        self._unattributed: dict[tuple[bytes, bytes], str] = {}
+        #: known pods that the engine could not attribute -> (its uid, its reason). The
+        #: uid says whose reason it is: a pod re-created under its name can arrive before
+        #: its predecessor's deletion (a relist gives the new uid, then retracts the old
+        #: one), and that deletion must not take the newcomer's reason with it
+        self._unattributed: dict[tuple[bytes, bytes], tuple[str, str]] = {}
         self.pods: dict[str, PodAttribution] = {}
         self.workloads: dict[str, WorkloadFacts] = {}
         #: True once every required source has delivered its initial state
@@ -111,7 +114,8 @@ class PodIndex:
 
     def reason(self, namespace: bytes, pod: bytes) -> str:
         """Why a pod has no labels: the engine's reason, or ``pod_unknown``."""
-        return self._unattributed.get((namespace, pod), "pod_unknown")
+        hit = self._unattributed.get((namespace, pod))
+        return hit[1] if hit is not None else "pod_unknown"
 
     def answer(self, namespace: bytes, pod: bytes) -> LabelPairs | str | None:
         """What the splice's pod table holds for a pod: its stamped pairs, the reason it
@@ -119,13 +123,14 @@ class PodIndex:
         entry = self._by_name.get((namespace, pod))
         if entry is not None:
             return entry.pairs
-        return self._unattributed.get((namespace, pod))
+        hit = self._unattributed.get((namespace, pod))
+        return hit[1] if hit is not None else None
 
     def answers(self) -> Iterator[tuple[bytes, bytes, LabelPairs | str]]:
         """Every pod the index knows, with its :meth:`answer` (to fill a pod table)."""
         for (ns, pod), e in self._by_name.items():
             yield ns, pod, e.pairs
-        for (ns, pod), reason in self._unattributed.items():
+        for (ns, pod), (_, reason) in self._unattributed.items():
             if (ns, pod) not in self._by_name:
                 yield ns, pod, reason
 
@@ -178,7 +183,7 @@ class PodIndex:
         self._key_by_uid[uid] = key
         pairs = stamped_pairs(att)
         if not pairs:
-            self._unattributed[key] = att.reason or "unattributed"
+            self._unattributed[key] = (uid, att.reason or "unattributed")
             # the newest pod of a name wins, even over a (tombstoned) attributed namesake
             self._by_name.pop(key, None)
             self._tombstones.pop(key, None)
@@ -193,7 +198,9 @@ class PodIndex:
         key = self._key_by_uid.pop(uid, None)
         if key is None:
             return
-        self._unattributed.pop(key, None)
+        hit = self._unattributed.get(key)
+        if hit is not None and hit[0] == uid:  # not a namesake's that came after it
+            del self._unattributed[key]
         entry = self._by_name.get(key)
         if entry is not None and entry.uid == uid:
             entry.expires = now + self._tombstone_seconds

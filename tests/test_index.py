@@ -120,6 +120,35 @@ def test_new_unattributed_pod_replaces_tombstone_of_old() -> None:
     assert idx.tombstones() == 0
 
 
+def test_a_late_delete_of_the_old_uid_keeps_the_new_pods_reason() -> None:
+    """A relist gives a pod re-created under its name (new uid) first and retracts the
+    old uid after: the old uid's deletion must leave the newcomer's reason (it took it,
+    and the name read ``pod_unknown``), whether the old pod was attributed or not."""
+    idx = PodIndex()
+    table: dict[tuple[bytes, bytes], object] = {}
+    idx.subscribe_pods(lambda keys: table.update({k: idx.answer(*k) for k in keys}))
+    idx.apply(ChangeSet(pods={
+        "u-a1": att("u-a1", "unattr", workload=None, reason="owner_missing"),
+        "u-b1": att("u-b1", "mixed", component="head"),
+    }))
+    idx.apply(ChangeSet(pods={  # the relist's new uids, then the diff's deletions
+        "u-a2": att("u-a2", "unattr", workload=None, reason="owner_missing"),
+        "u-b2": att("u-b2", "mixed", workload=None, reason="owner_missing"),
+    }))
+    idx.apply(ChangeSet(pods={"u-a1": None, "u-b1": None}))
+    for name in (b"unattr", b"mixed"):
+        assert idx.lookup(b"ml", name) is None
+        assert idx.reason(b"ml", name) == "owner_missing"
+        assert idx.answer(b"ml", name) == "owner_missing"
+        assert table[b"ml", name] == "owner_missing"  # what the splice's table holds
+    assert sorted(n for _, n, _ in idx.answers()) == [b"mixed", b"unattr"]
+    assert idx.tombstones() == 0
+    # the newcomers' own deletion takes their reasons
+    idx.apply(ChangeSet(pods={"u-a2": None, "u-b2": None}))
+    assert idx.reason(b"ml", b"unattr") == "pod_unknown" and idx.answer(b"ml", b"mixed") is None
+    assert list(idx.answers()) == []
+
+
 def test_listeners_see_every_change_set() -> None:
     idx = PodIndex()
     seen: list[ChangeSet] = []

@@ -9,7 +9,7 @@ import copy
 from proxy.karta.engine import Engine
 from proxy.kube.source import KubeSource
 from tests.karta.descriptions import raycluster_karta
-from tests.kube.conftest import SourceFactory, eventually, labels, pod
+from tests.kube.conftest import Obj, SourceFactory, deployment, eventually, labels, pod
 from tests.kubesim import KubeSim
 
 
@@ -44,3 +44,40 @@ async def test_a_karta_replacing_a_resourceinterface_of_its_name_stays_in_force(
     await asyncio.sleep(0.3)  # what a wrong deletion would undo would be undone by now
     assert (labels(source, "ml", "rc-head") or {}).get("karta_component") == "head"
     assert any(gk.kind == "RayCluster" for gk in engine(source).descriptions())
+
+
+def _owned_by_an_unseen_kind(name: str) -> Obj:
+    """A pod whose controller is of an undescribed kind never seen: ``owner_missing``."""
+    p = pod(name)
+    p["metadata"]["ownerReferences"] = [{"apiVersion": "example.com/v1", "kind": "Foo",
+                                         "name": "f", "uid": "foo-uid", "controller": True}]
+    return p
+
+
+async def test_a_relist_keeps_the_reason_of_a_pod_recreated_under_its_name(
+    sim: KubeSim, make_source: SourceFactory
+) -> None:
+    """Pods deleted and re-created (new uids) while the watch is away, then a 410 and a
+    relist: the new uid is given first, the old one retracted after. The names must read
+    the new pods' ``owner_missing``, not ``pod_unknown`` (the old uid's retraction took
+    the reason whatever uid it belonged to)."""
+    _, rs, _ = deployment(sim, "web", replicas=1)
+    sim.create(_owned_by_an_unseen_kind("p-unattr"))
+    sim.create(pod("p-mixed", owner_obj=rs, labels={"app": "web"}))
+    source = await make_source()
+    index = source.index
+    assert index.answer(b"default", b"p-unattr") == "owner_missing"
+    assert labels(source, "default", "p-mixed") is not None
+    old = {a.uid for a in index.pods.values()}
+    await sim.stop()
+    for name in ("p-unattr", "p-mixed"):
+        sim.delete(sim.get("v1", "Pod", name, "default"))
+        sim.create(_owned_by_an_unseen_kind(name))
+    sim.compact()  # the watch's resourceVersion is gone: 410, relist
+    await sim.start()
+    await eventually(lambda: sum(a.pod.startswith("p-") for a in index.pods.values()) == 2
+                     and not old & {a.uid for a in index.pods.values() if a.pod != "web-1-0"},
+                     timeout=8)
+    for key in (b"p-unattr", b"p-mixed"):
+        assert index.answer(b"default", key) == "owner_missing"
+        assert index.reason(b"default", key) == "owner_missing"
