@@ -1086,11 +1086,11 @@ class Engine:
                 rec.owner, self._walk_plans.get, self._is_errored,
                 WalkResult(plan, rec.uid, obj=rec, ref=None, reason=""),
             )
-            assert top.described is not None
-            new = top.uid
-            self._join(new, self._workload_ref(top, rec.namespace), top.described)
-            self._wl[new].objs.add(rec.uid)
-            self._dirty.add(new)
+            if top.described is not None:  # None: on, or below, an owner cycle
+                new = top.uid
+                self._join(new, self._workload_ref(top, rec.namespace), top.described)
+                self._wl[new].objs.add(rec.uid)
+                self._dirty.add(new)
         if rec.member and rec.member != new:
             wl = self._wl.get(rec.member)
             if wl is not None:

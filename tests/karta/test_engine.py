@@ -268,6 +268,38 @@ def test_owner_cycle_is_bounded() -> None:
     assert P(cs, "pod-p").reason == "owner_missing"
 
 
+@pytest.mark.parametrize("hops", [4, 5, 6, 7])
+@pytest.mark.parametrize("order", ["deployment first", "replicaset first"])
+def test_an_owner_cycle_of_described_kinds_makes_no_workload(hops: int, order: str) -> None:
+    """Deployment <-> ReplicaSet (both described by the built-ins): the pod is
+    ``hop_limit`` and neither object is a workload (a ReplicaSet workload with 0 pods
+    and phase facts of its own came and went with the hop count's parity). Broken,
+    the cycle leaves the ordinary chain."""
+    e = Engine(max_owner_hops=hops)
+    d = obj("apps/v1", "Deployment", "dcyc", spec={"replicas": 1})
+    rs = replicaset("rcyc", d)
+    d = obj("apps/v1", "Deployment", "dcyc", rs, spec={"replicas": 1})
+    p = pod("p", rs)
+    objs = [d, rs, p] if order == "deployment first" else [rs, d, p]
+    e.upsert_many(objs)
+    assert P(e, "pod-p").reason == "hop_limit"
+    assert list(e.workloads()) == []
+    # the same, one object at a time
+    e2 = Engine(max_owner_hops=hops)
+    for o in objs:
+        e2.upsert(o)
+    assert P(e2, "pod-p").reason == "hop_limit" and list(e2.workloads()) == []
+    explained = e2.explain(NS, "p")
+    assert explained is not None and explained.walk_end == "hop_limit"
+    assert [link.name for link in explained.chain] == ["rcyc", "dcyc"]
+    assert not any(link.workload for link in explained.chain)
+    # the Deployment loses its owner: Deployment -> ReplicaSet -> pod again
+    cs = e2.upsert(obj("apps/v1", "Deployment", "dcyc", spec={"replicas": 1}))
+    assert wname(P(cs, "pod-p")) == "dcyc"
+    assert [w.ref.name for w in e2.workloads()] == ["dcyc"]
+    assert W(e2, "deployment-dcyc").replicas[0].observed == 1
+
+
 def test_invalid_objects_are_counted_not_raised() -> None:
     e = Engine()
     for bad in [

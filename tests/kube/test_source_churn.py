@@ -81,3 +81,41 @@ async def test_a_relist_keeps_the_reason_of_a_pod_recreated_under_its_name(
     for key in (b"p-unattr", b"p-mixed"):
         assert index.answer(b"default", key) == "owner_missing"
         assert index.reason(b"default", key) == "owner_missing"
+
+
+def _controlled_by(kind: str, name: str, uid: str) -> list[Obj]:
+    return [{"apiVersion": "apps/v1", "kind": kind, "name": name, "uid": uid,
+             "controller": True}]
+
+
+async def test_an_owner_cycle_of_described_kinds_makes_no_phantom_workload(
+    sim: KubeSim, make_source: SourceFactory
+) -> None:
+    """A Deployment and a ReplicaSet controlling each other: the pod ends in
+    ``hop_limit`` (docs/karta-attribution.md) and neither object is a workload (a
+    ReplicaSet workload with 0 pods and phase facts of its own came with the hop count's
+    parity)."""
+    source = await make_source()
+    sim.create({"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "dcyc", "namespace": "o", "uid": "dcyc",
+                             "ownerReferences": _controlled_by("ReplicaSet", "rcyc", "rcyc")},
+                "spec": {"replicas": 1}})
+    sim.create({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": "rcyc", "namespace": "o", "uid": "rcyc",
+                             "ownerReferences": _controlled_by("Deployment", "dcyc", "dcyc")},
+                "spec": {"replicas": 1}})
+    q = pod("dcyc-0", "o")
+    q["metadata"]["ownerReferences"] = _controlled_by("ReplicaSet", "rcyc", "rcyc")
+    sim.create(q)
+    index = source.index
+    await eventually(lambda: index.answer(b"o", b"dcyc-0") == "hop_limit")
+    await asyncio.sleep(0.3)
+    assert [w.ref.name for w in index.workloads.values() if w.ref.namespace == "o"] == []
+    # the cycle broken: the Deployment is the workload of its ReplicaSet's pod again
+    d = sim.get("apps/v1", "Deployment", "dcyc", "o")
+    del d["metadata"]["ownerReferences"]
+    sim.update(d)
+    await eventually(lambda: (labels(source, "o", "dcyc-0") or {}).get("karta_workload")
+                     == "dcyc")
+    assert sorted((w.ref.kind, w.ref.name) for w in index.workloads.values()
+                  if w.ref.namespace == "o") == [("Deployment", "dcyc")]
