@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from proxy import contract
-from proxy.index import PodIndex, stamped_pairs
-from proxy.karta.results import ChangeSet, PodAttribution, WorkloadRef
+from proxy.index import PodIndex, identity, stamped_pairs
+from proxy.karta.results import (
+    PHASE_REASON_OBJECT_MISSING,
+    ChangeSet,
+    PodAttribution,
+    WorkloadFacts,
+    WorkloadRef,
+)
 from tests.clock import ManualClock
 
 WL = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w1")
@@ -157,3 +168,35 @@ def test_listeners_see_every_change_set() -> None:
     idx.apply(cs)
     idx.apply(ChangeSet())  # empty: not propagated
     assert seen == [cs]
+
+
+def _facts(uid: str, name: str, present: bool) -> WorkloadFacts:
+    return WorkloadFacts(
+        replace(WL, uid=uid, name=name), "d", True,
+        "Running" if present else "Undefined", ("Running",) if present else ("Undefined",),
+        "" if present else PHASE_REASON_OBJECT_MISSING, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["u1", "u2", "u3", "u4"]),
+                          st.sampled_from(["a", "b", None]), st.booleans()), max_size=30))
+def test_fact_workloads_are_one_per_identity_the_present_object_first(
+        steps: list[tuple[str, str | None, bool]]) -> None:
+    """Workloads of one identity (re-created under a name while the old one's pods
+    remain): the facts describe one, the one whose object is present, then the greater
+    uid; whatever order they come, change and go in."""
+    idx = PodIndex()
+    for uid, name, present in steps:  # name None: the workload goes
+        idx.apply(ChangeSet(workloads={uid: None if name is None else _facts(uid, name, present)}))
+        served = idx.fact_workloads()
+        assert set(served) <= set(idx.workloads) and set(served).isdisjoint(idx.shadowed)
+        assert set(served) | idx.shadowed == set(idx.workloads)
+        best: dict[tuple[str, str, str, str], WorkloadFacts] = {}
+        for wf in idx.workloads.values():
+            key = identity(wf.ref)
+            rank = (wf.phase_reason != PHASE_REASON_OBJECT_MISSING, wf.ref.uid)
+            had = best.get(key)
+            if had is None or rank > (had.phase_reason != PHASE_REASON_OBJECT_MISSING,
+                                      had.ref.uid):
+                best[key] = wf
+        assert sorted(served) == sorted(wf.ref.uid for wf in best.values())

@@ -54,6 +54,7 @@ from proxy.karta.owners import (
 )
 from proxy.karta.packed import Packed, pack, unpack
 from proxy.karta.results import (
+    PHASE_REASON_OBJECT_MISSING,
     PHASE_SINCE_OBJECT,
     PHASE_SINCE_OBSERVED,
     ChangeSet,
@@ -71,9 +72,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Phase reason of a workload known only from an ownerReference (its object not seen yet,
-#: or seen before its kind was described).
-PHASE_REASON_OBJECT_MISSING = "workload_object_missing"
 
 #: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
 STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"

@@ -6,11 +6,20 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import contract
+from proxy.config import FactSettings
+from proxy.facts import FactsCollector, FactWriter
 from proxy.karta.engine import Engine
 from proxy.kube.source import KubeSource
 from tests.karta.descriptions import raycluster_karta
 from tests.kube.conftest import Obj, SourceFactory, deployment, eventually, labels, pod
 from tests.kubesim import KubeSim
+
+remote_pb2 = pytest.importorskip("proxy.pb.prometheus.remote_pb2")
 
 
 def engine(source: KubeSource) -> Engine:
@@ -119,3 +128,55 @@ async def test_an_owner_cycle_of_described_kinds_makes_no_phantom_workload(
                      == "dcyc")
     assert sorted((w.ref.kind, w.ref.name) for w in index.workloads.values()
                   if w.ref.namespace == "o") == [("Deployment", "dcyc")]
+
+
+async def test_a_deployment_recreated_while_its_orphans_remain_is_one_workload_in_the_facts(
+    sim: KubeSim, make_source: SourceFactory
+) -> None:
+    """A Deployment deleted with its ReplicaSet and pods orphaned, and created again under
+    its name: two workloads of one identity in the engine. /metrics and the fact writer
+    describe one, the one whose object is present, each label set once."""
+    dep, rs, pods = deployment(sim, "web", replicas=2)
+    source = await make_source()
+    index = source.index
+    sim.delete(dep, cascade=False)  # orphan: the ReplicaSet and pods stay
+    await eventually(lambda: any(w.phase_reason == "workload_object_missing"
+                                 for w in index.workloads.values()))
+    deployment(sim, "web", replicas=1, rev="2")  # same name, a new uid
+    await eventually(lambda: len(index.workloads) == 2 and len(index.shadowed) == 1)
+    (served,) = index.fact_workloads().values()
+    assert served.phase_reason != "workload_object_missing"
+    assert served.ref.uid == sim.get("apps/v1", "Deployment", "web", "default")["metadata"]["uid"]
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index))
+    samples = [(s.name, tuple(sorted(s.labels.items())), s.value)
+               for fam in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in fam.samples]
+    keys = [(name, labels) for name, labels, _ in samples]
+    assert len(keys) == len(set(keys)), "a label set served twice"
+    phases = {dict(lb)["phase"]: v for name, lb, v in samples
+              if name == contract.FACT_WORKLOAD_PHASE and dict(lb)["karta_workload"] == "web"}
+    assert phases[served.phase] == 1.0 and phases["Undefined"] == 0.0
+    bodies: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        bodies.append(body)
+
+    await FactWriter(FactSettings(), index, send).write_once()
+    written: dict[tuple[tuple[str, str], ...], list[float]] = {}
+    for body in bodies:
+        req = remote_pb2.WriteRequest()
+        req.ParseFromString(body)
+        for ts in req.timeseries:
+            written.setdefault(tuple((lb.name, lb.value) for lb in ts.labels), []).extend(
+                s.value for s in ts.samples)
+    assert all(len(v) == 1 for v in written.values())
+    wphase = {dict(k)["phase"]: v[0] for k, v in written.items()
+              if dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE
+              and dict(k)["karta_workload"] == "web"}
+    assert wphase == phases
+    # the orphans go: one workload, nothing shadowed
+    for p in pods:
+        sim.delete(sim.get("v1", "Pod", p["metadata"]["name"], "default"))
+    sim.delete(rs)
+    await eventually(lambda: len(index.workloads) == 1 and not index.shadowed)
