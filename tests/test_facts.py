@@ -573,6 +573,39 @@ def test_an_instance_listed_twice_is_written_once_with_its_first_value() -> None
     assert all(len(samples) == 1 for samples in series.values())
 
 
+def test_an_instance_listed_twice_by_the_object_is_one_row_and_one_series_on_metrics() -> None:
+    """A RayCluster naming one worker group twice: the engine made a replica row per
+    listed id, and /metrics served the two rows' label sets twice (the writer kept the
+    first). One row now, with the values at the id's first position."""
+    from proxy.karta.description import parse_description
+    from proxy.karta.engine import Engine
+    from tests.karta.descriptions import raycluster_karta
+
+    rc = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+          "metadata": {"name": "rc", "namespace": "ml", "uid": "rc-1"},
+          "spec": {"workerGroupSpecs": [{"groupName": "cpu", "replicas": 2},
+                                        {"groupName": "gpu", "replicas": 1},
+                                        {"groupName": "cpu", "replicas": 5}]},
+          "status": {"state": "ready"}}
+    worker = {"apiVersion": "v1", "kind": "Pod",
+              "metadata": {"name": "rc-w", "namespace": "ml", "uid": "p-w",
+                           "labels": {"ray.io/node-type": "worker", "ray.io/group": "cpu"},
+                           "ownerReferences": _owner(rc)}}
+    for objs in ([rc, worker], [worker, rc]):  # the object first, or its pods
+        engine = Engine()
+        engine.add_descriptions([parse_description(raycluster_karta(), "test")])
+        index = PodIndex()
+        for o in objs:
+            index.apply(engine.upsert(o))
+        wf = engine.workload("rc-1")
+        assert wf is not None
+        rows = [(r.component, r.instance, r.desired, r.observed) for r in wf.replicas]
+        assert rows == [("head", "", 1.0, 0), ("worker", "cpu", 2.0, 1), ("worker", "gpu", 1.0, 0)]
+        scraped = _scrape(index)
+        keys = [(name, labels) for name, labels, _ in scraped]
+        assert len(keys) == len(set(keys)), "a label set served twice"
+
+
 def test_a_failed_write_owes_markers_for_every_version_it_may_have_left() -> None:
     """Write 1 lands with instance a; write 2 (instance b) fails half-way; write 3 has
     instance c: both a and b may be in the TSDB, so both end."""

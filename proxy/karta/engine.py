@@ -348,6 +348,8 @@ class _RowTemplate:
             if ids is None:
                 return None  # the instances are whatever the pods say: no fixed rows
             for i, iid in enumerate(ids):
+                if (fc.name, iid) in out.covered:
+                    continue  # an id listed twice: one row, the first's (one label set)
                 out.rows.append(
                     _TemplateRow(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), comps)
                 )
@@ -1232,6 +1234,8 @@ class Engine:
                 covered.add((fc.name, ""))
                 continue
             for i, iid in enumerate(ids):
+                if (fc.name, iid) in covered:
+                    continue  # an id listed twice: one row, the first's (one label set)
                 seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
                 rows.append(
                     ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)
