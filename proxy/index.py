@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from cachetools import TTLCache
 
 from proxy import contract
-from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
+from proxy.karta.results import (
+    PHASE_REASON_OBJECT_MISSING,
+    ChangeSet,
+    PodAttribution,
+    WorkloadFacts,
+    WorkloadRef,
+)
 
 #: Sorted (name, value) pairs, empty values left out. Interned: every pod of one
 #: (workload, component, instance, replica) shares the same tuple object.
@@ -26,6 +32,21 @@ LabelPairs = tuple[tuple[str, str], ...]
 
 #: (namespace, pod) as a series names them
 PodKey = tuple[bytes, bytes]
+
+#: What the fact series name a workload by: (group, kind, namespace, name), no uid
+Identity = tuple[str, str, str, str]
+
+
+def identity(ref: WorkloadRef) -> Identity:
+    return (ref.group, ref.kind, ref.namespace, ref.name)
+
+
+def _preference(wf: WorkloadFacts) -> tuple[bool, str]:
+    """Which of two workloads of one identity the fact series describe: the one whose
+    object is present (a workload deleted and made again under its name, while pods of
+    the old one remain, is two workloads: the old one known from those pods' references
+    alone), then the greater uid (any rule every replica applies alike)."""
+    return wf.phase_reason != PHASE_REASON_OBJECT_MISSING, wf.ref.uid
 
 DEFAULT_TOMBSTONE_SECONDS = 600.0
 
@@ -89,10 +110,22 @@ class PodIndex:
         self._tombstones = _Tombstones(tombstone_seconds, clock)
         self._key_by_uid: dict[str, tuple[bytes, bytes]] = {}
         self._interned: dict[LabelPairs, LabelPairs] = {}
-        #: known pods that the engine could not attribute -> its reason
-        self._unattributed: dict[tuple[bytes, bytes], str] = {}
+        #: known pods that the engine could not attribute -> (its uid, its reason). The
+        #: uid says whose reason it is: a pod re-created under its name can arrive before
+        #: its predecessor's deletion (a relist gives the new uid, then retracts the old
+        #: one), and that deletion must not take the newcomer's reason with it
+        self._unattributed: dict[tuple[bytes, bytes], tuple[str, str]] = {}
         self.pods: dict[str, PodAttribution] = {}
+        #: every workload the engine reports, by uid (see :meth:`fact_workloads`)
         self.workloads: dict[str, WorkloadFacts] = {}
+        #: workload identity -> uid, and for an identity several workloads share (a
+        #: workload re-created under its name while pods of the old one remain), all their
+        #: uids: the fact series name a workload without its uid, so only one of them is
+        #: described (:func:`_preference`); the others are ``shadowed``
+        self._identities: dict[Identity, str] = {}
+        self._namesakes: dict[Identity, set[str]] = {}
+        #: uids of the workloads a namesake is preferred to: left out of the fact series
+        self.shadowed: set[str] = set()
         #: True once every required source has delivered its initial state
         self.ready = False
         #: resource name -> unix time it was last known current (list, event, bookmark)
@@ -111,7 +144,8 @@ class PodIndex:
 
     def reason(self, namespace: bytes, pod: bytes) -> str:
         """Why a pod has no labels: the engine's reason, or ``pod_unknown``."""
-        return self._unattributed.get((namespace, pod), "pod_unknown")
+        hit = self._unattributed.get((namespace, pod))
+        return hit[1] if hit is not None else "pod_unknown"
 
     def answer(self, namespace: bytes, pod: bytes) -> LabelPairs | str | None:
         """What the splice's pod table holds for a pod: its stamped pairs, the reason it
@@ -119,13 +153,14 @@ class PodIndex:
         entry = self._by_name.get((namespace, pod))
         if entry is not None:
             return entry.pairs
-        return self._unattributed.get((namespace, pod))
+        hit = self._unattributed.get((namespace, pod))
+        return hit[1] if hit is not None else None
 
     def answers(self) -> Iterator[tuple[bytes, bytes, LabelPairs | str]]:
         """Every pod the index knows, with its :meth:`answer` (to fill a pod table)."""
         for (ns, pod), e in self._by_name.items():
             yield ns, pod, e.pairs
-        for (ns, pod), reason in self._unattributed.items():
+        for (ns, pod), (_, reason) in self._unattributed.items():
             if (ns, pod) not in self._by_name:
                 yield ns, pod, reason
 
@@ -161,13 +196,65 @@ class PodIndex:
                 self._put_pod(uid, att)
                 keys.add(self._key_by_uid[uid])
         for wuid, facts in changes.workloads.items():
+            was = self.workloads.get(wuid)
             if facts is None:
-                self.workloads.pop(wuid, None)
-            else:
-                self.workloads[wuid] = facts
+                if was is not None:
+                    del self.workloads[wuid]
+                    self._leave_identity(wuid, identity(was.ref))
+                continue
+            self.workloads[wuid] = facts
+            if was is None:
+                self._join_identity(wuid, identity(facts.ref))
+            elif was.ref is not facts.ref and identity(was.ref) != identity(facts.ref):
+                self._leave_identity(wuid, identity(was.ref))
+                self._join_identity(wuid, identity(facts.ref))
+            elif self._namesakes:  # (nearly always empty) its facts changed: so may the choice
+                ident = identity(facts.ref)
+                if ident in self._namesakes:
+                    self._choose(ident)
         self._notify_pods(keys)
         for listener in self._listeners:
             listener(changes)
+
+    def _join_identity(self, uid: str, ident: Identity) -> None:
+        first = self._identities.setdefault(ident, uid)
+        if first == uid and ident not in self._namesakes:
+            return  # alone, as nearly every workload is
+        self._namesakes.setdefault(ident, {first}).add(uid)
+        self._choose(ident)
+
+    def _leave_identity(self, uid: str, ident: Identity) -> None:
+        self.shadowed.discard(uid)
+        namesakes = self._namesakes.get(ident)
+        if namesakes is None:
+            if self._identities.get(ident) == uid:
+                del self._identities[ident]
+            return
+        namesakes.discard(uid)
+        if self._identities.get(ident) == uid:
+            self._identities[ident] = next(iter(namesakes))
+        if len(namesakes) > 1:
+            self._choose(ident)
+        else:
+            del self._namesakes[ident]
+            self.shadowed -= namesakes
+
+    def _choose(self, ident: Identity) -> None:
+        namesakes = self._namesakes[ident]
+        preferred = max(namesakes, key=lambda u: _preference(self.workloads[u]))
+        self.shadowed |= namesakes
+        self.shadowed.discard(preferred)
+
+    def fact_workloads(self) -> dict[str, WorkloadFacts]:
+        """The workloads the fact series describe, by uid: one per identity (a copy).
+
+        A label set must never come twice (Prometheus refuses a scrape with a duplicate
+        series, and two values of one series in a write contradict each other), and the
+        fact series name a workload by its identity, not its uid."""
+        out = dict(self.workloads)
+        for uid in self.shadowed:
+            del out[uid]
+        return out
 
     def _put_pod(self, uid: str, att: PodAttribution) -> None:
         self.pods[uid] = att
@@ -178,7 +265,7 @@ class PodIndex:
         self._key_by_uid[uid] = key
         pairs = stamped_pairs(att)
         if not pairs:
-            self._unattributed[key] = att.reason or "unattributed"
+            self._unattributed[key] = (uid, att.reason or "unattributed")
             # the newest pod of a name wins, even over a (tombstoned) attributed namesake
             self._by_name.pop(key, None)
             self._tombstones.pop(key, None)
@@ -193,7 +280,9 @@ class PodIndex:
         key = self._key_by_uid.pop(uid, None)
         if key is None:
             return
-        self._unattributed.pop(key, None)
+        hit = self._unattributed.get(key)
+        if hit is not None and hit[0] == uid:  # not a namesake's that came after it
+            del self._unattributed[key]
         entry = self._by_name.get(key)
         if entry is not None and entry.uid == uid:
             entry.expires = now + self._tombstone_seconds

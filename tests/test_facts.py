@@ -454,29 +454,110 @@ def _stale_and_live(body: bytes) -> tuple[Series, Series]:
 
 def test_a_recreated_workload_continues_its_series_and_ends_only_the_old_uid() -> None:
     """A Deployment deleted and created again under its name (a new uid) is the same
-    identity: its ~20 shared-identity series continue without a marker, written once
-    while both objects are in the index, and only the info series of the old uid ends,
-    with the very labels it was written with (external labels in the shared run too)."""
+    identity: its ~20 shared-identity series continue without a marker, and only the info
+    series of the old uid ends, with the very labels it was written with (external labels
+    in the shared run too). While pods of the old one remain, the old workload is known
+    from their references alone (``workload_object_missing``) and the new one, whose object
+    is present, is the one described: one series per label set, the live object's phase."""
     index = small_index()
     w = writer(index, external_labels={"cluster": "c1", "zone": "z"})
     first = decode(w.build_request(1000))
     w.commit()
     again = replace(DEP, uid="w-dep-2")
-    index.apply(ChangeSet(workloads={"w-dep-2": dep_facts(ref=again)}))  # both for a while
-    stale, live = _stale_and_live(w.build_request(2000))
+    index.apply(ChangeSet(workloads={
+        "w-dep": dep_facts(phase_reason="workload_object_missing"),  # deleted, pods remain
+        "w-dep-2": dep_facts(ref=again, phase="Initializing", statuses=("Initializing",),
+                             phase_reason=""),
+    }))
+    body = w.build_request(2000)
     w.commit()
-    assert not stale
-    assert set(first) < set(live)  # every series continues, and the new info series is new
-    new = set(live) - set(first)
-    assert [dict(k)["workload_uid"] for k in new] == ["w-dep-2"]
-    index.apply(ChangeSet(workloads={"w-dep": None}))  # the old object goes
-    stale, live = _stale_and_live(w.build_request(3000))
-    w.commit()
-    (gone,) = stale
-    assert dict(gone)["__name__"] == contract.FACT_WORKLOAD_INFO
+    series = decode(body)
+    stale, live = _stale_and_live(body)
+    assert all(len(samples) == 1 for samples in series.values())  # no label set twice
+    (gone,) = (k for k in stale if dict(k)["__name__"] == contract.FACT_WORKLOAD_INFO)
     assert dict(gone)["workload_uid"] == "w-dep" and gone in first
     assert ("cluster", "c1") in gone and ("zone", "z") in gone
-    assert set(live) == set(first) - {gone} | new
+    (info,) = by_name(live, contract.FACT_WORKLOAD_INFO).keys() - by_name(
+        first, contract.FACT_WORKLOAD_INFO).keys()
+    assert dict(info)["workload_uid"] == "w-dep-2"
+    phase = {dict(k)["phase"]: v for k, v in by_name(live, contract.FACT_WORKLOAD_PHASE).items()
+             if dict(k)["karta_workload"] == "api"}
+    assert phase["Initializing"] == 1.0 and phase["Undefined"] == 0.0
+    # every other series of the identity continues: no marker but the old info series and
+    # the reason of an Undefined phase the new object does not have
+    assert {dict(k)["__name__"] for k in stale} == {
+        contract.FACT_WORKLOAD_INFO, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO}
+    index.apply(ChangeSet(workloads={"w-dep": None}))  # the old pods go too
+    stale, again_live = _stale_and_live(w.build_request(3000))
+    w.commit()
+    assert not stale and set(again_live) == set(live)
+
+
+def _scrape(index: PodIndex) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    """Every sample of the facts on /metrics, as prometheus_client parses them."""
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index))
+    return [(s.name, tuple(sorted(s.labels.items())), s.value)
+            for fam in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in fam.samples]
+
+
+def test_a_workload_recreated_while_its_old_pods_remain_is_described_once() -> None:
+    """The engine holds two workloads of one identity: a Deployment deleted (orphaning
+    its ReplicaSet and pods, whose references still name it) and one created again under
+    its name. /metrics served ~20 label sets twice, with contradicting values (phase
+    Undefined 1 and Initializing 1), which Prometheus refuses as a whole scrape; the writer
+    kept the first, so the orphaned remnant's Undefined hid the live object's phase."""
+    from proxy.karta.engine import Engine
+
+    def obj(kind: str, name: str, uid: str, owner: dict[str, Any] | None = None,
+            **rest: Any) -> dict[str, Any]:
+        md: dict[str, Any] = {"name": name, "namespace": "web", "uid": uid,
+                              "labels": {"app": "api"}}
+        if owner is not None:
+            md["ownerReferences"] = _owner(owner)
+        return {"apiVersion": "v1" if kind == "Pod" else "apps/v1", "kind": kind,
+                "metadata": md, **rest}
+
+    engine = Engine(clock=lambda: 1_700_000_000.0)
+    index = PodIndex()
+    old = obj("Deployment", "api", "d-1", spec={"replicas": 2})
+    rs1 = obj("ReplicaSet", "api-1", "rs-1", old, spec={"replicas": 2})
+    index.apply(engine.upsert_many([old, rs1, *(obj("Pod", f"api-1-{i}", f"p1-{i}", rs1)
+                                                 for i in range(2))]))
+    index.apply(engine.delete(old))  # deleted, orphaning: its ReplicaSet and pods stay
+    new = obj("Deployment", "api", "d-2", spec={"replicas": 1})
+    rs2 = obj("ReplicaSet", "api-2", "rs-2", new, spec={"replicas": 1})
+    index.apply(engine.upsert_many([new, rs2, obj("Pod", "api-2-0", "p2-0", rs2)]))
+    assert sorted(w.ref.uid for w in engine.workloads()) == ["d-1", "d-2"]  # both held
+
+    scraped = _scrape(index)
+    keys = [(name, labels) for name, labels, _ in scraped]
+    assert len(keys) == len(set(keys)), "a label set served twice"
+    phase = {dict(labels)["phase"]: v for name, labels, v in scraped
+             if name == contract.FACT_WORKLOAD_PHASE and dict(labels)["karta_workload"] == "api"}
+    live = engine.workload("d-2")
+    assert live is not None and live.phase != "Undefined"
+    assert phase[live.phase] == 1.0 and phase["Undefined"] == 0.0
+    info = [dict(labels)["workload_uid"] for name, labels, _ in scraped
+            if name == contract.FACT_WORKLOAD_INFO]
+    assert info == ["d-2"]
+
+    written = decode(writer(index).build_request(1000))
+    assert all(len(samples) == 1 for samples in written.values())
+    wphase = {dict(k)["phase"]: v
+              for k, v in by_name(written, contract.FACT_WORKLOAD_PHASE).items()}
+    assert wphase[live.phase] == 1.0 and wphase["Undefined"] == 0.0
+    # the same facts both ways
+    assert {(n, lb, v) for n, lb, v in scraped} == {
+        (dict(lb)["__name__"], tuple(kv for kv in lb if kv[0] != "__name__"), v[0][0])
+        for lb, v in written.items()}
+    # the orphans go: the new one alone, as before; the new one goes: none
+    index.apply(engine.delete_many([rs1, *(obj("Pod", f"api-1-{i}", f"p1-{i}", rs1)
+                                           for i in range(2))]))
+    assert index.shadowed == set() and list(index.fact_workloads()) == ["d-2"]
+    index.apply(engine.delete_many([new, rs2, obj("Pod", "api-2-0", "p2-0", rs2)]))
+    assert not [1 for name, _, _ in _scrape(index) if name == contract.FACT_WORKLOAD_INFO]
 
 
 def test_an_instance_listed_twice_is_written_once_with_its_first_value() -> None:
@@ -490,6 +571,39 @@ def test_an_instance_listed_twice_is_written_once_with_its_first_value() -> None
     desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
     assert list(desired.values()) == [4.0]
     assert all(len(samples) == 1 for samples in series.values())
+
+
+def test_an_instance_listed_twice_by_the_object_is_one_row_and_one_series_on_metrics() -> None:
+    """A RayCluster naming one worker group twice: the engine made a replica row per
+    listed id, and /metrics served the two rows' label sets twice (the writer kept the
+    first). One row now, with the values at the id's first position."""
+    from proxy.karta.description import parse_description
+    from proxy.karta.engine import Engine
+    from tests.karta.descriptions import raycluster_karta
+
+    rc = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+          "metadata": {"name": "rc", "namespace": "ml", "uid": "rc-1"},
+          "spec": {"workerGroupSpecs": [{"groupName": "cpu", "replicas": 2},
+                                        {"groupName": "gpu", "replicas": 1},
+                                        {"groupName": "cpu", "replicas": 5}]},
+          "status": {"state": "ready"}}
+    worker = {"apiVersion": "v1", "kind": "Pod",
+              "metadata": {"name": "rc-w", "namespace": "ml", "uid": "p-w",
+                           "labels": {"ray.io/node-type": "worker", "ray.io/group": "cpu"},
+                           "ownerReferences": _owner(rc)}}
+    for objs in ([rc, worker], [worker, rc]):  # the object first, or its pods
+        engine = Engine()
+        engine.add_descriptions([parse_description(raycluster_karta(), "test")])
+        index = PodIndex()
+        for o in objs:
+            index.apply(engine.upsert(o))
+        wf = engine.workload("rc-1")
+        assert wf is not None
+        rows = [(r.component, r.instance, r.desired, r.observed) for r in wf.replicas]
+        assert rows == [("head", "", 1.0, 0), ("worker", "cpu", 2.0, 1), ("worker", "gpu", 1.0, 0)]
+        scraped = _scrape(index)
+        keys = [(name, labels) for name, labels, _ in scraped]
+        assert len(keys) == len(set(keys)), "a label set served twice"
 
 
 def test_a_failed_write_owes_markers_for_every_version_it_may_have_left() -> None:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from proxy import contract
-from proxy.index import PodIndex, stamped_pairs
-from proxy.karta.results import ChangeSet, PodAttribution, WorkloadRef
+from proxy.index import PodIndex, identity, stamped_pairs
+from proxy.karta.results import (
+    PHASE_REASON_OBJECT_MISSING,
+    ChangeSet,
+    PodAttribution,
+    WorkloadFacts,
+    WorkloadRef,
+)
 from tests.clock import ManualClock
 
 WL = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w1")
@@ -120,6 +131,35 @@ def test_new_unattributed_pod_replaces_tombstone_of_old() -> None:
     assert idx.tombstones() == 0
 
 
+def test_a_late_delete_of_the_old_uid_keeps_the_new_pods_reason() -> None:
+    """A relist gives a pod re-created under its name (new uid) first and retracts the
+    old uid after: the old uid's deletion must leave the newcomer's reason (it took it,
+    and the name read ``pod_unknown``), whether the old pod was attributed or not."""
+    idx = PodIndex()
+    table: dict[tuple[bytes, bytes], object] = {}
+    idx.subscribe_pods(lambda keys: table.update({k: idx.answer(*k) for k in keys}))
+    idx.apply(ChangeSet(pods={
+        "u-a1": att("u-a1", "unattr", workload=None, reason="owner_missing"),
+        "u-b1": att("u-b1", "mixed", component="head"),
+    }))
+    idx.apply(ChangeSet(pods={  # the relist's new uids, then the diff's deletions
+        "u-a2": att("u-a2", "unattr", workload=None, reason="owner_missing"),
+        "u-b2": att("u-b2", "mixed", workload=None, reason="owner_missing"),
+    }))
+    idx.apply(ChangeSet(pods={"u-a1": None, "u-b1": None}))
+    for name in (b"unattr", b"mixed"):
+        assert idx.lookup(b"ml", name) is None
+        assert idx.reason(b"ml", name) == "owner_missing"
+        assert idx.answer(b"ml", name) == "owner_missing"
+        assert table[b"ml", name] == "owner_missing"  # what the splice's table holds
+    assert sorted(n for _, n, _ in idx.answers()) == [b"mixed", b"unattr"]
+    assert idx.tombstones() == 0
+    # the newcomers' own deletion takes their reasons
+    idx.apply(ChangeSet(pods={"u-a2": None, "u-b2": None}))
+    assert idx.reason(b"ml", b"unattr") == "pod_unknown" and idx.answer(b"ml", b"mixed") is None
+    assert list(idx.answers()) == []
+
+
 def test_listeners_see_every_change_set() -> None:
     idx = PodIndex()
     seen: list[ChangeSet] = []
@@ -128,3 +168,35 @@ def test_listeners_see_every_change_set() -> None:
     idx.apply(cs)
     idx.apply(ChangeSet())  # empty: not propagated
     assert seen == [cs]
+
+
+def _facts(uid: str, name: str, present: bool) -> WorkloadFacts:
+    return WorkloadFacts(
+        replace(WL, uid=uid, name=name), "d", True,
+        "Running" if present else "Undefined", ("Running",) if present else ("Undefined",),
+        "" if present else PHASE_REASON_OBJECT_MISSING, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["u1", "u2", "u3", "u4"]),
+                          st.sampled_from(["a", "b", None]), st.booleans()), max_size=30))
+def test_fact_workloads_are_one_per_identity_the_present_object_first(
+        steps: list[tuple[str, str | None, bool]]) -> None:
+    """Workloads of one identity (re-created under a name while the old one's pods
+    remain): the facts describe one, the one whose object is present, then the greater
+    uid; whatever order they come, change and go in."""
+    idx = PodIndex()
+    for uid, name, present in steps:  # name None: the workload goes
+        idx.apply(ChangeSet(workloads={uid: None if name is None else _facts(uid, name, present)}))
+        served = idx.fact_workloads()
+        assert set(served) <= set(idx.workloads) and set(served).isdisjoint(idx.shadowed)
+        assert set(served) | idx.shadowed == set(idx.workloads)
+        best: dict[tuple[str, str, str, str], WorkloadFacts] = {}
+        for wf in idx.workloads.values():
+            key = identity(wf.ref)
+            rank = (wf.phase_reason != PHASE_REASON_OBJECT_MISSING, wf.ref.uid)
+            had = best.get(key)
+            if had is None or rank > (had.phase_reason != PHASE_REASON_OBJECT_MISSING,
+                                      had.ref.uid):
+                best[key] = wf
+        assert sorted(served) == sorted(wf.ref.uid for wf in best.values())

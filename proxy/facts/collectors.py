@@ -53,7 +53,7 @@ class FactsCollector(Collector):
         reads the pods and workloads taken here, so the page describes one state."""
         index = self._index
         pods = list(index.pods.values())
-        workloads = list(index.workloads.values())
+        workloads = list(index.fact_workloads().values())
         for name in contract.FACT_SERIES:
             if name in POD_FAMILIES and not self._pod_facts:
                 continue

@@ -316,7 +316,7 @@ def iter_facts(
         for att in pod_list:
             yield from pod_facts(att)
     del pod_list
-    for wf in list(index.workloads.values()):
+    for wf in list(index.fact_workloads().values()):
         yield from workload_facts(wf)
     yield from process_facts(index, build_version)
 

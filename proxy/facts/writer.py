@@ -253,7 +253,7 @@ class FactWriter:
         coverage up front held the event loop for 20-33 ms before the first pause.
         """
         pods_now = dict(self._index.pods)
-        workloads_now = dict(self._index.workloads)
+        workloads_now = self._index.fact_workloads()
         process = process_facts(self._index, self._build_version)
         tally: Counter[tuple[str, str | None]] = Counter()
 
@@ -305,7 +305,8 @@ class FactWriter:
             nonlocal made
             for key, group in self._current():
                 had = current.get(key)
-                # two objects of one key (a workload re-created under its name): first wins
+                # two groups of one key: first wins (the index gives one workload per
+                # identity, PodIndex.fact_workloads, so only a safety net)
                 whole = current[key] = group if had is None else union(had, group)
                 skip = 0 if had is None else len(had.shape)
                 n = len(whole.values) - skip

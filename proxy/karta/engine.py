@@ -54,6 +54,7 @@ from proxy.karta.owners import (
 )
 from proxy.karta.packed import Packed, pack, unpack
 from proxy.karta.results import (
+    PHASE_REASON_OBJECT_MISSING,
     PHASE_SINCE_OBJECT,
     PHASE_SINCE_OBSERVED,
     ChangeSet,
@@ -71,9 +72,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Phase reason of a workload known only from an ownerReference (its object not seen yet,
-#: or seen before its kind was described).
-PHASE_REASON_OBJECT_MISSING = "workload_object_missing"
 
 #: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
 STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
@@ -350,6 +348,8 @@ class _RowTemplate:
             if ids is None:
                 return None  # the instances are whatever the pods say: no fixed rows
             for i, iid in enumerate(ids):
+                if (fc.name, iid) in out.covered:
+                    continue  # an id listed twice: one row, the first's (one label set)
                 out.rows.append(
                     _TemplateRow(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), comps)
                 )
@@ -526,6 +526,13 @@ def _interned(m: Any, *, values: bool) -> Any:
             v = intern(v)
         out[k] = v
     return out
+
+
+def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
+    """The source of a description object: ``api:<kind>/<name>`` (the uid without a
+    name). With the kind: a ``Karta`` and a ``ResourceInterface`` of one name are two
+    objects (two resources), so neither may replace, or delete, the other's description."""
+    return f"api:{obj.get('kind')}/{md.get('name') or md.get('uid') or ''}"
 
 
 def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
@@ -828,7 +835,7 @@ class Engine:
             from proxy.karta.description import is_description_object
 
             if is_description_object(obj):
-                self._delete_description(md, cs)
+                self._delete_description(obj, md, cs)
                 return
         uid = md.get("uid")
         if not isinstance(uid, str) or not uid:
@@ -1079,11 +1086,11 @@ class Engine:
                 rec.owner, self._walk_plans.get, self._is_errored,
                 WalkResult(plan, rec.uid, obj=rec, ref=None, reason=""),
             )
-            assert top.described is not None
-            new = top.uid
-            self._join(new, self._workload_ref(top, rec.namespace), top.described)
-            self._wl[new].objs.add(rec.uid)
-            self._dirty.add(new)
+            if top.described is not None:  # None: on, or below, an owner cycle
+                new = top.uid
+                self._join(new, self._workload_ref(top, rec.namespace), top.described)
+                self._wl[new].objs.add(rec.uid)
+                self._dirty.add(new)
         if rec.member and rec.member != new:
             wl = self._wl.get(rec.member)
             if wl is not None:
@@ -1227,6 +1234,8 @@ class Engine:
                 covered.add((fc.name, ""))
                 continue
             for i, iid in enumerate(ids):
+                if (fc.name, iid) in covered:
+                    continue  # an id listed twice: one row, the first's (one label set)
                 seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
                 rows.append(
                     ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)
@@ -1281,7 +1290,7 @@ class Engine:
     ) -> None:
         from proxy.karta.description import DescriptionError, parse_description
 
-        source = f"api:{md.get('name') or md.get('uid') or ''}"
+        source = _api_source(obj, md)
         spec = obj.get("spec")
         if source in self._api_specs and self._api_specs[source] == spec:
             return  # a resync of an unchanged description: nothing to redo
@@ -1301,8 +1310,10 @@ class Engine:
             self._errored_by_source.pop(source, None)
         self._reselect_api(cs)
 
-    def _delete_description(self, md: Mapping[str, Any], cs: ChangeSet) -> None:
-        source = f"api:{md.get('name') or md.get('uid') or ''}"
+    def _delete_description(
+        self, obj: Mapping[str, Any], md: Mapping[str, Any], cs: ChangeSet
+    ) -> None:
+        source = _api_source(obj, md)
         self._api_specs.pop(source, None)
         self._sources.pop(source, None)
         self._api_errors.pop(source, None)

@@ -95,8 +95,8 @@ def explain_pod(
     end = END_NO_CONTROLLER if ref is None else END_TOP
     hops = 0
     while ref is not None:
-        if hops >= graph.max_hops:
-            end = END_HOP_LIMIT
+        if hops >= graph.max_hops or any(link.uid == ref.uid for link in links):
+            end = END_HOP_LIMIT  # the limit, or a reference back to an owner passed
             break
         hops += 1
         up: OwnerRef | None = None

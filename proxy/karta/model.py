@@ -130,7 +130,7 @@ class StatusDefinition:
 @dataclass(frozen=True, slots=True)
 class Description:
     name: str
-    #: where it came from: a file path, ``builtin:<name>`` or ``api:<name>``
+    #: where it came from: a file path, ``builtin:<name>`` or ``api:<kind>/<name>``
     source: str
     #: ``Karta`` or ``ResourceInterface``
     form: str

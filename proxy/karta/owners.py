@@ -285,15 +285,31 @@ class OwnerGraph:
         ``top`` is what the caller already holds (a described object walking from itself).
         An absent owner ends the walk; if its kind is described (known from the
         reference), it is the workload, identified by the reference alone.
+
+        A reference back to an owner already passed is a cycle: it ends the walk as the
+        hop limit does. A cycle through a described kind has no topmost described owner
+        (which one the limit stopped at depended on the hop count's parity, and every
+        described object on it became a workload of its own), so then nothing below it
+        is attributed, the caller's ``top`` included: the reason is ``hop_limit``.
         """
         ref = start
         hops = 0
         missing = limit = bad = False
         last_pod = ""
+        #: the owners passed, in order (a chain is at most ``max_hops`` long), and the
+        #: index in it of the last described one (-1: none yet)
+        passed: list[str] = []
+        last_described = -1
         while ref is not None:
+            if ref.uid in passed:  # a cycle: it runs from there to here
+                limit = True
+                if last_described >= passed.index(ref.uid):
+                    top = None
+                break
             if hops >= self.max_hops:
                 limit = True
                 break
+            passed.append(ref.uid)
             hops += 1
             pod = None
             up: OwnerRef | None = None
@@ -311,6 +327,7 @@ class OwnerGraph:
             d = described(gk)
             if d is not None:
                 top = WalkResult(d, ref.uid, rec, ref, "")
+                last_described = hops - 1
             elif errored(gk):
                 bad = True
             if rec is None and pod is None:

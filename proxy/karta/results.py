@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 PHASE_SINCE_OBJECT = "object"
 PHASE_SINCE_OBSERVED = "observed"
 
+#: Phase reason of a workload known only from an ownerReference (its object not seen yet,
+#: or seen before its kind was described, or deleted while pods it owned remain).
+PHASE_REASON_OBJECT_MISSING = "workload_object_missing"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkloadRef:

@@ -268,6 +268,38 @@ def test_owner_cycle_is_bounded() -> None:
     assert P(cs, "pod-p").reason == "owner_missing"
 
 
+@pytest.mark.parametrize("hops", [4, 5, 6, 7])
+@pytest.mark.parametrize("order", ["deployment first", "replicaset first"])
+def test_an_owner_cycle_of_described_kinds_makes_no_workload(hops: int, order: str) -> None:
+    """Deployment <-> ReplicaSet (both described by the built-ins): the pod is
+    ``hop_limit`` and neither object is a workload (a ReplicaSet workload with 0 pods
+    and phase facts of its own came and went with the hop count's parity). Broken,
+    the cycle leaves the ordinary chain."""
+    e = Engine(max_owner_hops=hops)
+    d = obj("apps/v1", "Deployment", "dcyc", spec={"replicas": 1})
+    rs = replicaset("rcyc", d)
+    d = obj("apps/v1", "Deployment", "dcyc", rs, spec={"replicas": 1})
+    p = pod("p", rs)
+    objs = [d, rs, p] if order == "deployment first" else [rs, d, p]
+    e.upsert_many(objs)
+    assert P(e, "pod-p").reason == "hop_limit"
+    assert list(e.workloads()) == []
+    # the same, one object at a time
+    e2 = Engine(max_owner_hops=hops)
+    for o in objs:
+        e2.upsert(o)
+    assert P(e2, "pod-p").reason == "hop_limit" and list(e2.workloads()) == []
+    explained = e2.explain(NS, "p")
+    assert explained is not None and explained.walk_end == "hop_limit"
+    assert [link.name for link in explained.chain] == ["rcyc", "dcyc"]
+    assert not any(link.workload for link in explained.chain)
+    # the Deployment loses its owner: Deployment -> ReplicaSet -> pod again
+    cs = e2.upsert(obj("apps/v1", "Deployment", "dcyc", spec={"replicas": 1}))
+    assert wname(P(cs, "pod-p")) == "dcyc"
+    assert [w.ref.name for w in e2.workloads()] == ["dcyc"]
+    assert W(e2, "deployment-dcyc").replicas[0].observed == 1
+
+
 def test_invalid_objects_are_counted_not_raised() -> None:
     e = Engine()
     for bad in [
@@ -513,6 +545,36 @@ def test_description_objects_from_the_api() -> None:
     cs = e.delete({"apiVersion": "run.ai/v1alpha1", "kind": "Karta",
                    "metadata": {"name": "test-raycluster"}})
     assert cs.kinds_changed and P(cs, "pod-h").reason == "no_described_owner"
+
+
+def test_a_karta_and_a_resourceinterface_of_one_name_are_two_descriptions() -> None:
+    """Two resources, two objects: migrating a kind from a ResourceInterface to a Karta
+    of the same name, then deleting the ResourceInterface, leaves the Karta in force
+    (both were keyed ``api:<name>``: each replaced the other, and the deletion took the
+    Karta's description with it)."""
+    e = Engine()
+    rc = raycluster("rc", ["cpu"])
+    e.upsert_many([rc, pod("h", rc, **{"ray.io/node-type": "head"})])
+    ri = dict(RAY_KARTA, apiVersion="optimization.nvidia.com/v1alpha1",
+              kind="ResourceInterface")
+    assert P(e.upsert(ri), "pod-h").component == "head"
+    e.upsert(RAY_KARTA)  # the same name, the current form
+    assert {gk.kind for gk in e.descriptions()} >= {"RayCluster"}
+    # the RI loses to the Karta (rule 2); both are known, neither replaced the other
+    assert [err.source for err in e.description_errors] == [
+        "api:ResourceInterface/test-raycluster"]
+    cs = e.delete({"apiVersion": "optimization.nvidia.com/v1alpha1",
+                   "kind": "ResourceInterface", "metadata": {"name": "test-raycluster"}})
+    assert not cs.pods  # the Karta describes RayCluster as before
+    assert P(e, "pod-h").component == "head"
+    assert GroupKind("ray.io", "RayCluster") in e.descriptions()
+    assert e.description_errors == []
+    # and the other way round: the Karta deleted, a ResourceInterface of its name returns
+    e.upsert(ri)
+    e.delete({"apiVersion": "run.ai/v1alpha1", "kind": "Karta",
+              "metadata": {"name": "test-raycluster"}})
+    assert GroupKind("ray.io", "RayCluster") in e.descriptions()
+    assert P(e, "pod-h").component == "head"
 
 
 def test_user_description_overrides_builtin_and_builtins_can_be_off() -> None:

@@ -192,7 +192,8 @@ def _state(e: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
-    """Independent walk: pod uid -> uid of the topmost described owner, or None."""
+    """Independent walk: pod uid -> uid of the topmost described owner, or None (also
+    when the chain loops through a described kind: a cycle has no topmost)."""
     described = {"Top", *BUILTIN_DESCRIBED} | ({"Mid"} if mid_on else set())
     out: dict[str, str | None] = {}
     for uid, o in final.items():
@@ -204,7 +205,16 @@ def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
             continue
         top = None
         ref = refs[0]
-        for _ in range(HOPS):
+        passed: list[tuple[str, bool]] = []  # (uid, described) of each owner passed
+        for _ in range(HOPS + 1):
+            uids = [u for u, _ in passed]
+            if ref["uid"] in uids:  # a cycle: from its first pass to here
+                if any(d for _, d in passed[uids.index(ref["uid"]):]):
+                    top = None
+                break
+            if len(passed) == HOPS:
+                break
+            passed.append((ref["uid"], ref["kind"] in described))
             if ref["kind"] in described:
                 top = ref["uid"]
             owner = final.get(ref["uid"])

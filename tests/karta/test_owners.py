@@ -16,6 +16,7 @@ from proxy.karta.owners import (
     ObjectRecord,
     OwnerGraph,
     OwnerRef,
+    WalkResult,
     controller_ref,
     group_kind,
 )
@@ -208,6 +209,38 @@ def test_walk_a_cycle_ends_at_the_hop_limit() -> None:
     g.put(record("a", RS, ref("b", DEPLOY)))
     g.put(record("b", DEPLOY, ref("a", RS)))
     assert g.walk(ref("a"), described_as(), never).reason == REASON_HOP_LIMIT
+
+
+@pytest.mark.parametrize("hops", [2, 3, 4, 5, 6, 7])
+def test_walk_a_cycle_through_described_kinds_has_no_top_whatever_the_hop_count(
+        hops: int) -> None:
+    """Deployment <-> ReplicaSet: which one the limit stopped at depended on the hop
+    count's parity; no owner on a cycle is the topmost, so nothing is, the caller's
+    own ``top`` included (a described object walking from itself)."""
+    g = OwnerGraph(hops, {})
+    g.put(record("d", DEPLOY, ref("rs", RS)))
+    g.put(record("rs", RS, ref("d", DEPLOY)))
+    both = described_as(RS, DEPLOY)
+    got = g.walk(ref("rs"), both, never)
+    assert (got.described, got.reason) == (None, REASON_HOP_LIMIT)
+    d = g.objects["d"]
+    from_itself = g.walk(d.owner, both, never, WalkResult("Deployment", "d", d, None, ""))
+    assert (from_itself.described, from_itself.reason) == (None, REASON_HOP_LIMIT)
+    # one described kind on the cycle is enough, for what lies below it too
+    assert g.walk(ref("rs"), described_as(DEPLOY), never).described is None
+    g.put(record("job", JOB, ref("rs", RS)))
+    below = g.walk(ref("job", JOB), described_as(JOB, DEPLOY), never)
+    # (job, rs, d, rs: the cycle shows at the fourth; a limit before it is a long chain)
+    assert below.described is None if hops >= 3 else below.uid == "job"
+
+
+def test_walk_a_cycle_of_undescribed_kinds_above_a_described_one_keeps_it() -> None:
+    g = OwnerGraph(6, {})
+    g.put(record("job", JOB, ref("a", RS)))
+    g.put(record("a", RS, ref("b", DEPLOY)))
+    g.put(record("b", DEPLOY, ref("a", RS)))
+    got = g.walk(ref("job", JOB), described_as(JOB), never)
+    assert got.uid == "job"
 
 
 def test_walk_reports_a_kind_whose_description_is_broken() -> None:

@@ -173,7 +173,7 @@ def test_invalid_api_description_marks_its_kind() -> None:
     engine.upsert(raw)
     assert len(engine.description_errors) == 1
     err = engine.description_errors[0]
-    assert err.source == "api:ray-io-raycluster-v1" and "ownerRef" in err.path
+    assert err.source == "api:Karta/ray-io-raycluster-v1" and "ownerRef" in err.path
     cluster = load_cluster(Path(__file__).parent / "fixtures" / "raycluster.yaml")
     engine.upsert_many(cluster.everything)
     reasons = {a.reason for a in engine.pods()}
