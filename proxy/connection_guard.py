@@ -48,9 +48,10 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 #: after an answer that left the body unread (a refusal with ``Connection: close``): how
@@ -108,6 +109,13 @@ OnTimeout = Callable[[str], None]
 #: answer to write instead of handling it, a ``Wait`` to handle it once the connection has
 #: stopped reading, or None to handle it
 Shed = Callable[[str, str, Any, str], Canned | Wait | None]
+
+
+class OnBadHttp(Protocol):
+    """Told the peer and the parser's message of a request aiohttp refused as malformed
+    (``quiet``: a first request that is not HTTP at all)."""
+
+    def __call__(self, remote: str, message: str, *, quiet: bool = False) -> None: ...
 
 
 def _peer(transport: asyncio.BaseTransport | None) -> str:
@@ -199,6 +207,25 @@ class _GuardedProtocol(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._arm()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None, message: str | None = None
+                     ) -> web.StreamResponse:
+        """A request the parser refused (aiohttp's 400, before any handler) is counted and
+        logged in one line by the manager's ``on_bad_http``, where aiohttp logs it at
+        error level with a traceback, or not at all, and counts nothing."""
+        server = cast(_GuardedServer, self._manager)
+        if status != 400 or not isinstance(exc, HttpProcessingError) \
+                or server.on_bad_http is None:
+            return super().handle_error(request, status, exc, message)
+        # aiohttp's own reasoning: a first "request" that is no HTTP method at all is a
+        # port scan or TLS spoken to a plain port, noise at the error level
+        quiet = self._request_count == 1 and isinstance(exc, BadHttpMethod)
+        server.on_bad_http(request.remote or _peer(self.transport), message or str(exc),
+                           quiet=quiet)
+        response = web.Response(status=400, text=(message or "Bad Request") + "\n")
+        response.force_close()
+        return response
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
@@ -379,11 +406,13 @@ class _GuardedServer(web.Server):
     """aiohttp's low-level server, making ``_GuardedProtocol`` connections."""
 
     def __init__(self, *args: Any, header_timeout: float, on_timeout: OnTimeout,
-                 shed: Shed | None, **kwargs: Any) -> None:
+                 shed: Shed | None, on_bad_http: OnBadHttp | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.on_timeout = on_timeout
         self.shed = shed
+        self.on_bad_http = on_bad_http
 
     def __call__(self) -> RequestHandler:
         return _GuardedProtocol(self, loop=self._loop, **self._kwargs)
@@ -394,11 +423,13 @@ class GuardedRunner(web.AppRunner):
     shed overload on the headers."""
 
     def __init__(self, app: web.Application, *, header_timeout: float, on_timeout: OnTimeout,
-                 shed: Shed | None = None, **kwargs: Any) -> None:
+                 shed: Shed | None = None, on_bad_http: OnBadHttp | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
         self._shed = shed
+        self._on_bad_http = on_bad_http
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup, freezes it
@@ -406,5 +437,5 @@ class GuardedRunner(web.AppRunner):
             plain.request_handler, request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation, loop=asyncio.get_running_loop(),
             header_timeout=self._header_timeout, on_timeout=self._on_timeout,
-            shed=self._shed, **plain._kwargs,
+            shed=self._shed, on_bad_http=self._on_bad_http, **plain._kwargs,
         )

@@ -380,12 +380,28 @@ class RemoteWriteHandler:
         anyway); ``_read_body`` sends it once the request is admitted."""
         expect = request.headers.get("Expect", "")
         if expect.lower() != "100-continue":
+            message = f"unsupported Expect {expect[:64]!r}: only 100-continue"
             self.metrics.rejected.labels("expectation").inc()
-            response = _text(417, f"unsupported Expect {expect!r}: only 100-continue")
+            log.warning("request refused", extra={
+                "status": 417, "kind": "expectation", "reason": message, "path": request.path,
+                "remote": request.remote, "user_agent": request.headers.get("User-Agent", "")})
+            route = request.match_info.route.resource
+            self._requests(route.canonical if route is not None else request.path,
+                           "unknown", "417").inc()
+            response = _text(417, message)
             response.force_close()
             self._unhold(request)
             return response
         return None
+
+    def bad_http(self, remote: str, message: str, *, quiet: bool = False) -> None:
+        """A request aiohttp's parser refused (400 before any handler: a malformed request
+        line, header or chunk, Content-Length and Transfer-Encoding both): counted and
+        logged in one line like every refusal (``quiet``: at debug, for a first request
+        that is not HTTP at all, a port scan or TLS to a plain port)."""
+        self.metrics.rejected.labels("bad_http").inc()
+        log.log(logging.DEBUG if quiet else logging.WARNING, "request refused", extra={
+            "status": 400, "kind": "bad_http", "reason": message[:200], "remote": remote})
 
     def _unhold(self, request: web.Request) -> None:
         """A request refused before it waited its turn: its connection reads again (to skip
@@ -468,7 +484,8 @@ class RemoteWriteHandler:
             self.metrics.decode_errors.labels(r.kind).inc()
         else:
             self.metrics.rejected.labels(r.kind).inc()
-        level = logging.INFO if r.kind in ("overload", "not_ready") else logging.WARNING
+        level = (logging.INFO if r.kind in ("overload", "not_ready", "client_closed")
+                 else logging.WARNING)
         log.log(level, "request refused", extra={
             "status": r.status, "kind": r.kind, "reason": r.message, "path": request.path,
             "remote": request.remote, "user_agent": request.headers.get("User-Agent", ""),
@@ -539,33 +556,39 @@ class RemoteWriteHandler:
         started = loop.time()
         deadline = started + s.body_read_timeout_seconds
         rate = s.min_body_bytes_per_second
+        content = request.content
         chunks: list[bytes] = []
         received = 0
-        content = request.content
-        while True:
-            # what has arrived is taken as it is; a deadline only for a wait (by the time a
-            # request holds its slot its body is usually all here: no timer, and a body of
-            # one chunk is returned without a copy)
-            chunk = content.read_nowait()
-            if not chunk:
-                if content.at_eof():
-                    break
-                # the next byte is due when the bytes so far stop covering the minimum rate
-                due = started + BODY_RATE_GRACE_SECONDS + (received + 1) / rate
-                try:
-                    async with asyncio.timeout_at(min(deadline, due)):
-                        chunk = await content.readany()
-                except TimeoutError:
-                    raise self._stalled(received, loop.time() - started,
-                                        due < deadline) from None
+        try:
+            while True:
+                # what has arrived is taken as it is; a deadline only for a wait (by the time a
+                # request holds its slot its body is usually all here: no timer, and a body of
+                # one chunk is returned without a copy)
+                chunk = content.read_nowait()
                 if not chunk:
-                    break
-            if received + len(chunk) > limit:
-                raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
-                               counter="reject", kind="too_large")
-            self._reserve(held, len(chunk))
-            received += len(chunk)
-            chunks.append(chunk)
+                    if content.at_eof():
+                        break
+                    # the next byte is due when the bytes so far stop covering the minimum rate
+                    due = started + BODY_RATE_GRACE_SECONDS + (received + 1) / rate
+                    try:
+                        async with asyncio.timeout_at(min(deadline, due)):
+                            chunk = await content.readany()
+                    except TimeoutError:
+                        raise self._stalled(received, loop.time() - started,
+                                            due < deadline) from None
+                    if not chunk:
+                        break
+                if received + len(chunk) > limit:
+                    raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
+                                   counter="reject", kind="too_large")
+                self._reserve(held, len(chunk))
+                received += len(chunk)
+                chunks.append(chunk)
+        except ConnectionError:  # the sender hung up mid-body: nobody to answer, but counted
+            # and logged as every refusal is (499: nginx's "client closed request"), not an
+            # error with a traceback from aiohttp
+            raise _Refusal(499, f"the sender closed the connection after {received} bytes "
+                           "of its body", counter="reject", kind="client_closed") from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _stalled(self, received: int, elapsed: float, too_slow: bool) -> _Refusal:

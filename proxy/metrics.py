@@ -168,7 +168,7 @@ class ProxyMetrics:
             _P + "requests_rejected", "Requests refused before decoding, by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, header_timeout, body_timeout, body_too_slow, "
-            "expectation).",
+            "expectation, client_closed, bad_http).",
             ["reason"], registry=r,
         )
         self.request_duration = Histogram(

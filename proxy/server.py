@@ -200,7 +200,8 @@ async def start_site(
     handler = app[REMOTE_WRITE]
     runner = GuardedRunner(
         app, header_timeout=handler.settings.header_read_timeout_seconds,
-        on_timeout=handler.header_timed_out, shed=handler.shed, auto_decompress=False,
+        on_timeout=handler.header_timed_out, shed=handler.shed,
+        on_bad_http=handler.bad_http, auto_decompress=False,
         access_log=None, handle_signals=False, shutdown_timeout=10.0,
         lingering_time=LINGER_SECONDS)
     await runner.setup()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import sys
 import termios
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import snappy
 
 from proxy.admission import Outcome, Slots
@@ -624,3 +626,73 @@ async def test_slots_go_to_waiters_in_arrival_order_and_a_cancelled_one_passes_i
     no_wait = Slots(1, 1, 0.0)
     no_wait.try_enter()
     assert not no_wait.may_wait() and await no_wait.enter() is Outcome.REFUSED
+
+
+# -- what aiohttp would refuse or report on its own -------------------------------------
+
+
+async def test_a_sender_gone_mid_body_is_counted_and_logged_without_a_traceback(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        for chunked in (False, True):
+            _, w = await connect(p)
+            if chunked:
+                w.write((HEAD + "Transfer-Encoding: chunked\r\n\r\n10\r\n").encode() + b"x" * 8)
+            else:
+                w.write((HEAD + "Content-Length: 1000\r\n\r\n").encode() + b"ab")
+            await w.drain()
+            await asyncio.sleep(0.1)
+            w.close()
+        for _ in range(100):
+            if metric(p, "karta_proxy_requests_rejected_total", reason="client_closed") == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="client_closed") == 2
+        assert metric(p, "karta_proxy_requests_total", path="/api/v1/write", protocol="v1",
+                      code="499") == 2
+        assert metric(p, "karta_proxy_inflight_requests") == 0
+        assert (await post(p)).status == 204
+    refused = [r for r in caplog.records if getattr(r, "kind", "") == "client_closed"]
+    assert len(refused) == 2 and all(r.levelname == "INFO" for r in refused)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert len(up.received) == 1
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n",
+    b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /api/v1/write HTTP/1.1\r\nHo\x00st: x\r\nContent-Length: 0\r\n\r\n",
+])
+async def test_a_malformed_request_is_400_counted_and_logged_in_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, head: bytes) -> None:
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        w.write(head)
+        answer = await read_answer(r)
+        assert answer.status == 400, answer
+        async with asyncio.timeout(5):
+            assert await r.read() == b""  # and the connection closed
+        w.close()
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="bad_http") == 1
+        assert (await post(p)).status == 204
+    refused = [r for r in caplog.records if getattr(r, "kind", "") == "bad_http"]
+    assert len(refused) == 1 and refused[0].levelname == "WARNING"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+async def test_an_unsupported_expectation_is_417_counted_and_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        w.write(request(extra="Expect: foo\r\n"))
+        answer = await read_answer(r)
+        w.close()
+        assert answer.status == 417, answer
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="expectation") == 1
+        assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
+                      protocol="unknown", code="417") == 1
+    assert [r.levelname for r in caplog.records if getattr(r, "kind", "") == "expectation"] \
+        == ["WARNING"]
