@@ -492,47 +492,56 @@ class ResourceWatcher(WatchBase):
             resp.release()
 
     async def _process(self, lines: list[bytes], rv: str) -> str:
-        """Decode and deliver watch lines, a time-budgeted slice at a time."""
+        """Decode and deliver watch lines, a time-budgeted slice at a time.
+
+        An ``ERROR`` event or a malformed line ends the stream (raises), but the events
+        before it in the slice go to the sink first: ``_hold`` / ``_forget`` have
+        recorded them as delivered, and neither a resumed watch nor a relist would
+        deliver them again. ``resource_version`` is then the last one delivered."""
 
         def step(i: int, j: int) -> None:
             nonlocal rv
             events: list[WatchEvent] = []
             got_any = False
-            for line in lines[i:j]:
-                if not line.strip():
-                    continue
-                ev = _JSON.decode(line)
-                etype = ev.get("type", "")
-                obj = ev.get("object") or {}
-                got_any = True
-                self.metrics.events.labels(self.name, etype).inc()
-                if etype == "BOOKMARK":
-                    rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
-                    continue
-                if etype == "ERROR":
-                    code = obj.get("code", 0)
-                    if code == 410:
-                        if events:
-                            self.sink.handle(self, events)
-                        raise _Gone()
-                    raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
-                                       str(obj.get("message", "")))
-                if etype not in ("ADDED", "MODIFIED", "DELETED"):
-                    continue
-                self._fill(obj)
-                md = obj["metadata"]
-                rv = md.get("resourceVersion", rv)
-                uid = md.get("uid", "")
-                if etype == "DELETED":
-                    if not self._forget(uid):
-                        continue  # never delivered (e.g. deleted before our list)
-                else:
-                    self._hold(uid, md, md.get("resourceVersion", ""))
-                events.append((etype, obj))
-            if events:
-                self.sink.handle(self, events)
+            try:
+                for line in lines[i:j]:
+                    if not line.strip():
+                        continue
+                    ev = _JSON.decode(line)
+                    etype = ev.get("type", "")
+                    obj = ev.get("object") or {}
+                    self.metrics.events.labels(self.name, etype).inc()
+                    if etype == "BOOKMARK":
+                        got_any = True
+                        rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                        continue
+                    if etype == "ERROR":
+                        code = obj.get("code", 0)
+                        if code == 410:
+                            raise _Gone()
+                        raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
+                                           str(obj.get("message", "")))
+                    got_any = True
+                    if etype not in ("ADDED", "MODIFIED", "DELETED"):
+                        continue
+                    self._fill(obj)
+                    md = obj["metadata"]
+                    rv = md.get("resourceVersion", rv)
+                    uid = md.get("uid", "")
+                    if etype == "DELETED":
+                        if not self._forget(uid):
+                            continue  # never delivered (e.g. deleted before our list)
+                    else:
+                        self._hold(uid, md, md.get("resourceVersion", ""))
+                    events.append((etype, obj))
+            finally:
+                # also when the slice ends in an error: what was recorded as delivered
+                # must be delivered
+                if events:
+                    self.sink.handle(self, events)
+                if got_any:
+                    self.resource_version = rv
             if got_any:
-                self.resource_version = rv
                 self.backoff.reset()
                 self.sink.current(self)
 

@@ -22,7 +22,8 @@ from proxy.kube.watcher import (
     deletion_stub,
 )
 from tests.kube.conftest import eventually, pod
-from tests.kubesim import KubeSim
+from tests.kubesim import ApiError, KubeSim
+from tests.kubesim.resources import POD
 
 PODS = ApiResource("", "v1", "Pod", "pods", True)
 KARTAS = ApiResource("run.ai", "v1alpha1", "Karta", "kartas", False)
@@ -266,3 +267,35 @@ async def test_unserved_resource_is_reported(sim: KubeSim, make: Make) -> None:
                   resource=ApiResource("nothing.example", "v1", "Thing", "things", True))
     assert sink.refused[:1] == [404]  # not served: reported, no events, synced anyway
     assert sink.events == []
+
+
+@pytest.mark.parametrize("tail", ["error500", "malformed"])
+async def test_events_before_a_watch_error_reach_the_sink(sim: KubeSim, make: Make,
+                                                          tail: str) -> None:
+    """Events that arrive in one chunk with an ERROR (not 410) or a malformed line after
+    them are handed on before the watcher gives the stream up: they used to be recorded
+    as delivered (``held``, ``versions``) and then dropped with the slice, so a deleted
+    pod stayed live and a new one was never indexed (neither a resumed watch nor a
+    relist delivers what ``versions`` already records)."""
+    p0 = sim.create(pod("p0"))
+    sim.create(pod("p1"))
+    sink = RecordingSink()
+    w = await started(make, sink)
+    assert sorted(sink.names("ADDED")) == ["p0", "p1"]
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    assert sim.hold_watches() == 1
+    sim.delete(p0)
+    p2 = sim.create(pod("p2"))
+    if tail == "error500":
+        sim.flush_watches(error=ApiError(500, "InternalError", "etcd watch channel closed"))
+    else:
+        sim.flush_watches(raw=b'{"type": "MODIFIED", "object": {broken\n')
+    await eventually(lambda: "p0" in sink.names("DELETED") and "p2" in sink.names("ADDED"),
+                     timeout=5)
+    assert sink.names("DELETED") == ["p0"]
+    assert set(w.held) == {o["metadata"]["uid"] for o in sim.objects(POD)}
+    assert w.versions[p2["metadata"]["uid"]] == p2["metadata"]["resourceVersion"]
+    assert w.metrics.restarts.labels(w.name, "error")._value.get() >= 1
+    # still watching: what comes next arrives as before
+    sim.create(pod("p3"))
+    await eventually(lambda: "p3" in sink.names("ADDED"), timeout=5)

@@ -2,12 +2,14 @@
 
 It serves what a watching client meets on a real API server: discovery, paginated
 lists at a resourceVersion, chunked watch streams (ADDED / MODIFIED / DELETED /
-BOOKMARK / ERROR 410 after compaction), server-side watch timeouts, abrupt
-disconnects, metadata-only (PartialObjectMetadata) responses, namespace / label /
-field selectors, CRDs registered at runtime, and create / update / patch / delete with
-optimistic concurrency (Lease election builds on that). Tests drive it from Python
-(``create``, ``update``, ``delete``, ``compact``, ``disconnect_watches``, ``stop`` /
-``start``) and point kubernetes-asyncio at it through the kubeconfig it writes.
+BOOKMARK / ERROR 410 after compaction, any ERROR on demand), server-side watch
+timeouts, abrupt disconnects, metadata-only (PartialObjectMetadata) responses,
+namespace / label / field selectors, CRDs registered at runtime, and create / update /
+patch / delete with optimistic concurrency (Lease election builds on that). Tests
+drive it from Python (``create``, ``update``, ``delete``, ``compact``,
+``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
+``stop`` / ``start``) and point kubernetes-asyncio at it through the kubeconfig it
+writes.
 """
 
 from __future__ import annotations
@@ -232,6 +234,32 @@ class KubeSim:
             for feed in list(rs.feeds):
                 if not feed.hung:
                     feed.hang()
+                    n += 1
+        return n
+
+    def hold_watches(self) -> int:
+        """Make every open watch stream hold back what it would send (events and
+        bookmarks) until ``flush_watches``: what happens meanwhile then reaches the client
+        in one chunk. The changes are in the log as usual (a resumed watch replays them)."""
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                if not feed.holding and not feed.hung:
+                    feed.hold()
+                    n += 1
+        return n
+
+    def flush_watches(self, *, error: ApiError | None = None, raw: bytes = b"") -> int:
+        """Every holding watch stream writes, in one write, the events it held back, then
+        an ``ERROR`` event with ``error``'s Status (if given), then ``raw`` (e.g. a
+        malformed line), and ends the stream cleanly: how a real API server ends a watch
+        on an internal error (an etcd watch channel failing), events and all."""
+        tail = (_line({"type": "ERROR", "object": error.status()}) if error else b"") + raw
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                if feed.holding:
+                    feed.flush(tail)
                     n += 1
         return n
 
@@ -473,6 +501,7 @@ class KubeSim:
             for etype, obj in initial:
                 await resp.write(_line({"type": etype,
                                         "object": partial_metadata(obj) if mode else obj}))
+            held: list[bytes] = []  # lines kept back while the feed is holding
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
@@ -491,7 +520,7 @@ class KubeSim:
                 try:
                     ev = await asyncio.wait_for(feed.queue.get(), wait)
                 except TimeoutError:
-                    if feed.hung:
+                    if feed.hung or feed.holding:
                         continue
                     if bookmarks and feed.queue.empty():
                         kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
@@ -506,11 +535,17 @@ class KubeSim:
                     return resp
                 if feed.hung:
                     continue
+                if isinstance(ev, bytes):  # flush: what was held back, the tail, the end
+                    await resp.write(b"".join(held) + ev)
+                    break
                 out = _translate(ev, flt)
                 if out is not None:
-                    await resp.write(_line({"type": out[0],
-                                            "object": partial_metadata(out[1]) if mode
-                                            else out[1]}))
+                    line = _line({"type": out[0],
+                                  "object": partial_metadata(out[1]) if mode else out[1]})
+                    if feed.holding:
+                        held.append(line)
+                    else:
+                        await resp.write(line)
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError):
