@@ -347,6 +347,10 @@ class ResourceWatcher(WatchBase):
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
                 rv = ""
+            if rv:
+                # resume from the newest resourceVersion seen, not the one this watch
+                # started from: no replay, and a compaction since then costs no relist
+                rv = self.resource_version or rv
             self.metrics.restarts.labels(self.name, reason).inc()
             await asyncio.sleep(self.backoff.next())
 
