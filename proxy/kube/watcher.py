@@ -151,7 +151,8 @@ class WatchMetrics:
         self.restarts = Counter(
             "karta_proxy_watch_restarts_total",
             "Watch restarts by resource and reason (timeout: the server ended the "
-            "stream; gone: 410, relisted; disconnect; unreachable; error).",
+            "stream; empty: it ended at once with no event; gone: 410, relisted; idle; "
+            "disconnect; unreachable; error; unserved).",
             ["resource", "reason"],
             registry=registry,
         )
@@ -307,7 +308,16 @@ class ResourceWatcher(WatchBase):
             try:
                 if not rv:
                     rv = await self._list()
-                rv = await self._watch(rv)
+                rv, empty = await self._watch(rv)
+                if empty:
+                    # ended at once with nothing (a proxy in between cutting streams, a
+                    # server shutting down): again at once would be a tight loop
+                    self.metrics.restarts.labels(self.name, "empty").inc()
+                    if self.backoff.attempt == 0:  # the first of a run, not every one
+                        log.warning("watch %s: the server ended the watch at once with no "
+                                    "event; watching again after a backoff", self.name)
+                    await asyncio.sleep(self.backoff.next())
+                    continue
                 self.metrics.restarts.labels(self.name, "timeout").inc()
                 continue
             except _Gone:
@@ -460,9 +470,13 @@ class ResourceWatcher(WatchBase):
         obj["apiVersion"] = self.resource.api_version
         obj["kind"] = self.resource.kind
 
-    async def _watch(self, rv: str) -> str:
-        """Watch from ``rv`` until the server ends the stream; returns the last rv."""
+    async def _watch(self, rv: str) -> tuple[str, bool]:
+        """Watch from ``rv`` until the server ends the stream; returns the last rv and
+        whether the stream was empty and ended early (no byte, within half its
+        ``timeoutSeconds``), which is no server timeout."""
         server_timeout = self.watch_timeout()
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
         q = self._query()
         q.update(watch="1", resourceVersion=rv, allowWatchBookmarks="true",
                  timeoutSeconds=str(server_timeout))
@@ -476,6 +490,7 @@ class ResourceWatcher(WatchBase):
         )
         self._set_health(True)
         buf = b""
+        received = False
         try:
             while True:
                 try:
@@ -485,7 +500,9 @@ class ResourceWatcher(WatchBase):
                 if not chunk:
                     if buf.strip():
                         rv = await self._process([buf], rv)
-                    return rv
+                    return rv, (not received
+                                and loop.time() - opened < server_timeout / 2)
+                received = True
                 buf += chunk
                 if b"\n" not in chunk:
                     continue

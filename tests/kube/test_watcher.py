@@ -339,3 +339,30 @@ async def test_a_broken_watch_resumes_from_the_newest_version_seen(sim: KubeSim,
     assert sorted(sink.names("ADDED")) == [f"p{i}" for i in range(7)]  # none twice
     assert lists() == n_lists
     assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
+
+
+async def test_a_watch_ended_at_once_with_nothing_is_retried_after_a_backoff(
+        sim: KubeSim, make: Make) -> None:
+    """A watch that the server (or a proxy in between) ends cleanly at once with no
+    event is watched again after a jittered, growing backoff, not at once: that was a
+    tight loop of ~150 watch requests a second. What happened meanwhile arrives once
+    watches are served again."""
+    sink = RecordingSink()
+    w = await started(make, sink)  # backoff cap 0.3 s
+    await eventually(lambda: sim.watch_count(POD) == 1)
+
+    def watches() -> int:
+        return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q)
+
+    sim.empty_watches = True
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    n0 = watches()
+    await asyncio.sleep(2.0)
+    n = watches() - n0
+    assert 2 <= n <= 25, n  # 0.1-0.3 s apart; without the backoff several hundred
+    assert w.metrics.restarts.labels(w.name, "empty")._value.get() >= n - 1
+    sim.create(pod("meanwhile"))
+    sim.empty_watches = False
+    await eventually(lambda: "meanwhile" in sink.names("ADDED"), timeout=5)
+    assert w.healthy

@@ -98,6 +98,9 @@ class KubeSim:
         #: answer every API request with this status while set (e.g. 503: an outage
         #: where the server is up but failing)
         self.fail_status: int | None = None
+        #: answer every new watch with a stream that ends at once, cleanly, with no
+        #: event (a proxy in between cutting streams, a server shutting down)
+        self.empty_watches = False
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
@@ -490,7 +493,7 @@ class KubeSim:
                 gone = e
         try:
             await resp.prepare(request)
-            if mode == "list":
+            if mode == "list" or self.empty_watches:
                 # a real server ends such a stream with no events
                 await resp.write_eof()
                 return resp
