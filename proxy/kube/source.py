@@ -239,6 +239,10 @@ class KubeSource:
                 for w in current[1]:
                     await w.stop()
                     held.update(w.held)
+                    # the new watcher starts healthy and only reports a change: an old
+                    # one's failure would otherwise keep the index stale for good
+                    self._unhealthy.discard(w.name)
+                self._update_stale()
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
         if failed:  # one line per round, not one per kind: an outage must not flood logs
             log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
@@ -428,6 +432,10 @@ class KubeSource:
             self._unhealthy.discard(watcher.name)
         else:
             self._unhealthy.add(watcher.name)
+        self._update_stale()
+
+    def _update_stale(self) -> None:
+        """``index.stale`` while any watcher cannot reach the API server."""
         stale = bool(self._unhealthy)
         if stale != self.index.stale:
             log.warning("cluster index %s", "STALE: API server unreachable, serving the last "

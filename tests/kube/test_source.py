@@ -30,7 +30,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import JOB_SET
+from tests.kubesim.resources import JOB_SET, RAY_CLUSTER
 
 
 def _has(source: KubeSource, name: str, ns: str = "default") -> Callable[[], object]:
@@ -283,6 +283,34 @@ async def test_description_of_an_owner_kind_switches_it_to_full_objects(
     await eventually(lambda: mode() == "metadata" and uid not in source.index.workloads,
                      timeout=5)
     await eventually(lambda: labels(source, "ml", "rc-head") is None)
+
+
+async def test_a_mode_switch_leaves_no_stale_mark_behind(sim: KubeSim,
+                                                        make_source: SourceFactory) -> None:
+    """A watcher that fails (500) and is then switched to the other mode takes its
+    failure with it: the new watcher starts healthy and reports only a change, so the old
+    one's mark kept ``index.stale`` True for good once everything had recovered."""
+    rc = sim.create({"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                     "metadata": {"name": "rc", "namespace": "ml"}})
+    sim.create(pod("rc-head", "ml", owner_obj=rc, labels={"ray.io/node-type": "head"}))
+    source = await make_source()
+
+    def mode() -> str:
+        return next((m for gk, (m, _) in source.watchers.items() if gk.kind == "RayCluster"), "")
+
+    assert mode() == "metadata" and not source.index.stale
+    # metadata-only reads of RayClusters fail (the full ones do not): the old watcher
+    # stays failed until it is stopped
+    sim.fail_resource(RAY_CLUSTER, 500, accept="as=PartialObjectMetadata")
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    sim.create(RAYCLUSTER_KARTA)  # RayCluster described: a full watch replaces it
+    await eventually(lambda: mode() == "full"
+                     and labels(source, "ml", "rc-head") is not None, timeout=5)
+    await eventually(lambda: not source.index.stale, timeout=3)
+    assert not source._unhealthy
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "rayclusters.ray.io", "reason": "error"}) >= 1
 
 
 async def test_unreachable_at_start_retries_with_backoff(

@@ -98,6 +98,10 @@ class KubeSim:
         #: answer every API request with this status while set (e.g. 503: an outage
         #: where the server is up but failing)
         self.fail_status: int | None = None
+        #: (group, plural) -> (status, Accept substring or ""): requests for that resource
+        #: (list, watch, get; with that substring in their Accept header, if given) are
+        #: answered with the status, while discovery still lists it (see ``fail_resource``)
+        self.failing_resources: dict[tuple[str, str], tuple[int, str]] = {}
         #: answer every new watch with a stream that ends at once, cleanly, with no
         #: event (a proxy in between cutting streams, a server shutting down)
         self.empty_watches = False
@@ -240,6 +244,17 @@ class KubeSim:
                     n += 1
         return n
 
+    def fail_resource(self, rtype: ResourceType, status: int | None, *,
+                      accept: str = "") -> None:
+        """Answer requests for one resource with ``status`` from now on (None: serve it
+        again), only those whose Accept header contains ``accept`` if given; discovery
+        still lists it, as on a real cluster: 403 is RBAC refusing the proxy's service
+        account, 500 a failing conversion webhook or aggregated API."""
+        if status is None:
+            self.failing_resources.pop(rtype.key, None)
+        else:
+            self.failing_resources[rtype.key] = (status, accept)
+
     def hold_watches(self) -> int:
         """Make every open watch stream hold back what it would send (events and
         bookmarks) until ``flush_watches``: what happens meanwhile then reaches the client
@@ -346,6 +361,9 @@ class KubeSim:
         rtype = next((rt for rt in gvs[gv] if rt.plural == plural), None)
         if rtype is None:
             raise NotFound(f"the server could not find the requested resource ({plural})")
+        failing = self.failing_resources.get(rtype.key)
+        if failing is not None and failing[1] in accept:
+            raise _failure(failing[0], rtype, request.method)
         rs = self.store.resources[rtype.key]
         if namespace is not None and not rtype.namespaced:
             raise NotFound(f"{plural} is not namespaced")
@@ -555,6 +573,19 @@ class KubeSim:
             raise
         finally:
             rs.feeds.discard(feed)
+
+
+def _failure(status: int, rtype: ResourceType, method: str) -> ApiError:
+    """What a real API server answers for a resource it refuses or fails on."""
+    resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
+    if status == 403:
+        return ApiError(403, "Forbidden", f'{resource} is forbidden: User '
+                        f'"system:serviceaccount:karta-proxy:karta-proxy" cannot '
+                        f'{method.lower()} resource "{rtype.plural}" in API group '
+                        f'"{rtype.group}" at the cluster scope')
+    if status == 404:
+        return NotFound("the server could not find the requested resource")
+    return ApiError(status, "InternalError", f"simulated failure of {resource}")
 
 
 def _parse_bool(text: str) -> bool:
