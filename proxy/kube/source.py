@@ -278,7 +278,11 @@ class KubeSource:
             w.held.clear()
             await w.deliver(stubs)
             self._unhealthy.discard(w.name)
-        self.index.stale = bool(self._unhealthy)
+            # no longer watched: no freshness either (a frozen one reads as a resource
+            # ever staler; the fact writer ends its series with a stale marker)
+            self.index.freshness.pop(w.name, None)
+            self._last_current.remove(w.name)
+        self._update_stale()
 
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
         if self.unserved_kinds.get(gk) != why:

@@ -15,7 +15,9 @@ from datetime import datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy import contract
 from proxy.config import KubeSettings
+from proxy.facts.model import process_facts
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.kube.source import KubeSource
@@ -311,6 +313,32 @@ async def test_a_mode_switch_leaves_no_stale_mark_behind(sim: KubeSim,
     assert not source._unhealthy
     assert metric(source, "karta_proxy_watch_restarts_total",
                   {"resource": "rayclusters.ray.io", "reason": "error"}) >= 1
+
+
+async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """A kind that stops being watched (its description deleted) takes its freshness
+    entry and its ``karta_proxy_watch_last_current_timestamp_seconds`` child with it:
+    frozen, they read as a resource ever staler (``time() - min(...)``)."""
+    sim.create({"apiVersion": "ray.io/v1", "kind": "RayJob",  # no pods: owns nothing
+                "metadata": {"name": "train", "namespace": "ml"},
+                "status": {"jobStatus": "RUNNING"}})
+    karta = sim.create(RAYJOB_KARTA)
+    source = await make_source()
+    gauge = "karta_proxy_watch_last_current_timestamp_seconds"
+    assert "rayjobs.ray.io" in source.index.freshness
+    assert metric(source, gauge, {"resource": "rayjobs.ray.io"}) > 0
+    sim.delete(karta)
+    await eventually(lambda: not any(gk.kind == "RayJob" for gk in source.watchers),
+                     timeout=5)
+    assert "rayjobs.ray.io" not in source.index.freshness
+    assert source.registry.get_sample_value(gauge, {"resource": "rayjobs.ray.io"}) is None
+    resources = {f.labels[0][1] for f in process_facts(source.index)
+                 if f.name == contract.FACT_SOURCE_LAST_CURRENT}
+    assert "rayjobs.ray.io" not in resources and "pods" in resources
+    await asyncio.sleep(0.5)
+    now = time.time()
+    assert now - min(source.index.freshness.values()) < 1.0  # every entry current
 
 
 async def test_unreachable_at_start_retries_with_backoff(
