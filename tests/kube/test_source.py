@@ -20,6 +20,7 @@ from proxy.config import KubeSettings
 from proxy.facts.model import process_facts
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
+from proxy.karta.model import GroupKind
 from proxy.kube.source import KubeSource
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.kube.conftest import (
@@ -32,7 +33,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import JOB_SET, RAY_CLUSTER
+from tests.kubesim.resources import JOB_SET, RAY_CLUSTER, REPLICA_SET
 
 
 def _has(source: KubeSource, name: str, ns: str = "default") -> Callable[[], object]:
@@ -339,6 +340,43 @@ async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
     await asyncio.sleep(0.5)
     now = time.time()
     assert now - min(source.index.freshness.values()) < 1.0  # every entry current
+
+
+async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC forbids ReplicaSets (403), while discovery lists them as a real server does:
+    the kind stays unserved until its retry time (the recheck interval, 0.5 s here)
+    passes, with one warning for the episode and no flapping of the gauge. Discovery
+    alone re-served it at once: a tight loop of 471 refused requests in 2 s, and as
+    many warnings."""
+    sim.fail_resource(REPLICA_SET, 403)
+    deployment(sim, "web", replicas=2)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    source = await make_source()
+    gk = GroupKind("apps", "ReplicaSet")
+    assert source.unserved_kinds.get(gk) == "forbidden (RBAC)"
+    assert labels(source, "default", "web-1-0") is not None  # attributed without it
+
+    def refused() -> int:
+        return sum(1 for _, path, _, _ in sim.requests if path.endswith("/replicasets"))
+
+    n0 = refused()
+    gauge: set[float] = set()
+    for _ in range(40):
+        gauge.add(metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}))
+        await asyncio.sleep(0.05)
+    n = refused() - n0
+    assert 1 <= n <= 10, n  # one per 0.5-1 s; was several hundred in 2 s
+    assert gauge == {1.0}
+    assert sum("forbidden" in r.getMessage() for r in caplog.records) == 1
+    assert "replicasets.apps" not in source.index.freshness
+    sim.fail_resource(REPLICA_SET, None)  # RBAC fixed: picked up at the next retry
+    await eventually(lambda: (labels(source, "default", "web-1-0") or {}).get("karta_kind")
+                     == "Deployment", timeout=5)
+    assert gk not in source.unserved_kinds
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
+    assert "replicasets.apps" in source.index.freshness
+    assert sum("served now" in r.getMessage() for r in caplog.records) == 1
 
 
 async def test_unreachable_at_start_retries_with_backoff(
