@@ -360,6 +360,25 @@ def test_gone_workload_and_pod_end_with_stale_markers_once() -> None:
     assert set(third) == live
 
 
+def test_a_resource_no_longer_watched_ends_its_freshness_series() -> None:
+    """The kube source drops a kind's freshness entry when it stops watching it: its
+    ``karta_source_last_current_timestamp_seconds`` series ends with a stale marker."""
+    index = small_index()
+    w = writer(index)
+    w.build_request(1000)
+    w.commit()
+    del index.freshness["rayjobs.ray.io"]
+    series = decode(w.build_request(2000))
+    w.commit()
+    stale = [labels for labels, s in series.items() if is_stale(s[0][0])]
+    assert stale == [(("__name__", contract.FACT_SOURCE_LAST_CURRENT),
+                      ("resource", "rayjobs.ray.io"))]
+    assert by_name(series, contract.FACT_SOURCE_LAST_CURRENT)[(("resource", "pods"),)] == (
+        1_700_000_500.0)
+    third = decode(w.build_request(3000))
+    assert set(by_name(third, contract.FACT_SOURCE_LAST_CURRENT)) == {(("resource", "pods"),)}
+
+
 def test_a_fact_that_stops_applying_ends_too() -> None:
     """Not only deletions: a desired-replica path that stops answering, a phase leaving
     Undefined (its reason series), a pod losing its attribution."""

@@ -85,9 +85,11 @@ class KubeSource:
         recheck_interval: float = 30.0,
         watchers: WatcherFactory | None = None,
         discovery: Resolver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``watchers`` and ``discovery`` replace the ones built over the client (tests
-        put fakes there); with both given, no client is needed."""
+        put fakes there); with both given, no client is needed. ``clock`` times the
+        retries of kinds the server refused (tests move it by hand)."""
         self.settings = settings
         self.engine = engine
         self.index = index
@@ -97,6 +99,7 @@ class KubeSource:
         self._watch_timeout = watch_timeout
         self._idle_timeout = watch_idle_timeout
         self._recheck_interval = recheck_interval
+        self._clock = clock
         self.metrics = WatchMetrics(self.registry)
         self._last_current = Gauge(
             "karta_proxy_watch_last_current_timestamp_seconds",
@@ -118,6 +121,11 @@ class KubeSource:
         self.watchers: dict[GroupKind, tuple[str, list[Watcher]]] = {}
         #: kinds wanted but not served -> why
         self.unserved_kinds: dict[GroupKind, str] = {}
+        #: kinds whose watch the server refused (403 / 404) -> when (``clock``) to try a
+        #: watch again: until then discovery alone, which still lists a kind RBAC
+        #: forbids, does not serve it again; after it, it counts as served once a new
+        #: watcher's list went through
+        self._refused: dict[GroupKind, float] = {}
         self._unhealthy: set[str] = set()
         self._kinds_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -224,6 +232,9 @@ class KubeSource:
             current = self.watchers.get(gk)
             if current is not None and current[0] == mode:
                 continue
+            retry_at = self._refused.get(gk)
+            if retry_at is not None and self._clock() < retry_at:
+                continue  # refused: not again before its retry time
             try:
                 res = await self.discovery.resolve(gk)
             except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
@@ -231,14 +242,21 @@ class KubeSource:
                 error = e
                 continue
             if res is None:
+                self._refused.pop(gk, None)
                 self._mark_unserved(gk, "not served by the cluster")
                 continue
-            self._mark_served(gk)
+            if retry_at is None:
+                self._mark_served(gk)
+            # else: still unserved until the new watcher's list goes through (current())
             held: dict[str, str] = {}
             if current is not None:  # mode switch: the new watcher's relist diffs
                 for w in current[1]:
                     await w.stop()
                     held.update(w.held)
+                    # the new watcher starts healthy and only reports a change: an old
+                    # one's failure would otherwise keep the index stale for good
+                    self._unhealthy.discard(w.name)
+                self._update_stale()
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
         if failed:  # one line per round, not one per kind: an outage must not flood logs
             log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
@@ -274,7 +292,11 @@ class KubeSource:
             w.held.clear()
             await w.deliver(stubs)
             self._unhealthy.discard(w.name)
-        self.index.stale = bool(self._unhealthy)
+            # no longer watched: no freshness either (a frozen one reads as a resource
+            # ever staler; the fact writer ends its series with a stale marker)
+            self.index.freshness.pop(w.name, None)
+            self._last_current.remove(w.name)
+        self._update_stale()
 
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
         if self.unserved_kinds.get(gk) != why:
@@ -338,8 +360,11 @@ class KubeSource:
         want = self._desired()
         if self.unserved_kinds:
             self.discovery.invalidate()
-            for gk in list(self.unserved_kinds):
-                if gk in self.watchers:
+            now = self._clock()
+            for gk, retry_at in list(self._refused.items()):
+                # refused since its last retry: drop the refused watcher (not one that
+                # retries it now, after its retry time)
+                if gk in self.watchers and now < retry_at:
                     await self._drop(gk)
         return await self._reconcile(want)
 
@@ -422,12 +447,22 @@ class KubeSource:
         now = time.time()
         self.index.mark_fresh(watcher.name, now)
         self._last_current.labels(watcher.name).set(now)
+        if self._refused:  # a refused kind's retry went through: served again
+            gk = watcher.resource.group_kind
+            retry_at = self._refused.get(gk)
+            if retry_at is not None and self._clock() >= retry_at:
+                del self._refused[gk]
+                self._mark_served(gk)
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
         if healthy:
             self._unhealthy.discard(watcher.name)
         else:
             self._unhealthy.add(watcher.name)
+        self._update_stale()
+
+    def _update_stale(self) -> None:
+        """``index.stale`` while any watcher cannot reach the API server."""
         stale = bool(self._unhealthy)
         if stale != self.index.stale:
             log.warning("cluster index %s", "STALE: API server unreachable, serving the last "
@@ -435,9 +470,13 @@ class KubeSource:
         self.index.stale = stale
 
     def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
+        """The server refused a watch (403 / 404): the kind is unserved until its retry
+        time (the recheck interval) has passed; the follower drops its watcher. The
+        warning is logged once per episode, not once per refused request."""
         gk = watcher.resource.group_kind
         why = "forbidden (RBAC)" if error.status == 403 else "no longer served"
         self._mark_unserved(gk, why)
+        self._refused[gk] = self._clock() + self._recheck_interval
         watcher.synced.set()  # do not hold readiness hostage
         self._kinds_changed.set()
 

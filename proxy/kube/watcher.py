@@ -151,7 +151,8 @@ class WatchMetrics:
         self.restarts = Counter(
             "karta_proxy_watch_restarts_total",
             "Watch restarts by resource and reason (timeout: the server ended the "
-            "stream; gone: 410, relisted; disconnect; unreachable; error).",
+            "stream; empty: it ended at once with no event; gone: 410, relisted; idle; "
+            "disconnect; unreachable; error; unserved).",
             ["resource", "reason"],
             registry=registry,
         )
@@ -307,7 +308,16 @@ class ResourceWatcher(WatchBase):
             try:
                 if not rv:
                     rv = await self._list()
-                rv = await self._watch(rv)
+                rv, empty = await self._watch(rv)
+                if empty:
+                    # ended at once with nothing (a proxy in between cutting streams, a
+                    # server shutting down): again at once would be a tight loop
+                    self.metrics.restarts.labels(self.name, "empty").inc()
+                    if self.backoff.attempt == 0:  # the first of a run, not every one
+                        log.warning("watch %s: the server ended the watch at once with no "
+                                    "event; watching again after a backoff", self.name)
+                    await asyncio.sleep(self.backoff.next())
+                    continue
                 self.metrics.restarts.labels(self.name, "timeout").inc()
                 continue
             except _Gone:
@@ -347,6 +357,10 @@ class ResourceWatcher(WatchBase):
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
                 rv = ""
+            if rv:
+                # resume from the newest resourceVersion seen, not the one this watch
+                # started from: no replay, and a compaction since then costs no relist
+                rv = self.resource_version or rv
             self.metrics.restarts.labels(self.name, reason).inc()
             await asyncio.sleep(self.backoff.next())
 
@@ -456,9 +470,13 @@ class ResourceWatcher(WatchBase):
         obj["apiVersion"] = self.resource.api_version
         obj["kind"] = self.resource.kind
 
-    async def _watch(self, rv: str) -> str:
-        """Watch from ``rv`` until the server ends the stream; returns the last rv."""
+    async def _watch(self, rv: str) -> tuple[str, bool]:
+        """Watch from ``rv`` until the server ends the stream; returns the last rv and
+        whether the stream was empty and ended early (no byte, within half its
+        ``timeoutSeconds``), which is no server timeout."""
         server_timeout = self.watch_timeout()
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
         q = self._query()
         q.update(watch="1", resourceVersion=rv, allowWatchBookmarks="true",
                  timeoutSeconds=str(server_timeout))
@@ -472,6 +490,7 @@ class ResourceWatcher(WatchBase):
         )
         self._set_health(True)
         buf = b""
+        received = False
         try:
             while True:
                 try:
@@ -481,7 +500,9 @@ class ResourceWatcher(WatchBase):
                 if not chunk:
                     if buf.strip():
                         rv = await self._process([buf], rv)
-                    return rv
+                    return rv, (not received
+                                and loop.time() - opened < server_timeout / 2)
+                received = True
                 buf += chunk
                 if b"\n" not in chunk:
                     continue
@@ -492,47 +513,56 @@ class ResourceWatcher(WatchBase):
             resp.release()
 
     async def _process(self, lines: list[bytes], rv: str) -> str:
-        """Decode and deliver watch lines, a time-budgeted slice at a time."""
+        """Decode and deliver watch lines, a time-budgeted slice at a time.
+
+        An ``ERROR`` event or a malformed line ends the stream (raises), but the events
+        before it in the slice go to the sink first: ``_hold`` / ``_forget`` have
+        recorded them as delivered, and neither a resumed watch nor a relist would
+        deliver them again. ``resource_version`` is then the last one delivered."""
 
         def step(i: int, j: int) -> None:
             nonlocal rv
             events: list[WatchEvent] = []
             got_any = False
-            for line in lines[i:j]:
-                if not line.strip():
-                    continue
-                ev = _JSON.decode(line)
-                etype = ev.get("type", "")
-                obj = ev.get("object") or {}
-                got_any = True
-                self.metrics.events.labels(self.name, etype).inc()
-                if etype == "BOOKMARK":
-                    rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
-                    continue
-                if etype == "ERROR":
-                    code = obj.get("code", 0)
-                    if code == 410:
-                        if events:
-                            self.sink.handle(self, events)
-                        raise _Gone()
-                    raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
-                                       str(obj.get("message", "")))
-                if etype not in ("ADDED", "MODIFIED", "DELETED"):
-                    continue
-                self._fill(obj)
-                md = obj["metadata"]
-                rv = md.get("resourceVersion", rv)
-                uid = md.get("uid", "")
-                if etype == "DELETED":
-                    if not self._forget(uid):
-                        continue  # never delivered (e.g. deleted before our list)
-                else:
-                    self._hold(uid, md, md.get("resourceVersion", ""))
-                events.append((etype, obj))
-            if events:
-                self.sink.handle(self, events)
+            try:
+                for line in lines[i:j]:
+                    if not line.strip():
+                        continue
+                    ev = _JSON.decode(line)
+                    etype = ev.get("type", "")
+                    obj = ev.get("object") or {}
+                    self.metrics.events.labels(self.name, etype).inc()
+                    if etype == "BOOKMARK":
+                        got_any = True
+                        rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                        continue
+                    if etype == "ERROR":
+                        code = obj.get("code", 0)
+                        if code == 410:
+                            raise _Gone()
+                        raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
+                                           str(obj.get("message", "")))
+                    got_any = True
+                    if etype not in ("ADDED", "MODIFIED", "DELETED"):
+                        continue
+                    self._fill(obj)
+                    md = obj["metadata"]
+                    rv = md.get("resourceVersion", rv)
+                    uid = md.get("uid", "")
+                    if etype == "DELETED":
+                        if not self._forget(uid):
+                            continue  # never delivered (e.g. deleted before our list)
+                    else:
+                        self._hold(uid, md, md.get("resourceVersion", ""))
+                    events.append((etype, obj))
+            finally:
+                # also when the slice ends in an error: what was recorded as delivered
+                # must be delivered
+                if events:
+                    self.sink.handle(self, events)
+                if got_any:
+                    self.resource_version = rv
             if got_any:
-                self.resource_version = rv
                 self.backoff.reset()
                 self.sink.current(self)
 

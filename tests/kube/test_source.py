@@ -15,9 +15,12 @@ from datetime import datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy import contract
 from proxy.config import KubeSettings
+from proxy.facts.model import process_facts
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
+from proxy.karta.model import GroupKind
 from proxy.kube.source import KubeSource
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.kube.conftest import (
@@ -30,7 +33,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import JOB_SET
+from tests.kubesim.resources import JOB_SET, RAY_CLUSTER, REPLICA_SET
 
 
 def _has(source: KubeSource, name: str, ns: str = "default") -> Callable[[], object]:
@@ -283,6 +286,97 @@ async def test_description_of_an_owner_kind_switches_it_to_full_objects(
     await eventually(lambda: mode() == "metadata" and uid not in source.index.workloads,
                      timeout=5)
     await eventually(lambda: labels(source, "ml", "rc-head") is None)
+
+
+async def test_a_mode_switch_leaves_no_stale_mark_behind(sim: KubeSim,
+                                                        make_source: SourceFactory) -> None:
+    """A watcher that fails (500) and is then switched to the other mode takes its
+    failure with it: the new watcher starts healthy and reports only a change, so the old
+    one's mark kept ``index.stale`` True for good once everything had recovered."""
+    rc = sim.create({"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                     "metadata": {"name": "rc", "namespace": "ml"}})
+    sim.create(pod("rc-head", "ml", owner_obj=rc, labels={"ray.io/node-type": "head"}))
+    source = await make_source()
+
+    def mode() -> str:
+        return next((m for gk, (m, _) in source.watchers.items() if gk.kind == "RayCluster"), "")
+
+    assert mode() == "metadata" and not source.index.stale
+    # metadata-only reads of RayClusters fail (the full ones do not): the old watcher
+    # stays failed until it is stopped
+    sim.fail_resource(RAY_CLUSTER, 500, accept="as=PartialObjectMetadata")
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    sim.create(RAYCLUSTER_KARTA)  # RayCluster described: a full watch replaces it
+    await eventually(lambda: mode() == "full"
+                     and labels(source, "ml", "rc-head") is not None, timeout=5)
+    await eventually(lambda: not source.index.stale, timeout=3)
+    assert not source._unhealthy
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "rayclusters.ray.io", "reason": "error"}) >= 1
+
+
+async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """A kind that stops being watched (its description deleted) takes its freshness
+    entry and its ``karta_proxy_watch_last_current_timestamp_seconds`` child with it:
+    frozen, they read as a resource ever staler (``time() - min(...)``)."""
+    sim.create({"apiVersion": "ray.io/v1", "kind": "RayJob",  # no pods: owns nothing
+                "metadata": {"name": "train", "namespace": "ml"},
+                "status": {"jobStatus": "RUNNING"}})
+    karta = sim.create(RAYJOB_KARTA)
+    source = await make_source()
+    gauge = "karta_proxy_watch_last_current_timestamp_seconds"
+    assert "rayjobs.ray.io" in source.index.freshness
+    assert metric(source, gauge, {"resource": "rayjobs.ray.io"}) > 0
+    sim.delete(karta)
+    await eventually(lambda: not any(gk.kind == "RayJob" for gk in source.watchers),
+                     timeout=5)
+    assert "rayjobs.ray.io" not in source.index.freshness
+    assert source.registry.get_sample_value(gauge, {"resource": "rayjobs.ray.io"}) is None
+    resources = {f.labels[0][1] for f in process_facts(source.index)
+                 if f.name == contract.FACT_SOURCE_LAST_CURRENT}
+    assert "rayjobs.ray.io" not in resources and "pods" in resources
+    await asyncio.sleep(0.5)
+    now = time.time()
+    assert now - min(source.index.freshness.values()) < 1.0  # every entry current
+
+
+async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC forbids ReplicaSets (403), while discovery lists them as a real server does:
+    the kind stays unserved until its retry time (the recheck interval, 0.5 s here)
+    passes, with one warning for the episode and no flapping of the gauge. Discovery
+    alone re-served it at once: a tight loop of 471 refused requests in 2 s, and as
+    many warnings."""
+    sim.fail_resource(REPLICA_SET, 403)
+    deployment(sim, "web", replicas=2)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    source = await make_source()
+    gk = GroupKind("apps", "ReplicaSet")
+    assert source.unserved_kinds.get(gk) == "forbidden (RBAC)"
+    assert labels(source, "default", "web-1-0") is not None  # attributed without it
+
+    def refused() -> int:
+        return sum(1 for _, path, _, _ in sim.requests if path.endswith("/replicasets"))
+
+    n0 = refused()
+    gauge: set[float] = set()
+    for _ in range(40):
+        gauge.add(metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}))
+        await asyncio.sleep(0.05)
+    n = refused() - n0
+    assert 1 <= n <= 10, n  # one per 0.5-1 s; was several hundred in 2 s
+    assert gauge == {1.0}
+    assert sum("forbidden" in r.getMessage() for r in caplog.records) == 1
+    assert "replicasets.apps" not in source.index.freshness
+    sim.fail_resource(REPLICA_SET, None)  # RBAC fixed: picked up at the next retry
+    await eventually(lambda: (labels(source, "default", "web-1-0") or {}).get("karta_kind")
+                     == "Deployment", timeout=5)
+    assert gk not in source.unserved_kinds
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
+    assert "replicasets.apps" in source.index.freshness
+    assert sum("served now" in r.getMessage() for r in caplog.records) == 1
 
 
 async def test_unreachable_at_start_retries_with_backoff(

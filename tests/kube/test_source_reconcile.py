@@ -46,7 +46,7 @@ def cluster() -> FakeCluster:
 
 @pytest.fixture
 def clock() -> ManualClock:
-    """The index's clock (tombstone expiry)."""
+    """The index's clock (tombstone expiry) and the source's (retries of refused kinds)."""
     return ManualClock(1000.0)
 
 
@@ -62,7 +62,7 @@ async def synced(cluster: FakeCluster, clock: ManualClock) -> AsyncIterator[Sync
         source = KubeSource(KubeSettings(**settings), Engine(),
                             PodIndex(tombstone_seconds=60, clock=clock),
                             metrics_registry=CollectorRegistry(),
-                            watchers=cluster, discovery=cluster)
+                            watchers=cluster, discovery=cluster, clock=clock)
         made.append(source)
         await source.sync()
         return source
@@ -366,19 +366,31 @@ async def test_unserved_kind_is_reported_then_picked_up(cluster: FakeCluster,
 
 
 async def test_forbidden_watch_is_reported_dropped_and_retried(cluster: FakeCluster,
-                                                               synced: Synced) -> None:
+                                                               synced: Synced,
+                                                               clock: ManualClock) -> None:
     cluster.create(RAYJOB_KARTA)
     source = await synced()
     [w] = watchers_of(source, RAY_JOB_GK)
     assert not source.kinds_pending
     w.refuse(403)
     assert source.unserved_kinds == {RAY_JOB_GK: "forbidden (RBAC)"}
-    assert source.kinds_pending  # the follower is woken to rediscover
+    assert source.kinds_pending  # the follower is woken to drop it
     assert metric(source, "karta_proxy_watch_unserved", {"resource": str(RAY_JOB_GK)}) == 1
-    assert await source.refresh_kinds() == 0  # served again (RBAC fixed): a new watch
+    assert await source.refresh_kinds() == 0
+    assert w.stopped and RAY_JOB_GK not in source.watchers
+    # discovery still lists it (RBAC forbids, it does not unserve): no new watch before
+    # the recheck interval, however often the follower runs (it was a tight loop)
+    clock.now += 29.0
+    for _ in range(3):
+        assert await source.refresh_kinds() == 0
+    assert RAY_JOB_GK not in source.watchers
+    assert source.unserved_kinds == {RAY_JOB_GK: "forbidden (RBAC)"}
+    clock.now += 1.0
+    assert await source.refresh_kinds() == 0  # retried (RBAC fixed: it lists)
     [again] = watchers_of(source, RAY_JOB_GK)
-    assert w.stopped and again is not w and again.live
+    assert again is not w and again.live
     assert not source.unserved_kinds
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(RAY_JOB_GK)}) == 0
 
 
 async def test_unreachable_watch_marks_the_index_stale(cluster: FakeCluster,

@@ -22,7 +22,8 @@ from proxy.kube.watcher import (
     deletion_stub,
 )
 from tests.kube.conftest import eventually, pod
-from tests.kubesim import KubeSim
+from tests.kubesim import ApiError, KubeSim
+from tests.kubesim.resources import POD
 
 PODS = ApiResource("", "v1", "Pod", "pods", True)
 KARTAS = ApiResource("run.ai", "v1alpha1", "Karta", "kartas", False)
@@ -266,3 +267,102 @@ async def test_unserved_resource_is_reported(sim: KubeSim, make: Make) -> None:
                   resource=ApiResource("nothing.example", "v1", "Thing", "things", True))
     assert sink.refused[:1] == [404]  # not served: reported, no events, synced anyway
     assert sink.events == []
+
+
+@pytest.mark.parametrize("tail", ["error500", "malformed"])
+async def test_events_before_a_watch_error_reach_the_sink(sim: KubeSim, make: Make,
+                                                          tail: str) -> None:
+    """Events that arrive in one chunk with an ERROR (not 410) or a malformed line after
+    them are handed on before the watcher gives the stream up: they used to be recorded
+    as delivered (``held``, ``versions``) and then dropped with the slice, so a deleted
+    pod stayed live and a new one was never indexed (neither a resumed watch nor a
+    relist delivers what ``versions`` already records)."""
+    p0 = sim.create(pod("p0"))
+    sim.create(pod("p1"))
+    sink = RecordingSink()
+    w = await started(make, sink)
+    assert sorted(sink.names("ADDED")) == ["p0", "p1"]
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    assert sim.hold_watches() == 1
+    sim.delete(p0)
+    p2 = sim.create(pod("p2"))
+    if tail == "error500":
+        sim.flush_watches(error=ApiError(500, "InternalError", "etcd watch channel closed"))
+    else:
+        sim.flush_watches(raw=b'{"type": "MODIFIED", "object": {broken\n')
+    await eventually(lambda: "p0" in sink.names("DELETED") and "p2" in sink.names("ADDED"),
+                     timeout=5)
+    assert sink.names("DELETED") == ["p0"]
+    assert set(w.held) == {o["metadata"]["uid"] for o in sim.objects(POD)}
+    assert w.versions[p2["metadata"]["uid"]] == p2["metadata"]["resourceVersion"]
+    assert w.metrics.restarts.labels(w.name, "error")._value.get() >= 1
+    # still watching: what comes next arrives as before
+    sim.create(pod("p3"))
+    await eventually(lambda: "p3" in sink.names("ADDED"), timeout=5)
+
+
+@pytest.mark.parametrize("cut", ["disconnect", "idle", "error500"])
+async def test_a_broken_watch_resumes_from_the_newest_version_seen(sim: KubeSim, make: Make,
+                                                                   cut: str) -> None:
+    """After a broken stream, an idle one or an ERROR, the watch resumes from the last
+    resourceVersion it saw (event or bookmark), not the one it started from: nothing is
+    replayed, and an etcd compaction in between costs no relist."""
+    sim.create(pod("p0"))
+    sink = RecordingSink()
+    w = await started(make, sink)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    for i in range(1, 6):
+        sim.create(pod(f"p{i}"))
+    await eventually(lambda: len(sink.names("ADDED")) == 6
+                     and w.resource_version == str(sim.resource_version))
+    sim.compact()  # the watch's first resourceVersion is gone; the newest one is not
+
+    def watches() -> list[dict[str, str]]:
+        return [q for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q]
+
+    def lists() -> int:
+        return sum(1 for _, path, q, _ in sim.requests
+                   if path == "/api/v1/pods" and "watch" not in q)
+
+    n_watches, n_lists = len(watches()), lists()
+    if cut == "disconnect":
+        sim.disconnect_watches()
+    elif cut == "idle":
+        sim.hang_watches()
+    else:
+        sim.hold_watches()
+        sim.flush_watches(error=ApiError(500, "InternalError", "etcd watch channel closed"))
+    await eventually(lambda: len(watches()) > n_watches, timeout=5)
+    assert watches()[n_watches]["resourceVersion"] == str(sim.resource_version)
+    sim.create(pod("p6"))
+    await eventually(lambda: "p6" in sink.names("ADDED"), timeout=5)
+    assert sorted(sink.names("ADDED")) == [f"p{i}" for i in range(7)]  # none twice
+    assert lists() == n_lists
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
+
+
+async def test_a_watch_ended_at_once_with_nothing_is_retried_after_a_backoff(
+        sim: KubeSim, make: Make) -> None:
+    """A watch that the server (or a proxy in between) ends cleanly at once with no
+    event is watched again after a jittered, growing backoff, not at once: that was a
+    tight loop of ~150 watch requests a second. What happened meanwhile arrives once
+    watches are served again."""
+    sink = RecordingSink()
+    w = await started(make, sink)  # backoff cap 0.3 s
+    await eventually(lambda: sim.watch_count(POD) == 1)
+
+    def watches() -> int:
+        return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q)
+
+    sim.empty_watches = True
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    n0 = watches()
+    await asyncio.sleep(2.0)
+    n = watches() - n0
+    assert 2 <= n <= 25, n  # 0.1-0.3 s apart; without the backoff several hundred
+    assert w.metrics.restarts.labels(w.name, "empty")._value.get() >= n - 1
+    sim.create(pod("meanwhile"))
+    sim.empty_watches = False
+    await eventually(lambda: "meanwhile" in sink.names("ADDED"), timeout=5)
+    assert w.healthy

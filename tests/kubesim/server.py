@@ -2,12 +2,14 @@
 
 It serves what a watching client meets on a real API server: discovery, paginated
 lists at a resourceVersion, chunked watch streams (ADDED / MODIFIED / DELETED /
-BOOKMARK / ERROR 410 after compaction), server-side watch timeouts, abrupt
-disconnects, metadata-only (PartialObjectMetadata) responses, namespace / label /
-field selectors, CRDs registered at runtime, and create / update / patch / delete with
-optimistic concurrency (Lease election builds on that). Tests drive it from Python
-(``create``, ``update``, ``delete``, ``compact``, ``disconnect_watches``, ``stop`` /
-``start``) and point kubernetes-asyncio at it through the kubeconfig it writes.
+BOOKMARK / ERROR 410 after compaction, any ERROR on demand), server-side watch
+timeouts, abrupt disconnects, metadata-only (PartialObjectMetadata) responses,
+namespace / label / field selectors, CRDs registered at runtime, and create / update /
+patch / delete with optimistic concurrency (Lease election builds on that). Tests
+drive it from Python (``create``, ``update``, ``delete``, ``compact``,
+``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
+``stop`` / ``start``) and point kubernetes-asyncio at it through the kubeconfig it
+writes.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ class KubeSim:
         #: answer every API request with this status while set (e.g. 503: an outage
         #: where the server is up but failing)
         self.fail_status: int | None = None
+        #: (group, plural) -> (status, Accept substring or ""): requests for that resource
+        #: (list, watch, get; with that substring in their Accept header, if given) are
+        #: answered with the status, while discovery still lists it (see ``fail_resource``)
+        self.failing_resources: dict[tuple[str, str], tuple[int, str]] = {}
+        #: answer every new watch with a stream that ends at once, cleanly, with no
+        #: event (a proxy in between cutting streams, a server shutting down)
+        self.empty_watches = False
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
@@ -235,6 +244,43 @@ class KubeSim:
                     n += 1
         return n
 
+    def fail_resource(self, rtype: ResourceType, status: int | None, *,
+                      accept: str = "") -> None:
+        """Answer requests for one resource with ``status`` from now on (None: serve it
+        again), only those whose Accept header contains ``accept`` if given; discovery
+        still lists it, as on a real cluster: 403 is RBAC refusing the proxy's service
+        account, 500 a failing conversion webhook or aggregated API."""
+        if status is None:
+            self.failing_resources.pop(rtype.key, None)
+        else:
+            self.failing_resources[rtype.key] = (status, accept)
+
+    def hold_watches(self) -> int:
+        """Make every open watch stream hold back what it would send (events and
+        bookmarks) until ``flush_watches``: what happens meanwhile then reaches the client
+        in one chunk. The changes are in the log as usual (a resumed watch replays them)."""
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                if not feed.holding and not feed.hung:
+                    feed.hold()
+                    n += 1
+        return n
+
+    def flush_watches(self, *, error: ApiError | None = None, raw: bytes = b"") -> int:
+        """Every holding watch stream writes, in one write, the events it held back, then
+        an ``ERROR`` event with ``error``'s Status (if given), then ``raw`` (e.g. a
+        malformed line), and ends the stream cleanly: how a real API server ends a watch
+        on an internal error (an etcd watch channel failing), events and all."""
+        tail = (_line({"type": "ERROR", "object": error.status()}) if error else b"") + raw
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                if feed.holding:
+                    feed.flush(tail)
+                    n += 1
+        return n
+
     def watch_count(self, rtype: ResourceType | None = None) -> int:
         stores = (
             [self.store.resources[rtype.key]] if rtype else list(self.store.resources.values())
@@ -315,6 +361,9 @@ class KubeSim:
         rtype = next((rt for rt in gvs[gv] if rt.plural == plural), None)
         if rtype is None:
             raise NotFound(f"the server could not find the requested resource ({plural})")
+        failing = self.failing_resources.get(rtype.key)
+        if failing is not None and failing[1] in accept:
+            raise _failure(failing[0], rtype, request.method)
         rs = self.store.resources[rtype.key]
         if namespace is not None and not rtype.namespaced:
             raise NotFound(f"{plural} is not namespaced")
@@ -462,7 +511,7 @@ class KubeSim:
                 gone = e
         try:
             await resp.prepare(request)
-            if mode == "list":
+            if mode == "list" or self.empty_watches:
                 # a real server ends such a stream with no events
                 await resp.write_eof()
                 return resp
@@ -473,6 +522,7 @@ class KubeSim:
             for etype, obj in initial:
                 await resp.write(_line({"type": etype,
                                         "object": partial_metadata(obj) if mode else obj}))
+            held: list[bytes] = []  # lines kept back while the feed is holding
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
@@ -491,7 +541,7 @@ class KubeSim:
                 try:
                     ev = await asyncio.wait_for(feed.queue.get(), wait)
                 except TimeoutError:
-                    if feed.hung:
+                    if feed.hung or feed.holding:
                         continue
                     if bookmarks and feed.queue.empty():
                         kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
@@ -506,17 +556,36 @@ class KubeSim:
                     return resp
                 if feed.hung:
                     continue
+                if isinstance(ev, bytes):  # flush: what was held back, the tail, the end
+                    await resp.write(b"".join(held) + ev)
+                    break
                 out = _translate(ev, flt)
                 if out is not None:
-                    await resp.write(_line({"type": out[0],
-                                            "object": partial_metadata(out[1]) if mode
-                                            else out[1]}))
+                    line = _line({"type": out[0],
+                                  "object": partial_metadata(out[1]) if mode else out[1]})
+                    if feed.holding:
+                        held.append(line)
+                    else:
+                        await resp.write(line)
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         finally:
             rs.feeds.discard(feed)
+
+
+def _failure(status: int, rtype: ResourceType, method: str) -> ApiError:
+    """What a real API server answers for a resource it refuses or fails on."""
+    resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
+    if status == 403:
+        return ApiError(403, "Forbidden", f'{resource} is forbidden: User '
+                        f'"system:serviceaccount:karta-proxy:karta-proxy" cannot '
+                        f'{method.lower()} resource "{rtype.plural}" in API group '
+                        f'"{rtype.group}" at the cluster scope')
+    if status == 404:
+        return NotFound("the server could not find the requested resource")
+    return ApiError(status, "InternalError", f"simulated failure of {resource}")
 
 
 def _parse_bool(text: str) -> bool:

@@ -79,12 +79,16 @@ class WatchFeed:
     """One open watch stream's inbox; the HTTP handler drains it."""
 
     rtype: ResourceType
-    queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
+    #: events to send; None: killed; bytes: ``flush`` (what was held back, then these
+    #: bytes, in one write, then a clean end of the stream)
+    queue: asyncio.Queue[Event | bytes | None] = field(default_factory=asyncio.Queue)
     #: set by ``disconnect`` -> the handler aborts the connection without a clean end
     killed: bool = False
     #: set by ``hang`` -> the handler writes nothing more (no event, no bookmark, no end)
     #: but keeps the connection open: a half-open connection or a stuck server
     hung: bool = False
+    #: set by ``hold`` -> events (and bookmarks) are kept back until ``flush``
+    holding: bool = False
 
     def kill(self) -> None:
         self.killed = True
@@ -92,6 +96,12 @@ class WatchFeed:
 
     def hang(self) -> None:
         self.hung = True
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def flush(self, tail: bytes) -> None:
+        self.queue.put_nowait(tail)
 
 
 def now_rfc3339() -> str:

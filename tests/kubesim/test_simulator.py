@@ -16,8 +16,8 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.kubesim import Conflict, KubeSim
-from tests.kubesim.resources import KARTA, RAY_JOB
+from tests.kubesim import ApiError, Conflict, KubeSim
+from tests.kubesim.resources import KARTA, POD, RAY_JOB
 
 META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 META_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
@@ -199,6 +199,45 @@ async def test_hung_watch_stays_open_and_silent(sim: KubeSim, api: k8s.ApiClient
     assert sim.disconnect_watches() >= 1  # the hung one breaks like any other
     with pytest.raises(aiohttp.ClientPayloadError):
         await asyncio.wait_for(resp.read(), 5)
+
+
+async def test_held_watch_flushes_its_events_and_an_error_in_one_chunk(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    resp = await raw(api, "/api/v1/pods", watch="1", resourceVersion="0",
+                     allowWatchBookmarks="true", timeoutSeconds="30")
+    sim.create(pod("before"))
+    (ev,) = await events(resp, 1)
+    assert sim.hold_watches() == 1
+    sim.create(pod("a"))
+    sim.create(pod("b"))
+    await asyncio.sleep(0.5)  # held back: no event and no bookmark (every 0.2 s)
+    assert not resp.content.is_eof()
+    assert resp.content.total_bytes == len(json.dumps(ev, separators=(",", ":"))) + 1
+    assert sim.flush_watches(error=ApiError(500, "InternalError", "boom"),
+                             raw=b"{broken\n") == 1
+    body = await asyncio.wait_for(resp.read(), 5)  # then a clean end
+    lines = body.splitlines()
+    assert [json.loads(x)["type"] for x in lines[:3]] == ["ADDED", "ADDED", "ERROR"]
+    assert json.loads(lines[2])["object"]["code"] == 500 and lines[3] == b"{broken"
+
+
+async def test_failing_resource_and_empty_watches(sim: KubeSim, api: k8s.ApiClient) -> None:
+    sim.fail_resource(POD, 403)
+    with pytest.raises(ApiException) as refused:
+        await k8s.CoreV1Api(api).list_pod_for_all_namespaces()
+    assert refused.value.status == 403
+    assert json.loads(refused.value.body or b"{}")["reason"] == "Forbidden"
+    groups = await k8s.CoreV1Api(api).get_api_resources()  # discovery still lists it
+    assert "pods" in {r.name for r in groups.resources}
+    sim.fail_resource(POD, 500, accept="as=PartialObjectMetadata")
+    await k8s.CoreV1Api(api).list_pod_for_all_namespaces()  # full objects: served
+    meta = await raw(api, "/api/v1/pods", accept=META_LIST)
+    assert meta.status == 500
+    sim.fail_resource(POD, None)
+    assert (await raw(api, "/api/v1/pods", accept=META_LIST)).status == 200
+    sim.empty_watches = True
+    resp = await raw(api, "/api/v1/pods", watch="1", timeoutSeconds="30")
+    assert await asyncio.wait_for(resp.read(), 2) == b""  # at once, cleanly
 
 
 async def test_lease_optimistic_concurrency(sim: KubeSim, api: k8s.ApiClient) -> None:
