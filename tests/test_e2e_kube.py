@@ -35,7 +35,7 @@ pytestmark = pytest.mark.peers
 
 NS = "shop"
 APP = "web"
-PROBE = "karta_e2e_probe"
+PROBE = "e2e_probe"
 LIVE_PODS = 50
 #: generous: attribution normally takes milliseconds; this only catches "never"
 LATENCY_BOUND_SECONDS = 10.0

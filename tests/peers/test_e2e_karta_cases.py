@@ -29,7 +29,7 @@ from tests.test_e2e_kube import start_proxy
 
 pytestmark = pytest.mark.peers
 
-PROBE = "karta_e2e_cpu_seconds"
+PROBE = "e2e_cpu_seconds"
 NS = "spark-jobs"
 DRIVER = "spark-pi-3f9a1c8e2b7d4a60-driver"
 EXECUTORS = [f"spark-pi-3f9a1c8e2b7d4a60-exec-{i}" for i in (1, 2, 3)]

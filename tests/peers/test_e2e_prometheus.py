@@ -177,7 +177,7 @@ async def test_a_request_spliced_in_parts_is_stored_whole(
     req = WriteRequest()
     for i in range(n):
         ts = req.timeseries.add()
-        for k, v in sorted({"__name__": "karta_parts_probe", "namespace": pod.namespace,
+        for k, v in sorted({"__name__": "parts_probe", "namespace": pod.namespace,
                             "pod": pod.name, "id": f"/kubepods/{i:06d}/" + "c" * 120}.items()):
             ts.labels.add(name=k, value=v)
         ts.samples.add(value=float(i), timestamp=at)
@@ -191,7 +191,7 @@ async def test_a_request_spliced_in_parts_is_stored_whole(
     stamp = dict(exporter_stamp(proxy.proxy, pod.namespace, pod.name))
     assert stamp
     workload = stamp["karta_workload"]
-    await stored_whole(prom.base_url, vm, "karta_parts_probe", workload, n, at)
+    await stored_whole(prom.base_url, vm, "parts_probe", workload, n, at)
 
 
 async def test_sender_blocks_of_every_shape_are_stored_whole(
@@ -214,7 +214,7 @@ async def test_sender_blocks_of_every_shape_are_stored_whole(
     for i in range(n):
         ts = req.timeseries.add()
         # an id repeats ~100 KiB later (its series another): a copy-4 in the sender's block
-        for k, v in sorted({"__name__": "karta_shapes_probe", "namespace": pod.namespace,
+        for k, v in sorted({"__name__": "shapes_probe", "namespace": pod.namespace,
                             "pod": pod.name, "id": ids[i % len(ids)],
                             "half": str(i // len(ids))}.items()):
             ts.labels.add(name=k, value=v)
@@ -226,7 +226,7 @@ async def test_sender_blocks_of_every_shape_are_stored_whole(
         proxy = await make_proxy(base + "/api/v1/write")
         await post_snappy(proxy.write_url, block)
     workload = dict(exporter_stamp(proxy.proxy, pod.namespace, pod.name))["karta_workload"]
-    await stored_whole(prom.base_url, vm, "karta_shapes_probe", workload, n, at)
+    await stored_whole(prom.base_url, vm, "shapes_probe", workload, n, at)
 
 
 async def post_snappy(url: str, block: bytes) -> None:

@@ -23,7 +23,7 @@ SERIES = 200
 
 
 def batch(via: str, now_ms: int) -> list[Series]:
-    return [Series({"__name__": "karta_split_probe", **POD, "container": f"c-{i:03d}",
+    return [Series({"__name__": "split_probe", **POD, "container": f"c-{i:03d}",
                     "via": via}, [(now_ms, float(i))]) for i in range(SERIES)]
 
 
@@ -53,9 +53,9 @@ async def test_a_batch_over_the_limit_only_once_stamped_is_stored_whole(
 
     async def stored() -> bool:
         await vm_flush(vm)
-        r = await query(vm.base_url, 'count(karta_split_probe{via="p"})', at)
+        r = await query(vm.base_url, 'count(split_probe{via="p"})', at)
         return bool(r) and float(r[0]["value"][1]) == SERIES
 
     await wait_until(stored, timeout=20, what="every series sent through the proxy")
-    stamped = await query(vm.base_url, 'karta_split_probe{via="p", karta_workload!=""}', at)
+    stamped = await query(vm.base_url, 'split_probe{via="p", karta_workload!=""}', at)
     assert sorted(float(r["value"][1]) for r in stamped) == [float(i) for i in range(SERIES)]
