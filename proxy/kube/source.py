@@ -295,7 +295,8 @@ class KubeSource:
             # no longer watched: no freshness either (a frozen one reads as a resource
             # ever staler; the fact writer ends its series with a stale marker)
             self.index.freshness.pop(w.name, None)
-            self._last_current.remove(w.name)
+            with contextlib.suppress(KeyError):  # never current, no child: older clients raise
+                self._last_current.remove(w.name)
         self._update_stale()
 
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
