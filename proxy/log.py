@@ -8,10 +8,13 @@ still parses.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 #: attributes every LogRecord has; anything else on a record came from ``extra``
@@ -86,3 +89,83 @@ def setup_logging(level: str = "info", fmt: str = "auto", stream: IO[str] | None
     root.setLevel(level.upper())
     # aiohttp's access log is one line per remote-write request: far too chatty at info
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+#: how long one kind of frequent event is logged as one line (the first at once, the
+#: rest in one summary line at the end of the interval)
+THROTTLE_SECONDS = 10.0
+#: peers named in a summary line (a fleet of them would make one line of every address)
+PEERS_NAMED = 8
+
+
+@dataclass
+class _Window:
+    """The log state of one key: when the next line may go, and what waits for it."""
+
+    next_line_at: float = 0.0
+    suppressed: int = 0
+    last: dict[str, Any] | None = None
+    last_peer: str = ""
+    hosts: set[str] = field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Throttled:
+    """Log lines of events that can come by the thousand (refused TLS handshakes, header
+    timeouts of idle connections): per key, the first of an interval at once, the rest
+    of it in one summary line at its end (count, the peers' hosts, the last one's fields),
+    so a fleet of misconfigured agents or a slowloris makes one line per key and interval.
+    Counting is the caller's: every event is counted, only the lines are throttled."""
+
+    def __init__(self, logger: logging.Logger, message: str, summary: str, *,
+                 peer_field: str = "peer", interval: float = THROTTLE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._message = message
+        self._summary = summary
+        self._peer_field = peer_field
+        self.interval = interval
+        self._clock = clock
+        self._windows: dict[str, _Window] = {}
+
+    def event(self, key: str, extra: dict[str, Any]) -> None:
+        """One event of ``key`` with its fields (``peer_field`` among them)."""
+        w = self._windows.get(key)
+        if w is None:
+            w = self._windows[key] = _Window()
+        now = self._clock()
+        if w.suppressed == 0 and now >= w.next_line_at:
+            w.next_line_at = now + self.interval
+            self._log.warning(self._message, extra=extra)
+            return
+        peer = str(extra.get(self._peer_field, ""))
+        w.suppressed += 1
+        w.last, w.last_peer = extra, peer
+        if len(w.hosts) <= PEERS_NAMED:
+            w.hosts.add(peer.rsplit(":", 1)[0] if peer.count(":") == 1 or "]" in peer
+                        else peer)
+        if w.timer is None:
+            w.timer = asyncio.get_running_loop().call_later(
+                max(0.0, w.next_line_at - now), self._summarize, key)
+
+    def _summarize(self, key: str) -> None:
+        w = self._windows[key]
+        w.timer = None
+        if w.suppressed == 0 or w.last is None:
+            return
+        hosts = sorted(w.hosts)
+        fields = {k: v for k, v in w.last.items() if k != self._peer_field}
+        self._log.warning(self._summary, extra={
+            **fields, "count": w.suppressed, "seconds": self.interval,
+            "peers": ", ".join(hosts[:PEERS_NAMED]) + (", ..." if len(hosts) > PEERS_NAMED
+                                                       else ""),
+            "last_peer": w.last_peer})
+        w.next_line_at = self._clock() + self.interval
+        w.suppressed, w.last, w.hosts = 0, None, set()
+
+    def close(self) -> None:
+        """Write what waits for a summary now (the proxy is stopping); cancel the timers."""
+        for key, w in self._windows.items():
+            if w.timer is not None:
+                w.timer.cancel()
+                self._summarize(key)

@@ -439,6 +439,7 @@ class Proxy:
                     log.exception("error while stopping", extra={"part": type(part).__name__})
         await self._stop_elector()
         await self.upstream.close()
+        self.handler.flush_logs()
         await asyncio.to_thread(self.handler.close)
         log.info("karta-proxy stopped")
 

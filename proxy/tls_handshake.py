@@ -30,10 +30,12 @@ import ssl
 import time
 from asyncio import sslproto
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from proxy.log import THROTTLE_SECONDS, Throttled
 
 log = logging.getLogger("karta.tls")
 
@@ -87,9 +89,7 @@ _BY_SSL_REASON: dict[str, Reason] = {
 }
 
 #: at most one log line per reason in this many seconds
-LOG_INTERVAL_SECONDS = 10.0
-#: distinct peer hosts named in a summary line
-_PEERS_NAMED = 8
+LOG_INTERVAL_SECONDS = THROTTLE_SECONDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,75 +141,38 @@ def _peer_text(peer: Any) -> str:
     return str(peer or "")
 
 
-def _host(peer: str) -> str:
-    return peer.rsplit(":", 1)[0]
-
-
-@dataclass
-class _Window:
-    """The log state of one reason: when the next line may go, and what waits for it."""
-
-    next_line_at: float = 0.0
-    suppressed: int = 0
-    last: Refusal | None = None
-    hosts: set[str] = field(default_factory=set)
-    timer: asyncio.TimerHandle | None = None
-
-
 class Refusals:
     """Counts refused handshakes and logs them: the first of a reason at once, the rest of
-    its ``interval`` in one summary line at the end of it, so a fleet of misconfigured
-    agents retrying every second makes one line per reason per interval, not thousands."""
+    its ``interval`` in one summary line at the end of it (``proxy.log.Throttled``), so a
+    fleet of misconfigured agents retrying every second makes one line per reason per
+    interval, not thousands."""
 
     def __init__(self, count: Callable[[str], None] | None = None, *,
                  interval: float = LOG_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``count`` is told each failure's reason (the label value) before it is logged."""
         self._count = count
-        self.interval = interval
-        self._clock = clock
-        self._windows = {reason: _Window() for reason in REASONS}
+        self._lines = Throttled(log, "TLS handshake failed", "TLS handshakes failed",
+                                interval=interval, clock=clock)
+
+    @property
+    def interval(self) -> float:
+        return self._lines.interval
+
+    @interval.setter
+    def interval(self, seconds: float) -> None:
+        self._lines.interval = seconds
 
     def refused(self, r: Refusal) -> None:
         if self._count is not None:
             self._count(r.reason.value)
-        w = self._windows[r.reason]
-        now = self._clock()
-        if w.suppressed == 0 and now >= w.next_line_at:
-            w.next_line_at = now + self.interval
-            log.warning("TLS handshake failed", extra={
-                "peer": r.peer, "reason": r.reason.value, "ssl_reason": r.ssl_reason,
-                "error": r.error})
-            return
-        w.suppressed += 1
-        w.last = r
-        if len(w.hosts) <= _PEERS_NAMED:
-            w.hosts.add(_host(r.peer))
-        if w.timer is None:
-            w.timer = asyncio.get_running_loop().call_later(
-                max(0.0, w.next_line_at - now), self._summarize, r.reason)
-
-    def _summarize(self, reason: Reason) -> None:
-        w = self._windows[reason]
-        w.timer = None
-        if w.suppressed == 0 or w.last is None:
-            return
-        hosts = sorted(w.hosts)
-        log.warning("TLS handshakes failed", extra={
-            "reason": reason.value, "count": w.suppressed, "seconds": self.interval,
-            "peers": ", ".join(hosts[:_PEERS_NAMED]) + (", ..." if len(hosts) > _PEERS_NAMED
-                                                        else ""),
-            "last_peer": w.last.peer, "ssl_reason": w.last.ssl_reason,
-            "error": w.last.error})
-        w.next_line_at = self._clock() + self.interval
-        w.suppressed, w.last, w.hosts = 0, None, set()
+        self._lines.event(r.reason.value, {
+            "peer": r.peer, "reason": r.reason.value, "ssl_reason": r.ssl_reason,
+            "error": r.error})
 
     def close(self) -> None:
         """Write what waits for a summary now (the proxy is stopping) and cancel the timers."""
-        for reason, w in self._windows.items():
-            if w.timer is not None:
-                w.timer.cancel()
-                self._summarize(reason)
+        self._lines.close()
 
 
 class _WatchedTLS(sslproto.SSLProtocol):

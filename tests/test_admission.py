@@ -696,3 +696,26 @@ async def test_an_unsupported_expectation_is_417_counted_and_logged(
                       protocol="unknown", code="417") == 1
     assert [r.levelname for r in caplog.records if getattr(r, "kind", "") == "expectation"] \
         == ["WARNING"]
+
+
+async def test_header_timeouts_by_the_hundred_are_all_counted_and_logged_in_two_lines(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # idle connections (a slowloris, a fleet's stale pool) time out together: 3,000 made
+    # 3,000 warning lines; now the first at once and the rest of the interval in a summary
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, header_read_timeout_seconds=0.3) as p,
+    ):
+        conns = [await connect(p) for _ in range(40)]
+        answers = [await read_answer(r) for r, _ in conns]
+        for _, w in conns:
+            w.close()
+        assert {a.status for a in answers} == {408}
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 40
+    # the stop writes the summary that waits for the end of its interval
+    first = [r for r in caplog.records if r.getMessage() == "request refused"
+             and getattr(r, "kind", "") == "header_timeout"]
+    summary = [r for r in caplog.records if r.getMessage() == "requests refused"]
+    assert len(first) == 1 and len(summary) == 1, caplog.text
+    assert summary[0].__dict__["count"] == 39 and summary[0].__dict__["peers"] == "127.0.0.1"
+    assert summary[0].__dict__["kind"] == "header_timeout"

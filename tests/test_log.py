@@ -15,7 +15,7 @@ from typing import IO
 
 import pytest
 
-from proxy.log import resolve_format, setup_logging
+from proxy.log import Throttled, resolve_format, setup_logging
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,3 +82,23 @@ def test_a_process_logging_into_a_pipe_logs_json() -> None:
                        timeout=30)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stderr)["msg"] == "up"
+
+
+async def test_throttled_lines_one_at_once_the_rest_in_a_summary(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    lines = Throttled(logging.getLogger("karta.test"), "refused", "refused, summed",
+                      peer_field="remote", interval=10.0, clock=lambda: now[0])
+    for i in range(5):
+        lines.event("a", {"kind": "a", "remote": f"10.0.0.{i % 2}", "n": i})
+    lines.event("b", {"kind": "b", "remote": "10.0.0.9"})
+    assert [r.getMessage() for r in caplog.records] == ["refused", "refused"]
+    lines.close()  # the stop writes what waits
+    (summary,) = [r for r in caplog.records if r.getMessage() == "refused, summed"]
+    assert (summary.__dict__["count"], summary.__dict__["peers"], summary.__dict__["n"],
+            summary.__dict__["last_peer"]) == (4, "10.0.0.0, 10.0.0.1", 4, "10.0.0.0")
+    assert "remote" not in summary.__dict__
+    caplog.clear()
+    now[0] += 10.0  # the next interval: a line of its own again
+    lines.event("a", {"kind": "a", "remote": "10.0.0.1"})
+    assert [r.getMessage() for r in caplog.records] == ["refused"]
