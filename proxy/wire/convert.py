@@ -73,10 +73,11 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
             elif number == 4:  # Exemplar (2.0: 4, 1.0: 3)
                 exemplars.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
             elif number == 5:
-                name = _metric_name(ser.refs, syms)
-                mtype, help_ref, unit_ref = _metadata_v2(raw_v2, ps, fq)
+                mtype, help_ref, unit_ref = metadata_v2(raw_v2, ps, fq)
                 _check_refs((help_ref, unit_ref), nsym)
-                if name and (mtype or help_ref or unit_ref):
+                name = family_name(_metric_name(ser.refs, syms), mtype)
+                # a ref to another "" than symbol 0 says nothing either
+                if name and (mtype or syms[help_ref] or syms[unit_ref]):
                     metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
             # created_timestamp (6) and unknown fields have no 1.0 equivalent
         # 1.0 field order: labels, samples, exemplars, histograms
@@ -95,6 +96,24 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
     return b"".join(out)
 
 
+#: metric types (the same numbers in RW 1.0 and 2.0) whose samples' names are the family's
+#: with a suffix: histogram, gaugehistogram, summary
+_SUFFIXED_TYPES = frozenset({3, 4, 5})
+_FAMILY_SUFFIXES = (b"_bucket", b"_count", b"_sum", b"_gcount", b"_gsum", b"_created")
+
+
+def family_name(name: bytes, mtype: int) -> bytes:
+    """The metric family a series' name belongs to, as RW 1.0 metadata names it: RW 2.0
+    carries metadata per series (``rpc_seconds_bucket``, ``_sum``, ``_count``), RW 1.0 per
+    family (``rpc_seconds``), and a store keyed by family (Mimir's) would get three wrong
+    ones."""
+    if mtype in _SUFFIXED_TYPES:
+        for suffix in _FAMILY_SUFFIXES:
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+    return name
+
+
 def _metric_name(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
     for i in range(0, len(refs), 2):
         if syms[refs[i]] == b"__name__":
@@ -102,7 +121,7 @@ def _metric_name(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
     return b""
 
 
-def _metadata_v2(raw: bytes, p: int, end: int) -> tuple[int, int, int]:
+def metadata_v2(raw: bytes, p: int, end: int) -> tuple[int, int, int]:
     mtype = help_ref = unit_ref = 0
     while p < end:
         number, wt, s, q = read_field(raw, p, end)

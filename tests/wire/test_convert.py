@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
+from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import types_pb2
+from proxy.sender import Series, build_v1, build_v2
 from proxy.wire.convert import v2_to_v1
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import TS, is_stale, labels_of, parse_v1, request_v2
+
+RequestV2: Any = cast(Any, v2).Request
 
 
 def test_v2_to_v1_converts_everything() -> None:
@@ -42,3 +47,32 @@ def test_v2_to_v1_parses_with_upstream_protos(tmp_path: Path) -> None:
 
 def test_v2_to_v1_empty() -> None:
     assert v2_to_v1(request_v2()) == b""
+
+
+def test_v2_metadata_becomes_one_family_per_histogram_or_summary() -> None:
+    # RW 2.0 carries metadata per series, RW 1.0 per family: a histogram's _bucket, _sum
+    # and _count series are one family, rpc_seconds (a store keyed by family, Mimir's,
+    # got three wrong families and no rpc_seconds). The project's own RW 1.0 sender,
+    # independent of this code, names the family so too.
+    sent = [Series({"__name__": f"rpc_seconds{s}", "pod": "p"}, [(TS, 1.0)],
+                   metric_type="histogram", help="latency") for s in ("_bucket", "_sum", "_count")]
+    sent.append(Series({"__name__": "up_total", "pod": "p"}, [(TS, 1.0)],
+                       metric_type="counter", help="ups"))
+    converted = parse_v1(v2_to_v1(build_v2(sent)))
+    direct = parse_v1(build_v1(sent))
+    families = {(m.metric_family_name, m.type, m.help) for m in converted.metadata}
+    assert families == {(m.metric_family_name, m.type, m.help) for m in direct.metadata}
+    assert families == {("rpc_seconds", types_pb2.MetricMetadata.HISTOGRAM, "latency"),
+                        ("up_total", types_pb2.MetricMetadata.COUNTER, "ups")}
+
+
+def test_v2_metadata_of_nothing_but_empty_strings_is_no_metadata() -> None:
+    # help_ref / unit_ref pointing at another "" than symbol 0 say nothing
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "m1", ""])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2])
+    ts.samples.add(value=1.0, timestamp=TS)
+    ts.metadata.help_ref = 3
+    ts.metadata.unit_ref = 3
+    assert list(parse_v1(v2_to_v1(req.SerializeToString())).metadata) == []
