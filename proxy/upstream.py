@@ -215,6 +215,12 @@ class UpstreamFailure(RuntimeError):
         )
         self.answer = answer
 
+    @property
+    def status(self) -> int:
+        """What a sender would have been answered (a 4xx: this request is refused for
+        good; a 5xx: the upstream, later)."""
+        return self.answer.status
+
 
 class FileSecret:
     """A credential read from a file and re-read when the file changes (rotated tokens).

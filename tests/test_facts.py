@@ -1261,6 +1261,46 @@ async def test_a_write_failing_halfway_still_owes_every_stale_marker() -> None:
     assert len(stale) == 24
 
 
+class _Refused(Exception):
+    """What ``Upstream.send_v1`` raises, as the writer reads it: the status a sender gets."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+
+
+async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
+    # a 4xx to one request (one bad series, a tenant's limit) stopped every later request
+    # of every write: 5 pods of 7, the workloads, the coverage and every stale marker
+    # were never written again
+    index = small_index()
+    sent: list[bytes] = []
+    refusing = [True]
+
+    async def send(body: bytes) -> None:
+        if refusing[0] and len(sent) == 1:
+            refusing[0] = False
+            raise _Refused(400)
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, max_series_per_request=5)
+    whole = writer(small_index()).build_requests(10_000)
+    assert not await w.write_once()  # reported: one request did not land
+    assert w.writes_failed == 1
+    assert sum(len(decode(b)) for b in sent) == sum(len(decode(b)) for b in whole) - 5
+    # and a 5xx still stops the write there (the upstream, not the request)
+    sent.clear()
+
+    async def down(body: bytes) -> None:
+        if sent:
+            raise _Refused(503)
+        sent.append(body)
+
+    w._send = down
+    assert not await w.write_once()
+    assert len(sent) == 1 and w.writes_failed == 2
+
+
 async def test_a_write_makes_each_request_after_sending_the_one_before() -> None:
     """One body alive at a time: a 37.5k-pod write is ~60 MB of bodies."""
     index = small_index()

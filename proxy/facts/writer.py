@@ -158,7 +158,9 @@ class FactWriter:
     """Writes the fact series into the remote-write stream every ``interval_seconds``.
 
     ``send`` gets uncompressed RW 1.0 ``WriteRequest`` bodies (``Upstream.send_v1``
-    compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each.
+    compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each; what it
+    raises for a refusal carries the ``status`` a sender would get (a 4xx: that request
+    refused for good, the others of the write still sent; else the write stops there).
     Only the lease holder writes when an ``elector`` is given. Stale markers follow what
     was last *successfully* sent: after a failed send the next write still ends the series
     that went away. ``busy`` says whether requests are being relayed now: a write (and a
@@ -518,7 +520,7 @@ class FactWriter:
         """Send one write's requests; what is owed afterwards follows what was sent."""
         bodies = self.iter_requests(int(now * 1000))
         pacer = self._pacer()
-        sent = 0
+        sent = refused = 0
         while True:
             try:
                 body = next(bodies)
@@ -537,7 +539,17 @@ class FactWriter:
                 self._finish(bodies)
                 self.commit_partial()
                 raise
-            except Exception as exc:  # the next write retries; stale markers are kept
+            except Exception as exc:
+                if 400 <= getattr(exc, "status", 0) < 500:
+                    # this request refused for good (a tenant's series limit, one bad
+                    # series): the others still go, or one would stop every later one of
+                    # every write, pods, workloads, stale markers alike
+                    refused += 1
+                    if refused == 1:
+                        log.warning("fact write: a request refused for good, the others "
+                                    "still sent: %s", exc)
+                    continue
+                # the next write retries; stale markers are kept
                 await self._finish_pausing(bodies, pacer)
                 self.commit_partial()
                 self.metrics.writes_failed.inc()
@@ -547,6 +559,12 @@ class FactWriter:
             sent += 1
             if sent % TRIM_EVERY_REQUESTS == 0:
                 await memory.trim_off_loop()
+        if refused:
+            self.commit_partial()
+            self.metrics.writes_failed.inc()
+            log.warning("fact write: %d of %d requests refused for good", refused,
+                        sent + refused)
+            return False
         self.metrics.writes_ok.inc()
         self.metrics.last_write.set(now)
         self.commit()
