@@ -405,8 +405,17 @@ def read_file(
         return SkippedFile(source, yaml_error(e))
     except RecursionError:
         return SkippedFile(source, "nested too deeply")
-    if not fc.objects and not fc.descriptions and not fc.description_errors and fc.invalid:
-        return SkippedFile(source, f"no Kubernetes objects ({fc.invalid[0]})")
+    except (TypeError, KeyError, AttributeError) as e:
+        # a half-written object whose fields are of another type than the reader expects
+        # (``spec: nodeName`` cut from its value): the file, not the proxy, is at fault
+        return SkippedFile(source, f"an object of an unexpected shape ({type(e).__name__}: "
+                                   f"{e})")
+    if not fc.objects and not fc.descriptions and not fc.description_errors:
+        # an empty file too: ``kubectl get ... -o yaml > snap.yaml`` empties it before
+        # kubectl writes, and a reload in between took it for a cluster without pods
+        # (every pod deleted, every fact series ended); skipped, it keeps its objects
+        why = fc.invalid[0] if fc.invalid else "the file is empty"
+        return SkippedFile(source, f"no Kubernetes objects ({why})")
     return fc
 
 

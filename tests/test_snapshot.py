@@ -339,6 +339,34 @@ async def test_reload_keeps_the_objects_of_a_file_that_no_longer_parses(tmp_path
     assert index.tombstones() == 0
 
 
+@pytest.mark.parametrize("content", [
+    "",  # `kubectl get ... -o yaml > s.yaml` empties the file before kubectl writes
+    "# saved by hand\n---\n",
+    # half a pod: `spec: nodeName` cut from its value made the reader raise a TypeError
+    "apiVersion: v1\nkind: Pod\nmetadata: {name: p-1, namespace: shop, ownerReferences: "
+    "[{apiVersion: apps/v1, kind: ReplicaSet, name: rs, uid: rs1, controller: true}]}\n"
+    "spec: nodeName\n",
+])
+async def test_reload_keeps_the_objects_of_a_file_emptied_or_cut(
+        tmp_path: Path, content: str) -> None:
+    index = PodIndex()
+    f = _write(tmp_path / "s.yaml", _deployment())
+    src = SnapshotSource(tmp_path, Engine(), index)
+    await src.start()
+    f.write_text(content)
+    report = await src.reload()
+    assert [Path(s.path).name for s in report.skipped] == ["s.yaml"], report
+    assert src.engine.pod("p-1") is not None
+    assert _workload_of(index, "api-5f6d-x1") == "api"
+    assert index.tombstones() == 0
+
+
+def test_an_empty_snapshot_is_nothing_loadable(tmp_path: Path) -> None:
+    (tmp_path / "empty.yaml").write_text("")
+    fc = read_file(tmp_path / "empty.yaml")
+    assert isinstance(fc, SkippedFile) and "no Kubernetes objects" in fc.reason
+
+
 async def test_a_reload_leaves_no_cyclic_garbage(tmp_path: Path) -> None:
     """A reload freezes what it leaves (``freeze_survivors``) instead of collecting the
     whole heap (``settle``: ~0.55 s with the loop held at 37.5k pods). That is only
@@ -854,8 +882,8 @@ def _read_whole(path: Path) -> Any:
     docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.SafeLoader) if d is not None]
     for where, item in _flatten(docs):
         _classify(fc, where, item)
-    if not fc.objects and not fc.description_docs and fc.invalid:
-        return f"no Kubernetes objects ({fc.invalid[0]})"
+    if not fc.objects and not fc.description_docs:
+        return f"no Kubernetes objects ({fc.invalid[0] if fc.invalid else 'the file is empty'})"
     return _as_read(fc)
 
 
