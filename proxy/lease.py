@@ -78,6 +78,9 @@ class LeaseElector:
         self._renewed_at = -math.inf
         #: (holder, renewTime, resourceVersion) last seen, and when (own clock)
         self._observed: tuple[str, str, str] | None = None
+        #: the lease duration the record says its holder renews within (a holder of an
+        #: older configuration may take longer than this replica's own duration)
+        self._observed_duration = 0.0
         self._observed_at = -math.inf
         self._stop = asyncio.Event()
         self._done: asyncio.Event | None = None
@@ -115,10 +118,15 @@ class LeaseElector:
         if record != self._observed:
             self._observed = record
             self._observed_at = self._mono()
+            self._observed_duration = float(spec.lease_duration_seconds or 0)
         return holder
 
     def _expired(self) -> bool:
-        return self._mono() - self._observed_at > self.lease_duration
+        """The holder missed its renewals: as client-go reads it, by the longer of this
+        replica's duration and the record's own (during a rolling change of the setting,
+        a new replica with a shorter one took a healthy holder's lease, both writing)."""
+        duration = max(self.lease_duration, self._observed_duration)
+        return self._mono() - self._observed_at > duration
 
     # -- one round -----------------------------------------------------------------------
 

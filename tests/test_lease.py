@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -188,7 +189,7 @@ async def test_an_unexpired_lease_of_another_holder_is_respected(
 ) -> None:
     """A lease held by a replica we never saw counts from when we first see it (own
     clock), so a renewTime far in the past (clock skew) does not let us grab it early."""
-    from datetime import UTC, datetime, timedelta
+    from datetime import timedelta
 
     old = datetime.now(UTC) - timedelta(hours=1)
     sim.create(
@@ -210,6 +211,24 @@ async def test_an_unexpired_lease_of_another_holder_is_respected(
         assert not e.is_leader and holder(sim) == "someone-else"
         await leading(e, DURATION * 2)
         assert lease(sim)["spec"]["leaseTransitions"] == 5
+
+
+async def test_a_holder_with_a_longer_lease_is_waited_for_as_long_as_its_record_says(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    # a rolling change of facts.lease_duration_seconds: the old replica renews within its
+    # own, longer, duration; a new one counting its own shorter duration took its lease
+    # while it was healthy, and both wrote
+    sim.create({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {"holderIdentity": "old-replica", "leaseDurationSeconds": 4,
+                 "renewTime": micro_time(datetime.now(UTC))},
+    })
+    async with running(LeaseElector(api(), NS, NAME, "new-replica", DURATION)) as e:
+        await asyncio.sleep(DURATION * 1.6)  # past its own duration, within the record's
+        assert not e.is_leader and holder(sim) == "old-replica"
+        await leading(e, 4.0 + DURATION * 2)  # and taken once the record's has passed
 
 
 async def test_leader_steps_down_when_it_cannot_renew_and_recovers(
