@@ -71,6 +71,8 @@ def _listen_error(address: str, e: OSError) -> StartError:
         fix = "fix --listen-address (server.listen_address)"
     return StartError(f"cannot listen on {address}: {why}; {fix}")
 
+#: how often a replica that will campaign for the fact lease looks whether it may yet
+CAMPAIGN_WAIT_SECONDS = 0.1
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
 
@@ -241,7 +243,24 @@ class Proxy:
         client = await self._connect_cluster()
         self._elector = LeaseElector(client.api, self.lease_namespace, f.lease_name,
                                      f.identity, f.lease_duration_seconds)
-        self._elector_task = asyncio.create_task(self._elector.run(), name="fact-lease")
+        self._elector_task = asyncio.create_task(self._campaign(self._elector),
+                                                 name="fact-lease")
+
+    async def _campaign(self, elector: Any) -> None:
+        """Campaign for the lease once the index is loaded and the fact writer has walked
+        it standing by: a replica still syncing (its API reads failing, say) that won the
+        lease wrote nothing for as long, while its gauge said it was the writer, and its
+        first write knew nothing to end."""
+        from proxy.facts import FactWriter
+
+        while not self.index.ready:
+            await asyncio.sleep(CAMPAIGN_WAIT_SECONDS)
+        writer = self.facts
+        if isinstance(writer, FactWriter):
+            walks = writer.standby_walks
+            while writer.standby_walks == walks:
+                await asyncio.sleep(CAMPAIGN_WAIT_SECONDS)
+        await elector.run()
 
     async def _stop_elector(self) -> None:
         if self._elector is not None:

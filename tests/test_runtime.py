@@ -181,6 +181,50 @@ async def test_lease_in_the_own_namespace_by_default(
             assert p.lease_namespace == "karta-proxy"
 
 
+async def test_a_replica_campaigns_for_the_fact_lease_only_once_its_index_is_loaded(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica still syncing (its pod reads failing) won the lease and wrote nothing for
+    as long, its leader gauge at 1; it now campaigns once the index is loaded and its fact
+    writer has walked it standing by."""
+    from tests.kube.conftest import deployment
+    from tests.kubesim import KubeSim
+    from tests.kubesim.resources import LEASE, POD
+
+    monkeypatch.setenv("POD_NAMESPACE", "karta-proxy")
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        deployment(sim, "web", "shop", replicas=1)
+        sim.fail_resource(POD, 500)
+        s = Settings()
+        s.kube.kubeconfig = str(sim.write_kubeconfig())
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.enabled = True
+        s.facts.leader_election = True
+        s.facts.interval_seconds = 0.2
+        s.facts.lease_duration_seconds = 1.5
+        p = Proxy(s)
+        starting = asyncio.create_task(p.start())  # start waits for the first list
+        try:
+            await asyncio.sleep(1.5)
+            assert not p.index.ready and not sim.objects(LEASE)
+            sim.fail_resource(POD, None)
+            await asyncio.wait_for(starting, 15)
+
+            async def leading() -> bool:
+                return p.metrics.registry.get_sample_value(
+                    "karta_proxy_fact_writer_leader") == 1
+
+            await wait_until(leading, timeout=15, what="the lease, once loaded")
+            assert p.index.ready and sim.objects(LEASE)
+        finally:
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(BaseException):
+                    await starting
+            await p.stop()
+
+
 @pytest.mark.parametrize("allow", [False, True])
 async def test_node_mode_writes_no_facts_unless_allowed(
     allow: bool, caplog: pytest.LogCaptureFixture

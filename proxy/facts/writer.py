@@ -208,6 +208,9 @@ class FactWriter:
         self._task: asyncio.Task[None] | None = None
         #: the leader/standby state: changed only by step()
         self.state = WriterState.STANDBY
+        #: standby walks finished (the runtime campaigns for the lease after one that
+        #: followed the index's load: a takeover then knows what to end)
+        self.standby_walks = 0
         #: for /metrics (FactWriterCollector)
         self.metrics = FactWriterMetrics()
         self.metrics.leader.set_function(lambda: 1.0 if self.is_writer else 0.0)
@@ -513,6 +516,7 @@ class FactWriter:
         pacer = self._pacer()
         for _ in self._standby_steps(now):
             await pacer.pause()
+        self.standby_walks += 1
         memory.freeze_survivors()  # the cache and the groups seen, as after a write
         await memory.trim_off_loop()  # the cache this walk replaced
 
