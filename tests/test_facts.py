@@ -696,6 +696,30 @@ async def test_a_takeover_ends_what_changed_or_went_while_standing_by() -> None:
     assert not any(i == "" and w == "train" for _, w, i in ended)  # the head continues
 
 
+async def test_a_leader_that_stood_by_a_moment_still_ends_what_it_wrote() -> None:
+    # the lease lost for a renewal and got back: the written set was forgotten at once,
+    # so a pod deleted in between was never ended (its series lingered 5 minutes)
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    index = small_index()
+    elector = _Elector()
+    elector.is_leader = True
+    w = FactWriter(FactSettings(), index, send, elector=elector,  # type: ignore[arg-type]
+                   clock=lambda: 1000.0)
+    assert await w.write_once()
+    elector.is_leader = False
+    index.apply(ChangeSet(pods={"p-api": None}))
+    assert not await w.write_once()  # stands by: its walk no longer sees the pod
+    elector.is_leader = True
+    sent.clear()
+    assert await w.write_once()
+    stale, _ = _stale_and_live(b"".join(sent))
+    assert any(dict(k)["__name__"] == contract.FACT_POD_INFO for k in stale)
+
+
 def test_a_marker_carries_the_written_labels_after_the_cache_let_go() -> None:
     """The writer keeps a gone series' labels in its written set, not in the cache: a
     workload deleted while the upstream is down loses its cache entry at once, and the

@@ -498,6 +498,11 @@ class FactWriter:
             self._standby = {}
         else:
             log.info("fact writer stands by")
+            # what it wrote counts as seen standing by: leading again, it ends what went
+            # meanwhile (a lease lost for a renewal or two, nobody else writing)
+            now = self._clock()
+            for k, g in self._written.items():
+                self._standby.setdefault(k, {})[g] = now
             self.forget()
         self.state = target
         return target
