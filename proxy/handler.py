@@ -376,12 +376,15 @@ class RemoteWriteHandler:
             response = self._refuse(request, r)
         finally:
             self._unhold(request)
+        self._count_request(request, protocol_label, response.status)
+        self._durations(protocol_label).observe(time.perf_counter() - started)
+        return response
+
+    def _count_request(self, request: web.Request, protocol_label: str, status: int) -> None:
         # the route, not the path: one series per tenant path template, not per tenant
         route = request.match_info.route.resource
         path = route.canonical if route is not None else request.path
-        self._requests(path, protocol_label, str(response.status)).inc()
-        self._durations(protocol_label).observe(time.perf_counter() - started)
-        return response
+        self._requests(path, protocol_label, str(status)).inc()
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """The route's ``Expect`` handler: never ``100 Continue`` here (aiohttp's default
@@ -389,17 +392,12 @@ class RemoteWriteHandler:
         anyway); ``_read_body`` sends it once the request is admitted."""
         expect = request.headers.get("Expect", "")
         if expect.lower() != "100-continue":
-            message = f"unsupported Expect {expect[:64]!r}: only 100-continue"
-            self.metrics.rejected.labels("expectation").inc()
-            log.warning("request refused", extra={
-                "status": 417, "kind": "expectation", "reason": message, "path": request.path,
-                "remote": request.remote, "user_agent": request.headers.get("User-Agent", "")})
-            route = request.match_info.route.resource
-            self._requests(route.canonical if route is not None else request.path,
-                           "unknown", "417").inc()
-            response = _text(417, message)
+            refusal = _Refusal(417, f"unsupported Expect {expect[:64]!r}: only 100-continue",
+                               counter="reject", kind="expectation")
+            response = self._refuse(request, refusal)
             response.force_close()
             self._unhold(request)
+            self._count_request(request, "unknown", 417)
             return response
         return None
 
