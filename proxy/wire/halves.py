@@ -64,6 +64,8 @@ class Layout:
     other: list[Span]
     #: ``prefix[i]``: the bytes of ``series[:i]``, to cut a range at its middle byte
     prefix: list[int]
+    #: RW 2.0: the request's symbols table, read once for all its parts (empty for 1.0)
+    symbols: list[bytes]
 
     def middle(self, lo: int, hi: int) -> int:
         """Where ``series[lo:hi]`` (two series at least) is cut into two halves of about
@@ -95,13 +97,12 @@ class Layout:
 
     def _part_v2(self, lo: int, hi: int) -> bytes:
         """An RW 2.0 part with the symbols its series use, and nothing else of the table."""
-        raw = self.raw
-        scan = scan_v2(raw)
-        nsym = len(scan.symbols)
+        raw, symbols = self.raw, self.symbols
+        nsym = len(symbols)
         taken = [_SeriesRefs.of(raw, s.start, s.end, nsym) for s in self.series[lo:hi]]
         used = sorted({0, *(r for t in taken for r in t.all())})
         renumber = {old: new for new, old in enumerate(used)}
-        out = [len_field(4, scan.symbols[old]) for old in used]
+        out = [len_field(4, symbols[old]) for old in used]
         out += [raw[s.start:s.end] for s in self.other if raw[s.start] != _SYMBOLS_TAG]
         out += [len_field(5, t.encode(raw, renumber)) for t in taken]
         return b"".join(out)
@@ -225,4 +226,5 @@ def layout(raw: bytes, protocol: Protocol) -> Layout:
     for start, end in itertools.pairwise(bounds):
         (series if raw[start] == tag else other).append(Span(start, end))
     prefix = [0, *itertools.accumulate(s.end - s.start for s in series)]
-    return Layout(raw, protocol, series, other, prefix)
+    symbols = scan_v2(raw).symbols if protocol is Protocol.V2 else []
+    return Layout(raw, protocol, series, other, prefix, symbols)
