@@ -137,7 +137,8 @@ def metadata_v2(raw: bytes, p: int, end: int) -> tuple[int, int, int]:
     return mtype, help_ref, unit_ref
 
 
-def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
+def exemplar_v2(raw: bytes, p: int, end: int, nsym: int) -> tuple[list[int], list[bytes]]:
+    """An RW 2.0 Exemplar's label refs (checked) and its other fields, bytes as they were."""
     refs: list[int] = []
     rest: list[bytes] = []
     while p < end:
@@ -149,5 +150,10 @@ def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
         p = q
     if len(refs) % 2:
         raise invalid("exemplar labels_refs has an odd number of entries")
-    _check_refs(refs, len(syms))
+    _check_refs(refs, nsym)
+    return refs, rest
+
+
+def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
+    refs, rest = exemplar_v2(raw, p, end, len(syms))
     return _labels_v1(refs, syms) + b"".join(rest)

@@ -29,7 +29,7 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.wire.convert import metadata_v2
+from proxy.wire.convert import exemplar_v2, metadata_v2
 from proxy.wire.native import split_v1
 from proxy.wire.primitives import (
     Protocol,
@@ -38,7 +38,6 @@ from proxy.wire.primitives import (
     invalid,
     len_field,
     read_field,
-    read_refs,
 )
 from proxy.wire.splice_v2 import scan_v2, split_series_v2
 
@@ -119,8 +118,8 @@ class _SeriesRefs:
     #: (field number, field start, field end, payload start) in request order
     fields: list[tuple[int, int, int, int]]
     labels: list[int]
-    #: per exemplar field (in order): its label refs
-    exemplars: list[list[int]]
+    #: per exemplar field (in order): its label refs and its other fields
+    exemplars: list[tuple[list[int], list[bytes]]]
     #: per metadata field (in order): (help_ref, unit_ref)
     metadata: list[tuple[int, int]]
 
@@ -129,13 +128,13 @@ class _SeriesRefs:
         _, _, p, q = read_field(raw, start, end)  # the TimeSeries field itself
         ser = split_series_v2(raw, p, q, nsym)
         fields: list[tuple[int, int, int, int]] = []
-        exemplars: list[list[int]] = []
+        exemplars: list[tuple[list[int], list[bytes]]] = []
         metadata: list[tuple[int, int]] = []
         for s, e in ser.other:
             number, _, ps, fq = read_field(raw, s, e)
             fields.append((number, s, e, ps))
             if number == 4:
-                exemplars.append(_exemplar_refs(raw, ps, fq, nsym))
+                exemplars.append(exemplar_v2(raw, ps, fq, nsym))
             elif number == 5:
                 _, help_ref, unit_ref = metadata_v2(raw, ps, fq)
                 if max(help_ref, unit_ref) >= nsym:
@@ -144,7 +143,7 @@ class _SeriesRefs:
         return cls(fields, ser.refs, exemplars, metadata)
 
     def all(self) -> list[int]:
-        return [*self.labels, *(r for x in self.exemplars for r in x),
+        return [*self.labels, *(r for x, _ in self.exemplars for r in x),
                 *(r for m in self.metadata for r in m)]
 
     def encode(self, raw: bytes, renumber: dict[int, int]) -> bytes:
@@ -153,8 +152,10 @@ class _SeriesRefs:
         exemplars, metadata = iter(self.exemplars), iter(self.metadata)
         for number, s, e, ps in self.fields:
             if number == 4:
-                out.append(len_field(4, _with_refs(raw, ps, e, 1, [
-                    renumber[r] for r in next(exemplars)])))
+                refs, rest = next(exemplars)
+                labels = encode_refs([renumber[r] for r in refs])
+                out.append(len_field(4, b"".join(
+                    [len_field(1, labels)] if refs else []) + b"".join(rest)))
             elif number == 5:
                 help_ref, unit_ref = next(metadata)
                 out.append(len_field(5, _metadata_with(raw, ps, e, renumber[help_ref],
@@ -162,29 +163,6 @@ class _SeriesRefs:
             else:
                 out.append(raw[s:e])
         return b"".join(out)
-
-
-def _exemplar_refs(raw: bytes, p: int, end: int, nsym: int) -> list[int]:
-    refs: list[int] = []
-    while p < end:
-        number, wt, s, q = read_field(raw, p, end)
-        if number == 1:
-            read_refs(raw, wt, s, q, refs, "exemplar labels_refs")
-        p = q
-    if refs and max(refs) >= nsym:
-        raise invalid(f"exemplar symbol reference {max(refs)} past the table of {nsym}")
-    return refs
-
-
-def _with_refs(raw: bytes, p: int, end: int, field: int, refs: list[int]) -> bytes:
-    """A message's fields with its ``field`` (packed refs) replaced by ``refs``, first."""
-    out = [len_field(field, encode_refs(refs))] if refs else []
-    while p < end:
-        number, _, _, q = read_field(raw, p, end)
-        if number != field:
-            out.append(raw[p:q])
-        p = q
-    return b"".join(out)
 
 
 def _metadata_with(raw: bytes, p: int, end: int, help_ref: int, unit_ref: int) -> bytes:
