@@ -153,9 +153,8 @@ class _SeriesRefs:
         for number, s, e, ps in self.fields:
             if number == 4:
                 refs, rest = next(exemplars)
-                labels = encode_refs([renumber[r] for r in refs])
-                out.append(len_field(4, b"".join(
-                    [len_field(1, labels)] if refs else []) + b"".join(rest)))
+                labels = len_field(1, encode_refs([renumber[r] for r in refs])) if refs else b""
+                out.append(len_field(4, labels + b"".join(rest)))
             elif number == 5:
                 help_ref, unit_ref = next(metadata)
                 out.append(len_field(5, _metadata_with(raw, ps, e, renumber[help_ref],
