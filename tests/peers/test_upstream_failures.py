@@ -160,7 +160,7 @@ async def test_agent_keeps_batches_an_upstream_408s(
 
         await wait_until(sent, timeout=30, what="writes past the upstream's 408s")
         metrics = await agent_metrics(agent)
-        assert agent.stop() == 0
+        assert await agent.astop() == 0  # the loop keeps serving the proxy its last flush
     assert metrics["prometheus_remote_storage_samples_failed_total"] == 0, metrics
     assert metrics["prometheus_remote_storage_samples_retried_total"] > 0, metrics
     # the batches refused at first arrived again, whole
