@@ -333,7 +333,8 @@ class FactSettings(Section):
         "account's)")] = ""
     lease_duration_seconds: Annotated[float, setting("lease duration", gt=0)] = 15.0
     identity: Annotated[str, setting(
-        "identity in the lease; empty: $POD_NAME (else the hostname) and a random suffix")
+        "identity in the lease, one per replica; empty: $POD_NAME (else the hostname) and a "
+        "random suffix")
     ] = ""
     external_labels: Annotated[dict[str, str], setting(
         "labels added to every fact series (e.g. cluster: prod-1)")

@@ -14,7 +14,11 @@ leader election does:
   before any candidate may take over, so two writers never overlap (absent a stalled
   process, which the API's optimistic concurrency still catches at its next renewal);
 * ``stop(release=True)`` hands the lease back (empty holder) so a successor starts at once;
-  a crashed replica simply stops renewing and is replaced after ``lease_duration``.
+  a crashed replica simply stops renewing and is replaced after ``lease_duration``;
+* a record under this replica's identity whose renewTime it did not write was written by
+  another process configured with the same ``facts.identity``: client-go would let both
+  lead (each renews "its" lease), and every fact would land twice. It counts as another
+  holder's, with an error logged, so the two settle on one writer.
 """
 
 from __future__ import annotations
@@ -51,6 +55,13 @@ def default_identity() -> str:
     return f"{host}_{uuid.uuid4().hex[:8]}"
 
 
+def _stamp(value: object) -> str:
+    """A renewTime as written, whether the client read it back as a datetime or a string."""
+    if isinstance(value, datetime):
+        return micro_time(value)
+    return str(value) if value is not None else ""
+
+
 class LeaseElector:
     """Campaigns for one Lease; ``is_leader`` says whether this replica holds it now."""
 
@@ -85,8 +96,17 @@ class LeaseElector:
         self._stop = asyncio.Event()
         self._done: asyncio.Event | None = None
         self._release = True
+        #: the renewTimes of this process' last two writes (see :meth:`_twin`): two, as a
+        #: write that failed (409, a timeout that landed after all) leaves either its own
+        #: or the previous one in the record
+        self._wrote: tuple[str, ...] = ()
+        #: the first foreign renewTime seen under this identity ("" while none)
+        self._twin_seen = ""
+        self._twin_logged = False
         #: how many times this replica became leader
         self.acquisitions = 0
+        #: rounds that found the lease renewed by another process under this identity
+        self.twin_rounds = 0
         self.last_error = ""
 
     # -- state ---------------------------------------------------------------------------
@@ -121,6 +141,31 @@ class LeaseElector:
             self._observed_duration = float(spec.lease_duration_seconds or 0)
         return holder
 
+    def _twin(self, spec: k8s.V1LeaseSpec | None) -> bool:
+        """The record names this identity but carries a renewTime this process never wrote:
+        this replica's previous run (crashed, so it never released the lease; waited out as
+        any other holder would be) or, once such a record is renewed again, another process
+        sharing the identity (a templated ``facts.identity``)."""
+        if spec is None or spec.holder_identity != self.identity:
+            return False
+        stamp = _stamp(spec.renew_time)
+        if stamp in self._wrote:
+            self._twin_seen = ""
+            return False
+        self.twin_rounds += 1
+        if not self._twin_seen:
+            self._twin_seen = stamp
+            log.info("lease %s/%s: held as %r by an earlier run; waiting for it to expire",
+                     self.namespace, self.name, self.identity)
+        elif stamp != self._twin_seen and not self._twin_logged:
+            self._twin_logged = True
+            self.last_error = f"lease renewed by another process as {self.identity!r}"
+            log.error("lease %s/%s: renewed by another process under this replica's "
+                      "identity %r; give each replica its own facts.identity, or leave it "
+                      "empty (a unique one is made). This one stands by",
+                      self.namespace, self.name, self.identity)
+        return True
+
     def _expired(self) -> bool:
         """The holder missed its renewals: as client-go reads it, by the longer of this
         replica's duration and the record's own (during a rolling change of the setting,
@@ -130,8 +175,7 @@ class LeaseElector:
 
     # -- one round -----------------------------------------------------------------------
 
-    def _spec(self, now: datetime, old: k8s.V1LeaseSpec | None) -> k8s.V1LeaseSpec:
-        mine = old is not None and old.holder_identity == self.identity
+    def _spec(self, now: datetime, old: k8s.V1LeaseSpec | None, mine: bool) -> k8s.V1LeaseSpec:
         transitions = (old.lease_transitions or 0) if old is not None else 0
         return k8s.V1LeaseSpec(
             holder_identity=self.identity,
@@ -141,6 +185,12 @@ class LeaseElector:
             renew_time=micro_time(now),
             lease_transitions=transitions if mine or old is None else transitions + 1,
         )
+
+    def _write_spec(self, now: datetime, old: k8s.V1LeaseSpec | None,
+                    mine: bool) -> k8s.V1LeaseSpec:
+        spec = self._spec(now, old, mine)
+        self._wrote = (*self._wrote[-1:], _stamp(spec.renew_time))
+        return spec
 
     async def try_acquire_or_renew(self) -> bool:
         """One round: True when this replica holds the lease afterwards, False when another
@@ -156,7 +206,7 @@ class LeaseElector:
                 raise
             body = k8s.V1Lease(
                 metadata=k8s.V1ObjectMeta(name=self.name, namespace=self.namespace),
-                spec=self._spec(now, None),
+                spec=self._write_spec(now, None, mine=False),
             )
             try:
                 created = await self._api.create_namespaced_lease(
@@ -169,9 +219,10 @@ class LeaseElector:
             self._observe(created)
             return True
         holder = self._observe(lease)
-        if holder and holder != self.identity and not self._expired():
+        twin = self._twin(lease.spec)
+        if holder and (twin or holder != self.identity) and not self._expired():
             return False
-        lease.spec = self._spec(now, lease.spec)
+        lease.spec = self._write_spec(now, lease.spec, mine=holder == self.identity and not twin)
         try:
             updated = await self._api.replace_namespaced_lease(
                 self.name, self.namespace, lease, _request_timeout=timeout
@@ -217,7 +268,8 @@ class LeaseElector:
             lease = await self._api.read_namespaced_lease(
                 self.name, self.namespace, _request_timeout=max(0.5, self.retry_period)
             )
-            if lease.spec is None or lease.spec.holder_identity != self.identity:
+            if (lease.spec is None or lease.spec.holder_identity != self.identity
+                    or self._twin(lease.spec)):
                 return
             now = datetime.now(UTC)
             lease.spec = k8s.V1LeaseSpec(

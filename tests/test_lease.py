@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -260,6 +261,73 @@ async def test_a_stolen_lease_ends_leadership_at_the_next_renewal(
         await leading(e, DURATION, leader=False)
         assert holder(sim) == "intruder"
     assert holder(sim) == "intruder"  # release only touches a lease we hold
+
+
+async def test_two_processes_configured_with_one_identity_do_not_both_lead(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # facts.identity templated to one value for every replica: each read the lease as its
+    # own and renewed it, both leading, every fact written twice
+    clock = OwnClock()
+    a = LeaseElector(api(), NS, NAME, "shared", DURATION, monotonic=clock)
+    b = LeaseElector(api(), NS, NAME, "shared", DURATION, monotonic=clock)
+    async with running(a):
+        await leading(a, 3)
+        async with running(b):
+            for _ in range(int(DURATION * 2 / 0.05)):  # several renewals of each
+                assert not (a.is_leader and b.is_leader)
+                await asyncio.sleep(0.05)
+            assert a.is_leader and not b.is_leader and b.twin_rounds >= 2
+            assert "renewed by another process" in caplog.text
+            assert "renewed by another process" in b.last_error
+            await a.stop(release=False)  # the leader dies: the twin takes over, as any would
+            clock.ahead += DURATION * 2
+            await leading(b, DURATION * 2)
+            assert not a.is_leader and holder(sim) == "shared"
+
+
+async def test_a_crashed_run_under_the_same_identity_is_waited_out_quietly(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a replica with a configured identity that crashed (no release) and came back: its
+    # old record is not its own write; it is waited out, with no error (nothing renews it)
+    caplog.set_level(logging.INFO, "proxy.lease")
+    sim.create({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {"holderIdentity": "fixed", "leaseDurationSeconds": 2,
+                 "renewTime": micro_time(datetime.now(UTC)), "leaseTransitions": 1},
+    })
+    async with running(LeaseElector(api(), NS, NAME, "fixed", DURATION)) as e:
+        await asyncio.sleep(DURATION * 0.6)
+        assert not e.is_leader
+        await leading(e, 2.0 + DURATION * 2)
+        assert "earlier run" in caplog.text and "another process" not in caplog.text
+        assert lease(sim)["spec"]["leaseTransitions"] == 2
+        await asyncio.sleep(DURATION)  # its own renewals are recognised as its own
+        assert e.is_leader and e.last_error == ""
+
+
+async def test_a_renewal_refused_with_a_conflict_is_not_mistaken_for_a_twin(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient],
+) -> None:
+    # a 409 leaves the record with the renewTime of the write before the refused one (and
+    # a write that timed out may have landed): both count as this process' own
+    e = LeaseElector(api(), NS, NAME, "solo", DURATION)
+    assert await e.try_acquire_or_renew()
+    real = e._api.replace_namespaced_lease
+
+    async def touched_first(*args: Any, **kwargs: Any) -> Any:
+        other = lease(sim)
+        other["metadata"].setdefault("annotations", {})["touched"] = "yes"
+        sim.update(other)  # a new resourceVersion: the write below gets a real 409
+        return await real(*args, **kwargs)
+
+    e._api.replace_namespaced_lease = touched_first  # type: ignore[method-assign]
+    assert not await e.try_acquire_or_renew()
+    e._api.replace_namespaced_lease = real  # type: ignore[method-assign]
+    assert await e.try_acquire_or_renew()
+    assert e.twin_rounds == 0 and e.last_error == ""
 
 
 def test_micro_time_always_has_six_digits() -> None:
