@@ -828,11 +828,72 @@ async def test_writer_loop_writes_at_the_interval_and_stops() -> None:
     await w.start()
     await asyncio.sleep(0.55)
     await w.stop()
-    n = len(bodies)
+    n = len(bodies) - 1  # the last: the writer's own series ended
     assert 4 <= n <= 7, n  # one at start, then every 0.1 s
     await asyncio.sleep(0.25)
-    assert len(bodies) == n
+    assert len(bodies) == n + 1
     assert w.writes_ok == n
+    ended = decode(bodies[-1])
+    assert sorted(dict(k)["__name__"] for k in ended) == [
+        contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO]
+    assert all(is_stale(v[0][0]) for v in ended.values())
+
+
+async def test_a_stopping_writer_ends_only_the_series_that_name_its_process() -> None:
+    # after an upgrade the old version's karta_build_info{version} and
+    # karta_contract_info{version} lingered for the 5-minute lookback beside the new
+    # ones; the cluster's facts go on under the next writer and are not ended
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    w = FactWriter(FactSettings(external_labels={"cluster": "c1"}), small_index(), send,
+                   build_version="9.9.9")
+    assert await w.write_once()
+    written = decode(sent[0])
+    assert await w.end_own_series()
+    ended = decode(sent[1])
+    own = {k for k in written if dict(k)["__name__"] in (
+        contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO)}
+    assert set(ended) == own and len(own) == 2  # as written, external labels included
+    build = next(k for k in own if ("__name__", contract.FACT_BUILD_INFO) in k)
+    assert ("version", "9.9.9") in build
+    assert all(is_stale(v[0][0]) for v in ended.values())
+    assert w.stale_markers_total == 2
+    assert not await w.end_own_series()  # once
+
+
+async def test_a_writer_that_does_not_write_ends_nothing_at_stop() -> None:
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    elector = _Elector()
+    w = FactWriter(FactSettings(), small_index(), send, elector=elector,  # type: ignore[arg-type]
+                   clock=lambda: 1_700_000_000.0)
+    assert not await w.write_once()  # standing by
+    assert not await w.end_own_series() and sent == []
+    elector.is_leader = True
+    assert await w.write_once()
+    elector.is_leader = False  # lost the lease: the next writer's series now
+    assert not await w.end_own_series() and len(sent) == 1
+
+
+async def test_a_failed_end_at_stop_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    calls = 0
+
+    async def send(body: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise ConnectionError("upstream gone")
+
+    w = FactWriter(FactSettings(), small_index(), send)
+    assert await w.write_once()
+    assert not await w.end_own_series()
+    assert "could not end its own series" in caplog.text
 
 
 async def test_writer_without_election_starts_standby_and_leads_from_its_first_write(
@@ -1037,6 +1098,39 @@ def test_tsdb_phase_changes_transition_time_in_phase_and_stale_end(prom: Prometh
 
 
 @pytest.mark.peers
+async def test_tsdb_an_upgrade_shows_one_build_at_a_time(prom: Prometheus) -> None:
+    """A rolling upgrade: the old version's writer stops, the new one takes over. Its
+    build and contract series end with it; the cluster's facts go on unended."""
+    t0 = float(int(time.time()) - 900)
+    clock = Clock(t0)
+    index = small_index()
+    settings = FactSettings(external_labels={"cluster": "upgrade"})
+
+    async def send(body: bytes) -> None:
+        prom.write(body)
+
+    old = FactWriter(settings, index, send, clock=clock, build_version="0.1.0")
+    for step in range(0, 60, 15):
+        clock.t = t0 + step
+        assert await old.write_once()
+    clock.t = t0 + 50
+    assert await old.end_own_series()
+    new = FactWriter(settings, index, send, clock=clock, build_version="0.2.0")
+    clock.t = t0 + 60
+    assert await new.write_once()
+
+    def versions(at: float) -> list[str]:
+        got = prom.query('karta_build_info{cluster="upgrade"}', at)
+        return sorted(dict(k)["version"] for k in got)
+
+    assert versions(t0 + 40) == ["0.1.0"]
+    assert versions(t0 + 55) == []  # nobody writing
+    assert versions(t0 + 70) == ["0.2.0"]  # not two builds for the lookback
+    assert len(prom.query('karta_contract_info{cluster="upgrade"}', t0 + 70)) == 1
+    assert prom.query('karta_workload_info{cluster="upgrade"}', t0 + 55)  # goes on
+
+
+@pytest.mark.peers
 def test_tsdb_desired_vs_observed_follow_a_scale_up(prom: Prometheus) -> None:
     t0 = float(int(time.time()) - 1200)
     clock = Clock(t0)
@@ -1196,14 +1290,15 @@ async def test_three_replicas_write_each_fact_once_and_survive_the_leader_dying(
             first = leaders[0]
             i = electors.index(first)
             died = time.time()
-            await writers[i].stop()
+            # dies: no release and, no longer leading, no ending of its own series
             await first.stop(release=False)
+            await writers[i].stop()
             await asyncio.sleep(duration * 2 + 1.5)
         finally:
+            for e in electors:  # first: every send counted below is a fact write
+                await e.stop(release=False)
             for w in writers:
                 await w.stop()
-            for e in electors:
-                await e.stop(release=False)
             await asyncio.gather(*tasks, return_exceptions=True)
             for api in apis:
                 await api.close()

@@ -23,7 +23,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import proxy
-from proxy import memory
+from proxy import contract, memory
 from proxy.config import FactSettings
 from proxy.facts.collectors import FactWriterMetrics, sample_value
 from proxy.facts.encoder import (
@@ -91,6 +91,14 @@ TRIM_EVERY_REQUESTS = 8
 #: how long a standby replica remembers a fact series it no longer sees: Prometheus'
 #: default lookback, after which a series without samples is gone from queries anyway
 STANDBY_MEMORY = 300.0
+
+#: the series a writer ends when it stops (:meth:`FactWriter.end_own_series`): the ones
+#: that say which process wrote the facts. A successor of another version writes other
+#: label values and never knows these (after an upgrade two versions showed for the
+#: 5-minute lookback); the cluster's facts go on under the next writer, unended
+OWN_SERIES = (contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO)
+#: how long a stop waits for those markers to be sent
+END_TIMEOUT_SECONDS = 5.0
 
 
 _Obj = TypeVar("_Obj", PodAttribution, WorkloadFacts)
@@ -603,8 +611,46 @@ class FactWriter:
             self._task = asyncio.create_task(self._run(), name="fact-writer")
 
     async def stop(self) -> None:
+        """Stop writing; a writer that was writing ends its own series (``OWN_SERIES``)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await self.end_own_series()
+
+    def own_series_markers(self, now_ms: int) -> tuple[bytes, int]:
+        """A request of stale markers for the ``OWN_SERIES`` this writer last wrote, and
+        how many (b"", 0 when it wrote none)."""
+        written = self._written.get(PROCESS_KEY)
+        if written is None:
+            return b"", 0
+        ts_bytes = timestamp_field(now_ms)
+        self._set_sample_len(ts_bytes)
+        own = set(self._encode(f for f in process_facts(self._index, self._build_version)
+                               if f.name in OWN_SERIES).series())
+        ending = sorted((one for one in written.series() if one in own), key=series_bytes)
+        stale = sample_field(STALE_NAN, ts_bytes)
+        return b"".join(piece for one in ending for piece in (*one, stale)), len(ending)
+
+    async def end_own_series(self) -> bool:
+        """At a stop, while this replica still writes: stale markers for the series that
+        say which process wrote (:data:`OWN_SERIES`), so they end with it instead of
+        lingering for the lookback beside the next writer's. A successor of the same
+        version starts them again at its first write. True when they were sent."""
+        if self.state is not WriterState.LEADER or not self.is_writer:
+            return False
+        body, markers = self.own_series_markers(int(self._clock() * 1000))
+        if not markers:
+            return False
+        try:
+            await asyncio.wait_for(self._send(body), END_TIMEOUT_SECONDS)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # they then end with the lookback, as after a crash
+            log.warning("fact writer: could not end its own series at stop: %s", exc)
+            return False
+        self.metrics.stale_markers.inc(markers)
+        # ended: no longer owed (replaced, never changed in place: see _written)
+        self._written = {k: g for k, g in self._written.items() if k != PROCESS_KEY}
+        return True
