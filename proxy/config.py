@@ -25,6 +25,7 @@ import yaml
 from msgspec import Meta, Struct, field
 from msgspec import inspect as mi
 
+from proxy import contract
 from proxy.karta.yamltext import yaml_error
 from proxy.wire.plan import MAX_LABEL_NAMES
 
@@ -757,6 +758,25 @@ def _validate_enrich(e: EnrichSettings) -> None:
                           f"distinct labels; at most {MAX_LABEL_NAMES - 10}")
 
 
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _validate_external_labels(labels: dict[str, str]) -> None:
+    """Every fact carries these: a name that is no label name is refused by the TSDB for
+    every fact request; one of the facts' own names (or ``karta_*``) would be written onto
+    each fact that lacks it, e.g. ``karta_workload`` on an unattributed pod's series."""
+    for name, value in labels.items():
+        where = f"facts.external_labels.{name}"
+        if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise ConfigError(f"{where}: {name!r} is not a label name ([a-zA-Z_][a-zA-Z0-9_]*, "
+                              "not starting with __)")
+        if name.startswith("karta_") or name in contract.ALL_FACT_LABELS:
+            raise ConfigError(f"{where}: {name!r} is a label of the fact series themselves "
+                              "(docs/metrics.md); choose another name, e.g. cluster")
+        if not value:
+            raise ConfigError(f"{where}: the value is empty (an empty label is no label)")
+
+
 def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     """The declaration's checks again (flags and code set values too), then the rest.
 
@@ -774,6 +794,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _validate_server_tls(s.server)
     _validate_upstream(s.upstream, require_upstream)
     _validate_enrich(s.enrich)
+    _validate_external_labels(s.facts.external_labels)
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")

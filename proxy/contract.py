@@ -113,6 +113,16 @@ FACT_LABEL_SPLICE = "splice"  # which splice runs: "native", or "python" (the fa
 #: lastTransitionTime) or "observed" (when this proxy saw the phase change)
 FACT_LABEL_SOURCE = "source"
 
+#: every label name a fact series may carry besides the stamped ones:
+#: ``facts.external_labels`` may not use them (nor ``karta_*``), or a fact written without
+#: one would carry the configured value as if it were a fact
+ALL_FACT_LABELS: tuple[str, ...] = (
+    FACT_LABEL_NAMESPACE, FACT_LABEL_POD, FACT_LABEL_UID, FACT_LABEL_WORKLOAD_UID,
+    FACT_LABEL_DESCRIPTION, FACT_LABEL_BUILTIN, FACT_LABEL_REASON, FACT_LABEL_STATE,
+    FACT_LABEL_PHASE, FACT_LABEL_STATUS, FACT_LABEL_RESOURCE, FACT_LABEL_VERSION,
+    FACT_LABEL_SPLICE, FACT_LABEL_SOURCE,
+)
+
 #: values of FACT_LABEL_STATE
 STATE_ATTRIBUTED = "attributed"
 STATE_UNATTRIBUTED = "unattributed"

@@ -177,6 +177,16 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
         (lambda s: setattr(s, "snapshot_reload_seconds", -1), "snapshot_reload_seconds"),
         (lambda s: setattr(s.karta, "description_paths", ["/nonexistent"]),
          "karta.description_paths[0]"),
+        # every fact carries them: a name the TSDB refuses fails every fact request, and
+        # a fact label (or karta_*) lands on the facts that lack it
+        (lambda s: setattr(s.facts, "external_labels", {"bad-name": "x"}),
+         "facts.external_labels.bad-name: 'bad-name' is not a label name"),
+        (lambda s: setattr(s.facts, "external_labels", {"__meta": "x"}), "not a label name"),
+        (lambda s: setattr(s.facts, "external_labels", {"karta_workload": "victim"}),
+         "facts.external_labels.karta_workload: 'karta_workload' is a label of the fact"),
+        (lambda s: setattr(s.facts, "external_labels", {"namespace": "x"}),
+         "is a label of the fact series"),
+        (lambda s: setattr(s.facts, "external_labels", {"cluster": ""}), "the value is empty"),
     ],
 )
 def test_validate_names_the_bad_key(change: Callable[[Settings], None], expected: str) -> None:

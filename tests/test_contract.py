@@ -164,6 +164,7 @@ def test_every_name_in_contract_py_is_documented(doc: str) -> None:
     for n in names:
         assert f"`{n}`" in doc, n
     fact_labels = {v for k, v in vars(contract).items() if k.startswith("FACT_LABEL_")}
+    assert set(contract.ALL_FACT_LABELS) == fact_labels  # what external_labels may not use
     documented_labels = set().union(
         *(labels_cell(c[1]) for c in table(section(doc, "Fact series")).values())
     )
