@@ -109,7 +109,7 @@ def test_every_alert_is_documented_and_reads_contract_names() -> None:
                 if "alert" not in r:
                     continue
                 assert f"`{r['alert']}`" in doc, f"{r['alert']} missing from the docs"
-                read = set(re.findall(r"\b(karta_[a-zA-Z0-9_:]+)\s*\{", r["expr"]))
+                read = set(re.findall(r"\b(karta_[a-zA-Z0-9_:]+)\s*[{\[]", r["expr"]))
                 assert read and read <= known, (r["alert"], read - known)
                 assert r["labels"]["severity"] and r["annotations"]["summary"], r["alert"]
 
