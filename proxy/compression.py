@@ -100,6 +100,12 @@ def _scratch(buf: mmap.mmap, n: int) -> mmap.mmap:
     return mmap.mmap(-1, (n + (1 << 20) - 1) & ~((1 << 20) - 1))
 
 
+def _fresh(n: int) -> mmap.mmap:
+    """An anonymous mapping of ``n`` bytes (at least one page), resident only where written
+    and unmapped when its last view goes."""
+    return mmap.mmap(-1, max(n, 1))
+
+
 def decompress(body: bytes, encoding: str, *, max_decoded: int) -> bytes:
     """Decode a request body; raises :class:`DecodeError` (400, 413 or 415)."""
     out = _decode(body, encoding, max_decoded, scratch=False)
@@ -128,7 +134,9 @@ def _decode(body: bytes, encoding: str, max_decoded: int, *, scratch: bool
         raise DecodeError("empty_body", 400, "empty request body")
     if enc == "snappy":
         return _snappy_decompress(body, max_decoded, scratch)
-    return _zstd_decompress(body, max_decoded)
+    out = _zstd_decompress(body, max_decoded)
+    # the mapping decoded into, as it is: a bytes copy of it was a second decoded body
+    return out if scratch else out.tobytes()
 
 
 def compress(data: bytes, encoding: str) -> bytes:
@@ -221,8 +229,13 @@ def _snappy_decompress(body: bytes, max_decoded: int, scratch: bool = False
     if declared > max_decoded:
         raise _too_large(declared, max_decoded)
     try:
-        if scratch and declared <= SCRATCH_BYTES:
-            buf = _SCRATCH.decoded = _scratch(_SCRATCH.decoded, declared)
+        if scratch:
+            # past SCRATCH_BYTES into a mapping of its own: python-snappy's bytes were a
+            # second decoded body beside cramjam's buffer
+            if declared <= SCRATCH_BYTES:
+                buf = _SCRATCH.decoded = _scratch(_SCRATCH.decoded, declared)
+            else:
+                buf = _fresh(declared)
             n = cramjam.snappy.decompress_raw_into(body, buf)
             out: bytes | memoryview = memoryview(buf)[:n]
         else:
@@ -311,7 +324,7 @@ def zstd_declared_length(body: bytes) -> int | None:
     return total if known else None
 
 
-def _zstd_decompress(body: bytes, max_decoded: int) -> bytes:
+def _zstd_decompress(body: bytes, max_decoded: int) -> memoryview:
     declared = zstd_declared_length(body)
     if declared is not None:
         if declared > max_decoded:
@@ -334,8 +347,11 @@ class _BufferFull(Exception):
     pass
 
 
-def _zstd_into(body: bytes, size: int, *, exact: int | None) -> bytes:
-    buf = bytearray(size)
+def _zstd_into(body: bytes, size: int, *, exact: int | None) -> memoryview:
+    # a fresh mapping, not a bytearray: the pages past what the frame writes are never
+    # made resident (a body that declares no size is decoded into a buffer as big as the
+    # limit), and none is zeroed first
+    buf = _fresh(size)
     try:
         written = cramjam.zstd.decompress_into(body, buf)
     except cramjam.DecompressionError as exc:
@@ -358,4 +374,4 @@ def _zstd_into(body: bytes, size: int, *, exact: int | None) -> bytes:
         if exact is not None:
             raise DecodeError("zstd_corrupt", 400, "corrupt zstd body: more data than declared")
         raise _BufferFull
-    return bytes(memoryview(buf)[:written])
+    return memoryview(buf)[:written]

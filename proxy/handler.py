@@ -233,6 +233,13 @@ class LoadBudget:
     def release(self, n: int) -> None:
         self.bytes -= n
 
+    def settle(self, held: _Held, holds: int) -> None:
+        """A request now holds ``holds`` bytes: less frees the difference at once; more is
+        taken even past the budget (the work is done: refusing it would only make the
+        sender send it again), and the next requests are refused instead."""
+        self.bytes += holds - held.bytes
+        held.bytes = holds
+
 
 #: requests that may wait for a slot, per slot (past them: 503 at once). Three: at 4x more
 #: connections than slots every fast-retrying sender has a place to wait in, and the
@@ -535,8 +542,10 @@ class RemoteWriteHandler:
         held = _Held()
         self._inflight += 1
         try:
-            body = await self._read_body(request, held)
-            return await self._process(request, protocol, encoding, body, held)
+            # the body passed straight on: a local here would keep it (and its budget's
+            # worth of memory) alive until the answer, after _process let it go
+            return await self._process(request, protocol, encoding,
+                                       await self._read_body(request, held), held)
         finally:
             self.slots.leave()
             self._inflight -= 1
@@ -622,9 +631,14 @@ class RemoteWriteHandler:
             declared = declared_decoded_size(body, encoding) if body else 0
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
-        # a declared size past the limit is refused by decompress without allocating
-        self._reserve(held, min(declared if declared is not None else s.max_decoded_bytes,
-                                s.max_decoded_bytes))
+        # a declared size past the limit is refused by decompress without allocating.
+        # Reserved twice: the decoded body, and the output the splice makes beside it (a
+        # snappy block of the sender's elements and the stamps, or the enriched body and
+        # its compressed copy), about the decoded size for real series (stamps ~20%);
+        # settled to what the request holds once spliced
+        decoded = min(declared if declared is not None else s.max_decoded_bytes,
+                      s.max_decoded_bytes)
+        self._reserve(held, 2 * decoded)
         try:
             if declared is not None and declared <= INLINE_DECODED_BYTES \
                     and len(body) <= INLINE_DECODED_BYTES:
@@ -645,6 +659,10 @@ class RemoteWriteHandler:
                            counter="decode", kind="protobuf") from None
         del body
         result = prepared.result
+        # from here to the answer it holds its outgoing body only (and an RW 2.0 body kept
+        # for a conversion): its own body and the decoded one are gone
+        out = prepared.outgoing
+        self.budget.settle(held, len(out.encoded) + len(out.raw))
         self._count(result)
         try:
             answer = await self.upstream.forward(prepared.outgoing, request.headers,

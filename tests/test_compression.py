@@ -252,8 +252,11 @@ def test_past_the_scratch_size_bodies_are_allocated(monkeypatch: pytest.MonkeyPa
     import proxy.compression as c
 
     monkeypatch.setattr(c, "SCRATCH_BYTES", 1000)
-    assert type(c.decompress_scratch(compress(DATA, "snappy"), "snappy",
-                                     max_decoded=1 << 20)) is bytes
+    kept = len(c._SCRATCH.decoded)
+    out = c.decompress_scratch(compress(DATA, "snappy"), "snappy", max_decoded=1 << 20)
+    # a mapping of its own, gone with the view: the thread keeps no bigger buffer
+    assert out == DATA and out.obj is not c._SCRATCH.decoded  # type: ignore[union-attr]
+    assert len(c._SCRATCH.decoded) == kept
     assert snappy.uncompress(c.compress(DATA, "snappy")) == DATA
 
 
@@ -263,3 +266,44 @@ def test_compress_through_scratch_is_snappys_block() -> None:
         assert type(out) is bytes
         assert out == snappy.compress(data)
         assert snappy.uncompress(out) == data
+
+
+def test_a_big_body_is_decoded_once_not_copied() -> None:
+    # decoded into a buffer and then copied into bytes: two decoded bodies at once, for
+    # every zstd request and every snappy one past the scratch buffer (up to
+    # max_decoded_bytes each), and a zstd body that declares no size zeroed a buffer of
+    # the whole limit first
+    import tracemalloc
+
+    import cramjam
+
+    from proxy.compression import decompress_scratch
+
+    raw = bytes(range(256)) * (16 << 12)  # 16 MiB
+    for body, encoding in ((bytes(cramjam.zstd.compress(raw)), "zstd"),  # declares its size
+                           (_zstd_without_size(raw), "zstd"),
+                           (snappy.compress(raw), "snappy")):  # past the scratch buffer
+        tracemalloc.start()
+        try:
+            out = decompress_scratch(body, encoding, max_decoded=64 << 20)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert out == raw
+        # decoded into a mapping of its own (untraced; resident only where written), no
+        # copy of it on the heap
+        assert peak < len(raw) // 4, (encoding, peak / len(raw))
+        del out
+
+
+def _zstd_without_size(raw: bytes) -> bytes:
+    """A zstd frame that declares no content size (a streaming compressor's)."""
+    import cramjam
+
+    c = cramjam.zstd.Compressor()
+    c.compress(raw)
+    out = bytes(c.finish())
+    from proxy.compression import zstd_declared_length
+
+    assert zstd_declared_length(out) is None
+    return out

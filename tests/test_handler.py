@@ -514,6 +514,39 @@ async def test_byte_budget_is_503(tmp_path: Path) -> None:
     assert len(up.received) == results.count(204)
 
 
+async def test_the_budget_follows_what_a_request_holds_until_its_answer(
+        tmp_path: Path) -> None:
+    # reserved up front: the body, its decoded size and an output about as big; once
+    # spliced, the request holds its outgoing body only. The budget kept the reservation
+    # for the whole upstream round trip, refusing others for memory long freed
+    async with ScriptedUpstream(Reply(204, delay=1.0)) as up, \
+            proxy_running(tmp_path, up) as p:
+        url = f"http://127.0.0.1:{p.port}/api/v1/write"
+        h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+        cases = {
+            # unattributed series, stamped none: the outgoing body about the sender's
+            "plain": series_v1(*({"__name__": "m", "i": str(i), "pad": "p" * 100}
+                                 for i in range(3000))),
+            # tiny series naming a pod: each gains a stamp longer than itself
+            "stamped": series_v1(*({"__name__": "m", "namespace": "shop",
+                                    "pod": "cart-7d9f8-abcde", "i": str(i)}
+                                   for i in range(3000))),
+        }
+        async with aiohttp.ClientSession() as session:
+            for name, raw in cases.items():
+                body = snappy.compress(raw)
+                seen = len(up.received)
+                sent = asyncio.create_task(session.post(url, data=body, headers=h))
+                while len(up.received) == seen:  # the request is at the upstream now
+                    await asyncio.sleep(0.01)
+                out = len(up.received[-1].body)
+                held = p.handler.budget.bytes
+                (await sent).close()
+                assert held == out, (name, held, out, len(body), len(raw))
+                assert held < len(body) + len(raw)
+        assert p.handler.budget.bytes == 0
+
+
 async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:
     replies = [Reply(400, body=b"out of order sample"), Reply(500), Reply(429),
                Reply(503, {"Retry-After": "9"})]
