@@ -266,8 +266,11 @@ class Proxy:
         if self._elector is not None:
             await self._elector.stop()
         if self._elector_task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._elector_task
+            # cancelled, not waited for: a campaign still waiting for the index or the
+            # writer's walk never reaches run() once the writer is stopped, and a stop
+            # within the first interval after start hung for good
+            with contextlib.suppress(Exception):
+                await cancel_and_wait(self._elector_task)
         if self._kube_client is not None:
             await self._kube_client.close()
 

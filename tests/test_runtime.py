@@ -225,6 +225,53 @@ async def test_a_replica_campaigns_for_the_fact_lease_only_once_its_index_is_loa
             await p.stop()
 
 
+async def test_a_stop_while_the_fact_writer_still_waits_to_campaign_ends(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGTERM within the first fact interval with leader election on (the shipped
+    # cluster Deployment): the campaign waited for a standby walk after the index's
+    # load, which the stopped writer would never make, and the stop waited for it
+    import proxy.runtime
+    from tests.kube.conftest import deployment
+    from tests.kubesim import KubeSim
+    from tests.kubesim.resources import POD
+
+    monkeypatch.setenv("POD_NAMESPACE", "karta-proxy")
+    # the campaign looks again only after the writer's first walk (the race a real start
+    # loses when its cluster is small and its walk quick)
+    monkeypatch.setattr(proxy.runtime, "CAMPAIGN_WAIT_SECONDS", 1.0)
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        deployment(sim, "web", "shop", replicas=1)
+        sim.fail_resource(POD, 500)  # loaded only once the campaign waits
+        s = Settings()
+        s.kube.kubeconfig = str(sim.write_kubeconfig())
+        s.upstream.url = up.url
+        s.server.listen_address = "127.0.0.1:0"
+        s.facts.enabled = True
+        s.facts.leader_election = True
+        s.facts.interval_seconds = 60
+        p = Proxy(s)
+        starting = asyncio.create_task(p.start())
+        try:
+            await asyncio.sleep(0.5)
+            sim.fail_resource(POD, None)
+            await asyncio.wait_for(starting, 15)
+            await asyncio.sleep(1.5)  # loaded: the campaign waits for the next walk
+            assert p.metrics.registry.get_sample_value("karta_proxy_fact_writer_leader") == 0
+        finally:
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(BaseException):
+                    await starting
+            stopping = asyncio.create_task(p.stop())
+            done, _ = await asyncio.wait({stopping}, timeout=5)
+            if not done:  # (cancelled, the old stop swallowed it and went on)
+                stopping.cancel()
+                with contextlib.suppress(BaseException):
+                    await stopping
+                pytest.fail("the stop waited for the campaign")
+
+
 @pytest.mark.parametrize("allow", [False, True])
 async def test_node_mode_writes_no_facts_unless_allowed(
     allow: bool, caplog: pytest.LogCaptureFixture
