@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import sys
 import time
@@ -559,7 +560,8 @@ _UNPLACED = _Placement("", "", "")
 
 
 class _Workload:
-    __slots__ = ("by_comp", "counts", "facts", "objs", "phase", "plan", "ref", "since", "uid")
+    __slots__ = ("by_comp", "counts", "evidenced", "facts", "objs", "phase", "plan",
+                 "prev_since", "ref", "since", "uid")
 
     def __init__(self, uid: str, ref: WorkloadRef, plan: _DescriptionPlan) -> None:
         self.uid = uid
@@ -573,6 +575,11 @@ class _Workload:
         self.facts: WorkloadFacts | None = None
         self.phase: str | None = None
         self.since = 0.0
+        #: when this proxy saw the phase before the current one begin, where the object
+        #: itself said that phase (-inf: not seen, or said by no object)
+        self.prev_since = -math.inf
+        #: the last phase was read from the object (not "object missing")
+        self.evidenced = False
 
 
 # -- the engine --------------------------------------------------------------------------
@@ -1165,8 +1172,14 @@ class Engine:
         else:
             phase, statuses, reason = ev.phase, ev.statuses, ev.reason
         if phase != wl.phase:
+            wl.prev_since = wl.since if wl.phase is not None and wl.evidenced else -math.inf
             wl.phase, wl.since = phase, self._clock()
-        if ev is not None and ev.since is not None:
+        wl.evidenced = ev is not None
+        # the object's time, unless it is older than the previous phase this proxy saw the
+        # object in: then it dates an earlier stretch of this phase (a Deployment's
+        # Available stays True through a rollout, Running -> Initializing -> Running, and
+        # time in Running counted from weeks ago), and the proxy's own sighting is the start
+        if ev is not None and ev.since is not None and ev.since >= wl.prev_since:
             since, source = ev.since, PHASE_SINCE_OBJECT
         else:
             since, source = wl.since, PHASE_SINCE_OBSERVED

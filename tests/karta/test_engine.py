@@ -805,6 +805,57 @@ def test_phase_since_comes_from_the_matched_condition_and_survives_a_restart() -
                                            ("Running", 5000.0, "observed"))
 
 
+def test_time_in_running_restarts_after_a_rollout_that_left_available_true() -> None:
+    # Available stays True through a rollout (its lastTransitionTime unchanged): Running
+    # -> Initializing -> Running was dated from when Available went True, weeks before,
+    # while karta_workload_phase showed the workload had left Running seconds ago
+    weeks = T0_UNIX + 30 * 86400
+    clock = ManualClock(weeks)
+    e = Engine(clock=clock)
+    dep = deployment("web")
+    dep["status"]["conditions"] = [_cond("Available", "True", T0)]
+    assert W(e.upsert(dep), "deployment-web").phase_since == T0_UNIX  # the object's
+    clock.now = weeks + 100
+    rolling = deployment("web")
+    rolling["metadata"]["generation"] = 2
+    rolling["status"]["conditions"] = [_cond("Available", "True", T0)]
+    w = W(e.upsert(rolling), "deployment-web")
+    assert (w.phase, w.phase_since, w.phase_since_source) == (
+        "Initializing", weeks + 100, "observed")
+    clock.now = weeks + 130
+    done = deployment("web")
+    done["metadata"]["generation"] = 2
+    done["status"]["observedGeneration"] = 2
+    done["status"]["conditions"] = [_cond("Available", "True", T0)]
+    w = W(e.upsert(done), "deployment-web")
+    assert (w.phase, w.phase_since, w.phase_since_source) == ("Running", weeks + 130, "observed")
+    # a condition that did move with the change still dates it
+    clock.now = weeks + 200
+    failing = deployment("web")
+    failing["metadata"]["generation"] = 2
+    failing["status"]["observedGeneration"] = 2
+    failing["status"]["conditions"] = [
+        _cond("Available", "True", T0),
+        _cond("Progressing", "False", "2026-12-30T09:03:00Z", reason="ProgressDeadlineExceeded")]
+    w = W(e.upsert(failing), "deployment-web")
+    assert w.phase == "Failed" and w.phase_since_source == "object", w
+
+
+def test_a_workload_seen_before_its_object_keeps_the_objects_time() -> None:
+    # pods before their Deployment at a start: Undefined (object missing) -> Running is
+    # the object arriving, not a change this proxy saw; the object's time stands
+    clock = ManualClock(T0_UNIX + 86400)
+    e = Engine(clock=clock)
+    rs = replicaset("web-1", deployment("web"))
+    e.upsert_many([pod("web-1-a", rs), rs])
+    assert W(e, "deployment-web").phase == "Undefined"
+    clock.now += 1
+    dep = deployment("web")
+    dep["status"]["conditions"] = [_cond("Available", "True", T0)]
+    w = W(e.upsert(dep), "deployment-web")
+    assert (w.phase, w.phase_since, w.phase_since_source) == ("Running", T0_UNIX, "object")
+
+
 def test_phase_since_follows_the_object_and_falls_back_when_evidence_goes() -> None:
     clock = ManualClock(100.0)
     e = Engine(clock=clock)
