@@ -38,7 +38,13 @@ free: ``proxy.admission``), the request goes to aiohttp as usual but the connect
 reading at once, so the body stays in the kernel while the handler waits for a slot;
 the handler says when it is done waiting (``admitted``) and the connection reads on.
 
-aiohttp has no hook for either, so the connection protocol is a subclass of its
+**Connections.** aiohttp does not limit the number of connections, and each holds what
+it sent of its unfinished headers until the header deadline, so 400 connections that never
+finished theirs held ~750 MiB. Here a connection past ``ConnectionLimit`` is closed as
+soon as it is made, before a byte is read (with TLS, before the handshake:
+``proxy.tls_handshake``).
+
+aiohttp has no hook for any of these, so the connection protocol is a subclass of its
 ``RequestHandler`` that watches ``data_received`` and wraps its parser.
 """
 
@@ -91,6 +97,38 @@ def canned(status: str, headers: Mapping[str, str], text: str) -> Canned:
 
 #: written to a connection whose headers ran out of time (no request to answer exists)
 RESPONSE_408 = canned("408 Request Timeout", {}, "request headers not received in time\n").close
+#: told the peer address of each connection closed at once because ``max_connections``
+#: were open
+OnConnectionRefused = Callable[[str], None]
+
+
+class ConnectionLimit:
+    """The client connections open now, at most ``limit``: one object for the plain and
+    the TLS listener's protocols, counted when a connection is made (asyncio pairs every
+    ``connection_made`` with a ``connection_lost``, so the count cannot drift) and given
+    back when it is lost."""
+
+    __slots__ = ("limit", "on_refused", "open")
+
+    def __init__(self, limit: int, on_refused: OnConnectionRefused | None = None) -> None:
+        self.limit = limit
+        self.on_refused = on_refused
+        self.open = 0
+
+    def take(self, transport: asyncio.BaseTransport) -> bool:
+        """Count a new connection, or close it at once when ``limit`` are open: the sender
+        sees the close (or a reset) and reconnects, as after any dropped connection, and
+        nothing of it is read or allocated past the protocol object."""
+        if self.open < self.limit:
+            self.open += 1
+            return True
+        cast(asyncio.Transport, transport).abort()
+        if self.on_refused is not None:
+            self.on_refused(_peer(transport))
+        return False
+
+    def give_back(self) -> None:
+        self.open -= 1
 
 
 
@@ -179,11 +217,18 @@ class _SheddingParser:
 
 
 class _GuardedProtocol(RequestHandler):
-    __slots__ = ("_body", "_drain_deadline", "_drain_timer", "_header_timer", "_holding",
-                 "_linger", "_shed_count", "_shedding", "_skipping")
+    __slots__ = ("_body", "_counted", "_drain_deadline", "_drain_timer", "_header_timer",
+                 "_holding", "_limited", "_linger", "_refused", "_shed_count", "_shedding",
+                 "_skipping")
 
-    def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
+    def __init__(self, manager: _GuardedServer, *, limited: bool = True, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
+        #: this protocol counts its connection against ``manager.limit`` (not so behind
+        #: TLS, whose protocol counts it from before the handshake)
+        self._limited = limited
+        self._counted = False
+        #: closed at once past the connection limit: aiohttp never saw it
+        self._refused = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
         #: one timer for the skipped bodies of a connection, re-armed for the deadline of
@@ -205,6 +250,12 @@ class _GuardedProtocol(RequestHandler):
             self._parser = cast(Any, _SheddingParser(self._parser, self))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        limit = cast(_GuardedServer, self._manager).limit
+        if self._limited and limit is not None:
+            if not limit.take(transport):
+                self._refused = True
+                return
+            self._counted = True
         super().connection_made(transport)
         self._arm()
 
@@ -228,6 +279,13 @@ class _GuardedProtocol(RequestHandler):
         return response
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused:
+            return  # never made, as far as aiohttp knows
+        if self._counted:
+            self._counted = False
+            limit = cast(_GuardedServer, self._manager).limit
+            if limit is not None:
+                limit.give_back()
         self._disarm()
         for timer in (self._linger, self._drain_timer):
             if timer is not None:
@@ -407,15 +465,20 @@ class _GuardedServer(web.Server):
 
     def __init__(self, *args: Any, header_timeout: float, on_timeout: OnTimeout,
                  shed: Shed | None, on_bad_http: OnBadHttp | None = None,
-                 **kwargs: Any) -> None:
+                 limit: ConnectionLimit | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.on_timeout = on_timeout
         self.shed = shed
         self.on_bad_http = on_bad_http
+        self.limit = limit
 
     def __call__(self) -> RequestHandler:
         return _GuardedProtocol(self, loop=self._loop, **self._kwargs)
+
+    def uncounted(self) -> RequestHandler:
+        """A connection's protocol under a TLS layer that counts the connection itself."""
+        return _GuardedProtocol(self, limited=False, loop=self._loop, **self._kwargs)
 
 
 class GuardedRunner(web.AppRunner):
@@ -424,12 +487,14 @@ class GuardedRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, header_timeout: float, on_timeout: OnTimeout,
                  shed: Shed | None = None, on_bad_http: OnBadHttp | None = None,
-                 **kwargs: Any) -> None:
+                 limit: ConnectionLimit | None = None, **kwargs: Any) -> None:
+        """``limit``: the connections open at once (none: no limit)."""
         super().__init__(app, **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
         self._shed = shed
         self._on_bad_http = on_bad_http
+        self._limit = limit
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup, freezes it
@@ -437,5 +502,6 @@ class GuardedRunner(web.AppRunner):
             plain.request_handler, request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation, loop=asyncio.get_running_loop(),
             header_timeout=self._header_timeout, on_timeout=self._on_timeout,
-            shed=self._shed, on_bad_http=self._on_bad_http, **plain._kwargs,
+            shed=self._shed, on_bad_http=self._on_bad_http, limit=self._limit,
+            **plain._kwargs,
         )

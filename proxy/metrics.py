@@ -171,6 +171,15 @@ class ProxyMetrics:
             "expectation, client_closed, bad_http).",
             ["reason"], registry=r,
         )
+        self.connections_refused = Counter(
+            _P + "connections_refused", "Client connections closed as soon as they were "
+            "made, by reason (max_connections: server.max_connections were open).",
+            ["reason"], registry=r,
+        )
+        self.open_connections = Gauge(
+            _P + "open_connections", "Client connections open now (TLS handshakes "
+            "included), at most server.max_connections.", registry=r,
+        )
         self.request_duration = Histogram(
             _P + "request_duration_seconds", "Time from request start to answer, by protocol.",
             ["protocol"], buckets=_LATENCY_BUCKETS, registry=r,

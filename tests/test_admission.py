@@ -719,3 +719,50 @@ async def test_header_timeouts_by_the_hundred_are_all_counted_and_logged_in_two_
     assert len(first) == 1 and len(summary) == 1, caplog.text
     assert summary[0].__dict__["count"] == 39 and summary[0].__dict__["peers"] == "127.0.0.1"
     assert summary[0].__dict__["kind"] == "header_timeout"
+
+
+# -- connections and header bytes ----------------------------------------------------------
+
+
+async def until(check: Any, what: str) -> None:
+    """Wait (a bounded number of loop turns) until ``check()`` holds: the proxy counts a
+    connection when its accept has run, after the client's connect returned."""
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def closed_unanswered(r: asyncio.StreamReader) -> bool:
+    try:
+        async with asyncio.timeout(5):
+            return await r.read() == b""
+    except ConnectionError:  # closed with unread bytes in the proxy's buffer: a reset
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_connections_past_the_limit_are_closed_at_once_counted_and_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # nothing limited them: 400 connections holding unfinished headers held 750 MiB
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up, max_connections=3) as p:
+        conns = [await connect(p) for _ in range(3)]
+        await until(lambda: metric(p, "karta_proxy_open_connections") == 3, "3 open")
+        extra = [await connect(p) for _ in range(2)]
+        for r, w in extra:
+            assert await closed_unanswered(r)
+            w.close()
+        assert metric(p, "karta_proxy_connections_refused_total", reason="max_connections") == 2
+        for r, w in conns:  # the first three are served as ever
+            w.write(request())
+            assert (await read_answer(r)).status == 204
+        conns[0][1].close()
+        await until(lambda: metric(p, "karta_proxy_open_connections") == 2, "one closed")
+        assert (await post(p)).status == 204  # its place is free again
+        for _, w in conns[1:]:
+            w.close()
+    lines = [r for r in caplog.records if r.getMessage().startswith("connection")]
+    assert [r.getMessage() for r in lines] == ["connection refused", "connections refused"]
+    assert lines[0].__dict__["reason"] == "max_connections" and lines[1].__dict__["count"] == 1
