@@ -333,7 +333,7 @@ class RemoteWriteHandler:
         #: header timeouts come by the thousand from idle or slowloris connections
         self._header_timeouts = Throttled(log, "request refused", "requests refused",
                                           peer_field="remote")
-        #: so do connections past the limit
+        #: so do connections past the limit, and headers past theirs (a flood of either)
         self._connections_refused = Throttled(log, "connection refused", "connections refused",
                                               peer_field="remote")
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
@@ -424,6 +424,14 @@ class RemoteWriteHandler:
             "reason": "max_connections", "remote": remote,
             "limit": self.settings.max_connections,
         })
+
+    def header_too_large(self, remote: str, reason: str) -> None:
+        """A request whose line and headers passed ``server.max_header_bytes`` (or one of
+        aiohttp's per-line limits): 431 and closed; counted, the lines throttled, as a
+        sender that sends them once sends them on every retry."""
+        self.metrics.rejected.labels("header_too_large").inc()
+        self._header_timeouts.event("header_too_large", {
+            "status": 431, "kind": "header_too_large", "remote": remote, "reason": reason})
 
     def _unhold(self, request: web.Request) -> None:
         """A request refused before it waited its turn: its connection reads again (to skip

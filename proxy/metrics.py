@@ -168,7 +168,7 @@ class ProxyMetrics:
             _P + "requests_rejected", "Requests refused before decoding, by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, header_timeout, body_timeout, body_too_slow, "
-            "expectation, client_closed, bad_http).",
+            "expectation, client_closed, bad_http, header_too_large).",
             ["reason"], registry=r,
         )
         self.connections_refused = Counter(

@@ -203,7 +203,9 @@ async def start_site(
     runner = GuardedRunner(
         app, header_timeout=handler.settings.header_read_timeout_seconds,
         on_timeout=handler.header_timed_out, shed=handler.shed,
-        on_bad_http=handler.bad_http, limit=limit, auto_decompress=False,
+        on_bad_http=handler.bad_http, limit=limit,
+        max_header_bytes=handler.settings.max_header_bytes,
+        on_header_too_large=handler.header_too_large, auto_decompress=False,
         access_log=None, handle_signals=False, shutdown_timeout=10.0,
         lingering_time=LINGER_SECONDS)
     await runner.setup()
