@@ -127,6 +127,18 @@ class ServerSettings(Section):
     worker_threads: Annotated[int, setting(
         "threads that decompress, splice and compress requests; 0: one per usable core",
         ge=0, le=256)] = 0
+    max_connections: Annotated[int, setting(
+        "client connections open at once (TLS handshakes included); past it a new one is "
+        "closed at once, and the sender reconnects and retries. 4096: a fleet of hundreds "
+        "of Prometheus/vmagent senders with their keep-alive pools (one per shard or queue) "
+        "fits, while the work is bounded by max_concurrent_requests anyway; it bounds "
+        "what connections hold before their requests are handled (docs/operations.md)",
+        gt=0)] = 4096
+    max_header_bytes: Annotated[int, setting(
+        "request line and headers of one request, in all (one line at most 8190 bytes, at "
+        "most 64 headers); larger gets 431 and the connection closed. Remote-write senders "
+        "send ~10 headers under 2 KiB; a bearer token of a few KiB fits",
+        ge=1024, le=1 << 20)] = 16 * 1024
     header_read_timeout_seconds: Annotated[float, setting(
         "a request's line and headers must arrive within this (from their first byte), "
         "else 408 and close; with TLS, also the handshake's deadline", gt=0)] = 10.0

@@ -38,7 +38,17 @@ free: ``proxy.admission``), the request goes to aiohttp as usual but the connect
 reading at once, so the body stays in the kernel while the handler waits for a slot;
 the handler says when it is done waiting (``admitted``) and the connection reads on.
 
-aiohttp has no hook for either, so the connection protocol is a subclass of its
+**Connections and header bytes.** aiohttp limits neither the number of connections nor
+the bytes of one request's headers in all (128 lines of 8190 bytes each: ~1 MiB, held
+until the header deadline), so 400 connections that never finished their headers held
+~750 MiB. Here a connection past ``ConnectionLimit`` is closed as soon as it is made,
+before a byte is read (with TLS, before the handshake: ``proxy.tls_handshake``), and a
+request whose line and headers pass ``max_header_bytes`` before they end gets a 431 and
+the connection closed. What a connection may hold of unfinished headers is so bounded by
+``max_header_bytes`` (and one socket read beyond it, dropped in the same turn of the loop),
+and all of them by ``max_connections`` times that.
+
+aiohttp has no hook for any of these, so the connection protocol is a subclass of its
 ``RequestHandler`` that watches ``data_received`` and wraps its parser.
 """
 
@@ -51,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 #: after an answer that left the body unread (a refusal with ``Connection: close``): how
@@ -91,6 +101,62 @@ def canned(status: str, headers: Mapping[str, str], text: str) -> Canned:
 
 #: written to a connection whose headers ran out of time (no request to answer exists)
 RESPONSE_408 = canned("408 Request Timeout", {}, "request headers not received in time\n").close
+#: one header line (and the request line) at most, aiohttp's own default: a bearer token
+#: of a few KiB fits
+MAX_FIELD_BYTES = 8190
+#: headers of one request at most (aiohttp's default is 128); a remote-write sender sends
+#: ~10, a browser ~20, an ingress adds a few
+MAX_HEADERS = 64
+
+
+def header_limits(max_header_bytes: int) -> dict[str, Any]:
+    """aiohttp's own per-line and count limits for a total of ``max_header_bytes`` (its
+    parser has none for the total, which ``_GuardedProtocol`` checks)."""
+    field = min(MAX_FIELD_BYTES, max_header_bytes)
+    return {"max_line_size": field, "max_field_size": field, "max_headers": MAX_HEADERS}
+
+
+def response_431(max_header_bytes: int) -> bytes:
+    """The answer to headers past the limit, with ``Connection: close`` (the rest of them
+    is never read)."""
+    return canned("431 Request Header Fields Too Large", {},
+                  f"request line and headers larger than {max_header_bytes} bytes\n").close
+
+
+#: told the peer address of each connection closed at once because ``max_connections``
+#: were open
+OnConnectionRefused = Callable[[str], None]
+#: told the peer address and why of each request refused because its headers were too large
+OnHeaderTooLarge = Callable[[str, str], None]
+
+
+class ConnectionLimit:
+    """The client connections open now, at most ``limit``: one object for the plain and
+    the TLS listener's protocols, counted when a connection is made (asyncio pairs every
+    ``connection_made`` with a ``connection_lost``, so the count cannot drift) and given
+    back when it is lost."""
+
+    __slots__ = ("limit", "on_refused", "open")
+
+    def __init__(self, limit: int, on_refused: OnConnectionRefused | None = None) -> None:
+        self.limit = limit
+        self.on_refused = on_refused
+        self.open = 0
+
+    def take(self, transport: asyncio.BaseTransport) -> bool:
+        """Count a new connection, or close it at once when ``limit`` are open: the sender
+        sees the close (or a reset) and reconnects, as after any dropped connection, and
+        nothing of it is read or allocated past the protocol object."""
+        if self.open < self.limit:
+            self.open += 1
+            return True
+        cast(asyncio.Transport, transport).abort()
+        if self.on_refused is not None:
+            self.on_refused(_peer(transport))
+        return False
+
+    def give_back(self) -> None:
+        self.open -= 1
 
 
 
@@ -178,12 +244,44 @@ class _SheddingParser:
         return getattr(self._inner, name)
 
 
-class _GuardedProtocol(RequestHandler):
-    __slots__ = ("_body", "_drain_deadline", "_drain_timer", "_header_timer", "_holding",
-                 "_linger", "_shed_count", "_shedding", "_skipping")
+class _SpentParser:
+    """Stands in for the parser of a connection that reads no more requests (its headers
+    too large): the parser's state, up to a socket read of headers, goes at once rather
+    than when the connection does (after ``LINGER_SECONDS``)."""
 
-    def __init__(self, manager: _GuardedServer, **kwargs: Any) -> None:
+    __slots__ = ()
+
+    def feed_data(self, data: bytes) -> tuple[list[Any], bool, bytes]:
+        return [], False, b""
+
+    def feed_eof(self) -> None:
+        return None
+
+    def message_consumed(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def set_upgraded(self, val: bool) -> None:
+        pass
+
+
+class _GuardedProtocol(RequestHandler):
+    __slots__ = ("_body", "_counted", "_drain_deadline", "_drain_timer", "_header_bytes",
+                 "_header_timer", "_holding", "_limited", "_linger", "_refused",
+                 "_shed_count", "_shedding", "_skipping")
+
+    def __init__(self, manager: _GuardedServer, *, limited: bool = True, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
+        #: this protocol counts its connection against ``manager.limit`` (not so behind
+        #: TLS, whose protocol counts it from before the handshake)
+        self._limited = limited
+        self._counted = False
+        #: closed at once past the connection limit: aiohttp never saw it
+        self._refused = False
+        #: bytes received of the request line and headers not yet complete
+        self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
         #: one timer for the skipped bodies of a connection, re-armed for the deadline of
@@ -205,6 +303,12 @@ class _GuardedProtocol(RequestHandler):
             self._parser = cast(Any, _SheddingParser(self._parser, self))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        limit = cast(_GuardedServer, self._manager).limit
+        if self._limited and limit is not None:
+            if not limit.take(transport):
+                self._refused = True
+                return
+            self._counted = True
         super().connection_made(transport)
         self._arm()
 
@@ -218,6 +322,15 @@ class _GuardedProtocol(RequestHandler):
         if status != 400 or not isinstance(exc, HttpProcessingError) \
                 or server.on_bad_http is None:
             return super().handle_error(request, status, exc, message)
+        if isinstance(exc, LineTooLong) or exc.message.startswith("Too many headers"):
+            # aiohttp's per-line or count limit: the same refusal as the total's
+            server.on_header_too_large(request.remote or _peer(self.transport),
+                                       (message or str(exc))[:200])
+            response = web.Response(status=431, headers={"Connection": "close"},
+                                    text=f"request line and headers larger than "
+                                    f"{server.max_header_bytes} bytes\n")
+            response.force_close()
+            return response
         # aiohttp's own reasoning: a first "request" that is no HTTP method at all is a
         # port scan or TLS spoken to a plain port, noise at the error level
         quiet = self._request_count == 1 and isinstance(exc, BadHttpMethod)
@@ -228,6 +341,13 @@ class _GuardedProtocol(RequestHandler):
         return response
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused:
+            return  # never made, as far as aiohttp knows
+        if self._counted:
+            self._counted = False
+            limit = cast(_GuardedServer, self._manager).limit
+            if limit is not None:
+                limit.give_back()
         self._disarm()
         for timer in (self._linger, self._drain_timer):
             if timer is not None:
@@ -252,10 +372,34 @@ class _GuardedProtocol(RequestHandler):
             return
         if self._request_count + self._shed_count != before:
             self._disarm()
+            self._header_bytes = 0
             if self._messages:
                 self._body = self._messages[-1][1]
         elif data and headers_pending:
             self._arm()
+            if not self._messages:  # not a parser stopped behind a queue of requests
+                self._header_bytes += len(data)
+                if self._header_bytes > cast(_GuardedServer, self._manager).max_header_bytes:
+                    self._headers_too_large()
+
+    def _headers_too_large(self) -> None:
+        """Headers past ``max_header_bytes`` before their end: 431 and close, as aiohttp
+        does past its own per-line limits; the parser holding them goes with the
+        connection. Behind a request still being answered (a pipelining sender) there is no
+        place for the answer: the connection is closed without one."""
+        server = cast(_GuardedServer, self._manager)
+        self._disarm()
+        server.on_header_too_large(_peer(self.transport),
+                                   f"request line and headers past {server.max_header_bytes} "
+                                   "bytes before their end")
+        transport = self.transport
+        self._shedding = True
+        self._parser = cast(Any, _SpentParser())
+        if transport is None or self._request_in_progress or self._force_close:
+            self.force_close()
+            return
+        transport.write(response_431(server.max_header_bytes))
+        self._close_after_answer()
 
     # -- shedding -------------------------------------------------------------------------
 
@@ -407,15 +551,28 @@ class _GuardedServer(web.Server):
 
     def __init__(self, *args: Any, header_timeout: float, on_timeout: OnTimeout,
                  shed: Shed | None, on_bad_http: OnBadHttp | None = None,
+                 limit: ConnectionLimit | None = None, max_header_bytes: int = 1 << 20,
+                 on_header_too_large: OnHeaderTooLarge | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.on_timeout = on_timeout
         self.shed = shed
         self.on_bad_http = on_bad_http
+        self.limit = limit
+        self.max_header_bytes = max_header_bytes
+        self.on_header_too_large: OnHeaderTooLarge = on_header_too_large or _ignore
 
     def __call__(self) -> RequestHandler:
         return _GuardedProtocol(self, loop=self._loop, **self._kwargs)
+
+    def uncounted(self) -> RequestHandler:
+        """A connection's protocol under a TLS layer that counts the connection itself."""
+        return _GuardedProtocol(self, limited=False, loop=self._loop, **self._kwargs)
+
+
+def _ignore(*_: str) -> None:
+    pass
 
 
 class GuardedRunner(web.AppRunner):
@@ -424,12 +581,19 @@ class GuardedRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, header_timeout: float, on_timeout: OnTimeout,
                  shed: Shed | None = None, on_bad_http: OnBadHttp | None = None,
+                 limit: ConnectionLimit | None = None, max_header_bytes: int = 1 << 20,
+                 on_header_too_large: OnHeaderTooLarge | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
+        """``limit``: the connections open at once (none: no limit); ``max_header_bytes``:
+        a request's line and headers in all, aiohttp's per-line limits set to fit it."""
+        super().__init__(app, **header_limits(max_header_bytes), **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
         self._shed = shed
         self._on_bad_http = on_bad_http
+        self._limit = limit
+        self._max_header_bytes = max_header_bytes
+        self._on_header_too_large = on_header_too_large
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup, freezes it
@@ -437,5 +601,7 @@ class GuardedRunner(web.AppRunner):
             plain.request_handler, request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation, loop=asyncio.get_running_loop(),
             header_timeout=self._header_timeout, on_timeout=self._on_timeout,
-            shed=self._shed, on_bad_http=self._on_bad_http, **plain._kwargs,
+            shed=self._shed, on_bad_http=self._on_bad_http, limit=self._limit,
+            max_header_bytes=self._max_header_bytes,
+            on_header_too_large=self._on_header_too_large, **plain._kwargs,
         )

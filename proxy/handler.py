@@ -340,6 +340,10 @@ class RemoteWriteHandler:
         #: header timeouts come by the thousand from idle or slowloris connections
         self._header_timeouts = Throttled(log, "request refused", "requests refused",
                                           peer_field="remote")
+        #: so do connections past the limit, and headers past theirs (a flood of either)
+        self._connections_refused = Throttled(log, "connection refused", "connections refused",
+                                              peer_field="remote")
+        metrics.connections_refused.labels("max_connections")  # present from the start, at 0
 
     def relaying(self) -> bool:
         """Whether a remote-write request is being handled now (it holds a slot: from its
@@ -351,6 +355,7 @@ class RemoteWriteHandler:
         """Write the throttled lines that wait for their summary (on the event loop, at
         stop)."""
         self._header_timeouts.close()
+        self._connections_refused.close()
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
@@ -416,6 +421,24 @@ class RemoteWriteHandler:
         self.metrics.rejected.labels("bad_http").inc()
         log.log(logging.DEBUG if quiet else logging.WARNING, "request refused", extra={
             "status": 400, "kind": "bad_http", "reason": message[:200], "remote": remote})
+
+    def connection_refused(self, remote: str) -> None:
+        """A connection closed as soon as it was made, ``server.max_connections`` being
+        open: every one counted, the lines throttled (they come by the thousand when a
+        fleet reconnects)."""
+        self.metrics.connections_refused.labels("max_connections").inc()
+        self._connections_refused.event("max_connections", {
+            "reason": "max_connections", "remote": remote,
+            "limit": self.settings.max_connections,
+        })
+
+    def header_too_large(self, remote: str, reason: str) -> None:
+        """A request whose line and headers passed ``server.max_header_bytes`` (or one of
+        aiohttp's per-line limits): 431 and closed; counted, the lines throttled, as a
+        sender that sends them once sends them on every retry."""
+        self.metrics.rejected.labels("header_too_large").inc()
+        self._header_timeouts.event("header_too_large", {
+            "status": 431, "kind": "header_too_large", "remote": remote, "reason": reason})
 
     def _unhold(self, request: web.Request) -> None:
         """A request refused before it waited its turn: its connection reads again (to skip

@@ -168,8 +168,17 @@ class ProxyMetrics:
             _P + "requests_rejected", "Requests refused before decoding, by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, header_timeout, body_timeout, body_too_slow, "
-            "expectation, client_closed, bad_http).",
+            "expectation, client_closed, bad_http, header_too_large).",
             ["reason"], registry=r,
+        )
+        self.connections_refused = Counter(
+            _P + "connections_refused", "Client connections closed as soon as they were "
+            "made, by reason (max_connections: server.max_connections were open).",
+            ["reason"], registry=r,
+        )
+        self.open_connections = Gauge(
+            _P + "open_connections", "Client connections open now (TLS handshakes "
+            "included), at most server.max_connections.", registry=r,
         )
         self.request_duration = Histogram(
             _P + "request_duration_seconds", "Time from request start to answer, by protocol.",

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy import __version__, exposition
 from proxy.attribution_page import Explainer, add_routes
-from proxy.connection_guard import LINGER_SECONDS, GuardedRunner
+from proxy.connection_guard import LINGER_SECONDS, ConnectionLimit, GuardedRunner
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
@@ -198,10 +198,14 @@ async def start_site(
     """Serve ``app`` (HTTPS with ``ssl_context``, its failed handshakes told to
     ``refusals``); returns the runner and the bound port (port 0 picks a free one)."""
     handler = app[REMOTE_WRITE]
+    limit = ConnectionLimit(handler.settings.max_connections, handler.connection_refused)
+    handler.metrics.open_connections.set_function(lambda: limit.open)
     runner = GuardedRunner(
         app, header_timeout=handler.settings.header_read_timeout_seconds,
         on_timeout=handler.header_timed_out, shed=handler.shed,
-        on_bad_http=handler.bad_http, auto_decompress=False,
+        on_bad_http=handler.bad_http, limit=limit,
+        max_header_bytes=handler.settings.max_header_bytes,
+        on_header_too_large=handler.header_too_large, auto_decompress=False,
         access_log=None, handle_signals=False, shutdown_timeout=10.0,
         lingering_time=LINGER_SECONDS)
     await runner.setup()

@@ -16,6 +16,11 @@ connection. ``asyncio.sslproto`` is CPython's module, not a documented API:
 tests/test_tls_handshake.py pins what is used of it (the constructor, the waiter, the
 ``SSLObject`` on ``_sslobj``).
 
+The connection limit (``proxy.connection_guard.ConnectionLimit``) is taken here, by the
+TLS protocol, when the TCP connection is made: a connection past it is closed before its
+handshake (which costs more than its headers), and one whose handshake fails gives its
+place back too (aiohttp's protocol never hears of it).
+
 A client that connects and closes before its ClientHello (a ``tcpSocket`` probe, a port
 check) is no handshake failure and is not counted.
 """
@@ -35,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.connection_guard import ConnectionLimit
 from proxy.log import THROTTLE_SECONDS, Throttled
 
 log = logging.getLogger("karta.tls")
@@ -176,13 +182,32 @@ class Refusals:
 
 
 class _WatchedTLS(sslproto.SSLProtocol):
-    """asyncio's TLS protocol, remembering the peer for the refusal's log line."""
+    """asyncio's TLS protocol, remembering the peer for the refusal's log line, and
+    counting its connection against ``limit``."""
 
     peer: str = ""
+    limit: ConnectionLimit | None = None
+    #: the connection holds a place in ``limit``
+    counted: bool = False
+    #: closed at once past ``limit``: no handshake was started
+    refused: bool = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.limit is not None:
+            if not self.limit.take(transport):
+                self.refused = True
+                return
+            self.counted = True
         self.peer = _peer_text(transport.get_extra_info("peername"))
         super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.refused:
+            return
+        if self.counted and self.limit is not None:
+            self.counted = False
+            self.limit.give_back()
+        super().connection_lost(exc)
 
 
 def _hello_seen(proto: _WatchedTLS) -> bool:
@@ -197,9 +222,11 @@ def _hello_seen(proto: _WatchedTLS) -> bool:
 def tls_protocol_factory(
     loop: asyncio.AbstractEventLoop, app_factory: Callable[[], asyncio.BaseProtocol],
     context: ssl.SSLContext, refusals: Refusals, *, handshake_timeout: float | None = None,
+    limit: ConnectionLimit | None = None,
 ) -> Callable[[], asyncio.BaseProtocol]:
     """A protocol factory for a plain listener that serves TLS as ``create_server(ssl=)``
-    would, and reports each failed handshake to ``refusals``."""
+    would, and reports each failed handshake to ``refusals``; with ``limit``, counts its
+    connections against it (``app_factory``'s protocols must not count them again)."""
 
     def make() -> asyncio.BaseProtocol:
         waiter = loop.create_future()
@@ -207,6 +234,7 @@ def tls_protocol_factory(
         # (create_server's own parameter is a float), and it is a float setting here
         proto = _WatchedTLS(loop, app_factory(), context, waiter, server_side=True,
                             ssl_handshake_timeout=handshake_timeout)  # type: ignore[arg-type]
+        proto.limit = limit
 
         def done(f: asyncio.Future[None]) -> None:
             exc = None if f.cancelled() else f.exception()  # also marks it retrieved
@@ -248,7 +276,10 @@ class TLSSite(web.BaseSite):
         server, context = self._runner.server, self._ssl_context
         assert server is not None and context is not None
         loop = asyncio.get_running_loop()
+        # a guarded server's limit is taken by the TLS layer, its own protocols do not count
+        limit: ConnectionLimit | None = getattr(server, "limit", None)
+        app_factory = getattr(server, "uncounted", server) if limit is not None else server
         self._server = await loop.create_server(
-            tls_protocol_factory(loop, server, context, self._refusals,
-                                 handshake_timeout=self._handshake_timeout),
+            tls_protocol_factory(loop, app_factory, context, self._refusals,
+                                 handshake_timeout=self._handshake_timeout, limit=limit),
             self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address)

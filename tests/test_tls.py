@@ -263,3 +263,39 @@ def test_invalid_tls_settings_name_the_key(
     with pytest.raises(ConfigError, match=r"server\.tls_") as e:
         validate(s)
     assert fragment in str(e.value)
+
+
+async def test_connections_past_the_limit_are_closed_before_their_handshake(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    s = tls_settings(tmp_path, upstream.url, pki)
+    s.server.max_connections = 2
+    p = await started(s)
+
+    def value(name: str, **labels: str) -> float:
+        return p.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def until_open(n: int) -> None:
+        for _ in range(200):
+            if value("karta_proxy_open_connections") == n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"never {n} open: {value('karta_proxy_open_connections')}")
+
+    try:
+        # two clients that never start their handshake hold both places
+        idle = [await asyncio.open_connection("127.0.0.1", p.port) for _ in range(2)]
+        await until_open(2)
+        refused = await fetch(p.port, pki.ca.ca_file)
+        assert refused.status == "" and refused.server_cn == "", refused
+        assert value("karta_proxy_connections_refused_total", reason="max_connections") == 1
+        assert value("karta_proxy_tls_handshake_failures_total", reason="client_closed") == 0
+        # a handshake that fails gives its place back, as a closed connection does
+        idle[0][1].write(b"GET / HTTP/1.1\r\n\r\n")
+        idle[0][1].close()
+        await until_open(1)
+        assert (await fetch(p.port, pki.ca.ca_file)).status == "HTTP/1.1 200 OK"
+        idle[1][1].close()
+        await until_open(0)
+    finally:
+        await p.stop()
