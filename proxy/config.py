@@ -118,7 +118,8 @@ class ServerSettings(Section):
         "how long a request that finds every slot taken waits for one, in arrival order, "
         "with its body unread; 0: 503 at once", ge=0, le=30)] = 2.0
     max_inflight_bytes: Annotated[int, setting(
-        "bytes of request bodies held at once (compressed + decoded); past it 503 + "
+        "bytes of requests held at once (compressed body, twice the decoded size until "
+        "spliced, then the outgoing body); past it 503 + "
         "Retry-After, but a request alone in flight is always taken; at least "
         "max_body_bytes", gt=0)] = 512 * MiB
     forward_before_ready: Annotated[bool, setting(

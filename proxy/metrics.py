@@ -187,7 +187,8 @@ class ProxyMetrics:
         self.inflight = Gauge(_P + "inflight_requests", "Remote-write requests being processed.",
                               registry=r)
         self.inflight_bytes = Gauge(
-            _P + "inflight_bytes", "Request body bytes (compressed + decoded) held right now.",
+            _P + "inflight_bytes", "Request bytes charged to server.max_inflight_bytes "
+            "now (body, decoded and output until spliced, then the outgoing body).",
             registry=r,
         )
 

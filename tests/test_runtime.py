@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
@@ -19,6 +20,9 @@ from proxy.sender import Series, decode_v1, send_series
 from tests.peers.conftest import wait_until
 from tests.scripted import Received, Reply, ScriptedUpstream
 from tests.test_handler import SNAPSHOT
+
+if TYPE_CHECKING:
+    from tests.kubesim import KubeSim
 
 
 async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
@@ -181,6 +185,18 @@ async def test_lease_in_the_own_namespace_by_default(
             assert p.lease_namespace == "karta-proxy"
 
 
+def electing_settings(sim: KubeSim, up: ScriptedUpstream, *, interval: float) -> Settings:
+    """A cluster-mode proxy on the simulator that elects its fact writer."""
+    s = Settings()
+    s.kube.kubeconfig = str(sim.write_kubeconfig())
+    s.upstream.url = up.url
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = True
+    s.facts.leader_election = True
+    s.facts.interval_seconds = interval
+    return s
+
+
 async def test_a_replica_campaigns_for_the_fact_lease_only_once_its_index_is_loaded(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -195,13 +211,7 @@ async def test_a_replica_campaigns_for_the_fact_lease_only_once_its_index_is_loa
     async with KubeSim() as sim, ScriptedUpstream() as up:
         deployment(sim, "web", "shop", replicas=1)
         sim.fail_resource(POD, 500)
-        s = Settings()
-        s.kube.kubeconfig = str(sim.write_kubeconfig())
-        s.upstream.url = up.url
-        s.server.listen_address = "127.0.0.1:0"
-        s.facts.enabled = True
-        s.facts.leader_election = True
-        s.facts.interval_seconds = 0.2
+        s = electing_settings(sim, up, interval=0.2)
         s.facts.lease_duration_seconds = 1.5
         p = Proxy(s)
         starting = asyncio.create_task(p.start())  # start waits for the first list
@@ -243,14 +253,7 @@ async def test_a_stop_while_the_fact_writer_still_waits_to_campaign_ends(
     async with KubeSim() as sim, ScriptedUpstream() as up:
         deployment(sim, "web", "shop", replicas=1)
         sim.fail_resource(POD, 500)  # loaded only once the campaign waits
-        s = Settings()
-        s.kube.kubeconfig = str(sim.write_kubeconfig())
-        s.upstream.url = up.url
-        s.server.listen_address = "127.0.0.1:0"
-        s.facts.enabled = True
-        s.facts.leader_election = True
-        s.facts.interval_seconds = 60
-        p = Proxy(s)
+        p = Proxy(electing_settings(sim, up, interval=60))
         starting = asyncio.create_task(p.start())
         try:
             await asyncio.sleep(0.5)
