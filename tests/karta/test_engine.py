@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -298,6 +299,38 @@ def test_an_owner_cycle_of_described_kinds_makes_no_workload(hops: int, order: s
     assert wname(P(cs, "pod-p")) == "dcyc"
     assert [w.ref.name for w in e2.workloads()] == ["dcyc"]
     assert W(e2, "deployment-dcyc").replicas[0].observed == 1
+
+
+def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it() -> None:
+    """A JobSet whose only description is invalid may be the topmost workload of its
+    Jobs: a pod under a Job (described by the built-ins) reads ``description_error``
+    as one owned by the JobSet directly does, and no Job becomes a workload of its own
+    (each Job of the JobSet was one, with phase and replica facts). Fixed, the JobSet
+    is the one workload."""
+    e = Engine()
+    broken = jobset_karta(ownerless=True)
+    e.upsert(broken)
+    assert len(e.description_errors) == 1
+    js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
+    job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
+    e.upsert_many([js, job, pod("w", job), pod("d", js)])
+    assert P(e, "pod-w").reason == "description_error"
+    assert P(e, "pod-d").reason == "description_error"
+    assert list(e.workloads()) == []
+    cs = e.upsert(jobset_karta(ownerless=False))
+    assert e.description_errors == []
+    assert {wname(P(cs, "pod-w")), wname(P(cs, "pod-d"))} == {"js"}
+    assert [w.ref.name for w in e.workloads()] == ["js"]
+
+
+def jobset_karta(*, ownerless: bool) -> dict[str, Any]:
+    """The test JobSet description, made invalid by a child whose component owner
+    (``ownerRef``) does not exist when ``ownerless``."""
+    raw = copy.deepcopy(descriptions.JOBSET_KARTA)
+    raw["spec"]["structureDefinition"]["childComponents"] = [{
+        "name": "workers", "ownerRef": "nope" if ownerless else "jobset",
+        "specDefinition": {"podTemplateSpecPath": ".spec.template"}}]
+    return raw
 
 
 def test_invalid_objects_are_counted_not_raised() -> None:
