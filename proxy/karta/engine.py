@@ -348,8 +348,10 @@ class _RowTemplate:
             if ids is None:
                 return None  # the instances are whatever the pods say: no fixed rows
             for i, iid in enumerate(ids):
-                if (fc.name, iid) in out.covered:
-                    continue  # an id listed twice: one row, the first's (one label set)
+                if iid is None or (fc.name, iid) in out.covered:
+                    # a null or empty id: no row, but its place (the scale outputs line
+                    # up by position); an id listed twice: one row, the first's
+                    continue
                 out.rows.append(
                     _TemplateRow(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), comps)
                 )
@@ -380,8 +382,9 @@ class _ObjectFacts:
         self.since: float | None = None
         self.statuses: tuple[str, ...] = (UNDEFINED,)
         self.reason = ""
-        #: component -> instance ids in order (None: the path failed)
-        self.ids: dict[str, tuple[str, ...] | None] = {}
+        #: component -> instance ids in order, None in the place of a null or empty one
+        #: (None for the whole: the path failed)
+        self.ids: dict[str, tuple[str | None, ...] | None] = {}
         self.scale: dict[str, _ScaleOutputs] = {}
         #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
         self.rows: _RowTemplate | None = None
@@ -1220,7 +1223,8 @@ class Engine:
         for fc in plan.fact_comps:
             scale = ev.scale.get(fc.name) if ev is not None else None
             want, lo, hi = scale if scale is not None else _NO_SCALE
-            ids = ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None
+            ids: tuple[str | None, ...] | None = (
+                ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None)
             if ids is None and fc.ids_path is not None:
                 # instance ids unknown (object not seen, or the path failed): the
                 # instances the pods name, without desired counts
@@ -1234,8 +1238,8 @@ class Engine:
                 covered.add((fc.name, ""))
                 continue
             for i, iid in enumerate(ids):
-                if (fc.name, iid) in covered:
-                    continue  # an id listed twice: one row, the first's (one label set)
+                if iid is None or (fc.name, iid) in covered:
+                    continue  # no id here (its place kept); an id listed twice: the first's
                 seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
                 rows.append(
                     ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)

@@ -51,14 +51,19 @@ def outputs_equal(out: list[Any], value: str) -> bool:
     return any(v is not None and to_text(v) == value for v in out)
 
 
-def output_ids(out: list[Any]) -> list[str]:
-    """The id list of an ``instanceIdPath``: the non-null, non-empty outputs as text."""
-    return [to_text(v) for v in out if v is not None and v != ""]
+def output_ids(out: list[Any]) -> list[str | None]:
+    """The id list of an ``instanceIdPath``, by position: each output as text, None for
+    a null or empty one.
+
+    The scale paths' outputs line up with the ids by position, so an id no pod can
+    name (null, "") keeps its place: dropped, the ids after it took the desired counts
+    of the places before them (ids ["", "b"], replicas [5, 1] gave "b" 5)."""
+    return [None if v is None or v == "" else to_text(v) for v in out]
 
 
 def single_output_id(out: list[Any]) -> str | None:
     """Instance / replica ids: exactly one non-null, non-empty result, else None."""
-    ids = output_ids(out)
+    ids = [i for i in output_ids(out) if i is not None]
     return ids[0] if len(ids) == 1 else None
 
 
@@ -120,7 +125,7 @@ class JqExpr:
     def single_id(self, obj: Any) -> str | None:
         return single_output_id(self.all(obj))
 
-    def ids(self, obj: Any) -> list[str]:
+    def ids(self, obj: Any) -> list[str | None]:
         return output_ids(self.all(obj))
 
     def tostring_first(self, obj: Any) -> str | None:

@@ -535,6 +535,34 @@ def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     assert rows == {("head", ""): (None, 0), ("worker", "cpu"): (1, 1), ("worker", "gpu"): (1, 1)}
 
 
+def test_a_null_or_empty_instance_id_keeps_its_place_for_the_desired_counts() -> None:
+    """The replicas line up with the ids by position: ids ["", "b"] with replicas [5, 1]
+    gave "b" 5 (the empty id was dropped, and its place with it). Now "b" is 1 and the
+    empty id has no row; the same where the rows are not templated (another component's
+    ids unknown: its path fails)."""
+    groups = {"name": "a", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+              "instanceIdPath": ".spec.groups[].name",
+              "scaleDefinition": {"replicasPath": ".spec.groups[].replicas"},
+              "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "a"}},
+                              "componentInstanceSelector": {"idPath": '.metadata.labels["g"]'}}}
+    broken = {"name": "z", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.z"},
+              "instanceIdPath": ".spec.none[]",  # .[] on null: a jq error, ids unknown
+              "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "z"}},
+                              "componentInstanceSelector": {"idPath": '.metadata.labels["g"]'}}}
+    for children in ([groups], [groups, broken]):
+        e = Engine()
+        e.add_descriptions([describe(karta({"group": "example.com", "kind": "Thing"},
+                                           children))])
+        for name, first in (("t", {"name": ""}), ("u", {})):
+            thing = obj("example.com/v1", "Thing", name, spec={"groups": [
+                {**first, "replicas": 5}, {"name": "b", "replicas": 1}]})
+            e.upsert_many([thing, pod(f"{name}-p", thing, role="a", g="b")])
+            rows = {(r.component, r.instance): r.desired for r in W(e, f"thing-{name}").replicas
+                    if r.component == "a"}
+            assert rows == {("a", "b"): 1.0}, (children, name)
+            assert P(e, f"pod-{name}-p").instance == "b"
+
+
 def test_component_choice_ambiguous_fallback_and_errors() -> None:
     sel = '.metadata.labels["role"]'
     raw = karta(

@@ -74,9 +74,11 @@ def test_single_id_needs_exactly_one() -> None:
     assert JqExpr(".missing").single_id(OBJ) is None
 
 
-def test_ids_skip_null_and_empty() -> None:
-    assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu"]
-    assert JqExpr(".missing").ids(OBJ) == []
+def test_ids_keep_the_place_of_null_and_empty() -> None:
+    """The scale paths' outputs line up with the ids by position."""
+    assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu", None, None]
+    assert JqExpr(".missing").ids(OBJ) == [None]
+    assert JqExpr("empty").ids(OBJ) == []
 
 
 def test_tostring_first() -> None:
