@@ -47,8 +47,12 @@ def outputs_present(out: list[Any]) -> bool:
 
 
 def outputs_equal(out: list[Any], value: str) -> bool:
-    """Upstream's ``keyPath`` + ``value``: some output equals the string value."""
-    return any(v is not None and to_text(v) == value for v in out)
+    """Upstream's ``keyPath`` + ``value``: some output equals the string value.
+
+    JSON equality, as upstream's ``keyPath == "<value>"``: a number 0 or a boolean true
+    is not the string "0" or "true" (its ``tostring`` would be, and matched pods that
+    upstream leaves out)."""
+    return any(type(v) is str and v == value for v in out)
 
 
 def output_ids(out: list[Any]) -> list[str | None]:
@@ -62,9 +66,14 @@ def output_ids(out: list[Any]) -> list[str | None]:
 
 
 def single_output_id(out: list[Any]) -> str | None:
-    """Instance / replica ids: exactly one non-null, non-empty result, else None."""
-    ids = [i for i in output_ids(out) if i is not None]
-    return ids[0] if len(ids) == 1 else None
+    """Instance / replica ids: exactly one result, non-null and non-empty, else None.
+
+    The count is of all outputs, nulls and empties included: [null, "x"] is two results,
+    so no id (upstream), not "x"."""
+    if len(out) != 1:
+        return None
+    v = out[0]
+    return None if v is None or v == "" else to_text(v)
 
 
 class JqExpr:

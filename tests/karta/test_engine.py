@@ -595,6 +595,36 @@ def test_component_choice_ambiguous_fallback_and_errors() -> None:
     assert rows == {("a", 1), ("b", 0), ("c", 0), ("", 2)}
 
 
+def test_selectors_compare_as_upstream_json_equality_and_count_every_output() -> None:
+    """A type selector's ``value`` matches a string output equal to it, not a number 0
+    or a boolean true whose text is "0" or "true"; an instance id path yielding
+    [null, "x"] yields two results, so no id (it was "x")."""
+    raw = karta(
+        {"group": "example.com", "kind": "Thing"},
+        [
+            {"name": "zero", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.idx | tonumber", "value": "0"}}},
+            {"name": "flag", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.b"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.idx | tonumber > 0", "value": "true"}}},
+            {"name": "text", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.c"},
+             "instanceIdPath": ".spec.ids[]",
+             "podSelector": {"componentTypeSelector": {"keyPath": ".metadata.labels.kind",
+                                                       "value": "t"},
+                             "componentInstanceSelector": {
+                                 "idPath": '.metadata.labels["g"], .metadata.labels["h"]'}}},
+        ],
+    )
+    e = Engine()
+    e.add_descriptions([describe(raw)])
+    thing = obj("example.com/v1", "Thing", "t", spec={"ids": ["x"]})
+    e.upsert_many([thing, pod("p0", thing, idx="0"), pod("p1", thing, idx="1"),
+                   pod("one", thing, kind="t", h="x"), pod("two", thing, kind="t", g="y", h="x")])
+    got = {a.pod: (a.component, a.instance) for a in e.pods()}
+    assert got == {"p0": ("", ""), "p1": ("", ""), "one": ("text", ""), "two": ("text", "")}
+
+
 def test_description_objects_from_the_api() -> None:
     e = Engine()
     rc = raycluster("rc", ["cpu"])

@@ -58,10 +58,12 @@ def test_present_is_a_non_null_result() -> None:
     assert JqExpr("false").present(OBJ)  # false is a value, not an absence
 
 
-def test_equals_compares_text() -> None:
+def test_equals_is_json_equality_with_the_string() -> None:
+    """Upstream's ``keyPath == "<value>"``: a number or a boolean is not its text."""
     assert JqExpr(".metadata.labels.role").equals(OBJ, "head")
-    assert JqExpr(".metadata.labels.n").equals(OBJ, "3")
-    assert JqExpr(".status.ready").equals(OBJ, "true")
+    assert not JqExpr(".metadata.labels.n").equals(OBJ, "3")
+    assert not JqExpr(".status.ready").equals(OBJ, "true")
+    assert JqExpr(".metadata.labels.n | tostring").equals(OBJ, "3")
     assert JqExpr(".spec.groups[].name").equals(OBJ, "cpu")  # any output
     assert not JqExpr(".metadata.labels.missing").equals(OBJ, "null")  # null never matches
 
@@ -72,6 +74,9 @@ def test_single_id_needs_exactly_one() -> None:
     assert JqExpr(".spec.groups[].name").single_id(OBJ) is None  # two ids
     assert JqExpr(".spec.groups[2:][].name").single_id(OBJ) is None  # only null and ""
     assert JqExpr(".missing").single_id(OBJ) is None
+    # exactly one result, counted before nulls and empties are left out
+    assert JqExpr('null, "x"').single_id(OBJ) is None
+    assert JqExpr('"", "x"').single_id(OBJ) is None
 
 
 def test_ids_keep_the_place_of_null_and_empty() -> None:
