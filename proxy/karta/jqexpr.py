@@ -24,7 +24,11 @@ class JqError(RuntimeError):
 
 
 def to_text(value: Any) -> str:
-    """The string form upstream compares against (jq ``tostring``)."""
+    """The string form upstream compares against (jq ``tostring``).
+
+    Compact, keys sorted (gojq iterates a map in key order) and non-ASCII as is: jq and
+    gojq write "é", where JSON's default ASCII escape ("\\u00e9") never equalled an
+    ``expectedResult`` written as the text reads."""
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -33,7 +37,7 @@ def to_text(value: Any) -> str:
         return "null"
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return str(int(value))
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
 # Upstream's wrapper semantics, over the outputs of a path: ``JqExpr`` runs the program

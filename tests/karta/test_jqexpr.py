@@ -20,6 +20,8 @@ OBJ: dict[str, Any] = {
 @pytest.mark.parametrize(("value", "text"), [
     ("s", "s"), (True, "true"), (False, "false"), (None, "null"), (2.0, "2"), (3, "3"),
     (2.5, "2.5"), (2.0**60, "1.152921504606847e+18"), ({"b": 1, "a": [1, 2]}, '{"a":[1,2],"b":1}'),
+    # non-ASCII as jq and gojq write it, not escaped
+    ({"a": "é"}, '{"a":"é"}'), (["日本"], '["日本"]'),
 ])
 def test_to_text_is_jq_tostring(value: Any, text: str) -> None:
     assert to_text(value) == text

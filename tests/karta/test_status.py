@@ -367,6 +367,7 @@ def test_phase_is_the_first_output_and_must_be_a_string() -> None:
         (".v", "abc", "abc"),
         (".v | length", "2", [1, 2]),
         (".v[]", "x", ["x", "y"]),  # the first output counts
+        (".v", '{"a":"é"}', {"a": "é"}),  # non-ASCII as jq and gojq write it
     ],
 )
 def test_by_expression_compares_tostring(expression: str, expected: str, value: Any) -> None:
