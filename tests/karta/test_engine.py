@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from proxy.karta.engine import (
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
     STAT_SELECTOR_ERROR,
+    STAT_SELECTOR_UNKEPT_FIELD,
     Engine,
 )
 from proxy.karta.model import Description, GroupKind
@@ -623,6 +625,44 @@ def test_selectors_compare_as_upstream_json_equality_and_count_every_output() ->
                    pod("one", thing, kind="t", h="x"), pod("two", thing, kind="t", g="y", h="x")])
     got = {a.pod: (a.component, a.instance) for a in e.pods()}
     assert got == {"p0": ("", ""), "p1": ("", ""), "one": ("text", ""), "two": ("text", "")}
+
+
+def test_a_pod_selector_reading_what_the_engine_does_not_keep_is_told_at_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Selectors see only the pod metadata the engine keeps: one reading ``.spec`` or
+    other metadata saw null there, silently. It is now named at load time (a warning,
+    counted, listed in ``description_warnings``); the description stays in force."""
+    raw = karta(
+        {"group": "example.com", "kind": "Thing"},
+        [
+            {"name": "sched", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+             "podSelector": {"componentTypeSelector": {"keyPath": ".spec.schedulerName",
+                                                       "value": "volcano"}}},
+            {"name": "gen", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.b"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": '.metadata.generateName | startswith("w-")', "value": "true"}}},
+            {"name": "fine", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.c"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.idx | tonumber > 0", "value": "true"}}},
+        ],
+    )
+    e = Engine()
+    assert e.description_warnings == [] and not e.stats[STAT_SELECTOR_UNKEPT_FIELD]
+    with caplog.at_level(logging.WARNING, logger="proxy.karta.engine"):
+        e.add_descriptions([describe(raw)])
+    assert e.description_warnings == [
+        "test (test-thing): component 'sched': componentTypeSelector.keyPath "
+        "'.spec.schedulerName' reads .spec.schedulerName",
+        "test (test-thing): component 'gen': componentTypeSelector.keyPath "
+        "'.metadata.generateName | startswith(\"w-\")' reads .metadata.generateName",
+    ]
+    assert e.stats[STAT_SELECTOR_UNKEPT_FIELD] == 2
+    assert "description test-thing (test): component 'sched'" in caplog.text
+    assert GroupKind("example.com", "Thing") in e.descriptions()  # still in force
+    e.add_descriptions([describe(raw)])  # the same again: not told twice
+    assert e.stats[STAT_SELECTOR_UNKEPT_FIELD] == 2
+    e.remove_descriptions("files")
+    assert e.description_warnings == []
 
 
 def test_description_objects_from_the_api() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.karta.jqexpr import JqCompileError, JqError, JqExpr, to_text
+from proxy.karta.jqexpr import JqCompileError, JqError, JqExpr, input_fields, to_text
 
 OBJ: dict[str, Any] = {
     "metadata": {"name": "web", "labels": {"role": "head", "n": 3}},
@@ -120,3 +120,34 @@ def test_two_compilations_of_one_text_are_equal() -> None:
     """So a description read again compares equal to the one in force."""
     a, b = JqExpr(".a | length"), JqExpr(".a | length")
     assert a == b and hash(a) == hash(b) and a != JqExpr(".b") and a != ".a | length"
+
+
+@pytest.mark.parametrize(("source", "fields"), [
+    ('.metadata.labels["a.b/c"]', [("metadata", "labels", "a.b/c")]),
+    (".metadata.labels.role", [("metadata", "labels", "role")]),
+    ('.["spec"].x', [("spec", "x")]),
+    ('."spec".x', [("spec", "x")]),
+    (".spec.containers[0].name", [("spec", "containers")]),
+    (".status.conditions[]?.type", [("status", "conditions")]),
+    (".metadata.labels.idx | tonumber > 0", [("metadata", "labels", "idx")]),
+    ('.metadata.labels["g"], .metadata.labels["h"]', [("metadata", "labels", "g"),
+                                                      ("metadata", "labels", "h")]),
+    ("if .spec.x then 1 else .metadata.name end", [("spec", "x"), ("metadata", "name")]),
+    ('.status.phase // "x"', [("status", "phase")]),
+    ("select(.spec.a == 1)", [("spec", "a")]),
+    (".metadata.labels[.spec.k]", [("metadata", "labels"), ("spec", "k")]),
+    # what follows a pipe, an "as" or a mapping call reads another value: left out
+    (".metadata.ownerReferences[]? | select(.controller == true) | .kind",
+     [("metadata", "ownerReferences")]),
+    (".metadata | .generateName", [("metadata",)]),
+    ("map(.x)", []),
+    (". as $p | $p.spec", []),
+    ('"\\(.spec.x)"', []),
+    ("1.5", []),
+    ("..", []),
+    ("def f: .spec; f", None),
+])
+def test_input_fields_are_the_paths_read_from_the_input(
+        source: str, fields: list[tuple[str, ...]] | None) -> None:
+    JqExpr(source)  # valid jq
+    assert input_fields(source) == fields
