@@ -383,6 +383,14 @@ class Proxy:
                       "their attribution: %s", len(failures), len(owed),
                       ", ".join(u for u, _ in failures[:5]), exc_info=error)
 
+    async def _follow_kinds(self) -> None:
+        """A snapshot source feeds again the objects of kinds the new descriptions made
+        the engine keep whole (the watches relist them as they follow the kinds)."""
+        from proxy.snapshot import SnapshotSource
+
+        if isinstance(self.source, SnapshotSource):
+            await self.source.follow_kinds()
+
     async def _reload(self) -> ReloadOutcome:
         from proxy.attribution import build_plan
         from proxy.karta.description import load_description_paths
@@ -418,6 +426,7 @@ class Proxy:
             else:
                 await self._describe(None, "builtin")
         await self._describe(descs if paths else None, "files")
+        await self._follow_kinds()
         if plan is not None:
             self.enricher.replan(plan)
         if "log_level" in merged.applied:

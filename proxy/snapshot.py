@@ -49,7 +49,8 @@ from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
-from proxy.karta.model import Description
+from proxy.karta.model import Description, GroupKind
+from proxy.karta.owners import group_kind
 from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
 from proxy.karta.yamltext import (
@@ -68,6 +69,7 @@ from proxy.yielding import (
     Pacer,
     Slices,
     ThreadPacer,
+    in_runs,
 )
 
 log = logging.getLogger("karta.snapshot")
@@ -205,6 +207,26 @@ def _kind(obj: Held) -> str:
 
 def _load(obj: Held) -> Mapping[str, Any]:
     return obj.load() if isinstance(obj, ObjectStub) else obj
+
+
+def _group_kind(obj: Held) -> GroupKind:
+    if isinstance(obj, ObjectStub):
+        return group_kind(obj.api_version, obj.kind)
+    return group_kind(str(obj["apiVersion"]), str(obj["kind"]))
+
+
+def _has_body(obj: Held) -> bool:
+    """The whole object is at hand: a parsed one, or a stub still carrying its text."""
+    return not isinstance(obj, ObjectStub) or obj.text is not None
+
+
+def full_kinds(engine: Engine) -> frozenset[GroupKind]:
+    """The kinds whose objects the engine keeps whole.
+
+    It keeps an object whole only if its kind wants it so when the object arrives: a
+    kind that wants it later (a description added) must be fed its objects again, or
+    its workloads read ``workload_object_missing`` until each object changes."""
+    return frozenset(gk for gk, mode in engine.required_kinds().items() if mode == "full")
 
 
 @dataclass
@@ -801,6 +823,10 @@ class ContentPlan:
     gone: list[Mapping[str, Any]]
     #: new or changed objects, in feed order
     fresh: list[Held]
+    #: when the descriptions changed, the other objects, in feed order: those of a kind
+    #: the new descriptions make the engine keep whole are fed again (see
+    #: :func:`full_kinds`); empty otherwise
+    unchanged: list[Held] = field(default_factory=list)
 
 
 def plan_content(content: SnapshotContent, previous: SnapshotContent | None = None,
@@ -834,14 +860,17 @@ def plan_content(content: SnapshotContent, previous: SnapshotContent | None = No
             gone.append(o.as_object() if isinstance(o, ObjectStub) else o)
         pace()
     fresh: list[Held] = []
+    unchanged: list[Held] = []
     for uid, o in objs.items():
         report.objects[_kind(o)] += 1
         # a stub without text is a kept file's object that won before too: applied as is
         if not (isinstance(o, ObjectStub) and o.text is None) and not _same(old.get(uid), o):
             fresh.append(o)
+        elif changed_descriptions:
+            unchanged.append(o)
         pace()
     return ContentPlan(report, (descs, errors) if changed_descriptions else None, gone,
-                       _feed_order(fresh))
+                       _feed_order(fresh), _feed_order(unchanged))
 
 
 def apply_plan(plan: ContentPlan, engine: Engine) -> SnapshotReport:
@@ -869,8 +898,10 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
         if index is not None and cs:
             index.apply(cs)
 
+    again: list[Held] = []
     if plan.descriptions is not None:
         descs, errors = plan.descriptions
+        before = full_kinds(engine)
         change = engine.change_descriptions(descs, source=DESCRIPTION_SOURCE, errors=errors)
         done(change.changes)
         yield
@@ -878,10 +909,15 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
         owed_failed = _skipping(report, lambda uid: f"the re-attribution of {uid}")
         yield from slices.run(len(owed), lambda i, j: done(
             alone_if_failing(owed[i:j], engine.reattribute, owed_failed)))
+        newly = full_kinds(engine) - before
+        if newly:
+            # a stub without its text is fed again by the source (SnapshotSource.follow_kinds)
+            again = [o for o in plan.unchanged if _has_body(o) and _group_kind(o) in newly]
     gone, fresh = plan.gone, plan.fresh
     gone_failed = _skipping(report, lambda obj: f"the deletion of {object_name(obj)}")
     yield from slices.run(len(gone), lambda i, j: done(
         alone_if_failing(gone[i:j], engine.delete_many, gone_failed)))
+    yield from slices.run(len(again), lambda i, j: done(_upsert(engine, again[i:j], report)))
     yield from slices.run(len(fresh), lambda i, j: done(_upsert(engine, fresh[i:j], report)))
     attributions = list(engine.pods())
 
@@ -988,6 +1024,11 @@ class SnapshotSource:
         self._content: SnapshotContent | None = None
         self._signature: tuple[tuple[str, int, int], ...] = ()
         self._task: asyncio.Task[None] | None = None
+        #: the kinds the engine kept whole when this source last fed it (full_kinds)
+        self._full: frozenset[GroupKind] = frozenset()
+        #: a reload and a feeding of newly whole kinds each read ``_content`` and replace
+        #: or feed from it: one at a time
+        self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Load, apply to the index, mark it ready and fresh; raises ``SnapshotError``."""
@@ -997,6 +1038,7 @@ class SnapshotSource:
             reasons = "; ".join(str(s) for s in content.skipped[:5]) or "no snapshot files"
             raise SnapshotError(f"snapshot {self.path}: nothing could be loaded: {reasons}")
         self.report = apply_content(content, self.engine)
+        self._full = full_kinds(self.engine)
         self._content = content.compact()
         del content
         self.index.apply(self.report.changes)
@@ -1015,6 +1057,72 @@ class SnapshotSource:
 
     async def reload(self) -> SnapshotReport:
         """Apply what changed on disk since the last load (files that fail keep their objects)."""
+        async with self._lock:
+            report = await self._reload()
+            await self._follow_kinds()
+        return report
+
+    async def follow_kinds(self) -> int:
+        """Feed the engine again the objects of the kinds it keeps whole since this source
+        last fed it; returns how many. For a change of descriptions from elsewhere (a
+        configuration reload); a reload of the snapshot does it itself.
+
+        The engine keeps an object whole only if its kind was described when the object
+        arrived (:func:`full_kinds`); once applied, this source keeps only stubs without
+        the objects' text, so the files are read again for them. Rare (a kind newly
+        described), and off the event loop as a reload's read is. An object whose file
+        changed since is left to the reload that change brings (as a new version, fed
+        whole)."""
+        async with self._lock:
+            return await self._follow_kinds()
+
+    async def _follow_kinds(self) -> int:
+        if self._content is None:
+            return 0
+        now = full_kinds(self.engine)
+        newly, self._full = now - self._full, now
+        if not newly:
+            return 0
+        held = self._content.objects()
+        again = {uid: o for uid, o in held.items() if _group_kind(o) in newly}
+        if not again:
+            return 0
+        pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
+        if any(not _has_body(o) for o in again.values()):
+            # read with the stubs of every other object: only these get their text
+            others = {uid: o for uid, o in held.items() if uid not in again}
+            try:
+                read = await asyncio.to_thread(read_snapshot, self.path, packed=True,
+                                               pace=pace, applied=others)
+            except SnapshotError as e:
+                log.error("snapshot: reading the objects of newly described kinds failed",
+                          extra={"error": str(e)})
+                read = SnapshotContent(self.path)
+            found = read.objects(pace)
+            del read
+            for uid, o in list(again.items()):
+                if _has_body(o):
+                    continue
+                new = found.get(uid)
+                if new is not None and _has_body(new) and _same(o, new):
+                    again[uid] = new
+                else:  # changed or gone since: the next reload applies that
+                    del again[uid]
+            del found
+        feed = _feed_order(again.values())
+        report = SnapshotReport(self.path)
+        loop_pace = Pacer(self.busy, pace.remaining())
+        await in_runs(len(feed), lambda i, j: self.index.apply(
+            _upsert(self.engine, feed[i:j], report)), Slices(LOOP_RUN_SECONDS, first=16),
+            loop_pace)
+        for problem in report.invalid_objects:
+            log.error("snapshot: object skipped: %s", problem, extra={"snapshot": self.path})
+        log.info("snapshot: objects of newly described kinds fed again", extra={
+            "snapshot": self.path, "kinds": sorted(str(gk) for gk in newly),
+            "objects": len(feed)})
+        return len(feed)
+
+    async def _reload(self) -> SnapshotReport:
         assert self._content is not None, "start() first"
         pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
         self._signature = await asyncio.to_thread(_signature, self.path)

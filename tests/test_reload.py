@@ -25,6 +25,7 @@ from proxy.config import Settings, load_settings, validate
 from proxy.reload import changed_keys, merge
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
+from tests.karta.descriptions import TRAINER_KARTA
 from tests.karta.runs import record_runs
 from tests.scripted import ScriptedUpstream
 from tests.test_handler import CART, SNAPSHOT
@@ -364,6 +365,32 @@ async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one
         reattributed.clear()
         assert (await p.reload()).ok  # the same files read again
         assert sum(reattributed) == 0
+    finally:
+        await p.stop()
+
+
+async def test_a_description_a_reload_adds_in_snapshot_mode_reads_its_kinds_objects_whole(
+        tmp_path: Path) -> None:
+    """A kind the description files describe only from a reload on: the snapshot's
+    objects of it were kept without their body (undescribed when they came), so the
+    source feeds them again; they read ``workload_object_missing`` (no phase, no desired
+    count) until each changed."""
+    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
+             "controller": True}
+    snap = yaml.safe_dump_all([
+        {"apiVersion": "example.com/v1", "kind": "Trainer",
+         "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
+         "spec": {"replicas": 3}, "status": {"state": "ready"}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": "t-0", "namespace": "shop", "uid": "t-0", "ownerReferences": [owner]}}])
+    p, folder = await _described_proxy(tmp_path, snap)
+    try:
+        (folder / "trainer.yaml").write_text(yaml.safe_dump(TRAINER_KARTA))
+        assert (await p.reload()).ok
+        facts = p.engine.workload("t-uid")
+        assert facts is not None
+        assert (facts.phase, facts.phase_reason, facts.replicas[0].desired) == (
+            "Running", "", 3.0)
     finally:
         await p.stop()
 

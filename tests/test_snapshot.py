@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from proxy import snapshot
 from proxy.index import PodIndex
+from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine
 from proxy.karta.yamltext import Reread
 from proxy.snapshot import (
@@ -36,7 +37,7 @@ from proxy.snapshot import (
     read_file,
     read_snapshot,
 )
-from tests.karta.descriptions import component, karta
+from tests.karta.descriptions import TRAINER_KARTA, component, karta
 from tests.karta.engine_bugs import fail_on_pod
 from tests.loop_turns import LoopTurns
 
@@ -1062,3 +1063,88 @@ def test_an_engine_failure_on_an_owed_object_costs_that_object_only(tmp_path: Pa
         "the re-attribution of b-uid: engine error RuntimeError: engine bug"]
     components = {n: (engine.pod(f"{n}-p") or pytest.fail(n)).component for n in "abc"}
     assert components == {"a": "gpu", "b": "worker", "c": "gpu"}
+
+
+# -- a kind described later ----------------------------------------------------------------------
+
+
+def _trainer_cluster() -> list[dict[str, Any]]:
+    """A Trainer (a kind no built-in describes) with a status and 3 replicas, and its pod."""
+    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t",
+             "uid": "t-uid", "controller": True}
+    return [
+        {"apiVersion": "example.com/v1", "kind": "Trainer",
+         "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
+         "spec": {"replicas": 3}, "status": {"state": "ready"}},
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": "t-0", "namespace": "shop", "uid": "t-0", "ownerReferences": [owner]},
+         "spec": {"containers": []}},
+    ]
+
+
+def _trainer_facts(engine: Engine) -> tuple[str, str, float | None]:
+    facts = engine.workload("t-uid")
+    assert facts is not None
+    return facts.phase, facts.phase_reason, facts.replicas[0].desired
+
+
+def test_a_description_added_on_reload_feeds_its_kinds_unchanged_objects_again(
+        tmp_path: Path) -> None:
+    """The engine keeps an object whole only if its kind was described when it came: a
+    Trainer loaded before its description read ``workload_object_missing`` (no phase, no
+    desired count) until the Trainer itself changed; now as on a fresh start."""
+    _write(tmp_path / "cluster.yaml", _trainer_cluster())
+    before = read_snapshot(tmp_path)
+    engine = Engine()
+    snapshot.apply_content(before, engine)
+    assert engine.workload("t-uid") is None
+    _write(tmp_path / "zz-trainer.yaml", [TRAINER_KARTA])
+    snapshot.apply_content(read_snapshot(tmp_path), engine, previous=before)
+    assert _trainer_facts(engine) == ("Running", "", 3.0)
+
+
+async def test_a_source_reload_that_adds_a_description_feeds_its_kinds_objects_again(
+        tmp_path: Path) -> None:
+    """The same through the source, which keeps only stubs of what it applied: the files
+    are read again for the objects of the newly described kind."""
+    _write(tmp_path / "cluster.yaml", _trainer_cluster())
+    engine = Engine()
+    index = PodIndex()
+    src = SnapshotSource(tmp_path, engine, index)
+    await src.start()
+    try:
+        _write(tmp_path / "zz-trainer.yaml", [TRAINER_KARTA])
+        await src.reload()
+        assert _trainer_facts(engine) == ("Running", "", 3.0)
+        assert _workload_of(index, "t-0") == "t"
+        # nothing newly described: nothing fed again
+        assert await src.follow_kinds() == 0
+    finally:
+        await src.stop()
+        gc.unfreeze()
+
+
+async def test_a_description_from_elsewhere_has_the_source_feed_its_kinds_objects_again(
+        tmp_path: Path) -> None:
+    """A configuration reload describes the kind (not the snapshot): ``follow_kinds``
+    feeds the source's objects of it again; one changed on disk since is left to the
+    reload that change brings."""
+    objs = _trainer_cluster()
+    other = {**objs[0], "metadata": {"name": "u", "namespace": "shop", "uid": "u-uid"}}
+    _write(tmp_path / "cluster.yaml", [*objs, other])
+    engine = Engine()
+    src = SnapshotSource(tmp_path, engine, PodIndex())
+    await src.start()
+    try:
+        engine.add_descriptions([parse_description(TRAINER_KARTA, "files")])
+        assert _trainer_facts(engine)[1] == "workload_object_missing"
+        _write(tmp_path / "cluster.yaml", [*objs, {**other, "spec": {"replicas": 9}}])
+        assert await src.follow_kinds() == 1
+        assert _trainer_facts(engine) == ("Running", "", 3.0)
+        assert await src.follow_kinds() == 0
+        await src.reload()
+        u = engine.workload("u-uid")
+        assert u is not None and u.replicas[0].desired == 9.0
+    finally:
+        await src.stop()
+        gc.unfreeze()

@@ -336,7 +336,9 @@ class _Parser:
 
     def matcher(self, raw: Any, path: str) -> Matcher:
         m = self.mapping(raw, path)
-        by_phase = self.string(m.get("byPhase"), f"{path}.byPhase")
+        # "" is not given: upstream (Go) cannot tell an empty string from an absent one,
+        # so a matcher with ``byPhase: ""`` matches any phase there, not only ""
+        by_phase = _given(self.string(m.get("byPhase"), f"{path}.byPhase"))
         conditions: list[ConditionMatch] = []
         for i, item in enumerate(self.sequence(m.get("byConditions"), f"{path}.byConditions")):
             p = f"{path}.byConditions[{i}]"
@@ -346,8 +348,8 @@ class _Parser:
             conditions.append(
                 ConditionMatch(
                     type=ctype,
-                    status=self.scalar_text(c.get("status"), f"{p}.status"),
-                    reason=self.string(c.get("reason"), f"{p}.reason"),
+                    status=_given(self.scalar_text(c.get("status"), f"{p}.status")),
+                    reason=_given(self.string(c.get("reason"), f"{p}.reason")),
                 )
             )
         expression = None
@@ -455,6 +457,11 @@ def unsafe_jq_name(source: str) -> str | None:
             continue
         i += 1
     return None
+
+
+def _given(value: str | None) -> str | None:
+    """A matcher field as upstream reads it: "" is the same as absent."""
+    return value or None
 
 
 @lru_cache(maxsize=4096)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from proxy.karta.jqexpr import (
     JqError,
     JqExpr,
+    input_fields,
     outputs_equal,
     outputs_present,
     single_output_id,
@@ -80,6 +81,9 @@ STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
 STAT_SELECTOR_ERROR = "selector_error"
 STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
 STAT_INVALID_OBJECT = "invalid_object"
+#: pod-selector paths of the descriptions put in force that read pod fields the engine
+#: does not keep (counted once per path each time its description is put in force)
+STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
@@ -138,7 +142,8 @@ class _PodRec:
         self.key: _CountKey = ("", "")
 
     def jq_input(self) -> dict[str, Any]:
-        """The pod as selectors see it (built per evaluation, not kept)."""
+        """The pod as selectors see it (built per evaluation, not kept): the metadata
+        fields of ``POD_SELECTOR_METADATA``, nothing else."""
         md: dict[str, Any] = {"name": self.name, "namespace": self.namespace, "uid": self.uid}
         if self.labels is not None:
             md["labels"] = self.labels
@@ -149,6 +154,27 @@ class _PodRec:
             md["ownerReferences"] = [{"apiVersion": o.api_version, "kind": o.gk.kind,
                                       "name": o.name, "uid": o.uid, "controller": True}]
         return {"metadata": md}
+
+
+#: what a pod selector sees of a pod's metadata (``_PodRec.jq_input``); of
+#: ``ownerReferences``, the controller reference only. Kept per pod, for every pod: the
+#: rest (spec, status, other metadata) is dropped when the pod arrives
+POD_SELECTOR_METADATA = frozenset(
+    {"name", "namespace", "uid", "labels", "annotations", "ownerReferences"})
+
+
+def unkept_pod_reads(expr: JqExpr) -> list[str]:
+    """The paths ``expr`` reads of a pod that the engine does not keep (``.spec.x``,
+    ``.metadata.generateName``), as far as :func:`input_fields` can tell.
+
+    Such a selector sees null there, silently: upstream runs selectors on the whole pod,
+    and a description written for that would place pods differently here. Told at load
+    time (a warning), since keeping more of every pod costs memory for all of them."""
+    out = []
+    for names in input_fields(expr.source) or ():
+        if names[0] != "metadata" or (len(names) > 1 and names[1] not in POD_SELECTOR_METADATA):
+            out.append("." + ".".join(names[:2]))
+    return out
 
 
 class _Probe:
@@ -177,6 +203,11 @@ class _Probe:
                 self.field = m.group(1)
             elif _CONTROLLER_KIND_PATH.match(expr.source):
                 self.field = "controller_kind"
+
+    def unkept(self) -> list[str]:
+        """What the path reads of a pod the engine does not keep (the plain lookups read
+        kept metadata only)."""
+        return unkept_pod_reads(self.expr) if self.field is None else []
 
     def outputs(self, pod: _PodRec) -> list[Any]:
         f = self.field
@@ -225,6 +256,17 @@ class _PodComponentPlan:
                 self.replica = _Probe(rs)
                 break
             cur = by_name.get(cur.owner_ref) if cur.owner_ref else None
+
+    def unkept(self) -> list[tuple[str, str, list[str]]]:
+        """(selector, path, fields read the engine does not keep) of this component."""
+        out = []
+        for what, probe in (("componentTypeSelector.keyPath", self.type),
+                            ("componentInstanceSelector.idPath", self.inst),
+                            ("replicaSelector.keyPath", self.replica)):
+            fields = probe.unkept() if probe is not None else []
+            if probe is not None and fields:
+                out.append((what, probe.expr.source, fields))
+        return out
 
     def accepts(self, pod: _PodRec) -> bool:
         if self.match_labels:
@@ -302,6 +344,14 @@ class _DescriptionPlan:
         self.ids_paths: dict[str, JqExpr] = {
             c.name: c.instance_id_path for c in comps if c.instance_id_path is not None
         }
+        #: "component selector path: fields" for each pod-selector path that reads pod
+        #: fields the engine does not keep (an inherited replicaSelector once)
+        self.unkept: list[str] = []
+        for cp in self.pod_comps:
+            for what, source, fields in cp.unkept():
+                line = f"{what} {source!r} reads {', '.join(fields)}"
+                if not any(u.endswith(line) for u in self.unkept):
+                    self.unkept.append(f"component {cp.name!r}: {line}")
 
 
 class _TemplateRow(NamedTuple):
@@ -349,8 +399,10 @@ class _RowTemplate:
             if ids is None:
                 return None  # the instances are whatever the pods say: no fixed rows
             for i, iid in enumerate(ids):
-                if (fc.name, iid) in out.covered:
-                    continue  # an id listed twice: one row, the first's (one label set)
+                if iid is None or (fc.name, iid) in out.covered:
+                    # a null or empty id: no row, but its place (the scale outputs line
+                    # up by position); an id listed twice: one row, the first's
+                    continue
                 out.rows.append(
                     _TemplateRow(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), comps)
                 )
@@ -381,8 +433,9 @@ class _ObjectFacts:
         self.since: float | None = None
         self.statuses: tuple[str, ...] = (UNDEFINED,)
         self.reason = ""
-        #: component -> instance ids in order (None: the path failed)
-        self.ids: dict[str, tuple[str, ...] | None] = {}
+        #: component -> instance ids in order, None in the place of a null or empty one
+        #: (None for the whole: the path failed)
+        self.ids: dict[str, tuple[str | None, ...] | None] = {}
         self.scale: dict[str, _ScaleOutputs] = {}
         #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
         self.rows: _RowTemplate | None = None
@@ -613,6 +666,9 @@ class Engine:
         self._errored_by_source: dict[str, GroupKind] = {}
         self._errored: frozenset[GroupKind] = frozenset()
         self.description_errors: list[DescriptionError] = []
+        #: pod-selector paths of the descriptions in force that read pod fields the
+        #: engine does not keep (``unkept_pod_reads``): in force, but they see null there
+        self.description_warnings: list[str] = []
         #: what the engine noticed: ambiguous components, unlisted instances, jq errors
         self.stats: Counter[str] = Counter()
         self._dirty: set[str] = set()
@@ -1233,7 +1289,8 @@ class Engine:
         for fc in plan.fact_comps:
             scale = ev.scale.get(fc.name) if ev is not None else None
             want, lo, hi = scale if scale is not None else _NO_SCALE
-            ids = ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None
+            ids: tuple[str | None, ...] | None = (
+                ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None)
             if ids is None and fc.ids_path is not None:
                 # instance ids unknown (object not seen, or the path failed): the
                 # instances the pods name, without desired counts
@@ -1247,8 +1304,8 @@ class Engine:
                 covered.add((fc.name, ""))
                 continue
             for i, iid in enumerate(ids):
-                if (fc.name, iid) in covered:
-                    continue  # an id listed twice: one row, the first's (one label set)
+                if iid is None or (fc.name, iid) in covered:
+                    continue  # no id here (its place kept); an id listed twice: the first's
                 seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
                 rows.append(
                     ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)
@@ -1365,7 +1422,17 @@ class Engine:
             prev = old.get(gk)
             # by value: a description read again unchanged (every configuration reload
             # re-reads the files) keeps its plan, and its kind is not re-attributed
-            new[gk] = prev if prev is not None and prev.desc == desc else _DescriptionPlan(desc)
+            if prev is not None and prev.desc == desc:
+                new[gk] = prev
+            else:
+                new[gk] = plan = _DescriptionPlan(desc)
+                for problem in plan.unkept:
+                    self.stats[STAT_SELECTOR_UNKEPT_FIELD] += 1
+                    log.warning("karta engine: description %s (%s): %s, which the proxy does "
+                                "not keep of a pod: that selector sees null there",
+                                desc.name, desc.source, problem)
+        self.description_warnings = [
+            f"{p.desc.source} ({p.desc.name}): {u}" for p in new.values() for u in p.unkept]
         changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
         errored = frozenset(self._errored_by_source.values()) - new.keys()
         changed |= errored ^ self._errored

@@ -10,6 +10,7 @@ pod).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jq
@@ -24,7 +25,11 @@ class JqError(RuntimeError):
 
 
 def to_text(value: Any) -> str:
-    """The string form upstream compares against (jq ``tostring``)."""
+    """The string form upstream compares against (jq ``tostring``).
+
+    Compact, keys sorted (gojq iterates a map in key order) and non-ASCII as is: jq and
+    gojq write "é", where JSON's default ASCII escape ("\\u00e9") never equalled an
+    ``expectedResult`` written as the text reads."""
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -33,7 +38,7 @@ def to_text(value: Any) -> str:
         return "null"
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return str(int(value))
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
 # Upstream's wrapper semantics, over the outputs of a path: ``JqExpr`` runs the program
@@ -47,19 +52,33 @@ def outputs_present(out: list[Any]) -> bool:
 
 
 def outputs_equal(out: list[Any], value: str) -> bool:
-    """Upstream's ``keyPath`` + ``value``: some output equals the string value."""
-    return any(v is not None and to_text(v) == value for v in out)
+    """Upstream's ``keyPath`` + ``value``: some output equals the string value.
+
+    JSON equality, as upstream's ``keyPath == "<value>"``: a number 0 or a boolean true
+    is not the string "0" or "true" (its ``tostring`` would be, and matched pods that
+    upstream leaves out)."""
+    return any(type(v) is str and v == value for v in out)
 
 
-def output_ids(out: list[Any]) -> list[str]:
-    """The id list of an ``instanceIdPath``: the non-null, non-empty outputs as text."""
-    return [to_text(v) for v in out if v is not None and v != ""]
+def output_ids(out: list[Any]) -> list[str | None]:
+    """The id list of an ``instanceIdPath``, by position: each output as text, None for
+    a null or empty one.
+
+    The scale paths' outputs line up with the ids by position, so an id no pod can
+    name (null, "") keeps its place: dropped, the ids after it took the desired counts
+    of the places before them (ids ["", "b"], replicas [5, 1] gave "b" 5)."""
+    return [None if v is None or v == "" else to_text(v) for v in out]
 
 
 def single_output_id(out: list[Any]) -> str | None:
-    """Instance / replica ids: exactly one non-null, non-empty result, else None."""
-    ids = output_ids(out)
-    return ids[0] if len(ids) == 1 else None
+    """Instance / replica ids: exactly one result, non-null and non-empty, else None.
+
+    The count is of all outputs, nulls and empties included: [null, "x"] is two results,
+    so no id (upstream), not "x"."""
+    if len(out) != 1:
+        return None
+    v = out[0]
+    return None if v is None or v == "" else to_text(v)
 
 
 class JqExpr:
@@ -120,7 +139,7 @@ class JqExpr:
     def single_id(self, obj: Any) -> str | None:
         return single_output_id(self.all(obj))
 
-    def ids(self, obj: Any) -> list[str]:
+    def ids(self, obj: Any) -> list[str | None]:
         return output_ids(self.all(obj))
 
     def tostring_first(self, obj: Any) -> str | None:
@@ -158,3 +177,163 @@ class JqExpr:
             else:
                 out.append(None)
         return out
+
+
+# -- which input fields a program reads ----------------------------------------------------
+
+#: jq words that are not function calls (a word before "(" that is none of these is one)
+_KEYWORDS = frozenset({
+    "if", "then", "elif", "else", "end", "as", "def", "reduce", "foreach", "try", "catch",
+    "label", "import", "include", "and", "or", "__loc__",
+})
+#: calls whose argument runs on the call's own input (most map or filter something else)
+_SAME_INPUT_CALLS = frozenset({"select", "has", "test", "tostring", "tonumber"})
+_WORD_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_$@")
+_WORD_CHARS = _WORD_START | frozenset("0123456789:")
+#: a "." right after one of these continues a chain (``$x.a``, ``.a[0].b``, ``f(.).c``)
+_CHAINED_AFTER = _WORD_CHARS | frozenset('])?"')
+#: a subscript that names a field (``["a"]``, no interpolation), and one that iterates
+_BRACKET_NAME = re.compile(r'\[\s*"((?:[^"\\]|\\[^(])*)"\s*\]')
+_BRACKET_ALL = re.compile(r"\[\s*\]")
+
+
+def input_fields(source: str) -> list[tuple[str, ...]] | None:
+    """The field paths a jq program reads from its own input, as far as a scan can tell:
+    for each path that starts at the input (``.metadata.labels["k"]`` gives
+    ``("metadata", "labels", "k")``), its leading field names. None when the scan cannot
+    tell (a ``def``).
+
+    For a warning, not a decision (``Engine`` tells a pod selector that reads what the
+    engine does not keep of a pod): a path after a pipe, an ``as`` binding or inside a
+    call that maps something else (``map(.x)``) reads another value than the input, and
+    is left out, so the scan misses reads (``getpath``, ``..``) rather than invents them.
+    """
+    out: list[tuple[str, ...]] = []
+    #: per open bracket: does a path in it still start at the program's input
+    frames: list[bool] = [True]
+    call = ""  # the word just read, when "(" may follow it
+    i, n = 0, len(source)
+    while i < n:
+        c = source[i]
+        if c == '"':
+            i = _skip_string(source, i)
+            call = ""
+            continue
+        if c == "#":
+            while i < n and source[i] != "\n":
+                i += 1
+            continue
+        if c in _WORD_START:
+            j = i + 1
+            while j < n and source[j] in _WORD_CHARS:
+                j += 1
+            word = source[i:j]
+            if word == "def":
+                return None
+            if word == "as":
+                frames[-1] = False
+            call = word if word not in _KEYWORDS and c not in "$@" else ""
+            i = j
+            continue
+        if c.isdigit():
+            j = i + 1
+            while j < n and (source[j].isalnum() or source[j] in ".+-"):
+                j += 1
+            i, call = j, ""
+            continue
+        if c == ".":
+            if i + 1 < n and source[i + 1] == ".":  # recursive descent: not followed
+                i, call = i + 2, ""
+                continue
+            prev = source[i - 1] if i else ""
+            names, i = _chain(source, i)
+            if names and frames[-1] and prev not in _CHAINED_AFTER:
+                out.append(tuple(names))
+            call = ""
+            continue
+        if c in "([{":
+            inherit = frames[-1]
+            if c == "(" and call:
+                inherit = inherit and call in _SAME_INPUT_CALLS
+            frames.append(inherit)
+        elif c in ")]}":
+            if len(frames) > 1:
+                frames.pop()
+        elif c == "|":  # "|=" too: its right side runs on what the left side selects
+            frames[-1] = False
+        call = "" if not c.isspace() else call
+        i += 1
+    return out
+
+
+def _skip_string(source: str, i: int) -> int:
+    """The index after the string literal opening at ``i`` (interpolations skipped whole)."""
+    n = len(source)
+    i += 1
+    depth = 0
+    while i < n:
+        c = source[i]
+        if depth:
+            if c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+        elif c == "\\":
+            if source[i + 1 : i + 2] == "(":
+                depth = 1
+            i += 2
+            continue
+        elif c == '"':
+            return i + 1
+        i += 1
+    return n
+
+
+def _chain(source: str, i: int) -> tuple[list[str], int]:
+    """The field names of the path starting with the "." at ``i``, and where it ends.
+
+    Names run while the steps are fields (``.a``, ``."a"``, ``["a"]``, ``.["a"]``, ``?``
+    between); ``[]`` or an index ends the names, and a subscript that is an expression
+    is left to the caller (it reads the program's input again)."""
+    names: list[str] = []
+    n = len(source)
+    naming = True
+    while i < n:
+        c = source[i]
+        if c == "?":
+            i += 1
+            continue
+        if c == ".":
+            j = i + 1
+            if j < n and source[j] in _WORD_START and source[j] not in "$@":
+                k = j + 1
+                while k < n and (source[k].isalnum() or source[k] == "_"):
+                    k += 1
+                if naming:
+                    names.append(source[j:k])
+                i = k
+                continue
+            if j < n and source[j] == '"':
+                end = _skip_string(source, j)
+                if naming:
+                    names.append(source[j + 1 : end - 1])
+                i = end
+                continue
+            if j < n and source[j] == "[":
+                i = j
+                continue
+            return names, i + 1  # "." alone: the input itself
+        if c == "[":
+            m = _BRACKET_NAME.match(source, i)
+            if m is not None:
+                if naming:
+                    names.append(m.group(1))
+                i = m.end()
+                continue
+            m = _BRACKET_ALL.match(source, i)
+            if m is not None:
+                naming = False
+                i = m.end()
+                continue
+        return names, i
+    return names, i

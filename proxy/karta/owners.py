@@ -291,6 +291,13 @@ class OwnerGraph:
         (which one the limit stopped at depended on the hop count's parity, and every
         described object on it became a workload of its own), so then nothing below it
         is attributed, the caller's ``top`` included: the reason is ``hop_limit``.
+
+        A kind whose only description is invalid, passed above the last described owner,
+        may be the real topmost workload: stopping below it would split one workload
+        into several (each Job of a JobSet its own), and fixing the description would
+        merge them again. So then nothing is attributed, the caller's ``top`` included:
+        the reason is ``description_error``. One passed below a described owner is only
+        a nested kind and does not matter.
         """
         ref = start
         hops = 0
@@ -300,6 +307,8 @@ class OwnerGraph:
         #: index in it of the last described one (-1: none yet)
         passed: list[str] = []
         last_described = -1
+        #: the index in ``passed`` of the last owner whose kind's description is invalid
+        last_errored = -1
         while ref is not None:
             if ref.uid in passed:  # a cycle: it runs from there to here
                 limit = True
@@ -330,12 +339,13 @@ class OwnerGraph:
                 last_described = hops - 1
             elif errored(gk):
                 bad = True
+                last_errored = hops - 1
             if rec is None and pod is None:
                 missing = True
                 break
             last_pod = ref.uid if pod is not None and up is None else ""
             ref = up
-        if top is not None:
+        if top is not None and last_errored <= last_described:
             return top
         if bad:
             reason = REASON_DESCRIPTION_ERROR

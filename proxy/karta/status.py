@@ -188,6 +188,11 @@ def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any]) -> 
         return _NO_DEFINITION
     try:
         ev = _Evaluation(status, obj)
+        # both paths up front, not only when a matcher reads them: a jq error in either
+        # aborts the evaluation (upstream), where a lazy read let a failing path pass
+        # unseen whenever no matcher reached it
+        ev.phase()
+        ev.conditions()
         matched = [
             name for name, matchers in status.mappings if any(ev.matches(m) for m in matchers)
         ]

@@ -86,3 +86,12 @@ RAYJOB_KARTA = karta(
 JOBSET_KARTA = karta("test-jobset", component(
     "jobset", "jobset.x-k8s.io", "JobSet", "v1alpha2",
     specDefinition={"podTemplateSpecPath": ".spec.template"}))
+
+#: A kind no built-in describes, for a description added later: phase from
+#: ``.status.state`` (``ready``: Running), desired replicas from ``.spec.replicas``.
+TRAINER_KARTA = karta("trainer", component(
+    "trainer", "example.com", "Trainer",
+    specDefinition={"podTemplateSpecPath": ".spec.template"},
+    scaleDefinition={"replicasPath": ".spec.replicas"},
+    statusDefinition={"phaseDefinition": {"path": ".status.state"},
+                      "statusMappings": {"running": [{"byPhase": "ready"}]}}))

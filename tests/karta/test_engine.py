@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import logging
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from proxy.karta.engine import (
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
     STAT_SELECTOR_ERROR,
+    STAT_SELECTOR_UNKEPT_FIELD,
     Engine,
 )
 from proxy.karta.model import Description, GroupKind
@@ -300,6 +303,38 @@ def test_an_owner_cycle_of_described_kinds_makes_no_workload(hops: int, order: s
     assert W(e2, "deployment-dcyc").replicas[0].observed == 1
 
 
+def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it() -> None:
+    """A JobSet whose only description is invalid may be the topmost workload of its
+    Jobs: a pod under a Job (described by the built-ins) reads ``description_error``
+    as one owned by the JobSet directly does, and no Job becomes a workload of its own
+    (each Job of the JobSet was one, with phase and replica facts). Fixed, the JobSet
+    is the one workload."""
+    e = Engine()
+    broken = jobset_karta(ownerless=True)
+    e.upsert(broken)
+    assert len(e.description_errors) == 1
+    js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
+    job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
+    e.upsert_many([js, job, pod("w", job), pod("d", js)])
+    assert P(e, "pod-w").reason == "description_error"
+    assert P(e, "pod-d").reason == "description_error"
+    assert list(e.workloads()) == []
+    cs = e.upsert(jobset_karta(ownerless=False))
+    assert e.description_errors == []
+    assert {wname(P(cs, "pod-w")), wname(P(cs, "pod-d"))} == {"js"}
+    assert [w.ref.name for w in e.workloads()] == ["js"]
+
+
+def jobset_karta(*, ownerless: bool) -> dict[str, Any]:
+    """The test JobSet description, made invalid by a child whose component owner
+    (``ownerRef``) does not exist when ``ownerless``."""
+    raw = copy.deepcopy(descriptions.JOBSET_KARTA)
+    raw["spec"]["structureDefinition"]["childComponents"] = [{
+        "name": "workers", "ownerRef": "nope" if ownerless else "jobset",
+        "specDefinition": {"podTemplateSpecPath": ".spec.template"}}]
+    return raw
+
+
 def test_invalid_objects_are_counted_not_raised() -> None:
     e = Engine()
     for bad in [
@@ -502,6 +537,34 @@ def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     assert rows == {("head", ""): (None, 0), ("worker", "cpu"): (1, 1), ("worker", "gpu"): (1, 1)}
 
 
+def test_a_null_or_empty_instance_id_keeps_its_place_for_the_desired_counts() -> None:
+    """The replicas line up with the ids by position: ids ["", "b"] with replicas [5, 1]
+    gave "b" 5 (the empty id was dropped, and its place with it). Now "b" is 1 and the
+    empty id has no row; the same where the rows are not templated (another component's
+    ids unknown: its path fails)."""
+    groups = {"name": "a", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+              "instanceIdPath": ".spec.groups[].name",
+              "scaleDefinition": {"replicasPath": ".spec.groups[].replicas"},
+              "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "a"}},
+                              "componentInstanceSelector": {"idPath": '.metadata.labels["g"]'}}}
+    broken = {"name": "z", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.z"},
+              "instanceIdPath": ".spec.none[]",  # .[] on null: a jq error, ids unknown
+              "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "z"}},
+                              "componentInstanceSelector": {"idPath": '.metadata.labels["g"]'}}}
+    for children in ([groups], [groups, broken]):
+        e = Engine()
+        e.add_descriptions([describe(karta({"group": "example.com", "kind": "Thing"},
+                                           children))])
+        for name, first in (("t", {"name": ""}), ("u", {})):
+            thing = obj("example.com/v1", "Thing", name, spec={"groups": [
+                {**first, "replicas": 5}, {"name": "b", "replicas": 1}]})
+            e.upsert_many([thing, pod(f"{name}-p", thing, role="a", g="b")])
+            rows = {(r.component, r.instance): r.desired for r in W(e, f"thing-{name}").replicas
+                    if r.component == "a"}
+            assert rows == {("a", "b"): 1.0}, (children, name)
+            assert P(e, f"pod-{name}-p").instance == "b"
+
+
 def test_component_choice_ambiguous_fallback_and_errors() -> None:
     sel = '.metadata.labels["role"]'
     raw = karta(
@@ -532,6 +595,74 @@ def test_component_choice_ambiguous_fallback_and_errors() -> None:
     assert all(a.workload is not None for a in e.pods())
     rows = {(r.component, r.observed) for r in W(e, "thing-t").replicas}
     assert rows == {("a", 1), ("b", 0), ("c", 0), ("", 2)}
+
+
+def test_selectors_compare_as_upstream_json_equality_and_count_every_output() -> None:
+    """A type selector's ``value`` matches a string output equal to it, not a number 0
+    or a boolean true whose text is "0" or "true"; an instance id path yielding
+    [null, "x"] yields two results, so no id (it was "x")."""
+    raw = karta(
+        {"group": "example.com", "kind": "Thing"},
+        [
+            {"name": "zero", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.idx | tonumber", "value": "0"}}},
+            {"name": "flag", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.b"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.idx | tonumber > 0", "value": "true"}}},
+            {"name": "text", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.c"},
+             "instanceIdPath": ".spec.ids[]",
+             "podSelector": {"componentTypeSelector": {"keyPath": ".metadata.labels.kind",
+                                                       "value": "t"},
+                             "componentInstanceSelector": {
+                                 "idPath": '.metadata.labels["g"], .metadata.labels["h"]'}}},
+        ],
+    )
+    e = Engine()
+    e.add_descriptions([describe(raw)])
+    thing = obj("example.com/v1", "Thing", "t", spec={"ids": ["x"]})
+    e.upsert_many([thing, pod("p0", thing, idx="0"), pod("p1", thing, idx="1"),
+                   pod("one", thing, kind="t", h="x"), pod("two", thing, kind="t", g="y", h="x")])
+    got = {a.pod: (a.component, a.instance) for a in e.pods()}
+    assert got == {"p0": ("", ""), "p1": ("", ""), "one": ("text", ""), "two": ("text", "")}
+
+
+def test_a_pod_selector_reading_what_the_engine_does_not_keep_is_told_at_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Selectors see only the pod metadata the engine keeps: one reading ``.spec`` or
+    other metadata saw null there, silently. It is now named at load time (a warning,
+    counted, listed in ``description_warnings``); the description stays in force."""
+    raw = karta(
+        {"group": "example.com", "kind": "Thing"},
+        [
+            {"name": "sched", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+             "podSelector": {"componentTypeSelector": {"keyPath": ".spec.schedulerName",
+                                                       "value": "volcano"}}},
+            {"name": "gen", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.b"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": '.metadata.generateName | startswith("w-")', "value": "true"}}},
+            {"name": "fine", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.c"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.idx | tonumber > 0", "value": "true"}}},
+        ],
+    )
+    e = Engine()
+    assert e.description_warnings == [] and not e.stats[STAT_SELECTOR_UNKEPT_FIELD]
+    with caplog.at_level(logging.WARNING, logger="proxy.karta.engine"):
+        e.add_descriptions([describe(raw)])
+    assert e.description_warnings == [
+        "test (test-thing): component 'sched': componentTypeSelector.keyPath "
+        "'.spec.schedulerName' reads .spec.schedulerName",
+        "test (test-thing): component 'gen': componentTypeSelector.keyPath "
+        "'.metadata.generateName | startswith(\"w-\")' reads .metadata.generateName",
+    ]
+    assert e.stats[STAT_SELECTOR_UNKEPT_FIELD] == 2
+    assert "description test-thing (test): component 'sched'" in caplog.text
+    assert GroupKind("example.com", "Thing") in e.descriptions()  # still in force
+    e.add_descriptions([describe(raw)])  # the same again: not told twice
+    assert e.stats[STAT_SELECTOR_UNKEPT_FIELD] == 2
+    e.remove_descriptions("files")
+    assert e.description_warnings == []
 
 
 def test_description_objects_from_the_api() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.karta.jqexpr import JqCompileError, JqError, JqExpr, to_text
+from proxy.karta.jqexpr import JqCompileError, JqError, JqExpr, input_fields, to_text
 
 OBJ: dict[str, Any] = {
     "metadata": {"name": "web", "labels": {"role": "head", "n": 3}},
@@ -20,6 +20,8 @@ OBJ: dict[str, Any] = {
 @pytest.mark.parametrize(("value", "text"), [
     ("s", "s"), (True, "true"), (False, "false"), (None, "null"), (2.0, "2"), (3, "3"),
     (2.5, "2.5"), (2.0**60, "1.152921504606847e+18"), ({"b": 1, "a": [1, 2]}, '{"a":[1,2],"b":1}'),
+    # non-ASCII as jq and gojq write it, not escaped
+    ({"a": "é"}, '{"a":"é"}'), (["日本"], '["日本"]'),
 ])
 def test_to_text_is_jq_tostring(value: Any, text: str) -> None:
     assert to_text(value) == text
@@ -58,10 +60,12 @@ def test_present_is_a_non_null_result() -> None:
     assert JqExpr("false").present(OBJ)  # false is a value, not an absence
 
 
-def test_equals_compares_text() -> None:
+def test_equals_is_json_equality_with_the_string() -> None:
+    """Upstream's ``keyPath == "<value>"``: a number or a boolean is not its text."""
     assert JqExpr(".metadata.labels.role").equals(OBJ, "head")
-    assert JqExpr(".metadata.labels.n").equals(OBJ, "3")
-    assert JqExpr(".status.ready").equals(OBJ, "true")
+    assert not JqExpr(".metadata.labels.n").equals(OBJ, "3")
+    assert not JqExpr(".status.ready").equals(OBJ, "true")
+    assert JqExpr(".metadata.labels.n | tostring").equals(OBJ, "3")
     assert JqExpr(".spec.groups[].name").equals(OBJ, "cpu")  # any output
     assert not JqExpr(".metadata.labels.missing").equals(OBJ, "null")  # null never matches
 
@@ -72,11 +76,16 @@ def test_single_id_needs_exactly_one() -> None:
     assert JqExpr(".spec.groups[].name").single_id(OBJ) is None  # two ids
     assert JqExpr(".spec.groups[2:][].name").single_id(OBJ) is None  # only null and ""
     assert JqExpr(".missing").single_id(OBJ) is None
+    # exactly one result, counted before nulls and empties are left out
+    assert JqExpr('null, "x"').single_id(OBJ) is None
+    assert JqExpr('"", "x"').single_id(OBJ) is None
 
 
-def test_ids_skip_null_and_empty() -> None:
-    assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu"]
-    assert JqExpr(".missing").ids(OBJ) == []
+def test_ids_keep_the_place_of_null_and_empty() -> None:
+    """The scale paths' outputs line up with the ids by position."""
+    assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu", None, None]
+    assert JqExpr(".missing").ids(OBJ) == [None]
+    assert JqExpr("empty").ids(OBJ) == []
 
 
 def test_tostring_first() -> None:
@@ -111,3 +120,34 @@ def test_two_compilations_of_one_text_are_equal() -> None:
     """So a description read again compares equal to the one in force."""
     a, b = JqExpr(".a | length"), JqExpr(".a | length")
     assert a == b and hash(a) == hash(b) and a != JqExpr(".b") and a != ".a | length"
+
+
+@pytest.mark.parametrize(("source", "fields"), [
+    ('.metadata.labels["a.b/c"]', [("metadata", "labels", "a.b/c")]),
+    (".metadata.labels.role", [("metadata", "labels", "role")]),
+    ('.["spec"].x', [("spec", "x")]),
+    ('."spec".x', [("spec", "x")]),
+    (".spec.containers[0].name", [("spec", "containers")]),
+    (".status.conditions[]?.type", [("status", "conditions")]),
+    (".metadata.labels.idx | tonumber > 0", [("metadata", "labels", "idx")]),
+    ('.metadata.labels["g"], .metadata.labels["h"]', [("metadata", "labels", "g"),
+                                                      ("metadata", "labels", "h")]),
+    ("if .spec.x then 1 else .metadata.name end", [("spec", "x"), ("metadata", "name")]),
+    ('.status.phase // "x"', [("status", "phase")]),
+    ("select(.spec.a == 1)", [("spec", "a")]),
+    (".metadata.labels[.spec.k]", [("metadata", "labels"), ("spec", "k")]),
+    # what follows a pipe, an "as" or a mapping call reads another value: left out
+    (".metadata.ownerReferences[]? | select(.controller == true) | .kind",
+     [("metadata", "ownerReferences")]),
+    (".metadata | .generateName", [("metadata",)]),
+    ("map(.x)", []),
+    (". as $p | $p.spec", []),
+    ('"\\(.spec.x)"', []),
+    ("1.5", []),
+    ("..", []),
+    ("def f: .spec; f", None),
+])
+def test_input_fields_are_the_paths_read_from_the_input(
+        source: str, fields: list[tuple[str, ...]] | None) -> None:
+    JqExpr(source)  # valid jq
+    assert input_fields(source) == fields

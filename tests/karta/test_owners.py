@@ -253,6 +253,23 @@ def test_walk_reports_a_kind_whose_description_is_broken() -> None:
     assert g.walk(ref("rs"), described_as(JOB), lambda gk: gk == DEPLOY).uid == "j"
 
 
+def test_walk_a_broken_description_above_a_described_owner_attributes_nothing() -> None:
+    """The kind above may be the real topmost workload: the one below (and the caller's
+    own ``top``, a described object walking from itself) is not made one of its own."""
+    g = OwnerGraph(10, {})
+    g.put(record("j", JOB, ref("js", DEPLOY)))
+    g.put(record("js", DEPLOY))
+    broken = lambda gk: gk == DEPLOY  # noqa: E731
+    got = g.walk(ref("j", JOB), described_as(JOB), broken)
+    assert (got.described, got.reason) == (None, REASON_DESCRIPTION_ERROR)
+    own = WalkResult("Job", "j", g.objects["j"], None, "")
+    got = g.walk(ref("js", DEPLOY), described_as(JOB), broken, own)
+    assert (got.described, got.reason) == (None, REASON_DESCRIPTION_ERROR)
+    # absent, known from the reference only: the same
+    g.remove("js")
+    assert g.walk(ref("j", JOB), described_as(JOB), broken).reason == REASON_DESCRIPTION_ERROR
+
+
 def test_walk_through_pods_and_ending_at_a_root_pod() -> None:
     pods = {"leader": PodRecord(None)}
     g = OwnerGraph(10, pods)

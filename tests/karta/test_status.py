@@ -226,6 +226,47 @@ def test_condition_type_only_status_and_reason() -> None:
     assert evaluate_status(sd, ready("False")) == UNMATCHED
 
 
+def test_an_empty_phase_status_or_reason_is_not_given() -> None:
+    """Upstream (Go) cannot tell "" from absent: ``byPhase: ""`` matches any phase and
+    ``status: ""`` / ``reason: ""`` any value (they had to equal "")."""
+    sd = definition({
+        "phaseDefinition": {"path": ".status.phase"},
+        "conditionsDefinition": CONDITIONS,
+        "statusMappings": {
+            "running": [{"byPhase": ""}],
+            "degraded": [{"byConditions": [{"type": "Ready", "status": ""}]}],
+            "failed": [{"byConditions": [{"type": "Broken", "reason": ""}]}],
+        },
+    })
+    obj = {"status": {"phase": "Up", "conditions": [
+        cond("Ready", "True"), cond("Broken", "True", "Disk")]}}
+    assert evaluate_status(sd, obj) == ok("Failed", "Running", "Failed", "Degraded")
+    (m,) = dict(sd.mappings)["Running"]
+    assert m.by_phase is None
+
+
+def test_a_failing_phase_or_conditions_path_aborts_even_if_no_matcher_reads_it() -> None:
+    """Both paths are evaluated up front: a jq error in either aborts the evaluation, as
+    upstream's does, not only when a matcher happens to read it."""
+    unread_phase = definition({
+        "phaseDefinition": {"path": ".status.phases[]"},
+        "conditionsDefinition": CONDITIONS,
+        "statusMappings": {"running": [{"byConditions": [{"type": "Ready"}]}]},
+    })
+    res = evaluate_status(unread_phase, ready("True"))
+    assert (res.phase, res.reason.split(":")[0]) == ("Undefined", "jq_error")
+    assert "(in .status.phases[])" in res.reason
+    unread_conditions = definition({
+        "phaseDefinition": {"path": ".status.phase"},
+        "conditionsDefinition": {"path": ".status.conds[]"},
+        "statusMappings": {"running": [{"byPhase": "X", "byConditions": [{"type": "Ready"}]}],
+                           "failed": [{"byPhase": "F"}]},
+    })
+    res = evaluate_status(unread_conditions, {"status": {"phase": "F"}})
+    assert (res.phase, res.reason.split(":")[0]) == ("Undefined", "jq_error")
+    assert "(in .status.conds[])" in res.reason
+
+
 def test_custom_condition_field_names() -> None:
     sd = definition(
         {
@@ -326,6 +367,7 @@ def test_phase_is_the_first_output_and_must_be_a_string() -> None:
         (".v", "abc", "abc"),
         (".v | length", "2", [1, 2]),
         (".v[]", "x", ["x", "y"]),  # the first output counts
+        (".v", '{"a":"é"}', {"a": "é"}),  # non-ASCII as jq and gojq write it
     ],
 )
 def test_by_expression_compares_tostring(expression: str, expected: str, value: Any) -> None:
