@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import ssl
@@ -471,9 +472,28 @@ def settings_from_dict(data: Any) -> Settings:
 
 def _decode(data: Any) -> Settings:
     try:
-        return msgspec.convert(data, Settings)
+        settings = msgspec.convert(data, Settings)
     except msgspec.ValidationError as e:
         raise ConfigError(_explain(str(e), data)) from None
+    _refuse_non_finite(settings)
+    return settings
+
+
+@functools.cache
+def _float_keys() -> tuple[str, ...]:
+    return tuple(i.key for i in schema() if isinstance(i.type, mi.FloatType))
+
+
+def _refuse_non_finite(settings: Settings) -> None:
+    """A bound like ``gt=0`` lets ``.inf`` through (nan fails every comparison): an
+    infinite timeout or interval starts fine, then fails every request it bounds (aiohttp
+    cannot turn it into a deadline), so it is refused here for every float setting."""
+    for key in _float_keys():
+        value: Any = settings
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
 
 
 #: settings of earlier versions that are now ignored (with a warning), and why

@@ -361,3 +361,9 @@ async def test_sigterm_while_waiting_for_the_cluster_exits_0(tmp_path: Path) -> 
             proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0
+
+
+def test_an_infinite_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "inf"]) == 2
+    assert capsys.readouterr().err == (
+        "karta-proxy: error: upstream.timeout_seconds: must be a finite number, got inf\n")

@@ -316,3 +316,26 @@ def test_choices_are_declared_once() -> None:
     assert set(POLICIES) == set(by_key["enrich.conflict_policy"].choices)
     assert set(SENDER_KARTA_LABELS) == set(by_key["enrich.sender_karta_labels"].choices)
     assert set(VERIFY_MODES) == set(by_key["server.tls_client_auth_type"].choices)
+
+
+# -- values that passed the checks and then failed every request ----------------------------
+
+
+@pytest.mark.parametrize("key", ["timeout_seconds", "connect_timeout_seconds"])
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan"])
+def test_non_finite_floats_are_refused_in_the_file(tmp_path: Path, key: str,
+                                                   text: str) -> None:
+    path = write(tmp_path, f"upstream:\n  {key}: {text}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert f"upstream.{key}:" in str(e.value) and str(path) in str(e.value)
+
+
+def test_non_finite_floats_are_refused_from_code_and_flags() -> None:
+    s = valid(timeout_seconds=float("inf"))
+    with pytest.raises(ConfigError, match=r"upstream.timeout_seconds: must be a finite number"):
+        validate(s)
+    s = valid()
+    s.facts.interval_seconds = float("inf")
+    with pytest.raises(ConfigError, match=r"facts.interval_seconds: must be a finite"):
+        validate(s)
