@@ -719,7 +719,11 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
                           "--upstream-url http://prometheus:9090/api/v1/write")
     if u.url:
-        parsed = urlsplit(u.url)
+        try:
+            parsed = urlsplit(u.url)
+            _ = parsed.port  # a ValueError for a port out of range or not a number
+        except ValueError as e:
+            raise ConfigError(f"upstream.url: not a valid URL ({e}): {u.url!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got {u.url!r}")
         placeholders = u.url.count("{tenant}")
@@ -744,6 +748,43 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     for i, h in enumerate(u.forward_headers):
         if not h or any(c in h for c in " :\r\n"):
             raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
+    _validate_upstream_headers(u.headers)
+    _validate_upstream_tls(u)
+
+
+#: an HTTP header name (RFC 9110 token)
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: what aiohttp refuses in a header value (it raises on every request): controls but HTAB
+_HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _validate_upstream_headers(headers: dict[str, str]) -> None:
+    """Sent on every request: a bad name gets the upstream's 400 for every batch (which
+    Prometheus drops), a control character in a value makes aiohttp raise on every one."""
+    for name, value in headers.items():
+        if not _HEADER_NAME.fullmatch(name):
+            raise ConfigError(f"upstream.headers.{name}: {name!r} is not a header name")
+        if _HEADER_VALUE_FORBIDDEN.search(value):
+            raise ConfigError(f"upstream.headers.{name}: the value holds a control character "
+                              f"(CR, LF, ...): {value!r}")
+
+
+def _validate_upstream_tls(u: UpstreamSettings) -> None:
+    """Loaded as the upstream's client context will load them, so a file that is not PEM
+    (or a key that does not match) is a ConfigError naming it, not a start failure."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if u.tls_ca_file:
+        try:
+            probe.load_verify_locations(cafile=u.tls_ca_file)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"upstream.tls_ca_file: cannot load {u.tls_ca_file!r}: {e}"
+                              ) from None
+    if u.tls_cert_file:
+        try:
+            probe.load_cert_chain(u.tls_cert_file, u.tls_key_file or None)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"upstream.tls_cert_file / upstream.tls_key_file: cannot load "
+                              f"{u.tls_cert_file!r} with {u.tls_key_file!r}: {e}") from None
 
 
 def _validate_enrich(e: EnrichSettings) -> None:

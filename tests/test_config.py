@@ -339,3 +339,67 @@ def test_non_finite_floats_are_refused_from_code_and_flags() -> None:
     s.facts.interval_seconds = float("inf")
     with pytest.raises(ConfigError, match=r"facts.interval_seconds: must be a finite"):
         validate(s)
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"bad header": "x"}, "upstream.headers.bad header: 'bad header' is not a header name"),
+        ({"X-A:": "x"}, "is not a header name"),
+        ({"": "x"}, "is not a header name"),
+        ({"X-A": "a\nb"}, "upstream.headers.X-A: the value holds a control character"),
+        ({"X-A": "a\rb"}, "control character"),
+        ({"X-A": "a\x00b"}, "control character"),
+    ],
+)
+def test_upstream_headers_are_checked(headers: dict[str, str], expected: str) -> None:
+    """Sent on every request: a bad one fails every write (the upstream's 400, or aiohttp's
+    ValueError as a 500)."""
+    with pytest.raises(ConfigError) as e:
+        validate(valid(headers=headers))
+    assert expected in str(e.value)
+
+
+def test_upstream_headers_that_are_fine() -> None:
+    validate(valid(headers={"X-Scope-OrgID": "team-a", "X-Tab": "a\tb", "X-U": "é"}))
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://[::1/x", "upstream.url: not a valid URL"),
+        ("http://127.0.0.1:99999/x", "upstream.url: not a valid URL"),
+        ("http://127.0.0.1:abc/x", "upstream.url: not a valid URL"),
+    ],
+)
+def test_upstream_url_that_cannot_be_parsed(url: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        validate(valid(url=url))
+    assert expected in str(e.value)
+
+
+def test_upstream_tls_files_are_loaded(tmp_path: Path) -> None:
+    """A file that is not PEM was found only when the client context was built: exit 1,
+    an SSLError naming no key."""
+    from tests.tls_certs import Authority
+
+    ca = Authority(tmp_path / "ca")
+    client = ca.issue("client", server=False)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    https = "https://127.0.0.1:9090/api/v1/write"
+    validate(valid(url=https, tls_ca_file=str(ca.ca_file), tls_cert_file=str(client.cert),
+                   tls_key_file=str(client.key)))
+    cases = [
+        ({"tls_cert_file": str(garbage), "tls_key_file": str(garbage)},
+         "upstream.tls_cert_file / upstream.tls_key_file: cannot load"),
+        ({"tls_cert_file": str(client.cert), "tls_key_file": str(ca.ca_file)},
+         "upstream.tls_cert_file / upstream.tls_key_file: cannot load"),
+        ({"tls_ca_file": str(garbage)}, f"upstream.tls_ca_file: cannot load '{garbage}'"),
+        ({"tls_ca_file": str(tmp_path)}, "upstream.tls_ca_file:"),
+    ]
+    for change, expected in cases:
+        with pytest.raises(ConfigError) as e:
+            validate(valid(url=https, **change))
+        assert expected in str(e.value), change
+
