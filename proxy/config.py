@@ -666,8 +666,12 @@ def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[s
 
 
 def _readable(path: str, key: str) -> None:
+    """A folder passes ``os.access``, then fails each read (a token file read per request
+    sent writes without credentials): a regular file is required."""
     if path and not os.access(path, os.R_OK):
         raise ConfigError(f"{key}: file {path!r} does not exist or is not readable")
+    if path and not os.path.isfile(path):
+        raise ConfigError(f"{key}: {path!r} is not a regular file")
 
 
 def client_auth_type(s: ServerSettings) -> str:

@@ -403,3 +403,26 @@ def test_upstream_tls_files_are_loaded(tmp_path: Path) -> None:
             validate(valid(url=https, **change))
         assert expected in str(e.value), change
 
+
+@pytest.mark.parametrize("key", ["bearer_token_file", "basic_auth_password_file",
+                                 "tls_ca_file"])
+def test_file_settings_must_be_regular_files(tmp_path: Path, key: str) -> None:
+    """A folder passed os.access, then every read of it failed: writes went out without
+    credentials."""
+    change: dict[str, object] = {key: str(tmp_path)}
+    if key == "basic_auth_password_file":
+        change["basic_auth_username"] = "u"
+    with pytest.raises(ConfigError) as e:
+        validate(valid(**change))
+    assert f"upstream.{key}: '{tmp_path}' is not a regular file" in str(e.value)
+
+
+def test_server_and_kube_files_must_be_regular_files(tmp_path: Path) -> None:
+    s = valid()
+    s.kube.kubeconfig = str(tmp_path)
+    with pytest.raises(ConfigError, match="kube.kubeconfig: .* is not a regular file"):
+        validate(s)
+    s = valid()
+    s.server.tls_cert_file = s.server.tls_key_file = str(tmp_path)
+    with pytest.raises(ConfigError, match="server.tls_cert_file: .* is not a regular file"):
+        validate(s)
