@@ -453,6 +453,8 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

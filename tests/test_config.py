@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -420,9 +421,16 @@ def test_file_settings_must_be_regular_files(tmp_path: Path, key: str) -> None:
 def test_server_and_kube_files_must_be_regular_files(tmp_path: Path) -> None:
     s = valid()
     s.kube.kubeconfig = str(tmp_path)
-    with pytest.raises(ConfigError, match="kube.kubeconfig: .* is not a regular file"):
+    with pytest.raises(ConfigError, match=r"kube\.kubeconfig: .* is not a regular file"):
         validate(s)
     s = valid()
     s.server.tls_cert_file = s.server.tls_key_file = str(tmp_path)
-    with pytest.raises(ConfigError, match="server.tls_cert_file: .* is not a regular file"):
+    with pytest.raises(ConfigError, match=r"server\.tls_cert_file: .* is not a regular file"):
         validate(s)
+
+
+def test_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: not UTF-8 text"):
+        load_settings(path)
