@@ -303,8 +303,9 @@ class KubeSettings(Section):
     """The cluster the index is watched from (unless snapshot is set)."""
 
     kubeconfig: Annotated[str, setting(
-        "kubeconfig of the cluster to watch; empty: $KUBECONFIG, else the in-cluster "
-        "service account",
+        "kubeconfig of the cluster to watch (of a path list, as kubectl takes, the first "
+        "file); empty: $KUBECONFIG, else the in-cluster service account, else "
+        "~/.kube/config",
         flag=Flag(("--kubeconfig",), SOURCE, "PATH", env="KUBECONFIG",
                   env_over_file=False))] = ""
     namespaces: Annotated[list[str], setting(
@@ -866,6 +867,8 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")
     if s.kube.kubeconfig and not s.snapshot:
-        _readable(s.kube.kubeconfig, "kube.kubeconfig")
+        # a path list, as kubectl takes in $KUBECONFIG: the client reads the first entry
+        _readable(s.kube.kubeconfig.split(os.pathsep)[0] or s.kube.kubeconfig,
+                  "kube.kubeconfig")
     if s.snapshot and not os.path.exists(s.snapshot):
         raise ConfigError(f"snapshot: {s.snapshot!r} does not exist")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -434,3 +435,16 @@ def test_a_file_that_is_not_utf8(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfe")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: not UTF-8 text"):
         load_settings(path)
+
+
+def test_kubeconfig_path_list_checks_its_first_file(tmp_path: Path) -> None:
+    """kubectl's form, which the client reads as its first entry: it was refused as a
+    whole ("file 'a:b' does not exist")."""
+    first = tmp_path / "a.yaml"
+    first.write_text("{}")
+    s = valid()
+    s.kube.kubeconfig = f"{first}{os.pathsep}{tmp_path / 'missing.yaml'}"
+    validate(s)
+    s.kube.kubeconfig = f"{tmp_path / 'missing.yaml'}{os.pathsep}{first}"
+    with pytest.raises(ConfigError, match=r"kube\.kubeconfig: file .*missing\.yaml' does not"):
+        validate(s)
