@@ -185,6 +185,13 @@ class Proxy:
             except Exception as e:
                 where = (f"kubeconfig {s.kubeconfig}" if s.kubeconfig
                          else "no kubeconfig, no in-cluster service account")
+                if self.settings.snapshot:
+                    # only the Lease wants the cluster here: "use --snapshot" would mislead
+                    raise StartError(
+                        f"facts.leader_election needs a Kubernetes cluster for its Lease, "
+                        f"also with --snapshot ({where}): {type(e).__name__}: {e}; set "
+                        "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a "
+                        "service account, or set facts.leader_election: false") from e
                 raise StartError(
                     f"no Kubernetes cluster to watch ({where}): {type(e).__name__}: {e}; set "
                     "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a service "

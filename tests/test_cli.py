@@ -367,3 +367,23 @@ def test_an_infinite_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "inf"]) == 2
     assert capsys.readouterr().err == (
         "karta-proxy: error: upstream.timeout_seconds: must be a finite number, got inf\n")
+
+
+def test_leader_election_with_a_snapshot_and_no_cluster_names_the_setting(
+        tmp_path: Path) -> None:
+    """The Lease needs a cluster even in snapshot mode: the line said "or use --snapshot",
+    which was given."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+    env["HOME"] = str(tmp_path)
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("facts: {leader_election: true}\n")
+    code, plain, records = _start_failure([
+        "--config", str(cfg), "--snapshot", str(snap),
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write",
+        "--listen-address", f"127.0.0.1:{_free_port()}"], env=env)
+    _assert_reported(code, plain, records, "facts.leader_election needs a Kubernetes cluster",
+                     "--kubeconfig", "facts.leader_election: false")
+    assert "use --snapshot" not in plain
