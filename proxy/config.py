@@ -665,6 +665,8 @@ def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[s
         raise ConfigError(f"{key}: port {port} out of range 0-65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    if "[" in host or "]" in host:  # '[::1:0': else found only by the bind, as a bad host
+        raise ConfigError(f"{key}: expected HOST:PORT ([v6]:PORT), got {address!r}")
     return host or "0.0.0.0", port
 
 

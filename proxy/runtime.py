@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -59,8 +60,14 @@ class StartError(Exception):
 def _listen_error(address: str, e: OSError) -> StartError:
     # asyncio's own strerror repeats the address ("error while attempting to bind on
     # address ('h', p): address already in use"): the plain words of the errno instead
-    why = os.strerror(e.errno) if e.errno else (e.strerror or str(e))
-    if e.errno == errno.EADDRINUSE:
+    # a gaierror's errno is a negative EAI_* code, which os.strerror calls "Unknown error"
+    if isinstance(e, socket.gaierror):
+        why = e.strerror or str(e)
+    else:
+        why = os.strerror(e.errno) if e.errno else (e.strerror or str(e))
+    if isinstance(e, socket.gaierror):
+        fix = "the host does not resolve to an address: fix --listen-address"
+    elif e.errno == errno.EADDRINUSE:
         fix = ("another process holds the port: stop it, or set --listen-address "
                "(server.listen_address) to a free one")
     elif e.errno == errno.EACCES:

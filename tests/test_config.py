@@ -448,3 +448,10 @@ def test_kubeconfig_path_list_checks_its_first_file(tmp_path: Path) -> None:
     s.kube.kubeconfig = f"{tmp_path / 'missing.yaml'}{os.pathsep}{first}"
     with pytest.raises(ConfigError, match=r"kube\.kubeconfig: file .*missing\.yaml' does not"):
         validate(s)
+
+
+@pytest.mark.parametrize("address", ["[::1:0", "[::1]]:0", "::1]:0"])
+def test_parse_host_port_refuses_unbalanced_brackets(address: str) -> None:
+    """'[::1:0' passed and failed only at the bind."""
+    with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
+        parse_host_port(address)
