@@ -327,7 +327,8 @@ class FactSettings(Section):
     enabled: Annotated[bool, setting(
         "write fact series upstream",
         flag=Flag(("--no-facts",), FACTS, help="do not write fact series upstream"))] = True
-    interval_seconds: Annotated[float, setting("write interval", gt=0)] = 15.0
+    interval_seconds: Annotated[float, setting(
+        "write interval; below 0.05 s the writer uses 0.05 s", gt=0)] = 15.0
     leader_election: Annotated[bool, setting(
         "elect one writer among replicas through a coordination.k8s.io Lease")] = False
     lease_name: Annotated[str, setting("the Lease's name")] = "karta-proxy-facts"
@@ -393,6 +394,8 @@ class SettingInfo(NamedTuple):
     default_doc: str
     #: a ``Literal`` setting's values in declaration order, the empty "choose for me" left out
     choices: tuple[str, ...]
+    #: the value is lower-cased before it is checked, in the file and on the command line
+    fold_case: bool = False
 
 
 def _unwrap(t: mi.Type) -> tuple[mi.Type, dict[str, Any]]:
@@ -427,7 +430,8 @@ def _walk(cls: type, prefix: str) -> Iterator[SettingInfo]:
         default = _default(f)
         yield SettingInfo(key, prefix.rstrip("."), t, default, extra.get("help", ""),
                           extra.get("flag"), extra.get("example", default),
-                          extra.get("default_doc", ""), _literal_values(hints[f.name]))
+                          extra.get("default_doc", ""), _literal_values(hints[f.name]),
+                          bool(extra.get("fold_case")))
 
 
 def schema() -> list[SettingInfo]:
@@ -868,6 +872,10 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")
+    for i, ns in enumerate(s.kube.namespaces):
+        if not ns:  # the client reads "" as every namespace: the opposite of a list of some
+            raise ConfigError(f"kube.namespaces[{i}]: empty; name a namespace (an empty "
+                              "list, no --namespace, watches all)")
     if s.kube.kubeconfig and not s.snapshot:
         # a path list, as kubectl takes in $KUBECONFIG: the client reads the first entry
         _readable(s.kube.kubeconfig.split(os.pathsep)[0] or s.kube.kubeconfig,

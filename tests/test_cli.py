@@ -387,3 +387,25 @@ def test_leader_election_with_a_snapshot_and_no_cluster_names_the_setting(
     _assert_reported(code, plain, records, "facts.leader_election needs a Kubernetes cluster",
                      "--kubeconfig", "facts.leader_election: false")
     assert "use --snapshot" not in plain
+
+
+def test_log_level_flag_is_case_insensitive_as_in_the_file() -> None:
+    args = build_parser().parse_args(["--upstream-url", "http://x:1", "--log-level", "INFO"])
+    assert settings_from_args(args, env={}).log_level == "info"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        # an unset variable in a manifest: the file silently skipped, the defaults run
+        (["--config", ""], "--config: the path is empty"),
+        # "" reads as every namespace: the whole cluster watched
+        (["--namespace", ""], "kube.namespaces[0]: empty"),
+        (["--namespace", "a", "--namespace", ""], "kube.namespaces[1]: empty"),
+    ],
+)
+def test_empty_values_that_meant_something_else_exit_2(
+        args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--upstream-url", "http://x:1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"karta-proxy: error: {expected}") and err.count("\n") == 1, err
