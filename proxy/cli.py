@@ -101,6 +101,8 @@ def _add_flag(g: argparse._ArgumentGroup, info: SettingInfo, flag: Flag) -> None
         kw.update(action="store_true", default=None)
     elif info.choices:
         kw["choices"] = info.choices
+        if info.fold_case:  # as in the file: --log-level INFO
+            kw["type"] = str.lower
     else:
         kw["metavar"] = flag.metavar
         if isinstance(t, mi.IntType | mi.FloatType):
@@ -125,6 +127,9 @@ def build_demo_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
     """Config file, then flags on top; raises ConfigError."""
     env = dict(os.environ) if env is None else env
+    if args.config == "":  # an unset variable in a manifest: not "no file"
+        raise ConfigError("--config: the path is empty; name the YAML file or leave the "
+                          "flag out")
     s = load_settings(args.config) if args.config else Settings()
     for info in schema():
         if info.flag is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import ssl
@@ -315,8 +316,9 @@ class KubeSettings(Section):
     """The cluster the index is watched from (unless snapshot is set)."""
 
     kubeconfig: Annotated[str, setting(
-        "kubeconfig of the cluster to watch; empty: $KUBECONFIG, else the in-cluster "
-        "service account",
+        "kubeconfig of the cluster to watch (of a path list, as kubectl takes, the first "
+        "file); empty: $KUBECONFIG, else the in-cluster service account, else "
+        "~/.kube/config",
         flag=Flag(("--kubeconfig",), SOURCE, "PATH", env="KUBECONFIG",
                   env_over_file=False))] = ""
     namespaces: Annotated[list[str], setting(
@@ -338,7 +340,8 @@ class FactSettings(Section):
     enabled: Annotated[bool, setting(
         "write fact series upstream",
         flag=Flag(("--no-facts",), FACTS, help="do not write fact series upstream"))] = True
-    interval_seconds: Annotated[float, setting("write interval", gt=0)] = 15.0
+    interval_seconds: Annotated[float, setting(
+        "write interval; below 0.05 s the writer uses 0.05 s", gt=0)] = 15.0
     leader_election: Annotated[bool, setting(
         "elect one writer among replicas through a coordination.k8s.io Lease")] = False
     lease_name: Annotated[str, setting("the Lease's name")] = "karta-proxy-facts"
@@ -404,6 +407,8 @@ class SettingInfo(NamedTuple):
     default_doc: str
     #: a ``Literal`` setting's values in declaration order, the empty "choose for me" left out
     choices: tuple[str, ...]
+    #: the value is lower-cased before it is checked, in the file and on the command line
+    fold_case: bool = False
 
 
 def _unwrap(t: mi.Type) -> tuple[mi.Type, dict[str, Any]]:
@@ -438,7 +443,8 @@ def _walk(cls: type, prefix: str) -> Iterator[SettingInfo]:
         default = _default(f)
         yield SettingInfo(key, prefix.rstrip("."), t, default, extra.get("help", ""),
                           extra.get("flag"), extra.get("example", default),
-                          extra.get("default_doc", ""), _literal_values(hints[f.name]))
+                          extra.get("default_doc", ""), _literal_values(hints[f.name]),
+                          bool(extra.get("fold_case")))
 
 
 def schema() -> list[SettingInfo]:
@@ -465,6 +471,8 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -484,9 +492,28 @@ def settings_from_dict(data: Any) -> Settings:
 
 def _decode(data: Any) -> Settings:
     try:
-        return msgspec.convert(data, Settings)
+        settings = msgspec.convert(data, Settings)
     except msgspec.ValidationError as e:
         raise ConfigError(_explain(str(e), data)) from None
+    _refuse_non_finite(settings)
+    return settings
+
+
+@functools.cache
+def _float_keys() -> tuple[str, ...]:
+    return tuple(i.key for i in schema() if isinstance(i.type, mi.FloatType))
+
+
+def _refuse_non_finite(settings: Settings) -> None:
+    """A bound like ``gt=0`` lets ``.inf`` through (nan fails every comparison): an
+    infinite timeout or interval starts fine, then fails every request it bounds (aiohttp
+    cannot turn it into a deadline), so it is refused here for every float setting."""
+    for key in _float_keys():
+        value: Any = settings
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
 
 
 #: settings of earlier versions that are now ignored (with a warning), and why
@@ -655,12 +682,18 @@ def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[s
         raise ConfigError(f"{key}: port {port} out of range 0-65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    if "[" in host or "]" in host:  # '[::1:0': else found only by the bind, as a bad host
+        raise ConfigError(f"{key}: expected HOST:PORT ([v6]:PORT), got {address!r}")
     return host or "0.0.0.0", port
 
 
 def _readable(path: str, key: str) -> None:
+    """A folder passes ``os.access``, then fails each read (a token file read per request
+    sent writes without credentials): a regular file is required."""
     if path and not os.access(path, os.R_OK):
         raise ConfigError(f"{key}: file {path!r} does not exist or is not readable")
+    if path and not os.path.isfile(path):
+        raise ConfigError(f"{key}: {path!r} is not a regular file")
 
 
 def client_auth_type(s: ServerSettings) -> str:
@@ -712,7 +745,11 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
                           "--upstream-url http://prometheus:9090/api/v1/write")
     if u.url:
-        parsed = urlsplit(u.url)
+        try:
+            parsed = urlsplit(u.url)
+            _ = parsed.port  # a ValueError for a port out of range or not a number
+        except ValueError as e:
+            raise ConfigError(f"upstream.url: not a valid URL ({e}): {u.url!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got {u.url!r}")
         placeholders = u.url.count("{tenant}")
@@ -737,6 +774,43 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     for i, h in enumerate(u.forward_headers):
         if not h or any(c in h for c in " :\r\n"):
             raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
+    _validate_upstream_headers(u.headers)
+    _validate_upstream_tls(u)
+
+
+#: an HTTP header name (RFC 9110 token)
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: what aiohttp refuses in a header value (it raises on every request): controls but HTAB
+_HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _validate_upstream_headers(headers: dict[str, str]) -> None:
+    """Sent on every request: a bad name gets the upstream's 400 for every batch (which
+    Prometheus drops), a control character in a value makes aiohttp raise on every one."""
+    for name, value in headers.items():
+        if not _HEADER_NAME.fullmatch(name):
+            raise ConfigError(f"upstream.headers.{name}: {name!r} is not a header name")
+        if _HEADER_VALUE_FORBIDDEN.search(value):
+            raise ConfigError(f"upstream.headers.{name}: the value holds a control character "
+                              f"(CR, LF, ...): {value!r}")
+
+
+def _validate_upstream_tls(u: UpstreamSettings) -> None:
+    """Loaded as the upstream's client context will load them, so a file that is not PEM
+    (or a key that does not match) is a ConfigError naming it, not a start failure."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if u.tls_ca_file:
+        try:
+            probe.load_verify_locations(cafile=u.tls_ca_file)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"upstream.tls_ca_file: cannot load {u.tls_ca_file!r}: {e}"
+                              ) from None
+    if u.tls_cert_file:
+        try:
+            probe.load_cert_chain(u.tls_cert_file, u.tls_key_file or None)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"upstream.tls_cert_file / upstream.tls_key_file: cannot load "
+                              f"{u.tls_cert_file!r} with {u.tls_key_file!r}: {e}") from None
 
 
 def _validate_enrich(e: EnrichSettings) -> None:
@@ -811,7 +885,13 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")
+    for i, ns in enumerate(s.kube.namespaces):
+        if not ns:  # the client reads "" as every namespace: the opposite of a list of some
+            raise ConfigError(f"kube.namespaces[{i}]: empty; name a namespace (an empty "
+                              "list, no --namespace, watches all)")
     if s.kube.kubeconfig and not s.snapshot:
-        _readable(s.kube.kubeconfig, "kube.kubeconfig")
+        # a path list, as kubectl takes in $KUBECONFIG: the client reads the first entry
+        _readable(s.kube.kubeconfig.split(os.pathsep)[0] or s.kube.kubeconfig,
+                  "kube.kubeconfig")
     if s.snapshot and not os.path.exists(s.snapshot):
         raise ConfigError(f"snapshot: {s.snapshot!r} does not exist")

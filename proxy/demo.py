@@ -167,6 +167,35 @@ def split_scrapes(series: Sequence[Series]) -> list[list[Series]]:
     return groups
 
 
+class SeriesFileError(ValueError):
+    """A ``--series`` file that is not exposition text; the message names the file and,
+    where one line alone fails, the line (the parser's own error names neither)."""
+
+
+def read_series_file(path: str | Path) -> list[Series]:
+    """The series of an exposition file, or a ``SeriesFileError`` that says where."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SeriesFileError(f"{path}: not UTF-8 text") from None
+    try:
+        return series_from_exposition(text, DEFAULT_TIMESTAMP_MS)
+    except ValueError as e:
+        where = f"{path}:{line}" if (line := _first_bad_line(text)) else str(path)
+        raise SeriesFileError(f"{where}: not Prometheus text exposition: {e}") from None
+
+
+def _first_bad_line(text: str) -> int | None:
+    """The parser reads the whole text at once: each line again, alone, finds the culprit
+    (only on the error path, so a good file is parsed once)."""
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            series_from_exposition(line + "\n", DEFAULT_TIMESTAMP_MS)
+        except ValueError:
+            return number
+    return None
+
+
 async def run(
     *,
     snapshot: str | Path = BUNDLED_SNAPSHOT,
@@ -178,7 +207,7 @@ async def run(
     from proxy.runtime import Proxy
 
     out = out or sys.stdout
-    sent = series_from_exposition(Path(series_file).read_text(), DEFAULT_TIMESTAMP_MS)
+    sent = read_series_file(series_file)
     receiver = Receiver()
     await receiver.start()
     settings = Settings()
@@ -440,12 +469,18 @@ def run_demo(args: argparse.Namespace | None = None, **options: Any) -> int:
     snapshot = opts.get("snapshot") or BUNDLED_SNAPSHOT
     series_file = opts.get("series") or BUNDLED_SERIES
     out = opts.get("out") or sys.stdout
+    from proxy.runtime import StartError
+    from proxy.snapshot import SnapshotError
+
     try:
         result = asyncio.run(
             asyncio.wait_for(
                 run(snapshot=snapshot, series_file=series_file, out=out), DEADLINE_SECONDS
             )
         )
+    except (StartError, SnapshotError, SeriesFileError) as e:
+        print(f"karta-proxy demo: error: {e}", file=sys.stderr)
+        return 1
     except (OSError, ValueError, TimeoutError) as e:
         print(f"karta-proxy demo: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

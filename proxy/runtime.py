@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -59,8 +60,14 @@ class StartError(Exception):
 def _listen_error(address: str, e: OSError) -> StartError:
     # asyncio's own strerror repeats the address ("error while attempting to bind on
     # address ('h', p): address already in use"): the plain words of the errno instead
-    why = os.strerror(e.errno) if e.errno else (e.strerror or str(e))
-    if e.errno == errno.EADDRINUSE:
+    # a gaierror's errno is a negative EAI_* code, which os.strerror calls "Unknown error"
+    if isinstance(e, socket.gaierror):
+        why = e.strerror or str(e)
+    else:
+        why = os.strerror(e.errno) if e.errno else (e.strerror or str(e))
+    if isinstance(e, socket.gaierror):
+        fix = "the host does not resolve to an address: fix --listen-address"
+    elif e.errno == errno.EADDRINUSE:
         fix = ("another process holds the port: stop it, or set --listen-address "
                "(server.listen_address) to a free one")
     elif e.errno == errno.EACCES:
@@ -185,6 +192,13 @@ class Proxy:
             except Exception as e:
                 where = (f"kubeconfig {s.kubeconfig}" if s.kubeconfig
                          else "no kubeconfig, no in-cluster service account")
+                if self.settings.snapshot:
+                    # only the Lease wants the cluster here: "use --snapshot" would mislead
+                    raise StartError(
+                        f"facts.leader_election needs a Kubernetes cluster for its Lease, "
+                        f"also with --snapshot ({where}): {type(e).__name__}: {e}; set "
+                        "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a "
+                        "service account, or set facts.leader_election: false") from e
                 raise StartError(
                     f"no Kubernetes cluster to watch ({where}): {type(e).__name__}: {e}; set "
                     "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a service "

@@ -361,3 +361,51 @@ async def test_sigterm_while_waiting_for_the_cluster_exits_0(tmp_path: Path) -> 
             proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0
+
+
+def test_an_infinite_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "inf"]) == 2
+    assert capsys.readouterr().err == (
+        "karta-proxy: error: upstream.timeout_seconds: must be a finite number, got inf\n")
+
+
+def test_leader_election_with_a_snapshot_and_no_cluster_names_the_setting(
+        tmp_path: Path) -> None:
+    """The Lease needs a cluster even in snapshot mode: the line said "or use --snapshot",
+    which was given."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+    env["HOME"] = str(tmp_path)
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("facts: {leader_election: true}\n")
+    code, plain, records = _start_failure([
+        "--config", str(cfg), "--snapshot", str(snap),
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write",
+        "--listen-address", f"127.0.0.1:{_free_port()}"], env=env)
+    _assert_reported(code, plain, records, "facts.leader_election needs a Kubernetes cluster",
+                     "--kubeconfig", "facts.leader_election: false")
+    assert "use --snapshot" not in plain
+
+
+def test_log_level_flag_is_case_insensitive_as_in_the_file() -> None:
+    args = build_parser().parse_args(["--upstream-url", "http://x:1", "--log-level", "INFO"])
+    assert settings_from_args(args, env={}).log_level == "info"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        # an unset variable in a manifest: the file silently skipped, the defaults run
+        (["--config", ""], "--config: the path is empty"),
+        # "" reads as every namespace: the whole cluster watched
+        (["--namespace", ""], "kube.namespaces[0]: empty"),
+        (["--namespace", "a", "--namespace", ""], "kube.namespaces[1]: empty"),
+    ],
+)
+def test_empty_values_that_meant_something_else_exit_2(
+        args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--upstream-url", "http://x:1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"karta-proxy: error: {expected}") and err.count("\n") == 1, err

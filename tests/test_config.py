@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -316,3 +318,140 @@ def test_choices_are_declared_once() -> None:
     assert set(POLICIES) == set(by_key["enrich.conflict_policy"].choices)
     assert set(SENDER_KARTA_LABELS) == set(by_key["enrich.sender_karta_labels"].choices)
     assert set(VERIFY_MODES) == set(by_key["server.tls_client_auth_type"].choices)
+
+
+# -- values that passed the checks and then failed every request ----------------------------
+
+
+@pytest.mark.parametrize("key", ["timeout_seconds", "connect_timeout_seconds"])
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan"])
+def test_non_finite_floats_are_refused_in_the_file(tmp_path: Path, key: str,
+                                                   text: str) -> None:
+    path = write(tmp_path, f"upstream:\n  {key}: {text}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert f"upstream.{key}:" in str(e.value) and str(path) in str(e.value)
+
+
+def test_non_finite_floats_are_refused_from_code_and_flags() -> None:
+    s = valid(timeout_seconds=float("inf"))
+    with pytest.raises(ConfigError, match=r"upstream.timeout_seconds: must be a finite number"):
+        validate(s)
+    s = valid()
+    s.facts.interval_seconds = float("inf")
+    with pytest.raises(ConfigError, match=r"facts.interval_seconds: must be a finite"):
+        validate(s)
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"bad header": "x"}, "upstream.headers.bad header: 'bad header' is not a header name"),
+        ({"X-A:": "x"}, "is not a header name"),
+        ({"": "x"}, "is not a header name"),
+        ({"X-A": "a\nb"}, "upstream.headers.X-A: the value holds a control character"),
+        ({"X-A": "a\rb"}, "control character"),
+        ({"X-A": "a\x00b"}, "control character"),
+    ],
+)
+def test_upstream_headers_are_checked(headers: dict[str, str], expected: str) -> None:
+    """Sent on every request: a bad one fails every write (the upstream's 400, or aiohttp's
+    ValueError as a 500)."""
+    with pytest.raises(ConfigError) as e:
+        validate(valid(headers=headers))
+    assert expected in str(e.value)
+
+
+def test_upstream_headers_that_are_fine() -> None:
+    validate(valid(headers={"X-Scope-OrgID": "team-a", "X-Tab": "a\tb", "X-U": "é"}))
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://[::1/x", "upstream.url: not a valid URL"),
+        ("http://127.0.0.1:99999/x", "upstream.url: not a valid URL"),
+        ("http://127.0.0.1:abc/x", "upstream.url: not a valid URL"),
+    ],
+)
+def test_upstream_url_that_cannot_be_parsed(url: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        validate(valid(url=url))
+    assert expected in str(e.value)
+
+
+def test_upstream_tls_files_are_loaded(tmp_path: Path) -> None:
+    """A file that is not PEM was found only when the client context was built: exit 1,
+    an SSLError naming no key."""
+    from tests.tls_certs import Authority
+
+    ca = Authority(tmp_path / "ca")
+    client = ca.issue("client", server=False)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    https = "https://127.0.0.1:9090/api/v1/write"
+    validate(valid(url=https, tls_ca_file=str(ca.ca_file), tls_cert_file=str(client.cert),
+                   tls_key_file=str(client.key)))
+    cases = [
+        ({"tls_cert_file": str(garbage), "tls_key_file": str(garbage)},
+         "upstream.tls_cert_file / upstream.tls_key_file: cannot load"),
+        ({"tls_cert_file": str(client.cert), "tls_key_file": str(ca.ca_file)},
+         "upstream.tls_cert_file / upstream.tls_key_file: cannot load"),
+        ({"tls_ca_file": str(garbage)}, f"upstream.tls_ca_file: cannot load '{garbage}'"),
+        ({"tls_ca_file": str(tmp_path)}, "upstream.tls_ca_file:"),
+    ]
+    for change, expected in cases:
+        with pytest.raises(ConfigError) as e:
+            validate(valid(url=https, **change))
+        assert expected in str(e.value), change
+
+
+@pytest.mark.parametrize("key", ["bearer_token_file", "basic_auth_password_file",
+                                 "tls_ca_file"])
+def test_file_settings_must_be_regular_files(tmp_path: Path, key: str) -> None:
+    """A folder passed os.access, then every read of it failed: writes went out without
+    credentials."""
+    change: dict[str, object] = {key: str(tmp_path)}
+    if key == "basic_auth_password_file":
+        change["basic_auth_username"] = "u"
+    with pytest.raises(ConfigError) as e:
+        validate(valid(**change))
+    assert f"upstream.{key}: '{tmp_path}' is not a regular file" in str(e.value)
+
+
+def test_server_and_kube_files_must_be_regular_files(tmp_path: Path) -> None:
+    s = valid()
+    s.kube.kubeconfig = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"kube\.kubeconfig: .* is not a regular file"):
+        validate(s)
+    s = valid()
+    s.server.tls_cert_file = s.server.tls_key_file = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"server\.tls_cert_file: .* is not a regular file"):
+        validate(s)
+
+
+def test_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: not UTF-8 text"):
+        load_settings(path)
+
+
+def test_kubeconfig_path_list_checks_its_first_file(tmp_path: Path) -> None:
+    """kubectl's form, which the client reads as its first entry: it was refused as a
+    whole ("file 'a:b' does not exist")."""
+    first = tmp_path / "a.yaml"
+    first.write_text("{}")
+    s = valid()
+    s.kube.kubeconfig = f"{first}{os.pathsep}{tmp_path / 'missing.yaml'}"
+    validate(s)
+    s.kube.kubeconfig = f"{tmp_path / 'missing.yaml'}{os.pathsep}{first}"
+    with pytest.raises(ConfigError, match=r"kube\.kubeconfig: file .*missing\.yaml' does not"):
+        validate(s)
+
+
+@pytest.mark.parametrize("address", ["[::1:0", "[::1]]:0", "::1]:0"])
+def test_parse_host_port_refuses_unbalanced_brackets(address: str) -> None:
+    """'[::1:0' passed and failed only at the bind."""
+    with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
+        parse_host_port(address)

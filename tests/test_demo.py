@@ -140,3 +140,22 @@ async def test_demo_sends_the_names_of_the_batch() -> None:
     assert "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" in exposed  # a counter without _total
     result = await run(out=io.StringIO())
     assert {s.name for s in result.sent} == exposed
+
+
+def test_demo_input_errors_are_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing snapshot was chained tracebacks; a bad series file a float error naming
+    neither the file nor the line."""
+    out = io.StringIO()
+    missing = tmp_path / "nonexist"
+    assert run_demo(None, snapshot=str(missing), out=out) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"karta-proxy demo: error: snapshot {missing}: ") and (
+        err.count("\n") == 1), err
+    series = tmp_path / "s.prom"
+    series.write_text('a 1\nb{x="1"} 2\nc nope\n')
+    assert run_demo(None, series=str(series), out=out) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"karta-proxy demo: error: {series}:3: not Prometheus text") and (
+        err.count("\n") == 1), err

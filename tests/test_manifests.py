@@ -359,3 +359,24 @@ def test_a_wrong_key_in_the_configmap_is_caught(tmp_path: Path) -> None:
                                                                  "leader_elections"))
     with pytest.raises(ConfigError, match="leader_elections"):
         load_settings(bad)
+
+
+def test_docs_named_by_the_repository_files_exist() -> None:
+    """The image's files pointed at docs/image.md, which never existed (the text is in
+    docs/deploy.md)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                             check=False).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    missing = set()
+    for name in tracked:
+        path = REPO / name
+        if name.startswith("tests/") or path.suffix in (".png", ".svg") or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        missing |= {f"{name}: {ref}" for ref in re.findall(r"docs/[\w.-]+\.md", text)
+                    if not (REPO / ref).is_file()}
+    assert not missing, sorted(missing)

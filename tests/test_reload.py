@@ -200,13 +200,15 @@ async def test_builtins_switch_reloads(running: Running) -> None:
 
 
 @pytest.mark.parametrize("breakage", ["yaml", "unknown_key", "bad_value", "bad_description",
-                                      "missing_path"])
+                                      "missing_path", "not_utf8"])
 async def test_an_invalid_config_keeps_the_old_one(running: Running, breakage: str) -> None:
     r = running
     folder = r.config.parent / "descriptions"
     good_ts = r.metric(RELOAD_TS)
     if breakage == "yaml":
         r.config.write_text("upstream: [unclosed\n")
+    elif breakage == "not_utf8":
+        r.config.write_bytes(b"\xff\xfe")
     elif breakage == "unknown_key":
         r.write_config(enrich={"pod_label_pairs": [["app_ns", "app_pod"]]},
                        server={"listen_adress": "x"})
@@ -223,6 +225,8 @@ async def test_an_invalid_config_keeps_the_old_one(running: Running, breakage: s
                        enrich={"pod_label_pairs": [["app_ns", "app_pod"]]})
     status, text = await r.post_reload()
     assert status == 500 and text.startswith("reload failed: "), (status, text)
+    if breakage == "not_utf8":
+        assert f"{r.config}: not UTF-8 text" in text, text
     assert r.metric(RELOADS_OK) == 0.0
     assert r.metric(RELOAD_TS) == good_ts
     # nothing of the new file applied: the old pairs and descriptions enrich as before

@@ -472,3 +472,16 @@ async def test_every_family_on_metrics_is_documented(tmp_path: Path) -> None:
     # the parser names a counter without its _total; the tables name the series
     missing = sorted(n for n in served if n not in rows and n + "_total" not in rows)
     assert not missing, f"served on /metrics but in no metric table: {missing}"
+
+
+def test_a_listen_host_that_does_not_resolve_says_why() -> None:
+    """A gaierror's errno is a negative EAI_* code: os.strerror made it "Unknown error -2"."""
+    import socket
+
+    from proxy.runtime import _listen_error
+
+    e = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    message = str(_listen_error("nosuchhost.invalid:0", e))
+    assert message.startswith("cannot listen on nosuchhost.invalid:0: Name or service not "
+                              "known; "), message
+    assert "Unknown error" not in message and "--listen-address" in message

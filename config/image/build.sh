@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build karta-proxy's image with buildah and no image registry (what CI and
-# tests/test_image.py do; docs/image.md). Run as root from anywhere:
+# tests/test_image.py do; docs/deploy.md, "Without an image registry"). Run as root
+# from anywhere:
 #
 #   config/image/build.sh [TAG]            (default localhost/karta-proxy:dev)
 #
