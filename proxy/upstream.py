@@ -119,8 +119,11 @@ class Outgoing:
     """One request body ready for the upstream, made by :meth:`Upstream.prepare` (in a
     worker thread: conversion and compression are the CPU-heavy part)."""
 
-    #: the uncompressed body, in ``protocol``; ``b""`` for an RW 1.0 body (only an RW 2.0
-    #: body is read again, to convert it; a 413's parts decode ``encoded``)
+    #: the uncompressed body, in ``protocol``, or ``b""`` once it went out compressed: a
+    #: request in flight holds its body once, compressed, whatever its protocol (an RW 2.0
+    #: body kept decoded was ~10x its compressed size for the whole round trip, uncharged);
+    #: the rare conversion after the upstream refused RW 2.0, and a 413's parts, decode
+    #: ``encoded`` again (``Upstream._raw``)
     raw: bytes
     protocol: Protocol
     #: Content-Encoding toward the upstream
@@ -495,11 +498,7 @@ class Upstream:
         if self.converts(protocol):
             raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
         encoded = compress(raw, out_encoding)
-        # only an RW 2.0 body is read again (to convert it, should the upstream turn out
-        # 1.0-only); a 413's parts decode an RW 1.0 body from ``encoded``, so a request in
-        # flight holds its body once
-        return Outgoing(raw if protocol is Protocol.V2 else b"", protocol, out_encoding,
-                        encoded, counts, converted)
+        return Outgoing(b"", protocol, out_encoding, encoded, counts, converted)
 
     def prepared(self, encoded: bytes, protocol: Protocol, counts: Counts | None = None
                  ) -> Outgoing:
@@ -595,7 +594,7 @@ class Upstream:
 
     def _convert(self, out: Outgoing) -> Outgoing:
         raw = v2_to_v1(self._raw(out))
-        return Outgoing(raw, Protocol.V1, out.encoding, compress(raw, out.encoding),
+        return Outgoing(b"", Protocol.V1, out.encoding, compress(raw, out.encoding),
                         out.counts, True)
 
     @staticmethod
