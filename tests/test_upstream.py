@@ -597,9 +597,21 @@ def split_count(u: Upstream, result: str) -> float | None:
         "karta_proxy_upstream_split_requests_total", {"result": result})
 
 
+def in_request_order(parts: list[Received]) -> list[bytes]:
+    """Parts' bodies in the order of their series in the request (parts are sent a few at
+    once, and may arrive in any order): the tests' series have their first samples at
+    growing timestamps."""
+    def first(r: Received) -> int:
+        protocol = Protocol.V2 if "v2" in r.headers["Content-Type"] else Protocol.V1
+        labels_and_samples = series_of(r.raw, protocol)[0]
+        return min(int(t) for t, _ in labels_and_samples if t.isdigit())
+
+    return [r.raw for r in sorted(parts, key=first)]
+
+
 def stored_parts(up: ScriptedUpstream, limit: int) -> list[bytes]:
-    """The bodies a ``size_limit(limit)`` receiver took."""
-    return [r.raw for r in up.received if len(r.body) <= limit]
+    """The bodies a ``size_limit(limit)`` receiver took, in request order."""
+    return in_request_order([r for r in up.received if len(r.body) <= limit])
 
 
 @pytest.mark.parametrize("compressed_in_parts", [False, True])
@@ -728,8 +740,8 @@ async def test_413_rw2_parts_to_an_upstream_found_1_0_only_on_the_way() -> None:
     async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
         answer = await u.send(raw, Protocol.V2, counts=counts)
     assert answer.ok and answer.converted and u.v1_only
-    v1_parts = [r.raw for r in up.received
-                if len(r.body) <= limit and "v2" not in r.headers["Content-Type"]]
+    v1_parts = in_request_order([r for r in up.received if len(r.body) <= limit
+                                 and "v2" not in r.headers["Content-Type"]])
     assert [s for p in v1_parts for s in series_of(p, Protocol.V1)] == series_of(
         v2_to_v1(raw), Protocol.V1)
     assert answer.headers[WRITTEN_SAMPLES] == "120"
@@ -819,3 +831,112 @@ async def test_a_prepared_request_holds_its_body_compressed_only(
     got = up.received[-1]
     sent_protocol = Protocol.V2 if "v2" in got.headers["Content-Type"] else Protocol.V1
     assert len(series_of(got.raw, sent_protocol)) == 3000
+
+
+# -- a request sent in parts: bounded in memory and in time -----------------------------------
+
+
+class Budget:
+    """A request's byte budget as the handler's: ``room`` bytes more may be taken."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.held = 0
+        self.most = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.room:
+            return False
+        self.held += n
+        self.most = max(self.most, self.held)
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
+
+
+async def test_413_parts_are_charged_to_the_requests_budget_and_given_back() -> None:
+    # the body decoded again, its layout and every part were held outside the byte
+    # budget: 12 senders of a 30 MiB request, 256 MiB budget, 2.3 GiB
+    raw = many_v1(200)
+    limit = len(compress(raw, "snappy")) // 3
+    budget = Budget(1 << 30)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"), charge=budget)
+    assert answer.ok
+    assert budget.most >= len(raw)  # at least the body decoded again
+    assert budget.held == 0
+    assert [s for p in stored_parts(up, limit) for s in series_of(p, Protocol.V1)] == \
+        series_of(raw, Protocol.V1)
+
+
+@pytest.mark.parametrize("room_for_parts", [False, True])
+async def test_413_without_room_in_the_budget_is_503(room_for_parts: bool) -> None:
+    raw = many_v1(200)
+    limit = len(compress(raw, "snappy")) // 3
+    # the whole decoded again and its layout fit, the parts do not; or nothing fits
+    budget = Budget(len(raw) * 3 // 2 if room_for_parts else len(raw) // 2)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"), charge=budget)
+    assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+    assert b"no room" in answer.body
+    assert len(up.received) == 1  # the whole, refused; no part sent
+    assert budget.held == 0
+    assert split_count(u, "overload") == 1 and split_count(u, "stored") == 0
+
+
+async def test_413_parts_share_one_deadline_504() -> None:
+    # 15 upstream requests of 0.4 s each, one after the other, took 6 s for a timeout of
+    # 1 s: a sender gives up long before, sends the batch again, and both are stored
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) // 6  # 8 parts: 15 requests
+    slow = size_limit(limit, lambda rec: Reply(204, delay=0.4),
+                      refusal=Reply(413, body=b"too large", delay=0.4))
+    async with ScriptedUpstream(rule=slow) as up, opened(up.url, timeout_seconds=1.0) as u:
+        answer = await u.send(raw, Protocol.V1)
+        sent = len(up.received)
+    assert answer.status == 504 and answer.upstream == "timeout"
+    assert b"within 1 s" in answer.body
+    assert sent < 15
+    assert split_count(u, "timeout") == 1
+    assert u.metrics is not None
+    timeouts = u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_responses_total", {"code": "timeout"})
+    assert timeouts is not None and timeouts >= 1
+
+
+async def test_parts_go_a_few_at_once() -> None:
+    # one after the other, 30 answers of 1.5 s outlast a sender's 30 s remote_timeout
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) // 6  # 8 parts: 15 requests
+    slow = size_limit(limit, lambda rec: Reply(204, delay=0.3),
+                      refusal=Reply(413, body=b"too large", delay=0.3))
+    async with ScriptedUpstream(rule=slow) as up, opened(up.url, timeout_seconds=3.0) as u:
+        answer = await u.send(raw, Protocol.V1)
+    # 15 requests of 0.3 s: 4.5 s one after the other; a few at once, 5 rounds
+    assert answer.ok, answer.body
+    assert [s for p in stored_parts(up, limit) for s in series_of(p, Protocol.V1)] == \
+        series_of(raw, Protocol.V1)
+
+
+async def test_rw2_probe_post_and_converted_post_share_one_deadline() -> None:
+    # protocol auto: the RW 2.0 post answered 2xx without Written headers, then the
+    # converted post, each within the timeout but together past it
+    async with (
+        ScriptedUpstream(Reply(204, delay=0.6)) as up,
+        opened(up.url, timeout_seconds=1.0) as u,
+    ):
+        answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+    assert answer.status == 504 and answer.upstream == "timeout"
+
+
+async def test_413_no_part_is_sent_after_the_sender_left() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) // 20
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"),
+                                 sender_gone=lambda: len(up.received) >= 3)
+        sent = len(up.received)
+    assert answer.status == 499 and not answer.ok
+    assert sent < 31
+    assert split_count(u, "sender_gone") == 1
