@@ -89,7 +89,7 @@ MAX_SPLIT_DEPTH = 4
 #: the decoded size trusted when the proxy's own outgoing body is read again to be cut
 OWN_BODY_LIMIT = 1 << 31
 #: parts of one request in flight at once: one after the other, 30 requests answered in
-#: 1.5 s each took 46 s, past a sender's 30 s ``remote_timeout``; four at once, 7 rounds
+#: 1.5 s each took 46 s, past a sender's 30 s ``remote_timeout``; four at once, 9 rounds
 SPLIT_PARTS_IN_FLIGHT = 4
 #: a part's bytes charged to the request's byte budget, over the most it can be: the
 #: part as it is made, its bytes, and its compressed form (what it costs to send)
@@ -224,6 +224,9 @@ class _Parts:
     #: parts being made or sent at once (``SPLIT_PARTS_IN_FLIGHT``)
     in_flight: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(SPLIT_PARTS_IN_FLIGHT))
+    #: parts are made one at a time: making one holds ``PART_COPIES`` times its bytes,
+    #: sending it only its compressed form
+    making: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def stopped(self) -> bool:
@@ -753,8 +756,9 @@ class Upstream:
         sent at once, within the request's deadline.
 
         What it holds is charged to the request's byte budget before it is allocated (the
-        body decoded again, its layout, each part): a 413 for a big request, to many
-        senders at once, held 2.3 GiB for a 256 MiB budget. Past the budget: 503."""
+        body decoded again, its layout, the part being made, the parts in flight): a 413
+        for a big request, to many senders at once, held 2.3 GiB for a 256 MiB budget.
+        Past the budget: 503."""
         taken = 0
 
         def take(n: int) -> bool:
@@ -850,12 +854,19 @@ class Upstream:
                                  "upstream_url": self.url, "parts": parts.sent})
                 parts.sender_gone = True
                 return
-            need = PART_COPIES * parts.layout.part_bytes(a, b)
-            if not attempt.charge.take(need):
-                parts.retry = self._no_room(None, need)
-                return
+            async with parts.making:
+                need = PART_COPIES * parts.layout.part_bytes(a, b)
+                if not attempt.charge.take(need):
+                    parts.retry = self._no_room(None, need)
+                    return
+                try:
+                    out = await asyncio.to_thread(self._part, parts, a, b)
+                except BaseException:
+                    attempt.charge.give_back(need)
+                    raise
+                attempt.charge.give_back(need - len(out.encoded))
+                need = len(out.encoded)
             try:
-                out = await asyncio.to_thread(self._part, parts, a, b)
                 answer, sent = await self._deliver(out, parts.incoming, parts.url, attempt)
                 del out
             finally:
