@@ -41,8 +41,8 @@ from proxy.wire.primitives import (
     invalid,
     len_field,
     read_field,
+    read_refs,
 )
-from proxy.wire.splice_v2 import split_series_v2
 
 #: the field number of a series in each protocol's request message
 SERIES_FIELD = {Protocol.V1: 1, Protocol.V2: 5}
@@ -195,22 +195,29 @@ class _SeriesRefs:
 
     @classmethod
     def of(cls, raw: bytes, start: int, end: int, nsym: int) -> _SeriesRefs:
+        """The series at ``raw[start:end]`` (its TimeSeries field), read once and not
+        checked again: the splice checked every field of this body, and a part reads each
+        series twice (samples were 40% of the time cutting a 620k-series request)."""
         _, _, p, q = read_field(raw, start, end)  # the TimeSeries field itself
-        ser = split_series_v2(raw, p, q, nsym)
         fields: list[tuple[int, int, int, int]] = []
+        labels: list[int] = []
         exemplars: list[tuple[list[int], list[bytes]]] = []
         metadata: list[tuple[int, int]] = []
-        for s, e in ser.other:
-            number, _, ps, fq = read_field(raw, s, e)
-            fields.append((number, s, e, ps))
-            if number == 4:
-                exemplars.append(exemplar_v2(raw, ps, fq, nsym))
-            elif number == 5:
-                _, help_ref, unit_ref = metadata_v2(raw, ps, fq)
-                if max(help_ref, unit_ref) >= nsym:
-                    raise invalid(f"metadata symbol reference past the table of {nsym}")
-                metadata.append((help_ref, unit_ref))
-        return cls(fields, ser.refs, exemplars, metadata)
+        while p < q:
+            number, wt, ps, fq = read_field(raw, p, q)
+            if number == 1:
+                read_refs(raw, wt, ps, fq, labels, "labels_refs")
+            else:
+                fields.append((number, p, fq, ps))
+                if number == 4:
+                    exemplars.append(exemplar_v2(raw, ps, fq, nsym))
+                elif number == 5:
+                    _, help_ref, unit_ref = metadata_v2(raw, ps, fq)
+                    if max(help_ref, unit_ref) >= nsym:
+                        raise invalid(f"metadata symbol reference past the table of {nsym}")
+                    metadata.append((help_ref, unit_ref))
+            p = fq
+        return cls(fields, labels, exemplars, metadata)
 
     def all(self) -> list[int]:
         return [*self.labels, *(r for x, _ in self.exemplars for r in x),
