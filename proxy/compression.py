@@ -95,9 +95,10 @@ def _scratch(buf: mmap.mmap, n: int) -> mmap.mmap:
 
     The old mapping is not closed: a view of it that is still alive keeps it until that
     view goes."""
-    if len(buf) >= n:
+    if len(buf) >= n and buf is not _EMPTY:  # _EMPTY is every thread's first: never
+        # written, else threads encoding or decoding small bodies at once shared one page
         return buf
-    return mmap.mmap(-1, (n + (1 << 20) - 1) & ~((1 << 20) - 1))
+    return mmap.mmap(-1, max(n + (1 << 20) - 1, 1 << 20) & ~((1 << 20) - 1))
 
 
 def _fresh(n: int) -> mmap.mmap:

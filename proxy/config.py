@@ -180,7 +180,10 @@ class UpstreamSettings(Section):
         flag=Flag(("--upstream-url",), UPSTREAM, "URL"),
         example="http://127.0.0.1:9090/api/v1/write", default_doc="(required)")] = ""
     timeout_seconds: Annotated[float, setting(
-        "timeout of one upstream request; the sender then gets 504",
+        "the time one sender's request gets upstream, every upstream request made for it "
+        "together (a probe, an RW 2.0 post and its converted resend, the parts of a "
+        "request sent in parts); the sender then gets 504. Keep it under the senders' "
+        "own timeouts",
         flag=Flag(("--upstream-timeout",), UPSTREAM, "SECONDS"), gt=0)] = 30.0
     connect_timeout_seconds: Annotated[float, setting(
         "timeout of the TCP/TLS connect phase", gt=0)] = 5.0

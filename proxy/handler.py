@@ -262,12 +262,25 @@ BODY_RATE_GRACE_SECONDS = 1.0
 
 
 class _Held:
-    """Bytes one request holds in the budget, released when it is answered."""
+    """Bytes one request holds in the budget, released when it is answered; forwarding
+    takes more from it for what it allocates (``proxy.upstream.Charge``: a request the
+    upstream refused as too large, decoded again and sent in parts)."""
 
-    __slots__ = ("bytes",)
+    __slots__ = ("budget", "bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: LoadBudget) -> None:
+        self.budget = budget
         self.bytes = 0
+
+    def take(self, n: int) -> bool:
+        if not self.budget.try_reserve(n, self.bytes):
+            return False
+        self.bytes += n
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.budget.release(n)
+        self.bytes -= n
 
 
 class _Refusal(Exception):
@@ -562,7 +575,7 @@ class RemoteWriteHandler:
                            else "overloaded: the sender left while waiting for a slot",
                            counter="reject", kind="overload",
                            headers={"Retry-After": RETRY_AFTER})
-        held = _Held()
+        held = _Held(self.budget)
         self._inflight += 1
         try:
             # the body passed straight on: a local here would keep it (and its budget's
@@ -575,11 +588,10 @@ class RemoteWriteHandler:
             self.budget.release(held.bytes)
 
     def _reserve(self, held: _Held, n: int) -> None:
-        if not self.budget.try_reserve(n, held.bytes):
+        if not held.take(n):
             raise _Refusal(503, "overloaded: too many request bytes in flight",
                            counter="reject", kind="overload",
                            headers={"Retry-After": RETRY_AFTER})
-        held.bytes += n
 
     async def _read_body(self, request: web.Request, held: _Held) -> bytes:
         """The body, reserved chunk by chunk as it arrives (never the maximum up front:
@@ -688,8 +700,9 @@ class RemoteWriteHandler:
         self.budget.settle(held, len(out.encoded) + len(out.raw))
         self._count(result)
         try:
-            answer = await self.upstream.forward(prepared.outgoing, request.headers,
-                                                 tenant=request.match_info.get("tenant"))
+            answer = await self.upstream.forward(
+                prepared.outgoing, request.headers, tenant=request.match_info.get("tenant"),
+                charge=held, sender_gone=lambda: request.transport is None)
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         if answer.ok:

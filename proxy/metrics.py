@@ -221,10 +221,13 @@ class ProxyMetrics:
             _P + "upstream_split_requests", "Requests the upstream refused as too large "
             "(413), sent again in parts cut at series boundaries, by result: stored (every "
             "part 2xx), failed (a part failed otherwise), too_large (one series, or a part "
-            "at 16 parts, still too large: the 413 reaches the sender).",
+            "at 16 parts, still too large: the 413 reaches the sender), overload (no room "
+            "in the byte budget to cut it: 503), timeout (not done within "
+            "upstream.timeout_seconds: 504), sender_gone (the sender closed its connection: "
+            "the rest not sent).",
             ["result"], registry=r,
         )
-        for result in ("stored", "failed", "too_large"):
+        for result in ("stored", "failed", "too_large", "overload", "timeout", "sender_gone"):
             self.upstream_splits.labels(result)
         self.upstream_split_parts = Counter(
             _P + "upstream_split_parts", "Parts sent for requests the upstream refused as "

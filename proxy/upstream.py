@@ -37,15 +37,22 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
+from typing import Protocol as Interface
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from proxy.compression import DecodeError, compress, decompress
+from proxy.compression import (
+    DecodeError,
+    compress,
+    decompress,
+    snappy_declared_length,
+    zstd_declared_length,
+)
 from proxy.config import UpstreamSettings
 from proxy.metrics import Children, ProxyMetrics
 from proxy.wire.convert import v2_to_v1
-from proxy.wire.halves import Layout, layout
+from proxy.wire.halves import Layout, layout, layout_bytes
 from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.upstream")
@@ -81,6 +88,9 @@ TRANSIENT_4XX = frozenset({408, 425, 429})
 MAX_SPLIT_DEPTH = 4
 #: the decoded size trusted when the proxy's own outgoing body is read again to be cut
 OWN_BODY_LIMIT = 1 << 31
+#: a part's bytes charged to the request's byte budget, over the most it can be: the
+#: part as it is made, its bytes, and its compressed form (what it costs to send)
+PART_COPIES = 3
 #: VictoriaMetrics (single node and vminsert) answers a request over its
 #: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
 #: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
@@ -119,8 +129,11 @@ class Outgoing:
     """One request body ready for the upstream, made by :meth:`Upstream.prepare` (in a
     worker thread: conversion and compression are the CPU-heavy part)."""
 
-    #: the uncompressed body, in ``protocol``; ``b""`` for an RW 1.0 body (only an RW 2.0
-    #: body is read again, to convert it; a 413's parts decode ``encoded``)
+    #: the uncompressed body, in ``protocol``, or ``b""`` once it went out compressed: a
+    #: request in flight holds its body once, compressed, whatever its protocol (an RW 2.0
+    #: body kept decoded was ~10x its compressed size for the whole round trip, uncharged);
+    #: the rare conversion after the upstream refused RW 2.0, and a 413's parts, decode
+    #: ``encoded`` again (``Upstream._raw``)
     raw: bytes
     protocol: Protocol
     #: Content-Encoding toward the upstream
@@ -131,6 +144,51 @@ class Outgoing:
     counts: Counts | None = None
     #: ``raw`` is the RW 1.0 form of the sender's RW 2.0 request
     converted: bool = False
+
+
+class Charge(Interface):
+    """The byte budget of the request being forwarded (the handler's
+    ``server.max_inflight_bytes``): what forwarding needs beyond the body it was given
+    (a request sent in parts decodes its body again, and makes each part) is taken from
+    it first, and given back once no longer held."""
+
+    def take(self, n: int) -> bool:
+        """Hold ``n`` bytes more, or False when they do not fit."""
+        ...
+
+    def give_back(self, n: int) -> None:
+        ...
+
+
+class _Unbounded:
+    """The charge of a request outside the byte budget: the proxy's own fact series,
+    small, one at a time."""
+
+    def take(self, n: int) -> bool:
+        return True
+
+    def give_back(self, n: int) -> None:
+        pass
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """What bounds the forwarding of one request: every upstream request made for it (a
+    probe, a post, a converted post, every part) ends by ``deadline``, so the sender gets
+    its answer within ``upstream.timeout_seconds`` rather than after it gave up and sent
+    the request again, both copies then in flight."""
+
+    #: the event loop's time when the sender gets 504
+    deadline: float
+    charge: Charge
+    #: the sender closed its connection: no part is sent after that
+    sender_gone: Callable[[], bool]
+    #: the request sent in parts, once it is
+    parts: _Parts | None = None
 
 
 @dataclass(slots=True)
@@ -158,6 +216,13 @@ class _Parts:
     refused: Answer | None = None
     #: a part was refused as too large and could not be cut further
     too_large: bool = False
+    #: the sender closed its connection before every part was sent
+    sender_gone: bool = False
+
+    @property
+    def stopped(self) -> bool:
+        """No part is sent any more: the sender retries the whole, or is gone."""
+        return self.retry is not None or self.sender_gone
 
     def add(self, answer: Answer, converted: bool, *, too_large: bool) -> None:
         self.sent += 1
@@ -495,11 +560,7 @@ class Upstream:
         if self.converts(protocol):
             raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
         encoded = compress(raw, out_encoding)
-        # only an RW 2.0 body is read again (to convert it, should the upstream turn out
-        # 1.0-only); a 413's parts decode an RW 1.0 body from ``encoded``, so a request in
-        # flight holds its body once
-        return Outgoing(raw if protocol is Protocol.V2 else b"", protocol, out_encoding,
-                        encoded, counts, converted)
+        return Outgoing(b"", protocol, out_encoding, encoded, counts, converted)
 
     def prepared(self, encoded: bytes, protocol: Protocol, counts: Counts | None = None
                  ) -> Outgoing:
@@ -524,7 +585,8 @@ class Upstream:
     # -- forwarding -----------------------------------------------------------------------
 
     async def forward(self, out: Outgoing, incoming_headers: Mapping[str, str] | None = None,
-                      *, tenant: str | None = None) -> Answer:
+                      *, tenant: str | None = None, charge: Charge | None = None,
+                      sender_gone: Callable[[], bool] | None = None) -> Answer:
         """Send one prepared request; return what to answer the sender.
 
         ``tenant``: the one the request's path named (``/insert/<tenant>/prometheus/...``),
@@ -532,18 +594,50 @@ class Upstream:
         upstream did not take (415, or a 2xx without Written headers to a request with
         data) is converted and sent again, and the upstream remembered as 1.0-only.
         Raises ``DecodeError`` when that conversion fails.
+
+        Everything sent for the request shares one deadline, ``upstream.timeout_seconds``
+        from now (504 past it); ``charge`` is the request's byte budget (what a request
+        sent in parts needs is taken from it, 503 when it does not fit), ``sender_gone``
+        says the sender closed its connection (no part is sent after that).
         """
         incoming = incoming_headers or {}
         url = tenant_url(self.settings.url, tenant, self.settings.default_tenant)
         if url is None:
             return self._no_tenant_place(tenant or "")
-        answer, sent = await self._deliver(out, incoming, url)
-        if too_large(answer):
-            answer = await self._in_parts(sent, answer, incoming, url)
+        loop = asyncio.get_running_loop()
+        attempt = _Attempt(loop.time() + self.settings.timeout_seconds,
+                           charge or _Unbounded(), sender_gone or _never)
+        try:
+            async with asyncio.timeout_at(attempt.deadline) as deadline:
+                answer, sent = await self._deliver(out, incoming, url, attempt)
+                if too_large(answer):
+                    answer = await self._in_parts(sent, answer, incoming, url, attempt)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            return self._out_of_time(attempt)
         return answer
 
-    async def _deliver(self, out: Outgoing, incoming: Mapping[str, str], url: str
-                       ) -> tuple[Answer, Outgoing]:
+    def _out_of_time(self, attempt: _Attempt) -> Answer:
+        """The request's time ran out: 504 (as for one upstream request that timed out),
+        what was stored meanwhile stays stored (the sender sends it again: the same
+        samples, harmless to a TSDB)."""
+        timeout = self.settings.timeout_seconds
+        parts = attempt.parts
+        done = f"; {parts.sent} of its parts answered" if parts is not None else ""
+        self._recheck = self.settings.protocol == "auto"
+        log.warning("upstream did not take the request within upstream.timeout_seconds "
+                    "(every upstream request for it together): the sender gets 504",
+                    extra={"upstream_url": self.url, "timeout_s": timeout,
+                           "parts": parts.sent if parts is not None else 0})
+        answer = Answer(504, f"upstream {self.url} did not take the request within "
+                             f"{timeout:g} s{done}".encode(), {}, "timeout")
+        if parts is not None:
+            self._count_split("timeout", answer)
+        return answer
+
+    async def _deliver(self, out: Outgoing, incoming: Mapping[str, str], url: str,
+                       attempt: _Attempt) -> tuple[Answer, Outgoing]:
         """One request to the upstream, converted first or resent converted as the
         upstream's protocol needs; the answer, and the request as it last went out."""
         if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
@@ -595,7 +689,7 @@ class Upstream:
 
     def _convert(self, out: Outgoing) -> Outgoing:
         raw = v2_to_v1(self._raw(out))
-        return Outgoing(raw, Protocol.V1, out.encoding, compress(raw, out.encoding),
+        return Outgoing(b"", Protocol.V1, out.encoding, compress(raw, out.encoding),
                         out.counts, True)
 
     @staticmethod
@@ -638,7 +732,7 @@ class Upstream:
     # -- a request too large for the upstream --------------------------------------------
 
     async def _in_parts(self, sent: Outgoing, answer: Answer, incoming: Mapping[str, str],
-                        url: str) -> Answer:
+                        url: str, attempt: _Attempt) -> Answer:
         """The upstream refused ``sent`` as too large (:func:`too_large`): send it again
         in halves cut at series boundaries (``proxy.wire.halves``), a half refused so cut
         again, down to ``MAX_SPLIT_DEPTH`` levels (16 parts). Senders drop a 413'd batch,
@@ -649,13 +743,50 @@ class Upstream:
         retry (5xx) ends it: that answer, and the whole is retried (a part already stored
         is stored again: the same samples). A part the sender would drop (4xx) is answered,
         but the other parts are still sent, so whatever can be stored is. RW 2.0's Written
-        headers are the sums of the parts' own."""
+        headers are the sums of the parts' own. The parts go one after the other, in the
+        body's order, within the request's deadline: a sender's batch may hold one series
+        more than once (Prometheus writes a TimeSeries per sample: two samples of a series,
+        or many after an outage), and parts at once could store its later sample first, the
+        earlier then refused as out of order (the whole part rolled back, a 400 the sender
+        drops).
+
+        What it holds is charged to the request's byte budget before it is allocated (the
+        body decoded again, its layout, the part being made, the parts in flight): a 413
+        for a big request, to many senders at once, held 2.3 GiB for a 256 MiB budget.
+        Past the budget: 503."""
+        taken = 0
+
+        def take(n: int) -> bool:
+            nonlocal taken
+            if not attempt.charge.take(n):
+                return False
+            taken += n
+            return True
+
         try:
-            lay = await asyncio.to_thread(self._layout, sent)
+            decoded = self._decoded_size(sent)
+            if decoded is not None and not take(decoded):
+                return self._no_room(answer, decoded)
+            raw = await asyncio.to_thread(self._raw, sent)
+            if decoded is None and not take(len(raw)):
+                return self._no_room(answer, len(raw))
+            need = await asyncio.to_thread(layout_bytes, raw)
+            if not take(need):
+                return self._no_room(answer, need)
+            lay = await asyncio.to_thread(layout, raw, sent.protocol)
+            del raw
         except DecodeError as e:  # pragma: no cover - the splice read the same fields
             log.error("cannot cut a request the upstream refused as too large",
                       extra={"upstream_url": self.url, "error": e.message})
             return self._count_split("too_large", answer)
+        try:
+            return await self._send_parts(lay, sent, answer, incoming, url, attempt)
+        finally:
+            attempt.charge.give_back(taken)
+
+    async def _send_parts(self, lay: Layout, sent: Outgoing, answer: Answer,
+                          incoming: Mapping[str, str], url: str, attempt: _Attempt
+                          ) -> Answer:
         if len(lay.series) < 2:
             return self._count_split(
                 "too_large", self._too_large(answer, len(sent.encoded), len(lay.series)))
@@ -664,12 +795,19 @@ class Upstream:
                      "upstream_url": self.url, "bytes": len(sent.encoded),
                      "decoded_bytes": len(lay.raw), "series": len(lay.series)})
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
-        await self._send_halves(parts, 0, len(lay.series), 1)
+        attempt.parts = parts
+        await self._send_halves(parts, 0, len(lay.series), 1, attempt)
         result = "stored"
         if parts.retry is not None or parts.refused is not None:
             final = parts.retry or parts.refused
             assert final is not None
-            result = "too_large" if parts.retry is None and parts.too_large else "failed"
+            result = ("overload" if final.upstream == "overload"
+                      else "too_large" if parts.retry is None and parts.too_large
+                      else "failed")
+        elif parts.sender_gone:
+            final = Answer(499, b"the sender closed its connection: the rest of the "
+                                b"request was not sent", {}, "sender_gone")
+            result = "sender_gone"
         else:
             assert parts.ok is not None
             final = Answer(parts.ok.status, b"", {
@@ -680,28 +818,85 @@ class Upstream:
         final.converted = parts.converted
         if final.ok and parts.converted:
             self._written_headers(final, sent.counts)
-        log.log(logging.INFO if final.ok else logging.WARNING,
+        log.log(logging.INFO if final.ok or parts.sender_gone else logging.WARNING,
                 "request sent in parts after the upstream refused it as too large", extra={
-                    "upstream_url": self.url, "parts": parts.sent, "status": final.status})
+                    "upstream_url": self.url, "parts": parts.sent, "status": final.status,
+                    "result": result})
         return self._count_split(result, final)
 
-    async def _send_halves(self, parts: _Parts, lo: int, hi: int, depth: int) -> None:
-        """Send ``series[lo:hi]`` of ``parts`` as two halves, one after the other."""
+    async def _send_halves(self, parts: _Parts, lo: int, hi: int, depth: int,
+                           attempt: _Attempt) -> None:
+        """Send ``series[lo:hi]`` of ``parts`` as two halves, the first (cut again if it
+        must be) before the second: in the body's order (:meth:`_in_parts`)."""
         mid = parts.layout.middle(lo, hi)
-        for a, b in ((lo, mid), (mid, hi)):
-            if parts.retry is not None:
-                return
+        await self._send_part(parts, lo, mid, depth, attempt)
+        await self._send_part(parts, mid, hi, depth, attempt)
+
+    async def _send_part(self, parts: _Parts, a: int, b: int, depth: int,
+                         attempt: _Attempt) -> None:
+        """Send ``series[a:b]`` as one part, cut again if the upstream refuses it."""
+        if parts.stopped:
+            return
+        if attempt.sender_gone():
+            log.info("the sender closed its connection: the rest of a request sent in "
+                     "parts is not sent", extra={"upstream_url": self.url, "parts": parts.sent})
+            parts.sender_gone = True
+            return
+        # made one at a time: making one holds PART_COPIES times its bytes, sending it only
+        # its compressed form
+        need = PART_COPIES * parts.layout.part_bytes(a, b)
+        if not attempt.charge.take(need):
+            parts.retry = self._no_room(None, need)
+            return
+        try:
             out = await asyncio.to_thread(self._part, parts, a, b)
-            answer, sent = await self._deliver(out, parts.incoming, parts.url)
-            refused = too_large(answer)
-            if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
-                await self._send_halves(parts, a, b, depth + 1)
-                continue
-            if refused:
-                answer = self._too_large(answer, len(sent.encoded), b - a)
-            if self.metrics is not None:
-                self.metrics.upstream_split_parts.inc()
-            parts.add(answer, sent.converted, too_large=refused)
+        except BaseException:
+            attempt.charge.give_back(need)
+            raise
+        attempt.charge.give_back(need - len(out.encoded))
+        need = len(out.encoded)
+        try:
+            answer, sent = await self._deliver(out, parts.incoming, parts.url, attempt)
+            del out
+        finally:
+            attempt.charge.give_back(need)
+        refused = too_large(answer)
+        if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
+            await self._send_halves(parts, a, b, depth + 1, attempt)
+            return
+        if refused:
+            answer = self._too_large(answer, len(sent.encoded), b - a)
+        if self.metrics is not None:
+            self.metrics.upstream_split_parts.inc()
+        parts.add(answer, sent.converted, too_large=refused)
+
+    def _no_room(self, answer: Answer | None, need: int) -> Answer:
+        """What a request sent in parts needs does not fit the byte budget now: 503, and
+        the sender sends it again (the budget freed by then, or it is alone in flight,
+        which always may)."""
+        log.warning("no room in the byte budget (server.max_inflight_bytes) to send a "
+                    "request the upstream refused as too large in parts: 503",
+                    extra={"upstream_url": self.url, "bytes": need})
+        refusal = Answer(503, f"overloaded: no room for the {need} bytes it takes to send "
+                              "the request in parts (the upstream refused it as too large); "
+                              "send it again".encode(),
+                         {"Retry-After": DEFAULT_RETRY_AFTER}, "overload")
+        if answer is not None:
+            return self._count_split("overload", refusal)
+        return refusal
+
+    @staticmethod
+    def _decoded_size(sent: Outgoing) -> int | None:
+        """The size ``sent`` decodes to, from its own header (None: a zstd frame that
+        does not say)."""
+        if sent.raw:
+            return 0  # held already
+        if sent.encoding == "snappy":
+            return snappy_declared_length(sent.encoded)
+        try:
+            return zstd_declared_length(sent.encoded)
+        except DecodeError:  # pragma: no cover - the proxy's own frame
+            return None
 
     @classmethod
     def _as_snappy(cls, out: Outgoing) -> Outgoing:
@@ -723,7 +918,7 @@ class Upstream:
     @staticmethod
     def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
         raw = parts.layout.part(lo, hi)
-        return Outgoing(raw, parts.layout.protocol, parts.encoding,
+        return Outgoing(b"", parts.layout.protocol, parts.encoding,
                         compress(raw, parts.encoding), None, parts.layout_converted)
 
     def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
@@ -767,6 +962,9 @@ class Upstream:
             code = "timeout"
             return self._no_answer(504, code, "upstream timed out",
                                    timeout_s=self.settings.timeout_seconds)
+        except asyncio.CancelledError:  # the request's deadline (``forward``), or a stop
+            code = "timeout"
+            raise
         except aiohttp.ClientConnectorError as e:
             code = "connect_error"
             return self._no_answer(502, code, "upstream unreachable", str(e), error=str(e))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import cramjam
 import pytest
@@ -13,6 +14,7 @@ from proxy.compression import (
     DecodeError,
     compress,
     decompress,
+    decompress_scratch,
     join_snappy,
     snappy_declared_length,
     snappy_part,
@@ -307,3 +309,19 @@ def _zstd_without_size(raw: bytes) -> bytes:
 
     assert zstd_declared_length(out) is None
     return out
+
+
+def test_small_bodies_encoded_and_decoded_in_many_threads_at_once_stay_intact() -> None:
+    # every thread's scratch buffers started as one shared page, used as it was for a
+    # body that fit it: two threads encoding (or decoding) small bodies at once wrote
+    # into the same page, and sent each other's bytes (parts of a request sent at once)
+    bodies = [bytes([i]) * 40 + str(i).encode() * 300 for i in range(64)]
+
+    def round_trip(body: bytes) -> bool:
+        encoded = compress(body, "snappy")
+        return bytes(decompress_scratch(encoded, "snappy", max_decoded=1 << 20)) == body \
+            and snappy.uncompress(encoded) == body
+
+    for _ in range(20):
+        with ThreadPoolExecutor(8) as pool:  # fresh threads: fresh scratch buffers
+            assert all(pool.map(round_trip, bodies))

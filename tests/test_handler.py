@@ -27,7 +27,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
 from proxy.wire.primitives import Protocol
-from tests.scripted import Reply, ScriptedUpstream, rw2_receiver
+from tests.scripted import Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 RequestV2: Any = cast(Any, v2).Request
@@ -545,6 +545,37 @@ async def test_the_budget_follows_what_a_request_holds_until_its_answer(
                 assert held == out, (name, held, out, len(body), len(raw))
                 assert held < len(body) + len(raw)
         assert p.handler.budget.bytes == 0
+
+
+async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: Path) -> None:
+    # after a 413 the body was decoded again and cut outside the byte budget: 12 senders
+    # of a 30 MiB request held 2.3 GiB for a 256 MiB budget. Two requests whose own bytes
+    # fit the budget, their parts not: the one not alone in flight gets 503, nothing sent
+    big = snappy.compress(series_v1(*({"__name__": f"m{i}", "pod": "p" * 40}
+                                      for i in range(3000))))
+    decoded = len(snappy.uncompress(big))
+    rule = size_limit(len(big) * 6 // 10, lambda rec: Reply(204, delay=0.3),
+                      refusal=Reply(413, body=b"too large", delay=0.3))
+    budget = 2 * (len(big) + 2 * decoded) + decoded // 4  # both admitted (proxy.handler)
+    async with (
+        ScriptedUpstream(rule=rule) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up, max_body_bytes=len(big) + 10,
+                      max_inflight_bytes=budget) as p,
+    ):
+        url = f"http://127.0.0.1:{p.port}/api/v1/write"
+        h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+
+        async def one() -> tuple[int, str]:
+            async with session.post(url, data=big, headers=h) as resp:
+                return resp.status, await resp.text()
+
+        results = await asyncio.wait_for(asyncio.gather(one(), one()), 20)
+        assert p.metrics.registry.get_sample_value("karta_proxy_inflight_bytes") == 0
+        refused = p.metrics.registry.get_sample_value(
+            "karta_proxy_upstream_split_requests_total", {"result": "overload"})
+    assert any(s == 503 and "no room" in text for s, text in results), results
+    assert refused is not None and refused >= 1
 
 
 async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:

@@ -4,11 +4,13 @@ headers, auth, TLS, RW 2.0 -> 1.0 fallback."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import shutil
 import ssl
 import subprocess
-from collections.abc import AsyncIterator
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +26,7 @@ from proxy.upstream import (
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,
     FileSecret,
+    Outgoing,
     Upstream,
     UpstreamFailure,
     display_url,
@@ -594,9 +597,14 @@ def split_count(u: Upstream, result: str) -> float | None:
         "karta_proxy_upstream_split_requests_total", {"result": result})
 
 
+def in_request_order(parts: list[Received]) -> list[bytes]:
+    """Parts' bodies as they arrived: one after the other, in the body's order."""
+    return [r.raw for r in parts]
+
+
 def stored_parts(up: ScriptedUpstream, limit: int) -> list[bytes]:
-    """The bodies a ``size_limit(limit)`` receiver took."""
-    return [r.raw for r in up.received if len(r.body) <= limit]
+    """The bodies a ``size_limit(limit)`` receiver took, in request order."""
+    return in_request_order([r for r in up.received if len(r.body) <= limit])
 
 
 @pytest.mark.parametrize("compressed_in_parts", [False, True])
@@ -725,8 +733,8 @@ async def test_413_rw2_parts_to_an_upstream_found_1_0_only_on_the_way() -> None:
     async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
         answer = await u.send(raw, Protocol.V2, counts=counts)
     assert answer.ok and answer.converted and u.v1_only
-    v1_parts = [r.raw for r in up.received
-                if len(r.body) <= limit and "v2" not in r.headers["Content-Type"]]
+    v1_parts = in_request_order([r for r in up.received if len(r.body) <= limit
+                                 and "v2" not in r.headers["Content-Type"]])
     assert [s for p in v1_parts for s in series_of(p, Protocol.V1)] == series_of(
         v2_to_v1(raw), Protocol.V1)
     assert answer.headers[WRITTEN_SAMPLES] == "120"
@@ -773,3 +781,189 @@ async def test_413_recursion_is_bounded_at_16_parts() -> None:
     assert u.metrics is not None
     assert u.metrics.registry.get_sample_value("karta_proxy_upstream_split_parts_total") == 16
     assert split_count(u, "too_large") == 1 and split_count(u, "stored") == 0
+
+
+# -- what a request in flight holds -----------------------------------------------------------
+
+
+def _held_after_prepare(u: Upstream, make_body: Callable[[], bytes], protocol: Protocol,
+                        encoding: str) -> tuple[Outgoing, int, int]:
+    """The prepared request, the bytes still allocated once it is ready (the body made
+    for it freed, as the handler frees its splice's output), and the decoded size."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        raw = make_body()
+        size = len(raw)
+        out = u.prepare(raw, protocol, encoding, COUNTS)
+        del raw
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return out, held, size
+
+
+@pytest.mark.parametrize(("protocol", "encoding", "kw"), [
+    (Protocol.V2, "zstd", {}),  # RW 2.0 zstd in: prepare() compresses
+    (Protocol.V2, "snappy", {"encoding": "zstd"}),  # another encoding out
+    (Protocol.V2, "snappy", {"protocol": "v1"}),  # converted to 1.0
+    (Protocol.V1, "zstd", {}),
+])
+async def test_a_prepared_request_holds_its_body_compressed_only(
+        protocol: Protocol, encoding: str, kw: dict[str, object]) -> None:
+    # an RW 2.0 body kept decoded for the whole round trip was ~10x its compressed size,
+    # outside the byte budget (31 MiB decoded: 461 MiB peak for a 256 MiB budget)
+    body = (lambda: many_v2(3000)) if protocol is Protocol.V2 else (lambda: many_v1(3000))
+    async with ScriptedUpstream(rule=rw2_receiver) as up, opened(up.url, **kw) as u:
+        out, held, size = _held_after_prepare(u, body, protocol, encoding)
+        assert held < len(out.encoded) + size // 10, (held, len(out.encoded), size)
+        # still converted when the upstream turns out 1.0-only on the way: decoded again
+        answer = await u.forward(out)
+    assert answer.ok
+    got = up.received[-1]
+    sent_protocol = Protocol.V2 if "v2" in got.headers["Content-Type"] else Protocol.V1
+    assert len(series_of(got.raw, sent_protocol)) == 3000
+
+
+# -- a request sent in parts: bounded in memory and in time -----------------------------------
+
+
+class Budget:
+    """A request's byte budget as the handler's: ``room`` bytes more may be taken."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.held = 0
+        self.most = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.room:
+            return False
+        self.held += n
+        self.most = max(self.most, self.held)
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
+
+
+async def test_413_parts_are_charged_to_the_requests_budget_and_given_back() -> None:
+    # the body decoded again, its layout and every part were held outside the byte
+    # budget: 12 senders of a 30 MiB request, 256 MiB budget, 2.3 GiB
+    raw = many_v1(200)
+    limit = len(compress(raw, "snappy")) // 3
+    budget = Budget(1 << 30)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"), charge=budget)
+    assert answer.ok
+    assert budget.most >= len(raw)  # at least the body decoded again
+    assert budget.held == 0
+    assert [s for p in stored_parts(up, limit) for s in series_of(p, Protocol.V1)] == \
+        series_of(raw, Protocol.V1)
+
+
+@pytest.mark.parametrize("room_for_parts", [False, True])
+async def test_413_without_room_in_the_budget_is_503(room_for_parts: bool) -> None:
+    raw = many_v1(200)
+    limit = len(compress(raw, "snappy")) // 3
+    # the whole decoded again and its layout fit, the parts do not; or nothing fits
+    budget = Budget(len(raw) * 3 // 2 if room_for_parts else len(raw) // 2)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"), charge=budget)
+    assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+    assert b"no room" in answer.body
+    assert len(up.received) == 1  # the whole, refused; no part sent
+    assert budget.held == 0
+    assert split_count(u, "overload") == 1 and split_count(u, "stored") == 0
+
+
+async def test_413_parts_share_one_deadline_504() -> None:
+    # 15 upstream requests of 0.4 s each, one after the other, took 6 s for a timeout of
+    # 1 s: a sender gives up long before, sends the batch again, and both are stored
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) // 6  # 8 parts: 15 requests
+    slow = size_limit(limit, lambda rec: Reply(204, delay=0.4),
+                      refusal=Reply(413, body=b"too large", delay=0.4))
+    async with ScriptedUpstream(rule=slow) as up, opened(up.url, timeout_seconds=1.0) as u:
+        answer = await u.send(raw, Protocol.V1)
+        sent = len(up.received)
+    assert answer.status == 504 and answer.upstream == "timeout"
+    assert b"within 1 s" in answer.body
+    assert sent < 15
+    assert split_count(u, "timeout") == 1
+    assert u.metrics is not None
+    timeouts = u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_responses_total", {"code": "timeout"})
+    assert timeouts is not None and timeouts >= 1
+
+
+async def test_parts_go_one_after_the_other_in_the_bodys_order() -> None:
+    # a batch may hold one series more than once (Prometheus writes a TimeSeries per
+    # sample); parts sent at once could store its later sample first, and the part with
+    # the earlier one was refused as out of order (rolled back whole, a 400 dropped)
+    import random
+
+    rng = random.Random(7)
+    req = remote_pb2.WriteRequest()
+
+    def add(pod: str, t: int) -> None:
+        ts = req.timeseries.add()
+        ts.labels.add(name="__name__", value="requests_total")
+        ts.labels.add(name="pod", value=pod)
+        ts.samples.add(value=1.0, timestamp=t)
+
+    # series "a" twice, early in the first half and late in the second; the first half
+    # compresses badly (random names: refused, cut again), the second well (taken at once)
+    add("a", 1000)
+    for _ in range(31):
+        add("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(40)), 1000)
+    for i in range(31):
+        add(f"{'x' * 40}-{i}", 1000)
+    add("a", 16000)
+    raw = req.SerializeToString()
+    halves = [compress(raw[:len(raw) // 2], "snappy"), compress(raw[len(raw) // 2:], "snappy")]
+    limit = (len(halves[0]) + len(halves[1])) // 2
+    seen: dict[tuple[tuple[str, str], ...], int] = {}
+    order_broken: list[str] = []
+
+    def ordered(rec: Received) -> Reply:
+        stored = remote_pb2.WriteRequest.FromString(rec.raw)
+        for ts in stored.timeseries:
+            key = tuple((lb.name, lb.value) for lb in ts.labels)
+            t = ts.samples[0].timestamp
+            if t < seen.get(key, 0):
+                order_broken.append(f"{key} {t} after {seen[key]}")
+            seen[key] = t
+        return Reply(204, delay=0.05)
+
+    rule = size_limit(limit, ordered, refusal=Reply(413, body=b"too large", delay=0.05))
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V1)
+    assert answer.ok, answer.body
+    assert not order_broken, order_broken
+    assert [s for p in stored_parts(up, limit) for s in series_of(p, Protocol.V1)] == \
+        series_of(raw, Protocol.V1)
+
+
+async def test_rw2_probe_post_and_converted_post_share_one_deadline() -> None:
+    # protocol auto: the RW 2.0 post answered 2xx without Written headers, then the
+    # converted post, each within the timeout but together past it
+    async with (
+        ScriptedUpstream(Reply(204, delay=0.6)) as up,
+        opened(up.url, timeout_seconds=1.0) as u,
+    ):
+        answer = await u.send(v2_body(), Protocol.V2, counts=COUNTS)
+    assert answer.status == 504 and answer.upstream == "timeout"
+
+
+async def test_413_no_part_is_sent_after_the_sender_left() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) // 20
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"),
+                                 sender_gone=lambda: len(up.received) >= 3)
+        sent = len(up.received)
+    assert answer.status == 499 and not answer.ok
+    assert sent < 31
+    assert split_count(u, "sender_gone") == 1

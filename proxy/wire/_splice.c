@@ -3315,6 +3315,61 @@ done:
     return cuts;
 }
 
+/* The end of every top-level field of a request, as native uint32 in one bytes object: 4 bytes
+ * a field where a list of ints costs ~40 (a request cut in parts after a 413 has one field a
+ * series, 620k of them in a 31 MiB body: proxy.wire.halves). With count_only, how many fields
+ * there are, nothing allocated (what the caller charges before asking for the ends). None when
+ * a field cannot be read (the caller reads it again to say why); ValueError for a body of
+ * 4 GiB or more. */
+static PyObject *
+field_ends_py(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *rawo;
+    int count_only = 0;
+    if (!PyArg_ParseTuple(args, "O|p:field_ends", &rawo, &count_only))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(rawo, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    const uint8_t *raw = view.buf;
+    size_t n = (size_t)view.len, pos = 0, count = 0;
+    if (n > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a body of 4 GiB or more");
+        goto done;
+    }
+    Err e;
+    memset(&e, 0, sizeof e);
+    while (pos < n) {
+        Field f;
+        if (!rd_field(raw, pos, n, &f, &e)) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+        pos = f.end;
+        count++;
+    }
+    if (count_only) {
+        out = PyLong_FromSize_t(count);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * sizeof(uint32_t)));
+    if (out == NULL)
+        goto done;
+    char *dst = PyBytes_AS_STRING(out);
+    pos = 0;
+    for (size_t i = 0; i < count; i++) {
+        Field f;
+        rd_field(raw, pos, n, &f, &e); /* read once already */
+        pos = f.end;
+        uint32_t end = (uint32_t)pos;
+        memcpy(dst + i * sizeof end, &end, sizeof end);
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyObject *
 set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 {
@@ -3335,6 +3390,9 @@ static PyMethodDef module_methods[] = {
      "splice_v2(raw, plan, table[, block, base]): as splice_v1, RW 2.0"},
     {"split_v1", split_v1_py, METH_VARARGS,
      "split_v1(raw, pieces) -> [offsets where the RW 1.0 request can be cut into pieces]"},
+    {"field_ends", field_ends_py, METH_VARARGS,
+     "field_ends(raw, count_only=False) -> the end of every top-level field as native "
+     "uint32 bytes (the count with count_only), or None when one cannot be read"},
     {"set_error_class", set_error_class, METH_O,
      "the exception raised for bad input: cls(kind, status, message)"},
     {NULL, NULL, 0, NULL},

@@ -9,6 +9,7 @@ implementation and that implementation's pod table. Both implementations answer 
 from __future__ import annotations
 
 import logging
+from array import array
 from types import ModuleType
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
 from proxy.wire.plan import SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
-from proxy.wire.primitives import Counts, Protocol
+from proxy.wire.primitives import Counts, Protocol, read_field
 
 log = logging.getLogger("karta.wire")
 
@@ -142,3 +143,34 @@ def _result(t: tuple[Any, ...]) -> SpliceResult:
     body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
                         stripped, encoded)
+
+
+def field_count(raw: bytes) -> int:
+    """How many top-level fields ``raw`` has: what :func:`field_ends` will hold, known
+    before it is allocated (a request cut in parts charges it to its byte budget first).
+    ``DecodeError`` for a field that cannot be read."""
+    count = _native.field_ends(raw, True) if _native is not None else None
+    if isinstance(count, int):
+        return count
+    return len(_walk(raw))
+
+
+def field_ends(raw: bytes) -> memoryview:
+    """The end of every top-level field of ``raw``, 4 bytes each (a list of ints was ~40
+    a field, one field a series: 620k of them in a 31 MiB RW 2.0 body). ``DecodeError``
+    for a field that cannot be read."""
+    packed = _native.field_ends(raw) if _native is not None else None
+    if isinstance(packed, bytes):
+        return memoryview(packed).cast("I")
+    return memoryview(_walk(raw))
+
+
+def _walk(raw: bytes) -> array[int]:
+    """The field ends read here: without the native module, or to raise the error of a
+    field it could not read."""
+    ends = array("I")
+    pos, n = 0, len(raw)
+    while pos < n:
+        pos = read_field(raw, pos, n)[3]
+        ends.append(pos)
+    return ends
