@@ -27,7 +27,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
 from proxy.wire.primitives import Protocol
-from tests.scripted import Reply, ScriptedUpstream, rw2_receiver, size_limit
+from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 RequestV2: Any = cast(Any, v2).Request
@@ -549,14 +549,22 @@ async def test_the_budget_follows_what_a_request_holds_until_its_answer(
 
 async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: Path) -> None:
     # after a 413 the body was decoded again and cut outside the byte budget: 12 senders
-    # of a 30 MiB request held 2.3 GiB for a 256 MiB budget. Two requests whose own bytes
-    # fit the budget, their parts not: the one not alone in flight gets 503, nothing sent
+    # of a 30 MiB request held 2.3 GiB for a 256 MiB budget. A big request whose own
+    # bytes fit the budget beside a small one in flight, its parts not: 503, no part sent
     big = snappy.compress(series_v1(*({"__name__": f"m{i}", "pod": "p" * 40}
                                       for i in range(3000))))
+    small = snappy.compress(series_v1({"__name__": "up"}))
     decoded = len(snappy.uncompress(big))
-    rule = size_limit(len(big) * 6 // 10, lambda rec: Reply(204, delay=0.3),
-                      refusal=Reply(413, body=b"too large", delay=0.3))
-    budget = 2 * (len(big) + 2 * decoded) + decoded // 4  # both admitted (proxy.handler)
+    limit = len(big) * 6 // 10
+
+    def answer(rec: Received) -> Reply:  # the small request stays in flight throughout
+        return Reply(204, delay=2.0 if len(rec.body) < 1000 else 0.0)
+
+    rule = size_limit(limit, answer, refusal=Reply(413, body=b"too large"))
+    # the big one admitted beside the small one (its body, twice its decoded size:
+    # proxy.handler), and settled to its outgoing body once spliced: cutting it takes its
+    # body decoded again, the layout and the part being made, past that
+    budget = len(big) + 2 * decoded + 4 * len(small) + 4096
     async with (
         ScriptedUpstream(rule=rule) as up,
         aiohttp.ClientSession() as session,
@@ -566,16 +574,21 @@ async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: P
         url = f"http://127.0.0.1:{p.port}/api/v1/write"
         h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
 
-        async def one() -> tuple[int, str]:
-            async with session.post(url, data=big, headers=h) as resp:
+        async def one(body: bytes) -> tuple[int, str]:
+            async with session.post(url, data=body, headers=h) as resp:
                 return resp.status, await resp.text()
 
-        results = await asyncio.wait_for(asyncio.gather(one(), one()), 20)
+        waiting = asyncio.create_task(one(small))
+        while not up.received:  # the small request is at the upstream, for 2 s
+            await asyncio.sleep(0.01)
+        status, text = await asyncio.wait_for(one(big), 10)
+        assert (await waiting)[0] == 204
         assert p.metrics.registry.get_sample_value("karta_proxy_inflight_bytes") == 0
         refused = p.metrics.registry.get_sample_value(
             "karta_proxy_upstream_split_requests_total", {"result": "overload"})
-    assert any(s == 503 and "no room" in text for s, text in results), results
-    assert refused is not None and refused >= 1
+    assert status == 503 and "no room" in text, (status, text)
+    assert refused == 1
+    assert not [r for r in up.received if len(r.body) <= limit and len(r.body) >= 1000]
 
 
 async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:
