@@ -233,13 +233,6 @@ class LoadBudget:
     def release(self, n: int) -> None:
         self.bytes -= n
 
-    def settle(self, held: _Held, holds: int) -> None:
-        """A request now holds ``holds`` bytes: less frees the difference at once; more is
-        taken even past the budget (the work is done: refusing it would only make the
-        sender send it again), and the next requests are refused instead."""
-        self.bytes += holds - held.bytes
-        held.bytes = holds
-
 
 #: requests that may wait for a slot, per slot (past them: 503 at once). Three: at 4x more
 #: connections than slots every fast-retrying sender has a place to wait in, and the
@@ -281,6 +274,13 @@ class _Held:
     def give_back(self, n: int) -> None:
         self.budget.release(n)
         self.bytes -= n
+
+    def settle(self, holds: int) -> None:
+        """The request now holds ``holds`` bytes: less frees the difference at once; more
+        is taken even past the budget (the work is done: refusing it would only make the
+        sender send it again), and the next requests are refused instead."""
+        self.budget.bytes += holds - self.bytes
+        self.bytes = holds
 
 
 class _Refusal(Exception):
@@ -694,10 +694,9 @@ class RemoteWriteHandler:
                            counter="decode", kind="protobuf") from None
         del body
         result = prepared.result
-        # from here to the answer it holds its outgoing body only (and an RW 2.0 body kept
-        # for a conversion): its own body and the decoded one are gone
-        out = prepared.outgoing
-        self.budget.settle(held, len(out.encoded) + len(out.raw))
+        # from here to the answer it holds its outgoing body only, compressed: its own
+        # body and the decoded one are gone
+        held.settle(len(prepared.outgoing.encoded))
         self._count(result)
         try:
             answer = await self.upstream.forward(

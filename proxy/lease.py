@@ -176,21 +176,18 @@ class LeaseElector:
     # -- one round -----------------------------------------------------------------------
 
     def _spec(self, now: datetime, old: k8s.V1LeaseSpec | None, mine: bool) -> k8s.V1LeaseSpec:
+        """The record this replica writes now; its renewTime remembered (:meth:`_twin`)."""
         transitions = (old.lease_transitions or 0) if old is not None else 0
+        renew = micro_time(now)
+        self._wrote = (*self._wrote[-1:], renew)
         return k8s.V1LeaseSpec(
             holder_identity=self.identity,
             lease_duration_seconds=max(1, math.ceil(self.lease_duration)),
             acquire_time=micro_time(old.acquire_time if mine and old is not None
                                     and old.acquire_time else now),
-            renew_time=micro_time(now),
+            renew_time=renew,
             lease_transitions=transitions if mine or old is None else transitions + 1,
         )
-
-    def _write_spec(self, now: datetime, old: k8s.V1LeaseSpec | None,
-                    mine: bool) -> k8s.V1LeaseSpec:
-        spec = self._spec(now, old, mine)
-        self._wrote = (*self._wrote[-1:], _stamp(spec.renew_time))
-        return spec
 
     async def try_acquire_or_renew(self) -> bool:
         """One round: True when this replica holds the lease afterwards, False when another
@@ -206,7 +203,7 @@ class LeaseElector:
                 raise
             body = k8s.V1Lease(
                 metadata=k8s.V1ObjectMeta(name=self.name, namespace=self.namespace),
-                spec=self._write_spec(now, None, mine=False),
+                spec=self._spec(now, None, mine=False),
             )
             try:
                 created = await self._api.create_namespaced_lease(
@@ -222,7 +219,7 @@ class LeaseElector:
         twin = self._twin(lease.spec)
         if holder and (twin or holder != self.identity) and not self._expired():
             return False
-        lease.spec = self._write_spec(now, lease.spec, mine=holder == self.identity and not twin)
+        lease.spec = self._spec(now, lease.spec, mine=holder == self.identity and not twin)
         try:
             updated = await self._api.replace_namespaced_lease(
                 self.name, self.namespace, lease, _request_timeout=timeout

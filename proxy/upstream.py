@@ -129,12 +129,6 @@ class Outgoing:
     """One request body ready for the upstream, made by :meth:`Upstream.prepare` (in a
     worker thread: conversion and compression are the CPU-heavy part)."""
 
-    #: the uncompressed body, in ``protocol``, or ``b""`` once it went out compressed: a
-    #: request in flight holds its body once, compressed, whatever its protocol (an RW 2.0
-    #: body kept decoded was ~10x its compressed size for the whole round trip, uncharged);
-    #: the rare conversion after the upstream refused RW 2.0, and a 413's parts, decode
-    #: ``encoded`` again (``Upstream._raw``)
-    raw: bytes
     protocol: Protocol
     #: Content-Encoding toward the upstream
     encoding: str
@@ -560,14 +554,14 @@ class Upstream:
         if self.converts(protocol):
             raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
         encoded = compress(raw, out_encoding)
-        return Outgoing(b"", protocol, out_encoding, encoded, counts, converted)
+        return Outgoing(protocol, out_encoding, encoded, counts, converted)
 
     def prepared(self, encoded: bytes, protocol: Protocol, counts: Counts | None = None
                  ) -> Outgoing:
         """A body the handler's splice wrote as a snappy block itself (in parts at once,
         or made from the sender's block), in the protocol it arrived in; an RW 2.0 one is
         decoded again only should it need converting (``_convert``)."""
-        return Outgoing(b"", protocol, "snappy", encoded, counts)
+        return Outgoing(protocol, "snappy", encoded, counts)
 
     async def send(
         self,
@@ -689,7 +683,7 @@ class Upstream:
 
     def _convert(self, out: Outgoing) -> Outgoing:
         raw = v2_to_v1(self._raw(out))
-        return Outgoing(b"", Protocol.V1, out.encoding, compress(raw, out.encoding),
+        return Outgoing(Protocol.V1, out.encoding, compress(raw, out.encoding),
                         out.counts, True)
 
     @staticmethod
@@ -889,8 +883,6 @@ class Upstream:
     def _decoded_size(sent: Outgoing) -> int | None:
         """The size ``sent`` decodes to, from its own header (None: a zstd frame that
         does not say)."""
-        if sent.raw:
-            return 0  # held already
         if sent.encoding == "snappy":
             return snappy_declared_length(sent.encoded)
         try:
@@ -905,10 +897,12 @@ class Upstream:
 
     @staticmethod
     def _raw(sent: Outgoing) -> bytes:
-        """A request's body as it went out, uncompressed (decoded again when the handler
-        kept only its compressed form, ``prepared``)."""
-        return sent.raw if sent.raw or not sent.encoded else decompress(
-            sent.encoded, sent.encoding, max_decoded=OWN_BODY_LIMIT)
+        """A request's body as it went out, uncompressed: decoded again, as a request in
+        flight holds it compressed only (an RW 2.0 body kept decoded was ~10x its
+        compressed size for the whole round trip, uncharged)."""
+        if not sent.encoded:
+            return b""
+        return decompress(sent.encoded, sent.encoding, max_decoded=OWN_BODY_LIMIT)
 
     @classmethod
     def _layout(cls, sent: Outgoing) -> Layout:
@@ -918,7 +912,7 @@ class Upstream:
     @staticmethod
     def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
         raw = parts.layout.part(lo, hi)
-        return Outgoing(b"", parts.layout.protocol, parts.encoding,
+        return Outgoing(parts.layout.protocol, parts.encoding,
                         compress(raw, parts.encoding), None, parts.layout_converted)
 
     def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
@@ -1049,14 +1043,14 @@ class Upstream:
     async def _probe(self) -> Probe:
         auto = self.settings.protocol == "auto"
         protocol = Protocol.V2 if auto else Protocol.V1
-        empty = Outgoing(b"", protocol, self.out_encoding("snappy"),
+        empty = Outgoing(protocol, self.out_encoding("snappy"),
                          compress(b"", self.out_encoding("snappy")))
         answer = await self._post(empty, {})
         if empty.encoding == "zstd" and answer.upstream in ("400", "415"):
             answer = await self._zstd_refused(answer, empty)
         if answer.upstream == "415" and auto:
             answer = await self._post(
-                Outgoing(b"", Protocol.V1, empty.encoding, empty.encoded), {})
+                Outgoing(Protocol.V1, empty.encoding, empty.encoded), {})
             if answer.ok:
                 return Probe("rw1", answer.upstream, "answered 415 to RW 2.0")
         detail = answer.body[:200].decode("utf-8", "replace")
@@ -1081,7 +1075,7 @@ class Upstream:
         the upstream does not read zstd, and every request goes out as snappy from now on
         (else every write would be refused, and dropped by its sender). The answer to
         the snappy write, or ``answer`` when snappy fares no better."""
-        snappy_empty = Outgoing(b"", empty.protocol, "snappy", compress(b"", "snappy"))
+        snappy_empty = Outgoing(empty.protocol, "snappy", compress(b"", "snappy"))
         retry = await self._post(snappy_empty, {})
         if retry.upstream in ("400", "415"):
             return answer
