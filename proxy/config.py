@@ -775,7 +775,7 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
             "upstream.basic_auth_username and upstream.basic_auth_password_file: set both"
         )
     for i, h in enumerate(u.forward_headers):
-        if not h or any(c in h for c in " :\r\n"):
+        if not _HEADER_NAME.fullmatch(h):
             raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
     _validate_upstream_headers(u.headers)
     _validate_upstream_tls(u)
