@@ -23,7 +23,7 @@ from proxy import contract
 from proxy.compression import DecodeError
 from proxy.config import ConflictPolicy, EnrichSettings, PodLabelRule, SenderKartaLabels
 from proxy.index import PodIndex
-from proxy.wire.native import Implementation, Splicer
+from proxy.wire.native import Grow, Implementation, Splicer
 from proxy.wire.plan import (
     REASON_NO_POD_LABEL,
     MetricRule,
@@ -133,17 +133,22 @@ class Enricher:
         splicer.table = self.table
         self._splicer, self.plan = splicer, plan
 
-    def enrich_v1(self, raw: bytes | memoryview) -> SpliceResult:
-        return self._splicer.splice_v1(raw)
+    def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult:
+        """``limit``, ``grow``: what the splice may hold beside ``raw``
+        (``Splicer.splice_v1``)."""
+        return self._splicer.splice_v1(raw, limit, grow)
 
-    def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult:
-        return self._splicer.splice_v2(raw)
+    def enrich_v2(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult:
+        return self._splicer.splice_v2(raw, limit, grow)
 
     def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
-                      base: int = 0) -> SpliceResult:
+                      base: int = 0, limit: int | None = None, grow: Grow | None = None
+                      ) -> SpliceResult:
         """:meth:`enrich_v1` / :meth:`enrich_v2` with the body as a snappy block made from
         the sender's (``Splicer.splice_snappy``)."""
-        return self._splicer.splice_snappy(protocol, raw, block, base)
+        return self._splicer.splice_snappy(protocol, raw, block, base, limit, grow)
 
     def _refresh(self, keys: Collection[tuple[bytes, bytes]]) -> None:
         """Index listener: the table's entries of these pods take the index's answer now

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import re
+import threading
 import time
 import typing
 from collections.abc import Callable, Mapping
@@ -57,8 +58,8 @@ from proxy.loop_workers import LoopWorkers
 from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, Outgoing, Upstream
-from proxy.wire.native import split_v1
-from proxy.wire.plan import SpliceResult
+from proxy.wire.native import Grow, split_v1
+from proxy.wire.plan import OverLimit, SpliceResult
 from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.handler")
@@ -106,12 +107,15 @@ class Enriching(typing.Protocol):
     """What the handler needs of ``proxy.attribution.Enricher`` (called from worker
     threads)."""
 
-    def enrich_v1(self, raw: bytes | memoryview) -> SpliceResult: ...
+    def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult: ...
 
-    def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult: ...
+    def enrich_v2(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult: ...
 
     def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
-                      base: int = 0) -> SpliceResult: ...
+                      base: int = 0, limit: int | None = None, grow: Grow | None = None
+                      ) -> SpliceResult: ...
 
 
 def protocol_from_content_type(ct: str) -> Protocol:
@@ -212,26 +216,28 @@ def declared_decoded_size(body: bytes, encoding: str) -> int | None:
 
 
 class LoadBudget:
-    """Bytes held at once; ``try_reserve`` never waits."""
+    """Bytes held at once; a request is refused, never made to wait. Locked: a splice in a worker
+    thread takes more as it grows (``_Room``)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.lock = threading.Lock()
 
-    def try_reserve(self, n: int, own: int = 0) -> bool:
-        """Reserve ``n`` more bytes for a request that holds ``own`` already, if they fit.
+    def fits(self, n: int, own: int) -> bool:
+        """Do ``n`` more bytes fit for a request that holds ``own`` already (under
+        ``lock``)?
 
         A request that holds everything held (alone in flight) always may: its size is
-        bounded anyway (``max_body_bytes`` + ``max_decoded_bytes``), and with a budget
-        below that a request too big for it alone would be refused on every retry, its
-        data never stored. So the bound is the larger of the budget and one request."""
-        if self.bytes + n > self.max_bytes and self.bytes > own:
-            return False
-        self.bytes += n
-        return True
+        bounded anyway (``max_body_bytes`` + ``max_decoded_bytes``, and what its splice may
+        hold: ``_Room``), and with a budget below that a request too big for it alone would
+        be refused on every retry, its data never stored. So the bound is the larger of the
+        budget and one request."""
+        return self.bytes + n <= self.max_bytes or self.bytes <= own
 
     def release(self, n: int) -> None:
-        self.bytes -= n
+        with self.lock:
+            self.bytes -= n
 
 
 #: requests that may wait for a slot, per slot (past them: 503 at once). Three: at 4x more
@@ -266,21 +272,60 @@ class _Held:
         self.bytes = 0
 
     def take(self, n: int) -> bool:
-        if not self.budget.try_reserve(n, self.bytes):
-            return False
-        self.bytes += n
-        return True
+        with self.budget.lock:  # its own count too: a splice's _Room takes from a worker
+            if not self.budget.fits(n, self.bytes):
+                return False
+            self.budget.bytes += n
+            self.bytes += n
+            return True
 
     def give_back(self, n: int) -> None:
-        self.budget.release(n)
-        self.bytes -= n
+        with self.budget.lock:
+            self.budget.bytes -= n
+            self.bytes -= n
 
     def settle(self, holds: int) -> None:
         """The request now holds ``holds`` bytes: less frees the difference at once; more
         is taken even past the budget (the work is done: refusing it would only make the
         sender send it again), and the next requests are refused instead."""
-        self.budget.bytes += holds - self.bytes
-        self.bytes = holds
+        with self.budget.lock:
+            self.budget.bytes += holds - self.bytes
+            self.bytes = holds
+
+
+class _Room:
+    """What one splice may hold beside its decoded body, taken from its request's byte
+    budget as the splice grows (``Splicer.splice_v1``'s ``grow``, called from a worker
+    thread). Real series hold up to ~1.5x their decoded size there (spans, the stamps
+    copied and added, RW 2.0's per-series places); series many times smaller than their
+    stamps hold many times it, which the splice must not allocate unreserved."""
+
+    __slots__ = ("grown", "held", "limit", "most", "refused")
+
+    def __init__(self, held: _Held, limit: int, most: int, grown: Counter) -> None:
+        self.held = held
+        #: what it has (part of its request's reservation), and at most may have
+        self.limit = limit
+        self.most = most
+        #: splices that took more (a metric's child)
+        self.grown = grown
+        #: why it was refused more: "too_large" (past ``most``), "overload" (no room now)
+        self.refused = ""
+
+    def __call__(self, need: int) -> int:
+        """The new limit for a splice whose estimate for the whole is ``need``: a quarter
+        over it (another ask, not a redo, when it still falls short); 0 when refused."""
+        if need > self.most:
+            self.refused = "too_large"
+            return 0
+        more = min(self.most, need + need // 4)
+        if not self.held.take(more - self.limit):
+            self.refused = "overload"
+            return 0
+        if self.limit < more:
+            self.grown.inc()
+        self.limit = more
+        return more
 
 
 class _Refusal(Exception):
@@ -295,6 +340,12 @@ class _Refusal(Exception):
         self.counter = counter
         self.kind = kind
         self.headers = dict(headers or {})
+
+
+def _no_room() -> _Refusal:
+    """The answer when the byte budget has no room for a request now."""
+    return _Refusal(503, "overloaded: too many request bytes in flight", counter="reject",
+                    kind="overload", headers={"Retry-After": RETRY_AFTER})
 
 
 def _socket_fd(request: web.Request) -> int:
@@ -589,9 +640,7 @@ class RemoteWriteHandler:
 
     def _reserve(self, held: _Held, n: int) -> None:
         if not held.take(n):
-            raise _Refusal(503, "overloaded: too many request bytes in flight",
-                           counter="reject", kind="overload",
-                           headers={"Retry-After": RETRY_AFTER})
+            raise _no_room()
 
     async def _read_body(self, request: web.Request, held: _Held) -> bytes:
         """The body, reserved chunk by chunk as it arrives (never the maximum up front:
@@ -674,19 +723,16 @@ class RemoteWriteHandler:
         decoded = min(declared if declared is not None else s.max_decoded_bytes,
                       s.max_decoded_bytes)
         self._reserve(held, 2 * decoded)
+        # the second decoded size is the splice's to hold beside the decoded body; past it
+        # the splice takes more as it grows, up to what one request may hold: the larger
+        # of the budget and a request at the body and decoded limits (LoadBudget.fits)
+        whole = max(s.max_inflight_bytes, s.max_body_bytes + 2 * s.max_decoded_bytes)
+        room = _Room(held, decoded, whole - held.bytes + decoded,
+                     self.metrics.splice_limits.labels("grown"))
         try:
-            if declared is not None and declared <= INLINE_DECODED_BYTES \
-                    and len(body) <= INLINE_DECODED_BYTES:
-                # shorter than a round trip through the pool (two thread switches)
-                prepared = self._prepare(body, encoding, protocol)
-            else:
-                parts = self._parts_for(declared, protocol, encoding)
-                self._in_workers += 1
-                try:
-                    prepared = await self._pool.run(self._prepare, body, encoding,
-                                                       protocol, parts)
-                finally:
-                    self._in_workers -= 1
+            prepared = await self._prepared(body, encoding, protocol, declared, room)
+        except OverLimit as e:
+            raise self._no_room_to_splice(e.need, room.refused) from None
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ValueError as e:
@@ -708,6 +754,32 @@ class RemoteWriteHandler:
             self._series("out").inc(result.counts.series)
         return self._answer(answer)
 
+    async def _prepared(self, body: bytes, encoding: str, protocol: Protocol,
+                        declared: int | None, room: _Room) -> Prepared:
+        if declared is not None and declared <= INLINE_DECODED_BYTES \
+                and len(body) <= INLINE_DECODED_BYTES:
+            # shorter than a round trip through the pool (two thread switches)
+            return self._prepare(body, encoding, protocol, 1, room)
+        parts = self._parts_for(declared, protocol, encoding)
+        self._in_workers += 1
+        try:
+            return await self._pool.run(self._prepare, body, encoding, protocol, parts, room)
+        finally:
+            self._in_workers -= 1
+
+    def _no_room_to_splice(self, need: int, refused: str) -> _Refusal:
+        """The answer to a request whose splice was refused the room it needs (about
+        ``need`` bytes beside its decoded body): 413 when one request may not hold that
+        much, 503 when the byte budget has no room for it now."""
+        self.metrics.splice_limits.labels(refused or "too_large").inc()
+        if refused == "overload":
+            return _no_room()
+        return _Refusal(413, f"the enriched request would hold about {need} bytes beside its "
+                        "decoded body, more than one request may (server.max_inflight_bytes, "
+                        "or max_body_bytes + 2 x max_decoded_bytes if larger): its series are "
+                        "small beside the labels stamped onto them; send fewer series per "
+                        "request", counter="reject", kind="too_large")
+
     def _parts_for(self, declared: int | None, protocol: Protocol, encoding: str) -> int:
         """How many parts to splice a request in: one per worker for a big RW 1.0 request
         in and out as snappy while no other request is in the workers (under load every
@@ -718,9 +790,11 @@ class RemoteWriteHandler:
             return 1
         return max(1, min(self.workers, declared // PART_DECODED_BYTES))
 
-    def _prepare(self, body: bytes, encoding: str, protocol: Protocol, parts: int = 1
-                 ) -> Prepared:
-        """The worker-thread part of a request: decompress, splice, convert, compress."""
+    def _prepare(self, body: bytes, encoding: str, protocol: Protocol, parts: int = 1,
+                 room: _Room | None = None) -> Prepared:
+        """The worker-thread part of a request: decompress, splice, convert, compress.
+        ``room``: what the splice may hold beside the decoded body (``OverLimit`` past it)."""
+        limit = room.limit if room is not None else None
         # the splice copies what it keeps (an untouched body included), so the body may be
         # decoded into the thread's scratch buffer (proxy.compression._Scratch)
         raw = decompress_scratch(body, encoding, max_decoded=self.settings.max_decoded_bytes)
@@ -730,26 +804,41 @@ class RemoteWriteHandler:
             # the parts on other cores than this one (else Linux may wake the part thread
             # here, and the parts take turns on one core: proxy.part_threads)
             self._parts.elsewhere()
-            merged, encoded = splice_in_parts(raw, body, cuts, self._enrich_v1_part, self._parts)
+            merged, encoded = splice_in_parts(raw, body, cuts, self._part_splice(len(raw), room),
+                                              self._parts)
             return Prepared(merged, self.upstream.prepared(encoded, Protocol.V1, merged.counts))
         if encoding == "snappy" and self.upstream.out_encoding(encoding) == "snappy" \
                 and not self.upstream.converts(protocol):
             # snappy in and out: the output block is made from the sender's (the splice's
             # edits applied to its elements), not compressed again
-            result = self.enricher.enrich_snappy(protocol, raw, body)
+            result = self.enricher.enrich_snappy(protocol, raw, body, 0, limit, room)
             outgoing = self.upstream.prepared(result.body, protocol, result.counts)
         else:
-            result = (self.enricher.enrich_v2(raw) if protocol is Protocol.V2
-                      else self.enricher.enrich_v1(raw))
+            result = (self.enricher.enrich_v2(raw, limit, room) if protocol is Protocol.V2
+                      else self.enricher.enrich_v1(raw, limit, room))
             outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts)
         # it goes out compressed: the decoded body is not held while the request is in
         # flight (as in parts; 1.5 MB per 2,000-series request)
         result.body = b""
         return Prepared(result, outgoing)
 
-    def _enrich_v1_part(self, raw: bytes | memoryview, block: bytes, base: int
-                        ) -> SpliceResult:
-        return self.enricher.enrich_snappy(Protocol.V1, raw, block, base)
+    def _part_splice(self, whole: int, room: _Room | None
+                     ) -> Callable[[bytes | memoryview, bytes, int], SpliceResult]:
+        """The splice of one part of a request of ``whole`` decoded bytes: its share of the
+        request's room, and past it the estimate for the whole request."""
+        def splice(raw: bytes | memoryview, block: bytes, base: int) -> SpliceResult:
+            if room is None:
+                return self.enricher.enrich_snappy(Protocol.V1, raw, block, base)
+            share = len(raw) / max(1, whole)
+            mine = _Room(room.held, int(room.limit * share), int(room.most * share),
+                         room.grown)
+            try:
+                return self.enricher.enrich_snappy(Protocol.V1, raw, block, base, mine.limit,
+                                                   mine)
+            except OverLimit as e:
+                room.refused = mine.refused
+                raise OverLimit(int(e.need / share)) from None
+        return splice
 
     def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts

@@ -186,6 +186,16 @@ class ProxyMetrics:
         )
         self.inflight = Gauge(_P + "inflight_requests", "Remote-write requests being processed.",
                               registry=r)
+        self.splice_limits = Counter(
+            _P + "splice_limits", "Splices that held past what was reserved for them beside "
+            "the decoded body (series small beside their stamps, RW 2.0 series), by result: "
+            "grown (took more from the byte budget and went on: a request may count more "
+            "than once), overload (no room in the byte budget: 503), too_large (more than "
+            "one request may hold: 413).",
+            ["result"], registry=r,
+        )
+        for result in ("grown", "overload", "too_large"):
+            self.splice_limits.labels(result)
         self.inflight_bytes = Gauge(
             _P + "inflight_bytes", "Request bytes charged to server.max_inflight_bytes "
             "now (body, decoded and output until spliced, then the outgoing body).",

@@ -204,12 +204,13 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     os_names: list[str] = []
     enrich = running.proxy.enricher.enrich_snappy
 
-    def spy(protocol: Protocol, body: bytes, block: bytes, base: int = 0) -> Any:
+    def spy(protocol: Protocol, body: bytes, block: bytes, base: int = 0,
+            limit: int | None = None, grow: Any = None) -> Any:
         calls.append(threading.current_thread().name)
         comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
         if comm.exists():
             os_names.append(comm.read_text().strip())
-        return enrich(protocol, body, block, base)
+        return enrich(protocol, body, block, base, limit, grow)
 
     running.proxy.handler.enricher = cast(Any, type("E", (), {
         "enrich_snappy": staticmethod(spy), "enrich_v1": running.proxy.enricher.enrich_v1,
@@ -589,6 +590,85 @@ async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: P
     assert status == 503 and "no room" in text, (status, text)
     assert refused == 1
     assert not [r for r in up.received if len(r.body) <= limit and len(r.body) >= 1000]
+
+
+def _tiny_cart_series(count: int) -> bytes:
+    """Series smaller than the stamp they get: each holds ~4x its size in the splice."""
+    return series_v1(*({"__name__": "m", "namespace": "shop", "pod": "cart-7d9f8-abcde",
+                        "i": str(i)} for i in range(count)))
+
+
+async def test_a_splice_past_its_reservation_takes_more_from_the_budget(
+        tmp_path: Path) -> None:
+    # the splice held what it needed beside the body, unreserved: 44-byte series with long
+    # stamps held 1.8 GiB for 64 MiB decoded, past any budget. Now it takes more as it
+    # grows, and the request is stored as before
+    raw = _tiny_cart_series(5000)
+    async with (
+        ScriptedUpstream() as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        run = Running(p, up, session)
+        assert (await run.post(raw)).status == 204
+        assert run.metric("karta_proxy_splice_limits_total", {"result": "grown"}) >= 1
+        assert p.handler.budget.bytes == 0
+        (rec,) = up.received
+        assert all(out.items() >= CART.items() for out in labels_of(rec.raw))
+        assert len(labels_of(rec.raw)) == 5000
+
+
+async def test_a_splice_no_request_may_hold_is_413(tmp_path: Path) -> None:
+    raw = _tiny_cart_series(5000)
+    body = snappy.compress(raw)
+    async with (
+        ScriptedUpstream() as up,
+        aiohttp.ClientSession() as session,
+        # one request may hold the budget, or its body and twice its decoded size: both
+        # well below what these series need
+        proxy_running(tmp_path, up, max_body_bytes=len(body) + 10,
+                      max_decoded_bytes=len(raw) + 10, max_inflight_bytes=len(body) + 10) as p,
+    ):
+        run = Running(p, up, session)
+        async with session.post(run.url + "/api/v1/write", data=body,
+                                headers={"Content-Type": CT_V1,
+                                         "Content-Encoding": "snappy"}) as resp:
+            status, text = resp.status, await resp.text()
+        assert status == 413 and "send fewer series per request" in text, text
+        assert run.metric("karta_proxy_splice_limits_total", {"result": "too_large"}) == 1
+        assert run.metric("karta_proxy_requests_rejected_total", {"reason": "too_large"}) == 1
+        assert p.handler.budget.bytes == 0
+    assert not up.received
+
+
+async def test_a_splice_the_budget_has_no_room_for_now_is_503(tmp_path: Path) -> None:
+    raw = _tiny_cart_series(5000)
+    body = snappy.compress(raw)
+    small = snappy.compress(series_v1({"__name__": "up"}))
+
+    def answer(rec: Received) -> Reply:  # the small request stays in flight throughout
+        return Reply(204, delay=2.0 if len(rec.body) < 1000 else 0.0)
+
+    async with (
+        ScriptedUpstream(rule=answer) as up,
+        aiohttp.ClientSession() as session,
+        # room for the request's body and twice its decoded size beside the small one,
+        # not for what its splice grows to
+        proxy_running(tmp_path, up, max_body_bytes=len(body) + 10,
+                      max_inflight_bytes=len(body) + 2 * len(raw) + 4096) as p,
+    ):
+        run = Running(p, up, session)
+        waiting = asyncio.create_task(run.post(small, compress=False))
+        while not up.received:
+            await asyncio.sleep(0.01)
+        resp = await asyncio.wait_for(run.post(raw), 10)
+        assert resp.status == 503 and resp.headers["Retry-After"]
+        assert (await waiting).status == 204
+        assert run.metric("karta_proxy_splice_limits_total", {"result": "overload"}) == 1
+        # alone in flight, it takes what it needs
+        assert (await run.post(raw)).status == 204
+        assert p.handler.budget.bytes == 0
+    assert len(up.received) == 2
 
 
 async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:

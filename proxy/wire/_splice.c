@@ -593,6 +593,7 @@ typedef struct Chunk {
 
 typedef struct {
     Chunk *head;
+    size_t bytes; /* held in chunks: counted against a request's limit */
     int failed;
 } Arena;
 
@@ -610,6 +611,7 @@ arena_alloc(Arena *a, size_t n)
         c->used = 0;
         c->cap = cap;
         a->head = c;
+        a->bytes += sizeof(Chunk) + cap;
     }
     uint8_t *p = a->head->data + a->head->used;
     a->head->used += n;
@@ -1634,6 +1636,13 @@ typedef struct {
     size_t out_len;
     size_t copy_from;
     const uint8_t *raw;
+    /* what the splice may hold beside its input (SIZE_MAX: no limit), the RW 2.0 state it
+     * holds too, and past the limit the estimate of what the whole request would */
+    size_t limit;
+    const struct V2 *v2;
+    size_t fixed; /* held once the RW 2.0 scan is done: not extrapolated */
+    size_t need;
+    PyObject *grow; /* grow(need) -> the new limit (<= what is held: none), or NULL */
 } Req;
 
 static void
@@ -1643,6 +1652,7 @@ req_init(Req *r, const Plan *pl, const PodTable *t, const uint8_t *raw)
     r->plan = pl;
     r->table = t;
     r->raw = raw;
+    r->limit = SIZE_MAX;
     vec_init(&r->labs, sizeof(Lab));
     vec_init(&r->merged, sizeof(Lab));
     vec_init(&r->tmp, sizeof(Lab));
@@ -1669,6 +1679,56 @@ oom(Req *r)
         return 1;
     }
     return 0;
+}
+
+/* The walk's own error for a request past its limit: not raised, answered with r->need */
+static const char OVER_LIMIT[] = "over_limit";
+
+static size_t v2_held(const struct V2 *v);
+
+/* Is the request past its limit, with `pos` of its `n` bytes walked? The splice holds, beside
+ * its input, its spans, the arena (stamps copied, RW 2.0 symbols), the RW 2.0 state, and in
+ * the output the bytes it adds: about a third of the decoded size for real series (stamps
+ * ~20%), but for series smaller than their stamps many times it (docs/operations.md). Past
+ * the limit the walk stops before holding more, with the whole request's estimate. */
+static int
+over_limit(Req *r, size_t pos, size_t n)
+{
+    if (r->limit == SIZE_MAX || r->err.kind)
+        return 0;
+    size_t held = r->spans.len * sizeof(Span) + r->arena.bytes +
+                  (r->out_len > r->copy_from ? r->out_len - r->copy_from : 0) +
+                  (r->v2 != NULL ? v2_held(r->v2) : 0);
+    if (held <= r->limit)
+        return 0;
+    size_t fixed = held > r->fixed ? r->fixed : held;
+    double need = (double)fixed + (double)(held - fixed) * ((double)n / (double)(pos ? pos : 1));
+    r->need = need >= (double)PY_SSIZE_T_MAX ? (size_t)PY_SSIZE_T_MAX : (size_t)need + 1;
+    if (r->grow != NULL) {
+        /* asked under the GIL, as an unless matcher is (table writers wait for the lock
+         * without it) */
+        PyEval_RestoreThread(r->ts);
+        Py_ssize_t more = -1;
+        PyObject *out = PyObject_CallFunction(r->grow, "n", (Py_ssize_t)r->need);
+        if (out != NULL) {
+            more = PyLong_AsSsize_t(out);
+            Py_DECREF(out);
+        }
+        int failed = more == -1 && PyErr_Occurred() != NULL;
+        r->ts = PyEval_SaveThread();
+        if (failed) {
+            r->err.kind = "grow";
+            r->err.python = 1;
+            r->err.status = 500;
+            return 1;
+        }
+        if (more > 0 && (size_t)more > held) {
+            r->limit = (size_t)more;
+            return 0;
+        }
+    }
+    err_set(&r->err, OVER_LIMIT, "the splice would hold past its limit of %zu bytes", r->limit);
+    return 1;
 }
 
 static void
@@ -2517,14 +2577,14 @@ walk_v1(Req *r, size_t n)
         if (parsed > 3 * LEAD) {
             finish_v1(r, &ring[done % PIPE]);
             done++;
-            if (oom(r))
+            if (oom(r) || over_limit(r, pos, n))
                 break;
         }
     }
     while (!r->err.kind && done < parsed) {
         finish_v1(r, &ring[done % PIPE]);
         done++;
-        if (oom(r))
+        if (oom(r) || over_limit(r, pos, n))
             break;
     }
     for (int i = 0; i < PIPE; i++)
@@ -2534,7 +2594,7 @@ walk_v1(Req *r, size_t n)
 /* ------------------------------------------------------------------------------------ */
 /* RW 2.0                                                                               */
 
-typedef struct {
+typedef struct V2 {
     Vec syms;   /* Str */
     Vec slots;  /* int16_t per symbol: its plan slot */
     Vec series; /* size_t[3]: start, payload, end */
@@ -2552,6 +2612,15 @@ typedef struct {
     Vec refs;    /* uint32_t: the refs of the current series */
     Vec newrefs; /* uint32_t */
 } V2;
+
+static size_t
+v2_held(const V2 *v)
+{
+    return v->syms.len * sizeof(Str) + v->slots.len * sizeof(int16_t) +
+           v->series.len * sizeof(size_t) + v->added.len * sizeof(Str) +
+           (v->refpool.len + v->refs.len + v->newrefs.len) * sizeof(uint32_t) +
+           v->icap * sizeof(int32_t) + v->mcap * (sizeof(const Entry *) + sizeof(size_t));
+}
 
 static void
 v2_free(V2 *v)
@@ -2610,9 +2679,14 @@ v2_scan(Req *r, V2 *v, size_t n)
             t[0] = pos;
             t[1] = f.ps;
             t[2] = f.end;
+            if (v->series.len % 3072 == 0 && over_limit(r, f.end, n))
+                return 0;
         }
         pos = f.end;
     }
+    if (over_limit(r, n, n))
+        return 0;
+    r->fixed = v2_held(v);
     Str *syms = v->syms.data;
     int16_t *slots = vec_push(&v->slots, v->syms.len ? v->syms.len : 1);
     if (slots == NULL)
@@ -3047,13 +3121,14 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
 static void
 walk_v2(Req *r, V2 *v, size_t n)
 {
+    r->v2 = v;
     if (!v2_scan(r, v, n) || oom(r))
         return;
     int inserted = 0;
     size_t *series = v->series.data;
     for (size_t i = 0; i < v->series.len / 3 && !r->err.kind; i++) {
         series_v2(r, v, series[3 * i], series[3 * i + 1], series[3 * i + 2], &inserted);
-        if (oom(r))
+        if (oom(r) || over_limit(r, series[3 * i + 2], n))
             return;
     }
     if (r->err.kind || r->spans.len == 0)
@@ -3147,13 +3222,17 @@ snappy_declared(const Py_buffer *block)
 static PyObject *
 splice(PyObject *args, int version)
 {
-    PyObject *rawo, *blocko = Py_None;
-    Py_ssize_t base_arg = 0;
+    PyObject *rawo, *blocko = Py_None, *grow = Py_None;
+    Py_ssize_t base_arg = 0, limit = -1;
     Plan *pl;
     PodTable *t;
-    if (!PyArg_ParseTuple(args, "OO!O!|On", &rawo, &PlanType, &pl, &PodTableType, &t, &blocko,
-                          &base_arg))
+    if (!PyArg_ParseTuple(args, "OO!O!|OnnO", &rawo, &PlanType, &pl, &PodTableType, &t, &blocko,
+                          &base_arg, &limit, &grow))
         return NULL;
+    if (grow != Py_None && !PyCallable_Check(grow)) {
+        PyErr_SetString(PyExc_TypeError, "grow must be callable or None");
+        return NULL;
+    }
     if (base_arg < 0) {
         PyErr_SetString(PyExc_ValueError, "base must not be negative");
         return NULL;
@@ -3178,6 +3257,10 @@ splice(PyObject *args, int version)
     vec_init(&v.refs, sizeof(uint32_t));
     vec_init(&v.newrefs, sizeof(uint32_t));
     req_init(&r, pl, t, view.buf);
+    if (limit >= 0) {
+        r.limit = (size_t)limit;
+        r.grow = grow == Py_None ? NULL : grow;
+    }
     size_t n = (size_t)view.len;
     PyObject *body = NULL;
     int encoded = 0;
@@ -3201,6 +3284,11 @@ splice(PyObject *args, int version)
     PyEval_RestoreThread(r.ts);
 
     PyObject *result = NULL;
+    if (r.err.kind == OVER_LIMIT) {
+        Py_XDECREF(body);
+        result = PyLong_FromSize_t(r.need);
+        goto done;
+    }
     if (r.err.kind) {
         Py_XDECREF(body);
         if (!r.err.python)
@@ -3383,11 +3471,14 @@ set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
-     "splice_v1(raw, plan, table[, block, base]) -> (body, series, samples, histograms, "
-     "exemplars, attributed, {reason: count}, stripped, encoded): with block (a snappy block "
-     "decoding to raw at offset base), body is the output as a snappy block when encoded"},
+     "splice_v1(raw, plan, table[, block, base, limit, grow]) -> (body, series, samples, "
+     "histograms, exemplars, attributed, {reason: count}, stripped, encoded): with block (a "
+     "snappy block decoding to raw at offset base), body is the output as a snappy block when "
+     "encoded; with limit >= 0, the bytes the splice may hold beside raw: past it grow(need) "
+     "is asked for a new limit (need: the estimate for the whole request), and when it gives "
+     "none above what is held, the answer is need (an int) instead of the tuple"},
     {"splice_v2", splice_v2_py, METH_VARARGS,
-     "splice_v2(raw, plan, table[, block, base]): as splice_v1, RW 2.0"},
+     "splice_v2(raw, plan, table[, block, base, limit, grow]): as splice_v1, RW 2.0"},
     {"split_v1", split_v1_py, METH_VARARGS,
      "split_v1(raw, pieces) -> [offsets where the RW 1.0 request can be cut into pieces]"},
     {"field_ends", field_ends_py, METH_VARARGS,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
 from proxy.compression import DecodeError, compress
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
-from proxy.wire.plan import SplicePlan, SpliceResult
+from proxy.wire.plan import OverLimit, SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import Counts, Protocol, read_field
 
@@ -34,6 +35,8 @@ else:
     NATIVE_MISSING = ""
 
 Implementation = Literal["native", "python"]
+#: asked by a splice past its limit, with its estimate for the whole request: the new limit
+Grow = Callable[[int], int]
 #: the splice a new :class:`Splicer` uses unless told otherwise
 DEFAULT: Implementation = "native" if _native is not None else "python"
 
@@ -95,20 +98,31 @@ class Splicer:
             self._compiled = None
             self.table = PodTable()
 
-    def splice_v1(self, raw: bytes | memoryview) -> SpliceResult:
+    def splice_v1(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult:
+        """``limit``: the bytes the splice may hold beside ``raw`` (its scratch and what it
+        adds; None: no limit). Past it ``grow(need)`` (``need``: the estimate for the whole
+        request) answers the new limit, and when it gives none above what is held,
+        :class:`~proxy.wire.plan.OverLimit`: the native splice stops before it holds more."""
         if self._compiled is None:
-            return _py_v1.splice_v1(bytes(raw), self.plan, self.table)
+            return _within(_py_v1.splice_v1(bytes(raw), self.plan, self.table), raw, limit,
+                           grow)
         assert _native is not None
-        return _result(_native.splice_v1(raw, self._compiled, self.table))
+        return _result(_native.splice_v1(raw, self._compiled, self.table, None, 0,
+                                         _limit(limit), grow))
 
-    def splice_v2(self, raw: bytes | memoryview) -> SpliceResult:
+    def splice_v2(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult:
         if self._compiled is None:
-            return _py_v2.splice_v2(bytes(raw), self.plan, self.table)
+            return _within(_py_v2.splice_v2(bytes(raw), self.plan, self.table), raw, limit,
+                           grow)
         assert _native is not None
-        return _result(_native.splice_v2(raw, self._compiled, self.table))
+        return _result(_native.splice_v2(raw, self._compiled, self.table, None, 0,
+                                         _limit(limit), grow))
 
     def splice_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
-                      base: int = 0) -> SpliceResult:
+                      base: int = 0, limit: int | None = None, grow: Grow | None = None
+                      ) -> SpliceResult:
         """The splice with its body as a snappy block: ``block`` is the sender's snappy
         block, ``raw`` its decoded bytes from offset ``base`` (the whole of them, or the
         part of a request in parts).
@@ -118,15 +132,31 @@ class Splicer:
         compresses the spliced body. Either decodes to what :meth:`splice_v1` /
         :meth:`splice_v2` answer for ``raw``."""
         if self._compiled is None:
-            result = (self.splice_v2(raw) if protocol is Protocol.V2 else self.splice_v1(raw))
+            result = (self.splice_v2(raw, limit, grow) if protocol is Protocol.V2
+                      else self.splice_v1(raw, limit, grow))
             result.body = compress(result.body, "snappy")
             return result
         assert _native is not None
         splice = _native.splice_v2 if protocol is Protocol.V2 else _native.splice_v1
-        result = _result(splice(raw, self._compiled, self.table, block, base))
+        result = _result(splice(raw, self._compiled, self.table, block, base, _limit(limit),
+                                grow))
         if not result.encoded:  # a block the edit could not use: compressed as before
             result.body = compress(result.body, "snappy")
         return result
+
+
+def _limit(limit: int | None) -> int:
+    return -1 if limit is None else max(0, limit)
+
+
+def _within(result: SpliceResult, raw: bytes | memoryview, limit: int | None,
+            grow: Grow | None) -> SpliceResult:
+    """The reference's limit: what it added, judged once made (it holds its output as it
+    goes; the native splice stops before it holds more)."""
+    grown = len(result.body) - len(raw)
+    if limit is not None and grown > max(0, limit) and (grow is None or grow(grown) < grown):
+        raise OverLimit(grown)
+    return result
 
 
 def split_v1(raw: bytes | memoryview, pieces: int) -> list[int]:
@@ -139,7 +169,9 @@ def split_v1(raw: bytes | memoryview, pieces: int) -> list[int]:
     return cuts
 
 
-def _result(t: tuple[Any, ...]) -> SpliceResult:
+def _result(t: tuple[Any, ...] | int) -> SpliceResult:
+    if isinstance(t, int):
+        raise OverLimit(t)
     body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
                         stripped, encoded)

@@ -198,6 +198,16 @@ def check_names(names: Sequence[bytes]) -> None:
                           f"label name {dup[:64]!r} repeated in one series")
 
 
+class OverLimit(Exception):
+    """A splice stopped before it held more than its limit beside its input (a request of
+    series smaller than their stamps grows many times its size): ``need`` is the estimate
+    for the whole request, which the caller may reserve before splicing it again."""
+
+    def __init__(self, need: int) -> None:
+        super().__init__(f"the splice needs about {need} bytes beside its input")
+        self.need = need
+
+
 @dataclass(slots=True)
 class SpliceResult:
     """One request's outcome."""
