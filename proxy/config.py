@@ -120,7 +120,7 @@ class ServerSettings(Section):
         "with its body unread; 0: 503 at once", ge=0, le=30)] = 2.0
     max_inflight_bytes: Annotated[int, setting(
         "bytes of requests held at once (compressed body, twice the decoded size until "
-        "spliced, then the outgoing body); past it 503 + "
+        "spliced, more as the splice grows past it, then the outgoing body); past it 503 + "
         "Retry-After, but a request alone in flight is always taken; at least "
         "max_body_bytes", gt=0)] = 512 * MiB
     forward_before_ready: Annotated[bool, setting(
