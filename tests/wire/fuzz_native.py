@@ -55,7 +55,7 @@ from proxy.handler import splice_in_parts  # noqa: E402
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
 from proxy.wire.native import Splicer, native_available, split_v1  # noqa: E402
-from proxy.wire.plan import SplicePlan, SpliceResult  # noqa: E402
+from proxy.wire.plan import OverLimit, SplicePlan, SpliceResult  # noqa: E402
 from proxy.wire.primitives import Protocol, encode_uvarint  # noqa: E402
 from tests.wire.snappy_blocks import random_block  # noqa: E402
 
@@ -1202,6 +1202,26 @@ def edit_mismatch(native: Splicer, version: int, raw: bytes, body: bytes,
     return None
 
 
+def limit_mismatch(native: Splicer, version: int, raw: bytes, whole: Outcome,
+                   rnd: random.Random) -> str | None:
+    """The splice under a limit (``Splicer.splice_v1``'s ``limit`` and ``grow``): stopped
+    at any point of its walk, granted more or refused it at random, it must answer the
+    same as without a limit or ``OverLimit``, never anything else. What went wrong, or
+    None."""
+    limit = rnd.choice([0, 1, 64, rnd.randrange(1, 4 * len(raw) + 2)])
+
+    def grow(need: int) -> int:
+        return need + rnd.randrange(0, need + 1) if rnd.random() < 0.7 else 0
+
+    splice = native.splice_v1 if version == 1 else native.splice_v2
+    got = outcome(lambda r: splice(r, limit, grow), raw)
+    if not got.ok and str(got.error[0]).startswith(f"{OverLimit.__name__}:"):
+        return None
+    if got != whole:
+        return f"limit {limit}: {got.describe()} against {whole.describe()}, input {raw.hex()}"
+    return None
+
+
 #: the thread the parts of an edit after the first run on, as in the handler's part pool
 _PARTS = ThreadPoolExecutor(1, thread_name_prefix="fuzz-part")
 
@@ -1251,6 +1271,12 @@ def fuzz(args: argparse.Namespace) -> int:
                                   record=functools.partial(crash.record, version, si, raw))
             if wrong is not None:
                 print(f"EDIT MISMATCH: RW {version}.0, setup {setups[si].name}, {wrong}",
+                      file=sys.stderr)
+                return 1
+        if nat.ok and rnd.random() < 0.05:
+            wrong = limit_mismatch(native, version, raw, nat, rnd)
+            if wrong is not None:
+                print(f"LIMIT MISMATCH: RW {version}.0, setup {setups[si].name}, {wrong}",
                       file=sys.stderr)
                 return 1
         if iterations % args.compare_every == 0 or (nat.ok and rnd.random() < 0.02):
