@@ -49,7 +49,7 @@ from proxy.compression import (
     snappy_declared_length,
     zstd_declared_length,
 )
-from proxy.config import UpstreamSettings
+from proxy.config import UpstreamSettings, without_userinfo
 from proxy.metrics import Children, ProxyMetrics
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import Layout, layout, layout_bytes
@@ -250,14 +250,9 @@ class Probe:
 
 
 def display_url(url: str) -> str:
-    """``url`` without credentials, for logs and label values."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    """``url`` without credentials, for logs, pages and label values (the one rule
+    config errors use too, so no path shows the password another hides)."""
+    return without_userinfo(url)
 
 
 def has_written_headers(headers: Mapping[str, str]) -> bool:

@@ -485,3 +485,20 @@ def test_a_listen_host_that_does_not_resolve_says_why() -> None:
     assert message.startswith("cannot listen on nosuchhost.invalid:0: Name or service not "
                               "known; "), message
     assert "Unknown error" not in message and "--listen-address" in message
+
+
+async def test_the_upstream_password_is_on_no_page_and_in_no_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start line and the landing page show the upstream URL without its userinfo
+    (/metrics labels and error answers already did)."""
+    caplog.set_level(logging.DEBUG)
+    async with ScriptedUpstream() as up:
+        url = up.url.replace("http://", "http://alice:PW-SECRET-xyz@")
+        async with started(snapshot_settings(tmp_path, url)) as p:
+            pages = [await get_text(p, path) for path in ("/", "/metrics")]
+    start = [r for r in caplog.records if r.getMessage() == "starting karta-proxy"]
+    assert start and start[0].__dict__["upstream_url"] == up.url
+    assert up.url.split("//")[1] in pages[0]
+    for text in (*pages, *(repr(r.__dict__) for r in caplog.records)):
+        assert "PW-SECRET" not in text
