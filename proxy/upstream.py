@@ -75,6 +75,13 @@ _NEVER_FORWARD = frozenset(
 
 #: how much of an upstream's error body reaches the sender (and the log)
 MAX_ERROR_BODY = 4096
+#: the client's own timeout is this much past ``upstream.timeout_seconds``, so that a
+#: request's deadline (``forward``) always ends it first, with the message the docs show
+#: (``did not take the request within N s``): at the same seconds the client's fired
+#: first for timeouts of 5 s or less (aiohttp rounds only longer ones up to a whole
+#: second), and the sender read "upstream timed out". It still bounds the upstream check,
+#: which has no deadline of its own
+CLIENT_TIMEOUT_MARGIN = 1.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -471,7 +478,8 @@ class Upstream:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(
-                    total=s.timeout_seconds, sock_connect=s.connect_timeout_seconds
+                    total=s.timeout_seconds + CLIENT_TIMEOUT_MARGIN,
+                    sock_connect=s.connect_timeout_seconds,
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
