@@ -743,21 +743,44 @@ def _validate_server_tls(s: ServerSettings) -> None:
                               f"{s.tls_client_ca_file!r}: {e}") from None
 
 
+#: the userinfo of a URL's authority: after ``//``, up to the last ``@`` before the path
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)[^/?#]*@")
+#: the same for a URL that does not parse, whose password may hold an unescaped ``/``
+_USERINFO_BROKEN = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^?#]*@")
+
+
+def without_userinfo(url: str, *, broken: bool = False) -> str:
+    """``url`` with its ``user:password@`` dropped, for anything a person or a log reads.
+
+    A text rule, not ``urlsplit``, so a URL too broken to parse (a port that is not a
+    number, the case a config error reports) loses its credentials all the same. With
+    ``broken``, everything up to the last ``@`` before a query goes: a password with an
+    unescaped ``/`` ends the authority early, and the rule for a valid URL would keep it.
+    """
+    return (_USERINFO_BROKEN if broken else _USERINFO).sub(r"\1", url, count=1)
+
+
 def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if require_upstream and not u.url:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
                           "--upstream-url http://prometheus:9090/api/v1/write")
     if u.url:
+        # the password stays out of the message: it reaches logs, stderr and reload answers
+        shown = without_userinfo(u.url)
         try:
             parsed = urlsplit(u.url)
             _ = parsed.port  # a ValueError for a port out of range or not a number
         except ValueError as e:
-            raise ConfigError(f"upstream.url: not a valid URL ({e}): {u.url!r}") from None
+            # urlsplit's own words quote the "port", a piece of a password with a "/" in it
+            detail = "" if "@" in u.url else f" ({e})"
+            raise ConfigError(f"upstream.url: not a valid URL{detail}: "
+                              f"{without_userinfo(u.url, broken=True)!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got {u.url!r}")
+            raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got "
+                              f"{without_userinfo(u.url, broken=True)!r}")
         placeholders = u.url.count("{tenant}")
         if u.url.count("{") != placeholders or u.url.count("}") != placeholders:
-            raise ConfigError(f"upstream.url: the only placeholder is {{tenant}}, got {u.url!r}")
+            raise ConfigError(f"upstream.url: the only placeholder is {{tenant}}, got {shown!r}")
     if not TENANT.fullmatch(u.default_tenant):
         raise ConfigError("upstream.default_tenant: a VictoriaMetrics tenant: accountID or "
                           f"accountID:projectID (numbers), got {u.default_tenant!r}")

@@ -115,15 +115,22 @@ class Throttled:
     timeouts of idle connections): per key, the first of an interval at once, the rest
     of it in one summary line at its end (count, the peers' hosts, the last one's fields),
     so a fleet of misconfigured agents or a slowloris makes one line per key and interval.
-    Counting is the caller's: every event is counted, only the lines are throttled."""
+    Counting is the caller's: every event is counted, only the lines are throttled.
+
+    ``level``: the lines' level (a refusal under overload is info, not a warning);
+    ``peer_field`` None: events with no peer (an upstream's failures), and a summary
+    that names none.
+    """
 
     def __init__(self, logger: logging.Logger, message: str, summary: str, *,
-                 peer_field: str = "peer", interval: float = THROTTLE_SECONDS,
+                 peer_field: str | None = "peer", level: int = logging.WARNING,
+                 interval: float = THROTTLE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._log = logger
         self._message = message
         self._summary = summary
         self._peer_field = peer_field
+        self.level = level
         self.interval = interval
         self._clock = clock
         self._windows: dict[str, _Window] = {}
@@ -136,12 +143,12 @@ class Throttled:
         now = self._clock()
         if w.suppressed == 0 and now >= w.next_line_at:
             w.next_line_at = now + self.interval
-            self._log.warning(self._message, extra=extra)
+            self._log.log(self.level, self._message, extra=extra)
             return
-        peer = str(extra.get(self._peer_field, ""))
+        peer = "" if self._peer_field is None else str(extra.get(self._peer_field, ""))
         w.suppressed += 1
         w.last, w.last_peer = extra, peer
-        if len(w.hosts) <= PEERS_NAMED:
+        if self._peer_field is not None and len(w.hosts) <= PEERS_NAMED:
             w.hosts.add(peer.rsplit(":", 1)[0] if peer.count(":") == 1 or "]" in peer
                         else peer)
         if w.timer is None:
@@ -153,13 +160,14 @@ class Throttled:
         w.timer = None
         if w.suppressed == 0 or w.last is None:
             return
-        hosts = sorted(w.hosts)
         fields = {k: v for k, v in w.last.items() if k != self._peer_field}
-        self._log.warning(self._summary, extra={
-            **fields, "count": w.suppressed, "seconds": self.interval,
-            "peers": ", ".join(hosts[:PEERS_NAMED]) + (", ..." if len(hosts) > PEERS_NAMED
-                                                       else ""),
-            "last_peer": w.last_peer})
+        summary: dict[str, Any] = {**fields, "count": w.suppressed, "seconds": self.interval}
+        if self._peer_field is not None:
+            hosts = sorted(w.hosts)
+            summary["peers"] = ", ".join(hosts[:PEERS_NAMED]) + (
+                ", ..." if len(hosts) > PEERS_NAMED else "")
+            summary["last_peer"] = w.last_peer
+        self._log.log(self.level, self._summary, extra=summary)
         w.next_line_at = self._clock() + self.interval
         w.suppressed, w.last, w.hosts = 0, None, set()
 

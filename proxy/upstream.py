@@ -49,7 +49,8 @@ from proxy.compression import (
     snappy_declared_length,
     zstd_declared_length,
 )
-from proxy.config import UpstreamSettings
+from proxy.config import UpstreamSettings, without_userinfo
+from proxy.log import Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import Layout, layout, layout_bytes
@@ -74,6 +75,13 @@ _NEVER_FORWARD = frozenset(
 
 #: how much of an upstream's error body reaches the sender (and the log)
 MAX_ERROR_BODY = 4096
+#: the client's own timeout is this much past ``upstream.timeout_seconds``, so that a
+#: request's deadline (``forward``) always ends it first, with the message the docs show
+#: (``did not take the request within N s``): at the same seconds the client's fired
+#: first for timeouts of 5 s or less (aiohttp rounds only longer ones up to a whole
+#: second), and the sender read "upstream timed out". It still bounds the upstream check,
+#: which has no deadline of its own
+CLIENT_TIMEOUT_MARGIN = 1.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -250,14 +258,9 @@ class Probe:
 
 
 def display_url(url: str) -> str:
-    """``url`` without credentials, for logs and label values."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    """``url`` without credentials, for logs, pages and label values (the one rule
+    config errors use too, so no path shows the password another hides)."""
+    return without_userinfo(url)
 
 
 def has_written_headers(headers: Mapping[str, str]) -> bool:
@@ -440,6 +443,10 @@ class Upstream:
         self._check_lock = asyncio.Lock()
         self._check_task: asyncio.Task[Probe] | None = None
         self._warned_passthrough = False
+        #: the lines of failed and refused requests, by message: one per kind and interval
+        #: (``proxy.log.Throttled``), since a down upstream fails every request of every
+        #: sender, and a line each buried the rest of the log
+        self._lines: dict[str, Throttled] = {}
         #: ``upstream.encoding: zstd`` toward an upstream the check found refusing zstd
         #: (Debian's VictoriaMetrics 1.79: 400 "snappy: corrupt input"): snappy instead,
         #: as vmagent falls back, rather than every write refused and dropped
@@ -471,7 +478,8 @@ class Upstream:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(
-                    total=s.timeout_seconds, sock_connect=s.connect_timeout_seconds
+                    total=s.timeout_seconds + CLIENT_TIMEOUT_MARGIN,
+                    sock_connect=s.connect_timeout_seconds,
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
@@ -481,6 +489,8 @@ class Upstream:
             self._check_task = asyncio.create_task(self.check(), name="upstream-check")
 
     async def close(self) -> None:
+        for lines in self._lines.values():
+            lines.close()  # the summaries that wait, written before the proxy stops
         if self._check_task is not None and not self._check_task.done():
             self._check_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -976,7 +986,7 @@ class Upstream:
         ``status`` and ``what: detail``, and with protocol auto the upstream may have been
         replaced meanwhile, so a probe is due before the next RW 2.0 request."""
         self._recheck = self.settings.protocol == "auto"
-        log.warning(what, extra={"upstream_url": self.url, **extra})
+        self._line(logging.WARNING, what, code, {"upstream_url": self.url, **extra})
         body = f"{what}: {detail}" if detail else what
         return Answer(status, body.encode(), {}, code)
 
@@ -992,12 +1002,13 @@ class Upstream:
         if reason:
             what = ("is not a remote-write endpoint" if reason == "not_write_endpoint"
                     else "refused the proxy's credentials")
-            log.error(
+            self._line(
+                logging.ERROR,
                 f"upstream {what}: fix upstream.url / credentials; senders get 503 and keep "
-                "their data meanwhile",
-                extra={"upstream_url": self.url, "upstream_status": upstream_status,
-                       "reason": reason, "hint": _PATH_HINT,
-                       "body": text[:512].decode("utf-8", "replace")},
+                "their data meanwhile", f"{reason}:{upstream_status}",
+                {"upstream_url": self.url, "upstream_status": upstream_status,
+                 "reason": reason, "hint": _PATH_HINT,
+                 "body": text[:512].decode("utf-8", "replace")},
             )
             if self.metrics is not None:
                 self.metrics.upstream_misconfigured.labels(self.url, reason, code).inc()
@@ -1008,12 +1019,25 @@ class Upstream:
         if status != upstream_status and upstream_status >= 300:
             text = f"upstream answered {upstream_status}: ".encode() + text
         if status >= 500 or upstream_status >= 300:
-            log.warning(
-                "upstream did not accept the request",
-                extra={"upstream_status": upstream_status, "status": status,
-                       "body": text[:512].decode("utf-8", "replace")},
+            self._line(
+                logging.WARNING, "upstream did not accept the request",
+                f"{upstream_status}:{status}",
+                {"upstream_status": upstream_status, "status": status,
+                 "body": text[:512].decode("utf-8", "replace")},
             )
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
+
+    def _line(self, level: int, message: str, key: str, extra: dict[str, object]) -> None:
+        """Log a failed request's line, throttled per message and ``key`` (a status, a
+        kind): the first at once, the rest of the interval in one summary with its count.
+        The messages are a fixed few, so is the number of throttles."""
+        if not log.isEnabledFor(level):
+            return
+        lines = self._lines.get(message)
+        if lines is None:
+            lines = self._lines[message] = Throttled(
+                log, message, f"{message} (repeated)", peer_field=None, level=level)
+        lines.event(key, extra)
 
     # -- what the upstream is -------------------------------------------------------------
 

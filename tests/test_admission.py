@@ -794,6 +794,44 @@ async def test_headers_past_the_limit_get_431_counted_and_the_connection_closed(
             if getattr(r, "kind", "") == "header_too_large"] == ["WARNING"]
 
 
+async def test_headers_past_the_limit_in_one_read_get_431(tmp_path: Path) -> None:
+    """20 KiB of headers in one write (a body behind them) were taken: the count ran only
+    over reads that left the headers unfinished, and this one finished them."""
+    pad = "".join(f"X-Pad-{i}: {'a' * 1000}\r\n" for i in range(20))
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        assert p.settings.server.max_header_bytes == 16384
+        r, w = await connect(p)
+        w.write(request(extra=pad))
+        answer = await read_answer(r)
+        w.close()
+        assert answer.status == 431 and answer.closed, answer
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="header_too_large") == 1
+        assert up.received == []
+        assert (await post(p)).status == 204
+
+
+@pytest.mark.parametrize(("over", "status"), [(0, 204), (1, 431)])
+async def test_headers_whose_blank_line_spans_two_reads_are_measured(
+        tmp_path: Path, over: int, status: int) -> None:
+    """The first read ends in CR LF CR, the next begins with the LF that ends the headers
+    and goes on with the body: headers of the limit's size are taken, one byte more is a
+    431 (the first read alone stayed within the limit)."""
+    limit = 4096
+    prefix = (HEAD + f"Content-Length: {len(BODY)}\r\nX-Pad: ").encode()
+    suffix = b"\r\n\r"
+    first = prefix + b"a" * (limit - 1 + over - len(prefix) - len(suffix)) + suffix
+    assert len(first) + 1 == limit + over
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up, max_header_bytes=limit) as p:
+        r, w = await connect(p)
+        w.write(first)
+        await w.drain()
+        await asyncio.sleep(0.2)  # two reads
+        w.write(b"\n" + BODY)
+        answer = await read_answer(r)
+        w.close()
+        assert answer.status == status, answer
+
+
 async def test_headers_up_to_the_limit_are_taken(tmp_path: Path) -> None:
     pad = "".join(f"X-Pad-{i}: {'a' * 1000}\r\n" for i in range(3))
     async with ScriptedUpstream() as up, proxy_running(tmp_path, up, max_header_bytes=4096) as p:

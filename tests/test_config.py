@@ -23,6 +23,7 @@ from proxy.config import (
     schema,
     settings_from_dict,
     validate,
+    without_userinfo,
 )
 from proxy.config_docs import doc_tables, example_yaml
 from proxy.config_docs import main as config_docs_main
@@ -455,3 +456,27 @@ def test_parse_host_port_refuses_unbalanced_brackets(address: str) -> None:
     """'[::1:0' passed and failed only at the bind."""
     with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
         parse_host_port(address)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://bob:PW2-SECRET@h:bad/x",  # a port that is not a number
+        "http://bob:PW2-SECRET@127.0.0.1:99999/x",  # out of range
+        "http://bob:PW2/SECRET@h:9/x",  # an unescaped "/" in the password
+        "bob:PW2-SECRET@tsdb:9090/x",  # no scheme
+        "http://bob:PW2-SECRET@h:9/x/{tenan}",  # a placeholder that is not {tenant}
+    ],
+)
+def test_an_upstream_url_error_does_not_repeat_the_password(url: str) -> None:
+    """The message reaches stderr at start, the reload log line and /-/reload's answer."""
+    with pytest.raises(ConfigError) as e:
+        validate(valid(url=url))
+    assert "upstream.url" in str(e.value)
+    assert "SECRET" not in str(e.value) and "bob" not in str(e.value), str(e.value)
+
+
+def test_without_userinfo_keeps_everything_but_the_credentials() -> None:
+    assert without_userinfo("https://u:p@ss@[::1]:9/x?q=a@b") == "https://[::1]:9/x?q=a@b"
+    assert without_userinfo("http://tsdb/a@b") == "http://tsdb/a@b"  # an "@" in a path
+    assert without_userinfo("http://bob:PW/S@h:9/x", broken=True) == "http://h:9/x"

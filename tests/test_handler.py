@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import logging
 import struct
 import threading
 import time
@@ -427,6 +428,33 @@ async def test_bad_input_is_4xx_and_the_process_lives_on(
     assert (await running.post(series_v1({"__name__": "up"}))).status == 204
 
 
+async def test_a_flood_of_bad_requests_logs_a_few_lines_and_counts_every_one(
+    running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    """500 corrupt bodies made 500 warnings in 0.4 s: now the first of each kind is logged
+    at once and the rest in one summary line with their count (at stop at the latest),
+    while the counters count every request."""
+    caplog.set_level(logging.INFO, logger="karta.handler")
+    for _ in range(200):
+        assert (await running.post(b"\xff\xff\xff", compress=False)).status == 400
+    for _ in range(50):
+        assert (await running.post(b"x", encoding="gzip", compress=False)).status == 415
+    assert running.metric("karta_proxy_decode_errors_total", {"kind": "snappy_corrupt"}) == 200
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "unsupported_media_type"}) == 50
+    running.proxy.handler.flush_logs()
+    lines = [r for r in caplog.records if r.name == "karta.handler"
+             and r.getMessage() in ("request refused", "requests refused")]
+    assert [(r.getMessage(), r.__dict__["kind"], r.__dict__.get("count")) for r in lines] == [
+        ("request refused", "snappy_corrupt", None),
+        ("request refused", "unsupported_media_type", None),
+        ("requests refused", "snappy_corrupt", 199),
+        ("requests refused", "unsupported_media_type", 49),
+    ]
+    assert all(r.levelno == logging.WARNING for r in lines)
+    assert lines[2].__dict__["peers"] == "127.0.0.1"
+
+
 async def test_wrong_method_is_405(running: Running) -> None:
     async with running.session.get(running.url + "/api/v1/write") as resp:
         assert resp.status == 405
@@ -691,6 +719,42 @@ async def test_upstream_classes_reach_the_sender(tmp_path: Path) -> None:
     assert got[1][0] == 502
     assert got[2][:2] == (503, "1")
     assert got[3][:2] == (503, "9")
+
+
+async def test_a_failing_upstream_logs_a_few_lines_and_counts_every_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every request to an upstream that answers 500, then to one that is gone, was a
+    warning each: now one line per kind at once, then one summary with the count."""
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    body = snappy.compress(series_v1({"__name__": "u"}))
+    headers = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+    async with (
+        ScriptedUpstream(Reply(500, body=b"boom")) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        url = f"http://127.0.0.1:{p.port}/api/v1/write"
+        for _ in range(100):
+            async with session.post(url, data=body, headers=headers) as resp:
+                assert resp.status == 502
+        await up.stop()  # the port closed: every request now finds no upstream
+        for _ in range(100):
+            async with session.post(url, data=body, headers=headers) as resp:
+                assert resp.status == 502
+        metric = p.metrics.registry.get_sample_value
+        assert len(up.received) == 100  # and the start's check, an empty write
+        answers_500 = 100 + len(up.empty_writes)
+        assert metric("karta_proxy_upstream_responses_total", {"code": "500"}) == answers_500
+        assert metric("karta_proxy_upstream_responses_total", {"code": "connect_error"}) == 100
+    lines = [(r.getMessage(), r.__dict__.get("count")) for r in caplog.records
+             if r.name == "karta.upstream" and "check" not in r.getMessage()]
+    assert lines == [
+        ("upstream did not accept the request", None),
+        ("upstream unreachable", None),
+        ("upstream did not accept the request (repeated)", answers_500 - 1),
+        ("upstream unreachable (repeated)", 99),
+    ], lines
 
 
 def _v2_with_bad_exemplar(case: str) -> bytes:
