@@ -377,9 +377,9 @@ class _GuardedProtocol(RequestHandler):
             # headers that end in this read are measured before the parser takes them: it
             # would hand them on whole, and the count below (of reads that leave them
             # unfinished) never saw 20 KiB of them sent in one write
-            end = self._headers_end(data)
-            if end >= 0 and self._header_bytes + end > cast(
-                    _GuardedServer, self._manager).max_header_bytes:
+            room = cast(_GuardedServer, self._manager).max_header_bytes - self._header_bytes
+            end = self._headers_end(data, room)
+            if end > room or (end < 0 and len(data) > room + 4):
                 self._headers_too_large()
                 return
         before = self._request_count + self._shed_count
@@ -400,17 +400,20 @@ class _GuardedProtocol(RequestHandler):
                 if self._header_bytes > cast(_GuardedServer, self._manager).max_header_bytes:
                     self._headers_too_large()
 
-    def _headers_end(self, data: bytes) -> int:
+    def _headers_end(self, data: bytes, room: int) -> int:
         """How many bytes of ``data`` belong to the request line and headers when their
         blank line is in it (that line's end included), else -1. aiohttp's parser ends
-        them at CRLF CRLF or a bare LF LF, either maybe begun in the previous read."""
+        them at CRLF CRLF or a bare LF LF, either maybe begun in the previous read. Looked
+        for in the first ``room`` bytes (and a line end) only: the rest of a read that
+        holds a request's first body bytes (up to 256 KiB of binary) is not scanned for
+        every request, and headers that do not end there are too large anyway."""
         ends = []
         seam = self._header_tail + data[:3]
         for mark in (b"\r\n\r\n", b"\n\n"):
             at = seam.find(mark)
             if at >= 0 and at + len(mark) > len(self._header_tail):
                 ends.append(at + len(mark) - len(self._header_tail))
-            at = data.find(mark)
+            at = data.find(mark, 0, max(0, room) + len(mark))
             if at >= 0:
                 ends.append(at + len(mark))
         return min(ends, default=-1)
