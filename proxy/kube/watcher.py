@@ -54,6 +54,9 @@ class Watcher(Protocol):
     held: dict[str, str]
     #: set once the first list was delivered (or the kind turned out unserved)
     synced: asyncio.Event
+    #: the last failure to list or watch ("" for none yet): what the source names when
+    #: a kind that keeps failing stops holding readiness back
+    last_error: str
 
     def start(self) -> None: ...
 
@@ -120,6 +123,8 @@ class WatchBase:
         self.held: dict[str, str] = held if held is not None else {}
         #: set once the first list was delivered (or the kind turned out unserved)
         self.synced = asyncio.Event()
+        #: the last failure to list or watch, for the source's warning ("" for none)
+        self.last_error = ""
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
@@ -338,6 +343,7 @@ class ResourceWatcher(WatchBase):
                     continue
                 reason = "error"
                 log.warning("watch %s: API error %s", self.name, e)
+                self.last_error = f"API error {e}"
                 self._set_health(False)
             except _Idle:
                 # the server never closed the stream; it may be fine for new requests:
@@ -352,6 +358,7 @@ class ResourceWatcher(WatchBase):
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 reason = "unreachable"
                 log.warning("watch %s: API server unreachable: %s", self.name, e or type(e))
+                self.last_error = f"unreachable: {e or type(e).__name__}"
                 self._set_health(False)
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
