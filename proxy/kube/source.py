@@ -16,7 +16,7 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -222,16 +222,25 @@ class KubeSource:
                  sum(len(ws) for _, ws in self.watchers.values()))
 
     async def stop(self) -> None:
+        """Stop the follower, every watcher and the client, whatever one of them raises:
+        a watcher whose task had died raised here and left the rest running."""
         for t in self._tasks:
-            await cancel_and_wait(t)
+            await self._stopping(f"task {t.get_name()}", cancel_and_wait(t))
         self._tasks.clear()
         for _, ws in list(self.watchers.values()):
             for w in ws:
-                await w.stop()
+                await self._stopping(f"watch {w.name}", w.stop())
         self.watchers.clear()
         if self._client is not None and self._own_client:
             await self._client.close()
             self._client = None
+
+    @staticmethod
+    async def _stopping(what: str, stopped: Awaitable[None]) -> None:
+        try:
+            await stopped
+        except Exception:
+            log.exception("stopping %s failed; stopping the rest", what)
 
     # -- which kinds -----------------------------------------------------------------------
 

@@ -207,6 +207,33 @@ _HEAD = msgspec.json.Decoder(_ItemHead)
 _JSON = msgspec.json.Decoder()
 
 
+def _event(line: bytes) -> tuple[str, Obj]:
+    """A watch line's type and object; ValueError (the malformed line that makes the
+    watcher relist) for valid JSON of another shape (``null``, ``[1]``, an object that
+    is not one): it used to raise AttributeError / KeyError, which ended the task."""
+    ev = _JSON.decode(line)
+    if not isinstance(ev, dict):
+        raise ValueError(f"watch line is not an event: {line[:100]!r}")
+    etype = ev.get("type", "")
+    obj = ev.get("object") or {}
+    if not isinstance(etype, str) or not isinstance(obj, dict):
+        raise ValueError(f"watch event of an unexpected shape: {line[:100]!r}")
+    return etype, obj
+
+
+def _metadata(obj: Obj, line: bytes, *, named: bool) -> Obj:
+    """An event object's metadata, checked where the watcher reads it: a dict, a string
+    ``resourceVersion`` (the next watch's query), and for an object event a string
+    ``name`` and ``uid`` (its key in ``held``); ValueError otherwise."""
+    md = obj.get("metadata") if named else (obj.get("metadata") or {})
+    if not isinstance(md, dict) or not isinstance(md.get("resourceVersion", ""), str):
+        raise ValueError(f"watch event without usable metadata: {line[:100]!r}")
+    if named and not (isinstance(md.get("name"), str) and isinstance(md.get("uid"), str)
+                      and isinstance(md.get("namespace", ""), str)):
+        raise ValueError(f"watch event without a name and uid: {line[:100]!r}")
+    return md
+
+
 class _Gone(Exception):
     """410: the resourceVersion is compacted away; only a relist helps."""
 
@@ -302,8 +329,15 @@ class ResourceWatcher(WatchBase):
             self._task = asyncio.create_task(self.run(), name=f"watch {self.name}")
 
     async def stop(self) -> None:
+        """Cancel the loop and wait for it. A loop that had already ended with an
+        exception (a bug: ``run`` catches everything else) is logged, not raised: the
+        caller is stopping every watcher, and one dead task must not keep the others
+        (and the client) running."""
         task, self._task = self._task, None
-        await cancel_and_wait(task)
+        try:
+            await cancel_and_wait(task)
+        except Exception:
+            log.exception("watch %s: its task had ended with an error", self.name)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -363,6 +397,14 @@ class ResourceWatcher(WatchBase):
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
+                rv = ""
+            except Exception:
+                # anything else is a bug here or an answer no check foresaw: the task
+                # must not end with it (the index would freeze for this resource, with
+                # nothing but a dead task to show for it), so log it and relist
+                reason = "error"
+                log.exception("watch %s: unexpected failure, relisting after a backoff",
+                              self.name)
                 rv = ""
             if rv:
                 # resume from the newest resourceVersion seen, not the one this watch
@@ -535,25 +577,24 @@ class ResourceWatcher(WatchBase):
                 for line in lines[i:j]:
                     if not line.strip():
                         continue
-                    ev = _JSON.decode(line)
-                    etype = ev.get("type", "")
-                    obj = ev.get("object") or {}
+                    etype, obj = _event(line)
                     self.metrics.events.labels(self.name, etype).inc()
                     if etype == "BOOKMARK":
                         got_any = True
-                        rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                        rv = _metadata(obj, line, named=False).get("resourceVersion", rv)
                         continue
                     if etype == "ERROR":
                         code = obj.get("code", 0)
                         if code == 410:
                             raise _Gone()
-                        raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
+                        status = code if isinstance(code, int) and code > 0 else 500
+                        raise KubeApiError(status, str(obj.get("reason", "")),
                                            str(obj.get("message", "")))
                     got_any = True
                     if etype not in ("ADDED", "MODIFIED", "DELETED"):
                         continue
+                    md = _metadata(obj, line, named=True)
                     self._fill(obj)
-                    md = obj["metadata"]
                     rv = md.get("resourceVersion", rv)
                     uid = md.get("uid", "")
                     if etype == "DELETED":

@@ -142,3 +142,27 @@ async def test_failing_pods_still_hold_readiness_back(sim: KubeSim,
     sim.fail_resource(POD, None)
     await asyncio.wait_for(start, 5)
     assert source.index.ready and not source.failing_kinds
+
+
+async def test_stop_stops_every_watcher_though_one_fails_to_stop(
+        sim: KubeSim, new_source: MakeSource, caplog: pytest.LogCaptureFixture) -> None:
+    """One watcher raising as it stops (its task had died with an exception) is logged;
+    the others and the client are still stopped. ``stop`` used to raise at the first
+    and leave the rest watching, the client open."""
+    deployment(sim, "web", "shop", replicas=1)
+    source = new_source()
+    await asyncio.wait_for(source.start(), 5)
+    watchers = [w for _, ws in source.watchers.values() for w in ws]
+    pods = next(w for w in watchers if w.resource.kind == "Pod")
+
+    async def broken_stop() -> None:
+        raise RuntimeError("the watcher's task had died")
+
+    real_stop = pods.stop
+    pods.stop = broken_stop  # type: ignore[method-assign]
+    await source.stop()
+    others = [w for w in watchers if w is not pods]
+    assert others and all(getattr(w, "_task", None) is None for w in others)
+    assert source._client is None and not source.watchers
+    assert any("stopping watch pods failed" in r.getMessage() for r in caplog.records)
+    await real_stop()  # the test's own cleanup
