@@ -452,3 +452,38 @@ async def test_stopping_a_watcher_whose_task_died_does_not_raise(sim: KubeSim,
     await asyncio.sleep(0)
     await w.stop()  # raised RuntimeError before
     assert w._task is None
+
+
+async def test_a_watch_cut_after_its_first_bytes_is_retried_after_a_backoff(
+        sim: KubeSim, make: Make) -> None:
+    """A watch that ends cleanly right after a bookmark, well before its timeoutSeconds,
+    is no server timeout: watched again after the growing backoff, which only a stream
+    that lived long enough resets. The bookmark reset it, and the watch was opened again
+    at once: a hot loop (hundreds a second per watcher). A stream that lives its
+    timeoutSeconds is still watched again at once (below)."""
+    sink = RecordingSink()
+    w = await started(make, sink)  # backoff cap 0.3 s, timeoutSeconds 2
+    await eventually(lambda: sim.watch_count(POD) == 1)
+
+    def watches() -> int:
+        return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q)
+
+    sim.short_watches = True
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    n0 = watches()
+    await asyncio.sleep(2.0)
+    n = watches() - n0
+    assert 2 <= n <= 25, n  # 0.1-0.3 s apart; several hundred before
+    assert w.metrics.restarts.labels(w.name, "short")._value.get() >= n - 1
+    sim.create(pod("meanwhile"))
+    await eventually(lambda: "meanwhile" in sink.names("ADDED"), timeout=5)  # replayed
+    sim.short_watches = False
+    await eventually(lambda: sim.watch_count(POD) == 1, timeout=3)
+    # the normal case: the stream lives its 2 s, ends, and is watched again at once
+    timeouts = w.metrics.restarts.labels(w.name, "timeout")
+    t0 = timeouts._value.get()
+    await eventually(lambda: timeouts._value.get() > t0, timeout=4)
+    assert w.backoff.attempt == 0
+    await asyncio.sleep(0.05)
+    assert sim.watch_count(POD) == 1  # at once, no backoff

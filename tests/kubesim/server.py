@@ -108,6 +108,9 @@ class KubeSim:
         #: answer every new watch with a stream that ends at once, cleanly, with no
         #: event (a proxy in between cutting streams, a server shutting down)
         self.empty_watches = False
+        #: answer every new watch with what it replays, one BOOKMARK and a clean end at
+        #: once (an intermediary cutting streams after their first bytes)
+        self.short_watches = False
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
@@ -537,6 +540,14 @@ class KubeSim:
             for etype, obj in initial:
                 await resp.write(_line({"type": etype,
                                         "object": partial_metadata(obj) if mode else obj}))
+            if self.short_watches:
+                kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
+                                     if mode else (rt.kind, rt.api_version))
+                await resp.write(_line({"type": "BOOKMARK", "object": {
+                    "kind": kind, "apiVersion": api_version,
+                    "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                await resp.write_eof()
+                return resp
             held: list[bytes] = []  # lines kept back while the feed is holding
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
