@@ -360,31 +360,42 @@ class KubeSource:
         reported (``_mark_failing``) and no longer waited for. A kind whose list is
         slow but going through is still waited for; pods always are."""
         loop = asyncio.get_running_loop()
-        while True:
-            pending = [
-                w
-                for gk, (_, ws) in self.watchers.items()
-                if gk not in self.unserved_kinds and gk not in self.failing_kinds
-                for w in ws
-                if not w.synced.is_set()
-            ]
-            now = loop.time()
-            if now >= deadline:
+        # one waiter per watcher for the whole wait, cancelled at its end: a new one per
+        # watcher and round, never cancelled, piled up while a list kept failing (one
+        # task a second per failing watcher)
+        waiters: dict[int, asyncio.Task[bool]] = {}
+        try:
+            while True:
+                pending = [
+                    w
+                    for gk, (_, ws) in self.watchers.items()
+                    if gk not in self.unserved_kinds and gk not in self.failing_kinds
+                    for w in ws
+                    if not w.synced.is_set()
+                ]
+                now = loop.time()
+                if now >= deadline:
+                    for w in pending:
+                        gk = w.resource.group_kind
+                        if gk != POD and w.name in self._unhealthy:
+                            self._mark_failing(gk, w.last_error or "its list keeps failing")
+                    pending = [w for w in pending
+                               if w.resource.group_kind not in self.failing_kinds]
+                if not pending:
+                    return
                 for w in pending:
-                    gk = w.resource.group_kind
-                    if gk != POD and w.name in self._unhealthy:
-                        self._mark_failing(gk, w.last_error or "its list keeps failing")
-                pending = [w for w in pending
-                           if w.resource.group_kind not in self.failing_kinds]
-            if not pending:
-                return
-            await asyncio.wait(
-                [asyncio.ensure_future(w.synced.wait()) for w in pending],
-                # past the deadline, once a second: a failing watcher must be
-                # marked unhealthy first (and a slow list is not failing)
-                timeout=1.0 if now >= deadline else min(1.0, deadline - now),
-                return_when=asyncio.ALL_COMPLETED,
-            )
+                    if id(w.synced) not in waiters:
+                        waiters[id(w.synced)] = asyncio.ensure_future(w.synced.wait())
+                await asyncio.wait(
+                    [waiters[id(w.synced)] for w in pending],
+                    # past the deadline, once a second: a failing watcher must be
+                    # marked unhealthy first (and a slow list is not failing)
+                    timeout=1.0 if now >= deadline else min(1.0, deadline - now),
+                    return_when=asyncio.ALL_COMPLETED,
+                )
+        finally:
+            for t in waiters.values():
+                t.cancel()
 
     def _excuse_discovery(self, deadline: float) -> bool:
         """Past ``deadline``, the kinds other than Pod whose discovery failed are reported

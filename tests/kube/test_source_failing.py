@@ -166,3 +166,27 @@ async def test_stop_stops_every_watcher_though_one_fails_to_stop(
     assert source._client is None and not source.watchers
     assert any("stopping watch pods failed" in r.getMessage() for r in caplog.records)
     await real_stop()  # the test's own cleanup
+
+
+async def test_waiting_for_a_failing_list_holds_one_waiter_per_watcher(
+        sim: KubeSim, new_source: MakeSource) -> None:
+    """While the pods' list keeps failing, the sync waits on each watcher's ``synced``
+    with one task for the whole wait, cancelled when it ends: it made a new one every
+    second and never cancelled them (39 -> 59 tasks in 20 s)."""
+    sim.fail_resource(POD, 500)
+    source = new_source(sync_deadline=0.1)
+    start = asyncio.create_task(source.start())
+    await eventually(lambda: any(gk.kind == "Pod" for gk in source.watchers), timeout=3)
+    pods = next(w for gk, (_, ws) in source.watchers.items() if gk.kind == "Pod"
+                for w in ws)
+    waiters: list[int] = []
+    for _ in range(5):  # a round is a second
+        await asyncio.sleep(0.6)
+        waiters.append(len(pods.synced._waiters))
+    assert max(waiters) == 1, waiters  # 1, 2, 2, 3, 4 before
+    sim.fail_resource(POD, None)
+    await asyncio.wait_for(start, 5)
+    await asyncio.sleep(0)
+    waiting = [t for t in asyncio.all_tasks()
+               if "Event.wait" in repr(t.get_coro()) and not t.done()]
+    assert len(waiting) <= 1, waiting  # the follower's wait for a change of kinds
