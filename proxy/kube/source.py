@@ -561,7 +561,17 @@ class KubeSource:
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
         if healthy:
+            was = watcher.name in self._unhealthy
             self._unhealthy.discard(watcher.name)
+            if was and self._unhealthy:
+                # the API server answers again: the others failing retry now, not at the
+                # end of their own backoffs (up to 30 s apart), so that the kinds come
+                # back together (a pod created meanwhile otherwise came back long before
+                # its ReplicaSet, with the ReplicaSet as its workload until then)
+                for _, ws in self.watchers.values():
+                    for w in ws:
+                        if w.name in self._unhealthy:
+                            w.retry_now()
         else:
             self._unhealthy.add(watcher.name)
         self._update_stale()

@@ -62,6 +62,9 @@ class Watcher(Protocol):
 
     async def stop(self) -> None: ...
 
+    def retry_now(self) -> None:
+        """Cut a backoff wait after failures short: the API server answers again."""
+
     def stub(self, uid: str) -> Obj: ...
 
     async def deliver(self, events: list[WatchEvent]) -> None: ...
@@ -129,6 +132,9 @@ class WatchBase:
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
         return deletion_stub(self.resource, uid, self.held.get(uid, ""))
+
+    def retry_now(self) -> None:
+        """Nothing to cut short here (a watcher that never waits out a backoff)."""
 
 
 class WatchSink(Protocol):
@@ -321,6 +327,8 @@ class ResourceWatcher(WatchBase):
         self.versions: dict[str, str] = {}
         self.resource_version = ""
         self.healthy = True
+        #: set by ``retry_now``: ends the backoff wait after a failure at once
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -328,6 +336,20 @@ class ResourceWatcher(WatchBase):
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self.run(), name=f"watch {self.name}")
+
+    def retry_now(self) -> None:
+        """End the current (or the next) backoff wait after a failure at once: another
+        watcher has just reached the API server again. After an outage each watcher
+        came back on its own backoff, up to ``backoff_max`` (30 s) apart, and a pod
+        created meanwhile arrived long before its ReplicaSet, stamped with the
+        ReplicaSet as its workload until then."""
+        self._wake.set()
+
+    async def _pause(self, delay: float) -> None:
+        """``delay`` seconds, or until ``retry_now``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), delay)
+        self._wake.clear()
 
     async def stop(self) -> None:
         """Cancel the loop and wait for it. A loop that had already ended with an
@@ -414,7 +436,7 @@ class ResourceWatcher(WatchBase):
                 # started from: no replay, and a compaction since then costs no relist
                 rv = self.resource_version or rv
             self.metrics.restarts.labels(self.name, reason).inc()
-            await asyncio.sleep(self.backoff.next())
+            await self._pause(self.backoff.next())
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:

@@ -1,4 +1,4 @@
-"""KubeSource when one kind keeps failing: readiness, reporting, recovery, clean stops.
+"""KubeSource when kinds fail: readiness, reporting, recovery, clean stops.
 
 Against the simulator: a kind whose list answers 500 (a broken conversion webhook) or
 406 (metadata-only lists refused), or whose group's discovery answers 503, used to keep
@@ -39,9 +39,9 @@ async def new_source(sim: KubeSim) -> AsyncIterator[MakeSource]:
     the end whatever happened to it."""
     made: list[KubeSource] = []
 
-    def make(sync_deadline: float = 0.5) -> KubeSource:
+    def make(sync_deadline: float = 0.5, backoff_max: float = 0.3) -> KubeSource:
         kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()),
-                            resync_backoff_max_seconds=0.3)
+                            resync_backoff_max_seconds=backoff_max)
         source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
                             watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5,
                             sync_deadline=sync_deadline)
@@ -190,3 +190,28 @@ async def test_waiting_for_a_failing_list_holds_one_waiter_per_watcher(
     waiting = [t for t in asyncio.all_tasks()
                if "Event.wait" in repr(t.get_coro()) and not t.done()]
     assert len(waiting) <= 1, waiting  # the follower's wait for a change of kinds
+
+
+async def test_after_an_outage_the_watchers_come_back_together(
+        sim: KubeSim, new_source: MakeSource) -> None:
+    """Once one watcher reaches the API server again, the others cut their backoff
+    short: each used to come back at the end of its own (up to the 30 s cap, so up to
+    30 s apart), and a pod created during the outage came back long before its new
+    ReplicaSet, stamped with the ReplicaSet as its workload meanwhile. With a 3 s cap
+    here, the last came back up to 3 s after the first."""
+    _, rs, _ = deployment(sim, "web", "shop", replicas=1)
+    source = new_source(backoff_max=3.0)
+    await asyncio.wait_for(source.start(), 5)
+    n = sum(len(ws) for _, ws in source.watchers.values())
+    await sim.stop()
+    await eventually(lambda: len(source._unhealthy) == n, timeout=5)
+    await asyncio.sleep(2.0)  # the backoffs grow toward their cap
+    sim.delete(rs)  # a rollout meanwhile
+    deployment(sim, "web", "shop", replicas=1, rev="2")
+    sim.compact()
+    await sim.start()
+    await eventually(lambda: len(source._unhealthy) < n, timeout=10)
+    took = await eventually(lambda: not source._unhealthy, timeout=5)
+    assert took < 1.0, took
+    await eventually(lambda: (labels(source, "shop", "web-2-0") or {}).get("karta_kind")
+                     == "Deployment", timeout=2)
