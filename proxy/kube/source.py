@@ -16,7 +16,7 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -55,6 +55,11 @@ DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
 
 #: during the initial sync, ``gc.freeze()`` after every this many objects (see _apply)
 SYNC_FREEZE_EVERY = 2000
+#: the least time the initial sync waits for a kind other than Pod whose list or
+#: discovery keeps failing before it stops holding readiness back (``sync_deadline``:
+#: this, or two of the watchers' backoff caps if longer, so that a kind gets several
+#: attempts with the backoff at its cap before it is given up on for readiness)
+MIN_SYNC_DEADLINE = 10.0
 
 
 class EngineLike(Protocol):
@@ -83,13 +88,16 @@ class KubeSource:
         watch_timeout: int | None = None,
         watch_idle_timeout: float = IDLE_TIMEOUT,
         recheck_interval: float = 30.0,
+        sync_deadline: float | None = None,
         watchers: WatcherFactory | None = None,
         discovery: Resolver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``watchers`` and ``discovery`` replace the ones built over the client (tests
         put fakes there); with both given, no client is needed. ``clock`` times the
-        retries of kinds the server refused (tests move it by hand)."""
+        retries of kinds the server refused (tests move it by hand). ``sync_deadline``:
+        how long the initial sync waits for a kind other than Pod that keeps failing
+        (None: ``MIN_SYNC_DEADLINE`` or two backoff caps, whichever is longer)."""
         self.settings = settings
         self.engine = engine
         self.index = index
@@ -99,6 +107,10 @@ class KubeSource:
         self._watch_timeout = watch_timeout
         self._idle_timeout = watch_idle_timeout
         self._recheck_interval = recheck_interval
+        self._sync_deadline = (
+            sync_deadline if sync_deadline is not None
+            else max(MIN_SYNC_DEADLINE, 2 * settings.resync_backoff_max_seconds)
+        )
         self._clock = clock
         self.metrics = WatchMetrics(self.registry)
         self._last_current = Gauge(
@@ -110,6 +122,13 @@ class KubeSource:
         self._unserved_gauge = Gauge(
             "karta_proxy_watch_unserved",
             "1 for a kind the engine needs that the cluster does not serve (or forbids).",
+            ["resource"],
+            registry=self.registry,
+        )
+        self._failing_gauge = Gauge(
+            "karta_proxy_watch_failing",
+            "1 for a kind whose list (or discovery) kept failing past the initial sync's "
+            "deadline: readiness no longer waits for it; retried in the background.",
             ["resource"],
             registry=self.registry,
         )
@@ -126,6 +145,13 @@ class KubeSource:
         #: forbids, does not serve it again; after it, it counts as served once a new
         #: watcher's list went through
         self._refused: dict[GroupKind, float] = {}
+        #: kinds whose discovery failed in the last round that tried them -> the error
+        self._discovery_failed: dict[GroupKind, str] = {}
+        #: kinds other than Pod that still failed (list or discovery) when the initial
+        #: sync's deadline passed -> why: readiness does not wait for them (a broken
+        #: conversion webhook must not keep every remote write refused while the pods
+        #: are indexed); they count as stale until their watchers' lists go through
+        self.failing_kinds: dict[GroupKind, str] = {}
         self._unhealthy: set[str] = set()
         self._kinds_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -169,17 +195,21 @@ class KubeSource:
                 backoff_max=self.settings.resync_backoff_max_seconds,
                 idle_timeout=self._idle_timeout, watch_timeout=self._watch_timeout,
             )
+        deadline = asyncio.get_running_loop().time() + self._sync_deadline
         # descriptions first: they decide which kinds the engine needs
         if self.settings.watch_descriptions:
             await self._reconcile(self._desired(descriptions_only=True))
-            await self._wait_synced()
+            await self._wait_synced(deadline)
         backoff = Backoff(cap=self.settings.resync_backoff_max_seconds)
         while True:
             self._kinds_changed.clear()
             failed = await self._reconcile(self._desired())
-            await self._wait_synced()
-            if failed:  # discovery unreachable: retry, but never in a tight loop
-                await asyncio.sleep(backoff.next())
+            await self._wait_synced(deadline)
+            if failed and not self._excuse_discovery(deadline):
+                # discovery unreachable: retry, but never in a tight loop (and not past
+                # the deadline, where the kinds still failing are done without)
+                left = deadline - asyncio.get_running_loop().time()
+                await asyncio.sleep(min(backoff.next(), max(left, 0.01)))
                 continue
             if not self._kinds_changed.is_set():
                 break
@@ -192,16 +222,25 @@ class KubeSource:
                  sum(len(ws) for _, ws in self.watchers.values()))
 
     async def stop(self) -> None:
+        """Stop the follower, every watcher and the client, whatever one of them raises:
+        a watcher whose task had died raised here and left the rest running."""
         for t in self._tasks:
-            await cancel_and_wait(t)
+            await self._stopping(f"task {t.get_name()}", cancel_and_wait(t))
         self._tasks.clear()
         for _, ws in list(self.watchers.values()):
             for w in ws:
-                await w.stop()
+                await self._stopping(f"watch {w.name}", w.stop())
         self.watchers.clear()
         if self._client is not None and self._own_client:
             await self._client.close()
             self._client = None
+
+    @staticmethod
+    async def _stopping(what: str, stopped: Awaitable[None]) -> None:
+        try:
+            await stopped
+        except Exception:
+            log.exception("stopping %s failed; stopping the rest", what)
 
     # -- which kinds -----------------------------------------------------------------------
 
@@ -240,9 +279,12 @@ class KubeSource:
             except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
                 failed.append(gk)
                 error = e
+                self._discovery_failed[gk] = f"discovery failed: {e}"
                 continue
+            self._discovery_failed.pop(gk, None)
             if res is None:
                 self._refused.pop(gk, None)
+                self._clear_failing(gk)  # not failing: not served (reported as such)
                 self._mark_unserved(gk, "not served by the cluster")
                 continue
             if retry_at is None:
@@ -286,6 +328,7 @@ class KubeSource:
     async def _drop(self, gk: GroupKind) -> None:
         """Stop watching a kind no longer needed and retract its objects."""
         _, ws = self.watchers.pop(gk)
+        self._clear_failing(gk, quiet=True)
         for w in ws:
             await w.stop()
             stubs: list[WatchEvent] = [("DELETED", w.stub(uid)) for uid in w.held]
@@ -311,21 +354,76 @@ class KubeSource:
             log.info("kind %s is served now", gk)
             self._unserved_gauge.labels(str(gk)).set(0)
 
-    async def _wait_synced(self) -> None:
-        while True:
-            pending = [
-                w.synced.wait()
-                for gk, (_, ws) in self.watchers.items()
-                if gk not in self.unserved_kinds
-                for w in ws
-                if not w.synced.is_set()
-            ]
-            if not pending:
-                return
-            await asyncio.wait(
-                [asyncio.ensure_future(p) for p in pending], timeout=1.0,
-                return_when=asyncio.ALL_COMPLETED,
-            )
+    async def _wait_synced(self, deadline: float = float("inf")) -> None:
+        """Wait until every served kind's watchers have listed, but past ``deadline``
+        (loop time) not for a kind other than Pod whose watcher is failing: that one is
+        reported (``_mark_failing``) and no longer waited for. A kind whose list is
+        slow but going through is still waited for; pods always are."""
+        loop = asyncio.get_running_loop()
+        # one waiter per watcher for the whole wait, cancelled at its end: a new one per
+        # watcher and round, never cancelled, piled up while a list kept failing (one
+        # task a second per failing watcher)
+        waiters: dict[int, asyncio.Task[bool]] = {}
+        try:
+            while True:
+                pending = [
+                    w
+                    for gk, (_, ws) in self.watchers.items()
+                    if gk not in self.unserved_kinds and gk not in self.failing_kinds
+                    for w in ws
+                    if not w.synced.is_set()
+                ]
+                now = loop.time()
+                if now >= deadline:
+                    for w in pending:
+                        gk = w.resource.group_kind
+                        if gk != POD and w.name in self._unhealthy:
+                            self._mark_failing(gk, w.last_error or "its list keeps failing")
+                    pending = [w for w in pending
+                               if w.resource.group_kind not in self.failing_kinds]
+                if not pending:
+                    return
+                for w in pending:
+                    if id(w.synced) not in waiters:
+                        waiters[id(w.synced)] = asyncio.ensure_future(w.synced.wait())
+                await asyncio.wait(
+                    [waiters[id(w.synced)] for w in pending],
+                    # past the deadline, once a second: a failing watcher must be
+                    # marked unhealthy first (and a slow list is not failing)
+                    timeout=1.0 if now >= deadline else min(1.0, deadline - now),
+                    return_when=asyncio.ALL_COMPLETED,
+                )
+        finally:
+            for t in waiters.values():
+                t.cancel()
+
+    def _excuse_discovery(self, deadline: float) -> bool:
+        """Past ``deadline``, the kinds other than Pod whose discovery failed are reported
+        as failing and the sync goes on without them (the follower retries them);
+        returns whether it may. Pods are never done without."""
+        if asyncio.get_running_loop().time() < deadline or POD in self._discovery_failed:
+            return False
+        for gk, why in self._discovery_failed.items():
+            self._mark_failing(gk, why)
+        return True
+
+    def _mark_failing(self, gk: GroupKind, why: str) -> None:
+        if gk not in self.failing_kinds:
+            log.warning(
+                "kind %s still failing %g s into the sync (%s): ready without it, "
+                "retrying in the background; pods owned through it are attributed as if "
+                "it were not served until it lists", gk, self._sync_deadline, why)
+        self.failing_kinds[gk] = why
+        self._failing_gauge.labels(str(gk)).set(1)
+        self._update_stale()
+
+    def _clear_failing(self, gk: GroupKind, *, quiet: bool = False) -> None:
+        if self.failing_kinds.pop(gk, None) is None:
+            return
+        if not quiet:
+            log.info("kind %s is listed now", gk)
+        self._failing_gauge.labels(str(gk)).set(0)
+        self._update_stale()
 
     async def _follow_kinds(self) -> None:
         """Start / stop watches when descriptions change; retry unserved kinds."""
@@ -448,6 +546,12 @@ class KubeSource:
         now = time.time()
         self.index.mark_fresh(watcher.name, now)
         self._last_current.labels(watcher.name).set(now)
+        if self.failing_kinds:  # a kind given up on for readiness lists again
+            gk = watcher.resource.group_kind
+            _, ws = self.watchers.get(gk, ("", []))
+            if gk in self.failing_kinds and all(w is watcher or w.synced.is_set()
+                                                for w in ws):
+                self._clear_failing(gk)
         if self._refused:  # a refused kind's retry went through: served again
             gk = watcher.resource.group_kind
             retry_at = self._refused.get(gk)
@@ -457,17 +561,30 @@ class KubeSource:
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
         if healthy:
+            was = watcher.name in self._unhealthy
             self._unhealthy.discard(watcher.name)
+            if was and self._unhealthy:
+                # the API server answers again: the others failing retry now, not at the
+                # end of their own backoffs (up to 30 s apart), so that the kinds come
+                # back together (a pod created meanwhile otherwise came back long before
+                # its ReplicaSet, with the ReplicaSet as its workload until then)
+                for _, ws in self.watchers.values():
+                    for w in ws:
+                        if w.name in self._unhealthy:
+                            w.retry_now()
         else:
             self._unhealthy.add(watcher.name)
         self._update_stale()
 
     def _update_stale(self) -> None:
-        """``index.stale`` while any watcher cannot reach the API server."""
-        stale = bool(self._unhealthy)
+        """``index.stale`` while any watcher cannot reach the API server, or a kind the
+        sync stopped waiting for (``failing_kinds``) has not listed yet: either way the
+        index lacks what the cluster holds."""
+        stale = bool(self._unhealthy) or bool(self.failing_kinds)
         if stale != self.index.stale:
-            log.warning("cluster index %s", "STALE: API server unreachable, serving the last "
-                        "known index" if stale else "current again")
+            log.warning("cluster index %s", "STALE: API server unreachable or a kind "
+                        "failing, serving the last known index" if stale
+                        else "current again")
         self.index.stale = stale
 
     def unserved(self, watcher: Watcher, error: KubeApiError) -> None:

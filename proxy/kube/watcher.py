@@ -54,10 +54,16 @@ class Watcher(Protocol):
     held: dict[str, str]
     #: set once the first list was delivered (or the kind turned out unserved)
     synced: asyncio.Event
+    #: the last failure to list or watch ("" for none yet): what the source names when
+    #: a kind that keeps failing stops holding readiness back
+    last_error: str
 
     def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+    def retry_now(self) -> None:
+        """Cut a backoff wait after failures short: the API server answers again."""
 
     def stub(self, uid: str) -> Obj: ...
 
@@ -120,10 +126,15 @@ class WatchBase:
         self.held: dict[str, str] = held if held is not None else {}
         #: set once the first list was delivered (or the kind turned out unserved)
         self.synced = asyncio.Event()
+        #: the last failure to list or watch, for the source's warning ("" for none)
+        self.last_error = ""
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
         return deletion_stub(self.resource, uid, self.held.get(uid, ""))
+
+    def retry_now(self) -> None:
+        """Nothing to cut short here (a watcher that never waits out a backoff)."""
 
 
 class WatchSink(Protocol):
@@ -151,7 +162,8 @@ class WatchMetrics:
         self.restarts = Counter(
             "karta_proxy_watch_restarts_total",
             "Watch restarts by resource and reason (timeout: the server ended the "
-            "stream; empty: it ended at once with no event; gone: 410, relisted; idle; "
+            "stream; empty: it ended early with no event; short: it ended early after "
+            "some; gone: 410, relisted; idle; "
             "disconnect; unreachable; error; unserved).",
             ["resource", "reason"],
             registry=registry,
@@ -200,6 +212,33 @@ class _ItemHead(msgspec.Struct, gc=False):
 _PAGE = msgspec.json.Decoder(_ListPage)
 _HEAD = msgspec.json.Decoder(_ItemHead)
 _JSON = msgspec.json.Decoder()
+
+
+def _event(line: bytes) -> tuple[str, Obj]:
+    """A watch line's type and object; ValueError (the malformed line that makes the
+    watcher relist) for valid JSON of another shape (``null``, ``[1]``, an object that
+    is not one): it used to raise AttributeError / KeyError, which ended the task."""
+    ev = _JSON.decode(line)
+    if not isinstance(ev, dict):
+        raise ValueError(f"watch line is not an event: {line[:100]!r}")
+    etype = ev.get("type", "")
+    obj = ev.get("object") or {}
+    if not isinstance(etype, str) or not isinstance(obj, dict):
+        raise ValueError(f"watch event of an unexpected shape: {line[:100]!r}")
+    return etype, obj
+
+
+def _metadata(obj: Obj, line: bytes, *, named: bool) -> Obj:
+    """An event object's metadata, checked where the watcher reads it: a dict, a string
+    ``resourceVersion`` (the next watch's query), and for an object event a string
+    ``name`` and ``uid`` (its key in ``held``); ValueError otherwise."""
+    md = obj.get("metadata") if named else (obj.get("metadata") or {})
+    if not isinstance(md, dict) or not isinstance(md.get("resourceVersion", ""), str):
+        raise ValueError(f"watch event without usable metadata: {line[:100]!r}")
+    if named and not (isinstance(md.get("name"), str) and isinstance(md.get("uid"), str)
+                      and isinstance(md.get("namespace", ""), str)):
+        raise ValueError(f"watch event without a name and uid: {line[:100]!r}")
+    return md
 
 
 class _Gone(Exception):
@@ -288,6 +327,8 @@ class ResourceWatcher(WatchBase):
         self.versions: dict[str, str] = {}
         self.resource_version = ""
         self.healthy = True
+        #: set by ``retry_now``: ends the backoff wait after a failure at once
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -296,9 +337,30 @@ class ResourceWatcher(WatchBase):
         if self._task is None:
             self._task = asyncio.create_task(self.run(), name=f"watch {self.name}")
 
+    def retry_now(self) -> None:
+        """End the current (or the next) backoff wait after a failure at once: another
+        watcher has just reached the API server again. After an outage each watcher
+        came back on its own backoff, up to ``backoff_max`` (30 s) apart, and a pod
+        created meanwhile arrived long before its ReplicaSet, stamped with the
+        ReplicaSet as its workload until then."""
+        self._wake.set()
+
+    async def _pause(self, delay: float) -> None:
+        """``delay`` seconds, or until ``retry_now``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), delay)
+        self._wake.clear()
+
     async def stop(self) -> None:
+        """Cancel the loop and wait for it. A loop that had already ended with an
+        exception (a bug: ``run`` catches everything else) is logged, not raised: the
+        caller is stopping every watcher, and one dead task must not keep the others
+        (and the client) running."""
         task, self._task = self._task, None
-        await cancel_and_wait(task)
+        try:
+            await cancel_and_wait(task)
+        except Exception:
+            log.exception("watch %s: its task had ended with an error", self.name)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -308,14 +370,16 @@ class ResourceWatcher(WatchBase):
             try:
                 if not rv:
                     rv = await self._list()
-                rv, empty = await self._watch(rv)
-                if empty:
-                    # ended at once with nothing (a proxy in between cutting streams, a
+                rv, early = await self._watch(rv)
+                if early is not None:
+                    # ended cleanly well before its timeoutSeconds, with nothing or after
+                    # a bookmark or a few events (a proxy in between cutting streams, a
                     # server shutting down): again at once would be a tight loop
-                    self.metrics.restarts.labels(self.name, "empty").inc()
+                    self.metrics.restarts.labels(self.name, early).inc()
                     if self.backoff.attempt == 0:  # the first of a run, not every one
-                        log.warning("watch %s: the server ended the watch at once with no "
-                                    "event; watching again after a backoff", self.name)
+                        log.warning("watch %s: the server ended the watch early (%s); "
+                                    "watching again after a backoff", self.name,
+                                    "no event" if early == "empty" else "after some events")
                     await asyncio.sleep(self.backoff.next())
                     continue
                 self.metrics.restarts.labels(self.name, "timeout").inc()
@@ -338,6 +402,7 @@ class ResourceWatcher(WatchBase):
                     continue
                 reason = "error"
                 log.warning("watch %s: API error %s", self.name, e)
+                self.last_error = f"API error {e}"
                 self._set_health(False)
             except _Idle:
                 # the server never closed the stream; it may be fine for new requests:
@@ -352,17 +417,26 @@ class ResourceWatcher(WatchBase):
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 reason = "unreachable"
                 log.warning("watch %s: API server unreachable: %s", self.name, e or type(e))
+                self.last_error = f"unreachable: {e or type(e).__name__}"
                 self._set_health(False)
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
+                rv = ""
+            except Exception:
+                # anything else is a bug here or an answer no check foresaw: the task
+                # must not end with it (the index would freeze for this resource, with
+                # nothing but a dead task to show for it), so log it and relist
+                reason = "error"
+                log.exception("watch %s: unexpected failure, relisting after a backoff",
+                              self.name)
                 rv = ""
             if rv:
                 # resume from the newest resourceVersion seen, not the one this watch
                 # started from: no replay, and a compaction since then costs no relist
                 rv = self.resource_version or rv
             self.metrics.restarts.labels(self.name, reason).inc()
-            await asyncio.sleep(self.backoff.next())
+            await self._pause(self.backoff.next())
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -470,10 +544,16 @@ class ResourceWatcher(WatchBase):
         obj["apiVersion"] = self.resource.api_version
         obj["kind"] = self.resource.kind
 
-    async def _watch(self, rv: str) -> tuple[str, bool]:
-        """Watch from ``rv`` until the server ends the stream; returns the last rv and
-        whether the stream was empty and ended early (no byte, within half its
-        ``timeoutSeconds``), which is no server timeout."""
+    async def _watch(self, rv: str) -> tuple[str, str | None]:
+        """Watch from ``rv`` until the server ends the stream; returns the last rv and,
+        for a stream that ended within half its ``timeoutSeconds`` (no server timeout),
+        how: ``empty`` (no byte) or ``short`` (after a bookmark or events); None for a
+        stream that lived long enough.
+
+        Only a stream that lived long enough resets the backoff (however it ended): one
+        cut after its first bytes (a bookmark, then the end) is as much a failure as an
+        empty one. Resetting it on every event or bookmark made such streams a hot loop
+        (2,855 watch requests in 3 s over 9 watchers)."""
         server_timeout = self.watch_timeout()
         loop = asyncio.get_running_loop()
         opened = loop.time()
@@ -500,8 +580,9 @@ class ResourceWatcher(WatchBase):
                 if not chunk:
                     if buf.strip():
                         rv = await self._process([buf], rv)
-                    return rv, (not received
-                                and loop.time() - opened < server_timeout / 2)
+                    if loop.time() - opened >= server_timeout / 2:
+                        return rv, None
+                    return rv, ("short" if received else "empty")
                 received = True
                 buf += chunk
                 if b"\n" not in chunk:
@@ -511,6 +592,8 @@ class ResourceWatcher(WatchBase):
                 rv = await self._process(lines, rv)
         finally:
             resp.release()
+            if loop.time() - opened >= server_timeout / 2:
+                self.backoff.reset()  # however it ended: it lived long enough
 
     async def _process(self, lines: list[bytes], rv: str) -> str:
         """Decode and deliver watch lines, a time-budgeted slice at a time.
@@ -528,25 +611,24 @@ class ResourceWatcher(WatchBase):
                 for line in lines[i:j]:
                     if not line.strip():
                         continue
-                    ev = _JSON.decode(line)
-                    etype = ev.get("type", "")
-                    obj = ev.get("object") or {}
+                    etype, obj = _event(line)
                     self.metrics.events.labels(self.name, etype).inc()
                     if etype == "BOOKMARK":
                         got_any = True
-                        rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                        rv = _metadata(obj, line, named=False).get("resourceVersion", rv)
                         continue
                     if etype == "ERROR":
                         code = obj.get("code", 0)
                         if code == 410:
                             raise _Gone()
-                        raise KubeApiError(int(code or 500), str(obj.get("reason", "")),
+                        status = code if isinstance(code, int) and code > 0 else 500
+                        raise KubeApiError(status, str(obj.get("reason", "")),
                                            str(obj.get("message", "")))
                     got_any = True
                     if etype not in ("ADDED", "MODIFIED", "DELETED"):
                         continue
+                    md = _metadata(obj, line, named=True)
                     self._fill(obj)
-                    md = obj["metadata"]
                     rv = md.get("resourceVersion", rv)
                     uid = md.get("uid", "")
                     if etype == "DELETED":
@@ -563,7 +645,6 @@ class ResourceWatcher(WatchBase):
                 if got_any:
                     self.resource_version = rv
             if got_any:
-                self.backoff.reset()
                 self.sink.current(self)
 
         await self._in_slices(len(lines), step)

@@ -102,9 +102,15 @@ class KubeSim:
         #: (list, watch, get; with that substring in their Accept header, if given) are
         #: answered with the status, while discovery still lists it (see ``fail_resource``)
         self.failing_resources: dict[tuple[str, str], tuple[int, str]] = {}
+        #: group/version -> status: its discovery document is answered with the status
+        #: (see ``fail_discovery``)
+        self.failing_discovery: dict[str, int] = {}
         #: answer every new watch with a stream that ends at once, cleanly, with no
         #: event (a proxy in between cutting streams, a server shutting down)
         self.empty_watches = False
+        #: answer every new watch with what it replays, one BOOKMARK and a clean end at
+        #: once (an intermediary cutting streams after their first bytes)
+        self.short_watches = False
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
@@ -255,6 +261,15 @@ class KubeSim:
         else:
             self.failing_resources[rtype.key] = (status, accept)
 
+    def fail_discovery(self, group_version: str, status: int | None) -> None:
+        """Answer the discovery document of one group/version (``ray.io/v1``) with
+        ``status`` from now on (None: serve it again), the group list still naming it:
+        an aggregated API or a CRD group whose discovery is unavailable (503)."""
+        if status is None:
+            self.failing_discovery.pop(group_version, None)
+        else:
+            self.failing_discovery[group_version] = status
+
     def hold_watches(self) -> int:
         """Make every open watch stream hold back what it would send (events and
         bookmarks) until ``flush_watches``: what happens meanwhile then reaches the client
@@ -349,6 +364,9 @@ class KubeSim:
             gv, rest = f"{parts[1]}/{parts[2]}", parts[3:]
         if gv not in gvs:
             raise NotFound(f"the server could not find the requested resource ({gv})")
+        if not rest and gv in self.failing_discovery:
+            raise ApiError(self.failing_discovery[gv], "ServiceUnavailable",
+                           "the server is currently unable to handle the request")
         if not rest:
             return web.json_response({
                 "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
@@ -522,6 +540,14 @@ class KubeSim:
             for etype, obj in initial:
                 await resp.write(_line({"type": etype,
                                         "object": partial_metadata(obj) if mode else obj}))
+            if self.short_watches:
+                kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
+                                     if mode else (rt.kind, rt.api_version))
+                await resp.write(_line({"type": "BOOKMARK", "object": {
+                    "kind": kind, "apiVersion": api_version,
+                    "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                await resp.write_eof()
+                return resp
             held: list[bytes] = []  # lines kept back while the feed is holding
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
