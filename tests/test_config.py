@@ -455,3 +455,15 @@ def test_parse_host_port_refuses_unbalanced_brackets(address: str) -> None:
     """'[::1:0' passed and failed only at the bind."""
     with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
         parse_host_port(address)
+
+
+def test_no_default_pair_reads_exported_labels_outside_their_exporters_rules() -> None:
+    """exported_* are the scraped target's own labels under honor_labels false: a default
+    pair reading them for every metric let any application name another namespace's pod.
+    Only the per-prefix rules of the exporters that report on other pods read them."""
+    enrich = Settings().enrich
+    assert not any(ns.startswith("exported_") or pod.startswith("exported_")
+                   for ns, pod in enrich.pod_label_pairs)
+    readers = {r.metric_prefix for r in enrich.pod_label_rules
+               if any(p.namespace.startswith("exported_") for p in r.pod_label_pairs)}
+    assert readers == {"DCGM_", "kube_"}
