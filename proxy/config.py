@@ -259,8 +259,12 @@ class PodLabelRule(Struct, forbid_unknown_fields=True):
 
 
 def _default_pod_label_pairs() -> list[LabelPair]:
-    return [("exported_namespace", "exported_pod"), ("namespace", "pod"),
-            ("pod_namespace", "pod_name")]
+    # No exported_* pair here: under honor_labels false Prometheus renames a target's own
+    # namespace/pod labels exported_*, so any scraped application could name another
+    # namespace's pod there and have its series charged to that pod's workload. The
+    # exporters that report on other pods get the exported pair per metric prefix
+    # (_default_pod_label_rules), where it trusts only who can emit that prefix.
+    return [("namespace", "pod"), ("pod_namespace", "pod_name")]
 
 
 def _default_pod_label_rules() -> list[PodLabelRule]:
@@ -268,6 +272,8 @@ def _default_pod_label_rules() -> list[PodLabelRule]:
     # always the exporter's (its container label, a target label, is the exporter's). Under
     # honor_labels true the plain pair + container are the GPU's pod. An idle GPU has only
     # the target's pair: without a container, or with the exporter's.
+    # kube-state-metrics: under honor_labels false the object's pod is exported_* (the
+    # plain pair is KSM's own pod); under honor_labels true it is the plain pair.
     return [
         PodLabelRule(
             metric_prefix="DCGM_",
@@ -276,7 +282,14 @@ def _default_pod_label_rules() -> list[PodLabelRule]:
                 PodLabelPair("pod_namespace", "pod_name"),
                 PodLabelPair("namespace", "pod", {"container": DCGM_EXPORTER_CONTAINERS}),
             ],
-        )
+        ),
+        PodLabelRule(
+            metric_prefix="kube_",
+            pod_label_pairs=[
+                PodLabelPair("exported_namespace", "exported_pod"),
+                PodLabelPair("namespace", "pod"),
+            ],
+        ),
     ]
 
 

@@ -309,7 +309,9 @@ def test_reference_agrees_on_fixtures(policy: str) -> None:
     idx = index_with_pods()
     raw1 = request_v1(
         series_v1({"namespace": "ml", "pod": "train-head", "karta_workload": "x"}),
-        series_v1({"exported_namespace": "web", "exported_pod": "shop-abc"}, exemplars=1),
+        # a kube_ series: the exported pair names its pod (kube-state-metrics' rule)
+        series_v1({"__name__": "kube_pod_info", "exported_namespace": "web",
+                   "exported_pod": "shop-abc"}, exemplars=1),
         series_v1({"namespace": "ml", "pod": "lonely"}),
         metadata=True,
     )
@@ -319,7 +321,8 @@ def test_reference_agrees_on_fixtures(policy: str) -> None:
     assert (fast.counts, fast.attributed, fast.unattributed, fast.stripped) == (
         ref.counts, ref.attributed, ref.unattributed, ref.stripped)
     raw2 = request_v2({"namespace": "ml", "pod": "train-head", "karta_workload": "x"},
-                      {"exported_namespace": "web", "exported_pod": "shop-abc"})
+                      {"__name__": "kube_pod_info", "exported_namespace": "web",
+                       "exported_pod": "shop-abc"})
     fast2 = Enricher(idx, PAIRS, conflict_policy=policy).enrich_v2(raw2)
     ref2 = enrich_v2_reference(raw2, idx, PAIRS, policy)
     a, b = parse_v2(fast2.body), parse_v2(ref2.body)
@@ -496,3 +499,92 @@ def test_a_pod_event_changes_only_that_pods_series() -> None:
     res = e.enrich_v1(raw)
     out = [dict(labels_of(ts)) for ts in parse_v1(res.body).timeseries]
     assert out[1]["karta_component"] == "new" and out[0]["karta_component"] == "head"
+
+
+# -- exported_* labels: whom they are trusted from --------------------------------------
+
+#: kube-state-metrics' own pod, the target Prometheus scrapes its series from
+_KSM_TARGET = {"namespace": "monitoring", "pod": "kube-state-metrics-5d8f7-x2x9q",
+               "container": "kube-state-metrics", "job": "kube-state-metrics"}
+
+
+def test_an_applications_exported_pair_does_not_name_another_pod() -> None:
+    """The forgery the default used to allow: a scraped application (web/shop-abc) exposes
+    its own ``namespace``/``pod`` naming a pod of ml; under ``honor_labels: false``
+    Prometheus renames them ``exported_*``, keeps the target's pair, and the series must
+    stay the application's, in both protocols and both splices."""
+    forged = {"__name__": "audit_gpu_seconds_total", "exported_namespace": "ml",
+              "exported_pod": "train-head", "namespace": "web", "pod": "shop-abc",
+              "job": "app"}
+    res = enricher().enrich_v1(request_v1(series_v1(forged)))
+    (ts,) = parse_v1(res.body).timeseries
+    assert dict(labels_of(ts))["karta_workload"] == "shop"
+    assert dict(labels_of(ts))["karta_namespace"] == "web"
+    res2 = enricher().enrich_v2(request_v2(forged))
+    req2 = parse_v2(res2.body)
+    assert dict(labels_v2(req2, req2.timeseries[0]))["karta_workload"] == "shop"
+    # with only the exported pair (a target without pod labels) it names no pod at all
+    alone = {k: v for k, v in forged.items() if k not in ("namespace", "pod")}
+    res3 = enricher().enrich_v1(request_v1(series_v1(alone)))
+    assert res3.unattributed == {"no_pod_label": 1} and res3.attributed == 0
+
+
+def _ksm(metric: str, honor_labels: bool, **object_labels: str) -> dict[str, str]:
+    """A kube-state-metrics series as a Prometheus agent sends it: the object's
+    ``namespace``/``pod``/``container`` win under ``honor_labels: true`` and are renamed
+    ``exported_*`` under false, where the target's (KSM's own) stay."""
+    out = {"__name__": metric, **_KSM_TARGET}
+    if honor_labels:
+        out.update(object_labels)
+    else:
+        out.update({f"exported_{k}" if k in _KSM_TARGET else k: v
+                    for k, v in object_labels.items()})
+    return out
+
+
+@pytest.mark.parametrize("honor_labels", [False, True])
+def test_kube_state_metrics_series_name_the_objects_pod(honor_labels: bool) -> None:
+    info = _ksm("kube_pod_info", honor_labels, namespace="ml", pod="train-head",
+                node="n1", uid="u1")
+    requests = _ksm("kube_pod_container_resource_requests", honor_labels, namespace="web",
+                    pod="shop-abc", container="app", resource="cpu", unit="core")
+    raw = request_v1(series_v1(info), series_v1(requests))
+    res = enricher().enrich_v1(raw)
+    out = [dict(labels_of(ts)) for ts in parse_v1(res.body).timeseries]
+    assert [(o["karta_namespace"], o["karta_workload"]) for o in out] == [
+        ("ml", "train"), ("web", "shop")]
+    ref = enrich_v1_reference(raw, index_with_pods(), PAIRS)
+    assert parse_v1(res.body) == parse_v1(ref.body)
+    raw2 = request_v2(info, requests)
+    req2 = parse_v2(enricher().enrich_v2(raw2).body)
+    assert [dict(labels_v2(req2, t))["karta_workload"] for t in req2.timeseries] == [
+        "train", "shop"]
+
+
+def test_unless_narrows_the_exported_pair_to_kube_state_metrics_own_target() -> None:
+    """The narrowing docs/wire.md shows: the exported pair of a ``kube_`` series is read
+    only when the target's ``container`` is kube-state-metrics' (Python ``re``, anchored at
+    both ends, so the lookahead must reach the end itself). Another application emitting a
+    ``kube_`` name keeps its own pod."""
+    s = settings_from_dict({"enrich": {"pod_label_rules": [{
+        "metric_prefix": "kube_", "pod_label_pairs": [
+            {"namespace": "exported_namespace", "pod": "exported_pod",
+             "unless": {"container": "(?!kube-state-metrics$).*"}},
+            ["namespace", "pod"]]}]}})
+    rules = s.enrich.pod_label_rules
+    ksm = _ksm("kube_pod_info", False, namespace="ml", pod="train-head")
+    other = {"__name__": "kube_pod_info", "exported_namespace": "ml",
+             "exported_pod": "train-head", "namespace": "web", "pod": "shop-abc",
+             "container": "app"}
+    near = {**other, "container": "kube-state-metrics-fork"}  # not a prefix match
+    raw = request_v1(series_v1(ksm), series_v1(other), series_v1(near))
+    idx = index_with_pods()
+    res = Enricher(idx, PAIRS, pod_label_rules=rules).enrich_v1(raw)
+    assert [dict(labels_of(t))["karta_workload"] for t in parse_v1(res.body).timeseries] == [
+        "train", "shop", "shop"]
+    ref = enrich_v1_reference(raw, idx, PAIRS, pod_label_rules=rules)
+    assert parse_v1(res.body) == parse_v1(ref.body)
+    req2 = parse_v2(Enricher(idx, PAIRS, pod_label_rules=rules).enrich_v2(
+        request_v2(ksm, other, near)).body)
+    assert [dict(labels_v2(req2, t))["karta_workload"] for t in req2.timeseries] == [
+        "train", "shop", "shop"]

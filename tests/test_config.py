@@ -480,3 +480,15 @@ def test_without_userinfo_keeps_everything_but_the_credentials() -> None:
     assert without_userinfo("https://u:p@ss@[::1]:9/x?q=a@b") == "https://[::1]:9/x?q=a@b"
     assert without_userinfo("http://tsdb/a@b") == "http://tsdb/a@b"  # an "@" in a path
     assert without_userinfo("http://bob:PW/S@h:9/x", broken=True) == "http://h:9/x"
+
+
+def test_no_default_pair_reads_exported_labels_outside_their_exporters_rules() -> None:
+    """exported_* are the scraped target's own labels under honor_labels false: a default
+    pair reading them for every metric let any application name another namespace's pod.
+    Only the per-prefix rules of the exporters that report on other pods read them."""
+    enrich = Settings().enrich
+    assert not any(ns.startswith("exported_") or pod.startswith("exported_")
+                   for ns, pod in enrich.pod_label_pairs)
+    readers = {r.metric_prefix for r in enrich.pod_label_rules
+               if any(p.namespace.startswith("exported_") for p in r.pod_label_pairs)}
+    assert readers == {"DCGM_", "kube_"}

@@ -613,8 +613,12 @@ def series_labels(cluster: Cluster, seed: int = 11) -> Iterator[tuple[dict[str, 
 
 def attributable(known: set[tuple[str, str]], labels: dict[str, str]) -> bool:
     """Whether the proxy should stamp a series: the first default pod label pair present
-    decides, as in the proxy's configuration."""
-    for ns_label, pod_label in (("exported_namespace", "exported_pod"), ("namespace", "pod")):
+    decides, as in the proxy's configuration (the exported pair only for the prefixes whose
+    default rule reads it: the global default does not trust it)."""
+    pairs = [("namespace", "pod")]
+    if labels.get("__name__", "").startswith(("DCGM_", "kube_")):
+        pairs.insert(0, ("exported_namespace", "exported_pod"))
+    for ns_label, pod_label in pairs:
         if pod_label in labels and ns_label in labels:
             return (labels[ns_label], labels[pod_label]) in known
     return False

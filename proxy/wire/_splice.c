@@ -1918,6 +1918,24 @@ dropped(const Plan *pl, const Lab *l)
            (pl->drop_sent && is_karta(l->name, l->nlen));
 }
 
+/* plan.NO_LABELS_LEFT: the refusal of a series the drop of the sender's karta_* labels
+ * would leave with none (Prometheus answers an empty label set 500, which senders retry
+ * forever, the batch's other series with it) */
+#define NO_LABELS_LEFT                                                                     \
+    "a series whose only labels are karta_* would be forwarded with no labels "           \
+    "(sender_karta_labels: drop removes them), and the TSDB refuses an empty label set"
+
+/* Would every label of the series be dropped (plan.check_kept on what is kept)? Stops at
+ * the first kept label, the first one of a sorted series (__name__) as a rule. */
+static inline int
+all_dropped(const Plan *pl, const Lab *labs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!dropped(pl, &labs[i]))
+            return 0;
+    return 1;
+}
+
 /* Does the stamp carry this label, name and value? */
 static int
 in_stamp(const Entry *en, const Lab *l)
@@ -1931,7 +1949,7 @@ in_stamp(const Entry *en, const Lab *l)
     return 0;
 }
 
-/* 400 invalid_labels for an empty or a repeated name (plan.check_names); *sorted := the
+/* 400 invalid_labels for no label at all, an empty or a repeated name (plan.check_names); *sorted := the
  * names are strictly sorted (then an empty one can only be the first). Unsorted names are
  * sorted in a copy (rare: senders sort). Returns 0 with the error set, or on OOM. */
 static inline int
@@ -1953,7 +1971,11 @@ check_names(Req *r, const Lab *labs, size_t n, int *sorted)
         lab_sort(b, t, n);
         a = b;
     }
-    if (n && a[0].nlen == 0) {
+    if (n == 0) {
+        err_set(&r->err, "invalid_labels", "a series with no labels");
+        return 0;
+    }
+    if (a[0].nlen == 0) {
         err_set(&r->err, "invalid_labels", "a label with an empty name");
         return 0;
     }
@@ -2322,6 +2344,14 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         P->hash = key_hash(t, P->ns.s, P->ns.n, P->pod.s, P->pod.n);
         if (t->cap)
             __builtin_prefetch(&t->slots[(size_t)P->hash & (t->cap - 1)]);
+    }
+    else if (pl->drop_sent && P->reason != -1 && !e->kind && all_dropped(pl, labs, n)) {
+        /* here, in stage A, not where finish_v1 drops them: a later series' defect found
+         * by stage A first would otherwise be the answer, and the reference answers the
+         * first defect in the request. A series whose labels are all karta_* names no pod
+         * (no pair may read karta_*), so this is the only place it can go empty. */
+        err_set(e, "invalid_labels", NO_LABELS_LEFT);
+        return 0;
     }
     return !e->kind;
 }
@@ -3067,6 +3097,10 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             k = kept_labels(r, labs, n);
             if (k == (size_t)-1)
                 return;
+            if (k == 0) {
+                err_set(e, "invalid_labels", NO_LABELS_LEFT);
+                return;
+            }
             r->stripped += k != n;
         }
         if (sorted && k == n)

@@ -186,16 +186,35 @@ def names_sorted(names: Sequence[bytes]) -> bool:
     return all(a < b for a, b in pairwise(names))
 
 
+#: the refusal of a series that would leave with no labels (plan.check_kept, the native
+#: splice's ``kept_none``)
+NO_LABELS_LEFT = ("a series whose only labels are karta_* would be forwarded with no "
+                  "labels (sender_karta_labels: drop removes them), and the TSDB refuses an "
+                  "empty label set")
+
+
 def check_names(names: Sequence[bytes]) -> None:
-    """400 ``invalid_labels`` for an empty or a repeated label name, in any series: a
-    TSDB refuses such a series (Prometheus 2.42 with a 500, which senders retry forever),
-    and the stamp of a series with two values for one name would be a guess."""
+    """400 ``invalid_labels`` for no label at all, or an empty or a repeated label name, in
+    any series: a TSDB refuses such a series (Prometheus 2.42 with a 500, which senders
+    retry forever, the innocent series of the batch with it), and the stamp of a series
+    with two values for one name would be a guess."""
+    if not names:
+        raise DecodeError("invalid_labels", 400, "a series with no labels")
     if b"" in names:
         raise DecodeError("invalid_labels", 400, "a label with an empty name")
     if len(set(names)) != len(names):
         dup = next(n for i, n in enumerate(names) if n in names[:i])
         raise DecodeError("invalid_labels", 400,
                           f"label name {dup[:64]!r} repeated in one series")
+
+
+def check_kept(kept: int) -> None:
+    """400 ``invalid_labels`` for a series that the drop of the sender's ``karta_*``
+    labels left with none: forwarded empty, Prometheus answers 500 ("empty labelset"),
+    the proxy 502, and the sender retries the whole batch forever. Called only where
+    labels were dropped, so a series that keeps its labels pays nothing."""
+    if not kept:
+        raise DecodeError("invalid_labels", 400, NO_LABELS_LEFT)
 
 
 class OverLimit(Exception):

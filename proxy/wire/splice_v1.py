@@ -15,6 +15,7 @@ from proxy.wire.plan import (
     PodStamp,
     SplicePlan,
     SpliceResult,
+    check_kept,
     check_names,
     decide,
     names_sorted,
@@ -148,7 +149,9 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
         kept = labels  # nothing to drop, or ``keep``: the sender's attribution passes
         if plan.drop_sent and not (stamp is None and not reason):
             kept = [lf for lf in labels if not plan.dropped(lf[0])]
-            result.stripped += len(kept) != len(labels)
+            if len(kept) != len(labels):
+                check_kept(len(kept))
+                result.stripped += 1
         if len(kept) == len(labels) and names_sorted([lf[0] for lf in labels]):
             return None
         # a sender that does not sort would reach the TSDB so: the labels go out sorted

@@ -16,6 +16,7 @@ from proxy.compression import DecodeError
 from proxy.wire.plan import (
     SplicePlan,
     SpliceResult,
+    check_kept,
     check_names,
     decide,
     names_sorted,
@@ -178,6 +179,7 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
                 kept = [(n, v, (refs[2 * i], refs[2 * i + 1]))
                         for i, (n, v) in enumerate(labels)]
             elif len(kept) != len(labels):
+                check_kept(len(kept))
                 result.stripped += 1
             if len(kept) == len(labels) and names_sorted([n for n, _ in labels]):
                 continue

@@ -11,6 +11,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 import snappy
+from aiohttp import web
 
 from proxy.demo_exporter import FixtureExporter
 from proxy.handler import PART_DECODED_BYTES
@@ -23,6 +24,7 @@ from tests.peers.conftest import (
     Peers,
     close,
     expected_by_workload,
+    free_port,
     query,
     remote_write,
     scalar_by,
@@ -256,3 +258,53 @@ async def stored_whole(prom_url: str, vm: Peer, metric: str, workload: str, n: i
 
 def exporter_stamp(proxy: Proxy, namespace: str, pod: str) -> tuple[tuple[str, str], ...]:
     return tuple(proxy.index.lookup(namespace.encode(), pod.encode()) or ())
+
+
+async def test_a_scraped_application_cannot_name_another_namespaces_pod(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    """A stock Prometheus agent (honor_labels: false) scrapes an application of web that
+    exposes namespace/pod of an ml pod: Prometheus renames them exported_*, and the proxy
+    stamps the series with the application's own pod (its target labels), not the ml pod's
+    workload. A kube-state-metrics-shaped target's kube_pod_info, scraped the same way,
+    still names the object's pod (the kube_ rule)."""
+    ml_pod = "llm-finetune-raycluster-k7x2p-head-8jz5c"
+    body = (f'app_gpu_seconds_total{{namespace="ml",pod="{ml_pod}"}} 1\n'
+            f'kube_pod_info{{namespace="ml",pod="{ml_pod}",node="n1"}} 1\n')
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        rx = await peers.prometheus_receiver()
+        to_rx = await make_proxy(rx.base_url + "/api/v1/write")
+        common = {"scrape_interval": "1s", "scrape_timeout": "1s", "honor_labels": False,
+                  "static_configs": [{"targets": [f"127.0.0.1:{port}"],
+                                      "labels": {"namespace": "web", "pod": "postgres-0"}}]}
+        await peers.prometheus_agent({
+            "global": {"scrape_interval": "1s"},
+            "scrape_configs": [{"job_name": "app", **common}],
+            "remote_write": [remote_write(to_rx.write_url)],
+        })
+
+        async def landed() -> bool:
+            return len(await query(rx.base_url, '{__name__=~"app_gpu_seconds_total|'
+                                                'kube_pod_info"}')) == 2
+
+        await wait_until(landed, timeout=30, what="the application's two series")
+        rows = {r["metric"]["__name__"]: r["metric"]
+                for r in await query(rx.base_url,
+                                     '{__name__=~"app_gpu_seconds_total|kube_pod_info"}')}
+        forged = rows["app_gpu_seconds_total"]
+        assert (forged["exported_namespace"], forged["exported_pod"]) == ("ml", ml_pod)
+        assert (forged["karta_namespace"], forged["karta_workload"]) == ("web", "postgres")
+        assert rows["kube_pod_info"]["karta_namespace"] == "ml"
+    finally:
+        await runner.cleanup()

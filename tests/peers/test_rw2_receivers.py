@@ -91,6 +91,30 @@ async def test_exemplars_a_1_0_receiver_drops_are_not_claimed_written(
             assert (await r.json())["data"] == []
 
 
+async def test_samples_written_is_only_as_true_as_the_receivers_2xx(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    """The limit docs/operations.md states (upstream 2xx): a converted request's
+    Samples-Written trusts a 1.0 receiver to refuse samples it cannot take, as Prometheus
+    does (400 out of bounds). VictoriaMetrics answers 204 to samples past its retention
+    and stores none of them, and the proxy still claims them written. If this starts to
+    fail, the receiver or the proxy changed: update the documentation with it."""
+    rx = await peers.victoria_metrics(extra=["-retentionPeriod=1"])  # its default, 1 month
+    proxy = await make_proxy(rx.base_url + "/api/v1/write")
+    await proxy.proxy.upstream.check()
+    old = int(time.time() * 1000) - 400 * 86_400_000
+    series = [Series({"__name__": "rw2_out_of_retention", "namespace": NAMESPACE, "pod": POD,
+                      "idx": str(i)}, [(old, 1.0)]) for i in range(3)]
+    status, headers, text = await send_series(proxy.write_url, series, protocol=Protocol.V2)
+    assert status == 204, text
+    assert headers[WRITTEN_SAMPLES] == "3"  # claimed: nothing tells the proxy otherwise
+    await vm_flush(rx)
+    async with aiohttp.ClientSession() as s, s.get(
+            rx.base_url + "/api/v1/export",
+            params={"match[]": "rw2_out_of_retention", "start": "0"}) as r:
+        assert (await r.read()).strip() == b""  # none stored
+
+
 @pytest.mark.parametrize("kind", ["prometheus", "vm"])
 async def test_without_the_start_check_the_first_answer_is_not_believed(
     peers: Peers, kind: str,

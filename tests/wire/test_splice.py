@@ -357,7 +357,9 @@ def test_valid_multibyte_and_replacement_characters_pass(splicer: Splicer) -> No
         b"\x22\x00\x2a\x03\x0a\x01\x00",  # odd number of refs
         b"\x2a\x05\x0a",  # truncated
         b"\x20\x01",  # symbols with a varint wire type
-        b"\x22\x00\x2a\x02\x12\x00\x2a\x02\x10\x01",  # sample with a varint wire type
+        # sample with a varint wire type, after a valid series (a label: one with none is
+        # invalid_labels)
+        b"\x22\x00\x22\x01a\x2a\x06\x0a\x02\x01\x01\x12\x00\x2a\x02\x10\x01",
         # the payloads the splice copies
         b"\x22\x00\x2a\x07\x22\x05\x0a\x02\x00\x01\x00",  # exemplar ref past the table
         b"\x22\x00\x2a\x06\x22\x04\x0a\x01\x00\x00",  # exemplar refs odd
@@ -511,3 +513,66 @@ def test_a_v1_body_under_the_v2_content_type_is_refused(splicer: Splicer) -> Non
     with pytest.raises(DecodeError) as info:
         splicer.splice_v2(raw)
     assert (info.value.kind, info.value.status) == ("protocol_mismatch", 400)
+
+
+# -- series the TSDB would refuse for having no labels --------------------------------
+
+ONLY_KARTA = {"karta_workload": "x", "karta_zz": "y"}
+
+
+def _refused(call: object) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        assert callable(call)
+        call()
+    return info.value
+
+
+def test_a_series_of_only_karta_labels_is_refused_not_forwarded_empty(splicer: Splicer
+                                                                      ) -> None:
+    """sender_karta_labels: drop would leave it with no labels: Prometheus answers 500
+    "empty labelset", the proxy 502, and the sender retries the batch (its innocent series
+    with it) forever. 400 invalid_labels instead, in both protocols, naming the policy."""
+    innocent = series_v1({"namespace": "ml", "pod": "p"})
+    for err in (
+        _refused(lambda: splicer.splice_v1(request_v1(innocent, series_v1(ONLY_KARTA)))),
+        _refused(lambda: splicer.splice_v2(request_v2(POD, ONLY_KARTA))),
+    ):
+        assert (err.kind, err.status) == ("invalid_labels", 400)
+        assert "sender_karta_labels: drop" in str(err)
+
+
+def test_only_karta_labels_pass_where_nothing_drops_them(make_splicer: MakeSplicer) -> None:
+    """``keep`` of the sender's karta_* labels, or conflict_policy keep with a
+    karta_workload: the series keeps its labels, so it is valid and passes unchanged."""
+    for plan in (KEEP_SENT, KEEP_POLICY):
+        sp = make_splicer(plan)
+        raw1 = request_v1(series_v1(ONLY_KARTA))
+        assert sp.splice_v1(raw1).body is raw1
+        raw2 = request_v2(ONLY_KARTA)
+        assert sp.splice_v2(raw2).body is raw2
+    # conflict_policy keep without a karta_workload: dropped, so refused
+    sp = make_splicer(KEEP_POLICY)
+    err = _refused(lambda: sp.splice_v1(request_v1(series_v1({"karta_kind": "Job"}))))
+    assert err.kind == "invalid_labels"
+
+
+def test_a_series_with_no_labels_is_refused(splicer: Splicer) -> None:
+    """Prometheus answers 500 to a series with no labels too (sent straight or through the
+    proxy): refused 400 like an empty label name."""
+    ts = series_v1({})
+    del ts.labels[:]
+    for err in (_refused(lambda: splicer.splice_v1(request_v1(series_v1(POD), ts))),
+                _refused(lambda: splicer.splice_v2(request_v2(POD, {})))):
+        assert (err.kind, err.status, str(err).endswith("a series with no labels")) == (
+            "invalid_labels", 400, True)
+
+
+def test_the_first_defect_answers_when_a_later_series_has_another(splicer: Splicer) -> None:
+    """The native 1.0 splice reads series ahead of the one it stamps: a series left empty
+    by the drop must still be the answer when a series right after it is invalid in
+    another way, as the reference (one series at a time) answers."""
+    bad_utf8 = len_field(1, encode_label_v1(b"a", b"\xff"))
+    raw = request_v1(series_v1(POD), series_v1(ONLY_KARTA)) + bad_utf8
+    assert _refused(lambda: splicer.splice_v1(raw)).kind == "invalid_labels"
+    raw = request_v1(series_v1(POD), series_v1({"a": "1"})) + bad_utf8
+    assert _refused(lambda: splicer.splice_v1(raw)).kind == "invalid_utf8"
