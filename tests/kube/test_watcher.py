@@ -341,6 +341,19 @@ async def test_a_broken_watch_resumes_from_the_newest_version_seen(sim: KubeSim,
     assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
 
 
+async def _pod_watches_once_cut(sim: KubeSim, cut: str) -> int:
+    """Pod watches opened over 2 s once the simulator cuts every watch (``cut``: its
+    ``empty_watches`` or ``short_watches``) and the open ones are dropped."""
+    def watches() -> int:
+        return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q)
+
+    setattr(sim, cut, True)
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    n0 = watches()
+    await asyncio.sleep(2.0)
+    return watches() - n0
+
 async def test_a_watch_ended_at_once_with_nothing_is_retried_after_a_backoff(
         sim: KubeSim, make: Make) -> None:
     """A watch that the server (or a proxy in between) ends cleanly at once with no
@@ -351,15 +364,7 @@ async def test_a_watch_ended_at_once_with_nothing_is_retried_after_a_backoff(
     w = await started(make, sink)  # backoff cap 0.3 s
     await eventually(lambda: sim.watch_count(POD) == 1)
 
-    def watches() -> int:
-        return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q)
-
-    sim.empty_watches = True
-    sim.disconnect_watches()
-    await asyncio.sleep(0.3)
-    n0 = watches()
-    await asyncio.sleep(2.0)
-    n = watches() - n0
+    n = await _pod_watches_once_cut(sim, "empty_watches")
     assert 2 <= n <= 25, n  # 0.1-0.3 s apart; without the backoff several hundred
     assert w.metrics.restarts.labels(w.name, "empty")._value.get() >= n - 1
     sim.create(pod("meanwhile"))
@@ -465,15 +470,7 @@ async def test_a_watch_cut_after_its_first_bytes_is_retried_after_a_backoff(
     w = await started(make, sink)  # backoff cap 0.3 s, timeoutSeconds 2
     await eventually(lambda: sim.watch_count(POD) == 1)
 
-    def watches() -> int:
-        return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q)
-
-    sim.short_watches = True
-    sim.disconnect_watches()
-    await asyncio.sleep(0.3)
-    n0 = watches()
-    await asyncio.sleep(2.0)
-    n = watches() - n0
+    n = await _pod_watches_once_cut(sim, "short_watches")
     assert 2 <= n <= 25, n  # 0.1-0.3 s apart; several hundred before
     assert w.metrics.restarts.labels(w.name, "short")._value.get() >= n - 1
     sim.create(pod("meanwhile"))
