@@ -1949,9 +1949,10 @@ in_stamp(const Entry *en, const Lab *l)
     return 0;
 }
 
-/* 400 invalid_labels for no label at all, an empty or a repeated name (plan.check_names); *sorted := the
- * names are strictly sorted (then an empty one can only be the first). Unsorted names are
- * sorted in a copy (rare: senders sort). Returns 0 with the error set, or on OOM. */
+/* 400 invalid_labels for no label at all, an empty or a repeated name (plan.check_names);
+ * *sorted := the names are strictly sorted (then an empty one can only be the first).
+ * Unsorted names are sorted in a copy (rare: senders sort). Returns 0 with the error set,
+ * or on OOM. */
 static inline int
 check_names(Req *r, const Lab *labs, size_t n, int *sorted)
 {

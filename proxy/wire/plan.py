@@ -186,8 +186,8 @@ def names_sorted(names: Sequence[bytes]) -> bool:
     return all(a < b for a, b in pairwise(names))
 
 
-#: the refusal of a series that would leave with no labels (plan.check_kept, the native
-#: splice's ``kept_none``)
+#: the refusal of a series that would leave with no labels (``check_kept``; the native
+#: splice's ``NO_LABELS_LEFT`` says the same)
 NO_LABELS_LEFT = ("a series whose only labels are karta_* would be forwarded with no "
                   "labels (sender_karta_labels: drop removes them), and the TSDB refuses an "
                   "empty label set")
