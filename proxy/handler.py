@@ -415,6 +415,8 @@ class RemoteWriteHandler:
         self._refusals_info = Throttled(log, "request refused", "requests refused",
                                         peer_field="remote", level=logging.INFO)
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
+        #: the child a splice that takes more counts in (looked up once, not per request)
+        self._splices_grown = metrics.splice_limits.labels("grown")
 
     def relaying(self) -> bool:
         """Whether a remote-write request is being handled now (it holds a slot: from its
@@ -737,8 +739,7 @@ class RemoteWriteHandler:
         # the splice takes more as it grows, up to what one request may hold: the larger
         # of the budget and a request at the body and decoded limits (LoadBudget.fits)
         whole = max(s.max_inflight_bytes, s.max_body_bytes + 2 * s.max_decoded_bytes)
-        room = _Room(held, decoded, whole - held.bytes + decoded,
-                     self.metrics.splice_limits.labels("grown"))
+        room = _Room(held, decoded, whole - held.bytes + decoded, self._splices_grown)
         try:
             prepared = await self._prepared(body, encoding, protocol, declared, room)
         except OverLimit as e:
