@@ -329,6 +329,10 @@ class ResourceWatcher(WatchBase):
         self.healthy = True
         #: set by ``retry_now``: ends the backoff wait after a failure at once
         self._wake = asyncio.Event()
+        #: 410s since the last stream that lived long enough, and their own backoff
+        #: (a list resets ``backoff``, and a 410 loop goes through a list every time)
+        self._gone_in_a_row = 0
+        self._gone_backoff = Backoff(cap=backoff_max)
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -386,13 +390,13 @@ class ResourceWatcher(WatchBase):
                 continue
             except _Gone:
                 log.info("watch %s: resourceVersion %s gone (410), relisting", self.name, rv)
-                self.metrics.restarts.labels(self.name, "gone").inc()
                 rv = ""
+                await self._after_gone()
                 continue
             except KubeApiError as e:
                 if e.status == 410:
-                    self.metrics.restarts.labels(self.name, "gone").inc()
                     rv = ""
+                    await self._after_gone()
                     continue
                 if e.status in (403, 404):
                     self.metrics.restarts.labels(self.name, "unserved").inc()
@@ -437,6 +441,21 @@ class ResourceWatcher(WatchBase):
                 rv = self.resource_version or rv
             self.metrics.restarts.labels(self.name, reason).inc()
             await self._pause(self.backoff.next())
+
+    async def _after_gone(self) -> None:
+        """A 410: relist at once the first time (the log compacted past this watch's
+        resourceVersion, the usual case), but after a growing backoff when the watch
+        that got it had started from a list made since the last stream that lived long
+        enough: a server that answers 410 to every watch (a watch cache behind the list
+        that a load balancer sent elsewhere) made a list of every object, then a watch,
+        in a loop with no pause."""
+        self.metrics.restarts.labels(self.name, "gone").inc()
+        self._gone_in_a_row += 1
+        if self._gone_in_a_row > 1:
+            if self._gone_in_a_row == 2:
+                log.warning("watch %s: 410 again right after a relist; relisting after a "
+                            "backoff", self.name)
+            await self._pause(self._gone_backoff.next())
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -594,6 +613,8 @@ class ResourceWatcher(WatchBase):
             resp.release()
             if loop.time() - opened >= server_timeout / 2:
                 self.backoff.reset()  # however it ended: it lived long enough
+                self._gone_in_a_row = 0
+                self._gone_backoff.reset()
 
     async def _process(self, lines: list[bytes], rv: str) -> str:
         """Decode and deliver watch lines, a time-budgeted slice at a time.

@@ -459,6 +459,33 @@ async def test_stopping_a_watcher_whose_task_died_does_not_raise(sim: KubeSim,
     assert w._task is None
 
 
+async def test_a_410_right_after_every_relist_is_relisted_after_a_backoff(
+        sim: KubeSim, make: Make) -> None:
+    """A server that answers 410 to every watch (a watch cache behind the list that a load
+    balancer sent to another API server) made a list of every object and a watch in a
+    loop with no pause. The first 410 is still relisted at once (compaction, the usual
+    case); the next ones, each right after its relist, after a growing backoff."""
+    sink = RecordingSink()
+    w = await started(make, sink)  # backoff cap 0.3 s
+    await eventually(lambda: sim.watch_count(POD) == 1)
+
+    def lists() -> int:
+        return sum(1 for _, path, q, _ in sim.requests
+                   if path == "/api/v1/pods" and "watch" not in q)
+
+    sim.gone_watches = True
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    n0 = lists()
+    await asyncio.sleep(2.0)
+    n = lists() - n0
+    assert 2 <= n <= 25, n  # 0.1-0.3 s apart; several hundred without the backoff
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() >= n - 1
+    sim.gone_watches = False
+    sim.create(pod("after"))
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+
+
 async def test_a_watch_cut_after_its_first_bytes_is_retried_after_a_backoff(
         sim: KubeSim, make: Make) -> None:
     """A watch that ends cleanly right after a bookmark, well before its timeoutSeconds,

@@ -111,6 +111,9 @@ class KubeSim:
         #: answer every new watch with what it replays, one BOOKMARK and a clean end at
         #: once (an intermediary cutting streams after their first bytes)
         self.short_watches = False
+        #: answer every new watch with ERROR 410 at once, whatever its resourceVersion (a
+        #: watch cache behind the list that a load balancer sent to another API server)
+        self.gone_watches = False
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
@@ -533,6 +536,8 @@ class KubeSim:
                 # a real server ends such a stream with no events
                 await resp.write_eof()
                 return resp
+            if gone is None and self.gone_watches:
+                gone = ApiError(410, "Expired", "too old resource version (gone_watches)")
             if gone is not None:
                 await resp.write(_line({"type": "ERROR", "object": gone.status()}))
                 await resp.write_eof()
