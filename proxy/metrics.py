@@ -116,6 +116,16 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(_P + name, documentation, value=value)
 
 
+def _by_result(name: str, documentation: str, results: tuple[str, ...],
+               registry: CollectorRegistry) -> Counter:
+    """A counter by ``result`` whose every result is present from the start, at 0: a
+    rate over one never seen reads 0, not absent (an alert on it would never fire)."""
+    counter = Counter(_P + name, documentation, ["result"], registry=registry)
+    for result in results:
+        counter.labels(result)
+    return counter
+
+
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -186,16 +196,14 @@ class ProxyMetrics:
         )
         self.inflight = Gauge(_P + "inflight_requests", "Remote-write requests being processed.",
                               registry=r)
-        self.splice_limits = Counter(
-            _P + "splice_limits", "Splices that held past what was reserved for them beside "
+        self.splice_limits = _by_result(
+            "splice_limits", "Splices that held past what was reserved for them beside "
             "the decoded body (series small beside their stamps, RW 2.0 series), by result: "
             "grown (took more from the byte budget and went on: a request may count more "
             "than once), overload (no room in the byte budget: 503), too_large (more than "
             "one request may hold: 413).",
-            ["result"], registry=r,
+            ("grown", "overload", "too_large"), r,
         )
-        for result in ("grown", "overload", "too_large"):
-            self.splice_limits.labels(result)
         self.inflight_bytes = Gauge(
             _P + "inflight_bytes", "Request bytes charged to server.max_inflight_bytes "
             "now (body, decoded and output until spliced, then the outgoing body).",
@@ -227,18 +235,16 @@ class ProxyMetrics:
             "no_tenant_place), answered 503.",
             ["url", "reason", "code"], registry=r,
         )
-        self.upstream_splits = Counter(
-            _P + "upstream_split_requests", "Requests the upstream refused as too large "
+        self.upstream_splits = _by_result(
+            "upstream_split_requests", "Requests the upstream refused as too large "
             "(413), sent again in parts cut at series boundaries, by result: stored (every "
             "part 2xx), failed (a part failed otherwise), too_large (one series, or a part "
             "at 16 parts, still too large: the 413 reaches the sender), overload (no room "
             "in the byte budget to cut it: 503), timeout (not done within "
             "upstream.timeout_seconds: 504), sender_gone (the sender closed its connection: "
             "the rest not sent).",
-            ["result"], registry=r,
+            ("stored", "failed", "too_large", "overload", "timeout", "sender_gone"), r,
         )
-        for result in ("stored", "failed", "too_large", "overload", "timeout", "sender_gone"):
-            self.upstream_splits.labels(result)
         self.upstream_split_parts = Counter(
             _P + "upstream_split_parts", "Parts sent for requests the upstream refused as "
             "too large (413) and answered (a part refused again and cut is not counted).",
