@@ -27,7 +27,13 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from proxy import __version__
-from proxy.config import ConfigError, EnrichSettings, Settings, parse_host_port
+from proxy.config import (
+    ConfigError,
+    EnrichSettings,
+    Settings,
+    parse_host_port,
+    without_userinfo,
+)
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
@@ -41,7 +47,7 @@ from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
 from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
-from proxy.upstream import Upstream, display_url
+from proxy.upstream import Upstream
 from proxy.wire.native import warn_if_python
 from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices, in_runs
 
@@ -294,7 +300,8 @@ class Proxy:
         s = self.settings
         log.info("starting karta-proxy", extra={
             "version": __version__, "contract_version": CONTRACT_VERSION,
-            "upstream_url": display_url(s.upstream.url), "listen_address": s.server.listen_address,
+            "upstream_url": without_userinfo(s.upstream.url),
+            "listen_address": s.server.listen_address,
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
         warn_if_python()
@@ -308,7 +315,7 @@ class Proxy:
         await self._start_elector()
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
-                        upstream_url=display_url(s.upstream.url), source=self.source_name,
+                        upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
                         reload=self.reload, explain=self.engine.explain)
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:

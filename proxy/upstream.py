@@ -257,12 +257,6 @@ class Probe:
     detail: str = ""
 
 
-def display_url(url: str) -> str:
-    """``url`` without credentials, for logs, pages and label values (the one rule
-    config errors use too, so no path shows the password another hides)."""
-    return without_userinfo(url)
-
-
 def has_written_headers(headers: Mapping[str, str]) -> bool:
     """True when an answer carries any RW 2.0 ``...-Written`` header."""
     return any(name in headers for name in _WRITTEN)
@@ -430,7 +424,7 @@ class Upstream:
         self.metrics = metrics
         #: the responses counter's children, each looked up once (proxy.metrics.Children)
         self._responses = Children(metrics.upstream_responses) if metrics is not None else None
-        self.url = display_url(settings.url)
+        self.url = without_userinfo(settings.url)
         #: where a request that names no tenant goes (the proxy's own, the check)
         self._default_url = tenant_url(settings.url, None, settings.default_tenant) or ""
         self._session: aiohttp.ClientSession | None = None

@@ -480,6 +480,9 @@ def test_without_userinfo_keeps_everything_but_the_credentials() -> None:
     assert without_userinfo("https://u:p@ss@[::1]:9/x?q=a@b") == "https://[::1]:9/x?q=a@b"
     assert without_userinfo("http://tsdb/a@b") == "http://tsdb/a@b"  # an "@" in a path
     assert without_userinfo("http://bob:PW/S@h:9/x", broken=True) == "http://h:9/x"
+    assert without_userinfo("https://u:secret@tsdb:9090/api/v1/write") == \
+        "https://tsdb:9090/api/v1/write"
+    assert without_userinfo("http://tsdb/api/v1/write") == "http://tsdb/api/v1/write"
 
 
 def test_no_default_pair_reads_exported_labels_outside_their_exporters_rules() -> None:
