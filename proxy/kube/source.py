@@ -121,7 +121,8 @@ class KubeSource:
         )
         self._unserved_gauge = Gauge(
             "karta_proxy_watch_unserved",
-            "1 for a kind the engine needs that the cluster does not serve (or forbids).",
+            "1 for a kind the engine needs that the cluster does not serve (or forbids, "
+            "in namespaced mode in any of its namespaces).",
             ["resource"],
             registry=self.registry,
         )
@@ -145,6 +146,11 @@ class KubeSource:
         #: forbids, does not serve it again; after it, it counts as served once a new
         #: watcher's list went through
         self._refused: dict[GroupKind, float] = {}
+        #: namespaced mode: kind -> the namespaces whose watch RBAC refused (403: the
+        #: proxy's RoleBinding missing there). Those watchers stay and retry on their
+        #: own; the kind's other namespaces stay watched (dropping the whole kind
+        #: retracted every namespace's objects, and each retry put them back for a moment)
+        self._refused_namespaces: dict[GroupKind, set[str]] = {}
         #: kinds whose discovery failed in the last round that tried them -> the error
         self._discovery_failed: dict[GroupKind, str] = {}
         #: kinds other than Pod that still failed (list or discovery) when the initial
@@ -329,6 +335,8 @@ class KubeSource:
         """Stop watching a kind no longer needed and retract its objects."""
         _, ws = self.watchers.pop(gk)
         self._clear_failing(gk, quiet=True)
+        if self._refused_namespaces.pop(gk, None):
+            self._show_unserved(gk)
         for w in ws:
             await w.stop()
             stubs: list[WatchEvent] = [("DELETED", w.stub(uid)) for uid in w.held]
@@ -347,12 +355,35 @@ class KubeSource:
             log.warning("kind %s is needed but %s; attribution through it is unavailable",
                         gk, why)
         self.unserved_kinds[gk] = why
-        self._unserved_gauge.labels(str(gk)).set(1)
+        self._show_unserved(gk)
 
     def _mark_served(self, gk: GroupKind) -> None:
         if self.unserved_kinds.pop(gk, None) is not None:
             log.info("kind %s is served now", gk)
-            self._unserved_gauge.labels(str(gk)).set(0)
+            self._show_unserved(gk)
+
+    def _show_unserved(self, gk: GroupKind) -> None:
+        """The gauge: 1 while the kind is unserved, or refused in any namespace."""
+        self._unserved_gauge.labels(str(gk)).set(
+            1 if gk in self.unserved_kinds or self._refused_namespaces.get(gk) else 0)
+
+    def _refuse_namespace(self, watcher: Watcher) -> None:
+        """RBAC refused one namespace's watch of a kind: that watcher retracts what it
+        held and retries on its own (every ``kube.resync_backoff_max_seconds``); no
+        readiness wait, no freshness for it. One warning per episode."""
+        gk, ns = watcher.resource.group_kind, watcher.namespace
+        assert ns is not None
+        refused = self._refused_namespaces.setdefault(gk, set())
+        if ns not in refused:
+            log.warning("kind %s is forbidden (RBAC) in namespace %s: its objects there "
+                        "are not attributed, the other namespaces stay watched; retrying",
+                        gk, ns)
+            refused.add(ns)
+        self._show_unserved(gk)
+        self.index.freshness.pop(watcher.name, None)
+        with contextlib.suppress(KeyError):  # never current, no child: older clients raise
+            self._last_current.remove(watcher.name)
+        watcher.synced.set()  # do not hold readiness hostage
 
     async def _wait_synced(self, deadline: float = float("inf")) -> None:
         """Wait until every served kind's watchers have listed, but past ``deadline``
@@ -552,6 +583,12 @@ class KubeSource:
             if gk in self.failing_kinds and all(w is watcher or w.synced.is_set()
                                                 for w in ws):
                 self._clear_failing(gk)
+        refused_ns = self._refused_namespaces.get(watcher.resource.group_kind)
+        if refused_ns and watcher.namespace in refused_ns:  # RBAC fixed there
+            refused_ns.discard(watcher.namespace)
+            log.info("kind %s is served in namespace %s now", watcher.resource.group_kind,
+                     watcher.namespace)
+            self._show_unserved(watcher.resource.group_kind)
         if self._refused:  # a refused kind's retry went through: served again
             gk = watcher.resource.group_kind
             retry_at = self._refused.get(gk)
@@ -587,15 +624,20 @@ class KubeSource:
                         else "current again")
         self.index.stale = stale
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
         """The server refused a watch (403 / 404): the kind is unserved until its retry
         time (the recheck interval) has passed; the follower drops its watcher. The
-        warning is logged once per episode, not once per refused request."""
+        warning is logged once per episode, not once per refused request. In namespaced
+        mode a 403 refuses only its namespace (``_refuse_namespace``): the watcher stays."""
+        if error.status == 403 and watcher.namespace is not None:
+            self._refuse_namespace(watcher)
+            return True
         gk = watcher.resource.group_kind
         why = "forbidden (RBAC)" if error.status == 403 else "no longer served"
         self._mark_unserved(gk, why)
         self._refused[gk] = self._clock() + self._recheck_interval
         watcher.synced.set()  # do not hold readiness hostage
         self._kinds_changed.set()
+        return False
 
 

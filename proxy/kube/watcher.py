@@ -48,6 +48,8 @@ class Watcher(Protocol):
 
     resource: ApiResource
     metadata_only: bool
+    #: the one namespace watched, or None: cluster-wide (or a cluster-scoped kind)
+    namespace: str | None
     #: ``namespace/plural.group``: the freshness and health key
     name: str
     #: uid -> "namespace/name" of every object delivered and not yet retracted
@@ -146,8 +148,10 @@ class WatchSink(Protocol):
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """Reaching the API server failed (False) or works again (True)."""
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
-        """The server answers 404 / 403 for this resource: report, do not retry hard."""
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
+        """The server answers 404 / 403 for this resource: report, do not retry hard.
+        Returns whether the watcher stays and retries on its own (one namespace refused
+        while the kind's others are watched), rather than being dropped with its kind."""
 
 
 class WatchMetrics:
@@ -400,7 +404,11 @@ class ResourceWatcher(WatchBase):
                     continue
                 if e.status in (403, 404):
                     self.metrics.restarts.labels(self.name, "unserved").inc()
-                    self.sink.unserved(self, e)
+                    if self.sink.unserved(self, e) and self.held:
+                        # refused after it was served: what it held is no longer known
+                        await self.deliver([("DELETED", self.stub(u)) for u in self.held])
+                        self.held.clear()
+                        self.versions.clear()
                     await asyncio.sleep(self.backoff.cap)
                     rv = ""
                     continue

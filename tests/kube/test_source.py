@@ -34,6 +34,7 @@ from tests.kube.conftest import (
 )
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import JOB_SET, RAY_CLUSTER, REPLICA_SET
+from tests.kubesim.resources import POD as POD_TYPE
 
 
 def _has(source: KubeSource, name: str, ns: str = "default") -> Callable[[], object]:
@@ -210,6 +211,65 @@ async def test_namespace_filter(sim: KubeSim, make_source: SourceFactory) -> Non
     pod_paths = {path for _, path, _, _ in sim.requests if path.endswith("/pods")}
     assert pod_paths == {"/api/v1/namespaces/team-a/pods"}
     assert "team-a/pods" in source.index.freshness
+
+
+async def test_a_namespace_rbac_refuses_leaves_the_others_watched(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """Namespaced mode, the proxy's RoleBinding missing in one of its namespaces (403
+    there only): the pods of the others stay attributed, without a gap, while the
+    refused namespace is retried once per recheck interval and reported (gauge, one
+    warning naming it). The whole kind used to be dropped: every pod of every
+    namespace retracted, put back by each retry's list and retracted again by its 403,
+    so attribution flapped every interval."""
+    deployment(sim, "a-app", ns="team-a", replicas=1)
+    deployment(sim, "c-app", ns="team-c", replicas=1)
+    sim.fail_resource(POD_TYPE, 403, namespace="team-c")
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    source = await make_source(namespaces=["team-a", "team-c"])
+    assert source.index.ready
+    gauge: set[float] = set()
+    indexed: set[int] = set()
+    for _ in range(200):  # 2 s: four recheck intervals
+        # the index's pods, not lookups: a retracted pod's tombstone still answers those
+        indexed.add(sum(a.namespace == "team-a" for a in source.index.pods.values()))
+        gauge.add(metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}))
+        await asyncio.sleep(0.01)
+    assert indexed == {1}, indexed  # never retracted: absent 86% of the time before
+    assert gauge == {1.0}
+    assert labels(source, "team-c", "c-app-1-0") is None
+    warned = [r.getMessage() for r in caplog.records if "forbidden" in r.getMessage()]
+    assert len(warned) == 1 and "team-c" in warned[0], warned
+    refused = sum(1 for _, path, _, _ in sim.requests
+                  if path == "/api/v1/namespaces/team-c/pods")
+    assert 2 <= refused <= 12, refused  # retried, once per 0.5-1 s
+    assert "team-c/pods" not in source.index.freshness
+    sim.fail_resource(POD_TYPE, None, namespace="team-c")  # the RoleBinding is created
+    await eventually(lambda: labels(source, "team-c", "c-app-1-0"), timeout=5)
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0
+    assert "team-c/pods" in source.index.freshness
+    assert labels(source, "team-a", "a-app-1-0") is not None
+
+
+async def test_a_namespace_refused_after_it_was_served_retracts_only_its_pods(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """RBAC revoked in one namespace while watched: its pods leave the index (what the
+    proxy can no longer see is not kept as if current), the other namespace's stay."""
+    deployment(sim, "a-app", ns="team-a", replicas=1)
+    deployment(sim, "c-app", ns="team-c", replicas=2)
+    source = await make_source(namespaces=["team-a", "team-c"])
+
+    def indexed(ns: str) -> int:
+        return sum(a.namespace == ns for a in source.index.pods.values())
+
+    assert (indexed("team-a"), indexed("team-c")) == (1, 2)
+    sim.fail_resource(POD_TYPE, 403, namespace="team-c")
+    sim.disconnect_watches()  # the next watch or list of team-c is refused
+    await eventually(lambda: indexed("team-c") == 0, timeout=5)
+    assert indexed("team-a") == 1
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 1
+    sim.fail_resource(POD_TYPE, None, namespace="team-c")
+    await eventually(lambda: indexed("team-c") == 2, timeout=5)
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0
 
 
 async def test_node_mode(sim: KubeSim, make_source: SourceFactory) -> None:

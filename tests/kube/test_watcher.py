@@ -38,6 +38,8 @@ class RecordingSink:
         self.times_current = 0
         self.healthy: list[bool] = []
         self.refused: list[int] = []
+        #: what ``unserved`` answers: the watcher stays and retries on its own
+        self.stays = False
 
     def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         self.events.extend(events)
@@ -49,9 +51,11 @@ class RecordingSink:
     def health(self, watcher: Watcher, healthy: bool) -> None:
         self.healthy.append(healthy)
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> None:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
         self.refused.append(error.status)
         watcher.synced.set()
+        return self.stays
+
 
     def names(self, etype: str) -> list[str]:
         return [o["metadata"]["name"] for t, o in self.events if t == etype]

@@ -98,10 +98,11 @@ class KubeSim:
         #: answer every API request with this status while set (e.g. 503: an outage
         #: where the server is up but failing)
         self.fail_status: int | None = None
-        #: (group, plural) -> (status, Accept substring or ""): requests for that resource
-        #: (list, watch, get; with that substring in their Accept header, if given) are
-        #: answered with the status, while discovery still lists it (see ``fail_resource``)
-        self.failing_resources: dict[tuple[str, str], tuple[int, str]] = {}
+        #: (group, plural, namespace or "") -> (status, Accept substring or ""): requests
+        #: for that resource (list, watch, get; with that substring in their Accept header,
+        #: if given; within that namespace, if given) are answered with the status, while
+        #: discovery still lists it (see ``fail_resource``)
+        self.failing_resources: dict[tuple[str, str, str], tuple[int, str]] = {}
         #: group/version -> status: its discovery document is answered with the status
         #: (see ``fail_discovery``)
         self.failing_discovery: dict[str, int] = {}
@@ -254,15 +255,17 @@ class KubeSim:
         return n
 
     def fail_resource(self, rtype: ResourceType, status: int | None, *,
-                      accept: str = "") -> None:
+                      accept: str = "", namespace: str | None = None) -> None:
         """Answer requests for one resource with ``status`` from now on (None: serve it
-        again), only those whose Accept header contains ``accept`` if given; discovery
-        still lists it, as on a real cluster: 403 is RBAC refusing the proxy's service
-        account, 500 a failing conversion webhook or aggregated API."""
+        again), only those whose Accept header contains ``accept`` if given, and only
+        those within ``namespace`` if given (a namespace whose RoleBinding is missing);
+        discovery still lists it, as on a real cluster: 403 is RBAC refusing the proxy's
+        service account, 500 a failing conversion webhook or aggregated API."""
+        key = (*rtype.key, namespace or "")
         if status is None:
-            self.failing_resources.pop(rtype.key, None)
+            self.failing_resources.pop(key, None)
         else:
-            self.failing_resources[rtype.key] = (status, accept)
+            self.failing_resources[key] = (status, accept)
 
     def fail_discovery(self, group_version: str, status: int | None) -> None:
         """Answer the discovery document of one group/version (``ray.io/v1``) with
@@ -382,7 +385,9 @@ class KubeSim:
         rtype = next((rt for rt in gvs[gv] if rt.plural == plural), None)
         if rtype is None:
             raise NotFound(f"the server could not find the requested resource ({plural})")
-        failing = self.failing_resources.get(rtype.key)
+        failing = (self.failing_resources.get((*rtype.key, namespace))
+                   if namespace is not None else None) or self.failing_resources.get(
+                       (*rtype.key, ""))
         if failing is not None and failing[1] in accept:
             raise _failure(failing[0], rtype, request.method)
         rs = self.store.resources[rtype.key]
