@@ -1075,7 +1075,8 @@ class Engine:
             else:
                 top = WalkResult(plan, rec.uid, obj=None, ref=None, reason="")
         else:
-            top = self._graph.walk(rec.owner, self._walk_plans.get, self._is_errored)
+            top = self._graph.walk(rec.owner, rec.namespace, self._walk_plans.get,
+                                   self._is_errored)
             if top.described is None and top.root_pod:
                 # a bare pod that controls pods (a Spark driver its executors) is their
                 # workload under the Pod description, which places them in its components
@@ -1146,7 +1147,7 @@ class Engine:
                 rec.obj = None  # no longer described: nothing to evaluate on it
         else:
             top = self._graph.walk(
-                rec.owner, self._walk_plans.get, self._is_errored,
+                rec.owner, rec.namespace, self._walk_plans.get, self._is_errored,
                 WalkResult(plan, rec.uid, obj=rec, ref=None, reason=""),
             )
             if top.described is not None:  # None: on, or below, an owner cycle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 from typing import Any
 
@@ -215,6 +216,61 @@ def test_reparenting_an_owner_moves_its_whole_subtree() -> None:
     cs = e.upsert(replicaset("r", b))
     assert set(cs.pods) == {"pod-r-0", "pod-r-1", "pod-r-2"}
     assert {wname(P(cs, uid)) for uid in cs.pods} == {"b"}
+
+
+def in_namespace(o: dict[str, Any], namespace: str) -> dict[str, Any]:
+    o["metadata"]["namespace"] = namespace
+    return o
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_an_owner_in_another_namespace_is_absent(order: tuple[int, ...]) -> None:
+    """A pod in team-b whose controller reference carries the uid of a ReplicaSet in
+    team-a: Kubernetes disallows cross-namespace owners (its garbage collector treats
+    such an owner as absent), so the pod is not stamped with team-a's Deployment nor
+    counted in its facts, in whatever order the objects arrive, one by one or at once."""
+    dep = deployment("web")
+    rs = replicaset("web-1", dep)
+    intruder = in_namespace(pod("intruder", rs), "team-b")
+    objs = [dep, rs, intruder]
+    for batch in (True, False):
+        e = Engine()
+        ordered = [objs[i] for i in order]
+        if batch:
+            e.upsert_many(ordered)
+        else:
+            for o in ordered:
+                e.upsert(o)
+        att = P(e, "pod-intruder")
+        assert (att.workload, att.reason) == (None, "owner_missing")
+        assert [(w.ref.namespace, w.ref.name) for w in e.workloads()] == [(NS, "web")]
+        assert W(e, "deployment-web").replicas[0].observed == 0
+        explained = e.explain("team-b", "intruder")
+        assert explained is not None and explained.walk_end == "owner_missing"
+        assert [(link.name, link.seen) for link in explained.chain] == [("web-1", False)]
+    # the ReplicaSet gone, the reference names an owner not seen: as before (the
+    # ReplicaSet kind is described, so it is the workload, known from the reference)
+    cs = e.delete(rs)
+    assert P(cs, "pod-intruder").workload is not None
+    w = P(e, "pod-intruder").workload
+    assert w is not None and (w.namespace, w.kind) == ("team-b", "ReplicaSet")
+
+
+def test_a_cluster_scoped_owner_is_followed_from_any_namespace() -> None:
+    e = Engine()
+    e.add_descriptions([describe(karta({"group": "example.com", "kind": "Fleet"}, []))])
+    fleet = in_namespace(obj("example.com/v1", "Fleet", "f"), "")
+    rs = replicaset("f-1", fleet)
+    e.upsert_many([fleet, rs, pod("p", rs)])
+    w = P(e, "pod-p").workload
+    assert w is not None and (w.namespace, w.kind, w.name) == ("", "Fleet", "f")
+    # but a namespaced owner above a cluster-scoped one is not (nor is it from one)
+    e2 = Engine(builtins=False)
+    e2.add_descriptions([describe(karta({"group": "example.com", "kind": "Fleet"}, []))])
+    top = obj("example.com/v1", "Fleet", "top")
+    mid = in_namespace(obj("example.com/v1", "Link", "mid", top), "")
+    e2.upsert_many([top, mid, pod("q", mid)])
+    assert P(e2, "pod-q").reason == "owner_missing"
 
 
 # -- reasons ----------------------------------------------------------------------------
