@@ -165,7 +165,9 @@ class Proxy:
         descs, errors = load_description_paths(paths)
         for err in errors:
             log.error("invalid Karta description skipped", extra={"error": str(err)})
-        self.index.apply(self.engine.add_descriptions(descs))
+        # with the errors: the kind of an invalid one reads description_error, as from a
+        # snapshot or an API object (its nested kinds are not workloads of their own)
+        self.index.apply(self.engine.add_descriptions(descs, errors=errors))
         log.info("descriptions loaded from files",
                  extra={"descriptions": len(descs), "errors": len(errors)})
 

@@ -589,18 +589,6 @@ def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
     return f"api:{obj.get('kind')}/{md.get('name') or md.get('uid') or ''}"
 
 
-def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
-    """Best-effort root kind of a description object that failed to parse."""
-    try:
-        k = obj["spec"]["structureDefinition"]["rootComponent"]["kind"]
-        group, kind = k.get("group", ""), k["kind"]
-    except (KeyError, TypeError, AttributeError):
-        return None
-    if isinstance(group, str) and isinstance(kind, str) and kind:
-        return GroupKind(group, kind)
-    return None
-
-
 class _Placement(NamedTuple):
     """A pod's component, instance and replica in its workload ("": none)."""
 
@@ -662,8 +650,9 @@ class Engine:
         self._api_errors: dict[str, DescriptionError] = {}
         self._source_errors: dict[str, list[DescriptionError]] = {}
         self._selection_errors: list[DescriptionError] = []
-        #: kinds whose only description is invalid (source -> kind)
-        self._errored_by_source: dict[str, GroupKind] = {}
+        #: kinds whose only description is invalid: the kinds of the description objects
+        #: that failed to parse (``DescriptionError.kind``), from any source (files, a
+        #: snapshot, API objects), that no valid description describes
         self._errored: frozenset[GroupKind] = frozenset()
         self.description_errors: list[DescriptionError] = []
         #: pod-selector paths of the descriptions in force that read pod fields the
@@ -1371,14 +1360,10 @@ class Engine:
         except DescriptionError as exc:
             self._sources.pop(source, None)
             self._api_errors[source] = exc
-            gk = _raw_kind(obj)
-            if gk is not None:
-                self._errored_by_source[source] = gk
             log.warning("karta engine: description %s skipped: %s", source, exc)
         else:
             self._sources[source] = [desc]
             self._api_errors.pop(source, None)
-            self._errored_by_source.pop(source, None)
         self._reselect_api(cs)
 
     def _delete_description(
@@ -1388,7 +1373,6 @@ class Engine:
         self._api_specs.pop(source, None)
         self._sources.pop(source, None)
         self._api_errors.pop(source, None)
-        self._errored_by_source.pop(source, None)
         self._reselect_api(cs)
 
     def _reselect_api(self, cs: ChangeSet) -> None:
@@ -1435,7 +1419,11 @@ class Engine:
         self.description_warnings = [
             f"{p.desc.source} ({p.desc.name}): {u}" for p in new.values() for u in p.unkept]
         changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
-        errored = frozenset(self._errored_by_source.values()) - new.keys()
+        errored = frozenset(
+            e.kind for e in (*(e for errs in self._source_errors.values() for e in errs),
+                             *self._api_errors.values())
+            if e.kind is not None
+        ) - new.keys()
         changed |= errored ^ self._errored
         self._errored = errored
         self._plans = new

@@ -6,11 +6,14 @@ import copy
 import functools
 import itertools
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from proxy.karta.description import parse_description
+from proxy import snapshot
+from proxy.karta.description import load_description_file, parse_description
 from proxy.karta.engine import (
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
@@ -21,6 +24,7 @@ from proxy.karta.engine import (
 )
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
+from proxy.snapshot import load_snapshot
 from tests.clock import ManualClock
 from tests.karta import descriptions
 
@@ -359,26 +363,48 @@ def test_an_owner_cycle_of_described_kinds_makes_no_workload(hops: int, order: s
     assert W(e2, "deployment-dcyc").replicas[0].observed == 1
 
 
-def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it() -> None:
+@pytest.mark.parametrize("source", ["api", "files", "snapshot"])
+def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it(
+        source: str, tmp_path: Path) -> None:
     """A JobSet whose only description is invalid may be the topmost workload of its
     Jobs: a pod under a Job (described by the built-ins) reads ``description_error``
     as one owned by the JobSet directly does, and no Job becomes a workload of its own
     (each Job of the JobSet was one, with phase and replica facts). Fixed, the JobSet
-    is the one workload."""
+    is the one workload. The same whatever the description came from: an API object, a
+    description file, a snapshot file (from a file each Job was a workload)."""
     e = Engine()
-    broken = jobset_karta(ownerless=True)
-    e.upsert(broken)
-    assert len(e.description_errors) == 1
     js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
     job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
-    e.upsert_many([js, job, pod("w", job), pod("d", js)])
+    objs = [js, job, pod("w", job), pod("d", js)]
+    f = tmp_path / "jobset.yaml"
+    f.write_text(yaml.safe_dump(jobset_karta(ownerless=True)))
+    if source == "api":
+        e.upsert(jobset_karta(ownerless=True))
+    elif source == "files":
+        descs, errors = load_description_file(f)
+        assert descs == [] and len(errors) == 1 and errors[0].kind == JOBSET
+        e.add_descriptions(descs, errors=errors)
+    else:
+        with f.open("a") as out:
+            out.write("---\n" + yaml.safe_dump_all(objs))
+        load_snapshot(f, e)
+    assert len(e.description_errors) == 1
+    if source != "snapshot":
+        e.upsert_many(objs)
     assert P(e, "pod-w").reason == "description_error"
     assert P(e, "pod-d").reason == "description_error"
     assert list(e.workloads()) == []
-    cs = e.upsert(jobset_karta(ownerless=False))
+    if source == "api":
+        cs = e.upsert(jobset_karta(ownerless=False))
+    else:
+        source_name = "files" if source == "files" else snapshot.DESCRIPTION_SOURCE
+        cs = e.add_descriptions([describe(jobset_karta(ownerless=False))], source=source_name)
     assert e.description_errors == []
     assert {wname(P(cs, "pod-w")), wname(P(cs, "pod-d"))} == {"js"}
     assert [w.ref.name for w in e.workloads()] == ["js"]
+
+
+JOBSET = GroupKind("jobset.x-k8s.io", "JobSet")
 
 
 def jobset_karta(*, ownerless: bool) -> dict[str, Any]:
