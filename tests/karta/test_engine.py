@@ -598,6 +598,27 @@ def test_a_description_object_upserted_with_owed_leaves_its_reattribution_to_the
     assert not owing.upsert_many([pod("w9")], owed=owed).kinds_changed  # no description
 
 
+def test_instances_of_a_map_get_their_own_desired_counts() -> None:
+    """Instances listed by a map's keys (``keys[]``, sorted) and desired counts by its
+    values (``.[]``): gojq iterates the map in key order, so the counts line up with the
+    ids; libjq on the map as written gave the worker the frontend's count."""
+    graph = karta({"group": "example.com", "kind": "Graph"}, [{
+        "name": "service", "ownerRef": "root",
+        "specDefinition": {"podTemplateSpecPath": ".spec.services[]"},
+        "scaleDefinition": {"replicasPath": ".spec.services[] | (.replicas // 1)"},
+        "instanceIdPath": ".spec.services | keys[]",
+        "podSelector": {"componentInstanceSelector": {"idPath": '.metadata.labels["svc"]'}},
+    }])
+    e = Engine()
+    e.add_descriptions([describe(graph)])
+    g = obj("example.com/v1", "Graph", "g",
+            spec={"services": {"worker": {"replicas": 4}, "frontend": {"replicas": 1}}})
+    e.upsert_many([g, pod("f-0", g, svc="frontend"),
+                   *(pod(f"w-{i}", g, svc="worker") for i in range(4))])
+    rows = {(r.instance, r.desired, r.observed) for r in W(e, "graph-g").replicas}
+    assert rows == {("frontend", 1.0, 1), ("worker", 4.0, 4)}
+
+
 def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     e = Engine()
     e.add_descriptions([describe(RAY_KARTA)])
