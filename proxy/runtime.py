@@ -135,6 +135,7 @@ class Proxy:
         self.engine = Engine(
             builtins=settings.karta.builtins, max_owner_hops=settings.karta.max_owner_hops
         )
+        self.metrics.watch_engine(self.engine)
         self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
         self.upstream = Upstream(settings.upstream, self.metrics)
         self.handler = RemoteWriteHandler(

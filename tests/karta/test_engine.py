@@ -20,6 +20,8 @@ from proxy.karta.engine import (
     STAT_INVALID_OBJECT,
     STAT_SELECTOR_ERROR,
     STAT_SELECTOR_UNKEPT_FIELD,
+    STAT_STATUS_JQ_ERROR,
+    STAT_WORKLOAD_JQ_ERROR,
     Engine,
 )
 from proxy.karta.model import Description, GroupKind
@@ -617,6 +619,46 @@ def test_instances_of_a_map_get_their_own_desired_counts() -> None:
                    *(pod(f"w-{i}", g, svc="worker") for i in range(4))])
     rows = {(r.instance, r.desired, r.observed) for r in W(e, "graph-g").replicas}
     assert rows == {("frontend", 1.0, 1), ("worker", 4.0, 4)}
+
+
+def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A status path, a scale path and a pod selector failing at run time (``.[]`` on
+    null): each counted every time, logged once per workload and expression, naming the
+    description, the workload and jq's message."""
+    thing = karta({"group": "example.com", "kind": "Thing"}, [
+        {"name": "a", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+         "podSelector": {"componentTypeSelector": {
+             "keyPath": ".metadata.labels | to_entries[] | .value[]", "value": "x"}}},
+        {"name": "b", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"}},
+    ], scaleDefinition={"replicasPath": ".spec.groups[].replicas"},
+        statusDefinition={"phaseDefinition": {"path": ".status.items[].phase"},
+                          "statusMappings": {"running": [{"byPhase": "Running"}]}})
+    e = Engine()
+    e.add_descriptions([describe(thing)])
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    things = [obj("example.com/v1", "Thing", f"t{i}", spec={"groups": None},
+                  status={"items": None}) for i in range(2)]
+    e.upsert_many([*things, *(pod(f"p{i}-{j}", things[i], role="x")
+                              for i in range(2) for j in range(3))])
+    assert W(e, "thing-t0").phase_reason.startswith("jq_error: Cannot iterate over null")
+    assert P(e, "pod-p0-0").component == "b"  # the selector failed: the default took it
+    assert e.stats[STAT_STATUS_JQ_ERROR] == 2 and e.stats[STAT_WORKLOAD_JQ_ERROR] == 2
+    assert e.stats[STAT_SELECTOR_ERROR] == 6
+    lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
+    assert len(lines) == 6, lines  # per workload: status, scale path, selector
+    for what in ("status of description test-thing", "workload path '.spec.groups[].replicas'",
+                 "pod selector '.metadata.labels | to_entries[] | .value[]'"):
+        assert sum(what in line for line in lines) == 2, what
+    assert all("Thing team-a/t" in line and "Cannot iterate over" in line for line in lines)
+    # a new version of the object, failing again: counted, not logged again
+    caplog.clear()
+    e.upsert(obj("example.com/v1", "Thing", "t0", spec={"groups": None},
+                 status={"items": None, "x": 1}))
+    assert e.stats[STAT_STATUS_JQ_ERROR] == 3
+    assert not [r for r in caplog.records if "jq error" in r.getMessage()]
 
 
 def test_instance_ids_checked_against_the_workload_and_followed() -> None:
