@@ -169,8 +169,10 @@ class Proxy:
         # with the errors: the kind of an invalid one reads description_error, as from a
         # snapshot or an API object (its nested kinds are not workloads of their own)
         self.index.apply(self.engine.add_descriptions(descs, errors=errors))
+        # a description another wins over is logged by the engine, once (not in force)
         log.info("descriptions loaded from files",
-                 extra={"descriptions": len(descs), "errors": len(errors)})
+                 extra={"descriptions": len(descs), "errors": len(errors),
+                        "not_in_force": len(self.engine.selection_losers())})
 
     def _make_source(self) -> Service:
         s = self.settings

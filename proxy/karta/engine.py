@@ -854,6 +854,12 @@ class Engine:
         """The description in force for each described kind."""
         return {gk: plan.desc for gk, plan in self._plans.items()}
 
+    def selection_losers(self) -> list[DescriptionError]:
+        """The valid descriptions not in force because another wins for their kind
+        (``select_descriptions``; a built-in a user description replaces is none), each
+        an error naming the winner. Also among ``description_errors``."""
+        return list(self._selection_errors)
+
     def required_kinds(self) -> dict[GroupKind, str]:
         """Kinds a source must deliver: ``full`` objects, or ``metadata`` only.
 
@@ -1452,6 +1458,10 @@ class Engine:
             if src != "builtin":
                 ordered.extend(descs)
         winners, errors = select_descriptions(ordered)
+        before = set(self._selection_errors)
+        for e in errors:
+            if e not in before:  # each loser once (again only if it wins and loses anew)
+                log.warning("karta engine: description not in force: %s", e)
         self._selection_errors = list(errors)
         self.description_errors = [
             *(e for errs in self._source_errors.values() for e in errs),

@@ -823,6 +823,32 @@ def test_description_objects_from_the_api() -> None:
     assert cs.kinds_changed and P(cs, "pod-h").reason == "no_described_owner"
 
 
+def test_a_description_another_wins_over_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two descriptions of one kind: the loser is reported (docs/karta.md), in the log
+    once, from any source; a resync or a re-read changes nothing, a new loser is told."""
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    e = Engine()
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "not in force" in r.getMessage()]
+
+    zzz, aaa = copy.deepcopy(RAY_KARTA), copy.deepcopy(RAY_KARTA)
+    zzz["metadata"] = {"name": "zzz-team", "uid": "z"}
+    aaa["metadata"] = {"name": "aaa-platform", "uid": "a"}
+    e.upsert(zzz)
+    assert told() == []
+    e.upsert(aaa)
+    assert len(told()) == 1 and "(zzz-team)" in told()[0] and "'aaa-platform'" in told()[0]
+    assert [x.name for x in e.selection_losers()] == ["zzz-team"]
+    e.upsert(aaa)  # a resync
+    e.add_descriptions([describe(RAY_KARTA)], source="files")  # a third, from a file
+    assert len(told()) == 2 and "test-raycluster" in told()[1]
+    e.add_descriptions([describe(RAY_KARTA)], source="files")  # read again
+    assert len(told()) == 2
+    assert sorted(x.name for x in e.selection_losers()) == ["test-raycluster", "zzz-team"]
+
+
 def test_a_karta_and_a_resourceinterface_of_one_name_are_two_descriptions() -> None:
     """Two resources, two objects: migrating a kind from a ResourceInterface to a Karta
     of the same name, then deleting the ResourceInterface, leaves the Karta in force
