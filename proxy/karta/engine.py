@@ -1095,6 +1095,15 @@ class Engine:
         else:
             top = self._graph.walk(rec.owner, rec.namespace, self._walk_plans.get,
                                    self._is_errored)
+            if top.cut and top.obj is not None:
+                # the hop limit stopped the pod's walk above a described object, whose
+                # own walk starts higher: the pod goes where that object goes (its
+                # membership, :meth:`_attribute_object`), or a nested Deployment would be
+                # a workload of its own pods and a member of the workload above at once
+                o = top.obj
+                top = self._graph.walk(o.owner, o.namespace, self._walk_plans.get,
+                                       self._is_errored,
+                                       WalkResult(top.described, o.uid, o, None, ""))
             if top.described is None and top.root_pod:
                 # a bare pod that controls pods (a Spark driver its executors) is their
                 # workload under the Pod description, which places them in its components

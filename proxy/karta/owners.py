@@ -126,6 +126,9 @@ class WalkResult(Generic[T]):
     #: uid of the pod the chain ended at, when it ended at a present pod without a
     #: controller before any described kind (the engine makes that pod the workload)
     root_pod: str = ""
+    #: the walk stopped at the hop limit above ``obj``, a present described object: the
+    #: object's own walk (which starts higher) may reach further
+    cut: bool = False
 
 
 class OwnerGraph:
@@ -375,6 +378,8 @@ class OwnerGraph:
             last_pod = ref.uid if pod is not None and up is None else ""
             ref = up
         if top is not None and last_errored <= last_described:
+            if limit and top.obj is not None and last_described >= 0:
+                return WalkResult(top.described, top.uid, top.obj, top.ref, "", cut=True)
             return top
         if bad:
             reason = REASON_DESCRIPTION_ERROR

@@ -322,6 +322,47 @@ def test_hop_limit() -> None:
     assert wname(P(e2, "pod-p")) == "rc"
 
 
+@pytest.mark.parametrize("order", ["top first", "pods first", "one by one"])
+def test_a_described_owner_below_the_hop_limit_goes_where_its_own_walk_goes(
+        order: str) -> None:
+    """pod -> ReplicaSet -> Deployment -> Link -> Link -> RayCluster, at most 4 hops: the
+    pod's walk stops at the limit above the Deployment, whose own walk (from higher up)
+    reaches the RayCluster. The pod goes where the Deployment goes: one workload, not
+    the Deployment a workload of its pods and a member of the RayCluster at once."""
+    top = raycluster("rc", ["g"])
+    l2 = obj("example.com/v1", "Link", "l2", top)
+    l1 = obj("example.com/v1", "Link", "l1", l2)
+    dep = obj("apps/v1", "Deployment", "d", l1, spec={"replicas": 1})
+    rs = replicaset("d-1", dep)
+    objs = [top, l2, l1, dep, rs, pod("p", rs)]
+    e = Engine(max_owner_hops=4)
+    e.add_descriptions([describe(RAY_KARTA)])
+    if order == "one by one":
+        for o in objs:
+            e.upsert(o)
+    else:
+        e.upsert_many(objs if order == "top first" else objs[::-1])
+    assert wname(P(e, "pod-p")) == "rc"
+    assert [w.ref.name for w in e.workloads()] == ["rc"]
+    assert W(e, "raycluster-rc").replicas[-1].observed == 1
+    # the link to the RayCluster broken: the Deployment is the top, pods and object
+    e.upsert(obj("example.com/v1", "Link", "l2"))
+    assert wname(P(e, "pod-p")) == "d"
+    assert sorted(w.ref.name for w in e.workloads()) == ["d", "rc"]
+    assert W(e, "deployment-d").replicas[0].observed == 1
+    # an invalid description of the kind above, past the pod's limit: the same answer
+    # for the pod as for the Deployment (no workload below it)
+    e.upsert(obj("example.com/v1", "Link", "l2", top))
+    e.upsert(jobset_karta(ownerless=True))
+    e.upsert(in_kind(top, "jobset.x-k8s.io/v1alpha2", "JobSet"))
+    assert P(e, "pod-p").reason == "description_error"
+    assert list(e.workloads()) == []
+
+
+def in_kind(o: dict[str, Any], api: str, kind: str) -> dict[str, Any]:
+    return {**o, "apiVersion": api, "kind": kind}
+
+
 def test_owner_cycle_is_bounded() -> None:
     e = Engine(builtins=False)
     a = obj("example.com/v1", "Loop", "a")
