@@ -82,6 +82,10 @@ STAT_SELECTOR_ERROR = "selector_error"
 STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
 #: status evaluations a jq error aborted (the workload's phase: Undefined, jq_error)
 STAT_STATUS_JQ_ERROR = "status_jq_error"
+STAT_INVALID_OBJECT = "invalid_object"
+#: pod-selector paths of the descriptions put in force that read pod fields the engine
+#: does not keep (counted once per path each time its description is put in force)
+STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
 #: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
 #: and scale paths, its status (each logged once per workload and expression; exported
 #: as ``karta_proxy_jq_errors_total{where}``)
@@ -90,10 +94,6 @@ JQ_ERROR_STATS = {"selector": STAT_SELECTOR_ERROR, "workload": STAT_WORKLOAD_JQ_
 #: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
 #: logged again): one bad description over every workload of its kind stays bounded
 _JQ_LOGGED_MAX = 10_000
-STAT_INVALID_OBJECT = "invalid_object"
-#: pod-selector paths of the descriptions put in force that read pod fields the engine
-#: does not keep (counted once per path each time its description is put in force)
-STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
