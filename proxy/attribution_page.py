@@ -62,7 +62,7 @@ REASONS = {
     REASON_NO_DESCRIBED_OWNER: "the owner chain ends (an owner without a controller) before "
                                "any described kind",
     REASON_OWNER_MISSING: "the chain is broken by an owner not seen (yet), of an undescribed "
-                          "kind, before any described kind",
+                          "kind, or in another namespace, before any described kind",
     REASON_HOP_LIMIT: "max_owner_hops references followed without reaching a described kind "
                       "(or an ownerReference cycle)",
     REASON_DESCRIPTION_ERROR: "the chain passes a kind whose only description is invalid",
@@ -71,7 +71,8 @@ REASONS = {
 WALK_ENDS = {
     END_NO_CONTROLLER: "the pod has no controller reference: it is its own top",
     END_TOP: "reached an owner without a controller reference: the top of the chain",
-    END_OWNER_MISSING: "an owner not seen (yet): known from its reference only",
+    END_OWNER_MISSING: "an owner not seen (yet), or in another namespace (absent to the pod): "
+                       "known from its reference only",
     END_HOP_LIMIT: "max_owner_hops references followed",
 }
 

@@ -9,7 +9,7 @@ registry does not get the default registry's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,6 +27,9 @@ from prometheus_client.registry import Collector
 
 from proxy.index import PodIndex
 from proxy.loop_workers import LoopWorkers
+
+if TYPE_CHECKING:
+    from proxy.karta.engine import Engine
 
 _P = "karta_proxy_"
 
@@ -112,6 +115,21 @@ def _worker_families(workers: LoopWorkers) -> Iterator[Metric]:
                  workers.queued())
 
 
+def _engine_families(engine: Engine) -> Iterator[Metric]:
+    """What the Karta engine counted: the jq runtime errors (each logged once per
+    workload and expression), every ``where`` present from the start."""
+    from proxy.karta.engine import JQ_ERROR_STATS
+
+    family = CounterMetricFamily(
+        _P + "jq_errors", "jq runtime errors of the descriptions' expressions, by where: "
+        "selector (a pod selector: the pod's component, instance or replica not given), "
+        "workload (instance ids, scale paths), status (the phase: Undefined, jq_error).",
+        labels=["where"])
+    for where, stat in JQ_ERROR_STATS.items():
+        family.add_metric([where], engine.stats[stat])
+    yield family
+
+
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(_P + name, documentation, value=value)
 
@@ -143,6 +161,8 @@ class ProxyMetrics:
         r.register(_AtScrape(lambda: self._index, _index_families))
         self._workers: LoopWorkers | None = None
         r.register(_AtScrape(lambda: self._workers, _worker_families))
+        self._engine: Engine | None = None
+        r.register(_AtScrape(lambda: self._engine, _engine_families))
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """What came in and what became of it: the request side's own counters."""
@@ -290,3 +310,6 @@ class ProxyMetrics:
 
     def watch_workers(self, workers: LoopWorkers) -> None:
         self._workers = workers
+
+    def watch_engine(self, engine: Engine) -> None:
+        self._engine = engine

@@ -135,6 +135,7 @@ class Proxy:
         self.engine = Engine(
             builtins=settings.karta.builtins, max_owner_hops=settings.karta.max_owner_hops
         )
+        self.metrics.watch_engine(self.engine)
         self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
         self.upstream = Upstream(settings.upstream, self.metrics)
         self.handler = RemoteWriteHandler(
@@ -165,9 +166,13 @@ class Proxy:
         descs, errors = load_description_paths(paths)
         for err in errors:
             log.error("invalid Karta description skipped", extra={"error": str(err)})
-        self.index.apply(self.engine.add_descriptions(descs))
+        # with the errors: the kind of an invalid one reads description_error, as from a
+        # snapshot or an API object (its nested kinds are not workloads of their own)
+        self.index.apply(self.engine.add_descriptions(descs, errors=errors))
+        # a description another wins over is logged by the engine, once (not in force)
         log.info("descriptions loaded from files",
-                 extra={"descriptions": len(descs), "errors": len(errors)})
+                 extra={"descriptions": len(descs), "errors": len(errors),
+                        "not_in_force": len(self.engine.selection_losers())})
 
     def _make_source(self) -> Service:
         s = self.settings

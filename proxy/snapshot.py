@@ -328,6 +328,9 @@ class SnapshotReport:
     invalid_objects: list[str] = field(default_factory=list)
     descriptions: list[str] = field(default_factory=list)
     description_errors: list[DescriptionError] = field(default_factory=list)
+    #: the snapshot's valid descriptions another description wins over for their kind
+    #: (not in force), each naming the winner
+    description_losers: list[DescriptionError] = field(default_factory=list)
     uids_derived: int = 0
     pods_attributed: int = 0
     #: unattributed pods by the engine's reason
@@ -338,14 +341,17 @@ class SnapshotReport:
 
     @property
     def ok(self) -> bool:
-        """Nothing was skipped: every file, object and description loaded."""
-        return not (self.skipped or self.invalid_objects or self.description_errors)
+        """Nothing was skipped: every file, object and description loaded, and every
+        description is in force."""
+        return not (self.skipped or self.invalid_objects or self.description_errors
+                    or self.description_losers)
 
     def problems(self) -> list[str]:
         return (
             [f"file skipped: {s}" for s in self.skipped]
             + [f"object skipped: {s}" for s in self.invalid_objects]
             + [f"description skipped: {e}" for e in self.description_errors]
+            + [f"description not in force: {e}" for e in self.description_losers]
         )
 
     def summary(self) -> str:
@@ -930,6 +936,8 @@ def apply_steps(plan: ContentPlan, engine: Engine, index: PodIndex | None = None
 
     yield from slices.run(len(attributions), count)
     report.workloads = sum(1 for _ in engine.workloads())
+    files = set(report.files)
+    report.description_losers = [e for e in engine.selection_losers() if e.source in files]
     report.seconds += time.monotonic() - started
 
 
@@ -985,6 +993,7 @@ def log_report(report: SnapshotReport, *, reload: bool = False) -> None:
             "files_skipped": len(report.skipped),
             "objects_skipped": len(report.invalid_objects),
             "descriptions_skipped": len(report.description_errors),
+            "descriptions_not_in_force": len(report.description_losers),
             "uids_derived": report.uids_derived,
             "seconds": round(report.seconds, 3),
         },

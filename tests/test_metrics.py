@@ -21,3 +21,22 @@ def test_children_are_the_metrics_own_looked_up_once() -> None:
                                      {"path": "/api/v1/write", "code": "204"}) == 3
     assert registry.get_sample_value("requests_total",
                                      {"path": "/api/v1/write", "code": "400"}) == 1
+
+
+def test_the_engines_jq_errors_are_a_counter_by_where() -> None:
+    """Engine.stats was read nowhere: the jq runtime errors are on /metrics, every
+    ``where`` present from the start."""
+    from proxy.karta.engine import STAT_SELECTOR_ERROR, STAT_STATUS_JQ_ERROR, Engine
+    from proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics()
+    get = metrics.registry.get_sample_value
+    assert get("karta_proxy_jq_errors_total", {"where": "status"}) is None  # no engine yet
+    engine = Engine(builtins=False)
+    metrics.watch_engine(engine)
+    for where in ("selector", "workload", "status"):
+        assert get("karta_proxy_jq_errors_total", {"where": where}) == 0
+    engine.stats[STAT_STATUS_JQ_ERROR] += 2
+    engine.stats[STAT_SELECTOR_ERROR] += 1
+    assert get("karta_proxy_jq_errors_total", {"where": "status"}) == 2
+    assert get("karta_proxy_jq_errors_total", {"where": "selector"}) == 1

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
+import yaml
 
 from proxy.config import Settings, load_settings
 from proxy.runtime import Proxy
@@ -548,3 +549,25 @@ async def test_a_stop_with_requests_on_a_slow_upstream_ends_within_the_drain(
     assert drain <= took < drain + 1.0, took
     assert answers[2] == 204
     assert all(isinstance(a, str) for a in answers[:2]), answers
+
+
+def test_an_invalid_description_file_at_start_marks_its_kind(tmp_path: Path) -> None:
+    """An invalid description among the files read at start is kept with the engine's
+    description errors, so its kind reads ``description_error`` as it does from a
+    snapshot or an API object: a pod under a Job of the JobSet is not made a Job
+    workload of its own (each Job was one)."""
+    from tests.karta.test_engine import jobset_karta, obj, pod
+
+    folder = tmp_path / "descriptions"
+    folder.mkdir()
+    (folder / "jobset.yaml").write_text(yaml.safe_dump(jobset_karta(ownerless=True)))
+    s = snapshot_settings(tmp_path)
+    s.karta.description_paths = [str(folder)]
+    p = Proxy(s)
+    p._load_description_files()
+    assert [e.source for e in p.engine.description_errors] == [str(folder / "jobset.yaml")]
+    js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
+    job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
+    p.engine.upsert_many([js, job, pod("w", job)])
+    att = p.engine.pod("pod-w")
+    assert att is not None and att.reason == "description_error"

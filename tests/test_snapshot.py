@@ -21,6 +21,7 @@ from proxy import snapshot
 from proxy.index import PodIndex
 from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine
+from proxy.karta.model import GroupKind
 from proxy.karta.yamltext import Reread
 from proxy.snapshot import (
     READ_CHARS,
@@ -218,6 +219,28 @@ def test_descriptions_in_a_snapshot_and_invalid_ones_skipped(tmp_path: Path) -> 
     assert pairs["karta_component"] == "worker"
     phases = {w.ref.name: w.phase for w in engine.workloads()}
     assert phases["t1"] == "Running"
+
+
+def test_a_description_another_wins_over_is_a_problem_of_the_report(tmp_path: Path) -> None:
+    """Two descriptions of one kind in a snapshot: the loser is not in force, and the
+    report says so (it was reported nowhere: docs/karta.md says every loser is)."""
+    def trainer(name: str) -> dict[str, Any]:
+        return karta(name, component("trainer", "example.com", "Trainer"))
+
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(trainer("aaa")))
+    (tmp_path / "z.yaml").write_text(yaml.safe_dump(trainer("zzz")))
+    engine, _, report = _load(tmp_path)
+    assert engine.descriptions()[GroupKind("example.com", "Trainer")].name == "aaa"
+    assert [e.name for e in report.description_losers] == ["zzz"]
+    assert not report.ok
+    [problem] = report.problems()
+    assert problem.startswith("description not in force: ")
+    assert "z.yaml (zzz)" in problem and "'aaa' from" in problem
+    # a user description of a kind the built-ins describe replaces one: no problem
+    (tmp_path / "z.yaml").write_text(yaml.safe_dump(
+        karta("mine", component("d", "apps", "Deployment"))))
+    _, _, report = _load(tmp_path)
+    assert report.ok and report.problems() == []
 
 
 def test_missing_uids_are_derived_and_owner_chains_still_connect(tmp_path: Path) -> None:

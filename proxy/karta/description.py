@@ -68,6 +68,11 @@ class DescriptionError(Exception):
         self.name = name
         self.path = path
         self.reason = reason
+        #: the root kind of the description object that failed, as written (None when
+        #: unknown, or the error is no description's: not YAML, not a description); the
+        #: engine treats that kind as described by an invalid description
+        #: (``description_error``), whatever source it came from. Not part of equality.
+        self.kind: GroupKind | None = None
 
     def __str__(self) -> str:
         where = f"{self.path}: " if self.path else ""
@@ -518,7 +523,29 @@ def _find_root_kind(obj: Mapping[str, Any]) -> Any:
 
 
 def parse_description(obj: Mapping[str, Any], source: str, *, builtin: bool = False) -> Description:
-    """Parse one description object; raises ``DescriptionError`` on the first problem."""
+    """Parse one description object; raises ``DescriptionError`` on the first problem,
+    carrying the object's root kind as written (``DescriptionError.kind``) when it is a
+    description object."""
+    try:
+        return _parse_description(obj, source, builtin)
+    except DescriptionError as exc:
+        if is_description_object(obj):
+            exc.kind = raw_root_kind(obj)
+        raise
+
+
+def raw_root_kind(obj: Mapping[str, Any]) -> GroupKind | None:
+    """Best-effort root kind of a description object that may not parse."""
+    k = _find_root_kind(obj)
+    if not isinstance(k, Mapping):
+        return None
+    group, kind = k.get("group") or "", k.get("kind")
+    if isinstance(group, str) and isinstance(kind, str) and kind:
+        return GroupKind(group, kind)
+    return None
+
+
+def _parse_description(obj: Mapping[str, Any], source: str, builtin: bool) -> Description:
     if not isinstance(obj, Mapping):
         raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}")
     if not is_description_object(obj):

@@ -80,10 +80,20 @@ STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
 STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
 STAT_SELECTOR_ERROR = "selector_error"
 STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
+#: status evaluations a jq error aborted (the workload's phase: Undefined, jq_error)
+STAT_STATUS_JQ_ERROR = "status_jq_error"
 STAT_INVALID_OBJECT = "invalid_object"
 #: pod-selector paths of the descriptions put in force that read pod fields the engine
 #: does not keep (counted once per path each time its description is put in force)
 STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
+#: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
+#: and scale paths, its status (each logged once per workload and expression; exported
+#: as ``karta_proxy_jq_errors_total{where}``)
+JQ_ERROR_STATS = {"selector": STAT_SELECTOR_ERROR, "workload": STAT_WORKLOAD_JQ_ERROR,
+                  "status": STAT_STATUS_JQ_ERROR}
+#: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
+#: logged again): one bad description over every workload of its kind stays bounded
+_JQ_LOGGED_MAX = 10_000
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
@@ -425,7 +435,8 @@ _NO_SCALE = _ScaleOutputs((), (), ())
 class _ObjectFacts:
     """What the engine derives from one version of a workload object."""
 
-    __slots__ = ("ids", "phase", "reason", "rows", "rows_built", "scale", "since", "statuses")
+    __slots__ = ("errors", "ids", "phase", "reason", "rows", "rows_built", "scale", "since",
+                 "statuses")
 
     def __init__(self) -> None:
         self.phase = UNDEFINED
@@ -440,6 +451,8 @@ class _ObjectFacts:
         #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
         self.rows: _RowTemplate | None = None
         self.rows_built = False
+        #: the jq errors met: (stat, expression, message)
+        self.errors: list[tuple[str, str, str]] = []
 
     def template(self, plan: _DescriptionPlan) -> _RowTemplate | None:
         """Rows and desired values of this object version; only ``observed`` varies."""
@@ -466,17 +479,22 @@ def _cached(cache: _FactsCache | None, plan: _DescriptionPlan) -> _ObjectFacts |
 def _read_object_facts(
     plan: _DescriptionPlan, obj: Mapping[str, Any], stats: Counter[str]
 ) -> _ObjectFacts:
-    from proxy.karta.status import evaluate_status
+    from proxy.karta.status import REASON_JQ_ERROR, evaluate_status
 
     ev = _ObjectFacts()
     res = evaluate_status(plan.desc.status, obj)
     ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
     ev.since = res.since
+    if res.reason.startswith(REASON_JQ_ERROR):
+        stats[STAT_STATUS_JQ_ERROR] += 1
+        # the reason names the expression (clipped); one status is one evaluation
+        ev.errors.append((STAT_STATUS_JQ_ERROR, "", res.reason))
     for name, path in plan.ids_paths.items():
         try:
             ev.ids[name] = tuple(path.ids(obj))
-        except JqError:
+        except JqError as exc:
             stats[STAT_WORKLOAD_JQ_ERROR] += 1
+            ev.errors.append((STAT_WORKLOAD_JQ_ERROR, path.source, str(exc.__cause__ or exc)))
             ev.ids[name] = None
     for fc in plan.fact_comps:
         if fc.scale is None:
@@ -485,8 +503,11 @@ def _read_object_facts(
         for sp in (fc.scale.replicas, fc.scale.min_replicas, fc.scale.max_replicas):
             try:
                 outs.append(sp.numbers(obj) if sp is not None else [])
-            except JqError:
+            except JqError as exc:
                 stats[STAT_WORKLOAD_JQ_ERROR] += 1
+                if sp is not None:
+                    ev.errors.append(
+                        (STAT_WORKLOAD_JQ_ERROR, sp.source, str(exc.__cause__ or exc)))
                 outs.append([])
         ev.scale[fc.name] = _ScaleOutputs(*outs)
     return ev
@@ -589,18 +610,6 @@ def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
     return f"api:{obj.get('kind')}/{md.get('name') or md.get('uid') or ''}"
 
 
-def _raw_kind(obj: Mapping[str, Any]) -> GroupKind | None:
-    """Best-effort root kind of a description object that failed to parse."""
-    try:
-        k = obj["spec"]["structureDefinition"]["rootComponent"]["kind"]
-        group, kind = k.get("group", ""), k["kind"]
-    except (KeyError, TypeError, AttributeError):
-        return None
-    if isinstance(group, str) and isinstance(kind, str) and kind:
-        return GroupKind(group, kind)
-    return None
-
-
 class _Placement(NamedTuple):
     """A pod's component, instance and replica in its workload ("": none)."""
 
@@ -662,8 +671,9 @@ class Engine:
         self._api_errors: dict[str, DescriptionError] = {}
         self._source_errors: dict[str, list[DescriptionError]] = {}
         self._selection_errors: list[DescriptionError] = []
-        #: kinds whose only description is invalid (source -> kind)
-        self._errored_by_source: dict[str, GroupKind] = {}
+        #: kinds whose only description is invalid: the kinds of the description objects
+        #: that failed to parse (``DescriptionError.kind``), from any source (files, a
+        #: snapshot, API objects), that no valid description describes
         self._errored: frozenset[GroupKind] = frozenset()
         self.description_errors: list[DescriptionError] = []
         #: pod-selector paths of the descriptions in force that read pod fields the
@@ -671,6 +681,8 @@ class Engine:
         self.description_warnings: list[str] = []
         #: what the engine noticed: ambiguous components, unlisted instances, jq errors
         self.stats: Counter[str] = Counter()
+        #: (workload uid, expression) of the jq errors logged (:meth:`_log_jq_error`)
+        self._jq_logged: set[tuple[str, str]] = set()
         self._dirty: set[str] = set()
         #: where a description object's re-attribution goes during ``upsert_many(...,
         #: owed=)``; None: done at once
@@ -841,6 +853,12 @@ class Engine:
     def descriptions(self) -> dict[GroupKind, Description]:
         """The description in force for each described kind."""
         return {gk: plan.desc for gk, plan in self._plans.items()}
+
+    def selection_losers(self) -> list[DescriptionError]:
+        """The valid descriptions not in force because another wins for their kind
+        (``select_descriptions``; a built-in a user description replaces is none), each
+        an error naming the winner. Also among ``description_errors``."""
+        return list(self._selection_errors)
 
     def required_kinds(self) -> dict[GroupKind, str]:
         """Kinds a source must deliver: ``full`` objects, or ``metadata`` only.
@@ -1075,7 +1093,17 @@ class Engine:
             else:
                 top = WalkResult(plan, rec.uid, obj=None, ref=None, reason="")
         else:
-            top = self._graph.walk(rec.owner, self._walk_plans.get, self._is_errored)
+            top = self._graph.walk(rec.owner, rec.namespace, self._walk_plans.get,
+                                   self._is_errored)
+            if top.cut and top.obj is not None:
+                # the hop limit stopped the pod's walk above a described object, whose
+                # own walk starts higher: the pod goes where that object goes (its
+                # membership, :meth:`_attribute_object`), or a nested Deployment would be
+                # a workload of its own pods and a member of the workload above at once
+                o = top.obj
+                top = self._graph.walk(o.owner, o.namespace, self._walk_plans.get,
+                                       self._is_errored,
+                                       WalkResult(top.described, o.uid, o, None, ""))
             if top.described is None and top.root_pod:
                 # a bare pod that controls pods (a Spark driver its executors) is their
                 # workload under the Pod description, which places them in its components
@@ -1146,7 +1174,7 @@ class Engine:
                 rec.obj = None  # no longer described: nothing to evaluate on it
         else:
             top = self._graph.walk(
-                rec.owner, self._walk_plans.get, self._is_errored,
+                rec.owner, rec.namespace, self._walk_plans.get, self._is_errored,
                 WalkResult(plan, rec.uid, obj=rec, ref=None, reason=""),
             )
             if top.described is not None:  # None: on, or below, an owner cycle
@@ -1170,8 +1198,8 @@ class Engine:
             for c in plan.selective:
                 try:
                     ok = c.accepts(pod)
-                except JqError:
-                    self.stats[STAT_SELECTOR_ERROR] += 1
+                except JqError as exc:
+                    self._selector_error(plan, wl_uid, c.type, exc)
                     ok = False
                 if ok:
                     if cp is not None:  # selectors must be exclusive: the first one wins
@@ -1186,8 +1214,8 @@ class Engine:
         if cp.inst is not None:
             try:
                 iid = single_output_id(cp.inst.outputs(pod))
-            except JqError:
-                self.stats[STAT_SELECTOR_ERROR] += 1
+            except JqError as exc:
+                self._selector_error(plan, wl_uid, cp.inst, exc)
                 iid = None
             if iid is not None and cp.check_ids:
                 ev = self._object_facts(wl_uid, plan)
@@ -1200,9 +1228,40 @@ class Engine:
         if cp.replica is not None:
             try:
                 replica = single_output_id(cp.replica.outputs(pod)) or ""
-            except JqError:
-                self.stats[STAT_SELECTOR_ERROR] += 1
+            except JqError as exc:
+                self._selector_error(plan, wl_uid, cp.replica, exc)
         return _Placement(cp.name, inst, replica)
+
+    # -- jq errors ----------------------------------------------------------------------
+
+    def _selector_error(self, plan: _DescriptionPlan, wl_uid: str, probe: _Probe | None,
+                        exc: JqError) -> None:
+        self.stats[STAT_SELECTOR_ERROR] += 1
+        source = probe.expr.source if probe is not None else ""
+        self._log_jq_error(plan, wl_uid, "pod selector", source, str(exc.__cause__ or exc))
+
+    def _log_jq_error(self, plan: _DescriptionPlan, wl_uid: str, where: str, expression: str,
+                      message: str) -> None:
+        """Log a jq runtime error once per workload and expression (counted by the
+        caller, every time, in ``stats``)."""
+        key = (wl_uid, expression)
+        if key in self._jq_logged:
+            return
+        if len(self._jq_logged) >= _JQ_LOGGED_MAX:
+            self._jq_logged.clear()
+        self._jq_logged.add(key)
+        wl = self._wl.get(wl_uid)
+        rec = self._graph.objects.get(wl_uid)
+        if wl is not None:
+            ident = f"{wl.ref.kind} {wl.ref.namespace}/{wl.ref.name}"
+        elif rec is not None:
+            ident = f"{rec.gk.kind} {rec.namespace}/{rec.name}"
+        else:
+            ident = f"uid {wl_uid}"
+        what = f"{where} {expression!r}" if expression else where
+        log.warning("karta engine: jq error in %s of description %s (%s), on workload %s: %s"
+                    " (logged once per workload and expression)",
+                    what, plan.desc.name, plan.desc.source, ident, message)
 
     # -- workload facts -----------------------------------------------------------------
 
@@ -1217,6 +1276,9 @@ class Engine:
         if ev is None:
             ev = _read_object_facts(plan, unpack(holder.obj), self.stats)
             holder.cache = _FactsCache(plan, ev)
+            for stat, expression, message in ev.errors:
+                where = "status" if stat == STAT_STATUS_JQ_ERROR else "workload path"
+                self._log_jq_error(plan, uid, where, expression, message)
         return ev
 
     def _workload_facts(self, wl: _Workload) -> WorkloadFacts:
@@ -1370,14 +1432,10 @@ class Engine:
         except DescriptionError as exc:
             self._sources.pop(source, None)
             self._api_errors[source] = exc
-            gk = _raw_kind(obj)
-            if gk is not None:
-                self._errored_by_source[source] = gk
             log.warning("karta engine: description %s skipped: %s", source, exc)
         else:
             self._sources[source] = [desc]
             self._api_errors.pop(source, None)
-            self._errored_by_source.pop(source, None)
         self._reselect_api(cs)
 
     def _delete_description(
@@ -1387,7 +1445,6 @@ class Engine:
         self._api_specs.pop(source, None)
         self._sources.pop(source, None)
         self._api_errors.pop(source, None)
-        self._errored_by_source.pop(source, None)
         self._reselect_api(cs)
 
     def _reselect_api(self, cs: ChangeSet) -> None:
@@ -1410,6 +1467,10 @@ class Engine:
             if src != "builtin":
                 ordered.extend(descs)
         winners, errors = select_descriptions(ordered)
+        before = set(self._selection_errors)
+        for e in errors:
+            if e not in before:  # each loser once (again only if it wins and loses anew)
+                log.warning("karta engine: description not in force: %s", e)
         self._selection_errors = list(errors)
         self.description_errors = [
             *(e for errs in self._source_errors.values() for e in errs),
@@ -1434,7 +1495,11 @@ class Engine:
         self.description_warnings = [
             f"{p.desc.source} ({p.desc.name}): {u}" for p in new.values() for u in p.unkept]
         changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
-        errored = frozenset(self._errored_by_source.values()) - new.keys()
+        errored = frozenset(
+            e.kind for e in (*(e for errs in self._source_errors.values() for e in errs),
+                             *self._api_errors.values())
+            if e.kind is not None
+        ) - new.keys()
         changed |= errored ^ self._errored
         self._errored = errored
         self._plans = new

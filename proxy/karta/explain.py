@@ -38,6 +38,7 @@ class PodLike(Protocol):
 
     uid: str
     name: str
+    namespace: str
     owner: OwnerRef | None
 
 
@@ -94,6 +95,7 @@ def explain_pod(
     ref = pod.owner
     end = END_NO_CONTROLLER if ref is None else END_TOP
     hops = 0
+    namespace = pod.namespace
     while ref is not None:
         if hops >= graph.max_hops or any(link.uid == ref.uid for link in links):
             end = END_HOP_LIMIT  # the limit, or a reference back to an owner passed
@@ -102,8 +104,10 @@ def explain_pod(
         up: OwnerRef | None = None
         seen = True
         rec = graph.objects.get(ref.uid)
-        if rec is not None:
-            gk, name, up = rec.gk, rec.name, rec.owner
+        if graph.foreign(ref.uid, namespace):  # another namespace's: absent to this one
+            gk, name, seen = ref.gk, ref.name, False
+        elif rec is not None:
+            gk, name, up, namespace = rec.gk, rec.name, rec.owner, rec.namespace
         else:
             owner_pod = pods.get(ref.uid)
             if owner_pod is None:

@@ -41,6 +41,22 @@ def to_text(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
+def jq_text(obj: Any, *, default: Any = None, allow_nan: bool = True) -> str:
+    """``obj`` as the JSON text jq reads: compact, object keys sorted.
+
+    Upstream runs gojq, which iterates an object in key order (``.[]``, ``to_entries``,
+    ``keys_unsorted``); libjq keeps the order of the text. With the keys sorted in the
+    text, libjq iterates as gojq does: ``.spec.services[] | .replicas`` lines up with
+    ``.spec.services | keys[]`` (sorted by both), where insertion order gave one
+    instance's desired count to another. Keys of mixed types (YAML's ``1`` and ``"a"``)
+    do not sort: those go as they come."""
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=default,
+                          allow_nan=allow_nan)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), default=default, allow_nan=allow_nan)
+
+
 # Upstream's wrapper semantics, over the outputs of a path: ``JqExpr`` runs the program
 # and applies them; the engine applies them as well to outputs it reads without libjq
 # (plain metadata lookups), so both answer alike.
@@ -108,15 +124,17 @@ class JqExpr:
         return hash(self.source)
 
     def all(self, obj: Any) -> list[Any]:
-        """Every output, in order."""
+        """Every output, in order; objects iterated in key order, as gojq does
+        (:func:`jq_text`)."""
         try:
-            return list(self._program.input_value(obj).all())
+            return list(self._program.input_text(jq_text(obj)).all())
         except (ValueError, TypeError, RecursionError) as exc:
             # TypeError / RecursionError: the input is not JSON (bytes, a cycle)
             raise JqError(f"{self.source!r}: {exc}") from exc
 
     def all_text(self, text: str) -> list[Any]:
-        """Every output for an input already serialised as JSON.
+        """Every output for an input already serialised as JSON (by :func:`jq_text`,
+        for gojq's key order).
 
         Lets a caller running several expressions on one object serialise it once.
         """

@@ -126,6 +126,9 @@ class WalkResult(Generic[T]):
     #: uid of the pod the chain ended at, when it ended at a present pod without a
     #: controller before any described kind (the engine makes that pod the workload)
     root_pod: str = ""
+    #: the walk stopped at the hop limit above ``obj``, a present described object: the
+    #: object's own walk (which starts higher) may reach further
+    cut: bool = False
 
 
 class OwnerGraph:
@@ -273,18 +276,40 @@ class OwnerGraph:
 
     # -- the walk -------------------------------------------------------------------------
 
+    def foreign(self, uid: str, namespace: str) -> bool:
+        """``uid`` is held, as a namespaced object or a pod in another namespace than
+        ``namespace``, the dependent's (``""``: cluster-scoped): absent to that dependent.
+
+        As for Kubernetes (its garbage collector: "cross-namespace owner references are
+        disallowed by design"): a namespaced dependent may name owners in its own
+        namespace or cluster-scoped ones, a cluster-scoped dependent cluster-scoped ones
+        only. A reference carrying the uid of another namespace's object must not put a
+        pod into that namespace's workload. (:meth:`walk` tests the same inline.)"""
+        rec = self.objects.get(uid)
+        if rec is not None:
+            return bool(rec.namespace) and rec.namespace != namespace
+        pod = self._pods.get(uid)
+        return pod is not None and pod.namespace != namespace
+
     def walk(
         self,
         start: OwnerRef | None,
+        namespace: str,
         described: Callable[[GroupKind], T | None],
         errored: Callable[[GroupKind], bool],
         top: WalkResult[T] | None = None,
     ) -> WalkResult[T]:
         """Follow controller references up from ``start``; the highest described one wins.
 
+        ``namespace`` is the namespace of the dependent ``start`` is the reference of.
         ``top`` is what the caller already holds (a described object walking from itself).
         An absent owner ends the walk; if its kind is described (known from the
         reference), it is the workload, identified by the reference alone.
+
+        An owner held in another namespace than its dependent's (:meth:`foreign`) ends
+        the walk as an absent owner does, but is never the workload: its uid is that
+        other object's, and a workload identified by it would be that object's
+        workload, in the other namespace.
 
         A reference back to an owner already passed is a cycle: it ends the walk as the
         hop limit does. A cycle through a described kind has no topmost described owner
@@ -324,12 +349,19 @@ class OwnerGraph:
             up: OwnerRef | None = None
             rec = self.objects.get(ref.uid)
             if rec is not None:
+                if rec.namespace and rec.namespace != namespace:
+                    missing = True  # another namespace's object: absent to this one
+                    break
                 gk = rec.gk
                 up = rec.owner
+                namespace = rec.namespace
             else:
                 pod = self._pods.get(ref.uid)
                 if pod is None:
                     gk = ref.gk
+                elif pod.namespace != namespace:
+                    missing = True
+                    break
                 else:
                     gk = POD
                     up = pod.owner
@@ -346,6 +378,8 @@ class OwnerGraph:
             last_pod = ref.uid if pod is not None and up is None else ""
             ref = up
         if top is not None and last_errored <= last_described:
+            if limit and top.obj is not None and last_described >= 0:
+                return WalkResult(top.described, top.uid, top.obj, top.ref, "", cut=True)
             return top
         if bad:
             reason = REASON_DESCRIPTION_ERROR

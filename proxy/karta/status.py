@@ -12,13 +12,12 @@ across restarts of the proxy and changes of leader; the proxy's own observation 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from proxy.karta.jqexpr import JqError, JqExpr, to_text
+from proxy.karta.jqexpr import JqError, JqExpr, jq_text, to_text
 from proxy.karta.model import UNDEFINED, UPSTREAM_STATUS_ORDER, Matcher, StatusDefinition
 
 #: The one current phase is the first of the matching statuses in this order.
@@ -75,9 +74,8 @@ class _Input:
 
     def run(self, expr: JqExpr) -> list[Any]:
         if self._text is None:
-            self._text = json.dumps(
-                self.obj, allow_nan=False, separators=(",", ":"), default=_json_default
-            )
+            # keys sorted: gojq iterates objects in key order (jq_text)
+            self._text = jq_text(self.obj, allow_nan=False, default=_json_default)
         try:
             return expr.all_text(self._text)
         except JqError as exc:

@@ -172,6 +172,10 @@ def test_deployment_phases() -> None:
     assert phase("Deployment", starting).phase == "Initializing"
     rolling = deployment(3, ready=3, updated=1, total=4, conditions=[AVAILABLE, PROGRESSING])
     assert phase("Deployment", rolling).phase == "Initializing"
+    # a rolling update with every new pod created and an old one still running (surplus,
+    # maxSurge) and a new one not ready yet: not settled, so Initializing, not Degraded
+    surplus = deployment(4, ready=3, total=5, conditions=[AVAILABLE, PROGRESSING])
+    assert phase("Deployment", surplus) == StatusResult("Initializing", ("Initializing",), "")
     unobserved = deployment(3, ready=3, generation=3, observed=2, conditions=[AVAILABLE])
     assert phase("Deployment", unobserved).phase == "Initializing"
     stuck = deployment(3, ready=0, updated=1, total=3, conditions=[UNAVAILABLE, DEADLINE])

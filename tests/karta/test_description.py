@@ -860,3 +860,24 @@ def test_names_and_kinds_are_plain_tokens() -> None:
     root(obj)["kind"]["kind"] = "a\nb"
     err = error_of(obj)
     assert (err.name, err.path) == ("", f"{ROOT}.kind.kind")
+
+
+def test_an_error_carries_the_raw_root_kind_of_a_description_object() -> None:
+    """What the engine marks as described by an invalid description, from every source:
+    the root kind as written, when the object is a description at all."""
+    bad = karta("broken", component("x", "example.com", "Widget",
+                                    statusDefinition={"phaseDefinition": {"path": ".a | ]["}}))
+    with pytest.raises(DescriptionError) as err:
+        parse_description(bad, "test")
+    assert err.value.kind == GroupKind("example.com", "Widget")
+    core = karta("core", {"name": "x", "kind": {"group": None, "version": "v1", "kind": "Pod"},
+                          "podSelector": 3})
+    with pytest.raises(DescriptionError) as err:
+        parse_description(core, "test")
+    assert err.value.kind == GroupKind("", "Pod")
+    with pytest.raises(DescriptionError) as err:
+        parse_description({"apiVersion": "v1", "kind": "Pod", "spec": bad["spec"]}, "test")
+    assert err.value.kind is None  # not a description: no kind of its own
+    with pytest.raises(DescriptionError) as err:
+        parse_description(karta("nokind", {"name": "x"}), "test")
+    assert err.value.kind is None

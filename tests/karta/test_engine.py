@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from proxy.karta.description import parse_description
+from proxy import snapshot
+from proxy.karta.description import load_description_file, parse_description
 from proxy.karta.engine import (
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
     STAT_SELECTOR_ERROR,
     STAT_SELECTOR_UNKEPT_FIELD,
+    STAT_STATUS_JQ_ERROR,
+    STAT_WORKLOAD_JQ_ERROR,
     Engine,
 )
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
+from proxy.snapshot import load_snapshot
 from tests.clock import ManualClock
 from tests.karta import descriptions
 
@@ -217,6 +224,61 @@ def test_reparenting_an_owner_moves_its_whole_subtree() -> None:
     assert {wname(P(cs, uid)) for uid in cs.pods} == {"b"}
 
 
+def in_namespace(o: dict[str, Any], namespace: str) -> dict[str, Any]:
+    o["metadata"]["namespace"] = namespace
+    return o
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_an_owner_in_another_namespace_is_absent(order: tuple[int, ...]) -> None:
+    """A pod in team-b whose controller reference carries the uid of a ReplicaSet in
+    team-a: Kubernetes disallows cross-namespace owners (its garbage collector treats
+    such an owner as absent), so the pod is not stamped with team-a's Deployment nor
+    counted in its facts, in whatever order the objects arrive, one by one or at once."""
+    dep = deployment("web")
+    rs = replicaset("web-1", dep)
+    intruder = in_namespace(pod("intruder", rs), "team-b")
+    objs = [dep, rs, intruder]
+    for batch in (True, False):
+        e = Engine()
+        ordered = [objs[i] for i in order]
+        if batch:
+            e.upsert_many(ordered)
+        else:
+            for o in ordered:
+                e.upsert(o)
+        att = P(e, "pod-intruder")
+        assert (att.workload, att.reason) == (None, "owner_missing")
+        assert [(w.ref.namespace, w.ref.name) for w in e.workloads()] == [(NS, "web")]
+        assert W(e, "deployment-web").replicas[0].observed == 0
+        explained = e.explain("team-b", "intruder")
+        assert explained is not None and explained.walk_end == "owner_missing"
+        assert [(link.name, link.seen) for link in explained.chain] == [("web-1", False)]
+    # the ReplicaSet gone, the reference names an owner not seen: as before (the
+    # ReplicaSet kind is described, so it is the workload, known from the reference)
+    cs = e.delete(rs)
+    assert P(cs, "pod-intruder").workload is not None
+    w = P(e, "pod-intruder").workload
+    assert w is not None and (w.namespace, w.kind) == ("team-b", "ReplicaSet")
+
+
+def test_a_cluster_scoped_owner_is_followed_from_any_namespace() -> None:
+    e = Engine()
+    e.add_descriptions([describe(karta({"group": "example.com", "kind": "Fleet"}, []))])
+    fleet = in_namespace(obj("example.com/v1", "Fleet", "f"), "")
+    rs = replicaset("f-1", fleet)
+    e.upsert_many([fleet, rs, pod("p", rs)])
+    w = P(e, "pod-p").workload
+    assert w is not None and (w.namespace, w.kind, w.name) == ("", "Fleet", "f")
+    # but a namespaced owner above a cluster-scoped one is not (nor is it from one)
+    e2 = Engine(builtins=False)
+    e2.add_descriptions([describe(karta({"group": "example.com", "kind": "Fleet"}, []))])
+    top = obj("example.com/v1", "Fleet", "top")
+    mid = in_namespace(obj("example.com/v1", "Link", "mid", top), "")
+    e2.upsert_many([top, mid, pod("q", mid)])
+    assert P(e2, "pod-q").reason == "owner_missing"
+
+
 # -- reasons ----------------------------------------------------------------------------
 
 
@@ -258,6 +320,47 @@ def test_hop_limit() -> None:
     e2.add_descriptions([describe(RAY_KARTA)])
     e2.upsert_many([top, *chain, pod("p", chain[0], **{"ray.io/node-type": "head"})])
     assert wname(P(e2, "pod-p")) == "rc"
+
+
+@pytest.mark.parametrize("order", ["top first", "pods first", "one by one"])
+def test_a_described_owner_below_the_hop_limit_goes_where_its_own_walk_goes(
+        order: str) -> None:
+    """pod -> ReplicaSet -> Deployment -> Link -> Link -> RayCluster, at most 4 hops: the
+    pod's walk stops at the limit above the Deployment, whose own walk (from higher up)
+    reaches the RayCluster. The pod goes where the Deployment goes: one workload, not
+    the Deployment a workload of its pods and a member of the RayCluster at once."""
+    top = raycluster("rc", ["g"])
+    l2 = obj("example.com/v1", "Link", "l2", top)
+    l1 = obj("example.com/v1", "Link", "l1", l2)
+    dep = obj("apps/v1", "Deployment", "d", l1, spec={"replicas": 1})
+    rs = replicaset("d-1", dep)
+    objs = [top, l2, l1, dep, rs, pod("p", rs)]
+    e = Engine(max_owner_hops=4)
+    e.add_descriptions([describe(RAY_KARTA)])
+    if order == "one by one":
+        for o in objs:
+            e.upsert(o)
+    else:
+        e.upsert_many(objs if order == "top first" else objs[::-1])
+    assert wname(P(e, "pod-p")) == "rc"
+    assert [w.ref.name for w in e.workloads()] == ["rc"]
+    assert W(e, "raycluster-rc").replicas[-1].observed == 1
+    # the link to the RayCluster broken: the Deployment is the top, pods and object
+    e.upsert(obj("example.com/v1", "Link", "l2"))
+    assert wname(P(e, "pod-p")) == "d"
+    assert sorted(w.ref.name for w in e.workloads()) == ["d", "rc"]
+    assert W(e, "deployment-d").replicas[0].observed == 1
+    # an invalid description of the kind above, past the pod's limit: the same answer
+    # for the pod as for the Deployment (no workload below it)
+    e.upsert(obj("example.com/v1", "Link", "l2", top))
+    e.upsert(jobset_karta(ownerless=True))
+    e.upsert(in_kind(top, "jobset.x-k8s.io/v1alpha2", "JobSet"))
+    assert P(e, "pod-p").reason == "description_error"
+    assert list(e.workloads()) == []
+
+
+def in_kind(o: dict[str, Any], api: str, kind: str) -> dict[str, Any]:
+    return {**o, "apiVersion": api, "kind": kind}
 
 
 def test_owner_cycle_is_bounded() -> None:
@@ -303,26 +406,48 @@ def test_an_owner_cycle_of_described_kinds_makes_no_workload(hops: int, order: s
     assert W(e2, "deployment-dcyc").replicas[0].observed == 1
 
 
-def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it() -> None:
+@pytest.mark.parametrize("source", ["api", "files", "snapshot"])
+def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it(
+        source: str, tmp_path: Path) -> None:
     """A JobSet whose only description is invalid may be the topmost workload of its
     Jobs: a pod under a Job (described by the built-ins) reads ``description_error``
     as one owned by the JobSet directly does, and no Job becomes a workload of its own
     (each Job of the JobSet was one, with phase and replica facts). Fixed, the JobSet
-    is the one workload."""
+    is the one workload. The same whatever the description came from: an API object, a
+    description file, a snapshot file (from a file each Job was a workload)."""
     e = Engine()
-    broken = jobset_karta(ownerless=True)
-    e.upsert(broken)
-    assert len(e.description_errors) == 1
     js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
     job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
-    e.upsert_many([js, job, pod("w", job), pod("d", js)])
+    objs = [js, job, pod("w", job), pod("d", js)]
+    f = tmp_path / "jobset.yaml"
+    f.write_text(yaml.safe_dump(jobset_karta(ownerless=True)))
+    if source == "api":
+        e.upsert(jobset_karta(ownerless=True))
+    elif source == "files":
+        descs, errors = load_description_file(f)
+        assert descs == [] and len(errors) == 1 and errors[0].kind == JOBSET
+        e.add_descriptions(descs, errors=errors)
+    else:
+        with f.open("a") as out:
+            out.write("---\n" + yaml.safe_dump_all(objs))
+        load_snapshot(f, e)
+    assert len(e.description_errors) == 1
+    if source != "snapshot":
+        e.upsert_many(objs)
     assert P(e, "pod-w").reason == "description_error"
     assert P(e, "pod-d").reason == "description_error"
     assert list(e.workloads()) == []
-    cs = e.upsert(jobset_karta(ownerless=False))
+    if source == "api":
+        cs = e.upsert(jobset_karta(ownerless=False))
+    else:
+        source_name = "files" if source == "files" else snapshot.DESCRIPTION_SOURCE
+        cs = e.add_descriptions([describe(jobset_karta(ownerless=False))], source=source_name)
     assert e.description_errors == []
     assert {wname(P(cs, "pod-w")), wname(P(cs, "pod-d"))} == {"js"}
     assert [w.ref.name for w in e.workloads()] == ["js"]
+
+
+JOBSET = GroupKind("jobset.x-k8s.io", "JobSet")
 
 
 def jobset_karta(*, ownerless: bool) -> dict[str, Any]:
@@ -516,6 +641,67 @@ def test_a_description_object_upserted_with_owed_leaves_its_reattribution_to_the
     assert not owing.upsert_many([pod("w9")], owed=owed).kinds_changed  # no description
 
 
+def test_instances_of_a_map_get_their_own_desired_counts() -> None:
+    """Instances listed by a map's keys (``keys[]``, sorted) and desired counts by its
+    values (``.[]``): gojq iterates the map in key order, so the counts line up with the
+    ids; libjq on the map as written gave the worker the frontend's count."""
+    graph = karta({"group": "example.com", "kind": "Graph"}, [{
+        "name": "service", "ownerRef": "root",
+        "specDefinition": {"podTemplateSpecPath": ".spec.services[]"},
+        "scaleDefinition": {"replicasPath": ".spec.services[] | (.replicas // 1)"},
+        "instanceIdPath": ".spec.services | keys[]",
+        "podSelector": {"componentInstanceSelector": {"idPath": '.metadata.labels["svc"]'}},
+    }])
+    e = Engine()
+    e.add_descriptions([describe(graph)])
+    g = obj("example.com/v1", "Graph", "g",
+            spec={"services": {"worker": {"replicas": 4}, "frontend": {"replicas": 1}}})
+    e.upsert_many([g, pod("f-0", g, svc="frontend"),
+                   *(pod(f"w-{i}", g, svc="worker") for i in range(4))])
+    rows = {(r.instance, r.desired, r.observed) for r in W(e, "graph-g").replicas}
+    assert rows == {("frontend", 1.0, 1), ("worker", 4.0, 4)}
+
+
+def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A status path, a scale path and a pod selector failing at run time (``.[]`` on
+    null): each counted every time, logged once per workload and expression, naming the
+    description, the workload and jq's message."""
+    thing = karta({"group": "example.com", "kind": "Thing"}, [
+        {"name": "a", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+         "podSelector": {"componentTypeSelector": {
+             "keyPath": ".metadata.labels | to_entries[] | .value[]", "value": "x"}}},
+        {"name": "b", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"}},
+    ], scaleDefinition={"replicasPath": ".spec.groups[].replicas"},
+        statusDefinition={"phaseDefinition": {"path": ".status.items[].phase"},
+                          "statusMappings": {"running": [{"byPhase": "Running"}]}})
+    e = Engine()
+    e.add_descriptions([describe(thing)])
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    things = [obj("example.com/v1", "Thing", f"t{i}", spec={"groups": None},
+                  status={"items": None}) for i in range(2)]
+    e.upsert_many([*things, *(pod(f"p{i}-{j}", things[i], role="x")
+                              for i in range(2) for j in range(3))])
+    assert W(e, "thing-t0").phase_reason.startswith("jq_error: Cannot iterate over null")
+    assert P(e, "pod-p0-0").component == "b"  # the selector failed: the default took it
+    assert e.stats[STAT_STATUS_JQ_ERROR] == 2 and e.stats[STAT_WORKLOAD_JQ_ERROR] == 2
+    assert e.stats[STAT_SELECTOR_ERROR] == 6
+    lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
+    assert len(lines) == 6, lines  # per workload: status, scale path, selector
+    for what in ("status of description test-thing", "workload path '.spec.groups[].replicas'",
+                 "pod selector '.metadata.labels | to_entries[] | .value[]'"):
+        assert sum(what in line for line in lines) == 2, what
+    assert all("Thing team-a/t" in line and "Cannot iterate over" in line for line in lines)
+    # a new version of the object, failing again: counted, not logged again
+    caplog.clear()
+    e.upsert(obj("example.com/v1", "Thing", "t0", spec={"groups": None},
+                 status={"items": None, "x": 1}))
+    assert e.stats[STAT_STATUS_JQ_ERROR] == 3
+    assert not [r for r in caplog.records if "jq error" in r.getMessage()]
+
+
 def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     e = Engine()
     e.add_descriptions([describe(RAY_KARTA)])
@@ -676,6 +862,32 @@ def test_description_objects_from_the_api() -> None:
     cs = e.delete({"apiVersion": "run.ai/v1alpha1", "kind": "Karta",
                    "metadata": {"name": "test-raycluster"}})
     assert cs.kinds_changed and P(cs, "pod-h").reason == "no_described_owner"
+
+
+def test_a_description_another_wins_over_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two descriptions of one kind: the loser is reported (docs/karta.md), in the log
+    once, from any source; a resync or a re-read changes nothing, a new loser is told."""
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    e = Engine()
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "not in force" in r.getMessage()]
+
+    zzz, aaa = copy.deepcopy(RAY_KARTA), copy.deepcopy(RAY_KARTA)
+    zzz["metadata"] = {"name": "zzz-team", "uid": "z"}
+    aaa["metadata"] = {"name": "aaa-platform", "uid": "a"}
+    e.upsert(zzz)
+    assert told() == []
+    e.upsert(aaa)
+    assert len(told()) == 1 and "(zzz-team)" in told()[0] and "'aaa-platform'" in told()[0]
+    assert [x.name for x in e.selection_losers()] == ["zzz-team"]
+    e.upsert(aaa)  # a resync
+    e.add_descriptions([describe(RAY_KARTA)], source="files")  # a third, from a file
+    assert len(told()) == 2 and "test-raycluster" in told()[1]
+    e.add_descriptions([describe(RAY_KARTA)], source="files")  # read again
+    assert len(told()) == 2
+    assert sorted(x.name for x in e.selection_losers()) == ["test-raycluster", "zzz-team"]
 
 
 def test_a_karta_and_a_resourceinterface_of_one_name_are_two_descriptions() -> None:

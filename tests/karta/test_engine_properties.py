@@ -193,30 +193,27 @@ def _state(e: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
     """Independent walk: pod uid -> uid of the topmost described owner, or None (also
-    when the chain loops through a described kind: a cycle has no topmost)."""
+    when the chain loops through a described kind: a cycle has no topmost). A pod whose
+    walk the hop limit stopped above a present described object goes where that
+    object's own walk (``HOPS`` from it) goes."""
     described = {"Top", *BUILTIN_DESCRIBED} | ({"Mid"} if mid_on else set())
-    out: dict[str, str | None] = {}
-    for uid, o in final.items():
-        if o["kind"] != "Pod":
-            continue
-        refs = o["metadata"].get("ownerReferences")
-        if not refs:
-            out[uid] = uid  # a bare pod: the built-in Pod description
-            continue
-        top = None
-        ref = refs[0]
+
+    def walk(ref: dict[str, Any], top: str | None) -> tuple[str | None, bool]:
+        """(top, cut): cut when the limit stopped the walk above a described owner
+        passed on it."""
         passed: list[tuple[str, bool]] = []  # (uid, described) of each owner passed
+        found = False
         for _ in range(HOPS + 1):
             uids = [u for u, _ in passed]
             if ref["uid"] in uids:  # a cycle: from its first pass to here
                 if any(d for _, d in passed[uids.index(ref["uid"]):]):
-                    top = None
+                    return None, False
                 break
             if len(passed) == HOPS:
-                break
+                return top, found
             passed.append((ref["uid"], ref["kind"] in described))
             if ref["kind"] in described:
-                top = ref["uid"]
+                top, found = ref["uid"], True
             owner = final.get(ref["uid"])
             if owner is None:
                 break
@@ -226,6 +223,21 @@ def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
                     top = ref["uid"]  # a bare pod at the top of pods: their workload
                 break
             ref = nxt[0]
+        return top, False
+
+    out: dict[str, str | None] = {}
+    for uid, o in final.items():
+        if o["kind"] != "Pod":
+            continue
+        refs = o["metadata"].get("ownerReferences")
+        if not refs:
+            out[uid] = uid  # a bare pod: the built-in Pod description
+            continue
+        top, cut = walk(refs[0], None)
+        held = final.get(top) if top is not None else None
+        if cut and held is not None:
+            up = held["metadata"].get("ownerReferences")
+            top = walk(up[0], top)[0] if up else top
         out[uid] = top
     return out
 

@@ -151,3 +151,17 @@ def test_input_fields_are_the_paths_read_from_the_input(
         source: str, fields: list[tuple[str, ...]] | None) -> None:
     JqExpr(source)  # valid jq
     assert input_fields(source) == fields
+
+
+def test_objects_are_iterated_in_key_order_as_gojq_does() -> None:
+    """gojq iterates a map in key order; libjq in the order of its input text, so the
+    input is written with sorted keys: ids from ``keys[]`` and values from ``.[]`` line
+    up by position."""
+    services = {"worker": {"replicas": 4}, "frontend": {"replicas": 1}}
+    assert JqExpr(".[] | .replicas").all(services) == [1, 4]
+    assert JqExpr("keys[]").all(services) == ["frontend", "worker"]
+    assert JqExpr("to_entries[] | .key").all(services) == ["frontend", "worker"]
+    assert JqExpr("keys_unsorted[]").all({"b": {"y": 1, "x": 2}, "a": 0}) == ["a", "b"]
+    assert JqExpr(".b | .[]").all({"b": {"y": 1, "x": 2}}) == [2, 1]  # nested too
+    # keys that do not sort (YAML's 1 and "a"): as they come, not an error
+    assert JqExpr(".[]").all({1: "one", "a": "A"}) == ["one", "A"]

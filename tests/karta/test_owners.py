@@ -26,11 +26,16 @@ DEPLOY = GroupKind("apps", "Deployment")
 JOB = GroupKind("batch", "Job")
 
 
-class PodRecord:
-    """What the graph reads of a pod record: its controller."""
+#: the namespace of the test objects and pods
+NS = "default"
 
-    def __init__(self, owner: OwnerRef | None) -> None:
+
+class PodRecord:
+    """What the graph reads of a pod record: its controller and namespace."""
+
+    def __init__(self, owner: OwnerRef | None, namespace: str = NS) -> None:
         self.owner = owner
+        self.namespace = namespace
 
 
 def ref(uid: str, gk: GroupKind = RS, name: str = "") -> OwnerRef:
@@ -39,7 +44,7 @@ def ref(uid: str, gk: GroupKind = RS, name: str = "") -> OwnerRef:
 
 
 def record(uid: str, gk: GroupKind, owner: OwnerRef | None = None) -> ObjectRecord:
-    return ObjectRecord(uid, gk, "default", uid, owner, None)
+    return ObjectRecord(uid, gk, NS, uid, owner, None)
 
 
 def described_as(*kinds: GroupKind) -> Any:
@@ -171,44 +176,44 @@ def chain(g: OwnerGraph) -> OwnerRef:
 def test_walk_takes_the_highest_described_owner() -> None:
     g = OwnerGraph(10, {})
     start = chain(g)
-    top = g.walk(start, described_as(RS, DEPLOY), never)
+    top = g.walk(start, NS, described_as(RS, DEPLOY), never)
     assert (top.described, top.uid, top.reason) == ("Deployment", "d", "")
     assert top.obj is g.objects["d"]
-    mid = g.walk(start, described_as(RS), never)
+    mid = g.walk(start, NS, described_as(RS), never)
     assert (mid.described, mid.uid) == ("ReplicaSet", "rs")
 
 
 def test_walk_without_a_described_owner() -> None:
     g = OwnerGraph(10, {})
-    got = g.walk(chain(g), described_as(), never)
+    got = g.walk(chain(g), NS, described_as(), never)
     assert (got.described, got.reason, got.root_pod) == (None, REASON_NO_DESCRIBED_OWNER, "")
 
 
 def test_walk_to_an_absent_owner() -> None:
     g = OwnerGraph(10, {})
     g.put(record("rs", RS, ref("gone", DEPLOY)))
-    got = g.walk(ref("rs"), described_as(), never)
+    got = g.walk(ref("rs"), NS, described_as(), never)
     assert got.reason == REASON_OWNER_MISSING
     # an absent owner of a described kind is the workload, named by the reference alone
-    named = g.walk(ref("rs"), described_as(DEPLOY), never)
+    named = g.walk(ref("rs"), NS, described_as(DEPLOY), never)
     assert (named.described, named.uid, named.obj) == ("Deployment", "gone", None)
     assert named.ref is not None and named.ref.name == "gone"
 
 
 def test_walk_hop_limit() -> None:
     g = OwnerGraph(2, {})
-    got = g.walk(chain(g), described_as(), never)
+    got = g.walk(chain(g), NS, described_as(), never)
     assert got.reason == REASON_NO_DESCRIBED_OWNER  # two hops: rs, d
     g.put(record("d", DEPLOY, ref("top", JOB)))
     g.put(record("top", JOB))
-    assert g.walk(ref("rs"), described_as(JOB), never).reason == REASON_HOP_LIMIT
+    assert g.walk(ref("rs"), NS, described_as(JOB), never).reason == REASON_HOP_LIMIT
 
 
 def test_walk_a_cycle_ends_at_the_hop_limit() -> None:
     g = OwnerGraph(5, {})
     g.put(record("a", RS, ref("b", DEPLOY)))
     g.put(record("b", DEPLOY, ref("a", RS)))
-    assert g.walk(ref("a"), described_as(), never).reason == REASON_HOP_LIMIT
+    assert g.walk(ref("a"), NS, described_as(), never).reason == REASON_HOP_LIMIT
 
 
 @pytest.mark.parametrize("hops", [2, 3, 4, 5, 6, 7])
@@ -221,15 +226,15 @@ def test_walk_a_cycle_through_described_kinds_has_no_top_whatever_the_hop_count(
     g.put(record("d", DEPLOY, ref("rs", RS)))
     g.put(record("rs", RS, ref("d", DEPLOY)))
     both = described_as(RS, DEPLOY)
-    got = g.walk(ref("rs"), both, never)
+    got = g.walk(ref("rs"), NS, both, never)
     assert (got.described, got.reason) == (None, REASON_HOP_LIMIT)
     d = g.objects["d"]
-    from_itself = g.walk(d.owner, both, never, WalkResult("Deployment", "d", d, None, ""))
+    from_itself = g.walk(d.owner, NS, both, never, WalkResult("Deployment", "d", d, None, ""))
     assert (from_itself.described, from_itself.reason) == (None, REASON_HOP_LIMIT)
     # one described kind on the cycle is enough, for what lies below it too
-    assert g.walk(ref("rs"), described_as(DEPLOY), never).described is None
+    assert g.walk(ref("rs"), NS, described_as(DEPLOY), never).described is None
     g.put(record("job", JOB, ref("rs", RS)))
-    below = g.walk(ref("job", JOB), described_as(JOB, DEPLOY), never)
+    below = g.walk(ref("job", JOB), NS, described_as(JOB, DEPLOY), never)
     # (job, rs, d, rs: the cycle shows at the fourth; a limit before it is a long chain)
     assert below.described is None if hops >= 3 else below.uid == "job"
 
@@ -239,18 +244,18 @@ def test_walk_a_cycle_of_undescribed_kinds_above_a_described_one_keeps_it() -> N
     g.put(record("job", JOB, ref("a", RS)))
     g.put(record("a", RS, ref("b", DEPLOY)))
     g.put(record("b", DEPLOY, ref("a", RS)))
-    got = g.walk(ref("job", JOB), described_as(JOB), never)
+    got = g.walk(ref("job", JOB), NS, described_as(JOB), never)
     assert got.uid == "job"
 
 
 def test_walk_reports_a_kind_whose_description_is_broken() -> None:
     g = OwnerGraph(10, {})
-    got = g.walk(chain(g), described_as(), lambda gk: gk == DEPLOY)
+    got = g.walk(chain(g), NS, described_as(), lambda gk: gk == DEPLOY)
     assert got.reason == REASON_DESCRIPTION_ERROR
     # a described owner above still wins
     g.put(record("d", DEPLOY, ref("j", JOB)))
     g.put(record("j", JOB))
-    assert g.walk(ref("rs"), described_as(JOB), lambda gk: gk == DEPLOY).uid == "j"
+    assert g.walk(ref("rs"), NS, described_as(JOB), lambda gk: gk == DEPLOY).uid == "j"
 
 
 def test_walk_a_broken_description_above_a_described_owner_attributes_nothing() -> None:
@@ -260,25 +265,25 @@ def test_walk_a_broken_description_above_a_described_owner_attributes_nothing() 
     g.put(record("j", JOB, ref("js", DEPLOY)))
     g.put(record("js", DEPLOY))
     broken = lambda gk: gk == DEPLOY  # noqa: E731
-    got = g.walk(ref("j", JOB), described_as(JOB), broken)
+    got = g.walk(ref("j", JOB), NS, described_as(JOB), broken)
     assert (got.described, got.reason) == (None, REASON_DESCRIPTION_ERROR)
     own = WalkResult("Job", "j", g.objects["j"], None, "")
-    got = g.walk(ref("js", DEPLOY), described_as(JOB), broken, own)
+    got = g.walk(ref("js", DEPLOY), NS, described_as(JOB), broken, own)
     assert (got.described, got.reason) == (None, REASON_DESCRIPTION_ERROR)
     # absent, known from the reference only: the same
     g.remove("js")
-    assert g.walk(ref("j", JOB), described_as(JOB), broken).reason == REASON_DESCRIPTION_ERROR
+    assert g.walk(ref("j", JOB), NS, described_as(JOB), broken).reason == REASON_DESCRIPTION_ERROR
 
 
 def test_walk_through_pods_and_ending_at_a_root_pod() -> None:
     pods = {"leader": PodRecord(None)}
     g = OwnerGraph(10, pods)
     g.put(record("sts", GroupKind("apps", "StatefulSet"), ref("leader", POD)))
-    got = g.walk(ref("sts", GroupKind("apps", "StatefulSet")), described_as(), never)
+    got = g.walk(ref("sts", GroupKind("apps", "StatefulSet")), NS, described_as(), never)
     assert (got.reason, got.root_pod) == (REASON_NO_DESCRIBED_OWNER, "leader")
     pods["leader"] = PodRecord(ref("lws", GroupKind("x.k8s.io", "LeaderWorkerSet")))
     g.put(record("lws", GroupKind("x.k8s.io", "LeaderWorkerSet")))
-    top = g.walk(ref("sts", GroupKind("apps", "StatefulSet")),
+    top = g.walk(ref("sts", GroupKind("apps", "StatefulSet")), NS,
                  described_as(GroupKind("x.k8s.io", "LeaderWorkerSet")), never)
     assert top.uid == "lws"
 
@@ -286,8 +291,33 @@ def test_walk_through_pods_and_ending_at_a_root_pod() -> None:
 def test_walk_keeps_the_callers_top_when_nothing_above_is_described() -> None:
     g = OwnerGraph(10, {})
     start = chain(g)
-    mine = g.walk(None, described_as(), never)
+    mine = g.walk(None, NS, described_as(), never)
     assert mine.reason == REASON_NO_DESCRIBED_OWNER
-    held = g.walk(start, described_as(RS), never)
-    again = g.walk(ref("d", DEPLOY), described_as(), never, top=held)
+    held = g.walk(start, NS, described_as(RS), never)
+    again = g.walk(ref("d", DEPLOY), NS, described_as(), never, top=held)
     assert again is held
+
+
+def test_walk_an_owner_in_another_namespace_is_absent_and_never_the_workload() -> None:
+    """Kubernetes disallows cross-namespace owner references: a namespaced owner in
+    another namespace than its dependent's is absent to it. It is not the workload even
+    when its kind is described (its uid is that other object's); a cluster-scoped owner
+    is followed from any namespace, but only to cluster-scoped owners above it."""
+    pods = {"leader": PodRecord(None, namespace="other")}
+    g = OwnerGraph(10, pods)
+    start = chain(g)
+    got = g.walk(start, "other", described_as(RS, DEPLOY), never)
+    assert (got.described, got.reason) == (None, REASON_OWNER_MISSING)
+    # a described owner below it is still the workload
+    g.put(ObjectRecord("job", JOB, "other", "job", ref("rs"), None))
+    got = g.walk(ref("job", JOB), "other", described_as(JOB, DEPLOY), never)
+    assert (got.described, got.uid) == ("Job", "job")
+    # a pod of another namespace as owner: the same
+    g.put(record("sts", GroupKind("apps", "StatefulSet"), ref("leader", POD)))
+    got = g.walk(ref("sts", GroupKind("apps", "StatefulSet")), NS, described_as(), never)
+    assert (got.reason, got.root_pod) == (REASON_OWNER_MISSING, "")
+    # cluster-scoped: followed from any namespace, then only to cluster-scoped owners
+    g.put(ObjectRecord("c", DEPLOY, "", "c", ref("d", DEPLOY), None))
+    g.put(record("x", RS, ref("c", DEPLOY)))
+    got = g.walk(ref("x"), NS, described_as(DEPLOY), never)
+    assert (got.described, got.uid) == ("Deployment", "c")

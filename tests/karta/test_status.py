@@ -664,3 +664,18 @@ def test_builtins_date_their_phases_from_their_conditions() -> None:
     dep["status"]["conditions"] = []  # counts only (a hand-written snapshot): still Running
     res = evaluate_status(by_kind["Deployment"].status, dep)
     assert (res.phase, res.since) == ("Running", None)
+
+
+def test_expressions_iterate_objects_in_key_order_as_gojq_does() -> None:
+    """``byExpression`` and the phase path see the object with its keys sorted (gojq's
+    iteration order), not in the order the object was written."""
+    sd = definition({
+        "phaseDefinition": {"path": ".status.replicaStates | to_entries[0].key"},
+        "statusMappings": {
+            "running": [{"byPhase": "alpha",
+                         "byExpression": {"expression": "[.status.replicaStates[]] | .[0]",
+                                          "expectedResult": "1"}}],
+        },
+    })
+    obj = {"status": {"replicaStates": {"zeta": 2, "alpha": 1}}}
+    assert evaluate_status(sd, obj) == ok("Running")
