@@ -141,9 +141,11 @@ OP_FACT_WRITES = "karta_proxy_fact_writes_total"
 OP_FACT_STALE_MARKERS = "karta_proxy_fact_stale_markers_total"
 OP_FACT_SERIES = "karta_proxy_fact_series"
 OP_FACT_LAST_WRITE = "karta_proxy_fact_last_write_timestamp_seconds"
+OP_FACT_SERIES_REFUSED = "karta_proxy_fact_series_refused_total"
 FACT_WRITER_METRICS: tuple[str, ...] = (
     OP_FACT_LAST_WRITE,
     OP_FACT_SERIES,
+    OP_FACT_SERIES_REFUSED,
     OP_FACT_STALE_MARKERS,
     OP_FACT_WRITER_LEADER,
     OP_FACT_WRITES,
