@@ -432,6 +432,7 @@ async def test_failed_send_keeps_the_stale_markers_for_the_next_write() -> None:
     w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
     fail = False
     assert await w.write_once()
+    first = w.stale_markers_total  # the first write's: each workload's other `source`
     index.apply(ChangeSet(workloads={"w-dep": None}, pods={"p-api": None}))
     fail = True
     assert not await w.write_once()
@@ -440,7 +441,7 @@ async def test_failed_send_keeps_the_stale_markers_for_the_next_write() -> None:
     assert await w.write_once()
     stale = [k for k, s in decode(sent[-1]).items() if is_stale(s[0][0])]
     assert len(stale) == 24
-    assert w.stale_markers_total == 24
+    assert w.stale_markers_total - first == 24
 
 
 def test_unchanged_objects_are_not_re_encoded() -> None:
@@ -854,6 +855,7 @@ async def test_a_stopping_writer_ends_only_the_series_that_name_its_process() ->
                    build_version="9.9.9")
     assert await w.write_once()
     written = decode(sent[0])
+    first = w.stale_markers_total  # the first write's: each workload's other `source`
     assert await w.end_own_series()
     ended = decode(sent[1])
     own = {k for k in written if dict(k)["__name__"] in (
@@ -862,7 +864,7 @@ async def test_a_stopping_writer_ends_only_the_series_that_name_its_process() ->
     build = next(k for k in own if ("__name__", contract.FACT_BUILD_INFO) in k)
     assert ("version", "9.9.9") in build
     assert all(is_stale(v[0][0]) for v in ended.values())
-    assert w.stale_markers_total == 2
+    assert w.stale_markers_total - first == 2
     assert not await w.end_own_series()  # once
 
 
@@ -1185,6 +1187,83 @@ async def test_tsdb_a_forged_process_fact_ahead_in_time_stops_no_other_fact(
 
 
 @pytest.mark.peers
+async def test_tsdb_a_restart_shows_one_transition_series_per_workload(
+    prom: Prometheus,
+) -> None:
+    """The process before a restart (or the old leader) dated a Deployment's Running by
+    the rollout it saw end (source=observed); the next one reads the object's Available
+    time (source=object). The old series lingered for the 5-minute lookback: two rows
+    of time in phase for one workload. The first write after a start or a takeover now
+    ends the other source's series."""
+    t0 = float(int(time.time()) - 300)
+    clock = Clock(t0)
+    settings = FactSettings(external_labels={"cluster": "restart"})
+    ref = _wl("rolled", "u-rolled")
+
+    async def send(body: bytes) -> None:
+        prom.write(body)
+
+    def index_of(source: str, since: float) -> PodIndex:
+        index = PodIndex()
+        index.apply(ChangeSet(workloads={"u-rolled": WorkloadFacts(
+            ref, "rayjob", False, "Running", ("Running",), "", since, (), source)}))
+        return index
+
+    before = FactWriter(settings, index_of("observed", t0 - 60), send, clock=clock)
+    for step in range(0, 60, 15):
+        clock.t = t0 + step
+        assert await before.write_once()
+    # a restart: the new process reads the object's time, 14 days ago
+    after = FactWriter(settings, index_of("object", t0 - 14 * 86400), send, clock=clock)
+    clock.t = t0 + 60
+    assert await after.write_once()
+    name = contract.FACT_WORKLOAD_PHASE_TRANSITION
+    sel = f'{name}{{cluster="restart",{_ident("rolled")}}}'
+    assert [dict(k)["source"] for k in prom.query(sel, t0 + 50)] == ["observed"]
+    assert [dict(k)["source"] for k in prom.query(sel, t0 + 61)] == ["object"]
+    assert [dict(k)["source"] for k in prom.query(sel, t0 + 200)] == ["object"]
+
+
+async def test_the_first_write_after_a_takeover_ends_the_other_source_once() -> None:
+    index = small_index()
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    leading = [True]
+
+    class Elector:
+        @property
+        def is_leader(self) -> bool:
+            return leading[0]
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0,
+                   elector=Elector())  # type: ignore[arg-type]
+
+    def ended() -> list[tuple[str, str]]:
+        stale, _ = _stale_and_live(b"".join(sent))
+        return sorted((dict(k)["karta_workload"], dict(k)["source"]) for k in stale
+                      if dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE_TRANSITION)
+
+    live = {(dict(k)["karta_workload"], dict(k)["source"])
+            for k in _live(writer(small_index()).build_requests(1))
+            if dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE_TRANSITION}
+    other = {"object": "observed", "observed": "object"}
+    assert await w.write_once()  # the first after the start
+    assert ended() == sorted((name, other[src]) for name, src in live)
+    sent.clear()
+    assert await w.write_once()
+    assert ended() == []  # once
+    leading[0] = False
+    assert not await w.write_once()  # stands by
+    leading[0] = True
+    sent.clear()
+    assert await w.write_once()  # takes over again
+    assert ended() == sorted((name, other[src]) for name, src in live)
+
+
+@pytest.mark.peers
 def test_tsdb_desired_vs_observed_follow_a_scale_up(prom: Prometheus) -> None:
     t0 = float(int(time.time()) - 1200)
     clock = Clock(t0)
@@ -1460,7 +1539,7 @@ async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
     whole = writer(small_index()).build_requests(10_000)
     assert not await w.write_once()  # reported: one request did not land
     assert w.writes_failed == 1
-    assert sum(len(decode(b)) for b in sent) == sum(len(decode(b)) for b in whole) - 5
+    assert len(_live(sent)) == len(_live(whole)) - 5
     assert sample_value(w.metrics.series_refused) == 5
     # and a 5xx still stops the write there (the upstream, not the request)
     sent.clear()
@@ -1479,6 +1558,12 @@ async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
 #: label the relay would drop): one out-of-order sample makes Prometheus refuse the whole
 #: request that holds the writer's sample of it (400)
 _POISON = (("__name__", contract.FACT_CONTRACT_INFO), ("version", contract.CONTRACT_VERSION))
+
+
+def _live(bodies: list[bytes]) -> set[tuple[tuple[str, str], ...]]:
+    """The series of ``bodies`` that are not stale markers (a first write also ends each
+    workload's transition series of the other ``source``)."""
+    return {k for b in bodies for k, s in decode(b).items() if not is_stale(s[0][0])}
 
 
 def _poisoned(body: bytes) -> bool:
@@ -1508,7 +1593,7 @@ async def test_a_400_is_bisected_down_to_the_series_it_refuses_then_that_goes_al
     assert len(whole) == 1 and len(everything) > 30
     with caplog.at_level("WARNING", logger="proxy.facts.writer"):
         assert await w.write_once()  # what could land, landed
-    assert {k for b in sent for k in decode(b)} == everything - {_POISON}
+    assert _live(sent) == everything - {_POISON}
     assert sample_value(w.metrics.series_refused) == 1
     assert w.writes_ok == 1 and w.writes_failed == 0
     bisecting = len(tries)

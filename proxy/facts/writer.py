@@ -33,9 +33,11 @@ from proxy.facts.encoder import (
     Series,
     encode_facts,
     interleaver,
+    label_field,
     rehead,
     sample_field,
     series_bytes,
+    swapped,
     timestamp_field,
     union,
 )
@@ -50,7 +52,12 @@ from proxy.facts.model import (
     workload_facts,
 )
 from proxy.index import PodIndex
-from proxy.karta.results import PodAttribution, WorkloadFacts
+from proxy.karta.results import (
+    PHASE_SINCE_OBJECT,
+    PHASE_SINCE_OBSERVED,
+    PodAttribution,
+    WorkloadFacts,
+)
 from proxy.log import Throttled
 from proxy.wire.primitives import parse_label, read_field
 from proxy.yielding import Busy, Pacer
@@ -109,6 +116,20 @@ END_TIMEOUT_SECONDS = 5.0
 MAX_EXTRA_REQUESTS = 64
 #: series refused on their own remembered (each then costs a request of its own a write)
 MAX_REFUSED_REMEMBERED = 32
+
+#: a workload's transition-time series under one ``source`` and the other: the first write
+#: after a start or a takeover ends the other source's series of every workload it writes
+#: (``FactWriter._end_other_source``). The previous writer may have dated the phase
+#: otherwise (it saw a rollout end: ``observed``; this one reads the object: ``object``),
+#: and its series lingered for the 5-minute lookback beside this one's: two rows of time
+#: in phase for one workload. A marker for a series that never existed is harmless.
+_SOURCE_FIELDS = {
+    label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBJECT):
+        label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBSERVED),
+    label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBSERVED):
+        label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBJECT),
+}
+_TRANSITION_NAME = label_field("__name__", contract.FACT_WORKLOAD_PHASE_TRANSITION)
 
 _Obj = TypeVar("_Obj", PodAttribution, WorkloadFacts)
 
@@ -294,6 +315,10 @@ class FactWriter:
         self._refusal_lines = Throttled(
             log, "fact series refused by the upstream, left out of this write",
             "fact series refused by the upstream (repeated)", peer_field=None)
+        #: the next write ends each workload's transition series of the other ``source``
+        #: (set on every takeover, a start's first write included; cleared once a write
+        #: landed): see ``_SOURCE_FIELDS``
+        self._end_other_source = False
         self._task: asyncio.Task[None] | None = None
         #: the leader/standby state: changed only by step()
         self.state = WriterState.STANDBY
@@ -393,6 +418,8 @@ class FactWriter:
         gone: list[tuple[Series, Key]] = []
         refused = self._refused
         stale = self._stale_sample = sample_field(STALE_NAN, ts_bytes)
+        end_other = self._end_other_source
+        others = 0
 
         def chunks() -> Iterator[tuple[tuple[bytes, ...], int, Key, bool] | None]:
             """(the wire pieces of n series, n, their key, alone): every fact now, a group
@@ -400,7 +427,7 @@ class FactWriter:
             (known once the facts are through); None: a pause. A group is never split
             across requests unless it alone holds more series than a request, or holds a
             series refused before (``alone``: sent in a request of its own)."""
-            nonlocal made
+            nonlocal made, others
             for key, group in self._current():
                 had = current.get(key)
                 # two groups of one key: first wins (the index gives one workload per
@@ -419,6 +446,16 @@ class FactWriter:
                                              skip, None):
                         alone = suspects is not None and b"".join(one[1:]) in suspects
                         yield (*one, samples[value]), 1, key, alone
+                if end_other and not skip and len(key) == 4:  # a workload's
+                    for one in whole.series():
+                        if _TRANSITION_NAME not in one:
+                            continue
+                        for this, other in _SOURCE_FIELDS.items():
+                            ended = swapped(one, this, other, self._sample_len)
+                            if ended is not None:
+                                others += 1
+                                yield (*ended, stale), 1, key, False
+                                break
                 made += n
                 if (made // PAUSE_EVERY_SERIES != (made - n) // PAUSE_EVERY_SERIES
                         or time.perf_counter() - started > PAUSE_AFTER_SECONDS):
@@ -471,7 +508,7 @@ class FactWriter:
         self.body_runs = runs
         self.last_series = made
         self.metrics.series.set(made)
-        self.last_stale_markers = len(gone)
+        self.last_stale_markers = len(gone) + others
         self.last_build_seconds = building + time.perf_counter() - started
         yield body
 
@@ -556,6 +593,7 @@ class FactWriter:
     def commit(self) -> None:
         """Record the last built requests as delivered (their series are now 'written')."""
         self._written = self._pending
+        self._end_other_source = False
         self.metrics.stale_markers.inc(self.last_stale_markers)
 
     def commit_partial(self) -> None:
@@ -571,6 +609,7 @@ class FactWriter:
         self._written = self._owed(
             self._pending,
             ((k, g) for k, g in self._written.items() if k in tally.stale_keys))
+        self._end_other_source = False
         self.metrics.stale_markers.inc(self.last_stale_markers - tally.refused_stale)
 
     def forget(self) -> None:
@@ -612,6 +651,7 @@ class FactWriter:
             return target
         if target is WriterState.LEADER:
             log.info("fact writer takes over")
+            self._end_other_source = True
             self._written = self._owed(
                 self._written, ((k, g) for k, seen in self._standby.items() for g in seen))
             self._standby = {}
