@@ -594,6 +594,12 @@ class FactWriter:
         """Record the last built requests as delivered (their series are now 'written')."""
         self._written = self._pending
         self._end_other_source = False
+        self._prune_refused()
+
+    def _prune_refused(self) -> None:
+        """Forget refused series of keys no longer written (a pod or workload gone)."""
+        if self._refused:
+            self._refused = {k: v for k, v in self._refused.items() if k in self._written}
         self.metrics.stale_markers.inc(self.last_stale_markers)
 
     def commit_partial(self) -> None:
@@ -610,12 +616,14 @@ class FactWriter:
             self._pending,
             ((k, g) for k, g in self._written.items() if k in tally.stale_keys))
         self._end_other_source = False
+        self._prune_refused()
         self.metrics.stale_markers.inc(self.last_stale_markers - tally.refused_stale)
 
     def forget(self) -> None:
         """Stop owning the written series (leadership lost: the next leader continues them)."""
         self._written = {}
         self._pending = {}
+        self._refused = {}
 
     # -- the counters, as tests and benchmarks read them -------------------------------
 
@@ -867,6 +875,7 @@ class FactWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await self.end_own_series()
+            self._refusal_lines.close()
 
     def own_series_markers(self, now_ms: int) -> tuple[bytes, int]:
         """A request of stale markers for the ``OWN_SERIES`` this writer last wrote, and
