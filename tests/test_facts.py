@@ -1619,6 +1619,25 @@ async def test_a_400_is_bisected_down_to_the_series_it_refuses_then_that_goes_al
     assert len(tries) == 1
 
 
+async def test_a_refused_own_series_does_not_keep_the_other_from_ending_at_stop() -> None:
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        if _poisoned(body):
+            raise _Refused(400)
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
+    assert await w.write_once()
+    sent.clear()
+    markers = w.stale_markers_total
+    assert await w.end_own_series()
+    ended = {dict(k)["__name__"] for k in _stale_and_live(b"".join(sent))[0]}
+    assert ended == {contract.FACT_BUILD_INFO}  # before: neither (one request, refused)
+    assert w.stale_markers_total == markers + 1
+    assert sample_value(w.metrics.series_refused) == 2  # the write's and the stop's
+
+
 async def _nosend_ok(tries: list[bytes], body: bytes) -> None:
     tries.append(body)
 
