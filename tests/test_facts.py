@@ -18,6 +18,7 @@ import struct
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ from proxy.facts import (
     iter_facts,
     workload_facts,
 )
+from proxy.facts.collectors import sample_value
 from proxy.facts.writer import COVERAGE_KEY, PROCESS_KEY
 from proxy.index import PodIndex
 from proxy.karta.model import GENERIC_PHASES
@@ -430,6 +432,7 @@ async def test_failed_send_keeps_the_stale_markers_for_the_next_write() -> None:
     w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
     fail = False
     assert await w.write_once()
+    first = w.stale_markers_total  # the first write's: each workload's other `source`
     index.apply(ChangeSet(workloads={"w-dep": None}, pods={"p-api": None}))
     fail = True
     assert not await w.write_once()
@@ -438,7 +441,7 @@ async def test_failed_send_keeps_the_stale_markers_for_the_next_write() -> None:
     assert await w.write_once()
     stale = [k for k, s in decode(sent[-1]).items() if is_stale(s[0][0])]
     assert len(stale) == 24
-    assert w.stale_markers_total == 24
+    assert w.stale_markers_total - first == 24
 
 
 def test_unchanged_objects_are_not_re_encoded() -> None:
@@ -852,6 +855,7 @@ async def test_a_stopping_writer_ends_only_the_series_that_name_its_process() ->
                    build_version="9.9.9")
     assert await w.write_once()
     written = decode(sent[0])
+    first = w.stale_markers_total  # the first write's: each workload's other `source`
     assert await w.end_own_series()
     ended = decode(sent[1])
     own = {k for k in written if dict(k)["__name__"] in (
@@ -860,7 +864,7 @@ async def test_a_stopping_writer_ends_only_the_series_that_name_its_process() ->
     build = next(k for k in own if ("__name__", contract.FACT_BUILD_INFO) in k)
     assert ("version", "9.9.9") in build
     assert all(is_stale(v[0][0]) for v in ended.values())
-    assert w.stale_markers_total == 2
+    assert w.stale_markers_total - first == 2
     assert not await w.end_own_series()  # once
 
 
@@ -1131,6 +1135,135 @@ async def test_tsdb_an_upgrade_shows_one_build_at_a_time(prom: Prometheus) -> No
 
 
 @pytest.mark.peers
+async def test_tsdb_a_forged_process_fact_ahead_in_time_stops_no_other_fact(
+    prom: Prometheus,
+) -> None:
+    """A sender wrote karta_contract_info with the writer's very labels 10 minutes ahead:
+    Prometheus 2.42 rolls back a whole request for one out-of-order sample (400), so every
+    fact request that held the writer's copy was refused, every write: every fact stopped,
+    stale markers too. Now only that series is left out (counted), the rest lands."""
+    t0 = float(int(time.time()) - 600)
+    clock = Clock(t0)
+    index = small_index()
+    settings = FactSettings(external_labels={"cluster": "forged"})
+    version = ("version", contract.CONTRACT_VERSION)
+    forged = remote_pb2.WriteRequest()
+    ts = forged.timeseries.add()
+    for k, v in (("__name__", contract.FACT_CONTRACT_INFO), ("cluster", "forged"), version):
+        ts.labels.add(name=k, value=v)
+    ts.samples.add(value=1.0, timestamp=int((t0 + 600) * 1000))
+    prom.write(forged.SerializeToString())
+    answers: list[int] = []
+
+    async def send(body: bytes) -> None:
+        try:
+            prom.write(body)
+        except urllib.error.HTTPError as e:
+            answers.append(e.code)
+            raise _Refused(e.code) from e
+        answers.append(204)
+
+    w = FactWriter(settings, index, send, clock=clock)
+    assert await w.write_once()
+    # the whole refused, then one half of each level (~60 series: 6 levels)
+    assert 2 <= answers.count(400) <= 1 + math.ceil(math.log2(w.last_series))
+    answers.clear()
+    for step in range(15, 60, 15):
+        clock.t = t0 + step
+        assert await w.write_once()
+    assert answers == [400, 204] * 3  # then the series alone first, no bisection
+    assert sample_value(w.metrics.series_refused) == 4  # the forged series, each write
+    assert w.writes_ok == 4
+    at = t0 + 50
+    assert prom.query('karta_workload_info{cluster="forged"}', at)
+    assert prom.query('karta_build_info{cluster="forged"}', at)
+    assert prom.query('karta_namespace_pods{cluster="forged"}', at)
+    # a gone workload still ends at once (its stale marker no longer refused with it)
+    index.apply(ChangeSet(workloads={"w-ray": None}))
+    clock.t = t0 + 60
+    assert await w.write_once()
+    assert prom.query('karta_workload_info{cluster="forged",karta_kind="RayJob"}', t0 + 61) == {}
+    assert prom.query('karta_workload_info{cluster="forged",karta_kind="Deployment"}', t0 + 61)
+
+
+@pytest.mark.peers
+async def test_tsdb_a_restart_shows_one_transition_series_per_workload(
+    prom: Prometheus,
+) -> None:
+    """The process before a restart (or the old leader) dated a Deployment's Running by
+    the rollout it saw end (source=observed); the next one reads the object's Available
+    time (source=object). The old series lingered for the 5-minute lookback: two rows
+    of time in phase for one workload. The first write after a start or a takeover now
+    ends the other source's series."""
+    t0 = float(int(time.time()) - 300)
+    clock = Clock(t0)
+    settings = FactSettings(external_labels={"cluster": "restart"})
+    ref = _wl("rolled", "u-rolled")
+
+    async def send(body: bytes) -> None:
+        prom.write(body)
+
+    def index_of(source: str, since: float) -> PodIndex:
+        index = PodIndex()
+        index.apply(ChangeSet(workloads={"u-rolled": WorkloadFacts(
+            ref, "rayjob", False, "Running", ("Running",), "", since, (), source)}))
+        return index
+
+    before = FactWriter(settings, index_of("observed", t0 - 60), send, clock=clock)
+    for step in range(0, 60, 15):
+        clock.t = t0 + step
+        assert await before.write_once()
+    # a restart: the new process reads the object's time, 14 days ago
+    after = FactWriter(settings, index_of("object", t0 - 14 * 86400), send, clock=clock)
+    clock.t = t0 + 60
+    assert await after.write_once()
+    name = contract.FACT_WORKLOAD_PHASE_TRANSITION
+    sel = f'{name}{{cluster="restart",{_ident("rolled")}}}'
+    assert [dict(k)["source"] for k in prom.query(sel, t0 + 50)] == ["observed"]
+    assert [dict(k)["source"] for k in prom.query(sel, t0 + 61)] == ["object"]
+    assert [dict(k)["source"] for k in prom.query(sel, t0 + 200)] == ["object"]
+
+
+async def test_the_first_write_after_a_takeover_ends_the_other_source_once() -> None:
+    index = small_index()
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    leading = [True]
+
+    class Elector:
+        @property
+        def is_leader(self) -> bool:
+            return leading[0]
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0,
+                   elector=Elector())  # type: ignore[arg-type]
+
+    def ended() -> list[tuple[str, str]]:
+        stale, _ = _stale_and_live(b"".join(sent))
+        return sorted((dict(k)["karta_workload"], dict(k)["source"]) for k in stale
+                      if dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE_TRANSITION)
+
+    live = {(dict(k)["karta_workload"], dict(k)["source"])
+            for k in _live(writer(small_index()).build_requests(1))
+            if dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE_TRANSITION}
+    other = {"object": "observed", "observed": "object"}
+    assert await w.write_once()  # the first after the start
+    assert ended() == sorted((name, other[src]) for name, src in live)
+    sent.clear()
+    assert await w.write_once()
+    assert ended() == []  # once
+    leading[0] = False
+    assert not await w.write_once()  # stands by
+    leading[0] = True
+    sent.clear()
+    assert await w.write_once()  # takes over again
+    assert ended() == sorted((name, other[src]) for name, src in live)
+
+
+@pytest.mark.peers
 def test_tsdb_desired_vs_observed_follow_a_scale_up(prom: Prometheus) -> None:
     t0 = float(int(time.time()) - 1200)
     clock = Clock(t0)
@@ -1389,9 +1522,9 @@ class _Refused(Exception):
 
 
 async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
-    # a 4xx to one request (one bad series, a tenant's limit) stopped every later request
-    # of every write: 5 pods of 7, the workloads, the coverage and every stale marker
-    # were never written again
+    # a 4xx to one request (a tenant's limit) stopped every later request of every write:
+    # 5 pods of 7, the workloads, the coverage and every stale marker were never written
+    # again. A 4xx other than 400 refuses the request, not a series: dropped whole
     index = small_index()
     sent: list[bytes] = []
     refusing = [True]
@@ -1399,14 +1532,15 @@ async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
     async def send(body: bytes) -> None:
         if refusing[0] and len(sent) == 1:
             refusing[0] = False
-            raise _Refused(400)
+            raise _Refused(403)
         sent.append(body)
 
     w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, max_series_per_request=5)
     whole = writer(small_index()).build_requests(10_000)
     assert not await w.write_once()  # reported: one request did not land
     assert w.writes_failed == 1
-    assert sum(len(decode(b)) for b in sent) == sum(len(decode(b)) for b in whole) - 5
+    assert len(_live(sent)) == len(_live(whole)) - 5
+    assert sample_value(w.metrics.series_refused) == 5
     # and a 5xx still stops the write there (the upstream, not the request)
     sent.clear()
 
@@ -1418,6 +1552,140 @@ async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
     w._send = down
     assert not await w.write_once()
     assert len(sent) == 1 and w.writes_failed == 2
+
+
+#: what a sender forged under the labels of a process fact (the writer's own, no karta_*
+#: label the relay would drop): one out-of-order sample makes Prometheus refuse the whole
+#: request that holds the writer's sample of it (400)
+_POISON = (("__name__", contract.FACT_CONTRACT_INFO), ("version", contract.CONTRACT_VERSION))
+
+
+def _live(bodies: list[bytes]) -> set[tuple[tuple[str, str], ...]]:
+    """The series of ``bodies`` that are not stale markers (a first write also ends each
+    workload's transition series of the other ``source``)."""
+    return {k for b in bodies for k, s in decode(b).items() if not is_stale(s[0][0])}
+
+
+def _poisoned(body: bytes) -> bool:
+    return _POISON in decode(body)
+
+
+async def test_a_400_is_bisected_down_to_the_series_it_refuses_then_that_goes_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One refused series stopped every fact request that held it, every write (a 400
+    refused the request whole): the pods, workloads, coverage and stale markers beside it
+    too. Now the halves go again down to that series, which alone is left out, counted,
+    logged by name, and sent in a request of its own by the next writes."""
+    index = small_index()
+    sent: list[bytes] = []
+    tries: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        tries.append(body)
+        if _poisoned(body):
+            raise _Refused(400)
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, max_series_per_request=100)
+    whole = writer(small_index()).build_requests(10_000)
+    everything = {k for b in whole for k in decode(b)}
+    assert len(whole) == 1 and len(everything) > 30
+    with caplog.at_level("WARNING", logger="proxy.facts.writer"):
+        assert await w.write_once()  # what could land, landed
+    assert _live(sent) == everything - {_POISON}
+    assert sample_value(w.metrics.series_refused) == 1
+    assert w.writes_ok == 1 and w.writes_failed == 0
+    bisecting = len(tries)
+    assert 2 < bisecting <= 2 + 2 * math.ceil(math.log2(len(everything)))
+    line = next(r for r in caplog.records if "refused" in r.getMessage())
+    version = contract.CONTRACT_VERSION
+    assert line.__dict__["series"] == f'karta_contract_info{{version="{version}"}}'
+    # the next write: the refused series first in a request of its own, no bisection
+    tries.clear()
+    sent.clear()
+    assert await w.write_once()
+    assert len(tries) == 2
+    assert [decode(t).keys() == {_POISON} for t in tries].count(True) == 1
+    assert {k for b in sent for k in decode(b)} == everything - {_POISON}
+    assert sample_value(w.metrics.series_refused) == 2
+    # accepted again (the forged sample's time has passed): forgotten, one request again
+    tries.clear()
+    w._send = lambda body: _nosend_ok(tries, body)
+    assert await w.write_once()
+    assert len(tries) == 2  # the one of its own, accepted: then forgotten
+    tries.clear()
+    assert await w.write_once()
+    assert len(tries) == 1
+
+
+async def test_a_refused_own_series_does_not_keep_the_other_from_ending_at_stop() -> None:
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        if _poisoned(body):
+            raise _Refused(400)
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
+    assert await w.write_once()
+    sent.clear()
+    markers = w.stale_markers_total
+    assert await w.end_own_series()
+    ended = {dict(k)["__name__"] for k in _stale_and_live(b"".join(sent))[0]}
+    assert ended == {contract.FACT_BUILD_INFO}  # before: neither (one request, refused)
+    assert w.stale_markers_total == markers + 1
+    assert sample_value(w.metrics.series_refused) == 2  # the write's and the stop's
+
+
+async def _nosend_ok(tries: list[bytes], body: bytes) -> None:
+    tries.append(body)
+
+
+async def test_the_requests_a_bisection_takes_are_bounded() -> None:
+    """An upstream that answers 400 to anything (not a series: a body it cannot read)
+    costs a write at most MAX_EXTRA_REQUESTS more requests, not one per series."""
+    from proxy.facts.writer import MAX_EXTRA_REQUESTS, MAX_REFUSED_REMEMBERED
+
+    index = small_index()
+    tries: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        tries.append(body)
+        raise _Refused(400)
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, max_series_per_request=5)
+    own = len(FactWriter(FactSettings(), small_index(), _nosend,
+                         max_series_per_request=5).build_requests(10_000))
+    assert not await w.write_once()
+    assert own < len(tries) <= own + MAX_EXTRA_REQUESTS
+    assert w.writes_failed == 1
+    # the series it found refused alone are remembered, at most MAX_REFUSED_REMEMBERED,
+    # each then a request of its own: a later write is bounded by both
+    tries.clear()
+    assert not await w.write_once()
+    assert len(tries) <= own + MAX_REFUSED_REMEMBERED + MAX_EXTRA_REQUESTS
+
+
+async def test_a_stale_marker_refused_on_its_own_stays_owed() -> None:
+    index = small_index()
+    refusing = [False]
+
+    async def send(body: bytes) -> None:
+        if refusing[0] and any(("pod", "loner") in k for k in decode(body)):
+            raise _Refused(400)
+
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
+    assert await w.write_once()
+    index.apply(ChangeSet(pods={"p-lost": None}))
+    refusing[0] = True
+    before = w.stale_markers_total
+    assert await w.write_once()
+    assert sample_value(w.metrics.series_refused) >= 1
+    refusing[0] = False
+    stale, _ = _stale_and_live(w.build_request(30_000))
+    assert any(("pod", "loner") in k for k in stale)  # still owed
+    assert w.stale_markers_total > before  # the coverage's marker landed and counted
 
 
 async def test_a_write_makes_each_request_after_sending_the_one_before() -> None:

@@ -79,6 +79,10 @@ class FactWriterMetrics:
         self.writes_failed = self.writes.labels(result="failure")
         self.stale_markers = Counter(contract.OP_FACT_STALE_MARKERS, "Stale markers written "
                                      "for fact series that went away.", registry=None)
+        self.series_refused = Counter(
+            contract.OP_FACT_SERIES_REFUSED, "Fact series the upstream refused for good, "
+            "left out of a write: one by one after a 400 bisected down to them, or with a "
+            "request refused whole.", registry=None)
         self.series = Gauge(contract.OP_FACT_SERIES, "Fact series in the last write.",
                             registry=None)
         self.last_write = Gauge(contract.OP_FACT_LAST_WRITE, "Unix time of the last "
@@ -88,8 +92,8 @@ class FactWriterMetrics:
         """Every family, without the counters' ``_created`` samples: docs/metrics.md
         lists what the writer serves, and the creation time of a process-lifetime
         counter says nothing ``process_start_time_seconds`` does not."""
-        for metric in (self.leader, self.writes, self.stale_markers, self.series,
-                       self.last_write):
+        for metric in (self.leader, self.writes, self.stale_markers, self.series_refused,
+                       self.series, self.last_write):
             for family in metric.collect():
                 family.samples = [s for s in family.samples
                                   if not s.name.endswith("_created")]

@@ -193,6 +193,20 @@ def union(first: Group, then: Group) -> Group:
                   [*first.values, *(v for _, v in extra)])
 
 
+def swapped(series: Series, old: bytes, new: bytes, sample_len: int) -> Series | None:
+    """``series`` with its label field ``old`` (one piece, not in a shared run) replaced by
+    ``new``, for samples of ``sample_len``; None when it has no such piece."""
+    if old not in series:
+        return None
+    labels = tuple(new if piece == old else piece for piece in series[1:])
+    return (series_header(sum(map(len, labels)) + sample_len), *labels)
+
+
+def label_field(name: str, value: str) -> bytes:
+    """One label field as the encoder writes it (a series' piece, unless shared)."""
+    return _label_field(name, value)
+
+
 def rehead(group: Group, sample_len: int) -> Group:
     """A kept group for sample fields of another length (its headers count the sample)."""
     return _group(

@@ -33,9 +33,11 @@ from proxy.facts.encoder import (
     Series,
     encode_facts,
     interleaver,
+    label_field,
     rehead,
     sample_field,
     series_bytes,
+    swapped,
     timestamp_field,
     union,
 )
@@ -50,7 +52,14 @@ from proxy.facts.model import (
     workload_facts,
 )
 from proxy.index import PodIndex
-from proxy.karta.results import PodAttribution, WorkloadFacts
+from proxy.karta.results import (
+    PHASE_SINCE_OBJECT,
+    PHASE_SINCE_OBSERVED,
+    PodAttribution,
+    WorkloadFacts,
+)
+from proxy.log import Throttled
+from proxy.wire.primitives import parse_label, read_field
 from proxy.yielding import Busy, Pacer
 
 if TYPE_CHECKING:
@@ -101,6 +110,27 @@ OWN_SERIES = (contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO)
 END_TIMEOUT_SECONDS = 5.0
 
 
+#: a write sends at most this many requests beyond its own to find, by halves, the series
+#: a 400 refuses (``FactWriter._deliver``): one series in a request of 5,000 takes 26
+#: (13 levels, two halves each). Past it a refused part is dropped whole for the write
+MAX_EXTRA_REQUESTS = 64
+#: series refused on their own remembered (each then costs a request of its own a write)
+MAX_REFUSED_REMEMBERED = 32
+
+#: a workload's transition-time series under one ``source`` and the other: the first write
+#: after a start or a takeover ends the other source's series of every workload it writes
+#: (``FactWriter._end_other_source``). The previous writer may have dated the phase
+#: otherwise (it saw a rollout end: ``observed``; this one reads the object: ``object``),
+#: and its series lingered for the 5-minute lookback beside this one's: two rows of time
+#: in phase for one workload. A marker for a series that never existed is harmless.
+_SOURCE_FIELDS = {
+    label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBJECT):
+        label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBSERVED),
+    label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBSERVED):
+        label_field(contract.FACT_LABEL_SOURCE, PHASE_SINCE_OBJECT),
+}
+_TRANSITION_NAME = label_field("__name__", contract.FACT_WORKLOAD_PHASE_TRANSITION)
+
 _Obj = TypeVar("_Obj", PodAttribution, WorkloadFacts)
 
 #: What the written set is keyed by: a pod's uid (or its namespace and name if it has
@@ -123,6 +153,63 @@ def workload_key(wf: WorkloadFacts) -> Key:
     two objects of one identity (deleted and made again) continue the same series."""
     r = wf.ref
     return (r.group, r.kind, r.namespace, r.name)
+
+
+class _Delivery:
+    """What one write's requests came to beyond success (``FactWriter._deliver``)."""
+
+    def __init__(self) -> None:
+        #: requests sent to find refused series (halves)
+        self.extra = 0
+        #: series refused on their own (a 400 bisected down to them), left out
+        self.refused = 0
+        #: of them, stale markers, and the keys of those
+        self.refused_stale = 0
+        self.stale_keys: set[Key] = set()
+        #: series dropped with a part refused whole (another 4xx, or MAX_EXTRA_REQUESTS)
+        self.dropped = 0
+        #: requests accepted (a write of which none landed failed, whatever refused it)
+        self.accepted = 0
+
+
+def _split_body(body: bytes) -> tuple[list[bytes], bytes]:
+    """A WriteRequest's TimeSeries fields, each whole, and its other fields (metadata)."""
+    series: list[bytes] = []
+    other: list[bytes] = []
+    pos, end = 0, len(body)
+    while pos < end:
+        number, _, _, q = read_field(body, pos, end)
+        (series if number == 1 else other).append(body[pos:q])
+        pos = q
+    return series, b"".join(other)
+
+
+def _labels_of(field: bytes) -> bytes:
+    """The label fields of a whole TimeSeries field: what names the series, whatever its
+    sample (the key a refused series is remembered by; ``b"".join(series[1:])`` of the
+    writer's own :data:`Series`)."""
+    _, _, p, end = read_field(field, 0, len(field))
+    start = pos = p
+    while pos < end:
+        number, _, _, q = read_field(field, pos, end)
+        if number != 1:
+            break
+        pos = q
+    return field[start:pos]
+
+
+def _series_text(labels: bytes) -> str:
+    """``name{label="value", ...}`` of a series' label fields, for a log line."""
+    pairs: list[tuple[str, str]] = []
+    pos, end = 0, len(labels)
+    while pos < end:
+        _, _, p, q = read_field(labels, pos, end)
+        k, v = parse_label(labels, p, q)
+        pairs.append((k.decode("utf-8", "replace"), v.decode("utf-8", "replace")))
+        pos = q
+    metric = next((v for k, v in pairs if k == "__name__"), "")
+    rest = ", ".join(f'{k}="{v}"' for k, v in pairs if k != "__name__")
+    return f"{metric}{{{rest}}}"
 
 
 class _Cached(NamedTuple, Generic[_Obj]):
@@ -167,8 +254,10 @@ class FactWriter:
 
     ``send`` gets uncompressed RW 1.0 ``WriteRequest`` bodies (``Upstream.send_v1``
     compresses and posts them), at most ``MAX_SERIES_PER_REQUEST`` series each; what it
-    raises for a refusal carries the ``status`` a sender would get (a 4xx: that request
-    refused for good, the others of the write still sent; else the write stops there).
+    raises for a refusal carries the ``status`` a sender would get (a 400: its halves sent
+    again down to the series refused, which alone are left out and then go in requests of
+    their own, :meth:`_deliver`; another 4xx: that request refused for good; either way the
+    others of the write still sent; else the write stops there).
     Only the lease holder writes when an ``elector`` is given. Stale markers follow what
     was last *successfully* sent: after a failed send the next write still ends the series
     that went away. ``busy`` says whether requests are being relayed now: a write (and a
@@ -213,6 +302,23 @@ class FactWriter:
         #: time it was seen, kept for STANDBY_MEMORY seconds, so a takeover ends what the
         #: old leader left behind
         self._standby: dict[Key, dict[Group, float]] = {}
+        #: series an upstream refused on their own (a 400 bisected down to them), by key:
+        #: their label bytes (:func:`_labels_of`). Later writes send each in a request of
+        #: its own, so it spoils no other and needs no new bisection; one accepted again
+        #: is forgotten. At most ``MAX_REFUSED_REMEMBERED`` in all
+        self._refused: dict[Key, set[bytes]] = {}
+        #: the keys of the series of the body ``iter_requests`` yielded last, in order,
+        #: as (key, how many series in a row)
+        self.body_runs: list[tuple[Key, int]] = []
+        #: the sample field of a stale marker in the write being made
+        self._stale_sample = b""
+        self._refusal_lines = Throttled(
+            log, "fact series refused by the upstream, left out of this write",
+            "fact series refused by the upstream (repeated)", peer_field=None)
+        #: the next write ends each workload's transition series of the other ``source``
+        #: (set on every takeover, a start's first write included; cleared once a write
+        #: landed): see ``_SOURCE_FIELDS``
+        self._end_other_source = False
         self._task: asyncio.Task[None] | None = None
         #: the leader/standby state: changed only by step()
         self.state = WriterState.STANDBY
@@ -305,17 +411,23 @@ class FactWriter:
         current: dict[Key, Group] = {}
         self._pending = current
         parts: list[bytes] = []
+        runs: list[tuple[Key, int]] = []
         count = 0
         limit = self._max_series
         made = 0
-        gone: list[Series] = []
+        gone: list[tuple[Series, Key]] = []
+        refused = self._refused
+        stale = self._stale_sample = sample_field(STALE_NAN, ts_bytes)
+        end_other = self._end_other_source
+        others = 0
 
-        def chunks() -> Iterator[tuple[tuple[bytes, ...], int] | None]:
-            """(the wire pieces of n series, n): every fact now, a group at a time, then a
-            stale marker for each series of the last write that is gone (known once the
-            facts are through); None: a pause. A group is never split across requests
-            unless it alone holds more series than a request."""
-            nonlocal made
+        def chunks() -> Iterator[tuple[tuple[bytes, ...], int, Key, bool] | None]:
+            """(the wire pieces of n series, n, their key, alone): every fact now, a group
+            at a time, then a stale marker for each series of the last write that is gone
+            (known once the facts are through); None: a pause. A group is never split
+            across requests unless it alone holds more series than a request, or holds a
+            series refused before (``alone``: sent in a request of its own)."""
+            nonlocal made, others
             for key, group in self._current():
                 had = current.get(key)
                 # two groups of one key: first wins (the index gives one workload per
@@ -323,14 +435,27 @@ class FactWriter:
                 whole = current[key] = group if had is None else union(had, group)
                 skip = 0 if had is None else len(had.shape)
                 n = len(whole.values) - skip
-                if not skip and n <= limit:
+                suspects = refused.get(key) if refused else None
+                if not skip and n <= limit and suspects is None:
                     if n:  # (the coverage of no pods has no series)
                         yield interleaver(whole.shape)(
-                            whole.pieces + tuple(map(samples.__getitem__, whole.values))), n
+                            whole.pieces + tuple(map(samples.__getitem__, whole.values))
+                        ), n, key, False
                 else:  # what the key had not made yet, a series at a time
                     for one, value in islice(zip(whole.series(), whole.values, strict=True),
                                              skip, None):
-                        yield (*one, samples[value]), 1
+                        alone = suspects is not None and b"".join(one[1:]) in suspects
+                        yield (*one, samples[value]), 1, key, alone
+                if end_other and not skip and len(key) == 4:  # a workload's
+                    for one in whole.series():
+                        if _TRANSITION_NAME not in one:
+                            continue
+                        for this, other in _SOURCE_FIELDS.items():
+                            ended = swapped(one, this, other, self._sample_len)
+                            if ended is not None:
+                                others += 1
+                                yield (*ended, stale), 1, key, False
+                                break
                 made += n
                 if (made // PAUSE_EVERY_SERIES != (made - n) // PAUSE_EVERY_SERIES
                         or time.perf_counter() - started > PAUSE_AFTER_SECONDS):
@@ -339,16 +464,18 @@ class FactWriter:
             for checked, (key, was) in enumerate(self._written.items(), 1):
                 now = current.get(key)
                 if now is None:
-                    gone.extend(was.series())
+                    gone.extend((one, key) for one in was.series())
                 elif now is not was:
                     kept = set(now.series())
-                    gone.extend(one for one in was.series() if one not in kept)
+                    gone.extend((one, key) for one in was.series() if one not in kept)
                 if checked % PAUSE_EVERY_SERIES == 0:
                     yield None
             if gone:
-                stale = sample_field(STALE_NAN, ts_bytes)
-                for one in sorted(gone, key=series_bytes):
-                    yield (*one, stale), 1
+                gone.sort(key=lambda item: series_bytes(item[0]))
+                for one, key in gone:
+                    suspects = refused.get(key) if refused else None
+                    alone = suspects is not None and b"".join(one[1:]) in suspects
+                    yield (*one, stale), 1, key, alone
 
         for item in chunks():
             if item is None:
@@ -356,20 +483,32 @@ class FactWriter:
                 yield b""
                 started = time.perf_counter()
                 continue
-            pieces, n = item
+            pieces, n, key, alone = item
+            if alone:  # refused before: a request of its own, so it spoils no other
+                self.body_runs = [(key, 1)]
+                building += time.perf_counter() - started
+                yield b"".join(pieces)
+                started = time.perf_counter()
+                continue
             if count + n > limit:
                 body, parts, count = b"".join(parts), [], 0
+                self.body_runs, runs = runs, []
                 building += time.perf_counter() - started
                 yield body
                 started = time.perf_counter()
             parts.extend(pieces)
             count += n
+            if runs and runs[-1][0] is key:
+                runs[-1] = (key, runs[-1][1] + n)
+            else:
+                runs.append((key, n))
         parts.append(METADATA)
         body = b"".join(parts)
         del parts
+        self.body_runs = runs
         self.last_series = made
         self.metrics.series.set(made)
-        self.last_stale_markers = len(gone)
+        self.last_stale_markers = len(gone) + others
         self.last_build_seconds = building + time.perf_counter() - started
         yield body
 
@@ -454,6 +593,13 @@ class FactWriter:
     def commit(self) -> None:
         """Record the last built requests as delivered (their series are now 'written')."""
         self._written = self._pending
+        self._end_other_source = False
+        self._prune_refused()
+
+    def _prune_refused(self) -> None:
+        """Forget refused series of keys no longer written (a pod or workload gone)."""
+        if self._refused:
+            self._refused = {k: v for k, v in self._refused.items() if k in self._written}
         self.metrics.stale_markers.inc(self.last_stale_markers)
 
     def commit_partial(self) -> None:
@@ -462,10 +608,22 @@ class FactWriter:
         series that never landed is harmless; a missing one leaves a ghost)."""
         self._written = self._owed(self._written, self._pending.items())
 
+    def commit_refused(self, tally: _Delivery) -> None:
+        """A write landed but for series refused on their own: what was sent is written;
+        a refused stale marker stays owed (its key's old series with it: a second marker
+        is harmless), and a refused series of now is owed one as any other."""
+        self._written = self._owed(
+            self._pending,
+            ((k, g) for k, g in self._written.items() if k in tally.stale_keys))
+        self._end_other_source = False
+        self._prune_refused()
+        self.metrics.stale_markers.inc(self.last_stale_markers - tally.refused_stale)
+
     def forget(self) -> None:
         """Stop owning the written series (leadership lost: the next leader continues them)."""
         self._written = {}
         self._pending = {}
+        self._refused = {}
 
     # -- the counters, as tests and benchmarks read them -------------------------------
 
@@ -501,6 +659,7 @@ class FactWriter:
             return target
         if target is WriterState.LEADER:
             log.info("fact writer takes over")
+            self._end_other_source = True
             self._written = self._owed(
                 self._written, ((k, g) for k, seen in self._standby.items() for g in seen))
             self._standby = {}
@@ -533,11 +692,110 @@ class FactWriter:
         memory.freeze_survivors()  # the cache and the groups seen, as after a write
         await memory.trim_off_loop()  # the cache this walk replaced
 
+    # -- delivery: a 400 bisected down to the series it refuses -----------------------
+
+    async def _deliver(self, body: bytes, runs: list[tuple[Key, int]],
+                       tally: _Delivery) -> None:
+        """Send ``body``; on a 400, send its halves, and theirs, down to the series the
+        upstream refuses (Prometheus rolls back a whole request for one out-of-order
+        sample: one series a sender forged under a fact's labels, ahead in time, stopped
+        every fact request that held it). A refused series is left out of this write,
+        counted, logged and remembered (``_refused``); ``tally.extra`` bounds the
+        requests the halves take (``MAX_EXTRA_REQUESTS`` a write), past which a refused
+        part is dropped whole (``tally.dropped``), as is a request refused with any other
+        4xx (the request, not a series: a tenant's limit, auth). Anything else (a 5xx,
+        no answer) raises: the upstream, not the request."""
+        try:
+            await self._send(body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            status = getattr(exc, "status", 0)
+            if not 400 <= status < 500:
+                raise
+            await self._refused_body(body, runs, status, exc, tally)
+            return
+        tally.accepted += 1
+        if self._refused and len(runs) == 1 and runs[0][1] == 1:
+            self._accepted_again(body, runs[0][0])
+
+    async def _refused_body(self, body: bytes, runs: list[tuple[Key, int]], status: int,
+                            exc: Exception, tally: _Delivery) -> None:
+        """``body`` was refused with ``status``: bisect it (a 400) or drop it whole."""
+        series, meta = _split_body(body)
+        keys: list[Key | None] = [key for key, n in runs for _ in range(n)]
+        if len(keys) != len(series):  # not the writer's own layout: no key to remember
+            keys = [None] * len(series)
+
+        async def refused(lo: int, hi: int, status: int, exc: Exception) -> None:
+            if status == 400 and hi - lo == 1:
+                self._refused_series(series[lo], keys[lo], exc, tally)
+                return
+            if status != 400 or tally.extra + 2 > MAX_EXTRA_REQUESTS:
+                if not tally.dropped:  # the first of this write
+                    log.warning("fact write: %d series refused for good with their "
+                                "request, the others still sent: %s", hi - lo, exc)
+                tally.dropped += hi - lo
+                return
+            mid = (lo + hi) // 2
+            for a, b in ((lo, mid), (mid, hi)):
+                tally.extra += 1
+                half = b"".join(series[a:b]) + (meta if b == len(series) else b"")
+                try:
+                    await self._send(half)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as sub:
+                    sub_status = getattr(sub, "status", 0)
+                    if not 400 <= sub_status < 500:
+                        raise
+                    await refused(a, b, sub_status, sub)
+                else:
+                    tally.accepted += 1
+
+        if series:  # (metadata alone: no fact lost)
+            await refused(0, len(series), status, exc)
+
+    def _refused_series(self, field: bytes, key: Key | None, exc: Exception,
+                        tally: _Delivery) -> None:
+        """One series the upstream refused on its own: counted, logged, remembered."""
+        tally.refused += 1
+        if field.endswith(self._stale_sample):
+            tally.refused_stale += 1
+            if key is not None:
+                tally.stale_keys.add(key)
+        self.metrics.series_refused.inc()
+        labels = _labels_of(field)
+        if key is not None:
+            known = self._refused.get(key)
+            if known is None and sum(map(len, self._refused.values())) < MAX_REFUSED_REMEMBERED:
+                known = self._refused[key] = set()
+            if known is not None and (labels in known
+                                      or sum(map(len, self._refused.values()))
+                                      < MAX_REFUSED_REMEMBERED):
+                known.add(labels)
+        text = _series_text(labels)
+        # a line per family and interval, naming the series (a summary the rest)
+        self._refusal_lines.event(text.split("{", 1)[0],
+                                  {"series": text, "error": str(exc)[:300]})
+
+    def _accepted_again(self, body: bytes, key: Key) -> None:
+        """A body of one series was accepted: if it was refused before, forget it."""
+        known = self._refused.get(key)
+        if known is None:
+            return
+        series, _ = _split_body(body)
+        if len(series) == 1:
+            known.discard(_labels_of(series[0]))
+            if not known:
+                del self._refused[key]
+
     async def _write(self, now: float) -> bool:
         """Send one write's requests; what is owed afterwards follows what was sent."""
         bodies = self.iter_requests(int(now * 1000))
         pacer = self._pacer()
-        sent = refused = 0
+        tally = _Delivery()
+        sent = 0
         while True:
             try:
                 body = next(bodies)
@@ -551,21 +809,15 @@ class FactWriter:
                 continue
             try:
                 await pacer.pause()  # a request that came meanwhile goes first
-                await self._send(body)
+                # a 4xx refuses this request (or, a 400, some of its series: bisected)
+                # for good: the others still go, or one would stop every later one of
+                # every write, pods, workloads, stale markers alike
+                await self._deliver(body, self.body_runs, tally)
             except asyncio.CancelledError:
                 self._finish(bodies)
                 self.commit_partial()
                 raise
             except Exception as exc:
-                if 400 <= getattr(exc, "status", 0) < 500:
-                    # this request refused for good (a tenant's series limit, one bad
-                    # series): the others still go, or one would stop every later one of
-                    # every write, pods, workloads, stale markers alike
-                    refused += 1
-                    if refused == 1:
-                        log.warning("fact write: a request refused for good, the others "
-                                    "still sent: %s", exc)
-                    continue
                 # the next write retries; stale markers are kept
                 await self._finish_pausing(bodies, pacer)
                 self.commit_partial()
@@ -576,15 +828,20 @@ class FactWriter:
             sent += 1
             if sent % TRIM_EVERY_REQUESTS == 0:
                 await memory.trim_off_loop()
-        if refused:
+        self.metrics.series_refused.inc(tally.dropped)
+        if tally.dropped or not tally.accepted:
             self.commit_partial()
             self.metrics.writes_failed.inc()
-            log.warning("fact write: %d of %d requests refused for good", refused,
-                        sent + refused)
+            log.warning("fact write: %d series refused for good in requests of their "
+                        "own, %d series with their request (%d requests to find them)",
+                        tally.refused, tally.dropped, tally.extra)
             return False
         self.metrics.writes_ok.inc()
         self.metrics.last_write.set(now)
-        self.commit()
+        if tally.refused:
+            self.commit_refused(tally)
+        else:
+            self.commit()
         memory.freeze_survivors()  # the cache and the written set, out of full collections
         await memory.trim_off_loop()  # the written set this write replaced
         return True
@@ -618,6 +875,7 @@ class FactWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await self.end_own_series()
+            self._refusal_lines.close()
 
     def own_series_markers(self, now_ms: int) -> tuple[bytes, int]:
         """A request of stale markers for the ``OWN_SERIES`` this writer last wrote, and
@@ -640,17 +898,25 @@ class FactWriter:
         version starts them again at its first write. True when they were sent."""
         if self.state is not WriterState.LEADER or not self.is_writer:
             return False
-        body, markers = self.own_series_markers(int(self._clock() * 1000))
+        now_ms = int(self._clock() * 1000)
+        body, markers = self.own_series_markers(now_ms)
+        self._stale_sample = sample_field(STALE_NAN, timestamp_field(now_ms))
         if not markers:
             return False
-        try:
-            await asyncio.wait_for(self._send(body), END_TIMEOUT_SECONDS)
+        tally = _Delivery()
+        try:  # one refused (a sender's series under its labels) spoils not the other
+            await asyncio.wait_for(self._deliver(body, [(PROCESS_KEY, markers)], tally),
+                                   END_TIMEOUT_SECONDS)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # they then end with the lookback, as after a crash
             log.warning("fact writer: could not end its own series at stop: %s", exc)
             return False
-        self.metrics.stale_markers.inc(markers)
+        self.metrics.series_refused.inc(tally.dropped)
+        if tally.refused + tally.dropped >= markers:
+            log.warning("fact writer: could not end its own series at stop: refused")
+            return False
+        self.metrics.stale_markers.inc(markers - tally.refused - tally.dropped)
         # ended: no longer owed (replaced, never changed in place: see _written)
         self._written = {k: g for k, g in self._written.items() if k != PROCESS_KEY}
         return True

@@ -144,7 +144,9 @@ class _Evaluation:
 
     def since(self, m: Matcher) -> float | None:
         """When ``m``'s conditions (all present: it matched) last changed, the latest of
-        them: the matcher holds since the last of its conditions took its value."""
+        them: the matcher holds since the last of its conditions took its value. A
+        condition matched by its ``reason`` took it at its ``lastUpdateTime`` when that is
+        later (:data:`_UPDATE_FIELD`)."""
         conditions = self.conditions()
         latest: float | None = None
         for want in m.by_conditions:
@@ -152,6 +154,10 @@ class _Evaluation:
             t = _timestamp(have.get(_TRANSITION_FIELD)) if have is not None else None
             if t is None:
                 return None
+            if want.reason is not None and have is not None:
+                updated = _timestamp(have.get(_UPDATE_FIELD))
+                if updated is not None and updated > t:
+                    t = updated
             latest = t if latest is None else max(latest, t)
         return latest
 
@@ -209,6 +215,13 @@ def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any]) -> 
 
 #: the condition field that says when its status last changed (Kubernetes API convention)
 _TRANSITION_FIELD = "lastTransitionTime"
+#: the field some controllers keep beside it (a Deployment's, a ReplicaSet's, and the
+#: operators that copied their helpers): set when the condition's status *or reason*
+#: changes, not on every sync. A matcher that names a reason holds since the condition
+#: took that reason, which ``lastTransitionTime`` does not say when the status stayed:
+#: a Deployment's ``Progressing`` stays True through a rollout, and turns to reason
+#: ``NewReplicaSetAvailable`` at its end, dated only here
+_UPDATE_FIELD = "lastUpdateTime"
 
 
 def _phase_since(ev: _Evaluation, status: StatusDefinition, phase: str) -> float | None:

@@ -6,6 +6,7 @@ import copy
 import functools
 import itertools
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -1182,6 +1183,46 @@ def test_time_in_running_restarts_after_a_rollout_that_left_available_true() -> 
         _cond("Progressing", "False", "2026-12-30T09:03:00Z", reason="ProgressDeadlineExceeded")]
     w = W(e.upsert(failing), "deployment-web")
     assert w.phase == "Failed" and w.phase_since_source == "object", w
+
+
+def test_a_rollouts_end_dates_running_alike_before_and_after_a_restart() -> None:
+    # the Deployment controller records a rollout's end as Progressing's reason
+    # NewReplicaSetAvailable, dated by lastUpdateTime (lastTransitionTime stays: the
+    # status was True throughout). The process that saw the rollout dated Running by its
+    # sighting (source observed) and one started after it by Available's time, 14 days
+    # before (source object): two series, two ages, for one workload
+    available = "2026-11-16T09:00:02Z"
+    ended = T0_UNIX + 30 * 86400 + 130
+
+    def settled(generation: int, progressing_updated: str) -> dict[str, Any]:
+        dep = deployment("web")
+        dep["metadata"]["generation"] = generation
+        dep["status"]["observedGeneration"] = generation
+        dep["status"]["conditions"] = [
+            _cond("Available", "True", available, lastUpdateTime=available),
+            _cond("Progressing", "True", available, reason="NewReplicaSetAvailable",
+                  lastUpdateTime=progressing_updated)]
+        return dep
+
+    clock = ManualClock(T0_UNIX + 30 * 86400)
+    seen = Engine(clock=clock)
+    w = W(seen.upsert(settled(1, available)), "deployment-web")
+    assert (w.phase, w.phase_since_source) == ("Running", "object")
+    clock.now += 100
+    rolling = settled(2, available)
+    rolling["status"]["observedGeneration"] = 2
+    rolling["status"]["updatedReplicas"] = 0
+    rolling["status"]["conditions"][1].update(reason="ReplicaSetUpdated")
+    assert W(seen.upsert(rolling), "deployment-web").phase == "Initializing"
+    clock.now = ended + 1
+    done = settled(2, datetime.fromtimestamp(ended, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    before = W(seen.upsert(done), "deployment-web")
+    restarted = Engine(clock=ManualClock(ended + 500))
+    after = W(restarted.upsert(done), "deployment-web")
+    assert (before.phase, before.phase_since, before.phase_since_source) == (
+        "Running", ended, "object")
+    assert (after.phase, after.phase_since, after.phase_since_source) == (
+        "Running", ended, "object")
 
 
 def test_a_workload_seen_before_its_object_keeps_the_objects_time() -> None:

@@ -611,6 +611,31 @@ def test_since_is_the_latest_time_of_the_first_dated_matcher() -> None:
     assert evaluate_status(DATED, obj).since == 1767225600.0
 
 
+def test_a_condition_matched_by_its_reason_dates_from_when_it_took_the_reason() -> None:
+    d = definition({
+        "conditionsDefinition": CONDITIONS,
+        "statusMappings": {
+            "running": [{"byConditions": [{"type": "Progressing", "status": "True",
+                                           "reason": "NewReplicaSetAvailable"}]}],
+            "initializing": [{"byConditions": [{"type": "Progressing", "status": "True"}]}],
+        },
+    })
+    cond = {**_lt("Progressing", "True", "2026-01-01T00:00:00Z"),
+            "reason": "NewReplicaSetAvailable", "lastUpdateTime": "2026-01-02T00:00:00Z"}
+    obj: dict[str, Any] = {"status": {"conditions": [cond]}}
+    # the status stayed True (lastTransitionTime), the reason came at lastUpdateTime
+    assert (evaluate_status(d, obj).phase, evaluate_status(d, obj).since) == (
+        "Running", 1767312000.0)
+    # an older or unreadable lastUpdateTime: lastTransitionTime
+    for other in ("2025-12-31T00:00:00Z", "soon", None):
+        cond["lastUpdateTime"] = other
+        assert evaluate_status(d, obj).since == 1767225600.0, other
+    # a matcher that names no reason: lastTransitionTime alone, whatever lastUpdateTime says
+    cond.update(reason="ReplicaSetUpdated", lastUpdateTime="2026-01-02T00:00:00Z")
+    res = evaluate_status(d, obj)
+    assert (res.phase, res.since) == ("Initializing", 1767225600.0)
+
+
 def test_no_evidence_without_a_dated_matcher() -> None:
     assert evaluate_status(DATED, {"status": {"phase": "Up"}}).since is None
     res = evaluate_status(DATED, {"status": {"broken": True}})
