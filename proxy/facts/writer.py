@@ -595,12 +595,12 @@ class FactWriter:
         self._written = self._pending
         self._end_other_source = False
         self._prune_refused()
+        self.metrics.stale_markers.inc(self.last_stale_markers)
 
     def _prune_refused(self) -> None:
         """Forget refused series of keys no longer written (a pod or workload gone)."""
         if self._refused:
             self._refused = {k: v for k, v in self._refused.items() if k in self._written}
-        self.metrics.stale_markers.inc(self.last_stale_markers)
 
     def commit_partial(self) -> None:
         """Some requests of a write failed: keep owing the stale markers of the series
