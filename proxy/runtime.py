@@ -322,7 +322,7 @@ class Proxy:
             self.tls = self._make_tls()
         try:
             self._runner, self.port = await start_site(
-                app, host, port, ssl_context=self.tls.context if self.tls is not None else None,
+                app, host, port, ssl_context=self.tls.current if self.tls is not None else None,
                 refusals=self.tls.refusals if self.tls is not None else None)
         except OSError as e:
             raise _listen_error(s.server.listen_address, e) from e
@@ -345,8 +345,11 @@ class Proxy:
         failures = self.metrics.tls_handshake_failures
         for reason in REASONS:  # every reason present from the start, at 0
             failures.labels(reason.value)
+        expiry = self.metrics.tls_certificate_expiry
+        self.metrics.registry.register(expiry)
         kwargs: dict[str, Any] = {
-            "on_reload": count, "on_refused": lambda reason: failures.labels(reason).inc()}
+            "on_reload": count, "on_refused": lambda reason: failures.labels(reason).inc(),
+            "on_expiry": expiry.set}
         if self._tls_check_interval is not None:
             kwargs["check_interval"] = self._tls_check_interval
         tls = ServerTLS(self.settings.server, **kwargs)
@@ -437,6 +440,14 @@ class Proxy:
             plan = build_plan(**enrich_arguments(new.enrich)) if replan else None
         except ValueError as e:
             return ReloadOutcome(False, f"enrich: {e}")
+        # the TLS files are tried too before anything is applied: a reload whose files do
+        # not load changes nothing (it applied the new enrich plan, then answered 500)
+        tls = None
+        if self.tls is not None:
+            try:
+                tls = self.tls.trial()
+            except Exception as e:
+                return ReloadOutcome(False, f"TLS files (server.tls_*): {e}")
 
         # -- nothing below fails on valid input: apply ------------------------------------
         if "karta.builtins" in merged.applied:
@@ -453,8 +464,8 @@ class Proxy:
         if "log_level" in merged.applied:
             logging.getLogger().setLevel(new.log_level.upper())
         self.settings = new
-        if self.tls is not None:
-            self.tls.check(force=True)
+        if self.tls is not None and tls is not None:
+            self.tls.adopt(tls, forced=True)
         if merged.restart_required:
             log.warning("configuration changes that take a restart; the running values stay",
                         extra={"keys": list(merged.restart_required)})
