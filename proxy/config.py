@@ -194,9 +194,11 @@ class UpstreamSettings(Section):
         "Written headers and remembers, v1 "
         "always converts, passthrough never",
         flag=Flag(("--upstream-protocol",), UPSTREAM))] = "auto"
-    tls_ca_file: Annotated[str, setting("CA bundle to verify an https:// upstream")] = ""
+    tls_ca_file: Annotated[str, setting(
+        "CA bundle to verify an https:// upstream, re-read when it changes")] = ""
     tls_cert_file: Annotated[str, setting(
-        "client certificate toward the upstream (mTLS); with tls_key_file")] = ""
+        "client certificate toward the upstream (mTLS); with tls_key_file; re-read when "
+        "it changes")] = ""
     tls_key_file: Annotated[str, setting("the client certificate's key")] = ""
     tls_insecure_skip_verify: Annotated[bool, setting(
         "do not verify the upstream's certificate")] = False

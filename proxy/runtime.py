@@ -448,6 +448,10 @@ class Proxy:
                 tls = self.tls.trial()
             except Exception as e:
                 return ReloadOutcome(False, f"TLS files (server.tls_*): {e}")
+        try:
+            upstream_tls = self.upstream.tls_trial()
+        except Exception as e:
+            return ReloadOutcome(False, f"upstream TLS files (upstream.tls_*): {e}")
 
         # -- nothing below fails on valid input: apply ------------------------------------
         if "karta.builtins" in merged.applied:
@@ -466,6 +470,7 @@ class Proxy:
         self.settings = new
         if self.tls is not None and tls is not None:
             self.tls.adopt(tls, forced=True)
+        self.upstream.tls_adopt(upstream_tls)
         if merged.restart_required:
             log.warning("configuration changes that take a restart; the running values stay",
                         extra={"keys": list(merged.restart_required)})
