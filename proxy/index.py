@@ -116,6 +116,9 @@ class PodIndex:
         #: one), and that deletion must not take the newcomer's reason with it
         self._unattributed: dict[tuple[bytes, bytes], tuple[str, str]] = {}
         self.pods: dict[str, PodAttribution] = {}
+        #: counts the change sets applied: a view computed from ``pods`` at one value
+        #: holds until it moves (proxy/attribution_page.py caches its listings by it)
+        self.generation = 0
         #: every workload the engine reports, by uid (see :meth:`fact_workloads`)
         self.workloads: dict[str, WorkloadFacts] = {}
         #: workload identity -> uid, and for an identity several workloads share (a
@@ -184,6 +187,7 @@ class PodIndex:
     def apply(self, changes: ChangeSet) -> None:
         if not changes:
             return
+        self.generation += 1
         now = self._clock()
         keys: set[PodKey] = set()
         for uid, att in changes.pods.items():
