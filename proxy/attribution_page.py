@@ -147,6 +147,13 @@ def unattributed_of(pods: Iterable[PodAttribution], limit: int = LIST_LIMIT
     return out
 
 
+def pods_text(index: PodIndex) -> str:
+    """The pods the index knows, attributed and in all: the landing page and this page
+    say it the same way (they said 15 and 16 of the same index)."""
+    known = len(index.pods)
+    return f"{known - index.unattributed_pods} attributed / {known} in all"
+
+
 class Listings:
     """The unattributed listings, built off the loop once per index change.
 
@@ -297,7 +304,7 @@ def _index_html(index: PodIndex, now: float) -> str:
     return f"""<section id="index">
 <h2>Index</h2>
 <p>ready: {"yes" if index.ready else "<strong class='bad'>no</strong>"}; stale: {stale};
-pods: {len(index.pods)}; workloads: {len(index.workloads)}</p>
+pods: {_e(pods_text(index))}; workloads: {len(index.workloads)}</p>
 <table><tr><th>resource</th><th>last known current</th><th>age</th></tr>{rows}</table>
 </section>"""
 

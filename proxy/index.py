@@ -116,6 +116,8 @@ class PodIndex:
         #: one), and that deletion must not take the newcomer's reason with it
         self._unattributed: dict[tuple[bytes, bytes], tuple[str, str]] = {}
         self.pods: dict[str, PodAttribution] = {}
+        #: how many of ``pods`` have no workload (kept as they change: the pages show it)
+        self.unattributed_pods = 0
         #: counts the change sets applied: a view computed from ``pods`` at one value
         #: holds until it moves (proxy/attribution_page.py caches its listings by it)
         self.generation = 0
@@ -261,6 +263,9 @@ class PodIndex:
         return out
 
     def _put_pod(self, uid: str, att: PodAttribution) -> None:
+        was = self.pods.get(uid)
+        self.unattributed_pods += ((att.workload is None)
+                                   - (was is not None and was.workload is None))
         self.pods[uid] = att
         key = (att.namespace.encode(), att.pod.encode())
         old_key = self._key_by_uid.get(uid)
@@ -280,7 +285,9 @@ class PodIndex:
         self._tombstones.pop(key, None)
 
     def _remove_pod(self, uid: str, now: float) -> None:
-        self.pods.pop(uid, None)
+        was = self.pods.pop(uid, None)
+        if was is not None and was.workload is None:
+            self.unattributed_pods -= 1
         key = self._key_by_uid.pop(uid, None)
         if key is None:
             return

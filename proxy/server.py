@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy import __version__, exposition
-from proxy.attribution_page import Explainer, add_routes
+from proxy.attribution_page import Explainer, add_routes, pods_text
 from proxy.connection_guard import LINGER_SECONDS, ConnectionLimit, GuardedRunner
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
@@ -160,7 +160,7 @@ class _Pages:
             ("index source", self.source),
             ("index ready", "yes" if index.ready else "no"),
             ("index stale", "yes" if index.stale else "no"),
-            ("pods in index", str(len(index))),
+            ("pods in index", pods_text(index)),
             ("workloads", str(len(index.workloads))),
             ("upstream protocol", "RW 1.0 only" if upstream.v1_only else "as received"),
             ("upstream check", upstream.probe.outcome

@@ -158,6 +158,23 @@ async def test_the_unattributed_listings_are_built_off_the_loop_once_per_index_c
     assert body["data"]["index"]["ready"] is True
 
 
+async def test_landing_and_attribution_pages_count_the_pods_alike(
+    running: Proxy, proxy: str,
+) -> None:
+    """The landing page said "pods in index: 15" (the attributed ones), the attribution
+    page "pods: 16" (all) of the same index: both say both now."""
+    import re
+
+    known = len(running.index.pods)
+    attributed = sum(1 for a in running.index.pods.values() if a.workload is not None)
+    assert attributed < known
+    want = f"{attributed} attributed / {known} in all"
+    _, landing, _ = await _get(proxy + "/")
+    _, page, _ = await _get(proxy + "/attribution")
+    assert re.search(rf"<th>pods in index</th><td>{want}</td>", landing), landing
+    assert f"pods: {want};" in page
+
+
 async def test_api_errors(proxy: str) -> None:
     status, _, (body, _) = await _get(proxy + "/api/v1/attribution", namespace="web",
                                       pod="nope")
