@@ -116,15 +116,15 @@ class Unattributed:
 
 def find_pod(index: PodIndex, explain: Explainer | None, namespace: str,
              pod: str) -> PodReport | None:
-    """The engine's explanation, else the index's answer alone; None for an unknown pod."""
+    """The engine's explanation, else the index's answer alone; None for an unknown pod.
+    The index finds the pod by name (no scan of its pods on the loop)."""
     if explain is not None:
         ex = explain(namespace, pod)
         if ex is not None:
             return PodReport(ex.attribution, ex)
-    for att in index.pods.values():
-        if att.namespace == namespace and att.pod == pod:
-            return PodReport(att, None)
-    return None
+    uid = index.uid_of(namespace, pod)
+    att = index.pods.get(uid) if uid is not None else None
+    return PodReport(att, None) if att is not None else None
 
 
 def unattributed(index: PodIndex, limit: int = LIST_LIMIT) -> list[Unattributed]:

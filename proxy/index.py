@@ -161,6 +161,16 @@ class PodIndex:
         hit = self._unattributed.get((namespace, pod))
         return hit[1] if hit is not None else None
 
+    def uid_of(self, namespace: str, pod: str) -> str | None:
+        """The uid of the pod of that name the index holds (the newest: a put of either
+        kind takes the name from the other), or None. O(1): the attribution page's."""
+        key = (namespace.encode(), pod.encode())
+        entry = self._by_name.get(key)
+        if entry is not None:
+            return entry.uid
+        hit = self._unattributed.get(key)
+        return hit[0] if hit is not None else None
+
     def answers(self) -> Iterator[tuple[bytes, bytes, LabelPairs | str]]:
         """Every pod the index knows, with its :meth:`answer` (to fill a pod table)."""
         for (ns, pod), e in self._by_name.items():

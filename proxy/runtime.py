@@ -38,6 +38,7 @@ from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing
+from proxy.karta.explain import Explanation
 from proxy.karta.model import Description
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
@@ -316,7 +317,7 @@ class Proxy:
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
-                        reload=self.reload, explain=self.engine.explain)
+                        reload=self.reload, explain=self._explain)
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:
             self.tls = self._make_tls()
@@ -337,6 +338,12 @@ class Proxy:
             "port": self.port, "source": self.source_name, "pods": len(self.index),
             "ready": self.index.ready,
         })
+
+    def _explain(self, namespace: str, pod: str) -> Explanation | None:
+        """The engine's explanation of a pod, found by the uid the index knows it by (the
+        engine alone scans every pod for the name: ~18 ms p50 added to the relayed
+        writes with 4 clients viewing one pod in a loop at 45k pods)."""
+        return self.engine.explain(namespace, pod, uid=self.index.uid_of(namespace, pod))
 
     def _make_tls(self) -> ServerTLS:
         def count(ok: bool) -> None:
