@@ -7,18 +7,26 @@ with no internet); ``GET /api/v1/attribution`` and ``/api/v1/attribution/unattri
 answer the same as JSON, in the Prometheus API's envelope (``status``, ``data``, or
 ``errorType`` and ``error``).
 
-Everything is computed per page view from the index and the engine (the owner chain is
-walked again by :meth:`proxy.karta.engine.Engine.explain`); the request path is not
-involved. Pod names, namespaces, labels and reasons come from the cluster, so every
+One pod's answer is computed per view from the index and the engine (the owner chain is
+walked again by :meth:`proxy.karta.engine.Engine.explain`). The unattributed listings (all
+pods grouped, sorted, rendered: ~9 ms at 45k pods for the JSON of 5000) are built off the
+event loop, in a thread, from a copy of the index's pod list taken on the loop (the index
+is changed on the loop only), one build at a time, and kept until the index changes
+(``PodIndex.generation``): built on the loop, 4 clients fetching the JSON in a loop raised
+the relayed writes' p50 from 3.9 to 62 ms. The request path is not involved.
+
+Pod names, namespaces, labels and reasons come from the cluster, so every
 value is HTML-escaped, and the page is served with a Content-Security-Policy that allows
 no script at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -109,21 +117,27 @@ class Unattributed:
 
 def find_pod(index: PodIndex, explain: Explainer | None, namespace: str,
              pod: str) -> PodReport | None:
-    """The engine's explanation, else the index's answer alone; None for an unknown pod."""
+    """The engine's explanation, else the index's answer alone; None for an unknown pod.
+    The index finds the pod by name (no scan of its pods on the loop)."""
     if explain is not None:
         ex = explain(namespace, pod)
         if ex is not None:
             return PodReport(ex.attribution, ex)
-    for att in index.pods.values():
-        if att.namespace == namespace and att.pod == pod:
-            return PodReport(att, None)
-    return None
+    uid = index.uid_of(namespace, pod)
+    att = index.pods.get(uid) if uid is not None else None
+    return PodReport(att, None) if att is not None else None
 
 
 def unattributed(index: PodIndex, limit: int = LIST_LIMIT) -> list[Unattributed]:
     """Unattributed pods grouped by reason, the biggest group first."""
+    return unattributed_of(index.pods.values(), limit)
+
+
+def unattributed_of(pods: Iterable[PodAttribution], limit: int = LIST_LIMIT
+                    ) -> list[Unattributed]:
+    """``unattributed`` of a list of pods (a copy of the index's, in a thread)."""
     groups: dict[str, list[PodAttribution]] = {}
-    for att in index.pods.values():
+    for att in pods:
         if att.workload is None:
             groups.setdefault(att.reason or UNATTRIBUTED, []).append(att)
     out = []
@@ -132,6 +146,67 @@ def unattributed(index: PodIndex, limit: int = LIST_LIMIT) -> list[Unattributed]
         out.append(Unattributed(reason, len(atts), tuple(atts[:limit])))
     out.sort(key=lambda u: (-u.count, u.reason))
     return out
+
+
+def pods_text(index: PodIndex) -> str:
+    """The pods the index knows, attributed and in all: the landing page and this page
+    say it the same way (they said 15 and 16 of the same index)."""
+    known = len(index.pods)
+    return f"{known - index.unattributed_pods} attributed / {known} in all"
+
+
+class Listings:
+    """The unattributed listings, built off the loop once per index change.
+
+    A build copies the index's pod list on the loop (a list of references: ~0.3 ms at
+    45k pods; the index is only changed on the loop, so the copy is consistent) and does
+    the rest in a thread. One build at a time (``_lock``): concurrent views of a listing
+    not yet built wait for the one build, then share it. Entries are kept by (what, limit)
+    and the index's generation; a handful at most.
+    """
+
+    MAX_ENTRIES = 8
+
+    def __init__(self, index: PodIndex) -> None:
+        self.index = index
+        self._lock = asyncio.Lock()
+        self._cache: dict[tuple[str, int], tuple[int, Any]] = {}
+        #: builds run (tests count them)
+        self.builds = 0
+
+    async def get(self, what: str, limit: int,
+                  build: Callable[[list[PodAttribution], int], Any]) -> Any:
+        key = (what, limit)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == self.index.generation:
+            return hit[1]
+        async with self._lock:
+            generation = self.index.generation
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == generation:
+                return hit[1]
+            pods = list(self.index.pods.values())
+            value = await asyncio.to_thread(build, pods, limit)
+            self.builds += 1
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            self._cache[key] = (generation, value)
+            return value
+
+
+def _unattributed_json(pods: list[PodAttribution], limit: int) -> tuple[int, str]:
+    """(total, the ``reasons`` list as JSON text) of the JSON answer."""
+    groups = unattributed_of(pods, limit)
+    reasons = [
+        {"reason": g.reason, "count": g.count, "truncated": g.count > len(g.pods),
+         "pods": [{"namespace": a.namespace, "pod": a.pod, "uid": a.uid} for a in g.pods]}
+        for g in groups
+    ]
+    return sum(g.count for g in groups), json.dumps(reasons)
+
+
+def _unattributed_page(pods: list[PodAttribution], limit: int) -> str:
+    return _unattributed_html(unattributed_of(pods, limit))
 
 
 def index_state(index: PodIndex, now: float) -> dict[str, Any]:
@@ -230,7 +305,7 @@ def _index_html(index: PodIndex, now: float) -> str:
     return f"""<section id="index">
 <h2>Index</h2>
 <p>ready: {"yes" if index.ready else "<strong class='bad'>no</strong>"}; stale: {stale};
-pods: {len(index.pods)}; workloads: {len(index.workloads)}</p>
+pods: {_e(pods_text(index))}; workloads: {len(index.workloads)}</p>
 <table><tr><th>resource</th><th>last known current</th><th>age</th></tr>{rows}</table>
 </section>"""
 
@@ -317,13 +392,17 @@ table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .5em;tex
 
 
 def render_page(index: PodIndex, now: float, namespace: str, pod: str,
-                report: PodReport | None, message: str) -> str:
+                report: PodReport | None, message: str,
+                unattributed_html: str | None = None) -> str:
+    """The page; ``unattributed_html``: its listing, built already (``Listings``), else
+    built here."""
     body = [_index_html(index, now), _form_html(namespace, pod)]
     if message:
         body.append(f'<p id="message" class="bad">{_e(message)}</p>')
     if report is not None:
         body.append(_report_html(report))
-    body.append(_unattributed_html(unattributed(index)))
+    body.append(unattributed_html if unattributed_html is not None
+                else _unattributed_html(unattributed(index)))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>karta-proxy: attribution</title>
 <style>{_STYLE}</style></head>
@@ -342,6 +421,7 @@ it has none. As JSON: <code>{API_PATH}?namespace=NS&amp;pod=NAME</code>,
 
 def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None) -> None:
     """``GET /attribution`` and its two JSON twins."""
+    listings = Listings(index)
 
     async def page(request: web.Request) -> web.Response:
         ns = request.query.get("namespace", "")
@@ -358,7 +438,8 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
                 if report is None:
                     status = 404
                     message = f"no pod {ns}/{pod} in the index"
-        text = render_page(index, time.time(), ns, pod, report, message)
+        listing = await listings.get("page", LIST_LIMIT, _unattributed_page)
+        text = render_page(index, time.time(), ns, pod, report, message, listing)
         return web.Response(text=text, content_type="text/html", status=status,
                             headers=SECURITY_HEADERS)
 
@@ -381,18 +462,11 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             return _error(400, "bad_data",
                           f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, not {raw!r}")
-        groups = unattributed(index, limit)
-        data = {
-            "total": sum(g.count for g in groups),
-            "reasons": [
-                {"reason": g.reason, "count": g.count, "truncated": g.count > len(g.pods),
-                 "pods": [{"namespace": a.namespace, "pod": a.pod, "uid": a.uid}
-                          for a in g.pods]}
-                for g in groups
-            ],
-            "index": index_state(index, time.time()),
-        }
-        return web.json_response({"status": "success", "data": data})
+        total, reasons = await listings.get("json", limit, _unattributed_json)
+        # the listing is kept as JSON text; the index's freshness is of this moment
+        text = (f'{{"status": "success", "data": {{"total": {total}, "reasons": {reasons}, '
+                f'"index": {json.dumps(index_state(index, time.time()))}}}}}')
+        return web.Response(text=text, content_type="application/json")
 
     app.router.add_get(PAGE_PATH, page)
     app.router.add_get(API_PATH, api_pod)

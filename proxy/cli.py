@@ -47,8 +47,13 @@ Without --snapshot the index comes from the Kubernetes API (in-cluster service a
 flags; POD_NAMESPACE (else the service account's namespace) places the fact writer's Lease.
 In node mode (--node-name) no fact series are written (facts.allow_in_node_mode).
 
-Endpoints: POST /api/v1/write, /api/v1/push, /api/v1/receive (remote write 1.0 and 2.0,
-snappy or zstd); GET /metrics, /-/healthy, /-/ready, /; POST /-/reload.
+Endpoints (docs/operations.md, Endpoints): POST /api/v1/write, /api/v1/push,
+/api/v1/receive, /insert/<tenant>/prometheus/api/v1/write (remote write 1.0 and 2.0,
+snappy or zstd); GET /metrics, /-/healthy, /-/ready, /; GET /attribution (why a pod has
+its labels, or none), /api/v1/attribution?namespace=NS&pod=NAME,
+/api/v1/attribution/unattributed (the same as JSON); POST or PUT /-/reload. All on the
+listening port, without authentication: restrict them with a network policy, or TLS
+client certificates (--tls-client-ca-file).
 
 Reload: SIGHUP or POST /-/reload reads the --config file again (flags still win) and the
 description files, and applies enrich.*, karta.description_paths, karta.builtins and

@@ -194,9 +194,11 @@ class UpstreamSettings(Section):
         "Written headers and remembers, v1 "
         "always converts, passthrough never",
         flag=Flag(("--upstream-protocol",), UPSTREAM))] = "auto"
-    tls_ca_file: Annotated[str, setting("CA bundle to verify an https:// upstream")] = ""
+    tls_ca_file: Annotated[str, setting(
+        "CA bundle to verify an https:// upstream, re-read when it changes")] = ""
     tls_cert_file: Annotated[str, setting(
-        "client certificate toward the upstream (mTLS); with tls_key_file")] = ""
+        "client certificate toward the upstream (mTLS); with tls_key_file; re-read when "
+        "it changes")] = ""
     tls_key_file: Annotated[str, setting("the client certificate's key")] = ""
     tls_insecure_skip_verify: Annotated[bool, setting(
         "do not verify the upstream's certificate")] = False
@@ -490,15 +492,61 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: {yaml_error(e)}") from None
     if data is None:
         data = {}
     try:
+        _refuse_duplicates(data, "")
         return settings_from_dict(data)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+class _Mapping(dict[Any, Any]):
+    """A YAML mapping that remembers its keys written more than once, with their lines."""
+
+    duplicates: tuple[tuple[str, int], ...] = ()
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, whose mappings note duplicate keys: YAML leaves them to the
+    application and PyYAML keeps the last, so a key given twice (two ``listen_address``
+    lines in one section, the second one forgotten) changed the setting silently."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
+    data = _Mapping()
+    yield data
+    seen: set[str] = set()
+    dups: list[tuple[str, int]] = []
+    for key_node, _ in node.value:  # the mapping's own keys, before ``<<`` merges
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
+            if key_node.value in seen:
+                dups.append((key_node.value, key_node.start_mark.line + 1))
+            seen.add(key_node.value)
+    data.duplicates = tuple(dups)
+    data.update(loader.construct_mapping(node))
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
+
+
+def _refuse_duplicates(value: Any, key: str) -> None:
+    """A key written twice in one mapping of the file is an error naming it and where."""
+    if isinstance(value, dict):
+        for raw, line in getattr(value, "duplicates", ()):
+            raise ConfigError(f"{key or 'top level'}: key '{raw}' is given more than once "
+                              f"(again at line {line}); keep one")
+        for k, v in value.items():
+            _refuse_duplicates(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _refuse_duplicates(v, f"{key}[{i}]")
 
 
 def settings_from_dict(data: Any) -> Settings:
@@ -575,11 +623,16 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
         raise ConfigError(f"{key or 'top level'}: expected a mapping, got {_type_name(value)}")
     known = {f.name: f for f in t.fields}
     out: dict[str, Any] = {}
+    written: dict[str, str] = {}  # name -> the key as written, to catch a name given twice
     for raw_key, v in value.items():
         if not isinstance(raw_key, str):
             raise ConfigError(f"{key or 'top level'}: keys must be strings, got {raw_key!r}")
         name = raw_key.replace("-", "_")
         dotted = f"{key}.{name}" if key else name
+        if name in written:
+            raise ConfigError(f"{key or 'top level'}: '{written[name]}' and '{raw_key}' are the "
+                              f"same key ({dotted}): keep one")
+        written[name] = raw_key
         if dotted in _REMOVED:
             log.warning("ignoring a removed setting",
                         extra={"key": dotted, "reason": _REMOVED[dotted]})

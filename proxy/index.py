@@ -116,6 +116,11 @@ class PodIndex:
         #: one), and that deletion must not take the newcomer's reason with it
         self._unattributed: dict[tuple[bytes, bytes], tuple[str, str]] = {}
         self.pods: dict[str, PodAttribution] = {}
+        #: how many of ``pods`` have no workload (kept as they change: the pages show it)
+        self.unattributed_pods = 0
+        #: counts the change sets applied: a view computed from ``pods`` at one value
+        #: holds until it moves (proxy/attribution_page.py caches its listings by it)
+        self.generation = 0
         #: every workload the engine reports, by uid (see :meth:`fact_workloads`)
         self.workloads: dict[str, WorkloadFacts] = {}
         #: workload identity -> uid, and for an identity several workloads share (a
@@ -156,6 +161,16 @@ class PodIndex:
         hit = self._unattributed.get((namespace, pod))
         return hit[1] if hit is not None else None
 
+    def uid_of(self, namespace: str, pod: str) -> str | None:
+        """The uid of the pod of that name the index holds (the newest: a put of either
+        kind takes the name from the other), or None. O(1): the attribution page's."""
+        key = (namespace.encode(), pod.encode())
+        entry = self._by_name.get(key)
+        if entry is not None:
+            return entry.uid
+        hit = self._unattributed.get(key)
+        return hit[0] if hit is not None else None
+
     def answers(self) -> Iterator[tuple[bytes, bytes, LabelPairs | str]]:
         """Every pod the index knows, with its :meth:`answer` (to fill a pod table)."""
         for (ns, pod), e in self._by_name.items():
@@ -184,6 +199,7 @@ class PodIndex:
     def apply(self, changes: ChangeSet) -> None:
         if not changes:
             return
+        self.generation += 1
         now = self._clock()
         keys: set[PodKey] = set()
         for uid, att in changes.pods.items():
@@ -257,6 +273,9 @@ class PodIndex:
         return out
 
     def _put_pod(self, uid: str, att: PodAttribution) -> None:
+        was = self.pods.get(uid)
+        self.unattributed_pods += ((att.workload is None)
+                                   - (was is not None and was.workload is None))
         self.pods[uid] = att
         key = (att.namespace.encode(), att.pod.encode())
         old_key = self._key_by_uid.get(uid)
@@ -276,7 +295,9 @@ class PodIndex:
         self._tombstones.pop(key, None)
 
     def _remove_pod(self, uid: str, now: float) -> None:
-        self.pods.pop(uid, None)
+        was = self.pods.pop(uid, None)
+        if was is not None and was.workload is None:
+            self.unattributed_pods -= 1
         key = self._key_by_uid.pop(uid, None)
         if key is None:
             return

@@ -304,6 +304,11 @@ class ProxyMetrics:
             "server_certificate_rejected, client_closed, not_tls, protocol, timeout, other).",
             ["reason"], registry=r,
         )
+        #: registered by the runtime when TLS is on (no serving certificate, no series)
+        self.tls_certificate_expiry = Gauge(
+            _P + "tls_certificate_expiry_timestamp_seconds", "When the serving certificate "
+            "loaded last expires (its notAfter), unix seconds.", registry=None,
+        )
 
     def watch_index(self, index: PodIndex) -> None:
         self._index = index

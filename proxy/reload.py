@@ -7,8 +7,9 @@ applying; this module only compares settings, so the rule is one list, testable 
 
 Live: the enrichment (a new splice plan, swapped between requests), the description files
 and the built-in switch (the engine re-evaluates, the index follows), ``log_level``. The
-TLS certificate, key and client CA are loaded again (their paths are not live). Credential
-files need nothing: the upstream re-reads them whenever they change.
+TLS certificate, key and client CA are loaded again, and so are the upstream's TLS files
+(their paths are not live); both are tried before anything is applied. Credential files
+need nothing: the upstream re-reads them whenever they change.
 
 Restart: the listening address, the worker threads and every other ``server`` bound (fixed
 when the listener and the pool are made), the upstream (one pooled session), the index

@@ -38,6 +38,7 @@ from proxy.contract import CONTRACT_VERSION
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing
+from proxy.karta.explain import Explanation
 from proxy.karta.model import Description
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
@@ -321,13 +322,13 @@ class Proxy:
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
-                        reload=self.reload, explain=self.engine.explain)
+                        reload=self.reload, explain=self._explain)
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:
             self.tls = self._make_tls()
         try:
             self._runner, self.port = await start_site(
-                app, host, port, ssl_context=self.tls.context if self.tls is not None else None,
+                app, host, port, ssl_context=self.tls.current if self.tls is not None else None,
                 refusals=self.tls.refusals if self.tls is not None else None)
         except OSError as e:
             raise _listen_error(s.server.listen_address, e) from e
@@ -343,6 +344,12 @@ class Proxy:
             "ready": self.index.ready,
         })
 
+    def _explain(self, namespace: str, pod: str) -> Explanation | None:
+        """The engine's explanation of a pod, found by the uid the index knows it by (the
+        engine alone scans every pod for the name: ~18 ms p50 added to the relayed
+        writes with 4 clients viewing one pod in a loop at 45k pods)."""
+        return self.engine.explain(namespace, pod, uid=self.index.uid_of(namespace, pod))
+
     def _make_tls(self) -> ServerTLS:
         def count(ok: bool) -> None:
             self.metrics.tls_reloads.labels("success" if ok else "failure").inc()
@@ -350,8 +357,11 @@ class Proxy:
         failures = self.metrics.tls_handshake_failures
         for reason in REASONS:  # every reason present from the start, at 0
             failures.labels(reason.value)
+        expiry = self.metrics.tls_certificate_expiry
+        self.metrics.registry.register(expiry)
         kwargs: dict[str, Any] = {
-            "on_reload": count, "on_refused": lambda reason: failures.labels(reason).inc()}
+            "on_reload": count, "on_refused": lambda reason: failures.labels(reason).inc(),
+            "on_expiry": expiry.set}
         if self._tls_check_interval is not None:
             kwargs["check_interval"] = self._tls_check_interval
         tls = ServerTLS(self.settings.server, **kwargs)
@@ -442,6 +452,18 @@ class Proxy:
             plan = build_plan(**enrich_arguments(new.enrich)) if replan else None
         except ValueError as e:
             return ReloadOutcome(False, f"enrich: {e}")
+        # the TLS files are tried too before anything is applied: a reload whose files do
+        # not load changes nothing (it applied the new enrich plan, then answered 500)
+        tls = None
+        if self.tls is not None:
+            try:
+                tls = self.tls.trial()
+            except Exception as e:
+                return ReloadOutcome(False, f"TLS files (server.tls_*): {e}")
+        try:
+            upstream_tls = self.upstream.tls_trial()
+        except Exception as e:
+            return ReloadOutcome(False, f"upstream TLS files (upstream.tls_*): {e}")
 
         # -- nothing below fails on valid input: apply ------------------------------------
         if "karta.builtins" in merged.applied:
@@ -458,8 +480,9 @@ class Proxy:
         if "log_level" in merged.applied:
             logging.getLogger().setLevel(new.log_level.upper())
         self.settings = new
-        if self.tls is not None:
-            self.tls.check(force=True)
+        if self.tls is not None and tls is not None:
+            self.tls.adopt(tls, forced=True)
+        self.upstream.tls_adopt(upstream_tls)
         if merged.restart_required:
             log.warning("configuration changes that take a restart; the running values stay",
                         extra={"keys": list(merged.restart_required)})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import logging
-import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -16,14 +15,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy import __version__, exposition
-from proxy.attribution_page import Explainer, add_routes
+from proxy.attribution_page import Explainer, add_routes, pods_text
 from proxy.connection_guard import LINGER_SECONDS, ConnectionLimit, GuardedRunner
 from proxy.contract import CONTRACT_VERSION
 from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome
-from proxy.tls_handshake import Refusals, TLSSite
+from proxy.tls_handshake import ContextSource, Refusals, TLSSite
 from proxy.wire.native import DEFAULT as SPLICE
 from proxy.yielding import Pacer
 
@@ -161,7 +160,7 @@ class _Pages:
             ("index source", self.source),
             ("index ready", "yes" if index.ready else "no"),
             ("index stale", "yes" if index.stale else "no"),
-            ("pods in index", str(len(index))),
+            ("pods in index", pods_text(index)),
             ("workloads", str(len(index.workloads))),
             ("upstream protocol", "RW 1.0 only" if upstream.v1_only else "as received"),
             ("upstream check", upstream.probe.outcome
@@ -196,11 +195,13 @@ class _Pages:
 
 
 async def start_site(
-    app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+    app: web.Application, host: str, port: int, *, ssl_context: ContextSource | None = None,
     refusals: Refusals | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` (HTTPS with ``ssl_context``, its failed handshakes told to
-    ``refusals``); returns the runner and the bound port (port 0 picks a free one)."""
+    ``refusals``); returns the runner and the bound port (port 0 picks a free one).
+    ``ssl_context`` may be a callable giving the current context, asked per connection
+    (a rotated certificate is a new context: proxy/tls.py)."""
     handler = app[REMOTE_WRITE]
     limit = ConnectionLimit(handler.settings.max_connections, handler.connection_refused)
     handler.metrics.open_connections.set_function(lambda: limit.open)

@@ -1,19 +1,27 @@
 """TLS on the listening side: the server's ``SSLContext``, kept current with its files.
 
-One context serves every connection (asyncio captures it when the listener starts), so a
-rotated certificate is loaded *into that context*: ``load_cert_chain`` on a live context
-takes effect for the next handshake (OpenSSL copies the certificate into each connection
-when it is created), and connections already open keep the one they negotiated. A load
-that fails would leave the context half changed, so each is tried on a scratch context
-first (``ServerTLS._load``). A new
-client CA bundle is added the same way (``load_verify_locations``). What one context cannot
-do is forget: a CA removed from the bundle stays trusted until a restart, and so do the
-file paths and the client-auth mode read at start (docs/operations.md, "TLS").
+Each load builds a *fresh* context from the files, and the listener's protocol factory
+asks for the current one on each new connection (``ServerTLS.current``,
+proxy/tls_handshake.py): a new handshake gets the new context, connections already open
+keep the one they negotiated. A load that fails builds nothing the listener sees: the old
+context keeps serving. Loading into the live context instead (as before) could add but not
+take away: OpenSSL keeps one certificate per key type, so an ECDSA -> RSA rotation kept
+serving the old ECDSA certificate to every client that offers ECDSA (most), and a CA
+removed from the client CA bundle stayed trusted until a restart.
+
+The client CA bundle is loaded as ``cafile=``, as the settings' validation loads it, so a
+bundle the validation took (a ``# Issuer: CN=Zürich`` comment, any non-ASCII byte outside
+the PEM blocks) loads here too.
 
 Files are checked with a stat every ``check_interval`` seconds (inode, mtime, size: a
 Kubernetes Secret volume swaps a symlink, which changes the inode). A certificate caught
 half-written (its key not yet matching) is not loaded; the old one keeps serving and the
 next check retries. Each distinct failure is logged once.
+
+A serving certificate out of its validity period (expired, or not yet valid) is loaded
+(the files are the operator's to fix; refusing them would not serve the old one either
+after a restart) but logged as an error at each load, and its end of validity is
+``karta_proxy_tls_certificate_expiry_timestamp_seconds``.
 
 A handshake the context refuses is counted and logged by ``refusals``
 (proxy/tls_handshake.py), which the listener reports to.
@@ -22,10 +30,11 @@ A handshake the context refuses is counted and logged by ``refusals``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
-import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,81 +80,138 @@ class Stamps:
     client_ca: FileStamp | None
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A context built from the files, not yet serving, and what it was built from."""
+
+    context: ssl.SSLContext
+    stamps: Stamps
+    #: the serving certificate's validity (unix seconds); None when it could not be read
+    not_before: float | None
+    not_after: float | None
+
+
+def _validity(cert_file: str) -> tuple[float | None, float | None]:
+    """(notBefore, notAfter) of the first certificate in ``cert_file``, unix seconds.
+
+    ``ssl`` has no public reader of a certificate file; its test helper is the one
+    parser in the standard library (``cryptography`` is a test dependency only). A
+    Python without it, or a file it cannot read, gives (None, None): no warning, no metric.
+    """
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None, None
+    try:
+        info = decode(cert_file)
+        return (ssl.cert_time_to_seconds(info["notBefore"]),
+                ssl.cert_time_to_seconds(info["notAfter"]))
+    except Exception:  # a parse failure here must not fail a load OpenSSL accepted
+        return None, None
+
+
+def _why(e: Exception) -> str:
+    return str(e) if isinstance(e, ssl.SSLError | OSError) else f"{type(e).__name__}: {e}"
+
+
 class ServerTLS:
-    """The listening side's ``SSLContext`` and the watcher that keeps it current."""
+    """The listening side's current ``SSLContext`` and the watcher that keeps it current."""
 
     def __init__(
         self, settings: ServerSettings, *, check_interval: float = CHECK_INTERVAL_SECONDS,
         on_reload: Callable[[bool], None] | None = None,
         on_refused: Callable[[str], None] | None = None,
+        on_expiry: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """Loads the files now: a bad certificate fails the start, not the first handshake.
-        ``on_refused`` counts a failed handshake by its reason (proxy/tls_handshake.py)."""
+        ``on_refused`` counts a failed handshake by its reason (proxy/tls_handshake.py);
+        ``on_expiry`` is told the serving certificate's notAfter at each load."""
         self.cert_file = settings.tls_cert_file
         self.key_file = settings.tls_key_file
         self.client_ca_file = settings.tls_client_ca_file
         self.client_auth_type = client_auth_type(settings)
         self.check_interval = check_interval
         self._on_reload = on_reload
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
-        self.context.verify_mode = VERIFY_MODES[self.client_auth_type]
-        self._stamps = self._read_stamps()
-        self._load()
+        self._on_expiry = on_expiry
+        self._clock = clock
         #: the last failure logged (the files' stamps and why), so each is logged once
         self._failed: tuple[Stamps | None, str] | None = None
+        loaded = self.build()
+        self.context = loaded.context
+        self._stamps = loaded.stamps
+        self._validity(loaded)
         self._task: asyncio.Task[None] | None = None
         #: failed handshakes, counted and logged; the listener (TLSSite) reports to it
         self.refusals = Refusals(on_refused)
 
+    def current(self) -> ssl.SSLContext:
+        """The context a new connection is served with (the listener asks each time)."""
+        return self.context
+
     def _read_stamps(self) -> Stamps:
         return Stamps(_stamp(self.cert_file), _stamp(self.key_file), _stamp(self.client_ca_file))
 
-    def _load(self) -> None:
-        """Load the files into the live context, all or nothing.
+    def build(self) -> Loaded:
+        """A fresh context from the files, or an exception; nothing in use is touched.
 
-        A failed ``load_cert_chain`` leaves an OpenSSL context half changed (the new
-        certificate with the old key: every later handshake fails), so the files are read
-        once, tried on a scratch context, and only then loaded into the live one, from the
-        same bytes (a private copy: ``load_cert_chain`` takes paths only), so a file
-        rewritten in between cannot make the second load differ from the first.
+        The stamps are read before the files, so a file changed during the build is seen
+        changed at the next check and loaded again.
         """
-        with open(self.cert_file, "rb") as f:
-            cert = f.read()
-        with open(self.key_file, "rb") as f:
-            key = f.read()
-        ca = ""
+        stamps = self._read_stamps()
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.verify_mode = VERIFY_MODES[self.client_auth_type]
+        ctx.load_cert_chain(self.cert_file, self.key_file)
         if self.client_ca_file:
-            with open(self.client_ca_file, encoding="ascii", errors="replace") as f:
-                ca = f.read()
-        try:
-            tmp = tempfile.TemporaryDirectory(prefix="karta-tls-")  # mode 0700
-        except OSError:  # no writable temp dir (read-only root): the files themselves
-            self._load_from(self.cert_file, self.key_file, ca)
-            return
-        with tmp:
-            cert_path, key_path = os.path.join(tmp.name, "tls.crt"), os.path.join(tmp.name,
-                                                                                  "tls.key")
-            for path, data in ((cert_path, cert), (key_path, key)):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as out:
-                    out.write(data)
-            self._load_from(cert_path, key_path, ca)
+            ctx.load_verify_locations(cafile=self.client_ca_file)
+        return Loaded(ctx, stamps, *_validity(self.cert_file))
 
-    def _load_from(self, cert_path: str, key_path: str, ca: str) -> None:
-        scratch = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        scratch.load_cert_chain(cert_path, key_path)
-        if ca:
-            scratch.load_verify_locations(cadata=ca)
-        self.context.load_cert_chain(cert_path, key_path)
-        if ca:
-            self.context.load_verify_locations(cadata=ca)
+    def trial(self) -> Loaded:
+        """``build``, its failure counted and logged as a check's is, then raised: a
+        reload tries the files before it applies anything, and fails whole."""
+        try:
+            return self.build()
+        except Exception as e:
+            stamps = None
+            with contextlib.suppress(OSError):
+                stamps = self._read_stamps()
+            self._fail(stamps, _why(e))
+            raise
+
+    def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
+        """Serve new connections with ``loaded`` (a ``build`` that succeeded)."""
+        self.context, self._stamps, self._failed = loaded.context, loaded.stamps, None
+        log.info("TLS certificate loaded", extra={
+            "cert_file": self.cert_file, "key_file": self.key_file,
+            "client_ca_file": self.client_ca_file, "forced": forced})
+        self._validity(loaded)
+        if self._on_reload is not None:
+            self._on_reload(True)
+
+    def _validity(self, loaded: Loaded) -> None:
+        """Say when the serving certificate is out of its validity period, and publish
+        its end."""
+        if loaded.not_after is None:
+            return
+        if self._on_expiry is not None:
+            self._on_expiry(loaded.not_after)
+        now = self._clock()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded.not_after))
+        if now >= loaded.not_after:
+            log.error("TLS certificate has expired: clients that verify it refuse every "
+                      "connection; replace it", extra={
+                          "cert_file": self.cert_file, "not_after": stamp})
+        elif loaded.not_before is not None and now < loaded.not_before:
+            log.error("TLS certificate is not valid yet: clients that verify it refuse every "
+                      "connection until then (or the clock is wrong)", extra={
+                          "cert_file": self.cert_file, "not_before": time.strftime(
+                              "%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded.not_before))})
 
     def check(self, *, force: bool = False) -> bool:
         """Load the files again if they changed (always with ``force``, as on a reload).
 
-        Returns whether they were loaded. A failure keeps what is loaded and is logged
-        (once per distinct state of the files); the next check tries again.
+        Returns whether they were loaded. A failure of any kind keeps what is loaded and
+        is logged (once per distinct state of the files); the next check tries again.
         """
         try:
             stamps = self._read_stamps()
@@ -155,16 +221,11 @@ class ServerTLS:
         if not force and stamps == self._stamps:
             return False
         try:
-            self._load()
-        except (ssl.SSLError, OSError) as e:
-            self._fail(stamps, str(e))
+            loaded = self.build()
+        except Exception as e:  # ssl.SSLError, OSError, or anything a file could cause
+            self._fail(stamps, _why(e))
             return False
-        self._stamps, self._failed = stamps, None
-        log.info("TLS certificate loaded", extra={
-            "cert_file": self.cert_file, "key_file": self.key_file,
-            "client_ca_file": self.client_ca_file, "forced": force})
-        if self._on_reload is not None:
-            self._on_reload(True)
+        self.adopt(loaded, forced=force)
         return True
 
     def _fail(self, stamps: Stamps | None, why: str) -> None:

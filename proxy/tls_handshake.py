@@ -219,20 +219,30 @@ def _hello_seen(proto: _WatchedTLS) -> bool:
         return False
 
 
+#: the listener's context: one, or where to ask for the current one per connection
+ContextSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
+
+
 def tls_protocol_factory(
     loop: asyncio.AbstractEventLoop, app_factory: Callable[[], asyncio.BaseProtocol],
-    context: ssl.SSLContext, refusals: Refusals, *, handshake_timeout: float | None = None,
+    context: ContextSource, refusals: Refusals, *, handshake_timeout: float | None = None,
     limit: ConnectionLimit | None = None,
 ) -> Callable[[], asyncio.BaseProtocol]:
     """A protocol factory for a plain listener that serves TLS as ``create_server(ssl=)``
     would, and reports each failed handshake to ``refusals``; with ``limit``, counts its
-    connections against it (``app_factory``'s protocols must not count them again)."""
+    connections against it (``app_factory``'s protocols must not count them again).
+
+    ``context`` may be a callable, asked for the context of each new connection: a
+    rotated certificate or client CA is a new context (proxy/tls.py), never a change to
+    the one connections already open were made with."""
+    current: Callable[[], ssl.SSLContext] = (
+        (lambda: context) if isinstance(context, ssl.SSLContext) else context)
 
     def make() -> asyncio.BaseProtocol:
         waiter = loop.create_future()
         # typeshed says int for SSLProtocol's timeout; asyncio takes any number of seconds
         # (create_server's own parameter is a float), and it is a float setting here
-        proto = _WatchedTLS(loop, app_factory(), context, waiter, server_side=True,
+        proto = _WatchedTLS(loop, app_factory(), current(), waiter, server_side=True,
                             ssl_handshake_timeout=handshake_timeout)  # type: ignore[arg-type]
         proto.limit = limit
 
@@ -256,13 +266,18 @@ def tls_protocol_factory(
 class TLSSite(web.BaseSite):
     """aiohttp's ``TCPSite`` for HTTPS, with the TLS layer made by ``tls_protocol_factory``."""
 
-    __slots__ = ("_handshake_timeout", "_host", "_port", "_refusals", "_reuse_address")
+    __slots__ = ("_context", "_handshake_timeout", "_host", "_port", "_refusals",
+                 "_reuse_address")
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
-                 ssl_context: ssl.SSLContext, refusals: Refusals,
+                 ssl_context: ContextSource, refusals: Refusals,
                  reuse_address: bool | None = None,
                  handshake_timeout: float | None = None) -> None:
-        super().__init__(runner, ssl_context=ssl_context)
+        """``ssl_context``: the context, or a callable giving the current one (asked per
+        connection, ``tls_protocol_factory``)."""
+        self._context = ssl_context
+        first = ssl_context if isinstance(ssl_context, ssl.SSLContext) else ssl_context()
+        super().__init__(runner, ssl_context=first)
         self._host, self._port, self._reuse_address = host, port, reuse_address
         self._refusals = refusals
         self._handshake_timeout = handshake_timeout
@@ -273,8 +288,8 @@ class TLSSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
-        server, context = self._runner.server, self._ssl_context
-        assert server is not None and context is not None
+        server, context = self._runner.server, self._context
+        assert server is not None
         loop = asyncio.get_running_loop()
         # a guarded server's limit is taken by the TLS layer, its own protocols do not count
         limit: ConnectionLimit | None = getattr(server, "limit", None)

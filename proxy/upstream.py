@@ -409,6 +409,84 @@ _PATH_HINT = (
 )
 
 
+def _tls_stamps(s: UpstreamSettings) -> tuple[tuple[int, int, int] | None, ...]:
+    """(inode, mtime, size) of each upstream TLS file set; OSError for one gone."""
+    out: list[tuple[int, int, int] | None] = []
+    for path in (s.tls_ca_file, s.tls_cert_file, s.tls_key_file):
+        if path:
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ClientTLSLoad:
+    """A client context built from the files, not yet used, and their stamps."""
+
+    context: ssl.SSLContext
+    stamps: tuple[tuple[int, int, int] | None, ...]
+
+
+class ClientTLS:
+    """The upstream's client ``SSLContext``, built again when its files change.
+
+    As the credential files (``FileSecret``): the CA, client certificate and key are
+    stat'ed at most once per ``check_interval`` seconds, from the request path, and on a
+    reload (``build`` / ``adopt``); a change builds a new context, which new connections
+    are made with (aiohttp keys its pool by the context, so keep-alive connections of the
+    old one are not reused for it). A build that fails keeps the context in use and is
+    each distinct failure logged once. Built once at start before, an upstream CA fixed
+    on disk took a restart: every write 502 meanwhile, SIGHUP or not.
+    """
+
+    def __init__(self, settings: UpstreamSettings, *, check_interval: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._interval = check_interval
+        self._clock = clock
+        self._next_check = clock() + check_interval
+        self._stamps = _tls_stamps(settings)
+        ctx = build_ssl_context(settings)
+        assert ctx is not None, "ClientTLS is made for an upstream with TLS settings"
+        self.context = ctx
+        self._failed = ""
+
+    def build(self) -> ClientTLSLoad:
+        """A new context from the files, or the exception; nothing in use changes."""
+        stamps = _tls_stamps(self.settings)
+        ctx = build_ssl_context(self.settings)
+        assert ctx is not None
+        return ClientTLSLoad(ctx, stamps)
+
+    def adopt(self, loaded: ClientTLSLoad) -> None:
+        changed = loaded.stamps != self._stamps
+        self.context, self._stamps, self._failed = loaded.context, loaded.stamps, ""
+        log.info("upstream TLS files loaded", extra={
+            "ca_file": self.settings.tls_ca_file, "cert_file": self.settings.tls_cert_file,
+            "changed": changed})
+
+    def get(self) -> ssl.SSLContext:
+        """The context for the next request: the files checked if it is time."""
+        now = self._clock()
+        if now < self._next_check:
+            return self.context
+        self._next_check = now + self._interval
+        try:
+            stamps = _tls_stamps(self.settings)
+            if stamps != self._stamps:
+                self.adopt(self.build())
+        except Exception as e:  # a file gone, half written, not PEM: keep the one in use
+            why = str(e) if isinstance(e, ssl.SSLError | OSError) else f"{type(e).__name__}: {e}"
+            if why != self._failed:  # each distinct failure once
+                self._failed = why
+                log.error("upstream TLS files not loaded; the context in use stays", extra={
+                    "ca_file": self.settings.tls_ca_file,
+                    "cert_file": self.settings.tls_cert_file, "error": why})
+        return self.context
+
+
 class Upstream:
     """One upstream URL behind a pooled keep-alive ``ClientSession``.
 
@@ -451,6 +529,9 @@ class Upstream:
             FileSecret(settings.basic_auth_password_file)
             if settings.basic_auth_password_file else None
         )
+        #: the client context when a TLS file is set, re-read when they change
+        self._tls = (ClientTLS(settings) if settings.tls_ca_file or settings.tls_cert_file
+                     else None)
         self.own_credentials = bool(
             self._token is not None or self._password is not None
             or any(k.lower() == "authorization" for k in settings.headers)
@@ -462,7 +543,7 @@ class Upstream:
         first RW 2.0 request waits for that probe rather than racing it)."""
         if self._session is None:
             s = self.settings
-            ctx = build_ssl_context(s)
+            ctx = self._tls.context if self._tls is not None else build_ssl_context(s)
             connector = aiohttp.TCPConnector(
                 limit=s.max_connections,
                 ssl=ctx if ctx is not None else True,
@@ -481,6 +562,16 @@ class Upstream:
         if check and self._check_task is None:
             self._recheck = True
             self._check_task = asyncio.create_task(self.check(), name="upstream-check")
+
+    def tls_trial(self) -> ClientTLSLoad | None:
+        """The upstream's TLS files built into a new context, for a reload to try before it
+        applies anything (raises when they do not load); None without TLS files."""
+        return self._tls.build() if self._tls is not None else None
+
+    def tls_adopt(self, loaded: ClientTLSLoad | None) -> None:
+        """Use a context ``tls_trial`` built for the connections made from now on."""
+        if self._tls is not None and loaded is not None:
+            self._tls.adopt(loaded)
 
     async def close(self) -> None:
         for lines in self._lines.values():
@@ -945,13 +1036,14 @@ class Upstream:
         assert self._session is not None
         headers = self._headers(incoming, out.protocol, out.encoding)
         server_hostname = self.settings.tls_server_name or None
+        tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
         started = time.perf_counter()
         code = "error"
         try:
             async with self._session.post(
                 url or self._default_url, data=out.encoded, headers=headers,
                 allow_redirects=False,
-                server_hostname=server_hostname,
+                server_hostname=server_hostname, ssl=tls,
             ) as resp:
                 code = str(resp.status)
                 text = await resp.content.read(MAX_ERROR_BODY)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,29 @@ def test_help_documents_every_flag() -> None:
                  "--tls-key-file", "--tls-client-ca-file", "--tls-client-auth-type",
                  "/-/reload", "SIGHUP"):
         assert flag in text, flag
+
+
+def test_help_names_every_route_the_app_serves() -> None:
+    """The epilog's endpoint list left out /attribution, its JSON twins and PUT /-/reload:
+    every path the assembled app routes, and each method of /-/reload, is in it (as in
+    docs/operations.md's Endpoints table, held by tests/test_attribution_page.py too)."""
+    from unittest import mock
+
+    from proxy.index import PodIndex
+    from proxy.server import build_app
+
+    handler = mock.MagicMock(handle=mock.AsyncMock(), expect=mock.AsyncMock())
+    app = build_app(handler, PodIndex(), mock.MagicMock(), reload=mock.AsyncMock())
+    text = " ".join(build_parser().format_help().split())
+    paths = {r.resource.canonical for r in app.router.routes() if r.resource is not None}
+    for path in sorted(paths):
+        if path.startswith("/insert/"):  # the tenant paths: their write path stands for all
+            continue
+        # the path itself, not a longer one it begins
+        assert re.search(re.escape(path) + r"(?=[\s,;?(.]|$)", text), path
+    assert "/insert/<tenant>/prometheus/api/v1/write" in text
+    assert "POST or PUT /-/reload" in text
+    assert "without authentication" in text
 
 
 @pytest.mark.parametrize(

@@ -135,3 +135,20 @@ def test_prometheus_configs_pass_promtool(name: str, tmp_path: Path) -> None:
         [promtool, "check", "config", str(f)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_demo_doc_says_what_the_victoriametrics_profile_does() -> None:
+    """docs/demo.md said the profile "adds VictoriaMetrics as a second TSDB"; nothing
+    writes to it (karta-proxy has one upstream, the Prometheus TSDB). The doc says so now,
+    and the URL it gives for switching is the profile's service and port."""
+    services = _compose()["services"]
+    vm = services["victoriametrics"]
+    assert vm["profiles"] == ["victoriametrics"]
+    port = next(a.rsplit(":", 1)[1] for a in vm["command"] if a.startswith("-httpListenAddr"))
+    command = services["karta-proxy"]["command"]
+    upstream = command[command.index("--upstream-url") + 1]
+    assert "victoriametrics" not in upstream, "a writer to it: the doc below is then wrong"
+    doc = " ".join((REPO / "docs" / "demo.md").read_text().split())
+    assert "second TSDB" not in doc
+    assert "nothing writes to it" in doc
+    assert f"`http://victoriametrics:{port}/api/v1/write`" in doc

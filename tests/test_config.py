@@ -130,6 +130,44 @@ def test_errors_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # the audit's cli/c7.yaml and c10.yaml: the last one silently won
+        ("server:\n  listen_address: 127.0.0.1:1\n  listen-address: 127.0.0.1:2\n",
+         "server: 'listen_address' and 'listen-address' are the same key "
+         "(server.listen_address): keep one"),
+        ("server:\n  listen_address: 127.0.0.1:1\n  listen_address: 127.0.0.1:2\n",
+         "server: key 'listen_address' is given more than once (again at line 3); keep one"),
+        ("log_level: info\nlog-level: debug\n",
+         "top level: 'log_level' and 'log-level' are the same key (log_level)"),
+        ("server: {}\nserver: {worker_threads: 2}\n",
+         "top level: key 'server' is given more than once (again at line 2)"),
+        ("upstream:\n  headers:\n    X-A: a\n    X-A: b\n",
+         "upstream.headers: key 'X-A' is given more than once (again at line 4)"),
+        ("enrich:\n  pod_label_rules:\n  - metric_prefix: a\n    metric_prefix: b\n"
+         "    pod_label_pairs: [[n, p]]\n",
+         "enrich.pod_label_rules[0]: key 'metric_prefix' is given more than once"),
+    ],
+)
+def test_a_key_given_twice_is_refused(tmp_path: Path, text: str, expected: str) -> None:
+    """The file is strict (docs/configuration.md): a key given twice in one mapping, as
+    written or as dashes for underscores, is an error naming the key and its section."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert expected in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_a_merge_key_overridden_is_no_duplicate(tmp_path: Path) -> None:
+    """``<<`` merges a mapping, and a key of the mapping's own overrides it: no error."""
+    path = write(tmp_path, "server:\n  <<: {listen_address: '127.0.0.1:1', worker_threads: 2}\n"
+                           "  listen_address: 127.0.0.1:3\n")
+    s = load_settings(path)
+    assert (s.server.listen_address, s.server.worker_threads) == ("127.0.0.1:3", 2)
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_settings(tmp_path / "nope.yaml")

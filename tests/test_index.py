@@ -200,3 +200,24 @@ def test_fact_workloads_are_one_per_identity_the_present_object_first(
                                       had.ref.uid):
                 best[key] = wf
         assert sorted(served) == sorted(wf.ref.uid for wf in best.values())
+
+
+def test_the_unattributed_pod_count_follows_every_change() -> None:
+    """``unattributed_pods`` (the pages' "A attributed / N in all") is kept as pods come,
+    change their attribution and go, not counted per view."""
+    idx = PodIndex()
+
+    def recount() -> int:
+        return sum(1 for a in idx.pods.values() if a.workload is None)
+
+    steps: list[dict[str, PodAttribution | None]] = [
+        {"a": att("a", "a"), "b": att("b", "b", workload=None, reason="owner_missing")},
+        {"a": att("a", "a", workload=None, reason="owner_missing")},  # loses its workload
+        {"b": att("b", "b")},  # gains one
+        {"c": att("c", "c", workload=None, reason="no_described_owner"), "a": None},
+        {"c": None, "b": None, "zz": None},  # one never seen
+    ]
+    for pods in steps:
+        idx.apply(ChangeSet(pods=pods))
+        assert idx.unattributed_pods == recount(), pods
+    assert idx.unattributed_pods == 0 and not idx.pods

@@ -8,6 +8,7 @@ one test runs the real ``karta-proxy`` process and sends it SIGHUP."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import signal
 import sys
@@ -531,3 +532,42 @@ async def test_sighup_reloads_the_process_and_a_bad_file_keeps_it_running(
     assert "configuration reloaded" in log
     assert "reload failed; the configuration in force stays" in log
     assert "enrich.conflict_policy" in log  # the log says why
+
+
+async def test_a_reload_reads_the_upstream_tls_files_again(tmp_path: Path) -> None:
+    """The upstream's CA fixed on disk: SIGHUP (``reload``) builds a new client context,
+    the next write is stored. The context was built once at start: writes stayed 502,
+    and the reload said applied=[] restart_required=[]."""
+    import ssl
+
+    from tests.test_runtime import snapshot_settings
+    from tests.tls_certs import Authority
+
+    right = Authority(tmp_path / "right", "right-ca")
+    wrong = Authority(tmp_path / "wrong", "wrong-ca")
+    served = right.issue("tsdb", server=True)
+    ca_file = tmp_path / "upstream-ca.pem"
+    ca_file.write_bytes(wrong.ca_file.read_bytes())
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(served.cert, served.key)
+    async with ScriptedUpstream(ssl_context=server_ctx) as up, aiohttp.ClientSession() as c:
+        s = snapshot_settings(tmp_path, up.url)
+        s.upstream.tls_ca_file = str(ca_file)
+        s.upstream.timeout_seconds = 5.0
+        p = Proxy(s, loader=lambda: copy.deepcopy(s))
+        await p.start()
+        try:
+            url = f"http://127.0.0.1:{p.port}/api/v1/write"
+            status, _, _ = await send_series(url, [Series(CART_POD, [(1000, 1.0)])], session=c)
+            assert status == 502
+            ca_file.write_bytes(right.ca_file.read_bytes())
+            assert (await p.reload()).ok
+            status, _, body = await send_series(url, [Series(CART_POD, [(1000, 1.0)])],
+                                                session=c)
+            assert status == 204, body
+            # a CA file that does not load fails the reload, and the context in use stays
+            ca_file.write_text("not a certificate\n")
+            outcome = await p.reload()
+            assert not outcome.ok and "upstream TLS" in outcome.error, outcome
+        finally:
+            await p.stop()

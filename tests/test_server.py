@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -179,3 +180,16 @@ def test_a_metrics_page_waits_for_requests_a_share_of_the_scrape_timeout() -> No
                 {"X-Prometheus-Scrape-Timeout-Seconds": "-1"},
                 {"X-Prometheus-Scrape-Timeout-Seconds": "inf"}):
         assert page_defer_budget(odd) == PAGE_DEFER_SECONDS
+
+
+def test_operations_doc_says_the_endpoints_are_unauthenticated_and_what_to_do() -> None:
+    """POST /-/reload and the attribution endpoints are served on the listening port to
+    anyone who connects; docs/operations.md's Endpoints section says so and what limits
+    it (a NetworkPolicy, TLS client certificates)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    section = doc.split("## Endpoints", 1)[1].split("\n## ", 1)[0]
+    words = " ".join(section.split())
+    assert "No endpoint is authenticated" in words
+    for needle in ("`POST /-/reload`", "`/attribution`", "NetworkPolicy",
+                   "`server.tls_client_ca_file`", "`RequireAndVerifyClientCert`"):
+        assert needle in words, needle

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import datetime
+import logging
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -228,6 +231,196 @@ async def test_a_new_client_ca_is_trusted_after_it_is_added(
         assert p.tls.check() is True
         assert (await fetch(p.port, pki.ca.ca_file, newer_client)).status == "HTTP/1.1 200 OK"
         assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == "HTTP/1.1 200 OK"
+    finally:
+        await p.stop()
+
+
+def _ecdsa_only_client(ca: Path) -> ssl.SSLContext:
+    """A client that takes an ECDSA server certificate only (TLS 1.2, ECDSA suites)."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers("ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384")
+    return ctx
+
+
+async def test_a_certificate_rotated_to_another_key_type_replaces_the_old_one(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """ECDSA -> RSA: loaded into the live context, the RSA certificate sat beside the
+    ECDSA one (OpenSSL keeps one per key type) and clients offering ECDSA, the default
+    client among them, kept getting the old certificate. Each load is a new context."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    p = await started(s, tls_check_interval=0)
+    rsa_cert = pki.ca.issue("proxy-rsa", server=True, rsa_key=True)
+    try:
+        assert p.tls is not None
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-a"
+        ecdsa_only = await fetch(p.port, pki.ca.ca_file,
+                                 context=_ecdsa_only_client(pki.ca.ca_file))
+        assert ecdsa_only.server_cn == "proxy-a", ecdsa_only
+        install(rsa_cert, pki.server)
+        assert p.tls.check() is True
+        seen = await fetch(p.port, pki.ca.ca_file)
+        assert (seen.server_cn, seen.status) == ("proxy-rsa", "HTTP/1.1 200 OK"), seen
+        # no ECDSA certificate is left to serve: that client is refused, not given proxy-a
+        ecdsa_only = await fetch(p.port, pki.ca.ca_file,
+                                 context=_ecdsa_only_client(pki.ca.ca_file))
+        assert ecdsa_only.server_cn == "" and ecdsa_only.status == "", ecdsa_only
+        # and back to ECDSA
+        install(pki.ca.issue("proxy-c", server=True), pki.server)
+        assert p.tls.check() is True
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-c"
+    finally:
+        await p.stop()
+
+
+async def test_a_client_ca_removed_from_the_bundle_is_no_longer_trusted(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """A CA taken out of the bundle: its clients are refused from the next handshake on
+    (a live context could only add CAs, so it stayed trusted until a restart)."""
+    newer = Authority(tmp_path / "newer", "newer-ca")
+    newer_client = newer.issue("agent-2", server=False)
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes() + newer.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    try:
+        assert p.tls is not None
+        assert (await fetch(p.port, pki.ca.ca_file, newer_client)).status == "HTTP/1.1 200 OK"
+        bundle.write_bytes(pki.ca.ca_file.read_bytes())
+        assert p.tls.check() is True
+        assert (await fetch(p.port, pki.ca.ca_file, newer_client)).status == ""
+        assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == "HTTP/1.1 200 OK"
+    finally:
+        await p.stop()
+
+
+#: a comment line in a CA bundle, as the Mozilla bundle (and certifi) carry them
+NON_ASCII_COMMENT = "# Issuer: CN=Zürich Root CA, O=Grüezi AG\n".encode()
+
+
+async def test_a_client_ca_bundle_with_non_ascii_comments_loads(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The validation loads the bundle as a file (it passed); the listener read it as
+    ASCII text with replacement characters and gave it to ``cadata=``: a TypeError at
+    start (exit 1), and at every rotation a traceback."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(NON_ASCII_COMMENT + pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    try:
+        assert p.tls is not None
+        assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == "HTTP/1.1 200 OK"
+        newer = Authority(tmp_path / "newer", "newer-ca")
+        bundle.write_bytes(NON_ASCII_COMMENT + pki.ca.ca_file.read_bytes()
+                           + NON_ASCII_COMMENT + newer.ca_file.read_bytes())
+        caplog.clear()
+        assert p.tls.check() is True
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        client2 = newer.issue("agent-2", server=False)
+        assert (await fetch(p.port, pki.ca.ca_file, client2)).status == "HTTP/1.1 200 OK"
+        outcome = await p.reload()
+        assert outcome.ok, outcome
+    finally:
+        await p.stop()
+
+
+async def test_a_check_that_fails_in_any_way_is_logged_once_and_keeps_serving(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not only ``SSLError`` and ``OSError``: whatever a load raises is a failed load,
+    logged once per state of the files, never a traceback at every check."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    p = await started(s, tls_check_interval=0)
+    try:
+        assert p.tls is not None
+
+        def broken(*_: object, **__: object) -> None:
+            raise TypeError("something unforeseen")
+
+        monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", broken)
+        pki.server.cert.write_bytes(pki.server.cert.read_bytes())  # a new stamp
+        caplog.clear()
+        for _ in range(3):
+            assert p.tls.check(force=True) is False
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "something unforeseen" in errors[0].__dict__["error"], errors
+        assert not any(r.exc_info for r in errors)
+        monkeypatch.undo()
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-a"
+    finally:
+        await p.stop()
+
+
+async def test_a_reload_whose_tls_files_fail_applies_nothing(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """All or nothing: the TLS files are tried before anything is applied. The new enrich
+    settings were in force while the reload answered 500 "the configuration in force
+    stays"."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    loaded = copy.deepcopy(s)
+    root = logging.getLogger()
+    level = root.level
+    p = Proxy(s, loader=lambda: copy.deepcopy(loaded), tls_check_interval=0)
+    await p.start()
+    try:
+        assert p.tls is not None
+        before, plan = copy.deepcopy(p.settings), p.enricher.plan
+        loaded.enrich.pod_label_pairs = [("app_ns", "app_pod")]
+        loaded.log_level = "debug"
+        pki.server.key.write_bytes(pki.ca.issue("someone-else", server=True).key.read_bytes())
+        outcome = await p.reload()
+        assert not outcome.ok and "TLS" in outcome.error, outcome
+        assert p.settings == before
+        assert p.enricher.plan is plan
+        assert root.level == level
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-a"
+        assert p.metrics.registry.get_sample_value(
+            "karta_proxy_config_last_reload_successful", {}) == 0.0
+        # files fixed: the same reload goes through
+        install(pki.ca.issue("proxy-b", server=True), pki.server)
+        outcome = await p.reload()
+        assert outcome.ok and "enrich.pod_label_pairs" in outcome.applied, outcome
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-b"
+    finally:
+        root.setLevel(level)
+        await p.stop()
+
+
+@pytest.mark.parametrize(("valid", "words"), [
+    ((datetime.timedelta(days=-3), datetime.timedelta(days=-1)), "has expired"),
+    ((datetime.timedelta(days=1), datetime.timedelta(days=3)), "is not valid yet"),
+])
+async def test_a_certificate_out_of_its_validity_is_loaded_with_an_error_and_its_expiry(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+    valid: tuple[datetime.timedelta, datetime.timedelta], words: str,
+) -> None:
+    """An expired (or not yet valid) serving certificate loaded without a word: every
+    verifying client refused, nothing on the proxy said why. Its notAfter is a gauge."""
+    bad = pki.ca.issue("proxy-old", server=True, valid=valid)
+    install(bad, pki.server)
+    caplog.set_level(logging.INFO, logger="karta.tls")
+    p = await started(tls_settings(tmp_path, upstream.url, pki), tls_check_interval=0)
+    try:
+        assert p.tls is not None
+        (line,) = [r for r in caplog.records if words in r.getMessage()]
+        assert line.levelno == logging.ERROR and line.__dict__["cert_file"] == p.tls.cert_file
+        expiry = p.metrics.registry.get_sample_value(
+            "karta_proxy_tls_certificate_expiry_timestamp_seconds", {})
+        want = (datetime.datetime.now(datetime.UTC) + valid[1]).timestamp()
+        assert expiry is not None and abs(expiry - want) < 120, (expiry, want)
+        # a good one rotated in: no error, the gauge follows
+        caplog.clear()
+        install(pki.ca.issue("proxy-new", server=True), pki.server)
+        assert p.tls.check() is True
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        later = p.metrics.registry.get_sample_value(
+            "karta_proxy_tls_certificate_expiry_timestamp_seconds", {})
+        assert later is not None and later > time.time() + 3600
     finally:
         await p.stop()
 

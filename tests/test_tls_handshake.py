@@ -23,7 +23,7 @@ from tests.scripted import ScriptedUpstream
 from tests.test_tls import Pki, fetch, started, tls_settings, write_stored
 from tests.test_tls import pki as pki  # the shared fixtures, reused
 from tests.test_tls import upstream as upstream
-from tests.tls_certs import Authority
+from tests.tls_certs import Authority, Pem
 
 FAILURES = "karta_proxy_tls_handshake_failures_total"
 
@@ -210,6 +210,29 @@ async def test_a_client_silent_past_the_handshake_timeout_is_counted(
         assert seen == [Reason.TIMEOUT]
         (line,) = lines(caplog, "TLS handshake failed")
         assert line.__dict__["reason"] == Reason.TIMEOUT
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_site_given_a_callable_asks_it_for_each_connection(pki: Pki) -> None:
+    """proxy/tls.py makes a new context per load: the listener must take the current one
+    for each connection, not the one it started with."""
+    def context(pem: Pem) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(pem.cert, pem.key)
+        return ctx
+
+    current = [context(pki.server)]
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = TLSSite(runner, "127.0.0.1", 0, ssl_context=lambda: current[0],
+                   refusals=Refusals())
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        assert (await fetch(port, pki.ca.ca_file)).server_cn == "proxy-a"
+        current[0] = context(pki.ca.issue("proxy-b", server=True))
+        assert (await fetch(port, pki.ca.ca_file)).server_cn == "proxy-b"
     finally:
         await runner.cleanup()
 

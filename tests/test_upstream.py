@@ -3,6 +3,7 @@ headers, auth, TLS, RW 2.0 -> 1.0 fallback."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import hashlib
@@ -967,3 +968,34 @@ async def test_413_no_part_is_sent_after_the_sender_left() -> None:
     assert answer.status == 499 and not answer.ok
     assert sent < 31
     assert split_count(u, "sender_gone") == 1
+
+
+async def test_upstream_tls_files_are_read_again_when_they_change(tmp_path: Path) -> None:
+    """The upstream's CA (and client certificate) were read once at start: a CA file fixed
+    on disk left every write 502 until a restart, SIGHUP or not. Now a change is seen
+    within a second from the write path, and at once by a reload (``tls_trial``)."""
+    from tests.tls_certs import Authority
+
+    right = Authority(tmp_path / "right", "right-ca")
+    wrong = Authority(tmp_path / "wrong", "wrong-ca")
+    served = right.issue("tsdb", server=True)
+    ca_file = tmp_path / "upstream-ca.pem"
+    ca_file.write_bytes(wrong.ca_file.read_bytes())
+    async with ScriptedUpstream(ssl_context=server_ctx(served.cert, served.key)) as up, \
+            opened(up.url.replace("http://", "https://"), tls_ca_file=str(ca_file)) as u:
+        bad = await u.send(v1_body(), Protocol.V1)
+        assert bad.status == 502 and bad.upstream == "connect_error", bad
+        # fixed on disk: seen by the next request past the check interval (1 s)
+        ca_file.write_bytes(right.ca_file.read_bytes())
+        await asyncio.sleep(1.1)
+        assert (await u.send(v1_body(), Protocol.V1)).status == 204
+        # broken again, then a reload's trial: it raises, and the context in use stays
+        ca_file.write_text("not a certificate\n")
+        with pytest.raises(ssl.SSLError):
+            u.tls_trial()
+        await asyncio.sleep(1.1)
+        assert (await u.send(v1_body(), Protocol.V1)).status == 204
+        # wrong CA again, adopted through the reload's path at once
+        ca_file.write_bytes(wrong.ca_file.read_bytes())
+        u.tls_adopt(u.tls_trial())
+        assert (await u.send(v1_body(), Protocol.V1)).status == 502

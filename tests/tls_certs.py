@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
@@ -27,7 +27,7 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
     path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                        serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()))
@@ -60,15 +60,21 @@ class Authority:
         self.ca_file = folder / f"{name}.pem"
         _write_cert(self.ca_file, self._cert)
 
-    def issue(self, cn: str, *, server: bool) -> Pem:
-        """A leaf certificate: ``server`` for 127.0.0.1 and localhost, else a client's."""
-        key = ec.generate_private_key(ec.SECP256R1())
+    def issue(self, cn: str, *, server: bool, rsa_key: bool = False,
+              valid: tuple[datetime.timedelta, datetime.timedelta] | None = None) -> Pem:
+        """A leaf certificate: ``server`` for 127.0.0.1 and localhost, else a client's; an
+        ECDSA key, or RSA with ``rsa_key``; valid from 5 min ago for a day, or from now
+        plus ``valid[0]`` to now plus ``valid[1]``."""
+        key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey = (
+            rsa.generate_private_key(public_exponent=65537, key_size=2048) if rsa_key
+            else ec.generate_private_key(ec.SECP256R1()))
         now = datetime.datetime.now(datetime.UTC)
+        begin, end = valid or (datetime.timedelta(minutes=-5), datetime.timedelta(days=1))
         b = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self._cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now + begin)
+            .not_valid_after(now + end)
             .add_extension(x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
                 critical=False)

@@ -830,14 +830,20 @@ class Engine:
         wl = self._wl.get(uid)
         return wl.facts if wl is not None else None
 
-    def explain(self, namespace: str, pod: str) -> Explanation | None:
+    def explain(self, namespace: str, pod: str, uid: str | None = None
+                ) -> Explanation | None:
         """Why ``namespace/pod`` got its attribution, walked again on demand (the status
-        page; read-only, a scan of the pods: never on the request path). None for a pod
-        the engine does not hold; of two pods of one name, the newest."""
+        page; read-only, never on the request path). None for a pod the engine does not
+        hold; of two pods of one name, the newest. ``uid``, when the caller knows it (the
+        index does), finds the pod at once; without it, or when it names another pod,
+        the pods are scanned (3-4 ms of the loop at 45k pods)."""
         from proxy.karta.explain import explain_pod
 
-        found = None
-        for rec in self._pods.values():
+        found = self._pods.get(uid) if uid else None
+        if found is not None and (found.name != pod or found.namespace != namespace
+                                  or found.att is None):
+            found = None
+        for rec in () if found is not None else self._pods.values():
             if rec.name == pod and rec.namespace == namespace and rec.att is not None:
                 found = rec
         if found is None or found.att is None:

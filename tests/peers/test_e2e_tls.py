@@ -147,3 +147,77 @@ async def test_agent_writes_over_mtls_and_one_without_a_cert_is_refused(
         raise AssertionError("writes stopped after the certificate rotation")
     # the refused queue retries through the agent's shutdown flush: do not wait for it
     await agent.astop(timeout=2)
+
+
+async def test_victoria_metrics_over_tls_is_written_once_its_ca_is_fixed_and_reloaded(
+    peers: Peers, tmp_path: Path, tls_proxy_factory: list[Proxy],
+) -> None:
+    """VictoriaMetrics serving HTTPS (-tls) with a certificate of a CA the proxy's
+    upstream.tls_ca_file does not hold: writes 502. The CA file fixed on disk and a
+    reload (SIGHUP's): the next write is stored. The client context was built once at
+    start: it stayed 502 until a restart (audit tls/upstream_ca_rotate.sh)."""
+    import copy
+    import json
+    import ssl
+
+    from proxy.sender import Series, send_series
+    from tests.peers.conftest import free_port, need
+
+    binary = need("victoria-metrics")
+    right = Authority(tmp_path / "right", "right-ca")
+    wrong = Authority(tmp_path / "wrong", "wrong-ca")
+    served = right.issue("tsdb", server=True)
+    port = free_port()
+    vm = peers._peer("vm-tls", [
+        binary, f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={tmp_path / 'vm'}",
+        "-search.latencyOffset=0s", "-search.disableCache", "-loggerLevel=WARN",
+        "-tls", f"-tlsCertFile={served.cert}", f"-tlsKeyFile={served.key}",
+    ], port, "/health")
+    base = f"https://127.0.0.1:{port}"
+    trust = ssl.create_default_context(cafile=str(right.ca_file))
+
+    async def healthy() -> bool:
+        assert vm.proc is not None and vm.proc.poll() is None, vm.log_tail()
+        async with aiohttp.ClientSession() as c, c.get(base + "/health", ssl=trust) as r:
+            return r.status == 200
+
+    await wait_until(healthy, timeout=30, what="victoria-metrics over TLS")
+
+    ca_file = tmp_path / "upstream-ca.pem"
+    ca_file.write_bytes(wrong.ca_file.read_bytes())
+    s = Settings()
+    s.snapshot = str(DEMO_SNAPSHOT)
+    s.upstream.url = base + "/api/v1/write"
+    s.upstream.tls_ca_file = str(ca_file)
+    s.upstream.timeout_seconds, s.upstream.connect_timeout_seconds = 5.0, 2.0
+    s.server.listen_address = "127.0.0.1:0"
+    s.facts.enabled = False
+    validate(s)
+    p = Proxy(s, loader=lambda: copy.deepcopy(s))
+    await p.start()
+    tls_proxy_factory.append(p)
+    write = f"http://127.0.0.1:{p.port}/api/v1/write"
+    labels = {"__name__": "tls_probe", "namespace": "web", "pod": "frontend-6d8f7b9c5d-4xkqp"}
+    async with aiohttp.ClientSession() as c:
+        now = int(time.time() * 1000)
+        status, _, _ = await send_series(write, [Series({**labels, "try": "1"}, [(now, 1.0)])],
+                                         session=c)
+        assert status == 502
+        ca_file.write_bytes(right.ca_file.read_bytes())
+        outcome = await p.reload()
+        assert outcome.ok, outcome
+        status, _, body = await send_series(
+            write, [Series({**labels, "try": "2"}, [(now, 2.0)])], session=c)
+        assert status == 204, body
+        stored: list[dict[str, str]] = []
+
+        async def exported() -> bool:
+            async with c.get(base + "/internal/force_flush", ssl=trust) as r:
+                assert r.status == 200
+            async with c.get(base + "/api/v1/export", ssl=trust, params={
+                    "match[]": '{__name__="tls_probe"}', "start": f"{now / 1000 - 60:.0f}"}) as r:
+                stored[:] = [json.loads(line)["metric"] for line in (await r.text()).splitlines()]
+            return bool(stored)
+
+        await wait_until(exported, timeout=15, what="the write in VictoriaMetrics")
+    assert [(m["try"], m.get("karta_workload")) for m in stored] == [("2", "frontend")], stored
