@@ -49,6 +49,7 @@ from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
+from proxy.karta.files import folder_files
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.owners import group_kind
 from proxy.karta.packed import Packed, pack
@@ -372,9 +373,7 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
         raise SnapshotError(f"snapshot {path}: no such file or folder")
     files: list[Path] = []
     skipped: list[SkippedFile] = []
-    for f in sorted(p.rglob("*")):
-        if not f.is_file() or any(part.startswith(".") for part in f.relative_to(p).parts):
-            continue  # hidden files and folders (editor swap files, .git) are not snapshot data
+    for f in folder_files(p):  # hidden files and folders are not snapshot data
         if f.suffix.lower() not in SUFFIXES:
             skipped.append(SkippedFile(str(f), f"not {'/'.join(SUFFIXES)}"))
         elif len(files) >= MAX_FILES:

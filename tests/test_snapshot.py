@@ -1148,3 +1148,15 @@ async def test_a_description_from_elsewhere_has_the_source_feed_its_kinds_object
     finally:
         await src.stop()
         gc.unfreeze()
+
+
+def test_a_configmap_mount_is_read_once_in_its_current_version(tmp_path: Path) -> None:
+    from tests.karta.test_description import configmap_mount
+
+    new, old = _pod("p", "p-1", None), _pod("p", "p-1", None)
+    new["metadata"]["labels"] = {"v": "new"}
+    configmap_mount(tmp_path, [("snap.yaml", yaml.safe_dump(new)),
+                               ("snap.yaml", yaml.safe_dump(old))], current=0)
+    content = read_snapshot(tmp_path)
+    assert list(content.files) == [str(tmp_path / "snap.yaml")] and not content.skipped
+    assert [o["metadata"].get("labels") for o in content.objects().values()] == [{"v": "new"}]

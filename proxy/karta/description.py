@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from proxy.karta.files import folder_files
 from proxy.karta.jqexpr import JqCompileError, JqExpr, to_text
 from proxy.karta.model import (
     GVK,
@@ -691,15 +692,14 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
 def load_description_paths(
     paths: Iterable[str | Path],
 ) -> tuple[list[Description], list[DescriptionError]]:
-    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted)."""
+    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted; hidden
+    files and folders left out, as a mounted ConfigMap's ``..data``: see ``folder_files``)."""
     descs: list[Description] = []
     errors: list[DescriptionError] = []
     for entry in paths:
         p = Path(entry)
         if p.is_dir():
-            files = sorted(
-                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FILE_SUFFIXES
-            )
+            files = [f for f in folder_files(p) if f.suffix.lower() in FILE_SUFFIXES]
         elif p.exists():
             files = [p]
         else:

@@ -646,6 +646,30 @@ def test_folder_loading(tmp_path: Path) -> None:
     assert [d.name for d in descs] == ["tiny"] and errors == []
 
 
+def configmap_mount(folder: Path, versions: list[tuple[str, str]], current: int) -> None:
+    """``folder`` as kubelet mounts a ConfigMap: a ``..<timestamp>/`` folder per version
+    (name -> text), ``..data`` linking to the current one, each key a link through it."""
+    for stamp, (name, text) in enumerate(versions):
+        (folder / f"..2026_12_03_1{stamp}_00_00.{stamp}").mkdir(parents=True)
+        (folder / f"..2026_12_03_1{stamp}_00_00.{stamp}" / name).write_text(text)
+    (folder / "..data").symlink_to(f"..2026_12_03_1{current}_00_00.{current}")
+    (folder / versions[current][0]).symlink_to(f"..data/{versions[current][0]}")
+
+
+def test_a_configmap_mount_is_read_once_in_its_current_version(tmp_path: Path) -> None:
+    old, new = base(), base()
+    root(new)["statusDefinition"]["statusMappings"]["running"][0]["byPhase"] = "Ready"
+    # mid-update: the old version still there, sorting after ``..data``
+    configmap_mount(tmp_path, [("tiny.yaml", yaml.safe_dump(new)),
+                               ("tiny.yaml", yaml.safe_dump(old))], current=0)
+    descs, errors = load_description_paths([tmp_path])
+    assert errors == []
+    assert [(d.name, d.source) for d in descs] == [("tiny", str(tmp_path / "tiny.yaml"))]
+    assert descs[0].status is not None
+    (_, (matcher,)), = descs[0].status.mappings
+    assert matcher.by_phase == "Ready"
+
+
 # -- which description wins -------------------------------------------------------------------
 
 
