@@ -57,6 +57,7 @@ from proxy.karta.results import ChangeSet
 from proxy.karta.yamltext import (
     HANDED_OUT,
     Item,
+    Refused,
     Reread,
     load_documents,
     read_documents,
@@ -151,7 +152,7 @@ def _text_digest(text: str) -> bytes:
 
 def digest(obj: Mapping[str, Any]) -> bytes | None:
     """A digest equal only for equal objects (the text of :func:`pack`); None for objects
-    JSON does not carry exactly (YAML timestamps, NaN, non-string keys): kept whole."""
+    JSON does not carry exactly (NaN, non-string keys, ``!!binary``): kept whole."""
     packed = pack(obj)
     return _text_digest(packed.text) if isinstance(packed, Packed) else None
 
@@ -643,6 +644,9 @@ def _yaml_items(f: IO[str], pace: Pace = _unpaced) -> Iterator[tuple[str, Any]]:
     #: the list's kind and apiVersion given to items before the document's end
     given: tuple[Any, Any] | None = None
     for part in read_documents(f, pace):
+        if isinstance(part, Refused):  # an alias or a key given twice: only it is skipped
+            yield part.where, part
+            continue
         if isinstance(part, Item):
             item, head = part.value, part.head
             if head is None:  # a document that is a sequence: opened whatever it holds
@@ -723,6 +727,9 @@ def _flatten(docs: Iterable[Any], *, release: bool = False, first: int = 1
 
 def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
               applied: Mapping[str, Held] | None = None) -> None:
+    if isinstance(item, Refused):
+        fc.invalid.append(f"{fc.path}: {where}: {item}")
+        return
     if not isinstance(item, Mapping):
         fc.invalid.append(f"{fc.path}: {where}: not an object but {type(item).__name__}")
         return

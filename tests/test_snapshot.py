@@ -21,7 +21,7 @@ from proxy import snapshot
 from proxy.index import PodIndex
 from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine
-from proxy.karta.yamltext import Reread
+from proxy.karta.yamltext import Reread, load_documents
 from proxy.snapshot import (
     READ_CHARS,
     FileContent,
@@ -830,17 +830,19 @@ def test_a_source_reads_objects_as_text_and_keeps_only_stubs_once_applied(
 
 
 async def test_reload_of_objects_json_does_not_carry_exactly(tmp_path: Path) -> None:
-    """YAML timestamps stay parsed objects (compared whole on reload), the rest stubs."""
+    """What JSON does not carry exactly (a key that is not a string) stays a parsed object
+    (compared whole on reload), the rest stubs."""
     f = tmp_path / "s.yaml"
     objs = _deployment()
     text = yaml.safe_dump_all(objs) + "---\n" + (
         "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j, namespace: shop, uid: j-1}\n"
-        "status: {startTime: 2024-01-02T03:04:05Z, active: 1}\n")
+        "status: {7: seven, active: 1}\n")
     f.write_text(text)
     index = PodIndex()
     src = SnapshotSource(f, Engine(), index)
     await src.start()
     assert src.report is not None and src.report.objects["Job"] == 1
+    assert isinstance(src._content.objects()["j-1"], dict)  # type: ignore[union-attr]
     f.write_text(text.replace("active: 1", "active: 0"))
     report = await src.reload()
     assert set(report.changes.workloads) == {"j-1"}  # the Job's phase changed
@@ -878,9 +880,10 @@ def _as_read(fc: FileContent | SkippedFile) -> Any:
 
 def _read_whole(path: Path) -> Any:
     """What ``read_file`` gave before a list's items were handed out as built: every
-    document parsed whole, then classified."""
+    document parsed whole (a document with an alias or a key given twice refused whole),
+    then classified."""
     fc = FileContent(str(path))
-    docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.SafeLoader) if d is not None]
+    docs = load_documents(io.StringIO(path.read_text()))
     for where, item in _flatten(docs):
         _classify(fc, where, item)
     if not fc.objects and not fc.description_docs:
@@ -889,7 +892,7 @@ def _read_whole(path: Path) -> Any:
 
 
 _POD_A = "{apiVersion: v1, kind: Pod, metadata: {name: a}}"
-#: what only YAML text can say (keys given twice), or orders kubectl does not write
+#: what only YAML text can say (keys given twice, refused), or orders kubectl does not write
 YAML_LISTS = {
     "items given twice": f"apiVersion: v1\nkind: List\nitems: [{_POD_A}]\n"
                          "items: [{apiVersion: v1, kind: Pod, metadata: {name: b}}]\n",
@@ -934,7 +937,8 @@ _list_docs = st.fixed_dictionaries(
                                         "apiVersion": st.just("v1")}),
         st.integers(), st.none()), max_size=4)},
     optional={"kind": st.sampled_from(["List", "PodList", "Widget", "", 3]),
-              "apiVersion": st.sampled_from(["v1", "apps/v1"]), "metadata": st.just({})})
+              "apiVersion": st.sampled_from(["v1", "apps/v1"]),
+              "metadata": st.builds(dict)})  # a fresh one each: one shared is dumped as an alias
 
 
 @settings(max_examples=200, deadline=None)
@@ -1159,4 +1163,83 @@ def test_a_configmap_mount_is_read_once_in_its_current_version(tmp_path: Path) -
                                ("snap.yaml", yaml.safe_dump(old))], current=0)
     content = read_snapshot(tmp_path)
     assert list(content.files) == [str(tmp_path / "snap.yaml")] and not content.skipped
-    assert [o["metadata"].get("labels") for o in content.objects().values()] == [{"v": "new"}]
+    (obj,) = content.objects().values()
+    assert isinstance(obj, dict) and obj["metadata"]["labels"] == {"v": "new"}
+
+
+# -- YAML read as Kubernetes reads it -------------------------------------------------------
+
+
+def _lol(levels: int) -> str:
+    """A ConfigMap of nested aliases, ten to a level: ~600 bytes standing for 10**levels
+    strings once expanded."""
+    rows = "".join(f"  l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 10 if i else ['"lol"'] * 10)
+                   + "]\n" for i in range(levels + 1))
+    return ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: lol, namespace: shop}\n"
+            f"data:\n{rows}")
+
+
+async def test_an_alias_bomb_skips_its_document_and_the_rest_is_served(tmp_path: Path) -> None:
+    f = tmp_path / "lol.yaml"
+    # 7 levels raised MemoryError out of SnapshotSource.start (6: 5.6 s and 1.1 GB); 5
+    # levels, quick to expand, were loaded
+    f.write_text(_lol(5) + "---\n" + yaml.safe_dump(_pod("p", "p-1", None)))
+    index = PodIndex()
+    src = SnapshotSource(f, Engine(), index)
+    await src.start()
+    report = src.report
+    assert report is not None and index.ready
+    assert dict(report.objects) == {"Pod": 1}
+    assert report.invalid_objects == [
+        f"{f}: document 1: data.l1[0]: YAML alias *l0 at line 6, column 12: aliases are not "
+        "accepted (kubectl never writes one, and a few nested ones can stand for gigabytes)"]
+    assert _workload_of(index, "p") == "p"
+    await src.stop()
+
+
+def test_an_alias_in_one_item_of_a_list_skips_that_item(tmp_path: Path) -> None:
+    pods = [_pod(f"p{i}", f"p-{i}", None) for i in range(3)]
+    text = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": pods})
+    text = text.replace("name: p1\n", "name: &n p1\n    labels: {copy: *n}\n")
+    (tmp_path / "s.yaml").write_text(text)
+    _, index, report = _load(tmp_path / "s.yaml")
+    assert report.objects["Pod"] == 2
+    (why,) = report.invalid_objects
+    assert why.startswith(f"{tmp_path / 's.yaml'}: document 1.items[1]: metadata.labels.copy: "
+                          "YAML alias *n at line ")
+    assert _workload_of(index, "p2") == "p2" and _workload_of(index, "p1") is None
+
+
+def test_a_key_given_twice_skips_its_object(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("apiVersion: v1\nkind: Pod\nmetadata:\n  name: b\n  namespace: shop\n"
+                 "  labels: {team: x}\n  labels: {team: y}\n---\n"
+                 + yaml.safe_dump(_pod("a", "p-a", None)))
+    _, _, report = _load(f)
+    assert report.objects["Pod"] == 1
+    assert report.invalid_objects == [
+        f"{f}: document 1: metadata.labels: duplicate key 'labels' at line 7, column 3 "
+        "(kubectl refuses a key given twice; the last one would win silently)"]
+
+
+def test_unquoted_timestamps_are_read_as_the_apis_strings(tmp_path: Path) -> None:
+    objs = _deployment()
+    objs[0]["metadata"]["generation"] = 1
+    objs[0]["status"] = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3,
+                         "readyReplicas": 3, "conditions": [
+                             {"type": "Available", "status": "True",
+                              "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+    objs[0]["spec"]["replicas"] = 3
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump_all(objs).replace("'2026-01-01T00:00:00Z'",
+                                                  "2026-01-01T00:00:00Z"))
+    assert "lastTransitionTime: 2026-01-01T00:00:00Z\n" in f.read_text()
+    engine, _, report = _load(f)
+    assert report.ok
+    (wl,) = engine.workloads()
+    # a datetime made the scale path fail (desired None, workload_jq_error)
+    assert [r.desired for r in wl.replicas] == [3.0]
+    assert "workload_jq_error" not in engine.stats
+    assert wl.phase == "Running" and wl.phase_since_source == "object"
+    held = read_snapshot(f, packed=True).objects()["d-1"]
+    assert isinstance(held, snapshot.ObjectStub)  # JSON carries it: held as text

@@ -9,6 +9,7 @@ files, so one broken document does not stop the others.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -34,7 +35,7 @@ from proxy.karta.model import (
     StatusDefinition,
     TypeSelector,
 )
-from proxy.karta.yamltext import Loader, yaml_error
+from proxy.karta.yamltext import Refused, iter_documents, yaml_error
 
 KARTA_GROUP = "run.ai"
 KARTA_KIND = "Karta"
@@ -45,8 +46,7 @@ FORM_RI = "ResourceInterface"
 
 #: lowercase statusMappings key -> generic status name
 STATUS_KEYS: dict[str, str] = {s.lower(): s for s in UPSTREAM_STATUS_ORDER}
-#: files larger than this are refused: descriptions are a few KiB, and YAML aliases can
-#: make a small hostile file expand enormously
+#: files larger than this are refused: descriptions are a few KiB
 MAX_FILE_BYTES = 8 * 1024 * 1024
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -641,7 +641,10 @@ def _documents(obj: Any) -> Iterator[tuple[str, Any]]:
 def load_description_file(path: str | Path) -> tuple[list[Description], list[DescriptionError]]:
     """Every description in one YAML (multi-document) or JSON file; never raises.
 
-    Documents before a YAML syntax error are kept; the error is reported once.
+    YAML is read as Kubernetes reads it (``proxy.karta.yamltext``): timestamps are
+    strings, and a document with an alias or a key given twice is reported (the field
+    path, the line) and skipped. Documents before a YAML syntax error are kept; the error
+    is reported once.
     Documents that are not descriptions are reported too: a description folder should
     hold only descriptions.
     """
@@ -666,9 +669,12 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
         except ValueError as exc:
             return [], [DescriptionError(source, "", "", f"invalid JSON: {_short(str(exc))}")]
     else:
-        try:
-            for doc in yaml.load_all(text, Loader=Loader):
-                docs.append(doc)
+        try:  # as Kubernetes reads YAML: timestamps as strings, no alias, no key twice
+            for part in iter_documents(io.StringIO(text)):
+                if isinstance(part, Refused):  # that document only
+                    errors.append(DescriptionError(source, "", part.path, part.reason))
+                else:
+                    docs.append(part.value)
         except yaml.YAMLError as exc:
             errors.append(DescriptionError(source, "", "", yaml_error(exc)))
         except RecursionError:

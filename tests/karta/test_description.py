@@ -646,6 +646,70 @@ def test_folder_loading(tmp_path: Path) -> None:
     assert [d.name for d in descs] == ["tiny"] and errors == []
 
 
+DUP = """apiVersion: run.ai/v1alpha1
+kind: Karta
+metadata: {name: dup}
+spec:
+  structureDefinition:
+    rootComponent:
+      name: r
+      kind: {group: ex.com, version: v1, kind: Thing}
+      statusDefinition:
+        conditionsDefinition: {path: .status.conditions}
+        statusMappings:
+          failed:
+          - byConditions: [{type: Failed, status: "True"}]
+          running:
+          - byConditions: [{type: Ready, status: "True"}]
+          failed:
+          - byConditions: [{type: Stalled, status: "True"}]
+"""
+
+
+def test_a_key_given_twice_rejects_its_description(tmp_path: Path) -> None:
+    # the second ``failed`` replaced the first silently; kubectl and yaml.v2 refuse it
+    f = tmp_path / "dup.yaml"
+    head = yaml.safe_dump(base()) + "---\n"
+    f.write_text(head + DUP)
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny"]
+    line = head.count("\n") + 16  # the second ``failed``, 16th line of DUP
+    assert errors == [DescriptionError(
+        str(f), "", "spec.structureDefinition.rootComponent.statusDefinition.statusMappings.failed",
+        f"duplicate key 'failed' at line {line}, column 11 (kubectl refuses a key given "
+        "twice; the last one would win silently)")]
+
+
+def test_an_alias_rejects_its_description(tmp_path: Path) -> None:
+    text = DUP.replace("          failed:\n          - byConditions: [{type: Stalled",
+                       "          degraded:\n          - byConditions: [{type: Stalled")
+    text = text.replace("running:\n          - byConditions: [{type: Ready, status: \"True\"}]",
+                        "running: &r\n          - byConditions: [{type: Ready, status: \"True\"}]"
+                        "\n          resuming: *r")
+    f = tmp_path / "alias.yaml"
+    f.write_text(text + "---\n" + yaml.safe_dump(base()))
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny"]
+    assert [(e.path, e.reason.split(":")[0]) for e in errors] == [
+        ("spec.structureDefinition.rootComponent.statusDefinition.statusMappings.resuming",
+         "YAML alias *r at line 16, column 21")]
+
+
+def test_unquoted_timestamps_in_a_description_are_strings(tmp_path: Path) -> None:
+    f = tmp_path / "t.yaml"
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["running"] = [
+        {"byExpression": {"expression": ".status.since", "expectedResult": "2026-01-01"}}]
+    text = yaml.safe_dump(obj)
+    f.write_text(text.replace("'2026-01-01'", "2026-01-01"))
+    assert "expectedResult: 2026-01-01\n" in f.read_text()
+    (desc,), errors = load_description_file(f)
+    assert errors == []
+    assert desc.status is not None
+    (_, (matcher,)), = desc.status.mappings
+    assert matcher.expected_result == "2026-01-01"
+
+
 def configmap_mount(folder: Path, versions: list[tuple[str, str]], current: int) -> None:
     """``folder`` as kubelet mounts a ConfigMap: a ``..<timestamp>/`` folder per version
     (name -> text), ``..data`` linking to the current one, each key a link through it."""
