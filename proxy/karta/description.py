@@ -349,7 +349,7 @@ class _Parser:
             conditions.append(
                 ConditionMatch(
                     type=ctype,
-                    status=_given(self.scalar_text(c.get("status"), f"{p}.status")),
+                    status=_given(self.condition_status(c.get("status"), f"{p}.status")),
                     reason=_given(self.string(c.get("reason"), f"{p}.reason")),
                 )
             )
@@ -368,6 +368,14 @@ class _Parser:
             by_expression=expression,
             expected_result=expected,
         )
+
+    def condition_status(self, value: Any, path: str) -> str | None:
+        """A condition's status as the API spells it: an unquoted YAML ``True`` or
+        ``False`` (a boolean) means "True" or "False" (read as jq's ``tostring``, "true",
+        it could never match a condition); anything else as :meth:`scalar_text`."""
+        if isinstance(value, bool):
+            return "True" if value else "False"
+        return self.scalar_text(value, path)
 
     def scalar_text(self, value: Any, path: str) -> str | None:
         """Strings as they are; an unquoted YAML ``true`` or ``1`` as jq's ``tostring``."""

@@ -455,8 +455,31 @@ def test_unquoted_yaml_scalars_in_matchers_are_text() -> None:
     d = parse_description(obj, "test.yaml")
     assert d.status is not None
     failed = dict(d.status.mappings)["Failed"][0]
-    assert failed.by_conditions[0].status == "true"
+    assert failed.by_conditions[0].status == "True"  # a condition's spelling, see below
     assert failed.expected_result == "3"
+
+
+@pytest.mark.parametrize(("written", "status"), [("True", "True"), ("true", "True"),
+                                                 ("False", "False"), ('"True"', "True"),
+                                                 ("Unknown", "Unknown")])
+def test_an_unquoted_boolean_condition_status_is_the_apis_spelling(
+        tmp_path: Path, written: str, status: str) -> None:
+    # ``status: True`` loaded as the boolean, compared as "true", and never matched a
+    # condition: their statuses are "True", "False" and "Unknown"
+    from proxy.karta.status import evaluate_status
+
+    obj = base()
+    obj["spec"]["structureDefinition"]["rootComponent"]["statusDefinition"] = {
+        "conditionsDefinition": {"path": ".status.conditions"},
+        "statusMappings": {"running": [{"byConditions": [{"type": "Ready", "status": "X"}]}]}}
+    f = tmp_path / "d.yaml"
+    f.write_text(yaml.safe_dump(obj).replace("status: X", f"status: {written}"))
+    (d,), errors = load_description_file(f)
+    assert errors == [] and d.status is not None
+    ((_, (matcher,)),) = d.status.mappings
+    assert matcher.by_conditions[0].status == status
+    ready = {"status": {"conditions": [{"type": "Ready", "status": status}]}}
+    assert evaluate_status(d.status, ready).phase == "Running"
 
 
 def test_condition_field_names_default_when_null() -> None:
