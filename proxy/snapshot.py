@@ -18,8 +18,8 @@ Accepted, in any mix, from a file or a folder (recursively; ``*.yaml``, ``*.yml`
 A file that cannot be read or parsed is reported with its reason and skipped; objects
 that are not Kubernetes objects are reported and skipped; nothing here raises past the
 loader except a path that does not exist at all. Objects without ``metadata.uid`` (hand
-written snapshots) get a stable one derived from kind, namespace and name, and owner
-references without a uid get the same derivation, so owner chains still connect.
+written snapshots) get a stable one derived from API group, kind, namespace and name, and
+owner references without a uid get the same derivation, so owner chains still connect.
 
 With ``reload_seconds`` the source polls the files' mtimes and applies what changed:
 changed and new objects are upserted, vanished ones deleted. A file that fails to parse
@@ -758,9 +758,38 @@ def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
     fc.objects.append(hold(obj, applied) if packed else obj)
 
 
-def derived_uid(kind: str, namespace: str, name: str) -> str:
-    """The uid given to an object written without one (stable across loads)."""
-    return str(uuid.uuid5(_UID_NAMESPACE, f"{kind}/{namespace}/{name}"))
+#: kinds Kubernetes defines as cluster-scoped that may be named as owners: a reference
+#: from a namespaced object to one of them derives its uid without the namespace, as the
+#: owner's own is derived (an owner is in its dependent's namespace, or cluster-scoped)
+CLUSTER_SCOPED: frozenset[tuple[str, str]] = frozenset({
+    ("", "Node"), ("", "Namespace"), ("", "PersistentVolume"),
+    ("storage.k8s.io", "StorageClass"), ("storage.k8s.io", "CSIDriver"),
+    ("storage.k8s.io", "CSINode"), ("storage.k8s.io", "VolumeAttachment"),
+    ("rbac.authorization.k8s.io", "ClusterRole"),
+    ("rbac.authorization.k8s.io", "ClusterRoleBinding"),
+    ("apiextensions.k8s.io", "CustomResourceDefinition"),
+    ("apiregistration.k8s.io", "APIService"), ("scheduling.k8s.io", "PriorityClass"),
+    ("networking.k8s.io", "IngressClass"), ("node.k8s.io", "RuntimeClass"),
+    ("certificates.k8s.io", "CertificateSigningRequest"),
+    ("admissionregistration.k8s.io", "MutatingWebhookConfiguration"),
+    ("admissionregistration.k8s.io", "ValidatingWebhookConfiguration"),
+    ("run.ai", "Karta"), ("optimization.nvidia.com", "ResourceInterface"),
+})
+
+
+def _group(api_version: str) -> str:
+    return api_version.rpartition("/")[0]
+
+
+def derived_uid(api_version: str, kind: str, namespace: str, name: str) -> str:
+    """The uid given to an object written without one (stable across loads), from its
+    API group, kind, namespace and name: a Knative ``serving.knative.dev`` Service and a
+    core Service of one name are two objects (without the group they were one, the later
+    replacing the other, and a pod moved to the wrong workload). The core group's are
+    what they were before the group counted."""
+    group = _group(api_version)
+    key = f"{group}/{kind}/{namespace}/{name}" if group else f"{kind}/{namespace}/{name}"
+    return str(uuid.uuid5(_UID_NAMESPACE, key))
 
 
 def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
@@ -770,7 +799,7 @@ def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[s
     new_md: dict[str, Any] | None = None
     if not isinstance(md.get("uid"), str) or not md.get("uid"):
         new_md = dict(md)
-        new_md["uid"] = derived_uid(obj["kind"], ns, md["name"])
+        new_md["uid"] = derived_uid(obj["apiVersion"], obj["kind"], ns, md["name"])
         derived += 1
     refs = md.get("ownerReferences")
     if isinstance(refs, list) and any(
@@ -780,7 +809,9 @@ def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[s
         new_refs = []
         for r in refs:
             if isinstance(r, Mapping) and not r.get("uid") and r.get("kind") and r.get("name"):
-                r = {**r, "uid": derived_uid(str(r["kind"]), ns, str(r["name"]))}
+                api, kind = str(r.get("apiVersion") or ""), str(r["kind"])
+                owner_ns = "" if (_group(api), kind) in CLUSTER_SCOPED else ns
+                r = {**r, "uid": derived_uid(api, kind, owner_ns, str(r["name"]))}
                 derived += 1
             new_refs.append(r)
         new_md = dict(new_md if new_md is not None else md)

@@ -231,10 +231,50 @@ def test_missing_uids_are_derived_and_owner_chains_still_connect(tmp_path: Path)
     engine, index, report = _load(f)
     assert report.uids_derived == 5  # three objects, two owner references
     assert _workload_of(index, "api-5f6d-x1") == "api"
-    uid = derived_uid("Pod", "shop", "api-5f6d-x1")
+    uid = derived_uid("v1", "Pod", "shop", "api-5f6d-x1")
     att = engine.pod(uid)
     assert att is not None and att.workload is not None
-    assert att.workload.uid == derived_uid("Deployment", "shop", "api")
+    assert att.workload.uid == derived_uid("apps/v1", "Deployment", "shop", "api")
+
+
+def test_derived_uids_tell_api_groups_apart(tmp_path: Path) -> None:
+    # a Knative-like Service and a core Service of one name, neither with a uid: they
+    # were one object ("Service 1"), the core one replacing the other, and the pod went
+    # to the wrong workload
+    desc = karta("svc", component("svc", "example.com", "Service",
+                                  specDefinition={"podTemplateSpecPath": ".spec.template"}))
+    custom = {"apiVersion": "example.com/v1", "kind": "Service",
+              "metadata": {"name": "hello", "namespace": "shop"}}
+    core = {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "hello", "namespace": "shop"}}
+    pod = _pod("hello-x", None, None)
+    pod["metadata"]["ownerReferences"] = [{"apiVersion": "example.com/v1", "kind": "Service",
+                                           "name": "hello", "controller": True}]
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump_all([desc, custom, pod, core]))
+    engine, index, report = _load(f)
+    assert report.objects["Service"] == 2 and report.uids_derived == 4
+    pairs = dict(index.lookup(b"shop", b"hello-x") or ())
+    assert (pairs["karta_workload"], pairs["karta_kind"]) == ("hello", "Service")
+    (wl,) = [w for w in engine.workloads() if w.ref.name == "hello"]
+    assert wl.ref.uid == derived_uid("example.com/v1", "Service", "shop", "hello")
+    assert wl.ref.uid != derived_uid("v1", "Service", "shop", "hello")
+
+
+def test_a_reference_to_a_cluster_scoped_owner_derives_without_the_namespace(
+    tmp_path: Path,
+) -> None:
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}}
+    pod = _pod("static-n1", None, None)
+    pod["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": "n1",
+                                           "controller": True}]
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump_all([node, pod]))
+    objs = read_snapshot(f).objects()
+    uid = derived_uid("v1", "Node", "", "n1")
+    assert uid in objs
+    (p,) = [o for o in objs.values() if isinstance(o, dict) and o["kind"] == "Pod"]
+    assert p["metadata"]["ownerReferences"][0]["uid"] == uid
 
 
 def test_flatten_can_release_what_it_handed_out() -> None:
