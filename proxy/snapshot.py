@@ -750,12 +750,66 @@ def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
     if not isinstance(md, Mapping) or not isinstance(md.get("name"), str) or not md["name"]:
         fc.invalid.append(f"{fc.path}: {where}: {kind} without metadata.name")
         return
+    if (wrong := _wrong_metadata(md)) is not None:
+        fc.invalid.append(f"{fc.path}: {where}: {kind} {md['name']}: {wrong}")
+        return
     obj, derived = _with_uids(item, md)
     fc.uids_derived += derived
     if kind == "Pod" and api == "v1":
         # what the watches keep of a pod, so a snapshot of a large cluster holds as little
         obj = slim_pod(dict(obj))
     fc.objects.append(hold(obj, applied) if packed else obj)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "mapping"
+    return type(value).__name__
+
+
+def _not_text(value: Any, path: str, *, optional: bool = True) -> str | None:
+    """Why ``value`` is not what a string field of the API may hold, or None."""
+    if isinstance(value, str) or (optional and value is None):
+        return None
+    return f"{path}: must be a string, got {_type_name(value)}"
+
+
+def _wrong_metadata(md: Mapping[str, Any]) -> str | None:
+    """Why the metadata the proxy reads cannot be the API's, or None: the field and the
+    type found. Taken as they were, a ``namespace: [a, b]`` stamped its list's text on
+    the pod's series, and a ``uid: 12345`` got a derived uid while its pods' references
+    to 12345 were ignored."""
+    for name in ("namespace", "uid"):
+        if (why := _not_text(md.get(name), f"metadata.{name}")) is not None:
+            return why
+    for name in ("labels", "annotations"):
+        pairs = md.get(name)
+        if pairs is None:
+            continue
+        if not isinstance(pairs, Mapping):
+            return f"metadata.{name}: must be a mapping, got {_type_name(pairs)}"
+        for key, value in pairs.items():
+            if not isinstance(key, str):
+                return f"metadata.{name}: keys must be strings, got {_type_name(key)} {key!r}"
+            if not isinstance(value, str):
+                return f"metadata.{name}.{key}: must be a string, got {_type_name(value)}"
+    refs = md.get("ownerReferences")
+    if refs is None:
+        return None
+    if not isinstance(refs, list):
+        return f"metadata.ownerReferences: must be a list, got {_type_name(refs)}"
+    for i, ref in enumerate(refs):
+        path = f"metadata.ownerReferences[{i}]"
+        if not isinstance(ref, Mapping):
+            return f"{path}: must be a mapping, got {_type_name(ref)}"
+        for name in ("apiVersion", "kind", "name", "uid"):
+            if (why := _not_text(ref.get(name), f"{path}.{name}")) is not None:
+                return why
+        if not isinstance(ref.get("controller", False), bool | None):
+            return f"{path}.controller: must be true or false, got {_type_name(ref['controller'])}"
+    return None
 
 
 #: kinds Kubernetes defines as cluster-scoped that may be named as owners: a reference

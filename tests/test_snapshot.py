@@ -1283,3 +1283,51 @@ def test_unquoted_timestamps_are_read_as_the_apis_strings(tmp_path: Path) -> Non
     assert wl.phase == "Running" and wl.phase_since_source == "object"
     held = read_snapshot(f, packed=True).objects()["d-1"]
     assert isinstance(held, snapshot.ObjectStub)  # JSON carries it: held as text
+
+
+@pytest.mark.parametrize(("metadata", "why"), [
+    ("{name: q, namespace: [a, b]}", "metadata.namespace: must be a string, got list"),
+    ("{name: q, namespace: shop, uid: 12345}", "metadata.uid: must be a string, got int"),
+    ("{name: q, namespace: shop, labels: [a, b]}", "metadata.labels: must be a mapping, got list"),
+    ("{name: q, namespace: shop, labels: {ver: 1.0}}",
+     "metadata.labels.ver: must be a string, got float"),
+    ("{name: q, namespace: shop, labels: {1: a}}",
+     "metadata.labels: keys must be strings, got int 1"),
+    ("{name: q, namespace: shop, annotations: {x: yes}}",
+     "metadata.annotations.x: must be a string, got bool"),
+    ("{name: q, namespace: shop, annotations: {on: x}}",  # YAML 1.1's true
+     "metadata.annotations: keys must be strings, got bool True"),
+    ("{name: q, namespace: shop, ownerReferences: {a: 1}}",
+     "metadata.ownerReferences: must be a list, got mapping"),
+    ("{name: q, namespace: shop, ownerReferences: [x]}",
+     "metadata.ownerReferences[0]: must be a mapping, got str"),
+    ("{name: q, namespace: shop, ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, "
+     "name: r, uid: 12345, controller: true}]}",
+     "metadata.ownerReferences[0].uid: must be a string, got int"),
+    ("{name: q, namespace: shop, ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, "
+     "name: r, controller: 'true'}]}",
+     "metadata.ownerReferences[0].controller: must be true or false, got str"),
+])
+def test_metadata_of_the_wrong_type_skips_its_object(tmp_path: Path, metadata: str,
+                                                     why: str) -> None:
+    # taken as they were: the namespace list's text was stamped on the pod's series, an
+    # int uid was replaced by a derived one and its pods' references to it ignored
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump(_pod("p", "p-1", None))
+                 + f"---\napiVersion: v1\nkind: Pod\nmetadata: {metadata}\n")
+    _, index, report = _load(f)
+    assert report.objects["Pod"] == 1
+    assert report.invalid_objects == [f"{f}: document 2: Pod q: {why}"]
+    assert _workload_of(index, "p") == "p"
+
+
+def test_api_objects_with_every_metadata_field_load(tmp_path: Path) -> None:
+    pod = _pod("p", "p-1", ("ReplicaSet", "r", "r-1"))
+    pod["metadata"].update(labels={"a": "1"}, annotations={"b": ""}, namespace="shop")
+    pod["metadata"]["ownerReferences"][0]["blockOwnerDeletion"] = True
+    rs = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+          "metadata": {"name": "r", "namespace": "shop", "uid": "r-1", "labels": None}}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": [rs, pod]}))
+    _, _, report = _load(f)
+    assert report.ok and report.objects == {"Pod": 1, "ReplicaSet": 1}
