@@ -320,6 +320,18 @@ def _defined(event: Any, anchors: dict[str, Any]) -> None:
         raise yaml.composer.ComposerError(None, None, "found undefined alias", event.start_mark)
 
 
+def _cut(get: Callable[[], Any], open_: list[Any], keys: list[Any], base: int, key: Any,
+         anchors: dict[str, Any]) -> str:
+    """Where the node being read is below ``open_[base]`` (and its ``key``, when a key
+    is refused); the events of what is open below it read past, and it dropped."""
+    path = _field_path(open_, keys, base)
+    if key is not _NO_KEY:
+        path = _join(path, key)
+    _skip(get, len(open_) - base, anchors)
+    del open_[base:], keys[base:]
+    return path
+
+
 def _skip(get: Callable[[], Any], depth: int, anchors: dict[str, Any]) -> None:
     """Read past the events of ``depth`` collections left open (what is a syntax error
     to PyYAML's composer there is one still)."""
@@ -362,28 +374,10 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
         #: the anchors of the document and where each is (aliases are refused, but what
         #: is a syntax error to PyYAML's composer is one here too)
         anchors: dict[str, Any] = {}
-        #: why the document or the element being read is refused, where and at which key
-        bad: str | None = None
-        bad_key: Any = _NO_KEY
         #: the document is refused, yielded at its end
         refused: Refused | None = None
         n = 0
         while True:
-            if bad is not None:
-                base = depth if opening is not None else 0
-                path = _field_path(open_, keys, base)
-                if bad_key is not _NO_KEY:
-                    path = _join(path, bad_key)
-                _skip(get, len(open_) - base, anchors)
-                del open_[base:], keys[base:]
-                if opening is not None:  # an element handed out: only it is refused
-                    yield Refused(number + 1, handed, path, bad, in_items=depth == 2)
-                    handed += 1
-                elif opened:  # some of the document's elements were handed out
-                    raise _Unusual
-                else:
-                    refused = Refused(number + 1, None, path, bad)
-                bad, bad_key = None, _NO_KEY
             event = get()
             kind = type(event)
             if kind is yaml.ScalarEvent:
@@ -393,7 +387,7 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
                 if tag is None or tag == "!":
                     tag = (resolve(yaml.ScalarNode, value, event.implicit)
                            if event.implicit[0] and value[:1] in implicit else _STR)
-                if tag in (_STR, _TIMESTAMP):
+                if tag == _STR:  # a timestamp too, by the constructor (Loader)
                     obj: Any = value
                 else:
                     make = constructors.get(tag)
@@ -437,7 +431,17 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
                 return
             elif kind is yaml.AliasEvent:
                 _defined(event, anchors)
-                bad = f"YAML alias *{event.anchor} at {_at(event.start_mark)}: {_NO_ALIASES}"
+                why = f"YAML alias *{event.anchor} at {_at(event.start_mark)}: {_NO_ALIASES}"
+                # the rest of the element handed out, or of the document, is read past
+                path = _cut(get, open_, keys, depth if opening is not None else 0, _NO_KEY,
+                            anchors)
+                if opening is not None:  # an element handed out: only it is refused
+                    yield Refused(number + 1, handed, path, why, in_items=depth == 2)
+                    handed += 1
+                elif opened:  # some of the document's elements were handed out
+                    raise _Unusual
+                else:
+                    refused = Refused(number + 1, None, path, why)
                 continue
             else:  # the stream's and a document's start
                 continue
@@ -452,8 +456,17 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
             elif (key := keys[-1]) is _NO_KEY:
                 if isinstance(obj, (dict, list)):  # the constructor's "unhashable key"
                     raise _Unusual
-                if obj in top:
-                    bad, bad_key = _duplicate(obj, event.start_mark), obj
+                if obj in top:  # as for an alias, above
+                    why = _duplicate(obj, event.start_mark)
+                    path = _cut(get, open_, keys, depth if opening is not None else 0, obj,
+                                anchors)
+                    if opening is not None:
+                        yield Refused(number + 1, handed, path, why, in_items=depth == 2)
+                        handed += 1
+                    elif opened:
+                        raise _Unusual
+                    else:
+                        refused = Refused(number + 1, None, path, why)
                     continue
                 keys[-1] = obj
             else:
