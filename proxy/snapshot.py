@@ -18,8 +18,8 @@ Accepted, in any mix, from a file or a folder (recursively; ``*.yaml``, ``*.yml`
 A file that cannot be read or parsed is reported with its reason and skipped; objects
 that are not Kubernetes objects are reported and skipped; nothing here raises past the
 loader except a path that does not exist at all. Objects without ``metadata.uid`` (hand
-written snapshots) get a stable one derived from kind, namespace and name, and owner
-references without a uid get the same derivation, so owner chains still connect.
+written snapshots) get a stable one derived from API group, kind, namespace and name, and
+owner references without a uid get the same derivation, so owner chains still connect.
 
 With ``reload_seconds`` the source polls the files' mtimes and applies what changed:
 changed and new objects are upserted, vanished ones deleted. A file that fails to parse
@@ -49,6 +49,7 @@ from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
 from proxy.karta.engine import Engine, slim_pod
+from proxy.karta.files import folder_files
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.owners import group_kind
 from proxy.karta.packed import Packed, pack
@@ -56,6 +57,7 @@ from proxy.karta.results import ChangeSet
 from proxy.karta.yamltext import (
     HANDED_OUT,
     Item,
+    Refused,
     Reread,
     load_documents,
     read_documents,
@@ -150,7 +152,7 @@ def _text_digest(text: str) -> bytes:
 
 def digest(obj: Mapping[str, Any]) -> bytes | None:
     """A digest equal only for equal objects (the text of :func:`pack`); None for objects
-    JSON does not carry exactly (YAML timestamps, NaN, non-string keys): kept whole."""
+    JSON does not carry exactly (NaN, non-string keys, ``!!binary``): kept whole."""
     packed = pack(obj)
     return _text_digest(packed.text) if isinstance(packed, Packed) else None
 
@@ -378,9 +380,7 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
         raise SnapshotError(f"snapshot {path}: no such file or folder")
     files: list[Path] = []
     skipped: list[SkippedFile] = []
-    for f in sorted(p.rglob("*")):
-        if not f.is_file() or any(part.startswith(".") for part in f.relative_to(p).parts):
-            continue  # hidden files and folders (editor swap files, .git) are not snapshot data
+    for f in folder_files(p):  # hidden files and folders are not snapshot data
         if f.suffix.lower() not in SUFFIXES:
             skipped.append(SkippedFile(str(f), f"not {'/'.join(SUFFIXES)}"))
         elif len(files) >= MAX_FILES:
@@ -650,6 +650,9 @@ def _yaml_items(f: IO[str], pace: Pace = _unpaced) -> Iterator[tuple[str, Any]]:
     #: the list's kind and apiVersion given to items before the document's end
     given: tuple[Any, Any] | None = None
     for part in read_documents(f, pace):
+        if isinstance(part, Refused):  # an alias or a key given twice: only it is skipped
+            yield part.where, part
+            continue
         if isinstance(part, Item):
             item, head = part.value, part.head
             if head is None:  # a document that is a sequence: opened whatever it holds
@@ -730,6 +733,9 @@ def _flatten(docs: Iterable[Any], *, release: bool = False, first: int = 1
 
 def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
               applied: Mapping[str, Held] | None = None) -> None:
+    if isinstance(item, Refused):
+        fc.invalid.append(f"{fc.path}: {where}: {item}")
+        return
     if not isinstance(item, Mapping):
         fc.invalid.append(f"{fc.path}: {where}: not an object but {type(item).__name__}")
         return
@@ -750,6 +756,9 @@ def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
     if not isinstance(md, Mapping) or not isinstance(md.get("name"), str) or not md["name"]:
         fc.invalid.append(f"{fc.path}: {where}: {kind} without metadata.name")
         return
+    if (wrong := _wrong_metadata(md)) is not None:
+        fc.invalid.append(f"{fc.path}: {where}: {kind} {md['name']}: {wrong}")
+        return
     obj, derived = _with_uids(item, md)
     fc.uids_derived += derived
     if kind == "Pod" and api == "v1":
@@ -758,9 +767,89 @@ def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
     fc.objects.append(hold(obj, applied) if packed else obj)
 
 
-def derived_uid(kind: str, namespace: str, name: str) -> str:
-    """The uid given to an object written without one (stable across loads)."""
-    return str(uuid.uuid5(_UID_NAMESPACE, f"{kind}/{namespace}/{name}"))
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "mapping"
+    return type(value).__name__
+
+
+def _not_text(value: Any, path: str, *, optional: bool = True) -> str | None:
+    """Why ``value`` is not what a string field of the API may hold, or None."""
+    if isinstance(value, str) or (optional and value is None):
+        return None
+    return f"{path}: must be a string, got {_type_name(value)}"
+
+
+def _wrong_metadata(md: Mapping[str, Any]) -> str | None:
+    """Why the metadata the proxy reads cannot be the API's, or None: the field and the
+    type found. Taken as they were, a ``namespace: [a, b]`` stamped its list's text on
+    the pod's series, and a ``uid: 12345`` got a derived uid while its pods' references
+    to 12345 were ignored."""
+    for name in ("namespace", "uid"):
+        if (why := _not_text(md.get(name), f"metadata.{name}")) is not None:
+            return why
+    for name in ("labels", "annotations"):
+        pairs = md.get(name)
+        if pairs is None:
+            continue
+        if not isinstance(pairs, Mapping):
+            return f"metadata.{name}: must be a mapping, got {_type_name(pairs)}"
+        for key, value in pairs.items():
+            if not isinstance(key, str):
+                return f"metadata.{name}: keys must be strings, got {_type_name(key)} {key!r}"
+            if not isinstance(value, str):
+                return f"metadata.{name}.{key}: must be a string, got {_type_name(value)}"
+    refs = md.get("ownerReferences")
+    if refs is None:
+        return None
+    if not isinstance(refs, list):
+        return f"metadata.ownerReferences: must be a list, got {_type_name(refs)}"
+    for i, ref in enumerate(refs):
+        path = f"metadata.ownerReferences[{i}]"
+        if not isinstance(ref, Mapping):
+            return f"{path}: must be a mapping, got {_type_name(ref)}"
+        for name in ("apiVersion", "kind", "name", "uid"):
+            if (why := _not_text(ref.get(name), f"{path}.{name}")) is not None:
+                return why
+        if not isinstance(ref.get("controller", False), bool | None):
+            return f"{path}.controller: must be true or false, got {_type_name(ref['controller'])}"
+    return None
+
+
+#: kinds Kubernetes defines as cluster-scoped that may be named as owners: a reference
+#: from a namespaced object to one of them derives its uid without the namespace, as the
+#: owner's own is derived (an owner is in its dependent's namespace, or cluster-scoped)
+CLUSTER_SCOPED: frozenset[tuple[str, str]] = frozenset({
+    ("", "Node"), ("", "Namespace"), ("", "PersistentVolume"),
+    ("storage.k8s.io", "StorageClass"), ("storage.k8s.io", "CSIDriver"),
+    ("storage.k8s.io", "CSINode"), ("storage.k8s.io", "VolumeAttachment"),
+    ("rbac.authorization.k8s.io", "ClusterRole"),
+    ("rbac.authorization.k8s.io", "ClusterRoleBinding"),
+    ("apiextensions.k8s.io", "CustomResourceDefinition"),
+    ("apiregistration.k8s.io", "APIService"), ("scheduling.k8s.io", "PriorityClass"),
+    ("networking.k8s.io", "IngressClass"), ("node.k8s.io", "RuntimeClass"),
+    ("certificates.k8s.io", "CertificateSigningRequest"),
+    ("admissionregistration.k8s.io", "MutatingWebhookConfiguration"),
+    ("admissionregistration.k8s.io", "ValidatingWebhookConfiguration"),
+    ("run.ai", "Karta"), ("optimization.nvidia.com", "ResourceInterface"),
+})
+
+
+def _group(api_version: str) -> str:
+    return api_version.rpartition("/")[0]
+
+
+def derived_uid(api_version: str, kind: str, namespace: str, name: str) -> str:
+    """The uid given to an object written without one (stable across loads), from its
+    API group, kind, namespace and name: a Knative ``serving.knative.dev`` Service and a
+    core Service of one name are two objects (without the group they were one, the later
+    replacing the other, and a pod moved to the wrong workload). The core group's are
+    what they were before the group counted."""
+    group = _group(api_version)
+    key = f"{group}/{kind}/{namespace}/{name}" if group else f"{kind}/{namespace}/{name}"
+    return str(uuid.uuid5(_UID_NAMESPACE, key))
 
 
 def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
@@ -770,7 +859,7 @@ def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[s
     new_md: dict[str, Any] | None = None
     if not isinstance(md.get("uid"), str) or not md.get("uid"):
         new_md = dict(md)
-        new_md["uid"] = derived_uid(obj["kind"], ns, md["name"])
+        new_md["uid"] = derived_uid(obj["apiVersion"], obj["kind"], ns, md["name"])
         derived += 1
     refs = md.get("ownerReferences")
     if isinstance(refs, list) and any(
@@ -780,7 +869,9 @@ def _with_uids(obj: Mapping[str, Any], md: Mapping[str, Any]) -> tuple[Mapping[s
         new_refs = []
         for r in refs:
             if isinstance(r, Mapping) and not r.get("uid") and r.get("kind") and r.get("name"):
-                r = {**r, "uid": derived_uid(str(r["kind"]), ns, str(r["name"]))}
+                api, kind = str(r.get("apiVersion") or ""), str(r["kind"])
+                owner_ns = "" if (_group(api), kind) in CLUSTER_SCOPED else ns
+                r = {**r, "uid": derived_uid(api, kind, owner_ns, str(r["name"]))}
                 derived += 1
             new_refs.append(r)
         new_md = dict(new_md if new_md is not None else md)

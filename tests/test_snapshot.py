@@ -22,7 +22,7 @@ from proxy.index import PodIndex
 from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
-from proxy.karta.yamltext import Reread
+from proxy.karta.yamltext import Reread, load_documents
 from proxy.snapshot import (
     READ_CHARS,
     FileContent,
@@ -254,10 +254,50 @@ def test_missing_uids_are_derived_and_owner_chains_still_connect(tmp_path: Path)
     engine, index, report = _load(f)
     assert report.uids_derived == 5  # three objects, two owner references
     assert _workload_of(index, "api-5f6d-x1") == "api"
-    uid = derived_uid("Pod", "shop", "api-5f6d-x1")
+    uid = derived_uid("v1", "Pod", "shop", "api-5f6d-x1")
     att = engine.pod(uid)
     assert att is not None and att.workload is not None
-    assert att.workload.uid == derived_uid("Deployment", "shop", "api")
+    assert att.workload.uid == derived_uid("apps/v1", "Deployment", "shop", "api")
+
+
+def test_derived_uids_tell_api_groups_apart(tmp_path: Path) -> None:
+    # a Knative-like Service and a core Service of one name, neither with a uid: they
+    # were one object ("Service 1"), the core one replacing the other, and the pod went
+    # to the wrong workload
+    desc = karta("svc", component("svc", "example.com", "Service",
+                                  specDefinition={"podTemplateSpecPath": ".spec.template"}))
+    custom = {"apiVersion": "example.com/v1", "kind": "Service",
+              "metadata": {"name": "hello", "namespace": "shop"}}
+    core = {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "hello", "namespace": "shop"}}
+    pod = _pod("hello-x", None, None)
+    pod["metadata"]["ownerReferences"] = [{"apiVersion": "example.com/v1", "kind": "Service",
+                                           "name": "hello", "controller": True}]
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump_all([desc, custom, pod, core]))
+    engine, index, report = _load(f)
+    assert report.objects["Service"] == 2 and report.uids_derived == 4
+    pairs = dict(index.lookup(b"shop", b"hello-x") or ())
+    assert (pairs["karta_workload"], pairs["karta_kind"]) == ("hello", "Service")
+    (wl,) = [w for w in engine.workloads() if w.ref.name == "hello"]
+    assert wl.ref.uid == derived_uid("example.com/v1", "Service", "shop", "hello")
+    assert wl.ref.uid != derived_uid("v1", "Service", "shop", "hello")
+
+
+def test_a_reference_to_a_cluster_scoped_owner_derives_without_the_namespace(
+    tmp_path: Path,
+) -> None:
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}}
+    pod = _pod("static-n1", None, None)
+    pod["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": "n1",
+                                           "controller": True}]
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump_all([node, pod]))
+    objs = read_snapshot(f).objects()
+    uid = derived_uid("v1", "Node", "", "n1")
+    assert uid in objs
+    (p,) = [o for o in objs.values() if isinstance(o, dict) and o["kind"] == "Pod"]
+    assert p["metadata"]["ownerReferences"][0]["uid"] == uid
 
 
 def test_flatten_can_release_what_it_handed_out() -> None:
@@ -853,17 +893,19 @@ def test_a_source_reads_objects_as_text_and_keeps_only_stubs_once_applied(
 
 
 async def test_reload_of_objects_json_does_not_carry_exactly(tmp_path: Path) -> None:
-    """YAML timestamps stay parsed objects (compared whole on reload), the rest stubs."""
+    """What JSON does not carry exactly (a key that is not a string) stays a parsed object
+    (compared whole on reload), the rest stubs."""
     f = tmp_path / "s.yaml"
     objs = _deployment()
     text = yaml.safe_dump_all(objs) + "---\n" + (
         "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j, namespace: shop, uid: j-1}\n"
-        "status: {startTime: 2024-01-02T03:04:05Z, active: 1}\n")
+        "status: {7: seven, active: 1}\n")
     f.write_text(text)
     index = PodIndex()
     src = SnapshotSource(f, Engine(), index)
     await src.start()
     assert src.report is not None and src.report.objects["Job"] == 1
+    assert isinstance(src._content.objects()["j-1"], dict)  # type: ignore[union-attr]
     f.write_text(text.replace("active: 1", "active: 0"))
     report = await src.reload()
     assert set(report.changes.workloads) == {"j-1"}  # the Job's phase changed
@@ -901,9 +943,10 @@ def _as_read(fc: FileContent | SkippedFile) -> Any:
 
 def _read_whole(path: Path) -> Any:
     """What ``read_file`` gave before a list's items were handed out as built: every
-    document parsed whole, then classified."""
+    document parsed whole (a document with an alias or a key given twice refused whole),
+    then classified."""
     fc = FileContent(str(path))
-    docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.SafeLoader) if d is not None]
+    docs = load_documents(io.StringIO(path.read_text()))
     for where, item in _flatten(docs):
         _classify(fc, where, item)
     if not fc.objects and not fc.description_docs:
@@ -912,7 +955,7 @@ def _read_whole(path: Path) -> Any:
 
 
 _POD_A = "{apiVersion: v1, kind: Pod, metadata: {name: a}}"
-#: what only YAML text can say (keys given twice), or orders kubectl does not write
+#: what only YAML text can say (keys given twice, refused), or orders kubectl does not write
 YAML_LISTS = {
     "items given twice": f"apiVersion: v1\nkind: List\nitems: [{_POD_A}]\n"
                          "items: [{apiVersion: v1, kind: Pod, metadata: {name: b}}]\n",
@@ -957,7 +1000,8 @@ _list_docs = st.fixed_dictionaries(
                                         "apiVersion": st.just("v1")}),
         st.integers(), st.none()), max_size=4)},
     optional={"kind": st.sampled_from(["List", "PodList", "Widget", "", 3]),
-              "apiVersion": st.sampled_from(["v1", "apps/v1"]), "metadata": st.just({})})
+              "apiVersion": st.sampled_from(["v1", "apps/v1"]),
+              "metadata": st.builds(dict)})  # a fresh one each: one shared is dumped as an alias
 
 
 @settings(max_examples=200, deadline=None)
@@ -1171,3 +1215,142 @@ async def test_a_description_from_elsewhere_has_the_source_feed_its_kinds_object
     finally:
         await src.stop()
         gc.unfreeze()
+
+
+def test_a_configmap_mount_is_read_once_in_its_current_version(tmp_path: Path) -> None:
+    from tests.karta.test_description import configmap_mount
+
+    new, old = _pod("p", "p-1", None), _pod("p", "p-1", None)
+    new["metadata"]["labels"] = {"v": "new"}
+    configmap_mount(tmp_path, [("snap.yaml", yaml.safe_dump(new)),
+                               ("snap.yaml", yaml.safe_dump(old))], current=0)
+    content = read_snapshot(tmp_path)
+    assert list(content.files) == [str(tmp_path / "snap.yaml")] and not content.skipped
+    (obj,) = content.objects().values()
+    assert isinstance(obj, dict) and obj["metadata"]["labels"] == {"v": "new"}
+
+
+# -- YAML read as Kubernetes reads it -------------------------------------------------------
+
+
+def _lol(levels: int) -> str:
+    """A ConfigMap of nested aliases, ten to a level: ~600 bytes standing for 10**levels
+    strings once expanded."""
+    rows = "".join(f"  l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 10 if i else ['"lol"'] * 10)
+                   + "]\n" for i in range(levels + 1))
+    return ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: lol, namespace: shop}\n"
+            f"data:\n{rows}")
+
+
+async def test_an_alias_bomb_skips_its_document_and_the_rest_is_served(tmp_path: Path) -> None:
+    f = tmp_path / "lol.yaml"
+    # 7 levels raised MemoryError out of SnapshotSource.start (6: 5.6 s and 1.1 GB); 5
+    # levels, quick to expand, were loaded
+    f.write_text(_lol(5) + "---\n" + yaml.safe_dump(_pod("p", "p-1", None)))
+    index = PodIndex()
+    src = SnapshotSource(f, Engine(), index)
+    await src.start()
+    report = src.report
+    assert report is not None and index.ready
+    assert dict(report.objects) == {"Pod": 1}
+    assert report.invalid_objects == [
+        f"{f}: document 1: data.l1[0]: YAML alias *l0 at line 6, column 12: aliases are not "
+        "accepted (kubectl never writes one, and a few nested ones can stand for gigabytes)"]
+    assert _workload_of(index, "p") == "p"
+    await src.stop()
+
+
+def test_an_alias_in_one_item_of_a_list_skips_that_item(tmp_path: Path) -> None:
+    pods = [_pod(f"p{i}", f"p-{i}", None) for i in range(3)]
+    text = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": pods})
+    text = text.replace("name: p1\n", "name: &n p1\n    labels: {copy: *n}\n")
+    (tmp_path / "s.yaml").write_text(text)
+    _, index, report = _load(tmp_path / "s.yaml")
+    assert report.objects["Pod"] == 2
+    (why,) = report.invalid_objects
+    assert why.startswith(f"{tmp_path / 's.yaml'}: document 1.items[1]: metadata.labels.copy: "
+                          "YAML alias *n at line ")
+    assert _workload_of(index, "p2") == "p2" and _workload_of(index, "p1") is None
+
+
+def test_a_key_given_twice_skips_its_object(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("apiVersion: v1\nkind: Pod\nmetadata:\n  name: b\n  namespace: shop\n"
+                 "  labels: {team: x}\n  labels: {team: y}\n---\n"
+                 + yaml.safe_dump(_pod("a", "p-a", None)))
+    _, _, report = _load(f)
+    assert report.objects["Pod"] == 1
+    assert report.invalid_objects == [
+        f"{f}: document 1: metadata.labels: duplicate key 'labels' at line 7, column 3 "
+        "(kubectl refuses a key given twice; the last one would win silently)"]
+
+
+def test_unquoted_timestamps_are_read_as_the_apis_strings(tmp_path: Path) -> None:
+    objs = _deployment()
+    objs[0]["metadata"]["generation"] = 1
+    objs[0]["status"] = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3,
+                         "readyReplicas": 3, "conditions": [
+                             {"type": "Available", "status": "True",
+                              "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+    objs[0]["spec"]["replicas"] = 3
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump_all(objs).replace("'2026-01-01T00:00:00Z'",
+                                                  "2026-01-01T00:00:00Z"))
+    assert "lastTransitionTime: 2026-01-01T00:00:00Z\n" in f.read_text()
+    engine, _, report = _load(f)
+    assert report.ok
+    (wl,) = engine.workloads()
+    # a datetime made the scale path fail (desired None, workload_jq_error)
+    assert [r.desired for r in wl.replicas] == [3.0]
+    assert "workload_jq_error" not in engine.stats
+    assert wl.phase == "Running" and wl.phase_since_source == "object"
+    held = read_snapshot(f, packed=True).objects()["d-1"]
+    assert isinstance(held, snapshot.ObjectStub)  # JSON carries it: held as text
+
+
+@pytest.mark.parametrize(("metadata", "why"), [
+    ("{name: q, namespace: [a, b]}", "metadata.namespace: must be a string, got list"),
+    ("{name: q, namespace: shop, uid: 12345}", "metadata.uid: must be a string, got int"),
+    ("{name: q, namespace: shop, labels: [a, b]}", "metadata.labels: must be a mapping, got list"),
+    ("{name: q, namespace: shop, labels: {ver: 1.0}}",
+     "metadata.labels.ver: must be a string, got float"),
+    ("{name: q, namespace: shop, labels: {1: a}}",
+     "metadata.labels: keys must be strings, got int 1"),
+    ("{name: q, namespace: shop, annotations: {x: yes}}",
+     "metadata.annotations.x: must be a string, got bool"),
+    ("{name: q, namespace: shop, annotations: {on: x}}",  # YAML 1.1's true
+     "metadata.annotations: keys must be strings, got bool True"),
+    ("{name: q, namespace: shop, ownerReferences: {a: 1}}",
+     "metadata.ownerReferences: must be a list, got mapping"),
+    ("{name: q, namespace: shop, ownerReferences: [x]}",
+     "metadata.ownerReferences[0]: must be a mapping, got str"),
+    ("{name: q, namespace: shop, ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, "
+     "name: r, uid: 12345, controller: true}]}",
+     "metadata.ownerReferences[0].uid: must be a string, got int"),
+    ("{name: q, namespace: shop, ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, "
+     "name: r, controller: 'true'}]}",
+     "metadata.ownerReferences[0].controller: must be true or false, got str"),
+])
+def test_metadata_of_the_wrong_type_skips_its_object(tmp_path: Path, metadata: str,
+                                                     why: str) -> None:
+    # taken as they were: the namespace list's text was stamped on the pod's series, an
+    # int uid was replaced by a derived one and its pods' references to it ignored
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump(_pod("p", "p-1", None))
+                 + f"---\napiVersion: v1\nkind: Pod\nmetadata: {metadata}\n")
+    _, index, report = _load(f)
+    assert report.objects["Pod"] == 1
+    assert report.invalid_objects == [f"{f}: document 2: Pod q: {why}"]
+    assert _workload_of(index, "p") == "p"
+
+
+def test_api_objects_with_every_metadata_field_load(tmp_path: Path) -> None:
+    pod = _pod("p", "p-1", ("ReplicaSet", "r", "r-1"))
+    pod["metadata"].update(labels={"a": "1"}, annotations={"b": ""}, namespace="shop")
+    pod["metadata"]["ownerReferences"][0]["blockOwnerDeletion"] = True
+    rs = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+          "metadata": {"name": "r", "namespace": "shop", "uid": "r-1", "labels": None}}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": [rs, pod]}))
+    _, _, report = _load(f)
+    assert report.ok and report.objects == {"Pod": 1, "ReplicaSet": 1}

@@ -9,6 +9,7 @@ files, so one broken document does not stop the others.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from proxy.karta.files import folder_files
 from proxy.karta.jqexpr import JqCompileError, JqExpr, to_text
 from proxy.karta.model import (
     GVK,
@@ -33,7 +35,7 @@ from proxy.karta.model import (
     StatusDefinition,
     TypeSelector,
 )
-from proxy.karta.yamltext import Loader, yaml_error
+from proxy.karta.yamltext import Refused, iter_documents, yaml_error
 
 KARTA_GROUP = "run.ai"
 KARTA_KIND = "Karta"
@@ -44,8 +46,7 @@ FORM_RI = "ResourceInterface"
 
 #: lowercase statusMappings key -> generic status name
 STATUS_KEYS: dict[str, str] = {s.lower(): s for s in UPSTREAM_STATUS_ORDER}
-#: files larger than this are refused: descriptions are a few KiB, and YAML aliases can
-#: make a small hostile file expand enormously
+#: files larger than this are refused: descriptions are a few KiB
 MAX_FILE_BYTES = 8 * 1024 * 1024
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -353,7 +354,7 @@ class _Parser:
             conditions.append(
                 ConditionMatch(
                     type=ctype,
-                    status=_given(self.scalar_text(c.get("status"), f"{p}.status")),
+                    status=_given(self.condition_status(c.get("status"), f"{p}.status")),
                     reason=_given(self.string(c.get("reason"), f"{p}.reason")),
                 )
             )
@@ -372,6 +373,14 @@ class _Parser:
             by_expression=expression,
             expected_result=expected,
         )
+
+    def condition_status(self, value: Any, path: str) -> str | None:
+        """A condition's status as the API spells it: an unquoted YAML ``True`` or
+        ``False`` (a boolean) means "True" or "False" (read as jq's ``tostring``, "true",
+        it could never match a condition); anything else as :meth:`scalar_text`."""
+        if isinstance(value, bool):
+            return "True" if value else "False"
+        return self.scalar_text(value, path)
 
     def scalar_text(self, value: Any, path: str) -> str | None:
         """Strings as they are; an unquoted YAML ``true`` or ``1`` as jq's ``tostring``."""
@@ -667,7 +676,10 @@ def _documents(obj: Any) -> Iterator[tuple[str, Any]]:
 def load_description_file(path: str | Path) -> tuple[list[Description], list[DescriptionError]]:
     """Every description in one YAML (multi-document) or JSON file; never raises.
 
-    Documents before a YAML syntax error are kept; the error is reported once.
+    YAML is read as Kubernetes reads it (``proxy.karta.yamltext``): timestamps are
+    strings, and a document with an alias or a key given twice is reported (the field
+    path, the line) and skipped. Documents before a YAML syntax error are kept; the error
+    is reported once.
     Documents that are not descriptions are reported too: a description folder should
     hold only descriptions.
     """
@@ -692,9 +704,12 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
         except ValueError as exc:
             return [], [DescriptionError(source, "", "", f"invalid JSON: {_short(str(exc))}")]
     else:
-        try:
-            for doc in yaml.load_all(text, Loader=Loader):
-                docs.append(doc)
+        try:  # as Kubernetes reads YAML: timestamps as strings, no alias, no key twice
+            for part in iter_documents(io.StringIO(text)):
+                if isinstance(part, Refused):  # that document only
+                    errors.append(DescriptionError(source, "", part.path, part.reason))
+                else:
+                    docs.append(part.value)
         except yaml.YAMLError as exc:
             errors.append(DescriptionError(source, "", "", yaml_error(exc)))
         except RecursionError:
@@ -718,15 +733,14 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
 def load_description_paths(
     paths: Iterable[str | Path],
 ) -> tuple[list[Description], list[DescriptionError]]:
-    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted)."""
+    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted; hidden
+    files and folders left out, as a mounted ConfigMap's ``..data``: see ``folder_files``)."""
     descs: list[Description] = []
     errors: list[DescriptionError] = []
     for entry in paths:
         p = Path(entry)
         if p.is_dir():
-            files = sorted(
-                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FILE_SUFFIXES
-            )
+            files = [f for f in folder_files(p) if f.suffix.lower() in FILE_SUFFIXES]
         elif p.exists():
             files = [p]
         else:

@@ -1,6 +1,16 @@
 """Reading YAML text: libyaml's safe loader where present, big streams built from its
 events (:func:`load_documents`), and a parse error as one line.
 
+Kubernetes objects and Karta descriptions are read as Kubernetes reads them
+(``sigs.k8s.io/yaml``, the JSON they stand for), not as YAML 1.1 allows: a timestamp is
+the string written (``lastTransitionTime: 2026-01-01T00:00:00Z`` is the API's
+string, not a ``datetime`` jq cannot serialize); an alias is refused, never expanded (a
+600-byte file of nested aliases stood for gigabytes once its objects were serialized;
+kubectl never writes one); a key given twice in one mapping is refused, as kubectl and
+the API server refuse it, where YAML loaders keep the last silently. What is refused is
+one document, or one element of a document's top-level ``items``
+(:class:`Refused`): the rest of the stream is read.
+
 Description files, snapshot files and the configuration file all tell an operator that a
 file is not valid YAML; the line and column are what finds the mistake, so all three say
 it in one wording, made here. It sits in ``proxy.karta`` because the engine's package
@@ -9,14 +19,25 @@ imports nothing above it (``tests/test_layout.py``) and its description files ne
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 import yaml
 
-#: libyaml's safe loader when present: several times faster on big snapshots
-Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_SafeLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class Loader(_SafeLoader):
+    """libyaml's safe loader when present (several times faster on big snapshots), with
+    timestamps read as the strings they are written as. Aliases and keys given twice
+    are found by :func:`refusal` on the composed nodes, before anything is built."""
+
+
+Loader.add_constructor(_TIMESTAMP, yaml.SafeLoader.construct_yaml_str)
 
 #: a reason is a log line and an attribution-page cell, not a dump of the file
 _LIMIT = 300
@@ -45,15 +66,19 @@ def _one_line(text: str) -> str:
     return text if len(text) <= _LIMIT else text[: _LIMIT - 3] + "..."
 
 
+
 #: what a mapping being built is waiting for: its next key
 _NO_KEY: Any = object()
 _STR = "tag:yaml.org,2002:str"
 _MAP_TAGS = (None, "!", "tag:yaml.org,2002:map")
 _SEQ_TAGS = (None, "!", "tag:yaml.org,2002:seq")
 #: keys the safe constructor gives a meaning of their own (``<<`` merges, ``=`` values)
-_KEY_TAGS = ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value")
+_VALUE = "tag:yaml.org,2002:value"
+_KEY_TAGS = (_MERGE, _VALUE)
 #: events between two calls of ``pace``
 _PACE_EVERY = 256
+_NO_ALIASES = ("aliases are not accepted (kubectl never writes one, and a few nested ones "
+               "can stand for gigabytes)")
 
 
 class _Unusual(Exception):
@@ -62,8 +87,9 @@ class _Unusual(Exception):
 
 class Reread(Exception):
     """What :func:`read_documents` handed out is to be dropped and the stream read again
-    whole (:func:`load_documents`): the rest of it needs PyYAML (an alias, a merge key,
-    ...), or, raised by its caller, a document whose items were handed out was not the
+    whole (:func:`load_documents`): the rest of it needs PyYAML (a merge key, a tag other
+    than the standard ones, ...) or refuses a document some of whose items were handed
+    out, or, raised by its caller, a document whose items were handed out was not the
     list they were handed out for."""
 
 
@@ -106,37 +132,132 @@ class Document:
     opened: int = 0
 
 
+@dataclass(slots=True)
+class Refused:
+    """A document not built, or (:func:`read_documents`) an element of its top-level
+    ``items`` or of a document that is a sequence not handed out: it holds an alias or
+    a key given twice. It counts among the stream's documents as a :class:`Document`."""
+
+    document: int
+    #: the element's index; ``None``: the whole document
+    index: int | None
+    #: where in the document (or the element) it was found, ``spec.template.labels.app``
+    path: str
+    #: why, with its line and column
+    reason: str
+    #: the element was one of the document's ``items`` (else of the document itself)
+    in_items: bool = False
+
+    @property
+    def where(self) -> str:
+        """``document 2``, ``document 2.items[5]`` or ``document 2[5]``."""
+        here = f"document {self.document}"
+        if self.index is None:
+            return here
+        return f"{here}.items[{self.index}]" if self.in_items else f"{here}[{self.index}]"
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}" if self.path else self.reason
+
+
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _duplicate(key: Any, mark: Any) -> str:
+    return (f"duplicate key {key!r} at {_at(mark)} (kubectl refuses a key given twice; "
+            "the last one would win silently)")
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def refusal(node: Any, loader: Any) -> tuple[str, str] | None:
+    """``(path, reason)`` for the first alias or key given twice in a document composed
+    by PyYAML, in document order; ``None`` when it has neither. PyYAML's composer makes
+    an alias the node it names, so an alias is a node met twice: found here before
+    anything is built (built, the nodes stay shared, and serializing the objects expands
+    them). Keys are built to be compared (``loader``'s cache: reset it after a refusal)."""
+    seen: set[int] = set()
+    #: (node, where it is, for a mapping's key: the keys before it and its value)
+    stack: list[tuple[Any, str, set[Any] | None, Any]] = [(node, "", None, None)]
+    while stack:
+        n, path, keys, key = stack.pop()
+        if id(n) in seen:
+            return path, f"YAML alias (of the node at {_at(n.start_mark)}): {_NO_ALIASES}"
+        seen.add(id(n))
+        if keys is not None:
+            with contextlib.suppress(TypeError):  # unhashable: refused when built
+                if key in keys:
+                    return _join(path, key), _duplicate(key, n.start_mark)
+                keys.add(key)
+        if isinstance(n, yaml.MappingNode):
+            mine: set[Any] = set()
+            children: list[tuple[Any, str, set[Any] | None, Any]] = []
+            for k, v in n.value:
+                if k.tag == _MERGE or not isinstance(k, yaml.ScalarNode):
+                    # a merge, or a key the constructor refuses
+                    children += [(k, path, None, None), (v, path, None, None)]
+                else:
+                    # ``=`` is the key "=" to the constructor (``flatten_mapping``)
+                    key = k.value if k.tag == _VALUE else loader.construct_object(k)
+                    children += [(k, path, mine, key), (v, _join(path, key), None, None)]
+            stack.extend(reversed(children))
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(reversed([(v, f"{path}[{i}]", None, None)
+                                   for i, v in enumerate(n.value)]))
+    return None
+
+
+def iter_documents(stream: IO[str], pace: Callable[[], None] = lambda: None
+                   ) -> Iterator[Document | Refused]:
+    """Every non-empty document of a YAML stream as :func:`load_documents` reads it, one
+    at a time as each is complete: a syntax error raises after the documents before it."""
+    done = 0
+    try:
+        for part in _built(stream, pace, open_items=False):
+            assert not isinstance(part, Item)
+            done += 1
+            yield part
+        return
+    except _Unusual:
+        stream.seek(0)
+    for part in _pyyaml_parts(stream, pace):  # read again from the start: the rest
+        if (part.document if isinstance(part, Refused) else part.number) > done:
+            yield part
+
+
 def load_documents(stream: IO[str], pace: Callable[[], None] = lambda: None) -> list[Any]:
-    """Every non-empty document of a YAML stream, equal to what ``yaml.load_all(stream,
-    Loader)`` makes, read from the stream a block at a time.
+    """Every non-empty document of a YAML stream, read from the stream a block at a time:
+    equal to what ``yaml.load_all(stream, Loader)`` makes, but for a document with an
+    alias or a key given twice, which is a :class:`Refused` in its place.
 
     A Kubernetes export is one document (``kubectl get -o yaml`` writes a ``List``), and
     libyaml composes a whole document into nodes before anything is built, with the GIL
     held and no chance to pause: at 37.5k pods (40 MB) that took 42 s, holding a
     reload's event loop up to 10.8 s at a time. Built here from the parser's events,
     the same file takes ~8 s and ``pace`` is called every ``_PACE_EVERY`` events.
-    Anchors, aliases, merge keys and tags other than the standard ones are left to
-    PyYAML: the stream is read again from its start with ``yaml.load_all``."""
-    try:
-        return [part.value for part in _built(stream, pace, open_items=False)
-                if isinstance(part, Document)]
-    except _Unusual:
-        stream.seek(0)
-    return _pyyaml_documents(stream, pace)
+    Merge keys and tags other than the standard ones are left to PyYAML: the stream is
+    read again from its start with ``Loader``, each document checked by :func:`refusal`."""
+    return [part.value if isinstance(part, Document) else part
+            for part in iter_documents(stream, pace)]
 
 
 def read_documents(stream: IO[str], pace: Callable[[], None] = lambda: None
-                   ) -> Iterator[Item | Document]:
+                   ) -> Iterator[Item | Document | Refused]:
     """The documents of :func:`load_documents`, with the elements of a top-level
     ``items`` sequence (and of a document that is a sequence) handed out one at a time as
-    they are built, before their document is complete.
+    they are built, before their document is complete; an element with an alias or a
+    key given twice is a :class:`Refused` of its own, the rest of its document is read.
 
     A ``List`` of 37.5k pods built whole before its first item is read costs ~300 MB at
     its peak; handed out one by one, only the item being read is alive. ``kubectl``
     sorts keys, so ``items`` comes before ``kind``: only the caller, at the document's
     end, knows whether the items were a list's, and raises :class:`Reread` if not.
     Raises :class:`Reread` itself when, after handing something out, the stream turns
-    out to need PyYAML's loader."""
+    out to need PyYAML's loader, or a document whose items were handed out is refused
+    (read again whole, it is refused whole)."""
     handed = False
     try:
         for part in _built(stream, pace, open_items=True):
@@ -147,21 +268,89 @@ def read_documents(stream: IO[str], pace: Callable[[], None] = lambda: None
         if handed:
             raise Reread from None
     stream.seek(0)
-    for i, doc in enumerate(_pyyaml_documents(stream, pace), 1):
-        yield Document(i, doc)
+    yield from _pyyaml_parts(stream, pace)
 
 
-def _pyyaml_documents(stream: IO[str], pace: Callable[[], None]) -> list[Any]:
-    docs = []
-    for doc in yaml.load_all(stream, Loader=Loader):
-        if doc is not None:
-            docs.append(doc)
-        pace()
-    return docs
+def _pyyaml_parts(stream: IO[str], pace: Callable[[], None]) -> Iterator[Document | Refused]:
+    """The stream's documents composed and built by PyYAML, each checked by
+    :func:`refusal` first."""
+    loader = Loader(stream)
+    try:
+        number = 0
+        while loader.check_node():
+            node = loader.get_node()
+            why = refusal(node, loader)
+            if why is not None:
+                loader.constructed_objects = {}
+                number += 1
+                yield Refused(number, None, *why)
+            elif (doc := loader.construct_document(node)) is not None:
+                number += 1
+                yield Document(number, doc)
+            pace()
+    finally:
+        loader.dispose()
+
+
+def _field_path(open_: list[Any], keys: list[Any], start: int) -> str:
+    """Where the node being read is, below ``open_[start]``: ``spec.containers[2].name``."""
+    path = ""
+    for i in range(start, len(open_)):
+        if type(open_[i]) is dict:
+            if (key := keys[i]) is _NO_KEY:
+                break
+            path = _join(path, key)
+        else:
+            path += f"[{len(open_[i])}]"
+    return path
+
+
+def _anchor(event: Any, anchors: dict[str, Any]) -> None:
+    """Note the anchor of ``event``; one given twice in a document is a syntax error."""
+    if event.anchor in anchors:
+        raise yaml.composer.ComposerError("found duplicate anchor; first occurrence",
+                                          anchors[event.anchor], "second occurrence",
+                                          event.start_mark)
+    anchors[event.anchor] = event.start_mark
+
+
+def _defined(event: Any, anchors: dict[str, Any]) -> None:
+    """An alias to no anchor before it is a syntax error."""
+    if event.anchor not in anchors:
+        raise yaml.composer.ComposerError(None, None, "found undefined alias", event.start_mark)
+
+
+def _cut(get: Callable[[], Any], open_: list[Any], keys: list[Any], base: int, key: Any,
+         anchors: dict[str, Any]) -> str:
+    """Where the node being read is below ``open_[base]`` (and its ``key``, when a key
+    is refused); the events of what is open below it read past, and it dropped."""
+    path = _field_path(open_, keys, base)
+    if key is not _NO_KEY:
+        path = _join(path, key)
+    _skip(get, len(open_) - base, anchors)
+    del open_[base:], keys[base:]
+    return path
+
+
+def _skip(get: Callable[[], Any], depth: int, anchors: dict[str, Any]) -> None:
+    """Read past the events of ``depth`` collections left open (what is a syntax error
+    to PyYAML's composer there is one still)."""
+    while depth:
+        event = get()
+        kind = type(event)
+        if kind is yaml.AliasEvent:
+            _defined(event, anchors)
+        elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
+            depth -= 1
+        else:  # a scalar, or a collection's start
+            if event.anchor is not None:
+                _anchor(event, anchors)
+            if kind is not yaml.ScalarEvent:
+                depth += 1
 
 
 def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
-           ) -> Iterator[Item | Document]:
+           ) -> Iterator[Item | Document | Refused]:
     """The documents built from libyaml's events, and with ``open_items`` their items
     (see :func:`read_documents`); ``_Unusual`` for what is not built here (see
     :func:`load_documents`)."""
@@ -178,22 +367,27 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
         open_: list[Any] = []
         keys: list[Any] = []
         root: Any = None
-        #: the sequence whose elements are handed out rather than kept, and how many
-        #: sequences of the document were
+        #: the sequence whose elements are handed out rather than kept, its place in
+        #: ``open_`` (1 or 2), and how many sequences of the document were
         opening: list[Any] | None = None
-        handed = opened = 0
+        depth = handed = opened = 0
+        #: the anchors of the document and where each is (aliases are refused, but what
+        #: is a syntax error to PyYAML's composer is one here too)
+        anchors: dict[str, Any] = {}
+        #: the document is refused, yielded at its end
+        refused: Refused | None = None
         n = 0
         while True:
             event = get()
             kind = type(event)
             if kind is yaml.ScalarEvent:
                 if event.anchor is not None:
-                    raise _Unusual
+                    _anchor(event, anchors)
                 tag, value = event.tag, event.value
                 if tag is None or tag == "!":
                     tag = (resolve(yaml.ScalarNode, value, event.implicit)
                            if event.implicit[0] and value[:1] in implicit else _STR)
-                if tag == _STR:
+                if tag == _STR:  # a timestamp too, by the constructor (Loader)
                     obj: Any = value
                 else:
                     make = constructors.get(tag)
@@ -202,14 +396,15 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
                     obj = make(loader, yaml.ScalarNode(tag, value, style=event.style))
             elif kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
                 mapping = kind is yaml.MappingStartEvent
-                if event.anchor is not None or event.tag not in (
-                        _MAP_TAGS if mapping else _SEQ_TAGS):
+                if event.tag not in (_MAP_TAGS if mapping else _SEQ_TAGS):
                     raise _Unusual
+                if event.anchor is not None:
+                    _anchor(event, anchors)
                 open_.append({} if mapping else [])
                 if open_items and not mapping and (
                         len(open_) == 1
                         or (len(open_) == 2 and keys[0] == "items" and type(open_[0]) is dict)):
-                    opening, handed = open_[-1], 0
+                    opening, depth, handed = open_[-1], len(open_), 0
                 keys.append(_NO_KEY)
                 continue
             elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
@@ -221,17 +416,33 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
                     if open_:
                         obj = HANDED_OUT
             elif kind is yaml.DocumentEndEvent:
-                if root is not None:
+                if refused is not None:
+                    number += 1
+                    yield refused
+                elif root is not None:
                     number += 1
                     yield Document(number, root, opened)
-                root = None
+                root = refused = None
                 opened = 0
+                anchors.clear()
                 pace()
                 continue
             elif kind is yaml.StreamEndEvent:
                 return
             elif kind is yaml.AliasEvent:
-                raise _Unusual
+                _defined(event, anchors)
+                why = f"YAML alias *{event.anchor} at {_at(event.start_mark)}: {_NO_ALIASES}"
+                # the rest of the element handed out, or of the document, is read past
+                path = _cut(get, open_, keys, depth if opening is not None else 0, _NO_KEY,
+                            anchors)
+                if opening is not None:  # an element handed out: only it is refused
+                    yield Refused(number + 1, handed, path, why, in_items=depth == 2)
+                    handed += 1
+                elif opened:  # some of the document's elements were handed out
+                    raise _Unusual
+                else:
+                    refused = Refused(number + 1, None, path, why)
+                continue
             else:  # the stream's and a document's start
                 continue
             if not open_:
@@ -245,6 +456,18 @@ def _built(stream: IO[str], pace: Callable[[], None], open_items: bool
             elif (key := keys[-1]) is _NO_KEY:
                 if isinstance(obj, (dict, list)):  # the constructor's "unhashable key"
                     raise _Unusual
+                if obj in top:  # as for an alias, above
+                    why = _duplicate(obj, event.start_mark)
+                    path = _cut(get, open_, keys, depth if opening is not None else 0, obj,
+                                anchors)
+                    if opening is not None:
+                        yield Refused(number + 1, handed, path, why, in_items=depth == 2)
+                        handed += 1
+                    elif opened:
+                        raise _Unusual
+                    else:
+                        refused = Refused(number + 1, None, path, why)
+                    continue
                 keys[-1] = obj
             else:
                 top[key] = obj

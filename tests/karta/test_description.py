@@ -455,8 +455,31 @@ def test_unquoted_yaml_scalars_in_matchers_are_text() -> None:
     d = parse_description(obj, "test.yaml")
     assert d.status is not None
     failed = dict(d.status.mappings)["Failed"][0]
-    assert failed.by_conditions[0].status == "true"
+    assert failed.by_conditions[0].status == "True"  # a condition's spelling, see below
     assert failed.expected_result == "3"
+
+
+@pytest.mark.parametrize(("written", "status"), [("True", "True"), ("true", "True"),
+                                                 ("False", "False"), ('"True"', "True"),
+                                                 ("Unknown", "Unknown")])
+def test_an_unquoted_boolean_condition_status_is_the_apis_spelling(
+        tmp_path: Path, written: str, status: str) -> None:
+    # ``status: True`` loaded as the boolean, compared as "true", and never matched a
+    # condition: their statuses are "True", "False" and "Unknown"
+    from proxy.karta.status import evaluate_status
+
+    obj = base()
+    obj["spec"]["structureDefinition"]["rootComponent"]["statusDefinition"] = {
+        "conditionsDefinition": {"path": ".status.conditions"},
+        "statusMappings": {"running": [{"byConditions": [{"type": "Ready", "status": "X"}]}]}}
+    f = tmp_path / "d.yaml"
+    f.write_text(yaml.safe_dump(obj).replace("status: X", f"status: {written}"))
+    (d,), errors = load_description_file(f)
+    assert errors == [] and d.status is not None
+    ((_, (matcher,)),) = d.status.mappings
+    assert matcher.by_conditions[0].status == status
+    ready = {"status": {"conditions": [{"type": "Ready", "status": status}]}}
+    assert evaluate_status(d.status, ready).phase == "Running"
 
 
 def test_condition_field_names_default_when_null() -> None:
@@ -644,6 +667,94 @@ def test_folder_loading(tmp_path: Path) -> None:
     ]
     descs, errors = load_description_paths([tmp_path / "b.yaml"])
     assert [d.name for d in descs] == ["tiny"] and errors == []
+
+
+DUP = """apiVersion: run.ai/v1alpha1
+kind: Karta
+metadata: {name: dup}
+spec:
+  structureDefinition:
+    rootComponent:
+      name: r
+      kind: {group: ex.com, version: v1, kind: Thing}
+      statusDefinition:
+        conditionsDefinition: {path: .status.conditions}
+        statusMappings:
+          failed:
+          - byConditions: [{type: Failed, status: "True"}]
+          running:
+          - byConditions: [{type: Ready, status: "True"}]
+          failed:
+          - byConditions: [{type: Stalled, status: "True"}]
+"""
+
+
+def test_a_key_given_twice_rejects_its_description(tmp_path: Path) -> None:
+    # the second ``failed`` replaced the first silently; kubectl and yaml.v2 refuse it
+    f = tmp_path / "dup.yaml"
+    head = yaml.safe_dump(base()) + "---\n"
+    f.write_text(head + DUP)
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny"]
+    line = head.count("\n") + 16  # the second ``failed``, 16th line of DUP
+    assert errors == [DescriptionError(
+        str(f), "", "spec.structureDefinition.rootComponent.statusDefinition.statusMappings.failed",
+        f"duplicate key 'failed' at line {line}, column 11 (kubectl refuses a key given "
+        "twice; the last one would win silently)")]
+
+
+def test_an_alias_rejects_its_description(tmp_path: Path) -> None:
+    text = DUP.replace("          failed:\n          - byConditions: [{type: Stalled",
+                       "          degraded:\n          - byConditions: [{type: Stalled")
+    text = text.replace("running:\n          - byConditions: [{type: Ready, status: \"True\"}]",
+                        "running: &r\n          - byConditions: [{type: Ready, status: \"True\"}]"
+                        "\n          resuming: *r")
+    f = tmp_path / "alias.yaml"
+    f.write_text(text + "---\n" + yaml.safe_dump(base()))
+    descs, errors = load_description_file(f)
+    assert [d.name for d in descs] == ["tiny"]
+    assert [(e.path, e.reason.split(":")[0]) for e in errors] == [
+        ("spec.structureDefinition.rootComponent.statusDefinition.statusMappings.resuming",
+         "YAML alias *r at line 16, column 21")]
+
+
+def test_unquoted_timestamps_in_a_description_are_strings(tmp_path: Path) -> None:
+    f = tmp_path / "t.yaml"
+    obj = base()
+    root(obj)["statusDefinition"]["statusMappings"]["running"] = [
+        {"byExpression": {"expression": ".status.since", "expectedResult": "2026-01-01"}}]
+    text = yaml.safe_dump(obj)
+    f.write_text(text.replace("'2026-01-01'", "2026-01-01"))
+    assert "expectedResult: 2026-01-01\n" in f.read_text()
+    (desc,), errors = load_description_file(f)
+    assert errors == []
+    assert desc.status is not None
+    (_, (matcher,)), = desc.status.mappings
+    assert matcher.expected_result == "2026-01-01"
+
+
+def configmap_mount(folder: Path, versions: list[tuple[str, str]], current: int) -> None:
+    """``folder`` as kubelet mounts a ConfigMap: a ``..<timestamp>/`` folder per version
+    (name -> text), ``..data`` linking to the current one, each key a link through it."""
+    for stamp, (name, text) in enumerate(versions):
+        (folder / f"..2026_12_03_1{stamp}_00_00.{stamp}").mkdir(parents=True)
+        (folder / f"..2026_12_03_1{stamp}_00_00.{stamp}" / name).write_text(text)
+    (folder / "..data").symlink_to(f"..2026_12_03_1{current}_00_00.{current}")
+    (folder / versions[current][0]).symlink_to(f"..data/{versions[current][0]}")
+
+
+def test_a_configmap_mount_is_read_once_in_its_current_version(tmp_path: Path) -> None:
+    old, new = base(), base()
+    root(new)["statusDefinition"]["statusMappings"]["running"][0]["byPhase"] = "Ready"
+    # mid-update: the old version still there, sorting after ``..data``
+    configmap_mount(tmp_path, [("tiny.yaml", yaml.safe_dump(new)),
+                               ("tiny.yaml", yaml.safe_dump(old))], current=0)
+    descs, errors = load_description_paths([tmp_path])
+    assert errors == []
+    assert [(d.name, d.source) for d in descs] == [("tiny", str(tmp_path / "tiny.yaml"))]
+    assert descs[0].status is not None
+    (_, (matcher,)), = descs[0].status.mappings
+    assert matcher.by_phase == "Ready"
 
 
 # -- which description wins -------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """One wording for a YAML parse error, whoever reads the file; documents built from the
-parser's events equal PyYAML's own."""
+parser's events equal PyYAML's own; what Kubernetes does not read as YAML 1.1 does (an
+alias, a key given twice, a timestamp) read as Kubernetes reads it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from proxy.karta.yamltext import (
     Document,
     Item,
     Loader,
+    Refused,
     Reread,
+    iter_documents,
     load_documents,
     read_documents,
     yaml_error,
@@ -66,8 +69,24 @@ _values = st.recursive(
 )
 
 
+def _plain(doc: Any) -> Any:
+    """A refused document as what it was refused for and where, whoever refused it (the
+    event builder names the alias, PyYAML's composer only the node it names)."""
+    if isinstance(doc, Refused):
+        return ("refused", doc.document, doc.index, doc.path,
+                "alias" if doc.reason.startswith("YAML alias") else doc.reason.split(" at ")[0])
+    return doc
+
+
 def _reference(text: str) -> list[Any]:
-    return [d for d in yaml.load_all(text, Loader=Loader) if d is not None]
+    """What PyYAML's composer and constructor make of ``text`` (``Loader``), each document
+    checked on the composed nodes (``refusal``)."""
+    return [_plain(p.value if isinstance(p, Document) else p)
+            for p in yamltext._pyyaml_parts(io.StringIO(text), lambda: None)]
+
+
+def _ours(text: str) -> list[Any]:
+    return [_plain(d) for d in load_documents(io.StringIO(text))]
 
 
 @settings(max_examples=300, deadline=None)
@@ -78,28 +97,91 @@ def test_documents_built_from_events_equal_pyyamls(docs: list[Any], flow: bool |
     text = yaml.safe_dump_all(docs, default_flow_style=flow, explicit_start=start,
                               width=width, allow_unicode=True)
     assert load_documents(io.StringIO(text)) == _reference(text)
+    assert _reference(text) == [d for d in yaml.load_all(text, Loader=Loader) if d is not None]
 
 
-#: what the event builder leaves to PyYAML: each is read again with ``yaml.load_all``
+#: what the event builder leaves to PyYAML: each is read again with ``Loader``
 UNUSUAL = {
-    "anchor and alias": "a: &x {b: 1}\nc: *x\n",
-    "merge key": "base: &b {x: 1}\nmore:\n  <<: *b\n  y: 2\n",
+    "merge key": "more:\n  <<: {x: 1}\n  y: 2\n",
     "set": "!!set {a, b}\n",
     "ordered map": "!!omap [a: 1, b: 2]\n",
     "value key": "= : 1\n",
-    "anchored scalar": "a: &s text\nb: *s\n",
 }
 
 
 @pytest.mark.parametrize("text", list(UNUSUAL.values()), ids=list(UNUSUAL))
 def test_what_the_builder_leaves_to_pyyaml_comes_out_the_same(text: str) -> None:
     assert load_documents(io.StringIO(text)) == _reference(text)
+    assert _reference(text) == list(yaml.load_all(text, Loader=Loader))
+
+
+#: text -> (path, why) of the first document, refused; the second is read
+REFUSED = {
+    "anchor and alias": ("a: &x {b: 1}\nc: *x\n", "c", "alias"),
+    "anchored scalar": ("a: &s text\nb: *s\n", "b", "alias"),
+    "alias as a key": ("a: &k x\n*k : 1\n", "", "alias"),
+    "an alias of what holds it": ("a: &a [1, *a]\n", "a[1]", "alias"),
+    "merge of an alias": ("base: &b {x: 1}\nmore:\n  <<: *b\n  y: 2\n", "more", "alias"),
+    "nested aliases": ("".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10 if i else ["lol"])
+                               + "]\n" for i in range(8)), "l1[0]", "alias"),
+    "a key given twice": ("a: 1\nb: {c: [1, {d: 1, d: 2}]}\n", "b.c[1].d", "duplicate key 'd'"),
+    "a key given twice, the other spelled otherwise": ("1: a\n0x1: b\n", "1", "duplicate key 1"),
+    "a key given twice beside a merge": ("m: {<<: {x: 1}, y: 2, y: 3}\n", "m.y",
+                                         "duplicate key 'y'"),
+    "a key given twice after an alias": ("a: &x 1\nb: *x\nb: 2\n", "b", "alias"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED.values()), ids=list(REFUSED))
+def test_an_alias_or_a_key_given_twice_refuses_its_document_only(
+        case: tuple[str, str, str]) -> None:
+    text, path, why = case
+    text += "---\nnext: 2026-01-01T00:00:00Z\n"
+    expected = [("refused", 1, None, path, why), {"next": "2026-01-01T00:00:00Z"}]
+    assert _ours(text) == expected
+    assert _reference(text) == expected
+    (refused, _), = [(p, 0) for p in iter_documents(io.StringIO(text)) if isinstance(p, Refused)]
+    assert refused.where == "document 1" and "line " in refused.reason
+
+
+def test_a_refusal_names_the_line_and_the_key() -> None:
+    (alias, dup), = [load_documents(io.StringIO("a: &x [1]\nb:\n  c: *x\n---\nk: 1\nk: 2\n"))]
+    assert isinstance(alias, Refused) and isinstance(dup, Refused)
+    assert str(alias) == ("b.c: YAML alias *x at line 3, column 6: aliases are not accepted "
+                          "(kubectl never writes one, and a few nested ones can stand for "
+                          "gigabytes)")
+    assert str(dup).startswith("k: duplicate key 'k' at line 6, column 1 (kubectl refuses")
+    assert dup.document == 2
+
+
+def test_an_alias_bomb_is_refused_without_being_expanded() -> None:
+    # ten levels of ten aliases: 10**10 strings if anything expanded them
+    text = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10 if i else ["lol"]) + "]\n"
+                   for i in range(11))
+    (doc,) = load_documents(io.StringIO(text))
+    assert isinstance(doc, Refused) and doc.path == "l1[0]"
+    # left to PyYAML by a merge key before it: refused on the composed nodes
+    (doc,) = load_documents(io.StringIO("m: {<<: {x: 1}}\n" + text))
+    assert isinstance(doc, Refused) and doc.path == "l1[0]"
+
+
+def test_timestamps_are_the_strings_written() -> None:
+    text = ("t: 2026-01-01T00:00:00Z\nd: 2024-01-02\ns: 2024-01-01 10:00:00.5 +02:00\n"
+            "e: !!timestamp 2024-01-03\n")
+    expected = [{"t": "2026-01-01T00:00:00Z", "d": "2024-01-02",
+                 "s": "2024-01-01 10:00:00.5 +02:00", "e": "2024-01-03"}]
+    assert load_documents(io.StringIO(text)) == expected
+    assert load_documents(io.StringIO("m: {<<: {x: 1}}\n---\n" + text))[1:] == expected
+    assert list(yaml.load_all(text, Loader=Loader)) == expected
 
 
 @pytest.mark.parametrize("text", [
     "? [a, b]\n: 1\n",  # a key that cannot be a dict key
     "a: !!python/name:os.system x\n",  # a tag the safe loader refuses
     "a: *undefined\n",
+    "a: &x 1\nb: *x\nc: *undefined\n",  # in what a refusal skips, too
+    "[&a 1, &a 2]\n",  # an anchor given twice
+    "a: {b: 1, b: 2}\nc: &d 1\nd: &d 2\n",
     "a: [1, 2\nb: 3\n",  # a syntax error, and one late in a long stream:
     "k: v\n" * 5000 + "x: [\n",
 ])
@@ -112,11 +194,12 @@ def test_a_refused_stream_raises_what_pyyaml_raises(text: str) -> None:
 def test_standard_tags_and_non_string_scalars_are_built_as_pyyaml_builds_them() -> None:
     text = ("a: !!str 1\nb: !!int '7'\nc: !!float 2\nd: 2024-01-01 10:00:00\n"
             "e: !!binary aGVsbG8=\nf: !!null ''\ng: !!bool yes\nh: .nan\n"
-            "1: int key\ntrue: bool key\n~: null key\n"
+            "1: int key\nfalse: bool key\n~: null key\n"
             "---\n--- ~\n---\n- !!map {x: 1}\n- !!seq [1]\n- ! plain\n")
     ours, ref = load_documents(io.StringIO(text)), _reference(text)
     assert math.isnan(ours[0].pop("h")) and math.isnan(ref[0].pop("h"))
     assert ours == ref and len(ours) == 2
+    assert ours[0]["d"] == "2024-01-01 10:00:00"  # a timestamp: the string written
 
 
 class _Reads(io.StringIO):
@@ -151,7 +234,7 @@ def test_one_big_document_is_read_a_block_at_a_time_and_paced() -> None:
 def _outcome(load: Any, text: str) -> tuple[str, str]:
     """What loading ``text`` gives: the documents' repr (NaN-safe), or the error raised."""
     try:
-        return "ok", repr(load(text))
+        return "ok", repr([_plain(d) for d in load(text)])
     except Exception as e:  # any refusal, compared by type and text
         return type(e).__name__, yaml_error(e) if isinstance(e, yaml.YAMLError) else str(e)
 
@@ -160,7 +243,8 @@ def _outcome(load: Any, text: str) -> tuple[str, str]:
 @given(st.text(alphabet=st.sampled_from(list("ab01.-:?,[]{}#&*!|>'\"%@`~<= \n\t\\")), max_size=40))
 def test_any_text_loads_or_is_refused_as_pyyaml_does(text: str) -> None:
     ours = _outcome(lambda t: load_documents(io.StringIO(t)), text)
-    assert ours == _outcome(_reference, text)
+    assert ours == _outcome(lambda t: [p.value if isinstance(p, Document) else p for p in
+                                       yamltext._pyyaml_parts(io.StringIO(t), lambda: None)], text)
 
 
 # -- read_documents ----------------------------------------------------------------------
@@ -177,7 +261,7 @@ def _reassembled(text: str) -> list[Any]:
             assert part.index == len(got)
             got.append(part.value)
             continue
-        assert part.number == len(docs) + 1
+        assert isinstance(part, Document) and part.number == len(docs) + 1
         doc, opened = part.value, items.pop(part.number, [])
         if isinstance(doc, list) and part.opened:
             assert doc == []  # a document that is a sequence: every element handed out
@@ -242,16 +326,34 @@ def test_an_item_is_handed_out_before_its_list_is_read() -> None:
 
 
 @pytest.mark.parametrize("text", [
-    "items: [a]\n---\nb: &x 1\nc: *x\n",  # an alias after a document handed out
-    "items: [a, b]\nkind: &k List\n",  # an anchor after an item
+    "items: [a]\n---\nb: {<<: {x: 1}}\n",  # a merge key after a document handed out
+    "items: [a, b]\nkind: !!set {List}\n",  # a set after an item
+    "items: [a, b]\nkind: List\nkind: List\n",  # its items handed out, the document refused
+    "items: [a, b]\nkind: &k List\nx: *k\n",
 ])
 def test_what_needs_pyyaml_after_something_was_handed_out_is_a_reread(text: str) -> None:
     with pytest.raises(Reread):
         list(read_documents(io.StringIO(text)))
-    assert load_documents(io.StringIO(text)) == _reference(text)
+    assert _ours(text) == _reference(text)
 
 
 def test_what_needs_pyyaml_before_anything_was_handed_out_is_read_by_it() -> None:
-    text = "a: &x {b: 1}\nc: *x\nitems: [1, 2]\n---\nitems: [3]\n"
+    text = "a: {<<: {b: 1}}\nitems: [1, 2]\n---\nitems: [3]\n"
     parts = list(read_documents(io.StringIO(text)))
     assert parts == [Document(1, _reference(text)[0]), Document(2, {"items": [3]})]
+
+
+def test_an_element_handed_out_is_refused_alone() -> None:
+    text = ("kind: List\nitems:\n- {a: 1}\n- {b: &x 1, c: *x}\n- {d: {e: 1, e: 2}}\n- *x\n"
+            "- {f: 1}\n---\n- [1, 1]\n- &y {g: *y}\n")
+    parts = list(read_documents(io.StringIO(text)))
+    got = [(type(p).__name__, getattr(p, "where", None), getattr(p, "path", None))
+           for p in parts]
+    assert got == [("Item", None, None), ("Refused", "document 1.items[1]", "c"),
+                   ("Refused", "document 1.items[2]", "d.e"),
+                   ("Refused", "document 1.items[3]", ""),
+                   ("Item", None, None), ("Document", None, None),
+                   ("Item", None, None), ("Refused", "document 2[1]", "g"),
+                   ("Document", None, None)]
+    assert [p.value for p in parts if isinstance(p, Item)] == [{"a": 1}, {"f": 1}, [1, 1]]
+    assert [p.index for p in parts if isinstance(p, Item)] == [0, 4, 0]
