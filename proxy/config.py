@@ -10,6 +10,7 @@ is checked by the small ``validate`` at the end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -28,6 +29,7 @@ from msgspec import inspect as mi
 
 from proxy import contract
 from proxy.karta.yamltext import yaml_error
+from proxy.tls_files import VERIFY_MODES, Loading, Part, client_context, server_context
 from proxy.wire.plan import MAX_LABEL_NAMES
 
 log = logging.getLogger("karta.config")
@@ -795,18 +797,27 @@ def _validate_server_tls(s: ServerSettings) -> None:
     if mode == "NoClientCert" and s.tls_client_ca_file:
         raise ConfigError("server.tls_client_ca_file: set, but server.tls_client_auth_type is "
                           "NoClientCert, so no client certificate would be checked")
-    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        probe.load_cert_chain(s.tls_cert_file, s.tls_key_file)
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(f"server.tls_cert_file / server.tls_key_file: cannot load "
-                          f"{s.tls_cert_file!r} with {s.tls_key_file!r}: {e}") from None
-    if s.tls_client_ca_file:
+    server_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file, VERIFY_MODES[mode],
+                   loading=_naming({
+                       "cert": f"server.tls_cert_file / server.tls_key_file: cannot load "
+                               f"{s.tls_cert_file!r} with {s.tls_key_file!r}",
+                       "ca": f"server.tls_client_ca_file: cannot load "
+                             f"{s.tls_client_ca_file!r}"}))
+
+
+def _naming(what: dict[Part, str]) -> Loading:
+    """A ``loading`` for the TLS builders (proxy/tls_files.py) that turns a file's failed
+    load into a ConfigError: ``what`` it was (the setting and the file), then the ssl
+    module's words. Validation builds the very context the proxy serves with."""
+
+    @contextlib.contextmanager
+    def loading(part: Part) -> Iterator[None]:
         try:
-            probe.load_verify_locations(cafile=s.tls_client_ca_file)
+            yield
         except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"server.tls_client_ca_file: cannot load "
-                              f"{s.tls_client_ca_file!r}: {e}") from None
+            raise ConfigError(f"{what[part]}: {e}") from None
+
+    return loading
 
 
 #: the userinfo of a URL's authority: after ``//``, up to the last ``@`` before the path
@@ -888,21 +899,14 @@ def _validate_upstream_headers(headers: dict[str, str]) -> None:
 
 
 def _validate_upstream_tls(u: UpstreamSettings) -> None:
-    """Loaded as the upstream's client context will load them, so a file that is not PEM
-    (or a key that does not match) is a ConfigError naming it, not a start failure."""
-    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if u.tls_ca_file:
-        try:
-            probe.load_verify_locations(cafile=u.tls_ca_file)
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"upstream.tls_ca_file: cannot load {u.tls_ca_file!r}: {e}"
-                              ) from None
-    if u.tls_cert_file:
-        try:
-            probe.load_cert_chain(u.tls_cert_file, u.tls_key_file or None)
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"upstream.tls_cert_file / upstream.tls_key_file: cannot load "
-                              f"{u.tls_cert_file!r} with {u.tls_key_file!r}: {e}") from None
+    """Built as the upstream's client context is built (the same builder), so a file that
+    is not PEM (or a key that does not match) is a ConfigError naming it, not a start
+    failure."""
+    client_context(u.tls_ca_file, u.tls_cert_file, u.tls_key_file, u.tls_insecure_skip_verify,
+                   loading=_naming({
+                       "ca": f"upstream.tls_ca_file: cannot load {u.tls_ca_file!r}",
+                       "cert": f"upstream.tls_cert_file / upstream.tls_key_file: cannot load "
+                               f"{u.tls_cert_file!r} with {u.tls_key_file!r}"}))
 
 
 def _validate_enrich(e: EnrichSettings) -> None:
