@@ -103,3 +103,4 @@ def test_tls_files_is_a_leaf() -> None:
     build on them, and any project import there would close a cycle."""
     graph = import_graph()
     assert graph["proxy.tls_files"] == set()
+    assert graph["proxy.upstream_tls"] <= {"proxy.config", "proxy.tls_files"}
