@@ -10,6 +10,7 @@ is checked by the small ``validate`` at the end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -27,7 +28,8 @@ from msgspec import Meta, Struct, field
 from msgspec import inspect as mi
 
 from proxy import contract
-from proxy.karta.yamltext import yaml_error
+from proxy.karta.yamltext import DuplicateKey, refusal, yaml_error
+from proxy.tls_files import VERIFY_MODES, Loading, Part, client_context, server_context
 from proxy.wire.plan import MAX_LABEL_NAMES
 
 log = logging.getLogger("karta.config")
@@ -492,61 +494,40 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
-        data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader
+        data = _load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: {yaml_error(e)}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     if data is None:
         data = {}
     try:
-        _refuse_duplicates(data, "")
         return settings_from_dict(data)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
 
 
-class _Mapping(dict[Any, Any]):
-    """A YAML mapping that remembers its keys written more than once, with their lines."""
-
-    duplicates: tuple[tuple[str, int], ...] = ()
-
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, whose mappings note duplicate keys: YAML leaves them to the
-    application and PyYAML keeps the last, so a key given twice (two ``listen_address``
-    lines in one section, the second one forgotten) changed the setting silently."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
-    data = _Mapping()
-    yield data
-    seen: set[str] = set()
-    dups: list[tuple[str, int]] = []
-    for key_node, _ in node.value:  # the mapping's own keys, before ``<<`` merges
-        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
-            if key_node.value in seen:
-                dups.append((key_node.value, key_node.start_mark.line + 1))
-            seen.add(key_node.value)
-    data.duplicates = tuple(dups)
-    data.update(loader.construct_mapping(node))
-
-
-_ConfigLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
-
-
-def _refuse_duplicates(value: Any, key: str) -> None:
-    """A key written twice in one mapping of the file is an error naming it and where."""
-    if isinstance(value, dict):
-        for raw, line in getattr(value, "duplicates", ()):
-            raise ConfigError(f"{key or 'top level'}: key '{raw}' is given more than once "
-                              f"(again at line {line}); keep one")
-        for k, v in value.items():
-            _refuse_duplicates(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _refuse_duplicates(v, f"{key}[{i}]")
+def _load_yaml(text: str) -> Any:
+    """The file's one document as PyYAML's safe loader builds it, a key written twice in
+    one mapping refused first (``proxy.karta.yamltext.refusal``, the check Kubernetes
+    documents get): YAML leaves duplicate keys to the application and PyYAML keeps the
+    last, so a key given twice (two ``listen_address`` lines in one section, the second
+    one forgotten) changed the setting silently. Aliases and merge keys are the
+    operator's to use here, and a key of the mapping's own overriding a merged one is no
+    duplicate. Checked on the composed nodes, before a merge is built into them."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        found = refusal(node, loader, aliases=True)
+        if isinstance(found, DuplicateKey):
+            raise ConfigError(f"{found.mapping or 'top level'}: key '{found.node.value}' is "
+                              f"given more than once (again at line "
+                              f"{found.node.start_mark.line + 1}); keep one")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def settings_from_dict(data: Any) -> Settings:
@@ -795,18 +776,27 @@ def _validate_server_tls(s: ServerSettings) -> None:
     if mode == "NoClientCert" and s.tls_client_ca_file:
         raise ConfigError("server.tls_client_ca_file: set, but server.tls_client_auth_type is "
                           "NoClientCert, so no client certificate would be checked")
-    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        probe.load_cert_chain(s.tls_cert_file, s.tls_key_file)
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(f"server.tls_cert_file / server.tls_key_file: cannot load "
-                          f"{s.tls_cert_file!r} with {s.tls_key_file!r}: {e}") from None
-    if s.tls_client_ca_file:
+    server_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file, VERIFY_MODES[mode],
+                   loading=_naming({
+                       "cert": f"server.tls_cert_file / server.tls_key_file: cannot load "
+                               f"{s.tls_cert_file!r} with {s.tls_key_file!r}",
+                       "ca": f"server.tls_client_ca_file: cannot load "
+                             f"{s.tls_client_ca_file!r}"}))
+
+
+def _naming(what: dict[Part, str]) -> Loading:
+    """A ``loading`` for the TLS builders (proxy/tls_files.py) that turns a file's failed
+    load into a ConfigError: ``what`` it was (the setting and the file), then the ssl
+    module's words. Validation builds the very context the proxy serves with."""
+
+    @contextlib.contextmanager
+    def loading(part: Part) -> Iterator[None]:
         try:
-            probe.load_verify_locations(cafile=s.tls_client_ca_file)
+            yield
         except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"server.tls_client_ca_file: cannot load "
-                              f"{s.tls_client_ca_file!r}: {e}") from None
+            raise ConfigError(f"{what[part]}: {e}") from None
+
+    return loading
 
 
 #: the userinfo of a URL's authority: after ``//``, up to the last ``@`` before the path
@@ -888,21 +878,14 @@ def _validate_upstream_headers(headers: dict[str, str]) -> None:
 
 
 def _validate_upstream_tls(u: UpstreamSettings) -> None:
-    """Loaded as the upstream's client context will load them, so a file that is not PEM
-    (or a key that does not match) is a ConfigError naming it, not a start failure."""
-    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if u.tls_ca_file:
-        try:
-            probe.load_verify_locations(cafile=u.tls_ca_file)
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"upstream.tls_ca_file: cannot load {u.tls_ca_file!r}: {e}"
-                              ) from None
-    if u.tls_cert_file:
-        try:
-            probe.load_cert_chain(u.tls_cert_file, u.tls_key_file or None)
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"upstream.tls_cert_file / upstream.tls_key_file: cannot load "
-                              f"{u.tls_cert_file!r} with {u.tls_key_file!r}: {e}") from None
+    """Built as the upstream's client context is built (the same builder), so a file that
+    is not PEM (or a key that does not match) is a ConfigError naming it, not a start
+    failure."""
+    client_context(u.tls_ca_file, u.tls_cert_file, u.tls_key_file, u.tls_insecure_skip_verify,
+                   loading=_naming({
+                       "ca": f"upstream.tls_ca_file: cannot load {u.tls_ca_file!r}",
+                       "cert": f"upstream.tls_cert_file / upstream.tls_key_file: cannot load "
+                               f"{u.tls_cert_file!r} with {u.tls_key_file!r}"}))
 
 
 def _validate_enrich(e: EnrichSettings) -> None:

@@ -9,9 +9,9 @@ take away: OpenSSL keeps one certificate per key type, so an ECDSA -> RSA rotati
 serving the old ECDSA certificate to every client that offers ECDSA (most), and a CA
 removed from the client CA bundle stayed trusted until a restart.
 
-The client CA bundle is loaded as ``cafile=``, as the settings' validation loads it, so a
-bundle the validation took (a ``# Issuer: CN=Zürich`` comment, any non-ASCII byte outside
-the PEM blocks) loads here too.
+The context is built by ``proxy.tls_files.server_context``, the builder the settings'
+validation builds with, so files the validation took (a client CA bundle with a
+``# Issuer: CN=Zürich`` comment, any non-ASCII byte outside the PEM blocks) load here too.
 
 Files are checked with a stat every ``check_interval`` seconds (inode, mtime, size: a
 Kubernetes Secret volume swaps a symlink, which changes the inode). A certificate caught
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import ssl
 import time
 from collections.abc import Callable
@@ -40,36 +39,13 @@ from dataclasses import dataclass
 
 from proxy.config import ServerSettings, client_auth_type
 from proxy.tasks import cancel_and_wait
+from proxy.tls_files import VERIFY_MODES, FileStamp, failure_text, server_context, stamp
 from proxy.tls_handshake import Refusals
 
 log = logging.getLogger("karta.tls")
 
 #: how often the certificate, key and client CA files are stat'ed
 CHECK_INTERVAL_SECONDS = 5.0
-
-#: ``server.tls_client_auth_type`` -> what the ssl module checks
-VERIFY_MODES = {
-    "NoClientCert": ssl.CERT_NONE,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
-}
-
-
-@dataclass(frozen=True)
-class FileStamp:
-    """What a stat says of one file; a different stamp means the file changed."""
-
-    inode: int
-    mtime_ns: int
-    size: int
-
-
-def _stamp(path: str) -> FileStamp | None:
-    if not path:
-        return None
-    st = os.stat(path)
-    return FileStamp(st.st_ino, st.st_mtime_ns, st.st_size)
-
 
 @dataclass(frozen=True)
 class Stamps:
@@ -109,10 +85,6 @@ def _validity(cert_file: str) -> tuple[float | None, float | None]:
         return None, None
 
 
-def _why(e: Exception) -> str:
-    return str(e) if isinstance(e, ssl.SSLError | OSError) else f"{type(e).__name__}: {e}"
-
-
 class ServerTLS:
     """The listening side's current ``SSLContext`` and the watcher that keeps it current."""
 
@@ -149,7 +121,7 @@ class ServerTLS:
         return self.context
 
     def _read_stamps(self) -> Stamps:
-        return Stamps(_stamp(self.cert_file), _stamp(self.key_file), _stamp(self.client_ca_file))
+        return Stamps(stamp(self.cert_file), stamp(self.key_file), stamp(self.client_ca_file))
 
     def build(self) -> Loaded:
         """A fresh context from the files, or an exception; nothing in use is touched.
@@ -158,12 +130,8 @@ class ServerTLS:
         changed at the next check and loaded again.
         """
         stamps = self._read_stamps()
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.verify_mode = VERIFY_MODES[self.client_auth_type]
-        ctx.load_cert_chain(self.cert_file, self.key_file)
-        if self.client_ca_file:
-            ctx.load_verify_locations(cafile=self.client_ca_file)
+        ctx = server_context(self.cert_file, self.key_file, self.client_ca_file,
+                             VERIFY_MODES[self.client_auth_type])
         return Loaded(ctx, stamps, *_validity(self.cert_file))
 
     def trial(self) -> Loaded:
@@ -175,7 +143,7 @@ class ServerTLS:
             stamps = None
             with contextlib.suppress(OSError):
                 stamps = self._read_stamps()
-            self._fail(stamps, _why(e))
+            self._fail(stamps, failure_text(e))
             raise
 
     def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
@@ -196,11 +164,11 @@ class ServerTLS:
         if self._on_expiry is not None:
             self._on_expiry(loaded.not_after)
         now = self._clock()
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded.not_after))
+        until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded.not_after))
         if now >= loaded.not_after:
             log.error("TLS certificate has expired: clients that verify it refuse every "
                       "connection; replace it", extra={
-                          "cert_file": self.cert_file, "not_after": stamp})
+                          "cert_file": self.cert_file, "not_after": until})
         elif loaded.not_before is not None and now < loaded.not_before:
             log.error("TLS certificate is not valid yet: clients that verify it refuse every "
                       "connection until then (or the clock is wrong)", extra={
@@ -223,7 +191,7 @@ class ServerTLS:
         try:
             loaded = self.build()
         except Exception as e:  # ssl.SSLError, OSError, or anything a file could cause
-            self._fail(stamps, _why(e))
+            self._fail(stamps, failure_text(e))
             return False
         self.adopt(loaded, forced=force)
         return True

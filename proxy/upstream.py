@@ -30,7 +30,6 @@ import asyncio
 import base64
 import contextlib
 import logging
-import os
 import re
 import ssl
 import time
@@ -52,6 +51,7 @@ from proxy.compression import (
 from proxy.config import UpstreamSettings, without_userinfo
 from proxy.log import Throttled
 from proxy.metrics import Children, ProxyMetrics
+from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import Layout, layout, layout_bytes
 from proxy.wire.primitives import Counts, Protocol
@@ -278,56 +278,6 @@ class UpstreamFailure(RuntimeError):
         return self.answer.status
 
 
-class FileSecret:
-    """A credential read from a file and re-read when the file changes (rotated tokens).
-
-    The file is stat'ed at most once per ``check_interval`` seconds, so the request path
-    pays one clock read in the common case. A file that vanishes keeps the last value.
-    """
-
-    def __init__(
-        self, path: str, *, check_interval: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.path = path
-        self._interval = check_interval
-        self._clock = clock
-        self._next_check = 0.0
-        self._stamp: tuple[int, int, int] | None = None
-        self._value = ""
-        self.get()
-
-    def get(self) -> str:
-        now = self._clock()
-        if now < self._next_check:
-            return self._value
-        self._next_check = now + self._interval
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if stamp != self._stamp:
-                with open(self.path, encoding="utf-8") as f:
-                    self._value = f.read().strip()
-                self._stamp = stamp
-        except OSError as e:
-            log.warning("cannot read credential file, keeping the last value",
-                        extra={"path": self.path, "error": str(e)})
-        return self._value
-
-
-def build_ssl_context(s: UpstreamSettings) -> ssl.SSLContext | None:
-    """TLS settings -> an SSLContext, or None when the defaults of aiohttp do."""
-    if not (s.tls_ca_file or s.tls_cert_file or s.tls_insecure_skip_verify):
-        return None
-    ctx = ssl.create_default_context(cafile=s.tls_ca_file or None)
-    if s.tls_cert_file:
-        ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file or None)
-    if s.tls_insecure_skip_verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
 def map_status(
     status: int, headers: Mapping[str, str], *, pass_through_429: bool
 ) -> tuple[int, dict[str, str]]:
@@ -407,84 +357,6 @@ _PATH_HINT = (
     "Prometheus: /api/v1/write (needs --web.enable-remote-write-receiver); Mimir / Cortex: "
     "/api/v1/push; Thanos Receive: /api/v1/receive; VictoriaMetrics: /api/v1/write"
 )
-
-
-def _tls_stamps(s: UpstreamSettings) -> tuple[tuple[int, int, int] | None, ...]:
-    """(inode, mtime, size) of each upstream TLS file set; OSError for one gone."""
-    out: list[tuple[int, int, int] | None] = []
-    for path in (s.tls_ca_file, s.tls_cert_file, s.tls_key_file):
-        if path:
-            st = os.stat(path)
-            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-        else:
-            out.append(None)
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class ClientTLSLoad:
-    """A client context built from the files, not yet used, and their stamps."""
-
-    context: ssl.SSLContext
-    stamps: tuple[tuple[int, int, int] | None, ...]
-
-
-class ClientTLS:
-    """The upstream's client ``SSLContext``, built again when its files change.
-
-    As the credential files (``FileSecret``): the CA, client certificate and key are
-    stat'ed at most once per ``check_interval`` seconds, from the request path, and on a
-    reload (``build`` / ``adopt``); a change builds a new context, which new connections
-    are made with (aiohttp keys its pool by the context, so keep-alive connections of the
-    old one are not reused for it). A build that fails keeps the context in use and is
-    each distinct failure logged once. Built once at start before, an upstream CA fixed
-    on disk took a restart: every write 502 meanwhile, SIGHUP or not.
-    """
-
-    def __init__(self, settings: UpstreamSettings, *, check_interval: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.settings = settings
-        self._interval = check_interval
-        self._clock = clock
-        self._next_check = clock() + check_interval
-        self._stamps = _tls_stamps(settings)
-        ctx = build_ssl_context(settings)
-        assert ctx is not None, "ClientTLS is made for an upstream with TLS settings"
-        self.context = ctx
-        self._failed = ""
-
-    def build(self) -> ClientTLSLoad:
-        """A new context from the files, or the exception; nothing in use changes."""
-        stamps = _tls_stamps(self.settings)
-        ctx = build_ssl_context(self.settings)
-        assert ctx is not None
-        return ClientTLSLoad(ctx, stamps)
-
-    def adopt(self, loaded: ClientTLSLoad) -> None:
-        changed = loaded.stamps != self._stamps
-        self.context, self._stamps, self._failed = loaded.context, loaded.stamps, ""
-        log.info("upstream TLS files loaded", extra={
-            "ca_file": self.settings.tls_ca_file, "cert_file": self.settings.tls_cert_file,
-            "changed": changed})
-
-    def get(self) -> ssl.SSLContext:
-        """The context for the next request: the files checked if it is time."""
-        now = self._clock()
-        if now < self._next_check:
-            return self.context
-        self._next_check = now + self._interval
-        try:
-            stamps = _tls_stamps(self.settings)
-            if stamps != self._stamps:
-                self.adopt(self.build())
-        except Exception as e:  # a file gone, half written, not PEM: keep the one in use
-            why = str(e) if isinstance(e, ssl.SSLError | OSError) else f"{type(e).__name__}: {e}"
-            if why != self._failed:  # each distinct failure once
-                self._failed = why
-                log.error("upstream TLS files not loaded; the context in use stays", extra={
-                    "ca_file": self.settings.tls_ca_file,
-                    "cert_file": self.settings.tls_cert_file, "error": why})
-        return self.context
 
 
 class Upstream:

@@ -168,6 +168,25 @@ def test_a_merge_key_overridden_is_no_duplicate(tmp_path: Path) -> None:
     assert (s.server.listen_address, s.server.worker_threads) == ("127.0.0.1:3", 2)
 
 
+def test_aliases_are_the_operators_and_a_key_twice_under_one_is_refused(tmp_path: Path
+                                                                        ) -> None:
+    """Aliases and merge keys may be used in the config file; the check that refuses a key
+    given twice (proxy.karta.yamltext.refusal) looks through what an alias names once, and
+    into a merged mapping too."""
+    path = write(tmp_path, "upstream:\n  headers: &h {X-A: a}\nfacts:\n  external_labels: *h\n")
+    s = load_settings(path)
+    assert s.upstream.headers == s.facts.external_labels == {"X-A": "a"}
+    path = write(tmp_path, "upstream:\n  headers: &h {X-A: a, X-A: b}\nfacts:\n"
+                           "  external_labels: *h\n")
+    with pytest.raises(ConfigError, match=r"upstream\.headers: key 'X-A' is given more than "
+                                          r"once \(again at line 2\); keep one"):
+        load_settings(path)
+    path = write(tmp_path, "server:\n  <<: {listen_address: '127.0.0.1:1', "
+                           "listen_address: '127.0.0.1:2'}\n")
+    with pytest.raises(ConfigError, match="server: key 'listen_address' is given more than once"):
+        load_settings(path)
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_settings(tmp_path / "nope.yaml")
@@ -351,7 +370,7 @@ def test_validate_checks_values_set_in_code_against_the_schema() -> None:
 def test_choices_are_declared_once() -> None:
     """The modules that act on a choice take its values from the schema's Literal."""
     from proxy.attribution import POLICIES, SENDER_KARTA_LABELS
-    from proxy.tls import VERIFY_MODES
+    from proxy.tls_files import VERIFY_MODES
 
     by_key = {i.key: i for i in schema()}
     assert set(POLICIES) == set(by_key["enrich.conflict_policy"].choices)

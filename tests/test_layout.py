@@ -95,3 +95,12 @@ def test_fact_layers_model_below_encoder_and_collectors_below_writer() -> None:
         inside = {d for d in graph[mod] if d.startswith("proxy.facts")}
         assert inside <= allowed, (mod, inside - allowed)
         assert "proxy.facts" not in graph[mod], mod  # never through the re-exports
+
+
+def test_tls_files_is_a_leaf() -> None:
+    """The TLS builders and file stamps import nothing of the project: the settings'
+    validation, the listener's TLS (which imports the settings) and the upstream's all
+    build on them, and any project import there would close a cycle."""
+    graph = import_graph()
+    assert graph["proxy.tls_files"] == set()
+    assert graph["proxy.upstream_tls"] <= {"proxy.config", "proxy.tls_files"}

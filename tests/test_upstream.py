@@ -26,7 +26,6 @@ from proxy.upstream import (
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,
-    FileSecret,
     Outgoing,
     Upstream,
     UpstreamFailure,
@@ -457,21 +456,6 @@ async def test_basic_auth(tmp_path: Path) -> None:
     ):
         await u.send(v1_body(), Protocol.V1)
     assert up.received[0].headers["Authorization"] == "Basic a2FydGE6aHVudGVyMg=="
-
-
-def test_file_secret_rereads_on_change(tmp_path: Path) -> None:
-    now = [0.0]
-    path = tmp_path / "token"
-    path.write_text("one")
-    secret = FileSecret(str(path), clock=lambda: now[0])
-    assert secret.get() == "one"
-    path.write_text("two-longer")
-    assert secret.get() == "one"  # not checked again within the interval
-    now[0] += 1.5
-    assert secret.get() == "two-longer"
-    path.unlink()
-    now[0] += 1.5
-    assert secret.get() == "two-longer"  # a vanished file keeps the last value
 
 
 async def test_send_v1_raises_on_refusal() -> None:

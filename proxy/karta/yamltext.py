@@ -13,8 +13,12 @@ one document, or one element of a document's top-level ``items``
 
 Description files, snapshot files and the configuration file all tell an operator that a
 file is not valid YAML; the line and column are what finds the mistake, so all three say
-it in one wording, made here. It sits in ``proxy.karta`` because the engine's package
-imports nothing above it (``tests/test_layout.py``) and its description files need it.
+it in one wording, made here (:func:`yaml_error`). A key given twice is found here for
+all three too (as the event builder builds, or on PyYAML's composed nodes by
+:func:`refusal`, which the configuration file's loader calls with aliases and merge keys
+allowed, and words what it finds its own way: proxy/config.py). It sits in
+``proxy.karta`` because the engine's package imports nothing above it
+(``tests/test_layout.py``) and its description files need it.
 """
 
 from __future__ import annotations
@@ -173,25 +177,66 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def refusal(node: Any, loader: Any) -> tuple[str, str] | None:
-    """``(path, reason)`` for the first alias or key given twice in a document composed
-    by PyYAML, in document order; ``None`` when it has neither. PyYAML's composer makes
-    an alias the node it names, so an alias is a node met twice: found here before
-    anything is built (built, the nodes stay shared, and serializing the objects expands
-    them). Keys are built to be compared (``loader``'s cache: reset it after a refusal)."""
+@dataclass(frozen=True, slots=True)
+class DuplicateKey:
+    """A key given twice in one mapping, as :func:`refusal` finds it: each reader words it
+    its own way (a Kubernetes document here, the configuration file in proxy/config.py)."""
+
+    #: where the mapping is: ``spec.template.labels``, "" for the document's top
+    mapping: str
+    #: the key as built
+    key: Any
+    #: its second occurrence (the text written: ``node.value``; where: ``node.start_mark``)
+    node: Any
+
+    @property
+    def path(self) -> str:
+        return _join(self.mapping, self.key)
+
+    @property
+    def reason(self) -> str:
+        return _duplicate(self.key, self.node.start_mark)
+
+
+@dataclass(frozen=True, slots=True)
+class Alias:
+    """An alias, as :func:`refusal` finds it: a node met a second time."""
+
+    #: where the alias is
+    path: str
+    #: the node it names
+    node: Any
+
+    @property
+    def reason(self) -> str:
+        return f"YAML alias (of the node at {_at(self.node.start_mark)}): {_NO_ALIASES}"
+
+
+def refusal(node: Any, loader: Any, *, aliases: bool = False) -> DuplicateKey | Alias | None:
+    """The first alias or key given twice in a document composed by PyYAML, in document
+    order; ``None`` when it has neither. PyYAML's composer makes an alias the node it
+    names, so an alias is a node met twice: found here before anything is built (built,
+    the nodes stay shared, and serializing the objects expands them). With ``aliases``
+    (the configuration file, where aliases and merge keys are the operator's to use) an
+    alias is no refusal, and what it names is looked through once. The keys a merge
+    (``<<``) brings in are not the mapping's own: overriding one is no duplicate. Keys
+    are built to be compared (``loader``'s cache: reset it after a refusal)."""
     seen: set[int] = set()
     #: (node, where it is, for a mapping's key: the keys before it and its value)
     stack: list[tuple[Any, str, set[Any] | None, Any]] = [(node, "", None, None)]
     while stack:
         n, path, keys, key = stack.pop()
-        if id(n) in seen:
-            return path, f"YAML alias (of the node at {_at(n.start_mark)}): {_NO_ALIASES}"
+        again = id(n) in seen
+        if again and not aliases:
+            return Alias(path, n)
         seen.add(id(n))
         if keys is not None:
             with contextlib.suppress(TypeError):  # unhashable: refused when built
                 if key in keys:
-                    return _join(path, key), _duplicate(key, n.start_mark)
+                    return DuplicateKey(path, key, n)
                 keys.add(key)
+        if again:  # an alias, allowed: what it names was looked through where it was
+            continue
         if isinstance(n, yaml.MappingNode):
             mine: set[Any] = set()
             children: list[tuple[Any, str, set[Any] | None, Any]] = []
@@ -279,11 +324,11 @@ def _pyyaml_parts(stream: IO[str], pace: Callable[[], None]) -> Iterator[Documen
         number = 0
         while loader.check_node():
             node = loader.get_node()
-            why = refusal(node, loader)
-            if why is not None:
+            found = refusal(node, loader)
+            if found is not None:
                 loader.constructed_objects = {}
                 number += 1
-                yield Refused(number, None, *why)
+                yield Refused(number, None, found.path, found.reason)
             elif (doc := loader.construct_document(node)) is not None:
                 number += 1
                 yield Document(number, doc)

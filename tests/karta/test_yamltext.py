@@ -154,6 +154,30 @@ def test_a_refusal_names_the_line_and_the_key() -> None:
     assert dup.document == 2
 
 
+def test_a_refusal_with_aliases_allowed_finds_only_keys_given_twice() -> None:
+    """The configuration file's check (proxy/config.py): aliases and merge keys pass, a
+    key overriding a merged one is no duplicate, a key given twice in any mapping (one
+    an alias names, one merged in) is found once, where it is written."""
+
+    def found(text: str) -> Any:
+        loader = yaml.SafeLoader(text)
+        try:
+            return yamltext.refusal(loader.get_single_node(), loader, aliases=True)
+        finally:
+            loader.dispose()
+
+    assert found("a: &x {b: 1}\nc: *x\nd: {<<: *x, b: 2}\ne: [*x, *x]\n") is None
+    dup = found("a: &x {b: 1, b: 2}\nc: *x\n")
+    assert isinstance(dup, yamltext.DuplicateKey)
+    assert (dup.mapping, dup.key, dup.node.value, dup.node.start_mark.line) == ("a", "b", "b", 0)
+    dup = found("a:\n  <<: {b: 1, b: 2}\n")
+    assert isinstance(dup, yamltext.DuplicateKey) and dup.mapping == "a"
+    # ten levels of ten aliases: looked through once each, not 10**10 times
+    bomb = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10 if i else ["lol"]) + "]\n"
+                   for i in range(11))
+    assert found(bomb) is None
+
+
 def test_an_alias_bomb_is_refused_without_being_expanded() -> None:
     # ten levels of ten aliases: 10**10 strings if anything expanded them
     text = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10 if i else ["lol"]) + "]\n"

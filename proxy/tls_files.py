@@ -1,0 +1,104 @@
+"""TLS and credential files, read the one way every user of them reads them.
+
+Two ideas, each written once here: what says that a file changed (``FileStamp``, from a
+stat), and how the files become an ``SSLContext`` (``client_context`` for the upstream,
+``server_context`` for the listener). The settings' validation (proxy/config.py) builds
+its contexts with the same two builders that serve: a file the validation takes is a file
+the proxy loads, and the other way round (the upstream's was checked on a context made
+another way than the one used, with no system CAs and none of the defaults
+``create_default_context`` sets).
+
+A leaf: it imports nothing of the project, so the settings (``proxy.config``), the
+listener's TLS (``proxy.tls``, which imports the settings) and the upstream's
+(``proxy.upstream_tls``) can all build on it without a cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import ssl
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Literal
+
+#: ``server.tls_client_auth_type`` -> what the ssl module checks
+VERIFY_MODES = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+}
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a stat says of one file; a different stamp means the file changed.
+
+    The inode is in it because a Kubernetes Secret volume swaps a symlink: the new file
+    may have the old one's size and even its mtime."""
+
+    inode: int
+    mtime_ns: int
+    size: int
+
+
+def stamp(path: str) -> FileStamp | None:
+    """The file's stamp; None for a file not set (""). OSError for one that is gone."""
+    if not path:
+        return None
+    st = os.stat(path)
+    return FileStamp(st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+#: which file a builder is loading: the CA bundle, or the certificate with its key
+Part = Literal["ca", "cert"]
+#: wraps each file's load, told which: the settings' validation turns a failure into an
+#: error naming the setting; the default lets the ssl module's own exception through
+Loading = Callable[[Part], AbstractContextManager[None]]
+
+
+def _as_is(part: Part) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def client_context(
+    ca: str, cert: str, key: str, insecure_skip_verify: bool, *, loading: Loading = _as_is,
+) -> ssl.SSLContext | None:
+    """The upstream's client context, or None when nothing is set and aiohttp's defaults
+    do (the system CAs, verified)."""
+    if not (ca or cert or insecure_skip_verify):
+        return None
+    with loading("ca"):
+        ctx = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        with loading("cert"):
+            ctx.load_cert_chain(cert, key or None)
+    if insecure_skip_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def server_context(
+    cert: str, key: str, client_ca: str, verify_mode: ssl.VerifyMode, *,
+    loading: Loading = _as_is,
+) -> ssl.SSLContext:
+    """The listener's context: TLS 1.2 at least, the certificate and key, and the CA that
+    client certificates must chain to (as ``cafile=``: a bundle with a non-ASCII comment
+    outside its PEM blocks loads)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_mode = verify_mode
+    with loading("cert"):
+        ctx.load_cert_chain(cert, key)
+    if client_ca:
+        with loading("ca"):
+            ctx.load_verify_locations(cafile=client_ca)
+    return ctx
+
+
+def failure_text(e: Exception) -> str:
+    """Why a load failed, for a log line: the ssl module's or the OS's own words, else
+    the exception's type too (whatever a file could make a load raise is a failed load)."""
+    return str(e) if isinstance(e, ssl.SSLError | OSError) else f"{type(e).__name__}: {e}"

@@ -1,0 +1,144 @@
+"""The upstream's client TLS and credential files, each re-read when it changes.
+
+Rotated tokens, passwords, CA bundles and client certificates are files that change under
+a running proxy (a Kubernetes Secret volume swaps a symlink). Each is stat'ed at most once
+per ``check_interval`` seconds, from the request path, so a request pays one clock read in
+the common case; a change is seen by its stamp (``proxy.tls_files.FileStamp``) and read
+again. The client context is built by ``proxy.tls_files.client_context``, the builder the
+settings' validation builds with.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.config import UpstreamSettings
+from proxy.tls_files import FileStamp, client_context, failure_text, stamp
+
+log = logging.getLogger("karta.upstream")
+
+
+class FileSecret:
+    """A credential read from a file and re-read when the file changes (rotated tokens).
+
+    The file is stat'ed at most once per ``check_interval`` seconds, so the request path
+    pays one clock read in the common case. A file that vanishes keeps the last value.
+    """
+
+    def __init__(
+        self, path: str, *, check_interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self._interval = check_interval
+        self._clock = clock
+        self._next_check = 0.0
+        self._stamp: FileStamp | None = None
+        self._value = ""
+        self.get()
+
+    def get(self) -> str:
+        now = self._clock()
+        if now < self._next_check:
+            return self._value
+        self._next_check = now + self._interval
+        try:
+            current = stamp(self.path)
+            if current != self._stamp:
+                with open(self.path, encoding="utf-8") as f:
+                    self._value = f.read().strip()
+                self._stamp = current
+        except OSError as e:
+            log.warning("cannot read credential file, keeping the last value",
+                        extra={"path": self.path, "error": str(e)})
+        return self._value
+
+
+def build_ssl_context(s: UpstreamSettings) -> ssl.SSLContext | None:
+    """TLS settings -> an SSLContext, or None when the defaults of aiohttp do."""
+    return client_context(s.tls_ca_file, s.tls_cert_file, s.tls_key_file,
+                          s.tls_insecure_skip_verify)
+
+
+@dataclass(frozen=True)
+class ClientStamps:
+    """The stamps of the upstream's TLS files, compared as one (None: a file not set)."""
+
+    ca: FileStamp | None
+    cert: FileStamp | None
+    key: FileStamp | None
+
+
+def _tls_stamps(s: UpstreamSettings) -> ClientStamps:
+    """The stamps of the upstream TLS files; OSError for one set and gone."""
+    return ClientStamps(stamp(s.tls_ca_file), stamp(s.tls_cert_file), stamp(s.tls_key_file))
+
+
+@dataclass(frozen=True)
+class ClientTLSLoad:
+    """A client context built from the files, not yet used, and their stamps."""
+
+    context: ssl.SSLContext
+    stamps: ClientStamps
+
+
+class ClientTLS:
+    """The upstream's client ``SSLContext``, built again when its files change.
+
+    As the credential files (``FileSecret``): the CA, client certificate and key are
+    stat'ed at most once per ``check_interval`` seconds, from the request path, and on a
+    reload (``build`` / ``adopt``); a change builds a new context, which new connections
+    are made with (aiohttp keys its pool by the context, so keep-alive connections of the
+    old one are not reused for it). A build that fails keeps the context in use and is
+    each distinct failure logged once. Built once at start before, an upstream CA fixed
+    on disk took a restart: every write 502 meanwhile, SIGHUP or not.
+    """
+
+    def __init__(self, settings: UpstreamSettings, *, check_interval: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._interval = check_interval
+        self._clock = clock
+        self._next_check = clock() + check_interval
+        self._stamps = _tls_stamps(settings)
+        ctx = build_ssl_context(settings)
+        assert ctx is not None, "ClientTLS is made for an upstream with TLS settings"
+        self.context = ctx
+        self._failed = ""
+
+    def build(self) -> ClientTLSLoad:
+        """A new context from the files, or the exception; nothing in use changes."""
+        stamps = _tls_stamps(self.settings)
+        ctx = build_ssl_context(self.settings)
+        assert ctx is not None
+        return ClientTLSLoad(ctx, stamps)
+
+    def adopt(self, loaded: ClientTLSLoad) -> None:
+        changed = loaded.stamps != self._stamps
+        self.context, self._stamps, self._failed = loaded.context, loaded.stamps, ""
+        log.info("upstream TLS files loaded", extra={
+            "ca_file": self.settings.tls_ca_file, "cert_file": self.settings.tls_cert_file,
+            "changed": changed})
+
+    def get(self) -> ssl.SSLContext:
+        """The context for the next request: the files checked if it is time."""
+        now = self._clock()
+        if now < self._next_check:
+            return self.context
+        self._next_check = now + self._interval
+        try:
+            stamps = _tls_stamps(self.settings)
+            if stamps != self._stamps:
+                self.adopt(self.build())
+        except Exception as e:  # a file gone, half written, not PEM: keep the one in use
+            why = failure_text(e)
+            if why != self._failed:  # each distinct failure once
+                self._failed = why
+                log.error("upstream TLS files not loaded; the context in use stays", extra={
+                    "ca_file": self.settings.tls_ca_file,
+                    "cert_file": self.settings.tls_cert_file, "error": why})
+        return self.context
