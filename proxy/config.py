@@ -525,7 +525,12 @@ def _load_yaml(text: str) -> Any:
             raise ConfigError(f"{found.mapping or 'top level'}: key '{found.node.value}' is "
                               f"given more than once (again at line "
                               f"{found.node.start_mark.line + 1}); keep one")
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except (ValueError, TypeError, OverflowError) as e:
+            # an explicit tag on a value it cannot be (``!!int abc``): PyYAML's
+            # constructors raise plain Python errors, which escaped as a traceback
+            raise ConfigError(f"a value its YAML tag cannot build ({e})") from None
     finally:
         loader.dispose()
 

@@ -160,6 +160,20 @@ def test_a_key_given_twice_is_refused(tmp_path: Path, text: str, expected: str) 
     assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize("text", [
+    "log_level: !!int abc\n",
+    "server:\n  worker_threads: !!float x\n",
+    "upstream:\n  timeout_seconds: !!timestamp 2026-13-45\n",
+])
+def test_a_value_its_tag_cannot_build_is_a_config_error(tmp_path: Path, text: str) -> None:
+    """An explicit tag on a value it cannot be is a ConfigError naming the file, not a
+    ValueError traceback out of PyYAML's constructor."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert "YAML tag cannot build" in str(e.value) and str(path) in str(e.value)
+
+
 def test_a_merge_key_overridden_is_no_duplicate(tmp_path: Path) -> None:
     """``<<`` merges a mapping, and a key of the mapping's own overrides it: no error."""
     path = write(tmp_path, "server:\n  <<: {listen_address: '127.0.0.1:1', worker_threads: 2}\n"
