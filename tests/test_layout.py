@@ -95,3 +95,14 @@ def test_fact_layers_model_below_encoder_and_collectors_below_writer() -> None:
         inside = {d for d in graph[mod] if d.startswith("proxy.facts")}
         assert inside <= allowed, (mod, inside - allowed)
         assert "proxy.facts" not in graph[mod], mod  # never through the re-exports
+
+
+def test_the_object_file_reader_stays_below_the_snapshot_source() -> None:
+    """Reading files of Kubernetes objects needs the engine's pure parts only (and the
+    collector pause of proxy.memory): the snapshot source and the demo exporter build on
+    it, never the other way round."""
+    graph = import_graph()
+    outside = {d for d in graph["proxy.object_files"]
+               if not d.startswith("proxy.karta") and d != "proxy.memory"}
+    assert not outside, outside
+    assert "proxy.object_files" in graph["proxy.snapshot"]
