@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from aiohttp import web
 
 from proxy.aux_server import AuxServer
 from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT
+from proxy.object_files import ObjectStub, SkippedFile, SnapshotError, read_file, snapshot_files
 
 GPU_RESOURCE = "nvidia.com/gpu"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.9"
@@ -593,19 +593,30 @@ def _family(name: str, kind: str, help_text: str, lines: list[str]) -> str:
 
 
 def load_objects(source: str | Path | Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Objects from a YAML/JSON file (multi-document or List) or an iterable of dicts."""
-    if isinstance(source, str | Path):
-        docs = [d for d in yaml.safe_load_all(Path(source).read_text()) if d]
-        out: list[Mapping[str, Any]] = []
-        for d in docs:
-            if isinstance(d, list):
-                out.extend(d)
-            elif str(d.get("kind", "")).endswith("List") and isinstance(d.get("items"), list):
-                out.extend(d["items"])
-            else:
-                out.append(d)
-        return out
-    return list(source)
+    """The objects of a snapshot path (a file or folder), or of an iterable of dicts.
+
+    A path is read as the snapshot source reads it (:mod:`proxy.object_files`: typed
+    lists' items given their kind, aliases and keys given twice refused, timestamps the
+    API's strings, uids derived where missing), pods whole: the model reads their
+    containers' resources, which the source's slimmed pods leave out. What the reader
+    sets aside (a file, an object) raises ``SnapshotError``: the exporter has no report to
+    show it in, and metrics served without it would silently disagree with the file."""
+    if not isinstance(source, str | Path):
+        return list(source)
+    files, skipped = snapshot_files(source)
+    problems = [str(s) for s in skipped]
+    out: list[Mapping[str, Any]] = []
+    for f in files:
+        got = read_file(f, slim_pods=False)
+        if isinstance(got, SkippedFile):
+            problems.append(str(got))
+            continue
+        problems.extend(got.invalid)
+        # read unpacked, every object is a parsed one (ObjectStubs are a source's)
+        out.extend(o for o in got.objects if not isinstance(o, ObjectStub))
+    if problems:
+        raise SnapshotError(f"snapshot {source}: " + "; ".join(problems))
+    return out
 
 
 class FixtureExporter(AuxServer):

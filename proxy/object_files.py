@@ -204,13 +204,15 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
 
 def read_file(
     path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, packed: bool = False,
-    pace: Pace = unpaced, applied: Mapping[str, Held] | None = None,
+    pace: Pace = unpaced, applied: Mapping[str, Held] | None = None, slim_pods: bool = True,
 ) -> FileContent | SkippedFile:
     """Parse one file; a file that cannot be read or parsed comes back as ``SkippedFile``.
 
     ``packed``: objects held as :class:`ObjectStub` with their text (see there), as a
     source reads them, but for those ``applied`` already (see :func:`hold`); else as
-    parsed dicts."""
+    parsed dicts. ``slim_pods``: pods kept as the watches keep them (``slim_pod``), so a
+    snapshot of a large cluster holds as little; False for a reader of what that drops
+    (the demo exporter models its containers' resources)."""
     p = Path(path)
     source = str(p)
     json_file = p.suffix.lower() == ".json"
@@ -221,18 +223,19 @@ def read_file(
             return SkippedFile(source, f"too large ({size} bytes > {max_bytes})")
         if json_file:  # read through a window, never whole (_JsonStream)
             with p.open(encoding="utf-8") as f:
-                _classify_all(fc, _json_items(f, pace), packed, applied, pace)
+                _classify_all(fc, _json_items(f, pace), packed, applied, pace, slim_pods)
         else:  # built from the parser's events, read a block at a time, a list's items
             # handed out as they are built (yamltext.read_documents); documents without
             # cycles: no collection walks them
             with p.open(encoding="utf-8") as f, memory.collections_paused():
                 try:
-                    _classify_all(fc, _yaml_items(f, pace), packed, applied, pace)
+                    _classify_all(fc, _yaml_items(f, pace), packed, applied, pace,
+                                  slim_pods)
                 except Reread:  # what was read is dropped; the file read again whole
                     f.seek(0)
                     fc = _classify_all(FileContent(source),
                                        _flatten(load_documents(f, pace), release=True),
-                                       packed, applied, pace)
+                                       packed, applied, pace, slim_pods)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         if json_file:
             return SkippedFile(source, _unreadable(p, e))
@@ -260,10 +263,11 @@ def read_file(
 
 
 def _classify_all(fc: FileContent, items: Iterator[tuple[str, Any]], packed: bool,
-                  applied: Mapping[str, Held] | None, pace: Pace) -> FileContent:
+                  applied: Mapping[str, Held] | None, pace: Pace, slim_pods: bool
+                  ) -> FileContent:
     """Every (where, item) of a file into ``fc``, pacing after each."""
     for where, item in items:
-        _classify(fc, where, item, packed, applied)
+        _classify(fc, where, item, packed, applied, slim_pods=slim_pods)
         del item  # not held through the pause: an item is freed once classified
         pace()
     return fc
@@ -528,7 +532,7 @@ def _flatten(docs: Iterable[Any], *, release: bool = False, first: int = 1
 
 
 def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
-              applied: Mapping[str, Held] | None = None) -> None:
+              applied: Mapping[str, Held] | None = None, *, slim_pods: bool = True) -> None:
     if isinstance(item, Refused):
         fc.invalid.append(f"{fc.path}: {where}: {item}")
         return
@@ -557,7 +561,7 @@ def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
         return
     obj, derived = _with_uids(item, md)
     fc.uids_derived += derived
-    if kind == "Pod" and api == "v1":
+    if slim_pods and kind == "Pod" and api == "v1":
         # what the watches keep of a pod, so a snapshot of a large cluster holds as little
         obj = slim_pod(dict(obj))
     fc.objects.append(hold(obj, applied) if packed else obj)
