@@ -58,6 +58,7 @@ from aiohttp import web
 
 from proxy.aux_server import AuxServer
 from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT
+from proxy.exposition import family_header, sample_line
 from proxy.object_files import ObjectStub, SkippedFile, SnapshotError, read_file, snapshot_files
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -531,11 +532,9 @@ def _ms(at: float) -> int:
     return round(at * 1000)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def _number(value: float) -> str:
+    """The exporter's number format: whole values without a fraction (``1``, where the
+    proxy's own pages, as prometheus_client, write ``1.0``), others as Python's repr."""
     if value != value:
         return "NaN"
     if float(value).is_integer() and abs(value) < 1e15:
@@ -576,17 +575,14 @@ _RESOURCE_FAMILIES = (
 def _line(
     name: str, labels: Mapping[str, str], value: float, ts: int | None, extra: str = ""
 ) -> str:
-    body = ",".join(f'{k}="{_escape(labels[k])}"' for k in sorted(labels))
-    if extra:
-        body = f"{body},{extra}" if body else extra
-    head = f"{name}{{{body}}}" if body else name
-    return f"{head} {_number(value)}" + (f" {ts}" if ts is not None else "")
+    """A sample line in the exporters' number format; ``extra``: the scrape target's
+    labels, rendered, after the sample's own."""
+    return sample_line(name, labels.items(), value, timestamp=ts, number=_number, extra=extra)
 
 
 def _family(name: str, kind: str, help_text: str, lines: list[str]) -> str:
-    if not lines:
-        return ""
-    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" + "\n".join(lines) + "\n"
+    """A family's HELP and TYPE and its lines; nothing for a family without samples."""
+    return family_header(name, help_text, kind) + "".join(lines) if lines else ""
 
 
 # -- the HTTP exporter ----------------------------------------------------------------------
