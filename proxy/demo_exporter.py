@@ -52,7 +52,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -157,6 +157,21 @@ class PodModel:
         return sum(c.memory_bytes for c in self.containers) + SANDBOX_MEMORY
 
 
+class GpuHolder(NamedTuple):
+    """The container a GPU is given to (DCGM's pod labels)."""
+
+    namespace: str
+    pod: str
+    container: str
+
+
+class NodeGpus(NamedTuple):
+    """A node's GPUs as its Node object tells them."""
+
+    gpus: int
+    model_name: str
+
+
 @dataclass(frozen=True)
 class GpuModel:
     node: str
@@ -164,8 +179,8 @@ class GpuModel:
     uuid: str
     model_name: str
     pci_bus_id: str
-    #: (namespace, pod, container) of the pod holding it; None for an idle GPU
-    holder: tuple[str, str, str] | None
+    #: the container holding it; None for an idle GPU
+    holder: GpuHolder | None
     util: float
     fb_used_mib: float
     gr_engine_active: float
@@ -189,7 +204,7 @@ class ClusterModel:
         cls, objects: Iterable[Mapping[str, Any]], *, t0: float | None = None
     ) -> ClusterModel:
         objs = list(objects)
-        node_gpus: dict[str, tuple[int, str]] = {}
+        node_gpus: dict[str, NodeGpus] = {}
         for o in objs:
             if o.get("kind") != "Node":
                 continue
@@ -198,7 +213,7 @@ class ClusterModel:
             product = (meta.get("labels") or {}).get(
                 "nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"
             )
-            node_gpus[meta["name"]] = (
+            node_gpus[meta["name"]] = NodeGpus(
                 int(quantity(cap.get(GPU_RESOURCE, 0))),
                 _model_name(product),
             )
@@ -213,16 +228,16 @@ class ClusterModel:
         model._assign_gpus(node_gpus)
         return model
 
-    def _assign_gpus(self, node_gpus: Mapping[str, tuple[int, str]]) -> None:
+    def _assign_gpus(self, node_gpus: Mapping[str, NodeGpus]) -> None:
         """GPUs of a node go to its GPU pods in (namespace, name) order; the rest are idle."""
         for node in self.nodes:
-            count, model_name = node_gpus.get(node, (0, "NVIDIA A100-SXM4-80GB"))
-            holders: list[tuple[str, str, str]] = []
+            count, model_name = node_gpus.get(node, NodeGpus(0, "NVIDIA A100-SXM4-80GB"))
+            holders: list[GpuHolder] = []
             for pod in self.pods:
                 if pod.node != node:
                     continue
                 for c in pod.containers:
-                    holders.extend([(pod.namespace, pod.name, c.name)] * c.gpus)
+                    holders.extend([GpuHolder(pod.namespace, pod.name, c.name)] * c.gpus)
             count = max(count, len(holders))
             for i in range(count):
                 holder = holders[i] if i < len(holders) else None
@@ -431,8 +446,8 @@ class ClusterModel:
                 "DCGM_FI_DRIVER_VERSION": DRIVER_VERSION,
             }
             if g.holder is not None:
-                ns, pod, container = g.holder
-                labels.update(container=container, namespace=ns, pod=pod)
+                h = g.holder
+                labels.update(container=h.container, namespace=h.namespace, pod=h.pod)
             if target is not None:
                 tl = target(g.node)
                 for k in list(labels):

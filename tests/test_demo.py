@@ -70,7 +70,7 @@ async def test_demo_end_to_end(model: ClusterModel) -> None:
         assert rows[wl]["kind"] in ("Deployment", "StatefulSet", "JobSet")
     assert rows["pretrain"]["gpus"] == 3
     assert rows["llm-finetune"]["gpus"] == 2 and rows["llm-finetune"]["kind"] == "RayJob"
-    gpu_utils = [g.util for g in model.gpus if g.holder and g.holder[1].startswith("pretrain-")]
+    gpu_utils = [g.util for g in model.gpus if g.holder and g.holder.pod.startswith("pretrain-")]
     assert rows["pretrain"]["gpu_util"] == pytest.approx(sum(gpu_utils) / 3)
 
 
