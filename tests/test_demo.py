@@ -19,7 +19,8 @@ from proxy.demo import (
     run,
     run_demo,
 )
-from proxy.demo_exporter import ClusterModel, demo_series_text, load_objects
+from proxy.demo_cluster import ClusterModel
+from proxy.demo_exporter import demo_series_text, load_objects
 
 REPO = Path(__file__).resolve().parents[1]
 

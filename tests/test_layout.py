@@ -106,3 +106,11 @@ def test_the_object_file_reader_stays_below_the_snapshot_source() -> None:
                if not d.startswith("proxy.karta") and d != "proxy.memory"}
     assert not outside, outside
     assert "proxy.object_files" in graph["proxy.snapshot"]
+
+
+def test_the_demo_cluster_model_stays_below_its_exporter() -> None:
+    """The cluster model and its pages build on the exposition writer only; reading
+    objects, serving and the command line are the exporter's."""
+    graph = import_graph()
+    assert graph["proxy.demo_cluster"] <= {"proxy.exposition"}, graph["proxy.demo_cluster"]
+    assert "proxy.demo_cluster" in graph["proxy.demo_exporter"]
