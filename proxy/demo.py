@@ -469,8 +469,8 @@ def run_demo(args: argparse.Namespace | None = None, **options: Any) -> int:
     snapshot = opts.get("snapshot") or BUNDLED_SNAPSHOT
     series_file = opts.get("series") or BUNDLED_SERIES
     out = opts.get("out") or sys.stdout
+    from proxy.object_files import SnapshotError
     from proxy.runtime import StartError
-    from proxy.snapshot import SnapshotError
 
     try:
         result = asyncio.run(

@@ -16,7 +16,7 @@ A :class:`TextFamily` is a ``Metric`` too: a consumer that reads ``samples`` (
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -39,13 +39,24 @@ def _escape(value: str) -> str:
     return value
 
 
-def sample_line(name: str, labels: Labels, value: float) -> str:
+def sample_line(name: str, labels: Iterable[tuple[str, str]], value: float, *,
+                timestamp: int | None = None, number: Callable[[float], str] = floatToGoString,
+                extra: str = "") -> str:
     """One sample line, as ``generate_latest`` renders it (labels sorted by name, no
-    timestamp). Names are the contract's, valid legacy names: nothing to escape there."""
-    if labels:
-        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels))
-        return f"{name}{{{inner}}} {floatToGoString(value)}\n"
-    return f"{name} {floatToGoString(value)}\n"
+    timestamp). Names are the contract's, valid legacy names: nothing to escape there.
+
+    For text that imitates another exporter's (the demo exporter's kubelet and DCGM
+    pages): ``timestamp``, milliseconds written after the value; ``number``, the value's
+    format (``floatToGoString`` writes ``1.0`` where the kubelet writes ``1``);
+    ``extra``, label text already rendered, written after the sorted labels (a scrape
+    target's, as Prometheus appends them)."""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels))
+    if extra:
+        inner = f"{inner},{extra}" if inner else extra
+    head = f"{name}{{{inner}}}" if inner else name
+    if timestamp is None:
+        return f"{head} {number(value)}\n"
+    return f"{head} {number(value)} {timestamp}\n"
 
 
 def family_header(name: str, documentation: str, kind: str) -> str:

@@ -218,7 +218,7 @@ class Proxy:
         return self._kube_client
 
     async def _load_snapshot(self) -> None:
-        from proxy.snapshot import SnapshotError
+        from proxy.object_files import SnapshotError
 
         assert self.source is not None
         try:

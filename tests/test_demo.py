@@ -19,7 +19,8 @@ from proxy.demo import (
     run,
     run_demo,
 )
-from proxy.demo_exporter import ClusterModel, demo_series_text, load_objects
+from proxy.demo_cluster import ClusterModel
+from proxy.demo_exporter import demo_series_text, load_objects
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,7 +71,7 @@ async def test_demo_end_to_end(model: ClusterModel) -> None:
         assert rows[wl]["kind"] in ("Deployment", "StatefulSet", "JobSet")
     assert rows["pretrain"]["gpus"] == 3
     assert rows["llm-finetune"]["gpus"] == 2 and rows["llm-finetune"]["kind"] == "RayJob"
-    gpu_utils = [g.util for g in model.gpus if g.holder and g.holder[1].startswith("pretrain-")]
+    gpu_utils = [g.util for g in model.gpus if g.holder and g.holder.pod.startswith("pretrain-")]
     assert rows["pretrain"]["gpu_util"] == pytest.approx(sum(gpu_utils) / 3)
 
 

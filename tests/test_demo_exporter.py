@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter, start_exporter
+from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter, load_objects, start_exporter
+from proxy.object_files import SnapshotError
 from tests.clock import ManualClock
 
 SNAPSHOT = DEMO_SNAPSHOT
@@ -97,3 +101,27 @@ async def test_start_exporter_with_objects_and_node_filter() -> None:
         await stop()
     assert {dict(k[1])["pod"] for k in dcgm} == {"p"}
     assert not any(k[0] == "pod_cpu_usage_seconds_total" for k in resource)
+
+
+def test_objects_are_read_as_the_snapshot_reads_them_with_pods_whole(tmp_path: Path) -> None:
+    """A typed list's items take the list's kind (they were dropped as kindless), and a
+    pod with a controller keeps its containers (the snapshot source's slim pod has none)."""
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "p-1",
+                        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                             "name": "rs", "uid": "rs-1", "controller": True}]},
+           "spec": {"nodeName": "n1", "containers": [
+               {"name": "c", "image": "img", "resources": {"requests": {"cpu": "1"}}}]}}
+    (tmp_path / "pods.json").write_text(json.dumps(
+        {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": [pod]}))
+    (obj,) = load_objects(tmp_path)
+    assert obj["kind"] == "Pod" and obj["spec"]["containers"][0]["image"] == "img"
+
+
+def test_what_the_reader_sets_aside_is_an_error(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: &n a, labels: {x: *n}}\n")
+    with pytest.raises(SnapshotError, match="aliases are not accepted"):
+        load_objects(f)
+    f.write_text("kind: [\n")
+    with pytest.raises(SnapshotError, match="invalid YAML"):
+        load_objects(f)

@@ -104,3 +104,22 @@ def test_tls_files_is_a_leaf() -> None:
     graph = import_graph()
     assert graph["proxy.tls_files"] == set()
     assert graph["proxy.upstream_tls"] <= {"proxy.config", "proxy.tls_files"}
+
+
+def test_the_object_file_reader_stays_below_the_snapshot_source() -> None:
+    """Reading files of Kubernetes objects needs the engine's pure parts only (and the
+    collector pause of proxy.memory): the snapshot source and the demo exporter build on
+    it, never the other way round."""
+    graph = import_graph()
+    outside = {d for d in graph["proxy.object_files"]
+               if not d.startswith("proxy.karta") and d != "proxy.memory"}
+    assert not outside, outside
+    assert "proxy.object_files" in graph["proxy.snapshot"]
+
+
+def test_the_demo_cluster_model_stays_below_its_exporter() -> None:
+    """The cluster model and its pages build on the exposition writer only; reading
+    objects, serving and the command line are the exporter's."""
+    graph = import_graph()
+    assert graph["proxy.demo_cluster"] <= {"proxy.exposition"}, graph["proxy.demo_cluster"]
+    assert "proxy.demo_cluster" in graph["proxy.demo_exporter"]

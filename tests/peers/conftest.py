@@ -376,7 +376,7 @@ def expected_by_workload(exp: FixtureExporter, proxy: Proxy) -> Expected:
     for g in exp.model.gpus:
         # an idle GPU (no holder) names only the exporter's own pod: the default DCGM
         # pod-label rule leaves it unattributed rather than charging it to the exporter
-        k = key(g.holder[0], g.holder[1]) if g.holder else None
+        k = key(g.holder.namespace, g.holder.pod) if g.holder else None
         if k is not None:
             out.gpu_util[k] = out.gpu_util.get(k, 0.0) + g.util
     return out
