@@ -59,7 +59,7 @@ from proxy.karta.results import (
     WorkloadFacts,
 )
 from proxy.log import Throttled
-from proxy.wire.primitives import parse_label, read_field
+from proxy.wire.primitives import labels_of, read_field, series_text
 from proxy.yielding import Busy, Pacer
 
 if TYPE_CHECKING:
@@ -184,34 +184,6 @@ def _split_body(body: bytes) -> tuple[list[bytes], bytes]:
     return series, b"".join(other)
 
 
-def _labels_of(field: bytes) -> bytes:
-    """The label fields of a whole TimeSeries field: what names the series, whatever its
-    sample (the key a refused series is remembered by; ``b"".join(series[1:])`` of the
-    writer's own :data:`Series`)."""
-    _, _, p, end = read_field(field, 0, len(field))
-    start = pos = p
-    while pos < end:
-        number, _, _, q = read_field(field, pos, end)
-        if number != 1:
-            break
-        pos = q
-    return field[start:pos]
-
-
-def _series_text(labels: bytes) -> str:
-    """``name{label="value", ...}`` of a series' label fields, for a log line."""
-    pairs: list[tuple[str, str]] = []
-    pos, end = 0, len(labels)
-    while pos < end:
-        _, _, p, q = read_field(labels, pos, end)
-        k, v = parse_label(labels, p, q)
-        pairs.append((k.decode("utf-8", "replace"), v.decode("utf-8", "replace")))
-        pos = q
-    metric = next((v for k, v in pairs if k == "__name__"), "")
-    rest = ", ".join(f'{k}="{v}"' for k, v in pairs if k != "__name__")
-    return f"{metric}{{{rest}}}"
-
-
 class _Cached(NamedTuple, Generic[_Obj]):
     """A pod's or workload's key and encoded series, valid while the index holds this
     very object (index records are replaced, never changed, when what they say changes).
@@ -303,9 +275,9 @@ class FactWriter:
         #: old leader left behind
         self._standby: dict[Key, dict[Group, float]] = {}
         #: series an upstream refused on their own (a 400 bisected down to them), by key:
-        #: their label bytes (:func:`_labels_of`). Later writes send each in a request of
-        #: its own, so it spoils no other and needs no new bisection; one accepted again
-        #: is forgotten. At most ``MAX_REFUSED_REMEMBERED`` in all
+        #: their label bytes (:func:`proxy.wire.primitives.labels_of`). Later writes send
+        #: each in a request of its own, so it spoils no other and needs no new bisection;
+        #: one accepted again is forgotten. At most ``MAX_REFUSED_REMEMBERED`` in all
         self._refused: dict[Key, set[bytes]] = {}
         #: the keys of the series of the body ``iter_requests`` yielded last, in order,
         #: as (key, how many series in a row)
@@ -765,7 +737,7 @@ class FactWriter:
             if key is not None:
                 tally.stale_keys.add(key)
         self.metrics.series_refused.inc()
-        labels = _labels_of(field)
+        labels = labels_of(field)
         if key is not None:
             known = self._refused.get(key)
             if known is None and sum(map(len, self._refused.values())) < MAX_REFUSED_REMEMBERED:
@@ -774,7 +746,7 @@ class FactWriter:
                                       or sum(map(len, self._refused.values()))
                                       < MAX_REFUSED_REMEMBERED):
                 known.add(labels)
-        text = _series_text(labels)
+        text = series_text(labels)
         # a line per family and interval, naming the series (a summary the rest)
         self._refusal_lines.event(text.split("{", 1)[0],
                                   {"series": text, "error": str(exc)[:300]})
@@ -786,7 +758,7 @@ class FactWriter:
             return
         series, _ = _split_body(body)
         if len(series) == 1:
-            known.discard(_labels_of(series[0]))
+            known.discard(labels_of(series[0]))
             if not known:
                 del self._refused[key]
 

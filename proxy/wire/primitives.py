@@ -202,6 +202,35 @@ def parse_label(buf: bytes, p: int, end: int) -> tuple[bytes, bytes]:
     return name, value
 
 
+def labels_of(field: bytes) -> bytes:
+    """The label fields of a whole RW 1.0 TimeSeries field (its tag and length first):
+    what names the series, whatever its sample. The fact writer remembers a series the
+    upstream refused by them (``b"".join(series[1:])`` of its own encoded series)."""
+    _, _, p, end = read_field(field, 0, len(field))
+    start = pos = p
+    while pos < end:
+        number, _, _, q = read_field(field, pos, end)
+        if number != 1:
+            break
+        pos = q
+    return field[start:pos]
+
+
+def series_text(labels: bytes) -> str:
+    """``name{label="value", ...}`` of a series' RW 1.0 label fields, for a log line that
+    names a series (bytes that are not UTF-8 shown replaced, not refused)."""
+    pairs: list[tuple[str, str]] = []
+    pos, end = 0, len(labels)
+    while pos < end:
+        _, _, p, q = read_field(labels, pos, end)
+        k, v = parse_label(labels, p, q)
+        pairs.append((k.decode("utf-8", "replace"), v.decode("utf-8", "replace")))
+        pos = q
+    metric = next((v for k, v in pairs if k == "__name__"), "")
+    rest = ", ".join(f'{k}="{v}"' for k, v in pairs if k != "__name__")
+    return f"{metric}{{{rest}}}"
+
+
 # -- the payloads a splice copies (samples, exemplars, histograms, metadata) -------------
 
 #: wire type of each known field (numbers 1, 2, ...; -1: any): a sample, RW 1.0 and 2.0
