@@ -59,7 +59,8 @@ from proxy.karta.results import (
     WorkloadFacts,
 )
 from proxy.log import Throttled
-from proxy.wire.primitives import labels_of, read_field, series_text
+from proxy.wire.halves import layout
+from proxy.wire.primitives import Protocol, labels_of, series_text
 from proxy.yielding import Busy, Pacer
 
 if TYPE_CHECKING:
@@ -170,18 +171,6 @@ class _Delivery:
         self.dropped = 0
         #: requests accepted (a write of which none landed failed, whatever refused it)
         self.accepted = 0
-
-
-def _split_body(body: bytes) -> tuple[list[bytes], bytes]:
-    """A WriteRequest's TimeSeries fields, each whole, and its other fields (metadata)."""
-    series: list[bytes] = []
-    other: list[bytes] = []
-    pos, end = 0, len(body)
-    while pos < end:
-        number, _, _, q = read_field(body, pos, end)
-        (series if number == 1 else other).append(body[pos:q])
-        pos = q
-    return series, b"".join(other)
 
 
 class _Cached(NamedTuple, Generic[_Obj]):
@@ -693,15 +682,23 @@ class FactWriter:
 
     async def _refused_body(self, body: bytes, runs: list[tuple[Key, int]], status: int,
                             exc: Exception, tally: _Delivery) -> None:
-        """``body`` was refused with ``status``: bisect it (a 400) or drop it whole."""
-        series, meta = _split_body(body)
+        """``body`` was refused with ``status``: bisect it (a 400) or drop it whole.
+
+        Cut at series boundaries by :func:`proxy.wire.halves.layout`, as the upstream's
+        413 split is, but halved by series count rather than by bytes
+        (:meth:`Layout.middle`): a 400 is about a series, not a size, and by count one
+        series of n is found in ceil(log2 n) levels (``MAX_EXTRA_REQUESTS``). The metadata
+        goes with the last half, as it always has."""
+        lay = layout(body, Protocol.V1)
+        count = len(lay.series)
         keys: list[Key | None] = [key for key, n in runs for _ in range(n)]
-        if len(keys) != len(series):  # not the writer's own layout: no key to remember
-            keys = [None] * len(series)
+        if len(keys) != count:  # not the writer's own layout: no key to remember
+            keys = [None] * count
 
         async def refused(lo: int, hi: int, status: int, exc: Exception) -> None:
             if status == 400 and hi - lo == 1:
-                self._refused_series(series[lo], keys[lo], exc, tally)
+                start, end = lay.series[lo]
+                self._refused_series(body[start:end], keys[lo], exc, tally)
                 return
             if status != 400 or tally.extra + 2 > MAX_EXTRA_REQUESTS:
                 if not tally.dropped:  # the first of this write
@@ -712,7 +709,7 @@ class FactWriter:
             mid = (lo + hi) // 2
             for a, b in ((lo, mid), (mid, hi)):
                 tally.extra += 1
-                half = b"".join(series[a:b]) + (meta if b == len(series) else b"")
+                half = lay.part(a, b, other_last=True)
                 try:
                     await self._send(half)
                 except asyncio.CancelledError:
@@ -725,8 +722,8 @@ class FactWriter:
                 else:
                     tally.accepted += 1
 
-        if series:  # (metadata alone: no fact lost)
-            await refused(0, len(series), status, exc)
+        if count:  # (metadata alone: no fact lost)
+            await refused(0, count, status, exc)
 
     def _refused_series(self, field: bytes, key: Key | None, exc: Exception,
                         tally: _Delivery) -> None:
@@ -756,9 +753,10 @@ class FactWriter:
         known = self._refused.get(key)
         if known is None:
             return
-        series, _ = _split_body(body)
-        if len(series) == 1:
-            known.discard(labels_of(series[0]))
+        lay = layout(body, Protocol.V1)
+        if len(lay.series) == 1:
+            start, end = lay.series[0]
+            known.discard(labels_of(body[start:end]))
             if not known:
                 del self._refused[key]
 
