@@ -196,11 +196,7 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
         done.append(futures.pop(0).result())
     merged = SpliceResult(b"", Counts())
     for result, _ in done:
-        merged.counts.add(result.counts)
-        merged.attributed += result.attributed
-        merged.stripped += result.stripped
-        for reason, n in result.unattributed.items():
-            merged.unattributed[reason] = merged.unattributed.get(reason, 0) + n
+        merged.add(result)
     return merged, join_snappy([block for _, block in done])
 
 
