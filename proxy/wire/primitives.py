@@ -37,6 +37,39 @@ class Protocol(enum.Enum):
         return "0.1.0" if self is Protocol.V1 else "2.0.0"
 
 
+def protocol_from_content_type(ct: str) -> Protocol:
+    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else.
+
+    No Content-Type at all is RW 1.0, as Prometheus' own receiver takes it: early 1.0
+    senders set none, and refusing them would drop data a direct write keeps.
+    """
+    if not ct.strip():
+        return Protocol.V1
+    parts = [p.strip() for p in ct.split(";")]
+    media = parts[0].lower()
+    if media != "application/x-protobuf":
+        raise DecodeError(
+            "unsupported_content_type",
+            415,
+            f"unsupported Content-Type {ct!r}: remote write needs application/x-protobuf",
+        )
+    proto = ""
+    for param in parts[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "proto":
+            proto = value.strip().strip('"')
+    if proto in ("", Protocol.V1.value):
+        return Protocol.V1
+    if proto == Protocol.V2.value:
+        return Protocol.V2
+    raise DecodeError(
+        "unsupported_content_type",
+        415,
+        f"unsupported remote-write message {proto!r}: expected {Protocol.V1.value} "
+        f"or {Protocol.V2.value}",
+    )
+
+
 @dataclass(slots=True)
 class Counts:
     """What a request carries, for the ``X-Prometheus-Remote-Write-*-Written`` headers."""

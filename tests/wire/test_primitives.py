@@ -1,14 +1,50 @@
-"""The wire primitives (proxy.wire.primitives) read on their own: what names a series,
-and the text a log line names it by."""
+"""The wire primitives (proxy.wire.primitives) read on their own: the protocol a
+Content-Type names, what names a series, and the text a log line names it by."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
+import pytest
+
+from proxy.compression import DecodeError
 from proxy.pb.prometheus import remote_pb2
-from proxy.wire.primitives import labels_of, series_text
+from proxy.wire.primitives import Protocol, labels_of, protocol_from_content_type, series_text
 
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
+
+
+# -- content negotiation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ct", "proto"),
+    [
+        ("application/x-protobuf", Protocol.V1),
+        ("application/x-protobuf;proto=prometheus.WriteRequest", Protocol.V1),
+        ("Application/X-Protobuf; proto=prometheus.WriteRequest", Protocol.V1),
+        ("application/x-protobuf;proto=io.prometheus.write.v2.Request", Protocol.V2),
+        ('application/x-protobuf; proto="io.prometheus.write.v2.Request"', Protocol.V2),
+    ],
+)
+def test_protocol_from_content_type(ct: str, proto: Protocol) -> None:
+    assert protocol_from_content_type(ct) is proto
+
+
+def test_no_content_type_is_rw1() -> None:
+    assert protocol_from_content_type("") is Protocol.V1
+
+
+@pytest.mark.parametrize(
+    "ct", ["application/json", "text/plain", "application/x-protobuf;proto=foo.Bar"]
+)
+def test_unsupported_content_type_is_415(ct: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        protocol_from_content_type(ct)
+    assert info.value.status == 415
+
+
+# -- labels -------------------------------------------------------------------------------
 
 
 def timeseries_field(labels: list[tuple[str, str]], value: float = 1.0) -> bytes:
