@@ -95,3 +95,9 @@ def test_fact_layers_model_below_encoder_and_collectors_below_writer() -> None:
         inside = {d for d in graph[mod] if d.startswith("proxy.facts")}
         assert inside <= allowed, (mod, inside - allowed)
         assert "proxy.facts" not in graph[mod], mod  # never through the re-exports
+
+
+def test_the_byte_budget_knows_no_request() -> None:
+    """``proxy.budget`` counts bytes only: the handler (and, through ``Charge``, the
+    forwarding) build on it, it on none of them, nor on what a refusal answers."""
+    assert import_graph()["proxy.budget"] == set()
