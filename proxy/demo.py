@@ -30,9 +30,8 @@ from aiohttp import web
 from proxy import contract
 from proxy.aux_server import AuxServer
 from proxy.compression import DecodeError, decompress
-from proxy.handler import protocol_from_content_type
 from proxy.sender import Series, decode, send_series, series_from_exposition
-from proxy.wire.primitives import Protocol
+from proxy.wire.primitives import Protocol, protocol_from_content_type
 
 DEMO_DATA = Path(__file__).resolve().parent / "demo_data"
 BUNDLED_SNAPSHOT = DEMO_DATA / "snapshot.yaml"

@@ -30,7 +30,6 @@ import itertools
 import logging
 import os
 import re
-import threading
 import time
 import typing
 from collections.abc import Callable, Mapping
@@ -41,6 +40,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from proxy.admission import Outcome, Slots
+from proxy.budget import Held, LoadBudget, Room
 from proxy.compression import (
     DecodeError,
     SnappyPart,
@@ -60,7 +60,7 @@ from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, Outgoing, Upstream
 from proxy.wire.native import Grow, split_v1
 from proxy.wire.plan import OverLimit, SpliceResult
-from proxy.wire.primitives import Counts, Protocol
+from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
 
 log = logging.getLogger("karta.handler")
 
@@ -118,39 +118,6 @@ class Enriching(typing.Protocol):
                       ) -> SpliceResult: ...
 
 
-def protocol_from_content_type(ct: str) -> Protocol:
-    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else.
-
-    No Content-Type at all is RW 1.0, as Prometheus' own receiver takes it: early 1.0
-    senders set none, and refusing them would drop data a direct write keeps.
-    """
-    if not ct.strip():
-        return Protocol.V1
-    parts = [p.strip() for p in ct.split(";")]
-    media = parts[0].lower()
-    if media != "application/x-protobuf":
-        raise DecodeError(
-            "unsupported_content_type",
-            415,
-            f"unsupported Content-Type {ct!r}: remote write needs application/x-protobuf",
-        )
-    proto = ""
-    for param in parts[1:]:
-        key, _, value = param.partition("=")
-        if key.strip().lower() == "proto":
-            proto = value.strip().strip('"')
-    if proto in ("", Protocol.V1.value):
-        return Protocol.V1
-    if proto == Protocol.V2.value:
-        return Protocol.V2
-    raise DecodeError(
-        "unsupported_content_type",
-        415,
-        f"unsupported remote-write message {proto!r}: expected {Protocol.V1.value} "
-        f"or {Protocol.V2.value}",
-    )
-
-
 def worker_count(configured: int) -> int:
     """Worker threads for the request work: ``configured``, or one per usable core."""
     if configured > 0:
@@ -196,11 +163,7 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
         done.append(futures.pop(0).result())
     merged = SpliceResult(b"", Counts())
     for result, _ in done:
-        merged.counts.add(result.counts)
-        merged.attributed += result.attributed
-        merged.stripped += result.stripped
-        for reason, n in result.unattributed.items():
-            merged.unattributed[reason] = merged.unattributed.get(reason, 0) + n
+        merged.add(result)
     return merged, join_snappy([block for _, block in done])
 
 
@@ -213,31 +176,6 @@ def declared_decoded_size(body: bytes, encoding: str) -> int | None:
     if encoding == "snappy":
         return snappy_declared_length(body)
     return zstd_declared_length(body)
-
-
-class LoadBudget:
-    """Bytes held at once; a request is refused, never made to wait. Locked: a splice in a worker
-    thread takes more as it grows (``_Room``)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.lock = threading.Lock()
-
-    def fits(self, n: int, own: int) -> bool:
-        """Do ``n`` more bytes fit for a request that holds ``own`` already (under
-        ``lock``)?
-
-        A request that holds everything held (alone in flight) always may: its size is
-        bounded anyway (``max_body_bytes`` + ``max_decoded_bytes``, and what its splice may
-        hold: ``_Room``), and with a budget below that a request too big for it alone would
-        be refused on every retry, its data never stored. So the bound is the larger of the
-        budget and one request."""
-        return self.bytes + n <= self.max_bytes or self.bytes <= own
-
-    def release(self, n: int) -> None:
-        with self.lock:
-            self.bytes -= n
 
 
 #: requests that may wait for a slot, per slot (past them: 503 at once). Three: at 4x more
@@ -258,74 +196,6 @@ SHED_COUNTERS_CACHED = 64
 #: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
 #: start, a sender's first write): the rate is what arrived over the time past it
 BODY_RATE_GRACE_SECONDS = 1.0
-
-
-class _Held:
-    """Bytes one request holds in the budget, released when it is answered; forwarding
-    takes more from it for what it allocates (``proxy.upstream.Charge``: a request the
-    upstream refused as too large, decoded again and sent in parts)."""
-
-    __slots__ = ("budget", "bytes")
-
-    def __init__(self, budget: LoadBudget) -> None:
-        self.budget = budget
-        self.bytes = 0
-
-    def take(self, n: int) -> bool:
-        with self.budget.lock:  # its own count too: a splice's _Room takes from a worker
-            if not self.budget.fits(n, self.bytes):
-                return False
-            self.budget.bytes += n
-            self.bytes += n
-            return True
-
-    def give_back(self, n: int) -> None:
-        with self.budget.lock:
-            self.budget.bytes -= n
-            self.bytes -= n
-
-    def settle(self, holds: int) -> None:
-        """The request now holds ``holds`` bytes: less frees the difference at once; more
-        is taken even past the budget (the work is done: refusing it would only make the
-        sender send it again), and the next requests are refused instead."""
-        with self.budget.lock:
-            self.budget.bytes += holds - self.bytes
-            self.bytes = holds
-
-
-class _Room:
-    """What one splice may hold beside its decoded body, taken from its request's byte
-    budget as the splice grows (``Splicer.splice_v1``'s ``grow``, called from a worker
-    thread). Real series hold up to ~1.5x their decoded size there (spans, the stamps
-    copied and added, RW 2.0's per-series places); series many times smaller than their
-    stamps hold many times it, which the splice must not allocate unreserved."""
-
-    __slots__ = ("grown", "held", "limit", "most", "refused")
-
-    def __init__(self, held: _Held, limit: int, most: int, grown: Counter) -> None:
-        self.held = held
-        #: what it has (part of its request's reservation), and at most may have
-        self.limit = limit
-        self.most = most
-        #: splices that took more (a metric's child)
-        self.grown = grown
-        #: why it was refused more: "too_large" (past ``most``), "overload" (no room now)
-        self.refused = ""
-
-    def __call__(self, need: int) -> int:
-        """The new limit for a splice whose estimate for the whole is ``need``: a quarter
-        over it (another ask, not a redo, when it still falls short); 0 when refused."""
-        if need > self.most:
-            self.refused = "too_large"
-            return 0
-        more = min(self.most, need + need // 4)
-        if not self.held.take(more - self.limit):
-            self.refused = "overload"
-            return 0
-        if self.limit < more:
-            self.grown.inc()
-        self.limit = more
-        return more
 
 
 class _Refusal(Exception):
@@ -638,7 +508,7 @@ class RemoteWriteHandler:
                            else "overloaded: the sender left while waiting for a slot",
                            counter="reject", kind="overload",
                            headers={"Retry-After": RETRY_AFTER})
-        held = _Held(self.budget)
+        held = Held(self.budget)
         self._inflight += 1
         try:
             # the body passed straight on: a local here would keep it (and its budget's
@@ -650,11 +520,11 @@ class RemoteWriteHandler:
             self._inflight -= 1
             self.budget.release(held.bytes)
 
-    def _reserve(self, held: _Held, n: int) -> None:
+    def _reserve(self, held: Held, n: int) -> None:
         if not held.take(n):
             raise _no_room()
 
-    async def _read_body(self, request: web.Request, held: _Held) -> bytes:
+    async def _read_body(self, request: web.Request, held: Held) -> bytes:
         """The body, reserved chunk by chunk as it arrives (never the maximum up front:
         a sender that stalls holds only what it sent), within the read deadline and above
         the minimum rate; a stall past either is a 503 that releases the slot."""
@@ -721,7 +591,7 @@ class RemoteWriteHandler:
                         headers={"Retry-After": RETRY_AFTER})
 
     async def _process(self, request: web.Request, protocol: Protocol, encoding: str,
-                       body: bytes, held: _Held) -> web.StreamResponse:
+                       body: bytes, held: Held) -> web.StreamResponse:
         s = self.settings
         try:
             declared = declared_decoded_size(body, encoding) if body else 0
@@ -739,7 +609,7 @@ class RemoteWriteHandler:
         # the splice takes more as it grows, up to what one request may hold: the larger
         # of the budget and a request at the body and decoded limits (LoadBudget.fits)
         whole = max(s.max_inflight_bytes, s.max_body_bytes + 2 * s.max_decoded_bytes)
-        room = _Room(held, decoded, whole - held.bytes + decoded, self._splices_grown)
+        room = Room(held, decoded, whole - held.bytes + decoded, self._splices_grown)
         try:
             prepared = await self._prepared(body, encoding, protocol, declared, room)
         except OverLimit as e:
@@ -766,7 +636,7 @@ class RemoteWriteHandler:
         return self._answer(answer)
 
     async def _prepared(self, body: bytes, encoding: str, protocol: Protocol,
-                        declared: int | None, room: _Room) -> Prepared:
+                        declared: int | None, room: Room) -> Prepared:
         if declared is not None and declared <= INLINE_DECODED_BYTES \
                 and len(body) <= INLINE_DECODED_BYTES:
             # shorter than a round trip through the pool (two thread switches)
@@ -802,7 +672,7 @@ class RemoteWriteHandler:
         return max(1, min(self.workers, declared // PART_DECODED_BYTES))
 
     def _prepare(self, body: bytes, encoding: str, protocol: Protocol, parts: int = 1,
-                 room: _Room | None = None) -> Prepared:
+                 room: Room | None = None) -> Prepared:
         """The worker-thread part of a request: decompress, splice, convert, compress.
         ``room``: what the splice may hold beside the decoded body (``OverLimit`` past it)."""
         limit = room.limit if room is not None else None
@@ -833,7 +703,7 @@ class RemoteWriteHandler:
         result.body = b""
         return Prepared(result, outgoing)
 
-    def _part_splice(self, whole: int, room: _Room | None
+    def _part_splice(self, whole: int, room: Room | None
                      ) -> Callable[[bytes | memoryview, bytes, int], SpliceResult]:
         """The splice of one part of a request of ``whole`` decoded bytes: its share of the
         request's room, and past it the estimate for the whole request."""
@@ -841,7 +711,7 @@ class RemoteWriteHandler:
             if room is None:
                 return self.enricher.enrich_snappy(Protocol.V1, raw, block, base)
             share = len(raw) / max(1, whole)
-            mine = _Room(room.held, int(room.limit * share), int(room.most * share),
+            mine = Room(room.held, int(room.limit * share), int(room.most * share),
                          room.grown)
             try:
                 return self.enricher.enrich_snappy(Protocol.V1, raw, block, base, mine.limit,

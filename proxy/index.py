@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from cachetools import TTLCache
@@ -339,8 +339,3 @@ class PodIndex:
     def entries(self) -> Iterator[tuple[bytes, bytes, LabelPairs]]:
         for (ns, pod), e in self._by_name.items():
             yield ns, pod, e.pairs
-
-
-def apply_all(index: PodIndex, changes: Iterable[ChangeSet]) -> None:
-    for c in changes:
-        index.apply(c)

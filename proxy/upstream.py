@@ -871,11 +871,6 @@ class Upstream:
             return b""
         return decompress(sent.encoded, sent.encoding, max_decoded=OWN_BODY_LIMIT)
 
-    @classmethod
-    def _layout(cls, sent: Outgoing) -> Layout:
-        """The fields of a request as it went out."""
-        return layout(cls._raw(sent), sent.protocol)
-
     @staticmethod
     def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
         raw = parts.layout.part(lo, hi)

@@ -21,9 +21,8 @@ import cramjam
 import pytest
 import snappy
 
-from proxy.compression import DecodeError
 from proxy.config import Settings, UpstreamProtocol
-from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES, protocol_from_content_type
+from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
@@ -819,36 +818,6 @@ async def test_v2_to_v1_upstream_through_the_proxy(tmp_path: Path) -> None:
             assert resp.status == 204
             assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "1"
     assert labels_of(up.received[-1].raw) == [{**cart, **CART}]
-
-
-# -- content negotiation ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("ct", "proto"),
-    [
-        ("application/x-protobuf", Protocol.V1),
-        ("application/x-protobuf;proto=prometheus.WriteRequest", Protocol.V1),
-        ("Application/X-Protobuf; proto=prometheus.WriteRequest", Protocol.V1),
-        ("application/x-protobuf;proto=io.prometheus.write.v2.Request", Protocol.V2),
-        ('application/x-protobuf; proto="io.prometheus.write.v2.Request"', Protocol.V2),
-    ],
-)
-def test_protocol_from_content_type(ct: str, proto: Protocol) -> None:
-    assert protocol_from_content_type(ct) is proto
-
-
-def test_no_content_type_is_rw1() -> None:
-    assert protocol_from_content_type("") is Protocol.V1
-
-
-@pytest.mark.parametrize(
-    "ct", ["application/json", "text/plain", "application/x-protobuf;proto=foo.Bar"]
-)
-def test_unsupported_content_type_is_415(ct: str) -> None:
-    with pytest.raises(DecodeError) as info:
-        protocol_from_content_type(ct)
-    assert info.value.status == 415
 
 
 @pytest.mark.parametrize(

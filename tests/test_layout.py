@@ -123,3 +123,9 @@ def test_the_demo_cluster_model_stays_below_its_exporter() -> None:
     graph = import_graph()
     assert graph["proxy.demo_cluster"] <= {"proxy.exposition"}, graph["proxy.demo_cluster"]
     assert "proxy.demo_cluster" in graph["proxy.demo_exporter"]
+
+
+def test_the_byte_budget_knows_no_request() -> None:
+    """``proxy.budget`` counts bytes only: the handler (and, through ``Charge``, the
+    forwarding) build on it, it on none of them, nor on what a refusal answers."""
+    assert import_graph()["proxy.budget"] == set()

@@ -59,7 +59,8 @@ from proxy.karta.results import (
     WorkloadFacts,
 )
 from proxy.log import Throttled
-from proxy.wire.primitives import parse_label, read_field
+from proxy.wire.halves import layout
+from proxy.wire.primitives import Protocol, labels_of, series_text
 from proxy.yielding import Busy, Pacer
 
 if TYPE_CHECKING:
@@ -140,6 +141,11 @@ _Obj = TypeVar("_Obj", PodAttribution, WorkloadFacts)
 Key = str | tuple[str, ...]
 COVERAGE_KEY: Key = ("coverage",)
 PROCESS_KEY: Key = ("process",)
+#: (key, how many series in a row under it) of a request's series, in order
+#: (``FactWriter.body_runs``). A bare tuple, not a NamedTuple: one is made per group of a
+#: write (100k pods: ~102k), and a NamedTuple's ~0.5 us more each was ~15% of a warm
+#: write's 0.26-0.37 s (``facts_bench.py``)
+Run = tuple[Key, int]
 
 
 def pod_key(att: PodAttribution) -> Key:
@@ -170,46 +176,6 @@ class _Delivery:
         self.dropped = 0
         #: requests accepted (a write of which none landed failed, whatever refused it)
         self.accepted = 0
-
-
-def _split_body(body: bytes) -> tuple[list[bytes], bytes]:
-    """A WriteRequest's TimeSeries fields, each whole, and its other fields (metadata)."""
-    series: list[bytes] = []
-    other: list[bytes] = []
-    pos, end = 0, len(body)
-    while pos < end:
-        number, _, _, q = read_field(body, pos, end)
-        (series if number == 1 else other).append(body[pos:q])
-        pos = q
-    return series, b"".join(other)
-
-
-def _labels_of(field: bytes) -> bytes:
-    """The label fields of a whole TimeSeries field: what names the series, whatever its
-    sample (the key a refused series is remembered by; ``b"".join(series[1:])`` of the
-    writer's own :data:`Series`)."""
-    _, _, p, end = read_field(field, 0, len(field))
-    start = pos = p
-    while pos < end:
-        number, _, _, q = read_field(field, pos, end)
-        if number != 1:
-            break
-        pos = q
-    return field[start:pos]
-
-
-def _series_text(labels: bytes) -> str:
-    """``name{label="value", ...}`` of a series' label fields, for a log line."""
-    pairs: list[tuple[str, str]] = []
-    pos, end = 0, len(labels)
-    while pos < end:
-        _, _, p, q = read_field(labels, pos, end)
-        k, v = parse_label(labels, p, q)
-        pairs.append((k.decode("utf-8", "replace"), v.decode("utf-8", "replace")))
-        pos = q
-    metric = next((v for k, v in pairs if k == "__name__"), "")
-    rest = ", ".join(f'{k}="{v}"' for k, v in pairs if k != "__name__")
-    return f"{metric}{{{rest}}}"
 
 
 class _Cached(NamedTuple, Generic[_Obj]):
@@ -303,13 +269,12 @@ class FactWriter:
         #: old leader left behind
         self._standby: dict[Key, dict[Group, float]] = {}
         #: series an upstream refused on their own (a 400 bisected down to them), by key:
-        #: their label bytes (:func:`_labels_of`). Later writes send each in a request of
-        #: its own, so it spoils no other and needs no new bisection; one accepted again
-        #: is forgotten. At most ``MAX_REFUSED_REMEMBERED`` in all
+        #: their label bytes (:func:`proxy.wire.primitives.labels_of`). Later writes send
+        #: each in a request of its own, so it spoils no other and needs no new bisection;
+        #: one accepted again is forgotten. At most ``MAX_REFUSED_REMEMBERED`` in all
         self._refused: dict[Key, set[bytes]] = {}
-        #: the keys of the series of the body ``iter_requests`` yielded last, in order,
-        #: as (key, how many series in a row)
-        self.body_runs: list[tuple[Key, int]] = []
+        #: the keys of the series of the body ``iter_requests`` yielded last, in order
+        self.body_runs: list[Run] = []
         #: the sample field of a stale marker in the write being made
         self._stale_sample = b""
         self._refusal_lines = Throttled(
@@ -411,7 +376,7 @@ class FactWriter:
         current: dict[Key, Group] = {}
         self._pending = current
         parts: list[bytes] = []
-        runs: list[tuple[Key, int]] = []
+        runs: list[Run] = []
         count = 0
         limit = self._max_series
         made = 0
@@ -694,7 +659,7 @@ class FactWriter:
 
     # -- delivery: a 400 bisected down to the series it refuses -----------------------
 
-    async def _deliver(self, body: bytes, runs: list[tuple[Key, int]],
+    async def _deliver(self, body: bytes, runs: list[Run],
                        tally: _Delivery) -> None:
         """Send ``body``; on a 400, send its halves, and theirs, down to the series the
         upstream refuses (Prometheus rolls back a whole request for one out-of-order
@@ -719,17 +684,25 @@ class FactWriter:
         if self._refused and len(runs) == 1 and runs[0][1] == 1:
             self._accepted_again(body, runs[0][0])
 
-    async def _refused_body(self, body: bytes, runs: list[tuple[Key, int]], status: int,
+    async def _refused_body(self, body: bytes, runs: list[Run], status: int,
                             exc: Exception, tally: _Delivery) -> None:
-        """``body`` was refused with ``status``: bisect it (a 400) or drop it whole."""
-        series, meta = _split_body(body)
+        """``body`` was refused with ``status``: bisect it (a 400) or drop it whole.
+
+        Cut at series boundaries by :func:`proxy.wire.halves.layout`, as the upstream's
+        413 split is, but halved by series count rather than by bytes
+        (:meth:`Layout.middle`): a 400 is about a series, not a size, and by count one
+        series of n is found in ceil(log2 n) levels (``MAX_EXTRA_REQUESTS``). The metadata
+        goes with the last half, as it always has."""
+        lay = layout(body, Protocol.V1)
+        count = len(lay.series)
         keys: list[Key | None] = [key for key, n in runs for _ in range(n)]
-        if len(keys) != len(series):  # not the writer's own layout: no key to remember
-            keys = [None] * len(series)
+        if len(keys) != count:  # not the writer's own layout: no key to remember
+            keys = [None] * count
 
         async def refused(lo: int, hi: int, status: int, exc: Exception) -> None:
             if status == 400 and hi - lo == 1:
-                self._refused_series(series[lo], keys[lo], exc, tally)
+                start, end = lay.series[lo]
+                self._refused_series(body[start:end], keys[lo], exc, tally)
                 return
             if status != 400 or tally.extra + 2 > MAX_EXTRA_REQUESTS:
                 if not tally.dropped:  # the first of this write
@@ -740,7 +713,7 @@ class FactWriter:
             mid = (lo + hi) // 2
             for a, b in ((lo, mid), (mid, hi)):
                 tally.extra += 1
-                half = b"".join(series[a:b]) + (meta if b == len(series) else b"")
+                half = lay.part(a, b, other_last=True)
                 try:
                     await self._send(half)
                 except asyncio.CancelledError:
@@ -753,8 +726,8 @@ class FactWriter:
                 else:
                     tally.accepted += 1
 
-        if series:  # (metadata alone: no fact lost)
-            await refused(0, len(series), status, exc)
+        if count:  # (metadata alone: no fact lost)
+            await refused(0, count, status, exc)
 
     def _refused_series(self, field: bytes, key: Key | None, exc: Exception,
                         tally: _Delivery) -> None:
@@ -765,7 +738,7 @@ class FactWriter:
             if key is not None:
                 tally.stale_keys.add(key)
         self.metrics.series_refused.inc()
-        labels = _labels_of(field)
+        labels = labels_of(field)
         if key is not None:
             known = self._refused.get(key)
             if known is None and sum(map(len, self._refused.values())) < MAX_REFUSED_REMEMBERED:
@@ -774,7 +747,7 @@ class FactWriter:
                                       or sum(map(len, self._refused.values()))
                                       < MAX_REFUSED_REMEMBERED):
                 known.add(labels)
-        text = _series_text(labels)
+        text = series_text(labels)
         # a line per family and interval, naming the series (a summary the rest)
         self._refusal_lines.event(text.split("{", 1)[0],
                                   {"series": text, "error": str(exc)[:300]})
@@ -784,9 +757,10 @@ class FactWriter:
         known = self._refused.get(key)
         if known is None:
             return
-        series, _ = _split_body(body)
-        if len(series) == 1:
-            known.discard(_labels_of(series[0]))
+        lay = layout(body, Protocol.V1)
+        if len(lay.series) == 1:
+            start, end = lay.series[0]
+            known.discard(labels_of(body[start:end]))
             if not known:
                 del self._refused[key]
 

@@ -6,7 +6,8 @@ it in parts instead of letting the sender drop the batch. Every part is a valid 
 of the same protocol, and the parts together carry every series exactly once:
 
 - RW 1.0: the series (field 1) are shared out; every other top-level field (metadata,
-  unknown fields) goes with the first part only, once.
+  unknown fields) goes with the first part only, once (or with the last, ``other_last``:
+  the fact writer's halves, whose metadata has always followed its series).
 - RW 2.0: the series (field 5) are shared out, each part with a symbols table of its
   own: the strings its series refer to (labels, exemplar labels, metadata help and unit),
   in their order in the whole table, its series' refs renumbered. The label strings are
@@ -132,11 +133,16 @@ class Layout:
         # the refs renumbered may each take a byte more; its work arrays: 5 bytes a symbol
         return series * 2 + other + symbols + 5 * len(self.symbols)
 
-    def part(self, lo: int, hi: int) -> bytes:
-        """The request of ``series[lo:hi]`` (see the module's rules for the other fields)."""
+    def part(self, lo: int, hi: int, *, other_last: bool = False) -> bytes:
+        """The request of ``series[lo:hi]`` (see the module's rules for the other fields).
+
+        ``other_last``: an RW 1.0 request's other fields go with the part that ends at the
+        last series rather than the one that starts at the first: the fact writer cut its
+        refused requests so before it cut them here, and its bodies stay as they were."""
         if self.protocol is Protocol.V2:
             return self._part_v2(lo, hi)
-        shared = self.other.pairs() if lo == 0 else iter(())
+        with_other = hi == len(self.series) if other_last else lo == 0
+        shared = self.other.pairs() if with_other else iter(())
         spans = heapq.merge(shared, self.series.pairs(lo, hi))
         out: list[bytes] = []
         start = end = -1

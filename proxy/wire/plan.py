@@ -251,3 +251,14 @@ class SpliceResult:
         else:
             self.attributed += 1
 
+    def add(self, other: SpliceResult) -> None:
+        """Count ``other``'s series, samples and outcomes into this one's, as
+        :meth:`Counts.add` does its counts: a request spliced in parts answers for the
+        sum of its parts. The body and ``encoded`` are left as they are (the parts'
+        bodies are joined apart)."""
+        self.counts.add(other.counts)
+        self.attributed += other.attributed
+        self.stripped += other.stripped
+        for reason, n in other.unattributed.items():
+            self.unattributed[reason] = self.unattributed.get(reason, 0) + n
+

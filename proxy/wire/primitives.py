@@ -37,6 +37,39 @@ class Protocol(enum.Enum):
         return "0.1.0" if self is Protocol.V1 else "2.0.0"
 
 
+def protocol_from_content_type(ct: str) -> Protocol:
+    """RW 1.0 or 2.0 from a Content-Type; :class:`DecodeError` 415 for anything else.
+
+    No Content-Type at all is RW 1.0, as Prometheus' own receiver takes it: early 1.0
+    senders set none, and refusing them would drop data a direct write keeps.
+    """
+    if not ct.strip():
+        return Protocol.V1
+    parts = [p.strip() for p in ct.split(";")]
+    media = parts[0].lower()
+    if media != "application/x-protobuf":
+        raise DecodeError(
+            "unsupported_content_type",
+            415,
+            f"unsupported Content-Type {ct!r}: remote write needs application/x-protobuf",
+        )
+    proto = ""
+    for param in parts[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "proto":
+            proto = value.strip().strip('"')
+    if proto in ("", Protocol.V1.value):
+        return Protocol.V1
+    if proto == Protocol.V2.value:
+        return Protocol.V2
+    raise DecodeError(
+        "unsupported_content_type",
+        415,
+        f"unsupported remote-write message {proto!r}: expected {Protocol.V1.value} "
+        f"or {Protocol.V2.value}",
+    )
+
+
 @dataclass(slots=True)
 class Counts:
     """What a request carries, for the ``X-Prometheus-Remote-Write-*-Written`` headers."""
@@ -200,6 +233,35 @@ def parse_label(buf: bytes, p: int, end: int) -> tuple[bytes, bytes]:
             raise invalid("label name/value with a wrong wire type")
         p = q
     return name, value
+
+
+def labels_of(field: bytes) -> bytes:
+    """The label fields of a whole RW 1.0 TimeSeries field (its tag and length first):
+    what names the series, whatever its sample. The fact writer remembers a series the
+    upstream refused by them (``b"".join(series[1:])`` of its own encoded series)."""
+    _, _, p, end = read_field(field, 0, len(field))
+    start = pos = p
+    while pos < end:
+        number, _, _, q = read_field(field, pos, end)
+        if number != 1:
+            break
+        pos = q
+    return field[start:pos]
+
+
+def series_text(labels: bytes) -> str:
+    """``name{label="value", ...}`` of a series' RW 1.0 label fields, for a log line that
+    names a series (bytes that are not UTF-8 shown replaced, not refused)."""
+    pairs: list[tuple[str, str]] = []
+    pos, end = 0, len(labels)
+    while pos < end:
+        _, _, p, q = read_field(labels, pos, end)
+        k, v = parse_label(labels, p, q)
+        pairs.append((k.decode("utf-8", "replace"), v.decode("utf-8", "replace")))
+        pos = q
+    metric = next((v for k, v in pairs if k == "__name__"), "")
+    rest = ", ".join(f'{k}="{v}"' for k, v in pairs if k != "__name__")
+    return f"{metric}{{{rest}}}"
 
 
 # -- the payloads a splice copies (samples, exemplars, histograms, metadata) -------------

@@ -54,6 +54,20 @@ def test_v1_parts_share_the_series_and_the_first_takes_the_rest() -> None:
     assert lay.part(0, 5) == raw  # one slice: the whole, byte for byte
 
 
+def test_v1_other_fields_go_with_the_last_part_when_asked() -> None:
+    """The fact writer's halves: its metadata follows its series, and goes with the half
+    that ends at the last series."""
+    raw = v1([5, 6, 7, 8, 9])
+    lay = layout(raw, Protocol.V1)
+    first = lay.part(0, 2, other_last=True)
+    second = lay.part(2, 5, other_last=True)
+    assert not WriteRequest.FromString(first).metadata
+    assert len(WriteRequest.FromString(second).metadata) == 1
+    assert first + second == raw  # series in order, the metadata after them, once
+    assert lay.part(1, 2, other_last=True) == lay.part(1, 2)  # neither end: series alone
+    assert lay.part(0, 5, other_last=True) == raw
+
+
 def resolved(req: Any) -> list[Any]:
     """A 2.0 request's series with every ref resolved: what a receiver reads of them."""
     syms = list(req.symbols)

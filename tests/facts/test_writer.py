@@ -1,10 +1,7 @@
-"""Fact series: what they say, how they are encoded, how they end, who writes them.
-
-The first part decodes the writer's requests with the protobuf modules generated from
-``proto/`` (an independent decoder of the hand encoder's bytes) and reads ``/metrics``
-with prometheus_client's own text parser. The second part posts the writer's requests to
-a real Prometheus (``--web.enable-remote-write-receiver``) and asks PromQL.
-"""
+"""The fact writer (proxy.facts.writer): how series end (stale markers), the cache and
+the written set, leader and standby, the loop and its pauses, refused requests. Then its
+requests posted to a real Prometheus (``--web.enable-remote-write-receiver``) and asked
+with PromQL."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import time
@@ -29,312 +25,34 @@ from typing import Any
 import aiohttp
 import pytest
 import snappy
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
 
 from proxy import contract, yielding
 from proxy.config import FactSettings
-from proxy.facts import (
-    STALE_NAN_BITS,
-    FactsCollector,
-    FactWriter,
-    FactWriterCollector,
-    WriterState,
-    iter_facts,
-    workload_facts,
-)
+from proxy.facts import FactWriter, WriterState, iter_facts
 from proxy.facts.collectors import sample_value
 from proxy.facts.writer import COVERAGE_KEY, PROCESS_KEY
 from proxy.index import PodIndex
 from proxy.karta.model import GENERIC_PHASES
-from proxy.karta.results import (
-    ChangeSet,
-    PodAttribution,
-    ReplicaFact,
-    WorkloadFacts,
-    WorkloadRef,
+from proxy.karta.results import ChangeSet, PodAttribution, ReplicaFact, WorkloadFacts, WorkloadRef
+from tests.facts.helpers import (
+    DEP,
+    PODS,
+    RAY,
+    Series,
+    by_name,
+    coverage,
+    decode,
+    dep_facts,
+    is_stale,
+    nosend,
+    owner_refs,
+    ray_facts,
+    remote_pb2,
+    small_index,
+    stale_and_live,
+    writer,
 )
-
-remote_pb2 = pytest.importorskip("proxy.pb.prometheus.remote_pb2")
-types_pb2 = pytest.importorskip("proxy.pb.prometheus.types_pb2")
-
-RAY = WorkloadRef(namespace="ml", group="ray.io", kind="RayJob", name="train", uid="w-ray")
-DEP = WorkloadRef(namespace="web", group="apps", kind="Deployment", name="api", uid="w-dep")
-#: the identity labels of RAY and DEP, as their series carry them (sorted)
-RAY_IDENT = (("karta_group", "ray.io"), ("karta_kind", "RayJob"), ("karta_namespace", "ml"),
-             ("karta_workload", "train"))
-DEP_IDENT = (("karta_group", "apps"), ("karta_kind", "Deployment"), ("karta_namespace", "web"),
-             ("karta_workload", "api"))
-
-
-def ray_facts(**kw: Any) -> WorkloadFacts:
-    base = WorkloadFacts(
-        ref=RAY,
-        description="rayjob",
-        builtin=False,
-        phase="Running",
-        statuses=("Running", "Degraded"),
-        phase_reason="",
-        phase_since=1_700_000_000.5,
-        replicas=(
-            ReplicaFact("head", "", 1, None, None, 1),
-            ReplicaFact("workers", "group-a", 4, 2, 8, 3),
-        ),
-    )
-    return replace(base, **kw)
-
-
-def dep_facts(**kw: Any) -> WorkloadFacts:
-    base = WorkloadFacts(
-        ref=DEP,
-        description="deployment",
-        builtin=True,
-        phase="Undefined",
-        statuses=("Undefined",),
-        phase_reason="no_status_matched",
-        phase_since=1_700_000_100.0,
-        replicas=(ReplicaFact("", "", 2, None, None, 2),),
-    )
-    return replace(base, **kw)
-
-
-PODS = {
-    "p-head": PodAttribution("ml", "train-head", "p-head", RAY, "head", description="rayjob"),
-    "p-w0": PodAttribution(
-        "ml", "train-w0", "p-w0", RAY, "workers", "group-a", "0", description="rayjob"
-    ),
-    "p-api": PodAttribution("web", "api-7d9-x", "p-api", DEP, description="deployment"),
-    "p-lost": PodAttribution("web", "loner", "p-lost", None, reason="no_described_owner"),
-}
-
-
-def small_index() -> PodIndex:
-    """Two workloads (one custom with instances and replicas, one built-in Undefined),
-    three attributed pods, one unattributed pod, two watched resources."""
-    index = PodIndex()
-    index.apply(
-        ChangeSet(
-            pods=dict(PODS),
-            workloads={"w-ray": ray_facts(), "w-dep": dep_facts()},
-        )
-    )
-    index.mark_fresh("pods", 1_700_000_500.0)
-    index.mark_fresh("rayjobs.ray.io", 1_700_000_400.0)
-    return index
-
-
-Series = dict[tuple[tuple[str, str], ...], list[tuple[float, int]]]
-
-
-def decode(body: bytes) -> Series:
-    """labels (with __name__, in wire order) -> [(value, timestamp)]"""
-    req = remote_pb2.WriteRequest()
-    req.ParseFromString(body)
-    out: Series = {}
-    for ts in req.timeseries:
-        labels = tuple((lb.name, lb.value) for lb in ts.labels)
-        out.setdefault(labels, []).extend((s.value, s.timestamp) for s in ts.samples)
-    return out
-
-
-def by_name(series: Series, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    return {
-        tuple(kv for kv in labels if kv[0] != "__name__"): samples[-1][0]
-        for labels, samples in series.items()
-        if ("__name__", name) in labels
-    }
-
-
-def is_stale(v: float) -> bool:
-    return struct.unpack("<Q", struct.pack("<d", v))[0] == STALE_NAN_BITS
-
-
-async def _nosend(body: bytes) -> None:
-    raise AssertionError("not sent in this test")
-
-
-def writer(index: PodIndex, send: Callable[[bytes], Any] = _nosend, **kw: Any) -> FactWriter:
-    return FactWriter(FactSettings(**kw), index, send)
-
-
-# -- what the facts say ----------------------------------------------------------------------
-
-
-def test_pod_facts_join_on_the_stamped_labels() -> None:
-    series = decode(writer(small_index()).build_request(1_700_000_600_000))
-    info = by_name(series, contract.FACT_POD_INFO)
-    assert info == {
-        (
-            ("karta_component", "head"),
-            ("karta_group", "ray.io"),
-            ("karta_kind", "RayJob"),
-            ("karta_namespace", "ml"),
-            ("karta_workload", "train"),
-            ("namespace", "ml"),
-            ("pod", "train-head"),
-            ("uid", "p-head"),
-        ): 1.0,
-        (
-            ("karta_component", "workers"),
-            ("karta_group", "ray.io"),
-            ("karta_instance", "group-a"),
-            ("karta_kind", "RayJob"),
-            ("karta_namespace", "ml"),
-            ("karta_replica", "0"),
-            ("karta_workload", "train"),
-            ("namespace", "ml"),
-            ("pod", "train-w0"),
-            ("uid", "p-w0"),
-        ): 1.0,
-        (
-            ("karta_group", "apps"),
-            ("karta_kind", "Deployment"),
-            ("karta_namespace", "web"),
-            ("karta_workload", "api"),
-            ("namespace", "web"),
-            ("pod", "api-7d9-x"),
-            ("uid", "p-api"),
-        ): 1.0,
-    }
-    assert by_name(series, contract.FACT_POD_UNATTRIBUTED_INFO) == {
-        (
-            ("namespace", "web"),
-            ("pod", "loner"),
-            ("reason", "no_described_owner"),
-            ("uid", "p-lost"),
-        ): 1.0
-    }
-
-
-def test_phase_is_a_state_set_and_statuses_are_all_reported() -> None:
-    series = decode(writer(small_index()).build_request(1_700_000_600_000))
-    ident = RAY_IDENT
-    phase = {
-        dict(k)["phase"]: v
-        for k, v in by_name(series, contract.FACT_WORKLOAD_PHASE).items()
-        if k[:4] == ident
-    }
-    assert set(phase) == set(GENERIC_PHASES)
-    assert [p for p, v in phase.items() if v == 1.0] == ["Running"]
-    assert sum(phase.values()) == 1.0
-    status = {
-        dict(k)["status"]: v
-        for k, v in by_name(series, contract.FACT_WORKLOAD_STATUS).items()
-        if k[:4] == ident
-    }
-    assert set(status) == set(GENERIC_PHASES)
-    assert {s for s, v in status.items() if v == 1.0} == {"Running", "Degraded"}
-    # the transition time says where it comes from (one series per workload)
-    assert by_name(series, contract.FACT_WORKLOAD_PHASE_TRANSITION)[
-        (*ident, ("source", "observed"))] == 1_700_000_000.5
-    dated = {f.labels: f.value for f in workload_facts(ray_facts(phase_since_source="object"))
-             if f.name == contract.FACT_WORKLOAD_PHASE_TRANSITION}
-    assert dated == {(*ident, ("source", "object")): 1_700_000_000.5}
-    # the Undefined workload says why; the Running one has no reason series
-    assert by_name(series, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO) == {
-        (*DEP_IDENT, ("reason", "no_status_matched")): 1.0
-    }
-    info = by_name(series, contract.FACT_WORKLOAD_INFO)
-    assert info[
-        tuple(
-            sorted((*ident, ("builtin", "false"), ("description", "rayjob"),
-                    ("workload_uid", "w-ray")))
-        )
-    ] == 1.0
-    assert len(info) == 2
-
-
-def test_replica_facts_per_component_instance() -> None:
-    series = decode(writer(small_index()).build_request(1_700_000_600_000))
-    head = (("karta_component", "head"), *RAY_IDENT)
-    workers = tuple(sorted((("karta_component", "workers"), ("karta_instance", "group-a"),
-                            *RAY_IDENT)))
-    desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
-    assert desired[head] == 1 and desired[workers] == 4
-    assert by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS_MIN) == {workers: 2.0}
-    assert by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS_MAX) == {workers: 8.0}
-    observed = by_name(series, contract.FACT_COMPONENT_OBSERVED_PODS)
-    assert observed[head] == 1 and observed[workers] == 3
-    # the Deployment's unnamed component: component and instance labels left out
-    assert observed[DEP_IDENT] == 2 and desired[DEP_IDENT] == 2
-
-
-def test_freshness_contract_and_build_facts() -> None:
-    series = decode(writer(small_index()).build_request(1_700_000_600_000))
-    assert by_name(series, contract.FACT_SOURCE_LAST_CURRENT) == {
-        (("resource", "pods"),): 1_700_000_500.0,
-        (("resource", "rayjobs.ray.io"),): 1_700_000_400.0,
-    }
-    assert by_name(series, contract.FACT_CONTRACT_INFO) == {
-        (("version", contract.CONTRACT_VERSION),): 1.0
-    }
-    import proxy
-    from proxy.wire.native import DEFAULT as SPLICE
-
-    assert by_name(series, contract.FACT_BUILD_INFO) == {
-        (("splice", SPLICE), ("version", proxy.__version__)): 1.0
-    }
-
-
-# -- encoding ----------------------------------------------------------------------------------
-
-
-def test_request_is_valid_rw1_sorted_unique_labels_one_sample_each() -> None:
-    body = writer(small_index()).build_request(1_700_000_600_123)
-    req = remote_pb2.WriteRequest()
-    req.ParseFromString(body)
-    assert len(req.timeseries) > 0
-    keys = set()
-    for ts in req.timeseries:
-        names = [lb.name for lb in ts.labels]
-        assert names == sorted(names) and len(names) == len(set(names))
-        assert all(lb.value for lb in ts.labels)
-        assert "__name__" in names
-        assert [(s.timestamp) for s in ts.samples] == [1_700_000_600_123]
-        key = tuple((lb.name, lb.value) for lb in ts.labels)
-        assert key not in keys
-        keys.add(key)
-    # metadata for every fact family, as gauges with help
-    meta = {m.metric_family_name: m for m in req.metadata}
-    assert set(meta) == set(contract.FACT_SERIES)
-    assert all(m.type == types_pb2.MetricMetadata.GAUGE and m.help for m in meta.values())
-    # every byte accounted for: protobuf re-encodes to the same length, less the 9-byte
-    # `value = 0.0` fields it leaves out as proto3 defaults (the hand encoder writes them)
-    zeros = sum(1 for ts in req.timeseries for s in ts.samples if s.value == 0.0)
-    assert len(req.SerializeToString()) == len(body) - 9 * zeros
-
-
-def test_external_labels_added_but_never_override_fact_labels() -> None:
-    w = writer(small_index(), external_labels={"cluster": "eu-1", "namespace": "WRONG"})
-    series = decode(w.build_request(1_700_000_600_000))
-    for labels in series:
-        d = dict(labels)
-        assert d["cluster"] == "eu-1"
-        if d["__name__"] == contract.FACT_POD_INFO:
-            assert d["namespace"] in ("ml", "web")
-        if d["__name__"] == contract.FACT_CONTRACT_INFO:
-            assert d["namespace"] == "WRONG"  # no own namespace label: the external one
-
-
-def test_unicode_and_long_values_encode() -> None:
-    index = PodIndex()
-    long_name = "x" * 300  # a label longer than 127 bytes needs a two-byte length
-    wl = WorkloadRef("ns-é", "", "Pod", long_name, "u")
-    index.apply(
-        ChangeSet(
-            pods={"u": PodAttribution("ns-é", long_name, "u", wl, description="pod")},
-            workloads={
-                "u": WorkloadFacts(wl, "pod", True, "Running", ("Running",), "", 1.0)
-            },
-        )
-    )
-    series = decode(writer(index).build_request(1))
-    info = by_name(series, contract.FACT_POD_INFO)
-    assert len(info) == 1
-    d = dict(next(iter(info)))
-    assert d["pod"] == long_name and d["namespace"] == "ns-é"
-    assert "karta_group" not in d  # core group: empty, left out
-
 
 # -- ending series -----------------------------------------------------------------------------
 
@@ -468,12 +186,6 @@ def test_unchanged_objects_are_not_re_encoded() -> None:
 # -- the writer's cache: a workload's series share its identity labels ------------------------
 
 
-def _stale_and_live(body: bytes) -> tuple[Series, Series]:
-    series = decode(body)
-    stale = {k: v for k, v in series.items() if is_stale(v[0][0])}
-    return stale, {k: v for k, v in series.items() if k not in stale}
-
-
 def test_a_recreated_workload_continues_its_series_and_ends_only_the_old_uid() -> None:
     """A Deployment deleted and created again under its name (a new uid) is the same
     identity: its ~20 shared-identity series continue without a marker, and only the info
@@ -494,7 +206,7 @@ def test_a_recreated_workload_continues_its_series_and_ends_only_the_old_uid() -
     body = w.build_request(2000)
     w.commit()
     series = decode(body)
-    stale, live = _stale_and_live(body)
+    stale, live = stale_and_live(body)
     assert all(len(samples) == 1 for samples in series.values())  # no label set twice
     (gone,) = (k for k in stale if dict(k)["__name__"] == contract.FACT_WORKLOAD_INFO)
     assert dict(gone)["workload_uid"] == "w-dep" and gone in first
@@ -510,122 +222,9 @@ def test_a_recreated_workload_continues_its_series_and_ends_only_the_old_uid() -
     assert {dict(k)["__name__"] for k in stale} == {
         contract.FACT_WORKLOAD_INFO, contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO}
     index.apply(ChangeSet(workloads={"w-dep": None}))  # the old pods go too
-    stale, again_live = _stale_and_live(w.build_request(3000))
+    stale, again_live = stale_and_live(w.build_request(3000))
     w.commit()
     assert not stale and set(again_live) == set(live)
-
-
-def _scrape(index: PodIndex) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
-    """Every sample of the facts on /metrics, as prometheus_client parses them."""
-    registry = CollectorRegistry()
-    registry.register(FactsCollector(index))
-    return [(s.name, tuple(sorted(s.labels.items())), s.value)
-            for fam in text_string_to_metric_families(generate_latest(registry).decode())
-            for s in fam.samples]
-
-
-def test_a_workload_recreated_while_its_old_pods_remain_is_described_once() -> None:
-    """The engine holds two workloads of one identity: a Deployment deleted (orphaning
-    its ReplicaSet and pods, whose references still name it) and one created again under
-    its name. /metrics served ~20 label sets twice, with contradicting values (phase
-    Undefined 1 and Initializing 1), which Prometheus refuses as a whole scrape; the writer
-    kept the first, so the orphaned remnant's Undefined hid the live object's phase."""
-    from proxy.karta.engine import Engine
-
-    def obj(kind: str, name: str, uid: str, owner: dict[str, Any] | None = None,
-            **rest: Any) -> dict[str, Any]:
-        md: dict[str, Any] = {"name": name, "namespace": "web", "uid": uid,
-                              "labels": {"app": "api"}}
-        if owner is not None:
-            md["ownerReferences"] = _owner(owner)
-        return {"apiVersion": "v1" if kind == "Pod" else "apps/v1", "kind": kind,
-                "metadata": md, **rest}
-
-    engine = Engine(clock=lambda: 1_700_000_000.0)
-    index = PodIndex()
-    old = obj("Deployment", "api", "d-1", spec={"replicas": 2})
-    rs1 = obj("ReplicaSet", "api-1", "rs-1", old, spec={"replicas": 2})
-    index.apply(engine.upsert_many([old, rs1, *(obj("Pod", f"api-1-{i}", f"p1-{i}", rs1)
-                                                 for i in range(2))]))
-    index.apply(engine.delete(old))  # deleted, orphaning: its ReplicaSet and pods stay
-    new = obj("Deployment", "api", "d-2", spec={"replicas": 1})
-    rs2 = obj("ReplicaSet", "api-2", "rs-2", new, spec={"replicas": 1})
-    index.apply(engine.upsert_many([new, rs2, obj("Pod", "api-2-0", "p2-0", rs2)]))
-    assert sorted(w.ref.uid for w in engine.workloads()) == ["d-1", "d-2"]  # both held
-
-    scraped = _scrape(index)
-    keys = [(name, labels) for name, labels, _ in scraped]
-    assert len(keys) == len(set(keys)), "a label set served twice"
-    phase = {dict(labels)["phase"]: v for name, labels, v in scraped
-             if name == contract.FACT_WORKLOAD_PHASE and dict(labels)["karta_workload"] == "api"}
-    live = engine.workload("d-2")
-    assert live is not None and live.phase != "Undefined"
-    assert phase[live.phase] == 1.0 and phase["Undefined"] == 0.0
-    info = [dict(labels)["workload_uid"] for name, labels, _ in scraped
-            if name == contract.FACT_WORKLOAD_INFO]
-    assert info == ["d-2"]
-
-    written = decode(writer(index).build_request(1000))
-    assert all(len(samples) == 1 for samples in written.values())
-    wphase = {dict(k)["phase"]: v
-              for k, v in by_name(written, contract.FACT_WORKLOAD_PHASE).items()}
-    assert wphase[live.phase] == 1.0 and wphase["Undefined"] == 0.0
-    # the same facts both ways
-    assert {(n, lb, v) for n, lb, v in scraped} == {
-        (dict(lb)["__name__"], tuple(kv for kv in lb if kv[0] != "__name__"), v[0][0])
-        for lb, v in written.items()}
-    # the orphans go: the new one alone, as before; the new one goes: none
-    index.apply(engine.delete_many([rs1, *(obj("Pod", f"api-1-{i}", f"p1-{i}", rs1)
-                                           for i in range(2))]))
-    assert index.shadowed == set() and list(index.fact_workloads()) == ["d-2"]
-    index.apply(engine.delete_many([new, rs2, obj("Pod", "api-2-0", "p2-0", rs2)]))
-    assert not [1 for name, _, _ in _scrape(index) if name == contract.FACT_WORKLOAD_INFO]
-
-
-def test_an_instance_listed_twice_is_written_once_with_its_first_value() -> None:
-    """An object's instance ids can repeat (a path that lists one twice): its series would
-    be two samples of one series at one timestamp, which a TSDB refuses."""
-    index = PodIndex()
-    twice = (ReplicaFact("workers", "g", 4, None, None, 3),
-             ReplicaFact("workers", "g", 9, None, None, 3))
-    index.apply(ChangeSet(workloads={"w-ray": ray_facts(replicas=twice)}))
-    series = decode(writer(index).build_request(1000))
-    desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
-    assert list(desired.values()) == [4.0]
-    assert all(len(samples) == 1 for samples in series.values())
-
-
-def test_an_instance_listed_twice_by_the_object_is_one_row_and_one_series_on_metrics() -> None:
-    """A RayCluster naming one worker group twice: the engine made a replica row per
-    listed id, and /metrics served the two rows' label sets twice (the writer kept the
-    first). One row now, with the values at the id's first position."""
-    from proxy.karta.description import parse_description
-    from proxy.karta.engine import Engine
-    from tests.karta.descriptions import raycluster_karta
-
-    rc = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-          "metadata": {"name": "rc", "namespace": "ml", "uid": "rc-1"},
-          "spec": {"workerGroupSpecs": [{"groupName": "cpu", "replicas": 2},
-                                        {"groupName": "gpu", "replicas": 1},
-                                        {"groupName": "cpu", "replicas": 5}]},
-          "status": {"state": "ready"}}
-    worker = {"apiVersion": "v1", "kind": "Pod",
-              "metadata": {"name": "rc-w", "namespace": "ml", "uid": "p-w",
-                           "labels": {"ray.io/node-type": "worker", "ray.io/group": "cpu"},
-                           "ownerReferences": _owner(rc)}}
-    for objs in ([rc, worker], [worker, rc]):  # the object first, or its pods
-        engine = Engine()
-        engine.add_descriptions([parse_description(raycluster_karta(), "test")])
-        index = PodIndex()
-        for o in objs:
-            index.apply(engine.upsert(o))
-        wf = engine.workload("rc-1")
-        assert wf is not None
-        rows = [(r.component, r.instance, r.desired, r.observed) for r in wf.replicas]
-        assert rows == [("head", "", 1.0, 0), ("worker", "cpu", 2.0, 1), ("worker", "gpu", 1.0, 0)]
-        scraped = _scrape(index)
-        keys = [(name, labels) for name, labels, _ in scraped]
-        assert len(keys) == len(set(keys)), "a label set served twice"
 
 
 def test_a_failed_write_owes_markers_for_every_version_it_may_have_left() -> None:
@@ -645,12 +244,12 @@ def test_a_failed_write_owes_markers_for_every_version_it_may_have_left() -> Non
     w.build_request(2000)
     w.commit_partial()
     workers("c")
-    stale, live = _stale_and_live(w.build_request(3000))
+    stale, live = stale_and_live(w.build_request(3000))
     w.commit()
     desired = contract.FACT_COMPONENT_DESIRED_REPLICAS
     assert {dict(k)["karta_instance"] for k in by_name(stale, desired)} == {"a", "b"}
     assert {dict(k)["karta_instance"] for k in by_name(live, desired)} == {"c"}
-    stale, _ = _stale_and_live(w.build_request(4000))
+    stale, _ = stale_and_live(w.build_request(4000))
     assert not stale  # owed once
 
 
@@ -691,7 +290,7 @@ async def test_a_takeover_ends_what_changed_or_went_while_standing_by() -> None:
     now[0] += 10
     elector.is_leader = True
     assert await w.write_once() and w.state is WriterState.LEADER
-    stale, _ = _stale_and_live(b"".join(sent))
+    stale, _ = stale_and_live(b"".join(sent))
     ended = {(dict(k)["__name__"], dict(k).get("karta_workload"), dict(k).get("karta_instance"))
              for k in stale}
     assert ("karta_component_desired_replicas", "train", "group-a") in ended
@@ -719,7 +318,7 @@ async def test_a_leader_that_stood_by_a_moment_still_ends_what_it_wrote() -> Non
     elector.is_leader = True
     sent.clear()
     assert await w.write_once()
-    stale, _ = _stale_and_live(b"".join(sent))
+    stale, _ = stale_and_live(b"".join(sent))
     assert any(dict(k)["__name__"] == contract.FACT_POD_INFO for k in stale)
 
 
@@ -737,7 +336,7 @@ def test_a_marker_carries_the_written_labels_after_the_cache_let_go() -> None:
     assert "w-ray" not in w._workload_cache and "p-head" not in w._pod_cache
     w.build_request(3000)
     w.commit_partial()  # and the next one
-    stale, _ = _stale_and_live(w.build_request(4000))
+    stale, _ = stale_and_live(w.build_request(4000))
     w.commit()
     written = decode(first)
     assert stale and set(stale) <= set(written)
@@ -745,7 +344,7 @@ def test_a_marker_carries_the_written_labels_after_the_cache_let_go() -> None:
     assert {dict(k).get("karta_workload") for k in ended} == {"train"}
     assert len(ended) == 2 + 1 + 9 + 9 + 1 + 2 + 4  # pods, info, phases, statuses,
     # transition, replica rows (the head has no min/max: desired and observed; workers 4)
-    assert not _stale_and_live(w.build_request(5000))[0]  # ended once
+    assert not stale_and_live(w.build_request(5000))[0]  # ended once
 
 
 def test_stale_markers_are_in_label_order_whatever_the_pieces() -> None:
@@ -764,57 +363,6 @@ def test_stale_markers_are_in_label_order_whatever_the_pieces() -> None:
     stale = [len_field(1, ts.SerializeToString())
              for ts in req.timeseries if is_stale(ts.samples[0].value)]
     assert len(stale) > 40 and stale == sorted(stale)
-
-
-def test_series_of_one_label_set_are_one_tuple_whoever_makes_them() -> None:
-    """Equal label sets make equal cached series (the written set compares them): two
-    workload objects of one identity, encoded separately, agree on every shared series."""
-    from proxy.facts.encoder import encode_facts
-
-    a = encode_facts(workload_facts(dep_facts()), (("cluster", "c1"),), 11)
-    b = encode_facts(workload_facts(dep_facts(ref=replace(DEP, uid="other"))),
-                     (("cluster", "c1"),), 11)
-    series = list(a.series())
-    shared = set(series) & set(b.series())
-    assert len(shared) == len(series) - 1  # all but the info series (workload_uid)
-    runs = [p for s in series for p in s if b"\x0ekarta_workload\x12" in p]
-    assert len(runs) == len(series)  # every series has its identity in a shared run,
-    assert len({id(p) for p in runs}) == len(set(runs)) <= 4  # held once per shape
-    assert a.shape is b.shape  # and the groups' shapes are one object
-
-
-# -- /metrics ----------------------------------------------------------------------------------
-
-
-def test_metrics_endpoint_serves_the_same_facts() -> None:
-    index = small_index()
-    registry = CollectorRegistry()
-    registry.register(FactsCollector(index))
-    text = generate_latest(registry).decode()
-    scraped = {
-        (s.name, tuple(sorted(s.labels.items())), s.value)
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
-    written = {
-        (dict(labels)["__name__"], tuple(kv for kv in labels if kv[0] != "__name__"), v[0][0])
-        for labels, v in decode(writer(index).build_request(1)).items()
-    }
-    assert scraped == written
-    assert {f.name for f in iter_facts(index)} == set(contract.FACT_SERIES)
-    assert "# TYPE karta_workload_phase gauge" in text
-
-
-def test_writer_collector_reports_leadership_and_writes() -> None:
-    w = writer(small_index())
-    registry = CollectorRegistry()
-    registry.register(FactWriterCollector(w))
-    w.metrics.writes_ok.inc(3)
-    text = generate_latest(registry).decode()
-    assert f"{contract.OP_FACT_WRITER_LEADER} 1.0" in text
-    assert f'{contract.OP_FACT_WRITES}{{result="success"}} 3.0' in text
-    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
-    assert names == set(contract.FACT_WRITER_METRICS)
 
 
 # -- the loop ----------------------------------------------------------------------------------
@@ -917,7 +465,7 @@ async def test_writer_without_election_starts_standby_and_leads_from_its_first_w
 
 
 async def test_disabled_writer_does_not_start() -> None:
-    w = FactWriter(FactSettings(enabled=False), small_index(), _nosend)
+    w = FactWriter(FactSettings(enabled=False), small_index(), nosend)
     await w.start()
     await asyncio.sleep(0.05)
     await w.stop()
@@ -1044,7 +592,7 @@ def test_tsdb_phase_changes_transition_time_in_phase_and_stale_end(prom: Prometh
     t0 = float(int(time.time()) - 1800)
     clock = Clock(t0)
     index = PodIndex()
-    w = FactWriter(FactSettings(external_labels={"cluster": "c1"}), index, _nosend, clock=clock)
+    w = FactWriter(FactSettings(external_labels={"cluster": "c1"}), index, nosend, clock=clock)
     ref, ctl = _wl("phased", "u-phased"), _wl("control", "u-ctl")
 
     def wf(ref: WorkloadRef, phase: str, since: float) -> WorkloadFacts:
@@ -1054,7 +602,7 @@ def test_tsdb_phase_changes_transition_time_in_phase_and_stale_end(prom: Prometh
     # the control workload is written by a writer that just stops (as if it died)
     ctl_index = PodIndex()
     ctl_index.apply(ChangeSet(workloads={"u-ctl": wf(ctl, "Running", t0)}))
-    wc = FactWriter(FactSettings(), ctl_index, _nosend, clock=clock)
+    wc = FactWriter(FactSettings(), ctl_index, nosend, clock=clock)
     timeline = {0: "Initializing", 60: "Running", 300: "Failed"}
     phase = "Initializing"
     since = t0
@@ -1242,7 +790,7 @@ async def test_the_first_write_after_a_takeover_ends_the_other_source_once() -> 
                    elector=Elector())  # type: ignore[arg-type]
 
     def ended() -> list[tuple[str, str]]:
-        stale, _ = _stale_and_live(b"".join(sent))
+        stale, _ = stale_and_live(b"".join(sent))
         return sorted((dict(k)["karta_workload"], dict(k)["source"]) for k in stale
                       if dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE_TRANSITION)
 
@@ -1268,7 +816,7 @@ def test_tsdb_desired_vs_observed_follow_a_scale_up(prom: Prometheus) -> None:
     t0 = float(int(time.time()) - 1200)
     clock = Clock(t0)
     index = PodIndex()
-    w = FactWriter(FactSettings(), index, _nosend, clock=clock)
+    w = FactWriter(FactSettings(), index, nosend, clock=clock)
     ref = _wl("scaled", "u-scaled")
 
     def state(desired: int, observed: int) -> ChangeSet:
@@ -1322,7 +870,7 @@ def test_tsdb_coverage_share_per_namespace_without_a_join(prom: Prometheus) -> N
     t0 = float(int(time.time()) - 900)
     clock = Clock(t0)
     index = PodIndex()
-    w = FactWriter(FactSettings(external_labels={"cluster": "cov"}), index, _nosend, clock=clock)
+    w = FactWriter(FactSettings(external_labels={"cluster": "cov"}), index, nosend, clock=clock)
     ref = WorkloadRef("cov", "apps", "Deployment", "api", "u-cov")
 
     def pods(attributed: int) -> ChangeSet:
@@ -1460,21 +1008,9 @@ async def test_three_replicas_write_each_fact_once_and_survive_the_leader_dying(
     assert not math.isnan(stored)
 
 
-def test_reason_labels_keep_the_code_not_the_detail() -> None:
-    from proxy.facts import reason_code
-
-    assert reason_code("jq_error: .status.x: cannot iterate over null (in .status)") == "jq_error"
-    assert reason_code("no_status_matched") == "no_status_matched"
-    assert reason_code("Something: odd") == "other"
-    index = PodIndex()
-    index.apply(ChangeSet(workloads={"w-dep": dep_facts(phase_reason="jq_error: boom (in .x)")}))
-    facts = [f for f in iter_facts(index) if f.name == contract.FACT_WORKLOAD_UNDEFINED_REASON_INFO]
-    assert [dict(f.labels)["reason"] for f in facts] == ["jq_error"]
-
-
 def test_large_writes_are_split_into_bounded_requests() -> None:
     index = small_index()
-    w = FactWriter(FactSettings(), index, _nosend, max_series_per_request=7)
+    w = FactWriter(FactSettings(), index, nosend, max_series_per_request=7)
     whole = decode(w.build_request(1000))
     w.commit()
     index.apply(ChangeSet(workloads={"w-dep": None}, pods={"p-api": None}))
@@ -1632,7 +1168,7 @@ async def test_a_refused_own_series_does_not_keep_the_other_from_ending_at_stop(
     sent.clear()
     markers = w.stale_markers_total
     assert await w.end_own_series()
-    ended = {dict(k)["__name__"] for k in _stale_and_live(b"".join(sent))[0]}
+    ended = {dict(k)["__name__"] for k in stale_and_live(b"".join(sent))[0]}
     assert ended == {contract.FACT_BUILD_INFO}  # before: neither (one request, refused)
     assert w.stale_markers_total == markers + 1
     assert sample_value(w.metrics.series_refused) == 2  # the write's and the stop's
@@ -1655,7 +1191,7 @@ async def test_the_requests_a_bisection_takes_are_bounded() -> None:
         raise _Refused(400)
 
     w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0, max_series_per_request=5)
-    own = len(FactWriter(FactSettings(), small_index(), _nosend,
+    own = len(FactWriter(FactSettings(), small_index(), nosend,
                          max_series_per_request=5).build_requests(10_000))
     assert not await w.write_once()
     assert own < len(tries) <= own + MAX_EXTRA_REQUESTS
@@ -1686,7 +1222,7 @@ async def test_a_stale_marker_refused_on_its_own_stays_owed() -> None:
     # the markers that landed counted, once (the refused ones not): counted twice before
     assert w.stale_markers_total - before == w.last_stale_markers - refused > 0
     refusing[0] = False
-    stale, _ = _stale_and_live(w.build_request(30_000))
+    stale, _ = stale_and_live(w.build_request(30_000))
     assert any(("pod", "loner") in k for k in stale)  # still owed
 
 
@@ -1695,7 +1231,7 @@ async def test_a_write_makes_each_request_after_sending_the_one_before() -> None
     index = small_index()
     made: list[int] = []
     sent: list[int] = []
-    w = FactWriter(FactSettings(), index, _nosend, clock=lambda: 10.0, max_series_per_request=5)
+    w = FactWriter(FactSettings(), index, nosend, clock=lambda: 10.0, max_series_per_request=5)
     real = w.iter_requests
 
     def counting(now_ms: int) -> Iterator[bytes]:
@@ -1734,66 +1270,6 @@ async def test_a_failed_write_reports_and_owes_the_whole_write() -> None:
         k for body in bodies for k, s in decode(body).items() if not is_stale(s[0][0])}
 
 
-def test_metrics_can_leave_out_the_per_pod_facts() -> None:
-    registry = CollectorRegistry()
-    registry.register(FactsCollector(small_index(), pod_facts=False))
-    names = {
-        fam.name for fam in text_string_to_metric_families(generate_latest(registry).decode())
-    }
-    assert contract.FACT_WORKLOAD_PHASE in names
-    assert contract.FACT_POD_INFO not in names
-    assert contract.FACT_POD_UNATTRIBUTED_INFO not in names
-    assert contract.FACT_NAMESPACE_PODS in names  # coverage stays: a few series
-
-
-# -- attribution coverage ------------------------------------------------------------------
-
-
-def _coverage(series: Series) -> dict[tuple[str, str, str], float]:
-    """(namespace, state, reason) -> pods, from the written karta_namespace_pods."""
-    return {
-        (d["karta_namespace"], d["state"], d.get("reason", "")): v
-        for d, v in ((dict(k), v) for k, v in by_name(series, contract.FACT_NAMESPACE_PODS).items())
-    }
-
-
-def test_coverage_counts_pods_per_namespace_by_state_and_reason() -> None:
-    """The same split as the per-pod facts: codes, not details; an empty reason is
-    `unattributed`; a namespace with no attributed pod still has its 0."""
-    index = small_index()
-    index.apply(ChangeSet(pods={
-        "q1": PodAttribution("batch", "a", "q1", None, reason="owner_missing"),
-        "q2": PodAttribution("batch", "b", "q2", None, reason="owner_missing"),
-        "q3": PodAttribution("batch", "c", "q3", None, reason="description_error: jq: bad"),
-        "q4": PodAttribution("batch", "d", "q4", None),
-        "q5": PodAttribution("web", "e", "q5", None, reason="no_described_owner"),
-    }))
-    series = decode(writer(index, external_labels={"cluster": "c1"}).build_request(1000))
-    assert _coverage(series) == {
-        ("ml", "attributed", ""): 2,
-        ("web", "attributed", ""): 1,
-        ("web", "unattributed", "no_described_owner"): 2,
-        ("batch", "attributed", ""): 0,
-        ("batch", "unattributed", "owner_missing"): 2,
-        ("batch", "unattributed", "description_error"): 1,
-        ("batch", "unattributed", "unattributed"): 1,
-    }
-    labels = {k for k in series if ("__name__", contract.FACT_NAMESPACE_PODS) in k}
-    assert all(dict(k)["cluster"] == "c1" for k in labels)
-    # and it agrees with counting the per-pod facts, pod by pod
-    per_pod: dict[tuple[str, str, str], float] = {}
-    for f in iter_facts(index):
-        d = dict(f.labels)
-        if f.name == contract.FACT_POD_INFO:
-            key = (d["namespace"], "attributed", "")
-        elif f.name == contract.FACT_POD_UNATTRIBUTED_INFO:
-            key = (d["namespace"], "unattributed", d["reason"])
-        else:
-            continue
-        per_pod[key] = per_pod.get(key, 0) + 1
-    assert {k: v for k, v in _coverage(series).items() if v} == per_pod
-
-
 def test_coverage_follows_attribution_and_ends_with_stale_markers() -> None:
     index = small_index()
     w = writer(index)
@@ -1806,47 +1282,28 @@ def test_coverage_follows_attribution_and_ends_with_stale_markers() -> None:
     }))
     series = decode(w.build_request(2000))
     w.commit()
-    cov = _coverage(series)
+    cov = coverage(series)
     assert cov[("web", "attributed", "")] == 1
     assert cov[("web", "unattributed", "owner_missing")] == 1
     assert is_stale(cov[("web", "unattributed", "no_described_owner")])
     # the last pods of a namespace go: its series end, nothing lingers at 0
     index.apply(ChangeSet(pods={"p-lost": None, "p-api": None}))
-    cov = _coverage(decode(w.build_request(3000)))
+    cov = coverage(decode(w.build_request(3000)))
     w.commit()
     assert is_stale(cov[("web", "attributed", "")])
     assert is_stale(cov[("web", "unattributed", "owner_missing")])
     assert cov[("ml", "attributed", "")] == 2
-    assert set(_coverage(decode(w.build_request(4000)))) == {("ml", "attributed", "")}
-
-
-def test_coverage_is_a_few_series_however_many_pods() -> None:
-    """Memory and write size follow namespaces x reasons, not pods."""
-    index = PodIndex()
-    index.apply(ChangeSet(pods={
-        f"u{i}": PodAttribution(f"ns{i % 7}", f"p{i}", f"u{i}", DEP if i % 5 else None,
-                                reason="" if i % 5 else "no_described_owner")
-        for i in range(5000)
-    }))
-    facts = [f for f in iter_facts(index, pods=False) if f.name == contract.FACT_NAMESPACE_PODS]
-    assert len(facts) == 14
-    assert sum(f.value for f in facts) == 5000
+    assert set(coverage(decode(w.build_request(4000)))) == {("ml", "attributed", "")}
 
 
 # -- end to end: API simulator -> watches -> engine -> index -> facts -> Prometheus -----------
-
-
-def _owner(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    md = obj["metadata"]
-    return [{"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": md["name"],
-             "uid": md["uid"], "controller": True}]
 
 
 def _pod(name: str, ns: str, rs: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": ns, "labels": {"app": "web"},
-                     "ownerReferences": _owner(rs)},
+                     "ownerReferences": owner_refs(rs)},
         "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": "img"}]},
         "status": {"phase": "Running"},
     }
@@ -1886,7 +1343,7 @@ async def test_end_to_end_deployment_phase_scale_up_and_deletion(prom: Prometheu
         })
         rs = sim.create({
             "apiVersion": "apps/v1", "kind": "ReplicaSet",
-            "metadata": {"name": "web-1", "namespace": ns, "ownerReferences": _owner(dep)},
+            "metadata": {"name": "web-1", "namespace": ns, "ownerReferences": owner_refs(dep)},
             "spec": {"replicas": 2},
         })
         for i in range(2):
@@ -2136,7 +1593,7 @@ def test_the_index_may_change_during_a_writes_pauses() -> None:
     """A write describes the index as it was at its start, whatever is applied while it
     is paused, and the next write sees the change."""
     index = small_index()
-    w = FactWriter(FactSettings(), index, _nosend, max_series_per_request=3)
+    w = FactWriter(FactSettings(), index, nosend, max_series_per_request=3)
     bodies = w.iter_requests(1000)
     first = [next(bodies)]
     index.apply(ChangeSet(workloads={"w-ray": None}, pods={"p-new": PodAttribution(
@@ -2147,7 +1604,7 @@ def test_the_index_may_change_during_a_writes_pauses() -> None:
     assert not any(is_stale(v[0][0]) for v in written.values())
     assert ("karta_workload", "train") in {kv for k in written for kv in k}
     assert not any(("pod", "api-9") in k for k in written)
-    stale, live = _stale_and_live(w.build_request(2000))
+    stale, live = stale_and_live(w.build_request(2000))
     assert {dict(k).get("karta_workload") for k in stale} >= {"train"}
     assert any(("pod", "api-9") in k for k in live)
 

@@ -1,0 +1,109 @@
+"""The facts as RW 1.0 bytes (proxy.facts.encoder): valid requests with sorted, unique
+labels and metadata, external labels under the facts' own, one series per label set."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy import contract
+from proxy.facts import workload_facts
+from proxy.index import PodIndex
+from proxy.karta.results import ChangeSet, PodAttribution, ReplicaFact, WorkloadFacts, WorkloadRef
+from tests.facts.helpers import (
+    DEP,
+    by_name,
+    decode,
+    dep_facts,
+    ray_facts,
+    remote_pb2,
+    small_index,
+    types_pb2,
+    writer,
+)
+
+
+def test_request_is_valid_rw1_sorted_unique_labels_one_sample_each() -> None:
+    body = writer(small_index()).build_request(1_700_000_600_123)
+    req = remote_pb2.WriteRequest()
+    req.ParseFromString(body)
+    assert len(req.timeseries) > 0
+    keys = set()
+    for ts in req.timeseries:
+        names = [lb.name for lb in ts.labels]
+        assert names == sorted(names) and len(names) == len(set(names))
+        assert all(lb.value for lb in ts.labels)
+        assert "__name__" in names
+        assert [(s.timestamp) for s in ts.samples] == [1_700_000_600_123]
+        key = tuple((lb.name, lb.value) for lb in ts.labels)
+        assert key not in keys
+        keys.add(key)
+    # metadata for every fact family, as gauges with help
+    meta = {m.metric_family_name: m for m in req.metadata}
+    assert set(meta) == set(contract.FACT_SERIES)
+    assert all(m.type == types_pb2.MetricMetadata.GAUGE and m.help for m in meta.values())
+    # every byte accounted for: protobuf re-encodes to the same length, less the 9-byte
+    # `value = 0.0` fields it leaves out as proto3 defaults (the hand encoder writes them)
+    zeros = sum(1 for ts in req.timeseries for s in ts.samples if s.value == 0.0)
+    assert len(req.SerializeToString()) == len(body) - 9 * zeros
+
+
+def test_external_labels_added_but_never_override_fact_labels() -> None:
+    w = writer(small_index(), external_labels={"cluster": "eu-1", "namespace": "WRONG"})
+    series = decode(w.build_request(1_700_000_600_000))
+    for labels in series:
+        d = dict(labels)
+        assert d["cluster"] == "eu-1"
+        if d["__name__"] == contract.FACT_POD_INFO:
+            assert d["namespace"] in ("ml", "web")
+        if d["__name__"] == contract.FACT_CONTRACT_INFO:
+            assert d["namespace"] == "WRONG"  # no own namespace label: the external one
+
+
+def test_unicode_and_long_values_encode() -> None:
+    index = PodIndex()
+    long_name = "x" * 300  # a label longer than 127 bytes needs a two-byte length
+    wl = WorkloadRef("ns-é", "", "Pod", long_name, "u")
+    index.apply(
+        ChangeSet(
+            pods={"u": PodAttribution("ns-é", long_name, "u", wl, description="pod")},
+            workloads={
+                "u": WorkloadFacts(wl, "pod", True, "Running", ("Running",), "", 1.0)
+            },
+        )
+    )
+    series = decode(writer(index).build_request(1))
+    info = by_name(series, contract.FACT_POD_INFO)
+    assert len(info) == 1
+    d = dict(next(iter(info)))
+    assert d["pod"] == long_name and d["namespace"] == "ns-é"
+    assert "karta_group" not in d  # core group: empty, left out
+
+
+def test_an_instance_listed_twice_is_written_once_with_its_first_value() -> None:
+    """An object's instance ids can repeat (a path that lists one twice): its series would
+    be two samples of one series at one timestamp, which a TSDB refuses."""
+    index = PodIndex()
+    twice = (ReplicaFact("workers", "g", 4, None, None, 3),
+             ReplicaFact("workers", "g", 9, None, None, 3))
+    index.apply(ChangeSet(workloads={"w-ray": ray_facts(replicas=twice)}))
+    series = decode(writer(index).build_request(1000))
+    desired = by_name(series, contract.FACT_COMPONENT_DESIRED_REPLICAS)
+    assert list(desired.values()) == [4.0]
+    assert all(len(samples) == 1 for samples in series.values())
+
+
+def test_series_of_one_label_set_are_one_tuple_whoever_makes_them() -> None:
+    """Equal label sets make equal cached series (the written set compares them): two
+    workload objects of one identity, encoded separately, agree on every shared series."""
+    from proxy.facts.encoder import encode_facts
+
+    a = encode_facts(workload_facts(dep_facts()), (("cluster", "c1"),), 11)
+    b = encode_facts(workload_facts(dep_facts(ref=replace(DEP, uid="other"))),
+                     (("cluster", "c1"),), 11)
+    series = list(a.series())
+    shared = set(series) & set(b.series())
+    assert len(shared) == len(series) - 1  # all but the info series (workload_uid)
+    runs = [p for s in series for p in s if b"\x0ekarta_workload\x12" in p]
+    assert len(runs) == len(series)  # every series has its identity in a shared run,
+    assert len({id(p) for p in runs}) == len(set(runs)) <= 4  # held once per shape
+    assert a.shape is b.shape  # and the groups' shapes are one object
