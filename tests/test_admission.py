@@ -25,8 +25,8 @@ from proxy.admission import Outcome, Slots
 from proxy.connection_guard import DRAIN_MAX_BYTES, LINGER_SECONDS
 from proxy.handler import WAITERS_PER_SLOT
 from proxy.runtime import Proxy
+from tests.proxy_harness import CT_V1, proxy_running, series_v1, start_proxy
 from tests.scripted import Reply, ScriptedUpstream
-from tests.test_handler import CT_V1, proxy_running, series_v1, start_proxy
 
 HEAD = ("POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: {CT_V1}\r\nContent-Encoding: snappy\r\n")
