@@ -2,8 +2,8 @@
 Deployment's pod, ``cart``), forwarding to a scripted loopback receiver
 (``tests.scripted``), and the remote-write bodies sent to it.
 
-Shared by the test modules that run a whole proxy (the handler, admission, the CLI, TLS,
-reload, the runtime), so none of them imports another test module.
+Shared by the test modules that run a whole proxy (the handler, admission, the connection
+guard, the CLI, TLS, reload, the runtime), so none of them imports another test module.
 """
 
 from __future__ import annotations
@@ -118,3 +118,6 @@ async def proxy_running(tmp_path: Path, upstream: ScriptedUpstream, *,
     finally:
         await p.stop()
 
+
+def metric(p: Proxy, name: str, **labels: str) -> float:
+    return p.metrics.registry.get_sample_value(name, labels) or 0.0
