@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> list[Phase]:
     m = Meter(args.tracemalloc, args.top)
     t = m.begin()
     from proxy import exposition, memory
-    from proxy.attribution import Enricher
     from proxy.config import FactSettings, Settings
+    from proxy.enrichment import Enricher
     from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
     from proxy.index import PodIndex
     from proxy.karta.engine import Engine

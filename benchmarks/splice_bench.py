@@ -57,9 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relay import corpus
 
-from proxy.attribution import Enricher, enrich_v1_reference
 from proxy.compression import compress, decompress
 from proxy.config import EnrichSettings
+from proxy.enrichment import Enricher
+from proxy.enrichment_reference import enrich_v1_reference
 from proxy.handler import splice_in_parts
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine

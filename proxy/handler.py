@@ -104,7 +104,7 @@ PART_DECODED_BYTES = 256 * 1024
 
 
 class Enriching(typing.Protocol):
-    """What the handler needs of ``proxy.attribution.Enricher`` (called from worker
+    """What the handler needs of ``proxy.enrichment.Enricher`` (called from worker
     threads)."""
 
     def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,

@@ -118,7 +118,7 @@ class Proxy:
         """``loader`` reads the configuration again for a reload (the CLI's: the file and
         the flags); without one a reload re-reads the description files and the TLS files
         with the settings as they are."""
-        from proxy.attribution import Enricher
+        from proxy.enrichment import Enricher
         from proxy.karta.engine import Engine
 
         self.settings = settings
@@ -428,7 +428,7 @@ class Proxy:
             await self.source.follow_kinds()
 
     async def _reload(self) -> ReloadOutcome:
-        from proxy.attribution import build_plan
+        from proxy.enrichment import build_plan
         from proxy.karta.description import load_description_paths
 
         log.info("reloading the configuration")

@@ -20,8 +20,8 @@ from msgspec import inspect as mi
 from proxy.cli import build_parser, main, settings_from_args
 from proxy.config import ConfigError, schema
 from proxy.sender import Series, send_series
+from tests.proxy_harness import CART, SNAPSHOT
 from tests.scripted import ScriptedUpstream
-from tests.test_handler import CART, SNAPSHOT
 
 REPO = Path(__file__).resolve().parents[1]
 

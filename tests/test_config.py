@@ -383,7 +383,7 @@ def test_validate_checks_values_set_in_code_against_the_schema() -> None:
 
 def test_choices_are_declared_once() -> None:
     """The modules that act on a choice take its values from the schema's Literal."""
-    from proxy.attribution import POLICIES, SENDER_KARTA_LABELS
+    from proxy.enrichment import POLICIES, SENDER_KARTA_LABELS
     from proxy.tls_files import VERIFY_MODES
 
     by_key = {i.key: i for i in schema()}

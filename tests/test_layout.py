@@ -129,3 +129,17 @@ def test_the_byte_budget_knows_no_request() -> None:
     """``proxy.budget`` counts bytes only: the handler (and, through ``Charge``, the
     forwarding) build on it, it on none of them, nor on what a refusal answers."""
     assert import_graph()["proxy.budget"] == set()
+
+
+def test_enrichment_sits_on_the_wire_and_the_index_and_its_oracle_is_for_tests() -> None:
+    """Enrichment builds on the wire layer, the index, the settings and the contract
+    only; the protobuf-class oracle (``enrichment_reference``) builds on enrichment, and
+    no module of the proxy imports it: the tests and benchmarks do."""
+    graph = import_graph()
+    allowed = {"proxy.index", "proxy.config", "proxy.contract"}
+    outside = {d for d in graph["proxy.enrichment"]
+               if d not in allowed and not d.startswith("proxy.wire")}
+    assert not outside, outside
+    assert "proxy.enrichment" in graph["proxy.enrichment_reference"]
+    importers = {m for m, deps in graph.items() if "proxy.enrichment_reference" in deps}
+    assert not importers, importers

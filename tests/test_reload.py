@@ -28,8 +28,8 @@ from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
 from tests.karta.descriptions import TRAINER_KARTA
 from tests.karta.runs import record_runs
+from tests.proxy_harness import CART, SNAPSHOT
 from tests.scripted import ScriptedUpstream
-from tests.test_handler import CART, SNAPSHOT
 
 REPO = Path(__file__).resolve().parents[1]
 CART_POD = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}

@@ -19,8 +19,8 @@ from proxy.config import Settings, load_settings
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
 from tests.peers.conftest import wait_until
+from tests.proxy_harness import SNAPSHOT
 from tests.scripted import Received, Reply, ScriptedUpstream
-from tests.test_handler import SNAPSHOT
 
 if TYPE_CHECKING:
     from tests.kubesim import KubeSim

@@ -11,8 +11,8 @@ import snappy
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
-from proxy.attribution import Enricher
 from proxy.config import ServerSettings, UpstreamSettings
+from proxy.enrichment import Enricher
 from proxy.facts import FactsCollector
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex

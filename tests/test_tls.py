@@ -22,8 +22,8 @@ import pytest
 from proxy.config import ConfigError, Settings, validate
 from proxy.runtime import Proxy
 from proxy.sender import Series, send_series
+from tests.proxy_harness import SNAPSHOT
 from tests.scripted import ScriptedUpstream
-from tests.test_handler import SNAPSHOT
 from tests.tls_certs import Authority, Pem, install
 
 

@@ -48,9 +48,9 @@ if str(_ROOT) not in sys.path:  # run as a script: make ``proxy`` importable fro
     sys.path.insert(0, str(_ROOT))
 
 from proxy import contract  # noqa: E402
-from proxy.attribution import build_plan  # noqa: E402
 from proxy.compression import DecodeError  # noqa: E402
 from proxy.config import PodLabelPair, PodLabelRule  # noqa: E402
+from proxy.enrichment import build_plan  # noqa: E402
 from proxy.handler import splice_in_parts  # noqa: E402
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from proxy.attribution import build_plan
+from proxy.enrichment import build_plan
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2
 from proxy.pb.prometheus import remote_pb2
 from proxy.wire.native import Splicer, native_available, split_v1

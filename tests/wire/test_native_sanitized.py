@@ -49,7 +49,7 @@ NATIVE_TESTS = (
     "tests/wire/test_native_threads.py", "tests/wire/test_snappy_edit.py",
     "tests/wire/test_halves.py", "tests/wire/test_splice.py", "tests/wire/test_convert.py",
     "tests/test_handler.py", "tests/test_compression.py", "tests/test_part_threads.py",
-    "tests/test_admission.py",
+    "tests/test_admission.py", "tests/test_connection_guard.py",
 )
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from proxy import contract
-from proxy.attribution import build_plan
 from proxy.config import PodLabelPair, PodLabelRule
+from proxy.enrichment import build_plan
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2
 from proxy.pb.prometheus import remote_pb2, types_pb2
 from proxy.wire.native import Splicer, native_available

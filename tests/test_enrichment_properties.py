@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.attribution import Enricher, enrich_v1_reference, enrich_v2_reference
 from proxy.config import EnrichSettings
+from proxy.enrichment import Enricher
+from proxy.enrichment_reference import enrich_v1_reference, enrich_v2_reference
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2, types_pb2
 from tests.upstream_proto import upstream_v2

@@ -10,8 +10,9 @@ import pytest
 
 import proxy.wire.native
 from proxy import contract
-from proxy.attribution import Enricher, enrich_v1_reference, enrich_v2_reference
 from proxy.config import EnrichSettings, settings_from_dict
+from proxy.enrichment import Enricher
+from proxy.enrichment_reference import enrich_v1_reference, enrich_v2_reference
 from proxy.index import PodIndex
 from proxy.karta.results import ChangeSet, PodAttribution, WorkloadRef
 from tests.wire_fixtures import (

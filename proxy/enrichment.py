@@ -1,0 +1,146 @@
+"""Enrichment: which labels name a series' pod (a :class:`SplicePlan` built from the
+settings) and the per-pod table the splice reads, kept current by the index.
+
+The per-series work is the splice's (``proxy.wire``): native when built, else the
+pure-Python reference. Nothing here is per series: the table holds one entry per pod the
+index knows (live pods, tombstones, known-but-unattributed pods), updated per pod event by
+the index's listener, so memory grows with the cluster, never with the series count.
+
+The same job done the plain way, through the generated protobuf classes, is the tests'
+oracle: :mod:`proxy.enrichment_reference`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Collection, Sequence
+from typing import Any, get_args
+
+from proxy import contract
+from proxy.config import ConflictPolicy, EnrichSettings, PodLabelRule, SenderKartaLabels
+from proxy.index import PodIndex
+from proxy.wire.native import Grow, Implementation, Splicer
+from proxy.wire.plan import MetricRule, PodPair, SplicePlan, SpliceResult, Unless
+from proxy.wire.primitives import Protocol
+
+#: ``enrich.conflict_policy`` values, as the settings schema declares them
+POLICIES: tuple[str, ...] = get_args(ConflictPolicy)
+#: ``enrich.sender_karta_labels``: what happens to ``karta_*`` labels a sender put on
+SENDER_KARTA_LABELS: tuple[str, ...] = get_args(SenderKartaLabels)
+
+
+def default_pod_label_rules() -> list[PodLabelRule]:
+    """The configured default rules (DCGM), for callers that pass none."""
+    return EnrichSettings().pod_label_rules
+
+
+def _pairs(pairs: Sequence[Any]) -> tuple[PodPair, ...]:
+    out: list[PodPair] = []
+    for pair in pairs:
+        if isinstance(pair, tuple | list):
+            ns, pod, unless = pair[0], pair[1], {}
+        else:
+            ns, pod, unless = pair.namespace, pair.pod, pair.unless
+        out.append(PodPair(
+            ns.encode(), pod.encode(),
+            tuple(Unless.compile(label, rx) for label, rx in unless.items()),
+        ))
+    return tuple(out)
+
+
+def build_plan(
+    pod_label_pairs: Sequence[tuple[str, str]],
+    pod_label_rules: Sequence[PodLabelRule] | None = None,
+    conflict_policy: str = "replace",
+    sender_karta_labels: str = "drop",
+) -> SplicePlan:
+    """The splice plan of the ``enrich`` settings (``pod_label_rules`` None: the defaults)."""
+    if conflict_policy not in POLICIES:
+        raise ValueError(f"conflict_policy must be one of {POLICIES}, not {conflict_policy!r}")
+    if sender_karta_labels not in SENDER_KARTA_LABELS:
+        raise ValueError(f"sender_karta_labels must be one of {SENDER_KARTA_LABELS}, "
+                         f"not {sender_karta_labels!r}")
+    if not pod_label_pairs:
+        raise ValueError("pod_label_pairs must name at least one (namespace, pod) pair")
+    rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
+    return SplicePlan(
+        pairs=_pairs(pod_label_pairs),
+        # the reserved names first: a series named karta_* names no pod
+        rules=(MetricRule(contract.METRIC_PREFIX.encode(), ()),
+               *(MetricRule(r.metric_prefix.encode(), _pairs(r.pod_label_pairs))
+                 for r in rules)),
+        keep_sent=conflict_policy == "keep",
+        stamped=frozenset(n.encode() for n in contract.STAMPED_LABELS),
+        workload_label=contract.LABEL_WORKLOAD.encode(),
+        drop_sent=sender_karta_labels == "drop",
+    )
+
+
+class Enricher:
+    """Stamps the index's labels onto the series of RW 1.0 / 2.0 requests.
+
+    Safe to call from worker threads: the native splice releases the GIL and reads the
+    table under its read lock, while index listeners (on the event loop) update it.
+    """
+
+    def __init__(
+        self,
+        index: PodIndex,
+        pod_label_pairs: Sequence[tuple[str, str]],
+        *,
+        conflict_policy: str = "replace",
+        pod_label_rules: Sequence[PodLabelRule] | None = None,
+        implementation: Implementation | None = None,
+        sender_karta_labels: str = "drop",
+    ) -> None:
+        """``pod_label_rules`` None means the configured defaults; pass [] for none."""
+        self._index = index
+        self.plan = build_plan(pod_label_pairs, pod_label_rules, conflict_policy,
+                               sender_karta_labels)
+        self._splicer = Splicer(self.plan, implementation)
+        self.table = self._splicer.table
+        self.table.update(list(index.answers()))
+        ref = weakref.ref(self)
+
+        def on_pods(keys: Collection[tuple[bytes, bytes]]) -> None:
+            enricher = ref()
+            if enricher is not None:
+                enricher._refresh(keys)
+
+        index.subscribe_pods(on_pods)
+
+    @property
+    def implementation(self) -> Implementation:
+        """Which splice runs: "native" or "python"."""
+        return self._splicer.implementation
+
+    def replan(self, plan: SplicePlan) -> None:
+        """A reload's new ``enrich`` settings: a new plan over the same pod table. One
+        attribute store swaps it, so a request in a worker thread splices with the plan
+        it started with, and the next one with the new."""
+        splicer = Splicer(plan, self._splicer.implementation)
+        splicer.table = self.table
+        self._splicer, self.plan = splicer, plan
+
+    def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult:
+        """``limit``, ``grow``: what the splice may hold beside ``raw``
+        (``Splicer.splice_v1``)."""
+        return self._splicer.splice_v1(raw, limit, grow)
+
+    def enrich_v2(self, raw: bytes | memoryview, limit: int | None = None,
+                  grow: Grow | None = None) -> SpliceResult:
+        return self._splicer.splice_v2(raw, limit, grow)
+
+    def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
+                      base: int = 0, limit: int | None = None, grow: Grow | None = None
+                      ) -> SpliceResult:
+        """:meth:`enrich_v1` / :meth:`enrich_v2` with the body as a snappy block made from
+        the sender's (``Splicer.splice_snappy``)."""
+        return self._splicer.splice_snappy(protocol, raw, block, base, limit, grow)
+
+    def _refresh(self, keys: Collection[tuple[bytes, bytes]]) -> None:
+        """Index listener: the table's entries of these pods take the index's answer now
+        (per pod event, never per series)."""
+        answer = self._index.answer
+        self.table.update([(ns, pod, answer(ns, pod)) for ns, pod in keys])

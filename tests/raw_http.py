@@ -1,0 +1,109 @@
+"""Talking to a running proxy over raw loopback sockets, as hostile or broken senders do
+(stalled bodies, slow headers, pipelined requests, ``Expect: 100-continue``) where an HTTP
+client would not let a test: a request written byte for byte, its answer read back with
+whether the proxy closed the connection after it, and a proxy whose one request slot is
+held. Shared by the admission and connection-guard tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import snappy
+
+from proxy.runtime import Proxy
+from tests.proxy_harness import CT_V1, metric, proxy_running, series_v1
+from tests.scripted import Reply, ScriptedUpstream
+
+HEAD = ("POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: {CT_V1}\r\nContent-Encoding: snappy\r\n")
+BODY = snappy.compress(series_v1({"__name__": "up", "job": "a"}))
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    #: bytes seen before the final status line (a ``100 Continue``)
+    interim: bytes
+    #: the proxy closed the connection after the answer
+    closed: bool
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout: float = 5.0) -> Answer:
+    async with asyncio.timeout(timeout):
+        interim = b""
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 1"):
+                interim += head
+                continue
+            break
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                k, _, v = line.partition(":")
+                headers[k.strip().lower()] = v.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        closed = False
+        if headers.get("connection", "").lower() == "close":
+            try:
+                async with asyncio.timeout(2.0):
+                    closed = await reader.read(1) == b""
+            except (TimeoutError, ConnectionError):
+                closed = False
+    return Answer(status, headers, body, interim, closed)
+
+
+async def connect(p: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", p.port)
+
+
+async def post(p: Proxy, body: bytes = BODY) -> Answer:
+    r, w = await connect(p)
+    try:
+        w.write((HEAD + f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        return await read_answer(r)
+    finally:
+        w.close()
+
+
+def request(body: bytes = BODY, extra: str = "") -> bytes:
+    return (HEAD + extra + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def holding_the_slot(p: Proxy) -> asyncio.Task[Answer]:
+    """A request that holds the one slot for the upstream's first (1 s) answer."""
+    holder = asyncio.create_task(post(p))
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if metric(p, "karta_proxy_inflight_requests") == 1:
+            return holder
+    raise AssertionError("the holder never got the slot")
+
+
+@dataclass
+class SlotTaken:
+    """A proxy with one slot, held by ``holder`` for the upstream's ``delay``."""
+
+    proxy: Proxy
+    upstream: ScriptedUpstream
+    holder: asyncio.Task[Answer]
+
+
+@contextlib.asynccontextmanager
+async def slot_taken(tmp_path: Path, *, delay: float, wait: float, **server: Any
+                     ) -> AsyncIterator[SlotTaken]:
+    async with (
+        ScriptedUpstream(Reply(204, delay=delay)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=wait,
+                      **server) as p,
+    ):
+        yield SlotTaken(p, up, await holding_the_slot(p))
