@@ -59,6 +59,13 @@ from proxy.karta.results import (
     PHASE_REASON_OBJECT_MISSING,
     PHASE_SINCE_OBJECT,
     PHASE_SINCE_OBSERVED,
+    STAT_AMBIGUOUS_COMPONENT,
+    STAT_INSTANCE_NOT_LISTED,
+    STAT_INVALID_OBJECT,
+    STAT_SELECTOR_ERROR,
+    STAT_SELECTOR_UNKEPT_FIELD,
+    STAT_STATUS_JQ_ERROR,
+    STAT_WORKLOAD_JQ_ERROR,
     ChangeSet,
     PartialBatch,
     PodAttribution,
@@ -75,22 +82,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
-STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
-STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
-STAT_SELECTOR_ERROR = "selector_error"
-STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
-#: status evaluations a jq error aborted (the workload's phase: Undefined, jq_error)
-STAT_STATUS_JQ_ERROR = "status_jq_error"
-STAT_INVALID_OBJECT = "invalid_object"
-#: pod-selector paths of the descriptions put in force that read pod fields the engine
-#: does not keep (counted once per path each time its description is put in force)
-STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
-#: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
-#: and scale paths, its status (each logged once per workload and expression; exported
-#: as ``karta_proxy_jq_errors_total{where}``)
-JQ_ERROR_STATS = {"selector": STAT_SELECTOR_ERROR, "workload": STAT_WORKLOAD_JQ_ERROR,
-                  "status": STAT_STATUS_JQ_ERROR}
 #: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
 #: logged again): one bad description over every workload of its kind stays bounded
 _JQ_LOGGED_MAX = 10_000

@@ -15,7 +15,9 @@ import yaml
 
 from proxy import snapshot
 from proxy.karta.description import load_description_file, parse_description
-from proxy.karta.engine import (
+from proxy.karta.engine import Engine
+from proxy.karta.model import Description, GroupKind
+from proxy.karta.results import (
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
@@ -23,10 +25,10 @@ from proxy.karta.engine import (
     STAT_SELECTOR_UNKEPT_FIELD,
     STAT_STATUS_JQ_ERROR,
     STAT_WORKLOAD_JQ_ERROR,
-    Engine,
+    ChangeSet,
+    PodAttribution,
+    WorkloadFacts,
 )
-from proxy.karta.model import Description, GroupKind
-from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
 from proxy.snapshot import load_snapshot
 from tests.clock import ManualClock
 from tests.karta import descriptions
