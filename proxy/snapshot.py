@@ -48,12 +48,13 @@ from proxy import memory
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
-from proxy.karta.engine import Engine, slim_pod
+from proxy.karta.engine import Engine
 from proxy.karta.files import folder_files
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.owners import group_kind
 from proxy.karta.packed import Packed, pack
 from proxy.karta.results import ChangeSet
+from proxy.karta.slim import slim_pod
 from proxy.karta.yamltext import (
     HANDED_OUT,
     Item,

@@ -95,3 +95,16 @@ def test_fact_layers_model_below_encoder_and_collectors_below_writer() -> None:
         inside = {d for d in graph[mod] if d.startswith("proxy.facts")}
         assert inside <= allowed, (mod, inside - allowed)
         assert "proxy.facts" not in graph[mod], mod  # never through the re-exports
+
+
+def test_engine_parts_stay_below_the_engine() -> None:
+    """The engine's parts know neither the engine nor each other beyond this table: the
+    engine builds on them, and a source slims its pods without importing the engine."""
+    graph = import_graph()
+    below = {
+        "proxy.karta.slim": {"proxy.karta.owners"},
+    }
+    for mod, allowed in below.items():
+        inside = {d for d in graph[mod] if d.startswith("proxy.karta")}
+        assert inside <= allowed, (mod, inside - allowed)
+    assert set(below) <= graph["proxy.karta.engine"]

@@ -44,7 +44,6 @@ from proxy.karta.jqexpr import (
 )
 from proxy.karta.model import UNDEFINED, Component, Description, GroupKind, ScaleDefinition
 from proxy.karta.owners import (
-    NODE,
     POD,
     REASON_NO_CONTROLLER_OWNER,
     ObjectRecord,
@@ -74,6 +73,7 @@ from proxy.karta.results import (
     WorkloadFacts,
     WorkloadRef,
 )
+from proxy.karta.slim import _interned, _trim, pod_controller
 
 if TYPE_CHECKING:
     from proxy.karta.description import DescriptionError
@@ -87,7 +87,6 @@ log = logging.getLogger(__name__)
 _JQ_LOGGED_MAX = 10_000
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
-_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 _MAP_PATH = re.compile(
     r'^\s*\.metadata\.(labels|annotations)(?:\["([^"\\]*)"\]|\.([A-Za-z_][A-Za-z0-9_]*))\s*$'
@@ -513,85 +512,6 @@ def _summed(values: Sequence[float | None]) -> float | None:
 def _nth(values: Sequence[float | None], i: int) -> float | None:
     """Instance ``i``'s number: a scale path yields one per listed instance, or too few."""
     return values[i] if i < len(values) else None
-
-
-def _trim(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Drop what no description reads and what weighs most: managedFields, last-applied."""
-    md = obj.get("metadata")
-    if not isinstance(md, Mapping):
-        return obj
-    ann = md.get("annotations")
-    heavy_ann = isinstance(ann, Mapping) and _LAST_APPLIED in ann
-    if "managedFields" not in md and not heavy_ann:
-        return obj
-    new_md = {k: v for k, v in md.items() if k != "managedFields"}
-    if heavy_ann and isinstance(ann, Mapping):
-        new_md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
-    out = dict(obj)
-    out["metadata"] = new_md
-    return out
-
-
-#: pod spec fields attribution can use; the rest (containers, volumes, ...) is dropped
-#: before the engine sees the object
-POD_SPEC_KEEP = ("nodeName", "hostname", "subdomain", "schedulerName", "priorityClassName")
-
-
-def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
-    """Keep metadata, status.phase and the few spec fields attribution may read.
-
-    A pod without a controller is its own workload (the bare-pod description reads its
-    status, a user description of Pod may read more): it is kept whole, and so is a
-    static pod's mirror (controlled by its Node, a workload of its own too). Such pods
-    are few; the 100k pods of controllers are what must stay small.
-    """
-    md = obj.get("metadata") or {}
-    md.pop("managedFields", None)
-    ann = md.get("annotations")
-    if ann and _LAST_APPLIED in ann:
-        md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
-    if pod_controller(md.get("ownerReferences")) is None:
-        return obj
-    spec = obj.get("spec") or {}
-    status = obj.get("status") or {}
-    out: dict[str, Any] = {
-        "apiVersion": obj.get("apiVersion", "v1"),
-        "kind": "Pod",
-        "metadata": md,
-        "spec": {k: spec[k] for k in POD_SPEC_KEEP if k in spec},
-    }
-    if "phase" in status:
-        out["status"] = {"phase": status["phase"]}
-    return out
-
-
-def pod_controller(refs: Any) -> OwnerRef | None:
-    """A pod's controller as attribution sees it: a mirror pod's Node is none.
-
-    The kubelet mirrors a static pod into the API with its Node as controller; nothing
-    above the Node manages it, so it is a workload of its own, like a bare pod (and the
-    engine need not watch Nodes to learn that)."""
-    ref = controller_ref(refs)
-    return None if ref is not None and ref.gk == NODE else ref
-
-
-def _interned(m: Any, *, values: bool) -> Any:
-    """A pod's label (or annotation) map as the engine keeps it: its own copy, keys (and
-    label values) interned, so the pods of a workload share one string per key and value
-    instead of a copy each (~10 MB at 37.5k pods). ``sys.intern`` strings die with their
-    last user, so churn does not accumulate them. Anything but a string map is kept as
-    it is (selectors decide what it means)."""
-    if type(m) is not dict:
-        return m
-    intern = sys.intern
-    out: dict[Any, Any] = {}
-    for k, v in m.items():
-        if type(k) is str:
-            k = intern(k)
-        if values and type(v) is str:
-            v = intern(v)
-        out[k] = v
-    return out
 
 
 def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:

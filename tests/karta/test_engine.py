@@ -1097,7 +1097,7 @@ def test_static_pods_are_their_own_workloads_and_nodes_are_not_watched() -> None
 
 
 def test_slim_pod_keeps_mirror_pods_whole() -> None:
-    from proxy.karta.engine import slim_pod
+    from proxy.karta.slim import slim_pod
 
     p = mirror_pod("etcd-cp-1", conditions=[{"type": "Ready", "status": "True"}])
     assert slim_pod(p)["status"]["conditions"] == [{"type": "Ready", "status": "True"}]
