@@ -19,20 +19,32 @@ from proxy.karta.owners import NODE, OwnerRef, controller_ref
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
-def _trim(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Drop what no description reads and what weighs most: managedFields, last-applied."""
-    md = obj.get("metadata")
-    if not isinstance(md, Mapping):
-        return obj
+def _light_metadata(md: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``md`` without what no description reads and what weighs most: ``managedFields``
+    and kubectl's last-applied annotation (a copy of the whole object). A new dict, or
+    None when ``md`` holds neither (nothing to copy). The one list of what is dropped,
+    for the objects the engine keeps and for pods alike."""
     ann = md.get("annotations")
     heavy_ann = isinstance(ann, Mapping) and _LAST_APPLIED in ann
     if "managedFields" not in md and not heavy_ann:
-        return obj
-    new_md = {k: v for k, v in md.items() if k != "managedFields"}
+        return None
+    light = {k: v for k, v in md.items() if k != "managedFields"}
     if heavy_ann and isinstance(ann, Mapping):
-        new_md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
+        light["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
+    return light
+
+
+def _trim(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``obj`` without its heavy metadata (:func:`_light_metadata`): a shallow copy, or
+    ``obj`` itself when there is nothing to drop; ``obj`` is not changed."""
+    md = obj.get("metadata")
+    if not isinstance(md, Mapping):
+        return obj
+    light = _light_metadata(md)
+    if light is None:
+        return obj
     out = dict(obj)
-    out["metadata"] = new_md
+    out["metadata"] = light
     return out
 
 
@@ -48,12 +60,14 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
     status, a user description of Pod may read more): it is kept whole, and so is a
     static pod's mirror (controlled by its Node, a workload of its own too). Such pods
     are few; the 100k pods of controllers are what must stay small.
+
+    The heavy metadata goes as from any object kept (:func:`_light_metadata`), but in
+    ``obj`` itself: the caller's dict, its ``metadata`` replaced (no copy of the pod).
     """
     md = obj.get("metadata") or {}
-    md.pop("managedFields", None)
-    ann = md.get("annotations")
-    if ann and _LAST_APPLIED in ann:
-        md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
+    light = _light_metadata(md)
+    if light is not None:
+        md = obj["metadata"] = light
     if pod_controller(md.get("ownerReferences")) is None:
         return obj
     spec = obj.get("spec") or {}
