@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.karta.jqexpr import JqExpr, input_fields, outputs_equal, outputs_present
 from proxy.karta.model import Component, Description, ScaleDefinition
@@ -166,6 +166,18 @@ class _Probe:
         return [m.get(self.key)]
 
 
+class _UnkeptRead(NamedTuple):
+    """A pod-selector path that reads pod fields the engine does not keep (a warning when
+    its description is put in force)."""
+
+    #: the selector, e.g. ``componentTypeSelector.keyPath``
+    what: str
+    #: the jq path
+    source: str
+    #: the unkept fields it reads (``unkept_pod_reads``)
+    fields: list[str]
+
+
 class _PodComponentPlan:
     """One pod-bearing component, ready to test pods."""
 
@@ -195,15 +207,15 @@ class _PodComponentPlan:
                 break
             cur = by_name.get(cur.owner_ref) if cur.owner_ref else None
 
-    def unkept(self) -> list[tuple[str, str, list[str]]]:
-        """(selector, path, fields read the engine does not keep) of this component."""
+    def unkept(self) -> list[_UnkeptRead]:
+        """The selector paths of this component that read what the engine does not keep."""
         out = []
         for what, probe in (("componentTypeSelector.keyPath", self.type),
                             ("componentInstanceSelector.idPath", self.inst),
                             ("replicaSelector.keyPath", self.replica)):
             fields = probe.unkept() if probe is not None else []
             if probe is not None and fields:
-                out.append((what, probe.expr.source, fields))
+                out.append(_UnkeptRead(what, probe.expr.source, fields))
         return out
 
     def accepts(self, pod: _PodRec) -> bool:
@@ -286,7 +298,7 @@ class _DescriptionPlan:
         #: fields the engine does not keep (an inherited replicaSelector once)
         self.unkept: list[str] = []
         for cp in self.pod_comps:
-            for what, source, fields in cp.unkept():
-                line = f"{what} {source!r} reads {', '.join(fields)}"
+            for u in cp.unkept():
+                line = f"{u.what} {u.source!r} reads {', '.join(u.fields)}"
                 if not any(u.endswith(line) for u in self.unkept):
                     self.unkept.append(f"component {cp.name!r}: {line}")
