@@ -767,9 +767,9 @@ class Engine:
         if ev is None:
             ev = _read_object_facts(plan, unpack(holder.obj), self.stats)
             holder.cache = _FactsCache(plan, ev)
-            for stat, expression, message in ev.errors:
-                where = "status" if stat == STAT_STATUS_JQ_ERROR else "workload path"
-                self._log_jq_error(plan, uid, where, expression, message)
+            for err in ev.errors:
+                where = "status" if err.stat == STAT_STATUS_JQ_ERROR else "workload path"
+                self._log_jq_error(plan, uid, where, err.expression, err.message)
         return ev
 
     def _workload_facts(self, wl: _Workload) -> WorkloadFacts:

@@ -87,6 +87,17 @@ class _ScaleOutputs(NamedTuple):
 _NO_SCALE = _ScaleOutputs((), (), ())
 
 
+class _FactsJqError(NamedTuple):
+    """A jq error met evaluating an object version (counted at once, logged by the
+    engine, which knows the workload)."""
+
+    #: the counter it went to: ``STAT_STATUS_JQ_ERROR`` or ``STAT_WORKLOAD_JQ_ERROR``
+    stat: str
+    #: the expression ("" for the status: the message names it)
+    expression: str
+    message: str
+
+
 class _ObjectFacts:
     """What the engine derives from one version of a workload object."""
 
@@ -106,8 +117,8 @@ class _ObjectFacts:
         #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
         self.rows: _RowTemplate | None = None
         self.rows_built = False
-        #: the jq errors met: (stat, expression, message)
-        self.errors: list[tuple[str, str, str]] = []
+        #: the jq errors met, to log once the facts are cached
+        self.errors: list[_FactsJqError] = []
 
     def template(self, plan: _DescriptionPlan) -> _RowTemplate | None:
         """Rows and desired values of this object version; only ``observed`` varies."""
@@ -145,13 +156,14 @@ def _read_object_facts(
     if res.reason.startswith(REASON_JQ_ERROR):
         stats[STAT_STATUS_JQ_ERROR] += 1
         # the reason names the expression (clipped); one status is one evaluation
-        ev.errors.append((STAT_STATUS_JQ_ERROR, "", res.reason))
+        ev.errors.append(_FactsJqError(STAT_STATUS_JQ_ERROR, "", res.reason))
     for name, path in plan.ids_paths.items():
         try:
             ev.ids[name] = tuple(path.ids(obj))
         except JqError as exc:
             stats[STAT_WORKLOAD_JQ_ERROR] += 1
-            ev.errors.append((STAT_WORKLOAD_JQ_ERROR, path.source, str(exc.__cause__ or exc)))
+            ev.errors.append(
+                _FactsJqError(STAT_WORKLOAD_JQ_ERROR, path.source, str(exc.__cause__ or exc)))
             ev.ids[name] = None
     for fc in plan.fact_comps:
         if fc.scale is None:
@@ -163,8 +175,8 @@ def _read_object_facts(
             except JqError as exc:
                 stats[STAT_WORKLOAD_JQ_ERROR] += 1
                 if sp is not None:
-                    ev.errors.append(
-                        (STAT_WORKLOAD_JQ_ERROR, sp.source, str(exc.__cause__ or exc)))
+                    ev.errors.append(_FactsJqError(
+                        STAT_WORKLOAD_JQ_ERROR, sp.source, str(exc.__cause__ or exc)))
                 outs.append([])
         ev.scale[fc.name] = _ScaleOutputs(*outs)
     return ev
