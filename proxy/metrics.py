@@ -118,7 +118,7 @@ def _worker_families(workers: LoopWorkers) -> Iterator[Metric]:
 def _engine_families(engine: Engine) -> Iterator[Metric]:
     """What the Karta engine counted: the jq runtime errors (each logged once per
     workload and expression), every ``where`` present from the start."""
-    from proxy.karta.engine import JQ_ERROR_STATS
+    from proxy.karta.results import JQ_ERROR_STATS
 
     family = CounterMetricFamily(
         _P + "jq_errors", "jq runtime errors of the descriptions' expressions, by where: "

@@ -39,10 +39,10 @@ import yaml
 
 from proxy import memory
 from proxy.karta.description import DescriptionError, is_description_object, parse_description
-from proxy.karta.engine import slim_pod
 from proxy.karta.files import folder_files
 from proxy.karta.model import Description
 from proxy.karta.packed import Packed, pack
+from proxy.karta.slim import slim_pod
 from proxy.karta.yamltext import (
     HANDED_OUT,
     Item,

@@ -143,3 +143,20 @@ def test_enrichment_sits_on_the_wire_and_the_index_and_its_oracle_is_for_tests()
     assert "proxy.enrichment" in graph["proxy.enrichment_reference"]
     importers = {m for m, deps in graph.items() if "proxy.enrichment_reference" in deps}
     assert not importers, importers
+
+
+def test_engine_parts_stay_below_the_engine() -> None:
+    """The engine's parts know neither the engine nor each other beyond this table: the
+    engine builds on them, and a source slims its pods without importing the engine."""
+    graph = import_graph()
+    below = {
+        "proxy.karta.slim": {"proxy.karta.owners"},
+        "proxy.karta.plans": {"proxy.karta.jqexpr", "proxy.karta.model", "proxy.karta.owners",
+                              "proxy.karta.packed", "proxy.karta.results"},
+        "proxy.karta.replicas": {"proxy.karta.jqexpr", "proxy.karta.model", "proxy.karta.plans",
+                                 "proxy.karta.results", "proxy.karta.status"},
+    }
+    for mod, allowed in below.items():
+        inside = {d for d in graph[mod] if d.startswith("proxy.karta")}
+        assert inside <= allowed, (mod, inside - allowed)
+    assert set(below) <= graph["proxy.karta.engine"]

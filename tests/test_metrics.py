@@ -26,7 +26,8 @@ def test_children_are_the_metrics_own_looked_up_once() -> None:
 def test_the_engines_jq_errors_are_a_counter_by_where() -> None:
     """Engine.stats was read nowhere: the jq runtime errors are on /metrics, every
     ``where`` present from the start."""
-    from proxy.karta.engine import STAT_SELECTOR_ERROR, STAT_STATUS_JQ_ERROR, Engine
+    from proxy.karta.engine import Engine
+    from proxy.karta.results import STAT_SELECTOR_ERROR, STAT_STATUS_JQ_ERROR
     from proxy.metrics import ProxyMetrics
 
     metrics = ProxyMetrics()

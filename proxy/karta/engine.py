@@ -11,12 +11,14 @@ Why it is shaped this way:
   change of descriptions, which re-attributes the pods of the kinds it touches.
 * Memory is per pod, so a pod keeps only what selectors read (its metadata: name,
   namespace, uid, labels, annotations, ownerReferences), shared with the object it came
-  from, never its spec or status. Whole objects are kept only for described kinds (and
-  bare pods), whose status, scale and instance ids are evaluated from them, and then as
-  JSON text (``proxy.karta.packed``), parsed again only to be evaluated.
+  from, never its spec or status (``proxy.karta.slim``). Whole objects are kept only for
+  described kinds (and bare pods), whose status, scale and instance ids are evaluated
+  from them, and then as JSON text (``proxy.karta.packed``), parsed again only to be
+  evaluated.
 * libjq costs ~30 us a call through the PyPI binding, so the plain label / annotation /
   name lookups that nearly every pod selector is are answered with a dict probe; anything
-  else goes to jq with the same wrapper semantics (see ``_Probe``).
+  else goes to jq with the same wrapper semantics (``_Probe``, with the descriptions
+  compiled for the engine in ``proxy.karta.plans``).
 
 The rules (topmost described owner, component choice, instance check, phase of a workload
 whose object was not seen) are documented in docs/karta-attribution.md.
@@ -27,46 +29,50 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from proxy.karta.jqexpr import (
-    JqError,
-    JqExpr,
-    input_fields,
-    outputs_equal,
-    outputs_present,
-    single_output_id,
-)
-from proxy.karta.model import UNDEFINED, Component, Description, GroupKind, ScaleDefinition
+from proxy.karta.jqexpr import JqError, single_output_id
+from proxy.karta.model import UNDEFINED, Description, GroupKind
 from proxy.karta.owners import (
-    NODE,
     POD,
     REASON_NO_CONTROLLER_OWNER,
     ObjectRecord,
     OwnerGraph,
-    OwnerRef,
     WalkResult,
     controller_ref,
     group_kind,
 )
-from proxy.karta.packed import Packed, pack, unpack
+from proxy.karta.packed import pack, unpack
+from proxy.karta.plans import _CountKey, _DescriptionPlan, _PodRec, _Probe
+from proxy.karta.replicas import (
+    _cached,
+    _FactsCache,
+    _ObjectFacts,
+    _read_object_facts,
+    _replica_facts,
+)
 from proxy.karta.results import (
     PHASE_REASON_OBJECT_MISSING,
     PHASE_SINCE_OBJECT,
     PHASE_SINCE_OBSERVED,
+    STAT_AMBIGUOUS_COMPONENT,
+    STAT_INSTANCE_NOT_LISTED,
+    STAT_INVALID_OBJECT,
+    STAT_SELECTOR_ERROR,
+    STAT_SELECTOR_UNKEPT_FIELD,
+    STAT_STATUS_JQ_ERROR,
     ChangeSet,
     PartialBatch,
     PodAttribution,
     Reattribution,
-    ReplicaFact,
     WorkloadFacts,
     WorkloadRef,
 )
+from proxy.karta.slim import _interned, _trim, pod_controller
 
 if TYPE_CHECKING:
     from proxy.karta.description import DescriptionError
@@ -75,532 +81,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
-STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
-STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
-STAT_SELECTOR_ERROR = "selector_error"
-STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
-#: status evaluations a jq error aborted (the workload's phase: Undefined, jq_error)
-STAT_STATUS_JQ_ERROR = "status_jq_error"
-STAT_INVALID_OBJECT = "invalid_object"
-#: pod-selector paths of the descriptions put in force that read pod fields the engine
-#: does not keep (counted once per path each time its description is put in force)
-STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
-#: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
-#: and scale paths, its status (each logged once per workload and expression; exported
-#: as ``karta_proxy_jq_errors_total{where}``)
-JQ_ERROR_STATS = {"selector": STAT_SELECTOR_ERROR, "workload": STAT_WORKLOAD_JQ_ERROR,
-                  "status": STAT_STATUS_JQ_ERROR}
 #: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
 #: logged again): one bad description over every workload of its kind stays bounded
 _JQ_LOGGED_MAX = 10_000
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
-_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
-
-_MAP_PATH = re.compile(
-    r'^\s*\.metadata\.(labels|annotations)(?:\["([^"\\]*)"\]|\.([A-Za-z_][A-Za-z0-9_]*))\s*$'
-)
-_FIELD_PATH = re.compile(r"^\s*\.metadata\.(name|namespace|uid)\s*$")
-#: the kind of the pod's controller, as the built-in Pod description asks for it
-_CONTROLLER_KIND_PATH = re.compile(
-    r"^\s*\.metadata\.ownerReferences\[\]\?\s*\|\s*select\(\s*\.controller\s*==\s*true\s*\)"
-    r"\s*\|\s*\.kind\s*$"
-)
-
-
-# -- pod-side selectors ------------------------------------------------------------------
-
-
-#: (component, instance) of attributed pods, the key of a workload's pod counts. A plain
-#: tuple, not a NamedTuple: ``_replica_facts`` looks counts up by it for every row on every
-#: pod event of the workload, and a tuple literal is ~3.4x cheaper to build there than a
-#: NamedTuple (median of 5: 199 ns vs 678 ns per lookup, timeit, Python 3.11, Dec 2026).
-_CountKey = tuple[str, str]
-
-
-class _PodRec:
-    """A pod as the engine keeps it: the metadata selectors read, and where it was placed."""
-
-    __slots__ = (
-        "annotations",
-        "att",
-        "cache",
-        "key",
-        "labels",
-        "name",
-        "namespace",
-        "obj",
-        "owner",
-        "uid",
-        "wl",
-    )
-
-    def __init__(self, uid: str) -> None:
-        self.uid = uid
-        self.namespace = ""
-        self.name = ""
-        self.labels: Any = None
-        self.annotations: Any = None
-        self.owner: OwnerRef | None = None
-        #: the whole (trimmed, packed) pod, only while it is bare: its own workload
-        self.obj: Mapping[str, Any] | Packed | None = None
-        self.cache: _FactsCache | None = None
-        self.att: PodAttribution | None = None
-        #: workload uid ("" when unattributed) and its (component, instance) count key
-        self.wl = ""
-        self.key: _CountKey = ("", "")
-
-    def jq_input(self) -> dict[str, Any]:
-        """The pod as selectors see it (built per evaluation, not kept): the metadata
-        fields of ``POD_SELECTOR_METADATA``, nothing else."""
-        md: dict[str, Any] = {"name": self.name, "namespace": self.namespace, "uid": self.uid}
-        if self.labels is not None:
-            md["labels"] = self.labels
-        if self.annotations is not None:
-            md["annotations"] = self.annotations
-        o = self.owner
-        if o is not None:  # the controller reference is all the engine keeps of the list
-            md["ownerReferences"] = [{"apiVersion": o.api_version, "kind": o.gk.kind,
-                                      "name": o.name, "uid": o.uid, "controller": True}]
-        return {"metadata": md}
-
-
-#: what a pod selector sees of a pod's metadata (``_PodRec.jq_input``); of
-#: ``ownerReferences``, the controller reference only. Kept per pod, for every pod: the
-#: rest (spec, status, other metadata) is dropped when the pod arrives
-POD_SELECTOR_METADATA = frozenset(
-    {"name", "namespace", "uid", "labels", "annotations", "ownerReferences"})
-
-
-def unkept_pod_reads(expr: JqExpr) -> list[str]:
-    """The paths ``expr`` reads of a pod that the engine does not keep (``.spec.x``,
-    ``.metadata.generateName``), as far as :func:`input_fields` can tell.
-
-    Such a selector sees null there, silently: upstream runs selectors on the whole pod,
-    and a description written for that would place pods differently here. Told at load
-    time (a warning), since keeping more of every pod costs memory for all of them."""
-    out = []
-    for names in input_fields(expr.source) or ():
-        if names[0] != "metadata" or (len(names) > 1 and names[1] not in POD_SELECTOR_METADATA):
-            out.append("." + ".".join(names[:2]))
-    return out
-
-
-class _Probe:
-    """A jq path evaluated on a pod; plain metadata lookups skip libjq.
-
-    ``.metadata.labels["k"]``, ``.metadata.labels.k`` (same for annotations) and
-    ``.metadata.name|namespace|uid`` yield exactly what jq yields for them on a pod whose
-    labels are a map: the value or null. ``.metadata.ownerReferences[]? | select(.controller
-    == true) | .kind`` (the built-in Pod description's test for its controlled pods)
-    yields the kept controller reference's kind, or nothing. Everything else is handed to jq.
-    """
-
-    __slots__ = ("expr", "field", "key")
-
-    def __init__(self, expr: JqExpr) -> None:
-        self.expr = expr
-        self.field: str | None = None
-        self.key = ""
-        m = _MAP_PATH.match(expr.source)
-        if m is not None:
-            self.field = m.group(1)
-            self.key = m.group(2) if m.group(2) is not None else m.group(3)
-        else:
-            m = _FIELD_PATH.match(expr.source)
-            if m is not None:
-                self.field = m.group(1)
-            elif _CONTROLLER_KIND_PATH.match(expr.source):
-                self.field = "controller_kind"
-
-    def unkept(self) -> list[str]:
-        """What the path reads of a pod the engine does not keep (the plain lookups read
-        kept metadata only)."""
-        return unkept_pod_reads(self.expr) if self.field is None else []
-
-    def outputs(self, pod: _PodRec) -> list[Any]:
-        f = self.field
-        if f is None:
-            return self.expr.all(pod.jq_input())
-        if f == "labels":
-            m = pod.labels
-        elif f == "annotations":
-            m = pod.annotations
-        elif f == "controller_kind":
-            return [pod.owner.gk.kind] if pod.owner is not None else []
-        else:
-            return [getattr(pod, f)]
-        if m is None:
-            return [None]
-        if not isinstance(m, dict):
-            return self.expr.all(pod.jq_input())  # jq decides what a non-map yields
-        return [m.get(self.key)]
-
-
-class _PodComponentPlan:
-    """One pod-bearing component, ready to test pods."""
-
-    __slots__ = ("check_ids", "has_type", "inst", "match_labels", "name", "replica", "type",
-                 "value")
-
-    def __init__(self, comp: Component, by_name: Mapping[str, Component]) -> None:
-        self.name = comp.name
-        sel = comp.pod_selector
-        ts = sel.type_selector if sel is not None else None
-        self.type = _Probe(ts.key_path) if ts is not None and ts.key_path is not None else None
-        self.value = ts.value if ts is not None else None
-        self.match_labels = ts.match_labels if ts is not None else ()
-        self.has_type = self.type is not None or bool(self.match_labels)
-        ip = sel.instance_id_path if sel is not None else None
-        self.inst = _Probe(ip) if ip is not None else None
-        self.check_ids = comp.instance_id_path is not None
-        # replicaSelector: declared once, inherited along the component ownerRef chain
-        self.replica: _Probe | None = None
-        cur: Component | None = comp
-        for _ in range(len(by_name) + 1):
-            if cur is None:
-                break
-            rs = cur.pod_selector.replica_key_path if cur.pod_selector is not None else None
-            if rs is not None:
-                self.replica = _Probe(rs)
-                break
-            cur = by_name.get(cur.owner_ref) if cur.owner_ref else None
-
-    def unkept(self) -> list[tuple[str, str, list[str]]]:
-        """(selector, path, fields read the engine does not keep) of this component."""
-        out = []
-        for what, probe in (("componentTypeSelector.keyPath", self.type),
-                            ("componentInstanceSelector.idPath", self.inst),
-                            ("replicaSelector.keyPath", self.replica)):
-            fields = probe.unkept() if probe is not None else []
-            if probe is not None and fields:
-                out.append((what, probe.expr.source, fields))
-        return out
-
-    def accepts(self, pod: _PodRec) -> bool:
-        if self.match_labels:
-            labels = pod.labels if isinstance(pod.labels, dict) else {}
-            for k, v in self.match_labels:
-                if labels.get(k) != v:
-                    return False
-        if self.type is not None:
-            out = self.type.outputs(pod)
-            if self.value is not None:
-                return outputs_equal(out, self.value)
-            return outputs_present(out)
-        return True
-
-
-class _FactComp:
-    """A component that gets replica facts: it scales, or pods land in it."""
-
-    __slots__ = ("ids_path", "name", "scale", "subtree")
-
-    def __init__(
-        self, name: str, scale: ScaleDefinition | None, ids_path: JqExpr | None,
-        subtree: frozenset[str],
-    ) -> None:
-        self.name = name
-        self.scale = scale
-        self.ids_path = ids_path
-        self.subtree = subtree
-
-
-class _DescriptionPlan:
-    """A description prepared for the engine (built once per winning description)."""
-
-    def __init__(self, desc: Description) -> None:
-        self.desc = desc
-        comps = (desc.root, *desc.children)
-        by_name = {c.name: c for c in comps}
-        pod_comps = list(desc.pod_components) or [c for c in comps if c.pod_bearing]
-        self.pod_comps = [_PodComponentPlan(c, by_name) for c in pod_comps]
-        self.single = len(self.pod_comps) == 1
-        #: with several components, one without a type selector takes what none accepts
-        self.fallback = next((c for c in self.pod_comps if not c.has_type), None)
-        self.selective = [c for c in self.pod_comps if c.has_type]
-        kids: dict[str, list[str]] = {}
-        for c in desc.children:
-            kids.setdefault(c.owner_ref or desc.root.name, []).append(c.name)
-
-        def subtree(name: str) -> frozenset[str]:
-            out = {name}
-            stack = [name]
-            while stack:
-                for k in kids.get(stack.pop(), ()):
-                    if k not in out:
-                        out.add(k)
-                        stack.append(k)
-            return frozenset(out)
-
-        pod_names = {c.name for c in pod_comps}
-        # A Pod workload (a bare pod and the pods it controls) has a row per component
-        # only while it has pods there: nearly every bare pod controls none, and a 0 row
-        # each would be noise. Its rows count their own component only: the pod's row
-        # says 1 of 1 (itself), the controlled pods have theirs.
-        own_only = desc.group_kind == POD
-        if own_only:
-            pod_names = set()
-        self.fact_comps: list[_FactComp] = []
-        for c in comps:
-            if c.scale is None and c.name not in pod_names:
-                continue
-            self.fact_comps.append(
-                _FactComp(c.name, c.scale, c.instance_id_path,
-                          frozenset({c.name}) if own_only else subtree(c.name))
-            )
-        #: component -> its instanceIdPath, for the components that list instances
-        self.ids_paths: dict[str, JqExpr] = {
-            c.name: c.instance_id_path for c in comps if c.instance_id_path is not None
-        }
-        #: "component selector path: fields" for each pod-selector path that reads pod
-        #: fields the engine does not keep (an inherited replicaSelector once)
-        self.unkept: list[str] = []
-        for cp in self.pod_comps:
-            for what, source, fields in cp.unkept():
-                line = f"{what} {source!r} reads {', '.join(fields)}"
-                if not any(u.endswith(line) for u in self.unkept):
-                    self.unkept.append(f"component {cp.name!r}: {line}")
-
-
-class _TemplateRow(NamedTuple):
-    """One replica fact row's fixed part; only the observed count is looked up per event.
-
-    ``_replica_facts`` unpacks these on every pod event of the workload. A NamedTuple takes
-    the memory of a plain tuple but unpacks slower (no fast path for tuple subclasses):
-    140 vs 51 ns a row (timeit, median of 5, Python 3.11, Dec 2026), under 1 us an event
-    for the few rows a workload has, against the 15-60 us a pod event costs in
-    ``benchmarks/engine_bench.py``; so the rows stay named."""
-
-    component: str
-    #: the instance id, or None for the component as a whole (no instances)
-    instance: str | None
-    desired: float | None
-    min_replicas: float | None
-    max_replicas: float | None
-    #: the component first, then the components below it whose pods it counts
-    counted: tuple[str, ...]
-
-
-class _RowTemplate:
-    """The replica rows an object version fixes, and the (component, instance) keys they
-    cover (pods counted under any other key get a row of their own)."""
-
-    __slots__ = ("covered", "rows")
-
-    def __init__(self) -> None:
-        self.rows: list[_TemplateRow] = []
-        self.covered: set[_CountKey] = set()
-
-    @classmethod
-    def build(cls, plan: _DescriptionPlan, ev: _ObjectFacts) -> _RowTemplate | None:
-        out = cls()
-        for fc in plan.fact_comps:
-            want, lo, hi = ev.scale.get(fc.name, _NO_SCALE)
-            comps = (fc.name, *sorted(fc.subtree - {fc.name}))
-            if fc.ids_path is None:
-                out.rows.append(
-                    _TemplateRow(fc.name, None, _summed(want), _summed(lo), _summed(hi), comps)
-                )
-                out.covered.add((fc.name, ""))
-                continue
-            ids = ev.ids.get(fc.name)
-            if ids is None:
-                return None  # the instances are whatever the pods say: no fixed rows
-            for i, iid in enumerate(ids):
-                if iid is None or (fc.name, iid) in out.covered:
-                    # a null or empty id: no row, but its place (the scale outputs line
-                    # up by position); an id listed twice: one row, the first's
-                    continue
-                out.rows.append(
-                    _TemplateRow(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), comps)
-                )
-                out.covered.add((fc.name, iid))
-        return out
-
-
-class _ScaleOutputs(NamedTuple):
-    """A component's scale paths evaluated on the object: each a list of numbers, one per
-    instance (or summed when the component has no instances); empty when unset or failed."""
-
-    replicas: Sequence[float | None]
-    min_replicas: Sequence[float | None]
-    max_replicas: Sequence[float | None]
-
-
-_NO_SCALE = _ScaleOutputs((), (), ())
-
-
-class _ObjectFacts:
-    """What the engine derives from one version of a workload object."""
-
-    __slots__ = ("errors", "ids", "phase", "reason", "rows", "rows_built", "scale", "since",
-                 "statuses")
-
-    def __init__(self) -> None:
-        self.phase = UNDEFINED
-        #: when the phase began according to the object (None: the object does not say)
-        self.since: float | None = None
-        self.statuses: tuple[str, ...] = (UNDEFINED,)
-        self.reason = ""
-        #: component -> instance ids in order, None in the place of a null or empty one
-        #: (None for the whole: the path failed)
-        self.ids: dict[str, tuple[str | None, ...] | None] = {}
-        self.scale: dict[str, _ScaleOutputs] = {}
-        #: the replica rows' fixed part, built on first use (None: ids unknown, no template)
-        self.rows: _RowTemplate | None = None
-        self.rows_built = False
-        #: the jq errors met: (stat, expression, message)
-        self.errors: list[tuple[str, str, str]] = []
-
-    def template(self, plan: _DescriptionPlan) -> _RowTemplate | None:
-        """Rows and desired values of this object version; only ``observed`` varies."""
-        if not self.rows_built:
-            self.rows, self.rows_built = _RowTemplate.build(plan, self), True
-        return self.rows
-
-    def same_ids(self, other: _ObjectFacts | None) -> bool:
-        return other is not None and other.ids == self.ids
-
-
-class _FactsCache(NamedTuple):
-    """What an object record's ``cache`` holds: the evaluation of its current version under
-    the plan it was made with (a new description makes it stale)."""
-
-    plan: _DescriptionPlan
-    facts: _ObjectFacts
-
-
-def _cached(cache: _FactsCache | None, plan: _DescriptionPlan) -> _ObjectFacts | None:
-    return cache.facts if cache is not None and cache.plan is plan else None
-
-
-def _read_object_facts(
-    plan: _DescriptionPlan, obj: Mapping[str, Any], stats: Counter[str]
-) -> _ObjectFacts:
-    from proxy.karta.status import REASON_JQ_ERROR, evaluate_status
-
-    ev = _ObjectFacts()
-    res = evaluate_status(plan.desc.status, obj)
-    ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
-    ev.since = res.since
-    if res.reason.startswith(REASON_JQ_ERROR):
-        stats[STAT_STATUS_JQ_ERROR] += 1
-        # the reason names the expression (clipped); one status is one evaluation
-        ev.errors.append((STAT_STATUS_JQ_ERROR, "", res.reason))
-    for name, path in plan.ids_paths.items():
-        try:
-            ev.ids[name] = tuple(path.ids(obj))
-        except JqError as exc:
-            stats[STAT_WORKLOAD_JQ_ERROR] += 1
-            ev.errors.append((STAT_WORKLOAD_JQ_ERROR, path.source, str(exc.__cause__ or exc)))
-            ev.ids[name] = None
-    for fc in plan.fact_comps:
-        if fc.scale is None:
-            continue
-        outs: list[list[float | None]] = []
-        for sp in (fc.scale.replicas, fc.scale.min_replicas, fc.scale.max_replicas):
-            try:
-                outs.append(sp.numbers(obj) if sp is not None else [])
-            except JqError as exc:
-                stats[STAT_WORKLOAD_JQ_ERROR] += 1
-                if sp is not None:
-                    ev.errors.append(
-                        (STAT_WORKLOAD_JQ_ERROR, sp.source, str(exc.__cause__ or exc)))
-                outs.append([])
-        ev.scale[fc.name] = _ScaleOutputs(*outs)
-    return ev
-
-
-def _summed(values: Sequence[float | None]) -> float | None:
-    """A component without instances: one number, or the sum of a list path's outputs."""
-    nums = [v for v in values if v is not None]
-    return sum(nums) if nums else None
-
-
-def _nth(values: Sequence[float | None], i: int) -> float | None:
-    """Instance ``i``'s number: a scale path yields one per listed instance, or too few."""
-    return values[i] if i < len(values) else None
-
-
-def _trim(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Drop what no description reads and what weighs most: managedFields, last-applied."""
-    md = obj.get("metadata")
-    if not isinstance(md, Mapping):
-        return obj
-    ann = md.get("annotations")
-    heavy_ann = isinstance(ann, Mapping) and _LAST_APPLIED in ann
-    if "managedFields" not in md and not heavy_ann:
-        return obj
-    new_md = {k: v for k, v in md.items() if k != "managedFields"}
-    if heavy_ann and isinstance(ann, Mapping):
-        new_md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
-    out = dict(obj)
-    out["metadata"] = new_md
-    return out
-
-
-#: pod spec fields attribution can use; the rest (containers, volumes, ...) is dropped
-#: before the engine sees the object
-POD_SPEC_KEEP = ("nodeName", "hostname", "subdomain", "schedulerName", "priorityClassName")
-
-
-def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
-    """Keep metadata, status.phase and the few spec fields attribution may read.
-
-    A pod without a controller is its own workload (the bare-pod description reads its
-    status, a user description of Pod may read more): it is kept whole, and so is a
-    static pod's mirror (controlled by its Node, a workload of its own too). Such pods
-    are few; the 100k pods of controllers are what must stay small.
-    """
-    md = obj.get("metadata") or {}
-    md.pop("managedFields", None)
-    ann = md.get("annotations")
-    if ann and _LAST_APPLIED in ann:
-        md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
-    if pod_controller(md.get("ownerReferences")) is None:
-        return obj
-    spec = obj.get("spec") or {}
-    status = obj.get("status") or {}
-    out: dict[str, Any] = {
-        "apiVersion": obj.get("apiVersion", "v1"),
-        "kind": "Pod",
-        "metadata": md,
-        "spec": {k: spec[k] for k in POD_SPEC_KEEP if k in spec},
-    }
-    if "phase" in status:
-        out["status"] = {"phase": status["phase"]}
-    return out
-
-
-def pod_controller(refs: Any) -> OwnerRef | None:
-    """A pod's controller as attribution sees it: a mirror pod's Node is none.
-
-    The kubelet mirrors a static pod into the API with its Node as controller; nothing
-    above the Node manages it, so it is a workload of its own, like a bare pod (and the
-    engine need not watch Nodes to learn that)."""
-    ref = controller_ref(refs)
-    return None if ref is not None and ref.gk == NODE else ref
-
-
-def _interned(m: Any, *, values: bool) -> Any:
-    """A pod's label (or annotation) map as the engine keeps it: its own copy, keys (and
-    label values) interned, so the pods of a workload share one string per key and value
-    instead of a copy each (~10 MB at 37.5k pods). ``sys.intern`` strings die with their
-    last user, so churn does not accumulate them. Anything but a string map is kept as
-    it is (selectors decide what it means)."""
-    if type(m) is not dict:
-        return m
-    intern = sys.intern
-    out: dict[Any, Any] = {}
-    for k, v in m.items():
-        if type(k) is str:
-            k = intern(k)
-        if values and type(v) is str:
-            v = intern(v)
-        out[k] = v
-    return out
 
 
 def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
@@ -1282,9 +767,9 @@ class Engine:
         if ev is None:
             ev = _read_object_facts(plan, unpack(holder.obj), self.stats)
             holder.cache = _FactsCache(plan, ev)
-            for stat, expression, message in ev.errors:
-                where = "status" if stat == STAT_STATUS_JQ_ERROR else "workload path"
-                self._log_jq_error(plan, uid, where, expression, message)
+            for err in ev.errors:
+                where = "status" if err.stat == STAT_STATUS_JQ_ERROR else "workload path"
+                self._log_jq_error(plan, uid, where, err.expression, err.message)
         return ev
 
     def _workload_facts(self, wl: _Workload) -> WorkloadFacts:
@@ -1315,75 +800,9 @@ class Engine:
             statuses,
             reason,
             since,
-            self._replica_facts(plan, ev, wl),
+            _replica_facts(plan, ev, wl.counts, wl.by_comp),
             source,
         )
-
-    @staticmethod
-    def _replica_facts(
-        plan: _DescriptionPlan, ev: _ObjectFacts | None, wl: _Workload
-    ) -> tuple[ReplicaFact, ...]:
-        """Desired vs observed rows; runs on every pod event of the workload, so the fixed
-        part comes from the object version's template and only counts are looked up."""
-        counts = wl.counts
-        tpl = ev.template(plan) if ev is not None else None
-        if tpl is None:
-            return Engine._replica_facts_untemplated(plan, ev, counts)
-        by_comp = wl.by_comp
-        rows: list[ReplicaFact] = []
-        for name, iid, want, lo, hi, comps in tpl.rows:
-            if iid is None:
-                seen = by_comp.get(name, 0)
-                for c in comps[1:]:
-                    seen += by_comp.get(c, 0)
-                rows.append(ReplicaFact(name, "", want, lo, hi, seen))
-            else:
-                seen = counts.get((name, iid), 0)
-                for c in comps[1:]:
-                    seen += counts.get((c, iid), 0)
-                rows.append(ReplicaFact(name, iid, want, lo, hi, seen))
-        extra = [k for k in counts if k not in tpl.covered]
-        for key in sorted(extra):
-            comp, inst = key
-            rows.append(ReplicaFact(comp, inst, None, None, None, counts[key]))
-        return tuple(rows)
-
-    @staticmethod
-    def _replica_facts_untemplated(
-        plan: _DescriptionPlan, ev: _ObjectFacts | None, counts: Mapping[_CountKey, int]
-    ) -> tuple[ReplicaFact, ...]:
-        rows: list[ReplicaFact] = []
-        covered: set[_CountKey] = set()
-        for fc in plan.fact_comps:
-            scale = ev.scale.get(fc.name) if ev is not None else None
-            want, lo, hi = scale if scale is not None else _NO_SCALE
-            ids: tuple[str | None, ...] | None = (
-                ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None)
-            if ids is None and fc.ids_path is not None:
-                # instance ids unknown (object not seen, or the path failed): the
-                # instances the pods name, without desired counts
-                ids = tuple(sorted({i for (c, i) in counts if c in fc.subtree}))
-                want = lo = hi = ()
-            if ids is None:
-                seen = sum(n for (c, _), n in counts.items() if c in fc.subtree)
-                rows.append(
-                    ReplicaFact(fc.name, "", _summed(want), _summed(lo), _summed(hi), seen)
-                )
-                covered.add((fc.name, ""))
-                continue
-            for i, iid in enumerate(ids):
-                if iid is None or (fc.name, iid) in covered:
-                    continue  # no id here (its place kept); an id listed twice: the first's
-                seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
-                rows.append(
-                    ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)
-                )
-                covered.add((fc.name, iid))
-        for key in sorted(counts):
-            if key not in covered:
-                comp, inst = key
-                rows.append(ReplicaFact(comp, inst, None, None, None, counts[key]))
-        return tuple(rows)
 
     def _settle(self, cs: ChangeSet) -> None:
         """Settle the workloads touched by this call, and the required kinds."""

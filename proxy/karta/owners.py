@@ -28,7 +28,7 @@ REASON_HOP_LIMIT = "hop_limit"
 REASON_DESCRIPTION_ERROR = "description_error"
 
 POD = GroupKind("", "Pod")
-#: a static pod's mirror is controlled by its Node (see ``engine.pod_controller``)
+#: a static pod's mirror is controlled by its Node (see ``slim.pod_controller``)
 NODE = GroupKind("", "Node")
 
 _GK_CACHE: dict[tuple[str, str], GroupKind] = {}

@@ -1,7 +1,10 @@
-"""What the engine answers: pod attribution, workload facts, and change sets.
+"""What the engine answers: pod attribution, workload facts, change sets, and the names
+of the counters in ``Engine.stats``.
 
 These are the only engine types the rest of the proxy sees (the index, the fact
-series, the watch source). They are small, immutable and hashable.
+series, the watch source, the metrics). They are small, immutable and hashable. The
+counter names live here, not in the engine, so the engine's parts that count
+(``proxy.karta.replicas``) and the metrics that export them need not import the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +20,24 @@ PHASE_SINCE_OBSERVED = "observed"
 #: Phase reason of a workload known only from an ownerReference (its object not seen yet,
 #: or seen before its kind was described, or deleted while pods it owned remain).
 PHASE_REASON_OBJECT_MISSING = "workload_object_missing"
+
+
+#: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
+STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
+STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
+STAT_SELECTOR_ERROR = "selector_error"
+STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
+#: status evaluations a jq error aborted (the workload's phase: Undefined, jq_error)
+STAT_STATUS_JQ_ERROR = "status_jq_error"
+STAT_INVALID_OBJECT = "invalid_object"
+#: pod-selector paths of the descriptions put in force that read pod fields the engine
+#: does not keep (counted once per path each time its description is put in force)
+STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
+#: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
+#: and scale paths, its status (each logged once per workload and expression; exported
+#: as ``karta_proxy_jq_errors_total{where}``)
+JQ_ERROR_STATS = {"selector": STAT_SELECTOR_ERROR, "workload": STAT_WORKLOAD_JQ_ERROR,
+                  "status": STAT_STATUS_JQ_ERROR}
 
 
 @dataclass(frozen=True, slots=True)

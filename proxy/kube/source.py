@@ -25,9 +25,9 @@ from proxy import memory
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
-from proxy.karta.engine import slim_pod
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
+from proxy.karta.slim import slim_pod
 from proxy.kube.client import KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource, Discovery, Resolver
 from proxy.kube.watcher import (

@@ -15,7 +15,9 @@ import yaml
 
 from proxy import snapshot
 from proxy.karta.description import load_description_file, parse_description
-from proxy.karta.engine import (
+from proxy.karta.engine import Engine
+from proxy.karta.model import Description, GroupKind
+from proxy.karta.results import (
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
@@ -23,10 +25,10 @@ from proxy.karta.engine import (
     STAT_SELECTOR_UNKEPT_FIELD,
     STAT_STATUS_JQ_ERROR,
     STAT_WORKLOAD_JQ_ERROR,
-    Engine,
+    ChangeSet,
+    PodAttribution,
+    WorkloadFacts,
 )
-from proxy.karta.model import Description, GroupKind
-from proxy.karta.results import ChangeSet, PodAttribution, WorkloadFacts
 from proxy.snapshot import load_snapshot
 from tests.clock import ManualClock
 from tests.karta import descriptions
@@ -1095,7 +1097,7 @@ def test_static_pods_are_their_own_workloads_and_nodes_are_not_watched() -> None
 
 
 def test_slim_pod_keeps_mirror_pods_whole() -> None:
-    from proxy.karta.engine import slim_pod
+    from proxy.karta.slim import slim_pod
 
     p = mirror_pod("etcd-cp-1", conditions=[{"type": "Ready", "status": "True"}])
     assert slim_pod(p)["status"]["conditions"] == [{"type": "Ready", "status": "True"}]

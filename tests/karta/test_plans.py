@@ -1,0 +1,68 @@
+"""The descriptions compiled for the engine (``proxy.karta.plans``): the plain-lookup fast
+path of a pod selector answers what jq answers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.karta.jqexpr import JqExpr
+from proxy.karta.jqexpr import outputs_equal as _equals
+from proxy.karta.jqexpr import outputs_present as _present
+from proxy.karta.jqexpr import single_output_id as _single_id
+from proxy.karta.model import GroupKind
+from proxy.karta.owners import OwnerRef
+from proxy.karta.plans import _PodRec, _Probe
+
+# -- the plain-lookup fast path agrees with jq ------------------------------------------
+
+_KEYS = st.sampled_from(["role", "app", "a.b/c", "x-y", "", "0"])
+_VALUES = st.one_of(st.sampled_from(["", "a", "0", "true", "null"]), st.text(max_size=3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    labels=st.one_of(st.none(), st.dictionaries(_KEYS, _VALUES, max_size=3)),
+    key=_KEYS,
+    value=_VALUES,
+    form=st.sampled_from(['.metadata.labels["{k}"]', ".metadata.labels.{k}",
+                          '.metadata.annotations["{k}"]', ".metadata.name",
+                          ".metadata.namespace"]),
+)
+def test_probe_fast_path_matches_jq(
+    labels: dict[str, str] | None, key: str, value: str, form: str
+) -> None:
+    src = form.format(k=key)
+    try:
+        expr = JqExpr(src)
+    except ValueError:
+        return  # e.g. ``.metadata.labels.a.b/c`` is not a plain lookup in jq either
+    probe = _Probe(expr)
+    rec = _PodRec("uid-1")
+    rec.name, rec.namespace, rec.labels, rec.annotations = "p", "ns", labels, labels
+    doc = rec.jq_input()
+    out = probe.outputs(rec)
+    assert _present(out) == expr.present(doc)
+    assert _equals(out, value) == expr.equals(doc, value)
+    assert _single_id(out) == expr.single_id(doc)
+
+
+@pytest.mark.parametrize("owner_kind", [None, "Pod", "ReplicaSet"])
+@pytest.mark.parametrize("src", [
+    ".metadata.ownerReferences[]? | select(.controller == true) | .kind",
+    " .metadata.ownerReferences[]?|select( .controller==true )|.kind ",
+])
+def test_controller_kind_fast_path_matches_jq(owner_kind: str | None, src: str) -> None:
+    """The built-in Pod description's selector for pods controlled by a pod."""
+    expr = JqExpr(src)
+    probe = _Probe(expr)
+    assert probe.field == "controller_kind"
+    rec = _PodRec("uid-1")
+    rec.name, rec.namespace = "p", "ns"
+    if owner_kind is not None:
+        rec.owner = OwnerRef("o-1", GroupKind("", owner_kind), "o", "v1")
+    doc = rec.jq_input()
+    assert probe.outputs(rec) == expr.all(doc)
+    assert _equals(probe.outputs(rec), "Pod") == expr.equals(doc, "Pod")
+    assert _present(probe.outputs(rec)) == expr.present(doc)
