@@ -161,6 +161,13 @@ def workload_key(wf: WorkloadFacts) -> Key:
     return (r.group, r.kind, r.namespace, r.name)
 
 
+class _Refusal(NamedTuple):
+    """A 4xx to a fact request: its status and what the send raised (for the log)."""
+
+    status: int
+    error: Exception
+
+
 class _Delivery:
     """What one write's requests came to beyond success (``FactWriter._deliver``)."""
 
@@ -670,6 +677,18 @@ class FactWriter:
         part is dropped whole (``tally.dropped``), as is a request refused with any other
         4xx (the request, not a series: a tenant's limit, auth). Anything else (a 5xx,
         no answer) raises: the upstream, not the request."""
+        refusal = await self._send_or_refused(body)
+        if refusal is not None:
+            await self._refused_body(body, runs, refusal.status, refusal.error, tally)
+            return
+        tally.accepted += 1
+        if self._refused and len(runs) == 1 and runs[0][1] == 1:
+            self._accepted_again(body, runs[0][0])
+
+    async def _send_or_refused(self, body: bytes) -> _Refusal | None:
+        """Send ``body``: None once sent, the refusal for a 4xx (the request's fault, which
+        the caller bisects or drops); anything else raises (the upstream's fault: the write
+        stops there)."""
         try:
             await self._send(body)
         except asyncio.CancelledError:
@@ -678,11 +697,8 @@ class FactWriter:
             status = getattr(exc, "status", 0)
             if not 400 <= status < 500:
                 raise
-            await self._refused_body(body, runs, status, exc, tally)
-            return
-        tally.accepted += 1
-        if self._refused and len(runs) == 1 and runs[0][1] == 1:
-            self._accepted_again(body, runs[0][0])
+            return _Refusal(status, exc)
+        return None
 
     async def _refused_body(self, body: bytes, runs: list[Run], status: int,
                             exc: Exception, tally: _Delivery) -> None:
@@ -713,16 +729,9 @@ class FactWriter:
             mid = (lo + hi) // 2
             for a, b in ((lo, mid), (mid, hi)):
                 tally.extra += 1
-                half = lay.part(a, b, other_last=True)
-                try:
-                    await self._send(half)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as sub:
-                    sub_status = getattr(sub, "status", 0)
-                    if not 400 <= sub_status < 500:
-                        raise
-                    await refused(a, b, sub_status, sub)
+                sub = await self._send_or_refused(lay.part(a, b, other_last=True))
+                if sub is not None:
+                    await refused(a, b, sub.status, sub.error)
                 else:
                     tally.accepted += 1
 
