@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.5.0"
+CONTRACT_VERSION = "1.6.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -109,6 +109,13 @@ FACT_LABEL_STATUS = "status"  # a generic status (GENERIC_PHASES)
 FACT_LABEL_RESOURCE = "resource"  # a watched resource, e.g. "pods", "jobs.batch"
 FACT_LABEL_VERSION = "version"  # contract or build version
 FACT_LABEL_SPLICE = "splice"  # which splice runs: "native", or "python" (the fallback)
+#: on every fact series that names no workload (the process facts, an unattributed pod's):
+#: the relay drops every ``karta_*`` label a sender writes, so with it no series a sender
+#: writes through the proxy can take such a fact's exact label set (whose sample ahead in
+#: time would make the writer's own out of order, refused: a forged freshness or contract)
+FACT_LABEL_WRITER = "karta_writer"
+#: its one value
+WRITTEN_BY = "karta-proxy"
 #: where a phase transition time comes from: "object" (the object's conditions'
 #: lastTransitionTime) or "observed" (when this proxy saw the phase change)
 FACT_LABEL_SOURCE = "source"
@@ -120,7 +127,7 @@ ALL_FACT_LABELS: tuple[str, ...] = (
     FACT_LABEL_NAMESPACE, FACT_LABEL_POD, FACT_LABEL_UID, FACT_LABEL_WORKLOAD_UID,
     FACT_LABEL_DESCRIPTION, FACT_LABEL_BUILTIN, FACT_LABEL_REASON, FACT_LABEL_STATE,
     FACT_LABEL_PHASE, FACT_LABEL_STATUS, FACT_LABEL_RESOURCE, FACT_LABEL_VERSION,
-    FACT_LABEL_SPLICE, FACT_LABEL_SOURCE,
+    FACT_LABEL_SPLICE, FACT_LABEL_SOURCE, FACT_LABEL_WRITER,
 )
 
 #: values of FACT_LABEL_STATE

@@ -81,6 +81,9 @@ def label_set(pairs: Iterable[tuple[str, str]]) -> Labels:
     return tuple(sorted((k, v) for k, v in pairs if v))
 
 
+#: the label of the facts that name no workload (contract.FACT_LABEL_WRITER says why)
+WRITER = (contract.FACT_LABEL_WRITER, contract.WRITTEN_BY)
+
 _REASON_CODE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
 
@@ -109,7 +112,7 @@ def pod_facts(att: PodAttribution) -> list[Fact]:
     return [
         Fact(
             contract.FACT_POD_UNATTRIBUTED_INFO,
-            label_set((*base, (contract.FACT_LABEL_REASON, reason))),
+            label_set((*base, (contract.FACT_LABEL_REASON, reason), WRITER)),
             1.0,
         )
     ]
@@ -286,7 +289,7 @@ def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> li
     out = [
         Fact(
             contract.FACT_SOURCE_LAST_CURRENT,
-            ((contract.FACT_LABEL_RESOURCE, resource),),
+            label_set(((contract.FACT_LABEL_RESOURCE, resource), WRITER)),
             float(when),
         )
         for resource, when in sorted(index.freshness.items())
@@ -295,12 +298,13 @@ def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> li
     out.append(
         Fact(
             contract.FACT_CONTRACT_INFO,
-            ((contract.FACT_LABEL_VERSION, contract.CONTRACT_VERSION),),
+            label_set(((contract.FACT_LABEL_VERSION, contract.CONTRACT_VERSION), WRITER)),
             1.0,
         )
     )
-    out.append(Fact(contract.FACT_BUILD_INFO, ((contract.FACT_LABEL_SPLICE, SPLICE),
-                                              (contract.FACT_LABEL_VERSION, build_version)),
+    out.append(Fact(contract.FACT_BUILD_INFO,
+                    label_set(((contract.FACT_LABEL_SPLICE, SPLICE),
+                               (contract.FACT_LABEL_VERSION, build_version), WRITER)),
                     1.0))
     return out
 

@@ -28,6 +28,9 @@ RAY_IDENT = (("karta_group", "ray.io"), ("karta_kind", "RayJob"), ("karta_namesp
 DEP_IDENT = (("karta_group", "apps"), ("karta_kind", "Deployment"), ("karta_namespace", "web"),
              ("karta_workload", "api"))
 
+#: the label of every fact that names no workload (process facts, unattributed pods)
+WRITER = (contract.FACT_LABEL_WRITER, contract.WRITTEN_BY)
+
 
 def ray_facts(**kw: Any) -> WorkloadFacts:
     base = WorkloadFacts(

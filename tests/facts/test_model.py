@@ -13,6 +13,7 @@ from tests.facts.helpers import (
     DEP,
     DEP_IDENT,
     RAY_IDENT,
+    WRITER,
     by_name,
     coverage,
     decode,
@@ -61,6 +62,7 @@ def test_pod_facts_join_on_the_stamped_labels() -> None:
     }
     assert by_name(series, contract.FACT_POD_UNATTRIBUTED_INFO) == {
         (
+            WRITER,
             ("namespace", "web"),
             ("pod", "loner"),
             ("reason", "no_described_owner"),
@@ -125,17 +127,17 @@ def test_replica_facts_per_component_instance() -> None:
 def test_freshness_contract_and_build_facts() -> None:
     series = decode(writer(small_index()).build_request(1_700_000_600_000))
     assert by_name(series, contract.FACT_SOURCE_LAST_CURRENT) == {
-        (("resource", "pods"),): 1_700_000_500.0,
-        (("resource", "rayjobs.ray.io"),): 1_700_000_400.0,
+        (WRITER, ("resource", "pods")): 1_700_000_500.0,
+        (WRITER, ("resource", "rayjobs.ray.io")): 1_700_000_400.0,
     }
     assert by_name(series, contract.FACT_CONTRACT_INFO) == {
-        (("version", contract.CONTRACT_VERSION),): 1.0
+        (WRITER, ("version", contract.CONTRACT_VERSION)): 1.0
     }
     import proxy
     from proxy.wire.native import DEFAULT as SPLICE
 
     assert by_name(series, contract.FACT_BUILD_INFO) == {
-        (("splice", SPLICE), ("version", proxy.__version__)): 1.0
+        (WRITER, ("splice", SPLICE), ("version", proxy.__version__)): 1.0
     }
 
 

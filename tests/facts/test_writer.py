@@ -39,6 +39,7 @@ from tests.facts.helpers import (
     DEP,
     PODS,
     RAY,
+    WRITER,
     Series,
     by_name,
     coverage,
@@ -91,12 +92,12 @@ def test_a_resource_no_longer_watched_ends_its_freshness_series() -> None:
     series = decode(w.build_request(2000))
     w.commit()
     stale = [labels for labels, s in series.items() if is_stale(s[0][0])]
-    assert stale == [(("__name__", contract.FACT_SOURCE_LAST_CURRENT),
+    assert stale == [(("__name__", contract.FACT_SOURCE_LAST_CURRENT), WRITER,
                       ("resource", "rayjobs.ray.io"))]
-    assert by_name(series, contract.FACT_SOURCE_LAST_CURRENT)[(("resource", "pods"),)] == (
-        1_700_000_500.0)
+    pods = (WRITER, ("resource", "pods"))
+    assert by_name(series, contract.FACT_SOURCE_LAST_CURRENT)[pods] == 1_700_000_500.0
     third = decode(w.build_request(3000))
-    assert set(by_name(third, contract.FACT_SOURCE_LAST_CURRENT)) == {(("resource", "pods"),)}
+    assert set(by_name(third, contract.FACT_SOURCE_LAST_CURRENT)) == {pods}
 
 
 def test_a_fact_that_stops_applying_ends_too() -> None:
@@ -683,13 +684,15 @@ async def test_tsdb_an_upgrade_shows_one_build_at_a_time(prom: Prometheus) -> No
 
 
 @pytest.mark.peers
-async def test_tsdb_a_forged_process_fact_ahead_in_time_stops_no_other_fact(
+async def test_tsdb_a_process_fact_written_ahead_by_another_stops_no_other_fact(
     prom: Prometheus,
 ) -> None:
-    """A sender wrote karta_contract_info with the writer's very labels 10 minutes ahead:
-    Prometheus 2.42 rolls back a whole request for one out-of-order sample (400), so every
-    fact request that held the writer's copy was refused, every write: every fact stopped,
-    stale markers too. Now only that series is left out (counted), the rest lands."""
+    """karta_contract_info with the writer's very labels 10 minutes ahead, written to the
+    TSDB by someone else (a second writer configured alike; not through the proxy, which
+    drops a sender's karta_writer): Prometheus 2.42 rolls back a whole request for one
+    out-of-order sample (400), so every fact request that held the writer's copy was
+    refused, every write: every fact stopped, stale markers too. Now only that series is
+    left out (counted), the rest lands."""
     t0 = float(int(time.time()) - 600)
     clock = Clock(t0)
     index = small_index()
@@ -697,7 +700,8 @@ async def test_tsdb_a_forged_process_fact_ahead_in_time_stops_no_other_fact(
     version = ("version", contract.CONTRACT_VERSION)
     forged = remote_pb2.WriteRequest()
     ts = forged.timeseries.add()
-    for k, v in (("__name__", contract.FACT_CONTRACT_INFO), ("cluster", "forged"), version):
+    for k, v in (("__name__", contract.FACT_CONTRACT_INFO), ("cluster", "forged"), WRITER,
+                 version):
         ts.labels.add(name=k, value=v)
     ts.samples.add(value=1.0, timestamp=int((t0 + 600) * 1000))
     prom.write(forged.SerializeToString())
@@ -1090,10 +1094,11 @@ async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
     assert len(sent) == 1 and w.writes_failed == 2
 
 
-#: what a sender forged under the labels of a process fact (the writer's own, no karta_*
-#: label the relay would drop): one out-of-order sample makes Prometheus refuse the whole
-#: request that holds the writer's sample of it (400)
-_POISON = (("__name__", contract.FACT_CONTRACT_INFO), ("version", contract.CONTRACT_VERSION))
+#: a series of the writer's very labels written ahead in time (through no proxy: one
+#: writes a sender's karta_writer away): one out-of-order sample makes Prometheus refuse
+#: the whole request that holds the writer's sample of it (400)
+_POISON = (("__name__", contract.FACT_CONTRACT_INFO), WRITER,
+           ("version", contract.CONTRACT_VERSION))
 
 
 def _live(bodies: list[bytes]) -> set[tuple[tuple[str, str], ...]]:
@@ -1136,7 +1141,8 @@ async def test_a_400_is_bisected_down_to_the_series_it_refuses_then_that_goes_al
     assert 2 < bisecting <= 2 + 2 * math.ceil(math.log2(len(everything)))
     line = next(r for r in caplog.records if "refused" in r.getMessage())
     version = contract.CONTRACT_VERSION
-    assert line.__dict__["series"] == f'karta_contract_info{{version="{version}"}}'
+    assert line.__dict__["series"] == (
+        f'karta_contract_info{{karta_writer="karta-proxy", version="{version}"}}')
     # the next write: the refused series first in a request of its own, no bisection
     tries.clear()
     sent.clear()

@@ -13,7 +13,10 @@ import pytest
 import snappy
 from aiohttp import web
 
+from proxy import contract
 from proxy.demo_exporter import FixtureExporter
+from proxy.facts import FactWriter
+from proxy.facts.collectors import sample_value
 from proxy.handler import PART_DECODED_BYTES
 from proxy.pb.prometheus import remote_pb2
 from proxy.runtime import Proxy
@@ -308,3 +311,57 @@ async def test_a_scraped_application_cannot_name_another_namespaces_pod(
         assert rows["kube_pod_info"]["karta_namespace"] == "ml"
     finally:
         await runner.cleanup()
+
+
+async def test_a_sender_cannot_take_the_label_set_of_a_process_fact(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    """A sender writes, through the proxy, the fact writer's very label sets of
+    karta_contract_info and of the index's freshness, 10 minutes ahead. They carried no
+    karta_* label, so the forged series was the writer's own: Prometheus refused each of
+    its writes of it as out of order (the freshness read the forged value, every alert on
+    it quiet, for as long). They now carry karta_writer, which the relay drops from what a
+    sender writes: the forged series is stored beside the writer's, apart, and the
+    writer's own lands on every write."""
+    rx = await peers.prometheus_receiver()
+
+    def facts_on(s: Any) -> None:
+        s.facts.enabled = True
+        s.facts.interval_seconds = 0.2
+        s.facts.external_labels = {"cluster": "forged"}
+
+    to_rx = await make_proxy(rx.base_url + "/api/v1/write", facts_on)
+    writer = to_rx.proxy.facts
+    assert isinstance(writer, FactWriter)
+    now = time.time()
+    ahead = int((now + 600) * 1000)
+    writer_label = (contract.FACT_LABEL_WRITER, contract.WRITTEN_BY)
+    req = WriteRequest()
+    for name, label, value in (
+        (contract.FACT_CONTRACT_INFO, ("version", contract.CONTRACT_VERSION), 1.0),
+        (contract.FACT_SOURCE_LAST_CURRENT, ("resource", "snapshot"), 4e9),
+    ):
+        ts = req.timeseries.add()
+        for k, v in sorted((("__name__", name), ("cluster", "forged"), writer_label, label)):
+            ts.labels.add(name=k, value=v)
+        ts.samples.add(value=value, timestamp=ahead)
+    await post_snappy(to_rx.write_url, snappy.compress(req.SerializeToString()))
+    written = writer.writes_ok
+
+    async def three_more() -> bool:
+        return writer.writes_ok >= written + 3
+
+    await wait_until(three_more, timeout=20, what="three fact writes after the forged samples")
+    assert sample_value(writer.metrics.series_refused) == 0
+    assert writer.writes_failed == 0
+    at = time.time()
+    own = await query(rx.base_url, 'karta_source_last_current_timestamp_seconds'
+                                   '{cluster="forged",karta_writer="karta-proxy"}', at)
+    assert [r["metric"]["resource"] for r in own] == ["snapshot"]
+    assert now - 600 < float(own[0]["value"][1]) <= at  # the index's, not the forged 4e9
+    assert await query(rx.base_url, 'karta_contract_info{cluster="forged",'
+                                    'karta_writer="karta-proxy"}', at)
+    # the sender's series are stored, not lost: under their own label sets
+    later = await query(rx.base_url, '{cluster="forged",karta_writer=""}', now + 600)
+    assert sorted(r["metric"]["__name__"] for r in later) == sorted(
+        (contract.FACT_CONTRACT_INFO, contract.FACT_SOURCE_LAST_CURRENT))
