@@ -10,7 +10,7 @@ only looks its counts up (``_replica_facts``).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from proxy.karta.jqexpr import JqError
@@ -49,10 +49,17 @@ class _RowTemplate:
         self.covered: set[_CountKey] = set()
 
     @classmethod
-    def build(cls, plan: _DescriptionPlan, ev: _ObjectFacts) -> _RowTemplate | None:
+    def build(
+        cls, plan: _DescriptionPlan, ev: _ObjectFacts | None,
+        named: Collection[_CountKey] | None = None,
+    ) -> _RowTemplate | None:
+        """The rows of an object version (``ev`` None: the object not seen). A component
+        whose instance ids the object does not give (not seen, or the path failed) has
+        no fixed rows: None, unless ``named`` gives the (component, instance) keys the
+        pods name, whose instances then make its rows, without desired counts."""
         out = cls()
         for fc in plan.fact_comps:
-            want, lo, hi = ev.scale.get(fc.name, _NO_SCALE)
+            want, lo, hi = ev.scale.get(fc.name, _NO_SCALE) if ev is not None else _NO_SCALE
             comps = (fc.name, *sorted(fc.subtree - {fc.name}))
             if fc.ids_path is None:
                 out.rows.append(
@@ -60,9 +67,12 @@ class _RowTemplate:
                 )
                 out.covered.add((fc.name, ""))
                 continue
-            ids = ev.ids.get(fc.name)
+            ids = ev.ids.get(fc.name) if ev is not None else None
             if ids is None:
-                return None  # the instances are whatever the pods say: no fixed rows
+                if named is None:
+                    return None  # the instances are whatever the pods say: no fixed rows
+                ids = tuple(sorted({i for (c, i) in named if c in fc.subtree}))
+                want = lo = hi = ()
             for i, iid in enumerate(ids):
                 if iid is None or (fc.name, iid) in out.covered:
                     # a null or empty id: no row, but its place (the scale outputs line
@@ -202,8 +212,9 @@ def _replica_facts(
     the workload, so the fixed part comes from the object version's template and only
     counts are looked up."""
     tpl = ev.template(plan) if ev is not None else None
-    if tpl is None:
-        return _replica_facts_untemplated(plan, ev, counts)
+    if tpl is None:  # the object not seen, or instance ids unknown: the pods name them
+        tpl = _RowTemplate.build(plan, ev, named=counts)
+        assert tpl is not None
     rows: list[ReplicaFact] = []
     for name, iid, want, lo, hi, comps in tpl.rows:
         if iid is None:
@@ -222,41 +233,3 @@ def _replica_facts(
         rows.append(ReplicaFact(comp, inst, None, None, None, counts[key]))
     return tuple(rows)
 
-
-def _replica_facts_untemplated(
-    plan: _DescriptionPlan, ev: _ObjectFacts | None, counts: Mapping[_CountKey, int]
-) -> tuple[ReplicaFact, ...]:
-    """The rows where no template is: the object not seen, or a component's instance
-    ids unknown (the pods name the instances)."""
-    rows: list[ReplicaFact] = []
-    covered: set[_CountKey] = set()
-    for fc in plan.fact_comps:
-        scale = ev.scale.get(fc.name) if ev is not None else None
-        want, lo, hi = scale if scale is not None else _NO_SCALE
-        ids: tuple[str | None, ...] | None = (
-            ev.ids.get(fc.name) if ev is not None and fc.ids_path is not None else None)
-        if ids is None and fc.ids_path is not None:
-            # instance ids unknown (object not seen, or the path failed): the
-            # instances the pods name, without desired counts
-            ids = tuple(sorted({i for (c, i) in counts if c in fc.subtree}))
-            want = lo = hi = ()
-        if ids is None:
-            seen = sum(n for (c, _), n in counts.items() if c in fc.subtree)
-            rows.append(
-                ReplicaFact(fc.name, "", _summed(want), _summed(lo), _summed(hi), seen)
-            )
-            covered.add((fc.name, ""))
-            continue
-        for i, iid in enumerate(ids):
-            if iid is None or (fc.name, iid) in covered:
-                continue  # no id here (its place kept); an id listed twice: the first's
-            seen = sum(n for (c, inst), n in counts.items() if inst == iid and c in fc.subtree)
-            rows.append(
-                ReplicaFact(fc.name, iid, _nth(want, i), _nth(lo, i), _nth(hi, i), seen)
-            )
-            covered.add((fc.name, iid))
-    for key in sorted(counts):
-        if key not in covered:
-            comp, inst = key
-            rows.append(ReplicaFact(comp, inst, None, None, None, counts[key]))
-    return tuple(rows)
