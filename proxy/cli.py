@@ -51,15 +51,15 @@ Endpoints (docs/operations.md, Endpoints): POST /api/v1/write, /api/v1/push,
 /api/v1/receive, /insert/<tenant>/prometheus/api/v1/write (remote write 1.0 and 2.0,
 snappy or zstd); GET /metrics, /-/healthy, /-/ready, /; GET /attribution (why a pod has
 its labels, or none), /api/v1/attribution?namespace=NS&pod=NAME,
-/api/v1/attribution/unattributed (the same as JSON); POST or PUT /-/reload. All on the
-listening port, without authentication: restrict them with a network policy, or TLS
-client certificates (--tls-client-ca-file).
+/api/v1/attribution/unattributed (the same as JSON); POST or PUT /-/reload (with
+--web.enable-lifecycle; else 403). All on the listening port, without authentication:
+restrict them with a network policy, or TLS client certificates (--tls-client-ca-file).
 
-Reload: SIGHUP or POST /-/reload reads the --config file again (flags still win) and the
-description files, and applies enrich.*, karta.description_paths, karta.builtins and
-log_level; other changed keys are logged and wait for a restart. An invalid new config
-keeps the old one (karta_proxy_config_last_reload_successful 0). TLS files are re-read
-when they change.
+Reload: SIGHUP (or POST /-/reload, with --web.enable-lifecycle) reads the --config file
+again (flags still win) and the description files, and applies enrich.*,
+karta.description_paths, karta.builtins and log_level; other changed keys are logged
+and wait for a restart. An invalid new config keeps the old one
+(karta_proxy_config_last_reload_successful 0). TLS files are re-read when they change.
 
 Exit codes: 0 after SIGTERM/SIGINT; 2 for an invalid setting; 1 when starting fails (the
 port is taken, the snapshot cannot be loaded, no cluster is configured, ...). Either

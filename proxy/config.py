@@ -125,6 +125,10 @@ class ServerSettings(Section):
         "spliced, more as the splice grows past it, then the outgoing body); past it 503 + "
         "Retry-After, but a request alone in flight is always taken; at least "
         "max_body_bytes", gt=0)] = 512 * MiB
+    enable_lifecycle: Annotated[bool, setting(
+        "serve POST /-/reload, as Prometheus' --web.enable-lifecycle does; off: it answers "
+        "403, and SIGHUP reloads (the endpoint is served to whoever reaches the port)",
+        flag=Flag(("--web.enable-lifecycle",), SERVING))] = False
     forward_before_ready: Annotated[bool, setting(
         "until the index is loaded, forward requests unenriched (and report ready) instead "
         "of answering 503", flag=Flag(("--forward-before-ready",), SERVING))] = False

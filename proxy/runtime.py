@@ -322,7 +322,8 @@ class Proxy:
         self.facts = self._make_facts()
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
-                        reload=self.reload, explain=self._explain)
+                        reload=self.reload, lifecycle=s.server.enable_lifecycle,
+                        explain=self._explain)
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:
             self.tls = self._make_tls()

@@ -59,16 +59,19 @@ def build_app(
     upstream_url: str = "",
     source: str = "",
     reload: Callable[[], Awaitable[ReloadOutcome]] | None = None,
+    lifecycle: bool = True,
     explain: Explainer | None = None,
 ) -> web.Application:
     """Routes of the proxy. ``source`` names where the index comes from (landing page);
-    ``reload`` serves ``POST /-/reload`` (absent: no such route); ``explain`` gives the
-    attribution page its owner chains (absent: the page shows the index's answers only)."""
+    ``reload`` serves ``POST /-/reload`` (absent: no such route), when ``lifecycle``
+    allows it (else 403, as Prometheus without ``--web.enable-lifecycle``); ``explain``
+    gives the attribution page its owner chains (absent: the page shows the index's
+    answers only)."""
     app = web.Application()
     app[REMOTE_WRITE] = handler
     pages = _Pages(handler, index, metrics, upstream_url, source)
     if reload is not None:
-        reload_view = _reload_view(reload)
+        reload_view = _reload_view(reload) if lifecycle else _lifecycle_disabled
         app.router.add_post("/-/reload", reload_view)
         app.router.add_put("/-/reload", reload_view)
     for path in (*WRITE_PATHS, *TENANT_WRITE_PATHS):
@@ -101,6 +104,17 @@ def _reload_view(
         return web.Response(text=text)
 
     return reload_view
+
+
+#: the answer to POST /-/reload with server.enable_lifecycle off
+LIFECYCLE_DISABLED = ("the lifecycle API is not enabled: POST /-/reload is served with "
+                      "server.enable_lifecycle: true (--web.enable-lifecycle); SIGHUP "
+                      "reloads either way\n")
+
+
+async def _lifecycle_disabled(_: web.Request) -> web.Response:
+    # Prometheus answers 403 too: the endpoint exists, the operator has not allowed it
+    return web.Response(status=403, text=LIFECYCLE_DISABLED)
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy.cli import build_parser, settings_from_args
 from proxy.config import Settings, load_settings, validate
 from proxy.reload import changed_keys, merge
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
+from proxy.server import LIFECYCLE_DISABLED
 from tests.karta.descriptions import TRAINER_KARTA
 from tests.karta.runs import record_runs
 from tests.proxy_harness import CART, SNAPSHOT
@@ -107,7 +109,7 @@ class Running:
         data: dict[str, Any] = {
             "snapshot": str(self.config.parent / "snap.yaml"),
             "upstream": {"url": self.upstream.url, "timeout_seconds": 5.0},
-            "server": {"listen_address": "127.0.0.1:0"},
+            "server": {"listen_address": "127.0.0.1:0", "enable_lifecycle": True},
             "facts": {"enabled": False},
         }
         for k, v in extra.items():
@@ -261,6 +263,35 @@ async def test_reload_endpoint_methods(running: Running) -> None:
         assert "POST" in resp.headers.get("Allow", "")
     async with running.session.put(running.base + "/-/reload") as resp:
         assert resp.status == 200
+
+
+async def test_the_reload_endpoint_is_off_unless_the_lifecycle_api_is_enabled(
+    tmp_path: Path,
+) -> None:
+    """POST /-/reload was served to whoever reached the port, with no switch (a reload
+    re-reads and re-evaluates every file, as often as anyone asks). As Prometheus without
+    --web.enable-lifecycle, it now answers 403 saying how to enable it, unless
+    server.enable_lifecycle is on; SIGHUP's reload goes on either way."""
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    config = tmp_path / "karta-proxy.yaml"
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        config.write_text(yaml.safe_dump({
+            "snapshot": str(tmp_path / "snap.yaml"), "upstream": {"url": up.url},
+            "server": {"listen_address": "127.0.0.1:0"}, "facts": {"enabled": False}}))
+        p = Proxy(_loader(config)(), loader=_loader(config))
+        await p.start()
+        try:
+            base = f"http://127.0.0.1:{p.port}"
+            for method in ("POST", "PUT"):
+                async with session.request(method, base + "/-/reload") as resp:
+                    assert resp.status == 403
+                    assert await resp.text() == LIFECYCLE_DISABLED
+            assert (await p.reload()).ok  # what SIGHUP runs
+        finally:
+            await p.stop()
+    assert "--web.enable-lifecycle" in LIFECYCLE_DISABLED
+    args = build_parser().parse_args(["--web.enable-lifecycle", "--upstream-url", "http://t/w"])
+    assert settings_from_args(args, env={}).server.enable_lifecycle
 
 
 async def test_concurrent_reloads_run_one_at_a_time(tmp_path: Path) -> None:
