@@ -45,7 +45,7 @@ UNATTRIBUTED = "(unattributed)"
 #: what the demo ends with, for a user to paste into a Prometheus the walkthrough feeds; the
 #: README's walkthrough shows the same lines (tests/test_readme.py holds them equal)
 NEXT_QUERIES = (
-    "sum by (karta_namespace, karta_kind, karta_workload) (DCGM_FI_DEV_GPU_UTIL)",
+    "avg by (karta_namespace, karta_kind, karta_workload) (DCGM_FI_DEV_GPU_UTIL)",
     "sum by (karta_namespace, karta_workload, karta_component) "
     '(rate(container_cpu_usage_seconds_total{container!~"|POD",image!=""}[5m]))',
     "karta_workload:DCGM_FI_DEV_POWER_USAGE:sum",

@@ -115,8 +115,27 @@ def substitute(expr: str, values: dict[str, str]) -> str:
     return expr
 
 
-def all_values(path: Path) -> dict[str, str]:
-    return {v["name"]: v["allValue"] for v in variables(path) if v["type"] == "query"}
+def grafana_escape(value: str) -> str:
+    """A value as Grafana puts it in a regex matcher: each regex metacharacter after a
+    backslash, written twice in the PromQL string (``10\\\\.0\\\\.0\\\\.1:9091``)."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\\\1", value)
+
+
+async def all_values(base: str, path: Path) -> dict[str, str]:
+    """What "All" stands for, as Grafana substitutes it: a variable's ``allValue``, else
+    the values its query lists (the earlier variables at "All"), as an alternation of
+    regex-escaped values ("" while it lists none: the panels then read nothing)."""
+    chosen: dict[str, str] = {}
+    for var in variables(path)[1:]:
+        if var.get("allValue") is not None:
+            chosen[var["name"]] = var["allValue"]
+            continue
+        promql, label = as_promql(substitute(variable_query(var), chosen))
+        result, error = await evaluate(base, promql)
+        assert not error, (var["name"], error)
+        listed = sorted(r["metric"][label] for r in result if label in r["metric"])
+        chosen[var["name"]] = f"({'|'.join(map(grafana_escape, listed))})" if listed else ""
+    return chosen
 
 
 # -- static checks ----------------------------------------------------------------------------
@@ -151,7 +170,12 @@ def test_dashboard_json_is_importable(path: Path) -> None:
                    for t in p["targets"]), p["title"]
     for v in variables(path)[1:]:
         assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-        assert v["includeAll"] and v["allValue"] == ".*", v["name"]
+        assert v["includeAll"], v["name"]
+        # the proxy dashboard's "All" is the proxies' jobs and instances the variable
+        # found, not ".*": that read every job of the TSDB into "Targets up", CPU and
+        # memory, and the remote-written karta_build_info (no job) into "Versions"; the
+        # workloads' ".*" also matches facts written without a cluster label
+        assert v.get("allValue") == (".*" if path == WORKLOADS else None), v["name"]
         as_promql(variable_query(v))
 
 
@@ -304,9 +328,9 @@ async def test_every_panel_evaluates_in_prometheus_fed_through_the_proxy(
     })
     await _send_bad_requests(proxy)
 
-    everything = {path: all_values(path) for path in DASHBOARDS}
     deadline = time.monotonic() + 45
     while True:  # until the rules have run over written series and the facts are in
+        everything = {path: await all_values(tsdb.base_url, path) for path in DASHBOARDS}
         report = {p: await empty_or_failing(tsdb.base_url, p, v) for p, v in everything.items()}
         if not any(f or e for f, e in report.values()) or time.monotonic() > deadline:
             break
@@ -319,6 +343,11 @@ async def test_every_panel_evaluates_in_prometheus_fed_through_the_proxy(
                 for kind, lines in (("error", failed), ("no data", empty)) for line in lines]
     assert not problems, "\n".join(problems)
     assert concrete[PROXY]["instance"] == proxy.url.removeprefix("http://")
+    # at "All" the proxy dashboard reads the proxies only: the agent's other jobs
+    # (cadvisor, dcgm, ...) write their `up` too, which ".*" counted
+    (up,), error = await evaluate(tsdb.base_url, substitute(
+        'sum(up{job=~"$job", instance=~"$instance"})', everything[PROXY]))
+    assert not error and float(up["value"][1]) == 1.0, (up, error)
     await _coverage_agrees_with_the_pod_facts(tsdb.base_url, proxy)
     assert time.monotonic() - started < 60
 

@@ -261,8 +261,24 @@ async def test_walkthrough_runs_as_written(
             except AssertionError as e:
                 logs = "\n".join(f"--- {p.name}\n{p.log_tail(1500)}" for p in started)
                 raise AssertionError(f"{e}\n{logs}") from None
-        gpu = {r["metric"].get("karta_workload") for r in await query(tsdb, promql[0])}
-        assert {"pretrain", "llm-finetune"} <= gpu
+        gpu = {r["metric"].get("karta_workload"): float(r["value"][1])
+               for r in await query(tsdb, promql[0])}
+        assert {"pretrain", "llm-finetune"} <= gpu.keys()
+        # a utilisation in percent (the mean over a workload's GPUs, as the demo's summary
+        # says it), not the sum of its GPUs' (pretrain's three read 214)
+        assert all(0 <= v <= 100 for v in gpu.values()), gpu
+
+        async def facts_written() -> bool:
+            return bool(await query(tsdb, "karta_workload_info"))
+
+        await wait_until(facts_written, timeout=max(1.0, deadline - time.monotonic()),
+                         what="the facts", interval=1.0)
+        # the facts carry the enriched series' cluster: a join on it (the shipped age rule,
+        # the advice of docs/metrics.md) finds its rows
+        clusters = {r["metric"].get("cluster")
+                    for q in ("karta_workload_info", "DCGM_FI_DEV_GPU_UTIL")
+                    for r in await query(tsdb, q)}
+        assert clusters == {"walkthrough"}, clusters
     finally:
         for peer in reversed(started):
             await peer.astop()
