@@ -282,6 +282,14 @@ class PodIndex:
         if old_key is not None and old_key != key:  # pods do not rename; be safe anyway
             self._by_name.pop(old_key, None)
         self._key_by_uid[uid] = key
+        holder = self._live_holder(key)
+        if was is not None and holder is not None and holder != uid:
+            # A namesake came after this pod and holds the name: a relist gives the new
+            # uid at once but retracts the old one only after its last page, and a change
+            # to the old one meanwhile (its owner deleted) took the name from the live
+            # newcomer, then tombstoned it with the old labels and let it expire. The
+            # name is the newest pod's; this one's attribution stays in ``pods`` only.
+            return
         pairs = stamped_pairs(att)
         if not pairs:
             self._unattributed[key] = (uid, att.reason or "unattributed")
@@ -293,6 +301,15 @@ class PodIndex:
         pairs = self._interned.setdefault(pairs, pairs)
         self._by_name[key] = _Entry(uid, pairs)
         self._tombstones.pop(key, None)
+
+    def _live_holder(self, key: PodKey) -> str | None:
+        """The uid of the live pod that answers for a name (attributed, or not), or None
+        (no pod of that name, or only a tombstone)."""
+        entry = self._by_name.get(key)
+        if entry is not None and entry.expires is None:
+            return entry.uid
+        hit = self._unattributed.get(key)
+        return hit[0] if hit is not None else None
 
     def _remove_pod(self, uid: str, now: float) -> None:
         was = self.pods.pop(uid, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,6 +159,38 @@ def test_a_late_delete_of_the_old_uid_keeps_the_new_pods_reason() -> None:
     idx.apply(ChangeSet(pods={"u-a2": None, "u-b2": None}))
     assert idx.reason(b"ml", b"unattr") == "pod_unknown" and idx.answer(b"ml", b"mixed") is None
     assert list(idx.answers()) == []
+
+
+@pytest.mark.parametrize("old_becomes", ["another workload", "unattributed"])
+def test_a_change_to_the_old_uid_during_a_relist_leaves_the_name_to_the_new_pod(
+    old_becomes: str,
+) -> None:
+    """A pod re-created under its name (new uid) while the pod watch relists: the new uid
+    is given at once, the old one retracted after the last page. An engine change to the
+    old uid meanwhile (its ReplicaSet deleted: re-placed under the ReplicaSet, or left
+    unattributed) took the name from the live newcomer: its series read the old pod's
+    labels, then, once the old uid's tombstone expired, none at all, for good (an
+    auditor's repro against the API simulator). The name stays the newest pod's."""
+    clock = ManualClock(1000.0)
+    idx = PodIndex(clock=clock)
+    table: dict[tuple[bytes, bytes], object] = {}
+    idx.subscribe_pods(lambda keys: table.update({k: idx.answer(*k) for k in keys}))
+    rs = replace(WL, kind="ReplicaSet", name="a-1", uid="rs-a")
+    newest = replace(WL, name="b", uid="w-b")
+    idx.apply(ChangeSet(pods={"old": att("old", "p", component="head")}))
+    idx.apply(ChangeSet(pods={"new": att("new", "p", workload=newest, component="head")}))
+    changed = (att("old", "p", workload=rs, component="replicaset")
+               if old_becomes == "another workload"
+               else att("old", "p", workload=None, reason="owner_missing"))
+    idx.apply(ChangeSet(pods={"old": changed}))
+    idx.apply(ChangeSet(pods={"old": None}))  # the relist's retraction
+    clock.now += 10_000
+    idx.expire()
+    for answer in (idx.answer(b"ml", b"p"), table[b"ml", b"p"]):
+        assert isinstance(answer, tuple) and dict(answer)[contract.LABEL_WORKLOAD] == "b"
+    assert idx.uid_of("ml", "p") == "new" and idx.reason(b"ml", b"p") == "pod_unknown"
+    assert idx.pods["new"].workload == newest and "old" not in idx.pods
+    assert idx.unattributed_pods == 0 and idx.tombstones() == 0
 
 
 def test_listeners_see_every_change_set() -> None:
