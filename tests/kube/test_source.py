@@ -395,7 +395,7 @@ async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
     await eventually(lambda: not any(gk.kind == "RayJob" for gk in source.watchers)
                      and "rayjobs.ray.io" not in source.index.freshness, timeout=5)
     assert source.registry.get_sample_value(gauge, {"resource": "rayjobs.ray.io"}) is None
-    resources = {f.labels[0][1] for f in process_facts(source.index)
+    resources = {dict(f.labels)[contract.FACT_LABEL_RESOURCE] for f in process_facts(source.index)
                  if f.name == contract.FACT_SOURCE_LAST_CURRENT}
     assert "rayjobs.ray.io" not in resources and "pods" in resources
     await asyncio.sleep(0.5)
