@@ -75,7 +75,8 @@ async def test_metrics_has_the_standard_collectors_and_one_build_info(tmp_path: 
                    "python_gc_objects_collected_total{"):
         assert any(s.startswith(prefix) for s in samples), prefix
     build = [s for s in samples if s.split("{")[0].split(" ")[0].endswith("_build_info")]
-    assert build == [f'karta_build_info{{splice="{SPLICE}",version="{__version__}"}} 1.0']
+    assert build == [f'karta_build_info{{karta_writer="karta-proxy",splice="{SPLICE}",'
+                     f'version="{__version__}"}} 1.0']
 
 
 async def test_serve_reports_a_failed_start_in_one_line(
