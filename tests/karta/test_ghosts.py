@@ -272,3 +272,17 @@ def test_no_ghosts_when_switched_off() -> None:
     att = e.pod("p-1")
     assert att is not None and att.workload is not None
     assert att.workload.kind == "ReplicaSet"
+
+
+def test_explain_marks_the_links_walked_through_ghosts() -> None:
+    e, cluster, _ = _load("jobset.yaml", ["ri-jobset.yaml"])
+    e.delete(_by_name(cluster, "JobSet", "train"))
+    e.delete(_by_name(cluster, "Job", "train-workers-0"))
+    ex = e.explain("team-a", "train-workers-0-1-d3e4f")
+    assert ex is not None
+    assert [(link.kind, link.name, link.seen, link.ghost, link.workload)
+            for link in ex.chain] == [
+        ("Job", "train-workers-0", False, True, False),
+        ("JobSet", "train", False, True, True),
+    ]
+    assert ex.walk_end == "owner_missing"  # ended at a ghost: at an absent owner
