@@ -77,7 +77,8 @@ def _owner_ref(kind: str, name: str) -> dict[str, Any]:
 
 @st.composite
 def clusters(draw: st.DrawFn) -> dict[str, Any]:
-    """Objects (o0..), pods (p0..) and owners that may never arrive (ghosts)."""
+    """Objects (o0..), pods (p0..) and owners that may never arrive (named ``ghost-*``;
+    not the engine's ghosts of removed owners, which the history's deletions make)."""
     n_obj = draw(st.integers(0, 7))
     names: list[tuple[str, str]] = []  # (kind, name) of possible owners, objects first
     objects: dict[str, dict[str, Any]] = {}
