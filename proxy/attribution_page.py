@@ -249,7 +249,8 @@ def report_json(report: PodReport, index: PodIndex, now: float) -> dict[str, Any
     data["chain"] = None if ex is None else [
         {"kind": link.kind, "group": link.group, "name": link.name, "uid": link.uid,
          "seen": link.seen, "described": link.described, "description": link.description,
-         "description_error": link.description_error, "workload": link.workload}
+         "description_error": link.description_error, "workload": link.workload,
+         "ghost": link.ghost}
         for link in ex.chain
     ]
     data["walk_end"] = None if ex is None else ex.walk_end
@@ -333,7 +334,9 @@ def _chain_html(report: PodReport) -> str:
             notes.append('<span class="bad">its description is invalid</span>')
         else:
             notes.append("not described")
-        if not link.seen:
+        if link.ghost:
+            notes.append("removed: walked through its ghost (its own owner still known)")
+        elif not link.seen:
             notes.append("not seen: known from the reference only")
         mark = ' class="workload"' if link.workload else ""
         top = " <strong>&larr; workload</strong>" if link.workload else ""

@@ -40,6 +40,7 @@ from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing
 from proxy.karta.explain import Explanation
 from proxy.karta.model import Description
+from proxy.karta.results import ChangeSet, PartialBatch
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome, merge
@@ -134,7 +135,10 @@ class Proxy:
         self.index = PodIndex(tombstone_seconds=settings.karta.tombstone_seconds)
         self.metrics.watch_index(self.index)
         self.engine = Engine(
-            builtins=settings.karta.builtins, max_owner_hops=settings.karta.max_owner_hops
+            builtins=settings.karta.builtins, max_owner_hops=settings.karta.max_owner_hops,
+            # a removed owner's ghost is walked through as long as a deleted pod's
+            # tombstone keeps its labels
+            ghost_seconds=settings.karta.tombstone_seconds,
         )
         self.metrics.watch_engine(self.engine)
         self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
@@ -495,13 +499,24 @@ class Proxy:
 
     async def _expire_loop(self) -> None:
         """Tombstone expiry, for every source (the one place it runs: the snapshot and the
-        kube source only add tombstones)."""
+        kube source only add tombstones), and the expiry of the engine's ghosts of removed
+        owners (the pods that still walked through one placed again)."""
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_SECONDS)
             try:
                 self.index.expire()
             except Exception:  # never let housekeeping end the process
                 log.exception("tombstone expiry failed")
+            try:
+                cs = self.engine.expire_ghosts()
+            except PartialBatch as e:
+                log.exception("owner ghost expiry failed")
+                cs = e.changes if e.changes is not None else ChangeSet()
+            except Exception:
+                log.exception("owner ghost expiry failed")
+                continue
+            if cs:
+                self.index.apply(cs)
 
     async def stop(self) -> None:
         """Stop taking requests, finish those in flight, then stop the sources."""

@@ -151,6 +151,37 @@ async def test_snapshot_reload_follows_the_files(tmp_path: Path) -> None:
         assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
 
 
+async def test_a_snapshot_dropping_a_pods_owners_keeps_its_workload_until_the_ghosts_expire(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot reload that drops the Deployment and its ReplicaSet (a cascade delete
+    caught mid-way) is a removal as a watch's is: the pod still walks through the
+    ReplicaSet's ghost to the Deployment, for ``karta.tombstone_seconds``; then the
+    expiry loop drops the ghosts and the pod is placed again, from its reference."""
+    import proxy.runtime
+
+    monkeypatch.setattr(proxy.runtime, "EXPIRE_INTERVAL_SECONDS", 0.05)
+    s = snapshot_settings(tmp_path)
+    snap = Path(s.snapshot)
+    s.snapshot_reload_seconds = 0.2
+    s.karta.tombstone_seconds = 1.0
+    async with started(s) as p:
+
+        def kind() -> str:
+            return dict(p.index.lookup(b"shop", b"cart-7d9f8-abcde") or ()).get(
+                "karta_kind", "")
+
+        assert kind() == "Deployment"
+        snap.write_text(SNAPSHOT.split("---\n")[-1])  # the pod alone
+        await wait_until(lambda: asyncio.sleep(0, "rs-cart" not in p.engine._graph.objects),
+                         timeout=10, what="the owners' removal")
+        assert kind() == "Deployment"
+        assert p.engine.ghosts() == 2 and p.engine._graph.ghost_seconds == 1.0
+        await wait_until(lambda: asyncio.sleep(0, kind() == "ReplicaSet"),
+                         timeout=10, what="the ghosts' expiry")
+        assert p.engine.ghosts() == 0
+
+
 async def test_snapshot_reload_off(tmp_path: Path) -> None:
     s = snapshot_settings(tmp_path)
     snap = Path(s.snapshot)

@@ -87,6 +87,16 @@ _JQ_LOGGED_MAX = 10_000
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 
+#: how long an owner removed while pods or objects still pointed at it is walked through
+#: (its ghost, :class:`proxy.karta.owners.Ghost`), by default: the pod tombstones' time
+#: (``karta.tombstone_seconds``, which the proxy passes)
+DEFAULT_GHOST_SECONDS = 600.0
+#: at most this many ghosts at once (the oldest dropped first): a ghost costs a few
+#: hundred bytes (~210 B more than nothing, once the record it replaces is freed,
+#: measured with tracemalloc over 40k), so a mass deletion inside the window stays
+#: within ~10-20 MB
+MAX_GHOSTS = 50_000
+
 
 def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
     """The source of a description object: ``api:<kind>/<name>`` (the uid without a
@@ -141,10 +151,17 @@ class Engine:
         builtins: bool = True,
         max_owner_hops: int = 6,
         clock: Callable[[], float] = time.time,
+        ghost_seconds: float = DEFAULT_GHOST_SECONDS,
+        max_ghosts: int = MAX_GHOSTS,
+        ghost_clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``ghost_seconds`` and ``max_ghosts`` bound the ghosts of removed owners
+        (:class:`proxy.karta.owners.Ghost`; 0: none are kept), timed by ``ghost_clock``;
+        :meth:`expire_ghosts` drops those past their time."""
         self._clock = clock
         self._pods: dict[str, _PodRec] = {}
-        self._graph = OwnerGraph(max_owner_hops, self._pods)
+        self._graph = OwnerGraph(max_owner_hops, self._pods, ghost_seconds=ghost_seconds,
+                                 max_ghosts=max_ghosts, clock=ghost_clock)
         #: pods without a controller owner (the built-in Pod description's candidates)
         self._bare: set[str] = set()
         self._wl: dict[str, _Workload] = {}
@@ -234,6 +251,32 @@ class Engine:
             log.exception("settling a batch the engine failed on failed too")
             return PartialBatch(None)
         return PartialBatch(cs)
+
+    # -- public: ghosts -----------------------------------------------------------------
+
+    def expire_ghosts(self) -> ChangeSet:
+        """Drop the ghosts of removed owners past their time (and those the count bound
+        dropped); the pods and objects that walked through one are placed again, as after
+        any owner change. Call periodically (the index's tombstone expiry does)."""
+        cs = ChangeSet()
+        try:
+            self._replace_below(self._graph.expire(), cs)
+        except Exception as e:
+            raise self._partial(cs) from e
+        self._settle(cs)
+        return cs
+
+    def ghosts(self) -> int:
+        """How many ghosts of removed owners are kept now."""
+        return len(self._graph.ghosts)
+
+    def _replace_below(self, uids: Iterable[str], cs: ChangeSet) -> None:
+        """Re-attribute what lies below each of ``uids`` (not themselves: ghosts gone)."""
+        todo: dict[str, None] = {}
+        for uid in uids:
+            self._graph.add_descendants(uid, todo)
+        if todo:
+            self._reattribute(todo, cs)
 
     # -- public: descriptions -----------------------------------------------------------
 
@@ -428,6 +471,8 @@ class Engine:
         rec = self._pods.get(uid)
         same_owner = False
         if rec is None:
+            if self._graph.ghosts:
+                self._graph.unbury(uid)  # a pod of a removed one's uid is back
             rec = self._pods[uid] = _PodRec(uid)
         elif (
             (same_owner := (owner.same(rec.owner) if owner is not None else rec.owner is None))
@@ -462,12 +507,15 @@ class Engine:
 
     def _delete_pod(self, uid: str, cs: ChangeSet) -> None:
         rec = self._pods.pop(uid)
-        if rec.owner is not None:
+        # a pod that owns pods or objects stays a ghost while they point at it
+        buried = self._graph.bury(uid, POD, rec.namespace, rec.name, rec.owner)
+        if rec.owner is not None and not buried:
             self._graph.unlink(uid, rec.owner)
         self._bare.discard(uid)
         self._leave(rec)
         cs.pods[uid] = None
         self._reattribute(self._graph.descendants(uid), cs)
+        self._replace_below(self._graph.take_evicted(), cs)
 
     def _upsert_object(
         self,
@@ -523,6 +571,7 @@ class Engine:
         if uid in self._wl:
             self._dirty.add(uid)
         self._reattribute(self._graph.descendants(uid), cs)
+        self._replace_below(self._graph.take_evicted(), cs)
 
     # -- attribution --------------------------------------------------------------------
 

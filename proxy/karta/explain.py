@@ -4,7 +4,8 @@ The engine keeps answers, not reasons: the walk that placed a pod is not recorde
 would cost memory per pod, for every pod, to serve a page an operator opens now and then).
 So an explanation is computed on demand, from what the engine holds: the controller
 references are followed up again with the walk's rules (controller references only, at
-most ``max_owner_hops``, pods can be owners, an owner not seen ends the walk), and every
+most ``max_owner_hops``, pods can be owners, an owner not seen ends the walk unless it is
+the ghost of a removed one), and every
 owner passed is reported with the description in force for its kind.
 
 The result shown is always the engine's own :class:`PodAttribution`, never recomputed
@@ -58,6 +59,9 @@ class OwnerLink:
     description_error: bool
     #: this owner is the pod's workload (the highest described one reached)
     workload: bool
+    #: the owner was removed, and is walked through its ghost (kind, name and its own
+    #: controller reference kept for a while: docs/karta-attribution.md, "Absent owners")
+    ghost: bool = False
 
     @property
     def described(self) -> bool:
@@ -103,6 +107,7 @@ def explain_pod(
         hops += 1
         up: OwnerRef | None = None
         seen = True
+        ghost = None
         rec = graph.objects.get(ref.uid)
         if graph.foreign(ref.uid, namespace):  # another namespace's: absent to this one
             gk, name, seen = ref.gk, ref.name, False
@@ -110,7 +115,11 @@ def explain_pod(
             gk, name, up, namespace = rec.gk, rec.name, rec.owner, rec.namespace
         else:
             owner_pod = pods.get(ref.uid)
-            if owner_pod is None:
+            ghost = graph.ghosts.get(ref.uid) if owner_pod is None else None
+            if ghost is not None:  # removed: passed as absent, its own reference known
+                gk, name, up, seen = ghost.gk, ghost.name, ghost.owner, False
+                namespace = ghost.namespace
+            elif owner_pod is None:
                 gk, name, seen = ref.gk, ref.name, False
             else:
                 gk, name, up = POD, owner_pod.name, owner_pod.owner
@@ -122,9 +131,9 @@ def explain_pod(
             desc = attribution.description or None
         links.append(OwnerLink(
             gk.kind, gk.group, name, ref.uid, seen, desc or "",
-            desc is None and errored(gk), is_workload,
+            desc is None and errored(gk), is_workload, ghost is not None,
         ))
-        if not seen:
+        if not seen and up is None:
             end = END_OWNER_MISSING
             break
         ref = up

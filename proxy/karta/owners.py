@@ -106,6 +106,31 @@ class ObjectRecord:
     member: str = field(default="", init=False)
 
 
+class Ghost:
+    """What an owner that was removed while something still pointed at it leaves behind
+    for a while: enough to walk through it (its kind, namespace, name and its own
+    controller reference), as through an absent owner whose owner is still known.
+
+    Kubernetes' background deletion removes a Deployment, then its ReplicaSets, then their
+    pods (which terminate gracefully, and are scraped meanwhile): without the ghost, the
+    ReplicaSet's reference to the Deployment went with it, and its pods' walks stopped at
+    the ReplicaSet, a workload of its own for the rest of their lives."""
+
+    __slots__ = ("expires", "gk", "name", "namespace", "owner", "uid")
+
+    def __init__(self, uid: str, gk: GroupKind, namespace: str, name: str,
+                 owner: OwnerRef | None, expires: float) -> None:
+        self.uid = uid
+        self.gk = gk
+        self.namespace = namespace
+        self.name = name
+        self.owner = owner
+        self.expires = expires
+
+    def __repr__(self) -> str:
+        return f"Ghost({self.gk}/{self.name} uid={self.uid} owner={self.owner})"
+
+
 class _Dependents:
     __slots__ = ("ref", "uids")
 
@@ -134,9 +159,20 @@ class WalkResult(Generic[T]):
 class OwnerGraph:
     """Objects by uid, controller edges both ways, and the bounded upward walk."""
 
-    def __init__(self, max_hops: int, pods: Mapping[str, Any]) -> None:
+    def __init__(self, max_hops: int, pods: Mapping[str, Any], *,
+                 ghost_seconds: float = 0.0, max_ghosts: int = 0,
+                 clock: Callable[[], float] | None = None) -> None:
         self.max_hops = max_hops
         self.objects: dict[str, ObjectRecord] = {}
+        #: owners removed while something pointed at them (:class:`Ghost`), oldest first
+        #: (so in expiry order): kept ``ghost_seconds``, at most ``max_ghosts`` of them
+        self.ghosts: dict[str, Ghost] = {}
+        self.ghost_seconds = ghost_seconds
+        self.max_ghosts = max_ghosts
+        self._clock = clock
+        #: ghosts dropped for the count bound, for the caller to re-place what walked
+        #: through them (:meth:`take_evicted`)
+        self._evicted: list[str] = []
         #: pods can own objects too (a LeaderWorkerSet leader pod owns its workers'
         #: StatefulSet); records with an ``owner`` attribute, walked as kind Pod
         self._pods = pods
@@ -224,13 +260,16 @@ class OwnerGraph:
         return out
 
     def _owner(self, uid: str) -> OwnerRef | None:
-        """The controller reference of the object or pod ``uid``; None for a root or one
-        not held."""
+        """The controller reference of the object, pod or ghost ``uid``; None for a root
+        or one not held."""
         rec = self.objects.get(uid)
         if rec is not None:
             return rec.owner
         pod = self._pods.get(uid)
-        return pod.owner if pod is not None else None
+        if pod is not None:
+            return pod.owner
+        ghost = self.ghosts.get(uid)
+        return ghost.owner if ghost is not None else None
 
     def add_descendants(self, uid: str, into: dict[str, None]) -> None:
         """Add every pod and object below ``uid`` to ``into``, in the order
@@ -255,9 +294,12 @@ class OwnerGraph:
     # -- objects --------------------------------------------------------------------------
 
     def put(self, rec: ObjectRecord) -> ObjectRecord | None:
-        """Store ``rec``; returns the record it replaced. Keeps the edge to its owner."""
+        """Store ``rec``; returns the record it replaced. Keeps the edge to its owner.
+
+        A ghost of its uid is dropped: the object is back (its edge, if the same, kept)."""
         old = self.objects.get(rec.uid)
-        old_owner = old.owner if old is not None else None
+        ghost = self.ghosts.pop(rec.uid, None) if self.ghosts else None
+        old_owner = old.owner if old is not None else ghost.owner if ghost is not None else None
         if old_owner is not None and rec.owner is not None and old_owner.same(rec.owner):
             rec.owner = old_owner  # same edge: keep the shared reference
         else:
@@ -269,10 +311,69 @@ class OwnerGraph:
         return old
 
     def remove(self, uid: str) -> ObjectRecord | None:
+        """Forget the object ``uid``; while something points at it, it stays a ghost
+        (:meth:`bury`)."""
         old = self.objects.pop(uid, None)
-        if old is not None and old.owner is not None:
+        if old is None:
+            return None
+        buried = self.bury(uid, old.gk, old.namespace, old.name, old.owner)
+        if old.owner is not None and not buried:
             self.unlink(uid, old.owner)
         return old
+
+    # -- ghosts ---------------------------------------------------------------------------
+
+    def bury(self, uid: str, gk: GroupKind, namespace: str, name: str,
+             owner: OwnerRef | None) -> bool:
+        """Keep a ghost of an object or pod being removed, if anything else (a pod, an
+        object, a ghost) points at it; returns whether it did. The ghost keeps the edge to
+        its own owner (the reverse map still finds what lies below that owner through it),
+        until it is dropped. The caller forgets the object itself."""
+        if self.ghost_seconds <= 0 or self.max_ghosts <= 0 or self._clock is None:
+            return False
+        dep = self._dependents.get(uid)
+        if dep is None or not any(child != uid for child in dep.uids):
+            return False
+        self.ghosts.pop(uid, None)
+        self.ghosts[uid] = Ghost(uid, gk, namespace, name, owner,
+                                 self._clock() + self.ghost_seconds)
+        while len(self.ghosts) > self.max_ghosts:
+            oldest = next(iter(self.ghosts))
+            self._drop_ghost(oldest)
+            self._evicted.append(oldest)
+        return True
+
+    def unbury(self, uid: str) -> Ghost | None:
+        """Drop the ghost of ``uid`` (a pod of that uid is back; objects: :meth:`put`)."""
+        if uid not in self.ghosts:
+            return None
+        return self._drop_ghost(uid)
+
+    def _drop_ghost(self, uid: str) -> Ghost:
+        ghost = self.ghosts.pop(uid)
+        if ghost.owner is not None:
+            self.unlink(uid, ghost.owner)
+        return ghost
+
+    def expire(self) -> list[str]:
+        """Drop the ghosts past their time, and those dropped for the count bound since
+        the last call; returns their uids: what lies below each must be placed again."""
+        gone = self.take_evicted()
+        if not self.ghosts or self._clock is None:
+            return gone
+        now = self._clock()
+        while self.ghosts:
+            uid, ghost = next(iter(self.ghosts.items()))
+            if ghost.expires > now:
+                break
+            self._drop_ghost(uid)
+            gone.append(uid)
+        return gone
+
+    def take_evicted(self) -> list[str]:
+        """The ghosts dropped for the count bound since the last call."""
+        gone, self._evicted = self._evicted, []
+        return gone
 
     # -- the walk -------------------------------------------------------------------------
 
@@ -289,7 +390,10 @@ class OwnerGraph:
         if rec is not None:
             return bool(rec.namespace) and rec.namespace != namespace
         pod = self._pods.get(uid)
-        return pod is not None and pod.namespace != namespace
+        if pod is not None:
+            return bool(pod.namespace != namespace)
+        ghost = self.ghosts.get(uid)
+        return ghost is not None and bool(ghost.namespace) and ghost.namespace != namespace
 
     def walk(
         self,
@@ -305,6 +409,12 @@ class OwnerGraph:
         ``top`` is what the caller already holds (a described object walking from itself).
         An absent owner ends the walk; if its kind is described (known from the
         reference), it is the workload, identified by the reference alone.
+
+        A ghost (an owner removed while something pointed at it, :class:`Ghost`) is
+        passed as an absent owner whose own controller reference is still known: if its
+        kind is described it may be the workload, identified by the reference, and the
+        walk goes on to its owner. A walk that ends at a ghost ends at an absent owner.
+        The namespace rule holds for ghosts as for held objects.
 
         An owner held in another namespace than its dependent's (:meth:`foreign`) ends
         the walk as an absent owner does, but is never the workload: its uid is that
@@ -359,6 +469,14 @@ class OwnerGraph:
                 pod = self._pods.get(ref.uid)
                 if pod is None:
                     gk = ref.gk
+                    ghost = self.ghosts.get(ref.uid) if self.ghosts else None
+                    if ghost is not None:
+                        if ghost.namespace and ghost.namespace != namespace:
+                            missing = True  # another namespace's: absent to this one
+                            break
+                        gk = ghost.gk
+                        up = ghost.owner
+                        namespace = ghost.namespace
                 elif pod.namespace != namespace:
                     missing = True
                     break
@@ -372,8 +490,8 @@ class OwnerGraph:
             elif errored(gk):
                 bad = True
                 last_errored = hops - 1
-            if rec is None and pod is None:
-                missing = True
+            if rec is None and pod is None and up is None:
+                missing = True  # absent, or a ghost at the top: ends as absent
                 break
             last_pod = ref.uid if pod is not None and up is None else ""
             ref = up

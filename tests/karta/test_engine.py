@@ -178,7 +178,8 @@ def test_unchanged_and_status_only_updates_touch_nothing_or_only_facts() -> None
 
 
 def test_deleting_owners_reattributes_dependents() -> None:
-    e = Engine()
+    ghost_clock = ManualClock(0.0)
+    e = Engine(ghost_clock=ghost_clock)
     dep = deployment("web")
     rs = replicaset("web-1", dep)
     e.upsert_many([dep, rs, pod("web-1-a", rs)])
@@ -188,7 +189,15 @@ def test_deleting_owners_reattributes_dependents() -> None:
     w = cs.workloads["deployment-web"]
     assert w is not None and w.phase_reason == "workload_object_missing"
 
-    cs = e.delete(rs)  # now only the pod's reference to the ReplicaSet is left
+    # the ReplicaSet's ghost still names the Deployment: the pod keeps it (a cascade
+    # delete, which removes the pods last)
+    cs = e.delete(rs)
+    assert cs.pods == {} and "replicaset-web-1" not in cs.workloads
+    att = e.pod("pod-web-1-a")
+    assert att is not None and att.workload is not None and att.workload.kind == "Deployment"
+
+    ghost_clock.now += 601  # the ghost expires: only the pod's reference is left
+    cs = e.expire_ghosts()
     att = cs.pods["pod-web-1-a"]
     assert att is not None and att.workload is not None and att.workload.kind == "ReplicaSet"
     assert cs.workloads == {
@@ -257,9 +266,17 @@ def test_an_owner_in_another_namespace_is_absent(order: tuple[int, ...]) -> None
         explained = e.explain("team-b", "intruder")
         assert explained is not None and explained.walk_end == "owner_missing"
         assert [(link.name, link.seen) for link in explained.chain] == [("web-1", False)]
-    # the ReplicaSet gone, the reference names an owner not seen: as before (the
-    # ReplicaSet kind is described, so it is the workload, known from the reference)
+    # the ReplicaSet gone, its ghost is team-a's still: absent to the intruder as the
+    # object was (the ghost keeps what the pod had while the chain was whole)
+    ghost_clock = ManualClock(0.0)
+    e._graph._clock = ghost_clock
     cs = e.delete(rs)
+    assert "pod-intruder" not in cs.pods
+    assert P(e, "pod-intruder").reason == "owner_missing"
+    # once the ghost expired, the reference names an owner not seen: as before (the
+    # ReplicaSet kind is described, so it is the workload, known from the reference)
+    ghost_clock.now += 601
+    cs = e.expire_ghosts()
     assert P(cs, "pod-intruder").workload is not None
     w = P(e, "pod-intruder").workload
     assert w is not None and (w.namespace, w.kind) == ("team-b", "ReplicaSet")
@@ -373,7 +390,12 @@ def test_owner_cycle_is_bounded() -> None:
     a = obj("example.com/v1", "Loop", "a", b)
     cs = e.upsert_many([a, b, pod("p", a)])
     assert P(cs, "pod-p").reason == "hop_limit"
-    cs = e.delete(a)
+    ghost_clock = ManualClock(0.0)
+    e._graph._clock = ghost_clock
+    cs = e.delete(a)  # a's ghost still names b: the cycle is walked as before
+    assert "pod-p" not in cs.pods and P(e, "pod-p").reason == "hop_limit"
+    ghost_clock.now += 601
+    cs = e.expire_ghosts()
     assert P(cs, "pod-p").reason == "owner_missing"
 
 

@@ -9,11 +9,16 @@ and re-add objects and switch a description on and off midway. Checked after eve
   not change;
 * a pod is attributed iff its owner chain reaches a described kind (an independent
   reference walk), to the topmost one; workload pod counts add up to the pods.
+
+An object or pod deleted while anything (held, or a ghost itself) pointed at it stays a
+ghost until it is added again or expires: the reference walk passes through a ghost as
+through an absent owner whose own reference is known. The run is checked with its
+ghosts, then again once they expired, against the rebuild too (which never had any).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +28,7 @@ from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import ChangeSet
+from tests.clock import ManualClock
 from tests.karta.descriptions import component, karta
 
 NS = "ns"
@@ -71,7 +77,8 @@ def _owner_ref(kind: str, name: str) -> dict[str, Any]:
 
 @st.composite
 def clusters(draw: st.DrawFn) -> dict[str, Any]:
-    """Objects (o0..), pods (p0..) and owners that may never arrive (ghosts)."""
+    """Objects (o0..), pods (p0..) and owners that may never arrive (named ``ghost-*``;
+    not the engine's ghosts of removed owners, which the history's deletions make)."""
     n_obj = draw(st.integers(0, 7))
     names: list[tuple[str, str]] = []  # (kind, name) of possible owners, objects first
     objects: dict[str, dict[str, Any]] = {}
@@ -171,8 +178,8 @@ def histories(draw: st.DrawFn) -> tuple[dict[str, Any], list[Any], dict[str, Any
     return c, events, final, mid_on
 
 
-def _engine(mid_on: bool) -> Engine:
-    e = Engine(max_owner_hops=HOPS, clock=lambda: 0.0)
+def _engine(mid_on: bool, ghost_clock: Callable[[], float] = lambda: 0.0) -> Engine:
+    e = Engine(max_owner_hops=HOPS, clock=lambda: 0.0, ghost_clock=ghost_clock)
     e.add_descriptions([TOP], source="top")
     if mid_on:
         e.add_descriptions([MID], source="mid")
@@ -185,12 +192,29 @@ def _state(e: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
     return pods, wls
 
 
-def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
+def _ghosts_after(current: dict[str, Any], ghosts: dict[str, Any], uid: str) -> None:
+    """``uid`` deleted: it stays a ghost if another held object or pod, or a ghost,
+    names it as its controller (one pointing at itself only is no reason)."""
+    gone = current.pop(uid, None)
+    if gone is None:
+        return  # not held: the engine ignores the deletion
+    for u, o in (*current.items(), *ghosts.items()):
+        refs = o["metadata"].get("ownerReferences")
+        if u != uid and refs and refs[0]["uid"] == uid:
+            ghosts[uid] = gone
+            return
+
+
+def _reference(final: dict[str, Any], mid_on: bool,
+               ghosts: Mapping[str, Any] | None = None) -> dict[str, str | None]:
     """Independent walk: pod uid -> uid of the topmost described owner, or None (also
     when the chain loops through a described kind: a cycle has no topmost). A pod whose
     walk the hop limit stopped above a present described object goes where that
-    object's own walk (``HOPS`` from it) goes."""
+    object's own walk (``HOPS`` from it) goes. ``ghosts`` (deleted objects and pods,
+    :func:`_ghosts_after`) are passed as absent owners whose own reference is known: a
+    walk ending at one ends at an absent owner (a ghost pod is no bare pod)."""
     described = {"Top", *BUILTIN_DESCRIBED} | ({"Mid"} if mid_on else set())
+    ghosts = ghosts or {}
 
     def walk(ref: dict[str, Any], top: str | None) -> tuple[str | None, bool]:
         """(top, cut): cut when the limit stopped the walk above a described owner
@@ -209,11 +233,14 @@ def _reference(final: dict[str, Any], mid_on: bool) -> dict[str, str | None]:
             if ref["kind"] in described:
                 top, found = ref["uid"], True
             owner = final.get(ref["uid"])
+            held = owner is not None
             if owner is None:
-                break
+                owner = ghosts.get(ref["uid"])
+                if owner is None:
+                    break
             nxt = owner["metadata"].get("ownerReferences")
             if not nxt:
-                if top is None and owner["kind"] == "Pod":
+                if top is None and owner["kind"] == "Pod" and held:
                     top = ref["uid"]  # a bare pod at the top of pods: their workload
                 break
             ref = nxt[0]
@@ -252,7 +279,8 @@ def _follow(mirror: dict[str, Any], changes: Mapping[str, Any], what: str) -> No
 @given(histories())
 def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
     _, events, final, mid_on = history
-    e = _engine(True)
+    ghost_clock = ManualClock(0.0)
+    e = _engine(True, ghost_clock)
     mirror_pods: dict[str, Any] = {}
     mirror_wls: dict[str, Any] = {}
 
@@ -261,12 +289,14 @@ def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
         _follow(mirror_wls, cs.workloads, "workload")
 
     current: dict[str, Any] = {}
+    ghosts: dict[str, Any] = {}
     for kind, arg in events:
         if kind == "upsert":
             current[arg["metadata"]["uid"]] = arg
+            ghosts.pop(arg["metadata"]["uid"], None)
             replay(e.upsert(arg))
         elif kind == "delete":
-            current.pop(arg["metadata"]["uid"], None)
+            _ghosts_after(current, ghosts, arg["metadata"]["uid"])
             replay(e.delete(arg))
         else:
             full = {gk for gk, mode in e.required_kinds().items() if mode == "full"}
@@ -279,6 +309,15 @@ def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
                     if gk in now - full:
                         replay(e.upsert(o))
 
+    assert set(e._graph.ghosts) == set(ghosts)
+    pods, wls = _state(e)
+    assert (mirror_pods, mirror_wls) == (pods, wls)
+    _check_reference(e, pods, final, mid_on, ghosts)
+
+    # the ghosts expire: what walked through them is placed again, as by a rebuild
+    ghost_clock.now += 10_000
+    replay(e.expire_ghosts())
+    assert not e._graph.ghosts
     pods, wls = _state(e)
     assert (mirror_pods, mirror_wls) == (pods, wls)
 
@@ -287,7 +326,12 @@ def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
     assert _state(fresh) == (pods, wls)
     assert fresh.required_kinds() == e.required_kinds()
 
-    want = _reference(final, mid_on)
+    _check_reference(e, pods, final, mid_on, {})
+
+
+def _check_reference(e: Engine, pods: dict[str, Any], final: dict[str, Any], mid_on: bool,
+                     ghosts: dict[str, Any]) -> None:
+    want = _reference(final, mid_on, ghosts)
     got = {uid: (a.workload.uid if a.workload is not None else None) for uid, a in pods.items()}
     assert got == want
 
@@ -298,4 +342,4 @@ def test_incremental_equals_rebuild(history: tuple[Any, ...]) -> None:
         assert sorted((a.component, a.instance) for a in attributed) == sorted(
             k for k, n in wl.counts.items() for _ in range(n)
         )
-    assert set(wls) == set(e._wl)
+    assert {f.ref.uid for f in e.workloads()} == set(e._wl)

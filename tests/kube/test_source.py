@@ -7,6 +7,7 @@ reconcile, mode-switch and tombstone logic alone, without timing: test_source_re
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -515,3 +516,46 @@ async def test_phase_times_from_objects_survive_a_restart_of_the_source(
     assert first["web"][0] == datetime.fromisoformat(when).timestamp()
     assert first["db"][1] == second["db"][1] == "observed"
     assert second["db"][0] >= first["db"][0] + 1.0
+
+
+def _removed(engine: Engine, uid: str) -> bool:
+    return uid not in engine._graph.objects
+
+
+async def test_cascade_delete_leaves_the_pod_tombstone_with_its_jobset(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """Background propagation deletes the JobSet, then its Job, then the pod (which
+    terminates meanwhile, and is scraped): the pod keeps the JobSet as its workload to
+    the end, and its tombstone carries the JobSet, not the built-in Job description's
+    ``Job pretrain-driver-0`` (the Job's ghost still names the JobSet)."""
+    sim.register(JOB_SET)
+    sim.create(JOBSET_KARTA)
+    js = sim.create({"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                     "metadata": {"name": "pretrain", "namespace": "ml"}, "spec": {}})
+    job = sim.create({"apiVersion": "batch/v1", "kind": "Job",
+                      "metadata": {"name": "pretrain-driver-0", "namespace": "ml",
+                                   "ownerReferences": owner(js)},
+                      "spec": {"parallelism": 1}})
+    p = sim.create(pod("pretrain-driver-0-0-bq9tw", "ml", owner_obj=job))
+    source = await make_source()
+    want = {"karta_kind": "JobSet", "karta_workload": "pretrain",
+            "karta_group": "jobset.x-k8s.io", "karta_namespace": "ml"}
+
+    def stamped() -> dict[str, str]:
+        got = labels(source, "ml", "pretrain-driver-0-0-bq9tw") or {}
+        return {k: v for k, v in got.items() if k in want}
+
+    await eventually(lambda: stamped() == want, timeout=5)
+    engine = source.engine
+    assert isinstance(engine, Engine)
+    for gone in (js, job):  # each deletion seen before the next, as a slow GC's
+        sim.delete(gone, cascade=False)
+        await eventually(functools.partial(_removed, engine, gone["metadata"]["uid"]),
+                         timeout=5)
+        assert stamped() == want
+    assert {(w.ref.kind, w.ref.name) for w in engine.workloads()} == {
+        ("JobSet", "pretrain")}  # no phantom Job workload
+    sim.delete(p)
+    await eventually(lambda: source.index.tombstones() == 1, timeout=5)
+    assert p["metadata"]["uid"] not in source.index.pods
+    assert stamped() == want  # the tombstone: what late samples and stale markers get
