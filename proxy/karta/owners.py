@@ -106,6 +106,7 @@ class ObjectRecord:
     member: str = field(default="", init=False)
 
 
+@dataclass(slots=True)
 class Ghost:
     """What an owner that was removed while something still pointed at it leaves behind
     for a while: enough to walk through it (its kind, namespace, name and its own
@@ -116,19 +117,13 @@ class Ghost:
     ReplicaSet's reference to the Deployment went with it, and its pods' walks stopped at
     the ReplicaSet, a workload of its own for the rest of their lives."""
 
-    __slots__ = ("expires", "gk", "name", "namespace", "owner", "uid")
-
-    def __init__(self, uid: str, gk: GroupKind, namespace: str, name: str,
-                 owner: OwnerRef | None, expires: float) -> None:
-        self.uid = uid
-        self.gk = gk
-        self.namespace = namespace
-        self.name = name
-        self.owner = owner
-        self.expires = expires
-
-    def __repr__(self) -> str:
-        return f"Ghost({self.gk}/{self.name} uid={self.uid} owner={self.owner})"
+    uid: str
+    gk: GroupKind
+    namespace: str
+    name: str
+    owner: OwnerRef | None
+    #: when it is dropped (the graph's clock)
+    expires: float
 
 
 class _Dependents:
