@@ -236,7 +236,9 @@ class UpstreamSettings(Section):
         "Thanos with native histograms on")] = False
     rw1_confirms_exemplars: Annotated[bool, setting(
         "the same for exemplars (Exemplars-Written); off: 0 is claimed, since Prometheus "
-        "without exemplar storage and VictoriaMetrics drop them and still answer 2xx")
+        "and VictoriaMetrics drop exemplars and still answer 2xx. Keep it off for "
+        "Prometheus, exemplar storage on or not: it never refuses a request for an exemplar "
+        "it drops (out of order, labels over 128 characters, on a new histogram series)")
     ] = False
     default_tenant: Annotated[str, setting(
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
