@@ -183,6 +183,9 @@ class _Delivery:
         self.dropped = 0
         #: requests accepted (a write of which none landed failed, whatever refused it)
         self.accepted = 0
+        #: the lease passed to another replica during the write: it stopped there, and
+        #: a refusal met then is the new leader's newer samples, not a refused series
+        self.lost = False
 
 
 class _Cached(NamedTuple, Generic[_Obj]):
@@ -679,6 +682,9 @@ class FactWriter:
         no answer) raises: the upstream, not the request."""
         refusal = await self._send_or_refused(body)
         if refusal is not None:
+            if not self.is_writer:  # the new leader's samples are newer: out of order
+                tally.lost = True
+                return
             await self._refused_body(body, runs, refusal.status, refusal.error, tally)
             return
         tally.accepted += 1
@@ -728,6 +734,9 @@ class FactWriter:
                 return
             mid = (lo + hi) // 2
             for a, b in ((lo, mid), (mid, hi)):
+                if not self.is_writer:  # the lease passed meanwhile: stop bisecting
+                    tally.lost = True
+                    return
                 tally.extra += 1
                 sub = await self._send_or_refused(lay.part(a, b, other_last=True))
                 if sub is not None:
@@ -792,10 +801,17 @@ class FactWriter:
                 continue
             try:
                 await pacer.pause()  # a request that came meanwhile goes first
-                # a 4xx refuses this request (or, a 400, some of its series: bisected)
-                # for good: the others still go, or one would stop every later one of
-                # every write, pods, workloads, stale markers alike
-                await self._deliver(body, self.body_runs, tally)
+                if not self.is_writer:
+                    # The lease passed to another replica during this write (a slow
+                    # upstream, a long write): a request sent now would reach the upstream
+                    # beside the new leader's (two writers), and its refusal as out of
+                    # order, the new leader's samples being newer, read as series refused.
+                    tally.lost = True
+                else:
+                    # a 4xx refuses this request (or, a 400, some of its series:
+                    # bisected) for good: the others still go, or one would stop every
+                    # later one of every write, pods, workloads, stale markers alike
+                    await self._deliver(body, self.body_runs, tally)
             except asyncio.CancelledError:
                 self._finish(bodies)
                 self.commit_partial()
@@ -808,9 +824,16 @@ class FactWriter:
                 log.warning("fact write failed: %s", exc)
                 return False
             del body
+            if tally.lost:
+                self._finish(bodies)
+                break
             sent += 1
             if sent % TRIM_EVERY_REQUESTS == 0:
                 await memory.trim_off_loop()
+        if tally.lost:  # not a failure, and nothing refused: the next leader goes on
+            self.commit_partial()
+            log.info("fact write stopped: the lease passed to another replica")
+            return False
         self.metrics.series_refused.inc(tally.dropped)
         if tally.dropped or not tally.accepted:
             self.commit_partial()

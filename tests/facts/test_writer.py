@@ -1790,3 +1790,49 @@ async def test_a_failed_write_lets_the_loop_run_while_it_finishes() -> None:
     assert len(failed) == 1
     assert ticks.count(1) > 3  # the loop ran while the rest of the write was made
     assert w.last_series == len(decode(b"".join(writer(small_index()).build_requests(1))))
+
+
+async def test_a_write_the_lease_leaves_midway_stops_and_counts_no_refusal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write still under way when the lease passed (a slow upstream): its request,
+    sent while leading, reached the upstream after the new leader's newer samples and
+    was refused as out of order (400); the old writer then sent its halves, 66 more
+    requests 5-17 s after it stopped leading (two writers at once), and counted and
+    logged every fact family as refused by the upstream (an audit with three replicas
+    against Prometheus 2.42). It now stops at the first request after the lease passed,
+    sends nothing more and counts no refusal."""
+    elector = _Elector()
+    elector.is_leader = True
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+        elector.is_leader = False  # the lease passed while this request was on its way
+        raise _Refused(400)  # the new leader's samples are newer
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0,
+                   elector=elector, max_series_per_request=10)  # type: ignore[arg-type]
+    twin = FactWriter(FactSettings(), small_index(), nosend, max_series_per_request=10)
+    assert len(twin.build_requests(10_000)) > 1  # the write is more than one request
+    with caplog.at_level("INFO", logger="proxy.facts.writer"):
+        assert not await w.write_once()
+    assert len(sent) == 1  # no halves, no further request
+    assert sample_value(w.metrics.series_refused) == 0 and not w._refused
+    assert w.writes_failed == 0
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("lease passed" in r.getMessage() for r in caplog.records)
+    assert w.step() is WriterState.STANDBY  # and the next interval stands by
+
+    # the lease lost between two requests: the second is never sent
+    elector.is_leader = True
+    sent.clear()
+
+    async def send_ok(body: bytes) -> None:
+        sent.append(body)
+        elector.is_leader = False
+
+    w2 = FactWriter(FactSettings(), small_index(), send_ok, clock=lambda: 10.0,
+                    elector=elector, max_series_per_request=10)  # type: ignore[arg-type]
+    assert not await w2.write_once()
+    assert len(sent) == 1 and w2.writes_failed == 0 and w2.writes_ok == 0
