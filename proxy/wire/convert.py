@@ -45,6 +45,103 @@ def _labels_v1(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
     )
 
 
+class ConversionTooLarge(Exception):
+    """An RW 2.0 request whose RW 1.0 form would be larger than an RW 1.0 request may be:
+    RW 2.0 interns strings, so a small request (one long symbol named by many series) can
+    convert to one hundreds or thousands of times its size."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"converted to RW 1.0 it would be {size} bytes, more than the "
+                         f"{limit} an RW 1.0 request may be")
+        self.size = size
+        self.limit = limit
+
+
+def _uvarint_size(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _field_size(payload: int) -> int:
+    """Bytes of a length-delimited field of a number below 16 (one tag byte) holding
+    ``payload`` bytes."""
+    return 1 + _uvarint_size(payload) + payload
+
+
+def _label_size(name: int, value: int) -> int:
+    """Bytes of ``encode_label_v1`` of a name and value of these lengths."""
+    return _field_size(_field_size(name) + (_field_size(value) if value else 0))
+
+
+def _labels_size(refs: Sequence[int], lengths: Sequence[int]) -> int:
+    return sum(_label_size(lengths[refs[i]], lengths[refs[i + 1]])
+               for i in range(0, len(refs), 2))
+
+
+def _copied_size(raw: bytes, p: int, end: int, skip: Collection[int]) -> int:
+    """``len(_copy_fields(raw, p, end, skip))`` without making it."""
+    size = end - p
+    while p < end:
+        number, _, _, q = read_field(raw, p, end)
+        if number in skip:
+            size -= q - p
+        p = q
+    return size
+
+
+def v1_size(raw_v2: bytes) -> int:
+    """The size of ``v2_to_v1(raw_v2)``, in one pass that makes nothing of that size (the
+    symbols' lengths times the refs to them, the framing): what a conversion would hold,
+    known before a byte of it is allocated. Raises what ``v2_to_v1`` raises."""
+    scan = scan_v2(raw_v2)
+    syms = scan.symbols
+    nsym = len(syms)
+    lengths = [len(s) for s in syms]
+    total = 0
+    metadata: dict[tuple[bytes, int, bytes, bytes], None] = {}
+    for _, p, end in scan.series:
+        ser = split_series_v2(raw_v2, p, end, nsym)
+        body = _labels_size(ser.refs, lengths)
+        for s, q in ser.other:
+            number, _, ps, fq = read_field(raw_v2, s, q)
+            if number == 2:
+                body += _field_size(_copied_size(raw_v2, ps, fq, (3,)))
+            elif number == 3:
+                body += _field_size(_copied_size(raw_v2, ps, fq, (17,)))
+            elif number == 4:
+                refs, rest = exemplar_v2(raw_v2, ps, fq, nsym)
+                body += _field_size(_labels_size(refs, lengths) + sum(map(len, rest)))
+            elif number == 5:
+                mtype, help_ref, unit_ref = metadata_v2(raw_v2, ps, fq)
+                _check_refs((help_ref, unit_ref), nsym)
+                name = family_name(_metric_name(ser.refs, syms), mtype)
+                if name and (mtype or syms[help_ref] or syms[unit_ref]):
+                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
+        total += _field_size(body)
+    for name, mtype, help_, unit in metadata:
+        body = _field_size(len(name))
+        if mtype:
+            body += 1 + _uvarint_size(mtype)
+        if help_:
+            body += _field_size(len(help_))
+        if unit:
+            body += _field_size(len(unit))
+        total += _field_size(body)
+    return total
+
+
+def check_size(raw_v2: bytes, limit: int | None) -> int:
+    """The size ``raw_v2`` converts to (``v1_size``); ``ConversionTooLarge`` past
+    ``limit`` (None: no limit)."""
+    size = v1_size(raw_v2)
+    if limit is not None and size > limit:
+        raise ConversionTooLarge(size, limit)
+    return size
+
+
 def v2_to_v1(raw_v2: bytes) -> bytes:
     """A 2.0 request as the equivalent 1.0 WriteRequest, for 1.0-only upstreams.
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 from typing import Any, cast
+
+import pytest
 
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import types_pb2
 from proxy.sender import Series, build_v1, build_v2
-from proxy.wire.convert import v2_to_v1
+from proxy.wire.convert import ConversionTooLarge, check_size, v1_size, v2_to_v1
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import TS, is_stale, labels_of, parse_v1, request_v2
 
@@ -76,3 +79,56 @@ def test_v2_metadata_of_nothing_but_empty_strings_is_no_metadata() -> None:
     ts.metadata.help_ref = 3
     ts.metadata.unit_ref = 3
     assert list(parse_v1(v2_to_v1(req.SerializeToString())).metadata) == []
+
+
+def amplifying_v2(symbol_bytes: int, series: int) -> bytes:
+    """One long symbol named as a label value by every series: RW 2.0 holds it once, its
+    RW 1.0 form once per series (the audit's 64 KiB x 4,000: 185 KB, 263 MB converted)."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "amp", "namespace", "web", "pod",
+                        "frontend-6d8f7b9c5d-4xkqp", "blob", "x" * symbol_bytes])
+    for i in range(series):
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 7, 8, 3, 4, 5, 6])
+        ts.samples.add(value=1.0, timestamp=TS + i)
+    return cast(bytes, req.SerializeToString())
+
+
+def _many_kinds() -> list[bytes]:
+    meta = [Series({"__name__": f"rpc_seconds{s}", "pod": "p", "e": ""}, [(TS, 1.0)],
+                   metric_type="histogram", help="latency" * 40, unit="seconds")
+            for s in ("_bucket", "_sum", "_count")]
+    tall = RequestV2()
+    tall.symbols.extend(["", "__name__", "m", "v" * 300, "w" * 20000])
+    ts = tall.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4, 4, 3, 3, 0])
+    ex = ts.exemplars.add(value=1.0, timestamp=TS)
+    ex.labels_refs.extend([3, 4, 4, 0])
+    ts.samples.add(value=1.0, timestamp=TS, start_timestamp=TS - 1)
+    return [request_v2(), request_v2({"__name__": "g"}),
+            request_v2({"__name__": "g", "pod": "p"}, {"__name__": "h", "x": "y" * 200},
+                       histograms=3, exemplars=2, metadata=True),
+            build_v2(meta), cast(bytes, tall.SerializeToString()),
+            amplifying_v2(1000, 50), amplifying_v2(127, 3), amplifying_v2(16384, 2)]
+
+
+@pytest.mark.parametrize("raw", _many_kinds())
+def test_v1_size_is_the_converted_size(raw: bytes) -> None:
+    assert v1_size(raw) == len(v2_to_v1(raw))
+
+
+def test_v1_size_of_an_amplifying_request_allocates_nothing_of_it() -> None:
+    raw = amplifying_v2(65536, 4000)
+    assert len(raw) < 200_000
+    tracemalloc.start()
+    try:
+        size = v1_size(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert size > 4000 * 65536  # 263 MB, were it made
+    assert peak < 4 * 2**20, peak
+    with pytest.raises(ConversionTooLarge) as e:
+        check_size(raw, 64 * 2**20)
+    assert (e.value.size, e.value.limit) == (size, 64 * 2**20)
+    assert check_size(raw, size) == size
