@@ -52,7 +52,7 @@ from proxy.config import UpstreamSettings, without_userinfo
 from proxy.log import Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
-from proxy.wire.convert import ConversionTooLarge, check_size, v2_to_v1
+from proxy.wire.convert import ConversionTooLarge, V1Form, check_size, v2_to_v1
 from proxy.wire.halves import Layout, layout, layout_bytes
 from proxy.wire.primitives import Counts, Protocol
 
@@ -190,6 +190,15 @@ class _Unbounded:
 
     def give_back(self, n: int) -> None:
         pass
+
+
+def converted_counts(counts: Counts | None, form: V1Form) -> Counts | None:
+    """A request's counts once converted: its custom-bucket histograms became classic
+    series, counted as the samples they are (``V1Form``)."""
+    if counts is None or not form.histograms:
+        return counts
+    return Counts(counts.series, counts.samples + form.samples,
+                  counts.histograms - form.histograms, counts.exemplars)
 
 
 def _converted(raw_v2: bytes, encoding: str) -> bytes:
@@ -550,29 +559,30 @@ class Upstream:
         if not self.converts(protocol):
             return Outgoing(protocol, out_encoding, compress(raw, out_encoding), counts)
         charge = charge or _Unbounded()
-        converted, held = self._to_v1(raw, charge)
+        converted, form, held = self._to_v1(raw, charge)
         try:
             encoded = compress(converted, out_encoding)
         finally:
             del converted
             charge.give_back(held)
-        return Outgoing(Protocol.V1, out_encoding, encoded, counts, True)
+        return Outgoing(Protocol.V1, out_encoding, encoded, converted_counts(counts, form),
+                        True)
 
-    def _to_v1(self, raw: bytes, charge: Charge) -> tuple[bytes, int]:
+    def _to_v1(self, raw: bytes, charge: Charge) -> tuple[bytes, V1Form, int]:
         """``raw`` (RW 2.0) converted to RW 1.0, and what was taken from ``charge`` for it
         (the caller gives it back once the body is compressed): its size is computed first,
         allocating nothing of it, and refused (``ConversionRefused``) past
         ``max_converted_bytes`` or when ``charge`` has no room for ``CONVERT_COPIES`` times
         it."""
         try:
-            size = check_size(raw, self.max_converted_bytes)
+            form = check_size(raw, self.max_converted_bytes)
         except ConversionTooLarge as e:
             raise ConversionRefused("too_large", e.size, e.limit) from None
-        need = CONVERT_COPIES * size
+        need = CONVERT_COPIES * form.size
         if not charge.take(need):
             raise ConversionRefused("overload", need, self.max_converted_bytes or 0)
         try:
-            return v2_to_v1(raw), need
+            return v2_to_v1(raw), form, need
         except BaseException:
             charge.give_back(need)
             raise
@@ -735,10 +745,10 @@ class Upstream:
                     raise refuse(len(raw))
                 taken = len(raw)
             try:
-                size = await asyncio.to_thread(check_size, raw, self.max_converted_bytes)
+                form = await asyncio.to_thread(check_size, raw, self.max_converted_bytes)
             except ConversionTooLarge as e:
                 raise ConversionRefused("too_large", e.size, e.limit) from None
-            need = CONVERT_COPIES * size
+            need = CONVERT_COPIES * form.size
             if not charge.take(need):
                 raise refuse(need)
             taken += need
@@ -749,7 +759,8 @@ class Upstream:
             raise
         charge.give_back(taken - len(encoded))
         held.append(len(encoded))
-        return Outgoing(Protocol.V1, out.encoding, encoded, out.counts, True)
+        return Outgoing(Protocol.V1, out.encoding, encoded,
+                        converted_counts(out.counts, form), True)
 
     @staticmethod
     def _refused_v2(answer: Answer, counts: Counts | None) -> str:

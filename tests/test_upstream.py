@@ -1027,3 +1027,20 @@ def test_prepare_charges_a_conversion_to_the_budget_before_making_it(
         u.prepare(_amplifying(65536, 200), Protocol.V2, "snappy", None, mine)
     assert e.value.reason == "too_large" and e.value.limit == 10 * 2**20
     assert len(made) == 1 and budget.bytes == 0
+
+
+def test_a_converted_custom_bucket_histogram_is_counted_as_the_samples_it_became() -> None:
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "rpc_seconds"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2])
+    ts.samples.add(value=1.0, timestamp=1)
+    h = ts.histograms.add(count_float=3, sum=1.0, schema=-53, timestamp=1)
+    h.positive_spans.add(offset=0, length=2)
+    h.positive_counts.extend([1.0, 2.0])
+    h.custom_values.append(0.5)
+    ts.histograms.add(count_float=1, sum=1.0, schema=0, timestamp=1)  # exponential: stays
+    u = Upstream(UpstreamSettings(url="http://127.0.0.1:1/api/v1/write", protocol="v1"))
+    out = u.prepare(req.SerializeToString(), Protocol.V2, "snappy", Counts(1, 1, 2, 0))
+    # 0.5, +Inf, _sum, _count: four samples more, one histogram fewer
+    assert out.counts == Counts(1, 5, 1, 0)
