@@ -57,7 +57,7 @@ from proxy.log import Throttled
 from proxy.loop_workers import LoopWorkers
 from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
-from proxy.upstream import Answer, Outgoing, Upstream
+from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream
 from proxy.wire.native import Grow, split_v1
 from proxy.wire.plan import OverLimit, SpliceResult
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
@@ -614,6 +614,8 @@ class RemoteWriteHandler:
             prepared = await self._prepared(body, encoding, protocol, declared, room)
         except OverLimit as e:
             raise self._no_room_to_splice(e.need, room.refused) from None
+        except ConversionRefused as e:
+            raise self._not_converted(e) from None
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ValueError as e:
@@ -631,6 +633,8 @@ class RemoteWriteHandler:
                 charge=held, sender_gone=lambda: request.transport is None)
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
+        except ConversionRefused as e:  # the same, refused for its size or the budget
+            raise self._not_converted(e) from None
         if answer.ok:
             self._series("out").inc(result.counts.series)
         return self._answer(answer)
@@ -660,6 +664,21 @@ class RemoteWriteHandler:
                         "or max_body_bytes + 2 x max_decoded_bytes if larger): its series are "
                         "small beside the labels stamped onto them; send fewer series per "
                         "request", counter="reject", kind="too_large")
+
+    def _not_converted(self, e: ConversionRefused) -> _Refusal:
+        """The answer to an RW 2.0 request a 1.0-only upstream needs converted, whose
+        conversion was refused before it was made: 413 when its RW 1.0 form would be larger
+        than an RW 1.0 request may be (``server.max_decoded_bytes``: RW 2.0 names a string
+        once, RW 1.0 repeats it in every series that has it), 503 when the byte budget has
+        no room for it now."""
+        if e.reason == "overload":
+            return _no_room()
+        return _Refusal(413, f"the request converted to RW 1.0 (the upstream takes RW 1.0 "
+                        f"only) would be {e.size} bytes, more than an RW 1.0 request may be "
+                        f"(server.max_decoded_bytes = {e.limit}): RW 2.0 names a string once, "
+                        "RW 1.0 repeats it in every series that has it; send fewer series "
+                        "per request, or shorter label values", counter="reject",
+                        kind="too_large")
 
     def _parts_for(self, declared: int | None, protocol: Protocol, encoding: str) -> int:
         """How many parts to splice a request in: one per worker for a big RW 1.0 request
@@ -697,7 +716,9 @@ class RemoteWriteHandler:
         else:
             result = (self.enricher.enrich_v2(raw, limit, room) if protocol is Protocol.V2
                       else self.enricher.enrich_v1(raw, limit, room))
-            outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts)
+            # a conversion to RW 1.0 is charged to the request's budget (``charge``)
+            outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts,
+                                             room.held if room is not None else None)
         # it goes out compressed: the decoded body is not held while the request is in
         # flight (as in parts; 1.5 MB per 2,000-series request)
         result.body = b""

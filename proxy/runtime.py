@@ -142,7 +142,8 @@ class Proxy:
         )
         self.metrics.watch_engine(self.engine)
         self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
-        self.upstream = Upstream(settings.upstream, self.metrics)
+        self.upstream = Upstream(settings.upstream, self.metrics,
+                                 max_converted_bytes=settings.server.max_decoded_bytes)
         self.handler = RemoteWriteHandler(
             settings.server, self.index, self.enricher, self.upstream, self.metrics
         )

@@ -52,7 +52,7 @@ from proxy.config import UpstreamSettings, without_userinfo
 from proxy.log import Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
-from proxy.wire.convert import v2_to_v1
+from proxy.wire.convert import ConversionTooLarge, V1Form, check_size, v2_to_v1
 from proxy.wire.halves import Layout, layout, layout_bytes
 from proxy.wire.primitives import Counts, Protocol
 
@@ -99,6 +99,9 @@ OWN_BODY_LIMIT = 1 << 31
 #: a part's bytes charged to the request's byte budget, over the most it can be: the
 #: part as it is made, its bytes, and its compressed form (what it costs to send)
 PART_COPIES = 3
+#: what converting a request to RW 1.0 holds, over the size it converts to: the converted
+#: series, their join into one body, and its compressed copy (snappy's bound is ~1.17x)
+CONVERT_COPIES = 3
 #: VictoriaMetrics (single node and vminsert) answers a request over its
 #: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
 #: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
@@ -148,6 +151,22 @@ class Outgoing:
     converted: bool = False
 
 
+class ConversionRefused(Exception):
+    """An RW 2.0 request not converted to RW 1.0 for a 1.0-only upstream: its RW 1.0 form
+    would be larger than an RW 1.0 request may be (``too_large``: RW 2.0 names a string once,
+    RW 1.0 repeats it in every series, so 23 KB of RW 2.0 made 262 MB), or the byte budget
+    has no room for the conversion now (``overload``). Raised before the converted body is
+    allocated; the handler answers 413 or 503."""
+
+    def __init__(self, reason: Literal["too_large", "overload"], size: int, limit: int) -> None:
+        super().__init__(f"conversion to RW 1.0 refused ({reason}): {size} bytes, "
+                         f"limit {limit}")
+        self.reason = reason
+        #: the converted size (too_large), or the bytes the conversion needed (overload)
+        self.size = size
+        self.limit = limit
+
+
 class Charge(Interface):
     """The byte budget of the request being forwarded (the handler's
     ``server.max_inflight_bytes``): what forwarding needs beyond the body it was given
@@ -171,6 +190,20 @@ class _Unbounded:
 
     def give_back(self, n: int) -> None:
         pass
+
+
+def converted_counts(counts: Counts | None, form: V1Form) -> Counts | None:
+    """A request's counts once converted: its custom-bucket histograms became classic
+    series, counted as the samples they are (``V1Form``)."""
+    if counts is None or not form.histograms:
+        return counts
+    return Counts(counts.series, counts.samples + form.samples,
+                  counts.histograms - form.histograms, counts.exemplars)
+
+
+def _converted(raw_v2: bytes, encoding: str) -> bytes:
+    """``raw_v2`` converted to RW 1.0 and compressed (its size checked and charged)."""
+    return compress(v2_to_v1(raw_v2), encoding)
 
 
 def _never() -> bool:
@@ -369,9 +402,13 @@ class Upstream:
     balancer's other backend).
     """
 
-    def __init__(self, settings: UpstreamSettings, metrics: ProxyMetrics | None = None) -> None:
+    def __init__(self, settings: UpstreamSettings, metrics: ProxyMetrics | None = None, *,
+                 max_converted_bytes: int | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        #: the most an RW 2.0 request may convert to (``server.max_decoded_bytes``, what an
+        #: RW 1.0 sender's request may be); None: no limit
+        self.max_converted_bytes = max_converted_bytes
         #: the responses counter's children, each looked up once (proxy.metrics.Children)
         self._responses = Children(metrics.upstream_responses) if metrics is not None else None
         self.url = without_userinfo(settings.url)
@@ -510,18 +547,45 @@ class Upstream:
                 and self.settings.protocol != "passthrough")
 
     def prepare(self, raw: bytes, protocol: Protocol, encoding: str,
-                counts: Counts | None = None) -> Outgoing:
+                counts: Counts | None = None, charge: Charge | None = None) -> Outgoing:
         """The body as it goes out: converted when the upstream is 1.0-only, compressed.
 
         CPU work only (the handler calls it in a worker thread). Raises ``DecodeError``
-        for an RW 2.0 body that cannot be converted (a sender's error: 400).
+        for an RW 2.0 body that cannot be converted (a sender's error: 400), and
+        ``ConversionRefused`` for one whose conversion is too large or does not fit
+        ``charge`` (the request's byte budget) now (:meth:`_to_v1`).
         """
         out_encoding = self.out_encoding(encoding)
-        converted = False
-        if self.converts(protocol):
-            raw, protocol, converted = v2_to_v1(raw), Protocol.V1, True
-        encoded = compress(raw, out_encoding)
-        return Outgoing(protocol, out_encoding, encoded, counts, converted)
+        if not self.converts(protocol):
+            return Outgoing(protocol, out_encoding, compress(raw, out_encoding), counts)
+        charge = charge or _Unbounded()
+        converted, form, held = self._to_v1(raw, charge)
+        try:
+            encoded = compress(converted, out_encoding)
+        finally:
+            del converted
+            charge.give_back(held)
+        return Outgoing(Protocol.V1, out_encoding, encoded, converted_counts(counts, form),
+                        True)
+
+    def _to_v1(self, raw: bytes, charge: Charge) -> tuple[bytes, V1Form, int]:
+        """``raw`` (RW 2.0) converted to RW 1.0, and what was taken from ``charge`` for it
+        (the caller gives it back once the body is compressed): its size is computed first,
+        allocating nothing of it, and refused (``ConversionRefused``) past
+        ``max_converted_bytes`` or when ``charge`` has no room for ``CONVERT_COPIES`` times
+        it."""
+        try:
+            form = check_size(raw, self.max_converted_bytes)
+        except ConversionTooLarge as e:
+            raise ConversionRefused("too_large", e.size, e.limit) from None
+        need = CONVERT_COPIES * form.size
+        if not charge.take(need):
+            raise ConversionRefused("overload", need, self.max_converted_bytes or 0)
+        try:
+            return v2_to_v1(raw), form, need
+        except BaseException:
+            charge.give_back(need)
+            raise
 
     def prepared(self, encoded: bytes, protocol: Protocol, counts: Counts | None = None
                  ) -> Outgoing:
@@ -601,11 +665,20 @@ class Upstream:
                        attempt: _Attempt) -> tuple[Answer, Outgoing]:
         """One request to the upstream, converted first or resent converted as the
         upstream's protocol needs; the answer, and the request as it last went out."""
+        held: list[int] = []  # what bodies converted here hold of the budget until answered
+        try:
+            return await self._deliver_converting(out, incoming, url, attempt, held)
+        finally:
+            attempt.charge.give_back(sum(held))
+
+    async def _deliver_converting(self, out: Outgoing, incoming: Mapping[str, str], url: str,
+                                  attempt: _Attempt, held: list[int]
+                                  ) -> tuple[Answer, Outgoing]:
         if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
             if self._recheck:
                 await self.check()
             if self.v1_only and out.protocol is Protocol.V2:
-                out = await asyncio.to_thread(self._convert, out)
+                out = await self._convert(out, attempt.charge, held)
         if out.encoding == "zstd":
             if self.probe is None:  # the check at start tells whether zstd is taken
                 await self.check()
@@ -618,7 +691,7 @@ class Upstream:
             refused = self._refused_v2(answer, out.counts)
             if refused and self.settings.protocol == "auto":
                 self._learn_v1_only(refused, answer)
-                out = await asyncio.to_thread(self._convert, out)
+                out = await self._convert(out, attempt.charge, held)
                 if self.metrics is not None:
                     self.metrics.upstream_conversions.inc()
                 answer = await self._post(out, incoming, url)
@@ -648,10 +721,46 @@ class Upstream:
                             "retry later)").encode(),
                       {"Retry-After": MISCONFIGURED_RETRY_AFTER}, "")
 
-    def _convert(self, out: Outgoing) -> Outgoing:
-        raw = v2_to_v1(self._raw(out))
-        return Outgoing(Protocol.V1, out.encoding, compress(raw, out.encoding),
-                        out.counts, True)
+    async def _convert(self, out: Outgoing, charge: Charge, held: list[int]) -> Outgoing:
+        """``out`` (RW 2.0, as it went out) converted to RW 1.0: decoded again, its
+        converted size computed, then converted and compressed (in worker threads), each
+        charged to the request's byte budget (on the event loop) before it is allocated:
+        ``ConversionRefused`` when it does not fit, or would convert past
+        ``max_converted_bytes`` (as in :meth:`_to_v1`). The compressed result stays
+        charged until the request is answered (appended to ``held``, given back by
+        :meth:`_deliver`)."""
+        def refuse(n: int) -> ConversionRefused:
+            return ConversionRefused("overload", n, self.max_converted_bytes or 0)
+
+        decoded = self._decoded_size(out)
+        taken = 0
+        try:
+            if decoded is not None:
+                if not charge.take(decoded):
+                    raise refuse(decoded)
+                taken = decoded
+            raw = await asyncio.to_thread(self._raw, out)
+            if decoded is None:
+                if not charge.take(len(raw)):
+                    raise refuse(len(raw))
+                taken = len(raw)
+            try:
+                form = await asyncio.to_thread(check_size, raw, self.max_converted_bytes)
+            except ConversionTooLarge as e:
+                raise ConversionRefused("too_large", e.size, e.limit) from None
+            need = CONVERT_COPIES * form.size
+            if not charge.take(need):
+                raise refuse(need)
+            taken += need
+            encoded = await asyncio.to_thread(_converted, raw, out.encoding)
+            del raw
+        except BaseException:
+            charge.give_back(taken)
+            raise
+        charge.give_back(taken - len(encoded))
+        held.append(len(encoded))
+        return Outgoing(Protocol.V1, out.encoding, encoded,
+                        converted_counts(out.counts, form), True)
 
     @staticmethod
     def _refused_v2(answer: Answer, counts: Counts | None) -> str:

@@ -10,6 +10,7 @@ import logging
 import struct
 import threading
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from tests.proxy_harness import (
     CT_V2,
     RequestV2,
     WriteRequest,
+    metric,
     proxy_running,
     series_v1,
     series_v2,
@@ -848,3 +850,172 @@ async def test_a_body_of_many_zstd_frames_does_not_hold_the_loop(running: Runnin
     # the loop kept turning: its longest stall was ~1.8 s per walk before (twice)
     gap = max(b - a for a, b in itertools.pairwise(ticks))
     assert gap < 1.0, gap
+
+
+# -- RW 2.0 converted for a 1.0-only upstream: bounded and charged ---------------------
+
+
+def _v1_only(rec: Any) -> Reply:
+    """A 1.0-only receiver (415 to RW 2.0, as Prometheus 2.42 answers a proto it does not
+    know)."""
+    return Reply(415) if "v2" in rec.headers["Content-Type"] else Reply(204)
+
+
+def _amplifying_v2(symbol_bytes: int, series: int) -> bytes:
+    """One long symbol named as a label value by every series: RW 2.0 holds it once, RW 1.0
+    once per series (64 KiB x 4,000: 185 KB decoded, 23 KB snappy, 263 MB converted)."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "amp", "namespace", "web", "pod",
+                        "frontend-6d8f7b9c5d-4xkqp", "blob", "x" * symbol_bytes])
+    for i in range(series):
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 7, 8, 3, 4, 5, 6])
+        ts.samples.add(value=1.0, timestamp=1_700_000_000_000 + i)
+    return cast(bytes, req.SerializeToString())
+
+
+async def _post_v2(session: aiohttp.ClientSession, p: Proxy, raw: bytes
+                   ) -> tuple[int, dict[str, str], str]:
+    async with session.post(f"http://127.0.0.1:{p.port}/api/v1/write",
+                            data=snappy.compress(raw),
+                            headers={"Content-Type": CT_V2, "Content-Encoding": "snappy"}
+                            ) as resp:
+        return resp.status, dict(resp.headers), await resp.text()
+
+
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+async def test_a_conversion_past_what_rw1_may_hold_is_413_before_it_is_made(
+        tmp_path: Path, protocol: UpstreamProtocol) -> None:
+    # 23 KB of RW 2.0 converted to 263 MB of RW 1.0 (RSS 60 -> 586 MiB for a 32 MiB
+    # budget, answered 204). Its converted size is known before a byte of it is made: past
+    # max_decoded_bytes (what an RW 1.0 sender's request may be) it is 413. Converted up
+    # front ("v1": in the handler's worker) or after the upstream's 415 ("auto": forward)
+    raw = _amplifying_v2(65536, 4000)
+    async with ScriptedUpstream(rule=_v1_only) as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up, max_inflight_bytes=32 * 2**20) as p:
+        p.upstream.settings.protocol = protocol
+        p.upstream.v1_only = protocol == "v1"
+        tracemalloc.start()
+        try:
+            status, _, text = await _post_v2(session, p, raw)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert status == 413, text
+        assert "converted to RW 1.0" in text and "max_decoded_bytes" in text
+        assert peak < 8 * 2**20, peak
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="too_large") == 1
+        assert p.handler.budget.bytes == 0
+    assert not any("v2" not in r.headers["Content-Type"] for r in up.received), \
+        "nothing converted reached the upstream"
+
+
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+async def test_a_big_conversion_under_the_limit_still_passes(
+        tmp_path: Path, protocol: UpstreamProtocol) -> None:
+    # 64 KiB x 40 series: 2.6 MB converted, under a 4 MiB max_decoded_bytes: converted and
+    # stored whole; 64 KiB x 80 (5.2 MB) past it: 413
+    async with ScriptedUpstream(rule=_v1_only) as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up, max_decoded_bytes=4 * 2**20) as p:
+        p.upstream.settings.protocol = protocol
+        p.upstream.v1_only = protocol == "v1"
+        status, headers, text = await _post_v2(session, p, _amplifying_v2(65536, 40))
+        assert status == 204, text
+        assert headers["X-Prometheus-Remote-Write-Samples-Written"] == "40"
+        (rec,) = [r for r in up.received if "v2" not in r.headers["Content-Type"]]
+        converted = labels_of(rec.raw)
+        assert len(converted) == 40 and all(s["blob"] == "x" * 65536 for s in converted)
+        status, _, text = await _post_v2(session, p, _amplifying_v2(65536, 80))
+        assert status == 413, text
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="too_large") == 1
+        assert p.handler.budget.bytes == 0
+
+
+async def test_conversions_at_once_are_held_to_the_byte_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a conversion holds about three times its converted size (the series, their join, the
+    # compressed copy), charged to its request before it is made: with one conversion of
+    # 6.6 MB (20 MB charged) in flight, a second does not fit a 32 MiB budget: 503 +
+    # Retry-After, sent again later, never both held at once
+    import proxy.upstream as upstream_module
+
+    entered = threading.Event()
+    go_on = threading.Event()
+    seen: list[int] = []
+    convert = upstream_module.v2_to_v1
+
+    async with ScriptedUpstream(rule=_v1_only) as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up, max_inflight_bytes=32 * 2**20, worker_threads=2) as p:
+        p.upstream.v1_only = True
+        budget = p.handler.budget
+
+        def held_open(raw: bytes) -> bytes:
+            seen.append(budget.bytes)
+            if not entered.is_set():
+                entered.set()
+                go_on.wait(10)
+            return convert(raw)
+
+        monkeypatch.setattr(upstream_module, "v2_to_v1", held_open)
+        raw = _amplifying_v2(65536, 100)
+        first = asyncio.create_task(_post_v2(session, p, raw))
+        assert await asyncio.to_thread(entered.wait, 10)
+        try:
+            second = await _post_v2(session, p, raw)
+        finally:
+            go_on.set()
+        status, _, text = await first
+        assert status == 204, text
+        assert second[0] == 503, second
+        assert second[1]["Retry-After"] == "1"
+        assert "too many request bytes in flight" in second[2]
+        assert seen and max(seen) <= 32 * 2**20 and seen[0] >= 3 * 6_000_000, seen
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 1
+        # alone in flight it goes through
+        status, _, text = await _post_v2(session, p, raw)
+        assert status == 204, text
+        assert budget.bytes == 0
+
+
+@pytest.mark.parametrize(("max_decoded", "status"), [(1 * 2**20, 413), (3 * 2**20, 204)])
+async def test_a_request_converted_in_parts_keeps_the_bound(
+        tmp_path: Path, max_decoded: int, status: int) -> None:
+    # auto, the upstream not yet known 1.0-only: the RW 2.0 request goes out as it came,
+    # is refused as too large (413), cut in halves, the first half's 415 teaches it RW 1.0,
+    # and every half is converted: each under the bound (a half of 64 KiB x 64 series is
+    # 2.1 MB converted), or refused before it is made
+    raw = _amplifying_v2(65536, 64)
+
+    def rule(rec: Any) -> Reply:
+        if "v2" not in rec.headers["Content-Type"]:
+            return Reply(204)
+        if not rec.raw:  # the check at start: taken as an RW 2.0 receiver takes it
+            return rw2_receiver(rec)
+        # every part has the whole symbols table: a limit on series (VictoriaMetrics'
+        # -maxRowsPerLine-like) rather than bytes
+        return Reply(413) if len(RequestV2.FromString(rec.raw).timeseries) > 32 else Reply(415)
+
+    async with ScriptedUpstream(rule=rule) as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up, max_decoded_bytes=max_decoded) as p:
+        await p.upstream.check()
+        assert not p.upstream.v1_only
+        tracemalloc.start()
+        try:
+            got, headers, text = await _post_v2(session, p, raw)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got == status, text
+        assert p.handler.budget.bytes == 0
+        converted = [r for r in up.received if "v2" not in r.headers["Content-Type"]]
+        # the whole as it came (413), its first half as it came (415)
+        assert len([r for r in up.received if "v2" in r.headers["Content-Type"]
+                    and r.raw]) == 2
+        if status == 413:
+            assert "converted to RW 1.0" in text
+            assert converted == []
+            assert peak < 4 * 2**20, peak
+            assert metric(p, "karta_proxy_requests_rejected_total", reason="too_large") == 1
+        else:
+            assert headers["X-Prometheus-Remote-Write-Samples-Written"] == "64"
+            assert [len(labels_of(r.raw)) for r in converted] == [32, 32]

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import pytest
 
+from proxy.budget import Held, LoadBudget
 from proxy.compression import DecodeError, compress, join_snappy, snappy_part
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
@@ -26,6 +27,7 @@ from proxy.upstream import (
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,
+    ConversionRefused,
     Outgoing,
     Upstream,
     UpstreamFailure,
@@ -983,3 +985,62 @@ async def test_upstream_tls_files_are_read_again_when_they_change(tmp_path: Path
         ca_file.write_bytes(wrong.ca_file.read_bytes())
         u.tls_adopt(u.tls_trial())
         assert (await u.send(v1_body(), Protocol.V1)).status == 502
+
+
+def _amplifying(symbol_bytes: int, series: int) -> bytes:
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "amp", "blob", "x" * symbol_bytes])
+    for i in range(series):
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 3, 4])
+        ts.samples.add(value=1.0, timestamp=1_700_000_000_000 + i)
+    return req.SerializeToString()
+
+
+def test_prepare_charges_a_conversion_to_the_budget_before_making_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.upstream as upstream_module
+
+    u = Upstream(UpstreamSettings(url="http://127.0.0.1:1/api/v1/write", protocol="v1"),
+                 max_converted_bytes=10 * 2**20)
+    raw = _amplifying(65536, 50)  # 3.3 MB converted, 9.8 MB charged
+    budget = LoadBudget(16 * 2**20)
+    other, mine = Held(budget), Held(budget)
+    assert other.take(8 * 2**20)  # another request in flight
+    made: list[int] = []
+    convert = upstream_module.v2_to_v1
+
+    def seen(r: bytes) -> bytes:
+        made.append(budget.bytes)
+        return convert(r)
+
+    monkeypatch.setattr(upstream_module, "v2_to_v1", seen)
+    with pytest.raises(ConversionRefused) as e:
+        u.prepare(raw, Protocol.V2, "snappy", None, mine)
+    assert e.value.reason == "overload" and made == [] and mine.bytes == 0
+    other.give_back(other.bytes)
+    out = u.prepare(raw, Protocol.V2, "snappy", None, mine)
+    assert out.protocol is Protocol.V1 and out.converted
+    assert made and made[0] >= 3 * 3_000_000  # charged while it was made
+    assert mine.bytes == 0 == budget.bytes  # given back: the handler settles the rest
+    with pytest.raises(ConversionRefused) as e:  # past what an RW 1.0 request may be
+        u.prepare(_amplifying(65536, 200), Protocol.V2, "snappy", None, mine)
+    assert e.value.reason == "too_large" and e.value.limit == 10 * 2**20
+    assert len(made) == 1 and budget.bytes == 0
+
+
+def test_a_converted_custom_bucket_histogram_is_counted_as_the_samples_it_became() -> None:
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "rpc_seconds"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2])
+    ts.samples.add(value=1.0, timestamp=1)
+    h = ts.histograms.add(count_float=3, sum=1.0, schema=-53, timestamp=1)
+    h.positive_spans.add(offset=0, length=2)
+    h.positive_counts.extend([1.0, 2.0])
+    h.custom_values.append(0.5)
+    ts.histograms.add(count_float=1, sum=1.0, schema=0, timestamp=1)  # exponential: stays
+    u = Upstream(UpstreamSettings(url="http://127.0.0.1:1/api/v1/write", protocol="v1"))
+    out = u.prepare(req.SerializeToString(), Protocol.V2, "snappy", Counts(1, 1, 2, 0))
+    # 0.5, +Inf, _sum, _count: four samples more, one histogram fewer
+    assert out.counts == Counts(1, 5, 1, 0)

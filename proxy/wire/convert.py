@@ -1,14 +1,20 @@
 """RW 2.0 -> 1.0: a 2.0 request as the equivalent 1.0 WriteRequest, for 1.0-only upstreams.
 
 Values, timestamps and histogram buckets keep their bytes: the field numbers of Sample and
-Histogram agree between the versions. Only what 1.0 has no place for is dropped.
+Histogram agree between the versions. Only what 1.0 has no place for is dropped, and a
+native histogram with custom buckets (schema -53), which a 1.0 receiver would store as
+exponential buckets, becomes the classic ``_bucket`` / ``_sum`` / ``_count`` series.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+import struct
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 
 from proxy.wire.primitives import (
+    decode_packed,
     encode_label_v1,
     encode_uvarint,
     invalid,
@@ -18,6 +24,205 @@ from proxy.wire.primitives import (
     uvarint,
 )
 from proxy.wire.splice_v2 import scan_v2, split_series_v2
+
+#: the schema of a native histogram with custom bucket bounds (``custom_values``)
+CUSTOM_BUCKETS_SCHEMA = -53
+_DOUBLE = struct.Struct("<d")
+_U64 = (1 << 64) - 1
+
+
+def _zigzag(n: int) -> int:
+    return (n >> 1) ^ -(n & 1)
+
+
+def _int64(n: int) -> int:
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def _doubles(raw: bytes, wt: int, s: int, q: int, out: list[float]) -> None:
+    if wt == 2:
+        out.extend(v for (v,) in _DOUBLE.iter_unpack(raw[s:q]))
+    else:
+        out.append(_DOUBLE.unpack_from(raw, s)[0])
+
+
+def _varints(raw: bytes, wt: int, s: int, q: int, out: list[int]) -> None:
+    if wt == 2:
+        decode_packed(raw, s, q, out)
+    else:
+        out.append(uvarint(raw, s)[0])
+
+
+@dataclass(slots=True)
+class CustomBuckets:
+    """A native histogram with custom buckets (schema -53), read: its buckets' counts by
+    index (index i's upper bound ``bounds[i]``, the last one's +Inf)."""
+
+    count: float
+    sum: float
+    timestamp: int
+    bounds: list[float]
+    counts: list[float]
+
+
+def custom_buckets(raw: bytes, p: int, end: int) -> CustomBuckets | None:
+    """An RW 2.0 Histogram (its payload ``raw[p:end]``, framing checked by the splice) with
+    custom buckets, read; None for any other schema. Integer (``positive_deltas``) and float
+    (``positive_counts``) forms; positive spans place the buckets (a span's offset is the
+    gap after the previous one). ``protobuf_invalid`` for a bucket past the bounds."""
+    schema = 0
+    count = total = 0.0
+    timestamp = 0
+    spans: list[tuple[int, int]] = []
+    deltas: list[int] = []
+    floats: list[float] = []
+    bounds: list[float] = []
+    while p < end:
+        number, wt, s, q = read_field(raw, p, end)
+        if number == 4 and wt == 0:
+            schema = _zigzag(uvarint(raw, s)[0])
+        elif number == 1 and wt == 0:
+            count = float(uvarint(raw, s)[0])
+        elif number == 2 and wt == 1:
+            count = _DOUBLE.unpack_from(raw, s)[0]
+        elif number == 3 and wt == 1:
+            total = _DOUBLE.unpack_from(raw, s)[0]
+        elif number == 15 and wt == 0:
+            timestamp = _int64(uvarint(raw, s)[0])
+        elif number == 11 and wt == 2:
+            offset = length = 0
+            a = s
+            while a < q:
+                n, w, vs, b = read_field(raw, a, q)
+                if w == 0 and n in (1, 2):
+                    v = uvarint(raw, vs)[0]
+                    if n == 1:
+                        offset = _zigzag(v)
+                    else:
+                        length = v
+                a = b
+            spans.append((offset, length))
+        elif number == 12:
+            _varints(raw, wt, s, q, deltas)
+        elif number == 13:
+            _doubles(raw, wt, s, q, floats)
+        elif number == 16:
+            _doubles(raw, wt, s, q, bounds)
+        p = q
+    if schema != CUSTOM_BUCKETS_SCHEMA:
+        return None
+    if deltas:
+        values: list[float] = []
+        running = 0
+        for d in deltas:
+            running += _zigzag(d)
+            values.append(float(running))
+    else:
+        values = floats
+    counts = [0.0] * (len(bounds) + 1)
+    idx = 0
+    taken = 0
+    for i, (offset, length) in enumerate(spans):
+        idx = offset if i == 0 else idx + offset
+        for _ in range(length):
+            if taken >= len(values):
+                break
+            if not 0 <= idx < len(counts):
+                raise invalid(f"custom-bucket histogram: bucket {idx} past its "
+                              f"{len(bounds)} bounds")
+            counts[idx] += values[taken]
+            taken += 1
+            idx += 1
+    return CustomBuckets(count, total, timestamp, bounds, counts)
+
+
+def format_le(bound: float) -> bytes:
+    """A bucket bound as Prometheus (Go's ``strconv.FormatFloat(b, 'g', -1, 64)``, as
+    client_golang writes ``le``) formats it: ``0.1``, ``1``, ``1e+06``, ``+Inf``."""
+    if math.isinf(bound):
+        return b"+Inf" if bound > 0 else b"-Inf"
+    if math.isnan(bound):
+        return b"NaN"
+    if bound == 0:
+        return b"-0" if math.copysign(1.0, bound) < 0 else b"0"
+    text = repr(bound)
+    sign = ""
+    if text[0] == "-":
+        sign, text = "-", text[1:]
+    mantissa, _, exp_text = text.partition("e")
+    whole, _, frac = mantissa.partition(".")
+    digits = (whole + frac).lstrip("0")
+    # the decimal point's place relative to the first significant digit
+    point = len(whole) + (int(exp_text) if exp_text else 0)
+    lead = len(whole + frac) - len((whole + frac).lstrip("0"))
+    point -= lead
+    digits = digits.rstrip("0") or "0"
+    exp = point - 1
+    if exp < -4 or exp >= 6:  # Go's shortest 'g' switches to an exponent so
+        out = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        out += "e" + ("-" if exp < 0 else "+") + f"{abs(exp):02d}"
+    elif point <= 0:
+        out = "0." + "0" * -point + digits
+    elif point >= len(digits):
+        out = digits + "0" * (point - len(digits))
+    else:
+        out = digits[:point] + "." + digits[point:]
+    return (sign + out).encode()
+
+
+def _sample_v1(value: float, timestamp: int) -> bytes:
+    return b"\x09" + _DOUBLE.pack(value) + b"\x10" + encode_uvarint(timestamp & _U64)
+
+
+def classic_series(labels: Sequence[tuple[bytes, bytes]], h: CustomBuckets
+                   ) -> Iterator[tuple[list[tuple[bytes, bytes]], float, int]]:
+    """The classic series a custom-bucket histogram is, as (labels, value, timestamp):
+    ``<name>_bucket{le=...}`` per bound and ``+Inf`` (cumulative counts), ``<name>_sum``,
+    ``<name>_count``, each with the histogram's other labels, sorted by name."""
+    name = b""
+    rest: list[tuple[bytes, bytes]] = []
+    for n, v in labels:
+        if n == b"__name__":
+            name = v
+        elif n != b"le":
+            rest.append((n, v))
+
+    def named(suffix: bytes, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        return sorted([(b"__name__", name + suffix), *rest, *extra], key=lambda x: x[0])
+
+    cumulative = 0.0
+    for i, c in enumerate(h.counts):
+        cumulative += c
+        le = format_le(h.bounds[i]) if i < len(h.bounds) else b"+Inf"
+        yield named(b"_bucket", (b"le", le)), cumulative, h.timestamp
+    yield named(b"_sum"), h.sum, h.timestamp
+    yield named(b"_count"), h.count, h.timestamp
+
+
+def _classic_v1(labels: Sequence[tuple[bytes, bytes]], h: CustomBuckets) -> list[bytes]:
+    return [len_field(1, b"".join(encode_label_v1(n, v) for n, v in lbs)
+                      + len_field(2, _sample_v1(value, ts)))
+            for lbs, value, ts in classic_series(labels, h)]
+
+
+def _classic_size(labels: Sequence[tuple[bytes, bytes]], h: CustomBuckets) -> int:
+    total = 0
+    for lbs, _, ts in classic_series(labels, h):
+        sample = 10 + _uvarint_size(ts & _U64)
+        total += _field_size(sum(_label_size(len(n), len(v)) for n, v in lbs)
+                             + _field_size(sample))
+    return total
+
+
+@dataclass(slots=True)
+class V1Form:
+    """What an RW 2.0 request converts to: its size, and how its counts change (custom-bucket
+    histograms become classic series: ``histograms`` fewer histograms, ``samples`` more
+    samples)."""
+
+    size: int = 0
+    histograms: int = 0
+    samples: int = 0
 
 
 def _check_refs(refs: Sequence[int], nsym: int) -> None:
@@ -45,6 +250,121 @@ def _labels_v1(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:
     )
 
 
+class ConversionTooLarge(Exception):
+    """An RW 2.0 request whose RW 1.0 form would be larger than an RW 1.0 request may be:
+    RW 2.0 interns strings, so a small request (one long symbol named by many series) can
+    convert to one hundreds or thousands of times its size."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"converted to RW 1.0 it would be {size} bytes, more than the "
+                         f"{limit} an RW 1.0 request may be")
+        self.size = size
+        self.limit = limit
+
+
+def _uvarint_size(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _field_size(payload: int) -> int:
+    """Bytes of a length-delimited field of a number below 16 (one tag byte) holding
+    ``payload`` bytes."""
+    return 1 + _uvarint_size(payload) + payload
+
+
+def _label_size(name: int, value: int) -> int:
+    """Bytes of ``encode_label_v1`` of a name and value of these lengths."""
+    return _field_size(_field_size(name) + (_field_size(value) if value else 0))
+
+
+def _labels_size(refs: Sequence[int], lengths: Sequence[int]) -> int:
+    return sum(_label_size(lengths[refs[i]], lengths[refs[i + 1]])
+               for i in range(0, len(refs), 2))
+
+
+def _copied_size(raw: bytes, p: int, end: int, skip: Collection[int]) -> int:
+    """``len(_copy_fields(raw, p, end, skip))`` without making it."""
+    size = end - p
+    while p < end:
+        number, _, _, q = read_field(raw, p, end)
+        if number in skip:
+            size -= q - p
+        p = q
+    return size
+
+
+def v1_size(raw_v2: bytes) -> int:
+    """The size of ``v2_to_v1(raw_v2)``, in one pass that makes nothing of that size (the
+    symbols' lengths times the refs to them, the framing): what a conversion would hold,
+    known before a byte of it is allocated. Raises what ``v2_to_v1`` raises."""
+    return v1_form(raw_v2).size
+
+
+def v1_form(raw_v2: bytes) -> V1Form:
+    """``v1_size``, and how the request's counts change converted (``V1Form``)."""
+    scan = scan_v2(raw_v2)
+    syms = scan.symbols
+    nsym = len(syms)
+    lengths = [len(s) for s in syms]
+    form = V1Form()
+    total = 0
+    metadata: dict[tuple[bytes, int, bytes, bytes], None] = {}
+    for _, p, end in scan.series:
+        ser = split_series_v2(raw_v2, p, end, nsym)
+        body = _labels_size(ser.refs, lengths)
+        data = expanded = False  # data: samples, exemplars, other histograms
+        for s, q in ser.other:
+            number, _, ps, fq = read_field(raw_v2, s, q)
+            data = data or number in (2, 4)
+            if number == 2:
+                body += _field_size(_copied_size(raw_v2, ps, fq, (3,)))
+            elif number == 3:
+                h = custom_buckets(raw_v2, ps, fq)
+                if h is None:
+                    body += _field_size(_copied_size(raw_v2, ps, fq, (17,)))
+                    data = True
+                else:
+                    total += _classic_size(_labels(ser.refs, syms), h)
+                    form.histograms += 1
+                    form.samples += len(h.counts) + 2
+                    expanded = True
+            elif number == 4:
+                refs, rest = exemplar_v2(raw_v2, ps, fq, nsym)
+                body += _field_size(_labels_size(refs, lengths) + sum(map(len, rest)))
+            elif number == 5:
+                mtype, help_ref, unit_ref = metadata_v2(raw_v2, ps, fq)
+                _check_refs((help_ref, unit_ref), nsym)
+                name = family_name(_metric_name(ser.refs, syms), mtype)
+                if name and (mtype or syms[help_ref] or syms[unit_ref]):
+                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
+        if data or not expanded:
+            total += _field_size(body)
+    for name, mtype, help_, unit in metadata:
+        body = _field_size(len(name))
+        if mtype:
+            body += 1 + _uvarint_size(mtype)
+        if help_:
+            body += _field_size(len(help_))
+        if unit:
+            body += _field_size(len(unit))
+        total += _field_size(body)
+    form.size = total
+    return form
+
+
+def check_size(raw_v2: bytes, limit: int | None) -> V1Form:
+    """What ``raw_v2`` converts to (``v1_form``); ``ConversionTooLarge`` when its size is
+    past ``limit`` (None: no limit)."""
+    form = v1_form(raw_v2)
+    if limit is not None and form.size > limit:
+        raise ConversionTooLarge(form.size, limit)
+    return form
+
+
 def v2_to_v1(raw_v2: bytes) -> bytes:
     """A 2.0 request as the equivalent 1.0 WriteRequest, for 1.0-only upstreams.
 
@@ -53,6 +373,14 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
     metadata becomes one 1.0 MetricMetadata per metric family (deduplicated); the rc.3
     ``created_timestamp`` is dropped. Values, timestamps and histogram buckets keep their
     bytes: the field numbers of Sample and Histogram agree between the versions.
+
+    A native histogram with custom buckets (schema -53: 1.0 has no ``custom_values``, and a
+    1.0 receiver would read its buckets as exponential ones) becomes the classic series a
+    1.0 receiver stores exactly (``classic_series``): ``<name>_bucket{le="..."}`` per bound
+    and ``+Inf`` (cumulative), ``<name>_sum``, ``<name>_count``, the histogram's labels
+    sorted with ``le`` in place, its timestamp; one TimeSeries per sample, after the
+    series. A series left with nothing else (no samples, exemplars or other histograms)
+    is not sent itself. ``v1_form`` says how the counts change (samples, not histograms).
     """
     scan = scan_v2(raw_v2)
     syms = scan.symbols
@@ -64,12 +392,17 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
         samples: list[bytes] = []
         exemplars: list[bytes] = []
         histograms: list[bytes] = []
+        classic: list[bytes] = []
         for s, q in ser.other:
             number, _, ps, fq = read_field(raw_v2, s, q)
             if number == 2:  # Sample: drop start_timestamp = 3
                 samples.append(len_field(2, _copy_fields(raw_v2, ps, fq, (3,))))
             elif number == 3:  # Histogram (2.0: 3, 1.0: 4): drop start_timestamp = 17
-                histograms.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
+                h = custom_buckets(raw_v2, ps, fq)
+                if h is None:
+                    histograms.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
+                else:  # custom buckets: the classic series, after this one
+                    classic.extend(_classic_v1(_labels(ser.refs, syms), h))
             elif number == 4:  # Exemplar (2.0: 4, 1.0: 3)
                 exemplars.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
             elif number == 5:
@@ -80,9 +413,12 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
                 if name and (mtype or syms[help_ref] or syms[unit_ref]):
                     metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
             # created_timestamp (6) and unknown fields have no 1.0 equivalent
-        # 1.0 field order: labels, samples, exemplars, histograms
-        body = b"".join((_labels_v1(ser.refs, syms), *samples, *exemplars, *histograms))
-        out.append(len_field(1, body))
+        if samples or exemplars or histograms or not classic:
+            # not a series of custom-bucket histograms only
+            # 1.0 field order: labels, samples, exemplars, histograms
+            body = b"".join((_labels_v1(ser.refs, syms), *samples, *exemplars, *histograms))
+            out.append(len_field(1, body))
+        out.extend(classic)
     for name, mtype, help_, unit in metadata:
         body = b""
         if mtype:
@@ -112,6 +448,10 @@ def family_name(name: bytes, mtype: int) -> bytes:
             if name.endswith(suffix):
                 return name[: -len(suffix)]
     return name
+
+
+def _labels(refs: Sequence[int], syms: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+    return [(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)]
 
 
 def _metric_name(refs: Sequence[int], syms: Sequence[bytes]) -> bytes:

@@ -15,7 +15,8 @@ import pytest
 
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
-from proxy.sender import Series, build_v2, send_series
+from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
+from proxy.sender import Series, build_v2, send, send_series
 from proxy.upstream import WRITTEN_EXEMPLARS, WRITTEN_SAMPLES, Upstream
 from proxy.wire.primitives import Counts, Protocol
 from tests.peers.conftest import InProcessProxy, Peer, Peers, query, vm_flush, wait_until
@@ -168,3 +169,59 @@ async def test_wrong_path_is_503_and_found_at_start(
     assert (metrics.get_sample_value("karta_proxy_upstream_misconfigured_total",
                                      {"url": url, "reason": "not_write_endpoint",
                                       "code": code}) or 0) >= 2
+
+
+async def test_custom_bucket_histograms_are_stored_as_classic_series_in_prometheus_2(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # a native histogram with custom buckets (schema -53, what Prometheus 3 sends with
+    # convert_classic_histograms_to_nhcb): (-Inf,0.1] = 2, (0.1,1] = 3, (1,+Inf] = 1. Passed
+    # on as a 1.0 Histogram, Prometheus 2.42 (no custom_values) stored exponential buckets
+    # and histogram_quantile(0.5) was +Inf; converted, it is the classic series
+    rx = await receiver(peers, "prometheus")
+    proxy = await make_proxy(rx.base_url + "/api/v1/write")
+    assert (await proxy.proxy.upstream.check()).outcome == "rw1"
+    now = int(time.time() * 1000) - 60_000
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "nhcb_seconds", "namespace", NAMESPACE, "pod", POD])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4, 5, 6])
+    h = ts.histograms.add(count_float=6, sum=4.0, schema=-53, timestamp=now)
+    h.positive_spans.add(offset=0, length=3)
+    h.positive_counts.extend([2.0, 3.0, 1.0])
+    h.custom_values.extend([0.1, 1.0])
+    ts = req.timeseries.add()  # the integer form, a bucket left out (a gap in the spans)
+    ts.labels_refs.extend([1, 2, 3, 4, 5, 6])
+    h = ts.histograms.add(count_int=9, sum=7.0, schema=-53, timestamp=now + 1000)
+    h.positive_spans.add(offset=1, length=1)
+    h.positive_spans.add(offset=0, length=1)
+    h.positive_deltas.extend([5, -1])  # (0.1,1] = 5, (1,+Inf] = 4
+    h.custom_values.extend([0.1, 1.0])
+    status, headers, text = await send(proxy.write_url, req.SerializeToString(),
+                                       protocol=Protocol.V2)
+    assert status == 204, text
+    assert headers[WRITTEN_SAMPLES] == "10"  # 3 buckets, _sum, _count, twice
+    assert headers["X-Prometheus-Remote-Write-Histograms-Written"] == "0"
+    at = now / 1000 + 0.5
+
+    async def stored() -> bool:
+        return len(await query(rx.base_url, "nhcb_seconds_bucket", at)) == 3
+
+    await wait_until(stored, timeout=15, what="the buckets stored")
+    rows = await query(rx.base_url, "histogram_quantile(0.5, nhcb_seconds_bucket)", at)
+    assert len(rows) == 1
+    assert 0.1 < float(rows[0]["value"][1]) <= 1.0, rows
+    buckets = {r["metric"]["le"]: float(r["value"][1])
+               for r in await query(rx.base_url, "nhcb_seconds_bucket", at)}
+    assert buckets == {"0.1": 2.0, "1": 5.0, "+Inf": 6.0}
+    count = await query(rx.base_url, "nhcb_seconds_count", at)
+    total = await query(rx.base_url, "nhcb_seconds_sum", at)
+    assert float(count[0]["value"][1]) == 6.0 and float(total[0]["value"][1]) == 4.0
+    assert count[0]["metric"].get("karta_workload")  # stamped
+    later = {r["metric"]["le"]: float(r["value"][1])
+             for r in await query(rx.base_url, "nhcb_seconds_bucket", at + 1)}
+    assert later == {"0.1": 0.0, "1": 5.0, "+Inf": 9.0}
+    rows = await query(rx.base_url, "histogram_quantile(0.5, nhcb_seconds_bucket)", at + 1)
+    assert 0.1 < float(rows[0]["value"][1]) <= 1.0, rows
+    # nothing stored as a native histogram
+    assert await query(rx.base_url, "nhcb_seconds", at) == []

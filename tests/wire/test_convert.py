@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import tracemalloc
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
+
+from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import types_pb2
 from proxy.sender import Series, build_v1, build_v2
-from proxy.wire.convert import v2_to_v1
+from proxy.wire.convert import (
+    ConversionTooLarge,
+    check_size,
+    format_le,
+    v1_form,
+    v1_size,
+    v2_to_v1,
+)
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import TS, is_stale, labels_of, parse_v1, request_v2
 
@@ -76,3 +88,148 @@ def test_v2_metadata_of_nothing_but_empty_strings_is_no_metadata() -> None:
     ts.metadata.help_ref = 3
     ts.metadata.unit_ref = 3
     assert list(parse_v1(v2_to_v1(req.SerializeToString())).metadata) == []
+
+
+def amplifying_v2(symbol_bytes: int, series: int) -> bytes:
+    """One long symbol named as a label value by every series: RW 2.0 holds it once, its
+    RW 1.0 form once per series (the audit's 64 KiB x 4,000: 185 KB, 263 MB converted)."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "amp", "namespace", "web", "pod",
+                        "frontend-6d8f7b9c5d-4xkqp", "blob", "x" * symbol_bytes])
+    for i in range(series):
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 7, 8, 3, 4, 5, 6])
+        ts.samples.add(value=1.0, timestamp=TS + i)
+    return cast(bytes, req.SerializeToString())
+
+
+def _many_kinds() -> list[bytes]:
+    meta = [Series({"__name__": f"rpc_seconds{s}", "pod": "p", "e": ""}, [(TS, 1.0)],
+                   metric_type="histogram", help="latency" * 40, unit="seconds")
+            for s in ("_bucket", "_sum", "_count")]
+    tall = RequestV2()
+    tall.symbols.extend(["", "__name__", "m", "v" * 300, "w" * 20000])
+    ts = tall.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4, 4, 3, 3, 0])
+    ex = ts.exemplars.add(value=1.0, timestamp=TS)
+    ex.labels_refs.extend([3, 4, 4, 0])
+    ts.samples.add(value=1.0, timestamp=TS, start_timestamp=TS - 1)
+    return [request_v2(), request_v2({"__name__": "g"}),
+            request_v2({"__name__": "g", "pod": "p"}, {"__name__": "h", "x": "y" * 200},
+                       histograms=3, exemplars=2, metadata=True),
+            build_v2(meta), cast(bytes, tall.SerializeToString()),
+            amplifying_v2(1000, 50), amplifying_v2(127, 3), amplifying_v2(16384, 2),
+            nhcb_v2({"count_float": 6, "sum": 4.0, "positive_counts": [2.0, 3.0, 1.0],
+                     "custom_values": [0.1, 1.0]}, samples=1, extra_labels=3),
+            nhcb_v2({"count_int": 3, "sum": 4.0, "positive_deltas": [1, 1],
+                     "spans": [(0, 1), (2, 1)], "custom_values": [0.1, 1.0, 1e-9],
+                     "timestamp": -5})]
+
+
+def nhcb_v2(*histograms: dict[str, Any], samples: int = 0, extra_labels: int = 0) -> bytes:
+    """One series of custom-bucket histograms (``histograms``: fields of each)."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "rpc_seconds", "pod", "p", "le", "junk", "a", "b"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4, *([7, 8] * extra_labels)])
+    for i in range(samples):
+        ts.samples.add(value=1.0, timestamp=TS + i)
+    for fields in histograms:
+        fields = dict(fields)
+        spans = fields.pop("spans", [(0, len(fields.get("positive_counts", [])) or
+                                      len(fields.get("positive_deltas", [])))])
+        h = ts.histograms.add(**{"schema": -53, "timestamp": TS, **fields})
+        for offset, length in spans:
+            h.positive_spans.add(offset=offset, length=length)
+    return cast(bytes, req.SerializeToString())
+
+
+def _classic(raw: bytes) -> list[tuple[dict[str, str], float, int, int]]:
+    """Each converted series: labels, its one sample, and its histograms."""
+    out = []
+    for ts in parse_v1(v2_to_v1(raw)).timeseries:
+        sample = ts.samples[0] if ts.samples else None
+        out.append((dict(labels_of(ts)), sample.value if sample else math.nan,
+                    sample.timestamp if sample else 0, len(ts.histograms)))
+    return out
+
+
+def test_a_custom_bucket_histogram_becomes_classic_series() -> None:
+    raw = nhcb_v2({"count_float": 6, "sum": 4.0, "positive_counts": [2.0, 3.0, 1.0],
+                   "custom_values": [0.1, 1.0]})
+    got = _classic(raw)
+    assert [(lb["__name__"], lb.get("le"), v, t, n) for lb, v, t, n in got] == [
+        ("rpc_seconds_bucket", "0.1", 2.0, TS, 0), ("rpc_seconds_bucket", "1", 5.0, TS, 0),
+        ("rpc_seconds_bucket", "+Inf", 6.0, TS, 0), ("rpc_seconds_sum", None, 4.0, TS, 0),
+        ("rpc_seconds_count", None, 6.0, TS, 0)]
+    # the histogram's labels, sorted with le in place; the series itself is not sent
+    for ts in parse_v1(v2_to_v1(raw)).timeseries:
+        names = [n for n, _ in labels_of(ts)]
+        assert names == sorted(names) and ("pod", "p") in labels_of(ts)
+    form = v1_form(raw)
+    assert (form.histograms, form.samples, form.size) == (1, 5, len(v2_to_v1(raw)))
+
+
+def test_custom_buckets_integer_form_spans_with_gaps_and_zero_counts() -> None:
+    # bounds 0.1, 0.5, 1, 5: buckets 1 and 3 (a gap before each), then +Inf; deltas
+    raw = nhcb_v2({"count_int": 12, "sum": 30.0, "positive_deltas": [4, -4, 8],
+                   "spans": [(1, 1), (1, 1), (0, 1)], "custom_values": [0.1, 0.5, 1, 5]})
+    got = [(lb.get("le"), v) for lb, v, _, _ in _classic(raw)]
+    assert got == [("0.1", 0.0), ("0.5", 4.0), ("1", 4.0), ("5", 4.0), ("+Inf", 12.0),
+                   (None, 30.0), (None, 12.0)]
+    # zero counts everywhere, float form; a histogram with no buckets at all
+    raw = nhcb_v2({"count_float": 0, "sum": 0.0, "positive_counts": [0.0, 0.0],
+                   "custom_values": [2.5]},
+                  {"count_float": 0, "sum": 0.0, "custom_values": [1e6]})
+    got = [(lb.get("le"), v) for lb, v, _, _ in _classic(raw)]
+    assert got == [("2.5", 0.0), ("+Inf", 0.0), (None, 0.0), (None, 0.0),
+                   ("1e+06", 0.0), ("+Inf", 0.0), (None, 0.0), (None, 0.0)]
+
+
+def test_a_series_with_samples_too_keeps_them_and_exponential_histograms_pass() -> None:
+    raw = nhcb_v2({"count_float": 1, "sum": 1.0, "positive_counts": [1.0],
+                   "custom_values": [1.0]}, samples=2)
+    got = _classic(raw)
+    assert got[0][0] == {"__name__": "rpc_seconds", "pod": "p"} and len(got) == 1 + 4
+    plain = request_v2({"__name__": "g", "pod": "p"}, histograms=2)
+    assert v1_form(plain).histograms == 0
+    assert len(parse_v1(v2_to_v1(plain)).timeseries[0].histograms) == 2
+
+
+def test_a_custom_bucket_past_its_bounds_is_400() -> None:
+    raw = nhcb_v2({"count_float": 1, "sum": 1.0, "positive_counts": [1.0],
+                   "spans": [(2, 1)], "custom_values": [1.0]})
+    with pytest.raises(DecodeError) as e:
+        v2_to_v1(raw)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize(("bound", "text"), [
+    (0.1, b"0.1"), (1.0, b"1"), (2.5, b"2.5"), (100000.0, b"100000"), (1e6, b"1e+06"),
+    (1234567.0, b"1.234567e+06"), (0.0001, b"0.0001"), (1e-05, b"1e-05"),
+    (1.5e-07, b"1.5e-07"), (-0.5, b"-0.5"), (0.0, b"0"), (1e21, b"1e+21"),
+    (math.inf, b"+Inf")])
+def test_le_is_formatted_as_prometheus_formats_it(bound: float, text: bytes) -> None:
+    assert format_le(bound) == text  # Go's strconv.FormatFloat(b, 'g', -1, 64)
+
+
+@pytest.mark.parametrize("raw", _many_kinds())
+def test_v1_size_is_the_converted_size(raw: bytes) -> None:
+    assert v1_size(raw) == len(v2_to_v1(raw))
+
+
+def test_v1_size_of_an_amplifying_request_allocates_nothing_of_it() -> None:
+    raw = amplifying_v2(65536, 4000)
+    assert len(raw) < 200_000
+    tracemalloc.start()
+    try:
+        size = v1_size(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert size > 4000 * 65536  # 263 MB, were it made
+    assert peak < 4 * 2**20, peak
+    with pytest.raises(ConversionTooLarge) as e:
+        check_size(raw, 64 * 2**20)
+    assert (e.value.size, e.value.limit) == (size, 64 * 2**20)
+    assert check_size(raw, size).size == size
