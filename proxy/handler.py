@@ -668,16 +668,17 @@ class RemoteWriteHandler:
     def _not_converted(self, e: ConversionRefused) -> _Refusal:
         """The answer to an RW 2.0 request a 1.0-only upstream needs converted, whose
         conversion was refused before it was made: 413 when its RW 1.0 form would be larger
-        than an RW 1.0 request may be (``server.max_decoded_bytes``: RW 2.0 names a string
-        once, RW 1.0 repeats it in every series that has it), 503 when the byte budget has
-        no room for it now."""
+        than a conversion may make (:func:`proxy.upstream.conversion_limit`: RW 2.0 names a
+        string once, RW 1.0 repeats it in every series that has it), 503 when the byte
+        budget has no room for it now."""
         if e.reason == "overload":
             return _no_room()
         return _Refusal(413, f"the request converted to RW 1.0 (the upstream takes RW 1.0 "
-                        f"only) would be {e.size} bytes, more than an RW 1.0 request may be "
-                        f"(server.max_decoded_bytes = {e.limit}): RW 2.0 names a string once, "
-                        "RW 1.0 repeats it in every series that has it; send fewer series "
-                        "per request, or shorter label values", counter="reject",
+                        f"only) would be {e.size} bytes, more than a conversion may make "
+                        f"({e.limit}: the larger of server.max_decoded_bytes and a third of "
+                        "server.max_inflight_bytes): RW 2.0 names a string once, RW 1.0 "
+                        "repeats it in every series that has it; send fewer series per "
+                        "request, or shorter label values", counter="reject",
                         kind="too_large")
 
     def _parts_for(self, declared: int | None, protocol: Protocol, encoding: str) -> int:

@@ -49,7 +49,7 @@ from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
 from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
-from proxy.upstream import Upstream
+from proxy.upstream import Upstream, conversion_limit
 from proxy.wire.native import warn_if_python
 from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices, in_runs
 
@@ -143,7 +143,9 @@ class Proxy:
         self.metrics.watch_engine(self.engine)
         self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
         self.upstream = Upstream(settings.upstream, self.metrics,
-                                 max_converted_bytes=settings.server.max_decoded_bytes)
+                                 max_converted_bytes=conversion_limit(
+                                     settings.server.max_decoded_bytes,
+                                     settings.server.max_inflight_bytes))
         self.handler = RemoteWriteHandler(
             settings.server, self.index, self.enricher, self.upstream, self.metrics
         )

@@ -201,6 +201,17 @@ def converted_counts(counts: Counts | None, form: V1Form) -> Counts | None:
                   counts.histograms - form.histograms, counts.exemplars)
 
 
+def conversion_limit(max_decoded_bytes: int, max_inflight_bytes: int) -> int:
+    """The most an RW 2.0 request may convert to: what an RW 1.0 request may be
+    (``server.max_decoded_bytes``), or what the byte budget can hold of a conversion
+    (``server.max_inflight_bytes`` over ``CONVERT_COPIES``), whichever is larger. RW 2.0
+    names a string once and RW 1.0 repeats it in every series: a big request of real label
+    sets converts to 2-3x its decoded size, and a 413 would lose it (a sender drops a
+    batch refused with a 4xx); the budget is the memory the operator gave requests, and a
+    request alone in flight is given its conversion even past it, so no more than that."""
+    return max(max_decoded_bytes, max_inflight_bytes // CONVERT_COPIES)
+
+
 def _converted(raw_v2: bytes, encoding: str) -> bytes:
     """``raw_v2`` converted to RW 1.0 and compressed (its size checked and charged)."""
     return compress(v2_to_v1(raw_v2), encoding)
@@ -406,8 +417,8 @@ class Upstream:
                  max_converted_bytes: int | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
-        #: the most an RW 2.0 request may convert to (``server.max_decoded_bytes``, what an
-        #: RW 1.0 sender's request may be); None: no limit
+        #: the most an RW 2.0 request may convert to (:func:`conversion_limit`); None: no
+        #: limit
         self.max_converted_bytes = max_converted_bytes
         #: the responses counter's children, each looked up once (proxy.metrics.Children)
         self._responses = Children(metrics.upstream_responses) if metrics is not None else None

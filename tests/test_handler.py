@@ -888,7 +888,7 @@ async def test_a_conversion_past_what_rw1_may_hold_is_413_before_it_is_made(
         tmp_path: Path, protocol: UpstreamProtocol) -> None:
     # 23 KB of RW 2.0 converted to 263 MB of RW 1.0 (RSS 60 -> 586 MiB for a 32 MiB
     # budget, answered 204). Its converted size is known before a byte of it is made: past
-    # max_decoded_bytes (what an RW 1.0 sender's request may be) it is 413. Converted up
+    # what a conversion may make (max_decoded_bytes, 64 MiB here) it is 413. Converted up
     # front ("v1": in the handler's worker) or after the upstream's 415 ("auto": forward)
     raw = _amplifying_v2(65536, 4000)
     async with ScriptedUpstream(rule=_v1_only) as up, aiohttp.ClientSession() as session, \
@@ -910,13 +910,25 @@ async def test_a_conversion_past_what_rw1_may_hold_is_413_before_it_is_made(
         "nothing converted reached the upstream"
 
 
+def test_a_conversion_may_make_what_the_byte_budget_can_hold() -> None:
+    # a big RW 2.0 request of real label sets converts to 2-3x its decoded size: past
+    # max_decoded_bytes, a 413 would lose it (a sender drops a batch refused with a 4xx);
+    # up to a third of the budget (what a conversion holds: CONVERT_COPIES) it is made
+    from proxy.upstream import CONVERT_COPIES, conversion_limit
+
+    assert conversion_limit(64 * 2**20, 512 * 2**20) == 512 * 2**20 // CONVERT_COPIES
+    assert conversion_limit(64 * 2**20, 32 * 2**20) == 64 * 2**20
+
+
 @pytest.mark.parametrize("protocol", ["v1", "auto"])
 async def test_a_big_conversion_under_the_limit_still_passes(
         tmp_path: Path, protocol: UpstreamProtocol) -> None:
-    # 64 KiB x 40 series: 2.6 MB converted, under a 4 MiB max_decoded_bytes: converted and
-    # stored whole; 64 KiB x 80 (5.2 MB) past it: 413
+    # 64 KiB x 40 series: 2.6 MB converted, under a 4 MiB limit (max_decoded_bytes, and a
+    # third of max_inflight_bytes): converted and stored whole; 64 KiB x 80 (5.2 MB) past
+    # it: 413
     async with ScriptedUpstream(rule=_v1_only) as up, aiohttp.ClientSession() as session, \
-            proxy_running(tmp_path, up, max_decoded_bytes=4 * 2**20) as p:
+            proxy_running(tmp_path, up, max_decoded_bytes=4 * 2**20, max_body_bytes=2**20,
+                          max_inflight_bytes=12 * 2**20) as p:
         p.upstream.settings.protocol = protocol
         p.upstream.v1_only = protocol == "v1"
         status, headers, text = await _post_v2(session, p, _amplifying_v2(65536, 40))
@@ -996,7 +1008,8 @@ async def test_a_request_converted_in_parts_keeps_the_bound(
         return Reply(413) if len(RequestV2.FromString(rec.raw).timeseries) > 32 else Reply(415)
 
     async with ScriptedUpstream(rule=rule) as up, aiohttp.ClientSession() as session, \
-            proxy_running(tmp_path, up, max_decoded_bytes=max_decoded) as p:
+            proxy_running(tmp_path, up, max_decoded_bytes=max_decoded, max_body_bytes=2**20,
+                          max_inflight_bytes=3 * max_decoded) as p:
         await p.upstream.check()
         assert not p.upstream.v1_only
         tracemalloc.start()
