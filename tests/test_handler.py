@@ -38,6 +38,7 @@ from tests.proxy_harness import (
     start_proxy,
 )
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
+from tests.wire_fixtures import amplifying_v2
 
 STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
 
@@ -861,19 +862,6 @@ def _v1_only(rec: Any) -> Reply:
     return Reply(415) if "v2" in rec.headers["Content-Type"] else Reply(204)
 
 
-def _amplifying_v2(symbol_bytes: int, series: int) -> bytes:
-    """One long symbol named as a label value by every series: RW 2.0 holds it once, RW 1.0
-    once per series (64 KiB x 4,000: 185 KB decoded, 23 KB snappy, 263 MB converted)."""
-    req = RequestV2()
-    req.symbols.extend(["", "__name__", "amp", "namespace", "web", "pod",
-                        "frontend-6d8f7b9c5d-4xkqp", "blob", "x" * symbol_bytes])
-    for i in range(series):
-        ts = req.timeseries.add()
-        ts.labels_refs.extend([1, 2, 7, 8, 3, 4, 5, 6])
-        ts.samples.add(value=1.0, timestamp=1_700_000_000_000 + i)
-    return cast(bytes, req.SerializeToString())
-
-
 async def _post_v2(session: aiohttp.ClientSession, p: Proxy, raw: bytes
                    ) -> tuple[int, dict[str, str], str]:
     async with session.post(f"http://127.0.0.1:{p.port}/api/v1/write",
@@ -890,7 +878,7 @@ async def test_a_conversion_past_what_rw1_may_hold_is_413_before_it_is_made(
     # budget, answered 204). Its converted size is known before a byte of it is made: past
     # what a conversion may make (max_decoded_bytes, 64 MiB here) it is 413. Converted up
     # front ("v1": in the handler's worker) or after the upstream's 415 ("auto": forward)
-    raw = _amplifying_v2(65536, 4000)
+    raw = amplifying_v2(65536, 4000)
     async with ScriptedUpstream(rule=_v1_only) as up, aiohttp.ClientSession() as session, \
             proxy_running(tmp_path, up, max_inflight_bytes=32 * 2**20) as p:
         p.upstream.settings.protocol = protocol
@@ -931,13 +919,13 @@ async def test_a_big_conversion_under_the_limit_still_passes(
                           max_inflight_bytes=12 * 2**20) as p:
         p.upstream.settings.protocol = protocol
         p.upstream.v1_only = protocol == "v1"
-        status, headers, text = await _post_v2(session, p, _amplifying_v2(65536, 40))
+        status, headers, text = await _post_v2(session, p, amplifying_v2(65536, 40))
         assert status == 204, text
         assert headers["X-Prometheus-Remote-Write-Samples-Written"] == "40"
         (rec,) = [r for r in up.received if "v2" not in r.headers["Content-Type"]]
         converted = labels_of(rec.raw)
         assert len(converted) == 40 and all(s["blob"] == "x" * 65536 for s in converted)
-        status, _, text = await _post_v2(session, p, _amplifying_v2(65536, 80))
+        status, _, text = await _post_v2(session, p, amplifying_v2(65536, 80))
         assert status == 413, text
         assert metric(p, "karta_proxy_requests_rejected_total", reason="too_large") == 1
         assert p.handler.budget.bytes == 0
@@ -969,7 +957,7 @@ async def test_conversions_at_once_are_held_to_the_byte_budget(
             return convert(raw)
 
         monkeypatch.setattr(upstream_module, "v2_to_v1", held_open)
-        raw = _amplifying_v2(65536, 100)
+        raw = amplifying_v2(65536, 100)
         first = asyncio.create_task(_post_v2(session, p, raw))
         assert await asyncio.to_thread(entered.wait, 10)
         try:
@@ -996,7 +984,7 @@ async def test_a_request_converted_in_parts_keeps_the_bound(
     # is refused as too large (413), cut in halves, the first half's 415 teaches it RW 1.0,
     # and every half is converted: each under the bound (a half of 64 KiB x 64 series is
     # 2.1 MB converted), or refused before it is made
-    raw = _amplifying_v2(65536, 64)
+    raw = amplifying_v2(65536, 64)
 
     def rule(rec: Any) -> Reply:
         if "v2" not in rec.headers["Content-Type"]:

@@ -129,3 +129,18 @@ def labels_v2(req: v2.Request, ts: v2.TimeSeries) -> list[tuple[str, str]]:
 
 def is_stale(v: float) -> bool:
     return math.isnan(v) and struct.pack("<d", v) == struct.pack("<Q", 0x7FF0000000000002)
+
+
+def amplifying_v2(symbol_bytes: int, series: int) -> bytes:
+    """One long symbol named as a label value by every series: RW 2.0 holds it once, its
+    RW 1.0 form once per series (the audit's 64 KiB x 4,000: 185 KB decoded, 23 KB snappy,
+    263 MB converted)."""
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "amp", "namespace", "web", "pod",
+                        "frontend-6d8f7b9c5d-4xkqp", "blob", "x" * symbol_bytes])
+    for i in range(series):
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 7, 8, 3, 4, 5, 6])
+        ts.samples.add(value=1.0, timestamp=TS + i)
+    body: bytes = req.SerializeToString()
+    return body

@@ -22,7 +22,14 @@ from proxy.wire.convert import (
     v2_to_v1,
 )
 from tests.upstream_proto import upstream_v1
-from tests.wire_fixtures import TS, is_stale, labels_of, parse_v1, request_v2
+from tests.wire_fixtures import (
+    TS,
+    amplifying_v2,
+    is_stale,
+    labels_of,
+    parse_v1,
+    request_v2,
+)
 
 RequestV2: Any = cast(Any, v2).Request
 
@@ -88,19 +95,6 @@ def test_v2_metadata_of_nothing_but_empty_strings_is_no_metadata() -> None:
     ts.metadata.help_ref = 3
     ts.metadata.unit_ref = 3
     assert list(parse_v1(v2_to_v1(req.SerializeToString())).metadata) == []
-
-
-def amplifying_v2(symbol_bytes: int, series: int) -> bytes:
-    """One long symbol named as a label value by every series: RW 2.0 holds it once, its
-    RW 1.0 form once per series (the audit's 64 KiB x 4,000: 185 KB, 263 MB converted)."""
-    req = RequestV2()
-    req.symbols.extend(["", "__name__", "amp", "namespace", "web", "pod",
-                        "frontend-6d8f7b9c5d-4xkqp", "blob", "x" * symbol_bytes])
-    for i in range(series):
-        ts = req.timeseries.add()
-        ts.labels_refs.extend([1, 2, 7, 8, 3, 4, 5, 6])
-        ts.samples.add(value=1.0, timestamp=TS + i)
-    return cast(bytes, req.SerializeToString())
 
 
 def _many_kinds() -> list[bytes]:
