@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from proxy.wire.primitives import (
@@ -297,6 +297,75 @@ def _copied_size(raw: bytes, p: int, end: int, skip: Collection[int]) -> int:
     return size
 
 
+#: a series' RW 2.0 fields that go out as RW 1.0 fields, by number: (the field's 1.0
+#: number, the fields of its message dropped as 1.0 has no place for them): Sample's
+#: start_timestamp, Histogram's start_timestamp
+_CARRIED = {2: (2, (3,)), 3: (4, (17,))}
+
+
+@dataclass(slots=True)
+class _SeriesV1:
+    """One RW 2.0 series as RW 1.0 will carry it, read once for both the size of the
+    conversion and the conversion: its label refs, the fields that go out as they are (1.0
+    number, payload span, the message's fields dropped), its exemplars (label refs, other
+    fields' bytes) and its custom-bucket histograms (they become classic series)."""
+
+    refs: list[int]
+    carried: list[tuple[int, int, int, tuple[int, ...]]]
+    exemplars: list[tuple[list[int], list[bytes]]]
+    classic: list[CustomBuckets]
+
+    @property
+    def sent(self) -> bool:
+        """A series left with nothing but custom-bucket histograms is not sent itself."""
+        return bool(self.carried or self.exemplars or not self.classic)
+
+
+_Metadata = dict[tuple[bytes, int, bytes, bytes], None]
+
+
+def _series_v1(raw_v2: bytes, syms: Sequence[bytes], series: Iterable[tuple[int, int, int]],
+               metadata: _Metadata) -> Iterator[_SeriesV1]:
+    """Each series of an RW 2.0 request (``scan_v2``) as RW 1.0 carries it; its metadata
+    gathered in ``metadata``, one per metric family. Samples keep their fields but
+    ``start_timestamp`` and histograms theirs; ``created_timestamp`` (6) and unknown fields
+    have no 1.0 equivalent."""
+    nsym = len(syms)
+    for _, p, end in series:
+        ser = split_series_v2(raw_v2, p, end, nsym)
+        out = _SeriesV1(ser.refs, [], [], [])
+        for s, q in ser.other:
+            number, _, ps, fq = read_field(raw_v2, s, q)
+            if number == 3 and (h := custom_buckets(raw_v2, ps, fq)) is not None:
+                out.classic.append(h)
+            elif number in _CARRIED:
+                v1_number, dropped = _CARRIED[number]
+                out.carried.append((v1_number, ps, fq, dropped))
+            elif number == 4:
+                out.exemplars.append(exemplar_v2(raw_v2, ps, fq, nsym))
+            elif number == 5:
+                mtype, help_ref, unit_ref = metadata_v2(raw_v2, ps, fq)
+                _check_refs((help_ref, unit_ref), nsym)
+                name = family_name(_metric_name(ser.refs, syms), mtype)
+                # a ref to another "" than symbol 0 says nothing either
+                if name and (mtype or syms[help_ref] or syms[unit_ref]):
+                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
+        yield out
+
+
+def _metadata_v1(name: bytes, mtype: int, help_: bytes, unit: bytes) -> bytes:
+    """An RW 1.0 MetricMetadata's payload."""
+    body = b""
+    if mtype:
+        body += b"\x08" + encode_uvarint(mtype)
+    body += len_field(2, name)
+    if help_:
+        body += len_field(4, help_)
+    if unit:
+        body += len_field(5, unit)
+    return body
+
+
 def v1_size(raw_v2: bytes) -> int:
     """The size of ``v2_to_v1(raw_v2)``, in one pass that makes nothing of that size (the
     symbols' lengths times the refs to them, the framing): what a conversion would hold,
@@ -308,50 +377,24 @@ def v1_form(raw_v2: bytes) -> V1Form:
     """``v1_size``, and how the request's counts change converted (``V1Form``)."""
     scan = scan_v2(raw_v2)
     syms = scan.symbols
-    nsym = len(syms)
     lengths = [len(s) for s in syms]
     form = V1Form()
     total = 0
-    metadata: dict[tuple[bytes, int, bytes, bytes], None] = {}
-    for _, p, end in scan.series:
-        ser = split_series_v2(raw_v2, p, end, nsym)
-        body = _labels_size(ser.refs, lengths)
-        data = expanded = False  # data: samples, exemplars, other histograms
-        for s, q in ser.other:
-            number, _, ps, fq = read_field(raw_v2, s, q)
-            data = data or number in (2, 4)
-            if number == 2:
-                body += _field_size(_copied_size(raw_v2, ps, fq, (3,)))
-            elif number == 3:
-                h = custom_buckets(raw_v2, ps, fq)
-                if h is None:
-                    body += _field_size(_copied_size(raw_v2, ps, fq, (17,)))
-                    data = True
-                else:
-                    total += _classic_size(_labels(ser.refs, syms), h)
-                    form.histograms += 1
-                    form.samples += len(h.counts) + 2
-                    expanded = True
-            elif number == 4:
-                refs, rest = exemplar_v2(raw_v2, ps, fq, nsym)
-                body += _field_size(_labels_size(refs, lengths) + sum(map(len, rest)))
-            elif number == 5:
-                mtype, help_ref, unit_ref = metadata_v2(raw_v2, ps, fq)
-                _check_refs((help_ref, unit_ref), nsym)
-                name = family_name(_metric_name(ser.refs, syms), mtype)
-                if name and (mtype or syms[help_ref] or syms[unit_ref]):
-                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
-        if data or not expanded:
+    metadata: _Metadata = {}
+    for ser in _series_v1(raw_v2, syms, scan.series, metadata):
+        for h in ser.classic:
+            total += _classic_size(_labels(ser.refs, syms), h)
+            form.histograms += 1
+            form.samples += len(h.counts) + 2
+        if ser.sent:
+            body = _labels_size(ser.refs, lengths)
+            body += sum(_field_size(_copied_size(raw_v2, ps, fq, dropped))
+                        for _, ps, fq, dropped in ser.carried)
+            body += sum(_field_size(_labels_size(refs, lengths) + sum(map(len, rest)))
+                        for refs, rest in ser.exemplars)
             total += _field_size(body)
-    for name, mtype, help_, unit in metadata:
-        body = _field_size(len(name))
-        if mtype:
-            body += 1 + _uvarint_size(mtype)
-        if help_:
-            body += _field_size(len(help_))
-        if unit:
-            body += _field_size(len(unit))
-        total += _field_size(body)
+    # the metadata's payload is small beside the series': made, not computed
+    total += sum(_field_size(len(_metadata_v1(*m))) for m in metadata)
     form.size = total
     return form
 
@@ -384,51 +427,20 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
     """
     scan = scan_v2(raw_v2)
     syms = scan.symbols
-    nsym = len(syms)
     out: list[bytes] = []
-    metadata: dict[tuple[bytes, int, bytes, bytes], None] = {}
-    for _, p, end in scan.series:
-        ser = split_series_v2(raw_v2, p, end, nsym)
-        samples: list[bytes] = []
-        exemplars: list[bytes] = []
-        histograms: list[bytes] = []
-        classic: list[bytes] = []
-        for s, q in ser.other:
-            number, _, ps, fq = read_field(raw_v2, s, q)
-            if number == 2:  # Sample: drop start_timestamp = 3
-                samples.append(len_field(2, _copy_fields(raw_v2, ps, fq, (3,))))
-            elif number == 3:  # Histogram (2.0: 3, 1.0: 4): drop start_timestamp = 17
-                h = custom_buckets(raw_v2, ps, fq)
-                if h is None:
-                    histograms.append(len_field(4, _copy_fields(raw_v2, ps, fq, (17,))))
-                else:  # custom buckets: the classic series, after this one
-                    classic.extend(_classic_v1(_labels(ser.refs, syms), h))
-            elif number == 4:  # Exemplar (2.0: 4, 1.0: 3)
-                exemplars.append(len_field(3, _exemplar_v1(raw_v2, ps, fq, syms)))
-            elif number == 5:
-                mtype, help_ref, unit_ref = metadata_v2(raw_v2, ps, fq)
-                _check_refs((help_ref, unit_ref), nsym)
-                name = family_name(_metric_name(ser.refs, syms), mtype)
-                # a ref to another "" than symbol 0 says nothing either
-                if name and (mtype or syms[help_ref] or syms[unit_ref]):
-                    metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
-            # created_timestamp (6) and unknown fields have no 1.0 equivalent
-        if samples or exemplars or histograms or not classic:
-            # not a series of custom-bucket histograms only
+    metadata: _Metadata = {}
+    for ser in _series_v1(raw_v2, syms, scan.series, metadata):
+        if ser.sent:
+            carried = {n: [len_field(n, _copy_fields(raw_v2, ps, fq, dropped))
+                           for m, ps, fq, dropped in ser.carried if m == n] for n in (2, 4)}
+            exemplars = [len_field(3, _labels_v1(refs, syms) + b"".join(rest))
+                         for refs, rest in ser.exemplars]
             # 1.0 field order: labels, samples, exemplars, histograms
-            body = b"".join((_labels_v1(ser.refs, syms), *samples, *exemplars, *histograms))
-            out.append(len_field(1, body))
-        out.extend(classic)
-    for name, mtype, help_, unit in metadata:
-        body = b""
-        if mtype:
-            body += b"\x08" + encode_uvarint(mtype)
-        body += len_field(2, name)
-        if help_:
-            body += len_field(4, help_)
-        if unit:
-            body += len_field(5, unit)
-        out.append(len_field(3, body))
+            out.append(len_field(1, b"".join((_labels_v1(ser.refs, syms), *carried[2],
+                                              *exemplars, *carried[4]))))
+        for h in ser.classic:
+            out.extend(_classic_v1(_labels(ser.refs, syms), h))
+    out.extend(len_field(3, _metadata_v1(*m)) for m in metadata)
     return b"".join(out)
 
 
@@ -492,8 +504,3 @@ def exemplar_v2(raw: bytes, p: int, end: int, nsym: int) -> tuple[list[int], lis
         raise invalid("exemplar labels_refs has an odd number of entries")
     _check_refs(refs, nsym)
     return refs, rest
-
-
-def _exemplar_v1(raw: bytes, p: int, end: int, syms: Sequence[bytes]) -> bytes:
-    refs, rest = exemplar_v2(raw, p, end, len(syms))
-    return _labels_v1(refs, syms) + b"".join(rest)
