@@ -13,8 +13,6 @@ scrape time for the rest. ``decode_v1`` / ``decode_v2`` read bodies back into ``
 
 from __future__ import annotations
 
-import math
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +25,6 @@ from proxy.compression import compress
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2pb
 from proxy.pb.prometheus import remote_pb2
 from proxy.wire.primitives import Protocol
-
-#: Prometheus' staleness marker: a NaN with this exact bit pattern ends a series.
-STALE_NAN_BITS = 0x7FF0000000000002
-STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
 
 USER_AGENT = f"karta-proxy-sender/{__version__}"
 
@@ -46,10 +40,6 @@ _TYPES: dict[str, tuple[int, int]] = {
     "stateset": (7, 7),
 }
 _TYPE_NAMES_V1 = {v[0]: k for k, v in _TYPES.items()}
-
-
-def is_stale(value: float) -> bool:
-    return math.isnan(value) and struct.unpack("<Q", struct.pack("<d", value))[0] == STALE_NAN_BITS
 
 
 @dataclass

@@ -12,18 +12,17 @@ from proxy.demo import Receiver
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2pb
 from proxy.pb.prometheus import remote_pb2
 from proxy.sender import (
-    STALE_NAN,
     Series,
     build_v1,
     build_v2,
     decode_v1,
     decode_v2,
-    is_stale,
     send,
     send_series,
     series_from_exposition,
 )
-from proxy.wire.primitives import Protocol
+from proxy.wire.primitives import STALE_NAN, Protocol
+from proxy.wire.primitives import is_stale_nan as is_stale
 
 SERIES = [
     Series(

@@ -9,7 +9,7 @@ runtime, the benchmarks and the tests use.
 """
 
 from proxy.facts.collectors import FactsCollector, FactWriterCollector
-from proxy.facts.encoder import STALE_NAN, STALE_NAN_BITS, encode_labels
+from proxy.facts.encoder import encode_labels
 from proxy.facts.model import (
     HELP,
     Fact,
@@ -27,8 +27,6 @@ from proxy.facts.writer import MAX_SERIES_PER_REQUEST, STANDBY_MEMORY, FactWrite
 __all__ = [
     "HELP",
     "MAX_SERIES_PER_REQUEST",
-    "STALE_NAN",
-    "STALE_NAN_BITS",
     "STANDBY_MEMORY",
     "Fact",
     "FactWriter",

@@ -20,10 +20,6 @@ from proxy.facts.model import HELP, Fact, Labels
 from proxy.wire.primitives import encode_label_v1, len_field
 from proxy.wire.primitives import encode_uvarint as _varint
 
-#: Prometheus' stale marker: a NaN with this exact bit pattern ends a series.
-STALE_NAN_BITS = 0x7FF0000000000002
-STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
-
 
 @functools.lru_cache(maxsize=1 << 12)
 def _label_field(name: str, value: str) -> bytes:

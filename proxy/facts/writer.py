@@ -28,7 +28,6 @@ from proxy.config import FactSettings
 from proxy.facts.collectors import FactWriterMetrics, sample_value
 from proxy.facts.encoder import (
     METADATA,
-    STALE_NAN,
     Group,
     Series,
     encode_facts,
@@ -60,7 +59,7 @@ from proxy.karta.results import (
 )
 from proxy.log import Throttled
 from proxy.wire.halves import layout
-from proxy.wire.primitives import Protocol, labels_of, series_text
+from proxy.wire.primitives import STALE_NAN, Protocol, labels_of, series_text
 from proxy.yielding import Busy, Pacer
 
 if TYPE_CHECKING:

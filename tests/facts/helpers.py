@@ -13,9 +13,10 @@ import pytest
 
 from proxy import contract
 from proxy.config import FactSettings
-from proxy.facts import STALE_NAN_BITS, FactWriter
+from proxy.facts import FactWriter
 from proxy.index import PodIndex
 from proxy.karta.results import ChangeSet, PodAttribution, ReplicaFact, WorkloadFacts, WorkloadRef
+from proxy.wire.primitives import STALE_NAN_BITS
 
 remote_pb2 = pytest.importorskip("proxy.pb.prometheus.remote_pb2")
 types_pb2 = pytest.importorskip("proxy.pb.prometheus.types_pb2")

@@ -1450,7 +1450,8 @@ async def test_takeover_ends_what_vanished_while_the_old_leader_was_dying() -> N
     from proxy.config import KubeSettings
     from proxy.kube.client import load_configuration
     from proxy.lease import LeaseElector
-    from proxy.sender import decode_v1, is_stale
+    from proxy.sender import decode_v1
+    from proxy.wire.primitives import is_stale_nan as is_stale
     from tests.kubesim.server import KubeSim
 
     duration, interval = 1.0, 0.2
