@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proxy.wire.primitives import (
+    STALE_NAN,
+    STALE_NAN_BITS,
     decode_packed,
     encode_label_v1,
     encode_uvarint,
@@ -28,6 +30,7 @@ from proxy.wire.splice_v2 import scan_v2, split_series_v2
 #: the schema of a native histogram with custom bucket bounds (``custom_values``)
 CUSTOM_BUCKETS_SCHEMA = -53
 _DOUBLE = struct.Struct("<d")
+_BITS = struct.Struct("<Q")
 _U64 = (1 << 64) - 1
 
 
@@ -56,13 +59,16 @@ def _varints(raw: bytes, wt: int, s: int, q: int, out: list[int]) -> None:
 @dataclass(slots=True)
 class CustomBuckets:
     """A native histogram with custom buckets (schema -53), read: its buckets' counts by
-    index (index i's upper bound ``bounds[i]``, the last one's +Inf)."""
+    index (index i's upper bound ``bounds[i]``, the last one's +Inf). ``stale``: it is a
+    staleness marker (its ``sum`` is Prometheus' stale NaN), which ends every classic
+    series it becomes."""
 
     count: float
     sum: float
     timestamp: int
     bounds: list[float]
     counts: list[float]
+    stale: bool = False
 
 
 def custom_buckets(raw: bytes, p: int, end: int) -> CustomBuckets | None:
@@ -73,6 +79,7 @@ def custom_buckets(raw: bytes, p: int, end: int) -> CustomBuckets | None:
     schema = 0
     count = total = 0.0
     timestamp = 0
+    stale = False
     spans: list[tuple[int, int]] = []
     deltas: list[int] = []
     floats: list[float] = []
@@ -87,6 +94,7 @@ def custom_buckets(raw: bytes, p: int, end: int) -> CustomBuckets | None:
             count = _DOUBLE.unpack_from(raw, s)[0]
         elif number == 3 and wt == 1:
             total = _DOUBLE.unpack_from(raw, s)[0]
+            stale = _BITS.unpack_from(raw, s)[0] == STALE_NAN_BITS
         elif number == 15 and wt == 0:
             timestamp = _int64(uvarint(raw, s)[0])
         elif number == 11 and wt == 2:
@@ -111,6 +119,8 @@ def custom_buckets(raw: bytes, p: int, end: int) -> CustomBuckets | None:
         p = q
     if schema != CUSTOM_BUCKETS_SCHEMA:
         return None
+    if stale:  # a marker's buckets, if any, say nothing
+        return CustomBuckets(count, total, timestamp, bounds, [0.0] * (len(bounds) + 1), True)
     if deltas:
         values: list[float] = []
         running = 0
@@ -134,6 +144,23 @@ def custom_buckets(raw: bytes, p: int, end: int) -> CustomBuckets | None:
             taken += 1
             idx += 1
     return CustomBuckets(count, total, timestamp, bounds, counts)
+
+
+def stale_marker(raw: bytes, p: int, end: int) -> int | None:
+    """The timestamp of an RW 2.0 Histogram (its payload ``raw[p:end]``) that is a staleness
+    marker, None for any other: Prometheus marks a histogram series stale with a histogram
+    whose ``sum`` is the stale NaN (``Histogram{Sum: StaleNaN}``, schema 0 and no buckets
+    whatever the series' schema)."""
+    stale = False
+    timestamp = 0
+    while p < end:
+        number, wt, s, q = read_field(raw, p, end)
+        if number == 3 and wt == 1:
+            stale = _BITS.unpack_from(raw, s)[0] == STALE_NAN_BITS
+        elif number == 15 and wt == 0:
+            timestamp = _int64(uvarint(raw, s)[0])
+        p = q
+    return timestamp if stale else None
 
 
 def format_le(bound: float) -> bytes:
@@ -194,9 +221,9 @@ def classic_series(labels: Sequence[tuple[bytes, bytes]], h: CustomBuckets
     for i, c in enumerate(h.counts):
         cumulative += c
         le = format_le(h.bounds[i]) if i < len(h.bounds) else b"+Inf"
-        yield named(b"_bucket", (b"le", le)), cumulative, h.timestamp
-    yield named(b"_sum"), h.sum, h.timestamp
-    yield named(b"_count"), h.count, h.timestamp
+        yield named(b"_bucket", (b"le", le)), STALE_NAN if h.stale else cumulative, h.timestamp
+    yield named(b"_sum"), STALE_NAN if h.stale else h.sum, h.timestamp
+    yield named(b"_count"), STALE_NAN if h.stale else h.count, h.timestamp
 
 
 def _classic_v1(labels: Sequence[tuple[bytes, bytes]], h: CustomBuckets) -> list[bytes]:
@@ -308,17 +335,19 @@ class _SeriesV1:
     """One RW 2.0 series as RW 1.0 will carry it, read once for both the size of the
     conversion and the conversion: its label refs, the fields that go out as they are (1.0
     number, payload span, the message's fields dropped), its exemplars (label refs, other
-    fields' bytes) and its custom-bucket histograms (they become classic series)."""
+    fields' bytes), its custom-bucket histograms (they become classic series) and the
+    timestamps of the histogram staleness markers that go out as float ones (``stale``)."""
 
     refs: list[int]
     carried: list[tuple[int, int, int, tuple[int, ...]]]
     exemplars: list[tuple[list[int], list[bytes]]]
     classic: list[CustomBuckets]
+    stale: list[int]
 
     @property
     def sent(self) -> bool:
         """A series left with nothing but custom-bucket histograms is not sent itself."""
-        return bool(self.carried or self.exemplars or not self.classic)
+        return bool(self.carried or self.exemplars or self.stale or not self.classic)
 
 
 _Metadata = dict[tuple[bytes, int, bytes, bytes], None]
@@ -329,15 +358,28 @@ def _series_v1(raw_v2: bytes, syms: Sequence[bytes], series: Iterable[tuple[int,
     """Each series of an RW 2.0 request (``scan_v2``) as RW 1.0 carries it; its metadata
     gathered in ``metadata``, one per metric family. Samples keep their fields but
     ``start_timestamp`` and histograms theirs; ``created_timestamp`` (6) and unknown fields
-    have no 1.0 equivalent."""
+    have no 1.0 equivalent.
+
+    A histogram staleness marker (``stale_marker``) of a series whose other histograms in
+    the request are exponential stays a histogram, as they go. Else it ends what the series
+    became: the classic series of its custom-bucket histograms (their bounds; a 1.0
+    receiver stores no histogram of a series that had none), or, with neither in the
+    request, the series itself as a float stale marker, which every receiver takes (a
+    receiver without native histograms refuses a request holding a histogram with a 5xx,
+    which a sender retries forever)."""
     nsym = len(syms)
     for _, p, end in series:
         ser = split_series_v2(raw_v2, p, end, nsym)
-        out = _SeriesV1(ser.refs, [], [], [])
+        out = _SeriesV1(ser.refs, [], [], [], [])
+        markers: list[tuple[int, int, int]] = []
         for s, q in ser.other:
             number, _, ps, fq = read_field(raw_v2, s, q)
             if number == 3 and (h := custom_buckets(raw_v2, ps, fq)) is not None:
+                if h.stale and not h.bounds and out.classic:  # the bounds it ends
+                    h = replace(out.classic[-1], timestamp=h.timestamp, stale=True)
                 out.classic.append(h)
+            elif number == 3 and (ts := stale_marker(raw_v2, ps, fq)) is not None:
+                markers.append((ps, fq, ts))
             elif number in _CARRIED:
                 v1_number, dropped = _CARRIED[number]
                 out.carried.append((v1_number, ps, fq, dropped))
@@ -350,6 +392,14 @@ def _series_v1(raw_v2: bytes, syms: Sequence[bytes], series: Iterable[tuple[int,
                 # a ref to another "" than symbol 0 says nothing either
                 if name and (mtype or syms[help_ref] or syms[unit_ref]):
                     metadata[(name, mtype, syms[help_ref], syms[unit_ref])] = None
+        exponential = any(n == 4 for n, _, _, _ in out.carried)
+        for ps, fq, ts in markers:
+            if exponential:
+                out.carried.append((4, ps, fq, (17,)))
+            elif out.classic:
+                out.classic.append(replace(out.classic[-1], timestamp=ts, stale=True))
+            else:
+                out.stale.append(ts)
         yield out
 
 
@@ -386,10 +436,13 @@ def v1_form(raw_v2: bytes) -> V1Form:
             total += _classic_size(_labels(ser.refs, syms), h)
             form.histograms += 1
             form.samples += len(h.counts) + 2
+        form.histograms += len(ser.stale)
+        form.samples += len(ser.stale)
         if ser.sent:
             body = _labels_size(ser.refs, lengths)
             body += sum(_field_size(_copied_size(raw_v2, ps, fq, dropped))
                         for _, ps, fq, dropped in ser.carried)
+            body += sum(_field_size(len(_sample_v1(STALE_NAN, ts))) for ts in ser.stale)
             body += sum(_field_size(_labels_size(refs, lengths) + sum(map(len, rest)))
                         for refs, rest in ser.exemplars)
             total += _field_size(body)
@@ -433,6 +486,7 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
         if ser.sent:
             carried = {n: [len_field(n, _copy_fields(raw_v2, ps, fq, dropped))
                            for m, ps, fq, dropped in ser.carried if m == n] for n in (2, 4)}
+            carried[2] += [len_field(2, _sample_v1(STALE_NAN, ts)) for ts in ser.stale]
             exemplars = [len_field(3, _labels_v1(refs, syms) + b"".join(rest))
                          for refs, rest in ser.exemplars]
             # 1.0 field order: labels, samples, exemplars, histograms

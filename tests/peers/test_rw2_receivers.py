@@ -18,7 +18,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.sender import Series, build_v2, send, send_series
 from proxy.upstream import WRITTEN_EXEMPLARS, WRITTEN_SAMPLES, Upstream
-from proxy.wire.primitives import Counts, Protocol
+from proxy.wire.primitives import STALE_NAN, Counts, Protocol
 from tests.peers.conftest import InProcessProxy, Peer, Peers, query, vm_flush, wait_until
 
 pytestmark = pytest.mark.peers
@@ -225,3 +225,43 @@ async def test_custom_bucket_histograms_are_stored_as_classic_series_in_promethe
     assert 0.1 < float(rows[0]["value"][1]) <= 1.0, rows
     # nothing stored as a native histogram
     assert await query(rx.base_url, "nhcb_seconds", at) == []
+
+
+async def test_a_histogram_staleness_marker_is_taken_by_prometheus_2_and_ends_the_series(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # Prometheus marks a histogram series stale with Histogram{Sum: StaleNaN} (schema 0, no
+    # buckets, whatever the series' schema). Passed on as a 1.0 Histogram, Prometheus 2.42
+    # (native histograms off) answered 500, the proxy 502, and the sender retried the batch
+    # forever; converted, it ends what the series became
+    rx = await receiver(peers, "prometheus")
+    proxy = await make_proxy(rx.base_url + "/api/v1/write")
+    assert (await proxy.proxy.upstream.check()).outcome == "rw1"
+    now = int(time.time() * 1000) - 60_000
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", "nhcb_seconds", "namespace", NAMESPACE, "pod", POD,
+                        "gone_seconds"])
+    ts = req.timeseries.add()  # custom-bucket data, then its marker, in one request
+    ts.labels_refs.extend([1, 2, 3, 4, 5, 6])
+    h = ts.histograms.add(count_float=6, sum=4.0, schema=-53, timestamp=now)
+    h.positive_spans.add(offset=0, length=3)
+    h.positive_counts.extend([2.0, 3.0, 1.0])
+    h.custom_values.extend([0.1, 1.0])
+    ts.histograms.add(sum=STALE_NAN, timestamp=now + 1000)
+    ts = req.timeseries.add()  # a marker alone: the series it names goes stale
+    ts.labels_refs.extend([1, 7, 3, 4, 5, 6])
+    ts.histograms.add(sum=STALE_NAN, timestamp=now + 1000)
+    status, headers, text = await send(proxy.write_url, req.SerializeToString(),
+                                       protocol=Protocol.V2)
+    assert status == 204, text
+    assert headers[WRITTEN_SAMPLES] == "11"  # 3 buckets, _sum, _count, twice; the float
+    at = now / 1000 + 0.5
+
+    async def stored() -> bool:
+        return len(await query(rx.base_url, "nhcb_seconds_bucket", at)) == 3
+
+    await wait_until(stored, timeout=15, what="the buckets stored")
+    for name in ("nhcb_seconds_bucket", "nhcb_seconds_sum", "nhcb_seconds_count"):
+        assert await query(rx.base_url, name, at + 1) == [], name  # ended by the marker
+    assert await query(rx.base_url, "gone_seconds", at + 1) == []
+    assert await query(rx.base_url, "nhcb_seconds", at) == []  # no histogram stored

@@ -23,6 +23,7 @@ from proxy.wire.convert import (
 )
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import (
+    STALE_NAN,
     TS,
     amplifying_v2,
     is_stale,
@@ -117,7 +118,35 @@ def _many_kinds() -> list[bytes]:
                      "custom_values": [0.1, 1.0]}, samples=1, extra_labels=3),
             nhcb_v2({"count_int": 3, "sum": 4.0, "positive_deltas": [1, 1],
                      "spans": [(0, 1), (2, 1)], "custom_values": [0.1, 1.0, 1e-9],
-                     "timestamp": -5})]
+                     "timestamp": -5}),
+            *(marked(*kinds) for kinds in (("nhcb", "marker"), ("marker",),
+                                           ("exponential", "marker"), ("nhcb", "nhcb_marker"),
+                                           ("nhcb_marker",)))]
+
+
+def marked(*kinds: str) -> bytes:
+    """One series of histograms ending in staleness markers, of these kinds: custom-bucket
+    data (``nhcb``), exponential data, Prometheus' marker (``marker``: schema 0, no buckets)
+    and a custom-bucket marker with no bounds (``nhcb_marker``)."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "rpc_seconds", "pod", "p"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4])
+    for i, kind in enumerate(kinds):
+        at = TS + 1000 * i
+        if kind == "nhcb":
+            h = ts.histograms.add(count_float=6, sum=4.0, schema=-53, timestamp=at)
+            h.positive_spans.add(offset=0, length=3)
+            h.positive_counts.extend([2.0, 3.0, 1.0])
+            h.custom_values.extend([0.1, 1.0])
+        elif kind == "exponential":
+            h = ts.histograms.add(count_float=2, sum=1.0, schema=0, timestamp=at)
+            h.positive_spans.add(offset=0, length=1)
+            h.positive_counts.append(2.0)
+        else:
+            ts.histograms.add(sum=STALE_NAN, timestamp=at,
+                              **({"schema": -53} if kind == "nhcb_marker" else {}))
+    return cast(bytes, req.SerializeToString())
 
 
 def nhcb_v2(*histograms: dict[str, Any], samples: int = 0, extra_labels: int = 0) -> bytes:
@@ -188,6 +217,44 @@ def test_a_series_with_samples_too_keeps_them_and_exponential_histograms_pass() 
     plain = request_v2({"__name__": "g", "pod": "p"}, histograms=2)
     assert v1_form(plain).histograms == 0
     assert len(parse_v1(v2_to_v1(plain)).timeseries[0].histograms) == 2
+
+
+def test_a_staleness_marker_ends_the_classic_series_its_custom_bucket_data_became() -> None:
+    # Prometheus' marker (schema 0) after custom-bucket data: every classic series, bounds
+    # and all, ends at its timestamp; nothing goes out as a 1.0 histogram
+    for last in ("marker", "nhcb_marker"):
+        got = _classic(marked("nhcb", last))
+        assert [(lb["__name__"], lb.get("le"), t, n) for lb, _, t, n in got[5:]] == [
+            ("rpc_seconds_bucket", "0.1", TS + 1000, 0),
+            ("rpc_seconds_bucket", "1", TS + 1000, 0),
+            ("rpc_seconds_bucket", "+Inf", TS + 1000, 0),
+            ("rpc_seconds_sum", None, TS + 1000, 0), ("rpc_seconds_count", None, TS + 1000, 0)]
+        assert all(is_stale(v) for _, v, _, _ in got[5:]) and len(got) == 10
+        form = v1_form(marked("nhcb", last))
+        assert (form.histograms, form.samples) == (2, 10)
+
+
+def test_a_lone_staleness_marker_goes_out_as_a_float_one() -> None:
+    # a 1.0 receiver without native histograms refuses a request holding any histogram
+    # (Prometheus 2.42: 500, which senders retry forever); a float marker every one takes
+    (ts,) = parse_v1(v2_to_v1(marked("marker"))).timeseries
+    assert dict(labels_of(ts)) == {"__name__": "rpc_seconds", "pod": "p"}
+    assert len(ts.histograms) == 0 and [s.timestamp for s in ts.samples] == [TS]
+    assert is_stale(ts.samples[0].value)
+    form = v1_form(marked("marker"))
+    assert (form.histograms, form.samples) == (1, 1)
+    # a custom-bucket marker alone: its +Inf bucket, _sum and _count end; no value made up
+    got = _classic(marked("nhcb_marker"))
+    assert [(lb["__name__"], lb.get("le")) for lb, _, _, _ in got] == [
+        ("rpc_seconds_bucket", "+Inf"), ("rpc_seconds_sum", None), ("rpc_seconds_count", None)]
+    assert all(is_stale(v) for _, v, _, _ in got)
+
+
+def test_a_staleness_marker_of_exponential_histograms_stays_a_histogram() -> None:
+    (ts,) = parse_v1(v2_to_v1(marked("exponential", "marker"))).timeseries
+    assert [h.timestamp for h in ts.histograms] == [TS, TS + 1000] and not ts.samples
+    assert is_stale(ts.histograms[1].sum)
+    assert v1_form(marked("exponential", "marker")).histograms == 0
 
 
 def test_a_custom_bucket_past_its_bounds_is_400() -> None:
