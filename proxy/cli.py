@@ -177,17 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(demo_args)
     args = build_parser().parse_args(argv)
+    from proxy.log import HeldRecords, setup_logging
+
+    held = HeldRecords()  # the settings say how to log; reading them may warn
     try:
         settings = settings_from_args(args)
     except ConfigError as e:
+        held.replay()
         return _fail(str(e))
     from proxy import memory
-    from proxy.log import setup_logging
     from proxy.runtime import serve
 
     memory.limit_arenas()  # before any thread starts (proxy.memory)
     memory.keep_request_buffers()
     setup_logging(settings.log_level, settings.log_format)
+    held.replay()
     try:
         # a reload reads the file again and puts the same flags on top
         return asyncio.run(serve(settings, loader=lambda: settings_from_args(args)))

@@ -76,6 +76,31 @@ def resolve_format(fmt: str, stream: IO[str]) -> str:
         return "json"
 
 
+class HeldRecords(logging.Handler):
+    """What is logged before logging is set up (the settings say how to log, and reading
+    them may warn, e.g. of a removed setting): kept, then given to the handlers
+    ``setup_logging`` installs (:meth:`replay`; ``release`` is the handler lock's).
+    Without it Python's last-resort handler prints the bare message, dropping its fields,
+    in no log format."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        logging.getLogger().addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def replay(self) -> None:
+        """Stop holding; log what was held through the root logger's handlers now."""
+        root = logging.getLogger()
+        root.removeHandler(self)
+        for record in self.records:
+            if record.levelno >= root.getEffectiveLevel():
+                root.handle(record)
+        self.records.clear()
+
+
 def setup_logging(level: str = "info", fmt: str = "auto", stream: IO[str] | None = None) -> None:
     """Configure the root logger once per process (replaces earlier handlers)."""
     out = stream or sys.stderr

@@ -341,6 +341,23 @@ def test_an_unloadable_snapshot_is_one_line_and_exit_1(tmp_path: Path) -> None:
                      "--snapshot")
 
 
+def test_a_removed_setting_is_logged_in_the_log_format_with_its_key(tmp_path: Path) -> None:
+    # read before logging is set up (the settings say how to log): it was printed as the
+    # bare message by Python's last-resort handler, no key, no reason, not JSON
+    snap = tmp_path / "snap.yaml"
+    snap.write_text("kind: [unclosed\n  : : :\n")
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text("enrich:\n  cache_size: 5\n")
+    code, plain, records = _start_failure([
+        "--config", str(cfg), "--snapshot", str(snap), "--log-format", "json",
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
+        "--listen-address", f"127.0.0.1:{_free_port()}"])
+    _assert_reported(code, plain, records, "nothing could be loaded")
+    (warning,) = [r for r in records if r["msg"] == "ignoring a removed setting"]
+    assert warning["key"] == "enrich.cache_size" and warning["reason"]
+    assert warning["level"] == "warning"
+
+
 def test_no_cluster_to_watch_is_one_line_and_exit_1(tmp_path: Path) -> None:
     """No kubeconfig, no service account, no ~/.kube/config: nothing to wait for."""
     env = {k: v for k, v in os.environ.items()
