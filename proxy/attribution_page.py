@@ -243,6 +243,21 @@ def _attribution_json(att: PodAttribution) -> dict[str, Any]:
     }
 
 
+def not_found(index: PodIndex, namespace: str, pod: str) -> tuple[str, dict[str, Any] | None]:
+    """Why a pod has no report, and for a deleted pod whose name still stamps series (a
+    tombstone: its late samples and stale markers), what they are stamped with: "not in
+    the index" alone contradicted the stamped series."""
+    tomb = index.tombstone(namespace.encode(), pod.encode())
+    if tomb is None:
+        return f"no pod {namespace}/{pod} in the index", None
+    labels = dict(tomb.pairs)
+    message = (f"pod {namespace}/{pod} was deleted; its series are stamped with its last "
+               f"attribution ({', '.join(f'{k}={v}' for k, v in tomb.pairs)}) for "
+               f"{tomb.seconds_left:.0f} s more (karta.tombstone_seconds)")
+    return message, {"uid": tomb.uid, "labels": labels,
+                     "seconds_left": round(tomb.seconds_left, 1)}
+
+
 def report_json(report: PodReport, index: PodIndex, now: float) -> dict[str, Any]:
     data = _attribution_json(report.attribution)
     ex = report.explanation
@@ -440,7 +455,7 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
                 report = find_pod(index, explain, *q)
                 if report is None:
                     status = 404
-                    message = f"no pod {ns}/{pod} in the index"
+                    message = not_found(index, *q)[0]
         listing = await listings.get("page", LIST_LIMIT, _unattributed_page)
         text = render_page(index, time.time(), ns, pod, report, message, listing)
         return web.Response(text=text, content_type="text/html", status=status,
@@ -452,7 +467,13 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
             return _error(400, "bad_data", q)
         report = find_pod(index, explain, *q)
         if report is None:
-            return _error(404, "not_found", f"no pod {q[0]}/{q[1]} in the index")
+            message, tombstone = not_found(index, *q)
+            answer = _error(404, "not_found", message)
+            if tombstone is not None:  # the error, and the stamp the name still gives
+                answer = web.json_response({"status": "error", "errorType": "not_found",
+                                            "error": message, "tombstone": tombstone},
+                                           status=404)
+            return answer
         return web.json_response({"status": "success",
                                   "data": report_json(report, index, time.time())})
 

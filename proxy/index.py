@@ -95,6 +95,15 @@ class _Entry:
     expires: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A deleted pod's name, still answering with its last stamp for ``seconds_left``."""
+
+    uid: str
+    pairs: LabelPairs
+    seconds_left: float
+
+
 class PodIndex:
     """(namespace, pod) -> stamped label pairs, plus the facts the fact series publish."""
 
@@ -352,6 +361,14 @@ class PodIndex:
 
     def tombstones(self) -> int:
         return len(self._tombstones) + len(self._tombstones.gone)
+
+    def tombstone(self, namespace: bytes, pod: bytes) -> Tombstone | None:
+        """A deleted pod whose name still stamps series (its late samples, its stale
+        markers), or None: what the attribution pages say of a pod no longer in ``pods``."""
+        entry = self._by_name.get((namespace, pod))
+        if entry is None or entry.expires is None:
+            return None
+        return Tombstone(entry.uid, entry.pairs, max(0.0, entry.expires - self._clock()))
 
     def entries(self) -> Iterator[tuple[bytes, bytes, LabelPairs]]:
         for (ns, pod), e in self._by_name.items():

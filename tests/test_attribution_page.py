@@ -175,6 +175,28 @@ async def test_landing_and_attribution_pages_count_the_pods_alike(
     assert f"pods: {want};" in page
 
 
+async def test_a_deleted_pod_is_said_to_be_deleted_with_the_stamp_its_name_still_gives(
+    running: Proxy, proxy: str,
+) -> None:
+    """A deleted pod's name stamps its late series for karta.tombstone_seconds; the API
+    said "no pod ... in the index" meanwhile (found by the docs audit)."""
+    att = next(a for a in running.index.pods.values() if a.pod == "postgres-0")
+    stamp = dict(running.index.lookup(att.namespace.encode(), b"postgres-0") or ())
+    assert stamp
+    running.index.apply(running.engine.delete(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"uid": att.uid}}))
+    status, _, (body, _) = await _get(proxy + "/api/v1/attribution",
+                                      namespace=att.namespace, pod="postgres-0")
+    assert status == 404 and body["errorType"] == "not_found"
+    assert "was deleted" in body["error"] and "karta.tombstone_seconds" in body["error"]
+    tomb = body["tombstone"]
+    assert tomb["uid"] == att.uid and tomb["labels"] == stamp
+    assert 0 < tomb["seconds_left"] <= running.settings.karta.tombstone_seconds
+    status, text, _ = await _get(proxy + "/attribution", namespace=att.namespace,
+                                 pod="postgres-0")
+    assert status == 404 and "was deleted" in text
+
+
 async def test_api_errors(proxy: str) -> None:
     status, _, (body, _) = await _get(proxy + "/api/v1/attribution", namespace="web",
                                       pod="nope")

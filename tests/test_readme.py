@@ -200,9 +200,9 @@ def _substitute(text: str, ports: dict[int, int], scratch: Path) -> str:
     return text.replace(SCRATCH, str(scratch))
 
 
-def _argv(cmd: str, agent_config: Path) -> list[str]:
+def _argv(cmd: str, agent_config: Path, tsdb_config: Path) -> list[str]:
     """A README line as argv: the binaries of this machine, the port-substituted agent
-    config; every other word as written."""
+    and TSDB configs; every other word as written."""
     words = shlex.split(cmd)
     if words[0] == "prometheus":
         words[0] = need("prometheus")
@@ -210,7 +210,8 @@ def _argv(cmd: str, agent_config: Path) -> list[str]:
         words[:1] = [sys.executable, "-m", "proxy"]
     elif words[0] == "python3":
         words[0] = sys.executable
-    return [w.replace("config/walkthrough/agent.yml", str(agent_config)) for w in words]
+    return [w.replace("config/walkthrough/agent.yml", str(agent_config))
+            .replace("config/walkthrough/tsdb.yml", str(tsdb_config)) for w in words]
 
 
 def _ready_path(argv: list[str]) -> tuple[str, str]:
@@ -238,10 +239,14 @@ async def test_walkthrough_runs_as_written(
     agent_config.write_text(
         _substitute((REPO / "config/walkthrough/agent.yml").read_text(), ports, tmp_path)
     )
+    tsdb_config = tmp_path / "tsdb.yml"  # its rules found where the shipped file finds them
+    tsdb_config.write_text(
+        _substitute((REPO / "config/walkthrough/tsdb.yml").read_text(), ports, tmp_path)
+        .replace("../rules/", str(REPO / "config/rules") + "/"))
     started: list[Peer] = []
     try:
         for i, cmd in enumerate(commands(sh)):
-            argv = _argv(_substitute(cmd, ports, tmp_path), agent_config)
+            argv = _argv(_substitute(cmd, ports, tmp_path), agent_config, tsdb_config)
             base, ready = _ready_path(argv)
             peer = Peer(f"step{i + 1}", argv, tmp_path / f"step{i + 1}.log", base, ready)
             peer.start()
@@ -279,6 +284,15 @@ async def test_walkthrough_runs_as_written(
                     for q in ("karta_workload_info", "DCGM_FI_DEV_GPU_UTIL")
                     for r in await query(tsdb, q)}
         assert clusters == {"walkthrough"}, clusters
+
+        async def proxy_scraped() -> bool:
+            # the karta-proxy dashboard's series (its "All" is the proxies' jobs); the
+            # facts on /metrics are dropped from the scrape, the written copy stays alone
+            return bool(await query(tsdb, 'karta_proxy_series_total{job="karta-proxy"}'))
+
+        await wait_until(proxy_scraped, timeout=max(1.0, deadline - time.monotonic()),
+                         what="karta-proxy's /metrics scraped", interval=1.0)
+        assert not await query(tsdb, 'karta_workload_info{job="karta-proxy"}')
     finally:
         for peer in reversed(started):
             await peer.astop()
