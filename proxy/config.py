@@ -182,7 +182,8 @@ class UpstreamSettings(Section):
 
     url: Annotated[str, setting(
         "remote-write URL of the TSDB, e.g. http://prometheus:9090/api/v1/write; required; "
-        "the one placeholder is {tenant}",
+        "the one placeholder is {tenant}; a user:password@ in it is sent as the proxy's "
+        "Basic auth",
         flag=Flag(("--upstream-url",), UPSTREAM, "URL"),
         example="http://127.0.0.1:9090/api/v1/write", default_doc="(required)")] = ""
     timeout_seconds: Annotated[float, setting(
@@ -218,11 +219,13 @@ class UpstreamSettings(Section):
     basic_auth_password_file: Annotated[str, setting(
         "basic auth password file, re-read when it changes")] = ""
     forward_headers: Annotated[list[str], setting(
-        "request headers passed from the sender to the upstream unchanged "
-        "(case-insensitive)")] = field(default_factory=_default_forward_headers)
+        "request headers passed from the sender to the upstream unchanged, every value in "
+        "order (case-insensitive; never one the sender's Connection header names)")
+    ] = field(default_factory=_default_forward_headers)
     headers: Annotated[dict[str, str], setting(
-        "headers set on every upstream request (e.g. X-Scope-OrgID: team-a); they win over "
-        "forwarded ones")] = field(default_factory=dict)
+        "headers set on every upstream request (e.g. X-Scope-OrgID: team-a); each replaces "
+        "every value of its name a sender sent, whatever the spelling")
+    ] = field(default_factory=dict)
     pass_through_429: Annotated[bool, setting(
         "answer 429 when the upstream answers 429 (off: 503 + Retry-After, which senders "
         "retry)")] = False
