@@ -20,7 +20,7 @@ import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import yaml
@@ -35,7 +35,7 @@ from proxy.wire.plan import MAX_LABEL_NAMES
 log = logging.getLogger("karta.config")
 
 #: a VictoriaMetrics cluster tenant: ``accountID`` or ``accountID:projectID`` (uint32s)
-TENANT = re.compile(r"\d{1,10}(:\d{1,10})?")
+TENANT = re.compile(r"[0-9]{1,10}(:[0-9]{1,10})?")  # ASCII digits: \d takes any script's
 
 MiB = 1024 * 1024
 
@@ -182,7 +182,8 @@ class UpstreamSettings(Section):
 
     url: Annotated[str, setting(
         "remote-write URL of the TSDB, e.g. http://prometheus:9090/api/v1/write; required; "
-        "the one placeholder is {tenant}",
+        "the one placeholder is {tenant}; a user:password@ in it is sent as the proxy's "
+        "Basic auth",
         flag=Flag(("--upstream-url",), UPSTREAM, "URL"),
         example="http://127.0.0.1:9090/api/v1/write", default_doc="(required)")] = ""
     timeout_seconds: Annotated[float, setting(
@@ -218,11 +219,13 @@ class UpstreamSettings(Section):
     basic_auth_password_file: Annotated[str, setting(
         "basic auth password file, re-read when it changes")] = ""
     forward_headers: Annotated[list[str], setting(
-        "request headers passed from the sender to the upstream unchanged "
-        "(case-insensitive)")] = field(default_factory=_default_forward_headers)
+        "request headers passed from the sender to the upstream unchanged, every value in "
+        "order (case-insensitive; never one the sender's Connection header names)")
+    ] = field(default_factory=_default_forward_headers)
     headers: Annotated[dict[str, str], setting(
-        "headers set on every upstream request (e.g. X-Scope-OrgID: team-a); they win over "
-        "forwarded ones")] = field(default_factory=dict)
+        "headers set on every upstream request (e.g. X-Scope-OrgID: team-a); each replaces "
+        "every value of its name a sender sent, whatever the spelling")
+    ] = field(default_factory=dict)
     pass_through_429: Annotated[bool, setting(
         "answer 429 when the upstream answers 429 (off: 503 + Retry-After, which senders "
         "retry)")] = False
@@ -827,6 +830,21 @@ def without_userinfo(url: str, *, broken: bool = False) -> str:
     return (_USERINFO_BROKEN if broken else _USERINFO).sub(r"\1", url, count=1)
 
 
+def url_credentials(url: str) -> tuple[str, str] | None:
+    """The user and password of ``url``'s userinfo, percent-decoded; None when it has no
+    ``@`` in its authority. The proxy sends them as its own Basic credentials (as Go's
+    client, and Prometheus, send a URL's userinfo), and requests the URL without them."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if "@" not in parts.netloc:
+        return None
+    userinfo = parts.netloc.rpartition("@")[0]
+    user, _, password = userinfo.partition(":")
+    return unquote(user), unquote(password)
+
+
 def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if require_upstream and not u.url:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
@@ -860,6 +878,16 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         raise ConfigError(
             "upstream.bearer_token_file and upstream.basic_auth_*: choose one kind of auth"
         )
+    if url_credentials(u.url) is not None and (
+            u.bearer_token_file or u.basic_auth_username or u.basic_auth_password_file
+            or any(name.lower() == "authorization" for name in u.headers)):
+        # each is an Authorization header, and which one should win is not for the proxy to
+        # guess (aiohttp refused every request with both a URL userinfo and the header)
+        raise ConfigError(
+            "upstream.url carries user:password@ (the proxy's Basic credentials), and "
+            "upstream.bearer_token_file, basic_auth_* or an Authorization in "
+            "upstream.headers is set too: choose one kind of auth"
+        )
     if bool(u.basic_auth_username) != bool(u.basic_auth_password_file):
         raise ConfigError(
             "upstream.basic_auth_username and upstream.basic_auth_password_file: set both"
@@ -879,10 +907,16 @@ _HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 def _validate_upstream_headers(headers: dict[str, str]) -> None:
     """Sent on every request: a bad name gets the upstream's 400 for every batch (which
-    Prometheus drops), a control character in a value makes aiohttp raise on every one."""
+    Prometheus drops), a control character in a value makes aiohttp raise on every one.
+    Names are case-insensitive: two spellings of one would each claim to be its value."""
+    seen: dict[str, str] = {}
     for name, value in headers.items():
         if not _HEADER_NAME.fullmatch(name):
             raise ConfigError(f"upstream.headers.{name}: {name!r} is not a header name")
+        first = seen.setdefault(name.lower(), name)
+        if first != name:
+            raise ConfigError(f"upstream.headers: {first!r} and {name!r} are one header "
+                              "(names are case-insensitive): set it once")
         if _HEADER_VALUE_FORBIDDEN.search(value):
             raise ConfigError(f"upstream.headers.{name}: the value holds a control character "
                               f"(CR, LF, ...): {value!r}")

@@ -57,7 +57,7 @@ from proxy.log import Throttled
 from proxy.loop_workers import LoopWorkers
 from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
-from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream
+from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
 from proxy.wire.native import Grow, split_v1
 from proxy.wire.plan import OverLimit, SpliceResult
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
@@ -74,8 +74,10 @@ TENANT_WRITE_PATHS = (
 #: the routes of TENANT_WRITE_PATHS as one pattern (what the router serves, no more)
 _TENANT_PATH = re.compile("(?:" + "|".join(
     re.escape(p).replace(re.escape("{tenant}"), "[^/]+") for p in TENANT_WRITE_PATHS) + r")\Z")
-#: a tenant in a path: VictoriaMetrics' ``accountID[:projectID]``, or ``multitenant``
-_TENANT = re.compile(r"\d{1,10}(:\d{1,10})?|multitenant")
+#: a tenant in a path: VictoriaMetrics' ``accountID[:projectID]``, or ``multitenant``.
+#: ASCII digits only: ``\d`` also matches other scripts' digits (``/insert/%D9%A1%D9%A2/``
+#: passed), which no receiver reads as a number
+_TENANT = re.compile(r"[0-9]{1,10}(:[0-9]{1,10})?|multitenant")
 
 
 def write_route(path: str) -> str | None:
@@ -320,6 +322,13 @@ class RemoteWriteHandler:
                 raise _Refusal(400, f"invalid tenant {tenant[:64]!r} in the path: expected "
                                "accountID, accountID:projectID or multitenant",
                                counter="reject", kind="invalid_tenant")
+            forged = karta_extra_label(request.rel_url.raw_query_string)
+            if forged:
+                raise _Refusal(400, f"query parameter extra_label={forged[:128]!r} names a "
+                               "karta_* label: VictoriaMetrics would set it on every series "
+                               "over the labels the proxy stamps; karta_* labels are the "
+                               "proxy's own: remove it from the sender's URL",
+                               counter="reject", kind="karta_extra_label")
             protocol = self._protocol(request)
             protocol_label = protocol.name.lower()
             encoding = self._encoding(request)
@@ -630,7 +639,8 @@ class RemoteWriteHandler:
         try:
             answer = await self.upstream.forward(
                 prepared.outgoing, request.headers, tenant=request.match_info.get("tenant"),
-                charge=held, sender_gone=lambda: request.transport is None)
+                query=request.rel_url.raw_query_string, charge=held,
+                sender_gone=lambda: request.transport is None)
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ConversionRefused as e:  # the same, refused for its size or the budget

@@ -197,8 +197,8 @@ class ProxyMetrics:
         self.rejected = Counter(
             _P + "requests_rejected", "Requests refused before decoding, by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
-            "invalid_tenant, invalid_header, header_timeout, body_timeout, body_too_slow, "
-            "expectation, client_closed, bad_http, header_too_large).",
+            "invalid_tenant, invalid_header, karta_extra_label, header_timeout, body_timeout, "
+            "body_too_slow, expectation, client_closed, bad_http, header_too_large).",
             ["reason"], registry=r,
         )
         self.connections_refused = Counter(

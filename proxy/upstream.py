@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import re
 import ssl
@@ -37,9 +38,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 from typing import Protocol as Interface
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.compression import (
     DecodeError,
@@ -48,7 +51,7 @@ from proxy.compression import (
     snappy_declared_length,
     zstd_declared_length,
 )
-from proxy.config import UpstreamSettings, without_userinfo
+from proxy.config import UpstreamSettings, url_credentials, without_userinfo
 from proxy.log import Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
@@ -109,6 +112,70 @@ _VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
 #: VictoriaMetrics and vmagent answer a path they do not serve (``/api/v1/push``, a typo)
 #: with a 400, where other receivers answer 404: ``unsupported path requested: "/x"``
 _VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
+
+
+#: VictoriaMetrics' write-path query parameter that adds a label to every series of the
+#: request (``?extra_label=name=value``, repeatable), set by the receiver after the proxy
+#: stamped the series. Go reads query names as they are: ``Extra_Label`` is another name,
+#: ignored by VictoriaMetrics
+EXTRA_LABEL = "extra_label"
+
+
+def karta_extra_label(query: str) -> str:
+    """The first ``extra_label`` of a request's raw query string that names a ``karta_*``
+    label, decoded (``karta_workload=evil``); "" when none does.
+
+    The receiver would set such a label on every series of the request, over the ones
+    the proxy stamped: a sender could forge any attribution through its URL. Read as
+    VictoriaMetrics reads it (Go's ``url.ParseQuery``: ``&``-separated pairs, ``%XX`` and
+    ``+`` decoded in names and values, the label name up to the value's first ``=``), so
+    ``extra%5Flabel=karta%5Fworkload%3Dx`` is found too. A pair Go skips as malformed (a
+    bad ``%`` escape) is looked at all the same, and a name with blanks around it counts:
+    a refusal too many at worst, never a forged label through."""
+    if not query:
+        return ""
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name == EXTRA_LABEL and value.partition("=")[0].strip().startswith("karta_"):
+            return value
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(url: str) -> URL:
+    """``url`` parsed once (the same few URLs, one per tenant, every request)."""
+    return URL(url)
+
+
+def upstream_target(url: str, query: str = "") -> URL:
+    """What the client requests: ``url`` (the upstream URL, credentials removed) in the
+    form aiohttp always made of it, then the sender's raw ``query`` after the URL's own
+    query (``&``-joined).
+
+    The sender's query goes byte for byte (``encoded``), as it reached the proxy: the
+    receiver decodes it (VictoriaMetrics' ``?extra_label=env=prod``), and one decoded and
+    encoded again on the way need not say the same."""
+    base = _parsed(url)
+    if not query:
+        return base
+    own = base.raw_query_string
+    return URL.build(scheme=base.scheme, authority=base.raw_authority, path=base.raw_path,
+                     query_string=f"{own}&{query}" if own else query, encoded=True)
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """A Basic Authorization value, UTF-8 as Go's clients send one."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
+def connection_named(incoming: Mapping[str, str]) -> set[str]:
+    """The header names (lower case) the sender's ``Connection`` header(s) list: they
+    are for the hop to the proxy only, and never forwarded (RFC 9110 7.6.1, RFC 7230
+    6.1), whatever ``upstream.forward_headers`` says."""
+    named: set[str] = set()
+    for name, value in incoming.items():
+        if name.lower() == "connection":
+            named.update(token.strip().lower() for token in value.split(","))
+    return named
 
 
 def too_large(answer: Answer) -> bool:
@@ -246,7 +313,7 @@ class _Parts:
     #: the layout is the RW 1.0 form of the sender's RW 2.0 request
     layout_converted: bool
     incoming: Mapping[str, str]
-    url: str
+    url: URL
     #: a part went out as RW 1.0 made from RW 2.0 (the layout was, or a part was converted
     #: on the way): every part sent says so in its own flag, which :meth:`add` gathers
     converted: bool = False
@@ -422,9 +489,12 @@ class Upstream:
         self.max_converted_bytes = max_converted_bytes
         #: the responses counter's children, each looked up once (proxy.metrics.Children)
         self._responses = Children(metrics.upstream_responses) if metrics is not None else None
+        #: the URL without its userinfo: what logs, metrics and answers show, and what the
+        #: client requests (the userinfo goes as an Authorization header: ``_basic``)
         self.url = without_userinfo(settings.url)
         #: where a request that names no tenant goes (the proxy's own, the check)
-        self._default_url = tenant_url(settings.url, None, settings.default_tenant) or ""
+        self._default_url = upstream_target(
+            tenant_url(self.url, None, settings.default_tenant) or self.url)
         self._session: aiohttp.ClientSession | None = None
         #: send RW 1.0 only: configured (``v1``) or learned (``auto``)
         self.v1_only = settings.protocol == "v1"
@@ -449,11 +519,16 @@ class Upstream:
             FileSecret(settings.basic_auth_password_file)
             if settings.basic_auth_password_file else None
         )
+        #: ``user:password@`` in upstream.url, as the proxy's own Basic credentials: aiohttp
+        #: refuses a URL with userinfo beside an Authorization header (a ValueError for
+        #: every request a sender sent one with), and a sender's must not replace them
+        credentials = url_credentials(settings.url)
+        self._basic = basic_authorization(*credentials) if credentials is not None else ""
         #: the client context when a TLS file is set, re-read when they change
         self._tls = (ClientTLS(settings) if settings.tls_ca_file or settings.tls_cert_file
                      else None)
         self.own_credentials = bool(
-            self._token is not None or self._password is not None
+            self._token is not None or self._password is not None or self._basic
             or any(k.lower() == "authorization" for k in settings.headers)
         )
         self._publish()
@@ -521,29 +596,59 @@ class Upstream:
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError:
-                    return name
+                    if name.lower() not in connection_named(incoming):  # not forwarded
+                        return name
         return ""
 
     def _headers(self, incoming: Mapping[str, str], protocol: Protocol, encoding: str
-                 ) -> dict[str, str]:
-        out: dict[str, str] = {}
+                 ) -> CIMultiDict[str]:
+        """The upstream request's headers, case-insensitive as HTTP's are.
+
+        The sender's forwarded headers go with every value, in the order they came, each
+        name spelled as the sender first spelled it: Go receivers (Mimir, Thanos) read the
+        first of two ``X-Scope-OrgID``, so keeping only one would store proxied data in
+        another tenant than a direct write's. Then the proxy's own (``upstream.headers``, its
+        credentials, the body's headers) replace every value of theirs the sender sent,
+        whatever its spelling: with a plain dict, ``x-scope-orgid: evil`` outlived a
+        configured ``X-Scope-OrgID`` and the client sent both, the receiver reading the
+        sender's."""
+        out: CIMultiDict[str] = CIMultiDict()
+        kept: list[tuple[str, str]] = []
+        named: set[str] = set()
+        #: each name as the sender first spelled it: aiohttp's session keeps the values of
+        #: one spelling only (``_prepare_headers`` tells names apart by case, then sets
+        #: them case-insensitively: ``THANOS-TENANT: a`` + ``thanos-tenant: b`` left ``b``)
+        spelling: dict[str, str] = {}
         for name, value in incoming.items():
-            if name.lower() in self._forward:
-                out[name] = value
-        out.update(self.settings.headers)
-        if self._token is not None:
-            out = {k: v for k, v in out.items() if k.lower() != "authorization"}
-            out["Authorization"] = f"Bearer {self._token.get()}"
-        elif self._password is not None:
-            out = {k: v for k, v in out.items() if k.lower() != "authorization"}
-            pair = f"{self.settings.basic_auth_username}:{self._password.get()}"
-            out["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
-        if not any(k.lower() == "user-agent" for k in out):
+            low = name.lower()
+            if low in self._forward:
+                kept.append((spelling.setdefault(low, name), value))
+            elif low == "connection":
+                named.update(token.strip().lower() for token in value.split(","))
+        for name, value in kept:
+            if name.lower() not in named:
+                out.add(name, value)
+        for name, value in self.settings.headers.items():
+            out[name] = value  # replaces every value of the name, any spelling
+        authorization = self._authorization()
+        if authorization:
+            out["Authorization"] = authorization
+        if "User-Agent" not in out:
             out["User-Agent"] = "karta-proxy"
         out["Content-Type"] = protocol.content_type
         out["Content-Encoding"] = encoding
         out["X-Prometheus-Remote-Write-Version"] = protocol.version_header
         return out
+
+    def _authorization(self) -> str:
+        """The Authorization of the proxy's own credentials (a bearer token file, basic
+        auth, the userinfo of upstream.url: at most one of them, ``proxy.config`` sees to
+        that), "" when it has none of these; it replaces the sender's."""
+        if self._token is not None:
+            return f"Bearer {self._token.get()}"
+        if self._password is not None:
+            return basic_authorization(self.settings.basic_auth_username, self._password.get())
+        return self._basic
 
     # -- what goes out --------------------------------------------------------------------
 
@@ -621,12 +726,15 @@ class Upstream:
     # -- forwarding -----------------------------------------------------------------------
 
     async def forward(self, out: Outgoing, incoming_headers: Mapping[str, str] | None = None,
-                      *, tenant: str | None = None, charge: Charge | None = None,
+                      *, tenant: str | None = None, query: str = "",
+                      charge: Charge | None = None,
                       sender_gone: Callable[[], bool] | None = None) -> Answer:
         """Send one prepared request; return what to answer the sender.
 
         ``tenant``: the one the request's path named (``/insert/<tenant>/prometheus/...``),
-        sent to the same tenant upstream (:func:`tenant_url`). An RW 2.0 request the
+        sent to the same tenant upstream (:func:`tenant_url`); ``query``: the request's raw
+        query string, sent after the upstream URL's own (:func:`upstream_target`; the
+        handler refused one with a ``karta_*`` ``extra_label``). An RW 2.0 request the
         upstream did not take (415, or a 2xx without Written headers to a request with
         data) is converted and sent again, and the upstream remembered as 1.0-only.
         Raises ``DecodeError`` when that conversion fails.
@@ -637,9 +745,10 @@ class Upstream:
         says the sender closed its connection (no part is sent after that).
         """
         incoming = incoming_headers or {}
-        url = tenant_url(self.settings.url, tenant, self.settings.default_tenant)
-        if url is None:
+        path = tenant_url(self.url, tenant, self.settings.default_tenant)
+        if path is None:
             return self._no_tenant_place(tenant or "")
+        url = upstream_target(path, query)
         loop = asyncio.get_running_loop()
         attempt = _Attempt(loop.time() + self.settings.timeout_seconds,
                            charge or _Unbounded(), sender_gone or _never)
@@ -672,7 +781,7 @@ class Upstream:
             self._count_split("timeout", answer)
         return answer
 
-    async def _deliver(self, out: Outgoing, incoming: Mapping[str, str], url: str,
+    async def _deliver(self, out: Outgoing, incoming: Mapping[str, str], url: URL,
                        attempt: _Attempt) -> tuple[Answer, Outgoing]:
         """One request to the upstream, converted first or resent converted as the
         upstream's protocol needs; the answer, and the request as it last went out."""
@@ -682,7 +791,7 @@ class Upstream:
         finally:
             attempt.charge.give_back(sum(held))
 
-    async def _deliver_converting(self, out: Outgoing, incoming: Mapping[str, str], url: str,
+    async def _deliver_converting(self, out: Outgoing, incoming: Mapping[str, str], url: URL,
                                   attempt: _Attempt, held: list[int]
                                   ) -> tuple[Answer, Outgoing]:
         if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
@@ -813,7 +922,7 @@ class Upstream:
     # -- a request too large for the upstream --------------------------------------------
 
     async def _in_parts(self, sent: Outgoing, answer: Answer, incoming: Mapping[str, str],
-                        url: str, attempt: _Attempt) -> Answer:
+                        url: URL, attempt: _Attempt) -> Answer:
         """The upstream refused ``sent`` as too large (:func:`too_large`): send it again
         in halves cut at series boundaries (``proxy.wire.halves``), a half refused so cut
         again, down to ``MAX_SPLIT_DEPTH`` levels (16 parts). Senders drop a 413'd batch,
@@ -866,7 +975,7 @@ class Upstream:
             attempt.charge.give_back(taken)
 
     async def _send_parts(self, lay: Layout, sent: Outgoing, answer: Answer,
-                          incoming: Mapping[str, str], url: str, attempt: _Attempt
+                          incoming: Mapping[str, str], url: URL, attempt: _Attempt
                           ) -> Answer:
         if len(lay.series) < 2:
             return self._count_split(
@@ -1017,18 +1126,24 @@ class Upstream:
             self.metrics.upstream_splits.labels(result).inc()
         return answer
 
-    async def _post(self, out: Outgoing, incoming: Mapping[str, str], url: str = "") -> Answer:
+    async def _post(self, out: Outgoing, incoming: Mapping[str, str], url: URL | None = None
+                    ) -> Answer:
+        """Send one request; every way it can end is an answer for the sender, counted in
+        ``upstream_responses_total`` by code and logged when it failed: a 2xx, the
+        upstream's status mapped (:meth:`_answer`), 504 (timeout), 502 (no connection, a
+        broken transport, or a request the client could not even make)."""
         if self._session is None:
             await self.start()
         assert self._session is not None
-        headers = self._headers(incoming, out.protocol, out.encoding)
         server_hostname = self.settings.tls_server_name or None
-        tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
         started = time.perf_counter()
         code = "error"
         try:
+            headers = self._headers(incoming, out.protocol, out.encoding)
+            tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
             async with self._session.post(
-                url or self._default_url, data=out.encoded, headers=headers,
+                url if url is not None else self._default_url, data=out.encoded,
+                headers=headers,
                 allow_redirects=False,
                 server_hostname=server_hostname, ssl=tls,
             ) as resp:
@@ -1048,6 +1163,18 @@ class Upstream:
         except aiohttp.ClientError as e:
             code = "error"
             return self._no_answer(502, code, "upstream request failed", repr(e), error=repr(e))
+        except Exception as e:
+            # the client refused to make the request (aiohttp raises ValueError, TypeError,
+            # ... for what it will not send): the proxy's fault, not the sender's data's, and
+            # not a 500 with a traceback and no count: a 502 the sender retries, a line, the
+            # count under "error"
+            code = "error"
+            log.debug("upstream request could not be made", exc_info=True)
+            self._line(logging.ERROR, "upstream request could not be made (a proxy bug or "
+                       "misconfiguration): senders get 502 and keep their data",
+                       type(e).__name__, {"upstream_url": self.url, "error": repr(e)[:512]})
+            return Answer(502, f"upstream request could not be made: {e!r}"[:MAX_ERROR_BODY]
+                          .encode(), {}, code)
         finally:
             if self.metrics is not None and self._responses is not None:
                 self.metrics.upstream_duration.observe(time.perf_counter() - started)

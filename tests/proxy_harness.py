@@ -9,7 +9,7 @@ guard, the CLI, TLS, reload, the runtime), so none of them imports another test 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -92,13 +92,19 @@ def series_v2(*label_sets: dict[str, str]) -> bytes:
 
 
 async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
-                      upstream_url: str = "", **server: Any) -> Proxy:
+                      upstream_url: str = "",
+                      upstream_settings: Mapping[str, Any] | None = None,
+                      **server: Any) -> Proxy:
+    """A proxy in front of ``upstream`` (at ``upstream_url`` when given), ``server``
+    settings and ``upstream_settings`` (``upstream.*``: headers, credentials) set."""
     snap = tmp_path / "snapshot.yaml"
     snap.write_text(SNAPSHOT)
     s = Settings()
     s.snapshot = str(snap)
     s.upstream.url = upstream_url or upstream.url
     s.upstream.timeout_seconds = 5.0
+    for k, v in (upstream_settings or {}).items():
+        setattr(s.upstream, k, v)
     s.server.listen_address = "127.0.0.1:0"
     s.facts.enabled = False
     for k, v in server.items():
@@ -110,9 +116,12 @@ async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
 
 @contextlib.asynccontextmanager
 async def proxy_running(tmp_path: Path, upstream: ScriptedUpstream, *,
-                        upstream_url: str = "", **server: Any) -> AsyncIterator[Proxy]:
+                        upstream_url: str = "",
+                        upstream_settings: Mapping[str, Any] | None = None,
+                        **server: Any) -> AsyncIterator[Proxy]:
     """``start_proxy`` for one ``async with``: the proxy stops however the test ends."""
-    p = await start_proxy(tmp_path, upstream, upstream_url=upstream_url, **server)
+    p = await start_proxy(tmp_path, upstream, upstream_url=upstream_url,
+                          upstream_settings=upstream_settings, **server)
     try:
         yield p
     finally:

@@ -36,6 +36,8 @@ class Received:
     body: bytes
     #: (host, port) of the client connection: one per pooled connection
     peer: tuple[str, int] | None = None
+    #: the raw query string, as it arrived (percent-encoding untouched)
+    query: str = ""
 
     @property
     def raw(self) -> bytes:
@@ -105,7 +107,7 @@ class ScriptedUpstream(AuxServer):
     async def _handle(self, request: web.Request) -> web.Response:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         rec = Received(request.path, CIMultiDict(request.headers), await request.read(),
-                       tuple(peer[:2]) if peer else None)
+                       tuple(peer[:2]) if peer else None, request.rel_url.raw_query_string)
         if not self._record_empty and _is_empty_write(rec):
             self.empty_writes.append(rec)
             index = min(len(self.received), len(self.replies) - 1)

@@ -22,6 +22,7 @@ from proxy.config import (
     parse_host_port,
     schema,
     settings_from_dict,
+    url_credentials,
     validate,
     without_userinfo,
 )
@@ -424,6 +425,9 @@ def test_non_finite_floats_are_refused_from_code_and_flags() -> None:
         ({"X-A": "a\nb"}, "upstream.headers.X-A: the value holds a control character"),
         ({"X-A": "a\rb"}, "control character"),
         ({"X-A": "a\x00b"}, "control character"),
+        # one header twice: which value went out depended on dict order
+        ({"X-Scope-OrgID": "a", "x-scope-orgid": "b"},
+         "upstream.headers: 'X-Scope-OrgID' and 'x-scope-orgid' are one header"),
     ],
 )
 def test_upstream_headers_are_checked(headers: dict[str, str], expected: str) -> None:
@@ -545,6 +549,32 @@ def test_an_upstream_url_error_does_not_repeat_the_password(url: str) -> None:
         validate(valid(url=url))
     assert "upstream.url" in str(e.value)
     assert "SECRET" not in str(e.value) and "bob" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("other", [
+    {"bearer_token_file": "/etc/hostname"},
+    {"basic_auth_username": "u", "basic_auth_password_file": "/etc/hostname"},
+    {"headers": {"authorization": "Bearer x"}},
+])
+def test_url_userinfo_and_other_credentials_are_one_kind_too_many(
+        other: dict[str, object]) -> None:
+    # both went out as an Authorization header: aiohttp refused every request
+    with pytest.raises(ConfigError, match="choose one kind of auth") as e:
+        validate(valid(url="http://bob:SECRET@127.0.0.1:9090/api/v1/write", **other))
+    assert "SECRET" not in str(e.value)
+
+
+def test_url_credentials_are_the_userinfo_decoded() -> None:
+    assert url_credentials("http://u:p%40ss@h:9/x?q=a@b") == ("u", "p@ss")
+    assert url_credentials("https://u:p@ss@h/x") == ("u", "p@ss")  # the last "@" ends it
+    assert url_credentials("http://u@h/x") == ("u", "")
+    assert url_credentials("http://h/a@b") is None  # an "@" in a path
+    assert url_credentials("http://h:9/x") is None
+
+
+def test_tenants_are_ascii_digits() -> None:
+    with pytest.raises(ConfigError, match=r"upstream\.default_tenant"):
+        validate(valid(default_tenant="\u0661\u0662"))  # Arabic-Indic 12
 
 
 def test_without_userinfo_keeps_everything_but_the_credentials() -> None:

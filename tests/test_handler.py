@@ -37,6 +37,8 @@ from tests.proxy_harness import (
     series_v2,
     start_proxy,
 )
+from tests.raw_http import Answer as RawAnswer
+from tests.raw_http import read_answer
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 from tests.wire_fixtures import amplifying_v2
 
@@ -270,6 +272,114 @@ async def test_a_forwarded_header_not_utf8_is_400_never_altered(running: Running
     taken = await raw_post("équipe".encode())  # UTF-8 passes, byte for byte
     assert taken.startswith(b"HTTP/1.1 204"), taken
     assert running.upstream.received[0].headers["X-Scope-OrgID"] == "équipe"
+
+
+async def raw_write(p: Proxy, headers: list[tuple[str, str]], *,
+                    target: str = "/api/v1/write") -> RawAnswer:
+    """One write to the proxy written byte for byte: headers repeated or spelled as given
+    (an HTTP client would merge them), ``target`` as given (no client re-encodes it)."""
+    body = snappy.compress(series_v1({"__name__": "up", "namespace": "shop",
+                                      "pod": "cart-7d9f8-abcde"}))
+    head = f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: {CT_V1}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers)
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    r, w = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        w.write(head.encode("latin-1") + body)
+        return await read_answer(r)
+    finally:
+        w.close()
+
+
+async def test_a_configured_header_wins_over_every_spelling_a_sender_sends(
+        tmp_path: Path) -> None:
+    # upstream.headers win over forwarded ones: a plain dict kept the sender's
+    # "x-scope-orgid: evil" beside the configured "X-Scope-OrgID", the client sent both
+    # and the receiver stored the data in tenant evil
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up,
+                      upstream_settings={"headers": {"X-Scope-OrgID": "operator-tenant"}}) as p,
+    ):
+        answer = await raw_write(p, [("X-Scope-OrgID", "x"), ("x-scope-orgid", "evil"),
+                                     ("X-SCOPE-ORGID", "evil2")])
+    assert answer.status == 204, answer.body
+    assert up.received[0].headers.getall("X-Scope-OrgID") == ["operator-tenant"]
+
+
+async def test_a_repeated_forwarded_header_reaches_the_upstream_with_every_value(
+        running: Running) -> None:
+    # Mimir and Thanos (Go) read the first of two X-Scope-OrgID: forwarding only the last
+    # stored proxied data in another tenant than a direct write's
+    answer = await raw_write(running.proxy, [("X-Scope-OrgID", "first"),
+                                             ("X-Scope-OrgID", "second"),
+                                             ("THANOS-TENANT", "a"), ("thanos-tenant", "b")])
+    assert answer.status == 204, answer.body
+    h = running.upstream.received[0].headers
+    assert h.getall("X-Scope-OrgID") == ["first", "second"]
+    assert h.getall("THANOS-TENANT") == ["a", "b"]
+
+
+async def test_headers_the_connection_header_names_are_not_forwarded(running: Running) -> None:
+    # RFC 9110 7.6.1 / RFC 7230 6.1: a header the Connection header names is for this hop
+    answer = await raw_write(running.proxy, [("Connection", "keep-alive, X-Scope-OrgID"),
+                                             ("X-Scope-OrgID", "hop"), ("THANOS-TENANT", "t"),
+                                             ("Connection", "authorization"),
+                                             ("Authorization", "Bearer hop")])
+    assert answer.status == 204, answer.body
+    h = running.upstream.received[0].headers
+    assert "X-Scope-OrgID" not in h and "Authorization" not in h
+    assert h.getall("THANOS-TENANT") == ["t"]
+
+
+async def test_url_userinfo_is_the_proxys_own_basic_credentials(tmp_path: Path) -> None:
+    # aiohttp refused every request with both a URL userinfo and a (forwarded)
+    # Authorization: a 500 and a traceback per request, no count
+    async with ScriptedUpstream() as up:
+        url = up.url.replace("http://", "http://karta:p%40ss@")
+        async with proxy_running(tmp_path, up, upstream_url=url) as p:
+            sent = await raw_write(p, [("Authorization", "Bearer sender"),
+                                       ("authorization", "Bearer sender-2")])
+            plain = await raw_write(p, [])
+    assert sent.status == 204 and plain.status == 204, (sent.body, plain.body)
+    for rec in up.received:
+        assert rec.headers.getall("Authorization") == ["Basic a2FydGE6cEBzcw=="]  # karta:p@ss
+
+
+async def test_the_write_paths_query_reaches_the_upstream(tmp_path: Path) -> None:
+    # VictoriaMetrics honours ?extra_label=env=prod on a direct write; the proxy dropped the
+    # query (204, stored without env)
+    async with ScriptedUpstream() as up:
+        base = up.url.removesuffix("/api/v1/write")
+        url = base + "/insert/0/prometheus/api/v1/write?extra_label=site=a"
+        async with proxy_running(tmp_path, up, upstream_url=url) as p:
+            tenant = await raw_write(
+                p, [], target="/insert/7/prometheus/api/v1/write?extra_label=env%3Dprod&x=1+2")
+            plain = await raw_write(p, [], target="/api/v1/write?Extra_Label=karta_w=x")
+    assert tenant.status == 204 and plain.status == 204, (tenant.body, plain.body)
+    first, second = up.received
+    assert first.path == "/insert/7/prometheus/api/v1/write"
+    assert first.query == "extra_label=site=a&extra_label=env%3Dprod&x=1+2"  # as sent
+    # another name than VictoriaMetrics' extra_label (Go compares names exactly): passed
+    assert second.path == "/insert/0/prometheus/api/v1/write"
+    assert second.query == "extra_label=site=a&Extra_Label=karta_w=x"
+
+
+@pytest.mark.parametrize("query", [
+    "extra_label=karta_workload=evil",
+    "env=1&extra_label=karta%5Fworkload%3Devil",
+    "extra%5Flabel=karta_team=x",
+    "extra_label=env=prod&extra_label=+karta_component=x",
+])
+async def test_an_extra_label_naming_a_karta_label_is_400(running: Running, query: str
+                                                          ) -> None:
+    # VictoriaMetrics sets an extra_label on every series, over the stamped labels: a
+    # sender's URL could forge any attribution
+    answer = await raw_write(running.proxy, [], target="/api/v1/write?" + query)
+    assert answer.status == 400 and b"names a karta_* label" in answer.body, answer.body
+    assert running.upstream.received == []
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "karta_extra_label"}) == 1
 
 
 @pytest.mark.parametrize(
@@ -779,10 +889,13 @@ async def test_tenant_path_without_a_place_upstream_is_503(running: Running) -> 
                            "code": ""}) == 1
 
 
-async def test_invalid_tenant_is_400(running: Running) -> None:
+@pytest.mark.parametrize("tenant", ["acme", "%D9%A1%D9%A2", "1:%DB%B3", "%EF%BC%97"])
+async def test_invalid_tenant_is_400(running: Running, tenant: str) -> None:
+    # other scripts' digits ("\d" matched Arabic-Indic ١٢) are no VictoriaMetrics tenant
     resp = await running.post(series_v1({"__name__": "up"}),
-                              path="/insert/acme/prometheus/api/v1/write")
+                              path=f"/insert/{tenant}/prometheus/api/v1/write")
     assert resp.status == 400
+    assert running.upstream.received == []
     assert running.metric("karta_proxy_requests_rejected_total",
                           {"reason": "invalid_tenant"}) == 1
     # counted under the route, not one label value per tenant
