@@ -385,6 +385,13 @@ class FactSettings(Section):
     external_labels: Annotated[dict[str, str], setting(
         "labels added to every fact series (e.g. cluster: prod-1)")
     ] = field(default_factory=dict)
+    headers: Annotated[dict[str, str], setting(
+        "headers sent with every fact write (and only with them), e.g. X-Scope-OrgID: ops "
+        "for Mimir or THANOS-TENANT: ops for Thanos Receive, whose tenant is a header: "
+        "without one the facts reach no tenant there (Mimir answers 401). "
+        "upstream.headers and the upstream credentials still win. A VictoriaMetrics "
+        "cluster's tenant is upstream.default_tenant")
+    ] = field(default_factory=dict)
     metrics_pod_facts: Annotated[bool, setting(
         "serve the per-pod facts (karta_pod_info, ...) on /metrics too; off: at ~100k pods "
         "they make a scrape take 5-13 s")] = False
@@ -905,20 +912,21 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-def _validate_upstream_headers(headers: dict[str, str]) -> None:
+def _validate_upstream_headers(headers: dict[str, str], key: str = "upstream.headers"
+                               ) -> None:
     """Sent on every request: a bad name gets the upstream's 400 for every batch (which
     Prometheus drops), a control character in a value makes aiohttp raise on every one.
     Names are case-insensitive: two spellings of one would each claim to be its value."""
     seen: dict[str, str] = {}
     for name, value in headers.items():
         if not _HEADER_NAME.fullmatch(name):
-            raise ConfigError(f"upstream.headers.{name}: {name!r} is not a header name")
+            raise ConfigError(f"{key}.{name}: {name!r} is not a header name")
         first = seen.setdefault(name.lower(), name)
         if first != name:
-            raise ConfigError(f"upstream.headers: {first!r} and {name!r} are one header "
+            raise ConfigError(f"{key}: {first!r} and {name!r} are one header "
                               "(names are case-insensitive): set it once")
         if _HEADER_VALUE_FORBIDDEN.search(value):
-            raise ConfigError(f"upstream.headers.{name}: the value holds a control character "
+            raise ConfigError(f"{key}.{name}: the value holds a control character "
                               f"(CR, LF, ...): {value!r}")
 
 
@@ -1002,6 +1010,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _validate_upstream(s.upstream, require_upstream)
     _validate_enrich(s.enrich)
     _validate_external_labels(s.facts.external_labels)
+    _validate_upstream_headers(s.facts.headers, "facts.headers")
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import signal
@@ -256,7 +257,9 @@ class Proxy:
             FactsCollector(self.index, pod_facts=self.settings.facts.metrics_pod_facts))
         if not self.writes_facts:
             return None
-        writer = FactWriter(self.settings.facts, self.index, self.upstream.send_v1,
+        writer = FactWriter(self.settings.facts, self.index,
+                            functools.partial(self.upstream.send_v1,
+                                              headers=self.settings.facts.headers),
                             elector=self._elector, busy=self.handler.relaying)
         self.metrics.registry.register(FactWriterCollector(writer))
         return writer

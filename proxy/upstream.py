@@ -178,6 +178,11 @@ def connection_named(incoming: Mapping[str, str]) -> set[str]:
     return named
 
 
+class OwnHeaders(dict[str, str]):
+    """Headers of a request the proxy makes itself (``facts.headers``): sent as they are,
+    where a sender's are filtered by ``upstream.forward_headers``."""
+
+
 def too_large(answer: Answer) -> bool:
     """The upstream refused the request for its size: a 413, or VictoriaMetrics' 400 for
     the same (its own words), which a sender drops just as well."""
@@ -619,9 +624,10 @@ class Upstream:
         #: one spelling only (``_prepare_headers`` tells names apart by case, then sets
         #: them case-insensitively: ``THANOS-TENANT: a`` + ``thanos-tenant: b`` left ``b``)
         spelling: dict[str, str] = {}
+        own = isinstance(incoming, OwnHeaders)
         for name, value in incoming.items():
             low = name.lower()
-            if low in self._forward:
+            if own or low in self._forward:
                 kept.append((spelling.setdefault(low, name), value))
             elif low == "connection":
                 named.update(token.strip().lower() for token in value.split(","))
@@ -1346,12 +1352,14 @@ class Upstream:
         self.metrics.upstream_info.clear()
         self.metrics.upstream_info.labels(self.url, protocol, check).set(1)
 
-    async def send_v1(self, raw: bytes) -> None:
-        """Post an uncompressed RW 1.0 body of the proxy's own (fact series).
+    async def send_v1(self, raw: bytes, headers: Mapping[str, str] | None = None) -> None:
+        """Post an uncompressed RW 1.0 body of the proxy's own (fact series), with
+        ``headers`` of its own (``facts.headers``: a tenant's, not subject to
+        ``upstream.forward_headers``; ``upstream.headers`` and the credentials still win).
 
         Raises ``UpstreamFailure`` unless the upstream accepted it, so the caller can
         count and retry on its own schedule.
         """
-        answer = await self.send(raw, Protocol.V1)
+        answer = await self.send(raw, Protocol.V1, incoming_headers=OwnHeaders(headers or {}))
         if not answer.ok:
             raise UpstreamFailure(answer)

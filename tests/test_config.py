@@ -438,6 +438,20 @@ def test_upstream_headers_are_checked(headers: dict[str, str], expected: str) ->
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({"bad name": "x"}, "facts.headers.bad name: 'bad name' is not a header name"),
+    ({"X-Scope-OrgID": "a", "x-scope-orgid": "b"}, "facts.headers: 'X-Scope-OrgID' and"),
+    ({"X-Scope-OrgID": "a\r\nb"}, "facts.headers.X-Scope-OrgID: the value holds a control"),
+])
+def test_facts_headers_are_checked_as_upstream_headers_are(headers: dict[str, str],
+                                                            expected: str) -> None:
+    s = valid()
+    s.facts.headers = headers
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert expected in str(e.value)
+
+
 def test_upstream_headers_that_are_fine() -> None:
     validate(valid(headers={"X-Scope-OrgID": "team-a", "X-Tab": "a\tb", "X-U": "é"}))
 

@@ -52,6 +52,51 @@ async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
     assert "karta_proxy_fact_writer_leader 1.0" in text
 
 
+async def test_facts_reach_a_header_tenanted_upstream_with_facts_headers(tmp_path: Path) -> None:
+    """A Mimir-like upstream refuses a write without X-Scope-OrgID (401): the facts, sent
+    with no tenant header, reached no tenant at all (found by the tenancy audit).
+    facts.headers gives their tenant; a sender's request does not get it, and
+    upstream.headers still win."""
+    def mimir(got: Received) -> Reply:
+        tenant = got.headers.getall("X-Scope-OrgID", [])
+        return Reply(204) if len(tenant) == 1 else Reply(401, body=b"no org id")
+
+    async with ScriptedUpstream(rule=mimir) as up:
+        s = snapshot_settings(tmp_path, up.url)
+        s.facts.enabled = True
+        s.facts.interval_seconds = 0.2
+        s.facts.headers = {"x-scope-orgid": "ops"}
+        async with started(s) as p:
+            async def written() -> bool:
+                return any(r.headers.get("X-Scope-OrgID") == "ops" for r in up.received)
+
+            await wait_until(written, timeout=10, what="facts written to tenant ops")
+            series = [Series({"__name__": "m", "namespace": "shop",
+                              "pod": "cart-7d9f8-abcde"}, [(int(time.time() * 1000), 1.0)])]
+            status, _, _ = await send_series(f"http://127.0.0.1:{p.port}/api/v1/write", series,
+                                             headers={"X-Scope-OrgID": "team-a"})
+            assert status == 204
+    facts = [r for r in up.received if any(
+        ser.labels["__name__"].startswith("karta_") for ser in decode_v1(r.raw))]
+    relayed = [r for r in up.received if r not in facts]
+    assert facts and all(r.headers.getall("X-Scope-OrgID") == ["ops"] for r in facts)
+    assert [r.headers.getall("X-Scope-OrgID") for r in relayed] == [["team-a"]]
+
+    # upstream.headers win over facts.headers, as over a sender's
+    async with ScriptedUpstream() as up:
+        s = snapshot_settings(tmp_path, up.url)
+        s.facts.enabled = True
+        s.facts.interval_seconds = 0.2
+        s.facts.headers = {"X-Scope-OrgID": "ops"}
+        s.upstream.headers = {"X-Scope-OrgID": "fixed"}
+        async with started(s):
+            async def written_fixed() -> bool:
+                return bool(up.received)
+
+            await wait_until(written_fixed, timeout=10, what="facts written")
+    assert all(r.headers.getall("X-Scope-OrgID") == ["fixed"] for r in up.received)
+
+
 async def test_metrics_pod_facts_switch(tmp_path: Path) -> None:
     """facts.metrics_pod_facts: true puts the per-pod facts on /metrics as well."""
     async with ScriptedUpstream() as up:
