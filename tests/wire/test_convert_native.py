@@ -166,7 +166,7 @@ FIXED = {
         ([1, 2], [b"\x18\x06\x20\x06"]), symbols=SYMS),
     "no type, a help": _meta_request(([1, 2], [b"\x18\x04"]), symbols=SYMS),
     "gauge of a suffixed name stays": _meta_request(([1, 2], [b"\x08\x02"]), symbols=SYMS),
-    "_gsum is _sum first": _meta_request(([1, 8], [b"\x08\x04"]), symbols=SYMS),
+    "_gsum stripped whole": _meta_request(([1, 8], [b"\x08\x04"]), symbols=SYMS),
     "summary x_sum": _meta_request(([1, 9], [b"\x08\x05"]), symbols=SYMS),
     "two metadata fields in a series": _meta_request(
         ([1, 2], [b"\x08\x03", b"\x08\x02\x18\x04"]), symbols=SYMS),
@@ -191,7 +191,7 @@ EXPECT = {"histogram, schema -53 then 0": "native", "histogram, schema 0 then -5
           "a stale float sample": "native", "markers": "fallback", "nhcb": "fallback",
           "metadata, no symbols": "refused", "rw 1.0 metadata field": "refused",
           "refs of 2^32": "refused", "one family of three series": "native",
-          "_gsum is _sum first": "native"}
+          "_gsum stripped whole": "native"}
 
 
 @pytest.mark.parametrize("raw", list(FIXED.values()), ids=list(FIXED))
