@@ -55,8 +55,9 @@ from proxy.config import UpstreamSettings, url_credentials, without_userinfo
 from proxy.log import Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
-from proxy.wire.convert import ConversionTooLarge, V1Form, check_size, v2_to_v1
+from proxy.wire.convert import ConversionTooLarge, V1Form
 from proxy.wire.halves import Layout, layout, layout_bytes
+from proxy.wire.native import check_size, v2_to_v1
 from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.upstream")

@@ -34,6 +34,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "_convert.h"
 #include "_snappy_edit.h"
 
 /* ------------------------------------------------------------------------------------ */
@@ -3493,6 +3494,60 @@ done:
     return out;
 }
 
+/* RW 2.0 -> 1.0 (_convert.c), with the GIL released. size -1: the size the request
+ * converts to (an int; nothing of it allocated), or None when the request holds something
+ * left to the Python reference (proxy/wire/convert.py: custom buckets, staleness markers,
+ * anything malformed: the reference raises its error). With the size a counting call
+ * answered: the converted bytes, allocated once at that size (None as before; ValueError
+ * for any other size). */
+static PyObject *
+convert_v2_py(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *rawo;
+    Py_ssize_t size = -1;
+    if (!PyArg_ParseTuple(args, "O|n:convert_v2", &rawo, &size))
+        return NULL;
+    if (size < -1) {
+        PyErr_SetString(PyExc_ValueError, "size must be -1 or at least 0");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(rawo, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    const uint8_t *raw = view.buf;
+    size_t n = (size_t)view.len, got = 0;
+    ConvertStatus st;
+    if (size < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        st = convert_v2_to_v1(raw, n, NULL, 0, &got);
+        Py_END_ALLOW_THREADS
+        if (st == CONVERT_OK)
+            out = PyLong_FromSize_t(got);
+    }
+    else {
+        out = PyBytes_FromStringAndSize(NULL, size);
+        if (out == NULL)
+            goto done;
+        uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+        Py_BEGIN_ALLOW_THREADS
+        st = convert_v2_to_v1(raw, n, dst, (size_t)size, &got);
+        Py_END_ALLOW_THREADS
+        if (st != CONVERT_OK)
+            Py_CLEAR(out);
+    }
+    if (st == CONVERT_FALLBACK)
+        out = Py_NewRef(Py_None);
+    else if (st == CONVERT_NOMEM)
+        PyErr_NoMemory();
+    else if (st == CONVERT_MISMATCH)
+        PyErr_Format(PyExc_ValueError, "convert_v2: the request converts to %zu bytes, not %zd",
+                     got, size);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyObject *
 set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 {
@@ -3519,6 +3574,9 @@ static PyMethodDef module_methods[] = {
     {"field_ends", field_ends_py, METH_VARARGS,
      "field_ends(raw, count_only=False) -> the end of every top-level field as native "
      "uint32 bytes (the count with count_only), or None when one cannot be read"},
+    {"convert_v2", convert_v2_py, METH_VARARGS,
+     "convert_v2(raw, size=-1) -> with size -1, the size of the RW 2.0 request raw as RW 1.0 "
+     "(None: left to the Python reference); with that size, the RW 1.0 bytes (or None)"},
     {"set_error_class", set_error_class, METH_O,
      "the exception raised for bad input: cls(kind, status, message)"},
     {NULL, NULL, 0, NULL},

@@ -1,5 +1,6 @@
 """Which splice runs: the native one (``_splice.c``) when it is built, else the pure-Python
-reference, with a loud warning, since that one costs ~50-100x more CPU per series.
+reference, with a loud warning, since that one costs ~50-100x more CPU per series. The RW
+2.0 -> 1.0 conversion follows the same build (:func:`check_size`, :func:`v2_to_v1`).
 
 :class:`Splicer` is what the enrichment layer holds: a plan compiled for the chosen
 implementation and that implementation's pod table. Both implementations answer the same
@@ -15,8 +16,10 @@ from types import ModuleType
 from typing import Any, Literal
 
 from proxy.compression import DecodeError, compress
+from proxy.wire import convert as _py_convert
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
+from proxy.wire.convert import ConversionTooLarge, V1Form
 from proxy.wire.plan import OverLimit, SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import Counts, Protocol, read_field
@@ -49,9 +52,9 @@ def warn_if_python() -> None:
     """The start-up warning when the native splice is missing."""
     if _native is None:
         log.warning(
-            "native splice not built: running the pure-Python splice, ~50-100x the CPU per "
-            "series; reinstall with a C compiler and the Python headers "
-            "(python3 -m pip install -e .)",
+            "native splice not built: running the pure-Python splice and RW 2.0 -> 1.0 "
+            "conversion, ~50-100x the CPU per series; reinstall with a C compiler and the "
+            "Python headers (python3 -m pip install -e .)",
             extra={"error": NATIVE_MISSING},
         )
 
@@ -206,3 +209,42 @@ def _walk(raw: bytes) -> array[int]:
         pos = read_field(raw, pos, n)[3]
         ends.append(pos)
     return ends
+
+
+# -- RW 2.0 -> 1.0 ------------------------------------------------------------------------
+
+
+def v1_form(raw_v2: bytes | memoryview) -> V1Form:
+    """What an RW 2.0 request converts to (:func:`proxy.wire.convert.v1_form`), counted by
+    the native conversion (``_convert.c``: ~100x less CPU, nothing of the conversion
+    allocated) when it is built and takes the request, else by the reference. The native
+    one leaves custom-bucket histograms, histogram staleness markers and anything malformed
+    to the reference (so its counts never change: ``V1Form`` of the size alone), and the
+    reference raises what it raises."""
+    size = _native.convert_v2(raw_v2) if _native is not None else None
+    if size is None:
+        return _py_convert.v1_form(bytes(raw_v2))
+    return V1Form(size)
+
+
+def check_size(raw_v2: bytes | memoryview, limit: int | None) -> V1Form:
+    """:func:`v1_form`; ``ConversionTooLarge`` when its size is past ``limit`` (None: no
+    limit), as :func:`proxy.wire.convert.check_size`."""
+    form = v1_form(raw_v2)
+    if limit is not None and form.size > limit:
+        raise ConversionTooLarge(form.size, limit)
+    return form
+
+
+def v2_to_v1(raw_v2: bytes | memoryview) -> bytes:
+    """An RW 2.0 request as RW 1.0 (:func:`proxy.wire.convert.v2_to_v1`, byte for byte):
+    natively when the extension is built and takes the request (its size counted again,
+    ~1/3 of the walk, so the bytes are allocated once at their size), else the reference."""
+    if _native is not None:
+        size = _native.convert_v2(raw_v2)
+        if size is not None:
+            out = _native.convert_v2(raw_v2, size)
+            if out is not None:
+                assert isinstance(out, bytes)
+                return out
+    return _py_convert.v2_to_v1(bytes(raw_v2))

@@ -13,8 +13,10 @@ mutates them at random (bit flips, interesting bytes, inserts, deletes, duplicat
 spans, crossovers, corrupted varints, edited length fields, wrong wire types) and
 splices each mutant natively under several plans; every few iterations the pure-Python
 reference splices the same input and the two must agree (same body, counts and
-reasons, or the same ``DecodeError`` kind and status). Then a fixed-input loop checks
-that memory (RSS) and reference counts do not grow.
+reasons, or the same ``DecodeError`` kind and status). Every RW 2.0 input is converted to
+RW 1.0 natively too (``_convert.c``: the size, then the bytes at that size), and every few
+iterations held equal to ``proxy/wire/convert.py`` (or left to it, where it refuses).
+Then a fixed-input loop checks that memory (RSS) and reference counts do not grow.
 
 Exit status: 0 all good, 1 a disagreement or a leak (the reproducer is printed), 2 the
 native splice is not built; a crash is death by a signal. Before every native call the
@@ -630,6 +632,110 @@ class Gen:
         return self.finish(len_node(5, fields, "series"))
 
 
+# -- RW 2.0 requests for the conversion to RW 1.0 ----------------------------------------
+
+#: metric names whose family a metadata type strips (convert.family_name), in every order
+#: of the suffixes, some a suffix only, one of each suffix twice
+FAMILY_NAMES = ["rpc_seconds_bucket", "rpc_seconds_count", "rpc_seconds_sum", "q_gcount",
+                "q_gsum", "q_created", "_bucket", "_sum", "x_gsum_bucket", "x_sum_sum",
+                "up", "a_total", "日本_count", "", "rpc_seconds"]
+HELPS = ["", "", "latency of an rpc", "ü help", LONG_1, "seconds"]
+#: RW 2.0 metric types (0-7) and some no enum has
+METRIC_TYPES = [0, 1, 2, 3, 3, 4, 5, 5, 6, 7, 8, 127, 128, 2**32, 2**64 - 1]
+#: a histogram's sum as Prometheus' staleness marker (``STALE_NAN_BITS``)
+STALE_SUM = struct.pack("<Q", 0x7FF0000000000002)
+
+
+def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
+    """An RW 2.0 Histogram: exponential of any shape (integer or float counts, spans,
+    negative buckets, zero bucket, reset hint, start_timestamp, fields repeated or
+    unpacked, an unknown field); ``special``: ``custom`` (schema -53, custom_values) or
+    ``stale`` (sum the stale NaN: a staleness marker), which the native conversion leaves
+    to the reference."""
+    r = rnd
+    h = pb2.Histogram(schema=r.choice([-4, -1, 0, 1, 3, 8]), timestamp=r.choice([0, 7, -3]))
+    if r.random() < 0.5:
+        h.count_int = r.choice([0, 1, 10, 2**40])
+        h.positive_deltas.extend(r.choice([-3, 0, 1, 4]) for _ in range(r.randint(0, 4)))
+        h.negative_deltas.extend(r.choice([-1, 2]) for _ in range(r.randint(0, 2)))
+    else:
+        h.count_float = r.choice([0.0, 2.0, 1e300, float("nan")])
+        h.positive_counts.extend(r.choice([0.5, 2.0]) for _ in range(r.randint(0, 4)))
+        h.negative_counts.extend(r.choice([1.0]) for _ in range(r.randint(0, 2)))
+    if r.random() < 0.7:
+        h.sum = r.choice([0.0, 1.5, float("nan"), -1e-9, float("inf")])
+    if r.random() < 0.3:
+        h.zero_threshold = 1e-128
+        h.zero_count_int = r.randint(0, 5)
+    for _ in range(r.randint(0, 2)):
+        h.positive_spans.add(offset=r.randint(-3, 3), length=r.randint(0, 4))
+    if r.random() < 0.3:
+        h.negative_spans.add(offset=1, length=2)
+    h.reset_hint = r.choice([0, 0, 1, 2, 3])
+    if r.random() < 0.5:
+        h.start_timestamp = r.choice([1, 1_767_000_000_000, -1])
+    if special == "custom":
+        h.schema = -53
+        h.custom_values.extend(sorted(r.uniform(0, 10) for _ in range(r.randint(0, 3))))
+    raw = h.SerializeToString()
+    if special == "stale":
+        h.ClearField("sum")  # the last sum counts: the marker's, here or after the rest
+        raw = h.SerializeToString()
+        raw = b"\x19" + STALE_SUM + raw if r.random() < 0.5 else raw + b"\x19" + STALE_SUM
+    if r.random() < 0.1:
+        raw += r.choice([UNPACKED_HISTOGRAM, b"\xa8\x1f\x01", b"\x88\x01\x05"])
+    return raw
+
+
+def conversion_v2(rnd: random.Random, *, special: bool = False, huge: bool = False,
+                  series: tuple[int, int] | None = None) -> list[Node]:
+    """A valid RW 2.0 request as the conversion to RW 1.0 sees them: ``Gen.request_v2``'s
+    (unpacked / split refs, repeated symbols, unknown fields, created_timestamp, samples
+    with start_timestamp, exemplars) with, per series, more: a metric name of a family
+    suffix (an extra refs field first or last, so the pairs stay pairs), metadata of every
+    type (help and unit empty or not, refs to repeated symbols of equal contents, several
+    per series), exponential histograms of every shape. ``special``: some series also get
+    a custom-bucket histogram or a staleness marker (at least one in the request)."""
+    r = rnd
+    nodes = Gen(r, huge=huge, series=series).request_v2()
+    placed = False
+    targets = [n for n in nodes if n.kind == "series"]
+    if special and not targets:
+        targets = _ensure_series(nodes, 2)
+    for ser in targets:
+        assert isinstance(ser.payload, list)
+        ser.length = None
+        fields = ser.payload
+        if r.random() < 0.6:
+            pair = [_add_symbol(nodes, b"__name__"),
+                    _add_symbol(nodes, r.choice(FAMILY_NAMES).encode())]
+            node = Node(1, 2, b"".join(varint(x) for x in pair), "refs", refs=pair)
+            if r.random() < 0.7:
+                fields.insert(0, node)
+            else:
+                fields.append(node)
+        for _ in range(r.choice([0, 1, 1, 2, 3])):
+            refs = [_add_symbol(nodes, r.choice(HELPS).encode()) for _ in range(2)]
+            md = b""
+            if r.random() < 0.9:
+                md += b"\x08" + varint(r.choice(METRIC_TYPES))
+            if r.random() < 0.8:
+                md += b"\x18" + varint(refs[0])
+            if r.random() < 0.6:
+                md += b"\x20" + varint(refs[1])
+            if r.random() < 0.1:  # field 2 (no meaning), an unknown field, a type again
+                md += r.choice([b"\x12\x01x", b"\x30\x01", b"\x08\x02"])
+            fields.insert(r.randint(0, len(fields)), len_node(5, md, "data"))
+        for _ in range(r.choice([0, 0, 1, 2])):
+            fields.insert(r.randint(0, len(fields)), len_node(3, histogram_v2(r), "data"))
+        if special and (not placed or r.random() < 0.3):
+            kind = r.choice(["custom", "stale"])
+            fields.insert(r.randint(0, len(fields)),
+                          len_node(3, histogram_v2(r, special=kind), "data"))
+            placed = True
+    return nodes
+
+
 # -- invalid requests: poisons (certainly refused) and byte mutations ---------------------
 
 POISONS_COMMON = ["field_number_0", "field_number_big", "group", "wire_type_6_7",
@@ -1031,11 +1137,45 @@ def build_corpus(rnd: random.Random, size: int) -> list[tuple[int, bytes]]:
     out: list[tuple[int, bytes]] = [(1, b""), (2, b""), (1, b"\x0a\x00"), (2, b"\x2a\x00"),
                                     (2, b"\x22\x00\x2a\x00")]
     while len(out) < size:
-        if rnd.random() < 0.5:
+        roll = rnd.random()
+        if roll < 0.45:
             out.append((1, encode(gen.request_v1())))
-        else:
+        elif roll < 0.8:
             out.append((2, encode(gen.request_v2())))
+        else:  # what the conversion to RW 1.0 must get right (and leave to the reference)
+            out.append((2, encode(conversion_v2(rnd, special=rnd.random() < 0.2))))
     return out
+
+
+#: the crash file's protocol of an input being converted to RW 1.0 (not spliced)
+CONVERTING = 4
+
+
+def conversion_mismatch(raw: bytes, compare: bool) -> str | None:
+    """The native RW 2.0 -> 1.0 conversion of ``raw``: its size, then its bytes at that
+    size; with ``compare``, held to the reference (the same size and bytes, or left to it:
+    always where the reference refuses). What went wrong, or None."""
+    from proxy.wire import _splice
+    from proxy.wire.convert import v1_form, v2_to_v1
+
+    size = _splice.convert_v2(raw)
+    if size is not None and not isinstance(size, int):
+        return f"a count of {size!r}: input {raw.hex()}"
+    out = None if size is None else _splice.convert_v2(raw, size)
+    if size is not None and (not isinstance(out, bytes) or len(out) != size):
+        return f"counted {size} bytes, made {out!r}: input {raw.hex()}"
+    if not compare:
+        return None
+    try:
+        ref, ref_size = v2_to_v1(raw), v1_form(raw).size
+    except DecodeError as e:
+        if size is not None:
+            return f"converted what the reference refuses ({e.kind}): input {raw.hex()}"
+        return None
+    if size is not None and (out != ref or size != ref_size):
+        return (f"native {size} bytes {out!r}, reference {ref_size} bytes {ref!r}: "
+                f"input {raw.hex()}")
+    return None
 
 
 def fixed_setups(seed: int) -> list[Setup]:
@@ -1131,6 +1271,8 @@ def leak_check(setups: list[Setup], corpus: list[tuple[int, bytes]], rnd: random
             for sp in pairs:
                 for (version, raw), block in zip(inputs, blocks, strict=True):
                     fresh = bytes(bytearray(raw))
+                    if version == 2 and k % 3 == 0:
+                        conversion_mismatch(fresh, False)
                     fn = sp.splice_v1 if version == 1 else sp.splice_v2
                     with contextlib.suppress(DecodeError):
                         if k % 2:
@@ -1244,7 +1386,7 @@ def fuzz(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     deadline = start + args.seconds
-    iterations = compared = errors = changed = edits = 0
+    iterations = compared = errors = changed = edits = converted = 0
     rss_warm: int | None = None
     warm_at = max(1000, min(20_000, args.max_iterations // 10))
     kinds: dict[str, int] = {}
@@ -1285,6 +1427,13 @@ def fuzz(args: argparse.Namespace) -> int:
                 print(f"LIMIT MISMATCH: RW {version}.0, setup {setups[si].name}, {wrong}",
                       file=sys.stderr)
                 return 1
+        if version == 2:
+            crash.record(CONVERTING, si, raw)
+            wrong = conversion_mismatch(raw, iterations % args.compare_every == 0)
+            converted += 1
+            if wrong is not None:
+                print(f"CONVERSION MISMATCH: {wrong}", file=sys.stderr)
+                return 1
         if iterations % args.compare_every == 0 or (nat.ok and rnd.random() < 0.02):
             py = outcome(python.splice_v1 if version == 1 else python.splice_v2, raw)
             compared += 1
@@ -1306,6 +1455,7 @@ def fuzz(args: argparse.Namespace) -> int:
     rss_end = rss_bytes()
     print(f"fuzz: {iterations} iterations in {elapsed:.1f} s ({iterations / elapsed:,.0f}/s), "
           f"{compared} compared with the Python splice, {edits} as snappy blocks, "
+          f"{converted} converted to RW 1.0, "
           f"{changed} changed bodies, "
           f"{errors} refused: {dict(sorted(kinds.items()))}", flush=True)
     ok = True
@@ -1328,6 +1478,11 @@ def replay(args: argparse.Namespace) -> int:
         print("replay: the file holds no input")
         return 0
     version, raw = got.version, got.raw
+    if version == CONVERTING:
+        print(f"replay: RW 2.0 -> 1.0, input {raw.hex()}", flush=True)
+        wrong = conversion_mismatch(raw, True)
+        print(f"conversion: {wrong or 'OK'}", flush=True)
+        return 1 if wrong else 0
     setups = fixed_setups(args.seed)
     native, python = splicers(setups[got.setup])
     print(f"replay: RW {version}.0, setup {setups[got.setup].name}, input {raw.hex()}",

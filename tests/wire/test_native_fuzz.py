@@ -17,7 +17,7 @@ import cramjam
 import pytest
 
 from proxy.wire.native import native_available
-from tests.wire.fuzz_native import CrashFile
+from tests.wire.fuzz_native import CONVERTING, CrashFile
 
 if not native_available():
     pytest.skip("the native splice is not built", allow_module_level=True)
@@ -39,6 +39,9 @@ def _crash_report(crash_file: Path, seed: str) -> str:
     block = "" if got.block is None else (
         f"\nits output as a snappy block made from this one ({len(got.block)} bytes):\n"
         f"{got.block.hex()}")
+    if got.version == CONVERTING:
+        return (f"input being converted to RW 1.0, {len(got.raw)} bytes:\n{got.raw.hex()}\n"
+                f"replay: python {DRIVER.relative_to(ROOT)} --seed {seed} --replay {crash_file}")
     return (f"input being spliced: RW {got.version}.0, setup #{got.setup}, "
             f"{len(got.raw)} bytes:\n{got.raw.hex()}{block}\n"
             f"replay: python {DRIVER.relative_to(ROOT)} --seed {seed} --replay {crash_file}")
@@ -96,3 +99,15 @@ def test_replay_of_a_recorded_edit(tmp_path: Path, damaged: bool) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"the edit of block {block.hex()}" in proc.stdout
     assert "edit: OK" in proc.stdout
+
+
+def test_replay_of_a_recorded_conversion(tmp_path: Path) -> None:
+    """A crash while converting to RW 1.0 is recorded as such, and replayed as such."""
+    crash_file = tmp_path / "input.bin"
+    rec = CrashFile(crash_file)
+    raw = bytes.fromhex("2200220870736575646f2a040a020101")  # "", "pseudo"; {pseudo=pseudo}
+    rec.record(CONVERTING, 0, raw)
+    rec.map.flush()
+    proc = _run(["--seed", "1", "--replay", str(crash_file)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "replay: RW 2.0 -> 1.0" in proc.stdout and "conversion: OK" in proc.stdout

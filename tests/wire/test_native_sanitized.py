@@ -43,11 +43,13 @@ REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: UndefinedBehavio
 #: the tests run again on the sanitized build: the native ones (the fuzz driver's own
 #: test and the Python splice's alone add nothing here), and the request path around the
 #: extension (the thread's scratch buffer it reads, requests in parts on other threads,
-#: the worker threads, bodies cut or refused mid-way)
+#: the worker threads, bodies cut or refused mid-way); the native RW 2.0 -> 1.0
+#: conversion's differential tests
 NATIVE_TESTS = (
     "tests/wire/test_native.py", "tests/wire/test_native_differential.py",
     "tests/wire/test_native_threads.py", "tests/wire/test_snappy_edit.py",
     "tests/wire/test_halves.py", "tests/wire/test_splice.py", "tests/wire/test_convert.py",
+    "tests/wire/test_convert_native.py",
     "tests/test_handler.py", "tests/test_compression.py", "tests/test_part_threads.py",
     "tests/test_admission.py", "tests/test_connection_guard.py",
 )

@@ -1,0 +1,161 @@
+"""CPU cost of converting an RW 2.0 request to RW 1.0 (for a 1.0-only upstream: Prometheus
+2.x, VictoriaMetrics): the Python reference (``proxy/wire/convert.py``) against the native
+conversion (``_convert.c`` through ``proxy.wire.native``), with the native splice of the
+same request for scale.
+
+Requests are built as Prometheus 3 sends them: every series with its metadata (type, help,
+unit) and one sample, ~12 labels of ~600 bytes a series (cAdvisor / kube-state-metrics
+shapes: namespace, pod, container, node, image, id, uid, ...), histogram families as their
+``_bucket`` / ``_sum`` / ``_count`` series. Per size of request, each round runs, in turn:
+
+- ``size pass``: what ``check_size`` costs (``convert.v1_form`` / the native count);
+- ``conversion``: ``v2_to_v1`` (the native one counts again, then writes once at its size);
+- ``splice``: the native splice of the same RW 2.0 request (a pod of the table stamped).
+
+CPU seconds are ``time.thread_time`` around each call (this thread only: the box may be
+shared); printed are the medians over the rounds and reference / native ratios. The
+native bytes are checked equal to the reference's once per size before timing.
+
+    python3 benchmarks/convert_bench.py [--series 2000 500] [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proxy import contract
+from proxy.sender import Series, build_v2
+from proxy.wire import convert, native
+from proxy.wire.native import Splicer, native_available
+from proxy.wire.plan import PodPair, SplicePlan
+
+_FAMILIES = [
+    ("container_cpu_usage_seconds_total", "counter", "Cumulative cpu time consumed", "seconds"),
+    ("container_memory_working_set_bytes", "gauge", "Current working set", "bytes"),
+    ("container_network_receive_bytes_total", "counter", "Cumulative bytes received", "bytes"),
+    ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %)", ""),
+    ("kube_pod_container_status_restarts_total", "counter",
+     "The number of container restarts per container", ""),
+    ("http_request_duration_seconds_bucket", "histogram", "Request latency", "seconds"),
+    ("http_request_duration_seconds_sum", "histogram", "Request latency", "seconds"),
+    ("http_request_duration_seconds_count", "histogram", "Request latency", "seconds"),
+]
+
+
+def build_request(series: int, seed: int = 0) -> bytes:
+    """``series`` series of ~12 labels, ~600 label bytes each, metadata on every one."""
+    out: list[Series] = []
+    for i in range(series):
+        name, mtype, help_, unit = _FAMILIES[i % len(_FAMILIES)]
+        ns = f"team-{(i // 97) % 23}-production"
+        pod = f"checkout-service-{(i * 7919 + seed) % 100_000:05d}-7d9f8b6c5d-{i % 89:02d}xkq"
+        labels = {
+            "__name__": name,
+            "namespace": ns,
+            "pod": pod,
+            "container": f"checkout-api-server-{i % 5}",
+            "instance": f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}:10250",
+            "job": "kubernetes-nodes-cadvisor",
+            "node": f"ip-10-42-{(i // 50) % 256}-{i % 200}.eu-west-1.compute.internal",
+            "image": f"registry.example.com/platform/checkout-api-server:v1.{i % 40}.3-"
+                     "8f2c1d0e9b7a6f5e4d3c2b1a",
+            "id": f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{i:08x}"
+                  f"_5f1e_4c2b_9a7d_3e6f8b2c1d0a.slice/cri-containerd-{i * 2654435761:016x}"
+                  ".scope",
+            "uid": f"{i:08x}-5f1e-4c2b-9a7d-3e6f8b2c{i % 4096:04x}",
+            "service": "checkout-api-server-headless-metrics-monitoring",
+            "endpoint": "https-metrics-kubelet-cadvisor",
+        }
+        if "_bucket" in name:
+            labels["le"] = ("0.005", "0.05", "0.5", "5", "+Inf")[i % 5]
+        out.append(Series(labels, [(1_767_000_000_000 + i, float(i))], metric_type=mtype,
+                          help=help_, unit=unit))
+    return build_v2(out)
+
+
+def _cpu(fn: Callable[[], object]) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
+def _splicer() -> Splicer:
+    stamped = frozenset(n.encode() for n in contract.STAMPED_LABELS)
+    sp = Splicer(SplicePlan(pairs=(PodPair(b"namespace", b"pod"),), stamped=stamped), "native")
+    sp.table.set(b"team-0-production", b"checkout-service-00000-7d9f8b6c5d-00xkq",
+                 (("karta_workload", "checkout"),))
+    return sp
+
+
+def bench(series: int, rounds: int) -> dict[str, float | int]:
+    raw = build_request(series)
+    ref = convert.v2_to_v1(raw)
+    assert native.v2_to_v1(raw) == ref, "native and reference conversions differ"
+    assert native.v1_form(raw) == convert.v1_form(raw)
+    splicer = _splicer()
+    steps: dict[str, Callable[[], object]] = {
+        "size_ref": lambda: convert.v1_form(raw),
+        "size_native": lambda: native.v1_form(raw),
+        "convert_ref": lambda: convert.v2_to_v1(raw),
+        "convert_native": lambda: native.v2_to_v1(raw),
+        "splice": lambda: splicer.splice_v2(raw),
+    }
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    gc.disable()
+    try:
+        for _ in range(rounds):  # alternating: each round runs every step once
+            for k, fn in steps.items():
+                times[k].append(_cpu(fn))
+    finally:
+        gc.enable()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result: dict[str, float | int] = {
+        "series": series, "rounds": rounds, "request_bytes": len(raw),
+        "converted_bytes": len(ref),
+        **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+    }
+    for what in ("size", "convert"):
+        result[f"{what}_ratio"] = med[f"{what}_ref"] / max(med[f"{what}_native"], 1e-9)
+    both_ref = med["size_ref"] + med["convert_ref"]
+    both_native = med["size_native"] + med["convert_native"]
+    result["both_ref_ms"], result["both_native_ms"] = both_ref * 1e3, both_native * 1e3
+    result["both_ratio"] = both_ref / max(both_native, 1e-9)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--series", type=int, nargs="+", default=[2000, 500])
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--json", help="write the results here too")
+    args = p.parse_args(argv)
+    if not native_available():
+        print("the native extension is not built: nothing to compare", file=sys.stderr)
+        return 2
+    results = []
+    for n in args.series:
+        r = bench(n, args.rounds)
+        results.append(r)
+        print(f"{n} series: RW 2.0 request {r['request_bytes']:,} bytes, RW 1.0 form "
+              f"{r['converted_bytes']:,} bytes; CPU ms per request, median of {args.rounds}")
+        for what, label in (("size", "size pass"), ("convert", "conversion"),
+                            ("both", "both")):
+            print(f"  {label:<11} reference {r[f'{what}_ref_ms']:8.2f}   native "
+                  f"{r[f'{what}_native_ms']:7.3f}   ratio {r[f'{what}_ratio']:6.0f}x")
+        print(f"  splice      native    {r['splice_ms']:8.3f}   (the same request, for scale)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

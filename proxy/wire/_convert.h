@@ -1,0 +1,37 @@
+/*
+ * RW 2.0 -> 1.0 natively: a remote-write 2.0 Request as the equivalent 1.0 WriteRequest
+ * (proxy/wire/_convert.c), byte for byte what proxy/wire/convert.py's v2_to_v1 makes.
+ * Plain C, no Python API: called with the GIL released.
+ */
+#ifndef KARTA_CONVERT_H
+#define KARTA_CONVERT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    CONVERT_OK = 0,
+    /* the request holds something left to the Python reference: a custom-bucket
+     * histogram (schema -53), a histogram staleness marker, or anything malformed (the
+     * reference then raises its own error); also a size that does not fit a size_t */
+    CONVERT_FALLBACK = 1,
+    CONVERT_NOMEM = 2,
+    /* out_cap is not the size the request converts to (the caller's error) */
+    CONVERT_MISMATCH = 3,
+} ConvertStatus;
+
+/* Converts raw (n bytes, an RW 2.0 Request) to RW 1.0.
+ *
+ * out NULL: counts only; *size is set to the converted size (what the conversion will
+ * hold, known before a byte of it is allocated). out not NULL: writes the conversion into
+ * out, which must be exactly out_cap bytes, the size a counting call answered; anything
+ * else is CONVERT_MISMATCH and out holds garbage. Both modes are one walk of the request
+ * (a writer that only counts when it has no buffer), so the size and the bytes cannot
+ * disagree.
+ *
+ * Never reads outside raw[0 .. n) nor writes outside out[0 .. out_cap); every allocation
+ * is freed before return. */
+ConvertStatus convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap,
+                               size_t *size);
+
+#endif
