@@ -11,7 +11,7 @@ setup(
             "proxy.wire._splice",
             sources=["proxy/wire/_splice.c", "proxy/wire/_snappy_edit.c",
                      "proxy/wire/_convert.c"],
-            depends=["proxy/wire/_snappy_edit.h", "proxy/wire/_convert.h"],
+            depends=["proxy/wire/_snappy_edit.h", "proxy/wire/_convert.h", "proxy/wire/_wire.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers"],
             optional=True,

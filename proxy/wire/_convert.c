@@ -30,90 +30,27 @@
  * size pass and the conversion cannot drift. Sizes are size_t with every addition checked:
  * one that does not fit falls back (the reference then computes it with Python ints).
  *
- * The wire primitives mirror _splice.c's (rd_varint, rd_field, utf8_ok): kept apart so
- * this file has no Python API and no state of the splice.
+ * The wire primitives are _wire.h's, shared with _splice.c; this file has no Python API
+ * and no state of the splice.
  */
 
 #include "_convert.h"
+#include "_wire.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------------------------ */
-/* wire primitives (as _splice.c's and primitives.py's)                                  */
+/* wire primitives: _wire.h's (rd_varint, wire_field, utf8_ok, the wire-type tables)       */
 
-/* A varint at *pos (< end); 0 for a truncated or over-long one: at most 10 bytes, the 10th
- * carrying only the top bit. */
+/* One field at pos inside [.., end), yes or no: the reference raises its own error. */
 static inline int
-rd_varint(const uint8_t *buf, size_t end, size_t *pos, uint64_t *out)
-{
-    size_t p = *pos;
-    if (p < end && buf[p] < 0x80) {
-        *out = buf[p];
-        *pos = p + 1;
-        return 1;
-    }
-    uint64_t v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-        if (p >= end)
-            return 0;
-        uint8_t b = buf[p++];
-        if (shift == 63 && b > 1)
-            return 0;
-        v |= (uint64_t)(b & 0x7F) << shift;
-        if (b < 0x80) {
-            *out = v;
-            *pos = p;
-            return 1;
-        }
-    }
-    return 0;
-}
-
-typedef struct {
-    uint64_t number;
-    int wt;
-    size_t ps;  /* payload start (after the length for wire type 2, else after the tag) */
-    size_t end; /* after the field */
-} Field;
-
-/* One field at pos inside [.., end): primitives.read_field's rules. */
-static int
 rd_field(const uint8_t *buf, size_t pos, size_t end, Field *f)
 {
-    uint64_t key, ln;
-    size_t p = pos;
-    if (!rd_varint(buf, end, &p, &key))
-        return 0;
-    f->number = key >> 3;
-    f->wt = (int)(key & 7);
-    if (f->number == 0 || f->number > ((1u << 29) - 1))
-        return 0;
-    switch (f->wt) {
-    case 2:
-        if (!rd_varint(buf, end, &p, &ln) || ln > end - p)
-            return 0;
-        f->ps = p;
-        f->end = p + (size_t)ln;
-        return 1;
-    case 0:
-        f->ps = p;
-        if (!rd_varint(buf, end, &p, &ln))
-            return 0;
-        f->end = p;
-        return 1;
-    case 1:
-    case 5: {
-        size_t w = f->wt == 1 ? 8 : 4;
-        if (w > end - p)
-            return 0;
-        f->ps = p;
-        f->end = p + w;
-        return 1;
-    }
-    default:
-        return 0;
-    }
+    f->wt = 0;
+    f->number = 0;
+    f->ps = f->end = pos; /* set on success; for gcc, which cannot see that through */
+    return wire_field(buf, pos, end, f) == WIRE_OK;
 }
 
 static inline uint64_t
@@ -125,73 +62,9 @@ le64(const uint8_t *p)
     return v;
 }
 
-/* Strict UTF-8, as Python's decoder: no overlongs, no surrogates, nothing past U+10FFFF. */
-static int
-utf8_ok(const uint8_t *s, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        while (i + 8 <= n) {
-            uint64_t w;
-            memcpy(&w, s + i, 8);
-            if (w & 0x8080808080808080ULL)
-                break;
-            i += 8;
-        }
-        if (i >= n)
-            break;
-        uint8_t c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        if (c >= 0xC2 && c <= 0xDF) {
-            if (i + 1 >= n || (s[i + 1] & 0xC0) != 0x80)
-                return 0;
-            i += 2;
-        }
-        else if (c >= 0xE0 && c <= 0xEF) {
-            if (i + 2 >= n)
-                return 0;
-            uint8_t c1 = s[i + 1], c2 = s[i + 2];
-            if ((c1 & 0xC0) != 0x80 || (c2 & 0xC0) != 0x80)
-                return 0;
-            if (c == 0xE0 && c1 < 0xA0)
-                return 0; /* overlong */
-            if (c == 0xED && c1 > 0x9F)
-                return 0; /* surrogate */
-            i += 3;
-        }
-        else if (c >= 0xF0 && c <= 0xF4) {
-            if (i + 3 >= n)
-                return 0;
-            uint8_t c1 = s[i + 1], c2 = s[i + 2], c3 = s[i + 3];
-            if ((c1 & 0xC0) != 0x80 || (c2 & 0xC0) != 0x80 || (c3 & 0xC0) != 0x80)
-                return 0;
-            if (c == 0xF0 && c1 < 0x90)
-                return 0; /* overlong */
-            if (c == 0xF4 && c1 > 0x8F)
-                return 0; /* past U+10FFFF */
-            i += 4;
-        }
-        else
-            return 0;
-    }
-    return 1;
-}
-
 /* ------------------------------------------------------------------------------------ */
 /* the checks the reference makes (primitives.check_*), each a yes or no                 */
 
-static const int8_t SAMPLE_WT[] = {1, 0, 0};          /* value, timestamp, start_ts */
-static const int8_t EXEMPLAR_WT[] = {-1, 1, 0};       /* labels read apart, value, ts */
-static const int8_t METADATA_V2_WT[] = {0, -1, 0, 0}; /* type, -, help_ref, unit_ref */
-#define H_SPANS 8
-#define H_VARINTS 9
-#define H_DOUBLES 10
-static const int8_t HISTOGRAM_WT[] = {0, 1, 1, 0, 1, 0, 1, H_SPANS, H_VARINTS, H_DOUBLES,
-                                      H_SPANS, H_VARINTS, H_DOUBLES, 0, 0, H_DOUBLES, 0};
-static const int8_t SPAN_WT[] = {0, 0};
 
 static int
 check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64_t nk)
@@ -354,17 +227,6 @@ w_varint(Writer *w, uint64_t v)
     }
     tmp[k++] = (uint8_t)v;
     w_put(w, tmp, k);
-}
-
-static inline size_t
-varint_len(uint64_t v)
-{
-    size_t k = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        k++;
-    }
-    return k;
 }
 
 /* a length-delimited field's tag and length (field numbers below 16: one tag byte) */

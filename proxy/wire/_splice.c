@@ -36,6 +36,7 @@
 
 #include "_convert.h"
 #include "_snappy_edit.h"
+#include "_wire.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* errors                                                                               */
@@ -83,178 +84,29 @@ err_raise(Err *e)
 /* ------------------------------------------------------------------------------------ */
 /* wire primitives                                                                      */
 
-/* A varint at *pos (< end); returns 0 on a truncated or over-long one. At most 10 bytes,
- * the 10th carrying only the top bit, as protobuf readers require. */
-static inline int
-rd_varint(const uint8_t *buf, size_t end, size_t *pos, uint64_t *out)
-{
-    size_t p = *pos;
-    if (p < end && buf[p] < 0x80) {
-        *out = buf[p];
-        *pos = p + 1;
-        return 1;
-    }
-    uint64_t v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-        if (p >= end)
-            return 0;
-        uint8_t b = buf[p++];
-        if (shift == 63 && b > 1)
-            return 0;
-        v |= (uint64_t)(b & 0x7F) << shift;
-        if (b < 0x80) {
-            *out = v;
-            *pos = p;
-            return 1;
-        }
-    }
-    return 0;
-}
-
-typedef struct {
-    uint64_t number;
-    int wt;
-    size_t start; /* the field's first byte */
-    size_t ps;    /* payload start (after the length for wire type 2) */
-    size_t end;   /* after the field */
-} Field;
-
 /* Read one field at pos, inside [.., end). Mirrors primitives.read_field. */
 static int
 rd_field(const uint8_t *buf, size_t pos, size_t end, Field *f, Err *e)
 {
-    uint64_t key, ln;
-    size_t p = pos;
-    if (!rd_varint(buf, end, &p, &key)) {
+    switch (wire_field(buf, pos, end, f)) {
+    case WIRE_OK:
+        return 1;
+    case WIRE_VARINT:
         INVALID(e, "truncated or over-long varint");
         return 0;
-    }
-    f->start = pos;
-    f->number = key >> 3;
-    f->wt = (int)(key & 7);
-    if (f->number == 0) {
+    case WIRE_NUMBER_0:
         INVALID(e, "field number 0");
         return 0;
-    }
-    if (f->number > ((1u << 29) - 1)) {
+    case WIRE_NUMBER:
         INVALID(e, "field number %llu is past 2^29 - 1", (unsigned long long)f->number);
         return 0;
-    }
-    switch (f->wt) {
-    case 2:
-        if (!rd_varint(buf, end, &p, &ln)) {
-            INVALID(e, "truncated or over-long varint");
-            return 0;
-        }
-        if (ln > end - p) {
-            INVALID(e, "field runs past the end of its message");
-            return 0;
-        }
-        f->ps = p;
-        f->end = p + ln;
-        return 1;
-    case 0:
-        f->ps = p;
-        if (!rd_varint(buf, end, &p, &ln)) {
-            INVALID(e, "truncated or over-long varint");
-            return 0;
-        }
-        f->end = p;
-        return 1;
-    case 1:
-    case 5: {
-        size_t w = f->wt == 1 ? 8 : 4;
-        if (w > end - p) {
-            INVALID(e, "field runs past the end of its message");
-            return 0;
-        }
-        f->ps = p;
-        f->end = p + w;
-        return 1;
-    }
+    case WIRE_PAST_END:
+        INVALID(e, "field runs past the end of its message");
+        return 0;
     default:
         INVALID(e, "unsupported wire type %d", f->wt);
         return 0;
     }
-}
-
-static inline size_t
-varint_len(uint64_t v)
-{
-    size_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
-}
-
-static inline size_t
-put_varint(uint8_t *out, uint64_t v)
-{
-    size_t n = 0;
-    while (v >= 0x80) {
-        out[n++] = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    out[n++] = (uint8_t)v;
-    return n;
-}
-
-/* Strict UTF-8, as Python's decoder: no overlongs, no surrogates, nothing past U+10FFFF. */
-static int
-utf8_ok(const uint8_t *s, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        /* eight ASCII bytes at a time */
-        while (i + 8 <= n) {
-            uint64_t w;
-            memcpy(&w, s + i, 8);
-            if (w & 0x8080808080808080ULL)
-                break;
-            i += 8;
-        }
-        if (i >= n)
-            break;
-        uint8_t c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        if (c >= 0xC2 && c <= 0xDF) {
-            if (i + 1 >= n || (s[i + 1] & 0xC0) != 0x80)
-                return 0;
-            i += 2;
-        }
-        else if (c >= 0xE0 && c <= 0xEF) {
-            if (i + 2 >= n)
-                return 0;
-            uint8_t c1 = s[i + 1], c2 = s[i + 2];
-            if ((c1 & 0xC0) != 0x80 || (c2 & 0xC0) != 0x80)
-                return 0;
-            if (c == 0xE0 && c1 < 0xA0)
-                return 0; /* overlong */
-            if (c == 0xED && c1 > 0x9F)
-                return 0; /* surrogate */
-            i += 3;
-        }
-        else if (c >= 0xF0 && c <= 0xF4) {
-            if (i + 3 >= n)
-                return 0;
-            uint8_t c1 = s[i + 1], c2 = s[i + 2], c3 = s[i + 3];
-            if ((c1 & 0xC0) != 0x80 || (c2 & 0xC0) != 0x80 || (c3 & 0xC0) != 0x80)
-                return 0;
-            if (c == 0xF0 && c1 < 0x90)
-                return 0; /* overlong */
-            if (c == 0xF4 && c1 > 0x8F)
-                return 0; /* past U+10FFFF */
-            i += 4;
-        }
-        else
-            return 0;
-    }
-    return 1;
 }
 
 static inline uint64_t
@@ -364,10 +216,6 @@ is_karta(const uint8_t *s, size_t n)
 /* ------------------------------------------------------------------------------------ */
 /* the payloads a splice copies: walked, never rewritten (primitives.check_*)           */
 
-/* wire type of each known field (1, 2, ...; -1: any) */
-static const int8_t SAMPLE_WT[] = {1, 0, 0};  /* value, timestamp, (2.0) start_timestamp */
-static const int8_t EXEMPLAR_WT[] = {-1, 1, 0};        /* labels read apart, value, ts */
-static const int8_t METADATA_V2_WT[] = {0, -1, 0, 0};  /* type, -, help_ref, unit_ref */
 
 /* Every field's framing (rd_field's rules) and the wire types of the known ones. */
 static int
@@ -387,14 +235,6 @@ check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64
     return 1;
 }
 
-/* A Histogram's fields 1-17 (primitives.HISTOGRAM_FIELDS): a wire type, or H_SPANS (a
- * BucketSpan message: two varints), H_VARINTS / H_DOUBLES (one per field, or packed). */
-#define H_SPANS 8
-#define H_VARINTS 9
-#define H_DOUBLES 10
-static const int8_t HISTOGRAM_WT[] = {0, 1, 1, 0, 1, 0, 1, H_SPANS, H_VARINTS, H_DOUBLES,
-                                      H_SPANS, H_VARINTS, H_DOUBLES, 0, 0, H_DOUBLES, 0};
-static const int8_t SPAN_WT[] = {0, 0};
 
 /* A Histogram (nk: 16 fields in RW 1.0, 17 in 2.0): framing, wire types, its spans'
  * framing, packed varints that parse, packed doubles of whole 8-byte values. */

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -171,13 +172,11 @@ async def test_wrong_path_is_503_and_found_at_start(
                                       "code": code}) or 0) >= 2
 
 
-async def test_custom_bucket_histograms_are_stored_as_classic_series_in_prometheus_2(
-    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
-) -> None:
-    # a native histogram with custom buckets (schema -53, what Prometheus 3 sends with
-    # convert_classic_histograms_to_nhcb): (-Inf,0.1] = 2, (0.1,1] = 3, (1,+Inf] = 1. Passed
-    # on as a 1.0 Histogram, Prometheus 2.42 (no custom_values) stored exponential buckets
-    # and histogram_quantile(0.5) was +Inf; converted, it is the classic series
+async def _nhcb_request(peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]]
+                        ) -> tuple[Peer, InProcessProxy, int, Any]:
+    """A Prometheus 2.42 receiver, a proxy converting for it, a time a minute ago, and an
+    RW 2.0 request of one custom-bucket histogram at that time: (-Inf,0.1] = 2,
+    (0.1,1] = 3, (1,+Inf] = 1."""
     rx = await receiver(peers, "prometheus")
     proxy = await make_proxy(rx.base_url + "/api/v1/write")
     assert (await proxy.proxy.upstream.check()).outcome == "rw1"
@@ -190,6 +189,17 @@ async def test_custom_bucket_histograms_are_stored_as_classic_series_in_promethe
     h.positive_spans.add(offset=0, length=3)
     h.positive_counts.extend([2.0, 3.0, 1.0])
     h.custom_values.extend([0.1, 1.0])
+    return rx, proxy, now, req
+
+
+async def test_custom_bucket_histograms_are_stored_as_classic_series_in_prometheus_2(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # a native histogram with custom buckets (schema -53, what Prometheus 3 sends with
+    # convert_classic_histograms_to_nhcb): (-Inf,0.1] = 2, (0.1,1] = 3, (1,+Inf] = 1. Passed
+    # on as a 1.0 Histogram, Prometheus 2.42 (no custom_values) stored exponential buckets
+    # and histogram_quantile(0.5) was +Inf; converted, it is the classic series
+    rx, proxy, now, req = await _nhcb_request(peers, make_proxy)
     ts = req.timeseries.add()  # the integer form, a bucket left out (a gap in the spans)
     ts.labels_refs.extend([1, 2, 3, 4, 5, 6])
     h = ts.histograms.add(count_int=9, sum=7.0, schema=-53, timestamp=now + 1000)
@@ -234,20 +244,10 @@ async def test_a_histogram_staleness_marker_is_taken_by_prometheus_2_and_ends_th
     # buckets, whatever the series' schema). Passed on as a 1.0 Histogram, Prometheus 2.42
     # (native histograms off) answered 500, the proxy 502, and the sender retried the batch
     # forever; converted, it ends what the series became
-    rx = await receiver(peers, "prometheus")
-    proxy = await make_proxy(rx.base_url + "/api/v1/write")
-    assert (await proxy.proxy.upstream.check()).outcome == "rw1"
-    now = int(time.time() * 1000) - 60_000
-    req = v2.Request()
-    req.symbols.extend(["", "__name__", "nhcb_seconds", "namespace", NAMESPACE, "pod", POD,
-                        "gone_seconds"])
-    ts = req.timeseries.add()  # custom-bucket data, then its marker, in one request
-    ts.labels_refs.extend([1, 2, 3, 4, 5, 6])
-    h = ts.histograms.add(count_float=6, sum=4.0, schema=-53, timestamp=now)
-    h.positive_spans.add(offset=0, length=3)
-    h.positive_counts.extend([2.0, 3.0, 1.0])
-    h.custom_values.extend([0.1, 1.0])
-    ts.histograms.add(sum=STALE_NAN, timestamp=now + 1000)
+    rx, proxy, now, req = await _nhcb_request(peers, make_proxy)
+    # custom-bucket data, then its marker, in one request
+    req.timeseries[0].histograms.add(sum=STALE_NAN, timestamp=now + 1000)
+    req.symbols.append("gone_seconds")
     ts = req.timeseries.add()  # a marker alone: the series it names goes stale
     ts.labels_refs.extend([1, 7, 3, 4, 5, 6])
     ts.histograms.add(sum=STALE_NAN, timestamp=now + 1000)
