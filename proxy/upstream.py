@@ -285,9 +285,9 @@ def conversion_limit(max_decoded_bytes: int, max_inflight_bytes: int) -> int:
     return max(max_decoded_bytes, max_inflight_bytes // CONVERT_COPIES)
 
 
-def _converted(raw_v2: bytes, encoding: str) -> bytes:
-    """``raw_v2`` converted to RW 1.0 and compressed (its size checked and charged)."""
-    return compress(v2_to_v1(raw_v2), encoding)
+def _converted(raw_v2: bytes, encoding: str, size: int) -> bytes:
+    """``raw_v2`` converted to RW 1.0 and compressed (its ``size`` checked and charged)."""
+    return compress(v2_to_v1(raw_v2, size), encoding)
 
 
 def _never() -> bool:
@@ -705,7 +705,7 @@ class Upstream:
         if not charge.take(need):
             raise ConversionRefused("overload", need, self.max_converted_bytes or 0)
         try:
-            return v2_to_v1(raw), form, need
+            return v2_to_v1(raw, form.size), form, need
         except BaseException:
             charge.give_back(need)
             raise
@@ -879,7 +879,7 @@ class Upstream:
             if not charge.take(need):
                 raise refuse(need)
             taken += need
-            encoded = await asyncio.to_thread(_converted, raw, out.encoding)
+            encoded = await asyncio.to_thread(_converted, raw, out.encoding, form.size)
             del raw
         except BaseException:
             charge.give_back(taken)

@@ -1062,12 +1062,12 @@ async def test_conversions_at_once_are_held_to_the_byte_budget(
         p.upstream.v1_only = True
         budget = p.handler.budget
 
-        def held_open(raw: bytes) -> bytes:
+        def held_open(raw: bytes, size: int | None = None) -> bytes:
             seen.append(budget.bytes)
             if not entered.is_set():
                 entered.set()
                 go_on.wait(10)
-            return convert(raw)
+            return convert(raw, size)
 
         monkeypatch.setattr(upstream_module, "v2_to_v1", held_open)
         raw = amplifying_v2(65536, 100)

@@ -1102,9 +1102,9 @@ def test_prepare_charges_a_conversion_to_the_budget_before_making_it(
     made: list[int] = []
     convert = upstream_module.v2_to_v1
 
-    def seen(r: bytes) -> bytes:
+    def seen(r: bytes, size: int | None = None) -> bytes:
         made.append(budget.bytes)
-        return convert(r)
+        return convert(r, size)
 
     monkeypatch.setattr(upstream_module, "v2_to_v1", seen)
     with pytest.raises(ConversionRefused) as e:

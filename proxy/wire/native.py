@@ -236,12 +236,14 @@ def check_size(raw_v2: bytes | memoryview, limit: int | None) -> V1Form:
     return form
 
 
-def v2_to_v1(raw_v2: bytes | memoryview) -> bytes:
+def v2_to_v1(raw_v2: bytes | memoryview, size: int | None = None) -> bytes:
     """An RW 2.0 request as RW 1.0 (:func:`proxy.wire.convert.v2_to_v1`, byte for byte):
-    natively when the extension is built and takes the request (its size counted again,
-    ~1/3 of the walk, so the bytes are allocated once at their size), else the reference."""
+    natively when the extension is built and takes the request, else the reference. The
+    bytes are allocated once at their size: ``size`` is :func:`v1_form`'s of the request
+    when the caller has it (counting again is ~1/3 of the walk), else counted here."""
     if _native is not None:
-        size = _native.convert_v2(raw_v2)
+        if size is None:
+            size = _native.convert_v2(raw_v2)
         if size is not None:
             out = _native.convert_v2(raw_v2, size)
             if out is not None:
