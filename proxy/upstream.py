@@ -31,6 +31,7 @@ import base64
 import contextlib
 import functools
 import logging
+import math
 import re
 import ssl
 import time
@@ -182,6 +183,11 @@ def connection_named(incoming: Mapping[str, str]) -> set[str]:
 class OwnHeaders(dict[str, str]):
     """Headers of a request the proxy makes itself (``facts.headers``): sent as they are,
     where a sender's are filtered by ``upstream.forward_headers``."""
+
+
+#: an upstream the check found unavailable is probed again at most this often: every RW 2.0
+#: request asks for a check while it is (one probe and one log line each, in an outage)
+RECHECK_SECONDS = 5.0
 
 
 def too_large(answer: Answer) -> bool:
@@ -508,6 +514,9 @@ class Upstream:
         self.probe: Probe | None = None
         #: a probe is due before the next RW 2.0 request (at start, after a reconnect)
         self._recheck = False
+        #: when the last probe ended (loop time): one found unavailable is not made again
+        #: before RECHECK_SECONDS
+        self._probed_at = -math.inf
         self._check_lock = asyncio.Lock()
         self._check_task: asyncio.Task[Probe] | None = None
         self._warned_passthrough = False
@@ -837,10 +846,11 @@ class Upstream:
     def _no_tenant_place(self, tenant: str) -> Answer:
         """A request for a tenant, and an upstream URL with no place for one: sending it
         to the URL as it is would store it outside the tenant the sender named."""
-        log.error("a request named tenant %s, but upstream.url has no place for a tenant: "
-                  "use a VictoriaMetrics cluster URL (.../insert/{tenant}/prometheus/api/v1/"
-                  "write) or put {tenant} in it; answered 503", tenant,
-                  extra={"upstream_url": self.url, "tenant": tenant})
+        # throttled, one key for every tenant: a sender picks the path, and so the count
+        self._line(logging.ERROR, "a request named a tenant, but upstream.url has no place "
+                   "for a tenant: use a VictoriaMetrics cluster URL (.../insert/{tenant}/"
+                   "prometheus/api/v1/write) or put {tenant} in it; answered 503",
+                   "no_tenant_place", {"upstream_url": self.url, "tenant": tenant})
         if self.metrics is not None:
             self.metrics.upstream_misconfigured.labels(self.url, "no_tenant_place", "").inc()
         return Answer(503, (f"the request names tenant {tenant!r} but the proxy's upstream "
@@ -1257,9 +1267,13 @@ class Upstream:
         Concurrent callers share one probe.
         """
         async with self._check_lock:
-            if not self._recheck and self.probe is not None:
+            now = asyncio.get_running_loop().time()
+            if self.probe is not None and (not self._recheck or (
+                    self.probe.outcome == "unavailable"
+                    and now - self._probed_at < RECHECK_SECONDS)):
                 return self.probe
             probe = await self._probe()
+            self._probed_at = asyncio.get_running_loop().time()
             self.probe = probe
             self._recheck = probe.outcome == "unavailable" and self.settings.protocol == "auto"
             if self.settings.protocol == "auto":
@@ -1333,9 +1347,9 @@ class Upstream:
         elif probe.outcome == "credentials_refused":
             log.error("upstream refused the proxy's credentials: every write will be "
                       "answered 503 until they are fixed", extra={**extra, "body": probe.detail})
-        elif probe.outcome == "unavailable":
-            log.warning("upstream not available at the check; checked again when it "
-                        "answers", extra={**extra, "body": probe.detail})
+        elif probe.outcome == "unavailable":  # again at most every RECHECK_SECONDS: throttled
+            self._line(logging.WARNING, "upstream not available at the check; checked again "
+                       "when it answers", probe.code, {**extra, "body": probe.detail})
         else:
             log.warning("upstream refused an empty write", extra={**extra, "body": probe.detail})
 

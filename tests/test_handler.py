@@ -40,7 +40,7 @@ from tests.proxy_harness import (
 from tests.raw_http import Answer as RawAnswer
 from tests.raw_http import read_answer
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
-from tests.wire_fixtures import amplifying_v2
+from tests.wire_fixtures import amplifying_v2, request_v2
 
 STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
 
@@ -889,6 +889,19 @@ async def test_tenant_path_without_a_place_upstream_is_503(running: Running) -> 
                            "code": ""}) == 1
 
 
+async def test_tenant_paths_without_a_place_are_one_log_line(
+        running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    # a sender picks the path: one error line each was a log flood of its choosing (found
+    # by the soak audit: 1,000 requests, 1,000 lines)
+    with caplog.at_level("ERROR", logger="karta.upstream"):
+        for tenant in range(30):
+            resp = await running.post(series_v1({"__name__": "up"}),
+                                      path=f"/insert/{tenant}/prometheus/api/v1/write")
+            assert resp.status == 503
+    lines = [r for r in caplog.records if "no place for a tenant" in r.getMessage()]
+    assert len(lines) == 1, len(lines)
+
+
 @pytest.mark.parametrize("tenant", ["acme", "%D9%A1%D9%A2", "1:%DB%B3", "%EF%BC%97"])
 async def test_invalid_tenant_is_400(running: Running, tenant: str) -> None:
     # other scripts' digits ("\d" matched Arabic-Indic ١٢) are no VictoriaMetrics tenant
@@ -982,6 +995,24 @@ async def _post_v2(session: aiohttp.ClientSession, p: Proxy, raw: bytes
                             headers={"Content-Type": CT_V2, "Content-Encoding": "snappy"}
                             ) as resp:
         return resp.status, dict(resp.headers), await resp.text()
+
+
+async def test_an_unavailable_upstream_is_probed_again_at_most_every_few_seconds(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # every RW 2.0 request asked for a check while the last one found the upstream
+    # unavailable: one probe and one warning each, in an outage (found by the soak audit:
+    # 500 requests, 500 probes and lines)
+    down = Reply(503, body=b"unavailable")
+    async with ScriptedUpstream(down, record_empty=True) as up, \
+            aiohttp.ClientSession() as session, proxy_running(tmp_path, up) as p:
+        probes = len(up.empty_writes)
+        with caplog.at_level("WARNING", logger="karta.upstream"):
+            for _ in range(30):
+                status, _, _ = await _post_v2(session, p, request_v2({"__name__": "up"}))
+                assert status == 503
+        assert len(up.empty_writes) - probes <= 1, len(up.empty_writes) - probes
+        assert sum("not available at the check" in r.getMessage()
+                   for r in caplog.records) <= 1
 
 
 @pytest.mark.parametrize("protocol", ["v1", "auto"])
