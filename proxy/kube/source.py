@@ -273,6 +273,9 @@ class KubeSource:
         for gk in list(self.watchers):
             if gk not in want:
                 await self._drop(gk)
+        for gk in ({*self.unserved_kinds, *self._refused, *self._discovery_failed,
+                    *self._refused_namespaces} - want.keys()):
+            self._forget(gk)
         for gk, mode in want.items():
             current = self.watchers.get(gk)
             if current is not None and current[0] == mode:
@@ -349,6 +352,18 @@ class KubeSource:
             with contextlib.suppress(KeyError):  # never current, no child: older clients raise
                 self._last_current.remove(w.name)
         self._update_stale()
+
+    def _forget(self, gk: GroupKind) -> None:
+        """A kind no longer needed, never watched (unserved, refused, not resolved): its
+        state and its ``karta_proxy_watch_unserved`` child go, as a dropped watcher's do.
+        It stayed at 1 for good, one child per kind ever described, and an unserved kind
+        kept every follower round invalidating discovery."""
+        self.unserved_kinds.pop(gk, None)
+        self._refused.pop(gk, None)
+        self._discovery_failed.pop(gk, None)
+        self._refused_namespaces.pop(gk, None)
+        with contextlib.suppress(KeyError):  # never shown: no child
+            self._unserved_gauge.remove(str(gk))
 
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
         if self.unserved_kinds.get(gk) != why:

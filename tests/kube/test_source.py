@@ -303,6 +303,21 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
                      timeout=5)
 
 
+async def test_an_unserved_kind_no_longer_described_is_forgotten(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """Its karta_proxy_watch_unserved child stayed at 1 for good once the description
+    went (a false alert, one child per kind ever described: found by the soak audit)."""
+    karta = sim.create(JOBSET_KARTA)
+    source = await make_source()
+    gk = next(gk for gk in source.unserved_kinds if gk.kind == "JobSet")
+    assert source.registry.get_sample_value("karta_proxy_watch_unserved",
+                                            {"resource": str(gk)}) == 1
+    sim.delete(karta)
+    await eventually(lambda: gk not in source.unserved_kinds, timeout=5)
+    assert source.registry.get_sample_value("karta_proxy_watch_unserved",
+                                            {"resource": str(gk)}) is None
+
+
 async def test_description_of_an_owner_kind_switches_it_to_full_objects(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """RayClusters first seen as owners (metadata only) must be read in full once a
