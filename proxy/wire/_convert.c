@@ -295,6 +295,15 @@ mix(uint64_t h, uint64_t w)
     return h ^ (h >> 29);
 }
 
+/* the metadata set's hash seed (convert_seed): a sender cannot aim at collisions */
+static uint64_t meta_seed = 0x5EED;
+
+void
+convert_seed(uint64_t seed)
+{
+    meta_seed = seed;
+}
+
 static uint64_t
 hash_str(uint64_t h, Str s)
 {
@@ -345,7 +354,7 @@ meta_add(Ctx *c, Str name, uint64_t type, Str help, Str unit)
 {
     if ((c->metas.len + 1) * 2 > c->icap && !meta_grow(c))
         return 0;
-    uint64_t h = hash_str(hash_str(hash_str(mix(0x5EED, type), name), help), unit);
+    uint64_t h = hash_str(hash_str(hash_str(mix(meta_seed, type), name), help), unit);
     Meta *ms = c->metas.data;
     size_t j = (size_t)h & (c->icap - 1);
     while (c->index[j]) {

@@ -34,4 +34,9 @@ typedef enum {
 ConvertStatus convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap,
                                size_t *size);
 
+/* Seeds the hash of the metadata set (once, at import, before any conversion): its keys
+ * are a sender's strings, and with a hash known in advance a request of colliding ones
+ * would make the set quadratic. */
+void convert_seed(uint64_t seed);
+
 #endif

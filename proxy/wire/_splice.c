@@ -32,6 +32,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 
 #include "_convert.h"
@@ -3430,6 +3431,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__splice(void)
 {
+    uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)&seed;
+    if (getrandom(&seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed)
+        seed ^= (uint64_t)clock(); /* no entropy yet: the time and ASLR's address */
+    convert_seed(seed);
     if (PyType_Ready(&PodTableType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
