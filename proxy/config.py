@@ -902,7 +902,7 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     for i, h in enumerate(u.forward_headers):
         if not _HEADER_NAME.fullmatch(h):
             raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
-    _validate_upstream_headers(u.headers)
+    _validate_headers(u.headers)
     _validate_upstream_tls(u)
 
 
@@ -912,7 +912,7 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-def _validate_upstream_headers(headers: dict[str, str], key: str = "upstream.headers"
+def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
                                ) -> None:
     """Sent on every request: a bad name gets the upstream's 400 for every batch (which
     Prometheus drops), a control character in a value makes aiohttp raise on every one.
@@ -1010,7 +1010,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _validate_upstream(s.upstream, require_upstream)
     _validate_enrich(s.enrich)
     _validate_external_labels(s.facts.external_labels)
-    _validate_upstream_headers(s.facts.headers, "facts.headers")
+    _validate_headers(s.facts.headers, "facts.headers")
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")
