@@ -599,6 +599,10 @@ def print_hot_spots(path: Path | None, top: int = 20) -> None:
 
 HC_RW2 = "karta-proxy-rw2"
 HC_1CORE = "karta-proxy-1core"
+#: on request only (``--relays``): RW 2.0 senders, the upstream taken as 1.0-only
+#: (``--upstream-protocol v1``), every request converted as for Prometheus 2.x or
+#: VictoriaMetrics
+HC_RW2_V1 = "karta-proxy-rw2-v1"
 #: the rows of the high-cardinality mode, in print order: (key, relay kind, protocol)
 HC_ROWS = (
     ("direct", "direct", "v1"),
@@ -618,6 +622,7 @@ HC_LABELS = {
     "vmagent": "vmagent",
     "vmagent+relabel": "vmagent+relabel",
     HC_1CORE: "karta-proxy 1 core",
+    HC_RW2_V1: "karta-proxy RW2->1",
 }
 #: issue #8's targets
 HC_TARGETS = {
@@ -647,14 +652,15 @@ def _hc_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
     args.paced_requests = args.paced_requests or (10 if quick else 600)
     if args.taskset_rounds is None:
         args.taskset_rounds = 1 if quick else 4
-    keys = [k for k, _, _ in HC_ROWS] + [HC_1CORE]
-    wanted = [r.strip() for r in (args.relays or ",".join(keys)).split(",") if r.strip()]
+    keys = [k for k, _, _ in HC_ROWS] + [HC_1CORE, HC_RW2_V1]
+    default = [k for k in keys if k != HC_RW2_V1]
+    wanted = [r.strip() for r in (args.relays or ",".join(default)).split(",") if r.strip()]
     unknown = [r for r in wanted if r not in keys]
     if unknown:
         p.error(f"unknown relays {unknown}; choose from {keys}")
     if "direct" not in wanted:
         wanted.insert(0, "direct")
-    if HC_RW2 in wanted and "direct-rw2" not in wanted:
+    if (HC_RW2 in wanted or HC_RW2_V1 in wanted) and "direct-rw2" not in wanted:
         wanted.insert(1, "direct-rw2")
     args.relay_names = [k for k in keys if k in wanted]
     return args
@@ -1020,6 +1026,7 @@ def _hc_start(
     skipped: dict[str, str] = {}
     rows = {k: (kind, proto) for k, kind, proto in HC_ROWS}
     rows[HC_1CORE] = ("karta-proxy", "v1")
+    rows[HC_RW2_V1] = ("karta-proxy", "v2")
     config = work / "karta-proxy-bench.yaml"
     config.write_text(f"facts:\n  interval_seconds: {args.fact_interval:g}\n")
     for key in args.relay_names:
@@ -1048,12 +1055,13 @@ def _hc_start(
             # (on a 2-core box, every CPU); the 1-core side to the first one
             pin = two[:1] if key == HC_1CORE and two else (two if key == "karta-proxy" else None)
             relay.cpus = pin
-            extra: list[str] = []
+            # argparse keeps the last: this one after _start_relay's passthrough
+            extra: list[str] = ["--upstream-protocol", "v1"] if key == HC_RW2_V1 else []
             own = snapshot
             if kind == "karta-proxy" and relay.snapshot is not None:
                 # its own copy: only the relay being measured sees its snapshot change
                 own = relay.snapshot
-                extra = ["--snapshot-reload-seconds", "1"]
+                extra += ["--snapshot-reload-seconds", "1"]
             relay.proc = _start_relay(
                 kind,
                 up,
@@ -1148,6 +1156,7 @@ def _hc_report(
                 res.rounds, "karta-proxy", "vmagent+relabel"
             ),
             "karta-proxy RW 2.0 / RW 1.0": ratio(res.rounds, HC_RW2, "karta-proxy"),
+            "karta-proxy RW 2.0->1.0 / RW 1.0": ratio(res.rounds, HC_RW2_V1, "karta-proxy"),
         }
         print()
         sizes_text = ", ".join(
@@ -1182,6 +1191,9 @@ def _hc_report(
             note = ""
             if relay.asynchronous:
                 note = "  (async: ack before forward)"
+            elif relay.key == HC_RW2_V1:
+                if row["rw2_fraction"] > 0:
+                    note = f"  (! {row['rw2_fraction']:.0%} arrived as RW 2.0, not converted)"
             elif relay.protocol == "v2" and relay.proc is not None and row["rw2_fraction"] < 1:
                 note = f"  (! {row['rw2_fraction']:.0%} arrived as RW 2.0)"
             print(
@@ -1579,7 +1591,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--relays",
         default=None,
         help=f"comma-separated subset of {','.join(RELAYS)} (high-cardinality also: "
-        f"{HC_RW2}, {HC_1CORE})",
+        f"{HC_RW2}, {HC_1CORE}, and on request only {HC_RW2_V1}: RW 2.0 converted for a "
+        "1.0-only upstream)",
     )
     p.add_argument("--json", type=results_path, help="also write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, snapshot)")

@@ -229,6 +229,28 @@ def test_null_upstream_tells_corpus_samples_from_other_series() -> None:
     assert (stats.series, stats.samples, stats.other_series, stats.stamped) == (41, 40, 1, 0)
 
 
+@pytest.mark.skipif(not (BENCH.parent / "proxy" / "cli.py").exists(), reason="no proxy")
+def test_relay_bench_row_of_rw2_converted_for_a_1_0_upstream(tmp_path: Path) -> None:
+    """The on-request row: RW 2.0 senders, every request converted to RW 1.0 by the proxy
+    (as for Prometheus 2.x or VictoriaMetrics), every sample delivered and stamped."""
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, str(BENCH / "relay_bench.py"), "--corpus", "high-cardinality", "--quick",
+        "--pods", "120", "--series", "3000", "--sizes", "100", "--samples-per-round", "500",
+        "--paced-requests", "6", "--rate", "40", "--json", str(out), "--max-seconds", "120",
+        "--relays", "pass-through,karta-proxy,karta-proxy-rw2-v1", "--taskset-rounds", "0",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    relays = json.loads(out.read_text())["sizes"]["100"]["relays"]
+    row = relays["karta-proxy-rw2-v1"]
+    assert row["delivered_fraction"] == 1.0
+    assert row["stamped_fraction"] == row["expected_stamped_fraction"] > 0.5
+    assert row["rw2_fraction"] == 0.0  # sent as RW 2.0, arrived as RW 1.0: converted
+    assert "direct-rw2" in relays  # its latency baseline
+    assert "karta-proxy RW2->1" in proc.stdout and "arrived as RW 2.0" not in proc.stdout
+
+
 def test_relay_bench_high_cardinality_quick(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     cmd = [
