@@ -274,9 +274,9 @@ def report_json(report: PodReport, index: PodIndex, now: float) -> dict[str, Any
     return data
 
 
-def _error(status: int, kind: str, message: str) -> web.Response:
-    return web.json_response({"status": "error", "errorType": kind, "error": message},
-                             status=status)
+def _error(status: int, kind: str, message: str, **more: Any) -> web.Response:
+    return web.json_response({"status": "error", "errorType": kind, "error": message,
+                              **more}, status=status)
 
 
 def _query(request: web.Request) -> tuple[str, str] | str:
@@ -468,12 +468,9 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         report = find_pod(index, explain, *q)
         if report is None:
             message, tombstone = not_found(index, *q)
-            answer = _error(404, "not_found", message)
-            if tombstone is not None:  # the error, and the stamp the name still gives
-                answer = web.json_response({"status": "error", "errorType": "not_found",
-                                            "error": message, "tombstone": tombstone},
-                                           status=404)
-            return answer
+            # a deleted pod's name: the error, and the stamp the name still gives
+            more = {"tombstone": tombstone} if tombstone is not None else {}
+            return _error(404, "not_found", message, **more)
         return web.json_response({"status": "success",
                                   "data": report_json(report, index, time.time())})
 

@@ -628,8 +628,7 @@ class Upstream:
         configured ``X-Scope-OrgID`` and the client sent both, the receiver reading the
         sender's."""
         out: CIMultiDict[str] = CIMultiDict()
-        kept: list[tuple[str, str]] = []
-        named: set[str] = set()
+        named = connection_named(incoming)
         #: each name as the sender first spelled it: aiohttp's session keeps the values of
         #: one spelling only (``_prepare_headers`` tells names apart by case, then sets
         #: them case-insensitively: ``THANOS-TENANT: a`` + ``thanos-tenant: b`` left ``b``)
@@ -637,13 +636,8 @@ class Upstream:
         own = isinstance(incoming, OwnHeaders)
         for name, value in incoming.items():
             low = name.lower()
-            if own or low in self._forward:
-                kept.append((spelling.setdefault(low, name), value))
-            elif low == "connection":
-                named.update(token.strip().lower() for token in value.split(","))
-        for name, value in kept:
-            if name.lower() not in named:
-                out.add(name, value)
+            if (own or low in self._forward) and low not in named:
+                out.add(spelling.setdefault(low, name), value)
         for name, value in self.settings.headers.items():
             out[name] = value  # replaces every value of the name, any spelling
         authorization = self._authorization()

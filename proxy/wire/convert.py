@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.wire.primitives import (
@@ -452,10 +452,11 @@ def v1_form(raw_v2: bytes) -> V1Form:
     return form
 
 
-def check_size(raw_v2: bytes, limit: int | None) -> V1Form:
-    """What ``raw_v2`` converts to (``v1_form``); ``ConversionTooLarge`` when its size is
-    past ``limit`` (None: no limit)."""
-    form = v1_form(raw_v2)
+def check_size(raw_v2: bytes, limit: int | None,
+               form_of: Callable[[bytes], V1Form] | None = None) -> V1Form:
+    """What ``raw_v2`` converts to (``form_of``, the reference ``v1_form`` by default);
+    ``ConversionTooLarge`` when its size is past ``limit`` (None: no limit)."""
+    form = (form_of or v1_form)(raw_v2)
     if limit is not None and form.size > limit:
         raise ConversionTooLarge(form.size, limit)
     return form

@@ -19,7 +19,7 @@ from proxy.compression import DecodeError, compress
 from proxy.wire import convert as _py_convert
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
-from proxy.wire.convert import ConversionTooLarge, V1Form
+from proxy.wire.convert import V1Form
 from proxy.wire.plan import OverLimit, SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import Counts, Protocol, read_field
@@ -227,13 +227,10 @@ def v1_form(raw_v2: bytes | memoryview) -> V1Form:
     return V1Form(size)
 
 
-def check_size(raw_v2: bytes | memoryview, limit: int | None) -> V1Form:
-    """:func:`v1_form`; ``ConversionTooLarge`` when its size is past ``limit`` (None: no
-    limit), as :func:`proxy.wire.convert.check_size`."""
-    form = v1_form(raw_v2)
-    if limit is not None and form.size > limit:
-        raise ConversionTooLarge(form.size, limit)
-    return form
+def check_size(raw_v2: bytes, limit: int | None) -> V1Form:
+    """:func:`proxy.wire.convert.check_size` counted by :func:`v1_form` (natively when it
+    can)."""
+    return _py_convert.check_size(raw_v2, limit, v1_form)
 
 
 def v2_to_v1(raw_v2: bytes | memoryview, size: int | None = None) -> bytes:
