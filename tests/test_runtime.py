@@ -319,26 +319,32 @@ async def test_a_stop_while_the_fact_writer_still_waits_to_campaign_ends(
     # SIGTERM within the first fact interval with leader election on (the shipped
     # cluster Deployment): the campaign waited for a standby walk after the index's
     # load, which the stopped writer would never make, and the stop waited for it
-    import proxy.runtime
+    from proxy.facts import FactWriter
     from tests.kube.conftest import deployment
     from tests.kubesim import KubeSim
-    from tests.kubesim.resources import POD
 
     monkeypatch.setenv("POD_NAMESPACE", "karta-proxy")
-    # the campaign looks again only after the writer's first walk (the race a real start
-    # loses when its cluster is small and its walk quick)
-    monkeypatch.setattr(proxy.runtime, "CAMPAIGN_WAIT_SECONDS", 1.0)
+
+    async def no_walk(self: FactWriter, now: float) -> None:
+        """The writer's walk not yet made, for as long as the test needs: the campaign
+        waits for it whatever the timing (a walk made before the campaign first looked
+        let it run, and the test flaked on a loaded machine)."""
+
+    monkeypatch.setattr(FactWriter, "_stand_by", no_walk)
     async with KubeSim() as sim, ScriptedUpstream() as up:
         deployment(sim, "web", "shop", replicas=1)
-        sim.fail_resource(POD, 500)  # loaded only once the campaign waits
         p = Proxy(electing_settings(sim, up, interval=60))
         starting = asyncio.create_task(p.start())
         try:
-            await asyncio.sleep(0.5)
-            sim.fail_resource(POD, None)
             await asyncio.wait_for(starting, 15)
-            await asyncio.sleep(1.5)  # loaded: the campaign waits for the next walk
+
+            async def loaded() -> bool:
+                return p.index.ready
+
+            await wait_until(loaded, timeout=15, what="the index's load")
+            await asyncio.sleep(0.5)  # loaded: the campaign waits for the writer's walk
             assert p.metrics.registry.get_sample_value("karta_proxy_fact_writer_leader") == 0
+            assert p._elector_task is not None and not p._elector_task.done()
         finally:
             if not starting.done():
                 starting.cancel()
