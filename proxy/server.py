@@ -138,16 +138,18 @@ class _Pages:
         # fact families (exposition.restricted)
         names = frozenset(request.query.getall("name[]", ())) or None
         resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE_LATEST})
-        await resp.prepare(request)
         pacer = Pacer(self.handler.relaying, page_defer_budget(request.headers))
         try:
+            # the headers too: a scraper gone before them (its timeout while the loop was
+            # held) logged an error with a traceback per scraper, a flood anyone could make
+            await resp.prepare(request)
             for chunk in exposition.chunks(self.metrics.registry, names):
                 if chunk:
                     await resp.write(chunk)
                 await pacer.pause()
             await resp.write_eof()
         except ConnectionResetError:  # the scraper went away (its timeout): nothing to answer
-            log.debug("/metrics scraper left mid-page")
+            log.debug("/metrics scraper left before the page's end")
         return resp
 
     async def ready(self, _: web.Request) -> web.Response:

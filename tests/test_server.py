@@ -161,6 +161,37 @@ async def test_metrics_name_filter_keeps_only_the_series_named(
     assert await _sample_names(a.url + "/metrics?other=1") == whole
 
 
+async def test_a_scraper_that_hangs_up_before_the_answer_logs_no_error(
+    app: tuple[App, ScriptedUpstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scraper gone before /metrics answered (its timeout while the loop was held, a
+    pause, a port scan) is nothing to report: the answer's headers went to a closed
+    connection, and each had logged an error with a traceback, one per scraper, a flood
+    anyone reaching the port could make (an audit: 100 of 100 hang-ups logged)."""
+    import asyncio
+    import logging
+    import socket
+    import struct
+
+    a, _ = app
+    caplog.set_level(logging.DEBUG)
+    host, port = a.url.removeprefix("http://").split(":")
+    for linger in (False, True):  # FIN, then RST
+        for _ in range(10):
+            sock = socket.create_connection((host, int(port)))
+            if linger:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.close()
+    async with aiohttp.ClientSession() as s:  # every hang-up handled before this answer
+        for _ in range(3):
+            await asyncio.sleep(0.2)
+            async with s.get(a.url + "/metrics") as r:
+                assert r.status == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+
+
 async def test_landing_page(app: tuple[App, ScriptedUpstream]) -> None:
     a, up = app
     async with aiohttp.ClientSession() as s, s.get(a.url + "/") as r:
