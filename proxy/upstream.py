@@ -1161,6 +1161,15 @@ class Upstream:
                 code = str(resp.status)
                 text = await resp.content.read(MAX_ERROR_BODY)
                 return self._answer(resp.status, resp.headers, text, code)
+        except aiohttp.ConnectionTimeoutError as e:
+            # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
+            # firewall, a dead address) is unreachable, not slow to answer
+            code = "connect_error"
+            limit = self.settings.connect_timeout_seconds
+            return self._no_answer(502, code, "upstream unreachable",
+                                   f"no connection within {limit:g} s "
+                                   "(upstream.connect_timeout_seconds)",
+                                   error=repr(e), connect_timeout_s=limit)
         except TimeoutError:
             code = "timeout"
             return self._no_answer(504, code, "upstream timed out",

@@ -222,6 +222,48 @@ async def test_refused_connection_is_502() -> None:
         "karta_proxy_upstream_responses_total", {"code": "connect_error"}) == 1
 
 
+async def test_an_upstream_that_drops_connects_is_unreachable_not_slow(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """SYNs dropped (a firewall, a dead address) end at connect_timeout_seconds: that is
+    502 ``connect_error``, "upstream unreachable", as for a refused connection. aiohttp's
+    connect timeout is a TimeoutError too, and it was reported as the upstream timing out
+    (504, ``timeout``, "upstream timed out" with the request's timeout), which sends an
+    operator looking at a slow TSDB instead of a path that does not connect."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filling = []
+    for _ in range(3):  # the accept queue filled: later SYNs are dropped, never answered
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        filling.append(c)
+    try:
+        async with opened(f"http://127.0.0.1:{port}/api/v1/write", timeout_seconds=10.0,
+                          connect_timeout_seconds=0.5) as u:
+            answer = await asyncio.wait_for(u.send(v1_body(), Protocol.V1), 9)
+    finally:
+        for c in (*filling, listener):
+            c.close()
+    assert answer.status == 502 and answer.upstream == "connect_error", answer
+    assert answer.body.decode().startswith("upstream unreachable"), answer.body
+    assert "no connection within 0.5 s" in answer.body.decode(), answer.body
+    assert u.metrics is not None and u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_responses_total", {"code": "connect_error"}) == 1
+    assert "upstream timed out" not in caplog.text
+
+
+def test_the_default_upstream_timeout_is_under_prometheus_remote_timeout() -> None:
+    """The proxy's deadline starts once the request is read and spliced; at Prometheus'
+    own 30 s the sender always gave up first, and the 504 went to nobody."""
+    assert UpstreamSettings().timeout_seconds <= 25.0
+
+
 async def test_v2_2xx_without_written_headers_is_resent_as_v1_and_remembered() -> None:
     # Prometheus 2.x and VictoriaMetrics read an RW 2.0 body as an empty 1.0 request:
     # 204, no Written headers, nothing stored. The proxy must not call that success.
