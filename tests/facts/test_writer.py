@@ -1497,14 +1497,24 @@ async def test_takeover_ends_what_vanished_while_the_old_leader_was_dying() -> N
             deadline = time.monotonic() + 10
             while not any(sends.values()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(3 * interval)  # the standby has looked around a few times
             leader = next(e for e in electors if e.is_leader)
             standby = next(e for e in electors if e is not leader)
+
+            def walked(n: int) -> Callable[[], Any]:
+                async def check() -> bool:
+                    return writers[standby.identity].standby_walks >= n
+                return check
+
+            # the standby has looked around (counted, not slept for: a loaded machine
+            # may not give it a walk in a few intervals, and then it never saw "deleted")
+            await wait_until(walked(1), timeout=15, what="the standby's walk")
             assert writers[leader.identity].state is WriterState.LEADER
             assert writers[standby.identity].state is WriterState.STANDBY
             await writers[leader.identity].stop()  # dying: writes no more
             index.apply(ChangeSet(workloads={"u-deleted": None}))
-            await asyncio.sleep(2 * interval)  # the standby notices, but does not write
+            # the standby notices (a whole walk after the deletion), but does not write
+            await wait_until(walked(writers[standby.identity].standby_walks + 2),
+                             timeout=15, what="the standby's walk after the deletion")
             assert not sends[standby.identity]
             assert writers[standby.identity].state is WriterState.STANDBY
             await leader.stop(release=False)
@@ -1721,12 +1731,21 @@ async def test_a_write_waits_at_its_pauses_while_requests_are_relayed(
     w = FactWriter(FactSettings(interval_seconds=600), small_index(), send,
                    clock=lambda: 10.0, busy=busy)
     task = asyncio.create_task(w.write_once())
-    await asyncio.sleep(0.1)
-    assert not task.done() and not sent
+
+    def asked_past(n: int) -> Callable[[], Any]:
+        async def check() -> bool:
+            return asked > n
+        return check
+
+    # counted, not slept for: how often a loaded machine lets the pause ask in 0.1 s
+    # is not for the test to know
+    await wait_until(asked_past(10), timeout=15, what="the pause asking again and again",
+                     interval=0.01)
+    assert not task.done() and not sent  # asked again and again, not once
     waited = asked
-    assert waited > 10  # asked again and again, not once
-    await asyncio.sleep(0.05)
-    assert asked > waited and not sent  # still waiting: the first pause never ended
+    await wait_until(asked_past(waited), timeout=15, what="the pause asking on",
+                     interval=0.01)
+    assert not task.done() and not sent  # still waiting: the first pause never ended
     relaying = False
     assert await asyncio.wait_for(task, 5.0)
     assert len(sent) == 1
