@@ -380,7 +380,13 @@ async def test_node_mode_writes_no_facts_unless_allowed(
         s.facts.allow_in_node_mode = allow
         async with started(s) as p:
             assert p.index.lookup(b"shop", b"web-1-0") is not None  # the data path works
-            await asyncio.sleep(0.5)
+            if allow:  # a write waited for, however slow the machine's first one
+                async def written() -> bool:
+                    return bool(up.received)
+
+                await wait_until(written, timeout=15, what="a fact write")
+            else:  # several intervals: none written
+                await asyncio.sleep(0.5)
     assert p.writes_facts is allow
     assert (p.facts is not None) is allow
     assert bool(up.received) is allow  # only fact writes reach the upstream here
