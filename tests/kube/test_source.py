@@ -390,7 +390,7 @@ async def test_a_mode_switch_leaves_no_stale_mark_behind(sim: KubeSim,
     sim.create(RAYCLUSTER_KARTA)  # RayCluster described: a full watch replaces it
     await eventually(lambda: mode() == "full"
                      and labels(source, "ml", "rc-head") is not None, timeout=5)
-    await eventually(lambda: not source.index.stale, timeout=3)
+    await eventually(lambda: not source.index.stale, timeout=10)
     assert not source._unhealthy
     assert metric(source, "karta_proxy_watch_restarts_total",
                   {"resource": "rayclusters.ray.io", "reason": "error"}) >= 1

@@ -518,7 +518,7 @@ async def test_a_watch_cut_after_its_first_bytes_is_retried_after_a_backoff(
     sim.create(pod("meanwhile"))
     await eventually(lambda: "meanwhile" in sink.names("ADDED"), timeout=5)  # replayed
     sim.short_watches = False
-    await eventually(lambda: sim.watch_count(POD) == 1, timeout=3)
+    await eventually(lambda: sim.watch_count(POD) == 1, timeout=10)
     # the normal case: the stream lives its 2 s, ends, and is watched again at once
     timeouts = w.metrics.restarts.labels(w.name, "timeout")
     t0 = timeouts._value.get()
