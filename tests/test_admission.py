@@ -88,7 +88,7 @@ async def test_declared_length_trickled_is_503_too_slow_and_frees_the_slots(
         busy = await post(p)
         assert busy.status == 503 and busy.headers["retry-after"] == "1"
         # due: 1 s of grace + 3 bytes / 1000 bytes/s after the body's start
-        answers = [await read_answer(r, timeout=4.0) for r, _ in stalled]
+        answers = [await read_answer(r, timeout=15.0) for r, _ in stalled]
         for _, w in stalled:
             w.close()
         assert [a.status for a in answers] == [503] * 4

@@ -267,7 +267,7 @@ async def _outage_keeps_forwarding(session: aiohttp.ClientSession, proxy: Proxy,
                           '{resource="pods"}')
         return bool(got) and float(got[0]["value"][1]) >= 1.0
 
-    await wait_until(fact_aged, timeout=5, what="an aged freshness fact in the TSDB")
+    await wait_until(fact_aged, timeout=15, what="an aged freshness fact in the TSDB")
 
     await sim.start()
     deadline = time.monotonic() + 10
