@@ -635,7 +635,8 @@ async def test_a_stop_with_requests_on_a_slow_upstream_ends_within_the_drain(
         await asyncio.wait_for(p.stop(), timeout=4 * drain)
         took = time.monotonic() - began
         answers = await asyncio.wait_for(asyncio.gather(*sent), timeout=5)
-    assert drain <= took < drain + 1.0, took
+    # soon after the drain (room for a loaded machine), not twice it and more as before
+    assert drain <= took < drain + 1.5, took
     assert answers[2] == 204
     assert all(isinstance(a, str) for a in answers[:2]), answers
 
