@@ -511,8 +511,8 @@ async def test_a_metrics_page_waits_for_the_request_being_relayed(
         relayed = await _relaying(p)
         answering = asyncio.create_task(_answer_later(gate, answered))
         text = await get_text(p, "/metrics")
-        await answering
         served = time.monotonic()
+        await answering
         status, _, _ = await relayed
     assert status == 204 and len(answered) == 1
     assert served >= answered[0]
@@ -538,8 +538,8 @@ async def test_a_snapshot_reload_waits_for_the_request_being_relayed(
         relayed = await _relaying(p)
         answering = asyncio.create_task(_answer_later(gate, answered))
         report = await source.reload()
-        await answering
         reloaded = time.monotonic()
+        await answering
         status, _, _ = await relayed
     assert status == 204 and len(answered) == 1
     assert reloaded >= answered[0]
