@@ -79,31 +79,59 @@ def request(body: bytes = BODY, extra: str = "") -> bytes:
     return (HEAD + extra + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
+async def inflight(p: Proxy, n: int, *, timeout: float = 15.0) -> None:
+    """Until ``n`` requests are in flight in the proxy (its headers read, a slot taken):
+    waited for, not slept for, however loaded the machine."""
+    deadline = loop_time() + timeout
+    while metric(p, "karta_proxy_inflight_requests") != n:
+        if loop_time() > deadline:
+            raise AssertionError(
+                f"{metric(p, 'karta_proxy_inflight_requests')} requests in flight, "
+                f"expected {n}")
+        await asyncio.sleep(0.01)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
 async def holding_the_slot(p: Proxy) -> asyncio.Task[Answer]:
-    """A request that holds the one slot for the upstream's first (1 s) answer."""
+    """A request that holds the one slot for the upstream's first answer (give it a
+    ``gate`` to hold it for as long as the test needs)."""
     holder = asyncio.create_task(post(p))
-    for _ in range(50):
-        await asyncio.sleep(0.02)
-        if metric(p, "karta_proxy_inflight_requests") == 1:
-            return holder
-    raise AssertionError("the holder never got the slot")
+    await inflight(p, 1)
+    return holder
 
 
 @dataclass
 class SlotTaken:
-    """A proxy with one slot, held by ``holder`` for the upstream's ``delay``."""
+    """A proxy with one slot, held by ``holder`` until the test sets ``release``."""
 
     proxy: Proxy
     upstream: ScriptedUpstream
     holder: asyncio.Task[Answer]
+    release: asyncio.Event
+
+    async def freed(self) -> Answer:
+        """The holder let go: its answer."""
+        self.release.set()
+        return await self.holder
 
 
 @contextlib.asynccontextmanager
-async def slot_taken(tmp_path: Path, *, delay: float, wait: float, **server: Any
+async def slot_taken(tmp_path: Path, *, wait: float, **server: Any
                      ) -> AsyncIterator[SlotTaken]:
+    """The one slot held by a request the upstream answers only once ``release`` is set
+    (not after a delay the test's next steps had to fit in: a loaded machine took longer,
+    the slot came free too soon, and the tests flaked); every later request answered at
+    once."""
+    release = asyncio.Event()
     async with (
-        ScriptedUpstream(Reply(204, delay=delay)) as up,
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
         proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=wait,
                       **server) as p,
     ):
-        yield SlotTaken(p, up, await holding_the_slot(p))
+        try:
+            yield SlotTaken(p, up, await holding_the_slot(p), release)
+        finally:
+            release.set()  # a failed test's holder is not left hanging on the upstream

@@ -27,6 +27,9 @@ class Reply:
     body: bytes = b""
     #: seconds to wait before answering (timeouts)
     delay: float = 0.0
+    #: answered only once the test sets it (after ``delay``): a request held upstream for
+    #: exactly as long as the test needs, however slow the machine
+    gate: asyncio.Event | None = None
 
 
 @dataclass
@@ -119,6 +122,8 @@ class ScriptedUpstream(AuxServer):
             reply = self.replies[index]
         if reply.delay:
             await asyncio.sleep(reply.delay)
+        if reply.gate is not None:
+            await reply.gate.wait()
         return web.Response(status=reply.status, headers=reply.headers, body=reply.body)
 
     async def start(self) -> str:

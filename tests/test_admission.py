@@ -28,6 +28,7 @@ from tests.raw_http import (
     HEAD,
     connect,
     holding_the_slot,
+    inflight,
     post,
     read_answer,
     request,
@@ -50,8 +51,7 @@ async def test_stalled_chunked_uploads_hold_only_what_they_sent(tmp_path: Path) 
             w.write((HEAD + "Transfer-Encoding: chunked\r\n\r\n10\r\n").encode()
                     + b"x" * 16 + b"\r\n")
             stalled.append((r, w))
-        await asyncio.sleep(0.3)
-        assert metric(p, "karta_proxy_inflight_requests") == 4
+        await inflight(p, 4)
         assert metric(p, "karta_proxy_inflight_bytes") == 4 * 16
         ok = await post(p)
         assert ok.status == 204, ok
@@ -84,11 +84,11 @@ async def test_declared_length_trickled_is_503_too_slow_and_frees_the_slots(
             r, w = await connect(p)
             w.write((HEAD + "Content-Length: 1000000\r\n\r\n").encode() + b"ab")
             stalled.append((r, w))
-        await asyncio.sleep(0.2)
+        await inflight(p, 4)  # every slot taken
         busy = await post(p)
         assert busy.status == 503 and busy.headers["retry-after"] == "1"
         # due: 1 s of grace + 3 bytes / 1000 bytes/s after the body's start
-        answers = [await read_answer(r, timeout=4.0) for r, _ in stalled]
+        answers = [await read_answer(r, timeout=15.0) for r, _ in stalled]
         for _, w in stalled:
             w.close()
         assert [a.status for a in answers] == [503] * 4
@@ -119,8 +119,9 @@ async def test_a_body_at_the_minimum_rate_is_taken(tmp_path: Path) -> None:
 
 
 async def test_no_100_continue_for_a_request_that_is_refused(tmp_path: Path) -> None:
+    answer = asyncio.Event()  # the upstream holds the admitted request until then
     async with (
-        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        ScriptedUpstream(Reply(204, gate=answer)) as up,
         proxy_running(tmp_path, up, max_body_bytes=10_000, max_concurrent_requests=1,
                       admission_wait_seconds=0.0) as p,
     ):
@@ -144,6 +145,7 @@ async def test_no_100_continue_for_a_request_that_is_refused(tmp_path: Path) -> 
         busy = await read_answer(r2)
         w2.close()
         assert busy.status == 503 and busy.interim == b"" and busy.closed
+        answer.set()
         ok = await read_answer(r)
         w.close()
         assert ok.status == 204
@@ -218,16 +220,16 @@ def unread(p: Proxy) -> int:
 
 
 async def waiting(p: Proxy, n: int = 1) -> None:
-    for _ in range(100):
-        if p.handler.slots.waiting == n:
-            return
+    deadline = time.monotonic() + 15
+    while p.handler.slots.waiting != n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{p.handler.slots.waiting} waiting, expected {n}")
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{p.handler.slots.waiting} waiting, expected {n}")
 
 
 async def test_a_request_finding_the_slots_full_waits_with_its_body_unread_and_is_served(
         tmp_path: Path) -> None:
-    async with slot_taken(tmp_path, delay=0.6, wait=3.0, body_read_timeout_seconds=0.3) as t:
+    async with slot_taken(tmp_path, wait=10.0, body_read_timeout_seconds=0.3) as t:
         p, up, holder = t.proxy, t.upstream, t.holder
         held = p.handler.budget.bytes
         body = snappy.compress(series_v1(*({"__name__": "up", "job": f"j{i}"}
@@ -241,6 +243,9 @@ async def test_a_request_finding_the_slots_full_waits_with_its_body_unread_and_i
         # nothing of the body read (it is all in the kernel) nor budgeted
         assert unread(p) == len(body)
         assert p.handler.budget.bytes == held
+        # the slot freed once the wait is longer than the body deadline (0.3 s)
+        await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - started)))
+        t.release.set()
         answer = await read_answer(r)
         waited = time.monotonic() - started
         w.close()
@@ -254,25 +259,25 @@ async def test_a_request_finding_the_slots_full_waits_with_its_body_unread_and_i
 
 async def test_a_request_that_waits_past_the_bound_gets_503_and_keeps_its_connection(
         tmp_path: Path) -> None:
-    async with slot_taken(tmp_path, delay=1.5, wait=0.3) as t:
-        p, holder = t.proxy, t.holder
+    async with slot_taken(tmp_path, wait=0.3) as t:
+        p = t.proxy
         r, w = await connect(p)
         started = time.monotonic()
         w.write(request())
         busy = await read_answer(r)
         waited = time.monotonic() - started
         assert busy.status == 503 and busy.headers["retry-after"] == "1"
-        assert 0.25 < waited < 1.2 and "connection" not in busy.headers
+        assert 0.25 < waited < 5.0 and "connection" not in busy.headers  # 0.3 s, not for ever
         assert metric(p, "karta_proxy_requests_rejected_total", reason="overload") == 1
-        assert (await holder).status == 204
+        assert (await t.freed()).status == 204
         w.write(request())  # the same connection, its refused body skipped
         assert (await read_answer(r)).status == 204
         w.close()
 
 
 async def test_waiters_beyond_the_cap_are_refused_at_once(tmp_path: Path) -> None:
-    async with slot_taken(tmp_path, delay=0.8, wait=5.0) as t:
-        p, holder = t.proxy, t.holder
+    async with slot_taken(tmp_path, wait=30.0) as t:
+        p = t.proxy
         waiters = []
         for n in range(1, WAITERS_PER_SLOT + 1):
             waiters.append(asyncio.create_task(post(p)))
@@ -280,27 +285,30 @@ async def test_waiters_beyond_the_cap_are_refused_at_once(tmp_path: Path) -> Non
         started = time.monotonic()
         extra = await post(p)  # one slot: every place in line taken
         assert extra.status == 503 and extra.headers["retry-after"] == "1"
-        assert time.monotonic() - started < 0.3
-        assert (await holder).status == 204
+        assert time.monotonic() - started < 5.0  # at once, not after the 30 s wait
+        assert (await t.freed()).status == 204
         assert [(await w).status for w in waiters] == [204] * WAITERS_PER_SLOT
         assert p.handler.slots.waiting == 0 and p.handler.slots.requests == 0
 
 
 async def test_a_waiter_whose_sender_leaves_gives_up_its_place(tmp_path: Path) -> None:
-    async with slot_taken(tmp_path, delay=1.0, wait=5.0) as t:
-        p, up, holder = t.proxy, t.upstream, t.holder
+    async with slot_taken(tmp_path, wait=30.0) as t:
+        p, up = t.proxy, t.upstream
         _, w = await connect(p)
         w.write(request())
         await waiting(p)
         w.close()
         await waiting(p, 0)  # noticed while the connection reads nothing
-        assert (await post(p)).status == 204  # waited, then served
-        assert (await holder).status == 204
+        late = asyncio.create_task(post(p))
+        await waiting(p)
+        assert (await t.freed()).status == 204
+        assert (await late).status == 204  # waited, then served
     assert len(up.received) == 2  # the one that left was never forwarded
 
 
 async def test_stopping_with_a_waiter_does_not_hang(tmp_path: Path) -> None:
-    async with ScriptedUpstream(Reply(204, delay=0.5)) as up:
+    release = asyncio.Event()  # the holder's answer: once the stop has begun
+    async with ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up:
         p = await start_proxy(tmp_path, up, max_concurrent_requests=1,
                               admission_wait_seconds=20.0)
         stopped = False
@@ -309,12 +317,16 @@ async def test_stopping_with_a_waiter_does_not_hang(tmp_path: Path) -> None:
             waiter = asyncio.create_task(post(p))
             await waiting(p)
             started = time.monotonic()
-            await asyncio.wait_for(p.stop(), 5.0)
+            stopping = asyncio.create_task(p.stop())
+            await asyncio.sleep(0.1)
+            release.set()
+            await asyncio.wait_for(stopping, 5.0)
             stopped = True
             assert time.monotonic() - started < 3.0
             assert (await holder).status == 204
             assert (await asyncio.wait_for(waiter, 5.0)).status in (204, 503)
         finally:
+            release.set()
             if not stopped:
                 await p.stop()
 

@@ -297,7 +297,7 @@ async def browser(tmp_path: Path) -> AsyncIterator[WebDriver]:
             async def up() -> bool:
                 return bool((await wd.call("GET", "/status"))["ready"])
 
-            await wait_until(up, timeout=20, what="chromedriver")
+            await wait_until(up, timeout=60, what="chromedriver")
             await wd.start(tmp_path / "chromium-profile")
             try:
                 yield wd
@@ -334,7 +334,7 @@ async def test_page_in_headless_chromium(proxy: str, browser: WebDriver,
     async def searched() -> bool:
         return "pod=llm-finetune" in str(await wd.call("GET", "/url"))
 
-    await wait_until(searched, timeout=10, what="the search page")
+    await wait_until(searched, timeout=30, what="the search page")
     answer = await wd.text("#answer")
     assert "RayJob.ray.io ml/llm-finetune" in answer
     assert "demo-rayjob" in answer
@@ -363,7 +363,7 @@ async def test_page_in_headless_chromium(proxy: str, browser: WebDriver,
         return "evil-owner" not in str(await wd.call("GET", "/url")) and "pod=%3Cscript" in \
             str(await wd.call("GET", "/url"))
 
-    await wait_until(followed, timeout=10, what="the hostile pod's page")
+    await wait_until(followed, timeout=30, what="the hostile pod's page")
     assert f"{EVIL_NS}/{EVIL_NAME}" in await wd.text("#result h2")
     assert EVIL_OWNER in await wd.text("#chain")
     async with wd.http.get(f"{wd.base}/session/{wd.session}/alert/text") as r:

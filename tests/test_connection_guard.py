@@ -78,12 +78,12 @@ async def test_idle_keep_alive_and_slow_bodies_are_not_header_timeouts(tmp_path:
 
 async def test_a_refusal_closes_the_connection_instead_of_reading_a_big_body(
         tmp_path: Path) -> None:
+    release = asyncio.Event()  # the holder's answer, once the test is done with its slot
     async with (
-        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
         proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
-        holder = asyncio.create_task(post(p))
-        await asyncio.sleep(0.3)
+        holder = await holding_the_slot(p)
         r, w = await connect(p)
         # headers and a sliver of a body too big to skip: refused on the headers alone
         w.write((HEAD + f"Content-Length: {DRAIN_MAX_BYTES + 1}\r\n\r\n").encode()
@@ -95,16 +95,17 @@ async def test_a_refusal_closes_the_connection_instead_of_reading_a_big_body(
         assert busy.headers["connection"].lower() == "close" and busy.closed
         # answered at once and closed after LINGER_SECONDS, never waiting for the body
         assert time.monotonic() - t0 < LINGER_SECONDS + 0.8
+        release.set()
         assert (await holder).status == 204
 
 
 async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> None:
+    release = asyncio.Event()  # the holder's answer, once the test is done with its slot
     async with (
-        ScriptedUpstream(Reply(204, delay=1.0)) as up,
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
         proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
-        holder = asyncio.create_task(post(p))
-        await asyncio.sleep(0.3)
+        holder = await holding_the_slot(p)
         answers = await asyncio.gather(*(post(p) for _ in range(5)))
         assert all(a.status == 503 and a.headers["retry-after"] == "1"
                    and "connection" not in a.headers
@@ -120,6 +121,7 @@ async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> No
         w.close()
         assert metric(p, "karta_proxy_requests_total", path="/insert/{tenant}/prometheus",
                       protocol="v1", code="503") == 1
+        release.set()
         assert (await holder).status == 204
         assert (await post(p)).status == 204  # the slot is free again: handled as usual
     assert len(up.received) == 2
@@ -127,8 +129,9 @@ async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> No
 
 async def test_a_refused_connection_stays_open_and_serves_the_next_request(
         tmp_path: Path) -> None:
+    release = asyncio.Event()  # the holder's answer, once the test is done with its slot
     async with (
-        ScriptedUpstream(Reply(204, delay=1.0), Reply(204)) as up,
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
         proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
         holder = await holding_the_slot(p)
@@ -140,6 +143,7 @@ async def test_a_refused_connection_stays_open_and_serves_the_next_request(
             assert busy.status == 503 and busy.headers["retry-after"] == "1", busy
             assert "connection" not in busy.headers
         assert metric(p, "karta_proxy_inflight_bytes") == held
+        release.set()
         assert (await holder).status == 204
         w.write(request())  # the slot is free: the same connection is served as usual
         ok = await read_answer(r)
@@ -152,8 +156,9 @@ async def test_a_refused_connection_stays_open_and_serves_the_next_request(
 async def test_pipelined_refusals_skip_their_bodies_without_desyncing(tmp_path: Path) -> None:
     # a refused body that holds a whole request: skipped as body bytes, never parsed
     inner = request(BODY)
+    release = asyncio.Event()  # the holder's answer, once the test is done with its slot
     async with (
-        ScriptedUpstream(Reply(204, delay=1.0), Reply(204)) as up,
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
         proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
     ):
         holder = await holding_the_slot(p)
@@ -167,6 +172,7 @@ async def test_pipelined_refusals_skip_their_bodies_without_desyncing(tmp_path: 
         w.write(request(inner)[200:-7])
         await asyncio.sleep(0.1)
         w.write(request(inner)[-7:] + request()[:50])
+        release.set()
         assert (await holder).status == 204
         w.write(request()[50:])  # finishes the request whose head came with the body's end
         ok = await read_answer(r)
@@ -177,8 +183,9 @@ async def test_pipelined_refusals_skip_their_bodies_without_desyncing(tmp_path: 
 
 
 async def test_a_refused_body_that_stalls_is_closed(tmp_path: Path) -> None:
+    release = asyncio.Event()  # the holder's answer, once the test is done with its slot
     async with (
-        ScriptedUpstream(Reply(204, delay=2.0)) as up,
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
         proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0,
                       header_read_timeout_seconds=0.5) as p,
     ):
@@ -193,8 +200,9 @@ async def test_a_refused_body_that_stalls_is_closed(tmp_path: Path) -> None:
             end = await r.read(1)  # closed once the rest is overdue
         waited = time.monotonic() - t0
         w.close()
-        assert end == b"" and 0.4 < waited < 1.5, (end, waited)
+        assert end == b"" and 0.4 < waited < 3.0, (end, waited)  # overdue at 0.5 s
         assert metric(p, "karta_proxy_inflight_bytes") == held
+        release.set()
         assert (await holder).status == 204
 
 
@@ -207,8 +215,8 @@ async def test_refusals_that_cannot_be_skipped_close_the_connection(tmp_path: Pa
         HEAD + f"Connection: close\r\nContent-Length: {len(BODY)}\r\n\r\n",
         HEAD.replace("HTTP/1.1", "HTTP/1.0") + f"Content-Length: {len(BODY)}\r\n\r\n",
     ]
-    async with slot_taken(tmp_path, delay=1.0, wait=0.0) as t:
-        p, holder = t.proxy, t.holder
+    async with slot_taken(tmp_path, wait=0.0) as t:
+        p = t.proxy
         for head in heads:
             r, w = await connect(p)
             w.write(head.encode())
@@ -216,7 +224,7 @@ async def test_refusals_that_cannot_be_skipped_close_the_connection(tmp_path: Pa
             w.close()
             assert busy.status == 503 and busy.interim == b"", (head, busy)
             assert busy.headers["connection"].lower() == "close" and busy.closed, head
-        assert (await holder).status == 204
+        assert (await t.freed()).status == 204
 
 
 # -- what aiohttp would refuse or report on its own ------------------------------------
@@ -405,6 +413,15 @@ async def test_unfinished_headers_hold_at_most_the_limit_per_connection(tmp_path
             before = tracemalloc.take_snapshot()
             for _, w in conns:
                 w.write(HEAD.encode() + line * (sent // len(line)))
+            # every connection within the limit answered (waited for: a loaded machine,
+            # tracemalloc on, may take more than the 2 s below to read them all)
+            deadline = time.monotonic() + 30
+            while (metric(p, "karta_proxy_requests_rejected_total",
+                          reason="header_too_large") < n // 2
+                   or metric(p, "karta_proxy_connections_refused_total",
+                             reason="max_connections") < n // 2):
+                assert time.monotonic() < deadline, "the connections were never answered"
+                await asyncio.sleep(0.05)
             # a 431 and a close, or a close; what is unanswered after 2 s (well within the
             # header deadline) is measured as held
             await asyncio.wait([asyncio.create_task(closed_unanswered(r)) for r, _ in conns],

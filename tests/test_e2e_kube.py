@@ -162,8 +162,10 @@ async def _live_pods_attributed_fast(session: aiohttp.ClientSession, proxy: Prox
     names = [f"{APP}-live-{i}" for i in range(LIVE_PODS)]
     created: dict[str, float] = {}
     stop = asyncio.Event()
+    sends = 0
 
     async def sender() -> None:
+        nonlocal sends
         last = 0
         while not stop.is_set():
             now = max(int(time.time() * 1000), last + 1)  # strictly increasing per series
@@ -171,6 +173,7 @@ async def _live_pods_attributed_fast(session: aiohttp.ClientSession, proxy: Prox
             batch = [probe(n, ts_ms=now) for n in names if n in created]
             if batch:
                 assert await send(session, proxy, batch) == 204
+                sends += 1
             await asyncio.sleep(0.005)
 
     task = asyncio.create_task(sender())
@@ -184,7 +187,13 @@ async def _live_pods_attributed_fast(session: aiohttp.ClientSession, proxy: Prox
         while not all(proxy.index.lookup(NS.encode(), n.encode()) for n in names):
             assert time.monotonic() < deadline, "live pods not attributed"
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)  # a few enriched sends of the last pod
+        # a few enriched sends of the last pod: two sends more, the second begun after its
+        # attribution (counted, not slept for: a send of a loaded machine may take longer
+        # than a fixed sleep, and the last pod then had no enriched sample)
+        target = sends + 2
+        while sends < target:
+            assert time.monotonic() < deadline + 10, "no sends after the attribution"
+            await asyncio.sleep(0.02)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -258,7 +267,7 @@ async def _outage_keeps_forwarding(session: aiohttp.ClientSession, proxy: Proxy,
                           '{resource="pods"}')
         return bool(got) and float(got[0]["value"][1]) >= 1.0
 
-    await wait_until(fact_aged, timeout=5, what="an aged freshness fact in the TSDB")
+    await wait_until(fact_aged, timeout=15, what="an aged freshness fact in the TSDB")
 
     await sim.start()
     deadline = time.monotonic() + 10

@@ -611,8 +611,12 @@ async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: P
     decoded = len(snappy.uncompress(big))
     limit = len(big) * 6 // 10
 
+    held = asyncio.Event()
+
     def answer(rec: Received) -> Reply:  # the small request stays in flight throughout
-        return Reply(204, delay=2.0 if len(rec.body) < 1000 else 0.0)
+        # (held until the test lets it go, not for 2 s the big one had to fit in)
+        small_write = len(rec.body) < 1000 and len(rec.raw) > 0
+        return Reply(204, gate=held if small_write else None)
 
     rule = size_limit(limit, answer, refusal=Reply(413, body=b"too large"))
     # the big one admitted beside the small one (its body, twice its decoded size:
@@ -633,9 +637,10 @@ async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: P
                 return resp.status, await resp.text()
 
         waiting = asyncio.create_task(one(small))
-        while not up.received:  # the small request is at the upstream, for 2 s
+        while not up.received:  # the small request is at the upstream, held there
             await asyncio.sleep(0.01)
         status, text = await asyncio.wait_for(one(big), 10)
+        held.set()
         assert (await waiting)[0] == 204
         assert p.metrics.registry.get_sample_value("karta_proxy_inflight_bytes") == 0
         refused = p.metrics.registry.get_sample_value(
@@ -699,8 +704,12 @@ async def test_a_splice_the_budget_has_no_room_for_now_is_503(tmp_path: Path) ->
     body = snappy.compress(raw)
     small = snappy.compress(series_v1({"__name__": "up"}))
 
+    held = asyncio.Event()
+
     def answer(rec: Received) -> Reply:  # the small request stays in flight throughout
-        return Reply(204, delay=2.0 if len(rec.body) < 1000 else 0.0)
+        # (held until the test lets it go, not for 2 s the big one had to fit in)
+        small_write = len(rec.body) < 1000 and len(rec.raw) > 0
+        return Reply(204, gate=held if small_write else None)
 
     async with (
         ScriptedUpstream(rule=answer) as up,
@@ -715,6 +724,7 @@ async def test_a_splice_the_budget_has_no_room_for_now_is_503(tmp_path: Path) ->
         while not up.received:
             await asyncio.sleep(0.01)
         resp = await asyncio.wait_for(run.post(raw), 10)
+        held.set()
         assert resp.status == 503 and resp.headers["Retry-After"]
         assert (await waiting).status == 204
         assert run.metric("karta_proxy_splice_limits_total", {"result": "overload"}) == 1

@@ -12,19 +12,22 @@ from pathlib import Path
 import pytest
 
 from proxy.loop_workers import LoopWorkers
-from tests.loop_turns import LoopTurns
 
 
 def _where(x: int) -> tuple[str, int]:
     return threading.current_thread().name, x * 2
 
 
-def _holding(seconds: float) -> tuple[threading.Event, Callable[[], None]]:
-    """A job that says when a worker took it, then holds the worker ``seconds``."""
+def _holding(release: threading.Event, seconds: float = 0.0
+             ) -> tuple[threading.Event, Callable[[], None]]:
+    """A job that says when a worker took it, then holds the worker until ``release`` is
+    set (the test's next steps need not fit in a time, however loaded the machine), and
+    ``seconds`` more."""
     taken = threading.Event()
 
     def job() -> None:
         taken.set()
+        assert release.wait(30)
         time.sleep(seconds)
 
     return taken, job
@@ -63,35 +66,55 @@ async def test_an_error_reaches_the_caller_and_the_worker_goes_on() -> None:
 
 async def test_the_loop_runs_while_a_worker_does() -> None:
     pool = LoopWorkers("karta-test", 1)
+    turned = threading.Event()
+
+    async def turning() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0.005)
+        turned.set()
+
     try:
-        async with LoopTurns(0.005) as loop:
-            await pool.run(time.sleep, 0.2)
-        assert loop.turns >= 5
+        # the job waits for five turns of the loop: made only if the loop runs meanwhile
+        # (counted, not timed: how many turns a loaded machine makes in 0.2 s is not the
+        # test's to know)
+        turns = asyncio.create_task(turning())
+        assert await pool.run(turned.wait, 10)
+        await turns
     finally:
         pool.shutdown()
 
 
 async def test_an_abandoned_call_is_dropped_and_the_next_one_answered() -> None:
     pool = LoopWorkers("karta-test", 1)
+    release = threading.Event()
     try:
-        slow = asyncio.create_task(pool.run(time.sleep, 0.2))
-        await asyncio.sleep(0.05)
-        slow.cancel()
+        taken, job = _holding(release)
+        slow = asyncio.create_task(pool.run(job))
+        await _taken(taken)
+        slow.cancel()  # while it runs, whatever the timing
         with pytest.raises(asyncio.CancelledError):
             await slow
+        release.set()
         assert await pool.run(_where, 1) == ("karta-test_0", 2)
     finally:
+        release.set()
         pool.shutdown()
 
 
 async def test_after_shutdown_queued_calls_are_cancelled_and_new_ones_refused() -> None:
     pool = LoopWorkers("karta-test", 1)
-    taken, job = _holding(0.3)
+    release = threading.Event()
+    taken, job = _holding(release)
     busy = asyncio.create_task(pool.run(job))
     await _taken(taken)
     queued = asyncio.create_task(pool.run(_where, 1))
     await asyncio.sleep(0.01)
-    await asyncio.to_thread(pool.shutdown)
+    assert pool.queued() == 1
+    shutting = asyncio.create_task(asyncio.to_thread(pool.shutdown))
+    while not pool._closed:  # the running job let go only once the pool is shut
+        await asyncio.sleep(0.01)
+    release.set()
+    await shutting
     await busy  # the running one finishes
     with pytest.raises(asyncio.CancelledError):
         await queued
@@ -115,16 +138,24 @@ def test_a_pool_needs_a_thread() -> None:
 async def test_busy_time_and_queued_jobs_are_counted() -> None:
     pool = LoopWorkers("karta-test", 1)
     assert (pool.threads, pool.busy_seconds(), pool.queued()) == (1, 0.0, 0)
+    release = threading.Event()
     try:
-        taken, job = _holding(0.2)
+        started = time.perf_counter()
+        taken, job = _holding(release, 0.2)
         first = asyncio.create_task(pool.run(job))
         await _taken(taken)
         second = asyncio.create_task(pool.run(time.sleep, 0.1))
         await asyncio.sleep(0.01)
         assert pool.queued() == 1  # waits for the one thread
+        release.set()
         await asyncio.gather(first, second)
         assert pool.queued() == 0
-        assert 0.29 <= pool.busy_seconds() < 1.0
+        # a job is counted when it ends, just after its answer: read once the thread is
+        # done (read at once, the second job was not yet counted on a loaded machine)
+        await asyncio.to_thread(pool.shutdown)
+        # at least the jobs' sleeps, at most the time they took (one thread)
+        assert 0.29 <= pool.busy_seconds() <= time.perf_counter() - started
     finally:
+        release.set()
         pool.shutdown()
     assert pool.queued() == 0

@@ -313,7 +313,7 @@ def test_thread_use_tells_threads_apart_by_their_os_names() -> None:
 
     assert thread_role("karta-splice_1") == "karta-splice"
     assert thread_role("karta-aux") == "karta-aux" and thread_role("x_y") == "x_y"
-    go, done = threading.Event(), threading.Event()
+    go, done, read = threading.Event(), threading.Event(), threading.Event()
 
     def busy() -> None:
         name_os_thread()
@@ -323,14 +323,17 @@ def test_thread_use_tells_threads_apart_by_their_os_names() -> None:
             pass
         time.sleep(0.05)  # a switch given up, between the readings
         done.set()
-        time.sleep(0.2)  # alive while the second reading is taken
+        read.wait(10)  # alive until the second reading is taken (not for 0.2 s: a loaded
+        # machine took longer for it, and the thread was gone from it)
 
     t = threading.Thread(target=busy, name="bench-busy_0")
     t.start()
     before = thread_use(os.getpid())
     go.set()
     done.wait(10)
-    spent = thread_use_between(before, thread_use(os.getpid()))
+    after = thread_use(os.getpid())
+    read.set()
+    spent = thread_use_between(before, after)
     t.join()
     assert MAIN_THREAD in spent and spent["bench-busy"].threads == 1
     assert spent["bench-busy"].cpu_seconds >= 0.1  # in clock ticks

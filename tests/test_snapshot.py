@@ -430,8 +430,9 @@ async def test_a_reload_diffs_and_compacts_off_the_event_loop(
 ) -> None:
     """The diff and the compaction of a reload read every object (~0.6 s at 37.5k pods)
     and freeing the old contents is ~30 ms: the loop keeps its turns meanwhile. Each
-    step is made to block for 50 ms here; the loop turns during it only if it runs in a
-    worker thread."""
+    step is made to block until the loop has turned three times (5 s at most); the loop
+    turns during it only if it runs in a worker thread. (Blocking a fixed 50 ms, a loaded
+    machine could give the loop fewer turns in it.)"""
     import time
 
     import proxy.snapshot as snapshot
@@ -442,7 +443,9 @@ async def test_a_reload_diffs_and_compacts_off_the_event_loop(
     def blocking(name: str, step: Any) -> Any:
         def run(*args: Any) -> Any:
             before = loop.turns
-            time.sleep(0.05)
+            deadline = time.monotonic() + 5
+            while loop.turns - before < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
             out = step(*args)
             during[name] = loop.turns - before
             return out

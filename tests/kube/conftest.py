@@ -59,8 +59,10 @@ async def make_source(sim: KubeSim) -> AsyncIterator[SourceFactory]:
         await s.stop()
 
 
-async def eventually(cond: Callable[[], object], timeout: float = 3.0) -> float:
-    """Wait until ``cond()`` is truthy; returns the seconds it took."""
+async def eventually(cond: Callable[[], object], timeout: float = 10.0) -> float:
+    """Wait until ``cond()`` is truthy; returns the seconds it took. (10 s by default: the
+    wait ends as soon as it holds, and a loaded machine may take more than the few
+    tenths it usually does.)"""
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:

@@ -174,7 +174,11 @@ async def test_silent_stream_is_reconnected(sim: KubeSim, make_source: SourceFac
     assert sim.hang_watches() >= 1
     sim.create(pod("web-1-quiet", owner_obj=rs))
     await asyncio.sleep(0.5)
-    assert labels(source, "default", "web-1-quiet") is None  # the hung stream said nothing
+    # the hung stream said nothing: the pod is known only once the watch was given up
+    # (a loaded machine may take the 1.5 s before this look)
+    idle = {"resource": "pods", "reason": "idle"}
+    assert (labels(source, "default", "web-1-quiet") is None
+            or metric(source, "karta_proxy_watch_restarts_total", idle) >= 1)
     await eventually(_has(source, "web-1-quiet"), timeout=6)
     why = {"resource": "pods", "reason": "idle"}
     assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
@@ -245,8 +249,10 @@ async def test_a_namespace_rbac_refuses_leaves_the_others_watched(
     assert 2 <= refused <= 12, refused  # retried, once per 0.5-1 s
     assert "team-c/pods" not in source.index.freshness
     sim.fail_resource(POD_TYPE, None, namespace="team-c")  # the RoleBinding is created
-    await eventually(lambda: labels(source, "team-c", "c-app-1-0"), timeout=5)
-    assert metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0
+    # the pods, then the gauge once the list has ended (a few awaits later: waited for,
+    # it was seen still 1 on a loaded machine)
+    await eventually(lambda: labels(source, "team-c", "c-app-1-0")
+                     and metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0)
     assert "team-c/pods" in source.index.freshness
     assert labels(source, "team-a", "a-app-1-0") is not None
 
@@ -265,12 +271,14 @@ async def test_a_namespace_refused_after_it_was_served_retracts_only_its_pods(
     assert (indexed("team-a"), indexed("team-c")) == (1, 2)
     sim.fail_resource(POD_TYPE, 403, namespace="team-c")
     sim.disconnect_watches()  # the next watch or list of team-c is refused
-    await eventually(lambda: indexed("team-c") == 0, timeout=5)
+    # the pods retracted and the gauge set, and back: the gauge follows the pods within a
+    # few awaits (it is cleared once the list has ended: waited for, not looked at once)
+    await eventually(lambda: indexed("team-c") == 0 and metric(
+        source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 1)
     assert indexed("team-a") == 1
-    assert metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 1
     sim.fail_resource(POD_TYPE, None, namespace="team-c")
-    await eventually(lambda: indexed("team-c") == 2, timeout=5)
-    assert metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0
+    await eventually(lambda: indexed("team-c") == 2 and metric(
+        source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0)
 
 
 async def test_node_mode(sim: KubeSim, make_source: SourceFactory) -> None:
@@ -386,7 +394,7 @@ async def test_a_mode_switch_leaves_no_stale_mark_behind(sim: KubeSim,
     sim.create(RAYCLUSTER_KARTA)  # RayCluster described: a full watch replaces it
     await eventually(lambda: mode() == "full"
                      and labels(source, "ml", "rc-head") is not None, timeout=5)
-    await eventually(lambda: not source.index.stale, timeout=3)
+    await eventually(lambda: not source.index.stale, timeout=10)
     assert not source._unhealthy
     assert metric(source, "karta_proxy_watch_restarts_total",
                   {"resource": "rayclusters.ray.io", "reason": "error"}) >= 1
@@ -414,9 +422,10 @@ async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
     resources = {dict(f.labels)[contract.FACT_LABEL_RESOURCE] for f in process_facts(source.index)
                  if f.name == contract.FACT_SOURCE_LAST_CURRENT}
     assert "rayjobs.ray.io" not in resources and "pods" in resources
-    await asyncio.sleep(0.5)
-    now = time.time()
-    assert now - min(source.index.freshness.values()) < 1.0  # every entry current
+    # every entry current: each renewed within a second (waited for: a loaded machine's
+    # bookmarks may come late, but they come)
+    await eventually(lambda: time.time() - min(source.index.freshness.values()) < 1.0,
+                     timeout=15)
 
 
 async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
@@ -439,11 +448,14 @@ async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
 
     n0 = refused()
     gauge: set[float] = set()
+    started = time.monotonic()
     for _ in range(40):
         gauge.add(metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}))
         await asyncio.sleep(0.05)
     n = refused() - n0
-    assert 1 <= n <= 10, n  # one per 0.5-1 s; was several hundred in 2 s
+    elapsed = time.monotonic() - started  # 2 s, or longer on a loaded machine
+    assert 1 <= n <= elapsed / 0.5 + 2, (n, elapsed)  # one per 0.5-1 s; was several
+    # hundred in 2 s
     assert gauge == {1.0}
     assert sum("forbidden" in r.getMessage() for r in caplog.records) == 1
     assert "replicasets.apps" not in source.index.freshness
@@ -463,12 +475,15 @@ async def test_unreachable_at_start_retries_with_backoff(
     await sim.stop()
     source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry())
     caplog.set_level(logging.WARNING, logger="proxy.kube.source")
+    started = time.monotonic()
     task = asyncio.create_task(source.start())
     await asyncio.sleep(1.5)
     # one warning per round; the backoff (base 0.2 s, cap 0.5 s here) allows about a dozen
-    # rounds in 1.5 s, where a tight loop made ~180 (~1,600 lines, one per kind)
+    # rounds in 1.5 s (one per 0.1 s at the most), where a tight loop made ~180 (~1,600
+    # lines, one per kind); the 1.5 s may be longer on a loaded machine
     rounds = sum("discovery of" in r.getMessage() for r in caplog.records)
-    assert 1 <= rounds <= 25, rounds
+    elapsed = time.monotonic() - started
+    assert 1 <= rounds <= elapsed / 0.1 + 2, (rounds, elapsed)
     await sim.start()
     await asyncio.wait_for(task, 10)
     assert source.index.ready

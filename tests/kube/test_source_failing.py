@@ -98,9 +98,9 @@ async def test_a_kind_whose_list_keeps_failing_stops_holding_readiness_back(
     sim.fail_resource(rtype, None)
     await eventually(lambda: gk not in source.failing_kinds, timeout=5)
     assert _failing(source, gk) == 0
-    await eventually(lambda: not source.index.stale, timeout=3)
+    await eventually(lambda: not source.index.stale, timeout=10)
     job_uid = sim.get("ray.io/v1", "RayJob", "train", "ml")["metadata"]["uid"]
-    await eventually(lambda: job_uid in source.index.workloads, timeout=3)
+    await eventually(lambda: job_uid in source.index.workloads, timeout=10)
     assert sum("is listed now" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -126,7 +126,7 @@ async def test_a_group_whose_discovery_keeps_failing_stops_holding_readiness_bac
     assert _failing(source, RAY_JOB_GK) == 0
     await eventually(lambda: not source.index.stale
                      and (labels(source, "ml", names[1]) or {}).get("karta_kind") == "RayJob",
-                     timeout=3)
+                     timeout=10)
 
 
 async def test_failing_pods_still_hold_readiness_back(sim: KubeSim,
@@ -176,7 +176,7 @@ async def test_waiting_for_a_failing_list_holds_one_waiter_per_watcher(
     sim.fail_resource(POD, 500)
     source = new_source(sync_deadline=0.1)
     start = asyncio.create_task(source.start())
-    await eventually(lambda: any(gk.kind == "Pod" for gk in source.watchers), timeout=3)
+    await eventually(lambda: any(gk.kind == "Pod" for gk in source.watchers), timeout=10)
     pods = next(w for gk, (_, ws) in source.watchers.items() if gk.kind == "Pod"
                 for w in ws)
     waiters: list[int] = []
