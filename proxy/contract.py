@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.6.0"
+CONTRACT_VERSION = "1.7.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -149,11 +149,19 @@ OP_FACT_STALE_MARKERS = "karta_proxy_fact_stale_markers_total"
 OP_FACT_SERIES = "karta_proxy_fact_series"
 OP_FACT_LAST_WRITE = "karta_proxy_fact_last_write_timestamp_seconds"
 OP_FACT_SERIES_REFUSED = "karta_proxy_fact_series_refused_total"
+OP_FACT_WRITER_STEPDOWNS = "karta_proxy_fact_writer_stepdowns_total"
+OP_FACT_LEASE_FAILURES = "karta_proxy_fact_lease_failures_total"
+#: ``reason`` of OP_FACT_WRITER_STEPDOWNS: every fact write failed for long enough
+STEPDOWN_REASONS: tuple[str, ...] = ("writes_failing",)
+#: ``reason`` of OP_FACT_LEASE_FAILURES: no answer in time, an error status, no connection
+LEASE_FAILURE_REASONS: tuple[str, ...] = ("timeout", "status", "connection")
 FACT_WRITER_METRICS: tuple[str, ...] = (
     OP_FACT_LAST_WRITE,
+    OP_FACT_LEASE_FAILURES,
     OP_FACT_SERIES,
     OP_FACT_SERIES_REFUSED,
     OP_FACT_STALE_MARKERS,
     OP_FACT_WRITER_LEADER,
+    OP_FACT_WRITER_STEPDOWNS,
     OP_FACT_WRITES,
 )

@@ -4,33 +4,47 @@ Several proxy replicas see the same cluster; if each wrote the fact series, ever
 would land once per replica. The replicas compete for one Lease the way client-go's
 leader election does:
 
-* the holder renews every ``lease_duration / 3`` (get, then replace carrying the
-  ``resourceVersion`` it read: a concurrent writer gets 409 Conflict, so two candidates
-  can never both win one round);
+* a round starts every ``lease_duration / 3`` from the previous round's *start* (a slow
+  API does not stretch the cadence); the holder renews with one replace of the record it
+  wrote last (its ``resourceVersion``: a concurrent writer gets 409 Conflict, so two
+  candidates can never both win one round), and reads the record only when that fails;
+  each call may take up to the renew deadline (``2/3 * lease_duration``: a later answer
+  could not keep a leader anyway), so a takeover succeeds on an API slower than a third of
+  the lease;
 * a candidate takes the lease over when the holder has not renewed it for
   ``lease_duration``, measured on the candidate's *own* monotonic clock from the moment it
   last saw the record change, so clock skew between nodes cannot shorten the wait;
-* a holder that cannot renew for ``2/3 * lease_duration`` stops calling itself leader
-  before any candidate may take over, so two writers never overlap (absent a stalled
-  process, which the API's optimistic concurrency still catches at its next renewal);
+* a holder leads only until ``2/3 * lease_duration`` from the moment it *sent* its last
+  successful renewal, so it stops calling itself leader before any candidate may take
+  over (which counts from when it saw that renewal applied), and two writers never
+  overlap (absent a stalled process, which the API's optimistic concurrency still catches
+  at its next renewal, or a Lease object deleted or replaced while held: docs/metrics.md);
+* ``step_down`` gives the lease up as a stop does and keeps this replica from campaigning
+  for a while (the fact writer, when all its writes fail: another replica may write);
 * ``stop(release=True)`` hands the lease back (empty holder) so a successor starts at once;
   a crashed replica simply stops renewing and is replaced after ``lease_duration``;
-* a record under this replica's identity whose renewTime it did not write was written by
-  another process configured with the same ``facts.identity``: client-go would let both
-  lead (each renews "its" lease), and every fact would land twice. It counts as another
-  holder's, with an error logged, so the two settle on one writer.
+* a record under this replica's identity that it did not write (neither the acquireTime of
+  one of its acquisitions, which its renewals keep, nor the renewTime of a write of its
+  own not known to have failed) was written by an earlier run (waited out) or by another
+  process configured with the same ``facts.identity``: client-go would let both lead
+  (each renews "its" lease), and every fact would land twice. It counts as another
+  holder's, with an error logged, so the two settle on one writer;
+* a failing round is logged in one line (status, reason, message), throttled
+  (:class:`proxy.log.Throttled`), and counted through ``on_failure``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -38,7 +52,34 @@ from typing import Any
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from proxy.contract import LEASE_FAILURE_REASONS
+from proxy.log import Throttled
+
 log = logging.getLogger(__name__)
+
+#: how many of its own acquireTimes and unsettled renewTimes a replica remembers
+#: (:meth:`LeaseElector._twin`): a handful is plenty, as a success settles them
+REMEMBERED_STAMPS = 16
+#: the values of ``reason`` that ``on_failure`` is called with
+FAILURE_REASONS = LEASE_FAILURE_REASONS
+
+
+def failure_of(exc: BaseException, timeout: float) -> tuple[str, str]:
+    """(reason, one line) for a failed Lease call: the API's status, reason and message,
+    not the client's whole exception text (its HTTP headers and body, newlines and all:
+    ~600 bytes a failing round)."""
+    if isinstance(exc, ApiException):
+        message = ""
+        with contextlib.suppress(Exception):
+            message = str(json.loads(exc.body or b"{}").get("message") or "")
+        line = f"{exc.status} {exc.reason or ''}".strip()
+        if message:
+            line += f": {message}"
+        return "status", " ".join(line.split())[:300]
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return "timeout", f"no answer within {timeout:g} s"
+    text = " ".join((str(exc) or "").split())[:300]
+    return "connection", f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def micro_time(dt: datetime) -> Any:
@@ -84,9 +125,20 @@ class LeaseElector:
         self.lease_duration = float(lease_duration_seconds)
         self.retry_period = self.lease_duration / 3
         self.renew_deadline = self.lease_duration * 2 / 3
+        #: each API call's timeout: the renew deadline. An answer later than that cannot
+        #: keep or make a leader (it leads only until the deadline from the call's start),
+        #: and a shorter one (it was L/3) made every takeover fail on an API answering in
+        #: more than L/3, although its writes were applied: nobody led
+        self.call_timeout = max(0.5, self.renew_deadline)
         self._mono = monotonic
         self._leader = False
+        #: own clock when the last successful renewal (or acquisition) was *sent*
         self._renewed_at = -math.inf
+        #: own clock when the request of the round under way was sent
+        self._sent_at = -math.inf
+        #: the record as this replica wrote it last (a renewal replaces it directly);
+        #: None when the last round did not end with a write of ours
+        self._last: k8s.V1Lease | None = None
         #: (holder, renewTime, resourceVersion) last seen, and when (own clock)
         self._observed: tuple[str, str, str] | None = None
         #: the lease duration the record says its holder renews within (a holder of an
@@ -94,20 +146,37 @@ class LeaseElector:
         self._observed_duration = 0.0
         self._observed_at = -math.inf
         self._stop = asyncio.Event()
+        #: set to start the next round at once (a step-down to carry out)
+        self._wake = asyncio.Event()
         self._done: asyncio.Event | None = None
         self._release = True
-        #: the renewTimes of this process' last two writes (see :meth:`_twin`): two, as a
-        #: write that failed (409, a timeout that landed after all) leaves either its own
-        #: or the previous one in the record
-        self._wrote: tuple[str, ...] = ()
+        #: what tells this process' own record (see :meth:`_twin`): the acquireTimes it
+        #: wrote acquiring the lease (its renewals keep it), and the renewTimes of its
+        #: writes not known to have failed (a timed-out write may have landed). The
+        #: renewTimes of the last two writes were all it knew: after two timed-out
+        #: writes in a row it took its own lease for an earlier run's, waited it out and
+        #: took it again as a new holder
+        self._acquired: deque[str] = deque(maxlen=REMEMBERED_STAMPS)
+        self._unsettled: deque[str] = deque(maxlen=REMEMBERED_STAMPS)
         #: the first foreign renewTime seen under this identity ("" while none)
         self._twin_seen = ""
         self._twin_logged = False
+        #: own clock until which this replica does not campaign (after ``step_down``)
+        self._cooldown_until = -math.inf
+        #: a step-down's release still to be done by the loop
+        self._release_owed = False
         #: how many times this replica became leader
         self.acquisitions = 0
         #: rounds that found the lease renewed by another process under this identity
         self.twin_rounds = 0
+        #: rounds that failed (the API did not answer, or answered an error)
+        self.failures = 0
         self.last_error = ""
+        #: called with a reason of ``FAILURE_REASONS`` for every failed round (metrics)
+        self.on_failure: Callable[[str], None] | None = None
+        self._failure_lines = Throttled(
+            log, "fact writer lease: round failed", "fact writer lease: rounds failed",
+            peer_field=None)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -122,6 +191,11 @@ class LeaseElector:
         expiry is measured from when that record was first seen."""
         return self._observed[2] if self._observed is not None else ""
 
+    @property
+    def cooling_down(self) -> bool:
+        """After :meth:`step_down`, until its cooldown has passed: no campaign."""
+        return self._mono() < self._cooldown_until
+
     def _set_leader(self, leader: bool) -> None:
         if leader and not self._leader:
             self.acquisitions += 1
@@ -129,6 +203,19 @@ class LeaseElector:
         elif self._leader and not leader:
             log.info("lease %s/%s lost by %s", self.namespace, self.name, self.identity)
         self._leader = leader
+
+    def step_down(self, cooldown: float) -> None:
+        """Stop leading now, give the lease back (an empty holder, as a stop does: another
+        replica takes it at its next round) and campaign again only after ``cooldown``
+        seconds, so that another replica gets it. Without another, this one takes it
+        again then."""
+        self._cooldown_until = self._mono() + max(0.0, cooldown)
+        if self._leader:
+            self._release_owed = True
+            self._leader = False
+            log.info("lease %s/%s: %s steps down for %g s", self.namespace, self.name,
+                     self.identity, cooldown)
+        self._wake.set()
 
     def _observe(self, lease: k8s.V1Lease) -> str:
         """Remember the record; returns its holder ("" when free)."""
@@ -141,17 +228,24 @@ class LeaseElector:
             self._observed_duration = float(spec.lease_duration_seconds or 0)
         return holder
 
+    def _own(self, spec: k8s.V1LeaseSpec) -> bool:
+        """The record is one this process wrote: its acquisition (the acquireTime, kept by
+        every renewal), or a renewal whose fate it does not know."""
+        acquired = _stamp(spec.acquire_time)
+        return ((bool(acquired) and acquired in self._acquired)
+                or _stamp(spec.renew_time) in self._unsettled)
+
     def _twin(self, spec: k8s.V1LeaseSpec | None) -> bool:
-        """The record names this identity but carries a renewTime this process never wrote:
-        this replica's previous run (crashed, so it never released the lease; waited out as
-        any other holder would be) or, once such a record is renewed again, another process
-        sharing the identity (a templated ``facts.identity``)."""
+        """The record names this identity but this process never wrote it: this replica's
+        previous run (crashed, so it never released the lease; waited out as any other
+        holder would be) or, once such a record is renewed again, another process sharing
+        the identity (a templated ``facts.identity``)."""
         if spec is None or spec.holder_identity != self.identity:
             return False
-        stamp = _stamp(spec.renew_time)
-        if stamp in self._wrote:
+        if self._own(spec):
             self._twin_seen = ""
             return False
+        stamp = _stamp(spec.renew_time)
         self.twin_rounds += 1
         if not self._twin_seen:
             self._twin_seen = stamp
@@ -176,94 +270,166 @@ class LeaseElector:
     # -- one round -----------------------------------------------------------------------
 
     def _spec(self, now: datetime, old: k8s.V1LeaseSpec | None, mine: bool) -> k8s.V1LeaseSpec:
-        """The record this replica writes now; its renewTime remembered (:meth:`_twin`)."""
+        """The record this replica writes now; its stamps remembered (:meth:`_twin`)."""
         transitions = (old.lease_transitions or 0) if old is not None else 0
         renew = micro_time(now)
-        self._wrote = (*self._wrote[-1:], renew)
+        kept = _stamp(old.acquire_time) if mine and old is not None else ""
+        acquire: Any = kept or renew  # a string: the client serializes it as it is
+        if not kept:
+            self._acquired.append(acquire)
+        self._unsettled.append(renew)
         return k8s.V1LeaseSpec(
             holder_identity=self.identity,
             lease_duration_seconds=max(1, math.ceil(self.lease_duration)),
-            acquire_time=micro_time(old.acquire_time if mine and old is not None
-                                    and old.acquire_time else now),
+            acquire_time=acquire,
             renew_time=renew,
             lease_transitions=transitions if mine or old is None else transitions + 1,
         )
 
+    def _settled(self, written: k8s.V1Lease) -> None:
+        """A write of ours landed: the record is this one; no earlier write can land now
+        (each carried an older resourceVersion), so only its renewTime stays unsettled."""
+        self._observe(written)
+        self._last = written
+        self._renewed_at = self._sent_at
+        self._unsettled.clear()
+        self._unsettled.append(_stamp(written.spec.renew_time if written.spec else None))
+
+    def _refused(self) -> None:
+        """The write just sent was refused (409, 404): it never landed."""
+        if self._unsettled:
+            self._unsettled.pop()
+
+    async def _replace(self, lease: k8s.V1Lease, mine: bool) -> bool:
+        """Write ``lease`` with this replica as holder (``mine``: renewing its own record);
+        False on a conflict (someone wrote since it was read)."""
+        old = lease.spec
+        self._sent_at = self._mono()
+        lease.spec = self._spec(datetime.now(UTC), old, mine)
+        try:
+            updated = await self._api.replace_namespaced_lease(
+                self.name, self.namespace, lease, _request_timeout=self.call_timeout
+            )
+        except ApiException as e:
+            if e.status == 409:  # someone renewed or took it since our read
+                self._refused()
+                return False
+            raise
+        self._settled(updated)
+        return True
+
     async def try_acquire_or_renew(self) -> bool:
         """One round: True when this replica holds the lease afterwards, False when another
-        does (or won the race). API failures raise: the caller cannot tell who holds it."""
-        now = datetime.now(UTC)
-        timeout = max(0.5, self.retry_period)
+        does (or won the race). API failures raise: the caller cannot tell who holds it.
+
+        Renewing, one call: the record this replica wrote last, replaced as it is (one GET
+        and one PUT a round made a slow API twice as slow). Only when that is refused (or
+        after a round that did not end with a write of ours) is the record read."""
+        last, self._last = self._last, None
+        if last is not None:
+            try:
+                if await self._replace(last, mine=True):
+                    return True
+            except ApiException as e:
+                if e.status != 404:  # deleted meanwhile: read (and create) as anyone
+                    raise
+                self._refused()
         try:
             lease = await self._api.read_namespaced_lease(
-                self.name, self.namespace, _request_timeout=timeout
+                self.name, self.namespace, _request_timeout=self.call_timeout
             )
         except ApiException as e:
             if e.status != 404:
                 raise
+            self._sent_at = self._mono()
             body = k8s.V1Lease(
                 metadata=k8s.V1ObjectMeta(name=self.name, namespace=self.namespace),
-                spec=self._spec(now, None, mine=False),
+                spec=self._spec(datetime.now(UTC), None, mine=False),
             )
             try:
                 created = await self._api.create_namespaced_lease(
-                    self.namespace, body, _request_timeout=timeout
+                    self.namespace, body, _request_timeout=self.call_timeout
                 )
             except ApiException as ce:
                 if ce.status == 409:  # another candidate created it first
+                    self._refused()
                     return False
                 raise
-            self._observe(created)
+            self._settled(created)
             return True
         holder = self._observe(lease)
         twin = self._twin(lease.spec)
         if holder and (twin or holder != self.identity) and not self._expired():
             return False
-        lease.spec = self._spec(now, lease.spec, mine=holder == self.identity and not twin)
-        try:
-            updated = await self._api.replace_namespaced_lease(
-                self.name, self.namespace, lease, _request_timeout=timeout
-            )
-        except ApiException as e:
-            if e.status == 409:  # someone renewed or took it since our read
-                return False
-            raise
-        self._observe(updated)
-        return True
+        return await self._replace(lease, mine=holder == self.identity and not twin)
 
     # -- the loop ------------------------------------------------------------------------
 
+    def _failed(self, exc: Exception) -> None:
+        """A round that raised: one line (throttled), counted; the leader keeps leading
+        until its renew deadline, as it cannot tell who holds the lease."""
+        reason, line = failure_of(exc, self.call_timeout)
+        self.failures += 1
+        self.last_error = line
+        self._failure_lines.event("lease", {"lease": f"{self.namespace}/{self.name}",
+                                            "error": line, "reason": reason})
+        if self.on_failure is not None:
+            with contextlib.suppress(Exception):
+                self.on_failure(reason)
+        if self._leader and self._mono() - self._renewed_at >= self.renew_deadline:
+            self._set_leader(False)
+
     async def run(self) -> None:
-        """Campaign and renew until :meth:`stop`."""
+        """Campaign and renew until :meth:`stop`: a round every ``retry_period`` from the
+        previous round's start (one that took longer is followed at once)."""
         self._done = asyncio.Event()
+        clock = asyncio.get_running_loop().time
         try:
             while not self._stop.is_set():
-                try:
-                    held = await self.try_acquire_or_renew()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # unknown: keep leading until the renew deadline
-                    self.last_error = str(exc) or type(exc).__name__
-                    log.warning("lease %s/%s: %s", self.namespace, self.name, self.last_error)
-                    if self._leader and self._mono() - self._renewed_at >= self.renew_deadline:
-                        self._set_leader(False)
-                else:
-                    if held:
-                        self._renewed_at = self._mono()
-                    self._set_leader(held)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), self.retry_period)
+                started = clock()
+                self._wake.clear()
+                if self._release_owed:
+                    self._release_owed = False
+                    self._last = None
+                    await self._release_lease()
+                elif not self.cooling_down:
+                    await self._round()
+                delay = started + self.retry_period - clock()
+                if delay > 0 and not self._stop.is_set():
+                    stop, wake = (asyncio.ensure_future(self._stop.wait()),
+                                  asyncio.ensure_future(self._wake.wait()))
+                    try:
+                        await asyncio.wait({stop, wake}, timeout=delay,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        stop.cancel()
+                        wake.cancel()
             if self._release and self._leader:
                 await self._release_lease()
         finally:
             self._set_leader(False)
+            self._failure_lines.close()
             self._done.set()
+
+    async def _round(self) -> None:
+        try:
+            held = await self.try_acquire_or_renew()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # unknown: keep leading until the renew deadline
+            self._failed(exc)
+            return
+        if held and self.cooling_down:  # stepped down while the round was under way
+            self._release_owed = True
+            self._wake.set()
+            held = False
+        self._set_leader(held)
 
     async def _release_lease(self) -> None:
         """Hand the lease back: an empty holder lets a successor take it at once."""
         try:
             lease = await self._api.read_namespaced_lease(
-                self.name, self.namespace, _request_timeout=max(0.5, self.retry_period)
+                self.name, self.namespace, _request_timeout=self.call_timeout
             )
             if (lease.spec is None or lease.spec.holder_identity != self.identity
                     or self._twin(lease.spec)):
@@ -277,11 +443,12 @@ class LeaseElector:
                 lease_transitions=lease.spec.lease_transitions,
             )
             await self._api.replace_namespaced_lease(
-                self.name, self.namespace, lease, _request_timeout=max(0.5, self.retry_period)
+                self.name, self.namespace, lease, _request_timeout=self.call_timeout
             )
             log.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         except Exception as exc:  # the lease then simply expires
-            log.warning("lease %s/%s: release failed: %s", self.namespace, self.name, exc)
+            log.warning("lease %s/%s: release failed: %s", self.namespace, self.name,
+                        failure_of(exc, self.call_timeout)[1])
 
     async def stop(self, *, release: bool = True) -> None:
         """End :meth:`run`; ``release=False`` leaves the lease to expire (as a crash would)."""

@@ -19,6 +19,7 @@ from kubernetes_asyncio import client as k8s
 from proxy.config import KubeSettings
 from proxy.kube.client import load_configuration
 from proxy.lease import LeaseElector, micro_time
+from tests.kubesim.resources import LEASE
 from tests.kubesim.server import KubeSim
 
 DURATION = 1.5
@@ -328,6 +329,117 @@ async def test_a_renewal_refused_with_a_conflict_is_not_mistaken_for_a_twin(
     e._api.replace_namespaced_lease = real  # type: ignore[method-assign]
     assert await e.try_acquire_or_renew()
     assert e.twin_rounds == 0 and e.last_error == ""
+
+
+async def test_a_slow_lease_api_keeps_the_leader(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    # every Lease call answered in a fifth of the lease (the audit: 1.2 s at 6 s): a
+    # round of GET + PUT, spaced by a third of the lease after its end, let leadership
+    # lapse every round. One PUT a round, every third of the lease from its start, and a
+    # lead counted from when the renewal was sent keep it (its deadline is 2/3 L after
+    # the renewal's start; a renewal now answers within L/3 + L/5 of the previous one's)
+    duration = 4.5
+    async with running(LeaseElector(api(), NS, NAME, "slow", duration)) as e:
+        await leading(e, 10)
+        sim.delay_resource(LEASE, duration / 5)
+        seen = len(sim.requests)
+        lapses = 0
+        for _ in range(int(duration * 2 / 0.02)):  # two lease durations, several rounds
+            lapses += not e.is_leader
+            await asyncio.sleep(0.02)
+        sim.delay_resource(LEASE, None)
+        calls = [m for m, path, _, _ in list(sim.requests)[seen:] if "/leases/" in path]
+        assert lapses == 0 and e.acquisitions == 1, (lapses, e.acquisitions)
+        # renewing costs one PUT a round, no read
+        assert calls and set(calls) == {"PUT"}, calls
+
+
+async def test_a_takeover_succeeds_when_writes_answer_slower_than_a_third_of_the_lease(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    # every PUT answered after 0.43 L (2.5 s at 6 s): each call was given L/3, so every
+    # takeover gave up client-side, though the API applied it, and nobody led
+    duration = 3.0
+    sim.create({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {"holderIdentity": "gone", "leaseDurationSeconds": 3,
+                 "renewTime": micro_time(datetime.now(UTC))},
+    })
+    sim.delay_resource(LEASE, duration * 0.43, methods=("PUT",))
+    async with running(LeaseElector(api(), NS, NAME, "patient", duration)) as e:
+        try:
+            await leading(e, 30)
+            assert holder(sim) == "patient"
+            assert lease(sim)["spec"]["leaseTransitions"] == 1
+        finally:
+            sim.delay_resource(LEASE, None)
+
+
+async def test_writes_that_timed_out_but_landed_do_not_make_its_own_lease_an_earlier_runs(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # PUTs answered after their timeout but applied all the same: it remembered the
+    # renewTimes of its last two writes only, so the record of an earlier timed-out write
+    # that landed read as "held by an earlier run"; it waited its own lease out and took
+    # it again as a new holder (a transition, a new acquireTime)
+    caplog.set_level(logging.INFO, "proxy.lease")
+    e = LeaseElector(api(), NS, NAME, "solo", DURATION)
+    async with running(e):
+        await leading(e, 3)
+        acquired = lease(sim)["spec"]["acquireTime"]
+        slow = DURATION * 2 / 3 + 0.2  # past a call's timeout (2/3 L; it was L/3)
+        sim.delay_resource(LEASE, slow, methods=("PUT",))
+        seen = len(sim.requests)
+
+        def puts() -> int:
+            return sum(1 for m, path, _, _ in list(sim.requests)[seen:]
+                       if m == "PUT" and "/leases/" in path)
+
+        try:
+            await asyncio.wait_for(_until(lambda: puts() >= 5), 60)
+        finally:
+            sim.delay_resource(LEASE, None)
+        await asyncio.sleep(slow + 0.3)  # the last delayed write has landed
+        await leading(e, 30)
+        assert "earlier run" not in caplog.text and e.twin_rounds == 0
+        assert lease(sim)["spec"]["leaseTransitions"] == 0
+        assert lease(sim)["spec"]["acquireTime"] == acquired
+
+
+async def test_failing_rounds_log_one_short_line_throttled_and_are_counted(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # every failing round logged the client's whole ApiException (HTTP headers, body,
+    # newlines: ~600 bytes) every third of the lease
+    caplog.set_level(logging.INFO, "proxy.lease")
+    reasons: list[str] = []
+    e = LeaseElector(api(), NS, NAME, "quiet", DURATION)
+    e.on_failure = reasons.append
+    sim.fail_resource(LEASE, 503)
+    seen = len(sim.requests)
+
+    def rounds() -> int:
+        return sum(1 for _, path, _, _ in list(sim.requests)[seen:] if "/leases/" in path)
+
+    try:
+        async with running(e):
+            await asyncio.wait_for(_until(lambda: rounds() >= 6), 60)
+            sim.fail_resource(LEASE, None)
+    finally:
+        sim.fail_resource(LEASE, None)
+    warnings = [r for r in caplog.records
+                if r.name == "proxy.lease" and r.levelno >= logging.WARNING]
+    # the first at once; the rest of the 10 s in one summary (at the stop, here)
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
+    first = warnings[0]
+    error = first.__dict__["error"]
+    assert error.startswith("503 ") and "simulated failure" in error, error
+    assert "\n" not in error and len(error) <= 300 and "HTTP response" not in error
+    assert len(reasons) >= 6 and set(reasons) == {"status"}
+    if len(warnings) == 2:
+        assert warnings[1].__dict__["count"] == len(reasons) - 1
 
 
 def test_micro_time_always_has_six_digits() -> None:

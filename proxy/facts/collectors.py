@@ -87,13 +87,25 @@ class FactWriterMetrics:
                             registry=None)
         self.last_write = Gauge(contract.OP_FACT_LAST_WRITE, "Unix time of the last "
                                 "successful fact write.", registry=None)
+        self.stepdowns = Counter(
+            contract.OP_FACT_WRITER_STEPDOWNS, "Times this replica gave the fact writer's "
+            "lease up by itself, by reason (writes_failing: every fact write failed for "
+            "long enough that another replica may do better).", ["reason"], registry=None)
+        for reason in contract.STEPDOWN_REASONS:
+            self.stepdowns.labels(reason=reason)
+        self.lease_failures = Counter(
+            contract.OP_FACT_LEASE_FAILURES, "Rounds of the fact writer's lease election "
+            "that failed, by reason (timeout, status: the API answered an error, "
+            "connection).", ["reason"], registry=None)
+        for reason in contract.LEASE_FAILURE_REASONS:
+            self.lease_failures.labels(reason=reason)
 
     def families(self) -> Iterator[Metric]:
         """Every family, without the counters' ``_created`` samples: docs/metrics.md
         lists what the writer serves, and the creation time of a process-lifetime
         counter says nothing ``process_start_time_seconds`` does not."""
         for metric in (self.leader, self.writes, self.stale_markers, self.series_refused,
-                       self.series, self.last_write):
+                       self.series, self.last_write, self.stepdowns, self.lease_failures):
             for family in metric.collect():
                 family.samples = [s for s in family.samples
                                   if not s.name.endswith("_created")]

@@ -58,6 +58,7 @@ from proxy.karta.results import (
     WorkloadFacts,
 )
 from proxy.log import Throttled
+from proxy.upstream import TRANSIENT_4XX
 from proxy.wire.halves import layout
 from proxy.wire.primitives import STALE_NAN, Protocol, labels_of, series_text
 from proxy.yielding import Busy, Pacer
@@ -109,6 +110,22 @@ OWN_SERIES = (contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO)
 #: how long a stop waits for those markers to be sent
 END_TIMEOUT_SECONDS = 5.0
 
+
+#: A leader whose fact writes all fail on the way out (no connection, a timeout, a 5xx, a
+#: 429 or another "later" 4xx; not a 400 or other 4xx refusing series or a request, which
+#: the upstream answered) gives the lease up (:meth:`FactWriter._egress_failed`) once
+#: at least STEP_DOWN_WRITES writes in a row failed over at least the longer of
+#: STEP_DOWN_LEASES lease durations and STEP_DOWN_INTERVALS write intervals (from the
+#: first failed write's start): a handover costs a gap of up to a third of the lease
+#: plus an interval and the new leader's first-write markers, so a blip shorter than a
+#: lease (an upstream restarting) is ridden out; one failed write is never enough. The
+#: replica then does not campaign for STEP_DOWN_COOLDOWN_LEASES lease durations, long
+#: enough for a standby (which tries every third of the lease) to take the lease and renew
+#: it; alone, it takes the lease again after that (docs/metrics.md)
+STEP_DOWN_WRITES = 2
+STEP_DOWN_LEASES = 1.0
+STEP_DOWN_INTERVALS = 2.0
+STEP_DOWN_COOLDOWN_LEASES = 2.0
 
 #: a write sends at most this many requests beyond its own to find, by halves, the series
 #: a 400 refuses (``FactWriter._deliver``): one series in a request of 5,000 takes 26
@@ -250,8 +267,10 @@ class FactWriter:
         build_version: str = proxy.__version__,
         max_series_per_request: int = MAX_SERIES_PER_REQUEST,
         busy: Busy | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
+        self._mono = monotonic
         self._index = index
         self._send = send
         self._elector = elector
@@ -302,6 +321,13 @@ class FactWriter:
         #: for /metrics (FactWriterCollector)
         self.metrics = FactWriterMetrics()
         self.metrics.leader.set_function(lambda: 1.0 if self.is_writer else 0.0)
+        if elector is not None:
+            failures = self.metrics.lease_failures
+            elector.on_failure = lambda reason: failures.labels(reason=reason).inc()
+        #: the writes failed on the way out in a row as leader, and when (own clock) the
+        #: first of them started (:meth:`_egress_failed`)
+        self._failing_writes = 0
+        self._failing_since = 0.0
         #: what the last build made (series also on /metrics; markers counted on commit)
         self.last_series = 0
         self.last_stale_markers = 0
@@ -631,6 +657,7 @@ class FactWriter:
         target = WriterState.LEADER if self.is_writer else WriterState.STANDBY
         if target is self.state:
             return target
+        self._failing_writes = 0
         if target is WriterState.LEADER:
             log.info("fact writer takes over")
             self._end_other_source = True
@@ -700,8 +727,8 @@ class FactWriter:
             raise
         except Exception as exc:
             status = getattr(exc, "status", 0)
-            if not 400 <= status < 500:
-                raise
+            if not 400 <= status < 500 or status in TRANSIENT_4XX:
+                raise  # the upstream's (a 429: "later"), not the request's
             return _Refusal(status, exc)
         return None
 
@@ -783,6 +810,7 @@ class FactWriter:
 
     async def _write(self, now: float) -> bool:
         """Send one write's requests; what is owed afterwards follows what was sent."""
+        started = self._mono()
         bodies = self.iter_requests(int(now * 1000))
         pacer = self._pacer()
         tally = _Delivery()
@@ -821,6 +849,7 @@ class FactWriter:
                 self.commit_partial()
                 self.metrics.writes_failed.inc()
                 log.warning("fact write failed: %s", exc)
+                self._egress_failed(started)
                 return False
             del body
             if tally.lost:
@@ -834,6 +863,7 @@ class FactWriter:
             log.info("fact write stopped: the lease passed to another replica")
             return False
         self.metrics.series_refused.inc(tally.dropped)
+        self._failing_writes = 0  # answered: the way out works, whatever it refused
         if tally.dropped or not tally.accepted:
             self.commit_partial()
             self.metrics.writes_failed.inc()
@@ -850,6 +880,39 @@ class FactWriter:
         memory.freeze_survivors()  # the cache and the written set, out of full collections
         await memory.trim_off_loop()  # the written set this write replaced
         return True
+
+    @property
+    def step_down_after(self) -> float:
+        """How long every write must have failed before a leader gives the lease up."""
+        lease = self._elector.lease_duration if self._elector is not None else 0.0
+        return max(STEP_DOWN_LEASES * lease,
+                   STEP_DOWN_INTERVALS * max(0.05, float(self._settings.interval_seconds)))
+
+    def _egress_failed(self, started: float) -> None:
+        """A write that started at ``started`` (own clock) failed on the way out. A leader
+        whose writes have all failed so for long enough gives the lease up: another
+        replica's way out may work (one leader whose upstream answered 503 for 60 s kept
+        the lease, and no fact was written for 60 s while two healthy standbys waited).
+        When every replica's way out fails, the lease moves from one to the next at that
+        pace: harmless, as nobody can write."""
+        if self._failing_writes == 0:
+            self._failing_since = started
+        self._failing_writes += 1
+        elector = self._elector
+        if elector is None or not elector.is_leader:
+            return
+        failing = self._mono() - self._failing_since
+        if self._failing_writes < STEP_DOWN_WRITES or failing < self.step_down_after:
+            return
+        cooldown = STEP_DOWN_COOLDOWN_LEASES * elector.lease_duration
+        log.warning("fact writer steps down: its last %d fact writes failed, over %.1f s; "
+                    "the lease is given up for another replica to write, and this one does "
+                    "not campaign for %.0f s", self._failing_writes, failing, cooldown,
+                    extra={"reason": "writes_failing", "failed_writes": self._failing_writes,
+                           "seconds": round(failing, 1), "cooldown_seconds": cooldown})
+        self.metrics.stepdowns.labels(reason="writes_failing").inc()
+        self._failing_writes = 0
+        elector.step_down(cooldown)
 
     async def _run(self) -> None:
         interval = max(0.05, float(self._settings.interval_seconds))

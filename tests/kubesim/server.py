@@ -103,6 +103,10 @@ class KubeSim:
         #: if given; within that namespace, if given) are answered with the status, while
         #: discovery still lists it (see ``fail_resource``)
         self.failing_resources: dict[tuple[str, str, str], tuple[int, str]] = {}
+        #: (group, plural) -> (seconds, methods): requests for that resource (of those
+        #: methods; all when empty) wait that long before they are handled (see
+        #: ``delay_resource``)
+        self.delayed_resources: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
         #: group/version -> status: its discovery document is answered with the status
         #: (see ``fail_discovery``)
         self.failing_discovery: dict[str, int] = {}
@@ -267,6 +271,19 @@ class KubeSim:
         else:
             self.failing_resources[key] = (status, accept)
 
+    def delay_resource(self, rtype: ResourceType, seconds: float | None, *,
+                       methods: Iterable[str] = ()) -> None:
+        """Make requests for one resource (only those of ``methods``, e.g. ``("PUT",)``, if
+        given) wait ``seconds`` before they are handled from now on (None or 0: at once
+        again): a slow API server or etcd. The wait comes before the request is applied,
+        and a client that gives up meanwhile does not stop it: a write that timed out
+        client-side is applied all the same, as on a real server."""
+        if not seconds:
+            self.delayed_resources.pop(rtype.key, None)
+        else:
+            self.delayed_resources[rtype.key] = (
+                float(seconds), frozenset(m.upper() for m in methods))
+
     def fail_discovery(self, group_version: str, status: int | None) -> None:
         """Answer the discovery document of one group/version (``ray.io/v1``) with
         ``status`` from now on (None: serve it again), the group list still naming it:
@@ -390,6 +407,10 @@ class KubeSim:
                        (*rtype.key, ""))
         if failing is not None and failing[1] in accept:
             raise _failure(failing[0], rtype, request.method)
+        delayed = self.delayed_resources.get(rtype.key)
+        if delayed is not None and (not delayed[1] or request.method in delayed[1]):
+            await request.read()  # the body is in (kept for .json()) before the client leaves
+            await asyncio.sleep(delayed[0])
         rs = self.store.resources[rtype.key]
         if namespace is not None and not rtype.namespaced:
             raise NotFound(f"{plural} is not namespaced")

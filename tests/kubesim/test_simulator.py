@@ -274,3 +274,26 @@ async def test_cascade_delete_and_auth(sim: KubeSim, api: k8s.ApiClient) -> None
     assert sim.objects(sim.store.resources[("", "pods")].rtype) == []
     async with aiohttp.ClientSession() as s, s.get(sim.url + "/api/v1/pods") as r:
         assert r.status == 401
+
+
+async def test_a_delayed_resource_applies_a_write_its_client_gave_up_on(
+    sim: KubeSim, api: k8s.ApiClient
+) -> None:
+    from tests.kubesim.resources import LEASE
+
+    coord = k8s.CoordinationV1Api(api)
+    body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name="l", namespace="ns"),
+                       spec=k8s.V1LeaseSpec(holder_identity="a"))
+    await coord.create_namespaced_lease("ns", body)
+    sim.delay_resource(LEASE, 0.5, methods=("PUT",))
+    got = await coord.read_namespaced_lease("l", "ns")  # a GET is not delayed
+    got.spec.holder_identity = "b"
+    with pytest.raises(asyncio.TimeoutError):
+        await coord.replace_namespaced_lease("l", "ns", got, _request_timeout=0.1)
+    for _ in range(200):  # applied once its wait is over, though the client left
+        if sim.get("coordination.k8s.io/v1", "Lease", "l", "ns")["spec"]["holderIdentity"] == "b":
+            break
+        await asyncio.sleep(0.05)
+    assert sim.get("coordination.k8s.io/v1", "Lease", "l", "ns")["spec"]["holderIdentity"] == "b"
+    sim.delay_resource(LEASE, None)
+    assert "coordination.k8s.io" not in {k[0] for k in sim.delayed_resources}
