@@ -130,6 +130,8 @@ class LeaseElector:
         #: and a shorter one (it was L/3) made every takeover fail on an API answering in
         #: more than L/3, although its writes were applied: nobody led
         self.call_timeout = max(0.5, self.renew_deadline)
+        #: each call of a release (at a stop or a step-down)
+        self.release_timeout = max(0.5, self.retry_period)
         self._mono = monotonic
         self._leader = False
         #: own clock when the last successful renewal (or acquisition) was *sent*
@@ -426,10 +428,14 @@ class LeaseElector:
         self._set_leader(held)
 
     async def _release_lease(self) -> None:
-        """Hand the lease back: an empty holder lets a successor take it at once."""
+        """Hand the lease back: an empty holder lets a successor take it at once. Its calls
+        get a third of the lease each, not the renew deadline: a stop waits for them (after
+        the drain, within the pod's grace period), and a release that does not land in
+        time only leaves the lease to expire, as a crash would."""
+        timeout = self.release_timeout
         try:
             lease = await self._api.read_namespaced_lease(
-                self.name, self.namespace, _request_timeout=self.call_timeout
+                self.name, self.namespace, _request_timeout=timeout
             )
             if (lease.spec is None or lease.spec.holder_identity != self.identity
                     or self._twin(lease.spec)):
@@ -443,7 +449,7 @@ class LeaseElector:
                 lease_transitions=lease.spec.lease_transitions,
             )
             await self._api.replace_namespaced_lease(
-                self.name, self.namespace, lease, _request_timeout=self.call_timeout
+                self.name, self.namespace, lease, _request_timeout=timeout
             )
             log.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         except Exception as exc:  # the lease then simply expires
