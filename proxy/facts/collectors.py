@@ -12,7 +12,7 @@ between scrapes or building them all as samples at once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge
@@ -65,6 +65,15 @@ class FactsCollector(Collector):
             yield TextFamily(name, HELP[name], rows)
 
 
+def _by_reason(name: str, documentation: str, reasons: Iterable[str]) -> Counter:
+    """A counter by ``reason`` with every reason's child made at once: a rate over a child
+    that appears only at its first count misses that count."""
+    counter = Counter(name, documentation, ["reason"], registry=None)
+    for reason in reasons:
+        counter.labels(reason=reason)
+    return counter
+
+
 class FactWriterMetrics:
     """The fact writer's counters and gauges, outside any registry (the writer's
     :class:`FactWriterCollector` serves them where the runtime registers it)."""
@@ -87,18 +96,14 @@ class FactWriterMetrics:
                             registry=None)
         self.last_write = Gauge(contract.OP_FACT_LAST_WRITE, "Unix time of the last "
                                 "successful fact write.", registry=None)
-        self.stepdowns = Counter(
+        self.stepdowns = _by_reason(
             contract.OP_FACT_WRITER_STEPDOWNS, "Times this replica gave the fact writer's "
             "lease up by itself, by reason (writes_failing: every fact write failed for "
-            "long enough that another replica may do better).", ["reason"], registry=None)
-        for reason in contract.STEPDOWN_REASONS:
-            self.stepdowns.labels(reason=reason)
-        self.lease_failures = Counter(
+            "long enough that another replica may do better).", contract.STEPDOWN_REASONS)
+        self.lease_failures = _by_reason(
             contract.OP_FACT_LEASE_FAILURES, "Rounds of the fact writer's lease election "
             "that failed, by reason (timeout, status: the API answered an error, "
-            "connection).", ["reason"], registry=None)
-        for reason in contract.LEASE_FAILURE_REASONS:
-            self.lease_failures.labels(reason=reason)
+            "connection).", contract.LEASE_FAILURE_REASONS)
 
     def families(self) -> Iterator[Metric]:
         """Every family, without the counters' ``_created`` samples: docs/metrics.md
