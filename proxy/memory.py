@@ -171,9 +171,25 @@ def freeze_survivors() -> None:
     --fact-interval 5``). ``gc.freeze()`` only moves the tracked objects to the permanent
     generation: O(1), and reference counting still frees them when they go. Only for
     objects that hold no cycles once garbage (tuples of bytes; a snapshot reload's
-    stubs and engine records): a frozen cycle is never collected.
+    stubs and engine records): a frozen cycle is never collected. What is garbage among
+    the rest is collected first by the caller, before it builds (:func:`collect_unfrozen`).
     """
     gc.freeze()
+
+
+def collect_unfrozen() -> None:
+    """A full collection of what is not frozen: what came since the last
+    :func:`freeze_survivors` (0.55 ms with 5,000 survivors and 300 tracebacks beside a
+    frozen 37.5k-pod index and fact cache).
+
+    For a periodic job to call before it builds what it will freeze: the freeze is
+    process-wide, so a reference cycle that was already garbage but not yet collected
+    (a broken watch stream's exception, its traceback, frames, the aiohttp response and
+    transport they hold) went into the permanent generation with the job's survivors,
+    never to be collected. A 90-minute soak under pod churn measured that as ~14,000
+    Python blocks an hour in every replica; collecting after the build instead would walk
+    the new cache too (5-15 ms)."""
+    gc.collect()
 
 
 def settle() -> None:

@@ -678,6 +678,8 @@ class FactWriter:
     async def write_once(self) -> bool:
         """One interval: build and send the facts if this replica leads, else remember
         which series exist (standby); True when a write was sent."""
+        # the interval's garbage, before the walk's end freezes whatever is alive
+        memory.collect_unfrozen()
         if self.step() is WriterState.STANDBY:
             await self._stand_by(self._clock())
             return False
