@@ -586,6 +586,8 @@ class SnapshotSource:
 
     async def _reload(self) -> SnapshotReport:
         assert self._content is not None, "start() first"
+        # the garbage since the last freeze, before this reload freezes what is alive
+        memory.collect_unfrozen()
         pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
         self._signature = await asyncio.to_thread(_signature, self.path)
         # what the engine has: an unchanged object read again is its stub (see hold)
