@@ -429,28 +429,15 @@ async def test_a_reload_does_not_freeze_the_garbage_it_finds(tmp_path: Path) -> 
     """A reload freezes what is alive, process-wide: a reference cycle already garbage
     then (another part of the process' broken connection, its traceback) was frozen with
     it for good. The reload collects first."""
-    import weakref
-
-    class Node:
-        other: Node | None = None
+    from tests.garbage import collections_off, cycle
 
     demo = [d for d in yaml.safe_load_all(DEMO.read_text()) if d]
-    f = _write(tmp_path / "s.yaml", demo)
-    src = SnapshotSource(f, Engine(), PodIndex())
+    src = SnapshotSource(_write(tmp_path / "s.yaml", demo), Engine(), PodIndex())
     await src.start()
-    enabled = gc.isenabled()
-    gc.disable()  # only the collections the reload makes
-    try:
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        gone = weakref.ref(a)
-        del a, b
+    with collections_off():
+        gone = cycle()
         await src.reload()
         alive = gone() is not None
-    finally:
-        if enabled:
-            gc.enable()
-        gc.unfreeze()
     assert not alive, "the cycle was frozen with the reload's survivors"
 
 

@@ -1884,11 +1884,7 @@ async def test_garbage_of_the_interval_is_not_frozen_for_good(leading: bool) -> 
     reference cycle already garbage then (a broken watch stream's exception and
     traceback) was frozen with it, never to be collected. A 90-minute soak under churn
     found ~14,000 Python blocks an hour so kept in every replica."""
-    import gc
-    import weakref
-
-    class Node:
-        other: Node | None = None
+    from tests.garbage import collections_off, cycle
 
     async def send(body: bytes) -> None:
         pass
@@ -1896,16 +1892,8 @@ async def test_garbage_of_the_interval_is_not_frozen_for_good(leading: bool) -> 
     w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
     if not leading:
         w.step = lambda: WriterState.STANDBY  # type: ignore[method-assign]
-    enabled = gc.isenabled()
-    gc.disable()  # only the collections the writer makes
-    try:
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        gone = weakref.ref(a)
-        del a, b
+    with collections_off():
+        gone = cycle()
         await w.write_once()  # the write's end freezes whatever is alive
-        alive_after_write = gone() is not None
-    finally:
-        if enabled:
-            gc.enable()
-    assert not alive_after_write, "the cycle was frozen with the write's survivors"
+        alive = gone() is not None
+    assert not alive, "the cycle was frozen with the write's survivors"
