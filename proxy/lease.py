@@ -52,7 +52,6 @@ from typing import Any
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from proxy.contract import LEASE_FAILURE_REASONS
 from proxy.log import Throttled
 
 log = logging.getLogger(__name__)
@@ -60,8 +59,6 @@ log = logging.getLogger(__name__)
 #: how many of its own acquireTimes and unsettled renewTimes a replica remembers
 #: (:meth:`LeaseElector._twin`): a handful is plenty, as a success settles them
 REMEMBERED_STAMPS = 16
-#: the values of ``reason`` that ``on_failure`` is called with
-FAILURE_REASONS = LEASE_FAILURE_REASONS
 
 
 def failure_of(exc: BaseException, timeout: float) -> tuple[str, str]:
@@ -76,7 +73,7 @@ def failure_of(exc: BaseException, timeout: float) -> tuple[str, str]:
         if message:
             line += f": {message}"
         return "status", " ".join(line.split())[:300]
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):  # asyncio's too, since Python 3.11
         return "timeout", f"no answer within {timeout:g} s"
     text = " ".join((str(exc) or "").split())[:300]
     return "connection", f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -171,10 +168,9 @@ class LeaseElector:
         self.acquisitions = 0
         #: rounds that found the lease renewed by another process under this identity
         self.twin_rounds = 0
-        #: rounds that failed (the API did not answer, or answered an error)
-        self.failures = 0
         self.last_error = ""
-        #: called with a reason of ``FAILURE_REASONS`` for every failed round (metrics)
+        #: called with a reason of ``proxy.contract.LEASE_FAILURE_REASONS`` for every
+        #: failed round (metrics)
         self.on_failure: Callable[[str], None] | None = None
         self._failure_lines = Throttled(
             log, "fact writer lease: round failed", "fact writer lease: rounds failed",
@@ -371,7 +367,6 @@ class LeaseElector:
         """A round that raised: one line (throttled), counted; the leader keeps leading
         until its renew deadline, as it cannot tell who holds the lease."""
         reason, line = failure_of(exc, self.call_timeout)
-        self.failures += 1
         self.last_error = line
         self._failure_lines.event("lease", {"lease": f"{self.namespace}/{self.name}",
                                             "error": line, "reason": reason})
@@ -454,7 +449,7 @@ class LeaseElector:
             log.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         except Exception as exc:  # the lease then simply expires
             log.warning("lease %s/%s: release failed: %s", self.namespace, self.name,
-                        failure_of(exc, self.call_timeout)[1])
+                        failure_of(exc, timeout)[1])
 
     async def stop(self, *, release: bool = True) -> None:
         """End :meth:`run`; ``release=False`` leaves the lease to expire (as a crash would)."""

@@ -884,11 +884,16 @@ class FactWriter:
         return True
 
     @property
+    def _interval(self) -> float:
+        """``facts.interval_seconds``, at least 50 ms (a write loop that never waits)."""
+        return max(0.05, float(self._settings.interval_seconds))
+
+    @property
     def step_down_after(self) -> float:
         """How long every write must have failed before a leader gives the lease up."""
         lease = self._elector.lease_duration if self._elector is not None else 0.0
         return max(STEP_DOWN_LEASES * lease,
-                   STEP_DOWN_INTERVALS * max(0.05, float(self._settings.interval_seconds)))
+                   STEP_DOWN_INTERVALS * self._interval)
 
     def _egress_failed(self, started: float) -> None:
         """A write that started at ``started`` (own clock) failed on the way out. A leader
@@ -917,7 +922,7 @@ class FactWriter:
         elector.step_down(cooldown)
 
     async def _run(self) -> None:
-        interval = max(0.05, float(self._settings.interval_seconds))
+        interval = self._interval
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
