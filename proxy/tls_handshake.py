@@ -181,10 +181,19 @@ class Refusals:
         self._lines.close()
 
 
+#: the TLS protocol's own read buffer (``SSLProtocol.max_size``, asyncio's 256 KiB): made
+#: and zero-filled in the constructor, before a byte arrives, so every connection held it
+#: from its accept. 1,000 silent connections cost 304 KiB each with asyncio's size, 80 KiB
+#: with this one (docs/operations.md). A TLS record holds 16 KiB of data at most, so a
+#: read still takes two of them; a multi-MB body streams as before, in more reads.
+READ_BUFFER_BYTES = 32 * 1024
+
+
 class _WatchedTLS(sslproto.SSLProtocol):
     """asyncio's TLS protocol, remembering the peer for the refusal's log line, and
     counting its connection against ``limit``."""
 
+    max_size = READ_BUFFER_BYTES
     peer: str = ""
     limit: ConnectionLimit | None = None
     #: the connection holds a place in ``limit``
