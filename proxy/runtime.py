@@ -340,7 +340,8 @@ class Proxy:
         try:
             self._runner, self.port = await start_site(
                 app, host, port, ssl_context=self.tls.current if self.tls is not None else None,
-                refusals=self.tls.refusals if self.tls is not None else None)
+                refusals=self.tls.refusals if self.tls is not None else None,
+                connections=self.tls.connections if self.tls is not None else None)
         except OSError as e:
             raise _listen_error(s.server.listen_address, e) from e
         if self.tls is not None:

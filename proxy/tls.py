@@ -3,11 +3,15 @@
 Each load builds a *fresh* context from the files, and the listener's protocol factory
 asks for the current one on each new connection (``ServerTLS.current``,
 proxy/tls_handshake.py): a new handshake gets the new context, connections already open
-keep the one they negotiated. A load that fails builds nothing the listener sees: the old
-context keeps serving. Loading into the live context instead (as before) could add but not
-take away: OpenSSL keeps one certificate per key type, so an ECDSA -> RSA rotation kept
-serving the old ECDSA certificate to every client that offers ECDSA (most), and a CA
-removed from the client CA bundle stayed trusted until a restart.
+keep the one they negotiated, unless the new client CA bundle leaves out a CA the old one
+trusted: then every connection made with an older context is closed after the answer to
+its request in flight (at once when idle), so a client of a removed CA cannot go on
+writing on a keep-alive connection it opened before (it did, for as long as it liked).
+A load that fails builds nothing the listener sees: the old context keeps serving.
+Loading into the live context instead (as before) could add but not take away: OpenSSL
+keeps one certificate per key type, so an ECDSA -> RSA rotation kept serving the old
+ECDSA certificate to every client that offers ECDSA (most), and a CA removed from the
+client CA bundle stayed trusted until a restart.
 
 The context is built by ``proxy.tls_files.server_context``, the builder the settings'
 validation builds with, so files the validation took (a client CA bundle with a
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 from proxy.config import ServerSettings, client_auth_type
 from proxy.tasks import cancel_and_wait
 from proxy.tls_files import VERIFY_MODES, FileStamp, failure_text, server_context, stamp
-from proxy.tls_handshake import Refusals
+from proxy.tls_handshake import Refusals, TLSConnections
 
 log = logging.getLogger("karta.tls")
 
@@ -85,6 +89,11 @@ def _validity(cert_file: str) -> tuple[float | None, float | None]:
         return None, None
 
 
+def _client_cas(ctx: ssl.SSLContext) -> frozenset[bytes]:
+    """The CA certificates (DER) a context verifies client certificates against."""
+    return frozenset(ctx.get_ca_certs(binary_form=True))
+
+
 class ServerTLS:
     """The listening side's current ``SSLContext`` and the watcher that keeps it current."""
 
@@ -115,6 +124,8 @@ class ServerTLS:
         self._task: asyncio.Task[None] | None = None
         #: failed handshakes, counted and logged; the listener (TLSSite) reports to it
         self.refusals = Refusals(on_refused)
+        #: the connections open now, listed by the listener (TLSSite)
+        self.connections = TLSConnections()
 
     def current(self) -> ssl.SSLContext:
         """The context a new connection is served with (the listener asks each time)."""
@@ -147,11 +158,20 @@ class ServerTLS:
             raise
 
     def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
-        """Serve new connections with ``loaded`` (a ``build`` that succeeded)."""
+        """Serve new connections with ``loaded`` (a ``build`` that succeeded); when it
+        trusts fewer client CAs, close the connections made under the old ones."""
+        old = self.context
         self.context, self._stamps, self._failed = loaded.context, loaded.stamps, None
         log.info("TLS certificate loaded", extra={
             "cert_file": self.cert_file, "key_file": self.key_file,
             "client_ca_file": self.client_ca_file, "forced": forced})
+        removed = _client_cas(old) - _client_cas(loaded.context)
+        if removed:
+            closing = self.connections.retire(loaded.context)
+            log.warning("client CAs removed from the bundle: connections made under the old "
+                        "one close after their request in flight", extra={
+                            "client_ca_file": self.client_ca_file,
+                            "removed_cas": len(removed), "connections": closing})
         self._validity(loaded)
         if self._on_reload is not None:
             self._on_reload(True)
