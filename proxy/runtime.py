@@ -366,6 +366,8 @@ class Proxy:
         def count(ok: bool) -> None:
             self.metrics.tls_reloads.labels("success" if ok else "failure").inc()
 
+        for result in ("success", "failure"):  # both present from the start, at 0
+            self.metrics.tls_reloads.labels(result)
         failures = self.metrics.tls_handshake_failures
         for reason in REASONS:  # every reason present from the start, at 0
             failures.labels(reason.value)

@@ -43,7 +43,14 @@ from dataclasses import dataclass
 
 from proxy.config import ServerSettings, client_auth_type
 from proxy.tasks import cancel_and_wait
-from proxy.tls_files import VERIFY_MODES, FileStamp, failure_text, server_context, stamp
+from proxy.tls_files import (
+    VERIFY_MODES,
+    FileStamp,
+    certificate_validity,
+    failure_text,
+    server_context,
+    stamp,
+)
 from proxy.tls_handshake import Refusals, TLSConnections
 
 log = logging.getLogger("karta.tls")
@@ -69,24 +76,6 @@ class Loaded:
     #: the serving certificate's validity (unix seconds); None when it could not be read
     not_before: float | None
     not_after: float | None
-
-
-def _validity(cert_file: str) -> tuple[float | None, float | None]:
-    """(notBefore, notAfter) of the first certificate in ``cert_file``, unix seconds.
-
-    ``ssl`` has no public reader of a certificate file; its test helper is the one
-    parser in the standard library (``cryptography`` is a test dependency only). A
-    Python without it, or a file it cannot read, gives (None, None): no warning, no metric.
-    """
-    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
-    if decode is None:
-        return None, None
-    try:
-        info = decode(cert_file)
-        return (ssl.cert_time_to_seconds(info["notBefore"]),
-                ssl.cert_time_to_seconds(info["notAfter"]))
-    except Exception:  # a parse failure here must not fail a load OpenSSL accepted
-        return None, None
 
 
 def _client_cas(ctx: ssl.SSLContext) -> frozenset[bytes]:
@@ -143,7 +132,7 @@ class ServerTLS:
         stamps = self._read_stamps()
         ctx = server_context(self.cert_file, self.key_file, self.client_ca_file,
                              VERIFY_MODES[self.client_auth_type])
-        return Loaded(ctx, stamps, *_validity(self.cert_file))
+        return Loaded(ctx, stamps, *certificate_validity(self.cert_file))
 
     def trial(self) -> Loaded:
         """``build``, its failure counted and logged as a check's is, then raised: a

@@ -435,6 +435,20 @@ async def test_a_client_ca_added_to_the_bundle_closes_no_connection(
         await p.stop()
 
 
+async def test_both_reload_results_are_served_from_the_start(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """A series that appears only at its first increment is missed by ``increase()`` and
+    by an alert on it: the first failed reload went unseen."""
+    p = await started(tls_settings(tmp_path, upstream.url, pki))
+    try:
+        for result in ("success", "failure"):
+            assert p.metrics.registry.get_sample_value(
+                "karta_proxy_tls_certificate_reloads_total", {"result": result}) == 0
+    finally:
+        await p.stop()
+
+
 #: a comment line in a CA bundle, as the Mozilla bundle (and certifi) carry them
 NON_ASCII_COMMENT = "# Issuer: CN=Zürich Root CA, O=Grüezi AG\n".encode()
 
