@@ -473,7 +473,7 @@ class Proxy:
             try:
                 tls = self.tls.trial()
             except Exception as e:
-                return ReloadOutcome(False, f"TLS files (server.tls_*): {e}")
+                return ReloadOutcome(False, f"TLS files (server.tls_*): {self.tls.named(e)}")
         try:
             upstream_tls = self.upstream.tls_trial()
         except Exception as e:

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from proxy.config import ServerSettings, client_auth_type
@@ -46,6 +46,7 @@ from proxy.tasks import cancel_and_wait
 from proxy.tls_files import (
     VERIFY_MODES,
     FileStamp,
+    Part,
     certificate_validity,
     failure_text,
     server_context,
@@ -106,6 +107,8 @@ class ServerTLS:
         self._clock = clock
         #: the last failure logged (the files' stamps and why), so each is logged once
         self._failed: tuple[Stamps | None, str] | None = None
+        #: the file (or certificate and key) the last ``build`` failed to load, "" if none
+        self._failing = ""
         loaded = self.build()
         self.context = loaded.context
         self._stamps = loaded.stamps
@@ -130,9 +133,26 @@ class ServerTLS:
         changed at the next check and loaded again.
         """
         stamps = self._read_stamps()
+        self._failing = ""
         ctx = server_context(self.cert_file, self.key_file, self.client_ca_file,
-                             VERIFY_MODES[self.client_auth_type])
+                             VERIFY_MODES[self.client_auth_type], loading=self._loading)
         return Loaded(ctx, stamps, *certificate_validity(self.cert_file))
+
+    @contextlib.contextmanager
+    def _loading(self, part: Part) -> Iterator[None]:
+        """Remember which file a failed ``build`` was loading: the ssl module's words
+        ("PEM lib", "No such file or directory") name none, and the line named all three."""
+        try:
+            yield
+        except Exception:
+            self._failing = (f"{self.cert_file!r} with {self.key_file!r}" if part == "cert"
+                             else repr(self.client_ca_file))
+            raise
+
+    def named(self, e: Exception) -> str:
+        """Why the last ``build`` failed, with the file it was loading."""
+        why = failure_text(e)
+        return f"cannot load {self._failing}: {why}" if self._failing else why
 
     def trial(self) -> Loaded:
         """``build``, its failure counted and logged as a check's is, then raised: a
@@ -143,7 +163,7 @@ class ServerTLS:
             stamps = None
             with contextlib.suppress(OSError):
                 stamps = self._read_stamps()
-            self._fail(stamps, failure_text(e))
+            self._fail(stamps, self.named(e))
             raise
 
     def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
@@ -200,7 +220,7 @@ class ServerTLS:
         try:
             loaded = self.build()
         except Exception as e:  # ssl.SSLError, OSError, or anything a file could cause
-            self._fail(stamps, failure_text(e))
+            self._fail(stamps, self.named(e))
             return False
         self.adopt(loaded, forced=force)
         return True

@@ -32,7 +32,9 @@ class FileSecret:
     """A credential read from a file and re-read when the file changes (rotated tokens).
 
     The file is stat'ed at most once per ``check_interval`` seconds, so the request path
-    pays one clock read in the common case. A file that vanishes keeps the last value.
+    pays one clock read in the common case. A file that vanishes keeps the last value;
+    each distinct error is logged once, and the file readable again once (a warning per
+    check was ~3,600 lines an hour of one missing file).
     """
 
     def __init__(
@@ -45,6 +47,8 @@ class FileSecret:
         self._next_check = 0.0
         self._stamp: FileStamp | None = None
         self._value = ""
+        #: the error logged last, "" while the file reads
+        self._error = ""
         self.get()
 
     def get(self) -> str:
@@ -59,8 +63,14 @@ class FileSecret:
                     self._value = f.read().strip()
                 self._stamp = current
         except OSError as e:
-            log.warning("cannot read credential file, keeping the last value",
-                        extra={"path": self.path, "error": str(e)})
+            if str(e) != self._error:
+                self._error = str(e)
+                log.warning("cannot read credential file, keeping the last value",
+                            extra={"path": self.path, "error": self._error})
+            return self._value
+        if self._error:
+            self._error = ""
+            log.info("credential file read again", extra={"path": self.path})
         return self._value
 
 

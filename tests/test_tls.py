@@ -449,6 +449,32 @@ async def test_both_reload_results_are_served_from_the_start(
         await p.stop()
 
 
+async def test_a_load_that_fails_names_the_file(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """OpenSSL's words (``no certificate or crl found``, ``PEM lib``) name no file, and the
+    line listed all three: which one to fix was a guess."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    caplog.set_level(logging.ERROR, logger="karta.tls")
+    try:
+        assert p.tls is not None
+        bundle.write_text("not a certificate\n")
+        assert p.tls.check() is False
+        (line,) = [r for r in caplog.records if r.getMessage() == "TLS files not loaded; "
+                   "the certificate in use stays"]
+        assert line.__dict__["error"].startswith(f"cannot load {str(bundle)!r}: ")
+        bundle.write_bytes(pki.ca.ca_file.read_bytes())
+        pki.server.key.write_bytes(pki.ca.issue("other", server=True).key.read_bytes())
+        outcome = await p.reload()
+        assert not outcome.ok and f"cannot load {str(pki.server.cert)!r} with " \
+            f"{str(pki.server.key)!r}: " in outcome.error, outcome
+    finally:
+        await p.stop()
+
+
 #: a comment line in a CA bundle, as the Mozilla bundle (and certifi) carry them
 NON_ASCII_COMMENT = "# Issuer: CN=Zürich Root CA, O=Grüezi AG\n".encode()
 

@@ -126,3 +126,31 @@ async def test_the_upstream_tls_series_are_served_from_the_start(tmp_path: Path)
         assert end is not None and time.time() < end < time.time() + 86400 + 60
     finally:
         await u.close()
+
+
+def test_a_missing_credential_file_is_logged_once_and_its_return_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Checked every second, a missing token file was a warning a second (~3,600 lines an
+    hour); now one per distinct error, and one line when it reads again."""
+    now = [0.0]
+    path = tmp_path / "token"
+    path.write_text("one")
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    secret = FileSecret(str(path), clock=lambda: now[0])
+    path.unlink()
+    for _ in range(5):
+        now[0] += 1.5
+        assert secret.get() == "one"
+    path.write_text("two")
+    for _ in range(3):
+        now[0] += 1.5
+        assert secret.get() == "two"
+    path.unlink()
+    now[0] += 1.5
+    secret.get()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "cannot read credential file, keeping the last value"),
+        (logging.INFO, "credential file read again"),
+        (logging.WARNING, "cannot read credential file, keeping the last value"),
+    ]
