@@ -275,7 +275,7 @@ class _SpentParser:
 class _GuardedProtocol(RequestHandler):
     __slots__ = ("_body", "_counted", "_drain_deadline", "_drain_timer", "_header_bytes",
                  "_header_tail", "_header_timer", "_holding", "_limited", "_linger",
-                 "_refused", "_shed_count", "_shedding", "_skipping")
+                 "_refused", "_retiring", "_shed_count", "_shedding", "_skipping")
 
     def __init__(self, manager: _GuardedServer, *, limited: bool = True, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -306,6 +306,8 @@ class _GuardedProtocol(RequestHandler):
         #: reading paused while the request with this body waits for a slot (``hold`` /
         #: ``admitted``), and its promise
         self._holding: tuple[Wait, Any] | None = None
+        #: the answer being made is the connection's last (``retire``)
+        self._retiring = False
         if manager.shed is not None:
             self._parser = cast(Any, _SheddingParser(self._parser, self))
 
@@ -437,6 +439,27 @@ class _GuardedProtocol(RequestHandler):
         transport.write(response_431(server.max_header_bytes))
         self._close_after_answer()
 
+    def retire(self) -> None:
+        """Close after the answer to the request in flight, at once when there is none.
+
+        Not aiohttp's ``close``: that stops reading at once, so a body still arriving was
+        cut off and its request answered 503 (too slow). The answer itself says
+        ``Connection: close`` instead (``finish_response``), and aiohttp closes once it is
+        written: a request being handled loses nothing. An idle connection is closed as
+        aiohttp's keep-alive timeout closes one; a request whose headers were still
+        arriving gets no answer, and its sender sends it again on a new connection."""
+        self._retiring = True
+        if not (self._request_in_progress or self._messages):
+            self.force_close()
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        if self._retiring:
+            # before the headers: they say it; after (a streamed page): aiohttp still
+            # reads ``keep_alive`` from it to decide whether to close
+            resp.force_close()
+        return await super().finish_response(request, resp, start_time)
+
     # -- shedding -------------------------------------------------------------------------
 
     def hold(self, wait: Wait, payload: Any) -> None:
@@ -558,6 +581,18 @@ class _GuardedProtocol(RequestHandler):
         server.on_timeout(_peer(self.transport))
         self.transport.write(RESPONSE_408)
         self.force_close()  # asyncio closes after the 408 is flushed
+
+
+def close_when_answered(protocol: asyncio.BaseProtocol) -> None:
+    """Close an aiohttp connection after the request in flight has its answer, or at once
+    when it has none: the trust it was made under is gone (a client CA removed,
+    ``proxy.tls``), and a keep-alive connection is otherwise served for as long as its
+    sender keeps it."""
+    if isinstance(protocol, _GuardedProtocol):
+        protocol.retire()
+    elif isinstance(protocol, RequestHandler) and not (  # a bare aiohttp server: idle only
+            protocol._request_in_progress or protocol._messages):
+        protocol.force_close()
 
 
 def holding(request: web.BaseRequest) -> bool:

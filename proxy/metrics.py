@@ -309,6 +309,18 @@ class ProxyMetrics:
             _P + "tls_certificate_expiry_timestamp_seconds", "When the serving certificate "
             "loaded last expires (its notAfter), unix seconds.", registry=None,
         )
+        #: the upstream's side (``upstream.tls_*``): registered by the upstream when its TLS
+        #: files are set, the expiry when a client certificate is
+        self.upstream_tls_reloads = Counter(
+            _P + "upstream_tls_certificate_reloads", "Loads of the upstream's TLS files (CA, "
+            "client certificate and key) after they changed or on a reload, by result "
+            "(success, failure).", ["result"], registry=None,
+        )
+        self.upstream_tls_certificate_expiry = Gauge(
+            _P + "upstream_tls_certificate_expiry_timestamp_seconds", "When the client "
+            "certificate presented to the upstream, loaded last, expires (its notAfter), "
+            "unix seconds.", registry=None,
+        )
 
     def watch_index(self, index: PodIndex) -> None:
         self._index = index

@@ -340,7 +340,8 @@ class Proxy:
         try:
             self._runner, self.port = await start_site(
                 app, host, port, ssl_context=self.tls.current if self.tls is not None else None,
-                refusals=self.tls.refusals if self.tls is not None else None)
+                refusals=self.tls.refusals if self.tls is not None else None,
+                connections=self.tls.connections if self.tls is not None else None)
         except OSError as e:
             raise _listen_error(s.server.listen_address, e) from e
         if self.tls is not None:
@@ -365,6 +366,8 @@ class Proxy:
         def count(ok: bool) -> None:
             self.metrics.tls_reloads.labels("success" if ok else "failure").inc()
 
+        for result in ("success", "failure"):  # both present from the start, at 0
+            self.metrics.tls_reloads.labels(result)
         failures = self.metrics.tls_handshake_failures
         for reason in REASONS:  # every reason present from the start, at 0
             failures.labels(reason.value)
@@ -470,7 +473,7 @@ class Proxy:
             try:
                 tls = self.tls.trial()
             except Exception as e:
-                return ReloadOutcome(False, f"TLS files (server.tls_*): {e}")
+                return ReloadOutcome(False, f"TLS files (server.tls_*): {self.tls.named(e)}")
         try:
             upstream_tls = self.upstream.tls_trial()
         except Exception as e:

@@ -22,7 +22,7 @@ from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.metrics import ProxyMetrics
 from proxy.reload import ReloadOutcome
-from proxy.tls_handshake import ContextSource, Refusals, TLSSite
+from proxy.tls_handshake import ContextSource, Refusals, TLSConnections, TLSSite
 from proxy.wire.native import DEFAULT as SPLICE
 from proxy.yielding import Pacer
 
@@ -212,10 +212,11 @@ class _Pages:
 
 async def start_site(
     app: web.Application, host: str, port: int, *, ssl_context: ContextSource | None = None,
-    refusals: Refusals | None = None,
+    refusals: Refusals | None = None, connections: TLSConnections | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` (HTTPS with ``ssl_context``, its failed handshakes told to
-    ``refusals``); returns the runner and the bound port (port 0 picks a free one).
+    ``refusals``, its open connections listed in ``connections``); returns the runner and
+    the bound port (port 0 picks a free one).
     ``ssl_context`` may be a callable giving the current context, asked per connection
     (a rotated certificate is a new context: proxy/tls.py)."""
     handler = app[REMOTE_WRITE]
@@ -238,7 +239,8 @@ async def start_site(
         # deadline (asyncio's own is 60 s, long enough for an idle client to hold a slot)
         site = TLSSite(runner, host, port, ssl_context=ssl_context, reuse_address=True,
                        refusals=refusals if refusals is not None else Refusals(),
-                       handshake_timeout=handler.settings.header_read_timeout_seconds)
+                       handshake_timeout=handler.settings.header_read_timeout_seconds,
+                       connections=connections)
     await site.start()
     # the runner's public view of its sockets: (host, port, ...) per bound address
     bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)

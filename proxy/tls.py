@@ -3,11 +3,15 @@
 Each load builds a *fresh* context from the files, and the listener's protocol factory
 asks for the current one on each new connection (``ServerTLS.current``,
 proxy/tls_handshake.py): a new handshake gets the new context, connections already open
-keep the one they negotiated. A load that fails builds nothing the listener sees: the old
-context keeps serving. Loading into the live context instead (as before) could add but not
-take away: OpenSSL keeps one certificate per key type, so an ECDSA -> RSA rotation kept
-serving the old ECDSA certificate to every client that offers ECDSA (most), and a CA
-removed from the client CA bundle stayed trusted until a restart.
+keep the one they negotiated, unless the new client CA bundle leaves out a CA the old one
+trusted: then every connection made with an older context is closed after the answer to
+its request in flight (at once when idle), so a client of a removed CA cannot go on
+writing on a keep-alive connection it opened before (it did, for as long as it liked).
+A load that fails builds nothing the listener sees: the old context keeps serving.
+Loading into the live context instead (as before) could add but not take away: OpenSSL
+keeps one certificate per key type, so an ECDSA -> RSA rotation kept serving the old
+ECDSA certificate to every client that offers ECDSA (most), and a CA removed from the
+client CA bundle stayed trusted until a restart.
 
 The context is built by ``proxy.tls_files.server_context``, the builder the settings'
 validation builds with, so files the validation took (a client CA bundle with a
@@ -34,13 +38,21 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from proxy.config import ServerSettings, client_auth_type
 from proxy.tasks import cancel_and_wait
-from proxy.tls_files import VERIFY_MODES, FileStamp, failure_text, server_context, stamp
-from proxy.tls_handshake import Refusals
+from proxy.tls_files import (
+    VERIFY_MODES,
+    FileStamp,
+    Part,
+    certificate_validity,
+    failure_text,
+    server_context,
+    stamp,
+)
+from proxy.tls_handshake import Refusals, TLSConnections
 
 log = logging.getLogger("karta.tls")
 
@@ -67,22 +79,9 @@ class Loaded:
     not_after: float | None
 
 
-def _validity(cert_file: str) -> tuple[float | None, float | None]:
-    """(notBefore, notAfter) of the first certificate in ``cert_file``, unix seconds.
-
-    ``ssl`` has no public reader of a certificate file; its test helper is the one
-    parser in the standard library (``cryptography`` is a test dependency only). A
-    Python without it, or a file it cannot read, gives (None, None): no warning, no metric.
-    """
-    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
-    if decode is None:
-        return None, None
-    try:
-        info = decode(cert_file)
-        return (ssl.cert_time_to_seconds(info["notBefore"]),
-                ssl.cert_time_to_seconds(info["notAfter"]))
-    except Exception:  # a parse failure here must not fail a load OpenSSL accepted
-        return None, None
+def _client_cas(ctx: ssl.SSLContext) -> frozenset[bytes]:
+    """The CA certificates (DER) a context verifies client certificates against."""
+    return frozenset(ctx.get_ca_certs(binary_form=True))
 
 
 class ServerTLS:
@@ -108,6 +107,8 @@ class ServerTLS:
         self._clock = clock
         #: the last failure logged (the files' stamps and why), so each is logged once
         self._failed: tuple[Stamps | None, str] | None = None
+        #: the file (or certificate and key) the last ``build`` failed to load, "" if none
+        self._failing = ""
         loaded = self.build()
         self.context = loaded.context
         self._stamps = loaded.stamps
@@ -115,6 +116,8 @@ class ServerTLS:
         self._task: asyncio.Task[None] | None = None
         #: failed handshakes, counted and logged; the listener (TLSSite) reports to it
         self.refusals = Refusals(on_refused)
+        #: the connections open now, listed by the listener (TLSSite)
+        self.connections = TLSConnections()
 
     def current(self) -> ssl.SSLContext:
         """The context a new connection is served with (the listener asks each time)."""
@@ -130,9 +133,26 @@ class ServerTLS:
         changed at the next check and loaded again.
         """
         stamps = self._read_stamps()
+        self._failing = ""
         ctx = server_context(self.cert_file, self.key_file, self.client_ca_file,
-                             VERIFY_MODES[self.client_auth_type])
-        return Loaded(ctx, stamps, *_validity(self.cert_file))
+                             VERIFY_MODES[self.client_auth_type], loading=self._loading)
+        return Loaded(ctx, stamps, *certificate_validity(self.cert_file))
+
+    @contextlib.contextmanager
+    def _loading(self, part: Part) -> Iterator[None]:
+        """Remember which file a failed ``build`` was loading: the ssl module's words
+        ("PEM lib", "No such file or directory") name none, and the line named all three."""
+        try:
+            yield
+        except Exception:
+            self._failing = (f"{self.cert_file!r} with {self.key_file!r}" if part == "cert"
+                             else repr(self.client_ca_file))
+            raise
+
+    def named(self, e: Exception) -> str:
+        """Why the last ``build`` failed, with the file it was loading."""
+        why = failure_text(e)
+        return f"cannot load {self._failing}: {why}" if self._failing else why
 
     def trial(self) -> Loaded:
         """``build``, its failure counted and logged as a check's is, then raised: a
@@ -143,15 +163,24 @@ class ServerTLS:
             stamps = None
             with contextlib.suppress(OSError):
                 stamps = self._read_stamps()
-            self._fail(stamps, failure_text(e))
+            self._fail(stamps, self.named(e))
             raise
 
     def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
-        """Serve new connections with ``loaded`` (a ``build`` that succeeded)."""
+        """Serve new connections with ``loaded`` (a ``build`` that succeeded); when it
+        trusts fewer client CAs, close the connections made under the old ones."""
+        old = self.context
         self.context, self._stamps, self._failed = loaded.context, loaded.stamps, None
         log.info("TLS certificate loaded", extra={
             "cert_file": self.cert_file, "key_file": self.key_file,
             "client_ca_file": self.client_ca_file, "forced": forced})
+        removed = _client_cas(old) - _client_cas(loaded.context)
+        if removed:
+            closing = self.connections.retire(loaded.context)
+            log.warning("client CAs removed from the bundle: connections made under the old "
+                        "one close after their request in flight", extra={
+                            "client_ca_file": self.client_ca_file,
+                            "removed_cas": len(removed), "connections": closing})
         self._validity(loaded)
         if self._on_reload is not None:
             self._on_reload(True)
@@ -191,7 +220,7 @@ class ServerTLS:
         try:
             loaded = self.build()
         except Exception as e:  # ssl.SSLError, OSError, or anything a file could cause
-            self._fail(stamps, failure_text(e))
+            self._fail(stamps, self.named(e))
             return False
         self.adopt(loaded, forced=force)
         return True

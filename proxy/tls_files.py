@@ -98,6 +98,24 @@ def server_context(
     return ctx
 
 
+def certificate_validity(cert_file: str) -> tuple[float | None, float | None]:
+    """(notBefore, notAfter) of the first certificate in ``cert_file``, unix seconds.
+
+    ``ssl`` has no public reader of a certificate file; its test helper is the one
+    parser in the standard library (``cryptography`` is a test dependency only). A
+    Python without it, or a file it cannot read, gives (None, None): no warning, no metric.
+    """
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None, None
+    try:
+        info = decode(cert_file)
+        return (ssl.cert_time_to_seconds(info["notBefore"]),
+                ssl.cert_time_to_seconds(info["notAfter"]))
+    except Exception:  # a parse failure here must not fail a load OpenSSL accepted
+        return None, None
+
+
 def failure_text(e: Exception) -> str:
     """Why a load failed, for a log line: the ssl module's or the OS's own words, else
     the exception's type too (whatever a file could make a load raise is a failed load)."""

@@ -36,11 +36,11 @@ import time
 from asyncio import sslproto
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
-from proxy.connection_guard import ConnectionLimit
+from proxy.connection_guard import ConnectionLimit, close_when_answered
 from proxy.log import THROTTLE_SECONDS, Throttled
 
 log = logging.getLogger("karta.tls")
@@ -181,16 +181,70 @@ class Refusals:
         self._lines.close()
 
 
+#: the TLS protocol's own read buffer (``SSLProtocol.max_size``, asyncio's 256 KiB): made
+#: and zero-filled in the constructor, before a byte arrives, so every connection held it
+#: from its accept. 1,000 silent connections cost 304 KiB each with asyncio's size, 80 KiB
+#: with this one (docs/operations.md). A TLS record holds 16 KiB of data at most, so a
+#: read still takes two of them; a multi-MB body streams as before, in more reads.
+READ_BUFFER_BYTES = 32 * 1024
+
+
+class TLSConnections:
+    """The listener's TLS connections open now, each with the context it was made with.
+
+    A context checks a client certificate in the handshake only, and a keep-alive
+    connection lives for as long as its sender keeps it (hours): a client whose CA was
+    removed from the bundle went on writing on the connection it had. ``retire`` is how
+    a change of trust reaches the connections already open (``proxy.tls``)."""
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open: set[_WatchedTLS] = set()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, proto: _WatchedTLS) -> None:
+        self._open.add(proto)
+
+    def discard(self, proto: _WatchedTLS) -> None:
+        self._open.discard(proto)
+
+    def retire(self, current: ssl.SSLContext) -> int:
+        """Close every connection made with another context than ``current``: after the
+        answer to its request in flight, at once when idle, and one still in its handshake
+        at once (it would finish under the old trust). Returns how many."""
+        retired = 0
+        for proto in list(self._open):
+            if proto.context is current or proto.retired:
+                continue
+            proto.retire()
+            retired += 1
+        return retired
+
+
 class _WatchedTLS(sslproto.SSLProtocol):
     """asyncio's TLS protocol, remembering the peer for the refusal's log line, and
     counting its connection against ``limit``."""
 
+    max_size = READ_BUFFER_BYTES
     peer: str = ""
     limit: ConnectionLimit | None = None
     #: the connection holds a place in ``limit``
     counted: bool = False
     #: closed at once past ``limit``: no handshake was started
     refused: bool = False
+    #: where the connection is listed while open, so that a change of trust reaches it
+    connections: TLSConnections | None = None
+    #: the context it was made with, and the connection protocol above it
+    context: ssl.SSLContext | None = None
+    app: asyncio.BaseProtocol | None = None
+    #: its handshake succeeded (the connection protocol has the connection)
+    handshaken: bool = False
+    #: closed, or closing, because the trust it was made under is gone
+    retired: bool = False
+    _tcp: asyncio.BaseTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.limit is not None:
@@ -198,16 +252,28 @@ class _WatchedTLS(sslproto.SSLProtocol):
                 self.refused = True
                 return
             self.counted = True
+        self._tcp = transport
+        if self.connections is not None:
+            self.connections.add(self)
         self.peer = _peer_text(transport.get_extra_info("peername"))
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.refused:
             return
+        if self.connections is not None:
+            self.connections.discard(self)
         if self.counted and self.limit is not None:
             self.counted = False
             self.limit.give_back()
         super().connection_lost(exc)
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.handshaken and self.app is not None:
+            close_when_answered(self.app)
+        elif self._tcp is not None:
+            cast(asyncio.Transport, self._tcp).abort()
 
 
 def _hello_seen(proto: _WatchedTLS) -> bool:
@@ -226,11 +292,12 @@ ContextSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 def tls_protocol_factory(
     loop: asyncio.AbstractEventLoop, app_factory: Callable[[], asyncio.BaseProtocol],
     context: ContextSource, refusals: Refusals, *, handshake_timeout: float | None = None,
-    limit: ConnectionLimit | None = None,
+    limit: ConnectionLimit | None = None, connections: TLSConnections | None = None,
 ) -> Callable[[], asyncio.BaseProtocol]:
     """A protocol factory for a plain listener that serves TLS as ``create_server(ssl=)``
     would, and reports each failed handshake to ``refusals``; with ``limit``, counts its
-    connections against it (``app_factory``'s protocols must not count them again).
+    connections against it (``app_factory``'s protocols must not count them again); with
+    ``connections``, lists each open connection there.
 
     ``context`` may be a callable, asked for the context of each new connection: a
     rotated certificate or client CA is a new context (proxy/tls.py), never a change to
@@ -240,15 +307,19 @@ def tls_protocol_factory(
 
     def make() -> asyncio.BaseProtocol:
         waiter = loop.create_future()
+        app, ctx = app_factory(), current()
         # typeshed says int for SSLProtocol's timeout; asyncio takes any number of seconds
         # (create_server's own parameter is a float), and it is a float setting here
-        proto = _WatchedTLS(loop, app_factory(), current(), waiter, server_side=True,
+        proto = _WatchedTLS(loop, app, ctx, waiter, server_side=True,
                             ssl_handshake_timeout=handshake_timeout)  # type: ignore[arg-type]
-        proto.limit = limit
+        proto.limit, proto.connections, proto.context, proto.app = limit, connections, ctx, app
 
         def done(f: asyncio.Future[None]) -> None:
             exc = None if f.cancelled() else f.exception()  # also marks it retrieved
             if exc is None:
+                proto.handshaken = True
+                return
+            if proto.retired:  # ended by ``retire``, not refused
                 return
             try:
                 found = classify(exc, hello_seen=_hello_seen(proto))
@@ -266,16 +337,19 @@ def tls_protocol_factory(
 class TLSSite(web.BaseSite):
     """aiohttp's ``TCPSite`` for HTTPS, with the TLS layer made by ``tls_protocol_factory``."""
 
-    __slots__ = ("_context", "_handshake_timeout", "_host", "_port", "_refusals",
-                 "_reuse_address")
+    __slots__ = ("_connections", "_context", "_handshake_timeout", "_host", "_port",
+                 "_refusals", "_reuse_address")
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
                  ssl_context: ContextSource, refusals: Refusals,
                  reuse_address: bool | None = None,
-                 handshake_timeout: float | None = None) -> None:
+                 handshake_timeout: float | None = None,
+                 connections: TLSConnections | None = None) -> None:
         """``ssl_context``: the context, or a callable giving the current one (asked per
-        connection, ``tls_protocol_factory``)."""
+        connection, ``tls_protocol_factory``); ``connections``: where the open ones are
+        listed, for ``TLSConnections.retire``."""
         self._context = ssl_context
+        self._connections = connections
         first = ssl_context if isinstance(ssl_context, ssl.SSLContext) else ssl_context()
         super().__init__(runner, ssl_context=first)
         self._host, self._port, self._reuse_address = host, port, reuse_address
@@ -296,5 +370,6 @@ class TLSSite(web.BaseSite):
         app_factory = getattr(server, "uncounted", server) if limit is not None else server
         self._server = await loop.create_server(
             tls_protocol_factory(loop, app_factory, context, self._refusals,
-                                 handshake_timeout=self._handshake_timeout, limit=limit),
+                                 handshake_timeout=self._handshake_timeout, limit=limit,
+                                 connections=self._connections),
             self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address)

@@ -540,7 +540,7 @@ class Upstream:
         credentials = url_credentials(settings.url)
         self._basic = basic_authorization(*credentials) if credentials is not None else ""
         #: the client context when a TLS file is set, re-read when they change
-        self._tls = (ClientTLS(settings) if settings.tls_ca_file or settings.tls_cert_file
+        self._tls = (self._client_tls() if settings.tls_ca_file or settings.tls_cert_file
                      else None)
         self.own_credentials = bool(
             self._token is not None or self._password is not None or self._basic
@@ -573,10 +573,27 @@ class Upstream:
             self._recheck = True
             self._check_task = asyncio.create_task(self.check(), name="upstream-check")
 
+    def _client_tls(self) -> ClientTLS:
+        """The client context, its loads counted and its certificate's end published
+        (karta_proxy_upstream_tls_certificate_*), when there are metrics."""
+        m = self.metrics
+        if m is None:
+            return ClientTLS(self.settings)
+        reloads = m.upstream_tls_reloads
+        m.registry.register(reloads)
+        for result in ("success", "failure"):  # both present from the start, at 0
+            reloads.labels(result)
+        expiry = m.upstream_tls_certificate_expiry
+        if self.settings.tls_cert_file:
+            m.registry.register(expiry)
+        return ClientTLS(
+            self.settings, on_expiry=expiry.set,
+            on_reload=lambda ok: reloads.labels("success" if ok else "failure").inc())
+
     def tls_trial(self) -> ClientTLSLoad | None:
         """The upstream's TLS files built into a new context, for a reload to try before it
         applies anything (raises when they do not load); None without TLS files."""
-        return self._tls.build() if self._tls is not None else None
+        return self._tls.trial() if self._tls is not None else None
 
     def tls_adopt(self, loaded: ClientTLSLoad | None) -> None:
         """Use a context ``tls_trial`` built for the connections made from now on."""

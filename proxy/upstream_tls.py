@@ -17,7 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.config import UpstreamSettings
-from proxy.tls_files import FileStamp, client_context, failure_text, stamp
+from proxy.tls_files import (
+    FileStamp,
+    certificate_validity,
+    client_context,
+    failure_text,
+    stamp,
+)
 
 log = logging.getLogger("karta.upstream")
 
@@ -26,7 +32,9 @@ class FileSecret:
     """A credential read from a file and re-read when the file changes (rotated tokens).
 
     The file is stat'ed at most once per ``check_interval`` seconds, so the request path
-    pays one clock read in the common case. A file that vanishes keeps the last value.
+    pays one clock read in the common case. A file that vanishes keeps the last value;
+    each distinct error is logged once, and the file readable again once (a warning per
+    check was ~3,600 lines an hour of one missing file).
     """
 
     def __init__(
@@ -39,6 +47,8 @@ class FileSecret:
         self._next_check = 0.0
         self._stamp: FileStamp | None = None
         self._value = ""
+        #: the error logged last, "" while the file reads
+        self._error = ""
         self.get()
 
     def get(self) -> str:
@@ -53,9 +63,19 @@ class FileSecret:
                     self._value = f.read().strip()
                 self._stamp = current
         except OSError as e:
-            log.warning("cannot read credential file, keeping the last value",
-                        extra={"path": self.path, "error": str(e)})
+            if str(e) != self._error:
+                self._error = str(e)
+                log.warning("cannot read credential file, keeping the last value",
+                            extra={"path": self.path, "error": self._error})
+            return self._value
+        if self._error:
+            self._error = ""
+            log.info("credential file read again", extra={"path": self.path})
         return self._value
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def build_ssl_context(s: UpstreamSettings) -> ssl.SSLContext | None:
@@ -99,16 +119,25 @@ class ClientTLS:
     """
 
     def __init__(self, settings: UpstreamSettings, *, check_interval: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_reload: Callable[[bool], None] | None = None,
+                 on_expiry: Callable[[float], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        """``on_reload`` is told each load after the first (True) or failed one (False);
+        ``on_expiry`` the client certificate's notAfter at each load."""
         self.settings = settings
         self._interval = check_interval
         self._clock = clock
+        self._on_reload = on_reload
+        self._on_expiry = on_expiry
+        self._wall_clock = wall_clock
         self._next_check = clock() + check_interval
         self._stamps = _tls_stamps(settings)
         ctx = build_ssl_context(settings)
         assert ctx is not None, "ClientTLS is made for an upstream with TLS settings"
         self.context = ctx
         self._failed = ""
+        self._validity()
 
     def build(self) -> ClientTLSLoad:
         """A new context from the files, or the exception; nothing in use changes."""
@@ -117,12 +146,46 @@ class ClientTLS:
         assert ctx is not None
         return ClientTLSLoad(ctx, stamps)
 
+    def trial(self) -> ClientTLSLoad:
+        """``build``, its failure counted as a check's is, then raised (a reload)."""
+        try:
+            return self.build()
+        except Exception:
+            if self._on_reload is not None:
+                self._on_reload(False)
+            raise
+
     def adopt(self, loaded: ClientTLSLoad) -> None:
         changed = loaded.stamps != self._stamps
         self.context, self._stamps, self._failed = loaded.context, loaded.stamps, ""
         log.info("upstream TLS files loaded", extra={
             "ca_file": self.settings.tls_ca_file, "cert_file": self.settings.tls_cert_file,
             "changed": changed})
+        self._validity()
+        if self._on_reload is not None:
+            self._on_reload(True)
+
+    def _validity(self) -> None:
+        """An expired (or not yet valid) client certificate loads, and the upstream then
+        refuses every connection with a TLS error that names no date: say so at the load,
+        and publish its end."""
+        cert_file = self.settings.tls_cert_file
+        if not cert_file:
+            return
+        not_before, not_after = certificate_validity(cert_file)
+        if not_after is None:
+            return
+        if self._on_expiry is not None:
+            self._on_expiry(not_after)
+        now = self._wall_clock()
+        if now >= not_after:
+            log.error("upstream TLS client certificate has expired: an upstream that "
+                      "verifies it refuses every connection; replace it", extra={
+                          "cert_file": cert_file, "not_after": _utc(not_after)})
+        elif not_before is not None and now < not_before:
+            log.error("upstream TLS client certificate is not valid yet: an upstream that "
+                      "verifies it refuses every connection until then (or the clock is "
+                      "wrong)", extra={"cert_file": cert_file, "not_before": _utc(not_before)})
 
     def get(self) -> ssl.SSLContext:
         """The context for the next request: the files checked if it is time."""
@@ -138,6 +201,8 @@ class ClientTLS:
             why = failure_text(e)
             if why != self._failed:  # each distinct failure once
                 self._failed = why
+                if self._on_reload is not None:
+                    self._on_reload(False)
                 log.error("upstream TLS files not loaded; the context in use stays", extra={
                     "ca_file": self.settings.tls_ca_file,
                     "cert_file": self.settings.tls_cert_file, "error": why})

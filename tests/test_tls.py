@@ -18,10 +18,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import snappy
 
 from proxy.config import ConfigError, Settings, validate
 from proxy.runtime import Proxy
-from proxy.sender import Series, send_series
+from proxy.sender import Series, build_v1, request_headers, send_series
+from proxy.tls_handshake import REASONS
 from tests.proxy_harness import SNAPSHOT
 from tests.scripted import ScriptedUpstream
 from tests.tls_certs import Authority, Pem, install
@@ -292,6 +294,183 @@ async def test_a_client_ca_removed_from_the_bundle_is_no_longer_trusted(
         assert p.tls.check() is True
         assert (await fetch(p.port, pki.ca.ca_file, newer_client)).status == ""
         assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == "HTTP/1.1 200 OK"
+    finally:
+        await p.stop()
+
+
+async def open_tls(port: int, ca: Path, client: Pem,
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(client.cert, client.key)
+    return await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx), 5)
+
+
+async def answer(reader: asyncio.StreamReader) -> tuple[str, dict[str, str]]:
+    """The status line and headers of one response (its body read and dropped); ("", {})
+    when the connection ends first."""
+    try:
+        status = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
+        headers: dict[str, str] = {}
+        while status:
+            line = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
+            if not line:
+                break
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", "0"))), 5)
+        return status, headers
+    except (ssl.SSLError, OSError, asyncio.IncompleteReadError):
+        return "", {}
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    """The proxy ended the connection (EOF, or a reset) within 5 s."""
+    try:
+        return await asyncio.wait_for(reader.read(1), 5) == b""
+    except (ssl.SSLError, OSError):
+        return True
+
+
+HEALTHY = b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+async def test_a_keep_alive_connection_of_a_removed_client_ca_is_not_served_again(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """Its connection was verified under the old bundle, once: it went on being served
+    for as long as the client kept it (56 s and more measured). Now the idle connection
+    is closed when the bundle loses the CA, its next request is not answered, and a new
+    handshake is refused."""
+    kept = Authority(tmp_path / "kept", "kept-ca")
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes() + kept.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    reader, writer = await open_tls(p.port, pki.ca.ca_file, pki.client)
+    try:
+        assert p.tls is not None
+        writer.write(HEALTHY)
+        assert (await answer(reader))[0] == "HTTP/1.1 200 OK"
+        # and one whose handshake has not begun: it would end under the old bundle
+        pending, _ = await asyncio.open_connection("127.0.0.1", p.port)
+        for _ in range(100):
+            if len(p.tls.connections) == 2:
+                break
+            await asyncio.sleep(0.01)
+        bundle.write_bytes(kept.ca_file.read_bytes())
+        assert p.tls.check() is True
+        with contextlib.suppress(OSError):
+            writer.write(HEALTHY)
+        assert (await answer(reader))[0] == ""
+        assert await closed(reader)
+        assert await closed(pending)
+        assert not any(p.metrics.registry.get_sample_value(
+            "karta_proxy_tls_handshake_failures_total", {"reason": r}) for r in REASONS)
+        assert (await fetch(p.port, pki.ca.ca_file, pki.client)).status == ""
+        assert (await fetch(p.port, pki.ca.ca_file,
+                            kept.issue("agent-k", server=False))).status == "HTTP/1.1 200 OK"
+    finally:
+        writer.close()
+        await p.stop()
+
+
+async def test_a_write_in_flight_when_its_client_ca_is_removed_is_answered_then_closed(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """Half its body sent when the CA goes: the rest is read, the write stored and
+    answered 204 (the sender must not resend what was stored), and the connection then
+    closed (with no retire at all, it stays open)."""
+    kept = Authority(tmp_path / "kept", "kept-ca")
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes() + kept.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    body = snappy.compress(build_v1(
+        [Series({"__name__": "m", "namespace": "shop", "pod": "cart-7d9f-abcde"},
+                samples=[(1, 1.0)])]))
+    head = "".join(f"{k}: {v}\r\n" for k, v in request_headers("1.0", "snappy").items())
+    reader, writer = await open_tls(p.port, pki.ca.ca_file, pki.client)
+    try:
+        assert p.tls is not None
+        writer.write(f"POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        deadline = time.monotonic() + 5
+        while not p.metrics.registry.get_sample_value("karta_proxy_inflight_requests") \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        bundle.write_bytes(kept.ca_file.read_bytes())
+        assert p.tls.check() is True
+        writer.write(body[10:])
+        status, headers = await answer(reader)
+        assert (status, headers.get("connection")) == ("HTTP/1.1 204 No Content", "close")
+        assert len(upstream.received) == 1
+        assert await closed(reader)
+    finally:
+        writer.close()
+        await p.stop()
+
+
+async def test_a_client_ca_added_to_the_bundle_closes_no_connection(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """Only a CA taken away ends connections: a rotation that adds one (or changes the
+    serving certificate) leaves the open ones be, or every agent would reconnect."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    reader, writer = await open_tls(p.port, pki.ca.ca_file, pki.client)
+    try:
+        assert p.tls is not None
+        writer.write(HEALTHY)
+        assert (await answer(reader))[0] == "HTTP/1.1 200 OK"
+        more = Authority(tmp_path / "more", "more-ca")
+        bundle.write_bytes(pki.ca.ca_file.read_bytes() + more.ca_file.read_bytes())
+        install(pki.ca.issue("proxy-b", server=True), pki.server)
+        assert p.tls.check() is True
+        writer.write(HEALTHY)
+        assert (await answer(reader))[0] == "HTTP/1.1 200 OK"
+    finally:
+        writer.close()
+        await p.stop()
+
+
+async def test_both_reload_results_are_served_from_the_start(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """A series that appears only at its first increment is missed by ``increase()`` and
+    by an alert on it: the first failed reload went unseen."""
+    p = await started(tls_settings(tmp_path, upstream.url, pki))
+    try:
+        for result in ("success", "failure"):
+            assert p.metrics.registry.get_sample_value(
+                "karta_proxy_tls_certificate_reloads_total", {"result": result}) == 0
+    finally:
+        await p.stop()
+
+
+async def test_a_load_that_fails_names_the_file(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """OpenSSL's words (``no certificate or crl found``, ``PEM lib``) name no file, and the
+    line listed all three: which one to fix was a guess."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    caplog.set_level(logging.ERROR, logger="karta.tls")
+    try:
+        assert p.tls is not None
+        bundle.write_text("not a certificate\n")
+        assert p.tls.check() is False
+        (line,) = [r for r in caplog.records if r.getMessage() == "TLS files not loaded; "
+                   "the certificate in use stays"]
+        assert line.__dict__["error"].startswith(f"cannot load {str(bundle)!r}: ")
+        bundle.write_bytes(pki.ca.ca_file.read_bytes())
+        pki.server.key.write_bytes(pki.ca.issue("other", server=True).key.read_bytes())
+        outcome = await p.reload()
+        assert not outcome.ok and f"cannot load {str(pki.server.cert)!r} with " \
+            f"{str(pki.server.key)!r}: " in outcome.error, outcome
     finally:
         await p.stop()
 

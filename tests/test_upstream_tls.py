@@ -3,12 +3,17 @@ change, the context in use kept when they do not load."""
 
 from __future__ import annotations
 
+import datetime
+import logging
 import ssl
+import time
 from pathlib import Path
 
 import pytest
 
 from proxy.config import UpstreamSettings
+from proxy.metrics import ProxyMetrics
+from proxy.upstream import Upstream
 from proxy.upstream_tls import ClientTLS, FileSecret, build_ssl_context
 from tests.tls_certs import Authority
 
@@ -56,3 +61,96 @@ def test_client_tls_builds_again_when_a_file_changes(tmp_path: Path) -> None:
     assert tls.get() is new
     with pytest.raises(ssl.SSLError):
         tls.build()
+
+
+def test_an_expired_client_certificate_is_said_at_load_and_its_end_published(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It loads (OpenSSL does not look at the dates), and then every upstream connection
+    failed with a handshake error naming no date, and nothing at the load said why."""
+    ca = Authority(tmp_path / "ca", "up-ca")
+    expired = ca.issue("proxy", server=False,
+                       valid=(datetime.timedelta(days=-2), datetime.timedelta(days=-1)))
+    ends: list[float] = []
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca.ca_file),
+                               tls_cert_file=str(expired.cert), tls_key_file=str(expired.key)),
+              on_expiry=ends.append)
+    (line,) = [r for r in caplog.records if "has expired" in r.getMessage()]
+    assert line.levelno == logging.ERROR and line.__dict__["cert_file"] == str(expired.cert)
+    (end,) = ends
+    assert time.time() - 2 * 86400 < end < time.time() - 86400 + 60
+
+    caplog.clear()
+    later = ca.issue("proxy-2", server=False,
+                     valid=(datetime.timedelta(days=1), datetime.timedelta(days=2)))
+    ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca.ca_file),
+                               tls_cert_file=str(later.cert), tls_key_file=str(later.key)))
+    assert [r for r in caplog.records if "not valid yet" in r.getMessage()]
+
+
+def test_loads_of_the_upstream_tls_files_are_counted(tmp_path: Path) -> None:
+    ca, other = Authority(tmp_path / "a", "a-ca"), Authority(tmp_path / "b", "b-ca")
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(ca.ca_file.read_bytes())
+    now = [0.0]
+    loads: list[bool] = []
+    tls = ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca_file)),
+                    clock=lambda: now[0], on_reload=loads.append)
+    assert loads == []  # the first load is the start's, as on the listening side
+    ca_file.write_bytes(other.ca_file.read_bytes())
+    now[0] += 1.5
+    tls.get()
+    ca_file.write_text("not a certificate\n")
+    for _ in range(2):  # one failure, however often it is seen
+        now[0] += 1.5
+        tls.get()
+    with pytest.raises(ssl.SSLError):
+        tls.trial()
+    assert loads == [True, False, False]
+
+
+async def test_the_upstream_tls_series_are_served_from_the_start(tmp_path: Path) -> None:
+    ca = Authority(tmp_path / "ca", "up-ca")
+    client = ca.issue("proxy", server=False)
+    metrics = ProxyMetrics()
+    u = Upstream(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca.ca_file),
+                                  tls_cert_file=str(client.cert), tls_key_file=str(client.key)),
+                 metrics)
+    try:
+        for result in ("success", "failure"):
+            assert metrics.registry.get_sample_value(
+                "karta_proxy_upstream_tls_certificate_reloads_total", {"result": result}) == 0
+        end = metrics.registry.get_sample_value(
+            "karta_proxy_upstream_tls_certificate_expiry_timestamp_seconds")
+        assert end is not None and time.time() < end < time.time() + 86400 + 60
+    finally:
+        await u.close()
+
+
+def test_a_missing_credential_file_is_logged_once_and_its_return_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Checked every second, a missing token file was a warning a second (~3,600 lines an
+    hour); now one per distinct error, and one line when it reads again."""
+    now = [0.0]
+    path = tmp_path / "token"
+    path.write_text("one")
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    secret = FileSecret(str(path), clock=lambda: now[0])
+    path.unlink()
+    for _ in range(5):
+        now[0] += 1.5
+        assert secret.get() == "one"
+    path.write_text("two")
+    for _ in range(3):
+        now[0] += 1.5
+        assert secret.get() == "two"
+    path.unlink()
+    now[0] += 1.5
+    secret.get()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "cannot read credential file, keeping the last value"),
+        (logging.INFO, "credential file read again"),
+        (logging.WARNING, "cannot read credential file, keeping the last value"),
+    ]
