@@ -450,3 +450,73 @@ def test_empty_values_that_meant_something_else_exit_2(
     assert main(["--upstream-url", "http://x:1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"karta-proxy: error: {expected}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        # checks that run after the file is parsed (proxy.config.validate): only the
+        # parse errors named the file
+        ("upstream: {url: 'prometheus:9090/api/v1/write'}\n",
+         "upstream.url: expected an http:// or https:// URL"),
+        ("upstream: {url: 'http://x:1', default_tenant: abc}\n",
+         "upstream.default_tenant: a VictoriaMetrics tenant"),
+        ("upstream: {url: 'http://x:1'}\nserver: {max_inflight_bytes: 1000}\n",
+         "server.max_inflight_bytes: must be at least server.max_body_bytes"),
+        ("upstream: {url: 'http://x:1'}\nkube: {namespaces: ['']}\n",
+         "kube.namespaces[0]: empty"),
+        ("upstream: {url: 'http://x:1'}\nserver: {listen_address: 'localhost:99999'}\n",
+         "server.listen_address: port 99999 out of range"),
+        # left at its default, which the file is where to set
+        ("log_level: info\n", "upstream.url: required"),
+    ],
+)
+def test_a_config_error_found_after_parsing_names_the_file(
+        tmp_path: Path, yaml_text: str, expected: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text(yaml_text)
+    assert main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    # the one-line format of a parse error: "FILE: key: what is wrong"
+    assert err.startswith(f"karta-proxy: error: {cfg}: {expected}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_a_config_error_names_the_file_in_the_real_process(tmp_path: Path) -> None:
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text("upstream:\n  url: http://x:1\n  default_tenant: abc\n")
+    r = run_cli("--config", str(cfg))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"karta-proxy: error: {cfg}: upstream.default_tenant: a VictoriaMetrics tenant: "
+        "accountID or accountID:projectID (numbers), got 'abc'"]
+
+
+def test_a_config_error_of_a_flag_value_does_not_blame_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text("upstream: {url: 'http://x:1'}\n")
+    assert main(["--config", str(cfg), "--listen-address", "localhost:99999"]) == 2
+    assert capsys.readouterr().err == (
+        "karta-proxy: error: server.listen_address: port 99999 out of range 0-65535\n")
+
+
+def test_a_kubeconfig_from_the_environment_is_said_to_come_from_it(tmp_path: Path) -> None:
+    """KUBECONFIG=/nonexistent was reported as the setting kube.kubeconfig, which nothing
+    had set."""
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "nonexistent")}
+    r = subprocess.run([sys.executable, "-m", "proxy", "--upstream-url", "http://x:1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"karta-proxy: error: kube.kubeconfig (from $KUBECONFIG): file "
+        f"'{tmp_path / 'nonexistent'}' does not exist or is not readable"]
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text(f"upstream: {{url: 'http://x:1'}}\nkube: {{kubeconfig: '{tmp_path / 'no'}'}}\n")
+    r = subprocess.run([sys.executable, "-m", "proxy", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2  # the file's setting wins over $KUBECONFIG, and is named so
+    assert r.stderr.splitlines() == [
+        f"karta-proxy: error: {cfg}: kube.kubeconfig: file '{tmp_path / 'no'}' does not "
+        "exist or is not readable"]
