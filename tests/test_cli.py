@@ -370,6 +370,19 @@ def test_no_cluster_to_watch_is_one_line_and_exit_1(tmp_path: Path) -> None:
                      "--snapshot")
 
 
+def test_a_broken_kubeconfig_is_one_line_naming_the_file_and_exit_1(tmp_path: Path) -> None:
+    """docs/operations.md promises one plain line: PyYAML's error made it three, the
+    position on a line of its own."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("garbage: [\n")
+    code, plain, records = _start_failure([
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
+        "--kubeconfig", str(kubeconfig), "--listen-address", f"127.0.0.1:{_free_port()}"])
+    _assert_reported(code, plain, records,
+                     f"no Kubernetes cluster to watch: kubeconfig {kubeconfig}: invalid YAML: "
+                     "line 2, column 1", "fix the file, or set --kubeconfig", "--snapshot")
+
+
 def test_demo_subcommand() -> None:
     r = run_cli("demo", timeout=60)
     assert r.returncode == 0, r.stderr
