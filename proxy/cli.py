@@ -136,16 +136,39 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         raise ConfigError("--config: the path is empty; name the YAML file or leave the "
                           "flag out")
     s = load_settings(args.config) if args.config else Settings()
+    #: key -> where a flag or an environment variable set it ("--upstream-url", "$KUBECONFIG")
+    origins: dict[str, str] = {}
     for info in schema():
         if info.flag is not None:
-            _apply_flag(s, info, info.flag, getattr(args, info.key), env)
-    validate(s)
+            origin = _apply_flag(s, info, info.flag, getattr(args, info.key), env)
+            if origin:
+                origins[info.key] = origin
+    try:
+        validate(s)
+    except ConfigError as e:
+        raise ConfigError(_where(str(e), args.config, origins)) from None
     return s
 
 
+def _where(message: str, config: str | None, origins: dict[str, str]) -> str:
+    """A check after parsing (``validate``), said where the value came from, as a parse
+    error is: the config file in front (``FILE: key: ...``) when the key the message begins
+    with came from it, or was left at a default the file could set; ``(from $VAR)`` after
+    the key when an environment variable set it; unchanged for a flag (the operator typed
+    it, and the message names its key)."""
+    for key, origin in origins.items():
+        if message.startswith(key) and message[len(key):len(key) + 1] in (":", " ", "[", "."):
+            if origin.startswith("$"):
+                return f"{key} (from {origin}){message[len(key):]}"
+            return message
+    return f"{config}: {message}" if config else message
+
+
 def _apply_flag(s: Settings, info: SettingInfo, flag: Flag, value: Any,
-                env: dict[str, str]) -> None:
-    """A flag given wins over the file; its environment variable stands in when it is not."""
+                env: dict[str, str]) -> str:
+    """A flag given wins over the file; its environment variable stands in when it is not.
+
+    Returns what set the value: the flag's name, ``$VAR``, or "" (left as it was)."""
     *path, name = info.key.split(".")
     target: Any = s
     for part in path:
@@ -154,12 +177,14 @@ def _apply_flag(s: Settings, info: SettingInfo, flag: Flag, value: Any,
         fallback = env.get(flag.env) if flag.env else None
         if fallback and (flag.env_over_file or getattr(target, name) == info.default):
             setattr(target, name, fallback)
-        return
+            return f"${flag.env}"
+        return ""
     if isinstance(info.type, mi.BoolType):
         value = not flag.names[0].startswith("--no-")
     elif flag.repeat == "extend":
         value = [*getattr(target, name), *value]
     setattr(target, name, value)
+    return flag.names[0]
 
 
 def _fail(message: str) -> int:

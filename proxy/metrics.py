@@ -171,7 +171,8 @@ class ProxyMetrics:
             ["path", "protocol", "code"], registry=r,
         )
         self.series = Counter(
-            _P + "series", "Series received (in) and forwarded (out).", ["direction"], registry=r,
+            _P + "series", "Series received (in), and forwarded and accepted upstream (out: "
+            "counted once the upstream answered 2xx).", ["direction"], registry=r,
         )
         self.samples = Counter(_P + "samples", "Float samples received.", registry=r)
         self.histograms = Counter(_P + "histograms", "Native histogram samples received.",

@@ -204,25 +204,30 @@ class Proxy:
         is loaded here: an API server that does not answer yet is waited for (the process
         serves, not ready), but no kubeconfig or service account at all cannot get better."""
         if self._kube_client is None:
-            from proxy.kube.client import KubeClient
+            from proxy.kube.client import KubeClient, KubeconfigError
 
             s = self.settings.kube
             try:
                 self._kube_client = await KubeClient.connect(s)
             except Exception as e:
-                where = (f"kubeconfig {s.kubeconfig}" if s.kubeconfig
-                         else "no kubeconfig, no in-cluster service account")
+                if isinstance(e, KubeconfigError):  # names the file and what is wrong
+                    why, fix = f": {e}", "fix the file, or set --kubeconfig"
+                else:
+                    where = (f"kubeconfig {s.kubeconfig}" if s.kubeconfig
+                             else "no kubeconfig, no in-cluster service account")
+                    why = f" ({where}): {type(e).__name__}: {' '.join(str(e).split())}"
+                    fix = "set --kubeconfig"
                 if self.settings.snapshot:
                     # only the Lease wants the cluster here: "use --snapshot" would mislead
                     raise StartError(
                         f"facts.leader_election needs a Kubernetes cluster for its Lease, "
-                        f"also with --snapshot ({where}): {type(e).__name__}: {e}; set "
-                        "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a "
-                        "service account, or set facts.leader_election: false") from e
+                        f"also with --snapshot{why}; {fix} (kube.kubeconfig, KUBECONFIG), "
+                        "run in a pod with a service account, or set "
+                        "facts.leader_election: false") from e
                 raise StartError(
-                    f"no Kubernetes cluster to watch ({where}): {type(e).__name__}: {e}; set "
-                    "--kubeconfig (kube.kubeconfig, KUBECONFIG), run in a pod with a service "
-                    "account, or use --snapshot") from e
+                    f"no Kubernetes cluster to watch{why}; {fix} (kube.kubeconfig, "
+                    "KUBECONFIG), run in a pod with a service account, or use --snapshot"
+                ) from e
         return self._kube_client
 
     async def _load_snapshot(self) -> None:

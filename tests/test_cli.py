@@ -370,6 +370,19 @@ def test_no_cluster_to_watch_is_one_line_and_exit_1(tmp_path: Path) -> None:
                      "--snapshot")
 
 
+def test_a_broken_kubeconfig_is_one_line_naming_the_file_and_exit_1(tmp_path: Path) -> None:
+    """docs/operations.md promises one plain line: PyYAML's error made it three, the
+    position on a line of its own."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("garbage: [\n")
+    code, plain, records = _start_failure([
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
+        "--kubeconfig", str(kubeconfig), "--listen-address", f"127.0.0.1:{_free_port()}"])
+    _assert_reported(code, plain, records,
+                     f"no Kubernetes cluster to watch: kubeconfig {kubeconfig}: invalid YAML: "
+                     "line 2, column 1", "fix the file, or set --kubeconfig", "--snapshot")
+
+
 def test_demo_subcommand() -> None:
     r = run_cli("demo", timeout=60)
     assert r.returncode == 0, r.stderr
@@ -450,3 +463,73 @@ def test_empty_values_that_meant_something_else_exit_2(
     assert main(["--upstream-url", "http://x:1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"karta-proxy: error: {expected}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        # checks that run after the file is parsed (proxy.config.validate): only the
+        # parse errors named the file
+        ("upstream: {url: 'prometheus:9090/api/v1/write'}\n",
+         "upstream.url: expected an http:// or https:// URL"),
+        ("upstream: {url: 'http://x:1', default_tenant: abc}\n",
+         "upstream.default_tenant: a VictoriaMetrics tenant"),
+        ("upstream: {url: 'http://x:1'}\nserver: {max_inflight_bytes: 1000}\n",
+         "server.max_inflight_bytes: must be at least server.max_body_bytes"),
+        ("upstream: {url: 'http://x:1'}\nkube: {namespaces: ['']}\n",
+         "kube.namespaces[0]: empty"),
+        ("upstream: {url: 'http://x:1'}\nserver: {listen_address: 'localhost:99999'}\n",
+         "server.listen_address: port 99999 out of range"),
+        # left at its default, which the file is where to set
+        ("log_level: info\n", "upstream.url: required"),
+    ],
+)
+def test_a_config_error_found_after_parsing_names_the_file(
+        tmp_path: Path, yaml_text: str, expected: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text(yaml_text)
+    assert main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    # the one-line format of a parse error: "FILE: key: what is wrong"
+    assert err.startswith(f"karta-proxy: error: {cfg}: {expected}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_a_config_error_names_the_file_in_the_real_process(tmp_path: Path) -> None:
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text("upstream:\n  url: http://x:1\n  default_tenant: abc\n")
+    r = run_cli("--config", str(cfg))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"karta-proxy: error: {cfg}: upstream.default_tenant: a VictoriaMetrics tenant: "
+        "accountID or accountID:projectID (numbers), got 'abc'"]
+
+
+def test_a_config_error_of_a_flag_value_does_not_blame_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text("upstream: {url: 'http://x:1'}\n")
+    assert main(["--config", str(cfg), "--listen-address", "localhost:99999"]) == 2
+    assert capsys.readouterr().err == (
+        "karta-proxy: error: server.listen_address: port 99999 out of range 0-65535\n")
+
+
+def test_a_kubeconfig_from_the_environment_is_said_to_come_from_it(tmp_path: Path) -> None:
+    """KUBECONFIG=/nonexistent was reported as the setting kube.kubeconfig, which nothing
+    had set."""
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "nonexistent")}
+    r = subprocess.run([sys.executable, "-m", "proxy", "--upstream-url", "http://x:1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"karta-proxy: error: kube.kubeconfig (from $KUBECONFIG): file "
+        f"'{tmp_path / 'nonexistent'}' does not exist or is not readable"]
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text(f"upstream: {{url: 'http://x:1'}}\nkube: {{kubeconfig: '{tmp_path / 'no'}'}}\n")
+    r = subprocess.run([sys.executable, "-m", "proxy", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2  # the file's setting wins over $KUBECONFIG, and is named so
+    assert r.stderr.splitlines() == [
+        f"karta-proxy: error: {cfg}: kube.kubeconfig: file '{tmp_path / 'no'}' does not "
+        "exist or is not readable"]

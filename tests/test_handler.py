@@ -523,6 +523,21 @@ async def test_decoded_limit_is_413_before_decompressing(tmp_path: Path) -> None
             assert "exceeds the limit of 10000" in await resp.text()
 
 
+async def test_series_out_counts_only_series_the_upstream_accepted(tmp_path: Path) -> None:
+    """karta_proxy_series_total{direction="out"} is "forwarded and accepted upstream"
+    (its HELP, docs/operations.md): a request the upstream refuses counts in, not out."""
+    async with (
+        ScriptedUpstream(Reply(400, body=b"bad"), Reply(500), Reply(204)) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        running = Running(p, up, session)
+        body = series_v1({"__name__": "up", "job": "a"}, {"__name__": "up", "job": "b"})
+        assert [(await running.post(body)).status for _ in range(3)] == [400, 502, 204]
+        assert running.metric("karta_proxy_series_total", {"direction": "in"}) == 6
+        assert running.metric("karta_proxy_series_total", {"direction": "out"}) == 2
+
+
 async def test_overload_is_503_with_retry_after_never_a_queue(tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=0.5)) as up,

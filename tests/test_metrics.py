@@ -41,3 +41,15 @@ def test_the_engines_jq_errors_are_a_counter_by_where() -> None:
     engine.stats[STAT_SELECTOR_ERROR] += 1
     assert get("karta_proxy_jq_errors_total", {"where": "status"}) == 2
     assert get("karta_proxy_jq_errors_total", {"where": "selector"}) == 1
+
+
+def test_series_out_help_says_it_counts_only_what_the_upstream_accepted() -> None:
+    """direction="out" is counted after the upstream's 2xx (proxy/handler.py; held by
+    tests/test_handler.py): the HELP said "forwarded", which a refused request is too,
+    while docs/operations.md said "forwarded and accepted upstream"."""
+    from proxy.metrics import ProxyMetrics
+
+    (family,) = [m for m in ProxyMetrics().registry.collect()
+                 if m.name == "karta_proxy_series"]
+    assert "accepted upstream" in family.documentation
+    assert "2xx" in family.documentation

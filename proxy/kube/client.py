@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
 from proxy.config import KubeSettings
+from proxy.karta.yamltext import yaml_error
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +68,58 @@ class KubeApiError(Exception):
         self.message = message
 
 
+class KubeconfigError(Exception):
+    """A kubeconfig file that does not load; the message is one line naming the file and
+    what is wrong with it (the client's own errors span lines: PyYAML's name the line
+    and column on a line of their own)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _check_kubeconfig(path: str) -> None:
+    """What the client would stumble over with a message of no use (a TypeError for an
+    empty file or a list) or of three lines (invalid YAML), said as one."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise KubeconfigError(f"kubeconfig {path}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise KubeconfigError(f"kubeconfig {path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KubeconfigError(f"kubeconfig {path}: {yaml_error(e)}") from None
+    if not isinstance(doc, dict):
+        got = "an empty file" if doc is None else f"a YAML {type(doc).__name__}"
+        raise KubeconfigError(f"kubeconfig {path}: not a kubeconfig: expected a mapping "
+                              f"(clusters, users, contexts, current-context), got {got}")
+
+
+async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> None:
+    _check_kubeconfig(path)
+    try:
+        await k8s_config.load_kube_config(config_file=path, client_configuration=cfg,
+                                          persist_config=False)
+    except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
+        detail = _one_line(str(e)) or type(e).__name__
+        raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
+
+
 async def load_configuration(settings: KubeSettings) -> k8s_client.Configuration:
     """kubeconfig from the setting or ``KUBECONFIG``; else the in-cluster service
-    account when running in a pod; else ``~/.kube/config``."""
+    account when running in a pod; else ``~/.kube/config``. A kubeconfig file that exists
+    but does not load raises ``KubeconfigError`` (one line naming the file)."""
     cfg = k8s_client.Configuration()
     path = settings.kubeconfig or os.environ.get("KUBECONFIG", "")
     if path:
-        await k8s_config.load_kube_config(
-            config_file=path.split(os.pathsep)[0], client_configuration=cfg,
-            persist_config=False,
-        )
+        await _load_kubeconfig_file(path.split(os.pathsep)[0] or path, cfg)
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
         k8s_config.load_incluster_config(client_configuration=cfg)
-    else:
+    elif (default := Path("~/.kube/config").expanduser()).exists():
+        await _load_kubeconfig_file(str(default), cfg)
+    else:  # the client's own words: no cluster configured at all
         await k8s_config.load_kube_config(client_configuration=cfg, persist_config=False)
     return cfg
 

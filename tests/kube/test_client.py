@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proxy.kube.client import default_namespace
+import pytest
+
+from proxy.config import KubeSettings
+from proxy.kube.client import default_namespace, load_configuration
 
 
 def test_default_namespace_prefers_pod_namespace(tmp_path: Path) -> None:
@@ -25,3 +28,27 @@ def test_default_namespace_outside_a_cluster(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("  \n")
     assert default_namespace({}, empty) == "default"
+
+
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        # PyYAML's own message spans three lines (the position on a line of its own)
+        ("garbage: [\n", "invalid YAML: line 2, column 1: expected the node content"),
+        # the client raised TypeError: 'NoneType' object does not support item assignment
+        ("", "not a kubeconfig: expected a mapping (clusters, users, contexts, "
+             "current-context), got an empty file"),
+        ("- a\n- b\n", "not a kubeconfig: expected a mapping"),
+        ("apiVersion: v1\nkind: Config\n", "does not load: Invalid kube-config file. "
+                                            "Expected key current-context"),
+    ],
+)
+async def test_a_broken_kubeconfig_is_one_line_naming_the_file(
+        tmp_path: Path, text: str, what: str) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(text)
+    with pytest.raises(Exception) as info:  # any kind: the old code raised PyYAML's, ...
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"kubeconfig {path}: {what}"), message
