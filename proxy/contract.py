@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.7.0"
+CONTRACT_VERSION = "1.8.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -165,3 +165,9 @@ FACT_WRITER_METRICS: tuple[str, ...] = (
     OP_FACT_WRITER_STEPDOWNS,
     OP_FACT_WRITES,
 )
+#: the index's state, operational on every replica's /metrics (since 1.8.0): the shipped
+#: ``KartaIndexNotReady`` alert reads the first, so both are named here, not only in
+#: proxy/metrics.py
+OP_INDEX_READY = "karta_proxy_index_ready"
+OP_INDEX_STALE = "karta_proxy_index_stale"
+INDEX_METRICS: tuple[str, ...] = (OP_INDEX_READY, OP_INDEX_STALE)

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from proxy import contract
 from proxy.index import PodIndex
 from proxy.loop_workers import LoopWorkers
 
@@ -96,10 +97,11 @@ def _index_families(index: PodIndex) -> Iterator[Metric]:
     yield _gauge("index_tombstones", "Deleted pods still kept for late samples.",
                  index.tombstones())
     yield _gauge("index_workloads", "Workloads known to the index.", len(index.workloads))
-    yield _gauge("index_ready", "1 once every source delivered its initial state.",
-                 1.0 if index.ready else 0.0)
-    yield _gauge("index_stale", "1 while a source knows it is cut off.",
-                 1.0 if index.stale else 0.0)
+    # contract names: an alert reads them (proxy/contract.py, INDEX_METRICS)
+    yield GaugeMetricFamily(contract.OP_INDEX_READY, "1 once every source delivered its "
+                            "initial state.", value=1.0 if index.ready else 0.0)
+    yield GaugeMetricFamily(contract.OP_INDEX_STALE, "1 while a source knows it is cut "
+                            "off.", value=1.0 if index.stale else 0.0)
 
 
 def _worker_families(workers: LoopWorkers) -> Iterator[Metric]:

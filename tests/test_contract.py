@@ -173,3 +173,18 @@ def test_every_name_in_contract_py_is_documented(doc: str) -> None:
 
 async def _send(body: bytes) -> None:
     return None
+
+
+def test_index_metrics_match_the_document(doc: str) -> None:
+    """The index gauges an alert reads (KartaIndexNotReady) are contract names: documented
+    with the types ``/metrics`` serves them with."""
+    from proxy.metrics import ProxyMetrics
+
+    rows = table(section(doc, "Index metrics"))
+    assert set(rows) == set(contract.INDEX_METRICS)
+    metrics = ProxyMetrics()
+    metrics.watch_index(rich_index())
+    served = {fam.name: fam.type for fam in
+              text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    for name, cells in rows.items():
+        assert served.get(name) == cells[0].split()[0], name

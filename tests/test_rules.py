@@ -98,12 +98,14 @@ def test_every_alert_is_tested_firing_and_not() -> None:
 
 
 def test_every_alert_is_documented_and_reads_contract_names() -> None:
-    """Alerts read facts (contract names), the fact writer's operational metrics (also in
-    the contract, docs/metrics.md) or recorded rules, nothing else of karta's."""
+    """Alerts read facts (contract names), the fact writer's and the index's operational
+    metrics (also in the contract, docs/metrics.md) or recorded rules, nothing else of
+    karta's."""
     from proxy import contract
 
     doc = (ROOT / "docs" / "recording-rules.md").read_text()
     known = (set(contract.FACT_SERIES) | set(contract.FACT_WRITER_METRICS)
+             | set(contract.INDEX_METRICS)
              | set(rule_names("record")))
     for f in RULE_FILES:
         for group in yaml.safe_load(f.read_text())["groups"]:
