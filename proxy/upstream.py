@@ -54,7 +54,7 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import UpstreamSettings, url_credentials, without_userinfo
-from proxy.log import Throttled
+from proxy.log import THROTTLE_SECONDS, Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
@@ -215,6 +215,11 @@ class OwnHeaders(dict[str, str]):
     """Headers of a request the proxy makes itself (``facts.headers``): sent as they are,
     where a sender's are filtered by ``upstream.forward_headers``."""
 
+
+#: how long the lines of what goes well but may come every request are one line: a
+#: request sent in parts (a steady state while the upstream's limit is under the stamped
+#: batches, and the fact writer's every interval), the check finding what it found before
+QUIET_LOG_SECONDS = 300.0
 
 #: an upstream the check found unavailable is probed again at most this often: every RW 2.0
 #: request asks for a check while it is (one probe and one log line each, in an outage)
@@ -563,7 +568,7 @@ class Upstream:
         #: the lines of failed and refused requests, by message: one per kind and interval
         #: (``proxy.log.Throttled``), since a down upstream fails every request of every
         #: sender, and a line each buried the rest of the log
-        self._lines: dict[str, Throttled] = {}
+        self._lines: dict[tuple[int, str], Throttled] = {}
         #: ``upstream.encoding: zstd`` toward an upstream the check found refusing zstd
         #: (Debian's VictoriaMetrics 1.79: 400 "snappy: corrupt input"): snappy instead,
         #: as vmagent falls back, rather than every write refused and dropped
@@ -1041,10 +1046,11 @@ class Upstream:
         if len(lay.series) < 2:
             return self._count_split(
                 "too_large", self._too_large(answer, len(sent.encoded), len(lay.series)))
-        log.info("upstream refused a request as too large: sending it in parts cut "
-                 "at series boundaries", extra={
-                     "upstream_url": self.url, "bytes": len(sent.encoded),
-                     "decoded_bytes": len(lay.raw), "series": len(lay.series)})
+        self._line(logging.INFO, "upstream refused a request as too large: sending it in "
+                   "parts cut at series boundaries", "split", {
+                       "upstream_url": self.url, "bytes": len(sent.encoded),
+                       "decoded_bytes": len(lay.raw), "series": len(lay.series)},
+                   interval=QUIET_LOG_SECONDS)
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
         parts.key, parts.memory = key, self.stored_parts.entry(key)
         parts.unanswered_before = frozenset(parts.memory.unanswered)
@@ -1076,10 +1082,13 @@ class Upstream:
             # counted from the parts a 1.0 receiver took (it sent no Written headers)
             stored = await asyncio.to_thread(_stored_counts, lay, parts.stored)
             self._written_headers(final, stored)
-        log.log(logging.INFO if final.ok or parts.sender_gone else logging.WARNING,
-                "request sent in parts after the upstream refused it as too large", extra={
-                    "upstream_url": self.url, "parts": parts.sent, "status": final.status,
-                    "result": result, "skipped": parts.skipped})
+        quiet = final.ok or parts.sender_gone
+        self._line(logging.INFO if quiet else logging.WARNING,
+                   "request sent in parts after the upstream refused it as too large",
+                   result, {"upstream_url": self.url, "parts": parts.sent,
+                            "status": final.status, "result": result,
+                            "skipped": parts.skipped},
+                   interval=QUIET_LOG_SECONDS if quiet else THROTTLE_SECONDS)
         return self._count_split(result, final)
 
     async def _send_halves(self, parts: _Parts, lo: int, hi: int, depth: int,
@@ -1098,8 +1107,9 @@ class Upstream:
         if self._stored_before(parts, a, b):
             return
         if attempt.sender_gone():
-            log.info("the sender closed its connection: the rest of a request sent in "
-                     "parts is not sent", extra={"upstream_url": self.url, "parts": parts.sent})
+            self._line(logging.INFO, "the sender closed its connection: the rest of a "
+                       "request sent in parts is not sent", "sender_gone",
+                       {"upstream_url": self.url, "parts": parts.sent})
             parts.sender_gone = True
             return
         # made one at a time: making one holds PART_COPIES times its bytes, sending it only
@@ -1353,7 +1363,9 @@ class Upstream:
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
             text = f"upstream answered {upstream_status}: ".encode() + text
-        if status >= 500 or upstream_status >= 300:
+        if (status >= 500 or upstream_status >= 300) and not too_large(
+                Answer(status, text, upstream=str(upstream_status))):
+            # a refusal for size is sent in parts (``forward``): said there, if it must be
             self._line(
                 logging.WARNING, "upstream did not accept the request",
                 f"{upstream_status}:{status}",
@@ -1362,16 +1374,19 @@ class Upstream:
             )
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
 
-    def _line(self, level: int, message: str, key: str, extra: dict[str, object]) -> None:
-        """Log a failed request's line, throttled per message and ``key`` (a status, a
-        kind): the first at once, the rest of the interval in one summary with its count.
-        The messages are a fixed few, so is the number of throttles."""
+    def _line(self, level: int, message: str, key: str, extra: dict[str, object], *,
+              interval: float = THROTTLE_SECONDS) -> None:
+        """Log a line of what can come with every request, throttled per message, level
+        and ``key`` (a status, a kind): the first at once, the rest of ``interval`` in one
+        summary with its count. The messages are a fixed few, so is the number of
+        throttles."""
         if not log.isEnabledFor(level):
             return
-        lines = self._lines.get(message)
+        lines = self._lines.get((level, message))
         if lines is None:
-            lines = self._lines[message] = Throttled(
-                log, message, f"{message} (repeated)", peer_field=None, level=level)
+            lines = self._lines[(level, message)] = Throttled(
+                log, message, f"{message} (repeated)", peer_field=None, level=level,
+                interval=interval)
         lines.event(key, extra)
 
     # -- what the upstream is -------------------------------------------------------------
@@ -1453,11 +1468,15 @@ class Upstream:
     def _log_probe(self, probe: Probe) -> None:
         extra = {"upstream_url": self.url, "upstream_status": probe.code,
                  "outcome": probe.outcome}
-        if probe.outcome == "rw2":
-            log.info("upstream takes remote write 2.0: RW 2.0 requests pass through", extra=extra)
-        elif probe.outcome == "rw1":
-            log.info("upstream takes remote write 1.0 only: RW 2.0 requests are converted",
-                     extra=extra)
+        if probe.outcome in ("rw2", "rw1"):
+            message = ("upstream takes remote write 2.0: RW 2.0 requests pass through"
+                       if probe.outcome == "rw2" else
+                       "upstream takes remote write 1.0 only: RW 2.0 requests are converted")
+            # checked again after every request that got no answer: the first line at
+            # once (another finding is another line, at once too), the same again in one
+            # summary a while
+            self._line(logging.INFO, message, probe.outcome, {**extra},
+                       interval=QUIET_LOG_SECONDS)
         elif probe.outcome == "not_write_endpoint":
             log.error("upstream URL is NOT a remote-write endpoint: every write will be "
                       "answered 503 until upstream.url is fixed",

@@ -1013,6 +1013,46 @@ async def test_413_a_converted_batch_refused_in_part_says_what_was_stored() -> N
     assert answer.headers[WRITTEN_HISTOGRAMS] == answer.headers[WRITTEN_EXEMPLARS] == "0"
 
 
+def _messages(caplog: pytest.LogCaptureFixture, level: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "karta.upstream" and r.levelname == level]
+
+
+async def test_requests_sent_in_parts_in_a_steady_state_log_one_line_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # an upstream limit under the stamped batches splits every request (and every fact
+    # write): two info lines each and a warning for a 413 that was handled buried the log
+    limit = len(compress(many_v1(64), "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up:
+        u = make(up.url)
+        with caplog.at_level("INFO", logger="karta.upstream"):
+            try:
+                for n in range(5):
+                    assert (await u.send(many_v1(64 + n), Protocol.V1)).ok
+                infos = _messages(caplog, "INFO")
+                assert _messages(caplog, "WARNING") == []
+                assert infos.count("upstream refused a request as too large: sending it in "
+                                   "parts cut at series boundaries") == 1
+                assert infos.count("request sent in parts after the upstream refused it as "
+                                   "too large") == 1
+            finally:
+                await u.close()  # the summaries that wait are written
+    summaries = [r for r in caplog.records if r.getMessage().endswith("(repeated)")]
+    assert sorted(r.__dict__["count"] for r in summaries) == [4, 4]
+
+
+async def test_the_same_protocol_found_again_is_one_line_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url) as u:
+        with caplog.at_level("INFO", logger="karta.upstream"):
+            for _ in range(4):  # as after every request that got no answer
+                u._recheck = True
+                assert (await u.check()).outcome == "rw1"
+            lines = _messages(caplog, "INFO")
+    assert lines.count("upstream takes remote write 1.0 only: RW 2.0 requests are "
+                       "converted") == 1
+
+
 # -- what a request in flight holds -----------------------------------------------------------
 
 
