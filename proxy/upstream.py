@@ -30,6 +30,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import hashlib
 import logging
 import math
 import re
@@ -53,8 +54,9 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import UpstreamSettings, url_credentials, without_userinfo
-from proxy.log import Throttled
+from proxy.log import THROTTLE_SECONDS, Throttled
 from proxy.metrics import Children, ProxyMetrics
+from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.wire.convert import ConversionTooLarge, V1Form
 from proxy.wire.halves import Layout, layout, layout_bytes
@@ -111,6 +113,14 @@ CONVERT_COPIES = 3
 #: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
 #: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
 _VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
+#: a 400 that refuses samples because the receiver already holds them or later ones of the
+#: same series: Prometheus' ``out of order sample`` / ``duplicate sample for timestamp``
+#: (a sample at a stored timestamp with another value), Mimir's
+#: ``err-mimir-sample-out-of-order`` / ``-duplicate-timestamp``. To a part sent before
+#: without an answer, it says that part was stored then (``Upstream._send_part``)
+_ALREADY_STORED = re.compile(
+    rb"out of order sample|duplicate sample for timestamp|sample-out-of-order"
+    rb"|sample-duplicate-timestamp")
 #: VictoriaMetrics and vmagent answer a path they do not serve (``/api/v1/push``, a typo)
 #: with a 400, where other receivers answer 404: ``unsupported path requested: "/x"``
 _VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
@@ -140,6 +150,27 @@ def karta_extra_label(query: str) -> str:
         if name == EXTRA_LABEL and value.partition("=")[0].strip().startswith("karta_"):
             return value
     return ""
+
+
+def _layout_and_digest(raw: bytes, protocol: Protocol) -> tuple[Layout, bytes]:
+    """The layout of a body to cut, and its digest (CPU work: a worker thread's): the
+    body is the same, byte for byte, when a sender sends the same batch again and the
+    stamps are unchanged, so its parts are the same, cut at the same series."""
+    return layout(raw, protocol), hashlib.blake2b(raw, digest_size=16).digest()
+
+
+def _stored_counts(lay: Layout, stored: list[Range]) -> Counts:
+    total = Counts()
+    for lo, hi in stored:
+        total.add(lay.counts(lo, hi))
+    return total
+
+
+def _parts_key(digest: bytes, url: URL, sent: Outgoing) -> bytes:
+    """What a body cut in parts is remembered by: its digest, where it went (the URL
+    holds the tenant and the sender's query), and the form it went in."""
+    where = f"{url}\0{sent.protocol.name}\0{int(sent.converted)}".encode()
+    return digest + hashlib.blake2b(where, digest_size=8).digest()
 
 
 @functools.lru_cache(maxsize=256)
@@ -184,6 +215,11 @@ class OwnHeaders(dict[str, str]):
     """Headers of a request the proxy makes itself (``facts.headers``): sent as they are,
     where a sender's are filtered by ``upstream.forward_headers``."""
 
+
+#: how long the lines of what goes well but may come every request are one line: a
+#: request sent in parts (a steady state while the upstream's limit is under the stamped
+#: batches, and the fact writer's every interval), the check finding what it found before
+QUIET_LOG_SECONDS = 300.0
 
 #: an upstream the check found unavailable is probed again at most this often: every RW 2.0
 #: request asks for a check while it is (one probe and one log line each, in an outage)
@@ -343,6 +379,15 @@ class _Parts:
     too_large: bool = False
     #: the sender closed its connection before every part was sent
     sender_gone: bool = False
+    #: the record of this body's parts (``proxy.stored_parts``), and its key
+    memory: Entry | None = None
+    key: bytes = b""
+    #: the parts an earlier attempt sent and heard nothing back for
+    unanswered_before: frozenset[Range] = frozenset()
+    #: parts not sent because an earlier attempt of the same body stored them
+    skipped: int = 0
+    #: the parts counted as stored: this attempt's 2xx and the ones skipped
+    stored: list[Range] = field(default_factory=list)
 
     @property
     def stopped(self) -> bool:
@@ -523,11 +568,14 @@ class Upstream:
         #: the lines of failed and refused requests, by message: one per kind and interval
         #: (``proxy.log.Throttled``), since a down upstream fails every request of every
         #: sender, and a line each buried the rest of the log
-        self._lines: dict[str, Throttled] = {}
+        self._lines: dict[tuple[int, str], Throttled] = {}
         #: ``upstream.encoding: zstd`` toward an upstream the check found refusing zstd
         #: (Debian's VictoriaMetrics 1.79: 400 "snappy: corrupt input"): snappy instead,
         #: as vmagent falls back, rather than every write refused and dropped
         self.zstd_refused = False
+        #: what the parts of requests sent in parts got, so that a sender's resend of one
+        #: skips the parts already stored (``proxy.stored_parts``)
+        self.stored_parts = StoredParts()
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
         self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
         self._password = (
@@ -791,9 +839,10 @@ class Upstream:
         return answer
 
     def _out_of_time(self, attempt: _Attempt) -> Answer:
-        """The request's time ran out: 504 (as for one upstream request that timed out),
-        what was stored meanwhile stays stored (the sender sends it again: the same
-        samples, harmless to a TSDB)."""
+        """The request's time ran out: 504 (as for one upstream request that timed out).
+        Parts stored meanwhile stay stored, and are remembered (``stored_parts``): the
+        sender's resend skips them rather than have Prometheus refuse them as out of order
+        or VictoriaMetrics keep them twice."""
         timeout = self.settings.timeout_seconds
         parts = attempt.parts
         done = f"; {parts.sent} of its parts answered" if parts is not None else ""
@@ -958,8 +1007,13 @@ class Upstream:
         upstream's limit.
 
         The sender gets 2xx only when every part got 2xx. A part that would make the sender
-        retry (5xx) ends it: that answer, and the whole is retried (a part already stored
-        is stored again: the same samples). A part the sender would drop (4xx) is answered,
+        retry (5xx) ends it: that answer, and the whole is retried. What each part got is
+        remembered for a few minutes (``proxy.stored_parts``, by the body's digest): the
+        retry skips the parts stored (sent again, Prometheus refuses a part whose series a
+        later part moved past, "out of order sample", a 400 the sender drops for a batch
+        stored whole; VictoriaMetrics keeps them twice), and a part that got no answer then
+        and is refused now as out of order or a duplicate counts as stored (:meth:`_remember`).
+        A part the sender would drop (4xx) is answered,
         but the other parts are still sent, so whatever can be stored is. RW 2.0's Written
         headers are the sums of the parts' own. The parts go one after the other, in the
         body's order, within the request's deadline: a sender's batch may hold one series
@@ -991,28 +1045,32 @@ class Upstream:
             need = await asyncio.to_thread(layout_bytes, raw)
             if not take(need):
                 return self._no_room(answer, need)
-            lay = await asyncio.to_thread(layout, raw, sent.protocol)
+            lay, digest = await asyncio.to_thread(_layout_and_digest, raw, sent.protocol)
             del raw
         except DecodeError as e:  # pragma: no cover - the splice read the same fields
             log.error("cannot cut a request the upstream refused as too large",
                       extra={"upstream_url": self.url, "error": e.message})
             return self._count_split("too_large", answer)
         try:
-            return await self._send_parts(lay, sent, answer, incoming, url, attempt)
+            key = _parts_key(digest, url, sent)
+            return await self._send_parts(lay, key, sent, answer, incoming, url, attempt)
         finally:
             attempt.charge.give_back(taken)
 
-    async def _send_parts(self, lay: Layout, sent: Outgoing, answer: Answer,
+    async def _send_parts(self, lay: Layout, key: bytes, sent: Outgoing, answer: Answer,
                           incoming: Mapping[str, str], url: URL, attempt: _Attempt
                           ) -> Answer:
         if len(lay.series) < 2:
             return self._count_split(
                 "too_large", self._too_large(answer, len(sent.encoded), len(lay.series)))
-        log.info("upstream refused a request as too large: sending it in parts cut "
-                 "at series boundaries", extra={
-                     "upstream_url": self.url, "bytes": len(sent.encoded),
-                     "decoded_bytes": len(lay.raw), "series": len(lay.series)})
+        self._line(logging.INFO, "upstream refused a request as too large: sending it in "
+                   "parts cut at series boundaries", "split", {
+                       "upstream_url": self.url, "bytes": len(sent.encoded),
+                       "decoded_bytes": len(lay.raw), "series": len(lay.series)},
+                   interval=QUIET_LOG_SECONDS)
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
+        parts.key, parts.memory = key, self.stored_parts.entry(key)
+        parts.unanswered_before = frozenset(parts.memory.unanswered)
         attempt.parts = parts
         await self._send_halves(parts, 0, len(lay.series), 1, attempt)
         result = "stored"
@@ -1036,10 +1094,18 @@ class Upstream:
         final.converted = parts.converted
         if final.ok and parts.converted:
             self._written_headers(final, sent.counts)
-        log.log(logging.INFO if final.ok or parts.sender_gone else logging.WARNING,
-                "request sent in parts after the upstream refused it as too large", extra={
-                    "upstream_url": self.url, "parts": parts.sent, "status": final.status,
-                    "result": result})
+        elif parts.converted and parts.stored and not final.ok:
+            # the batch is refused, but some of it is stored: the sender hears how much,
+            # counted from the parts a 1.0 receiver took (it sent no Written headers)
+            stored = await asyncio.to_thread(_stored_counts, lay, parts.stored)
+            self._written_headers(final, stored)
+        quiet = final.ok or parts.sender_gone
+        self._line(logging.INFO if quiet else logging.WARNING,
+                   "request sent in parts after the upstream refused it as too large",
+                   result, {"upstream_url": self.url, "parts": parts.sent,
+                            "status": final.status, "result": result,
+                            "skipped": parts.skipped},
+                   interval=QUIET_LOG_SECONDS if quiet else THROTTLE_SECONDS)
         return self._count_split(result, final)
 
     async def _send_halves(self, parts: _Parts, lo: int, hi: int, depth: int,
@@ -1055,9 +1121,12 @@ class Upstream:
         """Send ``series[a:b]`` as one part, cut again if the upstream refuses it."""
         if parts.stopped:
             return
+        if self._stored_before(parts, a, b):
+            return
         if attempt.sender_gone():
-            log.info("the sender closed its connection: the rest of a request sent in "
-                     "parts is not sent", extra={"upstream_url": self.url, "parts": parts.sent})
+            self._line(logging.INFO, "the sender closed its connection: the rest of a "
+                       "request sent in parts is not sent", "sender_gone",
+                       {"upstream_url": self.url, "parts": parts.sent})
             parts.sender_gone = True
             return
         # made one at a time: making one holds PART_COPIES times its bytes, sending it only
@@ -1073,11 +1142,14 @@ class Upstream:
             raise
         attempt.charge.give_back(need - len(out.encoded))
         need = len(out.encoded)
+        if parts.memory is not None:  # until an answer says otherwise, it may be stored
+            self.stored_parts.sending(parts.key, parts.memory, (a, b))
         try:
             answer, sent = await self._deliver(out, parts.incoming, parts.url, attempt)
             del out
         finally:
             attempt.charge.give_back(need)
+        answer = self._remember(parts, a, b, answer, sent.converted)
         refused = too_large(answer)
         if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
             await self._send_halves(parts, a, b, depth + 1, attempt)
@@ -1087,6 +1159,59 @@ class Upstream:
         if self.metrics is not None:
             self.metrics.upstream_split_parts.inc()
         parts.add(answer, sent.converted, too_large=refused)
+
+    def _stored_before(self, parts: _Parts, a: int, b: int) -> bool:
+        """``series[a:b]`` was stored by an earlier attempt of the same body (in one part
+        or several): counted as answered with what they were answered, and not sent again.
+        Prometheus would refuse it as out of order once a later part was stored (a 400 the
+        sender drops, for a batch stored whole), VictoriaMetrics would keep it twice."""
+        if parts.memory is None:
+            return False
+        stored = parts.memory.covered(a, b)
+        if stored is None:
+            return False
+        for part, s in stored:
+            headers = {name: str(n) for name, n in zip(_WRITTEN, s.written, strict=True)
+                       if n >= 0}
+            parts.add(Answer(s.status, b"", headers, str(s.status)), s.converted,
+                      too_large=False)
+            parts.sent -= 1  # not sent: answered from the record
+            parts.skipped += 1
+            parts.stored.append(part)
+        return True
+
+    def _remember(self, parts: _Parts, a: int, b: int, answer: Answer,
+                  converted: bool) -> Answer:
+        """Record what part ``series[a:b]`` got, and the answer to count for it: a part an
+        earlier attempt sent without hearing back, refused now as out of order or a
+        duplicate, was stored then (its own samples are what the receiver holds), so it
+        counts as stored rather than as a 400 the sender would drop the batch for."""
+        if parts.memory is None:
+            return answer
+        part = (a, b)
+        if (not answer.ok and part in parts.unanswered_before and answer.upstream == "400"
+                and _ALREADY_STORED.search(answer.body) is not None):
+            self._line(logging.INFO, "a part sent before without an answer is refused now "
+                       "as already stored (out of order / duplicate): counted as stored",
+                       "already_stored", {"upstream_url": self.url,
+                                          "body": answer.body[:200].decode("utf-8", "replace")})
+            headers: dict[str, str] = {}
+            if parts.layout.protocol is Protocol.V2 and not converted:  # its own count
+                c = parts.layout.counts(a, b)
+                headers = dict(zip(_WRITTEN, map(str, (c.samples, c.histograms, c.exemplars)),
+                                   strict=True))
+            answer = Answer(204, b"", headers, answer.upstream, answer.converted)
+        elif (not answer.ok and answer.upstream.isdigit() and answer.upstream[0] == "4"
+                and part not in parts.unanswered_before):
+            # a refusal the receiver said itself; a part unanswered before stays in doubt
+            self.stored_parts.refused(parts.key, parts.memory, part)
+        if answer.ok:
+            parts.stored.append(part)
+            written = tuple(int(v) if (v := answer.headers.get(name, "")).isdigit() else -1
+                            for name in _WRITTEN)
+            self.stored_parts.stored(parts.key, parts.memory, part, StoredAnswer(
+                answer.status, converted, (written[0], written[1], written[2])))
+        return answer
 
     def _no_room(self, answer: Answer | None, need: int) -> Answer:
         """What a request sent in parts needs does not fit the byte budget now: 503, and
@@ -1255,7 +1380,9 @@ class Upstream:
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
             text = f"upstream answered {upstream_status}: ".encode() + text
-        if status >= 500 or upstream_status >= 300:
+        if (status >= 500 or upstream_status >= 300) and not too_large(
+                Answer(status, text, upstream=str(upstream_status))):
+            # a refusal for size is sent in parts (``forward``): said there, if it must be
             self._line(
                 logging.WARNING, "upstream did not accept the request",
                 f"{upstream_status}:{status}",
@@ -1264,16 +1391,19 @@ class Upstream:
             )
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
 
-    def _line(self, level: int, message: str, key: str, extra: dict[str, object]) -> None:
-        """Log a failed request's line, throttled per message and ``key`` (a status, a
-        kind): the first at once, the rest of the interval in one summary with its count.
-        The messages are a fixed few, so is the number of throttles."""
+    def _line(self, level: int, message: str, key: str, extra: dict[str, object], *,
+              interval: float = THROTTLE_SECONDS) -> None:
+        """Log a line of what can come with every request, throttled per message, level
+        and ``key`` (a status, a kind): the first at once, the rest of ``interval`` in one
+        summary with its count. The messages are a fixed few, so is the number of
+        throttles."""
         if not log.isEnabledFor(level):
             return
-        lines = self._lines.get(message)
+        lines = self._lines.get((level, message))
         if lines is None:
-            lines = self._lines[message] = Throttled(
-                log, message, f"{message} (repeated)", peer_field=None, level=level)
+            lines = self._lines[(level, message)] = Throttled(
+                log, message, f"{message} (repeated)", peer_field=None, level=level,
+                interval=interval)
         lines.event(key, extra)
 
     # -- what the upstream is -------------------------------------------------------------
@@ -1355,11 +1485,15 @@ class Upstream:
     def _log_probe(self, probe: Probe) -> None:
         extra = {"upstream_url": self.url, "upstream_status": probe.code,
                  "outcome": probe.outcome}
-        if probe.outcome == "rw2":
-            log.info("upstream takes remote write 2.0: RW 2.0 requests pass through", extra=extra)
-        elif probe.outcome == "rw1":
-            log.info("upstream takes remote write 1.0 only: RW 2.0 requests are converted",
-                     extra=extra)
+        if probe.outcome in ("rw2", "rw1"):
+            message = ("upstream takes remote write 2.0: RW 2.0 requests pass through"
+                       if probe.outcome == "rw2" else
+                       "upstream takes remote write 1.0 only: RW 2.0 requests are converted")
+            # checked again after every request that got no answer: the first line at
+            # once (another finding is another line, at once too), the same again in one
+            # summary a while
+            self._line(logging.INFO, message, probe.outcome, {**extra},
+                       interval=QUIET_LOG_SECONDS)
         elif probe.outcome == "not_write_endpoint":
             log.error("upstream URL is NOT a remote-write endpoint: every write will be "
                       "answered 503 until upstream.url is fixed",

@@ -904,6 +904,155 @@ async def test_413_recursion_is_bounded_at_16_parts() -> None:
     assert split_count(u, "too_large") == 1 and split_count(u, "stored") == 0
 
 
+# -- a request sent in parts, sent again ------------------------------------------------------
+
+
+async def test_413_a_resend_of_the_same_body_skips_the_parts_stored() -> None:
+    # the proxy's answer to the sender was lost: the sender sends the batch again. Sent
+    # again, a stored part is refused by Prometheus as out of order once a later part moved
+    # its series on (a 400 the sender drops), and kept twice by VictoriaMetrics
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(limit, rw2_receiver)) as up, opened(up.url) as u:
+        first = await u.send(raw, Protocol.V2, counts=counts)
+        parts = len(stored_parts(up, limit))
+        before = len(up.received)
+        again = await u.send(raw, Protocol.V2, counts=counts)
+    assert first.ok and again.ok and parts >= 2
+    assert [len(r.body) > limit for r in up.received[before:]] == [True]  # the whole only
+    assert again.headers[WRITTEN_SAMPLES] == first.headers[WRITTEN_SAMPLES] == "120"
+    assert split_count(u, "stored") == 2
+
+
+async def test_413_another_body_or_tenant_is_not_skipped() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, \
+            opened(up.url.replace("/api/v1/write", "/insert/{tenant}/prometheus")) as u:
+        for tenant in ("1", "2"):
+            assert (await u.forward(u.prepare(raw, Protocol.V1, "snappy"), tenant=tenant)).ok
+        assert (await u.send(many_v1(65), Protocol.V1)).ok
+    assert len(stored_parts(up, limit)) == 6
+
+
+def _lose_then_refuse_as_stored(limit: int, second: Reply) -> Callable[[Received], Reply]:
+    """A size-limited receiver whose answer to the second part never comes in time (the
+    request's deadline), and which answers that part ``second`` when it comes again."""
+    seen = 0
+
+    def rule(rec: Received) -> Reply:
+        nonlocal seen
+        if len(rec.body) > limit:
+            return Reply(413)
+        seen += 1
+        if seen == 2:
+            return Reply(204, delay=5.0)
+        return second if seen == 3 else Reply(204)
+
+    return rule
+
+
+@pytest.mark.parametrize(("body", "stored"), [
+    (b"out of order sample", True),
+    (b"duplicate sample for timestamp", True),
+    (b"label name is empty", False),
+])
+async def test_413_a_part_without_an_answer_refused_again_as_already_stored(
+        body: bytes, stored: bool) -> None:
+    raw = many_v1(16)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    rule = _lose_then_refuse_as_stored(limit, Reply(400, body=body))
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url, timeout_seconds=1.0) as u:
+        first = await u.send(raw, Protocol.V1)
+        again = await u.send(raw, Protocol.V1)
+    assert first.status == 504
+    # the first part not sent again, the second's 400 says it holds it (or refuses it)
+    assert [len(r.body) > limit for r in up.received] == [True, False, False, True, False]
+    assert again.status == (204 if stored else 400), again.body
+
+
+async def test_413_a_part_answered_before_and_refused_as_out_of_order_is_a_400() -> None:
+    # only a part the proxy heard nothing back for may have been stored unseen: one refused
+    # before is refused still, and the stored one is not sent again
+    raw = many_v1(8)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+
+    def rule(rec: Received) -> Reply:
+        if len(rec.body) > limit:
+            return Reply(413)
+        if b"pod-0000" in rec.raw:
+            return Reply(400, body=b"out of order sample")
+        return Reply(204)
+
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url) as u:
+        first = await u.send(raw, Protocol.V1)
+        again = await u.send(raw, Protocol.V1)
+    assert first.status == again.status == 400
+    assert [len(r.body) > limit for r in up.received] == [True, False, False, True, False]
+
+
+async def test_413_a_converted_batch_refused_in_part_says_what_was_stored() -> None:
+    # a 1.0 receiver stores the first part and refuses the second: the RW 2.0 sender drops
+    # the batch, and hears how much of it is stored
+    raw = many_v2(40)
+    limit = len(compress(v2_to_v1(raw), "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    seen: list[int] = []
+
+    def rule(rec: Received) -> Reply:
+        if len(rec.body) > limit:
+            return Reply(413)
+        seen.append(len(WriteRequest.FromString(rec.raw).timeseries))
+        return Reply(204) if len(seen) == 1 else Reply(400, body=b"label name is empty")
+
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url, protocol="v1") as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+    assert answer.status == 400 and answer.converted and len(seen) == 2
+    assert answer.headers[WRITTEN_SAMPLES] == str(3 * seen[0])
+    assert answer.headers[WRITTEN_HISTOGRAMS] == answer.headers[WRITTEN_EXEMPLARS] == "0"
+
+
+def _messages(caplog: pytest.LogCaptureFixture, level: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "karta.upstream" and r.levelname == level]
+
+
+async def test_requests_sent_in_parts_in_a_steady_state_log_one_line_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # an upstream limit under the stamped batches splits every request (and every fact
+    # write): two info lines each and a warning for a 413 that was handled buried the log
+    limit = len(compress(many_v1(64), "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up:
+        u = make(up.url)
+        with caplog.at_level("INFO", logger="karta.upstream"):
+            try:
+                for n in range(5):
+                    assert (await u.send(many_v1(64 + n), Protocol.V1)).ok
+                infos = _messages(caplog, "INFO")
+                assert _messages(caplog, "WARNING") == []
+                assert infos.count("upstream refused a request as too large: sending it in "
+                                   "parts cut at series boundaries") == 1
+                assert infos.count("request sent in parts after the upstream refused it as "
+                                   "too large") == 1
+            finally:
+                await u.close()  # the summaries that wait are written
+    summaries = [r for r in caplog.records if r.getMessage().endswith("(repeated)")]
+    assert sorted(r.__dict__["count"] for r in summaries) == [4, 4]
+
+
+async def test_the_same_protocol_found_again_is_one_line_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url) as u:
+        with caplog.at_level("INFO", logger="karta.upstream"):
+            for _ in range(4):  # as after every request that got no answer
+                u._recheck = True
+                assert (await u.check()).outcome == "rw1"
+            lines = _messages(caplog, "INFO")
+    assert lines.count("upstream takes remote write 1.0 only: RW 2.0 requests are "
+                       "converted") == 1
+
+
 # -- what a request in flight holds -----------------------------------------------------------
 
 

@@ -194,6 +194,9 @@ class _Delivery:
         self.refused = 0
         #: of them, stale markers, and the keys of those
         self.refused_stale = 0
+        #: of those, markers for the other ``source``'s series at a takeover (not counted
+        #: in ``karta_proxy_fact_stale_markers_total``: see ``FactWriter._other_markers``)
+        self.refused_other = 0
         self.stale_keys: set[Key] = set()
         #: series dropped with a part refused whole (another 4xx, or MAX_EXTRA_REQUESTS)
         self.dropped = 0
@@ -331,6 +334,12 @@ class FactWriter:
         #: what the last build made (series also on /metrics; markers counted on commit)
         self.last_series = 0
         self.last_stale_markers = 0
+        #: the label fields of the last build's markers for the other ``source``'s
+        #: transition series (``_SOURCE_FIELDS``: the first write after a start or a
+        #: takeover, one per workload, for series that mostly never existed): not counted
+        #: as stale markers, which count this writer's series that went away, and a
+        #: takeover added one per workload to them
+        self._other_markers: set[bytes] = set()
         self.last_build_seconds = 0.0
 
     # -- building ------------------------------------------------------------------------
@@ -419,7 +428,7 @@ class FactWriter:
         refused = self._refused
         stale = self._stale_sample = sample_field(STALE_NAN, ts_bytes)
         end_other = self._end_other_source
-        others = 0
+        other_markers = self._other_markers = set()
 
         def chunks() -> Iterator[tuple[tuple[bytes, ...], int, Key, bool] | None]:
             """(the wire pieces of n series, n, their key, alone): every fact now, a group
@@ -427,7 +436,7 @@ class FactWriter:
             (known once the facts are through); None: a pause. A group is never split
             across requests unless it alone holds more series than a request, or holds a
             series refused before (``alone``: sent in a request of its own)."""
-            nonlocal made, others
+            nonlocal made
             for key, group in self._current():
                 had = current.get(key)
                 # two groups of one key: first wins (the index gives one workload per
@@ -453,7 +462,7 @@ class FactWriter:
                         for this, other in _SOURCE_FIELDS.items():
                             ended = swapped(one, this, other, self._sample_len)
                             if ended is not None:
-                                others += 1
+                                other_markers.add(b"".join(ended[1:]))
                                 yield (*ended, stale), 1, key, False
                                 break
                 made += n
@@ -508,7 +517,7 @@ class FactWriter:
         self.body_runs = runs
         self.last_series = made
         self.metrics.series.set(made)
-        self.last_stale_markers = len(gone) + others
+        self.last_stale_markers = len(gone)
         self.last_build_seconds = building + time.perf_counter() - started
         yield body
 
@@ -617,7 +626,8 @@ class FactWriter:
             ((k, g) for k, g in self._written.items() if k in tally.stale_keys))
         self._end_other_source = False
         self._prune_refused()
-        self.metrics.stale_markers.inc(self.last_stale_markers - tally.refused_stale)
+        self.metrics.stale_markers.inc(
+            self.last_stale_markers - (tally.refused_stale - tally.refused_other))
 
     def forget(self) -> None:
         """Stop owning the written series (leadership lost: the next leader continues them)."""
@@ -779,12 +789,13 @@ class FactWriter:
                         tally: _Delivery) -> None:
         """One series the upstream refused on its own: counted, logged, remembered."""
         tally.refused += 1
+        labels = labels_of(field)
         if field.endswith(self._stale_sample):
             tally.refused_stale += 1
+            tally.refused_other += labels in self._other_markers
             if key is not None:
                 tally.stale_keys.add(key)
         self.metrics.series_refused.inc()
-        labels = labels_of(field)
         if key is not None:
             known = self._refused.get(key)
             if known is None and sum(map(len, self._refused.values())) < MAX_REFUSED_REMEMBERED:

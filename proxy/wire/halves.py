@@ -36,6 +36,7 @@ from typing import NamedTuple
 from proxy.wire.convert import exemplar_v2, metadata_v2
 from proxy.wire.native import field_count, field_ends
 from proxy.wire.primitives import (
+    Counts,
     Protocol,
     encode_refs,
     encode_uvarint,
@@ -47,6 +48,8 @@ from proxy.wire.primitives import (
 
 #: the field number of a series in each protocol's request message
 SERIES_FIELD = {Protocol.V1: 1, Protocol.V2: 5}
+#: a series' sample, histogram and exemplar field numbers in each protocol
+_DATA_FIELDS = {Protocol.V1: (2, 4, 3), Protocol.V2: (2, 3, 4)}
 #: what a layout holds per top-level field at most, while it is made (:func:`layout_bytes`):
 #: the field's end (4 bytes, dropped once read), its start and end (8), its share of the
 #: prefix sums (4), and the arrays' room to grow (1/8)
@@ -155,6 +158,27 @@ class Layout:
         if end >= 0:
             out.append(self.raw[start:end])
         return b"".join(out)
+
+    def counts(self, lo: int, hi: int) -> Counts:
+        """What ``series[lo:hi]`` carries: a part the upstream stored has no Written
+        headers of its own when it went out as RW 1.0, or when the proxy knows it stored
+        only from a later refusal (``proxy.upstream``); read series by series, on the rare
+        paths that need it."""
+        samples, histograms, exemplars = _DATA_FIELDS[self.protocol]
+        out = Counts()
+        raw = self.raw
+        for s, e in self.series.pairs(lo, hi):
+            _, _, p, q = read_field(raw, s, e)
+            out.series += 1
+            while p < q:
+                number, _, _, p = read_field(raw, p, q)
+                if number == samples:
+                    out.samples += 1
+                elif number == histograms:
+                    out.histograms += 1
+                elif number == exemplars:
+                    out.exemplars += 1
+        return out
 
     def _part_v2(self, lo: int, hi: int) -> bytes:
         """An RW 2.0 part with the symbols its series use, and nothing else of the table.

@@ -1897,3 +1897,27 @@ async def test_garbage_of_the_interval_is_not_frozen_for_good(leading: bool) -> 
         await w.write_once()  # the write's end freezes whatever is alive
         alive = gone() is not None
     assert not alive, "the cycle was frozen with the write's survivors"
+
+
+async def test_a_takeovers_markers_for_the_other_source_are_not_counted_as_series_gone(
+) -> None:
+    # the first write after a start or a takeover ends each workload's transition series
+    # under the other `source` (most never existed): counted, they added one per workload
+    # at every takeover to a counter said to count fact series that went away
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    index = small_index()
+    w = FactWriter(FactSettings(), index, send, clock=lambda: 10.0)
+    assert await w.write_once()
+    others = [k for k, s in decode(sent[-1]).items() if is_stale(s[0][0])]
+    assert others and all(
+        dict(k)["__name__"] == contract.FACT_WORKLOAD_PHASE_TRANSITION for k in others)
+    assert w.stale_markers_total == 0
+    assert "transition series" in w.metrics.stale_markers._documentation
+    index.apply(ChangeSet(workloads={"w-dep": None}, pods={"p-api": None}))
+    assert await w.write_once()
+    gone = [k for k, s in decode(sent[-1]).items() if is_stale(s[0][0])]
+    assert w.stale_markers_total == len(gone) > 0

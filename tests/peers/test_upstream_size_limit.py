@@ -8,8 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
+import snappy
+from aiohttp import web
 
+from proxy.aux_server import AuxServer
 from proxy.sender import Series, build_v1, send_series
 from proxy.upstream import WRITTEN_SAMPLES
 from proxy.wire.primitives import Protocol
@@ -59,3 +63,99 @@ async def test_a_batch_over_the_limit_only_once_stamped_is_stored_whole(
     await wait_until(stored, timeout=20, what="every series sent through the proxy")
     stamped = await query(vm.base_url, 'split_probe{via="p", karta_workload!=""}', at)
     assert sorted(float(r["value"][1]) for r in stamped) == [float(i) for i in range(SERIES)]
+
+
+# -- a batch sent in parts, sent again by its sender ------------------------------------------
+
+
+class SizeLimitFront(AuxServer):
+    """A size limit before a real receiver, as nginx's ``client_max_body_size`` or Mimir's
+    ``distributor.max_recv_msg_size``: 413 for a body that decodes to more than ``limit``
+    bytes, else the request forwarded and the receiver's answer relayed. ``lose``: the
+    forwarded write (0-based, empty writes not counted) whose answer is lost after the
+    receiver took it (the connection to the proxy reset instead), once."""
+
+    def __init__(self, target: str, limit: int, lose: int | None = None) -> None:
+        self.target = target
+        self.limit = limit
+        self.lose = lose
+        self.forwarded = 0
+        #: the receiver's status for every write forwarded, in order
+        self.answers: list[int] = []
+        self.url = ""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        size = len(snappy.uncompress(body)) if body else 0
+        if size > self.limit:
+            return web.Response(status=413, text="request entity too large")
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "connection")}
+        async with aiohttp.ClientSession() as session, session.post(
+                self.target, data=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            status, text = resp.status, await resp.read()
+        if size == 0:
+            return web.Response(status=status, body=text)
+        n, self.forwarded = self.forwarded, self.forwarded + 1
+        self.answers.append(status)
+        if n == self.lose:
+            assert request.transport is not None
+            request.transport.abort()  # the receiver took it; the answer never arrives
+        return web.Response(status=status, body=text)
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/api/v1/write", self._handle)
+        port = await self.serve(app, "127.0.0.1", 0, auto_decompress=False,
+                                shutdown_timeout=0.5)
+        self.url = f"http://127.0.0.1:{port}/api/v1/write"
+        return self.url
+
+
+#: series and samples of the batch sent twice: as Prometheus sends after a pause, one
+#: TimeSeries a sample, every series at every step, the steps in order
+RESEND_SERIES, RESEND_STEPS = 20, 12
+
+
+def repeated_batch(via: str, start_ms: int) -> list[Series]:
+    return [Series({"__name__": "resend_probe", **POD, "container": f"c-{i:02d}", "via": via},
+                   [(start_ms + step * 1000, float(step))])
+            for step in range(RESEND_STEPS) for i in range(RESEND_SERIES)]
+
+
+@pytest.mark.parametrize("lose", [None, 0, 1], ids=["answer-to-sender-lost",
+                                                    "first-part-answer-lost",
+                                                    "second-part-answer-lost"])
+@pytest.mark.parametrize("protocol", [Protocol.V1, Protocol.V2])
+async def test_a_batch_sent_in_parts_and_sent_again_is_stored_once_and_answered_2xx(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], protocol: Protocol,
+    lose: int | None,
+) -> None:
+    """Prometheus 2.42 refuses a sample older than what it holds of the series: a part
+    sent again after a later part was stored is "out of order sample", a 400 the sender
+    drops (the batch is stored whole). The resend skips the parts stored, and a part whose
+    answer was lost counts as stored when Prometheus says it holds it."""
+    prom = await peers.prometheus_receiver()
+    start_ms = int(time.time() * 1000) - 60_000
+    batch = repeated_batch("p", start_ms)
+    front = SizeLimitFront(prom.base_url + "/api/v1/write",
+                           limit=len(build_v1(batch)) * 9 // 10, lose=lose)
+    async with front:
+        proxy = await make_proxy(front.url)
+        first, _, text = await send_series(proxy.write_url, batch, protocol=protocol)
+        assert first == (204 if lose is None else 502), text
+        # no part is sent after one without an answer (a 502: the sender retries)
+        assert front.forwarded >= (1 if lose == 0 else 2)
+        assert all(s == 204 for s in front.answers)
+        # the sender sends the batch again: its answer was lost, or it was a 502
+        status, headers, text = await send_series(proxy.write_url, batch, protocol=protocol)
+    assert status == 204, text
+    if protocol is Protocol.V2:
+        assert headers[WRITTEN_SAMPLES] == str(RESEND_SERIES * RESEND_STEPS)
+    m = proxy.proxy.metrics.registry
+    assert m.get_sample_value("karta_proxy_upstream_split_requests_total",
+                              {"result": "stored"}) == (2 if lose is None else 1)
+    # every sample stored, once
+    r = await query(prom.base_url, 'sum(count_over_time(resend_probe{via="p"}[5m]))')
+    assert r and float(r[0]["value"][1]) == RESEND_SERIES * RESEND_STEPS
