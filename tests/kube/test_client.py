@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from proxy.kube.client import default_namespace
+from proxy.kube.client import _error, default_namespace
 
 
 def test_default_namespace_prefers_pod_namespace(tmp_path: Path) -> None:
@@ -25,3 +26,19 @@ def test_default_namespace_outside_a_cluster(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("  \n")
     assert default_namespace({}, empty) == "default"
+
+
+def test_too_large_resource_version_is_told_by_its_cause_or_its_message() -> None:
+    """What makes a watcher relist rather than retry a watch its server's store went
+    back under: the cause kube-apiserver sets since 1.18.6, else its message."""
+    cause = {"details": {"causes": [{"reason": "ResourceVersionTooLarge",
+                                     "message": "Too large resource version"}]}}
+    message = "Too large resource version: 310, current: 4"
+    now = _error(504, json.dumps({"reason": "Timeout", "message": message, **cause}).encode())
+    assert now.causes == ("ResourceVersionTooLarge",) and now.resource_version_too_large
+    before_1_18_6 = _error(504, json.dumps({"reason": "Timeout", "message": message}).encode())
+    assert before_1_18_6.resource_version_too_large
+    other = _error(504, json.dumps({"reason": "Timeout", "message": "etcd slow",
+                                    "details": {"causes": "nonsense"}}).encode())
+    assert not other.resource_version_too_large and other.causes == ()
+    assert not _error(504, b"<html>gateway timeout</html>").resource_version_too_large

@@ -589,3 +589,38 @@ async def test_cascade_delete_leaves_the_pod_tombstone_with_its_jobset(
     await eventually(lambda: source.index.tombstones() == 1, timeout=5)
     assert p["metadata"]["uid"] not in source.index.pods
     assert stamped() == want  # the tombstone: what late samples and stale markers get
+
+
+async def test_an_api_server_back_on_an_older_store_is_relisted(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The API server restarts on an etcd restored from a backup: resourceVersions
+    below the watchers', other pods. Every watch is answered 504 "Too large resource
+    version"; the watchers relist and the index holds the restored store's pods, not
+    stale. They retried those watches forever: the old pods stayed, index stale at 1
+    (the audit: 197 watch requests and no list in 30 s)."""
+    _, rs, _ = deployment(sim, "old", "shop", replicas=3)
+    for i in range(30):  # the old cluster's history: its resourceVersion well above 30
+        rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
+                             metadata={**rs["metadata"], "resourceVersion": ""}))
+    source = await make_source()
+    assert labels(source, "shop", "old-1-0") is not None
+    await sim.stop()
+    await eventually(lambda: source.index.stale, timeout=5)
+    sim.reset_store(resource_version=1)
+    deployment(sim, "new", "shop", replicas=2)
+    assert sim.resource_version < 10
+    await sim.start()
+
+    def live() -> set[str]:
+        return {a.pod for a in source.index.pods.values()}
+
+    def workload(name: str) -> str | None:
+        got = labels(source, "shop", name)
+        return None if got is None else got.get("karta_workload")
+
+    # each kind relists on its own: a pod may come back before its ReplicaSet, and
+    # carry it as its workload until then
+    await eventually(lambda: live() == {"new-1-0", "new-1-1"} and not source.index.stale
+                     and workload("new-1-0") == workload("new-1-1") == "new", timeout=10)
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "pods", "reason": "gone"}) >= 1

@@ -36,6 +36,7 @@ from tests.kubesim.store import (
     Obj,
     ResourceStore,
     Store,
+    TooLargeResourceVersion,
     WatchFeed,
     parse_field_selector,
     parse_label_selector,
@@ -235,6 +236,27 @@ class KubeSim:
         """Drop the event log: watches from any older resourceVersion get 410 Gone."""
         self.store.compact()
         self._snapshots.clear()
+
+    def reset_store(self, resource_version: int = 0, *, keep_watches: bool = False) -> None:
+        """Replace the store by an empty one at ``resource_version`` (older than the
+        current one, as a rule), the same kinds registered: an API server back on an
+        etcd restored from a backup, or on a fresh one. Watches from the old store's
+        newer resourceVersions are then answered 504 "Too large resource version".
+        Open watches are broken (the API server restarted), or with ``keep_watches``
+        moved to the new store (it was replaced under them): their next bookmarks and
+        events carry the new store's older versions."""
+        old, self.store = self.store, Store(max_log=self.store.max_log)
+        self.store.rv = resource_version
+        for rt in old.types():
+            self.store.register(rt)
+        self._snapshots.clear()
+        for key, rs in old.resources.items():
+            for feed in list(rs.feeds):
+                if keep_watches:
+                    rs.feeds.discard(feed)
+                    self.store.resources[key].feeds.add(feed)
+                else:
+                    feed.kill()
 
     def disconnect_watches(self) -> int:
         """Break every open watch stream abruptly (no clean end of the chunked body)."""
@@ -542,6 +564,10 @@ class KubeSim:
             timeout = min(timeout, float(query["timeoutSeconds"]))
         bookmarks = _parse_bool(query.get("allowWatchBookmarks", ""))
         rv_param = query.get("resourceVersion", "")
+        if rv_param.isascii() and rv_param.isdigit() and int(rv_param) > self.store.rv:
+            # the watch cache waits up to 3 s for its revision to reach it, then answers
+            # this, before the stream starts
+            raise TooLargeResourceVersion(int(rv_param), self.store.rv)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
         feed = WatchFeed(rt)
