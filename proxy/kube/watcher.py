@@ -355,8 +355,9 @@ class ResourceWatcher(WatchBase):
         self.healthy = True
         #: set by ``retry_now``: ends the backoff wait after a failure at once
         self._wake = asyncio.Event()
-        #: 410s since the last stream that lived long enough, and their own backoff
-        #: (a list resets ``backoff``, and a 410 loop goes through a list every time)
+        #: 410s since a watch last made progress (an event or bookmark) or lived long
+        #: enough, and their own backoff (a list resets ``backoff``, and a 410 loop goes
+        #: through a list every time)
         self._gone_in_a_row = 0
         self._gone_backoff = Backoff(cap=backoff_max)
         self._task: asyncio.Task[None] | None = None
@@ -486,12 +487,13 @@ class ResourceWatcher(WatchBase):
             await self._pause(self.backoff.next())
 
     async def _after_gone(self) -> None:
-        """A 410: relist at once the first time (the log compacted past this watch's
-        resourceVersion, the usual case), but after a growing backoff when the watch
-        that got it had started from a list made since the last stream that lived long
-        enough: a server that answers 410 to every watch (a watch cache behind the list
-        that a load balancer sent elsewhere) made a list of every object, then a watch,
-        in a loop with no pause."""
+        """A 410 (or a store gone back): relist at once the first time (the log
+        compacted past this watch's resourceVersion, the usual case), but after a
+        growing backoff when the watch that got it had started from a list made since
+        the last watch that made progress (an event or bookmark) or lived long enough: a
+        server that answers 410 to every watch (a watch cache behind the list that a
+        load balancer sent elsewhere) made a list of every object, then a watch, in a
+        loop with no pause."""
         self.metrics.restarts.labels(self.name, "gone").inc()
         self._gone_in_a_row += 1
         if self._gone_in_a_row > 1:
@@ -673,7 +675,12 @@ class ResourceWatcher(WatchBase):
         ``ordered``: the watch started from a revision, so an event or bookmark older
         than the newest seen means the store went back (``_WentBack``, a relist); a
         server whose store was replaced under an open stream otherwise went on with
-        versions this watcher would resume from, never to converge."""
+        versions this watcher would resume from, never to converge.
+
+        The first event or bookmark ends a run of 410s (``_gone_in_a_row``): the watch
+        after the relist made progress, so a later 410 is the usual compaction, relisted
+        at once. Only a stream that lived half its timeoutSeconds ended the run, and a 410
+        minutes later still waited out the backoff (relists 3-26 s late)."""
 
         def step(i: int, j: int) -> None:
             nonlocal rv
@@ -722,6 +729,8 @@ class ResourceWatcher(WatchBase):
                     self.sink.handle(self, events)
                 if got_any:
                     self.resource_version = rv
+                    self._gone_in_a_row = 0
+                    self._gone_backoff.reset()
             if got_any:
                 self.sink.current(self)
 

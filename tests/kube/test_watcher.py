@@ -23,7 +23,7 @@ from proxy.kube.watcher import (
     deletion_stub,
 )
 from tests.kube.conftest import eventually, pod
-from tests.kubesim import ApiError, KubeSim
+from tests.kubesim import ApiError, Gone, KubeSim
 from tests.kubesim.resources import POD
 
 PODS = ApiResource("", "v1", "Pod", "pods", True)
@@ -600,3 +600,31 @@ async def test_a_bookmark_or_event_older_than_the_last_seen_is_relisted(
     assert all(int(q["resourceVersion"]) <= sim.resource_version
                for q in watches[n_watches:])  # none answered 504
 
+
+async def test_a_410_long_after_a_relist_is_relisted_at_once(
+        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    """A 410 to a watch that had made progress since the last relist (a bookmark or an
+    event) is the usual compaction: relisted at once. Only a stream that lived half its
+    timeoutSeconds used to end the run of 410s, so a 410 minutes after the last one
+    still waited out the "410 again right after a relist" backoff: relists 3-26 s late."""
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    # a backoff, if taken, shows in the timing: 2-4 s before the relist
+    w._gone_backoff = Backoff(base=4.0, cap=8.0)
+
+    async def gone_then_relisted() -> float:
+        await eventually(lambda: sim.watch_count(POD) == 1, timeout=5)
+        n = _pod_lists(sim)
+        assert sim.hold_watches() == 1
+        sim.flush_watches(error=Gone("too old resource version: 1 (2)"))
+        return await eventually(lambda: _pod_lists(sim) > n, timeout=10)
+
+    await gone_then_relisted()
+    await eventually(lambda: sim.watch_count(POD) == 1, timeout=5)
+    current = sink.times_current
+    await eventually(lambda: sink.times_current >= current + 2, timeout=5)  # bookmarks
+    assert await gone_then_relisted() < 1.5
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 2
+    assert not any("410 again" in r.getMessage() for r in caplog.records)
+    sim.create(pod("after"))
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
