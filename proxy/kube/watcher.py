@@ -449,9 +449,7 @@ class ResourceWatcher(WatchBase):
                     rv = ""
                     continue
                 reason = "error"
-                log.warning("watch %s: API error %s", self.name, e)
-                self.last_error = f"API error {e}"
-                self._set_health(False)
+                self._failed(f"API error {e}")
             except _Idle:
                 # the server never closed the stream; it may be fine for new requests:
                 # resume (jittered), the next request tells whether it is reachable
@@ -464,9 +462,7 @@ class ResourceWatcher(WatchBase):
                 log.info("watch %s: stream broke (%s), resuming", self.name, type(e).__name__)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 reason = "unreachable"
-                log.warning("watch %s: API server unreachable: %s", self.name, e or type(e))
-                self.last_error = f"unreachable: {e or type(e).__name__}"
-                self._set_health(False)
+                self._failed(f"API server unreachable: {e or type(e).__name__}")
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
@@ -501,6 +497,15 @@ class ResourceWatcher(WatchBase):
                 log.warning("watch %s: 410 again right after a relist; relisting after a "
                             "backoff", self.name)
             await self._pause(self._gone_backoff.next())
+
+    def _failed(self, why: str) -> None:
+        """A list or watch that did not go through: logged at debug only, each retry.
+        The sink hears of this watcher's turn to unhealthy (``WatchSink.health``) and
+        warns once for all watchers, with ``last_error``: a warning per retry of every
+        watcher was 92 lines in a 46 s outage."""
+        log.debug("watch %s: %s; retrying after a backoff", self.name, why)
+        self.last_error = why
+        self._set_health(False)
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:

@@ -591,6 +591,36 @@ async def test_cascade_delete_leaves_the_pod_tombstone_with_its_jobset(
     assert stamped() == want  # the tombstone: what late samples and stale markers get
 
 
+async def test_an_outage_is_warned_once_and_its_end_logged_once(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """An outage is one warning (the first watcher to fail, with its error), each retry
+    of each watcher a debug line, and one info line when the last watcher is back, with
+    how long it took; "current again" is info too. Every retry of every watcher was a
+    warning: 92 lines in a 46 s outage."""
+    deployment(sim, "web", replicas=1)
+    source = await make_source()  # backoff cap 0.5 s
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    await sim.stop()
+    why = {"resource": "pods", "reason": "unreachable"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", why) >= 3,
+                     timeout=10)  # retried, and retried again
+    await sim.start()
+    await eventually(lambda: not source.index.stale, timeout=10)
+
+    def logged(level: int, text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == level and text in r.getMessage()]
+
+    assert len(source.watchers) >= 3
+    assert len(logged(logging.WARNING, "API server unreachable:")) == 1
+    assert not logged(logging.INFO, "API server unreachable:")
+    assert len(logged(logging.DEBUG, "API server unreachable:")) >= 3
+    [back] = logged(logging.INFO, "API server answers again")
+    assert " after " in back
+    assert logged(logging.INFO, "cluster index current again")
+    assert not logged(logging.WARNING, "current again")
+
+
 async def test_an_api_server_back_on_an_older_store_is_relisted(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """The API server restarts on an etcd restored from a backup: resourceVersions
