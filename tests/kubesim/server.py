@@ -608,6 +608,10 @@ class KubeSim:
             held: list[bytes] = []  # lines kept back while the feed is holding
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
+            # only a line this watch is sent puts the next bookmark off: an event its
+            # filter drops did, and a watch of a quiet namespace got no bookmark while
+            # the others churned
+            next_bookmark = loop.time() + self.bookmark_interval
             while True:
                 if feed.hung:
                     # silent from now on, whatever the deadline: swallow events until
@@ -617,21 +621,28 @@ class KubeSim:
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
-                remaining = deadline - loop.time()
+                now = loop.time()
+                remaining = deadline - now
                 if remaining <= 0:
                     break
-                wait = min(remaining, self.bookmark_interval) if bookmarks else remaining
+                wait = (min(remaining, max(0.0, next_bookmark - now)) if bookmarks
+                        else remaining)
                 try:
-                    ev = await asyncio.wait_for(feed.queue.get(), wait)
+                    if feed.queue.empty():
+                        ev = await asyncio.wait_for(feed.queue.get(), wait)
+                    else:
+                        ev = feed.queue.get_nowait()
                 except TimeoutError:
                     if feed.hung or feed.holding:
+                        next_bookmark = loop.time() + self.bookmark_interval
                         continue
-                    if bookmarks and feed.queue.empty():
+                    if bookmarks and feed.queue.empty() and loop.time() >= next_bookmark:
                         kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
                                              if mode else (rt.kind, rt.api_version))
                         await resp.write(_line({"type": "BOOKMARK", "object": {
                             "kind": kind, "apiVersion": api_version,
                             "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                        next_bookmark = loop.time() + self.bookmark_interval
                     continue
                 if ev is None or feed.killed:
                     if request.transport is not None:
@@ -650,6 +661,7 @@ class KubeSim:
                         held.append(line)
                     else:
                         await resp.write(line)
+                        next_bookmark = loop.time() + self.bookmark_interval
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError):

@@ -340,3 +340,18 @@ async def test_reset_store_breaks_open_watches_or_moves_them(sim: KubeSim,
         ("ADDED", "2"), ("BOOKMARK", "2")]
     kept.release()
 
+
+async def test_a_filtered_watch_gets_bookmarks_while_filtered_out_events_flow(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """Only a line sent to a watch puts its next bookmark off. Any event did, the ones
+    its namespace or field selector drops too: a watch of a quiet namespace got no
+    bookmark at all while another namespace churned."""
+    resp = await raw(api, "/api/v1/namespaces/quiet/pods", watch="1",
+                     resourceVersion=str(sim.resource_version), allowWatchBookmarks="true",
+                     timeoutSeconds="1.5")
+    for i in range(30):  # 1.5 s of churn elsewhere, an event every 0.05 s
+        sim.create(pod(f"busy{i}", ns="busy"))
+        await asyncio.sleep(0.05)
+    lines = (await asyncio.wait_for(resp.read(), 5)).splitlines()
+    kinds = [json.loads(x)["type"] for x in lines]
+    assert set(kinds) == {"BOOKMARK"} and len(kinds) >= 3, kinds  # every 0.2 s
