@@ -59,13 +59,38 @@ def default_namespace(
 
 
 class KubeApiError(Exception):
-    """A non-2xx answer, with the API's Status reason and message when it sent one."""
+    """A non-2xx answer, with the API's Status reason, message and the reasons of its
+    ``details.causes`` when it sent them: a cause is what tells a watch from a
+    resourceVersion the server has not reached (a restored etcd) from any other 504."""
 
-    def __init__(self, status: int, reason: str = "", message: str = "") -> None:
+    def __init__(self, status: int, reason: str = "", message: str = "",
+                 causes: tuple[str, ...] = ()) -> None:
         super().__init__(f"{status} {reason}: {message}".strip())
         self.status = status
         self.reason = reason
         self.message = message
+        self.causes = causes
+
+    @classmethod
+    def from_status(cls, status: int, doc: Mapping[str, Any]) -> KubeApiError:
+        """From a Status object: an error answer's body, or a watch's ``ERROR`` event."""
+        details = doc.get("details")
+        causes = details.get("causes") if isinstance(details, dict) else None
+        reasons = (tuple(str(c.get("reason", "")) for c in causes if isinstance(c, dict))
+                   if isinstance(causes, list) else ())
+        return cls(status, str(doc.get("reason", "")), str(doc.get("message", "")), reasons)
+
+    @property
+    def resource_version_too_large(self) -> bool:
+        """The server has not reached the resourceVersion asked for: its store went back
+        (an etcd restored from a backup, a fresh one), and only a relist gets the
+        watcher in step again, as client-go's reflector does (kubernetes#92537). The
+        message is the fallback for servers before 1.18.6, which sent no cause
+        (kubernetes#94316)."""
+        if "ResourceVersionTooLarge" in self.causes:
+            return True
+        return ((self.status == 504 or self.reason == "Timeout")
+                and "Too large resource version" in self.message)
 
 
 class KubeconfigError(Exception):
@@ -186,7 +211,7 @@ def _error(status: int, raw: bytes) -> KubeApiError:
     try:
         doc = json.loads(raw)
         if isinstance(doc, dict):
-            return KubeApiError(status, str(doc.get("reason", "")), str(doc.get("message", "")))
+            return KubeApiError.from_status(status, doc)
     except ValueError:
         pass
     return KubeApiError(status, "", raw[:200].decode("utf-8", "replace"))

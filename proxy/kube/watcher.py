@@ -2,12 +2,13 @@
 
 The loop: list (paginated) -> watch from the list's resourceVersion with bookmarks ->
 on a clean end (server timeout) watch again from the last resourceVersion seen; on 410
-Gone relist and find deletions by diffing against what this watcher holds; on
-disconnects, refused connections and 5xx back off (exponential, full jitter) and
-resume; a stream that stays silent (no event, no bookmark) for ``idle_timeout`` is
-taken for dead and resumed. Events are handed to a sink in slices sized to a time
-budget, with a yield to the event loop after each slice, so a burst never stalls
-request handling however costly each event is.
+Gone, and when the server's store went back (a 504 "Too large resource version", an
+event or bookmark older than the last seen), relist and find deletions by diffing
+against what this watcher holds; on disconnects, refused connections and 5xx back off
+(exponential, full jitter) and resume; a stream that stays silent (no event, no
+bookmark) for ``idle_timeout`` is taken for dead and resumed. Events are handed to a
+sink in slices sized to a time budget, with a yield to the event loop after each slice,
+so a burst never stalls request handling however costly each event is.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class WatchMetrics:
             "karta_proxy_watch_restarts_total",
             "Watch restarts by resource and reason (timeout: the server ended the "
             "stream; empty: it ended early with no event; short: it ended early after "
-            "some; gone: 410, relisted; idle; "
+            "some; gone: 410 or the server's store gone back, relisted; idle; "
             "disconnect; unreachable; error; unserved).",
             ["resource", "reason"],
             registry=registry,
@@ -247,6 +248,27 @@ def _metadata(obj: Obj, line: bytes, *, named: bool) -> Obj:
 
 class _Gone(Exception):
     """410: the resourceVersion is compacted away; only a relist helps."""
+
+
+class _WentBack(_Gone):
+    """An event or bookmark older than what this watch had seen: the API server's store
+    went back (an etcd restored from a backup, a fresh one) under an open stream. What
+    the watcher holds is of another history; only a relist helps."""
+
+
+def _revision(rv: str) -> int | None:
+    """A resourceVersion as a number, when it is one. Clients must treat it as opaque,
+    but the API server's are etcd revisions, which only grow: a smaller one on the same
+    watch means the store went back. Anything else (another server's versions) is not
+    compared."""
+    return int(rv) if rv.isascii() and rv.isdigit() else None
+
+
+def _check_order(held: str, new: str) -> None:
+    """Raise ``_WentBack`` when ``new`` is numerically older than ``held``."""
+    old_rev, new_rev = _revision(held), _revision(new)
+    if old_rev is not None and new_rev is not None and new_rev < old_rev:
+        raise _WentBack(f"resourceVersion went back from {held} to {new}")
 
 
 class _Idle(Exception):
@@ -333,8 +355,9 @@ class ResourceWatcher(WatchBase):
         self.healthy = True
         #: set by ``retry_now``: ends the backoff wait after a failure at once
         self._wake = asyncio.Event()
-        #: 410s since the last stream that lived long enough, and their own backoff
-        #: (a list resets ``backoff``, and a 410 loop goes through a list every time)
+        #: 410s since a watch last made progress (an event or bookmark) or lived long
+        #: enough, and their own backoff (a list resets ``backoff``, and a 410 loop goes
+        #: through a list every time)
         self._gone_in_a_row = 0
         self._gone_backoff = Backoff(cap=backoff_max)
         self._task: asyncio.Task[None] | None = None
@@ -392,13 +415,26 @@ class ResourceWatcher(WatchBase):
                     continue
                 self.metrics.restarts.labels(self.name, "timeout").inc()
                 continue
+            except _WentBack as e:
+                log.warning("watch %s: %s: the API server's store was restored or "
+                            "replaced; relisting", self.name, e)
+                rv = ""
+                await self._after_gone()
+                continue
             except _Gone:
                 log.info("watch %s: resourceVersion %s gone (410), relisting", self.name, rv)
                 rv = ""
                 await self._after_gone()
                 continue
             except KubeApiError as e:
-                if e.status == 410:
+                if e.status == 410 or e.resource_version_too_large:
+                    if e.status != 410:
+                        # retrying the watch would be answered the same until the new
+                        # store's revision passes ours, and then replay a history that
+                        # is not the one this watcher holds
+                        log.warning("watch %s: the API server has not reached "
+                                    "resourceVersion %s (%s): its store was restored or "
+                                    "replaced; relisting", self.name, rv, e.message)
                     rv = ""
                     await self._after_gone()
                     continue
@@ -413,9 +449,7 @@ class ResourceWatcher(WatchBase):
                     rv = ""
                     continue
                 reason = "error"
-                log.warning("watch %s: API error %s", self.name, e)
-                self.last_error = f"API error {e}"
-                self._set_health(False)
+                self._failed(f"API error {e}")
             except _Idle:
                 # the server never closed the stream; it may be fine for new requests:
                 # resume (jittered), the next request tells whether it is reachable
@@ -428,9 +462,7 @@ class ResourceWatcher(WatchBase):
                 log.info("watch %s: stream broke (%s), resuming", self.name, type(e).__name__)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 reason = "unreachable"
-                log.warning("watch %s: API server unreachable: %s", self.name, e or type(e))
-                self.last_error = f"unreachable: {e or type(e).__name__}"
-                self._set_health(False)
+                self._failed(f"API server unreachable: {e or type(e).__name__}")
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
@@ -451,12 +483,13 @@ class ResourceWatcher(WatchBase):
             await self._pause(self.backoff.next())
 
     async def _after_gone(self) -> None:
-        """A 410: relist at once the first time (the log compacted past this watch's
-        resourceVersion, the usual case), but after a growing backoff when the watch
-        that got it had started from a list made since the last stream that lived long
-        enough: a server that answers 410 to every watch (a watch cache behind the list
-        that a load balancer sent elsewhere) made a list of every object, then a watch,
-        in a loop with no pause."""
+        """A 410 (or a store gone back): relist at once the first time (the log
+        compacted past this watch's resourceVersion, the usual case), but after a
+        growing backoff when the watch that got it had started from a list made since
+        the last watch that made progress (an event or bookmark) or lived long enough: a
+        server that answers 410 to every watch (a watch cache behind the list that a
+        load balancer sent elsewhere) made a list of every object, then a watch, in a
+        loop with no pause."""
         self.metrics.restarts.labels(self.name, "gone").inc()
         self._gone_in_a_row += 1
         if self._gone_in_a_row > 1:
@@ -464,6 +497,15 @@ class ResourceWatcher(WatchBase):
                 log.warning("watch %s: 410 again right after a relist; relisting after a "
                             "backoff", self.name)
             await self._pause(self._gone_backoff.next())
+
+    def _failed(self, why: str) -> None:
+        """A list or watch that did not go through: logged at debug only, each retry.
+        The sink hears of this watcher's turn to unhealthy (``WatchSink.health``) and
+        warns once for all watchers, with ``last_error``: a warning per retry of every
+        watcher was 92 lines in a 46 s outage."""
+        log.debug("watch %s: %s; retrying after a backoff", self.name, why)
+        self.last_error = why
+        self._set_health(False)
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -596,6 +638,9 @@ class ResourceWatcher(WatchBase):
             accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON,
         )
         self._set_health(True)
+        # a watch from "" or "0" replays the objects in no order; from a revision, every
+        # event and bookmark is newer than it
+        ordered = _revision(rv) not in (None, 0)
         buf = b""
         received = False
         try:
@@ -606,7 +651,7 @@ class ResourceWatcher(WatchBase):
                     raise _Idle() from e
                 if not chunk:
                     if buf.strip():
-                        rv = await self._process([buf], rv)
+                        rv = await self._process([buf], rv, ordered=ordered)
                     if loop.time() - opened >= server_timeout / 2:
                         return rv, None
                     return rv, ("short" if received else "empty")
@@ -616,7 +661,7 @@ class ResourceWatcher(WatchBase):
                     continue
                 lines = buf.split(b"\n")
                 buf = lines.pop()
-                rv = await self._process(lines, rv)
+                rv = await self._process(lines, rv, ordered=ordered)
         finally:
             resp.release()
             if loop.time() - opened >= server_timeout / 2:
@@ -624,13 +669,23 @@ class ResourceWatcher(WatchBase):
                 self._gone_in_a_row = 0
                 self._gone_backoff.reset()
 
-    async def _process(self, lines: list[bytes], rv: str) -> str:
+    async def _process(self, lines: list[bytes], rv: str, *, ordered: bool = True) -> str:
         """Decode and deliver watch lines, a time-budgeted slice at a time.
 
         An ``ERROR`` event or a malformed line ends the stream (raises), but the events
         before it in the slice go to the sink first: ``_hold`` / ``_forget`` have
         recorded them as delivered, and neither a resumed watch nor a relist would
-        deliver them again. ``resource_version`` is then the last one delivered."""
+        deliver them again. ``resource_version`` is then the last one delivered.
+
+        ``ordered``: the watch started from a revision, so an event or bookmark older
+        than the newest seen means the store went back (``_WentBack``, a relist); a
+        server whose store was replaced under an open stream otherwise went on with
+        versions this watcher would resume from, never to converge.
+
+        The first event or bookmark ends a run of 410s (``_gone_in_a_row``): the watch
+        after the relist made progress, so a later 410 is the usual compaction, relisted
+        at once. Only a stream that lived half its timeoutSeconds ended the run, and a 410
+        minutes later still waited out the backoff (relists 3-26 s late)."""
 
         def step(i: int, j: int) -> None:
             nonlocal rv
@@ -643,22 +698,28 @@ class ResourceWatcher(WatchBase):
                     etype, obj = _event(line)
                     self.metrics.events.labels(self.name, etype).inc()
                     if etype == "BOOKMARK":
+                        new = _metadata(obj, line, named=False).get("resourceVersion", rv)
+                        if ordered:
+                            _check_order(rv, new)
                         got_any = True
-                        rv = _metadata(obj, line, named=False).get("resourceVersion", rv)
+                        rv = new
                         continue
                     if etype == "ERROR":
                         code = obj.get("code", 0)
                         if code == 410:
                             raise _Gone()
                         status = code if isinstance(code, int) and code > 0 else 500
-                        raise KubeApiError(status, str(obj.get("reason", "")),
-                                           str(obj.get("message", "")))
-                    got_any = True
+                        raise KubeApiError.from_status(status, obj)
                     if etype not in ("ADDED", "MODIFIED", "DELETED"):
+                        got_any = True
                         continue
                     md = _metadata(obj, line, named=True)
+                    new = md.get("resourceVersion", rv)
+                    if ordered:
+                        _check_order(rv, new)
+                    got_any = True
                     self._fill(obj)
-                    rv = md.get("resourceVersion", rv)
+                    rv = new
                     uid = md.get("uid", "")
                     if etype == "DELETED":
                         if not self._forget(uid):
@@ -673,6 +734,8 @@ class ResourceWatcher(WatchBase):
                     self.sink.handle(self, events)
                 if got_any:
                     self.resource_version = rv
+                    self._gone_in_a_row = 0
+                    self._gone_backoff.reset()
             if got_any:
                 self.sink.current(self)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from proxy.config import KubeSettings
-from proxy.kube.client import default_namespace, load_configuration
+from proxy.kube.client import _error, default_namespace, load_configuration
 
 
 def test_default_namespace_prefers_pod_namespace(tmp_path: Path) -> None:
@@ -52,3 +53,19 @@ async def test_a_broken_kubeconfig_is_one_line_naming_the_file(
     message = str(info.value)
     assert "\n" not in message, message
     assert message.startswith(f"kubeconfig {path}: {what}"), message
+
+
+def test_too_large_resource_version_is_told_by_its_cause_or_its_message() -> None:
+    """What makes a watcher relist rather than retry a watch its server's store went
+    back under: the cause kube-apiserver sets since 1.18.6, else its message."""
+    cause = {"details": {"causes": [{"reason": "ResourceVersionTooLarge",
+                                     "message": "Too large resource version"}]}}
+    message = "Too large resource version: 310, current: 4"
+    now = _error(504, json.dumps({"reason": "Timeout", "message": message, **cause}).encode())
+    assert now.causes == ("ResourceVersionTooLarge",) and now.resource_version_too_large
+    before_1_18_6 = _error(504, json.dumps({"reason": "Timeout", "message": message}).encode())
+    assert before_1_18_6.resource_version_too_large
+    other = _error(504, json.dumps({"reason": "Timeout", "message": "etcd slow",
+                                    "details": {"causes": "nonsense"}}).encode())
+    assert not other.resource_version_too_large and other.causes == ()
+    assert not _error(504, b"<html>gateway timeout</html>").resource_version_too_large

@@ -23,7 +23,7 @@ from proxy.kube.watcher import (
     deletion_stub,
 )
 from tests.kube.conftest import eventually, pod
-from tests.kubesim import ApiError, KubeSim
+from tests.kubesim import ApiError, Gone, KubeSim
 from tests.kubesim.resources import POD
 
 PODS = ApiResource("", "v1", "Pod", "pods", True)
@@ -528,3 +528,103 @@ async def test_a_watch_cut_after_its_first_bytes_is_retried_after_a_backoff(
     # attempt), however long a loaded machine takes to open it
     await eventually(lambda: sim.watch_count(POD) == 1, timeout=10)
     assert w.backoff.attempt == 0
+
+
+def _pod_lists(sim: KubeSim) -> int:
+    return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" not in q)
+
+
+def _history(sim: KubeSim, pods: int, updates: int) -> list[dict[str, object]]:
+    """``pods`` pods, then ``updates`` changes to the first: the old cluster's
+    resourceVersion well above what a restored store starts from."""
+    made = [sim.create(pod(f"old{i}")) for i in range(pods)]
+    first = made[0]
+    for i in range(updates):
+        first = sim.update(dict(first, metadata={**first["metadata"], "labels": {"n": str(i)},
+                                                 "resourceVersion": ""}))
+    return made
+
+
+async def test_a_store_gone_back_is_relisted_not_watched_forever(
+        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    """The API server back on an older store (an etcd restored from a backup, a fresh
+    one) answers the watch from the watcher's newer resourceVersion with 504 "Too large
+    resource version" (cause ResourceVersionTooLarge): the watcher relists, as
+    client-go's reflector does. It retried that watch forever, every other answer a
+    504, holding the old store's pods (the audit: 197 watches, 0 lists in 30 s)."""
+    _history(sim, 3, 30)
+    sink = RecordingSink()
+    w = await started(make, sink)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    n_lists = _pod_lists(sim)
+    sim.reset_store(resource_version=2)  # the watches break, as in a restart
+    new = {sim.create(pod(f"new{i}"))["metadata"]["uid"] for i in range(2)}
+    await eventually(lambda: set(w.held) == new, timeout=5)
+    assert _pod_lists(sim) == n_lists + 1 and w.healthy
+    assert int(w.resource_version) <= sim.resource_version
+    assert sorted(sink.names("DELETED")) == ["old0", "old1", "old2"]
+    assert any("has not reached resourceVersion" in r.getMessage() for r in caplog.records)
+    sim.create(pod("after"))  # and it watches the new store
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+
+
+@pytest.mark.parametrize("seen", ["bookmark", "event"])
+async def test_a_bookmark_or_event_older_than_the_last_seen_is_relisted(
+        sim: KubeSim, make: Make, seen: str) -> None:
+    """An open stream whose server's store is replaced under it: its next bookmark, or
+    its next event, carries a resourceVersion below the one the watcher holds. That is
+    no history the watcher can go on from: it relists. The bookmark's older version was
+    taken as the newest, and the old store's pods stayed for good; the events were
+    delivered over them, and the watch resumed from the new store's versions."""
+    _history(sim, 3, 30)
+    sink = RecordingSink()
+    # a stream that outlives the test: the relist comes from what it sent, not from a
+    # new watch answered 504
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    n_watches = sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods"
+                    and "watch" in q)
+    n_lists = _pod_lists(sim)
+    if seen == "event":
+        assert sim.hold_watches() == 1  # no bookmark before the events
+    sim.reset_store(resource_version=2, keep_watches=True)
+    if seen == "bookmark":  # the next bookmark (0.2 s) is all the stream sends
+        await eventually(lambda: _pod_lists(sim) > n_lists, timeout=5)
+    new = {sim.create(pod(f"new{i}"))["metadata"]["uid"] for i in range(2)}
+    if seen == "event":
+        assert sim.flush_watches() == 1  # the two events, then the stream's end
+    await eventually(lambda: set(w.held) == new, timeout=5)
+    assert sorted(sink.names("DELETED")) == ["old0", "old1", "old2"]
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 1
+    watches = [q for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q]
+    assert all(int(q["resourceVersion"]) <= sim.resource_version
+               for q in watches[n_watches:])  # none answered 504
+
+
+async def test_a_410_long_after_a_relist_is_relisted_at_once(
+        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    """A 410 to a watch that had made progress since the last relist (a bookmark or an
+    event) is the usual compaction: relisted at once. Only a stream that lived half its
+    timeoutSeconds used to end the run of 410s, so a 410 minutes after the last one
+    still waited out the "410 again right after a relist" backoff: relists 3-26 s late."""
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    # a backoff, if taken, shows in the timing: 2-4 s before the relist
+    w._gone_backoff = Backoff(base=4.0, cap=8.0)
+
+    async def gone_then_relisted() -> float:
+        await eventually(lambda: sim.watch_count(POD) == 1, timeout=5)
+        n = _pod_lists(sim)
+        assert sim.hold_watches() == 1
+        sim.flush_watches(error=Gone("too old resource version: 1 (2)"))
+        return await eventually(lambda: _pod_lists(sim) > n, timeout=10)
+
+    await gone_then_relisted()
+    await eventually(lambda: sim.watch_count(POD) == 1, timeout=5)
+    current = sink.times_current
+    await eventually(lambda: sink.times_current >= current + 2, timeout=5)  # bookmarks
+    assert await gone_then_relisted() < 1.5
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 2
+    assert not any("410 again" in r.getMessage() for r in caplog.records)
+    sim.create(pod("after"))
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)

@@ -6,7 +6,14 @@ from tests.kubesim.resources import (
     ResourceType,
 )
 from tests.kubesim.server import KubeSim, free_port
-from tests.kubesim.store import AlreadyExists, ApiError, Conflict, Gone, NotFound
+from tests.kubesim.store import (
+    AlreadyExists,
+    ApiError,
+    Conflict,
+    Gone,
+    NotFound,
+    TooLargeResourceVersion,
+)
 
 __all__ = [
     "CORE_TYPES",
@@ -18,5 +25,6 @@ __all__ = [
     "KubeSim",
     "NotFound",
     "ResourceType",
+    "TooLargeResourceVersion",
     "free_port",
 ]

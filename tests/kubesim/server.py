@@ -36,6 +36,7 @@ from tests.kubesim.store import (
     Obj,
     ResourceStore,
     Store,
+    TooLargeResourceVersion,
     WatchFeed,
     parse_field_selector,
     parse_label_selector,
@@ -235,6 +236,27 @@ class KubeSim:
         """Drop the event log: watches from any older resourceVersion get 410 Gone."""
         self.store.compact()
         self._snapshots.clear()
+
+    def reset_store(self, resource_version: int = 0, *, keep_watches: bool = False) -> None:
+        """Replace the store by an empty one at ``resource_version`` (older than the
+        current one, as a rule), the same kinds registered: an API server back on an
+        etcd restored from a backup, or on a fresh one. Watches from the old store's
+        newer resourceVersions are then answered 504 "Too large resource version".
+        Open watches are broken (the API server restarted), or with ``keep_watches``
+        moved to the new store (it was replaced under them): their next bookmarks and
+        events carry the new store's older versions."""
+        old, self.store = self.store, Store(max_log=self.store.max_log)
+        self.store.rv = resource_version
+        for rt in old.types():
+            self.store.register(rt)
+        self._snapshots.clear()
+        for key, rs in old.resources.items():
+            for feed in list(rs.feeds):
+                if keep_watches:
+                    rs.feeds.discard(feed)
+                    self.store.resources[key].feeds.add(feed)
+                else:
+                    feed.kill()
 
     def disconnect_watches(self) -> int:
         """Break every open watch stream abruptly (no clean end of the chunked body)."""
@@ -542,6 +564,10 @@ class KubeSim:
             timeout = min(timeout, float(query["timeoutSeconds"]))
         bookmarks = _parse_bool(query.get("allowWatchBookmarks", ""))
         rv_param = query.get("resourceVersion", "")
+        if rv_param.isascii() and rv_param.isdigit() and int(rv_param) > self.store.rv:
+            # the watch cache waits up to 3 s for its revision to reach it, then answers
+            # this, before the stream starts
+            raise TooLargeResourceVersion(int(rv_param), self.store.rv)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
         feed = WatchFeed(rt)
@@ -582,6 +608,10 @@ class KubeSim:
             held: list[bytes] = []  # lines kept back while the feed is holding
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
+            # only a line this watch is sent puts the next bookmark off: an event its
+            # filter drops did, and a watch of a quiet namespace got no bookmark while
+            # the others churned
+            next_bookmark = loop.time() + self.bookmark_interval
             while True:
                 if feed.hung:
                     # silent from now on, whatever the deadline: swallow events until
@@ -591,21 +621,28 @@ class KubeSim:
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
-                remaining = deadline - loop.time()
+                now = loop.time()
+                remaining = deadline - now
                 if remaining <= 0:
                     break
-                wait = min(remaining, self.bookmark_interval) if bookmarks else remaining
+                wait = (min(remaining, max(0.0, next_bookmark - now)) if bookmarks
+                        else remaining)
                 try:
-                    ev = await asyncio.wait_for(feed.queue.get(), wait)
+                    if feed.queue.empty():
+                        ev = await asyncio.wait_for(feed.queue.get(), wait)
+                    else:
+                        ev = feed.queue.get_nowait()
                 except TimeoutError:
                     if feed.hung or feed.holding:
+                        next_bookmark = loop.time() + self.bookmark_interval
                         continue
-                    if bookmarks and feed.queue.empty():
+                    if bookmarks and feed.queue.empty() and loop.time() >= next_bookmark:
                         kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
                                              if mode else (rt.kind, rt.api_version))
                         await resp.write(_line({"type": "BOOKMARK", "object": {
                             "kind": kind, "apiVersion": api_version,
                             "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                        next_bookmark = loop.time() + self.bookmark_interval
                     continue
                 if ev is None or feed.killed:
                     if request.transport is not None:
@@ -624,6 +661,7 @@ class KubeSim:
                         held.append(line)
                     else:
                         await resp.write(line)
+                        next_bookmark = loop.time() + self.bookmark_interval
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError):

@@ -26,14 +26,16 @@ Key = tuple[str, str]  # (namespace, name)
 class ApiError(Exception):
     """An API failure with the status the HTTP layer answers."""
 
-    def __init__(self, code: int, reason: str, message: str) -> None:
+    def __init__(self, code: int, reason: str, message: str,
+                 details: Obj | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
+        self.details = details
 
     def status(self) -> Obj:
-        return {
+        out: Obj = {
             "kind": "Status",
             "apiVersion": "v1",
             "metadata": {},
@@ -42,6 +44,9 @@ class ApiError(Exception):
             "reason": self.reason,
             "code": self.code,
         }
+        if self.details is not None:
+            out["details"] = self.details
+        return out
 
 
 class NotFound(ApiError):
@@ -62,6 +67,20 @@ class AlreadyExists(ApiError):
 class Gone(ApiError):
     def __init__(self, message: str, reason: str = "Expired") -> None:
         super().__init__(410, reason, message)
+
+
+class TooLargeResourceVersion(ApiError):
+    """What kube-apiserver answers a watch from a resourceVersion it has not reached
+    (``storage.NewTooLargeResourceVersionError``): 504, reason Timeout, the cause
+    ResourceVersionTooLarge. A client whose server's store went back (a restored or
+    fresh etcd) meets it, and must relist."""
+
+    def __init__(self, asked: int, current: int) -> None:
+        super().__init__(
+            504, "Timeout", f"Too large resource version: {asked}, current: {current}",
+            {"causes": [{"reason": "ResourceVersionTooLarge",
+                         "message": "Too large resource version"}],
+             "retryAfterSeconds": 1})
 
 
 @dataclass(slots=True)

@@ -297,3 +297,61 @@ async def test_a_delayed_resource_applies_a_write_its_client_gave_up_on(
     assert sim.get("coordination.k8s.io/v1", "Lease", "l", "ns")["spec"]["holderIdentity"] == "b"
     sim.delay_resource(LEASE, None)
     assert "coordination.k8s.io" not in {k[0] for k in sim.delayed_resources}
+
+
+async def test_a_watch_from_a_version_not_reached_is_answered_504_too_large(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """As kube-apiserver's watch cache answers it (storage.NewTooLargeResourceVersionError):
+    what a client meets once the server's store went back (``reset_store``)."""
+    for i in range(5):
+        sim.create(pod(f"p{i}"))
+    assert sim.resource_version == 5
+    sim.reset_store(resource_version=2)
+    assert sim.resource_version == 2 and sim.objects(POD) == []
+    assert sim.create(pod("new"))["metadata"]["resourceVersion"] == "3"
+    resp = await raw(api, "/api/v1/pods", watch="1", resourceVersion="5")
+    assert resp.status == 504
+    status = json.loads(await resp.read())
+    assert status["reason"] == "Timeout" and status["code"] == 504
+    assert status["message"] == "Too large resource version: 5, current: 3"
+    assert status["details"]["causes"][0]["reason"] == "ResourceVersionTooLarge"
+    ok = await raw(api, "/api/v1/pods", watch="1", resourceVersion="3", timeoutSeconds="1")
+    assert ok.status == 200
+    ok.release()
+
+
+async def test_reset_store_breaks_open_watches_or_moves_them(sim: KubeSim,
+                                                             api: k8s.ApiClient) -> None:
+    sim.create(pod("old"))
+    broken = await raw(api, "/api/v1/pods", watch="1", resourceVersion="1")
+    await asyncio.sleep(0.05)
+    sim.reset_store()
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(broken.read(), 5)
+    for i in range(3):
+        sim.create(pod(f"p{i}"))
+    kept = await raw(api, "/api/v1/pods", watch="1", resourceVersion="3",
+                     allowWatchBookmarks="true", timeoutSeconds="30")
+    await asyncio.sleep(0.05)
+    sim.reset_store(resource_version=1, keep_watches=True)
+    sim.create(pod("moved"))
+    got = await events(kept, 2)
+    assert [(e["type"], e["object"]["metadata"]["resourceVersion"]) for e in got] == [
+        ("ADDED", "2"), ("BOOKMARK", "2")]
+    kept.release()
+
+
+async def test_a_filtered_watch_gets_bookmarks_while_filtered_out_events_flow(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """Only a line sent to a watch puts its next bookmark off. Any event did, the ones
+    its namespace or field selector drops too: a watch of a quiet namespace got no
+    bookmark at all while another namespace churned."""
+    resp = await raw(api, "/api/v1/namespaces/quiet/pods", watch="1",
+                     resourceVersion=str(sim.resource_version), allowWatchBookmarks="true",
+                     timeoutSeconds="1.5")
+    for i in range(30):  # 1.5 s of churn elsewhere, an event every 0.05 s
+        sim.create(pod(f"busy{i}", ns="busy"))
+        await asyncio.sleep(0.05)
+    lines = (await asyncio.wait_for(resp.read(), 5)).splitlines()
+    kinds = [json.loads(x)["type"] for x in lines]
+    assert set(kinds) == {"BOOKMARK"} and len(kinds) >= 3, kinds  # every 0.2 s
