@@ -334,6 +334,17 @@ async def closed(reader: asyncio.StreamReader) -> bool:
 HEALTHY = b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
+async def trusting_two_cas(tmp_path: Path, pki: Pki, upstream: ScriptedUpstream
+                           ) -> tuple[Proxy, Authority, Path]:
+    """A proxy whose client CA bundle (returned, to rotate) trusts ``pki``'s CA and a
+    second one (returned): the first is the one the tests take away."""
+    kept = Authority(tmp_path / "kept", "kept-ca")
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes() + kept.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    return await started(s, tls_check_interval=0), kept, bundle
+
+
 async def test_a_keep_alive_connection_of_a_removed_client_ca_is_not_served_again(
     tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
 ) -> None:
@@ -341,11 +352,7 @@ async def test_a_keep_alive_connection_of_a_removed_client_ca_is_not_served_agai
     for as long as the client kept it (56 s and more measured). Now the idle connection
     is closed when the bundle loses the CA, its next request is not answered, and a new
     handshake is refused."""
-    kept = Authority(tmp_path / "kept", "kept-ca")
-    bundle = tmp_path / "clients.pem"
-    bundle.write_bytes(pki.ca.ca_file.read_bytes() + kept.ca_file.read_bytes())
-    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
-    p = await started(s, tls_check_interval=0)
+    p, kept, bundle = await trusting_two_cas(tmp_path, pki, upstream)
     reader, writer = await open_tls(p.port, pki.ca.ca_file, pki.client)
     try:
         assert p.tls is not None
@@ -380,11 +387,7 @@ async def test_a_write_in_flight_when_its_client_ca_is_removed_is_answered_then_
     """Half its body sent when the CA goes: the rest is read, the write stored and
     answered 204 (the sender must not resend what was stored), and the connection then
     closed (with no retire at all, it stays open)."""
-    kept = Authority(tmp_path / "kept", "kept-ca")
-    bundle = tmp_path / "clients.pem"
-    bundle.write_bytes(pki.ca.ca_file.read_bytes() + kept.ca_file.read_bytes())
-    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
-    p = await started(s, tls_check_interval=0)
+    p, kept, bundle = await trusting_two_cas(tmp_path, pki, upstream)
     body = snappy.compress(build_v1(
         [Series({"__name__": "m", "namespace": "shop", "pod": "cart-7d9f-abcde"},
                 samples=[(1, 1.0)])]))
