@@ -166,11 +166,29 @@ def _stored_counts(lay: Layout, stored: list[Range]) -> Counts:
     return total
 
 
-def _parts_key(digest: bytes, url: URL, sent: Outgoing) -> bytes:
-    """What a body cut in parts is remembered by: its digest, where it went (the URL
-    holds the tenant and the sender's query), and the form it went in."""
-    where = f"{url}\0{sent.protocol.name}\0{int(sent.converted)}".encode()
-    return digest + hashlib.blake2b(where, digest_size=8).digest()
+#: headers that say how a body is encoded or who sent it, never where it is stored: a
+#: resend that differs only in these is the same batch for the same place
+_NOT_WHERE = frozenset({"content-type", "content-encoding", "content-length", "user-agent",
+                        "x-prometheus-remote-write-version"})
+
+
+def _parts_key(digest: bytes, url: URL, sent: Outgoing, headers: CIMultiDict[str]) -> bytes:
+    """What a body cut in parts is remembered by: its digest, the form it went in, and
+    everything that decides where the receiver stores it, so that a part stored for one
+    place never answers for another: the URL (a tenant in the path, the sender's query)
+    and every header that goes upstream with it but ``_NOT_WHERE`` (Mimir's
+    ``X-Scope-OrgID``, Thanos' ``THANOS-TENANT``, an ``Authorization`` a gateway maps to a
+    tenant, the proxy's own credentials as they are now). Names are compared
+    case-insensitively, each name's values in the order they go (Go receivers read the
+    first)."""
+    where = sorted(((name.lower(), value) for name, value in headers.items()
+                    if name.lower() not in _NOT_WHERE), key=lambda item: item[0])
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{url}\0{sent.protocol.name}\0{int(sent.converted)}".encode())
+    for name, value in where:
+        h.update(b"\0" + name.encode() + b"\0"
+                 + value.encode("utf-8", "surrogateescape"))
+    return digest + h.digest()
 
 
 @functools.lru_cache(maxsize=256)
@@ -1052,7 +1070,8 @@ class Upstream:
                       extra={"upstream_url": self.url, "error": e.message})
             return self._count_split("too_large", answer)
         try:
-            key = _parts_key(digest, url, sent)
+            key = _parts_key(digest, url, sent,
+                             self._headers(incoming, sent.protocol, sent.encoding))
             return await self._send_parts(lay, key, sent, answer, incoming, url, attempt)
         finally:
             attempt.charge.give_back(taken)

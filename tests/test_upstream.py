@@ -936,6 +936,52 @@ async def test_413_another_body_or_tenant_is_not_skipped() -> None:
     assert len(stored_parts(up, limit)) == 6
 
 
+@pytest.mark.parametrize(("name", "values"), [
+    ("X-Scope-OrgID", ("a", "b")),  # Mimir's tenant
+    ("THANOS-TENANT", ("a", "b")),
+    ("Authorization", ("Bearer a", "Bearer b")),  # a gateway's tenant per credential
+])
+async def test_413_a_tenant_chosen_by_a_header_is_not_skipped(
+        name: str, values: tuple[str, str]) -> None:
+    # the same batch of two tenants named by a forwarded header (not the URL) is two
+    # batches: the second answered from the first's parts would be a 2xx for nothing stored
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        for value in values:
+            assert (await u.forward(u.prepare(raw, Protocol.V1, "snappy"), {name: value})).ok
+    stored_for = [r.headers.get(name) for r in up.received if len(r.body) <= limit]
+    assert stored_for == [values[0]] * 2 + [values[1]] * 2
+
+
+async def test_413_the_proxys_own_rotated_credentials_are_not_skipped(tmp_path: Path) -> None:
+    # a token file rotated to another tenant's credential between two attempts
+    token = tmp_path / "token"
+    token.write_text("a")
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, \
+            opened(up.url, bearer_token_file=str(token)) as u:
+        assert (await u.send(raw, Protocol.V1)).ok
+        token.write_text("b-rotated")
+        assert u._token is not None
+        u._token._next_check = 0.0  # read again now, not after its interval
+        assert (await u.send(raw, Protocol.V1)).ok
+    stored_for = [r.headers.get("Authorization") for r in up.received if len(r.body) <= limit]
+    assert stored_for == ["Bearer a"] * 2 + ["Bearer b-rotated"] * 2
+
+
+async def test_413_a_resend_that_differs_only_in_its_user_agent_is_skipped() -> None:
+    # what says who sent it or how it is encoded is not where it is stored
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        for agent in ("Prometheus/2.42.0", "Prometheus/2.43.0"):
+            headers = {"X-Scope-OrgID": "a", "User-Agent": agent}
+            assert (await u.forward(u.prepare(raw, Protocol.V1, "snappy"), headers)).ok
+    assert len(stored_parts(up, limit)) == 2
+
+
 def _lose_then_refuse_as_stored(limit: int, second: Reply) -> Callable[[Received], Reply]:
     """A size-limited receiver whose answer to the second part never comes in time (the
     request's deadline), and which answers that part ``second`` when it comes again."""
