@@ -50,16 +50,18 @@ class StoredAnswer:
 
 @dataclass(slots=True)
 class Entry:
-    """The parts of one cut body: stored ones, and ones sent without an answer."""
+    """The parts of one cut body that got a 2xx: only a receiver's 2xx says a part is
+    stored (no answer, a 5xx, a refusal say nothing of the kind, or that it is not)."""
 
     expires: float
     stored: dict[Range, StoredAnswer] = field(default_factory=dict)
-    #: sent, and no answer came (timeout, broken connection, the deadline): maybe stored
-    unanswered: set[Range] = field(default_factory=set)
+    #: the attempts that looked this body up: more than one, and an earlier attempt of
+    #: the same batch went out (what a refusal of a part not stored then may mean)
+    attempts: int = 0
 
     @property
     def nbytes(self) -> int:
-        return ENTRY_BYTES + RANGE_BYTES * (len(self.stored) + len(self.unanswered))
+        return ENTRY_BYTES + RANGE_BYTES * len(self.stored)
 
     def covered(self, lo: int, hi: int) -> list[tuple[Range, StoredAnswer]] | None:
         """The stored parts that together are ``series[lo:hi]``, with their answers, or
@@ -104,31 +106,16 @@ class StoredParts:
             entry = Entry(now + self.ttl)
             self.nbytes += entry.nbytes
         entry.expires = now + self.ttl
+        entry.attempts += 1
         self._entries[key] = entry
         self._bound(key)
         return entry
 
-    def sending(self, key: bytes, entry: Entry, part: Range) -> None:
-        """``part`` is about to be sent: until an answer says otherwise, it may be stored."""
-        if part not in entry.unanswered:
-            entry.unanswered.add(part)
-            self._grew(key, entry)
-
-    def refused(self, key: bytes, entry: Entry, part: Range) -> None:
-        """``part`` was refused, said so by the receiver itself (a 4xx): it was not stored
-        by this send."""
-        if part in entry.unanswered:
-            entry.unanswered.discard(part)
-            if self._entries.get(key) is entry:
-                self.nbytes -= RANGE_BYTES
-
     def stored(self, key: bytes, entry: Entry, part: Range, answer: StoredAnswer) -> None:
+        """``part`` got ``answer``, a 2xx."""
         if part not in entry.stored:
             entry.stored[part] = answer
-            if part in entry.unanswered:
-                entry.unanswered.discard(part)
-            else:
-                self._grew(key, entry)
+            self._grew(key, entry)
 
     def _grew(self, key: bytes, entry: Entry) -> None:
         """An entry holds a part more; counted only while it is still in the record (an

@@ -50,7 +50,7 @@ def test_bounded_in_entries_and_bytes_oldest_first() -> None:
     record = StoredParts(max_entries=10, max_bytes=1 << 30)
     for i in range(1000):
         e = record.entry(i.to_bytes(4, "big"))
-        record.sending(i.to_bytes(4, "big"), e, (0, 1))
+        record.stored(i.to_bytes(4, "big"), e, (0, 1), OK)
     assert len(record) == 10
     record = StoredParts(max_entries=1 << 20, max_bytes=20 * RANGE_BYTES)
     for i in range(1000):
@@ -66,8 +66,8 @@ def test_bounded_in_entries_and_bytes_oldest_first() -> None:
 def test_the_byte_count_follows_what_the_entries_hold() -> None:
     record = StoredParts()
     e = record.entry(b"k")
-    record.sending(b"k", e, (0, 2))
-    record.sending(b"k", e, (2, 4))
-    record.refused(b"k", e, (2, 4))
     record.stored(b"k", e, (0, 2), OK)
-    assert record.nbytes == e.nbytes and e.unanswered == set()
+    record.stored(b"k", e, (0, 2), OK)  # a part answered twice is held once
+    record.stored(b"k", e, (2, 4), OK)
+    assert record.nbytes == e.nbytes == record.nbytes
+    assert list(e.stored) == [(0, 2), (2, 4)]

@@ -982,9 +982,16 @@ async def test_413_a_resend_that_differs_only_in_its_user_agent_is_skipped() -> 
     assert len(stored_parts(up, limit)) == 2
 
 
-def _lose_then_refuse_as_stored(limit: int, second: Reply) -> Callable[[Received], Reply]:
-    """A size-limited receiver whose answer to the second part never comes in time (the
-    request's deadline), and which answers that part ``second`` when it comes again."""
+#: an answer that comes after the request's deadline (1 s in these tests)
+_TOO_LATE = Reply(204, delay=5.0)
+
+
+def _lose_then_refuse(limit: int, second: Reply, *, lost: Reply = _TOO_LATE,
+                      then: Callable[[Received], Reply] | None = None
+                      ) -> Callable[[Received], Reply]:
+    """A size-limited receiver whose answer to the second part is ``lost`` (by default
+    it never comes in time: the request's deadline), and which answers that part
+    ``second`` when it comes again; ``then`` answers the other parts (a 204)."""
     seen = 0
 
     def rule(rec: Received) -> Reply:
@@ -993,29 +1000,88 @@ def _lose_then_refuse_as_stored(limit: int, second: Reply) -> Callable[[Received
             return Reply(413)
         seen += 1
         if seen == 2:
-            return Reply(204, delay=5.0)
-        return second if seen == 3 else Reply(204)
+            return lost
+        if seen == 3:
+            return second
+        return then(rec) if then is not None else Reply(204)
 
     return rule
 
 
-@pytest.mark.parametrize(("body", "stored"), [
-    (b"out of order sample", True),
-    (b"duplicate sample for timestamp", True),
-    (b"label name is empty", False),
-])
-async def test_413_a_part_without_an_answer_refused_again_as_already_stored(
-        body: bytes, stored: bool) -> None:
+#: what the sender hears when the part whose answer was lost is refused as out of order
+OUT_OF_ORDER_AGAIN = (b"part 2 of 2 refused as out of order after an earlier attempt of this "
+                      b"batch got no 2xx for it (if that answer was lost, most likely stored "
+                      b"then); the other parts are stored; upstream: out of order sample")
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    (b"out of order sample\n", OUT_OF_ORDER_AGAIN),
+    # Prometheus says it for a sample it holds with another value: not this part's own
+    (b"duplicate sample for timestamp", b"duplicate sample for timestamp"),
+    (b"label name is empty", b"label name is empty"),
+], ids=["out-of-order", "duplicate", "other"])
+async def test_413_a_part_without_an_answer_refused_again_is_the_receivers_400(
+        body: bytes, said: bytes) -> None:
+    # only a 2xx says a part is stored: the 400 stays, explained when it is the out of
+    # order its own lost send may have caused (a part refused so can never be stored: a
+    # 2xx saves nothing, and covers samples never stored when another writer moved a
+    # series of the part on)
     raw = many_v1(16)
     limit = len(compress(raw, "snappy")) * 7 // 10
-    rule = _lose_then_refuse_as_stored(limit, Reply(400, body=body))
+    rule = _lose_then_refuse(limit, Reply(400, body=body))
     async with ScriptedUpstream(rule=rule) as up, opened(up.url, timeout_seconds=1.0) as u:
         first = await u.send(raw, Protocol.V1)
         again = await u.send(raw, Protocol.V1)
     assert first.status == 504
-    # the first part not sent again, the second's 400 says it holds it (or refuses it)
+    # the first part not sent again, the second refused
     assert [len(r.body) > limit for r in up.received] == [True, False, False, True, False]
-    assert again.status == (204 if stored else 400), again.body
+    assert again.status == 400 and again.body == said
+    assert split_count(u, "failed") == 1 and split_count(u, "stored") == 0
+
+
+@pytest.mark.parametrize("lost", [
+    Reply(500, body=b"rolled back"),  # Prometheus rolls a failed append back
+    Reply(503, body=b"no healthy upstream"),  # a front, the receiver never saw it
+    _TOO_LATE,
+], ids=["500", "503", "no-answer"])
+async def test_413_a_part_without_a_2xx_is_never_counted_stored(lost: Reply) -> None:
+    # another writer moved a series of the part on meanwhile: the part is refused as out
+    # of order, and none of its other series are stored
+    raw = many_v1(16)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    rule = _lose_then_refuse(limit, Reply(400, body=b"out of order sample"), lost=lost)
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url, timeout_seconds=1.0) as u:
+        first = await u.send(raw, Protocol.V1)
+        again = await u.send(raw, Protocol.V1)
+        [key] = u.stored_parts._entries
+        stored = list(u.stored_parts._entries[key].stored)
+    assert first.status in (502, 503, 504)
+    assert again.status == 400 and b"upstream: out of order sample" in again.body
+    assert len(stored) == 1  # the first part's 2xx only
+
+
+async def test_413_rw2_a_part_refused_again_says_what_the_parts_stored() -> None:
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    rule = _lose_then_refuse(limit, Reply(400, body=b"out of order sample"), then=rw2_receiver)
+    written: list[int] = []
+
+    def counting(rec: Received) -> Reply:
+        reply = rule(rec)
+        if reply.status == 204 and not reply.delay:
+            written.append(int(reply.headers.get(WRITTEN_SAMPLES, "0")))
+        return reply
+
+    async with ScriptedUpstream(rule=counting) as up, \
+            opened(up.url, protocol="passthrough", timeout_seconds=1.0) as u:
+        first = await u.send(raw, Protocol.V2, counts=counts)
+        again = await u.send(raw, Protocol.V2, counts=counts)
+    assert first.status == 504 and again.status == 400, again.body
+    assert again.body.startswith(b"part 2 of 2 refused as out of order")
+    # the first part's 2xx, remembered: what the sender's batch has stored
+    assert len(written) == 1 and 0 < written[0] < 120
+    assert again.headers[WRITTEN_SAMPLES] == str(written[0])
 
 
 async def test_413_a_part_answered_before_and_refused_as_out_of_order_is_a_400() -> None:
