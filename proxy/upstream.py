@@ -1164,6 +1164,13 @@ class Upstream:
             raise
         attempt.charge.give_back(need - len(out.encoded))
         need = len(out.encoded)
+        if self._stored_before(parts, a, b):
+            # stored by an identical attempt at once (a sender's retry of a request still
+            # in flight) while this one made the part in a worker thread: looked up again
+            # once made, as a part sent again would be refused as out of order or kept
+            # twice
+            attempt.charge.give_back(need)
+            return
         try:
             answer, sent = await self._deliver(out, parts.incoming, parts.url, attempt)
             del out

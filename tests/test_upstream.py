@@ -1125,6 +1125,35 @@ async def test_413_a_converted_batch_refused_in_part_says_what_was_stored() -> N
     assert answer.headers[WRITTEN_HISTOGRAMS] == answer.headers[WRITTEN_EXEMPLARS] == "0"
 
 
+async def test_413_a_part_stored_by_a_concurrent_attempt_while_it_was_made_is_skipped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same batch sent twice at once (a sender's retry of a request still in flight):
+    # the other attempt's 2xx for a part can come while this one makes that part
+    from proxy.stored_parts import StoredAnswer
+
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    loop = asyncio.get_running_loop()
+    made = Upstream._part
+
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        def part(parts: Any, lo: int, hi: int) -> Outgoing:
+            async def store() -> None:  # what the other attempt's answer records
+                u.stored_parts.stored(parts.key, parts.memory, (lo, hi),
+                                      StoredAnswer(204, False, (-1, -1, -1)))
+            if lo == 0:  # in the worker thread: on the loop, done before the part is
+                asyncio.run_coroutine_threadsafe(store(), loop).result(timeout=5)
+            return made(parts, lo, hi)
+
+        monkeypatch.setattr(u, "_part", part)
+        answer = await u.send(raw, Protocol.V1)
+    assert answer.status == 204
+    # the whole, then the second half only: the first was stored meanwhile
+    assert [len(r.body) > limit for r in up.received] == [True, False]
+    assert series_of(raw, Protocol.V1)[0] not in series_of(up.received[1].raw, Protocol.V1)
+    assert split_count(u, "stored") == 1
+
+
 def _messages(caplog: pytest.LogCaptureFixture, level: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "karta.upstream" and r.levelname == level]
