@@ -593,7 +593,9 @@ class Upstream:
         self.zstd_refused = False
         #: what the parts of requests sent in parts got, so that a sender's resend of one
         #: skips the parts already stored (``proxy.stored_parts``)
-        self.stored_parts = StoredParts()
+        self.stored_parts = StoredParts(
+            on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
+            else None)
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
         self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
         self._password = (
@@ -1211,10 +1213,14 @@ class Upstream:
 
     def _remember(self, parts: _Parts, a: int, b: int, answer: Answer,
                   converted: bool) -> None:
-        """Record part ``series[a:b]`` as stored when it got a 2xx, and only then: no
-        answer, a 5xx or a refusal leave it unknown or not stored, and an answer made up
-        for it could tell the sender a batch is stored when samples of it are not."""
-        if parts.memory is None or not answer.ok:
+        """Record part ``series[a:b]`` as stored when it got a 2xx, and only then: a 5xx
+        or a refusal leave it unknown or not stored, and an answer made up for it could
+        tell the sender a batch is stored when samples of it are not. Any answer keeps the
+        body's entry in the record as recently used (``StoredParts.answered``)."""
+        if parts.memory is None:
+            return
+        if not answer.ok:
+            self.stored_parts.answered(parts.key, parts.memory)
             return
         parts.stored.append((a, b))
         written = tuple(int(v) if (v := answer.headers.get(name, "")).isdigit() else -1

@@ -1154,6 +1154,18 @@ async def test_413_a_part_stored_by_a_concurrent_attempt_while_it_was_made_is_sk
     assert split_count(u, "stored") == 1
 
 
+async def test_413_records_dropped_for_room_are_counted() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        u.stored_parts.max_entries = 1  # a record too small for the requests in parts
+        assert (await u.send(raw, Protocol.V1)).ok
+        assert (await u.send(many_v1(65), Protocol.V1)).ok
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_split_records_evicted_total") == 1
+
+
 def _messages(caplog: pytest.LogCaptureFixture, level: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "karta.upstream" and r.levelname == level]
