@@ -583,6 +583,8 @@ class Upstream:
         self._check_lock = asyncio.Lock()
         self._check_task: asyncio.Task[Probe] | None = None
         self._warned_passthrough = False
+        #: the protocol finding (rw1, rw2) of the last line that said one
+        self._protocol_logged = ""
         #: the lines of failed and refused requests, by message: one per kind and interval
         #: (``proxy.log.Throttled``), since a down upstream fails every request of every
         #: sender, and a line each buried the rest of the log
@@ -1433,11 +1435,11 @@ class Upstream:
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
 
     def _line(self, level: int, message: str, key: str, extra: dict[str, object], *,
-              interval: float = THROTTLE_SECONDS) -> None:
+              interval: float = THROTTLE_SECONDS, at_once: bool = False) -> None:
         """Log a line of what can come with every request, throttled per message, level
         and ``key`` (a status, a kind): the first at once, the rest of ``interval`` in one
-        summary with its count. The messages are a fixed few, so is the number of
-        throttles."""
+        summary with its count (``at_once``: this one at once too, ``Throttled.event``).
+        The messages are a fixed few, so is the number of throttles."""
         if not log.isEnabledFor(level):
             return
         lines = self._lines.get((level, message))
@@ -1445,7 +1447,7 @@ class Upstream:
             lines = self._lines[(level, message)] = Throttled(
                 log, message, f"{message} (repeated)", peer_field=None, level=level,
                 interval=interval)
-        lines.event(key, extra)
+        lines.event(key, extra, at_once=at_once)
 
     # -- what the upstream is -------------------------------------------------------------
 
@@ -1530,11 +1532,13 @@ class Upstream:
             message = ("upstream takes remote write 2.0: RW 2.0 requests pass through"
                        if probe.outcome == "rw2" else
                        "upstream takes remote write 1.0 only: RW 2.0 requests are converted")
-            # checked again after every request that got no answer: the first line at
-            # once (another finding is another line, at once too), the same again in one
-            # summary a while
+            # checked again after every request that got no answer: the same finding again
+            # in one summary a while, but a finding other than the last one logged at once
+            # (rw1 -> rw2 -> rw1 in one interval left rw2 the last line while rw1 held)
+            changed = probe.outcome != self._protocol_logged
+            self._protocol_logged = probe.outcome
             self._line(logging.INFO, message, probe.outcome, {**extra},
-                       interval=QUIET_LOG_SECONDS)
+                       interval=QUIET_LOG_SECONDS, at_once=changed)
         elif probe.outcome == "not_write_endpoint":
             log.error("upstream URL is NOT a remote-write endpoint: every write will be "
                       "answered 503 until upstream.url is fixed",

@@ -1206,6 +1206,31 @@ async def test_the_same_protocol_found_again_is_one_line_a_while(
                        "converted") == 1
 
 
+async def test_another_protocol_found_is_said_at_once_the_same_again_is_not(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # an upstream that flips rw1 -> rw2 -> rw1 within the quiet interval: the last line
+    # must say what holds now, not the rw2 of a minute ago
+    rw2 = {WRITTEN_SAMPLES: "0", WRITTEN_HISTOGRAMS: "0", WRITTEN_EXEMPLARS: "0"}
+    replies = iter([Reply(204), Reply(204), Reply(204, rw2), Reply(204), Reply(204)])
+    rw1_line = "upstream takes remote write 1.0 only: RW 2.0 requests are converted"
+    rw2_line = "upstream takes remote write 2.0: RW 2.0 requests pass through"
+    async with ScriptedUpstream(rule=lambda _: next(replies)) as up:
+        u = make(up.url)
+        with caplog.at_level("INFO", logger="karta.upstream"):
+            try:
+                for expected in ("rw1", "rw1", "rw2", "rw1", "rw1"):
+                    u._recheck = True
+                    assert (await u.check()).outcome == expected
+                # the second rw1's summary before the news, in the order they came
+                lines = [m for m in _messages(caplog, "INFO") if "remote write" in m]
+                assert lines == [rw1_line, rw2_line, f"{rw1_line} (repeated)", rw1_line]
+            finally:
+                await u.close()  # the summaries that wait are written
+    summaries = [r.__dict__["count"] for r in caplog.records
+                 if r.getMessage() == f"{rw1_line} (repeated)"]
+    assert summaries == [1, 1]  # the last rw1, held, written at the close
+
+
 # -- what a request in flight holds -----------------------------------------------------------
 
 
