@@ -593,8 +593,9 @@ class Upstream:
         #: (Debian's VictoriaMetrics 1.79: 400 "snappy: corrupt input"): snappy instead,
         #: as vmagent falls back, rather than every write refused and dropped
         self.zstd_refused = False
-        #: what the parts of requests sent in parts got, so that a sender's resend of one
-        #: skips the parts already stored (``proxy.stored_parts``)
+        #: which parts of requests sent in parts got a 2xx, so that a sender's resend of
+        #: one to the same place skips them (``proxy.stored_parts``); the ones dropped for
+        #: room before their time counted (``split_records_evicted``)
         self.stored_parts = StoredParts(
             on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
             else None)
@@ -862,9 +863,11 @@ class Upstream:
 
     def _out_of_time(self, attempt: _Attempt) -> Answer:
         """The request's time ran out: 504 (as for one upstream request that timed out).
-        Parts stored meanwhile stay stored, and are remembered (``stored_parts``): the
-        sender's resend skips them rather than have Prometheus refuse them as out of order
-        or VictoriaMetrics keep them twice."""
+        Parts that got a 2xx meanwhile stay stored, and are remembered (``stored_parts``):
+        the sender's resend skips them rather than have Prometheus refuse them as out of
+        order or VictoriaMetrics keep them twice. The part the deadline cut off got no 2xx,
+        so it is sent again (:meth:`_explained` when it is refused then as out of
+        order)."""
         timeout = self.settings.timeout_seconds
         parts = attempt.parts
         done = f"; {parts.sent} of its parts answered" if parts is not None else ""
@@ -1194,8 +1197,9 @@ class Upstream:
         parts.add(answer, sent.converted, too_large=refused)
 
     def _stored_before(self, parts: _Parts, a: int, b: int) -> bool:
-        """``series[a:b]`` was stored by an earlier attempt of the same body (in one part
-        or several): counted as answered with what they were answered, and not sent again.
+        """``series[a:b]`` got a 2xx in an earlier attempt of the same body to the same
+        place (in one part or several, :func:`_parts_key`): counted as answered with what
+        they were answered, and not sent again.
         Prometheus would refuse it as out of order once a later part was stored (a 400 the
         sender drops, for a batch stored whole), VictoriaMetrics would keep it twice."""
         if parts.memory is None:
