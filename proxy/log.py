@@ -160,13 +160,21 @@ class Throttled:
         self._clock = clock
         self._windows: dict[str, _Window] = {}
 
-    def event(self, key: str, extra: dict[str, Any]) -> None:
-        """One event of ``key`` with its fields (``peer_field`` among them)."""
+    def event(self, key: str, extra: dict[str, Any], *, at_once: bool = False) -> None:
+        """One event of ``key`` with its fields (``peer_field`` among them).
+
+        ``at_once``: its line now whatever the interval (news the reader must not wait
+        for, as a state that changed back), the summary of the ones held written first,
+        so that the lines stay in the order of the events; a new interval begins."""
         w = self._windows.get(key)
         if w is None:
             w = self._windows[key] = _Window()
         now = self._clock()
-        if w.suppressed == 0 and now >= w.next_line_at:
+        if at_once and w.suppressed:
+            if w.timer is not None:
+                w.timer.cancel()
+            self._summarize(key)
+        if at_once or (w.suppressed == 0 and now >= w.next_line_at):
             w.next_line_at = now + self.interval
             self._log.log(self.level, self._message, extra=extra)
             return

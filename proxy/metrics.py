@@ -273,6 +273,12 @@ class ProxyMetrics:
             "too large (413) and answered (a part refused again and cut is not counted).",
             registry=r,
         )
+        self.upstream_split_records_evicted = Counter(
+            _P + "upstream_split_records_evicted", "Requests sent in parts whose record of "
+            "the parts stored was dropped for room before its 5 minutes (too many such "
+            "requests for its 16 MiB): a resend of one sends its stored parts again.",
+            registry=r,
+        )
         self.upstream_info = Gauge(
             _P + "upstream_info", "The upstream, the protocol learned for it (rw1, "
             "as_received, unknown) and the outcome of its last check.",

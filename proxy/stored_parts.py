@@ -6,14 +6,23 @@ lost: a timeout, a reset connection) it sends the same batch again, and the part
 the first time would be sent again: Prometheus then refuses a part whose series the later
 parts had moved past ("out of order sample", a 400 the sender drops although every sample
 is stored), and VictoriaMetrics without ``-dedup.minScrapeInterval`` keeps every sample
-twice. So what each part got is kept here, keyed by a digest of the body that was cut, and
-a resend of that body skips the parts already stored.
+twice. So the parts that got a 2xx are kept here, keyed by a digest of the body that was
+cut and of where it went (``upstream._parts_key``: the URL and the headers that choose a
+tenant), and a resend of that body to the same place skips them.
 
-Only digests and part indices are held, never series: an entry is a few hundred bytes
-whatever the request's size (at most 31 parts a request, ``MAX_SPLIT_DEPTH`` 4), and the
-whole is bounded in entries and in bytes, the oldest entries going first; an entry is
-forgotten ``ttl`` seconds after the request that made it last touched it (a sender's
-retries of one batch come within seconds to a few minutes).
+Only a 2xx puts a part here. A part whose answer never came may be stored or not, one
+answered 5xx was not (Prometheus rolls a failed append back), one refused was not: none
+of them may ever be answered 2xx for, or the sender drops a batch it was told is stored
+with samples missing. Such a part is sent again, and what the receiver says then is the
+answer.
+
+Only digests and part ranges are held, never series: an entry is at most
+``ENTRY_BYTES + RANGE_BYTES`` per part (31 parts at most, ``MAX_SPLIT_DEPTH`` 4), an upper
+bound of what it holds (tests/test_stored_parts.py measures it), and the whole is bounded
+in entries and in estimated bytes, the least recently used going first; an entry is
+forgotten ``ttl`` seconds after it was last used (an attempt of its body began, or one of
+its parts was answered): a sender's retries of one batch come within seconds to a few
+minutes, and one part of a split can take up to the request's whole deadline.
 """
 
 from __future__ import annotations
@@ -23,16 +32,22 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: how long what a request's parts got is remembered after its last attempt (seconds)
+#: how long what a request's parts got is remembered after its last use (seconds)
 TTL_SECONDS = 300.0
-#: the most requests remembered
-MAX_ENTRIES = 4096
-#: the most bytes the record may hold (estimated: ``ENTRY_BYTES`` + ``RANGE_BYTES`` per part)
-MAX_BYTES = 1 << 20
-#: what an entry holds without its parts (its digest key, the object, the dict slot)
-ENTRY_BYTES = 400
-#: what one remembered part holds (its range and answer as tuples, the dict or set slot)
-RANGE_BYTES = 250
+#: the most bytes the record may hold (estimated: ``ENTRY_BYTES`` + ``RANGE_BYTES`` per
+#: part). Under a steady split of every request 1 MiB held ~1,160 two-part entries: at 50
+#: split requests a second an entry lasted ~23 s, less than a sender's retry after a 504
+#: and its backoff. 16 MiB hold ~11,900, about 4 minutes at 50 a second
+MAX_BYTES = 16 << 20
+#: what an entry holds without its parts, over the most measured (its 32-byte key, the
+#: object, its empty dict, the ordered dict's slot and node: ~300 bytes on CPython 3.11)
+ENTRY_BYTES = 512
+#: what one remembered part holds, over the most measured (its range and answer, their
+#: ints and tuples, its dict slot as the dict grows: ~370 bytes on CPython 3.11)
+RANGE_BYTES = 448
+#: the most requests remembered: as many entries as the byte bound holds without parts,
+#: so that bound is the one met first once entries hold parts
+MAX_ENTRIES = MAX_BYTES // ENTRY_BYTES
 
 #: a part: ``series[lo:hi]`` of the cut body
 Range = tuple[int, int]
@@ -50,16 +65,18 @@ class StoredAnswer:
 
 @dataclass(slots=True)
 class Entry:
-    """The parts of one cut body: stored ones, and ones sent without an answer."""
+    """The parts of one cut body that got a 2xx: only a receiver's 2xx says a part is
+    stored (no answer, a 5xx, a refusal say nothing of the kind, or that it is not)."""
 
     expires: float
     stored: dict[Range, StoredAnswer] = field(default_factory=dict)
-    #: sent, and no answer came (timeout, broken connection, the deadline): maybe stored
-    unanswered: set[Range] = field(default_factory=set)
+    #: the attempts that looked this body up: more than one, and an earlier attempt of
+    #: the same batch went out (what a refusal of a part not stored then may mean)
+    attempts: int = 0
 
     @property
     def nbytes(self) -> int:
-        return ENTRY_BYTES + RANGE_BYTES * (len(self.stored) + len(self.unanswered))
+        return ENTRY_BYTES + RANGE_BYTES * len(self.stored)
 
     def covered(self, lo: int, hi: int) -> list[tuple[Range, StoredAnswer]] | None:
         """The stored parts that together are ``series[lo:hi]``, with their answers, or
@@ -78,15 +95,20 @@ class Entry:
 
 
 class StoredParts:
-    """The bounded record of what requests sent in parts got (see the module)."""
+    """The bounded record of what requests sent in parts got (see the module).
+
+    ``on_evict``: called for each entry dropped for room before its time (the record too
+    small for the rate of requests sent in parts: their resends are sent whole again)."""
 
     def __init__(self, *, ttl: float = TTL_SECONDS, max_entries: int = MAX_ENTRIES,
                  max_bytes: int = MAX_BYTES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_evict: Callable[[], None] | None = None) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._clock = clock
+        self._on_evict = on_evict
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         #: the sum of the entries' ``nbytes``
         self.nbytes = 0
@@ -99,46 +121,44 @@ class StoredParts:
         keeps it."""
         now = self._clock()
         self._expire(now)
-        entry = self._entries.pop(key, None)
+        entry = self._entries.get(key)
         if entry is None:
-            entry = Entry(now + self.ttl)
+            entry = self._entries[key] = Entry(now + self.ttl)
             self.nbytes += entry.nbytes
-        entry.expires = now + self.ttl
-        self._entries[key] = entry
-        self._bound(key)
+        entry.attempts += 1
+        self._used(key, entry, now)
         return entry
 
-    def sending(self, key: bytes, entry: Entry, part: Range) -> None:
-        """``part`` is about to be sent: until an answer says otherwise, it may be stored."""
-        if part not in entry.unanswered:
-            entry.unanswered.add(part)
-            self._grew(key, entry)
-
-    def refused(self, key: bytes, entry: Entry, part: Range) -> None:
-        """``part`` was refused, said so by the receiver itself (a 4xx): it was not stored
-        by this send."""
-        if part in entry.unanswered:
-            entry.unanswered.discard(part)
-            if self._entries.get(key) is entry:
-                self.nbytes -= RANGE_BYTES
+    def answered(self, key: bytes, entry: Entry) -> None:
+        """A part of ``entry`` was answered: the attempt is still going, and its entry is
+        used now (an attempt's parts can take its whole deadline; the entry made when it
+        began was the least recently used by then, first to go under a steady split).
+        One dropped meanwhile is taken in again, unless a newer one has its key."""
+        now = self._clock()
+        self._expire(now)
+        held = self._entries.get(key)
+        if held is None:
+            self._entries[key] = entry
+            self.nbytes += entry.nbytes
+        elif held is not entry:
+            return
+        self._used(key, entry, now)
 
     def stored(self, key: bytes, entry: Entry, part: Range, answer: StoredAnswer) -> None:
+        """``part`` got ``answer``, a 2xx; the entry used now (:meth:`answered`)."""
         if part not in entry.stored:
             entry.stored[part] = answer
-            if part in entry.unanswered:
-                entry.unanswered.discard(part)
-            else:
-                self._grew(key, entry)
+            if self._entries.get(key) is entry:
+                self.nbytes += RANGE_BYTES
+        self.answered(key, entry)
 
-    def _grew(self, key: bytes, entry: Entry) -> None:
-        """An entry holds a part more; counted only while it is still in the record (an
-        entry dropped for room is the request's alone, and gone with it)."""
-        if self._entries.get(key) is entry:
-            self.nbytes += RANGE_BYTES
-            self._bound(key)
+    def _used(self, key: bytes, entry: Entry, now: float) -> None:
+        entry.expires = now + self.ttl
+        self._entries.move_to_end(key)
+        self._bound(key)
 
     def _expire(self, now: float) -> None:
-        # oldest first: every touch moves an entry to the end, and every life is ``ttl``
+        # oldest first: every use moves an entry to the end, and every life is ``ttl``
         while self._entries:
             key, entry = next(iter(self._entries.items()))
             if entry.expires > now:
@@ -152,6 +172,8 @@ class StoredParts:
             if oldest == keep:
                 return
             self._drop(oldest)
+            if self._on_evict is not None:
+                self._on_evict()
 
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)

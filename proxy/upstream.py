@@ -113,14 +113,12 @@ CONVERT_COPIES = 3
 #: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
 #: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
 _VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
-#: a 400 that refuses samples because the receiver already holds them or later ones of the
-#: same series: Prometheus' ``out of order sample`` / ``duplicate sample for timestamp``
-#: (a sample at a stored timestamp with another value), Mimir's
-#: ``err-mimir-sample-out-of-order`` / ``-duplicate-timestamp``. To a part sent before
-#: without an answer, it says that part was stored then (``Upstream._send_part``)
-_ALREADY_STORED = re.compile(
-    rb"out of order sample|duplicate sample for timestamp|sample-out-of-order"
-    rb"|sample-duplicate-timestamp")
+#: a 400 that refuses samples because the receiver holds later ones of their series:
+#: Prometheus' ``out of order sample``, Mimir's ``err-mimir-sample-out-of-order``. Such a
+#: part can never be stored; only the sender's answer explains it (``Upstream._explained``),
+#: as the part's own earlier send, its answer lost, may be what moved the series on. Never
+#: counted as stored: another writer's later sample of one series refuses the whole part
+_OUT_OF_ORDER = re.compile(rb"out of order sample|sample-out-of-order")
 #: VictoriaMetrics and vmagent answer a path they do not serve (``/api/v1/push``, a typo)
 #: with a 400, where other receivers answer 404: ``unsupported path requested: "/x"``
 _VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
@@ -166,11 +164,29 @@ def _stored_counts(lay: Layout, stored: list[Range]) -> Counts:
     return total
 
 
-def _parts_key(digest: bytes, url: URL, sent: Outgoing) -> bytes:
-    """What a body cut in parts is remembered by: its digest, where it went (the URL
-    holds the tenant and the sender's query), and the form it went in."""
-    where = f"{url}\0{sent.protocol.name}\0{int(sent.converted)}".encode()
-    return digest + hashlib.blake2b(where, digest_size=8).digest()
+#: headers that say how a body is encoded or who sent it, never where it is stored: a
+#: resend that differs only in these is the same batch for the same place
+_NOT_WHERE = frozenset({"content-type", "content-encoding", "content-length", "user-agent",
+                        "x-prometheus-remote-write-version"})
+
+
+def _parts_key(digest: bytes, url: URL, sent: Outgoing, headers: CIMultiDict[str]) -> bytes:
+    """What a body cut in parts is remembered by: its digest, the form it went in, and
+    everything that decides where the receiver stores it, so that a part stored for one
+    place never answers for another: the URL (a tenant in the path, the sender's query)
+    and every header that goes upstream with it but ``_NOT_WHERE`` (Mimir's
+    ``X-Scope-OrgID``, Thanos' ``THANOS-TENANT``, an ``Authorization`` a gateway maps to a
+    tenant, the proxy's own credentials as they are now). Names are compared
+    case-insensitively, each name's values in the order they go (Go receivers read the
+    first)."""
+    where = sorted(((name.lower(), value) for name, value in headers.items()
+                    if name.lower() not in _NOT_WHERE), key=lambda item: item[0])
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{url}\0{sent.protocol.name}\0{int(sent.converted)}".encode())
+    for name, value in where:
+        h.update(b"\0" + name.encode() + b"\0"
+                 + value.encode("utf-8", "surrogateescape"))
+    return digest + h.digest()
 
 
 @functools.lru_cache(maxsize=256)
@@ -382,10 +398,12 @@ class _Parts:
     #: the record of this body's parts (``proxy.stored_parts``), and its key
     memory: Entry | None = None
     key: bytes = b""
-    #: the parts an earlier attempt sent and heard nothing back for
-    unanswered_before: frozenset[Range] = frozenset()
     #: parts not sent because an earlier attempt of the same body stored them
     skipped: int = 0
+    #: the first refused part (the one ``refused`` answered for), and its place among the
+    #: parts answered or skipped (1-based)
+    refused_part: Range | None = None
+    refused_index: int = 0
     #: the parts counted as stored: this attempt's 2xx and the ones skipped
     stored: list[Range] = field(default_factory=list)
 
@@ -565,6 +583,8 @@ class Upstream:
         self._check_lock = asyncio.Lock()
         self._check_task: asyncio.Task[Probe] | None = None
         self._warned_passthrough = False
+        #: the protocol finding (rw1, rw2) of the last line that said one
+        self._protocol_logged = ""
         #: the lines of failed and refused requests, by message: one per kind and interval
         #: (``proxy.log.Throttled``), since a down upstream fails every request of every
         #: sender, and a line each buried the rest of the log
@@ -573,9 +593,12 @@ class Upstream:
         #: (Debian's VictoriaMetrics 1.79: 400 "snappy: corrupt input"): snappy instead,
         #: as vmagent falls back, rather than every write refused and dropped
         self.zstd_refused = False
-        #: what the parts of requests sent in parts got, so that a sender's resend of one
-        #: skips the parts already stored (``proxy.stored_parts``)
-        self.stored_parts = StoredParts()
+        #: which parts of requests sent in parts got a 2xx, so that a sender's resend of
+        #: one to the same place skips them (``proxy.stored_parts``); the ones dropped for
+        #: room before their time counted (``split_records_evicted``)
+        self.stored_parts = StoredParts(
+            on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
+            else None)
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
         self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
         self._password = (
@@ -840,9 +863,11 @@ class Upstream:
 
     def _out_of_time(self, attempt: _Attempt) -> Answer:
         """The request's time ran out: 504 (as for one upstream request that timed out).
-        Parts stored meanwhile stay stored, and are remembered (``stored_parts``): the
-        sender's resend skips them rather than have Prometheus refuse them as out of order
-        or VictoriaMetrics keep them twice."""
+        Parts that got a 2xx meanwhile stay stored, and are remembered (``stored_parts``):
+        the sender's resend skips them rather than have Prometheus refuse them as out of
+        order or VictoriaMetrics keep them twice. The part the deadline cut off got no 2xx,
+        so it is sent again (:meth:`_explained` when it is refused then as out of
+        order)."""
         timeout = self.settings.timeout_seconds
         parts = attempt.parts
         done = f"; {parts.sent} of its parts answered" if parts is not None else ""
@@ -1008,13 +1033,15 @@ class Upstream:
 
         The sender gets 2xx only when every part got 2xx. A part that would make the sender
         retry (5xx) ends it: that answer, and the whole is retried. What each part got is
-        remembered for a few minutes (``proxy.stored_parts``, by the body's digest): the
-        retry skips the parts stored (sent again, Prometheus refuses a part whose series a
-        later part moved past, "out of order sample", a 400 the sender drops for a batch
-        stored whole; VictoriaMetrics keeps them twice), and a part that got no answer then
-        and is refused now as out of order or a duplicate counts as stored (:meth:`_remember`).
-        A part the sender would drop (4xx) is answered,
-        but the other parts are still sent, so whatever can be stored is. RW 2.0's Written
+        remembered for a few minutes (``proxy.stored_parts``, by the body's digest and
+        where it goes): the retry skips the parts that got a 2xx (sent again, Prometheus
+        refuses a part whose series a later part moved past, "out of order sample", a 400
+        the sender drops for a batch stored whole; VictoriaMetrics keeps them twice). Only
+        a 2xx counts: a part whose answer was lost is sent again, and its refusal as out of
+        order is the sender's answer, explained (:meth:`_explained`), since nothing sent
+        again could store more and a 2xx could cover samples never stored. A part the
+        sender would drop (4xx) is answered, but the other parts are still sent, so
+        whatever can be stored is. RW 2.0's Written
         headers are the sums of the parts' own. The parts go one after the other, in the
         body's order, within the request's deadline: a sender's batch may hold one series
         more than once (Prometheus writes a TimeSeries per sample: two samples of a series,
@@ -1052,7 +1079,8 @@ class Upstream:
                       extra={"upstream_url": self.url, "error": e.message})
             return self._count_split("too_large", answer)
         try:
-            key = _parts_key(digest, url, sent)
+            key = _parts_key(digest, url, sent,
+                             self._headers(incoming, sent.protocol, sent.encoding))
             return await self._send_parts(lay, key, sent, answer, incoming, url, attempt)
         finally:
             attempt.charge.give_back(taken)
@@ -1070,7 +1098,6 @@ class Upstream:
                    interval=QUIET_LOG_SECONDS)
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
         parts.key, parts.memory = key, self.stored_parts.entry(key)
-        parts.unanswered_before = frozenset(parts.memory.unanswered)
         attempt.parts = parts
         await self._send_halves(parts, 0, len(lay.series), 1, attempt)
         result = "stored"
@@ -1089,6 +1116,8 @@ class Upstream:
             final = Answer(parts.ok.status, b"", {
                 k: v for k, v in parts.ok.headers.items() if k not in _WRITTEN},
                 parts.ok.upstream)
+        if final is parts.refused and parts.retry is None and not parts.sender_gone:
+            final = self._explained(parts, final)
         for name, total in parts.written.items():
             final.headers[name] = str(total)
         final.converted = parts.converted
@@ -1142,14 +1171,19 @@ class Upstream:
             raise
         attempt.charge.give_back(need - len(out.encoded))
         need = len(out.encoded)
-        if parts.memory is not None:  # until an answer says otherwise, it may be stored
-            self.stored_parts.sending(parts.key, parts.memory, (a, b))
+        if self._stored_before(parts, a, b):
+            # stored by an identical attempt at once (a sender's retry of a request still
+            # in flight) while this one made the part in a worker thread: looked up again
+            # once made, as a part sent again would be refused as out of order or kept
+            # twice
+            attempt.charge.give_back(need)
+            return
         try:
             answer, sent = await self._deliver(out, parts.incoming, parts.url, attempt)
             del out
         finally:
             attempt.charge.give_back(need)
-        answer = self._remember(parts, a, b, answer, sent.converted)
+        self._remember(parts, a, b, answer, sent.converted)
         refused = too_large(answer)
         if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
             await self._send_halves(parts, a, b, depth + 1, attempt)
@@ -1158,11 +1192,14 @@ class Upstream:
             answer = self._too_large(answer, len(sent.encoded), b - a)
         if self.metrics is not None:
             self.metrics.upstream_split_parts.inc()
+        if not answer.ok and answer.status < 500 and parts.refused is None:
+            parts.refused_part, parts.refused_index = (a, b), parts.sent + parts.skipped + 1
         parts.add(answer, sent.converted, too_large=refused)
 
     def _stored_before(self, parts: _Parts, a: int, b: int) -> bool:
-        """``series[a:b]`` was stored by an earlier attempt of the same body (in one part
-        or several): counted as answered with what they were answered, and not sent again.
+        """``series[a:b]`` got a 2xx in an earlier attempt of the same body to the same
+        place (in one part or several, :func:`_parts_key`): counted as answered with what
+        they were answered, and not sent again.
         Prometheus would refuse it as out of order once a later part was stored (a 400 the
         sender drops, for a batch stored whole), VictoriaMetrics would keep it twice."""
         if parts.memory is None:
@@ -1181,37 +1218,47 @@ class Upstream:
         return True
 
     def _remember(self, parts: _Parts, a: int, b: int, answer: Answer,
-                  converted: bool) -> Answer:
-        """Record what part ``series[a:b]`` got, and the answer to count for it: a part an
-        earlier attempt sent without hearing back, refused now as out of order or a
-        duplicate, was stored then (its own samples are what the receiver holds), so it
-        counts as stored rather than as a 400 the sender would drop the batch for."""
+                  converted: bool) -> None:
+        """Record part ``series[a:b]`` as stored when it got a 2xx, and only then: a 5xx
+        or a refusal leave it unknown or not stored, and an answer made up for it could
+        tell the sender a batch is stored when samples of it are not. Any answer keeps the
+        body's entry in the record as recently used (``StoredParts.answered``)."""
         if parts.memory is None:
+            return
+        if not answer.ok:
+            self.stored_parts.answered(parts.key, parts.memory)
+            return
+        parts.stored.append((a, b))
+        written = tuple(int(v) if (v := answer.headers.get(name, "")).isdigit() else -1
+                        for name in _WRITTEN)
+        self.stored_parts.stored(parts.key, parts.memory, (a, b), StoredAnswer(
+            answer.status, converted, (written[0], written[1], written[2])))
+
+    def _explained(self, parts: _Parts, answer: Answer) -> Answer:
+        """The 400 of a part refused as out of order, on an attempt after an earlier one of
+        the same batch that got no 2xx for that part, said in one line for the sender's
+        log: that earlier send, its answer lost, most likely stored it (what moved its
+        series on), but that is not known, so the 400 stays (a part refused so can never
+        be stored: a 2xx would save nothing, and may cover samples never stored, as when
+        another writer moved a series on). The other parts' fate is said too."""
+        if (parts.memory is None or parts.memory.attempts < 2 or parts.refused_part is None
+                or answer.upstream != "400" or _OUT_OF_ORDER.search(answer.body) is None):
             return answer
-        part = (a, b)
-        if (not answer.ok and part in parts.unanswered_before and answer.upstream == "400"
-                and _ALREADY_STORED.search(answer.body) is not None):
-            self._line(logging.INFO, "a part sent before without an answer is refused now "
-                       "as already stored (out of order / duplicate): counted as stored",
-                       "already_stored", {"upstream_url": self.url,
-                                          "body": answer.body[:200].decode("utf-8", "replace")})
-            headers: dict[str, str] = {}
-            if parts.layout.protocol is Protocol.V2 and not converted:  # its own count
-                c = parts.layout.counts(a, b)
-                headers = dict(zip(_WRITTEN, map(str, (c.samples, c.histograms, c.exemplars)),
-                                   strict=True))
-            answer = Answer(204, b"", headers, answer.upstream, answer.converted)
-        elif (not answer.ok and answer.upstream.isdigit() and answer.upstream[0] == "4"
-                and part not in parts.unanswered_before):
-            # a refusal the receiver said itself; a part unanswered before stays in doubt
-            self.stored_parts.refused(parts.key, parts.memory, part)
-        if answer.ok:
-            parts.stored.append(part)
-            written = tuple(int(v) if (v := answer.headers.get(name, "")).isdigit() else -1
-                            for name in _WRITTEN)
-            self.stored_parts.stored(parts.key, parts.memory, part, StoredAnswer(
-                answer.status, converted, (written[0], written[1], written[2])))
-        return answer
+        total = parts.sent + parts.skipped
+        stored = len(parts.stored)
+        others = ("the other parts are stored" if stored == total - 1
+                  else f"{stored} of {total} parts are stored")
+        said = b" ".join(answer.body.split()).decode("utf-8", "replace")
+        self._line(logging.WARNING, "a part of a batch sent again is refused as out of order "
+                   "(an earlier attempt of it got no 2xx; most likely stored then): the "
+                   "sender gets the 400", "out_of_order_again",
+                   {"upstream_url": self.url, "part": parts.refused_index, "parts": total,
+                    "stored": stored, "body": said[:200]})
+        body = (f"part {parts.refused_index} of {total} refused as out of order after an "
+                "earlier attempt of this batch got no 2xx for it (if that answer was lost, "
+                f"most likely stored then); {others}; upstream: {said}").encode()
+        return Answer(answer.status, body[:MAX_ERROR_BODY], answer.headers, answer.upstream,
+                      answer.converted)
 
     def _no_room(self, answer: Answer | None, need: int) -> Answer:
         """What a request sent in parts needs does not fit the byte budget now: 503, and
@@ -1392,11 +1439,11 @@ class Upstream:
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
 
     def _line(self, level: int, message: str, key: str, extra: dict[str, object], *,
-              interval: float = THROTTLE_SECONDS) -> None:
+              interval: float = THROTTLE_SECONDS, at_once: bool = False) -> None:
         """Log a line of what can come with every request, throttled per message, level
         and ``key`` (a status, a kind): the first at once, the rest of ``interval`` in one
-        summary with its count. The messages are a fixed few, so is the number of
-        throttles."""
+        summary with its count (``at_once``: this one at once too, ``Throttled.event``).
+        The messages are a fixed few, so is the number of throttles."""
         if not log.isEnabledFor(level):
             return
         lines = self._lines.get((level, message))
@@ -1404,7 +1451,7 @@ class Upstream:
             lines = self._lines[(level, message)] = Throttled(
                 log, message, f"{message} (repeated)", peer_field=None, level=level,
                 interval=interval)
-        lines.event(key, extra)
+        lines.event(key, extra, at_once=at_once)
 
     # -- what the upstream is -------------------------------------------------------------
 
@@ -1489,11 +1536,13 @@ class Upstream:
             message = ("upstream takes remote write 2.0: RW 2.0 requests pass through"
                        if probe.outcome == "rw2" else
                        "upstream takes remote write 1.0 only: RW 2.0 requests are converted")
-            # checked again after every request that got no answer: the first line at
-            # once (another finding is another line, at once too), the same again in one
-            # summary a while
+            # checked again after every request that got no answer: the same finding again
+            # in one summary a while, but a finding other than the last one logged at once
+            # (rw1 -> rw2 -> rw1 in one interval left rw2 the last line while rw1 held)
+            changed = probe.outcome != self._protocol_logged
+            self._protocol_logged = probe.outcome
             self._line(logging.INFO, message, probe.outcome, {**extra},
-                       interval=QUIET_LOG_SECONDS)
+                       interval=QUIET_LOG_SECONDS, at_once=changed)
         elif probe.outcome == "not_write_endpoint":
             log.error("upstream URL is NOT a remote-write endpoint: every write will be "
                       "answered 503 until upstream.url is fixed",

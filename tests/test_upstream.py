@@ -936,9 +936,62 @@ async def test_413_another_body_or_tenant_is_not_skipped() -> None:
     assert len(stored_parts(up, limit)) == 6
 
 
-def _lose_then_refuse_as_stored(limit: int, second: Reply) -> Callable[[Received], Reply]:
-    """A size-limited receiver whose answer to the second part never comes in time (the
-    request's deadline), and which answers that part ``second`` when it comes again."""
+@pytest.mark.parametrize(("name", "values"), [
+    ("X-Scope-OrgID", ("a", "b")),  # Mimir's tenant
+    ("THANOS-TENANT", ("a", "b")),
+    ("Authorization", ("Bearer a", "Bearer b")),  # a gateway's tenant per credential
+])
+async def test_413_a_tenant_chosen_by_a_header_is_not_skipped(
+        name: str, values: tuple[str, str]) -> None:
+    # the same batch of two tenants named by a forwarded header (not the URL) is two
+    # batches: the second answered from the first's parts would be a 2xx for nothing stored
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        for value in values:
+            assert (await u.forward(u.prepare(raw, Protocol.V1, "snappy"), {name: value})).ok
+    stored_for = [r.headers.get(name) for r in up.received if len(r.body) <= limit]
+    assert stored_for == [values[0]] * 2 + [values[1]] * 2
+
+
+async def test_413_the_proxys_own_rotated_credentials_are_not_skipped(tmp_path: Path) -> None:
+    # a token file rotated to another tenant's credential between two attempts
+    token = tmp_path / "token"
+    token.write_text("a")
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, \
+            opened(up.url, bearer_token_file=str(token)) as u:
+        assert (await u.send(raw, Protocol.V1)).ok
+        token.write_text("b-rotated")
+        assert u._token is not None
+        u._token._next_check = 0.0  # read again now, not after its interval
+        assert (await u.send(raw, Protocol.V1)).ok
+    stored_for = [r.headers.get("Authorization") for r in up.received if len(r.body) <= limit]
+    assert stored_for == ["Bearer a"] * 2 + ["Bearer b-rotated"] * 2
+
+
+async def test_413_a_resend_that_differs_only_in_its_user_agent_is_skipped() -> None:
+    # what says who sent it or how it is encoded is not where it is stored
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        for agent in ("Prometheus/2.42.0", "Prometheus/2.43.0"):
+            headers = {"X-Scope-OrgID": "a", "User-Agent": agent}
+            assert (await u.forward(u.prepare(raw, Protocol.V1, "snappy"), headers)).ok
+    assert len(stored_parts(up, limit)) == 2
+
+
+#: an answer that comes after the request's deadline (1 s in these tests)
+_TOO_LATE = Reply(204, delay=5.0)
+
+
+def _lose_then_refuse(limit: int, second: Reply, *, lost: Reply = _TOO_LATE,
+                      then: Callable[[Received], Reply] | None = None
+                      ) -> Callable[[Received], Reply]:
+    """A size-limited receiver whose answer to the second part is ``lost`` (by default
+    it never comes in time: the request's deadline), and which answers that part
+    ``second`` when it comes again; ``then`` answers the other parts (a 204)."""
     seen = 0
 
     def rule(rec: Received) -> Reply:
@@ -947,29 +1000,88 @@ def _lose_then_refuse_as_stored(limit: int, second: Reply) -> Callable[[Received
             return Reply(413)
         seen += 1
         if seen == 2:
-            return Reply(204, delay=5.0)
-        return second if seen == 3 else Reply(204)
+            return lost
+        if seen == 3:
+            return second
+        return then(rec) if then is not None else Reply(204)
 
     return rule
 
 
-@pytest.mark.parametrize(("body", "stored"), [
-    (b"out of order sample", True),
-    (b"duplicate sample for timestamp", True),
-    (b"label name is empty", False),
-])
-async def test_413_a_part_without_an_answer_refused_again_as_already_stored(
-        body: bytes, stored: bool) -> None:
+#: what the sender hears when the part whose answer was lost is refused as out of order
+OUT_OF_ORDER_AGAIN = (b"part 2 of 2 refused as out of order after an earlier attempt of this "
+                      b"batch got no 2xx for it (if that answer was lost, most likely stored "
+                      b"then); the other parts are stored; upstream: out of order sample")
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    (b"out of order sample\n", OUT_OF_ORDER_AGAIN),
+    # Prometheus says it for a sample it holds with another value: not this part's own
+    (b"duplicate sample for timestamp", b"duplicate sample for timestamp"),
+    (b"label name is empty", b"label name is empty"),
+], ids=["out-of-order", "duplicate", "other"])
+async def test_413_a_part_without_an_answer_refused_again_is_the_receivers_400(
+        body: bytes, said: bytes) -> None:
+    # only a 2xx says a part is stored: the 400 stays, explained when it is the out of
+    # order its own lost send may have caused (a part refused so can never be stored: a
+    # 2xx saves nothing, and covers samples never stored when another writer moved a
+    # series of the part on)
     raw = many_v1(16)
     limit = len(compress(raw, "snappy")) * 7 // 10
-    rule = _lose_then_refuse_as_stored(limit, Reply(400, body=body))
+    rule = _lose_then_refuse(limit, Reply(400, body=body))
     async with ScriptedUpstream(rule=rule) as up, opened(up.url, timeout_seconds=1.0) as u:
         first = await u.send(raw, Protocol.V1)
         again = await u.send(raw, Protocol.V1)
     assert first.status == 504
-    # the first part not sent again, the second's 400 says it holds it (or refuses it)
+    # the first part not sent again, the second refused
     assert [len(r.body) > limit for r in up.received] == [True, False, False, True, False]
-    assert again.status == (204 if stored else 400), again.body
+    assert again.status == 400 and again.body == said
+    assert split_count(u, "failed") == 1 and split_count(u, "stored") == 0
+
+
+@pytest.mark.parametrize("lost", [
+    Reply(500, body=b"rolled back"),  # Prometheus rolls a failed append back
+    Reply(503, body=b"no healthy upstream"),  # a front, the receiver never saw it
+    _TOO_LATE,
+], ids=["500", "503", "no-answer"])
+async def test_413_a_part_without_a_2xx_is_never_counted_stored(lost: Reply) -> None:
+    # another writer moved a series of the part on meanwhile: the part is refused as out
+    # of order, and none of its other series are stored
+    raw = many_v1(16)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    rule = _lose_then_refuse(limit, Reply(400, body=b"out of order sample"), lost=lost)
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url, timeout_seconds=1.0) as u:
+        first = await u.send(raw, Protocol.V1)
+        again = await u.send(raw, Protocol.V1)
+        [key] = u.stored_parts._entries
+        stored = list(u.stored_parts._entries[key].stored)
+    assert first.status in (502, 503, 504)
+    assert again.status == 400 and b"upstream: out of order sample" in again.body
+    assert len(stored) == 1  # the first part's 2xx only
+
+
+async def test_413_rw2_a_part_refused_again_says_what_the_parts_stored() -> None:
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    rule = _lose_then_refuse(limit, Reply(400, body=b"out of order sample"), then=rw2_receiver)
+    written: list[int] = []
+
+    def counting(rec: Received) -> Reply:
+        reply = rule(rec)
+        if reply.status == 204 and not reply.delay:
+            written.append(int(reply.headers.get(WRITTEN_SAMPLES, "0")))
+        return reply
+
+    async with ScriptedUpstream(rule=counting) as up, \
+            opened(up.url, protocol="passthrough", timeout_seconds=1.0) as u:
+        first = await u.send(raw, Protocol.V2, counts=counts)
+        again = await u.send(raw, Protocol.V2, counts=counts)
+    assert first.status == 504 and again.status == 400, again.body
+    assert again.body.startswith(b"part 2 of 2 refused as out of order")
+    # the first part's 2xx, remembered: what the sender's batch has stored
+    assert len(written) == 1 and 0 < written[0] < 120
+    assert again.headers[WRITTEN_SAMPLES] == str(written[0])
 
 
 async def test_413_a_part_answered_before_and_refused_as_out_of_order_is_a_400() -> None:
@@ -1013,6 +1125,47 @@ async def test_413_a_converted_batch_refused_in_part_says_what_was_stored() -> N
     assert answer.headers[WRITTEN_HISTOGRAMS] == answer.headers[WRITTEN_EXEMPLARS] == "0"
 
 
+async def test_413_a_part_stored_by_a_concurrent_attempt_while_it_was_made_is_skipped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same batch sent twice at once (a sender's retry of a request still in flight):
+    # the other attempt's 2xx for a part can come while this one makes that part
+    from proxy.stored_parts import StoredAnswer
+
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    loop = asyncio.get_running_loop()
+    made = Upstream._part
+
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        def part(parts: Any, lo: int, hi: int) -> Outgoing:
+            async def store() -> None:  # what the other attempt's answer records
+                u.stored_parts.stored(parts.key, parts.memory, (lo, hi),
+                                      StoredAnswer(204, False, (-1, -1, -1)))
+            if lo == 0:  # in the worker thread: on the loop, done before the part is
+                asyncio.run_coroutine_threadsafe(store(), loop).result(timeout=5)
+            return made(parts, lo, hi)
+
+        monkeypatch.setattr(u, "_part", part)
+        answer = await u.send(raw, Protocol.V1)
+    assert answer.status == 204
+    # the whole, then the second half only: the first was stored meanwhile
+    assert [len(r.body) > limit for r in up.received] == [True, False]
+    assert series_of(raw, Protocol.V1)[0] not in series_of(up.received[1].raw, Protocol.V1)
+    assert split_count(u, "stored") == 1
+
+
+async def test_413_records_dropped_for_room_are_counted() -> None:
+    raw = many_v1(64)
+    limit = len(compress(raw, "snappy")) * 6 // 10
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
+        u.stored_parts.max_entries = 1  # a record too small for the requests in parts
+        assert (await u.send(raw, Protocol.V1)).ok
+        assert (await u.send(many_v1(65), Protocol.V1)).ok
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_split_records_evicted_total") == 1
+
+
 def _messages(caplog: pytest.LogCaptureFixture, level: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "karta.upstream" and r.levelname == level]
@@ -1051,6 +1204,31 @@ async def test_the_same_protocol_found_again_is_one_line_a_while(
             lines = _messages(caplog, "INFO")
     assert lines.count("upstream takes remote write 1.0 only: RW 2.0 requests are "
                        "converted") == 1
+
+
+async def test_another_protocol_found_is_said_at_once_the_same_again_is_not(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # an upstream that flips rw1 -> rw2 -> rw1 within the quiet interval: the last line
+    # must say what holds now, not the rw2 of a minute ago
+    rw2 = {WRITTEN_SAMPLES: "0", WRITTEN_HISTOGRAMS: "0", WRITTEN_EXEMPLARS: "0"}
+    replies = iter([Reply(204), Reply(204), Reply(204, rw2), Reply(204), Reply(204)])
+    rw1_line = "upstream takes remote write 1.0 only: RW 2.0 requests are converted"
+    rw2_line = "upstream takes remote write 2.0: RW 2.0 requests pass through"
+    async with ScriptedUpstream(rule=lambda _: next(replies)) as up:
+        u = make(up.url)
+        with caplog.at_level("INFO", logger="karta.upstream"):
+            try:
+                for expected in ("rw1", "rw1", "rw2", "rw1", "rw1"):
+                    u._recheck = True
+                    assert (await u.check()).outcome == expected
+                # the second rw1's summary before the news, in the order they came
+                lines = [m for m in _messages(caplog, "INFO") if "remote write" in m]
+                assert lines == [rw1_line, rw2_line, f"{rw1_line} (repeated)", rw1_line]
+            finally:
+                await u.close()  # the summaries that wait are written
+    summaries = [r.__dict__["count"] for r in caplog.records
+                 if r.getMessage() == f"{rw1_line} (repeated)"]
+    assert summaries == [1, 1]  # the last rw1, held, written at the close
 
 
 # -- what a request in flight holds -----------------------------------------------------------

@@ -5,6 +5,7 @@ VictoriaMetrics with a small ``-maxInsertRequestSize`` (which answers such a req
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -73,13 +74,19 @@ class SizeLimitFront(AuxServer):
     ``distributor.max_recv_msg_size``: 413 for a body that decodes to more than ``limit``
     bytes, else the request forwarded and the receiver's answer relayed. ``lose``: the
     forwarded write (0-based, empty writes not counted) whose answer is lost after the
-    receiver took it (the connection to the proxy reset instead), once."""
+    receiver took it (the connection to the proxy reset instead), once. ``fail``: the
+    write under the limit (0-based, counted as ``lose``'s) the front answers 503 itself,
+    never forwarded (a load balancer whose backend is away), after ``hold`` seconds."""
 
-    def __init__(self, target: str, limit: int, lose: int | None = None) -> None:
+    def __init__(self, target: str, limit: int, lose: int | None = None,
+                 fail: int | None = None, hold: float = 0.0) -> None:
         self.target = target
         self.limit = limit
         self.lose = lose
+        self.fail = fail
+        self.hold = hold
         self.forwarded = 0
+        self.fits = 0
         #: the receiver's status for every write forwarded, in order
         self.answers: list[int] = []
         self.url = ""
@@ -89,6 +96,11 @@ class SizeLimitFront(AuxServer):
         size = len(snappy.uncompress(body)) if body else 0
         if size > self.limit:
             return web.Response(status=413, text="request entity too large")
+        if size:
+            n, self.fits = self.fits, self.fits + 1
+            if n == self.fail:
+                await asyncio.sleep(self.hold)
+                return web.Response(status=503, text="no healthy upstream")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("host", "content-length", "connection")}
         async with aiohttp.ClientSession() as session, session.post(
@@ -116,6 +128,9 @@ class SizeLimitFront(AuxServer):
 #: series and samples of the batch sent twice: as Prometheus sends after a pause, one
 #: TimeSeries a sample, every series at every step, the steps in order
 RESEND_SERIES, RESEND_STEPS = 20, 12
+#: the parts the stamped batch is cut in, under a limit of 9/10 of the sender's batch
+#: (the stamp about doubles these small series: quarters, steps 0-2, 3-5, ... each)
+RESEND_PARTS = 4
 
 
 def repeated_batch(via: str, start_ms: int) -> list[Series]:
@@ -128,14 +143,17 @@ def repeated_batch(via: str, start_ms: int) -> list[Series]:
                                                     "first-part-answer-lost",
                                                     "second-part-answer-lost"])
 @pytest.mark.parametrize("protocol", [Protocol.V1, Protocol.V2])
-async def test_a_batch_sent_in_parts_and_sent_again_is_stored_once_and_answered_2xx(
+async def test_a_batch_sent_in_parts_and_sent_again_is_stored_once(
     peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], protocol: Protocol,
     lose: int | None,
 ) -> None:
     """Prometheus 2.42 refuses a sample older than what it holds of the series: a part
     sent again after a later part was stored is "out of order sample", a 400 the sender
-    drops (the batch is stored whole). The resend skips the parts stored, and a part whose
-    answer was lost counts as stored when Prometheus says it holds it."""
+    drops (the batch is stored whole). The resend skips the parts that got a 2xx, so a
+    batch whose every answer but the proxy's own came gets 2xx again. A part whose answer
+    was lost is sent again and refused as out of order: the sender gets that 400, said
+    in one line, since only a 2xx says a part is stored (the lost send most likely
+    stored it, and every sample is there once)."""
     prom = await peers.prometheus_receiver()
     start_ms = int(time.time() * 1000) - 60_000
     batch = repeated_batch("p", start_ms)
@@ -146,16 +164,62 @@ async def test_a_batch_sent_in_parts_and_sent_again_is_stored_once_and_answered_
         first, _, text = await send_series(proxy.write_url, batch, protocol=protocol)
         assert first == (204 if lose is None else 502), text
         # no part is sent after one without an answer (a 502: the sender retries)
-        assert front.forwarded >= (1 if lose == 0 else 2)
+        assert front.forwarded == (RESEND_PARTS if lose is None else lose + 1)
         assert all(s == 204 for s in front.answers)
         # the sender sends the batch again: its answer was lost, or it was a 502
         status, headers, text = await send_series(proxy.write_url, batch, protocol=protocol)
-    assert status == 204, text
-    if protocol is Protocol.V2:
-        assert headers[WRITTEN_SAMPLES] == str(RESEND_SERIES * RESEND_STEPS)
+    total = RESEND_SERIES * RESEND_STEPS
     m = proxy.proxy.metrics.registry
+    if lose is None:
+        assert status == 204, text
+        assert front.forwarded == RESEND_PARTS  # the resend: the whole refused, only
+        if protocol is Protocol.V2:
+            assert headers[WRITTEN_SAMPLES] == str(total)
+    else:
+        assert status == 400, text
+        assert text.strip() == (
+            f"part {lose + 1} of {RESEND_PARTS} refused as out of order after an earlier "
+            "attempt of this batch got no 2xx for it (if that answer was lost, most likely "
+            "stored then); the other parts are stored; upstream: out of order sample")
+        # the part whose answer was lost, sent again; the parts after it sent and stored
+        assert front.answers.count(400) == 1
+        assert len(front.answers) == (lose + 1) + (RESEND_PARTS - lose)
+        if protocol is Protocol.V2:  # what the other part stored, converted for Prometheus
+            assert 0 < int(headers[WRITTEN_SAMPLES]) < total
     assert m.get_sample_value("karta_proxy_upstream_split_requests_total",
-                              {"result": "stored"}) == (2 if lose is None else 1)
+                              {"result": "stored"}) == (2 if lose is None else 0)
     # every sample stored, once
     r = await query(prom.base_url, 'sum(count_over_time(resend_probe{via="p"}[5m]))')
-    assert r and float(r[0]["value"][1]) == RESEND_SERIES * RESEND_STEPS
+    assert r and float(r[0]["value"][1]) == total
+
+
+@pytest.mark.parametrize("hold", [0.0, 7.0], ids=["front-503", "held-past-the-deadline"])
+@pytest.mark.parametrize("other_at", [30_000, 10_000], ids=["out-of-order", "duplicate"])
+async def test_a_part_never_stored_and_refused_on_the_resend_is_no_2xx(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], other_at: int,
+    hold: float,
+) -> None:
+    """A part the receiver never saw (a front's own 503, or held past the proxy's
+    deadline), and another writer (an HA twin, a backfill) then writes a later sample, or
+    another value at a timestamp, of one of its series: Prometheus refuses the whole part
+    on the resend. A 2xx would tell the sender its batch is stored while that part's
+    other samples are not (the review of the record found it so: 181 of 240)."""
+    prom = await peers.prometheus_receiver()
+    start_ms = int(time.time() * 1000) - 60_000
+    batch = repeated_batch("p", start_ms)
+    front = SizeLimitFront(prom.base_url + "/api/v1/write",
+                           limit=len(build_v1(batch)) * 9 // 10, fail=3, hold=hold)
+    async with front:
+        proxy = await make_proxy(front.url)
+        first, _, text = await send_series(proxy.write_url, batch)
+        assert first in (503, 504), text
+        r = await query(prom.base_url, 'last_over_time(resend_probe{container="c-00"}[5m])')
+        labels = {**r[0]["metric"], "__name__": "resend_probe"}
+        status, _, text = await send_series(prom.base_url + "/api/v1/write",
+                                            [Series(labels, [(start_ms + other_at, 99.0)])])
+        assert status == 204, text
+        again, _, text = await send_series(proxy.write_url, batch)
+    assert again == 400, text
+    assert front.answers[-1] == 400  # the part never stored, refused
+    r = await query(prom.base_url, 'sum(count_over_time(resend_probe{via="p"}[5m]))')
+    assert float(r[0]["value"][1]) - 1 < RESEND_SERIES * RESEND_STEPS  # the other writer's
