@@ -60,6 +60,10 @@ class Watcher(Protocol):
     #: the last failure to list or watch ("" for none yet): what the source names when
     #: a kind that keeps failing stops holding readiness back
     last_error: str
+    #: how the last failure failed, as a key ("unreachable", "API error 503", "" for
+    #: none yet): the source logs one outage per way of failing, so that one kind
+    #: failing for good does not hide the API server going away later
+    last_error_kind: str
 
     def start(self) -> None: ...
 
@@ -131,6 +135,8 @@ class WatchBase:
         self.synced = asyncio.Event()
         #: the last failure to list or watch, for the source's warning ("" for none)
         self.last_error = ""
+        #: its kind ("unreachable", "API error <status>"): the source's outage key
+        self.last_error_kind = ""
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
@@ -449,7 +455,7 @@ class ResourceWatcher(WatchBase):
                     rv = ""
                     continue
                 reason = "error"
-                self._failed(f"API error {e}")
+                self._failed(f"API error {e}", f"API error {e.status}")
             except _Idle:
                 # the server never closed the stream; it may be fine for new requests:
                 # resume (jittered), the next request tells whether it is reachable
@@ -462,7 +468,8 @@ class ResourceWatcher(WatchBase):
                 log.info("watch %s: stream broke (%s), resuming", self.name, type(e).__name__)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 reason = "unreachable"
-                self._failed(f"API server unreachable: {e or type(e).__name__}")
+                self._failed(f"API server unreachable: {e or type(e).__name__}",
+                             "unreachable")
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
@@ -498,14 +505,20 @@ class ResourceWatcher(WatchBase):
                             "backoff", self.name)
             await self._pause(self._gone_backoff.next())
 
-    def _failed(self, why: str) -> None:
+    def _failed(self, why: str, kind: str) -> None:
         """A list or watch that did not go through: logged at debug only, each retry.
         The sink hears of this watcher's turn to unhealthy (``WatchSink.health``) and
-        warns once for all watchers, with ``last_error``: a warning per retry of every
-        watcher was 92 lines in a 46 s outage."""
+        warns once for all watchers failing the same way, with ``last_error``: a warning
+        per retry of every watcher was 92 lines in a 46 s outage. It hears again when
+        the way changes while unhealthy (unreachable, then a 500 once the server is
+        back): that is a new failure to warn of, not a retry of the old one."""
         log.debug("watch %s: %s; retrying after a backoff", self.name, why)
+        changed = kind != self.last_error_kind
         self.last_error = why
-        self._set_health(False)
+        self.last_error_kind = kind
+        if self.healthy or changed:
+            self.healthy = False
+            self.sink.health(self, False)
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:

@@ -34,7 +34,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import JOB_SET, RAY_CLUSTER, REPLICA_SET
+from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, REPLICA_SET
 from tests.kubesim.resources import POD as POD_TYPE
 
 
@@ -619,6 +619,72 @@ async def test_an_outage_is_warned_once_and_its_end_logged_once(
     assert " after " in back
     assert logged(logging.INFO, "cluster index current again")
     assert not logged(logging.WARNING, "current again")
+
+
+def _logged(caplog: pytest.LogCaptureFixture, level: int, text: str = "") -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == level and text in r.getMessage()]
+
+
+def _healthy_but(source: KubeSource, plural: str) -> bool:
+    return all(w.name not in source._unhealthy for _, ws in source.watchers.values()
+               for w in ws if plural not in w.name)
+
+
+async def test_the_api_server_gone_while_a_kind_fails_for_good_is_warned(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """Deployments fail for good (a conversion webhook answering 500), then the API
+    server goes away: a warning of its own, and a line when it answers again. Both were
+    one outage ("no watcher failing -> some"): the second was debug only, its end not
+    logged at all."""
+    deployment(sim, "web", replicas=1)
+    source = await make_source()
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    sim.fail_resource(DEPLOYMENT, 500)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=10)
+    assert len(_logged(caplog, logging.WARNING, "API error 500")) == 1
+    await sim.stop()
+    why = {"resource": "pods", "reason": "unreachable"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", why) >= 2,
+                     timeout=10)
+    [warned] = _logged(caplog, logging.WARNING, "API server unreachable:")
+    assert warned.startswith("watch ")
+    await sim.start()
+    await eventually(lambda: _healthy_but(source, "deployments"), timeout=10)
+    await eventually(lambda: _logged(caplog, logging.INFO, "API server answers again"),
+                     timeout=5)
+    assert source.index.stale  # the deployments still fail
+
+
+async def test_a_500_after_an_outage_is_warned(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The API server goes away and comes back, but deployments answer 500 now: that
+    is a warning, and the others coming back end the outage with its line. The 500 was
+    logged at debug only, as a retry of the outage already warned of."""
+    deployment(sim, "web", replicas=1)
+    source = await make_source()
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    await sim.stop()
+    why = {"resource": "deployments.apps", "reason": "unreachable"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", why) >= 1,
+                     timeout=10)
+    sim.fail_resource(DEPLOYMENT, 500)
+    await sim.start()
+    await eventually(lambda: _healthy_but(source, "deployments"), timeout=10)
+    err = {"resource": "deployments.apps", "reason": "error"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", err) >= 2,
+                     timeout=10)
+    assert len(_logged(caplog, logging.WARNING, "API server unreachable:")) == 1
+    [warned] = _logged(caplog, logging.WARNING, "API error 500")
+    assert warned.startswith("watch deployments.apps: ")
+    await eventually(lambda: _logged(caplog, logging.INFO, "API server answers again"),
+                     timeout=5)
+    assert source.index.stale
+    sim.fail_resource(DEPLOYMENT, None)
+    await eventually(lambda: not source.index.stale, timeout=10)
+    [over] = _logged(caplog, logging.INFO, "watches failing with API error 500")
+    assert "(the last, deployments.apps, is back)" in over
 
 
 async def test_an_api_server_back_on_an_older_store_is_relisted(
