@@ -690,10 +690,11 @@ async def test_a_500_after_an_outage_is_warned(
 async def test_an_api_server_back_on_an_older_store_is_relisted(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """The API server restarts on an etcd restored from a backup: resourceVersions
-    below the watchers', other pods. Every watch is answered 504 "Too large resource
-    version"; the watchers relist and the index holds the restored store's pods, not
-    stale. They retried those watches forever: the old pods stayed, index stale at 1
-    (the audit: 197 watch requests and no list in 30 s)."""
+    below the watchers', other pods. Every watch from the old versions is accepted and
+    silent (kube-apiserver sends nothing not newer than a watch's start version); once
+    idle, a one-item list shows the store's version below the held one: the watchers
+    relist and the index holds the restored store's pods, not stale. They resumed those
+    watches forever: the old pods stayed for good."""
     _, rs, _ = deployment(sim, "old", "shop", replicas=3)
     for i in range(30):  # the old cluster's history: its resourceVersion well above 30
         rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
@@ -720,3 +721,33 @@ async def test_an_api_server_back_on_an_older_store_is_relisted(
                      and workload("new-1-0") == workload("new-1-1") == "new", timeout=10)
     assert metric(source, "karta_proxy_watch_restarts_total",
                   {"resource": "pods", "reason": "gone"}) >= 1
+
+
+async def test_a_store_restored_under_open_watches_is_relisted_once_they_go_idle(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """An etcd restored from a backup (no --bump-revision) under a running API server:
+    the open watches carry over and go silent, no bookmark either, as kube-apiserver's
+    watch cache sends nothing not newer than a watch's start version. Within the idle
+    timeout (1.5 s here, 150 s by default) each watcher finds the store's version below
+    its own and relists: the index converges to the restored store's pods. They resumed
+    the silent watch from the same version at every idle timeout, forever."""
+    _, rs, _ = deployment(sim, "old", "shop", replicas=3)
+    for i in range(30):  # the old cluster's history: its resourceVersion well above 30
+        rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
+                             metadata={**rs["metadata"], "resourceVersion": ""}))
+    source = await make_source()
+    assert labels(source, "shop", "old-1-0") is not None
+    sim.reset_store(resource_version=1, keep_watches=True)
+    deployment(sim, "new", "shop", replicas=2)
+    assert sim.resource_version < 10
+
+    def live() -> set[str]:
+        return {a.pod for a in source.index.pods.values()}
+
+    await eventually(lambda: live() == {"new-1-0", "new-1-1"} and not source.index.stale
+                     and (labels(source, "shop", "new-1-0") or {}).get("karta_workload")
+                     == "new", timeout=15)
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "pods", "reason": "gone"}) >= 1
+    assert any("restored or replaced" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
