@@ -627,7 +627,7 @@ class KubeSource:
         if healthy:
             if watcher.name not in self._unhealthy:
                 return
-            self._settle(watcher.name, "is back")
+            self._settle(watcher.name, "is back", answered=True)
             if self._unhealthy:
                 # the API server answers again: the others failing retry now, not at the
                 # end of their own backoffs (up to 30 s apart), so that the kinds come
@@ -640,7 +640,9 @@ class KubeSource:
         else:
             how = watcher.last_error_kind or "failed"
             if self._unhealthy.get(watcher.name) != how:
-                self._settle(watcher.name, f"fails otherwise now ({how})")
+                # any other way than unreachable is an answer of the server's
+                self._settle(watcher.name, f"fails otherwise now: {how}",
+                             answered=how != "unreachable")
                 outage = self._outages.get(how)
                 if outage is None:
                     self._outages[how] = _Outage(self._clock(), {watcher.name})
@@ -653,10 +655,12 @@ class KubeSource:
                 self._unhealthy[watcher.name] = how
         self._update_stale()
 
-    def _settle(self, name: str, how: str) -> None:
+    def _settle(self, name: str, how: str, *, answered: bool = False) -> None:
         """The one way out of ``_unhealthy`` (back, failing otherwise, replaced, dropped):
         the last watcher to leave an outage logs its end. A watcher dropped or replaced
-        while failing was discarded alone, and its outage's end never logged."""
+        while failing was discarded alone, and its outage's end never logged.
+        ``answered``: the watcher heard from the API server (back, or an API error now),
+        so an outage of it unreachable ends with "API server answers again"."""
         why = self._unhealthy.pop(name, None)
         if why is None:
             return
@@ -666,8 +670,12 @@ class KubeSource:
             return
         del self._outages[why]
         took = self._clock() - outage.since
-        if why == "unreachable" and how == "is back":
-            log.info("API server answers again: every watch is back after %.1f s", took)
+        if why == "unreachable" and answered:
+            if how == "is back":
+                log.info("API server answers again: every watch is back after %.1f s", took)
+            else:  # its new failure is an outage of its own, warned of
+                log.info("API server answers again after %.1f s (the last watch cut off, "
+                         "%s, %s)", took, name, how)
         else:
             log.info("watches failing with %s: none left after %.1f s (the last, %s, %s)",
                      _describe(why), took, name, how)

@@ -685,6 +685,9 @@ async def test_a_500_after_an_outage_is_warned(
     await eventually(lambda: not source.index.stale, timeout=10)
     [over] = _logged(caplog, logging.INFO, "watches failing with API error 500")
     assert "(the last, deployments.apps, is back)" in over
+    # however the outage ended (the deployments may be the last cut off, leaving with
+    # their 500): one line that the API server answers
+    assert len(_logged(caplog, logging.INFO, "API server answers again")) == 1
 
 
 async def test_an_api_server_back_on_an_older_store_is_relisted(

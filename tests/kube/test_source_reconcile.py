@@ -473,6 +473,30 @@ async def test_a_new_way_of_failing_during_an_outage_is_warned(
     assert source.index.stale and source._unhealthy == {"replicasets.apps": "API error 500"}
 
 
+async def test_the_last_watch_cut_off_answering_with_an_error_ends_the_outage(
+        cluster: FakeCluster, synced: Synced, clock: ManualClock,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The last watcher cut off from the API server hears from it again, but a 500: the
+    server answers (that line), and the 500 is an outage of its own (a warning)."""
+    deployment(cluster, "web", replicas=1)
+    source = await synced()
+    [pods] = watchers_of(source, GroupKind("", "Pod"))
+    [rs] = watchers_of(source, GroupKind("apps", "ReplicaSet"))
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    pods.fail()
+    rs.fail()
+    clock.now += 3.0
+    pods.recover()
+    rs.fail("API error 500")
+    assert _outage_lines(caplog)[1:] == [
+        ("INFO", "API server answers again after 3.0 s (the last watch cut off, "
+                 "replicasets.apps, fails otherwise now: API error 500)"),
+        ("WARNING", "watch replicasets.apps: API error 500 (fake); every watch failing so "
+                    "retries with its backoff (the others failing so are logged at debug "
+                    "level)"),
+    ]
+
+
 async def test_a_failing_watch_dropped_or_replaced_ends_its_outage_with_a_line(
         cluster: FakeCluster, synced: Synced, clock: ManualClock,
         caplog: pytest.LogCaptureFixture) -> None:
