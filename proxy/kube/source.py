@@ -158,9 +158,13 @@ class KubeSource:
         #: conversion webhook must not keep every remote write refused while the pods
         #: are indexed); they count as stale until their watchers' lists go through
         self.failing_kinds: dict[GroupKind, str] = {}
-        self._unhealthy: set[str] = set()
-        #: ``clock`` when ``_unhealthy`` last turned non-empty: the outage's start
-        self._outage_since = 0.0
+        #: watcher name -> how it fails (its ``last_error_kind``): the watchers that
+        #: cannot list or watch, which make the index stale
+        self._unhealthy: dict[str, str] = {}
+        #: way of failing -> the outage of the watchers failing so. One outage for all
+        #: watchers was keyed on "none failing -> some": a kind failing for good hid
+        #: the API server going away later, and a new error during an outage
+        self._outages: dict[str, _Outage] = {}
         self._kinds_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         #: counts object errors (engine refused an object); never fatal
@@ -308,7 +312,7 @@ class KubeSource:
                     held.update(w.held)
                     # the new watcher starts healthy and only reports a change: an old
                     # one's failure would otherwise keep the index stale for good
-                    self._unhealthy.discard(w.name)
+                    self._settle(w.name, "was replaced (mode switch)")
                 self._update_stale()
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
         if failed:  # one line per round, not one per kind: an outage must not flood logs
@@ -347,7 +351,7 @@ class KubeSource:
             stubs: list[WatchEvent] = [("DELETED", w.stub(uid)) for uid in w.held]
             w.held.clear()
             await w.deliver(stubs)
-            self._unhealthy.discard(w.name)
+            self._settle(w.name, "is no longer watched")
             # no longer watched: no freshness either (a frozen one reads as a resource
             # ever staler; the fact writer ends its series with a stale marker)
             self.index.freshness.pop(w.name, None)
@@ -614,16 +618,17 @@ class KubeSource:
                 self._mark_served(gk)
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
-        """One warning when the first watcher fails (with its error) and one info line
-        when the last is back (with how long it took); the watchers log their retries at
-        debug. Every watcher warned on every retry: 92 lines in a 46 s outage."""
+        """One warning per way of failing (unreachable, API error 500, ...) when the
+        first watcher fails so, and one info line when the last watcher failing so is
+        back (or no longer watched), with how long it lasted; the watchers log their
+        retries at debug. Every watcher warned on every retry (92 lines in a 46 s
+        outage); and one outage for every way of failing hid the ways that came later:
+        a CRD failing for good left the API server going away unlogged."""
         if healthy:
-            was = watcher.name in self._unhealthy
-            self._unhealthy.discard(watcher.name)
-            if was and not self._unhealthy:
-                log.info("API server answers again: every watch is back after %.1f s",
-                         self._clock() - self._outage_since)
-            if was and self._unhealthy:
+            if watcher.name not in self._unhealthy:
+                return
+            self._settle(watcher.name, "is back", answered=True)
+            if self._unhealthy:
                 # the API server answers again: the others failing retry now, not at the
                 # end of their own backoffs (up to 30 s apart), so that the kinds come
                 # back together (a pod created meanwhile otherwise came back long before
@@ -633,15 +638,47 @@ class KubeSource:
                         if w.name in self._unhealthy:
                             w.retry_now()
         else:
-            if not self._unhealthy:
-                self._outage_since = self._clock()
-                log.warning("watch %s: %s; every watch retries with its backoff "
-                            "(further failures at debug level)", watcher.name,
-                            watcher.last_error or "failed")
-            elif watcher.name not in self._unhealthy:
-                log.debug("watch %s: %s", watcher.name, watcher.last_error)
-            self._unhealthy.add(watcher.name)
+            how = watcher.last_error_kind or "failed"
+            if self._unhealthy.get(watcher.name) != how:
+                # any other way than unreachable is an answer of the server's
+                self._settle(watcher.name, f"fails otherwise now: {how}",
+                             answered=how != "unreachable")
+                outage = self._outages.get(how)
+                if outage is None:
+                    self._outages[how] = _Outage(self._clock(), {watcher.name})
+                    log.warning("watch %s: %s; every watch failing so retries with its "
+                                "backoff (the others failing so are logged at debug level)",
+                                watcher.name, watcher.last_error or "failed")
+                else:
+                    outage.names.add(watcher.name)
+                    log.debug("watch %s: %s", watcher.name, watcher.last_error)
+                self._unhealthy[watcher.name] = how
         self._update_stale()
+
+    def _settle(self, name: str, how: str, *, answered: bool = False) -> None:
+        """The one way out of ``_unhealthy`` (back, failing otherwise, replaced, dropped):
+        the last watcher to leave an outage logs its end. A watcher dropped or replaced
+        while failing was discarded alone, and its outage's end never logged.
+        ``answered``: the watcher heard from the API server (back, or an API error now),
+        so an outage of it unreachable ends with "API server answers again"."""
+        why = self._unhealthy.pop(name, None)
+        if why is None:
+            return
+        outage = self._outages[why]
+        outage.names.discard(name)
+        if outage.names:
+            return
+        del self._outages[why]
+        took = self._clock() - outage.since
+        if why == "unreachable" and answered:
+            if how == "is back":
+                log.info("API server answers again: every watch is back after %.1f s", took)
+            else:  # its new failure is an outage of its own, warned of
+                log.info("API server answers again after %.1f s (the last watch cut off, "
+                         "%s, %s)", took, name, how)
+        else:
+            log.info("watches failing with %s: none left after %.1f s (the last, %s, %s)",
+                     _describe(why), took, name, how)
 
     def _update_stale(self) -> None:
         """``index.stale`` while any watcher cannot reach the API server, or a kind the
@@ -673,3 +710,17 @@ class KubeSource:
         return False
 
 
+class _Outage:
+    """The watchers failing one way, and since when (the source's clock): what the line
+    at its end says it lasted."""
+
+    __slots__ = ("names", "since")
+
+    def __init__(self, since: float, names: set[str]) -> None:
+        self.since = since
+        self.names = names
+
+
+def _describe(how: str) -> str:
+    """A way of failing (a watcher's ``last_error_kind``) as the log names it."""
+    return "the API server unreachable" if how == "unreachable" else how

@@ -2,11 +2,15 @@
 
 The loop: list (paginated) -> watch from the list's resourceVersion with bookmarks ->
 on a clean end (server timeout) watch again from the last resourceVersion seen; on 410
-Gone, and when the server's store went back (a 504 "Too large resource version", an
-event or bookmark older than the last seen), relist and find deletions by diffing
+Gone, and when the server's store went back, relist and find deletions by diffing
 against what this watcher holds; on disconnects, refused connections and 5xx back off
 (exponential, full jitter) and resume; a stream that stays silent (no event, no
-bookmark) for ``idle_timeout`` is taken for dead and resumed. Events are handed to a
+bookmark) for ``idle_timeout`` is taken for dead and resumed, unless a one-item list
+shows the store's resourceVersion below the held one: kube-apiserver keeps a watch from
+a version its store has not reached open and silent, so that is how a store gone back
+(an etcd restored without ``--bump-revision``) shows. A 504 "Too large resource version"
+or an event or bookmark older than the last seen (what other servers may send) is
+relisted too. Events are handed to a
 sink in slices sized to a time budget, with a yield to the event loop after each slice,
 so a burst never stalls request handling however costly each event is.
 """
@@ -60,6 +64,10 @@ class Watcher(Protocol):
     #: the last failure to list or watch ("" for none yet): what the source names when
     #: a kind that keeps failing stops holding readiness back
     last_error: str
+    #: how the last failure failed, as a key ("unreachable", "API error 503", "" for
+    #: none yet): the source logs one outage per way of failing, so that one kind
+    #: failing for good does not hide the API server going away later
+    last_error_kind: str
 
     def start(self) -> None: ...
 
@@ -131,6 +139,8 @@ class WatchBase:
         self.synced = asyncio.Event()
         #: the last failure to list or watch, for the source's warning ("" for none)
         self.last_error = ""
+        #: its kind ("unreachable", "API error <status>"): the source's outage key
+        self.last_error_kind = ""
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
@@ -266,9 +276,14 @@ def _revision(rv: str) -> int | None:
 
 def _check_order(held: str, new: str) -> None:
     """Raise ``_WentBack`` when ``new`` is numerically older than ``held``."""
-    old_rev, new_rev = _revision(held), _revision(new)
-    if old_rev is not None and new_rev is not None and new_rev < old_rev:
+    if _older(new, held):
         raise _WentBack(f"resourceVersion went back from {held} to {new}")
+
+
+def _older(new: str, held: str) -> bool:
+    """``new`` is numerically older than ``held`` (both the API server's integers)."""
+    new_rev, old_rev = _revision(new), _revision(held)
+    return new_rev is not None and old_rev is not None and new_rev < old_rev
 
 
 class _Idle(Exception):
@@ -419,6 +434,7 @@ class ResourceWatcher(WatchBase):
                 log.warning("watch %s: %s: the API server's store was restored or "
                             "replaced; relisting", self.name, e)
                 rv = ""
+                self._another_history()
                 await self._after_gone()
                 continue
             except _Gone:
@@ -435,6 +451,7 @@ class ResourceWatcher(WatchBase):
                         log.warning("watch %s: the API server has not reached "
                                     "resourceVersion %s (%s): its store was restored or "
                                     "replaced; relisting", self.name, rv, e.message)
+                        self._another_history()
                     rv = ""
                     await self._after_gone()
                     continue
@@ -449,11 +466,26 @@ class ResourceWatcher(WatchBase):
                     rv = ""
                     continue
                 reason = "error"
-                self._failed(f"API error {e}")
+                self._failed(f"API error {e}", f"API error {e.status}")
             except _Idle:
+                reason = "idle"
+                held = self.resource_version or rv
+                now = await self._store_version()
+                if _older(now, held):
+                    # kube-apiserver accepts a watch from a version its store has not
+                    # reached and sends it nothing, bookmarks included: a store that
+                    # went back (an etcd restored from a backup) shows only as this
+                    log.warning("watch %s: no data for %.0f s, and the API server's store "
+                                "is at resourceVersion %s, below the %s this watch holds: "
+                                "it was restored or replaced; relisting", self.name,
+                                self.idle_timeout, now, held)
+                    self.metrics.restarts.labels(self.name, reason).inc()
+                    rv = ""
+                    self._another_history()
+                    await self._after_gone()
+                    continue
                 # the server never closed the stream; it may be fine for new requests:
                 # resume (jittered), the next request tells whether it is reachable
-                reason = "idle"
                 log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
                             self.name, self.idle_timeout)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
@@ -462,7 +494,8 @@ class ResourceWatcher(WatchBase):
                 log.info("watch %s: stream broke (%s), resuming", self.name, type(e).__name__)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 reason = "unreachable"
-                self._failed(f"API server unreachable: {e or type(e).__name__}")
+                self._failed(f"API server unreachable: {e or type(e).__name__}",
+                             "unreachable")
             except ValueError as e:  # malformed JSON from the server: relist
                 reason = "error"
                 log.warning("watch %s: bad response: %s", self.name, e)
@@ -498,14 +531,46 @@ class ResourceWatcher(WatchBase):
                             "backoff", self.name)
             await self._pause(self._gone_backoff.next())
 
-    def _failed(self, why: str) -> None:
+    async def _store_version(self) -> str:
+        """The store's resourceVersion now, from a list of one item with no
+        resourceVersion (a consistent read, from etcd); "" when it cannot be had.
+        Asked only when a watch went idle: one small request then, none otherwise. A
+        failure is left to the resumed watch to find and report."""
+        q = self._query()
+        q["limit"] = "1"
+        try:
+            raw = await self.client.request_bytes(
+                self.resource.path(self.namespace), query=q, timeout=30.0,
+                accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
+            md = _PAGE.decode(raw).metadata
+        except (aiohttp.ClientError, TimeoutError, OSError, KubeApiError, ValueError) as e:
+            log.debug("watch %s: the store's resourceVersion not had (%s); resuming",
+                      self.name, e or type(e).__name__)
+            return ""
+        return md.resourceVersion if md is not None else ""
+
+    def _another_history(self) -> None:
+        """The store went back: what this watcher delivered is of another history, and
+        a resourceVersion of it says nothing of an object in the new one (a restored
+        object modified since the backup can reach the same version with other data).
+        The relist delivers every object again: skipping those still "at their version"
+        could keep the old data for good."""
+        self.versions.clear()
+
+    def _failed(self, why: str, kind: str) -> None:
         """A list or watch that did not go through: logged at debug only, each retry.
         The sink hears of this watcher's turn to unhealthy (``WatchSink.health``) and
-        warns once for all watchers, with ``last_error``: a warning per retry of every
-        watcher was 92 lines in a 46 s outage."""
+        warns once for all watchers failing the same way, with ``last_error``: a warning
+        per retry of every watcher was 92 lines in a 46 s outage. It hears again when
+        the way changes while unhealthy (unreachable, then a 500 once the server is
+        back): that is a new failure to warn of, not a retry of the old one."""
         log.debug("watch %s: %s; retrying after a backoff", self.name, why)
+        changed = kind != self.last_error_kind
         self.last_error = why
-        self._set_health(False)
+        self.last_error_kind = kind
+        if self.healthy or changed:
+            self.healthy = False
+            self.sink.health(self, False)
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:

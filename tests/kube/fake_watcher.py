@@ -107,8 +107,10 @@ class FakeWatcher(WatchBase):
         self.sink.handle(self, [(etype, self._view(obj))])
         self.sink.current(self)
 
-    def fail(self) -> None:
-        """The API server became unreachable for this watch."""
+    def fail(self, kind: str = "unreachable", why: str = "") -> None:
+        """This watch fails ``kind``'s way: the API server unreachable by default."""
+        self.last_error_kind = kind
+        self.last_error = why or f"{kind} (fake)"
         self.sink.health(self, False)
 
     def recover(self) -> None:

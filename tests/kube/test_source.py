@@ -34,7 +34,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import JOB_SET, RAY_CLUSTER, REPLICA_SET
+from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, REPLICA_SET
 from tests.kubesim.resources import POD as POD_TYPE
 
 
@@ -621,13 +621,83 @@ async def test_an_outage_is_warned_once_and_its_end_logged_once(
     assert not logged(logging.WARNING, "current again")
 
 
+def _logged(caplog: pytest.LogCaptureFixture, level: int, text: str = "") -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == level and text in r.getMessage()]
+
+
+def _healthy_but(source: KubeSource, plural: str) -> bool:
+    return all(w.name not in source._unhealthy for _, ws in source.watchers.values()
+               for w in ws if plural not in w.name)
+
+
+async def test_the_api_server_gone_while_a_kind_fails_for_good_is_warned(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """Deployments fail for good (a conversion webhook answering 500), then the API
+    server goes away: a warning of its own, and a line when it answers again. Both were
+    one outage ("no watcher failing -> some"): the second was debug only, its end not
+    logged at all."""
+    deployment(sim, "web", replicas=1)
+    source = await make_source()
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    sim.fail_resource(DEPLOYMENT, 500)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=10)
+    assert len(_logged(caplog, logging.WARNING, "API error 500")) == 1
+    await sim.stop()
+    why = {"resource": "pods", "reason": "unreachable"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", why) >= 2,
+                     timeout=10)
+    [warned] = _logged(caplog, logging.WARNING, "API server unreachable:")
+    assert warned.startswith("watch ")
+    await sim.start()
+    await eventually(lambda: _healthy_but(source, "deployments"), timeout=10)
+    await eventually(lambda: _logged(caplog, logging.INFO, "API server answers again"),
+                     timeout=5)
+    assert source.index.stale  # the deployments still fail
+
+
+async def test_a_500_after_an_outage_is_warned(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The API server goes away and comes back, but deployments answer 500 now: that
+    is a warning, and the others coming back end the outage with its line. The 500 was
+    logged at debug only, as a retry of the outage already warned of."""
+    deployment(sim, "web", replicas=1)
+    source = await make_source()
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    await sim.stop()
+    why = {"resource": "deployments.apps", "reason": "unreachable"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", why) >= 1,
+                     timeout=10)
+    sim.fail_resource(DEPLOYMENT, 500)
+    await sim.start()
+    await eventually(lambda: _healthy_but(source, "deployments"), timeout=10)
+    err = {"resource": "deployments.apps", "reason": "error"}
+    await eventually(lambda: metric(source, "karta_proxy_watch_restarts_total", err) >= 2,
+                     timeout=10)
+    assert len(_logged(caplog, logging.WARNING, "API server unreachable:")) == 1
+    [warned] = _logged(caplog, logging.WARNING, "API error 500")
+    assert warned.startswith("watch deployments.apps: ")
+    await eventually(lambda: _logged(caplog, logging.INFO, "API server answers again"),
+                     timeout=5)
+    assert source.index.stale
+    sim.fail_resource(DEPLOYMENT, None)
+    await eventually(lambda: not source.index.stale, timeout=10)
+    [over] = _logged(caplog, logging.INFO, "watches failing with API error 500")
+    assert "(the last, deployments.apps, is back)" in over
+    # however the outage ended (the deployments may be the last cut off, leaving with
+    # their 500): one line that the API server answers
+    assert len(_logged(caplog, logging.INFO, "API server answers again")) == 1
+
+
 async def test_an_api_server_back_on_an_older_store_is_relisted(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """The API server restarts on an etcd restored from a backup: resourceVersions
-    below the watchers', other pods. Every watch is answered 504 "Too large resource
-    version"; the watchers relist and the index holds the restored store's pods, not
-    stale. They retried those watches forever: the old pods stayed, index stale at 1
-    (the audit: 197 watch requests and no list in 30 s)."""
+    below the watchers', other pods. Every watch from the old versions is accepted and
+    silent (kube-apiserver sends nothing not newer than a watch's start version); once
+    idle, a one-item list shows the store's version below the held one: the watchers
+    relist and the index holds the restored store's pods, not stale. They resumed those
+    watches forever: the old pods stayed for good."""
     _, rs, _ = deployment(sim, "old", "shop", replicas=3)
     for i in range(30):  # the old cluster's history: its resourceVersion well above 30
         rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
@@ -654,3 +724,33 @@ async def test_an_api_server_back_on_an_older_store_is_relisted(
                      and workload("new-1-0") == workload("new-1-1") == "new", timeout=10)
     assert metric(source, "karta_proxy_watch_restarts_total",
                   {"resource": "pods", "reason": "gone"}) >= 1
+
+
+async def test_a_store_restored_under_open_watches_is_relisted_once_they_go_idle(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """An etcd restored from a backup (no --bump-revision) under a running API server:
+    the open watches carry over and go silent, no bookmark either, as kube-apiserver's
+    watch cache sends nothing not newer than a watch's start version. Within the idle
+    timeout (1.5 s here, 150 s by default) each watcher finds the store's version below
+    its own and relists: the index converges to the restored store's pods. They resumed
+    the silent watch from the same version at every idle timeout, forever."""
+    _, rs, _ = deployment(sim, "old", "shop", replicas=3)
+    for i in range(30):  # the old cluster's history: its resourceVersion well above 30
+        rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
+                             metadata={**rs["metadata"], "resourceVersion": ""}))
+    source = await make_source()
+    assert labels(source, "shop", "old-1-0") is not None
+    sim.reset_store(resource_version=1, keep_watches=True)
+    deployment(sim, "new", "shop", replicas=2)
+    assert sim.resource_version < 10
+
+    def live() -> set[str]:
+        return {a.pod for a in source.index.pods.values()}
+
+    await eventually(lambda: live() == {"new-1-0", "new-1-1"} and not source.index.stale
+                     and (labels(source, "shop", "new-1-0") or {}).get("karta_workload")
+                     == "new", timeout=15)
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "pods", "reason": "gone"}) >= 1
+    assert any("restored or replaced" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)

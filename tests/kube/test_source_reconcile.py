@@ -409,6 +409,131 @@ async def test_unreachable_watch_marks_the_index_stale(cluster: FakeCluster,
     assert not source.index.stale
 
 
+def _outage_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    """(level, message) of the source's outage lines: warnings, and info lines of an
+    outage's end."""
+    return [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "proxy.kube.source" and (
+                (r.levelno == logging.WARNING and r.getMessage().startswith("watch "))
+                or (r.levelno == logging.INFO and " after " in r.getMessage()))]
+
+
+async def test_an_outage_after_a_kind_failing_for_good_is_warned_and_its_end_logged(
+        cluster: FakeCluster, synced: Synced, caplog: pytest.LogCaptureFixture) -> None:
+    """A kind failing for good (a conversion webhook's 500), then the API server going
+    away: that is a warning of its own, and its end a line. Keyed on "no watcher failing
+    -> some", the second failure was debug only, and no line said it was over."""
+    deployment(cluster, "web", replicas=1)
+    source = await synced()
+    [pods] = watchers_of(source, GroupKind("", "Pod"))
+    [rs] = watchers_of(source, GroupKind("apps", "ReplicaSet"))
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    rs.fail("API error 500", "API error 500 InternalError: conversion webhook")
+    pods.fail("unreachable", "API server unreachable: connection refused")
+    pods.recover()
+    assert _outage_lines(caplog) == [
+        ("WARNING", "watch replicasets.apps: API error 500 InternalError: conversion "
+                    "webhook; every watch failing so retries with its backoff (the others "
+                    "failing so are logged at debug level)"),
+        ("WARNING", "watch pods: API server unreachable: connection refused; every watch "
+                    "failing so retries with its backoff (the others failing so are logged "
+                    "at debug level)"),
+        ("INFO", "API server answers again: every watch is back after 0.0 s"),
+    ]
+    assert source.index.stale  # the 500 goes on
+    rs.recover()
+    assert _outage_lines(caplog)[-1] == (
+        "INFO", "watches failing with API error 500: none left after 0.0 s (the last, "
+                "replicasets.apps, is back)")
+    assert not source.index.stale
+
+
+async def test_a_new_way_of_failing_during_an_outage_is_warned(
+        cluster: FakeCluster, synced: Synced, clock: ManualClock,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The API server goes away; it comes back, but one kind answers 500 now. The 500 is
+    a warning (it was debug: an outage was already on), the others coming back end the
+    outage with its line, and a watcher moving from one way of failing to another moves
+    from one outage to the other."""
+    deployment(cluster, "web", replicas=1)
+    source = await synced()
+    [pods] = watchers_of(source, GroupKind("", "Pod"))
+    [rs] = watchers_of(source, GroupKind("apps", "ReplicaSet"))
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    pods.fail()
+    rs.fail()
+    clock.now += 5.0
+    rs.fail("API error 500")
+    pods.recover()
+    lines = _outage_lines(caplog)
+    assert [level for level, _ in lines] == ["WARNING", "WARNING", "INFO"]
+    assert lines[0][1].startswith("watch pods: unreachable")
+    assert lines[1][1].startswith("watch replicasets.apps: API error 500 (fake); ")
+    assert lines[2][1] == "API server answers again: every watch is back after 5.0 s"
+    assert source.index.stale and source._unhealthy == {"replicasets.apps": "API error 500"}
+
+
+async def test_the_last_watch_cut_off_answering_with_an_error_ends_the_outage(
+        cluster: FakeCluster, synced: Synced, clock: ManualClock,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The last watcher cut off from the API server hears from it again, but a 500: the
+    server answers (that line), and the 500 is an outage of its own (a warning)."""
+    deployment(cluster, "web", replicas=1)
+    source = await synced()
+    [pods] = watchers_of(source, GroupKind("", "Pod"))
+    [rs] = watchers_of(source, GroupKind("apps", "ReplicaSet"))
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    pods.fail()
+    rs.fail()
+    clock.now += 3.0
+    pods.recover()
+    rs.fail("API error 500")
+    assert _outage_lines(caplog)[1:] == [
+        ("INFO", "API server answers again after 3.0 s (the last watch cut off, "
+                 "replicasets.apps, fails otherwise now: API error 500)"),
+        ("WARNING", "watch replicasets.apps: API error 500 (fake); every watch failing so "
+                    "retries with its backoff (the others failing so are logged at debug "
+                    "level)"),
+    ]
+
+
+async def test_a_failing_watch_dropped_or_replaced_ends_its_outage_with_a_line(
+        cluster: FakeCluster, synced: Synced, clock: ManualClock,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A watcher failing alone that is dropped (its kind no longer needed) or replaced
+    (a mode switch) ends its outage: one info line, and the next failure is warned again.
+    It was discarded without a line, and a later failure of that kind stayed at debug
+    level as long as another watcher failed."""
+    source = await synced()
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    karta = cluster.create(RAYJOB_KARTA)
+    assert await source.refresh_kinds() == 0
+    [job] = watchers_of(source, RAY_JOB_GK)
+    job.fail("API error 500")
+    clock.now += 2.0
+    cluster.delete(karta)
+    assert await source.refresh_kinds() == 0
+    assert RAY_JOB_GK not in source.watchers and not source.index.stale
+    assert _outage_lines(caplog)[-1] == (
+        "INFO", "watches failing with API error 500: none left after 2.0 s (the last, "
+                "rayjobs.ray.io, is no longer watched)")
+    # replaced: a RayCluster watch, metadata-only for the RayJob's pods, failing; then a
+    # RayCluster description makes it a full watch
+    cluster.create(RAYJOB_KARTA)
+    assert await source.refresh_kinds() == 0
+    [meta] = watchers_of(source, RAY_CLUSTER_GK)
+    assert meta.metadata_only
+    meta.fail("API error 500")
+    assert _outage_lines(caplog)[-1][0] == "WARNING"  # a new outage: warned again
+    cluster.create(RAYCLUSTER_KARTA)
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["RayCluster"] == "full" and not source.index.stale
+    assert _outage_lines(caplog)[-1] == (
+        "INFO", "watches failing with API error 500: none left after 0.0 s (the last, "
+                "rayclusters.ray.io, was replaced (mode switch))")
+    assert not source._outages
+
+
 async def test_discovery_failure_is_counted_and_retried(cluster: FakeCluster,
                                                         synced: Synced) -> None:
     source = await synced()

@@ -4,6 +4,7 @@ its pure parts (backoff, slice sizing, deletion stubs)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -23,7 +24,7 @@ from proxy.kube.watcher import (
     deletion_stub,
 )
 from tests.kube.conftest import eventually, pod
-from tests.kubesim import ApiError, Gone, KubeSim
+from tests.kubesim import ApiError, Gone, KubeSim, TooLargeResourceVersion
 from tests.kubesim.resources import POD
 
 PODS = ApiResource("", "v1", "Pod", "pods", True)
@@ -325,9 +326,8 @@ async def test_a_broken_watch_resumes_from_the_newest_version_seen(sim: KubeSim,
     def watches() -> list[dict[str, str]]:
         return [q for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q]
 
-    def lists() -> int:
-        return sum(1 for _, path, q, _ in sim.requests
-                   if path == "/api/v1/pods" and "watch" not in q)
+    def lists() -> int:  # relists: an idle stream's one-item probe is none
+        return _pod_lists(sim)
 
     n_watches, n_lists = len(watches()), lists()
     if cut == "disconnect":
@@ -531,7 +531,14 @@ async def test_a_watch_cut_after_its_first_bytes_is_retried_after_a_backoff(
 
 
 def _pod_lists(sim: KubeSim) -> int:
-    return sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" not in q)
+    """Pod lists a relist made (not the one-item probes of an idle watch)."""
+    return sum(1 for _, path, q, _ in sim.requests
+               if path == "/api/v1/pods" and "watch" not in q and q.get("limit") != "1")
+
+
+def _probes(sim: KubeSim) -> int:
+    return sum(1 for _, path, q, _ in sim.requests
+               if path == "/api/v1/pods" and "watch" not in q and q.get("limit") == "1")
 
 
 def _history(sim: KubeSim, pods: int, updates: int) -> list[dict[str, object]]:
@@ -545,60 +552,125 @@ def _history(sim: KubeSim, pods: int, updates: int) -> list[dict[str, object]]:
     return made
 
 
-async def test_a_store_gone_back_is_relisted_not_watched_forever(
-        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
-    """The API server back on an older store (an etcd restored from a backup, a fresh
-    one) answers the watch from the watcher's newer resourceVersion with 504 "Too large
-    resource version" (cause ResourceVersionTooLarge): the watcher relists, as
-    client-go's reflector does. It retried that watch forever, every other answer a
-    504, holding the old store's pods (the audit: 197 watches, 0 lists in 30 s)."""
+@pytest.mark.parametrize("keep_watches", [False, True])
+async def test_a_store_gone_back_is_found_when_the_watch_goes_idle(
+        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture,
+        keep_watches: bool) -> None:
+    """The API server on an older store (an etcd restored from a backup, a fresh one):
+    kube-apiserver accepts a watch from the watcher's newer resourceVersion and sends it
+    nothing, bookmarks included, until the store passes that version; an open watch
+    goes as silent. When the stream goes idle, a list of one item (no resourceVersion:
+    a consistent read) shows the store's version below the held one: the watcher
+    relists. It resumed the silent watch from its version at every idle timeout,
+    forever, holding the old store's pods (its 504 and went-back checks never fire
+    against a real server)."""
     _history(sim, 3, 30)
     sink = RecordingSink()
-    w = await started(make, sink)
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=1.0)
     await eventually(lambda: sim.watch_count(POD) == 1)
+    held = int(w.resource_version)
     n_lists = _pod_lists(sim)
-    sim.reset_store(resource_version=2)  # the watches break, as in a restart
+    # broken: the watch resumes from a version the new store has not reached
+    sim.reset_store(resource_version=2, keep_watches=keep_watches)
     new = {sim.create(pod(f"new{i}"))["metadata"]["uid"] for i in range(2)}
-    await eventually(lambda: set(w.held) == new, timeout=5)
-    assert _pod_lists(sim) == n_lists + 1 and w.healthy
-    assert int(w.resource_version) <= sim.resource_version
+    await eventually(lambda: set(w.held) == new, timeout=10)
+    assert _pod_lists(sim) == n_lists + 1 and _probes(sim) == 1 and w.healthy
     assert sorted(sink.names("DELETED")) == ["old0", "old1", "old2"]
-    assert any("has not reached resourceVersion" in r.getMessage() for r in caplog.records)
+    [line] = [r.getMessage() for r in caplog.records if "restored or replaced" in r.getMessage()]
+    assert f"at resourceVersion 4, below the {held} this watch holds" in line
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 1
     sim.create(pod("after"))  # and it watches the new store
     await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
 
 
-@pytest.mark.parametrize("seen", ["bookmark", "event"])
-async def test_a_bookmark_or_event_older_than_the_last_seen_is_relisted(
+async def test_an_idle_watch_of_a_store_not_gone_back_resumes(
+        sim: KubeSim, make: Make) -> None:
+    """A stream gone silent (a half-open connection) while the store is where it was:
+    the probe shows nothing older, the watch resumes from its version, no relist."""
+    _history(sim, 2, 3)
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=1.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    n_lists = _pod_lists(sim)
+    assert sim.hang_watches() == 1
+    idle = w.metrics.restarts.labels(w.name, "idle")
+    await eventually(lambda: idle._value.get() == 1, timeout=5)
+    sim.create(pod("after"))
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+    assert _pod_lists(sim) == n_lists and _probes(sim) == 1
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
+
+
+@pytest.mark.parametrize("found_by", ["idle", "bookmark", "504"])
+async def test_a_relist_after_the_store_went_back_redelivers_what_it_holds(
+        sim: KubeSim, make: Make, found_by: str) -> None:
+    """A restored object modified since the backup can reach the very resourceVersion
+    the watcher holds it at, with other data: two histories, one version. The relist
+    skipped objects still at their held version, and kept the old data for good; after
+    the store went back (however found) it delivers every object again."""
+    first = sim.create(pod("a0"))
+    sim.create(pod("a1"))
+    sim.create(pod("a2"))
+    restored = sim.create(pod("p", labels={"v": "old"}))  # rv 4
+    for i in range(30):
+        first = sim.update(dict(first, metadata={**first["metadata"], "labels": {"n": str(i)},
+                                                 "resourceVersion": ""}))
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60,
+                      idle_timeout=1.0 if found_by == "idle" else 30.0)
+    uid = restored["metadata"]["uid"]
+    assert w.versions[uid] == "4"
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    if found_by != "idle":
+        assert sim.hold_watches() == 1
+    sim.reset_store(resource_version=3, keep_watches=True)  # backed up before p
+    again = sim.create({**pod("p", labels={"v": "new"}),
+                        "metadata": {"name": "p", "namespace": "default", "uid": uid,
+                                     "labels": {"v": "new"}}})
+    assert again["metadata"]["resourceVersion"] == "4"
+    if found_by == "bookmark":
+        bookmark = {"type": "BOOKMARK", "object": {
+            "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "4"}}}
+        assert sim.flush_watches(raw=json.dumps(bookmark).encode() + b"\n") == 1
+    elif found_by == "504":
+        assert sim.flush_watches(error=TooLargeResourceVersion(34, 4)) == 1
+    await eventually(lambda: set(w.held) == {uid}, timeout=10)
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 1
+    last = [o for _, o in sink.events if o["metadata"]["uid"] == uid][-1]
+    assert last["metadata"]["labels"] == {"v": "new"}
+
+
+@pytest.mark.parametrize("seen", ["bookmark", "event", "504"])
+async def test_a_stream_telling_of_an_older_store_is_relisted(
         sim: KubeSim, make: Make, seen: str) -> None:
-    """An open stream whose server's store is replaced under it: its next bookmark, or
-    its next event, carries a resourceVersion below the one the watcher holds. That is
-    no history the watcher can go on from: it relists. The bookmark's older version was
-    taken as the newest, and the old store's pods stayed for good; the events were
-    delivered over them, and the watch resumed from the new store's versions."""
+    """What kube-apiserver's watch cache does not send but a server in front of
+    another store might (an older API server, a proxy, an aggregated server): a
+    bookmark or an event older than what the watcher holds, or an ERROR 504 "Too large
+    resource version". No history the watcher can go on from: it relists at once, and
+    delivers every object again (the versions it held are of the other history)."""
     _history(sim, 3, 30)
     sink = RecordingSink()
-    # a stream that outlives the test: the relist comes from what it sent, not from a
-    # new watch answered 504
     w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
     await eventually(lambda: sim.watch_count(POD) == 1)
-    n_watches = sum(1 for _, path, q, _ in sim.requests if path == "/api/v1/pods"
-                    and "watch" in q)
     n_lists = _pod_lists(sim)
-    if seen == "event":
-        assert sim.hold_watches() == 1  # no bookmark before the events
+    assert sim.hold_watches() == 1
     sim.reset_store(resource_version=2, keep_watches=True)
-    if seen == "bookmark":  # the next bookmark (0.2 s) is all the stream sends
-        await eventually(lambda: _pod_lists(sim) > n_lists, timeout=5)
-    new = {sim.create(pod(f"new{i}"))["metadata"]["uid"] for i in range(2)}
-    if seen == "event":
-        assert sim.flush_watches() == 1  # the two events, then the stream's end
-    await eventually(lambda: set(w.held) == new, timeout=5)
+    made = [sim.create(pod(f"new{i}")) for i in range(2)]
+    lines = {
+        "bookmark": {"type": "BOOKMARK", "object": {
+            "kind": "Pod", "apiVersion": "v1",
+            "metadata": {"resourceVersion": str(sim.resource_version)}}},
+        "event": {"type": "ADDED", "object": made[0]},
+    }
+    if seen == "504":
+        assert sim.flush_watches(error=TooLargeResourceVersion(33, 4)) == 1
+    else:
+        assert sim.flush_watches(raw=json.dumps(lines[seen]).encode() + b"\n") == 1
+    await eventually(lambda: set(w.held) == {m["metadata"]["uid"] for m in made}, timeout=5)
+    assert _pod_lists(sim) == n_lists + 1
     assert sorted(sink.names("DELETED")) == ["old0", "old1", "old2"]
     assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 1
-    watches = [q for _, path, q, _ in sim.requests if path == "/api/v1/pods" and "watch" in q]
-    assert all(int(q["resourceVersion"]) <= sim.resource_version
-               for q in watches[n_watches:])  # none answered 504
+    assert set(w.versions) == {m["metadata"]["uid"] for m in made}
 
 
 async def test_a_410_long_after_a_relist_is_relisted_at_once(

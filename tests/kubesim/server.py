@@ -240,11 +240,12 @@ class KubeSim:
     def reset_store(self, resource_version: int = 0, *, keep_watches: bool = False) -> None:
         """Replace the store by an empty one at ``resource_version`` (older than the
         current one, as a rule), the same kinds registered: an API server back on an
-        etcd restored from a backup, or on a fresh one. Watches from the old store's
-        newer resourceVersions are then answered 504 "Too large resource version".
-        Open watches are broken (the API server restarted), or with ``keep_watches``
-        moved to the new store (it was replaced under them): their next bookmarks and
-        events carry the new store's older versions."""
+        etcd restored from a backup, or on a fresh one. A watch from one of the old
+        store's newer resourceVersions is accepted and sent nothing (no event, no
+        bookmark) until the new store passes that version, as kube-apiserver's watch
+        cache does; a list from one is answered 504 "Too large resource version". Open
+        watches are broken (the API server restarted), or with ``keep_watches`` moved
+        to the new store (it was replaced under them): silent the same way."""
         old, self.store = self.store, Store(max_log=self.store.max_log)
         self.store.rv = resource_version
         for rt in old.types():
@@ -510,6 +511,11 @@ class KubeSim:
             rv, items = snap
         else:
             rv = self.store.rv
+            asked = query.get("resourceVersion", "")
+            if asked.isascii() and asked.isdigit() and int(asked) > rv:
+                # kube-apiserver waits up to 3 s for its cache to reach the version,
+                # then answers this (a watch from such a version is accepted instead)
+                raise TooLargeResourceVersion(int(asked), rv)
             items = [o for o in rs.objects.values() if flt(o)]
             items.sort(key=lambda o: (o["metadata"].get("namespace", ""),
                                       o["metadata"]["name"]))
@@ -564,10 +570,12 @@ class KubeSim:
             timeout = min(timeout, float(query["timeoutSeconds"]))
         bookmarks = _parse_bool(query.get("allowWatchBookmarks", ""))
         rv_param = query.get("resourceVersion", "")
-        if rv_param.isascii() and rv_param.isdigit() and int(rv_param) > self.store.rv:
-            # the watch cache waits up to 3 s for its revision to reach it, then answers
-            # this, before the stream starts
-            raise TooLargeResourceVersion(int(rv_param), self.store.rv)
+        # as kube-apiserver's watch cache (cacheWatcher.process): a watch from a
+        # resourceVersion is sent only what is newer, whatever the store's own version.
+        # One from a version the store has not reached (an etcd restored from a backup
+        # under it) is accepted, not answered 504, and stays silent, bookmarks included,
+        # until the store passes that version
+        start = int(rv_param) if rv_param.isascii() and rv_param.isdigit() else 0
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
         feed = WatchFeed(rt)
@@ -636,12 +644,19 @@ class KubeSim:
                     if feed.hung or feed.holding:
                         next_bookmark = loop.time() + self.bookmark_interval
                         continue
+                    # a bookmark at the watch's own start version too (the real one
+                    # sends only newer ones, but a real etcd's revision moves on with
+                    # leases and events however quiet the watched kind; this store's
+                    # does not): a quiet watch gets its bookmarks, a restored store's
+                    # watch none
                     if bookmarks and feed.queue.empty() and loop.time() >= next_bookmark:
-                        kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
-                                             if mode else (rt.kind, rt.api_version))
-                        await resp.write(_line({"type": "BOOKMARK", "object": {
-                            "kind": kind, "apiVersion": api_version,
-                            "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                        if self.store.rv >= start:
+                            kind, api_version = (
+                                ("PartialObjectMetadata", META_GROUP_VERSION) if mode
+                                else (rt.kind, rt.api_version))
+                            await resp.write(_line({"type": "BOOKMARK", "object": {
+                                "kind": kind, "apiVersion": api_version,
+                                "metadata": {"resourceVersion": str(self.store.rv)}}}))
                         next_bookmark = loop.time() + self.bookmark_interval
                     continue
                 if ev is None or feed.killed:
@@ -653,7 +668,7 @@ class KubeSim:
                 if isinstance(ev, bytes):  # flush: what was held back, the tail, the end
                     await resp.write(b"".join(held) + ev)
                     break
-                out = _translate(ev, flt)
+                out = _translate(ev, flt) if ev.rv > start else None
                 if out is not None:
                     line = _line({"type": out[0],
                                   "object": partial_metadata(out[1]) if mode else out[1]})
