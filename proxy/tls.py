@@ -23,7 +23,8 @@ validation builds with, so files the validation took (a client CA bundle with a
 Files are checked with a stat every ``check_interval`` seconds (inode, mtime, size: a
 Kubernetes Secret volume swaps a symlink, which changes the inode). A certificate caught
 half-written (its key not yet matching) is not loaded; the old one keeps serving and the
-next check retries. Each distinct failure is logged once.
+next check retries. A check logs and counts each distinct failure once; a reload, each of
+its failures.
 
 A serving certificate out of its validity period (expired, or not yet valid) is loaded
 (the files are the operator's to fix; refusing them would not serve the old one either
@@ -84,6 +85,8 @@ class Loaded:
     #: the certificates (DER) a client's may chain to: every one in the client CA
     #: bundle, none when client certificates are not verified (they let no one in)
     client_cas: frozenset[bytes] = frozenset()
+    #: how many loads had been adopted when it was built (``ServerTLS.adopt``)
+    generation: int = 0
 
 
 class ServerTLS:
@@ -111,6 +114,9 @@ class ServerTLS:
         self._failed: tuple[Stamps | None, str] | None = None
         #: the file (or certificate and key) the last ``build`` failed to load, "" if none
         self._failing = ""
+        #: loads adopted so far: a reload's, built before it awaited, is stale if a check
+        #: adopted newer files meanwhile
+        self._generation = 0
         loaded = self.build()
         self.context = loaded.context
         self._stamps = loaded.stamps
@@ -150,7 +156,8 @@ class ServerTLS:
             # loads the file again
             with self._loading("ca"):
                 cas = pem_certificates(before) | pem_certificates(self._client_ca_bytes())
-        return Loaded(ctx, stamps, *certificate_validity(self.cert_file), client_cas=cas)
+        return Loaded(ctx, stamps, *certificate_validity(self.cert_file), client_cas=cas,
+                      generation=self._generation)
 
     def _client_ca_bytes(self) -> bytes:
         with self._loading("ca"), open(self.client_ca_file, "rb") as f:
@@ -173,20 +180,34 @@ class ServerTLS:
         return f"cannot load {self._failing}: {why}" if self._failing else why
 
     def trial(self) -> Loaded:
-        """``build``, its failure counted and logged as a check's is, then raised: a
-        reload tries the files before it applies anything, and fails whole."""
+        """``build``, then raised if it failed: a reload tries the files before it applies
+        anything, and fails whole. A failure is counted and logged at every reload, even
+        the same as the last check's (an operator who sent SIGHUP looks for its line and
+        its count), and the checks after it do not count it again."""
         try:
             return self.build()
         except Exception as e:
             stamps = None
             with contextlib.suppress(OSError):
                 stamps = self._read_stamps()
-            self._fail(stamps, self.named(e))
+            self._fail(stamps, self.named(e), reload=True)
             raise
 
     def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
         """Serve new connections with ``loaded`` (a ``build`` that succeeded); when it
-        trusts fewer client CAs, close the connections made under the old ones."""
+        trusts fewer client CAs, close the connections made under the old ones.
+
+        A reload builds, awaits the rest of its work, then adopts: a check that adopted
+        meanwhile read the files later, so the reload's older context is not put back over
+        it (the load is counted, it succeeded)."""
+        if loaded.generation != self._generation:
+            log.info("TLS files reloaded; a check loaded them since, and what it loaded "
+                     "stays", extra={"cert_file": self.cert_file,
+                                     "client_ca_file": self.client_ca_file})
+            if self._on_reload is not None:
+                self._on_reload(True)
+            return
+        self._generation += 1
         old = self._client_cas
         self.context, self._stamps, self._failed = loaded.context, loaded.stamps, None
         self._client_cas = loaded.client_cas
@@ -244,8 +265,10 @@ class ServerTLS:
         self.adopt(loaded, forced=force)
         return True
 
-    def _fail(self, stamps: Stamps | None, why: str) -> None:
-        if (stamps, why) == self._failed:
+    def _fail(self, stamps: Stamps | None, why: str, *, reload: bool = False) -> None:
+        """Count and log a failed load: each reload's, a check's once per state of the
+        files and error (files that stay broken are not counted every check)."""
+        if not reload and (stamps, why) == self._failed:
             return
         self._failed = (stamps, why)
         log.error("TLS files not loaded; the certificate in use stays", extra={

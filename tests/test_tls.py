@@ -595,6 +595,62 @@ async def test_a_check_that_fails_in_any_way_is_logged_once_and_keeps_serving(
         await p.stop()
 
 
+def tls_loads(p: Proxy, result: str) -> float:
+    return p.metrics.registry.get_sample_value(
+        "karta_proxy_tls_certificate_reloads_total", {"result": result}) or 0.0
+
+
+async def test_each_failed_reload_is_counted_and_logged_and_a_check_counts_a_state_once(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reload failing as the last check had was neither counted nor logged (the
+    check's "each distinct failure once" swallowed it): an operator's SIGHUP left no
+    trace of its TLS files. Checks still count files that stay broken once."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    try:
+        assert p.tls is not None
+        bundle.write_text("not a certificate\n")
+        caplog.clear()
+        for _ in range(2):
+            assert p.tls.check() is False
+        assert tls_loads(p, "failure") == 1
+        for _ in range(2):
+            assert not (await p.reload()).ok
+        assert p.tls.check() is False  # the state the reloads failed on: counted by them
+        assert tls_loads(p, "failure") == 3
+        lines = [r for r in caplog.records if r.getMessage().startswith("TLS files not loaded")]
+        assert len(lines) == 3, lines
+    finally:
+        await p.stop()
+
+
+async def test_a_reload_does_not_put_back_files_older_than_a_check_loaded_meanwhile(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload builds its TLS context, awaits the rest of its work, then adopts the
+    context: a check that loaded rotated files in between was overwritten by the older
+    one, served until the files changed again."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    p = await started(s, tls_check_interval=0)
+    follow = p._follow_kinds
+
+    async def rotated_meanwhile() -> None:
+        install(pki.ca.issue("proxy-b", server=True), pki.server)
+        assert p.tls is not None and p.tls.check() is True
+        await follow()
+
+    monkeypatch.setattr(p, "_follow_kinds", rotated_meanwhile)
+    try:
+        assert (await p.reload()).ok
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-b"
+        assert tls_loads(p, "success") == 2  # the check's and the reload's
+    finally:
+        await p.stop()
+
+
 async def test_a_reload_whose_tls_files_fail_applies_nothing(
     tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
 ) -> None:
