@@ -34,8 +34,10 @@ class FileSecret:
 
     The file is stat'ed at most once per ``check_interval`` seconds, so the request path
     pays one clock read in the common case. A file that vanishes keeps the last value;
-    each distinct error is logged once, and the file readable again once (a warning per
-    check was ~3,600 lines an hour of one missing file).
+    each distinct error is logged once until the file reads again, which is logged once
+    too (a warning per check was ~3,600 lines an hour of one missing file, and a path
+    alternating between two errors, as a Secret volume's swap can, was still one a
+    check when only a change of error was logged).
     """
 
     def __init__(
@@ -48,8 +50,8 @@ class FileSecret:
         self._next_check = 0.0
         self._stamp: FileStamp | None = None
         self._value = ""
-        #: the error logged last, "" while the file reads
-        self._error = ""
+        #: the errors logged since the file last read, empty while it reads
+        self._errors: set[str] = set()
         self.get()
 
     def get(self) -> str:
@@ -64,13 +66,13 @@ class FileSecret:
                     self._value = f.read().strip()
                 self._stamp = current
         except OSError as e:
-            if str(e) != self._error:
-                self._error = str(e)
+            if str(e) not in self._errors:
+                self._errors.add(str(e))
                 log.warning("cannot read credential file, keeping the last value",
-                            extra={"path": self.path, "error": self._error})
+                            extra={"path": self.path, "error": str(e)})
             return self._value
-        if self._error:
-            self._error = ""
+        if self._errors:
+            self._errors.clear()
             log.info("credential file read again", extra={"path": self.path})
         return self._value
 

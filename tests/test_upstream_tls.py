@@ -208,3 +208,40 @@ def test_a_missing_credential_file_is_logged_once_and_its_return_once(
         (logging.INFO, "credential file read again"),
         (logging.WARNING, "cannot read credential file, keeping the last value"),
     ]
+
+
+def test_a_credential_file_alternating_between_two_errors_is_two_warnings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a change of error was logged, so a path that is missing at one check and a
+    directory at the next warned at every check; each error is now logged once until
+    the file reads again, and then again in the next outage."""
+    now = [0.0]
+    path = tmp_path / "token"
+    path.write_text("one")
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    secret = FileSecret(str(path), clock=lambda: now[0])
+    path.unlink()
+    for i in range(10):  # missing, a directory, missing, ...: one state per check
+        if i % 2:
+            path.mkdir()
+        elif path.exists():
+            path.rmdir()
+        now[0] += 1.5
+        assert secret.get() == "one"
+
+    def warnings_() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert len(warnings_()) == 2, [r.__dict__["error"] for r in warnings_()]
+    path.rmdir()
+    path.write_text("two")
+    for _ in range(2):
+        now[0] += 1.5
+        assert secret.get() == "two"
+    assert len([r for r in caplog.records
+                if r.getMessage() == "credential file read again"]) == 1
+    path.unlink()  # a new outage: its error said again
+    now[0] += 1.5
+    secret.get()
+    assert len(warnings_()) == 3
