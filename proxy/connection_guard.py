@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -447,10 +447,36 @@ class _GuardedProtocol(RequestHandler):
         ``Connection: close`` instead (``finish_response``), and aiohttp closes once it is
         written: a request being handled loses nothing. An idle connection is closed as
         aiohttp's keep-alive timeout closes one; a request whose headers were still
-        arriving gets no answer, and its sender sends it again on a new connection."""
+        arriving gets no answer, and its sender sends it again on a new connection.
+
+        Idle is aiohttp waiting for a message (``_waiting_for_request``), not "no request
+        in progress and none queued": aiohttp pops a request before its handler's task
+        first runs (a later turn of the loop before Python 3.12), and a close in that turn
+        dropped a request that was then handled and stored: the sender, with no answer,
+        sent it again. Between aiohttp's steps (a request popped, an answer written, the
+        connection just made) the check is made again in the next turn, when aiohttp is
+        either waiting (closed then) or in a handler (closed by its answer)."""
         self._retiring = True
-        if not (self._request_in_progress or self._messages):
+        if _waiting_for_request(self):
             self.force_close()
+        elif not (self._request_in_progress or self._messages):
+            self._loop.call_soon(self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if self.transport is not None and _waiting_for_request(self):
+            self.force_close()
+
+    async def _handle_request(self, request: web.BaseRequest, start_time: float | None,
+                              request_handler: Callable[[web.BaseRequest],
+                                                        Awaitable[web.StreamResponse]],
+                              ) -> tuple[web.StreamResponse, bool]:
+        resp, reset = await super()._handle_request(request, start_time, request_handler)
+        if self._retiring:
+            # retired after its answer said keep-alive (while it was being written):
+            # aiohttp reads ``keep_alive`` next to decide whether to wait for another
+            # request, which would have kept the connection open to be served again
+            resp.force_close()
+        return resp, reset
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
@@ -590,9 +616,15 @@ def close_when_answered(protocol: asyncio.BaseProtocol) -> None:
     sender keeps it."""
     if isinstance(protocol, _GuardedProtocol):
         protocol.retire()
-    elif isinstance(protocol, RequestHandler) and not (  # a bare aiohttp server: idle only
-            protocol._request_in_progress or protocol._messages):
-        protocol.force_close()
+    elif isinstance(protocol, RequestHandler) and _waiting_for_request(protocol):
+        protocol.force_close()  # a bare aiohttp server: idle only
+
+
+def _waiting_for_request(protocol: RequestHandler) -> bool:
+    """aiohttp's own test of an idle connection (``_process_keepalive``, aiohttp 3.14):
+    its ``start`` awaits ``_waiter`` for the next message, and nothing else is pending."""
+    waiter = protocol._waiter
+    return waiter is not None and not waiter.done()
 
 
 def holding(request: web.BaseRequest) -> bool:

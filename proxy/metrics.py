@@ -304,7 +304,8 @@ class ProxyMetrics:
         )
         self.tls_reloads = Counter(
             _P + "tls_certificate_reloads", "Loads of the listening side's certificate, key "
-            "and client CA after they changed or on a reload, by result (success, failure).",
+            "and client CA, by result (success, failure): each reload once, a check's load "
+            "of changed files, a check's failure once per state of the files.",
             ["result"], registry=r,
         )
         self.tls_handshake_failures = Counter(
@@ -322,8 +323,9 @@ class ProxyMetrics:
         #: files are set, the expiry when a client certificate is
         self.upstream_tls_reloads = Counter(
             _P + "upstream_tls_certificate_reloads", "Loads of the upstream's TLS files (CA, "
-            "client certificate and key) after they changed or on a reload, by result "
-            "(success, failure).", ["result"], registry=None,
+            "client certificate and key), by result (success, failure): each reload once, a "
+            "check's load of changed files, a check's failure once per state of the files.",
+            ["result"], registry=None,
         )
         self.upstream_tls_certificate_expiry = Gauge(
             _P + "upstream_tls_certificate_expiry_timestamp_seconds", "When the client "

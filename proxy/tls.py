@@ -3,10 +3,13 @@
 Each load builds a *fresh* context from the files, and the listener's protocol factory
 asks for the current one on each new connection (``ServerTLS.current``,
 proxy/tls_handshake.py): a new handshake gets the new context, connections already open
-keep the one they negotiated, unless the new client CA bundle leaves out a CA the old one
-trusted: then every connection made with an older context is closed after the answer to
-its request in flight (at once when idle), so a client of a removed CA cannot go on
-writing on a keep-alive connection it opened before (it did, for as long as it liked).
+keep the one they negotiated, unless the new client CA bundle leaves out a certificate the
+old one trusted (a CA, or a client's self-signed certificate pinned there, which
+``get_ca_certs`` does not list: the bundle's PEM blocks are compared) while client
+certificates are verified: then every connection made with an older context is closed
+after the answer to its request in flight (at once when idle), so a client of a removed
+CA cannot go on writing on a keep-alive connection it opened before (it did, for as long
+as it liked).
 A load that fails builds nothing the listener sees: the old context keeps serving.
 Loading into the live context instead (as before) could add but not take away: OpenSSL
 keeps one certificate per key type, so an ECDSA -> RSA rotation kept serving the old
@@ -20,7 +23,8 @@ validation builds with, so files the validation took (a client CA bundle with a
 Files are checked with a stat every ``check_interval`` seconds (inode, mtime, size: a
 Kubernetes Secret volume swaps a symlink, which changes the inode). A certificate caught
 half-written (its key not yet matching) is not loaded; the old one keeps serving and the
-next check retries. Each distinct failure is logged once.
+next check retries. A check logs and counts each distinct failure once; a reload, each of
+its failures.
 
 A serving certificate out of its validity period (expired, or not yet valid) is loaded
 (the files are the operator's to fix; refusing them would not serve the old one either
@@ -49,6 +53,7 @@ from proxy.tls_files import (
     Part,
     certificate_validity,
     failure_text,
+    pem_certificates,
     server_context,
     stamp,
 )
@@ -77,11 +82,11 @@ class Loaded:
     #: the serving certificate's validity (unix seconds); None when it could not be read
     not_before: float | None
     not_after: float | None
-
-
-def _client_cas(ctx: ssl.SSLContext) -> frozenset[bytes]:
-    """The CA certificates (DER) a context verifies client certificates against."""
-    return frozenset(ctx.get_ca_certs(binary_form=True))
+    #: the certificates (DER) a client's may chain to: every one in the client CA
+    #: bundle, none when client certificates are not verified (they let no one in)
+    client_cas: frozenset[bytes] = frozenset()
+    #: how many loads had been adopted when it was built (``ServerTLS.adopt``)
+    generation: int = 0
 
 
 class ServerTLS:
@@ -109,9 +114,14 @@ class ServerTLS:
         self._failed: tuple[Stamps | None, str] | None = None
         #: the file (or certificate and key) the last ``build`` failed to load, "" if none
         self._failing = ""
+        #: loads adopted so far: a reload's, built before it awaited, is stale if a check
+        #: adopted newer files meanwhile
+        self._generation = 0
         loaded = self.build()
         self.context = loaded.context
         self._stamps = loaded.stamps
+        #: what the context in use trusts of client certificates (``Loaded.client_cas``)
+        self._client_cas = loaded.client_cas
         self._validity(loaded)
         self._task: asyncio.Task[None] | None = None
         #: failed handshakes, counted and logged; the listener (TLSSite) reports to it
@@ -134,9 +144,24 @@ class ServerTLS:
         """
         stamps = self._read_stamps()
         self._failing = ""
-        ctx = server_context(self.cert_file, self.key_file, self.client_ca_file,
-                             VERIFY_MODES[self.client_auth_type], loading=self._loading)
-        return Loaded(ctx, stamps, *certificate_validity(self.cert_file))
+        mode = VERIFY_MODES[self.client_auth_type]
+        verified = mode != ssl.CERT_NONE and bool(self.client_ca_file)
+        before = self._client_ca_bytes() if verified else b""
+        ctx = server_context(self.cert_file, self.key_file, self.client_ca_file, mode,
+                             loading=self._loading)
+        cas: frozenset[bytes] = frozenset()
+        if verified:
+            # a rotation between the two reads leaves OpenSSL with either file, so both
+            # count as trusted; the stamps, read first, see the change and the next check
+            # loads the file again
+            with self._loading("ca"):
+                cas = pem_certificates(before) | pem_certificates(self._client_ca_bytes())
+        return Loaded(ctx, stamps, *certificate_validity(self.cert_file), client_cas=cas,
+                      generation=self._generation)
+
+    def _client_ca_bytes(self) -> bytes:
+        with self._loading("ca"), open(self.client_ca_file, "rb") as f:
+            return f.read()
 
     @contextlib.contextmanager
     def _loading(self, part: Part) -> Iterator[None]:
@@ -155,26 +180,41 @@ class ServerTLS:
         return f"cannot load {self._failing}: {why}" if self._failing else why
 
     def trial(self) -> Loaded:
-        """``build``, its failure counted and logged as a check's is, then raised: a
-        reload tries the files before it applies anything, and fails whole."""
+        """``build``, then raised if it failed: a reload tries the files before it applies
+        anything, and fails whole. A failure is counted and logged at every reload, even
+        the same as the last check's (an operator who sent SIGHUP looks for its line and
+        its count), and the checks after it do not count it again."""
         try:
             return self.build()
         except Exception as e:
             stamps = None
             with contextlib.suppress(OSError):
                 stamps = self._read_stamps()
-            self._fail(stamps, self.named(e))
+            self._fail(stamps, self.named(e), reload=True)
             raise
 
     def adopt(self, loaded: Loaded, *, forced: bool = False) -> None:
         """Serve new connections with ``loaded`` (a ``build`` that succeeded); when it
-        trusts fewer client CAs, close the connections made under the old ones."""
-        old = self.context
+        trusts fewer client CAs, close the connections made under the old ones.
+
+        A reload builds, awaits the rest of its work, then adopts: a check that adopted
+        meanwhile read the files later, so the reload's older context is not put back over
+        it (the load is counted, it succeeded)."""
+        if loaded.generation != self._generation:
+            log.info("TLS files reloaded; a check loaded them since, and what it loaded "
+                     "stays", extra={"cert_file": self.cert_file,
+                                     "client_ca_file": self.client_ca_file})
+            if self._on_reload is not None:
+                self._on_reload(True)
+            return
+        self._generation += 1
+        old = self._client_cas
         self.context, self._stamps, self._failed = loaded.context, loaded.stamps, None
+        self._client_cas = loaded.client_cas
         log.info("TLS certificate loaded", extra={
             "cert_file": self.cert_file, "key_file": self.key_file,
             "client_ca_file": self.client_ca_file, "forced": forced})
-        removed = _client_cas(old) - _client_cas(loaded.context)
+        removed = old - loaded.client_cas
         if removed:
             closing = self.connections.retire(loaded.context)
             log.warning("client CAs removed from the bundle: connections made under the old "
@@ -225,8 +265,10 @@ class ServerTLS:
         self.adopt(loaded, forced=force)
         return True
 
-    def _fail(self, stamps: Stamps | None, why: str) -> None:
-        if (stamps, why) == self._failed:
+    def _fail(self, stamps: Stamps | None, why: str, *, reload: bool = False) -> None:
+        """Count and log a failed load: each reload's, a check's once per state of the
+        files and error (files that stay broken are not counted every check)."""
+        if not reload and (stamps, why) == self._failed:
             return
         self._failed = (stamps, why)
         log.error("TLS files not loaded; the certificate in use stays", extra={

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import ssl
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -96,6 +97,28 @@ def server_context(
         with loading("ca"):
             ctx.load_verify_locations(cafile=client_ca)
     return ctx
+
+
+#: a PEM certificate block, as OpenSSL reads one from a CA file (``TRUSTED CERTIFICATE``
+#: is OpenSSL's with trust settings appended: a trust anchor all the same)
+_PEM_CERTIFICATE = re.compile(
+    rb"-----BEGIN (TRUSTED )?CERTIFICATE-----(.*?)-----END (TRUSTED )?CERTIFICATE-----",
+    re.DOTALL)
+
+
+def pem_certificates(data: bytes) -> frozenset[bytes]:
+    """The DER of every certificate block in a PEM bundle, CA or not.
+
+    ``SSLContext.get_ca_certs`` lists only what passes OpenSSL's ``X509_check_ca``, but a
+    bundle also trusts a self-signed leaf pinned in it (CA:FALSE, or no
+    basicConstraints): what the bundle trusts is every certificate block in it. A block
+    that is no base64 raises ``ValueError`` (OpenSSL refused the file anyway)."""
+    found = set()
+    for m in _PEM_CERTIFICATE.finditer(data):
+        body = m.group(2).decode("ascii")  # raises UnicodeDecodeError, a ValueError
+        found.add(ssl.PEM_cert_to_DER_cert(
+            f"{ssl.PEM_HEADER}\n{body.strip()}\n{ssl.PEM_FOOTER}\n"))
+    return frozenset(found)
 
 
 def certificate_validity(cert_file: str) -> tuple[float | None, float | None]:

@@ -270,10 +270,18 @@ class _WatchedTLS(sslproto.SSLProtocol):
 
     def retire(self) -> None:
         self.retired = True
-        if self.handshaken and self.app is not None:
+        if self.app is not None and (self.handshaken or _has_connection(self.app)):
             close_when_answered(self.app)
         elif self._tcp is not None:
             cast(asyncio.Transport, self._tcp).abort()
+
+
+def _has_connection(app: asyncio.BaseProtocol) -> bool:
+    """The connection protocol was given its connection: the handshake is over, though
+    ``handshaken`` is set a turn of the loop later (the waiter's done callback). A retire
+    in that turn aborted TCP (a reset, and a request the client may have sent already
+    lost) where the connection protocol can close it after its answer."""
+    return getattr(app, "transport", None) is not None
 
 
 def _hello_seen(proto: _WatchedTLS) -> bool:

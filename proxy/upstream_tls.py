@@ -10,6 +10,7 @@ settings' validation builds with.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import time
@@ -33,8 +34,10 @@ class FileSecret:
 
     The file is stat'ed at most once per ``check_interval`` seconds, so the request path
     pays one clock read in the common case. A file that vanishes keeps the last value;
-    each distinct error is logged once, and the file readable again once (a warning per
-    check was ~3,600 lines an hour of one missing file).
+    each distinct error is logged once until the file reads again, which is logged once
+    too (a warning per check was ~3,600 lines an hour of one missing file, and a path
+    alternating between two errors, as a Secret volume's swap can, was still one a
+    check when only a change of error was logged).
     """
 
     def __init__(
@@ -47,8 +50,8 @@ class FileSecret:
         self._next_check = 0.0
         self._stamp: FileStamp | None = None
         self._value = ""
-        #: the error logged last, "" while the file reads
-        self._error = ""
+        #: the errors logged since the file last read, empty while it reads
+        self._errors: set[str] = set()
         self.get()
 
     def get(self) -> str:
@@ -63,13 +66,13 @@ class FileSecret:
                     self._value = f.read().strip()
                 self._stamp = current
         except OSError as e:
-            if str(e) != self._error:
-                self._error = str(e)
+            if str(e) not in self._errors:
+                self._errors.add(str(e))
                 log.warning("cannot read credential file, keeping the last value",
-                            extra={"path": self.path, "error": self._error})
+                            extra={"path": self.path, "error": str(e)})
             return self._value
-        if self._error:
-            self._error = ""
+        if self._errors:
+            self._errors.clear()
             log.info("credential file read again", extra={"path": self.path})
         return self._value
 
@@ -104,6 +107,8 @@ class ClientTLSLoad:
 
     context: ssl.SSLContext
     stamps: ClientStamps
+    #: how many loads had been adopted when it was built (``ClientTLS.adopt``)
+    generation: int = 0
 
 
 class ClientTLS:
@@ -113,8 +118,9 @@ class ClientTLS:
     stat'ed at most once per ``check_interval`` seconds, from the request path, and on a
     reload (``build`` / ``adopt``); a change builds a new context, which new connections
     are made with (aiohttp keys its pool by the context, so keep-alive connections of the
-    old one are not reused for it). A build that fails keeps the context in use and is
-    each distinct failure logged once. Built once at start before, an upstream CA fixed
+    old one are not reused for it). A build that fails keeps the context in use; checks
+    count and log each distinct failure once, a reload each of its own. Built once at
+    start before, an upstream CA fixed
     on disk took a restart: every write 502 meanwhile, SIGHUP or not.
     """
 
@@ -136,7 +142,11 @@ class ClientTLS:
         ctx = build_ssl_context(settings)
         assert ctx is not None, "ClientTLS is made for an upstream with TLS settings"
         self.context = ctx
-        self._failed = ""
+        #: the last failure counted and logged (the files' stamps, why), None since a load
+        self._failed: tuple[ClientStamps | None, str] | None = None
+        #: loads adopted so far: a reload's, built before it awaited, is stale if a
+        #: request's check adopted newer files meanwhile
+        self._generation = 0
         self._validity()
 
     def build(self) -> ClientTLSLoad:
@@ -144,26 +154,53 @@ class ClientTLS:
         stamps = _tls_stamps(self.settings)
         ctx = build_ssl_context(self.settings)
         assert ctx is not None
-        return ClientTLSLoad(ctx, stamps)
+        return ClientTLSLoad(ctx, stamps, self._generation)
 
     def trial(self) -> ClientTLSLoad:
-        """``build``, its failure counted as a check's is, then raised (a reload)."""
+        """``build``, then raised if it failed (a reload). A failure is counted and logged
+        at every reload, and remembered as a check's is: the checks after it on the same
+        files do not count it again (one broken file was counted by the reload, then
+        again by the next request's check)."""
         try:
             return self.build()
-        except Exception:
-            if self._on_reload is not None:
-                self._on_reload(False)
+        except Exception as e:
+            stamps = None
+            with contextlib.suppress(OSError):
+                stamps = _tls_stamps(self.settings)
+            self._fail(stamps, failure_text(e), reload=True)
             raise
 
     def adopt(self, loaded: ClientTLSLoad) -> None:
+        """Make new connections with ``loaded``; not when a request's check adopted newer
+        files since it was built (a reload awaits between the two), which stay."""
+        if loaded.generation != self._generation:
+            log.info("upstream TLS files reloaded; a check loaded them since, and what it "
+                     "loaded stays", extra={"ca_file": self.settings.tls_ca_file,
+                                            "cert_file": self.settings.tls_cert_file})
+            if self._on_reload is not None:
+                self._on_reload(True)
+            return
+        self._generation += 1
         changed = loaded.stamps != self._stamps
-        self.context, self._stamps, self._failed = loaded.context, loaded.stamps, ""
+        self.context, self._stamps, self._failed = loaded.context, loaded.stamps, None
         log.info("upstream TLS files loaded", extra={
             "ca_file": self.settings.tls_ca_file, "cert_file": self.settings.tls_cert_file,
             "changed": changed})
         self._validity()
         if self._on_reload is not None:
             self._on_reload(True)
+
+    def _fail(self, stamps: ClientStamps | None, why: str, *, reload: bool = False) -> None:
+        """Count and log a failed load: each reload's, a check's once per state of the
+        files and error (a file that stays broken is not counted every second)."""
+        if not reload and (stamps, why) == self._failed:
+            return
+        self._failed = (stamps, why)
+        if self._on_reload is not None:
+            self._on_reload(False)
+        log.error("upstream TLS files not loaded; the context in use stays", extra={
+            "ca_file": self.settings.tls_ca_file,
+            "cert_file": self.settings.tls_cert_file, "error": why})
 
     def _validity(self) -> None:
         """An expired (or not yet valid) client certificate loads, and the upstream then
@@ -193,17 +230,11 @@ class ClientTLS:
         if now < self._next_check:
             return self.context
         self._next_check = now + self._interval
+        stamps = None
         try:
             stamps = _tls_stamps(self.settings)
             if stamps != self._stamps:
                 self.adopt(self.build())
         except Exception as e:  # a file gone, half written, not PEM: keep the one in use
-            why = failure_text(e)
-            if why != self._failed:  # each distinct failure once
-                self._failed = why
-                if self._on_reload is not None:
-                    self._on_reload(False)
-                log.error("upstream TLS files not loaded; the context in use stays", extra={
-                    "ca_file": self.settings.tls_ca_file,
-                    "cert_file": self.settings.tls_cert_file, "error": why})
+            self._fail(stamps, failure_text(e))
         return self.context

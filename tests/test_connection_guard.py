@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 import snappy
 
-from proxy.connection_guard import DRAIN_MAX_BYTES, LINGER_SECONDS
+from proxy.connection_guard import (
+    DRAIN_MAX_BYTES,
+    LINGER_SECONDS,
+    _GuardedProtocol,
+    close_when_answered,
+)
 from tests.proxy_harness import metric, proxy_running
 from tests.raw_http import (
     BODY,
@@ -290,9 +295,9 @@ async def until(check: Any, what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
-async def closed_unanswered(r: asyncio.StreamReader) -> bool:
+async def closed_unanswered(r: asyncio.StreamReader, timeout: float = 5) -> bool:
     try:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(timeout):
             return await r.read() == b""
     except ConnectionError:  # closed with unread bytes in the proxy's buffer: a reset
         return True
@@ -439,3 +444,61 @@ async def test_unfinished_headers_hold_at_most_the_limit_per_connection(tmp_path
                           reason="header_too_large") == n // 2
     finally:
         tracemalloc.stop()
+
+
+# -- retiring a connection (a client CA removed, proxy/tls.py) --------------------------
+
+
+async def test_a_request_retired_before_its_handler_first_runs_is_answered_then_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aiohttp pops a request, then starts its handler's task, which first runs in a
+    later turn of the loop (Python 3.11): a retire in between found nothing in progress
+    and nothing queued, and closed the connection, yet the handler ran and stored the
+    write. The sender, with no answer, sent it again: a duplicate."""
+    make = _GuardedProtocol._handle_request
+    retired: list[bool] = []
+
+    def retire_in_the_window(self: _GuardedProtocol, *args: Any) -> Any:
+        coro = make(self, *args)  # made, not run: aiohttp makes it a task next
+        close_when_answered(self)
+        retired.append(True)
+        return coro
+
+    monkeypatch.setattr(_GuardedProtocol, "_handle_request", retire_in_the_window)
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        try:
+            w.write(request())
+            answer = await read_answer(r)
+        finally:
+            w.close()
+        assert retired == [True]
+        assert (answer.status, answer.headers.get("connection"), answer.closed) == (
+            204, "close", True)
+        assert len(up.received) == 1
+
+
+async def test_a_connection_retired_after_its_answer_said_keep_alive_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Retired while its answer was being written (the headers out, saying keep-alive,
+    the handler not yet done): it was left open, and its next request was served."""
+    finish = _GuardedProtocol.finish_response
+
+    async def retire_once_written(self: _GuardedProtocol, *args: Any) -> Any:
+        done = await finish(self, *args)
+        close_when_answered(self)
+        return done
+
+    monkeypatch.setattr(_GuardedProtocol, "finish_response", retire_once_written)
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        try:
+            w.write(request())
+            answer = await read_answer(r)
+            assert (answer.status, answer.headers.get("connection")) == (204, None)
+            assert await closed_unanswered(r, timeout=2)
+        finally:
+            w.close()
+        assert len(up.received) == 1

@@ -26,7 +26,7 @@ from proxy.sender import Series, build_v1, request_headers, send_series
 from proxy.tls_handshake import REASONS
 from tests.proxy_harness import SNAPSHOT
 from tests.scripted import ScriptedUpstream
-from tests.tls_certs import Authority, Pem, install
+from tests.tls_certs import Authority, Pem, install, self_signed_client
 
 
 @dataclass(frozen=True)
@@ -438,6 +438,64 @@ async def test_a_client_ca_added_to_the_bundle_closes_no_connection(
         await p.stop()
 
 
+@pytest.mark.parametrize("ca", [False, None], ids=["ca-false", "no-basic-constraints"])
+async def test_a_pinned_client_certificate_removed_from_the_bundle_ends_its_connection(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, ca: bool | None,
+) -> None:
+    """A bundle may pin a client's own self-signed certificate (CA:FALSE, or no
+    basicConstraints): OpenSSL trusts it, but ``get_ca_certs`` lists CAs only, so taking
+    it out of the bundle retired nothing and its keep-alive connection went on being
+    served."""
+    pinned = self_signed_client(tmp_path / "pinned", "pinned-agent", ca=ca)
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes() + pinned.cert.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    reader, writer = await open_tls(p.port, pki.ca.ca_file, pinned)
+    try:
+        assert p.tls is not None
+        writer.write(HEALTHY)
+        assert (await answer(reader))[0] == "HTTP/1.1 200 OK"
+        bundle.write_bytes(pki.ca.ca_file.read_bytes())
+        assert p.tls.check() is True
+        with contextlib.suppress(OSError):
+            writer.write(HEALTHY)
+        assert (await answer(reader))[0] == ""
+        assert await closed(reader)
+        assert (await fetch(p.port, pki.ca.ca_file, pinned)).status == ""
+    finally:
+        writer.close()
+        await p.stop()
+
+
+async def test_a_client_ca_removed_while_client_certificates_are_not_asked_for_closes_nothing(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
+) -> None:
+    """No client certificate is verified, so no connection was let in by the CA that
+    went: closing them would make every sender reconnect for nothing. (The settings
+    refuse a bundle with NoClientCert; ``ServerTLS`` is not to rely on that.)"""
+    kept = Authority(tmp_path / "kept", "kept-ca")
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes() + kept.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    s.server.tls_client_auth_type = "NoClientCert"
+    p = await started(s, tls_check_interval=0)
+    ctx = ssl.create_default_context(cafile=str(pki.ca.ca_file))
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", p.port, ssl=ctx), 5)
+    try:
+        assert p.tls is not None
+        writer.write(HEALTHY)
+        assert (await answer(reader))[0] == "HTTP/1.1 200 OK"
+        bundle.write_bytes(kept.ca_file.read_bytes())
+        assert p.tls.check() is True
+        writer.write(HEALTHY)
+        assert (await answer(reader))[0] == "HTTP/1.1 200 OK"
+    finally:
+        writer.close()
+        await p.stop()
+
+
 async def test_both_reload_results_are_served_from_the_start(
     tmp_path: Path, pki: Pki, upstream: ScriptedUpstream,
 ) -> None:
@@ -533,6 +591,62 @@ async def test_a_check_that_fails_in_any_way_is_logged_once_and_keeps_serving(
         assert not any(r.exc_info for r in errors)
         monkeypatch.undo()
         assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-a"
+    finally:
+        await p.stop()
+
+
+def tls_loads(p: Proxy, result: str) -> float:
+    return p.metrics.registry.get_sample_value(
+        "karta_proxy_tls_certificate_reloads_total", {"result": result}) or 0.0
+
+
+async def test_each_failed_reload_is_counted_and_logged_and_a_check_counts_a_state_once(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reload failing as the last check had was neither counted nor logged (the
+    check's "each distinct failure once" swallowed it): an operator's SIGHUP left no
+    trace of its TLS files. Checks still count files that stay broken once."""
+    bundle = tmp_path / "clients.pem"
+    bundle.write_bytes(pki.ca.ca_file.read_bytes())
+    s = tls_settings(tmp_path, upstream.url, pki, tls_client_ca_file=str(bundle))
+    p = await started(s, tls_check_interval=0)
+    try:
+        assert p.tls is not None
+        bundle.write_text("not a certificate\n")
+        caplog.clear()
+        for _ in range(2):
+            assert p.tls.check() is False
+        assert tls_loads(p, "failure") == 1
+        for _ in range(2):
+            assert not (await p.reload()).ok
+        assert p.tls.check() is False  # the state the reloads failed on: counted by them
+        assert tls_loads(p, "failure") == 3
+        lines = [r for r in caplog.records if r.getMessage().startswith("TLS files not loaded")]
+        assert len(lines) == 3, lines
+    finally:
+        await p.stop()
+
+
+async def test_a_reload_does_not_put_back_files_older_than_a_check_loaded_meanwhile(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload builds its TLS context, awaits the rest of its work, then adopts the
+    context: a check that loaded rotated files in between was overwritten by the older
+    one, served until the files changed again."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    p = await started(s, tls_check_interval=0)
+    follow = p._follow_kinds
+
+    async def rotated_meanwhile() -> None:
+        install(pki.ca.issue("proxy-b", server=True), pki.server)
+        assert p.tls is not None and p.tls.check() is True
+        await follow()
+
+    monkeypatch.setattr(p, "_follow_kinds", rotated_meanwhile)
+    try:
+        assert (await p.reload()).ok
+        assert (await fetch(p.port, pki.ca.ca_file)).server_cn == "proxy-b"
+        assert tls_loads(p, "success") == 2  # the check's and the reload's
     finally:
         await p.stop()
 

@@ -16,10 +16,11 @@ from proxy.tls_files import (
     Part,
     client_context,
     failure_text,
+    pem_certificates,
     server_context,
     stamp,
 )
-from tests.tls_certs import Authority
+from tests.tls_certs import Authority, self_signed_client
 
 
 def test_stamp_changes_with_the_file(tmp_path: Path) -> None:
@@ -48,6 +49,27 @@ def test_builders(tmp_path: Path) -> None:
                             VERIFY_MODES["VerifyClientCertIfGiven"])
     assert server.verify_mode == ssl.CERT_OPTIONAL
     assert server.minimum_version == ssl.TLSVersion.TLSv1_2
+
+
+def test_pem_certificates_are_every_certificate_a_bundle_trusts(tmp_path: Path) -> None:
+    """``get_ca_certs`` leaves out a pinned self-signed leaf that OpenSSL trusts all the
+    same: a bundle's trust is read from its certificate blocks instead."""
+    ca = Authority(tmp_path / "ca")
+    pinned = self_signed_client(tmp_path / "pinned", "pinned", ca=False)
+    bare = self_signed_client(tmp_path / "bare", "bare", ca=None)
+    data = ("# Issuer: CN=Zürich\n".encode() + ca.ca_file.read_bytes()
+            + pinned.cert.read_bytes() + b"trailing words\n" + bare.cert.read_bytes())
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(data)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_verify_locations(cafile=str(bundle))
+    assert len(ctx.get_ca_certs()) == 1  # what the check read before: the CA only
+    der = {ssl.PEM_cert_to_DER_cert(p.read_text())
+           for p in (ca.ca_file, pinned.cert, bare.cert)}
+    assert pem_certificates(data) == der
+    assert pem_certificates(b"no certificate here\n") == frozenset()
+    with pytest.raises(ValueError):
+        pem_certificates(b"-----BEGIN CERTIFICATE-----\nA\n-----END CERTIFICATE-----\n")
 
 
 def test_loading_is_told_which_file_failed(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import pytest
 import snappy
 from aiohttp import web
 
+from proxy.connection_guard import _GuardedProtocol
 from proxy.runtime import Proxy
 from proxy.sender import Series, build_v1, decode_v1, send
 from proxy.tls_handshake import REASONS, Reason, Refusals, TLSSite, classify
@@ -355,3 +356,49 @@ async def test_a_body_of_several_megabytes_streams_over_tls(
         assert len(decode_v1(got.raw)) == len(series)
     finally:
         await p.stop()
+
+
+async def test_a_connection_retired_as_its_handshake_completes_is_closed_not_reset(
+    tmp_path: Path, pki: Pki, upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection protocol has the connection as the handshake completes, but
+    ``handshaken`` was set a turn of the loop later: a retire in that turn took it for a
+    connection still in its handshake and aborted TCP, where the connection protocol
+    closes it after its answer (at once, idle, with TLS's close_notify)."""
+    s = tls_settings(tmp_path, upstream.url, pki)
+    p = await started(s, tls_check_interval=0)
+    seen: list[bool] = []
+    made = _GuardedProtocol.connection_made
+
+    def retire_in_that_turn(self: _GuardedProtocol, transport: asyncio.BaseTransport) -> None:
+        made(self, transport)
+        assert p.tls is not None
+        connections = p.tls.connections
+
+        def retire() -> None:
+            seen.extend(proto.handshaken for proto in connections._open)
+            connections.retire(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))  # the trust gone
+
+        asyncio.get_running_loop().call_soon(retire)
+
+    monkeypatch.setattr(_GuardedProtocol, "connection_made", retire_in_that_turn)
+    ctx = ssl.create_default_context(cafile=str(pki.ca.ca_file))
+    try:
+        got = await asyncio.to_thread(how_it_ends, p.port, ctx)
+    finally:
+        await p.stop()
+    assert seen == [False]
+    assert got == "closed"
+
+
+def how_it_ends(port: int, ctx: ssl.SSLContext) -> str:
+    """How the proxy ends a connection the client only opened: "closed" with TLS's
+    close_notify, else the error (a TCP close without it, a reset): read on a blocking
+    socket, where ragged EOFs are not passed off as a close."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, \
+            ctx.wrap_socket(sock, server_hostname="127.0.0.1",
+                            suppress_ragged_eofs=False) as tls:
+        try:
+            return "closed" if tls.recv(1) == b"" else "data"
+        except (ssl.SSLError, OSError) as e:
+            return f"{type(e).__name__}: {e}"

@@ -110,6 +110,60 @@ def test_loads_of_the_upstream_tls_files_are_counted(tmp_path: Path) -> None:
     assert loads == [True, False, False]
 
 
+def test_a_failed_reload_is_counted_each_time_and_not_again_by_the_checks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reload's failure set nothing the checks compare with: one broken CA file was
+    counted by the SIGHUP, then again by the next request's check."""
+    ca = Authority(tmp_path / "a", "a-ca")
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(ca.ca_file.read_bytes())
+    now = [0.0]
+    loads: list[bool] = []
+    tls = ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca_file)),
+                    clock=lambda: now[0], on_reload=loads.append)
+    ca_file.write_text("not a certificate\n")
+    caplog.clear()
+    for _ in range(2):  # each reload: counted and logged
+        with pytest.raises(ssl.SSLError):
+            tls.trial()
+    for _ in range(3):  # the same files at the requests' checks: counted already
+        now[0] += 1.5
+        tls.get()
+    assert loads == [False, False]
+    lines = [r for r in caplog.records if r.getMessage().startswith("upstream TLS files not")]
+    assert len(lines) == 2, lines
+    ca_file.write_text("broken another way\n")  # a new state of the file: counted once
+    for _ in range(2):
+        now[0] += 1.5
+        tls.get()
+    assert loads == [False, False, False]
+
+
+def test_a_reload_does_not_put_back_files_older_than_a_check_loaded_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A reload builds, awaits the rest of its work, then adopts: a request's check that
+    loaded newer files in between was overwritten by the reload's older context."""
+    first, second = Authority(tmp_path / "a", "a-ca"), Authority(tmp_path / "b", "b-ca")
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(first.ca_file.read_bytes())
+    now = [0.0]
+    loads: list[bool] = []
+    tls = ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca_file)),
+                    clock=lambda: now[0], on_reload=loads.append)
+    reload = tls.trial()
+    ca_file.write_bytes(second.ca_file.read_bytes())
+    now[0] += 1.5
+    newer = tls.get()
+    assert newer is not reload.context
+    tls.adopt(reload)
+    assert tls.get() is newer
+    assert loads == [True, True]
+    now[0] += 1.5
+    assert tls.get() is newer  # and no check takes the files as changed again
+
+
 async def test_the_upstream_tls_series_are_served_from_the_start(tmp_path: Path) -> None:
     ca = Authority(tmp_path / "ca", "up-ca")
     client = ca.issue("proxy", server=False)
@@ -154,3 +208,40 @@ def test_a_missing_credential_file_is_logged_once_and_its_return_once(
         (logging.INFO, "credential file read again"),
         (logging.WARNING, "cannot read credential file, keeping the last value"),
     ]
+
+
+def test_a_credential_file_alternating_between_two_errors_is_two_warnings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a change of error was logged, so a path that is missing at one check and a
+    directory at the next warned at every check; each error is now logged once until
+    the file reads again, and then again in the next outage."""
+    now = [0.0]
+    path = tmp_path / "token"
+    path.write_text("one")
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    secret = FileSecret(str(path), clock=lambda: now[0])
+    path.unlink()
+    for i in range(10):  # missing, a directory, missing, ...: one state per check
+        if i % 2:
+            path.mkdir()
+        elif path.exists():
+            path.rmdir()
+        now[0] += 1.5
+        assert secret.get() == "one"
+
+    def warnings_() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert len(warnings_()) == 2, [r.__dict__["error"] for r in warnings_()]
+    path.rmdir()
+    path.write_text("two")
+    for _ in range(2):
+        now[0] += 1.5
+        assert secret.get() == "two"
+    assert len([r for r in caplog.records
+                if r.getMessage() == "credential file read again"]) == 1
+    path.unlink()  # a new outage: its error said again
+    now[0] += 1.5
+    secret.get()
+    assert len(warnings_()) == 3

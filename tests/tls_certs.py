@@ -90,6 +90,28 @@ class Authority:
         return pem
 
 
+def self_signed_client(folder: Path, cn: str, *, ca: bool | None) -> Pem:
+    """A client certificate that is its own issuer, as a bundle pins one: with
+    ``CA:FALSE`` (``ca`` False), ``CA:TRUE`` (True), or no basicConstraints (None).
+    OpenSSL trusts it as a trust anchor whatever its flag."""
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    b = (
+        x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn))
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    )
+    if ca is not None:
+        b = b.add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    pem = Pem(folder / f"{cn}.crt", folder / f"{cn}.key")
+    _write_cert(pem.cert, b.sign(key, hashes.SHA256()))
+    _write_key(pem.key, key)
+    return pem
+
+
 def install(src: Pem, dst: Pem) -> None:
     """Put ``src`` in ``dst``'s place the way a Secret volume does: a new file renamed over
     the old (a new inode), the certificate first, so a check can catch the pair half done."""
