@@ -7,6 +7,7 @@ import datetime
 import logging
 import ssl
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -89,14 +90,31 @@ def test_an_expired_client_certificate_is_said_at_load_and_its_end_published(
     assert [r for r in caplog.records if "not valid yet" in r.getMessage()]
 
 
-def test_loads_of_the_upstream_tls_files_are_counted(tmp_path: Path) -> None:
-    ca, other = Authority(tmp_path / "a", "a-ca"), Authority(tmp_path / "b", "b-ca")
+@dataclass
+class Counted:
+    """A ClientTLS on one CA file, its clock moved by hand and its loads' results listed
+    (``on_reload``)."""
+
+    ca_file: Path
+    tls: ClientTLS
+    now: list[float] = field(default_factory=lambda: [0.0])
+    loads: list[bool] = field(default_factory=list)
+
+
+def counted(tmp_path: Path, ca: Authority) -> Counted:
     ca_file = tmp_path / "ca.pem"
     ca_file.write_bytes(ca.ca_file.read_bytes())
     now = [0.0]
     loads: list[bool] = []
     tls = ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca_file)),
                     clock=lambda: now[0], on_reload=loads.append)
+    return Counted(ca_file, tls, now, loads)
+
+
+def test_loads_of_the_upstream_tls_files_are_counted(tmp_path: Path) -> None:
+    ca, other = Authority(tmp_path / "a", "a-ca"), Authority(tmp_path / "b", "b-ca")
+    c = counted(tmp_path, ca)
+    ca_file, tls, now, loads = c.ca_file, c.tls, c.now, c.loads
     assert loads == []  # the first load is the start's, as on the listening side
     ca_file.write_bytes(other.ca_file.read_bytes())
     now[0] += 1.5
@@ -115,13 +133,8 @@ def test_a_failed_reload_is_counted_each_time_and_not_again_by_the_checks(
 ) -> None:
     """A reload's failure set nothing the checks compare with: one broken CA file was
     counted by the SIGHUP, then again by the next request's check."""
-    ca = Authority(tmp_path / "a", "a-ca")
-    ca_file = tmp_path / "ca.pem"
-    ca_file.write_bytes(ca.ca_file.read_bytes())
-    now = [0.0]
-    loads: list[bool] = []
-    tls = ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca_file)),
-                    clock=lambda: now[0], on_reload=loads.append)
+    c = counted(tmp_path, Authority(tmp_path / "a", "a-ca"))
+    ca_file, tls, now, loads = c.ca_file, c.tls, c.now, c.loads
     ca_file.write_text("not a certificate\n")
     caplog.clear()
     for _ in range(2):  # each reload: counted and logged
@@ -146,12 +159,8 @@ def test_a_reload_does_not_put_back_files_older_than_a_check_loaded_meanwhile(
     """A reload builds, awaits the rest of its work, then adopts: a request's check that
     loaded newer files in between was overwritten by the reload's older context."""
     first, second = Authority(tmp_path / "a", "a-ca"), Authority(tmp_path / "b", "b-ca")
-    ca_file = tmp_path / "ca.pem"
-    ca_file.write_bytes(first.ca_file.read_bytes())
-    now = [0.0]
-    loads: list[bool] = []
-    tls = ClientTLS(UpstreamSettings(url="https://tsdb/api/v1/write", tls_ca_file=str(ca_file)),
-                    clock=lambda: now[0], on_reload=loads.append)
+    c = counted(tmp_path, first)
+    ca_file, tls, now, loads = c.ca_file, c.tls, c.now, c.loads
     reload = tls.trial()
     ca_file.write_bytes(second.ca_file.read_bytes())
     now[0] += 1.5
@@ -182,17 +191,25 @@ async def test_the_upstream_tls_series_are_served_from_the_start(tmp_path: Path)
         await u.close()
 
 
-def test_a_missing_credential_file_is_logged_once_and_its_return_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Checked every second, a missing token file was a warning a second (~3,600 lines an
-    hour); now one per distinct error, and one line when it reads again."""
+def token_gone(tmp_path: Path, caplog: pytest.LogCaptureFixture
+               ) -> tuple[FileSecret, Path, list[float]]:
+    """A FileSecret that read "one" from its file, the file then removed; its clock is
+    the list returned, moved by hand; its lines at info and above captured."""
     now = [0.0]
     path = tmp_path / "token"
     path.write_text("one")
     caplog.set_level(logging.INFO, logger="karta.upstream")
     secret = FileSecret(str(path), clock=lambda: now[0])
     path.unlink()
+    return secret, path, now
+
+
+def test_a_missing_credential_file_is_logged_once_and_its_return_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Checked every second, a missing token file was a warning a second (~3,600 lines an
+    hour); now one per distinct error, and one line when it reads again."""
+    secret, path, now = token_gone(tmp_path, caplog)
     for _ in range(5):
         now[0] += 1.5
         assert secret.get() == "one"
@@ -216,12 +233,7 @@ def test_a_credential_file_alternating_between_two_errors_is_two_warnings(
     """Only a change of error was logged, so a path that is missing at one check and a
     directory at the next warned at every check; each error is now logged once until
     the file reads again, and then again in the next outage."""
-    now = [0.0]
-    path = tmp_path / "token"
-    path.write_text("one")
-    caplog.set_level(logging.INFO, logger="karta.upstream")
-    secret = FileSecret(str(path), clock=lambda: now[0])
-    path.unlink()
+    secret, path, now = token_gone(tmp_path, caplog)
     for i in range(10):  # missing, a directory, missing, ...: one state per check
         if i % 2:
             path.mkdir()

@@ -690,6 +690,18 @@ async def test_a_500_after_an_outage_is_warned(
     assert len(_logged(caplog, logging.INFO, "API server answers again")) == 1
 
 
+async def on_a_long_history(sim: KubeSim, make_source: SourceFactory) -> KubeSource:
+    """A source synced to a cluster whose resourceVersion is well above 30 (the store a
+    restore from a backup then takes back below it), with a Deployment "old" of 3 pods."""
+    _, rs, _ = deployment(sim, "old", "shop", replicas=3)
+    for i in range(30):
+        rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
+                             metadata={**rs["metadata"], "resourceVersion": ""}))
+    source = await make_source()
+    assert labels(source, "shop", "old-1-0") is not None
+    return source
+
+
 async def test_an_api_server_back_on_an_older_store_is_relisted(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """The API server restarts on an etcd restored from a backup: resourceVersions
@@ -698,12 +710,7 @@ async def test_an_api_server_back_on_an_older_store_is_relisted(
     idle, a one-item list shows the store's version below the held one: the watchers
     relist and the index holds the restored store's pods, not stale. They resumed those
     watches forever: the old pods stayed for good."""
-    _, rs, _ = deployment(sim, "old", "shop", replicas=3)
-    for i in range(30):  # the old cluster's history: its resourceVersion well above 30
-        rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
-                             metadata={**rs["metadata"], "resourceVersion": ""}))
-    source = await make_source()
-    assert labels(source, "shop", "old-1-0") is not None
+    source = await on_a_long_history(sim, make_source)
     await sim.stop()
     await eventually(lambda: source.index.stale, timeout=5)
     sim.reset_store(resource_version=1)
@@ -734,12 +741,7 @@ async def test_a_store_restored_under_open_watches_is_relisted_once_they_go_idle
     timeout (1.5 s here, 150 s by default) each watcher finds the store's version below
     its own and relists: the index converges to the restored store's pods. They resumed
     the silent watch from the same version at every idle timeout, forever."""
-    _, rs, _ = deployment(sim, "old", "shop", replicas=3)
-    for i in range(30):  # the old cluster's history: its resourceVersion well above 30
-        rs = sim.update(dict(rs, spec={"replicas": 3 + i % 2},
-                             metadata={**rs["metadata"], "resourceVersion": ""}))
-    source = await make_source()
-    assert labels(source, "shop", "old-1-0") is not None
+    source = await on_a_long_history(sim, make_source)
     sim.reset_store(resource_version=1, keep_watches=True)
     deployment(sim, "new", "shop", replicas=2)
     assert sim.resource_version < 10
