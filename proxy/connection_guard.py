@@ -66,6 +66,25 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
+#: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
+#: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
+#: the body reader's byte count. pyproject.toml pins aiohttp's minor version, and
+#: ``tests/test_connection_guard.py`` checks every name here, so a new aiohttp is taken
+#: once that test names nothing missing (a name gone would otherwise pass silently: an
+#: attribute set on a slotted class raises, one read through ``getattr`` does not).
+AIOHTTP_HANDLER_ATTRIBUTES = (
+    "_buffer_paused", "_force_close", "_keepalive_handle", "_keepalive_timeout", "_loop",
+    "_manager", "_messages", "_next_keepalive_close_time", "_parser", "_reading_paused",
+    "_request_count", "_request_in_progress", "_task_handler", "_waiter",
+)
+AIOHTTP_HANDLER_METHODS = (
+    "_handle_request", "_pause_transport_reading", "_process_keepalive",
+    "_resume_transport_reading", "connection_lost", "connection_made", "data_received",
+    "finish_response", "force_close", "handle_error",
+)
+AIOHTTP_SERVER_ATTRIBUTES = ("_connections", "_kwargs", "_loop")
+AIOHTTP_PAYLOAD_ATTRIBUTES = ("_buffer", "_size")
+
 #: after an answer that left the body unread (a refusal with ``Connection: close``): how
 #: long the rest of it is read and dropped before closing, so a sender still writing sees
 #: the answer rather than a reset; a stalled sender is dropped after it (aiohttp's default

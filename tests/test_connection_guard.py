@@ -13,10 +13,16 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import snappy
+from aiohttp import web
 
 from proxy.connection_guard import (
+    AIOHTTP_HANDLER_ATTRIBUTES,
+    AIOHTTP_HANDLER_METHODS,
+    AIOHTTP_PAYLOAD_ATTRIBUTES,
+    AIOHTTP_SERVER_ATTRIBUTES,
     DRAIN_MAX_BYTES,
     LINGER_SECONDS,
     _GuardedProtocol,
@@ -502,3 +508,28 @@ async def test_a_connection_retired_after_its_answer_said_keep_alive_is_closed(
         finally:
             w.close()
         assert len(up.received) == 1
+
+
+async def test_the_aiohttp_internals_relied_on_are_all_there() -> None:
+    """aiohttp's server internals the guard reads, sets and overrides exist in the aiohttp
+    installed: a new aiohttp whose internals moved fails here, naming them, rather than
+    in a connection that is quietly no longer guarded."""
+    from aiohttp import streams
+    from aiohttp.web_protocol import RequestHandler
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response()
+
+    server = web.Server(handler)
+    protocol = RequestHandler(server, loop=asyncio.get_running_loop())
+    payload = streams.StreamReader(protocol, 2**16, loop=asyncio.get_running_loop())
+    missing = [f"RequestHandler.{a}" for a in AIOHTTP_HANDLER_ATTRIBUTES
+               if not hasattr(protocol, a)]
+    missing += [f"RequestHandler.{m}()" for m in AIOHTTP_HANDLER_METHODS
+                if not callable(getattr(RequestHandler, m, None))]
+    missing += [f"Server.{a}" for a in AIOHTTP_SERVER_ATTRIBUTES if not hasattr(server, a)]
+    missing += [f"StreamReader.{a}" for a in AIOHTTP_PAYLOAD_ATTRIBUTES
+                if not hasattr(payload, a)]
+    assert not missing, f"aiohttp {aiohttp.__version__} lacks {', '.join(missing)}"
+    # the parser the guard wraps hands back (messages, upgraded, tail)
+    assert len(protocol._parser.feed_data(b"")) == 3  # type: ignore[union-attr]
