@@ -690,6 +690,31 @@ async def test_a_500_after_an_outage_is_warned(
     assert len(_logged(caplog, logging.INFO, "API server answers again")) == 1
 
 
+async def test_malformed_answers_are_warned_once_and_their_end_logged(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """Something in front of the API server answers every watch and list with what is
+    not JSON (a login page): one warning for all the watchers answered so, their retries
+    at debug, the index stale meanwhile, and one line once the last lists again. Each
+    retry of each watcher was a warning of its own."""
+    deployment(sim, "web", replicas=1)
+    source = await make_source()  # backoff cap 0.5 s
+    caplog.set_level(logging.DEBUG, logger="proxy.kube")
+    watches = sim.hold_watches()
+    assert watches >= 3
+    page = b"<html><body>Sign in</body></html>"
+    sim.garbled_lists.extend([page] * (4 * watches))
+    sim.flush_watches(raw=page + b"\n")
+    await eventually(lambda: source.index.stale, timeout=10)
+    await eventually(lambda: not sim.garbled_lists, timeout=20)  # each retried, again
+    await eventually(lambda: not source.index.stale, timeout=10)
+    [warned] = _logged(caplog, logging.WARNING, "malformed answer")
+    assert warned.startswith("watch ") and "Sign in" in warned, warned
+    assert len(_logged(caplog, logging.DEBUG, "malformed answer")) >= 2 * watches
+    [over] = _logged(caplog, logging.INFO, "watches failing with a malformed answer")
+    assert "none left after" in over and "is back" in over
+    assert labels(source, "default", "web-1-0") is not None
+
+
 async def on_a_long_history(sim: KubeSim, make_source: SourceFactory) -> KubeSource:
     """A source synced to a cluster whose resourceVersion is well above 30 (the store a
     restore from a backup then takes back below it), with a Deployment "old" of 3 pods."""
