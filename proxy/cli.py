@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -194,7 +196,44 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+class EarlyHangups:
+    """SIGHUPs that come before the event loop handles them (``serve``): the default
+    action of SIGHUP ends the process, and the imports and the settings' read take the
+    first ~0.5-0.9 s after exec, so a reloader that signals a proxy just started killed it
+    (exit 129). From here on a SIGHUP is recorded; ``serve`` reloads once for those that
+    came, as it does for one that comes later. Only the first ~0.2 s (the interpreter's
+    start and this module's imports) are left to the default action."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._before: Any = None
+        with contextlib.suppress(AttributeError, ValueError):  # no SIGHUP; not main thread
+            self._before = signal.signal(signal.SIGHUP, self._record)
+
+    def restore(self) -> None:
+        """SIGHUP handled as before ``main`` (tests call it in their own process)."""
+        if self._before is not None:
+            signal.signal(signal.SIGHUP, self._before)
+            self._before = None
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.seen = True
+
+    def take(self) -> bool:
+        """Whether a SIGHUP came, forgotten once told."""
+        seen, self.seen = self.seen, False
+        return seen
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    hangups = EarlyHangups()
+    try:
+        return _main(argv, hangups)
+    finally:
+        hangups.restore()
+
+
+def _main(argv: Sequence[str] | None, hangups: EarlyHangups) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         demo_args = build_demo_parser().parse_args(argv[1:])
@@ -219,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     held.replay()
     try:
         # a reload reads the file again and puts the same flags on top
-        return asyncio.run(serve(settings, loader=lambda: settings_from_args(args)))
+        return asyncio.run(serve(settings, loader=lambda: settings_from_args(args),
+                                 early_reload=hangups.take))
     except KeyboardInterrupt:
         return 130
 

@@ -557,8 +557,11 @@ class Proxy:
 async def serve(
     settings: Settings, *, ready: asyncio.Event | None = None,
     loader: Callable[[], Settings] | None = None,
+    early_reload: Callable[[], bool] | None = None,
 ) -> int:
-    """Run until SIGTERM or SIGINT, reloading on SIGHUP; returns the process exit code."""
+    """Run until SIGTERM or SIGINT, reloading on SIGHUP; returns the process exit code.
+    ``early_reload``: whether a SIGHUP came before this loop handled them (``cli``), then
+    reloaded for once its handler is in place."""
     loop = asyncio.get_running_loop()
     # asyncio's own default pool (``to_thread``: snapshot reads, forwarding's prepare),
     # its threads named for the OS too (proxy.thread_names)
@@ -578,6 +581,9 @@ async def serve(
 
     with contextlib.suppress(NotImplementedError, RuntimeError):
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    if early_reload is not None and early_reload():  # after: none falls between the two
+        log.info("SIGHUP received while starting: reloading")
+        on_sighup()
     # The start waits for the initial sync, which lasts as long as the API server is away:
     # a SIGTERM meanwhile must still end the process (cleanly, exit 0).
     starting = asyncio.create_task(proxy.start(), name="start")

@@ -417,6 +417,48 @@ async def test_sigterm_while_waiting_for_the_cluster_exits_0(tmp_path: Path) -> 
     assert proc.returncode == 0
 
 
+def _catches_sighup(pid: int) -> bool:
+    """The process has a handler of its own for SIGHUP (``SigCgt`` of /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
+
+
+async def test_a_sighup_while_starting_is_a_reload_not_the_end(tmp_path: Path) -> None:
+    """A SIGHUP as soon as the process catches one, while it still imports its runtime
+    and reads its settings: it reloads once started, and serves. Before the event loop's
+    handler, SIGHUP's default action ended it (exit 129) for the first ~0.5-0.9 s."""
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    port = _free_port()
+    async with ScriptedUpstream() as up:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "--snapshot", str(snap), "--upstream-url", up.url,
+            "--listen-address", f"127.0.0.1:{port}", "--no-facts", cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            deadline = asyncio.get_running_loop().time() + 20
+            while not _catches_sighup(proc.pid):
+                assert asyncio.get_running_loop().time() < deadline, "SIGHUP never caught"
+                await asyncio.sleep(0.002)
+            proc.send_signal(signal.SIGHUP)
+            async with aiohttp.ClientSession() as session:
+                await wait_for_200(session, f"http://127.0.0.1:{port}/-/ready", proc)
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    msgs = [json.loads(line)["msg"] for line in err.decode().splitlines()
+            if line.startswith("{")]
+    assert msgs.count("SIGHUP received while starting: reloading") == 1, msgs
+    assert "configuration reloaded" in msgs, msgs
+
+
 def test_an_infinite_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "inf"]) == 2
     assert capsys.readouterr().err == (
