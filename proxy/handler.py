@@ -58,7 +58,7 @@ from proxy.loop_workers import LoopWorkers
 from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
-from proxy.wire.native import Grow, split_v1
+from proxy.wire.native import Splicer, split_v1
 from proxy.wire.plan import OverLimit, SpliceResult
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
 
@@ -106,18 +106,11 @@ PART_DECODED_BYTES = 256 * 1024
 
 
 class Enriching(typing.Protocol):
-    """What the handler needs of ``proxy.enrichment.Enricher`` (called from worker
-    threads)."""
+    """What the handler needs of ``proxy.enrichment.Enricher``: the splice of the plan in
+    force, taken once per request (called from worker threads)."""
 
-    def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
-                  grow: Grow | None = None) -> SpliceResult: ...
-
-    def enrich_v2(self, raw: bytes | memoryview, limit: int | None = None,
-                  grow: Grow | None = None) -> SpliceResult: ...
-
-    def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
-                      base: int = 0, limit: int | None = None, grow: Grow | None = None
-                      ) -> SpliceResult: ...
+    @property
+    def splicer(self) -> Splicer: ...
 
 
 def worker_count(configured: int) -> int:
@@ -706,6 +699,7 @@ class RemoteWriteHandler:
         """The worker-thread part of a request: decompress, splice, convert, compress.
         ``room``: what the splice may hold beside the decoded body (``OverLimit`` past it)."""
         limit = room.limit if room is not None else None
+        splicer = self.enricher.splicer  # one plan for the whole request, its parts too
         # the splice copies what it keeps (an untouched body included), so the body may be
         # decoded into the thread's scratch buffer (proxy.compression._Scratch)
         raw = decompress_scratch(body, encoding, max_decoded=self.settings.max_decoded_bytes)
@@ -715,18 +709,18 @@ class RemoteWriteHandler:
             # the parts on other cores than this one (else Linux may wake the part thread
             # here, and the parts take turns on one core: proxy.part_threads)
             self._parts.elsewhere()
-            merged, encoded = splice_in_parts(raw, body, cuts, self._part_splice(len(raw), room),
-                                              self._parts)
+            merged, encoded = splice_in_parts(
+                raw, body, cuts, self._part_splice(splicer, len(raw), room), self._parts)
             return Prepared(merged, self.upstream.prepared(encoded, Protocol.V1, merged.counts))
         if encoding == "snappy" and self.upstream.out_encoding(encoding) == "snappy" \
                 and not self.upstream.converts(protocol):
             # snappy in and out: the output block is made from the sender's (the splice's
             # edits applied to its elements), not compressed again
-            result = self.enricher.enrich_snappy(protocol, raw, body, 0, limit, room)
+            result = splicer.splice_snappy(protocol, raw, body, 0, limit, room)
             outgoing = self.upstream.prepared(result.body, protocol, result.counts)
         else:
-            result = (self.enricher.enrich_v2(raw, limit, room) if protocol is Protocol.V2
-                      else self.enricher.enrich_v1(raw, limit, room))
+            result = (splicer.splice_v2(raw, limit, room) if protocol is Protocol.V2
+                      else splicer.splice_v1(raw, limit, room))
             # a conversion to RW 1.0 is charged to the request's budget (``charge``)
             outgoing = self.upstream.prepare(result.body, protocol, encoding, result.counts,
                                              room.held if room is not None else None)
@@ -735,19 +729,20 @@ class RemoteWriteHandler:
         result.body = b""
         return Prepared(result, outgoing)
 
-    def _part_splice(self, whole: int, room: Room | None
+    @staticmethod
+    def _part_splice(splicer: Splicer, whole: int, room: Room | None
                      ) -> Callable[[bytes | memoryview, bytes, int], SpliceResult]:
-        """The splice of one part of a request of ``whole`` decoded bytes: its share of the
-        request's room, and past it the estimate for the whole request."""
+        """The splice of one part of a request of ``whole`` decoded bytes, with the
+        request's ``splicer``: its share of the request's room, and past it the estimate
+        for the whole request."""
         def splice(raw: bytes | memoryview, block: bytes, base: int) -> SpliceResult:
             if room is None:
-                return self.enricher.enrich_snappy(Protocol.V1, raw, block, base)
+                return splicer.splice_snappy(Protocol.V1, raw, block, base)
             share = len(raw) / max(1, whole)
             mine = Room(room.held, int(room.limit * share), int(room.most * share),
                          room.grown)
             try:
-                return self.enricher.enrich_snappy(Protocol.V1, raw, block, base, mine.limit,
-                                                   mine)
+                return splicer.splice_snappy(Protocol.V1, raw, block, base, mine.limit, mine)
             except OverLimit as e:
                 room.refused = mine.refused
                 raise OverLimit(int(e.need / share)) from None

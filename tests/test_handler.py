@@ -120,7 +120,7 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     assert len(raw) > max(INLINE_DECODED_BYTES, 2 * PART_DECODED_BYTES)
     calls: list[str] = []
     os_names: list[str] = []
-    enrich = running.proxy.enricher.enrich_snappy
+    enrich = running.proxy.enricher.splicer.splice_snappy
 
     def spy(protocol: Protocol, body: bytes, block: bytes, base: int = 0,
             limit: int | None = None, grow: Any = None) -> Any:
@@ -130,9 +130,10 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
             os_names.append(comm.read_text().strip())
         return enrich(protocol, body, block, base, limit, grow)
 
-    running.proxy.handler.enricher = cast(Any, type("E", (), {
-        "enrich_snappy": staticmethod(spy), "enrich_v1": running.proxy.enricher.enrich_v1,
-        "enrich_v2": running.proxy.enricher.enrich_v2}))()
+    splicer = running.proxy.enricher.splicer
+    running.proxy.handler.enricher = cast(Any, type("E", (), {"splicer": type("S", (), {
+        "splice_snappy": staticmethod(spy), "splice_v1": splicer.splice_v1,
+        "splice_v2": splicer.splice_v2})()}))()
     resp = await running.post(raw)
     assert resp.status == 204
     # with two workers or more, a request alone in the pool is spliced in parts at once
@@ -158,6 +159,43 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     assert 280 * 1024 < len(small) < 320 * 1024  # relay_bench's are 301 KiB
     assert (await running.post(small)).status == 204
     assert [c.split("_")[0] for c in calls] == ["karta-splice"]
+
+
+async def test_a_reload_between_the_parts_of_a_request_leaves_it_one_plan(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that changes ``enrich`` while a request is spliced in parts: every part
+    splices with the plan the request started with. Each part asked the enricher anew,
+    so the parts after a reload took the new plan: an audit stored 4 of 60 requests half
+    one way, half the other."""
+    if running.proxy.handler.workers < 2:
+        pytest.skip("a request is cut in parts only with two workers or more")
+    import proxy.handler as handler_module
+    from proxy.enrichment import build_plan
+
+    cart = {"__name__": "container_cpu_usage_seconds_total", "namespace": "shop",
+            "pod": "cart-7d9f8-abcde", "container": "cart"}
+    sets = [{**cart, "id": f"/kubepods/{i:06d}" + "x" * 200} for i in range(2000)]
+    enricher = running.proxy.enricher
+    elsewhere = build_plan([("ns_b", "pod_b")], [])  # names no pod of these series
+    cut = handler_module.splice_in_parts
+    parts: list[int] = []
+
+    def replanned_in_every_part(raw: Any, block: bytes, cuts: list[int], splice: Any,
+                                  threads: Any) -> Any:
+        def part(raw: Any, block: bytes, base: int) -> Any:
+            enricher.replan(elsewhere)  # what a reload does, once the request has begun
+            parts.append(base)
+            return splice(raw, block, base)
+        return cut(raw, block, cuts, part, threads)
+
+    monkeypatch.setattr(handler_module, "splice_in_parts", replanned_in_every_part)
+    resp = await running.post(series_v1(*sets))
+    assert resp.status == 204
+    assert len(parts) >= 2
+    (rec,) = running.upstream.received
+    assert all(out == {**sent, **CART} for out, sent in zip(labels_of(rec.raw), sets,
+                                                              strict=True))
+    assert enricher.plan is elsewhere  # and the next request takes the new one
 
 
 async def test_bodies_decoded_into_scratch_buffers_go_out_as_sent(running: Running) -> None:
