@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -196,44 +197,65 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-class EarlyHangups:
-    """SIGHUPs that come before the event loop handles them (``serve``): the default
-    action of SIGHUP ends the process, and the imports and the settings' read take the
-    first ~0.5-0.9 s after exec, so a reloader that signals a proxy just started killed it
-    (exit 129). From here on a SIGHUP is recorded; ``serve`` reloads once for those that
-    came, as it does for one that comes later. Only the first ~0.2 s (the interpreter's
-    start and this module's imports) are left to the default action."""
+class StoppedWhileStarting(SystemExit):
+    """A SIGTERM or SIGINT before the event loop handles them: the stop asked for, exit 0
+    as after any other stop."""
 
     def __init__(self) -> None:
-        self.seen = False
-        self._before: Any = None
-        with contextlib.suppress(AttributeError, ValueError):  # no SIGHUP; not main thread
-            self._before = signal.signal(signal.SIGHUP, self._record)
+        super().__init__(0)
+
+
+class EarlySignals:
+    """Signals that come before the event loop handles them (``serve``), while the
+    imports and the settings' read take the first ~0.5-0.9 s after exec. Their default
+    actions ended the process: SIGHUP (a reloader signalling a proxy just started) with
+    exit 129, SIGTERM with 143 and no line, SIGINT with a ``KeyboardInterrupt``
+    traceback from an import. From here on a SIGHUP is recorded, and ``serve`` reloads
+    once for those that came, as for one that comes later; a SIGTERM or SIGINT ends the
+    start with exit 0, as the documented stop does. Only the first ~0.2 s (the
+    interpreter's start and this module's imports) are left to the default actions."""
+
+    def __init__(self) -> None:
+        self.hangup = False
+        self._before: dict[int, Any] = {}
+        for sig, handler in ((getattr(signal, "SIGHUP", None), self._hangup),
+                             (signal.SIGTERM, self._stop), (signal.SIGINT, self._stop)):
+            if sig is None:
+                continue
+            with contextlib.suppress(ValueError):  # not the main thread (a test's caller)
+                self._before[sig] = signal.signal(sig, handler)
 
     def restore(self) -> None:
-        """SIGHUP handled as before ``main`` (tests call it in their own process)."""
-        if self._before is not None:
-            signal.signal(signal.SIGHUP, self._before)
-            self._before = None
+        """The signals handled as before ``main`` (tests call it in their own process)."""
+        for sig, before in self._before.items():
+            signal.signal(sig, before)
+        self._before.clear()
 
-    def _record(self, signum: int, frame: object) -> None:
-        self.seen = True
+    def _hangup(self, signum: int, frame: object) -> None:
+        self.hangup = True
 
-    def take(self) -> bool:
+    @staticmethod
+    def _stop(signum: int, frame: object) -> None:
+        raise StoppedWhileStarting
+
+    def take_hangup(self) -> bool:
         """Whether a SIGHUP came, forgotten once told."""
-        seen, self.seen = self.seen, False
+        seen, self.hangup = self.hangup, False
         return seen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    hangups = EarlyHangups()
+    early = EarlySignals()
     try:
-        return _main(argv, hangups)
+        return _main(argv, early)
+    except StoppedWhileStarting:
+        logging.getLogger("proxy").info("stop requested while starting")
+        return 0
     finally:
-        hangups.restore()
+        early.restore()
 
 
-def _main(argv: Sequence[str] | None, hangups: EarlyHangups) -> int:
+def _main(argv: Sequence[str] | None, early: EarlySignals) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         demo_args = build_demo_parser().parse_args(argv[1:])
@@ -259,7 +281,7 @@ def _main(argv: Sequence[str] | None, hangups: EarlyHangups) -> int:
     try:
         # a reload reads the file again and puts the same flags on top
         return asyncio.run(serve(settings, loader=lambda: settings_from_args(args),
-                                 early_reload=hangups.take))
+                                 early_reload=early.take_hangup))
     except KeyboardInterrupt:
         return 130
 

@@ -459,6 +459,26 @@ async def test_a_sighup_while_starting_is_a_reload_not_the_end(tmp_path: Path) -
     assert "configuration reloaded" in msgs, msgs
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_starting_exits_0(sig: signal.Signals) -> None:
+    """A SIGTERM or SIGINT while the settings are read (before the event loop has its
+    handlers) ends the process with 0, as the documented stop does: their default
+    actions ended it with 143 and no line, or a KeyboardInterrupt traceback."""
+    script = (
+        "import os, signal, sys\n"
+        "import proxy.cli as cli\n"
+        "def read(args):\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    raise AssertionError('the signal did not stop the start')\n"
+        "cli.settings_from_args = read\n"
+        "sys.exit(cli.main(['--upstream-url', 'http://127.0.0.1:9/api/v1/write']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def test_an_infinite_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "inf"]) == 2
     assert capsys.readouterr().err == (
