@@ -3,7 +3,9 @@
 Values, timestamps and histogram buckets keep their bytes: the field numbers of Sample and
 Histogram agree between the versions. Only what 1.0 has no place for is dropped, and a
 native histogram with custom buckets (schema -53), which a 1.0 receiver would store as
-exponential buckets, becomes the classic ``_bucket`` / ``_sum`` / ``_count`` series.
+exponential buckets, becomes the classic ``_bucket`` / ``_sum`` / ``_count`` series. A
+converted request can go without its native histograms (``without_histograms``) to a
+receiver that has them off and would refuse the whole request for one.
 """
 
 from __future__ import annotations
@@ -497,6 +499,48 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
             out.extend(_classic_v1(_labels(ser.refs, syms), h))
     out.extend(len_field(3, _metadata_v1(*m)) for m in metadata)
     return b"".join(out)
+
+
+@dataclass(slots=True)
+class WithoutHistograms:
+    """An RW 1.0 request with its native histograms left out (``without_histograms``): the
+    body, and how many histograms it lost."""
+
+    body: bytes
+    histograms: int
+
+
+def without_histograms(raw_v1: bytes) -> WithoutHistograms:
+    """``raw_v1`` (an RW 1.0 request, a conversion's: well-formed) without the Histogram
+    fields of its series, every other byte as it was; a series left with nothing but its
+    labels is left out. For a receiver without native histograms (Prometheus 2.x on its
+    defaults), which refuses a whole request holding one with a 500 and so stores none
+    of its float samples either, and a sender retries that forever. The metadata and
+    unknown top-level fields stay."""
+    out: list[bytes] = []
+    dropped = 0
+    p, end = 0, len(raw_v1)
+    while p < end:
+        number, _, s, q = read_field(raw_v1, p, end)
+        if number != 1:
+            out.append(raw_v1[p:q])
+            p = q
+            continue
+        histograms = 0
+        kept = False
+        a = s
+        while a < q:
+            n, _, _, b = read_field(raw_v1, a, q)
+            histograms += n == 4
+            kept = kept or n in (2, 3)
+            a = b
+        if not histograms:  # as it is, not framed again
+            out.append(raw_v1[p:q])
+        elif kept:
+            out.append(len_field(1, _copy_fields(raw_v1, s, q, (4,))))
+        dropped += histograms
+        p = q
+    return WithoutHistograms(b"".join(out), dropped)
 
 
 #: metric types (the same numbers in RW 1.0 and 2.0) whose samples' names are the family's

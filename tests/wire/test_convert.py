@@ -15,11 +15,13 @@ from proxy.pb.prometheus import types_pb2
 from proxy.sender import Series, build_v1, build_v2
 from proxy.wire.convert import (
     ConversionTooLarge,
+    WithoutHistograms,
     check_size,
     format_le,
     v1_form,
     v1_size,
     v2_to_v1,
+    without_histograms,
 )
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import (
@@ -255,6 +257,46 @@ def test_a_staleness_marker_of_exponential_histograms_stays_a_histogram() -> Non
     assert [h.timestamp for h in ts.histograms] == [TS, TS + 1000] and not ts.samples
     assert is_stale(ts.histograms[1].sum)
     assert v1_form(marked("exponential", "marker")).histograms == 0
+
+
+def test_without_histograms_leaves_out_native_histograms_and_nothing_else() -> None:
+    # for a receiver without native histograms (Prometheus 2.42 on its defaults), which
+    # refuses the whole request for one: floats, exemplars, metadata and the classic
+    # series of custom buckets stay, byte for byte; a series left with labels only goes
+    mixed = RequestV2.FromString(request_v2({"__name__": "g", "pod": "p"}, histograms=2,
+                                            exemplars=1, metadata=True))
+    only = mixed.timeseries.add()  # a series of one exponential histogram and nothing else
+    only.CopyFrom(mixed.timeseries[0])
+    del only.samples[:], only.exemplars[:], only.histograms[1:]
+    plain = mixed.timeseries.add()  # no histogram: its bytes go as they are
+    plain.CopyFrom(mixed.timeseries[0])
+    del plain.histograms[:]
+    nhcb = RequestV2.FromString(nhcb_v2({"count_float": 6, "sum": 4.0,
+                                         "positive_counts": [2.0, 3.0, 1.0],
+                                         "custom_values": [0.1, 1.0]}))
+    converted = v2_to_v1(mixed.SerializeToString()) + v2_to_v1(nhcb.SerializeToString())
+    left = without_histograms(converted)
+    assert left.histograms == 3
+    before, after = parse_v1(converted), parse_v1(left.body)
+    assert len(after.timeseries) == len(before.timeseries) - 1
+    kept = [ts for ts in before.timeseries if ts.samples or ts.exemplars]
+    for old, new in zip(kept, after.timeseries, strict=True):
+        assert not new.histograms
+        assert (labels_of(new), list(new.samples), list(new.exemplars)) == (
+            labels_of(old), list(old.samples), list(old.exemplars))
+    assert list(after.metadata) == list(before.metadata)
+    assert [n for ts in after.timeseries for n, _ in labels_of(ts)].count("le") == 3
+    assert before.timeseries[2].SerializeToString() in left.body  # as it was
+    # nothing to leave out: the same bytes; histograms only: nothing left but metadata
+    assert without_histograms(v2_to_v1(nhcb.SerializeToString())).body == v2_to_v1(
+        nhcb.SerializeToString())
+    lone = RequestV2()
+    lone.symbols.extend(mixed.symbols)
+    lone.timeseries.add().CopyFrom(only)
+    left = without_histograms(v2_to_v1(lone.SerializeToString()))
+    assert left.histograms == 1 and not parse_v1(left.body).timeseries
+    assert len(parse_v1(left.body).metadata) == 1
+    assert without_histograms(b"") == WithoutHistograms(b"", 0)
 
 
 def test_a_custom_bucket_past_its_bounds_is_400() -> None:
