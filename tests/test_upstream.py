@@ -398,6 +398,15 @@ async def test_converted_histograms_refused_go_again_without_them_and_are_rememb
         "karta_proxy_upstream_histograms_not_stored_total") == 4
 
 
+async def test_the_check_made_again_forgets_that_histograms_were_refused() -> None:
+    # after no answer, what answers may be a Prometheus restarted with native histograms on
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url) as u:
+        u.histograms_refused_at = time.monotonic()
+        assert u.leaves_out_histograms()
+        await u.check()
+    assert not u.leaves_out_histograms()
+
+
 async def test_an_rw1_senders_histograms_refused_get_the_upstreams_answer(
         caplog: pytest.LogCaptureFixture) -> None:
     # its sender cannot be told of a partial write: a 2xx would say histograms were stored

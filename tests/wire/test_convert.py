@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import tracemalloc
 from pathlib import Path
 from typing import Any, cast
@@ -11,7 +12,7 @@ import pytest
 
 from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
-from proxy.pb.prometheus import types_pb2
+from proxy.pb.prometheus import remote_pb2, types_pb2
 from proxy.sender import Series, build_v1, build_v2
 from proxy.wire.convert import (
     ConversionTooLarge,
@@ -23,6 +24,7 @@ from proxy.wire.convert import (
     v2_to_v1,
     without_histograms,
 )
+from proxy.wire.primitives import len_field
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import (
     STALE_NAN,
@@ -35,6 +37,7 @@ from tests.wire_fixtures import (
 )
 
 RequestV2: Any = cast(Any, v2).Request
+WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 
 
 def test_v2_to_v1_converts_everything() -> None:
@@ -297,6 +300,48 @@ def test_without_histograms_leaves_out_native_histograms_and_nothing_else() -> N
     assert left.histograms == 1 and not parse_v1(left.body).timeseries
     assert len(parse_v1(left.body).metadata) == 1
     assert without_histograms(b"") == WithoutHistograms(b"", 0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_without_histograms_is_the_request_without_them_for_any_shape(seed: int) -> None:
+    # long labels and values (lengths of two bytes and more), fields past 15 (tags of two
+    # bytes), histograms before other fields of a series, series of labels only: the
+    # protobuf reading of the result is the request's with its histograms cleared
+    rng = random.Random(seed)
+    req = WriteRequest()
+    for i in range(rng.randrange(1, 30)):
+        ts = req.timeseries.add()
+        ts.labels.add(name="__name__", value="m" * rng.choice((1, 130, 20000)))
+        ts.labels.add(name="i", value=str(i))
+        for _ in range(rng.randrange(3)):
+            ts.samples.add(value=1.0, timestamp=i)
+        for _ in range(rng.randrange(2)):
+            ts.exemplars.add(value=1.0, timestamp=i).labels.add(name="t", value="x" * 200)
+        for _ in range(rng.randrange(3)):
+            h = ts.histograms.add(count_int=1, sum=1.0, schema=0, zero_count_int=1, timestamp=i)
+            h.positive_spans.add(offset=0, length=rng.randrange(300))
+            h.positive_deltas.extend([1] * rng.randrange(300))
+    raw = bytearray(req.SerializeToString())
+    if rng.random() < 0.5:  # an unknown field (number 20) in the last series
+        raw += len_field(1, b"\xa2\x01\x02ab" + len_field(1, b"\x0a\x01x\x12\x01y"))
+    if rng.random() < 0.5:  # a histogram before a sample and an exemplar
+        label = len_field(1, len_field(1, b"__name__") + len_field(2, b"late"))
+        histogram = len_field(4, req.timeseries[0].histograms.add().SerializeToString())
+        raw += len_field(1, label + histogram + len_field(2, b"\x09" + bytes(8))
+                         + histogram + len_field(3, b"\x11" + bytes(8)))
+    raw += len_field(3, b"\x08\x01\x12\x01m")  # metadata after the series
+    left = without_histograms(bytes(raw))
+    expected = WriteRequest.FromString(bytes(raw))
+    assert left.histograms == sum(len(ts.histograms) for ts in expected.timeseries)
+    kept = [ts for ts in expected.timeseries if not ts.histograms or ts.samples or ts.exemplars]
+    for ts in kept:
+        del ts.histograms[:]
+    got = WriteRequest.FromString(left.body)
+    assert [t.SerializeToString() for t in got.timeseries] == [
+        t.SerializeToString() for t in kept]
+    assert list(got.metadata) == list(expected.metadata)
+    if not left.histograms:
+        assert left.body == raw
 
 
 def test_a_custom_bucket_past_its_bounds_is_400() -> None:
