@@ -252,6 +252,13 @@ class ProxyMetrics:
             "(415, or a 2xx without Written headers), resent as RW 1.0, by reason.",
             ["reason"], registry=r,
         )
+        self.upstream_histograms_not_stored = Counter(
+            _P + "upstream_histograms_not_stored", "Native histogram samples of RW 2.0 "
+            "requests converted to RW 1.0 that were left out because the upstream answered "
+            "500 'native histograms are disabled' (Prometheus without "
+            "--enable-feature=native-histograms): the rest of the request stored, the "
+            "sender told Histograms-Written without them.", registry=r,
+        )
         self.upstream_misconfigured = Counter(
             _P + "upstream_misconfigured", "Upstream answers that are the proxy's "
             "configuration's fault (not_write_endpoint, credentials_refused, "

@@ -16,7 +16,9 @@ and stores nothing, and sends no Written headers; so a 2xx without them to an RW
 request with data in it means "not understood": the request is converted to RW 1.0,
 sent again, and the upstream is remembered as 1.0-only. Only for a request that went
 out as RW 1.0 does the proxy fill the headers in itself, from the request's counts,
-because a 1.0 receiver's 2xx means all of it was written.
+because a 1.0 receiver's 2xx means all of it was written. A converted request that
+Prometheus refuses for its native histograms (500 ``native histograms are disabled``: none
+of it stored) is sent again without them, and its sender told none of them was written.
 
 An answer that refuses the request for its size (413, or VictoriaMetrics' 400 saying so)
 would make the sender drop a batch it sized under the upstream's limit before the stamp
@@ -58,7 +60,7 @@ from proxy.log import THROTTLE_SECONDS, Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
-from proxy.wire.convert import ConversionTooLarge, V1Form
+from proxy.wire.convert import ConversionTooLarge, V1Form, WithoutHistograms, without_histograms
 from proxy.wire.halves import Layout, layout, layout_bytes
 from proxy.wire.native import check_size, v2_to_v1
 from proxy.wire.primitives import Counts, Protocol
@@ -119,6 +121,12 @@ _VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
 #: as the part's own earlier send, its answer lost, may be what moved the series on. Never
 #: counted as stored: another writer's later sample of one series refuses the whole part
 _OUT_OF_ORDER = re.compile(rb"out of order sample|sample-out-of-order")
+#: Prometheus 2.x without ``--enable-feature=native-histograms`` (its default) answers a
+#: write holding a native histogram with a 500 and this body (``storage.
+#: ErrNativeHistogramsDisabled`` through ``http.Error``), having stored nothing of it: its
+#: float samples neither. Matched whole (after the "upstream answered 500: " the sender's
+#: answer starts with), so no other 5xx is taken for it
+_HISTOGRAMS_DISABLED = re.compile(rb"(?:upstream answered 500: )?native histograms are disabled\n?")
 #: VictoriaMetrics and vmagent answer a path they do not serve (``/api/v1/push``, a typo)
 #: with a 400, where other receivers answer 404: ``unsupported path requested: "/x"``
 _VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
@@ -237,9 +245,20 @@ class OwnHeaders(dict[str, str]):
 #: batches, and the fact writer's every interval), the check finding what it found before
 QUIET_LOG_SECONDS = 300.0
 
+#: how long an upstream that refused native histograms is remembered so: meanwhile the
+#: converted requests go without them (no refused round trip each); the first one after it
+#: carries them again, and finds out whether the receiver takes them now
+HISTOGRAMS_RECHECK_SECONDS = 300.0
+
 #: an upstream the check found unavailable is probed again at most this often: every RW 2.0
 #: request asks for a check while it is (one probe and one log line each, in an outage)
 RECHECK_SECONDS = 5.0
+
+
+def histograms_disabled(answer: Answer) -> bool:
+    """The upstream refused the request for its native histograms: Prometheus 2.x on its
+    defaults (``_HISTOGRAMS_DISABLED``)."""
+    return answer.upstream == "500" and _HISTOGRAMS_DISABLED.fullmatch(answer.body) is not None
 
 
 def too_large(answer: Answer) -> bool:
@@ -280,6 +299,10 @@ class Outgoing:
     counts: Counts | None = None
     #: ``raw`` is the RW 1.0 form of the sender's RW 2.0 request
     converted: bool = False
+    #: a converted request that went without its native histograms (``_without_histograms``),
+    #: and how many it had: its ``counts`` say 0 histograms
+    without_histograms: bool = False
+    histograms_left_out: int = 0
 
 
 class ConversionRefused(Exception):
@@ -348,6 +371,33 @@ def _converted(raw_v2: bytes, encoding: str, size: int) -> bytes:
     return compress(v2_to_v1(raw_v2, size), encoding)
 
 
+def _claimed(counts: Counts | None, parts: _Parts) -> Counts | None:
+    """The counts a request sent in parts may claim written: none of its native histograms
+    once a part went without them."""
+    return _no_histograms(counts) if parts.without_histograms else counts
+
+
+def _no_histograms(counts: Counts | None) -> Counts | None:
+    """``counts`` of a request that went without its native histograms: none claimed."""
+    return replace(counts, histograms=0) if counts is not None else None
+
+
+def _left_out(out: Outgoing, histograms: int) -> Outgoing:
+    """``out`` (its ``encoded`` already without them) marked as gone without ``histograms``
+    native histograms: its counts, which the sender's Written headers come from, hold
+    none."""
+    return replace(out, counts=_no_histograms(out.counts), without_histograms=True,
+                   histograms_left_out=histograms)
+
+
+def _left_out_compressed(out: Outgoing, raw: bytes) -> Outgoing:
+    """``out`` (``raw`` decoded) without its native histograms, compressed again (CPU work:
+    a worker thread's)."""
+    left = without_histograms(raw)
+    encoded = compress(left.body, out.encoding) if left.histograms else out.encoded
+    return _left_out(replace(out, encoded=encoded), left.histograms)
+
+
 def _never() -> bool:
     return False
 
@@ -406,6 +456,9 @@ class _Parts:
     refused_index: int = 0
     #: the parts counted as stored: this attempt's 2xx and the ones skipped
     stored: list[Range] = field(default_factory=list)
+    #: a part went without its native histograms (``Upstream._histograms_refused``): the
+    #: Written headers made for the whole claim none
+    without_histograms: bool = False
 
     @property
     def stopped(self) -> bool:
@@ -585,6 +638,12 @@ class Upstream:
         self._warned_passthrough = False
         #: the protocol finding (rw1, rw2) of the last line that said one
         self._protocol_logged = ""
+        #: when (``time.monotonic``) the upstream last refused a converted request for its
+        #: native histograms: for ``HISTOGRAMS_RECHECK_SECONDS`` converted requests go
+        #: without them (``leaves_out_histograms``); forgotten when the check runs again
+        self.histograms_refused_at = -math.inf
+        #: what the last line about native histograms said: "", refused, stored
+        self._histograms_logged = ""
         #: the lines of failed and refused requests, by message: one per kind and interval
         #: (``proxy.log.Throttled``), since a down upstream fails every request of every
         #: sender, and a line each buried the rest of the log
@@ -755,6 +814,13 @@ class Upstream:
         out = encoding if self.settings.encoding == "same" else self.settings.encoding
         return "snappy" if self.zstd_refused else out
 
+    def leaves_out_histograms(self) -> bool:
+        """True while converted requests go without their native histograms: the upstream
+        refused them less than ``HISTOGRAMS_RECHECK_SECONDS`` ago (``_histograms_refused``).
+        Read in the worker threads too (``prepare``): hence ``time.monotonic``, not the
+        event loop's clock (the same clock, by default)."""
+        return time.monotonic() - self.histograms_refused_at < HISTOGRAMS_RECHECK_SECONDS
+
     def converts(self, protocol: Protocol) -> bool:
         """True when a request of this protocol is converted to RW 1.0 before sending."""
         return (protocol is Protocol.V2 and self.v1_only
@@ -774,13 +840,18 @@ class Upstream:
             return Outgoing(protocol, out_encoding, compress(raw, out_encoding), counts)
         charge = charge or _Unbounded()
         converted, form, held = self._to_v1(raw, charge)
+        out = Outgoing(Protocol.V1, out_encoding, b"", converted_counts(counts, form), True)
+        left: WithoutHistograms | None = None
         try:
-            encoded = compress(converted, out_encoding)
+            if self.leaves_out_histograms() and (out.counts is None or out.counts.histograms):
+                # in the room of the conversion's join (``CONVERT_COPIES``), freed by then
+                left = without_histograms(converted)
+                converted = left.body
+            out.encoded = compress(converted, out_encoding)
         finally:
             del converted
             charge.give_back(held)
-        return Outgoing(Protocol.V1, out_encoding, encoded, converted_counts(counts, form),
-                        True)
+        return out if left is None else _left_out(out, left.histograms)
 
     def _to_v1(self, raw: bytes, charge: Charge) -> tuple[bytes, V1Form, int]:
         """``raw`` (RW 2.0) converted to RW 1.0, and what was taken from ``charge`` for it
@@ -900,6 +971,8 @@ class Upstream:
                 await self.check()
             if self.v1_only and out.protocol is Protocol.V2:
                 out = await self._convert(out, attempt.charge, held)
+        if out.converted and self.leaves_out_histograms():
+            out = await self._without_histograms(out, attempt.charge, held)
         if out.encoding == "zstd":
             if self.probe is None:  # the check at start tells whether zstd is taken
                 await self.check()
@@ -913,6 +986,8 @@ class Upstream:
             if refused and self.settings.protocol == "auto":
                 self._learn_v1_only(refused, answer)
                 out = await self._convert(out, attempt.charge, held)
+                if self.leaves_out_histograms():
+                    out = await self._without_histograms(out, attempt.charge, held)
                 if self.metrics is not None:
                     self.metrics.upstream_conversions.inc()
                 answer = await self._post(out, incoming, url)
@@ -923,10 +998,120 @@ class Upstream:
                     "it probably does not take RW 2.0, and RW 2.0 senders count such "
                     "answers as failures; upstream.protocol is passthrough, so nothing is "
                     "converted", extra={"upstream_url": self.url})
+        if out.converted:
+            out, answer = await self._histograms_refused(out, answer, incoming, url, attempt,
+                                                         held)
         answer.converted = out.converted
         if answer.ok and out.converted:
             self._written_headers(answer, out.counts)
         return answer, out
+
+    async def _histograms_refused(self, out: Outgoing, answer: Answer,
+                                  incoming: Mapping[str, str], url: URL, attempt: _Attempt,
+                                  held: list[int]) -> tuple[Outgoing, Answer]:
+        """The answer to a converted request, and the request as it last went out, once a
+        refusal of its native histograms (:func:`histograms_disabled`: Prometheus 2.x on its
+        defaults, which then stores none of the request) is dealt with: the request is sent
+        again without them (``_without_histograms``), so that its float samples, the
+        classic series of its custom-bucket histograms and its exemplars are stored rather
+        than retried by the sender forever, and the sender's Written headers say 0 of the
+        histograms (a partial write it is told of). Remembered for
+        ``HISTOGRAMS_RECHECK_SECONDS``, logged when that finding changes, and the histograms
+        left out of a stored request counted
+        (``karta_proxy_upstream_histograms_not_stored_total``).
+
+        Only for a request converted from RW 2.0: an RW 1.0 sender's request passes as it
+        came and gets the upstream's answer (its sender has no way to hear of a partial
+        write, so a 2xx would tell it histograms were stored that are not)."""
+        if not out.without_histograms:
+            if not histograms_disabled(answer):
+                if answer.ok and out.counts is not None and out.counts.histograms:
+                    self._histograms_found(stored=True, answer=answer)
+                return out, answer
+            self.histograms_refused_at = time.monotonic()
+            self._histograms_found(stored=False, answer=answer)
+            out = await self._without_histograms(out, attempt.charge, held)
+            if not out.histograms_left_out:  # not what was refused, after all: as it is
+                return out, answer
+            answer = await self._post(out, incoming, url)
+        if answer.ok and out.histograms_left_out and self.metrics is not None:
+            self.metrics.upstream_histograms_not_stored.inc(out.histograms_left_out)
+        return out, answer
+
+    def _histograms_found(self, *, stored: bool, answer: Answer) -> None:
+        """Say what the upstream does with native histograms when that changes: a warning
+        when it refuses them (then, while it still does, one summary line per
+        ``QUIET_LOG_SECONDS``: the finding is made again after every
+        ``HISTOGRAMS_RECHECK_SECONDS``), an info line when it takes them again. An upstream
+        never found refusing them is never talked about."""
+        state = "stored" if stored else "refused"
+        if stored and self._histograms_logged != "refused":
+            return
+        changed = state != self._histograms_logged
+        self._histograms_logged = state
+        if stored:
+            self.histograms_refused_at = -math.inf
+            self._line(logging.INFO, "upstream stores native histograms again: converted "
+                       "RW 2.0 requests carry them", state,
+                       {"upstream_url": self.url}, interval=QUIET_LOG_SECONDS, at_once=changed)
+            return
+        self._line(logging.WARNING, "upstream refuses native histograms (Prometheus without "
+                   "--enable-feature=native-histograms): converted RW 2.0 requests are sent "
+                   "without them, the rest stored and the sender told Histograms-Written 0 "
+                   "for them", state,
+                   {"upstream_url": self.url, "upstream_status": answer.upstream,
+                    "body": answer.body[:200].decode("utf-8", "replace"),
+                    "recheck_s": HISTOGRAMS_RECHECK_SECONDS},
+                   interval=QUIET_LOG_SECONDS, at_once=changed)
+
+    async def _without_histograms(self, out: Outgoing, charge: Charge, held: list[int]
+                                  ) -> Outgoing:
+        """``out`` (converted, as it goes out) without its native histograms, compressed
+        again (in a worker thread); as it is when it went so already, or its counts say it
+        has none. What it holds is charged to the request's byte budget first: the body
+        decoded again and the copy made of it; the new compressed body stays charged until
+        the request is answered (``held``, as in :meth:`_convert`). ``ConversionRefused``
+        (``overload``: 503) when it does not fit."""
+        if out.without_histograms or (out.counts is not None and not out.counts.histograms):
+            return out
+        # the body decoded, its copy without them, and that compressed
+        raw, taken = await self._decoded_again(out, charge, 3)
+        try:
+            left = await asyncio.to_thread(_left_out_compressed, out, raw)
+            del raw
+        except BaseException:
+            charge.give_back(taken)
+            raise
+        charge.give_back(taken - len(left.encoded))
+        held.append(len(left.encoded))
+        return left
+
+    def _overload(self, need: int) -> ConversionRefused:
+        """What refuses reworking a request in flight whose ``need`` bytes do not fit the
+        byte budget now: 503 (the handler's answer to ``ConversionRefused``)."""
+        return ConversionRefused("overload", need, self.max_converted_bytes or 0)
+
+    async def _decoded_again(self, out: Outgoing, charge: Charge, copies: int
+                             ) -> tuple[bytes, int]:
+        """``out``'s body decoded again (in a worker thread: a request in flight holds it
+        compressed only), and what was taken from ``charge`` for it: ``copies`` times its
+        decoded size, before it is allocated when the frame says that size (a zstd frame
+        that does not: once decoded). ``_overload`` when it does not fit; the caller gives
+        back what was taken."""
+        decoded = self._decoded_size(out)
+        if decoded is not None and not charge.take(copies * decoded):
+            raise self._overload(copies * decoded)
+        try:
+            raw = await asyncio.to_thread(self._raw, out)
+        except BaseException:
+            if decoded is not None:
+                charge.give_back(copies * decoded)
+            raise
+        if decoded is None:
+            decoded = len(raw)
+            if not charge.take(copies * decoded):
+                raise self._overload(copies * decoded)
+        return raw, copies * decoded
 
     def _no_tenant_place(self, tenant: str) -> Answer:
         """A request for a tenant, and an upstream URL with no place for one: sending it
@@ -951,28 +1136,15 @@ class Upstream:
         ``max_converted_bytes`` (as in :meth:`_to_v1`). The compressed result stays
         charged until the request is answered (appended to ``held``, given back by
         :meth:`_deliver`)."""
-        def refuse(n: int) -> ConversionRefused:
-            return ConversionRefused("overload", n, self.max_converted_bytes or 0)
-
-        decoded = self._decoded_size(out)
-        taken = 0
+        raw, taken = await self._decoded_again(out, charge, 1)
         try:
-            if decoded is not None:
-                if not charge.take(decoded):
-                    raise refuse(decoded)
-                taken = decoded
-            raw = await asyncio.to_thread(self._raw, out)
-            if decoded is None:
-                if not charge.take(len(raw)):
-                    raise refuse(len(raw))
-                taken = len(raw)
             try:
                 form = await asyncio.to_thread(check_size, raw, self.max_converted_bytes)
             except ConversionTooLarge as e:
                 raise ConversionRefused("too_large", e.size, e.limit) from None
             need = CONVERT_COPIES * form.size
             if not charge.take(need):
-                raise refuse(need)
+                raise self._overload(need)
             taken += need
             encoded = await asyncio.to_thread(_converted, raw, out.encoding, form.size)
             del raw
@@ -1121,13 +1293,16 @@ class Upstream:
         for name, total in parts.written.items():
             final.headers[name] = str(total)
         final.converted = parts.converted
+        if final.ok and sent.histograms_left_out and self.metrics is not None:
+            # the whole went without them (its parts, cut from it, had none to leave out)
+            self.metrics.upstream_histograms_not_stored.inc(sent.histograms_left_out)
         if final.ok and parts.converted:
-            self._written_headers(final, sent.counts)
+            self._written_headers(final, _claimed(sent.counts, parts))
         elif parts.converted and parts.stored and not final.ok:
             # the batch is refused, but some of it is stored: the sender hears how much,
             # counted from the parts a 1.0 receiver took (it sent no Written headers)
             stored = await asyncio.to_thread(_stored_counts, lay, parts.stored)
-            self._written_headers(final, stored)
+            self._written_headers(final, _claimed(stored, parts))
         quiet = final.ok or parts.sender_gone
         self._line(logging.INFO if quiet else logging.WARNING,
                    "request sent in parts after the upstream refused it as too large",
@@ -1184,6 +1359,7 @@ class Upstream:
         finally:
             attempt.charge.give_back(need)
         self._remember(parts, a, b, answer, sent.converted)
+        parts.without_histograms = parts.without_histograms or sent.without_histograms
         refused = too_large(answer)
         if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
             await self._send_halves(parts, a, b, depth + 1, attempt)
@@ -1349,7 +1525,7 @@ class Upstream:
             ) as resp:
                 code = str(resp.status)
                 text = await resp.content.read(MAX_ERROR_BODY)
-                return self._answer(resp.status, resp.headers, text, code)
+                return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
             # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
             # firewall, a dead address) is unreachable, not slow to answer
@@ -1400,7 +1576,7 @@ class Upstream:
         return Answer(status, body.encode(), {}, code)
 
     def _answer(self, upstream_status: int, upstream_headers: Mapping[str, str], text: bytes,
-                code: str) -> Answer:
+                code: str, converted: bool = False) -> Answer:
         status, out = map_status(upstream_status, upstream_headers,
                                  pass_through_429=self.settings.pass_through_429)
         for name in _WRITTEN:
@@ -1427,9 +1603,12 @@ class Upstream:
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
             text = f"upstream answered {upstream_status}: ".encode() + text
-        if (status >= 500 or upstream_status >= 300) and not too_large(
-                Answer(status, text, upstream=str(upstream_status))):
-            # a refusal for size is sent in parts (``forward``): said there, if it must be
+        said = Answer(status, text, upstream=str(upstream_status))
+        if (status >= 500 or upstream_status >= 300) and not too_large(said) and not (
+                converted and histograms_disabled(said)):
+            # a refusal for size is sent in parts (``forward``), one of a converted
+            # request's native histograms without them (``_histograms_refused``): said
+            # there, if it must be
             self._line(
                 logging.WARNING, "upstream did not accept the request",
                 f"{upstream_status}:{status}",
@@ -1472,6 +1651,8 @@ class Upstream:
             probe = await self._probe()
             self._probed_at = asyncio.get_running_loop().time()
             self.probe = probe
+            # checked again after no answer: what answers now may take native histograms
+            self.histograms_refused_at = -math.inf
             self._recheck = probe.outcome == "unavailable" and self.settings.protocol == "auto"
             if self.settings.protocol == "auto":
                 if probe.outcome == "rw2":

@@ -11,6 +11,7 @@ import logging
 import shutil
 import ssl
 import subprocess
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.upstream import (
+    HISTOGRAMS_RECHECK_SECONDS,
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,
@@ -345,6 +347,106 @@ async def test_conversion_failure_after_a_refusal_is_a_decode_error() -> None:
         with pytest.raises(DecodeError) as info:
             await u.send(bad.SerializeToString(), Protocol.V2, counts=COUNTS)
     assert info.value.status == 400
+
+
+#: what Prometheus 2.x without --enable-feature=native-histograms answers a write holding one
+HISTOGRAMS_DISABLED = Reply(500, body=b"native histograms are disabled\n")
+
+
+def histograms_in(rec: Received) -> int:
+    return sum(len(ts.histograms) for ts in WriteRequest.FromString(rec.raw).timeseries)
+
+
+def refusing_histograms(rec: Received) -> Reply:
+    """Prometheus 2.42 on its defaults: a request holding a native histogram is refused."""
+    return HISTOGRAMS_DISABLED if histograms_in(rec) else Reply(204)
+
+
+async def test_converted_histograms_refused_go_again_without_them_and_are_remembered(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # the 500 stored nothing of the request; the sender got 502 and retried it forever
+    counts = Counts(series=2, samples=6, histograms=2, exemplars=0)
+    takes = False
+
+    def receiver(rec: Received) -> Reply:
+        return Reply(204) if takes else refusing_histograms(rec)
+
+    with caplog.at_level(logging.INFO, logger="karta.upstream"):
+        async with ScriptedUpstream(rule=receiver) as up, opened(
+                up.url, protocol="v1", rw1_confirms_histograms=True) as u:
+            first = await u.send(many_v2(2, histograms=True), Protocol.V2, counts=counts)
+            assert [histograms_in(r) for r in up.received] == [2, 0]
+            second = await u.send(many_v2(2, histograms=True), Protocol.V2, counts=counts)
+            assert [histograms_in(r) for r in up.received] == [2, 0, 0]  # at once
+            refusals = [r for r in caplog.records if "refuses native histograms" in r.message]
+            assert len(refusals) == 1 and refusals[0].levelno == logging.WARNING
+            # said once, as what it is: not also as a request the upstream did not accept
+            assert not any("did not accept" in r.message for r in caplog.records)
+            # past the recheck interval they go again, and the receiver takes them now
+            u.histograms_refused_at -= HISTOGRAMS_RECHECK_SECONDS
+            takes = True
+            third = await u.send(many_v2(2, histograms=True), Protocol.V2, counts=counts)
+            assert [histograms_in(r) for r in up.received] == [2, 0, 0, 2]
+    for answer in (first, second):
+        assert answer.status == 204 and answer.converted
+        assert (answer.headers[WRITTEN_SAMPLES], answer.headers[WRITTEN_HISTOGRAMS]) == ("6", "0")
+    # rw1_confirms_histograms: a 2xx to a request that carried them says they were written
+    assert third.headers[WRITTEN_HISTOGRAMS] == "2" and not u.leaves_out_histograms()
+    assert any("stores native histograms again" in r.message for r in caplog.records)
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_histograms_not_stored_total") == 4
+
+
+async def test_the_check_made_again_forgets_that_histograms_were_refused() -> None:
+    # after no answer, what answers may be a Prometheus restarted with native histograms on
+    async with ScriptedUpstream(Reply(204)) as up, opened(up.url) as u:
+        u.histograms_refused_at = time.monotonic()
+        assert u.leaves_out_histograms()
+        await u.check()
+    assert not u.leaves_out_histograms()
+
+
+async def test_an_rw1_senders_histograms_refused_get_the_upstreams_answer(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # its sender cannot be told of a partial write: a 2xx would say histograms were stored
+    req = WriteRequest.FromString(v2_to_v1(many_v2(2, histograms=True)))
+    async with ScriptedUpstream(rule=refusing_histograms) as up, opened(up.url) as u:
+        with caplog.at_level(logging.WARNING, logger="karta.upstream"):
+            answer = await u.send(req.SerializeToString(), Protocol.V1)
+        assert any("did not accept" in r.message for r in caplog.records)
+        assert answer.status == 502 and b"native histograms are disabled" in answer.body
+        assert len(up.received) == 1 and not u.leaves_out_histograms()
+        u.histograms_refused_at = time.monotonic()  # as an RW 2.0 request would have found
+        again = await u.send(req.SerializeToString(), Protocol.V1)
+    assert again.status == 502 and histograms_in(up.received[1]) == 2
+
+
+@pytest.mark.parametrize("reply", [
+    Reply(500, body=b"native histograms are disabled for this tenant\n"),
+    Reply(503, body=b"native histograms are disabled\n"),
+    Reply(500, body=b"out of memory\n"),
+])
+async def test_another_5xx_is_not_taken_for_a_refusal_of_native_histograms(reply: Reply
+                                                                            ) -> None:
+    counts = Counts(series=2, samples=6, histograms=2, exemplars=0)
+    async with ScriptedUpstream(reply) as up, opened(up.url, protocol="v1") as u:
+        answer = await u.send(many_v2(2, histograms=True), Protocol.V2, counts=counts)
+    assert answer.status >= 500 and len(up.received) == 1 and not u.leaves_out_histograms()
+
+
+async def test_histograms_refused_by_a_part_are_not_claimed_for_the_whole() -> None:
+    # too large, then each part refused for its histograms and sent again without them
+    raw = many_v2(16, histograms=True)
+    limit = len(compress(v2_to_v1(raw), "snappy")) * 7 // 10
+    counts = Counts(series=16, samples=48, histograms=16, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(limit, refusing_histograms)) as up, opened(
+            up.url, protocol="v1", rw1_confirms_histograms=True) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+    assert answer.ok and answer.converted
+    assert (answer.headers[WRITTEN_SAMPLES], answer.headers[WRITTEN_HISTOGRAMS]) == ("48", "0")
+    stored = [r for r in up.received if len(r.body) <= limit and not histograms_in(r)]
+    assert sum(len(WriteRequest.FromString(r.raw).timeseries) for r in stored) == 16
 
 
 @pytest.mark.parametrize("status", [404, 405, 410, 501, 308])
@@ -685,7 +787,8 @@ def many_v1(n: int, *, metadata: bool = True) -> bytes:
     return req.SerializeToString()
 
 
-def many_v2(n: int) -> bytes:
+def many_v2(n: int, *, histograms: bool = False) -> bytes:
+    """``n`` series of 3 samples each (and of one exponential native histogram each)."""
     req = RequestV2()
     req.symbols.extend(["", "__name__", "requests_total", "pod"])
     for i in range(n):
@@ -694,6 +797,8 @@ def many_v2(n: int) -> bytes:
         ts.labels_refs.extend([1, 2, 3, 4 + i])
         for j in range(3):
             ts.samples.add(value=i * 1.37 + j, timestamp=1000 + j * 15000 + i)
+        if histograms:
+            ts.histograms.add(count_int=1, sum=1.0, schema=0, zero_count_int=1, timestamp=1000)
     return req.SerializeToString()
 
 

@@ -144,10 +144,11 @@ class Peers:
 
     async def prometheus_receiver(
         self, name: str = "prom-receiver", *, rule_files: Sequence[Path] = (),
-        evaluation_interval: str = "1m",
+        evaluation_interval: str = "1m", extra: Sequence[str] = (),
     ) -> Peer:
         """A receiving Prometheus; ``rule_files`` are evaluated every ``evaluation_interval``
-        over what is written into it (the shipped recording rules, for the dashboards)."""
+        over what is written into it (the shipped recording rules, for the dashboards);
+        ``extra``: more flags (``--enable-feature=native-histograms``)."""
         binary = need("prometheus")
         port = free_port()
         cfg = self.tmp / f"{name}.yml"
@@ -158,7 +159,7 @@ class Peers:
         p = self._peer(name, [
             binary, f"--config.file={cfg}", f"--storage.tsdb.path={self._dir(name)}",
             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-remote-write-receiver",
-            "--log.level=warn",
+            "--log.level=warn", *extra,
         ], port, "/-/ready")
         await p.wait_ready()
         return p

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -17,8 +17,9 @@ import pytest
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
+from proxy.pb.prometheus import remote_pb2
 from proxy.sender import Series, build_v2, send, send_series
-from proxy.upstream import WRITTEN_EXEMPLARS, WRITTEN_SAMPLES, Upstream
+from proxy.upstream import WRITTEN_EXEMPLARS, WRITTEN_HISTOGRAMS, WRITTEN_SAMPLES, Upstream
 from proxy.wire.primitives import STALE_NAN, Counts, Protocol
 from tests.peers.conftest import InProcessProxy, Peer, Peers, query, vm_flush, wait_until
 
@@ -265,3 +266,115 @@ async def test_a_histogram_staleness_marker_is_taken_by_prometheus_2_and_ends_th
         assert await query(rx.base_url, name, at + 1) == [], name  # ended by the marker
     assert await query(rx.base_url, "gone_seconds", at + 1) == []
     assert await query(rx.base_url, "nhcb_seconds", at) == []  # no histogram stored
+
+
+def _floats_and_histograms(metric: str, at: int, n: int = 50, floats: bool = True) -> bytes:
+    """An RW 2.0 request of ``n`` float series ``<metric>_f`` (unless not ``floats``) and
+    ``n`` exponential native-histogram series ``<metric>_h`` (count 3: the zero bucket and
+    two of schema 0), at ``at``, all of one pod."""
+    req = v2.Request()
+    req.symbols.extend(["", "__name__", f"{metric}_f", f"{metric}_h", "idx", "namespace",
+                        NAMESPACE, "pod", POD])
+    for i in range(n):
+        req.symbols.append(str(i))
+        for name in ((2, 3) if floats else (3,)):
+            ts = req.timeseries.add()
+            ts.labels_refs.extend([1, name, 4, len(req.symbols) - 1, 5, 6, 7, 8])
+            if name == 2:
+                ts.samples.add(value=float(i), timestamp=at)
+                continue
+            h = ts.histograms.add(count_int=3, sum=1.5, schema=0, zero_threshold=1e-128,
+                                  zero_count_int=1, timestamp=at)
+            h.positive_spans.add(offset=0, length=2)
+            h.positive_deltas.extend([1, 0])
+    return req.SerializeToString()
+
+
+async def _sent(proxy: InProcessProxy, metric: str, at: int, *, floats: bool = True
+                ) -> tuple[tuple[str, ...], float]:
+    """``_floats_and_histograms`` sent through ``proxy`` (RW 2.0), answered 204: its
+    Samples-, Histograms- and Exemplars-Written, and how many upstream requests it took."""
+    before = _upstream_posts(proxy)
+    status, headers, text = await send(
+        proxy.write_url, _floats_and_histograms(metric, at, floats=floats), protocol=Protocol.V2)
+    assert status == 204, text
+    written = tuple(headers[h] for h in (WRITTEN_SAMPLES, WRITTEN_HISTOGRAMS, WRITTEN_EXEMPLARS))
+    return written, _upstream_posts(proxy) - before
+
+
+def _upstream_posts(proxy: InProcessProxy) -> float:
+    registry = proxy.proxy.metrics.registry
+    return sum(registry.get_sample_value("karta_proxy_upstream_responses_total",
+                                         {"code": code}) or 0 for code in ("204", "500"))
+
+
+async def _histograms_stored(rx: Peer, metric: str, at: int) -> float:
+    rows = await query(rx.base_url, f"count(histogram_count({metric}_h))", at / 1000)
+    return float(rows[0]["value"][1]) if rows else 0.0
+
+
+async def test_native_histograms_prometheus_2_refuses_leave_its_floats_stored(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # Prometheus 2.42 on its defaults answers a write holding one native histogram with 500
+    # "native histograms are disabled" and stores nothing of it: the proxy answered 502,
+    # none of the float series was stored, and the sender retried the batch forever. Now
+    # the request goes again without them: the floats stored, Histograms-Written 0
+    rx = await receiver(peers, "prometheus")
+    proxy = await make_proxy(rx.base_url + "/api/v1/write")
+    upstream = proxy.proxy.upstream
+    assert (await upstream.check()).outcome == "rw1"
+    at = int(time.time() * 1000) - 60_000
+    # refused, then sent again without the histograms: two upstream requests
+    assert await _sent(proxy, "nh_off", at) == (("50", "0", "0"), 2)
+
+    async def stored() -> bool:
+        return await stored_samples(rx, "prometheus", "nh_off_f") == 50
+
+    await wait_until(stored, timeout=15, what="the 50 float samples stored")
+    assert await _histograms_stored(rx, "nh_off", at) == 0
+    # remembered: the next request goes without them at once, one upstream request
+    assert await _sent(proxy, "nh_off", at + 1000) == (("50", "0", "0"), 1)
+
+    async def stored_again() -> bool:
+        return await stored_samples(rx, "prometheus", "nh_off_f") == 100
+
+    await wait_until(stored_again, timeout=15, what="100 float samples stored")
+    # a request of native histograms only: nothing stored, and the sender is told so
+    assert await _sent(proxy, "nh_off", at + 2000, floats=False) == (("0", "0", "0"), 1)
+    registry = proxy.proxy.metrics.registry
+    assert registry.get_sample_value(
+        "karta_proxy_upstream_histograms_not_stored_total") == 150
+    # an RW 1.0 sender's histograms: its answer is the upstream's, as without the proxy
+    # (it cannot be told of a partial write)
+    req = cast(Any, remote_pb2).WriteRequest()
+    ts = req.timeseries.add()
+    for name, value in (("__name__", "nh_off_v1"), ("namespace", NAMESPACE), ("pod", POD)):
+        ts.labels.add(name=name, value=value)
+    ts.samples.add(value=1.0, timestamp=at)
+    ts.histograms.add(count_int=1, sum=1.0, schema=0, zero_threshold=1e-128,
+                      zero_count_int=1, timestamp=at)
+    status, _, text = await send(proxy.write_url, req.SerializeToString(),
+                                 protocol=Protocol.V1)
+    assert status == 502 and "native histograms are disabled" in text, text
+    assert await stored_samples(rx, "prometheus", "nh_off_v1") == 0
+
+
+async def test_native_histograms_prometheus_2_takes_are_stored_and_said_written(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+) -> None:
+    # with --enable-feature=native-histograms, Prometheus 2.42 stores them: they go with the
+    # request, and with upstream.rw1_confirms_histograms its 2xx says they were written
+    rx = await peers.prometheus_receiver(extra=["--enable-feature=native-histograms"])
+    proxy = await make_proxy(rx.base_url + "/api/v1/write", rw1_confirms_histograms=True)
+    assert (await proxy.proxy.upstream.check()).outcome == "rw1"
+    at = int(time.time() * 1000) - 60_000
+    assert await _sent(proxy, "nh_on", at) == (("50", "50", "0"), 1)
+
+    async def stored() -> bool:
+        return (await stored_samples(rx, "prometheus", "nh_on_f") == 50
+                and await _histograms_stored(rx, "nh_on", at) == 50)
+
+    await wait_until(stored, timeout=15, what="50 floats and 50 histograms stored")
+    assert not proxy.proxy.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_histograms_not_stored_total")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import tracemalloc
 from pathlib import Path
 from typing import Any, cast
@@ -11,16 +12,19 @@ import pytest
 
 from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
-from proxy.pb.prometheus import types_pb2
+from proxy.pb.prometheus import remote_pb2, types_pb2
 from proxy.sender import Series, build_v1, build_v2
 from proxy.wire.convert import (
     ConversionTooLarge,
+    WithoutHistograms,
     check_size,
     format_le,
     v1_form,
     v1_size,
     v2_to_v1,
+    without_histograms,
 )
+from proxy.wire.primitives import len_field
 from tests.upstream_proto import upstream_v1
 from tests.wire_fixtures import (
     STALE_NAN,
@@ -33,6 +37,7 @@ from tests.wire_fixtures import (
 )
 
 RequestV2: Any = cast(Any, v2).Request
+WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
 
 
 def test_v2_to_v1_converts_everything() -> None:
@@ -255,6 +260,88 @@ def test_a_staleness_marker_of_exponential_histograms_stays_a_histogram() -> Non
     assert [h.timestamp for h in ts.histograms] == [TS, TS + 1000] and not ts.samples
     assert is_stale(ts.histograms[1].sum)
     assert v1_form(marked("exponential", "marker")).histograms == 0
+
+
+def test_without_histograms_leaves_out_native_histograms_and_nothing_else() -> None:
+    # for a receiver without native histograms (Prometheus 2.42 on its defaults), which
+    # refuses the whole request for one: floats, exemplars, metadata and the classic
+    # series of custom buckets stay, byte for byte; a series left with labels only goes
+    mixed = RequestV2.FromString(request_v2({"__name__": "g", "pod": "p"}, histograms=2,
+                                            exemplars=1, metadata=True))
+    only = mixed.timeseries.add()  # a series of one exponential histogram and nothing else
+    only.CopyFrom(mixed.timeseries[0])
+    del only.samples[:], only.exemplars[:], only.histograms[1:]
+    plain = mixed.timeseries.add()  # no histogram: its bytes go as they are
+    plain.CopyFrom(mixed.timeseries[0])
+    del plain.histograms[:]
+    nhcb = RequestV2.FromString(nhcb_v2({"count_float": 6, "sum": 4.0,
+                                         "positive_counts": [2.0, 3.0, 1.0],
+                                         "custom_values": [0.1, 1.0]}))
+    converted = v2_to_v1(mixed.SerializeToString()) + v2_to_v1(nhcb.SerializeToString())
+    left = without_histograms(converted)
+    assert left.histograms == 3
+    before, after = parse_v1(converted), parse_v1(left.body)
+    assert len(after.timeseries) == len(before.timeseries) - 1
+    kept = [ts for ts in before.timeseries if ts.samples or ts.exemplars]
+    for old, new in zip(kept, after.timeseries, strict=True):
+        assert not new.histograms
+        assert (labels_of(new), list(new.samples), list(new.exemplars)) == (
+            labels_of(old), list(old.samples), list(old.exemplars))
+    assert list(after.metadata) == list(before.metadata)
+    assert [n for ts in after.timeseries for n, _ in labels_of(ts)].count("le") == 3
+    assert before.timeseries[2].SerializeToString() in left.body  # as it was
+    # nothing to leave out: the same bytes; histograms only: nothing left but metadata
+    assert without_histograms(v2_to_v1(nhcb.SerializeToString())).body == v2_to_v1(
+        nhcb.SerializeToString())
+    lone = RequestV2()
+    lone.symbols.extend(mixed.symbols)
+    lone.timeseries.add().CopyFrom(only)
+    left = without_histograms(v2_to_v1(lone.SerializeToString()))
+    assert left.histograms == 1 and not parse_v1(left.body).timeseries
+    assert len(parse_v1(left.body).metadata) == 1
+    assert without_histograms(b"") == WithoutHistograms(b"", 0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_without_histograms_is_the_request_without_them_for_any_shape(seed: int) -> None:
+    # long labels and values (lengths of two bytes and more), fields past 15 (tags of two
+    # bytes), histograms before other fields of a series, series of labels only: the
+    # protobuf reading of the result is the request's with its histograms cleared
+    rng = random.Random(seed)
+    req = WriteRequest()
+    for i in range(rng.randrange(1, 30)):
+        ts = req.timeseries.add()
+        ts.labels.add(name="__name__", value="m" * rng.choice((1, 130, 20000)))
+        ts.labels.add(name="i", value=str(i))
+        for _ in range(rng.randrange(3)):
+            ts.samples.add(value=1.0, timestamp=i)
+        for _ in range(rng.randrange(2)):
+            ts.exemplars.add(value=1.0, timestamp=i).labels.add(name="t", value="x" * 200)
+        for _ in range(rng.randrange(3)):
+            h = ts.histograms.add(count_int=1, sum=1.0, schema=0, zero_count_int=1, timestamp=i)
+            h.positive_spans.add(offset=0, length=rng.randrange(300))
+            h.positive_deltas.extend([1] * rng.randrange(300))
+    raw = bytearray(req.SerializeToString())
+    if rng.random() < 0.5:  # an unknown field (number 20) in the last series
+        raw += len_field(1, b"\xa2\x01\x02ab" + len_field(1, b"\x0a\x01x\x12\x01y"))
+    if rng.random() < 0.5:  # a histogram before a sample and an exemplar
+        label = len_field(1, len_field(1, b"__name__") + len_field(2, b"late"))
+        histogram = len_field(4, req.timeseries[0].histograms.add().SerializeToString())
+        raw += len_field(1, label + histogram + len_field(2, b"\x09" + bytes(8))
+                         + histogram + len_field(3, b"\x11" + bytes(8)))
+    raw += len_field(3, b"\x08\x01\x12\x01m")  # metadata after the series
+    left = without_histograms(bytes(raw))
+    expected = WriteRequest.FromString(bytes(raw))
+    assert left.histograms == sum(len(ts.histograms) for ts in expected.timeseries)
+    kept = [ts for ts in expected.timeseries if not ts.histograms or ts.samples or ts.exemplars]
+    for ts in kept:
+        del ts.histograms[:]
+    got = WriteRequest.FromString(left.body)
+    assert [t.SerializeToString() for t in got.timeseries] == [
+        t.SerializeToString() for t in kept]
+    assert list(got.metadata) == list(expected.metadata)
+    if not left.histograms:
+        assert left.body == raw
 
 
 def test_a_custom_bucket_past_its_bounds_is_400() -> None:
