@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import re
 import time
 import typing
@@ -52,6 +51,7 @@ from proxy.compression import (
 )
 from proxy.config import ServerSettings
 from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
+from proxy.cpus import usable_cpus
 from proxy.index import PodIndex
 from proxy.log import Throttled
 from proxy.loop_workers import LoopWorkers
@@ -114,13 +114,9 @@ class Enriching(typing.Protocol):
 
 
 def worker_count(configured: int) -> int:
-    """Worker threads for the request work: ``configured``, or one per usable core."""
-    if configured > 0:
-        return configured
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+    """Worker threads for the request work: ``configured``, or one per usable core (the
+    affinity and the cgroup's CPU quota: ``proxy.cpus``)."""
+    return configured if configured > 0 else usable_cpus()
 
 
 @dataclass(slots=True)
