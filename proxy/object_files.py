@@ -14,10 +14,10 @@ exporter reads its cluster through it too. Accepted, in any mix, from a file or 
 
 A file that cannot be read or parsed comes back as a :class:`SkippedFile` with its
 reason; objects that are not Kubernetes objects are listed with their reason and left
-out; nothing here raises but for a path that does not exist at all. Objects without
-``metadata.uid`` (hand written snapshots) get a stable one derived from API group,
-kind, namespace and name, and owner references without a uid get the same derivation,
-so owner chains still connect.
+out; nothing here raises but for a path that does not exist at all, or a folder that
+cannot be listed. Objects without ``metadata.uid`` (hand written snapshots) get a
+stable one derived from API group, kind, namespace and name, and owner references
+without a uid get the same derivation, so owner chains still connect.
 
 Large files are read an item at a time, never whole (a 37.5k-pod List is tens of
 megabytes of text and ~5x that parsed), and a source may hold what it read as text
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -184,12 +185,20 @@ class FileContent:
 
 
 def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
-    """The files a snapshot path stands for; raises ``SnapshotError`` if it does not exist."""
+    """The files a snapshot path stands for; raises ``SnapshotError`` if it does not exist,
+    or is a folder that cannot be listed (taken for an empty one, every object in it was
+    deleted)."""
     p = Path(path)
     if p.is_file():
         return [p], []
     if not p.is_dir():
         raise SnapshotError(f"snapshot {path}: no such file or folder")
+    try:  # a folder walked without read permission reads as empty (rglob says nothing)
+        with os.scandir(p):
+            pass
+    except OSError as e:
+        raise SnapshotError(f"snapshot {path}: cannot read the folder: {e.strerror or e}"
+                            ) from e
     files: list[Path] = []
     skipped: list[SkippedFile] = []
     for f in folder_files(p):  # hidden files and folders are not snapshot data

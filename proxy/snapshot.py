@@ -10,9 +10,13 @@ one); this module diffs it against what was applied before and feeds the differe
 the engine. Nothing here raises past the loader except a path that does not exist at
 all, or one of which no file could be loaded at start.
 
-With ``reload_seconds`` the source polls the files' mtimes and applies what changed:
-changed and new objects are upserted, vanished ones deleted. A file that fails to parse
-on reload keeps its previous objects, so a half-written save never empties the index.
+With ``reload_seconds`` the source polls the files' mtimes and sizes and applies what
+changed: changed and new objects are upserted, vanished ones deleted. A change is read
+only once the files have stopped changing (the same at two polls in a row, and through
+the read): a file saved in place is read half-written otherwise, and a half file is
+often valid YAML (fewer objects, a pod without its owner). A file that fails to parse
+on reload keeps its previous objects, and a path that cannot be read at all (moved
+away, not listable) keeps every object, without the index being marked fresh meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy import memory
 from proxy.index import PodIndex
@@ -67,6 +71,8 @@ FRESHNESS_RESOURCE = "snapshot"
 DESCRIPTION_SOURCE = "snapshot"
 #: minimum poll interval for reloads
 MIN_RELOAD_SECONDS = 0.2
+#: polls a change of the files may wait for them to stop changing before it is logged
+UNSETTLED_WARN_POLLS = 10
 
 
 def _uid(obj: Held) -> str:
@@ -417,18 +423,34 @@ def load_snapshot(path: str | Path, engine: Engine) -> SnapshotReport:
     return report
 
 
-def _signature(path: str | Path) -> tuple[tuple[str, int, int], ...]:
-    """What changes when any snapshot file is saved, added or removed."""
+class FileStamp(NamedTuple):
+    """What changes when a file is saved, added or removed: its mtime and size."""
+
+    mtime_ns: int
+    size: int
+
+
+@dataclass
+class PathState:
+    """A snapshot path as a poll finds it: the stamp of each of its files, or why the
+    path itself cannot be read (then ``files`` is empty, and means nothing)."""
+
+    files: dict[str, FileStamp] = field(default_factory=dict)
+    unreadable: str | None = None
+
+
+def path_state(path: str | Path) -> PathState:
+    """Stat every file of a snapshot path (``snapshot_files``); never raises."""
     try:
         files, _ = snapshot_files(path)
-    except SnapshotError:
-        return ()
-    out = []
+    except SnapshotError as e:
+        return PathState(unreadable=str(e))
+    out: dict[str, FileStamp] = {}
     for f in files:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # gone since listed: as if not listed
             st = f.stat()
-            out.append((str(f), st.st_mtime_ns, st.st_size))
-    return tuple(out)
+            out[str(f)] = FileStamp(st.st_mtime_ns, st.st_size)
+    return PathState(out)
 
 
 def log_report(report: SnapshotReport, *, reload: bool = False) -> None:
@@ -484,7 +506,14 @@ class SnapshotSource:
         self.report: SnapshotReport | None = None
         self.reloads = 0
         self._content: SnapshotContent | None = None
-        self._signature: tuple[tuple[str, int, int], ...] = ()
+        #: the path as it was when what is applied was read
+        self._applied = PathState()
+        #: the path as the last poll found it: a change is read once two polls agree
+        self._seen = PathState()
+        #: polls the current change has waited for the files to stop changing
+        self._waited = 0
+        #: why the path cannot be read, from when it went until it is back; None: it can
+        self._unreadable: str | None = None
         self._task: asyncio.Task[None] | None = None
         #: the kinds the engine kept whole when this source last fed it (full_kinds)
         self._full: frozenset[GroupKind] = frozenset()
@@ -493,8 +522,11 @@ class SnapshotSource:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        """Load, apply to the index, mark it ready and fresh; raises ``SnapshotError``."""
-        self._signature = await asyncio.to_thread(_signature, self.path)
+        """Load, apply to the index, mark it ready and fresh; raises ``SnapshotError``.
+
+        Read at once, however recently the files changed: there is nothing older to
+        serve meanwhile."""
+        self._applied = self._seen = await asyncio.to_thread(path_state, self.path)
         content = await asyncio.to_thread(read_snapshot, self.path, packed=True)
         if not content.files:
             reasons = "; ".join(str(s) for s in content.skipped[:5]) or "no snapshot files"
@@ -517,10 +549,16 @@ class SnapshotSource:
         task, self._task = self._task, None
         await cancel_and_wait(task)
 
-    async def reload(self) -> SnapshotReport:
-        """Apply what changed on disk since the last load (files that fail keep their objects)."""
+    async def reload(self, settled: PathState | None = None) -> SnapshotReport:
+        """Apply what changed on disk since the last load (files that fail keep their
+        objects; a path that cannot be read keeps them all).
+
+        ``settled``: the path as two polls in a row found it (:meth:`poll`); the read is
+        applied only if the files are still so before and after it, else dropped (the
+        report names the path as skipped, changed while read). Without it, what is read
+        is applied, as an explicit reload asks."""
         async with self._lock:
-            report = await self._reload()
+            report = await self._reload(settled)
             await self._follow_kinds()
         return report
 
@@ -584,20 +622,57 @@ class SnapshotSource:
             "objects": len(feed)})
         return len(feed)
 
-    async def _reload(self) -> SnapshotReport:
+    def _path_unreadable(self, why: str) -> SnapshotReport:
+        """The path cannot be read (moved away, not listable): every object last loaded
+        from it is kept, the index is stale (the source is cut off, as the watches are
+        from an unreachable API server) and not marked fresh until it is back, so its
+        freshness ages and ``KartaIndexStale`` can fire. Read as a folder or file without
+        any files, it deleted every pod, and the polls that followed, finding nothing
+        changed in nothing, marked the empty index fresh. A warning when it goes (not
+        one per poll); the report: the path skipped, nothing changed."""
+        if self._unreadable is None:
+            log.warning("snapshot: the path cannot be read; every object last loaded from "
+                        "it is kept, and the index is stale until it is back",
+                        extra={"snapshot": self.path, "error": why})
+        self._unreadable = why
+        self.index.stale = True
+        return SnapshotReport(self.path, skipped=[SkippedFile(self.path, why)])
+
+    def _path_readable(self) -> None:
+        if self._unreadable is not None:
+            log.info("snapshot: the path can be read again",
+                     extra={"snapshot": self.path, "was": self._unreadable})
+            self._unreadable = None
+            self.index.stale = False
+
+    async def _reload(self, settled: PathState | None = None) -> SnapshotReport:
         assert self._content is not None, "start() first"
+        before = await asyncio.to_thread(path_state, self.path)
+        if before.unreadable is not None:
+            return self._path_unreadable(before.unreadable)
+        if settled is not None and before != settled:
+            return self._changed_while_read(before)
         # the garbage since the last freeze, before this reload freezes what is alive
         memory.collect_unfrozen()
         pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
-        self._signature = await asyncio.to_thread(_signature, self.path)
         # what the engine has: an unchanged object read again is its stub (see hold)
         applied = await asyncio.to_thread(self._content.objects, pace)
         try:
             content = await asyncio.to_thread(read_snapshot, self.path, packed=True, pace=pace,
                                               applied=applied)
-        except SnapshotError as e:  # the whole path vanished: keep serving what we have
-            log.error("snapshot: reload failed, keeping the last state", extra={"error": str(e)})
-            content = SnapshotContent(self.path, skipped=[SkippedFile(self.path, str(e))])
+        except SnapshotError as e:  # gone between the stat and the read
+            return self._path_unreadable(str(e))
+        if settled is not None:
+            # a write begun during the read (the polls saw none before it)
+            after = await asyncio.to_thread(path_state, self.path)
+            if after != before:
+                del applied  # the read freed in the thread, as a kept content is
+                await asyncio.to_thread(content.release, pace)
+                return self._changed_while_read(after)
+        self._path_readable()
+        self._applied = self._seen = before
+        # (a skipped file is named as its kept content is, both read from snapshot_files;
+        # the path itself, spelled as given, is never looked up here: _path_unreadable)
         for s in content.skipped:
             kept = self._content.files.get(s.path)
             if kept is not None:  # unreadable now (half-saved?): keep its last good objects
@@ -633,15 +708,57 @@ class SnapshotSource:
         log_report(report, reload=True)
         return report
 
+    def _changed_while_read(self, now: PathState) -> SnapshotReport:
+        """The files changed between the polls that agreed and the read (or during it):
+        nothing applied; read once they agree again."""
+        self._seen = now
+        return SnapshotReport(self.path, skipped=[SkippedFile(
+            self.path, "changed while it was read: read again once it stops changing")])
+
+    async def poll(self) -> bool:
+        """One poll of the files: whether it applied a change.
+
+        A change is read once two polls in a row find the files alike (mtime and size of
+        each), so it lands one poll interval after the last write; a file saved in place
+        (truncated, then written: a shell redirect, ``kubectl get > s.yaml``) was read
+        half-written otherwise, and a multi-document file cut at a line end is valid YAML:
+        the pods after the cut were deleted, a pod cut before its ``ownerReferences``
+        stamped as a bare Pod. A writer pausing longer than a poll interval mid-file is
+        still read half-written: only a write elsewhere and a rename into place is safe.
+
+        The index is marked fresh only when the files are as applied: not while a change
+        waits, nor while the path cannot be read."""
+        now = await asyncio.to_thread(path_state, self.path)
+        if now.unreadable is not None:
+            self._path_unreadable(now.unreadable)
+            self._seen = now
+            return False
+        self._path_readable()
+        if now == self._applied:
+            self._seen, self._waited = now, 0
+            self.index.mark_fresh(FRESHNESS_RESOURCE)
+            return False
+        if now == self._seen:
+            await self.reload(settled=now)
+            if self._applied == now:
+                self._waited = 0
+                return True
+            # changed while read, or gone since: not applied
+        else:  # changed since the last poll: maybe still being written
+            self._seen = now
+        self._waited += 1
+        if self._waited == UNSETTLED_WARN_POLLS:
+            log.warning("snapshot: the files keep changing; a change is applied once two "
+                        "polls in a row find them alike (write them elsewhere and rename "
+                        "them into place, or poll more often than they are rewritten)",
+                        extra={"snapshot": self.path, "polls": self._waited})
+        return False
+
     async def _poll(self) -> None:
         assert self.reload_seconds is not None
         while True:
             await asyncio.sleep(self.reload_seconds)
             try:
-                sig = await asyncio.to_thread(_signature, self.path)
-                if sig != self._signature:
-                    await self.reload()
-                else:
-                    self.index.mark_fresh(FRESHNESS_RESOURCE)
+                await self.poll()
             except Exception:  # never let a reload end the process
                 log.exception("snapshot: reload failed")
