@@ -119,6 +119,22 @@ class _One(Collector):
         yield self._metric
 
 
+class AllBut:
+    """Every sample name but ``left_out``: a ``names`` for :func:`chunks` that leaves
+    families out (``/metrics?facts=false``) rather than listing the ones kept, so a family
+    a later version adds is still served."""
+
+    __slots__ = ("left_out", "within")
+
+    def __init__(self, left_out: Container[str], within: Container[str] | None = None) -> None:
+        self.left_out = left_out
+        #: the names asked for beside (``name[]``), or None: every other
+        self.within = within
+
+    def __contains__(self, name: object) -> bool:
+        return name not in self.left_out and (self.within is None or name in self.within)
+
+
 def restricted(metric: Metric, names: Container[str]) -> Metric | None:
     """``metric`` with only its samples named in ``names`` (``requests_total``, not
     ``requests``; ``duration_seconds_bucket``), or None when it has none: what

@@ -188,8 +188,10 @@ def test_service_monitor_names_the_service_and_its_port() -> None:
     assert sm.namespace == svc.namespace
     ports = {p["name"] for p in svc.body["spec"]["ports"]}
     for ep in spec["endpoints"]:
-        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme",
+        assert set(ep) <= {"port", "path", "params", "interval", "scrapeTimeout", "scheme",
                            "honorLabels", "metricRelabelings"}, ep
+        # the page without the facts the drop below would take anyway (proxy.server)
+        assert ep["params"] == {"facts": ["false"]}
         assert ep["port"] in ports and ep["path"] == "/metrics"
 
 

@@ -16,6 +16,7 @@ from proxy.enrichment import Enricher
 from proxy.facts import FactsCollector
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
+from proxy.karta.results import ChangeSet
 from proxy.metrics import ProxyMetrics
 from proxy.sender import Series, build_v1
 from proxy.server import build_app, start_site
@@ -159,6 +160,34 @@ async def test_metrics_name_filter_keeps_only_the_series_named(
     assert await _sample_names(a.url + "/metrics?name[]=karta_proxy_samples") == set()
     # nothing asked for (no name[], or another parameter): the whole page
     assert await _sample_names(a.url + "/metrics?other=1") == whole
+
+
+async def test_metrics_without_the_facts_serves_every_other_series(
+        app: tuple[App, ScriptedUpstream]) -> None:
+    """``facts=false``: the page less the fact families a scrape drops where the facts are
+    remote-written (the ServiceMonitor's drop), which are never rendered then; build and
+    contract info (one per replica) and every operational series stay, a family added
+    later too. With ``name[]`` both apply; any other value is a 400."""
+    from proxy.server import SCRAPED_FACTS
+    from tests.facts.helpers import PODS, dep_facts, ray_facts
+
+    a, _ = app
+    a.index.apply(ChangeSet(pods=dict(PODS), workloads={"w-ray": ray_facts(),
+                                                         "w-dep": dep_facts()}))
+    a.index.mark_fresh("pods", 1_700_000_500.0)
+    a.index.ready = True
+    whole = await _sample_names(a.url + "/metrics")
+    facts = {n for n in whole if n in SCRAPED_FACTS}
+    assert facts, "the test app serves fact families"
+    lean = await _sample_names(a.url + "/metrics?facts=false")
+    assert lean == whole - facts
+    assert {"karta_build_info", "karta_contract_info", "karta_proxy_samples_total"} <= lean
+    assert await _sample_names(a.url + "/metrics?facts=true") == whole
+    named = [*sorted(facts)[:1], "karta_build_info"]
+    query = "&".join(f"name[]={n}" for n in named)
+    assert await _sample_names(f"{a.url}/metrics?facts=false&{query}") == {"karta_build_info"}
+    async with aiohttp.ClientSession() as s, s.get(a.url + "/metrics?facts=no") as r:
+        assert r.status == 400 and "facts must be true or false" in await r.text()
 
 
 async def test_a_scraper_that_hangs_up_before_the_answer_logs_no_error(
