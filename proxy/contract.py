@@ -7,7 +7,7 @@ documents the same names and a test keeps the two in step.
 
 from __future__ import annotations
 
-CONTRACT_VERSION = "1.8.0"
+CONTRACT_VERSION = "1.9.0"
 
 # Stamped labels. All share the ``karta_`` prefix, so in a sorted label set they form one
 # contiguous block: the wire-level splice inserts a single pre-encoded run of bytes.
@@ -171,3 +171,7 @@ FACT_WRITER_METRICS: tuple[str, ...] = (
 OP_INDEX_READY = "karta_proxy_index_ready"
 OP_INDEX_STALE = "karta_proxy_index_stale"
 INDEX_METRICS: tuple[str, ...] = (OP_INDEX_READY, OP_INDEX_STALE)
+#: a kind the index needs that RBAC forbids (since 1.9.0), served by the watch source
+#: (``proxy.kube.source``) in Kubernetes mode: the shipped ``KartaKindForbidden`` reads it
+OP_WATCH_FORBIDDEN = "karta_proxy_watch_forbidden"
+WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN,)

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from proxy import memory
+from proxy import contract, memory
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POD = GroupKind("", "Pod")
+#: why a kind is unserved when RBAC refused its watch (the forbidden gauge reads it)
+FORBIDDEN = "forbidden (RBAC)"
 KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
 DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
@@ -123,6 +125,14 @@ class KubeSource:
             "karta_proxy_watch_unserved",
             "1 for a kind the engine needs that the cluster does not serve (or forbids, "
             "in namespaced mode in any of its namespaces).",
+            ["resource"],
+            registry=self.registry,
+        )
+        self._forbidden_gauge = Gauge(
+            contract.OP_WATCH_FORBIDDEN,
+            "1 for a kind the engine needs that RBAC forbids the proxy to list or watch (in "
+            "namespaced mode: in any of its namespaces): the pods it owns are attributed "
+            "without it, to the owner below it.",
             ["resource"],
             registry=self.registry,
         )
@@ -368,8 +378,9 @@ class KubeSource:
         self._refused.pop(gk, None)
         self._discovery_failed.pop(gk, None)
         self._refused_namespaces.pop(gk, None)
-        with contextlib.suppress(KeyError):  # never shown: no child
-            self._unserved_gauge.remove(str(gk))
+        for gauge in (self._unserved_gauge, self._forbidden_gauge):
+            with contextlib.suppress(KeyError):  # never shown: no child
+                gauge.remove(str(gk))
 
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
         if self.unserved_kinds.get(gk) != why:
@@ -384,9 +395,16 @@ class KubeSource:
             self._show_unserved(gk)
 
     def _show_unserved(self, gk: GroupKind) -> None:
-        """The gauge: 1 while the kind is unserved, or refused in any namespace."""
+        """The gauges: unserved, 1 while the kind is unserved or refused in any namespace;
+        forbidden, 1 while that is RBAC's doing. Not served is what a described kind whose
+        CRD is not installed is, with no object to miss; forbidden, the cluster has the
+        kind and the proxy may not read it: its pods are attributed to the owner below it
+        (a RayJob's to its RayCluster), with nothing else to show it."""
+        refused = bool(self._refused_namespaces.get(gk))
         self._unserved_gauge.labels(str(gk)).set(
-            1 if gk in self.unserved_kinds or self._refused_namespaces.get(gk) else 0)
+            1 if gk in self.unserved_kinds or refused else 0)
+        self._forbidden_gauge.labels(str(gk)).set(
+            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused else 0)
 
     def _refuse_namespace(self, watcher: Watcher) -> None:
         """RBAC refused one namespace's watch of a kind: that watcher retracts what it
@@ -702,7 +720,7 @@ class KubeSource:
             self._refuse_namespace(watcher)
             return True
         gk = watcher.resource.group_kind
-        why = "forbidden (RBAC)" if error.status == 403 else "no longer served"
+        why = FORBIDDEN if error.status == 403 else "no longer served"
         self._mark_unserved(gk, why)
         self._refused[gk] = self._clock() + self._recheck_interval
         watcher.synced.set()  # do not hold readiness hostage

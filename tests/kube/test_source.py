@@ -241,6 +241,7 @@ async def test_a_namespace_rbac_refuses_leaves_the_others_watched(
         await asyncio.sleep(0.01)
     assert indexed == {1}, indexed  # never retracted: absent 86% of the time before
     assert gauge == {1.0}
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 1
     assert labels(source, "team-c", "c-app-1-0") is None
     warned = [r.getMessage() for r in caplog.records if "forbidden" in r.getMessage()]
     assert len(warned) == 1 and "team-c" in warned[0], warned
@@ -253,6 +254,7 @@ async def test_a_namespace_rbac_refuses_leaves_the_others_watched(
     # it was seen still 1 on a loaded machine)
     await eventually(lambda: labels(source, "team-c", "c-app-1-0")
                      and metric(source, "karta_proxy_watch_unserved", {"resource": "Pod"}) == 0)
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 0
     assert "team-c/pods" in source.index.freshness
     assert labels(source, "team-a", "a-app-1-0") is not None
 
@@ -306,6 +308,9 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
     gk = next(gk for gk in source.unserved_kinds if gk.kind == "JobSet")
     assert source.registry.get_sample_value("karta_proxy_watch_unserved",
                                             {"resource": str(gk)}) == 1
+    # a CRD not installed is no alert: nothing of the kind to miss
+    assert source.registry.get_sample_value(contract.OP_WATCH_FORBIDDEN,
+                                            {"resource": str(gk)}) == 0
     sim.register(JOB_SET)  # the CRD gets installed later: picked up by the recheck
     await eventually(lambda: gk in source.watchers and gk not in source.unserved_kinds,
                      timeout=5)
@@ -323,6 +328,8 @@ async def test_an_unserved_kind_no_longer_described_is_forgotten(
     sim.delete(karta)
     await eventually(lambda: gk not in source.unserved_kinds, timeout=5)
     assert source.registry.get_sample_value("karta_proxy_watch_unserved",
+                                            {"resource": str(gk)}) is None
+    assert source.registry.get_sample_value(contract.OP_WATCH_FORBIDDEN,
                                             {"resource": str(gk)}) is None
 
 
@@ -457,6 +464,8 @@ async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
     assert 1 <= n <= elapsed / 0.5 + 2, (n, elapsed)  # one per 0.5-1 s; was several
     # hundred in 2 s
     assert gauge == {1.0}
+    # forbidden, not merely not served (KartaKindForbidden reads it)
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 1
     assert sum("forbidden" in r.getMessage() for r in caplog.records) == 1
     assert "replicasets.apps" not in source.index.freshness
     sim.fail_resource(REPLICA_SET, None)  # RBAC fixed: picked up at the next retry
@@ -464,6 +473,7 @@ async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
                      == "Deployment", timeout=5)
     assert gk not in source.unserved_kinds
     assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0
     assert "replicasets.apps" in source.index.freshness
     assert sum("served now" in r.getMessage() for r in caplog.records) == 1
 
