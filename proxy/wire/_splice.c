@@ -1761,21 +1761,30 @@ dropped(const Plan *pl, const Lab *l)
 }
 
 /* plan.NO_LABELS_LEFT: the refusal of a series the drop of the sender's karta_* labels
- * would leave with none (Prometheus answers an empty label set 500, which senders retry
- * forever, the batch's other series with it) */
+ * would leave with no label of a non-empty value (Prometheus reads an empty value as no
+ * label, answers the empty label set 500, which senders retry forever, the batch's other
+ * series with it) */
 #define NO_LABELS_LEFT                                                                     \
-    "a series whose only labels are karta_* would be forwarded with no labels "           \
-    "(sender_karta_labels: drop removes them), and the TSDB refuses an empty label set"
+    "a series whose only labels with a value are karta_* would be forwarded with no "     \
+    "labels with a value (sender_karta_labels: drop removes them, and a TSDB reads a "    \
+    "label with an empty value as absent), and the TSDB refuses an empty label set"
 
-/* Would every label of the series be dropped (plan.check_kept on what is kept)? Stops at
- * the first kept label, the first one of a sorted series (__name__) as a rule. */
+/* Would the drop leave the series with no label of a non-empty value, a label being
+ * dropped (plan.check_kept, called where labels were dropped)? Stops at the first kept
+ * label with a value, the first one of a sorted series (__name__) as a rule. */
 static inline int
-all_dropped(const Plan *pl, const Lab *labs, size_t n)
+empty_after_drop(const Plan *pl, const Lab *labs, size_t n)
 {
-    for (size_t i = 0; i < n; i++)
-        if (!dropped(pl, &labs[i]))
-            return 0;
-    return 1;
+    int any = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!dropped(pl, &labs[i])) {
+            if (labs[i].vlen)
+                return 0;
+        }
+        else
+            any = 1;
+    }
+    return any;
 }
 
 /* Does the stamp carry this label, name and value? */
@@ -2188,11 +2197,12 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         if (t->cap)
             __builtin_prefetch(&t->slots[(size_t)P->hash & (t->cap - 1)]);
     }
-    else if (pl->drop_sent && P->reason != -1 && !e->kind && all_dropped(pl, labs, n)) {
+    else if (pl->drop_sent && P->reason != -1 && !e->kind && empty_after_drop(pl, labs, n)) {
         /* here, in stage A, not where finish_v1 drops them: a later series' defect found
          * by stage A first would otherwise be the answer, and the reference answers the
-         * first defect in the request. A series whose labels are all karta_* names no pod
-         * (no pair may read karta_*), so this is the only place it can go empty. */
+         * first defect in the request. A series whose labels with a value are all
+         * karta_* names no pod (a pair needs a namespace and a pod with a value, and no
+         * pair may read karta_*), so this is the only place it can go empty. */
         err_set(e, "invalid_labels", NO_LABELS_LEFT);
         return 0;
     }
@@ -2940,7 +2950,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             k = kept_labels(r, labs, n);
             if (k == (size_t)-1)
                 return;
-            if (k == 0) {
+            if (k != n && empty_after_drop(pl, labs, n)) {
                 err_set(e, "invalid_labels", NO_LABELS_LEFT);
                 return;
             }

@@ -186,11 +186,12 @@ def names_sorted(names: Sequence[bytes]) -> bool:
     return all(a < b for a, b in pairwise(names))
 
 
-#: the refusal of a series that would leave with no labels (``check_kept``; the native
-#: splice's ``NO_LABELS_LEFT`` says the same)
-NO_LABELS_LEFT = ("a series whose only labels are karta_* would be forwarded with no "
-                  "labels (sender_karta_labels: drop removes them), and the TSDB refuses an "
-                  "empty label set")
+#: the refusal of a series that would leave with no labels with a value (``check_kept``;
+#: the native splice's ``NO_LABELS_LEFT`` says the same)
+NO_LABELS_LEFT = ("a series whose only labels with a value are karta_* would be forwarded "
+                  "with no labels with a value (sender_karta_labels: drop removes them, and "
+                  "a TSDB reads a label with an empty value as absent), and the TSDB "
+                  "refuses an empty label set")
 
 
 def check_names(names: Sequence[bytes]) -> None:
@@ -208,12 +209,15 @@ def check_names(names: Sequence[bytes]) -> None:
                           f"label name {dup[:64]!r} repeated in one series")
 
 
-def check_kept(kept: int) -> None:
+def check_kept(values: Iterable[bytes]) -> None:
     """400 ``invalid_labels`` for a series that the drop of the sender's ``karta_*``
-    labels left with none: forwarded empty, Prometheus answers 500 ("empty labelset"),
-    the proxy 502, and the sender retries the whole batch forever. Called only where
-    labels were dropped, so a series that keeps its labels pays nothing."""
-    if not kept:
+    labels left with no label of a non-empty value (``values``: those of the labels it
+    keeps): forwarded, Prometheus reads a label with an empty value as absent, so it sees
+    an empty label set and answers 500 ("empty labelset"), the proxy 502, and the sender
+    retries the whole batch forever. Called only where labels were dropped, so a series
+    that keeps its labels pays nothing; stops at the first value, ``__name__``'s as a
+    rule."""
+    if not any(values):
         raise DecodeError("invalid_labels", 400, NO_LABELS_LEFT)
 
 

@@ -150,7 +150,7 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
         if plan.drop_sent and not (stamp is None and not reason):
             kept = [lf for lf in labels if not plan.dropped(lf[0])]
             if len(kept) != len(labels):
-                check_kept(len(kept))
+                check_kept(v for _, v, _ in kept)
                 result.stripped += 1
         if len(kept) == len(labels) and names_sorted([lf[0] for lf in labels]):
             return None

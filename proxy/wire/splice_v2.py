@@ -179,7 +179,7 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
                 kept = [(n, v, (refs[2 * i], refs[2 * i + 1]))
                         for i, (n, v) in enumerate(labels)]
             elif len(kept) != len(labels):
-                check_kept(len(kept))
+                check_kept(v for _, v, _ in kept)
                 result.stripped += 1
             if len(kept) == len(labels) and names_sorted([n for n, _ in labels]):
                 continue

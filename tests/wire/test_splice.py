@@ -541,6 +541,42 @@ def test_a_series_of_only_karta_labels_is_refused_not_forwarded_empty(splicer: S
         assert "sender_karta_labels: drop" in str(err)
 
 
+@pytest.mark.parametrize("labels", [
+    {"karta_workload": "x", "foo": ""},
+    {"__name__": "", "karta_workload": "x"},
+    {"__name__": "", "a": "", "karta_zz": "y", "zz": ""},
+])
+def test_a_series_of_karta_labels_and_empty_values_is_refused(splicer: Splicer,
+                                                               labels: dict[str, str]
+                                                               ) -> None:
+    """A label with an empty value is no label to Prometheus: once the drop took the
+    karta_* ones, ``{karta_workload="x", foo=""}`` reached Prometheus 2.42 as an empty label
+    set, 500 "empty labelset", the proxy 502, the sender's batch of 999 good series retried
+    forever (the audit's t10). Refused 400 as a series of only karta_* labels is."""
+    innocent = series_v1(POD)
+    for err in (
+        _refused(lambda: splicer.splice_v1(request_v1(innocent, series_v1(labels)))),
+        _refused(lambda: splicer.splice_v2(request_v2(POD, labels))),
+    ):
+        assert (err.kind, err.status) == ("invalid_labels", 400)
+        assert "no labels with a value" in str(err)
+
+
+def test_empty_values_the_drop_does_not_touch_pass_as_sent(splicer: Splicer) -> None:
+    """A series of only empty values and no karta_* label is the sender's, as it would be
+    sent straight to the TSDB: the proxy leaves it alone (the check runs where a label was
+    dropped); one with a value next to the dropped karta_* passes without them."""
+    raw1 = request_v1(series_v1({"foo": ""}))
+    assert splicer.splice_v1(raw1).body is raw1
+    raw2 = request_v2({"foo": ""})
+    assert splicer.splice_v2(raw2).body is raw2
+    kept = {"a": "", "b": "1", "karta_workload": "x"}
+    (got,) = parse_v1(splicer.splice_v1(request_v1(series_v1(kept))).body).timeseries
+    assert labels_of(got) == [("a", ""), ("b", "1")]
+    out = parse_v2(splicer.splice_v2(request_v2(kept)).body)
+    assert labels_v2(out, out.timeseries[0]) == [("a", ""), ("b", "1")]
+
+
 def test_only_karta_labels_pass_where_nothing_drops_them(make_splicer: MakeSplicer) -> None:
     """``keep`` of the sender's karta_* labels, or conflict_policy keep with a
     karta_workload: the series keeps its labels, so it is valid and passes unchanged."""
