@@ -59,7 +59,7 @@ from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
 from proxy.wire.native import Grow, split_v1
-from proxy.wire.plan import OverLimit, SpliceResult
+from proxy.wire.plan import REASON_LABEL_LIMIT, OverLimit, SpliceResult
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
 
 log = logging.getLogger("karta.handler")
@@ -286,6 +286,12 @@ class RemoteWriteHandler:
                                    peer_field="remote")
         self._refusals_info = Throttled(log, "request refused", "requests refused",
                                         peer_field="remote", level=logging.INFO)
+        #: and so do series the stamp would push past the TSDB's label limit (a metric with
+        #: many labels comes in every request): a line per interval naming the metric
+        self._label_limited = Throttled(
+            log, "a series over the TSDB's label limit with the stamp, forwarded unattributed",
+            "series over the TSDB's label limit with the stamp, forwarded unattributed",
+            peer_field=None)
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
         #: the child a splice that takes more counts in (looked up once, not per request)
         self._splices_grown = metrics.splice_limits.labels("grown")
@@ -303,6 +309,7 @@ class RemoteWriteHandler:
         self._connections_refused.close()
         self._refusals.close()
         self._refusals_info.close()
+        self._label_limited.close()
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
@@ -767,6 +774,14 @@ class RemoteWriteHandler:
             m.sender_karta_dropped.inc(result.stripped)
         for reason, n in result.unattributed.items():
             self._unattributed(reason).inc(n)
+        limited = result.label_limited
+        if limited is not None and log.isEnabledFor(self._label_limited.level):
+            self._label_limited.event(REASON_LABEL_LIMIT, {
+                "metric": limited.metric.decode("utf-8", "replace") or "(no __name__)",
+                "labels": limited.labels, "limit": limited.limit,
+                "series": result.unattributed.get(REASON_LABEL_LIMIT, 0),
+                "setting": "upstream.max_labels_per_series",
+            })
 
     @staticmethod
     def _answer(answer: Answer) -> web.Response:

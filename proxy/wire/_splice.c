@@ -511,6 +511,10 @@ typedef struct {
 #define ENTRY_FIELDS(en) ((en)->data + (en)->ns_len + (en)->pod_len)
 #define ENTRY_LABELS(en) ((const StampLabel *)((en)->data + (en)->labels_off))
 
+/* the splice's own reason of a series the stamp would push past the plan's label limit
+ * (plan.REASON_LABEL_LIMIT): the pod table's third fixed reason */
+#define REASON_LABEL_LIMIT 2
+
 static Entry TOMB_ENTRY;
 #define TOMB (&TOMB_ENTRY)
 
@@ -527,7 +531,8 @@ typedef struct {
     size_t used;  /* live entries */
     size_t tombs; /* deleted slots */
     uint64_t seed;
-    PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown */
+    PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown,
+                          * 2 label_limit (REASON_LABEL_LIMIT) */
     PyObject *reason_ix; /* dict str -> int */
 } PodTable;
 
@@ -880,8 +885,8 @@ PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         Py_DECREF(t);
         return NULL;
     }
-    const char *fixed[] = {"no_pod_label", "pod_unknown"};
-    for (int i = 0; i < 2; i++) {
+    const char *fixed[] = {"no_pod_label", "pod_unknown", "label_limit"};
+    for (int i = 0; i < 3; i++) {
         PyObject *s = PyUnicode_FromString(fixed[i]);
         if (s == NULL || reason_index(t, s) < 0) {
             Py_XDECREF(s);
@@ -1159,6 +1164,9 @@ typedef struct {
     int keep_sent;
     int drop_sent; /* sender_karta_labels: drop (plan.SplicePlan.drop_sent) */
     int has_matcher;
+    /* plan.SplicePlan.max_labels, SIZE_MAX for its 0 (no limit): a stamped series within
+     * it costs one compare (its labels + the stamp's, counts the splice has), no more */
+    size_t max_labels;
 } Plan;
 
 #define SLOT_NAME 0
@@ -1335,12 +1343,17 @@ static PyObject *
 Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"pairs", "rules", "keep_sent", "stamped", "workload_label",
-                             "drop_sent", NULL};
+                             "drop_sent", "max_labels", NULL};
     PyObject *pairs, *rules, *stamped, *workload;
     int keep_sent, drop_sent = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|p:Plan", kwlist, &pairs, &rules,
-                                     &keep_sent, &stamped, &workload, &drop_sent))
+    Py_ssize_t max_labels = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|pn:Plan", kwlist, &pairs, &rules,
+                                     &keep_sent, &stamped, &workload, &drop_sent, &max_labels))
         return NULL;
+    if (max_labels < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_labels must be 0 (no limit) or more");
+        return NULL;
+    }
     Plan *pl = (Plan *)type->tp_alloc(type, 0);
     if (pl == NULL)
         return NULL;
@@ -1350,6 +1363,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         goto fail;
     pl->keep_sent = keep_sent;
     pl->drop_sent = drop_sent;
+    pl->max_labels = max_labels ? (size_t)max_labels : SIZE_MAX;
     PyObject *name = PyBytes_FromString("__name__");
     if (name == NULL)
         goto fail;
@@ -1407,8 +1421,8 @@ static PyTypeObject PlanType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.wire._splice.Plan",
     .tp_basicsize = sizeof(Plan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label, drop_sent=True): a "
-              "compiled SplicePlan",
+    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label, drop_sent=True, "
+              "max_labels=0): a compiled SplicePlan",
     .tp_new = Plan_new,
     .tp_dealloc = (destructor)Plan_dealloc,
 };
@@ -1463,6 +1477,10 @@ typedef struct {
     /* counts */
     uint64_t series, samples, histograms, exemplars, attributed;
     uint64_t stripped; /* series that lost a karta_* label of the sender */
+    /* the first series the stamp would have pushed past the label limit (plan.LabelLimited):
+     * its __name__ and its labels with the stamp (limited_labels 0: none yet) */
+    const uint8_t *limited_name;
+    size_t limited_nlen, limited_labels;
     uint64_t *tally; /* per reason index */
     size_t ntally;
     /* per-series scratch */
@@ -1785,6 +1803,36 @@ empty_after_drop(const Plan *pl, const Lab *labs, size_t n)
             any = 1;
     }
     return any;
+}
+
+/* Would the stamp push the series past the plan's label limit (plan.decide's
+ * label_limit)? Called only when its n labels and the stamp's are past it (the one
+ * compare a stamped series pays): a series sent past the limit is the sender's, stamped as
+ * usual; else the labels the plan drops are not counted (the stamp replaces them). Notes
+ * the request's first such series for the log line. */
+static int
+stamp_over_limit(Req *r, const Lab *labs, size_t n, const Entry *en)
+{
+    const Plan *pl = r->plan;
+    if (n > pl->max_labels)
+        return 0;
+    size_t total = en->nlabels;
+    for (size_t i = 0; i < n; i++)
+        total += !dropped(pl, &labs[i]);
+    if (total <= pl->max_labels)
+        return 0;
+    if (r->limited_labels == 0) {
+        r->limited_name = (const uint8_t *)"";
+        r->limited_nlen = 0;
+        for (size_t i = 0; i < n; i++)
+            if (labs[i].slot == SLOT_NAME) {
+                r->limited_name = labs[i].value;
+                r->limited_nlen = labs[i].vlen;
+                break;
+            }
+        r->limited_labels = total;
+    }
+    return 1;
 }
 
 /* Does the stamp carry this label, name and value? */
@@ -2339,6 +2387,10 @@ finish_v1(Req *r, Pending *P)
     const Entry *en = NULL;
     if (reason == -2)
         en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
+    if (en != NULL && n + en->nlabels > r->plan->max_labels && stamp_over_limit(r, labs, n, en)) {
+        en = NULL; /* forwarded unstamped, the sender's karta_* dropped all the same */
+        reason = REASON_LABEL_LIMIT;
+    }
     tally(r, en ? -1 : reason);
     int drop_sent = r->plan->drop_sent;
     if (en == NULL || en->nlabels == 0) {
@@ -2941,6 +2993,10 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     const Entry *en = decide(r, &reason);
     if (e->kind)
         return;
+    if (en != NULL && n + en->nlabels > pl->max_labels && stamp_over_limit(r, labs, n, en)) {
+        en = NULL; /* forwarded unstamped, the sender's karta_* dropped all the same */
+        reason = REASON_LABEL_LIMIT;
+    }
     tally(r, en ? -1 : reason);
     if (en == NULL || en->nlabels == 0) {
         /* not stamped: under drop_sent the sender's karta_* labels go (their refs; the
@@ -3215,10 +3271,22 @@ splice(PyObject *args, int version)
         }
         Py_DECREF(cnt);
     }
-    result = Py_BuildValue("(NKKKKKNKO)", body, (unsigned long long)r.series,
+    PyObject *limited = r.limited_labels
+                            ? Py_BuildValue("(y#nn)", (const char *)r.limited_name,
+                                            (Py_ssize_t)r.limited_nlen,
+                                            (Py_ssize_t)r.limited_labels,
+                                            (Py_ssize_t)pl->max_labels)
+                            : Py_NewRef(Py_None);
+    if (limited == NULL) {
+        Py_DECREF(reasons);
+        Py_DECREF(body);
+        goto done;
+    }
+    result = Py_BuildValue("(NKKKKKNKON)", body, (unsigned long long)r.series,
                            (unsigned long long)r.samples, (unsigned long long)r.histograms,
                            (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons,
-                           (unsigned long long)r.stripped, encoded ? Py_True : Py_False);
+                           (unsigned long long)r.stripped, encoded ? Py_True : Py_False,
+                           limited);
 done:
     req_free(&r);
     v2_free(&v);
@@ -3413,7 +3481,9 @@ set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
      "splice_v1(raw, plan, table[, block, base, limit, grow]) -> (body, series, samples, "
-     "histograms, exemplars, attributed, {reason: count}, stripped, encoded): with block (a "
+     "histograms, exemplars, attributed, {reason: count}, stripped, encoded, limited): "
+     "limited, the first series the stamp would have pushed past the plan's max_labels, "
+     "as (__name__, labels with the stamp, max_labels), or None; with block (a "
      "snappy block decoding to raw at offset base), body is the output as a snappy block when "
      "encoded; with limit >= 0, the bytes the splice may hold beside raw: past it grow(need) "
      "is asked for a new limit (need: the estimate for the whole request), and when it gives "

@@ -20,6 +20,8 @@ from proxy.wire.primitives import Counts, encode_label_v1
 #: every reason a splice itself gives (the pod table's entries carry the engine's)
 REASON_NO_POD_LABEL = "no_pod_label"
 REASON_POD_UNKNOWN = "pod_unknown"
+#: the stamp would push the series past the TSDB's label limit (``SplicePlan.max_labels``)
+REASON_LABEL_LIMIT = "label_limit"
 NAME_LABEL = b"__name__"
 #: labels of this prefix belong to the proxy: a sender's are dropped (``drop_sent``)
 KARTA_PREFIX = b"karta_"
@@ -99,10 +101,17 @@ class SplicePlan:
     #: names, and only from a series that is stamped). A series ``keep_sent`` lets pass
     #: keeps its labels either way: that policy trusts the sender's attribution.
     drop_sent: bool = True
+    #: ``upstream.max_labels_per_series`` (0: no limit): a series the stamp would push past
+    #: it is forwarded unstamped (``label_limit``), since a TSDB at its limit drops the
+    #: labels that sort last (VictoriaMetrics, silently: series merge) or refuses the whole
+    #: request (Mimir). One the sender sent past it is the sender's, stamped as usual.
+    max_labels: int = 0
 
     def __post_init__(self) -> None:
         if not self.pairs:
             raise ValueError("a splice plan needs at least one (namespace, pod) pair")
+        if self.max_labels < 0:
+            raise ValueError("max_labels must be 0 (no limit) or more")
         names = self.names | self.stamped
         if len(names) > MAX_LABEL_NAMES:
             raise ValueError(
@@ -160,25 +169,56 @@ class PodStamp:
 PodAnswer = PodStamp | str
 
 
+@dataclass(frozen=True, slots=True)
+class LabelLimited:
+    """A series the stamp would have pushed past the label limit (``label_limit``): what
+    the proxy's log line names, the first of a request's."""
+
+    #: its ``__name__`` (b"" when it has none)
+    metric: bytes
+    #: how many labels it would have had with the stamp
+    labels: int
+    #: the limit (``SplicePlan.max_labels``)
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One series' decision: ``reason`` "" with a ``stamp`` to stamp, "" without one
+    attributed as it is (``keep``), else unattributed for ``reason`` (``limited`` set for
+    ``label_limit``)."""
+
+    reason: str
+    stamp: PodStamp | None = None
+    limited: LabelLimited | None = None
+
+
 def decide(
     plan: SplicePlan,
     labels: Sequence[tuple[bytes, bytes]],
     lookup: Callable[[bytes, bytes], PodAnswer | None],
-) -> tuple[str, PodStamp | None]:
-    """(reason, stamp) of one series: ("", stamp) to stamp, ("", None) attributed as it
-    is (``keep``), (reason, None) unattributed. Names are unique (:func:`check_names`)."""
+) -> Decision:
+    """The decision of one series. Names are unique (:func:`check_names`)."""
     by_name = dict(labels)
     if plan.keep_sent and by_name.get(plan.workload_label):
-        return "", None
+        return Decision("")
     found = plan.find(by_name)
     if found is None:
-        return REASON_NO_POD_LABEL, None
+        return Decision(REASON_NO_POD_LABEL)
     answer = lookup(*found)
     if answer is None:
-        return REASON_POD_UNKNOWN, None
+        return Decision(REASON_POD_UNKNOWN)
     if isinstance(answer, str):
-        return answer, None
-    return "", answer
+        return Decision(answer)
+    limit = plan.max_labels
+    if limit and len(labels) <= limit < len(labels) + len(answer.labels):
+        # (the first test is all a series within the limit with its stamp costs): the
+        # stamp replaces the labels the plan drops, so those are not counted
+        total = sum(not plan.dropped(n) for n, _ in labels) + len(answer.labels)
+        if total > limit:
+            return Decision(REASON_LABEL_LIMIT, None,
+                            LabelLimited(by_name.get(NAME_LABEL, b""), total, limit))
+    return Decision("", answer)
 
 
 def names_sorted(names: Sequence[bytes]) -> bool:
@@ -248,12 +288,20 @@ class SpliceResult:
     stripped: int = 0
     #: ``body`` is a snappy block (``Splicer.splice_snappy``)
     encoded: bool = False
+    #: the first series the stamp would have pushed past the label limit (``label_limit``)
+    label_limited: LabelLimited | None = None
 
     def tally(self, reason: str) -> None:
         if reason:
             self.unattributed[reason] = self.unattributed.get(reason, 0) + 1
         else:
             self.attributed += 1
+
+    def decided(self, decision: Decision) -> None:
+        """Count a series' decision (and keep the request's first ``label_limit`` one)."""
+        self.tally(decision.reason)
+        if decision.limited is not None and self.label_limited is None:
+            self.label_limited = decision.limited
 
     def add(self, other: SpliceResult) -> None:
         """Count ``other``'s series, samples and outcomes into this one's, as
@@ -263,6 +311,8 @@ class SpliceResult:
         self.counts.add(other.counts)
         self.attributed += other.attributed
         self.stripped += other.stripped
+        if self.label_limited is None:
+            self.label_limited = other.label_limited
         for reason, n in other.unattributed.items():
             self.unattributed[reason] = self.unattributed.get(reason, 0) + n
 

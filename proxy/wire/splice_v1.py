@@ -143,8 +143,9 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
         check_utf8(name, "label name")
         check_utf8(value, "label value")
     check_names([lf[0] for lf in labels])
-    reason, stamp = decide(plan, [lf[:2] for lf in labels], table.get)
-    result.tally(reason)
+    decision = decide(plan, [lf[:2] for lf in labels], table.get)
+    result.decided(decision)
+    reason, stamp = decision.reason, decision.stamp
     if stamp is None or not stamp.labels:
         kept = labels  # nothing to drop, or ``keep``: the sender's attribution passes
         if plan.drop_sent and not (stamp is None and not reason):

@@ -167,8 +167,9 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
         refs = ser.refs
         labels = [(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)]
         check_names([n for n, _ in labels])
-        reason, stamp = decide(plan, labels, table.get)
-        result.tally(reason)
+        decision = decide(plan, labels, table.get)
+        result.decided(decision)
+        reason, stamp = decision.reason, decision.stamp
         #: (name, value, refs as sent; None: a stamp label's, found or added)
         kept: list[tuple[bytes, bytes, tuple[int, int] | None]] = [
             (n, v, (refs[2 * i], refs[2 * i + 1]))

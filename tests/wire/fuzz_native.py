@@ -57,7 +57,7 @@ from proxy.handler import splice_in_parts  # noqa: E402
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2  # noqa: E402
 from proxy.pb.prometheus import types_pb2 as pb1  # noqa: E402
 from proxy.wire.native import Splicer, native_available, split_v1  # noqa: E402
-from proxy.wire.plan import OverLimit, SplicePlan, SpliceResult  # noqa: E402
+from proxy.wire.plan import LabelLimited, OverLimit, SplicePlan, SpliceResult  # noqa: E402
 from proxy.wire.primitives import Protocol, encode_uvarint  # noqa: E402
 from tests.wire.snappy_blocks import random_block  # noqa: E402
 
@@ -272,8 +272,11 @@ def random_plan(rnd: random.Random) -> tuple[str, SplicePlan]:
             ]),
             PodLabelRule("http", [PodLabelPair("pod_namespace", "pod_name", unless())]),
         ]
-    name = f"{policy}/{which}/{'+'.join(p for p, _ in pairs)}"
-    return name, build_plan(pairs, rules, policy)
+    # the TSDB's label limit: mostly none, else small enough for the generated series
+    # (a few labels, a pair, a stamp of up to 8) to land at it, under it and past it
+    limit = 0 if rnd.random() < 0.6 else rnd.randint(3, 10)
+    name = f"{policy}/{which}/{'+'.join(p for p, _ in pairs)}/max{limit}"
+    return name, build_plan(pairs, rules, policy, max_labels_per_series=limit)
 
 
 def random_stamp(rnd: random.Random, suffix: str = "") -> tuple[tuple[str, str], ...]:
@@ -338,13 +341,16 @@ class Outcome:
     error: tuple[str, Any] = ("", 0)
     #: series that lost a sender's karta_* label
     stripped: int = 0
+    #: the first series the stamp would have pushed past the label limit
+    label_limited: LabelLimited | None = None
 
     def describe(self) -> str:
         if not self.ok:
             return f"error {self.error}"
         return (f"ok body={self.body.hex()} same_object={self.same_object} "
                 f"counts={self.counts} attributed={self.attributed} "
-                f"unattributed={dict(self.unattributed)} stripped={self.stripped}")
+                f"unattributed={dict(self.unattributed)} stripped={self.stripped} "
+                f"label_limited={self.label_limited}")
 
 
 def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
@@ -360,7 +366,7 @@ def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
     return Outcome(True, res.body, res.body is raw, (c.series, c.samples, c.histograms,
                                                      c.exemplars),
                    res.attributed, tuple(sorted(res.unattributed.items())),
-                   stripped=res.stripped)
+                   stripped=res.stripped, label_limited=res.label_limited)
 
 
 def both(native: Splicer, python: Splicer, version: int, raw: bytes) -> tuple[Outcome, Outcome]:
@@ -1204,7 +1210,8 @@ def conversion_mismatch(raw: bytes, compare: bool) -> str | None:
 
 def fixed_setups(seed: int) -> list[Setup]:
     """Plans and tables the fuzzer cycles through: the product's default plan under both
-    policies, no rules, a regex unless (the Python callback), and random ones."""
+    policies, no rules, a regex unless (the Python callback), a label limit the generated
+    series reach, and random ones."""
     rnd = random.Random(seed ^ 0x5EED)
     answers = random_answers(rnd)
     default_replace = build_plan(PAIR_LABELS, None, "replace")
@@ -1214,10 +1221,12 @@ def fixed_setups(seed: int) -> list[Setup]:
         PodLabelPair("exported_namespace", "exported_pod"),
         PodLabelPair("namespace", "pod", {"container": "exp.*"}),
     ])], "replace")
+    limited = build_plan(PAIR_LABELS, None, "replace", max_labels_per_series=6)
     out = [Setup("default/replace", default_replace, answers),
            Setup("default/keep", default_keep, answers),
            Setup("no-rules", no_rules, random_answers(rnd)),
-           Setup("regex-unless", regex, answers)]
+           Setup("regex-unless", regex, answers),
+           Setup("label-limit-6", limited, answers)]
     for _ in range(4):
         out.append(random_setup(rnd))
     return out

@@ -3,11 +3,13 @@ what stays byte-exact, and garbage refused with the right error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from proxy.compression import DecodeError
 from proxy.wire.native import Splicer
-from proxy.wire.plan import SplicePlan
+from proxy.wire.plan import LabelLimited, SplicePlan, SpliceResult
 from proxy.wire.primitives import Counts, encode_label_v1, encode_uvarint, len_field
 from tests.wire.conftest import PLAN, STAMPED, MakeSplicer
 from tests.wire_fixtures import (
@@ -612,3 +614,92 @@ def test_the_first_defect_answers_when_a_later_series_has_another(splicer: Splic
     assert _refused(lambda: splicer.splice_v1(raw)).kind == "invalid_labels"
     raw = request_v1(series_v1(POD), series_v1({"a": "1"})) + bad_utf8
     assert _refused(lambda: splicer.splice_v1(raw)).kind == "invalid_utf8"
+
+
+# -- the TSDB's label limit ---------------------------------------------------------------
+
+#: a stamp of three labels: with namespace and pod, a pod's series has 5 labels and more
+STAMP3 = (("karta_kind", "Job"), ("karta_namespace", "ml"), ("karta_workload", "w"))
+
+
+def _limited(make_splicer: MakeSplicer, limit: int) -> Splicer:
+    sp = make_splicer(dataclasses.replace(PLAN, max_labels=limit))
+    sp.table.set(b"ml", b"p", STAMP3)
+    return sp
+
+
+def _labels(n: int, **more: str) -> dict[str, str]:
+    """A pod's series of ``n`` labels (namespace, pod and a00...) and ``more``."""
+    return {**POD, **{f"a{i:02d}": "v" for i in range(n - 2)}, **more}
+
+
+def _out(sp: Splicer, version: int, labels: dict[str, str]
+         ) -> tuple[list[tuple[str, str]], SpliceResult]:
+    if version == 1:
+        res = sp.splice_v1(request_v1(series_v1(labels)))
+        return labels_of(parse_v1(res.body).timeseries[0]), res
+    res = sp.splice_v2(request_v2(labels))
+    out = parse_v2(res.body)
+    return labels_v2(out, out.timeseries[0]), res
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_series_the_stamp_brings_to_the_limit_is_stamped(make_splicer: MakeSplicer,
+                                                           version: int) -> None:
+    sp = _limited(make_splicer, 8)
+    got, res = _out(sp, version, _labels(5))
+    assert len(got) == 8 and ("karta_workload", "w") in got
+    assert (res.attributed, res.unattributed, res.label_limited) == (1, {}, None)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_series_the_stamp_would_push_past_the_limit_goes_unstamped(
+        make_splicer: MakeSplicer, version: int) -> None:
+    """VictoriaMetrics at -maxLabelsPerTimeseries drops the labels that sort last, so
+    series that differ only in those merge (samples lost behind a 204); Mimir refuses the
+    whole request. One label over with the stamp: forwarded as sent, counted label_limit,
+    its __name__ and count kept for the log line."""
+    sp = _limited(make_splicer, 8)
+    labels = _labels(5, __name__="gpu_util")
+    got, res = _out(sp, version, labels)
+    assert got == sorted(labels.items())
+    assert (res.attributed, res.unattributed) == (0, {"label_limit": 1})
+    assert res.label_limited == LabelLimited(b"gpu_util", 9, 8)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_labels_the_stamp_replaces_do_not_count(make_splicer: MakeSplicer,
+                                                    version: int) -> None:
+    """The sender's karta_* labels are dropped before the stamp goes in: a series sent at
+    the limit with two of them is within it stamped (7 - 2 + 3); with an empty __name__
+    and over the limit, it is forwarded without the stamp and without the sender's
+    karta_* labels (no forgery gets through), and the log names no metric."""
+    sp = _limited(make_splicer, 8)
+    sent = _labels(5, karta_workload="forged", karta_zz="x")
+    got, res = _out(sp, version, sent)
+    assert len(got) == 8 and ("karta_workload", "w") in got and ("karta_zz", "x") not in got
+    assert res.attributed == 1
+    sent = _labels(7, karta_workload="forged")
+    got, res = _out(sp, version, sent)
+    assert got == sorted(_labels(7).items())
+    assert (res.unattributed, res.stripped) == ({"label_limit": 1}, 1)
+    assert res.label_limited == LabelLimited(b"", 10, 8)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_series_sent_past_the_limit_is_the_senders(make_splicer: MakeSplicer,
+                                                     version: int) -> None:
+    """Past the limit as sent, the TSDB does with it what it does without the proxy: the
+    proxy stamps it as usual; and 0 is no limit."""
+    for sp in (_limited(make_splicer, 8), _limited(make_splicer, 0)):
+        got, res = _out(sp, version, _labels(9))
+        assert len(got) == 12 and res.attributed == 1 and res.label_limited is None
+
+
+def test_a_request_in_parts_keeps_its_first_label_limited_series() -> None:
+    first, second = (SpliceResult(b"", Counts(), label_limited=LabelLimited(m, 9, 8))
+                     for m in (b"a", b"b"))
+    whole = SpliceResult(b"", Counts())
+    whole.add(first)
+    whole.add(second)
+    assert whole.label_limited == LabelLimited(b"a", 9, 8)
