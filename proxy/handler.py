@@ -59,8 +59,9 @@ from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
 from proxy.wire.native import Grow, split_v1
-from proxy.wire.plan import REASON_LABEL_LIMIT, OverLimit, SpliceResult
+from proxy.wire.plan import REASON_LABEL_LIMIT, OverLimit, SpliceResult, renumbered
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
+from proxy.wire.splice_v1 import series_before
 
 log = logging.getLogger("karta.handler")
 
@@ -152,7 +153,10 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
     spans = list(itertools.pairwise([0, *cuts, len(raw)]))
 
     def part(a: int, b: int) -> tuple[SpliceResult, SnappyPart]:
-        result = enrich(raw[a:b], block, a)
+        try:
+            result = enrich(raw[a:b], block, a)
+        except DecodeError as err:  # it names its series by the index in the whole request
+            raise renumbered(err, series_before(raw, a) if a else 0) from None
         return result, block_part(result.body)
 
     futures = [pool.submit(part, a, b) for a, b in spans[1:]]

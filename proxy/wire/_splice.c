@@ -47,7 +47,7 @@ static PyObject *DecodeErrorType = NULL; /* proxy.compression.DecodeError, set a
 typedef struct {
     const char *kind; /* NULL: no error */
     int status;
-    char message[160];
+    char message[768]; /* a refusal of a series' labels names it: up to ~600 bytes */
     int python; /* 1: a Python exception is already set (matcher callback) */
 } Err;
 
@@ -1835,6 +1835,68 @@ stamp_over_limit(Req *r, const Lab *labs, size_t n, const Entry *en)
     return 1;
 }
 
+/* primitives.SHOWN / shown: a label string as a refusal shows it, its first SHOWN bytes,
+ * printable ASCII as it is and every other byte (\\, ", not ASCII, invalid UTF-8) as
+ * \\xNN, "..." after a cut; `out` holds SHOWN_CAP bytes. Byte for byte the reference's. */
+#define SHOWN 64
+#define SHOWN_CAP (4 * SHOWN + 4)
+
+static void
+shown(char *out, const uint8_t *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t k = 0, m = n < SHOWN ? n : SHOWN;
+    for (size_t i = 0; i < m; i++) {
+        uint8_t b = s[i];
+        if (b >= 0x20 && b < 0x7F && b != '\\' && b != '"')
+            out[k++] = (char)b;
+        else {
+            out[k++] = '\\';
+            out[k++] = 'x';
+            out[k++] = hex[b >> 4];
+            out[k++] = hex[b & 15];
+        }
+    }
+    if (n > SHOWN) {
+        memcpy(out + k, "...", 3);
+        k += 3;
+    }
+    out[k] = 0;
+}
+
+/* plan.series_named: a refusal of a series' labels (invalid_labels, invalid_utf8; not an
+ * out-of-memory) names the series, its index in the request and its first __name__, so
+ * that an operator finds it among thousands. */
+static void
+name_series(Err *e, uint64_t index, const Lab *labs, size_t n)
+{
+    if (e->kind == NULL || e->python ||
+        (strcmp(e->kind, "invalid_labels") != 0 && strcmp(e->kind, "invalid_utf8") != 0))
+        return;
+    size_t len = strlen(e->message);
+    char *at = e->message + len;
+    size_t room = sizeof e->message - len;
+    for (size_t i = 0; i < n; i++)
+        if (labs[i].nlen == 8 && memcmp(labs[i].name, "__name__", 8) == 0) {
+            char buf[SHOWN_CAP];
+            shown(buf, labs[i].value, labs[i].vlen);
+            snprintf(at, room, " (series %llu of the request, __name__ \"%s\")",
+                     (unsigned long long)index, buf);
+            return;
+        }
+    snprintf(at, room, " (series %llu of the request, no __name__)", (unsigned long long)index);
+}
+
+/* A string that is not UTF-8 (primitives.check_utf8, `what` its words): the refusal shows
+ * it. */
+static void
+refuse_utf8(Err *e, const char *what, const uint8_t *s, size_t n)
+{
+    char buf[SHOWN_CAP];
+    shown(buf, s, n);
+    err_set(e, "invalid_utf8", "%s is not valid UTF-8: \"%s\"", what, buf);
+}
+
 /* Does the stamp carry this label, name and value? */
 static int
 in_stamp(const Entry *en, const Lab *l)
@@ -1881,8 +1943,9 @@ check_names(Req *r, const Lab *labs, size_t n, int *sorted)
     }
     for (size_t i = 1; i < n && !*sorted; i++)
         if (lab_cmp(&a[i - 1], &a[i]) == 0) {
-            err_set(&r->err, "invalid_labels", "label name %.*s repeated in one series",
-                    (int)(a[i].nlen < 64 ? a[i].nlen : 64), (const char *)a[i].name);
+            char buf[SHOWN_CAP];
+            shown(buf, a[i].name, a[i].nlen);
+            err_set(&r->err, "invalid_labels", "label name \"%s\" repeated in one series", buf);
             return 0;
         }
     return 1;
@@ -2080,11 +2143,11 @@ check_exemplar_v1(const uint8_t *raw, size_t p, size_t end, Err *e)
             if (!read_label(raw, f.ps, f.end, &lab, e))
                 return 0;
             if (!text_ok(lab.name, lab.nlen)) {
-                err_set(e, "invalid_utf8", "exemplar label name is not valid UTF-8");
+                refuse_utf8(e, "exemplar label name", lab.name, lab.nlen);
                 return 0;
             }
             if (!text_ok(lab.value, lab.vlen)) {
-                err_set(e, "invalid_utf8", "exemplar label value is not valid UTF-8");
+                refuse_utf8(e, "exemplar label value", lab.value, lab.vlen);
                 return 0;
             }
         }
@@ -2219,11 +2282,13 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
     int any_stamped = 0;
     for (size_t i = 0; i < n; i++) {
         if (!text_ok(labs[i].name, labs[i].nlen)) {
-            err_set(e, "invalid_utf8", "label name is not valid UTF-8");
+            refuse_utf8(e, "label name", labs[i].name, labs[i].nlen);
+            name_series(e, r->series - 1, labs, n);
             return 0;
         }
         if (!text_ok(labs[i].value, labs[i].vlen)) {
-            err_set(e, "invalid_utf8", "label value is not valid UTF-8");
+            refuse_utf8(e, "label value", labs[i].value, labs[i].vlen);
+            name_series(e, r->series - 1, labs, n);
             return 0;
         }
         int slot = slot_of(pl, labs[i].name, labs[i].nlen);
@@ -2236,8 +2301,10 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         }
     }
     P->any_stamped = any_stamped;
-    if (!check_names(r, labs, n, &P->sorted))
+    if (!check_names(r, labs, n, &P->sorted)) {
+        name_series(e, r->series - 1, labs, n);
         return 0;
+    }
     if (choose_pod(r, &P->ns, &P->pod, &P->reason)) {
         const PodTable *t = r->table;
         P->reason = -2;
@@ -2252,6 +2319,7 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
          * karta_* names no pod (a pair needs a namespace and a pod with a value, and no
          * pair may read karta_*), so this is the only place it can go empty. */
         err_set(e, "invalid_labels", NO_LABELS_LEFT);
+        name_series(e, r->series - 1, labs, n);
         return 0;
     }
     return !e->kind;
@@ -2628,7 +2696,9 @@ v2_scan(Req *r, V2 *v, size_t n)
         return 0;
     for (size_t i = 0; i < v->syms.len; i++) {
         if (!text_ok(syms[i].s, syms[i].n)) {
-            err_set(e, "invalid_utf8", "symbol is not valid UTF-8");
+            char what[32];
+            snprintf(what, sizeof what, "symbol %zu", i);
+            refuse_utf8(e, what, syms[i].s, syms[i].n);
             return 0;
         }
         slots[i] = (int16_t)slot_of(r->plan, syms[i].s, syms[i].n);
@@ -2987,8 +3057,10 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
-    if (!check_names(r, labs, n, &sorted))
+    if (!check_names(r, labs, n, &sorted)) {
+        name_series(e, r->series - 1, labs, n);
         return;
+    }
     int reason;
     const Entry *en = decide(r, &reason);
     if (e->kind)
@@ -3008,6 +3080,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
                 return;
             if (k != n && empty_after_drop(pl, labs, n)) {
                 err_set(e, "invalid_labels", NO_LABELS_LEFT);
+                name_series(e, r->series - 1, labs, n);
                 return;
             }
             r->stripped += k != n;

@@ -10,12 +10,14 @@ table and nothing else, so the two can be held equal by differential tests.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 from proxy.compression import DecodeError
-from proxy.wire.primitives import Counts, encode_label_v1
+from proxy.wire.primitives import Counts, encode_label_v1, shown
 
 #: every reason a splice itself gives (the pod table's entries carry the engine's)
 REASON_NO_POD_LABEL = "no_pod_label"
@@ -234,19 +236,56 @@ NO_LABELS_LEFT = ("a series whose only labels with a value are karta_* would be 
                   "refuses an empty label set")
 
 
+def series_named(index: int, labels: Sequence[tuple[bytes, bytes]]) -> str:
+    """Which series a refusal is about, so that an operator finds it among thousands: its
+    index in the request (0-based; in RW 1.0 the series' place among the request's series
+    fields) and its ``__name__`` (the first one, :func:`shown`)."""
+    name = next((v for n, v in labels if n == NAME_LABEL), None)
+    named = "no __name__" if name is None else f'__name__ "{shown(name)}"'
+    return f" (series {index} of the request, {named})"
+
+
+#: the end of a refusal that names its series (:func:`series_named`; a shown string holds no
+#: ``"``, so this is only ever the suffix)
+_NAMED = re.compile(r' \(series (\d+) of the request, (__name__ "[^"]*"|no __name__)\)$')
+
+
+def renumbered(err: DecodeError, before: int) -> DecodeError:
+    """A refusal of a part of a request (which counts its series from 0) naming its series
+    by its index in the whole: ``before`` series precede the part."""
+    m = _NAMED.search(err.message)
+    if m is None or not before:
+        return err
+    index = int(m.group(1)) + before
+    return DecodeError(err.kind, err.status, err.message[:m.start()]
+                       + f" (series {index} of the request, {m.group(2)})")
+
+
+@contextmanager
+def naming_series(index: int, labels: Sequence[tuple[bytes, bytes]]) -> Iterator[None]:
+    """A refusal of the series' labels raised inside names the series
+    (:func:`series_named`)."""
+    try:
+        yield
+    except DecodeError as err:
+        raise DecodeError(err.kind, err.status,
+                          err.message + series_named(index, labels)) from None
+
+
 def check_names(names: Sequence[bytes]) -> None:
     """400 ``invalid_labels`` for no label at all, or an empty or a repeated label name, in
     any series: a TSDB refuses such a series (Prometheus 2.42 with a 500, which senders
     retry forever, the innocent series of the batch with it), and the stamp of a series
-    with two values for one name would be a guess."""
+    with two values for one name would be a guess. The repeated name a refusal shows is
+    the least in byte order (the native splice finds it in its sorted copy)."""
     if not names:
         raise DecodeError("invalid_labels", 400, "a series with no labels")
     if b"" in names:
         raise DecodeError("invalid_labels", 400, "a label with an empty name")
     if len(set(names)) != len(names):
-        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        dup = min(n for n, count in Counter(names).items() if count > 1)
         raise DecodeError("invalid_labels", 400,
-                          f"label name {dup[:64]!r} repeated in one series")
+                          f'label name "{shown(dup)}" repeated in one series')
 
 
 def check_kept(values: Iterable[bytes]) -> None:

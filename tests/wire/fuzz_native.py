@@ -343,14 +343,21 @@ class Outcome:
     stripped: int = 0
     #: the first series the stamp would have pushed past the label limit
     label_limited: LabelLimited | None = None
+    #: a refusal's text, where both splices word it alike (:data:`WORDED`)
+    message: str = ""
 
     def describe(self) -> str:
         if not self.ok:
-            return f"error {self.error}"
+            return f"error {self.error} {self.message}"
         return (f"ok body={self.body.hex()} same_object={self.same_object} "
                 f"counts={self.counts} attributed={self.attributed} "
                 f"unattributed={dict(self.unattributed)} stripped={self.stripped} "
                 f"label_limited={self.label_limited}")
+
+
+#: the refusals both splices word alike, the text compared too: those of a series' labels
+#: (naming the series) and of a string that is not UTF-8 (showing it)
+WORDED = ("invalid_labels", "invalid_utf8")
 
 
 def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
@@ -359,7 +366,8 @@ def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
     try:
         res = fn(raw)
     except DecodeError as exc:
-        return Outcome(False, error=(exc.kind, exc.status))
+        return Outcome(False, error=(exc.kind, exc.status),
+                       message=exc.message if exc.kind in WORDED else "")
     except Exception as exc:  # a bug either way: reported as a disagreement
         return Outcome(False, error=(f"{type(exc).__name__}: {exc}", "not a DecodeError"))
     c = res.counts

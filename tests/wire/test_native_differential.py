@@ -29,11 +29,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from proxy.compression import DecodeError
 from proxy.enrichment import build_plan
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2
 from proxy.pb.prometheus import remote_pb2
 from proxy.wire.native import Splicer, native_available, split_v1
-from proxy.wire.splice_v1 import split_points
+from proxy.wire.plan import renumbered
+from proxy.wire.splice_v1 import series_before, split_points
 from tests.wire.fuzz_native import (
     POISONS_V1,
     POISONS_V2,
@@ -332,8 +334,9 @@ def in_parts(splicer: Splicer, raw: bytes, cuts: list[int]) -> Outcome:
     reasons: dict[str, int] = {}
     for a, b in itertools.pairwise([0, *cuts, len(raw)]):
         part = outcome(splicer.splice_v1, raw[a:b])
-        if not part.ok:
-            return part
+        if not part.ok:  # naming its series by the index in the whole, as the handler does
+            err = renumbered(DecodeError(*part.error, part.message), series_before(raw, a))
+            return dataclasses.replace(part, message=err.message)
         bodies.append(part.body)
         counts = [x + y for x, y in zip(counts, part.counts, strict=True)]
         attributed += part.attributed
