@@ -1814,8 +1814,6 @@ static int
 stamp_over_limit(Req *r, const Lab *labs, size_t n, const Entry *en)
 {
     const Plan *pl = r->plan;
-    if (n > pl->max_labels)
-        return 0;
     size_t total = en->nlabels;
     for (size_t i = 0; i < n; i++)
         total += !dropped(pl, &labs[i]);
@@ -2455,7 +2453,8 @@ finish_v1(Req *r, Pending *P)
     const Entry *en = NULL;
     if (reason == -2)
         en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
-    if (en != NULL && n + en->nlabels > r->plan->max_labels && stamp_over_limit(r, labs, n, en)) {
+    if (en != NULL && r->plan->max_labels && n + en->nlabels > r->plan->max_labels
+        && stamp_over_limit(r, labs, n, en)) {
         en = NULL; /* forwarded unstamped, the sender's karta_* dropped all the same */
         reason = REASON_LABEL_LIMIT;
     }
@@ -3065,7 +3064,8 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     const Entry *en = decide(r, &reason);
     if (e->kind)
         return;
-    if (en != NULL && n + en->nlabels > pl->max_labels && stamp_over_limit(r, labs, n, en)) {
+    if (en != NULL && pl->max_labels && n + en->nlabels > pl->max_labels
+        && stamp_over_limit(r, labs, n, en)) {
         en = NULL; /* forwarded unstamped, the sender's karta_* dropped all the same */
         reason = REASON_LABEL_LIMIT;
     }

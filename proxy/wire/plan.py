@@ -213,9 +213,11 @@ def decide(
     if isinstance(answer, str):
         return Decision(answer)
     limit = plan.max_labels
-    if limit and len(labels) <= limit < len(labels) + len(answer.labels):
+    if limit and limit < len(labels) + len(answer.labels):
         # (the first test is all a series within the limit with its stamp costs): the
-        # stamp replaces the labels the plan drops, so those are not counted
+        # stamp replaces the labels the plan drops, so those are not counted. A series
+        # sent past the limit already goes unstamped too: the stamp would only push more
+        # of its own labels past what the TSDB keeps (VictoriaMetrics drops the last)
         total = sum(not plan.dropped(n) for n, _ in labels) + len(answer.labels)
         if total > limit:
             return Decision(REASON_LABEL_LIMIT, None,
