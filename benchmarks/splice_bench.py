@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from relay import corpus
 
 from proxy.compression import compress, decompress
-from proxy.config import EnrichSettings
+from proxy.config import EnrichSettings, UpstreamSettings
 from proxy.enrichment import Enricher
 from proxy.enrichment_reference import enrich_v1_reference
 from proxy.handler import splice_in_parts
@@ -180,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     settings = EnrichSettings()
-    enricher = Enricher(index, settings.pod_label_pairs)
-    slow = Enricher(index, settings.pod_label_pairs, implementation="python")
+    # the product's plan: the TSDB's label limit at its default too (a compare per series)
+    limit = UpstreamSettings().max_labels_per_series
+    enricher = Enricher(index, settings.pod_label_pairs, max_labels_per_series=limit)
+    slow = Enricher(index, settings.pod_label_pairs, implementation="python",
+                    max_labels_per_series=limit)
     print(f"splice: {enricher.implementation}; pod table: {len(enricher.table)} pods"
           + (f", {enricher.table.memory() / len(enricher.table):.0f} B per pod"
              if hasattr(enricher.table, "memory") and len(enricher.table) else ""))

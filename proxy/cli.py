@@ -60,8 +60,8 @@ restrict them with a network policy, or TLS client certificates (--tls-client-ca
 
 Reload: SIGHUP (or POST /-/reload, with --web.enable-lifecycle) reads the --config file
 again (flags still win) and the description files, and applies enrich.*,
-karta.description_paths, karta.builtins and log_level; other changed keys are logged
-and wait for a restart. An invalid new config keeps the old one
+upstream.max_labels_per_series, karta.description_paths, karta.builtins and log_level;
+other changed keys are logged and wait for a restart. An invalid new config keeps the old one
 (karta_proxy_config_last_reload_successful 0). TLS files are re-read when they change.
 
 Exit codes: 0 after SIGTERM/SIGINT; 2 for an invalid setting; 1 when starting fails (the

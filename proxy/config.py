@@ -244,6 +244,13 @@ class UpstreamSettings(Section):
         "Prometheus, exemplar storage on or not: it never refuses a request for an exemplar "
         "it drops (out of order, labels over 128 characters, on a new histogram series)")
     ] = False
+    max_labels_per_series: Annotated[int, setting(
+        "the TSDB's limit of labels per series (0: none); the default is VictoriaMetrics' "
+        "-maxLabelsPerTimeseries and Mimir's max_label_names_per_series. A series the stamp "
+        "would push past it is forwarded unstamped (series_unattributed reason "
+        "label_limit), where VictoriaMetrics would drop the labels that sort last (series "
+        "merge, samples lost behind a 204) and Mimir refuse the whole request; so is one "
+        "the sender sent past it", ge=0)] = 30
     default_tenant: Annotated[str, setting(
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
         "fact series (accountID or accountID:projectID)")] = "0"

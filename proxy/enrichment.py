@@ -53,8 +53,10 @@ def build_plan(
     pod_label_rules: Sequence[PodLabelRule] | None = None,
     conflict_policy: str = "replace",
     sender_karta_labels: str = "drop",
+    max_labels_per_series: int = 0,
 ) -> SplicePlan:
-    """The splice plan of the ``enrich`` settings (``pod_label_rules`` None: the defaults)."""
+    """The splice plan of the ``enrich`` settings and ``upstream.max_labels_per_series``
+    (``pod_label_rules`` None: the defaults; ``max_labels_per_series`` 0: no limit)."""
     if conflict_policy not in POLICIES:
         raise ValueError(f"conflict_policy must be one of {POLICIES}, not {conflict_policy!r}")
     if sender_karta_labels not in SENDER_KARTA_LABELS:
@@ -73,6 +75,7 @@ def build_plan(
         stamped=frozenset(n.encode() for n in contract.STAMPED_LABELS),
         workload_label=contract.LABEL_WORKLOAD.encode(),
         drop_sent=sender_karta_labels == "drop",
+        max_labels=max_labels_per_series,
     )
 
 
@@ -92,11 +95,12 @@ class Enricher:
         pod_label_rules: Sequence[PodLabelRule] | None = None,
         implementation: Implementation | None = None,
         sender_karta_labels: str = "drop",
+        max_labels_per_series: int = 0,
     ) -> None:
         """``pod_label_rules`` None means the configured defaults; pass [] for none."""
         self._index = index
         self.plan = build_plan(pod_label_pairs, pod_label_rules, conflict_policy,
-                               sender_karta_labels)
+                               sender_karta_labels, max_labels_per_series)
         self._splicer = Splicer(self.plan, implementation)
         self.table = self._splicer.table
         self.table.update(list(index.answers()))

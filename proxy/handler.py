@@ -59,8 +59,9 @@ from proxy.metrics import Children, ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
 from proxy.wire.native import Splicer, split_v1
-from proxy.wire.plan import OverLimit, SpliceResult
+from proxy.wire.plan import REASON_LABEL_LIMIT, OverLimit, SpliceResult, renumbered
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
+from proxy.wire.splice_v1 import series_before
 
 log = logging.getLogger("karta.handler")
 
@@ -141,7 +142,10 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
     spans = list(itertools.pairwise([0, *cuts, len(raw)]))
 
     def part(a: int, b: int) -> tuple[SpliceResult, SnappyPart]:
-        result = enrich(raw[a:b], block, a)
+        try:
+            result = enrich(raw[a:b], block, a)
+        except DecodeError as err:  # it names its series by the index in the whole request
+            raise renumbered(err, series_before(raw, a) if a else 0) from None
         return result, block_part(result.body)
 
     futures = [pool.submit(part, a, b) for a, b in spans[1:]]
@@ -275,6 +279,12 @@ class RemoteWriteHandler:
                                    peer_field="remote")
         self._refusals_info = Throttled(log, "request refused", "requests refused",
                                         peer_field="remote", level=logging.INFO)
+        #: and so do series the stamp would push past the TSDB's label limit (a metric with
+        #: many labels comes in every request): a line per interval naming the metric
+        self._label_limited = Throttled(
+            log, "a series over the TSDB's label limit with the stamp, forwarded unattributed",
+            "series over the TSDB's label limit with the stamp, forwarded unattributed",
+            peer_field=None)
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
         #: the child a splice that takes more counts in (looked up once, not per request)
         self._splices_grown = metrics.splice_limits.labels("grown")
@@ -292,6 +302,7 @@ class RemoteWriteHandler:
         self._connections_refused.close()
         self._refusals.close()
         self._refusals_info.close()
+        self._label_limited.close()
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
@@ -758,6 +769,14 @@ class RemoteWriteHandler:
             m.sender_karta_dropped.inc(result.stripped)
         for reason, n in result.unattributed.items():
             self._unattributed(reason).inc(n)
+        limited = result.label_limited
+        if limited is not None and log.isEnabledFor(self._label_limited.level):
+            self._label_limited.event(REASON_LABEL_LIMIT, {
+                "metric": limited.metric.decode("utf-8", "replace") or "(no __name__)",
+                "labels": limited.labels, "limit": limited.limit,
+                "series": result.unattributed.get(REASON_LABEL_LIMIT, 0),
+                "setting": "upstream.max_labels_per_series",
+            })
 
     @staticmethod
     def _answer(answer: Answer) -> web.Response:

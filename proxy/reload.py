@@ -5,15 +5,16 @@ validates all of it, and applies what can change under a running process; anythi
 keeps its running value, and the log names each such key. ``proxy.runtime`` does the
 applying; this module only compares settings, so the rule is one list, testable alone.
 
-Live: the enrichment (a new splice plan, swapped between requests), the description files
-and the built-in switch (the engine re-evaluates, the index follows), ``log_level``. The
-TLS certificate, key and client CA are loaded again, and so are the upstream's TLS files
+Live: the enrichment and ``upstream.max_labels_per_series`` (a new splice plan, swapped
+between requests), the description files and the built-in switch (the engine
+re-evaluates, the index follows), ``log_level``. The TLS certificate, key and client CA
+are loaded again, and so are the upstream's TLS files
 (their paths are not live); both are tried before anything is applied. Credential files
 need nothing: the upstream re-reads them whenever they change.
 
 Restart: the listening address, the worker threads and every other ``server`` bound (fixed
 when the listener and the pool are made), the upstream (one pooled session), the index
-source, the fact writer, ``log_format``.
+source, the fact writer, ``log_format``; the rest of ``upstream``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ from typing import Any
 
 from proxy.config import Section, Settings
 
+#: dotted keys (or sections) the splice plan is built from: a reload that changes one
+#: builds a new plan (``proxy.runtime.enrich_arguments`` reads them)
+PLAN_KEYS: tuple[str, ...] = (
+    "enrich",
+    "upstream.max_labels_per_series",
+)
 #: dotted keys (or sections) a reload applies; everything else takes a restart
 LIVE_KEYS: tuple[str, ...] = (
-    "enrich",
+    *PLAN_KEYS,
     "karta.description_paths",
     "karta.builtins",
     "log_level",
@@ -46,8 +53,17 @@ class ReloadOutcome:
     restart_required: tuple[str, ...] = ()
 
 
+def _under(key: str, keys: tuple[str, ...]) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
 def is_live(key: str) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in LIVE_KEYS)
+    return _under(key, LIVE_KEYS)
+
+
+def is_plan_key(key: str) -> bool:
+    """Does a change of this key take a new splice plan?"""
+    return _under(key, PLAN_KEYS)
 
 
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -30,7 +30,6 @@ from aiohttp import web
 from proxy import __version__
 from proxy.config import (
     ConfigError,
-    EnrichSettings,
     Settings,
     parse_host_port,
     without_userinfo,
@@ -44,7 +43,7 @@ from proxy.karta.model import Description
 from proxy.karta.results import ChangeSet, PartialBatch
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
-from proxy.reload import ReloadOutcome, merge
+from proxy.reload import ReloadOutcome, is_plan_key, merge
 from proxy.server import build_app, start_site
 from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
@@ -93,14 +92,17 @@ CAMPAIGN_WAIT_SECONDS = 0.1
 EXPIRE_INTERVAL_SECONDS = 30.0
 
 
-def enrich_arguments(e: EnrichSettings) -> dict[str, Any]:
-    """The ``enrich`` settings as ``Enricher`` / ``build_plan`` keywords: one place, so the
-    plan at start and the plan of a reload cannot differ."""
+def enrich_arguments(settings: Settings) -> dict[str, Any]:
+    """The settings of the splice plan (``enrich``, ``upstream.max_labels_per_series``) as
+    ``Enricher`` / ``build_plan`` keywords: one place, so the plan at start and the plan of
+    a reload cannot differ."""
+    e = settings.enrich
     return {
         "pod_label_pairs": [(ns, pod) for ns, pod in e.pod_label_pairs],
         "conflict_policy": e.conflict_policy,
         "pod_label_rules": e.pod_label_rules,
         "sender_karta_labels": e.sender_karta_labels,
+        "max_labels_per_series": settings.upstream.max_labels_per_series,
     }
 
 
@@ -142,7 +144,7 @@ class Proxy:
             ghost_seconds=settings.karta.tombstone_seconds,
         )
         self.metrics.watch_engine(self.engine)
-        self.enricher = Enricher(self.index, **enrich_arguments(settings.enrich))
+        self.enricher = Enricher(self.index, **enrich_arguments(settings))
         self.upstream = Upstream(settings.upstream, self.metrics,
                                  max_converted_bytes=conversion_limit(
                                      settings.server.max_decoded_bytes,
@@ -466,9 +468,9 @@ class Proxy:
                 log.error("invalid Karta description", extra={"error": str(err)})
             return ReloadOutcome(False, f"{len(errors)} invalid description(s), the first: "
                                  f"{errors[0]}")
-        replan = any(k.startswith("enrich.") for k in merged.applied)
+        replan = any(is_plan_key(k) for k in merged.applied)
         try:
-            plan = build_plan(**enrich_arguments(new.enrich)) if replan else None
+            plan = build_plan(**enrich_arguments(new)) if replan else None
         except ValueError as e:
             return ReloadOutcome(False, f"enrich: {e}")
         # the TLS files are tried too before anything is applied: a reload whose files do

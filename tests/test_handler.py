@@ -1227,3 +1227,34 @@ async def test_a_request_converted_in_parts_keeps_the_bound(
         else:
             assert headers["X-Prometheus-Remote-Write-Samples-Written"] == "64"
             assert [len(labels_of(r.raw)) for r in converted] == [32, 32]
+
+
+async def test_series_the_stamp_would_push_past_the_label_limit_are_counted_and_logged(
+    running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    """upstream.max_labels_per_series, 30 by default (VictoriaMetrics' and Mimir's): a cart
+    series of 29 labels would have 34 with the stamp, so it goes as sent, counted
+    label_limit, and one line a throttle interval names its metric; a narrow one of the
+    same pod is stamped."""
+    caplog.set_level(logging.WARNING, logger="karta.handler")
+    pod = {"namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    wide = [{"__name__": "wide_metric", **pod, "i": str(i),
+             **{f"l{j:02d}": "v" for j in range(25)}} for i in range(2)]
+    narrow = {"__name__": "narrow_metric", **pod}
+    for _ in range(3):
+        assert (await running.post(series_v1(*wide, narrow))).status == 204
+    for rec in running.upstream.received:
+        assert labels_of(rec.raw) == [*wide, {**narrow, **CART}]
+    assert running.metric("karta_proxy_series_unattributed_total",
+                          {"reason": "label_limit"}) == 6
+    assert running.metric("karta_proxy_series_attributed_total") == 3
+    running.proxy.handler.flush_logs()
+    lines = [(r.getMessage(), r.__dict__.get("metric"), r.__dict__.get("labels"),
+              r.__dict__.get("limit"), r.__dict__.get("series"), r.__dict__.get("count"))
+             for r in caplog.records if "label limit" in r.getMessage()]
+    assert lines == [
+        ("a series over the TSDB's label limit with the stamp, forwarded unattributed",
+         "wide_metric", 34, 30, 2, None),
+        ("series over the TSDB's label limit with the stamp, forwarded unattributed",
+         "wide_metric", 34, 30, 2, 2),
+    ]

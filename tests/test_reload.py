@@ -193,6 +193,20 @@ async def test_sender_karta_labels_setting_reaches_the_plan(running: Running) ->
     assert await r.send(spoofed) == spoofed
 
 
+async def test_the_label_limit_reaches_the_plan_on_reload(running: Running) -> None:
+    """upstream.max_labels_per_series is the plan's, live as enrich.* is (the rest of
+    upstream takes a restart): a cart series of 3 labels gets its 5-label stamp under
+    the default 30, goes unstamped under 7, and is stamped again under 0 (no limit)."""
+    r = running
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    for limit, stamped in ((7, False), (0, True)):
+        r.write_config(upstream={"max_labels_per_series": limit})
+        status, text = await r.post_reload()
+        assert (status, text) == (200, "configuration reloaded\n")
+        assert await r.send(CART_POD) == ({**CART_POD, **CART} if stamped else CART_POD)
+    assert r.metric(RESTART) == 0.0
+
+
 async def test_builtins_switch_reloads(running: Running) -> None:
     r = running
     r.write_config(karta={"builtins": False})

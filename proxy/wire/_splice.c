@@ -47,7 +47,7 @@ static PyObject *DecodeErrorType = NULL; /* proxy.compression.DecodeError, set a
 typedef struct {
     const char *kind; /* NULL: no error */
     int status;
-    char message[160];
+    char message[768]; /* a refusal of a series' labels names it: up to ~600 bytes */
     int python; /* 1: a Python exception is already set (matcher callback) */
 } Err;
 
@@ -511,6 +511,10 @@ typedef struct {
 #define ENTRY_FIELDS(en) ((en)->data + (en)->ns_len + (en)->pod_len)
 #define ENTRY_LABELS(en) ((const StampLabel *)((en)->data + (en)->labels_off))
 
+/* the splice's own reason of a series the stamp would push past the plan's label limit
+ * (plan.REASON_LABEL_LIMIT): the pod table's third fixed reason */
+#define REASON_LABEL_LIMIT 2
+
 static Entry TOMB_ENTRY;
 #define TOMB (&TOMB_ENTRY)
 
@@ -527,7 +531,8 @@ typedef struct {
     size_t used;  /* live entries */
     size_t tombs; /* deleted slots */
     uint64_t seed;
-    PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown */
+    PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown,
+                          * 2 label_limit (REASON_LABEL_LIMIT) */
     PyObject *reason_ix; /* dict str -> int */
 } PodTable;
 
@@ -880,8 +885,8 @@ PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         Py_DECREF(t);
         return NULL;
     }
-    const char *fixed[] = {"no_pod_label", "pod_unknown"};
-    for (int i = 0; i < 2; i++) {
+    const char *fixed[] = {"no_pod_label", "pod_unknown", "label_limit"};
+    for (int i = 0; i < 3; i++) {
         PyObject *s = PyUnicode_FromString(fixed[i]);
         if (s == NULL || reason_index(t, s) < 0) {
             Py_XDECREF(s);
@@ -1159,6 +1164,9 @@ typedef struct {
     int keep_sent;
     int drop_sent; /* sender_karta_labels: drop (plan.SplicePlan.drop_sent) */
     int has_matcher;
+    /* plan.SplicePlan.max_labels, SIZE_MAX for its 0 (no limit): a stamped series within
+     * it costs one compare (its labels + the stamp's, counts the splice has), no more */
+    size_t max_labels;
 } Plan;
 
 #define SLOT_NAME 0
@@ -1335,12 +1343,17 @@ static PyObject *
 Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"pairs", "rules", "keep_sent", "stamped", "workload_label",
-                             "drop_sent", NULL};
+                             "drop_sent", "max_labels", NULL};
     PyObject *pairs, *rules, *stamped, *workload;
     int keep_sent, drop_sent = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|p:Plan", kwlist, &pairs, &rules,
-                                     &keep_sent, &stamped, &workload, &drop_sent))
+    Py_ssize_t max_labels = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|pn:Plan", kwlist, &pairs, &rules,
+                                     &keep_sent, &stamped, &workload, &drop_sent, &max_labels))
         return NULL;
+    if (max_labels < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_labels must be 0 (no limit) or more");
+        return NULL;
+    }
     Plan *pl = (Plan *)type->tp_alloc(type, 0);
     if (pl == NULL)
         return NULL;
@@ -1350,6 +1363,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         goto fail;
     pl->keep_sent = keep_sent;
     pl->drop_sent = drop_sent;
+    pl->max_labels = max_labels ? (size_t)max_labels : SIZE_MAX;
     PyObject *name = PyBytes_FromString("__name__");
     if (name == NULL)
         goto fail;
@@ -1407,8 +1421,8 @@ static PyTypeObject PlanType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy.wire._splice.Plan",
     .tp_basicsize = sizeof(Plan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label, drop_sent=True): a "
-              "compiled SplicePlan",
+    .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label, drop_sent=True, "
+              "max_labels=0): a compiled SplicePlan",
     .tp_new = Plan_new,
     .tp_dealloc = (destructor)Plan_dealloc,
 };
@@ -1463,6 +1477,10 @@ typedef struct {
     /* counts */
     uint64_t series, samples, histograms, exemplars, attributed;
     uint64_t stripped; /* series that lost a karta_* label of the sender */
+    /* the first series the stamp would have pushed past the label limit (plan.LabelLimited):
+     * its __name__ and its labels with the stamp (limited_labels 0: none yet) */
+    const uint8_t *limited_name;
+    size_t limited_nlen, limited_labels;
     uint64_t *tally; /* per reason index */
     size_t ntally;
     /* per-series scratch */
@@ -1761,21 +1779,120 @@ dropped(const Plan *pl, const Lab *l)
 }
 
 /* plan.NO_LABELS_LEFT: the refusal of a series the drop of the sender's karta_* labels
- * would leave with none (Prometheus answers an empty label set 500, which senders retry
- * forever, the batch's other series with it) */
+ * would leave with no label of a non-empty value (Prometheus reads an empty value as no
+ * label, answers the empty label set 500, which senders retry forever, the batch's other
+ * series with it) */
 #define NO_LABELS_LEFT                                                                     \
-    "a series whose only labels are karta_* would be forwarded with no labels "           \
-    "(sender_karta_labels: drop removes them), and the TSDB refuses an empty label set"
+    "a series whose only labels with a value are karta_* would be forwarded with no "     \
+    "labels with a value (sender_karta_labels: drop removes them, and a TSDB reads a "    \
+    "label with an empty value as absent), and the TSDB refuses an empty label set"
 
-/* Would every label of the series be dropped (plan.check_kept on what is kept)? Stops at
- * the first kept label, the first one of a sorted series (__name__) as a rule. */
+/* Would the drop leave the series with no label of a non-empty value, a label being
+ * dropped (plan.check_kept, called where labels were dropped)? Stops at the first kept
+ * label with a value, the first one of a sorted series (__name__) as a rule. */
 static inline int
-all_dropped(const Plan *pl, const Lab *labs, size_t n)
+empty_after_drop(const Plan *pl, const Lab *labs, size_t n)
 {
+    int any = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!dropped(pl, &labs[i])) {
+            if (labs[i].vlen)
+                return 0;
+        }
+        else
+            any = 1;
+    }
+    return any;
+}
+
+/* Would the stamp push the series past the plan's label limit (plan.decide's
+ * label_limit)? Called only when its n labels and the stamp's are past it (the one
+ * compare a stamped series pays): a series sent past the limit is the sender's, stamped as
+ * usual; else the labels the plan drops are not counted (the stamp replaces them). Notes
+ * the request's first such series for the log line. */
+static int
+stamp_over_limit(Req *r, const Lab *labs, size_t n, const Entry *en)
+{
+    const Plan *pl = r->plan;
+    size_t total = en->nlabels;
     for (size_t i = 0; i < n; i++)
-        if (!dropped(pl, &labs[i]))
-            return 0;
+        total += !dropped(pl, &labs[i]);
+    if (total <= pl->max_labels)
+        return 0;
+    if (r->limited_labels == 0) {
+        r->limited_name = (const uint8_t *)"";
+        r->limited_nlen = 0;
+        for (size_t i = 0; i < n; i++)
+            if (labs[i].slot == SLOT_NAME) {
+                r->limited_name = labs[i].value;
+                r->limited_nlen = labs[i].vlen;
+                break;
+            }
+        r->limited_labels = total;
+    }
     return 1;
+}
+
+/* primitives.SHOWN / shown: a label string as a refusal shows it, its first SHOWN bytes,
+ * printable ASCII as it is and every other byte (\\, ", not ASCII, invalid UTF-8) as
+ * \\xNN, "..." after a cut; `out` holds SHOWN_CAP bytes. Byte for byte the reference's. */
+#define SHOWN 64
+#define SHOWN_CAP (4 * SHOWN + 4)
+
+static void
+shown(char *out, const uint8_t *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t k = 0, m = n < SHOWN ? n : SHOWN;
+    for (size_t i = 0; i < m; i++) {
+        uint8_t b = s[i];
+        if (b >= 0x20 && b < 0x7F && b != '\\' && b != '"')
+            out[k++] = (char)b;
+        else {
+            out[k++] = '\\';
+            out[k++] = 'x';
+            out[k++] = hex[b >> 4];
+            out[k++] = hex[b & 15];
+        }
+    }
+    if (n > SHOWN) {
+        memcpy(out + k, "...", 3);
+        k += 3;
+    }
+    out[k] = 0;
+}
+
+/* plan.series_named: a refusal of a series' labels (invalid_labels, invalid_utf8; not an
+ * out-of-memory) names the series, its index in the request and its first __name__, so
+ * that an operator finds it among thousands. */
+static void
+name_series(Err *e, uint64_t index, const Lab *labs, size_t n)
+{
+    if (e->kind == NULL || e->python ||
+        (strcmp(e->kind, "invalid_labels") != 0 && strcmp(e->kind, "invalid_utf8") != 0))
+        return;
+    size_t len = strlen(e->message);
+    char *at = e->message + len;
+    size_t room = sizeof e->message - len;
+    for (size_t i = 0; i < n; i++)
+        if (labs[i].nlen == 8 && memcmp(labs[i].name, "__name__", 8) == 0) {
+            char buf[SHOWN_CAP];
+            shown(buf, labs[i].value, labs[i].vlen);
+            snprintf(at, room, " (series %llu of the request, __name__ \"%s\")",
+                     (unsigned long long)index, buf);
+            return;
+        }
+    snprintf(at, room, " (series %llu of the request, no __name__)", (unsigned long long)index);
+}
+
+/* A string that is not UTF-8 (primitives.check_utf8, `what` its words): the refusal shows
+ * it. */
+static void
+refuse_utf8(Err *e, const char *what, const uint8_t *s, size_t n)
+{
+    char buf[SHOWN_CAP];
+    shown(buf, s, n);
+    err_set(e, "invalid_utf8", "%s is not valid UTF-8: \"%s\"", what, buf);
 }
 
 /* Does the stamp carry this label, name and value? */
@@ -1824,8 +1941,9 @@ check_names(Req *r, const Lab *labs, size_t n, int *sorted)
     }
     for (size_t i = 1; i < n && !*sorted; i++)
         if (lab_cmp(&a[i - 1], &a[i]) == 0) {
-            err_set(&r->err, "invalid_labels", "label name %.*s repeated in one series",
-                    (int)(a[i].nlen < 64 ? a[i].nlen : 64), (const char *)a[i].name);
+            char buf[SHOWN_CAP];
+            shown(buf, a[i].name, a[i].nlen);
+            err_set(&r->err, "invalid_labels", "label name \"%s\" repeated in one series", buf);
             return 0;
         }
     return 1;
@@ -2023,11 +2141,11 @@ check_exemplar_v1(const uint8_t *raw, size_t p, size_t end, Err *e)
             if (!read_label(raw, f.ps, f.end, &lab, e))
                 return 0;
             if (!text_ok(lab.name, lab.nlen)) {
-                err_set(e, "invalid_utf8", "exemplar label name is not valid UTF-8");
+                refuse_utf8(e, "exemplar label name", lab.name, lab.nlen);
                 return 0;
             }
             if (!text_ok(lab.value, lab.vlen)) {
-                err_set(e, "invalid_utf8", "exemplar label value is not valid UTF-8");
+                refuse_utf8(e, "exemplar label value", lab.value, lab.vlen);
                 return 0;
             }
         }
@@ -2162,11 +2280,13 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
     int any_stamped = 0;
     for (size_t i = 0; i < n; i++) {
         if (!text_ok(labs[i].name, labs[i].nlen)) {
-            err_set(e, "invalid_utf8", "label name is not valid UTF-8");
+            refuse_utf8(e, "label name", labs[i].name, labs[i].nlen);
+            name_series(e, r->series - 1, labs, n);
             return 0;
         }
         if (!text_ok(labs[i].value, labs[i].vlen)) {
-            err_set(e, "invalid_utf8", "label value is not valid UTF-8");
+            refuse_utf8(e, "label value", labs[i].value, labs[i].vlen);
+            name_series(e, r->series - 1, labs, n);
             return 0;
         }
         int slot = slot_of(pl, labs[i].name, labs[i].nlen);
@@ -2179,8 +2299,10 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         }
     }
     P->any_stamped = any_stamped;
-    if (!check_names(r, labs, n, &P->sorted))
+    if (!check_names(r, labs, n, &P->sorted)) {
+        name_series(e, r->series - 1, labs, n);
         return 0;
+    }
     if (choose_pod(r, &P->ns, &P->pod, &P->reason)) {
         const PodTable *t = r->table;
         P->reason = -2;
@@ -2188,12 +2310,14 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         if (t->cap)
             __builtin_prefetch(&t->slots[(size_t)P->hash & (t->cap - 1)]);
     }
-    else if (pl->drop_sent && P->reason != -1 && !e->kind && all_dropped(pl, labs, n)) {
+    else if (pl->drop_sent && P->reason != -1 && !e->kind && empty_after_drop(pl, labs, n)) {
         /* here, in stage A, not where finish_v1 drops them: a later series' defect found
          * by stage A first would otherwise be the answer, and the reference answers the
-         * first defect in the request. A series whose labels are all karta_* names no pod
-         * (no pair may read karta_*), so this is the only place it can go empty. */
+         * first defect in the request. A series whose labels with a value are all
+         * karta_* names no pod (a pair needs a namespace and a pod with a value, and no
+         * pair may read karta_*), so this is the only place it can go empty. */
         err_set(e, "invalid_labels", NO_LABELS_LEFT);
+        name_series(e, r->series - 1, labs, n);
         return 0;
     }
     return !e->kind;
@@ -2329,6 +2453,11 @@ finish_v1(Req *r, Pending *P)
     const Entry *en = NULL;
     if (reason == -2)
         en = lookup_pod(r->table, P->hash, &P->ns, &P->pod, &reason);
+    if (en != NULL && r->plan->max_labels && n + en->nlabels > r->plan->max_labels
+        && stamp_over_limit(r, labs, n, en)) {
+        en = NULL; /* forwarded unstamped, the sender's karta_* dropped all the same */
+        reason = REASON_LABEL_LIMIT;
+    }
     tally(r, en ? -1 : reason);
     int drop_sent = r->plan->drop_sent;
     if (en == NULL || en->nlabels == 0) {
@@ -2566,7 +2695,9 @@ v2_scan(Req *r, V2 *v, size_t n)
         return 0;
     for (size_t i = 0; i < v->syms.len; i++) {
         if (!text_ok(syms[i].s, syms[i].n)) {
-            err_set(e, "invalid_utf8", "symbol is not valid UTF-8");
+            char what[32];
+            snprintf(what, sizeof what, "symbol %zu", i);
+            refuse_utf8(e, what, syms[i].s, syms[i].n);
             return 0;
         }
         slots[i] = (int16_t)slot_of(r->plan, syms[i].s, syms[i].n);
@@ -2925,12 +3056,19 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
-    if (!check_names(r, labs, n, &sorted))
+    if (!check_names(r, labs, n, &sorted)) {
+        name_series(e, r->series - 1, labs, n);
         return;
+    }
     int reason;
     const Entry *en = decide(r, &reason);
     if (e->kind)
         return;
+    if (en != NULL && pl->max_labels && n + en->nlabels > pl->max_labels
+        && stamp_over_limit(r, labs, n, en)) {
+        en = NULL; /* forwarded unstamped, the sender's karta_* dropped all the same */
+        reason = REASON_LABEL_LIMIT;
+    }
     tally(r, en ? -1 : reason);
     if (en == NULL || en->nlabels == 0) {
         /* not stamped: under drop_sent the sender's karta_* labels go (their refs; the
@@ -2940,8 +3078,9 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             k = kept_labels(r, labs, n);
             if (k == (size_t)-1)
                 return;
-            if (k == 0) {
+            if (k != n && empty_after_drop(pl, labs, n)) {
                 err_set(e, "invalid_labels", NO_LABELS_LEFT);
+                name_series(e, r->series - 1, labs, n);
                 return;
             }
             r->stripped += k != n;
@@ -3205,10 +3344,22 @@ splice(PyObject *args, int version)
         }
         Py_DECREF(cnt);
     }
-    result = Py_BuildValue("(NKKKKKNKO)", body, (unsigned long long)r.series,
+    PyObject *limited = r.limited_labels
+                            ? Py_BuildValue("(y#nn)", (const char *)r.limited_name,
+                                            (Py_ssize_t)r.limited_nlen,
+                                            (Py_ssize_t)r.limited_labels,
+                                            (Py_ssize_t)pl->max_labels)
+                            : Py_NewRef(Py_None);
+    if (limited == NULL) {
+        Py_DECREF(reasons);
+        Py_DECREF(body);
+        goto done;
+    }
+    result = Py_BuildValue("(NKKKKKNKON)", body, (unsigned long long)r.series,
                            (unsigned long long)r.samples, (unsigned long long)r.histograms,
                            (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons,
-                           (unsigned long long)r.stripped, encoded ? Py_True : Py_False);
+                           (unsigned long long)r.stripped, encoded ? Py_True : Py_False,
+                           limited);
 done:
     req_free(&r);
     v2_free(&v);
@@ -3403,7 +3554,9 @@ set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
      "splice_v1(raw, plan, table[, block, base, limit, grow]) -> (body, series, samples, "
-     "histograms, exemplars, attributed, {reason: count}, stripped, encoded): with block (a "
+     "histograms, exemplars, attributed, {reason: count}, stripped, encoded, limited): "
+     "limited, the first series the stamp would have pushed past the plan's max_labels, "
+     "as (__name__, labels with the stamp, max_labels), or None; with block (a "
      "snappy block decoding to raw at offset base), body is the output as a snappy block when "
      "encoded; with limit >= 0, the bytes the splice may hold beside raw: past it grow(need) "
      "is asked for a new limit (need: the estimate for the whole request), and when it gives "

@@ -5,7 +5,8 @@ from collections.abc import Callable, Sequence
 _Unless = tuple[bytes, Sequence[bytes] | None, Callable[[bytes], bool] | None]
 _Pair = tuple[bytes, bytes, Sequence[_Unless]]
 _Answer = tuple[tuple[str, str], ...] | str
-_Result = tuple[bytes, int, int, int, int, int, dict[str, int], int, bool]
+_Result = tuple[bytes, int, int, int, int, int, dict[str, int], int, bool,
+                tuple[bytes, int, int] | None]
 
 class PodTable:
     implementation: str
@@ -26,6 +27,7 @@ class Plan:
         stamped: Sequence[bytes],
         workload_label: bytes,
         drop_sent: bool = True,
+        max_labels: int = 0,
     ) -> None: ...
 
 def splice_v1(raw: bytes | memoryview, plan: Plan, table: PodTable, block: bytes | None = None,

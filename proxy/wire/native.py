@@ -20,7 +20,7 @@ from proxy.wire import convert as _py_convert
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
 from proxy.wire.convert import V1Form
-from proxy.wire.plan import OverLimit, SplicePlan, SpliceResult
+from proxy.wire.plan import LabelLimited, OverLimit, SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import Counts, Protocol, read_field
 
@@ -80,6 +80,7 @@ def _compile(plan: SplicePlan) -> Any:
         sorted(plan.stamped),
         plan.workload_label,
         plan.drop_sent,
+        plan.max_labels,
     )
 
 
@@ -175,9 +176,11 @@ def split_v1(raw: bytes | memoryview, pieces: int) -> list[int]:
 def _result(t: tuple[Any, ...] | int) -> SpliceResult:
     if isinstance(t, int):
         raise OverLimit(t)
-    body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded = t
+    (body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded,
+     limited) = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
-                        stripped, encoded)
+                        stripped, encoded,
+                        None if limited is None else LabelLimited(*limited))
 
 
 def field_count(raw: bytes) -> int:

@@ -10,16 +10,20 @@ table and nothing else, so the two can be held equal by differential tests.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 from proxy.compression import DecodeError
-from proxy.wire.primitives import Counts, encode_label_v1
+from proxy.wire.primitives import Counts, encode_label_v1, shown
 
 #: every reason a splice itself gives (the pod table's entries carry the engine's)
 REASON_NO_POD_LABEL = "no_pod_label"
 REASON_POD_UNKNOWN = "pod_unknown"
+#: the stamp would push the series past the TSDB's label limit (``SplicePlan.max_labels``)
+REASON_LABEL_LIMIT = "label_limit"
 NAME_LABEL = b"__name__"
 #: labels of this prefix belong to the proxy: a sender's are dropped (``drop_sent``)
 KARTA_PREFIX = b"karta_"
@@ -99,10 +103,17 @@ class SplicePlan:
     #: names, and only from a series that is stamped). A series ``keep_sent`` lets pass
     #: keeps its labels either way: that policy trusts the sender's attribution.
     drop_sent: bool = True
+    #: ``upstream.max_labels_per_series`` (0: no limit): a series the stamp would push past
+    #: it is forwarded unstamped (``label_limit``), since a TSDB at its limit drops the
+    #: labels that sort last (VictoriaMetrics, silently: series merge) or refuses the whole
+    #: request (Mimir). One the sender sent past it is the sender's, stamped as usual.
+    max_labels: int = 0
 
     def __post_init__(self) -> None:
         if not self.pairs:
             raise ValueError("a splice plan needs at least one (namespace, pod) pair")
+        if self.max_labels < 0:
+            raise ValueError("max_labels must be 0 (no limit) or more")
         names = self.names | self.stamped
         if len(names) > MAX_LABEL_NAMES:
             raise ValueError(
@@ -160,25 +171,58 @@ class PodStamp:
 PodAnswer = PodStamp | str
 
 
+@dataclass(frozen=True, slots=True)
+class LabelLimited:
+    """A series the stamp would have pushed past the label limit (``label_limit``): what
+    the proxy's log line names, the first of a request's."""
+
+    #: its ``__name__`` (b"" when it has none)
+    metric: bytes
+    #: how many labels it would have had with the stamp
+    labels: int
+    #: the limit (``SplicePlan.max_labels``)
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One series' decision: ``reason`` "" with a ``stamp`` to stamp, "" without one
+    attributed as it is (``keep``), else unattributed for ``reason`` (``limited`` set for
+    ``label_limit``)."""
+
+    reason: str
+    stamp: PodStamp | None = None
+    limited: LabelLimited | None = None
+
+
 def decide(
     plan: SplicePlan,
     labels: Sequence[tuple[bytes, bytes]],
     lookup: Callable[[bytes, bytes], PodAnswer | None],
-) -> tuple[str, PodStamp | None]:
-    """(reason, stamp) of one series: ("", stamp) to stamp, ("", None) attributed as it
-    is (``keep``), (reason, None) unattributed. Names are unique (:func:`check_names`)."""
+) -> Decision:
+    """The decision of one series. Names are unique (:func:`check_names`)."""
     by_name = dict(labels)
     if plan.keep_sent and by_name.get(plan.workload_label):
-        return "", None
+        return Decision("")
     found = plan.find(by_name)
     if found is None:
-        return REASON_NO_POD_LABEL, None
+        return Decision(REASON_NO_POD_LABEL)
     answer = lookup(*found)
     if answer is None:
-        return REASON_POD_UNKNOWN, None
+        return Decision(REASON_POD_UNKNOWN)
     if isinstance(answer, str):
-        return answer, None
-    return "", answer
+        return Decision(answer)
+    limit = plan.max_labels
+    if limit and limit < len(labels) + len(answer.labels):
+        # (the first test is all a series within the limit with its stamp costs): the
+        # stamp replaces the labels the plan drops, so those are not counted. A series
+        # sent past the limit already goes unstamped too: the stamp would only push more
+        # of its own labels past what the TSDB keeps (VictoriaMetrics drops the last)
+        total = sum(not plan.dropped(n) for n, _ in labels) + len(answer.labels)
+        if total > limit:
+            return Decision(REASON_LABEL_LIMIT, None,
+                            LabelLimited(by_name.get(NAME_LABEL, b""), total, limit))
+    return Decision("", answer)
 
 
 def names_sorted(names: Sequence[bytes]) -> bool:
@@ -186,34 +230,75 @@ def names_sorted(names: Sequence[bytes]) -> bool:
     return all(a < b for a, b in pairwise(names))
 
 
-#: the refusal of a series that would leave with no labels (``check_kept``; the native
-#: splice's ``NO_LABELS_LEFT`` says the same)
-NO_LABELS_LEFT = ("a series whose only labels are karta_* would be forwarded with no "
-                  "labels (sender_karta_labels: drop removes them), and the TSDB refuses an "
-                  "empty label set")
+#: the refusal of a series that would leave with no labels with a value (``check_kept``;
+#: the native splice's ``NO_LABELS_LEFT`` says the same)
+NO_LABELS_LEFT = ("a series whose only labels with a value are karta_* would be forwarded "
+                  "with no labels with a value (sender_karta_labels: drop removes them, and "
+                  "a TSDB reads a label with an empty value as absent), and the TSDB "
+                  "refuses an empty label set")
+
+
+def series_named(index: int, labels: Sequence[tuple[bytes, bytes]]) -> str:
+    """Which series a refusal is about, so that an operator finds it among thousands: its
+    index in the request (0-based; in RW 1.0 the series' place among the request's series
+    fields) and its ``__name__`` (the first one, :func:`shown`)."""
+    name = next((v for n, v in labels if n == NAME_LABEL), None)
+    named = "no __name__" if name is None else f'__name__ "{shown(name)}"'
+    return f" (series {index} of the request, {named})"
+
+
+#: the end of a refusal that names its series (:func:`series_named`; a shown string holds no
+#: ``"``, so this is only ever the suffix)
+_NAMED = re.compile(r' \(series (\d+) of the request, (__name__ "[^"]*"|no __name__)\)$')
+
+
+def renumbered(err: DecodeError, before: int) -> DecodeError:
+    """A refusal of a part of a request (which counts its series from 0) naming its series
+    by its index in the whole: ``before`` series precede the part."""
+    m = _NAMED.search(err.message)
+    if m is None or not before:
+        return err
+    index = int(m.group(1)) + before
+    return DecodeError(err.kind, err.status, err.message[:m.start()]
+                       + f" (series {index} of the request, {m.group(2)})")
+
+
+@contextmanager
+def naming_series(index: int, labels: Sequence[tuple[bytes, bytes]]) -> Iterator[None]:
+    """A refusal of the series' labels raised inside names the series
+    (:func:`series_named`)."""
+    try:
+        yield
+    except DecodeError as err:
+        raise DecodeError(err.kind, err.status,
+                          err.message + series_named(index, labels)) from None
 
 
 def check_names(names: Sequence[bytes]) -> None:
     """400 ``invalid_labels`` for no label at all, or an empty or a repeated label name, in
     any series: a TSDB refuses such a series (Prometheus 2.42 with a 500, which senders
     retry forever, the innocent series of the batch with it), and the stamp of a series
-    with two values for one name would be a guess."""
+    with two values for one name would be a guess. The repeated name a refusal shows is
+    the least in byte order (the native splice finds it in its sorted copy)."""
     if not names:
         raise DecodeError("invalid_labels", 400, "a series with no labels")
     if b"" in names:
         raise DecodeError("invalid_labels", 400, "a label with an empty name")
     if len(set(names)) != len(names):
-        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        dup = min(n for n, count in Counter(names).items() if count > 1)
         raise DecodeError("invalid_labels", 400,
-                          f"label name {dup[:64]!r} repeated in one series")
+                          f'label name "{shown(dup)}" repeated in one series')
 
 
-def check_kept(kept: int) -> None:
+def check_kept(values: Iterable[bytes]) -> None:
     """400 ``invalid_labels`` for a series that the drop of the sender's ``karta_*``
-    labels left with none: forwarded empty, Prometheus answers 500 ("empty labelset"),
-    the proxy 502, and the sender retries the whole batch forever. Called only where
-    labels were dropped, so a series that keeps its labels pays nothing."""
-    if not kept:
+    labels left with no label of a non-empty value (``values``: those of the labels it
+    keeps): forwarded, Prometheus reads a label with an empty value as absent, so it sees
+    an empty label set and answers 500 ("empty labelset"), the proxy 502, and the sender
+    retries the whole batch forever. Called only where labels were dropped, so a series
+    that keeps its labels pays nothing; stops at the first value, ``__name__``'s as a
+    rule."""
+    if not any(values):
         raise DecodeError("invalid_labels", 400, NO_LABELS_LEFT)
 
 
@@ -244,12 +329,20 @@ class SpliceResult:
     stripped: int = 0
     #: ``body`` is a snappy block (``Splicer.splice_snappy``)
     encoded: bool = False
+    #: the first series the stamp would have pushed past the label limit (``label_limit``)
+    label_limited: LabelLimited | None = None
 
     def tally(self, reason: str) -> None:
         if reason:
             self.unattributed[reason] = self.unattributed.get(reason, 0) + 1
         else:
             self.attributed += 1
+
+    def decided(self, decision: Decision) -> None:
+        """Count a series' decision (and keep the request's first ``label_limit`` one)."""
+        self.tally(decision.reason)
+        if decision.limited is not None and self.label_limited is None:
+            self.label_limited = decision.limited
 
     def add(self, other: SpliceResult) -> None:
         """Count ``other``'s series, samples and outcomes into this one's, as
@@ -259,6 +352,8 @@ class SpliceResult:
         self.counts.add(other.counts)
         self.attributed += other.attributed
         self.stripped += other.stripped
+        if self.label_limited is None:
+            self.label_limited = other.label_limited
         for reason, n in other.unattributed.items():
             self.unattributed[reason] = self.unattributed.get(reason, 0) + n
 

@@ -104,12 +104,28 @@ def invalid(what: str) -> DecodeError:
     return DecodeError("protobuf_invalid", 400, f"invalid protobuf: {what}")
 
 
+#: bytes of a label string a refusal shows (the native splice's ``SHOWN``)
+SHOWN = 64
+
+
+def shown(s: bytes) -> str:
+    """A label string as a refusal shows it: its first :data:`SHOWN` bytes, printable ASCII
+    as it is and every other byte (``\\``, ``"``, anything not ASCII, invalid UTF-8
+    included) as ``\\xNN``, ``...`` after a cut: one rule the native splice follows byte
+    for byte, so that both say the same."""
+    out = "".join(chr(b) if 0x20 <= b < 0x7F and b not in b'\\"' else f"\\x{b:02x}"
+                  for b in s[:SHOWN])
+    return out + "..." if len(s) > SHOWN else out
+
+
 def check_utf8(b: bytes, what: str) -> None:
-    """400 ``invalid_utf8`` unless ``b`` is valid UTF-8 (Prometheus refuses such labels)."""
+    """400 ``invalid_utf8`` unless ``b`` is valid UTF-8 (Prometheus refuses such labels),
+    the string shown escaped (:func:`shown`)."""
     try:
         b.decode("utf-8")
     except UnicodeDecodeError:
-        raise DecodeError("invalid_utf8", 400, f"{what} is not valid UTF-8: {b[:64]!r}") from None
+        raise DecodeError("invalid_utf8", 400,
+                          f'{what} is not valid UTF-8: "{shown(b)}"') from None
 
 
 # -- varints and fields -------------------------------------------------------------------

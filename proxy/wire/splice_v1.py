@@ -19,6 +19,7 @@ from proxy.wire.plan import (
     check_names,
     decide,
     names_sorted,
+    naming_series,
 )
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import (
@@ -77,6 +78,18 @@ def splice_v1(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
         out.append(raw[copy_from:])
         result.body = b"".join(out)
     return result
+
+
+def series_before(raw: bytes | memoryview, end: int) -> int:
+    """How many series fields the request has before offset ``end`` (a cut of
+    :func:`split_points`): what a part's refusal adds to the index of the series it names
+    (:func:`proxy.wire.plan.renumbered`). Read only for a part that was refused."""
+    head = bytes(raw[:end])
+    count = pos = 0
+    while pos < end:
+        number, wt, _, pos = read_field(head, pos, end)
+        count += number == 1 and wt == 2
+    return count
 
 
 def split_points(raw: bytes, pieces: int) -> list[int]:
@@ -139,29 +152,32 @@ def _series(raw: bytes, s: int, q: int, plan: SplicePlan, table: PodTable,
                     check_histogram(raw, ps, pq, 16)
             other.append((p, pq))
         p = pq
-    for name, value, _ in labels:
-        check_utf8(name, "label name")
-        check_utf8(value, "label value")
-    check_names([lf[0] for lf in labels])
-    reason, stamp = decide(plan, [lf[:2] for lf in labels], table.get)
-    result.tally(reason)
-    if stamp is None or not stamp.labels:
-        kept = labels  # nothing to drop, or ``keep``: the sender's attribution passes
-        if plan.drop_sent and not (stamp is None and not reason):
-            kept = [lf for lf in labels if not plan.dropped(lf[0])]
-            if len(kept) != len(labels):
-                check_kept(len(kept))
-                result.stripped += 1
-        if len(kept) == len(labels) and names_sorted([lf[0] for lf in labels]):
-            return None
-        # a sender that does not sort would reach the TSDB so: the labels go out sorted
-        new = b"".join(lf[2] for lf in sorted(kept, key=lambda lf: lf[0]))
-    else:
-        new = b"".join(lf[2] for lf in merge(labels, stamp, plan))
-        if new == b"".join(lf[2] for lf in labels):
-            return None  # already exactly so: the bytes pass through untouched
-        result.stripped += any(plan.dropped(n) and (n, v) not in stamp.labels
-                               for n, v, _ in labels)
+    pairs = [lf[:2] for lf in labels]
+    with naming_series(counts.series - 1, pairs):
+        for name, value, _ in labels:
+            check_utf8(name, "label name")
+            check_utf8(value, "label value")
+        check_names([lf[0] for lf in labels])
+        decision = decide(plan, pairs, table.get)
+        result.decided(decision)
+        reason, stamp = decision.reason, decision.stamp
+        if stamp is None or not stamp.labels:
+            kept = labels  # nothing to drop, or ``keep``: the sender's attribution passes
+            if plan.drop_sent and not (stamp is None and not reason):
+                kept = [lf for lf in labels if not plan.dropped(lf[0])]
+                if len(kept) != len(labels):
+                    check_kept(v for _, v, _ in kept)
+                    result.stripped += 1
+            if len(kept) == len(labels) and names_sorted([lf[0] for lf in labels]):
+                return None
+            # a sender that does not sort would reach the TSDB so: the labels go out sorted
+            new = b"".join(lf[2] for lf in sorted(kept, key=lambda lf: lf[0]))
+        else:
+            new = b"".join(lf[2] for lf in merge(labels, stamp, plan))
+            if new == b"".join(lf[2] for lf in labels):
+                return None  # already exactly so: the bytes pass through untouched
+            result.stripped += any(plan.dropped(n) and (n, v) not in stamp.labels
+                                   for n, v, _ in labels)
     rest = raw[lead_end:q] if lead_end >= 0 else b"".join(raw[a:b] for a, b in other)
     return b"\x0a" + encode_uvarint(len(new) + len(rest)) + new + rest
 

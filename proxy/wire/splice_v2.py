@@ -20,6 +20,7 @@ from proxy.wire.plan import (
     check_names,
     decide,
     names_sorted,
+    naming_series,
 )
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import (
@@ -29,6 +30,7 @@ from proxy.wire.primitives import (
     check_fields,
     check_histogram,
     check_metadata_v2,
+    check_utf8,
     encode_refs,
     encode_uvarint,
     invalid,
@@ -74,13 +76,8 @@ def scan_v2(raw: bytes) -> ScanV2:
                 raise invalid("timeseries field with a wrong wire type")
             series.append((pos, s, q))
         pos = q
-    for sym in symbols:
-        try:
-            sym.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DecodeError(
-                "invalid_utf8", 400, f"symbol is not valid UTF-8: {sym[:64]!r}"
-            ) from None
+    for i, sym in enumerate(symbols):
+        check_utf8(sym, f"symbol {i}")
     if symbols and symbols[0] != b"":
         raise invalid("symbols table must start with the empty string")
     return ScanV2(symbols, symbols_end, series)
@@ -166,9 +163,12 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
         counts.exemplars += ser.exemplars
         refs = ser.refs
         labels = [(syms[refs[i]], syms[refs[i + 1]]) for i in range(0, len(refs), 2)]
-        check_names([n for n, _ in labels])
-        reason, stamp = decide(plan, labels, table.get)
-        result.tally(reason)
+        index = counts.series - 1
+        with naming_series(index, labels):
+            check_names([n for n, _ in labels])
+            decision = decide(plan, labels, table.get)
+        result.decided(decision)
+        reason, stamp = decision.reason, decision.stamp
         #: (name, value, refs as sent; None: a stamp label's, found or added)
         kept: list[tuple[bytes, bytes, tuple[int, int] | None]] = [
             (n, v, (refs[2 * i], refs[2 * i + 1]))
@@ -179,7 +179,8 @@ def splice_v2(raw: bytes, plan: SplicePlan, table: PodTable) -> SpliceResult:
                 kept = [(n, v, (refs[2 * i], refs[2 * i + 1]))
                         for i, (n, v) in enumerate(labels)]
             elif len(kept) != len(labels):
-                check_kept(len(kept))
+                with naming_series(index, labels):
+                    check_kept(v for _, v, _ in kept)
                 result.stripped += 1
             if len(kept) == len(labels) and names_sorted([n for n, _ in labels]):
                 continue

@@ -29,11 +29,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from proxy.compression import DecodeError
 from proxy.enrichment import build_plan
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as pb2
 from proxy.pb.prometheus import remote_pb2
 from proxy.wire.native import Splicer, native_available, split_v1
-from proxy.wire.splice_v1 import split_points
+from proxy.wire.plan import renumbered
+from proxy.wire.splice_v1 import series_before, split_points
 from tests.wire.fuzz_native import (
     POISONS_V1,
     POISONS_V2,
@@ -257,9 +259,10 @@ def test_edge_cases_v2(raw: bytes) -> None:
 def test_generated_requests_are_attributed_often() -> None:
     """The generator is worth its examples: many series name a pod the table stamps,
     and many requests change (so the splice paths, not only the pass-through, run), and
-    many series lose a sender's karta_* label (the drop paths, stamped or not)."""
+    many series lose a sender's karta_* label (the drop paths, stamped or not), and some
+    go unstamped for the label limit."""
     rnd = random.Random(11)
-    stats = {1: [0, 0, 0, 0], 2: [0, 0, 0, 0]}
+    stats = {1: [0, 0, 0, 0, 0], 2: [0, 0, 0, 0, 0]}
     for i in range(200):
         version = 1 + i % 2
         gen = Gen(rnd, huge=False)
@@ -270,10 +273,12 @@ def test_generated_requests_are_attributed_often() -> None:
         stats[version][1] += nat.attributed
         stats[version][2] += not nat.same_object
         stats[version][3] += nat.stripped
-    for version, (series, attributed, changed, stripped) in stats.items():
+        stats[version][4] += dict(nat.unattributed).get("label_limit", 0)
+    for version, (series, attributed, changed, stripped, limited) in stats.items():
         assert attributed > series // 5, (version, stats)
         assert changed > 20, (version, stats)
         assert stripped > 20, (version, stats)
+        assert limited > 1, (version, stats)
 
 
 def _many_pairs_agree(pairs: list[tuple[str, str]]) -> None:
@@ -322,22 +327,27 @@ def test_wide_requests(rnd: random.Random, setup_rnd: random.Random, version: in
 
 def in_parts(splicer: Splicer, raw: bytes, cuts: list[int]) -> Outcome:
     """The outcome of splicing the parts one by one, summed as the handler sums them: the
-    bodies joined, the counts added, the first part's error in request order."""
+    bodies joined, the counts added, the first part's error in request order, the first
+    label_limit series of the first part that has one."""
     bodies, counts, attributed, stripped = [], [0, 0, 0, 0], 0, 0
+    limited = None
     reasons: dict[str, int] = {}
     for a, b in itertools.pairwise([0, *cuts, len(raw)]):
         part = outcome(splicer.splice_v1, raw[a:b])
-        if not part.ok:
-            return part
+        if not part.ok:  # naming its series by the index in the whole, as the handler does
+            err = renumbered(DecodeError(*part.error, part.message), series_before(raw, a))
+            return dataclasses.replace(part, message=err.message)
         bodies.append(part.body)
         counts = [x + y for x, y in zip(counts, part.counts, strict=True)]
         attributed += part.attributed
         stripped += part.stripped
+        limited = limited or part.label_limited
         for reason, n in part.unattributed:
             reasons[reason] = reasons.get(reason, 0) + n
     body = b"".join(bodies)
     return Outcome(True, body, body == raw, (counts[0], counts[1], counts[2], counts[3]),
-                   attributed, tuple(sorted(reasons.items())), stripped=stripped)
+                   attributed, tuple(sorted(reasons.items())), stripped=stripped,
+                   label_limited=limited)
 
 
 def check_parts(setup: Setup, raw: bytes, pieces: int) -> list[int]:

@@ -3,12 +3,17 @@ what stays byte-exact, and garbage refused with the right error."""
 
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import snappy
 
 from proxy.compression import DecodeError
-from proxy.wire.native import Splicer
-from proxy.wire.plan import SplicePlan
-from proxy.wire.primitives import Counts, encode_label_v1, encode_uvarint, len_field
+from proxy.handler import splice_in_parts
+from proxy.wire.native import Splicer, split_v1
+from proxy.wire.plan import NO_LABELS_LEFT, LabelLimited, SplicePlan, SpliceResult
+from proxy.wire.primitives import Counts, Protocol, encode_label_v1, encode_uvarint, len_field
 from tests.wire.conftest import PLAN, STAMPED, MakeSplicer
 from tests.wire_fixtures import (
     STALE_NAN,
@@ -541,6 +546,42 @@ def test_a_series_of_only_karta_labels_is_refused_not_forwarded_empty(splicer: S
         assert "sender_karta_labels: drop" in str(err)
 
 
+@pytest.mark.parametrize("labels", [
+    {"karta_workload": "x", "foo": ""},
+    {"__name__": "", "karta_workload": "x"},
+    {"__name__": "", "a": "", "karta_zz": "y", "zz": ""},
+])
+def test_a_series_of_karta_labels_and_empty_values_is_refused(splicer: Splicer,
+                                                               labels: dict[str, str]
+                                                               ) -> None:
+    """A label with an empty value is no label to Prometheus: once the drop took the
+    karta_* ones, ``{karta_workload="x", foo=""}`` reached Prometheus 2.42 as an empty label
+    set, 500 "empty labelset", the proxy 502, the sender's batch of 999 good series retried
+    forever (the audit's t10). Refused 400 as a series of only karta_* labels is."""
+    innocent = series_v1(POD)
+    for err in (
+        _refused(lambda: splicer.splice_v1(request_v1(innocent, series_v1(labels)))),
+        _refused(lambda: splicer.splice_v2(request_v2(POD, labels))),
+    ):
+        assert (err.kind, err.status) == ("invalid_labels", 400)
+        assert "no labels with a value" in str(err)
+
+
+def test_empty_values_the_drop_does_not_touch_pass_as_sent(splicer: Splicer) -> None:
+    """A series of only empty values and no karta_* label is the sender's, as it would be
+    sent straight to the TSDB: the proxy leaves it alone (the check runs where a label was
+    dropped); one with a value next to the dropped karta_* passes without them."""
+    raw1 = request_v1(series_v1({"foo": ""}))
+    assert splicer.splice_v1(raw1).body is raw1
+    raw2 = request_v2({"foo": ""})
+    assert splicer.splice_v2(raw2).body is raw2
+    kept = {"a": "", "b": "1", "karta_workload": "x"}
+    (got,) = parse_v1(splicer.splice_v1(request_v1(series_v1(kept))).body).timeseries
+    assert labels_of(got) == [("a", ""), ("b", "1")]
+    out = parse_v2(splicer.splice_v2(request_v2(kept)).body)
+    assert labels_v2(out, out.timeseries[0]) == [("a", ""), ("b", "1")]
+
+
 def test_only_karta_labels_pass_where_nothing_drops_them(make_splicer: MakeSplicer) -> None:
     """``keep`` of the sender's karta_* labels, or conflict_policy keep with a
     karta_workload: the series keeps its labels, so it is valid and passes unchanged."""
@@ -563,8 +604,9 @@ def test_a_series_with_no_labels_is_refused(splicer: Splicer) -> None:
     del ts.labels[:]
     for err in (_refused(lambda: splicer.splice_v1(request_v1(series_v1(POD), ts))),
                 _refused(lambda: splicer.splice_v2(request_v2(POD, {})))):
-        assert (err.kind, err.status, str(err).endswith("a series with no labels")) == (
-            "invalid_labels", 400, True)
+        assert (err.kind, err.status, str(err)) == (
+            "invalid_labels", 400,
+            "a series with no labels (series 1 of the request, no __name__)")
 
 
 def test_the_first_defect_answers_when_a_later_series_has_another(splicer: Splicer) -> None:
@@ -576,3 +618,187 @@ def test_the_first_defect_answers_when_a_later_series_has_another(splicer: Splic
     assert _refused(lambda: splicer.splice_v1(raw)).kind == "invalid_labels"
     raw = request_v1(series_v1(POD), series_v1({"a": "1"})) + bad_utf8
     assert _refused(lambda: splicer.splice_v1(raw)).kind == "invalid_utf8"
+
+
+# -- the TSDB's label limit ---------------------------------------------------------------
+
+#: a stamp of three labels: with namespace and pod, a pod's series has 5 labels and more
+STAMP3 = (("karta_kind", "Job"), ("karta_namespace", "ml"), ("karta_workload", "w"))
+
+
+def _limited(make_splicer: MakeSplicer, limit: int) -> Splicer:
+    sp = make_splicer(dataclasses.replace(PLAN, max_labels=limit))
+    sp.table.set(b"ml", b"p", STAMP3)
+    return sp
+
+
+def _labels(n: int, **more: str) -> dict[str, str]:
+    """A pod's series of ``n`` labels (namespace, pod and a00...) and ``more``."""
+    return {**POD, **{f"a{i:02d}": "v" for i in range(n - 2)}, **more}
+
+
+def _out(sp: Splicer, version: int, labels: dict[str, str]
+         ) -> tuple[list[tuple[str, str]], SpliceResult]:
+    """Version 1, 2, or 0: RW 1.0 through ``splice_snappy`` (the path of a snappy request
+    to a snappy upstream, the common one)."""
+    if version == 0:
+        raw = request_v1(series_v1(labels))
+        res = sp.splice_snappy(Protocol.V1, raw, snappy.compress(raw))
+        # a snappy block either way (the native edit's, or compressed again)
+        return labels_of(parse_v1(snappy.uncompress(res.body)).timeseries[0]), res
+    if version == 1:
+        res = sp.splice_v1(request_v1(series_v1(labels)))
+        return labels_of(parse_v1(res.body).timeseries[0]), res
+    res = sp.splice_v2(request_v2(labels))
+    out = parse_v2(res.body)
+    return labels_v2(out, out.timeseries[0]), res
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_a_series_the_stamp_brings_to_the_limit_is_stamped(make_splicer: MakeSplicer,
+                                                           version: int) -> None:
+    sp = _limited(make_splicer, 8)
+    got, res = _out(sp, version, _labels(5))
+    assert len(got) == 8 and ("karta_workload", "w") in got
+    assert (res.attributed, res.unattributed, res.label_limited) == (1, {}, None)
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_a_series_the_stamp_would_push_past_the_limit_goes_unstamped(
+        make_splicer: MakeSplicer, version: int) -> None:
+    """VictoriaMetrics at -maxLabelsPerTimeseries drops the labels that sort last, so
+    series that differ only in those merge (samples lost behind a 204); Mimir refuses the
+    whole request. One label over with the stamp: forwarded as sent, counted label_limit,
+    its __name__ and count kept for the log line."""
+    sp = _limited(make_splicer, 8)
+    labels = _labels(5, __name__="gpu_util")
+    got, res = _out(sp, version, labels)
+    assert got == sorted(labels.items())
+    assert (res.attributed, res.unattributed) == (0, {"label_limit": 1})
+    assert res.label_limited == LabelLimited(b"gpu_util", 9, 8)
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_the_labels_the_stamp_replaces_do_not_count(make_splicer: MakeSplicer,
+                                                    version: int) -> None:
+    """The sender's karta_* labels are dropped before the stamp goes in: a series sent at
+    the limit with two of them is within it stamped (7 - 2 + 3); with an empty __name__
+    and over the limit, it is forwarded without the stamp and without the sender's
+    karta_* labels (no forgery gets through), and the log names no metric."""
+    sp = _limited(make_splicer, 8)
+    sent = _labels(5, karta_workload="forged", karta_zz="x")
+    got, res = _out(sp, version, sent)
+    assert len(got) == 8 and ("karta_workload", "w") in got and ("karta_zz", "x") not in got
+    assert res.attributed == 1
+    sent = _labels(7, karta_workload="forged")
+    got, res = _out(sp, version, sent)
+    assert got == sorted(_labels(7).items())
+    assert (res.unattributed, res.stripped) == ({"label_limit": 1}, 1)
+    assert res.label_limited == LabelLimited(b"", 10, 8)
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_a_series_sent_past_the_limit_goes_unstamped(make_splicer: MakeSplicer,
+                                                     version: int) -> None:
+    """Past the limit as sent: unstamped too, as the sender sent it (the stamp would push
+    more of its own labels past what the TSDB keeps); 0 is no limit."""
+    got, res = _out(_limited(make_splicer, 8), version, _labels(9))
+    assert len(got) == 9 and res.attributed == 0 and res.label_limited is not None
+    got, res = _out(_limited(make_splicer, 0), version, _labels(9))
+    assert len(got) == 12 and res.attributed == 1 and res.label_limited is None
+
+
+def test_a_request_in_parts_keeps_its_first_label_limited_series() -> None:
+    first, second = (SpliceResult(b"", Counts(), label_limited=LabelLimited(m, 9, 8))
+                     for m in (b"a", b"b"))
+    whole = SpliceResult(b"", Counts())
+    whole.add(first)
+    whole.add(second)
+    assert whole.label_limited == LabelLimited(b"a", 9, 8)
+
+
+# -- a refusal names its series -------------------------------------------------------------
+
+#: a request of good series, the bad one at index 2
+GOOD = [{"__name__": f"good_{i}", **POD} for i in range(4)]
+
+
+def _bad_v1(bad: bytes) -> bytes:
+    return request_v1(*(series_v1(s) for s in GOOD[:2])) + bad + request_v1(
+        *(series_v1(s) for s in GOOD[2:]))
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (_label(b"__name__", b"up") + _label(b"a", b"x\xffy"),
+     'label value is not valid UTF-8: "x\\xffy" (series 2 of the request, __name__ "up")'),
+    (_label(b"__name__", b"up") + _label(b"a", b"1") + _label(b"a", b"2"),
+     'label name "a" repeated in one series (series 2 of the request, __name__ "up")'),
+    (_label(b"", b"v") + _label(b"__name__", b"up"),
+     'a label with an empty name (series 2 of the request, __name__ "up")'),
+    (_label(b"__name__", b"") + _label(b"karta_workload", b"x"),
+     f'{NO_LABELS_LEFT} (series 2 of the request, __name__ "")'),
+    (_label(b"job", b"") + _label(b"karta_zz", b"x"),
+     f"{NO_LABELS_LEFT} (series 2 of the request, no __name__)"),
+    # invalid UTF-8 in the name itself, and one past SHOWN bytes: escaped, cut
+    (_label(b"__name__", b"\xc0\xafm\"\\") + _label(b"b", b"\xff"),
+     'label value is not valid UTF-8: "\\xc0\\xafm\\x22\\x5c" (series 2 of the request, '
+     '__name__ "\\xc0\\xafm\\x22\\x5c")'),
+    (_label(b"__name__", "ü".encode() + b"n" * 70) + _label(b"c", b"1") + _label(b"c", b"1"),
+     'label name "c" repeated in one series (series 2 of the request, '
+     f'__name__ "\\xc3\\xbc{"n" * 62}...")'),
+])
+def test_a_refusal_names_the_series_rw1(splicer: Splicer, bad: bytes, message: str) -> None:
+    """"label value is not valid UTF-8" alone left an operator to find the culprit among
+    2,000 series: the refusal says its index in the request and its __name__, shown
+    escaped and cut, the same text from both splices."""
+    err = _refused(lambda: splicer.splice_v1(_bad_v1(len_field(1, bad))))
+    assert (err.status, err.message) == (400, message)
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"__name__": "", "karta_workload": "x", "a": ""},
+     f'{NO_LABELS_LEFT} (series 2 of the request, __name__ "")'),
+    ({"karta_workload": "x", "a": ""}, f"{NO_LABELS_LEFT} (series 2 of the request, no __name__)"),
+    ({}, "a series with no labels (series 2 of the request, no __name__)"),
+])
+def test_a_refusal_names_the_series_rw2(splicer: Splicer, bad: dict[str, str],
+                                        message: str) -> None:
+    err = _refused(lambda: splicer.splice_v2(request_v2(*GOOD[:2], bad, *GOOD[2:])))
+    assert (err.status, err.message) == (400, message)
+
+
+def test_a_repeated_name_in_rw2_and_a_bad_symbol_are_named(splicer: Splicer) -> None:
+    """A repeated name is the series' (named); a symbol that is not UTF-8 may be any
+    series', so its refusal shows the symbol and its index in the table."""
+    raw = request_v2(*GOOD[:2], {"__name__": "up", "a": "1"}, symbols=["", "a", "1"])
+    req = parse_v2(raw)
+    req.timeseries[2].labels_refs.extend([1, 2])  # a="1" again
+    err = _refused(lambda: splicer.splice_v2(req.SerializeToString()))
+    assert err.message == 'label name "a" repeated in one series (series 2 of the request, ' \
+                          '__name__ "up")'
+    bad = request_v2(*GOOD, symbols=["", "x\xff"]).replace("x\xff".encode(), b"x\xff\xfe")
+    err = _refused(lambda: splicer.splice_v2(bad))
+    assert err.message == 'symbol 1 is not valid UTF-8: "x\\xff\\xfe"'
+
+
+def test_a_part_of_a_request_names_its_series_by_the_index_in_the_whole(
+        implementation: str) -> None:
+    """The handler splices a big RW 1.0 request in parts, each counting its series from 0:
+    a refused part's series is named by its index in the request all the same."""
+    sp = Splicer(PLAN, implementation)  # type: ignore[arg-type]
+    good = [series_v1({"__name__": f"m{i}", "a": "x" * 50}).SerializeToString()
+            for i in range(40)]
+    bad = _label(b"__name__", b"bad") + _label(b"a", b"\xff")
+    raw = b"".join(len_field(1, s) for s in good[:30]) + len_field(1, bad) + b"".join(
+        len_field(1, s) for s in good[30:])
+    cuts = split_v1(raw, 4)
+    assert cuts and cuts[0] < raw.index(bad)  # the bad series is in a later part
+
+    def part(piece: bytes | memoryview, whole: bytes, base: int) -> SpliceResult:
+        return sp.splice_snappy(Protocol.V1, piece, whole, base)
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(DecodeError) as info:
+        splice_in_parts(raw, snappy.compress(raw), cuts, part, pool)
+    whole = _refused(lambda: sp.splice_v1(raw))
+    assert info.value.message == whole.message == (
+        'label value is not valid UTF-8: "\\xff" (series 30 of the request, __name__ "bad")')
