@@ -73,7 +73,7 @@ from aiohttp.web_protocol import RequestHandler
 #: once that test names nothing missing (a name gone would otherwise pass silently: an
 #: attribute set on a slotted class raises, one read through ``getattr`` does not).
 AIOHTTP_HANDLER_ATTRIBUTES = (
-    "_buffer_paused", "_force_close", "_keepalive_handle", "_keepalive_timeout", "_loop",
+    "_buffer_paused", "_close", "_force_close", "_keepalive_handle", "_keepalive_timeout", "_loop",
     "_manager", "_messages", "_next_keepalive_close_time", "_parser", "_reading_paused",
     "_request_count", "_request_in_progress", "_task_handler", "_waiter",
 )
@@ -392,6 +392,9 @@ class _GuardedProtocol(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._shedding:
             return  # the rest of a shed request: dropped, never parsed
+        if self._close or self._force_close:
+            self._finish_body(data)
+            return
         # bytes after a complete body (or before any request) start the next headers
         headers_pending = self._body is None or self._body.is_eof()
         if headers_pending and data and not self._messages:
@@ -420,6 +423,26 @@ class _GuardedProtocol(RequestHandler):
                 self._header_tail = (self._header_tail + data[-3:])[-3:]
                 if self._header_bytes > cast(_GuardedServer, self._manager).max_header_bytes:
                     self._headers_too_large()
+
+    def _finish_body(self, data: bytes) -> None:
+        """Bytes for a connection aiohttp is closing, as it marks every one at a stop
+        (``close`` in ``Server.pre_shutdown``, ``_force_close`` in ``shutdown``), after
+        which its ``data_received`` drops them: the body of the request being handled
+        still goes to the parser, or the drain's "requests in flight finish" did not hold
+        for a request whose body was still arriving (answered 503 "request body too
+        slow", counted as the sender's fault, with most of the drain left). Nothing else
+        is read: no request after it is taken (the connection closes after its answer),
+        and an idle connection closes as before."""
+        body = self._body
+        if body is None or body.is_eof() or not self._request_in_progress \
+                or self.transport is None:
+            return
+        closing = self._close, self._force_close
+        self._close = self._force_close = False
+        try:
+            super().data_received(data)
+        finally:
+            self._close, self._force_close = closing
 
     def _headers_end(self, data: bytes, room: int) -> int:
         """How many bytes of ``data`` belong to the request line and headers when their

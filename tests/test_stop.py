@@ -2,8 +2,8 @@
 takes with everything slow at once, and what the requests in flight get.
 
 docs/operations.md, "Shutdown": exit 0 within ``STOP_SECONDS`` of the signal; requests in
-flight finish or, past the drain, are ended; the fact writer ends its own series, then
-hands its lease back, beside the drain.
+flight finish (their bodies still arriving included) or, past the drain, are ended; the
+fact writer ends its own series, then hands its lease back, beside the drain.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import snappy
 import yaml
 
 from proxy import contract
 from proxy.sender import Series, decode_v1, send_series
 from proxy.server import STOP_SECONDS
 from tests.peers.conftest import free_port, wait_until
-from tests.proxy_harness import SNAPSHOT
+from tests.proxy_harness import CART, SNAPSHOT, series_v1
+from tests.raw_http import HEAD, read_answer
 from tests.scripted import Received, Reply, ScriptedUpstream
 from tests.test_cli import REPO, wait_for_200
 
@@ -147,3 +149,59 @@ async def test_a_stop_with_a_slow_upstream_and_a_slow_lease_api_ends_within_the_
     assert "fact writer: could not end its own series at stop: no answer within 5 s" in msgs
     assert any(m.startswith("lease default/karta-proxy-facts: release failed: no answer "
                             "within ") for m in msgs), msgs
+
+
+async def test_a_body_that_arrives_after_sigterm_is_answered_and_forwarded(
+    tmp_path: Path,
+) -> None:
+    """A request whose headers and half its body came before SIGTERM, the rest after: the
+    drain promises that requests in flight finish, but aiohttp drops every byte of a
+    connection marked closing, which the stop marks every one: it was answered 503
+    "request body too slow" (counted as the sender's fault) and nothing was stored. Now
+    it gets its 204 and is forwarded. Other connections get what they got: a new one is
+    refused, an idle keep-alive one is closed at once."""
+    body = snappy.compress(series_v1(*({"__name__": "late_body", "s": str(i), **POD}
+                                       for i in range(2000))))
+    half = len(body) // 2
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    async with ScriptedUpstream() as up, \
+            process(tmp_path, up.url, {"facts": {"enabled": False}}, "--snapshot",
+                    str(snap)) as p:
+        port = int(p.base.rsplit(":", 1)[1])
+        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
+        idle_w.write(HEAD.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert (await read_answer(idle_r)).status == 204  # and kept open, idle
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(HEAD.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:half])
+        await w.drain()
+
+        async def in_flight() -> bool:
+            return await sample(p.base, "karta_proxy_inflight_requests") == 1
+
+        await wait_until(in_flight, timeout=10, what="the request in flight", interval=0.02)
+        p.proc.send_signal(signal.SIGTERM)
+
+        async def refused() -> bool:  # the listener closed: the stop is under way
+            try:
+                _, probe = await asyncio.open_connection("127.0.0.1", port)
+            except ConnectionRefusedError:
+                return True
+            probe.close()
+            return False
+
+        await wait_until(refused, timeout=5, what="the listener closed", interval=0.02)
+        async with asyncio.timeout(2):  # the idle connection: closed at once
+            assert await idle_r.read(1) == b""
+        await asyncio.sleep(0.2)
+        w.write(body[half:])
+        await w.drain()
+        answer = await read_answer(r, timeout=10)
+        w.close()
+        idle_w.close()
+        _, err = await asyncio.wait_for(p.proc.communicate(), 20)
+    assert answer.status == 204, (answer, err.decode()[-2000:])
+    assert p.proc.returncode == 0
+    (got,) = [r for r in up.received if b"late_body" in r.raw][1:]  # after the first
+    series = decode_v1(got.raw)
+    assert len(series) == 2000 and all(CART.items() <= s.labels.items() for s in series)
