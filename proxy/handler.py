@@ -436,6 +436,15 @@ class RemoteWriteHandler:
             self._shed_counters[(route, content_type)] = counter
         return counter
 
+    def ended_at_stop(self, count: int) -> None:
+        """``count`` requests still in flight when the stop's drain ran out were ended,
+        unanswered (their connections closed: their senders send them again): one line
+        and a count, where their cancelled handlers counted and logged nothing."""
+        self.metrics.rejected.labels("ended_at_stop").inc(count)
+        log.warning("%d request%s still in flight ended at stop, unanswered (their senders "
+                    "send them again)", count, "" if count == 1 else "s",
+                    extra={"kind": "ended_at_stop", "count": count})
+
     def header_timed_out(self, remote: str) -> None:
         """A connection closed because its request headers did not arrive in time: every
         one counted, the lines throttled (3,000 idle connections made 3,000 lines)."""

@@ -232,7 +232,8 @@ async def start_site(
         on_timeout=handler.header_timed_out, shed=handler.shed,
         on_bad_http=handler.bad_http, limit=limit,
         max_header_bytes=handler.settings.max_header_bytes,
-        on_header_too_large=handler.header_too_large, auto_decompress=False,
+        on_header_too_large=handler.header_too_large, on_ended=handler.ended_at_stop,
+        auto_decompress=False,
         access_log=None, handle_signals=False, shutdown_timeout=DRAIN_SECONDS,
         lingering_time=LINGER_SECONDS)
     await runner.setup()

@@ -2,8 +2,8 @@
 takes with everything slow at once, and what the requests in flight get.
 
 docs/operations.md, "Shutdown": exit 0 within ``STOP_SECONDS`` of the signal; requests in
-flight finish (their bodies still arriving included) or, past the drain, are ended; the
-fact writer ends its own series, then hands its lease back, beside the drain.
+flight finish (their bodies still arriving included) or, past the drain, are ended and
+logged; the fact writer ends its own series, then hands its lease back, beside the drain.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ async def test_a_stop_with_a_slow_upstream_and_a_slow_lease_api_ends_within_the_
     elector's stop (the Lease call under way, then a read and a replace) ran one after
     the other: 25.5-26.5 s, for 10 documented. Now within ``STOP_SECONDS``, exit 0, and
     what was not done in time is said: the markers' timeout with its reason, the requests
-    the lease's release."""
+    ended, the lease's release."""
     from tests.kubesim import KubeSim
     from tests.kubesim.resources import LEASE
 
@@ -147,6 +147,10 @@ async def test_a_stop_with_a_slow_upstream_and_a_slow_lease_api_ends_within_the_
     assert took < STOP_SECONDS, (took, msgs[-8:])
     assert all(isinstance(a, aiohttp.ClientError) for a in answers), answers
     assert "fact writer: could not end its own series at stop: no answer within 5 s" in msgs
+    ended = [rec for rec in log if rec["msg"].endswith("still in flight ended at stop, "
+                                                       "unanswered (their senders send "
+                                                       "them again)")]
+    assert [rec["count"] for rec in ended] == [4], msgs
     assert any(m.startswith("lease default/karta-proxy-facts: release failed: no answer "
                             "within ") for m in msgs), msgs
 
