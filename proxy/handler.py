@@ -438,9 +438,9 @@ class RemoteWriteHandler:
 
     def ended_at_stop(self, count: int) -> None:
         """``count`` requests still in flight when the stop's drain ran out were ended,
-        unanswered (their connections closed: their senders send them again): one line
-        and a count, where their cancelled handlers counted and logged nothing."""
-        self.metrics.rejected.labels("ended_at_stop").inc(count)
+        unanswered (their connections closed: their senders send them again): one line,
+        where their cancelled handlers logged nothing. No counter: the listener, /metrics
+        with it, is closed by then, and no scrape would see it."""
         log.warning("%d request%s still in flight ended at stop, unanswered (their senders "
                     "send them again)", count, "" if count == 1 else "s",
                     extra={"kind": "ended_at_stop", "count": count})

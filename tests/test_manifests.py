@@ -268,7 +268,10 @@ def test_the_grace_period_outlasts_the_stop_with_margin(mode: str) -> None:
     within it) must end well before, or what it does last is cut (its stop with the fact
     writer's part after the drain took up to 34.5 s by the code, past the 30 s)."""
     spec = workload(mode).body["spec"]["template"]["spec"]
-    assert spec["terminationGracePeriodSeconds"] >= 2 * server.STOP_SECONDS
+    # the preStop sleep counts against the grace period too
+    pre_stop = container(mode)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 3, "senders routed to a pod whose listener is gone are refused"
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + 2 * server.STOP_SECONDS
     assert server.DRAIN_SECONDS + CANCEL_GRACE_SECONDS < server.STOP_SECONDS
 
 

@@ -658,8 +658,6 @@ async def test_a_stop_with_requests_on_a_slow_upstream_ends_within_the_drain(
     assert drain <= took < drain + 1.5, took
     assert answers[2] == 204
     assert all(isinstance(a, str) for a in answers[:2]), answers
-    assert p.metrics.registry.get_sample_value(
-        "karta_proxy_requests_rejected_total", {"reason": "ended_at_stop"}) == 2
     ended = [r for r in caplog.records if r.levelno == logging.WARNING
              and "still in flight ended at stop" in r.getMessage()]
     assert [(r.getMessage(), r.__dict__["count"]) for r in ended] == [(
