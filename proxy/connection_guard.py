@@ -73,7 +73,7 @@ from aiohttp.web_protocol import RequestHandler
 #: once that test names nothing missing (a name gone would otherwise pass silently: an
 #: attribute set on a slotted class raises, one read through ``getattr`` does not).
 AIOHTTP_HANDLER_ATTRIBUTES = (
-    "_buffer_paused", "_force_close", "_keepalive_handle", "_keepalive_timeout", "_loop",
+    "_buffer_paused", "_close", "_force_close", "_keepalive_handle", "_keepalive_timeout", "_loop",
     "_manager", "_messages", "_next_keepalive_close_time", "_parser", "_reading_paused",
     "_request_count", "_request_in_progress", "_task_handler", "_waiter",
 )
@@ -195,6 +195,8 @@ class Wait:
 
 #: told the peer address of each connection closed for its headers
 OnTimeout = Callable[[str], None]
+#: told how many requests still in flight the stop ended when its drain ran out
+OnEnded = Callable[[int], None]
 #: (method, path without the query, headers, peer address) of a parsed request -> the
 #: answer to write instead of handling it, a ``Wait`` to handle it once the connection has
 #: stopped reading, or None to handle it
@@ -392,6 +394,9 @@ class _GuardedProtocol(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._shedding:
             return  # the rest of a shed request: dropped, never parsed
+        if self._close or self._force_close:
+            self._finish_body(data)
+            return
         # bytes after a complete body (or before any request) start the next headers
         headers_pending = self._body is None or self._body.is_eof()
         if headers_pending and data and not self._messages:
@@ -420,6 +425,26 @@ class _GuardedProtocol(RequestHandler):
                 self._header_tail = (self._header_tail + data[-3:])[-3:]
                 if self._header_bytes > cast(_GuardedServer, self._manager).max_header_bytes:
                     self._headers_too_large()
+
+    def _finish_body(self, data: bytes) -> None:
+        """Bytes for a connection aiohttp is closing, as it marks every one at a stop
+        (``close`` in ``Server.pre_shutdown``, ``_force_close`` in ``shutdown``), after
+        which its ``data_received`` drops them: the body of the request being handled
+        still goes to the parser, or the drain's "requests in flight finish" did not hold
+        for a request whose body was still arriving (answered 503 "request body too
+        slow", counted as the sender's fault, with most of the drain left). Nothing else
+        is read: no request after it is taken (the connection closes after its answer),
+        and an idle connection closes as before."""
+        body = self._body
+        if body is None or body.is_eof() or not self._request_in_progress \
+                or self.transport is None:
+            return
+        closing = self._close, self._force_close
+        self._close = self._force_close = False
+        try:
+            super().data_received(data)
+        finally:
+            self._close, self._force_close = closing
 
     def _headers_end(self, data: bytes, room: int) -> int:
         """How many bytes of ``data`` belong to the request line and headers when their
@@ -675,7 +700,7 @@ class _GuardedServer(web.Server):
                  shed: Shed | None, on_bad_http: OnBadHttp | None = None,
                  limit: ConnectionLimit | None = None, max_header_bytes: int = 1 << 20,
                  on_header_too_large: OnHeaderTooLarge | None = None,
-                 **kwargs: Any) -> None:
+                 on_ended: OnEnded | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.on_timeout = on_timeout
@@ -684,6 +709,7 @@ class _GuardedServer(web.Server):
         self.limit = limit
         self.max_header_bytes = max_header_bytes
         self.on_header_too_large: OnHeaderTooLarge = on_header_too_large or _ignore
+        self.on_ended = on_ended
 
     def __call__(self) -> RequestHandler:
         return _GuardedProtocol(self, loop=self._loop, **self._kwargs)
@@ -702,7 +728,9 @@ class _GuardedServer(web.Server):
         requests on a slow upstream took 21 s where 10 were documented. Here its
         shutdown runs as it would, and once ``timeout`` has passed the connections'
         handler tasks are cancelled (their senders see the connection closed, and
-        retry), which ends its second wait at once.
+        retry), which ends its second wait at once. How many requests that ended is told
+        to ``on_ended``: their cancelled handlers count and log nothing, and 64 requests
+        so ended left no trace.
         """
         drain = asyncio.ensure_future(super().shutdown(timeout))
         if timeout is None:
@@ -711,10 +739,16 @@ class _GuardedServer(web.Server):
         connections = list(self._connections)
         done, _ = await asyncio.wait({drain}, timeout=timeout)
         if not done:
+            ended = 0
             for conn in connections:
                 task = conn._task_handler
                 if task is not None and not task.done():
+                    # a request being handled (not a connection reading the rest of a
+                    # body after its answer)
+                    ended += conn._request_in_progress
                     task.cancel()
+            if ended and self.on_ended is not None:
+                self.on_ended(ended)
             done, _ = await asyncio.wait({drain}, timeout=CANCEL_GRACE_SECONDS)
         if not done:  # a handler that would not end: its connection closed all the same
             for conn in connections:
@@ -736,9 +770,10 @@ class GuardedRunner(web.AppRunner):
                  shed: Shed | None = None, on_bad_http: OnBadHttp | None = None,
                  limit: ConnectionLimit | None = None, max_header_bytes: int = 1 << 20,
                  on_header_too_large: OnHeaderTooLarge | None = None,
-                 **kwargs: Any) -> None:
+                 on_ended: OnEnded | None = None, **kwargs: Any) -> None:
         """``limit``: the connections open at once (none: no limit); ``max_header_bytes``:
-        a request's line and headers in all, aiohttp's per-line limits set to fit it."""
+        a request's line and headers in all, aiohttp's per-line limits set to fit it;
+        ``on_ended``: told how many requests in flight a stop ended."""
         super().__init__(app, **header_limits(max_header_bytes), **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
@@ -747,6 +782,7 @@ class GuardedRunner(web.AppRunner):
         self._limit = limit
         self._max_header_bytes = max_header_bytes
         self._on_header_too_large = on_header_too_large
+        self._on_ended = on_ended
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup, freezes it
@@ -756,5 +792,6 @@ class GuardedRunner(web.AppRunner):
             header_timeout=self._header_timeout, on_timeout=self._on_timeout,
             shed=self._shed, on_bad_http=self._on_bad_http, limit=self._limit,
             max_header_bytes=self._max_header_bytes,
-            on_header_too_large=self._on_header_too_large, **plain._kwargs,
+            on_header_too_large=self._on_header_too_large, on_ended=self._on_ended,
+            **plain._kwargs,
         )

@@ -443,6 +443,15 @@ class RemoteWriteHandler:
             self._shed_counters[(route, content_type)] = counter
         return counter
 
+    def ended_at_stop(self, count: int) -> None:
+        """``count`` requests still in flight when the stop's drain ran out were ended,
+        unanswered (their connections closed: their senders send them again): one line,
+        where their cancelled handlers logged nothing. No counter: the listener, /metrics
+        with it, is closed by then, and no scrape would see it."""
+        log.warning("%d request%s still in flight ended at stop, unanswered (their senders "
+                    "send them again)", count, "" if count == 1 else "s",
+                    extra={"kind": "ended_at_stop", "count": count})
+
     def header_timed_out(self, remote: str) -> None:
         """A connection closed because its request headers did not arrive in time: every
         one counted, the lines throttled (3,000 idle connections made 3,000 lines)."""

@@ -21,8 +21,10 @@ leader election does:
   at its next renewal, or a Lease object deleted or replaced while held: docs/metrics.md);
 * ``step_down`` gives the lease up as a stop does and keeps this replica from campaigning
   for a while (the fact writer, when all its writes fail: another replica may write);
-* ``stop(release=True)`` hands the lease back (empty holder) so a successor starts at once;
-  a crashed replica simply stops renewing and is replaced after ``lease_duration``;
+* ``stop(release=True)`` hands the lease back (empty holder) so a successor starts at once,
+  in the time the caller gives it (a call under way is cancelled, not waited for); a
+  crashed replica, or a release that does not land in time, simply stops renewing and is
+  replaced after ``lease_duration``;
 * a record under this replica's identity that it did not write (neither the acquireTime of
   one of its acquisitions, which its renewals keep, nor the renewTime of a write of its
   own not known to have failed) was written by an earlier run (waited out) or by another
@@ -45,14 +47,14 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from proxy.log import Throttled
+from proxy.log import Throttled, failure_line
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,8 @@ def failure_of(exc: BaseException, timeout: float) -> tuple[str, str]:
         if message:
             line += f": {message}"
         return "status", " ".join(line.split())[:300]
-    if isinstance(exc, TimeoutError):  # asyncio's too, since Python 3.11
-        return "timeout", f"no answer within {timeout:g} s"
-    text = " ".join((str(exc) or "").split())[:300]
-    return "connection", f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return ("timeout" if isinstance(exc, TimeoutError) else "connection",
+            failure_line(exc, timeout))
 
 
 def micro_time(dt: datetime) -> Any:
@@ -149,6 +149,12 @@ class LeaseElector:
         self._wake = asyncio.Event()
         self._done: asyncio.Event | None = None
         self._release = True
+        #: the loop's clock by which a stop's release must be done (``stop(timeout=)``)
+        self._release_by: float | None = None
+        #: the round (or step-down release) under way, which a stop cancels
+        self._call: asyncio.Task[None] | None = None
+        #: a stop cut a call under way: a write of it may have landed
+        self._cut = False
         #: what tells this process' own record (see :meth:`_twin`): the acquireTimes it
         #: wrote acquiring the lease (its renewals keep it), and the renewTimes of its
         #: writes not known to have failed (a timed-out write may have landed). The
@@ -387,10 +393,9 @@ class LeaseElector:
                 self._wake.clear()
                 if self._release_owed:
                     self._release_owed = False
-                    self._last = None
-                    await self._release_lease()
+                    await self._cancellable(self._release_lease())
                 elif not self.cooling_down:
-                    await self._round()
+                    await self._cancellable(self._round())
                 delay = started + self.retry_period - clock()
                 if delay > 0 and not self._stop.is_set():
                     stop, wake = (asyncio.ensure_future(self._stop.wait()),
@@ -401,12 +406,30 @@ class LeaseElector:
                     finally:
                         stop.cancel()
                         wake.cancel()
-            if self._release and self._leader:
-                await self._release_lease()
+            if self._release and (self._leader or self._cut):
+                await self._release_lease(self._release_by)
         finally:
             self._set_leader(False)
             self._failure_lines.close()
             self._done.set()
+
+    async def _cancellable(self, calls: Coroutine[Any, Any, None]) -> None:
+        """Run a round's (or a release's) API calls as a task of their own, which
+        :meth:`stop` cancels: each call may take up to the renew deadline (2/3 of the
+        lease, 10 s at 15), and a stop waited for it before its release, past a pod's
+        grace period with the drain (26.5 s for 10 documented). A cancellation of the
+        loop itself goes on as one."""
+        task = asyncio.ensure_future(calls)
+        self._call = task
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            self._cut = True
+        finally:
+            self._call = None
 
     async def _round(self) -> None:
         try:
@@ -422,40 +445,80 @@ class LeaseElector:
             held = False
         self._set_leader(held)
 
-    async def _release_lease(self) -> None:
+    async def _release_lease(self, by: float | None = None) -> None:
         """Hand the lease back: an empty holder lets a successor take it at once. Its calls
-        get a third of the lease each, not the renew deadline: a stop waits for them (after
-        the drain, within the pod's grace period), and a release that does not land in
-        time only leaves the lease to expire, as a crash would."""
+        get a third of the lease each, not the renew deadline, and at a stop no more than
+        what is left until ``by`` (the loop's clock): a stop waits for them within its
+        deadline, and a release that does not land in time only leaves the lease to
+        expire, as a crash would. One call when the record this replica wrote last is
+        still the lease (replaced as it is, as a renewal does); read first otherwise."""
         timeout = self.release_timeout
+        if by is not None:
+            timeout = min(timeout, by - asyncio.get_running_loop().time())
+        last, self._last = self._last, None
+        if timeout <= 0:
+            log.warning("lease %s/%s: not released, the stop's time is up; it expires "
+                        "within %g s", self.namespace, self.name, self.lease_duration)
+            return
         try:
-            lease = await self._api.read_namespaced_lease(
-                self.name, self.namespace, _request_timeout=timeout
-            )
-            if (lease.spec is None or lease.spec.holder_identity != self.identity
-                    or self._twin(lease.spec)):
-                return
-            now = datetime.now(UTC)
-            lease.spec = k8s.V1LeaseSpec(
-                holder_identity=None,
-                lease_duration_seconds=1,
-                acquire_time=micro_time(now),
-                renew_time=micro_time(now),
-                lease_transitions=lease.spec.lease_transitions,
-            )
-            await self._api.replace_namespaced_lease(
-                self.name, self.namespace, lease, _request_timeout=timeout
-            )
+            async with asyncio.timeout_at(by):
+                if not await self._released(last, timeout):
+                    return
             log.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         except Exception as exc:  # the lease then simply expires
-            log.warning("lease %s/%s: release failed: %s", self.namespace, self.name,
-                        failure_of(exc, timeout)[1])
+            log.warning("lease %s/%s: release failed: %s; it expires within %g s",
+                        self.namespace, self.name, failure_of(exc, timeout)[1],
+                        self.lease_duration)
 
-    async def stop(self, *, release: bool = True) -> None:
-        """End :meth:`run`; ``release=False`` leaves the lease to expire (as a crash would)."""
+    async def _released(self, last: k8s.V1Lease | None, timeout: float) -> bool:
+        """The lease written with an empty holder: ``last`` (this replica's last write)
+        replaced as it is, or, when another write came since (409) or there is none, the
+        record read first and replaced if this replica holds it. False when it holds
+        nothing to release."""
+        if last is not None:
+            try:
+                await self._replace_released(last, timeout)
+                return True
+            except ApiException as e:
+                if e.status == 404:  # deleted: nobody holds it
+                    return False
+                if e.status != 409:
+                    raise
+        lease = await self._api.read_namespaced_lease(
+            self.name, self.namespace, _request_timeout=timeout
+        )
+        if (lease.spec is None or lease.spec.holder_identity != self.identity
+                or self._twin(lease.spec)):
+            return False
+        await self._replace_released(lease, timeout)
+        return True
+
+    async def _replace_released(self, lease: k8s.V1Lease, timeout: float) -> None:
+        now = datetime.now(UTC)
+        old = lease.spec or k8s.V1LeaseSpec()
+        lease.spec = k8s.V1LeaseSpec(
+            holder_identity=None,
+            lease_duration_seconds=1,
+            acquire_time=micro_time(now),
+            renew_time=micro_time(now),
+            lease_transitions=old.lease_transitions,
+        )
+        await self._api.replace_namespaced_lease(
+            self.name, self.namespace, lease, _request_timeout=timeout
+        )
+
+    async def stop(self, *, release: bool = True, timeout: float | None = None) -> None:
+        """End :meth:`run`, cancelling a Lease call under way rather than waiting for it;
+        ``release=False`` leaves the lease to expire (as a crash would); ``timeout``: how
+        long from now the release may take in all (the stop's deadline; each of its calls
+        gets a third of the lease at most either way)."""
         self._release = release
+        if timeout is not None:
+            self._release_by = asyncio.get_running_loop().time() + timeout
         if not release:
             self._leader = False  # a dead replica writes nothing, whatever the lease says
         self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
         if self._done is not None:
             await self._done.wait()

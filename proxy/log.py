@@ -66,6 +66,17 @@ def error_line(message: str, stream: IO[str] | None = None) -> None:
     print(f"{PROG}: error: {message}", file=stream or sys.stderr, flush=True)
 
 
+def failure_line(exc: BaseException, timeout: float) -> str:
+    """One line for a call that failed with ``exc`` after being given ``timeout`` seconds:
+    a timeout says how long it was given (``str(TimeoutError())`` is empty, and a line
+    that ended in ``: `` said nothing), anything else its type and text on one line, cut
+    to 300 characters."""
+    if isinstance(exc, TimeoutError):  # asyncio's too, since Python 3.11
+        return f"no answer within {timeout:.3g} s"
+    text = " ".join((str(exc) or "").split())[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def resolve_format(fmt: str, stream: IO[str]) -> str:
     """``auto`` -> ``text`` on a terminal, ``json`` otherwise; other formats stay."""
     if fmt != "auto":

@@ -8,7 +8,9 @@ only be fixed by the operator is found before the server says "listening": the c
 connection is configured first, and a snapshot (read in a moment, and either loadable or
 not) is loaded first. Such a failure is a ``StartError`` whose message names what to fix;
 ``serve`` prints it as one plain line and returns ``EXIT_START``. Stop order is the
-reverse: stop taking requests, let in-flight ones finish, then stop the sources.
+reverse: stop taking requests and let in-flight ones finish while the fact writer ends its
+own series and hands its lease back, then stop the sources; all of it within
+``proxy.server.STOP_SECONDS`` of the signal.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from proxy import __version__
+from proxy import __version__, server
 from proxy.config import (
     ConfigError,
     Settings,
@@ -52,6 +54,9 @@ from proxy.tls_handshake import REASONS
 from proxy.upstream import Upstream, conversion_limit
 from proxy.wire.native import warn_if_python
 from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices, in_runs
+
+if TYPE_CHECKING:
+    from proxy.facts import FactWriter
 
 log = logging.getLogger("karta.runtime")
 
@@ -154,7 +159,7 @@ class Proxy:
         )
         self.source: Service | None = None
         self.source_name = ""
-        self.facts: Service | None = None
+        self.facts: FactWriter | None = None
         #: whether this process writes fact series (facts.enabled, unless node mode)
         self.writes_facts = self._decide_fact_writing()
         self._elector: Any = None
@@ -257,7 +262,7 @@ class Proxy:
             return False
         return True
 
-    def _make_facts(self) -> Service | None:
+    def _make_facts(self) -> FactWriter | None:
         from proxy.facts import FactsCollector, FactWriter, FactWriterCollector
 
         self.metrics.registry.register(
@@ -305,17 +310,38 @@ class Proxy:
                 await asyncio.sleep(CAMPAIGN_WAIT_SECONDS)
         await elector.run()
 
-    async def _stop_elector(self) -> None:
+    async def _stop_facts(self, by: float) -> None:
+        """The fact writer's part of a stop, beside the drain and done by ``by`` (the
+        loop's clock): its own series ended first (their stale markers, at most
+        ``END_TIMEOUT_SECONDS``), and only then the lease handed back, so a standby
+        cannot write before those markers; the release gets what is left. Run after the
+        drain, the two took up to 5 s + the Lease call under way (2/3 of the lease) + two
+        release calls (a third each): 26.5 s of SIGTERM with a slow upstream and API."""
+        from proxy.facts.writer import END_TIMEOUT_SECONDS
+
+        loop = asyncio.get_running_loop()
+        if self.facts is not None:
+            try:
+                await self.facts.stop(min(END_TIMEOUT_SECONDS, by - loop.time()))
+            except Exception:
+                log.exception("error while stopping", extra={"part": "FactWriter"})
         if self._elector is not None:
-            await self._elector.stop()
+            await self._elector.stop(timeout=by - loop.time())
         if self._elector_task is not None:
             # cancelled, not waited for: a campaign still waiting for the index or the
             # writer's walk never reaches run() once the writer is stopped, and a stop
             # within the first interval after start hung for good
             with contextlib.suppress(Exception):
                 await cancel_and_wait(self._elector_task)
-        if self._kube_client is not None:
-            await self._kube_client.close()
+
+    async def _drain(self) -> None:
+        """Stop taking requests; those in flight get ``DRAIN_SECONDS`` to finish, and are
+        ended then (``proxy.connection_guard``)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.tls is not None:
+            await self.tls.stop()
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -535,21 +561,26 @@ class Proxy:
                 self.index.apply(cs)
 
     async def stop(self) -> None:
-        """Stop taking requests, finish those in flight, then stop the sources."""
+        """Stop taking requests and finish those in flight while the fact writer ends its
+        series and releases its lease, then stop the sources: within ``STOP_SECONDS``
+        (``DRAIN_SECONDS`` for the first two, side by side; the requests still in flight
+        then are ended; what is left of the stop is closing)."""
         log.info("stopping karta-proxy")
+        by = asyncio.get_running_loop().time() + server.DRAIN_SECONDS
         await cancel_and_wait(self._expire_task)
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self.tls is not None:
-            await self.tls.stop()
-        for part in (self.facts, self.source):
-            if part is not None:
-                try:
-                    await part.stop()
-                except Exception:
-                    log.exception("error while stopping", extra={"part": type(part).__name__})
-        await self._stop_elector()
+        drained = await asyncio.gather(self._drain(), self._stop_facts(by),
+                                       return_exceptions=True)
+        for outcome in drained:  # both ended first: neither left running unawaited
+            if isinstance(outcome, BaseException):
+                raise outcome
+        if self.source is not None:
+            try:
+                await self.source.stop()
+            except Exception:
+                log.exception("error while stopping",
+                              extra={"part": type(self.source).__name__})
+        if self._kube_client is not None:  # the source's and the Lease's connection
+            await self._kube_client.close()
         await self.upstream.close()
         self.handler.flush_logs()
         await asyncio.to_thread(self.handler.close)

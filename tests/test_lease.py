@@ -134,6 +134,50 @@ async def test_single_candidate_creates_and_renews_the_lease(
     assert holder(sim) == ""
 
 
+async def test_a_release_at_stop_replaces_the_record_written_last_in_one_call(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient]
+) -> None:
+    # a stop's release read the lease, then replaced it: two calls of up to a third of the
+    # lease each, after the drain. The record this replica wrote last is the lease as long
+    # as nobody wrote since (its resourceVersion says so): one call
+    e = LeaseElector(api(), NS, NAME, "only", DURATION)
+    async with running(e):
+        await leading(e, 3)
+        seen = len(sim.requests)
+    calls = [m for m, path, _, _ in list(sim.requests)[seen:] if "/leases/" in path]
+    assert holder(sim) == ""
+    assert calls[-1:] == ["PUT"] and "GET" not in calls, calls
+
+
+async def test_a_stop_cuts_the_lease_call_under_way_and_releases_in_the_time_given(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    # every Lease call answered in 4.5 s (a 15 s lease): a stop waited for the round under
+    # way (up to 2/3 of the lease), then for two release calls of a third each: 12.5 s of
+    # a stop that promises 10 in all. The call under way is cancelled, the release gets
+    # the time the stop has left, and a release that does not land says why
+    duration = 6.0
+    e = LeaseElector(api(), NS, NAME, "slow", duration)
+    task = asyncio.create_task(e.run())
+    try:
+        await leading(e, 10)
+        sim.delay_resource(LEASE, 3.0)
+        await asyncio.sleep(duration / 3 + 0.5)  # the next round is under way, for 3 s
+        assert e.is_leader
+        began = time.monotonic()
+        await asyncio.wait_for(e.stop(timeout=1.0), 5)
+        took = time.monotonic() - began
+    finally:
+        sim.delay_resource(LEASE, None)
+        if not task.done():
+            await e.stop(release=False)
+        await task
+    assert 0.9 < took < 1.5, took
+    assert not e.is_leader
+    assert (f"lease {NS}/{NAME}: release failed: no answer within 1 s; it expires within "
+            "6 s") in caplog.messages, caplog.messages
+
+
 async def test_three_candidates_one_leader_and_takeover_when_the_leader_dies(
     sim: KubeSim, api: Callable[[], k8s.ApiClient]
 ) -> None:

@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy import contract
+from proxy import contract, server
 from proxy.cli import build_parser, settings_from_args
 from proxy.config import Settings, load_settings
+from proxy.connection_guard import CANCEL_GRACE_SECONDS
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="PyPI kubernetes-validate (the [test] extra)")
@@ -262,6 +263,20 @@ def test_probes_and_resources(mode: str) -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     # the image's user (config/image/Containerfile), so a read-only root needs nothing else
     assert spec["securityContext"]["runAsUser"] == 10001
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_grace_period_outlasts_the_stop_with_margin(mode: str) -> None:
+    """The kubelet sends SIGKILL ``terminationGracePeriodSeconds`` after SIGTERM: the stop
+    the docs promise (``STOP_SECONDS``, its drain and the cancelled requests' grace
+    within it) must end well before, or what it does last is cut (its stop with the fact
+    writer's part after the drain took up to 34.5 s by the code, past the 30 s)."""
+    spec = workload(mode).body["spec"]["template"]["spec"]
+    # the preStop sleep counts against the grace period too
+    pre_stop = container(mode)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 3, "senders routed to a pod whose listener is gone are refused"
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + 2 * server.STOP_SECONDS
+    assert server.DRAIN_SECONDS + CANCEL_GRACE_SECONDS < server.STOP_SECONDS
 
 
 def test_cluster_mode_objects() -> None:

@@ -57,7 +57,7 @@ from proxy.karta.results import (
     PodAttribution,
     WorkloadFacts,
 )
-from proxy.log import Throttled
+from proxy.log import Throttled, failure_line
 from proxy.upstream import TRANSIENT_4XX
 from proxy.wire.halves import layout
 from proxy.wire.primitives import STALE_NAN, Protocol, labels_of, series_text
@@ -107,7 +107,9 @@ STANDBY_MEMORY = 300.0
 #: label values and never knows these (after an upgrade two versions showed for the
 #: 5-minute lookback); the cluster's facts go on under the next writer, unended
 OWN_SERIES = (contract.FACT_BUILD_INFO, contract.FACT_CONTRACT_INFO)
-#: how long a stop waits for those markers to be sent
+#: how long a stop waits for those markers to be sent at most: the stop runs them beside
+#: the drain of the requests in flight and gives them less when less of its deadline is
+#: left (``proxy.runtime.Proxy.stop``); unsent, they end with the lookback
 END_TIMEOUT_SECONDS = 5.0
 
 
@@ -953,14 +955,15 @@ class FactWriter:
         if self._task is None and self._settings.enabled:
             self._task = asyncio.create_task(self._run(), name="fact-writer")
 
-    async def stop(self) -> None:
-        """Stop writing; a writer that was writing ends its own series (``OWN_SERIES``)."""
+    async def stop(self, timeout: float = END_TIMEOUT_SECONDS) -> None:
+        """Stop writing; a writer that was writing ends its own series (``OWN_SERIES``),
+        waiting ``timeout`` seconds at most for them to be sent."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self.end_own_series()
+            await self.end_own_series(timeout)
             self._refusal_lines.close()
 
     def own_series_markers(self, now_ms: int) -> tuple[bytes, int]:
@@ -977,11 +980,12 @@ class FactWriter:
         stale = sample_field(STALE_NAN, ts_bytes)
         return b"".join(piece for one in ending for piece in (*one, stale)), len(ending)
 
-    async def end_own_series(self) -> bool:
+    async def end_own_series(self, timeout: float = END_TIMEOUT_SECONDS) -> bool:
         """At a stop, while this replica still writes: stale markers for the series that
         say which process wrote (:data:`OWN_SERIES`), so they end with it instead of
         lingering for the lookback beside the next writer's. A successor of the same
-        version starts them again at its first write. True when they were sent."""
+        version starts them again at its first write. True when they were sent within
+        ``timeout`` seconds."""
         if self.state is not WriterState.LEADER or not self.is_writer:
             return False
         now_ms = int(self._clock() * 1000)
@@ -992,11 +996,13 @@ class FactWriter:
         tally = _Delivery()
         try:  # one refused (a sender's series under its labels) spoils not the other
             await asyncio.wait_for(self._deliver(body, [(PROCESS_KEY, markers)], tally),
-                                   END_TIMEOUT_SECONDS)
+                                   max(0.0, timeout))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # they then end with the lookback, as after a crash
-            log.warning("fact writer: could not end its own series at stop: %s", exc)
+            # (a timeout's own text is empty: the line ended in ": ")
+            log.warning("fact writer: could not end its own series at stop: %s",
+                        failure_line(exc, timeout))
             return False
         self.metrics.series_refused.inc(tally.dropped)
         if tally.refused + tally.dropped >= markers:

@@ -465,6 +465,29 @@ async def test_a_failed_end_at_stop_is_logged_not_raised(caplog: pytest.LogCaptu
     assert "could not end its own series" in caplog.text
 
 
+async def test_an_end_at_stop_that_gets_no_answer_says_so_within_its_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # an upstream that does not answer: the stop waited its 5 s and logged "could not end
+    # its own series at stop: " with nothing after it (a TimeoutError's text is empty).
+    # The stop now gives the markers what is left of its deadline, and the line says why
+    calls = 0
+
+    async def send(body: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            await asyncio.sleep(60)
+
+    w = FactWriter(FactSettings(), small_index(), send)
+    assert await w.write_once()
+    began = time.monotonic()
+    assert not await w.end_own_series(0.2)
+    assert time.monotonic() - began < 1.0
+    assert ("fact writer: could not end its own series at stop: no answer within 0.2 s"
+            in caplog.messages), caplog.messages
+
+
 async def test_writer_without_election_starts_standby_and_leads_from_its_first_write(
 ) -> None:
     """The state machine's entry: STANDBY until the first interval asks, then LEADER for
