@@ -312,6 +312,8 @@ class Kubeconfig:
                 await self._reload(f"{changed} changed", logging.INFO)
             elif self._expiring():
                 await self._reload("the exec plugin's credential expires", logging.DEBUG)
+                if self._expiring():  # a plugin answering an expired credential: not again
+                    self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS  # each request
 
     async def renew_refused(self, generation: int, why: str) -> bool:
         """A request sent with the credentials of ``generation`` was refused (``why``):
@@ -334,8 +336,9 @@ class Kubeconfig:
             renewed = await self.load()
         except KubeconfigError as e:
             self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS
-            log.warning("%s: %s; loading it again failed, the credentials in use stay: %s",
-                        self.path, why, e)
+            log.warning("kubeconfig %s: %s; loading it again failed (the credentials in "
+                        "use stay, tried again in %g s): %s", self.path, why,
+                        RELOAD_RETRY_SECONDS, e)
             return False
         self._retry_at = -math.inf
         if renewed:

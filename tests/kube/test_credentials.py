@@ -218,3 +218,21 @@ async def test_a_client_certificate_renewed_on_disk_is_used_at_the_next_connecti
         await client.close()
         await sim.close()
 
+
+
+async def test_a_kubeconfig_half_written_keeps_the_credentials_in_use(
+        rotating_sim: KubeSim, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A kubeconfig caught mid-write does not load: the credentials in use stay (one
+    warning), and it is not loaded again on every request."""
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, {"token": "token-1"})
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        kc.write_text('{"apiVersion": "v1", "kind": "Con')
+        with caplog.at_level(logging.WARNING, logger="proxy.kube.client"):
+            for _ in range(3):
+                assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        warned = [r.getMessage() for r in caplog.records if "loading it again failed" in
+                  r.getMessage()]
+        assert len(warned) == 1 and str(kc) in warned[0], warned
+    finally:
+        await client.close()
