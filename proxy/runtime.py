@@ -468,11 +468,17 @@ class Proxy:
 
     async def _follow_kinds(self) -> None:
         """A snapshot source feeds again the objects of kinds the new descriptions made
-        the engine keep whole (the watches relist them as they follow the kinds)."""
+        the engine keep whole; the kube source's follower is woken to start or switch
+        the watches (relisting them whole) now, not at its next recheck (30 s)."""
         from proxy.snapshot import SnapshotSource
 
         if isinstance(self.source, SnapshotSource):
             await self.source.follow_kinds()
+        elif self.source is not None and not self.settings.snapshot:
+            from proxy.kube.source import KubeSource
+
+            if isinstance(self.source, KubeSource):
+                self.source.wake()
 
     async def _reload(self) -> ReloadOutcome:
         from proxy.enrichment import build_plan

@@ -29,7 +29,7 @@ from proxy.reload import changed_keys, merge
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
 from proxy.server import LIFECYCLE_DISABLED
-from tests.karta.descriptions import TRAINER_KARTA
+from tests.karta.descriptions import RAYJOB_KARTA, TRAINER_KARTA
 from tests.karta.runs import record_runs
 from tests.proxy_harness import CART, SNAPSHOT
 from tests.scripted import ScriptedUpstream
@@ -452,6 +452,52 @@ async def test_a_description_a_reload_adds_in_snapshot_mode_reads_its_kinds_obje
             "Running", "", 3.0)
     finally:
         await p.stop()
+
+
+async def test_a_description_a_reload_adds_in_kubernetes_mode_is_watched_at_once(
+        tmp_path: Path) -> None:
+    """A RayJob described by a reload's files: its watch switched from metadata to whole
+    objects only at the kube source's next recheck (29.1 s in the audit), the RayJob
+    reading Undefined / ``workload_object_missing`` until then, where the same
+    description as a Karta object in the cluster was followed in 0.1 s. The reload now
+    wakes the source's follower."""
+    from proxy.karta.model import GroupKind
+    from proxy.kube.source import KubeSource
+    from tests.kube.conftest import eventually
+    from tests.kube.test_source import rayjob
+    from tests.kubesim import KubeSim
+    from tests.kubesim.resources import KARTA, RAY_CLUSTER, RAY_JOB, RESOURCE_INTERFACE
+
+    async with KubeSim(bookmark_interval=0.2) as sim:
+        sim.register(RAY_JOB, RAY_CLUSTER, KARTA, RESOURCE_INTERFACE)
+        rayjob(sim)
+        job_uid = sim.get("ray.io/v1", "RayJob", "train", "ml")["metadata"]["uid"]
+        folder = tmp_path / "descriptions"
+        folder.mkdir()
+        config = tmp_path / "karta-proxy.yaml"
+        config.write_text(yaml.safe_dump({
+            "server": {"listen_address": "127.0.0.1:0"}, "facts": {"enabled": False},
+            "kube": {"kubeconfig": str(sim.write_kubeconfig(tmp_path / "kubeconfig"))},
+            "karta": {"description_paths": [str(folder)]},
+            "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+        p = Proxy(_loader(config)(), loader=_loader(config))
+        await p.start()
+        try:
+            source = p.source
+            assert isinstance(source, KubeSource)
+            rayjobs = GroupKind("ray.io", "RayJob")
+            assert source.watchers[rayjobs][0] == "metadata"  # an owner on the pods' chain
+            (folder / "rayjob.yaml").write_text(yaml.safe_dump(RAYJOB_KARTA))
+            assert (await p.reload()).ok
+
+            def running() -> bool:
+                facts = p.engine.workload(job_uid)
+                return (source.watchers[rayjobs][0] == "full" and facts is not None
+                        and facts.phase == "Running")
+
+            await eventually(running, timeout=3)  # the recheck interval is 30 s here
+        finally:
+            await p.stop()
 
 
 async def test_an_engine_failure_in_a_reloads_runs_costs_only_its_culprit(

@@ -8,10 +8,16 @@ objects for 100k pods costs more than the whole index.
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import json
 import logging
+import math
 import os
-from collections.abc import Mapping, Sequence
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ import aiohttp
 import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client import rest as k8s_rest
 
 from proxy.config import KubeSettings
 from proxy.karta.yamltext import yaml_error
@@ -122,14 +129,28 @@ def _check_kubeconfig(path: str) -> None:
                               f"(clusters, users, contexts, current-context), got {got}")
 
 
-async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> None:
+async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any:
+    """Load ``path`` into ``cfg``; returns the client's loader (what the file's user is)."""
     _check_kubeconfig(path)
     try:
-        await k8s_config.load_kube_config(config_file=path, client_configuration=cfg,
-                                          persist_config=False)
+        return await k8s_config.load_kube_config(config_file=path, client_configuration=cfg,
+                                                 persist_config=False)
     except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
         detail = _one_line(str(e)) or type(e).__name__
         raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
+
+
+def kubeconfig_path(settings: KubeSettings) -> str:
+    """The kubeconfig file the connection comes from: the setting or ``KUBECONFIG`` (its
+    first entry); else none in a pod (the in-cluster service account); else
+    ``~/.kube/config`` when it exists; "" for none."""
+    path = settings.kubeconfig or os.environ.get("KUBECONFIG", "")
+    if path:
+        return path.split(os.pathsep)[0] or path
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return ""
+    default = Path("~/.kube/config").expanduser()
+    return str(default) if default.exists() else ""
 
 
 async def load_configuration(settings: KubeSettings) -> k8s_client.Configuration:
@@ -137,32 +158,278 @@ async def load_configuration(settings: KubeSettings) -> k8s_client.Configuration
     account when running in a pod; else ``~/.kube/config``. A kubeconfig file that exists
     but does not load raises ``KubeconfigError`` (one line naming the file)."""
     cfg = k8s_client.Configuration()
-    path = settings.kubeconfig or os.environ.get("KUBECONFIG", "")
+    path = kubeconfig_path(settings)
     if path:
-        await _load_kubeconfig_file(path.split(os.pathsep)[0] or path, cfg)
+        await _load_kubeconfig_file(path, cfg)
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        # the client's loader re-reads the token file every 60 s (its own hook)
         k8s_config.load_incluster_config(client_configuration=cfg)
-    elif (default := Path("~/.kube/config").expanduser()).exists():
-        await _load_kubeconfig_file(str(default), cfg)
     else:  # the client's own words: no cluster configured at all
         await k8s_config.load_kube_config(client_configuration=cfg, persist_config=False)
     return cfg
 
 
+#: an exec plugin's credential is renewed this long before its expirationTimestamp, or a
+#: fifth of its lifetime before when that is shorter (a 20 s token 4 s before)
+EXEC_RENEW_BEFORE = 300.0
+#: a kubeconfig that failed to load again (a file half written, a plugin failing) is not
+#: tried again before this long: not once per request
+RELOAD_RETRY_SECONDS = 5.0
+#: a refusal (401, a refused TLS handshake) loads the kubeconfig again at most this
+#: often: a credential refused for good must not run the exec plugin on every retry of
+#: every watcher
+REFUSAL_RELOAD_SECONDS = 10.0
+#: a connection pool replaced by a renewal of the TLS files is closed this long after:
+#: the watches still streaming on it end by then (timeoutSeconds <= 480 + 30)
+RETIRED_POOL_SECONDS = 600.0
+#: the Configuration fields a kubeconfig load sets, besides the token; those that make
+#: the connection pool's SSL context
+_TLS_FIELDS = ("ssl_ca_cert", "cert_file", "key_file", "verify_ssl", "tls_server_name")
+_FIELDS = ("host", "proxy", *_TLS_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class FileStamp:
+    """What tells a file renewed on disk: a rename over it (a new inode), a rewrite (a
+    new mtime or size). A projected or mounted Secret swaps a symlink: ``stat`` follows."""
+
+    mtime_ns: int
+    size: int
+    inode: int
+
+
+def _stamp(path: str) -> FileStamp | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return FileStamp(st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """One load of a kubeconfig: the files it was read from (the kubeconfig, the token
+    file, the client certificate, key and CA files) with their stamps then, and when an
+    exec plugin's credential is to be renewed (``time.time()``; None: never before it
+    is refused)."""
+
+    files: Mapping[str, FileStamp | None]
+    renew_at: float | None
+    tls: Mapping[str, FileStamp | None]
+
+
+class Kubeconfig:
+    """A kubeconfig file's credentials, kept current in one ``Configuration``.
+
+    The client loads a kubeconfig once: a token file or a client certificate renewed
+    on disk, or an exec plugin's token expired (EKS and GKE tokens last 15-60 min), and
+    every request was refused (401) until a restart, the index stale while ready stayed
+    200. So before each request (``current``) the files the kubeconfig was read from
+    are looked at (a ``stat`` each) and an exec credential's expiry checked: a change,
+    or one about to expire, loads the kubeconfig again. A request refused all the same
+    (``renew_refused``) loads it again once and is retried if that renewed anything.
+    A load that renews the TLS files calls ``on_tls`` (the client's new connection
+    pool)."""
+
+    def __init__(self, path: str, cfg: k8s_client.Configuration) -> None:
+        self.path = path
+        self.cfg = cfg
+        #: bumped by every load that renewed something: a refused request sent before
+        #: one is retried without loading again
+        self.generation = 0
+        #: builds the connection pool for a load's TLS files (raises when they do not load)
+        self.on_tls: Callable[[k8s_client.Configuration], Awaitable[None]] | None = None
+        self._loaded = Loaded({}, None, {})
+        self._lock = asyncio.Lock()
+        self._retry_at = -math.inf
+        self._refusal_reload_at = -math.inf
+
+    async def load(self) -> list[str]:
+        """Load the kubeconfig into ``cfg``; returns what was renewed (``the token``, ...,
+        empty when nothing). Raises ``KubeconfigError``."""
+        fresh = k8s_client.Configuration()
+        loader = await _load_kubeconfig_file(self.path, fresh)
+        user: Mapping[str, Any] = getattr(getattr(loader, "_user", None), "value", None) or {}
+        files = {self.path: _stamp(self.path)}
+        token_file = user.get("tokenFile")
+        if isinstance(token_file, str) and token_file and not user.get("token"):
+            path = os.path.join(os.path.dirname(os.path.abspath(self.path)), token_file)
+            files[path] = _stamp(path)
+        tls = {p: _stamp(p) for p in (fresh.cert_file, fresh.key_file, fresh.ssl_ca_cert)
+               if isinstance(p, str) and p}
+        renewed: list[str] = []
+        tls_changed = tls != self._loaded.tls or any(
+            getattr(fresh, f) != getattr(self.cfg, f) for f in _TLS_FIELDS)
+        if tls_changed and self.on_tls is not None:
+            # before anything is adopted: a certificate renewed without its key yet (a
+            # rename at a time) does not load, and the credentials in use stay
+            try:
+                await self.on_tls(fresh)
+            except (ssl.SSLError, OSError) as e:
+                raise KubeconfigError(f"kubeconfig {self.path}: its TLS files do not "
+                                      f"load: {_one_line(str(e))}") from e
+            renewed.append("the TLS files (client certificate, key, CA)")
+        if fresh.host != self.cfg.host and self._loaded.files:
+            renewed.append("the server address")
+        token = fresh.api_key.get("BearerToken")
+        if token != self.cfg.api_key.get("BearerToken"):
+            renewed.append("the token")
+            if token is None:
+                self.cfg.api_key.pop("BearerToken", None)
+            else:
+                self.cfg.api_key["BearerToken"] = token
+        for f in _FIELDS:
+            setattr(self.cfg, f, getattr(fresh, f))
+        self._loaded = Loaded({**files, **tls}, _renew_at(loader), tls)
+        if renewed:
+            self.generation += 1
+        return renewed
+
+    def _changed(self) -> str:
+        """A file the kubeconfig was read from that changed since ("": none)."""
+        for path, stamp in self._loaded.files.items():
+            if _stamp(path) != stamp:
+                return path
+        return ""
+
+    def _expiring(self) -> bool:
+        """The exec plugin's credential is about to expire."""
+        renew_at = self._loaded.renew_at
+        return renew_at is not None and time.time() >= renew_at
+
+    async def current(self, *_: object) -> None:
+        """Load the kubeconfig again when a file it was read from changed (logged) or an
+        exec credential is about to expire (at debug level: every 15 min on EKS); the
+        client's ``refresh_api_key_hook`` (every request with a token, the Lease's too)
+        and ``KubeClient.open`` call it. A load that fails keeps the credentials in use,
+        and is tried again after ``RELOAD_RETRY_SECONDS``."""
+        if time.monotonic() < self._retry_at or not (self._changed() or self._expiring()):
+            return
+        async with self._lock:
+            if time.monotonic() < self._retry_at:
+                return
+            if changed := self._changed():
+                await self._reload(f"{changed} changed", logging.INFO)
+            elif self._expiring():
+                await self._reload("the exec plugin's credential expires", logging.DEBUG)
+                if self._expiring():  # a plugin answering an expired credential: not again
+                    self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS  # each request
+
+    async def renew_refused(self, generation: int, why: str) -> bool:
+        """A request sent with the credentials of ``generation`` was refused (``why``):
+        whether to send it again. Yes when a load since then renewed them; else the
+        kubeconfig is loaded again (at most every ``REFUSAL_RELOAD_SECONDS``), and yes
+        when that renewed anything."""
+        async with self._lock:
+            if generation != self.generation:
+                return True
+            now = time.monotonic()
+            if now < self._refusal_reload_at:
+                return False
+            self._refusal_reload_at = now + REFUSAL_RELOAD_SECONDS
+            return await self._reload(f"the API server refused its credentials ({why})",
+                                      logging.WARNING)
+
+    async def _reload(self, why: str, level: int) -> bool:
+        """Load again, logging what was renewed at ``level``; whether anything was."""
+        try:
+            renewed = await self.load()
+        except KubeconfigError as e:
+            self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS
+            log.warning("kubeconfig %s: %s; loading it again failed (the credentials in "
+                        "use stay, tried again in %g s): %s", self.path, why,
+                        RELOAD_RETRY_SECONDS, e)
+            return False
+        self._retry_at = -math.inf
+        if renewed:
+            log.log(level, "kubeconfig %s: %s; loaded it again: renewed %s", self.path, why,
+                    ", ".join(renewed))
+        else:
+            log.debug("kubeconfig %s: %s; loaded it again: nothing renewed", self.path, why)
+        return bool(renewed)
+
+
+def _renew_at(loader: Any) -> float | None:
+    """When the exec plugin's credential of ``loader`` is to be renewed (unix time):
+    ``EXEC_RENEW_BEFORE`` before it expires, or a fifth of its lifetime when shorter.
+    None without an exec plugin or an expirationTimestamp (renewed when refused, as
+    client-go does)."""
+    expiry = getattr(loader, "exec_plugin_expiry", None)
+    if not isinstance(expiry, datetime.datetime):
+        return None
+    if expiry.tzinfo is None:
+        expiry = expiry.replace(tzinfo=datetime.UTC)
+    end = expiry.timestamp()
+    return end - min(EXEC_RENEW_BEFORE, max(end - time.time(), 0.0) / 5)
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredPool:
+    """A connection pool replaced by a renewal of the TLS files, and when."""
+
+    pool: Any
+    at: float
+
+
+def _tls_refusal(e: Exception) -> bool:
+    """What a refused TLS handshake looks like: a failed handshake (TLS 1.2, or a server
+    certificate its renewed CA no longer verifies), or, in TLS 1.3, where the server
+    checks the client certificate after the client finished, a connection closed before
+    any answer. Not a connection refused: the server is away, no credential helps."""
+    if isinstance(e, aiohttp.ClientSSLError):
+        return True
+    return (isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+            and not isinstance(e, aiohttp.ClientConnectorError))
+
+
 class KubeClient:
     """Raw JSON over kubernetes-asyncio's ApiClient (its auth, TLS and session)."""
 
-    def __init__(self, api: k8s_client.ApiClient) -> None:
+    def __init__(self, api: k8s_client.ApiClient, kubeconfig: Kubeconfig | None = None) -> None:
         self.api = api
+        #: the kubeconfig whose credentials are kept current (None: in-cluster, whose
+        #: loader re-reads its token itself)
+        self.kubeconfig = kubeconfig
+        self._retired: list[RetiredPool] = []
+        if kubeconfig is not None:
+            kubeconfig.on_tls = self._new_pool
+            api.configuration.refresh_api_key_hook = kubeconfig.current
 
     @classmethod
     async def connect(cls, settings: KubeSettings) -> KubeClient:
-        cfg = await load_configuration(settings)
-        api = k8s_client.ApiClient(configuration=cfg)
+        path = kubeconfig_path(settings)
+        if not path:
+            cfg = await load_configuration(settings)
+            api = k8s_client.ApiClient(configuration=cfg)
+            api.user_agent = "karta-proxy"
+            return cls(api)
+        kubeconfig = Kubeconfig(path, k8s_client.Configuration())
+        await kubeconfig.load()
+        api = k8s_client.ApiClient(configuration=kubeconfig.cfg)
         api.user_agent = "karta-proxy"
-        return cls(api)
+        return cls(api, kubeconfig)
+
+    async def _new_pool(self, cfg: k8s_client.Configuration) -> None:
+        """A new connection pool (its SSL context) for renewed TLS files: the ApiClient's,
+        so the Lease's typed client gets it too. The old one is closed once the watches
+        streaming on it have ended (``RETIRED_POOL_SECONDS``): closing it at once cut
+        them all."""
+        pool = k8s_rest.RESTClientObject(cfg)  # raises when the files do not load
+        now = time.monotonic()
+        self._retired.append(RetiredPool(self.api.rest_client, now))
+        self.api.rest_client = pool
+        keep = []
+        for r in self._retired:
+            if now - r.at >= RETIRED_POOL_SECONDS:
+                await r.pool.close()
+            else:
+                keep.append(r)
+        self._retired = keep
 
     async def close(self) -> None:
+        for r in self._retired:
+            await r.pool.close()
+        self._retired.clear()
         await self.api.close()
 
     async def open(
@@ -170,7 +437,33 @@ class KubeClient:
         timeout: aiohttp.ClientTimeout | float | None = None,
     ) -> aiohttp.ClientResponse:
         """GET ``path`` and return the open response; non-2xx raises KubeApiError. Only
-        GET: the source lists, watches and discovers (the Lease has its typed client)."""
+        GET: the source lists, watches and discovers (the Lease has its typed client).
+        With a kubeconfig, its credentials are made current first, and a request refused
+        (401, a refused TLS handshake with a client certificate) is sent once more when
+        loading the kubeconfig again renewed them."""
+        kc = self.kubeconfig
+        if kc is None:
+            return await self._open(path, query, accept, timeout)
+        await kc.current()
+        generation = kc.generation
+        try:
+            resp = await self._open(path, query, accept, timeout)
+        except KubeApiError as e:
+            if e.status != 401 or not await kc.renew_refused(generation, f"{e.status} "
+                                                                          f"{e.reason}"):
+                raise
+        except aiohttp.ClientError as e:
+            if not (kc.cfg.cert_file and _tls_refusal(e) and await kc.renew_refused(
+                    generation, f"TLS: {type(e).__name__}: {e}")):
+                raise
+        else:
+            return resp
+        return await self._open(path, query, accept, timeout)
+
+    async def _open(
+        self, path: str, query: Mapping[str, str] | None, accept: str,
+        timeout: aiohttp.ClientTimeout | float | None,
+    ) -> aiohttp.ClientResponse:
         params: Sequence[tuple[str, str]] = list((query or {}).items())
         resp: aiohttp.ClientResponse = await self.api.call_api(
             path,

@@ -513,6 +513,14 @@ class KubeSource:
             else:
                 backoff.reset()
 
+    def wake(self) -> None:
+        """Have the follower run its round now: the engine's descriptions changed outside
+        the watches (a reload's description files), so the kinds it needs may have. A
+        reload set nothing here, and a kind it described waited for the recheck (30 s)
+        to be watched whole: its workloads read ``workload_object_missing`` meanwhile,
+        where a Karta object's description was followed in 0.1 s."""
+        self._kinds_changed.set()
+
     @property
     def kinds_pending(self) -> bool:
         """A change set, a refused watch or a description change's re-attribution owed

@@ -3,8 +3,9 @@
 The loop: list (paginated) -> watch from the list's resourceVersion with bookmarks ->
 on a clean end (server timeout) watch again from the last resourceVersion seen; on 410
 Gone, and when the server's store went back, relist and find deletions by diffing
-against what this watcher holds; on disconnects, refused connections and 5xx back off
-(exponential, full jitter) and resume; a stream that stays silent (no event, no
+against what this watcher holds; on a broken stream resume quietly; on refused
+connections, connections closed before any answer and 5xx back off (exponential, full
+jitter), unhealthy, and resume; a stream that stays silent (no event, no
 bookmark) for ``idle_timeout`` is taken for dead and resumed, unless a one-item list
 shows the store's resourceVersion below the held one: kube-apiserver keeps a watch from
 a version its store has not reached open and silent, so that is how a store gone back
@@ -299,6 +300,11 @@ def _older(new: str, held: str) -> bool:
     return new_rev is not None and old_rev is not None and new_rev < old_rev
 
 
+class _Broken(Exception):
+    """A watch stream the server had answered (its headers came) broke: resumed quietly.
+    The same aiohttp errors before an answer are the API server unreachable."""
+
+
 class _Idle(Exception):
     """An open watch sent nothing for ``idle_timeout``: a dead peer or a hung stream."""
 
@@ -501,11 +507,17 @@ class ResourceWatcher(WatchBase):
                 # resume (jittered), the next request tells whether it is reachable
                 log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
                             self.name, self.idle_timeout)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
-                # an open stream broke: resume at once (jittered), not stale yet
+            except _Broken as e:
+                # a watch the server answered broke: resume at once (jittered), not
+                # stale yet
                 reason = "disconnect"
-                log.info("watch %s: stream broke (%s), resuming", self.name, type(e).__name__)
+                log.info("watch %s: stream broke (%s), resuming", self.name, e)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                # a connection closed with no answer (a list, a watch before its
+                # headers: ServerDisconnectedError) is as unreachable as one refused: an
+                # L4 load balancer with no backend accepts and closes, a TLS 1.3 server
+                # refusing the client certificate too. Taken for a broken stream, it
+                # never made the index stale, nor warned, nor woke the others on recovery
                 reason = "unreachable"
                 self._failed(f"API server unreachable: {e or type(e).__name__}",
                              "unreachable")
@@ -730,6 +742,8 @@ class ResourceWatcher(WatchBase):
                     chunk = await resp.content.readany()
                 except aiohttp.ServerTimeoutError as e:
                     raise _Idle() from e
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+                    raise _Broken(type(e).__name__) from e
                 if not chunk:
                     if buf.strip():
                         rv = await self._process([buf], rv, ordered=ordered)

@@ -162,6 +162,7 @@ async def test_disconnects_resume_without_loss(sim: KubeSim,
         await eventually(_has(source, f"web-1-d{i}"), timeout=5)
     why = {"resource": "pods", "reason": "disconnect"}
     assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
+    assert not source.index.stale  # a stream the server answered broke: no outage
 
 
 async def test_silent_stream_is_reconnected(sim: KubeSim, make_source: SourceFactory) -> None:

@@ -9,9 +9,11 @@ pods were indexed. 403 / 404 were already skipped for readiness (test_source.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -22,7 +24,7 @@ from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.kube.source import KubeSource
 from tests.karta.descriptions import RAYJOB_KARTA
-from tests.kube.conftest import deployment, eventually, labels, metric
+from tests.kube.conftest import deployment, eventually, labels, metric, pod
 from tests.kube.test_source import rayjob
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import POD, RAY_CLUSTER, RAY_JOB, ResourceType
@@ -215,3 +217,103 @@ async def test_after_an_outage_the_watchers_come_back_together(
     assert took < 1.0, took
     await eventually(lambda: (labels(source, "shop", "web-2-0") or {}).get("karta_kind")
                      == "Deployment", timeout=2)
+
+
+class AcceptThenClose:
+    """A TCP forwarder in front of the simulator playing an L4 load balancer: it forwards,
+    or (``forwarding`` False) accepts each connection, reads the request's first bytes
+    and closes it with no answer (no healthy backend; a TLS 1.3 API server refusing a
+    client certificate looks the same: "Server disconnected")."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.forwarding = True
+        self._open: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if not self.forwarding:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r.read(1), 5)
+            w.close()
+            return
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            w.close()
+            return
+        self._open.update((w, uw))
+
+        async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            try:
+                while data := await a.read(65536):
+                    b.write(data)
+                    await b.drain()
+            except Exception:
+                pass
+            finally:
+                b.close()
+                self._open.discard(b)
+
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    def cut(self) -> None:
+        """Close every forwarded connection (the open watches break)."""
+        for w in list(self._open):
+            w.close()
+        self._open.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_connections_closed_with_no_answer_are_an_outage(
+        sim: KubeSim, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A load balancer that accepts and closes: every list and watch got "Server
+    disconnected" before any answer, which the watcher took for a broken stream to
+    resume quietly. Over 90 s (the audit, g_accept_then_close.py): 89 restarts, the
+    index never stale, no warning, freshness 91 s old; and on recovery each watcher came
+    back on its own backoff (5-16 s) instead of together. Now: unreachable, stale, one
+    warning, and the others woken by the first one back."""
+    _, rs, _ = deployment(sim, "web", "shop", replicas=1)
+    lb = AcceptThenClose(sim.port)
+    url = await lb.start()
+    kc = sim.write_kubeconfig(tmp_path / "kubeconfig")
+    kc.write_text(kc.read_text().replace(sim.url, url))
+    source = KubeSource(KubeSettings(kubeconfig=str(kc), resync_backoff_max_seconds=3.0),
+                        Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5)
+    try:
+        await asyncio.wait_for(source.start(), 5)
+        n = sum(len(ws) for _, ws in source.watchers.values())
+        with caplog.at_level(logging.WARNING, logger="proxy.kube.source"):
+            lb.forwarding = False
+            lb.cut()
+            sim.create(pod("web-during", "shop", owner_obj=rs, labels={"app": "web"}))
+            await eventually(lambda: source.index.stale, timeout=5)
+            await eventually(lambda: len(source._unhealthy) == n, timeout=5)
+        warned = [r.getMessage() for r in caplog.records
+                  if "API server unreachable:" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "Server disconnected" in warned[0], warned
+        why = {"resource": "pods", "reason": "unreachable"}
+        assert metric(source, "karta_proxy_watch_restarts_total", why) >= 1
+        await asyncio.sleep(2.0)  # the backoffs grow toward their cap
+        lb.forwarding = True
+        await eventually(lambda: len(source._unhealthy) < n, timeout=10)
+        took = await eventually(lambda: not source._unhealthy, timeout=5)
+        assert took < 1.0, took
+        await eventually(lambda: labels(source, "shop", "web-during"), timeout=2)
+        assert not source.index.stale
+    finally:
+        await source.stop()
+        await lb.close()

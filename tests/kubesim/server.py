@@ -20,6 +20,7 @@ import collections
 import copy
 import json
 import socket
+import ssl
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -88,12 +89,16 @@ class KubeSim:
         bookmark_interval: float = 1.0,
         max_watch_seconds: float = 300.0,
         max_log: int = 200_000,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.store = Store(max_log=max_log)
         for rt in resources:
             self.store.register(rt)
         self.port = port or free_port()
         self.token = token
+        #: serve HTTPS with this context (one that requires client certificates tests a
+        #: kubeconfig authenticating with one); read at each ``start``
+        self.ssl_context = ssl_context
         self.bookmark_interval = bookmark_interval
         self.max_watch_seconds = max_watch_seconds
         #: answer every API request with this status while set (e.g. 503: an outage
@@ -138,7 +143,8 @@ class KubeSim:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -151,7 +157,8 @@ class KubeSim:
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", self.port, reuse_address=True)
+        site = web.TCPSite(runner, "127.0.0.1", self.port, reuse_address=True,
+                           ssl_context=self.ssl_context)
         await site.start()
         self._runner = runner
 

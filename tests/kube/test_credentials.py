@@ -1,0 +1,238 @@
+"""Kubeconfig credentials renewed under a running client (proxy/kube/client.py
+``Kubeconfig``): a token file, an exec plugin's token, a client certificate. The client
+loaded a kubeconfig once, and every request was refused after a renewal until a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.config import KubeSettings
+from proxy.index import PodIndex
+from proxy.karta.engine import Engine
+from proxy.kube.client import KubeApiError, KubeClient
+from proxy.kube.source import KubeSource
+from tests.kube.conftest import deployment, eventually, labels, pod
+from tests.kubesim import KubeSim
+from tests.tls_certs import Authority, Pem, install
+
+Obj = dict[str, Any]
+
+
+def write_kubeconfig(path: Path, server: str, user: Obj, cluster: Obj | None = None) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "s", "cluster": {"server": server, **(cluster or {})}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "s", "user": "u"}}],
+        "current-context": "c",
+    }))
+    return path
+
+
+def exec_plugin(tmp: Path, token_file: Path, lifetime: float | None) -> Obj:
+    """A kubeconfig user whose exec plugin prints the token in ``token_file``, valid for
+    ``lifetime`` seconds (no expirationTimestamp for None), and counts its runs."""
+    script = tmp / "plugin.py"
+    runs = tmp / "runs"
+    script.write_text(f"""import datetime, json
+status = {{"token": open({str(token_file)!r}).read().strip()}}
+if {lifetime!r} is not None:
+    end = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds={lifetime!r})
+    status["expirationTimestamp"] = end.strftime("%Y-%m-%dT%H:%M:%SZ")
+with open({str(runs)!r}, "a") as f:
+    f.write("run\\n")
+print(json.dumps({{"apiVersion": "client.authentication.k8s.io/v1beta1",
+                  "kind": "ExecCredential", "status": status}}))
+""")
+    return {"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1",
+                     "command": sys.executable, "args": [str(script)],
+                     "interactiveMode": "Never"}}
+
+
+def plugin_runs(tmp: Path) -> int:
+    runs = tmp / "runs"
+    return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+
+@pytest.fixture
+async def rotating_sim() -> AsyncIterator[KubeSim]:
+    s = KubeSim(token="token-1", bookmark_interval=0.2, max_watch_seconds=3.0)
+    await s.start()
+    yield s
+    await s.close()
+
+
+async def test_a_token_file_renewed_on_disk_is_used_at_the_next_request(
+        rotating_sim: KubeSim, tmp_path: Path) -> None:
+    """The old client kept the token it read at start: 401 on every request after."""
+    token = tmp_path / "token"
+    token.write_text("token-1")
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, {"tokenFile": str(token)})
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        await client.request_json("/api/v1/pods")
+        token.write_text("token-2")
+        rotating_sim.token = "token-2"
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        # the Lease's typed client goes through the same hook
+        assert client.api.configuration.api_key["BearerToken"] == "Bearer token-2"
+    finally:
+        await client.close()
+
+
+async def test_a_credential_refused_for_good_fails_as_401_after_one_reload(
+        rotating_sim: KubeSim, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A renewal that renews nothing is not retried: the watchers fail their own way
+    ("API error 401"), warned of once by the source."""
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, {"token": "token-1"})
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        rotating_sim.token = "token-2"
+        rotating_sim.requests.clear()
+        with pytest.raises(KubeApiError) as info:
+            await client.request_json("/api/v1/pods")
+        assert info.value.status == 401
+        assert len(rotating_sim.requests) == 1  # not sent again: nothing was renewed
+        with pytest.raises(KubeApiError):
+            await client.request_json("/api/v1/pods")
+        # the kubeconfig itself renewed (a new token written into it): loaded again
+        # before the next request
+        write_kubeconfig(kc, rotating_sim.url, {"token": "token-2"})
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+    finally:
+        await client.close()
+
+
+async def test_an_exec_credential_is_renewed_before_it_expires(
+        rotating_sim: KubeSim, tmp_path: Path) -> None:
+    """A plugin's token that lives 20 s (EKS: 15 min) is renewed a fifth of its life
+    before it ends, before the request: no request goes out with an expired one."""
+    token = tmp_path / "token"
+    token.write_text("token-1")
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url,
+                          exec_plugin(tmp_path, token, lifetime=2))
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        await client.request_json("/api/v1/pods")
+        runs = plugin_runs(tmp_path)
+        await client.request_json("/api/v1/pods")
+        assert plugin_runs(tmp_path) == runs  # cached while valid
+        token.write_text("token-2")
+        rotating_sim.token = "token-2"  # the old token refused from now on
+        await asyncio.sleep(2.2)  # past its expiry (whole seconds: within 2 s)
+        rotating_sim.requests.clear()
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        assert len(rotating_sim.requests) == 1  # renewed before: not refused first
+        assert plugin_runs(tmp_path) == runs + 1
+    finally:
+        await client.close()
+
+
+async def test_an_exec_credential_without_expiry_is_renewed_when_refused(
+        rotating_sim: KubeSim, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As client-go: a plugin that names no expiry is run again on a 401, and the
+    request sent again, with a warning naming the kubeconfig and what was renewed."""
+    token = tmp_path / "token"
+    token.write_text("token-1")
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url,
+                          exec_plugin(tmp_path, token, lifetime=None))
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        await client.request_json("/api/v1/pods")
+        token.write_text("token-2")
+        rotating_sim.token = "token-2"
+        with caplog.at_level(logging.WARNING, logger="proxy.kube.client"):
+            assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        assert any(f"kubeconfig {kc}: the API server refused its credentials (401 "
+                   "Unauthorized); loaded it again: renewed the token" in r.getMessage()
+                   for r in caplog.records), caplog.text
+    finally:
+        await client.close()
+
+
+async def test_the_source_follows_a_token_file_renewed(
+        rotating_sim: KubeSim, tmp_path: Path) -> None:
+    """The audit's case end to end: after the rotation every watch got 401 until a
+    restart, the index stale and a pod created meanwhile never attributed (75 s)."""
+    _, rs, _ = deployment(rotating_sim, "web", "shop", replicas=1)
+    token = tmp_path / "token"
+    token.write_text("token-1")
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, {"tokenFile": str(token)})
+    source = KubeSource(KubeSettings(kubeconfig=str(kc), resync_backoff_max_seconds=0.5),
+                        Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5)
+    await source.start()
+    try:
+        token.write_text("token-2")
+        rotating_sim.token = "token-2"
+        rotating_sim.disconnect_watches()
+        rotating_sim.create(pod("web-new", "shop", owner_obj=rs, labels={"app": "web"}))
+        await eventually(lambda: labels(source, "shop", "web-new"), 5)
+        assert not source.index.stale
+    finally:
+        await source.stop()
+
+
+def _server_context(ca: Authority, server: Pem, client_ca: Authority) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(client_ca.ca_file))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_cert_chain(server.cert, server.key)
+    return ctx
+
+
+async def test_a_client_certificate_renewed_on_disk_is_used_at_the_next_connection(
+        tmp_path: Path) -> None:
+    """The client's SSL context was made once: a client certificate renewed on disk (and
+    the old one refused) failed every handshake until a restart. The server here
+    requires certificates of the client CA it is started with; it restarts trusting only
+    a new one, as the certificate on disk is renewed to one of that CA."""
+    ca = Authority(tmp_path / "ca")
+    server = ca.issue("apiserver", server=True)
+    old_ca, new_ca = Authority(tmp_path / "old", "old-ca"), Authority(tmp_path / "new", "new-ca")
+    live = Pem(tmp_path / "client.crt", tmp_path / "client.key")
+    install(old_ca.issue("proxy", server=False), live)
+    sim = KubeSim(token="", ssl_context=_server_context(ca, server, old_ca))
+    await sim.start()
+    kc = write_kubeconfig(tmp_path / "kubeconfig", sim.url,
+                          {"client-certificate": str(live.cert), "client-key": str(live.key)},
+                          {"certificate-authority": str(ca.ca_file)})
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        install(new_ca.issue("proxy", server=False), live)
+        await sim.stop()
+        sim.ssl_context = _server_context(ca, server, new_ca)
+        await sim.start()
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+    finally:
+        await client.close()
+        await sim.close()
+
+
+
+async def test_a_kubeconfig_half_written_keeps_the_credentials_in_use(
+        rotating_sim: KubeSim, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A kubeconfig caught mid-write does not load: the credentials in use stay (one
+    warning), and it is not loaded again on every request."""
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, {"token": "token-1"})
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    try:
+        kc.write_text('{"apiVersion": "v1", "kind": "Con')
+        with caplog.at_level(logging.WARNING, logger="proxy.kube.client"):
+            for _ in range(3):
+                assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        warned = [r.getMessage() for r in caplog.records if "loading it again failed" in
+                  r.getMessage()]
+        assert len(warned) == 1 and str(kc) in warned[0], warned
+    finally:
+        await client.close()
