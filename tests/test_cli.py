@@ -262,16 +262,24 @@ async def wait_for_200(session: aiohttp.ClientSession, url: str,
         await asyncio.sleep(0.1)
 
 
-async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> None:
+async def _on_the_snapshot(tmp_path: Path, up: ScriptedUpstream
+                           ) -> tuple[asyncio.subprocess.Process, int]:
+    """The real process on the test snapshot, facts off, writing to ``up``: the process
+    (its log on stderr) and its port."""
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
     port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--snapshot", str(snap), "--upstream-url", up.url,
+        "--listen-address", f"127.0.0.1:{port}", "--no-facts", cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    return proc, port
+
+
+async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> None:
     async with ScriptedUpstream() as up:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "--snapshot", str(snap), "--upstream-url", up.url,
-            "--listen-address", f"127.0.0.1:{port}", "--no-facts", cwd=REPO,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
+        proc, port = await _on_the_snapshot(tmp_path, up)
         try:
             base = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as session:
@@ -431,15 +439,8 @@ async def test_a_sighup_while_starting_is_a_reload_not_the_end(tmp_path: Path) -
     """A SIGHUP as soon as the process catches one, while it still imports its runtime
     and reads its settings: it reloads once started, and serves. Before the event loop's
     handler, SIGHUP's default action ended it (exit 129) for the first ~0.5-0.9 s."""
-    snap = tmp_path / "snap.yaml"
-    snap.write_text(SNAPSHOT)
-    port = _free_port()
     async with ScriptedUpstream() as up:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "--snapshot", str(snap), "--upstream-url", up.url,
-            "--listen-address", f"127.0.0.1:{port}", "--no-facts", cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
+        proc, port = await _on_the_snapshot(tmp_path, up)
         try:
             deadline = asyncio.get_running_loop().time() + 20
             while not _catches_sighup(proc.pid):
