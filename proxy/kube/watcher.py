@@ -180,7 +180,8 @@ class WatchMetrics:
             "Watch restarts by resource and reason (timeout: the server ended the "
             "stream; empty: it ended early with no event; short: it ended early after "
             "some; gone: 410 or the server's store gone back, relisted; idle; "
-            "disconnect; unreachable; error; unserved).",
+            "disconnect: an answered stream broke; unreachable: no answer, the connection "
+            "refused or closed first; error; unserved).",
             ["resource", "reason"],
             registry=registry,
         )
