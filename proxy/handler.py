@@ -4,7 +4,7 @@ Decompressing, splicing and compressing one request run together in a worker thr
 splice and cramjam release the GIL), so one process uses every core and health checks,
 watches, fact writes and ``/metrics`` never wait behind a big request on the event loop.
 Snappy in and out, nothing is compressed again: the upstream's block is made from the
-sender's (``Enricher.enrich_snappy``, ``proxy/wire/_snappy_edit.c``).
+sender's (``Splicer.splice_snappy``, ``proxy/wire/_snappy_edit.c``).
 
 Every refusal is a 4xx or 5xx with a one-line message, a log line and a counter, and
 nothing is allocated past the configured limits: the compressed body is read in chunks

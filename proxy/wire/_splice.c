@@ -1807,9 +1807,9 @@ empty_after_drop(const Plan *pl, const Lab *labs, size_t n)
 
 /* Would the stamp push the series past the plan's label limit (plan.decide's
  * label_limit)? Called only when its n labels and the stamp's are past it (the one
- * compare a stamped series pays): a series sent past the limit is the sender's, stamped as
- * usual; else the labels the plan drops are not counted (the stamp replaces them). Notes
- * the request's first such series for the log line. */
+ * compare a stamped series pays; a limit of 0 is none, tested by the callers): the labels
+ * the plan drops are not counted (the stamp replaces them), and a series sent past the
+ * limit goes unstamped too. Notes the request's first such series for the log line. */
 static int
 stamp_over_limit(Req *r, const Lab *labs, size_t n, const Entry *en)
 {

@@ -106,7 +106,7 @@ class SplicePlan:
     #: ``upstream.max_labels_per_series`` (0: no limit): a series the stamp would push past
     #: it is forwarded unstamped (``label_limit``), since a TSDB at its limit drops the
     #: labels that sort last (VictoriaMetrics, silently: series merge) or refuses the whole
-    #: request (Mimir). One the sender sent past it is the sender's, stamped as usual.
+    #: request (Mimir). One the sender sent past it goes unstamped too.
     max_labels: int = 0
 
     def __post_init__(self) -> None:
