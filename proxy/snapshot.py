@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from proxy import memory
 from proxy.index import PodIndex
@@ -53,6 +53,7 @@ from proxy.object_files import (
     unpaced,
 )
 from proxy.tasks import cancel_and_wait
+from proxy.tls_files import FileStamp, stamp
 from proxy.yielding import (
     LOOP_RUN_SECONDS,
     RELOAD_DEFER_SECONDS,
@@ -423,13 +424,6 @@ def load_snapshot(path: str | Path, engine: Engine) -> SnapshotReport:
     return report
 
 
-class FileStamp(NamedTuple):
-    """What changes when a file is saved, added or removed: its mtime and size."""
-
-    mtime_ns: int
-    size: int
-
-
 @dataclass
 class PathState:
     """A snapshot path as a poll finds it: the stamp of each of its files, or why the
@@ -448,8 +442,7 @@ def path_state(path: str | Path) -> PathState:
     out: dict[str, FileStamp] = {}
     for f in files:
         with contextlib.suppress(OSError):  # gone since listed: as if not listed
-            st = f.stat()
-            out[str(f)] = FileStamp(st.st_mtime_ns, st.st_size)
+            out[str(f)] = stamp(str(f))  # its inode too: a file renamed over it
     return PathState(out)
 
 

@@ -29,6 +29,7 @@ from kubernetes_asyncio.client import rest as k8s_rest
 
 from proxy.config import KubeSettings
 from proxy.karta.yamltext import yaml_error
+from proxy.tls_files import FileStamp, stamp
 
 log = logging.getLogger(__name__)
 
@@ -188,22 +189,13 @@ _TLS_FIELDS = ("ssl_ca_cert", "cert_file", "key_file", "verify_ssl", "tls_server
 _FIELDS = ("host", "proxy", *_TLS_FIELDS)
 
 
-@dataclass(frozen=True, slots=True)
-class FileStamp:
-    """What tells a file renewed on disk: a rename over it (a new inode), a rewrite (a
-    new mtime or size). A projected or mounted Secret swaps a symlink: ``stat`` follows."""
-
-    mtime_ns: int
-    size: int
-    inode: int
-
-
 def _stamp(path: str) -> FileStamp | None:
+    """The file's stamp (``proxy.tls_files``: its inode too, for a Secret's swapped
+    symlink), None for a file gone."""
     try:
-        st = os.stat(path)
+        return stamp(path)
     except OSError:
         return None
-    return FileStamp(st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,9 +240,11 @@ class Kubeconfig:
         """Load the kubeconfig into ``cfg``; returns what was renewed (``the token``, ...,
         empty when nothing). Raises ``KubeconfigError``."""
         fresh = k8s_client.Configuration()
+        # stamped before it is read (an exec plugin may take seconds): a rewrite meanwhile
+        # shows as a change at the next look, not as the content loaded
+        files = {self.path: _stamp(self.path)}
         loader = await _load_kubeconfig_file(self.path, fresh)
         user: Mapping[str, Any] = getattr(getattr(loader, "_user", None), "value", None) or {}
-        files = {self.path: _stamp(self.path)}
         token_file = user.get("tokenFile")
         if isinstance(token_file, str) and token_file and not user.get("token"):
             path = os.path.join(os.path.dirname(os.path.abspath(self.path)), token_file)
@@ -287,8 +281,8 @@ class Kubeconfig:
 
     def _changed(self) -> str:
         """A file the kubeconfig was read from that changed since ("": none)."""
-        for path, stamp in self._loaded.files.items():
-            if _stamp(path) != stamp:
+        for path, then in self._loaded.files.items():
+            if _stamp(path) != then:
                 return path
         return ""
 
