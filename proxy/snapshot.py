@@ -442,7 +442,9 @@ def path_state(path: str | Path) -> PathState:
     out: dict[str, FileStamp] = {}
     for f in files:
         with contextlib.suppress(OSError):  # gone since listed: as if not listed
-            out[str(f)] = stamp(str(f))  # its inode too: a file renamed over it
+            st = stamp(str(f))  # its inode too: a file renamed over it
+            if st is not None:  # (None only for the path "")
+                out[str(f)] = st
     return PathState(out)
 
 

@@ -61,6 +61,9 @@ class StoredAnswer:
     status: int
     converted: bool
     written: tuple[int, int, int]
+    #: it went without its native histograms (the upstream refused them): a resend that
+    #: skips it claims none of the request's histograms written
+    without_histograms: bool = False
 
 
 @dataclass(slots=True)

@@ -1358,7 +1358,7 @@ class Upstream:
             del out
         finally:
             attempt.charge.give_back(need)
-        self._remember(parts, a, b, answer, sent.converted)
+        self._remember(parts, a, b, answer, sent)
         parts.without_histograms = parts.without_histograms or sent.without_histograms
         refused = too_large(answer)
         if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
@@ -1390,11 +1390,13 @@ class Upstream:
                       too_large=False)
             parts.sent -= 1  # not sent: answered from the record
             parts.skipped += 1
+            # a part stored without its histograms: the whole claims none of them
+            parts.without_histograms = parts.without_histograms or s.without_histograms
             parts.stored.append(part)
         return True
 
     def _remember(self, parts: _Parts, a: int, b: int, answer: Answer,
-                  converted: bool) -> None:
+                  sent: Outgoing) -> None:
         """Record part ``series[a:b]`` as stored when it got a 2xx, and only then: a 5xx
         or a refusal leave it unknown or not stored, and an answer made up for it could
         tell the sender a batch is stored when samples of it are not. Any answer keeps the
@@ -1408,7 +1410,8 @@ class Upstream:
         written = tuple(int(v) if (v := answer.headers.get(name, "")).isdigit() else -1
                         for name in _WRITTEN)
         self.stored_parts.stored(parts.key, parts.memory, (a, b), StoredAnswer(
-            answer.status, converted, (written[0], written[1], written[2])))
+            answer.status, sent.converted, (written[0], written[1], written[2]),
+            sent.without_histograms))
 
     def _explained(self, parts: _Parts, answer: Answer) -> Answer:
         """The 400 of a part refused as out of order, on an attempt after an earlier one of

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import hashlib
 import logging
+import math
 import shutil
 import ssl
 import subprocess
@@ -447,6 +448,42 @@ async def test_histograms_refused_by_a_part_are_not_claimed_for_the_whole() -> N
     assert (answer.headers[WRITTEN_SAMPLES], answer.headers[WRITTEN_HISTOGRAMS]) == ("48", "0")
     stored = [r for r in up.received if len(r.body) <= limit and not histograms_in(r)]
     assert sum(len(WriteRequest.FromString(r.raw).timeseries) for r in stored) == 16
+
+
+async def test_a_resend_that_skips_a_part_stored_without_histograms_claims_none() -> None:
+    """A part stored without its histograms, recorded, and skipped by the batch's resend
+    once the upstream's refusal is forgotten (its recheck, or a check after an outage):
+    the resend's 2xx claims none of the request's histograms. The record did not say how
+    the part went, and the resend claimed 200 written where none was ever stored."""
+    req = RequestV2()  # 400 series, the histograms in the first half only
+    req.symbols.extend(["", "__name__", "requests_total", "pod"])
+    for i in range(400):
+        req.symbols.append(f"pod-{i:04d}-{i * 7919 % 10007:05d}")
+        ts = req.timeseries.add()
+        ts.labels_refs.extend([1, 2, 3, 4 + i])
+        for j in range(3):
+            ts.samples.add(value=i * 1.37 + j, timestamp=1000 + j * 15000 + i)
+        if i < 200:
+            ts.histograms.add(count_int=1, sum=1.0, schema=0, zero_count_int=1, timestamp=1000)
+    raw = req.SerializeToString()
+    failed: list[int] = []
+
+    def then(rec: Received) -> Reply:
+        if histograms_in(rec):
+            return refusing_histograms(rec)
+        if not failed and b"pod-0399" in rec.raw:  # the last part, once
+            failed.append(1)
+            return Reply(503, body=b"busy")
+        return Reply(204)
+
+    counts = Counts(series=400, samples=1200, histograms=200, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(3000, then)) as up, opened(
+            up.url, protocol="v1", rw1_confirms_histograms=True) as u:
+        first = await u.send(raw, Protocol.V2, counts=counts)
+        u.histograms_refused_at = -math.inf  # the refusal forgotten
+        again = await u.send(raw, Protocol.V2, counts=counts)
+    assert not first.ok and again.ok
+    assert again.headers[WRITTEN_HISTOGRAMS] == "0"
 
 
 @pytest.mark.parametrize("status", [404, 405, 410, 501, 308])
