@@ -459,6 +459,9 @@ class _Parts:
     #: a part went without its native histograms (``Upstream._histograms_refused``): the
     #: Written headers made for the whole claim none
     without_histograms: bool = False
+    #: the body cut went without its native histograms already: its parts hold none, and
+    #: are not decoded and walked again for them
+    cut_without_histograms: bool = False
 
     @property
     def stopped(self) -> bool:
@@ -1269,6 +1272,7 @@ class Upstream:
                        "decoded_bytes": len(lay.raw), "series": len(lay.series)},
                    interval=QUIET_LOG_SECONDS)
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
+        parts.cut_without_histograms = sent.without_histograms
         parts.key, parts.memory = key, self.stored_parts.entry(key)
         attempt.parts = parts
         await self._send_halves(parts, 0, len(lay.series), 1, attempt)
@@ -1483,7 +1487,8 @@ class Upstream:
     def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
         raw = parts.layout.part(lo, hi)
         return Outgoing(parts.layout.protocol, parts.encoding,
-                        compress(raw, parts.encoding), None, parts.layout_converted)
+                        compress(raw, parts.encoding), None, parts.layout_converted,
+                        without_histograms=parts.cut_without_histograms)
 
     def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
         """A 413 the proxy cannot cut further (one series, or ``MAX_SPLIT_DEPTH`` levels):
