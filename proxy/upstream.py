@@ -868,7 +868,7 @@ class Upstream:
             raise ConversionRefused("too_large", e.size, e.limit) from None
         need = CONVERT_COPIES * form.size
         if not charge.take(need):
-            raise ConversionRefused("overload", need, self.max_converted_bytes or 0)
+            raise self._overload(need)
         try:
             return v2_to_v1(raw, form.size), form, need
         except BaseException:
