@@ -642,11 +642,12 @@ class SnapshotSource:
 
     async def _reload(self, settled: PathState | None = None) -> SnapshotReport:
         assert self._content is not None, "start() first"
-        before = await asyncio.to_thread(path_state, self.path)
+        # a poll's settled state is the listing just made: a change since shows after the
+        # read below, not by walking the path a second time in a row
+        before = settled if settled is not None else await asyncio.to_thread(
+            path_state, self.path)
         if before.unreadable is not None:
             return self._path_unreadable(before.unreadable)
-        if settled is not None and before != settled:
-            return self._changed_while_read(before)
         # the garbage since the last freeze, before this reload freezes what is alive
         memory.collect_unfrozen()
         pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
