@@ -392,14 +392,13 @@ class KubeClient:
     @classmethod
     async def connect(cls, settings: KubeSettings) -> KubeClient:
         path = kubeconfig_path(settings)
-        if not path:
+        kubeconfig = Kubeconfig(path, k8s_client.Configuration()) if path else None
+        if kubeconfig is not None:  # kept current (``Kubeconfig``)
+            await kubeconfig.load()
+            cfg = kubeconfig.cfg
+        else:  # in a pod, or the client's own default
             cfg = await load_configuration(settings)
-            api = k8s_client.ApiClient(configuration=cfg)
-            api.user_agent = "karta-proxy"
-            return cls(api)
-        kubeconfig = Kubeconfig(path, k8s_client.Configuration())
-        await kubeconfig.load()
-        api = k8s_client.ApiClient(configuration=kubeconfig.cfg)
+        api = k8s_client.ApiClient(configuration=cfg)
         api.user_agent = "karta-proxy"
         return cls(api, kubeconfig)
 
