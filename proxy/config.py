@@ -421,7 +421,10 @@ class Settings(Section):
         "file or folder of Kubernetes objects to build the index from; when set, no live "
         "cluster is used", flag=Flag(("--snapshot",), SOURCE, "PATH"))] = ""
     snapshot_reload_seconds: Annotated[float, setting(
-        "poll the snapshot's files this often and apply what changed; 0 loads once",
+        "poll the snapshot's files this often and apply what changed: a change is "
+        "applied one poll after it is seen (two polls in a row must find the files "
+        "unchanged, or holding the same bytes), so one to two intervals after the last "
+        "write; 0 loads once",
         flag=Flag(("--snapshot-reload-seconds",), SOURCE, "SECONDS"), ge=0)] = 30.0
     log_level: Annotated[LogLevel, setting(
         "log level", flag=Flag(("--log-level",), SERVING), fold_case=True)] = "info"

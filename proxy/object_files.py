@@ -14,10 +14,11 @@ exporter reads its cluster through it too. Accepted, in any mix, from a file or 
 
 A file that cannot be read or parsed comes back as a :class:`SkippedFile` with its
 reason; objects that are not Kubernetes objects are listed with their reason and left
-out; nothing here raises but for a path that does not exist at all, or a folder that
-cannot be listed. Objects without ``metadata.uid`` (hand written snapshots) get a
-stable one derived from API group, kind, namespace and name, and owner references
-without a uid get the same derivation, so owner chains still connect.
+out; nothing here raises but for a path that does not exist at all, or a folder (the
+path or one below it) that cannot be listed. Objects without ``metadata.uid`` (hand
+written snapshots) get a stable one derived from API group, kind, namespace and name,
+and owner references without a uid get the same derivation, so owner chains still
+connect.
 
 Large files are read an item at a time, never whole (a 37.5k-pod List is tens of
 megabytes of text and ~5x that parsed), and a source may hold what it read as text
@@ -186,8 +187,8 @@ class FileContent:
 
 def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
     """The files a snapshot path stands for; raises ``SnapshotError`` if it does not exist,
-    or is a folder that cannot be listed (taken for an empty one, every object in it was
-    deleted)."""
+    or is a folder that cannot be listed, or holds one (not hidden) that cannot be: taken
+    for an empty one, every object in it was deleted."""
     p = Path(path)
     if p.is_file():
         return [p], []
@@ -199,9 +200,15 @@ def snapshot_files(path: str | Path) -> tuple[list[Path], list[SkippedFile]]:
     except OSError as e:
         raise SnapshotError(f"snapshot {path}: cannot read the folder: {e.strerror or e}"
                             ) from e
+    try:  # hidden files and folders are not snapshot data
+        listed = folder_files(p)
+    except OSError as e:
+        where = f" {e.filename}" if e.filename is not None else ""
+        raise SnapshotError(f"snapshot {path}: cannot read the folder{where}: "
+                            f"{e.strerror or e}") from e
     files: list[Path] = []
     skipped: list[SkippedFile] = []
-    for f in folder_files(p):  # hidden files and folders are not snapshot data
+    for f in listed:
         if f.suffix.lower() not in SUFFIXES:
             skipped.append(SkippedFile(str(f), f"not {'/'.join(SUFFIXES)}"))
         elif len(files) >= MAX_FILES:

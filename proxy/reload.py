@@ -51,6 +51,9 @@ class ReloadOutcome:
     applied: tuple[str, ...] = ()
     #: keys changed in the file but kept at their running value until a restart
     restart_required: tuple[str, ...] = ()
+    #: description files found empty whose descriptions of the last load stay in force
+    #: (``proxy.karta.description.read_description_paths``)
+    kept_empty_files: tuple[str, ...] = ()
 
 
 def _under(key: str, keys: tuple[str, ...]) -> bool:

@@ -57,6 +57,7 @@ from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices
 
 if TYPE_CHECKING:
     from proxy.facts import FactWriter
+    from proxy.karta.description import DescriptionFiles
 
 log = logging.getLogger("karta.runtime")
 
@@ -95,6 +96,28 @@ def _listen_error(address: str, e: OSError) -> StartError:
 CAMPAIGN_WAIT_SECONDS = 0.1
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
+
+
+def _log_empty_description_files(read: DescriptionFiles,
+                                 previous: DescriptionFiles | None) -> None:
+    """A warning for each description file found empty that the read before did not
+    find so (once, not at every reload while it stays empty), and a line when one holds
+    something again: an empty file is more likely caught mid-save than meant, so what it
+    held stays in force (``read_description_paths``), and the log is where that shows."""
+    before = previous.empty if previous is not None else {}
+    for path, kept in read.empty.items():
+        if path in before:
+            continue
+        if kept:
+            log.warning("description file is empty; the %d description(s) it held stay in "
+                        "force until it holds some again (remove the file, or leave a "
+                        "comment in it, to drop them)", kept, extra={"file": path})
+        else:
+            log.warning("description file is empty; it describes nothing",
+                        extra={"file": path})
+    for path in before:
+        if path not in read.empty and path in read.by_file:
+            log.info("description file is no longer empty", extra={"file": path})
 
 
 def enrich_arguments(settings: Settings) -> dict[str, Any]:
@@ -167,6 +190,9 @@ class Proxy:
         self.lease_namespace = ""
         self._elector_task: asyncio.Task[None] | None = None
         self._kube_client: Any = None
+        #: the description files as last applied: a reload that finds one empty keeps
+        #: what it held (``read_description_paths``)
+        self._description_files: DescriptionFiles | None = None
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._expire_task: asyncio.Task[None] | None = None
@@ -177,11 +203,14 @@ class Proxy:
         paths = self.settings.karta.description_paths
         if not paths:
             return
-        from proxy.karta.description import load_description_paths
+        from proxy.karta.description import read_description_paths
 
-        descs, errors = load_description_paths(paths)
+        read = read_description_paths(paths)
+        descs, errors = read.descriptions(), read.errors
         for err in errors:
             log.error("invalid Karta description skipped", extra={"error": str(err)})
+        _log_empty_description_files(read, None)
+        self._description_files = read
         # with the errors: the kind of an invalid one reads description_error, as from a
         # snapshot or an API object (its nested kinds are not workloads of their own)
         self.index.apply(self.engine.add_descriptions(descs, errors=errors))
@@ -198,7 +227,8 @@ class Proxy:
             self.source_name = f"snapshot {s.snapshot}"
             return SnapshotSource(s.snapshot, self.engine, self.index,
                                   reload_seconds=s.snapshot_reload_seconds or None,
-                                  busy=self.handler.relaying)
+                                  busy=self.handler.relaying,
+                                  metrics_registry=self.metrics.registry)
         from proxy.kube.source import KubeSource
 
         self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name
@@ -482,7 +512,7 @@ class Proxy:
 
     async def _reload(self) -> ReloadOutcome:
         from proxy.enrichment import build_plan
-        from proxy.karta.description import load_description_paths
+        from proxy.karta.description import DescriptionFiles, read_description_paths
 
         log.info("reloading the configuration")
         try:
@@ -493,8 +523,10 @@ class Proxy:
         merged = merge(self.settings, loaded)
         new = merged.settings
         paths = new.karta.description_paths
-        descs, errors = (await asyncio.to_thread(load_description_paths, paths) if paths
-                         else ([], []))
+        read = (await asyncio.to_thread(read_description_paths, paths,
+                                        self._description_files) if paths
+                else DescriptionFiles())
+        descs, errors = read.descriptions(), read.errors
         if errors:
             for err in errors:
                 log.error("invalid Karta description", extra={"error": str(err)})
@@ -527,6 +559,8 @@ class Proxy:
             else:
                 await self._describe(None, "builtin")
         await self._describe(descs if paths else None, "files")
+        _log_empty_description_files(read, self._description_files)
+        self._description_files = read if paths else None
         await self._follow_kinds()
         if plan is not None:
             self.enricher.replan(plan)
@@ -541,9 +575,11 @@ class Proxy:
                         extra={"keys": list(merged.restart_required)})
         log.info("configuration reloaded", extra={
             "applied": list(merged.applied), "descriptions": len(descs),
+            "descriptions_kept_from_empty_files": read.kept(),
             "restart_required": list(merged.restart_required)})
         return ReloadOutcome(True, applied=merged.applied,
-                             restart_required=merged.restart_required)
+                             restart_required=merged.restart_required,
+                             kept_empty_files=tuple(read.kept()))
 
     async def _expire_loop(self) -> None:
         """Tombstone expiry, for every source (the one place it runs: the snapshot and the

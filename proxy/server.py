@@ -110,6 +110,9 @@ def _reload_view(
         if outcome.restart_required:
             text += ("changed, applied at the next restart: "
                      f"{', '.join(outcome.restart_required)}\n")
+        if outcome.kept_empty_files:
+            text += ("description files found empty, their previous descriptions kept: "
+                     f"{', '.join(outcome.kept_empty_files)}\n")
         return web.Response(text=text)
 
     return reload_view

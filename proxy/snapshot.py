@@ -12,9 +12,10 @@ all, or one of which no file could be loaded at start.
 
 With ``reload_seconds`` the source polls the files' mtimes and sizes and applies what
 changed: changed and new objects are upserted, vanished ones deleted. A change is read
-only once the files have stopped changing (the same at two polls in a row, and through
-the read): a file saved in place is read half-written otherwise, and a half file is
-often valid YAML (fewer objects, a pod without its owner). A file that fails to parse
+only once the files have stopped changing (the same at two polls in a row, by their
+stamps or, rewritten in place, by their bytes; and through the read): a file saved in
+place is read half-written otherwise, and a half file is often valid YAML (fewer
+objects, a pod without its owner). A file that fails to parse
 on reload keeps its previous objects, and a path that cannot be read at all (moved
 away, not listable) keeps every object, without the index being marked fresh meanwhile.
 """
@@ -23,13 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as MetricCounter
 
 from proxy import memory
 from proxy.index import PodIndex
@@ -73,7 +79,15 @@ DESCRIPTION_SOURCE = "snapshot"
 #: minimum poll interval for reloads
 MIN_RELOAD_SECONDS = 0.2
 #: polls a change of the files may wait for them to stop changing before it is logged
+#: and counted (``karta_proxy_snapshot_changes_unapplied_total{reason="files_keep_changing"}``)
 UNSETTLED_WARN_POLLS = 10
+#: the operational counter of changes that could not be applied for long, by reason
+UNAPPLIED_METRIC = "karta_proxy_snapshot_changes_unapplied"
+#: its reasons, each present at 0 from the start: the files kept changing for
+#: ``UNSETTLED_WARN_POLLS`` polls; the path (or a folder below it) could not be read
+UNAPPLIED_REASONS: tuple[str, ...] = ("files_keep_changing", "path_unreadable")
+#: bytes of a file hashed at a time (:func:`file_digest`)
+DIGEST_CHUNK = 1 << 20
 
 
 def _uid(obj: Held) -> str:
@@ -427,14 +441,76 @@ def load_snapshot(path: str | Path, engine: Engine) -> SnapshotReport:
 @dataclass
 class PathState:
     """A snapshot path as a poll finds it: the stamp of each of its files, or why the
-    path itself cannot be read (then ``files`` is empty, and means nothing)."""
+    path itself cannot be read (then ``files`` is empty, and means nothing).
+
+    ``digests``: a digest of the bytes of some files (those whose stamp had changed
+    since the state before, :func:`path_state`), for each the bytes the file held at
+    its stamp here. Not part of equality: two states are alike by their stamps."""
 
     files: dict[str, FileStamp] = field(default_factory=dict)
     unreadable: str | None = None
+    digests: dict[str, bytes] = field(default_factory=dict, compare=False)
 
 
-def path_state(path: str | Path) -> PathState:
-    """Stat every file of a snapshot path (``snapshot_files``); never raises."""
+def file_digest(path: str, expected: FileStamp) -> bytes | None:
+    """A digest of the file's bytes, if the file is at ``expected`` before and after they
+    are read (else None: it is being written, and what was read is no state it was in).
+    Read a chunk at a time: a snapshot file may be hundreds of megabytes."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            if FileStamp(*_stat(os.fstat(f.fileno()))) != expected:
+                return None
+            while chunk := f.read(DIGEST_CHUNK):
+                h.update(chunk)
+        if stamp(path) != expected:
+            return None
+    except OSError:
+        return None
+    return h.digest()
+
+
+def _stat(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def with_digests(state: PathState, since: PathState | None) -> PathState:
+    """``state`` with a digest of each file whose stamp differs from ``since`` (for the
+    others, ``since``'s digest, where it had one: their bytes are those it hashed).
+
+    What lets a file rewritten with the same bytes at every poll settle: its stamp
+    never holds from one poll to the next, its bytes do (:func:`same_bytes`)."""
+    if state.unreadable is not None or since is None or since.unreadable is not None:
+        return state
+    digests: dict[str, bytes] = {}
+    for f, st in state.files.items():
+        if since.files.get(f) == st:
+            if f in since.digests:
+                digests[f] = since.digests[f]
+        elif (d := file_digest(f, st)) is not None:
+            digests[f] = d
+    return replace(state, digests=digests)
+
+
+def same_bytes(before: PathState, now: PathState) -> bool:
+    """Whether ``now`` holds the same files with the same bytes as ``before``: each at
+    the same stamp, or (rewritten since) hashed alike at both."""
+    if before.unreadable is not None or now.unreadable is not None:
+        return False
+    if before.files.keys() != now.files.keys():
+        return False
+    for f, st in now.files.items():
+        if before.files[f] == st:
+            continue
+        d = now.digests.get(f)
+        if d is None or before.digests.get(f) != d:
+            return False
+    return True
+
+
+def path_state(path: str | Path, since: PathState | None = None) -> PathState:
+    """Stat every file of a snapshot path (``snapshot_files``); never raises. With
+    ``since``, the files whose stamp changed since are hashed (:func:`with_digests`)."""
     try:
         files, _ = snapshot_files(path)
     except SnapshotError as e:
@@ -445,7 +521,7 @@ def path_state(path: str | Path) -> PathState:
             st = stamp(str(f))  # its inode too: a file renamed over it
             if st is not None:  # (None only for the path "")
                 out[str(f)] = st
-    return PathState(out)
+    return with_digests(PathState(out), since)
 
 
 def log_report(report: SnapshotReport, *, reload: bool = False) -> None:
@@ -491,8 +567,23 @@ class SnapshotSource:
         *,
         reload_seconds: float | None = None,
         busy: Busy | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self.path = str(path)
+        #: where the source's counter is served (the proxy's /metrics registry)
+        self.registry = registry = (metrics_registry if metrics_registry is not None
+                                    else CollectorRegistry())
+        #: changes that could not be applied for long, by reason (UNAPPLIED_REASONS): the
+        #: log says it once, this keeps the count an alert can read
+        self.unapplied = MetricCounter(
+            UNAPPLIED_METRIC, "Times a change of the snapshot's files went unapplied for "
+            "long, by reason: files_keep_changing (no two polls in a row found them alike, "
+            "by stamp or by bytes, for snapshot.UNSETTLED_WARN_POLLS polls; once per such "
+            "run), path_unreadable (the path or a folder below it could not be read; once "
+            "each time it goes, every object kept and the index stale meanwhile).",
+            ["reason"], registry=registry)
+        for reason in UNAPPLIED_REASONS:
+            self.unapplied.labels(reason)
         #: whether a request is being relayed: a reload's work in its thread waits for it
         self.busy = busy
         self.engine = engine
@@ -507,6 +598,8 @@ class SnapshotSource:
         self._seen = PathState()
         #: polls the current change has waited for the files to stop changing
         self._waited = 0
+        #: why the last poll that found a change did not apply it (for the warning)
+        self._unsettled_why = ""
         #: why the path cannot be read, from when it went until it is back; None: it can
         self._unreadable: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -544,16 +637,20 @@ class SnapshotSource:
         task, self._task = self._task, None
         await cancel_and_wait(task)
 
-    async def reload(self, settled: PathState | None = None) -> SnapshotReport:
+    async def reload(self, settled: PathState | None = None, *, rewritten: bool = False
+                     ) -> SnapshotReport:
         """Apply what changed on disk since the last load (files that fail keep their
         objects; a path that cannot be read keeps them all).
 
         ``settled``: the path as two polls in a row found it (:meth:`poll`); the read is
         applied only if the files are still so before and after it, else dropped (the
         report names the path as skipped, changed while read). Without it, what is read
-        is applied, as an explicit reload asks."""
+        is applied, as an explicit reload asks. ``rewritten``: the polls found the files'
+        bytes alike, not their stamps (a writer rewriting the same content): the read is
+        applied only if no file changed stamp while it was read and the bytes are still
+        those the polls found (:func:`same_bytes`), so it is never a half-written file."""
         async with self._lock:
-            report = await self._reload(settled)
+            report = await self._reload(settled, rewritten=rewritten)
             await self._follow_kinds()
         return report
 
@@ -629,6 +726,7 @@ class SnapshotSource:
             log.warning("snapshot: the path cannot be read; every object last loaded from "
                         "it is kept, and the index is stale until it is back",
                         extra={"snapshot": self.path, "error": why})
+            self.unapplied.labels("path_unreadable").inc()
         self._unreadable = why
         self.index.stale = True
         return SnapshotReport(self.path, skipped=[SkippedFile(self.path, why)])
@@ -640,11 +738,14 @@ class SnapshotSource:
             self._unreadable = None
             self.index.stale = False
 
-    async def _reload(self, settled: PathState | None = None) -> SnapshotReport:
+    async def _reload(self, settled: PathState | None = None, *, rewritten: bool = False
+                      ) -> SnapshotReport:
         assert self._content is not None, "start() first"
         # a poll's settled state is the listing just made: a change since shows after the
-        # read below, not by walking the path a second time in a row
-        before = settled if settled is not None else await asyncio.to_thread(
+        # read below, not by walking the path a second time in a row. Settled by bytes,
+        # the stamps moved since (rewritten in place): the read must fall between two
+        # rewrites, so the listing is made again right before it
+        before = settled if settled is not None and not rewritten else await asyncio.to_thread(
             path_state, self.path)
         if before.unreadable is not None:
             return self._path_unreadable(before.unreadable)
@@ -661,10 +762,16 @@ class SnapshotSource:
         if settled is not None:
             # a write begun during the read (the polls saw none before it)
             after = await asyncio.to_thread(path_state, self.path)
-            if after != before:
+            if after != settled:
+                # rewritten since the polls: if not during the read, what was read is
+                # what they found only if the bytes are still theirs; if during it, the
+                # next poll compares its bytes with these
+                after = await asyncio.to_thread(with_digests, after, settled)
+            if after != before or not same_bytes(settled, after):
                 del applied  # the read freed in the thread, as a kept content is
                 await asyncio.to_thread(content.release, pace)
                 return self._changed_while_read(after)
+            before = with_digests(after, settled) if after == settled else after
         self._path_readable()
         self._applied = self._seen = before
         # (a skipped file is named as its kept content is, both read from snapshot_files;
@@ -708,6 +815,7 @@ class SnapshotSource:
         """The files changed between the polls that agreed and the read (or during it):
         nothing applied; read once they agree again."""
         self._seen = now
+        self._unsettled_why = "they changed while they were read"
         return SnapshotReport(self.path, skipped=[SkippedFile(
             self.path, "changed while it was read: read again once it stops changing")])
 
@@ -722,32 +830,47 @@ class SnapshotSource:
         stamped as a bare Pod. A writer pausing longer than a poll interval mid-file is
         still read half-written: only a write elsewhere and a rename into place is safe.
 
+        Files whose stamps change at every poll but whose bytes do not (a writer
+        rewriting the same content more often than the polls) are alike by their bytes:
+        the files whose stamp changed since the last poll are hashed, and a change found
+        with the same bytes at two polls in a row is read as a settled one is, applied
+        only if the read falls between two rewrites (:meth:`reload`). Without that, such
+        files were never applied. A change that has not settled after
+        ``UNSETTLED_WARN_POLLS`` polls is logged once, with why, and counted.
+
         The index is marked fresh only when the files are as applied: not while a change
         waits, nor while the path cannot be read."""
-        now = await asyncio.to_thread(path_state, self.path)
+        now = await asyncio.to_thread(path_state, self.path, self._seen)
         if now.unreadable is not None:
             self._path_unreadable(now.unreadable)
             self._seen = now
             return False
         self._path_readable()
-        if now == self._applied:
-            self._seen, self._waited = now, 0
+        if now == self._applied or same_bytes(self._applied, now):
+            # as applied, or rewritten with the bytes applied: nothing to read
+            self._applied = self._seen = now
+            self._waited = 0
             self.index.mark_fresh(FRESHNESS_RESOURCE)
             return False
-        if now == self._seen:
-            await self.reload(settled=now)
-            if self._applied == now:
+        if now == self._seen or same_bytes(self._seen, now):
+            reloads = self.reloads
+            await self.reload(settled=now, rewritten=now != self._seen)
+            if self.reloads != reloads:
                 self._waited = 0
                 return True
             # changed while read, or gone since: not applied
         else:  # changed since the last poll: maybe still being written
             self._seen = now
+            self._unsettled_why = "no two polls in a row found them alike"
         self._waited += 1
         if self._waited == UNSETTLED_WARN_POLLS:
             log.warning("snapshot: the files keep changing; a change is applied once two "
-                        "polls in a row find them alike (write them elsewhere and rename "
-                        "them into place, or poll more often than they are rewritten)",
-                        extra={"snapshot": self.path, "polls": self._waited})
+                        "polls in a row find them alike, by their stamps or their bytes "
+                        "(write them elsewhere and rename them into place, or poll more "
+                        "often than they are rewritten)",
+                        extra={"snapshot": self.path, "polls": self._waited,
+                               "reason": self._unsettled_why})
+            self.unapplied.labels("files_keep_changing").inc()
         return False
 
     async def _poll(self) -> None:

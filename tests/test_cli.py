@@ -156,6 +156,26 @@ def test_snapshot_reload_flag(tmp_path: Path) -> None:
         ["--upstream-url", "http://x:1"]), env={}).snapshot_reload_seconds == 30.0
 
 
+def test_snapshot_reload_help_says_when_a_change_is_applied() -> None:
+    """The flag said only "apply what changed", and an operator who saw a change land a
+    whole interval late took it for a bug: a change waits one poll for the files to stop
+    changing. ``--help``, the generated example and the flag table say so."""
+    import re
+
+    r = run_cli("--help")
+    assert r.returncode == 0
+    flag = r.stdout[r.stdout.index("--snapshot-reload-seconds SECONDS\n"):]
+    flag = " ".join(flag[:flag.index("default 30.0)")].split())
+    assert "a change is applied one poll after it is seen (two polls in a row must find " \
+           "the files unchanged" in flag, flag
+    example = (REPO / "config" / "karta-proxy.yaml").read_text()
+    assert "# poll the snapshot's files this often and apply what changed: a change is " \
+           "applied one poll\n# after it is seen" in example
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    (row,) = re.findall(r"^\| `--snapshot-reload-seconds S` \|.*$", doc, re.M)
+    assert "applied one poll after it is seen" in row, row
+
+
 def test_tls_flags_set_the_server_keys(tmp_path: Path) -> None:
     from tests.tls_certs import Authority
 

@@ -257,6 +257,62 @@ async def test_an_invalid_config_keeps_the_old_one(running: Running, breakage: s
     assert r.metric(RELOADS_OK) == 1.0
 
 
+async def test_a_description_subfolder_that_cannot_be_listed_fails_the_reload(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read as empty (``rglob``), an unlistable subfolder's descriptions were dropped by
+    a reload that answered 200; it fails, naming the folder, and they stay in force."""
+    from tests.unreadable import unreadable
+
+    r = running
+    team = r.config.parent / "descriptions" / "team"
+    team.mkdir()
+    (team / "web.yaml").write_text(WEB_DEPLOYMENT)
+    assert (await r.post_reload())[0] == 200
+    web = {**CART_POD, **CART, "karta_component": "web"}
+    assert await r.send(CART_POD) == web
+    with unreadable(team, monkeypatch):
+        status, text = await r.post_reload()
+    assert status == 500, text
+    assert f"cannot read the folder {team}: Permission denied" in text
+    assert r.metric(RELOADS_OK) == 0.0
+    assert await r.send(CART_POD) == web  # the descriptions in force stay
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(CART_POD) == web
+
+
+async def test_an_emptied_description_file_keeps_its_descriptions(
+        running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    """A description file emptied (``> web.yaml``, or a save caught midway) when a
+    reload reads it: its description was dropped, the cart's series stamped by the
+    built-in (``component="deployment"``) until the file was whole again. It stays in
+    force, the answer and one warning (not one per reload) name the file."""
+    r = running
+    web_file = r.config.parent / "descriptions" / "web.yaml"
+    web_file.write_text(WEB_DEPLOYMENT)
+    assert (await r.post_reload())[0] == 200
+    web = {**CART_POD, **CART, "karta_component": "web"}
+    assert await r.send(CART_POD) == web
+    web_file.write_text("")
+    caplog.set_level(logging.INFO, logger="karta")
+    for _ in range(2):
+        status, text = await r.post_reload()
+        assert status == 200, text
+        assert await r.send(CART_POD) == web
+        assert text == ("configuration reloaded\ndescription files found empty, their "
+                        f"previous descriptions kept: {web_file}\n")
+    warned = [rec for rec in caplog.records if rec.levelname == "WARNING"
+              and rec.getMessage().startswith("description file is empty")]
+    assert [rec.__dict__["file"] for rec in warned] == [str(web_file)]
+    assert "1 description(s) it held stay in force" in warned[0].getMessage()
+    web_file.write_text(WEB_DEPLOYMENT.replace("name: web", "name: site"))
+    assert await r.post_reload() == (200, "configuration reloaded\n")
+    assert await r.send(CART_POD) == {**web, "karta_component": "site"}
+    assert "description file is no longer empty" in caplog.text
+    web_file.write_text("# no description here any more\n")  # meant: it describes none
+    assert await r.post_reload() == (200, "configuration reloaded\n")
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+
+
 async def test_keys_that_take_a_restart_keep_their_running_value(running: Running) -> None:
     r = running
     r.write_config(karta={"description_paths": [str(r.config.parent / "descriptions")]},

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from proxy.snapshot import SnapshotSource, load_snapshot, read_snapshot
 from tests.karta.descriptions import TRAINER_KARTA, component, karta
 from tests.karta.engine_bugs import fail_on_pod
 from tests.loop_turns import LoopTurns
+from tests.unreadable import unprivileged, unreadable
 
 DEMO = Path(__file__).resolve().parents[1] / "proxy" / "demo_data" / "snapshot.yaml"
 
@@ -462,6 +465,135 @@ async def test_a_folder_that_cannot_be_listed_keeps_every_object(
     assert index.tombstones() == 0 and len(index) == 15
 
 
+def _split_demo(folder: Path) -> Path:
+    """The demo snapshot as a folder: its pods in ``pods/``, the rest at the top; the
+    subfolder returned."""
+    docs = list(yaml.safe_load_all(DEMO.read_text()))
+    sub = folder / "pods"
+    sub.mkdir(parents=True)
+    (folder / "owners.yaml").write_text(yaml.safe_dump_all(
+        [d for d in docs if d and d.get("kind") != "Pod"]))
+    (sub / "pods.yaml").write_text(yaml.safe_dump_all(
+        [d for d in docs if d and d.get("kind") == "Pod"]))
+    return sub
+
+
+def test_a_subfolder_that_cannot_be_listed_is_an_error_not_an_empty_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rglob`` skipped a subfolder it could not list without a word: its files read
+    as removed. It is an error naming that folder, as the path's own folder is; a hidden
+    one is not read at all, so it is none."""
+    sub = _split_demo(tmp_path / "snap")
+    (tmp_path / "snap" / ".old").mkdir()
+    every = read_snapshot(DEMO).objects().keys()
+    assert read_snapshot(tmp_path / "snap").objects().keys() == every
+    why = f"snapshot {tmp_path / 'snap'}: cannot read the folder {sub}: Permission denied"
+    with unreadable(sub, monkeypatch), pytest.raises(SnapshotError, match=re.escape(why)):
+        read_snapshot(tmp_path / "snap")
+    with unreadable(tmp_path / "snap" / ".old", monkeypatch):
+        assert read_snapshot(tmp_path / "snap").objects().keys() == every
+
+
+async def test_a_subfolder_that_cannot_be_listed_keeps_every_object(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the poller's own steps: the 16 pods of an unlistable ``pods/`` were
+    deleted (tombstoned, the index fresh); now every object is kept, the index is stale
+    and not fresh, and it is counted once, until the folder can be read again."""
+    sub = _split_demo(tmp_path / "snap")
+    index = PodIndex()
+    src = SnapshotSource(tmp_path / "snap", Engine(), index)
+    await src.start()
+    before = _attributions(src.engine)
+    assert len(before) == 16
+    fresh = index.freshness["snapshot"]
+    with unreadable(sub, monkeypatch):
+        for _ in range(3):
+            assert not await src.poll()
+        assert index.stale and index.freshness["snapshot"] == fresh
+        assert _attributions(src.engine) == before and index.tombstones() == 0
+        assert _unapplied(src, "path_unreadable") == 1
+        report = await src.reload()  # an explicit reload reads nothing either
+        assert [s.reason for s in report.skipped] == [
+            f"snapshot {tmp_path / 'snap'}: cannot read the folder {sub}: Permission denied"]
+    assert not await src.poll()
+    assert not index.stale and index.freshness["snapshot"] > fresh
+    assert _attributions(src.engine) == before and index.tombstones() == 0
+    assert src.reloads == 0
+
+
+async def test_a_subfolder_that_cannot_be_listed_in_the_real_process(
+        tmp_path: Path) -> None:
+    """The real ``karta-proxy`` on a snapshot folder whose ``pods/`` its permissions
+    deny it (root: started without CAP_DAC_READ_SEARCH): every pod kept, the index
+    stale, the warning logged; it was read as empty (16 pods tombstoned, the index not
+    stale)."""
+    import signal
+    import sys
+
+    import aiohttp
+
+    from tests.peers.conftest import free_port
+    from tests.scripted import ScriptedUpstream
+
+    prefix = unprivileged()
+    sub = _split_demo(tmp_path / "snap")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    async def metrics(session: aiohttp.ClientSession) -> dict[str, float]:
+        async with session.get(base + "/metrics") as r:
+            text = await r.text()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r"^(karta_proxy_[a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+    async def until(session: aiohttp.ClientSession, check: Any, what: str) -> dict[str, float]:
+        for _ in range(150):
+            with contextlib.suppress(aiohttp.ClientError):
+                got = await metrics(session)
+                if check(got):
+                    return got
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    unreadable_count = 'karta_proxy_snapshot_changes_unapplied_total{reason="path_unreadable"}'
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        proc = await asyncio.create_subprocess_exec(
+            *prefix, sys.executable, "-m", "proxy", "--snapshot", str(tmp_path / "snap"),
+            "--snapshot-reload-seconds", "0.2", "--no-facts", "--upstream-url", up.url,
+            "--listen-address", f"127.0.0.1:{port}", "--log-format", "text",
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            first = await until(session, lambda m: m.get("karta_proxy_index_ready") == 1,
+                                "the process ready")
+            assert first["karta_proxy_index_pods"] == 15
+            sub.chmod(0)
+            try:
+                gone = await until(session, lambda m: m["karta_proxy_index_stale"] == 1
+                                   or m["karta_proxy_index_tombstones"] > 0,
+                                   "the poll that finds pods/ unreadable")
+                await asyncio.sleep(0.5)  # more polls: still nothing deleted
+                gone = await metrics(session)
+                assert gone["karta_proxy_index_tombstones"] == 0
+                assert gone["karta_proxy_index_stale"] == 1
+                assert gone[unreadable_count] == 1
+            finally:
+                sub.chmod(0o755)
+            back = await until(session, lambda m: m["karta_proxy_index_stale"] == 0,
+                               "the folder readable again")
+            assert back["karta_proxy_index_tombstones"] == 0
+            assert back["karta_proxy_index_pods"] == 15
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    log = err.decode()
+    assert log.count("snapshot: the path cannot be read") == 1, log[-3000:]
+    assert f"cannot read the folder {sub}: Permission denied" in log
+    assert "snapshot: the path can be read again" in log
+
+
 async def test_the_snapshot_is_not_fresh_while_its_path_is_gone(tmp_path: Path) -> None:
     """Through the poller: the freshness of ``snapshot`` stops while the folder is away
     (it advanced at every poll, the empty path "unchanged"), so ``KartaIndexStale`` can
@@ -504,18 +636,132 @@ async def test_a_change_is_read_once_two_polls_find_the_files_alike(tmp_path: Pa
     assert index.freshness["snapshot"] > fresh
 
 
+def _unapplied(src: SnapshotSource, reason: str) -> float | None:
+    return src.registry.get_sample_value(
+        "karta_proxy_snapshot_changes_unapplied_total", {"reason": reason})
+
+
 async def test_files_that_never_stop_changing_are_not_applied_and_said_so(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rewritten between every two polls, with other bytes each time: nothing is
+    applied, and after ``UNSETTLED_WARN_POLLS`` polls one warning names the path and
+    why, and the counter an alert reads counts it once."""
     f = _write(tmp_path / "s.yaml", _deployment())
     index = PodIndex()
     src = SnapshotSource(f, Engine(), index)
     await src.start()
     fresh = index.freshness["snapshot"]
+    assert _unapplied(src, "files_keep_changing") == 0
     for n in range(2 * snapshot.UNSETTLED_WARN_POLLS):
-        os.utime(f, ns=(n + 1, n + 1))  # rewritten between every two polls
+        objs = _deployment()
+        objs[0]["spec"]["replicas"] = n + 2  # rewritten between every two polls
+        _write(f, objs)
+        os.utime(f, ns=(n + 1, n + 1))
         assert not await src.poll()
     assert src.reloads == 0 and index.freshness["snapshot"] == fresh
-    assert caplog.text.count("the files keep changing") == 1
+    (warned,) = [r for r in caplog.records if "the files keep changing" in r.getMessage()]
+    assert warned.levelname == "WARNING"
+    assert warned.__dict__["snapshot"] == str(f)
+    assert warned.__dict__["reason"] == "no two polls in a row found them alike"
+    assert warned.__dict__["polls"] == snapshot.UNSETTLED_WARN_POLLS
+    assert _unapplied(src, "files_keep_changing") == 1
+    assert _unapplied(src, "path_unreadable") == 0
+
+
+async def test_files_rewritten_with_the_same_bytes_at_every_poll_are_applied(
+        tmp_path: Path) -> None:
+    """A writer rewriting the same content more often than the polls (a new stamp at
+    every poll): never applied, as no two polls found the stamps alike; now the bytes
+    alike at two polls are, and once applied a rewrite of the applied bytes is no
+    change (fresh, nothing read)."""
+    f = _write(tmp_path / "s.yaml", _deployment())
+    index = PodIndex()
+    src = SnapshotSource(f, Engine(), index)
+    await src.start()
+    objs = _deployment()
+    objs.append(_pod("late", "p-2", None))
+    text = yaml.safe_dump_all(objs)
+    applied_at = None
+    for n in range(2 * snapshot.UNSETTLED_WARN_POLLS):
+        f.write_text(text)  # the same bytes, saved again
+        os.utime(f, ns=(n + 1, n + 1))
+        if await src.poll():
+            applied_at = applied_at or n + 1
+    assert applied_at == 2  # the second poll that saw them
+    assert _workload_of(index, "late") == "late" and src.reloads == 1
+    fresh = index.freshness["snapshot"]
+    f.write_text(text)
+    os.utime(f, ns=(10**9, 10**9))
+    assert not await src.poll()
+    assert src.reloads == 1 and index.freshness["snapshot"] > fresh
+    assert _unapplied(src, "files_keep_changing") == 0
+
+
+async def test_a_rewrite_caught_by_the_read_is_not_applied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bytes alike at two polls, but the writer truncates and writes again while they
+    are read: the read (the file cut after its first object) is dropped, not applied;
+    read again between two rewrites, the file is applied whole."""
+    f = _write(tmp_path / "s.yaml", _deployment())
+    index = PodIndex()
+    src = SnapshotSource(f, Engine(), index)
+    await src.start()
+    objs = _deployment()
+    objs.append(_pod("late", "p-2", None))
+    text = yaml.safe_dump_all(objs)
+    read = snapshot.read_snapshot
+    cut: list[int] = []
+
+    def rewritten_while_read(*args: Any, **kwargs: Any) -> Any:
+        f.write_text(text[:text.index("---")])  # truncated, the first object written
+        got = read(*args, **kwargs)
+        cut.append(len(got.objects()))
+        f.write_text(text)  # the rest: the same bytes as before, a new stamp
+        return got
+
+    monkeypatch.setattr(snapshot, "read_snapshot", rewritten_while_read)
+    for n in range(4):
+        f.write_text(text)
+        os.utime(f, ns=(n + 1, n + 1))
+        assert not await src.poll()
+    assert cut == [1, 1, 1]  # the polls after the first read, and each read was cut
+    assert src.engine.pod("p-1") is not None and src.reloads == 0
+    assert _workload_of(index, "late") is None and index.tombstones() == 0
+    monkeypatch.setattr(snapshot, "read_snapshot", read)
+    for n in range(4, 6):
+        f.write_text(text)
+        os.utime(f, ns=(n + 1, n + 1))
+        if await src.poll():
+            break
+    assert src.reloads == 1 and _workload_of(index, "late") == "late"
+    assert _workload_of(index, "api-5f6d-x1") == "api" and index.tombstones() == 0
+
+
+async def test_a_writer_rewriting_the_same_bytes_in_place_is_applied_whole(
+        tmp_path: Path) -> None:
+    """Through the poller: the demo snapshot and one more pod rewritten in place
+    (truncated, then written) every 50 ms, polled every 0.2 s. It never settled by its
+    stamps, so the new pod never came; now it does, and no poll applied a cut file."""
+    path = _demo_copy(tmp_path / "snap")
+    index = PodIndex()
+    src = SnapshotSource(path, Engine(), index, reload_seconds=0.2)
+    await src.start()
+    before = _attributions(src.engine)
+    text = DEMO.read_text() + "---\n" + yaml.safe_dump(_pod("late", "late-1", None))
+    seen: list[dict[str, tuple[str, str]]] = []
+    try:
+        for _ in range(100):  # 5 s
+            path.write_text(text)
+            if src.reloads:
+                break
+            seen.append(_attributions(src.engine))
+            await asyncio.sleep(0.05)
+        assert src.reloads == 1
+        assert _attributions(src.engine) == {**before, "shop/late": ("Pod", "late")}
+        assert seen and all(s == before for s in seen)  # nothing applied before, nor cut
+        assert index.tombstones() == 0
+    finally:
+        await src.stop()
 
 
 async def test_a_write_during_the_read_drops_the_read(

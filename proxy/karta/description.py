@@ -13,7 +13,7 @@ import io
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -683,6 +683,14 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
     Documents that are not descriptions are reported too: a description folder should
     hold only descriptions.
     """
+    descs, errors, _ = _load_file(path)
+    return descs, errors
+
+
+def _load_file(path: str | Path) -> tuple[list[Description], list[DescriptionError], bool]:
+    """:func:`load_description_file`, and whether the file is empty (nothing but
+    whitespace): what a save caught midway, or ``> file``, leaves (see
+    :func:`read_description_paths`)."""
     source = str(path)
     descs: list[Description] = []
     errors: list[DescriptionError] = []
@@ -692,17 +700,20 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
         if size > MAX_FILE_BYTES:
             return [], [
                 DescriptionError(source, "", "", f"file too large ({size} > {MAX_FILE_BYTES})")
-            ]
+            ], False
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        return [], [DescriptionError(source, "", "", f"cannot read: {_short(str(exc))}")]
+        return [], [DescriptionError(source, "", "", f"cannot read: {_short(str(exc))}")], False
+    if not text.strip():
+        return [], [], True
 
     docs: list[Any] = []
     if p.suffix.lower() == ".json":
         try:
             docs.append(json.loads(text))
         except ValueError as exc:
-            return [], [DescriptionError(source, "", "", f"invalid JSON: {_short(str(exc))}")]
+            return [], [DescriptionError(source, "", "", f"invalid JSON: {_short(str(exc))}")
+                        ], False
     else:
         try:  # as Kubernetes reads YAML: timestamps as strings, no alias, no key twice
             for part in iter_documents(io.StringIO(text)):
@@ -727,30 +738,79 @@ def load_description_file(path: str | Path) -> tuple[list[Description], list[Des
                 errors.append(exc)
             except RecursionError:
                 errors.append(DescriptionError(source, "", where, "nested too deeply"))
-    return descs, errors
+    return descs, errors, False
+
+
+@dataclass
+class DescriptionFiles:
+    """Description paths as read, file by file: what a later read keeps from this one
+    for a file it finds empty (:func:`read_description_paths`)."""
+
+    #: the valid descriptions of each file read, in the order read (a file found empty
+    #: holds those kept from the previous read)
+    by_file: dict[str, list[Description]] = field(default_factory=dict)
+    errors: list[DescriptionError] = field(default_factory=list)
+    #: the files found empty, each with how many descriptions of the previous read it
+    #: keeps (0: it had none, or there was no previous read)
+    empty: dict[str, int] = field(default_factory=dict)
+
+    def descriptions(self) -> list[Description]:
+        return [d for descs in self.by_file.values() for d in descs]
+
+    def kept(self) -> list[str]:
+        """The files found empty that keep the previous read's descriptions."""
+        return [f for f, n in self.empty.items() if n]
+
+
+def read_description_paths(
+    paths: Iterable[str | Path], previous: DescriptionFiles | None = None,
+) -> DescriptionFiles:
+    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted; hidden
+    files and folders left out, as a mounted ConfigMap's ``..data``: see ``folder_files``).
+
+    A file found empty (nothing but whitespace) keeps the descriptions ``previous`` read
+    from it: a save caught between the truncation and the write, or ``> file``, dropped
+    them at a reload otherwise, and the kinds they described fell back to the built-in
+    descriptions or to none (as an emptied snapshot file keeps its objects). Removing a
+    file, or leaving anything but whitespace in it (a comment), is how its descriptions
+    are taken away. A folder (the path, or one below it that is not hidden) that cannot
+    be listed is an error: read as holding nothing, its descriptions were dropped."""
+    out = DescriptionFiles()
+    for entry in paths:
+        p = Path(entry)
+        if p.is_dir():
+            try:
+                files = [f for f in folder_files(p) if f.suffix.lower() in FILE_SUFFIXES]
+            except OSError as exc:
+                where = f" {exc.filename}" if exc.filename is not None else ""
+                out.errors.append(DescriptionError(
+                    str(entry), "", "",
+                    f"cannot read the folder{where}: {exc.strerror or _short(str(exc))}"))
+                continue
+        elif p.exists():
+            files = [p]
+        else:
+            out.errors.append(DescriptionError(str(entry), "", "", "no such file or folder"))
+            continue
+        for f in files:
+            d, e, empty = _load_file(f)
+            source = str(f)
+            if empty:
+                kept = previous.by_file.get(source, []) if previous is not None else []
+                out.empty[source] = len(kept)
+                d = list(kept)
+            out.by_file.setdefault(source, []).extend(d)
+            out.errors.extend(e)
+    return out
 
 
 def load_description_paths(
     paths: Iterable[str | Path],
 ) -> tuple[list[Description], list[DescriptionError]]:
-    """Files, or folders of ``*.yaml``, ``*.yml``, ``*.json`` (recursively, sorted; hidden
-    files and folders left out, as a mounted ConfigMap's ``..data``: see ``folder_files``)."""
-    descs: list[Description] = []
-    errors: list[DescriptionError] = []
-    for entry in paths:
-        p = Path(entry)
-        if p.is_dir():
-            files = [f for f in folder_files(p) if f.suffix.lower() in FILE_SUFFIXES]
-        elif p.exists():
-            files = [p]
-        else:
-            errors.append(DescriptionError(str(entry), "", "", "no such file or folder"))
-            continue
-        for f in files:
-            d, e = load_description_file(f)
-            descs.extend(d)
-            errors.extend(e)
-    return descs, errors
+    """:func:`read_description_paths` without a previous read: the descriptions and the
+    errors."""
+    read = read_description_paths(paths)
+    return read.descriptions(), read.errors
 
 
 # -- which description wins ------------------------------------------------------------------

@@ -757,6 +757,59 @@ def test_a_configmap_mount_is_read_once_in_its_current_version(tmp_path: Path) -
     assert matcher.by_phase == "Ready"
 
 
+def test_a_subfolder_that_cannot_be_listed_is_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rglob`` skipped it without a word: its descriptions were gone, no error, and a
+    reload applied that. It is an error naming the folder; a hidden one is not read."""
+    from tests.unreadable import unreadable
+
+    (tmp_path / "team").mkdir()
+    (tmp_path / "team" / "tiny.yaml").write_text(yaml.safe_dump(base()))
+    (tmp_path / ".old").mkdir()
+    assert [d.name for d in load_description_paths([tmp_path])[0]] == ["tiny"]
+    with unreadable(tmp_path / "team", monkeypatch):
+        descs, errors = load_description_paths([tmp_path])
+    assert descs == []
+    assert [str(e) for e in errors] == [
+        f"{tmp_path} (): cannot read the folder {tmp_path / 'team'}: Permission denied"]
+    with unreadable(tmp_path / ".old", monkeypatch):
+        descs, errors = load_description_paths([tmp_path])
+    assert [d.name for d in descs] == ["tiny"] and errors == []
+
+
+def test_an_emptied_file_keeps_the_descriptions_it_held(tmp_path: Path) -> None:
+    """Emptied (a save caught between truncating and writing, ``> file``), a file kept
+    nothing of what it held; it keeps the previous read's descriptions, marked as found
+    empty. A file holding anything else (a comment) holds what it says: nothing."""
+    from proxy.karta.description import read_description_paths
+
+    other = base()
+    other["metadata"]["name"] = "other"
+    root(other)["kind"]["kind"] = "Other"
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(base()))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(other))
+    first = read_description_paths([tmp_path])
+    assert [d.name for d in first.descriptions()] == ["tiny", "other"] and not first.empty
+    (tmp_path / "a.yaml").write_text("")
+    second = read_description_paths([tmp_path], first)
+    assert [d.name for d in second.descriptions()] == ["tiny", "other"]
+    assert second.empty == {str(tmp_path / "a.yaml"): 1} and second.errors == []
+    assert second.kept() == [str(tmp_path / "a.yaml")]
+    (tmp_path / "a.yaml").write_text(" \n\n")  # still nothing but whitespace: still kept
+    third = read_description_paths([tmp_path], second)
+    assert [d.name for d in third.descriptions()] == ["tiny", "other"]
+    # without a previous read (a start) there is nothing to keep: empty, and said so
+    alone = read_description_paths([tmp_path])
+    assert [d.name for d in alone.descriptions()] == ["other"]
+    assert alone.empty == {str(tmp_path / "a.yaml"): 0} and alone.kept() == []
+    # a comment is meant: the file describes nothing
+    (tmp_path / "a.yaml").write_text("# nothing here any more\n")
+    fourth = read_description_paths([tmp_path], third)
+    assert [d.name for d in fourth.descriptions()] == ["other"] and not fourth.empty
+    # the tuple API reads without a previous read
+    assert [d.name for d in load_description_paths([tmp_path])[0]] == ["other"]
+
+
 # -- which description wins -------------------------------------------------------------------
 
 
