@@ -28,6 +28,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client import rest as k8s_rest
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import incluster_config
 
 from proxy.config import KubeSettings
 from proxy.karta.yamltext import yaml_error
@@ -259,7 +260,8 @@ class KeptCredentials(abc.ABC):
 
     @abc.abstractmethod
     async def read(self) -> Reading:
-        """Read the credentials afresh. Raises ``KubeconfigError``."""
+        """Read the credentials afresh. Raises ``KubeconfigError`` or ``ConfigException``
+        (a file gone, empty or invalid)."""
 
     async def load(self) -> list[str]:
         """Read the credentials and adopt them into ``cfg``; returns what was renewed
@@ -345,7 +347,7 @@ class KeptCredentials(abc.ABC):
         """Load again, logging what was renewed at ``level``; whether anything was."""
         try:
             renewed = await self.load()
-        except KubeconfigError as e:
+        except (KubeconfigError, k8s_config.ConfigException, OSError) as e:
             self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS
             log.warning("%s: %s; loading it again failed (the credentials in use stay, "
                         "tried again in %g s): %s", self.name, why, RELOAD_RETRY_SECONDS,
@@ -384,6 +386,45 @@ class Kubeconfig(KeptCredentials):
             path = os.path.join(os.path.dirname(os.path.abspath(self.path)), token_file)
             files[path] = _stamp(path)
         return Reading(fresh, files, _renew_at(loader))
+
+
+class InCluster(KeptCredentials):
+    """The pod's service account: its token file (a projected token, which the kubelet
+    rewrites at 80% of its lifetime, about hourly) and CA, the server from
+    ``KUBERNETES_SERVICE_HOST`` / ``_PORT``.
+
+    kubernetes-asyncio's own loader re-reads the token only once its copy is 60 s old
+    (its ``refresh_api_key_hook``) and never on a 401: once the API server stopped taking
+    the old token (expired, revoked) every call was refused for up to a minute, and a
+    refused call was not sent again. Here the file is looked at before each call, as a
+    kubeconfig's are, and read again once on a 401."""
+
+    def __init__(self, cfg: k8s_client.Configuration, token_file: str, ca_file: str,
+                 environ: Mapping[str, str] | None = None) -> None:
+        super().__init__(cfg)
+        self.token_file = token_file
+        self.ca_file = ca_file
+        self.environ = os.environ if environ is None else environ
+
+    @classmethod
+    def from_pod(cls, cfg: k8s_client.Configuration) -> InCluster:
+        """Where the kubelet mounts them; the paths are the client's own (read when
+        called, so a test can point them at its files)."""
+        return cls(cfg, incluster_config.SERVICE_TOKEN_FILENAME,
+                   incluster_config.SERVICE_CERT_FILENAME)
+
+    @property
+    def name(self) -> str:
+        return f"service account token {self.token_file}"
+
+    async def read(self) -> Reading:
+        fresh = k8s_client.Configuration()
+        files = {self.token_file: _stamp(self.token_file)}  # before it is read, as above
+        # no hook of its own: ``current`` looks at the file before every request
+        incluster_config.InClusterConfigLoader(
+            self.token_file, self.ca_file, try_refresh_token=False,
+            environ=dict(self.environ)).load_and_set(fresh)
+        return Reading(fresh, files, None)
 
 
 def _renew_at(loader: Any) -> float | None:
@@ -437,7 +478,7 @@ class CheckedApiClient(k8s_client.ApiClient):
     def __init__(self, configuration: k8s_client.Configuration,
                  credentials: KeptCredentials | None = None) -> None:
         super().__init__(configuration=configuration)
-        #: None: a configuration not kept current (the client's own loaders)
+        #: None: a configuration not kept current (the client's own default loader)
         self.credentials = credentials
 
     def call_api(self, *args: Any, **kwargs: Any) -> Any:
@@ -477,7 +518,7 @@ class KubeClient:
     def __init__(self, api: CheckedApiClient) -> None:
         self.api = api
         #: what the connection's credentials are kept current from (None: the client's
-        #: own loaders: in-cluster, whose loader re-reads its token itself)
+        #: own default configuration)
         self.credentials = api.credentials
         self._retired: list[RetiredPool] = []
         if self.credentials is not None:
@@ -486,14 +527,17 @@ class KubeClient:
     @classmethod
     async def connect(cls, settings: KubeSettings) -> KubeClient:
         """A client on the kubeconfig (kept current, ``Kubeconfig``), else the in-cluster
-        service account or the client's own default."""
+        service account (kept current, ``InCluster``), else the client's own default."""
         path = kubeconfig_path(settings)
         credentials: KeptCredentials | None = None
         if path:
             credentials = Kubeconfig(path, k8s_client.Configuration())
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            credentials = InCluster.from_pod(k8s_client.Configuration())
+        if credentials is not None:
             await credentials.load()
             cfg = credentials.cfg
-        else:  # in a pod (its loader re-reads its token itself), or the client's default
+        else:  # the client's own words: no cluster configured at all
             cfg = await load_configuration(settings)
         api = CheckedApiClient(cfg, credentials)
         api.user_agent = "karta-proxy"

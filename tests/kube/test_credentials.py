@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import ssl
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import incluster_config
 from prometheus_client import CollectorRegistry
 
 from proxy.config import KubeSettings
@@ -375,3 +378,99 @@ async def test_each_call_checks_the_credentials_once(
     finally:
         await client.close()
 
+
+# -- the in-cluster service account -------------------------------------------------------
+
+@dataclass(frozen=True)
+class InClusterFiles:
+    """A simulator serving HTTPS as the in-cluster API server, and the service account
+    token file the client reads (with the CA beside it)."""
+
+    sim: KubeSim
+    token: Path
+
+
+@pytest.fixture
+async def in_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                     ) -> AsyncIterator[InClusterFiles]:
+    """The pod's environment, pointed at temporary files: KUBERNETES_SERVICE_HOST and
+    _PORT name the simulator, and the client's own in-cluster paths (which the old code
+    read too) its token and CA."""
+    ca = Authority(tmp_path / "ca")
+    server = ca.issue("apiserver", server=True)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(server.cert, server.key)
+    sim = KubeSim(token="sa-token-1", ssl_context=ctx)
+    await sim.start()
+    token = tmp_path / "token"
+    token.write_text("sa-token-1")
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(sim.port))
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca.ca_file))
+    yield InClusterFiles(sim, token)
+    await sim.close()
+
+
+async def test_an_in_cluster_token_renewed_is_used_at_the_next_request(
+        in_cluster: InClusterFiles) -> None:
+    """The client's in-cluster loader reads its token file again only once its copy is
+    60 s old: a token the server stopped taking was refused (401) for up to a minute."""
+    client = await KubeClient.connect(KubeSettings())
+    try:
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        in_cluster.token.write_text("sa-token-2")
+        in_cluster.sim.token = "sa-token-2"
+        in_cluster.sim.requests.clear()
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        assert len(in_cluster.sim.requests) == 1  # read before the request: not refused
+    finally:
+        await client.close()
+
+
+async def test_an_in_cluster_token_refused_is_read_again_once(
+        in_cluster: InClusterFiles, caplog: pytest.LogCaptureFixture) -> None:
+    """A 401 reads the token file again, and the request is sent once more if that found
+    a new token: here one written in place with the old size and mtime restored (what a
+    file system with coarse timestamps shows), which the stat before each request cannot
+    tell. The client's loader never read the file on a 401. Refused again with nothing
+    new, the refusal stands, sent once."""
+    client = await KubeClient.connect(KubeSettings())
+    try:
+        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        before = in_cluster.token.stat()
+        with in_cluster.token.open("r+") as f:
+            f.write("sa-token-2")
+        os.utime(in_cluster.token, ns=(before.st_atime_ns, before.st_mtime_ns))
+        in_cluster.sim.token = "sa-token-2"
+        with caplog.at_level(logging.WARNING, logger="proxy.kube.client"):
+            assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        assert any(f"service account token {in_cluster.token}: the API server refused its "
+                   "credentials (401 Unauthorized); loaded it again: renewed the token"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        in_cluster.sim.token = "sa-token-3"
+        in_cluster.sim.requests.clear()
+        with pytest.raises(KubeApiError) as info:
+            await client.request_json("/api/v1/pods")
+        assert info.value.status == 401 and len(in_cluster.sim.requests) == 1
+    finally:
+        await client.close()
+
+
+async def test_an_in_cluster_lease_follows_a_token_renewed(
+        in_cluster: InClusterFiles) -> None:
+    """The fact writer's Lease in a pod: with the client's loader the renewals were
+    refused for up to 60 s after the rotation, the replica no longer leading after 1 s
+    of them (at the shipped 15 s lease: 10 s)."""
+    client = await KubeClient.connect(KubeSettings())
+
+    async def rotate() -> None:
+        in_cluster.token.write_text("sa-token-2")
+        in_cluster.sim.token = "sa-token-2"
+
+    try:
+        await _keeps_its_lease(client, in_cluster.sim, rotate)
+    finally:
+        await client.close()
