@@ -8,6 +8,7 @@ objects for 100k pods costs more than the whole index.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import datetime
 import json
@@ -26,6 +27,8 @@ import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client import rest as k8s_rest
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import incluster_config
 
 from proxy.config import KubeSettings
 from proxy.karta.yamltext import yaml_error
@@ -157,7 +160,9 @@ def kubeconfig_path(settings: KubeSettings) -> str:
 async def load_configuration(settings: KubeSettings) -> k8s_client.Configuration:
     """kubeconfig from the setting or ``KUBECONFIG``; else the in-cluster service
     account when running in a pod; else ``~/.kube/config``. A kubeconfig file that exists
-    but does not load raises ``KubeconfigError`` (one line naming the file)."""
+    but does not load raises ``KubeconfigError`` (one line naming the file). Loaded once:
+    ``KubeClient.connect`` keeps its credentials current instead (``KeptCredentials``);
+    this is for the default loader's words when there is no cluster, and for tests."""
     cfg = k8s_client.Configuration()
     path = kubeconfig_path(settings)
     if path:
@@ -200,31 +205,43 @@ def _stamp(path: str) -> FileStamp | None:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """One load of a kubeconfig: the files it was read from (the kubeconfig, the token
-    file, the client certificate, key and CA files) with their stamps then, and when an
-    exec plugin's credential is to be renewed (``time.time()``; None: never before it
-    is refused)."""
+    """One load of the credentials: the files they were read from (a kubeconfig, its
+    token file, client certificate, key and CA files; a service account's token and CA)
+    with their stamps then, and when an exec plugin's credential is to be renewed
+    (``time.time()``; None: never before it is refused)."""
 
     files: Mapping[str, FileStamp | None]
     renew_at: float | None
     tls: Mapping[str, FileStamp | None]
 
 
-class Kubeconfig:
-    """A kubeconfig file's credentials, kept current in one ``Configuration``.
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """The credentials as just read, not yet adopted: a load compares them with those in
+    use, so that only what changed is renewed (a new connection pool only for new TLS
+    files, say)."""
 
-    The client loads a kubeconfig once: a token file or a client certificate renewed
+    cfg: k8s_client.Configuration
+    #: the files read besides the TLS files, stamped before they were read
+    files: Mapping[str, FileStamp | None]
+    renew_at: float | None
+
+
+class KeptCredentials(abc.ABC):
+    """Credentials kept current in one ``Configuration``, whatever they come from.
+
+    The client loads its configuration once: a token file or a client certificate renewed
     on disk, or an exec plugin's token expired (EKS and GKE tokens last 15-60 min), and
     every request was refused (401) until a restart, the index stale while ready stayed
-    200. So before each request (``current``) the files the kubeconfig was read from
-    are looked at (a ``stat`` each) and an exec credential's expiry checked: a change,
-    or one about to expire, loads the kubeconfig again. A request refused all the same
-    (``renew_refused``) loads it again once and is retried if that renewed anything.
-    A load that renews the TLS files calls ``on_tls`` (the client's new connection
-    pool)."""
+    200. So before each request (``current``, called by ``CheckedApiClient`` once per
+    call) the files they were read from are looked at (a ``stat`` each) and an exec
+    credential's expiry checked: a change, or one about to expire, loads them again. A
+    request refused all the same (``renew_refused``) loads them again once and is
+    retried if that renewed anything. A load that renews the TLS files calls ``on_tls``
+    (the client's new connection pool). A subclass says where the credentials come from
+    (``read``) and what to call them in the log (``name``)."""
 
-    def __init__(self, path: str, cfg: k8s_client.Configuration) -> None:
-        self.path = path
+    def __init__(self, cfg: k8s_client.Configuration) -> None:
         self.cfg = cfg
         #: bumped by every load that renewed something: a refused request sent before
         #: one is retried without loading again
@@ -236,19 +253,22 @@ class Kubeconfig:
         self._retry_at = -math.inf
         self._refusal_reload_at = -math.inf
 
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """What the log lines call these credentials."""
+
+    @abc.abstractmethod
+    async def read(self) -> Reading:
+        """Read the credentials afresh. Raises ``KubeconfigError`` or ``ConfigException``
+        (a file gone, empty or invalid)."""
+
     async def load(self) -> list[str]:
-        """Load the kubeconfig into ``cfg``; returns what was renewed (``the token``, ...,
-        empty when nothing). Raises ``KubeconfigError``."""
-        fresh = k8s_client.Configuration()
-        # stamped before it is read (an exec plugin may take seconds): a rewrite meanwhile
-        # shows as a change at the next look, not as the content loaded
-        files = {self.path: _stamp(self.path)}
-        loader = await _load_kubeconfig_file(self.path, fresh)
-        user: Mapping[str, Any] = getattr(getattr(loader, "_user", None), "value", None) or {}
-        token_file = user.get("tokenFile")
-        if isinstance(token_file, str) and token_file and not user.get("token"):
-            path = os.path.join(os.path.dirname(os.path.abspath(self.path)), token_file)
-            files[path] = _stamp(path)
+        """Read the credentials and adopt them into ``cfg``; returns what was renewed
+        (``the token``, ..., empty when nothing). Raises as ``read``, or
+        ``KubeconfigError`` for TLS files that do not load."""
+        reading = await self.read()
+        fresh = reading.cfg
         tls = {p: _stamp(p) for p in (fresh.cert_file, fresh.key_file, fresh.ssl_ca_cert)
                if isinstance(p, str) and p}
         renewed: list[str] = []
@@ -260,8 +280,8 @@ class Kubeconfig:
             try:
                 await self.on_tls(fresh)
             except (ssl.SSLError, OSError) as e:
-                raise KubeconfigError(f"kubeconfig {self.path}: its TLS files do not "
-                                      f"load: {_one_line(str(e))}") from e
+                raise KubeconfigError(f"{self.name}: its TLS files do not load: "
+                                      f"{_one_line(str(e))}") from e
             renewed.append("the TLS files (client certificate, key, CA)")
         if fresh.host != self.cfg.host and self._loaded.files:
             renewed.append("the server address")
@@ -274,13 +294,13 @@ class Kubeconfig:
                 self.cfg.api_key["BearerToken"] = token
         for f in _FIELDS:
             setattr(self.cfg, f, getattr(fresh, f))
-        self._loaded = Loaded({**files, **tls}, _renew_at(loader), tls)
+        self._loaded = Loaded({**reading.files, **tls}, reading.renew_at, tls)
         if renewed:
             self.generation += 1
         return renewed
 
     def _changed(self) -> str:
-        """A file the kubeconfig was read from that changed since ("": none)."""
+        """A file the credentials were read from that changed since ("": none)."""
         for path, then in self._loaded.files.items():
             if _stamp(path) != then:
                 return path
@@ -291,12 +311,11 @@ class Kubeconfig:
         renew_at = self._loaded.renew_at
         return renew_at is not None and time.time() >= renew_at
 
-    async def current(self, *_: object) -> None:
-        """Load the kubeconfig again when a file it was read from changed (logged) or an
-        exec credential is about to expire (at debug level: every 15 min on EKS); the
-        client's ``refresh_api_key_hook`` (every request with a token, the Lease's too)
-        and ``KubeClient.open`` call it. A load that fails keeps the credentials in use,
-        and is tried again after ``RELOAD_RETRY_SECONDS``."""
+    async def current(self) -> None:
+        """Load the credentials again when a file they were read from changed (logged) or
+        an exec credential is about to expire (at debug level: every 15 min on EKS). A
+        load that fails keeps the credentials in use, and is tried again after
+        ``RELOAD_RETRY_SECONDS``."""
         if time.monotonic() < self._retry_at or not (self._changed() or self._expiring()):
             return
         async with self._lock:
@@ -311,9 +330,9 @@ class Kubeconfig:
 
     async def renew_refused(self, generation: int, why: str) -> bool:
         """A request sent with the credentials of ``generation`` was refused (``why``):
-        whether to send it again. Yes when a load since then renewed them; else the
-        kubeconfig is loaded again (at most every ``REFUSAL_RELOAD_SECONDS``), and yes
-        when that renewed anything."""
+        whether to send it again. Yes when a load since then renewed them; else they are
+        loaded again (at most every ``REFUSAL_RELOAD_SECONDS``), and yes when that
+        renewed anything."""
         async with self._lock:
             if generation != self.generation:
                 return True
@@ -328,19 +347,84 @@ class Kubeconfig:
         """Load again, logging what was renewed at ``level``; whether anything was."""
         try:
             renewed = await self.load()
-        except KubeconfigError as e:
+        except (KubeconfigError, k8s_config.ConfigException, OSError) as e:
             self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS
-            log.warning("kubeconfig %s: %s; loading it again failed (the credentials in "
-                        "use stay, tried again in %g s): %s", self.path, why,
-                        RELOAD_RETRY_SECONDS, e)
+            log.warning("%s: %s; loading it again failed (the credentials in use stay, "
+                        "tried again in %g s): %s", self.name, why, RELOAD_RETRY_SECONDS,
+                        _one_line(str(e)) or type(e).__name__)
             return False
         self._retry_at = -math.inf
         if renewed:
-            log.log(level, "kubeconfig %s: %s; loaded it again: renewed %s", self.path, why,
+            log.log(level, "%s: %s; loaded it again: renewed %s", self.name, why,
                     ", ".join(renewed))
         else:
-            log.debug("kubeconfig %s: %s; loaded it again: nothing renewed", self.path, why)
+            log.debug("%s: %s; loaded it again: nothing renewed", self.name, why)
         return bool(renewed)
+
+
+class Kubeconfig(KeptCredentials):
+    """A kubeconfig file's credentials: the kubeconfig itself, its user's ``tokenFile``,
+    client certificate and key, its cluster's CA, and an exec plugin's token."""
+
+    def __init__(self, path: str, cfg: k8s_client.Configuration) -> None:
+        super().__init__(cfg)
+        self.path = path
+
+    @property
+    def name(self) -> str:
+        return f"kubeconfig {self.path}"
+
+    async def read(self) -> Reading:
+        fresh = k8s_client.Configuration()
+        # stamped before it is read (an exec plugin may take seconds): a rewrite meanwhile
+        # shows as a change at the next look, not as the content loaded
+        files = {self.path: _stamp(self.path)}
+        loader = await _load_kubeconfig_file(self.path, fresh)
+        user: Mapping[str, Any] = getattr(getattr(loader, "_user", None), "value", None) or {}
+        token_file = user.get("tokenFile")
+        if isinstance(token_file, str) and token_file and not user.get("token"):
+            path = os.path.join(os.path.dirname(os.path.abspath(self.path)), token_file)
+            files[path] = _stamp(path)
+        return Reading(fresh, files, _renew_at(loader))
+
+
+class InCluster(KeptCredentials):
+    """The pod's service account: its token file (a projected token, which the kubelet
+    rewrites at 80% of its lifetime, about hourly) and CA, the server from
+    ``KUBERNETES_SERVICE_HOST`` / ``_PORT``.
+
+    kubernetes-asyncio's own loader re-reads the token only once its copy is 60 s old
+    (its ``refresh_api_key_hook``) and never on a 401: once the API server stopped taking
+    the old token (expired, revoked) every call was refused for up to a minute, and a
+    refused call was not sent again. Here the file is looked at before each call, as a
+    kubeconfig's are, and read again once on a 401."""
+
+    def __init__(self, cfg: k8s_client.Configuration, token_file: str, ca_file: str,
+                 environ: Mapping[str, str] | None = None) -> None:
+        super().__init__(cfg)
+        self.token_file = token_file
+        self.ca_file = ca_file
+        self.environ = os.environ if environ is None else environ
+
+    @classmethod
+    def from_pod(cls, cfg: k8s_client.Configuration) -> InCluster:
+        """Where the kubelet mounts them; the paths are the client's own (read when
+        called, so a test can point them at its files)."""
+        return cls(cfg, incluster_config.SERVICE_TOKEN_FILENAME,
+                   incluster_config.SERVICE_CERT_FILENAME)
+
+    @property
+    def name(self) -> str:
+        return f"service account token {self.token_file}"
+
+    async def read(self) -> Reading:
+        fresh = k8s_client.Configuration()
+        files = {self.token_file: _stamp(self.token_file)}  # before it is read, as above
+        # no hook of its own: ``current`` looks at the file before every request
+        incluster_config.InClusterConfigLoader(
+            self.token_file, self.ca_file, try_refresh_token=False,
+            environ=dict(self.environ)).load_and_set(fresh)
+        return Reading(fresh, files, None)
 
 
 def _renew_at(loader: Any) -> float | None:
@@ -376,31 +460,88 @@ def _tls_refusal(e: Exception) -> bool:
             and not isinstance(e, aiohttp.ClientConnectorError))
 
 
+class CheckedApiClient(k8s_client.ApiClient):
+    """kubernetes-asyncio's ApiClient, every call of which goes through the kept
+    credentials: ``call_api`` is the one seam that the source's raw requests (lists,
+    watches, discovery) and the generated typed clients (the Lease's
+    ``CoordinationV1Api``) share, and the only one before the auth header is made.
+
+    The credentials were checked in the client's ``refresh_api_key_hook`` and again in
+    ``KubeClient.open``: twice per request for the source's, and never for a client
+    certificate (the hook runs only for a bearer token), so a Lease-only client (the
+    fact writer beside ``--snapshot``) never followed a renewed certificate, and a Lease
+    call refused with 401 was not retried with an exec plugin's new token. Here each
+    call checks them once (``KeptCredentials.current``) and, when refused (a 401; with a
+    client certificate, a refused TLS handshake), has them loaded again once and is sent
+    once more if that renewed anything."""
+
+    def __init__(self, configuration: k8s_client.Configuration,
+                 credentials: KeptCredentials | None = None) -> None:
+        super().__init__(configuration=configuration)
+        #: None: a configuration not kept current (the client's own default loader)
+        self.credentials = credentials
+
+    def call_api(self, *args: Any, **kwargs: Any) -> Any:
+        """As the client's (an awaitable; the generated methods return it unawaited)."""
+        if self.credentials is None or kwargs.get("async_req"):
+            return super().call_api(*args, **kwargs)
+        return self._checked(self.credentials, args, kwargs)
+
+    async def _checked(self, creds: KeptCredentials, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        await creds.current()
+        generation = creds.generation
+        try:
+            answer = await super().call_api(*args, **kwargs)
+        except ApiException as e:  # a non-2xx answer of a call that reads its body
+            if e.status != 401 or not await creds.renew_refused(
+                    generation, f"{e.status} {e.reason or ''}".strip()):
+                raise
+        except aiohttp.ClientError as e:
+            if not (creds.cfg.cert_file and _tls_refusal(e) and await creds.renew_refused(
+                    generation, f"TLS: {type(e).__name__}: {e}")):
+                raise
+        else:
+            # a call left to read its own body (``_preload_content=False``) gets its 401
+            # as an answer, which the caller reads when nothing was renewed
+            if not (isinstance(answer, aiohttp.ClientResponse) and answer.status == 401
+                    and await creds.renew_refused(generation,
+                                                  f"401 {answer.reason or ''}".strip())):
+                return answer
+            answer.release()
+        return await super().call_api(*args, **kwargs)
+
+
 class KubeClient:
     """Raw JSON over kubernetes-asyncio's ApiClient (its auth, TLS and session)."""
 
-    def __init__(self, api: k8s_client.ApiClient, kubeconfig: Kubeconfig | None = None) -> None:
+    def __init__(self, api: CheckedApiClient) -> None:
         self.api = api
-        #: the kubeconfig whose credentials are kept current (None: in-cluster, whose
-        #: loader re-reads its token itself)
-        self.kubeconfig = kubeconfig
+        #: what the connection's credentials are kept current from (None: the client's
+        #: own default configuration)
+        self.credentials = api.credentials
         self._retired: list[RetiredPool] = []
-        if kubeconfig is not None:
-            kubeconfig.on_tls = self._new_pool
-            api.configuration.refresh_api_key_hook = kubeconfig.current
+        if self.credentials is not None:
+            self.credentials.on_tls = self._new_pool
 
     @classmethod
     async def connect(cls, settings: KubeSettings) -> KubeClient:
+        """A client on the kubeconfig (kept current, ``Kubeconfig``), else the in-cluster
+        service account (kept current, ``InCluster``), else the client's own default."""
         path = kubeconfig_path(settings)
-        kubeconfig = Kubeconfig(path, k8s_client.Configuration()) if path else None
-        if kubeconfig is not None:  # kept current (``Kubeconfig``)
-            await kubeconfig.load()
-            cfg = kubeconfig.cfg
-        else:  # in a pod, or the client's own default
+        credentials: KeptCredentials | None = None
+        if path:
+            credentials = Kubeconfig(path, k8s_client.Configuration())
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            credentials = InCluster.from_pod(k8s_client.Configuration())
+        if credentials is not None:
+            await credentials.load()
+            cfg = credentials.cfg
+        else:  # the client's own words: no cluster configured at all
             cfg = await load_configuration(settings)
-        api = k8s_client.ApiClient(configuration=cfg)
+        api = CheckedApiClient(cfg, credentials)
         api.user_agent = "karta-proxy"
-        return cls(api, kubeconfig)
+        return cls(api)
 
     async def _new_pool(self, cfg: k8s_client.Configuration) -> None:
         """A new connection pool (its SSL context) for renewed TLS files: the ApiClient's,
@@ -431,32 +572,7 @@ class KubeClient:
     ) -> aiohttp.ClientResponse:
         """GET ``path`` and return the open response; non-2xx raises KubeApiError. Only
         GET: the source lists, watches and discovers (the Lease has its typed client).
-        With a kubeconfig, its credentials are made current first, and a request refused
-        (401, a refused TLS handshake with a client certificate) is sent once more when
-        loading the kubeconfig again renewed them."""
-        kc = self.kubeconfig
-        if kc is None:
-            return await self._open(path, query, accept, timeout)
-        await kc.current()
-        generation = kc.generation
-        try:
-            resp = await self._open(path, query, accept, timeout)
-        except KubeApiError as e:
-            if e.status != 401 or not await kc.renew_refused(generation, f"{e.status} "
-                                                                          f"{e.reason}"):
-                raise
-        except aiohttp.ClientError as e:
-            if not (kc.cfg.cert_file and _tls_refusal(e) and await kc.renew_refused(
-                    generation, f"TLS: {type(e).__name__}: {e}")):
-                raise
-        else:
-            return resp
-        return await self._open(path, query, accept, timeout)
-
-    async def _open(
-        self, path: str, query: Mapping[str, str] | None, accept: str,
-        timeout: aiohttp.ClientTimeout | float | None,
-    ) -> aiohttp.ClientResponse:
+        The credentials are checked, and a refusal renewed, by ``CheckedApiClient``."""
         params: Sequence[tuple[str, str]] = list((query or {}).items())
         resp: aiohttp.ClientResponse = await self.api.call_api(
             path,
