@@ -1099,8 +1099,9 @@ class Upstream:
         """``out``'s body decoded again (in a worker thread: a request in flight holds it
         compressed only), and what was taken from ``charge`` for it: ``copies`` times its
         decoded size, before it is allocated when the frame says that size (a zstd frame
-        that does not: once decoded). ``_overload`` when it does not fit; the caller gives
-        back what was taken."""
+        that does not: once decoded). ``_overload`` when it does not fit (a request to cut
+        in parts answers that with its own 503, ``_no_room``); the caller gives back what
+        was taken, this gives back its own when the decoding fails or is cancelled."""
         decoded = self._decoded_size(out)
         if decoded is not None and not charge.take(copies * decoded):
             raise self._overload(copies * decoded)
@@ -1229,31 +1230,21 @@ class Upstream:
         for a big request, to many senders at once, held 2.3 GiB for a 256 MiB budget.
         Past the budget: 503."""
         taken = 0
-
-        def take(n: int) -> bool:
-            nonlocal taken
-            if not attempt.charge.take(n):
-                return False
-            taken += n
-            return True
-
         try:
-            decoded = self._decoded_size(sent)
-            if decoded is not None and not take(decoded):
-                return self._no_room(answer, decoded)
-            raw = await asyncio.to_thread(self._raw, sent)
-            if decoded is None and not take(len(raw)):
-                return self._no_room(answer, len(raw))
-            need = await asyncio.to_thread(layout_bytes, raw)
-            if not take(need):
-                return self._no_room(answer, need)
-            lay, digest = await asyncio.to_thread(_layout_and_digest, raw, sent.protocol)
-            del raw
-        except DecodeError as e:  # pragma: no cover - the splice read the same fields
-            log.error("cannot cut a request the upstream refused as too large",
-                      extra={"upstream_url": self.url, "error": e.message})
-            return self._count_split("too_large", answer)
-        try:
+            try:
+                raw, taken = await self._decoded_again(sent, attempt.charge, 1)
+                need = await asyncio.to_thread(layout_bytes, raw)
+                if not attempt.charge.take(need):
+                    return self._no_room(answer, need)
+                taken += need
+                lay, digest = await asyncio.to_thread(_layout_and_digest, raw, sent.protocol)
+                del raw
+            except ConversionRefused as e:  # the body decoded again does not fit
+                return self._no_room(answer, e.size)
+            except DecodeError as e:  # pragma: no cover - the splice read the same fields
+                log.error("cannot cut a request the upstream refused as too large",
+                          extra={"upstream_url": self.url, "error": e.message})
+                return self._count_split("too_large", answer)
             key = _parts_key(digest, url, sent,
                              self._headers(incoming, sent.protocol, sent.encoding))
             return await self._send_parts(lay, key, sent, answer, incoming, url, attempt)
