@@ -60,7 +60,7 @@ from proxy.log import THROTTLE_SECONDS, Throttled
 from proxy.metrics import Children, ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
-from proxy.wire.convert import ConversionTooLarge, V1Form, WithoutHistograms, without_histograms
+from proxy.wire.convert import ConversionTooLarge, V1Form, without_histograms
 from proxy.wire.halves import Layout, layout, layout_bytes
 from proxy.wire.native import check_size, v2_to_v1
 from proxy.wire.primitives import Counts, Protocol
@@ -366,9 +366,10 @@ def conversion_limit(max_decoded_bytes: int, max_inflight_bytes: int) -> int:
     return max(max_decoded_bytes, max_inflight_bytes // CONVERT_COPIES)
 
 
-def _converted(raw_v2: bytes, encoding: str, size: int) -> bytes:
-    """``raw_v2`` converted to RW 1.0 and compressed (its ``size`` checked and charged)."""
-    return compress(v2_to_v1(raw_v2, size), encoding)
+def _converted(out: Outgoing, raw_v2: bytes, size: int, strip: bool) -> Outgoing:
+    """``out`` (its counts the converted request's) with ``raw_v2`` converted to RW 1.0 (its
+    ``size`` checked and charged) as its body, compressed (:func:`_compressed`)."""
+    return _compressed(out, v2_to_v1(raw_v2, size), strip)
 
 
 def _claimed(counts: Counts | None, parts: _Parts) -> Counts | None:
@@ -390,11 +391,23 @@ def _left_out(out: Outgoing, histograms: int) -> Outgoing:
                    histograms_left_out=histograms)
 
 
-def _left_out_compressed(out: Outgoing, raw: bytes) -> Outgoing:
-    """``out`` (``raw`` decoded) without its native histograms, compressed again (CPU work:
-    a worker thread's)."""
+def _may_hold_histograms(out: Outgoing) -> bool:
+    """``out`` may carry native histograms to leave out: it has not gone without them yet,
+    and its counts, where known, say it has some."""
+    return not out.without_histograms and (out.counts is None or bool(out.counts.histograms))
+
+
+def _compressed(out: Outgoing, raw: bytes, strip: bool) -> Outgoing:
+    """``out`` with ``raw`` (its RW 1.0 body) compressed, without its native histograms
+    when ``strip`` (the upstream refuses them): left out before the body is compressed, it
+    is compressed once, not compressed, decoded and compressed again. An ``out.encoded``
+    already made is ``raw`` compressed (decoded again to leave them out), kept when there
+    were none. CPU work: a worker thread's."""
+    if not strip:
+        return replace(out, encoded=compress(raw, out.encoding))
     left = without_histograms(raw)
-    encoded = compress(left.body, out.encoding) if left.histograms else out.encoded
+    encoded = (compress(left.body, out.encoding) if left.histograms or not out.encoded
+               else out.encoded)
     return _left_out(replace(out, encoded=encoded), left.histograms)
 
 
@@ -824,6 +837,11 @@ class Upstream:
         event loop's clock (the same clock, by default)."""
         return time.monotonic() - self.histograms_refused_at < HISTOGRAMS_RECHECK_SECONDS
 
+    def _leaves_out(self, out: Outgoing) -> bool:
+        """``out`` (converted, not compressed yet) goes without its native histograms: the
+        upstream refuses them now, and it may hold some."""
+        return self.leaves_out_histograms() and _may_hold_histograms(out)
+
     def converts(self, protocol: Protocol) -> bool:
         """True when a request of this protocol is converted to RW 1.0 before sending."""
         return (protocol is Protocol.V2 and self.v1_only
@@ -844,17 +862,12 @@ class Upstream:
         charge = charge or _Unbounded()
         converted, form, held = self._to_v1(raw, charge)
         out = Outgoing(Protocol.V1, out_encoding, b"", converted_counts(counts, form), True)
-        left: WithoutHistograms | None = None
         try:
-            if self.leaves_out_histograms() and (out.counts is None or out.counts.histograms):
-                # in the room of the conversion's join (``CONVERT_COPIES``), freed by then
-                left = without_histograms(converted)
-                converted = left.body
-            out.encoded = compress(converted, out_encoding)
+            # left out in the room of the converted series (``CONVERT_COPIES``), freed by then
+            return _compressed(out, converted, self._leaves_out(out))
         finally:
             del converted
             charge.give_back(held)
-        return out if left is None else _left_out(out, left.histograms)
 
     def _to_v1(self, raw: bytes, charge: Charge) -> tuple[bytes, V1Form, int]:
         """``raw`` (RW 2.0) converted to RW 1.0, and what was taken from ``charge`` for it
@@ -989,8 +1002,6 @@ class Upstream:
             if refused and self.settings.protocol == "auto":
                 self._learn_v1_only(refused, answer)
                 out = await self._convert(out, attempt.charge, held)
-                if self.leaves_out_histograms():
-                    out = await self._without_histograms(out, attempt.charge, held)
                 if self.metrics is not None:
                     self.metrics.upstream_conversions.inc()
                 answer = await self._post(out, incoming, url)
@@ -1071,16 +1082,19 @@ class Upstream:
                                   ) -> Outgoing:
         """``out`` (converted, as it goes out) without its native histograms, compressed
         again (in a worker thread); as it is when it went so already, or its counts say it
-        has none. What it holds is charged to the request's byte budget first: the body
-        decoded again and the copy made of it; the new compressed body stays charged until
-        the request is answered (``held``, as in :meth:`_convert`). ``ConversionRefused``
-        (``overload``: 503) when it does not fit."""
-        if out.without_histograms or (out.counts is not None and not out.counts.histograms):
+        has none. For a body compressed with them: one the upstream refused for them, or
+        one prepared before it did (a body converted or cut once they are refused goes
+        without them before it is compressed, :func:`_compressed`). What it holds is
+        charged to the request's byte budget first: the body decoded again and the copy
+        made of it; the new compressed body stays charged until the request is answered
+        (``held``, as in :meth:`_convert`). ``ConversionRefused`` (``overload``: 503) when
+        it does not fit."""
+        if not _may_hold_histograms(out):
             return out
         # the body decoded, its copy without them, and that compressed
         raw, taken = await self._decoded_again(out, charge, 3)
         try:
-            left = await asyncio.to_thread(_left_out_compressed, out, raw)
+            left = await asyncio.to_thread(_compressed, out, raw, True)
             del raw
         except BaseException:
             charge.give_back(taken)
@@ -1099,8 +1113,9 @@ class Upstream:
         """``out``'s body decoded again (in a worker thread: a request in flight holds it
         compressed only), and what was taken from ``charge`` for it: ``copies`` times its
         decoded size, before it is allocated when the frame says that size (a zstd frame
-        that does not: once decoded). ``_overload`` when it does not fit; the caller gives
-        back what was taken."""
+        that does not: once decoded). ``_overload`` when it does not fit (a request to cut
+        in parts answers that with its own 503, ``_no_room``); the caller gives back what
+        was taken, this gives back its own when the decoding fails or is cancelled."""
         decoded = self._decoded_size(out)
         if decoded is not None and not charge.take(copies * decoded):
             raise self._overload(copies * decoded)
@@ -1138,7 +1153,8 @@ class Upstream:
         ``ConversionRefused`` when it does not fit, or would convert past
         ``max_converted_bytes`` (as in :meth:`_to_v1`). The compressed result stays
         charged until the request is answered (appended to ``held``, given back by
-        :meth:`_deliver`)."""
+        :meth:`_deliver`). While the upstream refuses native histograms it goes without
+        them, left out before it is compressed."""
         raw, taken = await self._decoded_again(out, charge, 1)
         try:
             try:
@@ -1149,15 +1165,16 @@ class Upstream:
             if not charge.take(need):
                 raise self._overload(need)
             taken += need
-            encoded = await asyncio.to_thread(_converted, raw, out.encoding, form.size)
+            v1 = Outgoing(Protocol.V1, out.encoding, b"", converted_counts(out.counts, form),
+                          True)
+            v1 = await asyncio.to_thread(_converted, v1, raw, form.size, self._leaves_out(v1))
             del raw
         except BaseException:
             charge.give_back(taken)
             raise
-        charge.give_back(taken - len(encoded))
-        held.append(len(encoded))
-        return Outgoing(Protocol.V1, out.encoding, encoded,
-                        converted_counts(out.counts, form), True)
+        charge.give_back(taken - len(v1.encoded))
+        held.append(len(v1.encoded))
+        return v1
 
     @staticmethod
     def _refused_v2(answer: Answer, counts: Counts | None) -> str:
@@ -1229,31 +1246,21 @@ class Upstream:
         for a big request, to many senders at once, held 2.3 GiB for a 256 MiB budget.
         Past the budget: 503."""
         taken = 0
-
-        def take(n: int) -> bool:
-            nonlocal taken
-            if not attempt.charge.take(n):
-                return False
-            taken += n
-            return True
-
         try:
-            decoded = self._decoded_size(sent)
-            if decoded is not None and not take(decoded):
-                return self._no_room(answer, decoded)
-            raw = await asyncio.to_thread(self._raw, sent)
-            if decoded is None and not take(len(raw)):
-                return self._no_room(answer, len(raw))
-            need = await asyncio.to_thread(layout_bytes, raw)
-            if not take(need):
-                return self._no_room(answer, need)
-            lay, digest = await asyncio.to_thread(_layout_and_digest, raw, sent.protocol)
-            del raw
-        except DecodeError as e:  # pragma: no cover - the splice read the same fields
-            log.error("cannot cut a request the upstream refused as too large",
-                      extra={"upstream_url": self.url, "error": e.message})
-            return self._count_split("too_large", answer)
-        try:
+            try:
+                raw, taken = await self._decoded_again(sent, attempt.charge, 1)
+                need = await asyncio.to_thread(layout_bytes, raw)
+                if not attempt.charge.take(need):
+                    return self._no_room(answer, need)
+                taken += need
+                lay, digest = await asyncio.to_thread(_layout_and_digest, raw, sent.protocol)
+                del raw
+            except ConversionRefused as e:  # the body decoded again does not fit
+                return self._no_room(answer, e.size)
+            except DecodeError as e:  # pragma: no cover - the splice read the same fields
+                log.error("cannot cut a request the upstream refused as too large",
+                          extra={"upstream_url": self.url, "error": e.message})
+                return self._count_split("too_large", answer)
             key = _parts_key(digest, url, sent,
                              self._headers(incoming, sent.protocol, sent.encoding))
             return await self._send_parts(lay, key, sent, answer, incoming, url, attempt)
@@ -1344,7 +1351,8 @@ class Upstream:
             parts.retry = self._no_room(None, need)
             return
         try:
-            out = await asyncio.to_thread(self._part, parts, a, b)
+            out = await asyncio.to_thread(self._part, parts, a, b,
+                                          parts.layout_converted and self.leaves_out_histograms())
         except BaseException:
             attempt.charge.give_back(need)
             raise
@@ -1484,11 +1492,13 @@ class Upstream:
         return decompress(sent.encoded, sent.encoding, max_decoded=OWN_BODY_LIMIT)
 
     @staticmethod
-    def _part(parts: _Parts, lo: int, hi: int) -> Outgoing:
-        raw = parts.layout.part(lo, hi)
-        return Outgoing(parts.layout.protocol, parts.encoding,
-                        compress(raw, parts.encoding), None, parts.layout_converted,
-                        without_histograms=parts.cut_without_histograms)
+    def _part(parts: _Parts, lo: int, hi: int, refused: bool) -> Outgoing:
+        """Part ``series[lo:hi]`` of ``parts`` as it goes out, compressed; without its
+        native histograms when ``refused`` (a part of a converted body while the upstream
+        refuses them) and it may hold some, left out before it is compressed. CPU work."""
+        out = Outgoing(parts.layout.protocol, parts.encoding, b"", None, parts.layout_converted,
+                       without_histograms=parts.cut_without_histograms)
+        return _compressed(out, parts.layout.part(lo, hi), refused and _may_hold_histograms(out))
 
     def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
         """A 413 the proxy cannot cut further (one series, or ``MAX_SPLIT_DEPTH`` levels):

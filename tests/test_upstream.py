@@ -41,6 +41,7 @@ from proxy.upstream import (
     tenant_url,
 )
 from proxy.wire.convert import v2_to_v1
+from proxy.wire.halves import layout_bytes
 from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
@@ -448,6 +449,85 @@ async def test_histograms_refused_by_a_part_are_not_claimed_for_the_whole() -> N
     assert (answer.headers[WRITTEN_SAMPLES], answer.headers[WRITTEN_HISTOGRAMS]) == ("48", "0")
     stored = [r for r in up.received if len(r.body) <= limit and not histograms_in(r)]
     assert sum(len(WriteRequest.FromString(r.raw).timeseries) for r in stored) == 16
+
+
+def counted_compressions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the bodies ``proxy.upstream`` compresses from now on."""
+    import proxy.upstream as upstream_module
+
+    sizes: list[int] = []
+    real = upstream_module.compress
+
+    def counting(raw: bytes, encoding: str) -> bytes:
+        sizes.append(len(raw))
+        return real(raw, encoding)
+
+    monkeypatch.setattr(upstream_module, "compress", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("learned", ["before", "on_the_way"])
+async def test_converted_on_the_way_while_histograms_are_refused_is_compressed_once(
+        learned: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An RW 2.0 body prepared as it came (the upstream not known 1.0-only yet) and
+    converted on the way while the upstream's refusal of native histograms is remembered:
+    it goes without them at once, left out before it is compressed. It was compressed
+    converted, decoded again and compressed once more without them."""
+    from proxy.upstream import Probe
+
+    counts = Counts(series=8, samples=24, histograms=8, exemplars=0)
+
+    def receiver(rec: Received) -> Reply:  # a 1.0-only receiver: a 2xx to RW 2.0
+        if "v2" in rec.headers["Content-Type"]:
+            return Reply(204)
+        return refusing_histograms(rec)
+
+    async with ScriptedUpstream(rule=receiver) as up, opened(up.url, protocol="auto") as u:
+        u.probe, u.v1_only = Probe("rw1" if learned == "before" else "rw2", "204"), \
+            learned == "before"
+        u.histograms_refused_at = time.monotonic()
+        out = u.prepared(compress(many_v2(8, histograms=True), "snappy"), Protocol.V2, counts)
+        sizes = counted_compressions(monkeypatch)
+        answer = await u.forward(out)
+    assert answer.ok and answer.converted
+    assert (answer.headers[WRITTEN_SAMPLES], answer.headers[WRITTEN_HISTOGRAMS]) == ("24", "0")
+    v1 = [r for r in up.received if "v2" not in r.headers["Content-Type"]]
+    assert len(v1) == 1 and histograms_in(v1[0]) == 0
+    assert len(WriteRequest.FromString(v1[0].raw).timeseries) == 8
+    assert sizes == [len(v1[0].raw)]  # once, without them
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_histograms_not_stored_total") == 8
+
+
+async def test_parts_cut_while_histograms_are_refused_go_without_them_compressed_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converted body refused as too large, its first part refused for its native
+    histograms: the parts made after that go without them, left out before they are
+    compressed; only the part the upstream refused is decoded again to leave them out."""
+    raw = many_v2(16, histograms=True)
+    limit = len(compress(v2_to_v1(raw), "snappy")) * 7 // 10
+    counts = Counts(series=16, samples=48, histograms=16, exemplars=0)
+    decoded: list[int] = []
+    real = Upstream._raw
+
+    def raw_again(sent: Outgoing) -> bytes:
+        decoded.append(len(sent.encoded))
+        return real(sent)
+
+    async with ScriptedUpstream(rule=size_limit(limit, refusing_histograms)) as up, opened(
+            up.url, protocol="v1", rw1_confirms_histograms=True) as u:
+        monkeypatch.setattr(u, "_raw", raw_again)
+        out = await asyncio.to_thread(u.prepare, raw, Protocol.V2, "snappy", counts)
+        answer = await u.forward(out)
+    assert answer.ok and answer.converted
+    assert (answer.headers[WRITTEN_SAMPLES], answer.headers[WRITTEN_HISTOGRAMS]) == ("48", "0")
+    # the whole (413), part 1 (500), part 1 without them, part 2 without them
+    assert [histograms_in(r) > 0 for r in up.received] == [True, True, False, False]
+    assert len(decoded) == 2  # the whole to cut it, part 1 after its 500
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_histograms_not_stored_total") == 16
 
 
 async def test_a_resend_that_skips_a_part_stored_without_histograms_claims_none() -> None:
@@ -1279,13 +1359,13 @@ async def test_413_a_part_stored_by_a_concurrent_attempt_while_it_was_made_is_sk
     made = Upstream._part
 
     async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
-        def part(parts: Any, lo: int, hi: int) -> Outgoing:
+        def part(parts: Any, lo: int, hi: int, refused: bool) -> Outgoing:
             async def store() -> None:  # what the other attempt's answer records
                 u.stored_parts.stored(parts.key, parts.memory, (lo, hi),
                                       StoredAnswer(204, False, (-1, -1, -1)))
             if lo == 0:  # in the worker thread: on the loop, done before the part is
                 asyncio.run_coroutine_threadsafe(store(), loop).result(timeout=5)
-            return made(parts, lo, hi)
+            return made(parts, lo, hi, refused)
 
         monkeypatch.setattr(u, "_part", part)
         answer = await u.send(raw, Protocol.V1)
@@ -1453,12 +1533,15 @@ async def test_413_parts_are_charged_to_the_requests_budget_and_given_back() -> 
         series_of(raw, Protocol.V1)
 
 
-@pytest.mark.parametrize("room_for_parts", [False, True])
-async def test_413_without_room_in_the_budget_is_503(room_for_parts: bool) -> None:
+@pytest.mark.parametrize("room_for", ["nothing", "the_body", "its_layout"])
+async def test_413_without_room_in_the_budget_is_503(room_for: str) -> None:
     raw = many_v1(200)
     limit = len(compress(raw, "snappy")) // 3
-    # the whole decoded again and its layout fit, the parts do not; or nothing fits
-    budget = Budget(len(raw) * 3 // 2 if room_for_parts else len(raw) // 2)
+    # nothing fits; the whole decoded again fits, its layout does not (what the body took
+    # is given back at once, not held until the request ends); both fit, the parts do not
+    room = {"nothing": len(raw) // 2, "the_body": len(raw) + layout_bytes(raw) // 2,
+            "its_layout": len(raw) * 3 // 2}[room_for]
+    budget = Budget(room)
     async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
         answer = await u.forward(u.prepare(raw, Protocol.V1, "snappy"), charge=budget)
     assert answer.status == 503 and answer.headers["Retry-After"] == "1"
