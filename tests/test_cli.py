@@ -20,6 +20,7 @@ from msgspec import inspect as mi
 from proxy.cli import build_parser, main, settings_from_args
 from proxy.config import ConfigError, schema
 from proxy.sender import Series, send_series
+from tests.process import stop
 from tests.proxy_harness import CART, SNAPSHOT
 from tests.scripted import ScriptedUpstream
 
@@ -309,15 +310,13 @@ async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> N
                                                  [Series(labels, [(1000, 1.0)])], session=session)
                 assert status == 204
         finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-            _, err = await asyncio.wait_for(proc.communicate(), 20)
+            log = await stop(proc)
     assert proc.returncode == 0
     from proxy.sender import decode_v1
 
     (got,) = decode_v1(up.received[0].raw)
     assert got.labels == {**labels, **CART}
-    lines = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     msgs = [rec["msg"] for rec in lines]
     assert "karta-proxy started" in msgs and "karta-proxy stopped" in msgs
     assert all({"ts", "level", "logger", "msg"} <= rec.keys() for rec in lines)
@@ -470,11 +469,9 @@ async def test_a_sighup_while_starting_is_a_reload_not_the_end(tmp_path: Path) -
             async with aiohttp.ClientSession() as session:
                 await wait_for_200(session, f"http://127.0.0.1:{port}/-/ready", proc)
         finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-            _, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    msgs = [json.loads(line)["msg"] for line in err.decode().splitlines()
+            log = await stop(proc)
+    assert proc.returncode == 0, log[-2000:]
+    msgs = [json.loads(line)["msg"] for line in log.splitlines()
             if line.startswith("{")]
     assert msgs.count("SIGHUP received while starting: reloading") == 1, msgs
     assert "configuration reloaded" in msgs, msgs

@@ -31,6 +31,7 @@ from proxy.sender import Series, decode_v1, send_series
 from proxy.server import LIFECYCLE_DISABLED
 from tests.karta.descriptions import RAYJOB_KARTA, TRAINER_KARTA
 from tests.karta.runs import record_runs
+from tests.process import stop
 from tests.proxy_harness import CART, SNAPSHOT
 from tests.scripted import ScriptedUpstream
 
@@ -680,11 +681,8 @@ async def test_sighup_reloads_the_process_and_a_bad_file_keeps_it_running(
             assert (await _metrics(session, base))[RELOAD_TS] == after[RELOAD_TS]
             assert await stamped(CART_OTHER) == {**CART_OTHER, **CART}  # the old config
         finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-            _, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    log = err.decode()
+            log = await stop(proc)
+    assert proc.returncode == 0, log[-2000:]
     assert "configuration reloaded" in log
     assert "reload failed; the configuration in force stays" in log
     assert "enrich.conflict_policy" in log  # the log says why

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from proxy.snapshot import SnapshotSource, load_snapshot, read_snapshot
 from tests.karta.descriptions import TRAINER_KARTA, component, karta
 from tests.karta.engine_bugs import fail_on_pod
 from tests.loop_turns import LoopTurns
+from tests.process import stop
 from tests.unreadable import unprivileged, unreadable
 
 DEMO = Path(__file__).resolve().parents[1] / "proxy" / "demo_data" / "snapshot.yaml"
@@ -527,7 +529,6 @@ async def test_a_subfolder_that_cannot_be_listed_in_the_real_process(
     deny it (root: started without CAP_DAC_READ_SEARCH): every pod kept, the index
     stale, the warning logged; it was read as empty (16 pods tombstoned, the index not
     stale)."""
-    import signal
     import sys
 
     import aiohttp
@@ -584,11 +585,8 @@ async def test_a_subfolder_that_cannot_be_listed_in_the_real_process(
             assert back["karta_proxy_index_tombstones"] == 0
             assert back["karta_proxy_index_pods"] == 15
         finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-            _, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    log = err.decode()
+            log = await stop(proc)
+    assert proc.returncode == 0, log[-2000:]
     assert log.count("snapshot: the path cannot be read") == 1, log[-3000:]
     assert f"cannot read the folder {sub}: Permission denied" in log
     assert "snapshot: the path can be read again" in log
@@ -616,17 +614,33 @@ async def test_the_snapshot_is_not_fresh_while_its_path_is_gone(tmp_path: Path) 
         await src.stop()
 
 
-async def test_a_change_is_read_once_two_polls_find_the_files_alike(tmp_path: Path) -> None:
+@dataclass
+class Polled:
+    """A source started on one Deployment's file and polled by hand, and that file's
+    text with one more bare pod, ``late``, to write in."""
+    file: Path
+    index: PodIndex
+    source: SnapshotSource
+    with_late: str
+
+
+async def _polled(tmp_path: Path) -> Polled:
     f = _write(tmp_path / "s.yaml", _deployment())
     index = PodIndex()
     src = SnapshotSource(f, Engine(), index)
     await src.start()
+    objs = _deployment()
+    objs.append(_pod("late", "p-2", None))
+    return Polled(f, index, src, yaml.safe_dump_all(objs))
+
+
+async def test_a_change_is_read_once_two_polls_find_the_files_alike(tmp_path: Path) -> None:
+    p = await _polled(tmp_path)
+    f, index, src = p.file, p.index, p.source
     fresh = index.freshness["snapshot"]
     assert not await src.poll()
     assert index.freshness["snapshot"] > fresh  # unchanged: current
-    objs = _deployment()
-    objs.append(_pod("late", "p-2", None))
-    _write(f, objs)
+    f.write_text(p.with_late)
     os.utime(f, ns=(1, 1))
     fresh = index.freshness["snapshot"]
     assert not await src.poll()  # changed since the last poll: maybe still being written
@@ -674,13 +688,8 @@ async def test_files_rewritten_with_the_same_bytes_at_every_poll_are_applied(
     every poll): never applied, as no two polls found the stamps alike; now the bytes
     alike at two polls are, and once applied a rewrite of the applied bytes is no
     change (fresh, nothing read)."""
-    f = _write(tmp_path / "s.yaml", _deployment())
-    index = PodIndex()
-    src = SnapshotSource(f, Engine(), index)
-    await src.start()
-    objs = _deployment()
-    objs.append(_pod("late", "p-2", None))
-    text = yaml.safe_dump_all(objs)
+    p = await _polled(tmp_path)
+    f, index, src, text = p.file, p.index, p.source, p.with_late
     applied_at = None
     for n in range(2 * snapshot.UNSETTLED_WARN_POLLS):
         f.write_text(text)  # the same bytes, saved again
@@ -702,13 +711,8 @@ async def test_a_rewrite_caught_by_the_read_is_not_applied(
     """The bytes alike at two polls, but the writer truncates and writes again while they
     are read: the read (the file cut after its first object) is dropped, not applied;
     read again between two rewrites, the file is applied whole."""
-    f = _write(tmp_path / "s.yaml", _deployment())
-    index = PodIndex()
-    src = SnapshotSource(f, Engine(), index)
-    await src.start()
-    objs = _deployment()
-    objs.append(_pod("late", "p-2", None))
-    text = yaml.safe_dump_all(objs)
+    p = await _polled(tmp_path)
+    f, index, src, text = p.file, p.index, p.source, p.with_late
     read = snapshot.read_snapshot
     cut: list[int] = []
 

@@ -5,6 +5,7 @@ loaded a kubeconfig once, and every request was refused after a renewal until a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -196,12 +197,18 @@ def _server_context(ca: Authority, server: Pem, client_ca: Authority) -> ssl.SSL
     return ctx
 
 
-async def test_a_client_certificate_renewed_on_disk_is_used_at_the_next_connection(
-        tmp_path: Path) -> None:
-    """The client's SSL context was made once: a client certificate renewed on disk (and
-    the old one refused) failed every handshake until a restart. The server here
-    requires certificates of the client CA it is started with; it restarts trusting only
-    a new one, as the certificate on disk is renewed to one of that CA."""
+@dataclass
+class CertCluster:
+    """A simulator that requires client certificates of one CA, a client whose kubeconfig
+    names its certificate on disk, and the renewal: a certificate of another CA installed
+    on disk, the server restarted trusting only that CA."""
+    client: KubeClient
+    sim: KubeSim
+    renew: Callable[[], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _cert_cluster(tmp_path: Path) -> AsyncIterator[CertCluster]:
     ca = Authority(tmp_path / "ca")
     server = ca.issue("apiserver", server=True)
     old_ca, new_ca = Authority(tmp_path / "old", "old-ca"), Authority(tmp_path / "new", "new-ca")
@@ -213,16 +220,30 @@ async def test_a_client_certificate_renewed_on_disk_is_used_at_the_next_connecti
                           {"client-certificate": str(live.cert), "client-key": str(live.key)},
                           {"certificate-authority": str(ca.ca_file)})
     client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
-    try:
-        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+
+    async def renew() -> None:
         install(new_ca.issue("proxy", server=False), live)
         await sim.stop()
         sim.ssl_context = _server_context(ca, server, new_ca)
         await sim.start()
-        assert (await client.request_json("/api/v1/pods"))["kind"] == "PodList"
+
+    try:
+        yield CertCluster(client, sim, renew)
     finally:
         await client.close()
         await sim.close()
+
+
+async def test_a_client_certificate_renewed_on_disk_is_used_at_the_next_connection(
+        tmp_path: Path) -> None:
+    """The client's SSL context was made once: a client certificate renewed on disk (and
+    the old one refused) failed every handshake until a restart. The server here
+    requires certificates of the client CA it is started with; it restarts trusting only
+    a new one, as the certificate on disk is renewed to one of that CA."""
+    async with _cert_cluster(tmp_path) as c:
+        assert (await c.client.request_json("/api/v1/pods"))["kind"] == "PodList"
+        await c.renew()
+        assert (await c.client.request_json("/api/v1/pods"))["kind"] == "PodList"
 
 
 
@@ -279,35 +300,20 @@ async def _keeps_its_lease(client: KubeClient, sim: KubeSim,
         await task
 
 
-async def test_a_lease_only_client_follows_a_token_file_renewed(
-        rotating_sim: KubeSim, tmp_path: Path) -> None:
-    """A guard, not a fix: the client's token hook looked at the kubeconfig's files
-    before each call with a bearer token, the Lease's too, and still does so once,
-    through CheckedApiClient."""
+@pytest.mark.parametrize("credentials", ["token_file", "exec_plugin"])
+async def test_a_lease_only_client_follows_a_token_renewed(
+        rotating_sim: KubeSim, tmp_path: Path, credentials: str) -> None:
+    """A token file: a guard, not a fix (the client's token hook looked at the
+    kubeconfig's files before each call with a bearer token, the Lease's too, and still
+    does so once, through CheckedApiClient). An exec plugin whose token names no expiry:
+    only ``KubeClient.open`` renewed refused credentials, so a Lease call refused (401)
+    failed every round, the replica no longer leading from 1 s after the rotation, until
+    a restart."""
     token = tmp_path / "token"
     token.write_text("token-1")
-    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, {"tokenFile": str(token)})
-    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
-
-    async def rotate() -> None:
-        token.write_text("token-2")
-        rotating_sim.token = "token-2"
-
-    try:
-        await _keeps_its_lease(client, rotating_sim, rotate)
-    finally:
-        await client.close()
-
-
-async def test_a_lease_only_client_runs_the_exec_plugin_again_when_refused(
-        rotating_sim: KubeSim, tmp_path: Path) -> None:
-    """Only ``KubeClient.open`` renewed refused credentials: a Lease call refused (401)
-    with a plugin's token that names no expiry failed every round, the replica no longer
-    leading from 1 s after the rotation, until a restart."""
-    token = tmp_path / "token"
-    token.write_text("token-1")
-    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url,
-                          exec_plugin(tmp_path, token, lifetime=None))
+    user = ({"tokenFile": str(token)} if credentials == "token_file"
+            else exec_plugin(tmp_path, token, lifetime=None))
+    kc = write_kubeconfig(tmp_path / "kubeconfig", rotating_sim.url, user)
     client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
 
     async def rotate() -> None:
@@ -326,29 +332,8 @@ async def test_a_lease_only_client_follows_a_client_certificate_renewed(
     token: with a client certificate the Lease never looked at the files, and every
     handshake after the server trusted only the renewed certificate failed until a
     restart (ServerDisconnectedError each round)."""
-    ca = Authority(tmp_path / "ca")
-    server = ca.issue("apiserver", server=True)
-    old_ca, new_ca = Authority(tmp_path / "old", "old-ca"), Authority(tmp_path / "new", "new-ca")
-    live = Pem(tmp_path / "client.crt", tmp_path / "client.key")
-    install(old_ca.issue("proxy", server=False), live)
-    sim = KubeSim(token="", ssl_context=_server_context(ca, server, old_ca))
-    await sim.start()
-    kc = write_kubeconfig(tmp_path / "kubeconfig", sim.url,
-                          {"client-certificate": str(live.cert), "client-key": str(live.key)},
-                          {"certificate-authority": str(ca.ca_file)})
-    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
-
-    async def rotate() -> None:
-        install(new_ca.issue("proxy", server=False), live)
-        await sim.stop()
-        sim.ssl_context = _server_context(ca, server, new_ca)
-        await sim.start()
-
-    try:
-        await _keeps_its_lease(client, sim, rotate)
-    finally:
-        await client.close()
-        await sim.close()
+    async with _cert_cluster(tmp_path) as c:
+        await _keeps_its_lease(c.client, c.sim, c.renew)
 
 
 async def test_each_call_checks_the_credentials_once(
