@@ -367,6 +367,7 @@ class KubeSource:
             self.index.freshness.pop(w.name, None)
             with contextlib.suppress(KeyError):  # never current, no child: older clients raise
                 self._last_current.remove(w.name)
+            self.metrics.forget(w.name)
         self._update_stale()
 
     def _forget(self, gk: GroupKind) -> None:

@@ -408,11 +408,20 @@ async def test_a_mode_switch_leaves_no_stale_mark_behind(sim: KubeSim,
                   {"resource": "rayclusters.ray.io", "reason": "error"}) >= 1
 
 
+def _children(source: KubeSource, resource: str) -> set[str]:
+    """The names of ``resource``'s per-resource watch counters that have a child."""
+    return {s.name for family in source.registry.collect()
+            if family.name in ("karta_proxy_watch_events", "karta_proxy_watch_restarts")
+            for s in family.samples if s.labels.get("resource") == resource}
+
+
 async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """A kind that stops being watched (its description deleted) takes its freshness
     entry and its ``karta_proxy_watch_last_current_timestamp_seconds`` child with it:
-    frozen, they read as a resource ever staler (``time() - min(...)``)."""
+    frozen, they read as a resource ever staler (``time() - min(...)``). Its event and
+    restart counters' children go too: they stayed for the life of the process, one set
+    for every kind ever described and dropped."""
     sim.create({"apiVersion": "ray.io/v1", "kind": "RayJob",  # no pods: owns nothing
                 "metadata": {"name": "train", "namespace": "ml"},
                 "status": {"jobStatus": "RUNNING"}})
@@ -420,6 +429,8 @@ async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
     source = await make_source()
     gauge = "karta_proxy_watch_last_current_timestamp_seconds"
     assert "rayjobs.ray.io" in source.index.freshness
+    sim.disconnect_watches()  # a restart child too
+    await eventually(lambda: len(_children(source, "rayjobs.ray.io")) >= 2, timeout=5)
     assert metric(source, gauge, {"resource": "rayjobs.ray.io"}) > 0
     sim.delete(karta)
     # the kind leaves ``watchers`` when its drop begins; its freshness entry goes once
@@ -427,6 +438,8 @@ async def test_a_kind_no_longer_watched_leaves_no_freshness_behind(
     await eventually(lambda: not any(gk.kind == "RayJob" for gk in source.watchers)
                      and "rayjobs.ray.io" not in source.index.freshness, timeout=5)
     assert source.registry.get_sample_value(gauge, {"resource": "rayjobs.ray.io"}) is None
+    assert not _children(source, "rayjobs.ray.io"), "its event and restart counters stay"
+    assert _children(source, "pods")
     resources = {dict(f.labels)[contract.FACT_LABEL_RESOURCE] for f in process_facts(source.index)
                  if f.name == contract.FACT_SOURCE_LAST_CURRENT}
     assert "rayjobs.ray.io" not in resources and "pods" in resources
