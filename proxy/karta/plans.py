@@ -24,9 +24,11 @@ from proxy.karta.owners import POD, OwnerRef
 from proxy.karta.packed import Packed
 from proxy.karta.results import PodAttribution
 
-_MAP_PATH = re.compile(
-    r'^\s*\.metadata\.(labels|annotations)(?:\["([^"\\]*)"\]|\.([A-Za-z_][A-Za-z0-9_]*))\s*$'
-)
+_MAP = r'\.metadata\.(labels|annotations)(?:\["([^"\\]*)"\]|\.([A-Za-z_][A-Za-z0-9_]*))'
+_MAP_PATH = re.compile(rf"^\s*{_MAP}\s*$")
+#: one label / annotation lookup, else another (the built-in Job's completion index: the
+#: label since Kubernetes 1.28, the annotation before)
+_ALT_MAP_PATH = re.compile(rf"^\s*{_MAP}\s*//\s*{_MAP}\s*$")
 _FIELD_PATH = re.compile(r"^\s*\.metadata\.(name|namespace|uid)\s*$")
 #: the kind of the pod's controller, as the built-in Pod description asks for it
 _CONTROLLER_KIND_PATH = re.compile(
@@ -120,21 +122,31 @@ class _Probe:
 
     ``.metadata.labels["k"]``, ``.metadata.labels.k`` (same for annotations) and
     ``.metadata.name|namespace|uid`` yield exactly what jq yields for them on a pod whose
-    labels are a map: the value or null. ``.metadata.ownerReferences[]? | select(.controller
+    labels are a map: the value or null. Two such map lookups joined by ``//`` yield the
+    first one's value unless it is null or false, else the second one's, as jq does.
+    ``.metadata.ownerReferences[]? | select(.controller
     == true) | .kind`` (the built-in Pod description's test for its controlled pods)
     yields the kept controller reference's kind, or nothing. Everything else is handed to jq.
     """
 
-    __slots__ = ("expr", "field", "key")
+    __slots__ = ("alt", "expr", "field", "key")
 
     def __init__(self, expr: JqExpr) -> None:
         self.expr = expr
         self.field: str | None = None
         self.key = ""
+        #: for ``field == "alt"``: the (map, key) lookups, tried in order
+        self.alt: tuple[tuple[str, str], ...] = ()
         m = _MAP_PATH.match(expr.source)
+        a = _ALT_MAP_PATH.match(expr.source) if m is None else None
         if m is not None:
             self.field = m.group(1)
             self.key = m.group(2) if m.group(2) is not None else m.group(3)
+        elif a is not None:
+            self.field = "alt"
+            g = a.groups()
+            self.alt = ((g[0], g[1] if g[1] is not None else g[2]),
+                        (g[3], g[4] if g[4] is not None else g[5]))
         else:
             m = _FIELD_PATH.match(expr.source)
             if m is not None:
@@ -157,6 +169,19 @@ class _Probe:
             m = pod.annotations
         elif f == "controller_kind":
             return [pod.owner.gk.kind] if pod.owner is not None else []
+        elif f == "alt":
+            v: Any = None
+            for which, key in self.alt:
+                mm = pod.labels if which == "labels" else pod.annotations
+                if mm is None:
+                    v = None
+                elif isinstance(mm, dict):
+                    v = mm.get(key)
+                else:
+                    return self.expr.all(pod.jq_input())  # jq decides what a non-map yields
+                if v is not None and v is not False:
+                    return [v]
+            return [v]
         else:
             return [getattr(pod, f)]
         if m is None:

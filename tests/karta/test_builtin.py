@@ -4,15 +4,23 @@ realistic objects as the Kubernetes controllers write them."""
 
 from __future__ import annotations
 
+import copy
+from datetime import datetime
 from typing import Any
 
 import pytest
 import yaml
 
 from proxy.karta.builtin import builtin_descriptions, builtin_files
-from proxy.karta.description import parse_description, select_descriptions
+from proxy.karta.description import (
+    load_description_paths,
+    parse_description,
+    select_descriptions,
+)
+from proxy.karta.engine import Engine
 from proxy.karta.model import GVK, Description, GroupKind
 from proxy.karta.status import StatusResult, evaluate_status
+from tests.karta.clusters import SAMPLES
 from tests.karta.descriptions import component, karta
 from tests.karta.workloads import statefulset
 
@@ -201,6 +209,101 @@ def test_statefulset_phases() -> None:
     assert phase("StatefulSet", fresh).phase == "Running"
 
 
+def served_statefulset(
+    strategy: dict[str, Any], *, current: int, updated: int, ready: int, revision: str,
+) -> dict[str, Any]:
+    """A StatefulSet ``web`` of 3 as the API server returns it, whose template was changed
+    (generation 2, observed) from revision ``web-5d8f7c6b9`` to ``revision``: ``current``
+    pods on the old revision, ``updated`` on the new one."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": "web", "namespace": "shop", "uid": "0d9c1e4a-55c3-4c8e-9f5b-2b1f3c4d5e6f",
+            "generation": 2, "resourceVersion": "918273",
+            "creationTimestamp": "2026-11-02T08:00:00Z", "labels": {"app": "web"},
+        },
+        "spec": {
+            "replicas": 3,
+            "serviceName": "web",
+            "podManagementPolicy": "OrderedReady",
+            "revisionHistoryLimit": 10,
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Retain",
+                                                     "whenScaled": "Retain"},
+            "selector": {"matchLabels": {"app": "web"}},
+            "updateStrategy": strategy,
+            "template": {"metadata": {"labels": {"app": "web"}},
+                         "spec": {"containers": [{"name": "web", "image": "nginx:1.27"}]}},
+        },
+        "status": {
+            "observedGeneration": 2,
+            "replicas": current + updated,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "currentReplicas": current,
+            "updatedReplicas": updated,
+            # the controller promotes currentRevision only for RollingUpdate, once every
+            # pod is updated and ready (completeRollingUpdate): never for OnDelete
+            "currentRevision": "web-5d8f7c6b9",
+            "updateRevision": revision,
+            "collisionCount": 0,
+        },
+    }
+
+
+ON_DELETE = {"type": "OnDelete"}
+ROLLING = {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
+
+
+def test_an_ondelete_statefulset_with_every_pod_recreated_is_running() -> None:
+    """OnDelete: the StatefulSet controller never moves currentRevision to updateRevision
+    (kubernetes#73492, #106055), so comparing them held such a set Initializing forever
+    after any template change, every pod recreated on the new revision and ready."""
+    done = served_statefulset(ON_DELETE, current=0, updated=3, ready=3, revision="web-7b9d4f8c5")
+    assert phase("StatefulSet", done) == StatusResult("Running", ("Running",), "")
+    one_down = served_statefulset(ON_DELETE, current=0, updated=3, ready=2,
+                                  revision="web-7b9d4f8c5")
+    assert phase("StatefulSet", one_down).phase == "Degraded"
+    # an old pod not deleted yet: the rollout is not done
+    waiting = served_statefulset(ON_DELETE, current=1, updated=2, ready=3,
+                                 revision="web-7b9d4f8c5")
+    assert phase("StatefulSet", waiting).phase == "Initializing"
+    # the template put back to the current revision with every pod on the other one:
+    # the revisions agree, but no pod is on the template, and the counts say so
+    back = served_statefulset(ON_DELETE, current=0, updated=0, ready=3,
+                              revision="web-5d8f7c6b9")
+    back["status"].update(currentReplicas=3, updatedReplicas=0, replicas=3)
+    assert phase("StatefulSet", back).phase == "Initializing"
+    # a set that never changed its template: the revisions agree from creation on
+    never = served_statefulset(ON_DELETE, current=3, updated=0, ready=3,
+                               revision="web-5d8f7c6b9")
+    never["status"]["updatedReplicas"] = 3
+    assert phase("StatefulSet", never).phase == "Running"
+
+
+def test_a_rolling_update_statefulset_is_settled_when_the_controller_ends_the_rollout() -> None:
+    # every pod updated, the last one not ready: the controller has not ended the rollout
+    # (currentRevision not promoted), so Initializing, as a Deployment with a surplus pod
+    last = served_statefulset(ROLLING, current=0, updated=3, ready=2, revision="web-7b9d4f8c5")
+    assert phase("StatefulSet", last).phase == "Initializing"
+    ended = copy.deepcopy(last)
+    ended["status"].update(readyReplicas=3, availableReplicas=3, currentReplicas=3,
+                           currentRevision="web-7b9d4f8c5")
+    assert phase("StatefulSet", ended) == StatusResult("Running", ("Running",), "")
+    # held by a partition: the pods below it stay on the old revision
+    held = served_statefulset({"type": "RollingUpdate", "rollingUpdate": {"partition": 2}},
+                              current=2, updated=1, ready=3, revision="web-7b9d4f8c5")
+    assert phase("StatefulSet", held).phase == "Initializing"
+    # rolled back to the current revision while one pod was on the new one
+    back = served_statefulset(ROLLING, current=2, updated=0, ready=3, revision="web-5d8f7c6b9")
+    back["status"]["updatedReplicas"] = 2
+    assert phase("StatefulSet", back).phase == "Initializing"
+    # no updateStrategy written (a hand-written object): RollingUpdate, the API's default
+    bare = copy.deepcopy(last)
+    del bare["spec"]["updateStrategy"]
+    assert phase("StatefulSet", bare).phase == "Initializing"
+
+
 def daemonset(desired: int, *, ready: int, updated: int | None = None) -> dict[str, Any]:
     return {
         "metadata": {"generation": 1},
@@ -270,6 +373,187 @@ def test_job_phases() -> None:
     assert phase("Job", job(suspend=True, active=2)).phase == "Suspending"
     not_done = [{"type": "Complete", "status": "False"}]
     assert phase("Job", job(conditions=not_done)).phase == "Initializing"
+
+
+def _unix(when: str) -> float:
+    return datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+
+
+def served_job(
+    spec: dict[str, Any], status: dict[str, Any], conditions: list[dict[str, str]]
+) -> dict[str, Any]:
+    """A Job as a 1.31+ API server returns it (defaults filled in)."""
+    full_spec: dict[str, Any] = {
+        "parallelism": 3, "completions": 3, "backoffLimit": 6, "completionMode": "NonIndexed",
+        "suspend": False, "manualSelector": False, "podReplacementPolicy": "TerminatingOrFailed",
+        "selector": {"matchLabels": {"batch.kubernetes.io/controller-uid": "5c1f"}},
+        "template": {"metadata": {"labels": {"batch.kubernetes.io/job-name": "train"}},
+                     "spec": {"restartPolicy": "Never",
+                              "containers": [{"name": "train", "image": "trainer:2"}]}},
+    }
+    full_spec.update(spec)
+    full_status: dict[str, Any] = {"startTime": "2026-11-30T09:00:00Z", "ready": 0,
+                                   "uncountedTerminatedPods": {}, **status}
+    full_status["conditions"] = [
+        {"lastProbeTime": c["lastTransitionTime"], **c} for c in conditions]
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "train", "namespace": "ml", "uid": "5c1f",
+                     "generation": 1, "creationTimestamp": "2026-11-30T08:59:59Z"},
+        "spec": full_spec, "status": full_status,
+    }
+
+
+FAILURE_TARGET = {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
+                  "message": "Job has reached the specified backoff limit",
+                  "lastTransitionTime": "2026-11-30T09:10:00Z"}
+FAILED = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+          "message": "Job has reached the specified backoff limit",
+          "lastTransitionTime": "2026-11-30T09:10:31Z"}
+SUCCESS_MET = {"type": "SuccessCriteriaMet", "status": "True", "reason": "SuccessPolicy",
+               "message": "Matched rules at index 0",
+               "lastTransitionTime": "2026-11-30T09:20:00Z"}
+COMPLETE = {"type": "Complete", "status": "True", "reason": "SuccessPolicy",
+            "message": "Matched rules at index 0",
+            "lastTransitionTime": "2026-11-30T09:20:29Z"}
+
+
+def test_a_failed_job_is_failed_while_its_pods_terminate() -> None:
+    """Since 1.31 the Job controller sets FailureTarget=True first (backoffLimit,
+    backoffLimitPerIndex, podFailurePolicy, activeDeadlineSeconds) and Failed=True only
+    once every pod has terminated; terminating pods are not active. It read Initializing
+    meanwhile (no active pod, not finished)."""
+    failing = served_job({"backoffLimit": 0},
+                         {"active": 0, "terminating": 2, "failed": 1}, [FAILURE_TARGET])
+    since = _unix(FAILURE_TARGET["lastTransitionTime"])
+    assert phase("Job", failing) == StatusResult("Failed", ("Failed",), "", since)
+    # once the pods are gone: Failed, still dated by when the failure was decided
+    failed = served_job({"backoffLimit": 0}, {"terminating": 0, "failed": 3},
+                        [FAILURE_TARGET, FAILED])
+    assert phase("Job", failed) == StatusResult("Failed", ("Failed",), "", since)
+    # a Job from before 1.31 (Failed alone) is dated by Failed
+    old = served_job({"backoffLimit": 0}, {"failed": 3}, [FAILED])
+    assert phase("Job", old).since == _unix(FAILED["lastTransitionTime"])
+    deadline = served_job({"activeDeadlineSeconds": 600}, {"active": 0, "terminating": 3},
+                          [{**FAILURE_TARGET, "reason": "DeadlineExceeded",
+                            "message": "Job was active longer than specified deadline"}])
+    assert phase("Job", deadline).phase == "Failed"
+
+
+def test_a_job_that_met_its_success_criteria_is_completed_while_its_pods_terminate() -> None:
+    """SuccessCriteriaMet=True (a successPolicy met; from 1.33 every completion) comes
+    before Complete=True, which waits for the remaining pods to terminate."""
+    indexed = {"completionMode": "Indexed",
+               "successPolicy": {"rules": [{"succeededIndexes": "0"}]}}
+    met = served_job(indexed, {"active": 0, "terminating": 2, "succeeded": 1,
+                               "completedIndexes": "0"}, [SUCCESS_MET])
+    since = _unix(SUCCESS_MET["lastTransitionTime"])
+    assert phase("Job", met) == StatusResult("Completed", ("Completed",), "", since)
+    done = served_job(indexed, {"terminating": 0, "succeeded": 1, "completedIndexes": "0",
+                                "completionTime": "2026-11-30T09:20:29Z"},
+                      [SUCCESS_MET, COMPLETE])
+    assert phase("Job", done) == StatusResult("Completed", ("Completed",), "", since)
+    # 1.33+: a plain completion is marked the same way
+    reached = served_job({}, {"active": 0, "terminating": 1, "succeeded": 3},
+                         [{**SUCCESS_MET, "reason": "CompletionsReached",
+                           "message": "Reached expected number of succeeded pods"}])
+    assert phase("Job", reached).phase == "Completed"
+    # a condition that is not True does not finish a Job
+    maybe = served_job({}, {"active": 0}, [{**SUCCESS_MET, "status": "False"}])
+    assert phase("Job", maybe).phase == "Initializing"
+
+
+def job_pod(name: str, job: dict[str, Any], index: str | None, *,
+            label: bool = True) -> dict[str, Any]:
+    """A pod of ``job`` as the Job controller makes it (an Indexed Job's carries its
+    completion index as an annotation, and from 1.28 as a label too)."""
+    labels = {"batch.kubernetes.io/controller-uid": job["metadata"]["uid"],
+              "batch.kubernetes.io/job-name": job["metadata"]["name"],
+              "controller-uid": job["metadata"]["uid"], "job-name": job["metadata"]["name"]}
+    annotations = {}
+    if index is not None:
+        annotations["batch.kubernetes.io/job-completion-index"] = index
+        if label:
+            labels["batch.kubernetes.io/job-completion-index"] = index
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": job["metadata"]["namespace"],
+                     "uid": f"pod-{name}", "labels": labels, "annotations": annotations,
+                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
+                                          "name": job["metadata"]["name"],
+                                          "uid": job["metadata"]["uid"], "controller": True,
+                                          "blockOwnerDeletion": True}]},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]},
+        "status": {"phase": "Running"},
+    }
+
+
+def test_an_indexed_jobs_pods_carry_their_completion_index_as_replica() -> None:
+    indexed = served_job({"completionMode": "Indexed"}, {"active": 3}, [])
+    plain = served_job({}, {"active": 1}, [])
+    plain["metadata"].update(name="etl", uid="9e2a")
+    e = Engine()
+    e.upsert_many([indexed, plain,
+                   job_pod("train-0-x7k2p", indexed, "0"),
+                   job_pod("train-1-a1b2c", indexed, "1"),
+                   job_pod("train-2-d3e4f", indexed, "2", label=False),  # before 1.28
+                   job_pod("etl-q8w9e", plain, None)])
+    got = {a.pod: (a.workload and a.workload.name, a.component, a.replica) for a in e.pods()}
+    assert got == {"train-0-x7k2p": ("train", "job", "0"),
+                   "train-1-a1b2c": ("train", "job", "1"),
+                   "train-2-d3e4f": ("train", "job", "2"),
+                   "etl-q8w9e": ("etl", "job", "")}
+    assert e.description_warnings == []  # the selector reads only what the engine keeps
+
+
+def test_a_job_below_a_described_owner_takes_the_owners_replica_not_its_index() -> None:
+    """Only the top workload's description places a pod: an Indexed Job owned by a JobSet
+    or a CronJob is no workload of its own, and its replicaSelector does not apply."""
+    if not SAMPLES.is_dir():
+        pytest.skip("../shared/karta/descriptions is not beside the checkout")
+    descs, errors = load_description_paths([SAMPLES / "ri-jobset.yaml"])
+    assert errors == []
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+              "metadata": {"name": "pretrain", "namespace": "ml", "uid": "js-1",
+                           "generation": 1},
+              "spec": {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {
+                  "spec": {"completionMode": "Indexed", "parallelism": 2}}}]},
+              "status": {"conditions": []}}
+    job = served_job({"completionMode": "Indexed", "parallelism": 2, "completions": 2},
+                     {"active": 2}, [])
+    job["metadata"].update(name="pretrain-workers-0", namespace="ml", uid="job-w0",
+                           labels={"jobset.sigs.k8s.io/replicatedjob-name": "workers"},
+                           ownerReferences=[{"apiVersion": "jobset.x-k8s.io/v1alpha2",
+                                             "kind": "JobSet", "name": "pretrain",
+                                             "uid": "js-1", "controller": True}])
+    cron = {"apiVersion": "batch/v1", "kind": "CronJob",
+            "metadata": {"name": "nightly", "namespace": "ml", "uid": "cj-1"},
+            "spec": {"schedule": "0 2 * * *", "jobTemplate": {"spec": {
+                "completionMode": "Indexed", "parallelism": 2}}},
+            "status": {"active": [{"kind": "Job", "name": "nightly-29000000",
+                                   "namespace": "ml", "uid": "job-n1"}]}}
+    nightly = served_job({"completionMode": "Indexed", "parallelism": 2}, {"active": 2}, [])
+    nightly["metadata"].update(name="nightly-29000000", namespace="ml", uid="job-n1",
+                               ownerReferences=[{"apiVersion": "batch/v1", "kind": "CronJob",
+                                                 "name": "nightly", "uid": "cj-1",
+                                                 "controller": True}])
+    pods = []
+    for i in ("0", "1"):
+        p = job_pod(f"pretrain-workers-0-{i}-abcde", job, i)
+        p["metadata"]["labels"]["jobset.sigs.k8s.io/replicatedjob-name"] = "workers"
+        pods.append(p)
+        pods.append(job_pod(f"nightly-29000000-{i}-fghij", nightly, i))
+    e = Engine()
+    e.add_descriptions(descs, source="samples")
+    e.upsert_many([jobset, job, cron, nightly, *pods])
+    got = {a.pod: (a.workload and a.workload.kind, a.component, a.instance, a.replica)
+           for a in e.pods()}
+    assert got == {
+        "pretrain-workers-0-0-abcde": ("JobSet", "replicatedjob", "workers", ""),
+        "pretrain-workers-0-1-abcde": ("JobSet", "replicatedjob", "workers", ""),
+        "nightly-29000000-0-fghij": ("CronJob", "cronjob", "", ""),
+        "nightly-29000000-1-fghij": ("CronJob", "cronjob", "", ""),
+    }
 
 
 def cronjob(**status: Any) -> dict[str, Any]:

@@ -3,11 +3,13 @@ path of a pod selector answers what jq answers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.karta.jqexpr import JqExpr
+from proxy.karta.jqexpr import JqError, JqExpr
 from proxy.karta.jqexpr import outputs_equal as _equals
 from proxy.karta.jqexpr import outputs_present as _present
 from proxy.karta.jqexpr import single_output_id as _single_id
@@ -66,3 +68,57 @@ def test_controller_kind_fast_path_matches_jq(owner_kind: str | None, src: str) 
     assert probe.outputs(rec) == expr.all(doc)
     assert _equals(probe.outputs(rec), "Pod") == expr.equals(doc, "Pod")
     assert _present(probe.outputs(rec)) == expr.present(doc)
+
+
+_MAPS = st.one_of(st.none(), st.dictionaries(_KEYS, _VALUES, max_size=3),
+                  st.sampled_from(["text", 3, ["a"]]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    labels=_MAPS,
+    annotations=_MAPS,
+    first=st.tuples(st.sampled_from(["labels", "annotations"]), _KEYS,
+                    st.sampled_from(['["{k}"]', ".{k}"])),
+    second=st.tuples(st.sampled_from(["labels", "annotations"]), _KEYS,
+                     st.sampled_from(['["{k}"]', ".{k}"])),
+    value=_VALUES,
+)
+def test_probe_fast_path_of_one_lookup_else_another_matches_jq(
+    labels: Any, annotations: Any, first: tuple[str, str, str],
+    second: tuple[str, str, str], value: str,
+) -> None:
+    """``.metadata.labels["k"] // .metadata.annotations["k"]`` (the built-in Job's
+    completion index: label, else annotation) is answered without libjq, as jq would."""
+    parts = [f".metadata.{m}{form.format(k=k)}" for m, k, form in (first, second)]
+    src = " // ".join(parts)
+    try:
+        expr = JqExpr(src)
+    except ValueError:
+        return  # ``.metadata.labels.a.b/c``: not a plain lookup in jq either
+    probe = _Probe(expr)
+    plain = all(form == '["{k}"]' or k.isidentifier() for _, k, form in (first, second))
+    assert (probe.field == "alt") == plain
+    rec = _PodRec("uid-1")
+    rec.name, rec.namespace, rec.labels, rec.annotations = "p", "ns", labels, annotations
+    doc = rec.jq_input()
+    try:
+        want = expr.all(doc)
+    except JqError:  # the second lookup on a non-map: jq's error, from the probe too
+        with pytest.raises(JqError):
+            probe.outputs(rec)
+        return
+    out = probe.outputs(rec)
+    assert out == want
+    assert _present(out) == expr.present(doc)
+    assert _equals(out, value) == expr.equals(doc, value)
+    assert _single_id(out) == expr.single_id(doc)
+
+
+def test_the_builtin_jobs_replica_selector_takes_the_fast_path() -> None:
+    from proxy.karta.builtin import builtin_descriptions
+
+    (job,) = [d for d in builtin_descriptions() if d.group_kind.kind == "Job"]
+    sel = job.root.pod_selector
+    assert sel is not None and sel.replica_key_path is not None
+    assert _Probe(sel.replica_key_path).field == "alt"

@@ -663,7 +663,8 @@ def test_builtins_date_their_phases_from_their_conditions() -> None:
         _lt("SuccessCriteriaMet", "True", "2026-01-01T00:00:00Z"),
         _lt("Complete", "True", "2026-01-01T00:00:01Z")]}}
     res = evaluate_status(by_kind["Job"].status, job)
-    assert (res.phase, res.since) == ("Completed", 1767225601.0)
+    # SuccessCriteriaMet, when the outcome was decided, not Complete, a second later
+    assert (res.phase, res.since) == ("Completed", 1767225600.0)
     suspended = {"spec": {"suspend": True}, "status": {"conditions": [
         _lt("Suspended", "True", "2026-01-01T00:00:00Z")]}}
     res = evaluate_status(by_kind["Job"].status, suspended)
