@@ -440,6 +440,25 @@ def test_a_failed_job_is_failed_while_its_pods_terminate() -> None:
     assert phase("Job", deadline).phase == "Failed"
 
 
+SUSPENDED = {"type": "Suspended", "status": "True", "reason": "JobSuspended",
+             "message": "Job suspended", "lastTransitionTime": "2026-11-30T09:30:00Z"}
+
+
+def test_a_job_suspended_is_suspending_while_its_pods_terminate() -> None:
+    """Suspending a Job deletes its active pods and sets Suspended=True at once; a pod
+    being deleted is no longer active but terminating. With ``.status.active`` alone
+    the Job read Suspended while its pods still ran their grace period (a checkpointing
+    trainer's minutes), and Suspending showed only in the instant before the deletion."""
+    stopping = served_job({"suspend": True}, {"active": 0, "terminating": 3}, [SUSPENDED])
+    assert phase("Job", stopping).phase == "Suspending"
+    stopped = served_job({"suspend": True}, {"active": 0, "terminating": 0}, [SUSPENDED])
+    assert phase("Job", stopped) == StatusResult(
+        "Suspended", ("Suspended",), "", _unix(SUSPENDED["lastTransitionTime"]))
+    # a cluster without the count (before 1.28): as before
+    older = served_job({"suspend": True}, {"active": 0}, [SUSPENDED])
+    assert phase("Job", older).phase == "Suspended"
+
+
 def test_a_job_that_met_its_success_criteria_is_completed_while_its_pods_terminate() -> None:
     """SuccessCriteriaMet=True (a successPolicy met; from 1.33 every completion) comes
     before Complete=True, which waits for the remaining pods to terminate."""
