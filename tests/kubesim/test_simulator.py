@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -375,3 +378,30 @@ async def test_a_filtered_watch_gets_bookmarks_while_filtered_out_events_flow(
     lines = (await asyncio.wait_for(resp.read(), 5)).splitlines()
     kinds = [json.loads(x)["type"] for x in lines]
     assert set(kinds) == {"BOOKMARK"} and len(kinds) >= 3, kinds  # every 0.2 s
+
+
+async def test_served_from_the_command_line_with_a_snapshots_objects(tmp_path: Path) -> None:
+    """``python -m tests.kubesim`` (docs/kubernetes.md, "Trying it without a cluster"):
+    the demo snapshot's objects, CRD kinds included, listed as a cluster's, and a stop
+    by SIGTERM."""
+    kubeconfig = tmp_path / "kubeconfig"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.kubesim", "--kubeconfig", str(kubeconfig),
+        cwd=Path(__file__).resolve().parents[2], stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+        assert "34 objects of" in line and kubeconfig.exists(), line
+        cfg = k8s.Configuration()
+        await k8s_config.load_kube_config(str(kubeconfig), client_configuration=cfg)
+        async with k8s.ApiClient(cfg) as api:
+            custom = k8s.CustomObjectsApi(api)
+            jobs = await custom.list_cluster_custom_object("ray.io", "v1", "rayjobs")
+            assert [j["metadata"]["name"] for j in jobs["items"]] == ["llm-finetune"]
+            pods = await k8s.CoreV1Api(api).list_pod_for_all_namespaces()
+            assert len(pods.items) == 16
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 20)
+    assert proc.returncode == 0
