@@ -190,6 +190,13 @@ class LeaseElector:
         return self._leader and self._mono() - self._renewed_at < self.renew_deadline
 
     @property
+    def record_seen_ago(self) -> float:
+        """Seconds since this replica last saw the lease record change (a renewal, a
+        release, another holder), on its own clock; inf before it saw one. A standby's fact
+        writer reads it: the holder was alive then (``FactWriter.takeover_window``)."""
+        return self._mono() - self._observed_at
+
+    @property
     def observed_version(self) -> str:
         """resourceVersion of the lease record last seen ("" before the first read): its
         expiry is measured from when that record was first seen."""

@@ -89,7 +89,8 @@ class FactWriterMetrics:
         self.stale_markers = Counter(contract.OP_FACT_STALE_MARKERS, "Stale markers written "
                                      "for fact series this writer wrote that went away (not "
                                      "the markers a takeover writes for the other source's "
-                                     "transition series).", registry=None)
+                                     "transition series, nor those for series the previous "
+                                     "leader probably ended).", registry=None)
         self.series_refused = Counter(
             contract.OP_FACT_SERIES_REFUSED, "Fact series the upstream refused for good, "
             "left out of a write: one by one after a 400 bisected down to them, or with a "

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -98,9 +99,16 @@ DEFER_SHARE = 0.25
 #: (docs/performance.md, Peak RSS); a trim costs ~1 ms (0.7 median, 3.9 max), ~8 a write
 TRIM_EVERY_REQUESTS = 8
 
-#: how long a standby replica remembers a fact series it no longer sees: Prometheus'
-#: default lookback, after which a series without samples is gone from queries anyway
+#: how long a standby replica remembers a fact series it no longer sees at most:
+#: Prometheus' default lookback, after which a series without samples is gone from queries
+#: anyway. It keeps that long only while it has no recent sign of the holder (a Lease API
+#: outage, a holder never seen): else :attr:`FactWriter.takeover_window` before the
+#: holder's last sign of life is all a takeover owes markers for
 STANDBY_MEMORY = 300.0
+#: the write intervals in :attr:`FactWriter.takeover_window`: the leader's write before its
+#: last one (it may have died during that one), that write's own length, and the interval
+#: within which this replica's walk saw a series vanish after it last saw it
+TAKEOVER_INTERVALS = 3.0
 
 #: the series a writer ends when it stops (:meth:`FactWriter.end_own_series`): the ones
 #: that say which process wrote the facts. A successor of another version writes other
@@ -196,8 +204,8 @@ class _Delivery:
         self.refused = 0
         #: of them, stale markers, and the keys of those
         self.refused_stale = 0
-        #: of those, markers for the other ``source``'s series at a takeover (not counted
-        #: in ``karta_proxy_fact_stale_markers_total``: see ``FactWriter._other_markers``)
+        #: of those, markers not counted in ``karta_proxy_fact_stale_markers_total`` (the
+        #: other ``source``'s series, a takeover's inherited ones: ``FactWriter._uncounted``)
         self.refused_other = 0
         self.stale_keys: set[Key] = set()
         #: series dropped with a part refused whole (another 4xx, or MAX_EXTRA_REQUESTS)
@@ -298,9 +306,17 @@ class FactWriter:
         #: what the last build produced (committed to _written once the send succeeds)
         self._pending: dict[Key, Group] = {}
         #: while another replica writes: the groups seen under each key, each with the last
-        #: time it was seen, kept for STANDBY_MEMORY seconds, so a takeover ends what the
-        #: old leader left behind
+        #: time it was seen, kept for ``takeover_window`` before the holder's last sign of
+        #: life (at most STANDBY_MEMORY seconds), so a takeover ends what the old leader
+        #: left behind
         self._standby: dict[Key, dict[Group, float]] = {}
+        #: when (own wall clock) the last standby walk saw that the lease holder was last
+        #: alive: its last change of the lease record; None when it saw none
+        self._holder_seen: float | None = None
+        #: the label fields of the series a takeover owes markers for that the previous
+        #: leader probably ended already (seen standing by more than an interval before
+        #: its last sign of life): sent, not counted (``_uncounted``). Until a write lands
+        self._inherited_ended: set[bytes] = set()
         #: series an upstream refused on their own (a 400 bisected down to them), by key:
         #: their label bytes (:func:`proxy.wire.primitives.labels_of`). Later writes send
         #: each in a request of its own, so it spoils no other and needs no new bisection;
@@ -336,12 +352,16 @@ class FactWriter:
         #: what the last build made (series also on /metrics; markers counted on commit)
         self.last_series = 0
         self.last_stale_markers = 0
-        #: the label fields of the last build's markers for the other ``source``'s
-        #: transition series (``_SOURCE_FIELDS``: the first write after a start or a
-        #: takeover, one per workload, for series that mostly never existed): not counted
-        #: as stale markers, which count this writer's series that went away, and a
-        #: takeover added one per workload to them
-        self._other_markers: set[bytes] = set()
+        #: the label fields of the last build's markers not counted as stale markers,
+        #: which count this writer's series that went away: those for the other
+        #: ``source``'s transition series (``_SOURCE_FIELDS``: the first write after a
+        #: start or a takeover, one per workload, for series that mostly never existed; a
+        #: takeover added one per workload to them), and a takeover's for series the
+        #: previous leader probably ended (``_inherited_ended``: thousands per takeover
+        #: under pod churn, an audit saw 11,578 sent again and counted)
+        self._uncounted: set[bytes] = set()
+        #: how many markers of the last build were not counted (``_uncounted``)
+        self.last_uncounted_markers = 0
         self.last_build_seconds = 0.0
 
     # -- building ------------------------------------------------------------------------
@@ -430,7 +450,9 @@ class FactWriter:
         refused = self._refused
         stale = self._stale_sample = sample_field(STALE_NAN, ts_bytes)
         end_other = self._end_other_source
-        other_markers = self._other_markers = set()
+        other_markers = self._uncounted = set()
+        inherited = self._inherited_ended
+        uncounted = 0
 
         def chunks() -> Iterator[tuple[tuple[bytes, ...], int, Key, bool] | None]:
             """(the wire pieces of n series, n, their key, alone): every fact now, a group
@@ -438,7 +460,7 @@ class FactWriter:
             (known once the facts are through); None: a pause. A group is never split
             across requests unless it alone holds more series than a request, or holds a
             series refused before (``alone``: sent in a request of its own)."""
-            nonlocal made
+            nonlocal made, uncounted
             for key, group in self._current():
                 had = current.get(key)
                 # two groups of one key: first wins (the index gives one workload per
@@ -485,7 +507,11 @@ class FactWriter:
                 gone.sort(key=lambda item: series_bytes(item[0]))
                 for one, key in gone:
                     suspects = refused.get(key) if refused else None
-                    alone = suspects is not None and b"".join(one[1:]) in suspects
+                    labels = b"".join(one[1:]) if suspects or inherited else b""
+                    if inherited and labels in inherited:  # probably ended: not counted
+                        other_markers.add(labels)
+                        uncounted += 1
+                    alone = suspects is not None and labels in suspects
                     yield (*one, stale), 1, key, alone
 
         for item in chunks():
@@ -519,7 +545,8 @@ class FactWriter:
         self.body_runs = runs
         self.last_series = made
         self.metrics.series.set(made)
-        self.last_stale_markers = len(gone)
+        self.last_stale_markers = len(gone) - uncounted
+        self.last_uncounted_markers = uncounted
         self.last_build_seconds = building + time.perf_counter() - started
         yield body
 
@@ -561,8 +588,10 @@ class FactWriter:
         the same index). On takeover, those gone by then get stale markers in the first
         write: otherwise what vanished between the old leader's last write and the new
         one's first would linger for the 5-minute lookback. Costs a walk of the groups
-        per interval (no encoding of samples); a group not seen for STANDBY_MEMORY
-        seconds is dropped, since a TSDB has forgotten its series by itself by then.
+        per interval (no encoding of samples); a group not seen since ``takeover_window``
+        before the holder's last sign of life is dropped (the holder, writing after it
+        vanished, ended it), and one not seen for STANDBY_MEMORY seconds in any case (a
+        TSDB has forgotten its series by itself by then).
         All at once: the writer's own loop takes it in stretches (:meth:`_standby_steps`).
         """
         for _ in self._standby_steps(now):
@@ -585,11 +614,88 @@ class FactWriter:
             if time.perf_counter() - started > PAUSE_AFTER_SECONDS:
                 yield
                 started = time.perf_counter()
-        horizon = now - STANDBY_MEMORY
+        self._holder_seen = self._holder_alive(now)
+        horizon = self._owed_since(now)
         if any(t < horizon for seen in standby.values() for t in seen.values()):
             kept = ((k, {g: t for g, t in seen.items() if t >= horizon})
                     for k, seen in standby.items())
             self._standby = {k: seen for k, seen in kept if seen}
+
+    @property
+    def takeover_window(self) -> float:
+        """How long before the lease holder's last sign of life this replica saw (its last
+        change of the lease record: a renewal, or the release at a stop or a step-down) a
+        series may have vanished and still be unended by it: the series seen standing by
+        since then are owed a marker on takeover, the older ones not (the holder, still
+        writing after they vanished, ended them). The sum of:
+
+        * the lease duration: how late the standby may have seen that change (a round
+          every third of the lease, a read that may take the renew deadline, two thirds);
+        * ``step_down_after`` (the longer of a lease and two intervals): how long the
+          holder's writes may have failed on the way out before it gave the lease up, its
+          markers unsent meanwhile;
+        * TAKEOVER_INTERVALS intervals: its write before its last one (it may have died
+          during that), the length of that write, and the interval within which this
+          replica's walk saw a series vanish after it last saw it.
+
+        45 + 3 * interval with the 15 s lease (90 s at the default 15 s interval), against
+        the STANDBY_MEMORY (300 s) a takeover owed for before. Not covered: a holder whose
+        writes were refused for good (a 4xx: no step-down) for longer, or that took the
+        lease and died before its first write (its predecessor's last write is then
+        older): their series end with the lookback."""
+        elector = self._elector
+        lease = (elector.lease_duration if elector is not None
+                 else float(self._settings.lease_duration_seconds))
+        step_down = max(STEP_DOWN_LEASES * lease, STEP_DOWN_INTERVALS * self._interval)
+        return lease + step_down + TAKEOVER_INTERVALS * self._interval
+
+    def _holder_alive(self, now: float) -> float | None:
+        """When (own wall clock, ``now`` being the present) the elector last saw the lease
+        record change; None when it never saw one (or there is no election)."""
+        if self._elector is None:
+            return None
+        ago = self._elector.record_seen_ago
+        return now - ago if math.isfinite(ago) else None
+
+    def _owed_since(self, now: float) -> float:
+        """The oldest sighting (standing by) a takeover at ``now`` owes a marker for."""
+        since = now - STANDBY_MEMORY
+        if self._holder_seen is not None:
+            since = max(since, self._holder_seen - self.takeover_window)
+        return since
+
+    def _inherited(self, now: float) -> list[tuple[Key, Group]]:
+        """On takeover at ``now``: the groups seen standing by that are owed markers
+        (seen since ``_owed_since``), and, in ``_inherited_ended``, the label fields of
+        their series that the previous leader probably ended: seen last more than an
+        interval before its last sign of life (it was writing every interval then), and
+        not in a group seen later or written by this replica. Those are sent for safety
+        (a marker sent twice is harmless; one never sent leaves the series for the
+        lookback) but not counted as series going away."""
+        since = self._owed_since(now)
+        alive = self._holder_seen if self._holder_seen is not None else now
+        counted_since = alive - self._interval
+        owed: list[tuple[Key, Group]] = []
+        ended: set[bytes] = set()
+        for key, seen in self._standby.items():
+            early: list[Group] = []
+            late: set[Series] = set()
+            for group, t in seen.items():
+                if t < since:
+                    continue
+                owed.append((key, group))
+                if t < counted_since:
+                    early.append(group)
+                else:
+                    late.update(group.series())
+            if early:
+                own = self._written.get(key)
+                if own is not None:
+                    late.update(own.series())
+                ended.update(b"".join(one[1:]) for group in early
+                             for one in group.series() if one not in late)
+        self._inherited_ended = ended
+        return owed
 
     @staticmethod
     def _owed(written: dict[Key, Group], more: Iterable[tuple[Key, Group]]) -> dict[Key, Group]:
@@ -605,6 +711,7 @@ class FactWriter:
         """Record the last built requests as delivered (their series are now 'written')."""
         self._written = self._pending
         self._end_other_source = False
+        self._inherited_ended = set()  # ended, none of them owed any more
         self._prune_refused()
         self.metrics.stale_markers.inc(self.last_stale_markers)
 
@@ -636,6 +743,7 @@ class FactWriter:
         self._written = {}
         self._pending = {}
         self._refused = {}
+        self._inherited_ended = set()
 
     # -- the counters, as tests and benchmarks read them -------------------------------
 
@@ -662,7 +770,8 @@ class FactWriter:
         """Move to the state the election asks for; every transition happens here.
 
         STANDBY -> LEADER (takes over): owe stale markers for what the previous writer
-        wrote recently, as far as this replica saw those series while standing by.
+        may have left unended, as far as this replica saw those series while standing by
+        (``takeover_window``, :meth:`_inherited`).
         LEADER -> STANDBY (stands by): stop owning the written series; the next leader
         continues them.
         """
@@ -671,11 +780,15 @@ class FactWriter:
             return target
         self._failing_writes = 0
         if target is WriterState.LEADER:
-            log.info("fact writer takes over")
             self._end_other_source = True
-            self._written = self._owed(
-                self._written, ((k, g) for k, seen in self._standby.items() for g in seen))
+            now = self._clock()
+            owed = self._inherited(now)
+            log.info("fact writer takes over: owes stale markers for what it saw standing by "
+                     "since %.0f s ago (%d of %d groups)", now - self._owed_since(now),
+                     len(owed), sum(map(len, self._standby.values())))
+            self._written = self._owed(self._written, owed)
             self._standby = {}
+            self._holder_seen = None
         else:
             log.info("fact writer stands by")
             # what it wrote counts as seen standing by: leading again, it ends what went
@@ -794,7 +907,7 @@ class FactWriter:
         labels = labels_of(field)
         if field.endswith(self._stale_sample):
             tally.refused_stale += 1
-            tally.refused_other += labels in self._other_markers
+            tally.refused_other += labels in self._uncounted
             if key is not None:
                 tally.stale_keys.add(key)
         self.metrics.series_refused.inc()

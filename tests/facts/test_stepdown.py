@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -145,6 +146,7 @@ class _Elector:
     def __init__(self) -> None:
         self.is_leader = True
         self.lease_duration = 1.0
+        self.record_seen_ago = math.inf
         self.cooldowns: list[float] = []
         self.on_failure: Callable[[str], None] | None = None
 

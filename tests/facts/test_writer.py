@@ -256,10 +256,13 @@ def test_a_failed_write_owes_markers_for_every_version_it_may_have_left() -> Non
 
 
 class _Elector:
-    """The lease's one seam the writer reads (``is_leader``)."""
+    """The lease's seams the writer reads: ``is_leader``, and ``lease_duration`` and
+    ``record_seen_ago`` (when the holder last renewed: never seen here) on takeover."""
 
     def __init__(self) -> None:
         self.is_leader = False
+        self.lease_duration = 15.0
+        self.record_seen_ago = math.inf
 
 
 async def test_a_takeover_ends_what_changed_or_went_while_standing_by() -> None:
@@ -322,6 +325,112 @@ async def test_a_leader_that_stood_by_a_moment_still_ends_what_it_wrote() -> Non
     assert await w.write_once()
     stale, _ = stale_and_live(b"".join(sent))
     assert any(dict(k)["__name__"] == contract.FACT_POD_INFO for k in stale)
+
+
+class _Holder:
+    """A lease as one replica sees it: ``is_leader`` for this one, and when it last saw
+    the record change (the holder's renewals, on the shared fake clock)."""
+
+    def __init__(self, now: list[float], leading: bool) -> None:
+        self._now = now
+        self.is_leader = leading
+        self.lease_duration = 15.0
+        self.renewed = now[0]
+
+    @property
+    def record_seen_ago(self) -> float:
+        return self._now[0] - self.renewed
+
+
+def _ended(bodies: list[bytes]) -> set[tuple[str, str]]:
+    """(name, pod or coverage state) of the series the bodies end (transition series of
+    the other ``source`` left out)."""
+    return {(d["__name__"], d.get("pod") or d.get("state", ""))
+            for body in bodies for d in map(dict, stale_and_live(body)[0])
+            if d["__name__"] != contract.FACT_WORKLOAD_PHASE_TRANSITION}
+
+
+async def test_a_takeover_owes_markers_only_for_what_the_old_leader_may_have_left() -> None:
+    """The audit: under pod churn the new leader's first write re-sent (and counted)
+    markers for every series it had seen go in the last 5 minutes, 11,578 of them already
+    ended by the old leader. Now: what vanished more than ``takeover_window`` before the
+    old leader's last renewal is not sent again (nor kept standing by); what vanished
+    within it but more than an interval before is sent, not counted; what vanished after
+    the old leader's last write is sent and counted."""
+    now = [1000.0]
+    index = small_index()
+    sink: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    def recording(name: str) -> Callable[[bytes], Any]:
+        async def send(body: bytes) -> None:
+            sink[name].append(body)
+        return send
+
+    lease_a, lease_b = _Holder(now, True), _Holder(now, False)
+    a = FactWriter(FactSettings(), index, recording("a"), elector=lease_a,  # type: ignore[arg-type]
+                   clock=lambda: now[0])
+    b = FactWriter(FactSettings(), index, recording("b"), elector=lease_b,  # type: ignore[arg-type]
+                   clock=lambda: now[0])
+    assert b.takeover_window == 15 + 30 + 45  # lease, its step-down, three intervals
+
+    deletions = {1010.0: "p-head", 1150.0: "p-lost", 1205.0: "p-api"}
+    while now[0] < 1230:  # every 5 s: deletions, the holder's renewals; writes every 15 s
+        gone = deletions.get(now[0])
+        if gone:
+            index.apply(ChangeSet(pods={gone: None}))
+        if now[0] <= 1205:  # the holder renews until it dies, at 1207
+            lease_b.renewed = now[0]
+        if now[0] % 15 == 10:  # (1000 + 15k)
+            if now[0] <= 1200:
+                assert await a.write_once()
+            assert not await b.write_once()
+        now[0] += 5
+    head = (contract.FACT_POD_INFO, "train-head")
+    loner = {(contract.FACT_POD_UNATTRIBUTED_INFO, "loner"),
+             (contract.FACT_NAMESPACE_PODS, "unattributed")}  # web's last unattributed pod
+    api = {(contract.FACT_POD_INFO, "api-7d9-x"),
+           (contract.FACT_NAMESPACE_PODS, "attributed")}  # web's last pod
+    assert _ended(sink["a"]) == {head, *loner}  # what the old leader ended
+    # standing by, b keeps what a takeover could owe only: p-head went long before
+    assert "p-head" not in b._standby
+    assert "p-api" in b._standby and "p-lost" in b._standby
+
+    now[0] = 1240.0  # the lease expired (1205 + 15), b's next round took it, then its tick
+    lease_a.is_leader, lease_b.is_leader = False, True
+    assert await b.write_once() and b.state is WriterState.LEADER
+    # train-head: ended at 1015, more than the window before a's last renewal (1205 - 90):
+    # not again. loner: ended by a at 1155, within the window: sent for safety, not
+    # counted. api-7d9-x: gone at 1205, after a's last write (1200): sent and counted
+    assert _ended(sink["b"]) == {*loner, *api}
+    assert b.stale_markers_total == len(api)
+    assert b.last_uncounted_markers == len(loner)
+
+
+async def test_a_takeover_after_a_lease_outage_still_ends_what_went_meanwhile() -> None:
+    """No renewal seen for minutes (the Lease API down, nobody leading): the standby keeps
+    what it saw since the holder's last sign of life, so a pod gone meanwhile still ends
+    at the takeover."""
+    now = [1000.0]
+    index = small_index()
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    lease = _Holder(now, False)
+    w = FactWriter(FactSettings(), index, send, elector=lease,  # type: ignore[arg-type]
+                   clock=lambda: now[0])
+    for _ in range(14):  # 1000..1195: the holder's last renewal at 1000
+        assert not await w.write_once()
+        now[0] += 15
+    index.apply(ChangeSet(pods={"p-api": None}))
+    now[0] += 15
+    assert not await w.write_once()
+    lease.is_leader = True
+    now[0] += 15
+    assert await w.write_once()
+    assert _ended(sent) == {(contract.FACT_POD_INFO, "api-7d9-x")}
+    assert w.stale_markers_total == 1  # gone after the holder's last sign of life
 
 
 def test_a_marker_carries_the_written_labels_after_the_cache_let_go() -> None:
@@ -825,6 +934,9 @@ async def test_the_first_write_after_a_takeover_ends_the_other_source_once() -> 
     leading = [True]
 
     class Elector:
+        lease_duration = 15.0
+        record_seen_ago = math.inf
+
         @property
         def is_leader(self) -> bool:
             return leading[0]
