@@ -172,7 +172,8 @@ async def test_a_stop_cuts_the_lease_call_under_way_and_releases_in_the_time_giv
         if not task.done():
             await e.stop(release=False)
         await task
-    assert 0.9 < took < 1.5, took
+    # the round under way alone took 3 s: 2.5 s leaves a loaded box room, not the wait
+    assert 0.9 < took < 2.5, took
     assert not e.is_leader
     assert (f"lease {NS}/{NAME}: release failed: no answer within 1 s; it expires within "
             "6 s") in caplog.messages, caplog.messages
