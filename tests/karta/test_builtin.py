@@ -527,7 +527,9 @@ def test_an_indexed_jobs_pods_carry_their_completion_index_as_replica() -> None:
 
 def test_a_job_below_a_described_owner_takes_the_owners_replica_not_its_index() -> None:
     """Only the top workload's description places a pod: an Indexed Job owned by a JobSet
-    or a CronJob is no workload of its own, and its replicaSelector does not apply."""
+    or a CronJob is no workload of its own, and its replicaSelector does not apply; the
+    CronJob's own reads the same index (a run of an Indexed jobTemplate), the JobSet
+    sample's none."""
     if not SAMPLES.is_dir():
         pytest.skip("../shared/karta/descriptions is not beside the checkout")
     descs, errors = load_description_paths([SAMPLES / "ri-jobset.yaml"])
@@ -570,8 +572,9 @@ def test_a_job_below_a_described_owner_takes_the_owners_replica_not_its_index() 
     assert got == {
         "pretrain-workers-0-0-abcde": ("JobSet", "replicatedjob", "workers", ""),
         "pretrain-workers-0-1-abcde": ("JobSet", "replicatedjob", "workers", ""),
-        "nightly-29000000-0-fghij": ("CronJob", "cronjob", "", ""),
-        "nightly-29000000-1-fghij": ("CronJob", "cronjob", "", ""),
+        # a CronJob's own description gives a run's pods their completion index
+        "nightly-29000000-0-fghij": ("CronJob", "cronjob", "", "0"),
+        "nightly-29000000-1-fghij": ("CronJob", "cronjob", "", "1"),
     }
 
 
