@@ -580,6 +580,16 @@ def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -
     return ""
 
 
+#: what a 401 / 403 to a write of the proxy's own (the start-up check, the fact series)
+#: means: senders' writes carry their own ``Authorization``, which the proxy forwards, so
+#: a TSDB that requires credentials takes them and refuses only the proxy's own, every
+#: fact write for good, unless it has credentials of its own
+OWN_WRITES_NEED_CREDENTIALS = (
+    "the upstream asks for credentials: senders' writes carry their own (forwarded), the "
+    "proxy's own writes (this check, the fact series) need upstream.bearer_token_file, "
+    "upstream.basic_auth_* or an Authorization in facts.headers")
+
+
 #: the place of the tenant in ``upstream.url`` (VictoriaMetrics cluster, Mimir-style bases)
 TENANT_PLACEHOLDER = "{tenant}"
 #: a vminsert write URL's path: ``/insert/<tenant>/prometheus[/api/v1/write]``
@@ -1752,6 +1762,9 @@ class Upstream:
         elif probe.outcome == "unavailable":  # again at most every RECHECK_SECONDS: throttled
             self._line(logging.WARNING, "upstream not available at the check; checked again "
                        "when it answers", probe.code, {**extra, "body": probe.detail})
+        elif probe.code in ("401", "403"):  # none of its own (else credentials_refused)
+            log.warning("upstream refused an empty write: %s", OWN_WRITES_NEED_CREDENTIALS,
+                        extra={**extra, "body": probe.detail})
         else:
             log.warning("upstream refused an empty write", extra={**extra, "body": probe.detail})
 

@@ -29,6 +29,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.upstream import (
     HISTOGRAMS_RECHECK_SECONDS,
+    OWN_WRITES_NEED_CREDENTIALS,
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,
@@ -598,6 +599,22 @@ async def test_401_to_the_proxys_own_credentials_is_503(tmp_path: Path) -> None:
     assert mine.status == 503 and b"credentials" in mine.body
     # the sender's own credentials: its answer, as on the direct path
     assert senders.status == 401
+
+
+async def test_a_tsdb_asking_for_credentials_the_proxy_lacks_is_said_at_the_check(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A TSDB behind authentication: the senders' writes carry their own, forwarded, and
+    are stored; the proxy's own (the check, the fact series) carry none and are refused,
+    every fact write for good. The check's warning said only "refused an empty write"
+    (an audit with VictoriaMetrics' -httpAuth.*), not which settings give it some."""
+    caplog.set_level(logging.WARNING, logger="karta.upstream")
+    async with ScriptedUpstream(Reply(401), record_empty=True) as up, opened(up.url) as u:
+        await u.start(check=True)
+        probe = await u.check()
+    assert probe.outcome == "refused"
+    assert any(r.getMessage() == "upstream refused an empty write: "
+               + OWN_WRITES_NEED_CREDENTIALS for r in caplog.records), caplog.text
+    assert "upstream.bearer_token_file" in OWN_WRITES_NEED_CREDENTIALS
 
 
 def _rw2_receiver(rec: Any) -> Reply:

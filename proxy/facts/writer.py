@@ -59,7 +59,7 @@ from proxy.karta.results import (
     WorkloadFacts,
 )
 from proxy.log import Throttled, failure_line
-from proxy.upstream import TRANSIENT_4XX
+from proxy.upstream import OWN_WRITES_NEED_CREDENTIALS, TRANSIENT_4XX
 from proxy.wire.halves import layout
 from proxy.wire.primitives import STALE_NAN, Protocol, labels_of, series_text
 from proxy.yielding import Busy, Pacer
@@ -881,8 +881,9 @@ class FactWriter:
                 return
             if status != 400 or tally.extra + 2 > MAX_EXTRA_REQUESTS:
                 if not tally.dropped:  # the first of this write
+                    hint = f"; {OWN_WRITES_NEED_CREDENTIALS}" if status in (401, 403) else ""
                     log.warning("fact write: %d series refused for good with their "
-                                "request, the others still sent: %s", hi - lo, exc)
+                                "request, the others still sent: %s%s", hi - lo, exc, hint)
                 tally.dropped += hi - lo
                 return
             mid = (lo + hi) // 2

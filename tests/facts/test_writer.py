@@ -6,6 +6,7 @@ with PromQL."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import shutil
@@ -35,6 +36,7 @@ from proxy.facts.writer import COVERAGE_KEY, PROCESS_KEY
 from proxy.index import PodIndex
 from proxy.karta.model import GENERIC_PHASES
 from proxy.karta.results import ChangeSet, PodAttribution, ReplicaFact, WorkloadFacts, WorkloadRef
+from proxy.upstream import OWN_WRITES_NEED_CREDENTIALS
 from tests.facts.helpers import (
     DEP,
     PODS,
@@ -1210,6 +1212,22 @@ class _Refused(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(f"upstream answered {status}")
         self.status = status
+
+
+async def test_a_fact_write_refused_for_want_of_credentials_says_which_to_set(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A TSDB that requires credentials refuses every fact write (401) when the proxy has
+    none of its own, while the senders' writes, carrying theirs, are stored: the warning
+    names the settings, not only the status."""
+    caplog.set_level(logging.WARNING)
+
+    async def send(body: bytes) -> None:
+        raise _Refused(401)
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
+    assert not await w.write_once()
+    assert any("refused for good" in m and m.endswith(OWN_WRITES_NEED_CREDENTIALS)
+               for m in caplog.messages), caplog.messages
 
 
 async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
