@@ -172,8 +172,11 @@ async def test_a_body_that_arrives_after_sigterm_is_answered_and_forwarded(
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
     async with ScriptedUpstream() as up, \
-            process(tmp_path, up.url, {"facts": {"enabled": False}}, "--snapshot",
-                    str(snap)) as p:
+            process(tmp_path, up.url, {"facts": {"enabled": False},
+                                       # the drain is under test, not the body's rate: a
+                                       # loaded box took the pause past 1.5 s (503, slow)
+                                       "server": {"min_body_bytes_per_second": 1}},
+                    "--snapshot", str(snap)) as p:
         port = int(p.base.rsplit(":", 1)[1])
         idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
         idle_w.write(HEAD.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
