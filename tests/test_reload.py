@@ -591,7 +591,65 @@ async def test_an_engine_failure_in_a_reloads_runs_costs_only_its_culprit(
         await p.stop()
 
 
-# -- the real process ---------------------------------------------------------------------------
+# -- a reload is applied whole, or what it applied is recorded (the settings audit) -------
+
+
+async def test_the_new_plan_is_compiled_before_anything_is_applied(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the compile of a valid plan raises (here: a limit of 7, made to fail as
+    2**63 did), it fails the reload in its trial phase: the built-in switch of the same
+    file is not applied."""
+    import proxy.enrichment
+
+    real = proxy.enrichment.Splicer
+
+    def splicer(plan: Any, *args: Any) -> Any:
+        if plan.max_labels == 7:
+            raise OverflowError("Python int too large to convert to C ssize_t")
+        return real(plan, *args)
+
+    monkeypatch.setattr(proxy.enrichment, "Splicer", splicer)
+    r = running
+    r.write_config(karta={"builtins": False}, upstream={"max_labels_per_series": 7})
+    status, text = await r.post_reload()
+    assert status == 500 and "enrich: Python int too large" in text, (status, text)
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    assert r.proxy.settings.karta.builtins is True
+    assert r.proxy.settings.upstream.max_labels_per_series == 30
+
+
+async def test_a_failure_while_applying_is_recorded_so_the_next_reload_mends_it(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the point of no return nothing should fail; were something to (an engine bug
+    in the files' descriptions, after the built-ins were removed), the settings in force
+    say what was applied, and the next reload of the original file puts it back."""
+    r = running
+    p = r.proxy
+    original = r.config.read_text()
+    real = p._describe
+
+    async def describe(descs: Any, source: str) -> None:
+        if source == "files":
+            raise RuntimeError("engine bug")
+        await real(descs, source)
+
+    monkeypatch.setattr(p, "_describe", describe)
+    monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)  # restored
+    r.write_config(karta={"builtins": False,
+                          "description_paths": [str(r.config.parent / "descriptions")]},
+                   log_level="debug")
+    status, text = await r.post_reload()
+    assert status == 500 and "RuntimeError: engine bug (while applying; in force from the " \
+        "new configuration: log_level, karta.builtins)" in text, (status, text)
+    assert await r.send(CART_POD) == CART_POD  # the built-ins went
+    assert p.settings.karta.builtins is False and p.settings.log_level == "debug"
+    assert r.metric(RELOADS_OK) == 0.0
+    monkeypatch.setattr(p, "_describe", real)
+    r.config.write_text(original)
+    status, text = await r.post_reload()
+    assert status == 200, text
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    assert p.settings.karta.builtins is True and p.settings.log_level == "info"
 
 
 async def _metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
