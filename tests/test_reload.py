@@ -594,6 +594,27 @@ async def test_an_engine_failure_in_a_reloads_runs_costs_only_its_culprit(
 # -- a reload is applied whole, or what it applied is recorded (the settings audit) -------
 
 
+async def test_a_refused_reload_applies_nothing_and_a_later_one_still_applies(
+        running: Running) -> None:
+    """The audit's sequence: builtins off and a label limit the native plan cannot take
+    (2**63) answered 500 OverflowError, but the built-ins were removed already (the plan
+    was compiled after them, past the point of no return); reloading the original file
+    answered 200 and changed nothing (the settings in force still said builtins on): only
+    a restart stamped the cart pod again."""
+    r = running
+    original = r.config.read_text()
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    r.write_config(karta={"builtins": False}, upstream={"max_labels_per_series": 2**63})
+    status, text = await r.post_reload()
+    assert status == 500, (status, text)
+    assert await r.send(CART_POD) == {**CART_POD, **CART}  # nothing of it applied
+    assert "upstream.max_labels_per_series: must be 0 to 65536" in text, text
+    assert r.proxy.settings.karta.builtins is True
+    r.config.write_text(original)
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+
+
 async def test_the_new_plan_is_compiled_before_anything_is_applied(
         running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever the compile of a valid plan raises (here: a limit of 7, made to fail as
@@ -650,6 +671,43 @@ async def test_a_failure_while_applying_is_recorded_so_the_next_reload_mends_it(
     assert status == 200, text
     assert await r.send(CART_POD) == {**CART_POD, **CART}
     assert p.settings.karta.builtins is True and p.settings.log_level == "info"
+
+
+async def test_a_config_file_emptied_is_refused_at_a_reload(tmp_path: Path) -> None:
+    """An empty or comment-only file (a ConfigMap caught mid-save) reset enrich.*, the
+    description paths and log_level to their defaults with a 200; the CLI's loader
+    refuses it now, and what is in force stays."""
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    config = tmp_path / "karta-proxy.yaml"
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        r = Running(None, up, config, "", session)  # type: ignore[arg-type]
+        # the rest on the command line, as the audit's: the file holds enrich only
+        config.write_text(yaml.safe_dump({"enrich": {"pod_label_pairs": [["app_ns",
+                                                                           "app_pod"]]}}))
+        args = build_parser().parse_args([
+            "--config", str(config), "--snapshot", str(tmp_path / "snap.yaml"),
+            "--upstream-url", up.url, "--listen-address", "127.0.0.1:0",
+            "--web.enable-lifecycle", "--no-facts"])
+        p = Proxy(settings_from_args(args, env={}),
+                  loader=lambda: settings_from_args(args, env={}, reloading=True))
+        await p.start()
+        r.proxy, r.base = p, f"http://127.0.0.1:{p.port}"
+        try:
+            assert await r.send(CART_OTHER) == {**CART_OTHER, **CART}
+            for text in ("", "# being rewritten\n"):
+                config.write_text(text)
+                status, body = await r.post_reload()
+                assert status == 500 and "the file holds no settings" in body, body
+                assert await r.send(CART_OTHER) == {**CART_OTHER, **CART}
+            config.write_text("{}\n")  # every default, said so: applied
+            status, body = await r.post_reload()
+            assert status == 200, body
+            assert await r.send(CART_OTHER) == CART_OTHER
+        finally:
+            await p.stop()
+
+
+# -- the real process ---------------------------------------------------------------------------
 
 
 async def _metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
