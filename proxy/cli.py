@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from proxy.config import (
     Flag,
     SettingInfo,
     Settings,
+    canonical_choice,
     load_settings,
     schema,
     validate,
@@ -109,8 +111,8 @@ def _add_flag(g: argparse._ArgumentGroup, info: SettingInfo, flag: Flag) -> None
         kw.update(action="store_true", default=None)
     elif info.choices:
         kw["choices"] = info.choices
-        if info.fold_case:  # as in the file: --log-level INFO
-            kw["type"] = str.lower
+        # as in the file, any case: --log-level INFO, --log-format JSON
+        kw["type"] = functools.partial(canonical_choice, choices=info.choices)
     else:
         kw["metavar"] = flag.metavar
         if isinstance(t, mi.IntType | mi.FloatType):
@@ -132,13 +134,15 @@ def build_demo_parser() -> argparse.ArgumentParser:
     ))
 
 
-def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
-    """Config file, then flags on top; raises ConfigError."""
+def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None, *,
+                       reloading: bool = False) -> Settings:
+    """Config file, then flags on top; raises ConfigError. ``reloading``: a config file
+    with no settings in it is refused (``load_settings``), not every default."""
     env = dict(os.environ) if env is None else env
     if args.config == "":  # an unset variable in a manifest: not "no file"
         raise ConfigError("--config: the path is empty; name the YAML file or leave the "
                           "flag out")
-    s = load_settings(args.config) if args.config else Settings()
+    s = load_settings(args.config, empty_ok=not reloading) if args.config else Settings()
     #: key -> where a flag or an environment variable set it ("--upstream-url", "$KUBECONFIG")
     origins: dict[str, str] = {}
     for info in schema():
@@ -182,6 +186,14 @@ def _apply_flag(s: Settings, info: SettingInfo, flag: Flag, value: Any,
             setattr(target, name, fallback)
             return f"${flag.env}"
         return ""
+    if isinstance(info.type, mi.StrType | mi.ListType) and not info.choices and (
+            value == "" or (isinstance(value, list) and "" in value)):
+        # an unset variable in a manifest (--snapshot "$SNAPSHOT"), as --config "": ""
+        # read as "not set" served plain HTTP under a file's TLS files, switched a
+        # snapshot proxy to the cluster of ~/.kube/config, sent no upstream credentials.
+        # No flag of a path, URL or name means anything by an empty value.
+        raise ConfigError(f"{flag.names[0]}: the value is empty; give one, or leave the "
+                          "flag out (to unset what the config file sets, edit the file)")
     if isinstance(info.type, mi.BoolType):
         value = not flag.names[0].startswith("--no-")
     elif flag.repeat == "extend":
@@ -280,7 +292,8 @@ def _main(argv: Sequence[str] | None, early: EarlySignals) -> int:
     held.replay()
     try:
         # a reload reads the file again and puts the same flags on top
-        return asyncio.run(serve(settings, loader=lambda: settings_from_args(args),
+        return asyncio.run(serve(settings,
+                                 loader=lambda: settings_from_args(args, reloading=True),
                                  early_reload=early.take_hangup))
     except KeyboardInterrupt:
         return 130

@@ -38,6 +38,13 @@ log = logging.getLogger("karta.config")
 TENANT = re.compile(r"[0-9]{1,10}(:[0-9]{1,10})?")  # ASCII digits: \d takes any script's
 
 MiB = 1024 * 1024
+#: upper bounds of the integer settings that reach C code or C-sized values (the native
+#: splice's Py_ssize_t, a snappy header's 32-bit length): a value past them was taken,
+#: then failed as an OverflowError at start (a traceback, exit 1) or halfway through a
+#: reload; each is far past any real use
+MAX_BODY_BYTES = 1 << 32
+MAX_INFLIGHT_BYTES = 1 << 40
+MAX_LABELS_PER_SERIES = 1 << 16
 
 
 class ConfigError(ValueError):
@@ -64,14 +71,15 @@ class Flag(NamedTuple):
 
 
 def setting(help: str, *, flag: Flag | None = None, example: Any = None,
-            default_doc: str = "", fold_case: bool = False, **bounds: Any) -> Meta:
+            default_doc: str = "", **bounds: Any) -> Meta:
     """The metadata of one setting: its help and flag ride in ``Meta.extra``.
 
     ``example`` is the value config/karta-proxy.yaml shows instead of the default (a
-    required URL); ``default_doc`` replaces the rendered default in docs/configuration.md;
-    ``fold_case`` lower-cases a YAML string before it is checked (``log_level: INFO``).
+    required URL); ``default_doc`` replaces the rendered default in docs/configuration.md.
+    A choice (a ``Literal``) is matched without regard to case, in the file and on the
+    command line, and taken as declared (``log_level: INFO``, ``encoding: ZSTD``).
     """
-    extra: dict[str, Any] = {"help": help, "fold_case": fold_case}
+    extra: dict[str, Any] = {"help": help}
     if flag is not None:
         extra["flag"] = flag
     if example is not None:
@@ -110,13 +118,16 @@ class ServerSettings(Section):
         flag=Flag(("--listen-address", "--web.listen-address"), SERVING, "HOST:PORT"))
     ] = "0.0.0.0:9091"
     max_body_bytes: Annotated[int, setting(
-        "compressed request body limit in bytes; larger requests get 413", gt=0)] = 16 * MiB
+        "compressed request body limit in bytes; larger requests get 413; at most 4 GiB",
+        ge=1, le=MAX_BODY_BYTES)] = 16 * MiB
     max_decoded_bytes: Annotated[int, setting(
         "decoded size limit, read from the snappy/zstd header before decompressing; "
-        "larger bodies get 413", gt=0)] = 64 * MiB
+        "larger bodies get 413; at most 4 GiB (a snappy body's length is 32 bits)",
+        ge=1, le=MAX_BODY_BYTES)] = 64 * MiB
     max_concurrent_requests: Annotated[int, setting(
         "requests processed at once; past it a request waits up to admission_wait_seconds "
-        "for a slot (three per slot may wait), then 503 + Retry-After", gt=0)] = 64
+        "for a slot (three per slot may wait), then 503 + Retry-After; at most 65536",
+        ge=1, le=65536)] = 64
     admission_wait_seconds: Annotated[float, setting(
         "how long a request that finds every slot taken waits for one, in arrival order, "
         "with its body unread; 0: 503 at once", ge=0, le=30)] = 2.0
@@ -124,7 +135,7 @@ class ServerSettings(Section):
         "bytes of requests held at once (compressed body, twice the decoded size until "
         "spliced, more as the splice grows past it, then the outgoing body); past it 503 + "
         "Retry-After, but a request alone in flight is always taken; at least "
-        "max_body_bytes", gt=0)] = 512 * MiB
+        "max_body_bytes, at most 1 TiB", ge=1, le=MAX_INFLIGHT_BYTES)] = 512 * MiB
     enable_lifecycle: Annotated[bool, setting(
         "serve POST /-/reload, as Prometheus' --web.enable-lifecycle does; off: it answers "
         "403, and SIGHUP reloads (the endpoint is served to whoever reaches the port)",
@@ -140,8 +151,8 @@ class ServerSettings(Section):
         "closed at once, and the sender reconnects and retries. 4096: a fleet of hundreds "
         "of Prometheus/vmagent senders with their keep-alive pools (one per shard or queue) "
         "fits, while the work is bounded by max_concurrent_requests anyway; it bounds "
-        "what connections hold before their requests are handled (docs/operations.md)",
-        gt=0)] = 4096
+        "what connections hold before their requests are handled (docs/operations.md); "
+        "at most 1048576", ge=1, le=1 << 20)] = 4096
     max_header_bytes: Annotated[int, setting(
         "request line and headers of one request, in all (one line at most 8190 bytes, at "
         "most 64 headers); larger gets 431 and the connection closed. Remote-write senders "
@@ -154,8 +165,8 @@ class ServerSettings(Section):
         "a request's whole body must arrive within this (from the end of its headers), "
         "else 503 (the sender sends it again)", gt=0)] = 30.0
     min_body_bytes_per_second: Annotated[int, setting(
-        "and never slower than this on average (after its first second), else 503",
-        gt=0)] = 16384
+        "and never slower than this on average (after its first second), else 503; at "
+        "most 4 GiB/s", ge=1, le=MAX_BODY_BYTES)] = 16384
     tls_cert_file: Annotated[str, setting(
         "serve HTTPS with this certificate (PEM, chain after the leaf), re-read when it "
         "changes; needs tls_key_file",
@@ -196,7 +207,8 @@ class UpstreamSettings(Section):
     connect_timeout_seconds: Annotated[float, setting(
         "timeout of the TCP/TLS connect phase", gt=0)] = 5.0
     max_connections: Annotated[int, setting(
-        "pooled keep-alive connections to the upstream", gt=0)] = 64
+        "pooled keep-alive connections to the upstream; at most 65536", ge=1,
+        le=65536)] = 64
     protocol: Annotated[UpstreamProtocol, setting(
         "RW 2.0 toward the upstream: auto converts to RW 1.0 after a 415 or a 2xx without "
         "Written headers and remembers, v1 "
@@ -250,7 +262,7 @@ class UpstreamSettings(Section):
         "would push past it is forwarded unstamped (series_unattributed reason "
         "label_limit), where VictoriaMetrics would drop the labels that sort last (series "
         "merge, samples lost behind a 204) and Mimir refuse the whole request; so is one "
-        "the sender sent past it", ge=0)] = 30
+        "the sender sent past it; at most 65536", ge=0, le=MAX_LABELS_PER_SERIES)] = 30
     default_tenant: Annotated[str, setting(
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
         "fact series (accountID or accountID:projectID)")] = "0"
@@ -343,7 +355,8 @@ class KartaSettings(Section):
         "the project's descriptions of core kinds (Deployment, StatefulSet, Job, ...)",
         flag=Flag(("--no-builtin-descriptions",), DESCRIPTIONS,
                   help="switch off the built-in descriptions of core kinds"))] = True
-    max_owner_hops: Annotated[int, setting("bound on owner-reference walks", ge=1)] = 6
+    max_owner_hops: Annotated[int, setting(
+        "bound on owner-reference walks; at most 100", ge=1, le=100)] = 6
     tombstone_seconds: Annotated[float, setting(
         "how long a deleted pod keeps its labels (longer than Prometheus' 5 m lookback)",
         ge=0)] = 600.0
@@ -427,7 +440,7 @@ class Settings(Section):
         "write; 0 loads once",
         flag=Flag(("--snapshot-reload-seconds",), SOURCE, "SECONDS"), ge=0)] = 30.0
     log_level: Annotated[LogLevel, setting(
-        "log level", flag=Flag(("--log-level",), SERVING), fold_case=True)] = "info"
+        "log level", flag=Flag(("--log-level",), SERVING))] = "info"
     log_format: Annotated[LogFormat, setting(
         "log format: auto (text when stderr is a terminal, else JSON), json or text",
         flag=Flag(("--log-format",), SERVING))] = "auto"
@@ -453,9 +466,8 @@ class SettingInfo(NamedTuple):
     #: the default column of docs/configuration.md when the rendered default is not it
     default_doc: str
     #: a ``Literal`` setting's values in declaration order, the empty "choose for me" left out
+    #: (matched without regard to case: ``canonical_choice``)
     choices: tuple[str, ...]
-    #: the value is lower-cased before it is checked, in the file and on the command line
-    fold_case: bool = False
 
 
 def _unwrap(t: mi.Type) -> tuple[mi.Type, dict[str, Any]]:
@@ -490,8 +502,7 @@ def _walk(cls: type, prefix: str) -> Iterator[SettingInfo]:
         default = _default(f)
         yield SettingInfo(key, prefix.rstrip("."), t, default, extra.get("help", ""),
                           extra.get("flag"), extra.get("example", default),
-                          extra.get("default_doc", ""), _literal_values(hints[f.name]),
-                          bool(extra.get("fold_case")))
+                          extra.get("default_doc", ""), _literal_values(hints[f.name]))
 
 
 def schema() -> list[SettingInfo]:
@@ -507,11 +518,14 @@ def _choices_by_key() -> dict[str, tuple[str, ...]]:
 # -- loading --------------------------------------------------------------------------------
 
 
-def load_settings(path: str | os.PathLike[str]) -> Settings:
+def load_settings(path: str | os.PathLike[str], *, empty_ok: bool = True) -> Settings:
     """Read a YAML file into ``Settings``; unknown keys and wrong types are errors.
 
     Every message names the file and the dotted key, so a typo in a ConfigMap is found
-    from the log line alone instead of being silently ignored.
+    from the log line alone instead of being silently ignored. A file with no document
+    (empty, only comments, ``null``) is every default; without ``empty_ok`` (a reload) it
+    is refused: more likely caught mid-save than meant, and read as all defaults it reset
+    enrich.*, the description paths and log_level with a 200. ``{}`` is all defaults.
     """
     p = Path(path)
     try:
@@ -527,6 +541,10 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
     if data is None:
+        if not empty_ok:
+            raise ConfigError(f"{p}: the file holds no settings (empty, only comments, or "
+                              "null): most likely caught mid-save; the configuration in "
+                              "force stays (write {} for every default)")
         data = {}
     try:
         return settings_from_dict(data)
@@ -621,9 +639,9 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
     Dashes for underscores, removed keys (a warning), unknown keys (with the known ones
     listed), and a pair written as ``[ns, pod]`` or as a mapping.
     """
-    t, extra = _unwrap(t)
-    if extra.get("fold_case") and isinstance(value, str):
-        return value.lower()
+    t, _ = _unwrap(t)
+    if isinstance(t, mi.LiteralType) and isinstance(value, str):
+        return canonical_choice(value, tuple(map(str, t.values)))
     if isinstance(t, mi.TupleType):
         return list(_pair(value, key))
     if isinstance(t, mi.ListType) and isinstance(value, list):
@@ -633,7 +651,8 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
     if t.cls is PodLabelPair:
         return _pod_label_pair(value, key)
     if not isinstance(value, dict):
-        raise ConfigError(f"{key or 'top level'}: expected a mapping, got {_type_name(value)}")
+        raise ConfigError(f"{key or 'top level'}: expected a mapping, got {_type_name(value)} "
+                          f"{_short(value)}")
     known = {f.name: f for f in t.fields}
     out: dict[str, Any] = {}
     written: dict[str, str] = {}  # name -> the key as written, to catch a name given twice
@@ -655,6 +674,20 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
                               f"here: {', '.join(sorted(known))})")
         out[name] = _shape(known[name].type, v, dotted)
     return out
+
+
+def canonical_choice(value: str, choices: tuple[str, ...]) -> str:
+    """A choice as declared when ``value`` is one but for case (``INFO``, ``Json``,
+    ``noclientcert``); else ``value`` unchanged, for the check to refuse. Every choice
+    setting is matched so, where log_level alone was (``log_format: JSON`` refused)."""
+    folded = value.casefold()
+    return next((c for c in choices if c.casefold() == folded), value)
+
+
+def _short(value: Any, most: int = 60) -> str:
+    """``repr(value)``, cut to about ``most`` characters for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def _pair(value: Any, key: str) -> tuple[str, str]:
@@ -719,25 +752,62 @@ def _explain(message: str, data: Any) -> str:
     return f"{key or 'top level'}: {_expected(_unwrap(t)[0], value, allowed)}"
 
 
+#: YAML 1.1 (PyYAML) reads these unquoted as booleans, not strings
+_YAML_BOOLEANS = "yes, no, on, off, true and false"
+
+
+def _number_hint(value: Any, integer: bool) -> str:
+    """A number YAML 1.1 read as a string: ``1e3`` (no dot, or no sign in the exponent)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number) or value.strip().lower().lstrip("+-") in ("inf", "nan"):
+        return ""
+    whole = f"{number:.0f}" if number.is_integer() and abs(number) < 1e18 else ""
+    if integer:
+        return f" (YAML 1.1 reads it as a string: write {whole})" if whole else ""
+    return (" (YAML 1.1 reads it as a string: write a dot and a signed exponent, "
+            f"{number:.1e}" + (f", or {whole}" if whole else "") + ")")
+
+
+def _quote_hint(value: Any) -> str:
+    """A string setting given a boolean or a number: YAML read it so; quoted, it is text."""
+    if isinstance(value, bool):
+        return f" (YAML reads {_YAML_BOOLEANS} unquoted as booleans: quote it)"
+    if isinstance(value, int | float):
+        return " (quote it: unquoted, YAML reads a number)"
+    return ""
+
+
 def _expected(t: mi.Type, value: Any, allowed: tuple[str, ...]) -> str:
-    got = f"got {_type_name(value)} {value!r}"
+    got = f"got {_type_name(value)} {_short(value)}"
     if isinstance(t, mi.BoolType):
         return f"expected true or false, {got}"
     if isinstance(t, mi.IntType) and (isinstance(value, bool) or not isinstance(value, int)):
-        return f"expected an integer, {got}"
+        return f"expected an integer, {got}{_number_hint(value, True)}"
     if isinstance(t, mi.FloatType) and (isinstance(value, bool)
                                         or not isinstance(value, int | float)):
-        return f"expected a number, {got}"
+        return f"expected a number, {got}{_number_hint(value, False)}"
     if isinstance(t, mi.IntType | mi.FloatType):
-        if t.ge is not None and t.le is not None:
-            return f"must be {t.ge} to {t.le}, got {value!r}"
+        low = (f"{t.ge}" if t.ge is not None else
+               f"more than {t.gt}" if t.gt is not None else "")
+        if low and t.le is not None:
+            return (f"must be {low} to {t.le}, got {value!r}" if t.ge is not None
+                    else f"must be {low} and at most {t.le}, got {value!r}")
+        if t.le is not None:
+            return f"must be at most {t.le}, got {value!r}"
         if t.gt is not None:
             return f"must be greater than {t.gt}, got {value!r}"
         return f"must be {t.ge} or more, got {value!r}"
     if isinstance(t, mi.LiteralType):
-        return f"expected one of {', '.join(allowed)}; got {value!r}"
+        return (f"expected one of {', '.join(allowed)}; got {_short(value)}"
+                f"{_quote_hint(value)}")
     if isinstance(t, mi.StrType):
-        return f"expected a string, {got}" if not isinstance(value, str) else "must not be empty"
+        return (f"expected a string, {got}{_quote_hint(value)}" if not isinstance(value, str)
+                else "must not be empty")
     if isinstance(t, mi.ListType):
         if not isinstance(value, list):
             return f"expected a list, {got}"
@@ -747,7 +817,8 @@ def _expected(t: mi.Type, value: Any, allowed: tuple[str, ...]) -> str:
     if isinstance(t, mi.DictType):
         k, v = next((k, v) for k, v in value.items()
                     if not isinstance(k, str) or not isinstance(v, str))
-        return f"entries must be string: string, got {k!r}: {v!r}"
+        return (f"entries must be string: string, got {_short(k)}: {_short(v)}"
+                f"{_quote_hint(v) or _quote_hint(k)}")
     return f"invalid value {value!r}"  # pragma: no cover - every declared type is above
 
 
@@ -1003,6 +1074,52 @@ def _validate_external_labels(labels: dict[str, str]) -> None:
             raise ConfigError(f"{where}: the value is empty (an empty label is no label)")
 
 
+def first_kubeconfig(paths: str) -> str:
+    """The file the client reads of a kubeconfig path list (``$KUBECONFIG`` as kubectl
+    takes it): the first non-empty entry (``:/path`` is ``/path``); ``paths`` itself when
+    it has none."""
+    return next((p for p in paths.split(os.pathsep) if p), paths)
+
+
+#: RFC 1123 DNS label: a namespace's name (Kubernetes' IsDNS1123Label)
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_DNS_LABEL_RE = re.compile(_DNS_LABEL)
+#: RFC 1123 DNS subdomain: a node's or a Lease's name (IsDNS1123Subdomain)
+_DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
+
+
+def _dns_name(value: str, key: str, what: str, *, subdomain: bool) -> None:
+    """A Kubernetes object name: a namespace is a DNS label (at most 63 characters), a
+    node or a Lease a DNS subdomain (at most 253): lower-case letters, digits, '-' (and
+    '.' in a subdomain), a letter or digit at each end. Another never names an object:
+    a filter by it selects nothing, a Lease by it cannot be written."""
+    if value != value.strip():
+        raise ConfigError(f"{key}: {value!r} has whitespace around it; not a {what}")
+    most = 253 if subdomain else 63
+    pattern = _DNS_SUBDOMAIN_RE if subdomain else _DNS_LABEL_RE
+    if len(value) > most or not pattern.fullmatch(value):
+        kind = "DNS subdomain" if subdomain else "DNS label"
+        chars = "'-' and '.'" if subdomain else "'-'"
+        raise ConfigError(f"{key}: {_short(value)} is not a valid {what} (an RFC 1123 "
+                          f"{kind}: at most {most} lower-case letters, digits and {chars}, "
+                          "a letter or digit at each end)")
+
+
+def _validate_lease(f: FactSettings) -> None:
+    """The fact writer's Lease: an empty name reads as the collection (every write a 405,
+    no writer ever elected), a name or namespace no object can have is refused by the API
+    at every round."""
+    if not f.lease_name:
+        raise ConfigError("facts.lease_name: empty; name the Lease (default "
+                          "karta-proxy-facts)")
+    _dns_name(f.lease_name, "facts.lease_name", "Lease name", subdomain=True)
+    if f.lease_namespace:
+        _dns_name(f.lease_namespace, "facts.lease_namespace", "namespace", subdomain=False)
+    if f.identity and (not f.identity.strip() or f.identity != f.identity.strip()):
+        raise ConfigError(f"facts.identity: {f.identity!r} is blank or has whitespace around "
+                          "it; set an identity, or leave it empty for $POD_NAME and a suffix")
+
+
 def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     """The declaration's checks again (flags and code set values too), then the rest.
 
@@ -1029,9 +1146,16 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
         if not ns:  # the client reads "" as every namespace: the opposite of a list of some
             raise ConfigError(f"kube.namespaces[{i}]: empty; name a namespace (an empty "
                               "list, no --namespace, watches all)")
-    if s.kube.kubeconfig and not s.snapshot:
-        # a path list, as kubectl takes in $KUBECONFIG: the client reads the first entry
-        _readable(s.kube.kubeconfig.split(os.pathsep)[0] or s.kube.kubeconfig,
-                  "kube.kubeconfig")
+        # a name no namespace can have watches nothing, and the proxy reported ready with
+        # no pod known (the API answers an empty list for a namespace that does not exist)
+        _dns_name(ns, f"kube.namespaces[{i}]", "namespace", subdomain=False)
+    if s.kube.node_name:
+        _dns_name(s.kube.node_name, "kube.node_name", "node name", subdomain=True)
+    _validate_lease(s.facts)
+    # the cluster connection is made for the source, and, with a snapshot too, for the
+    # fact writer's Lease (a file that does not exist is a setting's error: exit 2)
+    lease = s.facts.enabled and s.facts.leader_election
+    if s.kube.kubeconfig and (not s.snapshot or lease):
+        _readable(first_kubeconfig(s.kube.kubeconfig), "kube.kubeconfig")
     if s.snapshot and not os.path.exists(s.snapshot):
         raise ConfigError(f"snapshot: {s.snapshot!r} does not exist")

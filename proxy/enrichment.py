@@ -125,13 +125,23 @@ class Enricher:
         gave one request two plans (an audit stored 4 of 60 requests half one way)."""
         return self._splicer
 
-    def replan(self, plan: SplicePlan) -> None:
-        """A reload's new ``enrich`` settings: a new plan over the same pod table. One
-        attribute store swaps it, so a request in a worker thread splices with the plan
-        it started with, and the next one with the new."""
+    def prepare(self, plan: SplicePlan) -> Splicer:
+        """A reload's new plan compiled for the splice in use (what can fail: the native
+        plan takes its values as C sizes), over the same pod table; nothing in force
+        changes until :meth:`replan` swaps it in. A reload calls this before it applies
+        anything: compiled in ``replan``, a plan that did not compile failed the reload
+        after the built-in switch was applied (500, half the new configuration in force)."""
         splicer = Splicer(plan, self._splicer.implementation)
         splicer.table = self.table
-        self._splicer, self.plan = splicer, plan
+        return splicer
+
+    def replan(self, plan: SplicePlan | Splicer) -> None:
+        """A reload's new ``enrich`` settings: a new plan over the same pod table (a
+        :class:`Splicer` from :meth:`prepare`, or a plan, prepared here). One attribute
+        store swaps it, so a request in a worker thread splices with the plan it started
+        with, and the next one with the new; given a ``Splicer``, nothing here fails."""
+        splicer = plan if isinstance(plan, Splicer) else self.prepare(plan)
+        self._splicer, self.plan = splicer, splicer.plan
 
     def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
                   grow: Grow | None = None) -> SpliceResult:

@@ -106,6 +106,17 @@ class Merge:
     restart_required: tuple[str, ...]
 
 
+def with_keys(running: Settings, loaded: Settings, keys: list[str] | tuple[str, ...]
+              ) -> Settings:
+    """A copy of ``running`` with these keys' values of ``loaded``: what a reload that
+    failed while applying had applied (``proxy.runtime``), so the settings in force say
+    so and the next reload compares with them."""
+    out = copy.deepcopy(running)
+    for k in keys:
+        _set(out, k, copy.deepcopy(_get(loaded, k)))
+    return out
+
+
 def merge(running: Settings, loaded: Settings) -> Merge:
     """The running settings with the live keys of ``loaded`` in them."""
     keys = changed_keys(running, loaded)

@@ -45,7 +45,7 @@ from proxy.karta.model import Description
 from proxy.karta.results import ChangeSet, PartialBatch
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
-from proxy.reload import ReloadOutcome, is_plan_key, merge
+from proxy.reload import ReloadOutcome, is_plan_key, merge, with_keys
 from proxy.server import build_app, start_site
 from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
@@ -534,9 +534,18 @@ class Proxy:
                                  f"{errors[0]}")
         replan = any(is_plan_key(k) for k in merged.applied)
         try:
-            plan = build_plan(**enrich_arguments(new)) if replan else None
-        except ValueError as e:
+            # compiled here, for the splice in use: the native plan takes C sizes (an
+            # OverflowError there, once the apply below began, left the built-in switch
+            # applied behind a 500 that no later reload undid)
+            splicer = (self.enricher.prepare(build_plan(**enrich_arguments(new))) if replan
+                       else None)
+        except (ValueError, OverflowError) as e:
             return ReloadOutcome(False, f"enrich: {e}")
+        builtins: list[Description] | None = None
+        if "karta.builtins" in merged.applied and new.karta.builtins:
+            from proxy.karta.builtin import builtin_descriptions
+
+            builtins = builtin_descriptions()
         # the TLS files are tried too before anything is applied: a reload whose files do
         # not load changes nothing (it applied the new enrich plan, then answered 500)
         tls = None
@@ -550,26 +559,37 @@ class Proxy:
         except Exception as e:
             return ReloadOutcome(False, f"upstream TLS files (upstream.tls_*): {e}")
 
-        # -- nothing below fails on valid input: apply ------------------------------------
-        if "karta.builtins" in merged.applied:
-            if new.karta.builtins:
-                from proxy.karta.builtin import builtin_descriptions
-
-                await self._describe(builtin_descriptions(), "builtin")
-            else:
-                await self._describe(None, "builtin")
-        await self._describe(descs if paths else None, "files")
-        _log_empty_description_files(read, self._description_files)
-        self._description_files = read if paths else None
-        await self._follow_kinds()
-        if plan is not None:
-            self.enricher.replan(plan)
-        if "log_level" in merged.applied:
-            logging.getLogger().setLevel(new.log_level.upper())
+        # -- apply: the swaps first (none can fail), then the engine's runs ----------------
+        # What is applied is recorded in self.settings as it is: were a run to fail (an
+        # engine bug) or the reload be cancelled (a stop), the settings in force say what
+        # is in force, and the next reload compares with that, not with the file's.
+        done: list[str] = []
+        try:
+            if splicer is not None:
+                self.enricher.replan(splicer)
+                done += [k for k in merged.applied if is_plan_key(k)]
+            if "log_level" in merged.applied:
+                logging.getLogger().setLevel(new.log_level.upper())
+                done.append("log_level")
+            if self.tls is not None and tls is not None:
+                self.tls.adopt(tls, forced=True)
+            self.upstream.tls_adopt(upstream_tls)
+            if "karta.builtins" in merged.applied:
+                await self._describe(builtins, "builtin")
+                done.append("karta.builtins")
+            await self._describe(descs if paths else None, "files")
+            _log_empty_description_files(read, self._description_files)
+            self._description_files = read if paths else None
+            done.append("karta.description_paths")
+            await self._follow_kinds()
+        except BaseException as e:
+            self.settings = with_keys(self.settings, new, done)
+            if not isinstance(e, Exception):
+                raise
+            log.exception("reload failed while applying")
+            return ReloadOutcome(False, f"{type(e).__name__}: {e} (while applying; in force "
+                                 f"from the new configuration: {', '.join(done) or 'nothing'})")
         self.settings = new
-        if self.tls is not None and tls is not None:
-            self.tls.adopt(tls, forced=True)
-        self.upstream.tls_adopt(upstream_tls)
         if merged.restart_required:
             log.warning("configuration changes that take a restart; the running values stay",
                         extra={"keys": list(merged.restart_required)})

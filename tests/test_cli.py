@@ -534,8 +534,26 @@ def test_log_level_flag_is_case_insensitive_as_in_the_file() -> None:
         # an unset variable in a manifest: the file silently skipped, the defaults run
         (["--config", ""], "--config: the path is empty"),
         # "" reads as every namespace: the whole cluster watched
-        (["--namespace", ""], "kube.namespaces[0]: empty"),
-        (["--namespace", "a", "--namespace", ""], "kube.namespaces[1]: empty"),
+        (["--namespace", ""], "--namespace: the value is empty"),
+        (["--namespace", "a", "--namespace", ""], "--namespace: the value is empty"),
+        # "" read as "not set" (the settings audit): a snapshot proxy watched the cluster
+        # of ~/.kube/config, no upstream credentials were sent, and so on
+        (["--snapshot", ""], "--snapshot: the value is empty; give one, or leave the flag "
+         "out"),
+        (["--upstream-bearer-token-file", ""], "--upstream-bearer-token-file: the value is "
+         "empty"),
+        (["--kubeconfig", ""], "--kubeconfig: the value is empty"),
+        (["--node-name", ""], "--node-name: the value is empty"),
+        (["--description", ""], "--description: the value is empty"),
+        (["--tls-client-ca-file", ""], "--tls-client-ca-file: the value is empty"),
+        (["--listen-address", ""], "--listen-address: the value is empty"),
+        (["--web.listen-address", ""], "--listen-address: the value is empty"),
+        (["--upstream-url", ""], "--upstream-url: the value is empty"),
+        # a name no node has: ready, nothing attributed, nothing said
+        (["--node-name", " "], "kube.node_name: ' ' has whitespace around it"),
+        (["--node-name", "Node_1"], "kube.node_name: 'Node_1' is not a valid node name"),
+        (["--namespace", "Bad_NS!"], "kube.namespaces[0]: 'Bad_NS!' is not a valid "
+         "namespace"),
     ],
 )
 def test_empty_values_that_meant_something_else_exit_2(
@@ -613,3 +631,71 @@ def test_a_kubeconfig_from_the_environment_is_said_to_come_from_it(tmp_path: Pat
     assert r.stderr.splitlines() == [
         f"karta-proxy: error: {cfg}: kube.kubeconfig: file '{tmp_path / 'no'}' does not "
         "exist or is not readable"]
+
+
+def test_empty_tls_flags_do_not_switch_off_the_files_tls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The settings audit: --tls-cert-file "" --tls-key-file "" (a variable left unset in
+    a manifest) over a file that sets both served plain HTTP, flags winning."""
+    from tests.tls_certs import Authority
+
+    pem = Authority(tmp_path / "pki").issue("proxy", server=True)
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text(f"upstream: {{url: 'http://x:1'}}\nserver: {{tls_cert_file: '{pem.cert}', "
+                   f"tls_key_file: '{pem.key}'}}\n")
+    assert settings_from_args(build_parser().parse_args(["--config", str(cfg)]),
+                              env={}).server.tls_cert_file == str(pem.cert)
+    assert main(["--config", str(cfg), "--tls-cert-file", "", "--tls-key-file", ""]) == 2
+    assert capsys.readouterr().err == (
+        "karta-proxy: error: --tls-cert-file: the value is empty; give one, or leave the "
+        "flag out (to unset what the config file sets, edit the file)\n")
+
+
+def test_an_empty_environment_variable_is_still_not_set() -> None:
+    """NODE_NAME="" (an unset downward-API field, say) is no node filter, as KUBECONFIG=""
+    is no kubeconfig for kubectl: only a flag's empty value is refused."""
+    args = build_parser().parse_args(["--upstream-url", "http://x:1"])
+    s = settings_from_args(args, env={"NODE_NAME": "", "KUBECONFIG": ""})
+    assert (s.kube.node_name, s.kube.kubeconfig) == ("", "")
+
+
+def test_a_node_name_from_the_environment_that_names_no_node_exits_2(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["--upstream-url", "http://x:1"])
+    with pytest.raises(ConfigError, match=r"^kube\.node_name \(from \$NODE_NAME\): ' ' has "
+                       "whitespace"):
+        settings_from_args(args, env={"NODE_NAME": " "})
+
+
+def test_choice_flags_take_any_case() -> None:
+    args = build_parser().parse_args(["--upstream-url", "http://x:1", "--log-format", "JSON",
+                                      "--upstream-protocol", "V1", "--tls-client-auth-type",
+                                      "noclientcert"])
+    assert (args.log_format, getattr(args, "upstream.protocol"),
+            getattr(args, "server.tls_client_auth_type")) == ("json", "v1", "NoClientCert")
+
+
+def test_a_label_limit_past_a_c_size_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """The settings audit: 2**63 was taken, then the native plan's compile raised at start:
+    a traceback and exit 1."""
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text(f"upstream: {{url: 'http://x:1', max_labels_per_series: {2**63}}}\n")
+    r = run_cli("--config", str(cfg), "--snapshot", str(REPO / "proxy/demo_data/snapshot.yaml"),
+                "--listen-address", f"127.0.0.1:{_free_port()}")
+    assert (r.returncode, r.stderr.splitlines()) == (2, [
+        f"karta-proxy: error: {cfg}: upstream.max_labels_per_series: must be 0 to 65536, got "
+        f"{2**63}"])
+
+
+def test_a_lease_kubeconfig_that_does_not_exist_exits_2_with_a_snapshot(
+        tmp_path: Path) -> None:
+    """docs/operations.md: a file a setting names that does not exist is exit 2; with
+    --snapshot and facts.leader_election it was the start's failure, exit 1."""
+    cfg = tmp_path / "karta.yaml"
+    cfg.write_text("upstream: {url: 'http://x:1'}\nfacts: {leader_election: true}\n"
+                   "kube: {kubeconfig: /nonexistent}\n")
+    r = run_cli("--config", str(cfg), "--snapshot", str(REPO / "proxy/demo_data/snapshot.yaml"),
+                "--listen-address", f"127.0.0.1:{_free_port()}")
+    assert (r.returncode, r.stderr.splitlines()) == (2, [
+        f"karta-proxy: error: {cfg}: kube.kubeconfig: file '/nonexistent' does not exist or "
+        "is not readable"])

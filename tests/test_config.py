@@ -18,6 +18,7 @@ from proxy.config import (
     PodLabelRule,
     Section,
     Settings,
+    first_kubeconfig,
     load_settings,
     parse_host_port,
     schema,
@@ -107,10 +108,27 @@ def test_dashes_are_accepted_for_underscores() -> None:
          "expected keys 'namespace' and 'pod'"),
         ("- a\n", "top level: expected a mapping, got list"),
         # bounds and choices come from the schema, with the same wording as validate's
-        ("server:\n  max_body_bytes: 0\n", "server.max_body_bytes: must be greater than 0, "
+        ("server:\n  max_body_bytes: 0\n", "server.max_body_bytes: must be 1 to 4294967296, "
          "got 0"),
         ("server:\n  worker_threads: 300\n", "server.worker_threads: must be 0 to 256, got 300"),
-        ("karta:\n  max_owner_hops: 0\n", "karta.max_owner_hops: must be 1 or more, got 0"),
+        ("karta:\n  max_owner_hops: 0\n", "karta.max_owner_hops: must be 1 to 100, got 0"),
+        ("upstream:\n  timeout_seconds: 0\n", "upstream.timeout_seconds: must be greater "
+         "than 0, got 0"),
+        # the value itself, shortened, where only its type was said
+        ("enrich:\n  pod_label_rules: [DCGM_]\n", "enrich.pod_label_rules[0]: expected a "
+         "mapping, got string 'DCGM_'"),
+        ("upstream: " + "x" * 200 + "\n", "upstream: expected a mapping, got string 'xxx"),
+        # YAML 1.1 reads 1e3 as a string, yes / no as booleans: said how to write them
+        ("upstream:\n  timeout_seconds: 1e3\n", "upstream.timeout_seconds: expected a "
+         "number, got string '1e3' (YAML 1.1 reads it as a string: write a dot and a signed "
+         "exponent, 1.0e+03, or 1000)"),
+        ("server:\n  max_body_bytes: 1e6\n", "server.max_body_bytes: expected an integer, "
+         "got string '1e6' (YAML 1.1 reads it as a string: write 1000000)"),
+        ("upstream:\n  headers: {X-Flag: yes}\n", "upstream.headers: entries must be string: "
+         "string, got 'X-Flag': True (YAML reads yes, no, on, off, true and false unquoted "
+         "as booleans: quote it)"),
+        ("upstream:\n  basic_auth_username: no\n", "upstream.basic_auth_username: expected a "
+         "string, got boolean False (YAML reads yes, no, on, off"),
         ("upstream:\n  protocol: v3\n", "upstream.protocol: expected one of auto, v1, "
          "passthrough; got 'v3'"),
         ("log_level: loud\n", "log_level: expected one of"),
@@ -610,3 +628,121 @@ def test_no_default_pair_reads_exported_labels_outside_their_exporters_rules() -
     readers = {r.metric_prefix for r in enrich.pod_label_rules
                if any(p.namespace.startswith("exported_") for p in r.pod_label_pairs)}
     assert readers == {"DCGM_", "kube_"}
+
+
+# -- the settings audit: values that were accepted and meant nothing, or broke later ------
+
+
+def test_integer_settings_that_reach_c_sizes_have_an_upper_bound() -> None:
+    """upstream.max_labels_per_series: 2**63 was taken, then failed as an OverflowError
+    where the native plan is compiled: a traceback and exit 1 at start, a 500 halfway
+    through a reload. Every integer setting is bounded now (most reach C code or a
+    C-sized value: the splice's Py_ssize_t, a snappy body's 32-bit length)."""
+    from msgspec import inspect as mi
+
+    unbounded = [i.key for i in schema()
+                 if isinstance(i.type, mi.IntType) and i.type.le is None]
+    assert unbounded == []
+    with pytest.raises(ConfigError, match=r"^upstream\.max_labels_per_series: must be 0 to "
+                       r"65536, got 9223372036854775808$"):
+        settings_from_dict({"upstream": {"max_labels_per_series": 2**63}})
+    for key in ("max_body_bytes", "max_decoded_bytes", "min_body_bytes_per_second"):
+        with pytest.raises(ConfigError, match=f"server.{key}: must be 1 to 4294967296"):
+            settings_from_dict({"server": {key: 2**32 + 1}})
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "given", "taken"),
+    [("", "log_format", "JSON", "json"), ("", "log_level", "Warning", "warning"),
+     ("upstream", "encoding", "ZSTD", "zstd"), ("upstream", "protocol", "V1", "v1"),
+     ("enrich", "conflict_policy", "Keep", "keep"),
+     ("server", "tls_client_auth_type", "requireandverifyclientcert",
+      "RequireAndVerifyClientCert")],
+)
+def test_every_choice_is_matched_without_regard_to_case(
+        section: str, key: str, given: str, taken: str) -> None:
+    """log_level alone was case-folded: log_format: JSON, encoding: ZSTD were refused."""
+    s = settings_from_dict({section: {key: given}} if section else {key: given})
+    assert getattr(getattr(s, section) if section else s, key) == taken
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "~\n", "\n\n"])
+def test_a_file_with_no_settings_is_refused_at_a_reload_only(
+        tmp_path: Path, text: str) -> None:
+    """At a reload it reset enrich.*, karta.description_paths and log_level to their
+    defaults with a 200: a file caught mid-save, most likely. At start: every default."""
+    path = write(tmp_path, text)
+    assert load_settings(path) == Settings()
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: the file holds no "
+                       "settings .*the configuration in force stays"):
+        load_settings(path, empty_ok=False)
+    assert load_settings(write(tmp_path, "{}\n"), empty_ok=False) == Settings()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # a namespace or node that no object can have: ready, nothing attributed, silent
+        (lambda s: setattr(s.kube, "node_name", " "), "kube.node_name: ' ' has whitespace"),
+        (lambda s: setattr(s.kube, "node_name", "node-1 "), "has whitespace around it"),
+        (lambda s: setattr(s.kube, "node_name", "Node_1"), "kube.node_name: 'Node_1' is not "
+         "a valid node name (an RFC 1123 DNS subdomain"),
+        (lambda s: setattr(s.kube, "node_name", "a" * 254), "at most 253"),
+        (lambda s: setattr(s.kube, "namespaces", ["web", "Bad_NS!"]),
+         "kube.namespaces[1]: 'Bad_NS!' is not a valid namespace (an RFC 1123 DNS label"),
+        (lambda s: setattr(s.kube, "namespaces", ["a.b"]), "is not a valid namespace"),
+        (lambda s: setattr(s.kube, "namespaces", ["a" * 64]), "at most 63"),
+        # the Lease: "" is the collection (every round a 405), the others refused by the API
+        (lambda s: setattr(s.facts, "lease_name", ""), "facts.lease_name: empty"),
+        (lambda s: setattr(s.facts, "lease_name", "Bad/Name"), "facts.lease_name: 'Bad/Name' "
+         "is not a valid Lease name"),
+        (lambda s: setattr(s.facts, "lease_namespace", "a b"), "facts.lease_namespace: 'a b' "
+         "is not a valid namespace"),
+        (lambda s: setattr(s.facts, "identity", " "), "facts.identity: ' ' is blank"),
+    ],
+)
+def test_names_of_kubernetes_objects_are_checked(change: Callable[[Settings], None],
+                                                 expected: str) -> None:
+    s = valid()
+    change(s)
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert expected in str(e.value)
+
+
+def test_valid_names_of_kubernetes_objects_pass() -> None:
+    s = valid()
+    s.kube.node_name = "ip-10-0-1-2.eu-west-1.compute.internal"
+    s.kube.namespaces = ["web", "kube-system", "a1"]
+    s.facts.lease_name, s.facts.lease_namespace = "karta.facts-1", "monitoring"
+    s.facts.identity = "karta-proxy-0 on node 1"
+    validate(s)
+
+
+def test_a_kubeconfig_for_the_lease_is_checked_with_a_snapshot_too(tmp_path: Path) -> None:
+    """docs/operations.md: a file a setting names that does not exist is exit 2; with a
+    snapshot the check was skipped, and the Lease's connection failed the start (1)."""
+    snap = write(tmp_path, "{}")
+    s = valid()
+    s.snapshot, s.kube.kubeconfig = str(snap), "/nonexistent"
+    validate(s)  # no Lease: the kubeconfig is not used
+    s.facts.leader_election = True
+    with pytest.raises(ConfigError, match=r"kube\.kubeconfig: file '/nonexistent' does not"):
+        validate(s)
+    s.facts.enabled = False  # no fact writer, no Lease
+    validate(s)
+
+
+def test_a_kubeconfig_path_list_is_read_from_its_first_non_empty_entry(
+        tmp_path: Path) -> None:
+    """As kubectl reads $KUBECONFIG: ':/path' was 'file ':/path' does not exist'."""
+    kc = write(tmp_path, "{}")
+    assert first_kubeconfig(f"{os.pathsep}{kc}") == str(kc)
+    assert first_kubeconfig(f"{os.pathsep}{os.pathsep}{kc}{os.pathsep}/x") == str(kc)
+    assert first_kubeconfig(os.pathsep) == os.pathsep
+    s = valid()
+    s.kube.kubeconfig = f"{os.pathsep}{kc}"
+    validate(s)
+    from proxy.kube.client import kubeconfig_path
+
+    assert kubeconfig_path(s.kube) == str(kc)  # the file the client loads, the one checked

@@ -591,6 +591,122 @@ async def test_an_engine_failure_in_a_reloads_runs_costs_only_its_culprit(
         await p.stop()
 
 
+# -- a reload is applied whole, or what it applied is recorded (the settings audit) -------
+
+
+async def test_a_refused_reload_applies_nothing_and_a_later_one_still_applies(
+        running: Running) -> None:
+    """The audit's sequence: builtins off and a label limit the native plan cannot take
+    (2**63) answered 500 OverflowError, but the built-ins were removed already (the plan
+    was compiled after them, past the point of no return); reloading the original file
+    answered 200 and changed nothing (the settings in force still said builtins on): only
+    a restart stamped the cart pod again."""
+    r = running
+    original = r.config.read_text()
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    r.write_config(karta={"builtins": False}, upstream={"max_labels_per_series": 2**63})
+    status, text = await r.post_reload()
+    assert status == 500, (status, text)
+    assert await r.send(CART_POD) == {**CART_POD, **CART}  # nothing of it applied
+    assert "upstream.max_labels_per_series: must be 0 to 65536" in text, text
+    assert r.proxy.settings.karta.builtins is True
+    r.config.write_text(original)
+    assert (await r.post_reload())[0] == 200
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+
+
+async def test_the_new_plan_is_compiled_before_anything_is_applied(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the compile of a valid plan raises (here: a limit of 7, made to fail as
+    2**63 did), it fails the reload in its trial phase: the built-in switch of the same
+    file is not applied."""
+    import proxy.enrichment
+
+    real = proxy.enrichment.Splicer
+
+    def splicer(plan: Any, *args: Any) -> Any:
+        if plan.max_labels == 7:
+            raise OverflowError("Python int too large to convert to C ssize_t")
+        return real(plan, *args)
+
+    monkeypatch.setattr(proxy.enrichment, "Splicer", splicer)
+    r = running
+    r.write_config(karta={"builtins": False}, upstream={"max_labels_per_series": 7})
+    status, text = await r.post_reload()
+    assert status == 500 and "enrich: Python int too large" in text, (status, text)
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    assert r.proxy.settings.karta.builtins is True
+    assert r.proxy.settings.upstream.max_labels_per_series == 30
+
+
+async def test_a_failure_while_applying_is_recorded_so_the_next_reload_mends_it(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the point of no return nothing should fail; were something to (an engine bug
+    in the files' descriptions, after the built-ins were removed), the settings in force
+    say what was applied, and the next reload of the original file puts it back."""
+    r = running
+    p = r.proxy
+    original = r.config.read_text()
+    real = p._describe
+
+    async def describe(descs: Any, source: str) -> None:
+        if source == "files":
+            raise RuntimeError("engine bug")
+        await real(descs, source)
+
+    monkeypatch.setattr(p, "_describe", describe)
+    monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)  # restored
+    r.write_config(karta={"builtins": False,
+                          "description_paths": [str(r.config.parent / "descriptions")]},
+                   log_level="debug")
+    status, text = await r.post_reload()
+    assert status == 500 and "RuntimeError: engine bug (while applying; in force from the " \
+        "new configuration: log_level, karta.builtins)" in text, (status, text)
+    assert await r.send(CART_POD) == CART_POD  # the built-ins went
+    assert p.settings.karta.builtins is False and p.settings.log_level == "debug"
+    assert r.metric(RELOADS_OK) == 0.0
+    monkeypatch.setattr(p, "_describe", real)
+    r.config.write_text(original)
+    status, text = await r.post_reload()
+    assert status == 200, text
+    assert await r.send(CART_POD) == {**CART_POD, **CART}
+    assert p.settings.karta.builtins is True and p.settings.log_level == "info"
+
+
+async def test_a_config_file_emptied_is_refused_at_a_reload(tmp_path: Path) -> None:
+    """An empty or comment-only file (a ConfigMap caught mid-save) reset enrich.*, the
+    description paths and log_level to their defaults with a 200; the CLI's loader
+    refuses it now, and what is in force stays."""
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    config = tmp_path / "karta-proxy.yaml"
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        r = Running(None, up, config, "", session)  # type: ignore[arg-type]
+        # the rest on the command line, as the audit's: the file holds enrich only
+        config.write_text(yaml.safe_dump({"enrich": {"pod_label_pairs": [["app_ns",
+                                                                           "app_pod"]]}}))
+        args = build_parser().parse_args([
+            "--config", str(config), "--snapshot", str(tmp_path / "snap.yaml"),
+            "--upstream-url", up.url, "--listen-address", "127.0.0.1:0",
+            "--web.enable-lifecycle", "--no-facts"])
+        p = Proxy(settings_from_args(args, env={}),
+                  loader=lambda: settings_from_args(args, env={}, reloading=True))
+        await p.start()
+        r.proxy, r.base = p, f"http://127.0.0.1:{p.port}"
+        try:
+            assert await r.send(CART_OTHER) == {**CART_OTHER, **CART}
+            for text in ("", "# being rewritten\n"):
+                config.write_text(text)
+                status, body = await r.post_reload()
+                assert status == 500 and "the file holds no settings" in body, body
+                assert await r.send(CART_OTHER) == {**CART_OTHER, **CART}
+            config.write_text("{}\n")  # every default, said so: applied
+            status, body = await r.post_reload()
+            assert status == 200, body
+            assert await r.send(CART_OTHER) == CART_OTHER
+        finally:
+            await p.stop()
+
+
 # -- the real process ---------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from kubernetes_asyncio.client import rest as k8s_rest
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import incluster_config
 
-from proxy.config import KubeSettings
+from proxy.config import KubeSettings, first_kubeconfig
 from proxy.karta.yamltext import yaml_error
 from proxy.tls_files import FileStamp, stamp
 
@@ -146,11 +146,11 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
 
 def kubeconfig_path(settings: KubeSettings) -> str:
     """The kubeconfig file the connection comes from: the setting or ``KUBECONFIG`` (its
-    first entry); else none in a pod (the in-cluster service account); else
-    ``~/.kube/config`` when it exists; "" for none."""
+    first non-empty entry, as kubectl reads ``:/path``); else none in a pod (the
+    in-cluster service account); else ``~/.kube/config`` when it exists; "" for none."""
     path = settings.kubeconfig or os.environ.get("KUBECONFIG", "")
     if path:
-        return path.split(os.pathsep)[0] or path
+        return first_kubeconfig(path)
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         return ""
     default = Path("~/.kube/config").expanduser()

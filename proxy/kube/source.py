@@ -114,6 +114,8 @@ class KubeSource:
             else max(MIN_SYNC_DEADLINE, 2 * settings.resync_backoff_max_seconds)
         )
         self._clock = clock
+        #: watchers of pods whose empty first list under a filter was warned of
+        self._empty_warned: set[str] = set()
         self.metrics = WatchMetrics(self.registry)
         self._last_current = Gauge(
             "karta_proxy_watch_last_current_timestamp_seconds",
@@ -334,9 +336,11 @@ class KubeSource:
         self, res: ApiResource, mode: str, held: dict[str, str]
     ) -> list[Watcher]:
         assert self._make_watcher is not None
+        # each namespace once, in order: --namespace web --namespace web started two
+        # identical watchers per kind (every object delivered twice)
         namespaces: list[str | None] = (
-            list(self.settings.namespaces) if res.namespaced and self.settings.namespaces
-            else [None]
+            list(dict.fromkeys(self.settings.namespaces))
+            if res.namespaced and self.settings.namespaces else [None]
         )
         field_selector = ""
         if res.group_kind == POD and self.settings.node_name:
@@ -622,6 +626,8 @@ class KubeSource:
                                              object_name))
 
     def current(self, watcher: Watcher) -> None:
+        if not watcher.synced.is_set():
+            self._warn_if_filtered_to_nothing(watcher)
         now = time.time()
         self.index.mark_fresh(watcher.name, now)
         self._last_current.labels(watcher.name).set(now)
@@ -643,6 +649,27 @@ class KubeSource:
             if retry_at is not None and self._clock() >= retry_at:
                 del self._refused[gk]
                 self._mark_served(gk)
+
+    def _warn_if_filtered_to_nothing(self, watcher: Watcher) -> None:
+        """One warning when a watcher's first list of pods under a node or namespace
+        filter comes back empty: a node or namespace that does not exist (a typo, a
+        NODE_NAME of another cluster) lists nothing, without an error, and the proxy
+        reported ready with nothing attributed and nothing said."""
+        if watcher.resource.group_kind != POD or watcher.held:
+            return
+        node, ns = self.settings.node_name, watcher.namespace
+        if not node and ns is None:
+            return
+        if watcher.name in self._empty_warned:
+            return
+        self._empty_warned.add(watcher.name)
+        where = " and ".join(f for f in (f"node {node!r}" if node else "",
+                                          f"namespace {ns!r}" if ns is not None else "") if f)
+        log.warning("the first list of pods on %s is empty: nothing there is attributed "
+                    "(is the %s right?)", where,
+                    " / ".join(k for k, v in (("kube.node_name", node),
+                                              ("kube.namespaces", ns)) if v),
+                    extra={"node_name": node, "namespace": ns})
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """One warning per way of failing (unreachable, API error 500, ...) when the

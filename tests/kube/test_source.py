@@ -22,7 +22,7 @@ from proxy.facts.model import process_facts
 from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
-from proxy.kube.source import KubeSource
+from proxy.kube.source import POD, KubeSource
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.kube.conftest import (
     SourceFactory,
@@ -217,6 +217,40 @@ async def test_namespace_filter(sim: KubeSim, make_source: SourceFactory) -> Non
     pod_paths = {path for _, path, _, _ in sim.requests if path.endswith("/pods")}
     assert pod_paths == {"/api/v1/namespaces/team-a/pods"}
     assert "team-a/pods" in source.index.freshness
+
+
+async def test_a_namespace_given_twice_is_watched_once(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """--namespace web --namespace web started two identical watchers per kind."""
+    deployment(sim, "a-app", ns="team-a", replicas=1)
+    source = await make_source(namespaces=["team-b", "team-a", "team-b"])
+    assert [w.namespace for w in source.watchers[POD][1]] == ["team-b", "team-a"]
+
+
+@pytest.mark.parametrize("scope", [{"namespaces": ["team-a", "nosuch"]},
+                                   {"node_name": "no-such-node"}])
+async def test_a_filter_whose_first_list_of_pods_is_empty_is_warned_once(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture,
+        scope: dict[str, object]) -> None:
+    """A namespace or node that does not exist lists nothing, without an error: the proxy
+    reported ready, with nothing attributed and nothing said."""
+    deployment(sim, "a-app", ns="team-a", replicas=1, node="n1")
+    with caplog.at_level(logging.WARNING):
+        await make_source(**scope)
+    warned = [r.getMessage() for r in caplog.records
+              if "the first list of pods" in r.getMessage()]
+    where, key = (("namespace 'nosuch'", "namespaces") if "namespaces" in scope
+                  else ("node 'no-such-node'", "node_name"))
+    assert warned == [f"the first list of pods on {where} is empty: nothing there is "
+                      f"attributed (is the kube.{key} right?)"], warned
+
+
+async def test_no_warning_when_the_filter_finds_pods(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    deployment(sim, "a-app", ns="team-a", replicas=1, node="n1")
+    with caplog.at_level(logging.WARNING):
+        await make_source(namespaces=["team-a"], node_name="n1")
+    assert "the first list of pods" not in caplog.text
 
 
 async def test_a_namespace_rbac_refuses_leaves_the_others_watched(
