@@ -280,6 +280,23 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
         (lambda s: setattr(s.facts, "external_labels", {"namespace": "x"}),
          "is a label of the fact series"),
         (lambda s: setattr(s.facts, "external_labels", {"cluster": ""}), "the value is empty"),
+        # a namespace or node that no object can have: ready, nothing attributed, silent
+        (lambda s: setattr(s.kube, "node_name", " "), "kube.node_name: ' ' has whitespace"),
+        (lambda s: setattr(s.kube, "node_name", "node-1 "), "has whitespace around it"),
+        (lambda s: setattr(s.kube, "node_name", "Node_1"), "kube.node_name: 'Node_1' is not "
+         "a valid node name (an RFC 1123 DNS subdomain"),
+        (lambda s: setattr(s.kube, "node_name", "a" * 254), "at most 253"),
+        (lambda s: setattr(s.kube, "namespaces", ["web", "Bad_NS!"]),
+         "kube.namespaces[1]: 'Bad_NS!' is not a valid namespace (an RFC 1123 DNS label"),
+        (lambda s: setattr(s.kube, "namespaces", ["a.b"]), "is not a valid namespace"),
+        (lambda s: setattr(s.kube, "namespaces", ["a" * 64]), "at most 63"),
+        # the Lease: "" is the collection (every round a 405), the others refused by the API
+        (lambda s: setattr(s.facts, "lease_name", ""), "facts.lease_name: empty"),
+        (lambda s: setattr(s.facts, "lease_name", "Bad/Name"), "facts.lease_name: 'Bad/Name' "
+         "is not a valid Lease name"),
+        (lambda s: setattr(s.facts, "lease_namespace", "a b"), "facts.lease_namespace: 'a b' "
+         "is not a valid namespace"),
+        (lambda s: setattr(s.facts, "identity", " "), "facts.identity: ' ' is blank"),
     ],
 )
 def test_validate_names_the_bad_key(change: Callable[[Settings], None], expected: str) -> None:
@@ -677,37 +694,6 @@ def test_a_file_with_no_settings_is_refused_at_a_reload_only(
                        "settings .*the configuration in force stays"):
         load_settings(path, empty_ok=False)
     assert load_settings(write(tmp_path, "{}\n"), empty_ok=False) == Settings()
-
-
-@pytest.mark.parametrize(
-    ("change", "expected"),
-    [
-        # a namespace or node that no object can have: ready, nothing attributed, silent
-        (lambda s: setattr(s.kube, "node_name", " "), "kube.node_name: ' ' has whitespace"),
-        (lambda s: setattr(s.kube, "node_name", "node-1 "), "has whitespace around it"),
-        (lambda s: setattr(s.kube, "node_name", "Node_1"), "kube.node_name: 'Node_1' is not "
-         "a valid node name (an RFC 1123 DNS subdomain"),
-        (lambda s: setattr(s.kube, "node_name", "a" * 254), "at most 253"),
-        (lambda s: setattr(s.kube, "namespaces", ["web", "Bad_NS!"]),
-         "kube.namespaces[1]: 'Bad_NS!' is not a valid namespace (an RFC 1123 DNS label"),
-        (lambda s: setattr(s.kube, "namespaces", ["a.b"]), "is not a valid namespace"),
-        (lambda s: setattr(s.kube, "namespaces", ["a" * 64]), "at most 63"),
-        # the Lease: "" is the collection (every round a 405), the others refused by the API
-        (lambda s: setattr(s.facts, "lease_name", ""), "facts.lease_name: empty"),
-        (lambda s: setattr(s.facts, "lease_name", "Bad/Name"), "facts.lease_name: 'Bad/Name' "
-         "is not a valid Lease name"),
-        (lambda s: setattr(s.facts, "lease_namespace", "a b"), "facts.lease_namespace: 'a b' "
-         "is not a valid namespace"),
-        (lambda s: setattr(s.facts, "identity", " "), "facts.identity: ' ' is blank"),
-    ],
-)
-def test_names_of_kubernetes_objects_are_checked(change: Callable[[Settings], None],
-                                                 expected: str) -> None:
-    s = valid()
-    change(s)
-    with pytest.raises(ConfigError) as e:
-        validate(s)
-    assert expected in str(e.value)
 
 
 def test_valid_names_of_kubernetes_objects_pass() -> None:
