@@ -285,6 +285,13 @@ class RemoteWriteHandler:
             log, "a series over the TSDB's label limit with the stamp, forwarded unattributed",
             "series over the TSDB's label limit with the stamp, forwarded unattributed",
             peer_field=None)
+        #: and so do RW 2.0 requests whose symbol index was flooded (one sender's, in every
+        #: request it sends): a line per interval naming the request's size and the sender
+        self._index_flooded = Throttled(
+            log, "an RW 2.0 request's symbols collide in the splice's hash (a hash flood?): "
+            "its symbol index was rebuilt with a keyed hash, the request forwarded",
+            "RW 2.0 requests whose symbols collide in the splice's hash, forwarded",
+            peer_field="remote")
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
         #: the child a splice that takes more counts in (looked up once, not per request)
         self._splices_grown = metrics.splice_limits.labels("grown")
@@ -303,6 +310,7 @@ class RemoteWriteHandler:
         self._refusals.close()
         self._refusals_info.close()
         self._label_limited.close()
+        self._index_flooded.close()
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped taking requests)."""
@@ -639,12 +647,19 @@ class RemoteWriteHandler:
         except ValueError as e:
             raise _Refusal(400, f"cannot decode the remote-write message: {e}",
                            counter="decode", kind="protobuf") from None
+        body_bytes = len(body)
         del body
         result = prepared.result
         # from here to the answer it holds its outgoing body only, compressed: its own
         # body and the decoded one are gone
         held.settle(len(prepared.outgoing.encoded))
         self._count(result)
+        if result.index_flooded:
+            self.metrics.symbol_index_floods.inc()
+            self._index_flooded.event("index_flooded", {
+                "remote": request.remote, "symbols": result.index_flooded,
+                "series": result.counts.series, "body_bytes": body_bytes,
+                "user_agent": request.headers.get("User-Agent", "")})
         try:
             answer = await self.upstream.forward(
                 prepared.outgoing, request.headers, tenant=request.match_info.get("tenant"),

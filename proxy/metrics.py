@@ -227,6 +227,11 @@ class ProxyMetrics:
             "one request may hold: 413).",
             ("grown", "overload", "too_large"), r,
         )
+        self.symbol_index_floods = Counter(
+            _P + "symbol_index_floods", "RW 2.0 requests whose symbol index went over its "
+            "probe budget (symbols made to collide in its hash: a hash flood) and was rebuilt "
+            "with a keyed hash; spliced and forwarded as any other.", registry=r,
+        )
         self.inflight_bytes = Gauge(
             _P + "inflight_bytes", "Request bytes charged to server.max_inflight_bytes "
             "now (body, decoded and output until spliced, then the outgoing body).",

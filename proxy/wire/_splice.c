@@ -169,6 +169,47 @@ hash_bytes(const uint8_t *s, size_t n, uint64_t h)
     return h;
 }
 
+/* SipHash-1-3 (Aumasson, Bernstein; the variant Python's str hash and Rust's HashMap use):
+ * a keyed hash for the RW 2.0 symbol index of a request whose fast-hash index went over
+ * its probe budget. Without the key (v2_sip_k0/k1, secret, per process) no set of
+ * colliding strings can be made for it; hash_bytes, of the multiply-xorshift family, may
+ * have seed-independent multicollisions. ~2x hash_bytes' cost: never on the normal path. */
+#define ROTL64(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                           \
+    do {                                                                                   \
+        v0 += v1; v1 = ROTL64(v1, 13); v1 ^= v0; v0 = ROTL64(v0, 32);                      \
+        v2 += v3; v3 = ROTL64(v3, 16); v3 ^= v2;                                           \
+        v0 += v3; v3 = ROTL64(v3, 21); v3 ^= v0;                                           \
+        v2 += v1; v1 = ROTL64(v1, 17); v1 ^= v2; v2 = ROTL64(v2, 32);                      \
+    } while (0)
+
+static uint64_t
+siphash13(uint64_t k0, uint64_t k1, const uint8_t *s, size_t n)
+{
+    uint64_t v0 = k0 ^ 0x736f6d6570736575ULL, v1 = k1 ^ 0x646f72616e646f6dULL;
+    uint64_t v2 = k0 ^ 0x6c7967656e657261ULL, v3 = k1 ^ 0x7465646279746573ULL;
+    uint64_t b = (uint64_t)n << 56;
+    while (n >= 8) {
+        uint64_t m;
+        memcpy(&m, s, 8);
+        v3 ^= m;
+        SIPROUND;
+        v0 ^= m;
+        s += 8;
+        n -= 8;
+    }
+    for (size_t i = 0; i < n; i++)
+        b |= (uint64_t)s[i] << (8 * i);
+    v3 ^= b;
+    SIPROUND;
+    v0 ^= b;
+    v2 ^= 0xff;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
 static inline int
 str_cmp(const uint8_t *a, size_t an, const uint8_t *b, size_t bn)
 {
@@ -477,11 +518,18 @@ typedef struct {
     uint32_t field_off, field_len; /* the encoded RW 1.0 Label field, in the entry's bytes */
     uint32_t name_off, name_len;
     uint32_t value_off, value_len;
-    uint64_t name_hash, value_hash; /* hash_bytes(.., V2_SEED): RW 2.0 symbol lookups */
+    uint64_t name_hash, value_hash; /* hash_bytes(.., table's v2_seed): RW 2.0 lookups */
 } StampLabel;
 
-/* the seed of the per-request RW 2.0 symbol index (stamp strings carry their hash) */
-#define V2_SEED 0x5bd1e995ULL
+/* The seed of the per-request RW 2.0 symbol index: secret, per process (getrandom at
+ * module init), so a sender cannot compute strings that collide in it (with a fixed seed
+ * the hash of an 8-byte string is an invertible function of it: 20k symbols in one bucket
+ * made the index O(n^2), 0.4 s, and the limits allowed ~40 minutes a request). A table
+ * takes it when made and hashes its stamp strings with it, so its entries' hashes are the
+ * index's. _set_v2_seed (tests) changes it for tables made after. */
+static uint64_t v2_seed;
+/* the key of the keyed fallback (siphash13), secret, per process */
+static uint64_t v2_sip_k0, v2_sip_k1;
 
 typedef struct {
     uint64_t hash;
@@ -531,6 +579,7 @@ typedef struct {
     size_t used;  /* live entries */
     size_t tombs; /* deleted slots */
     uint64_t seed;
+    uint64_t v2_seed; /* v2_seed when made: its entries' StampLabel hashes */
     PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown,
                           * 2 label_limit (REASON_LABEL_LIMIT) */
     PyObject *reason_ix; /* dict str -> int */
@@ -796,8 +845,8 @@ build:;
         off += v;
         sl[i].field_off = (uint32_t)(nsl + podl + start);
         sl[i].field_len = (uint32_t)(off - start);
-        sl[i].name_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(nb), n, V2_SEED);
-        sl[i].value_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(vb), v, V2_SEED);
+        sl[i].name_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(nb), n, t->v2_seed);
+        sl[i].value_hash = hash_bytes((const uint8_t *)PyBytes_AS_STRING(vb), v, t->v2_seed);
         if (i == 0) {
             en->first_off = sl[i].name_off;
             en->first_len = sl[i].name_len;
@@ -879,6 +928,7 @@ PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     t->slots = NULL;
     t->cap = t->used = t->tombs = 0;
     t->seed = ((uint64_t)(uintptr_t)t * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)time(NULL);
+    t->v2_seed = v2_seed;
     t->reasons = PyList_New(0);
     t->reason_ix = PyDict_New();
     if (t->reasons == NULL || t->reason_ix == NULL) {
@@ -1369,8 +1419,13 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         goto fail;
     int s0 = plan_slot(pl, name, 0);
     Py_DECREF(name);
-    if (s0 != SLOT_NAME || plan_slot(pl, workload, 0) != SLOT_WORKLOAD)
+    if (s0 != SLOT_NAME)
+        goto fail; /* (out of memory: set) */
+    if (plan_slot(pl, workload, 0) != SLOT_WORKLOAD) {
+        if (!PyErr_Occurred()) /* it found __name__'s slot */
+            PyErr_SetString(PyExc_ValueError, "workload_label must not be __name__");
         goto fail;
+    }
     PyObject *st = PySequence_Fast(stamped, "stamped must be a collection of bytes");
     if (st == NULL)
         goto fail;
@@ -2605,6 +2660,9 @@ typedef struct V2 {
     /* the first ref of each string, built when the first series is stamped */
     int32_t *index;
     size_t icap;
+    uint64_t seed; /* hash_bytes' seed: the table's v2_seed (its stamp strings' hashes) */
+    int keyed;     /* 1: over its probe budget, the index was rebuilt with siphash13 */
+    uint64_t ops, probes; /* inserts and lookups, and their probe steps past the first */
     Vec added; /* Str: strings appended to the table */
     /* entry -> offset of its refs in `refpool` (2 per stamp label) */
     const Entry **memo_key;
@@ -2612,6 +2670,7 @@ typedef struct V2 {
     size_t mcap, mlen;
     Vec refpool; /* uint32_t */
     Vec refs;    /* uint32_t: the refs of the current series */
+    uint64_t refmax; /* the largest of them, as sent (refs clamps at UINT32_MAX) */
     Vec newrefs; /* uint32_t */
 } V2;
 
@@ -2709,51 +2768,116 @@ v2_scan(Req *r, V2 *v, size_t n)
     return 1;
 }
 
-/* The ref of string s in this request: its first occurrence, or appended. */
+/* The probe budget of the RW 2.0 symbol index: past 8 probe steps (beyond the first) per
+ * insert or lookup on average, plus 4096, the index is rebuilt with the keyed hash. At a
+ * load of 1/2 (the index is kept at most half full) linear probing takes ~0.5 steps past
+ * the first per insert or hit and ~1.5 per miss on average, so an honest request stays
+ * several times below it (4096 absorbs small tables' variance); symbols made to collide
+ * reach it after O(n) work, where they cost O(n^2) in all. */
+#define V2_OVER_BUDGET(v) (!(v)->keyed && (v)->probes > 8 * (v)->ops + 4096)
+
+/* the last request's index work in this thread: _v2_index_stats (tests) */
+static _Thread_local uint64_t v2_last_ops, v2_last_probes;
+static _Thread_local int v2_last_keyed;
+
+static inline uint64_t
+v2_hash(const V2 *v, const uint8_t *s, size_t n)
+{
+    return v->keyed ? siphash13(v2_sip_k0, v2_sip_k1, s, n) : hash_bytes(s, n, v->seed);
+}
+
+static inline const Str *
+v2_str(const V2 *v, size_t ix)
+{
+    size_t nsym = v->syms.len;
+    return ix < nsym ? &((const Str *)v->syms.data)[ix]
+                     : &((const Str *)v->added.data)[ix - nsym];
+}
+
+/* (Re)build the index at `cap` slots: every symbol at its first occurrence, then every
+ * string added. Over the probe budget (fast hash only) it starts again keyed: the keyed
+ * build has no budget, so this ends. 0: out of memory. */
+static int
+v2_fill(Req *r, V2 *v, size_t cap)
+{
+    int32_t *idx = malloc(cap * sizeof(int32_t));
+    if (idx == NULL) {
+        r->arena.failed = 1;
+        return 0;
+    }
+    free(v->index);
+    v->index = idx;
+    v->icap = cap;
+    size_t mask = cap - 1, nsym = v->syms.len, total = nsym + v->added.len;
+again:
+    memset(idx, 0xff, cap * sizeof(int32_t));
+    for (size_t k = 0; k < total; k++) {
+        const Str *x = v2_str(v, k);
+        size_t i = (size_t)v2_hash(v, x->s, x->n) & mask;
+        uint64_t steps = 0;
+        int dup = 0;
+        while (idx[i] >= 0) {
+            const Str *y = v2_str(v, (size_t)idx[i]);
+            /* (an added string is in no symbol and added once) */
+            if (k < nsym && y->n == x->n && memcmp(y->s, x->s, x->n) == 0) {
+                dup = 1; /* the first occurrence wins */
+                break;
+            }
+            i = (i + 1) & mask;
+            steps++;
+        }
+        if (!dup)
+            idx[i] = (int32_t)k;
+        v->ops++;
+        v->probes += steps;
+        if (V2_OVER_BUDGET(v)) {
+            v->keyed = 1;
+            goto again;
+        }
+    }
+    return 1;
+}
+
+/* The ref of string s (h: hash_bytes(s, n, v->seed)) in this request: its first
+ * occurrence, or appended. */
 static int64_t
 v2_ref(Req *r, V2 *v, const uint8_t *s, size_t n, uint64_t h)
 {
+    if (v->keyed)
+        h = v2_hash(v, s, n);
     size_t mask = v->icap - 1;
     size_t i = (size_t)h & mask;
-    size_t nsym = v->syms.len;
+    uint64_t steps = 0;
     for (;;) {
         int32_t ix = v->index[i];
         if (ix < 0)
             break;
-        const Str *x = (size_t)ix < nsym ? &((Str *)v->syms.data)[ix]
-                                         : &((Str *)v->added.data)[(size_t)ix - nsym];
-        if (x->n == n && memcmp(x->s, s, n) == 0)
+        const Str *x = v2_str(v, (size_t)ix);
+        if (x->n == n && memcmp(x->s, s, n) == 0) {
+            v->ops++;
+            v->probes += steps;
+            if (V2_OVER_BUDGET(v) && !v2_fill(r, v, v->icap))
+                return -1; /* (found: the rebuild changes no ref) */
             return ix;
+        }
         i = (i + 1) & mask;
+        steps++;
     }
-    /* append: the index was sized for every symbol plus what stamps can add */
-    if ((nsym + v->added.len + 1) * 2 > v->icap) {
-        /* grow and rehash */
-        size_t cap = v->icap * 2;
-        int32_t *idx = malloc(cap * sizeof(int32_t));
-        if (idx == NULL) {
-            r->arena.failed = 1;
+    v->ops++;
+    v->probes += steps;
+    /* append: the index was sized for every symbol plus what stamps can add; past half
+     * full it grows (and is rebuilt keyed if this went over the budget) */
+    size_t nsym = v->syms.len;
+    int grow = (nsym + v->added.len + 1) * 2 > v->icap;
+    if (grow || V2_OVER_BUDGET(v)) {
+        if (!v2_fill(r, v, grow ? v->icap * 2 : v->icap))
             return -1;
-        }
-        memset(idx, 0xff, cap * sizeof(int32_t));
-        for (size_t k = 0; k < v->icap; k++) {
-            int32_t ix = v->index[k];
-            if (ix < 0)
-                continue;
-            const Str *x = (size_t)ix < nsym ? &((Str *)v->syms.data)[ix]
-                                             : &((Str *)v->added.data)[(size_t)ix - nsym];
-            size_t j = (size_t)hash_bytes(x->s, x->n, V2_SEED) & (cap - 1);
-            while (idx[j] >= 0)
-                j = (j + 1) & (cap - 1);
-            idx[j] = ix;
-        }
-        free(v->index);
-        v->index = idx;
-        v->icap = cap;
-        mask = cap - 1;
-        i = (size_t)h & mask;
-        while (v->index[i] >= 0)
+        mask = v->icap - 1;
+        i = (size_t)(v->keyed ? v2_hash(v, s, n) : h) & mask;
+        while (v->index[i] >= 0) {
             i = (i + 1) & mask;
+            v->probes++;
+        }
     }
     Str *a = vec_push(&v->added, 1);
     if (a == NULL)
@@ -2776,36 +2900,16 @@ v2_build_index(Req *r, V2 *v)
     size_t cap = 64;
     while (cap < (nsym + 16) * 2)
         cap *= 2;
-    v->index = malloc(cap * sizeof(int32_t));
-    if (v->index == NULL) {
-        r->arena.failed = 1;
-        return 0;
-    }
-    memset(v->index, 0xff, cap * sizeof(int32_t));
-    v->icap = cap;
     if (nsym > INT32_MAX) {
         INVALID(&r->err, "symbols table too large");
         return 0;
     }
-    Str *syms = v->syms.data;
-    for (size_t k = 0; k < nsym; k++) {
-        uint64_t h = hash_bytes(syms[k].s, syms[k].n, V2_SEED);
-        size_t i = (size_t)h & (cap - 1);
-        int dup = 0;
-        while (v->index[i] >= 0) {
-            const Str *x = &syms[v->index[i]];
-            if (x->n == syms[k].n && memcmp(x->s, syms[k].s, x->n) == 0) {
-                dup = 1; /* the first occurrence wins */
-                break;
-            }
-            i = (i + 1) & (cap - 1);
-        }
-        if (!dup)
-            v->index[i] = (int32_t)k;
-    }
+    v->seed = r->table->v2_seed;
+    if (!v2_fill(r, v, cap))
+        return 0;
     if (nsym == 0) {
         /* a table that is to hold anything starts with "" */
-        if (v2_ref(r, v, (const uint8_t *)"", 0, hash_bytes((const uint8_t *)"", 0, V2_SEED)) < 0)
+        if (v2_ref(r, v, (const uint8_t *)"", 0, hash_bytes((const uint8_t *)"", 0, v->seed)) < 0)
             return 0;
     }
     return 1;
@@ -2881,6 +2985,7 @@ decode_packed(Req *r, V2 *v, const uint8_t *raw, size_t p, size_t end)
         if (slot == NULL)
             return 0;
         *slot = x > UINT32_MAX ? UINT32_MAX : (uint32_t)x;
+        v->refmax = x > v->refmax ? x : v->refmax;
     }
     return 1;
 }
@@ -2959,6 +3064,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     r->series++;
     r->series_id++;
     v->refs.len = 0;
+    v->refmax = 0;
     /* simple: at most one labels_refs field, and it comes first (then the other fields
      * are the one span [refs_end, q)) */
     int simple = 1, seen_refs = 0;
@@ -2986,6 +3092,7 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
                 if (slot == NULL)
                     return;
                 *slot = x > UINT32_MAX ? UINT32_MAX : (uint32_t)x;
+                v->refmax = x > v->refmax ? x : v->refmax;
             }
             else {
                 INVALID(e, "labels_refs with a wrong wire type");
@@ -3024,11 +3131,12 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
         INVALID(e, "labels_refs has an odd number of entries");
         return;
     }
-    for (size_t i = 0; i < nrefs; i++)
-        if (refs[i] >= nsym) {
-            INVALID(e, "symbol reference %u past the table of %zu", refs[i], nsym);
-            return;
-        }
+    if (nrefs && v->refmax >= nsym) {
+        /* the largest, as the reference names it (and the exemplar check) */
+        INVALID(e, "symbol reference %llu past the table of %zu",
+                (unsigned long long)v->refmax, nsym);
+        return;
+    }
     const Str *syms = v->syms.data;
     const int16_t *slots = v->slots.data;
     const Plan *pl = r->plan;
@@ -3298,6 +3406,9 @@ splice(PyObject *args, int version)
     }
     pthread_rwlock_unlock(&t->lock);
     PyEval_RestoreThread(r.ts);
+    v2_last_ops = v.ops;
+    v2_last_probes = v.probes;
+    v2_last_keyed = v.keyed;
 
     PyObject *result = NULL;
     if (r.err.kind == OVER_LIMIT) {
@@ -3355,11 +3466,11 @@ splice(PyObject *args, int version)
         Py_DECREF(body);
         goto done;
     }
-    result = Py_BuildValue("(NKKKKKNKON)", body, (unsigned long long)r.series,
+    result = Py_BuildValue("(NKKKKKNKONn)", body, (unsigned long long)r.series,
                            (unsigned long long)r.samples, (unsigned long long)r.histograms,
                            (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons,
                            (unsigned long long)r.stripped, encoded ? Py_True : Py_False,
-                           limited);
+                           limited, (Py_ssize_t)(v.keyed ? v.syms.len : 0));
 done:
     req_free(&r);
     v2_free(&v);
@@ -3551,6 +3662,33 @@ set_error_class(PyObject *Py_UNUSED(m), PyObject *cls)
     Py_RETURN_NONE;
 }
 
+/* Tests only: the RW 2.0 index seed of the tables made from now on (None: a new random
+ * one); answers the previous one. A table keeps the seed it was made with. */
+static PyObject *
+set_v2_seed(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    uint64_t old = v2_seed;
+    if (arg == Py_None) {
+        if (getrandom(&v2_seed, sizeof v2_seed, 0) != (ssize_t)sizeof v2_seed)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    else {
+        unsigned long long x = PyLong_AsUnsignedLongLongMask(arg);
+        if (x == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        v2_seed = (uint64_t)x;
+    }
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+/* Tests only: the RW 2.0 symbol index work of this thread's last splice. */
+static PyObject *
+v2_index_stats(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(arg))
+{
+    return Py_BuildValue("(KKO)", (unsigned long long)v2_last_ops,
+                         (unsigned long long)v2_last_probes, v2_last_keyed ? Py_True : Py_False);
+}
+
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
      "splice_v1(raw, plan, table[, block, base, limit, grow]) -> (body, series, samples, "
@@ -3571,6 +3709,13 @@ static PyMethodDef module_methods[] = {
     {"convert_v2", convert_v2_py, METH_VARARGS,
      "convert_v2(raw, size=-1) -> with size -1, the size of the RW 2.0 request raw as RW 1.0 "
      "(None: left to the Python reference); with that size, the RW 1.0 bytes (or None)"},
+    {"_set_v2_seed", set_v2_seed, METH_O,
+     "_set_v2_seed(seed or None) -> the previous: tests only, the RW 2.0 index seed of the "
+     "tables made from now on"},
+    {"_v2_index_stats", v2_index_stats, METH_NOARGS,
+     "_v2_index_stats() -> (ops, probes, keyed): tests only, the RW 2.0 symbol index's "
+     "inserts and lookups, their probe steps past the first, and whether it was rebuilt "
+     "keyed, in this thread's last splice"},
     {"set_error_class", set_error_class, METH_O,
      "the exception raised for bad input: cls(kind, status, message)"},
     {NULL, NULL, 0, NULL},
@@ -3584,10 +3729,17 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__splice(void)
 {
-    uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)&seed;
-    if (getrandom(&seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed)
-        seed ^= (uint64_t)clock(); /* no entropy yet: the time and ASLR's address */
-    convert_seed(seed);
+    /* the hash seeds a sender must not know: the conversion's metadata set, the RW 2.0
+     * symbol index and its keyed fallback */
+    uint64_t seed[4];
+    uint64_t weak = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)&seed;
+    if (getrandom(seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed)
+        for (int i = 0; i < 4; i++) /* no entropy yet: the time, ASLR's address, clock() */
+            seed[i] = hash_bytes((const uint8_t *)&i, sizeof i, weak ^ (uint64_t)clock());
+    convert_seed(seed[0]);
+    v2_seed = seed[1];
+    v2_sip_k0 = seed[2];
+    v2_sip_k1 = seed[3];
     if (PyType_Ready(&PodTableType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -177,10 +177,10 @@ def _result(t: tuple[Any, ...] | int) -> SpliceResult:
     if isinstance(t, int):
         raise OverLimit(t)
     (body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded,
-     limited) = t
+     limited, flooded) = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
                         stripped, encoded,
-                        None if limited is None else LabelLimited(*limited))
+                        None if limited is None else LabelLimited(*limited), flooded)
 
 
 def field_count(raw: bytes) -> int:

@@ -331,6 +331,10 @@ class SpliceResult:
     encoded: bool = False
     #: the first series the stamp would have pushed past the label limit (``label_limit``)
     label_limited: LabelLimited | None = None
+    #: the symbols of an RW 2.0 request whose symbol index went over its probe budget (a
+    #: hash flood: symbols made to collide) and was rebuilt with the keyed hash; 0: none.
+    #: The request is spliced all the same (native splice only; docs/wire.md)
+    index_flooded: int = 0
 
     def tally(self, reason: str) -> None:
         if reason:
@@ -354,6 +358,7 @@ class SpliceResult:
         self.stripped += other.stripped
         if self.label_limited is None:
             self.label_limited = other.label_limited
+        self.index_flooded = max(self.index_flooded, other.index_flooded)
         for reason, n in other.unattributed.items():
             self.unattributed[reason] = self.unattributed.get(reason, 0) + n
 

@@ -358,6 +358,14 @@ class Outcome:
 #: the refusals both splices word alike, the text compared too: those of a series' labels
 #: (naming the series) and of a string that is not UTF-8 (showing it)
 WORDED = ("invalid_labels", "invalid_utf8")
+#: and a symbol reference past the table (of a series, an exemplar, a metadata: the
+#: largest of them named)
+WORDED_TEXT = "past the table of"
+
+
+def worded(exc: DecodeError) -> str:
+    """The refusal's text where both splices word it alike (:data:`WORDED`), else ""."""
+    return exc.message if exc.kind in WORDED or WORDED_TEXT in exc.message else ""
 
 
 def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
@@ -366,8 +374,7 @@ def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
     try:
         res = fn(raw)
     except DecodeError as exc:
-        return Outcome(False, error=(exc.kind, exc.status),
-                       message=exc.message if exc.kind in WORDED else "")
+        return Outcome(False, error=(exc.kind, exc.status), message=worded(exc))
     except Exception as exc:  # a bug either way: reported as a disagreement
         return Outcome(False, error=(f"{type(exc).__name__}: {exc}", "not a DecodeError"))
     c = res.counts

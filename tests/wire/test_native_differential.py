@@ -241,6 +241,9 @@ EDGE_V2 = {
     "huge ref": f(4) + f(5, f(1, b"\xff" * 9 + b"\x01" + b"\x00")),
     "ref of 2^32": f(4) + f(5, f(1, varint(2**32) + b"\x00")),
     "refs with a truncated varint": SYMS + f(5, f(1, b"\x01\x82")),
+    # the largest named (the native splice named the first, 5: the audit's case)
+    "two refs past the table": f(4) + f(4, b"a") + f(4, b"b") + f(5, f(1, b"\x05\x09")),
+    "a ref past 2^32 after one past the table": f(4) + f(5, f(1, b"\x07" + varint(2**33))),
 }
 
 
@@ -254,6 +257,12 @@ def test_edge_cases_v1(raw: bytes) -> None:
 def test_edge_cases_v2(raw: bytes) -> None:
     for setup in SETUPS:
         check_agree(setup, 2, raw)
+
+
+def test_a_ref_past_the_table_is_named_alike() -> None:
+    """The refusal's text is compared (``fuzz_native.worded``): both name the largest ref."""
+    nat, _ = check_agree(SETUPS[0], 2, EDGE_V2["two refs past the table"])
+    assert "symbol reference 9 past the table of 3" in nat.message
 
 
 def test_generated_requests_are_attributed_often() -> None:
