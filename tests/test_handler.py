@@ -1258,3 +1258,31 @@ async def test_series_the_stamp_would_push_past_the_label_limit_are_counted_and_
         ("series over the TSDB's label limit with the stamp, forwarded unattributed",
          "wide_metric", 34, 30, 2, 2),
     ]
+
+
+async def test_a_flooded_symbol_index_is_counted_and_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A request whose RW 2.0 symbols collide in the splice's hash (a hash flood: O(n^2)
+    probe steps before the index was keyed past a budget) is forwarded whole, counted in
+    ``karta_proxy_symbol_index_floods_total`` and said in one throttled warning naming
+    the sender and the request's size. The tables hash with a known seed here (the
+    process' is secret), set before the proxy makes its own."""
+    from proxy.wire import _splice
+    from tests.wire.test_native_flood import SEED, colliding, request
+
+    symbols = [b"", b"__name__", b"up", b"namespace", b"shop", b"pod", b"cart-7d9f8-abcde",
+               *colliding(60, 60)]
+    raw = request(symbols, [[1, 2, 3, 4, 5, 6]])
+    old = _splice._set_v2_seed(SEED)
+    try:
+        async with ScriptedUpstream(rule=rw2_receiver) as up, \
+                aiohttp.ClientSession() as session, proxy_running(tmp_path, up) as p:
+            with caplog.at_level("WARNING", logger="karta.handler"):
+                status, _, _ = await _post_v2(session, p, raw)
+            floods = metric(p, "karta_proxy_symbol_index_floods_total")
+    finally:
+        _splice._set_v2_seed(old)
+    assert status == 204
+    assert floods == 1
+    (line,) = [r for r in caplog.records if "symbol index was rebuilt" in r.getMessage()]
+    assert getattr(line, "symbols", None) == len(symbols), vars(line)
