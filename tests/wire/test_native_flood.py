@@ -23,6 +23,8 @@ import pytest
 
 from proxy.wire.native import Splicer, native_available
 from proxy.wire.plan import PodPair, SplicePlan
+from proxy.wire.primitives import encode_uvarint as varint
+from proxy.wire.primitives import len_field as field
 
 if not native_available():
     pytest.skip("the native splice is not built", allow_module_level=True)
@@ -83,19 +85,6 @@ def colliding(k1: int, k2: int, seed: int = SEED) -> list[bytes]:
     firsts = _blocks(seed ^ ((32 * K_N) & M64), s1, k1, rnd)
     seconds = _blocks(s1, s2, k2, rnd)
     return [a + b for a in firsts for b in seconds]
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def field(num: int, payload: bytes) -> bytes:
-    return varint(num << 3 | 2) + varint(len(payload)) + payload
 
 
 SAMPLE = field(2, bytes.fromhex("09000000000000f03f1001"))
