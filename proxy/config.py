@@ -581,8 +581,15 @@ def _load_yaml(text: str) -> Any:
 
 
 def settings_from_dict(data: Any) -> Settings:
-    """Build ``Settings`` from plain data (a parsed YAML document)."""
-    return _decode(_shape(mi.type_info(Settings), data, ""))
+    """Build ``Settings`` from plain data (a parsed YAML document). A removed setting is
+    said once the rest has been read: a file refused for another key printed the
+    warning before its one error line."""
+    removed: list[str] = []
+    settings = _decode(_shape(mi.type_info(Settings), data, "", removed))
+    for dotted in removed:
+        log.warning("ignoring a removed setting",
+                    extra={"key": dotted, "reason": _REMOVED[dotted]})
+    return settings
 
 
 def _decode(data: Any) -> Settings:
@@ -633,7 +640,7 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _shape(t: mi.Type, value: Any, key: str) -> Any:
+def _shape(t: mi.Type, value: Any, key: str, removed: list[str]) -> Any:
     """What YAML allows beyond the declared shape, brought to it before msgspec decodes.
 
     Dashes for underscores, removed keys (a warning), unknown keys (with the known ones
@@ -645,7 +652,7 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
     if isinstance(t, mi.TupleType):
         return list(_pair(value, key))
     if isinstance(t, mi.ListType) and isinstance(value, list):
-        return [_shape(t.item_type, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_shape(t.item_type, v, f"{key}[{i}]", removed) for i, v in enumerate(value)]
     if not isinstance(t, mi.StructType):
         return value
     if t.cls is PodLabelPair:
@@ -666,13 +673,12 @@ def _shape(t: mi.Type, value: Any, key: str) -> Any:
                               f"same key ({dotted}): keep one")
         written[name] = raw_key
         if dotted in _REMOVED:
-            log.warning("ignoring a removed setting",
-                        extra={"key": dotted, "reason": _REMOVED[dotted]})
+            removed.append(dotted)
             continue
         if name not in known:
             raise ConfigError(f"unknown key '{key + '.' if key else ''}{raw_key}' (known keys "
                               f"here: {', '.join(sorted(known))})")
-        out[name] = _shape(known[name].type, v, dotted)
+        out[name] = _shape(known[name].type, v, dotted, removed)
     return out
 
 

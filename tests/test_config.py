@@ -404,6 +404,15 @@ def test_a_removed_key_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixtur
     assert record.__dict__["key"] == "enrich.cache_size"
 
 
+def test_a_removed_key_beside_a_refused_one_says_only_the_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The docs promise one line for a refused file: the removal's warning came first,
+    two lines, for a file that did not load anyway."""
+    with caplog.at_level("WARNING", logger="karta.config"), pytest.raises(ConfigError):
+        settings_from_dict({"enrich": {"cache_size": 1000, "conflict_polcy": "keep"}})
+    assert not [r for r in caplog.records if r.getMessage() == "ignoring a removed setting"]
+
+
 def test_validate_checks_values_set_in_code_against_the_schema() -> None:
     """Flags and code assign attributes without decoding: validate applies the schema too."""
     s = valid()
