@@ -459,7 +459,7 @@ def file_digest(path: str, expected: FileStamp) -> bytes | None:
     h = hashlib.blake2b(digest_size=16)
     try:
         with open(path, "rb") as f:
-            if FileStamp(*_stat(os.fstat(f.fileno()))) != expected:
+            if FileStamp.of(os.fstat(f.fileno())) != expected:
                 return None
             while chunk := f.read(DIGEST_CHUNK):
                 h.update(chunk)
@@ -468,10 +468,6 @@ def file_digest(path: str, expected: FileStamp) -> bytes | None:
     except OSError:
         return None
     return h.digest()
-
-
-def _stat(st: os.stat_result) -> tuple[int, int, int]:
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def with_digests(state: PathState, since: PathState | None) -> PathState:

@@ -43,13 +43,17 @@ class FileStamp:
     mtime_ns: int
     size: int
 
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        """The stamp of a stat already made (of a path, or ``fstat`` of an open file)."""
+        return cls(st.st_ino, st.st_mtime_ns, st.st_size)
+
 
 def stamp(path: str) -> FileStamp | None:
     """The file's stamp; None for a file not set (""). OSError for one that is gone."""
     if not path:
         return None
-    st = os.stat(path)
-    return FileStamp(st.st_ino, st.st_mtime_ns, st.st_size)
+    return FileStamp.of(os.stat(path))
 
 
 #: which file a builder is loading: the CA bundle, or the certificate with its key

@@ -366,6 +366,15 @@ def conversion_limit(max_decoded_bytes: int, max_inflight_bytes: int) -> int:
     return max(max_decoded_bytes, max_inflight_bytes // CONVERT_COPIES)
 
 
+def _kept(made: Outgoing, charge: Charge, taken: int, held: list[int]) -> Outgoing:
+    """``made``, a request reworked in flight, once the ``taken`` bytes charged for the
+    work are given back but its compressed body's, which stay charged until the request
+    is answered (``held``, given back by ``Upstream._deliver``)."""
+    charge.give_back(taken - len(made.encoded))
+    held.append(len(made.encoded))
+    return made
+
+
 def _converted(out: Outgoing, raw_v2: bytes, size: int, strip: bool) -> Outgoing:
     """``out`` (its counts the converted request's) with ``raw_v2`` converted to RW 1.0 (its
     ``size`` checked and charged) as its body, compressed (:func:`_compressed`)."""
@@ -1109,9 +1118,7 @@ class Upstream:
         except BaseException:
             charge.give_back(taken)
             raise
-        charge.give_back(taken - len(left.encoded))
-        held.append(len(left.encoded))
-        return left
+        return _kept(left, charge, taken, held)
 
     def _overload(self, need: int) -> ConversionRefused:
         """What refuses reworking a request in flight whose ``need`` bytes do not fit the
@@ -1182,9 +1189,7 @@ class Upstream:
         except BaseException:
             charge.give_back(taken)
             raise
-        charge.give_back(taken - len(v1.encoded))
-        held.append(len(v1.encoded))
-        return v1
+        return _kept(v1, charge, taken, held)
 
     @staticmethod
     def _refused_v2(answer: Answer, counts: Counts | None) -> str:

@@ -450,7 +450,7 @@ class FactWriter:
         refused = self._refused
         stale = self._stale_sample = sample_field(STALE_NAN, ts_bytes)
         end_other = self._end_other_source
-        other_markers = self._uncounted = set()
+        not_counted = self._uncounted = set()
         inherited = self._inherited_ended
         uncounted = 0
 
@@ -486,7 +486,7 @@ class FactWriter:
                         for this, other in _SOURCE_FIELDS.items():
                             ended = swapped(one, this, other, self._sample_len)
                             if ended is not None:
-                                other_markers.add(b"".join(ended[1:]))
+                                not_counted.add(b"".join(ended[1:]))
                                 yield (*ended, stale), 1, key, False
                                 break
                 made += n
@@ -509,7 +509,7 @@ class FactWriter:
                     suspects = refused.get(key) if refused else None
                     labels = b"".join(one[1:]) if suspects or inherited else b""
                     if inherited and labels in inherited:  # probably ended: not counted
-                        other_markers.add(labels)
+                        not_counted.add(labels)
                         uncounted += 1
                     alone = suspects is not None and labels in suspects
                     yield (*one, stale), 1, key, alone
