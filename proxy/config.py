@@ -1094,7 +1094,7 @@ _DNS_LABEL_RE = re.compile(_DNS_LABEL)
 _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
 
 
-def _dns_name(value: str, key: str, what: str, *, subdomain: bool) -> None:
+def check_dns_name(value: str, key: str, what: str, *, subdomain: bool) -> None:
     """A Kubernetes object name: a namespace is a DNS label (at most 63 characters), a
     node or a Lease a DNS subdomain (at most 253): lower-case letters, digits, '-' (and
     '.' in a subdomain), a letter or digit at each end. Another never names an object:
@@ -1118,9 +1118,9 @@ def _validate_lease(f: FactSettings) -> None:
     if not f.lease_name:
         raise ConfigError("facts.lease_name: empty; name the Lease (default "
                           "karta-proxy-facts)")
-    _dns_name(f.lease_name, "facts.lease_name", "Lease name", subdomain=True)
+    check_dns_name(f.lease_name, "facts.lease_name", "Lease name", subdomain=True)
     if f.lease_namespace:
-        _dns_name(f.lease_namespace, "facts.lease_namespace", "namespace", subdomain=False)
+        check_dns_name(f.lease_namespace, "facts.lease_namespace", "namespace", subdomain=False)
     if f.identity and (not f.identity.strip() or f.identity != f.identity.strip()):
         raise ConfigError(f"facts.identity: {f.identity!r} is blank or has whitespace around "
                           "it; set an identity, or leave it empty for $POD_NAME and a suffix")
@@ -1154,9 +1154,9 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
                               "list, no --namespace, watches all)")
         # a name no namespace can have watches nothing, and the proxy reported ready with
         # no pod known (the API answers an empty list for a namespace that does not exist)
-        _dns_name(ns, f"kube.namespaces[{i}]", "namespace", subdomain=False)
+        check_dns_name(ns, f"kube.namespaces[{i}]", "namespace", subdomain=False)
     if s.kube.node_name:
-        _dns_name(s.kube.node_name, "kube.node_name", "node name", subdomain=True)
+        check_dns_name(s.kube.node_name, "kube.node_name", "node name", subdomain=True)
     _validate_lease(s.facts)
     # the cluster connection is made for the source, and, with a snapshot too, for the
     # fact writer's Lease (a file that does not exist is a setting's error: exit 2)

@@ -33,6 +33,7 @@ from proxy import __version__, server
 from proxy.config import (
     ConfigError,
     Settings,
+    check_dns_name,
     parse_host_port,
     without_userinfo,
 )
@@ -315,6 +316,16 @@ class Proxy:
         from proxy.lease import LeaseElector
 
         self.lease_namespace = f.lease_namespace or default_namespace()
+        if not f.lease_namespace:
+            # $POD_NAMESPACE is set by hand where the downward API is not used: a name no
+            # namespace can have is refused by the API at every round, no writer elected
+            try:
+                check_dns_name(self.lease_namespace, "the proxy's own namespace "
+                               "($POD_NAMESPACE, else the service account's)", "namespace",
+                               subdomain=False)
+            except ConfigError as e:
+                raise StartError(f"{e}; the fact writer's Lease goes there: fix "
+                                 "$POD_NAMESPACE or set facts.lease_namespace") from None
         log.info("fact writer election", extra={
             "lease": f"{self.lease_namespace}/{f.lease_name}",
             "namespace_from": "setting" if f.lease_namespace else "own namespace"})

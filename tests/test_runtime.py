@@ -263,6 +263,36 @@ async def test_lease_in_the_own_namespace_by_default(
             assert p.lease_namespace == "karta-proxy"
 
 
+@pytest.mark.parametrize("value", ["Karta Proxy", "karta_proxy", "-x", "a" * 64])
+async def test_an_own_namespace_no_namespace_can_have_is_a_start_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """$POD_NAMESPACE set by hand to a name no namespace can have: every Lease round was
+    refused by the API, no writer ever elected, and nothing said why but the failures'
+    counter. Now the start fails, naming the variable and the setting that overrides it."""
+    from proxy.runtime import StartError
+    from tests.kubesim import KubeSim
+    from tests.kubesim.resources import LEASE
+
+    monkeypatch.setenv("POD_NAMESPACE", value)
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        s = snapshot_settings(tmp_path, up.url)
+        s.kube.kubeconfig = str(sim.write_kubeconfig())
+        s.facts.enabled = True
+        s.facts.leader_election = True
+        p = Proxy(s)
+        try:
+            with pytest.raises(StartError, match=r"\$POD_NAMESPACE.*facts\.lease_namespace"):
+                await p.start()
+        finally:
+            await p.stop()
+        assert not sim.objects(LEASE)
+        s.facts.lease_namespace = "karta-proxy"  # the setting wins over the variable
+        async with started(s):
+            await wait_until(lambda: asyncio.sleep(0, bool(sim.objects(LEASE))),
+                             timeout=10, what="the Lease in the set namespace")
+
+
 def electing_settings(sim: KubeSim, up: ScriptedUpstream, *, interval: float) -> Settings:
     """A cluster-mode proxy on the simulator that elects its fact writer."""
     s = Settings()
