@@ -398,7 +398,9 @@ class FactSettings(Section):
     lease_namespace: Annotated[str, setting(
         "the Lease's namespace; empty: the proxy's own ($POD_NAMESPACE, else the service "
         "account's)")] = ""
-    lease_duration_seconds: Annotated[float, setting("lease duration", gt=0)] = 15.0
+    lease_duration_seconds: Annotated[float, setting(
+        "lease duration (the Lease's leaseDurationSeconds, an int32: at most 2147483647)",
+        gt=0, le=2**31 - 1)] = 15.0
     identity: Annotated[str, setting(
         "identity in the lease, one per replica; empty: $POD_NAME (else the hostname) and a "
         "random suffix")

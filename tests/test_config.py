@@ -677,6 +677,15 @@ def test_integer_settings_that_reach_c_sizes_have_an_upper_bound() -> None:
             settings_from_dict({"server": {key: 2**32 + 1}})
 
 
+def test_the_lease_duration_fits_the_leases_int32() -> None:
+    """1e300 was taken and written as leaseDurationSeconds, a field the API holds in an
+    int32: every round refused, no writer ever elected."""
+    with pytest.raises(ConfigError, match=r"^facts\.lease_duration_seconds: must be .*2147483647"):
+        settings_from_dict({"facts": {"lease_duration_seconds": 1e300}})
+    s = settings_from_dict({"facts": {"lease_duration_seconds": 2**31 - 1}})
+    assert s.facts.lease_duration_seconds == 2**31 - 1
+
+
 @pytest.mark.parametrize(
     ("section", "key", "given", "taken"),
     [("", "log_format", "JSON", "json"), ("", "log_level", "Warning", "warning"),
