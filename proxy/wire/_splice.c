@@ -528,6 +528,9 @@ typedef struct {
  * takes it when made and hashes its stamp strings with it, so its entries' hashes are the
  * index's. _set_v2_seed (tests) changes it for tables made after. */
 static uint64_t v2_seed;
+/* The pod tables' key hash seed: secret, per process (getrandom at module init), each
+ * table's own mixed in from its address. */
+static uint64_t table_seed;
 /* the key of the keyed fallback (siphash13), secret, per process */
 static uint64_t v2_sip_k0, v2_sip_k1;
 
@@ -927,7 +930,9 @@ PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     pthread_rwlockattr_destroy(&attr);
     t->slots = NULL;
     t->cap = t->used = t->tombs = 0;
-    t->seed = ((uint64_t)(uintptr_t)t * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)time(NULL);
+    /* secret as the RW 2.0 index's: pod names come from anyone who may create pods, and
+     * names made to share a bucket would lengthen every lookup's probe in this table */
+    t->seed = table_seed ^ ((uint64_t)(uintptr_t)t * 0x9E3779B97F4A7C15ULL);
     t->v2_seed = v2_seed;
     t->reasons = PyList_New(0);
     t->reason_ix = PyDict_New();
@@ -3730,16 +3735,17 @@ PyMODINIT_FUNC
 PyInit__splice(void)
 {
     /* the hash seeds a sender must not know: the conversion's metadata set, the RW 2.0
-     * symbol index and its keyed fallback */
-    uint64_t seed[4];
+     * symbol index and its keyed fallback, the pod tables' keys */
+    uint64_t seed[5];
     uint64_t weak = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)&seed;
     if (getrandom(seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed)
-        for (int i = 0; i < 4; i++) /* no entropy yet: the time, ASLR's address, clock() */
+        for (int i = 0; i < 5; i++) /* no entropy yet: the time, ASLR's address, clock() */
             seed[i] = hash_bytes((const uint8_t *)&i, sizeof i, weak ^ (uint64_t)clock());
     convert_seed(seed[0]);
     v2_seed = seed[1];
     v2_sip_k0 = seed[2];
     v2_sip_k1 = seed[3];
+    table_seed = seed[4];
     if (PyType_Ready(&PodTableType) < 0 || PyType_Ready(&PlanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
