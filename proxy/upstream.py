@@ -1518,13 +1518,17 @@ class Upstream:
     def _too_large(self, answer: Answer, size: int, series: int) -> Answer:
         """A 413 the proxy cannot cut further (one series, or ``MAX_SPLIT_DEPTH`` levels):
         it reaches the sender, which drops the batch; said loudly, the fix is the
-        operator's (the upstream's limit, or the sender's batch size)."""
-        log.error("upstream refused a request as too large and it cannot be cut "
-                  "further: the sender drops it; raise the upstream's request size limit "
-                  "(Mimir distributor.max_recv_msg_size, VictoriaMetrics "
-                  "-maxInsertRequestSize, ...) or lower the sender's batch size",
-                  extra={"upstream_url": self.url, "bytes": size, "series": series,
-                         "body": answer.body[:512].decode("utf-8", "replace")})
+        operator's (the upstream's limit, or the sender's batch size). Throttled: a
+        request cut into parts has up to ``2 ** MAX_SPLIT_DEPTH`` of them, and an error
+        line for each let one sender write ~300 lines a second."""
+        self._line(logging.ERROR,
+                   "upstream refused a request as too large and it cannot be cut "
+                   "further: the sender drops it; raise the upstream's request size limit "
+                   "(Mimir distributor.max_recv_msg_size, VictoriaMetrics "
+                   "-maxInsertRequestSize, ...) or lower the sender's batch size",
+                   "too_large",
+                   {"upstream_url": self.url, "bytes": size, "series": series,
+                    "body": answer.body[:512].decode("utf-8", "replace")})
         answer.body = (f"upstream {self.url} refused {size} bytes ({series} series) as too "
                        "large: ").encode() + answer.body
         answer.body = answer.body[:MAX_ERROR_BODY]

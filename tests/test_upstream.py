@@ -1026,6 +1026,21 @@ async def test_413_parts_cut_again_until_they_fit() -> None:
     assert sum(len(WriteRequest.FromString(p).metadata) for p in parts) == 1
 
 
+async def test_413_parts_that_cannot_be_cut_further_make_one_error_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each part refused at the last level was an error line of its own, unthrottled: up
+    to 16 a request, ~300 lines a second from one sender in the audit. Now one line,
+    the rest of the interval summed up in one more."""
+    raw = many_v1(64)
+    async with ScriptedUpstream(Reply(413, body=b"too large")) as up, opened(up.url) as u:
+        with caplog.at_level(logging.ERROR, logger="karta.upstream"):
+            answers = [await u.send(raw, Protocol.V1) for _ in range(3)]
+    assert [a.status for a in answers] == [413] * 3
+    assert len(up.received) == 3 * 31  # every level cut, each request 1 + 2 + 4 + 8 + 16
+    lines = [r.getMessage() for r in caplog.records if "cannot be cut further" in r.getMessage()]
+    assert len(lines) == 2 and lines[1].endswith("(repeated)"), lines  # 48 lines before
+
+
 async def test_413_rw2_parts_carry_the_symbols_and_sum_the_written_headers() -> None:
     raw = many_v2(40)
     limit = len(compress(raw, "snappy")) * 7 // 10
