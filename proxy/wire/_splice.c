@@ -1008,6 +1008,18 @@ PodTable_delete(PodTable *t, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The keys' references of changes made by PodTable_update (NULL where none was taken),
+ * and the array. */
+static void
+changes_release(Change *ch, Py_ssize_t n)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_XDECREF(ch[j].ns);
+        Py_XDECREF(ch[j].pod);
+    }
+    free(ch);
+}
+
 static PyObject *
 PodTable_update(PodTable *t, PyObject *arg)
 {
@@ -1027,21 +1039,23 @@ PodTable_update(PodTable *t, PyObject *arg)
                               &answer) ||
             !check_key(ns, pod))
             goto fail;
-        ch[i].ns = ns;
-        ch[i].pod = pod;
+        /* owned: table_apply reads them with the GIL released, and PySequence_Fast
+         * gives a list back as it is, whose items another thread may drop meanwhile */
+        ch[i].ns = Py_NewRef(ns);
+        ch[i].pod = Py_NewRef(pod);
         if (answer != Py_None && (ch[i].entry = entry_new(t, ns, pod, answer)) == NULL)
             goto fail;
     }
     int ok = table_apply(t, ch, (size_t)n);
-    free(ch);
+    changes_release(ch, n);
     Py_DECREF(seq);
     if (!ok)
         return NULL;
     Py_RETURN_NONE;
 fail:
-    for (Py_ssize_t j = 0; j < i; j++)
+    for (Py_ssize_t j = 0; j <= i && j < n; j++)
         free(ch[j].entry);
-    free(ch);
+    changes_release(ch, n);
     Py_DECREF(seq);
     return NULL;
 }
@@ -1107,16 +1121,24 @@ PodTable_clear(PodTable *t, PyObject *Py_UNUSED(ignored))
 static Py_ssize_t
 PodTable_len(PodTable *t)
 {
-    return (Py_ssize_t)t->used;
+    /* under the read lock: writers change it with the GIL released */
+    size_t used;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_rdlock(&t->lock);
+    used = t->used;
+    pthread_rwlock_unlock(&t->lock);
+    Py_END_ALLOW_THREADS
+    return (Py_ssize_t)used;
 }
 
 static PyObject *
 PodTable_memory(PodTable *t, PyObject *Py_UNUSED(ignored))
 {
     /* bytes held by the table: slots and entry blocks */
-    size_t total = t->cap * sizeof(Slot);
+    size_t total;
     Py_BEGIN_ALLOW_THREADS
     pthread_rwlock_rdlock(&t->lock);
+    total = t->cap * sizeof(Slot);
     for (size_t i = 0; i < t->cap; i++) {
         const Entry *en = t->slots[i].entry;
         if (en != NULL && en != TOMB)

@@ -339,3 +339,42 @@ def test_a_splice_runs_while_another_thread_holds_the_gil() -> None:
             return
     pytest.fail(f"the splice never ran while this thread held the GIL: (CPU ms, finished "
                 f"before we looked) per try: {tries}")
+
+
+def test_an_update_owns_its_keys_while_it_waits_for_the_write_lock() -> None:
+    """``PodTable.update(a_list)`` kept borrowed pointers into the list's tuples and read
+    them with the GIL released, waiting for the write lock behind a splice: a thread that
+    cleared the list meanwhile freed them, and the update hashed whatever the memory held
+    then (a ThreadSanitizer audit: heap-use-after-free; a delete then removed another pod
+    or none). Here the splice holds the read lock in its ``grow`` call while the list of
+    deletes is cleared and its memory reused."""
+    sp = Splicer(DEFAULT_PLAN, "native")
+    table = sp.table
+    table.update([(ns, pod, VARIANTS[(ns, pod)][2]) for ns, pod in PODS])  # grows its input
+    keys = [(b"ns-uaf", b"pod-uaf-%06d" % i) for i in range(2000)]
+    table.update([(ns, pod, (("karta_workload", "w"),)) for ns, pod in keys])
+    deletes = [(bytes(bytearray(ns)), bytes(bytearray(pod)), None)  # the list's own bytes
+               for ns, pod in keys]
+    in_grow, go = threading.Event(), threading.Event()
+
+    def grow(need: int) -> int:  # called with the table's read lock held
+        in_grow.set()
+        go.wait(10)
+        return need * 2
+
+    splicing = threading.Thread(target=lambda: sp.splice_v1(request_v1(), 1, grow))
+    splicing.start()
+    assert in_grow.wait(10)
+    updating = threading.Thread(target=table.update, args=(deletes,))
+    updating.start()
+    time.sleep(0.3)  # it has read the list and waits for the write lock, GIL released
+    assert updating.is_alive()  # behind the splice's read lock
+    deletes.clear()  # the only references to the keys' bytes
+    reuse = [bytes(bytearray(b"zzz-zzz-%06d" % i)) for i in range(4000)]  # the same sizes
+    go.set()
+    splicing.join(10)
+    updating.join(10)
+    assert not splicing.is_alive() and not updating.is_alive()
+    kept = [k for k in keys if table.get(*k) is not None]
+    assert kept == [], f"{len(kept)} of {len(keys)} deleted keys still in the table"
+    assert len(reuse) == 4000
