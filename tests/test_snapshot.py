@@ -761,8 +761,11 @@ async def test_a_writer_rewriting_the_same_bytes_in_place_is_applied_whole(
             seen.append(_attributions(src.engine))
             await asyncio.sleep(0.05)
         assert src.reloads == 1
-        assert _attributions(src.engine) == {**before, "shop/late": ("Pod", "late")}
-        assert seen and all(s == before for s in seen)  # nothing applied before, nor cut
+        after = {**before, "shop/late": ("Pod", "late")}
+        assert _attributions(src.engine) == after
+        # nothing cut applied: a state seen is the one before, or the whole file's (an
+        # apply yields to the loop, and a loaded box saw it under way, not yet counted)
+        assert seen and all(s in (before, after) for s in seen)
         assert index.tombstones() == 0
     finally:
         await src.stop()
