@@ -17,7 +17,8 @@
  *     1.0 field order; created_timestamp and unknown fields go nowhere;
  *   - series metadata becomes one 1.0 MetricMetadata per family (convert.family_name: the
  *     suffix of a histogram, gaugehistogram or summary series stripped), deduplicated on
- *     its contents in first-seen order, after the series.
+ *     its contents in first-seen order, after the series. Each symbol a metadata names is
+ *     hashed and compared once per request (intern), not once per series naming it.
  *
  * What is left to the reference (CONVERT_FALLBACK): a histogram with custom buckets
  * (schema -53: it becomes classic series) or whose sum is the stale NaN (a staleness
@@ -273,8 +274,15 @@ vec_push(Vec *v)
 typedef struct {
     Str name, help, unit;
     uint64_t type;
+    uint32_t name_id, help_id, unit_id; /* the strings' ids (intern) */
     uint64_t hash;
 } Meta;
+
+/* One distinct string of the request's metadata (a family name, a help, a unit) */
+typedef struct {
+    Str s;
+    uint64_t hash;
+} Interned;
 
 typedef struct {
     const uint8_t *raw;
@@ -285,6 +293,19 @@ typedef struct {
     Vec metas; /* Meta, first-seen order */
     size_t *index; /* open addressing: 1 + the Meta's position, 0 empty */
     size_t icap;
+    /* Every series' metadata names strings by ref, and any number of series may name one
+     * long help symbol: hashing and comparing the strings per series cost N x L (N series
+     * of one 16 KiB help: ~250 ms per decoded MB, twice, for the size and the bytes). So a
+     * string is interned once per ref (its content hashed and compared once: an id shared
+     * by every ref of equal content, which duplicate symbols and the family names of
+     * m_bucket / m_count are), and the set of metadata is keyed on (type, ids): O(1) a
+     * series. Per symbol, 1 + the id of its string (sid) and of its family name with the
+     * suffix stripped (fid, types 3-5); 0 not yet. Made at the first metadata. */
+    uint32_t *sid, *fid;
+    Vec strs;        /* Interned, by id */
+    size_t *sindex;  /* open addressing over strs: 1 + id, 0 empty */
+    size_t scap;
+    uint64_t meta_bytes; /* bytes of metadata strings hashed and compared (tests) */
     int nomem;
 } Ctx;
 
@@ -326,6 +347,78 @@ str_eq(Str a, Str b)
     return a.n == b.n && (a.n == 0 || memcmp(a.s, b.s, a.n) == 0);
 }
 
+/* the bytes the last conversion in this thread hashed and compared in metadata strings */
+static _Thread_local uint64_t last_meta_bytes;
+
+uint64_t
+convert_last_meta_bytes(void)
+{
+    return last_meta_bytes;
+}
+
+/* The id of string s (first seen: a new one), by its content; UINT32_MAX when out of
+ * memory. Called once per (symbol, stripped or not): the only place metadata strings are
+ * hashed or compared. */
+static uint32_t
+intern(Ctx *c, Str s)
+{
+    if ((c->strs.len + 1) * 2 > c->scap) {
+        size_t cap = c->scap ? c->scap * 2 : 64;
+        if (cap > SIZE_MAX / sizeof(size_t))
+            return UINT32_MAX;
+        size_t *idx = calloc(cap, sizeof(size_t));
+        if (idx == NULL)
+            return UINT32_MAX;
+        const Interned *xs = c->strs.data;
+        for (size_t k = 0; k < c->strs.len; k++) {
+            size_t j = (size_t)xs[k].hash & (cap - 1);
+            while (idx[j])
+                j = (j + 1) & (cap - 1);
+            idx[j] = k + 1;
+        }
+        free(c->sindex);
+        c->sindex = idx;
+        c->scap = cap;
+    }
+    uint64_t h = hash_str(meta_seed, s);
+    c->meta_bytes += s.n;
+    const Interned *xs = c->strs.data;
+    size_t j = (size_t)h & (c->scap - 1);
+    while (c->sindex[j]) {
+        const Interned *x = &xs[c->sindex[j] - 1];
+        if (x->hash == h && x->s.n == s.n) {
+            c->meta_bytes += s.n;
+            if (str_eq(x->s, s))
+                return (uint32_t)(c->sindex[j] - 1);
+        }
+        j = (j + 1) & (c->scap - 1);
+    }
+    if (c->strs.len >= UINT32_MAX)
+        return UINT32_MAX;
+    Interned *x = vec_push(&c->strs);
+    if (x == NULL)
+        return UINT32_MAX;
+    x->s = s;
+    x->hash = h;
+    c->sindex[j] = c->strs.len;
+    return (uint32_t)(c->strs.len - 1);
+}
+
+/* The id of symbol ref's string, or (stripped) of the family name family_name made of
+ * it (`s`, a prefix of the symbol), memoized per symbol; UINT32_MAX: out of memory. */
+static uint32_t
+sym_id(Ctx *c, uint64_t ref, int stripped, Str s)
+{
+    uint32_t *memo = stripped ? c->fid : c->sid;
+    if (memo[ref] == 0) {
+        uint32_t id = intern(c, s);
+        if (id == UINT32_MAX)
+            return id;
+        memo[ref] = id + 1;
+    }
+    return memo[ref] - 1;
+}
+
 static int
 meta_grow(Ctx *c)
 {
@@ -348,19 +441,21 @@ meta_grow(Ctx *c)
     return 1;
 }
 
-/* Add (name, type, help, unit) unless it is there already; 0 when out of memory. */
+/* Add (name, type, help, unit) unless it is there already (the strings' ids: equal ids,
+ * equal contents); 0 when out of memory. */
 static int
-meta_add(Ctx *c, Str name, uint64_t type, Str help, Str unit)
+meta_add(Ctx *c, Str name, uint32_t name_id, uint64_t type, Str help, uint32_t help_id,
+         Str unit, uint32_t unit_id)
 {
     if ((c->metas.len + 1) * 2 > c->icap && !meta_grow(c))
         return 0;
-    uint64_t h = hash_str(hash_str(hash_str(mix(meta_seed, type), name), help), unit);
+    uint64_t h = mix(mix(mix(mix(meta_seed, type), name_id), help_id), unit_id);
     Meta *ms = c->metas.data;
     size_t j = (size_t)h & (c->icap - 1);
     while (c->index[j]) {
         const Meta *m = &ms[c->index[j] - 1];
-        if (m->hash == h && m->type == type && str_eq(m->name, name) &&
-            str_eq(m->help, help) && str_eq(m->unit, unit))
+        if (m->hash == h && m->type == type && m->name_id == name_id &&
+            m->help_id == help_id && m->unit_id == unit_id)
             return 1;
         j = (j + 1) & (c->icap - 1);
     }
@@ -371,6 +466,9 @@ meta_add(Ctx *c, Str name, uint64_t type, Str help, Str unit)
     m->help = help;
     m->unit = unit;
     m->type = type;
+    m->name_id = name_id;
+    m->help_id = help_id;
+    m->unit_id = unit_id;
     m->hash = h;
     c->index[j] = c->metas.len;
     return 1;
@@ -618,12 +716,20 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
             return CONVERT_FALLBACK;
         const Str *syms = c->syms.data;
         Str metric = {(const uint8_t *)"", 0};
+        uint64_t metric_ref = 0;
         for (size_t i = 0; i < c->refs.len; i += 2) {
             Str n = syms[refs[i]];
             if (n.n == 8 && memcmp(n.s, "__name__", 8) == 0) {
                 metric = syms[refs[i + 1]];
+                metric_ref = refs[i + 1];
                 break;
             }
+        }
+        if (c->sid == NULL) {
+            c->sid = calloc(nsym, sizeof(uint32_t));
+            c->fid = calloc(nsym, sizeof(uint32_t));
+            if (c->sid == NULL || c->fid == NULL)
+                return CONVERT_NOMEM;
         }
         for (size_t p = s; p < q;) {
             Field f;
@@ -648,9 +754,14 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
                 }
                 Str name = family_name(metric, type);
                 /* a ref to another "" than symbol 0 says nothing either */
-                if (name.n && (type || syms[help].n || syms[unit].n) &&
-                    !meta_add(c, name, type, syms[help], syms[unit]))
-                    return CONVERT_NOMEM;
+                if (name.n && (type || syms[help].n || syms[unit].n)) {
+                    uint32_t ni = sym_id(c, metric_ref, name.n != metric.n, name);
+                    uint32_t hi = sym_id(c, help, 0, syms[help]);
+                    uint32_t ui = sym_id(c, unit, 0, syms[unit]);
+                    if (ni == UINT32_MAX || hi == UINT32_MAX || ui == UINT32_MAX ||
+                        !meta_add(c, name, ni, type, syms[help], hi, syms[unit], ui))
+                        return CONVERT_NOMEM;
+                }
             }
             p = f.end;
         }
@@ -729,8 +840,14 @@ convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, siz
     c.refs.item = sizeof(uint64_t);
     c.xrefs.item = sizeof(uint64_t);
     c.metas.item = sizeof(Meta);
+    c.strs.item = sizeof(Interned);
     Writer w = {out, out == NULL ? 0 : out_cap, 0, 0};
     ConvertStatus st = walk(&c, &w);
+    last_meta_bytes = c.meta_bytes;
+    free(c.sid);
+    free(c.fid);
+    free(c.strs.data);
+    free(c.sindex);
     free(c.syms.data);
     free(c.refs.data);
     free(c.xrefs.data);

@@ -39,4 +39,8 @@ ConvertStatus convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_
  * would make the set quadratic. */
 void convert_seed(uint64_t seed);
 
+/* Tests only: the bytes of metadata strings (names, help, units) this thread's last
+ * conversion hashed and compared; each distinct symbol's are counted O(1) times. */
+uint64_t convert_last_meta_bytes(void);
+
 #endif

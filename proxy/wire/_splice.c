@@ -17,6 +17,12 @@
  *     a series whose labels are already right left byte-exact, every other byte of the
  *     request copied as a span of the input.
  *
+ * RW 2.0 series name strings by ref, so a series of a few bytes may name 64 KiB symbols:
+ * whatever a series does to the strings themselves is done once per distinct symbol and
+ * request (a pod key's per-string hashes memoized by ref: v2_key_part; long label names
+ * ranked past a budget: v2_name_cmp), never once per series (docs/wire.md, "Work per
+ * series, whatever the symbols' length").
+ *
  * Concurrency: the table is guarded by a writer-preferring rwlock. A splice takes the
  * read lock (with the GIL released) for the duration of one request; table updates take
  * the write lock, also with the GIL released, so no thread ever waits for the lock while
@@ -588,10 +594,25 @@ typedef struct {
     PyObject *reason_ix; /* dict str -> int */
 } PodTable;
 
-static uint64_t
+/* A pod's key hash is made of one hash per string, hash_bytes(.., t->seed) of the
+ * namespace and of the pod, mixed (key_mix): RW 2.0 hashes each distinct symbol once per
+ * request (v2_key_part) and mixes per series, so a series that names an L-byte pod costs
+ * O(1), not O(L) (a 536 KB request of 64 KiB namespace and pod symbols cost 10.8 CPU-s
+ * when the key was one hash chained over both strings). The multiply makes the mix
+ * asymmetric ((a, b) and (b, a) differ); the secret seed is in both parts. */
+static inline uint64_t
+key_mix(uint64_t ns_hash, uint64_t pod_hash)
+{
+    uint64_t k = ns_hash * 0x9E3779B97F4A7C15ULL ^ pod_hash;
+    k ^= k >> 32;
+    k *= 0xd6e8feb86659fd93ULL;
+    return k ^ (k >> 32);
+}
+
+static inline uint64_t
 key_hash(const PodTable *t, const uint8_t *ns, size_t nsl, const uint8_t *pod, size_t podl)
 {
-    return hash_bytes(pod, podl, hash_bytes(ns, nsl, t->seed));
+    return key_mix(hash_bytes(ns, nsl, t->seed), hash_bytes(pod, podl, t->seed));
 }
 
 /* The slot of (ns, pod), or NULL. Read lock (or write lock) held. */
@@ -1551,6 +1572,41 @@ typedef struct {
 /* p NULL: the RW 2.0 symbols placeholder, until the walk's end fills it */
 typedef EditSpan Span;
 
+/* RW 2.0: the state of one request (walk_v2) */
+typedef struct V2 {
+    Vec syms;   /* Str */
+    Vec slots;  /* int16_t per symbol: its plan slot */
+    Vec series; /* size_t[3]: start, payload, end */
+    size_t symbols_end;
+    int has_symbols;
+    /* the first ref of each string, built when the first series is stamped */
+    int32_t *index;
+    size_t icap;
+    uint64_t seed; /* hash_bytes' seed: the table's v2_seed (its stamp strings' hashes) */
+    int keyed;     /* 1: over its probe budget, the index was rebuilt with siphash13 */
+    uint64_t ops, probes; /* inserts and lookups, and their probe steps past the first */
+    Vec added; /* Str: strings appended to the table */
+    /* entry -> offset of its refs in `refpool` (2 per stamp label) */
+    const Entry **memo_key;
+    size_t *memo_val;
+    size_t mcap, mlen;
+    Vec refpool; /* uint32_t */
+    Vec refs;    /* uint32_t: the refs of the current series */
+    uint64_t refmax; /* the largest of them, as sent (refs clamps at UINT32_MAX) */
+    Vec newrefs; /* uint32_t */
+    /* the per-string key hashes of long namespace and pod symbols (v2_key_part), by ref:
+     * khash[ref] is hash_bytes(symbol, table seed) when bit ref of kmark is set. Made at
+     * the first such symbol a series names (one per symbol: O(1) a lookup, whatever refs
+     * a sender picks) */
+    uint64_t *khash;
+    uint8_t *kmark;
+    /* the order of every symbol (v2_rank), made once the long-name comparisons of the
+     * request pass their budget (V2_CMP_OVER_BUDGET); NULL before */
+    uint32_t *rank;
+    uint64_t key_bytes; /* bytes of namespace and pod symbols hashed for the pod key */
+    uint64_t cmp_bytes; /* bytes of long label names compared (V2_LONG_NAME) */
+} V2;
+
 typedef struct {
     const Plan *plan;
     const PodTable *table;
@@ -1572,6 +1628,7 @@ typedef struct {
     uint64_t series_id;
     uint64_t seen[MAX_SLOTS];
     Str vals[MAX_SLOTS];
+    uint32_t vrefs[MAX_SLOTS]; /* RW 2.0: the symbol of each value in vals */
     /* output */
     Vec spans; /* Span */
     Arena arena;
@@ -1581,7 +1638,7 @@ typedef struct {
     /* what the splice may hold beside its input (SIZE_MAX: no limit), the RW 2.0 state it
      * holds too, and past the limit the estimate of what the whole request would */
     size_t limit;
-    const struct V2 *v2;
+    V2 *v2; /* RW 2.0; NULL in RW 1.0 */
     size_t fixed; /* held once the RW 2.0 scan is done: not extrapolated */
     size_t need;
     PyObject *grow; /* grow(need) -> the new limit (<= what is held: none), or NULL */
@@ -1626,7 +1683,7 @@ oom(Req *r)
 /* The walk's own error for a request past its limit: not raised, answered with r->need */
 static const char OVER_LIMIT[] = "over_limit";
 
-static size_t v2_held(const struct V2 *v);
+static size_t v2_held(const V2 *v);
 
 /* Is the request past its limit, with `pos` of its `n` bytes walked? The splice holds, beside
  * its input, its spans, the arena (stamps copied, RW 2.0 symbols), the RW 2.0 state, and in
@@ -1755,7 +1812,7 @@ unless_holds(Req *r, const UnlessC *u, const uint8_t *v, size_t vn)
 /* The pod a series names (labels in r->labs' slots: r->vals): 1 with *ns / *pod set, 0
  * with *reason set (-1: attributed as it is, `keep`; 0: no_pod_label). */
 static int
-choose_pod(Req *r, Str *ns_out, Str *pod_out, int *reason)
+choose_pod(Req *r, Str *ns_out, Str *pod_out, int *reason, const PairC **chosen)
 {
     const Plan *pl = r->plan;
     const Str *v;
@@ -1793,6 +1850,7 @@ choose_pod(Req *r, Str *ns_out, Str *pod_out, int *reason)
             continue;
         *ns_out = *ns;
         *pod_out = *pod;
+        *chosen = p; /* (RW 2.0: both are whole symbols, r->vrefs[its slots]) */
         return 1;
     }
     *reason = 0; /* no_pod_label */
@@ -1815,26 +1873,163 @@ lookup_pod(const PodTable *t, uint64_t h, const Str *ns, const Str *pod, int *re
     return en;
 }
 
-/* choose_pod + lookup_pod at once (RW 2.0). */
-static const Entry *
-decide(Req *r, int *reason)
+/* A namespace or pod symbol shorter than this is hashed where a series names it, as in
+ * RW 1.0 (a few words: cheaper than a memo's lines); a longer one once per request. */
+#define V2_KEY_MEMO_MIN 64
+
+/* hash_bytes(symbol ref (x), table seed): the part of a pod key (key_mix) that a namespace or
+ * pod symbol gives. A long symbol's is memoized by ref, so a request hashes each distinct
+ * one once however many series name it; per series the cost is then independent of the
+ * symbol's length (v->key_bytes counts what is hashed: _v2_work_stats). */
+static inline uint64_t
+v2_key_part(Req *r, V2 *v, uint32_t ref, const Str *x)
 {
-    Str ns, pod;
-    if (!choose_pod(r, &ns, &pod, reason))
-        return NULL;
-    const PodTable *t = r->table;
-    return lookup_pod(t, key_hash(t, ns.s, ns.n, pod.s, pod.n), &ns, &pod, reason);
+    uint64_t seed = r->table->seed;
+    if (x->n < V2_KEY_MEMO_MIN) {
+        v->key_bytes += x->n;
+        return hash_bytes(x->s, x->n, seed);
+    }
+    if (v->khash == NULL) {
+        size_t nsym = v->syms.len;
+        v->khash = malloc(nsym * sizeof(uint64_t));
+        v->kmark = calloc(nsym / 8 + 1, 1);
+        if (v->khash == NULL || v->kmark == NULL) {
+            free(v->khash);
+            free(v->kmark);
+            v->khash = NULL;
+            v->kmark = NULL;
+            r->arena.failed = 1; /* 503, as any other allocation of the walk */
+            return 0;
+        }
+    }
+    if (!(v->kmark[ref >> 3] >> (ref & 7) & 1)) {
+        v->khash[ref] = hash_bytes(x->s, x->n, seed);
+        v->kmark[ref >> 3] |= (uint8_t)(1u << (ref & 7));
+        v->key_bytes += x->n;
+    }
+    return v->khash[ref];
 }
 
-static inline int
-lab_cmp(const Lab *a, const Lab *b)
+/* choose_pod + lookup_pod at once (RW 2.0): the key from the chosen pair's two symbols'
+ * hashes (both are whole symbols: a pair's values are label values as sent). */
+static const Entry *
+decide(Req *r, V2 *v, int *reason)
 {
-    return str_cmp(a->name, a->nlen, b->name, b->nlen);
+    Str ns, pod;
+    const PairC *p;
+    if (!choose_pod(r, &ns, &pod, reason, &p))
+        return NULL;
+    const PodTable *t = r->table;
+    uint64_t h = key_mix(v2_key_part(r, v, r->vrefs[p->ns_slot], &ns),
+                         v2_key_part(r, v, r->vrefs[p->pod_slot], &pod));
+    return lookup_pod(t, h, &ns, &pod, reason);
+}
+
+/* RW 2.0 label names are symbols that any number of series may name: two names of L
+ * bytes with a common prefix cost a memcmp of L at every comparison, in every series (N
+ * series of two 64 KiB names: 118 ms per 1.1 MB request, ~70x a request of short names).
+ * Names up to V2_LONG_NAME bytes are compared as they are (their cost is the series'
+ * own: a label is at least two bytes of refs); longer ones are counted, and once they pass
+ * 1 KiB per series of the request plus 1 MiB, every symbol is ranked in byte order
+ * (v2_rank: a sort of the table, O(S log S) comparisons, each at most its shorter string's
+ * bytes) and names compare by rank from then on. An honest request stays below (names of
+ * 64 bytes and more are rare, and most differ early). */
+#define V2_LONG_NAME 64
+#define V2_CMP_OVER_BUDGET(v, r) ((v)->cmp_bytes > 1024 * (r)->series + ((uint64_t)1 << 20))
+
+/* v->rank := the order of every symbol (equal strings, equal ranks), so that rank order
+ * is str_cmp's. 0: out of memory (r->arena.failed, the request's 503). */
+static int
+v2_rank(Req *r, V2 *v)
+{
+    size_t n = v->syms.len;
+    const Str *syms = v->syms.data;
+    if (n > UINT32_MAX) { /* (a table of 2^32 symbols is 8 GB: past every limit) */
+        r->arena.failed = 1;
+        return 0;
+    }
+    uint32_t *a = malloc((n ? n : 1) * sizeof(uint32_t));
+    uint32_t *tmp = malloc((n ? n : 1) * sizeof(uint32_t));
+    uint32_t *rank = malloc((n ? n : 1) * sizeof(uint32_t));
+    if (a == NULL || tmp == NULL || rank == NULL) {
+        free(a);
+        free(tmp);
+        free(rank);
+        r->arena.failed = 1;
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++)
+        a[i] = (uint32_t)i;
+    /* bottom-up merge sort: each comparison costs at most the shorter string, so a pass
+     * costs at most the table's bytes */
+    for (size_t width = 1; width < n; width *= 2) {
+        for (size_t lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = lo + width < n ? lo + width : n;
+            size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) {
+                const Str *x = &syms[a[i]], *y = &syms[a[j]];
+                v->cmp_bytes += x->n < y->n ? x->n : y->n;
+                tmp[k++] = str_cmp(y->s, y->n, x->s, x->n) < 0 ? a[j++] : a[i++];
+            }
+            while (i < mid)
+                tmp[k++] = a[i++];
+            while (j < hi)
+                tmp[k++] = a[j++];
+        }
+        uint32_t *t = a;
+        a = tmp;
+        tmp = t;
+    }
+    uint32_t rk = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0) {
+            const Str *x = &syms[a[i - 1]], *y = &syms[a[i]];
+            v->cmp_bytes += x->n < y->n ? x->n : y->n;
+            rk += str_cmp(x->s, x->n, y->s, y->n) != 0;
+        }
+        rank[a[i]] = rk;
+    }
+    free(a);
+    free(tmp);
+    v->rank = rank;
+    return 1;
+}
+
+/* The order of two RW 2.0 label names (both symbols: a->r0, b->r0), as str_cmp's. */
+static inline int
+v2_name_cmp(Req *r, V2 *v, const Lab *a, const Lab *b)
+{
+    /* the usual names: differing in their first byte (str_cmp's first test), or short */
+    if (a->nlen && b->nlen && a->name[0] != b->name[0])
+        return a->name[0] < b->name[0] ? -1 : 1;
+    size_t k = a->nlen < b->nlen ? a->nlen : b->nlen;
+    if (k <= V2_LONG_NAME)
+        return str_cmp(a->name, a->nlen, b->name, b->nlen);
+    if (a->r0 == b->r0)
+        return 0; /* one symbol */
+    if (v->rank == NULL) {
+        v->cmp_bytes += k;
+        if (!V2_CMP_OVER_BUDGET(v, r) || !v2_rank(r, v))
+            return str_cmp(a->name, a->nlen, b->name, b->nlen);
+    }
+    uint32_t x = v->rank[a->r0], y = v->rank[b->r0];
+    return x < y ? -1 : x > y;
+}
+
+/* The order of two labels' names: RW 2.0 symbols through v2_name_cmp, anything else (RW
+ * 1.0 labels, a stamp's: at most the stamp name's bytes) by their bytes. */
+static inline int
+lab_cmp(Req *r, const Lab *a, const Lab *b)
+{
+    if (r->v2 == NULL || a->r0 == STAMP_REF || b->r0 == STAMP_REF)
+        return str_cmp(a->name, a->nlen, b->name, b->nlen);
+    return v2_name_cmp(r, r->v2, a, b);
 }
 
 /* Stable merge sort of n labels (ties keep their order). */
 static void
-lab_sort(Lab *a, Lab *tmp, size_t n)
+lab_sort(Req *r, Lab *a, Lab *tmp, size_t n)
 {
     for (size_t width = 1; width < n; width *= 2) {
         for (size_t lo = 0; lo < n; lo += 2 * width) {
@@ -1842,7 +2037,7 @@ lab_sort(Lab *a, Lab *tmp, size_t n)
             size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
             size_t i = lo, j = mid, k = lo;
             while (i < mid && j < hi)
-                tmp[k++] = lab_cmp(&a[j], &a[i]) < 0 ? a[j++] : a[i++];
+                tmp[k++] = lab_cmp(r, &a[j], &a[i]) < 0 ? a[j++] : a[i++];
             while (i < mid)
                 tmp[k++] = a[i++];
             while (j < hi)
@@ -1994,12 +2189,13 @@ in_stamp(const Entry *en, const Lab *l)
  * *sorted := the names are strictly sorted (then an empty one can only be the first).
  * Unsorted names are sorted in a copy (rare: senders sort). Returns 0 with the error set,
  * or on OOM. */
-static inline int
-check_names(Req *r, const Lab *labs, size_t n, int *sorted)
+static inline __attribute__((always_inline)) int
+check_names(Req *r, const Lab *labs, size_t n, int *sorted, V2 *v)
 {
     *sorted = 1;
     for (size_t i = 1; i < n; i++)
-        if (str_cmp(labs[i - 1].name, labs[i - 1].nlen, labs[i].name, labs[i].nlen) >= 0) {
+        if ((v != NULL ? v2_name_cmp(r, v, &labs[i - 1], &labs[i])
+                       : str_cmp(labs[i - 1].name, labs[i - 1].nlen, labs[i].name, labs[i].nlen)) >= 0) {
             *sorted = 0;
             break;
         }
@@ -2010,7 +2206,7 @@ check_names(Req *r, const Lab *labs, size_t n, int *sorted)
         if ((b = vec_push(&r->merged, n)) == NULL || (t = vec_push(&r->tmp, n)) == NULL)
             return 0;
         memcpy(b, labs, n * sizeof(Lab));
-        lab_sort(b, t, n);
+        lab_sort(r, b, t, n);
         a = b;
     }
     if (n == 0) {
@@ -2022,7 +2218,7 @@ check_names(Req *r, const Lab *labs, size_t n, int *sorted)
         return 0;
     }
     for (size_t i = 1; i < n && !*sorted; i++)
-        if (lab_cmp(&a[i - 1], &a[i]) == 0) {
+        if (lab_cmp(r, &a[i - 1], &a[i]) == 0) {
             char buf[SHOWN_CAP];
             shown(buf, a[i].name, a[i].nlen);
             err_set(&r->err, "invalid_labels", "label name \"%s\" repeated in one series", buf);
@@ -2068,7 +2264,7 @@ merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en, int *lost)
             *lost |= !in_stamp(en, &labs[i]);
             continue;
         }
-        if (prev != NULL && lab_cmp(prev, &labs[i]) > 0)
+        if (prev != NULL && lab_cmp(r, prev, &labs[i]) > 0)
             sorted = 0;
         prev = &labs[i];
         m[k++] = labs[i];
@@ -2094,7 +2290,7 @@ merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en, int *lost)
         Lab *out = (Lab *)r->tmp.data + en->nlabels;
         size_t i = 0, j = 0, o = 0;
         while (i < kept && j < en->nlabels)
-            out[o++] = lab_cmp(&st[j], &m[i]) < 0 ? st[j++] : m[i++];
+            out[o++] = lab_cmp(r, &st[j], &m[i]) < 0 ? st[j++] : m[i++];
         while (i < kept)
             out[o++] = m[i++];
         while (j < en->nlabels)
@@ -2107,7 +2303,7 @@ merge_stamp(Req *r, const Lab *labs, size_t n, const Entry *en, int *lost)
     for (uint32_t i = 0; i < en->nlabels; i++)
         m[k++] = st[i];
     r->merged.len = k;
-    lab_sort(m, (Lab *)r->tmp.data, k);
+    lab_sort(r, m, (Lab *)r->tmp.data, k);
     return 1;
 }
 
@@ -2381,11 +2577,12 @@ parse_v1(Req *r, Pending *P, size_t start, size_t s, size_t q)
         }
     }
     P->any_stamped = any_stamped;
-    if (!check_names(r, labs, n, &P->sorted)) {
+    if (!check_names(r, labs, n, &P->sorted, NULL)) {
         name_series(e, r->series - 1, labs, n);
         return 0;
     }
-    if (choose_pod(r, &P->ns, &P->pod, &P->reason)) {
+    const PairC *chosen;
+    if (choose_pod(r, &P->ns, &P->pod, &P->reason, &chosen)) {
         const PodTable *t = r->table;
         P->reason = -2;
         P->hash = key_hash(t, P->ns.s, P->ns.n, P->pod.s, P->pod.n);
@@ -2518,7 +2715,7 @@ sorted_labels(Req *r, const Lab *labs, size_t n, size_t k)
     if (t == NULL)
         return NULL;
     Lab *m = r->merged.data;
-    lab_sort(m, t, k);
+    lab_sort(r, m, t, k);
     return m;
 }
 
@@ -2678,28 +2875,6 @@ walk_v1(Req *r, size_t n)
 /* ------------------------------------------------------------------------------------ */
 /* RW 2.0                                                                               */
 
-typedef struct V2 {
-    Vec syms;   /* Str */
-    Vec slots;  /* int16_t per symbol: its plan slot */
-    Vec series; /* size_t[3]: start, payload, end */
-    size_t symbols_end;
-    int has_symbols;
-    /* the first ref of each string, built when the first series is stamped */
-    int32_t *index;
-    size_t icap;
-    uint64_t seed; /* hash_bytes' seed: the table's v2_seed (its stamp strings' hashes) */
-    int keyed;     /* 1: over its probe budget, the index was rebuilt with siphash13 */
-    uint64_t ops, probes; /* inserts and lookups, and their probe steps past the first */
-    Vec added; /* Str: strings appended to the table */
-    /* entry -> offset of its refs in `refpool` (2 per stamp label) */
-    const Entry **memo_key;
-    size_t *memo_val;
-    size_t mcap, mlen;
-    Vec refpool; /* uint32_t */
-    Vec refs;    /* uint32_t: the refs of the current series */
-    uint64_t refmax; /* the largest of them, as sent (refs clamps at UINT32_MAX) */
-    Vec newrefs; /* uint32_t */
-} V2;
 
 static size_t
 v2_held(const V2 *v)
@@ -2707,7 +2882,9 @@ v2_held(const V2 *v)
     return v->syms.len * sizeof(Str) + v->slots.len * sizeof(int16_t) +
            v->series.len * sizeof(size_t) + v->added.len * sizeof(Str) +
            (v->refpool.len + v->refs.len + v->newrefs.len) * sizeof(uint32_t) +
-           v->icap * sizeof(int32_t) + v->mcap * (sizeof(const Entry *) + sizeof(size_t));
+           v->icap * sizeof(int32_t) + v->mcap * (sizeof(const Entry *) + sizeof(size_t)) +
+           (v->khash != NULL ? v->syms.len * sizeof(uint64_t) + v->syms.len / 8 + 1 : 0) +
+           (v->rank != NULL ? v->syms.len * sizeof(uint32_t) : 0);
 }
 
 static void
@@ -2723,6 +2900,9 @@ v2_free(V2 *v)
     free(v->index);
     free(v->memo_key);
     free(v->memo_val);
+    free(v->khash);
+    free(v->kmark);
+    free(v->rank);
 }
 
 static int
@@ -2806,6 +2986,9 @@ v2_scan(Req *r, V2 *v, size_t n)
 /* the last request's index work in this thread: _v2_index_stats (tests) */
 static _Thread_local uint64_t v2_last_ops, v2_last_probes;
 static _Thread_local int v2_last_keyed;
+/* and the bytes its pod keys hashed and its long names compared: _v2_work_stats (tests) */
+static _Thread_local uint64_t v2_last_key_bytes, v2_last_cmp_bytes;
+static _Thread_local int v2_last_ranked;
 
 static inline uint64_t
 v2_hash(const V2 *v, const uint8_t *s, size_t n)
@@ -3188,15 +3371,18 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
             r->seen[slot] = r->series_id;
             r->vals[slot].s = lab->value;
             r->vals[slot].n = lab->vlen;
+            r->vrefs[slot] = b;
             any_stamped |= pl->flags[slot] & FLAG_STAMPED;
         }
     }
-    if (!check_names(r, labs, n, &sorted)) {
+    if (!check_names(r, labs, n, &sorted, v)) {
         name_series(e, r->series - 1, labs, n);
         return;
     }
     int reason;
-    const Entry *en = decide(r, &reason);
+    const Entry *en = decide(r, v, &reason);
+    if (r->arena.failed)
+        return;
     if (e->kind)
         return;
     if (en != NULL && pl->max_labels && n + en->nlabels > pl->max_labels
@@ -3258,8 +3444,11 @@ series_v2(Req *r, V2 *v, size_t start, size_t s, size_t q, int *inserted)
     if (mn == n) {
         int same = 1;
         for (size_t i = 0; i < n && same; i++)
-            same = str_cmp(m[i].name, m[i].nlen, labs[i].name, labs[i].nlen) == 0 &&
-                   str_cmp(m[i].value, m[i].vlen, labs[i].value, labs[i].vlen) == 0;
+            /* (a kept label is labs[i] itself: its value is not compared again; a stamp's
+             * costs at most its own bytes) */
+            same = lab_cmp(r, &m[i], &labs[i]) == 0 &&
+                   ((m[i].value == labs[i].value && m[i].vlen == labs[i].vlen) ||
+                    str_cmp(m[i].value, m[i].vlen, labs[i].value, labs[i].vlen) == 0);
         if (same)
             return;
     }
@@ -3436,6 +3625,9 @@ splice(PyObject *args, int version)
     v2_last_ops = v.ops;
     v2_last_probes = v.probes;
     v2_last_keyed = v.keyed;
+    v2_last_key_bytes = v.key_bytes;
+    v2_last_cmp_bytes = v.cmp_bytes;
+    v2_last_ranked = v.rank != NULL;
 
     PyObject *result = NULL;
     if (r.err.kind == OVER_LIMIT) {
@@ -3716,6 +3908,23 @@ v2_index_stats(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(arg))
                          (unsigned long long)v2_last_probes, v2_last_keyed ? Py_True : Py_False);
 }
 
+/* Tests only: the bytes this thread's last RW 2.0 splice hashed for pod keys and compared
+ * in long label names, and whether it ranked its symbols; and the bytes of metadata
+ * strings this thread's last conversion hashed and compared. Work counted, not timed. */
+static PyObject *
+v2_work_stats(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(arg))
+{
+    return Py_BuildValue("(KKO)", (unsigned long long)v2_last_key_bytes,
+                         (unsigned long long)v2_last_cmp_bytes,
+                         v2_last_ranked ? Py_True : Py_False);
+}
+
+static PyObject *
+convert_stats_py(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(arg))
+{
+    return PyLong_FromUnsignedLongLong((unsigned long long)convert_last_meta_bytes());
+}
+
 static PyMethodDef module_methods[] = {
     {"splice_v1", splice_v1_py, METH_VARARGS,
      "splice_v1(raw, plan, table[, block, base, limit, grow]) -> (body, series, samples, "
@@ -3743,6 +3952,13 @@ static PyMethodDef module_methods[] = {
      "_v2_index_stats() -> (ops, probes, keyed): tests only, the RW 2.0 symbol index's "
      "inserts and lookups, their probe steps past the first, and whether it was rebuilt "
      "keyed, in this thread's last splice"},
+    {"_v2_work_stats", v2_work_stats, METH_NOARGS,
+     "_v2_work_stats() -> (key_bytes, cmp_bytes, ranked): tests only, the bytes of namespace "
+     "and pod symbols hashed for pod keys and of long label names compared (ranking "
+     "included) in this thread's last RW 2.0 splice, and whether it ranked its symbols"},
+    {"_convert_stats", convert_stats_py, METH_NOARGS,
+     "_convert_stats() -> bytes of metadata strings hashed and compared in this thread's "
+     "last convert_v2 call: tests only"},
     {"set_error_class", set_error_class, METH_O,
      "the exception raised for bad input: cls(kind, status, message)"},
     {NULL, NULL, 0, NULL},
