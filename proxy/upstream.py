@@ -115,6 +115,9 @@ CONVERT_COPIES = 3
 #: ``-maxInsertRequestSize`` with a 400, not a 413: "too big packed request; mustn't exceed
 #: `-maxInsertRequestSize=N` bytes" (or "unpacked", for the decoded size)
 _VM_TOO_LARGE = re.compile(rb"too big (?:un)?packed request; must?n't exceed")
+#: the limit VictoriaMetrics names in that 400: it holds the decoded and the compressed
+#: body to it alike, so a body of more decoded bytes is refused (``_Parts.refused_at``)
+_VM_LIMIT = re.compile(rb"-maxInsertRequestSize=(\d{1,18})")
 #: a 400 that refuses samples because the receiver holds later ones of their series:
 #: Prometheus' ``out of order sample``, Mimir's ``err-mimir-sample-out-of-order``. Such a
 #: part can never be stored; only the sender's answer explains it (``Upstream._explained``),
@@ -484,6 +487,22 @@ class _Parts:
     #: the body cut went without its native histograms already: its parts hold none, and
     #: are not decoded and walked again for them
     cut_without_histograms: bool = False
+    #: the fewest decoded bytes of a body in the layout's form the upstream refused as too
+    #: large (the whole, then any part; one more than the limit VictoriaMetrics names),
+    #: and that refusal: a part whose floor
+    #: (``Layout.floor``) is at least that is refused unsent (:meth:`Upstream._hopeless`)
+    refused_bytes: int | None = None
+    refusal: Answer | None = None
+
+    def refused_at(self, size: int | None, answer: Answer) -> None:
+        """A body of ``size`` decoded bytes (None: not known) in the layout's form was
+        refused as too large with ``answer``."""
+        stated = _VM_LIMIT.search(answer.body) if answer.upstream == "400" else None
+        if stated is not None:  # VictoriaMetrics names its limit: one byte more is refused
+            size = min(size, int(stated[1]) + 1) if size is not None else int(stated[1]) + 1
+        if size is not None and (self.refused_bytes is None or size < self.refused_bytes):
+            self.refused_bytes = size
+            self.refusal = replace(answer, headers=dict(answer.headers))
 
     @property
     def stopped(self) -> bool:
@@ -1295,6 +1314,7 @@ class Upstream:
                    interval=QUIET_LOG_SECONDS)
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
         parts.cut_without_histograms = sent.without_histograms
+        parts.refused_at(len(lay.raw), answer)
         parts.key, parts.memory = key, self.stored_parts.entry(key)
         attempt.parts = parts
         await self._send_halves(parts, 0, len(lay.series), 1, attempt)
@@ -1359,6 +1379,8 @@ class Upstream:
                        {"upstream_url": self.url, "parts": parts.sent})
             parts.sender_gone = True
             return
+        if self._hopeless(parts, a, b):
+            return
         # made one at a time: making one holds PART_COPIES times its bytes, sending it only
         # its compressed form
         need = PART_COPIES * parts.layout.part_bytes(a, b)
@@ -1388,6 +1410,8 @@ class Upstream:
         self._remember(parts, a, b, answer, sent)
         parts.without_histograms = parts.without_histograms or sent.without_histograms
         refused = too_large(answer)
+        if refused and sent.protocol is parts.layout.protocol:
+            parts.refused_at(self._decoded_size(sent), answer)
         if refused and b - a > 1 and depth < MAX_SPLIT_DEPTH:
             await self._send_halves(parts, a, b, depth + 1, attempt)
             return
@@ -1398,6 +1422,31 @@ class Upstream:
         if not answer.ok and answer.status < 500 and parts.refused is None:
             parts.refused_part, parts.refused_index = (a, b), parts.sent + parts.skipped + 1
         parts.add(answer, sent.converted, too_large=refused)
+
+    def _hopeless(self, parts: _Parts, a: int, b: int) -> bool:
+        """``series[a:b]`` carries, whatever its series, at least as many bytes as a body
+        the upstream already refused as too large (its floor: the other top-level fields,
+        which go with the first part): it is refused too, unsent and not cut further, as
+        cutting leaves the floor in its first part. Its answer is that refusal's.
+
+        Measured in decoded bytes: a receiver that limits the compressed body limits the
+        decoded one at that size or less (Mimir's ``max_recv_msg_size`` and Thanos' limit
+        on both, VictoriaMetrics' ``-maxInsertRequestSize`` on both), so a body refused for
+        either is over the limit decoded. Not when the part would be converted on its way
+        (an upstream found 1.0-only since): the conversion drops the RW 2.0 floor."""
+        refusal = parts.refusal
+        if (refusal is None or parts.refused_bytes is None
+                or self.converts(parts.layout.protocol)):
+            return False
+        floor = parts.layout.floor(a, b)
+        if floor < parts.refused_bytes:
+            return False
+        answer = self._too_large(replace(refusal, headers=dict(refusal.headers)), floor,
+                                 b - a)
+        if self.metrics is not None:
+            self.metrics.upstream_split_parts.inc()
+        parts.add(answer, parts.layout_converted, too_large=True)
+        return True
 
     def _stored_before(self, parts: _Parts, a: int, b: int) -> bool:
         """``series[a:b]`` got a 2xx in an earlier attempt of the same body to the same

@@ -9,6 +9,7 @@ import gc
 import hashlib
 import logging
 import math
+import random
 import shutil
 import ssl
 import subprocess
@@ -44,7 +45,7 @@ from proxy.upstream import (
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import layout_bytes
 from proxy.wire.native import split_v1
-from proxy.wire.primitives import Counts, Protocol
+from proxy.wire.primitives import Counts, Protocol, len_field
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 # generated protobuf modules carry no type information
@@ -1082,6 +1083,68 @@ async def test_413_rw2_mostly_symbols_is_cut_under_the_limit() -> None:
     assert len(parts) == 2  # halves fit
     assert [s for p in parts for s in series_of(p, Protocol.V2)] == series_of(raw, Protocol.V2)
     assert answer.headers[WRITTEN_SAMPLES] == "200"
+
+
+def with_unknown_field(raw: bytes, size: int) -> tuple[bytes, bytes]:
+    """``raw`` (RW 2.0) with an unknown top-level field (15) of ``size`` bytes that do not
+    compress, before its series; and those bytes' first 32, to find it in a part."""
+    filler = random.Random(size).randbytes(size)
+    return len_field(15, filler) + raw, filler[:32]
+
+
+async def test_413_rw2_unknown_top_level_fields_go_with_the_first_part_only() -> None:
+    # an unknown field bigger than the limit, copied into every part, made all 31 posts
+    # (1 + 2 + 4 + 8 + 16) refused; with the first part only (as RW 1.0), the other parts
+    # are stored, and the first is cut 4 times: 9 posts
+    base = many_v2(40)
+    limit = len(compress(base, "snappy")) * 7 // 10
+    raw, mark = with_unknown_field(base, 2 * limit)
+    async with ScriptedUpstream(rule=size_limit(limit, rw2_receiver)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=COUNTS)
+    assert answer.status == 413
+    assert len(up.received) == 9, len(up.received)  # 31 before
+    carried = [r for r in up.received if mark in r.raw]
+    assert len(carried) == 5  # the whole and the first part at each of the 4 levels
+    assert sum(len(r.body) for r in up.received) < 6 * len(compress(raw, "snappy"))
+    parts = stored_parts(up, limit)
+    # every series but the first part's (the 16th that carries the field) stored, in order
+    want = series_of(base, Protocol.V2)
+    got = [s for p in parts for s in series_of(p, Protocol.V2)]
+    assert got == want[len(want) - len(got):] and len(got) >= 35
+    assert split_count(u, "too_large") == 1
+
+
+async def test_413_rw2_an_unknown_field_that_fits_is_sent_once() -> None:
+    base = many_v2(40)
+    limit = len(compress(base, "snappy")) * 7 // 10
+    raw, mark = with_unknown_field(base, limit // 4)
+    async with ScriptedUpstream(rule=size_limit(limit, rw2_receiver)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=COUNTS)
+    assert answer.ok, answer.body
+    parts = stored_parts(up, limit)
+    assert len(parts) >= 2
+    assert [mark in p for p in parts] == [True] + [False] * (len(parts) - 1)  # once
+    assert [s for p in parts for s in series_of(p, Protocol.V2)] == series_of(base, Protocol.V2)
+
+
+async def test_413_a_part_whose_fields_alone_pass_the_stated_limit_is_not_sent() -> None:
+    # VictoriaMetrics names its limit: the part that must carry a field bigger than it is
+    # refused unsent (its answer the whole's), not cut and posted 4 more times
+    base = many_v2(40)
+    limit = len(compress(base, "snappy")) * 7 // 10
+    raw, _ = with_unknown_field(base, 2 * limit)
+    refusal = Reply(400, body=(b"too big unpacked request; mustn't exceed "
+                               b"`-maxInsertRequestSize=%d` bytes" % limit))
+    rule = size_limit(limit, rw2_receiver, refusal=refusal)
+    async with ScriptedUpstream(rule=rule) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=COUNTS)
+    assert answer.status == 400 and b"maxInsertRequestSize" in answer.body
+    assert len(up.received) == 2, len(up.received)  # the whole, then the second half
+    assert [len(r.body) > limit for r in up.received] == [True, False]
+    got = [s for p in stored_parts(up, limit) for s in series_of(p, Protocol.V2)]
+    want = series_of(base, Protocol.V2)
+    assert got == want[len(want) - len(got):] and len(got) >= 15  # the second half
+    assert split_count(u, "too_large") == 1
 
 
 async def test_413_rw2_converted_for_a_v1_upstream_in_parts() -> None:

@@ -431,6 +431,16 @@ def v1_size(raw_v2: bytes) -> int:
 
 def v1_form(raw_v2: bytes) -> V1Form:
     """``v1_size``, and how the request's counts change converted (``V1Form``)."""
+    form, metadata = series_form(raw_v2)
+    # the metadata's payload is small beside the series': made, not computed
+    form.size += sum(_field_size(len(_metadata_v1(*m))) for m in metadata)
+    return form
+
+
+def series_form(raw_v2: bytes) -> tuple[V1Form, _Metadata]:
+    """``v1_form`` of the request's series alone (``size`` without the metadata), and its
+    metadata: ``proxy.wire.mixed`` converts a request's custom-bucket series here and the
+    rest natively, and takes the metadata of every series from the native conversion."""
     scan = scan_v2(raw_v2)
     syms = scan.symbols
     lengths = [len(s) for s in syms]
@@ -452,10 +462,18 @@ def v1_form(raw_v2: bytes) -> V1Form:
             body += sum(_field_size(_labels_size(refs, lengths) + sum(map(len, rest)))
                         for refs, rest in ser.exemplars)
             total += _field_size(body)
-    # the metadata's payload is small beside the series': made, not computed
-    total += sum(_field_size(len(_metadata_v1(*m))) for m in metadata)
     form.size = total
-    return form
+    return form, metadata
+
+
+def labels_only_size(raw_v2: bytes) -> int:
+    """The bytes of the RW 1.0 TimeSeries fields of ``raw_v2``'s series with their labels
+    alone: what the conversion makes of a series stripped to its labels (and metadata)."""
+    scan = scan_v2(raw_v2)
+    lengths = [len(s) for s in scan.symbols]
+    nsym = len(lengths)
+    return sum(_field_size(_labels_size(split_series_v2(raw_v2, p, end, nsym).refs, lengths))
+               for _, p, end in scan.series)
 
 
 def check_size(raw_v2: bytes, limit: int | None,
@@ -485,6 +503,14 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
     series. A series left with nothing else (no samples, exemplars or other histograms)
     is not sent itself. ``v1_form`` says how the counts change (samples, not histograms).
     """
+    out, metadata = converted_series(raw_v2)
+    out.extend(len_field(3, _metadata_v1(*m)) for m in metadata)
+    return b"".join(out)
+
+
+def converted_series(raw_v2: bytes) -> tuple[list[bytes], _Metadata]:
+    """``v2_to_v1`` of the request's series alone (its TimeSeries fields, in order), and
+    its metadata (``series_form``)."""
     scan = scan_v2(raw_v2)
     syms = scan.symbols
     out: list[bytes] = []
@@ -501,8 +527,7 @@ def v2_to_v1(raw_v2: bytes) -> bytes:
                                               *exemplars, *carried[4]))))
         for h in ser.classic:
             out.extend(_classic_v1(_labels(ser.refs, syms), h))
-    out.extend(len_field(3, _metadata_v1(*m)) for m in metadata)
-    return b"".join(out)
+    return out, metadata
 
 
 @dataclass(slots=True)

@@ -13,8 +13,14 @@ of the same protocol, and the parts together carry every series exactly once:
   in their order in the whole table, its series' refs renumbered. The label strings are
   most of an RW 2.0 body (74% of a 2,000-series cAdvisor request), so parts that each
   carried the whole table were 91% of the whole at halves and 83% at sixteenths: a
-  request over the upstream's limit by more than that could never be cut under it. Every
-  other top-level field (unknown ones) goes whole with every part.
+  request over the upstream's limit by more than that could never be cut under it. The
+  renumbering is made from the refs the part's series use (its cost follows the part, not
+  the table: a part of a request with 2M symbols, most of them unused, walked all 2M).
+  Every other top-level field goes with the first part only, once, as in RW 1.0: RW 2.0
+  defines no top-level field but ``symbols`` and ``timeseries`` (1-3 reserved), so any
+  other is unknown to every receiver, which skips it (protobuf's rule for unknown fields);
+  copied into every part, one bigger than the upstream's limit made every part refused,
+  31 posts for one request.
 
 RW 1.0 fields keep their relative order, and a run of adjacent series is one slice of the
 input: a part is a join of a few spans, never a re-encoding. An RW 2.0 part is re-encoded
@@ -28,9 +34,11 @@ import bisect
 import heapq
 import itertools
 import operator
+import threading
+import typing
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from proxy.wire.convert import exemplar_v2, metadata_v2
@@ -96,6 +104,31 @@ class Spans:
                 + self.ends.itemsize * self.ends.buffer_info()[1])
 
 
+class _Renumber(typing.Protocol):
+    """A symbol's new ref plus one, by its old ref (an ``array`` over the whole table, or
+    a ``dict`` of the refs a part uses)."""
+
+    def __getitem__(self, ref: int, /) -> int: ...
+
+
+#: a part that uses fewer than one symbol in this many is renumbered sparsely (a dict of
+#: its refs, sorted: ~140 bytes and a log factor a ref), else over the table (an array of
+#: 4 bytes a symbol, made at C speed): either way under ~5 bytes a symbol of the table, and
+#: time that follows the part's refs, not the table
+_SPARSE = 32
+
+
+@dataclass(slots=True)
+class _Marks:
+    """A byte a symbol of the whole table, zero but while a part is made (the symbols its
+    series use marked), made once per layout: a table of 2M mostly unused symbols cost
+    every part a 2M-entry walk when each part made its own. The lock keeps two parts of one
+    layout from sharing it at once (the upstream makes them one at a time)."""
+
+    used: bytearray = field(default_factory=bytearray)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 @dataclass(slots=True, frozen=True)
 class Layout:
     """A request's top-level fields: its series, and the rest."""
@@ -109,12 +142,18 @@ class Layout:
     prefix: array[int]
     #: RW 2.0: the request's ``symbols`` fields, the table in order (empty for 1.0)
     symbols: Spans
+    #: the bytes of ``other`` and of ``symbols``, summed once: a part's bound is asked for
+    #: every part, and the sum over a table of 2M symbols was a walk of 2M each time
+    other_bytes: int = 0
+    symbol_bytes: int = 0
+    _marks: _Marks = field(default_factory=_Marks)
 
     @property
     def nbytes(self) -> int:
         """What the layout holds beside ``raw``."""
         return (self.series.nbytes + self.other.nbytes + self.symbols.nbytes
-                + self.prefix.itemsize * self.prefix.buffer_info()[1])
+                + self.prefix.itemsize * self.prefix.buffer_info()[1]
+                + len(self._marks.used))
 
     def middle(self, lo: int, hi: int) -> int:
         """Where ``series[lo:hi]`` (two series at least) is cut into two halves of about
@@ -125,16 +164,27 @@ class Layout:
         target = (self.prefix[lo] + self.prefix[hi]) / 2
         return min(max(bisect.bisect_left(self.prefix, target, lo + 1, hi), lo + 1), hi - 1)
 
+    def floor(self, lo: int, hi: int, *, other_last: bool = False) -> int:
+        """The bytes the part of ``series[lo:hi]`` carries whatever series it holds: the
+        other top-level fields, when it is the part that takes them (the first; the last
+        under ``other_last``). No part cut from it is smaller, so a part
+        whose floor is at least a body the upstream refused as too large is refused too
+        (``proxy.upstream``)."""
+        with_other = hi == len(self.series) if other_last else lo == 0
+        return self.other_bytes if with_other else 0
+
     def part_bytes(self, lo: int, hi: int) -> int:
         """The most the request of ``series[lo:hi]`` can be (an RW 2.0 part may carry
-        every symbol), to charge it before it is made."""
+        every symbol), and what making it holds beside, to charge it before it is made.
+        Known in constant time."""
         series = self.prefix[hi] - self.prefix[lo]
-        other = sum(e - s for s, e in self.other.pairs())
+        other = self.floor(lo, hi)
         if self.protocol is Protocol.V1:
-            return series + (other if lo == 0 else 0)
-        symbols = sum(e - s for s, e in self.symbols.pairs())
-        # the refs renumbered may each take a byte more; its work arrays: 5 bytes a symbol
-        return series * 2 + other + symbols + 5 * len(self.symbols)
+            return series + other
+        # the refs renumbered may each take a byte more; its work: a ref is a byte at
+        # least, so it uses at most ``series`` symbols, renumbered under ~5 bytes a symbol
+        work = 5 * min(len(self.symbols), series)
+        return series * 2 + other + self.symbol_bytes + work
 
     def part(self, lo: int, hi: int, *, other_last: bool = False) -> bytes:
         """The request of ``series[lo:hi]`` (see the module's rules for the other fields).
@@ -181,27 +231,67 @@ class Layout:
         return out
 
     def _part_v2(self, lo: int, hi: int) -> bytes:
-        """An RW 2.0 part with the symbols its series use, and nothing else of the table.
+        """An RW 2.0 part with the symbols its series use, and nothing else of the table;
+        the other top-level fields with the first part only.
 
         Its series are read twice (the symbols they use, then each written out renumbered)
         rather than held read: a series taken apart is ~1 KiB of Python objects, and a half
-        of a big request has hundreds of thousands."""
+        of a big request has hundreds of thousands. The symbols used are marked in the
+        layout's one byte a symbol and listed as found; the renumbering is made from that
+        list (sorted), or, when the part uses one symbol in ``_SPARSE`` or more, over the
+        table (its cost then follows the part's refs as well)."""
         raw, symbols = self.raw, self.symbols
         nsym = len(symbols)
-        used = bytearray(nsym)
-        if nsym:
-            used[0] = 1
-        for s, e in self.series.pairs(lo, hi):
-            for r in _SeriesRefs.of(raw, s, e, nsym).all():
-                used[r] = 1
-        # a used symbol's new ref, plus one
-        renumber = array("I", itertools.accumulate(used))
+        marks = self._marks
+        with marks.lock:
+            if len(marks.used) != nsym:
+                marks.used = bytearray(nsym)
+            used = marks.used
+            listed: array[int] | None = array("I")
+            sparse = nsym // _SPARSE
+            try:
+                for s, e in self.series.pairs(lo, hi):
+                    for r in _SeriesRefs.of(raw, s, e, nsym).all():
+                        if not used[r]:
+                            used[r] = 1
+                            if listed is not None:
+                                listed.append(r)
+                                if len(listed) > sparse:
+                                    listed = None  # dense: over the table
+                if nsym and not used[0]:
+                    used[0] = 1
+                    if listed is not None:
+                        listed.append(0)
+                return self._write_v2(lo, hi, listed)
+            finally:
+                if listed is None:
+                    used[:] = bytes(nsym)
+                else:
+                    for r in listed:
+                        used[r] = 0
+
+    def _write_v2(self, lo: int, hi: int, listed: array[int] | None) -> bytes:
+        """The part of ``series[lo:hi]``, the symbols it uses marked (``listed``: them, or
+        None when they are many)."""
+        raw, symbols = self.raw, self.symbols
+        nsym = len(symbols)
         view = memoryview(raw)
         out = bytearray()
-        for s, e in itertools.compress(symbols.pairs(), used):
-            out += view[s:e]
-        for s, e in self.other.pairs():
-            out += view[s:e]
+        renumber: _Renumber
+        if listed is None:
+            renumber = array("I", itertools.accumulate(self._marks.used))
+            for s, e in itertools.compress(symbols.pairs(), self._marks.used):
+                out += view[s:e]
+        else:
+            order = sorted(listed)
+            renumber = {r: i for i, r in enumerate(order, 1)}
+            starts, ends = symbols.starts, symbols.ends
+            for r in order:
+                out += view[starts[r]:ends[r]]
+            del order
+        if lo == 0:
+            for s, e in self.other.pairs():
+                out += view[s:e]
         for s, e in self.series.pairs(lo, hi):
             out += len_field(5, _SeriesRefs.of(raw, s, e, nsym).encode(raw, renumber))
         return bytes(out)
@@ -253,7 +343,7 @@ class _SeriesRefs:
         return [*self.labels, *(r for x, _ in self.exemplars for r in x),
                 *(r for m in self.metadata for r in m)]
 
-    def encode(self, raw: bytes, renumber: array[int]) -> bytes:
+    def encode(self, raw: bytes, renumber: _Renumber) -> bytes:
         """The series with its refs renumbered (``renumber[old] - 1``), its other fields
         as they were."""
         out = [len_field(1, encode_refs([renumber[r] - 1 for r in self.labels]))]
@@ -319,4 +409,6 @@ def layout(raw: bytes, protocol: Protocol) -> Layout:
         start = end
     prefix = array("I", itertools.accumulate(
         map(operator.sub, series.ends, series.starts), initial=0))
-    return Layout(raw, protocol, series, other, prefix, symbols)
+    return Layout(raw, protocol, series, other, prefix, symbols,
+                  sum(map(operator.sub, other.ends, other.starts)),
+                  sum(map(operator.sub, symbols.ends, symbols.starts)))
