@@ -1647,18 +1647,18 @@ class Upstream:
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
             text = f"upstream answered {upstream_status}: ".encode() + text
-        said = Answer(status, text, upstream=str(upstream_status))
-        if (status >= 500 or upstream_status >= 300) and not too_large(said) and not (
-                converted and histograms_disabled(said)):
-            # a refusal for size is sent in parts (``forward``), one of a converted
-            # request's native histograms without them (``_histograms_refused``): said
-            # there, if it must be
-            self._line(
-                logging.WARNING, "upstream did not accept the request",
-                f"{upstream_status}:{status}",
-                {"upstream_status": upstream_status, "status": status,
-                 "body": text[:512].decode("utf-8", "replace")},
-            )
+        if status >= 500 or upstream_status >= 300:
+            said = Answer(status, text, upstream=str(upstream_status))
+            if not too_large(said) and not (converted and histograms_disabled(said)):
+                # a refusal for size is sent in parts (``forward``), one of a converted
+                # request's native histograms without them (``_histograms_refused``):
+                # said there, if it must be
+                self._line(
+                    logging.WARNING, "upstream did not accept the request",
+                    f"{upstream_status}:{status}",
+                    {"upstream_status": upstream_status, "status": status,
+                     "body": text[:512].decode("utf-8", "replace")},
+                )
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
 
     def _line(self, level: int, message: str, key: str, extra: dict[str, object], *,
