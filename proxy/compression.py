@@ -208,8 +208,9 @@ def _snappy_preamble(n: int) -> bytes:
 def snappy_declared_length(body: bytes) -> int:
     """The decoded length a snappy block declares in its varint header (uint32)."""
     result = 0
+    size = len(body)
     for i in range(5):
-        if i >= len(body):
+        if i >= size:
             break
         b = body[i]
         result |= (b & 0x7F) << (7 * i)

@@ -123,6 +123,8 @@ def canned(status: str, headers: Mapping[str, str], text: str) -> Canned:
                   close=f"{head}Connection: close\r\n\r\n".encode() + body)
 
 
+#: what ends a request's line and headers for aiohttp's parser, and its length
+_HEADER_ENDS = ((b"\r\n\r\n", 4), (b"\n\n", 2))
 #: written to a connection whose headers ran out of time (no request to answer exists)
 RESPONSE_408 = canned("408 Request Timeout", {}, "request headers not received in time\n").close
 #: one header line (and the request line) at most, aiohttp's own default: a bearer token
@@ -197,10 +199,11 @@ class Wait:
 OnTimeout = Callable[[str], None]
 #: told how many requests still in flight the stop ended when its drain ran out
 OnEnded = Callable[[int], None]
-#: (method, path without the query, headers, peer address) of a parsed request -> the
-#: answer to write instead of handling it, a ``Wait`` to handle it once the connection has
-#: stopped reading, or None to handle it
-Shed = Callable[[str, str, Any, str], Canned | Wait | None]
+#: (method, path without the query, headers, what tells the peer address) of a parsed
+#: request -> the answer to write instead of handling it, a ``Wait`` to handle it once the
+#: connection has stopped reading, or None to handle it. The peer address is asked for
+#: only when needed (a refusal's log line): not for every request that is handled
+Shed = Callable[[str, str, Any, Callable[[], str]], Canned | Wait | None]
 
 
 class OnBadHttp(Protocol):
@@ -296,7 +299,8 @@ class _SpentParser:
 class _GuardedProtocol(RequestHandler):
     __slots__ = ("_body", "_counted", "_drain_deadline", "_drain_timer", "_header_bytes",
                  "_header_tail", "_header_timer", "_holding", "_limited", "_linger",
-                 "_refused", "_retiring", "_shed_count", "_shedding", "_skipping")
+                 "_max_header_bytes", "_refused", "_retiring", "_shed_count", "_shedding",
+                 "_skipping")
 
     def __init__(self, manager: _GuardedServer, *, limited: bool = True, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -306,6 +310,8 @@ class _GuardedProtocol(RequestHandler):
         self._counted = False
         #: closed at once past the connection limit: aiohttp never saw it
         self._refused = False
+        #: the manager's, at hand (read twice for every read of headers)
+        self._max_header_bytes = manager.max_header_bytes
         #: bytes received of the request line and headers not yet complete
         self._header_bytes = 0
         #: the last bytes of them, where a blank line that ends them may begin
@@ -403,7 +409,7 @@ class _GuardedProtocol(RequestHandler):
             # headers that end in this read are measured before the parser takes them: it
             # would hand them on whole, and the count below (of reads that leave them
             # unfinished) never saw 20 KiB of them sent in one write
-            room = cast(_GuardedServer, self._manager).max_header_bytes - self._header_bytes
+            room = self._max_header_bytes - self._header_bytes
             end = self._headers_end(data, room)
             if end > room or (end < 0 and len(data) > room + 4):
                 self._headers_too_large()
@@ -423,7 +429,7 @@ class _GuardedProtocol(RequestHandler):
             if not self._messages:  # not a parser stopped behind a queue of requests
                 self._header_bytes += len(data)
                 self._header_tail = (self._header_tail + data[-3:])[-3:]
-                if self._header_bytes > cast(_GuardedServer, self._manager).max_header_bytes:
+                if self._header_bytes > self._max_header_bytes:
                     self._headers_too_large()
 
     def _finish_body(self, data: bytes) -> None:
@@ -452,17 +458,26 @@ class _GuardedProtocol(RequestHandler):
         them at CRLF CRLF or a bare LF LF, either maybe begun in the previous read. Looked
         for in the first ``room`` bytes (and a line end) only: the rest of a read that
         holds a request's first body bytes (up to 256 KiB of binary) is not scanned for
-        every request, and headers that do not end there are too large anyway."""
-        ends = []
-        seam = self._header_tail + data[:3]
-        for mark in (b"\r\n\r\n", b"\n\n"):
-            at = seam.find(mark)
-            if at >= 0 and at + len(mark) > len(self._header_tail):
-                ends.append(at + len(mark) - len(self._header_tail))
-            at = data.find(mark, 0, max(0, room) + len(mark))
-            if at >= 0:
-                ends.append(at + len(mark))
-        return min(ends, default=-1)
+        every request, and headers that do not end there are too large anyway.
+
+        Once a request (its headers in one read, no tail before them, the usual case),
+        so the seam with the previous read is looked at only when there is one: an end
+        within ``data``'s first bytes is found in ``data`` itself then."""
+        tail = self._header_tail
+        seam = tail + data[:3] if tail or room < 1 else b""
+        within = room if room > 0 else 0
+        end = -1
+        for mark, size in _HEADER_ENDS:
+            if seam:
+                at = seam.find(mark)
+                if at >= 0 and at + size > len(tail):
+                    at += size - len(tail)
+                    if end < 0 or at < end:
+                        end = at
+            at = data.find(mark, 0, within + size)
+            if at >= 0 and (end < 0 or at + size < end):
+                end = at + size
+        return end
 
     def _headers_too_large(self) -> None:
         """Headers past ``max_header_bytes`` before their end: 431 and close, as aiohttp
@@ -548,7 +563,11 @@ class _GuardedProtocol(RequestHandler):
                 or not isinstance(getattr(message, "path", None), str):
             return None
         path = message.path.partition("?")[0]
-        return server.shed(message.method, path, message.headers, _peer(self.transport))
+        return server.shed(message.method, path, message.headers, self._remote)
+
+    def _remote(self) -> str:
+        """The peer's address (a shed request's log line)."""
+        return _peer(self.transport)
 
     def shed(self, message: Any, payload: Any, answer: Canned) -> bool:
         """Answer ``message`` at once; True when the connection stays open (the rest of its

@@ -36,7 +36,6 @@ from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import Counter
 
 from proxy.admission import Outcome, Slots
 from proxy.budget import Held, LoadBudget, Room
@@ -54,8 +53,9 @@ from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skip
 from proxy.cpus import usable_cpus
 from proxy.index import PodIndex
 from proxy.log import Throttled
+from proxy.loop_metrics import LabelValues
 from proxy.loop_workers import LoopWorkers
-from proxy.metrics import Children, ProxyMetrics
+from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
 from proxy.wire.native import Splicer, split_v1
@@ -162,17 +162,6 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
     return merged, join_snappy([block for _, block in done])
 
 
-def declared_decoded_size(body: bytes, encoding: str) -> int | None:
-    """The decoded size a body declares in its own header (None: a zstd frame without one).
-
-    Used to reserve memory before decompressing; ``decompress`` enforces the hard limit.
-    Raises ``DecodeError`` for a header that is already corrupt.
-    """
-    if encoding == "snappy":
-        return snappy_declared_length(body)
-    return zstd_declared_length(body)
-
-
 #: requests that may wait for a slot, per slot (past them: 503 at once). Three: at 4x more
 #: connections than slots every fast-retrying sender has a place to wait in, and the
 #: overload bench's 503s/s at 4x fell from ~1,100 to ~40 (one per slot left ~1,200);
@@ -187,6 +176,11 @@ OVERLOAD_ANSWER = canned("503 Service Unavailable", {"Retry-After": RETRY_AFTER}
 
 #: (route, Content-Type) pairs whose shed-request counter is kept at hand
 SHED_COUNTERS_CACHED = 64
+#: Content-Types whose protocol is kept at hand, not parsed again per request
+PROTOCOLS_CACHED = 64
+#: the series_total labels of what came in and what the upstream accepted
+_IN: LabelValues = ("in",)
+_OUT: LabelValues = ("out",)
 
 #: the first second of a body is not held to ``min_body_bytes_per_second`` (connection
 #: start, a sender's first write): the rate is what arrived over the time past it
@@ -247,16 +241,19 @@ class RemoteWriteHandler:
         self._wait = Wait(self.slots.unpromise)
         self.workers = worker_count(settings.worker_threads)
         self._overload_rejected = metrics.rejected.labels("overload")
-        #: (route, Content-Type) -> its requests_total{code="503"}, for ``shed``
-        self._shed_counters: dict[tuple[str, str], Counter] = {}
+        #: (route, Content-Type) -> the labels of its requests_total{code="503"}, for ``shed``
+        self._shed_counters: dict[tuple[str, str], LabelValues] = {}
+        #: Content-Type -> its protocol and that protocol's label, for ``handle``
+        self._protocols: dict[str, tuple[Protocol, str]] = {}
         self._pool = LoopWorkers("karta-splice", self.workers)
         metrics.watch_workers(self._pool)
-        # the request path's metric updates, cheap: each labelled child looked up once,
-        # the in-flight gauges read at scrape time from what the handler keeps anyway
-        self._requests = Children(metrics.requests)
-        self._durations = Children(metrics.request_duration)
-        self._series = Children(metrics.series)
-        self._unattributed = Children(metrics.unattributed)
+        # the request path's metric updates, cheap: plain numbers the event loop thread adds
+        # to (proxy.loop_metrics: this handler runs on it alone), the in-flight gauges read
+        # at scrape time from what the handler keeps anyway
+        self._requests = metrics.requests.values
+        self._durations = metrics.request_duration.series
+        self._series = metrics.series.values
+        self._unattributed = metrics.unattributed.values
         #: requests admitted and not yet answered (karta_proxy_inflight_requests)
         self._inflight = 0
         metrics.inflight.set_function(lambda: self._inflight)
@@ -321,6 +318,10 @@ class RemoteWriteHandler:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         protocol_label = "unknown"
+        # the connection stopped reading while the request waits its turn (a ``Wait``):
+        # known before the first await, and no other request of the connection is handed
+        # a ``Wait`` while this one is in progress (``proxy.connection_guard``)
+        waiting = holding(request)
         try:
             if request.method != "POST":
                 raise _Refusal(405, f"method {request.method} not allowed: remote write is POST",
@@ -330,35 +331,38 @@ class RemoteWriteHandler:
                 raise _Refusal(400, f"invalid tenant {tenant[:64]!r} in the path: expected "
                                "accountID, accountID:projectID or multitenant",
                                counter="reject", kind="invalid_tenant")
-            forged = karta_extra_label(request.rel_url.raw_query_string)
+            query = request.rel_url.raw_query_string
+            forged = karta_extra_label(query) if query else ""
             if forged:
                 raise _Refusal(400, f"query parameter extra_label={forged[:128]!r} names a "
                                "karta_* label: VictoriaMetrics would set it on every series "
                                "over the labels the proxy stamps; karta_* labels are the "
                                "proxy's own: remove it from the sender's URL",
                                counter="reject", kind="karta_extra_label")
-            protocol = self._protocol(request)
-            protocol_label = protocol.name.lower()
-            encoding = self._encoding(request)
-            header = self.upstream.unforwardable(request.headers)
+            headers = request.headers
+            protocol, protocol_label = self._protocol(headers)
+            encoding = self._encoding(headers)
+            header = self.upstream.unforwardable(headers)
             if header:
                 raise _Refusal(400, f"header {header} is not valid UTF-8: it cannot be "
                                "forwarded to the upstream as it came", counter="reject",
                                kind="invalid_header")
-            response = await self._within_budget(request, protocol, encoding)
+            response = await self._within_budget(request, protocol, encoding, tenant, query,
+                                                 waiting)
         except _Refusal as r:
             response = self._refuse(request, r)
         finally:
-            self._unhold(request)
+            if waiting:  # else there is no place in line to give back
+                self._unhold(request)
         self._count_request(request, protocol_label, response.status)
-        self._durations(protocol_label).observe(time.perf_counter() - started)
+        self._durations[(protocol_label,)].observe(time.perf_counter() - started)
         return response
 
     def _count_request(self, request: web.Request, protocol_label: str, status: int) -> None:
         # the route, not the path: one series per tenant path template, not per tenant
         route = request.match_info.route.resource
         path = route.canonical if route is not None else request.path
-        self._requests(path, protocol_label, str(status)).inc()
+        self._requests[(path, protocol_label, str(status))] += 1
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """The route's ``Expect`` handler: never ``100 Continue`` here (aiohttp's default
@@ -408,12 +412,12 @@ class RemoteWriteHandler:
         if admitted(request):
             self.slots.unpromise()
 
-    def shed(self, method: str, path: str, headers: Mapping[str, str], remote: str
-             ) -> Canned | Wait | None:
+    def shed(self, method: str, path: str, headers: Mapping[str, str],
+             remote: Callable[[], str]) -> Canned | Wait | None:
         """The whole answer to a remote write refused for overload on its headers, before
         aiohttp makes a request of it (``proxy.connection_guard``); a ``Wait``: handle it,
         it waits for a slot with the connection not reading, its place in line promised;
-        None: handle it.
+        None: handle it. ``remote()``: the sender's address, for the refusal's line.
 
         Only the slot check is made here, the one that fails by the hundreds per second
         under overload; every other refusal stays in ``handle``."""
@@ -426,30 +430,30 @@ class RemoteWriteHandler:
             self.slots.promise()
             return self._wait
         content_type = headers.get("Content-Type", "")
-        counter = self._shed_counters.get((route, content_type))
-        if counter is None:
-            counter = self._shed_counter(route, content_type)
+        labels = self._shed_counters.get((route, content_type))
+        if labels is None:
+            labels = self._shed_labels(route, content_type)
         self._overload_rejected.inc()
-        counter.inc()
+        self._requests[labels] += 1
         if log.isEnabledFor(logging.INFO):
             self._refusals_info.event("overload:503", {
                 "status": 503, "kind": "overload", "reason": OVERLOAD_MESSAGE, "path": path,
-                "remote": remote, "user_agent": headers.get("User-Agent", ""),
+                "remote": remote(), "user_agent": headers.get("User-Agent", ""),
             })
         return OVERLOAD_ANSWER
 
-    def _shed_counter(self, route: str, content_type: str) -> Counter:
-        """``requests_total`` of a shed request, cached by route and Content-Type for the
-        next ones (``labels`` and the Content-Type parse cost more than the rest of a
-        refusal); the cache is bounded, the Content-Type being the sender's to choose."""
+    def _shed_labels(self, route: str, content_type: str) -> LabelValues:
+        """The labels of a shed request's ``requests_total``, cached by route and
+        Content-Type for the next ones (the Content-Type parse costs more than the rest of
+        a refusal); the cache is bounded, the Content-Type being the sender's to choose."""
         try:
             protocol_label = protocol_from_content_type(content_type).name.lower()
         except DecodeError:
             protocol_label = "unknown"
-        counter = self._requests(route, protocol_label, "503")
+        labels = (route, protocol_label, "503")
         if len(self._shed_counters) < SHED_COUNTERS_CACHED:
-            self._shed_counters[(route, content_type)] = counter
-        return counter
+            self._shed_counters[(route, content_type)] = labels
+        return labels
 
     def ended_at_stop(self, count: int) -> None:
         """``count`` requests still in flight when the stop's drain ran out were ended,
@@ -472,17 +476,31 @@ class RemoteWriteHandler:
 
     # -- request checks -------------------------------------------------------------------
 
-    def _protocol(self, request: web.Request) -> Protocol:
+    def _protocol(self, headers: Mapping[str, str]) -> tuple[Protocol, str]:
+        """The protocol a request's Content-Type names, and its label in the metrics; a
+        Content-Type seen before is not parsed again (a sender sends the same one every
+        request; the map is bounded, the Content-Type being the sender's to choose)."""
+        content_type = headers.get("Content-Type", "")
+        known = self._protocols.get(content_type)
+        if known is not None:
+            return known
         try:
-            return protocol_from_content_type(request.headers.get("Content-Type", ""))
+            protocol = protocol_from_content_type(content_type)
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="reject",
                            kind="unsupported_media_type") from None
+        known = protocol, protocol.name.lower()
+        if len(self._protocols) < PROTOCOLS_CACHED:
+            self._protocols[content_type] = known
+        return known
 
-    def _encoding(self, request: web.Request) -> str:
+    def _encoding(self, headers: Mapping[str, str]) -> str:
         # no Content-Encoding is snappy, as Prometheus' receiver takes it (both RW versions
         # require a compressed body, and snappy is the one every sender speaks)
-        enc = request.headers.get("Content-Encoding", "").strip().lower() or "snappy"
+        enc = headers.get("Content-Encoding", "")
+        if enc in ENCODINGS:  # as every sender spells it: nothing to strip or fold
+            return enc
+        enc = enc.strip().lower() or "snappy"
         if enc not in ENCODINGS:
             raise _Refusal(415, f"unsupported Content-Encoding {enc!r}: remote write needs "
                            "snappy or zstd", counter="reject", kind="unsupported_media_type")
@@ -514,8 +532,12 @@ class RemoteWriteHandler:
 
     # -- the bounded part -----------------------------------------------------------------
 
-    async def _within_budget(self, request: web.Request, protocol: Protocol, encoding: str
+    async def _within_budget(self, request: web.Request, protocol: Protocol, encoding: str,
+                             tenant: str | None, query: str, waiting: bool
                              ) -> web.StreamResponse:
+        """The request within its slot and byte budget; ``tenant`` and ``query`` as its
+        path and URL gave them (forwarded as they came), ``waiting``: its connection
+        stopped reading while it waits its turn."""
         s = self.settings
         if not self.index.ready and not s.forward_before_ready:
             raise _Refusal(503, "index not ready yet (cluster state still loading)",
@@ -525,21 +547,25 @@ class RemoteWriteHandler:
         if length is not None and length > s.max_body_bytes:
             raise _Refusal(413, f"request body of {length} bytes exceeds the limit of "
                            f"{s.max_body_bytes} bytes", counter="reject", kind="too_large")
-        outcome = await self.slots.enter(_socket_fd(request), promised=holding(request))
-        admitted(request)
-        if outcome is not Outcome.ADMITTED:
-            # GONE: the sender closed while waiting, so this answer goes nowhere; counted
-            # and logged as the overload refusal it was
-            raise _Refusal(503, OVERLOAD_MESSAGE if outcome is Outcome.REFUSED
-                           else "overloaded: the sender left while waiting for a slot",
-                           counter="reject", kind="overload",
-                           headers={"Retry-After": RETRY_AFTER})
+        # a free slot is taken at once (what ``enter`` does first); else the request waits
+        # in line, its sender's socket watched for a hang-up
+        if waiting or not self.slots.try_enter():
+            outcome = await self.slots.enter(_socket_fd(request), promised=waiting)
+            if waiting:
+                admitted(request)
+            if outcome is not Outcome.ADMITTED:
+                # GONE: the sender closed while waiting, so this answer goes nowhere;
+                # counted and logged as the overload refusal it was
+                raise _Refusal(503, OVERLOAD_MESSAGE if outcome is Outcome.REFUSED
+                               else "overloaded: the sender left while waiting for a slot",
+                               counter="reject", kind="overload",
+                               headers={"Retry-After": RETRY_AFTER})
         held = Held(self.budget)
         self._inflight += 1
         try:
             # the body passed straight on: a local here would keep it (and its budget's
             # worth of memory) alive until the answer, after _process let it go
-            return await self._process(request, protocol, encoding,
+            return await self._process(request, protocol, encoding, tenant, query,
                                        await self._read_body(request, held), held)
         finally:
             self.slots.leave()
@@ -556,7 +582,8 @@ class RemoteWriteHandler:
         the minimum rate; a stall past either is a 503 that releases the slot."""
         s = self.settings
         limit = s.max_body_bytes
-        if request.headers.get("Expect", "").lower() == "100-continue" and \
+        headers = request.headers
+        if "Expect" in headers and headers["Expect"].lower() == "100-continue" and \
                 request.version >= (1, 1):
             # only now that the request holds a slot: a refused sender never sends its body
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -587,11 +614,12 @@ class RemoteWriteHandler:
                                             due < deadline) from None
                     if not chunk:
                         break
-                if received + len(chunk) > limit:
+                size = len(chunk)
+                if received + size > limit:
                     raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
                                    counter="reject", kind="too_large")
-                self._reserve(held, len(chunk))
-                received += len(chunk)
+                self._reserve(held, size)
+                received += size
                 chunks.append(chunk)
         except ConnectionError:  # the sender hung up mid-body: nobody to answer, but counted
             # and logged as every refusal is (499: nginx's "client closed request"), not an
@@ -617,10 +645,15 @@ class RemoteWriteHandler:
                         headers={"Retry-After": RETRY_AFTER})
 
     async def _process(self, request: web.Request, protocol: Protocol, encoding: str,
-                       body: bytes, held: Held) -> web.StreamResponse:
+                       tenant: str | None, query: str, body: bytes, held: Held
+                       ) -> web.StreamResponse:
         s = self.settings
+        # the decoded size the body declares in its own header (None: a zstd frame without
+        # one), to reserve memory before decompressing (``decompress`` enforces the hard
+        # limit); a header already corrupt is refused here
         try:
-            declared = declared_decoded_size(body, encoding) if body else 0
+            declared = (0 if not body else snappy_declared_length(body)
+                        if encoding == "snappy" else zstd_declared_length(body))
         except DecodeError as e:
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         # a declared size past the limit is refused by decompress without allocating.
@@ -628,8 +661,8 @@ class RemoteWriteHandler:
         # snappy block of the sender's elements and the stamps, or the enriched body and
         # its compressed copy), about the decoded size for real series (stamps ~20%);
         # settled to what the request holds once spliced
-        decoded = min(declared if declared is not None else s.max_decoded_bytes,
-                      s.max_decoded_bytes)
+        decoded = (declared if declared is not None and declared < s.max_decoded_bytes
+                   else s.max_decoded_bytes)
         self._reserve(held, 2 * decoded)
         # the second decoded size is the splice's to hold beside the decoded body; past it
         # the splice takes more as it grows, up to what one request may hold: the larger
@@ -637,7 +670,18 @@ class RemoteWriteHandler:
         whole = max(s.max_inflight_bytes, s.max_body_bytes + 2 * s.max_decoded_bytes)
         room = Room(held, decoded, whole - held.bytes + decoded, self._splices_grown)
         try:
-            prepared = await self._prepared(body, encoding, protocol, declared, room)
+            if declared is not None and declared <= INLINE_DECODED_BYTES \
+                    and len(body) <= INLINE_DECODED_BYTES:
+                # shorter than a round trip through the pool (two thread switches)
+                prepared = self._prepare(body, encoding, protocol, 1, room)
+            else:
+                parts = self._parts_for(declared, protocol, encoding)
+                self._in_workers += 1
+                try:
+                    prepared = await self._pool.submit(self._prepare, body, encoding, protocol,
+                                                       parts, room)
+                finally:
+                    self._in_workers -= 1
         except OverLimit as e:
             raise self._no_room_to_splice(e.need, room.refused) from None
         except ConversionRefused as e:
@@ -662,29 +706,15 @@ class RemoteWriteHandler:
                 "user_agent": request.headers.get("User-Agent", "")})
         try:
             answer = await self.upstream.forward(
-                prepared.outgoing, request.headers, tenant=request.match_info.get("tenant"),
-                query=request.rel_url.raw_query_string, charge=held,
+                prepared.outgoing, request.headers, tenant=tenant, query=query, charge=held,
                 sender_gone=lambda: request.transport is None)
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
             raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
         except ConversionRefused as e:  # the same, refused for its size or the budget
             raise self._not_converted(e) from None
         if answer.ok:
-            self._series("out").inc(result.counts.series)
+            self._series[_OUT] += result.counts.series
         return self._answer(answer)
-
-    async def _prepared(self, body: bytes, encoding: str, protocol: Protocol,
-                        declared: int | None, room: Room) -> Prepared:
-        if declared is not None and declared <= INLINE_DECODED_BYTES \
-                and len(body) <= INLINE_DECODED_BYTES:
-            # shorter than a round trip through the pool (two thread switches)
-            return self._prepare(body, encoding, protocol, 1, room)
-        parts = self._parts_for(declared, protocol, encoding)
-        self._in_workers += 1
-        try:
-            return await self._pool.run(self._prepare, body, encoding, protocol, parts, room)
-        finally:
-            self._in_workers -= 1
 
     def _no_room_to_splice(self, need: int, refused: str) -> _Refusal:
         """The answer to a request whose splice was refused the room it needs (about
@@ -781,18 +811,19 @@ class RemoteWriteHandler:
 
     def _count(self, result: SpliceResult) -> None:
         m, c = self.metrics, result.counts
-        self._series("in").inc(c.series)
-        m.samples.inc(c.samples)
+        self._series[_IN] += c.series
+        m.samples.values[()] += c.samples
         if c.histograms:
-            m.histograms.inc(c.histograms)
+            m.histograms.values[()] += c.histograms
         if c.exemplars:
-            m.exemplars.inc(c.exemplars)
+            m.exemplars.values[()] += c.exemplars
         if result.attributed:
-            m.attributed.inc(result.attributed)
+            m.attributed.values[()] += result.attributed
         if result.stripped:
-            m.sender_karta_dropped.inc(result.stripped)
+            m.sender_karta_dropped.values[()] += result.stripped
+        unattributed = self._unattributed
         for reason, n in result.unattributed.items():
-            self._unattributed(reason).inc(n)
+            unattributed[(reason,)] += n
         limited = result.label_limited
         if limited is not None and log.isEnabledFor(self._label_limited.level):
             self._label_limited.event(REASON_LABEL_LIMIT, {

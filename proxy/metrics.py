@@ -16,17 +16,16 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from proxy import contract
 from proxy.index import PodIndex
+from proxy.loop_metrics import LoopCounter, LoopHistogram
 from proxy.loop_workers import LoopWorkers
 
 if TYPE_CHECKING:
@@ -47,32 +46,7 @@ _LATENCY_BUCKETS = (
 )
 
 
-M = TypeVar("M", bound=MetricWrapperBase)
 S = TypeVar("S")
-
-
-class Children(Generic[M]):
-    """A labelled metric's children, each looked up once.
-
-    ``labels()`` validates, converts and locks on every call, ~6 Python calls; the
-    request path updates seven labelled metrics per request on the event loop thread,
-    whose share of a request is what karta-proxy spends beyond a plain relay
-    (docs/performance.md, "Fourteenth pass"). Label values on the request path come from
-    small fixed sets (routes, protocols, status codes, reasons), so the map stays small.
-    Nothing on that path removes a child; a metric whose children are removed must not be
-    cached this way."""
-
-    __slots__ = ("_children", "_metric")
-
-    def __init__(self, metric: M) -> None:
-        self._metric = metric
-        self._children: dict[tuple[str, ...], M] = {}
-
-    def __call__(self, *values: str) -> M:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
 
 
 class _AtScrape(Collector, Generic[S]):
@@ -168,26 +142,28 @@ class ProxyMetrics:
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """What came in and what became of it: the request side's own counters."""
-        self.requests = Counter(
+        # counted by the event loop thread alone, per request: plain numbers
+        # (proxy.loop_metrics), no prometheus_client update on the request path
+        self.requests = LoopCounter(
             _P + "requests", "Remote-write requests answered, by path, protocol and status code.",
             ["path", "protocol", "code"], registry=r,
         )
-        self.series = Counter(
+        self.series = LoopCounter(
             _P + "series", "Series received (in), and forwarded and accepted upstream (out: "
             "counted once the upstream answered 2xx).", ["direction"], registry=r,
         )
-        self.samples = Counter(_P + "samples", "Float samples received.", registry=r)
-        self.histograms = Counter(_P + "histograms", "Native histogram samples received.",
-                                  registry=r)
-        self.exemplars = Counter(_P + "exemplars", "Exemplars received.", registry=r)
-        self.attributed = Counter(
+        self.samples = LoopCounter(_P + "samples", "Float samples received.", registry=r)
+        self.histograms = LoopCounter(_P + "histograms", "Native histogram samples received.",
+                                      registry=r)
+        self.exemplars = LoopCounter(_P + "exemplars", "Exemplars received.", registry=r)
+        self.attributed = LoopCounter(
             _P + "series_attributed", "Series that received stamped labels.", registry=r,
         )
-        self.unattributed = Counter(
+        self.unattributed = LoopCounter(
             _P + "series_unattributed", "Series forwarded without stamped labels, by reason.",
             ["reason"], registry=r,
         )
-        self.sender_karta_dropped = Counter(
+        self.sender_karta_dropped = LoopCounter(
             _P + "series_sender_karta_labels_dropped", "Series that lost a karta_* label the "
             "sender put on them (enrich.sender_karta_labels: drop, or a stamped name the "
             "stamp replaced with another value).", registry=r,
@@ -213,7 +189,7 @@ class ProxyMetrics:
             _P + "open_connections", "Client connections open now (TLS handshakes "
             "included), at most server.max_connections.", registry=r,
         )
-        self.request_duration = Histogram(
+        self.request_duration = LoopHistogram(
             _P + "request_duration_seconds", "Time from request start to answer, by protocol.",
             ["protocol"], buckets=_LATENCY_BUCKETS, registry=r,
         )
@@ -240,11 +216,12 @@ class ProxyMetrics:
 
     def _add_upstream_metrics(self, r: CollectorRegistry) -> None:
         """The forwarding side: how the upstream answered and what protocol it was sent."""
-        self.upstream_duration = Histogram(
+        # counted on the event loop thread alone, per request (proxy.loop_metrics)
+        self.upstream_duration = LoopHistogram(
             _P + "upstream_request_duration_seconds", "Round trip of one upstream request.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.upstream_responses = Counter(
+        self.upstream_responses = LoopCounter(
             _P + "upstream_responses", "Upstream answers by status code (timeout, "
             "connect_error, error when none came).", ["code"], registry=r,
         )

@@ -45,7 +45,7 @@ from typing import Protocol as Interface
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.compression import (
@@ -57,7 +57,7 @@ from proxy.compression import (
 )
 from proxy.config import UpstreamSettings, url_credentials, without_userinfo
 from proxy.log import THROTTLE_SECONDS, Throttled
-from proxy.metrics import Children, ProxyMetrics
+from proxy.metrics import ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.wire.convert import ConversionTooLarge, V1Form, without_histograms
@@ -72,15 +72,15 @@ WRITTEN_HISTOGRAMS = "X-Prometheus-Remote-Write-Histograms-Written"
 WRITTEN_EXEMPLARS = "X-Prometheus-Remote-Write-Exemplars-Written"
 _WRITTEN = (WRITTEN_SAMPLES, WRITTEN_HISTOGRAMS, WRITTEN_EXEMPLARS)
 
-#: headers the proxy sets itself or that only mean something on one hop
-_NEVER_FORWARD = frozenset(
-    h.lower()
-    for h in (
-        "Host", "Content-Length", "Content-Type", "Content-Encoding", "Connection",
-        "Keep-Alive", "Transfer-Encoding", "TE", "Trailer", "Upgrade", "Proxy-Authorization",
-        "Proxy-Connection", "Accept-Encoding", "X-Prometheus-Remote-Write-Version",
-    )
-)
+#: headers the proxy sets itself or that only mean something on one hop, as senders spell
+#: them (Go's canonical form): most of a sender's headers, told apart without folding case
+_NEVER_FORWARD_SPELLED = frozenset((
+    "Host", "Content-Length", "Content-Type", "Content-Encoding", "Connection",
+    "Keep-Alive", "Transfer-Encoding", "TE", "Trailer", "Upgrade", "Proxy-Authorization",
+    "Proxy-Connection", "Accept-Encoding", "X-Prometheus-Remote-Write-Version",
+))
+#: the same, in lower case: what a name in any spelling is compared with
+_NEVER_FORWARD = frozenset(h.lower() for h in _NEVER_FORWARD_SPELLED)
 
 #: how much of an upstream's error body reaches the sender (and the log)
 MAX_ERROR_BODY = 4096
@@ -232,9 +232,14 @@ def connection_named(incoming: Mapping[str, str]) -> set[str]:
     are for the hop to the proxy only, and never forwarded (RFC 9110 7.6.1, RFC 7230
     6.1), whatever ``upstream.forward_headers`` says."""
     named: set[str] = set()
-    for name, value in incoming.items():
-        if name.lower() == "connection":
-            named.update(token.strip().lower() for token in value.split(","))
+    if isinstance(incoming, CIMultiDictProxy | CIMultiDict):
+        # a request's own headers: every spelling found by one case-insensitive look-up,
+        # not each name folded to lower case
+        values: list[str] = incoming.getall("Connection", [])
+    else:
+        values = [value for name, value in incoming.items() if name.lower() == "connection"]
+    for value in values:
+        named.update(token.strip().lower() for token in value.split(","))
     return named
 
 
@@ -669,8 +674,11 @@ class Upstream:
         #: the most an RW 2.0 request may convert to (:func:`conversion_limit`); None: no
         #: limit
         self.max_converted_bytes = max_converted_bytes
-        #: the responses counter's children, each looked up once (proxy.metrics.Children)
-        self._responses = Children(metrics.upstream_responses) if metrics is not None else None
+        #: the responses by code and the round trips, counted on the event loop thread
+        #: alone as plain numbers (proxy.loop_metrics; None without metrics)
+        self._responses = metrics.upstream_responses.values if metrics is not None else None
+        self._round_trips = (metrics.upstream_duration.series[()] if metrics is not None
+                             else None)
         #: the URL without its userinfo: what logs, metrics and answers show, and what the
         #: client requests (the userinfo goes as an Authorization header: ``_basic``)
         self.url = without_userinfo(settings.url)
@@ -836,6 +844,8 @@ class Upstream:
         spelling: dict[str, str] = {}
         own = isinstance(incoming, OwnHeaders)
         for name, value in incoming.items():
+            if not own and name in _NEVER_FORWARD_SPELLED:
+                continue  # never forwarded, spelled as senders do: no case to fold
             low = name.lower()
             if (own or low in self._forward) and low not in named:
                 out.add(spelling.setdefault(low, name), value)
@@ -1015,7 +1025,8 @@ class Upstream:
         try:
             return await self._deliver_converting(out, incoming, url, attempt, held)
         finally:
-            attempt.charge.give_back(sum(held))
+            if held:  # none converted here, the usual case: nothing to give back
+                attempt.charge.give_back(sum(held))
 
     async def _deliver_converting(self, out: Outgoing, incoming: Mapping[str, str], url: URL,
                                   attempt: _Attempt, held: list[int]
@@ -1647,9 +1658,9 @@ class Upstream:
             return Answer(502, f"upstream request could not be made: {e!r}"[:MAX_ERROR_BODY]
                           .encode(), {}, code)
         finally:
-            if self.metrics is not None and self._responses is not None:
-                self.metrics.upstream_duration.observe(time.perf_counter() - started)
-                self._responses(code).inc()
+            if self._round_trips is not None and self._responses is not None:
+                self._round_trips.observe(time.perf_counter() - started)
+                self._responses[(code,)] += 1
 
     def _no_answer(self, status: int, code: str, what: str, detail: str = "",
                    **extra: object) -> Answer:
@@ -1689,18 +1700,18 @@ class Upstream:
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
             text = f"upstream answered {upstream_status}: ".encode() + text
-        said = Answer(status, text, upstream=str(upstream_status))
-        if (status >= 500 or upstream_status >= 300) and not too_large(said) and not (
-                converted and histograms_disabled(said)):
-            # a refusal for size is sent in parts (``forward``), one of a converted
-            # request's native histograms without them (``_histograms_refused``): said
-            # there, if it must be
-            self._line(
-                logging.WARNING, "upstream did not accept the request",
-                f"{upstream_status}:{status}",
-                {"upstream_status": upstream_status, "status": status,
-                 "body": text[:512].decode("utf-8", "replace")},
-            )
+        if status >= 500 or upstream_status >= 300:
+            said = Answer(status, text, upstream=str(upstream_status))
+            if not too_large(said) and not (converted and histograms_disabled(said)):
+                # a refusal for size is sent in parts (``forward``), one of a converted
+                # request's native histograms without them (``_histograms_refused``):
+                # said there, if it must be
+                self._line(
+                    logging.WARNING, "upstream did not accept the request",
+                    f"{upstream_status}:{status}",
+                    {"upstream_status": upstream_status, "status": status,
+                     "body": text[:512].decode("utf-8", "replace")},
+                )
         return Answer(status, text[:MAX_ERROR_BODY], out, code)
 
     def _line(self, level: int, message: str, key: str, extra: dict[str, object], *,
