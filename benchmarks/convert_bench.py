@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy import contract
 from proxy.sender import Series, build_v2
-from proxy.wire import convert, native
+from proxy.wire import conversion, convert
 from proxy.wire.native import Splicer, native_available
 from proxy.wire.plan import PodPair, SplicePlan
 
@@ -100,15 +100,15 @@ def _splicer() -> Splicer:
 def bench(series: int, rounds: int) -> dict[str, float | int]:
     raw = build_request(series)
     ref = convert.v2_to_v1(raw)
-    assert native.v2_to_v1(raw) == ref, "native and reference conversions differ"
-    assert native.v1_form(raw) == convert.v1_form(raw)
-    size = native.v1_form(raw).size
+    assert conversion.v2_to_v1(raw) == ref, "native and reference conversions differ"
+    assert conversion.v1_form(raw) == convert.v1_form(raw)
+    size = conversion.v1_form(raw).size
     splicer = _splicer()
     steps: dict[str, Callable[[], object]] = {
         "size_ref": lambda: convert.v1_form(raw),
-        "size_native": lambda: native.v1_form(raw),
+        "size_native": lambda: conversion.v1_form(raw),
         "convert_ref": lambda: convert.v2_to_v1(raw),
-        "convert_native": lambda: native.v2_to_v1(raw, size),
+        "convert_native": lambda: conversion.v2_to_v1(raw, size),
         "splice": lambda: splicer.splice_v2(raw),
     }
     times: dict[str, list[float]] = {k: [] for k in steps}

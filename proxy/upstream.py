@@ -60,9 +60,9 @@ from proxy.log import THROTTLE_SECONDS, Throttled
 from proxy.metrics import ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
+from proxy.wire.conversion import check_size, v2_to_v1
 from proxy.wire.convert import ConversionTooLarge, V1Form, without_histograms
 from proxy.wire.halves import Layout, layout, layout_bytes
-from proxy.wire.native import check_size, v2_to_v1
 from proxy.wire.primitives import Counts, Protocol
 
 log = logging.getLogger("karta.upstream")

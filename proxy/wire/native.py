@@ -16,10 +16,8 @@ from types import ModuleType
 from typing import Any, Literal
 
 from proxy.compression import DecodeError, compress
-from proxy.wire import convert as _py_convert
 from proxy.wire import splice_v1 as _py_v1
 from proxy.wire import splice_v2 as _py_v2
-from proxy.wire.convert import V1Form
 from proxy.wire.plan import LabelLimited, OverLimit, SplicePlan, SpliceResult
 from proxy.wire.podtable import PodTable
 from proxy.wire.primitives import Counts, Protocol, read_field
@@ -216,52 +214,8 @@ def _walk(raw: bytes) -> array[int]:
 
 # -- RW 2.0 -> 1.0 ------------------------------------------------------------------------
 
-
-def v1_form(raw_v2: bytes | memoryview) -> V1Form:
-    """What an RW 2.0 request converts to (:func:`proxy.wire.convert.v1_form`), counted by
-    the native conversion (``_convert.c``: ~100x less CPU, nothing of the conversion
-    allocated) when it is built and takes the request, else by the reference. The native
-    one leaves custom-bucket histograms, histogram staleness markers and anything malformed
-    to the reference (so its counts never change: ``V1Form`` of the size alone): a request
-    with such series is counted by both, those series by the reference and the rest
-    natively (:mod:`proxy.wire.mixed`), and the reference takes the whole only when that
-    fails, raising what it raises."""
-    size = _native.convert_v2(raw_v2) if _native is not None else None
-    if size is None:
-        if _native is not None:
-            from proxy.wire import mixed  # it cuts with proxy.wire.halves, which imports this
-
-            form = mixed.form(bytes(raw_v2), _native.convert_v2)
-            if form is not None:
-                return form
-        return _py_convert.v1_form(bytes(raw_v2))
-    return V1Form(size)
-
-
-def check_size(raw_v2: bytes, limit: int | None) -> V1Form:
-    """:func:`proxy.wire.convert.check_size` counted by :func:`v1_form` (natively when it
-    can)."""
-    return _py_convert.check_size(raw_v2, limit, v1_form)
-
-
-def v2_to_v1(raw_v2: bytes | memoryview, size: int | None = None) -> bytes:
-    """An RW 2.0 request as RW 1.0 (:func:`proxy.wire.convert.v2_to_v1`, byte for byte):
-    natively when the extension is built and takes the request, the series it leaves to
-    the reference by the reference and the rest natively when it does not
-    (:mod:`proxy.wire.mixed`), else the reference. The bytes are allocated once at their
-    size: ``size`` is :func:`v1_form`'s of the request when the caller has it (counting
-    again is ~1/3 of the walk), else counted here."""
-    if _native is not None:
-        if size is None:
-            size = _native.convert_v2(raw_v2)
-        if size is not None:
-            out = _native.convert_v2(raw_v2, size)
-            if out is not None:
-                assert isinstance(out, bytes)
-                return out
-        from proxy.wire import mixed
-
-        made = mixed.converted(bytes(raw_v2), _native.convert_v2)
-        if made is not None:
-            return made
-    return _py_convert.v2_to_v1(bytes(raw_v2))
+#: the native conversion (``_convert.c``): a request's converted size (``size`` None) or
+#: its bytes at that size, None when it leaves the request to the reference; None when
+#: the extension is not built. Which conversion runs is :mod:`proxy.wire.conversion`'s.
+convert_v2: Callable[..., int | bytes | None] | None = (
+    _native.convert_v2 if _native is not None else None)

@@ -1,7 +1,7 @@
 """The native RW 2.0 -> 1.0 conversion (``_convert.c``) against the reference
 (``proxy/wire/convert.py``), on random requests.
 
-The contract (``proxy/wire/native.py``): for a request it takes, the native size is
+The contract (``proxy/wire/conversion.py``): for a request it takes, the native size is
 ``convert.v1_form(raw).size`` (and the counts do not change) and its bytes are
 ``convert.v2_to_v1(raw)``; a request holding a custom-bucket histogram or a histogram
 staleness marker, and every request the reference refuses, it leaves to the reference
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
-from proxy.wire import convert, native
+from proxy.wire import conversion, convert
 from proxy.wire.native import native_available
 from proxy.wire.primitives import STALE_NAN
 from tests.wire.fuzz_native import (
@@ -64,17 +64,17 @@ def check(raw: bytes) -> str:
     if isinstance(ref, DecodeError):
         assert size is None, f"native took what the reference refuses ({ref}): {raw.hex()}"
         with pytest.raises(DecodeError) as e:
-            native.check_size(raw, None)
+            conversion.check_size(raw, None)
         assert (e.value.kind, e.value.status) == (ref.kind, ref.status)
         with pytest.raises(DecodeError) as e:
-            native.v2_to_v1(raw)
+            conversion.v2_to_v1(raw)
         assert (e.value.kind, e.value.status) == (ref.kind, ref.status)
         return "refused"
     body, form = ref
-    assert native.v2_to_v1(raw) == body, f"dispatch differs: {raw.hex()}"
-    assert native.check_size(raw, None) == form
+    assert conversion.v2_to_v1(raw) == body, f"dispatch differs: {raw.hex()}"
+    assert conversion.check_size(raw, None) == form
     # as the upstream converts: the size counted first, the bytes made at it
-    assert native.v2_to_v1(raw, form.size) == body, f"dispatch at its size: {raw.hex()}"
+    assert conversion.v2_to_v1(raw, form.size) == body, f"dispatch at its size: {raw.hex()}"
     assert len(body) == form.size
     if size is None:
         return "fallback"
@@ -141,7 +141,7 @@ def test_generated_requests_hold_what_the_conversion_must_get_right() -> None:
     for _ in range(200):
         raw = encode(conversion_v2(rnd))
         assert check(raw) == "native"
-        req = remote_pb2.WriteRequest.FromString(native.v2_to_v1(raw))
+        req = remote_pb2.WriteRequest.FromString(conversion.v2_to_v1(raw))
         names = [m.metric_family_name for m in req.metadata]
         seen["metadata"] += bool(names)
         seen["stripped"] += "rpc_seconds" in names or "q" in names
@@ -212,7 +212,7 @@ def test_fixed_cases(raw: bytes, request: pytest.FixtureRequest) -> None:
 
 def test_metadata_as_the_reference_deduplicates_it() -> None:
     raw = FIXED["one family of three series"]
-    req = remote_pb2.WriteRequest.FromString(native.v2_to_v1(raw))
+    req = remote_pb2.WriteRequest.FromString(conversion.v2_to_v1(raw))
     assert [(m.metric_family_name, m.type, m.help, m.unit) for m in req.metadata] == [
         ("rpc_seconds", 3, "help", "s")]
 
@@ -246,7 +246,7 @@ def test_conversions_run_in_parallel_threads() -> None:
 
     def run(k: int) -> None:
         for _ in range(20):
-            if native.v2_to_v1(raws[k]) != want[k]:
+            if conversion.v2_to_v1(raws[k]) != want[k]:
                 wrong.append(k)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(len(raws))]
@@ -309,10 +309,10 @@ def test_only_the_series_the_native_leaves_are_converted_by_the_reference(
         assert len(syms) <= 8  # the symbols of one series, not the table of 3,000
 
     monkeypatch.setattr(convert, "_series_v1", spy)
-    got = native.check_size(raw, None)
+    got = conversion.check_size(raw, None)
     assert got == form and form.histograms == 2 and form.samples == 3 + 2 + 1
-    assert native.v2_to_v1(raw, got.size) == body
-    assert native.v2_to_v1(raw) == body
+    assert conversion.v2_to_v1(raw, got.size) == body
+    assert conversion.v2_to_v1(raw) == body
     assert len(body) == form.size
     # each pass: the two series alone, once each (size, then bytes; the size pass also
     # reads their labels alone); never the 3,000 others

@@ -22,8 +22,8 @@ import random
 import pytest
 
 from proxy.wire import convert
+from proxy.wire.conversion import v2_to_v1 as native_v2_to_v1
 from proxy.wire.native import Splicer, native_available
-from proxy.wire.native import v2_to_v1 as native_v2_to_v1
 from proxy.wire.plan import PodPair, SplicePlan
 from proxy.wire.primitives import encode_uvarint as varint
 from proxy.wire.primitives import len_field as field
