@@ -356,6 +356,29 @@ convert_last_meta_bytes(void)
     return last_meta_bytes;
 }
 
+/* A new open-addressing index of `cap` slots (a power of two) over `n` items of `stride`
+ * bytes, each with its uint64_t hash at `hash_off`: a slot holds an item's position + 1,
+ * 0 when empty; NULL when out of memory. Both of the conversion's tables grow by it. */
+static size_t *
+index_over(const void *items, size_t n, size_t stride, size_t hash_off, size_t cap)
+{
+    if (cap > SIZE_MAX / sizeof(size_t))
+        return NULL;
+    size_t *idx = calloc(cap, sizeof(size_t));
+    if (idx == NULL)
+        return NULL;
+    const char *p = items;
+    for (size_t k = 0; k < n; k++) {
+        uint64_t h;
+        memcpy(&h, p + k * stride + hash_off, sizeof h);
+        size_t j = (size_t)h & (cap - 1);
+        while (idx[j])
+            j = (j + 1) & (cap - 1);
+        idx[j] = k + 1;
+    }
+    return idx;
+}
+
 /* The id of string s (first seen: a new one), by its content; UINT32_MAX when out of
  * memory. Called once per (symbol, stripped or not): the only place metadata strings are
  * hashed or compared. */
@@ -364,18 +387,10 @@ intern(Ctx *c, Str s)
 {
     if ((c->strs.len + 1) * 2 > c->scap) {
         size_t cap = c->scap ? c->scap * 2 : 64;
-        if (cap > SIZE_MAX / sizeof(size_t))
-            return UINT32_MAX;
-        size_t *idx = calloc(cap, sizeof(size_t));
+        size_t *idx = index_over(c->strs.data, c->strs.len, sizeof(Interned),
+                                 offsetof(Interned, hash), cap);
         if (idx == NULL)
             return UINT32_MAX;
-        const Interned *xs = c->strs.data;
-        for (size_t k = 0; k < c->strs.len; k++) {
-            size_t j = (size_t)xs[k].hash & (cap - 1);
-            while (idx[j])
-                j = (j + 1) & (cap - 1);
-            idx[j] = k + 1;
-        }
         free(c->sindex);
         c->sindex = idx;
         c->scap = cap;
@@ -423,18 +438,10 @@ static int
 meta_grow(Ctx *c)
 {
     size_t cap = c->icap ? c->icap * 2 : 64;
-    if (cap > SIZE_MAX / sizeof(size_t))
-        return 0;
-    size_t *idx = calloc(cap, sizeof(size_t));
+    size_t *idx = index_over(c->metas.data, c->metas.len, sizeof(Meta), offsetof(Meta, hash),
+                             cap);
     if (idx == NULL)
         return 0;
-    Meta *ms = c->metas.data;
-    for (size_t k = 0; k < c->metas.len; k++) {
-        size_t j = (size_t)ms[k].hash & (cap - 1);
-        while (idx[j])
-            j = (j + 1) & (cap - 1);
-        idx[j] = k + 1;
-    }
     free(c->index);
     c->index = idx;
     c->icap = cap;
