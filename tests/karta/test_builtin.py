@@ -404,18 +404,18 @@ def served_job(
     }
 
 
-FAILURE_TARGET = {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
-                  "message": "Job has reached the specified backoff limit",
-                  "lastTransitionTime": "2026-11-30T09:10:00Z"}
-FAILED = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-          "message": "Job has reached the specified backoff limit",
-          "lastTransitionTime": "2026-11-30T09:10:31Z"}
-SUCCESS_MET = {"type": "SuccessCriteriaMet", "status": "True", "reason": "SuccessPolicy",
-               "message": "Matched rules at index 0",
-               "lastTransitionTime": "2026-11-30T09:20:00Z"}
-COMPLETE = {"type": "Complete", "status": "True", "reason": "SuccessPolicy",
-            "message": "Matched rules at index 0",
-            "lastTransitionTime": "2026-11-30T09:20:29Z"}
+def _true(kind: str, reason: str, message: str, at: str) -> dict[str, str]:
+    """A Job condition set to True at ``at``."""
+    return {"type": kind, "status": "True", "reason": reason, "message": message,
+            "lastTransitionTime": at}
+
+
+BACKOFF = "Job has reached the specified backoff limit"
+MATCHED = "Matched rules at index 0"
+FAILURE_TARGET = _true("FailureTarget", "BackoffLimitExceeded", BACKOFF, "2026-11-30T09:10:00Z")
+FAILED = _true("Failed", "BackoffLimitExceeded", BACKOFF, "2026-11-30T09:10:31Z")
+SUCCESS_MET = _true("SuccessCriteriaMet", "SuccessPolicy", MATCHED, "2026-11-30T09:20:00Z")
+COMPLETE = _true("Complete", "SuccessPolicy", MATCHED, "2026-11-30T09:20:29Z")
 
 
 def test_a_failed_job_is_failed_while_its_pods_terminate() -> None:
