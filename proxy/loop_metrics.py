@@ -42,26 +42,42 @@ from prometheus_client.utils import INF, floatToGoString
 LabelValues = tuple[str, ...]
 
 
-class LoopCounter(Collector):
-    """A counter family whose series are ``values[label values]``: ``+=`` them, on the
-    event loop thread only. An unlabelled counter's one series is ``values[()]``."""
+class _LoopFamily(Collector):
+    """What both kinds of family share: the names ``describe`` gives the registry (for
+    its checks of names taken twice), and the registration once the series are set up
+    (a scrape may collect as soon as it is registered)."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
-                 registry: CollectorRegistry | None = None) -> None:
+    #: the prometheus_client family class the exposition is made of
+    kind: type[CounterMetricFamily] | type[HistogramMetricFamily]
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+
+    def _register(self, registry: CollectorRegistry | None) -> None:
+        if registry is not None:
+            registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield self.kind(self.name, self.documentation, labels=self.labelnames)
+
+
+class LoopCounter(_LoopFamily):
+    """A counter family whose series are ``values[label values]``: ``+=`` them, on the
+    event loop thread only. An unlabelled counter's one series is ``values[()]``."""
+
+    kind = CounterMetricFamily
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        super().__init__(name, documentation, labelnames)
         #: each series' count, by its label values; a missing one is made at 0 when first
         #: added to (a ``defaultdict``: no call on the update)
         self.values: defaultdict[LabelValues, float] = defaultdict(float)
         if not self.labelnames:
             self.values[()] = 0.0  # present from the start, as prometheus_client's is
-        if registry is not None:
-            registry.register(self)
-
-    def describe(self) -> Iterator[Metric]:
-        """The family's names, for the registry's checks of names taken twice."""
-        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        self._register(registry)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -101,16 +117,16 @@ class _Series(dict[LabelValues, Observations]):
         return series
 
 
-class LoopHistogram(Collector):
+class LoopHistogram(_LoopFamily):
     """A histogram family whose series are ``series[label values]`` (made at the first
     look-up): ``.observe(amount)`` them, on the event loop thread only. An unlabelled
     histogram's one series is ``series[()]``."""
 
+    kind = HistogramMetricFamily
+
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
                  buckets: Sequence[float], registry: CollectorRegistry | None = None) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
+        super().__init__(name, documentation, labelnames)
         bounds = tuple(float(b) for b in buckets)
         if bounds[-1] != INF:
             bounds += (INF,)
@@ -119,12 +135,7 @@ class LoopHistogram(Collector):
         self.series = _Series(bounds)
         if not self.labelnames:
             self.series[()]  # present from the start, as prometheus_client's is
-        if registry is not None:
-            registry.register(self)
-
-    def describe(self) -> Iterator[Metric]:
-        """The family's names, for the registry's checks of names taken twice."""
-        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        self._register(registry)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
