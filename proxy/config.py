@@ -418,6 +418,12 @@ class FactSettings(Section):
     metrics_pod_facts: Annotated[bool, setting(
         "serve the per-pod facts (karta_pod_info, ...) on /metrics too; off: at ~100k pods "
         "they make a scrape take 5-13 s")] = False
+    max_clock_offset_seconds: Annotated[float, setting(
+        "hold fact writes while this host's clock is more than this many seconds off the "
+        "upstream's (the Date header of its answers; "
+        "karta_proxy_upstream_clock_offset_seconds): fact samples stamped an hour ahead "
+        "make a Prometheus refuse every writer's current samples for an hour, and Mimir "
+        "refuses samples 10 min ahead; 0: no check", ge=0)] = 60.0
     allow_in_node_mode: Annotated[bool, setting(
         "write facts in node mode (kube.node_name) too, where a replica sees one node's "
         "pods only and its pod facts are partial")] = False

@@ -151,8 +151,12 @@ OP_FACT_LAST_WRITE = "karta_proxy_fact_last_write_timestamp_seconds"
 OP_FACT_SERIES_REFUSED = "karta_proxy_fact_series_refused_total"
 OP_FACT_WRITER_STEPDOWNS = "karta_proxy_fact_writer_stepdowns_total"
 OP_FACT_LEASE_FAILURES = "karta_proxy_fact_lease_failures_total"
+#: this host's wall clock less the upstream's, by the Date of its answers (since 1.10.0)
+OP_UPSTREAM_CLOCK_OFFSET = "karta_proxy_upstream_clock_offset_seconds"
 #: ``reason`` of OP_FACT_WRITER_STEPDOWNS: every fact write failed for long enough
-STEPDOWN_REASONS: tuple[str, ...] = ("writes_failing",)
+#: (``writes_failing``), or was held for long enough, this host's clock being off the
+#: upstream's (``clock_offset``, since 1.10.0)
+STEPDOWN_REASONS: tuple[str, ...] = ("writes_failing", "clock_offset")
 #: ``reason`` of OP_FACT_LEASE_FAILURES: no answer in time, an error status, no connection
 LEASE_FAILURE_REASONS: tuple[str, ...] = ("timeout", "status", "connection")
 FACT_WRITER_METRICS: tuple[str, ...] = (
@@ -164,6 +168,7 @@ FACT_WRITER_METRICS: tuple[str, ...] = (
     OP_FACT_WRITER_LEADER,
     OP_FACT_WRITER_STEPDOWNS,
     OP_FACT_WRITES,
+    OP_UPSTREAM_CLOCK_OFFSET,
 )
 #: the index's state, operational on every replica's /metrics (since 1.8.0): the shipped
 #: ``KartaIndexNotReady`` alert reads the first, so both are named here, not only in

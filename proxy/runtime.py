@@ -303,7 +303,8 @@ class Proxy:
         writer = FactWriter(self.settings.facts, self.index,
                             functools.partial(self.upstream.send_v1,
                                               headers=self.settings.facts.headers),
-                            elector=self._elector, busy=self.handler.relaying)
+                            elector=self._elector, busy=self.handler.relaying,
+                            upstream_clock=self.upstream.clock)
         self.metrics.registry.register(FactWriterCollector(writer))
         return writer
 

@@ -59,6 +59,7 @@ from proxy.config import UpstreamSettings, url_credentials, without_userinfo
 from proxy.log import THROTTLE_SECONDS, Throttled
 from proxy.metrics import ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
+from proxy.upstream_clock import UpstreamClock
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.wire.conversion import check_size, v2_to_v1
 from proxy.wire.convert import ConversionTooLarge, V1Form, without_histograms
@@ -686,6 +687,9 @@ class Upstream:
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
         self._session: aiohttp.ClientSession | None = None
+        #: the upstream's clock by the Date of its answers to the proxy's own requests (the
+        #: check, the fact writes: ``OwnHeaders``), for the fact writer's stamps
+        self.clock = UpstreamClock()
         #: send RW 1.0 only: configured (``v1``) or learned (``auto``)
         self.v1_only = settings.protocol == "v1"
         #: the last probe's finding (None before the first)
@@ -1621,6 +1625,8 @@ class Upstream:
                 server_hostname=server_hostname, ssl=tls,
             ) as resp:
                 code = str(resp.status)
+                if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
+                    self.clock.note(resp.headers.get("Date"))
                 text = await resp.content.read(MAX_ERROR_BODY)
                 return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
@@ -1765,12 +1771,12 @@ class Upstream:
         protocol = Protocol.V2 if auto else Protocol.V1
         empty = Outgoing(protocol, self.out_encoding("snappy"),
                          compress(b"", self.out_encoding("snappy")))
-        answer = await self._post(empty, {})
+        answer = await self._post(empty, OwnHeaders())
         if empty.encoding == "zstd" and answer.upstream in ("400", "415"):
             answer = await self._zstd_refused(answer, empty)
         if answer.upstream == "415" and auto:
             answer = await self._post(
-                Outgoing(Protocol.V1, empty.encoding, empty.encoded), {})
+                Outgoing(Protocol.V1, empty.encoding, empty.encoded), OwnHeaders())
             if answer.ok:
                 return Probe("rw1", answer.upstream, "answered 415 to RW 2.0")
         detail = answer.body[:200].decode("utf-8", "replace")
@@ -1796,7 +1802,7 @@ class Upstream:
         (else every write would be refused, and dropped by its sender). The answer to
         the snappy write, or ``answer`` when snappy fares no better."""
         snappy_empty = Outgoing(empty.protocol, "snappy", compress(b"", "snappy"))
-        retry = await self._post(snappy_empty, {})
+        retry = await self._post(snappy_empty, OwnHeaders())
         if retry.upstream in ("400", "415"):
             return answer
         if retry.ok:

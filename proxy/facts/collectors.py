@@ -102,7 +102,13 @@ class FactWriterMetrics:
         self.stepdowns = _by_reason(
             contract.OP_FACT_WRITER_STEPDOWNS, "Times this replica gave the fact writer's "
             "lease up by itself, by reason (writes_failing: every fact write failed for "
-            "long enough that another replica may do better).", contract.STEPDOWN_REASONS)
+            "long enough that another replica may do better; clock_offset: every write was "
+            "held that long, this host's clock off the upstream's).", contract.STEPDOWN_REASONS)
+        self.clock_offset = Gauge(
+            contract.OP_UPSTREAM_CLOCK_OFFSET, "This host's wall clock less the upstream's, "
+            "by the Date header of its answers to the proxy's own requests, in seconds "
+            "(NaN before one came); fact writes are held while it is beyond "
+            "facts.max_clock_offset_seconds.", registry=None)
         self.lease_failures = _by_reason(
             contract.OP_FACT_LEASE_FAILURES, "Rounds of the fact writer's lease election "
             "that failed, by reason (timeout, status: the API answered an error, "
@@ -113,7 +119,8 @@ class FactWriterMetrics:
         lists what the writer serves, and the creation time of a process-lifetime
         counter says nothing ``process_start_time_seconds`` does not."""
         for metric in (self.leader, self.writes, self.stale_markers, self.series_refused,
-                       self.series, self.last_write, self.stepdowns, self.lease_failures):
+                       self.series, self.last_write, self.stepdowns, self.lease_failures,
+                       self.clock_offset):
             for family in metric.collect():
                 family.samples = [s for s in family.samples
                                   if not s.name.endswith("_created")]

@@ -182,7 +182,7 @@ async def test_only_failures_on_the_way_out_count_toward_a_step_down(
     assert not await w.write_once()
     assert elector.cooldowns == ([2.0] if steps_down else []), status
     assert sample_value(w.metrics.stepdowns.labels(reason="writes_failing")) == steps_down
-    assert contract.STEPDOWN_REASONS == ("writes_failing",)
+    assert contract.STEPDOWN_REASONS == ("writes_failing", "clock_offset")
 
 
 async def test_a_success_starts_the_count_again() -> None:

@@ -1,0 +1,137 @@
+"""The fact writer and clocks: writes held while this host's clock is off the upstream's
+(by its Date headers), and timestamps that keep rising across a step of the clock back.
+
+An audit (a real Prometheus 2.42): a proxy whose clock ran 2 h ahead for 2 s wrote facts
+that made the TSDB refuse every sender's current samples as ``out of bounds`` for an hour;
+a step of 30 s back made every fact write an out-of-order refusal, bisected into ~95
+requests a write, until the clock was back where it had been."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from proxy.config import FactSettings
+from proxy.facts import FactWriter
+from proxy.facts.collectors import sample_value
+from proxy.upstream_clock import UpstreamClock
+from tests.facts.helpers import decode, small_index
+from tests.facts.test_stepdown import _Elector
+
+#: the upstream's Date when the clocks agree (Unix 1_800_000_000, a Friday)
+DATE = "Fri, 15 Jan 2027 08:00:00 GMT"
+AGREED = 1_800_000_000.5
+
+
+class Host:
+    """This host's wall and monotonic clocks, moved by the test."""
+
+    def __init__(self) -> None:
+        self.wall = AGREED
+        self.mono = 0.0
+
+    def tick(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+def writer(host: Host, sent: list[bytes], clock: UpstreamClock | None,
+           limit: float = 60.0) -> FactWriter:
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    return FactWriter(FactSettings(interval_seconds=0.1, max_clock_offset_seconds=limit), small_index(), send,
+                      clock=lambda: host.wall, monotonic=lambda: host.mono,
+                      upstream_clock=clock)
+
+
+def upstream_clock(host: Host) -> UpstreamClock:
+    clock = UpstreamClock(lambda: host.mono)
+    clock.note(DATE)
+    return clock
+
+
+@pytest.mark.parametrize("step", [7200.0, -7200.0, 61.0, -61.0])
+async def test_writes_are_held_while_the_clock_is_off_the_upstreams(
+    step: float, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    host, sent = Host(), list[bytes]()
+    w = writer(host, sent, upstream_clock(host))
+    assert await w.write_once() and sent
+    assert w.clock_offset() == 0.0
+    host.tick(1.0)
+    host.wall += step  # an NTP step, or a wrong hardware clock at boot
+    written = len(sent)
+    for _ in range(3):
+        host.tick(0.1)
+        assert not await w.write_once()
+    assert len(sent) == written  # not one sample stamped so went out
+    assert w.writes_failed == 3
+    assert sample_value(w.metrics.clock_offset) == pytest.approx(step)
+    held = [r for r in caplog.records if r.getMessage().startswith("fact writes held")]
+    assert len(held) == 1 and held[0].levelno == logging.ERROR  # the start, not each write
+    assert ("ahead of" if step > 0 else "behind") in held[0].getMessage()
+    host.wall -= step  # corrected
+    host.tick(0.1)
+    assert await w.write_once() and len(sent) > written
+    assert any(r.getMessage().startswith("fact writes resume") for r in caplog.records)
+
+
+async def test_within_the_limit_or_without_a_date_or_a_limit_nothing_is_held() -> None:
+    host = Host()
+    sent: list[bytes] = []
+    within = writer(host, sent, upstream_clock(host))
+    host.wall += 59.0  # the default limit is 60 s
+    assert await within.write_once()
+    no_date = writer(host, sent, UpstreamClock(lambda: host.mono))  # no answer yet
+    host.wall += 7200
+    assert await no_date.write_once()
+    assert math.isnan(no_date.clock_offset())
+    off = writer(host, sent, upstream_clock(host), limit=0)
+    assert await off.write_once()
+
+
+async def test_a_leader_whose_clock_stays_off_gives_the_lease_up() -> None:
+    host, sent = Host(), list[bytes]()
+    elector = _Elector()
+    clock = upstream_clock(host)
+    w = FactWriter(FactSettings(interval_seconds=0.1), small_index(),
+                   lambda body: _append(sent, body), elector=elector,  # type: ignore[arg-type]
+                   clock=lambda: host.wall, monotonic=lambda: host.mono, upstream_clock=clock)
+    host.wall += 3600
+    for _ in range(3):
+        assert not await w.write_once()
+        host.tick(0.6)
+    assert elector.cooldowns == [2.0] and not sent
+    assert sample_value(w.metrics.stepdowns.labels(reason="clock_offset")) == 1
+    assert sample_value(w.metrics.stepdowns.labels(reason="writes_failing")) == 0
+
+
+async def _append(sent: list[bytes], body: bytes) -> None:
+    sent.append(body)
+
+
+def _timestamps(bodies: list[bytes]) -> set[int]:
+    return {ts for body in bodies for samples in decode(body).values() for _, ts in samples}
+
+
+async def test_a_step_of_the_clock_back_keeps_each_writes_timestamps_rising() -> None:
+    host, sent = Host(), list[bytes]()
+    w = writer(host, sent, None)
+    assert await w.write_once()
+    first = _timestamps(sent)
+    assert first == {int(AGREED * 1000)}
+    host.wall -= 30.0  # an NTP step back, under the limit
+    for i in range(1, 4):
+        sent.clear()
+        host.tick(0.1)
+        assert await w.write_once()
+        # 1 ms after the last write's, not 30 s before it: no out-of-order sample
+        assert _timestamps(sent) == {int(AGREED * 1000) + i}
+    host.wall += 40.0  # past where it had been: its own time again
+    sent.clear()
+    assert await w.write_once()
+    assert _timestamps(sent) == {int(host.wall * 1000)}
