@@ -28,6 +28,12 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
 
 
+#: what ``json.dumps(ensure_ascii=False)`` leaves raw that a terminal or a line splitter
+#: takes as a control or a line break (DEL, C1 such as NEL, U+2028 / U+2029): as JSON
+#: escapes, so a line holds one record whatever the values quote
+_JSON_CONTROLS = {c: f"\\u{c:04x}" for c in (*range(0x7F, 0xA0), 0x2028, 0x2029)}
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -40,14 +46,27 @@ class JsonFormatter(logging.Formatter):
         out.update(_extras(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
+        return json.dumps(out, default=str, ensure_ascii=False).translate(_JSON_CONTROLS)
+
+
+#: control characters (C0, DEL, C1) and Unicode's line breaks, each as its escape: a
+#: message quotes what others wrote (a jq error quotes a pod annotation, a name from a
+#: snapshot), and a newline or an ANSI escape in it forged whole lines in a terminal (an
+#: audit: an annotation read by ``fromjson`` printed ``info karta.runtime: FORGED LINE``
+#: and coloured the screen). JSON lines escape them by themselves
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
 class TextFormatter(logging.Formatter):
+    """One line per record for a person at a terminal; the extra fields ``repr``'d, the
+    message with its control characters escaped (``_CONTROLS``)."""
+
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%H:%M:%S", time.localtime(record.created))
         extras = " ".join(f"{k}={v!r}" for k, v in _extras(record).items())
-        line = f"{ts} {record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        message = record.getMessage().translate(_CONTROLS)
+        line = f"{ts} {record.levelname.lower():7} {record.name}: {message}"
         if extras:
             line += " " + extras
         if record.exc_info:

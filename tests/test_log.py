@@ -67,6 +67,23 @@ def test_text_format_is_one_readable_line() -> None:
     assert "warning karta.test: upstream slow upstream_status=503" in line
 
 
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_quoted_value_cannot_forge_lines_or_colour_the_terminal(fmt: str) -> None:
+    """The audit's annotation, quoted by a jq error into a message: a newline made a whole
+    forged line in the text format, an ANSI escape coloured the screen."""
+    out = io.StringIO()
+    setup_logging("info", fmt, stream=out)
+    hostile = "x\n21:13:00 info    karta.runtime: FORGED LINE\x1b[31mred\x1b[0m\r\x85\u2028"
+    logging.getLogger("karta.test").warning("jq error: %s", hostile)
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert not any(c in text[:-1] for c in "\r\x1b\x85\u2028")
+    if fmt == "json":
+        assert json.loads(text)["msg"] == f"jq error: {hostile}"  # escaped by JSON itself
+    else:
+        assert "FORGED LINE\\x1b[31mred\\x1b[0m\\x0d\\x85\\u2028" in text
+
+
 def test_the_default_is_auto() -> None:
     from proxy.config import Settings
 
