@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 from proxy.config import Settings, load_settings
 from proxy.runtime import Proxy
@@ -417,6 +418,10 @@ async def test_node_mode_writes_no_facts_unless_allowed(
                 await wait_until(written, timeout=15, what="a fact write")
             else:  # several intervals: none written
                 await asyncio.sleep(0.5)
+            # nor served on /metrics: one node's pods counted against every workload
+            exposed = generate_latest(p.metrics.registry).decode()
+            assert ("karta_component_observed_pods" in exposed) is allow
+            assert "karta_proxy_index_ready" in exposed  # the operational ones stay
     assert p.writes_facts is allow
     assert (p.facts is not None) is allow
     assert bool(up.received) is allow  # only fact writes reach the upstream here
