@@ -9,11 +9,14 @@ answer the same as JSON, in the Prometheus API's envelope (``status``, ``data``,
 
 One pod's answer is computed per view from the index and the engine (the owner chain is
 walked again by :meth:`proxy.karta.engine.Engine.explain`). The unattributed listings (all
-pods grouped, sorted, rendered: ~9 ms at 45k pods for the JSON of 5000) are built off the
+pods grouped and sorted, then the page's HTML and every pod's JSON made) are built off the
 event loop, in a thread, from a copy of the index's pod list taken on the loop (the index
-is changed on the loop only), one build at a time, and kept until the index changes
-(``PodIndex.generation``): built on the loop, 4 clients fetching the JSON in a loop raised
-the relayed writes' p50 from 3.9 to 62 ms. The request path is not involved.
+is changed on the loop only), one build at a time, once per change of the index
+(``PodIndex.generation``) whatever ``limit`` is asked: each JSON answer is a cut of pods
+serialized once (``JsonListing``), not a ``json.dumps`` per request. Built on the loop, 4
+clients fetching the JSON in a loop raised the relayed writes' p50 from 3.9 to 62 ms;
+serialized per ``limit``, one client changing it per request raised their p99 from 5 to
+79 ms. The request path is not involved.
 
 Pod names, namespaces, labels and reasons come from the cluster, so every
 value is HTML-escaped, and the page is served with a Content-Security-Policy that allows
@@ -26,8 +29,11 @@ import asyncio
 import html
 import json
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from itertools import accumulate
+from operator import add
 from typing import Any
 from urllib.parse import urlencode
 
@@ -60,6 +66,8 @@ UNATTRIBUTED_API_PATH = "/api/v1/attribution/unattributed"
 #: pods listed per reason on the page (the JSON's default ``limit`` too); counts are whole
 LIST_LIMIT = 500
 MAX_LIST_LIMIT = 100_000
+#: a JSON listing bigger than this is written in steps of it (40k pods: 3.6 MB)
+ANSWER_STEP = 256 * 1024
 
 #: the index's reason for an unattributed pod whose engine reason is empty
 UNATTRIBUTED = "unattributed"
@@ -161,60 +169,129 @@ def pods_text(index: PodIndex) -> str:
     return f"{known - index.unattributed_pods} attributed / {known} in all"
 
 
+@dataclass(frozen=True, slots=True)
+class _JsonGroup:
+    """One reason's pods as JSON, serialized once: any ``limit`` is a cut of ``pods``."""
+
+    #: ``{"reason": ..., "count": N, "truncated": `` (then true/false and the pods)
+    head: bytes
+    count: int
+    #: every pod's JSON object, in order, joined by ``", "`` (json.dumps' separator)
+    pods: bytes
+    #: ends[i]: where pod i's object ends in ``pods``
+    ends: array[int]
+
+
+@dataclass(frozen=True, slots=True)
+class JsonListing:
+    """The JSON answer's listing, serialized once per generation of the index.
+
+    The answer for ``limit`` is the first ``limit`` pods' ready-made JSON of each reason
+    (a cut of one bytes object: no serialization per request) in the fixed envelope: the
+    same bytes as ``json.dumps`` of the listing cut to ``limit`` made before.
+    """
+
+    total: int
+    groups: tuple[_JsonGroup, ...]
+
+    def reasons(self, limit: int) -> list[bytes | memoryview]:
+        """The pieces of the ``reasons`` list's JSON with at most ``limit`` pods each,
+        to be joined (the pods are views of the serialized bytes, not copies)."""
+        out: list[bytes | memoryview] = [b"["]
+        for i, g in enumerate(self.groups):
+            n = min(limit, len(g.ends))
+            out += [b", " if i else b"", g.head,
+                    b"true" if g.count > n else b"false", b', "pods": [',
+                    memoryview(g.pods)[:g.ends[n - 1]] if n else b"", b"]}"]
+        out.append(b"]")
+        return out
+
+    def pieces(self, limit: int, index_json: str) -> list[bytes | memoryview]:
+        """The answer of ``/api/v1/attribution/unattributed?limit=`` in pieces: the
+        Prometheus API envelope, ``total``, the reasons cut to ``limit``, then
+        ``index_json`` (the index's freshness, of the moment of the answer)."""
+        return [b'{"status": "success", "data": {"total": %d, "reasons": ' % self.total,
+                *self.reasons(limit), b', "index": ', index_json.encode(), b"}}"]
+
+    def answer(self, limit: int, index_json: str) -> bytes:
+        """``pieces`` joined: the whole answer as one bytes object."""
+        return b"".join(self.pieces(limit, index_json))
+
+    @property
+    def nbytes(self) -> int:
+        """What the serialized listing holds (the pods' JSON and their ends)."""
+        return sum(len(g.head) + len(g.pods) + g.ends.itemsize * len(g.ends)
+                   for g in self.groups)
+
+
+def json_listing(groups: list[Unattributed]) -> JsonListing:
+    """``groups`` (every pod of each reason) serialized for the JSON answer, each pod's
+    object once, as ``json.dumps`` writes it (its string encoder, its separators). A
+    Python loop, in a thread: one ``json.dumps`` of the whole listing is one C call that
+    holds the GIL throughout (35 ms at 40k pods); this loop lets the event loop run."""
+    enc = json.encoder.encode_basestring_ascii
+    out = []
+    for g in groups:
+        frags = [f'{{"namespace": {enc(a.namespace)}, "pod": {enc(a.pod)}, '
+                 f'"uid": {enc(a.uid)}}}' for a in g.pods]
+        # each object's end: the objects up to it and the ", " between them
+        ends = array("q", map(add, accumulate(map(len, frags)), range(0, 2 * len(frags), 2)))
+        head = f'{{"reason": {enc(g.reason)}, "count": {g.count:d}, "truncated": '
+        out.append(_JsonGroup(head.encode("ascii"), g.count,
+                              ", ".join(frags).encode("ascii"), ends))
+    return JsonListing(sum(g.count for g in groups), tuple(out))
+
+
+def page_listing(groups: list[Unattributed]) -> str:
+    """The page's listing as HTML: ``LIST_LIMIT`` pods a reason (the page has no limit
+    to vary: one rendering per generation)."""
+    return _unattributed_html(at_most(groups, LIST_LIMIT))
+
+
 class Listings:
     """The unattributed listings, built off the loop once per index change.
 
     A build copies the index's pod list on the loop (a list of references: ~0.3 ms at
     45k pods; the index is only changed on the loop, so the copy is consistent) and groups
     and sorts every unattributed pod in a thread (14-72 ms at 10k-80k of them), once per
-    generation of the index whatever the views ask: the page and each ``limit`` of the
-    JSON are cut from that one grouping. They were built per (view, limit), and a client
-    cycling ``limit`` made a whole build per request. One build at a time (``_lock``):
+    generation of the index whatever the views ask. Each rendering (``what``: the JSON's
+    serialized pods, ``json_listing``; the page's HTML, ``page_listing``) is made once per
+    generation too, in a thread, from that one grouping, and every ``limit`` of the JSON
+    is cut from its one serialization (``JsonListing.answer``). Renderings were kept by
+    (view, limit), at most 8: a client cycling ``limit`` had the whole listing
+    ``json.dumps``-ed per request (~57 ms a listing at 40k pods, one C call holding the
+    GIL: the relayed writes' p99 went from 5 to 79 ms). One build at a time (``_lock``):
     concurrent views of a listing not yet built wait for the one build, then share it.
-    Renderings are kept by (what, limit) for the generation; a handful at most.
+    Only the current generation's grouping and renderings are kept.
     """
-
-    MAX_ENTRIES = 8
 
     def __init__(self, index: PodIndex) -> None:
         self.index = index
         self._lock = asyncio.Lock()
         self._groups: tuple[int, list[Unattributed]] | None = None
-        self._cache: dict[tuple[str, int], tuple[int, Any]] = {}
+        self._renders: dict[str, tuple[int, Any]] = {}
 
-    async def get(self, what: str, limit: int,
-                  render: Callable[[list[Unattributed]], Any]) -> Any:
-        """``render`` of the listing cut to ``limit`` pods a reason (``what`` names the
-        rendering); a rendering's cost is of what it shows."""
-        key = (what, limit)
-        hit = self._cache.get(key)
+    async def get(self, what: str, render: Callable[[list[Unattributed]], Any]) -> Any:
+        """``render`` of the whole listing (every pod of each reason), made once per
+        generation of the index and kept by ``what`` until the next."""
+        hit = self._renders.get(what)
         if hit is not None and hit[0] == self.index.generation:
             return hit[1]
         async with self._lock:
             generation = self.index.generation
-            hit = self._cache.get(key)
+            hit = self._renders.get(what)
             if hit is not None and hit[0] == generation:
                 return hit[1]
             if self._groups is None or self._groups[0] != generation:
+                # the last generation's go first: never two generations held at once
+                self._groups = None
+                self._renders.clear()
                 pods = list(self.index.pods.values())
                 self._groups = (generation,
                                 await asyncio.to_thread(unattributed_of, pods, None))
-            groups = self._groups[1]
-            value = await asyncio.to_thread(lambda: render(at_most(groups, limit)))
-            if len(self._cache) >= self.MAX_ENTRIES:
-                self._cache.clear()
-            self._cache[key] = (generation, value)
+            value = await asyncio.to_thread(render, self._groups[1])
+            self._renders[what] = (generation, value)
             return value
-
-
-def _unattributed_json(groups: list[Unattributed]) -> tuple[int, str]:
-    """(total, the ``reasons`` list as JSON text) of the JSON answer."""
-    reasons = [
-        {"reason": g.reason, "count": g.count, "truncated": g.count > len(g.pods),
-         "pods": [{"namespace": a.namespace, "pod": a.pod, "uid": a.uid} for a in g.pods]}
-        for g in groups
-    ]
-    return sum(g.count for g in groups), json.dumps(reasons)
 
 
 def index_state(index: PodIndex, now: float) -> dict[str, Any]:
@@ -464,7 +541,7 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
                 if report is None:
                     status = 404
                     message = not_found(index, *q)[0]
-        listing = await listings.get("page", LIST_LIMIT, _unattributed_html)
+        listing = await listings.get("page", page_listing)
         text = render_page(index, time.time(), ns, pod, report, message, listing)
         return web.Response(text=text, content_type="text/html", status=status,
                             headers=SECURITY_HEADERS)
@@ -482,7 +559,7 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         return web.json_response({"status": "success",
                                   "data": report_json(report, index, time.time())})
 
-    async def api_unattributed(request: web.Request) -> web.Response:
+    async def api_unattributed(request: web.Request) -> web.StreamResponse:
         raw = request.query.get("limit", str(LIST_LIMIT))
         try:
             limit = int(raw)
@@ -491,11 +568,26 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             return _error(400, "bad_data",
                           f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, not {raw!r}")
-        total, reasons = await listings.get("json", limit, _unattributed_json)
-        # the listing is kept as JSON text; the index's freshness is of this moment
-        text = (f'{{"status": "success", "data": {{"total": {total}, "reasons": {reasons}, '
-                f'"index": {json.dumps(index_state(index, time.time()))}}}}}')
-        return web.Response(text=text, content_type="application/json")
+        listing: JsonListing = await listings.get("json", json_listing)
+        # the pods are serialized once per generation; the index's freshness is of now
+        pieces = listing.pieces(limit, json.dumps(index_state(index, time.time())))
+        size = sum(len(p) for p in pieces)
+        if size <= ANSWER_STEP:
+            return web.Response(body=b"".join(pieces), content_type="application/json",
+                                charset="utf-8")
+        # a big answer is written ANSWER_STEP bytes at a time, each let go to the socket
+        # before the next (no copy of it all on the loop: a fresh 9 MB took up to 5 ms)
+        response = web.StreamResponse()
+        response.content_type = "application/json"
+        response.charset = "utf-8"
+        response.content_length = size
+        await response.prepare(request)
+        for piece in pieces:
+            view = memoryview(piece)
+            for at in range(0, len(view), ANSWER_STEP):
+                await response.write(view[at:at + ANSWER_STEP])
+        await response.write_eof()
+        return response
 
     app.router.add_get(PAGE_PATH, page)
     app.router.add_get(API_PATH, api_pod)

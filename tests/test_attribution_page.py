@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -161,6 +162,121 @@ async def test_the_unattributed_listings_are_built_off_the_loop_once_per_index_c
     assert status == 200 and body["data"]["total"] == 1, body
     assert len(threads) == 2
     assert body["data"]["index"]["ready"] is True
+
+
+def _old_reasons_json(groups: list[Any]) -> str:
+    """The ``reasons`` list as the JSON answer made it before its pods were serialized once
+    per generation: ``json.dumps`` of the listing cut to the limit (per request)."""
+    return json.dumps([
+        {"reason": g.reason, "count": g.count, "truncated": g.count > len(g.pods),
+         "pods": [{"namespace": a.namespace, "pod": a.pod, "uid": a.uid} for a in g.pods]}
+        for g in groups
+    ])
+
+
+def _old_answer(groups: list[Any], index_json: str) -> bytes:
+    total = sum(g.count for g in groups)
+    return (f'{{"status": "success", "data": {{"total": {total}, "reasons": '
+            f'{_old_reasons_json(groups)}, "index": {index_json}}}}}').encode()
+
+
+def _hostile_pods() -> list[Any]:
+    """Unattributed pods of three reasons (and one attributed) whose names need every kind
+    of JSON escape: quotes, backslashes, control characters, non-ASCII, astral plane."""
+    from proxy.karta.results import PodAttribution, WorkloadRef
+
+    odd = ['"', "\\", "\n\t\x00\x1f\x7f", "é", "日本", "\U0001f600", "</script>", "\u2028", ""]
+    pods = [PodAttribution(f"ns{i % 4}{odd[i % len(odd)]}", f"pod-{i:03d}{odd[(i * 7) % len(odd)]}",
+                           f"uid-{i}{odd[(i * 5) % len(odd)]}",
+                           reason=("owner_missing", "no_described_owner", "")[i % 3])
+            for i in range(60)]
+    pods += [PodAttribution("ns", f"late-{i}", f"late-{i}", reason="hop_limit") for i in range(2)]
+    pods.append(PodAttribution("ns", "placed", "placed-uid",
+                               workload=WorkloadRef("ns", "apps", "Deployment", "d", "d-uid")))
+    return pods
+
+
+@pytest.mark.parametrize("size", [0, 1, 63])
+def test_every_limit_answers_the_bytes_json_dumps_made(size: int) -> None:
+    """The JSON answer is cut from pods serialized once per generation (``json_listing``):
+    byte for byte what ``json.dumps`` of the listing cut to the limit made per request, for
+    every limit (0, 1, each count, all, over all) and an empty listing; the page's listing
+    is the HTML it was."""
+    from proxy.attribution_page import (
+        LIST_LIMIT,
+        MAX_LIST_LIMIT,
+        _unattributed_html,
+        at_most,
+        json_listing,
+        page_listing,
+        unattributed_of,
+    )
+
+    pods = _hostile_pods()[:size]
+    groups = unattributed_of(pods, None)
+    assert size < 63 or sorted(g.count for g in groups) == [2, 20, 20, 20]
+    listing = json_listing(groups)
+    index_json = json.dumps({"ready": True, "stale": False, "freshness": []})
+    counts = {g.count for g in groups}
+    limits = set(range(0, 25)) | {c + d for c in counts for d in (-1, 0, 1)} | {
+        size, size + 1, LIST_LIMIT, MAX_LIST_LIMIT}
+    for limit in sorted(x for x in limits if x >= 0):
+        cut = at_most(groups, limit)
+        assert listing.answer(limit, index_json) == _old_answer(cut, index_json), limit
+        assert b"".join(listing.reasons(limit)).decode() == _old_reasons_json(cut), limit
+    assert page_listing(groups) == _unattributed_html(unattributed_of(pods, LIST_LIMIT))
+    if size == 0:
+        assert listing.answer(5, index_json) == (
+            b'{"status": "success", "data": {"total": 0, "reasons": [], "index": '
+            + index_json.encode() + b"}}")
+
+
+async def test_the_listing_is_serialized_once_per_index_change_whatever_the_limit(
+    running: Proxy, proxy: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Renderings were kept by (view, limit), 8 at most: a client changing ``limit`` per
+    request had the whole listing ``json.dumps``-ed per request (~57 ms at 40k pods, one C
+    call holding the GIL: the relayed writes' p99 went from 5.0 to 79 ms, the audit's
+    run_listing_repro.sh). Now 20 limits and the page cost one serialization each per
+    generation of the index, and each answer is the bytes it was."""
+    from proxy import attribution_page
+
+    made: list[str] = []
+
+    def spy(what: str, real: Any) -> Any:
+        def render(groups: Any) -> Any:
+            made.append(what)
+            return real(groups)
+        return render
+
+    for name in ("json_listing", "page_listing"):
+        monkeypatch.setattr(attribution_page, name, spy(name, getattr(attribution_page, name)))
+    url = proxy + "/api/v1/attribution/unattributed"
+    pods = list(running.index.pods.values())
+    for limit in range(1, 21):
+        # odd limits: the answer written in steps of 100 bytes (as one of 40k pods is)
+        monkeypatch.setattr(attribution_page, "ANSWER_STEP", 100 if limit % 2 else 256 * 1024)
+        async with aiohttp.ClientSession() as s, s.get(url, params={"limit": str(limit)}) as r:
+            assert r.status == 200 and r.headers["Content-Type"] == \
+                "application/json; charset=utf-8"
+            body = await r.read()
+            assert r.headers["Content-Length"] == str(len(body))
+        # the index's freshness is of the moment of each answer: the rest is fixed
+        index_json = body.rsplit(b', "index": ', 1)[1]
+        groups = attribution_page.unattributed_of(pods, limit)
+        assert body == _old_answer(groups, index_json[:-2].decode()), limit
+    await _get(proxy + "/attribution")
+    await _get(proxy + "/attribution", namespace="web", pod="postgres-0")
+    assert sorted(made) == ["json_listing", "page_listing"], made
+    # the index changes: one more of each, and the answer follows
+    att = next(a for a in running.index.pods.values() if a.pod == "allreduce-bench-worker-0")
+    running.index.apply(ChangeSet(pods={att.uid: None}))
+    for limit in (1, 2, 3):
+        status, _, (body, _) = await _get(url, limit=str(limit))
+        assert status == 200 and body["data"]["total"] == 1
+    _, page, _ = await _get(proxy + "/attribution")
+    assert "Unattributed pods (1)" in page
+    assert sorted(made) == ["json_listing", "json_listing", "page_listing", "page_listing"]
 
 
 async def test_landing_and_attribution_pages_count_the_pods_alike(
