@@ -279,6 +279,12 @@ typedef struct {
     size_t ps, end;
 } Span;
 
+/* A label of the series, for sorting: name, value, and its place (the sort is stable). */
+typedef struct {
+    Str name, value;
+    size_t at;
+} Sorted;
+
 /* Room for one more item; NULL when out of memory. */
 static void *
 vec_push(Vec *v)
@@ -683,13 +689,13 @@ emit_body(Ctx *c, Writer *w, size_t s, size_t q)
     emit_labels(w, c->syms.data, c->refs.data, c->refs.len);
     static const uint64_t ORDER[] = {2, 4, 3};
     const Span *nh = c->nhcb.data;
+    const size_t nnh = c->nhcb.len;
     size_t next_nh = 0;
     for (int k = 0; k < 3; k++) {
         for (size_t p = s; p < q;) {
             Field f;
             rd_field(raw, p, q, &f);
-            if (ORDER[k] == 3 && f.number == 3 && next_nh < c->nhcb.len &&
-                nh[next_nh].ps == f.ps) {
+            if (next_nh < nnh && f.number == 3 && ORDER[k] == 3 && nh[next_nh].ps == f.ps) {
                 next_nh++;
                 p = f.end;
                 continue;
@@ -710,6 +716,261 @@ emit_body(Ctx *c, Writer *w, size_t s, size_t q)
         }
     }
     return 1;
+}
+
+/* the classic series of the current series' custom-bucket histograms (below: the code
+ * of those histograms is kept after the conversion's common path) */
+static ConvertStatus emit_classic(Ctx *c, Writer *w);
+
+/* The checks of split_series_v2 (and what custom_buckets / stale_marker look for), the
+ * series' refs in c->refs, its metadata added; then the TimeSeries. */
+static ConvertStatus
+series(Ctx *c, Writer *w, size_t s, size_t q)
+{
+    const uint8_t *raw = c->raw;
+    size_t nsym = c->syms.len;
+    int has_meta = 0;
+    int carried = 0; /* a sample, an exemplar or a histogram that goes as one */
+    c->refs.len = 0;
+    c->nhcb.len = 0;
+    for (size_t p = s; p < q;) {
+        Field f;
+        if (!rd_field(raw, p, q, &f))
+            return CONVERT_FALLBACK;
+        if (f.number == 1) {
+            if (f.wt != 0 && f.wt != 2)
+                return CONVERT_FALLBACK;
+            for (size_t pp = f.ps; pp < f.end;) {
+                uint64_t x;
+                if (!rd_varint(raw, f.end, &pp, &x))
+                    return CONVERT_FALLBACK;
+                uint64_t *slot = vec_push(&c->refs);
+                if (slot == NULL)
+                    return CONVERT_NOMEM;
+                *slot = x;
+            }
+        }
+        else if (f.number >= 2 && f.number <= 5) {
+            int ok, kind = 0;
+            if (f.wt != 2)
+                return CONVERT_FALLBACK;
+            if (f.number == 2)
+                ok = check_fields(raw, f.ps, f.end, SAMPLE_WT, 3);
+            else if (f.number == 3)
+                ok = check_histogram(raw, f.ps, f.end, &kind);
+            else if (f.number == 4)
+                ok = check_exemplar(raw, f.ps, f.end, nsym);
+            else {
+                ok = check_metadata(raw, f.ps, f.end, nsym);
+                has_meta = 1;
+            }
+            if (!ok || (kind & HIST_STALE))
+                return CONVERT_FALLBACK;
+            if (kind & HIST_CUSTOM) {
+                Span *sp = vec_push(&c->nhcb);
+                if (sp == NULL)
+                    return CONVERT_NOMEM;
+                sp->ps = f.ps;
+                sp->end = f.end;
+            }
+            else if (f.number != 5)
+                carried = 1;
+        }
+        p = f.end;
+    }
+    const uint64_t *refs = c->refs.data;
+    if (c->refs.len & 1)
+        return CONVERT_FALLBACK;
+    for (size_t i = 0; i < c->refs.len; i++)
+        if (refs[i] >= nsym)
+            return CONVERT_FALLBACK;
+    if (has_meta) {
+        /* help_ref and unit_ref default to 0: the reference refuses any metadata when
+         * the table is empty */
+        if (nsym == 0)
+            return CONVERT_FALLBACK;
+        const Str *syms = c->syms.data;
+        Str metric = {(const uint8_t *)"", 0};
+        uint64_t metric_ref = 0;
+        for (size_t i = 0; i < c->refs.len; i += 2) {
+            Str n = syms[refs[i]];
+            if (n.n == 8 && memcmp(n.s, "__name__", 8) == 0) {
+                metric = syms[refs[i + 1]];
+                metric_ref = refs[i + 1];
+                break;
+            }
+        }
+        if (c->sid == NULL) {
+            c->sid = calloc(nsym, sizeof(uint32_t));
+            c->fid = calloc(nsym, sizeof(uint32_t));
+            if (c->sid == NULL || c->fid == NULL)
+                return CONVERT_NOMEM;
+        }
+        for (size_t p = s; p < q;) {
+            Field f;
+            rd_field(raw, p, q, &f);
+            if (f.number == 5) {
+                uint64_t type = 0, help = 0, unit = 0;
+                for (size_t pp = f.ps; pp < f.end;) {
+                    Field g;
+                    rd_field(raw, pp, f.end, &g);
+                    if (g.wt == 0) {
+                        uint64_t v = 0;
+                        size_t vp = g.ps;
+                        rd_varint(raw, g.end, &vp, &v);
+                        if (g.number == 1)
+                            type = v;
+                        else if (g.number == 3)
+                            help = v;
+                        else if (g.number == 4)
+                            unit = v;
+                    }
+                    pp = g.end;
+                }
+                Str name = family_name(metric, type);
+                /* a ref to another "" than symbol 0 says nothing either */
+                if (name.n && (type || syms[help].n || syms[unit].n)) {
+                    uint32_t ni = sym_id(c, metric_ref, name.n != metric.n, name);
+                    uint32_t hi = sym_id(c, help, 0, syms[help]);
+                    uint32_t ui = sym_id(c, unit, 0, syms[unit]);
+                    if (ni == UINT32_MAX || hi == UINT32_MAX || ui == UINT32_MAX ||
+                        !meta_add(c, name, ni, type, syms[help], hi, syms[unit], ui))
+                        return CONVERT_NOMEM;
+                }
+            }
+            p = f.end;
+        }
+    }
+    /* _SeriesV1.sent: a series left with nothing but custom-bucket histograms is not
+     * sent itself */
+    if (carried || c->nhcb.len == 0) {
+        Writer cw = {0};
+        if (!emit_body(c, &cw, s, q))
+            return CONVERT_NOMEM;
+        if (cw.over)
+            return CONVERT_FALLBACK;
+        w_head(w, 1, cw.len);
+        if (w->buf != NULL) {
+            if (!emit_body(c, w, s, q))
+                return CONVERT_NOMEM;
+        }
+        else if (cw.len > SIZE_MAX - w->len)
+            w->over = 1;
+        else
+            w->len += cw.len; /* counting: the body's size, known */
+    }
+    return c->nhcb.len ? emit_classic(c, w) : CONVERT_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the request                                                                           */
+
+static ConvertStatus
+walk(Ctx *c, Writer *w)
+{
+    const uint8_t *raw = c->raw;
+    size_t n = c->n;
+    /* splice_v2.scan_v2: framing, no RW 1.0 fields, symbols UTF-8 and first empty */
+    for (size_t pos = 0; pos < n;) {
+        Field f;
+        if (!rd_field(raw, pos, n, &f))
+            return CONVERT_FALLBACK;
+        if ((f.number == 1 || f.number == 3) && f.wt == 2)
+            return CONVERT_FALLBACK;
+        if (f.number == 4) {
+            if (f.wt != 2 || !utf8_ok(raw + f.ps, f.end - f.ps))
+                return CONVERT_FALLBACK;
+            Str *sym = vec_push(&c->syms);
+            if (sym == NULL)
+                return CONVERT_NOMEM;
+            sym->s = raw + f.ps;
+            sym->n = f.end - f.ps;
+        }
+        else if (f.number == 5 && f.wt != 2)
+            return CONVERT_FALLBACK;
+        pos = f.end;
+    }
+    if (c->syms.len && ((Str *)c->syms.data)[0].n != 0)
+        return CONVERT_FALLBACK;
+    for (size_t pos = 0; pos < n;) {
+        Field f;
+        rd_field(raw, pos, n, &f);
+        if (f.number == 5) {
+            if (c->info.want_starts) {
+                size_t *at = vec_push(&c->starts);
+                if (at == NULL)
+                    return CONVERT_NOMEM;
+                *at = w->len;
+            }
+            ConvertStatus st = series(c, w, f.ps, f.end);
+            if (st != CONVERT_OK)
+                return st;
+        }
+        pos = f.end;
+    }
+    if (c->info.want_starts) {
+        size_t *at = vec_push(&c->starts);
+        if (at == NULL)
+            return CONVERT_NOMEM;
+        *at = w->len;
+    }
+    const Meta *ms = c->metas.data;
+    for (size_t k = 0; k < c->metas.len; k++)
+        emit_meta(w, &ms[k]);
+    return CONVERT_OK;
+}
+
+ConvertStatus
+convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, size_t *size,
+                 ConvertInfo *info)
+{
+    Ctx c;
+    memset(&c, 0, sizeof c);
+    c.raw = raw;
+    c.n = n;
+    c.syms.item = sizeof(Str);
+    c.refs.item = sizeof(uint64_t);
+    c.xrefs.item = sizeof(uint64_t);
+    c.metas.item = sizeof(Meta);
+    c.strs.item = sizeof(Interned);
+    c.nhcb.item = sizeof(Span);
+    c.bucket.item = sizeof(double);
+    c.sorted.item = sizeof(Sorted);
+    c.starts.item = sizeof(size_t);
+    c.info.want_starts = info != NULL && info->want_starts;
+    Writer w = {out, out == NULL ? 0 : out_cap, 0, 0};
+    ConvertStatus st = walk(&c, &w);
+    last_meta_bytes = c.meta_bytes;
+    free(c.sid);
+    free(c.fid);
+    free(c.strs.data);
+    free(c.sindex);
+    free(c.syms.data);
+    free(c.refs.data);
+    free(c.xrefs.data);
+    free(c.metas.data);
+    free(c.index);
+    free(c.nhcb.data);
+    free(c.bucket.data);
+    free(c.sorted.data);
+    free(c.le_cache);
+    if (st == CONVERT_OK) {
+        *size = w.len;
+        if (out == NULL)
+            st = w.over ? CONVERT_FALLBACK /* past a size_t: the reference's Python ints */
+                        : CONVERT_OK;
+        else
+            st = w.over || w.len != out_cap ? CONVERT_MISMATCH : CONVERT_OK;
+    }
+    if (st == CONVERT_OK && info != NULL) {
+        info->histograms = c.info.histograms;
+        info->samples = c.info.samples;
+        info->starts = c.starts.data; /* the caller's to free */
+        info->nstarts = c.starts.len;
+    }
+    else
+        free(c.starts.data);
+    return st;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1140,12 +1401,6 @@ label_size(size_t name, size_t value)
     return field_size(field_size(name) + (value ? field_size(value) : 0));
 }
 
-/* A label of the series, for sorting: name, value, and its place (the sort is stable). */
-typedef struct {
-    Str name, value;
-    size_t at;
-} Sorted;
-
 static int
 sorted_cmp(const void *pa, const void *pb)
 {
@@ -1269,7 +1524,7 @@ emit_classic_one(Ctx *c, Writer *w, const ClassicLabels *cl, const char *sfx, si
 /* The classic series of the current series' custom-bucket histograms (c->nhcb), in
  * order: per histogram <name>_bucket{le=...} per bound and +Inf (cumulative counts),
  * <name>_sum, <name>_count; the counts' change added up. */
-static ConvertStatus
+__attribute__((noinline)) static ConvertStatus
 emit_classic(Ctx *c, Writer *w)
 {
     ClassicLabels cl;
@@ -1308,255 +1563,4 @@ emit_classic(Ctx *c, Writer *w)
         c->info.samples += (uint64_t)h.nbounds + 3;
     }
     return CONVERT_OK;
-}
-
-/* The checks of split_series_v2 (and what custom_buckets / stale_marker look for), the
- * series' refs in c->refs, its metadata added; then the TimeSeries. */
-static ConvertStatus
-series(Ctx *c, Writer *w, size_t s, size_t q)
-{
-    const uint8_t *raw = c->raw;
-    size_t nsym = c->syms.len;
-    int has_meta = 0;
-    int carried = 0; /* a sample, an exemplar or a histogram that goes as one */
-    c->refs.len = 0;
-    c->nhcb.len = 0;
-    for (size_t p = s; p < q;) {
-        Field f;
-        if (!rd_field(raw, p, q, &f))
-            return CONVERT_FALLBACK;
-        if (f.number == 1) {
-            if (f.wt != 0 && f.wt != 2)
-                return CONVERT_FALLBACK;
-            for (size_t pp = f.ps; pp < f.end;) {
-                uint64_t x;
-                if (!rd_varint(raw, f.end, &pp, &x))
-                    return CONVERT_FALLBACK;
-                uint64_t *slot = vec_push(&c->refs);
-                if (slot == NULL)
-                    return CONVERT_NOMEM;
-                *slot = x;
-            }
-        }
-        else if (f.number >= 2 && f.number <= 5) {
-            int ok, kind = 0;
-            if (f.wt != 2)
-                return CONVERT_FALLBACK;
-            if (f.number == 2)
-                ok = check_fields(raw, f.ps, f.end, SAMPLE_WT, 3);
-            else if (f.number == 3)
-                ok = check_histogram(raw, f.ps, f.end, &kind);
-            else if (f.number == 4)
-                ok = check_exemplar(raw, f.ps, f.end, nsym);
-            else {
-                ok = check_metadata(raw, f.ps, f.end, nsym);
-                has_meta = 1;
-            }
-            if (!ok || (kind & HIST_STALE))
-                return CONVERT_FALLBACK;
-            if (kind & HIST_CUSTOM) {
-                Span *sp = vec_push(&c->nhcb);
-                if (sp == NULL)
-                    return CONVERT_NOMEM;
-                sp->ps = f.ps;
-                sp->end = f.end;
-            }
-            else if (f.number != 5)
-                carried = 1;
-        }
-        p = f.end;
-    }
-    const uint64_t *refs = c->refs.data;
-    if (c->refs.len & 1)
-        return CONVERT_FALLBACK;
-    for (size_t i = 0; i < c->refs.len; i++)
-        if (refs[i] >= nsym)
-            return CONVERT_FALLBACK;
-    if (has_meta) {
-        /* help_ref and unit_ref default to 0: the reference refuses any metadata when
-         * the table is empty */
-        if (nsym == 0)
-            return CONVERT_FALLBACK;
-        const Str *syms = c->syms.data;
-        Str metric = {(const uint8_t *)"", 0};
-        uint64_t metric_ref = 0;
-        for (size_t i = 0; i < c->refs.len; i += 2) {
-            Str n = syms[refs[i]];
-            if (n.n == 8 && memcmp(n.s, "__name__", 8) == 0) {
-                metric = syms[refs[i + 1]];
-                metric_ref = refs[i + 1];
-                break;
-            }
-        }
-        if (c->sid == NULL) {
-            c->sid = calloc(nsym, sizeof(uint32_t));
-            c->fid = calloc(nsym, sizeof(uint32_t));
-            if (c->sid == NULL || c->fid == NULL)
-                return CONVERT_NOMEM;
-        }
-        for (size_t p = s; p < q;) {
-            Field f;
-            rd_field(raw, p, q, &f);
-            if (f.number == 5) {
-                uint64_t type = 0, help = 0, unit = 0;
-                for (size_t pp = f.ps; pp < f.end;) {
-                    Field g;
-                    rd_field(raw, pp, f.end, &g);
-                    if (g.wt == 0) {
-                        uint64_t v = 0;
-                        size_t vp = g.ps;
-                        rd_varint(raw, g.end, &vp, &v);
-                        if (g.number == 1)
-                            type = v;
-                        else if (g.number == 3)
-                            help = v;
-                        else if (g.number == 4)
-                            unit = v;
-                    }
-                    pp = g.end;
-                }
-                Str name = family_name(metric, type);
-                /* a ref to another "" than symbol 0 says nothing either */
-                if (name.n && (type || syms[help].n || syms[unit].n)) {
-                    uint32_t ni = sym_id(c, metric_ref, name.n != metric.n, name);
-                    uint32_t hi = sym_id(c, help, 0, syms[help]);
-                    uint32_t ui = sym_id(c, unit, 0, syms[unit]);
-                    if (ni == UINT32_MAX || hi == UINT32_MAX || ui == UINT32_MAX ||
-                        !meta_add(c, name, ni, type, syms[help], hi, syms[unit], ui))
-                        return CONVERT_NOMEM;
-                }
-            }
-            p = f.end;
-        }
-    }
-    /* _SeriesV1.sent: a series left with nothing but custom-bucket histograms is not
-     * sent itself */
-    if (carried || c->nhcb.len == 0) {
-        Writer cw = {0};
-        if (!emit_body(c, &cw, s, q))
-            return CONVERT_NOMEM;
-        if (cw.over)
-            return CONVERT_FALLBACK;
-        w_head(w, 1, cw.len);
-        if (w->buf != NULL) {
-            if (!emit_body(c, w, s, q))
-                return CONVERT_NOMEM;
-        }
-        else if (cw.len > SIZE_MAX - w->len)
-            w->over = 1;
-        else
-            w->len += cw.len; /* counting: the body's size, known */
-    }
-    return c->nhcb.len ? emit_classic(c, w) : CONVERT_OK;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* the request                                                                           */
-
-static ConvertStatus
-walk(Ctx *c, Writer *w)
-{
-    const uint8_t *raw = c->raw;
-    size_t n = c->n;
-    /* splice_v2.scan_v2: framing, no RW 1.0 fields, symbols UTF-8 and first empty */
-    for (size_t pos = 0; pos < n;) {
-        Field f;
-        if (!rd_field(raw, pos, n, &f))
-            return CONVERT_FALLBACK;
-        if ((f.number == 1 || f.number == 3) && f.wt == 2)
-            return CONVERT_FALLBACK;
-        if (f.number == 4) {
-            if (f.wt != 2 || !utf8_ok(raw + f.ps, f.end - f.ps))
-                return CONVERT_FALLBACK;
-            Str *sym = vec_push(&c->syms);
-            if (sym == NULL)
-                return CONVERT_NOMEM;
-            sym->s = raw + f.ps;
-            sym->n = f.end - f.ps;
-        }
-        else if (f.number == 5 && f.wt != 2)
-            return CONVERT_FALLBACK;
-        pos = f.end;
-    }
-    if (c->syms.len && ((Str *)c->syms.data)[0].n != 0)
-        return CONVERT_FALLBACK;
-    for (size_t pos = 0; pos < n;) {
-        Field f;
-        rd_field(raw, pos, n, &f);
-        if (f.number == 5) {
-            if (c->info.want_starts) {
-                size_t *at = vec_push(&c->starts);
-                if (at == NULL)
-                    return CONVERT_NOMEM;
-                *at = w->len;
-            }
-            ConvertStatus st = series(c, w, f.ps, f.end);
-            if (st != CONVERT_OK)
-                return st;
-        }
-        pos = f.end;
-    }
-    if (c->info.want_starts) {
-        size_t *at = vec_push(&c->starts);
-        if (at == NULL)
-            return CONVERT_NOMEM;
-        *at = w->len;
-    }
-    const Meta *ms = c->metas.data;
-    for (size_t k = 0; k < c->metas.len; k++)
-        emit_meta(w, &ms[k]);
-    return CONVERT_OK;
-}
-
-ConvertStatus
-convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, size_t *size,
-                 ConvertInfo *info)
-{
-    Ctx c;
-    memset(&c, 0, sizeof c);
-    c.raw = raw;
-    c.n = n;
-    c.syms.item = sizeof(Str);
-    c.refs.item = sizeof(uint64_t);
-    c.xrefs.item = sizeof(uint64_t);
-    c.metas.item = sizeof(Meta);
-    c.strs.item = sizeof(Interned);
-    c.nhcb.item = sizeof(Span);
-    c.bucket.item = sizeof(double);
-    c.sorted.item = sizeof(Sorted);
-    c.starts.item = sizeof(size_t);
-    c.info.want_starts = info != NULL && info->want_starts;
-    Writer w = {out, out == NULL ? 0 : out_cap, 0, 0};
-    ConvertStatus st = walk(&c, &w);
-    last_meta_bytes = c.meta_bytes;
-    free(c.sid);
-    free(c.fid);
-    free(c.strs.data);
-    free(c.sindex);
-    free(c.syms.data);
-    free(c.refs.data);
-    free(c.xrefs.data);
-    free(c.metas.data);
-    free(c.index);
-    free(c.nhcb.data);
-    free(c.bucket.data);
-    free(c.sorted.data);
-    free(c.le_cache);
-    if (st == CONVERT_OK) {
-        *size = w.len;
-        if (out == NULL)
-            st = w.over ? CONVERT_FALLBACK /* past a size_t: the reference's Python ints */
-                        : CONVERT_OK;
-        else
-            st = w.over || w.len != out_cap ? CONVERT_MISMATCH : CONVERT_OK;
-    }
-    if (st == CONVERT_OK && info != NULL) {
-        info->histograms = c.info.histograms;
-        info->samples = c.info.samples;
-        info->starts = c.starts.data; /* the caller's to free */
-        info->nstarts = c.starts.len;
-    }
-    else
-        free(c.starts.data);
-    return st;
 }
