@@ -17,7 +17,13 @@ CPU seconds are ``time.thread_time`` around each call (this thread only: the box
 shared); printed are the medians over the rounds and reference / native ratios. The
 native bytes are checked equal to the reference's once per size before timing.
 
-    python3 benchmarks/convert_bench.py [--series 2000 500] [--rounds 20]
+``--nhcb SHARE``: that share of the series (0.1: ten of every hundred) are custom-bucket
+native histograms instead (schema -53, 10 bounds, integer counts, a gap in the spans: what
+a Prometheus 3 agent with ``convert_classic_histograms_to_nhcb`` sends), which the
+conversion makes classic ``_bucket`` / ``_sum`` / ``_count`` series of; their series'
+sample dropped, the series renamed ``http_request_duration_seconds``, type histogram.
+
+    python3 benchmarks/convert_bench.py [--series 2000 500] [--rounds 20] [--nhcb 0.1]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy import contract
+from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.sender import Series, build_v2
 from proxy.wire import conversion, convert
 from proxy.wire.native import Splicer, native_available
@@ -83,6 +90,44 @@ def build_request(series: int, seed: int = 0) -> bytes:
     return build_v2(out)
 
 
+def with_nhcb(raw: bytes, share: float) -> bytes:
+    """``raw`` (``build_request``'s) with ``share`` of its series, spread evenly, made
+    custom-bucket histograms (module docstring)."""
+    req = v2.Request.FromString(raw)
+    refs = {s: i for i, s in enumerate(req.symbols)}
+
+    def ref(s: str) -> int:
+        if s not in refs:
+            refs[s] = len(req.symbols)
+            req.symbols.append(s)
+        return refs[s]
+
+    every = 100
+    chosen = round(share * every)
+    for i, ts in enumerate(req.timeseries):
+        if i % every >= chosen:
+            continue
+        labels = list(ts.labels_refs)
+        kept = [x for k in range(0, len(labels), 2)
+                for x in labels[k:k + 2] if req.symbols[labels[k]] != "le"]
+        for k in range(0, len(kept), 2):
+            if req.symbols[kept[k]] == "__name__":
+                kept[k + 1] = ref("http_request_duration_seconds")
+        del ts.labels_refs[:]
+        ts.labels_refs.extend(kept)
+        ts.ClearField("samples")
+        ts.metadata.type = v2.Metadata.METRIC_TYPE_HISTOGRAM
+        ts.metadata.help_ref = ref("Request latency")
+        ts.metadata.unit_ref = ref("seconds")
+        h = ts.histograms.add(count_int=100, sum=12.5, schema=-53,
+                              timestamp=1_767_000_000_000 + i)
+        h.custom_values.extend([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5])
+        h.positive_spans.add(offset=0, length=6)
+        h.positive_spans.add(offset=1, length=4)
+        h.positive_deltas.extend([1, 2, 3, -1, 4, 5, -2, 1, 0, 3])
+    return bytes(req.SerializeToString())
+
+
 def _cpu(fn: Callable[[], object]) -> float:
     t0 = time.thread_time()
     fn()
@@ -97,8 +142,10 @@ def _splicer() -> Splicer:
     return sp
 
 
-def bench(series: int, rounds: int) -> dict[str, float | int]:
+def bench(series: int, rounds: int, nhcb: float = 0.0) -> dict[str, float | int]:
     raw = build_request(series)
+    if nhcb:
+        raw = with_nhcb(raw, nhcb)
     ref = convert.v2_to_v1(raw)
     assert conversion.v2_to_v1(raw) == ref, "native and reference conversions differ"
     assert conversion.v1_form(raw) == convert.v1_form(raw)
@@ -121,7 +168,7 @@ def bench(series: int, rounds: int) -> dict[str, float | int]:
         gc.enable()
     med = {k: statistics.median(v) for k, v in times.items()}
     result: dict[str, float | int] = {
-        "series": series, "rounds": rounds, "request_bytes": len(raw),
+        "series": series, "rounds": rounds, "nhcb": nhcb, "request_bytes": len(raw),
         "converted_bytes": len(ref),
         **{f"{k}_ms": v * 1e3 for k, v in med.items()},
     }
@@ -138,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--series", type=int, nargs="+", default=[2000, 500])
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--nhcb", type=float, default=0.0, metavar="SHARE",
+                   help="this share of the series custom-bucket histograms (0 to 1)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     if not native_available():
@@ -145,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     for n in args.series:
-        r = bench(n, args.rounds)
+        r = bench(n, args.rounds, args.nhcb)
         results.append(r)
-        print(f"{n} series: RW 2.0 request {r['request_bytes']:,} bytes, RW 1.0 form "
+        nhcb = f" ({args.nhcb:.0%} custom-bucket histograms)" if args.nhcb else ""
+        print(f"{n} series{nhcb}: RW 2.0 request {r['request_bytes']:,} bytes, RW 1.0 form "
               f"{r['converted_bytes']:,} bytes; CPU ms per request, median of {args.rounds}")
         for what, label in (("size", "size pass"), ("convert", "conversion"),
                             ("both", "both")):

@@ -10,7 +10,8 @@
  * random requests, and the bounded fuzz run of tests/wire/fuzz_native.py looks for
  * crashes, also under ASan/UBSan):
  *
- *   - every series becomes one RW 1.0 TimeSeries: its labels_refs (packed or not) resolved
+ *   - every series becomes one RW 1.0 TimeSeries (but one of nothing but custom-bucket
+ *     histograms, below): its labels_refs (packed or not) resolved
  *     to Label fields as encode_label_v1 writes them (an empty value left out), then its
  *     samples (start_timestamp, field 3, dropped), its exemplars (labels resolved, the other
  *     fields' bytes as they were), its histograms (start_timestamp, field 17, dropped): the
@@ -18,17 +19,31 @@
  *   - series metadata becomes one 1.0 MetricMetadata per family (convert.family_name: the
  *     suffix of a histogram, gaugehistogram or summary series stripped), deduplicated on
  *     its contents in first-seen order, after the series. Each symbol a metadata names is
- *     hashed and compared once per request (intern), not once per series naming it.
+ *     hashed and compared once per request (intern), not once per series naming it;
+ *   - a histogram with custom buckets (schema -53) that is no staleness marker becomes
+ *     the classic series (convert.custom_buckets, classic_series): <name>_bucket{le=...}
+ *     per bound and +Inf (cumulative counts), <name>_sum, <name>_count, each one
+ *     TimeSeries of one sample after the series (which is sent only when something but
+ *     such histograms is left), the labels sorted as Python's stable sorted() by name
+ *     bytes, le as format_le writes it (Go's shortest 'g'); the counts' change
+ *     (ConvertInfo: a histogram fewer, a sample more per bucket, _sum and _count) as
+ *     convert.v1_form's. The size pass adds up lengths (O(1) a bucket); only the write
+ *     sorts and writes the labels.
  *
- * What is left to the reference (CONVERT_FALLBACK): a histogram with custom buckets
- * (schema -53: it becomes classic series) or whose sum is the stale NaN (a staleness
- * marker: convert.py has rules of its own for both), and anything the reference would
- * refuse (every check of splice_v2.scan_v2 / split_series_v2 is made here too, and a
- * request failing one falls back so the reference raises its own error).
+ * What is left to the reference (CONVERT_FALLBACK): a histogram whose sum is the stale
+ * NaN (a staleness marker, whatever its schema: convert.py has rules of its own for it,
+ * and proxy/wire/mixed.py converts its series there, the rest here), a custom-bucket
+ * histogram with a bucket past its bounds (the reference raises protobuf_invalid) or
+ * whose running delta sum or span index leaves an int64 (the reference's ints do not
+ * overflow), and anything the reference would refuse (every check of
+ * splice_v2.scan_v2 / split_series_v2 is made here too, and a request failing one falls
+ * back so the reference raises its own error).
  *
  * One walk for the size and the bytes: the Writer counts when it has no buffer. A series'
  * TimeSeries length is its body counted first (the same code, a counting Writer), so the
- * size pass and the conversion cannot drift. Sizes are size_t with every addition checked:
+ * size pass and the conversion cannot drift; a classic series' length is computed from
+ * the lengths it adds up (the same in both passes), and a write that does not end at
+ * exactly the size counted is CONVERT_MISMATCH. Sizes are size_t with every addition checked:
  * one that does not fit falls back (the reference then computes it with Python ints).
  *
  * The wire primitives are _wire.h's, shared with _splice.c; this file has no Python API
@@ -38,6 +53,8 @@
 #include "_convert.h"
 #include "_wire.h"
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -86,11 +103,16 @@ check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64
 /* zigzag(-53): the schema of custom buckets */
 #define CUSTOM_BUCKETS_ZIGZAG 105u
 
-/* An RW 2.0 Histogram: check_histogram(17)'s checks; *special set when convert.py has
- * rules of its own for it (its last schema -53, or its last sum the stale NaN, as
- * custom_buckets and stale_marker read them). */
+/* What check_histogram found of a histogram convert.py has rules of its own for, as
+ * custom_buckets and stale_marker read it: its last schema -53 (HIST_CUSTOM: converted
+ * here, to classic series), its last sum the stale NaN (HIST_STALE: left to the
+ * reference, whatever the schema). */
+#define HIST_CUSTOM 1
+#define HIST_STALE 2
+
+/* An RW 2.0 Histogram: check_histogram(17)'s checks; *kind its HIST_* flags. */
 static int
-check_histogram(const uint8_t *raw, size_t p, size_t end, int *special)
+check_histogram(const uint8_t *raw, size_t p, size_t end, int *kind_out)
 {
     uint64_t schema = 0, sum = 0;
     while (p < end) {
@@ -125,7 +147,8 @@ check_histogram(const uint8_t *raw, size_t p, size_t end, int *special)
             sum = le64(raw + f.ps);
         p = f.end;
     }
-    *special = schema == CUSTOM_BUCKETS_ZIGZAG || sum == STALE_NAN_BITS;
+    *kind_out = (schema == CUSTOM_BUCKETS_ZIGZAG ? HIST_CUSTOM : 0) |
+                (sum == STALE_NAN_BITS ? HIST_STALE : 0);
     return 1;
 }
 
@@ -251,6 +274,17 @@ typedef struct {
     size_t len, cap, item;
 } Vec;
 
+/* a field's payload */
+typedef struct {
+    size_t ps, end;
+} Span;
+
+/* A label of the series, for sorting: name, value, and its place (the sort is stable). */
+typedef struct {
+    Str name, value;
+    size_t at;
+} Sorted;
+
 /* Room for one more item; NULL when out of memory. */
 static void *
 vec_push(Vec *v)
@@ -307,6 +341,16 @@ typedef struct {
     size_t scap;
     uint64_t meta_bytes; /* bytes of metadata strings hashed and compared (tests) */
     int nomem;
+    /* custom-bucket histograms (classic series): the current series' (Span of each
+     * payload, in order), the scratch of one's bucket counts (double) and of the series'
+     * labels sorted (Sorted), the formatted bounds (LeCache, made at the first), and how
+     * the request's counts change; asked, where each series' output starts (size_t) */
+    Vec nhcb;
+    Vec bucket;
+    Vec sorted;
+    struct LeEntry *le_cache;
+    ConvertInfo info;
+    Vec starts;
 } Ctx;
 
 static inline uint64_t
@@ -636,17 +680,26 @@ emit_exemplar(Ctx *c, Writer *w, size_t p, size_t end)
     }
 }
 
-/* A series' TimeSeries payload: labels, samples, exemplars, histograms. */
+/* A series' TimeSeries payload: labels, samples, exemplars, histograms (but those of
+ * custom buckets, c->nhcb: they become classic series). */
 static int
 emit_body(Ctx *c, Writer *w, size_t s, size_t q)
 {
     const uint8_t *raw = c->raw;
     emit_labels(w, c->syms.data, c->refs.data, c->refs.len);
     static const uint64_t ORDER[] = {2, 4, 3};
+    const Span *nh = c->nhcb.data;
+    const size_t nnh = c->nhcb.len;
+    size_t next_nh = 0;
     for (int k = 0; k < 3; k++) {
         for (size_t p = s; p < q;) {
             Field f;
             rd_field(raw, p, q, &f);
+            if (next_nh < nnh && f.number == 3 && ORDER[k] == 3 && nh[next_nh].ps == f.ps) {
+                next_nh++;
+                p = f.end;
+                continue;
+            }
             if (f.number == ORDER[k]) {
                 if (f.number == 2)
                     emit_copy(w, raw, f.ps, f.end, 2, 3);
@@ -665,6 +718,10 @@ emit_body(Ctx *c, Writer *w, size_t s, size_t q)
     return 1;
 }
 
+/* the classic series of the current series' custom-bucket histograms (below: the code
+ * of those histograms is kept after the conversion's common path) */
+static ConvertStatus emit_classic(Ctx *c, Writer *w);
+
 /* The checks of split_series_v2 (and what custom_buckets / stale_marker look for), the
  * series' refs in c->refs, its metadata added; then the TimeSeries. */
 static ConvertStatus
@@ -673,7 +730,9 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
     const uint8_t *raw = c->raw;
     size_t nsym = c->syms.len;
     int has_meta = 0;
+    int carried = 0; /* a sample, an exemplar or a histogram that goes as one */
     c->refs.len = 0;
+    c->nhcb.len = 0;
     for (size_t p = s; p < q;) {
         Field f;
         if (!rd_field(raw, p, q, &f))
@@ -692,21 +751,30 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
             }
         }
         else if (f.number >= 2 && f.number <= 5) {
-            int ok, special = 0;
+            int ok, kind = 0;
             if (f.wt != 2)
                 return CONVERT_FALLBACK;
             if (f.number == 2)
                 ok = check_fields(raw, f.ps, f.end, SAMPLE_WT, 3);
             else if (f.number == 3)
-                ok = check_histogram(raw, f.ps, f.end, &special);
+                ok = check_histogram(raw, f.ps, f.end, &kind);
             else if (f.number == 4)
                 ok = check_exemplar(raw, f.ps, f.end, nsym);
             else {
                 ok = check_metadata(raw, f.ps, f.end, nsym);
                 has_meta = 1;
             }
-            if (!ok || special)
+            if (!ok || (kind & HIST_STALE))
                 return CONVERT_FALLBACK;
+            if (kind & HIST_CUSTOM) {
+                Span *sp = vec_push(&c->nhcb);
+                if (sp == NULL)
+                    return CONVERT_NOMEM;
+                sp->ps = f.ps;
+                sp->end = f.end;
+            }
+            else if (f.number != 5)
+                carried = 1;
         }
         p = f.end;
     }
@@ -773,21 +841,25 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
             p = f.end;
         }
     }
-    Writer cw = {0};
-    if (!emit_body(c, &cw, s, q))
-        return CONVERT_NOMEM;
-    if (cw.over)
-        return CONVERT_FALLBACK;
-    w_head(w, 1, cw.len);
-    if (w->buf != NULL) {
-        if (!emit_body(c, w, s, q))
+    /* _SeriesV1.sent: a series left with nothing but custom-bucket histograms is not
+     * sent itself */
+    if (carried || c->nhcb.len == 0) {
+        Writer cw = {0};
+        if (!emit_body(c, &cw, s, q))
             return CONVERT_NOMEM;
+        if (cw.over)
+            return CONVERT_FALLBACK;
+        w_head(w, 1, cw.len);
+        if (w->buf != NULL) {
+            if (!emit_body(c, w, s, q))
+                return CONVERT_NOMEM;
+        }
+        else if (cw.len > SIZE_MAX - w->len)
+            w->over = 1;
+        else
+            w->len += cw.len; /* counting: the body's size, known */
     }
-    else if (cw.len > SIZE_MAX - w->len)
-        w->over = 1;
-    else
-        w->len += cw.len; /* counting: the body's size, known */
-    return CONVERT_OK;
+    return c->nhcb.len ? emit_classic(c, w) : CONVERT_OK;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -824,11 +896,23 @@ walk(Ctx *c, Writer *w)
         Field f;
         rd_field(raw, pos, n, &f);
         if (f.number == 5) {
+            if (c->info.want_starts) {
+                size_t *at = vec_push(&c->starts);
+                if (at == NULL)
+                    return CONVERT_NOMEM;
+                *at = w->len;
+            }
             ConvertStatus st = series(c, w, f.ps, f.end);
             if (st != CONVERT_OK)
                 return st;
         }
         pos = f.end;
+    }
+    if (c->info.want_starts) {
+        size_t *at = vec_push(&c->starts);
+        if (at == NULL)
+            return CONVERT_NOMEM;
+        *at = w->len;
     }
     const Meta *ms = c->metas.data;
     for (size_t k = 0; k < c->metas.len; k++)
@@ -837,7 +921,8 @@ walk(Ctx *c, Writer *w)
 }
 
 ConvertStatus
-convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, size_t *size)
+convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, size_t *size,
+                 ConvertInfo *info)
 {
     Ctx c;
     memset(&c, 0, sizeof c);
@@ -848,6 +933,11 @@ convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, siz
     c.xrefs.item = sizeof(uint64_t);
     c.metas.item = sizeof(Meta);
     c.strs.item = sizeof(Interned);
+    c.nhcb.item = sizeof(Span);
+    c.bucket.item = sizeof(double);
+    c.sorted.item = sizeof(Sorted);
+    c.starts.item = sizeof(size_t);
+    c.info.want_starts = info != NULL && info->want_starts;
     Writer w = {out, out == NULL ? 0 : out_cap, 0, 0};
     ConvertStatus st = walk(&c, &w);
     last_meta_bytes = c.meta_bytes;
@@ -860,14 +950,617 @@ convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, siz
     free(c.xrefs.data);
     free(c.metas.data);
     free(c.index);
+    free(c.nhcb.data);
+    free(c.bucket.data);
+    free(c.sorted.data);
+    free(c.le_cache);
+    if (st == CONVERT_OK) {
+        *size = w.len;
+        if (out == NULL)
+            st = w.over ? CONVERT_FALLBACK /* past a size_t: the reference's Python ints */
+                        : CONVERT_OK;
+        else
+            st = w.over || w.len != out_cap ? CONVERT_MISMATCH : CONVERT_OK;
+    }
+    if (st == CONVERT_OK && info != NULL) {
+        info->histograms = c.info.histograms;
+        info->samples = c.info.samples;
+        info->starts = c.starts.data; /* the caller's to free */
+        info->nstarts = c.starts.len;
+    }
+    else
+        free(c.starts.data);
+    return st;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* custom-bucket histograms: classic series (convert.custom_buckets, classic_series)      */
+
+/* format_le: a bound as Go's strconv.FormatFloat(b, 'g', -1, 64) writes it (convert.py's
+ * format_le, from Python's repr: the shortest digits that read back as the double, the
+ * nearest such), without the GIL: glibc's printf rounds exactly, strtod reads exactly.
+ *
+ * Which digits: for a normal double, any decimal of at most 15 significant digits that
+ * reads back as it lies within half a unit of the 15th digit (a double's half ulp is
+ * under 1.2e-16 of it), so the nearest 15-digit decimal is that decimal padded with
+ * zeros: when it reads back, its digits without the trailing zeros are the shortest, and
+ * the only one that short. Else 16 digits, else 17 (always enough). A double whose
+ * interval is not symmetric (a power of two: the ulp below it is half the one above)
+ * may read back from a decimal one unit of the last digit above the nearest, not from
+ * the nearest: that one is tried too. A subnormal (fewer bits: many short decimals read
+ * back) takes the fewest digits whose nearest decimal reads back, by bisection (the
+ * nearest p+1-digit decimal is never farther than the nearest p-digit one, and its
+ * interval is symmetric, so reading back is monotone in p). */
+
+/* The nearest decimal of p significant digits to x (> 0, finite): its digits (p of them,
+ * out) and the decimal exponent of the first. */
+static int
+nearest_digits(double x, int p, char *out, int *exp10)
+{
+    char buf[64];
+    int k = snprintf(buf, sizeof buf, "%.*e", p - 1, x);
+    if (k <= 0 || k >= (int)sizeof buf)
+        return 0;
+    int nd = 0, i = 0;
+    for (; i < k && buf[i] != 'e'; i++)
+        if (buf[i] >= '0' && buf[i] <= '9')
+            out[nd++] = buf[i]; /* the decimal point, whatever the locale's, skipped */
+    if (i >= k || nd != p)
+        return 0;
+    *exp10 = atoi(buf + i + 1);
+    return 1;
+}
+
+/* Whether the decimal digits d[0..nd) x 10^(exp10 - nd + 1) reads back as x: written
+ * without a decimal point, so no locale's point matters. */
+static int
+reads_back(double x, const char *d, int nd, int exp10)
+{
+    char buf[64];
+    memcpy(buf, d, (size_t)nd);
+    snprintf(buf + nd, sizeof buf - (size_t)nd, "e%d", exp10 - nd + 1);
+    return strtod(buf, NULL) == x;
+}
+
+/* d (nd digits, exponent *exp10) one unit of its last digit up (a carry out of the first
+ * digit: 10...0, the exponent one more). */
+static void
+digits_up(char *d, int nd, int *exp10)
+{
+    int i = nd - 1;
+    while (i >= 0 && d[i] == '9')
+        d[i--] = '0';
+    if (i >= 0)
+        d[i]++;
+    else {
+        d[0] = '1';
+        (*exp10)++;
+    }
+}
+
+/* The shortest digits of x (> 0, finite) that read back, nearest first; their count. */
+static int
+shortest_digits(double x, char *d, int *exp10)
+{
+    int normal = x >= 2.2250738585072014e-308;
+    if (nearest_digits(x, 15, d, exp10) && reads_back(x, d, 15, *exp10)) {
+        if (normal) {
+            int nd = 15;
+            while (nd > 1 && d[nd - 1] == '0')
+                nd--;
+            return nd;
+        }
+        int lo = 1, hi = 15; /* hi reads back */
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            char t[20];
+            int e;
+            if (nearest_digits(x, mid, t, &e) && reads_back(x, t, mid, e))
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        nearest_digits(x, hi, d, exp10);
+        int nd = hi;
+        while (nd > 1 && d[nd - 1] == '0')
+            nd--;
+        return nd;
+    }
+    for (int p = 16; p <= 17; p++) {
+        if (!nearest_digits(x, p, d, exp10))
+            break;
+        if (reads_back(x, d, p, *exp10))
+            return p;
+        char up[20];
+        int e = *exp10;
+        memcpy(up, d, (size_t)p);
+        digits_up(up, p, &e);
+        if (reads_back(x, up, p, e)) {
+            memcpy(d, up, (size_t)p);
+            *exp10 = e;
+            return p;
+        }
+    }
+    /* not reached: 17 digits read back (snprintf itself failing: the 17 of %.16e) */
+    return nearest_digits(x, 17, d, exp10) ? 17 : 0;
+}
+
+/* format_le(b) into out (at least LE_MAX bytes); its length. */
+#define LE_MAX 32
+static size_t
+format_le(double b, char *out)
+{
+    if (isinf(b)) {
+        memcpy(out, b > 0 ? "+Inf" : "-Inf", 4);
+        return 4;
+    }
+    if (isnan(b)) {
+        memcpy(out, "NaN", 3);
+        return 3;
+    }
+    size_t n = 0;
+    if (signbit(b)) {
+        out[n++] = '-';
+        b = -b;
+    }
+    if (b == 0) {
+        out[n++] = '0';
+        return n;
+    }
+    char d[20];
+    int e10 = 0;
+    int nd = shortest_digits(b, d, &e10);
+    if (nd <= 0) { /* snprintf failed: not seen; "0" keeps the bytes bounded */
+        out[n++] = '0';
+        return n;
+    }
+    int point = e10 + 1;
+    if (e10 < -4 || e10 >= 6) {
+        out[n++] = d[0];
+        if (nd > 1) {
+            out[n++] = '.';
+            memcpy(out + n, d + 1, (size_t)nd - 1);
+            n += (size_t)nd - 1;
+        }
+        out[n++] = 'e';
+        out[n++] = e10 < 0 ? '-' : '+';
+        int a = e10 < 0 ? -e10 : e10;
+        if (a >= 100)
+            out[n++] = (char)('0' + a / 100);
+        out[n++] = (char)('0' + a / 10 % 10);
+        out[n++] = (char)('0' + a % 10);
+    }
+    else if (point <= 0) {
+        out[n++] = '0';
+        out[n++] = '.';
+        for (int i = 0; i < -point; i++)
+            out[n++] = '0';
+        memcpy(out + n, d, (size_t)nd);
+        n += (size_t)nd;
+    }
+    else if (point >= nd) {
+        memcpy(out + n, d, (size_t)nd);
+        n += (size_t)nd;
+        for (int i = nd; i < point; i++)
+            out[n++] = '0';
+    }
+    else {
+        memcpy(out + n, d, (size_t)point);
+        n += (size_t)point;
+        out[n++] = '.';
+        memcpy(out + n, d + point, (size_t)(nd - point));
+        n += (size_t)(nd - point);
+    }
+    return n;
+}
+
+size_t
+convert_format_le(double b, char *out)
+{
+    return format_le(b, out);
+}
+
+/* Formatted bounds by their bits, direct-mapped: the histograms of a family share their
+ * bounds, so each is formatted about once a request (and a request of distinct ones costs
+ * a formatting each, a bounded constant). */
+#define LE_CACHE 1024
+struct LeEntry {
+    uint64_t bits;
+    uint8_t len; /* 0: empty */
+    char s[LE_MAX - 1];
+};
+
+/* The bound of these bits formatted (its bytes at *s, its length); 0 when out of memory. */
+static size_t
+le_of(Ctx *c, uint64_t bits, const char **s)
+{
+    if (c->le_cache == NULL) {
+        c->le_cache = calloc(LE_CACHE, sizeof(struct LeEntry));
+        if (c->le_cache == NULL)
+            return 0;
+    }
+    struct LeEntry *e = &c->le_cache[(bits * 0x9E3779B97F4A7C15ULL) >> 54];
+    if (e->len == 0 || e->bits != bits) {
+        double b;
+        char tmp[LE_MAX];
+        memcpy(&b, &bits, 8);
+        size_t n = format_le(b, tmp);
+        memcpy(e->s, tmp, n); /* at most 24 */
+        e->len = (uint8_t)n;
+        e->bits = bits;
+    }
+    *s = e->s;
+    return e->len;
+}
+
+/* The values of one repeated field of a histogram (number: 12, varints; 13 or 16,
+ * doubles), each field packed or not, in order: read one by one, nothing allocated. */
+typedef struct {
+    const uint8_t *raw;
+    size_t p, end; /* the histogram's fields still to look at */
+    size_t vp, vend; /* the values left of the current field */
+    uint64_t number;
+} Values;
+
+static void
+values_start(Values *v, const uint8_t *raw, size_t p, size_t end, uint64_t number)
+{
+    v->raw = raw;
+    v->p = p;
+    v->end = end;
+    v->vp = v->vend = 0;
+    v->number = number;
+}
+
+/* The next value (its bits: a double's, or a varint); 0 when there is none. Framing and
+ * packed lengths were checked (check_histogram). */
+static int
+values_next(Values *v, uint64_t *x)
+{
+    while (v->vp >= v->vend) {
+        if (v->p >= v->end)
+            return 0;
+        Field f;
+        rd_field(v->raw, v->p, v->end, &f);
+        v->p = f.end;
+        if (f.number == v->number) {
+            v->vp = f.ps; /* packed or one value: the payload holds the values */
+            v->vend = f.end;
+        }
+    }
+    if (v->number == 12) {
+        rd_varint(v->raw, v->vend, &v->vp, x);
+        return 1;
+    }
+    *x = le64(v->raw + v->vp);
+    v->vp += 8;
+    return 1;
+}
+
+/* A custom-bucket histogram as custom_buckets reads it: its count, sum (the bits of the
+ * doubles), timestamp, and how many bounds, deltas and float counts it has. */
+typedef struct {
+    uint64_t count_bits, sum_bits, ts;
+    size_t nbounds, ndeltas, nfloats;
+} Nhcb;
+
+/* How many values field f (of number 12, 13 or 16) holds: packed doubles 8 bytes each,
+ * packed varints one per byte below 0x80 (checked whole), else one. */
+static size_t
+values_in(const uint8_t *raw, const Field *f)
+{
+    if (f->wt != 2)
+        return 1;
+    if (f->number != 12)
+        return (f->end - f->ps) / 8;
+    size_t n = 0;
+    for (size_t i = f->ps; i < f->end; i++)
+        n += raw[i] < 0x80;
+    return n;
+}
+
+static void
+nhcb_read(const uint8_t *raw, size_t p, size_t end, Nhcb *h)
+{
+    memset(h, 0, sizeof *h);
+    while (p < end) {
+        Field f;
+        rd_field(raw, p, end, &f);
+        uint64_t v = 0;
+        size_t vp = f.ps;
+        if (f.number == 1 && f.wt == 0) { /* count_int: float(uvarint) */
+            rd_varint(raw, f.end, &vp, &v);
+            double d = (double)v;
+            memcpy(&h->count_bits, &d, 8);
+        }
+        else if (f.number == 2 && f.wt == 1)
+            h->count_bits = le64(raw + f.ps);
+        else if (f.number == 3 && f.wt == 1)
+            h->sum_bits = le64(raw + f.ps);
+        else if (f.number == 15 && f.wt == 0) {
+            rd_varint(raw, f.end, &vp, &v);
+            h->ts = v;
+        }
+        else if (f.number == 12)
+            h->ndeltas += values_in(raw, &f);
+        else if (f.number == 13)
+            h->nfloats += values_in(raw, &f);
+        else if (f.number == 16)
+            h->nbounds += values_in(raw, &f);
+        p = f.end;
+    }
+}
+
+static inline int64_t
+unzigzag(uint64_t v)
+{
+    return (int64_t)(v >> 1) ^ -(int64_t)(v & 1);
+}
+
+/* custom_buckets' counts by bucket (nbounds + 1 of them, in c->bucket): the deltas'
+ * running sums (when it has any) or the float counts, placed by the positive spans (the
+ * first offset absolute, the others gaps; a span's buckets stop when the values do).
+ * CONVERT_FALLBACK for a bucket past the bounds (the reference raises protobuf_invalid)
+ * and for a running sum or an index past an int64 (the reference's ints are unbounded).
+ * O(spans + values + bounds). */
+static ConvertStatus
+nhcb_counts(Ctx *c, size_t p, size_t end, const Nhcb *h)
+{
+    const uint8_t *raw = c->raw;
+    size_t nb = h->nbounds + 1; /* nbounds < the request's bytes: no overflow */
+    if (nb > c->bucket.cap) {
+        if (nb > SIZE_MAX / sizeof(double))
+            return CONVERT_NOMEM;
+        double *d = realloc(c->bucket.data, nb * sizeof(double));
+        if (d == NULL)
+            return CONVERT_NOMEM;
+        c->bucket.data = d;
+        c->bucket.cap = nb;
+    }
+    double *counts = c->bucket.data;
+    for (size_t i = 0; i < nb; i++)
+        counts[i] = 0.0;
+    int deltas = h->ndeltas > 0;
+    size_t nvalues = deltas ? h->ndeltas : h->nfloats;
+    Values vals;
+    values_start(&vals, raw, p, end, deltas ? 12 : 13);
+    int64_t running = 0, idx = 0;
+    size_t taken = 0;
+    int first = 1;
+    while (p < end) {
+        Field f;
+        rd_field(raw, p, end, &f);
+        p = f.end;
+        if (f.number != 11) /* positive_spans (wire type 2, checked) */
+            continue;
+        uint64_t offset = 0, length = 0;
+        for (size_t a = f.ps; a < f.end;) {
+            Field g;
+            rd_field(raw, a, f.end, &g);
+            if (g.wt == 0 && (g.number == 1 || g.number == 2)) {
+                size_t vp = g.ps;
+                rd_varint(raw, g.end, &vp, g.number == 1 ? &offset : &length);
+            }
+            a = g.end;
+        }
+        int64_t off = unzigzag(offset);
+        if (first)
+            idx = off;
+        else if (__builtin_add_overflow(idx, off, &idx))
+            return CONVERT_FALLBACK;
+        first = 0;
+        for (uint64_t k = 0; k < length && taken < nvalues; k++) {
+            if (idx < 0 || (uint64_t)idx >= nb)
+                return CONVERT_FALLBACK; /* past the bounds: protobuf_invalid */
+            uint64_t x = 0;
+            values_next(&vals, &x);
+            double v;
+            if (deltas) {
+                if (__builtin_add_overflow(running, unzigzag(x), &running))
+                    return CONVERT_FALLBACK;
+                v = (double)running;
+            }
+            else
+                memcpy(&v, &x, 8);
+            counts[idx] += v;
+            taken++;
+            idx++;
+        }
+    }
+    return CONVERT_OK;
+}
+
+/* One label, as encode_label_v1 writes it, of a value in two pieces (a name and its
+ * suffix; b2 may be empty): an empty value left out. */
+static void
+emit_label2(Writer *w, Str n, const uint8_t *v1, size_t n1, const uint8_t *v2, size_t n2)
+{
+    size_t vn = n1 + n2;
+    size_t inner = 1 + varint_len(n.n) + n.n + (vn ? 1 + varint_len(vn) + vn : 0);
+    w_head(w, 1, inner);
+    w_head(w, 1, n.n);
+    w_put(w, n.s, n.n);
+    if (vn) {
+        w_head(w, 2, vn);
+        w_put(w, v1, n1);
+        w_put(w, v2, n2);
+    }
+}
+
+/* Bytes of a length-delimited field of a number below 16 holding `payload` bytes (small
+ * payloads: the callers' sums are checked against overflow first). */
+static inline size_t
+field_size(size_t payload)
+{
+    return 1 + varint_len(payload) + payload;
+}
+
+static inline size_t
+label_size(size_t name, size_t value)
+{
+    return field_size(field_size(name) + (value ? field_size(value) : 0));
+}
+
+static int
+sorted_cmp(const void *pa, const void *pb)
+{
+    const Sorted *a = pa, *b = pb;
+    size_t m = a->name.n < b->name.n ? a->name.n : b->name.n;
+    int r = m ? memcmp(a->name.s, b->name.s, m) : 0;
+    if (r)
+        return r;
+    if (a->name.n != b->name.n)
+        return a->name.n < b->name.n ? -1 : 1;
+    return a->at < b->at ? -1 : a->at > b->at;
+}
+
+static const uint8_t NAME_LABEL[] = "__name__";
+static const uint8_t LE_LABEL[] = "le";
+
+/* A series' labels as its classic series carry them (classic_series): its __name__ (the
+ * last), the others but le, their bytes counted, and (writing) sorted by name with the
+ * places __name__ and le go in. */
+typedef struct {
+    Str name;
+    size_t rest_size;   /* the other labels' bytes */
+    size_t nrest;       /* how many (sorted in c->sorted when writing) */
+    size_t name_at, le_at; /* how many of them sort before __name__, before le */
+} ClassicLabels;
+
+static inline int
+str_is(Str s, const uint8_t *lit, size_t n)
+{
+    return s.n == n && memcmp(s.s, lit, n) == 0;
+}
+
+static ConvertStatus
+classic_labels(Ctx *c, int writing, ClassicLabels *cl)
+{
+    const Str *syms = c->syms.data;
+    const uint64_t *refs = c->refs.data;
+    memset(cl, 0, sizeof *cl);
+    cl->name.s = NAME_LABEL; /* any pointer: empty */
+    c->sorted.len = 0;
+    for (size_t i = 0; i + 1 < c->refs.len; i += 2) {
+        Str n = syms[refs[i]], v = syms[refs[i + 1]];
+        if (str_is(n, NAME_LABEL, 8)) {
+            cl->name = v;
+            continue;
+        }
+        if (str_is(n, LE_LABEL, 2))
+            continue;
+        if (__builtin_add_overflow(cl->rest_size, label_size(n.n, v.n), &cl->rest_size))
+            return CONVERT_FALLBACK;
+        cl->nrest++;
+        if (writing) {
+            Sorted *s = vec_push(&c->sorted);
+            if (s == NULL)
+                return CONVERT_NOMEM;
+            s->name = n;
+            s->value = v;
+            s->at = i;
+        }
+    }
+    /* a classic series' payload is the rest, two labels of the name (plus a suffix) and
+     * a bound, and a sample: no sum past this overflows */
+    if (cl->rest_size > SIZE_MAX / 4 || cl->name.n > SIZE_MAX / 4 - cl->rest_size)
+        return CONVERT_FALLBACK;
+    if (writing) {
+        Sorted *ss = c->sorted.data;
+        if (cl->nrest > 1)
+            qsort(ss, cl->nrest, sizeof(Sorted), sorted_cmp);
+        Str nm = {NAME_LABEL, 8}, le = {LE_LABEL, 2};
+        Sorted key = {nm, nm, (size_t)-1};
+        /* __name__ goes before the first label of a greater name (none is equal), le
+         * after those of a smaller one: each the count of labels sorting before it */
+        while (cl->name_at < cl->nrest && sorted_cmp(&ss[cl->name_at], &key) < 0)
+            cl->name_at++;
+        key.name = le;
+        cl->le_at = cl->name_at;
+        while (cl->le_at < cl->nrest && sorted_cmp(&ss[cl->le_at], &key) < 0)
+            cl->le_at++;
+    }
+    return CONVERT_OK;
+}
+
+/* One classic series: a TimeSeries of the labels (name + suffix, le when a bucket) and
+ * one sample (value bits, timestamp). */
+static void
+emit_classic_one(Ctx *c, Writer *w, const ClassicLabels *cl, const char *sfx, size_t nsfx,
+                 const char *le, size_t nle, uint64_t value_bits, uint64_t ts)
+{
+    size_t sample = 10 + varint_len(ts);
+    size_t payload = cl->rest_size + label_size(8, cl->name.n + nsfx) +
+                     (le ? label_size(2, nle) : 0) + field_size(sample);
+    if (w->buf == NULL) {
+        size_t k = field_size(payload);
+        if (w->over || k > SIZE_MAX - w->len)
+            w->over = 1;
+        else
+            w->len += k;
+        return;
+    }
+    w_head(w, 1, payload);
+    const Sorted *ss = c->sorted.data;
+    Str nm = {NAME_LABEL, 8}, lel = {LE_LABEL, 2};
+    for (size_t i = 0; i <= cl->nrest; i++) {
+        if (i == cl->name_at)
+            emit_label2(w, nm, cl->name.s, cl->name.n, (const uint8_t *)sfx, nsfx);
+        if (le && i == cl->le_at)
+            emit_label2(w, lel, (const uint8_t *)le, nle, NULL, 0);
+        if (i < cl->nrest)
+            emit_label2(w, ss[i].name, ss[i].value.s, ss[i].value.n, NULL, 0);
+    }
+    w_head(w, 2, sample);
+    uint8_t b[9];
+    b[0] = 0x09;
+    for (int k = 0; k < 8; k++)
+        b[1 + k] = (uint8_t)(value_bits >> (8 * k));
+    w_put(w, b, 9);
+    w_byte(w, 0x10);
+    w_varint(w, ts);
+}
+
+/* The classic series of the current series' custom-bucket histograms (c->nhcb), in
+ * order: per histogram <name>_bucket{le=...} per bound and +Inf (cumulative counts),
+ * <name>_sum, <name>_count; the counts' change added up. */
+__attribute__((noinline)) static ConvertStatus
+emit_classic(Ctx *c, Writer *w)
+{
+    ClassicLabels cl;
+    ConvertStatus st = classic_labels(c, w->buf != NULL, &cl);
     if (st != CONVERT_OK)
         return st;
-    if (out == NULL) {
-        if (w.over)
-            return CONVERT_FALLBACK; /* past a size_t: the reference's Python ints */
-        *size = w.len;
-        return CONVERT_OK;
+    const Span *hs = c->nhcb.data;
+    for (size_t k = 0; k < c->nhcb.len; k++) {
+        Nhcb h;
+        nhcb_read(c->raw, hs[k].ps, hs[k].end, &h);
+        st = nhcb_counts(c, hs[k].ps, hs[k].end, &h);
+        if (st != CONVERT_OK)
+            return st;
+        const double *counts = c->bucket.data;
+        Values bounds;
+        values_start(&bounds, c->raw, hs[k].ps, hs[k].end, 16);
+        double cumulative = 0.0;
+        for (size_t i = 0; i <= h.nbounds; i++) {
+            cumulative += counts[i];
+            const char *le = "+Inf";
+            size_t nle = 4;
+            if (i < h.nbounds) {
+                uint64_t bits = 0;
+                values_next(&bounds, &bits);
+                nle = le_of(c, bits, &le);
+                if (nle == 0)
+                    return CONVERT_NOMEM;
+            }
+            uint64_t vb;
+            memcpy(&vb, &cumulative, 8);
+            emit_classic_one(c, w, &cl, "_bucket", 7, le, nle, vb, h.ts);
+        }
+        emit_classic_one(c, w, &cl, "_sum", 4, NULL, 0, h.sum_bits, h.ts);
+        emit_classic_one(c, w, &cl, "_count", 6, NULL, 0, h.count_bits, h.ts);
+        c->info.histograms++;
+        c->info.samples += (uint64_t)h.nbounds + 3;
     }
-    *size = w.len;
-    return w.over || w.len != out_cap ? CONVERT_MISMATCH : CONVERT_OK;
+    return CONVERT_OK;
 }

@@ -439,8 +439,9 @@ def v1_form(raw_v2: bytes) -> V1Form:
 
 def series_form(raw_v2: bytes) -> tuple[V1Form, _Metadata]:
     """``v1_form`` of the request's series alone (``size`` without the metadata), and its
-    metadata: ``proxy.wire.mixed`` converts a request's custom-bucket series here and the
-    rest natively, and takes the metadata of every series from the native conversion."""
+    metadata: ``proxy.wire.mixed`` converts a request's series with a histogram staleness
+    marker here and the rest natively, and takes the metadata of every series from the
+    native conversion."""
     scan = scan_v2(raw_v2)
     syms = scan.symbols
     lengths = [len(s) for s in syms]

@@ -1,11 +1,13 @@
 """RW 2.0 -> 1.0 of a request the native conversion leaves to the reference: its series
-with a histogram the native one does not convert (custom buckets, schema -53, or a sum
-that is the stale NaN: :func:`needs_reference`) converted by the reference, the rest
-natively, in one output equal to the reference's byte for byte.
+with a histogram the native one does not convert (a staleness marker, its sum the stale
+NaN, whatever its schema: :func:`needs_reference`) converted by the reference, the rest
+natively, in one output equal to the reference's byte for byte. (Custom-bucket
+histograms, schema -53, that are no markers are the native conversion's own: their
+classic series are made natively, and a series of them goes in the native part.)
 
 Before, one such series sent the WHOLE request to the pure-Python reference: 30-75x the
-CPU per byte of the native conversion, holding the GIL (32k series and one custom-bucket
-histogram: 1.58 CPU-s against 0.06). Now:
+CPU per byte of the native conversion, holding the GIL (32k series and one histogram
+left to the reference: 1.58 CPU-s against 0.06). Now:
 
 - **the native part** is the request with each such series stripped to its labels and
   metadata fields (their bytes as they were, every other top-level field and the whole
@@ -16,19 +18,20 @@ histogram: 1.58 CPU-s against 0.06). Now:
 - **each such series** is converted by the reference on its own, as an RW 2.0 request of
   that series and the symbols it uses (``halves.Layout.part``: the reference reads its
   table per request, so a request of a 256k-symbol table cost it that much each time);
-  its TimeSeries fields (the series itself when it is sent, its classic ``_bucket`` /
-  ``_sum`` / ``_count`` series) replace the stripped series' TimeSeries in the native
-  output, at its place. The reference converts series by series (a marker's bounds come
-  from its own series, only metadata is shared), so the series keep their order and their
-  bytes, and the same series' samples their order.
+  its TimeSeries fields (the series itself when it is sent, the classic ``_bucket`` /
+  ``_sum`` / ``_count`` series of its custom-bucket histograms and markers) replace the
+  stripped series' TimeSeries in the native output, at its place. The reference converts
+  series by series (a marker's bounds come from its own series, only metadata is
+  shared), so the series keep their order and their bytes, and the same series' samples
+  their order.
 
 The size (``V1Form``) is computed without making either output: the native size of the
 stripped request, less the labels-only TimeSeries, plus the reference's size of each
-such series without metadata; its counts are the reference's of those series (the
-native ones change no count). Anything that fails (the native conversion of the rest
-declines, the reference raises for a series, a count does not add up) answers None, and
-the caller runs the reference on the whole request, which answers or raises as it always
-did.
+such series without metadata; its counts are the native ones of the stripped request
+(its other series' custom-bucket histograms) plus the reference's of those series.
+Anything that fails (the native conversion of the rest declines, the reference raises
+for a series, a count does not add up) answers None, and the caller runs the reference
+on the whole request, which answers or raises as it always did.
 """
 
 from __future__ import annotations
@@ -38,19 +41,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.wire.convert import (
-    CUSTOM_BUCKETS_SCHEMA,
     V1Form,
     converted_series,
     labels_only_size,
     series_form,
 )
 from proxy.wire.halves import layout
-from proxy.wire.native import field_ends
-from proxy.wire.primitives import STALE_NAN_BITS, Protocol, len_field, read_field, uvarint
+from proxy.wire.primitives import STALE_NAN_BITS, Protocol, len_field, read_field
 
 #: the native conversion: the size of a request's conversion (``size`` None) or its bytes
-#: at that size; None when it leaves the request to the reference
+#: at that size (with ``starts``: and where each series' output starts); None when it
+#: leaves the request to the reference
 NativeConvert = Callable[..., "int | bytes | None"]
+#: the native conversion's count of a request: (size, histograms, samples), its
+#: ``V1Form``; None when it leaves the request to the reference
+NativeForm = Callable[[bytes], "tuple[int, int, int] | None"]
 
 _BITS = struct.Struct("<Q")
 #: an RW 2.0 series' ``labels_refs`` and ``metadata`` fields; the one-byte tag of a
@@ -65,7 +70,9 @@ _V1_SERIES, _V1_METADATA = 0x0A, 0x1A
 
 def needs_reference(raw: bytes, start: int, end: int) -> bool:
     """The RW 2.0 series at ``raw[start:end]`` (its TimeSeries field) holds a histogram the
-    native conversion leaves to the reference: custom buckets, or a staleness marker."""
+    native conversion leaves to the reference: a staleness marker (its last sum the stale
+    NaN, any schema; the marker rules, a custom-bucket one's bounds from the series'
+    previous histogram among them, are the reference's)."""
     if raw.find(_HISTOGRAM_TAG, start, end) < 0:  # no histogram tag byte at all
         return False
     _, _, p, q = read_field(raw, start, end)
@@ -78,16 +85,15 @@ def needs_reference(raw: bytes, start: int, end: int) -> bool:
 
 
 def _special_histogram(raw: bytes, p: int, end: int) -> bool:
+    """The histogram at ``raw[p:end]`` is a staleness marker: its last sum the stale NaN
+    (``convert.stale_marker`` and ``custom_buckets`` read the last)."""
+    stale = False
     while p < end:
         number, wt, s, q = read_field(raw, p, end)
-        if number == 4 and wt == 0:
-            v = uvarint(raw, s)[0]
-            if (v >> 1) ^ -(v & 1) == CUSTOM_BUCKETS_SCHEMA:
-                return True
-        elif number == 3 and wt == 1 and _BITS.unpack_from(raw, s)[0] == STALE_NAN_BITS:
-            return True
+        if number == 3 and wt == 1:
+            stale = _BITS.unpack_from(raw, s)[0] == STALE_NAN_BITS
         p = q
-    return False
+    return stale
 
 
 @dataclass(slots=True)
@@ -140,17 +146,17 @@ def _labels_and_metadata(raw: bytes, start: int, end: int) -> bytes:
     return b"".join(kept)
 
 
-def form(raw: bytes, native: NativeConvert) -> V1Form | None:
+def form(raw: bytes, native: NativeForm) -> V1Form | None:
     """What ``raw`` converts to, counted so (module docstring); None: leave it to the
     reference."""
     try:
         split = _split(raw)
         if split is None:
             return None
-        size = native(split.rest)
-        if not isinstance(size, int):
+        counted = native(split.rest)
+        if counted is None:
             return None
-        out = V1Form(size)
+        out = V1Form(*counted)
         for alone in split.alone:
             own, _ = series_form(alone)
             out.size += own.size - labels_only_size(alone)
@@ -169,31 +175,34 @@ def converted(raw: bytes, native: NativeConvert) -> bytes | None:
         if split is None:
             return None
         size = native(split.rest)
-        made = native(split.rest, size) if isinstance(size, int) else None
-        if not isinstance(made, bytes):
+        made = native(split.rest, size, True) if isinstance(size, int) else None
+        if not isinstance(made, tuple):
             return None
-        return _joined(made, split)
+        body, starts = made
+        return _joined(body, memoryview(starts).cast("Q"), split)
     except Exception:  # the reference on the whole says what is wrong
         return None
 
 
-def _joined(made: bytes, split: _Split) -> bytes | None:
+def _joined(made: bytes, starts: memoryview, split: _Split) -> bytes | None:
     """The native output ``made`` with the stripped series' TimeSeries replaced by the
-    reference's conversion of each; None when the native output does not hold one
-    TimeSeries per series, then its metadata."""
-    ends = field_ends(made)  # natively: 4 bytes a field
+    reference's conversion of each. ``starts``: where each series' TimeSeries fields start
+    in ``made`` (a series of custom-bucket histograms is any number of them: its classic
+    series), and their end; None when they do not say one TimeSeries of a stripped
+    series, a series' fields, then the metadata."""
     n = split.nseries  # one at least: a series needs the reference
-    if (len(ends) < n or made[ends[n - 2] if n > 1 else 0] != _V1_SERIES
-            or (len(ends) > n and made[ends[n - 1]] != _V1_METADATA)):
+    end = len(made)
+    if len(starts) != n + 1 or (starts[n] < end and made[starts[n]] != _V1_METADATA):
         return None
     pieces: list[bytes] = []
     at = 0
     for i, alone in zip(split.special, split.alone, strict=True):
-        start = ends[i - 1] if i else 0
-        if made[start] != _V1_SERIES:
+        start, stop = starts[i], starts[i + 1]
+        # the stripped series: labels alone, one TimeSeries field, sent
+        if not start < stop <= end or made[start] != _V1_SERIES:
             return None
         pieces.append(made[at:start])
         pieces.extend(converted_series(alone)[0])
-        at = ends[i]
+        at = stop
     pieces.append(made[at:])
     return b"".join(pieces)

@@ -219,3 +219,9 @@ def _walk(raw: bytes) -> array[int]:
 #: the extension is not built. Which conversion runs is :mod:`proxy.wire.conversion`'s.
 convert_v2: Callable[..., int | bytes | None] | None = (
     _native.convert_v2 if _native is not None else None)
+#: the native conversion's count of a request: (size, histograms, samples), the
+#: reference's ``V1Form`` (custom-bucket histograms become classic series: fewer
+#: histograms, more samples), None when it leaves the request to the reference; None
+#: when the extension is not built
+convert_v2_form: Callable[[bytes | memoryview], tuple[int, int, int] | None] | None = (
+    _native.convert_v2_form if _native is not None else None)

@@ -668,6 +668,59 @@ METRIC_TYPES = [0, 1, 2, 3, 3, 4, 5, 5, 6, 7, 8, 127, 128, 2**32, 2**64 - 1]
 STALE_SUM = struct.pack("<Q", 0x7FF0000000000002)
 
 
+#: bucket bounds of every shape format_le must write: Go's shortest 'g', exponents past
+#: 1e+06 and below 1e-04, negative, zeros, infinities, NaN, subnormals, the largest
+NICE_BOUNDS = [0.005, 0.01, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 100.0, 123456.0,
+               1e6, 1234567.0, 1e-4, 1e-5, 2.5e-7, 1e21, 0.1 + 0.2, -1.0, -0.0, 0.0,
+               float("inf"), float("-inf"), float("nan"), 5e-324, 2.2250738585072014e-308,
+               1.7976931348623157e308, 2.0 ** -1000, 2.0 ** 100]
+
+
+def _bound(r: random.Random) -> float:
+    x = r.random()
+    if x < 0.5:
+        return r.choice(NICE_BOUNDS)
+    if x < 0.8:
+        return r.uniform(0, 10)
+    return float(struct.unpack("<d", struct.pack("<Q", r.getrandbits(64)))[0])
+
+
+def _custom_buckets(h: Any, r: random.Random) -> None:
+    """``h`` as a custom-bucket histogram: bounds of every shape (``_bound``), mostly
+    sorted; its buckets mostly inside the bounds (spans of gaps, an absolute first offset,
+    empty spans, more or fewer values than the spans hold), else as ``histogram_v2``
+    made them (often past the bounds: refused); integer or float counts, now and then
+    both (the integer ones count)."""
+    h.schema = -53
+    bounds = [_bound(r) for _ in range(r.choice([0, 1, 2, 3, 5, 10]))]
+    if r.random() < 0.8:
+        bounds.sort(key=lambda b: (b != b, b))
+    h.custom_values.extend(bounds)
+    if r.random() < 0.2:
+        return
+    for name in ("positive_spans", "positive_deltas", "positive_counts"):
+        h.ClearField(name)
+    idx = r.randint(0, len(bounds))
+    n = 0
+    for i in range(r.choice([0, 1, 1, 2, 3])):
+        if i:
+            gap = r.choice([0, 0, 1, 2])
+            if idx + gap > len(bounds):
+                break
+            idx += gap
+        length = r.randint(0, len(bounds) + 1 - idx)
+        h.positive_spans.add(offset=idx if i == 0 else gap, length=length)
+        idx += length
+        n += length
+    n = max(0, n + r.choice([0, 0, 0, -1, 1]))
+    ints = r.random() < 0.5
+    if ints or r.random() < 0.1:
+        h.positive_deltas.extend(r.choice([-3, -1, 0, 1, 2, 5, 2**40]) for _ in range(n))
+    if not ints or r.random() < 0.1:
+        h.positive_counts.extend(r.choice([0.0, 0.5, 2.0, 1e300, -1.0, float("nan")])
+                                 for _ in range(n))
+
+
 def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
     """An RW 2.0 Histogram: exponential of any shape (integer or float counts, spans,
     negative buckets, zero bucket, reset hint, start_timestamp, fields repeated or
@@ -697,9 +750,10 @@ def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
     if r.random() < 0.5:
         h.start_timestamp = r.choice([1, 1_767_000_000_000, -1])
     if special == "custom":
-        h.schema = -53
-        h.custom_values.extend(sorted(r.uniform(0, 10) for _ in range(r.randint(0, 3))))
+        _custom_buckets(h, r)
     raw = h.SerializeToString()
+    if special == "custom" and r.random() < 0.15:  # a bound as an unpacked field after
+        raw += b"\x81\x01" + struct.pack("<d", _bound(r))
     if special == "stale":
         h.ClearField("sum")  # the last sum counts: the marker's, here or after the rest
         raw = h.SerializeToString()
@@ -710,14 +764,17 @@ def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
 
 
 def conversion_v2(rnd: random.Random, *, special: bool = False, huge: bool = False,
-                  series: tuple[int, int] | None = None) -> list[Node]:
+                  series: tuple[int, int] | None = None,
+                  kinds: Sequence[str] = ("custom", "stale")) -> list[Node]:
     """A valid RW 2.0 request as the conversion to RW 1.0 sees them: ``Gen.request_v2``'s
     (unpacked / split refs, repeated symbols, unknown fields, created_timestamp, samples
     with start_timestamp, exemplars) with, per series, more: a metric name of a family
     suffix (an extra refs field first or last, so the pairs stay pairs), metadata of every
     type (help and unit empty or not, refs to repeated symbols of equal contents, several
     per series), exponential histograms of every shape. ``special``: some series also get
-    a custom-bucket histogram or a staleness marker (at least one in the request)."""
+    a custom-bucket histogram or a staleness marker (``kinds``: which; at least one in the
+    request), and some of those an ``le`` label of their own (the classic series drop
+    it)."""
     r = rnd
     nodes = Gen(r, huge=huge, series=series).request_v2()
     placed = False
@@ -751,9 +808,15 @@ def conversion_v2(rnd: random.Random, *, special: bool = False, huge: bool = Fal
         for _ in range(r.choice([0, 0, 1, 2])):
             fields.insert(r.randint(0, len(fields)), len_node(3, histogram_v2(r), "data"))
         if special and (not placed or r.random() < 0.3):
-            kind = r.choice(["custom", "stale"])
-            fields.insert(r.randint(0, len(fields)),
-                          len_node(3, histogram_v2(r, special=kind), "data"))
+            for _ in range(r.choice([1, 1, 1, 2])):
+                kind = r.choice(list(kinds))
+                fields.insert(r.randint(0, len(fields)),
+                              len_node(3, histogram_v2(r, special=kind), "data"))
+            if r.random() < 0.2:
+                pair = [_add_symbol(nodes, b"le"), _add_symbol(nodes, b"0.5")]
+                fields.insert(r.randint(0, len(fields)),
+                              Node(1, 2, b"".join(varint(x) for x in pair), "refs",
+                                   refs=pair))
             placed = True
     return nodes
 

@@ -1,21 +1,26 @@
 """The native RW 2.0 -> 1.0 conversion (``_convert.c``) against the reference
 (``proxy/wire/convert.py``), on random requests.
 
-The contract (``proxy/wire/conversion.py``): for a request it takes, the native size is
-``convert.v1_form(raw).size`` (and the counts do not change) and its bytes are
-``convert.v2_to_v1(raw)``; a request holding a custom-bucket histogram or a histogram
-staleness marker, and every request the reference refuses, it leaves to the reference
-(``None``), so the dispatching functions answer or raise exactly what the reference does.
+The contract (``proxy/wire/conversion.py``): for a request it takes, the native count is
+``convert.v1_form(raw)`` (its size, and how custom-bucket histograms change the counts:
+``convert_v2_form``) and its bytes are ``convert.v2_to_v1(raw)``, custom-bucket
+histograms made classic series natively; a request holding a histogram staleness
+marker, and every request the reference refuses, it leaves to the reference (``None``),
+so the dispatching functions answer or raise exactly what the reference does.
 
 Requests come from ``fuzz_native.conversion_v2`` (driven by hypothesis' ``st.randoms()``,
 as in ``test_native_differential.py``): the splice's RW 2.0 generator plus metric names of
 every family suffix, metadata of every type with empty or repeated help and unit symbols,
-exponential histograms of every shape; invalid ones are poisoned or byte-mutated.
+exponential histograms of every shape, custom-bucket histograms (bounds of every shape,
+spans with gaps, integer and float counts, an ``le`` label of the series' own);
+invalid ones are poisoned or byte-mutated.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import struct
 import threading
 from typing import Any
 
@@ -26,7 +31,7 @@ from hypothesis import strategies as st
 from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
-from proxy.wire import conversion, convert
+from proxy.wire import conversion, convert, mixed
 from proxy.wire.native import native_available
 from proxy.wire.primitives import STALE_NAN
 from tests.wire.fuzz_native import (
@@ -76,11 +81,13 @@ def check(raw: bytes) -> str:
     # as the upstream converts: the size counted first, the bytes made at it
     assert conversion.v2_to_v1(raw, form.size) == body, f"dispatch at its size: {raw.hex()}"
     assert len(body) == form.size
+    counted = _splice.convert_v2_form(raw)
     if size is None:
+        assert counted is None
         return "fallback"
     assert size == form.size, f"size {size!r} != {form.size}: {raw.hex()}"
     assert isinstance(size, int)
-    assert form.histograms == form.samples == 0
+    assert counted == (form.size, form.histograms, form.samples), raw.hex()
     got = _splice.convert_v2(raw, size)
     assert got == body, f"bytes differ: {raw.hex()}\nnative {got!r}\nref    {body!r}"
     assert _splice.convert_v2(memoryview(raw), size) == body
@@ -96,12 +103,35 @@ def test_valid_requests_convert_natively(rnd: random.Random) -> None:
 
 @settings(SETTINGS, max_examples=examples(300))
 @given(rnd=randoms)
-def test_custom_buckets_and_staleness_markers_fall_back(rnd: random.Random) -> None:
-    """Every request with a custom-bucket histogram or a histogram staleness marker goes
-    to the reference (the classic series, the marker rules: convert.py's own)."""
+def test_custom_buckets_convert_natively(rnd: random.Random) -> None:
+    """A request of custom-bucket histograms (no staleness marker) is converted natively,
+    its classic series, size and counts the reference's; one with a bucket past its
+    bounds the native leaves to the reference, which refuses it."""
+    raw = encode(conversion_v2(rnd, special=True, kinds=("custom",)))
+    outcome = check(raw)
+    assert outcome in ("native", "refused"), raw.hex()
+    if outcome == "refused":
+        with pytest.raises(DecodeError, match="past its"):
+            convert.v2_to_v1(raw)
+
+
+@settings(SETTINGS, max_examples=examples(300))
+@given(rnd=randoms)
+def test_staleness_markers_fall_back(rnd: random.Random) -> None:
+    """Every request with a histogram staleness marker goes to the reference (the marker
+    rules: convert.py's own), custom-bucket histograms beside it or not."""
     raw = encode(conversion_v2(rnd, special=True))
-    assert check(raw) in ("fallback", "refused"), raw.hex()
-    assert _splice.convert_v2(raw) is None
+    outcome = check(raw)
+    stale = _has_marker(raw)
+    assert outcome in (("fallback", "refused") if stale else ("native", "refused")), raw.hex()
+    if stale:
+        assert _splice.convert_v2(raw) is None
+
+
+def _has_marker(raw: bytes) -> bool:
+    req = RequestV2.FromString(raw)
+    return any(struct.pack("<d", h.sum) == struct.pack("<d", STALE_NAN)
+               for ts in req.timeseries for h in ts.histograms)
 
 
 @settings(SETTINGS, max_examples=examples(600))
@@ -194,9 +224,10 @@ FIXED = {
     "rw 1.0 metadata field": f(4) + f(3, b""),
     "rw 1.0 field 1 as a varint (unknown in 2.0)": f(4) + b"\x08\x01" + f(5),
 }
-EXPECT = {"histogram, schema -53 then 0": "native", "histogram, schema 0 then -53": "fallback",
+EXPECT = {"histogram, schema -53 then 0": "native", "histogram, schema 0 then -53": "native",
           "histogram, stale sum then not": "native", "histogram, stale sum": "fallback",
-          "a stale float sample": "native", "markers": "fallback", "nhcb": "fallback",
+          "a stale float sample": "native", "markers": "fallback", "nhcb": "native",
+          "kinds #8": "native", "kinds #9": "native", "kinds #10": "fallback",
           "metadata, no symbols": "refused", "rw 1.0 metadata field": "refused",
           "refs of 2^32": "refused", "one family of three series": "native",
           "_gsum stripped whole": "native"}
@@ -240,7 +271,8 @@ def test_a_wrong_size_is_refused() -> None:
 def test_conversions_run_in_parallel_threads() -> None:
     """The GIL is released around the walk: many threads converting at once agree."""
     rnd = random.Random(9)
-    raws = [encode(conversion_v2(rnd, series=(50, 100))) for _ in range(8)]
+    raws = [encode(conversion_v2(rnd, series=(50, 100))) for _ in range(6)]
+    raws += [_nhcb_request(200, every=k) for k in (1, 4)]  # classic series made natively
     want = [convert.v2_to_v1(r) for r in raws]
     wrong: list[Any] = []
 
@@ -292,9 +324,10 @@ def _mixed_request(n: int) -> bytes:
 
 def test_only_the_series_the_native_leaves_are_converted_by_the_reference(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # one custom-bucket histogram sent the whole request to the reference: 32k series
-    # took 1.58 CPU-s against 0.06 natively. Now the reference walks those series alone
-    # (and the native conversion the rest), and the bytes, size and counts are its own
+    # one histogram left to the reference sent the whole request to it: 32k series took
+    # 1.58 CPU-s against 0.06 natively. Now the reference walks those series alone (the
+    # staleness marker's: the custom-bucket histogram is the native conversion's, its
+    # counts the native count's), and the bytes, size and counts are its own
     raw = _mixed_request(3000)
     body, form = convert.v2_to_v1(raw), convert.v1_form(raw)
     walked: list[int] = []
@@ -314,6 +347,235 @@ def test_only_the_series_the_native_leaves_are_converted_by_the_reference(
     assert conversion.v2_to_v1(raw, got.size) == body
     assert conversion.v2_to_v1(raw) == body
     assert len(body) == form.size
-    # each pass: the two series alone, once each (size, then bytes; the size pass also
-    # reads their labels alone); never the 3,000 others
-    assert walked and max(walked) == 1 and sum(walked) == 2 * 3, walked
+    # each pass: the marker's series alone, once (size, then bytes; the size pass also
+    # reads its labels alone); never the custom-bucket one nor the 3,000 others
+    assert walked and max(walked) == 1 and sum(walked) == 3, walked
+
+
+# -- custom-bucket histograms, natively -----------------------------------------------------
+
+
+def _nhcb_request(n: int, every: int = 1) -> bytes:
+    """``n`` series, every ``every``-th of a custom-bucket histogram (integer form, a
+    gap), the others of a float sample; metadata per series."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "rpc_seconds", "pod", "help", "seconds", "up"])
+    for i in range(n):
+        req.symbols.append(f"pod-{i}")
+        ts = req.timeseries.add()
+        if i % every:
+            ts.labels_refs.extend([1, 6, 3, 7 + i])
+            ts.samples.add(value=float(i), timestamp=1000 + i)
+            ts.metadata.type = 1
+        else:
+            ts.labels_refs.extend([3, 7 + i, 1, 2])
+            h = ts.histograms.add(count_int=9, sum=4.5, schema=-53, timestamp=1000 + i)
+            h.positive_spans.add(offset=0, length=2)
+            h.positive_spans.add(offset=1, length=1)
+            h.positive_deltas.extend([2, 1, -1])
+            h.custom_values.extend([0.005, 0.1, 1.0, 2.5])
+            ts.metadata.type = 3
+        ts.metadata.help_ref = 4
+        ts.metadata.unit_ref = 5
+    return bytes(req.SerializeToString())
+
+
+def test_custom_buckets_are_converted_without_the_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request of custom-bucket histograms goes to neither the mixed path nor the
+    reference: the native conversion makes their classic series, size, counts and bytes
+    the reference's."""
+    raw = _nhcb_request(300, every=3)
+    body, form = convert.v2_to_v1(raw), convert.v1_form(raw)
+    assert form.histograms == 100 and form.samples == 100 * (4 + 3)
+    assert check(raw) == "native"
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the reference or the mixed path was called")
+
+    for module, name in ((convert, "_series_v1"), (convert, "v1_form"),
+                         (convert, "v2_to_v1"), (convert, "custom_buckets"),
+                         (convert, "classic_series"), (mixed, "form"), (mixed, "converted")):
+        monkeypatch.setattr(module, name, refused)
+    got = conversion.check_size(raw, None)
+    assert got == form
+    assert conversion.v2_to_v1(raw, got.size) == body
+    assert conversion.v2_to_v1(raw) == body
+
+
+def _classic(raw: bytes) -> list[tuple[list[tuple[str, str]], float, int]]:
+    out = []
+    for ts in remote_pb2.WriteRequest.FromString(conversion.v2_to_v1(raw)).timeseries:
+        assert len(ts.samples) == 1 and not ts.histograms
+        out.append(([(lb.name, lb.value) for lb in ts.labels], ts.samples[0].value,
+                     ts.samples[0].timestamp))
+    return out
+
+
+def test_spans_with_gaps_integer_counts() -> None:
+    # deltas 1, 1, 3, -2 -> counts 1, 2, 5, 3 at buckets 1, 2 (span 1: offset 1) and
+    # 5, 6 (span 2: a gap of 2); cumulative over bounds 1..6 and +Inf
+    raw = nhcb_v2({"count_int": 11, "sum": 7.0, "positive_deltas": [1, 1, 3, -2],
+                   "spans": [(1, 2), (2, 2)], "custom_values": [1, 2, 3, 4, 5, 6],
+                   "timestamp": -5})
+    assert check(raw) == "native"
+    got = _classic(raw)
+    assert [(dict(lbs).get("le"), v) for lbs, v, _ in got] == [
+        ("1", 0.0), ("2", 1.0), ("3", 3.0), ("4", 3.0), ("5", 3.0), ("6", 8.0),
+        ("+Inf", 11.0), (None, 7.0), (None, 11.0)]
+    assert {ts for _, _, ts in got} == {-5}
+
+
+def test_float_counts_and_overlapping_spans() -> None:
+    # a later span going back (a negative gap) adds to buckets already counted
+    raw = nhcb_v2({"count_float": 6.5, "sum": 1.25, "positive_counts": [0.5, 1.0, 2.0, 3.0],
+                   "spans": [(0, 2), (-2, 2)], "custom_values": [0.1, 0.2]})
+    assert check(raw) == "native"
+    assert [v for _, v, _ in _classic(raw)] == [2.5, 6.5, 6.5, 1.25, 6.5]
+
+
+def test_deltas_win_over_float_counts_and_values_run_out() -> None:
+    raw = nhcb_v2({"count_int": 1, "positive_deltas": [1], "positive_counts": [9.0, 9.0],
+                   "spans": [(0, 5), (0, 3)], "custom_values": [1.0, 2.0, 3.0]})
+    assert check(raw) == "native"
+    assert [v for _, v, _ in _classic(raw)][:4] == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("spans", [[(5, 1)], [(-1, 1)], [(0, 2), (2, 1)], [(1, 4)]])
+def test_a_bucket_past_the_bounds_is_the_references_error(spans: list[tuple[int, int]]
+                                                           ) -> None:
+    raw = nhcb_v2({"count_int": 1, "positive_deltas": [1, 0, 0, 0], "spans": spans,
+                   "custom_values": [1.0, 2.0]})
+    assert _splice.convert_v2(raw) is None and _splice.convert_v2_form(raw) is None
+    assert check(raw) == "refused"
+    with pytest.raises(DecodeError, match="past its 2 bounds") as e:
+        conversion.v2_to_v1(raw)
+    assert e.value.kind == "protobuf_invalid"
+
+
+def test_an_index_out_and_back_in_is_no_error() -> None:
+    # past the bounds with no value taken there: the reference does not raise
+    raw = nhcb_v2({"count_int": 1, "positive_deltas": [1], "spans": [(9, 0), (-9, 1)],
+                   "custom_values": [1.0]})
+    assert check(raw) == "native"
+
+
+def test_a_running_sum_past_an_int64_is_left_to_the_reference() -> None:
+    big = 2**62
+    raw = nhcb_v2({"count_int": 1, "positive_deltas": [big, big, big],
+                   "custom_values": [1.0, 2.0]})
+    assert check(raw) == "fallback"
+
+
+def test_an_existing_le_label_is_dropped_and_labels_sorted() -> None:
+    req = RequestV2()
+    req.symbols.extend(["", "zz", "1", "le", "0.5", "__name__", "m", "Zed", "a", "", "a", "b",
+                        "m_x"])
+    ts = req.timeseries.add()
+    # unsorted, an "le" of the series' own, a repeated name (kept in order: a stable
+    # sort), a name sorting before "__name__" (upper case) and one between it and "le"
+    ts.labels_refs.extend([1, 2, 3, 4, 5, 6, 7, 2, 8, 11, 10, 2, 12, 2])
+    h = ts.histograms.add(count_int=2, sum=1.0, schema=-53, timestamp=5)
+    h.positive_spans.add(offset=0, length=2)
+    h.positive_deltas.extend([1, 0])
+    h.custom_values.append(0.25)
+    raw = bytes(req.SerializeToString())
+    assert check(raw) == "native"
+    got = _classic(raw)
+    assert got[0][0] == [("Zed", "1"), ("__name__", "m_bucket"), ("a", "b"), ("a", "1"),
+                         ("le", "0.25"), ("m_x", "1"), ("zz", "1")]
+    assert got[-1][0] == [("Zed", "1"), ("__name__", "m_count"), ("a", "b"), ("a", "1"),
+                          ("m_x", "1"), ("zz", "1")]
+    assert len(got) == 4  # the series itself: not sent (nothing but the histogram)
+
+
+def test_a_series_of_samples_custom_buckets_and_exponential_histograms() -> None:
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "rpc_seconds", "pod", "p"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4])
+    ts.samples.add(value=1.0, timestamp=10)
+    c1 = ts.histograms.add(count_float=3, sum=2.0, schema=-53, timestamp=11)
+    c1.positive_spans.add(offset=0, length=2)
+    c1.positive_counts.extend([1.0, 2.0])
+    c1.custom_values.extend([1e-9, 1e21])
+    e = ts.histograms.add(count_int=2, sum=1.0, schema=3, timestamp=12, start_timestamp=1)
+    e.positive_spans.add(offset=-2, length=1)
+    e.positive_deltas.append(2)
+    c2 = ts.histograms.add(count_int=1, sum=0.5, schema=-53, timestamp=13)
+    c2.positive_spans.add(offset=1, length=1)
+    c2.positive_deltas.append(1)
+    c2.custom_values.append(123456.0)
+    ts.samples.add(value=2.0, timestamp=14)
+    ts.metadata.type = 3
+    raw = bytes(req.SerializeToString())
+    assert check(raw) == "native"
+    out = remote_pb2.WriteRequest.FromString(conversion.v2_to_v1(raw))
+    first = out.timeseries[0]  # the series, its samples and exponential histogram kept
+    assert [s.value for s in first.samples] == [1.0, 2.0]
+    assert [h.schema for h in first.histograms] == [3]
+    les = [dict((lb.name, lb.value) for lb in t.labels).get("le")
+           for t in out.timeseries[1:]]
+    assert les == ["1e-09", "1e+21", "+Inf", None, None, "123456", "+Inf", None, None]
+    assert convert.v1_form(raw) == convert.V1Form(len(conversion.v2_to_v1(raw)), 2, 5 + 4)
+
+
+def test_many_custom_histograms_and_a_long_series_of_bounds() -> None:
+    """100k bounds in one histogram, many histograms in one series: converted natively,
+    the reference's bytes."""
+    bounds = [i / 7 for i in range(100_000)]
+    raw = nhcb_v2({"count_int": 5, "positive_deltas": [1] * 5,
+                   "spans": [(3, 1), (50_000, 2)] + [(0, 0)] * 1000 + [(40_000, 2)],
+                   "custom_values": bounds},
+                  *({"count_float": 1.0, "positive_counts": [1.0], "custom_values": [0.5]}
+                    for _ in range(2000)))
+    assert check(raw) == "native"
+
+
+def test_the_cost_is_linear_in_the_request() -> None:
+    """Spans of huge lengths, offsets of every size, and values: the walk stops with the
+    values; a histogram of many bounds is counted without its classic series' labels
+    walked per bound (work counted, not timed: the size of a 2x request is counted in
+    about 2x the time)."""
+    import time
+
+    def cost(k: int) -> float:
+        raw = nhcb_v2({"count_int": 1, "positive_deltas": [1] * 10,
+                       "spans": [(0, 2**32 - 1)] + [(2**31 - 1, 2**32 - 1)] * (1000 * k),
+                       "custom_values": [0.5] * (20_000 * k)}, extra_labels=200)
+        times = []
+        for _ in range(5):
+            t = time.thread_time()
+            assert isinstance(_splice.convert_v2(raw), int)
+            times.append(time.thread_time() - t)
+        return sorted(times)[2]
+
+    small, large = cost(1), cost(4)
+    assert large < 4 * 3 * max(small, 1e-4)
+
+
+def _random_double(r: random.Random) -> float:
+    return float(struct.unpack("<d", struct.pack("<Q", r.getrandbits(64)))[0])
+
+
+def test_format_le_is_the_references() -> None:
+    """Go's shortest 'g' as convert.format_le writes it (from Python's repr), natively:
+    random doubles of every exponent, subnormals, powers of two (whose shortest decimal
+    may not be the nearest one of its length) and their neighbours, round decimals, huge,
+    negative, zeros, infinities, NaNs."""
+    r = random.Random(11)
+    values = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 5e-324, -5e-324,
+              2.2250738585072014e-308, 2.225073858507201e-308, 1.7976931348623157e308,
+              0.1, 0.005, 1e-4, 1e-5, 99999.9, 999999.0, 1e6, 123456.0, 1234567.0, 1e21,
+              1e22, 1e23, 9007199254740993.0, 0.1 + 0.2, 1 / 3]
+    for e in range(-1074, 1024):
+        x = math.ldexp(1.0, e)
+        values += [x, -x, math.nextafter(x, 0.0), math.nextafter(x, math.inf)]
+    values += [_random_double(r) for _ in range(100_000)]
+    values += [float(struct.unpack("<d", struct.pack("<Q", r.getrandbits(52)))[0])
+               for _ in range(20_000)]
+    values += [round(r.uniform(-1e7, 1e7), r.randint(0, 12)) for _ in range(20_000)]
+    values += [float(f"{r.randint(1, 999_999)}e{r.randint(-330, 310)}") for _ in range(20_000)]
+    wrong = [(x, _splice._format_le(x), convert.format_le(x)) for x in values
+             if _splice._format_le(x) != convert.format_le(x)]
+    assert not wrong, wrong[:10]
