@@ -334,6 +334,18 @@ async def test_api_errors(proxy: str) -> None:
         assert status == 400 and body["errorType"] == "bad_data", limit
 
 
+async def test_every_json_answer_says_it_is_json_and_nothing_else(proxy: str) -> None:
+    """They quote the query and the cluster's names: a browser must not sniff them as
+    HTML (X-Content-Type-Options), errors and successes alike."""
+    for path, params in (("/api/v1/attribution", {"namespace": "web", "pod": "nope"}),
+                         ("/api/v1/attribution", {"namespace": "<b>"}),
+                         ("/api/v1/attribution/unattributed", {}),
+                         ("/api/v1/attribution/unattributed", {"limit": "<script>"})):
+        _, _, (body, headers) = await _get(proxy + path, **params)
+        assert body is not None, (path, params)
+        assert headers["X-Content-Type-Options"] == "nosniff", (path, params)
+
+
 async def test_page_escapes_what_the_cluster_names(proxy: str) -> None:
     status, text, (_, headers) = await _get(proxy + "/attribution", namespace=EVIL_NS,
                                             pod=EVIL_NAME)
