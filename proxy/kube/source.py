@@ -33,9 +33,11 @@ from proxy.kube.discovery import ApiResource, Discovery, Resolver
 from proxy.kube.watcher import (
     IDLE_TIMEOUT,
     MAX_SLICE,
+    REFUSED,
     SLICE_BUDGET,
     Backoff,
     ClientWatchers,
+    Refusal,
     Watcher,
     WatcherFactory,
     WatchEvent,
@@ -50,7 +52,7 @@ T = TypeVar("T")
 
 POD = GroupKind("", "Pod")
 #: why a kind is unserved when RBAC refused its watch (the forbidden gauge reads it)
-FORBIDDEN = "forbidden (RBAC)"
+FORBIDDEN = REFUSED[403]
 KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
 DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
@@ -134,7 +136,8 @@ class KubeSource:
             contract.OP_WATCH_FORBIDDEN,
             "1 for a kind the engine needs that RBAC forbids the proxy to list or watch (in "
             "namespaced mode: in any of its namespaces): the pods it owns are attributed "
-            "without it, to the owner below it.",
+            "without it, to the owner below it. For Pod (cluster-wide): the last known pods "
+            "are served, the index stale (not ready at start).",
             ["resource"],
             registry=self.registry,
         )
@@ -163,6 +166,11 @@ class KubeSource:
         #: own; the kind's other namespaces stay watched (dropping the whole kind
         #: retracted every namespace's objects, and each retry put them back for a moment)
         self._refused_namespaces: dict[GroupKind, set[str]] = {}
+        #: pods watchers refused (403 cluster-wide, or 404) -> how (``REFUSED``): an
+        #: outage, not a kind unserved: the watcher stays, keeps the last known pods and
+        #: is unhealthy (the index stale, readiness waited for) until it lists and
+        #: watches again; the unserved / forbidden gauges of Pod read it
+        self._refused_pods: dict[str, str] = {}
         #: kinds whose discovery failed in the last round that tried them -> the error
         self._discovery_failed: dict[GroupKind, str] = {}
         #: kinds other than Pod that still failed (list or discovery) when the initial
@@ -406,10 +414,12 @@ class KubeSource:
         kind and the proxy may not read it: its pods are attributed to the owner below it
         (a RayJob's to its RayCluster), with nothing else to show it."""
         refused = bool(self._refused_namespaces.get(gk))
+        pods = self._refused_pods.values() if gk == POD else ()
         self._unserved_gauge.labels(str(gk)).set(
-            1 if gk in self.unserved_kinds or refused else 0)
+            1 if gk in self.unserved_kinds or refused or pods else 0)
         self._forbidden_gauge.labels(str(gk)).set(
-            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused else 0)
+            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused or FORBIDDEN in pods
+            else 0)
 
     def _refuse_namespace(self, watcher: Watcher) -> None:
         """RBAC refused one namespace's watch of a kind: that watcher retracts what it
@@ -700,9 +710,13 @@ class KubeSource:
                 outage = self._outages.get(how)
                 if outage is None:
                     self._outages[how] = _Outage(self._clock(), {watcher.name})
-                    log.warning("watch %s: %s; every watch failing so retries with its "
-                                "backoff (the others failing so are logged at debug level)",
-                                watcher.name, watcher.last_error or "failed")
+                    if watcher.name in self._refused_pods:
+                        self._warn_pods_refused(watcher)
+                    else:
+                        log.warning("watch %s: %s; every watch failing so retries with "
+                                    "its backoff (the others failing so are logged at "
+                                    "debug level)", watcher.name,
+                                    watcher.last_error or "failed")
                 else:
                     outage.names.add(watcher.name)
                     log.debug("watch %s: %s", watcher.name, watcher.last_error)
@@ -718,6 +732,9 @@ class KubeSource:
         why = self._unhealthy.pop(name, None)
         if why is None:
             return
+        if self._refused_pods.get(name) == why:  # pods refused no longer (or not so)
+            del self._refused_pods[name]
+            self._show_unserved(POD)
         outage = self._outages[why]
         outage.names.discard(name)
         if outage.names:
@@ -741,27 +758,52 @@ class KubeSource:
         stale = bool(self._unhealthy) or bool(self.failing_kinds)
         if stale != self.index.stale:
             if stale:
-                log.warning("cluster index STALE: API server unreachable or a kind "
-                            "failing, serving the last known index")
+                log.warning("cluster index STALE: API server unreachable, pods refused or "
+                            "a kind failing, serving the last known index")
             else:
                 log.info("cluster index current again")
         self.index.stale = stale
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         """The server refused a watch (403 / 404): the kind is unserved until its retry
         time (the recheck interval) has passed; the follower drops its watcher. The
         warning is logged once per episode, not once per refused request. In namespaced
-        mode a 403 refuses only its namespace (``_refuse_namespace``): the watcher stays."""
+        mode a 403 refuses only its namespace (``_refuse_namespace``): the watcher stays.
+
+        Pods refused cluster-wide (403), or at all (404: the core resource cannot be
+        unserved), are an outage instead (``Refusal.OUTAGE``): there is no owner below a
+        pod to attribute it to, and dropping the watcher retracted every pod (nothing
+        stamped once their tombstones expired) while the proxy stayed ready and not
+        stale. The watcher keeps the last known pods and fails (``health``): the index
+        stale, readiness waited for at start, the freshness entry left to age."""
+        gk = watcher.resource.group_kind
+        if gk == POD and (error.status == 404 or watcher.namespace is None):
+            self._refused_pods[watcher.name] = REFUSED.get(error.status, FORBIDDEN)
+            self._show_unserved(POD)
+            return Refusal.OUTAGE
         if error.status == 403 and watcher.namespace is not None:
             self._refuse_namespace(watcher)
-            return True
-        gk = watcher.resource.group_kind
+            return Refusal.RETRACT
         why = FORBIDDEN if error.status == 403 else "no longer served"
         self._mark_unserved(gk, why)
         self._refused[gk] = self._clock() + self._recheck_interval
         watcher.synced.set()  # do not hold readiness hostage
         self._kinds_changed.set()
-        return False
+        return Refusal.DROP
+
+    def _warn_pods_refused(self, watcher: Watcher) -> None:
+        """The one warning of an episode of pods refused, saying what RBAC is missing."""
+        where = (f"in namespace {watcher.namespace}" if watcher.namespace is not None
+                 else "cluster-wide")
+        if self._refused_pods.get(watcher.name) == FORBIDDEN:
+            what = (f"RBAC forbids the proxy's service account to list or watch pods "
+                    f"{where}: it needs get, list and watch on pods (config/rbac/)")
+        else:
+            what = "the API server answers 404 to the list or watch of pods"
+        then = (f"serving the last known {len(watcher.held)} pods, the index stale"
+                if self.index.ready else "not ready until it may (readiness waits for pods)")
+        log.warning("watch %s: %s (%s); %s, retrying every %g s", watcher.name, what,
+                    watcher.last_error, then, self.settings.resync_backoff_max_seconds)
 
 
 class _Outage:

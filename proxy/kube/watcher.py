@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import random
 from collections.abc import Callable
@@ -151,6 +152,26 @@ class WatchBase:
         """Nothing to cut short here (a watcher that never waits out a backoff)."""
 
 
+class Refusal(enum.Enum):
+    """What a watcher does once the server refused its list or watch (403 / 404), as
+    the sink's ``unserved`` answers."""
+
+    #: the kind is unserved: the source drops the watcher (retracting what it held);
+    #: until then it retries after its backoff cap
+    DROP = "drop"
+    #: it stays and retries on its own after its backoff cap, what it held retracted
+    #: (one namespace refused while the kind's others are watched)
+    RETRACT = "retract"
+    #: an outage (pods, which cannot be done without): it stays, keeps what it held and
+    #: fails as if unreachable (unhealthy: the index stale) until a list *and* a watch
+    #: opened after it went through again; retried after its backoff cap
+    OUTAGE = "outage"
+
+
+#: the way of failing (``last_error_kind``) of a refusal taken for an outage, by status
+REFUSED = {403: "forbidden (RBAC)", 404: "not found (404)"}
+
+
 class WatchSink(Protocol):
     def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None: ...
 
@@ -160,10 +181,11 @@ class WatchSink(Protocol):
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """Reaching the API server failed (False) or works again (True)."""
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         """The server answers 404 / 403 for this resource: report, do not retry hard.
-        Returns whether the watcher stays and retries on its own (one namespace refused
-        while the kind's others are watched), rather than being dropped with its kind."""
+        Returns what the watcher does (``Refusal``): dropped with its kind, staying with
+        what it held retracted (one namespace refused while the kind's others are
+        watched), or staying with what it held kept, failing (pods refused)."""
 
 
 class WatchMetrics:
@@ -400,6 +422,10 @@ class ResourceWatcher(WatchBase):
         self.versions: dict[str, str] = {}
         self.resource_version = ""
         self.healthy = True
+        #: refused (``Refusal.OUTAGE``) since a watch last opened: a list going through
+        #: does not make it healthy again, only a watch opened after it (RBAC may allow
+        #: list and not watch)
+        self.refused = False
         #: set by ``retry_now``: ends the backoff wait after a failure at once
         self._wake = asyncio.Event()
         #: 410s since a watch last made progress (an event or bookmark) or lived long
@@ -489,7 +515,16 @@ class ResourceWatcher(WatchBase):
                     continue
                 if e.status in (403, 404):
                     self.metrics.restarts.labels(self.name, "unserved").inc()
-                    if self.sink.unserved(self, e) and self.held:
+                    refusal = self.sink.unserved(self, e)
+                    if refusal is Refusal.OUTAGE:
+                        # what it held stays, as in any outage: the relist that ends it
+                        # diffs it
+                        self.refused = True
+                        self._failed(f"{REFUSED[e.status]}: {e}", REFUSED[e.status])
+                        await self._pause(self.backoff.cap)
+                        rv = ""
+                        continue
+                    if refusal is Refusal.RETRACT and self.held:
                         # refused after it was served: what it held is no longer known
                         await self.deliver([("DELETED", self.stub(u)) for u in self.held])
                         self.held.clear()
@@ -645,7 +680,8 @@ class ResourceWatcher(WatchBase):
         try:
             while True:
                 doc = _decoded(_PAGE, await fetch, "list answer")
-                self._set_health(True)
+                if not self.refused:  # refused: healthy once a watch opened
+                    self._set_health(True)
                 md = doc.metadata or _ListMeta()
                 rv, token = md.resourceVersion, md.continue_
                 if token:
@@ -743,6 +779,7 @@ class ResourceWatcher(WatchBase):
             self.resource.path(self.namespace), query=q, timeout=timeout,
             accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON,
         )
+        self.refused = False
         self._set_health(True)
         # a watch from "" or "0" replays the objects in no order; from a revision, every
         # event and bookmark is newer than it

@@ -7,6 +7,7 @@ reconcile, mode-switch and tombstone logic alone, without timing: test_source_re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -524,6 +525,96 @@ async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
     assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0
     assert "replicasets.apps" in source.index.freshness
     assert sum("served now" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_pods_forbidden_at_start_hold_readiness_with_a_clear_line(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC refusing the pods (403) at start: not ready, one warning saying what RBAC is
+    missing, the forbidden gauge of Pod 1; ready once the pods may be read. A 403 marked
+    Pod unserved and released readiness: ready after 0.13 s with 0 pods, every series
+    relayed unstamped, nothing said but "kind Pod is needed but forbidden"."""
+    deployment(sim, "web", replicas=2)
+    sim.fail_resource(POD_TYPE, 403)
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    task = asyncio.create_task(source.start())
+    try:
+        await asyncio.sleep(1.5)  # three retries
+        assert not task.done() and not source.index.ready
+        assert POD not in source.unserved_kinds  # not a kind to do without
+        assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 1
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                  and "pods" in r.getMessage() and "RBAC" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert ("RBAC forbids the proxy's service account to list or watch pods "
+                "cluster-wide: it needs get, list and watch on pods") in warned[0]
+        assert "not ready until it may" in warned[0]
+        sim.fail_resource(POD_TYPE, None)  # the ClusterRoleBinding created
+        await asyncio.wait_for(task, 10)
+        assert source.index.ready and labels(source, "default", "web-1-0") is not None
+        await eventually(lambda: not source.index.stale, timeout=5)
+        assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 0
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await source.stop()
+
+
+async def test_pods_forbidden_at_runtime_keep_the_last_pods_stale(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The proxy's ClusterRoleBinding removed while it runs (pods 403): an outage, as an
+    API server unreachable is. The last known pods stay (no retraction), the index is
+    stale, the pods' freshness entry stays and ages; back: current again. The refused
+    watcher was dropped and every pod retracted (nothing stamped once the tombstones
+    expired), ready and not stale, the freshness entry deleted."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    sim.fail_resource(POD_TYPE, 403)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    before = source.index.freshness["pods"]
+    await asyncio.sleep(1.2)  # two retries, refused
+    assert len(source.index.pods) == 2 and labels(source, "default", "web-1-0") is not None
+    assert source.index.stale and source.index.ready
+    assert source.index.freshness["pods"] == before  # kept, ageing
+    assert POD in source.watchers and POD not in source.unserved_kinds
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+              and "RBAC forbids" in r.getMessage()]
+    assert len(warned) == 1 and "serving the last known 2 pods" in warned[0], warned
+    rs = sim.get("apps/v1", "ReplicaSet", "web-1", "default")
+    sim.create(pod("web-1-late", owner_obj=rs))  # made while refused
+    sim.fail_resource(POD_TYPE, None)
+    await eventually(lambda: not source.index.stale and labels(source, "default", "web-1-late"),
+                     timeout=5)
+    assert source.index.freshness["pods"] > before
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 0
+
+
+async def test_pods_listed_but_not_watched_stay_stale(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC allowing list but not watch on pods: each retry's list goes through, but the
+    pods count as refused until a watch opens after it: stale throughout, one warning."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    sim.fail_resource(POD_TYPE, 403, watch_only=True)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    stale: set[bool] = set()
+    for _ in range(150):  # 1.5 s: three retries, each list passing
+        stale.add(source.index.stale)
+        await asyncio.sleep(0.01)
+    assert stale == {True}
+    assert len(source.index.pods) == 2
+    assert sum("RBAC forbids" in r.getMessage() for r in caplog.records) == 1
+    assert not any("none left" in r.getMessage() for r in caplog.records)
+    sim.fail_resource(POD_TYPE, None, watch_only=True)
+    await eventually(lambda: not source.index.stale, timeout=5)
 
 
 async def test_unreachable_at_start_retries_with_backoff(

@@ -17,6 +17,7 @@ from proxy.kube.watcher import (
     MAX_SLICE,
     Backoff,
     ClientWatchers,
+    Refusal,
     ResourceWatcher,
     Watcher,
     WatchEvent,
@@ -53,10 +54,10 @@ class RecordingSink:
     def health(self, watcher: Watcher, healthy: bool) -> None:
         self.healthy.append(healthy)
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         self.refused.append(error.status)
         watcher.synced.set()
-        return self.stays
+        return Refusal.RETRACT if self.stays else Refusal.DROP
 
 
     def names(self, etype: str) -> list[str]:

@@ -108,7 +108,7 @@ class KubeSim:
         #: for that resource (list, watch, get; with that substring in their Accept header,
         #: if given; within that namespace, if given) are answered with the status, while
         #: discovery still lists it (see ``fail_resource``)
-        self.failing_resources: dict[tuple[str, str, str], tuple[int, str]] = {}
+        self.failing_resources: dict[tuple[str, str, str], tuple[int, str, bool]] = {}
         #: (group, plural) -> (seconds, methods): requests for that resource (of those
         #: methods; all when empty) wait that long before they are handled (see
         #: ``delay_resource``)
@@ -289,17 +289,19 @@ class KubeSim:
         return n
 
     def fail_resource(self, rtype: ResourceType, status: int | None, *,
-                      accept: str = "", namespace: str | None = None) -> None:
+                      accept: str = "", namespace: str | None = None,
+                      watch_only: bool = False) -> None:
         """Answer requests for one resource with ``status`` from now on (None: serve it
         again), only those whose Accept header contains ``accept`` if given, and only
-        those within ``namespace`` if given (a namespace whose RoleBinding is missing);
+        those within ``namespace`` if given (a namespace whose RoleBinding is missing),
+        only its watches with ``watch_only`` (a Role granting get and list, not watch);
         discovery still lists it, as on a real cluster: 403 is RBAC refusing the proxy's
         service account, 500 a failing conversion webhook or aggregated API."""
         key = (*rtype.key, namespace or "")
         if status is None:
             self.failing_resources.pop(key, None)
         else:
-            self.failing_resources[key] = (status, accept)
+            self.failing_resources[key] = (status, accept, watch_only)
 
     def delay_resource(self, rtype: ResourceType, seconds: float | None, *,
                        methods: Iterable[str] = ()) -> None:
@@ -435,7 +437,8 @@ class KubeSim:
         failing = (self.failing_resources.get((*rtype.key, namespace))
                    if namespace is not None else None) or self.failing_resources.get(
                        (*rtype.key, ""))
-        if failing is not None and failing[1] in accept:
+        if failing is not None and failing[1] in accept and (
+                not failing[2] or request.query.get("watch") in ("1", "true")):
             raise _failure(failing[0], rtype, request.method)
         delayed = self.delayed_resources.get(rtype.key)
         if delayed is not None and (not delayed[1] or request.method in delayed[1]):
