@@ -171,6 +171,10 @@ class KubeSource:
         #: is unhealthy (the index stale, readiness waited for) until it lists and
         #: watches again; the unserved / forbidden gauges of Pod read it
         self._refused_pods: dict[str, str] = {}
+        #: kinds whose watch the server answered 404 -> the resource it was watched as:
+        #: the next reconcile round asks discovery again at once (a CRD whose served
+        #: version changed is watched at the new one, handed what the old watch held)
+        self._moved: dict[GroupKind, ApiResource] = {}
         #: kinds whose discovery failed in the last round that tried them -> the error
         self._discovery_failed: dict[GroupKind, str] = {}
         #: kinds other than Pod that still failed (list or discovery) when the initial
@@ -302,6 +306,8 @@ class KubeSource:
         for gk in ({*self.unserved_kinds, *self._refused, *self._discovery_failed,
                     *self._refused_namespaces} - want.keys()):
             self._forget(gk)
+        if self._moved:
+            await self._follow_moved(want)
         for gk, mode in want.items():
             current = self.watchers.get(gk)
             if current is not None and current[0] == mode:
@@ -339,6 +345,51 @@ class KubeSource:
             log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
                         len(failed), ", ".join(map(str, failed)), error)
         return len(failed)
+
+    async def _follow_moved(self, want: Mapping[GroupKind, str]) -> None:
+        """The kinds whose watch got 404: discovery asked again at once. Served as
+        another resource now (a CRD's version v1alpha1 -> v1): the new watchers start
+        straight away with what the old ones held (their relist diffs it; nothing
+        retracted meanwhile). Still resolved as before, or not at all, or discovery
+        failing: no longer served, as before (unserved, retried after the recheck
+        interval, the watcher dropped). A 404 made the kind unserved for the recheck
+        interval (30 s) without asking discovery: its workload facts read
+        ``workload_object_missing`` meanwhile, and a warning said "no longer served"."""
+        assert self.discovery is not None
+        self.discovery.invalidate()
+        moved, self._moved = self._moved, {}
+        for gk, old in moved.items():
+            current = self.watchers.get(gk)
+            if gk not in want or current is None or current[1][0].resource != old:
+                continue  # dropped or replaced meanwhile
+            try:
+                res = await self.discovery.resolve(gk)
+            except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
+                log.debug("discovery of %s after its 404 failed: %s", gk, e)
+                res = None
+            if res is None or res == old:
+                self._mark_unserved(gk, "no longer served")
+                self._refused[gk] = self._clock() + self._recheck_interval
+                await self._drop(gk)
+                continue
+            log.info("kind %s is served as %s/%s now (its watch of %s/%s got 404); "
+                     "watching that, with what was held", gk, res.api_version, res.plural,
+                     old.api_version, old.plural)
+            mode, ws = current
+            held: dict[str, str] = {}
+            for w in ws:
+                await w.stop()
+                held.update(w.held)
+                self._settle(w.name, "was replaced (served as another version)")
+            self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
+            names = {w.name for w in self.watchers[gk][1]}
+            for w in ws:
+                if w.name not in names:  # another plural: the old key is no longer watched
+                    self.index.freshness.pop(w.name, None)
+                    with contextlib.suppress(KeyError):
+                        self._last_current.remove(w.name)
+                    self.metrics.forget(w.name)
+        self._update_stale()
 
     def _start_watchers(
         self, res: ApiResource, mode: str, held: dict[str, str]
@@ -391,6 +442,7 @@ class KubeSource:
         self._refused.pop(gk, None)
         self._discovery_failed.pop(gk, None)
         self._refused_namespaces.pop(gk, None)
+        self._moved.pop(gk, None)
         for gauge in (self._unserved_gauge, self._forbidden_gauge):
             with contextlib.suppress(KeyError):  # never shown: no child
                 gauge.remove(str(gk))
@@ -784,8 +836,14 @@ class KubeSource:
         if error.status == 403 and watcher.namespace is not None:
             self._refuse_namespace(watcher)
             return Refusal.RETRACT
-        why = FORBIDDEN if error.status == 403 else "no longer served"
-        self._mark_unserved(gk, why)
+        if error.status == 404:
+            # maybe served as another version now: the reconcile asks discovery at once
+            # (``_follow_moved``), and marks it unserved only if not
+            self._moved[gk] = watcher.resource
+            watcher.synced.set()  # do not hold readiness hostage
+            self._kinds_changed.set()
+            return Refusal.DROP
+        self._mark_unserved(gk, FORBIDDEN)
         self._refused[gk] = self._clock() + self._recheck_interval
         watcher.synced.set()  # do not hold readiness hostage
         self._kinds_changed.set()

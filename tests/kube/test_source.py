@@ -35,7 +35,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, REPLICA_SET
+from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, RAY_JOB, REPLICA_SET
 from tests.kubesim.resources import POD as POD_TYPE
 
 
@@ -350,6 +350,45 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
     sim.register(JOB_SET)  # the CRD gets installed later: picked up by the recheck
     await eventually(lambda: gk in source.watchers and gk not in source.unserved_kinds,
                      timeout=5)
+
+
+async def test_a_crd_served_at_another_version_is_followed_at_once(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """A CRD upgrade: RayJob and RayCluster served as v1alpha1, then v1 only (the old
+    version's watches get 404). The kind is resolved again at once and watched at v1,
+    handed what the old watch held: the pods stay attributed to their RayJob, its facts
+    never read workload_object_missing, no "no longer served" warning. A 404 made the
+    kind unserved for the recheck interval (30 s) without asking discovery again."""
+    sim.serve_version(RAY_JOB, "v1alpha1")
+    sim.serve_version(RAY_CLUSTER, "v1alpha1")
+    sim.create(RAYJOB_KARTA)
+    names = rayjob(sim)
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    await asyncio.wait_for(source.start(), 10)
+    try:
+        rj = GroupKind("ray.io", "RayJob")
+        assert source.watchers[rj][1][0].resource.version == "v1alpha1"
+        assert (labels(source, "ml", names[1]) or {}).get("karta_kind") == "RayJob"
+        sim.serve_version(RAY_JOB, "v1")
+        sim.serve_version(RAY_CLUSTER, "v1")
+        seen: set[tuple[str | None, str]] = set()
+        for _ in range(150):  # 1.5 s, far short of the 30 s recheck
+            seen.add(((labels(source, "ml", names[1]) or {}).get("karta_kind"),
+                      ",".join(sorted(f.phase_reason for f in source.index.workloads.values()
+                                      if f.ref.kind == "RayJob"))))
+            await asyncio.sleep(0.01)
+        assert all(kind == "RayJob" and "workload_object_missing" not in why
+                   for kind, why in seen), seen
+        assert {w.resource.version for gk in (rj, GroupKind("ray.io", "RayCluster"))
+                for w in source.watchers[gk][1]} == {"v1"}
+        assert not source.unserved_kinds
+        assert "no longer served" not in caplog.text
+        assert "kind RayJob.ray.io is served as ray.io/v1/rayjobs now" in caplog.text
+    finally:
+        await source.stop()
 
 
 async def test_an_unserved_kind_no_longer_described_is_forgotten(

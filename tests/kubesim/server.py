@@ -18,6 +18,7 @@ import asyncio
 import base64
 import collections
 import copy
+import dataclasses
 import json
 import socket
 import ssl
@@ -207,6 +208,16 @@ class KubeSim:
         """Remove a served kind (and its objects); its watches end."""
         for rt in rtypes:
             self.store.unregister(rt)
+
+    def serve_version(self, rtype: ResourceType, version: str) -> None:
+        """A CRD upgrade: ``rtype`` served at ``version`` only from now on (discovery says
+        so, the old version's paths answer 404), its objects kept; its open watches end,
+        as when the CRD's storage is rebuilt."""
+        rs = self.store.resources[rtype.key]
+        rs.rtype = dataclasses.replace(rs.rtype, version=version)
+        self.store.by_kind[(rtype.group, rtype.kind)] = rtype.key
+        for feed in list(rs.feeds):
+            feed.kill()
 
     def create(self, obj: Mapping[str, Any]) -> Obj:
         return copy.deepcopy(self.store.create(self.store.for_object(obj), obj))
