@@ -340,7 +340,9 @@ class KubeSource:
                     # one's failure would otherwise keep the index stale for good
                     self._settle(w.name, "was replaced (mode switch)")
                 self._update_stale()
-            self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
+            # a retry after a refusal probes a watch before it lists
+            self.watchers[gk] = (mode, self._start_watchers(res, mode, held,
+                                                            probe=retry_at is not None))
         if failed:  # one line per round, not one per kind: an outage must not flood logs
             log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
                         len(failed), ", ".join(map(str, failed)), error)
@@ -392,7 +394,7 @@ class KubeSource:
         self._update_stale()
 
     def _start_watchers(
-        self, res: ApiResource, mode: str, held: dict[str, str]
+        self, res: ApiResource, mode: str, held: dict[str, str], *, probe: bool = False
     ) -> list[Watcher]:
         assert self._make_watcher is not None
         # each namespace once, in order: --namespace web --namespace web started two
@@ -408,7 +410,8 @@ class KubeSource:
         for ns in namespaces:
             mine = {u: k for u, k in held.items() if ns is None or k.startswith(f"{ns}/")}
             w = self._make_watcher(res, self, metadata_only=(mode == "metadata"),
-                                   namespace=ns, field_selector=field_selector, held=mine)
+                                   namespace=ns, field_selector=field_selector, held=mine,
+                                   probe=probe)
             w.start()
             out.append(w)
         return out

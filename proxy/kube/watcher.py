@@ -95,6 +95,10 @@ class WatchScope(TypedDict, total=False):
     field_selector: str
     #: uid -> "namespace/name" the watch starts out holding (a mode switch hands it on)
     held: dict[str, str]
+    #: a retry of a kind the server refused: see a watch open (after a one-item list)
+    #: before the full list, so that RBAC granting list and not watch costs no full
+    #: relist, no objects put back and retracted again, no "served now" (``_probe``)
+    probe: bool
 
 
 class WatcherFactory(Protocol):
@@ -143,6 +147,9 @@ class WatchBase:
         self.last_error = ""
         #: its kind ("unreachable", "API error <status>"): the source's outage key
         self.last_error_kind = ""
+        #: see a watch open before the next full list (``ResourceWatcher._probe``): a
+        #: retry of a kind refused, or of this watcher refused (``Refusal.OUTAGE``)
+        self.probe = scope.get("probe", False)
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
@@ -163,8 +170,9 @@ class Refusal(enum.Enum):
     #: (one namespace refused while the kind's others are watched)
     RETRACT = "retract"
     #: an outage (pods, which cannot be done without): it stays, keeps what it held and
-    #: fails as if unreachable (unhealthy: the index stale) until a list *and* a watch
-    #: opened after it went through again; retried after its backoff cap
+    #: fails as if unreachable (unhealthy: the index stale) until a watch opens again
+    #: (its retries probe, ``ResourceWatcher._probe``, before they list); retried after
+    #: its backoff cap
     OUTAGE = "outage"
 
 
@@ -422,10 +430,6 @@ class ResourceWatcher(WatchBase):
         self.versions: dict[str, str] = {}
         self.resource_version = ""
         self.healthy = True
-        #: refused (``Refusal.OUTAGE``) since a watch last opened: a list going through
-        #: does not make it healthy again, only a watch opened after it (RBAC may allow
-        #: list and not watch)
-        self.refused = False
         #: set by ``retry_now``: ends the backoff wait after a failure at once
         self._wake = asyncio.Event()
         #: 410s since a watch last made progress (an event or bookmark) or lived long
@@ -473,6 +477,9 @@ class ResourceWatcher(WatchBase):
         while True:
             try:
                 if not rv:
+                    if self.probe:
+                        await self._probe()
+                        self.probe = False
                     rv = await self._list()
                 rv, early = await self._watch(rv)
                 if early is not None:
@@ -519,7 +526,7 @@ class ResourceWatcher(WatchBase):
                     if refusal is Refusal.OUTAGE:
                         # what it held stays, as in any outage: the relist that ends it
                         # diffs it
-                        self.refused = True
+                        self.probe = True
                         self._failed(f"{REFUSED[e.status]}: {e}", REFUSED[e.status])
                         await self._pause(self.backoff.cap)
                         rv = ""
@@ -607,6 +614,27 @@ class ResourceWatcher(WatchBase):
                             "backoff", self.name)
             await self._pause(self._gone_backoff.next())
 
+    async def _probe(self) -> None:
+        """After a refusal (403 / 404): a one-item list, then a watch from its version
+        opened and closed at once; raises as the list or the watch would. RBAC granting
+        list and not watch was found only by the watch after a full list: every retry
+        (30 s) delivered every object again and retracted it at the watch's 403, and the
+        kind was "served now" for a moment (the gauges 0, a warning again)."""
+        path = self.resource.path(self.namespace)
+        q = self._query()
+        q["limit"] = "1"
+        raw = await self.client.request_bytes(
+            path, query=q, timeout=30.0,
+            accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
+        md = _decoded(_PAGE, raw, "list answer").metadata
+        q = self._query()
+        q.update(watch="1", resourceVersion=md.resourceVersion if md else "",
+                 allowWatchBookmarks="true", timeoutSeconds="1")
+        resp = await self.client.open(
+            path, query=q, timeout=aiohttp.ClientTimeout(total=30, sock_connect=10),
+            accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON)
+        resp.close()
+
     async def _store_version(self) -> str:
         """The store's resourceVersion now, from a list of one item with no
         resourceVersion (a consistent read, from etcd); "" when it cannot be had.
@@ -680,8 +708,7 @@ class ResourceWatcher(WatchBase):
         try:
             while True:
                 doc = _decoded(_PAGE, await fetch, "list answer")
-                if not self.refused:  # refused: healthy once a watch opened
-                    self._set_health(True)
+                self._set_health(True)
                 md = doc.metadata or _ListMeta()
                 rv, token = md.resourceVersion, md.continue_
                 if token:
@@ -779,7 +806,6 @@ class ResourceWatcher(WatchBase):
             self.resource.path(self.namespace), query=q, timeout=timeout,
             accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON,
         )
-        self.refused = False
         self._set_health(True)
         # a watch from "" or "0" replays the objects in no order; from a revision, every
         # event and bookmark is newer than it

@@ -656,6 +656,44 @@ async def test_pods_listed_but_not_watched_stay_stale(
     await eventually(lambda: not source.index.stale, timeout=5)
 
 
+async def test_a_kind_listed_but_not_watched_stays_one_forbidden_episode(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC granting list and not watch on ReplicaSets: each retry probes a watch before
+    it lists, so the kind stays forbidden (gauges 1 throughout, one warning, no "served
+    now"), with no full relist and no ReplicaSet put back and retracted again. Each retry
+    used to list every ReplicaSet, declare the kind served (an info line, the gauges 0),
+    then retract them all at the watch's 403 and warn again."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    gk = GroupKind("apps", "ReplicaSet")
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    sim.fail_resource(REPLICA_SET, 403, watch_only=True)
+    sim.disconnect_watches()
+    await eventually(lambda: gk in source.unserved_kinds, timeout=5)
+    n0 = len(sim.requests)
+    gauges: set[tuple[float, float]] = set()
+    kinds: set[str | None] = set()
+    for _ in range(200):  # 2 s: four recheck intervals
+        gauges.add((metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}),
+                    metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)})))
+        kinds.add((labels(source, "default", "web-1-0") or {}).get("karta_kind"))
+        await asyncio.sleep(0.01)
+    assert gauges == {(1.0, 1.0)}, gauges
+    assert len(kinds) == 1, kinds  # no flip to the Deployment and back
+    full_lists = [q for _, path, q, _ in list(sim.requests)[n0:]
+                  if path.endswith("/replicasets") and not q.get("watch")
+                  and q.get("limit") != "1"]
+    assert full_lists == []
+    assert not any("served now" in r.getMessage() for r in caplog.records)
+    assert sum("forbidden" in r.getMessage() for r in caplog.records
+               if r.levelno >= logging.WARNING) == 1
+    sim.fail_resource(REPLICA_SET, None)
+    await eventually(lambda: (labels(source, "default", "web-1-0") or {}).get("karta_kind")
+                     == "Deployment" and gk not in source.unserved_kinds, timeout=5)
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0
+    assert sum("served now" in r.getMessage() for r in caplog.records) == 1
+
+
 async def test_unreachable_at_start_retries_with_backoff(
         sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
     """An API server that is down when the proxy starts is retried, never in a tight loop."""
