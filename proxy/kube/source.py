@@ -177,6 +177,8 @@ class KubeSource:
         self._moved: dict[GroupKind, ApiResource] = {}
         #: kinds whose discovery failed in the last round that tried them -> the error
         self._discovery_failed: dict[GroupKind, str] = {}
+        #: those kinds -> since when (``clock``) their discovery fails: the line at its end
+        self._discovery_since: dict[GroupKind, float] = {}
         #: kinds other than Pod that still failed (list or discovery) when the initial
         #: sync's deadline passed -> why: readiness does not wait for them (a broken
         #: conversion webhook must not keep every remote write refused while the pods
@@ -299,6 +301,8 @@ class KubeSource:
         not be resolved (the caller retries those after a backoff)."""
         assert self.discovery is not None
         failed: list[GroupKind] = []
+        #: the kinds of ``failed`` that did not fail in the round before: warned of
+        newly: list[GroupKind] = []
         error: Exception | None = None
         for gk in list(self.watchers):
             if gk not in want:
@@ -320,9 +324,14 @@ class KubeSource:
             except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
                 failed.append(gk)
                 error = e
+                if gk not in self._discovery_failed:
+                    newly.append(gk)
+                    self._discovery_since[gk] = self._clock()
                 self._discovery_failed[gk] = f"discovery failed: {e}"
                 continue
-            self._discovery_failed.pop(gk, None)
+            if self._discovery_failed.pop(gk, None) is not None:
+                took = self._clock() - self._discovery_since.pop(gk, self._clock())
+                log.info("discovery of kind %s works again after %.1f s", gk, took)
             if res is None:
                 self._refused.pop(gk, None)
                 self._clear_failing(gk)  # not failing: not served (reported as such)
@@ -343,9 +352,15 @@ class KubeSource:
             # a retry after a refusal probes a watch before it lists
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held,
                                                             probe=retry_at is not None))
-        if failed:  # one line per round, not one per kind: an outage must not flood logs
-            log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
-                        len(failed), ", ".join(map(str, failed)), error)
+        if newly:  # one line per round, not one per kind: an outage must not flood logs
+            # and one per episode of a kind: later rounds at debug, its end at info (a
+            # group failing for good warned every round, every ~10 s, forever)
+            log.warning("discovery of %d kind(s) failed (%s: %s); will retry (logged at "
+                        "debug level until it works)", len(newly),
+                        ", ".join(map(str, newly)), error)
+        elif failed:
+            log.debug("discovery of %d kind(s) failed (%s: %s); will retry",
+                      len(failed), ", ".join(map(str, failed)), error)
         return len(failed)
 
     async def _follow_moved(self, want: Mapping[GroupKind, str]) -> None:
@@ -444,6 +459,7 @@ class KubeSource:
         self.unserved_kinds.pop(gk, None)
         self._refused.pop(gk, None)
         self._discovery_failed.pop(gk, None)
+        self._discovery_since.pop(gk, None)
         self._refused_namespaces.pop(gk, None)
         self._moved.pop(gk, None)
         for gauge in (self._unserved_gauge, self._forbidden_gauge):
