@@ -75,12 +75,15 @@ class KubeApiError(Exception):
     resourceVersion the server has not reached (a restored etcd) from any other 504."""
 
     def __init__(self, status: int, reason: str = "", message: str = "",
-                 causes: tuple[str, ...] = ()) -> None:
+                 causes: tuple[str, ...] = (), retry_after: float | None = None) -> None:
         super().__init__(f"{status} {reason}: {message}".strip())
         self.status = status
         self.reason = reason
         self.message = message
         self.causes = causes
+        #: seconds the server asked to wait (its ``Retry-After`` header, else the Status'
+        #: ``details.retryAfterSeconds``), None when it did not say
+        self.retry_after = retry_after
 
     @classmethod
     def from_status(cls, status: int, doc: Mapping[str, Any]) -> KubeApiError:
@@ -89,7 +92,9 @@ class KubeApiError(Exception):
         causes = details.get("causes") if isinstance(details, dict) else None
         reasons = (tuple(str(c.get("reason", "")) for c in causes if isinstance(c, dict))
                    if isinstance(causes, list) else ())
-        return cls(status, str(doc.get("reason", "")), str(doc.get("message", "")), reasons)
+        after = details.get("retryAfterSeconds") if isinstance(details, dict) else None
+        return cls(status, str(doc.get("reason", "")), str(doc.get("message", "")), reasons,
+                   float(after) if isinstance(after, int | float) and after > 0 else None)
 
     @property
     def resource_version_too_large(self) -> bool:
@@ -586,7 +591,7 @@ class KubeClient:
         if not 200 <= resp.status <= 299:
             raw = await resp.read()
             resp.release()
-            raise _error(resp.status, raw)
+            raise _error(resp.status, raw, resp.headers.get("Retry-After"))
         return resp
 
     async def request_bytes(
@@ -609,11 +614,18 @@ class KubeClient:
                                                    timeout=timeout))
 
 
-def _error(status: int, raw: bytes) -> KubeApiError:
+def _error(status: int, raw: bytes, retry_after: str | None = None) -> KubeApiError:
+    """The error of a non-2xx answer; its ``Retry-After`` header (delay-seconds; an
+    HTTP-date is not read) wins over the body's ``retryAfterSeconds``."""
+    err: KubeApiError | None = None
     try:
         doc = json.loads(raw)
         if isinstance(doc, dict):
-            return KubeApiError.from_status(status, doc)
+            err = KubeApiError.from_status(status, doc)
     except ValueError:
         pass
-    return KubeApiError(status, "", raw[:200].decode("utf-8", "replace"))
+    if err is None:
+        err = KubeApiError(status, "", raw[:200].decode("utf-8", "replace"))
+    if retry_after is not None and retry_after.strip().isdigit():
+        err.retry_after = float(retry_after.strip()) or err.retry_after
+    return err

@@ -33,9 +33,11 @@ from proxy.kube.discovery import ApiResource, Discovery, Resolver
 from proxy.kube.watcher import (
     IDLE_TIMEOUT,
     MAX_SLICE,
+    REFUSED,
     SLICE_BUDGET,
     Backoff,
     ClientWatchers,
+    Refusal,
     Watcher,
     WatcherFactory,
     WatchEvent,
@@ -50,7 +52,7 @@ T = TypeVar("T")
 
 POD = GroupKind("", "Pod")
 #: why a kind is unserved when RBAC refused its watch (the forbidden gauge reads it)
-FORBIDDEN = "forbidden (RBAC)"
+FORBIDDEN = REFUSED[403]
 KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
 DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
@@ -134,7 +136,8 @@ class KubeSource:
             contract.OP_WATCH_FORBIDDEN,
             "1 for a kind the engine needs that RBAC forbids the proxy to list or watch (in "
             "namespaced mode: in any of its namespaces): the pods it owns are attributed "
-            "without it, to the owner below it.",
+            "without it, to the owner below it. For Pod (cluster-wide): the last known pods "
+            "are served, the index stale (not ready at start).",
             ["resource"],
             registry=self.registry,
         )
@@ -163,8 +166,19 @@ class KubeSource:
         #: own; the kind's other namespaces stay watched (dropping the whole kind
         #: retracted every namespace's objects, and each retry put them back for a moment)
         self._refused_namespaces: dict[GroupKind, set[str]] = {}
+        #: pods watchers refused (403 cluster-wide, or 404) -> how (``REFUSED``): an
+        #: outage, not a kind unserved: the watcher stays, keeps the last known pods and
+        #: is unhealthy (the index stale, readiness waited for) until it lists and
+        #: watches again; the unserved / forbidden gauges of Pod read it
+        self._refused_pods: dict[str, str] = {}
+        #: kinds whose watch the server answered 404 -> the resource it was watched as:
+        #: the next reconcile round asks discovery again at once (a CRD whose served
+        #: version changed is watched at the new one, handed what the old watch held)
+        self._moved: dict[GroupKind, ApiResource] = {}
         #: kinds whose discovery failed in the last round that tried them -> the error
         self._discovery_failed: dict[GroupKind, str] = {}
+        #: those kinds -> since when (``clock``) their discovery fails: the line at its end
+        self._discovery_since: dict[GroupKind, float] = {}
         #: kinds other than Pod that still failed (list or discovery) when the initial
         #: sync's deadline passed -> why: readiness does not wait for them (a broken
         #: conversion webhook must not keep every remote write refused while the pods
@@ -289,6 +303,8 @@ class KubeSource:
         not be resolved (the caller retries those after a backoff)."""
         assert self.discovery is not None
         failed: list[GroupKind] = []
+        #: the kinds of ``failed`` that did not fail in the round before: warned of
+        newly: list[GroupKind] = []
         error: Exception | None = None
         for gk in list(self.watchers):
             if gk not in want:
@@ -296,6 +312,8 @@ class KubeSource:
         for gk in ({*self.unserved_kinds, *self._refused, *self._discovery_failed,
                     *self._refused_namespaces} - want.keys()):
             self._forget(gk)
+        if self._moved:
+            await self._follow_moved(want)
         for gk, mode in want.items():
             current = self.watchers.get(gk)
             if current is not None and current[0] == mode:
@@ -308,9 +326,14 @@ class KubeSource:
             except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
                 failed.append(gk)
                 error = e
+                if gk not in self._discovery_failed:
+                    newly.append(gk)
+                    self._discovery_since[gk] = self._clock()
                 self._discovery_failed[gk] = f"discovery failed: {e}"
                 continue
-            self._discovery_failed.pop(gk, None)
+            if self._discovery_failed.pop(gk, None) is not None:
+                took = self._clock() - self._discovery_since.pop(gk, self._clock())
+                log.info("discovery of kind %s works again after %.1f s", gk, took)
             if res is None:
                 self._refused.pop(gk, None)
                 self._clear_failing(gk)  # not failing: not served (reported as such)
@@ -328,14 +351,67 @@ class KubeSource:
                     # one's failure would otherwise keep the index stale for good
                     self._settle(w.name, "was replaced (mode switch)")
                 self._update_stale()
-            self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
-        if failed:  # one line per round, not one per kind: an outage must not flood logs
-            log.warning("discovery of %d kind(s) failed (%s: %s); will retry",
-                        len(failed), ", ".join(map(str, failed)), error)
+            # a retry after a refusal probes a watch before it lists
+            self.watchers[gk] = (mode, self._start_watchers(res, mode, held,
+                                                            probe=retry_at is not None))
+        if newly:  # one line per round, not one per kind: an outage must not flood logs
+            # and one per episode of a kind: later rounds at debug, its end at info (a
+            # group failing for good warned every round, every ~10 s, forever)
+            log.warning("discovery of %d kind(s) failed (%s: %s); will retry (logged at "
+                        "debug level until it works)", len(newly),
+                        ", ".join(map(str, newly)), error)
+        elif failed:
+            log.debug("discovery of %d kind(s) failed (%s: %s); will retry",
+                      len(failed), ", ".join(map(str, failed)), error)
         return len(failed)
 
+    async def _follow_moved(self, want: Mapping[GroupKind, str]) -> None:
+        """The kinds whose watch got 404: discovery asked again at once. Served as
+        another resource now (a CRD's version v1alpha1 -> v1): the new watchers start
+        straight away with what the old ones held (their relist diffs it; nothing
+        retracted meanwhile). Still resolved as before, or not at all, or discovery
+        failing: no longer served, as before (unserved, retried after the recheck
+        interval, the watcher dropped). A 404 made the kind unserved for the recheck
+        interval (30 s) without asking discovery: its workload facts read
+        ``workload_object_missing`` meanwhile, and a warning said "no longer served"."""
+        assert self.discovery is not None
+        self.discovery.invalidate()
+        moved, self._moved = self._moved, {}
+        for gk, old in moved.items():
+            current = self.watchers.get(gk)
+            if gk not in want or current is None or current[1][0].resource != old:
+                continue  # dropped or replaced meanwhile
+            try:
+                res = await self.discovery.resolve(gk)
+            except Exception as e:  # KubeApiError, OSError, aiohttp client errors...
+                log.debug("discovery of %s after its 404 failed: %s", gk, e)
+                res = None
+            if res is None or res == old:
+                self._mark_unserved(gk, "no longer served")
+                self._refused[gk] = self._clock() + self._recheck_interval
+                await self._drop(gk)
+                continue
+            log.info("kind %s is served as %s/%s now (its watch of %s/%s got 404); "
+                     "watching that, with what was held", gk, res.api_version, res.plural,
+                     old.api_version, old.plural)
+            mode, ws = current
+            held: dict[str, str] = {}
+            for w in ws:
+                await w.stop()
+                held.update(w.held)
+                self._settle(w.name, "was replaced (served as another version)")
+            self.watchers[gk] = (mode, self._start_watchers(res, mode, held))
+            names = {w.name for w in self.watchers[gk][1]}
+            for w in ws:
+                if w.name not in names:  # another plural: the old key is no longer watched
+                    self.index.freshness.pop(w.name, None)
+                    with contextlib.suppress(KeyError):
+                        self._last_current.remove(w.name)
+                    self.metrics.forget(w.name)
+        self._update_stale()
+
     def _start_watchers(
-        self, res: ApiResource, mode: str, held: dict[str, str]
+        self, res: ApiResource, mode: str, held: dict[str, str], *, probe: bool = False
     ) -> list[Watcher]:
         assert self._make_watcher is not None
         # each namespace once, in order: --namespace web --namespace web started two
@@ -351,7 +427,8 @@ class KubeSource:
         for ns in namespaces:
             mine = {u: k for u, k in held.items() if ns is None or k.startswith(f"{ns}/")}
             w = self._make_watcher(res, self, metadata_only=(mode == "metadata"),
-                                   namespace=ns, field_selector=field_selector, held=mine)
+                                   namespace=ns, field_selector=field_selector, held=mine,
+                                   probe=probe)
             w.start()
             out.append(w)
         return out
@@ -384,7 +461,9 @@ class KubeSource:
         self.unserved_kinds.pop(gk, None)
         self._refused.pop(gk, None)
         self._discovery_failed.pop(gk, None)
+        self._discovery_since.pop(gk, None)
         self._refused_namespaces.pop(gk, None)
+        self._moved.pop(gk, None)
         for gauge in (self._unserved_gauge, self._forbidden_gauge):
             with contextlib.suppress(KeyError):  # never shown: no child
                 gauge.remove(str(gk))
@@ -408,10 +487,12 @@ class KubeSource:
         kind and the proxy may not read it: its pods are attributed to the owner below it
         (a RayJob's to its RayCluster), with nothing else to show it."""
         refused = bool(self._refused_namespaces.get(gk))
+        pods = self._refused_pods.values() if gk == POD else ()
         self._unserved_gauge.labels(str(gk)).set(
-            1 if gk in self.unserved_kinds or refused else 0)
+            1 if gk in self.unserved_kinds or refused or pods else 0)
         self._forbidden_gauge.labels(str(gk)).set(
-            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused else 0)
+            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused or FORBIDDEN in pods
+            else 0)
 
     def _refuse_namespace(self, watcher: Watcher) -> None:
         """RBAC refused one namespace's watch of a kind: that watcher retracts what it
@@ -702,9 +783,13 @@ class KubeSource:
                 outage = self._outages.get(how)
                 if outage is None:
                     self._outages[how] = _Outage(self._clock(), {watcher.name})
-                    log.warning("watch %s: %s; every watch failing so retries with its "
-                                "backoff (the others failing so are logged at debug level)",
-                                watcher.name, watcher.last_error or "failed")
+                    if watcher.name in self._refused_pods:
+                        self._warn_pods_refused(watcher)
+                    else:
+                        log.warning("watch %s: %s; every watch failing so retries with "
+                                    "its backoff (the others failing so are logged at "
+                                    "debug level)", watcher.name,
+                                    watcher.last_error or "failed")
                 else:
                     outage.names.add(watcher.name)
                     log.debug("watch %s: %s", watcher.name, watcher.last_error)
@@ -720,6 +805,9 @@ class KubeSource:
         why = self._unhealthy.pop(name, None)
         if why is None:
             return
+        if self._refused_pods.get(name) == why:  # pods refused no longer (or not so)
+            del self._refused_pods[name]
+            self._show_unserved(POD)
         outage = self._outages[why]
         outage.names.discard(name)
         if outage.names:
@@ -743,27 +831,58 @@ class KubeSource:
         stale = bool(self._unhealthy) or bool(self.failing_kinds)
         if stale != self.index.stale:
             if stale:
-                log.warning("cluster index STALE: API server unreachable or a kind "
-                            "failing, serving the last known index")
+                log.warning("cluster index STALE: API server unreachable, pods refused or "
+                            "a kind failing, serving the last known index")
             else:
                 log.info("cluster index current again")
         self.index.stale = stale
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         """The server refused a watch (403 / 404): the kind is unserved until its retry
         time (the recheck interval) has passed; the follower drops its watcher. The
         warning is logged once per episode, not once per refused request. In namespaced
-        mode a 403 refuses only its namespace (``_refuse_namespace``): the watcher stays."""
+        mode a 403 refuses only its namespace (``_refuse_namespace``): the watcher stays.
+
+        Pods refused cluster-wide (403), or at all (404: the core resource cannot be
+        unserved), are an outage instead (``Refusal.OUTAGE``): there is no owner below a
+        pod to attribute it to, and dropping the watcher retracted every pod (nothing
+        stamped once their tombstones expired) while the proxy stayed ready and not
+        stale. The watcher keeps the last known pods and fails (``health``): the index
+        stale, readiness waited for at start, the freshness entry left to age."""
+        gk = watcher.resource.group_kind
+        if gk == POD and (error.status == 404 or watcher.namespace is None):
+            self._refused_pods[watcher.name] = REFUSED.get(error.status, FORBIDDEN)
+            self._show_unserved(POD)
+            return Refusal.OUTAGE
         if error.status == 403 and watcher.namespace is not None:
             self._refuse_namespace(watcher)
-            return True
-        gk = watcher.resource.group_kind
-        why = FORBIDDEN if error.status == 403 else "no longer served"
-        self._mark_unserved(gk, why)
+            return Refusal.RETRACT
+        if error.status == 404:
+            # maybe served as another version now: the reconcile asks discovery at once
+            # (``_follow_moved``), and marks it unserved only if not
+            self._moved[gk] = watcher.resource
+            watcher.synced.set()  # do not hold readiness hostage
+            self._kinds_changed.set()
+            return Refusal.DROP
+        self._mark_unserved(gk, FORBIDDEN)
         self._refused[gk] = self._clock() + self._recheck_interval
         watcher.synced.set()  # do not hold readiness hostage
         self._kinds_changed.set()
-        return False
+        return Refusal.DROP
+
+    def _warn_pods_refused(self, watcher: Watcher) -> None:
+        """The one warning of an episode of pods refused, saying what RBAC is missing."""
+        where = (f"in namespace {watcher.namespace}" if watcher.namespace is not None
+                 else "cluster-wide")
+        if self._refused_pods.get(watcher.name) == FORBIDDEN:
+            what = (f"RBAC forbids the proxy's service account to list or watch pods "
+                    f"{where}: it needs get, list and watch on pods (config/rbac/)")
+        else:
+            what = "the API server answers 404 to the list or watch of pods"
+        then = (f"serving the last known {len(watcher.held)} pods, the index stale"
+                if self.index.ready else "not ready until it may (readiness waits for pods)")
+        log.warning("watch %s: %s (%s); %s, retrying every %g s", watcher.name, what,
+                    watcher.last_error, then, self.settings.resync_backoff_max_seconds)
 
 
 class _Outage:

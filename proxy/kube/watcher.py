@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import random
 from collections.abc import Callable
@@ -94,6 +95,10 @@ class WatchScope(TypedDict, total=False):
     field_selector: str
     #: uid -> "namespace/name" the watch starts out holding (a mode switch hands it on)
     held: dict[str, str]
+    #: a retry of a kind the server refused: see a watch open (after a one-item list)
+    #: before the full list, so that RBAC granting list and not watch costs no full
+    #: relist, no objects put back and retracted again, no "served now" (``_probe``)
+    probe: bool
 
 
 class WatcherFactory(Protocol):
@@ -142,6 +147,9 @@ class WatchBase:
         self.last_error = ""
         #: its kind ("unreachable", "API error <status>"): the source's outage key
         self.last_error_kind = ""
+        #: see a watch open before the next full list (``ResourceWatcher._probe``): a
+        #: retry of a kind refused, or of this watcher refused (``Refusal.OUTAGE``)
+        self.probe = scope.get("probe", False)
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
@@ -149,6 +157,27 @@ class WatchBase:
 
     def retry_now(self) -> None:
         """Nothing to cut short here (a watcher that never waits out a backoff)."""
+
+
+class Refusal(enum.Enum):
+    """What a watcher does once the server refused its list or watch (403 / 404), as
+    the sink's ``unserved`` answers."""
+
+    #: the kind is unserved: the source drops the watcher (retracting what it held);
+    #: until then it retries after its backoff cap
+    DROP = "drop"
+    #: it stays and retries on its own after its backoff cap, what it held retracted
+    #: (one namespace refused while the kind's others are watched)
+    RETRACT = "retract"
+    #: an outage (pods, which cannot be done without): it stays, keeps what it held and
+    #: fails as if unreachable (unhealthy: the index stale) until a watch opens again
+    #: (its retries probe, ``ResourceWatcher._probe``, before they list); retried after
+    #: its backoff cap
+    OUTAGE = "outage"
+
+
+#: the way of failing (``last_error_kind``) of a refusal taken for an outage, by status
+REFUSED = {403: "forbidden (RBAC)", 404: "not found (404)"}
 
 
 class WatchSink(Protocol):
@@ -160,10 +189,11 @@ class WatchSink(Protocol):
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """Reaching the API server failed (False) or works again (True)."""
 
-    def unserved(self, watcher: Watcher, error: KubeApiError) -> bool:
+    def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         """The server answers 404 / 403 for this resource: report, do not retry hard.
-        Returns whether the watcher stays and retries on its own (one namespace refused
-        while the kind's others are watched), rather than being dropped with its kind."""
+        Returns what the watcher does (``Refusal``): dropped with its kind, staying with
+        what it held retracted (one namespace refused while the kind's others are
+        watched), or staying with what it held kept, failing (pods refused)."""
 
 
 class WatchMetrics:
@@ -208,6 +238,8 @@ MAX_SLICE = 4096
 #: API server sends a bookmark about every minute to watches that ask for them, and
 #: ends every watch after ``timeoutSeconds``; a half-open TCP connection sends nothing.
 IDLE_TIMEOUT = 150.0
+#: the longest a server's Retry-After (429 / 503 to a list or watch) is waited out
+RETRY_AFTER_MAX = 60.0
 
 
 class _ListMeta(msgspec.Struct, gc=False):
@@ -423,10 +455,14 @@ class ResourceWatcher(WatchBase):
         ReplicaSet as its workload until then."""
         self._wake.set()
 
-    async def _pause(self, delay: float) -> None:
-        """``delay`` seconds, or until ``retry_now``."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), delay)
+    async def _pause(self, delay: float, *, floor: float = 0.0) -> None:
+        """``delay`` seconds, or until ``retry_now``; at least ``floor`` whatever
+        ``retry_now`` says (the server's Retry-After)."""
+        if floor > 0:
+            await asyncio.sleep(floor)
+        if delay > floor:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay - floor)
         self._wake.clear()
 
     async def stop(self) -> None:
@@ -445,8 +481,13 @@ class ResourceWatcher(WatchBase):
     async def run(self) -> None:
         rv = ""
         while True:
+            #: what the server asked to wait (429 / 503 Retry-After), capped
+            asked = 0.0
             try:
                 if not rv:
+                    if self.probe:
+                        await self._probe()
+                        self.probe = False
                     rv = await self._list()
                 rv, early = await self._watch(rv)
                 if early is not None:
@@ -489,7 +530,16 @@ class ResourceWatcher(WatchBase):
                     continue
                 if e.status in (403, 404):
                     self.metrics.restarts.labels(self.name, "unserved").inc()
-                    if self.sink.unserved(self, e) and self.held:
+                    refusal = self.sink.unserved(self, e)
+                    if refusal is Refusal.OUTAGE:
+                        # what it held stays, as in any outage: the relist that ends it
+                        # diffs it
+                        self.probe = True
+                        self._failed(f"{REFUSED[e.status]}: {e}", REFUSED[e.status])
+                        await self._pause(self.backoff.cap)
+                        rv = ""
+                        continue
+                    if refusal is Refusal.RETRACT and self.held:
                         # refused after it was served: what it held is no longer known
                         await self.deliver([("DELETED", self.stub(u)) for u in self.held])
                         self.held.clear()
@@ -498,6 +548,8 @@ class ResourceWatcher(WatchBase):
                     rv = ""
                     continue
                 reason = "error"
+                if e.retry_after:
+                    asked = min(e.retry_after, RETRY_AFTER_MAX)
                 self._failed(f"API error {e}", f"API error {e.status}")
             except _Idle:
                 reason = "idle"
@@ -554,7 +606,11 @@ class ResourceWatcher(WatchBase):
                 # started from: no replay, and a compaction since then costs no relist
                 rv = self.resource_version or rv
             self.metrics.restarts.labels(self.name, reason).inc()
-            await self._pause(self.backoff.next())
+            # the server's Retry-After is waited out whole (not cut short by retry_now:
+            # another watcher's answer says nothing of when this one may ask), then the
+            # rest of the backoff if longer. It was ignored: 53 of 71 requests of the
+            # audit's repro (429, Retry-After 10) came within the 10 s asked for
+            await self._pause(self.backoff.next(), floor=asked)
 
     async def _after_gone(self) -> None:
         """A 410 (or a store gone back): relist at once the first time (the log
@@ -571,6 +627,27 @@ class ResourceWatcher(WatchBase):
                 log.warning("watch %s: 410 again right after a relist; relisting after a "
                             "backoff", self.name)
             await self._pause(self._gone_backoff.next())
+
+    async def _probe(self) -> None:
+        """After a refusal (403 / 404): a one-item list, then a watch from its version
+        opened and closed at once; raises as the list or the watch would. RBAC granting
+        list and not watch was found only by the watch after a full list: every retry
+        (30 s) delivered every object again and retracted it at the watch's 403, and the
+        kind was "served now" for a moment (the gauges 0, a warning again)."""
+        path = self.resource.path(self.namespace)
+        q = self._query()
+        q["limit"] = "1"
+        raw = await self.client.request_bytes(
+            path, query=q, timeout=30.0,
+            accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
+        md = _decoded(_PAGE, raw, "list answer").metadata
+        q = self._query()
+        q.update(watch="1", resourceVersion=md.resourceVersion if md else "",
+                 allowWatchBookmarks="true", timeoutSeconds="1")
+        resp = await self.client.open(
+            path, query=q, timeout=aiohttp.ClientTimeout(total=30, sock_connect=10),
+            accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON)
+        resp.close()
 
     async def _store_version(self) -> str:
         """The store's resourceVersion now, from a list of one item with no

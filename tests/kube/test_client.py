@@ -69,3 +69,14 @@ def test_too_large_resource_version_is_told_by_its_cause_or_its_message() -> Non
                                     "details": {"causes": "nonsense"}}).encode())
     assert not other.resource_version_too_large and other.causes == ()
     assert not _error(504, b"<html>gateway timeout</html>").resource_version_too_large
+
+
+def test_an_error_carries_the_retry_after_the_server_asked_for() -> None:
+    """The header wins over the Status' details.retryAfterSeconds; neither: None."""
+    body = json.dumps({"kind": "Status", "code": 429, "reason": "TooManyRequests",
+                       "message": "slow down", "details": {"retryAfterSeconds": 3}}).encode()
+    assert _error(429, body).retry_after == 3.0
+    assert _error(429, body, "10").retry_after == 10.0
+    assert _error(429, body, "Wed, 21 Oct 2015 07:28:00 GMT").retry_after == 3.0
+    assert _error(503, b"upstream connect error", "5").retry_after == 5.0
+    assert _error(500, b'{"kind": "Status", "code": 500}').retry_after is None

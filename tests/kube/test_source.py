@@ -7,6 +7,7 @@ reconcile, mode-switch and tombstone logic alone, without timing: test_source_re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -34,7 +35,7 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, REPLICA_SET
+from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, RAY_JOB, REPLICA_SET
 from tests.kubesim.resources import POD as POD_TYPE
 
 
@@ -351,6 +352,45 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
                      timeout=5)
 
 
+async def test_a_crd_served_at_another_version_is_followed_at_once(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """A CRD upgrade: RayJob and RayCluster served as v1alpha1, then v1 only (the old
+    version's watches get 404). The kind is resolved again at once and watched at v1,
+    handed what the old watch held: the pods stay attributed to their RayJob, its facts
+    never read workload_object_missing, no "no longer served" warning. A 404 made the
+    kind unserved for the recheck interval (30 s) without asking discovery again."""
+    sim.serve_version(RAY_JOB, "v1alpha1")
+    sim.serve_version(RAY_CLUSTER, "v1alpha1")
+    sim.create(RAYJOB_KARTA)
+    names = rayjob(sim)
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    await asyncio.wait_for(source.start(), 10)
+    try:
+        rj = GroupKind("ray.io", "RayJob")
+        assert source.watchers[rj][1][0].resource.version == "v1alpha1"
+        assert (labels(source, "ml", names[1]) or {}).get("karta_kind") == "RayJob"
+        sim.serve_version(RAY_JOB, "v1")
+        sim.serve_version(RAY_CLUSTER, "v1")
+        seen: set[tuple[str | None, str]] = set()
+        for _ in range(150):  # 1.5 s, far short of the 30 s recheck
+            seen.add(((labels(source, "ml", names[1]) or {}).get("karta_kind"),
+                      ",".join(sorted(f.phase_reason for f in source.index.workloads.values()
+                                      if f.ref.kind == "RayJob"))))
+            await asyncio.sleep(0.01)
+        assert all(kind == "RayJob" and "workload_object_missing" not in why
+                   for kind, why in seen), seen
+        assert {w.resource.version for gk in (rj, GroupKind("ray.io", "RayCluster"))
+                for w in source.watchers[gk][1]} == {"v1"}
+        assert not source.unserved_kinds
+        assert "no longer served" not in caplog.text
+        assert "kind RayJob.ray.io is served as ray.io/v1/rayjobs now" in caplog.text
+    finally:
+        await source.stop()
+
+
 async def test_an_unserved_kind_no_longer_described_is_forgotten(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """Its karta_proxy_watch_unserved child stayed at 1 for good once the description
@@ -523,6 +563,134 @@ async def test_a_forbidden_kind_is_retried_once_per_recheck_interval(
     assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
     assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0
     assert "replicasets.apps" in source.index.freshness
+    assert sum("served now" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_pods_forbidden_at_start_hold_readiness_with_a_clear_line(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC refusing the pods (403) at start: not ready, one warning saying what RBAC is
+    missing, the forbidden gauge of Pod 1; ready once the pods may be read. A 403 marked
+    Pod unserved and released readiness: ready after 0.13 s with 0 pods, every series
+    relayed unstamped, nothing said but "kind Pod is needed but forbidden"."""
+    deployment(sim, "web", replicas=2)
+    sim.fail_resource(POD_TYPE, 403)
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    task = asyncio.create_task(source.start())
+    try:
+        await asyncio.sleep(1.5)  # three retries
+        assert not task.done() and not source.index.ready
+        assert POD not in source.unserved_kinds  # not a kind to do without
+        assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 1
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                  and "pods" in r.getMessage() and "RBAC" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert ("RBAC forbids the proxy's service account to list or watch pods "
+                "cluster-wide: it needs get, list and watch on pods") in warned[0]
+        assert "not ready until it may" in warned[0]
+        sim.fail_resource(POD_TYPE, None)  # the ClusterRoleBinding created
+        await asyncio.wait_for(task, 10)
+        assert source.index.ready and labels(source, "default", "web-1-0") is not None
+        await eventually(lambda: not source.index.stale, timeout=5)
+        assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 0
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await source.stop()
+
+
+async def test_pods_forbidden_at_runtime_keep_the_last_pods_stale(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The proxy's ClusterRoleBinding removed while it runs (pods 403): an outage, as an
+    API server unreachable is. The last known pods stay (no retraction), the index is
+    stale, the pods' freshness entry stays and ages; back: current again. The refused
+    watcher was dropped and every pod retracted (nothing stamped once the tombstones
+    expired), ready and not stale, the freshness entry deleted."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    sim.fail_resource(POD_TYPE, 403)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    before = source.index.freshness["pods"]
+    await asyncio.sleep(1.2)  # two retries, refused
+    assert len(source.index.pods) == 2 and labels(source, "default", "web-1-0") is not None
+    assert source.index.stale and source.index.ready
+    assert source.index.freshness["pods"] == before  # kept, ageing
+    assert POD in source.watchers and POD not in source.unserved_kinds
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+              and "RBAC forbids" in r.getMessage()]
+    assert len(warned) == 1 and "serving the last known 2 pods" in warned[0], warned
+    rs = sim.get("apps/v1", "ReplicaSet", "web-1", "default")
+    sim.create(pod("web-1-late", owner_obj=rs))  # made while refused
+    sim.fail_resource(POD_TYPE, None)
+    await eventually(lambda: not source.index.stale and labels(source, "default", "web-1-late"),
+                     timeout=5)
+    assert source.index.freshness["pods"] > before
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": "Pod"}) == 0
+
+
+async def test_pods_listed_but_not_watched_stay_stale(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC allowing list but not watch on pods: each retry's list goes through, but the
+    pods count as refused until a watch opens after it: stale throughout, one warning."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    sim.fail_resource(POD_TYPE, 403, watch_only=True)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    stale: set[bool] = set()
+    for _ in range(150):  # 1.5 s: three retries, each list passing
+        stale.add(source.index.stale)
+        await asyncio.sleep(0.01)
+    assert stale == {True}
+    assert len(source.index.pods) == 2
+    assert sum("RBAC forbids" in r.getMessage() for r in caplog.records) == 1
+    assert not any("none left" in r.getMessage() for r in caplog.records)
+    sim.fail_resource(POD_TYPE, None, watch_only=True)
+    await eventually(lambda: not source.index.stale, timeout=5)
+
+
+async def test_a_kind_listed_but_not_watched_stays_one_forbidden_episode(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """RBAC granting list and not watch on ReplicaSets: each retry probes a watch before
+    it lists, so the kind stays forbidden (gauges 1 throughout, one warning, no "served
+    now"), with no full relist and no ReplicaSet put back and retracted again. Each retry
+    used to list every ReplicaSet, declare the kind served (an info line, the gauges 0),
+    then retract them all at the watch's 403 and warn again."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    gk = GroupKind("apps", "ReplicaSet")
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    sim.fail_resource(REPLICA_SET, 403, watch_only=True)
+    sim.disconnect_watches()
+    await eventually(lambda: gk in source.unserved_kinds, timeout=5)
+    n0 = len(sim.requests)
+    gauges: set[tuple[float, float]] = set()
+    kinds: set[str | None] = set()
+    for _ in range(200):  # 2 s: four recheck intervals
+        gauges.add((metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}),
+                    metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)})))
+        kinds.add((labels(source, "default", "web-1-0") or {}).get("karta_kind"))
+        await asyncio.sleep(0.01)
+    assert gauges == {(1.0, 1.0)}, gauges
+    assert len(kinds) == 1, kinds  # no flip to the Deployment and back
+    full_lists = [q for _, path, q, _ in list(sim.requests)[n0:]
+                  if path.endswith("/replicasets") and not q.get("watch")
+                  and q.get("limit") != "1"]
+    assert full_lists == []
+    assert not any("served now" in r.getMessage() for r in caplog.records)
+    assert sum("forbidden" in r.getMessage() for r in caplog.records
+               if r.levelno >= logging.WARNING) == 1
+    sim.fail_resource(REPLICA_SET, None)
+    await eventually(lambda: (labels(source, "default", "web-1-0") or {}).get("karta_kind")
+                     == "Deployment" and gk not in source.unserved_kinds, timeout=5)
+    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0
     assert sum("served now" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -131,6 +131,34 @@ async def test_a_group_whose_discovery_keeps_failing_stops_holding_readiness_bac
                      timeout=10)
 
 
+async def test_a_group_whose_discovery_keeps_failing_is_warned_once(
+        sim: KubeSim, new_source: MakeSource, caplog: pytest.LogCaptureFixture) -> None:
+    """Discovery of a described kind's group failing round after round (503): one
+    warning for the episode, the follower's later rounds at debug, one info line when it
+    works again. Every round with a failure warned (every ~10 s, forever, with the
+    defaults: 32 warnings in the audit's 4 minutes)."""
+    sim.create(RAYJOB_KARTA)
+    rayjob(sim)
+    sim.fail_discovery("ray.io/v1", 503)
+    caplog.set_level(logging.DEBUG, logger="proxy.kube.source")
+    source = new_source()
+    await asyncio.wait_for(source.start(), 5)
+    await asyncio.sleep(1.5)  # several follower rounds (backoff capped at 0.3 s)
+
+    def lines(level: int, text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == level and text in r.getMessage()]
+
+    assert len(lines(logging.DEBUG, "discovery of")) >= 2  # the rounds went on
+    warned = lines(logging.WARNING, "discovery of")
+    assert len(warned) == 1 and "RayJob.ray.io" in warned[0], warned
+    sim.fail_discovery("ray.io/v1", None)
+    await eventually(lambda: RAY_JOB_GK in source.watchers, timeout=5)
+    assert len(lines(logging.WARNING, "discovery of")) == 1
+    back = lines(logging.INFO, "works again")
+    assert sorted(m.split()[3] for m in back) == ["RayCluster.ray.io", "RayJob.ray.io"], back
+
+
 async def test_failing_pods_still_hold_readiness_back(sim: KubeSim,
                                                       new_source: MakeSource) -> None:
     """The deadline excuses no pod watch: without pods there is nothing to enrich with."""

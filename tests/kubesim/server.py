@@ -18,6 +18,7 @@ import asyncio
 import base64
 import collections
 import copy
+import dataclasses
 import json
 import socket
 import ssl
@@ -108,7 +109,7 @@ class KubeSim:
         #: for that resource (list, watch, get; with that substring in their Accept header,
         #: if given; within that namespace, if given) are answered with the status, while
         #: discovery still lists it (see ``fail_resource``)
-        self.failing_resources: dict[tuple[str, str, str], tuple[int, str]] = {}
+        self.failing_resources: dict[tuple[str, str, str], tuple[int, str, bool, int]] = {}
         #: (group, plural) -> (seconds, methods): requests for that resource (of those
         #: methods; all when empty) wait that long before they are handled (see
         #: ``delay_resource``)
@@ -208,6 +209,16 @@ class KubeSim:
         for rt in rtypes:
             self.store.unregister(rt)
 
+    def serve_version(self, rtype: ResourceType, version: str) -> None:
+        """A CRD upgrade: ``rtype`` served at ``version`` only from now on (discovery says
+        so, the old version's paths answer 404), its objects kept; its open watches end,
+        as when the CRD's storage is rebuilt."""
+        rs = self.store.resources[rtype.key]
+        rs.rtype = dataclasses.replace(rs.rtype, version=version)
+        self.store.by_kind[(rtype.group, rtype.kind)] = rtype.key
+        for feed in list(rs.feeds):
+            feed.kill()
+
     def create(self, obj: Mapping[str, Any]) -> Obj:
         return copy.deepcopy(self.store.create(self.store.for_object(obj), obj))
 
@@ -289,17 +300,22 @@ class KubeSim:
         return n
 
     def fail_resource(self, rtype: ResourceType, status: int | None, *,
-                      accept: str = "", namespace: str | None = None) -> None:
+                      accept: str = "", namespace: str | None = None,
+                      watch_only: bool = False, retry_after: int = 0) -> None:
         """Answer requests for one resource with ``status`` from now on (None: serve it
         again), only those whose Accept header contains ``accept`` if given, and only
-        those within ``namespace`` if given (a namespace whose RoleBinding is missing);
+        those within ``namespace`` if given (a namespace whose RoleBinding is missing),
+        only its watches with ``watch_only`` (a Role granting get and list, not watch),
+        with ``retry_after`` seconds asked for (the ``Retry-After`` header and the Status'
+        ``details.retryAfterSeconds``, as kube-apiserver's 429 of API priority and
+        fairness sends them);
         discovery still lists it, as on a real cluster: 403 is RBAC refusing the proxy's
         service account, 500 a failing conversion webhook or aggregated API."""
         key = (*rtype.key, namespace or "")
         if status is None:
             self.failing_resources.pop(key, None)
         else:
-            self.failing_resources[key] = (status, accept)
+            self.failing_resources[key] = (status, accept, watch_only, retry_after)
 
     def delay_resource(self, rtype: ResourceType, seconds: float | None, *,
                        methods: Iterable[str] = ()) -> None:
@@ -377,7 +393,9 @@ class KubeSim:
                 return await self._api(request, path, query, accept)
             raise NotFound(f"no route {path}")
         except ApiError as e:
-            return web.json_response(e.status(), status=e.code)
+            after = (e.details or {}).get("retryAfterSeconds")
+            return web.json_response(e.status(), status=e.code, headers=(
+                {"Retry-After": str(after)} if after else None))
 
     def _group_versions(self) -> dict[str, list[ResourceType]]:
         out: dict[str, list[ResourceType]] = collections.defaultdict(list)
@@ -435,8 +453,9 @@ class KubeSim:
         failing = (self.failing_resources.get((*rtype.key, namespace))
                    if namespace is not None else None) or self.failing_resources.get(
                        (*rtype.key, ""))
-        if failing is not None and failing[1] in accept:
-            raise _failure(failing[0], rtype, request.method)
+        if failing is not None and failing[1] in accept and (
+                not failing[2] or request.query.get("watch") in ("1", "true")):
+            raise _failure(failing[0], rtype, request.method, failing[3])
         delayed = self.delayed_resources.get(rtype.key)
         if delayed is not None and (not delayed[1] or request.method in delayed[1]):
             await request.read()  # the body is in (kept for .json()) before the client leaves
@@ -692,8 +711,12 @@ class KubeSim:
             rs.feeds.discard(feed)
 
 
-def _failure(status: int, rtype: ResourceType, method: str) -> ApiError:
+def _failure(status: int, rtype: ResourceType, method: str, retry_after: int = 0) -> ApiError:
     """What a real API server answers for a resource it refuses or fails on."""
+    if retry_after:
+        return ApiError(status, "TooManyRequests" if status == 429 else "ServiceUnavailable",
+                        "the server has received too many requests and has asked us to "
+                        "try again later", details={"retryAfterSeconds": retry_after})
     resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
     if status == 403:
         return ApiError(403, "Forbidden", f'{resource} is forbidden: User '
