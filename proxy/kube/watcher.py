@@ -525,6 +525,11 @@ class ResourceWatcher(WatchBase):
                                     "resourceVersion %s (%s): its store was restored or "
                                     "replaced; relisting", self.name, rv, e.message)
                         self._another_history()
+                    else:  # a list's continue token, or a watch's version, compacted
+                        # away: said as the _Gone path says it (an audit saw a 150k-pod
+                        # start take 57 s instead of 30 with no line saying why)
+                        log.info("watch %s: resourceVersion or continue token gone (410), "
+                                 "relisting", self.name)
                     rv = ""
                     await self._after_gone()
                     continue
