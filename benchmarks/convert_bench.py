@@ -23,7 +23,14 @@ a Prometheus 3 agent with ``convert_classic_histograms_to_nhcb`` sends), which t
 conversion makes classic ``_bucket`` / ``_sum`` / ``_count`` series of; their series'
 sample dropped, the series renamed ``http_request_duration_seconds``, type histogram.
 
+``--stale SHARE``: that share of the histogram series (0.05: every twentieth; 1 with no
+``--nhcb``: one marker on the first series) also end in a histogram staleness marker
+(Prometheus' own: schema 0, no buckets, 15 s after the data), as every histogram series
+of a deleted pod does; the conversion ends their classic series with it (a series
+without custom-bucket data: a float stale marker).
+
     python3 benchmarks/convert_bench.py [--series 2000 500] [--rounds 20] [--nhcb 0.1]
+        [--stale 0.05]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from proxy.sender import Series, build_v2
 from proxy.wire import conversion, convert
 from proxy.wire.native import Splicer, native_available
 from proxy.wire.plan import PodPair, SplicePlan
+from proxy.wire.primitives import STALE_NAN
 
 _FAMILIES = [
     ("container_cpu_usage_seconds_total", "counter", "Cumulative cpu time consumed", "seconds"),
@@ -128,6 +136,19 @@ def with_nhcb(raw: bytes, share: float) -> bytes:
     return bytes(req.SerializeToString())
 
 
+def with_stale(raw: bytes, share: float) -> bytes:
+    """``raw`` with ``share`` of its histogram series (every series when it has none),
+    spread evenly, ending in a staleness marker (module docstring); at least one."""
+    req = v2.Request.FromString(raw)
+    series = [ts for ts in req.timeseries if ts.histograms] or list(req.timeseries)
+    every = max(1, round(1 / share)) if share < 1 else len(series)
+    for k, ts in enumerate(series):
+        if k % every == 0:
+            at = ts.histograms[-1].timestamp if ts.histograms else ts.samples[-1].timestamp
+            ts.histograms.add(sum=STALE_NAN, timestamp=at + 15_000)
+    return bytes(req.SerializeToString())
+
+
 def _cpu(fn: Callable[[], object]) -> float:
     t0 = time.thread_time()
     fn()
@@ -142,10 +163,13 @@ def _splicer() -> Splicer:
     return sp
 
 
-def bench(series: int, rounds: int, nhcb: float = 0.0) -> dict[str, float | int]:
+def bench(series: int, rounds: int, nhcb: float = 0.0, stale: float = 0.0
+          ) -> dict[str, float | int]:
     raw = build_request(series)
     if nhcb:
         raw = with_nhcb(raw, nhcb)
+    if stale:
+        raw = with_stale(raw, stale)
     ref = convert.v2_to_v1(raw)
     assert conversion.v2_to_v1(raw) == ref, "native and reference conversions differ"
     assert conversion.v1_form(raw) == convert.v1_form(raw)
@@ -168,7 +192,8 @@ def bench(series: int, rounds: int, nhcb: float = 0.0) -> dict[str, float | int]
         gc.enable()
     med = {k: statistics.median(v) for k, v in times.items()}
     result: dict[str, float | int] = {
-        "series": series, "rounds": rounds, "nhcb": nhcb, "request_bytes": len(raw),
+        "series": series, "rounds": rounds, "nhcb": nhcb, "stale": stale,
+        "request_bytes": len(raw),
         "converted_bytes": len(ref),
         **{f"{k}_ms": v * 1e3 for k, v in med.items()},
     }
@@ -187,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--nhcb", type=float, default=0.0, metavar="SHARE",
                    help="this share of the series custom-bucket histograms (0 to 1)")
+    p.add_argument("--stale", type=float, default=0.0, metavar="SHARE",
+                   help="this share of the histogram series end in a staleness marker")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     if not native_available():
@@ -194,9 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     for n in args.series:
-        r = bench(n, args.rounds, args.nhcb)
+        r = bench(n, args.rounds, args.nhcb, args.stale)
         results.append(r)
         nhcb = f" ({args.nhcb:.0%} custom-bucket histograms)" if args.nhcb else ""
+        if args.stale:
+            nhcb += (" (one histogram series marked stale)" if args.stale >= 1 else
+                     f" ({args.stale:.0%} of the histogram series marked stale)")
         print(f"{n} series{nhcb}: RW 2.0 request {r['request_bytes']:,} bytes, RW 1.0 form "
               f"{r['converted_bytes']:,} bytes; CPU ms per request, median of {args.rounds}")
         for what, label in (("size", "size pass"), ("convert", "conversion"),

@@ -20,7 +20,7 @@
  *     suffix of a histogram, gaugehistogram or summary series stripped), deduplicated on
  *     its contents in first-seen order, after the series. Each symbol a metadata names is
  *     hashed and compared once per request (intern), not once per series naming it;
- *   - a histogram with custom buckets (schema -53) that is no staleness marker becomes
+ *   - a histogram with custom buckets (schema -53) becomes
  *     the classic series (convert.custom_buckets, classic_series): <name>_bucket{le=...}
  *     per bound and +Inf (cumulative counts), <name>_sum, <name>_count, each one
  *     TimeSeries of one sample after the series (which is sent only when something but
@@ -28,11 +28,18 @@
  *     bytes, le as format_le writes it (Go's shortest 'g'); the counts' change
  *     (ConvertInfo: a histogram fewer, a sample more per bucket, _sum and _count) as
  *     convert.v1_form's. The size pass adds up lengths (O(1) a bucket); only the write
- *     sorts and writes the labels.
+ *     sorts and writes the labels;
+ *   - a histogram whose sum is the stale NaN (a staleness marker) goes where
+ *     convert._series_v1 puts it: of schema -53, a classic entry at its place, every
+ *     value the stale NaN, its bounds its own or (none) the entry's before it in the
+ *     series; of another schema, once the series is read (place_marks): a histogram
+ *     after the series' others when it has an exponential histogram that is no marker,
+ *     else a classic entry at the end with the last entry's bounds when it has
+ *     custom-bucket ones, else a float stale marker after the series' samples. The size
+ *     pass sizes a borrowing marker's buckets once per bounds and timestamp length, so
+ *     markers that borrow a long list of bounds cost O(1) each there.
  *
- * What is left to the reference (CONVERT_FALLBACK): a histogram whose sum is the stale
- * NaN (a staleness marker, whatever its schema: convert.py has rules of its own for it,
- * and proxy/wire/mixed.py converts its series there, the rest here), a custom-bucket
+ * What is left to the reference (CONVERT_FALLBACK): a custom-bucket
  * histogram with a bucket past its bounds (the reference raises protobuf_invalid) or
  * whose running delta sum or span index leaves an int64 (the reference's ints do not
  * overflow), and anything the reference would refuse (every check of
@@ -104,9 +111,9 @@ check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64
 #define CUSTOM_BUCKETS_ZIGZAG 105u
 
 /* What check_histogram found of a histogram convert.py has rules of its own for, as
- * custom_buckets and stale_marker read it: its last schema -53 (HIST_CUSTOM: converted
- * here, to classic series), its last sum the stale NaN (HIST_STALE: left to the
- * reference, whatever the schema). */
+ * custom_buckets and stale_marker read it: its last schema -53 (HIST_CUSTOM: classic
+ * series), its last sum the stale NaN (HIST_STALE: a staleness marker, whatever the
+ * schema; series() places it). */
 #define HIST_CUSTOM 1
 #define HIST_STALE 2
 
@@ -279,6 +286,21 @@ typedef struct {
     size_t ps, end;
 } Span;
 
+/* One histogram that becomes classic series (convert._SeriesV1.classic): its payload
+ * (its timestamp, and its bounds unless it borrows them) and how it goes. */
+#define CL_STALE 1u  /* a staleness marker: every value the stale NaN, no counts read */
+#define CL_BORROW 2u /* a marker that takes the bounds of the entry before it */
+typedef struct {
+    size_t ps, end;
+    unsigned flags;
+} Classic;
+
+/* What a series' histogram staleness markers of a schema but -53 (c->marks) become
+ * (convert._series_v1): with an exponential histogram in the series, histograms after
+ * its others (MARK_HISTOGRAM); with custom-bucket ones, the end of their classic series
+ * (MARK_CLASSIC, entries of c->nhcb); else float stale markers (MARK_FLOAT). */
+enum { MARK_NONE, MARK_HISTOGRAM, MARK_CLASSIC, MARK_FLOAT };
+
 /* A label of the series, for sorting: name, value, and its place (the sort is stable). */
 typedef struct {
     Str name, value;
@@ -341,16 +363,23 @@ typedef struct {
     size_t scap;
     uint64_t meta_bytes; /* bytes of metadata strings hashed and compared (tests) */
     int nomem;
-    /* custom-bucket histograms (classic series): the current series' (Span of each
-     * payload, in order), the scratch of one's bucket counts (double) and of the series'
-     * labels sorted (Sorted), the formatted bounds (LeCache, made at the first), and how
-     * the request's counts change; asked, where each series' output starts (size_t) */
+    /* custom-bucket histograms (classic series): the current series' (Classic: its
+     * custom-bucket histograms in field order, the first nloop; then, MARK_CLASSIC, an
+     * entry per marker of c->marks), the scratch of one's bucket counts (double), of the
+     * bounds a marker borrows (uint64_t: their bits) and of the series' labels sorted
+     * (Sorted), the formatted bounds (LeCache, made at the first), and how the request's
+     * counts change */
     Vec nhcb;
+    size_t nloop;
     Vec bucket;
+    Vec bounds;
     Vec sorted;
     struct LeEntry *le_cache;
     ConvertInfo info;
-    Vec starts;
+    /* the current series' staleness markers of a schema but -53 (Span, field order) and
+     * what they become (MARK_*) */
+    Vec marks;
+    int mark_mode;
 } Ctx;
 
 static inline uint64_t
@@ -680,23 +709,93 @@ emit_exemplar(Ctx *c, Writer *w, size_t p, size_t end)
     }
 }
 
-/* A series' TimeSeries payload: labels, samples, exemplars, histograms (but those of
- * custom buckets, c->nhcb: they become classic series). */
+/* A histogram's timestamp as custom_buckets and stale_marker read it (the last field
+ * 15 of wire type 0; framing checked), as its uvarint: the reference writes it & 2^64-1. */
+static uint64_t
+hist_ts(const uint8_t *raw, size_t p, size_t end)
+{
+    uint64_t ts = 0;
+    while (p < end) {
+        Field f;
+        rd_field(raw, p, end, &f);
+        if (f.number == 15 && f.wt == 0) {
+            size_t vp = f.ps;
+            rd_varint(raw, f.end, &vp, &ts);
+        }
+        p = f.end;
+    }
+    return ts;
+}
+
+/* Whether a custom-bucket histogram has bounds (custom_values, field 16) of its own. */
+static int
+has_bounds(const uint8_t *raw, size_t p, size_t end)
+{
+    while (p < end) {
+        Field f;
+        rd_field(raw, p, end, &f);
+        if (f.number == 16 && f.end > f.ps) /* a double, or a packed run of them */
+            return 1;
+        p = f.end;
+    }
+    return 0;
+}
+
+/* The stale NaN at ts as an RW 1.0 Sample field (convert._sample_v1 in a len_field). */
+static void
+emit_stale_sample(Writer *w, uint64_t ts)
+{
+    w_head(w, 2, 10 + varint_len(ts));
+    uint8_t b[9];
+    b[0] = 0x09;
+    for (int k = 0; k < 8; k++)
+        b[1 + k] = (uint8_t)(STALE_NAN_BITS >> (8 * k));
+    w_put(w, b, 9);
+    w_byte(w, 0x10);
+    w_varint(w, ts);
+}
+
+/* The current series' markers (c->marks) as its TimeSeries carries them: float stale
+ * markers (MARK_FLOAT, after its samples) or histograms (MARK_HISTOGRAM, after its
+ * others, start_timestamp dropped). */
+__attribute__((noinline)) static void
+emit_marks(Ctx *c, Writer *w)
+{
+    const Span *mk = c->marks.data;
+    for (size_t i = 0; i < c->marks.len; i++) {
+        if (c->mark_mode == MARK_FLOAT)
+            emit_stale_sample(w, hist_ts(c->raw, mk[i].ps, mk[i].end));
+        else
+            emit_copy(w, c->raw, mk[i].ps, mk[i].end, 4, 17);
+    }
+}
+
+/* A series' TimeSeries payload: labels, samples (then its markers as float stale markers,
+ * MARK_FLOAT), exemplars, histograms (but those of custom buckets, c->nhcb: they become
+ * classic series; and its markers, c->marks: MARK_HISTOGRAM, after the others, as the
+ * reference appends them). */
 static int
 emit_body(Ctx *c, Writer *w, size_t s, size_t q)
 {
     const uint8_t *raw = c->raw;
     emit_labels(w, c->syms.data, c->refs.data, c->refs.len);
     static const uint64_t ORDER[] = {2, 4, 3};
-    const Span *nh = c->nhcb.data;
-    const size_t nnh = c->nhcb.len;
-    size_t next_nh = 0;
+    const Classic *nh = c->nhcb.data;
+    const size_t nnh = c->nloop;
+    const Span *mk = c->marks.data;
+    const size_t nmk = c->marks.len;
+    size_t next_nh = 0, next_mk = 0;
     for (int k = 0; k < 3; k++) {
         for (size_t p = s; p < q;) {
             Field f;
             rd_field(raw, p, q, &f);
-            if (next_nh < nnh && f.number == 3 && ORDER[k] == 3 && nh[next_nh].ps == f.ps) {
-                next_nh++;
+            if (f.number == 3 && ORDER[k] == 3 &&
+                ((next_nh < nnh && nh[next_nh].ps == f.ps) ||
+                 (next_mk < nmk && mk[next_mk].ps == f.ps))) {
+                if (next_nh < nnh && nh[next_nh].ps == f.ps)
+                    next_nh++;
+                else
+                    next_mk++;
                 p = f.end;
                 continue;
             }
@@ -714,6 +813,9 @@ emit_body(Ctx *c, Writer *w, size_t s, size_t q)
             }
             p = f.end;
         }
+        if (nmk && ((k == 0 && c->mark_mode == MARK_FLOAT) ||
+                    (k == 2 && c->mark_mode == MARK_HISTOGRAM)))
+            emit_marks(c, w);
     }
     return 1;
 }
@@ -721,6 +823,34 @@ emit_body(Ctx *c, Writer *w, size_t s, size_t q)
 /* the classic series of the current series' custom-bucket histograms (below: the code
  * of those histograms is kept after the conversion's common path) */
 static ConvertStatus emit_classic(Ctx *c, Writer *w);
+
+/* What the current series' markers of a schema but -53 (c->marks) become, as _series_v1
+ * places them once the series is read (c->mark_mode); 0 when out of memory. */
+__attribute__((noinline)) static int
+place_marks(Ctx *c, int exponential)
+{
+    if (exponential) {
+        c->mark_mode = MARK_HISTOGRAM;
+        return 1;
+    }
+    if (c->nloop == 0) { /* a histogram fewer, a sample more, each */
+        c->mark_mode = MARK_FLOAT;
+        c->info.histograms += c->marks.len;
+        c->info.samples += c->marks.len;
+        return 1;
+    }
+    c->mark_mode = MARK_CLASSIC; /* each with the bounds of the last entry */
+    const Span *mk = c->marks.data;
+    for (size_t i = 0; i < c->marks.len; i++) {
+        Classic *cl = vec_push(&c->nhcb);
+        if (cl == NULL)
+            return 0;
+        cl->ps = mk[i].ps;
+        cl->end = mk[i].end;
+        cl->flags = CL_STALE | CL_BORROW;
+    }
+    return 1;
+}
 
 /* The checks of split_series_v2 (and what custom_buckets / stale_marker look for), the
  * series' refs in c->refs, its metadata added; then the TimeSeries. */
@@ -731,8 +861,10 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
     size_t nsym = c->syms.len;
     int has_meta = 0;
     int carried = 0; /* a sample, an exemplar or a histogram that goes as one */
+    int exponential = 0; /* a histogram that goes as one (not a marker) */
     c->refs.len = 0;
     c->nhcb.len = 0;
+    c->marks.len = 0;
     for (size_t p = s; p < q;) {
         Field f;
         if (!rd_field(raw, p, q, &f))
@@ -764,20 +896,40 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
                 ok = check_metadata(raw, f.ps, f.end, nsym);
                 has_meta = 1;
             }
-            if (!ok || (kind & HIST_STALE))
+            if (!ok)
                 return CONVERT_FALLBACK;
             if (kind & HIST_CUSTOM) {
-                Span *sp = vec_push(&c->nhcb);
+                /* a custom-bucket marker with no bounds of its own takes those of the
+                 * entry before it (the bounds it ends), if any */
+                unsigned flags = !(kind & HIST_STALE) ? 0u
+                                 : c->nhcb.len && !has_bounds(raw, f.ps, f.end)
+                                     ? CL_STALE | CL_BORROW
+                                     : CL_STALE;
+                Classic *cl = vec_push(&c->nhcb);
+                if (cl == NULL)
+                    return CONVERT_NOMEM;
+                cl->ps = f.ps;
+                cl->end = f.end;
+                cl->flags = flags;
+            }
+            else if (kind & HIST_STALE) { /* its fate is the series' (below) */
+                Span *sp = vec_push(&c->marks);
                 if (sp == NULL)
                     return CONVERT_NOMEM;
                 sp->ps = f.ps;
                 sp->end = f.end;
             }
-            else if (f.number != 5)
+            else if (f.number != 5) {
                 carried = 1;
+                exponential |= f.number == 3;
+            }
         }
         p = f.end;
     }
+    c->nloop = c->nhcb.len;
+    c->mark_mode = MARK_NONE;
+    if (c->marks.len && !place_marks(c, exponential))
+        return CONVERT_NOMEM;
     const uint64_t *refs = c->refs.data;
     if (c->refs.len & 1)
         return CONVERT_FALLBACK;
@@ -841,9 +993,9 @@ series(Ctx *c, Writer *w, size_t s, size_t q)
             p = f.end;
         }
     }
-    /* _SeriesV1.sent: a series left with nothing but custom-bucket histograms is not
-     * sent itself */
-    if (carried || c->nhcb.len == 0) {
+    /* _SeriesV1.sent: a series left with nothing but custom-bucket histograms (and the
+     * markers that end their classic series) is not sent itself */
+    if (carried || c->nloop == 0) {
         Writer cw = {0};
         if (!emit_body(c, &cw, s, q))
             return CONVERT_NOMEM;
@@ -896,23 +1048,11 @@ walk(Ctx *c, Writer *w)
         Field f;
         rd_field(raw, pos, n, &f);
         if (f.number == 5) {
-            if (c->info.want_starts) {
-                size_t *at = vec_push(&c->starts);
-                if (at == NULL)
-                    return CONVERT_NOMEM;
-                *at = w->len;
-            }
             ConvertStatus st = series(c, w, f.ps, f.end);
             if (st != CONVERT_OK)
                 return st;
         }
         pos = f.end;
-    }
-    if (c->info.want_starts) {
-        size_t *at = vec_push(&c->starts);
-        if (at == NULL)
-            return CONVERT_NOMEM;
-        *at = w->len;
     }
     const Meta *ms = c->metas.data;
     for (size_t k = 0; k < c->metas.len; k++)
@@ -933,11 +1073,11 @@ convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, siz
     c.xrefs.item = sizeof(uint64_t);
     c.metas.item = sizeof(Meta);
     c.strs.item = sizeof(Interned);
-    c.nhcb.item = sizeof(Span);
+    c.nhcb.item = sizeof(Classic);
     c.bucket.item = sizeof(double);
+    c.bounds.item = sizeof(uint64_t);
     c.sorted.item = sizeof(Sorted);
-    c.starts.item = sizeof(size_t);
-    c.info.want_starts = info != NULL && info->want_starts;
+    c.marks.item = sizeof(Span);
     Writer w = {out, out == NULL ? 0 : out_cap, 0, 0};
     ConvertStatus st = walk(&c, &w);
     last_meta_bytes = c.meta_bytes;
@@ -952,7 +1092,9 @@ convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, siz
     free(c.index);
     free(c.nhcb.data);
     free(c.bucket.data);
+    free(c.bounds.data);
     free(c.sorted.data);
+    free(c.marks.data);
     free(c.le_cache);
     if (st == CONVERT_OK) {
         *size = w.len;
@@ -965,11 +1107,7 @@ convert_v2_to_v1(const uint8_t *raw, size_t n, uint8_t *out, size_t out_cap, siz
     if (st == CONVERT_OK && info != NULL) {
         info->histograms = c.info.histograms;
         info->samples = c.info.samples;
-        info->starts = c.starts.data; /* the caller's to free */
-        info->nstarts = c.starts.len;
     }
-    else
-        free(c.starts.data);
     return st;
 }
 
@@ -1521,9 +1659,37 @@ emit_classic_one(Ctx *c, Writer *w, const ClassicLabels *cl, const char *sfx, si
     w_varint(w, ts);
 }
 
-/* The classic series of the current series' custom-bucket histograms (c->nhcb), in
- * order: per histogram <name>_bucket{le=...} per bound and +Inf (cumulative counts),
- * <name>_sum, <name>_count; the counts' change added up. */
+/* The bits of a histogram's bounds (field 16, in order) into c->bounds, for the markers
+ * after it that borrow them; 0 when out of memory. */
+static int
+keep_bounds(Ctx *c, size_t p, size_t end, size_t nbounds)
+{
+    if (nbounds > c->bounds.cap) {
+        if (nbounds > SIZE_MAX / sizeof(uint64_t))
+            return 0;
+        uint64_t *d = realloc(c->bounds.data, nbounds * sizeof(uint64_t));
+        if (d == NULL)
+            return 0;
+        c->bounds.data = d;
+        c->bounds.cap = nbounds;
+    }
+    uint64_t *bits = c->bounds.data;
+    Values v;
+    values_start(&v, c->raw, p, end, 16);
+    for (size_t i = 0; i < nbounds; i++)
+        values_next(&v, &bits[i]);
+    c->bounds.len = nbounds;
+    return 1;
+}
+
+/* The classic series of the current series' custom-bucket histograms and the markers
+ * that end them (c->nhcb), in order: per entry <name>_bucket{le=...} per bound and +Inf
+ * (cumulative counts), <name>_sum, <name>_count; the counts' change added up. A marker
+ * (CL_STALE) has the stale NaN for every value, its own timestamp, and its own bounds or
+ * (CL_BORROW: convert._series_v1's replace(out.classic[-1], ...)) the entry's before it.
+ * Counting, a borrowing marker's buckets are sized once per bounds and length of
+ * timestamp (memo): each marker costs O(1), not O(bounds), so the size pass stays linear
+ * in the request however many markers borrow one long list of bounds. */
 __attribute__((noinline)) static ConvertStatus
 emit_classic(Ctx *c, Writer *w)
 {
@@ -1531,36 +1697,80 @@ emit_classic(Ctx *c, Writer *w)
     ConvertStatus st = classic_labels(c, w->buf != NULL, &cl);
     if (st != CONVERT_OK)
         return st;
-    const Span *hs = c->nhcb.data;
-    for (size_t k = 0; k < c->nhcb.len; k++) {
+    const Classic *hs = c->nhcb.data;
+    const size_t nh = c->nhcb.len;
+    size_t nb = 0;       /* the bounds of the entry before: what a borrower takes */
+    size_t memo[11];     /* counting: a borrower's buckets' bytes, by its ts' varint length */
+    uint8_t memo_ok[11]; /* 1: memo set; 2: it overflowed */
+    memset(memo_ok, 0, sizeof memo_ok);
+    for (size_t k = 0; k < nh; k++) {
         Nhcb h;
         nhcb_read(c->raw, hs[k].ps, hs[k].end, &h);
-        st = nhcb_counts(c, hs[k].ps, hs[k].end, &h);
-        if (st != CONVERT_OK)
-            return st;
-        const double *counts = c->bucket.data;
-        Values bounds;
-        values_start(&bounds, c->raw, hs[k].ps, hs[k].end, 16);
-        double cumulative = 0.0;
-        for (size_t i = 0; i <= h.nbounds; i++) {
-            cumulative += counts[i];
-            const char *le = "+Inf";
-            size_t nle = 4;
-            if (i < h.nbounds) {
-                uint64_t bits = 0;
-                values_next(&bounds, &bits);
-                nle = le_of(c, bits, &le);
-                if (nle == 0)
-                    return CONVERT_NOMEM;
+        const int stale = (hs[k].flags & CL_STALE) != 0;
+        const int borrow = (hs[k].flags & CL_BORROW) != 0;
+        if (!borrow) {
+            nb = h.nbounds;
+            memset(memo_ok, 0, sizeof memo_ok);
+            if (!stale) { /* a marker's buckets, if any, say nothing: not read */
+                st = nhcb_counts(c, hs[k].ps, hs[k].end, &h);
+                if (st != CONVERT_OK)
+                    return st;
             }
-            uint64_t vb;
-            memcpy(&vb, &cumulative, 8);
-            emit_classic_one(c, w, &cl, "_bucket", 7, le, nle, vb, h.ts);
+            if (k + 1 < nh && (hs[k + 1].flags & CL_BORROW) &&
+                !keep_bounds(c, hs[k].ps, hs[k].end, nb))
+                return CONVERT_NOMEM;
         }
-        emit_classic_one(c, w, &cl, "_sum", 4, NULL, 0, h.sum_bits, h.ts);
-        emit_classic_one(c, w, &cl, "_count", 6, NULL, 0, h.count_bits, h.ts);
+        size_t tl = varint_len(h.ts);
+        if (borrow && w->buf == NULL && memo_ok[tl]) {
+            if (memo_ok[tl] == 2 || w->over || memo[tl] > SIZE_MAX - w->len)
+                w->over = 1;
+            else
+                w->len += memo[tl];
+        }
+        else {
+            const double *counts = c->bucket.data;
+            const uint64_t *kept = c->bounds.data;
+            Values bounds;
+            values_start(&bounds, c->raw, hs[k].ps, hs[k].end, 16);
+            /* counting a borrower: its buckets alone, to memo */
+            Writer mw = {NULL, 0, 0, 0};
+            Writer *bw = borrow && w->buf == NULL ? &mw : w;
+            double cumulative = 0.0;
+            for (size_t i = 0; i <= nb; i++) {
+                const char *le = "+Inf";
+                size_t nle = 4;
+                if (i < nb) {
+                    uint64_t bits = 0;
+                    if (borrow)
+                        bits = kept[i];
+                    else
+                        values_next(&bounds, &bits);
+                    nle = le_of(c, bits, &le);
+                    if (nle == 0)
+                        return CONVERT_NOMEM;
+                }
+                uint64_t vb = STALE_NAN_BITS;
+                if (!stale) {
+                    cumulative += counts[i];
+                    memcpy(&vb, &cumulative, 8);
+                }
+                emit_classic_one(c, bw, &cl, "_bucket", 7, le, nle, vb, h.ts);
+            }
+            if (bw == &mw) {
+                memo[tl] = mw.len;
+                memo_ok[tl] = mw.over ? 2 : 1;
+                if (mw.over || w->over || mw.len > SIZE_MAX - w->len)
+                    w->over = 1;
+                else
+                    w->len += mw.len;
+            }
+        }
+        emit_classic_one(c, w, &cl, "_sum", 4, NULL, 0, stale ? STALE_NAN_BITS : h.sum_bits,
+                         h.ts);
+        emit_classic_one(c, w, &cl, "_count", 6, NULL, 0,
+                         stale ? STALE_NAN_BITS : h.count_bits, h.ts);
         c->info.histograms++;
-        c->info.samples += (uint64_t)h.nbounds + 3;
+        c->info.samples += (uint64_t)nb + 3;
     }
     return CONVERT_OK;
 }

@@ -11,30 +11,26 @@
 
 typedef enum {
     CONVERT_OK = 0,
-    /* the request holds something left to the Python reference: a histogram staleness
-     * marker (its sum the stale NaN, any schema), anything malformed (the reference then
-     * raises its own error: a custom-bucket histogram's bucket past its bounds too), or
-     * a custom-bucket histogram whose running delta sum or span offsets leave an int64
-     * (the reference's Python ints take them); also a size that does not fit a size_t */
+    /* the request holds something left to the Python reference: anything malformed (the
+     * reference then raises its own error: a custom-bucket histogram's bucket past its
+     * bounds too), or a custom-bucket histogram whose running delta sum or span offsets
+     * leave an int64 (the reference's Python ints take them); also a size that does not
+     * fit a size_t */
     CONVERT_FALLBACK = 1,
     CONVERT_NOMEM = 2,
     /* out_cap is not the size the request converts to (the caller's error) */
     CONVERT_MISMATCH = 3,
 } ConvertStatus;
 
-/* What a conversion tells beside its size or bytes. How it changes a request's counts
- * (convert.V1Form): each custom-bucket histogram (schema -53) becomes classic series,
- * one histogram fewer and one sample more per bucket (its bounds and +Inf) plus its _sum
- * and _count. And, asked (want_starts), where each series' TimeSeries fields start in
- * the output (its classic series after it), the last entry the end of them all: one
- * input series is any number of output ones (proxy/wire/mixed.py puts a series of its
- * own there). */
+/* What a conversion tells beside its size or bytes: how it changes a request's counts
+ * (convert.V1Form). Each custom-bucket histogram (schema -53) becomes classic series, one
+ * histogram fewer and one sample more per bucket (its bounds and +Inf) plus its _sum and
+ * _count; so does a staleness marker that ends such series (its bounds its own or the
+ * data's before it); a marker alone in its series becomes a float stale marker, a
+ * histogram fewer and a sample more. */
 typedef struct {
     uint64_t histograms; /* fewer */
     uint64_t samples;    /* more */
-    int want_starts;     /* in */
-    size_t *starts;      /* out, malloc'd (the caller frees it): nstarts = series + 1 */
-    size_t nstarts;
 } ConvertInfo;
 
 /* Converts raw (n bytes, an RW 2.0 Request) to RW 1.0.
@@ -43,8 +39,8 @@ typedef struct {
  * hold, known before a byte of it is allocated). out not NULL: writes the conversion into
  * out, which must be exactly out_cap bytes, the size a counting call answered; anything
  * else is CONVERT_MISMATCH and out holds garbage. info (may be NULL) is filled on
- * CONVERT_OK (its starts only then). Both modes are one walk of the request (a writer
- * that only counts when it has no buffer), so the size and the bytes cannot disagree.
+ * CONVERT_OK. Both modes are one walk of the request (a writer that only counts when it
+ * has no buffer), so the size and the bytes cannot disagree.
  *
  * Never reads outside raw[0 .. n) nor writes outside out[0 .. out_cap); every allocation
  * is freed before return. */

@@ -3818,23 +3818,20 @@ done:
 
 /* RW 2.0 -> 1.0 (_convert.c), with the GIL released. size -1: the size the request
  * converts to (an int; nothing of it allocated), or None when the request holds something
- * left to the Python reference (proxy/wire/convert.py: histogram staleness markers,
- * anything malformed: the reference raises its error). With the size a counting call
- * answered: the converted bytes, allocated once at that size (None as before; ValueError
- * for any other size); with starts true too, (bytes, starts): where each series'
- * TimeSeries fields start in them, and their end, as native uint64s. form
+ * left to the Python reference (proxy/wire/convert.py: anything malformed, the reference
+ * raises its error). With the size a counting call answered: the converted bytes,
+ * allocated once at that size (None as before; ValueError for any other size). form
  * (convert_v2_form): the count as (size, histograms, samples), the V1Form's. */
 static PyObject *
 convert_v2_impl(PyObject *args, int form)
 {
     PyObject *rawo;
     Py_ssize_t size = -1;
-    int want_starts = 0;
     if (form) {
         if (!PyArg_ParseTuple(args, "O:convert_v2_form", &rawo))
             return NULL;
     }
-    else if (!PyArg_ParseTuple(args, "O|np:convert_v2", &rawo, &size, &want_starts))
+    else if (!PyArg_ParseTuple(args, "O|n:convert_v2", &rawo, &size))
         return NULL;
     if (size < -1) {
         PyErr_SetString(PyExc_ValueError, "size must be -1 or at least 0");
@@ -3864,33 +3861,11 @@ convert_v2_impl(PyObject *args, int form)
         if (out == NULL)
             goto done;
         uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
-        info.want_starts = want_starts;
         Py_BEGIN_ALLOW_THREADS
         st = convert_v2_to_v1(raw, n, dst, (size_t)size, &got, &info);
         Py_END_ALLOW_THREADS
         if (st != CONVERT_OK)
             Py_CLEAR(out);
-        else if (want_starts) {
-            PyObject *starts = NULL;
-            if (info.nstarts <= PY_SSIZE_T_MAX / sizeof(uint64_t)) {
-                starts = PyBytes_FromStringAndSize(NULL,
-                                                   (Py_ssize_t)(info.nstarts * sizeof(uint64_t)));
-                if (starts != NULL) {
-                    uint64_t *dst64 = (uint64_t *)PyBytes_AS_STRING(starts);
-                    for (size_t k = 0; k < info.nstarts; k++)
-                        dst64[k] = (uint64_t)info.starts[k];
-                }
-            }
-            else
-                PyErr_NoMemory();
-            free(info.starts);
-            info.starts = NULL;
-            PyObject *pair = starts == NULL ? NULL : PyTuple_Pack(2, out, starts);
-            Py_XDECREF(starts);
-            Py_DECREF(out);
-            out = pair;
-            goto done;
-        }
     }
     if (st == CONVERT_FALLBACK)
         out = Py_NewRef(Py_None);
@@ -3900,7 +3875,6 @@ convert_v2_impl(PyObject *args, int form)
         PyErr_Format(PyExc_ValueError, "convert_v2: the request converts to %zu bytes, not %zd",
                      got, size);
 done:
-    free(info.starts); /* NULL unless made and not yet freed */
     PyBuffer_Release(&view);
     return out;
 }
@@ -4002,14 +3976,12 @@ static PyMethodDef module_methods[] = {
      "field_ends(raw, count_only=False) -> the end of every top-level field as native "
      "uint32 bytes (the count with count_only), or None when one cannot be read"},
     {"convert_v2", convert_v2_py, METH_VARARGS,
-     "convert_v2(raw, size=-1, starts=False) -> with size -1, the size of the RW 2.0 request "
-     "raw as RW 1.0 (None: left to the Python reference); with that size, the RW 1.0 bytes "
-     "(or None), and with starts (bytes, starts): where each series' TimeSeries fields start "
-     "in them and their end, native uint64s"},
+     "convert_v2(raw, size=-1) -> with size -1, the size of the RW 2.0 request raw as RW "
+     "1.0 (None: left to the Python reference); with that size, the RW 1.0 bytes (or None)"},
     {"convert_v2_form", convert_v2_form_py, METH_VARARGS,
      "convert_v2_form(raw) -> (size, histograms, samples): convert_v2's size and how the "
-     "conversion changes the counts (convert.V1Form: custom-bucket histograms become "
-     "classic series), or None: left to the Python reference"},
+     "conversion changes the counts (convert.V1Form: custom-bucket histograms and the "
+     "staleness markers that end them become classic series), or None: left to the Python reference"},
     {"_format_le", format_le_py, METH_O,
      "_format_le(bound) -> convert.format_le(bound) as the native conversion writes it: "
      "tests only"},

@@ -439,9 +439,7 @@ def v1_form(raw_v2: bytes) -> V1Form:
 
 def series_form(raw_v2: bytes) -> tuple[V1Form, _Metadata]:
     """``v1_form`` of the request's series alone (``size`` without the metadata), and its
-    metadata: ``proxy.wire.mixed`` converts a request's series with a histogram staleness
-    marker here and the rest natively, and takes the metadata of every series from the
-    native conversion."""
+    metadata."""
     scan = scan_v2(raw_v2)
     syms = scan.symbols
     lengths = [len(s) for s in syms]
@@ -465,16 +463,6 @@ def series_form(raw_v2: bytes) -> tuple[V1Form, _Metadata]:
             total += _field_size(body)
     form.size = total
     return form, metadata
-
-
-def labels_only_size(raw_v2: bytes) -> int:
-    """The bytes of the RW 1.0 TimeSeries fields of ``raw_v2``'s series with their labels
-    alone: what the conversion makes of a series stripped to its labels (and metadata)."""
-    scan = scan_v2(raw_v2)
-    lengths = [len(s) for s in scan.symbols]
-    nsym = len(lengths)
-    return sum(_field_size(_labels_size(split_series_v2(raw_v2, p, end, nsym).refs, lengths))
-               for _, p, end in scan.series)
 
 
 def check_size(raw_v2: bytes, limit: int | None,

@@ -721,13 +721,30 @@ def _custom_buckets(h: Any, r: random.Random) -> None:
                                  for _ in range(n))
 
 
+#: the ``special`` histograms ``histogram_v2`` makes: custom-bucket data, and staleness
+#: markers of every kind (``STALE_KINDS``)
+SPECIAL_KINDS = ("custom", "stale", "marker", "custom_stale", "nhcb_marker")
+STALE_KINDS = ("stale", "marker", "custom_stale", "nhcb_marker")
+
+
 def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
     """An RW 2.0 Histogram: exponential of any shape (integer or float counts, spans,
     negative buckets, zero bucket, reset hint, start_timestamp, fields repeated or
-    unpacked, an unknown field); ``special``: ``custom`` (schema -53, custom_values) or
-    ``stale`` (sum the stale NaN: a staleness marker), which the native conversion leaves
-    to the reference."""
+    unpacked, an unknown field); ``special``: ``custom`` (schema -53, custom_values), or a
+    staleness marker (sum the stale NaN, the last sum field): ``stale`` (an exponential
+    histogram of any shape so marked), ``marker`` (Prometheus' own: schema 0, no buckets,
+    a timestamp, now and then a start_timestamp), ``custom_stale`` (a custom-bucket one,
+    its bounds, and buckets that say nothing, past them or not) or ``nhcb_marker`` (schema
+    -53, no bounds: it takes those of the data before it in its series)."""
     r = rnd
+    if special in ("marker", "nhcb_marker"):
+        raw = (b"\x20\x69" if special == "nhcb_marker" else b"") + b"\x19" + STALE_SUM
+        raw += b"\x78" + varint(r.choice([0, 7, 1_767_000_000_000, -3]) & (2**64 - 1))
+        if r.random() < 0.2:
+            raw += b"\x88\x01" + varint(1_766_999_000_000)  # start_timestamp: dropped
+        if r.random() < 0.1:  # a packed bounds field with nothing in it: no bounds
+            raw += b"\x82\x01\x00"
+        return raw
     h = pb2.Histogram(schema=r.choice([-4, -1, 0, 1, 3, 8]), timestamp=r.choice([0, 7, -3]))
     if r.random() < 0.5:
         h.count_int = r.choice([0, 1, 10, 2**40])
@@ -749,12 +766,12 @@ def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
     h.reset_hint = r.choice([0, 0, 1, 2, 3])
     if r.random() < 0.5:
         h.start_timestamp = r.choice([1, 1_767_000_000_000, -1])
-    if special == "custom":
+    if special in ("custom", "custom_stale"):
         _custom_buckets(h, r)
     raw = h.SerializeToString()
-    if special == "custom" and r.random() < 0.15:  # a bound as an unpacked field after
+    if special in ("custom", "custom_stale") and r.random() < 0.15:  # an unpacked bound
         raw += b"\x81\x01" + struct.pack("<d", _bound(r))
-    if special == "stale":
+    if special in ("stale", "custom_stale"):
         h.ClearField("sum")  # the last sum counts: the marker's, here or after the rest
         raw = h.SerializeToString()
         raw = b"\x19" + STALE_SUM + raw if r.random() < 0.5 else raw + b"\x19" + STALE_SUM
@@ -765,16 +782,17 @@ def histogram_v2(rnd: random.Random, *, special: str = "") -> bytes:
 
 def conversion_v2(rnd: random.Random, *, special: bool = False, huge: bool = False,
                   series: tuple[int, int] | None = None,
-                  kinds: Sequence[str] = ("custom", "stale")) -> list[Node]:
+                  kinds: Sequence[str] = SPECIAL_KINDS) -> list[Node]:
     """A valid RW 2.0 request as the conversion to RW 1.0 sees them: ``Gen.request_v2``'s
     (unpacked / split refs, repeated symbols, unknown fields, created_timestamp, samples
     with start_timestamp, exemplars) with, per series, more: a metric name of a family
     suffix (an extra refs field first or last, so the pairs stay pairs), metadata of every
     type (help and unit empty or not, refs to repeated symbols of equal contents, several
     per series), exponential histograms of every shape. ``special``: some series also get
-    a custom-bucket histogram or a staleness marker (``kinds``: which; at least one in the
-    request), and some of those an ``le`` label of their own (the classic series drop
-    it)."""
+    custom-bucket histograms or staleness markers (``kinds``: which, of ``SPECIAL_KINDS``;
+    at least one in the request; one to four in a series, so markers come before, after
+    and between data of their own series), and some of those an ``le`` label of their own
+    (the classic series drop it)."""
     r = rnd
     nodes = Gen(r, huge=huge, series=series).request_v2()
     placed = False
@@ -808,7 +826,7 @@ def conversion_v2(rnd: random.Random, *, special: bool = False, huge: bool = Fal
         for _ in range(r.choice([0, 0, 1, 2])):
             fields.insert(r.randint(0, len(fields)), len_node(3, histogram_v2(r), "data"))
         if special and (not placed or r.random() < 0.3):
-            for _ in range(r.choice([1, 1, 1, 2])):
+            for _ in range(r.choice([1, 1, 2, 3, 4])):
                 kind = r.choice(list(kinds))
                 fields.insert(r.randint(0, len(fields)),
                               len_node(3, histogram_v2(r, special=kind), "data"))
@@ -1261,8 +1279,8 @@ CONVERTING = 4
 
 def conversion_mismatch(raw: bytes, compare: bool) -> str | None:
     """The native RW 2.0 -> 1.0 conversion of ``raw``: its size, then its bytes at that
-    size; with ``compare``, held to the reference (the same size and bytes, or left to it:
-    always where the reference refuses). What went wrong, or None."""
+    size; with ``compare``, held to the reference (the same size, counts and bytes, or
+    left to it: always where the reference refuses). What went wrong, or None."""
     from proxy.wire import _splice
     from proxy.wire.convert import v1_form, v2_to_v1
 
@@ -1275,14 +1293,17 @@ def conversion_mismatch(raw: bytes, compare: bool) -> str | None:
     if not compare:
         return None
     try:
-        ref, ref_size = v2_to_v1(raw), v1_form(raw).size
+        ref, form = v2_to_v1(raw), v1_form(raw)
     except DecodeError as e:
         if size is not None:
             return f"converted what the reference refuses ({e.kind}): input {raw.hex()}"
         return None
-    if size is not None and (out != ref or size != ref_size):
-        return (f"native {size} bytes {out!r}, reference {ref_size} bytes {ref!r}: "
+    if size is not None and (out != ref or size != form.size):
+        return (f"native {size} bytes {out!r}, reference {form.size} bytes {ref!r}: "
                 f"input {raw.hex()}")
+    counted = _splice.convert_v2_form(raw)
+    if size is not None and counted != (form.size, form.histograms, form.samples):
+        return f"native counts {counted!r}, reference {form!r}: input {raw.hex()}"
     return None
 
 

@@ -2,17 +2,19 @@
 (``proxy/wire/convert.py``), on random requests.
 
 The contract (``proxy/wire/conversion.py``): for a request it takes, the native count is
-``convert.v1_form(raw)`` (its size, and how custom-bucket histograms change the counts:
-``convert_v2_form``) and its bytes are ``convert.v2_to_v1(raw)``, custom-bucket
-histograms made classic series natively; a request holding a histogram staleness
-marker, and every request the reference refuses, it leaves to the reference (``None``),
-so the dispatching functions answer or raise exactly what the reference does.
+``convert.v1_form(raw)`` (its size, and how custom-bucket histograms and staleness
+markers change the counts: ``convert_v2_form``) and its bytes are
+``convert.v2_to_v1(raw)``, custom-bucket histograms made classic series and histogram
+staleness markers of every kind placed natively; every request the reference refuses it
+leaves to the reference (``None``), so the dispatching functions answer or raise exactly
+what the reference does.
 
 Requests come from ``fuzz_native.conversion_v2`` (driven by hypothesis' ``st.randoms()``,
 as in ``test_native_differential.py``): the splice's RW 2.0 generator plus metric names of
 every family suffix, metadata of every type with empty or repeated help and unit symbols,
 exponential histograms of every shape, custom-bucket histograms (bounds of every shape,
-spans with gaps, integer and float counts, an ``le`` label of the series' own);
+spans with gaps, integer and float counts, an ``le`` label of the series' own), staleness
+markers of every kind before, between and after them;
 invalid ones are poisoned or byte-mutated.
 """
 
@@ -31,12 +33,13 @@ from hypothesis import strategies as st
 from proxy.compression import DecodeError
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
-from proxy.wire import conversion, convert, mixed
+from proxy.wire import conversion, convert
 from proxy.wire.native import native_available
 from proxy.wire.primitives import STALE_NAN
 from tests.wire.fuzz_native import (
     LABEL_POISONS,
     POISONS_V2,
+    STALE_KINDS,
     conversion_v2,
     encode,
     mutate,
@@ -115,23 +118,84 @@ def test_custom_buckets_convert_natively(rnd: random.Random) -> None:
             convert.v2_to_v1(raw)
 
 
-@settings(SETTINGS, max_examples=examples(300))
+#: what the dispatch may not call for a request the native conversion takes: the
+#: reference's conversion, its count, and its pieces
+REFERENCE = ("_series_v1", "v1_form", "v2_to_v1", "series_form", "converted_series",
+             "custom_buckets", "stale_marker", "classic_series")
+
+
+def native_only(raw: bytes) -> None:
+    """``raw`` converted and counted by the dispatch with the reference made to raise if
+    called: the answers the reference's (made before), size, counts and bytes."""
+    body, form = convert.v2_to_v1(raw), convert.v1_form(raw)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the reference was called")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in REFERENCE:
+            mp.setattr(convert, name, refused)
+        got = conversion.check_size(raw, None)
+        assert got == form, raw.hex()
+        assert conversion.v2_to_v1(raw, got.size) == body, raw.hex()
+        assert conversion.v2_to_v1(raw) == body, raw.hex()
+    assert len(body) == form.size
+
+
+@settings(SETTINGS, max_examples=examples(400))
 @given(rnd=randoms)
-def test_staleness_markers_fall_back(rnd: random.Random) -> None:
-    """Every request with a histogram staleness marker goes to the reference (the marker
-    rules: convert.py's own), custom-bucket histograms beside it or not."""
+def test_staleness_markers_convert_natively(rnd: random.Random) -> None:
+    """Requests with histogram staleness markers of every kind (``STALE_KINDS``: before,
+    between and after custom-bucket and exponential data of their series, several in
+    one) are converted natively, never left to the reference: bytes, size and counts the
+    reference's. Refused only for a custom-bucket histogram (no marker) with a bucket past
+    its bounds, as the reference refuses it."""
     raw = encode(conversion_v2(rnd, special=True))
     outcome = check(raw)
-    stale = _has_marker(raw)
-    assert outcome in (("fallback", "refused") if stale else ("native", "refused")), raw.hex()
-    if stale:
-        assert _splice.convert_v2(raw) is None
+    assert outcome in ("native", "refused"), raw.hex()
+    if outcome == "refused":
+        with pytest.raises(DecodeError, match="past its"):
+            convert.v2_to_v1(raw)
+    else:
+        native_only(raw)
 
 
-def _has_marker(raw: bytes) -> bool:
-    req = RequestV2.FromString(raw)
-    return any(struct.pack("<d", h.sum) == struct.pack("<d", STALE_NAN)
-               for ts in req.timeseries for h in ts.histograms)
+@settings(SETTINGS, max_examples=examples(300))
+@given(rnd=randoms)
+def test_markers_alone_convert_natively(rnd: random.Random) -> None:
+    """Markers without custom-bucket data beside them (lone, exponential, custom-bucket
+    ones with and without bounds): never refused, always native."""
+    raw = encode(conversion_v2(rnd, special=True, kinds=STALE_KINDS))
+    assert check(raw) == "native", raw.hex()
+    native_only(raw)
+
+
+def test_generated_markers_hold_every_kind() -> None:
+    """The generator is worth its examples: markers of every kind, lone ones (float
+    markers), ones after custom-bucket data (classic series ending) and ones beside
+    exponential data (histograms) all occur."""
+    rnd = random.Random(11)
+    seen = {"float": 0, "classic": 0, "histogram": 0, "borrowed": 0}
+    for _ in range(150):
+        raw = encode(conversion_v2(rnd, special=True, kinds=STALE_KINDS))
+        assert check(raw) == "native"
+        for ts in RequestV2.FromString(raw).timeseries:
+            stale = [_is_marker(h) for h in ts.histograms]
+            custom = [h.schema == -53 for h in ts.histograms]
+            if not any(stale):
+                continue
+            exponential = any(not s and not c for s, c in zip(stale, custom, strict=True))
+            seen["histogram"] += exponential
+            seen["float"] += not exponential and not any(custom)
+            seen["classic"] += not exponential and any(custom)
+            seen["borrowed"] += any(
+                c and s and not h.custom_values and any(custom[:i])
+                for i, (h, s, c) in enumerate(zip(ts.histograms, stale, custom, strict=True)))
+    assert all(n > 10 for n in seen.values()), seen
+
+
+def _is_marker(h: Any) -> bool:
+    return struct.pack("<d", h.sum) == struct.pack("<d", STALE_NAN)
 
 
 @settings(SETTINGS, max_examples=examples(600))
@@ -225,9 +289,9 @@ FIXED = {
     "rw 1.0 field 1 as a varint (unknown in 2.0)": f(4) + b"\x08\x01" + f(5),
 }
 EXPECT = {"histogram, schema -53 then 0": "native", "histogram, schema 0 then -53": "native",
-          "histogram, stale sum then not": "native", "histogram, stale sum": "fallback",
-          "a stale float sample": "native", "markers": "fallback", "nhcb": "native",
-          "kinds #8": "native", "kinds #9": "native", "kinds #10": "fallback",
+          "histogram, stale sum then not": "native", "histogram, stale sum": "native",
+          "a stale float sample": "native", "markers": "native", "nhcb": "native",
+          **{f"kinds #{i}": "native" for i in range(8, 15)},
           "metadata, no symbols": "refused", "rw 1.0 metadata field": "refused",
           "refs of 2^32": "refused", "one family of three series": "native",
           "_gsum stripped whole": "native"}
@@ -289,7 +353,7 @@ def test_conversions_run_in_parallel_threads() -> None:
     assert not wrong
 
 
-def _mixed_request(n: int) -> bytes:
+def _request_with_a_marker(n: int) -> bytes:
     """``n`` ordinary series with metadata, a custom-bucket histogram series, a series
     ending in a histogram staleness marker and one with a float sample of the same labels
     as that marker's (its order kept), among them."""
@@ -322,34 +386,14 @@ def _mixed_request(n: int) -> bytes:
     return bytes(req.SerializeToString())
 
 
-def test_only_the_series_the_native_leaves_are_converted_by_the_reference(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # one histogram left to the reference sent the whole request to it: 32k series took
-    # 1.58 CPU-s against 0.06 natively. Now the reference walks those series alone (the
-    # staleness marker's: the custom-bucket histogram is the native conversion's, its
-    # counts the native count's), and the bytes, size and counts are its own
-    raw = _mixed_request(3000)
-    body, form = convert.v2_to_v1(raw), convert.v1_form(raw)
-    walked: list[int] = []
-    real = convert._series_v1
-
-    def spy(raw_v2: bytes, syms: Any, series: Any, metadata: Any) -> Any:
-        count = 0
-        for ser in real(raw_v2, syms, series, metadata):
-            count += 1
-            yield ser
-        walked.append(count)
-        assert len(syms) <= 8  # the symbols of one series, not the table of 3,000
-
-    monkeypatch.setattr(convert, "_series_v1", spy)
-    got = conversion.check_size(raw, None)
-    assert got == form and form.histograms == 2 and form.samples == 3 + 2 + 1
-    assert conversion.v2_to_v1(raw, got.size) == body
-    assert conversion.v2_to_v1(raw) == body
-    assert len(body) == form.size
-    # each pass: the marker's series alone, once (size, then bytes; the size pass also
-    # reads its labels alone); never the custom-bucket one nor the 3,000 others
-    assert walked and max(walked) == 1 and sum(walked) == 3, walked
+def test_a_request_with_a_marker_is_converted_without_the_reference() -> None:
+    # one marker sent the request to proxy/wire/mixed.py (its series by the reference,
+    # the rest natively: 10x the CPU of the request without it); now all of it is native
+    raw = _request_with_a_marker(3000)
+    form = convert.v1_form(raw)
+    assert form.histograms == 2 and form.samples == 3 + 2 + 1
+    assert check(raw) == "native"
+    native_only(raw)
 
 
 # -- custom-bucket histograms, natively -----------------------------------------------------
@@ -382,21 +426,18 @@ def _nhcb_request(n: int, every: int = 1) -> bytes:
 
 def test_custom_buckets_are_converted_without_the_reference(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request of custom-bucket histograms goes to neither the mixed path nor the
-    reference: the native conversion makes their classic series, size, counts and bytes
-    the reference's."""
+    """A request of custom-bucket histograms does not go to the reference: the native
+    conversion makes their classic series, size, counts and bytes the reference's."""
     raw = _nhcb_request(300, every=3)
     body, form = convert.v2_to_v1(raw), convert.v1_form(raw)
     assert form.histograms == 100 and form.samples == 100 * (4 + 3)
     assert check(raw) == "native"
 
     def refused(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the reference or the mixed path was called")
+        raise AssertionError("the reference was called")
 
-    for module, name in ((convert, "_series_v1"), (convert, "v1_form"),
-                         (convert, "v2_to_v1"), (convert, "custom_buckets"),
-                         (convert, "classic_series"), (mixed, "form"), (mixed, "converted")):
-        monkeypatch.setattr(module, name, refused)
+    for name in REFERENCE:
+        monkeypatch.setattr(convert, name, refused)
     got = conversion.check_size(raw, None)
     assert got == form
     assert conversion.v2_to_v1(raw, got.size) == body
@@ -579,3 +620,152 @@ def test_format_le_is_the_references() -> None:
     wrong = [(x, _splice._format_le(x), convert.format_le(x)) for x in values
              if _splice._format_le(x) != convert.format_le(x)]
     assert not wrong, wrong[:10]
+
+
+# -- staleness markers, natively --------------------------------------------------------
+
+MARKER = {"sum": STALE_NAN}
+NHCB = {"count_float": 6, "sum": 4.0, "schema": -53, "positive_counts": [2.0, 3.0, 1.0],
+        "spans": [(0, 3)], "custom_values": [0.1, 1.0]}
+EXPONENTIAL = {"count_float": 2, "sum": 1.0, "schema": 0, "positive_counts": [2.0],
+               "spans": [(0, 1)]}
+
+
+def _series(*fields: tuple[str, dict[str, Any]], start: int = 1000) -> bytes:
+    """One series ``rpc_seconds{pod="p"}`` of these fields in order: ("sample", {}) or
+    ("histogram", its fields), the n-th at timestamp ``start + n`` unless it says."""
+    req = RequestV2()
+    req.symbols.extend(["", "__name__", "rpc_seconds", "pod", "p"])
+    ts = req.timeseries.add()
+    ts.labels_refs.extend([1, 2, 3, 4])
+    for i, (what, spec) in enumerate(fields):
+        spec = {"timestamp": start + i, **spec}
+        if what == "sample":
+            ts.samples.add(value=float(i), timestamp=spec["timestamp"])
+            continue
+        spans = spec.pop("spans", [])
+        h = ts.histograms.add(**spec)
+        for offset, length in spans:
+            h.positive_spans.add(offset=offset, length=length)
+    return bytes(req.SerializeToString())
+
+
+def _out(raw: bytes) -> list[tuple[str | None, str | None, list[tuple[float, int]], int]]:
+    """Each converted TimeSeries: name, le, its samples, how many histograms."""
+    got = []
+    for ts in remote_pb2.WriteRequest.FromString(conversion.v2_to_v1(raw)).timeseries:
+        lbs = {lb.name: lb.value for lb in ts.labels}
+        got.append((lbs.get("__name__"), lbs.get("le"),
+                    [(s.value, s.timestamp) for s in ts.samples], len(ts.histograms)))
+    return got
+
+
+def _stale(v: float) -> bool:
+    return struct.pack("<d", v) == struct.pack("<d", STALE_NAN)
+
+
+@pytest.mark.parametrize("kinds", [("nhcb", "marker"), ("marker",), ("exponential", "marker"),
+                                   ("nhcb", "nhcb_marker"), ("nhcb_marker",)])
+def test_each_kind_of_marker_natively(kinds: tuple[str, ...]) -> None:
+    raw = marked(*kinds)
+    assert check(raw) == "native"
+    native_only(raw)
+
+
+def test_a_marker_after_custom_bucket_data_ends_its_classic_series() -> None:
+    raw = _series(("histogram", NHCB), ("histogram", MARKER))
+    native_only(raw)
+    got = _out(raw)
+    assert [(n, le) for n, le, _, _ in got[5:]] == [
+        ("rpc_seconds_bucket", "0.1"), ("rpc_seconds_bucket", "1"),
+        ("rpc_seconds_bucket", "+Inf"), ("rpc_seconds_sum", None), ("rpc_seconds_count", None)]
+    assert all(len(s) == 1 and _stale(s[0][0]) and s[0][1] == 1001 for _, _, s, _ in got[5:])
+    assert _splice.convert_v2_form(raw)[1:] == (2, 10)  # type: ignore[index]
+
+
+def test_a_marker_first_then_data_takes_the_bounds_of_the_last() -> None:
+    # Prometheus' marker before the data in the same request: it still ends the classic
+    # series of the series' (last) custom-bucket histogram, after them, at its timestamp
+    other = {**NHCB, "custom_values": [0.5, 2.0, 8.0], "spans": [(0, 2)],
+             "positive_counts": [1.0, 1.0]}
+    raw = _series(("histogram", MARKER), ("histogram", NHCB), ("histogram", other))
+    native_only(raw)
+    got = _out(raw)
+    assert len(got) == 5 + 6 + 6
+    assert [le for _, le, _, _ in got[11:15]] == ["0.5", "2", "8", "+Inf"]
+    assert all(_stale(s[0][0]) and s[0][1] == 1000 for _, _, s, _ in got[11:])
+
+
+def test_a_custom_bucket_marker_first_has_no_bounds_to_take() -> None:
+    # a custom-bucket marker with no bounds takes those of the data BEFORE it only
+    raw = _series(("histogram", {**MARKER, "schema": -53}), ("histogram", NHCB))
+    native_only(raw)
+    got = _out(raw)
+    assert [le for _, le, _, _ in got[:3]] == ["+Inf", None, None]
+    assert all(_stale(s[0][0]) for _, _, s, _ in got[:3]) and len(got) == 3 + 5
+
+
+def test_a_custom_bucket_marker_with_bounds_keeps_its_own() -> None:
+    own = {**MARKER, "schema": -53, "custom_values": [3.0], "positive_counts": [9.0] * 5,
+           "spans": [(7, 5)]}  # buckets past its bounds: a marker's say nothing
+    raw = _series(("histogram", NHCB), ("histogram", own), ("histogram", {**MARKER,
+                                                                         "schema": -53}))
+    native_only(raw)
+    assert [le for _, le, _, _ in _out(raw)[5:]] == ["3", "+Inf", None, None,
+                                                      "3", "+Inf", None, None]
+
+
+def test_markers_and_samples_in_one_series() -> None:
+    # no custom-bucket or exponential data: every marker a float stale marker after the
+    # series' samples, in order; a histogram fewer and a sample more each
+    raw = _series(("histogram", MARKER), ("sample", {}), ("histogram", MARKER),
+                  ("sample", {}), ("histogram", {**MARKER, "schema": 3}))
+    native_only(raw)
+    ((name, _, samples, hists),) = _out(raw)
+    assert name == "rpc_seconds" and hists == 0
+    assert [(_stale(v), t) for v, t in samples] == [
+        (False, 1001), (False, 1003), (True, 1000), (True, 1002), (True, 1004)]
+    assert _splice.convert_v2_form(raw)[1:] == (3, 3)  # type: ignore[index]
+    # with custom-bucket data: the series is sent for its samples, the markers end the
+    # classic series
+    raw = _series(("sample", {}), ("histogram", NHCB), ("histogram", MARKER), ("sample", {}))
+    native_only(raw)
+    got = _out(raw)
+    assert got[0][2] == [(0.0, 1000), (3.0, 1003)] and len(got) == 1 + 5 + 5
+
+
+def test_several_markers_beside_exponential_data_stay_histograms_after_it() -> None:
+    raw = _series(("histogram", MARKER), ("histogram", EXPONENTIAL), ("histogram", MARKER),
+                  ("histogram", EXPONENTIAL), ("sample", {}))
+    native_only(raw)
+    (ts,) = remote_pb2.WriteRequest.FromString(conversion.v2_to_v1(raw)).timeseries
+    assert [(h.timestamp, _stale(h.sum)) for h in ts.histograms] == [
+        (1001, False), (1003, False), (1000, True), (1002, True)]
+    assert _splice.convert_v2_form(raw)[1:] == (0, 0)  # type: ignore[index]
+
+
+def test_custom_and_exponential_data_and_markers_in_one_series() -> None:
+    # an exponential histogram beside: Prometheus' markers stay histograms; the
+    # custom-bucket ones still end their classic series
+    raw = _series(("histogram", NHCB), ("histogram", MARKER), ("histogram", EXPONENTIAL),
+                  ("histogram", {**MARKER, "schema": -53}), ("histogram", MARKER))
+    native_only(raw)
+    got = _out(raw)
+    assert got[0][3] == 3 and len(got) == 1 + 5 + 5
+
+
+def test_many_markers_borrowing_long_bounds_are_counted_in_linear_time() -> None:
+    # one histogram of 20,000 bounds and 4,000 markers that take them: 80M classic series
+    # (GBs), counted (the size pass) without walking each marker's bounds
+    bounds = [float(i) for i in range(20000)]
+    nhcb = {"count_float": 1, "sum": 1.0, "schema": -53, "custom_values": bounds}
+    few = _series(("histogram", nhcb), *[("histogram", MARKER)] * 2)
+    many = _series(("histogram", nhcb), *[("histogram", MARKER)] * 4000)
+    assert _splice.convert_v2(few) == convert.v1_form(few).size
+    size = _splice.convert_v2(many)
+    assert isinstance(size, int) and size > 4000 * 20000 * 30
+    form = _splice.convert_v2_form(many)
+    assert form is not None and form[1:] == (4001, 4001 * 20003)
+    # as the proxy counts it: past the limit, nothing made
+    with pytest.raises(convert.ConversionTooLarge):
+        conversion.check_size(many, 64 << 20)
