@@ -7,8 +7,10 @@ Why it is shaped this way:
 
 * Objects arrive in any order and change one at a time, so every call is incremental: it
   re-attributes exactly the pods below the object that changed (the owner graph's reverse
-  edges say which) and returns only what changed. Nothing rescans all pods, except a
-  change of descriptions, which re-attributes the pods of the kinds it touches.
+  edges say which), as far down as a walk can reach it from (``max_owner_hops``, twice
+  that for pods: a chain below it costs nothing past that), and returns only what
+  changed. Nothing rescans all pods, except a change of descriptions, which
+  re-attributes the pods of the kinds it touches.
 * Memory is per pod, so a pod keeps only what selectors read (its metadata: name,
   namespace, uid, labels, annotations, ownerReferences), shared with the object it came
   from, never its spec or status (``proxy.karta.slim``). Whole objects are kept only for
@@ -271,10 +273,14 @@ class Engine:
         return len(self._graph.ghosts)
 
     def _replace_below(self, uids: Iterable[str], cs: ChangeSet) -> None:
-        """Re-attribute what lies below each of ``uids`` (not themselves: ghosts gone)."""
+        """Re-attribute what lies below each of ``uids`` within its reach (not
+        themselves: gone, or attributed by the caller): what a walk can reach it from,
+        ``max_owner_hops`` references for an object, twice that for a pod
+        (:meth:`OwnerGraph.add_within_reach`), so that one owner's change costs what it
+        can change, not the length of a chain below it."""
         todo: dict[str, None] = {}
         for uid in uids:
-            self._graph.add_descendants(uid, todo)
+            self._graph.add_within_reach(uid, todo)
         if todo:
             self._reattribute(todo, cs)
 
@@ -503,7 +509,7 @@ class Engine:
             rec.obj = rec.cache = None
         self._attribute_pod(rec, cs)
         if owner_changed:  # pods can own objects (LWS leader pod -> worker StatefulSet)
-            self._reattribute(self._graph.descendants(uid), cs)
+            self._replace_below((uid,), cs)
 
     def _delete_pod(self, uid: str, cs: ChangeSet) -> None:
         rec = self._pods.pop(uid)
@@ -514,8 +520,7 @@ class Engine:
         self._bare.discard(uid)
         self._leave(rec)
         cs.pods[uid] = None
-        self._reattribute(self._graph.descendants(uid), cs)
-        self._replace_below(self._graph.take_evicted(), cs)
+        self._replace_below((uid, *self._graph.take_evicted()), cs)
 
     def _upsert_object(
         self,
@@ -545,7 +550,9 @@ class Engine:
             or old.name != rec.name
             or old.namespace != rec.namespace
         ):
-            self._reattribute_below([uid], cs)
+            todo = {uid: None}
+            self._graph.add_within_reach(uid, todo)
+            self._reattribute(todo, cs)
             return
         # same place in the graph: only what is derived from the object itself can change
         wl = self._wl.get(uid)
@@ -557,7 +564,7 @@ class Engine:
         if (before is not None and (after is None or not after.same_ids(before))) or (
             old.obj is None and after is not None and after.ids  # ids were unknown until now
         ):
-            self._reattribute(self._graph.descendants(uid), cs)
+            self._replace_below((uid,), cs)
 
     def _delete_object(self, uid: str, cs: ChangeSet) -> None:
         old = self._graph.remove(uid)
@@ -570,8 +577,7 @@ class Engine:
                 self._dirty.add(old.member)
         if uid in self._wl:
             self._dirty.add(uid)
-        self._reattribute(self._graph.descendants(uid), cs)
-        self._replace_below(self._graph.take_evicted(), cs)
+        self._replace_below((uid, *self._graph.take_evicted()), cs)
 
     # -- attribution --------------------------------------------------------------------
 

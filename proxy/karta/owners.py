@@ -286,6 +286,44 @@ class OwnerGraph:
                     into[child] = None
                     stack.append(child)
 
+    def add_within_reach(self, uid: str, into: dict[str, None]) -> None:
+        """Add to ``into`` the pods and objects below ``uid`` whose attribution can
+        change when ``uid`` does (appears, goes, changes owner, kind, name or namespace,
+        or the instance ids its workload's pods are checked against): the objects up to
+        ``max_hops`` references below it, and the pods up to twice that. ``uid`` itself
+        is not added.
+
+        An object's walk (:meth:`walk`, its membership) reads the owners up to
+        ``max_hops`` references above it, and of the one past those only the uid (its
+        own record's reference), for a cycle; a pod's walk reads as much and, when the
+        limit stops it above a described object it passed, goes on with that object's
+        own walk (``Engine._attribute_pod``): up to ``2 * max_hops`` above the pod. What
+        lies deeper cannot reach ``uid``, whatever it is. Re-attributing everything
+        below (:meth:`add_descendants`) made an owner added to the bottom of a chain of
+        N owners re-attribute the N below it: N^2 / 2 walks for the chain, which any
+        tenant can make (docs/karta-attribution.md, "Long chains")."""
+        dependents = self._dependents
+        pods = self._pods
+        hops = self.max_hops
+        seen = {uid}
+        level = [uid]
+        depth = 0
+        while level and depth < 2 * hops:
+            depth += 1
+            deeper: list[str] = []
+            for parent in level:
+                dep = dependents.get(parent)
+                if dep is None:
+                    continue
+                for child in dep.uids:
+                    if child in seen:
+                        continue
+                    seen.add(child)
+                    deeper.append(child)
+                    if depth <= hops or child in pods:
+                        into[child] = None
+            level = deeper
+
     # -- objects --------------------------------------------------------------------------
 
     def put(self, rec: ObjectRecord) -> ObjectRecord | None:
