@@ -42,8 +42,8 @@ def writer(host: Host, sent: list[bytes], clock: UpstreamClock | None,
     async def send(body: bytes) -> None:
         sent.append(body)
 
-    return FactWriter(FactSettings(interval_seconds=0.1, max_clock_offset_seconds=limit), small_index(), send,
-                      clock=lambda: host.wall, monotonic=lambda: host.mono,
+    return FactWriter(FactSettings(interval_seconds=0.1, max_clock_offset_seconds=limit),
+                      small_index(), send, clock=lambda: host.wall, monotonic=lambda: host.mono,
                       upstream_clock=clock)
 
 
