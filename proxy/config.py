@@ -167,6 +167,15 @@ class ServerSettings(Section):
     min_body_bytes_per_second: Annotated[int, setting(
         "and never slower than this on average (after its first second), else 503; at "
         "most 4 GiB/s", ge=1, le=MAX_BODY_BYTES)] = 16384
+    send_timeout_seconds: Annotated[float, setting(
+        "an answer the client does not take: once the proxy holds bytes of it the kernel "
+        "could not send (the client not reading), they must all be sent within this, else "
+        "the connection is aborted and its answer's memory released", gt=0)] = 30.0
+    keepalive_timeout_seconds: Annotated[float, setting(
+        "an idle keep-alive connection (no request since its last answer) is closed after "
+        "this; at server.max_connections the longest idle one is closed at once to make room "
+        "for a new connection. Remote-write senders post every few seconds on theirs",
+        gt=0)] = 75.0
     tls_cert_file: Annotated[str, setting(
         "serve HTTPS with this certificate (PEM, chain after the leaf), re-read when it "
         "changes; needs tls_key_file",

@@ -2,14 +2,15 @@
 line and headers, which aiohttp's server does not have, and overload shedding on the
 headers alone, at the cost of a canned answer.
 
-**Header deadline.** aiohttp closes a connection only after ``keepalive_timeout`` (an
-hour by default) of silence, and a connection that sends half a request line and then one
-byte a minute is never silent: thousands of them hold sockets and parser buffers for as
-long as their sender likes (slowloris). Here the request line and headers must be complete
-within ``header_timeout`` seconds of the connection's start, or of the first byte after
-the previous request's body; otherwise the connection gets a 408 and is closed. Idle time
-between keep-alive requests is not counted (that is ``keepalive_timeout``'s), nor is the
-body (the handler bounds that: ``server.body_read_timeout_seconds``).
+**Header deadline.** aiohttp closes a connection only after ``keepalive_timeout`` of
+silence (an hour by default; ``server.keepalive_timeout_seconds`` here), and a connection
+that sends half a request line and then one byte a minute is never silent: thousands of
+them hold sockets and parser buffers for as long as their sender likes (slowloris). Here
+the request line and headers must be complete within ``header_timeout`` seconds of the
+connection's start, or of the first byte after the previous request's body; otherwise the
+connection gets a 408 and is closed. Idle time between keep-alive requests is not counted
+(that is ``keepalive_timeout``'s), nor is the body (the handler bounds that:
+``server.body_read_timeout_seconds``).
 
 **Shedding.** Under overload the event loop is the bottleneck: at 2x more connections
 than request slots it was ~93% busy while the worker threads idled, and every refusal
@@ -50,6 +51,31 @@ connection may hold of unfinished headers is so bounded by ``max_header_bytes`` 
 socket read beyond it, dropped in the same turn of the loop), and all of them by
 ``max_connections`` times that.
 
+**Send deadline.** Nothing bounded the other direction: aiohttp writes an answer into
+the transport, and a client that never reads it (a 4 KiB receive buffer, a 3.6 MB JSON
+listing) held the answer's bytes, twice (the response and the transport's copy), and its
+connection's place for as long as it stayed connected: 100 of them grew RSS from 150 to
+595 MiB, 16 of them locked every sender out of a 16-connection proxy for good. Here the
+transport's write buffer has no slack (``set_write_buffer_limits(high=0)``, so aiohttp's
+flow control pauses the connection as soon as the kernel cannot take all of an answer,
+and resumes it once the proxy holds none of it), and a connection paused for
+``send_timeout`` seconds is aborted: its buffer and its handler (stopped in its write
+by the reset) go at once. The deadline runs per stall, so a slow reader that empties the
+buffer in time is served whatever the answer's size; it also bounds a connection that
+aiohttp closes with bytes still unsent (a keep-alive timeout, ``Connection: close``),
+which asyncio otherwise keeps open until they are sent. Under TLS the same holds of the
+TLS layer's buffer (the TCP transport beneath it pauses it past its own 64 KiB), and
+asyncio's TLS shutdown timeout (30 s) bounds a close.
+
+**Idle connections at the limit.** A keep-alive connection waiting for its next request
+costs nothing to close: its client reconnects when it has something to send. So when
+``max_connections`` are open, a new connection is not refused while one of them is idle
+(answered, nothing of a next request received, nothing left to send): the one idle the
+longest is aborted and the new one takes its place (16 idle keep-alive clients had locked
+a 16-connection proxy for aiohttp's hour). A connection that never sent a request is not
+idle in this sense (its header deadline bounds it), nor is one being answered (the send
+deadline does).
+
 aiohttp has no hook for any of these, so the connection protocol is a subclass of its
 ``RequestHandler`` that watches ``data_received`` and wraps its parser.
 """
@@ -58,6 +84,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -80,7 +107,7 @@ AIOHTTP_HANDLER_ATTRIBUTES = (
 AIOHTTP_HANDLER_METHODS = (
     "_handle_request", "_pause_transport_reading", "_process_keepalive",
     "_resume_transport_reading", "connection_lost", "connection_made", "data_received",
-    "finish_response", "force_close", "handle_error",
+    "finish_response", "force_close", "handle_error", "pause_writing", "resume_writing",
 )
 AIOHTTP_SERVER_ATTRIBUTES = ("_connections", "_kwargs", "_loop")
 AIOHTTP_PAYLOAD_ATTRIBUTES = ("_buffer", "_size")
@@ -97,9 +124,24 @@ DRAIN_MAX_BYTES = 1 << 20
 #: past this many bytes of answers not yet taken by a sender (one that pipelines refused
 #: requests without reading), a refusal closes the connection instead
 MAX_UNSENT_BYTES = 64 * 1024
+#: how long a connection may hold bytes of its answers that the client does not take
+#: (the default of ``server.send_timeout_seconds``): as long as a body may take to come in
+#: (``body_read_timeout_seconds``). Ample for a client that reads: it bounds one stall,
+#: not an answer, and a stall ends once the kernel has room for what the proxy holds (about
+#: half its send buffer, at most 4 MiB, free: ~70 KB/s read over 30 s)
+SEND_TIMEOUT_SECONDS = 30.0
 #: at stop, after the drain: how long the requests still in flight, their handlers
 #: cancelled, get to end before their connections are closed under them
 CANCEL_GRACE_SECONDS = 0.5
+
+
+class _Idle(enum.Enum):
+    """A listed connection's state when a place is needed (``ConnectionLimit``)."""
+
+    IDLE = enum.auto()
+    #: about to be idle (aiohttp between an answer and its wait for the next request)
+    SOON = enum.auto()
+    BUSY = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +194,9 @@ def response_431(max_header_bytes: int) -> bytes:
 #: told the peer address of each connection closed at once because ``max_connections``
 #: were open
 OnConnectionRefused = Callable[[str], None]
+#: told the peer address of each idle keep-alive connection closed to make room for a new
+#: one at ``max_connections``
+OnIdleClosed = Callable[[str], None]
 #: told the peer address and why of each request refused because its headers were too large
 OnHeaderTooLarge = Callable[[str, str], None]
 
@@ -160,20 +205,29 @@ class ConnectionLimit:
     """The client connections open now, at most ``limit``: one object for the plain and
     the TLS listener's protocols, counted when a connection is made (asyncio pairs every
     ``connection_made`` with a ``connection_lost``, so the count cannot drift) and given
-    back when it is lost."""
+    back when it is lost. At the limit, an idle keep-alive connection is closed to make
+    room for the new one, else the new one is refused."""
 
-    __slots__ = ("limit", "on_refused", "open")
+    __slots__ = ("idle", "limit", "on_idle_closed", "on_refused", "open")
 
-    def __init__(self, limit: int, on_refused: OnConnectionRefused | None = None) -> None:
+    def __init__(self, limit: int, on_refused: OnConnectionRefused | None = None,
+                 on_idle_closed: OnIdleClosed | None = None) -> None:
         self.limit = limit
         self.on_refused = on_refused
+        self.on_idle_closed = on_idle_closed
         self.open = 0
+        #: keep-alive connections answered and not yet sent a byte more, the longest idle
+        #: first (a dict for its order); one that is no longer idle may linger here until
+        #: its next answer, and is skipped (``_GuardedProtocol.idle_state``)
+        self.idle: dict[_GuardedProtocol, None] = {}
 
     def take(self, transport: asyncio.BaseTransport) -> bool:
-        """Count a new connection, or close it at once when ``limit`` are open: the sender
-        sees the close (or a reset) and reconnects, as after any dropped connection, and
-        nothing of it is read or allocated past the protocol object."""
-        if self.open < self.limit:
+        """Count a new connection, or close it at once when ``limit`` are open and none of
+        them is idle: the sender sees the close (or a reset) and reconnects, as after any
+        dropped connection, and nothing of it is read or allocated past the protocol
+        object. When one is idle, it is closed instead, and gives its place back in the
+        next turn of the loop (until then one more than ``limit`` is counted)."""
+        if self.open < self.limit or self._close_idle():
             self.open += 1
             return True
         cast(asyncio.Transport, transport).abort()
@@ -184,6 +238,28 @@ class ConnectionLimit:
     def give_back(self) -> None:
         self.open -= 1
 
+    def _close_idle(self) -> bool:
+        """Close the connection idle the longest; False when none is. Each one listed is
+        looked at once, whether closed or skipped (it lists itself again after its next
+        answer), so a flood of connections past the limit costs no scan of them all."""
+        idle = self.idle
+        soon: list[_GuardedProtocol] = []
+        try:
+            while idle:
+                conn = next(iter(idle))
+                del idle[conn]
+                state = conn.idle_state()
+                if state is _Idle.SOON:
+                    soon.append(conn)
+                elif state is _Idle.IDLE:
+                    peer = conn.close_idle()
+                    if self.on_idle_closed is not None:
+                        self.on_idle_closed(peer)
+                    return True
+            return False
+        finally:
+            for conn in soon:  # listed again, after the others
+                idle[conn] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +273,9 @@ class Wait:
 
 #: told the peer address of each connection closed for its headers
 OnTimeout = Callable[[str], None]
+#: told the peer address, and the bytes left unsent, of each connection aborted because
+#: its client did not take its answer within the send deadline
+OnSendTimeout = Callable[[str, int], None]
 #: told how many requests still in flight the stop ended when its drain ran out
 OnEnded = Callable[[int], None]
 #: (method, path without the query, headers, what tells the peer address) of a parsed
@@ -299,8 +378,8 @@ class _SpentParser:
 class _GuardedProtocol(RequestHandler):
     __slots__ = ("_body", "_counted", "_drain_deadline", "_drain_timer", "_header_bytes",
                  "_header_tail", "_header_timer", "_holding", "_limited", "_linger",
-                 "_max_header_bytes", "_refused", "_retiring", "_shed_count", "_shedding",
-                 "_skipping")
+                 "_listed", "_max_header_bytes", "_refused", "_retiring", "_send_timer",
+                 "_shed_count", "_shedding", "_skipping", "_wire")
 
     def __init__(self, manager: _GuardedServer, *, limited: bool = True, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -335,6 +414,13 @@ class _GuardedProtocol(RequestHandler):
         self._holding: tuple[Wait, Any] | None = None
         #: the answer being made is the connection's last (``retire``)
         self._retiring = False
+        #: the limit whose ``idle`` lists this connection now (its next byte unlists it)
+        self._listed: ConnectionLimit | None = None
+        #: the send deadline, while the client leaves bytes of an answer unsent
+        self._send_timer: asyncio.TimerHandle | None = None
+        #: the transport, until the connection is lost: aiohttp forgets it when it closes
+        #: the connection, which may then still hold unsent bytes (the send deadline's)
+        self._wire: asyncio.Transport | None = None
         if manager.shed is not None:
             self._parser = cast(Any, _SheddingParser(self._parser, self))
 
@@ -346,6 +432,15 @@ class _GuardedProtocol(RequestHandler):
                 return
             self._counted = True
         super().connection_made(transport)
+        wire = self._wire = cast(asyncio.Transport, transport)
+        # no slack in the write buffer: aiohttp's flow control pauses the connection (and
+        # the send deadline starts) as soon as the kernel cannot take all of an answer, and
+        # resumes it once all of it is sent. asyncio's TLS transport pauses at a size of
+        # ``high`` and more (a plain one past it): there, any byte pending
+        if transport.get_extra_info("sslcontext") is None:
+            wire.set_write_buffer_limits(high=0)
+        else:
+            wire.set_write_buffer_limits(high=1, low=0)
         self._arm()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500,
@@ -385,10 +480,12 @@ class _GuardedProtocol(RequestHandler):
             if limit is not None:
                 limit.give_back()
         self._disarm()
-        for timer in (self._linger, self._drain_timer):
+        self._unlist()
+        for timer in (self._linger, self._drain_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
-        self._linger = self._drain_timer = None
+        self._linger = self._drain_timer = self._send_timer = None
+        self._wire = None
         self._body = self._skipping = None
         holding = self._holding
         if holding is not None and any(p is holding[1] for _, p in self._messages):
@@ -398,6 +495,8 @@ class _GuardedProtocol(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._listed is not None:
+            self._unlist()
         if self._shedding:
             return  # the rest of a shed request: dropped, never parsed
         if self._close or self._force_close:
@@ -535,6 +634,12 @@ class _GuardedProtocol(RequestHandler):
             # aiohttp reads ``keep_alive`` next to decide whether to wait for another
             # request, which would have kept the connection open to be served again
             resp.force_close()
+        elif not reset and resp.keep_alive and not (self._close or self._force_close):
+            # answered, kept open: idle from now on, until its next byte
+            limit = cast(_GuardedServer, self._manager).limit
+            if limit is not None and self.transport is not None:
+                limit.idle[self] = None
+                self._listed = limit
         return resp, reset
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
@@ -544,6 +649,73 @@ class _GuardedProtocol(RequestHandler):
             # reads ``keep_alive`` from it to decide whether to close
             resp.force_close()
         return await super().finish_response(request, resp, start_time)
+
+    # -- idle at the limit ------------------------------------------------------------------
+
+    def _unlist(self) -> None:
+        if self._listed is not None:
+            self._listed.idle.pop(self, None)
+            self._listed = None
+
+    def idle_state(self) -> _Idle:
+        """Whether this connection, listed as idle, is: aiohttp waiting for its next
+        request, not a byte of one received, nothing of the last answer left to send, no
+        refused body being skipped. ``SOON``: aiohttp is between the answer it just wrote
+        and that wait (a turn of the loop; one such connection taken for busy would stay
+        unlisted while idle). Unlisted unless ``SOON``."""
+        transport = self.transport
+        if transport is None or self._force_close or self._close or self._shedding \
+                or self._messages or self._header_bytes or self._skipping is not None \
+                or self._holding is not None or self._send_timer is not None \
+                or transport.get_write_buffer_size():
+            self._listed = None
+            return _Idle.BUSY
+        if not _waiting_for_request(self):
+            if self._request_in_progress:
+                self._listed = None
+                return _Idle.BUSY
+            return _Idle.SOON
+        self._listed = None
+        return _Idle.IDLE
+
+    def close_idle(self) -> str:
+        """Abort this idle connection (``idle_state``), and tell its peer's address.
+        Aborted, not closed: there is nothing to flush, and a TLS close would wait for
+        the client's close_notify (up to 30 s), holding the place the new connection
+        needs."""
+        transport = cast(asyncio.Transport, self.transport)
+        peer = _peer(transport)
+        transport.abort()
+        return peer
+
+    # -- send deadline ----------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        """The kernel did not take all of an answer: the client must take the rest within
+        the send deadline (``resume_writing`` when it has)."""
+        super().pause_writing()
+        server = self._manager
+        if self._send_timer is None and isinstance(server, _GuardedServer):
+            self._send_timer = self._loop.call_later(server.send_timeout, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        """The client left bytes of an answer unsent for the whole send deadline: the
+        connection is aborted, what it holds to send dropped with it, and a handler
+        still writing ends with the reset (aiohttp's ``ConnectionResetError``)."""
+        self._send_timer = None
+        wire = self._wire
+        if wire is None:
+            return
+        server = cast(_GuardedServer, self._manager)
+        if server.on_send_timeout is not None:
+            server.on_send_timeout(_peer(wire), wire.get_write_buffer_size())
+        wire.abort()
 
     # -- shedding -------------------------------------------------------------------------
 
@@ -719,7 +891,9 @@ class _GuardedServer(web.Server):
                  shed: Shed | None, on_bad_http: OnBadHttp | None = None,
                  limit: ConnectionLimit | None = None, max_header_bytes: int = 1 << 20,
                  on_header_too_large: OnHeaderTooLarge | None = None,
-                 on_ended: OnEnded | None = None, **kwargs: Any) -> None:
+                 on_ended: OnEnded | None = None,
+                 send_timeout: float = SEND_TIMEOUT_SECONDS,
+                 on_send_timeout: OnSendTimeout | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.on_timeout = on_timeout
@@ -729,6 +903,8 @@ class _GuardedServer(web.Server):
         self.max_header_bytes = max_header_bytes
         self.on_header_too_large: OnHeaderTooLarge = on_header_too_large or _ignore
         self.on_ended = on_ended
+        self.send_timeout = send_timeout
+        self.on_send_timeout = on_send_timeout
 
     def __call__(self) -> RequestHandler:
         return _GuardedProtocol(self, loop=self._loop, **self._kwargs)
@@ -789,10 +965,15 @@ class GuardedRunner(web.AppRunner):
                  shed: Shed | None = None, on_bad_http: OnBadHttp | None = None,
                  limit: ConnectionLimit | None = None, max_header_bytes: int = 1 << 20,
                  on_header_too_large: OnHeaderTooLarge | None = None,
-                 on_ended: OnEnded | None = None, **kwargs: Any) -> None:
+                 on_ended: OnEnded | None = None,
+                 send_timeout: float = SEND_TIMEOUT_SECONDS,
+                 on_send_timeout: OnSendTimeout | None = None, **kwargs: Any) -> None:
         """``limit``: the connections open at once (none: no limit); ``max_header_bytes``:
         a request's line and headers in all, aiohttp's per-line limits set to fit it;
-        ``on_ended``: told how many requests in flight a stop ended."""
+        ``on_ended``: told how many requests in flight a stop ended; ``send_timeout``:
+        how long a client may leave bytes of an answer unsent, ``on_send_timeout`` told
+        of each connection aborted for it. aiohttp's ``keepalive_timeout`` is among
+        ``kwargs`` (its default is an hour)."""
         super().__init__(app, **header_limits(max_header_bytes), **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
@@ -802,6 +983,8 @@ class GuardedRunner(web.AppRunner):
         self._max_header_bytes = max_header_bytes
         self._on_header_too_large = on_header_too_large
         self._on_ended = on_ended
+        self._send_timeout = send_timeout
+        self._on_send_timeout = on_send_timeout
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup, freezes it
@@ -812,5 +995,6 @@ class GuardedRunner(web.AppRunner):
             shed=self._shed, on_bad_http=self._on_bad_http, limit=self._limit,
             max_header_bytes=self._max_header_bytes,
             on_header_too_large=self._on_header_too_large, on_ended=self._on_ended,
+            send_timeout=self._send_timeout, on_send_timeout=self._on_send_timeout,
             **plain._kwargs,
         )

@@ -289,7 +289,15 @@ class RemoteWriteHandler:
             "its symbol index was rebuilt with a keyed hash, the request forwarded",
             "RW 2.0 requests whose symbols collide in the splice's hash, forwarded",
             peer_field="remote")
+        #: answers not taken by their clients come by the dozen from one scraper or
+        #: browser that hangs, by the thousand from a flood
+        self._send_timeouts = Throttled(log, "connection aborted", "connections aborted",
+                                        peer_field="remote")
+        #: idle connections closed to make room: the way a full proxy works, not a fault
+        self._idle_closed = Throttled(log, "idle connection closed", "idle connections closed",
+                                      peer_field="remote", level=logging.INFO)
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
+        metrics.connections_closed.labels("idle_at_limit")
         #: the child a splice that takes more counts in (looked up once, not per request)
         self._splices_grown = metrics.splice_limits.labels("grown")
 
@@ -304,6 +312,8 @@ class RemoteWriteHandler:
         stop)."""
         self._header_timeouts.close()
         self._connections_refused.close()
+        self._send_timeouts.close()
+        self._idle_closed.close()
         self._refusals.close()
         self._refusals_info.close()
         self._label_limited.close()
@@ -396,6 +406,27 @@ class RemoteWriteHandler:
         self._connections_refused.event("max_connections", {
             "reason": "max_connections", "remote": remote,
             "limit": self.settings.max_connections,
+        })
+
+    def idle_connection_closed(self, remote: str) -> None:
+        """An idle keep-alive connection aborted to make room for a new one at
+        ``server.max_connections`` (its client reconnects when it next sends): counted,
+        the lines throttled, at info."""
+        self.metrics.connections_closed.labels("idle_at_limit").inc()
+        self._idle_closed.event("idle_at_limit", {
+            "reason": "idle_at_limit", "remote": remote,
+            "limit": self.settings.max_connections,
+        })
+
+    def send_timed_out(self, remote: str, unsent: int) -> None:
+        """A connection aborted because its client left bytes of an answer unsent for
+        ``server.send_timeout_seconds`` (it does not read: its answer's memory and its
+        place are released): every one counted, the lines throttled."""
+        self.metrics.rejected.labels("send_timeout").inc()
+        self._send_timeouts.event("send_timeout", {
+            "kind": "send_timeout", "remote": remote, "unsent_bytes": unsent,
+            "reason": "the client did not take the rest of its answer within "
+                      f"{self.settings.send_timeout_seconds:g} s",
         })
 
     def header_too_large(self, remote: str, reason: str) -> None:

@@ -177,12 +177,19 @@ class ProxyMetrics:
             _P + "requests_rejected", "Requests refused before decoding, by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, karta_extra_label, header_timeout, body_timeout, "
-            "body_too_slow, expectation, client_closed, bad_http, header_too_large).",
+            "body_too_slow, expectation, client_closed, bad_http, header_too_large, "
+            "send_timeout).",
             ["reason"], registry=r,
         )
         self.connections_refused = Counter(
             _P + "connections_refused", "Client connections closed as soon as they were "
             "made, by reason (max_connections: server.max_connections were open).",
+            ["reason"], registry=r,
+        )
+        self.connections_closed = Counter(
+            _P + "connections_closed", "Idle client connections closed by the proxy, by "
+            "reason (idle_at_limit: aborted to make room for a new connection at "
+            "server.max_connections).",
             ["reason"], registry=r,
         )
         self.open_connections = Gauge(

@@ -240,14 +240,20 @@ async def start_site(
     ``ssl_context`` may be a callable giving the current context, asked per connection
     (a rotated certificate is a new context: proxy/tls.py)."""
     handler = app[REMOTE_WRITE]
-    limit = ConnectionLimit(handler.settings.max_connections, handler.connection_refused)
+    settings = handler.settings
+    limit = ConnectionLimit(settings.max_connections, handler.connection_refused,
+                            handler.idle_connection_closed)
     handler.metrics.open_connections.set_function(lambda: limit.open)
     runner = GuardedRunner(
-        app, header_timeout=handler.settings.header_read_timeout_seconds,
+        app, header_timeout=settings.header_read_timeout_seconds,
         on_timeout=handler.header_timed_out, shed=handler.shed,
         on_bad_http=handler.bad_http, limit=limit,
-        max_header_bytes=handler.settings.max_header_bytes,
+        max_header_bytes=settings.max_header_bytes,
         on_header_too_large=handler.header_too_large, on_ended=handler.ended_at_stop,
+        send_timeout=settings.send_timeout_seconds, on_send_timeout=handler.send_timed_out,
+        # aiohttp's default is an hour: an idle connection held a place in max_connections
+        # that long (16 idle keep-alive clients locked a 16-connection proxy)
+        keepalive_timeout=settings.keepalive_timeout_seconds,
         auto_decompress=False,
         access_log=None, handle_signals=False, shutdown_timeout=DRAIN_SECONDS,
         lingering_time=LINGER_SECONDS)
@@ -260,7 +266,7 @@ async def start_site(
         # deadline (asyncio's own is 60 s, long enough for an idle client to hold a slot)
         site = TLSSite(runner, host, port, ssl_context=ssl_context, reuse_address=True,
                        refusals=refusals if refusals is not None else Refusals(),
-                       handshake_timeout=handler.settings.header_read_timeout_seconds,
+                       handshake_timeout=settings.header_read_timeout_seconds,
                        connections=connections)
     await site.start()
     # the runner's public view of its sockets: (host, port, ...) per bound address

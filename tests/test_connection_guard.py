@@ -8,6 +8,8 @@ through the settings so each test takes a second or two."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 import tracemalloc
 from pathlib import Path
@@ -533,3 +535,169 @@ async def test_the_aiohttp_internals_relied_on_are_all_there() -> None:
     assert not missing, f"aiohttp {aiohttp.__version__} lacks {', '.join(missing)}"
     # the parser the guard wraps hands back (messages, upgraded, tail)
     assert len(protocol._parser.feed_data(b"")) == 3  # type: ignore[union-attr]
+
+
+# -- the send deadline and idle connections at the limit --------------------------------
+
+#: a page of ~20 KB (the proxy's own series), asked for 600 times in one write: 12 MB
+#: of answers, past what the kernel takes for a client that never reads (on loopback the
+#: proxy's send buffer grows to 4 MiB, net.ipv4.tcp_wmem)
+PAGE = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+async def never_reading(p: Any) -> socket.socket:
+    """A connection whose client sends and never reads (its receive buffer 4 KiB)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", p.port))
+    return sock
+
+
+def aborted(sock: socket.socket) -> bool:
+    """The proxy reset or closed the connection (its unread answers are then dropped by
+    the client's kernel, which answers a read with the reset)."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+async def test_a_client_that_never_reads_its_answers_is_aborted_at_the_send_deadline(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing bounded the answer's side: a client that asked for MiBs and never read
+    held them, its handler and its place in max_connections for as long as it stayed
+    connected (an audit: 16 such clients locked every sender out of a 16-connection
+    proxy, 100 of them held 450 MiB)."""
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, max_connections=1, send_timeout_seconds=0.5) as p,
+    ):
+        sock = await never_reading(p)
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, PAGE * 600)
+            t0 = time.monotonic()
+            deadline = t0 + 20  # a sanitized build renders the pages far slower
+            while metric(p, "karta_proxy_requests_rejected_total", reason="send_timeout") < 1:
+                assert time.monotonic() < deadline, "never aborted"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - t0 > 0.4
+            await until(lambda: metric(p, "karta_proxy_open_connections") == 0, "its place free")
+            assert aborted(sock)
+        finally:
+            sock.close()
+        assert (await post(p)).status == 204  # the one place is a sender's again
+    [line] = [r for r in caplog.records if getattr(r, "kind", "") == "send_timeout"]
+    assert line.getMessage() == "connection aborted" and line.levelname == "WARNING"
+    assert line.__dict__["unsent_bytes"] > 0 and line.__dict__["remote"] == "127.0.0.1"
+
+
+async def test_a_client_that_reads_its_answers_gets_them_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The send deadline bounds a stall, not an answer: the same 12 MB, not read for a
+    while (the proxy's writes pause once the kernel's buffers are full) and then read as
+    they come, all arrive, though their sending took longer than the deadline."""
+    paused: list[bool] = []
+    resumed: list[bool] = []
+    pause, resume = _GuardedProtocol.pause_writing, _GuardedProtocol.resume_writing
+
+    def pausing(self: _GuardedProtocol) -> None:
+        paused.append(True)
+        pause(self)
+
+    def resuming(self: _GuardedProtocol) -> None:
+        resumed.append(True)
+        resume(self)
+
+    monkeypatch.setattr(_GuardedProtocol, "pause_writing", pausing)
+    monkeypatch.setattr(_GuardedProtocol, "resume_writing", resuming)
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up, send_timeout_seconds=2.0) as p:
+        loop = asyncio.get_running_loop()
+        sock = await never_reading(p)
+        try:
+            await loop.sock_sendall(sock, PAGE * 600)
+            t0 = time.monotonic()
+            status, answers, tail = b"HTTP/1.1 200 OK", 0, b""
+            # nothing read until the kernel's buffers are full (4 MiB on loopback: ~0.5 s,
+            # more on a slow or sanitized build) and the proxy's writes pause, then for
+            # half a second more, well within the deadline
+            async with asyncio.timeout(15):
+                while not paused:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)
+            async with asyncio.timeout(20):
+                while answers < 600 or not tail.endswith(b"\r\n0\r\n\r\n"):
+                    data = await loop.sock_recv(sock, 1 << 16)
+                    assert data, "closed"
+                    seen = tail + data  # a status line may span two reads
+                    answers += seen.count(status)
+                    tail = seen[-(len(status) - 1):]
+        finally:
+            sock.close()
+        assert resumed  # the proxy waited on the reader, and went on
+        assert time.monotonic() - t0 > 2.0  # longer than the deadline in all
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="send_timeout") == 0
+
+
+async def test_idle_keep_alive_connections_make_room_for_new_ones_at_the_limit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """max_connections idle keep-alive connections locked every new sender out for
+    aiohttp's keep-alive timeout (an hour, an audit: 16 of them, one request each). The
+    one idle the longest is closed for a new connection; a connection that never sent a
+    request, or is sending one, keeps its place."""
+    caplog.set_level(logging.INFO)
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up, max_connections=4) as p:
+        idle = []
+        for _ in range(3):  # one request each, answered, then nothing
+            r, w = await connect(p)
+            w.write(request())
+            assert (await read_answer(r)).status == 204
+            idle.append((r, w))
+        r4, w4 = await connect(p)
+        w4.write(HEAD.encode())  # a request under way: headers, no end yet
+        await until(lambda: metric(p, "karta_proxy_open_connections") == 4, "4 open")
+        senders = []
+        for i in range(3):  # each new sender takes the place of the one idle the longest
+            r, w = await connect(p)
+            w.write(request())
+            assert (await read_answer(r)).status == 204
+            senders.append((r, w))  # and stays, idle after its answer
+            assert await closed_unanswered(idle[i][0], timeout=2)
+            assert metric(p, "karta_proxy_connections_closed_total", reason="idle_at_limit") \
+                == i + 1
+        for _, w in senders:
+            w.close()
+        await until(lambda: metric(p, "karta_proxy_open_connections") == 1, "1 open")
+        fresh = [await connect(p) for _ in range(3)]  # connected, never a byte: not idle
+        await until(lambda: metric(p, "karta_proxy_open_connections") == 4, "4 open")
+        r5, w5 = await connect(p)
+        assert await closed_unanswered(r5)  # none idle: refused, as ever
+        assert metric(p, "karta_proxy_connections_refused_total", reason="max_connections") == 1
+        assert metric(p, "karta_proxy_connections_closed_total", reason="idle_at_limit") == 3
+        w4.write(f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)
+        assert (await read_answer(r4)).status == 204  # the request under way, served
+        for _, w in (*idle, *fresh, (r4, w4), (r5, w5)):
+            w.close()
+    lines = [r for r in caplog.records if getattr(r, "reason", "") == "idle_at_limit"]
+    assert (lines[0].getMessage(), lines[0].levelname) == ("idle connection closed", "INFO")
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeout(
+        tmp_path: Path) -> None:
+    """aiohttp's default is an hour; the proxy sets server.keepalive_timeout_seconds."""
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, keepalive_timeout_seconds=0.5) as p,
+    ):
+        assert p.settings.server.keepalive_timeout_seconds == 0.5
+        r, w = await connect(p)
+        w.write(request())
+        assert (await read_answer(r)).status == 204
+        t0 = time.monotonic()
+        assert await closed_unanswered(r, timeout=3)
+        w.close()
+        assert 0.4 < time.monotonic() - t0 < 2.5
