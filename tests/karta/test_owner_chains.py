@@ -27,7 +27,7 @@ from proxy.karta.engine import Engine
 from proxy.karta.owners import OwnerGraph
 from proxy.karta.results import ChangeSet
 from tests.clock import ManualClock
-from tests.karta.test_engine_properties import KINDS, MID, TOP
+from tests.karta.test_engine_properties import KINDS, MID, TOP, _follow
 
 NS = "ns"
 
@@ -252,15 +252,6 @@ def histories(draw: st.DrawFn) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
     return hops, events
 
 
-def _follow(mirror: dict[str, Any], changes: dict[str, Any]) -> None:
-    for uid, value in changes.items():
-        assert mirror.get(uid) != value, f"{uid} reported without a change"
-        if value is None:
-            mirror.pop(uid)
-        else:
-            mirror[uid] = value
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(histories())
 def test_bounded_fan_out_equals_everything_below_and_a_rebuild(
@@ -273,8 +264,8 @@ def test_bounded_fan_out_equals_everything_below_and_a_rebuild(
     mirror_wls: dict[str, Any] = {}
 
     def replay(cs: ChangeSet) -> None:
-        _follow(mirror_pods, cs.pods)
-        _follow(mirror_wls, cs.workloads)
+        _follow(mirror_pods, cs.pods, "pod")
+        _follow(mirror_wls, cs.workloads, "workload")
 
     final: dict[str, dict[str, Any]] = {}
     for what, obj in events:
