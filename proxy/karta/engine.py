@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 #: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
 #: logged again): one bad description over every workload of its kind stays bounded
 _JQ_LOGGED_MAX = 10_000
+#: characters of jq's message a log line shows (``error(.metadata.annotations.x)`` quotes
+#: up to 256 KiB a pod's author wrote)
+_JQ_MESSAGE_SHOWN = 300
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 
@@ -805,6 +808,8 @@ class Engine:
         else:
             ident = f"uid {wl_uid}"
         what = f"{where} {expression!r}" if expression else where
+        if len(message) > _JQ_MESSAGE_SHOWN:  # jq's message may quote the input's values
+            message = message[:_JQ_MESSAGE_SHOWN] + f"... ({len(message)} characters)"
         log.warning("karta engine: jq error in %s of description %s (%s), on workload %s: %s"
                     " (logged once per workload and expression)",
                     what, plan.desc.name, plan.desc.source, ident, message)

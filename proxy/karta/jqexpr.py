@@ -24,6 +24,59 @@ class JqError(RuntimeError):
     """The expression failed at run time on one object."""
 
 
+class JqIdError(JqError):
+    """The expression yielded an id the engine cannot stamp as a label value (too long,
+    control characters, not UTF-8): handled as a run-time error of the expression, so
+    the id is not used (the pod placed without it, the workload's ids unknown)."""
+
+
+#: the longest id, in UTF-8 bytes, the engine stamps as a label value (``karta_instance``,
+#: ``karta_replica``). Under every common upstream's limit on a label value: Mimir and
+#: Cortex (``max_label_value_length``, 2048 by default) refuse the whole write request
+#: holding a longer one; VictoriaMetrics' ``-maxLabelValueLen`` (1024 in old releases,
+#: 4096 or 16 KiB in later ones) truncates or drops the series; Grafana Cloud cuts at
+#: 2048 and appends a hash. An id is a name (a service, a group, an index): one over a
+#: KiB is a description reading something that is no id (an annotation's content).
+MAX_ID_BYTES = 1024
+
+
+def checked_id(text: str) -> str:
+    """``text`` when it can be stamped as an id, else :class:`JqIdError` (its value shown
+    cut, as a refusal of the wire shows a label: :func:`_shown`).
+
+    Refused, never truncated: two long ids sharing their first KiB would become one, and
+    a control character (C0, DEL) is no name and breaks log lines and exposition."""
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\\ud800")
+        raise JqIdError(
+            f"id refused: not valid UTF-8: "
+            f"{_shown(text.encode('utf-8', 'surrogatepass'))}") from None
+    if len(raw) > MAX_ID_BYTES:
+        raise JqIdError(f"id refused: {len(raw)} bytes, over the {MAX_ID_BYTES} bytes an id "
+                        f"may have: {_shown(raw)}")
+    if _CONTROL.search(text) is not None:
+        raise JqIdError(f"id refused: holds a control character: {_shown(raw)}")
+    return text
+
+
+#: bytes of a refused id a message shows
+_SHOWN = 64
+
+
+def _shown(s: bytes) -> str:
+    """The first :data:`_SHOWN` bytes, printable ASCII as is and every other byte as
+    ``\\xNN``, ``...`` after a cut: the rule of ``proxy.wire.primitives.shown`` (the
+    engine imports nothing outside ``proxy.karta``)."""
+    out = "".join(chr(b) if 0x20 <= b < 0x7F and b not in b'\\"' else f"\\x{b:02x}"
+                  for b in s[:_SHOWN])
+    return out + "..." if len(s) > _SHOWN else out
+
+
+#: C0 controls and DEL
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def to_text(value: Any) -> str:
     """The string form upstream compares against (jq ``tostring``).
 
@@ -82,19 +135,21 @@ def output_ids(out: list[Any]) -> list[str | None]:
 
     The scale paths' outputs line up with the ids by position, so an id no pod can
     name (null, "") keeps its place: dropped, the ids after it took the desired counts
-    of the places before them (ids ["", "b"], replicas [5, 1] gave "b" 5)."""
-    return [None if v is None or v == "" else to_text(v) for v in out]
+    of the places before them (ids ["", "b"], replicas [5, 1] gave "b" 5). An id that
+    cannot be stamped (:func:`checked_id`) raises :class:`JqIdError`: the path failed."""
+    return [None if v is None or v == "" else checked_id(to_text(v)) for v in out]
 
 
 def single_output_id(out: list[Any]) -> str | None:
     """Instance / replica ids: exactly one result, non-null and non-empty, else None.
 
     The count is of all outputs, nulls and empties included: [null, "x"] is two results,
-    so no id (upstream), not "x"."""
+    so no id (upstream), not "x". An id that cannot be stamped (:func:`checked_id`)
+    raises :class:`JqIdError`."""
     if len(out) != 1:
         return None
     v = out[0]
-    return None if v is None or v == "" else to_text(v)
+    return None if v is None or v == "" else checked_id(to_text(v))
 
 
 class JqExpr:

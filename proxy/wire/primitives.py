@@ -280,17 +280,25 @@ def labels_of(field: bytes) -> bytes:
 
 def series_text(labels: bytes) -> str:
     """``name{label="value", ...}`` of a series' RW 1.0 label fields, for a log line that
-    names a series (bytes that are not UTF-8 shown replaced, not refused)."""
+    names a series (bytes that are not UTF-8 shown replaced, not refused). A name or value
+    longer than :data:`SHOWN` bytes is cut there, its length said (``"xxx..." (5000
+    bytes)``): a series refused for a long value would otherwise log it whole."""
     pairs: list[tuple[str, str]] = []
     pos, end = 0, len(labels)
     while pos < end:
         _, _, p, q = read_field(labels, pos, end)
         k, v = parse_label(labels, p, q)
-        pairs.append((k.decode("utf-8", "replace"), v.decode("utf-8", "replace")))
+        pairs.append((_cut_text(k), _cut_text(v)))
         pos = q
     metric = next((v for k, v in pairs if k == "__name__"), "")
     rest = ", ".join(f'{k}="{v}"' for k, v in pairs if k != "__name__")
     return f"{metric}{{{rest}}}"
+
+
+def _cut_text(b: bytes) -> str:
+    if len(b) <= SHOWN:
+        return b.decode("utf-8", "replace")
+    return b[:SHOWN].decode("utf-8", "replace") + f"...({len(b)} bytes)"
 
 
 # -- the payloads a splice copies (samples, exemplars, histograms, metadata) -------------

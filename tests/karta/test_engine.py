@@ -687,6 +687,62 @@ def test_instances_of_a_map_get_their_own_desired_counts() -> None:
     assert rows == {("frontend", 1.0, 1), ("worker", 4.0, 4)}
 
 
+def test_an_id_too_long_or_with_control_characters_is_not_stamped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Instance and replica ids are label values: one read from what a pod's author
+    writes (an annotation, up to 256 KiB) or from the workload object, over 1024 bytes or
+    holding a control character, is refused as a jq error of its path: the pod placed
+    without it (its series never stamped with 100,000 bytes that an upstream refuses
+    with the whole write), counted, logged once per workload, the value cut."""
+    graph = karta({"group": "example.com", "kind": "Graph"}, [{
+        "name": "service", "ownerRef": "root",
+        "specDefinition": {"podTemplateSpecPath": ".spec.services[]"},
+        "scaleDefinition": {"replicasPath": ".spec.services[] | .replicas"},
+        "instanceIdPath": ".spec.services | keys[]",
+        "podSelector": {
+            "componentInstanceSelector": {"idPath": '.metadata.annotations["svc"]'},
+            "replicaSelector": {"keyPath": '.metadata.annotations["n"]'}},
+    }])
+    e = Engine()
+    e.add_descriptions([describe(graph)])
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    long_id = "s" * 100_000
+    g = obj("example.com/v1", "Graph", "g",
+            spec={"services": {"ok": {"replicas": 2}, "bad\nline": {"replicas": 1}}})
+    h = obj("example.com/v1", "Graph", "h", spec={"services": {long_id: {"replicas": 1}}})
+
+    def annotated(name: str, owner: dict[str, Any], **ann: str) -> dict[str, Any]:
+        p = pod(name, owner)
+        p["metadata"]["annotations"] = ann
+        return p
+
+    e.upsert_many([g, h,
+                   annotated("ok-0", g, svc="ok", n="0"),
+                   annotated("ok-1", g, svc="ok", n="x" * 100_000),
+                   annotated("nl-0", g, svc="bad\nline", n="a\x7fb"),
+                   annotated("long-0", h, svc=long_id, n="0")])
+    assert (P(e, "pod-ok-0").instance, P(e, "pod-ok-0").replica) == ("ok", "0")
+    assert (P(e, "pod-ok-1").instance, P(e, "pod-ok-1").replica) == ("ok", "")
+    assert (P(e, "pod-nl-0").component, P(e, "pod-nl-0").instance) == ("service", "")
+    assert P(e, "pod-nl-0").replica == ""
+    assert (P(e, "pod-long-0").instance, P(e, "pod-long-0").replica) == ("", "0")
+    # the workloads' instance ids: g lists one it cannot stamp, h only one: both unknown,
+    # the rows named by the pods
+    for uid in ("graph-g", "graph-h"):
+        for r in W(e, uid).replicas:
+            assert len(r.instance.encode()) <= 1024 and "\n" not in r.instance, uid
+    assert {r.instance for r in W(e, "graph-g").replicas} == {"ok", ""}
+    # counted: three pod selectors (ok-1's replica, nl-0's instance and replica, long-0's
+    # instance), two workload paths
+    assert e.stats[STAT_SELECTOR_ERROR] == 4
+    assert e.stats[STAT_WORKLOAD_JQ_ERROR] == 2
+    lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
+    assert lines and all(len(line) < 1000 for line in lines), [len(x) for x in lines]
+    assert any("id refused: 100000 bytes, over the 1024 bytes" in line for line in lines)
+    assert any("id refused: holds a control character: bad\\x0aline" in line
+               for line in lines)
+
+
 def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_counted(
         caplog: pytest.LogCaptureFixture) -> None:
     """A status path, a scale path and a pod selector failing at run time (``.[]`` on

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
 
-from proxy.karta.jqexpr import JqCompileError, JqError, JqExpr, input_fields, to_text
+from proxy.karta.jqexpr import (
+    MAX_ID_BYTES,
+    JqCompileError,
+    JqError,
+    JqExpr,
+    JqIdError,
+    checked_id,
+    input_fields,
+    to_text,
+)
 
 OBJ: dict[str, Any] = {
     "metadata": {"name": "web", "labels": {"role": "head", "n": 3}},
@@ -86,6 +96,44 @@ def test_ids_keep_the_place_of_null_and_empty() -> None:
     assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu", None, None]
     assert JqExpr(".missing").ids(OBJ) == [None]
     assert JqExpr("empty").ids(OBJ) == []
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("x" * (MAX_ID_BYTES + 1), "1025 bytes, over the 1024"),
+    ("x" * 100_000, "100000 bytes"),  # an annotation's content (up to 256 KiB)
+    ("é" * (MAX_ID_BYTES // 2 + 1), "1026 bytes"),  # bytes of UTF-8, not characters
+    ("a\nb", "control character: a\\x0ab"),
+    ("a\tb", "control character"),
+    ("a\u0000b", "control character"),
+    ("a\u007fb", "control character"),
+])
+def test_an_id_that_cannot_be_a_label_value_is_refused(value: str, why: str) -> None:
+    """Instance and replica ids become label values: one over the bound, or holding a
+    control character, is refused (a jq error of the path), never cut, and the message
+    shows at most 64 bytes of it."""
+    obj = {"metadata": {"annotations": {"id": value}}, "spec": {"ids": ["a", value]}}
+    for run in (JqExpr(".metadata.annotations.id").single_id,
+                JqExpr(".spec.ids[]").ids):
+        with pytest.raises(JqIdError, match="id refused") as err:
+            run(obj)
+        assert why in str(err.value)
+        assert isinstance(err.value, JqError)  # handled as every run-time error
+        assert len(str(err.value)) < 400
+    # the engine's plain label lookups skip libjq (which refuses such input itself)
+    with pytest.raises(JqIdError, match=re.escape(why)):
+        checked_id(value)
+
+
+def test_an_id_that_is_not_utf8_is_refused() -> None:
+    with pytest.raises(JqIdError, match="not valid UTF-8"):
+        checked_id("\ud800")  # a lone surrogate, as JSON may spell it
+
+
+def test_an_id_up_to_the_bound_is_kept() -> None:
+    for value in ("x" * MAX_ID_BYTES, "é" * (MAX_ID_BYTES // 2), "日本 ~ ok", "a b"):
+        obj = {"metadata": {"annotations": {"id": value}}}
+        assert JqExpr(".metadata.annotations.id").single_id(obj) == value
+        assert JqExpr(".metadata.annotations.id").ids(obj) == [value]
 
 
 def test_tostring_first() -> None:

@@ -82,3 +82,11 @@ def test_series_text_shows_bytes_that_are_not_utf8_replaced() -> None:
     # a Label of name "k" and value b"\xff": what a log line must still show, not refuse
     label = b"\x0a\x06" + b"\x0a\x01k" + b"\x12\x01\xff"
     assert series_text(label) == '{k="\ufffd"}'
+
+
+def test_series_text_cuts_long_values_and_says_their_length() -> None:
+    """A fact series refused for a 5000-byte label value (an id over the upstream's
+    limit) is named in a log line: not with the value whole."""
+    field = timeseries_field([("__name__", "up"), ("karta_instance", "i" * 5000), ("a", "b")])
+    text = series_text(labels_of(field))
+    assert text == 'up{karta_instance="' + "i" * 64 + '...(5000 bytes)", a="b"}'
