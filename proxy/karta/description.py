@@ -393,12 +393,33 @@ class _Parser:
 
 _UNBOUNDED = "may never end"
 _OUTSIDE = "reads outside the object"
-#: jq names a description may not use: evaluation runs in the engine's thread, so an
-#: expression that never ends (or exhausts memory) would stop attribution for the whole
+_GROWS = "its cost can grow without bound"
+_QUADRATIC = "costs the square of the object's depth"
+#: jq names a description may not use: evaluation runs in the engine's thread, and libjq
+#: can be neither interrupted nor bounded there, so an expression that never ends (or
+#: exhausts memory: libjq then aborts the process) would stop attribution for the whole
 #: cluster, and one reading the environment could leak it into label values. None of
-#: them is needed to read fields of one object; ``..`` and ``limit`` remain available.
+#: them is needed to read fields of one object (no sample or built-in uses one); ``..``
+#: and ``limit`` remain available. A scan of names narrows the ways a description can
+#: cost without bound, it does not close them (docs/karta.md, "What the refusals do not
+#: cover"): descriptions are code the proxy runs.
 _BANNED: dict[str, str] = {
     "def": "recursive definitions " + _UNBOUNDED,
+    # loops: a state doubled per step of a generator as long as a string ("ab"; .+.)
+    # exhausted the memory (libjq aborts the process), a count over two 1e5-long ones
+    # stalled the engine for seconds per event (an audit's bypasses of the list below)
+    "reduce": "a loop whose state can grow without bound",
+    "foreach": "a loop whose state can grow without bound",
+    "explode": "makes a generator as long as a string (" + _GROWS + ")",
+    "implode": "builds strings from code points (" + _GROWS + ")",
+    "fromjson": "builds values, 10,000 levels deep, from text an object's author wrote",
+    "path": "path(..) " + _QUADRATIC,
+    "paths": _QUADRATIC,
+    "leaf_paths": _QUADRATIC,
+    "tostream": _QUADRATIC,
+    "fromstream": "builds values from a stream of paths (" + _GROWS + ")",
+    "*": "a string literal beside '*' is string repetition, which builds a string of any "
+         "length; '*' multiplies numbers",
     "recurse": _UNBOUNDED + " (use ..)",
     "repeat": _UNBOUNDED,
     "while": _UNBOUNDED,
@@ -459,6 +480,8 @@ def unsafe_jq_name(source: str) -> str | None:
                 in_string = True
             else:
                 interp[-1] -= 1
+        elif c == "*" and _beside_string(source, i):
+            return "*"
         elif c in _IDENT_START:
             j = i + 1
             while j < n and source[j] in _IDENT_CHARS:
@@ -471,6 +494,31 @@ def unsafe_jq_name(source: str) -> str | None:
             continue
         i += 1
     return None
+
+
+def _beside_string(source: str, i: int) -> bool:
+    """Whether the ``*`` (or ``*=``) at ``i``, in code, has a string literal on either side
+    (``"x" * 1e7``, ``.a *= "x"``, a format string ``@text "x"`` too): the first thing
+    before it ends a string (a ``"`` in code closes one), or the first after it opens one.
+    A string reaching ``*`` otherwise (``("x")``, a field, a variable) is not seen."""
+    k = i - 1
+    while k >= 0 and source[k].isspace():
+        k -= 1
+    if k >= 0 and source[k] == '"':
+        return True
+    k = i + 1
+    if source[k : k + 1] == "=":
+        k += 1
+    n = len(source)
+    while k < n and source[k].isspace():
+        k += 1
+    if source[k : k + 1] == "@":  # a format: @text "..."
+        k += 1
+        while k < n and (source[k].isalnum() or source[k] == "_"):
+            k += 1
+        while k < n and source[k].isspace():
+            k += 1
+    return source[k : k + 1] == '"'
 
 
 def _given(value: str | None) -> str | None:

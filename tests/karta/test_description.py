@@ -908,6 +908,24 @@ def test_different_kinds_all_win() -> None:
         ('"id-\\(env.HOME)"', "env"),
         ('"a\\("(")")b\\(input)"', "input"),
         ("halt_error", "halt_error"),
+        # an audit's bypasses of the names above: a loop over a string's code points
+        # stalled the engine ~7 s per object event, a state doubled per step made libjq
+        # abort the process (out of memory)
+        ('reduce ("x" | .[]?) as $x (0; .+1)', "reduce"),
+        ('reduce (.a[]) as $x ("ab"; .+.)', "reduce"),
+        ("foreach .a[] as $x (0; .+1)", "foreach"),
+        ('.metadata.name | explode | length', "explode"),
+        ("[65] | implode", "implode"),
+        ('.metadata.annotations["x"] | fromjson', "fromjson"),
+        ("[paths] | length", "paths"),
+        ("[leaf_paths] | length", "leaf_paths"),
+        ("[path(..)] | length", "path"),
+        ("[tostream] | length", "tostream"),
+        ('"x" * 10000000', "*"),
+        ('.metadata.name * "x"', "*"),
+        ('.a *= "x"', "*"),
+        ('"id-\\("x" * 1e9)"', "*"),
+        ('@text "x" * 1e9', "*"),
     ],
 )
 def test_jq_that_may_not_end_or_reads_outside_is_refused(expression: str, banned: str) -> None:
@@ -929,6 +947,13 @@ def test_jq_that_may_not_end_or_reads_outside_is_refused(expression: str, banned
         "[..] | length",
         "limit(1; .spec.workerGroupSpecs[]?.groupName)",
         '"\\(.a)-\\(.b)"',
+        # multiplication of numbers (the built-in CronJob's, the LeaderWorkerSet sample's)
+        "(.spec.replicas // 1) * ((.spec.leaderWorkerTemplate.size // 1) - 1)",
+        ".spec.replicas * 2",
+        '.metadata.labels["a*b"] // "*"',
+        ".spec.reduce.paths",
+        '.a | tojson | length',
+        'getpath(["spec", "replicas"])',
     ],
 )
 def test_harmless_names_are_allowed(expression: str) -> None:
