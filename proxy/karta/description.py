@@ -50,7 +50,9 @@ STATUS_KEYS: dict[str, str] = {s.lower(): s for s in UPSTREAM_STATUS_ORDER}
 MAX_FILE_BYTES = 8 * 1024 * 1024
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
-_KIND_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*\Z")
+#: a Kind as Kubernetes spells one: CamelCase, an uppercase letter first (``deployment``
+#: matches no object's kind: descriptions match the kind case-sensitively, as the API)
+_KIND_RE = re.compile(r"[A-Z][A-Za-z0-9]*\Z")
 _GROUP_RE = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\Z")
 _VERSION_RE = re.compile(r"[a-z0-9]+\Z")
 _ROOT = "spec.structureDefinition.rootComponent"
@@ -186,7 +188,12 @@ class _Parser:
         kind = self.string(m.get("kind"), f"{path}.kind", required=True)
         assert version is not None and kind is not None
         if not _KIND_RE.match(kind):
-            raise self.fail(f"{path}.kind", f"not a Kubernetes kind: {_short(repr(kind), 80)}")
+            hint = ""
+            if re.fullmatch(r"[a-z][A-Za-z0-9]*", kind):
+                camel = kind[0].upper() + kind[1:]
+                hint = f" (kinds are CamelCase, an uppercase letter first: {camel!r}?)"
+            raise self.fail(f"{path}.kind",
+                            f"not a Kubernetes kind: {_short(repr(kind), 80)}{hint}")
         if group and not _GROUP_RE.match(group):
             raise self.fail(f"{path}.group", f"not an API group: {_short(repr(group), 80)}")
         if not _VERSION_RE.match(version):

@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 #: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
 #: logged again): one bad description over every workload of its kind stays bounded
 _JQ_LOGGED_MAX = 10_000
+#: a kind's "description in force" info lines: at most one per this many seconds (the
+#: changes in between counted in the next one)
+_IN_FORCE_LINE_SECONDS = 60.0
 #: characters of jq's message a log line shows (``error(.metadata.annotations.x)`` quotes
 #: up to 256 KiB a pod's author wrote)
 _JQ_MESSAGE_SHOWN = 300
@@ -190,6 +193,9 @@ class Engine:
         self.stats: Counter[str] = Counter()
         #: (workload uid, expression) of the jq errors logged (:meth:`_log_jq_error`)
         self._jq_logged: set[tuple[str, str]] = set()
+        #: per kind and description now in force: when its next "in force" line may go,
+        #: and the changes held back since the last one (:meth:`_log_in_force`)
+        self._in_force_lines: dict[tuple[GroupKind, str], tuple[float, int]] = {}
         self._dirty: set[str] = set()
         #: where a description object's re-attribution goes during ``upsert_many(...,
         #: owed=)``; None: done at once
@@ -941,6 +947,45 @@ class Engine:
         else:
             self._reattribute_below(touched, cs)
 
+    def _log_in_force(self, gk: GroupKind, old: _DescriptionPlan | None,
+                      new: _DescriptionPlan | None) -> None:
+        """An info line when the description in force for ``gk`` changes: a description
+        taking effect, changed, replacing a built-in or another description, or leaving.
+        The built-ins taking effect at the start are not news. At most one line per kind
+        and description per :data:`_IN_FORCE_LINE_SECONDS` (a controller rewriting a
+        Karta in a loop makes one line a minute), the changes in between counted in the
+        next; another description taking over is logged at once."""
+        if old is None and new is not None and new.desc.builtin:
+            return
+        now = self._clock()
+        key = (gk, new.desc.name if new is not None else "")
+        next_at, held = self._in_force_lines.get(key, (0.0, 0))
+        if now < next_at:
+            self._in_force_lines[key] = (next_at, held + 1)
+            return
+        if len(self._in_force_lines) >= _JQ_LOGGED_MAX:
+            self._in_force_lines.clear()
+        self._in_force_lines[key] = (now + _IN_FORCE_LINE_SECONDS, 0)
+
+        def named(p: _DescriptionPlan) -> str:
+            return f"{'built-in ' if p.desc.builtin else ''}description {p.desc.name} " \
+                   f"({p.desc.source})"
+
+        if new is None:
+            assert old is not None
+            what = f"{gk} is no longer described ({named(old)} left)"
+        elif old is None:
+            what = f"{named(new)} takes effect for {gk}"
+        elif (old.desc.name, old.desc.source) == (new.desc.name, new.desc.source):
+            what = f"{named(new)} of {gk} changed"
+        elif old.desc.builtin and not new.desc.builtin:
+            what = f"{named(new)} replaces the built-in description {old.desc.name} of {gk}"
+        else:
+            what = f"{named(new)} replaces {named(old)} for {gk}"
+        more = f" ({held} earlier change(s) in the last {_IN_FORCE_LINE_SECONDS:.0f} s not " \
+               "logged)" if held else ""
+        log.info("karta engine: %s; its objects and pods are attributed again%s", what, more)
+
     def _reselect(self) -> list[str]:
         """Pick the description in force per kind; the objects whose kind's description
         changed, to re-attribute with everything below them (their pods, the objects
@@ -980,6 +1025,8 @@ class Engine:
         self.description_warnings = [
             f"{p.desc.source} ({p.desc.name}): {u}" for p in new.values() for u in p.unkept]
         changed = {gk for gk in old.keys() | new.keys() if old.get(gk) is not new.get(gk)}
+        for gk in sorted(changed, key=str):
+            self._log_in_force(gk, old.get(gk), new.get(gk))
         errored = frozenset(
             e.kind for e in (*(e for errs in self._source_errors.values() for e in errs),
                              *self._api_errors.values())

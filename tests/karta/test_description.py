@@ -830,6 +830,21 @@ def make(
     return parse_description(obj, source or f"{name}.yaml", builtin=builtin)
 
 
+@pytest.mark.parametrize(("kind", "hint"), [
+    ("deployment", "'Deployment'?"), ("tiny", "'Tiny'?"), ("rayCluster", "'RayCluster'?"),
+    ("_Tiny", ""), ("9Tiny", ""),
+])
+def test_a_kind_not_spelled_as_kubernetes_kinds_are_is_refused(kind: str, hint: str) -> None:
+    """A root kind ``deployment`` was accepted and matched nothing (kinds are matched as
+    the API spells them), silently: refused at load, naming the CamelCase spelling."""
+    obj = base()
+    obj["spec"]["structureDefinition"]["rootComponent"]["kind"]["kind"] = kind
+    err = error_of(obj)
+    assert err.path == "spec.structureDefinition.rootComponent.kind.kind"
+    assert err.reason.startswith(f"not a Kubernetes kind: {kind!r}")
+    assert err.reason.endswith(f"{hint})" if hint else f"{kind!r}")
+
+
 def test_user_beats_builtin_without_error() -> None:
     user = make("zzz-user")
     builtin = make("aaa-builtin", builtin=True, source="builtin:aaa-builtin")

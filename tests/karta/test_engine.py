@@ -894,6 +894,56 @@ def test_selectors_compare_as_upstream_json_equality_and_count_every_output() ->
     assert got == {"p0": ("", ""), "p1": ("", ""), "one": ("text", ""), "two": ("text", "")}
 
 
+def test_a_description_taking_effect_changing_or_replacing_a_builtin_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Karta replacing the built-in Deployment description took over without a line,
+    and 400 edits of a description logged nothing: an info line when the description in
+    force for a kind changes, edits of one description at most one a minute (the rest
+    counted in the next), another description taking over at once; the built-ins at the
+    start are not news."""
+    clock = ManualClock(1000.0)
+    caplog.set_level(logging.INFO, logger="proxy.karta.engine")
+    e = Engine(clock=clock)
+
+    def lines() -> list[str]:
+        out = [r.getMessage() for r in caplog.records
+               if r.levelno == logging.INFO and "attributed again" in r.getMessage()]
+        caplog.clear()
+        return out
+
+    assert lines() == []  # the built-ins
+    dep = descriptions.karta("my-deploy", descriptions.component("web", "apps", "Deployment"))
+    e.upsert(dep)
+    assert lines() == [
+        "karta engine: description my-deploy (api:Karta/my-deploy) replaces the built-in "
+        "description builtin-apps-deployment of Deployment.apps; its objects and pods are "
+        "attributed again"]
+    for i in range(400):  # a controller rewriting it in a loop
+        edited = copy.deepcopy(dep)
+        edited["spec"]["structureDefinition"]["rootComponent"]["name"] = f"web{i}"
+        e.upsert(edited)
+    assert lines() == []  # within the minute: held back
+    clock.now += 61
+    e.upsert(dep)
+    assert lines() == [
+        "karta engine: description my-deploy (api:Karta/my-deploy) of Deployment.apps "
+        "changed; its objects and pods are attributed again (400 earlier change(s) in the "
+        "last 60 s not logged)"]
+    thing = karta({"group": "example.com", "kind": "Thing"}, [])
+    e.upsert(thing)
+    assert lines() == ["karta engine: description test-thing (api:Karta/test-thing) takes "
+                       "effect for Thing.example.com; its objects and pods are attributed "
+                       "again"]
+    e.delete(dep)  # the built-in again, at once
+    e.delete(thing)
+    assert lines() == [
+        "karta engine: built-in description builtin-apps-deployment (builtin:"
+        "builtin-apps-deployment) replaces description my-deploy (api:Karta/my-deploy) for "
+        "Deployment.apps; its objects and pods are attributed again",
+        "karta engine: Thing.example.com is no longer described (description test-thing "
+        "(api:Karta/test-thing) left); its objects and pods are attributed again"]
+
+
 def test_a_pod_selector_reading_what_the_engine_does_not_keep_is_told_at_load(
         caplog: pytest.LogCaptureFixture) -> None:
     """Selectors see only the pod metadata the engine keeps: one reading ``.spec`` or
