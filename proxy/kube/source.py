@@ -404,9 +404,7 @@ class KubeSource:
             names = {w.name for w in self.watchers[gk][1]}
             for w in ws:
                 if w.name not in names:  # another plural: the old key is no longer watched
-                    self.index.freshness.pop(w.name, None)
-                    with contextlib.suppress(KeyError):
-                        self._last_current.remove(w.name)
+                    self._no_freshness(w.name)
                     self.metrics.forget(w.name)
         self._update_stale()
 
@@ -447,11 +445,16 @@ class KubeSource:
             self._settle(w.name, "is no longer watched")
             # no longer watched: no freshness either (a frozen one reads as a resource
             # ever staler; the fact writer ends its series with a stale marker)
-            self.index.freshness.pop(w.name, None)
-            with contextlib.suppress(KeyError):  # never current, no child: older clients raise
-                self._last_current.remove(w.name)
+            self._no_freshness(w.name)
             self.metrics.forget(w.name)
         self._update_stale()
+
+    def _no_freshness(self, name: str) -> None:
+        """A watcher's resource key is no longer watched (or not in this namespace): its
+        freshness entry and its ``last_current`` child go."""
+        self.index.freshness.pop(name, None)
+        with contextlib.suppress(KeyError):  # never current, no child: older clients raise
+            self._last_current.remove(name)
 
     def _forget(self, gk: GroupKind) -> None:
         """A kind no longer needed, never watched (unserved, refused, not resolved): its
@@ -507,9 +510,7 @@ class KubeSource:
                         gk, ns)
             refused.add(ns)
         self._show_unserved(gk)
-        self.index.freshness.pop(watcher.name, None)
-        with contextlib.suppress(KeyError):  # never current, no child: older clients raise
-            self._last_current.remove(watcher.name)
+        self._no_freshness(watcher.name)
         watcher.synced.set()  # do not hold readiness hostage
 
     async def _wait_synced(self, deadline: float = float("inf")) -> None:
