@@ -223,12 +223,6 @@ class OwnerGraph:
         dep = self._dependents.get(uid)
         return dep.uids if dep is not None else set()
 
-    def descendants(self, uid: str) -> list[str]:
-        """Every pod and object below ``uid`` (cycles tolerated), nearest first."""
-        below: dict[str, None] = {uid: None}
-        self.add_descendants(uid, below)
-        return list(below)[1:]
-
     def topmost(self, uids: list[str]) -> list[str]:
         """``uids`` without those that lie below another of them, in their order.
 
@@ -267,9 +261,8 @@ class OwnerGraph:
         return ghost.owner if ghost is not None else None
 
     def add_descendants(self, uid: str, into: dict[str, None]) -> None:
-        """Add every pod and object below ``uid`` to ``into``, in the order
-        :meth:`descendants` gives them, skipping what is there already and what lies
-        below it.
+        """Add every pod and object below ``uid`` to ``into``, nearest first (cycles
+        tolerated), skipping what is there already and what lies below it.
 
         For a caller gathering the objects below many (a run of what a description change
         owes): when everything in ``into`` came with all its descendants, the walk stops
