@@ -166,11 +166,13 @@ class KubeSource:
         #: own; the kind's other namespaces stay watched (dropping the whole kind
         #: retracted every namespace's objects, and each retry put them back for a moment)
         self._refused_namespaces: dict[GroupKind, set[str]] = {}
-        #: pods watchers refused (403 cluster-wide, or 404) -> how (``REFUSED``): an
-        #: outage, not a kind unserved: the watcher stays, keeps the last known pods and
-        #: is unhealthy (the index stale, readiness waited for) until it lists and
-        #: watches again; the unserved / forbidden gauges of Pod read it
-        self._refused_pods: dict[str, str] = {}
+        #: watchers refused as an outage (``unserved``: pods refused cluster-wide or
+        #: 404, any kind refused cluster-wide after it held objects) -> (their kind, how:
+        #: ``REFUSED``): not a kind unserved: the watcher stays, keeps the last known
+        #: objects and is unhealthy (the index stale; for pods at start, readiness waited
+        #: for) until it lists and watches again; the kind's unserved / forbidden gauges
+        #: read it
+        self._refused_held: dict[str, tuple[GroupKind, str]] = {}
         #: kinds whose watch the server answered 404 -> the resource it was watched as:
         #: the next reconcile round asks discovery again at once (a CRD whose served
         #: version changed is watched at the new one, handed what the old watch held)
@@ -490,11 +492,11 @@ class KubeSource:
         kind and the proxy may not read it: its pods are attributed to the owner below it
         (a RayJob's to its RayCluster), with nothing else to show it."""
         refused = bool(self._refused_namespaces.get(gk))
-        pods = self._refused_pods.values() if gk == POD else ()
+        held = [why for kind, why in self._refused_held.values() if kind == gk]
         self._unserved_gauge.labels(str(gk)).set(
-            1 if gk in self.unserved_kinds or refused or pods else 0)
+            1 if gk in self.unserved_kinds or refused or held else 0)
         self._forbidden_gauge.labels(str(gk)).set(
-            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused or FORBIDDEN in pods
+            1 if self.unserved_kinds.get(gk) == FORBIDDEN or refused or FORBIDDEN in held
             else 0)
 
     def _refuse_namespace(self, watcher: Watcher) -> None:
@@ -784,8 +786,8 @@ class KubeSource:
                 outage = self._outages.get(how)
                 if outage is None:
                     self._outages[how] = _Outage(self._clock(), {watcher.name})
-                    if watcher.name in self._refused_pods:
-                        self._warn_pods_refused(watcher)
+                    if watcher.name in self._refused_held:
+                        self._warn_refused_held(watcher)
                     else:
                         log.warning("watch %s: %s; every watch failing so retries with "
                                     "its backoff (the others failing so are logged at "
@@ -806,9 +808,10 @@ class KubeSource:
         why = self._unhealthy.pop(name, None)
         if why is None:
             return
-        if self._refused_pods.get(name) == why:  # pods refused no longer (or not so)
-            del self._refused_pods[name]
-            self._show_unserved(POD)
+        refused = self._refused_held.get(name)
+        if refused is not None and refused[1] == why:  # refused no longer (or not so)
+            del self._refused_held[name]
+            self._show_unserved(refused[0])
         outage = self._outages[why]
         outage.names.discard(name)
         if outage.names:
@@ -849,11 +852,23 @@ class KubeSource:
         pod to attribute it to, and dropping the watcher retracted every pod (nothing
         stamped once their tombstones expired) while the proxy stayed ready and not
         stale. The watcher keeps the last known pods and fails (``health``): the index
-        stale, readiness waited for at start, the freshness entry left to age."""
+        stale, readiness waited for at start, the freshness entry left to age.
+
+        So is any kind refused cluster-wide (403) once its watcher held objects: the
+        proxy's ClusterRoleBinding removed while it runs. Dropped, the kind's objects were
+        retracted, and every pod below them moved to the owner below (a Deployment's pods
+        to their ReplicaSets, with new series for each) while the pods themselves were
+        kept: attribution changed by a permission, not by the cluster. A kind refused
+        before it held anything (at start, a described kind the RBAC never granted) is
+        dropped as before: its pods are attributed without it, the forbidden gauge says
+        so. A namespace refused in namespaced mode still retracts (``_refuse_namespace``):
+        a namespace being deleted loses its RoleBinding before its last objects."""
         gk = watcher.resource.group_kind
-        if gk == POD and (error.status == 404 or watcher.namespace is None):
-            self._refused_pods[watcher.name] = REFUSED.get(error.status, FORBIDDEN)
-            self._show_unserved(POD)
+        outage = (gk == POD and (error.status == 404 or watcher.namespace is None)) or (
+            error.status == 403 and watcher.namespace is None and bool(watcher.held))
+        if outage:
+            self._refused_held[watcher.name] = (gk, REFUSED.get(error.status, FORBIDDEN))
+            self._show_unserved(gk)
             return Refusal.OUTAGE
         if error.status == 403 and watcher.namespace is not None:
             self._refuse_namespace(watcher)
@@ -871,17 +886,20 @@ class KubeSource:
         self._kinds_changed.set()
         return Refusal.DROP
 
-    def _warn_pods_refused(self, watcher: Watcher) -> None:
-        """The one warning of an episode of pods refused, saying what RBAC is missing."""
+    def _warn_refused_held(self, watcher: Watcher) -> None:
+        """The one warning of an episode of a refusal taken for an outage, saying what
+        RBAC is missing."""
+        res = watcher.resource.name
         where = (f"in namespace {watcher.namespace}" if watcher.namespace is not None
                  else "cluster-wide")
-        if self._refused_pods.get(watcher.name) == FORBIDDEN:
-            what = (f"RBAC forbids the proxy's service account to list or watch pods "
-                    f"{where}: it needs get, list and watch on pods (config/rbac/)")
+        if self._refused_held[watcher.name][1] == FORBIDDEN:
+            what = (f"RBAC forbids the proxy's service account to list or watch {res} "
+                    f"{where}: it needs get, list and watch on {res} (config/rbac/)")
         else:
-            what = "the API server answers 404 to the list or watch of pods"
-        then = (f"serving the last known {len(watcher.held)} pods, the index stale"
-                if self.index.ready else "not ready until it may (readiness waits for pods)")
+            what = f"the API server answers 404 to the list or watch of {res}"
+        then = (f"serving the last known {len(watcher.held)} {res}, the index stale"
+                if self.index.ready or watcher.resource.group_kind != POD
+                else "not ready until it may (readiness waits for pods)")
         log.warning("watch %s: %s (%s); %s, retrying every %g s", watcher.name, what,
                     watcher.last_error, then, self.settings.resync_backoff_max_seconds)
 

@@ -658,40 +658,82 @@ async def test_pods_listed_but_not_watched_stay_stale(
 
 async def test_a_kind_listed_but_not_watched_stays_one_forbidden_episode(
         sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
-    """RBAC granting list and not watch on ReplicaSets: each retry probes a watch before
-    it lists, so the kind stays forbidden (gauges 1 throughout, one warning, no "served
-    now"), with no full relist and no ReplicaSet put back and retracted again. Each retry
-    used to list every ReplicaSet, declare the kind served (an info line, the gauges 0),
-    then retract them all at the watch's 403 and warn again."""
+    """RBAC granting list and not watch on ReplicaSets, once they were watched: an
+    outage of the kind (it held objects), each retry probing a watch before it lists, so
+    the kind stays forbidden (gauges 1 throughout, one warning, the index stale, no
+    "served now"), with no full relist and no ReplicaSet put back and retracted again.
+    Each retry used to list every ReplicaSet, declare the kind served (an info line, the
+    gauges 0), then retract them all at the watch's 403 and warn again."""
     deployment(sim, "web", replicas=2)
     source = await make_source()
     gk = GroupKind("apps", "ReplicaSet")
     caplog.set_level(logging.INFO, logger="proxy.kube.source")
     sim.fail_resource(REPLICA_SET, 403, watch_only=True)
     sim.disconnect_watches()
-    await eventually(lambda: gk in source.unserved_kinds, timeout=5)
+    await eventually(lambda: metric(source, contract.OP_WATCH_FORBIDDEN,
+                                    {"resource": str(gk)}) == 1, timeout=5)
     n0 = len(sim.requests)
     gauges: set[tuple[float, float]] = set()
     kinds: set[str | None] = set()
-    for _ in range(200):  # 2 s: four recheck intervals
+    stale: set[bool] = set()
+    for _ in range(200):  # 2 s: four retries
         gauges.add((metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}),
                     metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)})))
         kinds.add((labels(source, "default", "web-1-0") or {}).get("karta_kind"))
+        stale.add(source.index.stale)
         await asyncio.sleep(0.01)
     assert gauges == {(1.0, 1.0)}, gauges
-    assert len(kinds) == 1, kinds  # no flip to the Deployment and back
+    assert kinds == {"Deployment"}, kinds  # no flip to the ReplicaSet and back
+    assert stale == {True}
     full_lists = [q for _, path, q, _ in list(sim.requests)[n0:]
                   if path.endswith("/replicasets") and not q.get("watch")
                   and q.get("limit") != "1"]
     assert full_lists == []
     assert not any("served now" in r.getMessage() for r in caplog.records)
-    assert sum("forbidden" in r.getMessage() for r in caplog.records
-               if r.levelno >= logging.WARNING) == 1
-    sim.fail_resource(REPLICA_SET, None)
-    await eventually(lambda: (labels(source, "default", "web-1-0") or {}).get("karta_kind")
-                     == "Deployment" and gk not in source.unserved_kinds, timeout=5)
-    assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0
-    assert sum("served now" in r.getMessage() for r in caplog.records) == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+              and "forbid" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert ("RBAC forbids the proxy's service account to list or watch replicasets.apps "
+            "cluster-wide: it needs get, list and watch on replicasets.apps") in warned[0]
+    assert "serving the last known 1 replicasets.apps, the index stale" in warned[0]
+    sim.fail_resource(REPLICA_SET, None, watch_only=True)
+    await eventually(lambda: not source.index.stale and metric(
+        source, contract.OP_WATCH_FORBIDDEN, {"resource": str(gk)}) == 0, timeout=5)
+    assert (labels(source, "default", "web-1-0") or {}).get("karta_kind") == "Deployment"
+    assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
+
+
+async def test_the_whole_binding_removed_keeps_every_attribution_stale(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The proxy's ClusterRoleBinding removed while it runs: every kind it watches 403.
+    Each kind that held objects is an outage, as pods are: the last known objects stay,
+    the series keep their attribution (a Deployment's pods stay the Deployment's), the
+    index is stale; the binding back, all current again. The owner kinds were dropped
+    and their objects retracted while the pods were kept, so every pod moved to the
+    owner below it (``karta_kind`` ReplicaSet, new series) for as long as RBAC was off."""
+    deployment(sim, "web", replicas=2)
+    source = await make_source()
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    before = labels(source, "default", "web-1-0")
+    assert before is not None and before.get("karta_kind") == "Deployment"
+    for kind in (POD_TYPE, REPLICA_SET, DEPLOYMENT):
+        sim.fail_resource(kind, 403)
+    sim.disconnect_watches()
+    await eventually(lambda: source.index.stale, timeout=5)
+    seen: list[dict[str, str] | None] = []
+    for _ in range(120):  # 1.2 s: two retries each, refused
+        seen.append(labels(source, "default", "web-1-0"))
+        await asyncio.sleep(0.01)
+    assert all(x == before for x in seen), {str(x) for x in seen}
+    assert source.index.stale and not source.unserved_kinds
+    for res in map(str, (POD, GroupKind("apps", "ReplicaSet"), GroupKind("apps", "Deployment"))):
+        assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": res}) == 1, res
+    for kind in (POD_TYPE, REPLICA_SET, DEPLOYMENT):
+        sim.fail_resource(kind, None)
+    await eventually(lambda: not source.index.stale, timeout=5)
+    assert labels(source, "default", "web-1-0") == before
+    for res in map(str, (POD, GroupKind("apps", "ReplicaSet"), GroupKind("apps", "Deployment"))):
+        assert metric(source, contract.OP_WATCH_FORBIDDEN, {"resource": res}) == 0, res
 
 
 async def test_unreachable_at_start_retries_with_backoff(
