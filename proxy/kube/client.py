@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import datetime
+import email.utils
 import json
 import logging
 import math
@@ -614,9 +615,12 @@ class KubeClient:
                                                    timeout=timeout))
 
 
-def _error(status: int, raw: bytes, retry_after: str | None = None) -> KubeApiError:
-    """The error of a non-2xx answer; its ``Retry-After`` header (delay-seconds; an
-    HTTP-date is not read) wins over the body's ``retryAfterSeconds``."""
+def _error(status: int, raw: bytes, retry_after: str | None = None,
+           now: Callable[[], float] = time.time) -> KubeApiError:
+    """The error of a non-2xx answer; its ``Retry-After`` header wins over the body's
+    ``retryAfterSeconds``: delay-seconds (what kube-apiserver sends), or an HTTP-date
+    (RFC 9110 allows it, and a proxy or gateway in front of the API server may send
+    one), as seconds from ``now``; a date already past reads as none."""
     err: KubeApiError | None = None
     try:
         doc = json.loads(raw)
@@ -626,6 +630,22 @@ def _error(status: int, raw: bytes, retry_after: str | None = None) -> KubeApiEr
         pass
     if err is None:
         err = KubeApiError(status, "", raw[:200].decode("utf-8", "replace"))
-    if retry_after is not None and retry_after.strip().isdigit():
-        err.retry_after = float(retry_after.strip()) or err.retry_after
+    asked = _retry_after_seconds(retry_after, now) if retry_after is not None else None
+    if asked:
+        err.retry_after = asked
     return err
+
+
+def _retry_after_seconds(value: str, now: Callable[[], float]) -> float | None:
+    """A ``Retry-After`` value in seconds: delay-seconds, or an HTTP-date less ``now``;
+    None for anything else."""
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # RFC 850 / asctime forms carry no zone: GMT by definition
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, when.timestamp() - now())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def test_an_error_carries_the_retry_after_the_server_asked_for() -> None:
                        "message": "slow down", "details": {"retryAfterSeconds": 3}}).encode()
     assert _error(429, body).retry_after == 3.0
     assert _error(429, body, "10").retry_after == 10.0
-    assert _error(429, body, "Wed, 21 Oct 2015 07:28:00 GMT").retry_after == 3.0
+    # an HTTP-date: seconds from now (a gateway in front of the API server may send
+    # one); past, or not a date: the body's
+    at = datetime.datetime(2015, 10, 21, 7, 28, tzinfo=datetime.UTC).timestamp()
+    assert _error(429, body, "Wed, 21 Oct 2015 07:28:00 GMT",
+                  now=lambda: at - 12).retry_after == 12.0
+    assert _error(429, body, "Wednesday, 21-Oct-15 07:28:00 GMT",
+                  now=lambda: at - 7).retry_after == 7.0
+    assert _error(429, body, "Wed, 21 Oct 2015 07:28:00 GMT").retry_after == 3.0  # past
+    assert _error(429, body, "soon").retry_after == 3.0
+    assert _error(429, body, "-5").retry_after == 3.0
     assert _error(503, b"upstream connect error", "5").retry_after == 5.0
     assert _error(500, b'{"kind": "Status", "code": 500}').retry_after is None
