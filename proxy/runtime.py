@@ -627,8 +627,9 @@ class Proxy:
 
     async def _expire_loop(self) -> None:
         """Tombstone expiry, for every source (the one place it runs: the snapshot and the
-        kube source only add tombstones), and the expiry of the engine's ghosts of removed
-        owners (the pods that still walked through one placed again)."""
+        kube source only add tombstones), the expiry of the engine's ghosts of removed
+        owners (the pods that still walked through one placed again), and the engine's
+        description changes held back from the log."""
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_SECONDS)
             try:
@@ -645,6 +646,10 @@ class Proxy:
                 continue
             if cs:
                 self.index.apply(cs)
+            try:
+                self.engine.log_held_changes()
+            except Exception:
+                log.exception("logging held description changes failed")
 
     async def stop(self) -> None:
         """Stop taking requests and finish those in flight while the fact writer ends its

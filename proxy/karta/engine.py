@@ -277,6 +277,29 @@ class Engine:
         self._settle(cs)
         return cs
 
+    def log_held_changes(self) -> None:
+        """Tell the description changes :meth:`_log_in_force` held back, once their
+        minute is over and no later change told them: the last edits of a burst were
+        otherwise never logged (a controller's 5 edits in 20 s made one line, for the
+        first). Call periodically (the runtime's housekeeping does, with the ghosts)."""
+        now = self._clock()
+        for key, (next_at, held) in list(self._in_force_lines.items()):
+            if not held or now < next_at:
+                continue
+            gk, name = key
+            self._in_force_lines[key] = (next_at, 0)
+            plan = self._plans.get(gk)
+            if plan is not None and plan.desc.name == name:
+                what = f"description {plan.desc.name} ({plan.desc.source}) of {gk} is in force"
+            elif plan is not None:
+                what = (f"{gk} is now described by {plan.desc.name} ({plan.desc.source}), "
+                        "logged at the time")
+            else:
+                what = f"{gk} is not described now"
+            log.info("karta engine: %d more change(s) of the description in force for %s "
+                     "in the minute after the last line, not logged then; %s",
+                     held, gk, what)
+
     def ghosts(self) -> int:
         """How many ghosts of removed owners are kept now."""
         return len(self._graph.ghosts)

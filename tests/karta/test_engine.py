@@ -929,6 +929,22 @@ def test_a_description_taking_effect_changing_or_replacing_a_builtin_is_logged(
         "karta engine: description my-deploy (api:Karta/my-deploy) of Deployment.apps "
         "changed; its objects and pods are attributed again (400 earlier change(s) in the "
         "last 60 s not logged)"]
+    # a burst's last edits, with none after them: told once their minute is over
+    for i in range(5):
+        edited = copy.deepcopy(dep)
+        edited["spec"]["structureDefinition"]["rootComponent"]["name"] = f"late{i}"
+        e.upsert(edited)
+    e.log_held_changes()
+    assert lines() == []  # the minute is not over
+    clock.now += 61
+    e.log_held_changes()
+    e.log_held_changes()  # once
+    held = [r.getMessage() for r in caplog.records if "not logged then" in r.getMessage()]
+    caplog.clear()
+    assert held == [
+        "karta engine: 5 more change(s) of the description in force for Deployment.apps in "
+        "the minute after the last line, not logged then; description my-deploy "
+        "(api:Karta/my-deploy) of Deployment.apps is in force"]
     thing = karta({"group": "example.com", "kind": "Thing"}, [])
     e.upsert(thing)
     assert lines() == ["karta engine: description test-thing (api:Karta/test-thing) takes "
