@@ -2,16 +2,18 @@
 
 Upstream evaluates descriptions with gojq; we use libjq through the PyPI ``jq`` package.
 Every expression is compiled once, when its description is loaded, and evaluated per
-object event (never per sample). Evaluation raises nothing but ``JqError``: a jq runtime
-error becomes one, and callers turn it into a reason (``Undefined`` phase, unattributed
-pod).
+object event (never per sample), by the runner in force: libjq in this process (the
+default), or the proxy's sandbox child (``proxy.karta.jq_sandbox``, bounded in time and
+memory). Evaluation raises nothing but ``JqError``: a jq runtime error becomes one, and
+so does an evaluation the sandbox stopped; callers turn it into a reason (``Undefined``
+phase, unattributed pod).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import jq
 
@@ -180,12 +182,14 @@ class JqExpr:
 
     def all(self, obj: Any) -> list[Any]:
         """Every output, in order; objects iterated in key order, as gojq does
-        (:func:`jq_text`)."""
+        (:func:`jq_text`). Evaluated by the runner in force (:func:`install_runner`)."""
         try:
-            return list(self._program.input_text(jq_text(obj)).all())
+            text = jq_text(obj)
         except (ValueError, TypeError, RecursionError) as exc:
-            # TypeError / RecursionError: the input is not JSON (bytes, a cycle)
+            # the input is not JSON (bytes, a cycle, absurd nesting): told here, in the
+            # proxy's process, whatever the runner
             raise JqError(f"{self.source!r}: {exc}") from exc
+        return _current.run(self, text)
 
     def all_text(self, text: str) -> list[Any]:
         """Every output for an input already serialised as JSON (by :func:`jq_text`,
@@ -193,9 +197,14 @@ class JqExpr:
 
         Lets a caller running several expressions on one object serialise it once.
         """
+        return _current.run(self, text)
+
+    def run_here(self, text: str) -> list[Any]:
+        """Every output for ``text``, evaluated by libjq in this process and thread:
+        neither interruptible nor bounded in memory (the in-process runner's way)."""
         try:
             return list(self._program.input_text(text).all())
-        except ValueError as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise JqError(f"{self.source!r}: {exc}") from exc
 
     def first(self, obj: Any) -> Any:
@@ -250,6 +259,58 @@ class JqExpr:
             else:
                 out.append(None)
         return out
+
+
+# -- where expressions run ---------------------------------------------------------------
+
+
+class JqRunner(Protocol):
+    """Evaluates a compiled expression on one input's JSON text: every output, in order,
+    or :class:`JqError`."""
+
+    def run(self, expr: JqExpr, text: str) -> list[Any]: ...
+
+
+class InProcessRunner:
+    """libjq in the calling thread: the default (tests, tools, benchmarks, ``explain``)."""
+
+    def run(self, expr: JqExpr, text: str) -> list[Any]:
+        return expr.run_here(text)
+
+
+IN_PROCESS = InProcessRunner()
+
+# The runner is process-wide, not an engine's: libjq can be neither interrupted nor
+# bounded in memory in-process (and aborts the process when an allocation fails), so the
+# proxy evaluates in one sandbox child per process (proxy.karta.jq_sandbox), installed by
+# proxy.runtime at start, and every JqExpr of every description goes through it without
+# each holder of an expression (plans, status, replicas) being handed one. Installs
+# stack: the last installed is in force, and removing one (in any order: proxies tests
+# run side by side in one process) leaves the one installed before it.
+_installed: list[JqRunner] = []
+_current: JqRunner = IN_PROCESS
+
+
+def install_runner(runner: JqRunner) -> None:
+    """Evaluate every expression through ``runner`` from now on (until it is removed)."""
+    global _current
+    _installed.append(runner)
+    _current = runner
+
+
+def remove_runner(runner: JqRunner) -> None:
+    """Take ``runner`` out (if installed); the one installed before it, else the
+    in-process runner, is in force again."""
+    global _current
+    for i in range(len(_installed) - 1, -1, -1):
+        if _installed[i] is runner:
+            del _installed[i]
+            break
+    _current = _installed[-1] if _installed else IN_PROCESS
+
+
+def current_runner() -> JqRunner:
+    return _current
 
 
 # -- which input fields a program reads ----------------------------------------------------

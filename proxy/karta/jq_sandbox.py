@@ -1,0 +1,422 @@
+"""The jq sandbox: descriptions' expressions evaluated in a child process, bounded in time
+and memory.
+
+libjq can be neither interrupted nor bounded in memory in-process, and it aborts the
+process when an allocation fails. The load-time refusals (``proxy.karta.description``)
+take away the known loops, not every way an expression can cost without bound
+(docs/karta.md): a pipeline doubling a string, a backtracking regular expression on a
+pod's annotation. :class:`JqSandbox` is a :class:`~proxy.karta.jqexpr.JqRunner` that
+hands each evaluation (the program's source, the input's JSON text) to one persistent
+child (``python -m proxy.karta.jq_child``) over pipes, and waits for the answer until a
+deadline:
+
+- past the deadline, the child is killed (SIGKILL) and reaped, and the evaluation is a
+  :class:`JqError` ("exceeded the 1 s limit");
+- a child that dies during an evaluation (libjq's abort at the memory limit, the CPU
+  backstop, anything) is reaped, and the evaluation is a :class:`JqError` naming its
+  exit status or signal;
+- either way the next evaluation starts a fresh child (a child found dead between
+  evaluations is replaced without an error);
+- an expression that did either three times in the process's life is quarantined: its
+  evaluations are a :class:`JqError` at once, the child untouched, so a hostile
+  description costs the event loop about three timeouts, not one per object event. An
+  edited description (another source text) starts with a clean record.
+
+The outputs are those of the in-process evaluation: the child runs the same binding and
+sends them as JSON (Python's encoding and decoding keep ints, floats, key order), and a
+jq runtime error is the same :class:`JqError` with the same message. The caller's
+thread blocks for the evaluation, as it did in-process (~113 us a round trip against
+~43 us in-process for a 1.3 KB pod); a lock keeps one evaluation at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import select
+import signal
+import site
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Final
+
+from proxy.karta.jq_child import FAILED, HELLO, JQ_ERROR, MAX_ANSWER_BYTES, OK
+from proxy.karta.jqexpr import JqError, JqExpr
+
+log = logging.getLogger(__name__)
+
+#: the ``reason`` values of the restart counter, every one present from the start
+RESTART_REASONS: Final = ("timeout", "died", "start_failed")
+#: evaluations of one expression that hit the time limit or took the child down before it
+#: is quarantined
+QUARANTINE_STRIKES: Final = 3
+#: how long a starting child may take to say hello (an interpreter and libjq loading)
+START_SECONDS: Final = 10.0
+#: after a failed start, evaluations fail at once for this long before the next try (a
+#: start per object event would hold the loop for every pod)
+START_RETRY_SECONDS: Final = 5.0
+#: at most one warning about restarts per this many seconds (the others counted in it)
+WARN_EVERY_SECONDS: Final = 10.0
+#: the CPU backstop's margin over the time limit, seconds (the child's RLIMIT_CPU)
+CPU_BACKSTOP_MARGIN: Final = 2
+#: how much of an expression a log line or an error shows
+_SHOWN: Final = 200
+
+_HEADER_LEN = 4
+
+
+def _clip(source: str) -> str:
+    return source if len(source) <= _SHOWN else source[:_SHOWN] + "..."
+
+
+def _seconds(s: float) -> str:
+    return f"{s:g} s"
+
+
+def _package_root() -> str:
+    """The folder holding the ``proxy`` package this module was imported from."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def _child_env() -> dict[str, str]:
+    """The proxy's environment, the package's folder on PYTHONPATH when it is a source
+    tree (an installed package is found as it is: a site folder there would come before
+    the standard library)."""
+    env = dict(os.environ)
+    root = _package_root()
+    sites = set(site.getsitepackages()) | {site.getusersitepackages()}
+    if root not in sites:
+        old = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = root + (os.pathsep + old if old else "")
+    return env
+
+
+def _status_text(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        if -returncode == signal.SIGABRT:
+            return (f"killed by {name}; libjq aborts when an allocation fails, as at the "
+                    "memory limit, karta.jq_memory_limit_bytes")
+        if -returncode == signal.SIGXCPU:
+            return f"killed by {name}, the CPU backstop"
+        return f"killed by {name}"
+    if returncode == 3:
+        return "exit status 3, out of memory: karta.jq_memory_limit_bytes"
+    return f"exit status {returncode}"
+
+
+class _Stopped(Exception):
+    """The transaction ended without an answer: ``reason`` is ``timeout`` or ``died``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Child:
+    """One running child and its pipes (the parent's ends non-blocking)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        self.proc = proc
+        self.w = proc.stdin.fileno()
+        self.r = proc.stdout.fileno()
+        self.err = proc.stderr.fileno()
+        for fd in (self.w, self.r, self.err):
+            os.set_blocking(fd, False)
+        self.poll_r = select.poll()
+        self.poll_r.register(self.r, select.POLLIN)
+        self.poll_w = select.poll()
+        self.poll_w.register(self.w, select.POLLOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _wait(self, poller: select.poll, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(math.ceil(left * 1000)):
+            if time.monotonic() >= deadline:
+                raise _Stopped("timeout")
+
+    def send(self, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.w, view):]
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                raise _Stopped("died") from None
+            if view:
+                self._wait(self.poll_w, deadline)
+
+    def receive(self, deadline: float) -> bytes:
+        """One frame's payload."""
+        buf = bytearray()
+        want = _HEADER_LEN
+        header = True
+        while True:
+            if len(buf) >= want:
+                if not header:
+                    if len(buf) > want:
+                        raise _Stopped("died")  # more than one answer: out of step
+                    return bytes(buf[_HEADER_LEN:])
+                size = int.from_bytes(buf[:_HEADER_LEN], "big")
+                if size > MAX_ANSWER_BYTES + 1:
+                    raise _Stopped("died")
+                want, header = _HEADER_LEN + size, False
+                continue
+            try:
+                chunk = os.read(self.r, max(1 << 16, want - len(buf)))
+            except BlockingIOError:
+                self._wait(self.poll_r, deadline)
+                continue
+            if not chunk:
+                raise _Stopped("died")
+            buf += chunk
+
+    def stderr_tail(self) -> str:
+        """The last line the child wrote on stderr (libjq's or Python's last words)."""
+        data = b""
+        with contextlib.suppress(OSError):
+            while len(data) < 1 << 16:
+                chunk = os.read(self.err, 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+        lines = data.decode("utf-8", "replace").strip().splitlines()
+        return lines[-1][:300] if lines else ""
+
+    def kill(self) -> None:
+        """SIGKILL and reap (no zombie: the proxy may be PID 1 in its image)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: reaped by a later poll
+            _unreaped.append(self.proc)
+        self.close_pipes()
+
+    def close_pipes(self) -> None:
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+
+#: children SIGKILLed that did not end within 5 s: reaped when they do
+_unreaped: list[subprocess.Popen[bytes]] = []
+
+
+def _reap_late() -> None:
+    _unreaped[:] = [p for p in _unreaped if p.poll() is None]
+
+
+class JqSandbox:
+    """Evaluates expressions in a child process with a time and a memory limit
+    (a :class:`~proxy.karta.jqexpr.JqRunner`)."""
+
+    def __init__(self, *, timeout_seconds: float = 1.0,
+                 memory_limit_bytes: int = 256 << 20,
+                 command: list[str] | None = None) -> None:
+        """``command``: what starts a child (tests give one that cannot start)."""
+        if timeout_seconds <= 0:
+            raise ValueError("timeout_seconds must be > 0")
+        self.timeout_seconds = timeout_seconds
+        self.memory_limit_bytes = memory_limit_bytes
+        self._command = command
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+        #: restarts by reason (``RESTART_REASONS``)
+        self.restarts: dict[str, int] = dict.fromkeys(RESTART_REASONS, 0)
+        #: expression source -> evaluations that hit the time limit or took the child down
+        self._strikes: dict[str, int] = {}
+        self._quarantined: set[str] = set()
+        self._no_start_until = 0.0
+        self._start_error = ""
+        self._warned_at = -math.inf
+        self._unwarned = 0
+        self._closed = False
+
+    # -- settings, state -------------------------------------------------------------------
+
+    def configure(self, *, timeout_seconds: float, memory_limit_bytes: int) -> None:
+        """New limits (a reload): the child in place, started with the old ones (its
+        memory limit, its CPU backstop), is ended; the next evaluation starts one with
+        these."""
+        if timeout_seconds <= 0:
+            raise ValueError("timeout_seconds must be > 0")
+        with self._lock:
+            if (timeout_seconds, memory_limit_bytes) == (self.timeout_seconds,
+                                                         self.memory_limit_bytes):
+                return
+            self.timeout_seconds = timeout_seconds
+            self.memory_limit_bytes = memory_limit_bytes
+            self._end_child()
+
+    def quarantined(self) -> int:
+        """Expressions quarantined (the gauge)."""
+        return len(self._quarantined)
+
+    def is_quarantined(self, source: str) -> bool:
+        return source in self._quarantined
+
+    @property
+    def child_pid(self) -> int | None:
+        """The running child's pid, None when there is none."""
+        child = self._child
+        return child.pid if child is not None else None
+
+    def close(self) -> None:
+        """End the child (kill and reap); a later evaluation would start another."""
+        with self._lock:
+            self._end_child()
+            _reap_late()
+
+    def _end_child(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child = None
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    def run(self, expr: JqExpr, text: str) -> list[Any]:
+        source = expr.source
+        if source in self._quarantined:
+            raise JqError(f"{source!r}: quarantined after {QUARANTINE_STRIKES} evaluations "
+                          "that exceeded the time limit (karta.jq_timeout_seconds) or took "
+                          "the jq sandbox child down; not evaluated again until its "
+                          "description changes or the proxy restarts")
+        src = source.encode("utf-8", "surrogatepass")
+        body = text.encode("utf-8", "surrogatepass")
+        request = b"".join((
+            (_HEADER_LEN + len(src) + len(body)).to_bytes(_HEADER_LEN, "big"),
+            len(src).to_bytes(_HEADER_LEN, "big"), src, body))
+        with self._lock:
+            child = self._ready_child(source)
+            timeout = self.timeout_seconds
+            try:
+                child.send(request, time.monotonic() + timeout)
+                answer = child.receive(time.monotonic() + timeout)
+            except _Stopped as stop:
+                raise self._stopped(source, child, stop.reason, timeout) from None
+        status, payload = answer[:1], answer[1:]
+        if status == OK:
+            try:
+                out: list[Any] = json.loads(payload)
+            except RecursionError:
+                raise JqError(f"{source!r}: its outputs are nested too deeply to be "
+                              "decoded") from None
+            return out
+        message = payload.decode("utf-8", "surrogatepass")
+        if status == JQ_ERROR:
+            raise JqError(f"{source!r}: {message}") from ValueError(message)
+        if status == FAILED:
+            raise JqError(f"{source!r}: {message}")
+        raise JqError(f"{source!r}: the jq sandbox child answered out of protocol")
+
+    def _ready_child(self, source: str) -> _Child:
+        """The running child, or a new one; :class:`JqError` when none can start."""
+        child = self._child
+        if child is not None:
+            if child.proc.poll() is None:
+                return child
+            # died between evaluations (killed from outside): replaced, no error
+            self._child = None
+            self.restarts["died"] += 1
+            self._warn(f"the jq sandbox child (pid {child.pid}) had died "
+                       f"({_status_text(child.proc.returncode)}) while idle; restarted",
+                       child.stderr_tail())
+            child.close_pipes()
+        now = time.monotonic()
+        if now < self._no_start_until:
+            raise JqError(f"{source!r}: the jq sandbox child cannot start "
+                          f"({self._start_error}); next try in "
+                          f"{self._no_start_until - now:.1f} s")
+        try:
+            self._child = self._start()
+        except Exception as e:
+            self.restarts["start_failed"] += 1
+            self._start_error = str(e)
+            self._no_start_until = time.monotonic() + START_RETRY_SECONDS
+            log.error("the jq sandbox child cannot start; jq evaluations fail until it "
+                      "does (next try in %s)", _seconds(START_RETRY_SECONDS),
+                      extra={"error": self._start_error})
+            raise JqError(f"{source!r}: the jq sandbox child cannot start "
+                          f"({self._start_error})") from e
+        return self._child
+
+    def _start(self) -> _Child:
+        _reap_late()
+        cpu = math.ceil(self.timeout_seconds) + CPU_BACKSTOP_MARGIN
+        command = self._command or [sys.executable, "-m", "proxy.karta.jq_child"]
+        try:
+            proc = subprocess.Popen(
+                [*command, str(self.memory_limit_bytes), str(cpu)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                bufsize=0, close_fds=True, cwd="/", env=_child_env(),
+                # its own session: a terminal's Ctrl-C reaches the proxy, which ends it
+                start_new_session=True)
+        except OSError as e:
+            raise RuntimeError(f"cannot run {command[0]}: {e}") from e
+        child = _Child(proc)
+        try:
+            hello = child.receive(time.monotonic() + START_SECONDS)
+        except _Stopped as stop:
+            tail = child.stderr_tail() if stop.reason == "died" else ""
+            child.kill()
+            if stop.reason == "timeout":
+                raise RuntimeError(f"no hello within {_seconds(START_SECONDS)}") from None
+            raise RuntimeError(f"it ended at start ({_status_text(proc.returncode)})"
+                               + (f": {tail}" if tail else "")) from None
+        if hello != HELLO:
+            child.kill()
+            raise RuntimeError(f"unexpected hello {hello[:40]!r}")
+        return child
+
+    def _stopped(self, source: str, child: _Child, reason: str, timeout: float) -> JqError:
+        """The child that did not answer is ended; the error for the evaluation."""
+        tail = child.stderr_tail() if reason == "died" else ""
+        child.kill()
+        self._child = None
+        self.restarts[reason] += 1
+        strikes = self._strikes[source] = self._strikes.get(source, 0) + 1
+        if reason == "timeout":
+            what = (f"jq evaluation exceeded the {_seconds(timeout)} limit "
+                    "(karta.jq_timeout_seconds); the child was restarted")
+        else:
+            what = (f"the jq sandbox child died during the evaluation "
+                    f"({_status_text(child.proc.returncode)}); it was restarted")
+        self._warn(f"{what}: {_clip(source)!r}", tail)
+        if strikes >= QUARANTINE_STRIKES and source not in self._quarantined:
+            self._quarantined.add(source)
+            log.error("jq expression quarantined: %d evaluations exceeded the time limit "
+                      "or took the jq sandbox child down; its evaluations are jq errors "
+                      "until its description changes or the proxy restarts", strikes,
+                      extra={"expression": _clip(source)})
+        return JqError(f"{source!r}: {what}")
+
+    def _warn(self, message: str, stderr_tail: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < WARN_EVERY_SECONDS:
+            self._unwarned += 1
+            return
+        extra: dict[str, Any] = {"restarts": dict(self.restarts)}
+        if self._unwarned:
+            extra["not_logged_since_last"] = self._unwarned
+        if stderr_tail:
+            extra["child_stderr"] = stderr_tail
+        log.warning(message, extra=extra)
+        self._warned_at, self._unwarned = now, 0
