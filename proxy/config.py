@@ -369,6 +369,18 @@ class KartaSettings(Section):
     tombstone_seconds: Annotated[float, setting(
         "how long a deleted pod keeps its labels (longer than Prometheus' 5 m lookback)",
         ge=0)] = 600.0
+    jq_sandbox: Annotated[bool, setting(
+        "evaluate the descriptions' jq expressions in a child process bounded in time and "
+        "memory (off: in the proxy's own process, where libjq can be neither interrupted "
+        "nor bounded, and aborts the process when it runs out of memory)")] = True
+    jq_timeout_seconds: Annotated[float, setting(
+        "the time one jq evaluation may take in the sandbox; past it the child is killed "
+        "and restarted and the evaluation is a jq error", gt=0, le=60)] = 1.0
+    jq_memory_limit_bytes: Annotated[int, setting(
+        "the sandbox child's address-space limit (RLIMIT_AS); an evaluation that needs "
+        "more takes the child down and is a jq error. The child's memory counts toward "
+        "the pod's memory limit; at least 64 MiB", ge=64 * MiB, le=1 << 40)
+    ] = 256 * MiB
 
 
 class KubeSettings(Section):

@@ -180,3 +180,9 @@ INDEX_METRICS: tuple[str, ...] = (OP_INDEX_READY, OP_INDEX_STALE)
 #: (``proxy.kube.source``) in Kubernetes mode: the shipped ``KartaKindForbidden`` reads it
 OP_WATCH_FORBIDDEN = "karta_proxy_watch_forbidden"
 WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN,)
+#: the jq sandbox the descriptions' expressions run in (since 1.10.0), on every replica's
+#: /metrics (proxy/metrics.py): its child's restarts by reason (every reason present at 0)
+#: and the expressions it quarantined
+OP_JQ_SANDBOX_RESTARTS = "karta_proxy_jq_sandbox_restarts_total"
+OP_JQ_QUARANTINED = "karta_proxy_jq_quarantined_expressions"
+JQ_SANDBOX_METRICS: tuple[str, ...] = (OP_JQ_SANDBOX_RESTARTS, OP_JQ_QUARANTINED)

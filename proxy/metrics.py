@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from proxy import contract
 from proxy.index import PodIndex
+from proxy.karta.jq_sandbox import RESTART_REASONS, JqSandbox
 from proxy.loop_metrics import LoopCounter, LoopHistogram
 from proxy.loop_workers import LoopWorkers
 
@@ -106,6 +107,24 @@ def _engine_families(engine: Engine) -> Iterator[Metric]:
     yield family
 
 
+def _jq_sandbox_families(sandbox: JqSandbox | None) -> Iterator[Metric]:
+    """The jq sandbox's restarts and quarantined expressions: present at 0 without a
+    sandbox (karta.jq_sandbox off, or before the start), every reason from the start."""
+    family = CounterMetricFamily(
+        contract.OP_JQ_SANDBOX_RESTARTS.removesuffix("_total"), "Restarts of the jq sandbox's child, by reason: "
+        "timeout (an evaluation exceeded karta.jq_timeout_seconds: killed), died (it "
+        "ended, during an evaluation: libjq's abort at karta.jq_memory_limit_bytes, or "
+        "between two), start_failed (a child could not start).", labels=["reason"])
+    for reason in RESTART_REASONS:
+        family.add_metric([reason], sandbox.restarts[reason] if sandbox is not None else 0)
+    yield family
+    yield GaugeMetricFamily(
+        contract.OP_JQ_QUARANTINED, "jq expressions quarantined: they exceeded the time "
+        "limit or took the sandbox's child down 3 times, and are jq errors without "
+        "evaluation until their description changes.",
+        value=sandbox.quarantined() if sandbox is not None else 0)
+
+
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(_P + name, documentation, value=value)
 
@@ -139,6 +158,8 @@ class ProxyMetrics:
         r.register(_AtScrape(lambda: self._workers, _worker_families))
         self._engine: Engine | None = None
         r.register(_AtScrape(lambda: self._engine, _engine_families))
+        self._jq_sandbox: JqSandbox | None = None
+        r.register(_AtScrape(lambda: self, lambda m: _jq_sandbox_families(m._jq_sandbox)))
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """What came in and what became of it: the request side's own counters."""
@@ -337,3 +358,6 @@ class ProxyMetrics:
 
     def watch_engine(self, engine: Engine) -> None:
         self._engine = engine
+
+    def watch_jq_sandbox(self, sandbox: JqSandbox) -> None:
+        self._jq_sandbox = sandbox

@@ -7,7 +7,8 @@ applying; this module only compares settings, so the rule is one list, testable 
 
 Live: the enrichment and ``upstream.max_labels_per_series`` (a new splice plan, swapped
 between requests), the description files and the built-in switch (the engine
-re-evaluates, the index follows), ``log_level``. The TLS certificate, key and client CA
+re-evaluates, the index follows), the jq sandbox's time and memory limits (its child
+restarted with them), ``log_level``. The TLS certificate, key and client CA
 are loaded again, and so are the upstream's TLS files
 (their paths are not live); both are tried before anything is applied. Credential files
 need nothing: the upstream re-reads them whenever they change.
@@ -31,11 +32,18 @@ PLAN_KEYS: tuple[str, ...] = (
     "enrich",
     "upstream.max_labels_per_series",
 )
+#: the jq sandbox's limits: a reload that changes one restarts its child with them
+#: (``karta.jq_sandbox`` itself takes a restart)
+JQ_LIMIT_KEYS: tuple[str, ...] = (
+    "karta.jq_timeout_seconds",
+    "karta.jq_memory_limit_bytes",
+)
 #: dotted keys (or sections) a reload applies; everything else takes a restart
 LIVE_KEYS: tuple[str, ...] = (
     *PLAN_KEYS,
     "karta.description_paths",
     "karta.builtins",
+    *JQ_LIMIT_KEYS,
     "log_level",
 )
 

@@ -46,7 +46,7 @@ from proxy.karta.model import Description
 from proxy.karta.results import ChangeSet, PartialBatch
 from proxy.log import error_line
 from proxy.metrics import ProxyMetrics
-from proxy.reload import ReloadOutcome, is_plan_key, merge, with_keys
+from proxy.reload import JQ_LIMIT_KEYS, ReloadOutcome, is_plan_key, merge, with_keys
 from proxy.server import build_app, start_site
 from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
@@ -59,6 +59,7 @@ from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices
 if TYPE_CHECKING:
     from proxy.facts import FactWriter
     from proxy.karta.description import DescriptionFiles
+    from proxy.karta.jq_sandbox import JqSandbox
 
 log = logging.getLogger("karta.runtime")
 
@@ -197,6 +198,9 @@ class Proxy:
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._expire_task: asyncio.Task[None] | None = None
+        #: the jq sandbox the engine's expressions run in (karta.jq_sandbox), from the start
+        #: to the stop
+        self.jq_sandbox: JqSandbox | None = None
 
     # -- parts ----------------------------------------------------------------------------
 
@@ -408,6 +412,7 @@ class Proxy:
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
         warn_if_python()
+        self._start_jq_sandbox()
         await self.upstream.start(check=True)
         self._load_description_files()
         if not s.snapshot:
@@ -442,6 +447,30 @@ class Proxy:
             "port": self.port, "source": self.source_name, "pods": len(self.index),
             "ready": self.index.ready,
         })
+
+    def _start_jq_sandbox(self) -> None:
+        """Every description's jq expression evaluated in the sandbox child from now on
+        (``proxy.karta.jq_sandbox``; the child itself starts at the first evaluation)."""
+        k = self.settings.karta
+        if not k.jq_sandbox or self.jq_sandbox is not None:
+            return
+        from proxy.karta.jq_sandbox import JqSandbox
+        from proxy.karta.jqexpr import install_runner
+
+        self.jq_sandbox = JqSandbox(timeout_seconds=k.jq_timeout_seconds,
+                                    memory_limit_bytes=k.jq_memory_limit_bytes)
+        install_runner(self.jq_sandbox)
+        self.metrics.watch_jq_sandbox(self.jq_sandbox)
+
+    def _stop_jq_sandbox(self) -> None:
+        """Back to in-process evaluation (or another proxy's sandbox in a test), the child
+        killed and reaped."""
+        if self.jq_sandbox is None:
+            return
+        from proxy.karta.jqexpr import remove_runner
+
+        remove_runner(self.jq_sandbox)
+        self.jq_sandbox.close()
 
     def _explain(self, namespace: str, pod: str) -> Explanation | None:
         """The engine's explanation of a pod, found by the uid the index knows it by (the
@@ -595,6 +624,13 @@ class Proxy:
             if "log_level" in merged.applied:
                 logging.getLogger().setLevel(new.log_level.upper())
                 done.append("log_level")
+            jq_limits = [k for k in merged.applied if k in JQ_LIMIT_KEYS]
+            if jq_limits:
+                if self.jq_sandbox is not None:
+                    self.jq_sandbox.configure(
+                        timeout_seconds=new.karta.jq_timeout_seconds,
+                        memory_limit_bytes=new.karta.jq_memory_limit_bytes)
+                done += jq_limits
             if self.tls is not None and tls is not None:
                 self.tls.adopt(tls, forced=True)
             self.upstream.tls_adopt(upstream_tls)
@@ -655,7 +691,14 @@ class Proxy:
         """Stop taking requests and finish those in flight while the fact writer ends its
         series and releases its lease, then stop the sources: within ``STOP_SECONDS``
         (``DRAIN_SECONDS`` for the first two, side by side; the requests still in flight
-        then are ended; what is left of the stop is closing)."""
+        then are ended; what is left of the stop is closing). The jq sandbox's child is
+        ended last, whatever failed before."""
+        try:
+            await self._stop_parts()
+        finally:
+            self._stop_jq_sandbox()
+
+    async def _stop_parts(self) -> None:
         log.info("stopping karta-proxy")
         by = asyncio.get_running_loop().time() + server.DRAIN_SECONDS
         await cancel_and_wait(self._expire_task)

@@ -191,3 +191,22 @@ def test_index_metrics_match_the_document(doc: str) -> None:
               text_string_to_metric_families(generate_latest(metrics.registry).decode())}
     for name, cells in rows.items():
         assert served.get(name) == cells[0].split()[0], name
+
+
+def test_jq_sandbox_metrics_match_the_document(doc: str) -> None:
+    """The jq sandbox's restarts and quarantine (since 1.10.0): documented with the types
+    and labels ``/metrics`` serves them with, every reason present without a sandbox."""
+    from proxy.metrics import ProxyMetrics
+
+    rows = table(section(doc, "jq sandbox metrics"))
+    assert set(rows) == set(contract.JQ_SANDBOX_METRICS)
+    served: dict[str, tuple[str, set[str]]] = {}
+    for fam in text_string_to_metric_families(generate_latest(ProxyMetrics().registry).decode()):
+        for s in fam.samples:
+            if s.name in rows:
+                served[s.name] = (fam.type, set(s.labels) | served.get(s.name, ("", set()))[1])
+    assert set(served) == set(rows)
+    for name, cells in rows.items():
+        typ, labels = served[name]
+        assert cells[0].split()[0] == typ, name
+        assert labels_cell(cells[1]) == labels, name

@@ -408,8 +408,9 @@ _QUADRATIC = "costs the square of the object's depth"
 #: cluster, and one reading the environment could leak it into label values. None of
 #: them is needed to read fields of one object (no sample or built-in uses one); ``..``
 #: and ``limit`` remain available. A scan of names narrows the ways a description can
-#: cost without bound, it does not close them (docs/karta.md, "What the refusals do not
-#: cover"): descriptions are code the proxy runs.
+#: cost without bound, it does not close them (docs/karta.md, "What bounds an
+#: expression": the sandbox child bounds them in the proxy): descriptions are code the
+#: proxy runs.
 _BANNED: dict[str, str] = {
     "def": "recursive definitions " + _UNBOUNDED,
     # loops: a state doubled per step of a generator as long as a string ("ab"; .+.)
