@@ -1,0 +1,286 @@
+"""The jq sandbox: real child processes, outputs equal to the in-process evaluation, the
+time and memory limits, quarantine, a child killed from outside, and no zombie left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.karta.jq_sandbox import QUARANTINE_STRIKES, JqSandbox
+from proxy.karta.jqexpr import (
+    IN_PROCESS,
+    JqError,
+    JqExpr,
+    current_runner,
+    install_runner,
+    jq_text,
+    remove_runner,
+)
+
+#: the limit the tests run with: short, with room for a loaded machine to answer in
+TIMEOUT = 0.5
+#: what a stopped evaluation may take beyond the limit (the kill, the reap)
+SLACK = 2.0
+#: a string doubled 40 times: 2^40 times its length, past any memory limit
+DOUBLING = ".a" + " | (.+.)" * 40
+#: loops for ~minutes in libjq (JqExpr compiles anything: the load-time refusals are
+#: the description parser's)
+LOOPING = "[limit(100000000; repeat(1))] | length"
+
+
+@pytest.fixture
+def sandbox() -> Iterator[JqSandbox]:
+    box = JqSandbox(timeout_seconds=TIMEOUT, memory_limit_bytes=128 << 20)
+    try:
+        yield box
+    finally:
+        pid = box.child_pid
+        box.close()
+        if pid is not None:
+            assert not _alive(pid), "the child outlived close()"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is still a process, zombie included (/proc holds a zombie's entry
+    until its parent reaps it)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _error(run: Any) -> str:
+    with pytest.raises(JqError) as info:
+        run()
+    return str(info.value)
+
+
+EXPRESSIONS = [
+    ".", ".a", ".a.b", ".[]?", "keys", "to_entries", "[.[]?] | length", ".a // \"none\"",
+    "tostring", "..", "[..] | length", "map(.)?", ".a | tostring", "type",
+    "if type == \"object\" then keys_unsorted else . end", "[paths] | length",
+    ".a + 1", ".a | ascii_downcase", "tojson", "[.[]? | numbers] | add", "-(.a)",
+    "1e1000", "nan", "infinite", "100000000000000000000000001", "1.5", "[1, 1.0, -0.0]",
+    ".[] | select(. != null)",
+]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _outcome(expr: JqExpr, text: str, run: Any) -> tuple[str, Any]:
+    try:
+        return "ok", json.dumps(run(expr, text))  # 1 and 1.0, key order: told apart
+    except JqError as e:
+        return "error", (str(e), str(e.__cause__))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=json_values)
+def test_outputs_equal_the_in_process_evaluation(value: Any) -> None:
+    box = _shared_box()
+    text = jq_text(value)
+    for source in EXPRESSIONS:
+        expr = JqExpr(source)
+        assert _outcome(expr, text, box.run) == _outcome(expr, text, IN_PROCESS.run), source
+
+
+_BOX: list[JqSandbox] = []
+
+
+def _shared_box() -> JqSandbox:
+    """One sandbox for the hypothesis examples (closed at the end of the module)."""
+    if not _BOX:
+        _BOX.append(JqSandbox(timeout_seconds=5.0))
+    return _BOX[0]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_shared() -> Iterator[None]:
+    yield
+    for box in _BOX:
+        box.close()
+
+
+@pytest.mark.parametrize("obj", [
+    {"a": "é \u2603 \U0001F600", "b": None},
+    {"a": 2**64 + 1, "b": -(2**63), "c": 1.0, "d": 1e300, "e": 0.1},
+    {"z": 1, "a": {"y": [None, True, False], "b": ""}},
+    None, [], {}, "text", 12, 3.25, True,
+])
+@pytest.mark.parametrize("source", EXPRESSIONS + [".[]", ".a.b.c", "error(\"boom\")",
+                                                   ".a | test(\"(\")", "{} | .[0]"])
+def test_fixed_cases_equal_in_process(sandbox: JqSandbox, obj: Any, source: str) -> None:
+    expr = JqExpr(source)
+    text = jq_text(obj)
+    assert _outcome(expr, text, sandbox.run) == _outcome(expr, text, IN_PROCESS.run)
+
+
+def test_a_runtime_error_is_the_in_process_jq_error(sandbox: JqSandbox) -> None:
+    expr = JqExpr(".[]")
+    message = _error(lambda: sandbox.run(expr, "null"))
+    assert message == _error(lambda: expr.run_here("null"))
+    assert message == "'.[]': Cannot iterate over null (null)"
+    assert sandbox.restarts == {"timeout": 0, "died": 0, "start_failed": 0}
+
+
+def test_installed_the_sandbox_evaluates_every_expression(sandbox: JqSandbox) -> None:
+    """JqExpr.all / all_text go through the runner in force; a non-JSON input is told in
+    the proxy's process, as before."""
+    expr = JqExpr(".metadata.name")
+    install_runner(sandbox)
+    try:
+        assert current_runner() is sandbox
+        assert expr.all({"metadata": {"name": "web"}}) == ["web"]
+        assert sandbox.child_pid is not None
+        assert expr.all_text('{"metadata":{"name":"x"}}') == ["x"]
+        assert _error(lambda: expr.all({"a": b"bytes"})).startswith("'.metadata.name': ")
+        cycle: dict[str, Any] = {}
+        cycle["self"] = cycle
+        assert "Circular reference" in _error(lambda: expr.all(cycle))
+    finally:
+        remove_runner(sandbox)
+    assert current_runner() is IN_PROCESS
+
+
+def test_runners_removed_in_any_order_leave_the_one_before() -> None:
+    a, b = JqSandbox(), JqSandbox()
+    install_runner(a)
+    install_runner(b)
+    remove_runner(a)
+    assert current_runner() is b
+    remove_runner(b)
+    assert current_runner() is IN_PROCESS
+
+
+def test_a_string_doubled_past_the_memory_limit_restarts_the_child(
+        sandbox: JqSandbox) -> None:
+    good = JqExpr(".a")
+    assert sandbox.run(good, '{"a":"ab"}') == ["ab"]
+    first = sandbox.child_pid
+    assert first is not None
+    started = time.monotonic()
+    message = _error(lambda: sandbox.run(JqExpr(DOUBLING), '{"a":"abcdefgh"}'))
+    assert time.monotonic() - started < TIMEOUT + SLACK
+    assert ("the jq sandbox child died during the evaluation" in message
+            or "exceeded the 0.5 s limit" in message), message
+    assert sandbox.restarts["died"] + sandbox.restarts["timeout"] == 1
+    assert not _alive(first)  # killed or dead, and reaped
+    assert sandbox.run(good, '{"a":"cd"}') == ["cd"]
+    assert sandbox.child_pid not in (None, first)
+
+
+def test_a_long_loop_is_stopped_at_the_limit_then_quarantined(sandbox: JqSandbox) -> None:
+    looping = JqExpr(LOOPING)
+    for strike in range(1, QUARANTINE_STRIKES + 1):
+        pid = sandbox.child_pid
+        started = time.monotonic()
+        message = _error(lambda: sandbox.run(looping, "null"))
+        took = time.monotonic() - started
+        assert TIMEOUT <= took < TIMEOUT + SLACK, took
+        assert message == (f"{LOOPING!r}: jq evaluation exceeded the 0.5 s limit "
+                           "(karta.jq_timeout_seconds); the child was restarted")
+        assert sandbox.restarts["timeout"] == strike
+        if pid is not None:
+            assert not _alive(pid)
+    assert sandbox.quarantined() == 1 and sandbox.is_quarantined(LOOPING)
+    pid = sandbox.child_pid
+    started = time.monotonic()
+    message = _error(lambda: sandbox.run(looping, "null"))
+    assert time.monotonic() - started < 0.05
+    assert f"quarantined after {QUARANTINE_STRIKES} evaluations" in message
+    assert sandbox.restarts["timeout"] == QUARANTINE_STRIKES  # the child untouched
+    assert sandbox.child_pid == pid
+    # another text (the description edited) starts with a clean record
+    assert sandbox.run(JqExpr("[limit(3; repeat(1))] | length"), "null") == [3]
+
+
+def test_a_child_killed_while_idle_is_replaced_without_an_error(
+        sandbox: JqSandbox) -> None:
+    expr = JqExpr(".a")
+    assert sandbox.run(expr, '{"a":1}') == [1]
+    pid = sandbox.child_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # dead, not yet reaped: a zombie until the next call
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                break
+        time.sleep(0.01)
+    assert sandbox.run(expr, '{"a":2}') == [2]
+    assert not _alive(pid)  # reaped
+    assert sandbox.restarts == {"timeout": 0, "died": 1, "start_failed": 0}
+    assert sandbox.child_pid not in (None, pid)
+
+
+def test_a_child_killed_during_an_evaluation_is_a_jq_error(sandbox: JqSandbox) -> None:
+    import threading
+
+    sandbox.configure(timeout_seconds=10.0, memory_limit_bytes=128 << 20)
+    assert sandbox.run(JqExpr("."), "1") == [1]
+    pid = sandbox.child_pid
+    assert pid is not None
+    killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    message = _error(lambda: sandbox.run(JqExpr(LOOPING), "null"))
+    killer.join()
+    assert time.monotonic() - started < 5
+    assert "the jq sandbox child died during the evaluation (killed by SIGKILL)" in message
+    assert sandbox.restarts["died"] == 1
+    assert not _alive(pid)
+    assert sandbox.run(JqExpr(".a"), '{"a":"ok"}') == ["ok"]
+
+
+def test_new_limits_restart_the_child(sandbox: JqSandbox) -> None:
+    assert sandbox.run(JqExpr("."), "1") == [1]
+    pid = sandbox.child_pid
+    assert pid is not None
+    sandbox.configure(timeout_seconds=TIMEOUT, memory_limit_bytes=128 << 20)  # unchanged
+    assert sandbox.child_pid == pid
+    sandbox.configure(timeout_seconds=0.75, memory_limit_bytes=96 << 20)
+    assert sandbox.child_pid is None and not _alive(pid)
+    assert sandbox.run(JqExpr("."), "2") == [2]
+    with open(f"/proc/{sandbox.child_pid}/limits") as f:
+        limits = f.read()
+    assert str(96 << 20) in limits  # Max address space
+    assert sandbox.restarts == {"timeout": 0, "died": 0, "start_failed": 0}
+
+
+def test_a_child_that_cannot_start_is_a_jq_error_and_counted() -> None:
+    box = JqSandbox(command=[sys.executable, "-c", "import sys; sys.exit(7)"])
+    try:
+        message = _error(lambda: box.run(JqExpr("."), "1"))
+        assert "the jq sandbox child cannot start (it ended at start (exit status 7))" \
+            in message, message
+        assert box.restarts["start_failed"] == 1
+        # the next evaluations fail at once, no start tried until the retry delay
+        started = time.monotonic()
+        assert "next try in" in _error(lambda: box.run(JqExpr("."), "1"))
+        assert time.monotonic() - started < 0.05
+        assert box.restarts["start_failed"] == 1
+    finally:
+        box.close()
+    missing = JqSandbox(command=["/nonexistent/python"])
+    message = _error(lambda: missing.run(JqExpr("."), "1"))
+    assert "cannot run /nonexistent/python" in message
+    assert missing.restarts["start_failed"] == 1
+
+
+def test_outputs_too_deep_to_decode_are_a_jq_error(sandbox: JqSandbox) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    message = _error(lambda: sandbox.run(JqExpr("."), deep))
+    assert message.startswith("'.': ")
+    assert sandbox.run(JqExpr(".a"), '{"a":1}') == [1]  # the child still answers
