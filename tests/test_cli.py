@@ -322,6 +322,102 @@ async def test_process_serves_enriches_and_stops_on_sigterm(tmp_path: Path) -> N
     assert all({"ts", "level", "logger", "msg"} <= rec.keys() for rec in lines)
 
 
+#: a kind whose description's phase path doubles a string of the object 20 times (8 MiB)
+#: and lists where its first 640,000 bytes occur in it: it loads (no name refused), and
+#: costs libjq ~40 minutes (each of the 1,048,576 matches searched for anew), which held
+#: the proxy's event loop (it never became ready)
+HOSTILE_SNAPSHOT = SNAPSHOT + """\
+---
+apiVersion: example.com/v1
+kind: Hostile
+metadata: {name: h1, namespace: shop, uid: h-1}
+spec: {s: abcdefgh, template: {}}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: h1-0
+  namespace: shop
+  uid: p-h1
+  ownerReferences:
+  - {apiVersion: example.com/v1, kind: Hostile, name: h1, uid: h-1, controller: true}
+spec: {nodeName: n1, containers: [{name: h, image: h:1}]}
+status: {phase: Running}
+"""
+HOSTILE_KARTA = """\
+apiVersion: run.ai/v1alpha1
+kind: Karta
+metadata: {name: hostile}
+spec:
+  structureDefinition:
+    rootComponent:
+      name: hostile
+      kind: {group: example.com, version: v1, kind: Hostile}
+      specDefinition: {podTemplateSpecPath: .spec.template}
+      statusDefinition:
+        phaseDefinition: {path: '.spec.s%s | . as $x | $x | indices($x[0:640000]) | length'}
+        statusMappings: {running: [{byPhase: Running}]}
+""" % (" | (.+.)" * 20)
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """The samples of one family on a /metrics page, by their label text."""
+    return {m[1]: float(m[2]) for m in re.finditer(
+        rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+
+
+async def test_a_hostile_description_costs_a_jq_error_not_the_process(
+        tmp_path: Path) -> None:
+    """The jq sandbox end to end: a description whose status path runs for minutes is
+    stopped at the sandbox's time limit, not on the proxy's event loop (held there, the
+    process never became ready): the proxy serves, its health answers, the error and the
+    restart are counted, and the other workloads are still attributed."""
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(HOSTILE_SNAPSHOT)
+    desc = tmp_path / "hostile.yaml"
+    desc.write_text(HOSTILE_KARTA)
+    port = _free_port()
+    async with ScriptedUpstream() as up:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "--snapshot", str(snap), "--description", str(desc),
+            "--upstream-url", up.url, "--listen-address", f"127.0.0.1:{port}", "--no-facts",
+            cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+                await wait_for_200(session, base + "/-/ready", proc, timeout=30)
+                await wait_for_200(session, base + "/-/healthy", proc)
+                cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+                hostile = {"__name__": "up", "namespace": "shop", "pod": "h1-0"}
+                status, _, _ = await send_series(
+                    base + "/api/v1/write", [Series(cart, [(1000, 1.0)]),
+                                             Series(hostile, [(1000, 1.0)])], session=session)
+                assert status == 204
+                async with session.get(base + "/metrics") as r:
+                    metrics = await r.text()
+        finally:
+            try:
+                log = await stop(proc)
+            except TimeoutError:  # held in libjq, deaf to SIGTERM: not left behind
+                proc.kill()
+                await proc.wait()
+                raise
+    assert proc.returncode == 0, log[-2000:]
+    from proxy.sender import decode_v1
+
+    got = {s.labels["pod"]: s.labels for s in decode_v1(up.received[0].raw)}
+    assert got["cart-7d9f8-abcde"] == {**cart, **CART}
+    assert got["h1-0"]["karta_workload"] == "h1"  # placed: only its phase is unknown
+    errors = _samples(metrics, "karta_proxy_jq_errors_total")
+    assert errors['{where="status"}'] >= 1
+    restarts = _samples(metrics, "karta_proxy_jq_sandbox_restarts_total")
+    assert restarts['{reason="died"}'] + restarts['{reason="timeout"}'] >= 1
+    assert restarts['{reason="start_failed"}'] == 0
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(rec["msg"].startswith(("the jq sandbox child died", "jq evaluation exceeded"))
+               for rec in lines), log[-2000:]
+
+
 def _start_failure(args: list[str], env: dict[str, str] | None = None
                    ) -> tuple[int, str, list[dict[str, object]]]:
     """Run the real process to its failed start: exit code, the plain lines, the log."""
