@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from proxy.loop_metrics import LoopCounter, LoopHistogram
@@ -106,6 +107,32 @@ def test_the_engines_jq_errors_are_a_counter_by_where() -> None:
     assert get("karta_proxy_jq_errors_total", {"where": "status"}) == 2
     assert get("karta_proxy_jq_errors_total", {"where": "selector"}) == 1
 
+
+
+def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time() -> None:
+    """Every reason at 0 without a sandbox (karta.jq_sandbox off), then the sandbox's
+    own counts (real children: a time limit hit, then quarantined)."""
+    from proxy.karta.jq_sandbox import QUARANTINE_STRIKES, JqSandbox
+    from proxy.karta.jqexpr import JqError, JqExpr
+
+    metrics = ProxyMetrics()
+    get = metrics.registry.get_sample_value
+    restarts = "karta_proxy_jq_sandbox_restarts_total"
+    for reason in ("timeout", "died", "start_failed"):
+        assert get(restarts, {"reason": reason}) == 0
+    assert get("karta_proxy_jq_quarantined_expressions") == 0
+    box = JqSandbox(timeout_seconds=0.2)
+    metrics.watch_jq_sandbox(box)
+    looping = JqExpr("[limit(100000000; repeat(1))] | length")
+    try:
+        for _ in range(QUARANTINE_STRIKES):
+            with pytest.raises(JqError):
+                box.run(looping, "null")
+    finally:
+        box.close()
+    assert get(restarts, {"reason": "timeout"}) == QUARANTINE_STRIKES
+    assert get(restarts, {"reason": "died"}) == 0
+    assert get("karta_proxy_jq_quarantined_expressions") == 1
 
 def test_series_out_help_says_it_counts_only_what_the_upstream_accepted() -> None:
     """direction="out" is counted after the upstream's 2xx (proxy/handler.py; held by

@@ -329,6 +329,40 @@ async def test_keys_that_take_a_restart_keep_their_running_value(running: Runnin
     assert await r.send(CART_OTHER) == {**CART_OTHER, **CART}
 
 
+async def test_the_jq_sandbox_limits_apply_on_reload_and_its_switch_takes_a_restart(
+        running: Running) -> None:
+    """The proxy evaluates in its jq sandbox from the start; a reload hands it new limits
+    (its child ended, the next one started with them); ``karta.jq_sandbox`` waits for a
+    restart. The stop ends the child and puts in-process evaluation back."""
+    from proxy.karta.jqexpr import JqExpr, current_runner
+
+    r = running
+    box = r.proxy.jq_sandbox
+    assert box is not None and current_runner() is box
+    assert JqExpr(".a").all({"a": 1}) == [1]
+    pid = box.child_pid
+    assert pid is not None
+    descriptions = str(r.config.parent / "descriptions")
+    r.write_config(karta={"description_paths": [descriptions], "jq_timeout_seconds": 2.5,
+                          "jq_memory_limit_bytes": 128 << 20})
+    status, text = await r.post_reload()
+    assert (status, text) == (200, "configuration reloaded\n")
+    assert (box.timeout_seconds, box.memory_limit_bytes) == (2.5, 128 << 20)
+    assert box.child_pid is None and not Path(f"/proc/{pid}").exists()  # ended, reaped
+    assert r.proxy.settings.karta.jq_timeout_seconds == 2.5
+    assert r.metric(RESTART) == 0.0
+    r.write_config(karta={"description_paths": [descriptions], "jq_sandbox": False})
+    status, text = await r.post_reload()
+    assert status == 200 and "karta.jq_sandbox" in text, text
+    assert r.metric(RESTART) == 1.0
+    assert current_runner() is box
+    assert JqExpr(".a").all({"a": 2}) == [2]
+    pid = box.child_pid
+    await r.proxy.stop()
+    assert current_runner() is not box
+    assert not Path(f"/proc/{pid}").exists()
+
+
 async def test_reload_endpoint_methods(running: Running) -> None:
     async with running.session.get(running.base + "/-/reload") as resp:
         assert resp.status == 405
