@@ -20,7 +20,12 @@ Printed, all measured in the same run:
   objects are built before tracing starts and stay alive), and what stays allocated once
   the caller drops its objects (engine + the metadata maps it shares with them).
 
+With ``--jq-sandbox`` every jq expression is evaluated in the proxy's sandbox child
+(``proxy.karta.jq_sandbox``, as the proxy runs them) instead of in-process (the default,
+the engine's own cost).
+
     python3 benchmarks/engine_bench.py [--pods 100000] [--workloads 2000] [--events 5000]
+        [--jq-sandbox]
 """
 
 from __future__ import annotations
@@ -241,7 +246,17 @@ def main() -> int:
     ap.add_argument("--workloads", type=int, default=2_000)
     ap.add_argument("--events", type=int, default=5_000)
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--jq-sandbox", action="store_true",
+                    help="evaluate jq in the sandbox child, as the proxy does")
     args = ap.parse_args()
+    sandbox = None
+    if args.jq_sandbox:
+        from proxy.karta.jq_sandbox import JqSandbox
+        from proxy.karta.jqexpr import install_runner
+
+        sandbox = JqSandbox()
+        install_runner(sandbox)
+        print("jq: evaluated in the sandbox child (karta.jq_sandbox)")
 
     t = time.perf_counter()
     g = Gen(args.pods, args.workloads)
@@ -254,6 +269,7 @@ def main() -> int:
     expr = JqExpr('.metadata.labels["ray.io/node-type"]')
     sample_pod = g.pods[len(g.pods) // 2]
     reps = 2000
+    expr.equals(sample_pod, "worker")  # the sandbox's child started outside the timing
     jq_t = timed(lambda: [expr.equals(sample_pod, "worker") for _ in range(reps)]) / reps
     print(f"baseline: one libjq selector evaluation = {jq_t * 1e6:.1f} us")
 
@@ -340,6 +356,9 @@ def main() -> int:
         print(f"  retained once the caller drops them (engine + shared metadata): "
               f"{retained / 2**20:.1f} MiB = {retained / len(g.pods):.0f} B/pod")
         del e
+    if sandbox is not None:
+        print(f"jq sandbox restarts: {sandbox.restarts}")
+        sandbox.close()
     return 0
 
 

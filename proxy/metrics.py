@@ -111,10 +111,11 @@ def _jq_sandbox_families(sandbox: JqSandbox | None) -> Iterator[Metric]:
     """The jq sandbox's restarts and quarantined expressions: present at 0 without a
     sandbox (karta.jq_sandbox off, or before the start), every reason from the start."""
     family = CounterMetricFamily(
-        contract.OP_JQ_SANDBOX_RESTARTS.removesuffix("_total"), "Restarts of the jq sandbox's child, by reason: "
-        "timeout (an evaluation exceeded karta.jq_timeout_seconds: killed), died (it "
-        "ended, during an evaluation: libjq's abort at karta.jq_memory_limit_bytes, or "
-        "between two), start_failed (a child could not start).", labels=["reason"])
+        contract.OP_JQ_SANDBOX_RESTARTS.removesuffix("_total"),
+        "Restarts of the jq sandbox's child, by reason: timeout (an evaluation exceeded "
+        "karta.jq_timeout_seconds: killed), died (it ended, during an evaluation: libjq's "
+        "abort at karta.jq_memory_limit_bytes, or between two), start_failed (a child "
+        "could not start).", labels=["reason"])
     for reason in RESTART_REASONS:
         family.add_metric([reason], sandbox.restarts[reason] if sandbox is not None else 0)
     yield family

@@ -25,8 +25,9 @@ deadline:
 The outputs are those of the in-process evaluation: the child runs the same binding and
 sends them as JSON (Python's encoding and decoding keep ints, floats, key order), and a
 jq runtime error is the same :class:`JqError` with the same message. The caller's
-thread blocks for the evaluation, as it did in-process (~113 us a round trip against
-~43 us in-process for a 1.3 KB pod); a lock keeps one evaluation at a time.
+thread blocks for the evaluation, as it did in-process (~135-165 us an evaluation on
+a pod against ~42 us in-process: docs/performance.md); a lock keeps one evaluation at a
+time.
 """
 
 from __future__ import annotations
@@ -145,10 +146,11 @@ class _Child:
         return self.proc.pid
 
     def _wait(self, poller: select.poll, deadline: float) -> None:
+        """Until the pipe is ready or the deadline passed (``_Stopped("timeout")``)."""
         left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(math.ceil(left * 1000)):
-            if time.monotonic() >= deadline:
-                raise _Stopped("timeout")
+        ready = left > 0 and poller.poll(math.ceil(left * 1000))
+        if not ready and time.monotonic() >= deadline:
+            raise _Stopped("timeout")
 
     def send(self, data: bytes, deadline: float) -> None:
         view = memoryview(data)
@@ -167,6 +169,7 @@ class _Child:
         buf = bytearray()
         want = _HEADER_LEN
         header = True
+        self._wait(self.poll_r, deadline)  # an answer is never there at once: no EAGAIN
         while True:
             if len(buf) >= want:
                 if not header:

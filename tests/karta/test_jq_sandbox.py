@@ -119,8 +119,8 @@ def _close_shared() -> Iterator[None]:
     {"z": 1, "a": {"y": [None, True, False], "b": ""}},
     None, [], {}, "text", 12, 3.25, True,
 ])
-@pytest.mark.parametrize("source", EXPRESSIONS + [".[]", ".a.b.c", "error(\"boom\")",
-                                                   ".a | test(\"(\")", "{} | .[0]"])
+@pytest.mark.parametrize("source", [*EXPRESSIONS, ".[]", ".a.b.c", 'error("boom")',
+                                    '.a | test("(")', "{} | .[0]"])
 def test_fixed_cases_equal_in_process(sandbox: JqSandbox, obj: Any, source: str) -> None:
     expr = JqExpr(source)
     text = jq_text(obj)
