@@ -69,10 +69,13 @@ def _answer(fd: int, status: bytes, payload: bytes) -> None:
 
 
 def _set_limits(memory_bytes: int) -> None:
+    """The address-space limit, and no core file: libjq's abort at the limit (or the CPU
+    backstop's SIGXCPU) would write up to the whole limit to the working folder."""
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         memory_bytes = min(memory_bytes, hard)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _arm_cpu_backstop(cpu_seconds: int) -> None:
