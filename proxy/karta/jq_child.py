@@ -14,12 +14,15 @@ while it loops. Then it says hello and answers requests until its input ends.
 
 Frames, both ways: a 4-byte big-endian length, then that many bytes.
 
-- request: 4-byte big-endian length of the program's source, the source (UTF-8), the
-  input's JSON text (UTF-8);
-- answer: one status byte, then the payload: ``o`` and the outputs as one JSON array
-  (keys in the order jq gave them), ``e`` and jq's error message (a runtime error, as
-  the in-process evaluation raises it), ``x`` and a message for anything else (the
-  outputs not encodable as JSON, over the size an answer may have).
+- request: 4-byte big-endian count of programs, then for each a 4-byte big-endian
+  length of its source and the source (UTF-8), then the input's JSON text (UTF-8): the
+  programs run on one input in one round trip (a workload's status, id and scale paths);
+- answers, one frame per program, in order, each sent as soon as it is ready (so the
+  parent's deadline is per program, and it knows which one ran past it): one status
+  byte, then the payload: ``o`` and the outputs as one JSON array (keys in the order jq
+  gave them), ``e`` and jq's error message (a runtime error, as the in-process
+  evaluation raises it), ``x`` and a message for anything else (the outputs not
+  encodable as JSON, over the size an answer may have).
 
 Each program is compiled once per child lifetime (cached by its source).
 """
@@ -37,7 +40,7 @@ from typing import Any
 #: status bytes of an answer
 OK, JQ_ERROR, FAILED = b"o", b"e", b"x"
 #: the hello the child writes once its limits are set and jq is imported
-HELLO = b"karta-jq-child 1"
+HELLO = b"karta-jq-child 2"
 #: the longest answer sent: outputs beyond this are refused (the parent would hold them)
 MAX_ANSWER_BYTES = 64 << 20
 #: programs kept compiled; past this the oldest is dropped (descriptions edited often)
@@ -101,38 +104,47 @@ def serve(fd_in: int, fd_out: int, cpu_seconds: int) -> None:
         frame = _read_exact(fd_in, _LEN.unpack(head)[0])
         if frame is None:
             return
-        (n,) = _LEN.unpack_from(frame)
-        source, text = frame[4:4 + n], frame[4 + n:]
-        _arm_cpu_backstop(cpu_seconds)
-        program = programs.get(source)
-        if program is None:
-            try:
-                program = jq.compile(source.decode("utf-8", "surrogatepass"))
-            except ValueError as exc:
-                _answer(fd_out, FAILED, f"does not compile: {exc}".encode())
-                continue
-            if len(programs) >= MAX_PROGRAMS:
-                del programs[next(iter(programs))]
-            programs[source] = program
+        (count,) = _LEN.unpack_from(frame)
+        at = 4
+        sources: list[bytes] = []
+        for _ in range(count):
+            (n,) = _LEN.unpack_from(frame, at)
+            sources.append(frame[at + 4:at + 4 + n])
+            at += 4 + n
+        text = frame[at:].decode("utf-8", "surrogatepass")
+        for source in sources:
+            _arm_cpu_backstop(cpu_seconds)
+            status, payload = _evaluate(jq.compile, programs, source, text)
+            _answer(fd_out, status, payload)
+
+
+def _evaluate(compile_: Any, programs: dict[bytes, Any], source: bytes,
+              text: str) -> tuple[bytes, bytes]:
+    """One program on one input: the answer's status and payload."""
+    program = programs.get(source)
+    if program is None:
         try:
-            out = list(program.input_text(text.decode("utf-8", "surrogatepass")).all())
+            program = compile_(source.decode("utf-8", "surrogatepass"))
         except ValueError as exc:
-            _answer(fd_out, JQ_ERROR, str(exc).encode("utf-8", "surrogatepass"))
-            continue
-        except (TypeError, RecursionError) as exc:
-            _answer(fd_out, FAILED, f"{type(exc).__name__}: {exc}".encode())
-            continue
-        try:
-            payload = json.dumps(out, ensure_ascii=False, separators=(",", ":")
-                                 ).encode("utf-8", "surrogatepass")
-        except (ValueError, TypeError, RecursionError) as exc:
-            _answer(fd_out, FAILED, f"outputs not encodable as JSON: {exc}".encode())
-            continue
-        if len(payload) > MAX_ANSWER_BYTES:
-            _answer(fd_out, FAILED, f"outputs of {len(payload)} bytes of JSON, over the "
-                                    f"{MAX_ANSWER_BYTES} bytes an answer may have".encode())
-            continue
-        _answer(fd_out, OK, payload)
+            return FAILED, f"does not compile: {exc}".encode()
+        if len(programs) >= MAX_PROGRAMS:
+            del programs[next(iter(programs))]
+        programs[source] = program
+    try:
+        out = list(program.input_text(text).all())
+    except ValueError as exc:
+        return JQ_ERROR, str(exc).encode("utf-8", "surrogatepass")
+    except (TypeError, RecursionError) as exc:
+        return FAILED, f"{type(exc).__name__}: {exc}".encode()
+    try:
+        payload = json.dumps(out, ensure_ascii=False, separators=(",", ":")
+                             ).encode("utf-8", "surrogatepass")
+    except (ValueError, TypeError, RecursionError) as exc:
+        return FAILED, f"outputs not encodable as JSON: {exc}".encode()
+    if len(payload) > MAX_ANSWER_BYTES:
+        return FAILED, (f"outputs of {len(payload)} bytes of JSON, over the "
+                        f"{MAX_ANSWER_BYTES} bytes an answer may have").encode()
+    return OK, payload
 
 
 def main(argv: list[str]) -> int:

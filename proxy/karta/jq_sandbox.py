@@ -25,9 +25,10 @@ deadline:
 The outputs are those of the in-process evaluation: the child runs the same binding and
 sends them as JSON (Python's encoding and decoding keep ints, floats, key order), and a
 jq runtime error is the same :class:`JqError` with the same message. The caller's
-thread blocks for the evaluation, as it did in-process (~135-165 us an evaluation on
-a pod against ~42 us in-process: docs/performance.md); a lock keeps one evaluation at a
-time.
+thread blocks for the evaluation, as it did in-process (~100 us an evaluation on a pod
+against ~42 us in-process: docs/performance.md); a lock keeps one evaluation at a time.
+:meth:`JqSandbox.run_many` evaluates several expressions on one input in one round trip
+(a workload object's status, id and scale paths: ``jqexpr.Evaluated``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from proxy.karta.jq_child import FAILED, HELLO, JQ_ERROR, MAX_ANSWER_BYTES, OK
 from proxy.karta.jqexpr import JqError, JqExpr
@@ -125,6 +127,10 @@ class _Stopped(Exception):
         self.reason = reason
 
 
+class _NoChild(Exception):
+    """No child runs and none can start now: the message says why."""
+
+
 class _Child:
     """One running child and its pipes (the parent's ends non-blocking)."""
 
@@ -140,6 +146,8 @@ class _Child:
         self.poll_r.register(self.r, select.POLLIN)
         self.poll_w = select.poll()
         self.poll_w.register(self.w, select.POLLOUT)
+        #: bytes read past the last frame returned (the next answers of a batch)
+        self._buf = bytearray()
 
     @property
     def pid(self) -> int:
@@ -165,22 +173,22 @@ class _Child:
                 self._wait(self.poll_w, deadline)
 
     def receive(self, deadline: float) -> bytes:
-        """One frame's payload."""
-        buf = bytearray()
+        """One frame's payload. The child answers a batch frame after frame: what a read
+        takes beyond this frame is kept for the next (``_buf``)."""
+        buf = self._buf
         want = _HEADER_LEN
         header = True
-        self._wait(self.poll_r, deadline)  # an answer is never there at once: no EAGAIN
         while True:
             if len(buf) >= want:
-                if not header:
-                    if len(buf) > want:
-                        raise _Stopped("died")  # more than one answer: out of step
-                    return bytes(buf[_HEADER_LEN:])
-                size = int.from_bytes(buf[:_HEADER_LEN], "big")
-                if size > MAX_ANSWER_BYTES + 1:
-                    raise _Stopped("died")
-                want, header = _HEADER_LEN + size, False
-                continue
+                if header:
+                    size = int.from_bytes(buf[:_HEADER_LEN], "big")
+                    if size > MAX_ANSWER_BYTES + 1:
+                        raise _Stopped("died")  # out of step
+                    want, header = _HEADER_LEN + size, False
+                    continue
+                payload = bytes(buf[_HEADER_LEN:want])
+                del buf[:want]
+                return payload
             try:
                 chunk = os.read(self.r, max(1 << 16, want - len(buf)))
             except BlockingIOError:
@@ -225,6 +233,25 @@ _unreaped: list[subprocess.Popen[bytes]] = []
 
 def _reap_late() -> None:
     _unreaped[:] = [p for p in _unreaped if p.poll() is None]
+
+
+def _outcome(source: str, answer: bytes) -> list[Any] | JqError:
+    """An answer of the child: the outputs, or the evaluation's :class:`JqError`."""
+    status, payload = answer[:1], answer[1:]
+    if status == OK:
+        try:
+            out: list[Any] = json.loads(payload)
+        except RecursionError:
+            return JqError(f"{source!r}: its outputs are nested too deeply to be decoded")
+        return out
+    message = payload.decode("utf-8", "surrogatepass")
+    if status == JQ_ERROR:
+        err = JqError(f"{source!r}: {message}")
+        err.__cause__ = ValueError(message)
+        return err
+    if status == FAILED:
+        return JqError(f"{source!r}: {message}")
+    return JqError(f"{source!r}: the jq sandbox child answered out of protocol")
 
 
 class JqSandbox:
@@ -296,42 +323,61 @@ class JqSandbox:
     # -- evaluation ------------------------------------------------------------------------
 
     def run(self, expr: JqExpr, text: str) -> list[Any]:
-        source = expr.source
-        if source in self._quarantined:
-            raise JqError(f"{source!r}: quarantined after {QUARANTINE_STRIKES} evaluations "
-                          "that exceeded the time limit (karta.jq_timeout_seconds) or took "
-                          "the jq sandbox child down; not evaluated again until its "
-                          "description changes or the proxy restarts")
-        src = source.encode("utf-8", "surrogatepass")
-        body = text.encode("utf-8", "surrogatepass")
-        request = b"".join((
-            (_HEADER_LEN + len(src) + len(body)).to_bytes(_HEADER_LEN, "big"),
-            len(src).to_bytes(_HEADER_LEN, "big"), src, body))
-        with self._lock:
-            child = self._ready_child(source)
-            timeout = self.timeout_seconds
-            try:
-                child.send(request, time.monotonic() + timeout)
-                answer = child.receive(time.monotonic() + timeout)
-            except _Stopped as stop:
-                raise self._stopped(source, child, stop.reason, timeout) from None
-        status, payload = answer[:1], answer[1:]
-        if status == OK:
-            try:
-                out: list[Any] = json.loads(payload)
-            except RecursionError:
-                raise JqError(f"{source!r}: its outputs are nested too deeply to be "
-                              "decoded") from None
-            return out
-        message = payload.decode("utf-8", "surrogatepass")
-        if status == JQ_ERROR:
-            raise JqError(f"{source!r}: {message}") from ValueError(message)
-        if status == FAILED:
-            raise JqError(f"{source!r}: {message}")
-        raise JqError(f"{source!r}: the jq sandbox child answered out of protocol")
+        [out] = self.run_many((expr,), text)
+        if isinstance(out, JqError):
+            raise out
+        return out
 
-    def _ready_child(self, source: str) -> _Child:
-        """The running child, or a new one; :class:`JqError` when none can start."""
+    def run_many(self, exprs: Sequence[JqExpr], text: str) -> list[list[Any] | JqError]:
+        """Each expression's outputs on one input, or its :class:`JqError`, in one round
+        trip: the child answers each as it is done, so each has the whole time limit and
+        the one that runs past it is the one struck. The expressions after a stopped
+        one are evaluated again by a fresh child."""
+        results: list[list[Any] | JqError | None] = [None] * len(exprs)
+        todo = []
+        for i, expr in enumerate(exprs):
+            if expr.source in self._quarantined:
+                results[i] = JqError(
+                    f"{expr.source!r}: quarantined after {QUARANTINE_STRIKES} evaluations "
+                    "that exceeded the time limit (karta.jq_timeout_seconds) or took the jq "
+                    "sandbox child down; not evaluated again until its description changes "
+                    "or the proxy restarts")
+            else:
+                todo.append(i)
+        body = text.encode("utf-8", "surrogatepass")
+        while todo:
+            srcs = [exprs[i].source.encode("utf-8", "surrogatepass") for i in todo]
+            head = len(todo).to_bytes(_HEADER_LEN, "big")
+            parts = [head, *(p for src in srcs
+                             for p in (len(src).to_bytes(_HEADER_LEN, "big"), src)), body]
+            size = sum(map(len, parts))
+            request = b"".join((size.to_bytes(_HEADER_LEN, "big"), *parts))
+            with self._lock:
+                try:
+                    child = self._ready_child()
+                except _NoChild as e:  # every one of them fails alike
+                    for i in todo:
+                        err = results[i] = JqError(f"{exprs[i].source!r}: {e}")
+                        err.__cause__ = e.__cause__
+                    break
+                timeout = self.timeout_seconds
+                done = 0
+                source = exprs[todo[0]].source  # a send cut off strikes the first
+                try:
+                    child.send(request, time.monotonic() + timeout)
+                    for i in todo:
+                        source = exprs[i].source
+                        results[i] = _outcome(source, child.receive(time.monotonic() + timeout))
+                        done += 1
+                except _Stopped as stop:
+                    results[todo[done]] = self._stopped(source, child, stop.reason, timeout)
+                    done += 1
+            todo = todo[done:]
+        assert all(r is not None for r in results)
+        return cast("list[list[Any] | JqError]", results)
+
+    def _ready_child(self) -> _Child:
+        """The running child, or a new one; :class:`_NoChild` when none can start."""
         child = self._child
         if child is not None:
             if child.proc.poll() is None:
@@ -345,9 +391,8 @@ class JqSandbox:
             child.close_pipes()
         now = time.monotonic()
         if now < self._no_start_until:
-            raise JqError(f"{source!r}: the jq sandbox child cannot start "
-                          f"({self._start_error}); next try in "
-                          f"{self._no_start_until - now:.1f} s")
+            raise _NoChild(f"the jq sandbox child cannot start ({self._start_error}); "
+                           f"next try in {self._no_start_until - now:.1f} s")
         try:
             self._child = self._start()
         except Exception as e:
@@ -357,8 +402,7 @@ class JqSandbox:
             log.error("the jq sandbox child cannot start; jq evaluations fail until it "
                       "does (next try in %s)", _seconds(START_RETRY_SECONDS),
                       extra={"error": self._start_error})
-            raise JqError(f"{source!r}: the jq sandbox child cannot start "
-                          f"({self._start_error})") from e
+            raise _NoChild(f"the jq sandbox child cannot start ({self._start_error})") from e
         return self._child
 
     def _start(self) -> _Child:

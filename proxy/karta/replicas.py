@@ -9,11 +9,12 @@ only looks its counts up (``_replica_facts``).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from proxy.karta.jqexpr import JqError
+from proxy.karta.jqexpr import Evaluated, JqError, JqExpr, output_ids, output_numbers
 from proxy.karta.model import UNDEFINED
 from proxy.karta.plans import _CountKey, _DescriptionPlan
 from proxy.karta.results import STAT_STATUS_JQ_ERROR, STAT_WORKLOAD_JQ_ERROR, ReplicaFact
@@ -157,10 +158,29 @@ def _read_object_facts(
 ) -> _ObjectFacts:
     """An object version's facts under ``plan``; each jq error counted in ``stats`` as
     it is met, and kept for the caller to log."""
-    from proxy.karta.status import REASON_JQ_ERROR, evaluate_status
+    from proxy.karta.status import (
+        REASON_JQ_ERROR,
+        evaluate_status,
+        object_text,
+        status_expressions,
+    )
 
     ev = _ObjectFacts()
-    res = evaluate_status(plan.desc.status, obj)
+    scales = [sp for fc in plan.fact_comps if fc.scale is not None
+              for sp in (fc.scale.replicas, fc.scale.min_replicas, fc.scale.max_replicas)
+              if sp is not None]
+    exprs = [*status_expressions(plan.desc.status), *plan.ids_paths.values(), *scales]
+    # every path of the object in one evaluation (one round trip to the jq sandbox);
+    # an object that is not JSON goes path by path, each telling it as it does alone
+    evaluated: Evaluated | None = None
+    if exprs:
+        with contextlib.suppress(TypeError, ValueError, RecursionError):
+            evaluated = Evaluated(exprs, object_text(obj))
+
+    def outputs(path: JqExpr) -> list[Any]:
+        return evaluated.outputs(path) if evaluated is not None else path.all(obj)
+
+    res = evaluate_status(plan.desc.status, obj, evaluated)
     ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
     ev.since = res.since
     if res.reason.startswith(REASON_JQ_ERROR):
@@ -169,7 +189,7 @@ def _read_object_facts(
         ev.errors.append(_FactsJqError(STAT_STATUS_JQ_ERROR, "", res.reason))
     for name, path in plan.ids_paths.items():
         try:
-            ev.ids[name] = tuple(path.ids(obj))
+            ev.ids[name] = tuple(output_ids(outputs(path)))
         except JqError as exc:
             stats[STAT_WORKLOAD_JQ_ERROR] += 1
             ev.errors.append(
@@ -181,7 +201,7 @@ def _read_object_facts(
         outs: list[list[float | None]] = []
         for sp in (fc.scale.replicas, fc.scale.min_replicas, fc.scale.max_replicas):
             try:
-                outs.append(sp.numbers(obj) if sp is not None else [])
+                outs.append(output_numbers(outputs(sp)) if sp is not None else [])
             except JqError as exc:
                 stats[STAT_WORKLOAD_JQ_ERROR] += 1
                 if sp is not None:

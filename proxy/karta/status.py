@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from proxy.karta.jqexpr import JqError, JqExpr, jq_text, to_text
+from proxy.karta.jqexpr import Evaluated, JqError, JqExpr, jq_text, to_text
 from proxy.karta.model import UNDEFINED, UPSTREAM_STATUS_ORDER, Matcher, StatusDefinition
 
 #: The one current phase is the first of the matching statuses in this order.
@@ -63,20 +63,42 @@ _NO_DEFINITION = StatusResult(UNDEFINED, (UNDEFINED,), REASON_NO_DEFINITION)
 _NO_MATCH = StatusResult(UNDEFINED, (UNDEFINED,), REASON_NO_MATCH)
 
 
+def object_text(obj: Mapping[str, Any]) -> str:
+    """A workload object as the JSON text its expressions read: keys sorted (gojq
+    iterates objects in key order, :func:`jq_text`), timestamps as the API writes them
+    (:func:`_json_default`); TypeError / ValueError / RecursionError when it is not JSON
+    (NaN, bytes, a cycle)."""
+    return jq_text(obj, allow_nan=False, default=_json_default)
+
+
+def status_expressions(status: StatusDefinition | None) -> list[JqExpr]:
+    """Every expression :func:`evaluate_status` may run: the phase and conditions paths
+    and each matcher's ``byExpression``, for evaluating them together (``Evaluated``)."""
+    if status is None:
+        return []
+    exprs = [e for e in (status.phase_path, status.conditions_path) if e is not None]
+    exprs += [m.by_expression for _, matchers in status.mappings for m in matchers
+              if m.by_expression is not None]
+    return exprs
+
+
 class _Input:
-    """The object serialised once, so each of a description's expressions reuses it."""
+    """The object serialised once, so each of a description's expressions reuses it; or
+    their outputs evaluated together beforehand (``evaluated``)."""
 
-    __slots__ = ("_text", "obj")
+    __slots__ = ("_evaluated", "_text", "obj")
 
-    def __init__(self, obj: Mapping[str, Any]) -> None:
+    def __init__(self, obj: Mapping[str, Any], evaluated: Evaluated | None = None) -> None:
         self.obj = obj
         self._text: str | None = None
+        self._evaluated = evaluated
 
     def run(self, expr: JqExpr) -> list[Any]:
-        if self._text is None:
-            # keys sorted: gojq iterates objects in key order (jq_text)
-            self._text = jq_text(self.obj, allow_nan=False, default=_json_default)
         try:
+            if self._evaluated is not None:
+                return self._evaluated.outputs(expr)
+            if self._text is None:
+                self._text = object_text(self.obj)
             return expr.all_text(self._text)
         except JqError as exc:
             detail = str(exc.__cause__ or exc)
@@ -108,9 +130,10 @@ def _text(value: Any) -> str | None:
 
 
 class _Evaluation:
-    def __init__(self, status: StatusDefinition, obj: Mapping[str, Any]) -> None:
+    def __init__(self, status: StatusDefinition, obj: Mapping[str, Any],
+                 evaluated: Evaluated | None) -> None:
         self.status = status
-        self.input = _Input(obj)
+        self.input = _Input(obj, evaluated)
         self._phase: str | None = None
         self._phase_done = False
         self._conditions: dict[str, Mapping[str, Any]] | None = None
@@ -186,12 +209,15 @@ class _Evaluation:
         return True
 
 
-def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any]) -> StatusResult:
-    """Every matching generic status and the one current phase; never raises."""
+def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any],
+                    evaluated: Evaluated | None = None) -> StatusResult:
+    """Every matching generic status and the one current phase; never raises.
+    ``evaluated``: the outputs of :func:`status_expressions` on ``obj`` (its
+    :func:`object_text`), evaluated beforehand with other paths of the object."""
     if status is None:
         return _NO_DEFINITION
     try:
-        ev = _Evaluation(status, obj)
+        ev = _Evaluation(status, obj, evaluated)
         # both paths up front, not only when a matcher reads them: a jq error in either
         # aborts the evaluation (upstream), where a lazy read let a failing path pass
         # unseen whenever no matcher reached it

@@ -284,3 +284,76 @@ def test_outputs_too_deep_to_decode_are_a_jq_error(sandbox: JqSandbox) -> None:
     message = _error(lambda: sandbox.run(JqExpr("."), deep))
     assert message.startswith("'.': ")
     assert sandbox.run(JqExpr(".a"), '{"a":1}') == [1]  # the child still answers
+
+
+# -- several expressions on one input, one round trip -------------------------------------
+
+
+def _many(run_many: Any, exprs: list[JqExpr], text: str) -> list[tuple[str, Any]]:
+    return [("error", (str(r), str(r.__cause__))) if isinstance(r, JqError)
+            else ("ok", json.dumps(r)) for r in run_many(exprs, text)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=json_values, picks=st.lists(st.sampled_from(
+    [*EXPRESSIONS, ".[]", 'error("boom")', "{} | .[0]"]), min_size=1, max_size=8))
+def test_a_batch_equals_each_evaluated_alone(value: Any, picks: list[str]) -> None:
+    """One round trip for a workload's paths: each result (outputs or error, the
+    error's cause too) is what its own evaluation gives, in the sandbox and in-process."""
+    box = _shared_box()
+    text = jq_text(value)
+    exprs = [JqExpr(s) for s in picks]
+    alone = [_outcome(e, text, IN_PROCESS.run) for e in exprs]
+    assert _many(box.run_many, exprs, text) == alone
+    assert _many(IN_PROCESS.run_many, exprs, text) == alone
+
+
+def test_a_batch_strikes_only_the_expression_past_the_limit(sandbox: JqSandbox) -> None:
+    """The child answers each expression of a batch as it is done: the one running past
+    the limit is the one struck, the ones before it keep their answers, and the ones
+    after it are evaluated by a fresh child."""
+    exprs = [JqExpr(".a"), JqExpr(LOOPING), JqExpr(".b"), JqExpr(".a[]")]
+    started = time.monotonic()
+    out = sandbox.run_many(exprs, '{"a":1,"b":2}')
+    assert time.monotonic() - started < TIMEOUT + SLACK
+    assert out[0] == [1] and out[2] == [2]
+    assert isinstance(out[1], JqError) and "exceeded the 0.5 s limit" in str(out[1])
+    assert isinstance(out[3], JqError) and "Cannot iterate over number" in str(out[3])
+    assert sandbox.restarts["timeout"] == 1
+    for _ in range(QUARANTINE_STRIKES - 1):
+        sandbox.run_many(exprs, '{"a":1,"b":2}')
+    assert sandbox.is_quarantined(LOOPING) and sandbox.quarantined() == 1
+    pid = sandbox.child_pid
+    started = time.monotonic()
+    out = sandbox.run_many(exprs, '{"a":3,"b":4}')
+    assert time.monotonic() - started < 0.05  # the quarantined one not sent
+    assert out[0] == [3] and out[2] == [4] and isinstance(out[1], JqError)
+    assert "quarantined" in str(out[1]) and sandbox.child_pid == pid
+
+
+def test_a_batch_with_no_child_fails_each_expression_alike() -> None:
+    box = JqSandbox(timeout_seconds=TIMEOUT, command=[sys.executable, "-c", "raise SystemExit(7)"])
+    try:
+        out = box.run_many([JqExpr(".a"), JqExpr(".b")], "{}")
+        assert all(isinstance(r, JqError) and "cannot start" in str(r) for r in out), out
+        assert [str(r).split(":", 1)[0] for r in out] == ["'.a'", "'.b'"]
+        assert box.restarts["start_failed"] == 1
+    finally:
+        box.close()
+
+
+def test_evaluated_raises_an_error_only_where_it_is_read(sandbox: JqSandbox) -> None:
+    """``Evaluated``: a workload's paths evaluated together; a failing one fails only
+    the reader that asks for it, as its own evaluation would have."""
+    from proxy.karta.jqexpr import Evaluated
+
+    install_runner(sandbox)
+    try:
+        ok, bad = JqExpr(".a"), JqExpr(".[] | .x")
+        ev = Evaluated([ok, bad, JqExpr(".a")], '{"a": 5}')
+        assert ev.outputs(ok) == [5]
+        assert ev.outputs(JqExpr(".a")) == [5]  # the same text: the same program
+        with pytest.raises(JqError, match="Cannot index number"):
+            ev.outputs(bad)
+    finally:
+        remove_runner(sandbox)

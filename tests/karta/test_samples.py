@@ -129,6 +129,27 @@ def test_cluster_fixture(path: Path, index: int, order: str) -> None:
     check_cluster(engine, cluster)
 
 
+@pytest.mark.parametrize("path", all_clusters(), ids=lambda p: p.stem)
+def test_cluster_fixture_in_the_jq_sandbox(path: Path) -> None:
+    """Every fixture's expected facts with the expressions evaluated as the proxy runs
+    them: in the sandbox child, a workload's paths in one round trip (``Evaluated``)."""
+    from proxy.karta.jq_sandbox import JqSandbox
+    from proxy.karta.jqexpr import install_runner, remove_runner
+
+    cluster = load_cluster(path)
+    box = JqSandbox(timeout_seconds=10.0)
+    install_runner(box)
+    try:
+        for names in cluster.description_sets:
+            engine = _engine(cluster, list(names))
+            _feed(engine, cluster, "as_written")
+            check_cluster(engine, cluster)
+        assert box.restarts == {"timeout": 0, "died": 0, "start_failed": 0}
+    finally:
+        remove_runner(box)
+        box.close()
+
+
 def test_every_sample_has_a_fixture() -> None:
     if not SAMPLES.is_dir():
         pytest.skip("../shared/karta/descriptions is not beside the checkout")
