@@ -232,6 +232,16 @@ async def test_agent_through_the_image_into_prometheus(container: str, tmp_path:
                 running.url + "/"
             ) as r:
                 assert "native" in await r.text()
+            # the descriptions' jq ran in the sandbox child inside the image (its Python,
+            # its package): none failed, no child failed to start
+            async with aiohttp.ClientSession() as session, session.get(
+                running.url + "/metrics"
+            ) as r:
+                page = await r.text()
+            assert 'karta_proxy_jq_sandbox_restarts_total{reason="start_failed"} 0.0' in page
+            jq_errors = [line for line in page.splitlines()
+                         if line.startswith("karta_proxy_jq_errors_total{")]
+            assert jq_errors and all(line.endswith(" 0.0") for line in jq_errors), jq_errors
             peers.stop_all()
             # SIGTERM to the proxy inside: a clean stop is exit 0 through buildah run
             assert running.stop() == 0, running.log_tail()
