@@ -144,8 +144,8 @@ class ImageProxy:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if cmd[0] == b"/opt/karta-proxy/bin/python":
-                found = pid
+            if cmd[0] == b"/opt/karta-proxy/bin/python" and b"proxy.karta.jq_child" not in cmd:
+                found = pid  # the proxy, not its jq sandbox child (a python below it)
             todo.extend(children.get(pid, []))
         return found
 

@@ -1,9 +1,10 @@
 """The jq sandbox's child: evaluates jq programs for the proxy, bounded in memory and CPU.
 
-Run as ``python -m proxy.karta.jq_child MEMORY_BYTES CPU_SECONDS`` by
-:mod:`proxy.karta.jq_sandbox`, which owns it. It imports ``jq`` and the standard library
-only (``proxy/__init__.py`` reads the installed version, nothing more): its memory limit
-leaves room for libjq, not for the proxy.
+Run as ``python -I -S .../jq_child.py JQ_FOLDER MEMORY_BYTES CPU_SECONDS`` by
+:mod:`proxy.karta.jq_sandbox`, which owns it: a script, isolated, without ``site``, so it
+imports ``jq`` (from ``JQ_FOLDER``) and the standard library only, not the proxy's
+package: its memory limit leaves room for libjq, and its own footprint stays ~6 MB of
+private memory.
 
 At start it sets its own limits (the parent has threads, so no ``preexec_fn``):
 ``RLIMIT_AS`` to ``MEMORY_BYTES`` (libjq aborts the process when an allocation fails: the
@@ -148,7 +149,11 @@ def _evaluate(compile_: Any, programs: dict[bytes, Any], source: bytes,
 
 
 def main(argv: list[str]) -> int:
-    memory_bytes, cpu_seconds = int(argv[0]), int(argv[1])
+    """``argv``: folders to import from (libjq's binding: the child runs isolated,
+    without ``site``), then the memory limit in bytes and the CPU backstop in seconds."""
+    *paths, memory, cpu = argv
+    sys.path[:0] = paths
+    memory_bytes, cpu_seconds = int(memory), int(cpu)
     _set_limits(memory_bytes)
     _arm_cpu_backstop(cpu_seconds)
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
