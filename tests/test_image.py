@@ -144,7 +144,8 @@ class ImageProxy:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if cmd[0] == b"/opt/karta-proxy/bin/python" and b"proxy.karta.jq_child" not in cmd:
+            if cmd[0] == b"/opt/karta-proxy/bin/python" and not any(
+                    a.endswith(b"jq_child.py") for a in cmd):
                 found = pid  # the proxy, not its jq sandbox child (a python below it)
             todo.extend(children.get(pid, []))
         return found
