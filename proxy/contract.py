@@ -186,3 +186,34 @@ WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN,)
 OP_JQ_SANDBOX_RESTARTS = "karta_proxy_jq_sandbox_restarts_total"
 OP_JQ_QUARANTINED = "karta_proxy_jq_quarantined_expressions"
 JQ_SANDBOX_METRICS: tuple[str, ...] = (OP_JQ_SANDBOX_RESTARTS, OP_JQ_QUARANTINED)
+#: the relay's, the configuration's and the certificates' operational metrics (since
+#: 1.10.0; served before, unlisted), on every replica's /metrics (proxy/metrics.py): the
+#: shipped ``karta-proxy-operational`` alerts read them (with the index, fact writer and
+#: jq sandbox metrics above), so their names, types and labels are named here
+OP_REQUESTS = "karta_proxy_requests_total"
+OP_REQUESTS_REJECTED = "karta_proxy_requests_rejected_total"
+OP_UPSTREAM_RESPONSES = "karta_proxy_upstream_responses_total"
+OP_UPSTREAM_MISCONFIGURED = "karta_proxy_upstream_misconfigured_total"
+OP_UPSTREAM_INFO = "karta_proxy_upstream_info"
+OP_CONFIG_RELOAD_SUCCESSFUL = "karta_proxy_config_last_reload_successful"
+OP_JQ_ERRORS = "karta_proxy_jq_errors_total"
+OP_TLS_CERTIFICATE_EXPIRY = "karta_proxy_tls_certificate_expiry_timestamp_seconds"
+OP_TLS_CERTIFICATE_RELOADS = "karta_proxy_tls_certificate_reloads_total"
+OP_UPSTREAM_TLS_CERTIFICATE_EXPIRY = "karta_proxy_upstream_tls_certificate_expiry_timestamp_seconds"
+OP_UPSTREAM_TLS_CERTIFICATE_RELOADS = "karta_proxy_upstream_tls_certificate_reloads_total"
+OPERATIONAL_ALERT_METRICS: tuple[str, ...] = (
+    OP_CONFIG_RELOAD_SUCCESSFUL,
+    OP_JQ_ERRORS,
+    OP_REQUESTS,
+    OP_REQUESTS_REJECTED,
+    OP_TLS_CERTIFICATE_EXPIRY,
+    OP_TLS_CERTIFICATE_RELOADS,
+    OP_UPSTREAM_INFO,
+    OP_UPSTREAM_MISCONFIGURED,
+    OP_UPSTREAM_RESPONSES,
+    OP_UPSTREAM_TLS_CERTIFICATE_EXPIRY,
+    OP_UPSTREAM_TLS_CERTIFICATE_RELOADS,
+)
+#: ``check`` values of OP_UPSTREAM_INFO that say the configuration is wrong (every write
+#: answered 503 until it is fixed): ``KartaProxyUpstreamMisconfigured`` reads them
+UPSTREAM_CHECKS_MISCONFIGURED: tuple[str, ...] = ("not_write_endpoint", "credentials_refused")

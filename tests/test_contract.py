@@ -7,6 +7,7 @@ every optional label, the labels ``stamped_pairs`` produces for a pod, and what 
 
 from __future__ import annotations
 
+import collections
 import re
 from pathlib import Path
 
@@ -210,3 +211,38 @@ def test_jq_sandbox_metrics_match_the_document(doc: str) -> None:
     rows = table(section(doc, "jq sandbox metrics"))
     assert set(rows) == set(contract.JQ_SANDBOX_METRICS)
     assert_served_as_documented(ProxyMetrics().registry, rows, among_others=True)
+
+
+def test_operational_alert_metrics_match_the_document(doc: str) -> None:
+    """The relay's, the configuration's and the certificates' metrics the shipped
+    operational alerts read (since 1.10.0): documented with the types and labels
+    ``/metrics`` serves them with, the upstream check's values among the documented."""
+    from proxy.metrics import ProxyMetrics
+
+    rows = table(section(doc, "Metrics the operational alerts read"))
+    assert set(rows) == set(contract.OPERATIONAL_ALERT_METRICS)
+    metrics = ProxyMetrics()
+    # the labelled families have no child until something is counted: one each, as a
+    # running proxy has (the TLS ones registered by the runtime / the upstream with TLS)
+    metrics.requests.values[("/api/v1/write", "v1", "200")] += 1
+    metrics.rejected.labels("overload").inc()
+    metrics.upstream_responses.values[("200",)] += 1
+    metrics.upstream_misconfigured.labels("http://tsdb/api/v1/push", "not_write_endpoint",
+                                          "404").inc()
+    metrics.upstream_info.labels("http://tsdb/api/v1/write", "rw1", "rw1").set(1)
+    for family in (metrics.tls_certificate_expiry, metrics.upstream_tls_certificate_expiry):
+        family.set(1.8e9)
+        metrics.registry.register(family)
+    metrics.tls_reloads.labels("failure")
+    metrics.upstream_tls_reloads.labels("failure")
+    metrics.registry.register(metrics.upstream_tls_reloads)
+    metrics.watch_engine(_Engine())  # type: ignore[arg-type]
+    assert_served_as_documented(metrics.registry, rows, among_others=True)
+    checks = set(re.findall(r"`([a-z_0-9]+)`", rows[contract.OP_UPSTREAM_INFO][2]))
+    assert set(contract.UPSTREAM_CHECKS_MISCONFIGURED) <= checks
+
+
+class _Engine:
+    """What the jq error family reads of the engine: its stats, every one at 0."""
+
+    stats: dict[str, int] = collections.defaultdict(int)

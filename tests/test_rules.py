@@ -98,14 +98,15 @@ def test_every_alert_is_tested_firing_and_not() -> None:
 
 
 def test_every_alert_is_documented_and_reads_contract_names() -> None:
-    """Alerts read facts (contract names), the fact writer's and the index's operational
-    metrics (also in the contract, docs/metrics.md) or recorded rules, nothing else of
-    karta's."""
+    """Alerts read facts (contract names), the operational metrics the contract names
+    (the fact writer's, the index's, the jq sandbox's, the relay's: docs/metrics.md) or
+    recorded rules, nothing else of karta's."""
     from proxy import contract
 
     doc = (ROOT / "docs" / "recording-rules.md").read_text()
     known = (set(contract.FACT_SERIES) | set(contract.FACT_WRITER_METRICS)
              | set(contract.INDEX_METRICS) | set(contract.WATCH_METRICS)
+             | set(contract.JQ_SANDBOX_METRICS) | set(contract.OPERATIONAL_ALERT_METRICS)
              | set(rule_names("record")))
     for f in RULE_FILES:
         for group in yaml.safe_load(f.read_text())["groups"]:
@@ -114,7 +115,9 @@ def test_every_alert_is_documented_and_reads_contract_names() -> None:
                     continue
                 assert f"`{r['alert']}`" in doc, f"{r['alert']} missing from the docs"
                 read = set(re.findall(r"\b(karta_[a-zA-Z0-9_:]+)\s*[{\[]", r["expr"]))
-                assert read and read <= known, (r["alert"], read - known)
+                # the one exception reads `up` alone (a target of the proxy's job down)
+                assert read or "up{" in r["expr"], r["alert"]
+                assert read <= known, (r["alert"], read - known)
                 assert r["labels"]["severity"] and r["annotations"]["summary"], r["alert"]
 
 
@@ -154,3 +157,51 @@ def test_gpu_rules_split_shared_devices() -> None:
             for r in group["rules"]:
                 if "record" in r and ":DCGM_" in r["record"]:
                     assert split in r["expr"] and count in r["expr"], r["record"]
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation but
+    ``-`` and ``_`` dropped, spaces as ``-``."""
+    return {
+        re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)
+    }
+
+
+def test_every_alert_has_a_runbook_section() -> None:
+    """Every alert's ``runbook`` annotation names a docs file and a heading in it (the
+    project has no docs site: the path is relative to the repository)."""
+    for f in RULE_FILES:
+        for group in yaml.safe_load(f.read_text())["groups"]:
+            for r in group["rules"]:
+                if "alert" not in r:
+                    continue
+                runbook = r["annotations"].get("runbook", "")
+                m = re.fullmatch(r"(docs/[\w.-]+\.md)#([\w-]+)", runbook)
+                assert m, (r["alert"], runbook)
+                doc = ROOT / m.group(1)
+                assert doc.is_file(), (r["alert"], runbook)
+                assert m.group(2) in heading_anchors(doc.read_text()), (r["alert"], runbook)
+                assert m.group(2) == r["alert"].lower(), (r["alert"], runbook)
+
+
+def test_operational_alerts_read_what_the_proxy_serves() -> None:
+    """The label values the operational alerts select are ones the proxy uses: the
+    upstream check's, the refusals', the jq errors' and the fact writes' (a value
+    misspelt in a matcher selects nothing, and the alert never fires)."""
+    from proxy import contract
+    from proxy.karta.results import JQ_ERROR_STATS
+
+    text = (ROOT / "config" / "rules" / "karta-proxy.alerts.yaml").read_text()
+    checks = re.findall(r'karta_proxy_upstream_info\{check=~"([^"]+)"\}', text)
+    assert checks and all(c.split("|") == list(contract.UPSTREAM_CHECKS_MISCONFIGURED)
+                          for c in checks)
+    upstream = (ROOT / "proxy" / "upstream.py").read_text()
+    for check in contract.UPSTREAM_CHECKS_MISCONFIGURED:
+        assert f'Probe("{check}"' in upstream, check
+    handler = (ROOT / "proxy" / "handler.py").read_text()
+    for reasons in re.findall(r'karta_proxy_requests_rejected_total\{reason=~?"([^"]+)"\}', text):
+        for reason in reasons.split("|"):
+            assert f'kind="{reason}"' in handler, reason
+    assert set(JQ_ERROR_STATS) == {"selector", "workload", "status"}
+    assert 'karta_proxy_fact_writes_total{result="success"}' in text
