@@ -32,7 +32,7 @@ import re
 import time
 import typing
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -54,7 +54,7 @@ from proxy.cpus import usable_cpus
 from proxy.index import PodIndex
 from proxy.log import Throttled
 from proxy.loop_metrics import LabelValues
-from proxy.loop_workers import LoopWorkers
+from proxy.loop_workers import LoopWorkers, ThreadStartError
 from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
@@ -148,8 +148,10 @@ def splice_in_parts(raw: bytes | memoryview, block: bytes, cuts: list[int],
             raise renumbered(err, series_before(raw, a) if a else 0) from None
         return result, block_part(result.body)
 
-    futures = [pool.submit(part, a, b) for a, b in spans[1:]]
+    futures: list[Future[tuple[SpliceResult, SnappyPart]]] = []
     try:
+        for a, b in spans[1:]:  # a part thread that cannot start raises here
+            futures.append(pool.submit(part, a, b))
         done = [part(*spans[0])]
     finally:
         wait(futures)  # every part ends before its request does
@@ -205,6 +207,17 @@ def _no_room() -> _Refusal:
     """The answer when the byte budget has no room for a request now."""
     return _Refusal(503, "overloaded: too many request bytes in flight", counter="reject",
                     kind="overload", headers={"Retry-After": RETRY_AFTER})
+
+
+def _no_thread(message: str) -> _Refusal:
+    """The answer when the thread a request needs cannot start (a pids limit): a retry may
+    find one free (``proxy.loop_workers`` tries again at the next request)."""
+    return _Refusal(503, f"{message}; send it again", counter="reject", kind="thread_limit",
+                    headers={"Retry-After": RETRY_AFTER})
+
+
+def _thread_start_failed(e: RuntimeError) -> bool:
+    return "can't start new thread" in str(e)
 
 
 def _socket_fd(request: web.Request) -> int:
@@ -713,6 +726,13 @@ class RemoteWriteHandler:
                                                        parts, room)
                 finally:
                     self._in_workers -= 1
+        except ThreadStartError as e:
+            raise _no_thread(str(e)) from None
+        except RuntimeError as e:  # a part thread (``PartThreads``) that could not start
+            if not _thread_start_failed(e):
+                raise
+            raise _no_thread(f"cannot start a part thread ({e}): the process is at its "
+                             "thread or pids limit") from None
         except OverLimit as e:
             raise self._no_room_to_splice(e.need, room.refused) from None
         except ConversionRefused as e:

@@ -9,7 +9,10 @@ plain relay, and interpreter work there slows most when the machine does
 answer one ``call_soon_threadsafe`` that sets the awaiting future: ~10 calls.
 
 The threads (one per core the proxy may use) start with the first job and are named for
-the OS (``proxy.thread_names``). A job still queued when the workers are shut down is
+the OS (``proxy.thread_names``). A thread that cannot start (a pids limit, ``RuntimeError:
+can't start new thread``) is tried again at the next job: with none running the job is
+refused with :class:`ThreadStartError` (the handler answers 503), with some running it
+waits for those. A job still queued when the workers are shut down is
 cancelled; one running finishes, its result dropped when no one waits for it any more.
 
 Each thread adds up the time it spends on jobs, and the queue says how many wait: read at
@@ -50,6 +53,10 @@ def _cancel(fut: asyncio.Future[Any]) -> None:
     fut.cancel()
 
 
+class ThreadStartError(RuntimeError):
+    """No worker thread runs and none could be started for a job (the job is not queued)."""
+
+
 class LoopWorkers:
     """A fixed set of named threads; :meth:`run` awaits a call made in one of them."""
 
@@ -58,9 +65,9 @@ class LoopWorkers:
             raise ValueError(f"a worker pool needs at least one thread, not {count}")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"{prefix}_{i}",
-                                          daemon=True)
-                         for i in range(count)]
+        self._prefix = prefix
+        self._threads = [self._thread(i) for i in range(count)]
+        #: every thread started (until then each job tries to start the rest)
         self._started = False
         #: seconds each thread spent on jobs (each item written by its own thread only)
         self._busy = [0.0] * count
@@ -78,10 +85,34 @@ class LoopWorkers:
         """Jobs waiting for a free thread now."""
         return self._jobs.qsize() if not self._closed else 0
 
+    def _thread(self, i: int) -> threading.Thread:
+        return threading.Thread(target=self._work, args=(i,), name=f"{self._prefix}_{i}",
+                                daemon=True)
+
+    def running(self) -> int:
+        """Threads started (and not shut down)."""
+        return sum(t.ident is not None for t in self._threads)
+
     def _start(self) -> None:
-        self._started = True
-        for t in self._threads:
-            t.start()
+        """Start the threads not started yet; raises :class:`ThreadStartError` when none
+        runs afterwards. A thread that fails to start is made anew and tried again at the
+        next job, so one failed start (a pids limit hit for a moment) wedges nothing."""
+        failure: RuntimeError | None = None
+        for i, t in enumerate(self._threads):
+            if t.ident is not None:
+                continue
+            try:
+                t.start()
+            except RuntimeError as e:  # "can't start new thread": the pids or thread limit
+                self._threads[i] = self._thread(i)
+                failure = e
+                break  # the next ones would fail as well
+        if failure is None:
+            self._started = True
+        elif not self.running():
+            raise ThreadStartError(
+                f"cannot start a worker thread ({failure}): the process is at its thread or "
+                "pids limit (a pod's pids limit, ulimit -u, kernel.threads-max)") from failure
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """``fn(*args)`` in a worker thread: the future of its result, or of what it raised,
@@ -92,7 +123,8 @@ class LoopWorkers:
         coroutine of its own: one frame fewer to resume on the loop per request."""
         if self._closed:
             raise RuntimeError("the worker threads are shut down")
-        if not self._started:  # at the first job: a handler never used starts none
+        if not self._started:  # at the first job: a handler never used starts none; after
+            # a failed start, the threads still missing
             self._start()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
@@ -107,11 +139,10 @@ class LoopWorkers:
         """Stop the threads once each has finished its job (queued ones are cancelled),
         and wait for them."""
         self._closed = True
-        if not self._started:
-            return
-        for _ in self._threads:
+        started = [t for t in self._threads if t.ident is not None]
+        for _ in started:
             self._jobs.put(None)
-        for t in self._threads:
+        for t in started:  # a thread that never started cannot be joined
             if t is not threading.current_thread():
                 t.join()
 

@@ -200,7 +200,7 @@ class ProxyMetrics:
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, karta_extra_label, header_timeout, body_timeout, "
             "body_too_slow, expectation, client_closed, bad_http, header_too_large, "
-            "send_timeout).",
+            "send_timeout, thread_limit: no worker thread could start).",
             ["reason"], registry=r,
         )
         self.connections_refused = Counter(

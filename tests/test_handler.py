@@ -1286,3 +1286,33 @@ async def test_a_flooded_symbol_index_is_counted_and_said(
     assert floods == 1
     (line,) = [r for r in caplog.records if "symbol index was rebuilt" in r.getMessage()]
     assert getattr(line, "symbols", None) == len(symbols), vars(line)
+
+
+async def test_a_worker_thread_that_cannot_start_is_a_503_and_the_next_request_is_served(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    # at a pids limit the first request that needed a worker got aiohttp's bare 500, and
+    # every later one waited for good (the pool counted as started, no thread running)
+    real = threading.Thread.start
+    failed: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("karta-splice") and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    cart = {"__name__": "container_cpu_usage_seconds_total", "namespace": "shop",
+            "pod": "cart-7d9f8-abcde", "container": "cart"}
+    raw = series_v1(*({**cart, "id": f"/kubepods/{i:06d}" + "x" * 200} for i in range(2000)))
+    assert len(raw) > INLINE_DECODED_BYTES  # it goes to a worker
+    async with asyncio.timeout(20):
+        refused = await running.post(raw)
+        assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+        assert "cannot start a worker thread" in await refused.text()
+        assert failed == ["karta-splice_0"]
+        assert running.metric("karta_proxy_requests_rejected_total",
+                              {"reason": "thread_limit"}) == 1
+        assert (await running.post(raw)).status == 204  # the start tried again
+    assert running.metric("karta_proxy_worker_queued_requests") == 0
+    assert len(running.upstream.received) == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.loop_workers import LoopWorkers
+from proxy.loop_workers import LoopWorkers, ThreadStartError
 
 
 def _where(x: int) -> tuple[str, int]:
@@ -159,3 +159,68 @@ async def test_busy_time_and_queued_jobs_are_counted() -> None:
         release.set()
         pool.shutdown()
     assert pool.queued() == 0
+
+
+def _failing_starts(monkeypatch: pytest.MonkeyPatch, prefix: str, *fail: int) -> list[str]:
+    """``threading.Thread.start`` raising as at a pids limit for the ``fail``-th starts
+    (0-based) of threads named ``prefix...``; the names of every such start attempted."""
+    real = threading.Thread.start
+    attempts: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith(prefix):
+            attempts.append(self.name)
+            if len(attempts) - 1 in fail:
+                raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return attempts
+
+
+async def test_a_failed_thread_start_refuses_the_job_and_the_next_one_starts_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pool was marked started before its threads were: one failed start left no
+    # thread running, and every later job waited on the queue for good
+    attempts = _failing_starts(monkeypatch, "karta-test_", 0)
+    pool = LoopWorkers("karta-test", 1)
+    try:
+        with pytest.raises(ThreadStartError, match="pids limit") as err:
+            await pool.run(_where, 1)
+        assert "can't start new thread" in str(err.value)
+        assert pool.queued() == 0 and pool.running() == 0  # the job was not left queued
+        async with asyncio.timeout(10):
+            assert await pool.run(_where, 2) == ("karta-test_0", 4)
+        assert attempts == ["karta-test_0", "karta-test_0"]
+    finally:
+        pool.shutdown()  # joins the thread that started, not the one that failed
+
+
+def test_shutdown_after_a_failed_start_joins_only_threads_that_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # "cannot join thread before it is started" ended the stop with exit 1
+    _failing_starts(monkeypatch, "karta-test_", 0)
+
+    async def refused() -> None:
+        with pytest.raises(ThreadStartError):
+            await pool.run(_where, 1)
+
+    pool = LoopWorkers("karta-test", 2)
+    asyncio.run(refused())
+    pool.shutdown()
+
+
+async def test_a_pool_with_some_threads_started_takes_jobs_and_starts_the_rest_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts = _failing_starts(monkeypatch, "karta-test_", 1)
+    pool = LoopWorkers("karta-test", 2)
+    try:
+        async with asyncio.timeout(10):
+            assert (await pool.run(_where, 1))[1] == 2  # thread 0 runs it
+            assert pool.running() == 1
+            await pool.run(_where, 2)  # the next job starts the missing one
+        assert pool.running() == 2
+        assert attempts == ["karta-test_0", "karta-test_1", "karta-test_1"]
+    finally:
+        pool.shutdown()
+    assert not any(t.name.startswith("karta-test_") for t in threading.enumerate())
