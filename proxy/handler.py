@@ -26,6 +26,7 @@ minimum rate, so a sender that stalls mid-body holds a slot for seconds, not for
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import re
@@ -209,6 +210,18 @@ def _no_room() -> _Refusal:
                     kind="overload", headers={"Retry-After": RETRY_AFTER})
 
 
+def _out_of_memory(where: str) -> _Refusal:
+    """The answer when an allocation failed while handling a request (``MemoryError``, or
+    ``ENOMEM`` from a mapping): the process is at its memory limit (an address-space
+    limit, ``ulimit -v``), which a retry may find freed. An allocation failure inside the
+    snappy library's Rust code (cramjam) aborts the process instead and cannot be
+    answered: ``server.max_inflight_bytes`` is what keeps requests within the memory."""
+    return _Refusal(503, f"out of memory {where}: the proxy could not allocate what the "
+                    "request needs now (its memory limit; server.max_inflight_bytes bounds "
+                    "what requests hold); send it again", counter="reject",
+                    kind="out_of_memory", headers={"Retry-After": RETRY_AFTER})
+
+
 def _no_thread(message: str) -> _Refusal:
     """The answer when the thread a request needs cannot start (a pids limit): a retry may
     find one free (``proxy.loop_workers`` tries again at the next request)."""
@@ -370,8 +383,12 @@ class RemoteWriteHandler:
                 raise _Refusal(400, f"header {header} is not valid UTF-8: it cannot be "
                                "forwarded to the upstream as it came", counter="reject",
                                kind="invalid_header")
-            response = await self._within_budget(request, protocol, encoding, tenant, query,
-                                                 waiting)
+            try:
+                response = await self._within_budget(request, protocol, encoding, tenant,
+                                                     query, waiting)
+            except MemoryError:  # forwarding (a body decoded again to send it in parts);
+                # its slot and budget were released on the way out
+                raise _out_of_memory("forwarding the request") from None
         except _Refusal as r:
             response = self._refuse(request, r)
         finally:
@@ -733,6 +750,12 @@ class RemoteWriteHandler:
                 raise
             raise _no_thread(f"cannot start a part thread ({e}): the process is at its "
                              "thread or pids limit") from None
+        except MemoryError:
+            raise _out_of_memory("decoding the request") from None
+        except OSError as e:  # a scratch buffer's mapping (proxy.compression): ENOMEM
+            if e.errno != errno.ENOMEM:
+                raise
+            raise _out_of_memory("decoding the request") from None
         except OverLimit as e:
             raise self._no_room_to_splice(e.need, room.refused) from None
         except ConversionRefused as e:

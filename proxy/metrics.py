@@ -200,7 +200,8 @@ class ProxyMetrics:
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, karta_extra_label, header_timeout, body_timeout, "
             "body_too_slow, expectation, client_closed, bad_http, header_too_large, "
-            "send_timeout, thread_limit: no worker thread could start).",
+            "send_timeout, thread_limit: no worker thread could start, out_of_memory: an "
+            "allocation failed).",
             ["reason"], registry=r,
         )
         self.connections_refused = Counter(

@@ -1316,3 +1316,45 @@ async def test_a_worker_thread_that_cannot_start_is_a_503_and_the_next_request_i
         assert (await running.post(raw)).status == 204  # the start tried again
     assert running.metric("karta_proxy_worker_queued_requests") == 0
     assert len(running.upstream.received) == 1
+
+
+@pytest.mark.parametrize("failure", [
+    MemoryError(), OSError(12, "Cannot allocate memory")], ids=["MemoryError", "ENOMEM"])
+async def test_an_allocation_that_fails_while_decoding_is_a_503_not_a_500(
+        running: Running, monkeypatch: pytest.MonkeyPatch, failure: Exception) -> None:
+    # under an address-space limit MemoryError (the splice, snappy) and ENOMEM (mmap of a
+    # scratch buffer) reached aiohttp: a 500 with a traceback
+    import proxy.handler
+
+    real = proxy.handler.decompress_scratch
+    calls: list[int] = []
+
+    def decompress(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise failure
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(proxy.handler, "decompress_scratch", decompress)
+    cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    resp = await running.post(series_v1(cart))
+    assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    assert (await resp.text()).startswith("out of memory decoding the request")
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "out_of_memory"}) == 1
+    assert running.metric("karta_proxy_inflight_bytes") == 0  # its budget released
+    assert (await running.post(series_v1(cart))).status == 204
+
+
+async def test_an_allocation_that_fails_while_forwarding_is_a_503(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def forward(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError  # snappy.uncompress of a body sent again in parts
+
+    monkeypatch.setattr(running.proxy.handler.upstream, "forward", forward)
+    resp = await running.post(series_v1({"__name__": "up"}))
+    assert resp.status == 503
+    assert (await resp.text()).startswith("out of memory forwarding the request")
+    assert running.metric("karta_proxy_requests_rejected_total",
+                          {"reason": "out_of_memory"}) == 1
+    assert running.metric("karta_proxy_inflight_requests") == 0
