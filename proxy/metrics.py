@@ -209,6 +209,14 @@ class ProxyMetrics:
             "made, by reason (max_connections: server.max_connections were open).",
             ["reason"], registry=r,
         )
+        self.accept_errors = Counter(
+            _P + "accept_errors", "Accepts of client connections that failed for want of a "
+            "resource, each followed by a one-second pause of the listener, by reason "
+            "(fd_limit: the file descriptor limit, EMFILE or ENFILE; no_memory: ENOBUFS or "
+            "ENOMEM).",
+            ["reason"], registry=r,
+        )
+        self.accept_errors.labels("fd_limit")  # present from the start, at 0
         self.connections_closed = Counter(
             _P + "connections_closed", "Idle client connections closed by the proxy, by "
             "reason (idle_at_limit: aborted to make room for a new connection at "

@@ -38,6 +38,7 @@ from proxy.config import (
     without_userinfo,
 )
 from proxy.contract import CONTRACT_VERSION
+from proxy.fd_limit import AcceptGuard, check_nofile, guard_accepts
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing
@@ -198,6 +199,8 @@ class Proxy:
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._expire_task: asyncio.Task[None] | None = None
+        #: the loop's listeners at the descriptor limit (counted in accept_errors_total)
+        self._accept_guard: AcceptGuard | None = None
         #: the jq sandbox the engine's expressions run in (karta.jq_sandbox), from the start
         #: to the stop
         self.jq_sandbox: JqSandbox | None = None
@@ -412,6 +415,10 @@ class Proxy:
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
         warn_if_python()
+        check_nofile(s.server.max_connections, s.upstream.max_connections)
+        self._accept_guard = guard_accepts(asyncio.get_running_loop())
+        if self._accept_guard is not None:
+            self._accept_guard.on_failure.append(self._accept_failed)
         self._start_jq_sandbox()
         await self.upstream.start(check=True)
         self._load_description_files()
@@ -447,6 +454,9 @@ class Proxy:
             "port": self.port, "source": self.source_name, "pods": len(self.index),
             "ready": self.index.ready,
         })
+
+    def _accept_failed(self, reason: str) -> None:
+        self.metrics.accept_errors.labels(reason).inc()
 
     def _start_jq_sandbox(self) -> None:
         """Every description's jq expression evaluated in the sandbox child from now on
@@ -697,6 +707,9 @@ class Proxy:
             await self._stop_parts()
         finally:
             self._stop_jq_sandbox()
+            if self._accept_guard is not None and \
+                    self._accept_failed in self._accept_guard.on_failure:
+                self._accept_guard.on_failure.remove(self._accept_failed)
 
     async def _stop_parts(self) -> None:
         log.info("stopping karta-proxy")
