@@ -290,13 +290,28 @@ def _main(argv: Sequence[str] | None, early: EarlySignals) -> int:
     memory.keep_request_buffers()
     setup_logging(settings.log_level, settings.log_format)
     held.replay()
+    runner = asyncio.Runner()
     try:
         # a reload reads the file again and puts the same flags on top
-        return asyncio.run(serve(settings,
-                                 loader=lambda: settings_from_args(args, reloading=True),
-                                 early_reload=early.take_hangup))
+        return runner.run(serve(settings,
+                                loader=lambda: settings_from_args(args, reloading=True),
+                                early_reload=early.take_hangup))
     except KeyboardInterrupt:
         return 130
+    finally:
+        _close(runner)
+
+
+def _close(runner: asyncio.Runner) -> None:
+    """The loop closed, its default pool shut down: in a thread, which at a pids limit
+    cannot start (``can't start new thread``, the same failure the start just reported
+    as the last line on stderr: no traceback after it). The pool's threads, if any, are
+    joined at exit."""
+    try:
+        runner.close()
+    except RuntimeError as e:
+        if "can't start new thread" not in str(e):
+            raise
 
 
 if __name__ == "__main__":

@@ -795,3 +795,27 @@ def test_a_lease_kubeconfig_that_does_not_exist_exits_2_with_a_snapshot(
     assert (r.returncode, r.stderr.splitlines()) == (2, [
         f"karta-proxy: error: {cfg}: kube.kubeconfig: file '/nonexistent' does not exist or "
         "is not readable"])
+
+
+def test_at_a_thread_limit_the_cannot_start_line_is_the_last_on_stderr(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # at pids.max=1 the start failed with the plain line, and asyncio.run's shutdown of
+    # its default pool (in a thread, which could not start either) added a traceback
+    import threading
+
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    code = main(["--snapshot", str(snap), "--upstream-url", "http://127.0.0.1:9/api/v1/write",
+                 "--listen-address", "127.0.0.1:0", "--no-facts", "--log-format", "json"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.splitlines()[-1] == (
+        "karta-proxy: error: cannot start: RuntimeError: can't start new thread"), err
+    assert "Traceback" not in err
