@@ -38,24 +38,35 @@ def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> in
 def cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The CPU quota of this process's cgroup and its parents, in cores (the smallest),
     or None for none (or none readable)."""
+    quotas = cgroup_values(root, proc_cgroup, _v2_quota, "cpu", ("cpu", "cpu,cpuacct"),
+                           _v1_quota)
+    return min(quotas) if quotas else None
+
+
+def cgroup_values(root: Path, proc_cgroup: Path, v2: Callable[[Path], float | None],
+                  controller: str, v1_mounts: tuple[str, ...],
+                  v1: Callable[[Path], float | None]) -> list[float]:
+    """What ``v2`` reads in this process's cgroup v2 folder and its parents, and ``v1`` in
+    those of the cgroup v1 hierarchy of ``controller`` (mounted as the controllers' names,
+    or one of ``v1_mounts``); none when ``/proc/self/cgroup`` cannot be read."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    quotas: list[float] = []
+        return []
+    found: list[float] = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if not hierarchy:
             continue
         if hierarchy == "0" and controllers == "":  # cgroup v2 (unified)
-            quotas += _along(root, path, _v2_quota)
-        elif "cpu" in controllers.split(","):  # cgroup v1, the cpu controller's hierarchy
-            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+            found += _along(root, path, v2)
+        elif controller in controllers.split(","):  # cgroup v1, the controller's hierarchy
+            for mount in (root / controllers, *(root / m for m in v1_mounts)):
                 if mount.is_dir():
-                    quotas += _along(mount, path, _v1_quota)
+                    found += _along(mount, path, v1)
                     break
-    return min(quotas) if quotas else None
+    return found
 
 
 def _along(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:

@@ -46,6 +46,7 @@ from proxy.karta.explain import Explanation
 from proxy.karta.model import Description
 from proxy.karta.results import ChangeSet, PartialBatch
 from proxy.log import error_line
+from proxy.memory_limit import check_memory
 from proxy.metrics import ProxyMetrics
 from proxy.reload import JQ_LIMIT_KEYS, ReloadOutcome, is_plan_key, merge, with_keys
 from proxy.server import build_app, start_site
@@ -416,6 +417,8 @@ class Proxy:
         })
         warn_if_python()
         check_nofile(s.server.max_connections, s.upstream.max_connections)
+        check_memory(s.server.max_inflight_bytes,
+                     s.karta.jq_memory_limit_bytes if s.karta.jq_sandbox else None)
         self._accept_guard = guard_accepts(asyncio.get_running_loop())
         if self._accept_guard is not None:
             self._accept_guard.on_failure.append(self._accept_failed)
