@@ -257,7 +257,7 @@ class Proxy:
                 self._kube_client = await KubeClient.connect(s)
             except Exception as e:
                 if isinstance(e, KubeconfigError):  # names the file and what is wrong
-                    why, fix = f": {e}", "fix the file, or set --kubeconfig"
+                    why, fix = f": {e}", e.fix
                 else:
                     where = (f"kubeconfig {s.kubeconfig}" if s.kubeconfig
                              else "no kubeconfig, no in-cluster service account")

@@ -17,7 +17,9 @@ import logging
 import math
 import os
 import ssl
+import tempfile
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +115,11 @@ class KubeApiError(Exception):
 class KubeconfigError(Exception):
     """A kubeconfig file that does not load; the message is one line naming the file and
     what is wrong with it (the client's own errors span lines: PyYAML's name the line
-    and column on a line of their own)."""
+    and column on a line of their own). ``fix``: what the operator does about it."""
+
+    def __init__(self, message: str, fix: str = "fix the file, or set --kubeconfig") -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 def _one_line(text: str) -> str:
@@ -145,9 +151,28 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
     try:
         return await k8s_config.load_kube_config(config_file=path, client_configuration=cfg,
                                                  persist_config=False)
+    except OSError as e:  # the client writes inline *-data to a temporary file
+        if not _in_tempfile(e):
+            raise KubeconfigError(f"kubeconfig {path}: does not load: "
+                                  f"{_one_line(str(e)) or type(e).__name__}") from e
+        where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"
+        raise KubeconfigError(
+            f"kubeconfig {path}: its inline certificate or key (certificate-authority-data, "
+            f"client-certificate-data, client-key-data) could not be written to a temporary "
+            f"file (the temporary directory: {where}, $TMPDIR): {type(e).__name__}: "
+            f"{_one_line(str(e))}",
+            fix="make the temporary directory writable (an emptyDir on /tmp, or set "
+                "TMPDIR), or use file paths in the kubeconfig instead of *-data") from e
     except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
         detail = _one_line(str(e)) or type(e).__name__
         raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
+
+
+def _in_tempfile(e: BaseException) -> bool:
+    """Whether ``e`` was raised by the ``tempfile`` module (no usable temporary directory,
+    a read-only or full one), not by what else a kubeconfig load does (an exec plugin)."""
+    return any(frame.f_code.co_filename == tempfile.__file__
+               for frame, _ in traceback.walk_tb(e.__traceback__))
 
 
 def kubeconfig_path(settings: KubeSettings) -> str:

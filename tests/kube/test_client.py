@@ -90,3 +90,36 @@ def test_an_error_carries_the_retry_after_the_server_asked_for() -> None:
     assert _error(429, body, "-5").retry_after == 3.0
     assert _error(503, b"upstream connect error", "5").retry_after == 5.0
     assert _error(500, b'{"kind": "Status", "code": 500}').retry_after is None
+
+
+INLINE_CA_KUBECONFIG = """\
+apiVersion: v1
+kind: Config
+current-context: c
+contexts: [{name: c, context: {cluster: k, user: u}}]
+clusters: [{name: k, cluster: {server: "https://127.0.0.1:9", certificate-authority-data: %s}}]
+users: [{name: u, user: {token: t}}]
+"""
+
+
+async def test_an_inline_ca_with_no_writable_temporary_directory_names_the_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the client writes certificate-authority-data to a temporary file: on a read-only
+    # root the message said "does not load ...; fix the file", and the file was fine
+    import base64
+    import tempfile
+
+    from proxy.kube.client import KubeconfigError
+
+    path = tmp_path / "kubeconfig"
+    path.write_text(INLINE_CA_KUBECONFIG % base64.b64encode(b"not a real CA").decode())
+    gone = tmp_path / "no-such-dir"
+    monkeypatch.setattr(tempfile, "tempdir", str(gone))
+    with pytest.raises(KubeconfigError) as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"kubeconfig {path}: its inline certificate or key"), message
+    assert f"the temporary directory: {gone}" in message
+    assert "FileNotFoundError" in message
+    assert "temporary directory writable" in info.value.fix
