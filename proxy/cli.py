@@ -8,13 +8,32 @@ convention of argparse, so supervisors and scripts can tell it from a runtime fa
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the early signal handlers come before the imports: see _record_early)
+import os
+import signal
+
+#: SIGTERM / SIGINT / SIGHUP that came while this module's imports ran (recorded as PID 1)
+_EARLY: set[int] = set()
+
+
+def _record_early(signum: int, frame: object) -> None:
+    _EARLY.add(signum)
+
+
+# As PID 1 (a container without an init) a signal whose action is the default is dropped
+# by the kernel: a SIGTERM in the ~0.2 s of imports before ``EarlySignals`` was lost and
+# the proxy started and ran on. There it is recorded from here, before the heavy imports,
+# and ``EarlySignals`` acts on it. Elsewhere the default action ends the process anyway.
+_BEFORE_EARLY: dict[int, object] = {}
+if os.getpid() == 1:
+    for _sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        _BEFORE_EARLY[_sig] = signal.signal(_sig, _record_early)
+
 import argparse
 import asyncio
 import contextlib
 import functools
 import logging
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -235,7 +254,15 @@ class EarlySignals:
             if sig is None:
                 continue
             with contextlib.suppress(ValueError):  # not the main thread (a test's caller)
-                self._before[sig] = signal.signal(sig, handler)
+                before = signal.signal(sig, handler)
+                self._before[sig] = _BEFORE_EARLY.get(sig, before)
+        self.hangup = getattr(signal, "SIGHUP", None) in _EARLY
+
+    @staticmethod
+    def stop_if_asked() -> None:
+        """A SIGTERM or SIGINT recorded during the imports (as PID 1) stops the start."""
+        if _EARLY & {signal.SIGTERM, signal.SIGINT}:
+            raise StoppedWhileStarting
 
     def restore(self) -> None:
         """The signals handled as before ``main`` (tests call it in their own process)."""
@@ -259,6 +286,7 @@ class EarlySignals:
 def main(argv: Sequence[str] | None = None) -> int:
     early = EarlySignals()
     try:
+        early.stop_if_asked()
         return _main(argv, early)
     except StoppedWhileStarting:
         logging.getLogger("proxy").info("stop requested while starting")

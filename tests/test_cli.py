@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -819,3 +820,27 @@ def test_at_a_thread_limit_the_cannot_start_line_is_the_last_on_stderr(
     assert err.splitlines()[-1] == (
         "karta-proxy: error: cannot start: RuntimeError: can't start new thread"), err
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare and root for a PID namespace")
+def test_as_pid_1_a_sigterm_during_the_imports_stops_the_start(tmp_path: Path) -> None:
+    # PID 1 gets no default signal actions: a SIGTERM before the CLI's handlers were set
+    # was dropped, and the proxy started and ran on. The signal is sent by the process
+    # itself right after importing the CLI (before main), which is as early as it gets
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    code = ("import os, signal, sys\n"
+            "from proxy.cli import main\n"
+            "assert os.getpid() == 1\n"
+            "os.kill(1, signal.SIGTERM)\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code,
+         "--snapshot", str(snap),
+         "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--listen-address",
+         f"127.0.0.1:{_free_port()}", "--no-facts"],
+        cwd=REPO, capture_output=True, text=True, timeout=20,  # it ran on: TimeoutExpired
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    assert "karta-proxy started" not in r.stderr
