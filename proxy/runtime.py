@@ -417,8 +417,7 @@ class Proxy:
         })
         warn_if_python()
         check_nofile(s.server.max_connections, s.upstream.max_connections)
-        check_memory(s.server.max_inflight_bytes,
-                     s.karta.jq_memory_limit_bytes if s.karta.jq_sandbox else None)
+        check_memory(s.server.max_inflight_bytes, s.karta.jq_sandbox)
         self._accept_guard = guard_accepts(asyncio.get_running_loop())
         if self._accept_guard is not None:
             self._accept_guard.on_failure.append(self._accept_failed)
