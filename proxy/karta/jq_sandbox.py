@@ -96,6 +96,15 @@ def _child_command() -> list[str]:
             str(Path(jq.__file__).resolve().parent)]
 
 
+def _child_env() -> dict[str, str]:
+    """The proxy's environment without ``LD_PRELOAD``: a library preloaded into the proxy
+    (an allocator, a sanitizer's runtime) has no business in the child, and one that
+    reserves address space at start (AddressSanitizer's shadow memory) cannot start under
+    the child's ``RLIMIT_AS`` (exit 86, ``Failed to mmap``: every evaluation a jq error in
+    the sanitized test run)."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
 def _status_text(returncode: int | None) -> str:
     if returncode is None:
         return "still running"
@@ -409,7 +418,7 @@ class JqSandbox:
             proc = subprocess.Popen(
                 [*command, str(self.memory_limit_bytes), str(cpu)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                bufsize=0, close_fds=True, cwd="/",
+                bufsize=0, close_fds=True, cwd="/", env=_child_env(),
                 # its own session: a terminal's Ctrl-C reaches the proxy, which ends it
                 start_new_session=True)
         except OSError as e:

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -357,3 +358,21 @@ def test_evaluated_raises_an_error_only_where_it_is_read(sandbox: JqSandbox) -> 
             ev.outputs(bad)
     finally:
         remove_runner(sandbox)
+
+
+def test_a_library_preloaded_into_the_proxy_stays_out_of_the_child(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LD_PRELOAD is not passed on: AddressSanitizer's runtime, preloaded into the proxy
+    in the sanitized test run, reserved its shadow memory in the child at start, past
+    the child's RLIMIT_AS (exit 86: every evaluation a jq error)."""
+    monkeypatch.setenv("LD_PRELOAD", "/nonexistent/libpreloaded.so")
+    monkeypatch.setenv("KARTA_SANDBOX_PROBE", "kept")
+    box = JqSandbox(timeout_seconds=5.0)
+    try:
+        assert box.run(JqExpr(".a"), '{"a": 1}') == [1]
+        pid = box.child_pid
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not any(v.startswith(b"LD_PRELOAD=") for v in environ)
+        assert b"KARTA_SANDBOX_PROBE=kept" in environ
+    finally:
+        box.close()
