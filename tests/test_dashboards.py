@@ -174,8 +174,10 @@ def test_dashboard_json_is_importable(path: Path) -> None:
         # the proxy dashboard's "All" is the proxies' jobs and instances the variable
         # found, not ".*": that read every job of the TSDB into "Targets up", CPU and
         # memory, and the remote-written karta_build_info (no job) into "Versions"; the
-        # workloads' ".*" also matches facts written without a cluster label
-        assert v.get("allValue") == (".*" if path == WORKLOADS else None), v["name"]
+        # workloads' ".*" also matches facts written without a cluster label, and the
+        # cluster's ".*" proxies scraped without one (job and instance still restrict)
+        all_value = ".*" if path == WORKLOADS or v["name"] == "cluster" else None
+        assert v.get("allValue") == all_value, v["name"]
         as_promql(variable_query(v))
 
 
@@ -222,17 +224,53 @@ def _operational_names() -> set[str]:
     return out | set(contract.FACT_WRITER_METRICS)
 
 
+def _known_series() -> set[str]:
+    """The series a panel may read: recorded rules, facts, the proxy's own metrics."""
+    return (set(rule_names("record")) | set(contract.FACT_SERIES) | _operational_names()
+            | {"up", "process_cpu_seconds_total", "process_resident_memory_bytes",
+               "process_open_fds", "process_max_fds", "python_info"})
+
+
 def test_every_series_a_panel_reads_exists() -> None:
     """A misspelt name would only show as an empty panel; here it fails by name."""
-    known = (set(rule_names("record")) | set(contract.FACT_SERIES) | _operational_names()
-             | {"up", "process_cpu_seconds_total", "process_resident_memory_bytes",
-                "process_open_fds", "process_max_fds", "python_info"})
+    known = _known_series()
     for path in DASHBOARDS:
         exprs = [q.expr for q in queries(path)]
         exprs += [variable_query(v) for v in variables(path)[1:]]
         for expr in exprs:
             for name in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", expr):
                 assert name in known, (path.name, name, expr)
+
+
+
+_CLUSTER_FILTER = 'cluster=~"$cluster"'
+
+
+def test_every_query_filters_by_cluster() -> None:
+    """Several clusters in one TSDB (the audit of several clusters and tenants): a panel
+    or variable query without the cluster filter sums every cluster's proxies (N fact
+    writer leaders, the freshest cluster's last fact write hiding a dead one, pod IPs
+    repeated across clusters merged). Every series a query reads (and every variable but
+    ``cluster`` itself) is selected with ``cluster=~"$cluster"``; the variable lists the
+    clusters from a series that carries the label, multi-value with "All"."""
+    known = _known_series()
+    for path in DASHBOARDS:
+        cluster = next(v for v in variables(path) if v["name"] == "cluster")
+        assert variables(path)[1]["name"] == "cluster"  # first: the others filter by it
+        assert cluster["multi"] and cluster["includeAll"], path.name
+        selector, label = as_promql(variable_query(cluster))
+        assert label == "cluster" and "$" not in selector, (path.name, selector)
+        exprs = [(q.panel, q.expr) for q in queries(path)]
+        exprs += [(f"variable {v['name']}", variable_query(v))
+                  for v in variables(path)[2:]]
+        for where, expr in exprs:
+            names = [m for m in re.finditer(r"(?<![\w:$])([a-zA-Z_:][a-zA-Z0-9_:]*)", expr)
+                     if m.group(1) in known]
+            assert names, (path.name, where, expr)
+            for m in names:
+                rest = expr[m.end():]
+                body = re.match(r"\s*\{([^}]*)\}", rest)
+                assert body and _CLUSTER_FILTER in body.group(1), (path.name, where, expr)
 
 
 # -- against a real Prometheus ---------------------------------------------------------------
