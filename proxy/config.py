@@ -432,9 +432,11 @@ class FactSettings(Section):
     headers: Annotated[dict[str, str], setting(
         "headers sent with every fact write (and only with them), e.g. X-Scope-OrgID: ops "
         "for Mimir or THANOS-TENANT: ops for Thanos Receive, whose tenant is a header: "
-        "without one the facts reach no tenant there (Mimir answers 401). "
-        "upstream.headers and the upstream credentials still win. A VictoriaMetrics "
-        "cluster's tenant is upstream.default_tenant")
+        "without one a multi-tenant Mimir answers 401 (no tenant gets the facts), a "
+        "single-tenant one (-auth.enabled=false) and, by its docs, Thanos Receive store "
+        "them in their default tenant. The facts go to this one tenant only, whatever "
+        "tenants senders name. upstream.headers and the upstream credentials still win. A "
+        "VictoriaMetrics cluster's tenant is upstream.default_tenant")
     ] = field(default_factory=dict)
     metrics_pod_facts: Annotated[bool, setting(
         "serve the per-pod facts (karta_pod_info, ...) on /metrics too; off: at ~100k pods "

@@ -54,7 +54,7 @@ from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
 from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
-from proxy.upstream import Upstream, conversion_limit
+from proxy.upstream import Upstream, conversion_limit, fact_tenant_hint
 from proxy.wire.native import warn_if_python
 from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices, in_runs
 
@@ -431,6 +431,10 @@ class Proxy:
             await self._load_snapshot()
         await self._start_elector()
         self.facts = self._make_facts()
+        if self.facts is not None:
+            hint = fact_tenant_hint(s.upstream, s.facts.headers)
+            if hint:
+                log.info(hint, extra={"upstream_url": without_userinfo(s.upstream.url)})
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
                         reload=self.reload, lifecycle=s.server.enable_lifecycle,

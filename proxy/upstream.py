@@ -651,6 +651,49 @@ def tenant_url(url: str, tenant: str | None, default_tenant: str) -> str | None:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
 
 
+#: receivers whose tenant is a request header, by the end of their write path: Mimir and
+#: Cortex (``/api/v1/push``, Cortex' older ``/api/prom/push``), Thanos Receive
+_MIMIR_WITHOUT_TENANT = ("a multi-tenant one refuses them (401: KartaProxyFactWritesFailing), "
+                         "a single-tenant one (-auth.enabled=false) stores them in its only "
+                         "tenant")
+_HEADER_TENANT_PATHS = (
+    ("/api/v1/push", "Mimir/Cortex", "X-Scope-OrgID", _MIMIR_WITHOUT_TENANT),
+    ("/api/prom/push", "Mimir/Cortex", "X-Scope-OrgID", _MIMIR_WITHOUT_TENANT),
+    ("/api/v1/receive", "Thanos Receive", "THANOS-TENANT",
+     "by its docs it stores them in its default tenant (--receive.default-tenant-id)"),
+)
+#: the header names that name a tenant there (Thanos' is its --receive.tenant-header)
+_TENANT_HEADERS = frozenset({"x-scope-orgid", "thanos-tenant"})
+
+
+def fact_tenant_hint(settings: UpstreamSettings, fact_headers: Mapping[str, str]) -> str:
+    """The start-up hint for fact writes that name no tenant where the tenant is a header
+    (a Mimir/Cortex or Thanos Receive path in ``upstream.url``), or "" for none.
+
+    Not a warning: a single-tenant Mimir (``-auth.enabled=false``) takes writes without
+    ``X-Scope-OrgID`` into its one tenant, and nothing here tells it from a multi-tenant
+    one, which answers 401 (``KartaProxyFactWritesFailing`` then). Nor when the proxy has
+    credentials of its own (a gateway in front may map them to a tenant)."""
+    try:
+        path = urlsplit(settings.url).path.rstrip("/")
+    except ValueError:
+        return ""
+    receiver = next((r[1:] for r in _HEADER_TENANT_PATHS if path.endswith(r[0])), None)
+    if receiver is None:
+        return ""
+    named = {h.lower() for h in (*fact_headers, *settings.headers)}
+    if named & (_TENANT_HEADERS | {"authorization"}) or settings.bearer_token_file \
+            or settings.basic_auth_username or url_credentials(settings.url) is not None:
+        return ""
+    name, header, without = receiver
+    return (
+        f"upstream.url is a {name} write path and the fact writes name no tenant "
+        f"(no {header} in facts.headers or upstream.headers): {without}. Facts go to one "
+        "tenant whatever tenants the senders name; set "
+        f"facts.headers ({header}: <tenant>) to choose it and load the fact rules there "
+        "(docs/deploy.md, Several clusters and tenants in one TSDB)")
+
+
 #: what each path usually is, for the hint in a "not a write endpoint" log line
 _PATH_HINT = (
     "Prometheus: /api/v1/write (needs --web.enable-remote-write-receiver); Mimir / Cortex: "

@@ -98,6 +98,28 @@ async def test_facts_reach_a_header_tenanted_upstream_with_facts_headers(tmp_pat
     assert all(r.headers.getall("X-Scope-OrgID") == ["fixed"] for r in up.received)
 
 
+async def test_facts_without_a_tenant_header_on_a_mimir_path_are_noted_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """upstream.url a Mimir push path, facts.headers without a tenant: one info line at
+    start names facts.headers (not a warning: a single-tenant Mimir takes them); none
+    once facts.headers names the tenant, nor with facts off."""
+    caplog.set_level(logging.INFO, logger="karta.runtime")
+    async with ScriptedUpstream() as up:
+        push = up.url.replace("/api/v1/write", "/api/v1/push")
+        for headers, enabled, noted in (({}, True, True), ({"X-Scope-OrgID": "ops"}, True, False),
+                                        ({}, False, False)):
+            caplog.clear()
+            s = snapshot_settings(tmp_path, push)
+            s.facts.enabled = enabled
+            s.facts.headers = headers
+            async with started(s):
+                pass
+            lines = [r for r in caplog.records if "fact writes name no tenant" in r.getMessage()]
+            assert len(lines) == int(noted), (headers, enabled, lines)
+            assert all(r.levelno == logging.INFO and "facts.headers" in r.getMessage()
+                       for r in lines)
+
+
 async def test_metrics_pod_facts_switch(tmp_path: Path) -> None:
     """facts.metrics_pod_facts: true puts the per-pod facts on /metrics as well."""
     async with ScriptedUpstream() as up:

@@ -38,6 +38,7 @@ from proxy.upstream import (
     Outgoing,
     Upstream,
     UpstreamFailure,
+    fact_tenant_hint,
     karta_extra_label,
     map_status,
     tenant_url,
@@ -1825,3 +1826,40 @@ def test_a_converted_custom_bucket_histogram_is_counted_as_the_samples_it_became
     out = u.prepare(req.SerializeToString(), Protocol.V2, "snappy", Counts(1, 1, 2, 0))
     # 0.5, +Inf, _sum, _count: four samples more, one histogram fewer
     assert out.counts == Counts(1, 5, 1, 0)
+
+
+@pytest.mark.parametrize(("url", "fact_headers", "upstream", "hinted"), [
+    # a header-tenanted receiver's path, no tenant header for the facts: the hint
+    ("http://mimir:8080/api/v1/push", {}, {}, "X-Scope-OrgID"),
+    ("http://cortex/api/prom/push/", {}, {}, "X-Scope-OrgID"),
+    ("http://thanos-receive:19291/api/v1/receive", {}, {}, "THANOS-TENANT"),
+    # a tenant named, for the facts or for everything, in any spelling: none
+    ("http://mimir:8080/api/v1/push", {"x-scope-orgid": "ops"}, {}, ""),
+    ("http://mimir:8080/api/v1/push", {}, {"X-Scope-OrgID": "fixed"}, ""),
+    ("http://thanos-receive:19291/api/v1/receive", {"Thanos-Tenant": "ops"}, {}, ""),
+    # credentials of its own (a gateway may map them to a tenant): none
+    ("http://u:p@mimir:8080/api/v1/push", {}, {}, ""),
+    ("http://mimir:8080/api/v1/push", {"Authorization": "Bearer x"}, {}, ""),
+    # not a header-tenanted receiver's path (Prometheus, VictoriaMetrics and its cluster,
+    # whose tenant is upstream.default_tenant): none
+    ("http://prometheus:9090/api/v1/write", {}, {}, ""),
+    ("http://vminsert:8480/insert/{tenant}/prometheus/api/v1/write", {}, {}, ""),
+])
+def test_the_fact_tenant_hint(url: str, fact_headers: dict[str, str],
+                              upstream: dict[str, str], hinted: str) -> None:
+    """Facts go to one tenant (the tenancy audit): where the tenant is a header and the
+    facts name none, the start says so, as a hint (a single-tenant Mimir takes them)."""
+    s = UpstreamSettings(url=url, headers=upstream)
+    hint = fact_tenant_hint(s, fact_headers)
+    if not hinted:
+        assert hint == ""
+        return
+    assert f"no {hinted} in facts.headers or upstream.headers" in hint
+    assert f"set facts.headers ({hinted}: <tenant>)" in hint
+
+
+def test_no_fact_tenant_hint_with_the_proxys_own_credentials() -> None:
+    for s in (UpstreamSettings(url="http://mimir/api/v1/push", bearer_token_file="/t"),
+              UpstreamSettings(url="http://mimir/api/v1/push", basic_auth_username="u")):
+        assert fact_tenant_hint(s, {}) == ""
+
