@@ -182,10 +182,12 @@ OP_WATCH_FORBIDDEN = "karta_proxy_watch_forbidden"
 WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN,)
 #: the jq sandbox the descriptions' expressions run in (since 1.10.0), on every replica's
 #: /metrics (proxy/metrics.py): its child's restarts by reason (every reason present at 0)
-#: and the expressions it quarantined
+#: the expressions it quarantined, and the seconds the proxy waited for it
 OP_JQ_SANDBOX_RESTARTS = "karta_proxy_jq_sandbox_restarts_total"
 OP_JQ_QUARANTINED = "karta_proxy_jq_quarantined_expressions"
-JQ_SANDBOX_METRICS: tuple[str, ...] = (OP_JQ_SANDBOX_RESTARTS, OP_JQ_QUARANTINED)
+OP_JQ_SANDBOX_SECONDS = "karta_proxy_jq_sandbox_seconds_total"
+JQ_SANDBOX_METRICS: tuple[str, ...] = (OP_JQ_SANDBOX_RESTARTS, OP_JQ_QUARANTINED,
+                                       OP_JQ_SANDBOX_SECONDS)
 #: the relay's, the configuration's and the certificates' operational metrics (since
 #: 1.10.0; served before, unlisted), on every replica's /metrics (proxy/metrics.py): the
 #: shipped ``karta-proxy-operational`` alerts read them (with the index, fact writer and

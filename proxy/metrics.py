@@ -108,8 +108,8 @@ def _engine_families(engine: Engine) -> Iterator[Metric]:
 
 
 def _jq_sandbox_families(sandbox: JqSandbox | None) -> Iterator[Metric]:
-    """The jq sandbox's restarts and quarantined expressions: present at 0 without a
-    sandbox (karta.jq_sandbox off, or before the start), every reason from the start."""
+    """The jq sandbox's restarts, quarantined expressions and seconds waited: present at
+    0 without a sandbox (karta.jq_sandbox off, or before the start), every reason from the start."""
     family = CounterMetricFamily(
         contract.OP_JQ_SANDBOX_RESTARTS.removesuffix("_total"),
         "Restarts of the jq sandbox's child, by reason: timeout (an evaluation exceeded "
@@ -121,9 +121,13 @@ def _jq_sandbox_families(sandbox: JqSandbox | None) -> Iterator[Metric]:
     yield family
     yield GaugeMetricFamily(
         contract.OP_JQ_QUARANTINED, "jq expressions quarantined: they exceeded the time "
-        "limit or took the sandbox's child down 3 times, and are jq errors without "
-        "evaluation until their description changes.",
+        "limit or took the sandbox's child down 3 times within an hour, and are jq errors "
+        "without evaluation for an hour (or until their text changes).",
         value=sandbox.quarantined() if sandbox is not None else 0)
+    yield CounterMetricFamily(
+        contract.OP_JQ_SANDBOX_SECONDS.removesuffix("_total"),
+        "Seconds the proxy waited for the jq sandbox's evaluations (the event loop held).",
+        value=sandbox.seconds_total if sandbox is not None else 0)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

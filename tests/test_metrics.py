@@ -121,6 +121,7 @@ def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time() -> Non
     for reason in ("timeout", "died", "start_failed"):
         assert get(restarts, {"reason": reason}) == 0
     assert get("karta_proxy_jq_quarantined_expressions") == 0
+    assert get("karta_proxy_jq_sandbox_seconds_total") == 0
     box = JqSandbox(timeout_seconds=0.2)
     metrics.watch_jq_sandbox(box)
     looping = JqExpr("[limit(100000000; repeat(1))] | length")
@@ -133,6 +134,8 @@ def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time() -> Non
     assert get(restarts, {"reason": "timeout"}) == QUARANTINE_STRIKES
     assert get(restarts, {"reason": "died"}) == 0
     assert get("karta_proxy_jq_quarantined_expressions") == 1
+    waited = get("karta_proxy_jq_sandbox_seconds_total")
+    assert waited is not None and waited >= QUARANTINE_STRIKES * 0.2
 
 def test_series_out_help_says_it_counts_only_what_the_upstream_accepted() -> None:
     """direction="out" is counted after the upstream's 2xx (proxy/handler.py; held by

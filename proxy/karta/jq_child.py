@@ -19,7 +19,7 @@ Frames, both ways: a 4-byte big-endian length, then that many bytes.
   length of its source and the source (UTF-8), then the input's JSON text (UTF-8): the
   programs run on one input in one round trip (a workload's status, id and scale paths);
 - answers, one frame per program, in order, each sent as soon as it is ready (so the
-  parent's deadline is per program, and it knows which one ran past it): one status
+  parent, whose deadline is one per request, knows which one ran past it): one status
   byte, then the payload: ``o`` and the outputs as one JSON array (keys in the order jq
   gave them), ``e`` and jq's error message (a runtime error, as the in-process
   evaluation raises it), ``x`` and a message for anything else (the outputs not
@@ -42,8 +42,10 @@ from typing import Any
 OK, JQ_ERROR, FAILED = b"o", b"e", b"x"
 #: the hello the child writes once its limits are set and jq is imported
 HELLO = b"karta-jq-child 2"
-#: the longest answer sent: outputs beyond this are refused (the parent would hold them)
-MAX_ANSWER_BYTES = 64 << 20
+#: the longest answer sent: outputs beyond this are refused (the parent holds several
+#: copies of an answer while it decodes it: a 60 MiB answer took its peak from 19 to 261 MB;
+#: outputs are ids, numbers, condition lists, bytes to KiB)
+MAX_ANSWER_BYTES = 4 << 20
 #: programs kept compiled; past this the oldest is dropped (descriptions edited often)
 MAX_PROGRAMS = 4096
 
@@ -80,6 +82,17 @@ def _set_limits(memory_bytes: int) -> None:
         memory_bytes = min(memory_bytes, hard)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _prefer_for_oom() -> None:
+    """The kernel's OOM killer picks this process first (``oom_score_adj`` 1000, which
+    an unprivileged process may set for itself), so a container at its memory limit
+    loses the child, not the proxy; best effort."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
 
 
 def _arm_cpu_backstop(cpu_seconds: int) -> None:
@@ -154,6 +167,7 @@ def main(argv: list[str]) -> int:
     *paths, memory, cpu = argv
     sys.path[:0] = paths
     memory_bytes, cpu_seconds = int(memory), int(cpu)
+    _prefer_for_oom()
     _set_limits(memory_bytes)
     _arm_cpu_backstop(cpu_seconds)
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()

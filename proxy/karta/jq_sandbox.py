@@ -17,10 +17,19 @@ deadline:
   exit status or signal;
 - either way the next evaluation starts a fresh child (a child found dead between
   evaluations is replaced without an error);
-- an expression that did either three times in the process's life is quarantined: its
-  evaluations are a :class:`JqError` at once, the child untouched, so a hostile
-  description costs the event loop about three timeouts, not one per object event. An
-  edited description (another source text) starts with a clean record.
+- an expression that did either three times within an hour is quarantined for an hour:
+  its evaluations are a :class:`JqError` at once, the child untouched, so a hostile
+  description costs the event loop about three timeouts an hour, not one per object
+  event. An edited description (another source text) starts with a clean record, and so
+  does a quarantined expression when its hour is over;
+- a timeout counts against the expression only when the child spent the time on it: a
+  child that used less than half the time in CPU (stopped, throttled, paging) is
+  restarted without a strike.
+
+The time limit is one per input (:meth:`JqSandbox.run_many`: a workload object's
+expressions share it), so one object event holds the loop about one limit at most (plus
+the kill and restart), and an input over a sixteenth of the memory limit is refused
+before it is sent.
 
 The outputs are those of the in-process evaluation: the child runs the same binding and
 sends them as JSON (Python's encoding and decoding keep ints, floats, key order), and a
@@ -44,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -58,6 +67,14 @@ RESTART_REASONS: Final = ("timeout", "died", "start_failed")
 #: evaluations of one expression that hit the time limit or took the child down before it
 #: is quarantined
 QUARANTINE_STRIKES: Final = 3
+#: how long a strike is remembered, and how long a quarantine lasts, seconds
+QUARANTINE_SECONDS: Final = 3600.0
+#: a timeout strikes the expression only when the child used at least this share of the
+#: time it was given in CPU (less: the machine or the child was held up)
+STRIKE_CPU_SHARE: Final = 0.5
+#: the largest input sent is the memory limit divided by this (16 MiB at 256 MiB): the
+#: child parses it again for each expression, within its memory limit
+INPUT_SHARE_OF_MEMORY: Final = 16
 #: how long a starting child may take to say hello (an interpreter and libjq loading)
 START_SECONDS: Final = 10.0
 #: after a failed start, evaluations fail at once for this long before the next try (a
@@ -79,6 +96,26 @@ def _clip(source: str) -> str:
 
 def _seconds(s: float) -> str:
     return f"{s:g} s"
+
+
+def _duration(s: float) -> str:
+    return f"{s / 3600:g} h" if s >= 3600 else _seconds(s)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The CPU time process ``pid`` used so far (``/proc/<pid>/schedstat``'s first field,
+    ns; else ``/proc/<pid>/stat``'s utime and stime, clock ticks), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _child_command() -> list[str]:
@@ -265,8 +302,10 @@ class JqSandbox:
 
     def __init__(self, *, timeout_seconds: float = 1.0,
                  memory_limit_bytes: int = 256 << 20,
-                 command: list[str] | None = None) -> None:
-        """``command``: what starts a child (tests give one that cannot start)."""
+                 command: list[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``command``: what starts a child (tests give one that cannot start);
+        ``clock``: what strikes and quarantines are dated by (tests move it)."""
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be > 0")
         self.timeout_seconds = timeout_seconds
@@ -276,9 +315,14 @@ class JqSandbox:
         self._child: _Child | None = None
         #: restarts by reason (``RESTART_REASONS``)
         self.restarts: dict[str, int] = dict.fromkeys(RESTART_REASONS, 0)
-        #: expression source -> evaluations that hit the time limit or took the child down
-        self._strikes: dict[str, int] = {}
-        self._quarantined: set[str] = set()
+        self._clock = clock
+        #: seconds the callers waited for the sandbox (run, run_many)
+        self.seconds_total = 0.0
+        #: expression source -> when its evaluations hit the time limit or took the child
+        #: down, within the last QUARANTINE_SECONDS
+        self._strikes: dict[str, list[float]] = {}
+        #: expression source -> when its quarantine ends
+        self._quarantined: dict[str, float] = {}
         self._no_start_until = 0.0
         self._start_error = ""
         self._warned_at = -math.inf
@@ -302,11 +346,28 @@ class JqSandbox:
             self._end_child()
 
     def quarantined(self) -> int:
-        """Expressions quarantined (the gauge)."""
+        """Expressions quarantined now (the gauge)."""
+        self._expire()
         return len(self._quarantined)
 
     def is_quarantined(self, source: str) -> bool:
+        self._expire()
         return source in self._quarantined
+
+    def _expire(self) -> None:
+        """Quarantines over and strikes older than QUARANTINE_SECONDS forgotten: the
+        expression starts with a fresh record."""
+        now = self._clock()
+        for source in [s for s, until in self._quarantined.items() if until <= now]:
+            del self._quarantined[source]
+            self._strikes.pop(source, None)
+        since = now - QUARANTINE_SECONDS
+        for source in list(self._strikes):
+            kept = [t for t in self._strikes[source] if t > since]
+            if kept:
+                self._strikes[source] = kept
+            else:
+                del self._strikes[source]
 
     @property
     def child_pid(self) -> int | None:
@@ -334,22 +395,42 @@ class JqSandbox:
         return out
 
     def run_many(self, exprs: Sequence[JqExpr], text: str) -> list[list[Any] | JqError]:
+        started = time.monotonic()
+        try:
+            return self._run_many(exprs, text)
+        finally:
+            self.seconds_total += time.monotonic() - started
+
+    def _run_many(self, exprs: Sequence[JqExpr], text: str) -> list[list[Any] | JqError]:
         """Each expression's outputs on one input, or its :class:`JqError`, in one round
-        trip: the child answers each as it is done, so each has the whole time limit and
-        the one that runs past it is the one struck. The expressions after a stopped
-        one are evaluated again by a fresh child."""
+        trip, within one time limit for them all (the deadline set at the send): the
+        child answers each as it is done, so the one running when the deadline passes is
+        the one struck (if the child spent the time on it), and the ones after it are
+        not evaluated (a :class:`JqError` each, no strike). After a child that died,
+        the ones after are sent to a fresh child, within what is left of the limit."""
         results: list[list[Any] | JqError | None] = [None] * len(exprs)
         todo = []
+        self._expire()
         for i, expr in enumerate(exprs):
             if expr.source in self._quarantined:
                 results[i] = JqError(
-                    f"{expr.source!r}: quarantined after {QUARANTINE_STRIKES} evaluations "
-                    "that exceeded the time limit (karta.jq_timeout_seconds) or took the jq "
-                    "sandbox child down; not evaluated again until its description changes "
-                    "or the proxy restarts")
+                    f"{expr.source!r}: quarantined for {_duration(QUARANTINE_SECONDS)} after "
+                    f"{QUARANTINE_STRIKES} evaluations that exceeded the time limit "
+                    "(karta.jq_timeout_seconds) or took the jq sandbox child down; not "
+                    "evaluated until then (or until the expression's text changes)")
             else:
                 todo.append(i)
         body = text.encode("utf-8", "surrogatepass")
+        limit = self.memory_limit_bytes // INPUT_SHARE_OF_MEMORY
+        if todo and len(body) > limit:
+            for i in todo:
+                results[i] = JqError(
+                    f"{exprs[i].source!r}: not evaluated: the object's JSON text is "
+                    f"{len(body)} bytes, over the {limit} bytes the jq sandbox takes "
+                    f"(karta.jq_memory_limit_bytes / {INPUT_SHARE_OF_MEMORY})")
+            todo = []
+        deadline: float | None = None
+        stopped: str | None = None
         while todo:
             srcs = [exprs[i].source.encode("utf-8", "surrogatepass") for i in todo]
             head = len(todo).to_bytes(_HEADER_LEN, "big")
@@ -364,20 +445,40 @@ class JqSandbox:
                     for i in todo:
                         err = results[i] = JqError(f"{exprs[i].source!r}: {e}")
                         err.__cause__ = e.__cause__
+                    todo = []
                     break
                 timeout = self.timeout_seconds
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout
+                elif now >= deadline:
+                    break  # after a child that died: the limit is spent
+                given = deadline - now
+                cpu_start = _cpu_seconds(child.pid)
                 done = 0
                 source = exprs[todo[0]].source  # a send cut off strikes the first
                 try:
-                    child.send(request, time.monotonic() + timeout)
+                    child.send(request, deadline)
                     for i in todo:
                         source = exprs[i].source
-                        results[i] = _outcome(source, child.receive(time.monotonic() + timeout))
+                        results[i] = _outcome(source, child.receive(deadline))
                         done += 1
                 except _Stopped as stop:
-                    results[todo[done]] = self._stopped(source, child, stop.reason, timeout)
+                    stopped = stop.reason
+                    cpu = None
+                    if stop.reason == "timeout" and cpu_start is not None:
+                        cpu_end = _cpu_seconds(child.pid)
+                        cpu = None if cpu_end is None else cpu_end - cpu_start
+                    results[todo[done]] = self._stopped(source, child, stop.reason,
+                                                        timeout, given, cpu)
                     done += 1
             todo = todo[done:]
+            if stopped == "timeout":
+                break
+        for i in todo:
+            results[i] = JqError(
+                f"{exprs[i].source!r}: not evaluated: the object's time limit "
+                "(karta.jq_timeout_seconds) was spent by the expressions before it")
         assert all(r is not None for r in results)
         return cast("list[list[Any] | JqError]", results)
 
@@ -438,27 +539,44 @@ class JqSandbox:
             raise RuntimeError(f"unexpected hello {hello[:40]!r}")
         return child
 
-    def _stopped(self, source: str, child: _Child, reason: str, timeout: float) -> JqError:
-        """The child that did not answer is ended; the error for the evaluation."""
+    def _stopped(self, source: str, child: _Child, reason: str, timeout: float,
+                 given: float, cpu: float | None) -> JqError:
+        """The child that did not answer is ended; the error for the evaluation.
+        ``given``: the seconds the child had for the request; ``cpu``: the CPU seconds it
+        used in them (a timeout), None when unknown (then the expression is struck)."""
         tail = child.stderr_tail() if reason == "died" else ""
         child.kill()
         self._child = None
         self.restarts[reason] += 1
-        strikes = self._strikes[source] = self._strikes.get(source, 0) + 1
+        stalled = cpu is not None and cpu < STRIKE_CPU_SHARE * given
         if reason == "timeout":
             what = (f"jq evaluation exceeded the {_seconds(timeout)} limit "
                     "(karta.jq_timeout_seconds); the child was restarted")
+            if stalled:
+                assert cpu is not None
+                what += (f"; the child used only {cpu:.3f} s of CPU in the {given:.3f} s: the "
+                         "machine or the child was held up; not counted against the "
+                         "expression")
         else:
             what = (f"the jq sandbox child died during the evaluation "
                     f"({_status_text(child.proc.returncode)}); it was restarted")
         self._warn(f"{what}: {_clip(source)!r}", tail)
-        if strikes >= QUARANTINE_STRIKES and source not in self._quarantined:
-            self._quarantined.add(source)
-            log.error("jq expression quarantined: %d evaluations exceeded the time limit "
-                      "or took the jq sandbox child down; its evaluations are jq errors "
-                      "until its description changes or the proxy restarts", strikes,
-                      extra={"expression": _clip(source)})
+        if not stalled:
+            self._strike(source)
         return JqError(f"{source!r}: {what}")
+
+    def _strike(self, source: str) -> None:
+        self._expire()
+        now = self._clock()
+        strikes = self._strikes.setdefault(source, [])
+        strikes.append(now)
+        if len(strikes) >= QUARANTINE_STRIKES and source not in self._quarantined:
+            self._quarantined[source] = now + QUARANTINE_SECONDS
+            log.error("jq expression quarantined: %d evaluations within %s exceeded the "
+                      "time limit or took the jq sandbox child down; its evaluations are "
+                      "jq errors for %s (or until its text changes)", len(strikes),
+                      _duration(QUARANTINE_SECONDS), _duration(QUARANTINE_SECONDS),
+                      extra={"expression": _clip(source)})
 
     def _warn(self, message: str, stderr_tail: str) -> None:
         now = time.monotonic()

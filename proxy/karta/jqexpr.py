@@ -336,7 +336,8 @@ def current_runner() -> JqRunner:
 class Evaluated:
     """Several expressions' outputs on one object, evaluated together: one round trip to
     the sandbox for what a workload event reads (its status, id and scale paths), where
-    one per expression cost ~2.5x the in-process time. An expression's error is raised
+    one per expression cost ~2.5x the in-process time, within one time limit for the
+    object (an expression not reached in it is an error). An expression's error is raised
     when its outputs are asked for, as its own evaluation would have raised it, so a
     path the caller never reads fails nothing."""
 
