@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -811,10 +812,20 @@ def test_at_a_thread_limit_the_cannot_start_line_is_the_last_on_stderr(
     def no_thread(self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
 
+    # main() sets the root logger's handler up on this test's captured stderr, closed
+    # after it: the handlers are put back, or every later test's log line is a
+    # "Logging error" on stderr
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     monkeypatch.setattr(threading.Thread, "start", no_thread)
-    code = main(["--snapshot", str(snap), "--upstream-url", "http://127.0.0.1:9/api/v1/write",
-                 "--listen-address", "127.0.0.1:0", "--no-facts", "--log-format", "json"])
-    monkeypatch.undo()
+    try:
+        code = main(["--snapshot", str(snap), "--upstream-url",
+                     "http://127.0.0.1:9/api/v1/write", "--listen-address", "127.0.0.1:0",
+                     "--no-facts", "--log-format", "json"])
+    finally:
+        monkeypatch.undo()
+        root.handlers[:] = handlers
+        root.setLevel(level)
     err = capsys.readouterr().err
     assert code == 1
     assert err.splitlines()[-1] == (
