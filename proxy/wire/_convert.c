@@ -742,14 +742,16 @@ has_bounds(const uint8_t *raw, size_t p, size_t end)
 }
 
 /* The stale NaN at ts as an RW 1.0 Sample field (convert._sample_v1 in a len_field). */
+/* One RW 1.0 Sample (field 2 of a TimeSeries): the value's bits (double, field 1) and its
+ * timestamp (field 2); the classic series and the staleness markers both write theirs so. */
 static void
-emit_stale_sample(Writer *w, uint64_t ts)
+emit_sample(Writer *w, uint64_t value_bits, uint64_t ts)
 {
     w_head(w, 2, 10 + varint_len(ts));
     uint8_t b[9];
     b[0] = 0x09;
     for (int k = 0; k < 8; k++)
-        b[1 + k] = (uint8_t)(STALE_NAN_BITS >> (8 * k));
+        b[1 + k] = (uint8_t)(value_bits >> (8 * k));
     w_put(w, b, 9);
     w_byte(w, 0x10);
     w_varint(w, ts);
@@ -764,7 +766,7 @@ emit_marks(Ctx *c, Writer *w)
     const Span *mk = c->marks.data;
     for (size_t i = 0; i < c->marks.len; i++) {
         if (c->mark_mode == MARK_FLOAT)
-            emit_stale_sample(w, hist_ts(c->raw, mk[i].ps, mk[i].end));
+            emit_sample(w, STALE_NAN_BITS, hist_ts(c->raw, mk[i].ps, mk[i].end));
         else
             emit_copy(w, c->raw, mk[i].ps, mk[i].end, 4, 17);
     }
@@ -1649,14 +1651,7 @@ emit_classic_one(Ctx *c, Writer *w, const ClassicLabels *cl, const char *sfx, si
         if (i < cl->nrest)
             emit_label2(w, ss[i].name, ss[i].value.s, ss[i].value.n, NULL, 0);
     }
-    w_head(w, 2, sample);
-    uint8_t b[9];
-    b[0] = 0x09;
-    for (int k = 0; k < 8; k++)
-        b[1 + k] = (uint8_t)(value_bits >> (8 * k));
-    w_put(w, b, 9);
-    w_byte(w, 0x10);
-    w_varint(w, ts);
+    emit_sample(w, value_bits, ts);
 }
 
 /* The bits of a histogram's bounds (field 16, in order) into c->bounds, for the markers
