@@ -142,7 +142,8 @@ class ServerSettings(Section):
         flag=Flag(("--web.enable-lifecycle",), SERVING))] = False
     forward_before_ready: Annotated[bool, setting(
         "until the index is loaded, forward requests unenriched (and report ready) instead "
-        "of answering 503", flag=Flag(("--forward-before-ready",), SERVING))] = False
+        "of answering 503 (the sender's karta_* labels are dropped as ever)",
+        flag=Flag(("--forward-before-ready",), SERVING))] = False
     worker_threads: Annotated[int, setting(
         "threads that decompress, splice and compress requests; 0: one per usable core",
         ge=0, le=256)] = 0

@@ -109,10 +109,14 @@ PART_DECODED_BYTES = 256 * 1024
 
 class Enriching(typing.Protocol):
     """What the handler needs of ``proxy.enrichment.Enricher``: the splice of the plan in
-    force, taken once per request (called from worker threads)."""
+    force, taken once per request (called from worker threads), and the same plan over no
+    pods, for a request relayed before the index is ready."""
 
     @property
     def splicer(self) -> Splicer: ...
+
+    @property
+    def unready_splicer(self) -> Splicer: ...
 
 
 def worker_count(configured: int) -> int:
@@ -834,7 +838,10 @@ class RemoteWriteHandler:
         """The worker-thread part of a request: decompress, splice, convert, compress.
         ``room``: what the splice may hold beside the decoded body (``OverLimit`` past it)."""
         limit = room.limit if room is not None else None
-        splicer = self.enricher.splicer  # one plan for the whole request, its parts too
+        # one plan for the whole request, its parts too; before the index is ready
+        # (forward_before_ready) over no pods: a half-listed cluster stamps phantoms
+        enricher = self.enricher
+        splicer = enricher.splicer if self.index.ready else enricher.unready_splicer
         # the splice copies what it keeps (an untouched body included), so the body may be
         # decoded into the thread's scratch buffer (proxy.compression._Scratch)
         raw = decompress_scratch(body, encoding, max_decoded=self.settings.max_decoded_bytes)

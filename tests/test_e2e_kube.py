@@ -28,6 +28,7 @@ from proxy.sender import Series, send_series
 from tests.kube.conftest import deployment
 from tests.kube.conftest import pod as pod_object
 from tests.kubesim import KubeSim
+from tests.kubesim.resources import REPLICA_SET
 from tests.peers.conftest import Peer, Peers, query, wait_until
 from tests.peers.conftest import peers as peers  # the shared fixture, reused
 
@@ -319,3 +320,44 @@ async def test_readiness_before_the_initial_sync(peers: Peers, sim: KubeSim) -> 
         await asyncio.gather(*starts, return_exceptions=True)
         for p in (strict, eager):
             await p.stop()
+
+
+async def test_forward_before_ready_stamps_nothing_from_a_half_listed_cluster(
+        peers: Peers, sim: KubeSim) -> None:
+    """Pods are listed before their ReplicaSets: a write relayed meanwhile
+    (forward_before_ready) is forwarded unstamped, where it was stamped from the pods
+    already indexed, each named a workload of kind ReplicaSet (the owner not listed yet),
+    then Deployment once ready: two label sets for every series over a start (an audit:
+    6.9 s of them). The sender's karta_* labels are dropped as ever."""
+    _, _, pods = deployment(sim, APP, NS, replicas=1)
+    name = pods[0]["metadata"]["name"]
+    await sim.start()
+    sim.delay_resource(REPLICA_SET, 2.0)
+    tsdb = await peers.prometheus_receiver()
+    settings = kube_settings(sim, tsdb.base_url + "/api/v1/write")
+    settings.server.forward_before_ready = True
+    eager = Proxy(settings)
+    start = asyncio.create_task(eager.start())
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 10
+            while not eager.port or eager.index.uid_of(NS, name) is None:
+                assert time.monotonic() < deadline, "the pod was never indexed"
+                assert not start.done(), "ready before the ReplicaSets were listed"
+                await asyncio.sleep(0.01)
+            assert not eager.index.ready
+            forged = probe(name, 1.0)
+            forged.labels["karta_workload"] = "forged"
+            assert await send(session, eager, [forged]) == 204
+            (labels,) = await probe_labels(tsdb, name)
+            assert stamped(labels) == {}
+
+            await asyncio.wait_for(start, 15)
+            assert await send(session, eager, [probe(name, 2.0)]) == 204
+            rows = await query(tsdb.base_url, f'{PROBE}{{pod="{name}"}} == 2')
+            assert [stamped(r["metric"]) for r in rows] == [STAMPED]
+    finally:
+        sim.delay_resource(REPLICA_SET, None)
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await eager.stop()
