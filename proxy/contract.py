@@ -179,7 +179,10 @@ INDEX_METRICS: tuple[str, ...] = (OP_INDEX_READY, OP_INDEX_STALE)
 #: a kind the index needs that RBAC forbids (since 1.9.0), served by the watch source
 #: (``proxy.kube.source``) in Kubernetes mode: the shipped ``KartaKindForbidden`` reads it
 OP_WATCH_FORBIDDEN = "karta_proxy_watch_forbidden"
-WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN,)
+#: GETs of owners the watch had not delivered yet, by outcome (since 1.10.0; the watch
+#: source's ``proxy.kube.owner_fetch``)
+OP_OWNER_FETCHES = "karta_proxy_owner_fetches_total"
+WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN, OP_OWNER_FETCHES)
 #: the jq sandbox the descriptions' expressions run in (since 1.10.0), on every replica's
 #: /metrics (proxy/metrics.py): its child's restarts by reason (every reason present at 0)
 #: the expressions it quarantined, and the seconds the proxy waited for it

@@ -432,6 +432,18 @@ class Engine:
         an error naming the winner. Also among ``description_errors``."""
         return list(self._selection_errors)
 
+    def holds(self, uid: str) -> bool:
+        """The uid is a pod, an object or a ghost the engine holds: not an owner absent."""
+        return uid in self._pods or uid in self._graph.objects or uid in self._graph.ghosts
+
+    def pointed_at(self, uid: str) -> bool:
+        """Something the engine holds names ``uid`` as its controller."""
+        return bool(self._graph.dependents(uid))
+
+    @property
+    def max_owner_hops(self) -> int:
+        return self._graph.max_hops
+
     def required_kinds(self) -> dict[GroupKind, str]:
         """Kinds a source must deliver: ``full`` objects, or ``metadata`` only.
 

@@ -30,6 +30,7 @@ from proxy.karta.results import ChangeSet
 from proxy.karta.slim import slim_pod
 from proxy.kube.client import KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource, Discovery, Resolver
+from proxy.kube.owner_fetch import OwnerFetcher
 from proxy.kube.watcher import (
     IDLE_TIMEOUT,
     MAX_SLICE,
@@ -78,6 +79,13 @@ class EngineLike(Protocol):
     def reattribute(self, uids: Iterable[str]) -> ChangeSet: ...
 
     def required_kinds(self) -> Mapping[GroupKind, str]: ...
+
+    def holds(self, uid: str) -> bool: ...
+
+    def pointed_at(self, uid: str) -> bool: ...
+
+    @property
+    def max_owner_hops(self) -> int: ...
 
 
 class KubeSource:
@@ -204,6 +212,9 @@ class KubeSource:
         #: ReplicaSets and their pods)
         self._owed: list[str] = []
         self._owed_slices = Slices(SLICE_BUDGET, first=16, most=MAX_SLICE)
+        #: fetches owners the watches have not delivered yet (None: no client, the
+        #: watchers and discovery given)
+        self.owner_fetcher: OwnerFetcher | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -235,6 +246,13 @@ class KubeSource:
                 backoff_max=self.settings.resync_backoff_max_seconds,
                 idle_timeout=self._idle_timeout, watch_timeout=self._watch_timeout,
             )
+        if self._client is not None and self.owner_fetcher is None:
+            self.owner_fetcher = OwnerFetcher(
+                self._client, feed=self._apply, watcher_for=self._watcher_for,
+                holds=self.engine.holds, pointed_at=self.engine.pointed_at,
+                ready=lambda: self.index.ready, max_hops=self.engine.max_owner_hops,
+                registry=self.registry,
+                backoff_max=self.settings.resync_backoff_max_seconds)
         deadline = asyncio.get_running_loop().time() + self._sync_deadline
         # descriptions first: they decide which kinds the engine needs
         if self.settings.watch_descriptions:
@@ -269,6 +287,8 @@ class KubeSource:
         for t in self._tasks:
             await self._stopping(f"task {t.get_name()}", cancel_and_wait(t))
         self._tasks.clear()
+        if self.owner_fetcher is not None:
+            await self._stopping("owner fetches", self.owner_fetcher.stop())
         for _, ws in list(self.watchers.values()):
             for w in ws:
                 await self._stopping(f"watch {w.name}", w.stop())
@@ -673,7 +693,13 @@ class KubeSource:
         self._apply(watcher, events)
 
     def _apply(self, watcher: Watcher, events: list[WatchEvent]) -> None:
-        """Feed a slice of events to the engine; apply the merged change set once."""
+        """Feed a slice of events to the engine; apply the merged change set once.
+
+        Once ready, an object whose owner is absent waits for that owner's GET
+        (``proxy.kube.owner_fetch``), and comes back here with it."""
+        fetcher = self.owner_fetcher
+        if fetcher is not None:
+            events = fetcher.admit(watcher, events)
         changes = ChangeSet()
         is_pod = watcher.resource.group_kind == POD and not watcher.metadata_only
         run: list[dict[str, Any]] = []
@@ -693,6 +719,8 @@ class KubeSource:
                 self._kinds_changed.set()
         if self._owed:
             self._kinds_changed.set()  # the follower's round gives what is owed
+        if fetcher is not None:
+            fetcher.fed(events)
         if not self.index.ready:
             # The sync builds millions of long-lived objects; each full collection on
             # the way walked all of them again (4.8 of 7.9 CPU-s for 100k pods). Freezing
@@ -710,6 +738,23 @@ class KubeSource:
         owed = self._owed if self.index.ready else None
         changes.merge(self._alone_if_failing(objs, lambda batch: many(batch, owed=owed),
                                              object_name))
+
+    def _watcher_for(self, gk: GroupKind, namespace: str) -> Watcher | None:
+        """The watcher an owner of kind ``gk`` named by a dependent in ``namespace`` is
+        fetched as (its resource and mode), if the kind is watched there and has listed
+        (or is failing since the sync: its list does not come); None otherwise: a kind
+        not watched is not read, one whose first list is under way delivers it soon."""
+        current = self.watchers.get(gk)
+        if current is None or gk in self.unserved_kinds:
+            return None
+        for w in current[1]:
+            if w.namespace is None or w.namespace == namespace:
+                if namespace in self._refused_namespaces.get(gk, ()):
+                    return None
+                if w.synced.is_set() or gk in self.failing_kinds:
+                    return w
+                return None
+        return None
 
     def current(self, watcher: Watcher) -> None:
         if not watcher.synced.is_set():

@@ -110,6 +110,9 @@ class KubeSim:
         #: if given; within that namespace, if given) are answered with the status, while
         #: discovery still lists it (see ``fail_resource``)
         self.failing_resources: dict[tuple[str, str, str], tuple[int, str, bool, int]] = {}
+        #: the keys of ``failing_resources`` that fail lists and watches only: a GET of
+        #: one object is served (see ``fail_resource``)
+        self.collections_failing: set[tuple[str, str, str]] = set()
         #: (group, plural) -> (seconds, methods): requests for that resource (of those
         #: methods; all when empty) wait that long before they are handled (see
         #: ``delay_resource``)
@@ -301,21 +304,26 @@ class KubeSim:
 
     def fail_resource(self, rtype: ResourceType, status: int | None, *,
                       accept: str = "", namespace: str | None = None,
-                      watch_only: bool = False, retry_after: int = 0) -> None:
+                      watch_only: bool = False, retry_after: int = 0,
+                      collections_only: bool = False) -> None:
         """Answer requests for one resource with ``status`` from now on (None: serve it
         again), only those whose Accept header contains ``accept`` if given, and only
         those within ``namespace`` if given (a namespace whose RoleBinding is missing),
         only its watches with ``watch_only`` (a Role granting get and list, not watch),
         with ``retry_after`` seconds asked for (the ``Retry-After`` header and the Status'
         ``details.retryAfterSeconds``, as kube-apiserver's 429 of API priority and
-        fairness sends them);
+        fairness sends them), only its lists and watches with ``collections_only`` (a GET
+        of one object served: a watch cut off while the store answers);
         discovery still lists it, as on a real cluster: 403 is RBAC refusing the proxy's
         service account, 500 a failing conversion webhook or aggregated API."""
         key = (*rtype.key, namespace or "")
+        self.collections_failing.discard(key)
         if status is None:
             self.failing_resources.pop(key, None)
         else:
             self.failing_resources[key] = (status, accept, watch_only, retry_after)
+            if collections_only:
+                self.collections_failing.add(key)
 
     def delay_resource(self, rtype: ResourceType, seconds: float | None, *,
                        methods: Iterable[str] = ()) -> None:
@@ -339,12 +347,15 @@ class KubeSim:
         else:
             self.failing_discovery[group_version] = status
 
-    def hold_watches(self) -> int:
-        """Make every open watch stream hold back what it would send (events and
-        bookmarks) until ``flush_watches``: what happens meanwhile then reaches the client
-        in one chunk. The changes are in the log as usual (a resumed watch replays them)."""
+    def hold_watches(self, rtype: ResourceType | None = None) -> int:
+        """Make every open watch stream (of ``rtype`` only, if given) hold back what it
+        would send (events and bookmarks) until ``flush_watches``: what happens meanwhile
+        then reaches the client in one chunk. The changes are in the log as usual (a
+        resumed watch replays them)."""
         n = 0
-        for rs in self.store.resources.values():
+        stores = ([self.store.resources[rtype.key]] if rtype is not None
+                  else self.store.resources.values())
+        for rs in stores:
             for feed in list(rs.feeds):
                 if not feed.holding and not feed.hung:
                     feed.hold()
@@ -450,11 +461,16 @@ class KubeSim:
         rtype = next((rt for rt in gvs[gv] if rt.plural == plural), None)
         if rtype is None:
             raise NotFound(f"the server could not find the requested resource ({plural})")
-        failing = (self.failing_resources.get((*rtype.key, namespace))
-                   if namespace is not None else None) or self.failing_resources.get(
-                       (*rtype.key, ""))
+        fkey = (*rtype.key, namespace or "")
+        failing = (self.failing_resources.get(fkey)
+                   if namespace is not None else None)
+        if failing is None:
+            fkey = (*rtype.key, "")
+            failing = self.failing_resources.get(fkey)
+        one = len(rest) > 1  # a request for one object, not a list or watch
         if failing is not None and failing[1] in accept and (
-                not failing[2] or request.query.get("watch") in ("1", "true")):
+                not failing[2] or request.query.get("watch") in ("1", "true")) and not (
+                one and fkey in self.collections_failing):
             raise _failure(failing[0], rtype, request.method, failing[3])
         delayed = self.delayed_resources.get(rtype.key)
         if delayed is not None and (not delayed[1] or request.method in delayed[1]):

@@ -1,0 +1,397 @@
+"""Owners the watch has not delivered yet, fetched by one GET each.
+
+A pod placed while its owner (a ReplicaSet) had not reached the proxy walked up to that
+absent owner and, its kind being described, made it the workload: the pod's series went
+out as ``ReplicaSet/web-2``, then as ``Deployment/web`` once the ReplicaSet arrived: two
+label sets of one series, and a made-up workload in the fact series. The watches of
+different kinds are separate streams: a ReplicaSet watch behind the pods' (reconnecting
+after an error, a relist, ordinary lag) is enough.
+
+So, once the index is ready, an object (a pod, or an owner) whose controller the engine
+does not hold, of a kind that is watched, is held back ("parked") while that owner is
+fetched with one GET, as the watch would deliver it (whole, or metadata only); the owner
+goes through the source's event path first (its own absent owner fetched the same way,
+up to ``max_owner_hops``), then what waited for it. A pod parked is unknown to the index
+for the GET's round trip (milliseconds), never placed in a made-up workload.
+
+- A fetched copy is applied only while its uid is still absent (the watch may have
+  delivered it meanwhile); a later watch event of it older than the copy (a watch behind,
+  replaying) is skipped: ``metadata.resourceVersion`` compared when both are decimal
+  integers (etcd's are); otherwise events apply as they come.
+- One GET per uid at a time, at most ``CONCURRENCY`` under way; at most ``MAX_OWNERS``
+  owners tracked and ``MAX_PARKED`` objects parked (past either, objects go on at once:
+  the old behaviour). Memory grows with pods, never with series.
+- 404 / 410 or another uid under the name: the owner is gone, not retried; what waited
+  goes on (an absent owner, as before). 403: that kind is not fetched again (one warning
+  naming the missing ``get``). Anything else (5xx, a timeout, the server unreachable):
+  what waited goes on at once (as before), and the GET is retried with a backoff, up to
+  ``MAX_ATTEMPTS`` times, while the owner is still absent and something points at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy import contract
+from proxy.karta.model import GroupKind
+from proxy.karta.owners import OwnerRef, controller_ref
+from proxy.kube.client import ACCEPT_JSON, ACCEPT_METADATA_WATCH, KubeApiError, KubeClient
+from proxy.kube.discovery import ApiResource
+from proxy.kube.watcher import Backoff, Watcher, WatchEvent
+from proxy.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+#: ``outcome`` of ``karta_proxy_owner_fetches_total``: the object applied; the watch
+#: delivered it first (the copy dropped); not found (or another uid under its name);
+#: RBAC refused the GET; it failed (5xx, timeout, unreachable: retried); not made (the
+#: bounds on owners tracked or objects parked were reached)
+OUTCOMES = ("fetched", "superseded", "gone", "forbidden", "failed", "skipped")
+CONCURRENCY = 4
+MAX_OWNERS = 1000
+MAX_PARKED = 20_000
+#: fetched copies whose resourceVersion a later (older) watch event is checked against
+MAX_VERSIONS = 10_000
+FETCH_TIMEOUT = 5.0
+MAX_ATTEMPTS = 5
+#: how long a gone owner, or one whose GETs all failed, is not fetched again
+FORGET_SECONDS = 60.0
+
+_FETCHING, _RETRYING, _FETCHED, _DONE = "fetching", "retrying", "fetched", "done"
+
+
+class _Owner:
+    """One absent owner being fetched (or recently given up on)."""
+
+    __slots__ = ("depth", "namespace", "ref", "state", "task", "until")
+
+    def __init__(self, ref: OwnerRef, namespace: str, depth: int) -> None:
+        self.ref = ref
+        #: the namespace of the dependent that named it (owners share it, or are
+        #: cluster-scoped)
+        self.namespace = namespace
+        #: how many references above the first object that waited for it it lies
+        self.depth = depth
+        self.state = _FETCHING
+        self.task: asyncio.Task[None] | None = None
+        #: for ``_DONE``: when (monotonic) it may be fetched again
+        self.until = 0.0
+
+
+class OwnerFetcher:
+    """Parks what waits for an absent owner, fetches the owner, feeds both back."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        *,
+        feed: Callable[[Watcher, list[WatchEvent]], None],
+        watcher_for: Callable[[GroupKind, str], Watcher | None],
+        holds: Callable[[str], bool],
+        pointed_at: Callable[[str], bool],
+        ready: Callable[[], bool],
+        max_hops: int,
+        registry: CollectorRegistry,
+        backoff_max: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``feed``: the source's event path (it calls :meth:`admit` and :meth:`fed`);
+        ``watcher_for(kind, namespace)``: the watcher a fetched owner is delivered as
+        (None: not watched there, or not listed yet); ``holds`` / ``pointed_at``: the
+        engine holds the uid (object, pod or ghost) / something points at it."""
+        self._client = client
+        self._feed = feed
+        self._watcher_for = watcher_for
+        self._holds = holds
+        self._pointed_at = pointed_at
+        self._ready = ready
+        self._max_hops = max_hops
+        self._backoff_max = backoff_max
+        self._clock = clock
+        self._sem = asyncio.Semaphore(CONCURRENCY)
+        self._owners: dict[str, _Owner] = {}
+        #: owner uid -> what waits for it: dependent uid -> (its watcher, its event)
+        self._waiting: dict[str, dict[str, tuple[Watcher, WatchEvent]]] = {}
+        #: dependent uid -> the owner uid it waits for
+        self._parked: dict[str, str] = {}
+        #: uid of a fetched copy -> its resourceVersion (oldest first)
+        self._versions: dict[str, int] = {}
+        #: kinds whose GET RBAC refused: not fetched again
+        self.forbidden: set[GroupKind] = set()
+        self.fetches = Counter(
+            contract.OP_OWNER_FETCHES,
+            "GETs of owners the watch had not delivered when something pointing at them "
+            "came, by outcome (fetched, superseded: the watch was first, gone: 404, "
+            "forbidden: 403, failed: retried, skipped: over the bounds, not made).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in OUTCOMES:
+            self.fetches.labels(outcome)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    async def stop(self) -> None:
+        for owner in list(self._owners.values()):
+            if owner.task is not None:
+                await cancel_and_wait(owner.task)
+        self._owners.clear()
+
+    # -- the event path --------------------------------------------------------------------
+
+    def admit(self, watcher: Watcher, events: list[WatchEvent]) -> list[WatchEvent]:
+        """The events to feed now: those older than a fetched copy dropped, those whose
+        owner is being fetched parked."""
+        if not self._versions and not self._parked and not self._ready():
+            return events
+        out: list[WatchEvent] = []
+        for ev in events:
+            etype, obj = ev
+            md = obj.get("metadata")
+            uid = md.get("uid") if isinstance(md, Mapping) else None
+            if not isinstance(uid, str) or not uid or not isinstance(md, Mapping):
+                out.append(ev)
+                continue
+            if self._parked:
+                self._unpark(uid)  # a newer event of it (or its deletion) replaces it
+            if etype == "DELETED":
+                self._versions.pop(uid, None)
+            elif self._versions and self._older(uid, md):
+                log.debug("watch %s: %s at resourceVersion %s is older than the copy "
+                          "fetched; skipped", watcher.name, uid, md.get("resourceVersion"))
+                continue
+            elif self._park(watcher, ev, uid, md):
+                continue
+            out.append(ev)
+        return out
+
+    def fed(self, events: list[WatchEvent]) -> None:
+        """``events`` went to the engine: what waited for one of them goes on."""
+        if not self._waiting:
+            return
+        for etype, obj in events:
+            if etype != "DELETED":
+                md = obj.get("metadata")
+                uid = md.get("uid") if isinstance(md, Mapping) else None
+                if isinstance(uid, str) and uid in self._waiting:
+                    self._release(uid)
+
+    def _older(self, uid: str, md: Mapping[str, Any]) -> bool:
+        fetched = self._versions.get(uid)
+        if fetched is None:
+            return False
+        rv = md.get("resourceVersion")
+        if not isinstance(rv, str) or not rv.isdecimal():
+            return False
+        if int(rv) < fetched:
+            return True
+        if int(rv) > fetched:
+            del self._versions[uid]  # the watch has caught up
+        return False
+
+    def _park(self, watcher: Watcher, ev: WatchEvent, uid: str,
+              md: Mapping[str, Any]) -> bool:
+        """Whether ``ev`` waits for its owner (fetched now, or on its way)."""
+        ref = controller_ref(md.get("ownerReferences"))
+        if ref is None or not self._ready() or self._holds(ref.uid):
+            return False
+        up = ref.uid
+        if up in self._parked:  # the owner waits itself (for its own owner)
+            if self._on_cycle(up, uid):
+                return False
+            return self._hold_back(up, uid, watcher, ev)
+        owner = self._owners.get(up)
+        if owner is not None:
+            if owner.state in (_FETCHING, _FETCHED):
+                return self._hold_back(up, uid, watcher, ev)
+            if owner.state == _RETRYING or self._clock() < owner.until:
+                return False  # failed lately: the old behaviour until a retry gets it
+            del self._owners[up]
+        mine = self._owners.get(uid)
+        depth = (mine.depth if mine is not None else 0) + 1
+        if depth > self._max_hops or ref.gk in self.forbidden:
+            return False
+        ns = md.get("namespace")
+        ns = ns if isinstance(ns, str) else ""
+        if self._watcher_for(ref.gk, ns) is None:
+            return False  # not watched (or not listed yet: its list delivers it)
+        if len(self._parked) >= MAX_PARKED or (
+                len(self._owners) >= MAX_OWNERS and not self._prune()):
+            self.fetches.labels("skipped").inc()
+            return False
+        owner = self._owners[up] = _Owner(ref, ns, depth)
+        owner.task = asyncio.get_running_loop().create_task(
+            self._fetch(owner), name=f"fetch owner {ref.gk}/{ref.name}")
+        return self._hold_back(up, uid, watcher, ev)
+
+    def _on_cycle(self, up: str, uid: str) -> bool:
+        """``up`` waits, through the owners it waits for, for ``uid``: parking ``uid``
+        behind it would park both for good."""
+        seen = 0
+        node: str | None = up
+        while node is not None and seen <= len(self._parked):
+            if node == uid:
+                return True
+            node = self._parked.get(node)
+            seen += 1
+        return False
+
+    def _hold_back(self, up: str, uid: str, watcher: Watcher, ev: WatchEvent) -> bool:
+        self._waiting.setdefault(up, {})[uid] = (watcher, ev)
+        self._parked[uid] = up
+        return True
+
+    def _unpark(self, uid: str) -> None:
+        up = self._parked.pop(uid, None)
+        if up is not None:
+            deps = self._waiting.get(up)
+            if deps is not None:
+                deps.pop(uid, None)
+                if not deps:
+                    del self._waiting[up]
+
+    def _release(self, up: str) -> None:
+        """What waits for ``up`` goes on (through the event path: it may wait again,
+        for another owner)."""
+        deps = self._waiting.pop(up, None)
+        if not deps:
+            return
+        by_watcher: dict[int, tuple[Watcher, list[WatchEvent]]] = {}
+        for uid, (w, ev) in deps.items():
+            del self._parked[uid]
+            by_watcher.setdefault(id(w), (w, []))[1].append(ev)
+        for w, evs in by_watcher.values():
+            self._feed(w, evs)
+
+    def _prune(self) -> bool:
+        """Forget the owners given up on whose time is over; whether there is room."""
+        now = self._clock()
+        for uid in [u for u, o in self._owners.items()
+                    if o.state == _DONE and now >= o.until]:
+            del self._owners[uid]
+        return len(self._owners) < MAX_OWNERS
+
+    # -- the GET ---------------------------------------------------------------------------
+
+    async def _fetch(self, owner: _Owner) -> None:
+        uid, ref = owner.ref.uid, owner.ref
+        backoff = Backoff(cap=self._backoff_max)
+        try:
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                watcher = self._watcher_for(ref.gk, owner.namespace)
+                if watcher is None:
+                    self._done(owner, "superseded", until=0.0)  # no longer watched
+                    return
+                try:
+                    async with self._sem:
+                        raw = await self._client.request_bytes(
+                            self._path(watcher.resource, owner.namespace, ref.name),
+                            accept=ACCEPT_METADATA_WATCH if watcher.metadata_only
+                            else ACCEPT_JSON, timeout=FETCH_TIMEOUT)
+                    obj = json.loads(raw)
+                except KubeApiError as e:
+                    if e.status in (404, 410):
+                        self._done(owner, "gone")
+                        return
+                    if e.status == 403:
+                        self._forbid(watcher.resource, e)
+                        self._done(owner, "forbidden")
+                        return
+                    why = str(e)
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                    why = f"{type(e).__name__}: {e}"
+                else:
+                    md = obj.get("metadata") if isinstance(obj, dict) else None
+                    if not isinstance(md, dict) or md.get("uid") != uid:
+                        self._done(owner, "gone")  # another object under its name now
+                        return
+                    self._apply(owner, watcher, obj)
+                    return
+                self.fetches.labels("failed").inc()
+                log.debug("GET of owner %s %s/%s failed (attempt %d): %s", ref.gk,
+                          owner.namespace, ref.name, attempt, why)
+                owner.state = _RETRYING
+                self._release(uid)  # meanwhile: the old behaviour
+                if attempt == MAX_ATTEMPTS:
+                    break
+                await asyncio.sleep(backoff.next())
+                if self._holds(uid) or not self._pointed_at(uid):
+                    self._forget(owner)
+                    return
+            owner.state = _DONE
+            owner.until = self._clock() + FORGET_SECONDS
+            owner.task = None
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never leave what waits parked for good
+            log.exception("fetching owner %s %s/%s failed", ref.gk, owner.namespace,
+                          ref.name)
+            self._forget(owner)
+            self._release(uid)
+
+    @staticmethod
+    def _path(res: ApiResource, namespace: str, name: str) -> str:
+        return f"{res.path(namespace if res.namespaced else None)}/{name}"
+
+    def _apply(self, owner: _Owner, watcher: Watcher, obj: dict[str, Any]) -> None:
+        """The fetched copy, through the event path, if the owner is still absent."""
+        uid = owner.ref.uid
+        md = obj["metadata"]
+        if self._holds(uid) or uid in self._parked or uid in watcher.held:
+            self._forget(owner)
+            self.fetches.labels("superseded").inc()
+            if uid not in self._parked:  # else: what waits goes on once it does
+                self._release(uid)
+            return
+        self.fetches.labels("fetched").inc()
+        obj["apiVersion"] = watcher.resource.api_version
+        obj["kind"] = watcher.resource.kind
+        # held as the watch holds it: a relist that no longer finds it retracts it
+        watcher.held[uid] = f"{md.get('namespace', '')}/{md.get('name', '')}"
+        owner.state = _FETCHED
+        try:
+            self._feed(watcher, [("ADDED", obj)])
+        finally:
+            self._forget(owner)
+        rv = md.get("resourceVersion")
+        if isinstance(rv, str) and rv.isdecimal():
+            self._versions.pop(uid, None)
+            self._versions[uid] = int(rv)
+            while len(self._versions) > MAX_VERSIONS:
+                del self._versions[next(iter(self._versions))]
+        if uid not in self._parked:  # fed (else: what waits goes on once it is)
+            self._release(uid)
+
+    def _done(self, owner: _Owner, outcome: str, *, until: float | None = None) -> None:
+        self.fetches.labels(outcome).inc()
+        owner.state = _DONE
+        owner.task = None
+        owner.until = self._clock() + FORGET_SECONDS if until is None else until
+        if until == 0.0:
+            self._forget(owner)
+        self._release(owner.ref.uid)
+
+    def _forget(self, owner: _Owner) -> None:
+        if self._owners.get(owner.ref.uid) is owner:
+            del self._owners[owner.ref.uid]
+
+    def _forbid(self, res: ApiResource, error: KubeApiError) -> None:
+        if res.group_kind in self.forbidden:
+            return
+        self.forbidden.add(res.group_kind)
+        log.warning("RBAC forbids the proxy's service account to get %s (%s): owners of "
+                    "that kind the watch has not delivered yet are not fetched (until a "
+                    "restart); their pods are placed below them meanwhile, as the owner "
+                    "itself. Grant get with list and watch on %s (config/rbac/)",
+                    res.name, error, res.name)
+

@@ -1,0 +1,191 @@
+"""Owners the watch has not delivered, fetched by GET (proxy/kube/owner_fetch.py), on the
+simulator: the ReplicaSet watch cut off (or held back) while a Deployment's new pods
+arrive. Every change set the index is given is recorded: no pod may ever be placed in a
+made-up ``ReplicaSet`` workload while the ReplicaSet can be read."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import uuid
+
+import pytest
+
+from proxy import contract
+from proxy.karta.model import GroupKind
+from proxy.karta.results import ChangeSet
+from proxy.kube import owner_fetch
+from proxy.kube.source import KubeSource
+from tests.kube.conftest import SourceFactory, deployment, eventually, labels, metric, owner, pod
+from tests.kubesim import KubeSim
+from tests.kubesim.resources import REPLICA_SET
+
+NS = "shop"
+
+
+def fetches(source: KubeSource, outcome: str) -> float:
+    return metric(source, contract.OP_OWNER_FETCHES, {"outcome": outcome})
+
+
+def record(source: KubeSource) -> list[tuple[str, str]]:
+    """Every (kind, name) of a workload a pod was placed in, or the index held facts of,
+    from now on."""
+    seen: list[tuple[str, str]] = []
+
+    def listener(cs: ChangeSet) -> None:
+        seen.extend((a.workload.kind, a.workload.name) for a in cs.pods.values()
+                    if a is not None and a.workload is not None)
+        seen.extend((f.ref.kind, f.ref.name) for f in cs.workloads.values() if f is not None)
+
+    source.index.subscribe(listener)
+    return seen
+
+
+def gets(sim: KubeSim, name: str) -> int:
+    """GETs of the ReplicaSet ``name`` the simulator answered or refused."""
+    return sum(1 for method, path, _, _ in sim.requests
+               if method == "GET" and path.endswith(f"/replicasets/{name}"))
+
+
+def new_rs(sim: KubeSim, dep: dict, name: str, *, owned: bool = True) -> dict:
+    md: dict = {"name": name, "namespace": NS, "labels": {"app": "web"}}
+    if owned:
+        md["ownerReferences"] = owner(dep)
+    return sim.create({"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": md,
+                       "spec": {"replicas": 3}})
+
+
+def web(source: KubeSource, name: str) -> tuple[str | None, str | None]:
+    got = labels(source, NS, name) or {}
+    return got.get("karta_kind"), got.get("karta_workload")
+
+
+async def test_a_pod_whose_replicaset_watch_is_cut_off_is_the_deployments_at_once(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The audit's shape: the ReplicaSet watch fails (500) while a Deployment rolls; the
+    new ReplicaSet is fetched once for its three pods, which are the Deployment's from
+    the moment the index knows them."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=3, rev="1")
+    source = await make_source()
+    seen = record(source)
+    sim.fail_resource(REPLICA_SET, 500, collections_only=True)
+    sim.disconnect_watches()
+    rs2 = new_rs(sim, dep, "web-2")
+    for i in range(3):
+        sim.create(pod(f"web-2-{i}", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: all(web(source, f"web-2-{i}") == ("Deployment", "web")
+                                 for i in range(3)))
+    assert ("ReplicaSet", "web-2") not in seen
+    assert all(kind == "Deployment" for kind, _ in seen), seen
+    assert gets(sim, "web-2") == 1  # one GET for the three pods
+    assert fetches(source, "fetched") == 1
+    assert source.owner_fetcher is not None and source.owner_fetcher.parked == 0
+    # the watch back: its ADDED of web-2 changes nothing, and its deletion is followed
+    sim.fail_resource(REPLICA_SET, None)
+    await asyncio.sleep(1.5)
+    assert all(kind == "Deployment" for kind, _ in seen), seen
+
+
+async def test_a_late_watchs_older_event_does_not_undo_the_fetched_copy(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The pod is delivered before its ReplicaSet (whose watch holds back its events):
+    the ReplicaSet is fetched as adopted by the Deployment; the watch then replays its
+    creation, an orphan, which is older (resourceVersion) and skipped."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    seen = record(source)
+    assert sim.hold_watches(REPLICA_SET) >= 1
+    orphan = new_rs(sim, dep, "web-2", owned=False)  # created an orphan ...
+    rs2 = copy.deepcopy(orphan)
+    rs2["metadata"]["ownerReferences"] = owner(dep)
+    rs2 = sim.update(rs2)  # ... and adopted
+    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"))
+    assert fetches(source, "fetched") == 1
+    # the held watch's creation event alone (the simulator's flush writes it with the
+    # adoption, in one chunk: one slice, where the newer one would win anyway)
+    (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
+    source.handle(watcher, [("ADDED", copy.deepcopy(orphan))])
+    assert web(source, "web-2-0") == ("Deployment", "web")
+    sim.flush_watches()  # ADDED (the orphan), then MODIFIED (adopted)
+    await asyncio.sleep(1.0)
+    assert web(source, "web-2-0") == ("Deployment", "web")
+    assert ("ReplicaSet", "web-2") not in seen, seen
+    # a later change of it (newer) is applied as ever: deleted, the pod's owner is a ghost
+    sim.delete(sim.get("apps/v1", "ReplicaSet", "web-2", NS), cascade=False)
+    await eventually(lambda: source.engine.holds(rs2["metadata"]["uid"])
+                     and rs2["metadata"]["uid"] not in source.index.workloads)
+
+
+async def test_gets_failing_too_fall_back_and_retry(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The ReplicaSet failing whole (its GETs too): the pods go on at once as before (the
+    ReplicaSet their workload), and the GET is retried with a backoff; once it answers,
+    the pods move to the Deployment while the watch still fails."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 500)
+    sim.disconnect_watches()
+    rs2 = new_rs(sim, dep, "web-2")
+    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: web(source, "web-2-0") == ("ReplicaSet", "web-2"))
+    await eventually(lambda: fetches(source, "failed") >= 2)
+    sim.fail_resource(REPLICA_SET, 500, collections_only=True)  # GETs served again
+    await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"), timeout=15)
+    assert fetches(source, "fetched") == 1
+    n = gets(sim, "web-2")
+    await asyncio.sleep(1.0)
+    assert gets(sim, "web-2") == n  # fetched: no more retries
+
+
+async def test_an_owner_gone_is_not_retried(sim: KubeSim, make_source: SourceFactory) -> None:
+    """404 (no object of that name, or another uid under it): the owner is gone; the old
+    behaviour stands, with one GET."""
+    deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    phantom = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+               "metadata": {"name": "web-9", "namespace": NS, "uid": str(uuid.uuid4())}}
+    sim.create(pod("web-9-0", NS, owner_obj=phantom))
+    await eventually(lambda: web(source, "web-9-0") == ("ReplicaSet", "web-9"))
+    assert fetches(source, "gone") == 1
+    sim.create(pod("web-9-1", NS, owner_obj=phantom))
+    await eventually(lambda: web(source, "web-9-1") == ("ReplicaSet", "web-9"))
+    await asyncio.sleep(0.5)
+    assert gets(sim, "web-9") == 1
+
+
+async def test_a_get_forbidden_warns_once_and_stops_for_the_kind(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 403)  # the binding lost: its GETs refused too
+    sim.disconnect_watches()
+    with caplog.at_level(logging.WARNING, "proxy.kube.owner_fetch"):
+        for rev in ("2", "3"):
+            rs = new_rs(sim, dep, f"web-{rev}")
+            sim.create(pod(f"web-{rev}-0", NS, owner_obj=rs))
+            await eventually(lambda rev=rev: web(source, f"web-{rev}-0")  # type: ignore[misc]
+                             == ("ReplicaSet", f"web-{rev}"))
+    assert fetches(source, "forbidden") == 1
+    assert gets(sim, "web-2") == 1 and gets(sim, "web-3") == 0
+    lines = [r.getMessage() for r in caplog.records if "get replicasets.apps" in r.getMessage()]
+    assert len(lines) == 1 and "config/rbac/" in lines[0], lines
+
+
+async def test_over_the_bounds_nothing_is_parked(
+        sim: KubeSim, make_source: SourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the bound on owners tracked, a pod goes on at once (the old behaviour) and
+    the fetch not made is counted."""
+    monkeypatch.setattr(owner_fetch, "MAX_OWNERS", 1)
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 500)  # GETs fail: the first owner stays tracked
+    sim.disconnect_watches()
+    rs2, rs3 = new_rs(sim, dep, "web-2"), new_rs(sim, dep, "web-3")
+    sim.create(pod("web-2-0", NS, owner_obj=rs2))
+    await eventually(lambda: fetches(source, "failed") >= 1)
+    sim.create(pod("web-3-0", NS, owner_obj=rs3))
+    await eventually(lambda: web(source, "web-3-0") == ("ReplicaSet", "web-3"))
+    assert fetches(source, "skipped") == 1
+    assert gets(sim, "web-3") == 0
