@@ -26,9 +26,10 @@ from proxy.config import Settings
 from proxy.runtime import Proxy
 from proxy.sender import Series, send_series
 from tests.kube.conftest import deployment
+from tests.kube.conftest import owner as owner_refs
 from tests.kube.conftest import pod as pod_object
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import REPLICA_SET
+from tests.kubesim.resources import POD, REPLICA_SET
 from tests.peers.conftest import Peer, Peers, query, wait_until
 from tests.peers.conftest import peers as peers  # the shared fixture, reused
 
@@ -361,3 +362,70 @@ async def test_forward_before_ready_stamps_nothing_from_a_half_listed_cluster(
         start.cancel()
         await asyncio.gather(start, return_exceptions=True)
         await eager.stop()
+
+
+async def test_a_rollout_while_the_replicaset_watch_fails_is_never_a_replicaset(
+        peers: Peers, sim: KubeSim) -> None:
+    """The audit's shape: the ReplicaSet watch fails (500) while a Deployment rolls out
+    three new pods. A sender names every pod the proxy knows, every 0.2 s. Each new pod's
+    series is stamped ``Deployment/web`` from its first request: one label set per pod in
+    the TSDB, and no ``ReplicaSet`` workload in the facts (it was two label sets per new
+    pod, and ``karta_workload_info`` of a made-up ``ReplicaSet/web-2``)."""
+    dep, _, _ = deployment(sim, APP, NS, replicas=3, rev="1")
+    await sim.start()
+    tsdb = await peers.prometheus_receiver()
+    settings = kube_settings(sim, tsdb.base_url + "/api/v1/write")
+    proxy = await start_proxy(settings)
+    t0 = time.time()
+    sending = True
+
+    async def sender(session: aiohttp.ClientSession) -> None:
+        for _ in range(200):
+            if not sending:
+                return
+            known = [p["metadata"]["name"] for p in sim.objects(POD)
+                     if proxy.index.answer(NS.encode(), p["metadata"]["name"].encode())
+                     is not None]
+            if known:
+                assert await send(session, proxy, [probe(n) for n in known]) == 204
+            await asyncio.sleep(0.2)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(sender(session))
+            await asyncio.sleep(0.5)
+            sim.fail_resource(REPLICA_SET, 500, collections_only=True)
+            sim.disconnect_watches()
+            rs2 = sim.create({
+                "apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": f"{APP}-2", "namespace": NS,
+                             "ownerReferences": owner_refs(dep), "labels": {"app": APP}},
+                "spec": {"replicas": 3}})
+            for i in range(3):
+                sim.create(pod_object(f"{APP}-2-{i}", NS, owner_obj=rs2,
+                                      labels={"app": APP}))
+                await asyncio.sleep(0.4)
+                sim.delete(sim.get("v1", "Pod", f"{APP}-1-{i}", NS))
+            await asyncio.sleep(1.5)
+            sim.fail_resource(REPLICA_SET, None)
+            await asyncio.sleep(1.5)
+            sending = False
+            await task
+        t1 = time.time()
+        for i in range(3):
+            rows = await series(tsdb, f'{PROBE}{{pod="{APP}-2-{i}"}}', t0, t1 + 1)
+            assert [stamped(r) for r in rows] == [STAMPED], rows
+        kinds = {(r["karta_kind"], r["karta_workload"])
+                 for r in await series(tsdb, '{__name__=~"karta_.+",karta_kind!=""}',
+                                       t0, t1 + 1)}
+        assert kinds == {("Deployment", APP)}, kinds
+    finally:
+        await proxy.stop()
+
+
+async def series(tsdb: Peer, match: str, start: float, end: float) -> list[dict[str, str]]:
+    async with aiohttp.ClientSession() as s, s.get(
+            tsdb.base_url + "/api/v1/series",
+            params={"match[]": match, "start": str(start), "end": str(end)}) as r:
+        data: list[dict[str, str]] = (await r.json())["data"]
+        return data
