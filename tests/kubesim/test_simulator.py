@@ -243,6 +243,22 @@ async def test_failing_resource_and_empty_watches(sim: KubeSim, api: k8s.ApiClie
     assert await asyncio.wait_for(resp.read(), 2) == b""  # at once, cleanly
 
 
+async def test_a_resource_failing_its_lists_and_watches_only_serves_its_gets(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """``collections_only``: a watch cut off while the store answers a GET of one object
+    (what the owner fetch relies on); without it, GETs fail too."""
+    created = sim.create({"apiVersion": "v1", "kind": "Pod",
+                          "metadata": {"name": "p", "namespace": "default"}})
+    sim.fail_resource(POD, 500, collections_only=True)
+    assert (await raw(api, "/api/v1/namespaces/default/pods")).status == 500
+    assert (await raw(api, "/api/v1/pods", watch="1")).status == 500
+    one = await raw(api, "/api/v1/namespaces/default/pods/p")
+    assert one.status == 200
+    assert json.loads(await one.read())["metadata"]["uid"] == created["metadata"]["uid"]
+    sim.fail_resource(POD, 500)
+    assert (await raw(api, "/api/v1/namespaces/default/pods/p")).status == 500
+
+
 async def test_lease_optimistic_concurrency(sim: KubeSim, api: k8s.ApiClient) -> None:
     coord = k8s.CoordinationV1Api(api)
     body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name="l", namespace="ns"),
