@@ -38,6 +38,7 @@ from proxy.config import (
     without_userinfo,
 )
 from proxy.contract import CONTRACT_VERSION
+from proxy.cpus import usable_cpus
 from proxy.fd_limit import AcceptGuard, check_nofile, guard_accepts
 from proxy.handler import RemoteWriteHandler
 from proxy.index import PodIndex
@@ -100,6 +101,19 @@ def _listen_error(address: str, e: OSError) -> StartError:
 CAMPAIGN_WAIT_SECONDS = 0.1
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
+#: threads of asyncio's default pool beyond one a usable core, and its largest size:
+#: ThreadPoolExecutor's own rule (``min(32, cpus + 4)``: the pool's work is mostly waiting,
+#: a file read, a request body's preparation), with the cores this process may use
+AUX_EXTRA_THREADS = 4
+AUX_MAX_THREADS = 32
+
+
+def aux_threads(cpus: int) -> int:
+    """The size of the ``karta-aux`` pool for ``cpus`` usable cores (at least 5).
+
+    ThreadPoolExecutor sizes itself from ``os.cpu_count()``, the host's cores: a pod
+    limited to 2 CPUs on a 64-core node had 32 threads for what 6 serve."""
+    return min(AUX_MAX_THREADS, max(1, cpus) + AUX_EXTRA_THREADS)
 
 
 def _log_empty_description_files(read: DescriptionFiles,
@@ -750,8 +764,9 @@ async def serve(
     reloaded for once its handler is in place."""
     loop = asyncio.get_running_loop()
     # asyncio's own default pool (``to_thread``: snapshot reads, forwarding's prepare),
-    # its threads named for the OS too (proxy.thread_names)
-    loop.set_default_executor(named_pool("karta-aux"))
+    # its threads named for the OS too (proxy.thread_names), sized from the cores this
+    # process may use (its affinity, its cgroup's quota: proxy.cpus), not the host's
+    loop.set_default_executor(named_pool("karta-aux", aux_threads(usable_cpus())))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):

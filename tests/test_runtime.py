@@ -742,3 +742,37 @@ def test_an_invalid_description_file_at_start_marks_its_kind(tmp_path: Path) -> 
     p.engine.upsert_many([js, job, pod("w", job)])
     att = p.engine.pod("pod-w")
     assert att is not None and att.reason == "description_error"
+
+
+async def test_serve_sizes_the_aux_pool_from_the_usable_cpus(tmp_path: Path) -> None:
+    """asyncio's default pool (``karta-aux``) has ``min(32, cores + 4)`` threads for the
+    cores the process may use (proxy.cpus), not for the host's: with this thread's
+    affinity cut to one CPU, 5 threads, where ThreadPoolExecutor's own default, from
+    ``os.cpu_count()``, gave the host's count + 4."""
+    import os
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from proxy.runtime import EXIT_START, serve
+
+    host = os.cpu_count() or 1
+    if host < 2:
+        pytest.skip("one CPU: the host's count and the usable count are the same")
+    loop = asyncio.get_running_loop()
+    s = snapshot_settings(tmp_path)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})  # this thread (the loop's) only
+    try:
+        with socket.socket() as holder:  # the start fails at once: serve() returns
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            s.server.listen_address = f"127.0.0.1:{holder.getsockname()[1]}"
+            assert await asyncio.wait_for(serve(s), 30) == EXIT_START
+    finally:
+        os.sched_setaffinity(0, before)
+    pool = loop._default_executor  # type: ignore[attr-defined]
+    assert isinstance(pool, ThreadPoolExecutor)
+    assert pool._max_workers == 5, (pool._max_workers, host)
+    from proxy.runtime import aux_threads
+
+    assert aux_threads(2) == 6 and aux_threads(64) == 32
