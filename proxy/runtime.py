@@ -101,6 +101,8 @@ def _listen_error(address: str, e: OSError) -> StartError:
 CAMPAIGN_WAIT_SECONDS = 0.1
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
+#: how often the jq sandbox's idle child is looked at (reaped if it died)
+JQ_HOUSEKEEPING_SECONDS = 1.0
 #: threads of asyncio's default pool beyond one a usable core, and its largest size:
 #: ThreadPoolExecutor's own rule (``min(32, cpus + 4)``: the pool's work is mostly waiting,
 #: a file read, a request body's preparation), with the cores this process may use
@@ -214,6 +216,7 @@ class Proxy:
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._expire_task: asyncio.Task[None] | None = None
+        self._jq_task: asyncio.Task[None] | None = None
         #: the loop's listeners at the descriptor limit (counted in accept_errors_total)
         self._accept_guard: AcceptGuard | None = None
         #: the jq sandbox the engine's expressions run in (karta.jq_sandbox), from the start
@@ -470,6 +473,8 @@ class Proxy:
         if self.facts is not None:
             await self.facts.start()
         self._expire_task = asyncio.create_task(self._expire_loop())
+        if self.jq_sandbox is not None:
+            self._jq_task = asyncio.create_task(self._jq_loop(self.jq_sandbox))
         log.info("karta-proxy started", extra={
             "port": self.port, "source": self.source_name, "pods": len(self.index),
             "ready": self.index.ready,
@@ -717,6 +722,17 @@ class Proxy:
             except Exception:
                 log.exception("logging held description changes failed")
 
+    async def _jq_loop(self, sandbox: JqSandbox) -> None:
+        """The jq sandbox's housekeeping: an idle child that died (killed from outside,
+        the OOM killer) is reaped within a second, counted and logged once, not left a
+        zombie until the next evaluation (a quiet cluster may make none for hours)."""
+        while True:
+            await asyncio.sleep(JQ_HOUSEKEEPING_SECONDS)
+            try:
+                sandbox.reap_idle()
+            except Exception:  # never let housekeeping end the process
+                log.exception("jq sandbox housekeeping failed")
+
     async def stop(self) -> None:
         """Stop taking requests and finish those in flight while the fact writer ends its
         series and releases its lease, then stop the sources: within ``STOP_SECONDS``
@@ -735,6 +751,7 @@ class Proxy:
         log.info("stopping karta-proxy")
         by = asyncio.get_running_loop().time() + server.DRAIN_SECONDS
         await cancel_and_wait(self._expire_task)
+        await cancel_and_wait(self._jq_task)
         drained = await asyncio.gather(self._drain(), self._stop_facts(by),
                                        return_exceptions=True)
         for outcome in drained:  # both ended first: neither left running unawaited

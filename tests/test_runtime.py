@@ -776,3 +776,30 @@ async def test_serve_sizes_the_aux_pool_from_the_usable_cpus(tmp_path: Path) -> 
     from proxy.runtime import aux_threads
 
     assert aux_threads(2) == 6 and aux_threads(64) == 32
+
+
+async def test_an_idle_jq_child_killed_is_reaped_within_the_housekeeping_interval(
+        tmp_path: Path) -> None:
+    """The jq sandbox's idle child killed from outside is reaped by the proxy's
+    housekeeping (no zombie left until the next object event) and counted once."""
+    import os
+    import signal
+
+    from proxy.karta.jqexpr import JqExpr
+
+    s = snapshot_settings(tmp_path)
+    s.karta.jq_sandbox = True
+    async with started(s) as p:
+        box = p.jq_sandbox
+        assert box is not None
+        assert box.run(JqExpr("."), "1") == [1]
+        pid = box.child_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5  # the housekeeping's 1 s, with room
+        while os.path.exists(f"/proc/{pid}"):  # a zombie keeps its entry
+            assert time.monotonic() < deadline, "the dead child was not reaped"
+            await asyncio.sleep(0.05)
+        assert box.restarts["died"] == 1
+        text = await get_text(p, "/metrics")
+        assert 'karta_proxy_jq_sandbox_restarts_total{reason="died"} 1.0' in text

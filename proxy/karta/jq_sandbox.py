@@ -381,6 +381,33 @@ class JqSandbox:
             self._end_child()
             _reap_late()
 
+    def reap_idle(self) -> bool:
+        """Reap the idle child if it has died (killed from outside, the OOM killer):
+        counted (``died``) and logged once, here, not left a zombie until the next
+        evaluation, which starts a fresh one; True if it had. Never waits: while an
+        evaluation runs, the evaluation sees the death itself. Call periodically (the
+        runtime's housekeeping does, every :data:`proxy.runtime.JQ_HOUSEKEEPING_SECONDS`)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            _reap_late()
+            child = self._child
+            if child is None or child.proc.poll() is None:  # poll: waitpid(WNOHANG)
+                return False
+            self._forget_dead(child)
+            return True
+        finally:
+            self._lock.release()
+
+    def _forget_dead(self, child: _Child) -> None:
+        """A child found dead between evaluations (reaped by the caller's poll)."""
+        self._child = None
+        self.restarts["died"] += 1
+        self._warn(f"the jq sandbox child (pid {child.pid}) had died "
+                   f"({_status_text(child.proc.returncode)}) while idle; the next "
+                   "evaluation starts another", child.stderr_tail())
+        child.close_pipes()
+
     def _end_child(self) -> None:
         if self._child is not None:
             self._child.kill()
@@ -488,13 +515,7 @@ class JqSandbox:
         if child is not None:
             if child.proc.poll() is None:
                 return child
-            # died between evaluations (killed from outside): replaced, no error
-            self._child = None
-            self.restarts["died"] += 1
-            self._warn(f"the jq sandbox child (pid {child.pid}) had died "
-                       f"({_status_text(child.proc.returncode)}) while idle; restarted",
-                       child.stderr_tail())
-            child.close_pipes()
+            self._forget_dead(child)  # replaced below, no error
         now = time.monotonic()
         if now < self._no_start_until:
             raise _NoChild(f"the jq sandbox child cannot start ({self._start_error}); "

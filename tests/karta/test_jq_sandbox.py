@@ -227,6 +227,41 @@ def test_a_child_killed_while_idle_is_replaced_without_an_error(
     assert sandbox.child_pid not in (None, pid)
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_idle_child_killed_is_reaped_by_the_housekeeping_counted_once(
+        sandbox: JqSandbox, caplog: pytest.LogCaptureFixture) -> None:
+    """reap_idle() (the runtime's housekeeping) reaps an idle child that died: no zombie
+    until the next evaluation, one count and one warning, not one more at that
+    evaluation, which starts a fresh child."""
+    assert sandbox.reap_idle() is False  # no child yet
+    assert sandbox.run(JqExpr("."), "1") == [1]
+    assert sandbox.reap_idle() is False  # alive
+    pid = sandbox.child_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not _zombie(pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with caplog.at_level("WARNING", logger="proxy.karta.jq_sandbox"):
+        assert sandbox.reap_idle() is True
+    assert not _alive(pid)
+    assert sandbox.child_pid is None
+    assert sandbox.restarts == {"timeout": 0, "died": 1, "start_failed": 0}
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"(pid {pid}) had died (killed by SIGKILL) while idle" in line
+    assert sandbox.reap_idle() is False
+    assert sandbox.run(JqExpr(".a"), '{"a":2}') == [2]
+    assert sandbox.restarts["died"] == 1
+
+
 def test_a_child_killed_during_an_evaluation_is_a_jq_error(sandbox: JqSandbox) -> None:
     import threading
 
