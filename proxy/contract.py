@@ -185,12 +185,14 @@ OP_OWNER_FETCHES = "karta_proxy_owner_fetches_total"
 WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN, OP_OWNER_FETCHES)
 #: the jq sandbox the descriptions' expressions run in (since 1.10.0), on every replica's
 #: /metrics (proxy/metrics.py): its child's restarts by reason (every reason present at 0)
-#: the expressions it quarantined, and the seconds the proxy waited for it
+#: the expressions it quarantined, the seconds the proxy waited for it, and the
+#: re-evaluations made after its failures that were not the expressions' own
 OP_JQ_SANDBOX_RESTARTS = "karta_proxy_jq_sandbox_restarts_total"
 OP_JQ_QUARANTINED = "karta_proxy_jq_quarantined_expressions"
 OP_JQ_SANDBOX_SECONDS = "karta_proxy_jq_sandbox_seconds_total"
+OP_JQ_RETRIES = "karta_proxy_jq_retries_total"
 JQ_SANDBOX_METRICS: tuple[str, ...] = (OP_JQ_SANDBOX_RESTARTS, OP_JQ_QUARANTINED,
-                                       OP_JQ_SANDBOX_SECONDS)
+                                       OP_JQ_SANDBOX_SECONDS, OP_JQ_RETRIES)
 #: the relay's, the configuration's and the certificates' operational metrics (since
 #: 1.10.0; served before, unlisted), on every replica's /metrics (proxy/metrics.py): the
 #: shipped ``karta-proxy-operational`` alerts read them (with the index, fact writer and

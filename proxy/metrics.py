@@ -107,9 +107,13 @@ def _engine_families(engine: Engine) -> Iterator[Metric]:
     yield family
 
 
-def _jq_sandbox_families(sandbox: JqSandbox | None) -> Iterator[Metric]:
-    """The jq sandbox's restarts, quarantined expressions and seconds waited: present at
-    0 without a sandbox (karta.jq_sandbox off, or before the start), every reason from the start."""
+def _jq_sandbox_families(sandbox: JqSandbox | None, engine: Engine | None
+                         ) -> Iterator[Metric]:
+    """The jq sandbox's restarts, quarantined expressions and seconds waited, and the
+    engine's re-evaluations after its failures: present at 0 without a sandbox
+    (karta.jq_sandbox off, or before the start), every reason from the start."""
+    from proxy.karta.results import STAT_JQ_RETRY
+
     family = CounterMetricFamily(
         contract.OP_JQ_SANDBOX_RESTARTS.removesuffix("_total"),
         "Restarts of the jq sandbox's child, by reason: timeout (an evaluation exceeded "
@@ -128,6 +132,13 @@ def _jq_sandbox_families(sandbox: JqSandbox | None) -> Iterator[Metric]:
         contract.OP_JQ_SANDBOX_SECONDS.removesuffix("_total"),
         "Seconds the proxy waited for the jq sandbox's evaluations (the event loop held).",
         value=sandbox.seconds_total if sandbox is not None else 0)
+    yield CounterMetricFamily(
+        contract.OP_JQ_RETRIES.removesuffix("_total"),
+        "Re-evaluations of a workload object or a pod made without an object event, "
+        "after a jq failure that was not the expression's own (the sandbox's child held "
+        "up, killed, unable to start, the object's time limit spent by another "
+        "expression) or a quarantine that ended.",
+        value=engine.stats[STAT_JQ_RETRY] if engine is not None else 0)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -164,7 +175,8 @@ class ProxyMetrics:
         self._engine: Engine | None = None
         r.register(_AtScrape(lambda: self._engine, _engine_families))
         self._jq_sandbox: JqSandbox | None = None
-        r.register(_AtScrape(lambda: self, lambda m: _jq_sandbox_families(m._jq_sandbox)))
+        r.register(_AtScrape(lambda: self, lambda m: _jq_sandbox_families(m._jq_sandbox,
+                                                                       m._engine)))
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """What came in and what became of it: the request side's own counters."""

@@ -101,8 +101,14 @@ def _listen_error(address: str, e: OSError) -> StartError:
 CAMPAIGN_WAIT_SECONDS = 0.1
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
-#: how often the jq sandbox's idle child is looked at (reaped if it died)
+#: how often the jq sandbox's idle child is looked at (reaped if it died), and the
+#: re-evaluations owed after jq failures that may pass are made (``Engine.retry_due``)
 JQ_HOUSEKEEPING_SECONDS = 1.0
+#: re-evaluations in one run of the loop (each may take one jq time limit, and the loop
+#: gets its turn after each run, however short the run) and runs in one housekeeping turn
+#: (the rest at the next: a sandbox that could not start owes every object one)
+RETRY_RUN_OBJECTS = 32
+RETRY_RUNS_PER_TURN = 16
 #: threads of asyncio's default pool beyond one a usable core, and its largest size:
 #: ThreadPoolExecutor's own rule (``min(32, cpus + 4)``: the pool's work is mostly waiting,
 #: a file read, a request body's preparation), with the cores this process may use
@@ -725,13 +731,31 @@ class Proxy:
     async def _jq_loop(self, sandbox: JqSandbox) -> None:
         """The jq sandbox's housekeeping: an idle child that died (killed from outside,
         the OOM killer) is reaped within a second, counted and logged once, not left a
-        zombie until the next evaluation (a quiet cluster may make none for hours)."""
+        zombie until the next evaluation (a quiet cluster may make none for hours); and
+        the objects whose evaluation failed for a reason that may pass (the child held up,
+        killed, unable to start; a quarantine over) are evaluated again once their backoff
+        is over, not left ``Undefined`` / ``jq_error`` until their next event."""
         while True:
             await asyncio.sleep(JQ_HOUSEKEEPING_SECONDS)
             try:
                 sandbox.reap_idle()
             except Exception:  # never let housekeeping end the process
                 log.exception("jq sandbox housekeeping failed")
+            for run in range(RETRY_RUNS_PER_TURN):
+                if run:
+                    await asyncio.sleep(0)  # the loop's turn between runs
+                if not self.engine.retries_due():
+                    break
+                try:
+                    cs = self.engine.retry_due(RETRY_RUN_OBJECTS, LOOP_RUN_SECONDS)
+                except PartialBatch as e:
+                    log.exception("jq re-evaluation failed")
+                    cs = e.changes if e.changes is not None else ChangeSet()
+                except Exception:
+                    log.exception("jq re-evaluation failed")
+                    break
+                if cs:
+                    self.index.apply(cs)
 
     async def stop(self) -> None:
         """Stop taking requests and finish those in flight while the fact writer ends its

@@ -803,3 +803,50 @@ async def test_an_idle_jq_child_killed_is_reaped_within_the_housekeeping_interva
         assert box.restarts["died"] == 1
         text = await get_text(p, "/metrics")
         assert 'karta_proxy_jq_sandbox_restarts_total{reason="died"} 1.0' in text
+
+
+async def test_a_jq_child_killed_during_an_evaluation_is_retried_without_an_object_event(
+        tmp_path: Path) -> None:
+    """The sandbox's child killed (SIGKILL) while it evaluates a Deployment's status: the
+    phase is Undefined (jq_error) at that event, and right again within the backoff's
+    first second, by the proxy's jq housekeeping, with no other event of the object (a
+    quiet Deployment kept jq_error for days); the re-evaluation is counted."""
+    import os
+    import signal
+    import threading
+
+    s = snapshot_settings(tmp_path)
+    s.karta.jq_sandbox = True
+    s.karta.jq_timeout_seconds = 10.0  # the child stopped: the evaluation waits for it
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "cart", "namespace": "shop", "uid": "d-cart", "generation": 2},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "cart"}}},
+        "status": {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1,
+                   "readyReplicas": 1, "availableReplicas": 1},
+    }
+    async with started(s) as p:
+        box = p.jq_sandbox
+        assert box is not None
+        p.index.apply(p.engine.upsert(deployment))
+        facts = p.engine.workload("d-cart")
+        assert facts is not None and facts.phase == "Running", facts
+        pid = box.child_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # the next evaluation is in flight until the kill
+        killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        deployment["metadata"]["generation"] = 3  # type: ignore[index]
+        deployment["status"]["observedGeneration"] = 3  # type: ignore[index]
+        p.index.apply(p.engine.upsert(deployment))  # the object's last event
+        killer.join()
+        facts = p.engine.workload("d-cart")
+        assert facts is not None and facts.phase == "Undefined", facts
+        assert "the jq sandbox child died during the evaluation (killed by SIGKILL)" \
+            in facts.phase_reason, facts.phase_reason
+        deadline = time.monotonic() + 10
+        while (facts := p.engine.workload("d-cart")) is None or facts.phase != "Running":
+            assert time.monotonic() < deadline, facts
+            await asyncio.sleep(0.05)
+        text = await get_text(p, "/metrics")
+    assert "karta_proxy_jq_retries_total 1.0" in text

@@ -29,6 +29,7 @@ whose object was not seen) are documented in docs/karta-attribution.md.
 from __future__ import annotations
 
 import copy
+import heapq
 import logging
 import math
 import sys
@@ -64,6 +65,7 @@ from proxy.karta.results import (
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
+    STAT_JQ_RETRY,
     STAT_SELECTOR_ERROR,
     STAT_SELECTOR_UNKEPT_FIELD,
     STAT_STATUS_JQ_ERROR,
@@ -92,6 +94,16 @@ _IN_FORCE_LINE_SECONDS = 60.0
 #: characters of jq's message a log line shows (``error(.metadata.annotations.x)`` quotes
 #: up to 256 KiB a pod's author wrote)
 _JQ_MESSAGE_SHOWN = 300
+
+#: the backoff of the re-evaluations owed after a jq failure that may pass (``JqError.
+#: retry_after``): the first this long after it, each next one twice as long after the
+#: last, at most ``RETRY_MAX_SECONDS``; a success (or a failure that is the expression's
+#: own) ends it
+RETRY_FIRST_SECONDS = 1.0
+RETRY_MAX_SECONDS = 60.0
+#: what a retry re-evaluates: a workload object's facts (status, ids, scale), a pod's place
+_RETRY_FACTS = "facts"
+_RETRY_POD = "pod"
 
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 
@@ -162,10 +174,12 @@ class Engine:
         ghost_seconds: float = DEFAULT_GHOST_SECONDS,
         max_ghosts: int = MAX_GHOSTS,
         ghost_clock: Callable[[], float] = time.monotonic,
+        retry_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``ghost_seconds`` and ``max_ghosts`` bound the ghosts of removed owners
         (:class:`proxy.karta.owners.Ghost`; 0: none are kept), timed by ``ghost_clock``;
-        :meth:`expire_ghosts` drops those past their time."""
+        :meth:`expire_ghosts` drops those past their time. ``retry_clock`` times the
+        re-evaluations owed after jq failures that may pass (:meth:`retry_due`)."""
         self._clock = clock
         self._pods: dict[str, _PodRec] = {}
         self._graph = OwnerGraph(max_owner_hops, self._pods, ghost_seconds=ghost_seconds,
@@ -197,6 +211,13 @@ class Engine:
         #: and the changes held back since the last one (:meth:`_log_in_force`)
         self._in_force_lines: dict[tuple[GroupKind, str], tuple[float, int]] = {}
         self._dirty: set[str] = set()
+        self._retry_clock = retry_clock
+        #: (what, uid) -> (when, backoff) of the re-evaluations owed (:meth:`_owe_retry`)
+        self._retries: dict[tuple[str, str], tuple[float, float]] = {}
+        #: the same, by when (an entry whose time is not the dict's is stale)
+        self._retry_heap: list[tuple[float, str, str]] = []
+        #: the soonest ``retry_after`` of the pod selectors' errors of the pod being placed
+        self._pod_retry_after: float | None = None
         #: where a description object's re-attribution goes during ``upsert_many(...,
         #: owed=)``; None: done at once
         self._owing: list[str] | None = None
@@ -303,6 +324,113 @@ class Engine:
     def ghosts(self) -> int:
         """How many ghosts of removed owners are kept now."""
         return len(self._graph.ghosts)
+
+    # -- public: retries ----------------------------------------------------------------
+
+    def retry_due(self, max_objects: int, max_seconds: float) -> ChangeSet:
+        """Evaluate again the workload objects and pods whose last evaluation failed for
+        a reason that may have passed (:attr:`JqError.retry_after
+        <proxy.karta.jqexpr.JqError>`: the jq sandbox's child held up, killed or unable
+        to start, a quarantine over), those whose backoff is over, soonest first: at most
+        ``max_objects``, and none more once ``max_seconds`` are spent (each may take one
+        jq time limit). Without it such a failure stood until the object's next event,
+        days for a quiet Deployment. Call periodically (the runtime's jq housekeeping
+        does, every second)."""
+        cs = ChangeSet()
+        started = time.monotonic()
+        now = self._retry_clock()
+        heap = self._retry_heap
+        done = 0
+        try:
+            while heap and heap[0][0] <= now and done < max_objects:
+                when, what, uid = heapq.heappop(heap)
+                owed = self._retries.get((what, uid))
+                if owed is None or owed[0] != when:
+                    continue  # settled meanwhile, or owed later
+                done += 1
+                self.stats[STAT_JQ_RETRY] += 1
+                try:
+                    self._retry(what, uid, cs)
+                except Exception:
+                    self._retries.pop((what, uid), None)  # not owed again for ever
+                    raise
+                if time.monotonic() - started >= max_seconds:
+                    break
+        except Exception as e:
+            raise self._partial(cs) from e
+        self._settle(cs)
+        return cs
+
+    def retries_due(self) -> bool:
+        """Whether a re-evaluation is due now (:meth:`retry_due`)."""
+        heap = self._retry_heap
+        now = self._retry_clock()
+        while heap:
+            when, what, uid = heap[0]
+            owed = self._retries.get((what, uid))
+            if owed is not None and owed[0] == when:
+                return when <= now
+            heapq.heappop(heap)  # stale
+        return False
+
+    def retries_owed(self) -> int:
+        """How many re-evaluations are owed (due or not)."""
+        return len(self._retries)
+
+    def _retry(self, what: str, uid: str, cs: ChangeSet) -> None:
+        """One re-evaluation owed: it owes another (later, the backoff doubled), or ends
+        the debt, as any evaluation does (:meth:`_owe_retry`)."""
+        if what == _RETRY_POD:
+            rec = self._pods.get(uid)
+            if rec is None:
+                self._retries.pop((what, uid), None)
+            else:
+                self._attribute_pod(rec, cs)
+            return
+        holder: ObjectRecord | _PodRec | None = self._graph.objects.get(uid)
+        if holder is None:
+            holder = self._pods.get(uid)
+        wl = self._wl.get(uid)
+        if holder is None or holder.obj is None or wl is None:
+            self._retries.pop((what, uid), None)  # gone, or no longer a workload
+            return
+        before = _cached(holder.cache, wl.plan)
+        holder.cache = None
+        self._dirty.add(uid)
+        after = self._object_facts(uid, wl.plan)
+        if after is None or not after.same_ids(before):
+            # the instance ids came (or changed): the pods' places depend on them
+            if isinstance(holder, _PodRec):
+                self._attribute_pod(holder, cs)
+            self._replace_below((uid,), cs)
+
+    def _owe_retry(self, what: str, uid: str, retry_after: float | None) -> None:
+        """After an evaluation of ``uid``: a failure that may pass (``retry_after`` not
+        None) owes a re-evaluation after the backoff (doubled from the last one owed),
+        or after ``retry_after`` if later (a quarantine's end); anything else (success,
+        the expression's own failure) ends what was owed."""
+        key = (what, uid)
+        if retry_after is None:
+            if self._retries:
+                self._retries.pop(key, None)
+            return
+        now = self._retry_clock()
+        last = self._retries.get(key)
+        if last is not None and last[0] > now:
+            # one is owed already (this evaluation was an event's, not the retry): it
+            # stands, the backoff not doubled, unless this failure may pass sooner (a
+            # quarantine's retry, then a child killed); so an object failing at every
+            # event of a busy hour adds no heap entry per event
+            when = now + max(last[1], retry_after)
+            if when >= last[0] - RETRY_FIRST_SECONDS:
+                return
+            backoff = last[1]
+        else:
+            backoff = (RETRY_FIRST_SECONDS if last is None
+                       else min(last[1] * 2, RETRY_MAX_SECONDS))
+            when = now + max(backoff, retry_after)
+        self._retries[key] = (when, backoff)
+        heapq.heappush(self._retry_heap, (when, what, uid))
 
     def _replace_below(self, uids: Iterable[str], cs: ChangeSet) -> None:
         """Re-attribute what lies below each of ``uids`` within its reach (not
@@ -557,6 +685,8 @@ class Engine:
 
     def _delete_pod(self, uid: str, cs: ChangeSet) -> None:
         rec = self._pods.pop(uid)
+        self._owe_retry(_RETRY_POD, uid, None)
+        self._owe_retry(_RETRY_FACTS, uid, None)
         # a pod that owns pods or objects stays a ghost while they point at it
         buried = self._graph.bury(uid, POD, rec.namespace, rec.name, rec.owner)
         if rec.owner is not None and not buried:
@@ -614,6 +744,7 @@ class Engine:
         old = self._graph.remove(uid)
         if old is None:
             return
+        self._owe_retry(_RETRY_FACTS, uid, None)
         if old.member:
             wl = self._wl.get(old.member)
             if wl is not None:
@@ -705,10 +836,13 @@ class Engine:
             att = PodAttribution(rec.namespace, rec.name, rec.uid, reason=top.reason)
             if rec.wl:
                 self._leave(rec)
+            self._owe_retry(_RETRY_POD, rec.uid, None)
         else:
             wref = self._workload_ref(top, rec.namespace)
             wl_uid = top.uid
+            self._pod_retry_after = None
             comp, inst, replica = self._placement(plan, rec, wl_uid)
+            self._owe_retry(_RETRY_POD, rec.uid, self._pod_retry_after)
             att = PodAttribution(
                 rec.namespace, rec.name, rec.uid, wref, comp, inst, replica, plan.desc.name
             )
@@ -827,6 +961,10 @@ class Engine:
     def _selector_error(self, plan: _DescriptionPlan, wl_uid: str, probe: _Probe | None,
                         exc: JqError) -> None:
         self.stats[STAT_SELECTOR_ERROR] += 1
+        after = exc.retry_after
+        if after is not None:
+            soonest = self._pod_retry_after
+            self._pod_retry_after = after if soonest is None else min(soonest, after)
         source = probe.expr.source if probe is not None else ""
         self._log_jq_error(plan, wl_uid, "pod selector", source, str(exc.__cause__ or exc))
 
@@ -868,6 +1006,7 @@ class Engine:
         if ev is None:
             ev = _read_object_facts(plan, unpack(holder.obj), self.stats)
             holder.cache = _FactsCache(plan, ev)
+            self._owe_retry(_RETRY_FACTS, uid, ev.retry_after)
             for err in ev.errors:
                 where = "status" if err.stat == STAT_STATUS_JQ_ERROR else "workload path"
                 self._log_jq_error(plan, uid, where, err.expression, err.message)

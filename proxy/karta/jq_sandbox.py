@@ -26,6 +26,12 @@ deadline:
   child that used less than half the time in CPU (stopped, throttled, paging) is
   restarted without a strike.
 
+An error that is not the expression's doing (a child held up, or killed by SIGKILL: the
+kernel's OOM killer, an operator; a child that cannot start; an expression not reached
+in its object's time limit) carries ``retry_after`` 0, a quarantine's the seconds left of
+it (:class:`~proxy.karta.jqexpr.JqError`): the engine evaluates such an object again
+then, not at its next event only.
+
 The time limit is one per input (:meth:`JqSandbox.run_many`: a workload object's
 expressions share it), so one object event holds the loop about one limit at most (plus
 the kill and restart), and an input over a sixteenth of the memory limit is refused
@@ -438,13 +444,16 @@ class JqSandbox:
         results: list[list[Any] | JqError | None] = [None] * len(exprs)
         todo = []
         self._expire()
+        now = self._clock()
         for i, expr in enumerate(exprs):
-            if expr.source in self._quarantined:
+            until = self._quarantined.get(expr.source)
+            if until is not None:
                 results[i] = JqError(
                     f"{expr.source!r}: quarantined for {_duration(QUARANTINE_SECONDS)} after "
                     f"{QUARANTINE_STRIKES} evaluations that exceeded the time limit "
                     "(karta.jq_timeout_seconds) or took the jq sandbox child down; not "
-                    "evaluated until then (or until the expression's text changes)")
+                    "evaluated until then (or until the expression's text changes)",
+                    retry_after=max(0.0, until - now))
             else:
                 todo.append(i)
         body = text.encode("utf-8", "surrogatepass")
@@ -470,7 +479,8 @@ class JqSandbox:
                     child = self._ready_child()
                 except _NoChild as e:  # every one of them fails alike
                     for i in todo:
-                        err = results[i] = JqError(f"{exprs[i].source!r}: {e}")
+                        err = results[i] = JqError(f"{exprs[i].source!r}: {e}",
+                                                   retry_after=0.0)
                         err.__cause__ = e.__cause__
                     todo = []
                     break
@@ -505,7 +515,8 @@ class JqSandbox:
         for i in todo:
             results[i] = JqError(
                 f"{exprs[i].source!r}: not evaluated: the object's time limit "
-                "(karta.jq_timeout_seconds) was spent by the expressions before it")
+                "(karta.jq_timeout_seconds) was spent by the expressions before it",
+                retry_after=0.0)
         assert all(r is not None for r in results)
         return cast("list[list[Any] | JqError]", results)
 
@@ -584,7 +595,10 @@ class JqSandbox:
         self._warn(f"{what}: {_clip(source)!r}", tail)
         if not stalled:
             self._strike(source)
-        return JqError(f"{source!r}: {what}")
+        # not the expression's doing, as far as can be told: a child held up, or killed by
+        # SIGKILL, which is no limit of the child's own (the kernel's OOM killer, someone)
+        transient = stalled or (reason == "died" and child.proc.returncode == -signal.SIGKILL)
+        return JqError(f"{source!r}: {what}", retry_after=0.0 if transient else None)
 
     def _strike(self, source: str) -> None:
         self._expire()

@@ -24,7 +24,18 @@ class JqCompileError(ValueError):
 
 
 class JqError(RuntimeError):
-    """The expression failed at run time on one object."""
+    """The expression failed at run time on one object.
+
+    ``retry_after``: None when the failure is the expression's own (a jq error, a
+    strike): the same object gives the same failure, evaluated again only when it
+    changes. A number when it is not (the sandbox's child held up, killed from outside,
+    unable to start, the object's time limit spent by another expression: as soon as
+    the backoff allows, 0) or not for long (a quarantine: the seconds left of it): the
+    engine evaluates the object again then, without waiting for its next event."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class JqIdError(JqError):

@@ -112,8 +112,8 @@ class _FactsJqError(NamedTuple):
 class _ObjectFacts:
     """What the engine derives from one version of a workload object."""
 
-    __slots__ = ("errors", "ids", "phase", "reason", "rows", "rows_built", "scale", "since",
-                 "statuses")
+    __slots__ = ("errors", "ids", "phase", "reason", "retry_after", "rows", "rows_built",
+                 "scale", "since", "statuses")
 
     def __init__(self) -> None:
         self.phase = UNDEFINED
@@ -130,6 +130,15 @@ class _ObjectFacts:
         self.rows_built = False
         #: the jq errors met, to log once the facts are cached
         self.errors: list[_FactsJqError] = []
+        #: the soonest :attr:`JqError.retry_after <proxy.karta.jqexpr.JqError>` of those
+        #: errors: None when none was transient (the facts stand until the object changes)
+        self.retry_after: float | None = None
+
+    def failed_for_now(self, retry_after: float | None) -> None:
+        """One of the evaluations failed for a reason that may pass (``retry_after``)."""
+        if retry_after is not None:
+            self.retry_after = (retry_after if self.retry_after is None
+                                else min(self.retry_after, retry_after))
 
     def template(self, plan: _DescriptionPlan) -> _RowTemplate | None:
         """Rows and desired values of this object version; only ``observed`` varies."""
@@ -187,6 +196,7 @@ def _read_object_facts(
         stats[STAT_STATUS_JQ_ERROR] += 1
         # the reason names the expression (clipped); one status is one evaluation
         ev.errors.append(_FactsJqError(STAT_STATUS_JQ_ERROR, "", res.reason))
+        ev.failed_for_now(res.retry_after)
     for name, path in plan.ids_paths.items():
         try:
             ev.ids[name] = tuple(output_ids(outputs(path)))
@@ -194,6 +204,7 @@ def _read_object_facts(
             stats[STAT_WORKLOAD_JQ_ERROR] += 1
             ev.errors.append(
                 _FactsJqError(STAT_WORKLOAD_JQ_ERROR, path.source, str(exc.__cause__ or exc)))
+            ev.failed_for_now(exc.retry_after)
             ev.ids[name] = None
     for fc in plan.fact_comps:
         if fc.scale is None:
@@ -207,6 +218,7 @@ def _read_object_facts(
                 if sp is not None:
                     ev.errors.append(_FactsJqError(
                         STAT_WORKLOAD_JQ_ERROR, sp.source, str(exc.__cause__ or exc)))
+                ev.failed_for_now(exc.retry_after)
                 outs.append([])
         ev.scale[fc.name] = _ScaleOutputs(*outs)
     return ev

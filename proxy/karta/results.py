@@ -33,6 +33,11 @@ STAT_INVALID_OBJECT = "invalid_object"
 #: pod-selector paths of the descriptions put in force that read pod fields the engine
 #: does not keep (counted once per path each time its description is put in force)
 STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
+#: re-evaluations the engine made of its own accord (``Engine.retry_due``): a workload
+#: object's facts or a pod's place, after a jq failure that was not the expression's
+#: (the sandbox's child held up, killed, unable to start) or a quarantine that ended
+#: (exported as ``karta_proxy_jq_retries_total``)
+STAT_JQ_RETRY = "jq_retry"
 #: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
 #: and scale paths, its status (each logged once per workload and expression; exported
 #: as ``karta_proxy_jq_errors_total{where}``)

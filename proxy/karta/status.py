@@ -57,6 +57,9 @@ class StatusResult:
     #: the conditions of the phase's first matching matcher that has ``byConditions``
     #: (None when no such matcher matches or a time is missing or unreadable)
     since: float | None = None
+    #: the failed expression's :attr:`JqError.retry_after <proxy.karta.jqexpr.JqError>`
+    #: (reason ``jq_error``): when the evaluation may be worth trying again; None: not
+    retry_after: float | None = None
 
 
 _NO_DEFINITION = StatusResult(UNDEFINED, (UNDEFINED,), REASON_NO_DEFINITION)
@@ -227,7 +230,10 @@ def evaluate_status(status: StatusDefinition | None, obj: Mapping[str, Any],
             name for name, matchers in status.mappings if any(ev.matches(m) for m in matchers)
         ]
     except _Failure as exc:
-        return StatusResult(UNDEFINED, (UNDEFINED,), _clip(str(exc), _REASON_LIMIT))
+        cause = exc.__cause__
+        return StatusResult(UNDEFINED, (UNDEFINED,), _clip(str(exc), _REASON_LIMIT),
+                            retry_after=cause.retry_after
+                            if isinstance(cause, JqError) else None)
     except (TypeError, ValueError, RecursionError) as exc:
         # not JSON (NaN, bytes, cycles): report the object, keep the engine going
         reason = _clip(f"{REASON_BAD_OBJECT}: {exc}", _REASON_LIMIT)

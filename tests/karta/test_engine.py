@@ -6,6 +6,10 @@ import copy
 import functools
 import itertools
 import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,11 +20,14 @@ import yaml
 from proxy import snapshot
 from proxy.karta.description import load_description_file, parse_description
 from proxy.karta.engine import Engine
+from proxy.karta.jq_sandbox import QUARANTINE_STRIKES, JqSandbox
+from proxy.karta.jqexpr import JqExpr, install_runner, remove_runner
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import (
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
+    STAT_JQ_RETRY,
     STAT_SELECTOR_ERROR,
     STAT_SELECTOR_UNKEPT_FIELD,
     STAT_STATUS_JQ_ERROR,
@@ -1407,3 +1414,138 @@ def test_phase_since_follows_the_object_and_falls_back_when_evidence_goes() -> N
     clock.now = 3000.0
     w = W(e.upsert(odd), "deployment-web")
     assert (w.phase, w.phase_since, w.phase_since_source) == ("Running", 3000.0, "observed")
+
+
+# -- re-evaluations after jq failures that may pass ------------------------------------------
+
+#: a Thing whose phase and pod selector both go to jq (no plain lookup)
+RETRIED_THING = karta({"group": "example.com", "kind": "Thing"}, [
+    {"name": "a", "ownerRef": "root",
+     "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+     "podSelector": {"componentTypeSelector": {
+         "keyPath": ".metadata.labels.role | ascii_downcase", "value": "a"}}},
+    {"name": "b", "ownerRef": "root",
+     "specDefinition": {"podTemplateSpecPath": ".spec.template"}},
+], statusDefinition={"phaseDefinition": {"path": ".status.phase | ascii_downcase"},
+                     "statusMappings": {"running": [{"byPhase": "running"}]}})
+
+
+@pytest.fixture
+def sandboxes() -> Iterator[list[JqSandbox]]:
+    """The sandboxes a test installs (as the proxy does: every expression through it),
+    removed and closed at its end."""
+    boxes: list[JqSandbox] = []
+    try:
+        yield boxes
+    finally:
+        for box in boxes:
+            remove_runner(box)
+            box.close()
+
+
+def _installed(boxes: list[JqSandbox], box: JqSandbox) -> JqSandbox:
+    boxes.append(box)
+    install_runner(box)
+    return box
+
+
+def test_a_sandbox_that_cannot_start_is_retried_with_a_backoff_until_it_can(
+        sandboxes: list[JqSandbox]) -> None:
+    """Evaluations the sandbox failed (its child could not start): the workload's phase
+    and the pod's place are evaluated again by ``retry_due`` 1 s later, then 2 s after
+    that, ...: no object event needed; once the sandbox works, right, and nothing more
+    is owed."""
+    clock = ManualClock(1000.0)
+    e = Engine(retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    broken = _installed(sandboxes, JqSandbox(command=["/nonexistent/python"]))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": "Running"})
+    e.upsert_many([thing, pod("p", thing, role="A")])
+    assert W(e, "thing-t").phase == "Undefined"
+    assert "jq sandbox child cannot start" in W(e, "thing-t").phase_reason
+    assert P(e, "pod-p").component == "b"  # the selector failed: the default took it
+    assert e.retries_owed() == 2 and not e.retries_due()
+    clock.now += 0.9
+    assert not e.retry_due(100, 10.0) and e.stats[STAT_JQ_RETRY] == 0
+    clock.now += 0.1
+    assert e.retries_due()
+    e.retry_due(100, 10.0)  # failed again: owed 2 s later
+    assert e.stats[STAT_JQ_RETRY] == 2 and e.retries_owed() == 2
+    clock.now += 1.9
+    e.retry_due(100, 10.0)
+    assert e.stats[STAT_JQ_RETRY] == 2
+    remove_runner(broken)
+    _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+    clock.now += 0.1
+    cs = e.retry_due(1, 10.0)  # at most one a call
+    assert e.stats[STAT_JQ_RETRY] == 3
+    cs.merge(e.retry_due(100, 10.0))
+    assert e.stats[STAT_JQ_RETRY] == 4 and e.retries_owed() == 0
+    assert W(e, "thing-t").phase == "Running" and W(cs, "thing-t").phase == "Running"
+    assert P(e, "pod-p").component == "a" and P(cs, "pod-p").component == "a"
+    clock.now += 3600
+    assert not e.retries_due() and e.stats[STAT_JQ_RETRY] == 4
+
+
+def test_the_expressions_own_jq_error_is_not_retried(sandboxes: list[JqSandbox]) -> None:
+    clock = ManualClock(1000.0)
+    e = Engine(retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": 1})
+    e.upsert_many([thing, pod("p", thing, role="A"), pod("q", thing)])
+    assert W(e, "thing-t").phase_reason.startswith("jq_error: ")
+    assert P(e, "pod-q").component == "b"  # null | ascii_downcase: a jq error
+    assert e.retries_owed() == 0
+    clock.now += 3600
+    assert not e.retry_due(100, 10.0) and e.stats[STAT_JQ_RETRY] == 0
+
+
+def _killed_during(box: JqSandbox, event: Callable[[], object]) -> None:
+    """``event`` runs while the sandbox's child is stopped, and the child is killed
+    (SIGKILL) 0.3 s into it: the evaluation in flight fails."""
+    assert box.run(JqExpr("."), "1") == [1]  # a child running
+    pid = box.child_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        event()
+    finally:
+        killer.join()
+
+
+def test_a_workload_failed_by_a_quarantine_is_evaluated_again_when_it_ends(
+        sandboxes: list[JqSandbox]) -> None:
+    """The status expression quarantined (three evaluations took the child down: killed
+    during each): the phase reads the quarantine's jq error, retried at the backoff to
+    no avail, and evaluated again once the quarantine's hour is over, though the object
+    has not changed since."""
+    clock = ManualClock(1000.0)
+    hour = ManualClock(5000.0)
+    e = Engine(retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    box = _installed(sandboxes, JqSandbox(timeout_seconds=10.0, clock=hour))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": "Running"})
+    e.upsert(thing)
+    assert W(e, "thing-t").phase == "Running"
+    for n in range(QUARANTINE_STRIKES):
+        thing["metadata"]["generation"] = n + 1  # an object event: evaluated again
+        _killed_during(box, lambda: e.upsert(thing))
+        assert "killed by SIGKILL" in W(e, "thing-t").phase_reason
+    assert box.is_quarantined(".status.phase | ascii_downcase")
+    assert e.retries_owed() == 1
+    clock.now += 1
+    e.retry_due(100, 10.0)
+    assert "quarantined for 1 h" in W(e, "thing-t").phase_reason
+    assert e.stats[STAT_JQ_RETRY] == 1
+    clock.now += 1800
+    hour.now += 1800
+    e.retry_due(100, 10.0)
+    assert e.stats[STAT_JQ_RETRY] == 1  # owed at the quarantine's end
+    clock.now += 1800
+    hour.now += 1800
+    e.retry_due(100, 10.0)
+    assert e.stats[STAT_JQ_RETRY] == 2 and e.retries_owed() == 0
+    assert W(e, "thing-t").phase == "Running"

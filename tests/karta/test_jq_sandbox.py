@@ -57,10 +57,14 @@ def _alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-def _error(run: Any) -> str:
+def _raised(run: Any) -> JqError:
     with pytest.raises(JqError) as info:
         run()
-    return str(info.value)
+    return info.value
+
+
+def _error(run: Any) -> str:
+    return str(_raised(run))
 
 
 EXPRESSIONS = [
@@ -173,8 +177,10 @@ def test_a_string_doubled_past_the_memory_limit_restarts_the_child(
     first = sandbox.child_pid
     assert first is not None
     started = time.monotonic()
-    message = _error(lambda: sandbox.run(JqExpr(DOUBLING), '{"a":"abcdefgh"}'))
+    err = _raised(lambda: sandbox.run(JqExpr(DOUBLING), '{"a":"abcdefgh"}'))
+    message = str(err)
     assert time.monotonic() - started < TIMEOUT + SLACK
+    assert err.retry_after is None  # the expression's doing: not retried
     assert ("the jq sandbox child died during the evaluation" in message
             or "exceeded the 0.5 s limit" in message), message
     assert sandbox.restarts["died"] + sandbox.restarts["timeout"] == 1
@@ -188,8 +194,10 @@ def test_a_long_loop_is_stopped_at_the_limit_then_quarantined(sandbox: JqSandbox
     for strike in range(1, QUARANTINE_STRIKES + 1):
         pid = sandbox.child_pid
         started = time.monotonic()
-        message = _error(lambda: sandbox.run(looping, "null"))
+        err = _raised(lambda: sandbox.run(looping, "null"))
+        message = str(err)
         took = time.monotonic() - started
+        assert err.retry_after is None  # struck: the expression's doing
         assert TIMEOUT <= took < TIMEOUT + SLACK, took
         assert message == (f"{LOOPING!r}: jq evaluation exceeded the 0.5 s limit "
                            "(karta.jq_timeout_seconds); the child was restarted")
@@ -199,8 +207,11 @@ def test_a_long_loop_is_stopped_at_the_limit_then_quarantined(sandbox: JqSandbox
     assert sandbox.quarantined() == 1 and sandbox.is_quarantined(LOOPING)
     pid = sandbox.child_pid
     started = time.monotonic()
-    message = _error(lambda: sandbox.run(looping, "null"))
+    err = _raised(lambda: sandbox.run(looping, "null"))
+    message = str(err)
     assert time.monotonic() - started < 0.05
+    # worth trying again when the quarantine is over
+    assert err.retry_after == pytest.approx(QUARANTINE_SECONDS, abs=30)
     assert f"quarantined for 1 h after {QUARANTINE_STRIKES} evaluations" in message
     assert sandbox.restarts["timeout"] == QUARANTINE_STRIKES  # the child untouched
     assert sandbox.child_pid == pid
@@ -272,8 +283,10 @@ def test_a_child_killed_during_an_evaluation_is_a_jq_error(sandbox: JqSandbox) -
     killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
     killer.start()
     started = time.monotonic()
-    message = _error(lambda: sandbox.run(JqExpr(LOOPING), "null"))
+    err = _raised(lambda: sandbox.run(JqExpr(LOOPING), "null"))
+    message = str(err)
     killer.join()
+    assert err.retry_after == 0.0  # SIGKILL is no limit of the child's: may pass
     assert time.monotonic() - started < 5
     assert "the jq sandbox child died during the evaluation (killed by SIGKILL)" in message
     assert sandbox.restarts["died"] == 1
@@ -299,9 +312,11 @@ def test_new_limits_restart_the_child(sandbox: JqSandbox) -> None:
 def test_a_child_that_cannot_start_is_a_jq_error_and_counted() -> None:
     box = JqSandbox(command=[sys.executable, "-c", "import sys; sys.exit(7)"])
     try:
-        message = _error(lambda: box.run(JqExpr("."), "1"))
+        err = _raised(lambda: box.run(JqExpr("."), "1"))
+        message = str(err)
         assert "the jq sandbox child cannot start (it ended at start (exit status 7))" \
             in message, message
+        assert err.retry_after == 0.0
         assert box.restarts["start_failed"] == 1
         # the next evaluations fail at once, no start tried until the retry delay
         started = time.monotonic()
@@ -438,8 +453,10 @@ def test_a_stalled_child_is_restarted_without_a_strike(sandbox: JqSandbox) -> No
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
-        message = _error(lambda: sandbox.run(expr, '{"status":{"conditions":[]}}'))
+        err = _raised(lambda: sandbox.run(expr, '{"status":{"conditions":[]}}'))
+        message = str(err)
         assert time.monotonic() - started < TIMEOUT + SLACK
+        assert err.retry_after == 0.0
         assert "the machine or the child was held up; not counted against the expression" \
             in message, message
         assert "the child used only 0.0" in message and "of CPU in the 0.5" in message
@@ -502,6 +519,8 @@ def test_a_batch_shares_one_time_limit(sandbox: JqSandbox) -> None:
     assert "exceeded the 1 s limit" in str(errors[0])
     assert "not counted" not in str(errors[0])
     assert all("not evaluated: the object's time limit" in str(r) for r in errors[1:])
+    assert errors[0].retry_after is None
+    assert all(r.retry_after == 0.0 for r in errors[1:])  # not theirs: retried
     assert sandbox.restarts["timeout"] == 1
     assert sandbox.seconds_total - waited == pytest.approx(took, abs=0.05)
 
@@ -514,6 +533,7 @@ def test_an_input_over_a_sixteenth_of_the_memory_limit_is_refused(sandbox: JqSan
         assert isinstance(r, JqError) and str(r).endswith(
             f"not evaluated: the object's JSON text is {len(text)} bytes, over the "
             f"{limit} bytes the jq sandbox takes (karta.jq_memory_limit_bytes / 16)"), r
+        assert r.retry_after is None  # the same object is refused again
     assert sandbox.child_pid is None  # no round trip
     assert sandbox.restarts == {"timeout": 0, "died": 0, "start_failed": 0}
     assert sandbox.run(JqExpr(".s | length"), json.dumps({"s": "x" * (limit - 10)})) \
