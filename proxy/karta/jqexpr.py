@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import jq
 
+from proxy.shown import shown
+
 
 class JqCompileError(ValueError):
     """The expression is not valid jq; raised at description load time."""
@@ -56,7 +58,7 @@ MAX_ID_BYTES = 1024
 
 def checked_id(text: str) -> str:
     """``text`` when it can be stamped as an id, else :class:`JqIdError` (its value shown
-    cut, as a refusal of the wire shows a label: :func:`_shown`).
+    cut, as a refusal of the wire shows a label: :func:`proxy.shown.shown`).
 
     Refused, never truncated: two long ids sharing their first KiB would become one, and
     a control character (C0, DEL) is no name and breaks log lines and exposition."""
@@ -65,26 +67,13 @@ def checked_id(text: str) -> str:
     except UnicodeEncodeError:  # a lone surrogate (JSON's "\\ud800")
         raise JqIdError(
             f"id refused: not valid UTF-8: "
-            f"{_shown(text.encode('utf-8', 'surrogatepass'))}") from None
+            f"{shown(text.encode('utf-8', 'surrogatepass'))}") from None
     if len(raw) > MAX_ID_BYTES:
         raise JqIdError(f"id refused: {len(raw)} bytes, over the {MAX_ID_BYTES} bytes an id "
-                        f"may have: {_shown(raw)}")
+                        f"may have: {shown(raw)}")
     if _CONTROL.search(text) is not None:
-        raise JqIdError(f"id refused: holds a control character: {_shown(raw)}")
+        raise JqIdError(f"id refused: holds a control character: {shown(raw)}")
     return text
-
-
-#: bytes of a refused id a message shows
-_SHOWN = 64
-
-
-def _shown(s: bytes) -> str:
-    """The first :data:`_SHOWN` bytes, printable ASCII as is and every other byte as
-    ``\\xNN``, ``...`` after a cut: the rule of ``proxy.wire.primitives.shown`` (the
-    engine imports nothing outside ``proxy.karta``)."""
-    out = "".join(chr(b) if 0x20 <= b < 0x7F and b not in b'\\"' else f"\\x{b:02x}"
-                  for b in s[:_SHOWN])
-    return out + "..." if len(s) > _SHOWN else out
 
 
 #: C0 controls and DEL
@@ -238,45 +227,6 @@ class JqExpr:
         except (ValueError, TypeError, RecursionError) as exc:
             raise JqError(f"{self.source!r}: {exc}") from exc
 
-    def first(self, obj: Any) -> Any:
-        """The first output, or None when there is none."""
-        out = self.all(obj)
-        return out[0] if out else None
-
-    def present(self, obj: Any) -> bool:
-        return outputs_present(self.all(obj))
-
-    def equals(self, obj: Any, value: str) -> bool:
-        return outputs_equal(self.all(obj), value)
-
-    def single_id(self, obj: Any) -> str | None:
-        return single_output_id(self.all(obj))
-
-    def ids(self, obj: Any) -> list[str | None]:
-        return output_ids(self.all(obj))
-
-    def tostring_first(self, obj: Any) -> str | None:
-        """``byExpression``: first output of ``(<expr>) | tostring``."""
-        out = self.all(obj)
-        return to_text(out[0]) if out else None
-
-    def number(self, obj: Any) -> float | None:
-        """Scale paths: the first output as a number; numeric strings are accepted."""
-        for v in self.all(obj):
-            if isinstance(v, bool) or v is None:
-                continue
-            if isinstance(v, int | float):
-                return float(v)
-            if isinstance(v, str):
-                try:
-                    return float(v)
-                except ValueError:
-                    return None
-        return None
-
-    def numbers(self, obj: Any) -> list[float | None]:
-        """Every output as a number (one per component instance for list paths)."""
-        return output_numbers(self.all(obj))
 
 
 # -- where expressions run ---------------------------------------------------------------

@@ -2110,7 +2110,7 @@ stamp_over_limit(Req *r, const Lab *labs, size_t n, const Entry *en)
     return 1;
 }
 
-/* primitives.SHOWN / shown: a label string as a refusal shows it, its first SHOWN bytes,
+/* proxy/shown.py's SHOWN / shown: a label string as a refusal shows it, its first SHOWN bytes,
  * printable ASCII as it is and every other byte (\\, ", not ASCII, invalid UTF-8) as
  * \\xNN, "..." after a cut; `out` holds SHOWN_CAP bytes. Byte for byte the reference's. */
 #define SHOWN 64

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from proxy.compression import DecodeError
-from proxy.wire.primitives import Counts, encode_label_v1, shown
+from proxy.shown import shown
+from proxy.wire.primitives import Counts, encode_label_v1
 
 #: every reason a splice itself gives (the pod table's entries carry the engine's)
 REASON_NO_POD_LABEL = "no_pod_label"

@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass
 
 from proxy.compression import DecodeError
+from proxy.shown import SHOWN, shown
 
 #: Prometheus' staleness marker: a NaN with this exact bit pattern ends a series (a float
 #: sample of it, or a histogram whose ``sum`` is it).
@@ -104,23 +105,9 @@ def invalid(what: str) -> DecodeError:
     return DecodeError("protobuf_invalid", 400, f"invalid protobuf: {what}")
 
 
-#: bytes of a label string a refusal shows (the native splice's ``SHOWN``)
-SHOWN = 64
-
-
-def shown(s: bytes) -> str:
-    """A label string as a refusal shows it: its first :data:`SHOWN` bytes, printable ASCII
-    as it is and every other byte (``\\``, ``"``, anything not ASCII, invalid UTF-8
-    included) as ``\\xNN``, ``...`` after a cut: one rule the native splice follows byte
-    for byte, so that both say the same."""
-    out = "".join(chr(b) if 0x20 <= b < 0x7F and b not in b'\\"' else f"\\x{b:02x}"
-                  for b in s[:SHOWN])
-    return out + "..." if len(s) > SHOWN else out
-
-
 def check_utf8(b: bytes, what: str) -> None:
     """400 ``invalid_utf8`` unless ``b`` is valid UTF-8 (Prometheus refuses such labels),
-    the string shown escaped (:func:`shown`)."""
+    the string shown escaped (:func:`proxy.shown.shown`)."""
     try:
         b.decode("utf-8")
     except UnicodeDecodeError:

@@ -18,6 +18,7 @@ from proxy.karta.description import (
     select_descriptions,
 )
 from proxy.karta.engine import Engine
+from proxy.karta.jqexpr import output_numbers
 from proxy.karta.model import GVK, Description, GroupKind
 from proxy.karta.status import StatusResult, evaluate_status
 from tests.karta.clusters import SAMPLES
@@ -122,7 +123,7 @@ def test_user_description_overrides_a_builtin() -> None:
 def test_desired_replicas(kind: str, obj: dict[str, Any], replicas: float) -> None:
     scale = builtin(kind).root.scale
     assert scale is not None and scale.replicas is not None
-    assert scale.replicas.number(obj) == replicas
+    assert output_numbers(scale.replicas.all(obj)) == [replicas]
 
 
 # -- phases -----------------------------------------------------------------------------------

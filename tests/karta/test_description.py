@@ -22,6 +22,7 @@ from proxy.karta.description import (
     parse_description,
     select_descriptions,
 )
+from proxy.karta.jqexpr import output_numbers
 from proxy.karta.model import GVK, Description, GroupKind
 from tests.karta.descriptions import component, karta
 
@@ -417,8 +418,8 @@ def test_numeric_literal_is_a_jq_expression() -> None:
     d = parse_description(obj, "test.yaml")
     scale = d.children[0].scale
     assert scale is not None and scale.replicas is not None and scale.min_replicas is not None
-    assert scale.replicas.number({}) == 2.0
-    assert scale.min_replicas.number({}) == 1.0
+    assert output_numbers(scale.replicas.all({})) == [2.0]
+    assert output_numbers(scale.min_replicas.all({})) == [1.0]
 
 
 def test_owner_chain_through_children_is_fine() -> None:

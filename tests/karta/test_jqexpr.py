@@ -16,6 +16,11 @@ from proxy.karta.jqexpr import (
     JqIdError,
     checked_id,
     input_fields,
+    output_ids,
+    output_numbers,
+    outputs_equal,
+    outputs_present,
+    single_output_id,
     to_text,
 )
 
@@ -47,55 +52,55 @@ def test_runtime_error_is_a_jq_error() -> None:
     with pytest.raises(JqError, match="error"):
         JqExpr('error("boom")').all(OBJ)
     with pytest.raises(JqError):
-        JqExpr(".metadata.name | tonumber").first(OBJ)
+        JqExpr(".metadata.name | tonumber").all(OBJ)
     with pytest.raises(JqError):
         JqExpr(".").all({"not json": b"bytes"})  # not JSON at all
     with pytest.raises(JqError):
         JqExpr(".").all_text("{not json")
 
 
-def test_all_and_first() -> None:
-    e = JqExpr(".spec.groups[].name")
-    assert e.all(OBJ) == ["gpu", "cpu", None, ""]
-    assert e.first(OBJ) == "gpu"
-    assert JqExpr("empty").first(OBJ) is None
+def test_all_outputs_in_order() -> None:
+    assert JqExpr(".spec.groups[].name").all(OBJ) == ["gpu", "cpu", None, ""]
+    assert JqExpr("empty").all(OBJ) == []
     assert JqExpr(".spec.groups[].name").all_text('{"spec":{"groups":[{"name":"a"}]}}') == ["a"]
 
 
 def test_present_is_a_non_null_result() -> None:
-    assert JqExpr(".metadata.labels.role").present(OBJ)
-    assert not JqExpr(".metadata.labels.missing").present(OBJ)
-    assert not JqExpr("empty").present(OBJ)
-    assert JqExpr(".status.ready").present(OBJ)
-    assert JqExpr("false").present(OBJ)  # false is a value, not an absence
+    assert outputs_present(JqExpr(".metadata.labels.role").all(OBJ))
+    assert not outputs_present(JqExpr(".metadata.labels.missing").all(OBJ))
+    assert not outputs_present(JqExpr("empty").all(OBJ))
+    assert outputs_present(JqExpr(".status.ready").all(OBJ))
+    assert outputs_present(JqExpr("false").all(OBJ))  # false is a value, not an absence
 
 
 def test_equals_is_json_equality_with_the_string() -> None:
     """Upstream's ``keyPath == "<value>"``: a number or a boolean is not its text."""
-    assert JqExpr(".metadata.labels.role").equals(OBJ, "head")
-    assert not JqExpr(".metadata.labels.n").equals(OBJ, "3")
-    assert not JqExpr(".status.ready").equals(OBJ, "true")
-    assert JqExpr(".metadata.labels.n | tostring").equals(OBJ, "3")
-    assert JqExpr(".spec.groups[].name").equals(OBJ, "cpu")  # any output
-    assert not JqExpr(".metadata.labels.missing").equals(OBJ, "null")  # null never matches
+    assert outputs_equal(JqExpr(".metadata.labels.role").all(OBJ), "head")
+    assert not outputs_equal(JqExpr(".metadata.labels.n").all(OBJ), "3")
+    assert not outputs_equal(JqExpr(".status.ready").all(OBJ), "true")
+    assert outputs_equal(JqExpr(".metadata.labels.n | tostring").all(OBJ), "3")
+    assert outputs_equal(JqExpr(".spec.groups[].name").all(OBJ), "cpu")  # any output
+    # null never matches
+    assert not outputs_equal(JqExpr(".metadata.labels.missing").all(OBJ), "null")
 
 
 def test_single_id_needs_exactly_one() -> None:
-    assert JqExpr(".metadata.name").single_id(OBJ) == "web"
-    assert JqExpr(".status.count").single_id(OBJ) == "2"
-    assert JqExpr(".spec.groups[].name").single_id(OBJ) is None  # two ids
-    assert JqExpr(".spec.groups[2:][].name").single_id(OBJ) is None  # only null and ""
-    assert JqExpr(".missing").single_id(OBJ) is None
+    assert single_output_id(JqExpr(".metadata.name").all(OBJ)) == "web"
+    assert single_output_id(JqExpr(".status.count").all(OBJ)) == "2"
+    assert single_output_id(JqExpr(".spec.groups[].name").all(OBJ)) is None  # two ids
+    # only null and ""
+    assert single_output_id(JqExpr(".spec.groups[2:][].name").all(OBJ)) is None
+    assert single_output_id(JqExpr(".missing").all(OBJ)) is None
     # exactly one result, counted before nulls and empties are left out
-    assert JqExpr('null, "x"').single_id(OBJ) is None
-    assert JqExpr('"", "x"').single_id(OBJ) is None
+    assert single_output_id(JqExpr('null, "x"').all(OBJ)) is None
+    assert single_output_id(JqExpr('"", "x"').all(OBJ)) is None
 
 
 def test_ids_keep_the_place_of_null_and_empty() -> None:
     """The scale paths' outputs line up with the ids by position."""
-    assert JqExpr(".spec.groups[].name").ids(OBJ) == ["gpu", "cpu", None, None]
-    assert JqExpr(".missing").ids(OBJ) == [None]
-    assert JqExpr("empty").ids(OBJ) == []
+    assert output_ids(JqExpr(".spec.groups[].name").all(OBJ)) == ["gpu", "cpu", None, None]
+    assert output_ids(JqExpr(".missing").all(OBJ)) == [None]
+    assert output_ids(JqExpr("empty").all(OBJ)) == []
 
 
 @pytest.mark.parametrize(("value", "why"), [
@@ -112,10 +117,10 @@ def test_an_id_that_cannot_be_a_label_value_is_refused(value: str, why: str) -> 
     control character, is refused (a jq error of the path), never cut, and the message
     shows at most 64 bytes of it."""
     obj = {"metadata": {"annotations": {"id": value}}, "spec": {"ids": ["a", value]}}
-    for run in (JqExpr(".metadata.annotations.id").single_id,
-                JqExpr(".spec.ids[]").ids):
+    for read, path in ((single_output_id, ".metadata.annotations.id"),
+                       (output_ids, ".spec.ids[]")):
         with pytest.raises(JqIdError, match="id refused") as err:
-            run(obj)
+            read(JqExpr(path).all(obj))
         assert why in str(err.value)
         assert isinstance(err.value, JqError)  # handled as every run-time error
         assert len(str(err.value)) < 400
@@ -132,31 +137,17 @@ def test_an_id_that_is_not_utf8_is_refused() -> None:
 def test_an_id_up_to_the_bound_is_kept() -> None:
     for value in ("x" * MAX_ID_BYTES, "é" * (MAX_ID_BYTES // 2), "日本 ~ ok", "a b"):
         obj = {"metadata": {"annotations": {"id": value}}}
-        assert JqExpr(".metadata.annotations.id").single_id(obj) == value
-        assert JqExpr(".metadata.annotations.id").ids(obj) == [value]
+        assert single_output_id(JqExpr(".metadata.annotations.id").all(obj)) == value
+        assert output_ids(JqExpr(".metadata.annotations.id").all(obj)) == [value]
 
 
-def test_tostring_first() -> None:
-    assert JqExpr(".status.phase").tostring_first(OBJ) == "Running"
-    assert JqExpr(".status.ready").tostring_first(OBJ) == "true"
-    assert JqExpr(".missing").tostring_first(OBJ) == "null"
-    assert JqExpr("empty").tostring_first(OBJ) is None
-
-
-def test_number_takes_the_first_numeric_output() -> None:
-    assert JqExpr(".spec.groups[0].replicas").number(OBJ) == 2.0
-    assert JqExpr(".spec.groups[1].replicas").number(OBJ) == 4.0  # numeric string
-    assert JqExpr(".spec.groups[3].replicas").number(OBJ) is None  # "x"
-    assert JqExpr("null, true, 7").number(OBJ) == 7.0  # null and booleans skipped
-    assert JqExpr("empty").number(OBJ) is None
-    assert JqExpr("[1]").number(OBJ) is None
 
 
 def test_numbers_one_per_output() -> None:
-    got = JqExpr(".spec.groups[].replicas").numbers(OBJ)
+    got = output_numbers(JqExpr(".spec.groups[].replicas").all(OBJ))
     assert got == [2.0, 4.0, None, None]
-    assert JqExpr('null, {}, "1e3"').numbers(OBJ) == [None, None, 1000.0]
-    nan = JqExpr('"nan"').numbers(OBJ)[0]
+    assert output_numbers(JqExpr('null, {}, "1e3"').all(OBJ)) == [None, None, 1000.0]
+    nan = output_numbers(JqExpr('"nan"').all(OBJ))[0]
     assert nan is not None and math.isnan(nan)
 
 
@@ -213,3 +204,39 @@ def test_objects_are_iterated_in_key_order_as_gojq_does() -> None:
     assert JqExpr(".b | .[]").all({"b": {"y": 1, "x": 2}}) == [2, 1]  # nested too
     # keys that do not sort (YAML's 1 and "a"): as they come, not an error
     assert JqExpr(".[]").all({1: "one", "a": "A"}) == ["one", "A"]
+
+
+def test_every_public_method_of_jqexpr_is_called_by_the_product() -> None:
+    """The product reads outputs one way (``all`` / ``all_text``, then the wrapper
+    functions): a convenience method only tests called was a second path, tested in
+    place of the real one."""
+    import inspect
+    from pathlib import Path
+
+    import proxy
+
+    root = Path(proxy.__file__).parent
+    code = "\n".join(line for f in root.rglob("*.py")
+                     for line in f.read_text(encoding="utf-8").splitlines()
+                     if not line.lstrip().startswith("def "))
+    methods = [name for name, _ in inspect.getmembers(JqExpr, inspect.isfunction)
+               if not name.startswith("_")]
+    assert methods
+    unused = [name for name in methods if f".{name}(" not in code]
+    assert not unused, unused
+
+
+def test_one_rule_shows_refused_bytes() -> None:
+    """An id refused by the engine and a label refused by the relay are shown by one
+    function (``proxy.shown``), not two copies of it."""
+    import proxy.karta.jqexpr
+    import proxy.wire.plan
+    import proxy.wire.primitives
+    from proxy.shown import shown
+
+    for mod in (proxy.karta.jqexpr, proxy.wire.plan, proxy.wire.primitives):
+        assert vars(mod).get("shown") is shown, mod.__name__
+        assert "_shown" not in vars(mod), mod.__name__
+    with pytest.raises(JqIdError) as err:
+        checked_id("\x01" + "é" * 40)
+    assert str(err.value).endswith(shown(("\x01" + "é" * 40).encode()))

@@ -55,9 +55,10 @@ def test_probe_fast_path_matches_jq(
     rec.name, rec.namespace, rec.labels, rec.annotations = "p", "ns", labels, labels
     doc = rec.jq_input()
     out = probe.outputs(rec)
-    assert _present(out) == expr.present(doc)
-    assert _equals(out, value) == expr.equals(doc, value)
-    assert _id_or_refused(lambda: _single_id(out)) == _id_or_refused(lambda: expr.single_id(doc))
+    assert _present(out) == _present(expr.all(doc))
+    assert _equals(out, value) == _equals(expr.all(doc), value)
+    assert _id_or_refused(lambda: _single_id(out)) == \
+        _id_or_refused(lambda: _single_id(expr.all(doc)))
 
 
 @pytest.mark.parametrize("owner_kind", [None, "Pod", "ReplicaSet"])
@@ -76,8 +77,8 @@ def test_controller_kind_fast_path_matches_jq(owner_kind: str | None, src: str) 
         rec.owner = OwnerRef("o-1", GroupKind("", owner_kind), "o", "v1")
     doc = rec.jq_input()
     assert probe.outputs(rec) == expr.all(doc)
-    assert _equals(probe.outputs(rec), "Pod") == expr.equals(doc, "Pod")
-    assert _present(probe.outputs(rec)) == expr.present(doc)
+    assert _equals(probe.outputs(rec), "Pod") == _equals(expr.all(doc), "Pod")
+    assert _present(probe.outputs(rec)) == _present(expr.all(doc))
 
 
 _MAPS = st.one_of(st.none(), st.dictionaries(_KEYS, _VALUES, max_size=3),
@@ -120,9 +121,10 @@ def test_probe_fast_path_of_one_lookup_else_another_matches_jq(
         return
     out = probe.outputs(rec)
     assert out == want
-    assert _present(out) == expr.present(doc)
-    assert _equals(out, value) == expr.equals(doc, value)
-    assert _id_or_refused(lambda: _single_id(out)) == _id_or_refused(lambda: expr.single_id(doc))
+    assert _present(out) == _present(expr.all(doc))
+    assert _equals(out, value) == _equals(expr.all(doc), value)
+    assert _id_or_refused(lambda: _single_id(out)) == \
+        _id_or_refused(lambda: _single_id(expr.all(doc)))
 
 
 def test_the_builtin_jobs_replica_selector_takes_the_fast_path() -> None:
