@@ -352,6 +352,12 @@ class EnrichSettings(Section):
     sender_karta_labels: Annotated[SenderKartaLabels, setting(
         "other karta_* labels of the sender: drop (from every series) or keep (only the "
         "stamped names, from stamped series)")] = "drop"
+    cluster_label: Annotated[str, setting(
+        "the label that names a series' cluster: a series whose value of it is not "
+        "empty and differs from this proxy's (facts.external_labels' value of the same "
+        "label) is forwarded unstamped (series_unattributed reason other_cluster), since "
+        "the pod index is this cluster's only; a series without it is stamped. Off when "
+        "facts.external_labels has no such label; \"\": off")] = "cluster"
 
 
 class KartaSettings(Section):
@@ -1062,6 +1068,16 @@ def _validate_upstream_tls(u: UpstreamSettings) -> None:
 
 
 def _validate_enrich(e: EnrichSettings) -> None:
+    name = e.cluster_label
+    if name and (not _LABEL_NAME.fullmatch(name) or name.startswith("__")):
+        raise ConfigError(f"enrich.cluster_label: {name!r} is not a label name "
+                          "([a-zA-Z_][a-zA-Z0-9_]*, not starting with __); \"\" turns the "
+                          "check off")
+    if name.startswith("karta_"):
+        # a sender's karta_* labels are the proxy's own, dropped: never a cluster's name
+        raise ConfigError(f"enrich.cluster_label: {name!r} is a karta_* label, the proxy's "
+                          "own; name the label the agents' external_labels carry, e.g. "
+                          "cluster")
     for i, rule in enumerate(e.pod_label_rules):
         for j, pair in enumerate(rule.pod_label_pairs):
             for label, pattern in pair.unless.items():
@@ -1110,6 +1126,30 @@ def _validate_external_labels(labels: dict[str, str]) -> None:
                               "(docs/metrics.md); choose another name, e.g. cluster")
         if not value:
             raise ConfigError(f"{where}: the value is empty (an empty label is no label)")
+
+
+def cluster_check(settings: Settings) -> tuple[str, str] | None:
+    """(``enrich.cluster_label``, this proxy's value of it in ``facts.external_labels``):
+    what the splice checks a relayed series' cluster against; None when the label is
+    "" or the external labels have no such label (the check is off)."""
+    name = settings.enrich.cluster_label
+    value = settings.facts.external_labels.get(name, "") if name else ""
+    return (name, value) if value else None
+
+
+def cluster_check_off(settings: Settings) -> str:
+    """The info line of a start (or a reload of ``enrich.cluster_label``) whose cluster check
+    is off because ``facts.external_labels`` has no value of the label, else "" (on, or off
+    by ``enrich.cluster_label: ""``, which says so itself). Not a warning: a proxy that
+    writes no facts, or one cluster's TSDB, has no cluster to name."""
+    name = settings.enrich.cluster_label
+    if not name or cluster_check(settings) is not None:
+        return ""
+    return (f"relayed series' {name} label is not checked: facts.external_labels has no "
+            f"{name} (this proxy's cluster), so a series labelled with another cluster's "
+            f"{name} is stamped with this cluster's pods; set facts.external_labels.{name} "
+            "to the value this cluster's agents send (enrich.cluster_label names another "
+            "label, \"\" turns this line off)")
 
 
 def first_kubeconfig(paths: str) -> str:

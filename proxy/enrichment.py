@@ -54,9 +54,11 @@ def build_plan(
     conflict_policy: str = "replace",
     sender_karta_labels: str = "drop",
     max_labels_per_series: int = 0,
+    cluster_check: tuple[str, str] | None = None,
 ) -> SplicePlan:
     """The splice plan of the ``enrich`` settings and ``upstream.max_labels_per_series``
-    (``pod_label_rules`` None: the defaults; ``max_labels_per_series`` 0: no limit)."""
+    (``pod_label_rules`` None: the defaults; ``max_labels_per_series`` 0: no limit;
+    ``cluster_check``: (``enrich.cluster_label``, the proxy's value of it), None: off)."""
     if conflict_policy not in POLICIES:
         raise ValueError(f"conflict_policy must be one of {POLICIES}, not {conflict_policy!r}")
     if sender_karta_labels not in SENDER_KARTA_LABELS:
@@ -76,6 +78,8 @@ def build_plan(
         workload_label=contract.LABEL_WORKLOAD.encode(),
         drop_sent=sender_karta_labels == "drop",
         max_labels=max_labels_per_series,
+        cluster=(None if cluster_check is None
+                 else (cluster_check[0].encode(), cluster_check[1].encode())),
     )
 
 
@@ -96,11 +100,12 @@ class Enricher:
         implementation: Implementation | None = None,
         sender_karta_labels: str = "drop",
         max_labels_per_series: int = 0,
+        cluster_check: tuple[str, str] | None = None,
     ) -> None:
         """``pod_label_rules`` None means the configured defaults; pass [] for none."""
         self._index = index
         self.plan = build_plan(pod_label_pairs, pod_label_rules, conflict_policy,
-                               sender_karta_labels, max_labels_per_series)
+                               sender_karta_labels, max_labels_per_series, cluster_check)
         self._splicer = Splicer(self.plan, implementation)
         self.table = self._splicer.table
         self._unready = Splicer(self.plan, self._splicer.implementation)

@@ -25,7 +25,7 @@ from proxy.compression import DecodeError
 from proxy.config import PodLabelRule
 from proxy.enrichment import default_pod_label_rules
 from proxy.index import PodIndex
-from proxy.wire.plan import REASON_NO_POD_LABEL, SpliceResult
+from proxy.wire.plan import REASON_NO_POD_LABEL, REASON_OTHER_CLUSTER, SpliceResult
 from proxy.wire.primitives import Counts, Protocol
 
 
@@ -36,6 +36,7 @@ def _reference_decision(
     conflict_policy: str,
     pod_label_rules: Sequence[PodLabelRule] | None,
     sender_karta_labels: str,
+    cluster_check: tuple[str, str] | None = None,
 ) -> tuple[list[tuple[str, str]] | None, str, bool]:
     """(new labels or None for unchanged, reason, whether a sender's karta_* label was
     lost) — written for clarity, not speed."""
@@ -57,6 +58,10 @@ def _reference_decision(
         lost = len(kept) != len(labels)
         return (None if in_order and not lost else sorted(kept)), reason, lost
 
+    if cluster_check is not None:
+        label, ours = cluster_check
+        if present.get(label, "") not in ("", ours):
+            return unstamped(REASON_OTHER_CLUSTER)
     rules = default_pod_label_rules() if pod_label_rules is None else pod_label_rules
     metric = present.get("__name__", "")
     pairs: list[tuple[str, str, dict[str, str]]] = [(ns, pod, {}) for ns, pod in pod_label_pairs]
@@ -160,17 +165,22 @@ def enrich_reference(
     conflict_policy: str = "replace",
     pod_label_rules: Sequence[PodLabelRule] | None = None,
     sender_karta_labels: str = "drop",
+    cluster_check: tuple[str, str] | None = None,
 ) -> SpliceResult:
     """The same result as :meth:`Enricher.enrich_v1` / :meth:`Enricher.enrich_v2`,
-    through full protobuf objects."""
+    through full protobuf objects (``cluster_check``: ``Enricher``'s)."""
     req = _RequestV1(raw) if protocol is Protocol.V1 else _RequestV2(raw)
     result = SpliceResult(raw, Counts())
     for ts in req.message.timeseries:
         _count_reference(result.counts, ts)
+        labels = req.labels(ts)
         new, reason, lost = _reference_decision(
-            req.labels(ts), index, pod_label_pairs, conflict_policy, pod_label_rules,
-            sender_karta_labels,
+            labels, index, pod_label_pairs, conflict_policy, pod_label_rules,
+            sender_karta_labels, cluster_check,
         )
+        if reason == REASON_OTHER_CLUSTER and result.other_cluster is None \
+                and cluster_check is not None:
+            result.other_cluster = dict(labels)[cluster_check[0]].encode()
         result.tally(reason)
         result.stripped += lost
         if new is not None:

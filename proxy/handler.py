@@ -60,7 +60,13 @@ from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
 from proxy.wire.native import Splicer, split_v1
-from proxy.wire.plan import REASON_LABEL_LIMIT, OverLimit, SpliceResult, renumbered
+from proxy.wire.plan import (
+    REASON_LABEL_LIMIT,
+    REASON_OTHER_CLUSTER,
+    OverLimit,
+    SpliceResult,
+    renumbered,
+)
 from proxy.wire.primitives import Counts, Protocol, protocol_from_content_type
 from proxy.wire.splice_v1 import series_before
 
@@ -312,6 +318,14 @@ class RemoteWriteHandler:
             log, "a series over the TSDB's label limit with the stamp, forwarded unattributed",
             "series over the TSDB's label limit with the stamp, forwarded unattributed",
             peer_field=None)
+        #: and so do series of another cluster (a misconfigured agent sends them in every
+        #: request, and after an upgrade whose facts.external_labels does not match the
+        #: agents' every series is one): a line per value seen and interval, naming it,
+        #: this proxy's, the sender and what to change
+        self._other_cluster = Throttled(
+            log, "series of another cluster forwarded unattributed: their cluster label is "
+            "not this proxy's (facts.external_labels), so this cluster's pods are not theirs",
+            "series of another cluster forwarded unattributed", peer_field="remote")
         #: and so do RW 2.0 requests whose symbol index was flooded (one sender's, in every
         #: request it sends): a line per interval naming the request's size and the sender
         self._index_flooded = Throttled(
@@ -347,6 +361,7 @@ class RemoteWriteHandler:
         self._refusals.close()
         self._refusals_info.close()
         self._label_limited.close()
+        self._other_cluster.close()
         self._index_flooded.close()
 
     def close(self) -> None:
@@ -776,6 +791,8 @@ class RemoteWriteHandler:
         # body and the decoded one are gone
         held.settle(len(prepared.outgoing.encoded))
         self._count(result)
+        if result.other_cluster is not None:
+            self._other_cluster_seen(result, request)
         if result.index_flooded:
             self.metrics.symbol_index_floods.inc()
             self._index_flooded.event("index_flooded", {
@@ -913,6 +930,28 @@ class RemoteWriteHandler:
                 "series": result.unattributed.get(REASON_LABEL_LIMIT, 0),
                 "setting": "upstream.max_labels_per_series",
             })
+
+    def _other_cluster_seen(self, result: SpliceResult, request: web.Request) -> None:
+        """The throttled line of a request with series of another cluster: which label,
+        the value seen (the request's first), this proxy's value, the sender, and the
+        change that makes them agree, spelled out (after an upgrade to the check, a
+        proxy whose facts.external_labels was never set to the agents' value sees every
+        series so)."""
+        check = self.enricher.splicer.plan.cluster
+        if check is None or result.other_cluster is None \
+                or not log.isEnabledFor(self._other_cluster.level):
+            return
+        label, expected = (x.decode("utf-8", "replace") for x in check)
+        seen = result.other_cluster.decode("utf-8", "replace")
+        self._other_cluster.event(f"{seen[:200]}", {
+            "label": label, "seen": seen[:200], "expected": expected,
+            "series": result.unattributed.get(REASON_OTHER_CLUSTER, 0),
+            "remote": request.remote, "user_agent": request.headers.get("User-Agent", ""),
+            "fix": f'if these series are this cluster\'s, make the agents\' external label '
+                   f'{label}="{expected}", or set facts.external_labels.{label}: '
+                   f'"{seen[:200]}" here (a restart); enrich.cluster_label: "" turns the '
+                   'check off',
+        })
 
     @staticmethod
     def _answer(answer: Answer) -> web.Response:

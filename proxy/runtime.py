@@ -34,6 +34,8 @@ from proxy.config import (
     ConfigError,
     Settings,
     check_dns_name,
+    cluster_check,
+    cluster_check_off,
     parse_host_port,
     without_userinfo,
 )
@@ -157,6 +159,9 @@ def enrich_arguments(settings: Settings) -> dict[str, Any]:
         "pod_label_rules": e.pod_label_rules,
         "sender_karta_labels": e.sender_karta_labels,
         "max_labels_per_series": settings.upstream.max_labels_per_series,
+        # facts.external_labels is not live: a reload keeps the running value, so a new
+        # enrich.cluster_label is checked against the cluster the process started as
+        "cluster_check": cluster_check(settings),
     }
 
 
@@ -458,6 +463,9 @@ class Proxy:
             hint = fact_tenant_hint(s.upstream, s.facts.headers)
             if hint:
                 log.info(hint, extra={"upstream_url": without_userinfo(s.upstream.url)})
+        off = cluster_check_off(s)
+        if off:
+            log.info(off, extra={"setting": "enrich.cluster_label"})
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
                         reload=self.reload, lifecycle=s.server.enable_lifecycle,
@@ -662,6 +670,9 @@ class Proxy:
             if splicer is not None:
                 self.enricher.replan(splicer)
                 done += [k for k in merged.applied if is_plan_key(k)]
+                off = cluster_check_off(new) if "enrich.cluster_label" in done else ""
+                if off:
+                    log.info(off, extra={"setting": "enrich.cluster_label"})
             if "log_level" in merged.applied:
                 logging.getLogger().setLevel(new.log_level.upper())
                 done.append("log_level")

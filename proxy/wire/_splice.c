@@ -571,6 +571,8 @@ typedef struct {
 /* the splice's own reason of a series the stamp would push past the plan's label limit
  * (plan.REASON_LABEL_LIMIT): the pod table's third fixed reason */
 #define REASON_LABEL_LIMIT 2
+/* and of a series that names another cluster (plan.REASON_OTHER_CLUSTER): the fourth */
+#define REASON_OTHER_CLUSTER 3
 
 static Entry TOMB_ENTRY;
 #define TOMB (&TOMB_ENTRY)
@@ -590,7 +592,7 @@ typedef struct {
     uint64_t seed;
     uint64_t v2_seed; /* v2_seed when made: its entries' StampLabel hashes */
     PyObject *reasons;   /* list of str, append-only; 0 no_pod_label, 1 pod_unknown,
-                          * 2 label_limit (REASON_LABEL_LIMIT) */
+                          * 2 label_limit (REASON_LABEL_LIMIT), 3 other_cluster */
     PyObject *reason_ix; /* dict str -> int */
 } PodTable;
 
@@ -961,8 +963,8 @@ PodTable_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         Py_DECREF(t);
         return NULL;
     }
-    const char *fixed[] = {"no_pod_label", "pod_unknown", "label_limit"};
-    for (int i = 0; i < 3; i++) {
+    const char *fixed[] = {"no_pod_label", "pod_unknown", "label_limit", "other_cluster"};
+    for (int i = 0; i < 4; i++) {
         PyObject *s = PyUnicode_FromString(fixed[i]);
         if (s == NULL || reason_index(t, s) < 0) {
             Py_XDECREF(s);
@@ -1265,6 +1267,11 @@ typedef struct {
     /* plan.SplicePlan.max_labels, SIZE_MAX for its 0 (no limit): a stamped series within
      * it costs one compare (its labels + the stamp's, counts the splice has), no more */
     size_t max_labels;
+    /* plan.SplicePlan.cluster: the cluster label's slot (-1: no check) and the proxy's
+     * value of it. The name is one of the plan's slots, so the walk finds it in the name
+     * lookup it does for every label anyway; the check is then one compare per series */
+    int cluster_slot;
+    Str cluster_value;
 } Plan;
 
 #define SLOT_NAME 0
@@ -1441,12 +1448,13 @@ static PyObject *
 Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"pairs", "rules", "keep_sent", "stamped", "workload_label",
-                             "drop_sent", "max_labels", NULL};
-    PyObject *pairs, *rules, *stamped, *workload;
+                             "drop_sent", "max_labels", "cluster", NULL};
+    PyObject *pairs, *rules, *stamped, *workload, *cluster = Py_None;
     int keep_sent, drop_sent = 1;
     Py_ssize_t max_labels = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|pn:Plan", kwlist, &pairs, &rules,
-                                     &keep_sent, &stamped, &workload, &drop_sent, &max_labels))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOpOO|pnO:Plan", kwlist, &pairs, &rules,
+                                     &keep_sent, &stamped, &workload, &drop_sent, &max_labels,
+                                     &cluster))
         return NULL;
     if (max_labels < 0) {
         PyErr_SetString(PyExc_ValueError, "max_labels must be 0 (no limit) or more");
@@ -1462,6 +1470,7 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     pl->keep_sent = keep_sent;
     pl->drop_sent = drop_sent;
     pl->max_labels = max_labels ? (size_t)max_labels : SIZE_MAX;
+    pl->cluster_slot = -1;
     PyObject *name = PyBytes_FromString("__name__");
     if (name == NULL)
         goto fail;
@@ -1483,6 +1492,29 @@ Plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
             goto fail;
         }
     Py_DECREF(st);
+    if (cluster != Py_None) {
+        /* (label, value): both non-empty, the label neither __name__ nor karta_*
+         * (plan.SplicePlan checks the same) */
+        PyObject *cname, *cvalue;
+        Py_ssize_t cn;
+        if (!PyArg_ParseTuple(cluster, "OO;cluster is (label, value)", &cname, &cvalue) ||
+            !as_bytes(cvalue, &pl->cluster_value.s, &cn, "the cluster value") ||
+            PyList_Append(pl->keep, cvalue) < 0)
+            goto fail;
+        pl->cluster_value.n = (size_t)cn;
+        const uint8_t *ls;
+        Py_ssize_t ln;
+        if (!as_bytes(cname, &ls, &ln, "the cluster label"))
+            goto fail;
+        if (ln == 0 || cn == 0 || is_karta(ls, (size_t)ln) ||
+            ((size_t)ln == 8 && memcmp(ls, "__name__", 8) == 0)) {
+            PyErr_SetString(PyExc_ValueError, "the cluster check needs a label name (not "
+                                              "__name__ nor karta_*) and a value");
+            goto fail;
+        }
+        if ((pl->cluster_slot = plan_slot(pl, cname, 0)) < 0)
+            goto fail;
+    }
     if (!plan_pairs(pl, pairs, &pl->pairs, &pl->npairs))
         goto fail;
     if (pl->npairs == 0) {
@@ -1525,7 +1557,7 @@ static PyTypeObject PlanType = {
     .tp_basicsize = sizeof(Plan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Plan(pairs, rules, keep_sent, stamped, workload_label, drop_sent=True, "
-              "max_labels=0): a compiled SplicePlan",
+              "max_labels=0, cluster=None): a compiled SplicePlan",
     .tp_new = Plan_new,
     .tp_dealloc = (destructor)Plan_dealloc,
 };
@@ -1619,6 +1651,10 @@ typedef struct {
      * its __name__ and its labels with the stamp (limited_labels 0: none yet) */
     const uint8_t *limited_name;
     size_t limited_nlen, limited_labels;
+    /* the cluster label's value of the first series that names another cluster
+     * (plan.SpliceResult.other_cluster; NULL: none yet) */
+    const uint8_t *other_cluster;
+    size_t other_cluster_n;
     uint64_t *tally; /* per reason index */
     size_t ntally;
     /* per-series scratch */
@@ -1810,7 +1846,7 @@ unless_holds(Req *r, const UnlessC *u, const uint8_t *v, size_t vn)
 /* The decision of one series (labels in r->labs, slots set): the entry to stamp, or
  * NULL with *reason set (-1: attributed as it is). */
 /* The pod a series names (labels in r->labs' slots: r->vals): 1 with *ns / *pod set, 0
- * with *reason set (-1: attributed as it is, `keep`; 0: no_pod_label). */
+ * with *reason set (-1: attributed as it is, `keep`; 0: no_pod_label; other_cluster). */
 static int
 choose_pod(Req *r, Str *ns_out, Str *pod_out, int *reason, const PairC **chosen)
 {
@@ -1819,6 +1855,16 @@ choose_pod(Req *r, Str *ns_out, Str *pod_out, int *reason, const PairC **chosen)
     *reason = -1;
     if (pl->keep_sent && (v = VAL(r, SLOT_WORKLOAD)) != NULL && v->n > 0)
         return 0;
+    if (pl->cluster_slot >= 0 && (v = VAL(r, pl->cluster_slot)) != NULL && v->n > 0 &&
+        (v->n != pl->cluster_value.n || !str_eq(v->s, pl->cluster_value.s, v->n))) {
+        /* another cluster's series: this cluster's pods are not its pods */
+        if (r->other_cluster == NULL) {
+            r->other_cluster = v->s;
+            r->other_cluster_n = v->n;
+        }
+        *reason = REASON_OTHER_CLUSTER;
+        return 0;
+    }
     const PairC *pairs = pl->pairs;
     size_t npairs = pl->npairs;
     if (pl->nrules) {
@@ -3685,11 +3731,21 @@ splice(PyObject *args, int version)
         Py_DECREF(body);
         goto done;
     }
-    result = Py_BuildValue("(NKKKKKNKONn)", body, (unsigned long long)r.series,
+    PyObject *other = r.other_cluster != NULL
+                          ? PyBytes_FromStringAndSize((const char *)r.other_cluster,
+                                                      (Py_ssize_t)r.other_cluster_n)
+                          : Py_NewRef(Py_None);
+    if (other == NULL) {
+        Py_DECREF(limited);
+        Py_DECREF(reasons);
+        Py_DECREF(body);
+        goto done;
+    }
+    result = Py_BuildValue("(NKKKKKNKONnN)", body, (unsigned long long)r.series,
                            (unsigned long long)r.samples, (unsigned long long)r.histograms,
                            (unsigned long long)r.exemplars, (unsigned long long)r.attributed, reasons,
                            (unsigned long long)r.stripped, encoded ? Py_True : Py_False,
-                           limited, (Py_ssize_t)(v.keyed ? v.syms.len : 0));
+                           limited, (Py_ssize_t)(v.keyed ? v.syms.len : 0), other);
 done:
     req_free(&r);
     v2_free(&v);

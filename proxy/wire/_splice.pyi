@@ -6,7 +6,7 @@ _Unless = tuple[bytes, Sequence[bytes] | None, Callable[[bytes], bool] | None]
 _Pair = tuple[bytes, bytes, Sequence[_Unless]]
 _Answer = tuple[tuple[str, str], ...] | str
 _Result = tuple[bytes, int, int, int, int, int, dict[str, int], int, bool,
-                tuple[bytes, int, int] | None, int]
+                tuple[bytes, int, int] | None, int, bytes | None]
 
 class PodTable:
     implementation: str
@@ -28,6 +28,7 @@ class Plan:
         workload_label: bytes,
         drop_sent: bool = True,
         max_labels: int = 0,
+        cluster: tuple[bytes, bytes] | None = None,
     ) -> None: ...
 
 def splice_v1(raw: bytes | memoryview, plan: Plan, table: PodTable, block: bytes | None = None,

@@ -79,6 +79,7 @@ def _compile(plan: SplicePlan) -> Any:
         plan.workload_label,
         plan.drop_sent,
         plan.max_labels,
+        plan.cluster,
     )
 
 
@@ -175,10 +176,11 @@ def _result(t: tuple[Any, ...] | int) -> SpliceResult:
     if isinstance(t, int):
         raise OverLimit(t)
     (body, series, samples, histograms, exemplars, attributed, reasons, stripped, encoded,
-     limited, flooded) = t
+     limited, flooded, other_cluster) = t
     return SpliceResult(body, Counts(series, samples, histograms, exemplars), attributed, reasons,
                         stripped, encoded,
-                        None if limited is None else LabelLimited(*limited), flooded)
+                        None if limited is None else LabelLimited(*limited), flooded,
+                        other_cluster)
 
 
 def field_count(raw: bytes) -> int:

@@ -25,6 +25,9 @@ REASON_NO_POD_LABEL = "no_pod_label"
 REASON_POD_UNKNOWN = "pod_unknown"
 #: the stamp would push the series past the TSDB's label limit (``SplicePlan.max_labels``)
 REASON_LABEL_LIMIT = "label_limit"
+#: the series names another cluster than the proxy's (``SplicePlan.cluster``): stamped
+#: with this cluster's pods it would charge them to that cluster's workloads of the name
+REASON_OTHER_CLUSTER = "other_cluster"
 NAME_LABEL = b"__name__"
 #: labels of this prefix belong to the proxy: a sender's are dropped (``drop_sent``)
 KARTA_PREFIX = b"karta_"
@@ -109,12 +112,23 @@ class SplicePlan:
     #: labels that sort last (VictoriaMetrics, silently: series merge) or refuses the whole
     #: request (Mimir). One the sender sent past it goes unstamped too.
     max_labels: int = 0
+    #: ``enrich.cluster_label`` and this proxy's value of it (``facts.external_labels``):
+    #: a series carrying that label with another non-empty value is not stamped
+    #: (``other_cluster``), since the pod index is this cluster's only; None: no check
+    cluster: tuple[bytes, bytes] | None = None
 
     def __post_init__(self) -> None:
         if not self.pairs:
             raise ValueError("a splice plan needs at least one (namespace, pod) pair")
         if self.max_labels < 0:
             raise ValueError("max_labels must be 0 (no limit) or more")
+        if self.cluster is not None:
+            label, value = self.cluster
+            if not label or not value:
+                raise ValueError("the cluster check needs a label name and a value")
+            if label.startswith(KARTA_PREFIX) or label == NAME_LABEL:
+                # a sender's karta_* labels are dropped before anything reads them
+                raise ValueError(f"the cluster label may not be {label!r}")
         names = self.names | self.stamped
         if len(names) > MAX_LABEL_NAMES:
             raise ValueError(
@@ -135,6 +149,14 @@ class SplicePlan:
                 return rule.pairs
         return self.pairs
 
+    def other_cluster(self, labels: Mapping[bytes, bytes]) -> bytes | None:
+        """The series' value of the cluster label when it names another cluster, else None
+        (no check, no label, an empty value: a series that claims no cluster)."""
+        if self.cluster is None:
+            return None
+        seen = labels.get(self.cluster[0])
+        return seen if seen and seen != self.cluster[1] else None
+
     def find(self, labels: Mapping[bytes, bytes]) -> tuple[bytes, bytes] | None:
         """The first usable pair's (namespace, pod) values, or None (``no_pod_label``)."""
         for pair in self.pairs_for(labels.get(NAME_LABEL, b"")):
@@ -152,6 +174,7 @@ class SplicePlan:
             {NAME_LABEL, self.workload_label}
             | {n for p in pairs for n in (p.namespace, p.pod)}
             | {u.label for p in pairs for u in p.unless}
+            | ({self.cluster[0]} if self.cluster is not None else set())
         )
 
 
@@ -189,11 +212,13 @@ class LabelLimited:
 class Decision:
     """One series' decision: ``reason`` "" with a ``stamp`` to stamp, "" without one
     attributed as it is (``keep``), else unattributed for ``reason`` (``limited`` set for
-    ``label_limit``)."""
+    ``label_limit``, ``cluster_seen`` for ``other_cluster``)."""
 
     reason: str
     stamp: PodStamp | None = None
     limited: LabelLimited | None = None
+    #: the other cluster's value the series carries (``other_cluster``)
+    cluster_seen: bytes | None = None
 
 
 def decide(
@@ -205,6 +230,9 @@ def decide(
     by_name = dict(labels)
     if plan.keep_sent and by_name.get(plan.workload_label):
         return Decision("")
+    seen = plan.other_cluster(by_name)
+    if seen is not None:
+        return Decision(REASON_OTHER_CLUSTER, cluster_seen=seen)
     found = plan.find(by_name)
     if found is None:
         return Decision(REASON_NO_POD_LABEL)
@@ -336,6 +364,9 @@ class SpliceResult:
     #: hash flood: symbols made to collide) and was rebuilt with the keyed hash; 0: none.
     #: The request is spliced all the same (native splice only; docs/wire.md)
     index_flooded: int = 0
+    #: the cluster label's value of the first series that named another cluster
+    #: (``other_cluster``): what the proxy's log line names
+    other_cluster: bytes | None = None
 
     def tally(self, reason: str) -> None:
         if reason:
@@ -348,6 +379,8 @@ class SpliceResult:
         self.tally(decision.reason)
         if decision.limited is not None and self.label_limited is None:
             self.label_limited = decision.limited
+        if decision.cluster_seen is not None and self.other_cluster is None:
+            self.other_cluster = decision.cluster_seen
 
     def add(self, other: SpliceResult) -> None:
         """Count ``other``'s series, samples and outcomes into this one's, as
@@ -359,6 +392,8 @@ class SpliceResult:
         self.stripped += other.stripped
         if self.label_limited is None:
             self.label_limited = other.label_limited
+        if self.other_cluster is None:
+            self.other_cluster = other.other_cluster
         self.index_flooded = max(self.index_flooded, other.index_flooded)
         for reason, n in other.unattributed.items():
             self.unattributed[reason] = self.unattributed.get(reason, 0) + n
