@@ -29,6 +29,11 @@ process and run:
   a few requests only);
 - ``reference``: decompress + the protobuf-class reference + compress (a few requests).
 
+``--cluster NAME`` gives every series ``cluster="NAME"`` (an agent's external label) and
+turns the splice's cluster check on against it (``enrich.cluster_label``, what the shipped
+ConfigMap's ``facts.external_labels`` does): every series carries the label and passes
+the check, so its cost is all there is to see beside a run without it.
+
 CPU seconds come from ``time.process_time`` around each request (the whole process), wall
 seconds from ``time.perf_counter``. Each
 round replays every request once; printed are the median over rounds of CPU-s per
@@ -36,7 +41,7 @@ million samples, the p50/p99 per-request times, and ratios to pass-through compu
 round then medianed.
 
     python3 benchmarks/splice_bench.py [--rounds 5] [--pods 5000] [--series-per-request 2000]
-                                      [--reference-requests 3]
+                                      [--reference-requests 3] [--cluster NAME]
 """
 
 from __future__ import annotations
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=5000)
     ap.add_argument("--series-per-request", type=int, default=2000)
     ap.add_argument("--reference-requests", type=int, default=3)
+    ap.add_argument("--cluster", default="",
+                    help="label every series cluster=NAME and check it (enrich.cluster_label)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.pods < 1 or args.series_per_request < 1:
         ap.error("--rounds, --pods and --series-per-request must be at least 1")
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     t_setup = time.time()
     cluster = corpus.build_cluster(args.pods)
     index, loaded = _load_index(cluster)
-    stream = corpus.SeriesStream(cluster)
+    external = {"cluster": args.cluster} if args.cluster else None
+    stream = corpus.SeriesStream(cluster, external_labels=external)
     spr = args.series_per_request
     # round 0 warms the cache; the measured rounds carry new samples for the same series.
     # Raw bodies are kept only as long as needed (a round is ~80 MB raw at 5k pods).
@@ -182,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = EnrichSettings()
     # the product's plan: the TSDB's label limit at its default too (a compare per series)
     limit = UpstreamSettings().max_labels_per_series
-    enricher = Enricher(index, settings.pod_label_pairs, max_labels_per_series=limit)
+    check = ("cluster", args.cluster) if args.cluster else None
+    enricher = Enricher(index, settings.pod_label_pairs, max_labels_per_series=limit,
+                        cluster_check=check)
     slow = Enricher(index, settings.pod_label_pairs, implementation="python",
-                    max_labels_per_series=limit)
-    print(f"splice: {enricher.implementation}; pod table: {len(enricher.table)} pods"
+                    max_labels_per_series=limit, cluster_check=check)
+    print(f"splice: {enricher.implementation}; cluster check: "
+          f"{'cluster=' + args.cluster if check else 'off'}; pod table: "
+          f"{len(enricher.table)} pods"
           + (f", {enricher.table.memory() / len(enricher.table):.0f} B per pod"
              if hasattr(enricher.table, "memory") and len(enricher.table) else ""))
 
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def reference(body: bytes) -> object:
         raw = decompress(body, "snappy", max_decoded=MAX_DECODED)
-        res = enrich_v1_reference(raw, index, settings.pod_label_pairs)
+        res = enrich_v1_reference(raw, index, settings.pod_label_pairs, cluster_check=check)
         return compress(res.body, "snappy")
 
     stamped = 0

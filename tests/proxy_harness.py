@@ -94,9 +94,11 @@ def series_v2(*label_sets: dict[str, str]) -> bytes:
 async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
                       upstream_url: str = "",
                       upstream_settings: Mapping[str, Any] | None = None,
+                      facts_settings: Mapping[str, Any] | None = None,
                       **server: Any) -> Proxy:
     """A proxy in front of ``upstream`` (at ``upstream_url`` when given), ``server``
-    settings and ``upstream_settings`` (``upstream.*``: headers, credentials) set."""
+    settings, ``upstream_settings`` (``upstream.*``: headers, credentials) and
+    ``facts_settings`` (``facts.*``: the fact writer is off unless they turn it on) set."""
     snap = tmp_path / "snapshot.yaml"
     snap.write_text(SNAPSHOT)
     s = Settings()
@@ -107,6 +109,8 @@ async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
         setattr(s.upstream, k, v)
     s.server.listen_address = "127.0.0.1:0"
     s.facts.enabled = False
+    for k, v in (facts_settings or {}).items():
+        setattr(s.facts, k, v)
     for k, v in server.items():
         setattr(s.server, k, v)
     p = Proxy(s)
@@ -118,10 +122,12 @@ async def start_proxy(tmp_path: Path, upstream: ScriptedUpstream, *,
 async def proxy_running(tmp_path: Path, upstream: ScriptedUpstream, *,
                         upstream_url: str = "",
                         upstream_settings: Mapping[str, Any] | None = None,
+                        facts_settings: Mapping[str, Any] | None = None,
                         **server: Any) -> AsyncIterator[Proxy]:
     """``start_proxy`` for one ``async with``: the proxy stops however the test ends."""
     p = await start_proxy(tmp_path, upstream, upstream_url=upstream_url,
-                          upstream_settings=upstream_settings, **server)
+                          upstream_settings=upstream_settings, facts_settings=facts_settings,
+                          **server)
     try:
         yield p
     finally:

@@ -280,6 +280,13 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
         (lambda s: setattr(s.facts, "external_labels", {"namespace": "x"}),
          "is a label of the fact series"),
         (lambda s: setattr(s.facts, "external_labels", {"cluster": ""}), "the value is empty"),
+        # the cluster check's label: one no series can carry checks nothing, and karta_*
+        # labels of a sender are the proxy's own (dropped)
+        (lambda s: setattr(s.enrich, "cluster_label", "my-cluster"),
+         "enrich.cluster_label: 'my-cluster' is not a label name"),
+        (lambda s: setattr(s.enrich, "cluster_label", "__name__"), "is not a label name"),
+        (lambda s: setattr(s.enrich, "cluster_label", "karta_cluster"),
+         "enrich.cluster_label: 'karta_cluster' is a karta_* label"),
         # a namespace or node that no object can have: ready, nothing attributed, silent
         (lambda s: setattr(s.kube, "node_name", " "), "kube.node_name: ' ' has whitespace"),
         (lambda s: setattr(s.kube, "node_name", "node-1 "), "has whitespace around it"),
@@ -750,3 +757,26 @@ def test_a_kubeconfig_path_list_is_read_from_its_first_non_empty_entry(
     from proxy.kube.client import kubeconfig_path
 
     assert kubeconfig_path(s.kube) == str(kc)  # the file the client loads, the one checked
+
+
+@pytest.mark.parametrize(("label", "external", "check", "said"), [
+    ("cluster", {"cluster": "prod-1"}, ("cluster", "prod-1"), False),
+    ("cluster", {}, None, True),  # no cluster of its own: off, said at the start
+    ("cluster", {"region": "eu"}, None, True),
+    ("region", {"cluster": "c", "region": "eu"}, ("region", "eu"), False),
+    ("", {"cluster": "prod-1"}, None, False),  # turned off: nothing to say
+])
+def test_the_cluster_check_reads_the_facts_external_labels(
+        label: str, external: dict[str, str], check: tuple[str, str] | None,
+        said: bool) -> None:
+    from proxy.config import cluster_check, cluster_check_off
+
+    s = Settings()
+    s.enrich.cluster_label = label
+    s.facts.external_labels = external
+    validate(s, require_upstream=False)
+    assert cluster_check(s) == check
+    line = cluster_check_off(s)
+    assert bool(line) == said
+    if said:
+        assert f"facts.external_labels.{label}" in line and 'enrich.cluster_label' in line

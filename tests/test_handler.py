@@ -1358,3 +1358,51 @@ async def test_an_allocation_that_fails_while_forwarding_is_a_503(
     assert running.metric("karta_proxy_requests_rejected_total",
                           {"reason": "out_of_memory"}) == 1
     assert running.metric("karta_proxy_inflight_requests") == 0
+
+
+async def test_series_of_another_cluster_are_counted_and_logged_with_the_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy of cluster c1 (facts.external_labels) stamps a cart series labelled c1 (or
+    with no cluster), forwards one labelled c2 unstamped and 2xx'd, counts it
+    other_cluster, and says so in one line per interval and value: the label, the value
+    seen, its own, the sender and what to change."""
+    caplog.set_level(logging.INFO)
+    pod = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    ours, theirs = {**pod, "cluster": "c1"}, {**pod, "cluster": "c2"}
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up,
+                          facts_settings={"external_labels": {"cluster": "c1"}}) as p:
+        running = Running(p, up, session)
+        for _ in range(3):
+            assert (await running.post(series_v1(ours, theirs, pod))).status == 204
+        for rec in up.received:
+            assert labels_of(rec.raw) == [{**ours, **CART}, theirs, {**pod, **CART}]
+        assert running.metric("karta_proxy_series_unattributed_total",
+                              {"reason": "other_cluster"}) == 3
+        assert running.metric("karta_proxy_series_attributed_total") == 6
+        p.handler.flush_logs()
+    lines = [r for r in caplog.records if "another cluster" in r.getMessage()]
+    assert [(r.levelname, r.__dict__.get("count")) for r in lines] == [
+        ("WARNING", None), ("WARNING", 2)]
+    first = lines[0].__dict__
+    assert (first["label"], first["seen"], first["expected"], first["series"]) == (
+        "cluster", "c2", "c1", 1)
+    assert first["remote"] == "127.0.0.1"
+    assert first["fix"] == (
+        'if these series are this cluster\'s, make the agents\' external label '
+        'cluster="c1", or set facts.external_labels.cluster: "c2" here (a restart); '
+        'enrich.cluster_label: "" turns the check off')
+    assert not [r for r in caplog.records if "is not checked" in r.getMessage()]
+
+
+async def test_a_proxy_without_a_cluster_of_its_own_says_it_checks_none(
+    running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No facts.external_labels.cluster: the check is off (a series of any cluster is
+    stamped, as before), which the start said in one info line (tested in test_config)."""
+    cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde", "cluster": "c2"}
+    assert (await running.post(series_v1(cart))).status == 204
+    assert labels_of(running.upstream.received[0].raw) == [{**cart, **CART}]
+    assert running.metric("karta_proxy_series_unattributed_total",
+                          {"reason": "other_cluster"}) == 0

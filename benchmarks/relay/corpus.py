@@ -639,8 +639,12 @@ class SeriesStream:
     """Cycles through the cluster's series (shuffled, as a sender's shards mix them) and
     cuts them into request bodies, each with a fresh timestamp and fresh values."""
 
-    def __init__(self, cluster: Cluster, seed: int = 13) -> None:
-        rows = list(series_labels(cluster))
+    def __init__(self, cluster: Cluster, seed: int = 13,
+                 external_labels: dict[str, str] | None = None) -> None:
+        """``external_labels``: added to every series, as an agent's ``external_labels``
+        are (a sender's label of the same name is replaced, as Prometheus does)."""
+        rows = [({**labels, **(external_labels or {})}, step)
+                for labels, step in series_labels(cluster)]
         random.Random(seed).shuffle(rows)
         known = {(p.namespace, p.name) for p in cluster.pods if p.in_snapshot}
         self.attributable = sum(1 for labels, _ in rows if attributable(known, labels))

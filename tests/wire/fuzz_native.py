@@ -151,6 +151,11 @@ VALUES = ["", "x", "0", "ml", "web", "train-head", "ghost", LONG_1, "wl", *UTF8,
 STAMP_VALUES = ["train", "shop", "head", "RayJob", "ray.io", "0", "1", "ü-wl", "日本", "",
                 LONG_1, "x" * 130, "\U0010ffff"]
 REASONS = ["no_described_owner", "tombstone", "pod_unknown", "no_pod_label", "r-ü", "x"]
+#: the cluster check's labels (``enrich.cluster_label``): the usual one, one a pair or
+#: ``unless`` reads too, one shared with generated names, a long one (the name lookup's
+#: special case), and values: the plan's, others, a prefix and an extension of it
+CLUSTER_LABELS = ["cluster", "namespace", "job", "container", "c" * 70]
+CLUSTER_VALUES = ["c1", "c2", "c", "c11", "ü-c", "ml", LONG_1]
 #: regexes that are not literal alternations (the native splice calls back into Python)
 REGEXES = ["exp.*", "(nvidia-)?dcgm-exporter|exporter|", ".*ü.*", "[a-z]+", "main|"]
 #: literal alternations (matched natively)
@@ -275,8 +280,13 @@ def random_plan(rnd: random.Random) -> tuple[str, SplicePlan]:
     # the TSDB's label limit: mostly none, else small enough for the generated series
     # (a few labels, a pair, a stamp of up to 8) to land at it, under it and past it
     limit = 0 if rnd.random() < 0.6 else rnd.randint(3, 10)
-    name = f"{policy}/{which}/{'+'.join(p for p, _ in pairs)}/max{limit}"
-    return name, build_plan(pairs, rules, policy, max_labels_per_series=limit)
+    # the cluster check (enrich.cluster_label against facts.external_labels): on in half
+    cluster = ((rnd.choice(CLUSTER_LABELS), rnd.choice(CLUSTER_VALUES))
+               if rnd.random() < 0.5 else None)
+    name = (f"{policy}/{which}/{'+'.join(p for p, _ in pairs)}/max{limit}"
+            f"/{'='.join(cluster or ('nocluster',))[:80]}")
+    return name, build_plan(pairs, rules, policy, max_labels_per_series=limit,
+                            cluster_check=cluster)
 
 
 def random_stamp(rnd: random.Random, suffix: str = "") -> tuple[tuple[str, str], ...]:
@@ -343,6 +353,8 @@ class Outcome:
     stripped: int = 0
     #: the first series the stamp would have pushed past the label limit
     label_limited: LabelLimited | None = None
+    #: the cluster label's value of the first series of another cluster
+    other_cluster: bytes | None = None
     #: a refusal's text, where both splices word it alike (:data:`WORDED`)
     message: str = ""
 
@@ -352,7 +364,7 @@ class Outcome:
         return (f"ok body={self.body.hex()} same_object={self.same_object} "
                 f"counts={self.counts} attributed={self.attributed} "
                 f"unattributed={dict(self.unattributed)} stripped={self.stripped} "
-                f"label_limited={self.label_limited}")
+                f"label_limited={self.label_limited} other_cluster={self.other_cluster!r}")
 
 
 #: the refusals both splices word alike, the text compared too: those of a series' labels
@@ -381,7 +393,8 @@ def outcome(fn: Callable[[bytes], SpliceResult], raw: bytes) -> Outcome:
     return Outcome(True, res.body, res.body is raw, (c.series, c.samples, c.histograms,
                                                      c.exemplars),
                    res.attributed, tuple(sorted(res.unattributed.items())),
-                   stripped=res.stripped, label_limited=res.label_limited)
+                   stripped=res.stripped, label_limited=res.label_limited,
+                   other_cluster=res.other_cluster)
 
 
 def both(native: Splicer, python: Splicer, version: int, raw: bytes) -> tuple[Outcome, Outcome]:
@@ -446,6 +459,8 @@ class Gen:
             labels.append(("__name__", r.choice(METRICS)))
         if self.chance(0.3):
             labels.append(("container", r.choice(CONTAINERS)))
+        if self.chance(0.4):  # an agent's cluster label: the plan's value, another, empty
+            labels.append((r.choice(CLUSTER_LABELS), r.choice(["", *CLUSTER_VALUES])))
         if self.chance(0.3):
             for n in r.sample(STAMPED + OTHER_KARTA, r.randint(1, 3)):
                 labels.append((n, r.choice(["", "forged", "train", *STAMP_VALUES])))
@@ -1310,7 +1325,7 @@ def conversion_mismatch(raw: bytes, compare: bool) -> str | None:
 def fixed_setups(seed: int) -> list[Setup]:
     """Plans and tables the fuzzer cycles through: the product's default plan under both
     policies, no rules, a regex unless (the Python callback), a label limit the generated
-    series reach, and random ones."""
+    series reach, the cluster check under both policies, and random ones."""
     rnd = random.Random(seed ^ 0x5EED)
     answers = random_answers(rnd)
     default_replace = build_plan(PAIR_LABELS, None, "replace")
@@ -1321,11 +1336,16 @@ def fixed_setups(seed: int) -> list[Setup]:
         PodLabelPair("namespace", "pod", {"container": "exp.*"}),
     ])], "replace")
     limited = build_plan(PAIR_LABELS, None, "replace", max_labels_per_series=6)
+    cluster = build_plan(PAIR_LABELS, None, "replace", max_labels_per_series=6,
+                         cluster_check=("cluster", "c1"))
+    cluster_keep = build_plan(PAIR_LABELS, None, "keep", cluster_check=("cluster", "c1"))
     out = [Setup("default/replace", default_replace, answers),
            Setup("default/keep", default_keep, answers),
            Setup("no-rules", no_rules, random_answers(rnd)),
            Setup("regex-unless", regex, answers),
-           Setup("label-limit-6", limited, answers)]
+           Setup("label-limit-6", limited, answers),
+           Setup("cluster-c1", cluster, answers),
+           Setup("cluster-c1/keep", cluster_keep, answers)]
     for _ in range(4):
         out.append(random_setup(rnd))
     return out

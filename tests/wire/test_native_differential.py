@@ -10,8 +10,10 @@ Requests come from the wire-level generator in ``fuzz_native.py`` (driven by hyp
 the sender, unsorted and duplicated names, empty values, long and multi-byte strings,
 labels after samples, unknown fields at every level, non-minimal varints, exemplars,
 histograms, metadata, unpacked / split refs, repeated symbols, refs above 127, empty
-symbol tables, series without labels; plans with either policy, with and without rules,
-literal and regex ``unless`` (the regex one calls back into Python from C). Invalid
+symbol tables, series without labels, series with and without a cluster label (the
+plan's value, another, empty); plans with either policy, with and without rules, literal
+and regex ``unless`` (the regex one calls back into Python from C), with and without the
+cluster check (its label the usual one, one a pair reads, a long one). Invalid
 requests are valid ones poisoned in a way that is certainly refused (field number 0 or
 past 2^29 - 1, groups, wire types 6 / 7, over-long varints, lengths past the end, wrong
 wire types for known fields, invalid UTF-8, odd refs, refs past the table, a first
@@ -337,9 +339,9 @@ def test_wide_requests(rnd: random.Random, setup_rnd: random.Random, version: in
 def in_parts(splicer: Splicer, raw: bytes, cuts: list[int]) -> Outcome:
     """The outcome of splicing the parts one by one, summed as the handler sums them: the
     bodies joined, the counts added, the first part's error in request order, the first
-    label_limit series of the first part that has one."""
+    label_limit series of the first part that has one (and other_cluster value)."""
     bodies, counts, attributed, stripped = [], [0, 0, 0, 0], 0, 0
-    limited = None
+    limited = other = None
     reasons: dict[str, int] = {}
     for a, b in itertools.pairwise([0, *cuts, len(raw)]):
         part = outcome(splicer.splice_v1, raw[a:b])
@@ -351,12 +353,13 @@ def in_parts(splicer: Splicer, raw: bytes, cuts: list[int]) -> Outcome:
         attributed += part.attributed
         stripped += part.stripped
         limited = limited or part.label_limited
+        other = other or part.other_cluster
         for reason, n in part.unattributed:
             reasons[reason] = reasons.get(reason, 0) + n
     body = b"".join(bodies)
     return Outcome(True, body, body == raw, (counts[0], counts[1], counts[2], counts[3]),
                    attributed, tuple(sorted(reasons.items())), stripped=stripped,
-                   label_limited=limited)
+                   label_limited=limited, other_cluster=other)
 
 
 def check_parts(setup: Setup, raw: bytes, pieces: int) -> list[int]:

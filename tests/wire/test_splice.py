@@ -11,7 +11,7 @@ import snappy
 
 from proxy.compression import DecodeError
 from proxy.handler import splice_in_parts
-from proxy.wire.native import Splicer, split_v1
+from proxy.wire.native import Splicer, native_available, split_v1
 from proxy.wire.plan import NO_LABELS_LEFT, LabelLimited, SplicePlan, SpliceResult
 from proxy.wire.primitives import Counts, Protocol, encode_label_v1, encode_uvarint, len_field
 from tests.wire.conftest import PLAN, STAMPED, MakeSplicer
@@ -802,3 +802,71 @@ def test_a_part_of_a_request_names_its_series_by_the_index_in_the_whole(
     whole = _refused(lambda: sp.splice_v1(raw))
     assert info.value.message == whole.message == (
         'label value is not valid UTF-8: "\\xff" (series 30 of the request, __name__ "bad")')
+
+
+CLUSTER_PLAN = dataclasses.replace(PLAN, cluster=(b"cluster", b"c1"))
+
+
+@pytest.mark.parametrize("protocol", [Protocol.V1, Protocol.V2])
+def test_a_series_of_another_cluster_is_not_stamped(make_splicer: MakeSplicer,
+                                                    protocol: Protocol) -> None:
+    """The cluster check (``enrich.cluster_label``): a series naming this cluster, or none
+    (no label, an empty value), is stamped; one naming another is forwarded unstamped as
+    ``other_cluster``, its sender's ``karta_*`` labels dropped all the same, and the first
+    such value of the request is reported. Without the check, the same series is stamped
+    (the forgery the check closes: this cluster's pod charged to c2's workload)."""
+    series = [{**POD, "cluster": "c1"}, {**POD, "cluster": "c2", "karta_workload": "forged"},
+              {**POD, "cluster": ""}, POD, {**POD, "cluster": "c3"}]
+    raw = request_v1(*map(series_v1, series)) if protocol is Protocol.V1 \
+        else request_v2(*series)
+    sp = make_splicer(CLUSTER_PLAN)
+    res = sp.splice_v1(raw) if protocol is Protocol.V1 else sp.splice_v2(raw)
+    if protocol is Protocol.V1:
+        got = [labels_of(t) for t in parse_v1(res.body).timeseries]
+    else:
+        req = parse_v2(res.body)
+        got = [labels_v2(req, t) for t in req.timeseries]
+    stamp = ("karta_workload", "w")
+    assert got == [
+        [("cluster", "c1"), stamp, *POD.items()],
+        [("cluster", "c2"), *POD.items()],
+        [("cluster", ""), stamp, *POD.items()],
+        [stamp, *POD.items()],
+        [("cluster", "c3"), *POD.items()],
+    ]
+    assert (res.attributed, res.unattributed, res.stripped, res.other_cluster) == (
+        3, {"other_cluster": 2}, 1, b"c2")
+    unchecked = make_splicer()
+    res = unchecked.splice_v1(raw) if protocol is Protocol.V1 else unchecked.splice_v2(raw)
+    assert (res.attributed, res.unattributed, res.other_cluster) == (5, {}, None)
+
+
+def test_keep_trusts_a_sent_workload_before_the_cluster_check(make_splicer: MakeSplicer
+                                                              ) -> None:
+    """Under ``keep`` a series carrying its own ``karta_workload`` passes as it came,
+    whatever its cluster (the policy trusts the sender's attribution); one without goes
+    through the check."""
+    sp = make_splicer(dataclasses.replace(KEEP_POLICY, cluster=(b"cluster", b"c1")))
+    chained = series_v1({**POD, "cluster": "c2", "karta_workload": "from-c2"})
+    other = series_v1({**POD, "cluster": "c2", "karta_kind": "K"})
+    res = sp.splice_v1(request_v1(chained, other))
+    first, second = parse_v1(res.body).timeseries
+    assert first.SerializeToString() == chained.SerializeToString()
+    assert labels_of(second) == [("cluster", "c2"), *POD.items()]
+    assert (res.attributed, res.unattributed, res.other_cluster) == (
+        1, {"other_cluster": 1}, b"c2")
+
+
+@pytest.mark.parametrize("cluster", [(b"", b"c1"), (b"cluster", b""), (b"karta_cluster", b"c"),
+                                     (b"__name__", b"c")])
+def test_a_cluster_check_without_a_label_or_a_value_is_refused(cluster: tuple[bytes, bytes]
+                                                               ) -> None:
+    with pytest.raises(ValueError, match="cluster"):
+        dataclasses.replace(PLAN, cluster=cluster)
+    if not native_available():
+        return
+    from proxy.wire import _splice
+
+    with pytest.raises(ValueError, match="cluster"):
+        _splice.Plan([(b"namespace", b"pod", [])], [], False, [], b"karta_workload", True, 0,
+                     cluster)
