@@ -208,11 +208,15 @@ OP_TLS_CERTIFICATE_EXPIRY = "karta_proxy_tls_certificate_expiry_timestamp_second
 OP_TLS_CERTIFICATE_RELOADS = "karta_proxy_tls_certificate_reloads_total"
 OP_UPSTREAM_TLS_CERTIFICATE_EXPIRY = "karta_proxy_upstream_tls_certificate_expiry_timestamp_seconds"
 OP_UPSTREAM_TLS_CERTIFICATE_RELOADS = "karta_proxy_upstream_tls_certificate_reloads_total"
+#: series forwarded unstamped, by ``reason``: ``KartaProxyOtherClusterSeries`` reads
+#: ``other_cluster``
+OP_SERIES_UNATTRIBUTED = "karta_proxy_series_unattributed_total"
 OPERATIONAL_ALERT_METRICS: tuple[str, ...] = (
     OP_CONFIG_RELOAD_SUCCESSFUL,
     OP_JQ_ERRORS,
     OP_REQUESTS,
     OP_REQUESTS_REJECTED,
+    OP_SERIES_UNATTRIBUTED,
     OP_TLS_CERTIFICATE_EXPIRY,
     OP_TLS_CERTIFICATE_RELOADS,
     OP_UPSTREAM_INFO,

@@ -227,6 +227,7 @@ def test_operational_alert_metrics_match_the_document(doc: str) -> None:
     # running proxy has (the TLS ones registered by the runtime / the upstream with TLS)
     metrics.requests.values[("/api/v1/write", "v1", "200")] += 1
     metrics.rejected.labels("overload").inc()
+    metrics.unattributed.values[("other_cluster",)] += 1
     metrics.upstream_responses.values[("200",)] += 1
     metrics.upstream_misconfigured.labels("http://tsdb/api/v1/push", "not_write_endpoint",
                                           "404").inc()
