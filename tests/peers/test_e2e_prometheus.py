@@ -3,6 +3,7 @@ direct path beside it for comparison; PromQL over the real HTTP APIs."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -365,3 +366,54 @@ async def test_a_sender_cannot_take_the_label_set_of_a_process_fact(
     later = await query(rx.base_url, '{cluster="forged",karta_writer=""}', now + 600)
     assert sorted(r["metric"]["__name__"] for r in later) == sorted(
         (contract.FACT_CONTRACT_INFO, contract.FACT_SOURCE_LAST_CURRENT))
+
+
+async def test_a_series_of_another_cluster_is_stored_unstamped(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cluster c1's proxy (facts.external_labels) gets two series of the same ml pod, one
+    labelled cluster c1, one c2 (an agent of c2 pointed at c1's proxy): the Prometheus
+    receiver and VictoriaMetrics store both, only c1's stamped; c2's is counted
+    other_cluster and named in the warning, with the sender. Without the check c2's was
+    stamped with c1's workload: attribution forged into c2."""
+    caplog.set_level(logging.WARNING, logger="karta.handler")
+    rx = await peers.prometheus_receiver()
+    vm = await peers.victoria_metrics()
+
+    def cluster_c1(s: Any) -> None:
+        s.facts.external_labels = {"cluster": "c1"}
+
+    to_rx = await make_proxy(rx.base_url + "/api/v1/write", cluster_c1)
+    to_vm = await make_proxy(vm.base_url + "/api/v1/write", cluster_c1)
+    ml_pod = "llm-finetune-raycluster-k7x2p-head-8jz5c"
+    at = int(time.time() * 1000)
+    req = WriteRequest()
+    for cluster in ("c1", "c2"):
+        ts = req.timeseries.add()
+        for k, v in (("__name__", "gpu_seconds_total"), ("cluster", cluster),
+                     ("namespace", "ml"), ("pod", ml_pod)):
+            ts.labels.add(name=k, value=v)
+        ts.samples.add(value=1.0, timestamp=at)
+    for proxy in (to_rx, to_vm):
+        await post_snappy(proxy.write_url, snappy.compress(req.SerializeToString()))
+    for base in (rx.base_url, vm.base_url):
+
+        async def landed(base: str = base) -> bool:
+            await vm_flush(vm)
+            return len(await query(base, "gpu_seconds_total", at / 1000)) == 2
+
+        await wait_until(landed, timeout=15, what=f"both series at {base}")
+        rows = {r["metric"]["cluster"]: r["metric"]
+                for r in await query(base, "gpu_seconds_total", at / 1000)}
+        assert rows["c1"]["karta_namespace"] == "ml" and rows["c1"]["karta_workload"]
+        assert rows["c2"] == {"__name__": "gpu_seconds_total", "cluster": "c2",
+                              "namespace": "ml", "pod": ml_pod}
+    for proxy in (to_rx, to_vm):
+        p = proxy.proxy
+        assert p.metrics.registry.get_sample_value(
+            "karta_proxy_series_unattributed_total", {"reason": "other_cluster"}) == 1
+        assert p.metrics.registry.get_sample_value("karta_proxy_series_attributed_total") == 1
+    lines = [r.__dict__ for r in caplog.records if "another cluster" in r.getMessage()]
+    assert [(x["label"], x["seen"], x["expected"], x["remote"]) for x in lines] == [
+        ("cluster", "c2", "c1", "127.0.0.1")] * 2
