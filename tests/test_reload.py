@@ -875,3 +875,45 @@ async def test_a_reload_reads_the_upstream_tls_files_again(tmp_path: Path) -> No
             assert not outcome.ok and "upstream TLS" in outcome.error, outcome
         finally:
             await p.stop()
+
+
+async def test_the_cluster_label_reloads_against_the_cluster_the_proxy_started_as(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """enrich.cluster_label is live as enrich.* is; the proxy's own value of it,
+    facts.external_labels, takes a restart: a reload checks the new label against the
+    cluster the process started as. A label the external labels lack turns the check off,
+    said in an info line."""
+    caplog.set_level(logging.INFO, logger="karta.runtime")
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    config = tmp_path / "karta-proxy.yaml"
+    c2 = {**CART_POD, "cluster": "c2", "region": "eu"}
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        r = Running(None, up, config, "", session)  # type: ignore[arg-type]
+        r.write_config(facts={"external_labels": {"cluster": "c1"}})
+        p = Proxy(_loader(config)(), loader=_loader(config))
+        await p.start()
+        r.proxy, r.base = p, f"http://127.0.0.1:{p.port}"
+        try:
+            assert await r.send(c2) == c2  # another cluster's: unstamped
+            steps: list[tuple[dict[str, Any], bool]] = [
+                ({"enrich": {"cluster_label": ""}}, True),  # off
+                # the label back, the facts' cluster changed: still c1 until a restart
+                ({"enrich": {"cluster_label": "cluster"},
+                  "facts": {"external_labels": {"cluster": "c2"}}}, False),
+                # a label the (running) external labels lack: off, and said
+                ({"enrich": {"cluster_label": "region"}}, True),
+            ]
+            for extra, stamped in steps:
+                r.write_config(**extra)
+                assert (await r.post_reload())[0] == 200
+                assert await r.send(c2) == ({**c2, **CART} if stamped else c2)
+            assert r.metric(RESTART) == 1.0
+        finally:
+            await p.stop()
+    said = [m.getMessage() for m in caplog.records if "is not checked" in m.getMessage()]
+    assert said == [
+        "relayed series' region label is not checked: facts.external_labels has no region "
+        "(this proxy's cluster), so a series labelled with another cluster's region is "
+        "stamped with this cluster's pods; set facts.external_labels.region to the value "
+        "this cluster's agents send (enrich.cluster_label names another label, \"\" turns "
+        "this line off)"]
