@@ -116,6 +116,11 @@ FACT_LABEL_SPLICE = "splice"  # which splice runs: "native", or "python" (the fa
 FACT_LABEL_WRITER = "karta_writer"
 #: its one value
 WRITTEN_BY = "karta-proxy"
+#: on ``karta_contract_info``: the uid of the cluster's ``kube-system`` Namespace (made by
+#: the cluster, never configured: proxy/kube/cluster_identity.py), so one ``cluster`` name
+#: written by two clusters shows as two uids (``KartaClusterNameShared``); absent in
+#: snapshot mode and until it was read
+FACT_LABEL_CLUSTER_UID = "karta_cluster_uid"
 #: where a phase transition time comes from: "object" (the object's conditions'
 #: lastTransitionTime) or "observed" (when this proxy saw the phase change)
 FACT_LABEL_SOURCE = "source"
@@ -127,7 +132,7 @@ ALL_FACT_LABELS: tuple[str, ...] = (
     FACT_LABEL_NAMESPACE, FACT_LABEL_POD, FACT_LABEL_UID, FACT_LABEL_WORKLOAD_UID,
     FACT_LABEL_DESCRIPTION, FACT_LABEL_BUILTIN, FACT_LABEL_REASON, FACT_LABEL_STATE,
     FACT_LABEL_PHASE, FACT_LABEL_STATUS, FACT_LABEL_RESOURCE, FACT_LABEL_VERSION,
-    FACT_LABEL_SPLICE, FACT_LABEL_SOURCE, FACT_LABEL_WRITER,
+    FACT_LABEL_SPLICE, FACT_LABEL_SOURCE, FACT_LABEL_WRITER, FACT_LABEL_CLUSTER_UID,
 )
 
 #: values of FACT_LABEL_STATE

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from proxy.facts import FactWriter
     from proxy.karta.description import DescriptionFiles
     from proxy.karta.jq_sandbox import JqSandbox
+    from proxy.kube.cluster_identity import ClusterIdentity
 
 log = logging.getLogger("karta.runtime")
 
@@ -103,6 +104,9 @@ def _listen_error(address: str, e: OSError) -> StartError:
 CAMPAIGN_WAIT_SECONDS = 0.1
 #: how often tombstones past their time are dropped from the index
 EXPIRE_INTERVAL_SECONDS = 30.0
+#: how long the fact writer's start waits for the cluster identity's first read at most
+#: (it runs from the connection on, beside the index's load, so as a rule it is over)
+IDENTITY_WAIT_SECONDS = 5.0
 #: how often the jq sandbox's idle child is looked at (reaped if it died), and the
 #: re-evaluations owed after jq failures that may pass are made (``Engine.retry_due``)
 JQ_HOUSEKEEPING_SECONDS = 1.0
@@ -221,6 +225,9 @@ class Proxy:
         self.lease_namespace = ""
         self._elector_task: asyncio.Task[None] | None = None
         self._kube_client: Any = None
+        #: the uid of the cluster's kube-system Namespace, read for the fact writer in
+        #: Kubernetes mode (proxy/kube/cluster_identity.py; None: snapshot mode, no facts)
+        self.cluster_identity: ClusterIdentity | None = None
         #: the description files as last applied: a reload that finds one empty keeps
         #: what it held (``read_description_paths``)
         self._description_files: DescriptionFiles | None = None
@@ -345,16 +352,41 @@ class Proxy:
             # workload "0 observed" beside its desired count), a 58 MB page at 150k pods,
             # and the shipped rules skewed wherever the DaemonSet was scraped
             self.metrics.registry.register(
-                FactsCollector(self.index, pod_facts=self.settings.facts.metrics_pod_facts))
+                FactsCollector(self.index, pod_facts=self.settings.facts.metrics_pod_facts,
+                               cluster_uid=self._cluster_uid))
         if not self.writes_facts:
             return None
         writer = FactWriter(self.settings.facts, self.index,
                             functools.partial(self.upstream.send_v1,
                                               headers=self.settings.facts.headers),
                             elector=self._elector, busy=self.handler.relaying,
-                            upstream_clock=self.upstream.clock)
+                            upstream_clock=self.upstream.clock,
+                            cluster_uid=self._cluster_uid)
         self.metrics.registry.register(FactWriterCollector(writer))
         return writer
+
+    def _cluster_uid(self) -> str:
+        """The cluster's uid as known now, for karta_contract_info ("": unknown)."""
+        return self.cluster_identity.uid if self.cluster_identity is not None else ""
+
+    def _start_cluster_identity(self, client: Any) -> None:
+        """Read the cluster's identity for the fact writer (a task of its own: the facts
+        never wait for it but at the start, ``IDENTITY_WAIT_SECONDS`` at most). In
+        snapshot mode there is none to read: the snapshot's objects may come from any
+        cluster, and the API server the Lease lives on need not be theirs."""
+        if not self.writes_facts:
+            return
+        if self.settings.snapshot:
+            log.info("cluster identity: none in snapshot mode (no API server of the "
+                     "snapshot's cluster to read the kube-system Namespace's uid from): "
+                     "karta_contract_info carries no karta_cluster_uid, so "
+                     "KartaClusterNameShared cannot tell this cluster's facts from another's "
+                     "written under the same cluster name")
+            return
+        from proxy.kube.cluster_identity import ClusterIdentity
+
+        self.cluster_identity = ClusterIdentity(client)
+        self.cluster_identity.start()
 
     async def _start_elector(self) -> None:
         """One fact writer among replicas: a Lease, through the same cluster connection."""
@@ -453,7 +485,9 @@ class Proxy:
         await self.upstream.start(check=True)
         self._load_description_files()
         if not s.snapshot:
-            await self._connect_cluster()
+            self._start_cluster_identity(await self._connect_cluster())
+        else:
+            self._start_cluster_identity(None)
         self.source = self._make_source()
         if s.snapshot:
             await self._load_snapshot()
@@ -485,6 +519,11 @@ class Proxy:
         if not s.snapshot:
             await self.source.start()
         if self.facts is not None:
+            if self.cluster_identity is not None:
+                # read beside the index's load, as a rule long done: the first write then
+                # carries it, where a write before it wrote the series without and ended
+                # it at the next
+                await self.cluster_identity.wait_first(IDENTITY_WAIT_SECONDS)
             await self.facts.start()
         self._expire_task = asyncio.create_task(self._expire_loop())
         if self.jq_sandbox is not None:
@@ -798,6 +837,8 @@ class Proxy:
             except Exception:
                 log.exception("error while stopping",
                               extra={"part": type(self.source).__name__})
+        if self.cluster_identity is not None:
+            await self.cluster_identity.stop()
         if self._kube_client is not None:  # the source's and the Lease's connection
             await self._kube_client.close()
         await self.upstream.close()

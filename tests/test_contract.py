@@ -85,7 +85,8 @@ def rich_index() -> PodIndex:
 
 def emitted_facts() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
-    for f in iter_facts(rich_index()):
+    # with the cluster's uid known, as in Kubernetes mode once read (cluster_identity.py)
+    for f in iter_facts(rich_index(), cluster_uid="0b8d6a2e-kube-system"):
         out.setdefault(f.name, set()).update(k for k, _ in f.labels)
     return out
 

@@ -121,6 +121,8 @@ def test_modes_compose_the_rbac_variants() -> None:
     assert {"serviceaccount.yaml", "cluster-mode.yaml"} <= cluster & node
     # only cluster mode writes facts, so only it elects a writer
     assert "fact-lease.yaml" in cluster and "fact-lease.yaml" not in node
+    # and only its fact writer reads the cluster's identity (kube-system's uid)
+    assert "cluster-identity.yaml" in cluster and "cluster-identity.yaml" not in node
     for mode in MODES:
         for r in kustomization(mode)["resources"]:
             if r.startswith("../"):

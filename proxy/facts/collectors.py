@@ -12,7 +12,7 @@ between scrapes or building them all as samples at once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge
@@ -40,10 +40,13 @@ class FactsCollector(Collector):
         build_version: str = proxy.__version__,
         *,
         pod_facts: bool = True,
+        cluster_uid: Callable[[], str] = str,
     ) -> None:
         self._index = index
         self._build_version = build_version
         self._pod_facts = pod_facts
+        #: the cluster's uid as known now ("" unknown: proxy.kube.cluster_identity)
+        self._cluster_uid = cluster_uid
 
     def collect(self) -> Iterator[Metric]:
         """One :class:`~proxy.exposition.TextFamily` per fact family with series, each
@@ -54,10 +57,12 @@ class FactsCollector(Collector):
         index = self._index
         pods = list(index.pods.values())
         workloads = list(index.fact_workloads().values())
+        cluster_uid = self._cluster_uid()
         for name in contract.FACT_SERIES:
             if name in POD_FAMILIES and not self._pod_facts:
                 continue
-            facts = family_facts(name, index, pods, workloads, self._build_version)
+            facts = family_facts(name, index, pods, workloads, self._build_version,
+                                 cluster_uid)
             first = next(facts, None)
             if first is None:
                 continue

@@ -281,11 +281,15 @@ def workload_facts(wf: WorkloadFacts, family: str | None = None) -> list[Fact]:
     return out
 
 
-def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> list[Fact]:
+def process_facts(index: PodIndex, build_version: str = proxy.__version__,
+                  cluster_uid: str = "") -> list[Fact]:
     """Facts about the proxy itself: freshness per watched resource, contract and build.
 
     ``karta_build_info`` is the process's one build-info series (on /metrics as well):
-    the contract names it, so the operational twin it once had was dropped instead."""
+    the contract names it, so the operational twin it once had was dropped instead.
+    ``cluster_uid`` (:mod:`proxy.kube.cluster_identity`; "" while unknown, and in
+    snapshot mode: left out) goes on ``karta_contract_info``, the one series per
+    writer, so a ``cluster`` name shared by two clusters shows as two uids under it."""
     out = [
         Fact(
             contract.FACT_SOURCE_LAST_CURRENT,
@@ -298,7 +302,8 @@ def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> li
     out.append(
         Fact(
             contract.FACT_CONTRACT_INFO,
-            label_set(((contract.FACT_LABEL_VERSION, contract.CONTRACT_VERSION), WRITER)),
+            label_set(((contract.FACT_LABEL_VERSION, contract.CONTRACT_VERSION), WRITER,
+                       (contract.FACT_LABEL_CLUSTER_UID, cluster_uid))),
             1.0,
         )
     )
@@ -310,7 +315,8 @@ def process_facts(index: PodIndex, build_version: str = proxy.__version__) -> li
 
 
 def iter_facts(
-    index: PodIndex, build_version: str = proxy.__version__, *, pods: bool = True
+    index: PodIndex, build_version: str = proxy.__version__, *, pods: bool = True,
+    cluster_uid: str = "",
 ) -> Iterator[Fact]:
     """Every fact series of the index, in no particular order (``pods=False``: without the
     per-pod ones; the per-namespace coverage, a few series, is always there)."""
@@ -322,7 +328,7 @@ def iter_facts(
     del pod_list
     for wf in list(index.fact_workloads().values()):
         yield from workload_facts(wf)
-    yield from process_facts(index, build_version)
+    yield from process_facts(index, build_version, cluster_uid)
 
 
 def family_facts(
@@ -331,6 +337,7 @@ def family_facts(
     pods: Sequence[PodAttribution],
     workloads: Sequence[WorkloadFacts],
     build_version: str = proxy.__version__,
+    cluster_uid: str = "",
 ) -> Iterator[Fact]:
     """The series of one fact family, in :func:`iter_facts`' order, from ``pods`` and
     ``workloads`` (the index's, taken once, so every family of one page describes the
@@ -346,7 +353,8 @@ def family_facts(
             if not (unattributed and att.workload is not None):
                 yield from (f for f in pod_facts(att) if f.name == name)
     elif name in PROCESS_FAMILIES:
-        yield from (f for f in process_facts(index, build_version) if f.name == name)
+        yield from (f for f in process_facts(index, build_version, cluster_uid)
+                    if f.name == name)
     else:
         for wf in workloads:
             if _may_have(wf, name):

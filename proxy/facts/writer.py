@@ -283,8 +283,13 @@ class FactWriter:
         busy: Busy | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         upstream_clock: UpstreamClock | None = None,
+        cluster_uid: Callable[[], str] = str,
     ) -> None:
         self._settings = settings
+        #: the cluster's uid as known now, on karta_contract_info ("" unknown, and in
+        #: snapshot mode: proxy.kube.cluster_identity); read at each write, so the series
+        #: without it ends (a stale marker) at the first write that knows it
+        self._cluster_uid = cluster_uid
         #: the upstream's clock (the Date of its answers): writes are held while this
         #: host's is more than ``facts.max_clock_offset_seconds`` off it (:meth:`_clock_off`)
         self._upstream_clock = upstream_clock
@@ -415,7 +420,7 @@ class FactWriter:
         """
         pods_now = dict(self._index.pods)
         workloads_now = self._index.fact_workloads()
-        process = process_facts(self._index, self._build_version)
+        process = process_facts(self._index, self._build_version, self._cluster_uid())
         tally: Counter[tuple[str, str | None]] = Counter()
 
         def counted() -> Iterator[tuple[str, PodAttribution]]:
@@ -1152,7 +1157,8 @@ class FactWriter:
             return b"", 0
         ts_bytes = timestamp_field(now_ms)
         self._set_sample_len(ts_bytes)
-        own = set(self._encode(f for f in process_facts(self._index, self._build_version)
+        own = set(self._encode(f for f in process_facts(self._index, self._build_version,
+                                                        self._cluster_uid())
                                if f.name in OWN_SERIES).series())
         ending = sorted((one for one in written.series() if one in own), key=series_bytes)
         stale = sample_field(STALE_NAN, ts_bytes)

@@ -10,9 +10,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import contract
-from proxy.facts import FactsCollector, FactWriterCollector, iter_facts
+from proxy.config import FactSettings
+from proxy.facts import FactsCollector, FactWriter, FactWriterCollector, iter_facts
 from proxy.index import PodIndex
-from tests.facts.helpers import by_name, decode, owner_refs, small_index, writer
+from tests.facts.helpers import by_name, decode, nosend, owner_refs, small_index, writer
 
 
 def test_metrics_endpoint_serves_the_same_facts() -> None:
@@ -32,6 +33,23 @@ def test_metrics_endpoint_serves_the_same_facts() -> None:
     assert scraped == written
     assert {f.name for f in iter_facts(index)} == set(contract.FACT_SERIES)
     assert "# TYPE karta_workload_phase gauge" in text
+
+
+def test_metrics_carry_the_cluster_uid_as_the_written_facts_do() -> None:
+    """Every replica reads the uid (not only the leader), so the scraped copy of
+    ``karta_contract_info`` carries the same ``karta_cluster_uid`` as the written one."""
+    index = small_index()
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index, cluster_uid=lambda: "u-1"))
+    text = generate_latest(registry).decode()
+    infos = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == contract.FACT_CONTRACT_INFO]
+    assert [s.labels.get(contract.FACT_LABEL_CLUSTER_UID) for s in infos] == ["u-1"]
+    written = decode(FactWriter(FactSettings(), index, nosend,
+                                cluster_uid=lambda: "u-1").build_request(1))
+    assert {tuple(sorted(s.labels.items())) for s in infos} == {
+        tuple(kv for kv in k if kv[0] != "__name__") for k in written
+        if dict(k)["__name__"] == contract.FACT_CONTRACT_INFO}
 
 
 def test_writer_collector_reports_leadership_and_writes() -> None:

@@ -544,6 +544,48 @@ async def test_a_stopping_writer_ends_only_the_series_that_name_its_process() ->
     assert not await w.end_own_series()  # once
 
 
+def test_the_cluster_uid_is_on_contract_info_and_its_arrival_ends_the_series_without() -> None:
+    """``karta_cluster_uid`` (the kube-system Namespace's uid, read beside the writer) is
+    on ``karta_contract_info`` only, from the first write that knows it: the series
+    written without it (the read refused, then granted) ends with a stale marker then,
+    rather than standing beside the labelled one for the lookback."""
+    uid = ""
+    w = FactWriter(FactSettings(external_labels={"cluster": "c1"}), small_index(), nosend,
+                   cluster_uid=lambda: uid)
+    first = decode(w.build_request(1000))
+    w.commit()
+    bare = (("__name__", contract.FACT_CONTRACT_INFO), ("cluster", "c1"), WRITER,
+            ("version", contract.CONTRACT_VERSION))
+    assert bare in first
+    assert not any(contract.FACT_LABEL_CLUSTER_UID in dict(k) for k in first)
+    uid = "0b8d-kube-system"
+    stale, live = stale_and_live(w.build_request(2000))
+    w.commit()
+    assert list(stale) == [bare]
+    labelled = (("__name__", contract.FACT_CONTRACT_INFO), ("cluster", "c1"),
+                (contract.FACT_LABEL_CLUSTER_UID, uid), WRITER,
+                ("version", contract.CONTRACT_VERSION))
+    assert labelled in live
+    assert [k for k in live if contract.FACT_LABEL_CLUSTER_UID in dict(k)] == [labelled]
+    stale, live = stale_and_live(w.build_request(3000))
+    assert not stale and labelled in live
+
+
+async def test_a_stopping_writer_ends_its_contract_info_with_the_cluster_uid() -> None:
+    sent: list[bytes] = []
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    w = FactWriter(FactSettings(), small_index(), send, cluster_uid=lambda: "u-1")
+    assert await w.write_once()
+    assert await w.end_own_series()
+    ended = decode(sent[1])
+    contract_info = [k for k in ended if dict(k)["__name__"] == contract.FACT_CONTRACT_INFO]
+    assert [dict(k)[contract.FACT_LABEL_CLUSTER_UID] for k in contract_info] == ["u-1"]
+    assert all(is_stale(v[0][0]) for v in ended.values())
+
+
 async def test_a_writer_that_does_not_write_ends_nothing_at_stop() -> None:
     sent: list[bytes] = []
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import yaml
 
+from proxy.kube.client import KubeClient
+from proxy.kube.cluster_identity import ClusterIdentity
 from tests.kube.conftest import SourceFactory, deployment
 from tests.kubesim import KubeSim
 
@@ -88,3 +90,25 @@ def test_lease_role_sits_beside_the_service_account() -> None:
     assert binding["metadata"]["namespace"] == home
     assert {(s["name"], s["namespace"]) for s in binding["subjects"]} == {
         (account["metadata"]["name"], home)}
+
+
+async def test_the_identity_role_grants_the_one_get_the_identity_sends(
+        sim: KubeSim, client: KubeClient) -> None:
+    """The fact writer's read of the cluster's identity: one get of the kube-system
+    Namespace by name, which config/rbac/cluster-identity.yaml grants and nothing more
+    (no list: the names and labels of every namespace are none of its business)."""
+    sim.requests.clear()
+    assert await ClusterIdentity(client).read()
+    sent = {(m, p) for m, p, _, _ in sim.requests}
+    role = next(d for d in _docs("cluster-identity.yaml") if d["kind"] == "ClusterRole")
+    (rule,) = role["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["namespaces"],
+                    "resourceNames": ["kube-system"], "verbs": ["get"]}
+    assert sent == {("GET", f"/api/v1/{rule['resources'][0]}/{rule['resourceNames'][0]}")}
+    binding = next(d for d in _docs("cluster-identity.yaml")
+                   if d["kind"] == "ClusterRoleBinding")
+    account = next(d for d in _docs("serviceaccount.yaml") if d["kind"] == "ServiceAccount")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                    "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]

@@ -23,13 +23,14 @@ import json
 import socket
 import ssl
 import tempfile
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from tests.kubesim.resources import CORE_TYPES, ResourceType
+from tests.kubesim.resources import CORE_TYPES, NAMESPACE, ResourceType
 from tests.kubesim.store import (
     ApiError,
     Event,
@@ -91,10 +92,18 @@ class KubeSim:
         max_watch_seconds: float = 300.0,
         max_log: int = 200_000,
         ssl_context: ssl.SSLContext | None = None,
+        kube_system_uid: str = "",
     ) -> None:
+        #: the uid of the ``kube-system`` Namespace every cluster has (a fresh one unless
+        #: given): the cluster's identity, which the proxy's fact writer reads
+        #: (proxy/kube/cluster_identity.py). Served as a real server does, a Namespace
+        #: (``NAMESPACE``, registered if ``resources`` leave it out); ``delete`` it or
+        #: ``fail_resource(NAMESPACE, 403)`` for a cluster that does not answer it
+        self.kube_system_uid = kube_system_uid or str(uuid.uuid4())
         self.store = Store(max_log=max_log)
-        for rt in resources:
+        for rt in (*resources, NAMESPACE):
             self.store.register(rt)
+        self._seed_kube_system()
         self.port = port or free_port()
         self.token = token
         #: serve HTTPS with this context (one that requires client certificates tests a
@@ -200,6 +209,14 @@ class KubeSim:
         target.write_text(json.dumps(cfg))
         return target
 
+    def _seed_kube_system(self) -> None:
+        rs = self.store.resources[NAMESPACE.key]
+        if ("", "kube-system") not in rs.objects:
+            self.store.seed(rs, {"metadata": {"name": "kube-system",
+                                              "uid": self.kube_system_uid},
+                                 "spec": {"finalizers": ["kubernetes"]},
+                                 "status": {"phase": "Active"}})
+
     # -- test control API ------------------------------------------------------------------
 
     def register(self, *rtypes: ResourceType) -> None:
@@ -271,6 +288,8 @@ class KubeSim:
         self.store.rv = resource_version
         for rt in old.types():
             self.store.register(rt)
+        if NAMESPACE.key in self.store.resources:  # a restored etcd: the cluster's own
+            self._seed_kube_system()
         self._snapshots.clear()
         for key, rs in old.resources.items():
             for feed in list(rs.feeds):

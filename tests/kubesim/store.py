@@ -311,6 +311,20 @@ class Store:
         rs.append(Event(rv, "ADDED", new), self.max_log)
         return new
 
+    def seed(self, rs: ResourceStore, obj: Mapping[str, Any]) -> Obj:
+        """Store an object that was there before the log begins (what a cluster makes at
+        its creation: the ``kube-system`` Namespace): at the current resourceVersion, no
+        event, so the resourceVersions tests count from stay as they were."""
+        new = copy.deepcopy(dict(obj))
+        rt = rs.rtype
+        md = new.setdefault("metadata", {})
+        new["apiVersion"], new["kind"] = rt.api_version, rt.kind
+        md["uid"] = md.get("uid") or str(uuid.uuid4())
+        md.setdefault("creationTimestamp", now_rfc3339())
+        md["resourceVersion"] = str(self.rv)
+        rs.objects[(md.get("namespace", "") if rt.namespaced else "", md["name"])] = new
+        return new
+
     def update(self, rs: ResourceStore, obj: Mapping[str, Any]) -> Obj:
         new = copy.deepcopy(dict(obj))
         md = new.get("metadata") or {}
