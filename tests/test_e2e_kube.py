@@ -13,13 +13,16 @@ initial sync.
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import Settings
@@ -29,7 +32,7 @@ from tests.kube.conftest import deployment
 from tests.kube.conftest import owner as owner_refs
 from tests.kube.conftest import pod as pod_object
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import POD, REPLICA_SET
+from tests.kubesim.resources import NAMESPACE, POD, REPLICA_SET
 from tests.peers.conftest import Peer, Peers, query, wait_until
 from tests.peers.conftest import peers as peers  # the shared fixture, reused
 
@@ -429,3 +432,81 @@ async def series(tsdb: Peer, match: str, start: float, end: float) -> list[dict[
             params={"match[]": match, "start": str(start), "end": str(end)}) as r:
         data: list[dict[str, str]] = (await r.json())["data"]
         return data
+
+
+ALERTS = Path(__file__).resolve().parents[1] / "config" / "rules" / "karta-proxy.alerts.yaml"
+
+
+def alert_expr(name: str) -> str:
+    """A shipped alert's expression, as the rules file has it."""
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == name:
+                return str(rule["expr"])
+    raise AssertionError(f"no alert {name}")
+
+
+@pytest.mark.parametrize("case", ["one name", "own names", "one name, B refused"])
+async def test_two_clusters_under_one_name_are_told_by_their_uids(
+        peers: Peers, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Two clusters (two simulators, each its own kube-system uid) whose proxies write
+    facts into one Prometheus: both named `same`, the shipped KartaClusterNameShared
+    expression over what was stored finds two uids under it; named apart, nothing. B's
+    service account refused the kube-system read: its facts are written all the same,
+    without the label, B is ready, and one warning names the permission (the alert then
+    cannot see B: documented, docs/deploy.md)."""
+    names = {"one name": ("same", "same"), "own names": ("c-a", "c-b"),
+             "one name, B refused": ("same", "same")}[case]
+    tsdb = await peers.prometheus_receiver()
+    sims = [KubeSim(bookmark_interval=0.2, max_watch_seconds=5.0, kube_system_uid=uid)
+            for uid in ("uid-cluster-a", "uid-cluster-b")]
+    proxies: list[Proxy] = []
+    try:
+        for sim, app in zip(sims, ("app-a", "app-b"), strict=True):
+            deployment(sim, app, NS, replicas=1)
+            await sim.start()
+        if case == "one name, B refused":
+            sims[1].fail_resource(NAMESPACE, 403)
+        for sim, name in zip(sims, names, strict=True):
+            s = kube_settings(sim, tsdb.base_url + "/api/v1/write")
+            s.facts.external_labels = {"cluster": name}
+            proxies.append(await start_proxy(s))
+        want = {("same" if names[0] == names[1] else n, app)
+                for n, app in zip(names, ("app-a", "app-b"), strict=True)}
+
+        async def both_written() -> bool:
+            rows = await query(tsdb.base_url, "karta_workload_info")
+            return {(r["metric"]["cluster"], r["metric"]["karta_workload"])
+                    for r in rows} == want
+
+        await wait_until(both_written, timeout=20, what="both clusters' workload facts")
+        uids = {"one name": {"uid-cluster-a", "uid-cluster-b"},
+                "own names": {"uid-cluster-a", "uid-cluster-b"},
+                "one name, B refused": {"uid-cluster-a", ""}}[case]
+
+        async def contract_infos() -> bool:
+            rows = await query(tsdb.base_url, 'karta_contract_info{karta_writer!=""}')
+            return {r["metric"].get("karta_cluster_uid", "") for r in rows} == uids
+
+        await wait_until(contract_infos, timeout=20, what=f"karta_contract_info with uids {uids}")
+        shared = await query(tsdb.base_url, alert_expr("KartaClusterNameShared"))
+        if case == "one name":
+            assert [(r["metric"], r["value"][1]) for r in shared] == [({"cluster": "same"}, "2")]
+        else:
+            assert shared == []
+        if case == "one name, B refused":
+            async with aiohttp.ClientSession() as session:
+                assert (await get(session, proxies[1], "/-/ready"))[0] == 200
+            assert proxies[1].cluster_identity is not None
+            assert proxies[1].cluster_identity.uid == ""
+            assert proxies[1].cluster_identity.failures >= 1
+            refused = [r.getMessage() for r in caplog.records
+                       if r.name == "proxy.kube.cluster_identity"
+                       and r.levelno >= logging.WARNING]
+            assert len(refused) == 1 and "forbidden (403)" in refused[0]
+            assert "get on namespaces" in refused[0]
+    finally:
+        for p in proxies:
+            await p.stop()
+        for sim in sims:
+            await sim.close()

@@ -53,6 +53,28 @@ async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
     assert "karta_proxy_fact_writer_leader 1.0" in text
 
 
+async def test_snapshot_mode_has_no_cluster_identity_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No API server of the snapshot's cluster to read kube-system's uid from: no read,
+    one info line, and karta_contract_info written without karta_cluster_uid."""
+    caplog.set_level(logging.INFO, logger="karta.runtime")
+    async with ScriptedUpstream() as up:
+        s = snapshot_settings(tmp_path, up.url)
+        s.facts.enabled = True
+        s.facts.interval_seconds = 0.2
+        async with started(s) as p:
+            async def written() -> bool:
+                return bool(up.received)
+
+            await wait_until(written, timeout=10, what="fact series upstream")
+            assert p.cluster_identity is None
+    infos = [ser.labels for rec in up.received for ser in decode_v1(rec.raw)
+             if ser.labels["__name__"] == "karta_contract_info"]
+    assert infos and all("karta_cluster_uid" not in labels for labels in infos)
+    assert [r.getMessage() for r in caplog.records
+            if "cluster identity: none in snapshot mode" in r.getMessage()]
+
+
 async def test_facts_reach_a_header_tenanted_upstream_with_facts_headers(tmp_path: Path) -> None:
     """A Mimir-like upstream refuses a write without X-Scope-OrgID (401): the facts, sent
     with no tenant header, reached no tenant at all (found by the tenancy audit).
