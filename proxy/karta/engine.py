@@ -88,6 +88,17 @@ log = logging.getLogger(__name__)
 #: (workload, expression) pairs whose jq error was logged, at most (then forgotten, and
 #: logged again): one bad description over every workload of its kind stays bounded
 _JQ_LOGGED_MAX = 10_000
+#: jq error lines in one window of ``_JQ_LINE_WINDOW_SECONDS`` at most, the rest counted
+#: in one line after it: past ``_JQ_LOGGED_MAX`` failing pairs, the once-each set is
+#: forgotten at every turn, and with the re-evaluations of a jq sandbox that cannot
+#: start (every pair again each backoff) an audit saw ~313 lines a second at 6,000
+#: workloads; the errors themselves are counted in ``karta_proxy_jq_errors_total``
+_JQ_LINES_PER_WINDOW = 20
+_JQ_LINE_WINDOW_SECONDS = 60.0
+#: stale entries the retry heap may hold beyond those owed before it is made anew: a
+#: pod deleted while it owes a retry (an hour away during a quarantine) leaves its
+#: entry, and under pod churn they piled up (an audit: 11,289 entries for 100 owed)
+_RETRY_HEAP_SLACK = 1024
 #: a kind's "description in force" info lines: at most one per this many seconds (the
 #: changes in between counted in the next one)
 _IN_FORCE_LINE_SECONDS = 60.0
@@ -207,6 +218,9 @@ class Engine:
         self.stats: Counter[str] = Counter()
         #: (workload uid, expression) of the jq errors logged (:meth:`_log_jq_error`)
         self._jq_logged: set[tuple[str, str]] = set()
+        #: the jq error lines' window: when it began (monotonic), lines in it, and the
+        #: errors not logged for its cap (:meth:`_log_jq_error`)
+        self._jq_window = (-_JQ_LINE_WINDOW_SECONDS, 0, 0)
         #: per kind and description now in force: when its next "in force" line may go,
         #: and the changes held back since the last one (:meth:`_log_in_force`)
         self._in_force_lines: dict[tuple[GroupKind, str], tuple[float, int]] = {}
@@ -411,8 +425,8 @@ class Engine:
         the expression's own failure) ends what was owed."""
         key = (what, uid)
         if retry_after is None:
-            if self._retries:
-                self._retries.pop(key, None)
+            if self._retries and self._retries.pop(key, None) is not None:
+                self._trim_retry_heap()
             return
         now = self._retry_clock()
         last = self._retries.get(key)
@@ -431,6 +445,17 @@ class Engine:
             when = now + max(backoff, retry_after)
         self._retries[key] = (when, backoff)
         heapq.heappush(self._retry_heap, (when, what, uid))
+        self._trim_retry_heap()
+
+    def _trim_retry_heap(self) -> None:
+        """Make the retry heap anew from what is owed once its stale entries (settled,
+        or owed at another time) pass ``_RETRY_HEAP_SLACK``: it then stays within twice
+        what is owed plus the slack, and so does the popping of stale entries in
+        :meth:`retries_due` / :meth:`retry_due`."""
+        if len(self._retry_heap) > 2 * len(self._retries) + _RETRY_HEAP_SLACK:
+            heap = [(when, what, uid) for (what, uid), (when, _) in self._retries.items()]
+            heapq.heapify(heap)
+            self._retry_heap = heap
 
     def _replace_below(self, uids: Iterable[str], cs: ChangeSet) -> None:
         """Re-attribute what lies below each of ``uids`` within its reach (not
@@ -975,6 +1000,19 @@ class Engine:
         key = (wl_uid, expression)
         if key in self._jq_logged:
             return
+        began, lines, held = self._jq_window
+        now = time.monotonic()
+        if now - began >= _JQ_LINE_WINDOW_SECONDS:
+            if held:
+                log.warning("karta engine: %d more jq errors were not logged in the last "
+                            "%.0f s (at most %d lines a window; every one is counted in "
+                            "karta_proxy_jq_errors_total)", held, now - began,
+                            _JQ_LINES_PER_WINDOW)
+            began, lines, held = now, 0, 0
+        if lines >= _JQ_LINES_PER_WINDOW:
+            self._jq_window = (began, lines, held + 1)
+            return  # not remembered: logged later, in a window with room
+        self._jq_window = (began, lines + 1, held)
         if len(self._jq_logged) >= _JQ_LOGGED_MAX:
             self._jq_logged.clear()
         self._jq_logged.add(key)

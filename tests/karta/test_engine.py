@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from proxy import snapshot
+from proxy.karta import engine as engine_module
 from proxy.karta.description import load_description_file, parse_description
 from proxy.karta.engine import Engine
 from proxy.karta.jq_sandbox import QUARANTINE_STRIKES, JqSandbox
@@ -1549,3 +1550,57 @@ def test_a_workload_failed_by_a_quarantine_is_evaluated_again_when_it_ends(
     e.retry_due(100, 10.0)
     assert e.stats[STAT_JQ_RETRY] == 2 and e.retries_owed() == 0
     assert W(e, "thing-t").phase == "Running"
+
+
+def test_jq_error_lines_are_capped_per_window_and_the_rest_counted_in_one_line(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the once-each set's size its pairs are forgotten and logged again: with the
+    re-evaluations of a sandbox that cannot start (every pair again each backoff) an
+    audit saw ~313 lines a second at 6,000 workloads. At most 20 lines a minute now, the
+    rest in one line after it; every error still counted."""
+    monkeypatch.setattr(engine_module, "_JQ_LOGGED_MAX", 10)
+    now = [1000.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: now[0])
+    e = Engine()
+    e.add_descriptions([describe(RETRIED_THING)])
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    things = [obj("example.com/v1", "Thing", f"t{i}", status={"phase": 1}) for i in range(30)]
+    e.upsert_many(things)
+    for round_ in range(3):  # each version fails again: the 30 pairs past the set's 10
+        e.upsert_many([obj("example.com/v1", "Thing", f"t{i}",
+                           status={"phase": 1, "v": round_}) for i in range(30)])
+    assert e.stats[STAT_STATUS_JQ_ERROR] == 120
+    lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
+    assert len(lines) == 20, len(lines)
+    caplog.clear()
+    now[0] += 60.0
+    e.upsert(obj("example.com/v1", "Thing", "t0", status={"phase": 1, "v": 9}))
+    messages = [r.getMessage() for r in caplog.records]
+    # 120 errors: 20 logged, 30 not logged again (the 10 pairs the set holds, in each of
+    # the 3 later rounds), the other 70 held for the cap
+    assert messages[0].startswith("karta engine: 70 more jq errors were not logged in the "
+                                  "last 60 s"), messages
+    assert len(messages) == 2 and "jq error in status" in messages[1]
+
+
+def test_the_retry_heap_is_made_anew_when_stale_entries_pile_up(
+        sandboxes: list[JqSandbox], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod deleted while it owes a retry left its heap entry (an hour away during a
+    quarantine): under pod churn an audit saw 11,289 entries for 100 owed. The heap now
+    stays within twice what is owed plus a slack."""
+    monkeypatch.setattr(engine_module, "_RETRY_HEAP_SLACK", 8)
+    clock = ManualClock(1000.0)
+    e = Engine(retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    _installed(sandboxes, JqSandbox(command=["/nonexistent/python"]))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": "Running"})
+    e.upsert(thing)
+    for i in range(200):
+        p = pod(f"p{i}", thing, role="A")
+        e.upsert(p)  # its selector failed for now: a retry owed
+        e.delete(p)
+    assert e.retries_owed() == 1  # the Thing's own
+    assert len(e._retry_heap) <= 2 * e.retries_owed() + 8 + 1
+    clock.now += 1.0
+    e.retry_due(100, 10.0)
+    assert e.stats[STAT_JQ_RETRY] == 1
