@@ -168,6 +168,8 @@ def pods_text(index: PodIndex) -> str:
     """The pods the index knows, attributed and in all: the landing page and this page
     say it the same way (they said 15 and 16 of the same index)."""
     known = len(index.pods)
+    if not index.ready:  # some kinds listed, not yet others: no count of attributed yet
+        return f"{known} known so far (the index is loading)"
     return f"{known - index.unattributed_pods} attributed / {known} in all"
 
 
@@ -524,6 +526,14 @@ it has none. As JSON: <code>{API_PATH}?namespace=NS&amp;pod=NAME</code>,
 # -- routes -------------------------------------------------------------------------------
 
 
+#: what the page and its JSON twins answer before the index is ready (503): it then holds
+#: some kinds and not yet others, and a pod whose ReplicaSet is not listed yet walks up to
+#: it as its workload (an audit: "attributed", ReplicaSet/web-1, during a start)
+NOT_READY = ("the index is not ready yet (cluster state still loading): attribution would "
+             "be partial (a pod whose owner is not listed yet would show that owner as its "
+             "workload); try again once /-/ready says ready")
+
+
 def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None) -> None:
     """``GET /attribution`` and its two JSON twins."""
     listings = Listings(index)
@@ -534,6 +544,10 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         report = None
         message = ""
         status = 200
+        if not index.ready:
+            text = render_page(index, time.time(), ns, pod, None, NOT_READY, "")
+            return web.Response(text=text, content_type="text/html", status=503,
+                                headers=SECURITY_HEADERS)
         if ns or pod:
             q = _query(request)
             if isinstance(q, str):
@@ -552,6 +566,8 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         q = _query(request)
         if isinstance(q, str):
             return _error(400, "bad_data", q)
+        if not index.ready:
+            return _error(503, "unavailable", NOT_READY)
         report = find_pod(index, explain, *q)
         if report is None:
             message, tombstone = not_found(index, *q)
@@ -571,6 +587,8 @@ def add_routes(app: web.Application, index: PodIndex, explain: Explainer | None)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             return _error(400, "bad_data",
                           f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, not {raw!r}")
+        if not index.ready:
+            return _error(503, "unavailable", NOT_READY)
         listing: JsonListing = await listings.get("json", json_listing)
         # the pods are serialized once per generation; the index's freshness is of now
         pieces = listing.pieces(limit, json.dumps(index_state(index, time.time())))

@@ -571,3 +571,31 @@ def test_the_routes_are_in_the_operations_endpoints_table() -> None:
     rows = [line for line in doc.splitlines() if line.startswith("| `GET ")]
     for path in (PAGE_PATH, API_PATH, UNATTRIBUTED_API_PATH):
         assert any(row.startswith(f"| `GET {path}") for row in rows), path
+
+
+async def test_before_the_index_is_ready_no_pod_is_said_attributed(
+        running: Proxy, proxy: str) -> None:
+    """A half-listed index (pods before their ReplicaSets) walks a pod up to its owner not
+    listed yet as its workload: an audit's start (``forward_before_ready``, so ready for a
+    Service) showed a pod "attributed" to ReplicaSet/web-1. Until the index is ready the
+    page and its JSON twins answer 503 saying so, and the landing page counts no pod
+    attributed."""
+    running.index.ready = False
+    try:
+        status, _, (body, _) = await _get(proxy + "/api/v1/attribution", namespace="web",
+                                          pod="frontend-6d8f7b9c5d-4xkqp")
+        assert status == 503 and body["errorType"] == "unavailable"
+        assert "not ready yet" in body["error"]
+        status, _, (body, _) = await _get(proxy + "/api/v1/attribution/unattributed")
+        assert status == 503 and body["errorType"] == "unavailable"
+        status, text, _ = await _get(proxy + "/attribution", namespace="web",
+                                     pod="frontend-6d8f7b9c5d-4xkqp")
+        assert status == 503 and "not ready yet" in text
+        assert "builtin-apps-deployment" not in text
+        status, text, _ = await _get(proxy + "/")
+        assert status == 200 and "known so far (the index is loading)" in text
+        assert " attributed / " not in text
+    finally:
+        running.index.ready = True
+    status, text, _ = await _get(proxy + "/")
+    assert " attributed / " in text

@@ -61,6 +61,7 @@ def rich_index() -> PodIndex:
     ray = WorkloadRef("ml", "ray.io", "RayJob", "train", "w1")
     dep = WorkloadRef("ml", "apps", "Deployment", "api", "w2")
     index = PodIndex()
+    index.ready = True
     index.apply(
         ChangeSet(
             pods={

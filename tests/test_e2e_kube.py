@@ -355,6 +355,11 @@ async def test_forward_before_ready_stamps_nothing_from_a_half_listed_cluster(
             assert await send(session, eager, [forged]) == 204
             (labels,) = await probe_labels(tsdb, name)
             assert stamped(labels) == {}
+            # nor a scrape of it: no fact of a ReplicaSet "workload" (nor any fact)
+            status, page = await get(session, eager, "/metrics")
+            assert status == 200 and "karta_workload_info{" not in page
+            assert (await get(session, eager, f"/api/v1/attribution?namespace={NS}&pod={name}")
+                    )[0] == 503
 
             await asyncio.wait_for(start, 15)
             assert await send(session, eager, [probe(name, 2.0)]) == 204

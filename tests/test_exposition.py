@@ -35,6 +35,7 @@ def big_index(workloads: int = 400, per: int = 10) -> PodIndex:
                                                   ref, "workers", "g0", str(p))
     cs.pods["lost"] = PodAttribution("ns-0", "loner", "lost", None, reason="no_owner: x")
     index = PodIndex()
+    index.ready = True
     index.apply(cs)
     index.mark_fresh("pods", 1_700_000_000.25)
     return index
@@ -112,6 +113,7 @@ def test_chunks_are_bounded_and_the_page_is_never_held_whole() -> None:
 
 def test_empty_fact_families_are_left_out() -> None:
     index = PodIndex()
+    index.ready = True
     index.apply(ChangeSet(pods={"p": PodAttribution("ns", "p", "p", None, reason="x")}))
     registry = CollectorRegistry()
     registry.register(FactsCollector(index))

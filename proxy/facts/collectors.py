@@ -53,8 +53,17 @@ class FactsCollector(Collector):
         rendered from the fact model as it is written (:func:`proxy.exposition.chunks`):
         a scrape holds one family's producer and a chunk of text, never all the samples
         (~290k at 37.5k pods: that took a scrape from ~235 to ~446 MiB). Every family
-        reads the pods and workloads taken here, so the page describes one state."""
+        reads the pods and workloads taken here, so the page describes one state.
+
+        None before the index is ready: it holds some kinds and not yet others (pods are
+        listed before their ReplicaSets), and a pod whose owner is not listed yet walks
+        up to it as its workload: with ``server.forward_before_ready`` (ready for a
+        Service, so scraped) an audit saw ``karta_workload_info{karta_kind="ReplicaSet"}``
+        and 22 more lines of a workload that does not exist, stored by the scrape. The
+        fact writer, for the same reason, writes nothing before ready."""
         index = self._index
+        if not index.ready:
+            return
         pods = list(index.pods.values())
         workloads = list(index.fact_workloads().values())
         cluster_uid = self._cluster_uid()

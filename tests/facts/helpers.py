@@ -76,8 +76,9 @@ PODS = {
 
 def small_index() -> PodIndex:
     """Two workloads (one custom with instances and replicas, one built-in Undefined),
-    three attributed pods, one unattributed pod, two watched resources."""
+    three attributed pods, one unattributed pod, two watched resources; loaded (ready)."""
     index = PodIndex()
+    index.ready = True
     index.apply(
         ChangeSet(
             pods=dict(PODS),

@@ -35,6 +35,21 @@ def test_metrics_endpoint_serves_the_same_facts() -> None:
     assert "# TYPE karta_workload_phase gauge" in text
 
 
+def test_no_fact_family_before_the_index_is_ready() -> None:
+    """Pods are listed before their ReplicaSets: a half-listed index walks a pod up to its
+    owner not listed yet as its workload, and a scrape during a start
+    (``forward_before_ready``: ready for a Service) stored an audit's phantom
+    ``karta_workload_info{karta_kind="ReplicaSet"}``. Nothing until ready, as the fact
+    writer writes nothing."""
+    index = small_index()
+    index.ready = False
+    registry = CollectorRegistry()
+    registry.register(FactsCollector(index))
+    assert "karta_" not in generate_latest(registry).decode()
+    index.ready = True
+    assert "karta_workload_info{" in generate_latest(registry).decode()
+
+
 def test_metrics_carry_the_cluster_uid_as_the_written_facts_do() -> None:
     """Every replica reads the uid (not only the leader), so the scraped copy of
     ``karta_contract_info`` carries the same ``karta_cluster_uid`` as the written one."""
@@ -107,6 +122,7 @@ def test_a_workload_recreated_while_its_old_pods_remain_is_described_once() -> N
 
     engine = Engine(clock=lambda: 1_700_000_000.0)
     index = PodIndex()
+    index.ready = True
     old = obj("Deployment", "api", "d-1", spec={"replicas": 2})
     rs1 = obj("ReplicaSet", "api-1", "rs-1", old, spec={"replicas": 2})
     index.apply(engine.upsert_many([old, rs1, *(obj("Pod", f"api-1-{i}", f"p1-{i}", rs1)
