@@ -55,6 +55,7 @@ def build_index(pods: int, workloads: int) -> PodIndex:
             cs.pods[uid] = PodAttribution(ref.namespace, f"job-{w}-{p}", uid, ref, comp, inst)
     index.apply(cs)
     index.mark_fresh("pods")
+    index.ready = True  # loaded: /metrics serves no fact before
     return index
 
 

@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> list[Phase]:
 
     t = m.begin()
     index.apply(report.changes)
+    index.ready = True  # loaded, as SnapshotSource.start marks it (the facts need it)
     m.end("index fill", t)
 
     t = m.begin()
