@@ -763,16 +763,8 @@ class Proxy:
                 self.index.expire()
             except Exception:  # never let housekeeping end the process
                 log.exception("tombstone expiry failed")
-            try:
-                cs = self.engine.expire_ghosts()
-            except PartialBatch as e:
-                log.exception("owner ghost expiry failed")
-                cs = e.changes if e.changes is not None else ChangeSet()
-            except Exception:
-                log.exception("owner ghost expiry failed")
+            if not self._housekeep("owner ghost expiry", self.engine.expire_ghosts):
                 continue
-            if cs:
-                self.index.apply(cs)
             try:
                 self.engine.log_held_changes()
             except Exception:
@@ -794,18 +786,27 @@ class Proxy:
             for run in range(RETRY_RUNS_PER_TURN):
                 if run:
                     await asyncio.sleep(0)  # the loop's turn between runs
-                if not self.engine.retries_due():
+                if not self.engine.retries_due() or not self._housekeep(
+                        "jq re-evaluation",
+                        lambda: self.engine.retry_due(RETRY_RUN_OBJECTS, LOOP_RUN_SECONDS)):
                     break
-                try:
-                    cs = self.engine.retry_due(RETRY_RUN_OBJECTS, LOOP_RUN_SECONDS)
-                except PartialBatch as e:
-                    log.exception("jq re-evaluation failed")
-                    cs = e.changes if e.changes is not None else ChangeSet()
-                except Exception:
-                    log.exception("jq re-evaluation failed")
-                    break
-                if cs:
-                    self.index.apply(cs)
+
+    def _housekeep(self, what: str, step: Callable[[], ChangeSet]) -> bool:
+        """One engine housekeeping step, what it changed applied to the index: a step that
+        failed half-way (``PartialBatch``) has its part applied, since the engine holds
+        it already. False: it failed (logged), never raised: housekeeping must not end the
+        process."""
+        try:
+            cs = step()
+        except PartialBatch as e:
+            log.exception("%s failed", what)
+            cs = e.changes if e.changes is not None else ChangeSet()
+        except Exception:
+            log.exception("%s failed", what)
+            return False
+        if cs:
+            self.index.apply(cs)
+        return True
 
     async def stop(self) -> None:
         """Stop taking requests and finish those in flight while the fact writer ends its

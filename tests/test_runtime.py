@@ -27,20 +27,28 @@ if TYPE_CHECKING:
     from tests.kubesim import KubeSim
 
 
-async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
-    async with ScriptedUpstream() as up:
-        s = snapshot_settings(tmp_path, up.url)
-        s.facts.enabled = True
-        s.facts.interval_seconds = 0.2
-        async with started(s) as p:
-            async def written() -> bool:
-                return bool(up.received)
+def writing_facts(tmp_path: Path, upstream_url: str) -> Settings:
+    """The snapshot proxy's settings with facts written every 0.2 s."""
+    s = snapshot_settings(tmp_path, upstream_url)
+    s.facts.enabled = True
+    s.facts.interval_seconds = 0.2
+    return s
 
-            await wait_until(written, timeout=10, what="fact series upstream")
-            async with aiohttp.ClientSession() as session, session.get(
-                f"http://127.0.0.1:{p.port}/metrics"
-            ) as r:
-                text = await r.text()
+
+async def first_fact_write(up: ScriptedUpstream) -> None:
+    async def written() -> bool:
+        return bool(up.received)
+
+    await wait_until(written, timeout=10, what="fact series upstream")
+
+
+async def test_facts_written_upstream_and_served(tmp_path: Path) -> None:
+    async with ScriptedUpstream() as up, started(writing_facts(tmp_path, up.url)) as p:
+        await first_fact_write(up)
+        async with aiohttp.ClientSession() as session, session.get(
+            f"http://127.0.0.1:{p.port}/metrics"
+        ) as r:
+            text = await r.text()
     names = {ser.labels["__name__"] for rec in up.received for ser in decode_v1(rec.raw)}
     assert any(n.startswith("karta_") for n in names), names
     assert "karta_pod_info" in names  # pod facts always go into the stream
@@ -58,16 +66,9 @@ async def test_snapshot_mode_has_no_cluster_identity_and_says_so(
     """No API server of the snapshot's cluster to read kube-system's uid from: no read,
     one info line, and karta_contract_info written without karta_cluster_uid."""
     caplog.set_level(logging.INFO, logger="karta.runtime")
-    async with ScriptedUpstream() as up:
-        s = snapshot_settings(tmp_path, up.url)
-        s.facts.enabled = True
-        s.facts.interval_seconds = 0.2
-        async with started(s) as p:
-            async def written() -> bool:
-                return bool(up.received)
-
-            await wait_until(written, timeout=10, what="fact series upstream")
-            assert p.cluster_identity is None
+    async with ScriptedUpstream() as up, started(writing_facts(tmp_path, up.url)) as p:
+        await first_fact_write(up)
+        assert p.cluster_identity is None
     infos = [ser.labels for rec in up.received for ser in decode_v1(rec.raw)
              if ser.labels["__name__"] == "karta_contract_info"]
     assert infos and all("karta_cluster_uid" not in labels for labels in infos)
