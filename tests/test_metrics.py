@@ -109,11 +109,16 @@ def test_the_engines_jq_errors_are_a_counter_by_where() -> None:
 
 
 
-def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time() -> None:
+def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every reason at 0 without a sandbox (karta.jq_sandbox off), then the sandbox's
     own counts (real children: a time limit hit, then quarantined)."""
+    from proxy.karta import jq_sandbox
     from proxy.karta.jq_sandbox import QUARANTINE_STRIKES, JqSandbox
     from proxy.karta.jqexpr import JqError, JqExpr
+
+    # struck however loaded the box (tests/karta/test_jq_sandbox.py, LOADED_BOX_SHARE)
+    monkeypatch.setattr(jq_sandbox, "STRIKE_CPU_SHARE", 0.05)
 
     metrics = ProxyMetrics()
     get = metrics.registry.get_sample_value

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.karta import jq_sandbox
 from proxy.karta.jq_child import MAX_ANSWER_BYTES
 from proxy.karta.jq_sandbox import QUARANTINE_SECONDS, QUARANTINE_STRIKES, JqSandbox
 from proxy.karta.jqexpr import (
@@ -37,6 +38,19 @@ DOUBLING = ".a" + " | (.+.)" * 40
 #: loops for ~minutes in libjq (JqExpr compiles anything: the load-time refusals are
 #: the description parser's)
 LOOPING = "[limit(100000000; repeat(1))] | length"
+
+
+#: the CPU share of the limit a timed-out child must have used to be struck here (the
+#: product's ``STRIKE_CPU_SHARE``: half): on a box loaded by other work a looping child
+#: got less than half a core, its timeouts were stalls, not strikes, and the strike and
+#: quarantine tests failed there (seen with two test runs beside them). A child stopped
+#: (SIGSTOP) uses none, so the stall tests hold at this share too
+LOADED_BOX_SHARE = 0.05
+
+
+@pytest.fixture(autouse=True)
+def _strikes_on_a_loaded_box(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jq_sandbox, "STRIKE_CPU_SHARE", LOADED_BOX_SHARE)
 
 
 @pytest.fixture
