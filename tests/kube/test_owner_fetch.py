@@ -19,7 +19,7 @@ from proxy.kube import owner_fetch
 from proxy.kube.source import KubeSource
 from tests.kube.conftest import SourceFactory, deployment, eventually, labels, metric, owner, pod
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import REPLICA_SET
+from tests.kubesim.resources import DEPLOYMENT, REPLICA_SET
 
 NS = "shop"
 
@@ -189,3 +189,92 @@ async def test_over_the_bounds_nothing_is_parked(
     await eventually(lambda: web(source, "web-3-0") == ("ReplicaSet", "web-3"))
     assert fetches(source, "skipped") == 1
     assert gets(sim, "web-3") == 0
+
+
+async def test_an_older_event_of_a_parked_copy_neither_drops_it_nor_loops(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The audit's shape: Deployment ``api`` -> ReplicaSet ``api-1`` -> pod, both owner
+    kinds' lists and watches failing, their GETs served, the Deployment's slow. The
+    ReplicaSet is fetched and parked behind its Deployment's GET; the lagging ReplicaSet
+    watch then delivers its creation, older than the copy. That event dropped the parked
+    copy: the pod waited for good, and a pod update then started 1,984 GETs of the
+    ReplicaSet in 2 s (the copy taken for superseded, what waited parked again)."""
+    deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    fetcher = source.owner_fetcher
+    assert fetcher is not None
+    sim.fail_resource(REPLICA_SET, 500, collections_only=True)
+    sim.fail_resource(DEPLOYMENT, 500, collections_only=True)
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    sim.delay_resource(DEPLOYMENT, 1.0)
+    dep = sim.create({"apiVersion": "apps/v1", "kind": "Deployment",
+                      "metadata": {"name": "api", "namespace": NS},
+                      "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "api"}}}})
+    created = sim.create({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                          "metadata": {"name": "api-1", "namespace": NS,
+                                       "labels": {"app": "api"}, "ownerReferences": owner(dep)},
+                          "spec": {"replicas": 1}})
+    status = copy.deepcopy(created)
+    status["status"] = {"replicas": 1}
+    sim.update(status)  # the copy fetched is newer than the creation
+    p = sim.create(pod("api-1-0", NS, owner_obj=created, labels={"app": "api"}))
+    rs_uid, pod_uid = created["metadata"]["uid"], p["metadata"]["uid"]
+    await eventually(lambda: rs_uid in fetcher._parked)
+    (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
+    watcher.held[rs_uid] = f"{NS}/api-1"  # as the watch holds what it delivers
+    source.handle(watcher, [("ADDED", copy.deepcopy(created))])
+    assert rs_uid in fetcher._parked and pod_uid in fetcher._parked
+    await eventually(lambda: labels(source, NS, "api-1-0") is not None, timeout=5)
+    assert web(source, "api-1-0") == ("Deployment", "api")
+    assert fetcher.parked == 0
+    n = gets(sim, "api-1")
+    assert n == 1
+    moved = copy.deepcopy(sim.get("v1", "Pod", "api-1-0", NS))
+    moved["metadata"]["labels"]["x"] = "1"
+    sim.update(moved)
+    await asyncio.sleep(1.5)
+    assert gets(sim, "api-1") == n
+    assert fetches(source, "superseded") == 0
+    assert web(source, "api-1-0") == ("Deployment", "api")
+
+
+async def test_gets_of_one_owner_are_spaced(sim: KubeSim, make_source: SourceFactory) -> None:
+    """Whatever sends what waits back to a GET, one owner's GETs are REFETCH_SECONDS apart
+    at least: here the retries of a failing GET, whose backoff starts at 0.2 s (five GETs
+    in 1.6 s before)."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 500)
+    sim.disconnect_watches()
+    rs2 = new_rs(sim, dep, "web-2")
+    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: gets(sim, "web-2") >= 1)
+    await asyncio.sleep(1.8)
+    assert gets(sim, "web-2") <= 1 + int(1.8 / owner_fetch.REFETCH_SECONDS)
+    assert fetches(source, "failed") == gets(sim, "web-2")
+
+
+async def test_a_pod_waits_no_longer_than_its_deadline(
+        sim: KubeSim, make_source: SourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait is bounded from the moment a pod is parked, the queue for a GET included:
+    one GET at a time, two owners whose GETs take 3 s each; the second pod waited 6 s.
+    Past the deadline a pod is placed as before; the GET's answer moves it."""
+    monkeypatch.setattr(owner_fetch, "CONCURRENCY", 1)
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    seen = record(source)
+    sim.fail_resource(REPLICA_SET, 500, collections_only=True)
+    sim.delay_resource(REPLICA_SET, 3.0)
+    sim.disconnect_watches()
+    await asyncio.sleep(0.3)
+    for rev in ("2", "3"):
+        rs = new_rs(sim, dep, f"web-{rev}")
+        sim.create(pod(f"web-{rev}-0", NS, owner_obj=rs, labels={"app": "web"}))
+    took = await eventually(lambda: labels(source, NS, "web-2-0") is not None
+                            and labels(source, NS, "web-3-0") is not None, timeout=10)
+    assert took < owner_fetch.PARK_SECONDS + 1.0, took
+    await eventually(lambda: all(web(source, f"web-{rev}-0") == ("Deployment", "web")
+                                 for rev in ("2", "3")), timeout=15)
+    assert ("ReplicaSet", "web-3") in seen  # placed as before meanwhile
+    assert fetches(source, "fetched") == 2
