@@ -12,15 +12,22 @@ does not hold, of a kind that is watched, is held back ("parked") while that own
 fetched with one GET, as the watch would deliver it (whole, or metadata only); the owner
 goes through the source's event path first (its own absent owner fetched the same way,
 up to ``max_owner_hops``), then what waited for it. A pod parked is unknown to the index
-for the GET's round trip (milliseconds), never placed in a made-up workload.
+for the GET's round trip, and ``PARK_SECONDS`` at most from the moment it was parked
+(queued behind other GETs, behind a slow one, behind its owner's own owner): past that it
+is placed as before (the absent owner its workload) and the GET's answer moves it.
 
 - A fetched copy is applied only while its uid is still absent (the watch may have
   delivered it meanwhile); a later watch event of it older than the copy (a watch behind,
-  replaying) is skipped: ``metadata.resourceVersion`` compared when both are decimal
+  replaying) is skipped, and never replaces the copy while that waits parked itself:
+  ``metadata.resourceVersion`` compared when both are decimal
   integers (etcd's are); otherwise events apply as they come.
-- One GET per uid at a time, at most ``CONCURRENCY`` under way; at most ``MAX_OWNERS``
-  owners tracked and ``MAX_PARKED`` objects parked (past either, objects go on at once:
-  the old behaviour). Memory grows with pods, never with series.
+- One GET per uid at a time, ``REFETCH_SECONDS`` apart at least (whatever sends what
+  waits back to a GET: no loop of GETs), at most ``CONCURRENCY`` under way; at most
+  ``MAX_OWNERS`` owners tracked and ``MAX_PARKED`` objects parked (past either, objects
+  go on at once: the old behaviour). Memory grows with pods, never with series.
+- A kind no longer watched (dropped at a description reload, or watched at another
+  version) before the GET or while it is under way: the copy is dropped (``unwatched``),
+  never fed through a stopped watcher whose retraction has already run.
 - 404 / 410 or another uid under the name: the owner is gone, not retried; what waited
   goes on (an absent owner, as before). 403: that kind is not fetched again (one warning
   naming the missing ``get``). Anything else (5xx, a timeout, the server unreachable):
@@ -147,7 +154,8 @@ class OwnerFetcher:
             contract.OP_OWNER_FETCHES,
             "GETs of owners the watch had not delivered when something pointing at them "
             "came, by outcome (fetched, superseded: the watch was first, gone: 404, "
-            "forbidden: 403, failed: retried, skipped: over the bounds, not made).",
+            "forbidden: 403, failed: retried, skipped: over the bounds, not made, "
+            "unwatched: the kind no longer watched).",
             ["outcome"],
             registry=registry,
         )
