@@ -108,7 +108,7 @@ class Enricher:
                                sender_karta_labels, max_labels_per_series, cluster_check)
         self._splicer = Splicer(self.plan, implementation)
         self.table = self._splicer.table
-        self._unready = Splicer(self.plan, self._splicer.implementation)
+        self._unstamped = Splicer(self.plan, self._splicer.implementation)
         self.table.update(list(index.answers()))
         ref = weakref.ref(self)
 
@@ -132,16 +132,23 @@ class Enricher:
         return self._splicer
 
     @property
-    def unready_splicer(self) -> Splicer:
-        """The plan in force over a pod table that stays empty: what a request relayed
-        before the index is ready (``server.forward_before_ready``) is spliced with. The
-        index then holds some kinds and not yet others (pods are listed before their
-        ReplicaSets), and its answer for a pod whose owner is not listed yet names a
-        workload of the owner's kind: an audit saw every pod stamped ``ReplicaSet`` for the
-        6.9 s a start took, then ``Deployment``, two label sets for every series. Unstamped
-        until ready, a series has one label set before and its own after; the sender's
-        ``karta_*`` labels are dropped as ever (a pass-through would let them in)."""
-        return self._unready
+    def unstamped_splicer(self) -> Splicer:
+        """The plan in force over a pod table that stays empty: no series is stamped, the
+        sender's ``karta_*`` labels are dropped as ever (a pass-through would let them in)
+        and every series is counted. What a request is spliced with when none of its
+        series may be stamped:
+
+        - relayed before the index is ready (``server.forward_before_ready``). The index
+          then holds some kinds and not yet others (pods are listed before their
+          ReplicaSets), and its answer for a pod whose owner is not listed yet names a
+          workload of the owner's kind: an audit saw every pod stamped ``ReplicaSet`` for
+          the 6.9 s a start took, then ``Deployment``, two label sets for every series.
+          Unstamped until ready, a series has one label set before and its own after;
+        - stored under another cluster by its URL: an ``extra_label`` of the cluster label
+          with another value than the proxy's (VictoriaMetrics sets it over the series'
+          own), whatever the series say. The handler counts its series that name a pod
+          ``other_cluster`` (:meth:`SpliceResult.stored_elsewhere`)."""
+        return self._unstamped
 
     def prepare(self, plan: SplicePlan) -> Splicer:
         """A reload's new plan compiled for the splice in use (what can fail: the native
@@ -160,8 +167,8 @@ class Enricher:
         with, and the next one with the new; given a ``Splicer``, nothing here fails."""
         splicer = plan if isinstance(plan, Splicer) else self.prepare(plan)
         # (compiled before anything is swapped: ``prepare`` compiled the same plan)
-        unready = Splicer(splicer.plan, splicer.implementation)
-        self._splicer, self.plan, self._unready = splicer, splicer.plan, unready
+        unstamped = Splicer(splicer.plan, splicer.implementation)
+        self._splicer, self.plan, self._unstamped = splicer, splicer.plan, unstamped
 
     def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
                   grow: Grow | None = None) -> SpliceResult:

@@ -64,6 +64,7 @@ from proxy.wire.plan import (
     REASON_LABEL_LIMIT,
     REASON_OTHER_CLUSTER,
     OverLimit,
+    SplicePlan,
     SpliceResult,
     renumbered,
 )
@@ -115,14 +116,15 @@ PART_DECODED_BYTES = 256 * 1024
 
 class Enriching(typing.Protocol):
     """What the handler needs of ``proxy.enrichment.Enricher``: the splice of the plan in
-    force, taken once per request (called from worker threads), and the same plan over no
-    pods, for a request relayed before the index is ready."""
+    force, taken once per request, and the same plan over no pods, for a request none of
+    whose series may be stamped (relayed before the index is ready, or stored under
+    another cluster by its URL)."""
 
     @property
     def splicer(self) -> Splicer: ...
 
     @property
-    def unready_splicer(self) -> Splicer: ...
+    def unstamped_splicer(self) -> Splicer: ...
 
 
 def worker_count(configured: int) -> int:
@@ -320,12 +322,15 @@ class RemoteWriteHandler:
             peer_field=None)
         #: and so do series of another cluster (a misconfigured agent sends them in every
         #: request, and after an upgrade whose facts.external_labels does not match the
-        #: agents' every series is one): a line per value seen and interval, naming it,
-        #: this proxy's, the sender and what to change
+        #: agents' every series is one): a line per interval naming the value seen, this
+        #: proxy's, the sender and what to change, the summary how many values. One key:
+        #: the value is the sender's to choose (one a request made a line and a window
+        #: each, for good)
         self._other_cluster = Throttled(
             log, "series of another cluster forwarded unattributed: their cluster label is "
             "not this proxy's (facts.external_labels), so this cluster's pods are not theirs",
-            "series of another cluster forwarded unattributed", peer_field="remote")
+            "series of another cluster forwarded unattributed", peer_field="remote",
+            distinct_field="seen")
         #: and so do RW 2.0 requests whose symbol index was flooded (one sender's, in every
         #: request it sends): a line per interval naming the request's size and the sender
         self._index_flooded = Throttled(
@@ -749,17 +754,18 @@ class RemoteWriteHandler:
         # of the budget and a request at the body and decoded limits (LoadBudget.fits)
         whole = max(s.max_inflight_bytes, s.max_body_bytes + 2 * s.max_decoded_bytes)
         room = Room(held, decoded, whole - held.bytes + decoded, self._splices_grown)
+        splicer, elsewhere = self._splicer_for(tenant, query)
         try:
             if declared is not None and declared <= INLINE_DECODED_BYTES \
                     and len(body) <= INLINE_DECODED_BYTES:
                 # shorter than a round trip through the pool (two thread switches)
-                prepared = self._prepare(body, encoding, protocol, 1, room)
+                prepared = self._prepare(body, encoding, protocol, splicer, 1, room)
             else:
                 parts = self._parts_for(declared, protocol, encoding)
                 self._in_workers += 1
                 try:
                     prepared = await self._pool.submit(self._prepare, body, encoding, protocol,
-                                                       parts, room)
+                                                       splicer, parts, room)
                 finally:
                     self._in_workers -= 1
         except ThreadStartError as e:
@@ -787,12 +793,15 @@ class RemoteWriteHandler:
         body_bytes = len(body)
         del body
         result = prepared.result
+        if elsewhere is not None:
+            result.stored_elsewhere(elsewhere[0])
         # from here to the answer it holds its outgoing body only, compressed: its own
         # body and the decoded one are gone
         held.settle(len(prepared.outgoing.encoded))
         self._count(result)
         if result.other_cluster is not None:
-            self._other_cluster_seen(result, request)
+            self._other_cluster_seen(splicer.plan, result, request,
+                                     elsewhere[1] if elsewhere is not None else "")
         if result.index_flooded:
             self.metrics.symbol_index_floods.inc()
             self._index_flooded.event("index_flooded", {
@@ -850,15 +859,41 @@ class RemoteWriteHandler:
             return 1
         return max(1, min(self.workers, declared // PART_DECODED_BYTES))
 
-    def _prepare(self, body: bytes, encoding: str, protocol: Protocol, parts: int = 1,
-                 room: Room | None = None) -> Prepared:
-        """The worker-thread part of a request: decompress, splice, convert, compress.
-        ``room``: what the splice may hold beside the decoded body (``OverLimit`` past it)."""
-        limit = room.limit if room is not None else None
-        # one plan for the whole request, its parts too; before the index is ready
-        # (forward_before_ready) over no pods: a half-listed cluster stamps phantoms
+    def _splicer_for(self, tenant: str | None, query: str
+                     ) -> tuple[Splicer, tuple[bytes, str] | None]:
+        """The splice of a request (one plan for the whole request, its parts too), and
+        the other cluster its URL stores it under with whose ``extra_label`` that is
+        (``Upstream.extra_label``), None when it does not.
+
+        Over no pods (``Enricher.unstamped_splicer``) before the index is ready
+        (``forward_before_ready``: a half-listed cluster stamps phantoms), and when the
+        URL as forwarded sets the cluster label (``enrich.cluster_label``) to another
+        value than the proxy's: VictoriaMetrics sets it on every series over the series'
+        own (the last ``extra_label`` of the name wins), so each would be stored in that
+        cluster with this one's workloads, whatever label the body carries. On a
+        receiver that ignores ``extra_label`` (Prometheus, Mimir, Thanos) the request is
+        unstamped all the same: which receiver is behind ``upstream.url`` is not known
+        (vmagent, a gateway in front of VictoriaMetrics), and the parameter says the
+        sender means another cluster. On the event loop, as a reload's ``replan``: the
+        two splicers are of one plan."""
         enricher = self.enricher
-        splicer = enricher.splicer if self.index.ready else enricher.unready_splicer
+        splicer = enricher.splicer
+        check = splicer.plan.cluster
+        elsewhere = None
+        if check is not None:
+            elsewhere = self.upstream.extra_label(check[0], tenant, query)
+            if elsewhere is not None and elsewhere[0] == check[1]:
+                elsewhere = None  # this cluster's: the series' own labels decide
+        if elsewhere is not None or not self.index.ready:
+            return enricher.unstamped_splicer, elsewhere
+        return splicer, None
+
+    def _prepare(self, body: bytes, encoding: str, protocol: Protocol, splicer: Splicer,
+                 parts: int = 1, room: Room | None = None) -> Prepared:
+        """The worker-thread part of a request: decompress, splice (with ``splicer``,
+        ``_splicer_for``), convert, compress. ``room``: what the splice may hold beside the
+        decoded body (``OverLimit`` past it)."""
+        limit = room.limit if room is not None else None
         # the splice copies what it keeps (an untouched body included), so the body may be
         # decoded into the thread's scratch buffer (proxy.compression._Scratch)
         raw = decompress_scratch(body, encoding, max_decoded=self.settings.max_decoded_bytes)
@@ -931,26 +966,43 @@ class RemoteWriteHandler:
                 "setting": "upstream.max_labels_per_series",
             })
 
-    def _other_cluster_seen(self, result: SpliceResult, request: web.Request) -> None:
+    def _other_cluster_seen(self, plan: SplicePlan, result: SpliceResult,
+                            request: web.Request, source: str) -> None:
         """The throttled line of a request with series of another cluster: which label,
-        the value seen (the request's first), this proxy's value, the sender, and the
-        change that makes them agree, spelled out (after an upgrade to the check, a
-        proxy whose facts.external_labels was never set to the agents' value sees every
-        series so)."""
-        check = self.enricher.splicer.plan.cluster
+        the value seen (the request's first, or its URL's), this proxy's value, where the
+        value came from (``source``: "" the series, else whose ``extra_label``), the
+        sender, and the change that makes them agree, spelled out (after an upgrade to the
+        check, a proxy whose facts.external_labels was never set to the agents' value sees
+        every series so)."""
+        check = plan.cluster
         if check is None or result.other_cluster is None \
                 or not log.isEnabledFor(self._other_cluster.level):
             return
         label, expected = (x.decode("utf-8", "replace") for x in check)
-        seen = result.other_cluster.decode("utf-8", "replace")
-        self._other_cluster.event(f"{seen[:200]}", {
-            "label": label, "seen": seen[:200], "expected": expected,
+        seen = result.other_cluster.decode("utf-8", "replace")[:200]
+        if source == "sender":
+            where = f"extra_label={label}={seen} in the sender's URL"
+            fix = (f"the TSDB stores every series of these requests under {label}=\"{seen}\" "
+                   "(VictoriaMetrics sets an extra_label over the series' own): if they are "
+                   f"this cluster's, remove extra_label={label}=... from the sender's "
+                   "remote-write URL (or make it "
+                   f"{label}={expected}); enrich.cluster_label: \"\" turns the check off")
+        elif source:
+            where = f"extra_label={label}={seen} in upstream.url"
+            fix = (f"upstream.url stores every relayed series under {label}=\"{seen}\": make "
+                   f"its extra_label {label}={expected}, as facts.external_labels says (a "
+                   "restart)")
+        else:
+            where = f"the series' {label} label"
+            fix = (f'if these series are this cluster\'s, make the agents\' external label '
+                   f'{label}="{expected}", or set facts.external_labels.{label}: '
+                   f'"{seen}" here (a restart); enrich.cluster_label: "" turns the '
+                   'check off')
+        self._other_cluster.event("other_cluster", {
+            "label": label, "seen": seen, "expected": expected, "source": where,
             "series": result.unattributed.get(REASON_OTHER_CLUSTER, 0),
             "remote": request.remote, "user_agent": request.headers.get("User-Agent", ""),
-            "fix": f'if these series are this cluster\'s, make the agents\' external label '
-                   f'{label}="{expected}", or set facts.external_labels.{label}: '
-                   f'"{seen[:200]}" here (a restart); enrich.cluster_label: "" turns the '
-                   'check off',
+            "fix": fix,
         })
 
     @staticmethod

@@ -151,6 +151,14 @@ def setup_logging(level: str = "info", fmt: str = "auto", stream: IO[str] | None
 THROTTLE_SECONDS = 10.0
 #: peers named in a summary line (a fleet of them would make one line of every address)
 PEERS_NAMED = 8
+#: keys a :class:`Throttled` keeps a window for at once: past them, after its idle windows
+#: were dropped, a new key's events share one window (``OVERFLOW_KEY``). A key may come
+#: from a sender (a label value, an upstream's error text), and a window is ~640 bytes
+MAX_KEYS = 256
+#: the window of the keys past ``MAX_KEYS``; its lines say so (``keys_over_limit``)
+OVERFLOW_KEY = "\0overflow"
+#: distinct values of ``distinct_field`` counted for a summary line (more read as this)
+DISTINCT_COUNTED = 100
 
 
 @dataclass
@@ -162,7 +170,14 @@ class _Window:
     last: dict[str, Any] | None = None
     last_peer: str = ""
     hosts: set[str] = field(default_factory=set)
+    #: the hashes of the ``distinct_field`` values of the events held
+    #: (``DISTINCT_COUNTED`` at most)
+    values: set[int] = field(default_factory=set)
     timer: asyncio.TimerHandle | None = None
+
+    def idle(self, now: float) -> bool:
+        """Nothing held and its interval over: a new window would do the same."""
+        return self.timer is None and self.suppressed == 0 and now >= self.next_line_at
 
 
 class Throttled:
@@ -174,21 +189,33 @@ class Throttled:
 
     ``level``: the lines' level (a refusal under overload is info, not a warning);
     ``peer_field`` None: events with no peer (an upstream's failures), and a summary
-    that names none.
+    that names none; ``distinct_field``: a field whose distinct values a summary counts
+    (``<field>_values``, up to ``DISTINCT_COUNTED``), for a key that stands for many.
+
+    The state is bounded whatever the keys: a window whose interval is over with nothing
+    held is dropped once ``max_keys`` are kept, and past them (a flood of keys within
+    one interval) the new keys' events share one window, their lines marked
+    ``keys_over_limit``. Without that, a key a sender chooses (2,000 distinct values
+    made 2,000 windows, ~640 bytes each) grew the process for good, a line each.
     """
 
     def __init__(self, logger: logging.Logger, message: str, summary: str, *,
                  peer_field: str | None = "peer", level: int = logging.WARNING,
                  interval: float = THROTTLE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 distinct_field: str | None = None, max_keys: int = MAX_KEYS) -> None:
         self._log = logger
         self._message = message
         self._summary = summary
         self._peer_field = peer_field
+        self._distinct_field = distinct_field
         self.level = level
         self.interval = interval
         self._clock = clock
+        self._max_keys = max_keys
         self._windows: dict[str, _Window] = {}
+        #: no idle window to drop before then (the earliest a kept one's interval ends)
+        self._prune_at = 0.0
 
     def event(self, key: str, extra: dict[str, Any], *, at_once: bool = False) -> None:
         """One event of ``key`` with its fields (``peer_field`` among them).
@@ -196,10 +223,16 @@ class Throttled:
         ``at_once``: its line now whatever the interval (news the reader must not wait
         for, as a state that changed back), the summary of the ones held written first,
         so that the lines stay in the order of the events; a new interval begins."""
+        now = self._clock()
         w = self._windows.get(key)
         if w is None:
-            w = self._windows[key] = _Window()
-        now = self._clock()
+            if len(self._windows) >= self._max_keys:
+                self._prune(now)
+            if len(self._windows) >= self._max_keys:
+                key, extra = OVERFLOW_KEY, {**extra, "keys_over_limit": self._max_keys}
+                w = self._windows.get(key)
+            if w is None:
+                w = self._windows[key] = _Window()
         if at_once and w.suppressed:
             if w.timer is not None:
                 w.timer.cancel()
@@ -214,6 +247,8 @@ class Throttled:
         if self._peer_field is not None and len(w.hosts) <= PEERS_NAMED:
             w.hosts.add(peer.rsplit(":", 1)[0] if peer.count(":") == 1 or "]" in peer
                         else peer)
+        if self._distinct_field is not None and len(w.values) < DISTINCT_COUNTED:
+            w.values.add(hash(str(extra.get(self._distinct_field, ""))))
         if w.timer is None:
             w.timer = asyncio.get_running_loop().call_later(
                 max(0.0, w.next_line_at - now), self._summarize, key)
@@ -230,9 +265,21 @@ class Throttled:
             summary["peers"] = ", ".join(hosts[:PEERS_NAMED]) + (
                 ", ..." if len(hosts) > PEERS_NAMED else "")
             summary["last_peer"] = w.last_peer
+        if self._distinct_field is not None:
+            summary[f"{self._distinct_field}_values"] = len(w.values)
         self._log.log(self.level, self._summary, extra=summary)
         w.next_line_at = self._clock() + self.interval
-        w.suppressed, w.last, w.hosts = 0, None, set()
+        w.suppressed, w.last, w.hosts, w.values = 0, None, set(), set()
+
+    def _prune(self, now: float) -> None:
+        """Drop the idle windows (at most once per interval end: in a flood of new keys
+        every window is live, and each new key would walk them all)."""
+        if now < self._prune_at:
+            return
+        windows = self._windows
+        for key in [k for k, w in windows.items() if w.idle(now)]:
+            del windows[key]
+        self._prune_at = min((w.next_line_at for w in windows.values()), default=now)
 
     def close(self) -> None:
         """Write what waits for a summary now (the proxy is stopping); cancel the timers."""

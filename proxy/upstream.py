@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 from typing import Protocol as Interface
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote_to_bytes, urlsplit, urlunsplit
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -162,6 +162,45 @@ def karta_extra_label(query: str) -> str:
     return ""
 
 
+#: a ``%`` that does not start a ``%XX`` escape: Go's ``url.ParseQuery`` skips the pair
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def _go_unescaped(s: str) -> bytes | None:
+    """``s`` decoded as Go's ``url.QueryUnescape`` does (``+`` is a blank, ``%XX`` a byte,
+    no UTF-8 check); None where Go fails (a bad ``%`` escape)."""
+    if _BAD_ESCAPE.search(s):
+        return None
+    return unquote_to_bytes(s.replace("+", " "))
+
+
+def extra_label_value(query: str, label: bytes) -> bytes | None:
+    """The value VictoriaMetrics gives ``label`` on every series of a request sent with
+    this raw query string, from its ``extra_label`` parameters; None: they name none.
+
+    Read as VictoriaMetrics reads them, as measured against VictoriaMetrics 1.79 (a
+    strict reading, unlike :func:`karta_extra_label`'s: this one decides where a series
+    is stored, and a pair read that VictoriaMetrics skips would name a cluster it does
+    not store): Go's ``url.ParseQuery`` (``&``-separated pairs; a pair holding a ``;``
+    or a bad ``%`` escape is skipped), the label name up to the value's first ``=``,
+    exact (``%20cluster`` is another label); of several, the last wins, and one with an
+    empty value is skipped (the series keeps what it had)."""
+    found: bytes | None = None
+    for pair in query.split("&"):
+        if ";" in pair:
+            continue
+        name, _, value = pair.partition("=")
+        if _go_unescaped(name) != EXTRA_LABEL.encode():
+            continue
+        decoded = _go_unescaped(value)
+        if decoded is None:
+            continue
+        named, eq, given = decoded.partition(b"=")
+        if eq and named == label and given:
+            found = given
+    return found
+
+
 def _layout_and_digest(raw: bytes, protocol: Protocol) -> tuple[Layout, bytes]:
     """The layout of a body to cut, and its digest (CPU work: a worker thread's): the
     body is the same, byte for byte, when a sender sends the same batch again and the
@@ -205,6 +244,13 @@ def _parts_key(digest: bytes, url: URL, sent: Outgoing, headers: CIMultiDict[str
 def _parsed(url: str) -> URL:
     """``url`` parsed once (the same few URLs, one per tenant, every request)."""
     return URL(url)
+
+
+@functools.lru_cache(maxsize=256)
+def _own_extra_label(url: str, label: bytes) -> bytes | None:
+    """:func:`extra_label_value` of ``url``'s own query (the same few URLs, every
+    request)."""
+    return extra_label_value(_parsed(url).raw_query_string, label)
 
 
 def upstream_target(url: str, query: str = "") -> URL:
@@ -924,6 +970,21 @@ class Upstream:
         """The Content-Encoding sent upstream for a request the sender encoded so."""
         out = encoding if self.settings.encoding == "same" else self.settings.encoding
         return "snappy" if self.zstd_refused else out
+
+    def extra_label(self, label: bytes, tenant: str | None, query: str
+                    ) -> tuple[bytes, str] | None:
+        """The value a VictoriaMetrics upstream sets ``label`` to on every series of a
+        request (``tenant`` and ``query`` as the sender's path and URL gave them), from the
+        ``extra_label`` parameters of the URL as forwarded (:func:`upstream_target`: the
+        upstream URL's own query, then the sender's), and whose they are: ``"sender"`` or
+        ``"upstream.url"``. None: they name none (the series keep theirs)."""
+        if query:
+            value = extra_label_value(query, label)
+            if value is not None:  # the sender's come last: the last one wins
+                return value, "sender"
+        url = tenant_url(self.url, tenant, self.settings.default_tenant)
+        value = _own_extra_label(url, label) if url is not None else None
+        return (value, "upstream.url") if value is not None else None
 
     def leaves_out_histograms(self) -> bool:
         """True while converted requests go without their native histograms: the upstream

@@ -382,6 +382,20 @@ class SpliceResult:
         if decision.cluster_seen is not None and self.other_cluster is None:
             self.other_cluster = decision.cluster_seen
 
+    def stored_elsewhere(self, cluster: bytes) -> None:
+        """The outcome of a request the TSDB stores under another ``cluster`` than the
+        proxy's (its URL's ``extra_label``), spliced over no pods
+        (``Enricher.unstamped_splicer``): its series that name a pod are not stamped for
+        that reason, not for the ``pod_unknown`` the empty table gave them, so they are
+        counted ``other_cluster``; one without a pod label stays ``no_pod_label``, one
+        ``keep`` let pass stays attributed. ``other_cluster`` names the URL's value when a
+        series was counted so."""
+        unknown = self.unattributed.pop(REASON_POD_UNKNOWN, 0)
+        if unknown:
+            self.unattributed[REASON_OTHER_CLUSTER] = (
+                self.unattributed.get(REASON_OTHER_CLUSTER, 0) + unknown)
+        self.other_cluster = cluster if self.unattributed.get(REASON_OTHER_CLUSTER) else None
+
     def add(self, other: SpliceResult) -> None:
         """Count ``other``'s series, samples and outcomes into this one's, as
         :meth:`Counts.add` does its counts: a request spliced in parts answers for the
