@@ -20,6 +20,7 @@ import aiohttp
 import cramjam
 import pytest
 import snappy
+from yarl import URL
 
 from proxy.config import UpstreamProtocol
 from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES
@@ -1394,6 +1395,145 @@ async def test_series_of_another_cluster_are_counted_and_logged_with_the_fix(
         'cluster="c1", or set facts.external_labels.cluster: "c2" here (a restart); '
         'enrich.cluster_label: "" turns the check off')
     assert not [r for r in caplog.records if "is not checked" in r.getMessage()]
+
+
+async def test_an_extra_label_of_another_cluster_leaves_the_whole_request_unstamped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """VictoriaMetrics sets an ``extra_label`` of the URL as forwarded (upstream.url's,
+    then the sender's; the last non-empty one of a name wins) over the series' own label:
+    one naming another cluster than the proxy's stored every series there, stamped with
+    this cluster's pods, whatever the body said (the check read the body only). Such a
+    request is spliced over no pods: its pod series counted other_cluster (not
+    pod_unknown), the others no_pod_label, the sender's karta_* labels dropped, the data
+    2xx'd with the Written headers of what was stored, one warning naming the source."""
+    caplog.set_level(logging.WARNING, logger="karta.handler")
+    pod = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    ours = {**pod, "cluster": "c1"}
+    forged = {**pod, "karta_workload": "evil"}
+    node = {"__name__": "node_load1", "instance": "n1"}
+    sent = [ours, pod, forged, node]
+    unstamped = [ours, pod, pod, node]
+    stamped = [{**ours, **CART}, {**pod, **CART}, {**pod, **CART}, node]
+    c1 = {"external_labels": {"cluster": "c1"}}
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    async with ScriptedUpstream(rule=rw2_receiver) as up, \
+            aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path / "a", up, facts_settings=c1) as plain, \
+            proxy_running(tmp_path / "b", up, facts_settings=c1,
+                          upstream_url=up.url + "?extra_label=cluster=c1") as url_c1, \
+            proxy_running(tmp_path / "c", up, facts_settings=c1,
+                          upstream_url=up.url + "?extra_label=cluster=c2") as url_c2:
+        proxies = {"plain": plain, "url_c1": url_c1, "url_c2": url_c2}
+        for p in proxies.values():
+            p.handler._other_cluster.interval = 0.0  # a line per case
+        cases = [  # proxy, the sender's query, stamped, the warning's source
+            ("plain", "extra_label=cluster=c2", False, "the sender's URL"),
+            ("plain", "extra%5Flabel=cluster%3Dc2", False, "the sender's URL"),
+            ("plain", "extra_label=cluster=c2&extra_label=cluster=", False, "the sender's URL"),
+            ("plain", "extra_label=cluster=c1&extra_label=env=prod", True, None),
+            ("plain", "extra_label=%20cluster=c2", True, None),  # another label
+            ("plain", "extra_label=cluster=c%zz", True, None),  # Go skips the pair
+            ("plain", "Extra_Label=cluster=c2", True, None),  # another parameter
+            ("url_c1", "extra_label=cluster=c2", False, "the sender's URL"),
+            ("url_c1", "", True, None),
+            ("url_c2", "", False, "upstream.url"),
+            ("url_c2", "extra_label=cluster=c1", True, None),  # the last one wins
+        ]
+        for name, query, is_stamped, source in cases:
+            caplog.clear()
+            up.received.clear()
+            p = proxies[name]
+            before = {r: metric(p, "karta_proxy_series_unattributed_total", reason=r)
+                      for r in ("other_cluster", "no_pod_label", "pod_unknown")}
+            attributed = metric(p, "karta_proxy_series_attributed_total")
+            dropped = metric(p, "karta_proxy_series_sender_karta_labels_dropped_total")
+            url = f"http://127.0.0.1:{p.port}/api/v1/write" + (f"?{query}" if query else "")
+            async with session.post(URL(url, encoded=True),  # the query as it is
+                                    data=snappy.compress(series_v2(*sent)), headers={
+                    "Content-Type": CT_V2, "Content-Encoding": "snappy",
+                    "X-Prometheus-Remote-Write-Version": "2.0.0"}) as resp:
+                assert resp.status == 204, (name, query)
+                assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "4"
+            (rec,) = up.received
+            own = p.upstream.url.partition("?")[2]
+            assert rec.query == "&".join(q for q in (own, query) if q)  # as it came
+            req = RequestV2.FromString(rec.raw)
+            syms = list(req.symbols)
+            got = [{syms[r[i]]: syms[r[i + 1]] for i in range(0, len(r), 2)}
+                   for r in (list(ts.labels_refs) for ts in req.timeseries)]
+            assert got == (stamped if is_stamped else unstamped), (name, query)
+            counted = {r: metric(p, "karta_proxy_series_unattributed_total", reason=r)
+                       - n for r, n in before.items()}
+            assert counted == ({"other_cluster": 0, "no_pod_label": 1, "pod_unknown": 0}
+                               if is_stamped else
+                               {"other_cluster": 3, "no_pod_label": 1, "pod_unknown": 0}), \
+                (name, query)
+            assert metric(p, "karta_proxy_series_attributed_total") - attributed == (
+                3 if is_stamped else 0)
+            assert metric(p, "karta_proxy_series_sender_karta_labels_dropped_total") \
+                - dropped == 1
+            lines = [r.__dict__ for r in caplog.records if "another cluster" in r.getMessage()]
+            if source is None:
+                assert not lines, (name, query)
+                continue
+            (line,) = lines
+            assert (line["label"], line["seen"], line["expected"], line["series"]) == (
+                "cluster", "c2", "c1", 3)
+            assert line["source"] == f"extra_label=cluster=c2 in {source}"
+            assert line["fix"].startswith(
+                'the TSDB stores every series of these requests under cluster="c2"'
+                if source == "the sender's URL" else
+                'upstream.url stores every relayed series under cluster="c2": make its '
+                'extra_label cluster=c1')
+
+
+async def test_a_big_request_of_another_cluster_by_its_url_is_counted_whole(
+    tmp_path: Path
+) -> None:
+    """A request spliced in parts (over 2 x 256 KiB decoded, two workers) whose sender's
+    URL names another cluster: every part over no pods, every pod series counted
+    other_cluster in the merged result."""
+    cart = {"__name__": "container_cpu_usage_seconds_total", "namespace": "shop",
+            "pod": "cart-7d9f8-abcde", "container": "cart"}
+    raw = series_v1(*({**cart, "id": f"/kubepods/{i:06d}" + "x" * 200} for i in range(3000)))
+    assert len(raw) > 2 * PART_DECODED_BYTES
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up, worker_threads=2,
+                          facts_settings={"external_labels": {"cluster": "c1"}}) as p:
+        running = Running(p, up, session)
+        assert (await running.post(raw, path="/api/v1/write?extra_label=cluster=c2")
+                ).status == 204
+        (rec,) = up.received
+        assert not any("karta_workload" in labels for labels in labels_of(rec.raw))
+        assert running.metric("karta_proxy_series_unattributed_total",
+                              {"reason": "other_cluster"}) == 3000
+        assert running.metric("karta_proxy_series_unattributed_total",
+                              {"reason": "pod_unknown"}) == 0
+
+
+async def test_values_of_another_cluster_make_one_line_per_interval_not_one_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The line was throttled per value seen, the value the sender's to choose: 300
+    requests of 300 values made 300 warnings and 300 windows kept for good. One line per
+    interval now, its summary naming the last value and how many there were."""
+    caplog.set_level(logging.WARNING, logger="karta.handler")
+    pod = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up,
+                          facts_settings={"external_labels": {"cluster": "c1"}}) as p:
+        running = Running(p, up, session)
+        for i in range(300):
+            resp = await running.post(series_v1({**pod, "cluster": f"x{i:03d}" + "y" * 190}))
+            assert resp.status == 204
+        assert len(p.handler._other_cluster._windows) == 1
+        p.handler.flush_logs()
+    lines = [r.__dict__ for r in caplog.records if "another cluster" in r.getMessage()]
+    assert [x.get("count") for x in lines] == [None, 299]
+    assert lines[0]["seen"].startswith("x000") and lines[1]["seen"].startswith("x299")
+    assert lines[1]["seen_values"] == 100  # counted up to DISTINCT_COUNTED
 
 
 async def test_a_proxy_without_a_cluster_of_its_own_says_it_checks_none(

@@ -15,7 +15,7 @@ from typing import IO
 
 import pytest
 
-from proxy.log import Throttled, resolve_format, setup_logging
+from proxy.log import DISTINCT_COUNTED, MAX_KEYS, Throttled, resolve_format, setup_logging
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,3 +119,52 @@ async def test_throttled_lines_one_at_once_the_rest_in_a_summary(
     now[0] += 10.0  # the next interval: a line of its own again
     lines.event("a", {"kind": "a", "remote": "10.0.0.1"})
     assert [r.getMessage() for r in caplog.records] == ["refused"]
+
+
+async def test_throttled_state_stays_bounded_whatever_the_keys(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A key a sender chooses (a label value) made a window each, kept for good, and a
+    line each: 2,000 values, 2,000 windows and lines. Past ``max_keys`` the idle windows
+    are dropped, and within one interval the new keys share one window, its lines
+    marked."""
+    now = [100.0]
+    lines = Throttled(logging.getLogger("karta.test"), "refused", "refused, summed",
+                      peer_field=None, interval=10.0, clock=lambda: now[0])
+    for i in range(2000):
+        lines.event(f"v{i}", {"n": i})
+    assert len(lines._windows) == MAX_KEYS + 1  # and the overflow's
+    firsts = [r for r in caplog.records if r.getMessage() == "refused"]
+    assert [r.__dict__["n"] for r in firsts] == [*range(MAX_KEYS), MAX_KEYS]
+    assert "keys_over_limit" not in firsts[0].__dict__
+    assert firsts[-1].__dict__["keys_over_limit"] == MAX_KEYS
+    lines.close()
+    (summary,) = [r for r in caplog.records if r.getMessage() == "refused, summed"]
+    assert (summary.__dict__["count"], summary.__dict__["n"]) == (2000 - MAX_KEYS - 1, 1999)
+    caplog.clear()
+    now[0] += 20.0  # every window idle: a new key drops them and gets its own
+    lines.event("new", {"n": -1})
+    assert list(lines._windows) == ["new"]
+    assert [r.__dict__.get("keys_over_limit") for r in caplog.records] == [None]
+
+
+async def test_throttled_summary_counts_the_distinct_values_of_a_field(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One key standing for many values (another cluster's name, the sender's to choose)
+    says in its summary how many there were, up to DISTINCT_COUNTED."""
+    now = [100.0]
+    lines = Throttled(logging.getLogger("karta.test"), "seen", "seen, summed",
+                      peer_field=None, interval=10.0, clock=lambda: now[0],
+                      distinct_field="seen")
+    for i in range(30):
+        lines.event("k", {"seen": f"c{i % 5}"})
+    lines.close()
+    (summary,) = [r for r in caplog.records if r.getMessage() == "seen, summed"]
+    assert (summary.__dict__["count"], summary.__dict__["seen_values"],
+            summary.__dict__["seen"]) == (29, 5, "c4")
+    caplog.clear()
+    now[0] += 10.0
+    for i in range(DISTINCT_COUNTED + 50):
+        lines.event("k", {"seen": f"d{i}"})
+    lines.close()
+    (summary,) = [r for r in caplog.records if r.getMessage() == "seen, summed"]
+    assert summary.__dict__["seen_values"] == DISTINCT_COUNTED

@@ -38,6 +38,7 @@ from proxy.upstream import (
     Outgoing,
     Upstream,
     UpstreamFailure,
+    extra_label_value,
     fact_tenant_hint,
     karta_extra_label,
     map_status,
@@ -830,6 +831,39 @@ async def test_the_senders_query_goes_after_the_upstream_urls_own_as_sent() -> N
 def test_karta_extra_label_reads_the_query_as_victoriametrics_does(query: str, found: str
                                                                    ) -> None:
     assert karta_extra_label(query) == found
+
+
+#: what VictoriaMetrics 1.79 stored as ``cluster`` for a series sent with ``cluster="c2"``
+#: and each query (measured: a direct write, then a query of the series)
+@pytest.mark.parametrize(("query", "stored"), [
+    ("", None),  # c2, the series' own
+    ("extra_label=cluster=c3", b"c3"),
+    ("extra_label=cluster=c3&extra_label=cluster=c4", b"c4"),  # the last wins
+    ("extra_label=cluster=c3&extra_label=cluster=", b"c3"),  # an empty one is skipped
+    ("extra_label=cluster=", None),
+    ("extra_label=%20cluster=c3", None),  # another label, " cluster"
+    ("extra_label=cluster=c%zz", None),  # Go skips a pair with a bad escape
+    ("extra_label=cluster=c3&extra_label=cluster=c%zz", b"c3"),
+    ("extra_label=cluster=c3;x=1", None),  # and one holding a ";"
+    ("Extra_Label=cluster=c3", None),  # another parameter
+    ("extra_label=cluster=c+3", b"c 3"),
+    ("extra_label=cluster==c3", b"=c3"),
+    ("extra%5Flabel=cluster%3Dc3", b"c3"),
+    ("a=1&extra_label=env=prod&extra_label=cluster=%E2%9C%93", "\u2713".encode()),
+])
+def test_extra_label_value_is_what_victoriametrics_stores(query: str, stored: bytes | None
+                                                          ) -> None:
+    assert extra_label_value(query, b"cluster") == stored
+
+
+async def test_the_extra_label_of_the_url_as_forwarded_the_senders_last() -> None:
+    async with opened("http://127.0.0.1:9/insert/{tenant}/prometheus/api/v1/write"
+                      "?extra_label=cluster=c1&extra_label=env=x") as u:
+        assert u.extra_label(b"cluster", None, "") == (b"c1", "upstream.url")
+        assert u.extra_label(b"cluster", "7", "extra_label=env=y") == (b"c1", "upstream.url")
+        assert u.extra_label(b"cluster", "7", "extra_label=cluster=c2") == (b"c2", "sender")
+        assert u.extra_label(b"env", None, "") == (b"x", "upstream.url")
+        assert u.extra_label(b"zone", None, "a=1") is None
 
 
 async def test_send_v1_raises_on_refusal() -> None:

@@ -417,3 +417,67 @@ async def test_a_series_of_another_cluster_is_stored_unstamped(
     lines = [r.__dict__ for r in caplog.records if "another cluster" in r.getMessage()]
     assert [(x["label"], x["seen"], x["expected"], x["remote"]) for x in lines] == [
         ("cluster", "c2", "c1", "127.0.0.1")] * 2
+
+
+async def test_an_extra_label_of_another_cluster_is_stored_unstamped(
+    peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """VictoriaMetrics sets ``?extra_label=cluster=...`` over the series' own label, the
+    last of the URL as forwarded winning (upstream.url's, then the sender's): a sender's
+    ``extra_label=cluster=c2`` through c1's proxy stored its series under c2 stamped with
+    c1's workloads, unchecked and uncounted, the upstream URL stamping c1 or not. Now such
+    a request is stored unstamped, counted other_cluster and named in a warning; one
+    whose URL names c1 is stamped. The Prometheus receiver ignores the parameter: the
+    series are stored under their own c1, unstamped all the same (docs/deploy.md)."""
+    caplog.set_level(logging.WARNING, logger="karta.handler")
+    vm = await peers.victoria_metrics()
+    rx = await peers.prometheus_receiver()
+
+    def cluster_c1(s: Any) -> None:
+        s.facts.external_labels = {"cluster": "c1"}
+
+    plain = await make_proxy(vm.base_url + "/api/v1/write", cluster_c1)
+    url_c1 = await make_proxy(vm.base_url + "/api/v1/write?extra_label=cluster=c1",
+                              cluster_c1)
+    to_rx = await make_proxy(rx.base_url + "/api/v1/write", cluster_c1)
+    ml_pod = "llm-finetune-raycluster-k7x2p-head-8jz5c"
+    at = int(time.time() * 1000)
+    cases = [  # name, proxy, the series' cluster, the sender's query, stored as, stamped
+        ("no_label", plain, None, "?extra_label=cluster=c2", "c2", False),
+        ("c1", plain, "c1", "?extra_label=cluster=c2", "c2", False),
+        ("url_c1_sender_c2", url_c1, "c1", "?extra_label=cluster=c2", "c2", False),
+        ("url_c1", url_c1, "c1", "", "c1", True),
+        ("url_c1_no_label", url_c1, None, "", "c1", True),
+        ("rx", to_rx, "c1", "?extra_label=cluster=c2", "c1", False),
+    ]
+    for name, proxy, cluster, sent_query, _, _ in cases:
+        req = WriteRequest()
+        ts = req.timeseries.add()
+        labels = [("__name__", f"xl_{name}"), *([("cluster", cluster)] if cluster else []),
+                  ("namespace", "ml"), ("pod", ml_pod)]
+        for k, v in labels:
+            ts.labels.add(name=k, value=v)
+        ts.samples.add(value=1.0, timestamp=at)
+        await post_snappy(proxy.write_url + sent_query,
+                          snappy.compress(req.SerializeToString()))
+    for name, proxy, _, _, stored, stamped in cases:
+        base = rx.base_url if proxy is to_rx else vm.base_url
+
+        async def landed(base: str = base, name: str = name) -> bool:
+            await vm_flush(vm)
+            return len(await query(base, f"xl_{name}", at / 1000)) == 1
+
+        await wait_until(landed, timeout=15, what=f"xl_{name}")
+        (row,) = await query(base, f"xl_{name}", at / 1000)
+        got = row["metric"]
+        assert got["cluster"] == stored, name
+        assert (got.get("karta_workload"), got.get("karta_namespace")) == (
+            ("llm-finetune", "ml") if stamped else (None, None)), name
+    counted = [p.proxy.metrics.registry.get_sample_value(
+        "karta_proxy_series_unattributed_total", {"reason": "other_cluster"})
+        for p in (plain, url_c1, to_rx)]
+    assert counted == [2, 1, 1]
+    lines = [r.__dict__ for r in caplog.records if "another cluster" in r.getMessage()]
+    assert [(x["seen"], x["source"]) for x in lines if "count" not in x] == [
+        ("c2", "extra_label=cluster=c2 in the sender's URL")] * 3
