@@ -356,8 +356,10 @@ class EnrichSettings(Section):
         "the label that names a series' cluster: a series whose value of it is not "
         "empty and differs from this proxy's (facts.external_labels' value of the same "
         "label) is forwarded unstamped (series_unattributed reason other_cluster), since "
-        "the pod index is this cluster's only; a series without it is stamped. Off when "
-        "facts.external_labels has no such label; \"\": off")] = "cluster"
+        "the pod index is this cluster's only; a series without it is stamped. A request "
+        "whose URL as forwarded sets it to another value (VictoriaMetrics' extra_label) "
+        "is forwarded unstamped whole. Off when facts.external_labels has no such label; "
+        "\"\": off")] = "cluster"
 
 
 class KartaSettings(Section):

@@ -1366,7 +1366,7 @@ async def test_series_of_another_cluster_are_counted_and_logged_with_the_fix(
 ) -> None:
     """A proxy of cluster c1 (facts.external_labels) stamps a cart series labelled c1 (or
     with no cluster), forwards one labelled c2 unstamped and 2xx'd, counts it
-    other_cluster, and says so in one line per interval and value: the label, the value
+    other_cluster, and says so in one line per interval: the label, the value
     seen, its own, the sender and what to change."""
     caplog.set_level(logging.INFO)
     pod = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
