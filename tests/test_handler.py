@@ -134,7 +134,7 @@ async def test_big_requests_are_spliced_in_a_worker_thread(running: Running) -> 
     splicer = running.proxy.enricher.splicer
     running.proxy.handler.enricher = cast(Any, type("E", (), {"splicer": type("S", (), {
         "splice_snappy": staticmethod(spy), "splice_v1": splicer.splice_v1,
-        "splice_v2": splicer.splice_v2})()}))()
+        "splice_v2": splicer.splice_v2, "plan": splicer.plan})()}))()
     resp = await running.post(raw)
     assert resp.status == 204
     # with two workers or more, a request alone in the pool is spliced in parts at once
