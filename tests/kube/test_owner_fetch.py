@@ -118,17 +118,25 @@ async def test_a_late_watchs_older_event_does_not_undo_the_fetched_copy(
                      and rs2["metadata"]["uid"] not in source.index.workloads)
 
 
-async def test_gets_failing_too_fall_back_and_retry(
-        sim: KubeSim, make_source: SourceFactory) -> None:
-    """The ReplicaSet failing whole (its GETs too): the pods go on at once as before (the
-    ReplicaSet their workload), and the GET is retried with a backoff; once it answers,
-    the pods move to the Deployment while the watch still fails."""
+async def failing_replicasets_and_a_new_pod(sim: KubeSim, make_source: SourceFactory
+                                            ) -> KubeSource:
+    """A source with a Deployment listed, then every request for ReplicaSets failing (its
+    GETs too) while a new ReplicaSet ``web-2`` and its pod ``web-2-0`` are made."""
     dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
     source = await make_source()
     sim.fail_resource(REPLICA_SET, 500)
     sim.disconnect_watches()
     rs2 = new_rs(sim, dep, "web-2")
     sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    return source
+
+
+async def test_gets_failing_too_fall_back_and_retry(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The ReplicaSet failing whole (its GETs too): the pods go on at once as before (the
+    ReplicaSet their workload), and the GET is retried with a backoff; once it answers,
+    the pods move to the Deployment while the watch still fails."""
+    source = await failing_replicasets_and_a_new_pod(sim, make_source)
     await eventually(lambda: web(source, "web-2-0") == ("ReplicaSet", "web-2"))
     await eventually(lambda: fetches(source, "failed") >= 2)
     sim.fail_resource(REPLICA_SET, 500, collections_only=True)  # GETs served again
@@ -243,12 +251,7 @@ async def test_gets_of_one_owner_are_spaced(sim: KubeSim, make_source: SourceFac
     """Whatever sends what waits back to a GET, one owner's GETs are REFETCH_SECONDS apart
     at least: here the retries of a failing GET, whose backoff starts at 0.2 s (five GETs
     in 1.6 s before)."""
-    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
-    source = await make_source()
-    sim.fail_resource(REPLICA_SET, 500)
-    sim.disconnect_watches()
-    rs2 = new_rs(sim, dep, "web-2")
-    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    source = await failing_replicasets_and_a_new_pod(sim, make_source)
     await eventually(lambda: gets(sim, "web-2") >= 1)
     await asyncio.sleep(1.8)
     assert gets(sim, "web-2") <= 1 + int(1.8 / owner_fetch.REFETCH_SECONDS)

@@ -368,6 +368,11 @@ async def test_a_sender_cannot_take_the_label_set_of_a_process_fact(
         (contract.FACT_CONTRACT_INFO, contract.FACT_SOURCE_LAST_CURRENT))
 
 
+def cluster_c1(s: Any) -> None:
+    """A proxy of cluster c1 (the cluster check reads facts.external_labels)."""
+    s.facts.external_labels = {"cluster": "c1"}
+
+
 async def test_a_series_of_another_cluster_is_stored_unstamped(
     peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],
     caplog: pytest.LogCaptureFixture,
@@ -380,9 +385,6 @@ async def test_a_series_of_another_cluster_is_stored_unstamped(
     caplog.set_level(logging.WARNING, logger="karta.handler")
     rx = await peers.prometheus_receiver()
     vm = await peers.victoria_metrics()
-
-    def cluster_c1(s: Any) -> None:
-        s.facts.external_labels = {"cluster": "c1"}
 
     to_rx = await make_proxy(rx.base_url + "/api/v1/write", cluster_c1)
     to_vm = await make_proxy(vm.base_url + "/api/v1/write", cluster_c1)
@@ -433,9 +435,6 @@ async def test_an_extra_label_of_another_cluster_is_stored_unstamped(
     caplog.set_level(logging.WARNING, logger="karta.handler")
     vm = await peers.victoria_metrics()
     rx = await peers.prometheus_receiver()
-
-    def cluster_c1(s: Any) -> None:
-        s.facts.external_labels = {"cluster": "c1"}
 
     plain = await make_proxy(vm.base_url + "/api/v1/write", cluster_c1)
     url_c1 = await make_proxy(vm.base_url + "/api/v1/write?extra_label=cluster=c1",
