@@ -476,7 +476,6 @@ class Proxy:
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
         warn_if_python()
-        self._check_stored_cluster()
         check_nofile(s.server.max_connections, s.upstream.max_connections)
         check_memory(s.server.max_inflight_bytes, s.karta.jq_sandbox)
         self._accept_guard = guard_accepts(asyncio.get_running_loop())
@@ -791,25 +790,6 @@ class Proxy:
                         "jq re-evaluation",
                         lambda: self.engine.retry_due(RETRY_RUN_OBJECTS, LOOP_RUN_SECONDS)):
                     break
-
-    def _check_stored_cluster(self) -> None:
-        """Refuse a start whose ``upstream.url`` sets the cluster label (``extra_label``:
-        VictoriaMetrics sets it on every series, over the series' own) to another value
-        than this proxy's: every relayed request would be left unstamped by the cluster
-        check (``other_cluster``), found a request at a time, where the configuration
-        says it at once."""
-        check = cluster_check(self.settings)
-        if check is None:
-            return
-        name, value = check
-        stored = self.upstream.extra_label(name.encode(), None, "")
-        if stored is not None and stored[0] != value.encode():
-            raise StartError(
-                f"upstream.url sets {name}={stored[0].decode(errors='replace')} on every "
-                f"series it stores (extra_label), but this proxy's cluster is "
-                f"{name}={value} (facts.external_labels): no relayed series would be "
-                f"stamped (each counted other_cluster); make them agree, in "
-                f"facts.external_labels.{name} or upstream.url's extra_label")
 
     def _housekeep(self, what: str, step: Callable[[], ChangeSet]) -> bool:
         """One engine housekeeping step, what it changed applied to the index: a step that

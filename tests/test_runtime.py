@@ -873,38 +873,3 @@ async def test_a_jq_child_killed_during_an_evaluation_is_retried_without_an_obje
             await asyncio.sleep(0.05)
         text = await get_text(p, "/metrics")
     assert "karta_proxy_jq_retries_total 1.0" in text
-
-
-@pytest.mark.parametrize(("url_query", "refused"), [
-    ("?extra_label=cluster=c2", True),
-    ("?extra_label=cluster=c1", False),
-    ("?extra_label=cluster=c2&extra_label=cluster=c1", False),  # the last one wins
-    ("?extra_label=cluster=", False),  # an empty one is skipped: the series' own
-    ("?extra_label=region=c2", False),
-])
-async def test_an_upstream_url_storing_another_cluster_is_a_start_error(
-        tmp_path: Path, url_query: str, refused: bool) -> None:
-    """upstream.url's extra_label setting the cluster label to another value than
-    facts.external_labels': VictoriaMetrics stores every series there, so the cluster
-    check left every request unstamped, found a request at a time (a warning per
-    interval). The start now fails, naming both values and where to change them."""
-    from proxy.runtime import StartError
-
-    async with ScriptedUpstream() as up:
-        s = snapshot_settings(tmp_path, up.url + url_query)
-        s.facts.external_labels = {"cluster": "c1"}
-        p = Proxy(s)
-        try:
-            if refused:
-                with pytest.raises(StartError, match=(
-                        r"upstream\.url sets cluster=c2 on every series .* this proxy's "
-                        r"cluster is cluster=c1 \(facts\.external_labels\)")):
-                    await p.start()
-            else:
-                await p.start()
-                assert p.port
-        finally:
-            await p.stop()
-        s.enrich.cluster_label = ""  # the check off: nothing to refuse
-        async with started(s) as q:
-            assert q.port
