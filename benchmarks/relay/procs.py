@@ -6,6 +6,13 @@ plus the time of descendants it already reaped, so a relay that forks workers is
 for all of them. Peak memory is ``VmHWM`` (peak resident set) summed over the process and
 its live descendants; ``reset_peak_rss`` sets it back to the current RSS (``clear_refs``
 value 5, Linux >= 4.0) so a phase can have a peak of its own.
+
+That sum counts a page each process maps once per process: the interpreter's libraries,
+mapped by karta-proxy and by its jq sandbox's child, count twice. Where the box lets the
+benchmark make a memory cgroup, each started process also runs in one of its own
+(:class:`MemoryCgroup`), and its peak charge is read beside: each page once, what a
+container of that relay is billed (cAdvisor's ``container_memory_max_usage_bytes``), the
+figure its memory limit is held against.
 """
 
 from __future__ import annotations
@@ -111,6 +118,81 @@ def cpu_seconds(pid: int) -> float:
     return total / _TICKS
 
 
+class MemoryCgroup:
+    """A memory cgroup of one started process and its descendants (cgroup v1's memory
+    controller, or v2's where it is enabled), made below the benchmark's own.
+
+    Its peak counts anonymous memory and the page cache the processes bring in first
+    (a file read that is cached already, the libraries, the snapshot the benchmark
+    wrote, is charged to whoever read it first, not here)."""
+
+    def __init__(self, path: Path, peak_file: str) -> None:
+        self.path = path
+        self._peak_file = peak_file
+
+    @classmethod
+    def make(cls, name: str) -> MemoryCgroup | None:
+        """A new cgroup ``name`` below this process's, None where the box has no memory
+        controller the benchmark may write (no root, a read-only ``/sys/fs/cgroup``)."""
+        try:
+            lines = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            _, controllers, where = line.split(":", 2)
+            if controllers == "memory":
+                root, peak = Path("/sys/fs/cgroup/memory"), "memory.max_usage_in_bytes"
+            elif controllers == "":
+                root, peak = Path("/sys/fs/cgroup"), "memory.peak"
+                if not (root / where.lstrip("/") / "memory.peak").exists():
+                    continue  # v2 without its memory controller here
+            else:
+                continue
+            path = root / where.lstrip("/") / name
+            try:
+                path.mkdir()
+            except OSError:
+                return None
+            if not (path / peak).exists():
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                return None
+            return cls(path, peak)
+        return None
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` entering the cgroup before it starts: ``exec`` keeps the PID, and
+        nothing it allocates is charged elsewhere first."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"),
+                *argv]
+
+    def peak_bytes(self) -> int:
+        try:
+            return int((self.path / self._peak_file).read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def reset_peak(self) -> bool:
+        """Set the peak back to the current charge (v1; v2 from Linux 6.12)."""
+        try:
+            (self.path / self._peak_file).write_text("0\n" if self._peak_file.startswith(
+                "memory.max_") else "reset\n")
+        except OSError:
+            return False
+        return True
+
+    def remove(self) -> None:
+        """Once its processes ended (their charges move to the parent)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)  # a process still exiting
+
+
 def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -138,11 +220,12 @@ class Process:
         self.name = name
         self.port = port
         self.argv = list(argv)
+        self.cgroup = MemoryCgroup.make(f"karta-bench-{os.getpid()}-{port}")
         self._ready_path = ready_path
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.popen = subprocess.Popen(
-            self.argv,
+            self.cgroup.wrap(self.argv) if self.cgroup is not None else self.argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -172,6 +255,14 @@ class Process:
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
 
+    def peak_charged_bytes(self) -> int | None:
+        """The peak charge of its memory cgroup; None without one."""
+        return self.cgroup.peak_bytes() if self.cgroup is not None else None
+
+    def reset_peak_charged(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.reset_peak()
+
     def log_tail(self, chars: int = 1500) -> str:
         self._log.flush()
         try:
@@ -188,6 +279,8 @@ class Process:
                 self.popen.kill()
                 self.popen.wait(timeout)
         self._log.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,13 @@ DEFER_SHARE = 0.25
 
 #: during a write, the freed heap is handed back (``malloc_trim``) every this many
 #: requests: the bodies sent (2 MB each, and their compressed copies) and the encoding
-#: garbage of a cold write otherwise pile up as RSS. At 37.5k pods (60 requests a write)
-#: the process' peak went 294 -> 263 MiB over the first write, 287 -> 280 MiB over ten
-#: (docs/performance.md, Peak RSS); a trim costs ~1 ms (0.7 median, 3.9 max), ~8 a write
-TRIM_EVERY_REQUESTS = 8
+#: garbage of a cold write otherwise pile up as RSS (the heap keeps up to
+#: ``proxy.memory.TRIM_THRESHOLD`` free at its top for the request path). At 37.5k pods
+#: (63 requests a write) the process' peak over its start and first write was 284.7 MiB
+#: every 8 requests, 271.5 every 4, 268.8 every 3, 269.2 every 2: the start's peak,
+#: which set the relay benchmark's (305.4 MB with the jq child, 296.8 every 4). A trim
+#: costs ~1 ms off the event loop (0.7 median, 3.9 max), ~16 a write
+TRIM_EVERY_REQUESTS = 4
 
 #: how long a standby replica remembers a fact series it no longer sees at most:
 #: Prometheus' default lookback, after which a series without samples is gone from queries
