@@ -183,6 +183,44 @@ def test_every_name_in_contract_py_is_documented(doc: str) -> None:
     assert fact_labels <= documented_labels
 
 
+#: the names contract 1.0.0 published, which its Changes row covers as "first published":
+#: every name added since must be named in the row of the version that added it
+FIRST_PUBLISHED = frozenset({
+    "karta_component", "karta_group", "karta_instance", "karta_kind", "karta_namespace",
+    "karta_replica", "karta_workload",
+    "karta_pod_info", "karta_pod_unattributed_info", "karta_workload_info",
+    "karta_workload_phase", "karta_workload_phase_transition_timestamp_seconds",
+    "karta_workload_status", "karta_workload_phase_undefined_reason_info",
+    "karta_component_desired_replicas", "karta_component_desired_replicas_min",
+    "karta_component_desired_replicas_max", "karta_component_observed_pods",
+    "karta_source_last_current_timestamp_seconds", "karta_contract_info", "karta_build_info",
+    "namespace", "pod", "uid", "workload_uid", "description", "builtin", "reason", "phase",
+    "status", "resource", "version",
+    "karta_proxy_fact_writer_leader", "karta_proxy_fact_writes_total",
+    "karta_proxy_fact_stale_markers_total", "karta_proxy_fact_series",
+    "karta_proxy_fact_last_write_timestamp_seconds",
+})
+
+
+def test_every_name_added_since_1_0_0_is_in_the_changes(doc: str) -> None:
+    """A user upgrading reads the Changes table for what is new: a metric or label added
+    to contract.py must be named there (in code spans), not only in its section (1.10.0's
+    row named the operational alert metrics by their section's title alone)."""
+    changes = doc[doc.index("### Changes"):doc.index("## Stamped labels")]
+    named = {word for span in re.findall(r"`([^`]+)`", changes)
+             for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", span)}
+    added = {v for k, v in vars(contract).items()
+             if isinstance(v, str) and k.startswith(("FACT_", "OP_", "LABEL_"))} - FIRST_PUBLISHED
+    missing = sorted(added - named)
+    assert not missing, f"contract names missing from the Changes table: {missing}"
+    # and the label values the contract names (the reasons the alerts and docs select)
+    values = {*contract.STEPDOWN_REASONS, *contract.LEASE_FAILURE_REASONS,
+              *contract.UPSTREAM_CHECKS_MISCONFIGURED, contract.STATE_ATTRIBUTED,
+              contract.STATE_UNATTRIBUTED}
+    missing = sorted(values - named)
+    assert not missing, f"contract values missing from the Changes table: {missing}"
+
+
 async def _send(body: bytes) -> None:
     return None
 

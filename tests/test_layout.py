@@ -1,9 +1,11 @@
 """The layout shows the data path: the import graph of ``proxy`` has no cycles, and the
-Karta engine and the wire layer stay free of the layers above them."""
+Karta engine and the wire layer stay free of the layers above them; docs/architecture.md's
+module map names every module."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "proxy"
@@ -173,3 +175,22 @@ def test_engine_parts_stay_below_the_engine() -> None:
         inside = {d for d in graph[mod] if d.startswith("proxy.karta")}
         assert inside <= allowed, (mod, inside - allowed)
     assert set(below) <= graph["proxy.karta.engine"]
+
+
+def test_every_module_has_a_row_in_the_module_map() -> None:
+    """docs/architecture.md's module map is where a reader looks a module up: a module
+    added without a row (six were: cpus, fd_limit, memory_limit, shown, kube/owner_fetch,
+    wire/_convert.c) is missing from it, and a row whose module went is a dead end."""
+    doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `(proxy/[\w/.]+)` \|", doc, re.M))
+    folders = {r for r in rows if r.endswith("/")}
+    modules = {
+        p.relative_to(PKG.parent).as_posix()
+        for p in [*PKG.rglob("*.py"), *PKG.rglob("*.c")]
+        if p.name not in ("__init__.py", "__main__.py")
+    }
+    unlisted = sorted(m for m in modules
+                      if m not in rows and not any(m.startswith(f) for f in folders))
+    assert not unlisted, f"modules without a row in docs/architecture.md: {unlisted}"
+    gone = sorted(r for r in rows if not (PKG.parent / r).exists())
+    assert not gone, f"docs/architecture.md rows of modules that do not exist: {gone}"
