@@ -116,8 +116,9 @@ def _jq_sandbox_families(sandbox: JqSandbox | None, engine: Engine | None
 
     family = CounterMetricFamily(
         contract.OP_JQ_SANDBOX_RESTARTS.removesuffix("_total"),
-        "Restarts of the jq sandbox's child, by reason: timeout (an evaluation exceeded "
-        "karta.jq_timeout_seconds: killed), died (it ended, during an evaluation: libjq's "
+        "Restarts of the jq sandbox's child, by reason: timeout (an object's evaluations "
+        "took longer than karta.jq_timeout_seconds: killed), died (it ended, during an "
+        "evaluation: libjq's "
         "abort at karta.jq_memory_limit_bytes, or between two), start_failed (a child "
         "could not start).", labels=["reason"])
     for reason in RESTART_REASONS:
@@ -212,7 +213,8 @@ class ProxyMetrics:
             ["kind"], registry=r,
         )
         self.rejected = Counter(
-            _P + "requests_rejected", "Requests refused before decoding, by reason "
+            _P + "requests_rejected",
+            "Requests the proxy refused itself (not the upstream), by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
             "invalid_tenant, invalid_header, karta_extra_label, header_timeout, body_timeout, "
             "body_too_slow, expectation, client_closed, bad_http, header_too_large, "
