@@ -359,8 +359,9 @@ class EnrichSettings(Section):
         "label) is forwarded unstamped (series_unattributed reason other_cluster), since "
         "the pod index is this cluster's only; a series without it is stamped. A request "
         "whose URL as forwarded sets it to another value (VictoriaMetrics' extra_label) "
-        "is forwarded unstamped whole. Off when facts.external_labels has no such label; "
-        "\"\": off")] = "cluster"
+        "is forwarded unstamped whole; an upstream.url whose own does (upstream.default_tenant "
+        "in a {tenant}) is a settings error. Off when facts.external_labels has no such "
+        "label; \"\": off")] = "cluster"
 
 
 class KartaSettings(Section):
