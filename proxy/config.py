@@ -30,6 +30,7 @@ from msgspec import inspect as mi
 from proxy import contract
 from proxy.karta.yamltext import DuplicateKey, refusal, yaml_error
 from proxy.tls_files import VERIFY_MODES, Loading, Part, client_context, server_context
+from proxy.upstream_url import TENANT_PLACEHOLDER, own_extra_label, tenant_url
 from proxy.wire.plan import MAX_LABEL_NAMES
 
 log = logging.getLogger("karta.config")
@@ -358,8 +359,9 @@ class EnrichSettings(Section):
         "label) is forwarded unstamped (series_unattributed reason other_cluster), since "
         "the pod index is this cluster's only; a series without it is stamped. A request "
         "whose URL as forwarded sets it to another value (VictoriaMetrics' extra_label) "
-        "is forwarded unstamped whole. Off when facts.external_labels has no such label; "
-        "\"\": off")] = "cluster"
+        "is forwarded unstamped whole; an upstream.url whose own does (upstream.default_tenant "
+        "in a {tenant}) is a settings error. Off when facts.external_labels has no such "
+        "label; \"\": off")] = "cluster"
 
 
 class KartaSettings(Section):
@@ -998,9 +1000,10 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got "
                               f"{without_userinfo(u.url, broken=True)!r}")
-        placeholders = u.url.count("{tenant}")
+        placeholders = u.url.count(TENANT_PLACEHOLDER)
         if u.url.count("{") != placeholders or u.url.count("}") != placeholders:
-            raise ConfigError(f"upstream.url: the only placeholder is {{tenant}}, got {shown!r}")
+            raise ConfigError(f"upstream.url: the only placeholder is {TENANT_PLACEHOLDER}, "
+                              f"got {shown!r}")
     if not TENANT.fullmatch(u.default_tenant):
         raise ConfigError("upstream.default_tenant: a VictoriaMetrics tenant: accountID or "
                           f"accountID:projectID (numbers), got {u.default_tenant!r}")
@@ -1154,6 +1157,45 @@ def cluster_check_off(settings: Settings) -> str:
             "label, \"\" turns this line off)")
 
 
+def check_stored_cluster(settings: Settings) -> None:
+    """Refuse an ``upstream.url`` whose ``extra_label`` sets the cluster label to another
+    value than this proxy's (``cluster_check``).
+
+    VictoriaMetrics sets an ``extra_label`` on every series it stores, over the series'
+    own (of several of a name, the last non-empty one), so the handler would relay every
+    request to such a URL unstamped (``other_cluster``) and the facts would be stored in
+    that cluster: a configuration error, otherwise found a request at a time (a warning
+    an interval, a counter). Read on the URL where requests naming no tenant and the
+    facts go (``upstream.default_tenant`` in a ``{tenant}``); a ``{tenant}`` in the
+    label's value makes the other tenants' URLs differ, and the handler checks those as
+    requests name them. Also called by a reload on the settings it would run with: it
+    keeps the running ``upstream.url`` and ``facts.external_labels`` (restart keys)
+    under a new ``enrich.cluster_label``."""
+    check = cluster_check(settings)
+    u = settings.upstream
+    if check is None or not u.url:
+        return
+    name, ours = check
+    url = without_userinfo(u.url)
+    stored = own_extra_label(tenant_url(url, None, u.default_tenant) or url, name.encode())
+    if stored is None or stored == ours.encode():
+        return
+    theirs = stored.decode("utf-8", "replace")[:200]
+    where, what = "upstream.url", "every relayed series"
+    if TENANT_PLACEHOLDER in urlsplit(url).query:
+        where += (f" (its {TENANT_PLACEHOLDER} as upstream.default_tenant {u.default_tenant}:"
+                  " where requests naming no tenant and the fact series go)")
+        what = "every series of a request naming no tenant"
+    facts = f", the fact series stored under {name}={theirs}" if settings.facts.enabled else ""
+    raise ConfigError(
+        f"{where}: its extra_label sets {name}={theirs} on every series VictoriaMetrics "
+        f"stores through it, but this proxy's cluster is {name}={ours} "
+        f"(facts.external_labels.{name}, checked by enrich.cluster_label): {what} would "
+        f"be forwarded unstamped (other_cluster){facts}; make the extra_label "
+        f"{name}={ours} (or remove it), or set facts.external_labels.{name}: {theirs} if "
+        f"this proxy is that cluster's; enrich.cluster_label: \"\" turns the check off")
+
+
 def first_kubeconfig(paths: str) -> str:
     """The file the client reads of a kubeconfig path list (``$KUBECONFIG`` as kubectl
     takes it): the first non-empty entry (``:/path`` is ``/path``); ``paths`` itself when
@@ -1218,6 +1260,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _validate_upstream(s.upstream, require_upstream)
     _validate_enrich(s.enrich)
     _validate_external_labels(s.facts.external_labels)
+    check_stored_cluster(s)
     _validate_headers(s.facts.headers, "facts.headers")
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):

@@ -58,7 +58,8 @@ from proxy.loop_metrics import LabelValues
 from proxy.loop_workers import LoopWorkers, ThreadStartError
 from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
-from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream, karta_extra_label
+from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream
+from proxy.upstream_url import karta_extra_label
 from proxy.wire.native import Splicer, split_v1
 from proxy.wire.plan import (
     REASON_LABEL_LIMIT,
@@ -801,7 +802,7 @@ class RemoteWriteHandler:
         self._count(result)
         if result.other_cluster is not None:
             self._other_cluster_seen(splicer.plan, result, request,
-                                     elsewhere[1] if elsewhere is not None else "")
+                                     elsewhere[1] if elsewhere is not None else "", tenant)
         if result.index_flooded:
             self.metrics.symbol_index_floods.inc()
             self._index_flooded.event("index_flooded", {
@@ -874,8 +875,11 @@ class RemoteWriteHandler:
         receiver that ignores ``extra_label`` (Prometheus, Mimir, Thanos) the request is
         unstamped all the same: which receiver is behind ``upstream.url`` is not known
         (vmagent, a gateway in front of VictoriaMetrics), and the parameter says the
-        sender means another cluster. On the event loop, as a reload's ``replan``: the
-        two splicers are of one plan."""
+        sender means another cluster. The URL's own ``extra_label`` of another cluster is a
+        settings error (``proxy.config.check_stored_cluster``) where requests naming no
+        tenant go; here it is found for a tenant a request names through a ``{tenant}``
+        in the label's value (``cluster=c{tenant}``: each tenant a cluster). On the event
+        loop, as a reload's ``replan``: the two splicers are of one plan."""
         enricher = self.enricher
         splicer = enricher.splicer
         check = splicer.plan.cluster
@@ -967,13 +971,13 @@ class RemoteWriteHandler:
             })
 
     def _other_cluster_seen(self, plan: SplicePlan, result: SpliceResult,
-                            request: web.Request, source: str) -> None:
+                            request: web.Request, source: str, tenant: str | None) -> None:
         """The throttled line of a request with series of another cluster: which label,
         the value seen (the request's first, or its URL's), this proxy's value, where the
-        value came from (``source``: "" the series, else whose ``extra_label``), the
-        sender, and the change that makes them agree, spelled out (after an upgrade to the
-        check, a proxy whose facts.external_labels was never set to the agents' value sees
-        every series so)."""
+        value came from (``source``: "" the series, else whose ``extra_label``; ``tenant``:
+        the one the request named, which upstream.url's names), the sender, and the change
+        that makes them agree, spelled out (after an upgrade to the check, a proxy whose
+        facts.external_labels was never set to the agents' value sees every series so)."""
         check = plan.cluster
         if check is None or result.other_cluster is None \
                 or not log.isEnabledFor(self._other_cluster.level):
@@ -988,10 +992,13 @@ class RemoteWriteHandler:
                    "remote-write URL (or make it "
                    f"{label}={expected}); enrich.cluster_label: \"\" turns the check off")
         elif source:
-            where = f"extra_label={label}={seen} in upstream.url"
-            fix = (f"upstream.url stores every relayed series under {label}=\"{seen}\": make "
-                   f"its extra_label {label}={expected}, as facts.external_labels says (a "
-                   "restart)")
+            tenant = tenant if tenant is not None else "(none named)"
+            where = f"extra_label={label}={seen} in upstream.url (tenant {tenant})"
+            fix = (f"upstream.url stores every series of tenant {tenant} under "
+                   f"{label}=\"{seen}\" (its extra_label, with the tenant in its {{tenant}}): "
+                   f"if they are this cluster's, make that extra_label {label}={expected} for "
+                   "every tenant, as facts.external_labels says (a restart); "
+                   f"enrich.cluster_label: \"\" turns the check off")
         else:
             where = f"the series' {label} label"
             fix = (f'if these series are this cluster\'s, make the agents\' external label '

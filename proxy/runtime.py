@@ -34,6 +34,7 @@ from proxy.config import (
     ConfigError,
     Settings,
     check_dns_name,
+    check_stored_cluster,
     cluster_check,
     cluster_check_off,
     parse_host_port,
@@ -663,6 +664,14 @@ class Proxy:
             return ReloadOutcome(False, str(e))
         merged = merge(self.settings, loaded)
         new = merged.settings
+        if "enrich.cluster_label" in merged.applied:
+            # the file passed the same check with its own upstream.url and external labels;
+            # the running ones stay (restart keys), and a new label meets those
+            try:
+                check_stored_cluster(new)
+            except ConfigError as e:
+                return ReloadOutcome(False, f"{e} (a reload keeps the running upstream.url "
+                                     "and facts.external_labels: they take a restart)")
         paths = new.karta.description_paths
         read = (await asyncio.to_thread(read_description_paths, paths,
                                         self._description_files) if paths

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 from typing import Protocol as Interface
-from urllib.parse import parse_qsl, unquote_to_bytes, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -61,6 +61,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
+from proxy.upstream_url import extra_label_value, own_extra_label, tenant_url
 from proxy.wire.conversion import check_size, v2_to_v1
 from proxy.wire.convert import ConversionTooLarge, V1Form, without_histograms
 from proxy.wire.halves import Layout, layout, layout_bytes
@@ -136,71 +137,6 @@ _HISTOGRAMS_DISABLED = re.compile(rb"(?:upstream answered 500: )?native histogra
 _VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
 
 
-#: VictoriaMetrics' write-path query parameter that adds a label to every series of the
-#: request (``?extra_label=name=value``, repeatable), set by the receiver after the proxy
-#: stamped the series. Go reads query names as they are: ``Extra_Label`` is another name,
-#: ignored by VictoriaMetrics
-EXTRA_LABEL = "extra_label"
-
-
-def karta_extra_label(query: str) -> str:
-    """The first ``extra_label`` of a request's raw query string that names a ``karta_*``
-    label, decoded (``karta_workload=evil``); "" when none does.
-
-    The receiver would set such a label on every series of the request, over the ones
-    the proxy stamped: a sender could forge any attribution through its URL. Read as
-    VictoriaMetrics reads it (Go's ``url.ParseQuery``: ``&``-separated pairs, ``%XX`` and
-    ``+`` decoded in names and values, the label name up to the value's first ``=``), so
-    ``extra%5Flabel=karta%5Fworkload%3Dx`` is found too. A pair Go skips as malformed (a
-    bad ``%`` escape) is looked at all the same, and a name with blanks around it counts:
-    a refusal too many at worst, never a forged label through."""
-    if not query:
-        return ""
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name == EXTRA_LABEL and value.partition("=")[0].strip().startswith("karta_"):
-            return value
-    return ""
-
-
-#: a ``%`` that does not start a ``%XX`` escape: Go's ``url.ParseQuery`` skips the pair
-_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
-
-
-def _go_unescaped(s: str) -> bytes | None:
-    """``s`` decoded as Go's ``url.QueryUnescape`` does (``+`` is a blank, ``%XX`` a byte,
-    no UTF-8 check); None where Go fails (a bad ``%`` escape)."""
-    if _BAD_ESCAPE.search(s):
-        return None
-    return unquote_to_bytes(s.replace("+", " "))
-
-
-def extra_label_value(query: str, label: bytes) -> bytes | None:
-    """The value VictoriaMetrics gives ``label`` on every series of a request sent with
-    this raw query string, from its ``extra_label`` parameters; None: they name none.
-
-    Read as VictoriaMetrics reads them, as measured against VictoriaMetrics 1.79 (a
-    strict reading, unlike :func:`karta_extra_label`'s: this one decides where a series
-    is stored, and a pair read that VictoriaMetrics skips would name a cluster it does
-    not store): Go's ``url.ParseQuery`` (``&``-separated pairs; a pair holding a ``;``
-    or a bad ``%`` escape is skipped), the label name up to the value's first ``=``,
-    exact (``%20cluster`` is another label); of several, the last wins, and one with an
-    empty value is skipped (the series keeps what it had)."""
-    found: bytes | None = None
-    for pair in query.split("&"):
-        if ";" in pair:
-            continue
-        name, _, value = pair.partition("=")
-        if _go_unescaped(name) != EXTRA_LABEL.encode():
-            continue
-        decoded = _go_unescaped(value)
-        if decoded is None:
-            continue
-        named, eq, given = decoded.partition(b"=")
-        if eq and named == label and given:
-            found = given
-    return found
-
-
 def _layout_and_digest(raw: bytes, protocol: Protocol) -> tuple[Layout, bytes]:
     """The layout of a body to cut, and its digest (CPU work: a worker thread's): the
     body is the same, byte for byte, when a sender sends the same batch again and the
@@ -244,13 +180,6 @@ def _parts_key(digest: bytes, url: URL, sent: Outgoing, headers: CIMultiDict[str
 def _parsed(url: str) -> URL:
     """``url`` parsed once (the same few URLs, one per tenant, every request)."""
     return URL(url)
-
-
-@functools.lru_cache(maxsize=256)
-def _own_extra_label(url: str, label: bytes) -> bytes | None:
-    """:func:`extra_label_value` of ``url``'s own query (the same few URLs, every
-    request)."""
-    return extra_label_value(_parsed(url).raw_query_string, label)
 
 
 def upstream_target(url: str, query: str = "") -> URL:
@@ -670,33 +599,6 @@ OWN_WRITES_NEED_CREDENTIALS = (
     "upstream.basic_auth_* or an Authorization in facts.headers")
 
 
-#: the place of the tenant in ``upstream.url`` (VictoriaMetrics cluster, Mimir-style bases)
-TENANT_PLACEHOLDER = "{tenant}"
-#: a vminsert write URL's path: ``/insert/<tenant>/prometheus[/api/v1/write]``
-_VMINSERT_PATH = re.compile(
-    r"^(?P<head>.*/insert/)(?P<tenant>[^/]+)(?P<tail>/prometheus(?:/api/v1/write)?/?)$")
-
-
-def tenant_url(url: str, tenant: str | None, default_tenant: str) -> str | None:
-    """The upstream URL for a request that named ``tenant`` in its path (None: it named
-    none); None when the URL has no place for a tenant.
-
-    ``{tenant}`` in ``url`` is replaced; a VictoriaMetrics cluster write URL
-    (``.../insert/<t>/prometheus/api/v1/write``) gets its tenant swapped. A request with
-    no tenant goes to ``url`` (with ``default_tenant`` in a placeholder).
-    """
-    if TENANT_PLACEHOLDER in url:
-        return url.replace(TENANT_PLACEHOLDER, tenant if tenant is not None else default_tenant)
-    if tenant is None:
-        return url
-    parts = urlsplit(url)
-    m = _VMINSERT_PATH.match(parts.path)
-    if m is None:
-        return None
-    path = m.group("head") + tenant + m.group("tail")
-    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
-
-
 #: receivers whose tenant is a request header, by the end of their write path: Mimir and
 #: Cortex (``/api/v1/push``, Cortex' older ``/api/prom/push``), Thanos Receive
 _MIMIR_WITHOUT_TENANT = ("a multi-tenant one refuses them (401: KartaProxyFactWritesFailing), "
@@ -983,7 +885,7 @@ class Upstream:
             if value is not None:  # the sender's come last: the last one wins
                 return value, "sender"
         url = tenant_url(self.url, tenant, self.settings.default_tenant)
-        value = _own_extra_label(url, label) if url is not None else None
+        value = own_extra_label(url, label) if url is not None else None
         return (value, "upstream.url") if value is not None else None
 
     def leaves_out_histograms(self) -> bool:

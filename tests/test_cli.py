@@ -94,6 +94,25 @@ def test_no_upstream_is_one_clear_line_and_exit_2() -> None:
     ]
 
 
+def test_an_upstream_url_storing_another_cluster_is_one_line_and_exit_2(
+        tmp_path: Path) -> None:
+    """The start refuses, before anything listens, an upstream.url whose extra_label makes
+    VictoriaMetrics store every series under another cluster than the proxy's: it relayed
+    every request unstamped (other_cluster), found a request at a time. The line names
+    the file both values came from, both values and what to change."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("upstream: {url: 'http://127.0.0.1:9/api/v1/write?extra_label=cluster=c2'}\n"
+                   "facts: {external_labels: {cluster: c1}}\n")
+    r = run_cli("--config", str(cfg))
+    assert r.returncode == 2 and r.stdout == ""
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(
+        f"karta-proxy: error: {cfg}: upstream.url: its extra_label sets cluster=c2 on every "
+        "series VictoriaMetrics stores through it, but this proxy's cluster is cluster=c1 "
+        "(facts.external_labels.cluster, checked by enrich.cluster_label)"), line
+    assert "make the extra_label cluster=c1 (or remove it)" in line
+
+
 def test_help_texts() -> None:
     r = run_cli("--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: karta-proxy ")

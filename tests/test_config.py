@@ -780,3 +780,65 @@ def test_the_cluster_check_reads_the_facts_external_labels(
     assert bool(line) == said
     if said:
         assert f"facts.external_labels.{label}" in line and 'enrich.cluster_label' in line
+
+
+#: the start of the refusal of an upstream.url storing every series under cluster=c2
+_STORES_C2 = ("upstream.url: its extra_label sets cluster=c2 on every series VictoriaMetrics "
+              "stores through it, but this proxy's cluster is cluster=c1 "
+              "(facts.external_labels.cluster, checked by enrich.cluster_label): ")
+
+
+@pytest.mark.parametrize(("url", "changes", "refused"), [
+    ("/api/v1/write?extra_label=cluster=c2", None, _STORES_C2 + (
+        "every relayed series would be forwarded unstamped (other_cluster), the fact "
+        "series stored under cluster=c2; make the extra_label cluster=c1 (or remove it), "
+        "or set facts.external_labels.cluster: c2 if this proxy is that cluster's; "
+        "enrich.cluster_label: \"\" turns the check off")),
+    ("/api/v1/write?extra_label=cluster=c1", None, ""),
+    ("/api/v1/write?extra_label=cluster=c2&extra_label=cluster=c1", None, ""),  # the last
+    ("/api/v1/write?extra_label=cluster=c1&extra_label=cluster=c2", None, _STORES_C2),
+    ("/api/v1/write?extra_label=cluster=c2&extra_label=cluster=", None, _STORES_C2),
+    ("/api/v1/write?extra%5Flabel=cluster%3Dc2", None, _STORES_C2),  # as Go decodes it
+    ("/api/v1/write?extra_label=cluster=", None, ""),  # empty: the series' own
+    ("/api/v1/write?extra_label=region=c2", None, ""),
+    ("/api/v1/write?extra_label=cluster=c2;x=1", None, ""),  # a pair Go skips
+    # read as the client sends it: the bad escape goes as %25zz, stored as c%zz
+    ("/api/v1/write?extra_label=cluster=c%zz", None,
+     "upstream.url: its extra_label sets cluster=c%zz on every series"),
+    ("/insert/0/prometheus?extra_label=cluster=c2", None, _STORES_C2),
+    # the check off: by the label, or no cluster of its own
+    ("/api/v1/write?extra_label=cluster=c2", {"enrich.cluster_label": ""}, ""),
+    ("/api/v1/write?extra_label=cluster=c2", {"facts.external_labels": {"region": "eu"}},
+     ""),
+    ("/api/v1/write?extra_label=region=us", {
+        "enrich.cluster_label": "region",
+        "facts.external_labels": {"cluster": "c1", "region": "eu"}},
+     "upstream.url: its extra_label sets region=us on every series"),
+    ("/api/v1/write?extra_label=cluster=c2", {"facts.enabled": False},
+     _STORES_C2 + "every relayed series would be forwarded unstamped (other_cluster); "),
+    # a {tenant} in the value: read where requests naming no tenant and the facts go
+    ("/api/v1/write?extra_label=cluster=c{tenant}", None,
+     "upstream.url (its {tenant} as upstream.default_tenant 0: where requests naming no "
+     "tenant and the fact series go): its extra_label sets cluster=c0 on every series"),
+    ("/api/v1/write?extra_label=cluster=c{tenant}", {"upstream.default_tenant": "1"}, ""),
+    ("/insert/{tenant}/prometheus?extra_label=cluster=c2", None, "upstream.url: its "),
+])
+def test_an_upstream_url_storing_another_cluster_is_refused(
+        url: str, changes: dict[str, Any] | None, refused: str) -> None:
+    """VictoriaMetrics sets upstream.url's extra_label on every series it stores, over
+    the series' own: one naming another cluster than facts.external_labels' made the
+    cluster check relay every request unstamped (other_cluster), found a request at a
+    time. The last non-empty one counts, read as VictoriaMetrics reads them; the message
+    names both values and what to change, never the URL's password."""
+    s = valid(url="http://user:secret@127.0.0.1:8428" + url)
+    s.facts.external_labels = {"cluster": "c1"}
+    for key, value in (changes or {}).items():
+        section, name = key.split(".")
+        setattr(getattr(s, section), name, value)
+    if not refused:
+        validate(s)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert str(e.value).startswith(refused)
+    assert "secret" not in str(e.value)

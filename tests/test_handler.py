@@ -22,7 +22,7 @@ import pytest
 import snappy
 from yarl import URL
 
-from proxy.config import UpstreamProtocol
+from proxy.config import UpstreamProtocol, validate
 from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES
 from proxy.runtime import Proxy
 from proxy.wire.primitives import Protocol
@@ -1406,7 +1406,10 @@ async def test_an_extra_label_of_another_cluster_leaves_the_whole_request_unstam
     this cluster's pods, whatever the body said (the check read the body only). Such a
     request is spliced over no pods: its pod series counted other_cluster (not
     pod_unknown), the others no_pod_label, the sender's karta_* labels dropped, the data
-    2xx'd with the Written headers of what was stored, one warning naming the source."""
+    2xx'd with the Written headers of what was stored, one warning naming the source.
+    upstream.url's own of another cluster is a settings error where requests naming no
+    tenant go (tests/test_config.py); through a {tenant} in its value it is found for the
+    tenant a request names: every proxy here runs on settings the CLI accepts."""
     caplog.set_level(logging.WARNING, logger="karta.handler")
     pod = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
     ours = {**pod, "cluster": "c1"}
@@ -1424,24 +1427,30 @@ async def test_an_extra_label_of_another_cluster_leaves_the_whole_request_unstam
             proxy_running(tmp_path / "b", up, facts_settings=c1,
                           upstream_url=up.url + "?extra_label=cluster=c1") as url_c1, \
             proxy_running(tmp_path / "c", up, facts_settings=c1,
-                          upstream_url=up.url + "?extra_label=cluster=c2") as url_c2:
-        proxies = {"plain": plain, "url_c1": url_c1, "url_c2": url_c2}
+                          upstream_url=up.url + "?extra_label=cluster=c{tenant}",
+                          upstream_settings={"default_tenant": "1"}) as per_tenant:
+        proxies = {"plain": plain, "url_c1": url_c1, "per_tenant": per_tenant}
         for p in proxies.values():
+            validate(p.settings)
             p.handler._other_cluster.interval = 0.0  # a line per case
-        cases = [  # proxy, the sender's query, stamped, the warning's source
-            ("plain", "extra_label=cluster=c2", False, "the sender's URL"),
-            ("plain", "extra%5Flabel=cluster%3Dc2", False, "the sender's URL"),
-            ("plain", "extra_label=cluster=c2&extra_label=cluster=", False, "the sender's URL"),
-            ("plain", "extra_label=cluster=c1&extra_label=env=prod", True, None),
-            ("plain", "extra_label=%20cluster=c2", True, None),  # another label
-            ("plain", "extra_label=cluster=c%zz", True, None),  # Go skips the pair
-            ("plain", "Extra_Label=cluster=c2", True, None),  # another parameter
-            ("url_c1", "extra_label=cluster=c2", False, "the sender's URL"),
-            ("url_c1", "", True, None),
-            ("url_c2", "", False, "upstream.url"),
-            ("url_c2", "extra_label=cluster=c1", True, None),  # the last one wins
+        cases = [  # proxy, the tenant in the path, the sender's query, stamped, the source
+            ("plain", None, "extra_label=cluster=c2", False, "the sender's URL"),
+            ("plain", None, "extra%5Flabel=cluster%3Dc2", False, "the sender's URL"),
+            ("plain", None, "extra_label=cluster=c2&extra_label=cluster=", False,
+             "the sender's URL"),
+            ("plain", None, "extra_label=cluster=c1&extra_label=env=prod", True, None),
+            ("plain", None, "extra_label=%20cluster=c2", True, None),  # another label
+            ("plain", None, "extra_label=cluster=c%zz", True, None),  # Go skips the pair
+            ("plain", None, "Extra_Label=cluster=c2", True, None),  # another parameter
+            ("url_c1", None, "extra_label=cluster=c2", False, "the sender's URL"),
+            ("url_c1", None, "", True, None),
+            ("per_tenant", None, "", True, None),  # the default tenant's: c1
+            ("per_tenant", "1", "", True, None),
+            ("per_tenant", "2", "", False, "upstream.url (tenant 2)"),
+            ("per_tenant", "2", "extra_label=cluster=c1", True, None),  # the last one wins
+            ("per_tenant", "1", "extra_label=cluster=c2", False, "the sender's URL"),
         ]
-        for name, query, is_stamped, source in cases:
+        for name, tenant, query, is_stamped, source in cases:
             caplog.clear()
             up.received.clear()
             p = proxies[name]
@@ -1449,7 +1458,9 @@ async def test_an_extra_label_of_another_cluster_leaves_the_whole_request_unstam
                       for r in ("other_cluster", "no_pod_label", "pod_unknown")}
             attributed = metric(p, "karta_proxy_series_attributed_total")
             dropped = metric(p, "karta_proxy_series_sender_karta_labels_dropped_total")
-            url = f"http://127.0.0.1:{p.port}/api/v1/write" + (f"?{query}" if query else "")
+            path = ("/api/v1/write" if tenant is None
+                    else f"/insert/{tenant}/prometheus/api/v1/write")
+            url = f"http://127.0.0.1:{p.port}{path}" + (f"?{query}" if query else "")
             async with session.post(URL(url, encoded=True),  # the query as it is
                                     data=snappy.compress(series_v2(*sent)), headers={
                     "Content-Type": CT_V2, "Content-Encoding": "snappy",
@@ -1457,26 +1468,27 @@ async def test_an_extra_label_of_another_cluster_leaves_the_whole_request_unstam
                 assert resp.status == 204, (name, query)
                 assert resp.headers["X-Prometheus-Remote-Write-Samples-Written"] == "4"
             (rec,) = up.received
-            own = p.upstream.url.partition("?")[2]
+            own = p.upstream.url.partition("?")[2].replace(
+                "{tenant}", tenant or p.settings.upstream.default_tenant)
             assert rec.query == "&".join(q for q in (own, query) if q)  # as it came
             req = RequestV2.FromString(rec.raw)
             syms = list(req.symbols)
             got = [{syms[r[i]]: syms[r[i + 1]] for i in range(0, len(r), 2)}
                    for r in (list(ts.labels_refs) for ts in req.timeseries)]
-            assert got == (stamped if is_stamped else unstamped), (name, query)
+            assert got == (stamped if is_stamped else unstamped), (name, tenant, query)
             counted = {r: metric(p, "karta_proxy_series_unattributed_total", reason=r)
                        - n for r, n in before.items()}
             assert counted == ({"other_cluster": 0, "no_pod_label": 1, "pod_unknown": 0}
                                if is_stamped else
                                {"other_cluster": 3, "no_pod_label": 1, "pod_unknown": 0}), \
-                (name, query)
+                (name, tenant, query)
             assert metric(p, "karta_proxy_series_attributed_total") - attributed == (
                 3 if is_stamped else 0)
             assert metric(p, "karta_proxy_series_sender_karta_labels_dropped_total") \
                 - dropped == 1
             lines = [r.__dict__ for r in caplog.records if "another cluster" in r.getMessage()]
             if source is None:
-                assert not lines, (name, query)
+                assert not lines, (name, tenant, query)
                 continue
             (line,) = lines
             assert (line["label"], line["seen"], line["expected"], line["series"]) == (
@@ -1485,8 +1497,9 @@ async def test_an_extra_label_of_another_cluster_leaves_the_whole_request_unstam
             assert line["fix"].startswith(
                 'the TSDB stores every series of these requests under cluster="c2"'
                 if source == "the sender's URL" else
-                'upstream.url stores every relayed series under cluster="c2": make its '
-                'extra_label cluster=c1')
+                'upstream.url stores every series of tenant 2 under cluster="c2" (its '
+                'extra_label, with the tenant in its {tenant}): if they are this '
+                "cluster's, make that extra_label cluster=c1 for every tenant")
 
 
 async def test_a_big_request_of_another_cluster_by_its_url_is_counted_whole(

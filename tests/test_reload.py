@@ -917,3 +917,52 @@ async def test_the_cluster_label_reloads_against_the_cluster_the_proxy_started_a
         "stamped with this cluster's pods; set facts.external_labels.region to the value "
         "this cluster's agents send (enrich.cluster_label names another label, \"\" turns "
         "this line off)"]
+
+
+async def test_a_reload_refuses_a_cluster_check_against_an_upstream_url_of_another_cluster(
+        tmp_path: Path) -> None:
+    """upstream.url's extra_label storing every series under another cluster than
+    facts.external_labels' is a settings error (proxy.config.check_stored_cluster). A
+    reload refuses it in the file it reads, and also where the file agrees but the process
+    would not: upstream.url and facts.external_labels take a restart, so a new
+    enrich.cluster_label meets the running ones. Either way the running configuration
+    stays (the check off here: the series stamped), where the reload applied a check that
+    left every request unstamped."""
+    (tmp_path / "snap.yaml").write_text(SNAPSHOT)
+    config = tmp_path / "karta-proxy.yaml"
+    async with ScriptedUpstream() as up, aiohttp.ClientSession() as session:
+        r = Running(None, up, config, "", session)  # type: ignore[arg-type]
+        c2_url = {"url": up.url + "?extra_label=cluster=c2"}
+        r.write_config(upstream=c2_url, enrich={"cluster_label": ""},
+                       facts={"external_labels": {"cluster": "c1"}})
+        p = Proxy(_loader(config)(), loader=_loader(config))
+        await p.start()
+        r.proxy, r.base = p, f"http://127.0.0.1:{p.port}"
+        try:
+            assert await r.send(CART_POD) == {**CART_POD, **CART}
+            refusal = ("reload failed: upstream.url: its extra_label sets cluster=c2 on every "
+                       "series VictoriaMetrics stores through it, but this proxy's cluster "
+                       "is cluster=c1")
+            steps: list[tuple[dict[str, Any], str]] = [
+                # the file's own settings disagree
+                ({"upstream": c2_url, "enrich": {"cluster_label": "cluster"},
+                  "facts": {"external_labels": {"cluster": "c1"}}}, ""),
+                # the file's agree, the running upstream.url (a restart key) does not
+                ({"enrich": {"cluster_label": "cluster"},
+                  "facts": {"external_labels": {"cluster": "c1"}}},
+                 " (a reload keeps the running upstream.url and facts.external_labels: "
+                 "they take a restart)\n"),
+                # nor do the running external labels with the file's upstream.url
+                ({"upstream": c2_url, "enrich": {"cluster_label": "cluster"},
+                  "facts": {"external_labels": {"cluster": "c2"}}}, "restart)\n"),
+            ]
+            for extra, ending in steps:
+                r.write_config(**extra)
+                status, text = await r.post_reload()
+                assert status == 500 and text.startswith(refusal), text
+                assert text.endswith(ending) and ("a reload keeps" in text) == bool(ending)
+                assert r.metric(RELOADS_OK) == 0.0
+                assert p.settings.enrich.cluster_label == ""
+                assert await r.send(CART_POD) == {**CART_POD, **CART}
+        finally:
+            await p.stop()
