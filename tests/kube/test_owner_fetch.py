@@ -330,7 +330,7 @@ async def a_relist_older_than_a_fetched_copy(
     (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
     assert isinstance(watcher, ResourceWatcher)
     watcher.page_size = 1  # pages without 500 ReplicaSets
-    sim.delay_resource(REPLICA_SET, 1.5, continued=True)
+    sim.delay_resource(REPLICA_SET, 2.0, continued=True)
     assert sim.hold_watches(REPLICA_SET) == 1
     listed_at = str(sim.resource_version)
     watches = replicaset_requests(sim, watch_from=listed_at)  # the first watch's too
@@ -343,6 +343,7 @@ async def a_relist_older_than_a_fetched_copy(
     await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"))
     assert fetches(source, "fetched") == 1
     assert int(rs2["metadata"]["resourceVersion"]) > int(listed_at)
+    assert replicaset_requests(sim, watch_from=listed_at) == watches  # still listing
     # the list ends (at listed_at, without web-2); the watch from there replays its ADDED
     await eventually(lambda: replicaset_requests(sim, watch_from=listed_at) > watches)
     await asyncio.sleep(0.5)
