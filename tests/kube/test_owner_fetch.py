@@ -305,13 +305,22 @@ class _Relist:
         assert self.relist_deleted() == 0
 
 
-def replicaset_requests(sim: KubeSim, *, watch_from: str = "") -> int:
-    """The simulator's requests for ReplicaSet list pages after the first (with
-    ``watch_from``: for ReplicaSet watches from that resourceVersion instead)."""
-    return sum(1 for method, path, query, _ in sim.requests
-               if method == "GET" and path.endswith("/replicasets")
-               and (query.get("resourceVersion") == watch_from if watch_from
-                    else "continue" in query))
+def replicaset_queries(sim: KubeSim) -> list[dict[str, str]]:
+    return [q for method, path, q, _ in sim.requests
+            if method == "GET" and path.endswith("/replicasets")]
+
+
+def paging(sim: KubeSim) -> bool:
+    """A ReplicaSet list asked for a page after its first."""
+    return any("continue" in q for q in replicaset_queries(sim))
+
+
+def relisted(sim: KubeSim) -> bool:
+    """A ReplicaSet watch was asked for after the last such page: that list ended (its
+    watcher asks for nothing else meanwhile)."""
+    qs = replicaset_queries(sim)
+    pages = [i for i, q in enumerate(qs) if "continue" in q]
+    return bool(pages) and any(q.get("watch") == "1" for q in qs[pages[-1] + 1:])
 
 
 async def a_relist_older_than_a_fetched_copy(
@@ -331,21 +340,22 @@ async def a_relist_older_than_a_fetched_copy(
     assert isinstance(watcher, ResourceWatcher)
     watcher.page_size = 1  # pages without 500 ReplicaSets
     sim.delay_resource(REPLICA_SET, 2.0, continued=True)
-    assert sim.hold_watches(REPLICA_SET) == 1
-    listed_at = str(sim.resource_version)
-    watches = replicaset_requests(sim, watch_from=listed_at)  # the first watch's too
+    # its watch is open (not between two of its 2 s watches)
+    await eventually(lambda: sim.hold_watches(REPLICA_SET) == 1)
+    listed_at = sim.resource_version
     sim.flush_watches(error=Gone("too old resource version"))
-    await eventually(lambda: replicaset_requests(sim) >= 1)  # its first page is read
+    await eventually(lambda: paging(sim))  # its first page is read
     if watches_fail:
         sim.fail_resource(REPLICA_SET, 500, watch_only=True)
     rs2 = new_rs(sim, dep, "web-2")
     sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
     await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"))
     assert fetches(source, "fetched") == 1
-    assert int(rs2["metadata"]["resourceVersion"]) > int(listed_at)
-    assert replicaset_requests(sim, watch_from=listed_at) == watches  # still listing
+    assert int(rs2["metadata"]["resourceVersion"]) > listed_at
+    assert not relisted(sim)  # fetched while it still lists
     # the list ends (at listed_at, without web-2); the watch from there replays its ADDED
-    await eventually(lambda: replicaset_requests(sim, watch_from=listed_at) > watches)
+    await eventually(lambda: relisted(sim))
+    assert replicaset_queries(sim)[-1].get("resourceVersion") == str(listed_at)
     await asyncio.sleep(0.5)
     sim.delay_resource(REPLICA_SET, None)
     return _Relist(source, watcher, rs2["metadata"]["uid"], seen)
