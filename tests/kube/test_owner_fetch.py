@@ -285,7 +285,6 @@ async def test_a_pod_waits_no_longer_than_its_deadline(
     assert fetches(source, "fetched") == 2
 
 
-
 class _Relist:
     """A relist of the ReplicaSet watcher whose snapshot is older than a copy fetched."""
 
