@@ -21,6 +21,14 @@ is placed as before (the absent owner its workload) and the GET's answer moves i
   replaying) is skipped, and never replaces the copy while that waits parked itself:
   ``metadata.resourceVersion`` compared when both are decimal
   integers (etcd's are); otherwise events apply as they come.
+- A relist of its watcher that does not find it retracts it only if the list is not
+  older than the copy (``fetched_after``, asked through the source): a paginated list is
+  one snapshot at its first page's version, taking seconds, and an owner created
+  meanwhile is not in it. Retracted, its pods (with no ghost of it) moved to the made-up
+  workload until the watch's ADDED: what this module exists to prevent. The watch from
+  the list's version delivers it or its deletion; a 410 instead, and the next list, past
+  the copy, decides. After the store went back, a relist retracts what it does not find
+  (the copy's version is of the old history). Past ``MAX_VERSIONS`` copies: as before.
 - One GET per uid at a time, ``REFETCH_SECONDS`` apart at least (whatever sends what
   waits back to a GET: no loop of GETs), at most ``CONCURRENCY`` under way; at most
   ``MAX_OWNERS`` owners tracked and ``MAX_PARKED`` objects parked (past either, objects
@@ -71,7 +79,8 @@ PARK_SECONDS = 2.0
 REFETCH_SECONDS = 1.0
 MAX_OWNERS = 1000
 MAX_PARKED = 20_000
-#: fetched copies whose resourceVersion a later (older) watch event is checked against
+#: fetched copies whose resourceVersion a later (older) watch event, and a relist that
+#: does not find them, is checked against
 MAX_VERSIONS = 10_000
 FETCH_TIMEOUT = 5.0
 MAX_ATTEMPTS = 5
@@ -218,6 +227,13 @@ class OwnerFetcher:
             uid = md.get("uid") if isinstance(md, Mapping) else None
             if isinstance(uid, str) and uid in self._waiting:
                 self._release(uid)
+
+    def fetched_after(self, uid: str, version: str) -> bool:
+        """A copy of ``uid`` fetched is newer than ``version`` (a list's): both decimal
+        integers, and the watch has delivered neither a newer event of it nor its
+        deletion (either ends the copy's record)."""
+        fetched = self._versions.get(uid)
+        return fetched is not None and version.isdecimal() and int(version) < fetched
 
     def _older(self, uid: str, md: Mapping[str, Any]) -> bool:
         fetched = self._versions.get(uid)
@@ -474,7 +490,8 @@ class OwnerFetcher:
         self.fetches.labels("fetched").inc()
         obj["apiVersion"] = watcher.resource.api_version
         obj["kind"] = watcher.resource.kind
-        # held as the watch holds it: a relist that no longer finds it retracts it
+        # held as the watch holds it: a relist that no longer finds it retracts it (but
+        # for one older than this copy, ``fetched_after``)
         watcher.held[uid] = f"{md.get('namespace', '')}/{md.get('name', '')}"
         owner.state = _FETCHED
         try:

@@ -739,6 +739,10 @@ class KubeSource:
         changes.merge(self._alone_if_failing(objs, lambda batch: many(batch, owed=owed),
                                              object_name))
 
+    def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
+        fetcher = self.owner_fetcher
+        return fetcher is not None and fetcher.fetched_after(uid, version)
+
     def _watcher_for(self, gk: GroupKind, namespace: str) -> Watcher | None:
         """The watcher an owner of kind ``gk`` named by a dependent in ``namespace`` is
         fetched as (its resource and mode), if the kind is watched there and has listed

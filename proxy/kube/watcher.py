@@ -195,6 +195,11 @@ class WatchSink(Protocol):
         what it held retracted (one namespace refused while the kind's others are
         watched), or staying with what it held kept, failing (pods refused)."""
 
+    def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
+        """A copy of ``uid`` was fetched by one GET (``proxy.kube.owner_fetch``) at a
+        resourceVersion newer than ``version``: a list at ``version`` that does not
+        find it is older than the copy, not proof that it is gone."""
+
 
 class WatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -430,6 +435,9 @@ class ResourceWatcher(WatchBase):
         #: each would cost a full decode and an engine pass (2.5 s and 80 ms stalls of
         #: the event loop at 37.5k pods, docs/performance.md).
         self.versions: dict[str, str] = {}
+        #: the store went back since the last list: the versions of copies fetched
+        #: before are of another history, and say nothing against the next list's
+        self._new_history = False
         self.resource_version = ""
         self.healthy = True
         #: set by ``retry_now``: ends the backoff wait after a failure at once
@@ -677,8 +685,10 @@ class ResourceWatcher(WatchBase):
         a resourceVersion of it says nothing of an object in the new one (a restored
         object modified since the backup can reach the same version with other data).
         The relist delivers every object again: skipping those still "at their version"
-        could keep the old data for good."""
+        could keep the old data for good; and it retracts what it does not find, however
+        new a copy fetched of it (``_list``)."""
         self.versions.clear()
+        self._new_history = True
 
     def _failed(self, why: str, kind: str) -> None:
         """A list or watch that did not go through: logged at debug only, each retry.
@@ -742,12 +752,21 @@ class ResourceWatcher(WatchBase):
                 with contextlib.suppress(BaseException):
                     await fetch
         gone = [uid for uid in self.held if uid not in seen]
+        if gone and not self._new_history:
+            # a copy of an owner fetched after the list's snapshot (its first page's
+            # version: a paginated list of many objects takes seconds) is not gone.
+            # Retracted, a deletion was counted that never was, and the pods below it
+            # (with no ghost of it to walk through) moved to a made-up workload until
+            # the watch's ADDED. The watch from ``rv`` delivers it, or its deletion; a
+            # 410 instead, and the next list, past it, decides
+            gone = [uid for uid in gone if not self.sink.fetched_after(self, uid, rv)]
         if gone:
             deletions = [("DELETED", self.stub(uid)) for uid in gone]
             for uid in gone:
                 self._forget(uid)
             self.metrics.events.labels(self.name, "RELIST_DELETED").inc(len(gone))
             await self.deliver(deletions)
+        self._new_history = False
         self.resource_version = rv
         self.backoff.reset()
         self.sink.current(self)

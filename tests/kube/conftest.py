@@ -45,10 +45,13 @@ SourceFactory = Callable[..., Awaitable[KubeSource]]
 async def make_source(sim: KubeSim) -> AsyncIterator[SourceFactory]:
     started: list[KubeSource] = []
 
-    async def make(**settings: Any) -> KubeSource:
+    async def make(*, engine: Engine | None = None, **settings: Any) -> KubeSource:
+        """``engine``: one built otherwise than by default (no ghosts, as with
+        ``karta.tombstone_seconds: 0``), else a default one."""
         kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()),
                             resync_backoff_max_seconds=0.5, **settings)
-        source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+        source = KubeSource(kube, engine if engine is not None else Engine(), PodIndex(),
+                            metrics_registry=CollectorRegistry(),
                             watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5)
         started.append(source)
         await asyncio.wait_for(source.start(), 10)

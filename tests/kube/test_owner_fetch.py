@@ -13,12 +13,14 @@ import uuid
 import pytest
 
 from proxy import contract
+from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
 from proxy.kube import owner_fetch
 from proxy.kube.source import KubeSource
+from proxy.kube.watcher import ResourceWatcher
 from tests.kube.conftest import SourceFactory, deployment, eventually, labels, metric, owner, pod
-from tests.kubesim import KubeSim
+from tests.kubesim import Gone, KubeSim
 from tests.kubesim.resources import DEPLOYMENT, REPLICA_SET
 
 NS = "shop"
@@ -281,3 +283,134 @@ async def test_a_pod_waits_no_longer_than_its_deadline(
                                  for rev in ("2", "3")), timeout=15)
     assert ("ReplicaSet", "web-3") in seen  # placed as before meanwhile
     assert fetches(source, "fetched") == 2
+
+
+class _Relist:
+    """A relist of the ReplicaSet watcher whose snapshot is older than a copy fetched."""
+
+    def __init__(self, source: KubeSource, watcher: ResourceWatcher, rs_uid: str,
+                 seen: list[tuple[str, str]]) -> None:
+        self.source, self.watcher, self.rs_uid, self.seen = source, watcher, rs_uid, seen
+
+    def relist_deleted(self) -> float:
+        return metric(self.source, "karta_proxy_watch_events_total",
+                      {"resource": self.watcher.name, "type": "RELIST_DELETED"})
+
+    def kept(self) -> None:
+        """The copy stayed through the relist: the pod never left the Deployment."""
+        assert ("ReplicaSet", "web-2") not in self.seen, self.seen
+        assert web(self.source, "web-2-0") == ("Deployment", "web")
+        assert self.rs_uid in self.watcher.held
+        assert self.relist_deleted() == 0
+
+
+def replicaset_queries(sim: KubeSim) -> list[dict[str, str]]:
+    return [q for method, path, q, _ in sim.requests
+            if method == "GET" and path.endswith("/replicasets")]
+
+
+def paging(sim: KubeSim) -> bool:
+    """A ReplicaSet list asked for a page after its first."""
+    return any("continue" in q for q in replicaset_queries(sim))
+
+
+def relisted(sim: KubeSim) -> bool:
+    """A ReplicaSet watch was asked for after the last such page: that list ended (its
+    watcher asks for nothing else meanwhile)."""
+    qs = replicaset_queries(sim)
+    pages = [i for i, q in enumerate(qs) if "continue" in q]
+    return bool(pages) and any(q.get("watch") == "1" for q in qs[pages[-1] + 1:])
+
+
+async def a_relist_older_than_a_fetched_copy(
+        sim: KubeSim, make_source: SourceFactory, *, engine: Engine | None = None,
+        watches_fail: bool = False) -> _Relist:
+    """The ReplicaSet watcher relists (a 410) in pages of one ReplicaSet, those after the
+    first slow (a list of many that takes seconds); while it reads them, a new
+    ReplicaSet ``web-2`` and its pod are made: the pod's watch delivers it, ``web-2`` is
+    fetched, and the list, one snapshot at its first page's resourceVersion, ends
+    without it. ``watches_fail``: the ReplicaSet watches fail (500) from the list on,
+    so that no watch event of ``web-2`` comes."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    deployment(sim, "api", NS, replicas=1, rev="1")
+    source = await make_source(engine=engine)
+    seen = record(source)
+    (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
+    assert isinstance(watcher, ResourceWatcher)
+    watcher.page_size = 1  # pages without 500 ReplicaSets
+    sim.delay_resource(REPLICA_SET, 2.0, continued=True)
+    # its watch is open (not between two of its 2 s watches)
+    await eventually(lambda: sim.hold_watches(REPLICA_SET) == 1)
+    listed_at = sim.resource_version
+    sim.flush_watches(error=Gone("too old resource version"))
+    await eventually(lambda: paging(sim))  # its first page is read
+    if watches_fail:
+        sim.fail_resource(REPLICA_SET, 500, watch_only=True)
+    rs2 = new_rs(sim, dep, "web-2")
+    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"))
+    assert fetches(source, "fetched") == 1
+    assert int(rs2["metadata"]["resourceVersion"]) > listed_at
+    assert not relisted(sim)  # fetched while it still lists
+    # the list ends (at listed_at, without web-2); the watch from there replays its ADDED
+    await eventually(lambda: relisted(sim))
+    assert replicaset_queries(sim)[-1].get("resourceVersion") == str(listed_at)
+    await asyncio.sleep(0.5)
+    sim.delay_resource(REPLICA_SET, None)
+    return _Relist(source, watcher, rs2["metadata"]["uid"], seen)
+
+
+async def test_a_relist_older_than_a_fetched_copy_keeps_it(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The relist did not find ``web-2`` (created after its snapshot) and retracted the
+    copy fetched: with no ghost to walk through (``karta.tombstone_seconds: 0``, or past
+    the ghosts' bound) the pod moved to the made-up ``ReplicaSet/web-2`` until the
+    watch's ADDED moved it back, two label sets of one series. Kept: the watch from the
+    list's version delivers it, and its deletion, which retracts it as ever."""
+    r = await a_relist_older_than_a_fetched_copy(sim, make_source,
+                                                 engine=Engine(ghost_seconds=0))
+    r.kept()
+    sim.delete(sim.get("apps/v1", "ReplicaSet", "web-2", NS), cascade=False)
+    await eventually(lambda: web(r.source, "web-2-0") == ("ReplicaSet", "web-2"))
+    assert r.rs_uid not in r.watcher.held
+    assert r.relist_deleted() == 0  # by the watch's DELETED
+
+
+async def test_a_copy_kept_by_an_older_relist_goes_at_the_next_relist_past_it(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """No watch event of ``web-2`` comes (its watches fail), and it is deleted: the next
+    relist, at a version past the copy's, retracts it (its pod below its ghost). The
+    relist older than the copy had retracted it at once (counted as a deletion)."""
+    r = await a_relist_older_than_a_fetched_copy(sim, make_source, watches_fail=True)
+    r.kept()
+    sim.delete(sim.get("apps/v1", "ReplicaSet", "web-2", NS), cascade=False)
+    sim.compact()  # the watch from the old list's version: 410, a relist
+    sim.fail_resource(REPLICA_SET, None)
+    await eventually(lambda: r.rs_uid not in r.watcher.held)
+    assert r.relist_deleted() == 1
+    assert r.source.engine.holds(r.rs_uid) and r.rs_uid not in r.source.index.workloads
+
+
+async def test_a_relist_on_a_store_gone_back_retracts_a_newer_copy(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The API server back on an etcd restored from a backup, without ``web-2``: the
+    relist's version is below the copy's, which is of the old history and says nothing
+    of the new one (where no watch event of ``web-2`` will ever come). It is retracted,
+    as what the list does not find always was; kept, it stayed until a list passed the
+    old history's version."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 500, collections_only=True)
+    sim.disconnect_watches()
+    rs2 = new_rs(sim, dep, "web-2")
+    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"))
+    rs_uid = rs2["metadata"]["uid"]
+    (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
+    assert rs_uid in watcher.held
+    await sim.stop()
+    sim.fail_resource(REPLICA_SET, None)
+    sim.reset_store(resource_version=1)
+    await sim.start()
+    await eventually(lambda: rs_uid not in watcher.held, timeout=15)
+    assert not watcher.held  # the restored store is empty

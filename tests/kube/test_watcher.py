@@ -59,6 +59,9 @@ class RecordingSink:
         watcher.synced.set()
         return Refusal.RETRACT if self.stays else Refusal.DROP
 
+    def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
+        return False  # no owner fetch here: the watcher alone
+
 
     def names(self, etype: str) -> list[str]:
         return [o["metadata"]["name"] for t, o in self.events if t == etype]

@@ -122,10 +122,12 @@ class KubeSim:
         #: the keys of ``failing_resources`` that fail lists and watches only: a GET of
         #: one object is served (see ``fail_resource``)
         self.collections_failing: set[tuple[str, str, str]] = set()
-        #: (group, plural) -> (seconds, methods): requests for that resource (of those
-        #: methods; all when empty) wait that long before they are handled (see
+        #: (group, plural) -> (seconds, methods, continued): requests for that resource
+        #: (of those methods, all when empty; only the pages of a list after its first
+        #: with ``continued``) wait that long before they are handled (see
         #: ``delay_resource``)
-        self.delayed_resources: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
+        self.delayed_resources: dict[tuple[str, str],
+                                     tuple[float, frozenset[str], bool]] = {}
         #: group/version -> status: its discovery document is answered with the status
         #: (see ``fail_discovery``)
         self.failing_discovery: dict[str, int] = {}
@@ -345,17 +347,20 @@ class KubeSim:
                 self.collections_failing.add(key)
 
     def delay_resource(self, rtype: ResourceType, seconds: float | None, *,
-                       methods: Iterable[str] = ()) -> None:
+                       methods: Iterable[str] = (), continued: bool = False) -> None:
         """Make requests for one resource (only those of ``methods``, e.g. ``("PUT",)``, if
-        given) wait ``seconds`` before they are handled from now on (None or 0: at once
-        again): a slow API server or etcd. The wait comes before the request is applied,
-        and a client that gives up meanwhile does not stop it: a write that timed out
-        client-side is applied all the same, as on a real server."""
+        given; only the pages of its lists after the first, asked with a ``continue``
+        token, with ``continued``) wait ``seconds`` before they are handled from now on
+        (None or 0: at once again): a slow API server or etcd, or a list of many objects
+        that takes seconds page by page while the cluster changes (its pages stay those
+        of its first page's resourceVersion, as kube-apiserver's). The wait comes before
+        the request is applied, and a client that gives up meanwhile does not stop it: a
+        write that timed out client-side is applied all the same, as on a real server."""
         if not seconds:
             self.delayed_resources.pop(rtype.key, None)
         else:
             self.delayed_resources[rtype.key] = (
-                float(seconds), frozenset(m.upper() for m in methods))
+                float(seconds), frozenset(m.upper() for m in methods), continued)
 
     def fail_discovery(self, group_version: str, status: int | None) -> None:
         """Answer the discovery document of one group/version (``ray.io/v1``) with
@@ -492,7 +497,8 @@ class KubeSim:
                 one and fkey in self.collections_failing):
             raise _failure(failing[0], rtype, request.method, failing[3])
         delayed = self.delayed_resources.get(rtype.key)
-        if delayed is not None and (not delayed[1] or request.method in delayed[1]):
+        if delayed is not None and (not delayed[1] or request.method in delayed[1]) and (
+                not delayed[2] or "continue" in query):
             await request.read()  # the body is in (kept for .json()) before the client leaves
             await asyncio.sleep(delayed[0])
         rs = self.store.resources[rtype.key]

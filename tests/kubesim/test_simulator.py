@@ -318,6 +318,30 @@ async def test_a_delayed_resource_applies_a_write_its_client_gave_up_on(
     assert "coordination.k8s.io" not in {k[0] for k in sim.delayed_resources}
 
 
+async def test_a_list_whose_later_pages_are_delayed_stays_at_its_first_pages_version(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """``continued``: only the pages after the first wait; what is created meanwhile is
+    not in them, and the list's resourceVersion is its first page's (kube-apiserver's
+    paginated list is one snapshot)."""
+    for i in range(2):
+        sim.create(pod(f"p{i}"))
+    sim.delay_resource(POD, 0.5, continued=True)
+    core = k8s.CoreV1Api(api)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first = await core.list_namespaced_pod("default", limit=1)
+    assert loop.time() - t0 < 0.4  # the first page is not delayed
+    sim.create(pod("p2"))
+    t0 = loop.time()
+    rest = await core.list_namespaced_pod("default", limit=5,
+                                          _continue=first.metadata._continue)
+    assert loop.time() - t0 >= 0.5
+    assert [p.metadata.name for p in first.items + rest.items] == ["p0", "p1"]
+    assert rest.metadata.resource_version == first.metadata.resource_version
+    assert int(rest.metadata.resource_version) < sim.resource_version
+    sim.delay_resource(POD, None)
+
+
 async def test_a_watch_from_a_version_not_reached_is_silent_a_list_answered_504(
         sim: KubeSim, api: k8s.ApiClient) -> None:
     """As kube-apiserver's watch cache (cacheWatcher.process): a watch from a version
