@@ -396,7 +396,9 @@ def test_a_batch_strikes_only_the_expression_past_the_limit(sandbox: JqSandbox) 
     pid = sandbox.child_pid
     started = time.monotonic()
     out = sandbox.run_many(exprs, '{"a":3,"b":4}')
-    assert time.monotonic() - started < 0.05  # the quarantined one not sent
+    # the quarantined one not sent: no wait for the limit (a new child's start, 30-70 ms
+    # on a loaded box, is in it: 0.05 s failed under load)
+    assert time.monotonic() - started < TIMEOUT / 2
     assert out[0] == [3] and out[2] == [4] and isinstance(out[1], JqError)
     assert "quarantined" in str(out[1])
     assert sandbox.restarts["timeout"] == QUARANTINE_STRIKES and pid is None
