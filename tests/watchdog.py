@@ -142,8 +142,7 @@ def write_report(out: Any, head: str) -> None:
 def task_stacks() -> str:
     """Every pending task of every event loop not closed, each with its await chain
     (outermost coroutine first) and the future it waits on at the bottom."""
-    loops = [o for o in gc.get_objects()
-             if isinstance(o, asyncio.AbstractEventLoop) and not o.is_closed()]
+    loops = _open_loops()
     if not loops:
         return "(no event loop open)\n"
     parts: list[str] = []
@@ -159,6 +158,26 @@ def task_stacks() -> str:
         for task in tasks:
             parts.append(_one_task(task))
     return "".join(parts)
+
+
+def _open_loops() -> list[asyncio.AbstractEventLoop]:
+    """The loops running (the ``self`` of a loop's run frame, in any thread's stack), then
+    any other not closed the collector sees. The gc alone missed the hung loop: the proxy
+    freezes its heap (``gc.freeze``, at a source's sync), and frozen objects are not in
+    ``gc.get_objects()``."""
+    found: dict[int, asyncio.AbstractEventLoop] = {}
+    for frame in sys._current_frames().values():
+        f: FrameType | None = frame
+        while f is not None:
+            if f.f_code.co_name in ("run_forever", "_run_once"):
+                loop = f.f_locals.get("self")
+                if isinstance(loop, asyncio.AbstractEventLoop):
+                    found.setdefault(id(loop), loop)
+            f = f.f_back
+    for o in gc.get_objects():
+        if isinstance(o, asyncio.AbstractEventLoop):
+            found.setdefault(id(o), o)
+    return [loop for loop in found.values() if not loop.is_closed()]
 
 
 def _one_task(task: asyncio.Task[Any]) -> str:
