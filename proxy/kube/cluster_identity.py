@@ -95,8 +95,10 @@ class ClusterIdentity:
     async def read(self) -> bool:
         """One read; whether it gave a uid. Never raises but for cancellation."""
         try:
-            doc = await asyncio.wait_for(
-                self._client.request_json(PATH, timeout=self._timeout), self._timeout)
+            # not wait_for: it swallows a cancel that comes as the answer does (3.11),
+            # and stop() then waited for this loop for good
+            async with asyncio.timeout(self._timeout):
+                doc = await self._client.request_json(PATH, timeout=self._timeout)
             uid = uid_of(doc)
         except asyncio.CancelledError:
             raise
@@ -146,7 +148,8 @@ class ClusterIdentity:
         """Wait for the first read to be over, ``timeout`` seconds at most; whether a uid
         is known then."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.first_read.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.first_read.wait()
         return bool(self.uid)
 
     async def stop(self) -> None:

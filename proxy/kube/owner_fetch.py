@@ -159,6 +159,10 @@ class OwnerFetcher:
         self._skipped: dict[str, None] = {}
         #: kinds whose GET RBAC refused: not fetched again
         self.forbidden: set[GroupKind] = set()
+        #: stopped: nothing is parked and no task started any more (an event still
+        #: coming in goes on at once): a GET or a reaper started after ``stop`` had
+        #: nobody to cancel it, and ran on over a client being closed
+        self.stopped = False
         self.fetches = Counter(
             contract.OP_OWNER_FETCHES,
             "GETs of owners the watch had not delivered when something pointing at them "
@@ -176,6 +180,9 @@ class OwnerFetcher:
         return len(self._parked)
 
     async def stop(self) -> None:
+        """Cancel the reaper and every GET; nothing starts after this. What waits parked
+        is dropped with them: the source stopping, nothing reads the index any more."""
+        self.stopped = True
         if self._reaper is not None:
             await cancel_and_wait(self._reaper)
             self._reaper = None
@@ -183,13 +190,17 @@ class OwnerFetcher:
             if owner.task is not None:
                 await cancel_and_wait(owner.task)
         self._owners.clear()
+        self._waiting.clear()
+        self._parked.clear()
+        self._deadlines.clear()
 
     # -- the event path --------------------------------------------------------------------
 
     def admit(self, watcher: Watcher, events: list[WatchEvent]) -> list[WatchEvent]:
         """The events to feed now: those older than a fetched copy dropped, those whose
         owner is being fetched parked."""
-        if not self._versions and not self._parked and not self._ready():
+        if self.stopped or (not self._versions and not self._parked
+                            and not self._ready()):
             return events
         out: list[WatchEvent] = []
         for ev in events:

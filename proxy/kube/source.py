@@ -282,17 +282,20 @@ class KubeSource:
                  sum(len(ws) for _, ws in self.watchers.values()))
 
     async def stop(self) -> None:
-        """Stop the follower, every watcher and the client, whatever one of them raises:
-        a watcher whose task had died raised here and left the rest running."""
+        """Stop the follower, every watcher, the owner fetches and the client, whatever
+        one of them raises: a watcher whose task had died raised here and left the rest
+        running. Producers before consumers: the watchers deliver events, and an event
+        parked for its owner starts a GET; the fetcher stopped first, a watcher still
+        running started GETs nobody cancelled, over the client closed under them."""
         for t in self._tasks:
             await self._stopping(f"task {t.get_name()}", cancel_and_wait(t))
         self._tasks.clear()
-        if self.owner_fetcher is not None:
-            await self._stopping("owner fetches", self.owner_fetcher.stop())
         for _, ws in list(self.watchers.values()):
             for w in ws:
                 await self._stopping(f"watch {w.name}", w.stop())
         self.watchers.clear()
+        if self.owner_fetcher is not None:
+            await self._stopping("owner fetches", self.owner_fetcher.stop())
         if self._client is not None and self._own_client:
             await self._client.close()
             self._client = None
@@ -611,8 +614,13 @@ class KubeSource:
         assert self.discovery is not None
         backoff = Backoff(cap=self.settings.resync_backoff_max_seconds)
         while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the event's
+            # result when a cancel comes in the same turn as the event, swallowing the
+            # cancel; stop() then waited for this loop for good (a CI run hung 20 min in
+            # a teardown, the watches still open)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kinds_changed.wait(), self._recheck_interval)
+                async with asyncio.timeout(self._recheck_interval):
+                    await self._kinds_changed.wait()
             try:
                 failed = await self.refresh_kinds()
             except Exception:  # never let the follower die

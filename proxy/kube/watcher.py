@@ -469,8 +469,10 @@ class ResourceWatcher(WatchBase):
         if floor > 0:
             await asyncio.sleep(floor)
         if delay > floor:
+            # not wait_for: it swallows a cancel that comes with the wake-up (3.11)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay - floor)
+                async with asyncio.timeout(delay - floor):
+                    await self._wake.wait()
         self._wake.clear()
 
     async def stop(self) -> None:

@@ -110,3 +110,56 @@ def test_an_answer_without_a_usable_uid_is_refused(doc: object) -> None:
 def test_a_uid_is_taken_as_it_is() -> None:
     assert uid_of({"metadata": {"uid": "3f1c9a4e-4a47-4a8b-9f5e-2d0c6b1e7a10"}}) == (
         "3f1c9a4e-4a47-4a8b-9f5e-2d0c6b1e7a10")
+
+
+async def test_a_cancel_in_the_turn_of_the_first_read_ends_wait_first(
+        client: KubeClient) -> None:
+    """``wait_first`` cancelled in the very turn the first read ends: cancelled, not
+    returned (Python 3.11's ``asyncio.wait_for`` swallowed such a cancel)."""
+    identity = ClusterIdentity(client)
+    waiting = asyncio.create_task(identity.wait_first(30.0))
+    await asyncio.sleep(0.05)
+    identity.first_read.set()
+    waiting.cancel()
+    await asyncio.wait({waiting}, timeout=2)
+    assert waiting.cancelled()
+
+
+class _HeldAnswer:
+    """A client whose answer comes when the test says: the turn of the cancel is the
+    point, which the simulator cannot be made to hit."""
+
+    def __init__(self, uid: str) -> None:
+        self.uid = uid
+        self.asked = asyncio.Event()
+        self.answer: asyncio.Future[object] | None = None
+
+    async def request_json(self, path: str, *, timeout: float | None = None) -> object:
+        self.answer = asyncio.get_running_loop().create_future()
+        self.asked.set()
+        return await self.answer
+
+
+async def test_a_stop_in_the_turn_of_the_answer_ends_the_loop() -> None:
+    """``stop`` in the very turn a read is answered: the loop ends (it read on, every
+    ``refresh_seconds``, with ``stop`` waiting for it for good)."""
+    held = _HeldAnswer("uid-1")
+    identity = ClusterIdentity(held, refresh_seconds=3600.0)
+    identity.start()
+    await asyncio.wait_for(held.asked.wait(), 5)
+    assert held.answer is not None
+
+    async def answer_and_stop() -> None:
+        assert held.answer is not None
+        held.answer.set_result({"metadata": {"uid": held.uid}})
+        await identity.stop()
+
+    stopping = asyncio.create_task(answer_and_stop())
+    done, _ = await asyncio.wait({stopping}, timeout=2)
+    try:
+        assert done, "stop() still waiting for the read loop after 2 s"
+    finally:
+        for t in asyncio.all_tasks():
+            if t.get_name() == "cluster identity":
+                t.cancel()
+        stopping.cancel()

@@ -285,6 +285,26 @@ async def test_a_pod_waits_no_longer_than_its_deadline(
     assert fetches(source, "fetched") == 2
 
 
+async def test_an_event_after_the_fetcher_stopped_starts_no_task_and_goes_on_at_once(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The source stopping: an event a watcher still delivers after the fetcher stopped
+    is not parked and starts no GET and no reaper (nothing would cancel them: they ran on
+    over a client being closed); it goes on at once, as before owners were fetched."""
+    source = await make_source()
+    fetcher = source.owner_fetcher
+    assert fetcher is not None
+    await fetcher.stop()
+    absent = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+              "metadata": {"name": "web-9", "uid": str(uuid.uuid4())}}
+    late = sim.create(pod("web-9-0", NS, owner_obj=absent))
+    (pods,) = [ws for gk, (_, ws) in source.watchers.items() if gk.kind == "Pod"]
+    before = asyncio.all_tasks()
+    source.handle(pods[0], [("ADDED", copy.deepcopy(late))])
+    assert [t.get_name() for t in asyncio.all_tasks() - before] == []
+    assert fetcher.parked == 0
+    assert web(source, "web-9-0") == ("ReplicaSet", "web-9")  # placed as before
+
+
 class _Relist:
     """A relist of the ReplicaSet watcher whose snapshot is older than a copy fetched."""
 

@@ -1049,3 +1049,36 @@ async def test_a_store_restored_under_open_watches_is_relisted_once_they_go_idle
                   {"resource": "pods", "reason": "gone"}) >= 1
     assert any("restored or replaced" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
+
+
+async def test_a_stop_in_the_turn_of_a_kinds_change_ends_the_follower(sim: KubeSim) -> None:
+    """A change asking for the follower's round (``wake``, a change set) in the very turn
+    ``stop`` cancels the follower: the follower ends, and so does ``stop``. Python 3.11's
+    ``asyncio.wait_for`` returned the event's result and swallowed that cancel; ``stop``
+    then waited for the follower for good, the watches still open (a CI run hung 20 min
+    in this fixture's teardown, 6 connections to the simulator open)."""
+    deployment(sim, "web", replicas=1)
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    # a long recheck interval: between rounds the follower waits for a change, no timeout
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=60)
+    await asyncio.wait_for(source.start(), 10)
+    (follower,) = [t for t in asyncio.all_tasks() if t.get_name() == "kube kinds"]
+    await eventually(lambda: not source.kinds_pending)
+    await asyncio.sleep(0.2)  # its round over: it waits for the next change
+
+    async def wake_and_stop() -> None:
+        source.wake()
+        await source.stop()
+
+    stopping = asyncio.create_task(wake_and_stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    try:
+        assert done, "stop() still waiting for the follower after 5 s"
+        assert follower.cancelled()
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("watch ")]
+    finally:
+        for t in (follower, stopping):  # the old code's: not left to the next test
+            t.cancel()
+        await asyncio.wait({follower, stopping}, timeout=5)
+        await source.stop()

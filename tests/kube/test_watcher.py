@@ -731,3 +731,20 @@ async def test_a_410_long_after_a_relist_is_relisted_at_once(
     assert not any("410 again" in r.getMessage() for r in caplog.records)
     sim.create(pod("after"))
     await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+
+
+async def test_a_cancel_in_the_turn_of_retry_now_ends_the_backoff_wait(make: Make) -> None:
+    """A watcher waiting out its backoff, cancelled (``stop``) in the very turn another
+    watcher's ``retry_now`` wakes it: the wait ends cancelled. Python 3.11's
+    ``asyncio.wait_for`` returned the wake-up and swallowed the cancel: the loop ran on,
+    and ``stop`` (with the source's, and the fixture teardown) waited for it for good."""
+    w = make(RecordingSink())
+    pausing = asyncio.create_task(w._pause(30.0))
+    await asyncio.sleep(0.05)  # in the wait
+    w.retry_now()
+    pausing.cancel()
+    await asyncio.wait({pausing}, timeout=2)
+    try:
+        assert pausing.cancelled()
+    finally:
+        pausing.cancel()
