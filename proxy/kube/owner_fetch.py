@@ -403,7 +403,7 @@ class OwnerFetcher:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 watcher = self._watcher_for(ref.gk, owner.namespace)
                 if watcher is None:
-                    self._done(owner, "unwatched", until=0.0)
+                    self._done(owner, "unwatched", forget=True)
                     return
                 await self._spaced(uid)
                 try:
@@ -429,7 +429,7 @@ class OwnerFetcher:
                     if self._watcher_for(ref.gk, owner.namespace) is not watcher:
                         # dropped (or watched at another version) meanwhile: its copy fed
                         # through a stopped watcher, nothing would ever retract it
-                        self._done(owner, "unwatched", until=0.0)
+                        self._done(owner, "unwatched", forget=True)
                         return
                     md = obj.get("metadata") if isinstance(obj, dict) else None
                     if not isinstance(md, dict) or md.get("uid") != uid:
@@ -448,9 +448,7 @@ class OwnerFetcher:
                 if self._holds(uid) or not self._pointed_at(uid):
                     self._forget(owner)
                     return
-            owner.state = _DONE
-            owner.until = self._clock() + FORGET_SECONDS
-            owner.task = None
+            self._give_up(owner, FORGET_SECONDS)
         except asyncio.CancelledError:
             raise
         except Exception:  # never leave what waits parked for good
@@ -518,14 +516,28 @@ class OwnerFetcher:
         if uid not in self._parked:  # fed (else: what waits goes on once it is)
             self._release(uid)
 
-    def _done(self, owner: _Owner, outcome: str, *, until: float | None = None) -> None:
+    def _done(self, owner: _Owner, outcome: str, *, forget: bool = False) -> None:
+        """``forget``: may be fetched again at once (else ``FORGET_SECONDS`` later)."""
         self.fetches.labels(outcome).inc()
-        owner.state = _DONE
-        owner.task = None
-        owner.until = self._clock() + FORGET_SECONDS if until is None else until
-        if until == 0.0:
+        if forget:
+            owner.state, owner.task = _DONE, None
             self._forget(owner)
+        else:
+            self._give_up(owner, FORGET_SECONDS)
         self._release(owner.ref.uid)
+
+    def _give_up(self, owner: _Owner, seconds: float) -> None:
+        """Not fetched again for ``seconds``; then forgotten. ``_prune`` alone forgot
+        only once ``MAX_OWNERS`` were kept: under churn (a RayJob deleted, its
+        RayCluster's GET a 404) the table grew with time to the bound and stayed there
+        (2, 4, 6 ... 14 entries over six cycles of a soak with 5 live pods)."""
+        owner.state, owner.task = _DONE, None
+        owner.until = self._clock() + seconds
+        asyncio.get_running_loop().call_later(seconds, self._expire, owner)
+
+    def _expire(self, owner: _Owner) -> None:
+        if owner.state == _DONE and self._clock() >= owner.until:
+            self._forget(owner)
 
     def _forget(self, owner: _Owner) -> None:
         if self._owners.get(owner.ref.uid) is owner:

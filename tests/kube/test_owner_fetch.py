@@ -165,6 +165,29 @@ async def test_an_owner_gone_is_not_retried(sim: KubeSim, make_source: SourceFac
     assert gets(sim, "web-9") == 1
 
 
+async def test_an_owner_given_up_on_is_forgotten_after_its_time(
+        sim: KubeSim, make_source: SourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner whose GET found it gone is kept ``FORGET_SECONDS`` (not fetched again
+    meanwhile), then forgotten, whatever the table holds: only a full table (1,000
+    owners) forgot it before, so under churn the table grew with time (a soak: 2, 4 ...
+    14 entries over six cycles with 5 live pods). Fetched again after its time: one GET
+    more."""
+    monkeypatch.setattr(owner_fetch, "FORGET_SECONDS", 0.5)
+    deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    fetcher = source.owner_fetcher
+    assert fetcher is not None
+    phantom = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+               "metadata": {"name": "web-9", "namespace": NS, "uid": str(uuid.uuid4())}}
+    sim.create(pod("web-9-0", NS, owner_obj=phantom))
+    await eventually(lambda: fetches(source, "gone") == 1)
+    assert len(fetcher._owners) == 1  # kept: not fetched again for its time
+    await eventually(lambda: not fetcher._owners, timeout=5)
+    sim.create(pod("web-9-1", NS, owner_obj=phantom))
+    await eventually(lambda: fetches(source, "gone") == 2)
+    assert gets(sim, "web-9") == 2
+
+
 async def test_a_get_forbidden_warns_once_and_stops_for_the_kind(
         sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture) -> None:
     dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
