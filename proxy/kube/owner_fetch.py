@@ -246,6 +246,14 @@ class OwnerFetcher:
         fetched = self._versions.get(uid)
         return fetched is not None and version.isdecimal() and int(version) < fetched
 
+    def new_history(self) -> None:
+        """The store went back (a watcher saw it): forget the versions of the copies
+        fetched. Kept, every event and list item of the new history below a copy's old
+        version was skipped as older than it: a restored owner that differs from the
+        copy (another owner above it) kept the copy's data until an event passed the old
+        version. The store is one for every kind: all are forgotten."""
+        self._versions.clear()
+
     def _older(self, uid: str, md: Mapping[str, Any]) -> bool:
         fetched = self._versions.get(uid)
         if fetched is None:

@@ -751,6 +751,10 @@ class KubeSource:
         fetcher = self.owner_fetcher
         return fetcher is not None and fetcher.fetched_after(uid, version)
 
+    def new_history(self, watcher: Watcher) -> None:
+        if self.owner_fetcher is not None:
+            self.owner_fetcher.new_history()
+
     def _watcher_for(self, gk: GroupKind, namespace: str) -> Watcher | None:
         """The watcher an owner of kind ``gk`` named by a dependent in ``namespace`` is
         fetched as (its resource and mode), if the kind is watched there and has listed

@@ -200,6 +200,10 @@ class WatchSink(Protocol):
         resourceVersion newer than ``version``: a list at ``version`` that does not
         find it is older than the copy, not proof that it is gone."""
 
+    def new_history(self, watcher: Watcher) -> None:
+        """The API server's store went back (an etcd restored from a backup): the
+        versions of copies fetched before say nothing of the objects of the new one."""
+
 
 class WatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -691,6 +695,7 @@ class ResourceWatcher(WatchBase):
         new a copy fetched of it (``_list``)."""
         self.versions.clear()
         self._new_history = True
+        self.sink.new_history(self)
 
     def _failed(self, why: str, kind: str) -> None:
         """A list or watch that did not go through: logged at debug only, each retry.

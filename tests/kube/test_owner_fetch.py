@@ -457,3 +457,38 @@ async def test_a_relist_on_a_store_gone_back_retracts_a_newer_copy(
     await sim.start()
     await eventually(lambda: rs_uid not in watcher.held, timeout=15)
     assert not watcher.held  # the restored store is empty
+
+
+async def test_a_store_gone_back_forgets_the_versions_of_copies_fetched(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """The API server back on an etcd restored from a backup that holds ``web-2`` (the
+    same uid) from before the Deployment adopted it: the restored object, at a version
+    below the copy's old-history one, is applied. The versions of copies fetched were
+    kept, and every event and list item of the new history below them was skipped as
+    older than the copy: the pod stayed in the Deployment the copy named."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    for i in range(10):  # every watcher's version past what the restored store reaches
+        dep["metadata"].setdefault("annotations", {})["n"] = str(i)
+        dep = sim.update(dep)
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 500, collections_only=True)
+    sim.disconnect_watches()
+    rs2 = new_rs(sim, dep, "web-2")
+    web20 = sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"))
+    rs_uid = rs2["metadata"]["uid"]
+    copy_rv = int(rs2["metadata"]["resourceVersion"])
+    await sim.stop()
+    sim.fail_resource(REPLICA_SET, None)
+    sim.reset_store(resource_version=1)
+    for obj in (dep, {**rs2, "metadata": {k: v for k, v in rs2["metadata"].items()
+                                          if k not in ("ownerReferences", "resourceVersion")}},
+                web20):
+        restored = copy.deepcopy(obj)
+        restored["metadata"].pop("resourceVersion", None)
+        sim.create(restored)
+    assert sim.resource_version < copy_rv
+    await sim.start()
+    await eventually(lambda: web(source, "web-2-0") == ("ReplicaSet", "web-2"), timeout=15)
+    (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
+    assert set(watcher.held) == {rs_uid}  # web-1 not in the backup: retracted

@@ -62,6 +62,9 @@ class RecordingSink:
     def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
         return False  # no owner fetch here: the watcher alone
 
+    def new_history(self, watcher: Watcher) -> None:
+        pass  # no owner fetch here
+
 
     def names(self, etype: str) -> list[str]:
         return [o["metadata"]["name"] for t, o in self.events if t == etype]
