@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -604,6 +605,13 @@ class SnapshotSource:
         #: a reload and a feeding of newly whole kinds each read ``_content`` and replace
         #: or feed from it: one at a time
         self._lock = asyncio.Lock()
+        #: the pacers of the work in threads under way, abandoned at a stop
+        self._pacers: weakref.WeakSet[ThreadPacer] = weakref.WeakSet()
+
+    def _pacer(self, budget: float) -> ThreadPacer:
+        pace = ThreadPacer(self.busy, budget)
+        self._pacers.add(pace)
+        return pace
 
     async def start(self) -> None:
         """Load, apply to the index, mark it ready and fresh; raises ``SnapshotError``.
@@ -611,7 +619,9 @@ class SnapshotSource:
         Read at once, however recently the files changed: there is nothing older to
         serve meanwhile."""
         self._applied = self._seen = await asyncio.to_thread(path_state, self.path)
-        content = await asyncio.to_thread(read_snapshot, self.path, packed=True)
+        # paced for a stop only (no budget: nothing is relayed before the index is ready)
+        content = await asyncio.to_thread(read_snapshot, self.path, packed=True,
+                                          pace=self._pacer(0.0))
         if not content.files:
             reasons = "; ".join(str(s) for s in content.skipped[:5]) or "no snapshot files"
             raise SnapshotError(f"snapshot {self.path}: nothing could be loaded: {reasons}")
@@ -630,8 +640,13 @@ class SnapshotSource:
             self._task = asyncio.create_task(self._poll(), name="snapshot-reload")
 
     async def stop(self) -> None:
+        """Stop the polls, and end the work a reload (or the first load) left running in a
+        thread at its next pause: cancelled, the coroutine stops waiting for it, but the
+        thread ran on, and the process waited for it at its exit."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        for pace in list(self._pacers):
+            pace.abandon()
 
     async def reload(self, settled: PathState | None = None, *, rewritten: bool = False
                      ) -> SnapshotReport:
@@ -675,7 +690,7 @@ class SnapshotSource:
         again = {uid: o for uid, o in held.items() if _group_kind(o) in newly}
         if not again:
             return 0
-        pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
+        pace = self._pacer(RELOAD_DEFER_SECONDS)
         if any(not _has_body(o) for o in again.values()):
             # read with the stubs of every other object: only these get their text
             others = {uid: o for uid, o in held.items() if uid not in again}
@@ -747,7 +762,7 @@ class SnapshotSource:
             return self._path_unreadable(before.unreadable)
         # the garbage since the last freeze, before this reload freezes what is alive
         memory.collect_unfrozen()
-        pace = ThreadPacer(self.busy, RELOAD_DEFER_SECONDS)
+        pace = self._pacer(RELOAD_DEFER_SECONDS)
         # what the engine has: an unchanged object read again is its stub (see hold)
         applied = await asyncio.to_thread(self._content.objects, pace)
         try:
