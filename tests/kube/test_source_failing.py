@@ -328,7 +328,9 @@ async def test_connections_closed_with_no_answer_are_an_outage(
             lb.cut()
             sim.create(pod("web-during", "shop", owner_obj=rs, labels={"app": "web"}))
             await eventually(lambda: source.index.stale, timeout=5)
-            await eventually(lambda: len(source._unhealthy) == n, timeout=5)
+            # 10 s: a clean-clone CI run beside four 37.5k-pod starts on the 2 cores did
+            # not see every watcher fail within 5 s (0.5 s when the box is not starved)
+            await eventually(lambda: len(source._unhealthy) == n, timeout=10)
         warned = [r.getMessage() for r in caplog.records
                   if "API server unreachable:" in r.getMessage()]
         assert len(warned) == 1, warned
