@@ -456,7 +456,7 @@ class OwnerFetcher:
                 if self._holds(uid) or not self._pointed_at(uid):
                     self._forget(owner)
                     return
-            self._give_up(owner, FORGET_SECONDS)
+            self._give_up(owner)
         except asyncio.CancelledError:
             raise
         except Exception:  # never leave what waits parked for good
@@ -528,20 +528,19 @@ class OwnerFetcher:
         """``forget``: may be fetched again at once (else ``FORGET_SECONDS`` later)."""
         self.fetches.labels(outcome).inc()
         if forget:
-            owner.state, owner.task = _DONE, None
             self._forget(owner)
         else:
-            self._give_up(owner, FORGET_SECONDS)
+            self._give_up(owner)
         self._release(owner.ref.uid)
 
-    def _give_up(self, owner: _Owner, seconds: float) -> None:
-        """Not fetched again for ``seconds``; then forgotten. ``_prune`` alone forgot
+    def _give_up(self, owner: _Owner) -> None:
+        """Not fetched again for ``FORGET_SECONDS``; then forgotten. ``_prune`` alone forgot
         only once ``MAX_OWNERS`` were kept: under churn (a RayJob deleted, its
         RayCluster's GET a 404) the table grew with time to the bound and stayed there
         (2, 4, 6 ... 14 entries over six cycles of a soak with 5 live pods)."""
         owner.state, owner.task = _DONE, None
-        owner.until = self._clock() + seconds
-        asyncio.get_running_loop().call_later(seconds, self._expire, owner)
+        owner.until = self._clock() + FORGET_SECONDS
+        asyncio.get_running_loop().call_later(FORGET_SECONDS, self._expire, owner)
 
     def _expire(self, owner: _Owner) -> None:
         if owner.state == _DONE and self._clock() >= owner.until:
