@@ -147,8 +147,16 @@ class _Placement(NamedTuple):
 _UNPLACED = _Placement("", "", "")
 
 
+class _HeldPhase(NamedTuple):
+    """A workload's phase record from before a transient evaluation failure."""
+
+    phase: str
+    since: float
+    prev_since: float
+
+
 class _Workload:
-    __slots__ = ("by_comp", "counts", "evidenced", "facts", "objs", "phase", "plan",
+    __slots__ = ("by_comp", "counts", "evidenced", "facts", "held", "objs", "phase", "plan",
                  "prev_since", "ref", "since", "uid")
 
     def __init__(self, uid: str, ref: WorkloadRef, plan: _DescriptionPlan) -> None:
@@ -168,6 +176,10 @@ class _Workload:
         self.prev_since = -math.inf
         #: the last phase was read from the object (not "object missing")
         self.evidenced = False
+        #: while the phase is Undefined only because an evaluation failed for a reason
+        #: that may pass (the jq sandbox restarting, a time limit): the phase, since and
+        #: prev_since from before that gap, put back if the same phase returns
+        self.held: _HeldPhase | None = None
 
 
 # -- the engine --------------------------------------------------------------------------
@@ -1058,7 +1070,21 @@ class Engine:
             phase, statuses, reason = UNDEFINED, (UNDEFINED,), PHASE_REASON_OBJECT_MISSING
         else:
             phase, statuses, reason = ev.phase, ev.statuses, ev.reason
-        if phase != wl.phase:
+        # an Undefined that says only "could not evaluate for now" is a gap in the
+        # evidence, not a phase of the object: the same phase after it goes on from its
+        # old start (one sandbox restart would otherwise reset time-in-phase of every
+        # workload updated meanwhile)
+        failed_for_now = phase == UNDEFINED and ev is not None and ev.retry_after is not None
+        held = wl.held
+        if held is not None and not failed_for_now:
+            wl.held = None
+            if phase == held.phase:
+                wl.phase, wl.since, wl.prev_since = phase, held.since, held.prev_since
+            else:  # another phase, first seen now (an Undefined too: the gap was none)
+                wl.phase, wl.since, wl.prev_since = phase, self._clock(), held.since
+        elif phase != wl.phase:
+            if failed_for_now and wl.phase is not None and wl.evidenced:
+                wl.held = _HeldPhase(wl.phase, wl.since, wl.prev_since)
             wl.prev_since = wl.since if wl.phase is not None and wl.evidenced else -math.inf
             wl.phase, wl.since = phase, self._clock()
         wl.evidenced = ev is not None

@@ -1552,6 +1552,73 @@ def test_a_workload_failed_by_a_quarantine_is_evaluated_again_when_it_ends(
     assert W(e, "thing-t").phase == "Running"
 
 
+def _failed_for_now(e: Engine, clock: ManualClock, sandboxes: list[JqSandbox],
+                    thing: dict[str, Any]) -> None:
+    """``thing`` updated (same phase) 100 s on while the sandbox cannot start; then the
+    sandbox works again."""
+    broken = _installed(sandboxes, JqSandbox(command=["/nonexistent/python"]))
+    thing["metadata"]["generation"] = 2
+    clock.now += 100
+    w = W(e.upsert(thing), "thing-t")
+    assert w.phase == "Undefined" and "cannot run" in w.phase_reason
+    assert w.phase_since == clock.now and w.phase_since_source == "observed"
+    remove_runner(broken)
+    sandboxes.remove(broken)
+    broken.close()
+    _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+
+
+def test_a_failure_that_may_pass_does_not_restart_the_time_in_phase(
+        sandboxes: list[JqSandbox]) -> None:
+    """Undefined while the sandbox could not evaluate is a gap in the evidence, not a
+    phase the object was in: the Running after it goes on from the Running before it.
+    It restarted at the gap's end before (one sandbox restart reset time-in-phase of
+    every workload updated meanwhile)."""
+    clock = ManualClock(1000.0)
+    e = Engine(clock=clock, retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": "Running"})
+    assert W(e.upsert(thing), "thing-t").phase_since == 1000.0
+    _failed_for_now(e, clock, sandboxes, thing)
+    clock.now += 1
+    w = W(e.retry_due(100, 10.0), "thing-t")  # the same object, evaluated again
+    assert (w.phase, w.phase_since, w.phase_since_source) == ("Running", 1000.0, "observed")
+    # and a change of phase later is dated as ever: the proxy's sighting
+    clock.now += 50
+    thing["status"] = {"phase": "Pending"}
+    thing["metadata"]["generation"] = 3
+    w = W(e.upsert(thing), "thing-t")
+    assert (w.phase, w.phase_since) == ("Undefined", clock.now)  # no status matches
+    assert e.retries_owed() == 0
+
+
+def test_a_new_phase_after_a_failure_that_may_pass_begins_when_it_is_seen(
+        sandboxes: list[JqSandbox]) -> None:
+    """A different phase after the gap: first seen at the gap's end, and its object's
+    evidence is judged against the phase before the gap (the gap is no phase)."""
+    clock = ManualClock(1000.0)
+    e = Engine(clock=clock, retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": "Running"})
+    e.upsert(thing)
+    _failed_for_now(e, clock, sandboxes, thing)
+    clock.now += 1
+    thing["status"] = {"phase": "Pending"}
+    thing["metadata"]["generation"] = 3
+    w = W(e.upsert(thing), "thing-t")
+    assert (w.phase, w.phase_since, w.phase_reason) == ("Undefined", 1101.0,
+                                                        "no_status_matched")
+    # Running again: a real stretch of another phase lay between, so it begins now
+    clock.now += 10
+    thing["status"] = {"phase": "Running"}
+    thing["metadata"]["generation"] = 4
+    w = W(e.upsert(thing), "thing-t")
+    assert (w.phase, w.phase_since) == ("Running", 1111.0)
+    assert e.retries_owed() == 0
+
+
 def test_jq_error_lines_are_capped_per_window_and_the_rest_counted_in_one_line(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the once-each set's size its pairs are forgotten and logged again: with the
