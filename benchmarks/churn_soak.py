@@ -2,10 +2,11 @@
 
 The proxy's memory must follow the live pods and workloads, never time. This drives, in
 cycles, the churn a cluster makes for months through the project's Kubernetes API
-simulator (``tests/kubesim``) into the proxy as ``proxy.runtime`` assembles it (in this
-process, so its structures can be measured), relaying remote-write requests that name the
-churned pods (to a rotating set of tenants, over fresh connections) and writing facts on
-a short interval into a null upstream (``relay/null_upstream.py``):
+simulator (``tests/kubesim``, in this process) into ``karta-proxy`` in its own process
+(``soak_proxy.py``: the product's command line with a measurement hook), relaying
+remote-write requests that name the churned pods (to a rotating set of tenants, over
+fresh connections) and writing facts on a short interval into a null upstream
+(``relay/null_upstream.py``):
 
 - CronJob-like: a Job of a CronJob and its pod created, run, completed and deleted
   (every ``--job-every`` seconds);
@@ -16,16 +17,22 @@ a short interval into a null upstream (``relay/null_upstream.py``):
   its end (a description that comes and goes).
 
 Between cycles the churn stops, and once it settled past the tombstone time (shortened to
-``--tombstone-seconds``) the cycle is measured: RSS after ``gc.collect()`` and
-``malloc_trim``, ``len()`` of every container reachable from the proxy's long-lived
-objects (a walk of their attributes, so a structure nobody listed is measured too), the
-count of live objects per ``proxy.*`` class, the children per family on ``/metrics``,
-and the fact writer's series. A structure that grows cycle after cycle while the live
-objects stay the same is a leak; the table shows every one that changed between cycle 1
-and the last, then the ones that grew (exit code 1 when any did).
+``--tombstone-seconds``) the cycle is measured: the proxy's own ``VmRSS`` and
+``RssAnon``, glibc's heap (``mallinfo2``: in use, free), the same after ``malloc_trim``;
+in a child forked from the proxy (so that the proxy itself is not changed by it) what
+its frozen heap holds that is garbage (``gc.freeze`` leaves it to the product for good),
+``len()`` of every container reachable from the proxy's long-lived objects (a walk of
+their attributes, so a structure nobody listed is measured too) and the count of live
+objects per ``proxy.*`` class; the children per family on ``/metrics``, the fact
+writer's series; this process' RSS (the simulator's, the churn's, the senders'). A
+structure that grows cycle after cycle while the live objects stay the same is a leak;
+the table shows every one that changed between cycle 1 and the last, then the ones that
+grew (exit code 1 when any did). ``--in-process`` runs the proxy in this process as
+``proxy.runtime`` assembles it (RSS is then the three's together).
 
     python benchmarks/churn_soak.py [--cycles 6] [--cycle-seconds 30]
-        [--tombstone-seconds 2] [--json OUT]
+        [--tombstone-seconds 2] [--tracemalloc [--tracemalloc-from 2]] [--arena-max N]
+        [--in-process] [--json OUT]
 """
 
 from __future__ import annotations

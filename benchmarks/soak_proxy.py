@@ -82,22 +82,18 @@ def heap() -> dict[str, float]:
 
 
 def _describe(obj: object) -> dict[str, Any]:
-    """A transport among the garbage: its state, and what holds it there."""
-    protocol = getattr(obj, "_protocol", None)
-    refs = []
+    """One object of the garbage: what it is, and what among the garbage holds it (the
+    cycle that keeps it)."""
+    holders = []
     for r in gc.get_referrers(obj):
         if r is gc.garbage:
             continue
         if isinstance(r, dict):
-            holders = [type(h).__qualname__ for h in gc.get_referrers(r)
-                       if h is not gc.garbage][:3]
-            refs.append(f"dict of {holders}: {[k for k, v in r.items() if v is obj]}")
+            owners = [type(h).__qualname__ for h in gc.get_referrers(r) if h is not gc.garbage]
+            holders.append(f"dict of {owners[:3]}: {[k for k, v in r.items() if v is obj]}")
         else:
-            refs.append(type(r).__qualname__ + " " + repr(r)[:160])
-    return {"repr": repr(obj)[:300], "protocol": repr(protocol)[:300],
-            "protocol_dict": {k: repr(v)[:120] for k, v in vars(protocol).items()}
-            if protocol is not None and hasattr(protocol, "__dict__") else None,
-            "referrers": refs[:8]}
+            holders.append(f"{type(r).__qualname__} {repr(r)[:160]}")
+    return {"repr": repr(obj)[:300], "held_by": holders[:8]}
 
 
 def _audit_in_child(out: Path) -> None:
@@ -112,8 +108,12 @@ def _audit_in_child(out: Path) -> None:
         found = gc.collect()
         kinds = collections.Counter(
             f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
-        examples = [_describe(o) for o in gc.garbage
-                    if type(o).__name__ == "_SelectorSocketTransport"][:5]
+        if kinds:  # which cycle: three of the kind most common among the garbage
+            top = kinds.most_common(1)[0][0]
+            examples = [_describe(o) for o in gc.garbage
+                        if f"{type(o).__module__}.{type(o).__qualname__}" == top][:3]
+        else:
+            examples = []
         gc.garbage.clear()
         gc.set_debug(0)
         proxy = _proxies[-1]

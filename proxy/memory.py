@@ -172,12 +172,15 @@ def release_closed_transports() -> None:
     3.12 also ``_write_ready``, dropped only by ``close()``): a cycle, so a closed
     transport, its socket object and their dicts wait for a collection. A connection open
     at a freeze (a watch's, the upstream's, a sender's) is in the permanent generation,
-    and once closed that cycle was never collected: five objects, ~1.6 KiB, per
-    connection that outlived a fact write, for the process's life (the churn soak: 9
-    after a cycle, 190 after 25, one per watch restart). Once the transport has told
-    its protocol the connection is lost it calls nothing of itself again (the reader and
-    writer were removed when it closed): dropping those methods there breaks the cycle,
-    as CPython 3.12's ``close()`` does, on every way a transport ends."""
+    and once closed that cycle was never collected: five objects, ~0.8 KiB, per
+    connection that outlived a fact write, for the process's life. The churn soak
+    (``benchmarks/churn_soak.py``) kept one per watch restart, 214 after 25 cycles; at
+    the watches' 4-8 minutes, ~100 an hour in every replica besides senders' and the
+    upstream's connections. Once the transport has told its protocol the connection is
+    lost it calls nothing of itself again (the reader and writer were removed when it
+    closed): dropping those methods there breaks the cycle, as CPython 3.12's ``close()``
+    does, on every way a transport ends (TLS too: its layers hold no cycle once closed).
+    """
     cls = getattr(selector_events, "_SelectorSocketTransport", None)
     lost = getattr(cls, "_call_connection_lost", None)
     if cls is None or lost is None:  # pragma: no cover - another asyncio
