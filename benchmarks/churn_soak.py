@@ -383,14 +383,16 @@ class InProcess:
 
     async def measure(self, session: aiohttp.ClientSession, cycle: int,
                       args: argparse.Namespace) -> dict[str, Any]:
+        async with session.get(f"http://127.0.0.1:{self.port}/metrics") as r:
+            text = await r.text()
+        # from here no await: a fact write meanwhile would freeze the heap again, and the
+        # objects counted below (``gc.get_objects``) would be missing
         gc.collect()
         frozen = gc.get_freeze_count()
         gc.unfreeze()  # the proxy freezes what its sync and writes made: count that too
         frozen_garbage = gc.collect()
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        async with session.get(f"http://127.0.0.1:{self.port}/metrics") as r:
-            text = await r.text()
         proxy = self.proxy
         m: dict[str, Any] = {
             "rss_mib": round(rss_mib(), 1),
