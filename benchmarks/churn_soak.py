@@ -2,10 +2,11 @@
 
 The proxy's memory must follow the live pods and workloads, never time. This drives, in
 cycles, the churn a cluster makes for months through the project's Kubernetes API
-simulator (``tests/kubesim``) into the proxy as ``proxy.runtime`` assembles it (in this
-process, so its structures can be measured), relaying remote-write requests that name the
-churned pods (to a rotating set of tenants, over fresh connections) and writing facts on
-a short interval into a null upstream (``relay/null_upstream.py``):
+simulator (``tests/kubesim``, in this process) into ``karta-proxy`` in its own process
+(``soak_proxy.py``: the product's command line with a measurement hook), relaying
+remote-write requests that name the churned pods (to a rotating set of tenants, over
+fresh connections) and writing facts on a short interval into a null upstream
+(``relay/null_upstream.py``):
 
 - CronJob-like: a Job of a CronJob and its pod created, run, completed and deleted
   (every ``--job-every`` seconds);
@@ -16,16 +17,22 @@ a short interval into a null upstream (``relay/null_upstream.py``):
   its end (a description that comes and goes).
 
 Between cycles the churn stops, and once it settled past the tombstone time (shortened to
-``--tombstone-seconds``) the cycle is measured: RSS after ``gc.collect()`` and
-``malloc_trim``, ``len()`` of every container reachable from the proxy's long-lived
-objects (a walk of their attributes, so a structure nobody listed is measured too), the
-count of live objects per ``proxy.*`` class, the children per family on ``/metrics``,
-and the fact writer's series. A structure that grows cycle after cycle while the live
-objects stay the same is a leak; the table shows every one that changed between cycle 1
-and the last, then the ones that grew (exit code 1 when any did).
+``--tombstone-seconds``) the cycle is measured: the proxy's own ``VmRSS`` and
+``RssAnon``, glibc's heap (``mallinfo2``: in use, free), the same after ``malloc_trim``;
+in a child forked from the proxy (so that the proxy itself is not changed by it) what
+its frozen heap holds that is garbage (``gc.freeze`` leaves it to the product for good),
+``len()`` of every container reachable from the proxy's long-lived objects (a walk of
+their attributes, so a structure nobody listed is measured too) and the count of live
+objects per ``proxy.*`` class; the children per family on ``/metrics``, the fact
+writer's series; this process' RSS (the simulator's, the churn's, the senders'). A
+structure that grows cycle after cycle while the live objects stay the same is a leak;
+the table shows every one that changed between cycle 1 and the last, then the ones that
+grew (exit code 1 when any did). ``--in-process`` runs the proxy in this process as
+``proxy.runtime`` assembles it (RSS is then the three's together).
 
     python benchmarks/churn_soak.py [--cycles 6] [--cycle-seconds 30]
-        [--tombstone-seconds 2] [--json OUT]
+        [--tombstone-seconds 2] [--tracemalloc [--tracemalloc-from 2]] [--arena-max N]
+        [--in-process] [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,8 +45,11 @@ import ctypes
 import gc
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -77,13 +87,6 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def trim() -> None:
-    gc.unfreeze()  # the proxy freezes what its sync made: count and collect that too
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _ours(obj: object) -> bool:
@@ -334,7 +337,7 @@ class Churn:
         return list(self.live_pods)
 
 
-async def senders(proxy: Proxy, churn: Churn, stop: asyncio.Event, cycle: int,
+async def senders(port: int, churn: Churn, stop: asyncio.Event, cycle: int,
                   args: argparse.Namespace) -> int:
     """Remote-write requests naming the churned pods: each cycle its own tenants (as
     tenants come and go) and each request its own connection (as senders do)."""
@@ -348,7 +351,7 @@ async def senders(proxy: Proxy, churn: Churn, stop: asyncio.Event, cycle: int,
         tenant = 1000 * cycle + sent % args.tenants
         async with aiohttp.ClientSession() as session:
             status, _, _ = await send_series(
-                f"http://127.0.0.1:{proxy.port}/insert/{tenant}/prometheus/api/v1/write",
+                f"http://127.0.0.1:{port}/insert/{tenant}/prometheus/api/v1/write",
                 series, session=session, timeout=10)
         if status != 204:
             raise SystemExit(f"write answered {status}")
@@ -357,20 +360,157 @@ async def senders(proxy: Proxy, churn: Churn, stop: asyncio.Event, cycle: int,
     return sent
 
 
-async def measure(proxy: Proxy, session: aiohttp.ClientSession) -> dict[str, Any]:
-    trim()
-    async with session.get(f"http://127.0.0.1:{proxy.port}/metrics") as r:
-        text = await r.text()
-    facts = proxy.facts
-    return {
-        "rss_mib": round(rss_mib(), 1),
-        "tasks": len(asyncio.all_tasks()),
-        "pods": len(proxy.index.pods),
-        "structures": structures(proxy),
-        "objects": live_objects(),
-        "metrics": metric_children(text),
-        "fact_series": len(getattr(facts, "_written", ()) or ()) if facts else 0,
-    }
+class InProcess:
+    """The proxy in this process, beside the simulator and the senders: its structures
+    read directly, but its RSS is the three's together."""
+
+    def __init__(self, settings: Settings) -> None:
+        # tombstones and ghosts are dropped by a housekeeping pass every 30 s: run it
+        # every second so that a cycle settles in seconds (what it drops is the same)
+        runtime.EXPIRE_INTERVAL_SECONDS = 1.0
+        self.proxy = Proxy(settings)
+        self.base: tracemalloc.Snapshot | None = None
+
+    @property
+    def port(self) -> int:
+        return self.proxy.port
+
+    async def start(self) -> None:
+        await asyncio.wait_for(self.proxy.start(), 30)
+
+    async def stop(self) -> None:
+        await self.proxy.stop()
+
+    async def measure(self, session: aiohttp.ClientSession, cycle: int,
+                      args: argparse.Namespace) -> dict[str, Any]:
+        async with session.get(f"http://127.0.0.1:{self.port}/metrics") as r:
+            text = await r.text()
+        # from here no await: a fact write meanwhile would freeze the heap again, and the
+        # objects counted below (``gc.get_objects``) would be missing
+        gc.collect()
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()  # the proxy freezes what its sync and writes made: count that too
+        frozen_garbage = gc.collect()
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        proxy = self.proxy
+        m: dict[str, Any] = {
+            "rss_mib": round(rss_mib(), 1),
+            "frozen": frozen, "frozen_garbage": frozen_garbage,
+            "tasks": len(asyncio.all_tasks()),
+            "pods": len(proxy.index.pods),
+            "structures": structures(proxy),
+            "objects": live_objects(),
+            "metrics": metric_children(text),
+            "fact_series": len(getattr(proxy.facts, "_written", ()) or ())
+            if proxy.facts else 0,
+        }
+        if tracemalloc.is_tracing():
+            snap = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, tracemalloc.__file__)])
+            if cycle == args.tracemalloc_from:
+                self.base = snap
+            elif self.base is not None:
+                m["tracemalloc"] = grown(snap, self.base)
+        return m
+
+
+def grown(snap: tracemalloc.Snapshot, base: tracemalloc.Snapshot,
+          top: int = 20) -> list[str]:
+    """The allocation sites that grew most since ``base``, each with its traceback."""
+    return ["\n".join(map(str, [t, *t.traceback.format()[-8:]]))
+            for t in snap.compare_to(base, "traceback")[:top]]
+
+
+def status_of(pid: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon"):
+            out[key] = round(int(rest.split()[0]) / 1024, 2)
+    return out
+
+
+class OwnProcess:
+    """``karta-proxy`` in its own process (``soak_proxy.py``: the product's command line
+    with a measurement hook), so that its RSS is its own: the simulator and the senders
+    stay in this one."""
+
+    def __init__(self, settings: Settings, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="churn-soak-"))
+        config = {
+            "server": {"listen_address": f"127.0.0.1:{self.port}"},
+            "upstream": {"url": settings.upstream.url},
+            "kube": {"kubeconfig": settings.kube.kubeconfig,
+                     "resync_backoff_max_seconds": settings.kube.resync_backoff_max_seconds},
+            "facts": {"interval_seconds": settings.facts.interval_seconds},
+            "karta": {"tombstone_seconds": settings.karta.tombstone_seconds},
+            "log_level": "WARNING",
+        }
+        (self.dir / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+        self.request = self.dir / "request.json"
+        env = dict(os.environ, SOAK_REQUEST=str(self.request), SOAK_EXPIRE_SECONDS="1")
+        if args.arena_max:
+            env["MALLOC_ARENA_MAX"] = str(args.arena_max)
+        if args.tracemalloc:
+            env["SOAK_TRACEMALLOC"] = "8"
+        self.log = (self.dir / "proxy.log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "soak_proxy.py"), "--config",
+             str(self.dir / "config.yaml")],
+            cwd="/tmp", env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.seq = 0
+        self.dumps: dict[int, Path] = {}
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise SystemExit(f"karta-proxy exited {self.process.returncode}: "
+                                     f"{self.dir / 'proxy.log'}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"http://127.0.0.1:{self.port}/-/ready") as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.2)
+        raise SystemExit("karta-proxy not ready in 30 s")
+
+    async def stop(self) -> None:
+        self.process.terminate()
+        try:
+            await asyncio.to_thread(self.process.wait, 20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    async def measure(self, session: aiohttp.ClientSession, cycle: int,
+                      args: argparse.Namespace) -> dict[str, Any]:
+        async with session.get(f"http://127.0.0.1:{self.port}/metrics") as r:
+            text = await r.text()
+        self.seq += 1
+        answer = self.dir / f"answer-{self.seq}.json"
+        request: dict[str, Any] = {"seq": self.seq, "answer": str(answer), "audit": True}
+        if args.tracemalloc and cycle in (args.tracemalloc_from, args.cycles):
+            self.dumps[cycle] = self.dir / f"tracemalloc-{cycle}.bin"
+            request["tracemalloc_dump"] = str(self.dumps[cycle])
+        self.request.write_text(json.dumps(request))
+        self.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 120
+        while not answer.exists():
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise SystemExit(f"no measurement from karta-proxy: {self.dir}")
+            await asyncio.sleep(0.1)
+        m: dict[str, Any] = json.loads(answer.read_text())
+        m["rss_mib"] = m["trimmed"]["VmRSS"]
+        m["metrics"] = metric_children(text)
+        m["driver"] = status_of(os.getpid())  # the simulator, the churn and the senders
+        if cycle == args.cycles and len(self.dumps) == 2:
+            base, last = (tracemalloc.Snapshot.load(str(p)) for p in self.dumps.values())
+            m["tracemalloc"] = grown(last, base)
+        return m
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -389,20 +529,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     s.server.listen_address = "127.0.0.1:0"
     s.facts.interval_seconds = args.fact_interval
     s.karta.tombstone_seconds = args.tombstone_seconds
-    # tombstones and ghosts are dropped by a housekeeping pass every 30 s: run it every
-    # second so that a cycle settles in seconds (what it drops is the same)
-    runtime.EXPIRE_INTERVAL_SECONDS = 1.0
-    proxy = Proxy(s)
+    proxy: InProcess | OwnProcess = (InProcess(s) if args.in_process
+                                     else OwnProcess(s, args))
     cycles: list[dict[str, Any]] = []
-    base: tracemalloc.Snapshot | None = None
+    started = time.monotonic()
     try:
         await asyncio.sleep(0.5)  # the sink's listen
-        await asyncio.wait_for(proxy.start(), 30)
+        await proxy.start()
         churn = Churn(sim, args)
         async with aiohttp.ClientSession() as session:
             for c in range(1, args.cycles + 1):
+                if time.monotonic() - started > args.max_minutes * 60:
+                    print(f"stopped after {c - 1} cycles: --max-minutes {args.max_minutes}")
+                    break
                 stop = asyncio.Event()
-                sending = asyncio.create_task(senders(proxy, churn, stop, c, args))
+                sending = asyncio.create_task(senders(proxy.port, churn, stop, c, args))
                 t0 = time.monotonic()
                 await churn.run(args.cycle_seconds)
                 await asyncio.sleep(args.tombstone_seconds + 1)  # the last pods' scrapes
@@ -410,28 +551,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 sent = await sending
                 # settle: tombstones expire, facts written (stale markers sent) twice
                 await asyncio.sleep(args.tombstone_seconds + 3 * args.fact_interval + 2)
-                m = await measure(proxy, session)
+                m = await proxy.measure(session, c, args)
                 m.update(cycle=c, seconds=round(time.monotonic() - t0, 1), requests=sent,
-                         churned=churn.seq)
+                         churned=churn.seq, load=round(os.getloadavg()[0], 2))
                 cycles.append(m)
-                if tracemalloc.is_tracing():
-                    snap = tracemalloc.take_snapshot().filter_traces(
-                        [tracemalloc.Filter(False, tracemalloc.__file__)])
-                    if c == 2:
-                        base = snap
-                    elif base is not None:
-                        top = snap.compare_to(base, "traceback")[:12]
-                        m["tracemalloc"] = [
-                            "\n".join(map(str, [t, *t.traceback.format()[-8:]])) for t in top]
-                print(f"cycle {c}: rss {m['rss_mib']} MiB, pods {m['pods']}, "
-                      f"tasks {m['tasks']}, facts {m['fact_series']}, requests {sent}, "
-                      f"objects churned {churn.seq}", flush=True)
+                line = (f"cycle {c}: rss {m['rss_mib']} MiB, pods {m['pods']}, "
+                        f"tasks {m['tasks']}, facts {m['fact_series']}, requests {sent}, "
+                        f"objects churned {churn.seq}, frozen garbage "
+                        f"{m.get('frozen_garbage')}, load {m['load']}")
+                if "raw" in m:
+                    line += (f", raw {m['raw']['VmRSS']} anon {m['raw']['RssAnon']} heap "
+                             f"free {m['heap_raw']['free']} MiB, driver "
+                             f"{m['driver']['VmRSS']} MiB")
+                print(line, flush=True)
     finally:
         await proxy.stop()
         await sim.close()
         sink.terminate()
         sink.wait()
-    return {"cycles": cycles}
+    return {"cycles": cycles, "in_process": args.in_process, "arena_max": args.arena_max}
 
 
 def report(result: dict[str, Any]) -> bool:
@@ -452,7 +590,28 @@ def report(result: dict[str, Any]) -> bool:
             print(f"  {'GROWS ' if growing else '      '}{k}: {' '.join(map(str, series))}")
     for line in last.get("tracemalloc", []):
         print(line)
-    print(f"\nrss MiB: {' '.join(str(c['rss_mib']) for c in cycles)}")
+    def row(name: str, values: list[Any]) -> None:
+        print(f"{name}: {' '.join(str(v) for v in values)}")
+
+    print()
+    if result["in_process"]:
+        row("rss MiB (this process: proxy, simulator, senders; gc + trim)",
+            [c["rss_mib"] for c in cycles])
+    else:
+        row("proxy VmRSS MiB", [c["raw"]["VmRSS"] for c in cycles])
+        row("proxy RssAnon MiB", [c["raw"]["RssAnon"] for c in cycles])
+        row("proxy heap in use MiB", [c["heap_raw"]["in_use"] for c in cycles])
+        row("proxy heap free MiB", [c["heap_raw"]["free"] for c in cycles])
+        row("proxy VmRSS after malloc_trim MiB", [c["trimmed"]["VmRSS"] for c in cycles])
+        row("proxy RssAnon after malloc_trim MiB", [c["trimmed"]["RssAnon"] for c in cycles])
+        row("driver VmRSS MiB (simulator, churn, senders)",
+            [c["driver"]["VmRSS"] for c in cycles])
+    row("frozen objects", [c.get("frozen") for c in cycles])
+    row("frozen garbage (never collected by the proxy)",
+        [c.get("frozen_garbage") for c in cycles])
+    for kind, n in last.get("frozen_garbage_kinds", {}).items():
+        print(f"  {kind}: {n}")
+    row("load average", [c["load"] for c in cycles])
     print(f"fact series: {' '.join(str(c['fact_series']) for c in cycles)}")
     print(f"live pods: {' '.join(str(c['pods']) for c in cycles)}")
     print(f"tasks: {' '.join(str(c['tasks']) for c in cycles)}")
@@ -474,10 +633,20 @@ def main() -> None:
                     help="the simulator's event log (small: it is full after cycle 1, so "
                          "that the simulator, in this process, stops growing)")
     ap.add_argument("--tracemalloc", action="store_true",
-                    help="also print the allocation sites that grew from cycle 2 to the last")
+                    help="also print the allocation sites of the proxy that grew from "
+                         "--tracemalloc-from to the last cycle")
+    ap.add_argument("--tracemalloc-from", type=int, default=2)
+    ap.add_argument("--in-process", action="store_true",
+                    help="the proxy in this process (as proxy.runtime assembles it) beside "
+                         "the simulator: RSS is theirs together; by default karta-proxy "
+                         "runs in its own process (soak_proxy.py) and its own RSS is read")
+    ap.add_argument("--arena-max", type=int, default=0,
+                    help="MALLOC_ARENA_MAX for the proxy's process (0: the proxy's own, 2)")
+    ap.add_argument("--max-minutes", type=float, default=40.0,
+                    help="no cycle starts after this long")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if args.tracemalloc:
+    if args.tracemalloc and args.in_process:
         tracemalloc.start(8)
     result = asyncio.run(run(args))
     grew = report(result)

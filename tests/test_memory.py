@@ -201,3 +201,41 @@ def test_collections_paused_in_two_threads_end_with_the_last() -> None:
         leave.set()
         t.join(10)
         (gc.enable if was else gc.disable)()
+
+
+async def test_a_connection_open_at_a_freeze_is_freed_once_closed() -> None:
+    """A watch's or a sender's connection alive when the fact writer froze the heap, then
+    closed: its transport is freed by reference counting, not left as a frozen cycle
+    (never collected) for the process's life."""
+    import asyncio
+    import gc
+    import weakref
+
+    accepted: list[weakref.ref[asyncio.BaseTransport]] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(weakref.ref(writer.transport))
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        client = weakref.ref(writer.transport)
+        while not accepted:
+            await asyncio.sleep(0.01)
+        memory.freeze_survivors()  # the connection is open: frozen with its transport
+        try:
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.sleep(0.05)  # the server's side closes too
+            del reader, writer
+            gc.collect()  # what the proxy collects: never the frozen
+            assert client() is None, "the closed transport stays, a frozen cycle"
+            assert accepted[0]() is None, "the server's side too"
+        finally:
+            gc.unfreeze()
+    finally:
+        server.close()
+        await server.wait_closed()
