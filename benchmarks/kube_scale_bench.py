@@ -11,6 +11,8 @@ under ``--work``; the simulator loads it, snapshot mode reads it.
 Measured, each of ``--runs`` starts per mode (median shown, the spread after it):
 
 - ``ready``: wall time from the process start to ``/-/ready`` answering 200, and its CPU;
+  the answer times of ``GET /-/healthy`` every 20 ms until then (the event loop's stalls
+  during the first load, as a client of the process sees them);
 - ``VmHWM at ready``: peak RSS over the start and the first lists (or the snapshot load);
 - ``VmHWM / VmRSS settled``: once its first fact write has landed at the upstream (a
   sink in this process) and a second has passed;
@@ -321,7 +323,7 @@ class LoopProbe:
         while not self._stop.is_set():
             t = time.perf_counter()
             with contextlib.suppress(OSError, http.client.HTTPException):
-                _get(self.port, "/-/healthy", timeout=5.0)
+                _get(self.port, "/-/healthy", timeout=30.0)
                 self.times.append(time.perf_counter() - t)
             self._stop.wait(0.02)
 
@@ -409,9 +411,13 @@ async def measure_start(mode: list[str], sink: Sink, up: int, work: Path,
                         name: str) -> tuple[dict[str, float], Proxy]:
     sink.requests = 0
     proxy = start_proxy(mode, up, work, name)
+    probe = LoopProbe(proxy.port)  # answers from the listener's start on
     ready = await wait_ready(proxy)
+    times = probe.stop()
     out = {"ready_s": ready, "ready_cpu_s": proxy.cpu(),
-           "hwm_ready": _status(proxy.pid, "VmHWM"), "rss_ready": _status(proxy.pid, "VmRSS")}
+           "hwm_ready": _status(proxy.pid, "VmHWM"), "rss_ready": _status(proxy.pid, "VmRSS"),
+           "start_healthy_n": len(times), "start_healthy_p99_ms": pct(times, 99) * 1e3,
+           "start_healthy_max_ms": max(times, default=float("nan")) * 1e3}
     await settled(proxy, sink)
     out.update(hwm_settled=_status(proxy.pid, "VmHWM"),
                rss_settled=_status(proxy.pid, "VmRSS"), settled_cpu_s=proxy.cpu())
@@ -641,6 +647,10 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     rows: list[tuple[str, str, Callable[[list[dict[str, float]]], str]]] = [
         ("start -> ready (s)", "ready_s", lambda rs: _summary(rs, "ready_s")),
         ("CPU-s at ready", "ready_cpu_s", lambda rs: _summary(rs, "ready_cpu_s")),
+        ("/-/healthy during the start: p99 (ms)", "start_healthy_p99_ms",
+         lambda rs: _summary(rs, "start_healthy_p99_ms", "{:.0f}")),
+        ("/-/healthy during the start: max (ms)", "start_healthy_max_ms",
+         lambda rs: _summary(rs, "start_healthy_max_ms", "{:.0f}")),
         ("VmHWM at ready (MiB)", "hwm_ready", lambda rs: _summary(rs, "hwm_ready", "{:.0f}")),
         ("VmRSS at ready (MiB)", "rss_ready", lambda rs: _summary(rs, "rss_ready", "{:.0f}")),
         ("VmHWM after the first fact write (MiB)", "hwm_settled",
