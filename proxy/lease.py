@@ -51,9 +51,8 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes_asyncio import client as k8s
-from kubernetes_asyncio.client.exceptions import ApiException
-
+from proxy.kube.lean import ApiException
+from proxy.kube.lean import client as k8s
 from proxy.log import Throttled, failure_line
 
 log = logging.getLogger(__name__)

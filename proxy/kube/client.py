@@ -27,14 +27,13 @@ from typing import Any
 
 import aiohttp
 import yaml
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio.client import rest as k8s_rest
-from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.config import incluster_config
 
 from proxy.config import KubeSettings, first_kubeconfig
 from proxy.karta.yamltext import yaml_error
+from proxy.kube.lean import ApiException, incluster_config
+from proxy.kube.lean import client as k8s_client
+from proxy.kube.lean import config as k8s_config
+from proxy.kube.lean import rest as k8s_rest
 from proxy.tls_files import FileStamp, stamp
 
 log = logging.getLogger(__name__)
