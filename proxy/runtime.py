@@ -491,7 +491,10 @@ class Proxy:
             self._start_cluster_identity(None)
         self.source = self._make_source()
         if s.snapshot:
-            await self._load_snapshot()
+            # a configuration reload (SIGHUP) waits for the load: its descriptions must
+            # not land between two of the load's runs (SnapshotSource._apply_first)
+            async with self._reload_lock:
+                await self._load_snapshot()
         await self._start_elector()
         self.facts = self._make_facts()
         if self.facts is not None:

@@ -33,3 +33,25 @@ def collections_off() -> Iterator[None]:
         if enabled:
             gc.enable()
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def whole_heap_collections() -> Iterator[list[int]]:
+    """The generations of the collections made while nothing was frozen, in a process
+    whose heap is frozen first: a collection that walks the whole heap (the event loop
+    held for it: ~0.2-0.6 s at 37.5k pods), as ``gc.unfreeze()`` then ``gc.collect()``
+    makes. Everything frozen meanwhile back in reach afterwards."""
+    seen: list[int] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and gc.get_freeze_count() == 0:
+            seen.append(info["generation"])
+
+    gc.collect()
+    gc.freeze()
+    gc.callbacks.append(note)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(note)
+        gc.unfreeze()

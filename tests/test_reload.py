@@ -472,6 +472,50 @@ async def _described_proxy(tmp_path: Path, snapshot: str) -> tuple[Proxy, Path]:
     return p, folder
 
 
+async def test_a_reload_during_the_first_load_waits_for_it(tmp_path: Path) -> None:
+    """The first load applies the snapshot in runs that let the event loop turn (in one
+    go it held the loop, a SIGTERM waiting for all of it). A configuration reload asked
+    for meanwhile (SIGHUP, new descriptions) waits for the last run: between two, the
+    pods applied so far would be attributed under the old descriptions and re-attributed,
+    those after under the new ones. Each pod maps to one attribution, the new one."""
+    (tmp_path / "snap.yaml").write_text(_cluster(400, 10))
+    folder = tmp_path / "descriptions"
+    folder.mkdir()
+    config = tmp_path / "karta-proxy.yaml"
+    config.write_text(yaml.safe_dump({
+        "snapshot": str(tmp_path / "snap.yaml"), "server": {"listen_address": "127.0.0.1:0"},
+        "facts": {"enabled": False}, "karta": {"description_paths": [str(folder)]},
+        "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+    p = Proxy(_loader(config)(), loader=_loader(config))
+    # (ready, pods in the index) when the reload's descriptions reached the engine
+    at_describe: list[tuple[bool, int]] = []
+    describe = p.engine.change_descriptions
+
+    def noting(descs: Any, **kwargs: Any) -> Any:
+        if kwargs.get("source") == "files" and descs:
+            at_describe.append((p.index.ready, len(p.index.pods)))
+        return describe(descs, **kwargs)
+
+    p.engine.change_descriptions = noting  # type: ignore[method-assign]
+    starting = asyncio.create_task(p.start())
+    try:
+        deadline = time.monotonic() + 15
+        while not 0 < len(p.index.pods) < 4000 and not starting.done():
+            assert time.monotonic() < deadline, "the load never began"
+            await asyncio.sleep(0)
+        assert not starting.done(), "the first load held the loop: no turn during it"
+        (folder / "web.yaml").write_text(WEB_DEPLOYMENT)
+        reload = asyncio.create_task(p.reload())
+        await starting
+        assert (await reload).ok
+        assert at_describe == [(True, 4000)]
+        components = {a.component for a in p.index.pods.values()}
+        assert components == {"web"} and len(p.index.pods) == 4000
+        assert p.engine.pod("p7-3").component == "web"  # type: ignore[union-attr]
+    finally:
+        await p.stop()
+
+
 async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one_not_at_all(
         tmp_path: Path) -> None:
     """A reload whose description files change re-attributes every pod of the kind in

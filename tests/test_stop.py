@@ -214,3 +214,69 @@ async def test_a_body_that_arrives_after_sigterm_is_answered_and_forwarded(
     (got,) = [r for r in up.received if b"late_body" in r.raw][1:]  # after the first
     series = decode_v1(got.raw)
     assert len(series) == 2000 and all(CART.items() <= s.labels.items() for s in series)
+
+
+def _many_pods(path: Path, deployments: int, pods_each: int) -> Path:
+    """A JSON List snapshot of ``deployments`` Deployments in ``shop``, each with a
+    ReplicaSet and ``pods_each`` pods."""
+    items: list[dict[str, Any]] = []
+    for d in range(deployments):
+        name = f"web{d}"
+        owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name,
+                 "uid": f"d{d}", "controller": True}
+        rs = {**owner, "kind": "ReplicaSet", "name": f"{name}-1", "uid": f"rs{d}"}
+        items.append({"apiVersion": "apps/v1", "kind": "Deployment",
+                      "metadata": {"name": name, "namespace": "shop", "uid": f"d{d}"},
+                      "spec": {"replicas": pods_each}})
+        items.append({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                      "metadata": {"name": rs["name"], "namespace": "shop", "uid": rs["uid"],
+                                   "ownerReferences": [owner]}})
+        items.extend({"apiVersion": "v1", "kind": "Pod",
+                      "metadata": {"name": f"{name}-1-{i}", "namespace": "shop",
+                                   "uid": f"p{d}-{i}", "ownerReferences": [rs]},
+                      "status": {"phase": "Running"}} for i in range(pods_each))
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+    return path
+
+
+async def test_a_sigterm_during_the_first_loads_apply_exits_within_a_second(
+        tmp_path: Path) -> None:
+    """The first load's application to the engine held the event loop (~2.5 s for these
+    20k pods, 5-8 s at 37.5k): a SIGTERM then waited for it, and for the start's end
+    (``karta-proxy started``, then the stop). It now gives way between runs, and the
+    start is cancelled at the next."""
+    snap = _many_pods(tmp_path / "snap.json", 1000, 20)
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(yaml.safe_dump({"facts": {"enabled": False}}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--config", str(cfg), "--snapshot", str(snap),
+        "--upstream-url", "http://127.0.0.1:9/api/v1/write",
+        "--listen-address", f"127.0.0.1:{free_port()}", "--log-format", "json", cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        lines: list[dict[str, Any]] = []
+
+        async def applying() -> None:
+            while not lines or lines[-1].get("msg") != "snapshot read; applying it":
+                line = await proc.stderr.readline()  # type: ignore[union-attr]
+                assert line, f"exited before the apply: {lines}"
+                if line.startswith(b"{"):
+                    lines.append(json.loads(line))
+
+        await asyncio.wait_for(applying(), 30)
+        await asyncio.sleep(0.3)  # into the apply
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        took = time.monotonic() - began
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.communicate()
+    messages = [json.loads(x).get("msg") for x in err.decode().splitlines()
+                if x.startswith("{")]
+    assert proc.returncode == 0, messages
+    assert "karta-proxy started" not in messages, messages
+    assert "stop requested before the index was loaded" in messages
+    assert took < 1.0, f"{took:.2f} s from SIGTERM to exit"

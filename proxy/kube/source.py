@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -58,7 +57,8 @@ KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
 DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
 
-#: during the initial sync, ``gc.freeze()`` after every this many objects (see _apply)
+#: during the initial sync, what is not frozen is collected and frozen after every this
+#: many objects (see _apply)
 SYNC_FREEZE_EVERY = 2000
 #: the least time the initial sync waits for a kind other than Pod whose list or
 #: discovery keeps failing before it stops holding readiness back (``sync_deadline``:
@@ -253,6 +253,11 @@ class KubeSource:
                 ready=lambda: self.index.ready, max_hops=self.engine.max_owner_hops,
                 registry=self.registry,
                 backoff_max=self.settings.resync_backoff_max_seconds)
+        # what the process holds before the sync, frozen as the sync's objects are (see
+        # _apply): the full collections its first 2,000 objects set off walked it all,
+        # up to 115 ms with the listener open
+        memory.collect_unfrozen()
+        memory.freeze_survivors()
         deadline = asyncio.get_running_loop().time() + self._sync_deadline
         # descriptions first: they decide which kinds the engine needs
         if self.settings.watch_descriptions:
@@ -271,12 +276,15 @@ class KubeSource:
                 continue
             if not self._kinds_changed.is_set():
                 break
-        # The index and engine are now a large, long-lived heap, frozen piecewise during
-        # the sync (see _apply): one full pass over it, frozen whole, the freed list
-        # pages handed back (proxy.memory.settle). Before the index is ready: the pass
-        # holds the event loop (~160 ms at 37.5k pods, ~620 ms at 150k), which then fell
-        # on the first requests answered after their 503s
-        memory.settle()
+        # The index and engine are now a large, long-lived heap, collected and frozen
+        # piecewise during the sync (see _apply): what came since the last freeze is
+        # collected and frozen the same way, and the freed list pages handed back off
+        # the loop. Not proxy.memory.settle(): its full pass over the whole heap held
+        # the event loop 0.27-0.57 s at 37.5k pods (~620 ms at 150k), with the listener
+        # open: probes, /metrics and the first requests waited for it
+        memory.collect_unfrozen()
+        memory.freeze_survivors()
+        await memory.trim_off_loop()
         self.index.ready = True
         log.info("cluster index ready: %d pods, %d watches", len(self.index.pods),
                  sum(len(ws) for _, ws in self.watchers.values()))
@@ -732,11 +740,14 @@ class KubeSource:
         if not self.index.ready:
             # The sync builds millions of long-lived objects; each full collection on
             # the way walked all of them again (4.8 of 7.9 CPU-s for 100k pods). Freezing
-            # what exists so far keeps the collector on the young objects; start()
-            # unfreezes, collects once and freezes the result.
+            # what exists so far keeps the collector on the young objects; what is
+            # garbage among them is collected first (only what is not frozen: a few ms),
+            # so no cycle already garbage is frozen for good, and start() ends the same
+            # way instead of collecting the whole heap once.
             self._since_freeze += len(events)
             if self._since_freeze >= SYNC_FREEZE_EVERY:
-                gc.freeze()
+                memory.collect_unfrozen()
+                memory.freeze_survivors()
                 self._since_freeze = 0
 
     def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:

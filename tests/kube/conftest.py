@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -60,6 +61,9 @@ async def make_source(sim: KubeSim) -> AsyncIterator[SourceFactory]:
     yield make
     for s in started:
         await s.stop()
+    # the sync freezes what it builds and never unfreezes: the next test's collections
+    # see this one's objects again once they are garbage
+    gc.unfreeze()
 
 
 async def eventually(cond: Callable[[], object], timeout: float = 10.0) -> float:
