@@ -751,9 +751,29 @@ class KubeSource:
         fetcher = self.owner_fetcher
         return fetcher is not None and fetcher.fetched_after(uid, version)
 
-    def new_history(self, watcher: Watcher) -> None:
+    def new_history(self, watcher: Watcher) -> bool:
+        """One watcher saw the store go back; every watcher of this source watches the
+        same API server, whose store is one for every kind: each relists. A watcher
+        whose resourceVersion the restored store had passed (a quiet kind, not
+        bookmarked since the backup; a store written on after the restore) never sees it
+        on its own, and resumed in the new history with the old one's objects: a pod
+        the restore removed kept its stamp, a ReplicaSet whose owner it changed the old
+        one, until an event of each. A finding by a watcher told already (still to list
+        the new store) is of the same restore: nobody is told twice, the log says it
+        once."""
+        if watcher.history_pending:
+            return False
         if self.owner_fetcher is not None:
             self.owner_fetcher.new_history()
+        told = 0
+        for _, ws in self.watchers.values():
+            for w in ws:
+                if w is not watcher and not w.history_pending:
+                    w.relist_history()
+                    told += 1
+        log.debug("watch %s saw the store go back: %d other watches relist", watcher.name,
+                  told)
+        return True
 
     def _watcher_for(self, gk: GroupKind, namespace: str) -> Watcher | None:
         """The watcher an owner of kind ``gk`` named by a dependent in ``namespace`` is

@@ -43,6 +43,7 @@ class RecordingSink:
         self.refused: list[int] = []
         #: what ``unserved`` answers: the watcher stays and retries on its own
         self.stays = False
+        self.new_histories = 0
 
     def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         self.events.extend(events)
@@ -62,8 +63,9 @@ class RecordingSink:
     def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
         return False  # no owner fetch here: the watcher alone
 
-    def new_history(self, watcher: Watcher) -> None:
-        pass  # no owner fetch here
+    def new_history(self, watcher: Watcher) -> bool:
+        self.new_histories += 1
+        return True  # the watcher alone: always the first to see a restore
 
 
     def names(self, etype: str) -> list[str]:
