@@ -637,6 +637,56 @@ async def test_an_idle_watch_of_a_store_not_gone_back_resumes(
     assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
 
 
+async def test_told_of_a_restore_it_cuts_its_watch_and_delivers_everything_again(
+        sim: KubeSim, make: Make) -> None:
+    """Another watcher of the API server saw its store go back (``relist_history``): a
+    healthy open watch (60 s timeout, bookmarks flowing) is cut at once and the watcher
+    relists, every object delivered again, unchanged versions included (they are of the
+    old history), then watches from the new list. A watcher whose version the restored
+    store had passed had no way to learn it, and watched on with its old objects."""
+    for i in range(3):
+        sim.create(pod(f"p{i}"))
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    n_lists = _pod_lists(sim)
+    assert sorted(sink.names("ADDED")) == ["p0", "p1", "p2"]
+    w.relist_history()
+    assert w.history_pending
+    await eventually(lambda: len(sink.names("ADDED")) == 6 and not w.history_pending,
+                     timeout=2)
+    assert _pod_lists(sim) == n_lists + 1 and w.healthy
+    assert w.metrics.restarts.labels(w.name, "restored")._value.get() == 1
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
+    assert sink.new_histories == 0  # told, not found: nobody else is told by it
+    sim.create(pod("after"))  # the cut watch's task goes on: watching the new list
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+
+
+@pytest.mark.parametrize("when", ["watching", "in a backoff"])
+async def test_a_stop_right_after_a_restore_was_told_ends_the_watcher(
+        sim: KubeSim, make: Make, when: str) -> None:
+    """``relist_history`` cuts the loop's task with a cancel that ``run`` takes back; a
+    ``stop`` in the same turn cancels it too, and must end it, not be taken back as
+    well (the process would wait for the watcher at shutdown for good)."""
+    sim.create(pod("p0"))
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0,
+                      backoff_max=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    if when == "in a backoff":
+        await sim.stop()
+        await eventually(lambda: not w.healthy, timeout=5)
+    task = w._task
+    assert task is not None
+    w.relist_history()
+    await asyncio.wait_for(w.stop(), 5)
+    assert task.done() and task.cancelled()
+    if when == "in a backoff":
+        await sim.start()
+
+
 @pytest.mark.parametrize("found_by", ["idle", "bookmark", "504"])
 async def test_a_relist_after_the_store_went_back_redelivers_what_it_holds(
         sim: KubeSim, make: Make, found_by: str) -> None:
