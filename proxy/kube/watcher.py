@@ -458,6 +458,9 @@ class ResourceWatcher(WatchBase):
         self.versions: dict[str, str] = {}
         #: ``relist_history`` cut the loop's task (a cancel ``run`` takes back)
         self._interrupted = False
+        #: a list or watch failed since the store's version was last had: the next watch
+        #: resumed asks it first (``_store_checked``)
+        self._check_store = False
         self.resource_version = ""
         self.healthy = True
         #: set by ``retry_now``: ends the backoff wait after a failure at once
@@ -539,6 +542,8 @@ class ResourceWatcher(WatchBase):
         #: what the server asked to wait (429 / 503 Retry-After), capped
         asked = 0.0
         try:
+            if rv and self._check_store:
+                rv = await self._store_checked(rv)
             if not rv:
                 if self.probe:
                     await self._probe()
@@ -704,6 +709,26 @@ class ResourceWatcher(WatchBase):
             accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON)
         resp.close()
 
+    async def _store_checked(self, rv: str) -> str:
+        """Back after a failure (unreachable, 5xx: an API server down or restarting, as
+        when its etcd is restored): the store's version before the watch resumes from
+        ``rv``; "" (a relist) if it went back. Resumed unchecked, the watch from a
+        version the restored store had not reached was silent until the idle timeout
+        (150 s), and meanwhile a store written on could pass every watcher's version, and
+        the restore would go unseen. One small request per failure."""
+        now = await self._store_version()
+        if not now:
+            return rv  # not had: the resumed watch tells how the server is
+        self._check_store = False
+        held = self.resource_version or rv
+        if not _older(now, held):
+            return rv
+        self._another_history(f"back after {self.last_error_kind or 'a failure'}, the API "
+                              f"server's store is at resourceVersion {now}, below the "
+                              f"{held} this watch holds")
+        await self._after_gone()
+        return ""
+
     async def _store_version(self) -> str:
         """The store's resourceVersion now, from a list of one item with no
         resourceVersion (a consistent read, from etcd); "" when it cannot be had.
@@ -766,6 +791,7 @@ class ResourceWatcher(WatchBase):
         the way changes while unhealthy (unreachable, then a 500 once the server is
         back): that is a new failure to warn of, not a retry of the old one."""
         log.debug("watch %s: %s; retrying after a backoff", self.name, why)
+        self._check_store = True
         changed = kind != self.last_error_kind
         self.last_error = why
         self.last_error_kind = kind
@@ -807,7 +833,16 @@ class ResourceWatcher(WatchBase):
                 doc = _decoded(_PAGE, await fetch, "list answer")
                 self._set_health(True)
                 md = doc.metadata or _ListMeta()
+                first = not rv
                 rv, token = md.resourceVersion, md.continue_
+                if first and not self.history_pending and _older(rv, self.resource_version):
+                    # a list is a consistent read: the store's version now. Below what
+                    # this watcher held, the store went back, whatever made it relist (a
+                    # 410: a restarted API server's watch cache starts at its store's
+                    # version); its items are of the new history, every one delivered
+                    self._another_history(f"a list answered at resourceVersion {rv}, "
+                                          f"below the {self.resource_version} this watch "
+                                          f"held")
                 if token:
                     fetch = asyncio.ensure_future(page(token))
                 await self._deliver_items(doc.items or [], seen)
@@ -831,6 +866,7 @@ class ResourceWatcher(WatchBase):
         if gone:
             await self._retract(gone)
         self.history_pending = False
+        self._check_store = False  # the list's version was just compared
         self.resource_version = rv
         self.backoff.reset()
         self.sink.current(self)
