@@ -9,9 +9,12 @@ jitter), unhealthy, and resume; a stream that stays silent (no event, no
 bookmark) for ``idle_timeout`` is taken for dead and resumed, unless a one-item list
 shows the store's resourceVersion below the held one: kube-apiserver keeps a watch from
 a version its store has not reached open and silent, so that is how a store gone back
-(an etcd restored without ``--bump-revision``) shows. A 504 "Too large resource version"
-or an event or bookmark older than the last seen (what other servers may send) is
-relisted too. Events are handed to a
+(an etcd restored without ``--bump-revision``) shows; so does the first watch resumed
+after a failure, and a list answered below the held version. A 504 "Too large resource
+version" or an event or bookmark older than the last seen (what other servers may send)
+is relisted too. A watcher that sees the store go back has the sink tell every other
+watcher of the API server to relist (``relist_history``): one whose version the restored
+store had passed never sees it on its own. Events are handed to a
 sink in slices sized to a time budget, with a yield to the event loop after each slice,
 so a burst never stalls request handling however costly each event is.
 """
