@@ -718,10 +718,9 @@ class ResourceWatcher(WatchBase):
         ``rv``; "" (a relist) if it went back. Resumed unchecked, the watch from a
         version the restored store had not reached was silent until the idle timeout
         (150 s), and meanwhile a store written on could pass every watcher's version, and
-        the restore would go unseen. One small request per failure."""
-        now = await self._store_version()
-        if not now:
-            return rv  # not had: the resumed watch tells how the server is
+        the restore would go unseen. One small request per failure; failing, it fails
+        the round as the watch would (one request per retry while the server is down)."""
+        now = await self._read_store_version()
         self._check_store = False
         held = self.resource_version or rv
         if not _older(now, held):
@@ -737,17 +736,21 @@ class ResourceWatcher(WatchBase):
         resourceVersion (a consistent read, from etcd); "" when it cannot be had.
         Asked only when a watch went idle: one small request then, none otherwise. A
         failure is left to the resumed watch to find and report."""
-        q = self._query()
-        q["limit"] = "1"
         try:
-            raw = await self.client.request_bytes(
-                self.resource.path(self.namespace), query=q, timeout=30.0,
-                accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
-            md = _PAGE.decode(raw).metadata
+            return await self._read_store_version()
         except (aiohttp.ClientError, TimeoutError, OSError, KubeApiError, ValueError) as e:
             log.debug("watch %s: the store's resourceVersion not had (%s); resuming",
                       self.name, e or type(e).__name__)
             return ""
+
+    async def _read_store_version(self) -> str:
+        """``_store_version``, raising what the request raises."""
+        q = self._query()
+        q["limit"] = "1"
+        raw = await self.client.request_bytes(
+            self.resource.path(self.namespace), query=q, timeout=30.0,
+            accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
+        md = _decoded(_PAGE, raw, "list answer").metadata
         return md.resourceVersion if md is not None else ""
 
     def _another_history(self, why: str) -> None:
