@@ -65,6 +65,11 @@ SYNC_FREEZE_EVERY = 2000
 #: this, or two of the watchers' backoff caps if longer, so that a kind gets several
 #: attempts with the backoff at its cap before it is given up on for readiness)
 MIN_SYNC_DEADLINE = 10.0
+#: the least time (s) between two restores that have every watcher relist
+#: (``KubeSource.new_history``): a server whose versions of one kind go back again and
+#: again (an aggregated API's own store, a bug, not an etcd restored) has that kind's
+#: watcher relist alone after the first, not every watcher of the cluster each time
+RESTORE_INTERVAL = 60.0
 
 
 class EngineLike(Protocol):
@@ -215,6 +220,9 @@ class KubeSource:
         #: fetches owners the watches have not delivered yet (None: no client, the
         #: watchers and discovery given)
         self.owner_fetcher: OwnerFetcher | None = None
+        #: when (``clock``) a watcher last saw the store go back and every other one was
+        #: told to relist
+        self._last_restore: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -760,11 +768,20 @@ class KubeSource:
         the restore removed kept its stamp, a ReplicaSet whose owner it changed the old
         one, until an event of each. A finding by a watcher told already (still to list
         the new store) is of the same restore: nobody is told twice, the log says it
-        once."""
+        once. At most one every ``RESTORE_INTERVAL``: past it, the watcher that saw it
+        relists alone."""
         if watcher.history_pending:
             return False
         if self.owner_fetcher is not None:
             self.owner_fetcher.new_history()
+        now = self._clock()
+        if self._last_restore is not None and now - self._last_restore < RESTORE_INTERVAL:
+            log.warning("watch %s saw the store go back again %.0f s after the last "
+                        "restore: it relists alone (every watch relists for at most one "
+                        "restore every %.0f s)", watcher.name, now - self._last_restore,
+                        RESTORE_INTERVAL)
+            return True
+        self._last_restore = now
         told = 0
         for _, ws in self.watchers.values():
             for w in ws:

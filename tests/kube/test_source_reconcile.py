@@ -21,7 +21,7 @@ from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
-from proxy.kube.source import KubeSource
+from proxy.kube.source import RESTORE_INTERVAL, KubeSource
 from tests.clock import ManualClock
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.karta.runs import record_runs
@@ -575,7 +575,7 @@ async def test_descriptions_off_watches_no_description_kinds(cluster: FakeCluste
 
 
 async def test_a_restore_one_watcher_sees_has_every_other_relist_once(
-        synced: Synced, cluster: FakeCluster) -> None:
+        synced: Synced, cluster: FakeCluster, clock: ManualClock) -> None:
     """The Deployments watcher saw the API server's store go back: every other watcher
     of the source is told to relist, once. Findings of the same restore by watchers told
     already (their list of the new store not through yet) tell nobody again and are not
@@ -604,6 +604,13 @@ async def test_a_restore_one_watcher_sees_has_every_other_relist_once(
         w.relist()
     assert gone["metadata"]["uid"] not in source.index.pods
     assert not any(w.history_pending for w in cluster.watchers)
-    assert source.new_history(pods) is True  # after its list: another restore
+    # after its list: another restore; within RESTORE_INTERVAL of the first, the watcher
+    # that saw it relists alone (a kind whose versions keep going back must not relist
+    # every watcher each time)
+    clock.now += RESTORE_INTERVAL - 1
+    assert source.new_history(pods) is True
+    assert [w.told_to_relist for w in [deployments, *others]] == [0] + [1] * len(others)
+    clock.now += 1
+    assert source.new_history(pods) is True
     assert pods.told_to_relist == 1 and deployments.told_to_relist == 1
     assert [w.told_to_relist for w in others if w is not pods] == [2] * (len(others) - 1)
