@@ -1173,3 +1173,5 @@ async def test_a_restore_one_watcher_sees_relists_every_watcher(
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
               and "restored or replaced" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("watch deployments.apps: "), warned
+    if keep_watches:  # nothing failed: the relists never made the index stale
+        assert not any("STALE" in r.getMessage() for r in caplog.records)
