@@ -768,19 +768,19 @@ class KubeSource:
         the restore removed kept its stamp, a ReplicaSet whose owner it changed the old
         one, until an event of each. A finding by a watcher told already (still to list
         the new store) is of the same restore: nobody is told twice, the log says it
-        once. At most one every ``RESTORE_INTERVAL``: past it, the watcher that saw it
-        relists alone."""
+        once. At most one every ``RESTORE_INTERVAL``: within it, the watcher that saw it
+        relists alone, and this line is the one logged."""
         if watcher.history_pending:
             return False
         if self.owner_fetcher is not None:
             self.owner_fetcher.new_history()
         now = self._clock()
         if self._last_restore is not None and now - self._last_restore < RESTORE_INTERVAL:
-            log.warning("watch %s saw the store go back again %.0f s after the last "
-                        "restore: it relists alone (every watch relists for at most one "
-                        "restore every %.0f s)", watcher.name, now - self._last_restore,
-                        RESTORE_INTERVAL)
-            return True
+            log.warning("watch %s saw the API server's store go back again %.0f s after "
+                        "the last restore: it relists alone (every watch relists for at "
+                        "most one restore every %.0f s)", watcher.name,
+                        now - self._last_restore, RESTORE_INTERVAL)
+            return False
         self._last_restore = now
         told = 0
         for _, ws in self.watchers.values():

@@ -219,9 +219,10 @@ class WatchSink(Protocol):
         """``watcher`` saw the API server's store go back (an etcd restored from a
         backup): the versions of copies fetched before say nothing of the objects of the
         new one, and every other watcher of the server relists (``relist_history``).
-        Returns whether this is a restore not heard of before: False when ``watcher``
-        was already told to relist for one (``history_pending``), whose finding is then
-        only logged at debug level: one warning per restore, not one per watcher."""
+        Returns whether the watcher warns of it: False when ``watcher`` was already told
+        to relist for one (``history_pending``), or the sink logs a line of its own;
+        the watcher's finding is then logged at debug level: one warning per restore,
+        not one per watcher."""
 
 
 class WatchMetrics:
@@ -767,10 +768,13 @@ class ResourceWatcher(WatchBase):
             log.warning("watch %s: %s: the API server's store was restored or replaced; "
                         "relisting, and every other watch of it relists", self.name, why)
         else:
-            log.debug("watch %s: %s: the restore found already; relisting", self.name, why)
+            log.debug("watch %s: %s; relisting (a restore told already, or the sink's own "
+                      "line says why not)", self.name, why)
         self._forget_history()
 
     def _forget_history(self) -> None:
+        """The next list is of the new history: every item delivered, and what it does
+        not find retracted, however new a copy fetched of it."""
         self.versions.clear()
         self.history_pending = True
 
