@@ -722,6 +722,7 @@ class ResourceWatcher(WatchBase):
         the restore would go unseen. One small request per failure; failing, it fails
         the round as the watch would (one request per retry while the server is down)."""
         now = await self._read_store_version()
+        self._set_health(True)  # it answered: the others failing retry now, as on a list
         self._check_store = False
         held = self.resource_version or rv
         if not _older(now, held):
