@@ -65,6 +65,11 @@ SYNC_FREEZE_EVERY = 2000
 #: this, or two of the watchers' backoff caps if longer, so that a kind gets several
 #: attempts with the backoff at its cap before it is given up on for readiness)
 MIN_SYNC_DEADLINE = 10.0
+#: the least time (s) between two restores that have every watcher relist
+#: (``KubeSource.new_history``): a server whose versions of one kind go back again and
+#: again (an aggregated API's own store, a bug, not an etcd restored) has that kind's
+#: watcher relist alone after the first, not every watcher of the cluster each time
+RESTORE_INTERVAL = 60.0
 
 
 class EngineLike(Protocol):
@@ -215,6 +220,9 @@ class KubeSource:
         #: fetches owners the watches have not delivered yet (None: no client, the
         #: watchers and discovery given)
         self.owner_fetcher: OwnerFetcher | None = None
+        #: when (``clock``) a watcher last saw the store go back and every other one was
+        #: told to relist
+        self._last_restore: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -762,9 +770,38 @@ class KubeSource:
         fetcher = self.owner_fetcher
         return fetcher is not None and fetcher.fetched_after(uid, version)
 
-    def new_history(self, watcher: Watcher) -> None:
+    def new_history(self, watcher: Watcher) -> bool:
+        """One watcher saw the store go back; every watcher of this source watches the
+        same API server, whose store is one for every kind: each relists. A watcher
+        whose resourceVersion the restored store had passed (a quiet kind, not
+        bookmarked since the backup; a store written on after the restore) never sees it
+        on its own, and resumed in the new history with the old one's objects: a pod
+        the restore removed kept its stamp, a ReplicaSet whose owner it changed the old
+        one, until an event of each. A finding by a watcher told already (still to list
+        the new store) is of the same restore: nobody is told twice, the log says it
+        once. At most one every ``RESTORE_INTERVAL``: within it, the watcher that saw it
+        relists alone, and this line is the one logged."""
+        if watcher.history_pending:
+            return False
         if self.owner_fetcher is not None:
             self.owner_fetcher.new_history()
+        now = self._clock()
+        if self._last_restore is not None and now - self._last_restore < RESTORE_INTERVAL:
+            log.warning("watch %s saw the API server's store go back again %.0f s after "
+                        "the last restore: it relists alone (every watch relists for at "
+                        "most one restore every %.0f s)", watcher.name,
+                        now - self._last_restore, RESTORE_INTERVAL)
+            return False
+        self._last_restore = now
+        told = 0
+        for _, ws in self.watchers.values():
+            for w in ws:
+                if w is not watcher and not w.history_pending:
+                    w.relist_history()
+                    told += 1
+        log.debug("watch %s saw the store go back: %d other watches relist", watcher.name,
+                  told)
+        return True
 
     def _watcher_for(self, gk: GroupKind, namespace: str) -> Watcher | None:
         """The watcher an owner of kind ``gk`` named by a dependent in ``namespace`` is

@@ -9,9 +9,12 @@ jitter), unhealthy, and resume; a stream that stays silent (no event, no
 bookmark) for ``idle_timeout`` is taken for dead and resumed, unless a one-item list
 shows the store's resourceVersion below the held one: kube-apiserver keeps a watch from
 a version its store has not reached open and silent, so that is how a store gone back
-(an etcd restored without ``--bump-revision``) shows. A 504 "Too large resource version"
-or an event or bookmark older than the last seen (what other servers may send) is
-relisted too. Events are handed to a
+(an etcd restored without ``--bump-revision``) shows; so does the first watch resumed
+after a failure, and a list answered below the held version. A 504 "Too large resource
+version" or an event or bookmark older than the last seen (what other servers may send)
+is relisted too. A watcher that sees the store go back has the sink tell every other
+watcher of the API server to relist (``relist_history``): one whose version the restored
+store had passed never sees it on its own. Events are handed to a
 sink in slices sized to a time budget, with a yield to the event loop after each slice,
 so a burst never stalls request handling however costly each event is.
 """
@@ -70,6 +73,10 @@ class Watcher(Protocol):
     #: none yet): the source logs one outage per way of failing, so that one kind
     #: failing for good does not hide the API server going away later
     last_error_kind: str
+    #: the API server's store went back (this watcher saw it, or another watcher of the
+    #: same server did) and this watcher's list of the new store has not gone through
+    #: yet: a finding of it meanwhile is of the same restore, not a new one
+    history_pending: bool
 
     def start(self) -> None: ...
 
@@ -77,6 +84,12 @@ class Watcher(Protocol):
 
     def retry_now(self) -> None:
         """Cut a backoff wait after failures short: the API server answers again."""
+
+    def relist_history(self) -> None:
+        """Another watcher of the same API server saw its store go back (an etcd
+        restored from a backup): relist now, as after seeing it oneself, whatever this
+        watcher was doing (a watch, a list, a backoff). A watcher whose resourceVersion
+        the restored store had already passed never sees it on its own."""
 
     def stub(self, uid: str) -> Obj: ...
 
@@ -150,6 +163,8 @@ class WatchBase:
         #: see a watch open before the next full list (``ResourceWatcher._probe``): a
         #: retry of a kind refused, or of this watcher refused (``Refusal.OUTAGE``)
         self.probe = scope.get("probe", False)
+        #: the store went back since this watcher's last list (``Watcher``)
+        self.history_pending = False
 
     def stub(self, uid: str) -> Obj:
         """A deletion object for a held uid (apiVersion, kind, metadata)."""
@@ -200,9 +215,14 @@ class WatchSink(Protocol):
         resourceVersion newer than ``version``: a list at ``version`` that does not
         find it is older than the copy, not proof that it is gone."""
 
-    def new_history(self, watcher: Watcher) -> None:
-        """The API server's store went back (an etcd restored from a backup): the
-        versions of copies fetched before say nothing of the objects of the new one."""
+    def new_history(self, watcher: Watcher) -> bool:
+        """``watcher`` saw the API server's store go back (an etcd restored from a
+        backup): the versions of copies fetched before say nothing of the objects of the
+        new one, and every other watcher of the server relists (``relist_history``).
+        Returns whether the watcher warns of it: False when ``watcher`` was already told
+        to relist for one (``history_pending``), or the sink logs a line of its own;
+        the watcher's finding is then logged at debug level: one warning per restore,
+        not one per watcher."""
 
 
 class WatchMetrics:
@@ -218,9 +238,10 @@ class WatchMetrics:
             "karta_proxy_watch_restarts_total",
             "Watch restarts by resource and reason (timeout: the server ended the "
             "stream; empty: it ended early with no event; short: it ended early after "
-            "some; gone: 410 or the server's store gone back, relisted; idle; "
-            "disconnect: an answered stream broke; unreachable: no answer, the connection "
-            "refused or closed first; error; unserved).",
+            "some; gone: 410 or the server's store gone back, relisted; restored: "
+            "relisted because another watch of the API server saw its store go back; "
+            "idle; disconnect: an answered stream broke; unreachable: no answer, the "
+            "connection refused or closed first; error; unserved).",
             ["resource", "reason"],
             registry=registry,
         )
@@ -439,9 +460,11 @@ class ResourceWatcher(WatchBase):
         #: each would cost a full decode and an engine pass (2.5 s and 80 ms stalls of
         #: the event loop at 37.5k pods, docs/performance.md).
         self.versions: dict[str, str] = {}
-        #: the store went back since the last list: the versions of copies fetched
-        #: before are of another history, and say nothing against the next list's
-        self._new_history = False
+        #: ``relist_history`` cut the loop's task (a cancel ``run`` takes back)
+        self._interrupted = False
+        #: a list or watch failed since the store's version was last had: the next watch
+        #: resumed asks it first (``_store_checked``)
+        self._check_store = False
         self.resource_version = ""
         self.healthy = True
         #: set by ``retry_now``: ends the backoff wait after a failure at once
@@ -495,141 +518,163 @@ class ResourceWatcher(WatchBase):
     async def run(self) -> None:
         rv = ""
         while True:
-            #: what the server asked to wait (429 / 503 Retry-After), capped
-            asked = 0.0
             try:
-                if not rv:
-                    if self.probe:
-                        await self._probe()
-                        self.probe = False
-                    rv = await self._list()
-                rv, early = await self._watch(rv)
-                if early is not None:
-                    # ended cleanly well before its timeoutSeconds, with nothing or after
-                    # a bookmark or a few events (a proxy in between cutting streams, a
-                    # server shutting down): again at once would be a tight loop
-                    self.metrics.restarts.labels(self.name, early).inc()
-                    if self.backoff.attempt == 0:  # the first of a run, not every one
-                        log.warning("watch %s: the server ended the watch early (%s); "
-                                    "watching again after a backoff", self.name,
-                                    "no event" if early == "empty" else "after some events")
-                    await asyncio.sleep(self.backoff.next())
-                    continue
-                self.metrics.restarts.labels(self.name, "timeout").inc()
-                continue
-            except _WentBack as e:
-                log.warning("watch %s: %s: the API server's store was restored or "
-                            "replaced; relisting", self.name, e)
+                rv = await self._round(rv)
+            except asyncio.CancelledError:
+                if not self._interrupted_here():
+                    raise
                 rv = ""
-                self._another_history()
+
+    def _interrupted_here(self) -> bool:
+        """Whether the cancel being handled is ``relist_history``'s alone (asyncio's own
+        ``timeout`` does the same): a ``stop`` meanwhile (or instead: the interrupt
+        swallowed by what it cut) is a cancel to end on."""
+        if not self._interrupted:
+            return False
+        self._interrupted = False
+        task = asyncio.current_task()
+        return task is not None and task.uncancel() == 0
+
+    async def _round(self, rv: str) -> str:
+        """One turn of the loop: a list if ``rv`` is "" (or the store went back), a watch
+        from there, and what its end calls for; returns the version to go on from ("":
+        list again). ``relist_history`` may cut it short anywhere (a cancel, taken back
+        in ``run``): what it had recorded as delivered was (``_hold`` / ``_forget`` and
+        the sink's hand-over go together in one synchronous step)."""
+        if self.history_pending:
+            rv = ""
+        #: what the server asked to wait (429 / 503 Retry-After), capped
+        asked = 0.0
+        try:
+            if rv and self._check_store:
+                rv = await self._store_checked(rv)
+            if not rv:
+                if self.probe:
+                    await self._probe()
+                    self.probe = False
+                rv = await self._list()
+            rv, early = await self._watch(rv)
+            if early is not None:
+                # ended cleanly well before its timeoutSeconds, with nothing or after
+                # a bookmark or a few events (a proxy in between cutting streams, a
+                # server shutting down): again at once would be a tight loop
+                self.metrics.restarts.labels(self.name, early).inc()
+                if self.backoff.attempt == 0:  # the first of a run, not every one
+                    log.warning("watch %s: the server ended the watch early (%s); "
+                                "watching again after a backoff", self.name,
+                                "no event" if early == "empty" else "after some events")
+                await asyncio.sleep(self.backoff.next())
+                return rv
+            self.metrics.restarts.labels(self.name, "timeout").inc()
+            return rv
+        except _WentBack as e:
+            rv = ""
+            self._another_history(str(e))
+            await self._after_gone()
+            return rv
+        except _Gone:
+            log.info("watch %s: resourceVersion %s gone (410), relisting", self.name, rv)
+            rv = ""
+            await self._after_gone()
+            return rv
+        except KubeApiError as e:
+            if e.status == 410 or e.resource_version_too_large:
+                if e.status != 410:
+                    # retrying the watch would be answered the same until the new
+                    # store's revision passes ours, and then replay a history that
+                    # is not the one this watcher holds
+                    self._another_history(f"the API server has not reached "
+                                          f"resourceVersion {rv} ({e.message})")
+                else:  # a list's continue token, or a watch's version, compacted
+                    # away: said as the _Gone path says it (an audit saw a 150k-pod
+                    # start take 57 s instead of 30 with no line saying why)
+                    log.info("watch %s: resourceVersion or continue token gone (410), "
+                             "relisting", self.name)
+                rv = ""
                 await self._after_gone()
-                continue
-            except _Gone:
-                log.info("watch %s: resourceVersion %s gone (410), relisting", self.name, rv)
+                return rv
+            if e.status in (403, 404):
+                self.metrics.restarts.labels(self.name, "unserved").inc()
+                refusal = self.sink.unserved(self, e)
+                if refusal is Refusal.OUTAGE:
+                    # what it held stays, as in any outage: the relist that ends it
+                    # diffs it
+                    self.probe = True
+                    self._failed(f"{REFUSED[e.status]}: {e}", REFUSED[e.status])
+                    await self._pause(self.backoff.cap)
+                    rv = ""
+                    return rv
+                if refusal is Refusal.RETRACT and self.held:
+                    # refused after it was served: what it held is no longer known
+                    await self.deliver([("DELETED", self.stub(u)) for u in self.held])
+                    self.held.clear()
+                    self.versions.clear()
+                await asyncio.sleep(self.backoff.cap)
                 rv = ""
+                return rv
+            reason = "error"
+            if e.retry_after:
+                asked = min(e.retry_after, RETRY_AFTER_MAX)
+            self._failed(f"API error {e}", f"API error {e.status}")
+        except _Idle:
+            reason = "idle"
+            held = self.resource_version or rv
+            now = await self._store_version()
+            if _older(now, held):
+                # kube-apiserver accepts a watch from a version its store has not
+                # reached and sends it nothing, bookmarks included: a store that
+                # went back (an etcd restored from a backup) shows only as this
+                self.metrics.restarts.labels(self.name, reason).inc()
+                rv = ""
+                self._another_history(
+                    f"no data for {self.idle_timeout:.0f} s, and the API server's store is "
+                    f"at resourceVersion {now}, below the {held} this watch holds")
                 await self._after_gone()
-                continue
-            except KubeApiError as e:
-                if e.status == 410 or e.resource_version_too_large:
-                    if e.status != 410:
-                        # retrying the watch would be answered the same until the new
-                        # store's revision passes ours, and then replay a history that
-                        # is not the one this watcher holds
-                        log.warning("watch %s: the API server has not reached "
-                                    "resourceVersion %s (%s): its store was restored or "
-                                    "replaced; relisting", self.name, rv, e.message)
-                        self._another_history()
-                    else:  # a list's continue token, or a watch's version, compacted
-                        # away: said as the _Gone path says it (an audit saw a 150k-pod
-                        # start take 57 s instead of 30 with no line saying why)
-                        log.info("watch %s: resourceVersion or continue token gone (410), "
-                                 "relisting", self.name)
-                    rv = ""
-                    await self._after_gone()
-                    continue
-                if e.status in (403, 404):
-                    self.metrics.restarts.labels(self.name, "unserved").inc()
-                    refusal = self.sink.unserved(self, e)
-                    if refusal is Refusal.OUTAGE:
-                        # what it held stays, as in any outage: the relist that ends it
-                        # diffs it
-                        self.probe = True
-                        self._failed(f"{REFUSED[e.status]}: {e}", REFUSED[e.status])
-                        await self._pause(self.backoff.cap)
-                        rv = ""
-                        continue
-                    if refusal is Refusal.RETRACT and self.held:
-                        # refused after it was served: what it held is no longer known
-                        await self.deliver([("DELETED", self.stub(u)) for u in self.held])
-                        self.held.clear()
-                        self.versions.clear()
-                    await asyncio.sleep(self.backoff.cap)
-                    rv = ""
-                    continue
-                reason = "error"
-                if e.retry_after:
-                    asked = min(e.retry_after, RETRY_AFTER_MAX)
-                self._failed(f"API error {e}", f"API error {e.status}")
-            except _Idle:
-                reason = "idle"
-                held = self.resource_version or rv
-                now = await self._store_version()
-                if _older(now, held):
-                    # kube-apiserver accepts a watch from a version its store has not
-                    # reached and sends it nothing, bookmarks included: a store that
-                    # went back (an etcd restored from a backup) shows only as this
-                    log.warning("watch %s: no data for %.0f s, and the API server's store "
-                                "is at resourceVersion %s, below the %s this watch holds: "
-                                "it was restored or replaced; relisting", self.name,
-                                self.idle_timeout, now, held)
-                    self.metrics.restarts.labels(self.name, reason).inc()
-                    rv = ""
-                    self._another_history()
-                    await self._after_gone()
-                    continue
-                # the server never closed the stream; it may be fine for new requests:
-                # resume (jittered), the next request tells whether it is reachable
-                log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
-                            self.name, self.idle_timeout)
-            except _Broken as e:
-                # a watch the server answered broke: resume at once (jittered), not
-                # stale yet
-                reason = "disconnect"
-                log.info("watch %s: stream broke (%s), resuming", self.name, e)
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                # a connection closed with no answer (a list, a watch before its
-                # headers: ServerDisconnectedError) is as unreachable as one refused: an
-                # L4 load balancer with no backend accepts and closes, a TLS 1.3 server
-                # refusing the client certificate too. Taken for a broken stream, it
-                # never made the index stale, nor warned, nor woke the others on recovery
-                reason = "unreachable"
-                self._failed(f"API server unreachable: {e or type(e).__name__}",
-                             "unreachable")
-            except ValueError as e:  # malformed JSON from the server: relist
-                # a way of failing of its own (one warning for every watcher answered so,
-                # as for an outage): something in front of the API server answering a
-                # login page or a cut body did so on every retry of every watcher
-                reason = "error"
-                self._failed(f"malformed answer: {e}", MALFORMED)
-                rv = ""
-            except Exception:
-                # anything else is a bug here or an answer no check foresaw: the task
-                # must not end with it (the index would freeze for this resource, with
-                # nothing but a dead task to show for it), so log it and relist
-                reason = "error"
-                log.exception("watch %s: unexpected failure, relisting after a backoff",
-                              self.name)
-                rv = ""
-            if rv:
-                # resume from the newest resourceVersion seen, not the one this watch
-                # started from: no replay, and a compaction since then costs no relist
-                rv = self.resource_version or rv
-            self.metrics.restarts.labels(self.name, reason).inc()
-            # the server's Retry-After is waited out whole (not cut short by retry_now:
-            # another watcher's answer says nothing of when this one may ask), then the
-            # rest of the backoff if longer. It was ignored: 53 of 71 requests of the
-            # audit's repro (429, Retry-After 10) came within the 10 s asked for
-            await self._pause(self.backoff.next(), floor=asked)
+                return rv
+            # the server never closed the stream; it may be fine for new requests:
+            # resume (jittered), the next request tells whether it is reachable
+            log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
+                        self.name, self.idle_timeout)
+        except _Broken as e:
+            # a watch the server answered broke: resume at once (jittered), not
+            # stale yet
+            reason = "disconnect"
+            log.info("watch %s: stream broke (%s), resuming", self.name, e)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            # a connection closed with no answer (a list, a watch before its
+            # headers: ServerDisconnectedError) is as unreachable as one refused: an
+            # L4 load balancer with no backend accepts and closes, a TLS 1.3 server
+            # refusing the client certificate too. Taken for a broken stream, it
+            # never made the index stale, nor warned, nor woke the others on recovery
+            reason = "unreachable"
+            self._failed(f"API server unreachable: {e or type(e).__name__}",
+                         "unreachable")
+        except ValueError as e:  # malformed JSON from the server: relist
+            # a way of failing of its own (one warning for every watcher answered so,
+            # as for an outage): something in front of the API server answering a
+            # login page or a cut body did so on every retry of every watcher
+            reason = "error"
+            self._failed(f"malformed answer: {e}", MALFORMED)
+            rv = ""
+        except Exception:
+            # anything else is a bug here or an answer no check foresaw: the task
+            # must not end with it (the index would freeze for this resource, with
+            # nothing but a dead task to show for it), so log it and relist
+            reason = "error"
+            log.exception("watch %s: unexpected failure, relisting after a backoff",
+                          self.name)
+            rv = ""
+        if rv:
+            # resume from the newest resourceVersion seen, not the one this watch
+            # started from: no replay, and a compaction since then costs no relist
+            rv = self.resource_version or rv
+        self.metrics.restarts.labels(self.name, reason).inc()
+        # the server's Retry-After is waited out whole (not cut short by retry_now:
+        # another watcher's answer says nothing of when this one may ask), then the
+        # rest of the backoff if longer. It was ignored: 53 of 71 requests of the
+        # audit's repro (429, Retry-After 10) came within the 10 s asked for
+        await self._pause(self.backoff.next(), floor=asked)
+        return rv
 
     async def _after_gone(self) -> None:
         """A 410 (or a store gone back): relist at once the first time (the log
@@ -668,34 +713,86 @@ class ResourceWatcher(WatchBase):
             accept=ACCEPT_METADATA_WATCH if self.metadata_only else ACCEPT_JSON)
         resp.close()
 
+    async def _store_checked(self, rv: str) -> str:
+        """Back after a failure (unreachable, 5xx: an API server down or restarting, as
+        when its etcd is restored): the store's version before the watch resumes from
+        ``rv``; "" (a relist) if it went back. Resumed unchecked, the watch from a
+        version the restored store had not reached was silent until the idle timeout
+        (150 s), and meanwhile a store written on could pass every watcher's version, and
+        the restore would go unseen. One small request per failure; failing, it fails
+        the round as the watch would (one request per retry while the server is down)."""
+        now = await self._read_store_version()
+        self._set_health(True)  # it answered: the others failing retry now, as on a list
+        self._check_store = False
+        held = self.resource_version or rv
+        if not _older(now, held):
+            return rv
+        self._another_history(f"back after {self.last_error_kind or 'a failure'}, the API "
+                              f"server's store is at resourceVersion {now}, below the "
+                              f"{held} this watch holds")
+        await self._after_gone()
+        return ""
+
     async def _store_version(self) -> str:
         """The store's resourceVersion now, from a list of one item with no
         resourceVersion (a consistent read, from etcd); "" when it cannot be had.
         Asked only when a watch went idle: one small request then, none otherwise. A
         failure is left to the resumed watch to find and report."""
-        q = self._query()
-        q["limit"] = "1"
         try:
-            raw = await self.client.request_bytes(
-                self.resource.path(self.namespace), query=q, timeout=30.0,
-                accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
-            md = _PAGE.decode(raw).metadata
+            return await self._read_store_version()
         except (aiohttp.ClientError, TimeoutError, OSError, KubeApiError, ValueError) as e:
             log.debug("watch %s: the store's resourceVersion not had (%s); resuming",
                       self.name, e or type(e).__name__)
             return ""
+
+    async def _read_store_version(self) -> str:
+        """``_store_version``, raising what the request raises."""
+        q = self._query()
+        q["limit"] = "1"
+        raw = await self.client.request_bytes(
+            self.resource.path(self.namespace), query=q, timeout=30.0,
+            accept=ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON)
+        md = _decoded(_PAGE, raw, "list answer").metadata
         return md.resourceVersion if md is not None else ""
 
-    def _another_history(self) -> None:
-        """The store went back: what this watcher delivered is of another history, and
-        a resourceVersion of it says nothing of an object in the new one (a restored
-        object modified since the backup can reach the same version with other data).
-        The relist delivers every object again: skipping those still "at their version"
-        could keep the old data for good; and it retracts what it does not find, however
-        new a copy fetched of it (``_list``)."""
+    def _another_history(self, why: str) -> None:
+        """This watcher saw the store go back (``why``): what it delivered is of another
+        history, and a resourceVersion of it says nothing of an object in the new one (a
+        restored object modified since the backup can reach the same version with other
+        data). The relist delivers every object again: skipping those still "at their
+        version" could keep the old data for good; and it retracts what it does not
+        find, however new a copy fetched of it (``_list``). The sink has every other
+        watcher of the server relist too; a finding of a restore it already has them
+        relisting for (this watcher was told, and found it before its relist went
+        through) is logged at debug: one warning per restore, not one per watcher."""
+        if self.sink.new_history(self):
+            log.warning("watch %s: %s: the API server's store was restored or replaced; "
+                        "relisting, and every other watch of it relists", self.name, why)
+        else:
+            log.debug("watch %s: %s; relisting (a restore told already, or the sink's own "
+                      "line says why not)", self.name, why)
+        self._forget_history()
+
+    def _forget_history(self) -> None:
+        """The next list is of the new history: every item delivered, and what it does
+        not find retracted, however new a copy fetched of it."""
         self.versions.clear()
-        self._new_history = True
-        self.sink.new_history(self)
+        self.history_pending = True
+
+    def relist_history(self) -> None:
+        """Relist at once with the versions forgotten (``_another_history``'s relist),
+        cutting short whatever the loop awaits: a watch of the new store can stream for
+        minutes before it ends, and a relist under way may hold pages of the old store.
+        The cut is a cancel of the loop's task that ``run`` takes back
+        (``_interrupted_here``); one at a time."""
+        self.metrics.restarts.labels(self.name, "restored").inc()
+        self._forget_history()
+        task = self._task
+        if (task is None or task.done() or self._interrupted
+                or task is asyncio.current_task()):
+            return  # not running, or cut already: the next round relists
+        self._interrupted = True
+        task.cancel()
 
     def _failed(self, why: str, kind: str) -> None:
         """A list or watch that did not go through: logged at debug only, each retry.
@@ -705,6 +802,7 @@ class ResourceWatcher(WatchBase):
         the way changes while unhealthy (unreachable, then a 500 once the server is
         back): that is a new failure to warn of, not a retry of the old one."""
         log.debug("watch %s: %s; retrying after a backoff", self.name, why)
+        self._check_store = True
         changed = kind != self.last_error_kind
         self.last_error = why
         self.last_error_kind = kind
@@ -746,7 +844,16 @@ class ResourceWatcher(WatchBase):
                 doc = _decoded(_PAGE, await fetch, "list answer")
                 self._set_health(True)
                 md = doc.metadata or _ListMeta()
+                first = not rv
                 rv, token = md.resourceVersion, md.continue_
+                if first and not self.history_pending and _older(rv, self.resource_version):
+                    # a list is a consistent read: the store's version now. Below what
+                    # this watcher held, the store went back, whatever made it relist (a
+                    # 410: a restarted API server's watch cache starts at its store's
+                    # version); its items are of the new history, every one delivered
+                    self._another_history(f"a list answered at resourceVersion {rv}, "
+                                          f"below the {self.resource_version} this watch "
+                                          f"held")
                 if token:
                     fetch = asyncio.ensure_future(page(token))
                 await self._deliver_items(doc.items or [], seen)
@@ -759,7 +866,7 @@ class ResourceWatcher(WatchBase):
                 with contextlib.suppress(BaseException):
                     await fetch
         gone = [uid for uid in self.held if uid not in seen]
-        if gone and not self._new_history:
+        if gone and not self.history_pending:
             # a copy of an owner fetched after the list's snapshot (its first page's
             # version: a paginated list of many objects takes seconds) is not gone.
             # Retracted, a deletion was counted that never was, and the pods below it
@@ -768,17 +875,28 @@ class ResourceWatcher(WatchBase):
             # 410 instead, and the next list, past it, decides
             gone = [uid for uid in gone if not self.sink.fetched_after(self, uid, rv)]
         if gone:
-            deletions = [("DELETED", self.stub(uid)) for uid in gone]
-            for uid in gone:
-                self._forget(uid)
-            self.metrics.events.labels(self.name, "RELIST_DELETED").inc(len(gone))
-            await self.deliver(deletions)
-        self._new_history = False
+            await self._retract(gone)
+        self.history_pending = False
+        self._check_store = False  # the list's version was just compared
         self.resource_version = rv
         self.backoff.reset()
         self.sink.current(self)
         self.synced.set()
         return rv
+
+    async def _retract(self, gone: list[str]) -> None:
+        """Hand the sink deletions of held uids a list did not find. Each slice forgets
+        what it hands over, in one step: forgotten all first, a cut between two slices
+        (``relist_history``) left the rest neither held nor retracted, for good."""
+
+        def step(i: int, j: int) -> None:
+            deletions: list[WatchEvent] = [("DELETED", self.stub(uid)) for uid in gone[i:j]]
+            for uid in gone[i:j]:
+                self._forget(uid)
+            self.metrics.events.labels(self.name, "RELIST_DELETED").inc(j - i)
+            self.sink.handle(self, deletions)
+
+        await self._in_slices(len(gone), step)
 
     async def _deliver_items(self, items: list[msgspec.Raw], seen: set[str]) -> None:
         """Decode a page's items and hand the changed ones to the sink, in slices of

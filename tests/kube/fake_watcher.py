@@ -52,12 +52,24 @@ class FakeWatcher(WatchBase):
         self.held_at_start = dict(self.held)
         self.started = False
         self.stopped = False
+        #: how many times the source told it to relist (``relist_history``)
+        self.told_to_relist = 0
 
     def start(self) -> None:
         """List at once, as a watcher's first list does: ADDED for every object, then
         DELETED stubs for held uids the cluster no longer has (the relist diff)."""
         assert not self.started, "started twice"
         self.started = True
+        self.relist()
+
+    def relist_history(self) -> None:
+        """Told to relist (another watcher saw the store go back): recorded, pending
+        until the test calls ``relist`` (a real watcher's list takes its time)."""
+        self.history_pending = True
+        self.told_to_relist += 1
+
+    def relist(self) -> None:
+        """List now: every object the cluster has, then the diff's deletions."""
         seen: set[str] = set()
         events: list[WatchEvent] = []
         for obj in self.cluster.objects(self.resource.group_kind):
@@ -73,6 +85,7 @@ class FakeWatcher(WatchBase):
             del self.held[uid]
         if events:
             self.sink.handle(self, events)
+        self.history_pending = False
         self.sink.current(self)
         self.synced.set()
 

@@ -1012,6 +1012,14 @@ async def on_a_long_history(sim: KubeSim, make_source: SourceFactory) -> KubeSou
     return source
 
 
+def _relisted_for_a_restore(source: KubeSource, resource: str) -> float:
+    """How many times ``resource`` relisted for a store gone back: seen by its own
+    watcher (``gone``, no 410 here) or by another (``restored``)."""
+    return sum(metric(source, "karta_proxy_watch_restarts_total",
+                      {"resource": resource, "reason": reason})
+               for reason in ("gone", "restored"))
+
+
 async def test_an_api_server_back_on_an_older_store_is_relisted(
         sim: KubeSim, make_source: SourceFactory) -> None:
     """The API server restarts on an etcd restored from a backup: resourceVersions
@@ -1039,8 +1047,7 @@ async def test_an_api_server_back_on_an_older_store_is_relisted(
     # carry it as its workload until then
     await eventually(lambda: live() == {"new-1-0", "new-1-1"} and not source.index.stale
                      and workload("new-1-0") == workload("new-1-1") == "new", timeout=10)
-    assert metric(source, "karta_proxy_watch_restarts_total",
-                  {"resource": "pods", "reason": "gone"}) >= 1
+    assert _relisted_for_a_restore(source, "pods") == 1
 
 
 async def test_a_store_restored_under_open_watches_is_relisted_once_they_go_idle(
@@ -1062,8 +1069,7 @@ async def test_a_store_restored_under_open_watches_is_relisted_once_they_go_idle
     await eventually(lambda: live() == {"new-1-0", "new-1-1"} and not source.index.stale
                      and (labels(source, "shop", "new-1-0") or {}).get("karta_workload")
                      == "new", timeout=15)
-    assert metric(source, "karta_proxy_watch_restarts_total",
-                  {"resource": "pods", "reason": "gone"}) >= 1
+    assert _relisted_for_a_restore(source, "pods") == 1
     assert any("restored or replaced" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
 
@@ -1099,3 +1105,90 @@ async def test_a_stop_in_the_turn_of_a_kinds_change_ends_the_follower(sim: KubeS
             t.cancel()
         await asyncio.wait({follower, stopping}, timeout=5)
         await source.stop()
+
+
+async def a_restore_one_watcher_sees(sim: KubeSim, make_source: SourceFactory, *,
+                                     keep_watches: bool) -> tuple[KubeSource, float]:
+    """A cluster backed up, changed, then restored to the backup (no
+    ``--bump-revision``), where only one watcher can tell: returns the source and when
+    (monotonic) the restore was made.
+
+    At the backup: Deployments ``web`` and ``api``, ReplicaSet ``web-1`` of ``web``, its
+    pod ``web-1-0``. After it, in the old history: a pod ``extra`` (the pods watcher at
+    that version), ``web-1`` adopted by ``api`` (the ReplicaSets watcher at that one),
+    then 20 changes of ``api`` (the Deployments watcher well above both). The restored
+    store is the backup, then a few Leases (a real etcd's revision moves on with leases
+    and events): at a version at or above the pods' and ReplicaSets' watchers', below the
+    Deployments'. No bookmark moves a watcher meanwhile (a real one comes about once a
+    minute). Only the Deployments watcher ever sees the store go back."""
+    sim.bookmark_interval = 60.0
+    web, _, _ = deployment(sim, "web", replicas=1)
+    api = sim.create({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "api", "namespace": "default"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "api"}},
+                 "template": {"metadata": {"labels": {"app": "api"}}}},
+    })
+    rs = sim.get("apps/v1", "ReplicaSet", "web-1", "default")
+    backup = [web, api, rs, sim.get("v1", "Pod", "web-1-0", "default")]
+    source = await make_source()
+    assert labels(source, "default", "web-1-0")["karta_workload"] == "web"  # type: ignore[index]
+    sim.create(pod("extra", owner_obj=rs))
+    sim.update({**rs, "metadata": {**rs["metadata"], "ownerReferences": owner(api),
+                                   "resourceVersion": ""}})
+    for i in range(20):
+        api = sim.update({**api, "metadata": {**api["metadata"], "labels": {"n": str(i)},
+                                              "resourceVersion": ""}})
+    await eventually(lambda: labels(source, "default", "extra") is not None and labels(
+        source, "default", "web-1-0")["karta_workload"] == "api")  # type: ignore[index]
+    (deployments,) = source.watchers[GroupKind("apps", "Deployment")][1]
+    await eventually(lambda: deployments.resource_version  # type: ignore[attr-defined]
+                     == api["metadata"]["resourceVersion"])
+    held = {w.resource.kind: int(w.resource_version)  # type: ignore[attr-defined]
+            for _, ws in source.watchers.values() for w in ws
+            if w.resource.kind in ("Pod", "ReplicaSet", "Deployment")}
+    if not keep_watches:
+        await sim.stop()
+    sim.reset_store(resource_version=0, keep_watches=keep_watches)
+    for obj in backup:
+        sim.create({**obj, "metadata": {k: v for k, v in obj["metadata"].items()
+                                        if k != "resourceVersion"}})
+    while sim.resource_version < max(held["Pod"], held["ReplicaSet"]) + 2:
+        sim.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": f"node-{sim.resource_version}",
+                                 "namespace": "kube-node-lease"}})
+    assert sim.resource_version < held["Deployment"], (held, sim.resource_version)
+    if not keep_watches:
+        await sim.start()
+    return source, time.monotonic()
+
+
+@pytest.mark.parametrize("keep_watches", [False, True])
+async def test_a_restore_one_watcher_sees_relists_every_watcher(
+        sim: KubeSim, make_source: SourceFactory, caplog: pytest.LogCaptureFixture,
+        keep_watches: bool) -> None:
+    """An etcd restored to a backup that only the Deployments watcher can tell (its
+    version above the restored store's): every watcher of the API server relists. The
+    pods and ReplicaSets watchers, at versions the restored store had passed, resumed in
+    the new history with their old objects: ``extra``, not in the backup, stayed in the
+    index, and ``web-1-0`` stayed in ``api`` (its ReplicaSet's owner after the backup,
+    not in it), for good."""
+    source, restored = await a_restore_one_watcher_sees(sim, make_source,
+                                                        keep_watches=keep_watches)
+
+    def live() -> set[str]:
+        return {a.pod for a in source.index.pods.values()}
+
+    await eventually(lambda: live() == {"web-1-0"} and (labels(
+        source, "default", "web-1-0") or {}).get("karta_workload") == "web", timeout=10)
+    assert time.monotonic() - restored < 8
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "pods", "reason": "restored"}) == 1
+    assert metric(source, "karta_proxy_watch_restarts_total",
+                  {"resource": "replicasets.apps", "reason": "restored"}) == 1
+    assert not source.index.stale and source.index.ready
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+              and "restored or replaced" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("watch deployments.apps: "), warned
+    if keep_watches:  # nothing failed: the relists never made the index stale
+        assert not any("STALE" in r.getMessage() for r in caplog.records)

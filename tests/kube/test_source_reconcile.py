@@ -21,7 +21,7 @@ from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
-from proxy.kube.source import KubeSource
+from proxy.kube.source import RESTORE_INTERVAL, KubeSource
 from tests.clock import ManualClock
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.karta.runs import record_runs
@@ -572,3 +572,45 @@ async def test_descriptions_off_watches_no_description_kinds(cluster: FakeCluste
     source = await synced(watch_descriptions=False)
     assert "Karta" not in modes(source) and "ResourceInterface" not in modes(source)
     assert labels(source, "default", "web-1-0") is not None
+
+
+async def test_a_restore_one_watcher_sees_has_every_other_relist_once(
+        synced: Synced, cluster: FakeCluster, clock: ManualClock) -> None:
+    """The Deployments watcher saw the API server's store go back: every other watcher
+    of the source is told to relist, once. Findings of the same restore by watchers told
+    already (their list of the new store not through yet) tell nobody again and are not
+    new; once a watcher has listed the new store, a finding of it is a restore of its
+    own. The other watchers kept their old objects before (``new_history`` told the
+    owner fetcher alone): here a pod the restore took back."""
+    deployment(cluster, "web", replicas=1)
+    source = await synced()
+    (deployments,) = cluster.live("Deployment")
+    (pods,) = cluster.live("Pod")
+    others = [w for w in cluster.watchers if w.live and w is not deployments]
+    assert len(others) >= 3 and not any(w.history_pending for w in cluster.watchers)
+    (gone,) = cluster.objects(GroupKind("", "Pod"))
+    cluster.delete_quietly(gone)  # not in the restored store: no event says so
+
+    assert source.new_history(deployments) is True
+    assert [w.told_to_relist for w in others] == [1] * len(others)
+    assert all(w.history_pending for w in others) and deployments.told_to_relist == 0
+    deployments.history_pending = True  # as the watcher does after asking: its relist
+    for w in others:  # the same restore found again before their lists: coalesced
+        assert source.new_history(w) is False
+    assert [w.told_to_relist for w in [deployments, *others]] == [0] + [1] * len(others)
+    assert gone["metadata"]["uid"] in source.index.pods
+
+    for w in [deployments, *others]:
+        w.relist()
+    assert gone["metadata"]["uid"] not in source.index.pods
+    assert not any(w.history_pending for w in cluster.watchers)
+    # after its list: another restore; within RESTORE_INTERVAL of the first, the watcher
+    # that saw it relists alone (a kind whose versions keep going back must not relist
+    # every watcher each time)
+    clock.now += RESTORE_INTERVAL - 1
+    assert source.new_history(pods) is False  # the source's warning is the line
+    assert [w.told_to_relist for w in [deployments, *others]] == [0] + [1] * len(others)
+    clock.now += 1
+    assert source.new_history(pods) is True
+    assert pods.told_to_relist == 1 and deployments.told_to_relist == 1
+    assert [w.told_to_relist for w in others if w is not pods] == [2] * (len(others) - 1)

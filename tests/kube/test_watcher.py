@@ -43,6 +43,7 @@ class RecordingSink:
         self.refused: list[int] = []
         #: what ``unserved`` answers: the watcher stays and retries on its own
         self.stays = False
+        self.new_histories = 0
 
     def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         self.events.extend(events)
@@ -62,8 +63,9 @@ class RecordingSink:
     def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
         return False  # no owner fetch here: the watcher alone
 
-    def new_history(self, watcher: Watcher) -> None:
-        pass  # no owner fetch here
+    def new_history(self, watcher: Watcher) -> bool:
+        self.new_histories += 1
+        return True  # the watcher alone: always the first to see a restore
 
 
     def names(self, etype: str) -> list[str]:
@@ -617,6 +619,34 @@ async def test_a_store_gone_back_is_found_when_the_watch_goes_idle(
     await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
 
 
+async def test_a_store_gone_back_while_the_server_was_down_is_found_on_its_return(
+        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    """The API server down, then back on an etcd restored from a backup (as a restore is
+    done: API servers stopped, etcd restored, API servers started): the watcher's first
+    request after the outage asks the store's version, below the held one, and it
+    relists at once. It resumed the watch from its version, silent on the restored store
+    until the idle timeout (150 s by default, 30 s here), and a store written on
+    meanwhile past that version would never have been seen to go back."""
+    _history(sim, 3, 30)
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    held = int(w.resource_version)
+    await sim.stop()
+    await eventually(lambda: not w.healthy, timeout=5)
+    sim.reset_store(resource_version=2)
+    new = {sim.create(pod(f"new{i}"))["metadata"]["uid"] for i in range(2)}
+    await sim.start()
+    await eventually(lambda: set(w.held) == new, timeout=5)
+    assert w.healthy and sink.new_histories == 1
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 1
+    [line] = [r.getMessage() for r in caplog.records if "restored or replaced" in r.getMessage()]
+    assert f"back after unreachable, the API server's store is at resourceVersion 4, " \
+        f"below the {held} this watch holds" in line, line
+    sim.create(pod("after"))
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+
+
 async def test_an_idle_watch_of_a_store_not_gone_back_resumes(
         sim: KubeSim, make: Make) -> None:
     """A stream gone silent (a half-open connection) while the store is where it was:
@@ -635,7 +665,57 @@ async def test_an_idle_watch_of_a_store_not_gone_back_resumes(
     assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
 
 
-@pytest.mark.parametrize("found_by", ["idle", "bookmark", "504"])
+async def test_told_of_a_restore_it_cuts_its_watch_and_delivers_everything_again(
+        sim: KubeSim, make: Make) -> None:
+    """Another watcher of the API server saw its store go back (``relist_history``): a
+    healthy open watch (60 s timeout, bookmarks flowing) is cut at once and the watcher
+    relists, every object delivered again, unchanged versions included (they are of the
+    old history), then watches from the new list. A watcher whose version the restored
+    store had passed had no way to learn it, and watched on with its old objects."""
+    for i in range(3):
+        sim.create(pod(f"p{i}"))
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    n_lists = _pod_lists(sim)
+    assert sorted(sink.names("ADDED")) == ["p0", "p1", "p2"]
+    w.relist_history()
+    assert w.history_pending
+    await eventually(lambda: len(sink.names("ADDED")) == 6 and not w.history_pending,
+                     timeout=2)
+    assert _pod_lists(sim) == n_lists + 1 and w.healthy
+    assert w.metrics.restarts.labels(w.name, "restored")._value.get() == 1
+    assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 0
+    assert sink.new_histories == 0  # told, not found: nobody else is told by it
+    sim.create(pod("after"))  # the cut watch's task goes on: watching the new list
+    await eventually(lambda: "after" in sink.names("ADDED"), timeout=5)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+
+
+@pytest.mark.parametrize("when", ["watching", "in a backoff"])
+async def test_a_stop_right_after_a_restore_was_told_ends_the_watcher(
+        sim: KubeSim, make: Make, when: str) -> None:
+    """``relist_history`` cuts the loop's task with a cancel that ``run`` takes back; a
+    ``stop`` in the same turn cancels it too, and must end it, not be taken back as
+    well (the process would wait for the watcher at shutdown for good)."""
+    sim.create(pod("p0"))
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0,
+                      backoff_max=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    if when == "in a backoff":
+        await sim.stop()
+        await eventually(lambda: not w.healthy, timeout=5)
+    task = w._task
+    assert task is not None
+    w.relist_history()
+    await asyncio.wait_for(w.stop(), 5)
+    assert task.done() and task.cancelled()
+    if when == "in a backoff":
+        await sim.start()
+
+
+@pytest.mark.parametrize("found_by", ["idle", "bookmark", "504", "410"])
 async def test_a_relist_after_the_store_went_back_redelivers_what_it_holds(
         sim: KubeSim, make: Make, found_by: str) -> None:
     """A restored object modified since the backup can reach the very resourceVersion
@@ -668,8 +748,11 @@ async def test_a_relist_after_the_store_went_back_redelivers_what_it_holds(
         assert sim.flush_watches(raw=json.dumps(bookmark).encode() + b"\n") == 1
     elif found_by == "504":
         assert sim.flush_watches(error=TooLargeResourceVersion(34, 4)) == 1
+    elif found_by == "410":  # the relist's list, at 4, says it: was taken for compaction
+        assert sim.flush_watches(error=Gone("too old resource version: 34 (4)")) == 1
     await eventually(lambda: set(w.held) == {uid}, timeout=10)
     assert w.metrics.restarts.labels(w.name, "gone")._value.get() == 1
+    assert sink.new_histories == 1
     last = [o for _, o in sink.events if o["metadata"]["uid"] == uid][-1]
     assert last["metadata"]["labels"] == {"v": "new"}
 
