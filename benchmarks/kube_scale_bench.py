@@ -65,6 +65,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+from proxy.wire.primitives import read_field  # noqa: E402  (the repo's, not an installed one)
+
 MIB = 1024 * 1024
 PROBE_METRIC = "bench_probe_up"
 
@@ -236,35 +238,13 @@ async def _churn(sim: Any, replica_sets: list[dict[str, Any]], rate: float, seco
 # -- the upstream sink: which probed pods came stamped ----------------------------------------
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    out = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        out |= (b & 0x7F) << shift
-        if b < 0x80:
-            return out, i
-        shift += 7
-
-
 def _fields(buf: bytes) -> Iterator[tuple[int, bytes]]:
     """The length-delimited fields of a protobuf message (others skipped)."""
     i = 0
     while i < len(buf):
-        key, i = _varint(buf, i)
-        wire = key & 7
+        number, wire, start, i = read_field(buf, i, len(buf))
         if wire == 2:
-            n, i = _varint(buf, i)
-            yield key >> 3, buf[i:i + n]
-            i += n
-        elif wire == 0:
-            _, i = _varint(buf, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        else:
-            raise ValueError(f"wire type {wire}")
+            yield number, buf[start:i]
 
 
 @dataclass

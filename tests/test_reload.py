@@ -456,9 +456,9 @@ def _cluster(deployments: int, pods_each: int) -> str:
     return yaml.safe_dump_all(objs)
 
 
-async def _described_proxy(tmp_path: Path, snapshot: str) -> tuple[Proxy, Path]:
-    """A started proxy on ``snapshot`` whose descriptions are read from a folder (empty
-    yet) at each reload; the proxy and the folder."""
+def _described_config(tmp_path: Path, snapshot: str) -> tuple[Path, Path]:
+    """Settings for a proxy on ``snapshot`` whose descriptions are read from a folder
+    (empty yet) at each reload; the settings file and the folder."""
     (tmp_path / "snap.yaml").write_text(snapshot)
     folder = tmp_path / "descriptions"
     folder.mkdir()
@@ -467,6 +467,12 @@ async def _described_proxy(tmp_path: Path, snapshot: str) -> tuple[Proxy, Path]:
         "snapshot": str(tmp_path / "snap.yaml"), "server": {"listen_address": "127.0.0.1:0"},
         "facts": {"enabled": False}, "karta": {"description_paths": [str(folder)]},
         "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+    return config, folder
+
+
+async def _described_proxy(tmp_path: Path, snapshot: str) -> tuple[Proxy, Path]:
+    """A started proxy of :func:`_described_config`; the proxy and the folder."""
+    config, folder = _described_config(tmp_path, snapshot)
     p = Proxy(_loader(config)(), loader=_loader(config))
     await p.start()
     return p, folder
@@ -478,14 +484,7 @@ async def test_a_reload_during_the_first_load_waits_for_it(tmp_path: Path) -> No
     for meanwhile (SIGHUP, new descriptions) waits for the last run: between two, the
     pods applied so far would be attributed under the old descriptions and re-attributed,
     those after under the new ones. Each pod maps to one attribution, the new one."""
-    (tmp_path / "snap.yaml").write_text(_cluster(400, 10))
-    folder = tmp_path / "descriptions"
-    folder.mkdir()
-    config = tmp_path / "karta-proxy.yaml"
-    config.write_text(yaml.safe_dump({
-        "snapshot": str(tmp_path / "snap.yaml"), "server": {"listen_address": "127.0.0.1:0"},
-        "facts": {"enabled": False}, "karta": {"description_paths": [str(folder)]},
-        "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+    config, folder = _described_config(tmp_path, _cluster(400, 10))
     p = Proxy(_loader(config)(), loader=_loader(config))
     # (ready, pods in the index) when the reload's descriptions reached the engine
     at_describe: list[tuple[bool, int]] = []

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -935,7 +936,6 @@ async def test_a_reload_diffs_and_compacts_off_the_event_loop(
     step is made to block until the loop has turned three times (5 s at most); the loop
     turns during it only if it runs in a worker thread. (Blocking a fixed 50 ms, a loaded
     machine could give the loop fewer turns in it.)"""
-    import time
 
     import proxy.snapshot as snapshot
 
@@ -993,19 +993,11 @@ async def test_a_reload_applies_its_changes_in_runs_that_let_the_loop_turn(
     """The engine's share of a reload is on the event loop (15-27 ms in one go at 37.5k
     pods, 1% changed): in runs of ``LOOP_RUN_SECONDS``, with the loop let in between.
     Each object is made to cost 1 ms here, 100 ms in all."""
-    import time
-
-    upsert = snapshot._upsert
-
-    def slow(engine: Engine, held: list[Any], report: Any) -> Any:
-        time.sleep(0.001 * len(held))
-        return upsert(engine, held, report)
-
     f = _write(tmp_path / "s.yaml", _deployment_of(100))
     index = PodIndex()
     src = SnapshotSource(f, Engine(), index)
     await src.start()
-    monkeypatch.setattr(snapshot, "_upsert", slow)
+    _each_object_costs_a_millisecond(monkeypatch)
     turns: list[int] = []
 
     async def tick() -> None:
@@ -1031,15 +1023,8 @@ def _some_applied(engine: Engine, pods: int) -> bool:
     return engine.pod("p-0") is not None and engine.pod(f"p-{pods - 1}") is None
 
 
-async def test_the_first_load_applies_in_runs_that_let_the_loop_turn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first load's application to the engine held the event loop in one go (4.7-7.6
-    s at 37.5k pods: a SIGTERM, a probe waited for all of it); now in runs, the loop let
-    in between, the index not ready until the last. Each object is made to cost 1 ms
-    here, 100 ms in all."""
-    import time
-
+def _each_object_costs_a_millisecond(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's application of the snapshot made slow: 1 ms an object."""
     upsert = snapshot._upsert
 
     def slow(engine: Engine, held: list[Any], report: Any) -> Any:
@@ -1047,6 +1032,16 @@ async def test_the_first_load_applies_in_runs_that_let_the_loop_turn(
         return upsert(engine, held, report)
 
     monkeypatch.setattr(snapshot, "_upsert", slow)
+
+
+async def test_the_first_load_applies_in_runs_that_let_the_loop_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load's application to the engine held the event loop in one go (4.7-7.6
+    s at 37.5k pods: a SIGTERM, a probe waited for all of it); now in runs, the loop let
+    in between, the index not ready until the last. Each object is made to cost 1 ms
+    here, 100 ms in all."""
+    _each_object_costs_a_millisecond(monkeypatch)
     index = PodIndex()
     src = SnapshotSource(_write(tmp_path / "s.yaml", _deployment_of(100)), Engine(), index)
     turns: list[bool] = []
@@ -1093,15 +1088,7 @@ async def test_a_stop_ends_the_first_loads_apply_between_two_runs(
     """A SIGTERM during the first load's application cancels the start at the next
     run's end: it waited for all of it (6.5-7.0 s from the signal to the exit at 37.5k
     pods). Each object costs 1 ms here, 1 s in all."""
-    import time
-
-    upsert = snapshot._upsert
-
-    def slow(engine: Engine, held: list[Any], report: Any) -> Any:
-        time.sleep(0.001 * len(held))
-        return upsert(engine, held, report)
-
-    monkeypatch.setattr(snapshot, "_upsert", slow)
+    _each_object_costs_a_millisecond(monkeypatch)
     index = PodIndex()
     src = SnapshotSource(_write(tmp_path / "s.yaml", _deployment_of(1000)), Engine(), index)
     starting = asyncio.create_task(src.start())
