@@ -7,9 +7,10 @@ the loop gone and nothing raised, however often they are called.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 
-async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Cancel ``task`` (if any) and wait until it has ended, swallowing its cancellation,
     not the caller's: cancelled itself while it waits, the caller is cancelled. Both were
     swallowed: a KubeSource's follower stopped while it dropped a watcher (waiting here

@@ -70,6 +70,9 @@ MIN_SYNC_DEADLINE = 10.0
 #: again (an aggregated API's own store, a bug, not an etcd restored) has that kind's
 #: watcher relist alone after the first, not every watcher of the cluster each time
 RESTORE_INTERVAL = 60.0
+#: seconds after the last relist of a burst went through that the heap's free pages are
+#: handed back (``KubeSource._trim_soon``)
+RELIST_TRIM_DELAY = 1.0
 
 
 class EngineLike(Protocol):
@@ -223,6 +226,9 @@ class KubeSource:
         #: when (``clock``) a watcher last saw the store go back and every other one was
         #: told to relist
         self._last_restore: float | None = None
+        #: the trim owed after relists (``_trim_soon``), and the one under way
+        self._trim_at: asyncio.TimerHandle | None = None
+        self._trimming: asyncio.Task[bool] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -306,12 +312,18 @@ class KubeSource:
         for t in self._tasks:
             await self._stopping(f"task {t.get_name()}", cancel_and_wait(t))
         self._tasks.clear()
+        if self._trim_at is not None:
+            self._trim_at.cancel()
+            self._trim_at = None
         for _, ws in list(self.watchers.values()):
             for w in ws:
                 await self._stopping(f"watch {w.name}", w.stop())
         self.watchers.clear()
         if self.owner_fetcher is not None:
             await self._stopping("owner fetches", self.owner_fetcher.stop())
+        if self._trimming is not None:
+            await self._stopping("the heap's trim", cancel_and_wait(self._trimming))
+            self._trimming = None
         if self._client is not None and self._own_client:
             await self._client.close()
             self._client = None
@@ -844,6 +856,27 @@ class KubeSource:
             if retry_at is not None and self._clock() >= retry_at:
                 del self._refused[gk]
                 self._mark_served(gk)
+
+    def relisted(self, watcher: Watcher) -> None:
+        """A relist leaves the heap holding the pages its lists and their decoding
+        freed: 8 MiB at 37.5k pods after a 410 had every watcher relist (254 -> 262
+        MiB), kept for the process's life. Handed back once the relists of a burst are
+        through: one trim, off the loop, ``RELIST_TRIM_DELAY`` after the last (254 ->
+        256 MiB; ``benchmarks/kube_scale_bench.py``). The initial sync trims at its end
+        on its own."""
+        if self.index.ready:
+            self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        if self._trim_at is not None:
+            self._trim_at.cancel()
+        self._trim_at = asyncio.get_running_loop().call_later(RELIST_TRIM_DELAY,
+                                                              self._trim)
+
+    def _trim(self) -> None:
+        self._trim_at = None
+        if self._trimming is None or self._trimming.done():
+            self._trimming = asyncio.create_task(memory.trim_off_loop(), name="kube trim")
 
     def _warn_if_filtered_to_nothing(self, watcher: Watcher) -> None:
         """One warning when a watcher's first list of pods under a node or namespace

@@ -201,6 +201,10 @@ class WatchSink(Protocol):
     def current(self, watcher: Watcher) -> None:
         """The watcher is known current now (list done, event or bookmark seen)."""
 
+    def relisted(self, watcher: Watcher) -> None:
+        """A list after the watcher's first went through (a 410, a restore, an outage's
+        end): what its pages and their decoding freed is the heap's to hand back."""
+
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """Reaching the API server failed (False) or works again (True)."""
 
@@ -880,6 +884,8 @@ class ResourceWatcher(WatchBase):
         self._check_store = False  # the list's version was just compared
         self.resource_version = rv
         self.backoff.reset()
+        if self.synced.is_set():
+            self.sink.relisted(self)
         self.sink.current(self)
         self.synced.set()
         return rv

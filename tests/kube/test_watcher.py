@@ -44,6 +44,7 @@ class RecordingSink:
         #: what ``unserved`` answers: the watcher stays and retries on its own
         self.stays = False
         self.new_histories = 0
+        self.relists = 0
 
     def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         self.events.extend(events)
@@ -51,6 +52,9 @@ class RecordingSink:
 
     def current(self, watcher: Watcher) -> None:
         self.times_current += 1
+
+    def relisted(self, watcher: Watcher) -> None:
+        self.relists += 1
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
         self.healthy.append(healthy)
@@ -188,6 +192,7 @@ async def test_relist_after_410_delivers_only_what_changed(sim: KubeSim, make: M
     made = {f"p{i}": sim.create(pod(f"p{i}")) for i in range(4)}
     sink = RecordingSink()
     w = await started(make, sink, page_size=2)
+    assert sink.relists == 0  # the first list is no relist
     seen_by_watch = dict(made["p1"], metadata={**made["p1"]["metadata"], "labels": {"a": "1"}})
     sim.update(seen_by_watch)
     await eventually(lambda: sink.names("MODIFIED") == ["p1"])
@@ -208,6 +213,7 @@ async def test_relist_after_410_delivers_only_what_changed(sim: KubeSim, make: M
     uid2 = changed["metadata"]["uid"]
     assert w.versions[uid2] == changed["metadata"]["resourceVersion"]
     assert set(w.versions) == set(w.held) and len(w.held) == 4  # p0, p1, p2, p4
+    assert sink.relists == 1  # told, for the heap's trim (KubeSource.relisted)
 
 
 async def test_held_objects_handed_on_are_delivered_again(sim: KubeSim, make: Make) -> None:
