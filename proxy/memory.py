@@ -11,8 +11,8 @@ The same load leaves the cyclic garbage collector a large long-lived heap (the e
 records and the index: ~500k tracked objects at 37.5k pods), which every full collection
 walks again: 150-370 ms with the GIL held, the event loop and the splice workers stopped,
 whenever enough young objects survive (a fact write makes them). The sources move what a
-load builds out of the collector's view as they build it (:func:`collect_unfrozen`, then
-:func:`freeze_survivors`, every few thousand objects); :func:`settle` does it at once.
+load builds out of the collector's view as they build it (:func:`collect_and_freeze`,
+every few thousand objects); :func:`settle` does it at once.
 """
 
 from __future__ import annotations
@@ -230,6 +230,16 @@ def collect_unfrozen() -> None:
     Python blocks an hour in every replica; collecting after the build instead would walk
     the new cache too (5-15 ms)."""
     gc.collect()
+
+
+def collect_and_freeze() -> None:
+    """:func:`collect_unfrozen`, then :func:`freeze_survivors`: for a load that builds a
+    large long-lived heap, every few thousand objects and at its end. Each step's
+    collection walks only what came since the last freeze (a few ms at 37.5k pods),
+    where one pass over the whole heap at the end (:func:`settle`) held the event loop
+    0.22-0.57 s, and no cycle already garbage is frozen for good."""
+    collect_unfrozen()
+    freeze_survivors()
 
 
 def settle() -> None:

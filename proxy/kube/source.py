@@ -270,8 +270,7 @@ class KubeSource:
         # what the process holds before the sync, frozen as the sync's objects are (see
         # _apply): the full collections its first 2,000 objects set off walked it all,
         # up to 115 ms with the listener open
-        memory.collect_unfrozen()
-        memory.freeze_survivors()
+        memory.collect_and_freeze()
         deadline = asyncio.get_running_loop().time() + self._sync_deadline
         # descriptions first: they decide which kinds the engine needs
         if self.settings.watch_descriptions:
@@ -296,8 +295,7 @@ class KubeSource:
         # the loop. Not proxy.memory.settle(): its full pass over the whole heap held
         # the event loop 0.27-0.57 s at 37.5k pods (~620 ms at 150k), with the listener
         # open: probes, /metrics and the first requests waited for it
-        memory.collect_unfrozen()
-        memory.freeze_survivors()
+        memory.collect_and_freeze()
         await memory.trim_off_loop()
         self.index.ready = True
         log.info("cluster index ready: %d pods, %d watches", len(self.index.pods),
@@ -766,8 +764,7 @@ class KubeSource:
             # way instead of collecting the whole heap once.
             self._since_freeze += len(events)
             if self._since_freeze >= SYNC_FREEZE_EVERY:
-                memory.collect_unfrozen()
-                memory.freeze_survivors()
+                memory.collect_and_freeze()
                 self._since_freeze = 0
 
     def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:

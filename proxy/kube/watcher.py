@@ -622,19 +622,14 @@ class ResourceWatcher(WatchBase):
             self._failed(f"API error {e}", f"API error {e.status}")
         except _Idle:
             reason = "idle"
-            held = self.resource_version or rv
-            now = await self._store_version()
-            if _older(now, held):
-                # kube-apiserver accepts a watch from a version its store has not
-                # reached and sends it nothing, bookmarks included: a store that
-                # went back (an etcd restored from a backup) shows only as this
+            # kube-apiserver accepts a watch from a version its store has not reached
+            # and sends it nothing, bookmarks included: a store that went back (an etcd
+            # restored from a backup) shows only as this
+            if self._went_back(await self._store_version(), rv,
+                               f"no data for {self.idle_timeout:.0f} s, and"):
                 self.metrics.restarts.labels(self.name, reason).inc()
-                rv = ""
-                self._another_history(
-                    f"no data for {self.idle_timeout:.0f} s, and the API server's store is "
-                    f"at resourceVersion {now}, below the {held} this watch holds")
                 await self._after_gone()
-                return rv
+                return ""
             # the server never closed the stream; it may be fine for new requests:
             # resume (jittered), the next request tells whether it is reachable
             log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
@@ -728,14 +723,21 @@ class ResourceWatcher(WatchBase):
         now = await self._read_store_version()
         self._set_health(True)  # it answered: the others failing retry now, as on a list
         self._check_store = False
-        held = self.resource_version or rv
-        if not _older(now, held):
+        if not self._went_back(now, rv, f"back after {self.last_error_kind or 'a failure'},"):
             return rv
-        self._another_history(f"back after {self.last_error_kind or 'a failure'}, the API "
-                              f"server's store is at resourceVersion {now}, below the "
-                              f"{held} this watch holds")
         await self._after_gone()
         return ""
+
+    def _went_back(self, now: str, rv: str, why: str) -> bool:
+        """Whether the store's version ``now`` is below the one this watch holds (its
+        last event's, else ``rv``): then the store went back, and the next list is of the
+        new history (``_another_history``; ``why`` begins the line that says so)."""
+        held = self.resource_version or rv
+        if not _older(now, held):
+            return False
+        self._another_history(f"{why} the API server's store is at resourceVersion {now}, "
+                              f"below the {held} this watch holds")
+        return True
 
     async def _store_version(self) -> str:
         """The store's resourceVersion now, from a list of one item with no
