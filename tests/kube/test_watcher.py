@@ -185,6 +185,22 @@ async def test_paginated_list_then_watch(sim: KubeSim, make: Make) -> None:
     assert watches[0]["timeoutSeconds"] == "2"
 
 
+async def test_a_listed_object_carries_the_uid_string_its_watcher_holds_it_by(
+    sim: KubeSim, make: Make
+) -> None:
+    """The engine keeps a pod's uid for its life, and so does the watcher (``held``'s
+    key): one string for both, not two equal copies (~4.7 MB at 37.5k pods)."""
+    for i in range(3):
+        sim.create(pod(f"p{i}"))
+    sink = RecordingSink()
+    w = await started(make, sink)
+    keys = {k: k for k in w.held}
+    assert len(sink.events) == 3
+    for _, obj in sink.events:
+        uid = obj["metadata"]["uid"]
+        assert uid is keys[uid]
+
+
 async def test_relist_after_410_delivers_only_what_changed(sim: KubeSim, make: Make) -> None:
     """A relist after 410 decodes and delivers only the items whose resourceVersion is
     not what this watcher delivered: at 37.5k pods the rest was 2.5 s of decoding and
