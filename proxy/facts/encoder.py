@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from proxy import contract
-from proxy.facts.model import HELP, Fact, Labels
+from proxy.facts.model import HELP, POD_FAMILIES, Fact, Labels
 from proxy.wire.primitives import encode_label_v1, len_field
 from proxy.wire.primitives import encode_uvarint as _varint
 
@@ -86,6 +86,15 @@ WORKLOAD_FAMILIES = frozenset(contract.FACT_SERIES) - frozenset((
     contract.FACT_POD_INFO, contract.FACT_POD_UNATTRIBUTED_INFO, contract.FACT_NAMESPACE_PODS,
     contract.FACT_SOURCE_LAST_CURRENT, contract.FACT_CONTRACT_INFO, contract.FACT_BUILD_INFO,
 ))
+
+#: the labels of the families made per pod (``POD_FAMILIES``) that are the pod's own: every other
+#: label of a pod's series (its family's name, the stamp, the reason, the external labels)
+#: is the same for every pod of a workload component, so each run of those is one bytes
+#: object for all of them (:func:`_pod_pieces`) instead of a copy in every pod's series
+#: (~7 MB of the writer's cache at 37.5k pods)
+POD_OWN_LABELS = frozenset(
+    (contract.FACT_LABEL_NAMESPACE, contract.FACT_LABEL_POD, contract.FACT_LABEL_UID)
+)
 
 #: A series as the writer keeps it: ``(header, *label pieces)``, whose concatenation is
 #: ``0x0a <length> <label fields>``, the TimeSeries header and labels, ready to be followed
@@ -239,15 +248,39 @@ def _pieces(pairs: list[tuple[str, str]], shared: dict[tuple[tuple[str, str], ..
     return out
 
 
-def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> Group:
+def _pod_pieces(pairs: list[tuple[str, str]], runs: dict[bytes, bytes]) -> list[bytes]:
+    """Label fields of a pod's sorted ``pairs``, each run of consecutive labels of one
+    sort (the pod's own, :data:`POD_OWN_LABELS`, or not) as one piece; a run not the pod's
+    own is the equal one of ``runs`` where it holds one (it then gains it)."""
+    out: list[bytes] = []
+    run: list[bytes] = []
+    own = False
+    for k, v in pairs:
+        mine = k in POD_OWN_LABELS
+        if run and mine is not own:
+            piece = b"".join(run)
+            out.append(piece if own else runs.setdefault(piece, piece))
+            run.clear()
+        own = mine
+        run.append(_label_field(k, v))
+    if run:
+        piece = b"".join(run)
+        out.append(piece if own else runs.setdefault(piece, piece))
+    return out
+
+
+def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int,
+                 runs: dict[bytes, bytes] | None = None) -> Group:
     """The series of ``facts`` with ``external`` labels, for samples of ``sample_len``; a
     label set that comes twice is written once, with its first value.
 
     A workload family's series is ``(header, pieces...)`` with the identity and external
-    labels in shared runs (:func:`_pieces`); every other series (a pod's, the coverage's,
-    the process') is ``(header, labels)``: nothing in it repeats. Which it is depends on the
-    family alone, so one label set always makes the same tuple (the writer compares a
-    group's series with what it wrote last time).
+    labels in shared runs (:func:`_pieces`); a pod's is ``(header, pieces...)`` with the
+    labels that are not the pod's own in pieces shared through ``runs`` (:func:`_pod_pieces`:
+    the writer's table, kept across its writes; None: a table of this call alone); every
+    other series (the coverage's, the process') is ``(header, labels)``: nothing in it
+    repeats. Which it is depends on the family alone, so one label set always makes the
+    same tuple (the writer compares a group's series with what it wrote last time).
     """
     flat: list[bytes] = []
     counts: list[int] = []
@@ -258,6 +291,8 @@ def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int) -> Gr
         pairs = merged_pairs(f.name, f.labels, external)
         if f.name in WORKLOAD_FAMILIES:
             pieces = _pieces(pairs, shared, shared_names)
+        elif f.name in POD_FAMILIES:
+            pieces = _pod_pieces(pairs, {} if runs is None else runs)
         else:
             pieces = [b"".join(_label_field(k, v) for k, v in pairs)]
         flat.append(series_header(sum(map(len, pieces)) + sample_len))

@@ -311,6 +311,11 @@ class FactWriter:
         self._max_series = max(1, max_series_per_request)
         self._external: Labels = label_set(settings.external_labels.items())
         self._pod_cache: dict[str, _Cached[PodAttribution]] = {}
+        #: the pieces of pods' series that are not the pod's own (its family's name, the
+        #: stamp, the external labels), one object for every pod that has them
+        #: (``encoder._pod_pieces``); started again once it holds more than there are
+        #: pods, so pods that come and go do not grow it
+        self._pod_runs: dict[bytes, bytes] = {}
         self._workload_cache: dict[str, _Cached[WorkloadFacts]] = {}
         #: length of a sample field; the cached series headers embed it (constant in
         #: practice: millisecond timestamps are 6-byte varints from 2004 to 2109)
@@ -386,7 +391,7 @@ class FactWriter:
     # -- building ------------------------------------------------------------------------
 
     def _encode(self, facts: Iterable[Fact]) -> Group:
-        return encode_facts(facts, self._external, self._sample_len)
+        return encode_facts(facts, self._external, self._sample_len, self._pod_runs)
 
     def _set_sample_len(self, ts_bytes: bytes) -> None:
         """The cached series headers count their sample field: re-made should a sample's
@@ -432,6 +437,8 @@ class FactWriter:
                 yield item
 
         pods: dict[str, _Cached[PodAttribution]] = {}
+        if len(self._pod_runs) > len(pods_now) + 1024:
+            self._pod_runs = {}
         yield from self._cached(counted(), self._pod_cache, pod_facts, pod_key, pods)
         self._pod_cache = pods
         workloads: dict[str, _Cached[WorkloadFacts]] = {}
