@@ -16,8 +16,8 @@ import pytest
 
 from proxy.kube.client import KubeClient
 from proxy.kube.watcher import ResourceWatcher, Watcher, WatchEvent
-from tests.kube.conftest import SourceFactory, eventually, labels, pod
 from tests.kube import test_watcher
+from tests.kube.conftest import SourceFactory, eventually, labels, pod
 from tests.kube.test_watcher import Make, RecordingSink, started
 from tests.kubesim import Gone, KubeSim
 from tests.kubesim.resources import POD
@@ -44,7 +44,9 @@ def _first_pages(sim: KubeSim) -> int:
 
 def _acquired(client: KubeClient) -> int:
     """Connections of the client's pool in use (a list page or a watch under way)."""
-    return len(client.api.rest_client.pool_manager.connector._acquired)
+    connector = client.api.rest_client.pool_manager.connector
+    assert connector is not None
+    return len(connector._acquired)
 
 
 async def _relisting(sim: KubeSim, w: ResourceWatcher) -> int:
@@ -213,7 +215,7 @@ async def test_a_stop_half_way_through_a_list_ends_it_and_its_page_request(
     await asyncio.wait_for(w.stop(), 2)
     assert task.done() and task.cancelled()
     left = [t for t in asyncio.all_tasks() - tasks  # the simulator's delayed answer aside
-            if t.get_coro().__qualname__ != "RequestHandler._handle_request"]
+            if getattr(t.get_coro(), "__qualname__", "") != "RequestHandler._handle_request"]
     assert left == []
     assert _acquired(client) == 0
     assert w.held == held and sink.names("DELETED") == []
