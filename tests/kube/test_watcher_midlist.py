@@ -127,6 +127,25 @@ async def test_a_relist_cut_by_a_failing_page_keeps_what_it_held_and_is_stale_on
     await eventually(lambda: _acquired(client) == 0, timeout=3)
 
 
+async def test_a_first_list_cut_part_way_is_not_synced_until_one_goes_through(
+        sim: KubeSim, make: Make) -> None:
+    """The first list cut at its second page, again and again: the watcher is not synced
+    (readiness waits for it), unhealthy once, and synced with every pod once a list goes
+    through whole, healthy again once."""
+    for name in PODS:
+        sim.create(pod(name))
+    sim.cut_lists(POD, 503)
+    sink = RecordingSink()
+    w = make(sink, page_size=2, watch_timeout=lambda: 60, idle_timeout=30.0)
+    w.start()
+    await eventually(lambda: _first_pages(sim) >= 3, timeout=8)
+    assert not w.synced.is_set() and sink.healthy == [False]
+    sim.cut_lists(POD, None)
+    await asyncio.wait_for(w.synced.wait(), 5)
+    assert sorted(set(sink.names("ADDED"))) == PODS and len(w.held) == len(PODS)
+    assert sink.healthy == [False, True] and sink.names("DELETED") == []
+
+
 async def test_a_relist_whose_continue_token_expires_lists_again_from_the_start(
         sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
     """A continue token expired part-way (410 Expired: its resourceVersion compacted

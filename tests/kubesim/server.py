@@ -8,6 +8,7 @@ namespace / label / field selectors, CRDs registered at runtime, and create / up
 patch / delete with optimistic concurrency (Lease election builds on that). Tests
 drive it from Python (``create``, ``update``, ``delete``, ``compact``,
 ``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
+``cut_lists``,
 ``stop`` / ``start``) and point kubernetes-asyncio at it through the kubeconfig it
 writes.
 """
