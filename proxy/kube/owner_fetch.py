@@ -534,14 +534,14 @@ class OwnerFetcher:
         self._release(owner.ref.uid)
 
     def _give_up(self, owner: _Owner) -> None:
-        """Not fetched again for ``FORGET_SECONDS``; then forgotten by its timer, which
-        is the one way a given-up owner leaves the table: a table full of them
-        (``MAX_OWNERS``) skips new owners until their times are over (the bound holds
-        either way). ``_prune`` forgot such owners only once the table was full: under
-        churn (a RayJob deleted, its RayCluster's GET a 404) the table grew with time to
-        the bound and stayed there (2, 4, 6 ... 14 entries over six cycles of a soak with
-        5 live pods); next to the timers it freed nothing they had not (each fires at
-        its owner's time, on the same clock), and it is gone."""
+        """Not fetched again for ``FORGET_SECONDS``; then forgotten by its timer (or
+        named again once its time is over, by ``_park``). ``_prune``, which forgot
+        such owners only when the table was full (``MAX_OWNERS``), let the table grow
+        with time under churn (a RayJob deleted, its RayCluster's GET a 404: 2, 4, 6 ...
+        14 entries over six cycles of a soak with 5 live pods); next to the timers it
+        freed nothing they had not (each fires at its owner's time) and was removed: a
+        table full of owners given up on skips new ones until their timers free it, the
+        bound holding either way (``test_owners_given_up_on_stay_within_the_bound...``)."""
         owner.state, owner.task = _DONE, None
         owner.until = self._clock() + FORGET_SECONDS
         owner.expiry = asyncio.get_running_loop().call_later(
