@@ -93,7 +93,7 @@ _FETCHING, _RETRYING, _FETCHED, _DONE = "fetching", "retrying", "fetched", "done
 class _Owner:
     """One absent owner being fetched (or recently given up on)."""
 
-    __slots__ = ("depth", "late", "namespace", "ref", "state", "task", "until")
+    __slots__ = ("depth", "expiry", "late", "namespace", "ref", "state", "task", "until")
 
     def __init__(self, ref: OwnerRef, namespace: str, depth: int) -> None:
         self.ref = ref
@@ -106,6 +106,8 @@ class _Owner:
         self.task: asyncio.Task[None] | None = None
         #: for ``_DONE``: when (monotonic) it may be fetched again
         self.until = 0.0
+        #: for ``_DONE``: the timer that forgets it then (cancelled by ``stop``)
+        self.expiry: asyncio.TimerHandle | None = None
         #: what waited for it went on at its deadline: what comes next goes on at once
         self.late = False
 
@@ -180,8 +182,11 @@ class OwnerFetcher:
         return len(self._parked)
 
     async def stop(self) -> None:
-        """Cancel the reaper and every GET; nothing starts after this. What waits parked
-        is dropped with them: the source stopping, nothing reads the index any more."""
+        """Cancel the reaper, every GET and every owner's expiry timer; nothing starts
+        after this. What waits parked is dropped with them: the source stopping, nothing
+        reads the index any more. The timers were left pending: each held the fetcher
+        (and through its callbacks the source and its index) for up to
+        ``FORGET_SECONDS`` after the stop."""
         self.stopped = True
         if self._reaper is not None:
             await cancel_and_wait(self._reaper)
@@ -189,6 +194,10 @@ class OwnerFetcher:
         for owner in list(self._owners.values()):
             if owner.task is not None:
                 await cancel_and_wait(owner.task)
+        for owner in self._owners.values():
+            if owner.expiry is not None:
+                owner.expiry.cancel()
+                owner.expiry = None
         self._owners.clear()
         self._waiting.clear()
         self._parked.clear()
@@ -286,7 +295,7 @@ class OwnerFetcher:
                 return not owner.late and self._hold_back(up, uid, watcher, ev)
             if owner.state == _RETRYING or self._clock() < owner.until:
                 return False  # failed lately: the old behaviour until a retry gets it
-            del self._owners[up]
+            self._forget(owner)
         mine = self._owners.get(uid)
         depth = (mine.depth if mine is not None else 0) + 1
         if depth > self._max_hops or ref.gk in self.forbidden:
@@ -295,8 +304,7 @@ class OwnerFetcher:
         ns = ns if isinstance(ns, str) else ""
         if self._watcher_for(ref.gk, ns) is None:
             return False  # not watched (or not listed yet: its list delivers it)
-        if len(self._parked) >= MAX_PARKED or (
-                len(self._owners) >= MAX_OWNERS and not self._prune()):
+        if len(self._parked) >= MAX_PARKED or len(self._owners) >= MAX_OWNERS:
             # counted once per owner (a GET not made), not per event of what names it
             if up not in self._skipped:
                 self._skipped[up] = None
@@ -393,14 +401,6 @@ class OwnerFetcher:
                 self._feed_grouped(released)
             finally:
                 self._expired = set()
-
-    def _prune(self) -> bool:
-        """Forget the owners given up on whose time is over; whether there is room."""
-        now = self._clock()
-        for uid in [u for u, o in self._owners.items()
-                    if o.state == _DONE and now >= o.until]:
-            del self._owners[uid]
-        return len(self._owners) < MAX_OWNERS
 
     # -- the GET ---------------------------------------------------------------------------
 
@@ -534,19 +534,27 @@ class OwnerFetcher:
         self._release(owner.ref.uid)
 
     def _give_up(self, owner: _Owner) -> None:
-        """Not fetched again for ``FORGET_SECONDS``; then forgotten. ``_prune`` alone forgot
-        only once ``MAX_OWNERS`` were kept: under churn (a RayJob deleted, its
-        RayCluster's GET a 404) the table grew with time to the bound and stayed there
-        (2, 4, 6 ... 14 entries over six cycles of a soak with 5 live pods)."""
+        """Not fetched again for ``FORGET_SECONDS``; then forgotten by its timer (or
+        named again once its time is over, by ``_park``). ``_prune``, which forgot
+        such owners only when the table was full (``MAX_OWNERS``), let the table grow
+        with time under churn (a RayJob deleted, its RayCluster's GET a 404: 2, 4, 6 ...
+        14 entries over six cycles of a soak with 5 live pods); next to the timers it
+        freed nothing they had not (each fires at its owner's time) and was removed: a
+        table full of owners given up on skips new ones until their timers free it, the
+        bound holding either way (``test_owners_given_up_on_stay_within_the_bound...``)."""
         owner.state, owner.task = _DONE, None
         owner.until = self._clock() + FORGET_SECONDS
-        asyncio.get_running_loop().call_later(FORGET_SECONDS, self._expire, owner)
+        owner.expiry = asyncio.get_running_loop().call_later(
+            FORGET_SECONDS, self._expire, owner)
 
     def _expire(self, owner: _Owner) -> None:
-        if owner.state == _DONE and self._clock() >= owner.until:
-            self._forget(owner)
+        owner.expiry = None
+        self._forget(owner)
 
     def _forget(self, owner: _Owner) -> None:
+        if owner.expiry is not None:
+            owner.expiry.cancel()
+            owner.expiry = None
         if self._owners.get(owner.ref.uid) is owner:
             del self._owners[owner.ref.uid]
 

@@ -272,6 +272,9 @@ MAX_SLICE = 4096
 #: API server sends a bookmark about every minute to watches that ask for them, and
 #: ends every watch after ``timeoutSeconds``; a half-open TCP connection sends nothing.
 IDLE_TIMEOUT = 150.0
+#: the longest one page of a list may take (asked, answered and read): a page that
+#: never comes is the API server unreachable, and the list starts again after a backoff
+PAGE_TIMEOUT = 60.0
 #: the longest a server's Retry-After (429 / 503 to a list or watch) is waited out
 RETRY_AFTER_MAX = 60.0
 
@@ -443,6 +446,7 @@ class ResourceWatcher(WatchBase):
         metrics: WatchMetrics,
         *,
         page_size: int = 500,
+        page_timeout: float = PAGE_TIMEOUT,
         slice_budget: float = SLICE_BUDGET,
         watch_timeout: Callable[[], int] = random_watch_timeout,
         idle_timeout: float = IDLE_TIMEOUT,
@@ -453,6 +457,7 @@ class ResourceWatcher(WatchBase):
         self.client = client
         self.metrics = metrics
         self.page_size = page_size
+        self.page_timeout = page_timeout
         #: events per slice, adapted so that a slice takes about ``slice_budget``
         self.slices = Slices(slice_budget, most=MAX_SLICE)
         self.watch_timeout = watch_timeout
@@ -840,7 +845,8 @@ class ResourceWatcher(WatchBase):
             q["limit"] = str(self.page_size)
             if token:
                 q["continue"] = token
-            return await self.client.request_bytes(path, query=q, accept=accept)
+            return await self.client.request_bytes(path, query=q, accept=accept,
+                                                   timeout=self.page_timeout)
 
         # the next page is fetched while this one goes through the engine: the server's
         # (and the network's) time overlaps ours
@@ -848,7 +854,6 @@ class ResourceWatcher(WatchBase):
         try:
             while True:
                 doc = _decoded(_PAGE, await fetch, "list answer")
-                self._set_health(True)
                 md = doc.metadata or _ListMeta()
                 first = not rv
                 rv, token = md.resourceVersion, md.continue_
@@ -868,9 +873,17 @@ class ResourceWatcher(WatchBase):
                     break
         finally:
             if not fetch.done():
+                # not ``await fetch`` under suppress(BaseException): that swallowed a
+                # ``stop`` landing here while a failure went up (the loop ran on after
+                # it, and ``stop`` waited for good); ``wait`` raises our own cancel
                 fetch.cancel()
-                with contextlib.suppress(BaseException):
-                    await fetch
+                await asyncio.wait({fetch})
+                if not fetch.cancelled():
+                    fetch.exception()  # retrieved: the list's own failure is what counts
+        # healthy only now, not at each page: a list cut part-way (a page answered 5xx,
+        # a connection reset, a timeout) cleared the stale flag at its first page and set
+        # it again at the cut, every retry, with a warning each time
+        self._set_health(True)
         gone = [uid for uid in self.held if uid not in seen]
         if gone and not self.history_pending:
             # a copy of an owner fetched after the list's snapshot (its first page's

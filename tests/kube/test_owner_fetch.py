@@ -492,3 +492,57 @@ async def test_a_store_gone_back_forgets_the_versions_of_copies_fetched(
     await eventually(lambda: web(source, "web-2-0") == ("ReplicaSet", "web-2"), timeout=15)
     (watcher,) = source.watchers[GroupKind("apps", "ReplicaSet")][1]
     assert set(watcher.held) == {rs_uid}  # web-1 not in the backup: retracted
+
+
+def _phantom(name: str) -> dict:
+    """A ReplicaSet no API server holds: its GET answers 404 (the owner given up on)."""
+    return {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": name, "namespace": NS, "uid": str(uuid.uuid4())}}
+
+
+async def test_a_stopped_source_leaves_no_timer_of_its_fetcher(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """An owner given up on is forgotten by a timer ``FORGET_SECONDS`` (60 s) later; the
+    source stopped, the timer was left on the loop, holding the fetcher (and through its
+    callbacks the source and its index) for up to a minute. ``stop`` cancels it."""
+    deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    fetcher = source.owner_fetcher
+    assert fetcher is not None
+    sim.create(pod("web-9-0", NS, owner_obj=_phantom("web-9")))
+    await eventually(lambda: fetches(source, "gone") == 1)
+    loop = asyncio.get_running_loop()
+
+    def timers() -> list[asyncio.TimerHandle]:
+        return [h for h in loop._scheduled  # type: ignore[attr-defined]
+                if not h.cancelled() and getattr(h._callback, "__self__", None) is fetcher]
+
+    assert len(timers()) == 1  # the given-up owner's
+    await source.stop()
+    assert timers() == []
+
+
+async def test_owners_given_up_on_stay_within_the_bound_and_leave_at_their_time(
+        sim: KubeSim, make_source: SourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More absent owners given up on (404) than the table holds, within their
+    ``FORGET_SECONDS``: the table stays at ``MAX_OWNERS`` (the rest skipped, counted
+    once each), and every entry leaves at its time by its own timer, so an owner named
+    afterwards is fetched again. What ``_prune`` did (forget, on a full table, entries
+    whose time was over) the timers do at that time: it was removed."""
+    monkeypatch.setattr(owner_fetch, "MAX_OWNERS", 3)
+    monkeypatch.setattr(owner_fetch, "FORGET_SECONDS", 1.0)
+    deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    fetcher = source.owner_fetcher
+    assert fetcher is not None
+    most = 0
+    for i in range(5):
+        sim.create(pod(f"lost-{i}-0", NS, owner_obj=_phantom(f"lost-{i}")))
+        await eventually(lambda i=i: web(source, f"lost-{i}-0")  # type: ignore[misc]
+                         == ("ReplicaSet", f"lost-{i}"))
+        most = max(most, len(fetcher._owners))
+    assert most == 3 and fetches(source, "gone") == 3 and fetches(source, "skipped") == 2
+    await eventually(lambda: not fetcher._owners, timeout=5)
+    sim.create(pod("lost-5-0", NS, owner_obj=_phantom("lost-5")))
+    await eventually(lambda: fetches(source, "gone") == 4)
+    assert len(fetcher._owners) == 1

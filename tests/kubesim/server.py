@@ -8,6 +8,7 @@ namespace / label / field selectors, CRDs registered at runtime, and create / up
 patch / delete with optimistic concurrency (Lease election builds on that). Tests
 drive it from Python (``create``, ``update``, ``delete``, ``compact``,
 ``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
+``cut_lists``,
 ``stop`` / ``start``) and point kubernetes-asyncio at it through the kubeconfig it
 writes.
 """
@@ -128,6 +129,9 @@ class KubeSim:
         #: ``delay_resource``)
         self.delayed_resources: dict[tuple[str, str],
                                      tuple[float, frozenset[str], bool]] = {}
+        #: (group, plural) -> how the pages of its lists after the first are cut (see
+        #: ``cut_lists``)
+        self.cut_resources: dict[tuple[str, str], int | str] = {}
         #: group/version -> status: its discovery document is answered with the status
         #: (see ``fail_discovery``)
         self.failing_discovery: dict[str, int] = {}
@@ -362,6 +366,19 @@ class KubeSim:
             self.delayed_resources[rtype.key] = (
                 float(seconds), frozenset(m.upper() for m in methods), continued)
 
+    def cut_lists(self, rtype: ResourceType, cut: int | str | None) -> None:
+        """Cut ``rtype``'s lists part-way from now on (None: serve them whole again): the
+        pages asked with a ``continue`` token (every page after the first) are answered
+        with ``cut``: an HTTP status (a 5xx: etcd timing out under a page), ``"reset"``
+        (the connection closed with no answer: an API server restarting between two
+        pages), or ``"expire"`` (the list's snapshot dropped, so the page gets 410
+        Expired, kube-apiserver's answer to a token whose resourceVersion was compacted:
+        what ``compact`` does to a list under way, here to every one)."""
+        if cut is None:
+            self.cut_resources.pop(rtype.key, None)
+        else:
+            self.cut_resources[rtype.key] = cut
+
     def fail_discovery(self, group_version: str, status: int | None) -> None:
         """Answer the discovery document of one group/version (``ray.io/v1``) with
         ``status`` from now on (None: serve it again), the group list still naming it:
@@ -496,6 +513,16 @@ class KubeSim:
                 not failing[2] or request.query.get("watch") in ("1", "true")) and not (
                 one and fkey in self.collections_failing):
             raise _failure(failing[0], rtype, request.method, failing[3])
+        cut = self.cut_resources.get(rtype.key)
+        if cut is not None and "continue" in query and not one:
+            if cut == "reset":
+                if request.transport is not None:
+                    request.transport.abort()
+                return web.Response()  # never sent: the connection is gone
+            if cut == "expire":
+                self._snapshots.clear()
+            elif isinstance(cut, int):
+                raise _failure(cut, rtype, request.method)
         delayed = self.delayed_resources.get(rtype.key)
         if delayed is not None and (not delayed[1] or request.method in delayed[1]) and (
                 not delayed[2] or "continue" in query):

@@ -342,6 +342,35 @@ async def test_a_list_whose_later_pages_are_delayed_stays_at_its_first_pages_ver
     sim.delay_resource(POD, None)
 
 
+async def test_a_list_cut_part_way_fails_at_its_second_page_however_cut(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """``cut_lists``: the first page is served, every page asked with a continue token
+    answered with the status, the connection closed with no answer, or 410 Expired (the
+    list's snapshot dropped, as a compaction does); served whole again once uncut."""
+    for i in range(3):
+        sim.create(pod(f"p{i}"))
+    core = k8s.CoreV1Api(api)
+    for cut in (500, "reset", "expire"):
+        sim.cut_lists(POD, cut)
+        first = await core.list_namespaced_pod("default", limit=1)
+        assert [p.metadata.name for p in first.items] == ["p0"]
+        with pytest.raises((ApiException, aiohttp.ClientError)) as raised:
+            await core.list_namespaced_pod("default", limit=1,
+                                           _continue=first.metadata._continue)
+        if cut == "reset":
+            assert isinstance(raised.value, aiohttp.ClientError)
+        else:
+            assert isinstance(raised.value, ApiException)
+            assert raised.value.status == (500 if cut == 500 else 410)
+            if cut == "expire":
+                assert json.loads(raised.value.body or b"{}")["reason"] == "Expired"
+    sim.cut_lists(POD, None)
+    first = await core.list_namespaced_pod("default", limit=1)
+    rest = await core.list_namespaced_pod("default", limit=5,
+                                          _continue=first.metadata._continue)
+    assert [p.metadata.name for p in first.items + rest.items] == ["p0", "p1", "p2"]
+
+
 async def test_a_watch_from_a_version_not_reached_is_silent_a_list_answered_504(
         sim: KubeSim, api: k8s.ApiClient) -> None:
     """As kube-apiserver's watch cache (cacheWatcher.process): a watch from a version
