@@ -25,6 +25,7 @@ from proxy.karta.results import (
     WorkloadFacts,
     WorkloadRef,
 )
+from proxy.shared_values import SharedValues
 
 #: Sorted (name, value) pairs, empty values left out. Interned: every pod of one
 #: (workload, component, instance, replica) shares the same tuple object.
@@ -49,9 +50,8 @@ def _preference(wf: WorkloadFacts) -> tuple[bool, str]:
     return wf.phase_reason != PHASE_REASON_OBJECT_MISSING, wf.ref.uid
 
 DEFAULT_TOMBSTONE_SECONDS = 600.0
-#: namespaces whose encoded name the index shares among their pods' keys before it starts
-#: that table again: it only saves memory (~1.5 MB at 37.5k pods, one bytes per pod
-#: otherwise), so forgetting is harmless, and namespaces that come and go cannot grow it
+#: namespaces whose encoded name the index shares among their pods' keys
+#: (``PodIndex._ns_bytes``; ~1.5 MB at 37.5k pods, one bytes per pod otherwise)
 _NS_BYTES_MAX = 4096
 
 
@@ -153,7 +153,7 @@ class PodIndex:
         self._listeners: list[Callable[[ChangeSet], None]] = []
         self._pod_listeners: list[Callable[[Collection[PodKey]], None]] = []
         #: each namespace's bytes, shared by the keys of its pods (``_put_pod``)
-        self._ns_bytes: dict[str, bytes] = {}
+        self._ns_bytes: SharedValues[bytes] = SharedValues(_NS_BYTES_MAX)
 
     # -- request path -------------------------------------------------------------------
 
@@ -292,12 +292,7 @@ class PodIndex:
         self.unattributed_pods += ((att.workload is None)
                                    - (was is not None and was.workload is None))
         self.pods[uid] = att
-        ns = self._ns_bytes.get(att.namespace)
-        if ns is None:
-            if len(self._ns_bytes) >= _NS_BYTES_MAX:
-                self._ns_bytes.clear()
-            ns = self._ns_bytes[att.namespace] = att.namespace.encode()
-        key = (ns, att.pod.encode())
+        key = (self._ns_bytes(att.namespace.encode()), att.pod.encode())
         old_key = self._key_by_uid.get(uid)
         if old_key is not None and old_key != key:  # pods do not rename; be safe anyway
             self._by_name.pop(old_key, None)

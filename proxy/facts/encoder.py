@@ -248,10 +248,15 @@ def _pieces(pairs: list[tuple[str, str]], shared: dict[tuple[tuple[str, str], ..
     return out
 
 
-def _pod_pieces(pairs: list[tuple[str, str]], runs: dict[bytes, bytes]) -> list[bytes]:
+def _unshared(piece: bytes) -> bytes:
+    return piece
+
+
+def _pod_pieces(pairs: list[tuple[str, str]],
+                runs: Callable[[bytes], bytes]) -> list[bytes]:
     """Label fields of a pod's sorted ``pairs``, each run of consecutive labels of one
     sort (the pod's own, :data:`POD_OWN_LABELS`, or not) as one piece; a run not the pod's
-    own is the equal one of ``runs`` where it holds one (it then gains it)."""
+    own is what ``runs`` gives for it (the equal one it shares)."""
     out: list[bytes] = []
     run: list[bytes] = []
     own = False
@@ -259,25 +264,25 @@ def _pod_pieces(pairs: list[tuple[str, str]], runs: dict[bytes, bytes]) -> list[
         mine = k in POD_OWN_LABELS
         if run and mine is not own:
             piece = b"".join(run)
-            out.append(piece if own else runs.setdefault(piece, piece))
+            out.append(piece if own else runs(piece))
             run.clear()
         own = mine
         run.append(_label_field(k, v))
     if run:
         piece = b"".join(run)
-        out.append(piece if own else runs.setdefault(piece, piece))
+        out.append(piece if own else runs(piece))
     return out
 
 
 def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int,
-                 runs: dict[bytes, bytes] | None = None) -> Group:
+                 runs: Callable[[bytes], bytes] | None = None) -> Group:
     """The series of ``facts`` with ``external`` labels, for samples of ``sample_len``; a
     label set that comes twice is written once, with its first value.
 
     A workload family's series is ``(header, pieces...)`` with the identity and external
     labels in shared runs (:func:`_pieces`); a pod's is ``(header, pieces...)`` with the
     labels that are not the pod's own in pieces shared through ``runs`` (:func:`_pod_pieces`:
-    the writer's table, kept across its writes; None: a table of this call alone); every
+    the writer's :class:`~proxy.shared_values.SharedValues`; None: not shared); every
     other series (the coverage's, the process') is ``(header, labels)``: nothing in it
     repeats. Which it is depends on the family alone, so one label set always makes the
     same tuple (the writer compares a group's series with what it wrote last time).
@@ -292,7 +297,7 @@ def encode_facts(facts: Iterable[Fact], external: Labels, sample_len: int,
         if f.name in WORKLOAD_FAMILIES:
             pieces = _pieces(pairs, shared, shared_names)
         elif f.name in POD_FAMILIES:
-            pieces = _pod_pieces(pairs, {} if runs is None else runs)
+            pieces = _pod_pieces(pairs, _unshared if runs is None else runs)
         else:
             pieces = [b"".join(_label_field(k, v) for k, v in pairs)]
         flat.append(series_header(sum(map(len, pieces)) + sample_len))

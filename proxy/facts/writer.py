@@ -59,6 +59,7 @@ from proxy.karta.results import (
     WorkloadFacts,
 )
 from proxy.log import Throttled, failure_line
+from proxy.shared_values import SharedValues
 from proxy.upstream import OWN_WRITES_NEED_CREDENTIALS, TRANSIENT_4XX
 from proxy.upstream_clock import UpstreamClock
 from proxy.wire.halves import layout
@@ -313,9 +314,8 @@ class FactWriter:
         self._pod_cache: dict[str, _Cached[PodAttribution]] = {}
         #: the pieces of pods' series that are not the pod's own (its family's name, the
         #: stamp, the external labels), one object for every pod that has them
-        #: (``encoder._pod_pieces``); started again once it holds more than there are
-        #: pods, so pods that come and go do not grow it
-        self._pod_runs: dict[bytes, bytes] = {}
+        #: (``encoder._pod_pieces``); at most as many as pods + 1024 (set each write)
+        self._pod_runs: SharedValues[bytes] = SharedValues(1024)
         self._workload_cache: dict[str, _Cached[WorkloadFacts]] = {}
         #: length of a sample field; the cached series headers embed it (constant in
         #: practice: millisecond timestamps are 6-byte varints from 2004 to 2109)
@@ -437,8 +437,7 @@ class FactWriter:
                 yield item
 
         pods: dict[str, _Cached[PodAttribution]] = {}
-        if len(self._pod_runs) > len(pods_now) + 1024:
-            self._pod_runs = {}
+        self._pod_runs.most = len(pods_now) + 1024
         yield from self._cached(counted(), self._pod_cache, pod_facts, pod_key, pods)
         self._pod_cache = pods
         workloads: dict[str, _Cached[WorkloadFacts]] = {}

@@ -77,6 +77,7 @@ from proxy.karta.results import (
     WorkloadRef,
 )
 from proxy.karta.slim import _interned, _trim, pod_controller
+from proxy.shared_values import SharedValues
 
 if TYPE_CHECKING:
     from proxy.karta.description import DescriptionError
@@ -119,8 +120,7 @@ _RETRY_POD = "pod"
 _DESCRIPTION_KINDS = frozenset({"Karta", "ResourceInterface"})
 
 #: distinct (component, instance) keys the engine shares one tuple of among its pods
-#: (``Engine._count_keys``) before it starts that table again: the table only saves
-#: memory (~2 MB at 37.5k pods: one tuple per pod otherwise), so forgetting is harmless
+#: (``Engine._count_keys``; ~2 MB at 37.5k pods: one tuple per pod otherwise)
 _COUNT_KEYS_MAX = 1 << 16
 
 #: how long an owner removed while pods or objects still pointed at it is walked through
@@ -216,7 +216,7 @@ class Engine:
         self._bare: set[str] = set()
         self._wl: dict[str, _Workload] = {}
         #: one tuple per (component, instance) for every pod placed there (``rec.key``)
-        self._count_keys: dict[_CountKey, _CountKey] = {}
+        self._count_keys: SharedValues[_CountKey] = SharedValues(_COUNT_KEYS_MAX)
         self._plans: dict[GroupKind, _DescriptionPlan] = {}
         #: the plans an owner walk may stop at: all but Pod (only bare pods are Pod workloads)
         self._walk_plans: dict[GroupKind, _DescriptionPlan] = {}
@@ -894,12 +894,7 @@ class Engine:
             )
             key = (comp, inst)
             if wl_uid != rec.wl or key != rec.key:
-                shared = self._count_keys.get(key)
-                if shared is None:
-                    if len(self._count_keys) >= _COUNT_KEYS_MAX:
-                        self._count_keys.clear()
-                    shared = self._count_keys[key] = key
-                key = shared
+                key = self._count_keys(key)
                 self._leave(rec)
                 wl = self._join(wl_uid, wref, plan)
                 wl.counts[key] = wl.counts.get(key, 0) + 1

@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from proxy.karta.model import GroupKind
 from proxy.karta.packed import Packed
+from proxy.shared_values import SharedValues
 
 T = TypeVar("T")
 
@@ -32,9 +33,9 @@ POD = GroupKind("", "Pod")
 NODE = GroupKind("", "Node")
 
 _GK_CACHE: dict[tuple[str, str], GroupKind] = {}
-#: the apiVersion strings of the GroupKinds cached: an OwnerRef keeps the cached one, not
-#: its parse's copy ("apps/v1" once, not once per owner: ~1 MB at 37.5k pods)
-_API_VERSIONS: dict[str, str] = {}
+#: an OwnerRef keeps one apiVersion string for all owners of it, not its parse's copy
+#: ("apps/v1" once, not once per owner: ~1 MB at 37.5k pods)
+_API_VERSIONS: SharedValues[str] = SharedValues(10_000)
 
 
 def group_kind(api_version: str, kind: str) -> GroupKind:
@@ -44,9 +45,7 @@ def group_kind(api_version: str, kind: str) -> GroupKind:
     if gk is None:
         if len(_GK_CACHE) > 10_000:  # hostile input must not grow this without bound
             _GK_CACHE.clear()
-            _API_VERSIONS.clear()
         gk = _GK_CACHE[key] = GroupKind.from_api_version(api_version, kind)
-        _API_VERSIONS.setdefault(api_version, api_version)
     return gk
 
 
@@ -83,9 +82,8 @@ def controller_ref(refs: Any) -> OwnerRef | None:
         uid, kind, api_version = ref.get("uid"), ref.get("kind"), ref.get("apiVersion")
         if isinstance(uid, str) and uid and isinstance(kind, str) and isinstance(api_version, str):
             name = ref.get("name")
-            gk = group_kind(api_version, kind)
-            return OwnerRef(uid, gk, name if isinstance(name, str) else "",
-                            _API_VERSIONS.get(api_version, api_version))
+            return OwnerRef(uid, group_kind(api_version, kind),
+                            name if isinstance(name, str) else "", _API_VERSIONS(api_version))
     return None
 
 

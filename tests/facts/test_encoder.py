@@ -115,9 +115,10 @@ def test_pods_of_a_component_share_the_pieces_of_their_series_that_are_not_their
     cache held a copy per pod: 3.4 MB at 37.5k pods). The bytes are what one piece made."""
     from proxy.facts.encoder import _label_field, encode_facts, merged_pairs
     from proxy.facts.model import pod_facts
+    from proxy.shared_values import SharedValues
 
     ext = (("cluster", "c1"),)
-    runs: dict[bytes, bytes] = {}
+    runs: SharedValues[bytes] = SharedValues(1024)
     groups = []
     for i in range(3):
         att = PodAttribution("shop", f"api-{i}", f"u-{i}", DEP, "api", "", "", "d")
@@ -138,4 +139,4 @@ def test_pods_of_a_component_share_the_pieces_of_their_series_that_are_not_their
     lone = PodAttribution("shop", "x", "u-x", None, "", "", "", "", "owner_missing")
     (series,) = encode_facts(pod_facts(lone), ext, 11, runs).series()
     (reason,) = (p for p in series[1:] if b"owner_missing" in p)
-    assert runs[reason] is reason and b"x" not in reason and b"u-x" not in reason
+    assert runs(reason) is reason and b"x" not in reason and b"u-x" not in reason
