@@ -12,7 +12,8 @@ records and the index: ~500k tracked objects at 37.5k pods), which every full co
 walks again: 150-370 ms with the GIL held, the event loop and the splice workers stopped,
 whenever enough young objects survive (a fact write makes them). The sources move what a
 load builds out of the collector's view as they build it (:func:`collect_and_freeze`,
-every few thousand objects); :func:`settle` does it at once.
+every few thousand objects), not in one pass over the whole heap at the end: that held
+the event loop 0.22-0.57 s at 37.5k pods.
 """
 
 from __future__ import annotations
@@ -236,27 +237,9 @@ def collect_and_freeze() -> None:
     """:func:`collect_unfrozen`, then :func:`freeze_survivors`: for a load that builds a
     large long-lived heap, every few thousand objects and at its end. Each step's
     collection walks only what came since the last freeze (a few ms at 37.5k pods),
-    where one pass over the whole heap at the end (:func:`settle`) held the event loop
-    0.22-0.57 s, and no cycle already garbage is frozen for good."""
+    where one pass over the whole heap at the end (unfreeze, collect, freeze) held the
+    event loop 0.22-0.57 s, and no cycle already garbage is frozen for good. A reload
+    freezes what it leaves (:func:`freeze_survivors`) without collecting: what it
+    replaces forms no cycles (``test_a_reload_leaves_no_cyclic_garbage``)."""
     collect_unfrozen()
     freeze_survivors()
-
-
-def settle() -> None:
-    """Collect once over the whole heap, freeze what is alive, give the freed heap back.
-    The sources' first loads did, at their end; the pass held the event loop 0.22-0.57 s
-    at 37.5k pods, so they collect and freeze as they build instead.
-
-    ``gc.freeze()`` is process-wide: everything alive now is left out of every later
-    collection, so a full one walks only what came after. Unfreezing first lets the one
-    collection here see the whole heap. Reference counting frees the rest as ever; only
-    a cycle among frozen objects that later becomes garbage would stay. A reload does
-    not settle (the full collection held the event loop ~0.55 s at 37.5k pods): it
-    freezes what it leaves (:func:`freeze_survivors`), which holds because what a reload
-    replaces forms no cycles (``test_a_reload_leaves_no_cyclic_garbage``).
-    """
-    release_closed_transports()
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-    trim()

@@ -648,7 +648,7 @@ class SnapshotSource:
         del content
         # the objects' texts are freed, the engine's records long-lived: what the last
         # run left is collected and frozen as the runs' were, and the freed heap handed
-        # back off the loop. Not proxy.memory.settle(): its collection of the whole heap
+        # back off the loop. Not one collection of the whole heap (unfrozen first): it
         # held the loop 0.22-0.55 s at 37.5k pods
         memory.collect_and_freeze()
         await memory.trim_off_loop()
@@ -856,7 +856,7 @@ class SnapshotSource:
         del content
         self.report = report
         self.reloads += 1
-        # not settle(): its full collection of the whole heap held the loop ~0.55 s at
+        # not a collection of the whole heap (unfrozen first): it held the loop ~0.55 s at
         # 37.5k pods, for nothing (a reload leaves no cyclic garbage: measured, and held
         # by test_a_reload_leaves_no_cyclic_garbage)
         memory.freeze_survivors()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import platform
 import threading
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from proxy import memory
+from tests import garbage
 
 
 def _rss() -> int:
@@ -76,34 +78,16 @@ def test_arenas_are_capped_unless_the_operator_chose() -> None:
     assert theirs.stdout.strip() == "False"
 
 
-class _Node:
-    """A container the cyclic collector tracks (and can hold in a cycle)."""
-
-    def __init__(self) -> None:
-        self.other: _Node | None = None
-
-
-def test_settle_freezes_what_is_alive_and_frees_old_cycles() -> None:
-    """What a load leaves alive is out of every later collection's walk; a cycle that
-    was garbage before is still freed by the settle's one collection, even one that an
-    earlier settle had frozen (a reload's replaced objects)."""
-    import gc
-    import weakref
-
-    a, b = _Node(), _Node()
-    a.other, b.other = b, a  # a cycle: reference counting alone never frees it
-    gone = weakref.ref(a)
-    memory.settle()  # frozen while alive
-    try:
-        kept = _Node()
-        memory.settle()
+def test_collect_and_freeze_frees_garbage_cycles_and_freezes_what_is_alive() -> None:
+    """What a load builds is out of every later collection's walk as it is built; a
+    cycle already garbage is collected first, never frozen for good."""
+    with garbage.collections_off():
+        gone = garbage.cycle()
+        kept = garbage.cycle()()  # alive: held by ``kept``
+        memory.collect_and_freeze()
+        assert gone() is None, "a garbage cycle was frozen instead of freed"
         assert gc.get_freeze_count() > 0
         assert not any(o is kept for o in gc.get_objects()), "still walked by gc"
-        del a, b
-        memory.settle()
-        assert gone() is None, "a frozen cycle that became garbage was not freed"
-    finally:
-        gc.unfreeze()
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or not ctypes.util.find_library("c"),

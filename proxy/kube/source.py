@@ -292,7 +292,7 @@ class KubeSource:
         # The index and engine are now a large, long-lived heap, collected and frozen
         # piecewise during the sync (see _apply): what came since the last freeze is
         # collected and frozen the same way, and the freed list pages handed back off
-        # the loop. Not proxy.memory.settle(): its full pass over the whole heap held
+        # the loop. Not one collection of the whole heap (unfrozen first): that held
         # the event loop 0.27-0.57 s at 37.5k pods (~620 ms at 150k), with the listener
         # open: probes, /metrics and the first requests waited for it
         memory.collect_and_freeze()
