@@ -382,6 +382,20 @@ def _older(new: str, held: str) -> bool:
     return new_rev is not None and old_rev is not None and new_rev < old_rev
 
 
+class _ListExpired(Exception):
+    """A paged list's continue token answered 410 Expired: its resourceVersion was
+    compacted while the list was paged through (etcd compacts every 5 minutes). Only a
+    list from the first page helps; what this one delivered is skipped by version then,
+    so each try goes further than the one before."""
+
+    def __init__(self, pages: int, seconds: float, delivered: int) -> None:
+        super().__init__(f"continue token expired after {pages} pages in {seconds:.1f} s")
+        self.pages = pages
+        self.seconds = seconds
+        #: objects this try delivered that the watcher did not hold at their version
+        self.delivered = delivered
+
+
 class _Broken(Exception):
     """A watch stream the server had answered (its headers came) broke: resumed quietly.
     The same aiohttp errors before an answer are the API server unreachable."""
@@ -483,6 +497,8 @@ class ResourceWatcher(WatchBase):
         #: through a list every time)
         self._gone_in_a_row = 0
         self._gone_backoff = Backoff(cap=backoff_max)
+        #: lists since the last whole one whose continue token expired part-way
+        self._lists_expired = 0
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -586,6 +602,26 @@ class ResourceWatcher(WatchBase):
             rv = ""
             await self._after_gone()
             return rv
+        except _ListExpired as e:
+            self._lists_expired += 1
+            # said as what it is, once an episode loudly: it was "resourceVersion or
+            # continue token gone", then "410 again right after a relist", for a list
+            # that simply takes longer than the server keeps its version
+            log.log(logging.WARNING if self._lists_expired == 1 else logging.INFO,
+                    "watch %s: the list's continue token expired (410) after %d pages in "
+                    "%.1f s: the API server compacted its resourceVersion meanwhile (every "
+                    "5 min by default), so the list is slower than that; listing again "
+                    "from the first page (the %d objects this try delivered are skipped "
+                    "by version: the next try goes further)",
+                    self.name, e.pages, e.seconds, e.delivered)
+            if e.delivered:
+                # progress: the next try goes further, no backoff. One that delivered
+                # nothing new (every token dying at once) backs off as any 410 loop
+                self._gone_in_a_row = 0
+                self._gone_backoff.reset()
+            rv = ""
+            await self._after_gone()
+            return rv
         except KubeApiError as e:
             if e.status == 410 or e.resource_version_too_large:
                 if e.status != 410:
@@ -594,11 +630,11 @@ class ResourceWatcher(WatchBase):
                     # is not the one this watcher holds
                     self._another_history(f"the API server has not reached "
                                           f"resourceVersion {rv} ({e.message})")
-                else:  # a list's continue token, or a watch's version, compacted
-                    # away: said as the _Gone path says it (an audit saw a 150k-pod
-                    # start take 57 s instead of 30 with no line saying why)
-                    log.info("watch %s: resourceVersion or continue token gone (410), "
-                             "relisting", self.name)
+                else:  # a watch's version compacted away (a list's continue token
+                    # is _ListExpired): said as the _Gone path says it (an audit saw a
+                    # 150k-pod start take 57 s instead of 30 with no line saying why)
+                    log.info("watch %s: resourceVersion %s gone (410), relisting",
+                             self.name, rv)
                 rv = ""
                 await self._after_gone()
                 return rv
@@ -839,6 +875,8 @@ class ResourceWatcher(WatchBase):
         accept = ACCEPT_METADATA_LIST if self.metadata_only else ACCEPT_JSON
         seen: set[str] = set()
         rv = ""
+        pages = delivered = 0
+        began = asyncio.get_running_loop().time()
 
         async def page(token: str) -> bytes:
             q = self._query()
@@ -853,7 +891,16 @@ class ResourceWatcher(WatchBase):
         fetch: asyncio.Future[bytes] = asyncio.ensure_future(page(""))
         try:
             while True:
-                doc = _decoded(_PAGE, await fetch, "list answer")
+                try:
+                    raw = await fetch
+                except KubeApiError as e:
+                    if e.status == 410 and pages:  # a continue token's page
+                        took = asyncio.get_running_loop().time() - began
+                        raise _ListExpired(pages, took, delivered) from e
+                    raise
+                pages += 1
+                doc = _decoded(_PAGE, raw, "list answer")
+                del raw
                 md = doc.metadata or _ListMeta()
                 first = not rv
                 rv, token = md.resourceVersion, md.continue_
@@ -867,7 +914,7 @@ class ResourceWatcher(WatchBase):
                                           f"held")
                 if token:
                     fetch = asyncio.ensure_future(page(token))
-                await self._deliver_items(doc.items or [], seen)
+                delivered += await self._deliver_items(doc.items or [], seen)
                 del doc
                 if not token:
                     break
@@ -884,6 +931,10 @@ class ResourceWatcher(WatchBase):
         # a connection reset, a timeout) cleared the stale flag at its first page and set
         # it again at the cut, every retry, with a warning each time
         self._set_health(True)
+        if self._lists_expired:
+            log.info("watch %s: the list went through whole after %d tries cut by an "
+                     "expired continue token", self.name, self._lists_expired)
+            self._lists_expired = 0
         gone = [uid for uid in self.held if uid not in seen]
         if gone and not self.history_pending:
             # a copy of an owner fetched after the list's snapshot (its first page's
@@ -919,11 +970,13 @@ class ResourceWatcher(WatchBase):
 
         await self._in_slices(len(gone), step)
 
-    async def _deliver_items(self, items: list[msgspec.Raw], seen: set[str]) -> None:
+    async def _deliver_items(self, items: list[msgspec.Raw], seen: set[str]) -> int:
         """Decode a page's items and hand the changed ones to the sink, in slices of
-        about the time budget each (decoding included)."""
+        about the time budget each (decoding included); returns how many were."""
+        delivered = 0
 
         def step(i: int, j: int) -> None:
+            nonlocal delivered
             events: list[WatchEvent] = []
             for raw in items[i:j]:
                 head = (_HEAD.decode(raw).metadata or _ItemMeta())
@@ -939,9 +992,11 @@ class ResourceWatcher(WatchBase):
                 self._hold(uid, md, version)
                 events.append(("ADDED", obj))
             if events:
+                delivered += len(events)
                 self.sink.handle(self, events)
 
         await self._in_slices(len(items), step)
+        return delivered
 
     async def deliver(self, events: list[WatchEvent]) -> None:
         """Hand events to the sink in slices of about the time budget each."""

@@ -8,9 +8,8 @@ namespace / label / field selectors, CRDs registered at runtime, and create / up
 patch / delete with optimistic concurrency (Lease election builds on that). Tests
 drive it from Python (``create``, ``update``, ``delete``, ``compact``,
 ``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
-``cut_lists``,
-``stop`` / ``start``) and point kubernetes-asyncio at it through the kubeconfig it
-writes.
+``cut_lists``, ``list_token_ttl``, ``stop`` / ``start``) and point kubernetes-asyncio
+at it through the kubeconfig it writes.
 """
 
 from __future__ import annotations
@@ -151,8 +150,14 @@ class KubeSim:
         self.requests: collections.deque[tuple[str, str, dict[str, str], str]] = (
             collections.deque(maxlen=2000)
         )
+        #: seconds a paged list's continue token lives (None: until ``compact`` or 32
+        #: newer lists): kube-apiserver's tokens die with their resourceVersion, which
+        #: etcd compacts every 5 minutes, so a list paged through for longer than that
+        #: gets 410 Expired part-way (see ``_list``)
+        self.list_token_ttl: float | None = None
         self._runner: web.AppRunner | None = None
-        self._snapshots: collections.OrderedDict[str, tuple[int, list[Obj]]] = (
+        #: token id -> (resourceVersion, items, the loop time the list began)
+        self._snapshots: collections.OrderedDict[str, tuple[int, list[Obj], float]] = (
             collections.OrderedDict()
         )
         self._snap_seq = 0
@@ -598,11 +603,16 @@ class KubeSim:
             except (ValueError, KeyError) as e:
                 raise ApiError(400, "BadRequest", f"invalid continue token: {e}") from e
             snap = self._snapshots.get(snap_id)
+            now = asyncio.get_running_loop().time()
+            if snap is not None and self.list_token_ttl is not None and (
+                    now - snap[2] > self.list_token_ttl):
+                del self._snapshots[snap_id]  # its version compacted away
+                snap = None
             if snap is None:
                 raise ApiError(410, "Expired", "The provided continue parameter is too old "
                                "to display a consistent list result. You can start a new "
                                "list without the continue parameter.")
-            rv, items = snap
+            rv, items, began = snap
         else:
             rv = self.store.rv
             asked = query.get("resourceVersion", "")
@@ -615,6 +625,7 @@ class KubeSim:
                                       o["metadata"]["name"]))
             offset = 0
             snap_id = ""
+            began = asyncio.get_running_loop().time()
         page = items[offset: offset + limit] if limit else items[offset:]
         next_token = ""
         remaining = len(items) - offset - len(page)
@@ -622,7 +633,7 @@ class KubeSim:
             if not snap_id:
                 self._snap_seq += 1
                 snap_id = str(self._snap_seq)
-                self._snapshots[snap_id] = (rv, items)
+                self._snapshots[snap_id] = (rv, items, began)
                 while len(self._snapshots) > 32:
                     self._snapshots.popitem(last=False)
             next_token = base64.urlsafe_b64encode(

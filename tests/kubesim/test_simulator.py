@@ -371,6 +371,31 @@ async def test_a_list_cut_part_way_fails_at_its_second_page_however_cut(
     assert [p.metadata.name for p in first.items + rest.items] == ["p0", "p1", "p2"]
 
 
+async def test_a_continue_token_dies_with_its_lists_ttl(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """``list_token_ttl``: a continue token asked after that many seconds since its list's
+    first page is answered 410 Expired (its resourceVersion compacted, as etcd does every
+    5 minutes); one asked in time is served, and a new list gets a new token."""
+    for i in range(3):
+        sim.create(pod(f"p{i}"))
+    sim.list_token_ttl = 0.3
+    core = k8s.CoreV1Api(api)
+    first = await core.list_namespaced_pod("default", limit=1)
+    second = await core.list_namespaced_pod("default", limit=1,
+                                            _continue=first.metadata._continue)
+    assert [p.metadata.name for p in second.items] == ["p1"]
+    await asyncio.sleep(0.4)
+    with pytest.raises(ApiException) as raised:
+        await core.list_namespaced_pod("default", limit=1,
+                                       _continue=second.metadata._continue)
+    assert raised.value.status == 410
+    assert json.loads(raised.value.body or b"{}")["reason"] == "Expired"
+    again = await core.list_namespaced_pod("default", limit=1)
+    rest = await core.list_namespaced_pod("default", limit=5,
+                                          _continue=again.metadata._continue)
+    assert [p.metadata.name for p in again.items + rest.items] == ["p0", "p1", "p2"]
+
+
 async def test_a_watch_from_a_version_not_reached_is_silent_a_list_answered_504(
         sim: KubeSim, api: k8s.ApiClient) -> None:
     """As kube-apiserver's watch cache (cacheWatcher.process): a watch from a version
