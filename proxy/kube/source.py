@@ -205,6 +205,10 @@ class KubeSource:
         #: watcher name -> how it fails (its ``last_error_kind``): the watchers that
         #: cannot list or watch, which make the index stale
         self._unhealthy: dict[str, str] = {}
+        #: the unhealthy watchers that woke the others at a list's first page since they
+        #: failed (``answered``): once each, so that a list cut at every retry's second
+        #: page does not cut everyone's backoff at every retry
+        self._woke: set[str] = set()
         #: way of failing -> the outage of the watchers failing so. One outage for all
         #: watchers was keyed on "none failing -> some": a kind failing for good hid
         #: the API server going away later, and a new error during an outage
@@ -896,6 +900,23 @@ class KubeSource:
                                               ("kube.namespaces", ns)) if v),
                     extra={"node_name": node, "namespace": ns})
 
+    def answered(self, watcher: Watcher) -> None:
+        if watcher.name in self._unhealthy and watcher.name not in self._woke:
+            self._woke.add(watcher.name)
+            self._wake_others(watcher)
+
+    def _wake_others(self, watcher: Watcher) -> None:
+        """The API server answers ``watcher`` again: the others failing retry now, not
+        at the end of their own backoffs (up to 30 s apart), so that the kinds come back
+        together (a pod created meanwhile otherwise came back long before its
+        ReplicaSet, with the ReplicaSet as its workload until then). Told at the first
+        page of its list (``answered``): told at its end only, the others waited out a
+        37.5k-pod list's seconds first."""
+        for _, ws in self.watchers.values():
+            for w in ws:
+                if w is not watcher and w.name in self._unhealthy:
+                    w.retry_now()
+
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """One warning per way of failing (unreachable, API error 500, ...) when the
         first watcher fails so, and one info line when the last watcher failing so is
@@ -907,15 +928,7 @@ class KubeSource:
             if watcher.name not in self._unhealthy:
                 return
             self._settle(watcher.name, "is back", answered=True)
-            if self._unhealthy:
-                # the API server answers again: the others failing retry now, not at the
-                # end of their own backoffs (up to 30 s apart), so that the kinds come
-                # back together (a pod created meanwhile otherwise came back long before
-                # its ReplicaSet, with the ReplicaSet as its workload until then)
-                for _, ws in self.watchers.values():
-                    for w in ws:
-                        if w.name in self._unhealthy:
-                            w.retry_now()
+            self._wake_others(watcher)
         else:
             how = watcher.last_error_kind or "failed"
             if self._unhealthy.get(watcher.name) != how:
@@ -945,6 +958,7 @@ class KubeSource:
         ``answered``: the watcher heard from the API server (back, or an API error now),
         so an outage of it unreachable ends with "API server answers again"."""
         why = self._unhealthy.pop(name, None)
+        self._woke.discard(name)
         if why is None:
             return
         refused = self._refused_held.get(name)

@@ -208,6 +208,11 @@ class WatchSink(Protocol):
     def health(self, watcher: Watcher, healthy: bool) -> None:
         """Reaching the API server failed (False) or works again (True)."""
 
+    def answered(self, watcher: Watcher) -> None:
+        """The first page of a list came back while the watcher was unhealthy: the API
+        server answers again, so the others failing may retry now. Health itself waits
+        for the list to go through whole, which at 37.5k pods is seconds later."""
+
     def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         """The server answers 404 / 403 for this resource: report, do not retry hard.
         Returns what the watcher does (``Refusal``): dropped with its kind, staying with
@@ -901,6 +906,8 @@ class ResourceWatcher(WatchBase):
                 pages += 1
                 doc = _decoded(_PAGE, raw, "list answer")
                 del raw
+                if pages == 1 and not self.healthy:
+                    self.sink.answered(self)
                 md = doc.metadata or _ListMeta()
                 first = not rv
                 rv, token = md.resourceVersion, md.continue_

@@ -54,6 +54,8 @@ class FakeWatcher(WatchBase):
         self.stopped = False
         #: how many times the source told it to relist (``relist_history``)
         self.told_to_relist = 0
+        #: how many times the source cut its backoff short (``retry_now``)
+        self.woken = 0
 
     def start(self) -> None:
         """List at once, as a watcher's first list does: ADDED for every object, then
@@ -61,6 +63,9 @@ class FakeWatcher(WatchBase):
         assert not self.started, "started twice"
         self.started = True
         self.relist()
+
+    def retry_now(self) -> None:
+        self.woken += 1
 
     def relist_history(self) -> None:
         """Told to relist (another watcher saw the store go back): recorded, pending
@@ -128,6 +133,11 @@ class FakeWatcher(WatchBase):
 
     def recover(self) -> None:
         self.sink.health(self, True)
+
+    def answer(self) -> None:
+        """The first page of a list came back (``WatchSink.answered``), before the list
+        goes through and the watcher ``recover``s."""
+        self.sink.answered(self)
 
     def refuse(self, status: int) -> None:
         """The server answers ``status`` (403 / 404) for this resource from now on."""

@@ -534,6 +534,37 @@ async def test_a_failing_watch_dropped_or_replaced_ends_its_outage_with_a_line(
     assert not source._outages
 
 
+async def test_the_first_page_after_an_outage_wakes_the_others_once(
+        cluster: FakeCluster, synced: Synced) -> None:
+    """The API server unreachable for every watcher: the first page of one's next list
+    (``answered``) wakes the others failing at once, not at the end of that list (the
+    pods' at 37.5k pods takes seconds); only once until it recovers or fails otherwise
+    (a list cut at every retry's second page does not cut everyone's backoff at every
+    retry); its recovery wakes those still failing, as before."""
+    source = await synced()
+    ws = [w for _, group in source.watchers.values() for w in group]
+    assert all(isinstance(w, FakeWatcher) for w in ws) and len(ws) > 2
+    fakes = [w for w in ws if isinstance(w, FakeWatcher)]
+    for w in fakes:
+        w.fail()
+    [pods] = watchers_of(source, GroupKind("", "Pod"))
+    others = [w for w in fakes if w is not pods]
+    pods.answer()
+    assert [w.woken for w in others] == [1] * len(others) and pods.woken == 0
+    pods.answer()  # the next retry's first page: the others were told
+    assert [w.woken for w in others] == [1] * len(others)
+    others[0].recover()  # one back: those still failing are woken (not pods: it is too)
+    assert others[0].woken == 1 and [w.woken for w in others[1:]] == [2] * len(others[1:])
+    assert pods.woken == 1
+    pods.fail("API error 500")  # failing otherwise now: its next answer wakes again
+    pods.answer()
+    assert [w.woken for w in others[1:]] == [3] * len(others[1:]) and others[0].woken == 1
+    pods.recover()
+    assert [w.woken for w in others[1:]] == [4] * len(others[1:])
+    others[0].answer()  # a healthy watcher's page says nothing of an outage
+    assert [w.woken for w in others[1:]] == [4] * len(others[1:])
+
+
 async def test_discovery_failure_is_counted_and_retried(cluster: FakeCluster,
                                                         synced: Synced) -> None:
     source = await synced()

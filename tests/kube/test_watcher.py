@@ -45,6 +45,8 @@ class RecordingSink:
         self.stays = False
         self.new_histories = 0
         self.relists = 0
+        #: ``answered`` calls: how many health changes had been told by then, each time
+        self.answered_at: list[int] = []
 
     def handle(self, watcher: Watcher, events: list[WatchEvent]) -> None:
         self.events.extend(events)
@@ -58,6 +60,9 @@ class RecordingSink:
 
     def health(self, watcher: Watcher, healthy: bool) -> None:
         self.healthy.append(healthy)
+
+    def answered(self, watcher: Watcher) -> None:
+        self.answered_at.append(len(self.healthy))
 
     def unserved(self, watcher: Watcher, error: KubeApiError) -> Refusal:
         self.refused.append(error.status)

@@ -351,3 +351,30 @@ async def test_a_list_slower_than_its_tokens_live_goes_through_in_a_few_tries(
     assert sink.names("DELETED") == [] and sink.healthy == [] and w.healthy
     await eventually(lambda: sim.watch_count(POD) == 1, timeout=5)
     assert _watches(sim)[-1]["resourceVersion"] == w.resource_version
+
+
+async def test_an_unhealthy_watchers_next_list_says_the_server_answers_at_its_first_page(
+        sim: KubeSim, make: Make) -> None:
+    """A watcher unhealthy (a list cut by a 503) tells the sink at the first page of its
+    next list that the API server answers (``answered``: the source wakes the others
+    then), before that list goes through and sets it healthy; a healthy watcher's lists
+    say nothing. Stop 46 moved the wake-up to the list's end with health: the others
+    then waited out a 37.5k-pod list's seconds."""
+    for name in PODS:
+        sim.create(pod(name))
+    sink = RecordingSink()
+    w = await started(make, sink, page_size=2, watch_timeout=lambda: 60, idle_timeout=30.0)
+    assert sink.answered_at == []
+    sim.cut_lists(POD, 503)
+    n = await _relisting(sim, w)
+    await eventually(lambda: _first_pages(sim) >= n + 2, timeout=8)
+    # each retry's first page, the watcher unhealthy since the first cut
+    assert not w.healthy and len(sink.answered_at) >= 1 and set(sink.answered_at) == {1}
+    sim.cut_lists(POD, None)
+    await eventually(lambda: w.healthy, timeout=8)
+    # the list that went through said so at its first page, before its health
+    assert sink.healthy == [False, True] and set(sink.answered_at) == {1}
+    told, relists = len(sink.answered_at), sink.relists
+    await _relisting(sim, w)  # a healthy watcher's relist says nothing
+    await eventually(lambda: sink.relists > relists, timeout=5)
+    assert len(sink.answered_at) == told
