@@ -644,9 +644,14 @@ class _GuardedProtocol(RequestHandler):
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        if self._retiring:
+        if self._retiring or self._close or self._force_close:
             # before the headers: they say it; after (a streamed page): aiohttp still
-            # reads ``keep_alive`` from it to decide whether to close
+            # reads ``keep_alive`` from it to decide whether to close. ``_close`` /
+            # ``_force_close``: a stop (aiohttp marks every connection so), after which
+            # the connection closes once this answer is written: an answer that said
+            # keep-alive had a sender reusing connections (Prometheus) write its next
+            # batch on it and read EOF, a failed send, where ``Connection: close`` has it
+            # open a new connection (another replica's, behind a Service)
             resp.force_close()
         return await super().finish_response(request, resp, start_time)
 

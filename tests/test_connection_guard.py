@@ -36,6 +36,7 @@ from tests.raw_http import (
     HEAD,
     connect,
     holding_the_slot,
+    inflight,
     post,
     read_answer,
     request,
@@ -703,3 +704,41 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeo
         assert await closed_unanswered(r, timeout=3)
         w.close()
         assert 0.4 < time.monotonic() - t0 < 2.5
+
+
+# -- the stop ---------------------------------------------------------------------------
+
+
+async def test_an_answer_given_while_the_server_stops_says_connection_close(
+        tmp_path: Path) -> None:
+    """A request in flight at a stop is answered, then its connection closed: the answer
+    said keep-alive, so a sender that reuses connections (Prometheus' agent) wrote its
+    next batch on it and read EOF, a failed send ("Failed to send batch, retrying" in a
+    rolling restart under a real agent, tests/peers/test_proxy_restarts.py). Now the
+    answer says ``Connection: close``, and the sender opens a new connection (to another
+    replica behind a Service)."""
+    gate = asyncio.Event()
+    async with ScriptedUpstream(Reply(204, gate=gate)) as up, \
+            proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        try:
+            w.write(request())
+            await inflight(p, 1)
+            stopping = asyncio.create_task(p.stop())
+            deadline = time.monotonic() + 5
+            while True:  # into the drain: the listener closed
+                try:
+                    _, probe = await connect(p)
+                except ConnectionRefusedError:
+                    break
+                probe.close()
+                assert time.monotonic() < deadline, "the listener stayed open"
+                await asyncio.sleep(0.02)
+            gate.set()
+            answer = await read_answer(r)
+            await asyncio.wait_for(stopping, 15)
+        finally:
+            w.close()
+    assert (answer.status, answer.headers.get("connection"), answer.closed) == (
+        204, "close", True)
+    assert len(up.received) == 1
