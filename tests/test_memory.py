@@ -217,8 +217,8 @@ async def test_a_connection_open_at_a_freeze_is_freed_once_closed() -> None:
             writer.close()
             await writer.wait_closed()
             # the server's side closes too: its EOF, close and connection_lost take a few
-            # loop turns, which a fixed 0.05 s sleep did not always leave (one turn: the
-            # transport was still alive); waited for
+            # loop turns, which a fixed 0.05 s sleep does not promise (it promises its own
+            # turns only); waited for
             await asyncio.wait_for(server_closed.wait(), 10)
             del reader, writer
             gc.collect()  # what the proxy collects: never the frozen
