@@ -196,11 +196,14 @@ async def test_a_connection_open_at_a_freeze_is_freed_once_closed() -> None:
     import weakref
 
     accepted: list[weakref.ref[asyncio.BaseTransport]] = []
+    server_closed = asyncio.Event()
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(weakref.ref(writer.transport))
         await reader.read()
         writer.close()
+        await writer.wait_closed()
+        server_closed.set()
 
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -213,7 +216,10 @@ async def test_a_connection_open_at_a_freeze_is_freed_once_closed() -> None:
         try:
             writer.close()
             await writer.wait_closed()
-            await asyncio.sleep(0.05)  # the server's side closes too
+            # the server's side closes too: its EOF, close and connection_lost take a few
+            # loop turns, which a fixed 0.05 s sleep does not promise (it promises its own
+            # turns only); waited for
+            await asyncio.wait_for(server_closed.wait(), 10)
             del reader, writer
             gc.collect()  # what the proxy collects: never the frozen
             assert client() is None, "the closed transport stays, a frozen cycle"

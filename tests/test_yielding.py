@@ -101,10 +101,17 @@ async def test_a_thread_pacer_gives_the_loop_its_turns_and_waits_for_requests(
     monkeypatch.setattr(yielding, "DEFER_MAX_SECONDS", 30.0)
     relaying = False
     progress = 0
+    #: pauses that found a request being relayed (and so wait for it)
+    held = 0
+
+    def busy() -> bool:
+        nonlocal held
+        held += relaying
+        return relaying
 
     def work(seconds: float) -> None:
         nonlocal progress
-        pace = ThreadPacer(lambda: relaying, budget=10.0)
+        pace = ThreadPacer(busy, budget=10.0)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             progress += 1
@@ -147,7 +154,12 @@ async def test_a_thread_pacer_gives_the_loop_its_turns_and_waits_for_requests(
         raise AssertionError(f"(unpaced, paced) wake-ups in 0.2 s: {seen}")
     relaying = True
     working = asyncio.create_task(asyncio.to_thread(work, 0.2))
-    await asyncio.sleep(0.05)
+    # the thread at its first pause, waiting: a fixed 0.05 s was no promise that a thread
+    # of a loaded box had started and run its first stretch by then (waited for)
+    deadline = time.monotonic() + 5.0
+    while not held:
+        assert time.monotonic() < deadline, "the paced thread never paused for the request"
+        await asyncio.sleep(0.01)
     stood = progress
     await asyncio.sleep(0.1)
     assert progress - stood < 1000  # a pause's wait: no work while relaying

@@ -234,6 +234,10 @@ async def test_relist_after_410_delivers_only_what_changed(sim: KubeSim, make: M
     uid2 = changed["metadata"]["uid"]
     assert w.versions[uid2] == changed["metadata"]["resourceVersion"]
     assert set(w.versions) == set(w.held) and len(w.held) == 4  # p0, p1, p2, p4
+    # told once the list is through: after the retraction's slice and its loop turn, so a
+    # turn after p3's DELETED (looked at once, it was still 0 when the wait above ended
+    # in that turn): waited for, then counted
+    await eventually(lambda: sink.relists >= 1, timeout=5)
     assert sink.relists == 1  # told, for the heap's trim (KubeSource.relisted)
 
 
