@@ -775,8 +775,9 @@ async def test_a_splice_the_budget_has_no_room_for_now_is_503(tmp_path: Path) ->
     ):
         run = Running(p, up, session)
         waiting = asyncio.create_task(run.post(small, compress=False))
-        while not up.received:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):  # bounded: a request that never arrives fails
+            while not up.received:
+                await asyncio.sleep(0.01)
         resp = await asyncio.wait_for(run.post(raw), 10)
         held.set()
         assert resp.status == 503 and resp.headers["Retry-After"]

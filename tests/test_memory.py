@@ -210,8 +210,9 @@ async def test_a_connection_open_at_a_freeze_is_freed_once_closed() -> None:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         client = weakref.ref(writer.transport)
-        while not accepted:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):  # bounded: an accept that never comes fails
+            while not accepted:
+                await asyncio.sleep(0.01)
         memory.freeze_survivors()  # the connection is open: frozen with its transport
         try:
             writer.close()

@@ -1159,8 +1159,9 @@ async def test_a_description_change_during_a_reload_is_not_undone_by_it(
     try:
         _write(f, _deployment_of(200, bare=True))
         await src.reload()
-        await task
+        await asyncio.wait_for(task, 30)  # bounded: a reload that never got there fails
     finally:
+        task.cancel()
         gc.unfreeze()
     assert swapped
     for i in range(200):  # no description: a bare pod is not attributed, in both
