@@ -300,6 +300,20 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]
             await p.stop()
 
 
+async def agent_metrics(agent: Peer, prefix: str = "prometheus_remote_storage_"
+                        ) -> dict[str, float]:
+    """An agent's own counters whose names start with ``prefix``, summed over their
+    labels and keyed by the rest of the name (what it sent, retried, failed, dropped)."""
+    async with aiohttp.ClientSession() as s, s.get(agent.base_url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name = line.split("{")[0].split(" ")[0].removeprefix(prefix)
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 # -- PromQL over the HTTP API (Prometheus and VictoriaMetrics speak the same) ---------------
 
 

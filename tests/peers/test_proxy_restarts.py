@@ -32,7 +32,15 @@ from aiohttp import web
 from proxy.demo_exporter import DEMO_SNAPSHOT, load_objects
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import POD as POD_TYPE
-from tests.peers.conftest import Peer, Peers, free_port, query, vm_flush, wait_until
+from tests.peers.conftest import (
+    Peer,
+    Peers,
+    agent_metrics,
+    free_port,
+    query,
+    vm_flush,
+    wait_until,
+)
 
 pytestmark = pytest.mark.peers
 
@@ -136,7 +144,7 @@ class Rig:
         # a timeout is said by the caller's assertions, with what is missing
         with contextlib.suppress(AssertionError):
             await wait_until(complete, timeout=timeout, what="every value stored")
-        outcome.agent = await agent_metrics(self.agent)
+        outcome.agent = await agent_metrics(self.agent, "prometheus_remote_storage_samples_")
         outcome.answers = agent_answers(self.agent.log_tail(10**7))
         return outcome
 
@@ -151,17 +159,6 @@ async def stored(receiver: Peer) -> dict[frozenset[tuple[str, str]], list[float]
             for r in rows}
 
 
-async def agent_metrics(agent: Peer) -> dict[str, float]:
-    """The agent's ``prometheus_remote_storage_samples_*`` counters."""
-    async with aiohttp.ClientSession() as s, s.get(agent.base_url + "/metrics") as r:
-        text = await r.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("prometheus_remote_storage_samples_"):
-            name = line.split("{")[0].split(" ")[0].removeprefix(
-                "prometheus_remote_storage_samples_")
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def agent_answers(log: str) -> set[str]:
