@@ -716,9 +716,10 @@ class Upstream:
             on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
             else None)
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
-        self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
+        self._token = (FileSecret(settings.bearer_token_file, header=True)
+                       if settings.bearer_token_file else None)
         self._password = (
-            FileSecret(settings.basic_auth_password_file)
+            FileSecret(settings.basic_auth_password_file, header=False)
             if settings.basic_auth_password_file else None
         )
         #: ``user:password@`` in upstream.url, as the proxy's own Basic credentials: aiohttp
