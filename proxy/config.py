@@ -1032,6 +1032,16 @@ def url_credentials(url: str) -> tuple[str, str] | None:
     return unquote(user), unquote(password)
 
 
+def _url_detail(shown: str) -> str:
+    """urlsplit's words on ``shown`` (a URL its userinfo was taken from), or "" when it
+    finds nothing wrong there: what was wrong was in the part left out."""
+    try:
+        _ = urlsplit(shown).port
+    except ValueError as e:
+        return f" ({e})"
+    return ""
+
+
 def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if require_upstream and not u.url:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
@@ -1043,8 +1053,10 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
             parsed = urlsplit(u.url)
             _ = parsed.port  # a ValueError for a port out of range or not a number
         except ValueError as e:
-            # urlsplit's own words quote the "port", a piece of a password with a "/" in it
-            detail = "" if "@" in u.url else f" ({e})"
+            # urlsplit's own words quote the "port", a piece of a password with a "/" in it:
+            # with a userinfo, its words on the URL without it (``Port out of range``)
+            detail = f" ({e})" if "@" not in u.url else _url_detail(
+                without_userinfo(u.url, broken=True))
             raise ConfigError(f"upstream.url: not a valid URL{detail}: "
                               f"{without_userinfo(u.url, broken=True)!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:

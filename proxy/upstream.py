@@ -1708,11 +1708,14 @@ class Upstream:
             if self.metrics is not None:
                 self.metrics.upstream_misconfigured.labels(self.url, reason, code).inc()
             message = (f"upstream {self.url} answered {upstream_status}: it {what} "
-                       f"(proxy misconfigured; retry later): ").encode() + text
+                       f"(proxy misconfigured; retry later)").encode() + (
+                           b": " + text if text.strip() else b"")
             return Answer(503, message[:MAX_ERROR_BODY],
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
-            text = f"upstream answered {upstream_status}: ".encode() + text
+            # an empty body said as such, not as a line ending in ": "
+            text = f"upstream answered {upstream_status}: ".encode() + (
+                text if text.strip() else b"(an empty body)")
         if status >= 500 or upstream_status >= 300:
             said = Answer(status, text, upstream=str(upstream_status))
             if not too_large(said) and not (converted and histograms_disabled(said)):

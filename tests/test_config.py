@@ -589,6 +589,22 @@ def test_upstream_headers_that_are_fine() -> None:
     validate(valid(headers={"X-Scope-OrgID": "team-a", "X-Tab": "a\tb", "X-U": "é"}))
 
 
+@pytest.mark.parametrize(("url", "detail"), [
+    ("http://u:pw@127.0.0.1:99999/x", " (Port out of range 0-65535): 'http://127.0.0.1:99999/x'"),
+    ("http://u:pw@127.0.0.1:9x/x", " (Port could not be cast to integer value as '9x'): "),
+    # what is wrong is in the userinfo left out: nothing of it said
+    ("http://u:p/w:9x@127.0.0.1:9/x", ": 'http://127.0.0.1:9/x'"),
+])
+def test_a_url_with_a_password_that_cannot_be_parsed_still_says_why(url: str,
+                                                                     detail: str) -> None:
+    """The reason was dropped whenever the URL held a userinfo (urlsplit's words could
+    quote a piece of the password); it is now urlsplit's words on the URL without it."""
+    with pytest.raises(ConfigError) as e:
+        validate(valid(url=url))
+    assert str(e.value).startswith("upstream.url: not a valid URL" + detail), e.value
+    assert "pw" not in str(e.value) and "p/w" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
