@@ -11,13 +11,14 @@ is checked by the small ``validate`` at the end.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import logging
 import math
 import os
 import re
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin, get_type_hints
 from urllib.parse import unquote, urlsplit
@@ -29,7 +30,16 @@ from msgspec import inspect as mi
 
 from proxy import contract
 from proxy.karta.yamltext import DuplicateKey, refusal, yaml_error
-from proxy.tls_files import VERIFY_MODES, Loading, Part, client_context, server_context
+from proxy.tls_files import (
+    HEADER_VALUE_FORBIDDEN,
+    VERIFY_MODES,
+    CredentialError,
+    Loading,
+    Part,
+    client_context,
+    read_credential,
+    server_context,
+)
 from proxy.upstream_url import TENANT_PLACEHOLDER, own_extra_label, tenant_url
 from proxy.wire.plan import MAX_LABEL_NAMES
 
@@ -718,10 +728,24 @@ def _shape(t: mi.Type, value: Any, key: str, removed: list[str]) -> Any:
             removed.append(dotted)
             continue
         if name not in known:
-            raise ConfigError(f"unknown key '{key + '.' if key else ''}{raw_key}' (known keys "
-                              f"here: {', '.join(sorted(known))})")
+            raise ConfigError(f"unknown key '{key + '.' if key else ''}{raw_key}'"
+                              f"{_did_you_mean(name, known, key)} (known keys here: "
+                              f"{', '.join(sorted(known))})")
         out[name] = _shape(known[name].type, v, dotted, removed)
     return out
+
+
+def _did_you_mean(name: str, known: Iterable[str], section: str) -> str:
+    """The known key a misspelt one most likely meant (a letter swapped, dropped or
+    doubled), or the one section that has the key: said first, as the list of known keys
+    after it runs to 20 names in a section."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    if close:
+        return f": did you mean '{section + '.' if section else ''}{close[0]}'?"
+    # a key of another section written here (``url`` at the top, ``max_body_bytes`` under
+    # upstream): said where it goes
+    elsewhere = [i.key for i in schema() if i.key.rpartition(".")[2] == name]
+    return f": did you mean '{elsewhere[0]}'?" if len(elsewhere) == 1 else ""
 
 
 def canonical_choice(value: str, choices: tuple[str, ...]) -> str:
@@ -797,8 +821,32 @@ def _explain(message: str, data: Any) -> str:
     if missing:
         return f"{key or 'top level'}: missing key '{missing[1]}'"
     allowed = _choices_by_key().get(key, ())
-    return f"{key or 'top level'}: {_expected(_unwrap(t)[0], value, allowed)}"
+    t = _unwrap(t)[0]
+    if key in _SECRET_VALUES and isinstance(t, mi.DictType) and isinstance(value, dict):
+        return _secret_entry(key, value)
+    return f"{key or 'top level'}: {_expected(t, value, allowed)}"
 
+
+#: mappings whose values may be credentials (an ``Authorization`` header): a message
+#: names the entry and its type, never the value, since it reaches stderr, the log and
+#: a reload's answer
+_SECRET_VALUES = frozenset({"upstream.headers", "facts.headers"})
+
+
+def _secret_entry(key: str, value: dict[Any, Any]) -> str:
+    """The first entry of ``key`` that is not ``string: string``, named without its value."""
+    k, v = next((k, v) for k, v in value.items()
+                 if not isinstance(k, str) or not isinstance(v, str))
+    if not isinstance(k, str):
+        return (f"{key}: entries must be string: string, got the name {_short(k)}"
+                f"{_quote_hint(k)}")
+    hint = _quote_hint(v).strip()[1:-1]  # " (quote it: ...)" -> "quote it: ..."
+    return (f"{key}.{k}: expected a string, got {_type_name(v)} (not shown: a header may be "
+            f"a credential){'; ' + hint if hint else ''}")
+
+
+#: what a key written with nothing after it (``url:``) holds: YAML reads it as null
+_NULL = "null (nothing after the key: give a value, or remove the key for its default)"
 
 #: YAML 1.1 (PyYAML) reads these unquoted as booleans, not strings
 _YAML_BOOLEANS = "yes, no, on, off, true and false"
@@ -831,7 +879,9 @@ def _quote_hint(value: Any) -> str:
 
 
 def _expected(t: mi.Type, value: Any, allowed: tuple[str, ...]) -> str:
-    got = f"got {_type_name(value)} {_short(value)}"
+    got = f"got {_type_name(value)} {_short(value)}" if value is not None else f"got {_NULL}"
+    if value is None and isinstance(t, mi.LiteralType):
+        return f"expected one of {', '.join(allowed)}; got {_NULL}"
     if isinstance(t, mi.BoolType):
         return f"expected true or false, {got}"
     if isinstance(t, mi.IntType) and (isinstance(value, bool) or not isinstance(value, int)):
@@ -982,6 +1032,16 @@ def url_credentials(url: str) -> tuple[str, str] | None:
     return unquote(user), unquote(password)
 
 
+def _url_detail(shown: str) -> str:
+    """urlsplit's words on ``shown`` (a URL its userinfo was taken from), or "" when it
+    finds nothing wrong there: what was wrong was in the part left out."""
+    try:
+        _ = urlsplit(shown).port
+    except ValueError as e:
+        return f" ({e})"
+    return ""
+
+
 def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if require_upstream and not u.url:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
@@ -993,8 +1053,10 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
             parsed = urlsplit(u.url)
             _ = parsed.port  # a ValueError for a port out of range or not a number
         except ValueError as e:
-            # urlsplit's own words quote the "port", a piece of a password with a "/" in it
-            detail = "" if "@" in u.url else f" ({e})"
+            # urlsplit's own words quote the "port", a piece of a password with a "/" in it:
+            # with a userinfo, its words on the URL without it (``Port out of range``)
+            detail = f" ({e})" if "@" not in u.url else _url_detail(
+                without_userinfo(u.url, broken=True))
             raise ConfigError(f"upstream.url: not a valid URL{detail}: "
                               f"{without_userinfo(u.url, broken=True)!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -1012,6 +1074,13 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "bearer_token_file",
                  "basic_auth_password_file"):
         _readable(getattr(u, name), f"upstream.{name}")
+    for name, header in (("bearer_token_file", True), ("basic_auth_password_file", False)):
+        path = getattr(u, name)
+        try:
+            if path:
+                read_credential(path, header=header)
+        except (CredentialError, OSError) as e:
+            raise ConfigError(f"upstream.{name}: {e}") from None
     if u.bearer_token_file and (u.basic_auth_username or u.basic_auth_password_file):
         raise ConfigError(
             "upstream.bearer_token_file and upstream.basic_auth_*: choose one kind of auth"
@@ -1039,8 +1108,6 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
 
 #: an HTTP header name (RFC 9110 token)
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-#: what aiohttp refuses in a header value (it raises on every request): controls but HTAB
-_HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
@@ -1056,9 +1123,13 @@ def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
         if first != name:
             raise ConfigError(f"{key}: {first!r} and {name!r} are one header "
                               "(names are case-insensitive): set it once")
-        if _HEADER_VALUE_FORBIDDEN.search(value):
+        bad = HEADER_VALUE_FORBIDDEN.search(value)
+        if bad:
+            # not quoted: a header set here is often a credential (Authorization)
             raise ConfigError(f"{key}.{name}: the value holds a control character "
-                              f"(CR, LF, ...): {value!r}")
+                              f"(CR, LF, ...), {bad.group()!r} at position {bad.start()} "
+                              "(the value is not shown: it may be a credential); a header "
+                              "value is one line")
 
 
 def _validate_upstream_tls(u: UpstreamSettings) -> None:

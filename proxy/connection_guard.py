@@ -82,6 +82,7 @@ aiohttp has no hook for any of these, so the connection protocol is a subclass o
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import enum
@@ -92,6 +93,8 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
+
+from proxy.shown import shown
 
 #: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
 #: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
@@ -188,7 +191,8 @@ def response_431(max_header_bytes: int) -> bytes:
     """The answer to headers past the limit, with ``Connection: close`` (the rest of them
     is never read)."""
     return canned("431 Request Header Fields Too Large", {},
-                  f"request line and headers larger than {max_header_bytes} bytes\n").close
+                  f"request line and headers larger than {max_header_bytes} bytes "
+                  "(server.max_header_bytes)\n").close
 
 
 #: told the peer address of each connection closed at once because ``max_connections``
@@ -459,15 +463,16 @@ class _GuardedProtocol(RequestHandler):
                                        (message or str(exc))[:200])
             response = web.Response(status=431, headers={"Connection": "close"},
                                     text=f"request line and headers larger than "
-                                    f"{server.max_header_bytes} bytes\n")
+                                    f"{server.max_header_bytes} bytes "
+                                    "(server.max_header_bytes)\n")
             response.force_close()
             return response
         # aiohttp's own reasoning: a first "request" that is no HTTP method at all is a
         # port scan or TLS spoken to a plain port, noise at the error level
         quiet = self._request_count == 1 and isinstance(exc, BadHttpMethod)
-        server.on_bad_http(request.remote or _peer(self.transport), message or str(exc),
-                           quiet=quiet)
-        response = web.Response(status=400, text=(message or "Bad Request") + "\n")
+        said = parser_error_line(message or str(exc))
+        server.on_bad_http(request.remote or _peer(self.transport), said, quiet=quiet)
+        response = web.Response(status=400, text=said + "\n")
         response.force_close()
         return response
 
@@ -887,6 +892,38 @@ def admitted(request: web.BaseRequest) -> bool:
     if not protocol._buffer_paused:
         protocol._resume_transport_reading()
     return True
+
+
+#: request headers whose value is a credential: a refusal quoting such a header's line
+#: shows its name alone
+_CREDENTIAL_HEADERS = (b"authorization", b"proxy-authorization", b"cookie", b"x-api-key")
+
+
+def parser_error_line(message: str) -> str:
+    """aiohttp's refusal of what it could not parse, on one line for the sender and the
+    log. llhttp's is four lines (the reason, a blank, the line it stopped in as a bytes
+    repr, a caret), and a sender logs the first line of a body alone: Prometheus logged
+    ``Invalid header token:`` and nothing of which header. Said as ``reason: "line"``,
+    the line quoted by the refusal rule (``proxy.shown``: 64 bytes, the rest escaped),
+    and the value of a credential header left out: a malformed ``Authorization`` line
+    was quoted whole into the log."""
+    reason: list[str] = []
+    data: bytes | None = None
+    for line in message.split("\n"):
+        text = line.strip()
+        if data is None and text[:2] in ("b'", 'b"'):
+            with contextlib.suppress(ValueError, SyntaxError):
+                data = ast.literal_eval(text)
+                continue
+        if text and text.strip("^~ "):
+            reason.append(text.rstrip(":"))
+    said = ": ".join(reason) or "Bad Request"
+    if data is None:
+        return " ".join(said.split())
+    name, colon, _ = data.partition(b":")
+    if colon and name.strip().lower() in _CREDENTIAL_HEADERS:
+        return f'{said}: "{shown(name)}: (value not shown: a credential)"'
+    return f'{said}: "{shown(data)}"'
 
 
 class _GuardedServer(web.Server):

@@ -203,6 +203,11 @@ _OUT: LabelValues = ("out",)
 BODY_RATE_GRACE_SECONDS = 1.0
 
 
+#: what a 413 for the compressed body says after its limit: the setting, and what the
+#: sender can do
+BODY_LIMIT_SAID = "server.max_body_bytes; send fewer series per request"
+
+
 class _Refusal(Exception):
     """An answer decided before forwarding (limits, bad input, overload)."""
 
@@ -242,6 +247,16 @@ def _no_thread(message: str) -> _Refusal:
                     headers={"Retry-After": RETRY_AFTER})
 
 
+def _decode_refusal(e: DecodeError) -> _Refusal:
+    """A body refused as it was decoded. The decoded-size limit is the proxy's setting,
+    which the decoder does not know by name: said, as the other 413s say theirs, so the
+    sender's log names what to raise (or to send less)."""
+    message = e.message
+    if e.kind == "too_large":
+        message += " (server.max_decoded_bytes); send fewer series per request"
+    return _Refusal(e.status, message, counter="decode", kind=e.kind)
+
+
 def _thread_start_failed(e: RuntimeError) -> bool:
     return "can't start new thread" in str(e)
 
@@ -252,6 +267,14 @@ def _socket_fd(request: web.Request) -> int:
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     return sock.fileno() if sock is not None else -1
+
+
+def one_line(text: str) -> str:
+    """An upstream's error body as the sender's answer: its lines joined by a space. A
+    sender logs the first line of a body alone (Prometheus reads up to its first line
+    break), and a TSDB's error often spans several (an HTML page, a Go panic, a list of
+    refused series), so what followed ``upstream answered 500: ...`` was lost."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _text(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -632,7 +655,8 @@ class RemoteWriteHandler:
         length = request.content_length
         if length is not None and length > s.max_body_bytes:
             raise _Refusal(413, f"request body of {length} bytes exceeds the limit of "
-                           f"{s.max_body_bytes} bytes", counter="reject", kind="too_large")
+                           f"{s.max_body_bytes} bytes ({BODY_LIMIT_SAID})", counter="reject",
+                           kind="too_large")
         # a free slot is taken at once (what ``enter`` does first); else the request waits
         # in line, its sender's socket watched for a hang-up
         if waiting or not self.slots.try_enter():
@@ -702,8 +726,8 @@ class RemoteWriteHandler:
                         break
                 size = len(chunk)
                 if received + size > limit:
-                    raise _Refusal(413, f"request body exceeds the limit of {limit} bytes",
-                                   counter="reject", kind="too_large")
+                    raise _Refusal(413, f"request body exceeds the limit of {limit} bytes "
+                                   f"({BODY_LIMIT_SAID})", counter="reject", kind="too_large")
                 self._reserve(held, size)
                 received += size
                 chunks.append(chunk)
@@ -741,7 +765,7 @@ class RemoteWriteHandler:
             declared = (0 if not body else snappy_declared_length(body)
                         if encoding == "snappy" else zstd_declared_length(body))
         except DecodeError as e:
-            raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
+            raise _decode_refusal(e) from None
         # a declared size past the limit is refused by decompress without allocating.
         # Reserved twice: the decoded body, and the output the splice makes beside it (a
         # snappy block of the sender's elements and the stamps, or the enriched body and
@@ -787,7 +811,7 @@ class RemoteWriteHandler:
         except ConversionRefused as e:
             raise self._not_converted(e) from None
         except DecodeError as e:
-            raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
+            raise _decode_refusal(e) from None
         except ValueError as e:
             raise _Refusal(400, f"cannot decode the remote-write message: {e}",
                            counter="decode", kind="protobuf") from None
@@ -814,7 +838,7 @@ class RemoteWriteHandler:
                 prepared.outgoing, request.headers, tenant=tenant, query=query, charge=held,
                 sender_gone=lambda: request.transport is None)
         except DecodeError as e:  # an RW 2.0 body converted only after the upstream refused it
-            raise _Refusal(e.status, e.message, counter="decode", kind=e.kind) from None
+            raise _decode_refusal(e) from None
         except ConversionRefused as e:  # the same, refused for its size or the budget
             raise self._not_converted(e) from None
         if answer.ok:
@@ -1016,5 +1040,5 @@ class RemoteWriteHandler:
     def _answer(answer: Answer) -> web.Response:
         if answer.ok:
             return web.Response(status=answer.status, headers=answer.headers)
-        body = answer.body.decode("utf-8", "replace").rstrip("\n")
-        return _text(answer.status, body, answer.headers)
+        return _text(answer.status, one_line(answer.body.decode("utf-8", "replace")),
+                     answer.headers)

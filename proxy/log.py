@@ -81,8 +81,11 @@ PROG = "karta-proxy"
 def error_line(message: str, stream: IO[str] | None = None) -> None:
     """The one plain line a failed start ends with, whatever failed (a setting, the port,
     the snapshot, the cluster): ``karta-proxy: error: ...``, as argparse words its own, so
-    a person and a supervisor's log see the same thing whatever the log format."""
-    print(f"{PROG}: error: {message}", file=stream or sys.stderr, flush=True)
+    a person and a supervisor's log see the same thing whatever the log format. One
+    line whatever the message quotes (a path or a value with a line break in it, as
+    ``--config $'a\\nb'`` gave): its control characters escaped as the text log's are."""
+    print(f"{PROG}: error: {message.translate(_CONTROLS)}", file=stream or sys.stderr,
+          flush=True)
 
 
 def failure_line(exc: BaseException, timeout: float) -> str:

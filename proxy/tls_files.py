@@ -56,6 +56,38 @@ def stamp(path: str) -> FileStamp | None:
     return FileStamp.of(os.stat(path))
 
 
+class CredentialError(ValueError):
+    """A credential file read, but its text cannot be sent; the message says why and
+    where, never the text."""
+
+
+#: what aiohttp refuses in a header value (it raises on every request): controls but HTAB
+HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def read_credential(path: str, *, header: bool) -> str:
+    """A credential file's text, whitespace around it trimmed, as the upstream client
+    sends it. ``header``: the text goes into a header as it is (a bearer token), so a
+    line break or other control character inside it is refused: aiohttp refused every
+    request with a ``ValueError`` naming neither the file nor the header, answered 502
+    to every sender. Text that is not UTF-8 is refused too: it escaped the start as a
+    ``UnicodeDecodeError`` traceback. OSError when the file cannot be read."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CredentialError(f"{path!r} is not UTF-8 text (byte {e.start}; the content is "
+                              "not shown)") from None
+    bad = HEADER_VALUE_FORBIDDEN.search(text) if header else None
+    if bad:
+        lines = text.count("\n") + 1
+        what = f"{lines} lines" if lines > 1 else f"a control character ({bad.group()!r})"
+        raise CredentialError(f"{path!r} holds {what} after trimming (the content is not "
+                              "shown); a token is sent as one header line: keep only it")
+    return text
+
+
 #: which file a builder is loading: the CA bundle, or the certificate with its key
 Part = Literal["ca", "cert"]
 #: wraps each file's load, told which: the settings' validation turns a failure into an

@@ -716,9 +716,10 @@ class Upstream:
             on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
             else None)
         self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
-        self._token = FileSecret(settings.bearer_token_file) if settings.bearer_token_file else None
+        self._token = (FileSecret(settings.bearer_token_file, header=True)
+                       if settings.bearer_token_file else None)
         self._password = (
-            FileSecret(settings.basic_auth_password_file)
+            FileSecret(settings.basic_auth_password_file, header=False)
             if settings.basic_auth_password_file else None
         )
         #: ``user:password@`` in upstream.url, as the proxy's own Basic credentials: aiohttp
@@ -1707,11 +1708,14 @@ class Upstream:
             if self.metrics is not None:
                 self.metrics.upstream_misconfigured.labels(self.url, reason, code).inc()
             message = (f"upstream {self.url} answered {upstream_status}: it {what} "
-                       f"(proxy misconfigured; retry later): ").encode() + text
+                       f"(proxy misconfigured; retry later)").encode() + (
+                           b": " + text if text.strip() else b"")
             return Answer(503, message[:MAX_ERROR_BODY],
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and upstream_status >= 300:
-            text = f"upstream answered {upstream_status}: ".encode() + text
+            # an empty body said as such, not as a line ending in ": "
+            text = f"upstream answered {upstream_status}: ".encode() + (
+                text if text.strip() else b"(an empty body)")
         if status >= 500 or upstream_status >= 300:
             said = Answer(status, text, upstream=str(upstream_status))
             if not too_large(said) and not (converted and histograms_disabled(said)):

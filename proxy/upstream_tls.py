@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 from proxy.config import UpstreamSettings
 from proxy.tls_files import (
+    CredentialError,
     FileStamp,
     certificate_validity,
     client_context,
     failure_text,
+    read_credential,
     stamp,
 )
 
@@ -41,10 +43,14 @@ class FileSecret:
     """
 
     def __init__(
-        self, path: str, *, check_interval: float = 1.0,
+        self, path: str, *, header: bool, check_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
+        #: the text is sent in a header as it is (a bearer token): one line
+        #: (``read_credential``); a rewrite that is not keeps the last value, as a file
+        #: that cannot be read does
+        self._header = header
         self._interval = check_interval
         self._clock = clock
         self._next_check = 0.0
@@ -62,10 +68,9 @@ class FileSecret:
         try:
             current = stamp(self.path)
             if current != self._stamp:
-                with open(self.path, encoding="utf-8") as f:
-                    self._value = f.read().strip()
+                self._value = read_credential(self.path, header=self._header)
                 self._stamp = current
-        except OSError as e:
+        except (OSError, CredentialError) as e:
             if str(e) not in self._errors:
                 self._errors.add(str(e))
                 log.warning("cannot read credential file, keeping the last value",

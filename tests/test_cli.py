@@ -113,6 +113,64 @@ def test_an_upstream_url_storing_another_cluster_is_one_line_and_exit_2(
     assert "make the extra_label cluster=c1 (or remove it)" in line
 
 
+#: a credential the audit table puts where a message could quote it
+SECRET = "s3cr3t-token-value"
+
+
+#: (file name -> bytes, config YAML, the dotted key the line must name): bad settings the
+#: error-message audit collected; ``{dir}`` is the test's folder
+AUDIT_TABLE = [
+    # credential files the client cannot send: a UnicodeDecodeError traceback and exit 1,
+    # or a start that answered every request 502 naming neither file nor header
+    ({"token": SECRET.encode() + b"\xff"},
+     "upstream: {url: 'http://127.0.0.1:9/w', bearer_token_file: '{dir}/token'}\n",
+     "upstream.bearer_token_file"),
+    ({"token": f"{SECRET}\nanother\n".encode()},
+     "upstream: {url: 'http://127.0.0.1:9/w', bearer_token_file: '{dir}/token'}\n",
+     "upstream.bearer_token_file"),
+    ({"pw": b"\xfe" + SECRET.encode()},
+     "upstream: {url: 'http://127.0.0.1:9/w', basic_auth_username: u, "
+     "basic_auth_password_file: '{dir}/pw'}\n",
+     "upstream.basic_auth_password_file"),
+    # a header value refused: it was quoted whole
+    ({}, f"upstream: {{url: 'http://127.0.0.1:9/w', headers: {{Authorization: \"Bearer "
+     f"{SECRET}\\r\\nX: y\"}}}}\n", "upstream.headers.Authorization"),
+    ({}, "upstream: {url: 'http://127.0.0.1:9/w', headers: {X-Key: 313371234}}\n",
+     "upstream.headers.X-Key"),
+    # a URL's password: never shown
+    ({}, f"upstream: {{url: 'http://u:{SECRET}@127.0.0.1:99999/w'}}\n", "upstream.url"),
+    ({}, f"upstream: {{url: 'http://u:{SECRET}/x@127.0.0.1:9/w{{tenant'}}\n", "upstream.url"),
+]
+
+
+@pytest.mark.parametrize(("files", "yaml_text", "key"), AUDIT_TABLE)
+def test_a_bad_setting_is_one_line_naming_its_key_exit_2_no_secret(
+        tmp_path: Path, files: dict[str, bytes], yaml_text: str, key: str) -> None:
+    """The audit's table in a real process: exit 2, one line on stderr naming the file and
+    the dotted key, no traceback, and no credential in it."""
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text.replace("{dir}", str(tmp_path)))
+    r = run_cli("--config", str(cfg), "--snapshot", str(REPO / "proxy/demo_data/snapshot.yaml"),
+                "--listen-address", "127.0.0.1:0")
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"karta-proxy: error: {cfg}: {key}"), line
+    assert SECRET not in line and "313371234" not in line, line
+
+
+def test_a_message_quoting_a_line_break_is_still_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The line quotes what the operator gave (a path, a value): a line break in it made a
+    second line, which a supervisor's log reads as a line of its own."""
+    assert main(["--config", "/nonexistent\nkarta-proxy: error: forged"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("karta-proxy: error: /nonexistent\\x0akarta-proxy: error: forged: cannot "
+                   "read config file: No such file or directory\n"), err
+
+
 def test_help_texts() -> None:
     r = run_cli("--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: karta-proxy ")

@@ -102,7 +102,8 @@ def test_dashes_are_accepted_for_underscores() -> None:
          "a list"),
         ("upstream:\n  forward_headers: [1]\n", "upstream.forward_headers[0]: expected a "
          "string"),
-        ("upstream:\n  headers: {a: 1}\n", "upstream.headers: entries must be string"),
+        ("upstream:\n  headers: {a: 1}\n", "upstream.headers.a: expected a string, got "
+         "number"),
         ("enrich:\n  pod_label_pairs: [[ns]]\n", "enrich.pod_label_pairs[0]: expected a pair"),
         ("enrich:\n  pod_label_pairs: [{ns: a, pod: b}]\n", "enrich.pod_label_pairs[0]: "
          "expected keys 'namespace' and 'pod'"),
@@ -124,9 +125,21 @@ def test_dashes_are_accepted_for_underscores() -> None:
          "exponent, 1.0e+03, or 1000)"),
         ("server:\n  max_body_bytes: 1e6\n", "server.max_body_bytes: expected an integer, "
          "got string '1e6' (YAML 1.1 reads it as a string: write 1000000)"),
-        ("upstream:\n  headers: {X-Flag: yes}\n", "upstream.headers: entries must be string: "
-         "string, got 'X-Flag': True (YAML reads yes, no, on, off, true and false unquoted "
-         "as booleans: quote it)"),
+        ("upstream:\n  headers: {X-Flag: yes}\n", "upstream.headers.X-Flag: expected a "
+         "string, got boolean (not shown: a header may be a credential); YAML reads yes, no, "
+         "on, off, true and false unquoted as booleans: quote it"),
+        ("facts:\n  external_labels: {cluster: yes}\n", "facts.external_labels: entries must "
+         "be string: string, got 'cluster': True (YAML reads yes, no, on, off, true and false "
+         "unquoted as booleans: quote it)"),
+        # a key with nothing after it: said as such (it was "got null None")
+        ("upstream:\n  url:\n", "upstream.url: expected a string, got null (nothing after "
+         "the key: give a value, or remove the key for its default)"),
+        ("log_level:\n", "log_level: expected one of debug, info, warning, error, critical; "
+         "got null (nothing after the key"),
+        # a misspelt key, or one of another section: the key meant, said first
+        ("upstream:\n  timeout_secnods: 5\n", "unknown key 'upstream.timeout_secnods': did "
+         "you mean 'upstream.timeout_seconds'? (known keys here: "),
+        ("url: http://x:1\n", "unknown key 'url': did you mean 'upstream.url'?"),
         ("upstream:\n  basic_auth_username: no\n", "upstream.basic_auth_username: expected a "
          "string, got boolean False (YAML reads yes, no, on, off"),
         ("upstream:\n  protocol: v3\n", "upstream.protocol: expected one of auto, v1, "
@@ -503,8 +516,93 @@ def test_facts_headers_are_checked_as_upstream_headers_are(headers: dict[str, st
     assert expected in str(e.value)
 
 
+#: a credential the tests below put where a message could quote it
+SECRET = "s3cr3t-Bearer-value"
+
+
+@pytest.mark.parametrize(("section", "headers"), [
+    ("upstream", {"Authorization": f"Bearer {SECRET}\r\nX-Injected: 1"}),
+    ("facts", {"Authorization": f"Bearer {SECRET}\n"}),
+    ("upstream", {"X-Api-Key": f"{SECRET}\x00"}),
+])
+def test_a_header_value_refused_is_not_quoted(section: str,
+                                              headers: dict[str, str]) -> None:
+    """A header set in the settings is often a credential: the refusal (stderr, the log, a
+    reload's answer) names the header and the character, never the value (it quoted it
+    whole: ``'Bearer s3cr3t...\\r\\nX-Injected: 1'``)."""
+    s = valid()
+    getattr(s, section).headers = headers
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    name = next(iter(headers))
+    assert str(e.value).startswith(f"{section}.headers.{name}: the value holds a control "
+                                   "character"), e.value
+    assert SECRET not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    f"upstream:\n  headers:\n    Authorization: {12345678}\n",
+    "facts:\n  headers:\n    X-Token: 12345678\n",
+])
+def test_a_header_value_of_the_wrong_type_is_named_not_quoted(tmp_path: Path,
+                                                              text: str) -> None:
+    """An unquoted numeric token is read as a number: the entry is named, its value not
+    (``entries must be string: string, got 'Authorization': 12345678``)."""
+    with pytest.raises(ConfigError) as e:
+        load_settings(write(tmp_path, text))
+    assert "12345678" not in str(e.value)
+    assert re.search(r"(upstream|facts)\.headers\.(Authorization|X-Token): expected a "
+                     r"string, got number \(not shown: a header may be a credential\); "
+                     "quote it", str(e.value)), e.value
+
+
+@pytest.mark.parametrize(("key", "content", "expected"), [
+    # sent as it was, aiohttp refused every request: a 502 for every sender that named
+    # neither the file nor the header
+    ("bearer_token_file", f"{SECRET}\nsecond-line\n".encode(), "holds 2 lines after trimming"),
+    ("bearer_token_file", f"{SECRET}\x1b".encode(), "holds a control character ('\\x1b')"),
+    # a UnicodeDecodeError traceback at start, exit 1
+    ("bearer_token_file", SECRET.encode() + b"\xff", f"is not UTF-8 text (byte {len(SECRET)}"),
+    ("basic_auth_password_file", SECRET.encode() + b"\xfe", "is not UTF-8 text"),
+])
+def test_a_credential_file_that_cannot_be_sent_is_refused_unquoted(
+        tmp_path: Path, key: str, content: bytes, expected: str) -> None:
+    path = tmp_path / "credential"
+    path.write_bytes(content)
+    s = valid(**{key: str(path)})
+    if key == "basic_auth_password_file":
+        s.upstream.basic_auth_username = "proxy"
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert str(e.value).startswith(f"upstream.{key}: {str(path)!r} "), e.value
+    assert expected in str(e.value) and SECRET not in str(e.value), e.value
+
+
+def test_a_password_with_a_line_break_is_its_own(tmp_path: Path) -> None:
+    """Base64-encoded into its header, a password may hold any character."""
+    path = tmp_path / "pw"
+    path.write_text("pass\nword")
+    validate(valid(basic_auth_username="u", basic_auth_password_file=str(path)))
+
+
 def test_upstream_headers_that_are_fine() -> None:
     validate(valid(headers={"X-Scope-OrgID": "team-a", "X-Tab": "a\tb", "X-U": "é"}))
+
+
+@pytest.mark.parametrize(("url", "detail"), [
+    ("http://u:pw@127.0.0.1:99999/x", " (Port out of range 0-65535): 'http://127.0.0.1:99999/x'"),
+    ("http://u:pw@127.0.0.1:9x/x", " (Port could not be cast to integer value as '9x'): "),
+    # what is wrong is in the userinfo left out: nothing of it said
+    ("http://u:p/w:9x@127.0.0.1:9/x", ": 'http://127.0.0.1:9/x'"),
+])
+def test_a_url_with_a_password_that_cannot_be_parsed_still_says_why(url: str,
+                                                                     detail: str) -> None:
+    """The reason was dropped whenever the URL held a userinfo (urlsplit's words could
+    quote a piece of the password); it is now urlsplit's words on the URL without it."""
+    with pytest.raises(ConfigError) as e:
+        validate(valid(url=url))
+    assert str(e.value).startswith("upstream.url: not a valid URL" + detail), e.value
+    assert "pw" not in str(e.value) and "p/w" not in str(e.value)
 
 
 @pytest.mark.parametrize(

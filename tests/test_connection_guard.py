@@ -363,6 +363,42 @@ async def test_headers_past_the_limit_get_431_counted_and_the_connection_closed(
             if getattr(r, "kind", "") == "header_too_large"] == ["WARNING"]
 
 
+#: a credential a malformed request carries, which no answer or log line may quote
+TOKEN = "s3cr3t-bearer-token"
+
+
+@pytest.mark.parametrize(("head", "said"), [
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+     'Invalid header token: "Bad Header: y"'),
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+     'Invalid character in Content-Length: "Content-Length: -5"'),
+    (b"POST /api/v1/write HTTP/9.9\r\nHost: x\r\n\r\n",
+     'Bad status line: Invalid HTTP version: "POST /api/v1/write HTTP/9.9"'),
+    (b"GE\x00T / HTTP/1.1\r\nHost: x\r\n\r\n",
+     'Invalid method encountered: "GE\\x00T / HTTP/1.1"'),
+    # a credential header's line: its name, never its value
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+     + TOKEN.encode() + b"\x01\r\n\r\n",
+     'Invalid header value char: "Authorization: (value not shown: a credential)"'),
+])
+async def test_a_malformed_request_is_answered_and_logged_on_one_line_without_credentials(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, head: bytes, said: str) -> None:
+    """aiohttp's refusal is four lines (reason, blank, the line as a bytes repr, a caret):
+    the sender logged ``Invalid header token:`` alone, and the log's reason quoted a
+    malformed Authorization line whole, token and all."""
+    caplog.set_level(logging.DEBUG, logger="karta.handler")  # a first bad method is quiet
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        w.write(head)
+        answer = await read_answer(r)
+        w.close()
+    assert answer.status == 400, answer
+    assert answer.body == said.encode() + b"\n", answer.body
+    (line,) = [r for r in caplog.records if getattr(r, "kind", "") == "bad_http"]
+    assert line.__dict__["reason"] == said
+    assert TOKEN not in caplog.text
+
+
 async def test_headers_past_the_limit_in_one_read_get_431(tmp_path: Path) -> None:
     """20 KiB of headers in one write (a body behind them) were taken: the count ran only
     over reads that left the headers unfinished, and this one finished them."""
@@ -374,6 +410,8 @@ async def test_headers_past_the_limit_in_one_read_get_431(tmp_path: Path) -> Non
         answer = await read_answer(r)
         w.close()
         assert answer.status == 431 and answer.closed, answer
+        assert answer.body == (b"request line and headers larger than 16384 bytes "
+                               b"(server.max_header_bytes)\n")
         assert metric(p, "karta_proxy_requests_rejected_total", reason="header_too_large") == 1
         assert up.received == []
         assert (await post(p)).status == 204

@@ -537,7 +537,11 @@ async def test_body_over_the_limit_is_413_declared_or_streamed(tmp_path: Path) -
         h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
         async with session.post(url, data=b"x" * 5000, headers=h) as resp:
             assert resp.status == 413
-            assert "limit of 1000 bytes" in await resp.text()
+            # the limit and the setting that raises it (the sender's log is all its
+            # operator sees)
+            assert await resp.text() == ("request body of 5000 bytes exceeds the limit of "
+                                         "1000 bytes (server.max_body_bytes; send fewer "
+                                         "series per request)\n")
 
         async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
             for _ in range(10):
@@ -545,6 +549,9 @@ async def test_body_over_the_limit_is_413_declared_or_streamed(tmp_path: Path) -
 
         async with session.post(url, data=chunks(), headers=h) as resp:
             assert resp.status == 413
+            assert await resp.text() == ("request body exceeds the limit of 1000 bytes "
+                                         "(server.max_body_bytes; send fewer series per "
+                                         "request)\n")
     assert up.received == []
 
 
@@ -559,7 +566,35 @@ async def test_decoded_limit_is_413_before_decompressing(tmp_path: Path) -> None
                                 headers={"Content-Type": CT_V1,
                                          "Content-Encoding": "snappy"}) as resp:
             assert resp.status == 413
-            assert "exceeds the limit of 10000" in await resp.text()
+            assert await resp.text() == (
+                f"decoded body of {len(snappy.uncompress(body))} bytes exceeds the limit of "
+                "10000 bytes (server.max_decoded_bytes); send fewer series per request\n")
+
+
+@pytest.mark.parametrize("said", [
+    b"upstream boom\nsecond line",
+    b"<html>\r\n<body>\r\n  <h1>502 Bad Gateway</h1>\r\n</body>\r\n</html>\r\n",
+    b"err: series 1 refused\n\nerr: series 2 refused\n",
+])
+async def test_an_upstream_error_body_reaches_the_sender_on_one_line(
+        tmp_path: Path, said: bytes) -> None:
+    """A sender logs the first line of an error body alone (Prometheus reads up to its
+    first line break): an upstream's body of several lines lost all but its first to the
+    sender, the words after ``upstream answered 500:`` included."""
+    body = snappy.compress(series_v1({"__name__": "u"}))
+    headers = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+    async with (
+        ScriptedUpstream(Reply(500, body=said)) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+        session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
+                     headers=headers) as resp,
+    ):
+        text = await resp.text()
+        assert resp.status == 502
+    assert text.endswith("\n") and "\n" not in text[:-1] and "\r" not in text, text
+    words = said.decode().split()
+    assert text == "upstream answered 500: " + " ".join(words) + "\n", text
 
 
 async def test_series_out_counts_only_series_the_upstream_accepted(tmp_path: Path) -> None:

@@ -159,6 +159,26 @@ async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str |
         assert reply.body in answer.body
 
 
+@pytest.mark.parametrize(("reply", "said"), [
+    (Reply(504), "upstream answered 504: (an empty body)"),  # 504 stays, nothing added
+    (Reply(429), "upstream answered 429: (an empty body)"),
+    (Reply(408, body=b" \n"), "upstream answered 408: (an empty body)"),
+    (Reply(307, {"Location": "/elsewhere"}),
+     "answered 307: it is not a remote-write endpoint (proxy misconfigured; retry later)"),
+])
+async def test_an_empty_upstream_body_is_said_not_left_as_a_trailing_colon(
+        reply: Reply, said: str) -> None:
+    """``upstream answered 429: `` ended in a colon and nothing, as if cut off."""
+    async with ScriptedUpstream(reply) as up, opened(up.url) as u:
+        answer = await u.send(v1_body(), Protocol.V1)
+    text = answer.body.decode()
+    if reply.status == 504:  # the status passes as it is: the body too, empty
+        assert text == ""
+        return
+    assert text.endswith(said), text
+    assert not text.rstrip().endswith(":"), text
+
+
 def _no_zstd(rec: Received) -> Reply | None:
     """A receiver that reads no zstd (Debian's VictoriaMetrics 1.79)."""
     if rec.headers.get("Content-Encoding") == "zstd":

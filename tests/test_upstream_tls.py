@@ -23,7 +23,7 @@ def test_file_secret_rereads_on_change(tmp_path: Path) -> None:
     now = [0.0]
     path = tmp_path / "token"
     path.write_text("one")
-    secret = FileSecret(str(path), clock=lambda: now[0])
+    secret = FileSecret(str(path), header=True, clock=lambda: now[0])
     assert secret.get() == "one"
     path.write_text("two-longer")
     assert secret.get() == "one"  # not checked again within the interval
@@ -199,7 +199,7 @@ def token_gone(tmp_path: Path, caplog: pytest.LogCaptureFixture
     path = tmp_path / "token"
     path.write_text("one")
     caplog.set_level(logging.INFO, logger="karta.upstream")
-    secret = FileSecret(str(path), clock=lambda: now[0])
+    secret = FileSecret(str(path), header=True, clock=lambda: now[0])
     path.unlink()
     return secret, path, now
 
@@ -257,3 +257,37 @@ def test_a_credential_file_alternating_between_two_errors_is_two_warnings(
     now[0] += 1.5
     secret.get()
     assert len(warnings_()) == 3
+
+
+@pytest.mark.parametrize(("header", "text", "kept", "said"), [
+    # a token file rewritten with a second line: sent as it was, aiohttp refused every
+    # request (a 502 to every sender naming neither the file nor the header)
+    (True, b"secret-a\nsecret-b\n", "one", "holds 2 lines"),
+    (True, b"secret\x07token", "one", "a control character"),
+    # not UTF-8: a UnicodeDecodeError out of the request path
+    (True, b"secret\xfftoken", "one", "is not UTF-8 text (byte 6"),
+    (False, b"pass\xffword", "one", "is not UTF-8 text (byte 4"),
+    # a password goes base64-encoded into its header: a line break in it is its own
+    (False, b"pass\nword", "pass\nword", ""),
+])
+def test_a_credential_rewritten_unsendable_keeps_the_last_value_and_says_so_unquoted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, header: bool, text: bytes, kept: str,
+    said: str,
+) -> None:
+    now = [0.0]
+    path = tmp_path / "token"
+    path.write_text("one")
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    secret = FileSecret(str(path), header=header, clock=lambda: now[0])
+    path.write_bytes(text)
+    now[0] += 1.5
+    assert secret.get() == kept
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    if not said:
+        assert warned == []
+        return
+    assert [r.getMessage() for r in warned] == [
+        "cannot read credential file, keeping the last value"]
+    error = warned[0].__dict__["error"]
+    assert said in error and str(path) in error, error
+    assert "secret" not in error and "pass" not in error, error
