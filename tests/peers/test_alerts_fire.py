@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,9 +50,9 @@ def shipped_rules() -> dict[str, dict[str, Any]]:
             for r in g["rules"] if "alert" in r}
 
 
-def scrape(target: str, *, scheme: str = "http") -> dict[str, Any]:
+def scrape(*targets: str, scheme: str = "http") -> dict[str, Any]:
     job: dict[str, Any] = {"job_name": JOB, "scrape_interval": "1s", "scrape_timeout": "1s",
-                           "scheme": scheme, "static_configs": [{"targets": [target]}]}
+                           "scheme": scheme, "static_configs": [{"targets": list(targets)}]}
     if scheme == "https":
         job["tls_config"] = {"insecure_skip_verify": True}
     return job
@@ -109,11 +110,12 @@ async def fires(base: str, name: str, labels: dict[str, str] | None = None, *,
     return first
 
 
-async def scraped(base: str) -> None:
-    """Until Prometheus scrapes the proxy (its first scrape comes up to 5 s after its
-    start: the discovery's updates are throttled), so that a counter's rise is seen."""
+async def scraped(base: str, count: int = 1) -> None:
+    """Until Prometheus scrapes the ``count`` proxies (its first scrape comes up to 5 s
+    after its start: the discovery's updates are throttled), so that a counter's rise
+    is seen."""
     async def up() -> bool:
-        return bool(await query(base, f'up{{job="{JOB}"}} == 1'))
+        return len(await query(base, f'up{{job="{JOB}"}} == 1')) == count
 
     await wait_until(up, timeout=15, what="the proxy scraped")
 
@@ -240,3 +242,78 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
     assert await evaluated_at(base, "KartaIndexStale", now + 11 * 60) == [{"cluster": CLUSTER}]
     assert await evaluated_at(base, "KartaIndexStale", now) == []
     assert time.monotonic() - started_at < 60
+
+
+async def test_an_upstream_down_hung_or_misconfigured_fires_its_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """Three proxies scraped by one Prometheus, senders writing to each: one whose
+    upstream is down (nothing listens; its facts fail too), one whose upstream accepts
+    the connection and never answers (a hung TSDB) and takes one request at a time, one
+    whose upstream URL is a Prometheus path that is no remote-write endpoint."""
+    started_at = time.monotonic()
+    ports = {name: free_port() for name in ("down", "hung", "misconfigured")}
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(*(f"127.0.0.1:{p}" for p in ports.values()))])
+    instance = {name: f"127.0.0.1:{p}" for name, p in ports.items()}
+    with socket.socket() as hung:  # listens, never accepts: connects, then no answer
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        upstreams = {
+            "down": f"http://127.0.0.1:{free_port()}/api/v1/write",
+            "hung": f"http://127.0.0.1:{hung.getsockname()[1]}/api/v1/write",
+            "misconfigured": tsdb.base_url + "/api/v1/push",
+        }
+        proxies: list[Proxy] = []
+        try:
+            for name, port in ports.items():
+                s = settings_on(DEMO_SNAPSHOT, upstreams[name], port)
+                if name == "down":
+                    s.facts.enabled = True
+                    s.facts.interval_seconds = 0.5
+                if name == "hung":
+                    s.upstream.timeout_seconds = 1.0
+                    s.server.max_concurrent_requests = 1
+                    s.server.admission_wait_seconds = 0.0
+                proxies.append(await started(s))
+            await scraped(tsdb.base_url, count=3)
+            statuses: dict[str, set[int]] = {name: set() for name in ports}
+            async with aiohttp.ClientSession() as session:
+                async def write(name: str) -> None:
+                    url = f"http://{instance[name]}/api/v1/write"
+                    statuses[name].add(await send(session, url, [probe("p", {"a": name})]))
+
+                async def senders() -> None:
+                    """Senders at work all along, 10 writes a second to each (the alerts
+                    leave out a replica of fewer than 30 writes in their 5 minutes)."""
+                    writes: list[asyncio.Task[None]] = []
+                    try:
+                        for _ in range(600):  # at most a minute
+                            writes.extend(asyncio.create_task(write(n)) for n in ports)
+                            await asyncio.sleep(0.1)
+                    finally:
+                        await asyncio.wait_for(asyncio.gather(*writes), 10)
+
+                writing = asyncio.create_task(senders())
+                try:
+                    await alerts_of_a_failing_upstream(tsdb.base_url, instance)
+                finally:
+                    writing.cancel()
+                    await asyncio.gather(writing, return_exceptions=True)
+            assert statuses == {"down": {502}, "hung": {503, 504}, "misconfigured": {503}}
+        finally:
+            for p in proxies:
+                await p.stop()
+    assert time.monotonic() - started_at < 60
+
+
+async def alerts_of_a_failing_upstream(base: str, instance: dict[str, str]) -> None:
+    await fires(base, "KartaProxyUpstreamFailing", {"instance": instance["down"]})
+    await fires(base, "KartaProxyUpstreamFailing", {"instance": instance["hung"]})
+    await fires(base, "KartaProxyOverloaded", {"instance": instance["hung"]})
+    await fires(base, "KartaProxyFactWritesFailing", {"job": JOB})
+    await fires(base, "KartaProxyUpstreamMisconfigured", {
+        "instance": instance["misconfigured"], "reason": "not_write_endpoint"})
+    # the misconfigured upstream's 503s are that alert's, not the failing one's
+    failing = matching(await listed(base), "KartaProxyUpstreamFailing", {})
+    assert {a["labels"]["instance"] for a in failing} == {instance["down"], instance["hung"]}
