@@ -32,6 +32,9 @@ from proxy.config import Settings
 from proxy.demo_exporter import DEMO_SNAPSHOT
 from proxy.runtime import Proxy
 from proxy.sender import Series, send_series
+from tests.kube.conftest import deployment
+from tests.kubesim import KubeSim
+from tests.kubesim.resources import LEASE, POD
 from tests.peers.conftest import Peers, free_port, query, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -317,3 +320,62 @@ async def alerts_of_a_failing_upstream(base: str, instance: dict[str, str]) -> N
     # the misconfigured upstream's 503s are that alert's, not the failing one's
     failing = matching(await listed(base), "KartaProxyUpstreamFailing", {})
     assert {a["labels"]["instance"] for a in failing} == {instance["down"], instance["hung"]}
+
+
+def kube_settings(sim: KubeSim, upstream_url: str, port: int) -> Settings:
+    s = Settings()
+    s.kube.kubeconfig = str(sim.write_kubeconfig())
+    s.kube.resync_backoff_max_seconds = 0.5
+    s.upstream.url = upstream_url
+    s.upstream.timeout_seconds = 2.0
+    s.upstream.connect_timeout_seconds = 1.0
+    s.server.listen_address = f"127.0.0.1:{port}"
+    s.facts.interval_seconds = 0.5
+    s.facts.leader_election = True
+    s.facts.lease_namespace = "default"
+    s.facts.lease_duration_seconds = 2.0
+    return s
+
+
+async def test_an_api_server_refusing_fires_the_kubernetes_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """Two clusters (simulated API servers), one replica of the proxy's job on each: RBAC
+    refuses the pods to the first (never ready, its Pod kind forbidden); the second loads
+    its index but every Lease call fails (no replica leads the fact writer)."""
+    started_at = time.monotonic()
+    ports = {name: free_port() for name in ("refused", "leaseless")}
+    instance = {name: f"127.0.0.1:{p}" for name, p in ports.items()}
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(*instance.values())])
+    sims = {name: KubeSim(bookmark_interval=0.2, max_watch_seconds=5.0) for name in ports}
+    starts: list[asyncio.Task[None]] = []
+    proxies: list[Proxy] = []
+    try:
+        for sim in sims.values():
+            deployment(sim, "web", "shop", replicas=2)
+            await sim.start()
+        sims["refused"].fail_resource(POD, 403)
+        sims["leaseless"].fail_resource(LEASE, 500)
+        for name, sim in sims.items():
+            p = Proxy(kube_settings(sim, tsdb.base_url + "/api/v1/write", ports[name]))
+            proxies.append(p)
+            starts.append(asyncio.create_task(p.start()))  # the refused one never ends it
+        await asyncio.wait_for(starts[1], 20)
+        assert not proxies[0].index.ready and proxies[1].index.ready
+        await scraped(tsdb.base_url, count=2)
+        base = tsdb.base_url
+        await fires(base, "KartaIndexNotReady", {"instance": instance["refused"]})
+        await fires(base, "KartaKindForbidden", {"job": JOB, "resource": "Pod"})
+        await fires(base, "KartaFactWriterNoLeader", {"job": JOB})
+        assert [a["labels"]["instance"] for a in
+                matching(await listed(base), "KartaIndexNotReady", {})] == [instance["refused"]]
+    finally:
+        for task in starts:
+            task.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        for p in proxies:
+            await p.stop()
+        for sim in sims.values():
+            await sim.close()
+    assert time.monotonic() - started_at < 60
