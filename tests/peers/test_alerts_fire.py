@@ -18,6 +18,7 @@ are tested in their real condition", lists those that are not here and why.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import re
 import socket
 import time
@@ -36,6 +37,7 @@ from tests.kube.conftest import deployment
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import LEASE, POD
 from tests.peers.conftest import Peers, free_port, query, wait_until
+from tests.tls_certs import Authority, install
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "config" / "rules" / "karta-proxy.alerts.yaml"
@@ -378,4 +380,37 @@ async def test_an_api_server_refusing_fires_the_kubernetes_alerts(
             await p.stop()
         for sim in sims.values():
             await sim.close()
+    assert time.monotonic() - started_at < 60
+
+
+async def test_a_serving_certificate_near_its_end_or_refused_fires_its_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """A proxy serving HTTPS, scraped over it: its certificate ends in 5 days, then
+    files that do not load (a key of another certificate) are put in its place, then a
+    certificate that ends within a day."""
+    started_at = time.monotonic()
+    ca = Authority(tmp_path / "ca")
+    days = datetime.timedelta(days=1)
+    minutes = datetime.timedelta(minutes=-5)
+    serving = ca.issue("serving", server=True, valid=(minutes, 5 * days))
+    port = free_port()
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(f"127.0.0.1:{port}", scheme="https")])
+    s = settings_on(DEMO_SNAPSHOT, tsdb.base_url + "/api/v1/write", port)
+    s.server.tls_cert_file, s.server.tls_key_file = str(serving.cert), str(serving.key)
+    proxy = Proxy(s, tls_check_interval=0.2)
+    await asyncio.wait_for(proxy.start(), 20)
+    base, labels = tsdb.base_url, {"certificate": "serving", "job": JOB}
+    try:
+        await scraped(base)
+        await fires(base, "KartaProxyCertificateExpiringSoon", labels)
+        other = ca.issue("other", server=True)
+        serving.key.write_bytes(other.key.read_bytes())  # not the certificate's key
+        await fires(base, "KartaProxyCertificateReloadFailed", labels)
+        install(ca.issue("ending", server=True, valid=(minutes, days / 2)), serving)
+        await fires(base, "KartaProxyCertificateExpiryImminent", labels)
+        assert not matching(await listed(base), "KartaProxyCertificateExpiringSoon", {})
+    finally:
+        await proxy.stop()
     assert time.monotonic() - started_at < 60
