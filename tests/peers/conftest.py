@@ -145,16 +145,19 @@ class Peers:
     async def prometheus_receiver(
         self, name: str = "prom-receiver", *, rule_files: Sequence[Path] = (),
         evaluation_interval: str = "1m", extra: Sequence[str] = (),
+        scrape_configs: Sequence[dict[str, Any]] = (),
     ) -> Peer:
         """A receiving Prometheus; ``rule_files`` are evaluated every ``evaluation_interval``
         over what is written into it (the shipped recording rules, for the dashboards);
-        ``extra``: more flags (``--enable-feature=native-histograms``)."""
+        ``extra``: more flags (``--enable-feature=native-histograms``); ``scrape_configs``:
+        what it scrapes besides (a proxy's /metrics, for the alerts that read it)."""
         binary = need("prometheus")
         port = free_port()
         cfg = self.tmp / f"{name}.yml"
         cfg.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1m", "evaluation_interval": evaluation_interval},
             "rule_files": [str(f) for f in rule_files],
+            "scrape_configs": list(scrape_configs),
         }))
         p = self._peer(name, [
             binary, f"--config.file={cfg}", f"--storage.tsdb.path={self._dir(name)}",

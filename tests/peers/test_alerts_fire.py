@@ -1,0 +1,416 @@
+"""Every shipped alert that a bounded test can bring about fires in the condition it
+names, on what the proxy really serves on /metrics and really writes upstream.
+
+The promtool tests (tests/rules) feed hand-written series; here the condition is real (a
+description failing, a sender of another cluster, the upstream refusing, hung, down or
+misconfigured, a reload refused, the snapshot gone, the proxy stopped or restarting, the
+API server refusing, a certificate about to expire) and a real Prometheus 2.42 scrapes the
+proxy every second, receives its writes and evaluates the shipped alerts file every
+second. An alert counts as fired when Prometheus lists it (pending, or firing where the
+rule has no ``for``) with the labels its annotations name, the templates rendered, and
+keeps it over several evaluations with the same ``activeAt`` (the ``for`` itself cannot
+be waited out). Alerts whose condition is judged on the facts written over minutes or
+days (KartaFactsAbsent, KartaIndexStale) are evaluated by their expression, as the file
+has it, at a later time through the query API. docs/recording-rules.md, "Which alerts
+are tested in their real condition", lists those that are not here and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import re
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from proxy.config import Settings
+from proxy.demo_exporter import DEMO_SNAPSHOT
+from proxy.runtime import Proxy
+from proxy.sender import Series, send_series
+from tests.kube.conftest import deployment
+from tests.kubesim import KubeSim
+from tests.kubesim.resources import LEASE, POD
+from tests.peers.conftest import Peers, free_port, query, wait_until
+from tests.tls_certs import Authority, install
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS = ROOT / "config" / "rules" / "karta-proxy.alerts.yaml"
+JOB = "karta-proxy"
+CLUSTER = "alerts-test"
+#: how long an alert must stay listed, unchanged, for the test to believe it: several
+#: scrapes and evaluations (both every second)
+HOLD_SECONDS = 3.0
+#: labels a rule keeps when the scrape or the ruler adds them; none does here
+OPTIONAL = frozenset({"cluster", "namespace"})
+
+
+def shipped_rules() -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"]
+            for r in g["rules"] if "alert" in r}
+
+
+def scrape(*targets: str, scheme: str = "http") -> dict[str, Any]:
+    job: dict[str, Any] = {"job_name": JOB, "scrape_interval": "1s", "scrape_timeout": "1s",
+                           "scheme": scheme, "static_configs": [{"targets": list(targets)}]}
+    if scheme == "https":
+        job["tls_config"] = {"insecure_skip_verify": True}
+    return job
+
+
+async def listed(base: str) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.get(
+            base + "/api/v1/alerts", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        body = await r.json()
+    assert body.get("status") == "success", body
+    return list(body["data"]["alerts"])
+
+
+def matching(alerts: Sequence[dict[str, Any]], name: str, labels: dict[str, str]
+             ) -> list[dict[str, Any]]:
+    return [a for a in alerts if a["labels"].get("alertname") == name
+            and all(a["labels"].get(k) == v for k, v in labels.items())]
+
+
+def rendered_whole(alert: dict[str, Any]) -> None:
+    """Its annotations rendered: no label the template names is missing from what the
+    expression keeps, no template error."""
+    name = alert["labels"]["alertname"]
+    rule = shipped_rules()[name]
+    named = set(re.findall(r"\$labels\.(\w+)", " ".join(rule["annotations"].values())))
+    assert named - set(alert["labels"]) <= OPTIONAL, (name, named - set(alert["labels"]))
+    for key, text in alert["annotations"].items():
+        assert "<no value>" not in text and "error expanding" not in text, (name, key, text)
+
+
+async def fires(base: str, name: str, labels: dict[str, str] | None = None, *,
+                timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until Prometheus lists the alert (with ``labels``), then check it stays
+    listed with the same ``activeAt`` for HOLD_SECONDS: a condition that holds only for
+    one scrape never outlasts a ``for``."""
+    want = labels or {}
+    found: list[dict[str, Any]] = []
+
+    async def listed_now() -> bool:
+        found[:] = matching(await listed(base), name, want)
+        return bool(found)
+
+    try:
+        await wait_until(listed_now, timeout=timeout, what=f"{name}{want} listed")
+    except AssertionError:
+        present = sorted({a["labels"]["alertname"] for a in await listed(base)})
+        raise AssertionError(f"{name}{want} never listed; listed: {present}") from None
+    (first,) = found
+    rendered_whole(first)
+    deadline = time.monotonic() + HOLD_SECONDS
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        now = matching(await listed(base), name, want)
+        assert [a["activeAt"] for a in now] == [first["activeAt"]], (name, first, now)
+    return first
+
+
+async def scraped(base: str, count: int = 1) -> None:
+    """Until Prometheus scrapes the ``count`` proxies (its first scrape comes up to 5 s
+    after its start: the discovery's updates are throttled), so that a counter's rise
+    is seen."""
+    async def up() -> bool:
+        return len(await query(base, f'up{{job="{JOB}"}} == 1')) == count
+
+    await wait_until(up, timeout=15, what="the proxy scraped")
+
+
+async def evaluated_at(base: str, name: str, at: float) -> list[dict[str, str]]:
+    """The label sets the alert's expression, as the file has it, returns at ``at``."""
+    return [r["metric"] for r in await query(base, shipped_rules()[name]["expr"], at)]
+
+
+def probe(name: str, labels: dict[str, str], ts_ms: int | None = None) -> Series:
+    ts = int(time.time() * 1000) if ts_ms is None else ts_ms
+    return Series({"__name__": name, **labels}, [(ts, 1.0)])
+
+
+async def send(session: aiohttp.ClientSession, url: str, series: Sequence[Series]) -> int:
+    status, _, _ = await send_series(url, list(series), session=session, timeout=10)
+    return status
+
+
+def settings_on(snapshot: Path, upstream_url: str, port: int) -> Settings:
+    s = Settings()
+    s.snapshot = str(snapshot)
+    s.snapshot_reload_seconds = 0.5
+    s.upstream.url = upstream_url
+    s.upstream.timeout_seconds = 2.0
+    s.upstream.connect_timeout_seconds = 1.0
+    s.server.listen_address = f"127.0.0.1:{port}"
+    s.facts.enabled = False
+    return s
+
+
+async def started(settings: Settings) -> Proxy:
+    p = Proxy(settings)
+    try:
+        await asyncio.wait_for(p.start(), 20)
+    except BaseException:
+        await p.stop()
+        raise
+    return p
+
+
+#: 5 pods of one namespace that no description covers: unattributed (no_described_owner),
+#: enough for KartaPodsUnattributed
+STRAYS = "strays"
+MPI_UID = "00000000-0000-4000-8000-000000000100"
+
+
+def demo_snapshot_with_faults(tmp: Path) -> Path:
+    """The demo cluster, its RayJob description's phase path failing on every RayJob (a
+    jq error at run time: ``tonumber`` of "RUNNING"), and an MPIJob of 5 pods in a
+    namespace of its own."""
+    text = DEMO_SNAPSHOT.read_text()
+    assert text.count("path: .status.jobStatus\n") == 1
+    text = text.replace("path: .status.jobStatus\n", "path: .status.jobStatus | tonumber\n")
+    text += (f"---\napiVersion: kubeflow.org/v2beta1\nkind: MPIJob\nmetadata:\n  name: mpi\n"
+             f"  namespace: {STRAYS}\n  uid: {MPI_UID}\nspec: {{}}\n")
+    for i in range(5):
+        text += (f"---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: mpi-worker-{i}\n"
+                 f"  namespace: {STRAYS}\n  uid: 00000000-0000-4000-8000-00000000000{i}\n"
+                 "  ownerReferences:\n  - {apiVersion: kubeflow.org/v2beta1, kind: MPIJob, "
+                 f"name: mpi, uid: {MPI_UID}, controller: true}}\n"
+                 "spec:\n  nodeName: cpu-node-1\n  containers:\n  - {name: c, image: busybox}\n"
+                 "status: {phase: Running}\n")
+    path = tmp / "snapshot.yaml"
+    path.write_text(text)
+    return path
+
+
+async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """One proxy on a snapshot, its facts and /metrics in one Prometheus: a description
+    that fails at run time from the start, a sender of another cluster, the upstream
+    refusing samples too old, 5 pods of a namespace unattributed, a reload refused, the
+    snapshot gone; then the proxy stopped: down, and (evaluated 11 and 31 minutes on)
+    its facts absent and its index stale."""
+    started_at = time.monotonic()
+    port = free_port()
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(f"127.0.0.1:{port}")])
+    descriptions = tmp_path / "descriptions"
+    descriptions.mkdir()
+    s = settings_on(demo_snapshot_with_faults(tmp_path), tsdb.base_url + "/api/v1/write", port)
+    s.facts.enabled = True
+    s.facts.interval_seconds = 0.5
+    s.facts.external_labels = {"cluster": CLUSTER}
+    s.karta.description_paths = [str(descriptions)]
+    proxy = await started(s)
+    base, url = tsdb.base_url, f"http://127.0.0.1:{port}/api/v1/write"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def facts_in() -> bool:
+                return bool(await query(base, f'karta_contract_info{{cluster="{CLUSTER}"}}'))
+
+            await wait_until(facts_in, timeout=15, what="the first facts written")
+            await scraped(base)
+            sent = time.monotonic()
+            while time.monotonic() - sent < 4.0:  # a sender at work, some of it refused
+                now_ms = int(time.time() * 1000)
+                mine, theirs = {"cluster": CLUSTER}, {"cluster": "elsewhere"}
+                assert await send(session, url, [probe("ok_probe", mine)]) == 204
+                assert await send(session, url, [probe("far_probe", theirs)]) == 204
+                assert await send(session, url, [probe(
+                    "old_probe", {"cluster": CLUSTER}, now_ms - 3 * 3600_000)]) == 400
+                await asyncio.sleep(0.2)
+            await fires(base, "KartaProxyOtherClusterSeries", {"job": JOB})
+            await fires(base, "KartaProxyUpstreamRefusing", {"job": JOB})
+            await fires(base, "KartaPodsUnattributed",
+                        {"cluster": CLUSTER, "karta_namespace": STRAYS})
+            await fires(base, "KartaProxyDescriptionErrors", {"where": "status", "job": JOB})
+
+            (descriptions / "broken.yaml").write_text("kind: Karta\nspec: [not, a, map\n")
+            assert not (await proxy.reload()).ok
+            await fires(base, "KartaProxyConfigReloadFailed", {"job": JOB})
+
+            (tmp_path / "snapshot.yaml").rename(tmp_path / "snapshot.moved")
+            await fires(base, "KartaProxyIndexStale", {"job": JOB})
+    finally:
+        await proxy.stop()
+    await fires(base, "KartaProxyDown", {"job": JOB, "instance": f"127.0.0.1:{port}"})
+    now = time.time()
+    assert await evaluated_at(base, "KartaFactsAbsent", now + 31 * 60) == [{"cluster": CLUSTER}]
+    assert await evaluated_at(base, "KartaFactsAbsent", now) == []
+    assert await evaluated_at(base, "KartaIndexStale", now + 11 * 60) == [{"cluster": CLUSTER}]
+    assert await evaluated_at(base, "KartaIndexStale", now) == []
+    assert time.monotonic() - started_at < 60
+
+
+async def test_an_upstream_down_hung_or_misconfigured_fires_its_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """Three proxies scraped by one Prometheus, senders writing to each: one whose
+    upstream is down (nothing listens; its facts fail too), one whose upstream accepts
+    the connection and never answers (a hung TSDB) and takes one request at a time, one
+    whose upstream URL is a Prometheus path that is no remote-write endpoint."""
+    started_at = time.monotonic()
+    ports = {name: free_port() for name in ("down", "hung", "misconfigured")}
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(*(f"127.0.0.1:{p}" for p in ports.values()))])
+    instance = {name: f"127.0.0.1:{p}" for name, p in ports.items()}
+    with socket.socket() as hung:  # listens, never accepts: connects, then no answer
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        upstreams = {
+            "down": f"http://127.0.0.1:{free_port()}/api/v1/write",
+            "hung": f"http://127.0.0.1:{hung.getsockname()[1]}/api/v1/write",
+            "misconfigured": tsdb.base_url + "/api/v1/push",
+        }
+        proxies: list[Proxy] = []
+        try:
+            for name, port in ports.items():
+                s = settings_on(DEMO_SNAPSHOT, upstreams[name], port)
+                if name == "down":
+                    s.facts.enabled = True
+                    s.facts.interval_seconds = 0.5
+                if name == "hung":
+                    s.upstream.timeout_seconds = 1.0
+                    s.server.max_concurrent_requests = 1
+                    s.server.admission_wait_seconds = 0.0
+                proxies.append(await started(s))
+            await scraped(tsdb.base_url, count=3)
+            statuses: dict[str, set[int]] = {name: set() for name in ports}
+            async with aiohttp.ClientSession() as session:
+                async def write(name: str) -> None:
+                    url = f"http://{instance[name]}/api/v1/write"
+                    statuses[name].add(await send(session, url, [probe("p", {"a": name})]))
+
+                async def senders() -> None:
+                    """Senders at work all along, 10 writes a second to each (the alerts
+                    leave out a replica of fewer than 30 writes in their 5 minutes)."""
+                    writes: list[asyncio.Task[None]] = []
+                    try:
+                        for _ in range(600):  # at most a minute
+                            writes.extend(asyncio.create_task(write(n)) for n in ports)
+                            await asyncio.sleep(0.1)
+                    finally:
+                        await asyncio.wait_for(asyncio.gather(*writes), 10)
+
+                writing = asyncio.create_task(senders())
+                try:
+                    await alerts_of_a_failing_upstream(tsdb.base_url, instance)
+                finally:
+                    writing.cancel()
+                    await asyncio.gather(writing, return_exceptions=True)
+            assert statuses == {"down": {502}, "hung": {503, 504}, "misconfigured": {503}}
+        finally:
+            for p in proxies:
+                await p.stop()
+    assert time.monotonic() - started_at < 60
+
+
+async def alerts_of_a_failing_upstream(base: str, instance: dict[str, str]) -> None:
+    await fires(base, "KartaProxyUpstreamFailing", {"instance": instance["down"]})
+    await fires(base, "KartaProxyUpstreamFailing", {"instance": instance["hung"]})
+    await fires(base, "KartaProxyOverloaded", {"instance": instance["hung"]})
+    await fires(base, "KartaProxyFactWritesFailing", {"job": JOB})
+    await fires(base, "KartaProxyUpstreamMisconfigured", {
+        "instance": instance["misconfigured"], "reason": "not_write_endpoint"})
+    # the misconfigured upstream's 503s are that alert's, not the failing one's
+    failing = matching(await listed(base), "KartaProxyUpstreamFailing", {})
+    assert {a["labels"]["instance"] for a in failing} == {instance["down"], instance["hung"]}
+
+
+def kube_settings(sim: KubeSim, upstream_url: str, port: int) -> Settings:
+    s = Settings()
+    s.kube.kubeconfig = str(sim.write_kubeconfig())
+    s.kube.resync_backoff_max_seconds = 0.5
+    s.upstream.url = upstream_url
+    s.upstream.timeout_seconds = 2.0
+    s.upstream.connect_timeout_seconds = 1.0
+    s.server.listen_address = f"127.0.0.1:{port}"
+    s.facts.interval_seconds = 0.5
+    s.facts.leader_election = True
+    s.facts.lease_namespace = "default"
+    s.facts.lease_duration_seconds = 2.0
+    return s
+
+
+async def test_an_api_server_refusing_fires_the_kubernetes_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """Two clusters (simulated API servers), one replica of the proxy's job on each: RBAC
+    refuses the pods to the first (never ready, its Pod kind forbidden); the second loads
+    its index but every Lease call fails (no replica leads the fact writer)."""
+    started_at = time.monotonic()
+    ports = {name: free_port() for name in ("refused", "leaseless")}
+    instance = {name: f"127.0.0.1:{p}" for name, p in ports.items()}
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(*instance.values())])
+    sims = {name: KubeSim(bookmark_interval=0.2, max_watch_seconds=5.0) for name in ports}
+    starts: list[asyncio.Task[None]] = []
+    proxies: list[Proxy] = []
+    try:
+        for sim in sims.values():
+            deployment(sim, "web", "shop", replicas=2)
+            await sim.start()
+        sims["refused"].fail_resource(POD, 403)
+        sims["leaseless"].fail_resource(LEASE, 500)
+        for name, sim in sims.items():
+            p = Proxy(kube_settings(sim, tsdb.base_url + "/api/v1/write", ports[name]))
+            proxies.append(p)
+            starts.append(asyncio.create_task(p.start()))  # the refused one never ends it
+        await asyncio.wait_for(starts[1], 20)
+        assert not proxies[0].index.ready and proxies[1].index.ready
+        await scraped(tsdb.base_url, count=2)
+        base = tsdb.base_url
+        await fires(base, "KartaIndexNotReady", {"instance": instance["refused"]})
+        await fires(base, "KartaKindForbidden", {"job": JOB, "resource": "Pod"})
+        await fires(base, "KartaFactWriterNoLeader", {"job": JOB})
+        assert [a["labels"]["instance"] for a in
+                matching(await listed(base), "KartaIndexNotReady", {})] == [instance["refused"]]
+    finally:
+        for task in starts:
+            task.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        for p in proxies:
+            await p.stop()
+        for sim in sims.values():
+            await sim.close()
+    assert time.monotonic() - started_at < 60
+
+
+async def test_a_serving_certificate_near_its_end_or_refused_fires_its_alerts(
+        peers: Peers, tmp_path: Path) -> None:
+    """A proxy serving HTTPS, scraped over it: its certificate ends in 5 days, then
+    files that do not load (a key of another certificate) are put in its place, then a
+    certificate that ends within a day."""
+    started_at = time.monotonic()
+    ca = Authority(tmp_path / "ca")
+    days = datetime.timedelta(days=1)
+    minutes = datetime.timedelta(minutes=-5)
+    serving = ca.issue("serving", server=True, valid=(minutes, 5 * days))
+    port = free_port()
+    tsdb = await peers.prometheus_receiver(
+        rule_files=[ALERTS], evaluation_interval="1s",
+        scrape_configs=[scrape(f"127.0.0.1:{port}", scheme="https")])
+    s = settings_on(DEMO_SNAPSHOT, tsdb.base_url + "/api/v1/write", port)
+    s.server.tls_cert_file, s.server.tls_key_file = str(serving.cert), str(serving.key)
+    proxy = Proxy(s, tls_check_interval=0.2)
+    await asyncio.wait_for(proxy.start(), 20)
+    base, labels = tsdb.base_url, {"certificate": "serving", "job": JOB}
+    try:
+        await scraped(base)
+        await fires(base, "KartaProxyCertificateExpiringSoon", labels)
+        other = ca.issue("other", server=True)
+        serving.key.write_bytes(other.key.read_bytes())  # not the certificate's key
+        await fires(base, "KartaProxyCertificateReloadFailed", labels)
+        install(ca.issue("ending", server=True, valid=(minutes, days / 2)), serving)
+        await fires(base, "KartaProxyCertificateExpiryImminent", labels)
+        assert not matching(await listed(base), "KartaProxyCertificateExpiringSoon", {})
+    finally:
+        await proxy.stop()
+    assert time.monotonic() - started_at < 60
