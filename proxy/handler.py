@@ -64,6 +64,7 @@ from proxy.wire.native import Splicer, split_v1
 from proxy.wire.plan import (
     REASON_LABEL_LIMIT,
     REASON_OTHER_CLUSTER,
+    SPLICE_REASONS,
     OverLimit,
     SplicePlan,
     SpliceResult,
@@ -316,6 +317,8 @@ class RemoteWriteHandler:
         self._durations = metrics.request_duration.series
         self._series = metrics.series.values
         self._unattributed = metrics.unattributed.values
+        for reason in SPLICE_REASONS:  # present at 0 before the first (plan.SPLICE_REASONS)
+            self._unattributed[(reason,)] += 0
         #: requests admitted and not yet answered (karta_proxy_inflight_requests)
         self._inflight = 0
         metrics.inflight.set_function(lambda: self._inflight)

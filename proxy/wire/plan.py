@@ -28,6 +28,11 @@ REASON_LABEL_LIMIT = "label_limit"
 #: the series names another cluster than the proxy's (``SplicePlan.cluster``): stamped
 #: with this cluster's pods it would charge them to that cluster's workloads of the name
 REASON_OTHER_CLUSTER = "other_cluster"
+#: the reasons above, each exposed at 0 from the start: an alert's ``increase()`` over a
+#: series made by its first increment misses that burst (KartaProxyOtherClusterSeries
+#: slept through a first sender of another cluster)
+SPLICE_REASONS = (REASON_NO_POD_LABEL, REASON_POD_UNKNOWN, REASON_LABEL_LIMIT,
+                  REASON_OTHER_CLUSTER)
 NAME_LABEL = b"__name__"
 #: labels of this prefix belong to the proxy: a sender's are dropped (``drop_sent``)
 KARTA_PREFIX = b"karta_"
