@@ -159,13 +159,22 @@ def read_proto(text: str) -> dict[str, dict[str, tuple[int, bool, Any]]]:
     return messages
 
 
+def _is_repeated(field: Any) -> bool:
+    """``FieldDescriptor.is_repeated`` came in protobuf 6.31 and ``label`` went in 7: the
+    runtime bound (pyproject, 5.26) is older than the one and the tested newest has only the
+    other, so the wire-shape checks read whichever the installed protobuf has."""
+    if hasattr(field, "is_repeated"):
+        return bool(field.is_repeated)
+    return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+
+
 def _module_fields(mod: ModuleType) -> dict[str, dict[str, tuple[int, bool, Any]]]:
     out: dict[str, dict[str, tuple[int, bool, Any]]] = {}
 
     def visit(desc: Any) -> None:
         fields = {}
         for f in desc.fields:
-            repeated = f.is_repeated
+            repeated = _is_repeated(f)
             kind: Any = f.type
             if f.type == FieldDescriptor.TYPE_MESSAGE:
                 kind = f.message_type.name
@@ -202,7 +211,7 @@ def test_reader_sees_a_changed_field_number() -> None:
 
 
 def _wire_shape(desc: Any) -> dict[int, tuple[int, bool]]:
-    return {f.number: (f.type, f.is_repeated) for f in desc.fields}
+    return {f.number: (f.type, _is_repeated(f)) for f in desc.fields}
 
 
 def _compare_with_upstream(

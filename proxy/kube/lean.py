@@ -12,7 +12,7 @@ So the four packages (``kubernetes_asyncio``, its ``client``, ``client.api`` and
 a name asked of one is imported from the module its ``__init__`` would have taken it from
 (read from that file's own ``from ... import`` lines), alone. ``ApiClient`` loads
 ``api_client`` and what it imports; the Lease's ``CoordinationV1Api`` and ``V1Lease``
-their two modules. A name the ``__init__`` does not import (``__all__``, say) runs the
+their two modules. A name the ``__init__`` does not import (``__version__``, say) runs the
 real ``__init__`` once, so anything that reaches for the whole package still gets it:
 leanness is never bought with a missing name.
 

@@ -81,7 +81,7 @@ assert not lean, lean  # lean until then
 from kubernetes_asyncio.client import V1Pod
 assert V1Pod.__name__ == "V1Pod"
 import kubernetes_asyncio
-assert "watch" in kubernetes_asyncio.__all__
+assert kubernetes_asyncio.__project__ == "kubernetes_asyncio"  # set, not imported: whole
 import kubernetes_asyncio.watch
 from kubernetes_asyncio.client.models import *  # the real __init__, run once
 assert V1Deployment.__module__ == "kubernetes_asyncio.client.models.v1_deployment"

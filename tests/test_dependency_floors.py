@@ -1,0 +1,83 @@
+"""pyproject.toml's lower bounds are releases the proxy and its checks work on.
+
+A user whose environment already holds an older allowed release (a distro package, a
+shared image) gets it: a bound older than an API the code uses is an install that succeeds
+and a proxy that fails at run time. Each floor below is the first release with something
+the code relies on, found by installing every bound as it is declared
+(``bash .ci/lowest-deps``) and bisecting the failing package; a bound lowered past one,
+or a floor raised here without the bound, fails this test before it reaches a user.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+#: package -> (first release that works, what needs it)
+FLOORS: dict[str, tuple[str, str]] = {
+    "aiohttp": ("3.14.4", "RequestHandler._pause_transport_reading, _resume_transport_reading "
+                          "and _buffer_paused (proxy/connection_guard.py's hold)"),
+    "cachetools": ("5.5", "TTLCache.expire() returning what expired (proxy/index.py's "
+                          "tombstones; before 5.5 /metrics failed mid-page)"),
+    "cramjam": ("2.11", "zstd.compress declaring the frame's content size (proxy/compression"
+                        ".py: the upstream body's size is checked before it is decoded)"),
+    "pytest": ("8.2", "pytest-asyncio 0.24's own floor"),
+    "pytest-asyncio": ("0.24", "the asyncio_default_fixture_loop_scope option (pyproject); "
+                               "0.23.0-0.23.4 fail collection on pytest 8"),
+    "ruff": ("0.15.8", "`ruff check .` clean (older: F811/F821/UP027/UP038 here)"),
+    "mypy": ("1.20.1", "`mypy proxy tests benchmarks` clean (older: 1 to 31 errors)"),
+}
+
+
+def declared() -> dict[str, Requirement]:
+    """The runtime dependencies and the test extra, by canonical name."""
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+    reqs = [Requirement(r) for r in
+            project["dependencies"] + project["optional-dependencies"]["test"]]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def lower_bound(req: Requirement) -> Version | None:
+    """The ``>=`` bound, the version a lowest-bounds install takes."""
+    lows = [Version(s.version) for s in req.specifier if s.operator == ">="]
+    return max(lows) if lows else None
+
+
+@pytest.mark.parametrize("package", sorted(FLOORS))
+def test_a_bound_is_no_older_than_its_floor(package: str) -> None:
+    floor, needs = FLOORS[package]
+    req = declared()[canonicalize_name(package)]
+    low = lower_bound(req)
+    assert low is not None and low >= Version(floor), (
+        f"pyproject.toml declares {req}, but {package} {floor} is the first with {needs}")
+
+
+def test_every_dependency_has_a_lower_bound() -> None:
+    """What .ci/lowest-deps pins: a dependency with no ``>=`` is untested at its oldest.
+    The stub packages are the exception (types only; mypy's floor covers them)."""
+    unbounded = [str(r) for name, r in declared().items()
+                 if lower_bound(r) is None and not name.startswith("types-")]
+    assert not unbounded
+
+
+def test_the_installed_releases_meet_the_floors() -> None:
+    """An environment assembled around pip (a distro package, --no-deps) can still hold
+    an older release than the bound: the suite says so first, by name."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    old = []
+    for package, (floor, needs) in FLOORS.items():
+        try:
+            have = Version(version(package))
+        except PackageNotFoundError:
+            continue
+        if have < Version(floor):
+            old.append(f"{package} {have} < {floor}: {needs}")
+    assert not old
