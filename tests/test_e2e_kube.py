@@ -69,10 +69,12 @@ def kube_settings(sim: KubeSim, upstream_url: str) -> Settings:
     return s
 
 
-async def start_proxy(settings: Settings) -> Proxy:
+async def start_proxy(settings: Settings, timeout: float = 15.0) -> Proxy:
+    """A proxy started on ``settings``; stopped again when its start fails or outlasts
+    ``timeout``, so no task of it outlives the test."""
     p = Proxy(settings)
     try:
-        await asyncio.wait_for(p.start(), 15)
+        await asyncio.wait_for(p.start(), timeout)
     except BaseException:
         await p.stop()
         raise

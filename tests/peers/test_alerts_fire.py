@@ -37,6 +37,7 @@ from tests.kube.conftest import deployment
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import LEASE, POD
 from tests.peers.conftest import Peers, free_port, query, wait_until
+from tests.test_e2e_kube import start_proxy
 from tests.tls_certs import Authority, install
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,16 +153,6 @@ def settings_on(snapshot: Path, upstream_url: str, port: int) -> Settings:
     return s
 
 
-async def started(settings: Settings) -> Proxy:
-    p = Proxy(settings)
-    try:
-        await asyncio.wait_for(p.start(), 20)
-    except BaseException:
-        await p.stop()
-        raise
-    return p
-
-
 #: 5 pods of one namespace that no description covers: unattributed (no_described_owner),
 #: enough for KartaPodsUnattributed
 STRAYS = "strays"
@@ -208,7 +199,7 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
     s.facts.interval_seconds = 0.5
     s.facts.external_labels = {"cluster": CLUSTER}
     s.karta.description_paths = [str(descriptions)]
-    proxy = await started(s)
+    proxy = await start_proxy(s, 20)
     base, url = tsdb.base_url, f"http://127.0.0.1:{port}/api/v1/write"
     try:
         async with aiohttp.ClientSession() as session:
@@ -282,7 +273,7 @@ async def test_an_upstream_down_hung_or_misconfigured_fires_its_alerts(
                     s.upstream.timeout_seconds = 1.0
                     s.server.max_concurrent_requests = 1
                     s.server.admission_wait_seconds = 0.0
-                proxies.append(await started(s))
+                proxies.append(await start_proxy(s, 20))
             await scraped(tsdb.base_url, count=3)
             statuses: dict[str, set[int]] = {name: set() for name in ports}
             async with aiohttp.ClientSession() as session:
