@@ -37,6 +37,7 @@ from tests.kube.conftest import deployment
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import LEASE, POD
 from tests.peers.conftest import Peers, free_port, query, wait_until
+from tests.test_e2e_kube import kube_settings as e2e_kube_settings
 from tests.test_e2e_kube import start_proxy
 from tests.tls_certs import Authority, install
 
@@ -321,14 +322,12 @@ async def alerts_of_a_failing_upstream(base: str, instance: dict[str, str]) -> N
 
 
 def kube_settings(sim: KubeSim, upstream_url: str, port: int) -> Settings:
-    s = Settings()
-    s.kube.kubeconfig = str(sim.write_kubeconfig())
-    s.kube.resync_backoff_max_seconds = 0.5
-    s.upstream.url = upstream_url
+    """test_e2e_kube's settings on the simulator, on ``port``, shorter upstream timeouts
+    and the fact writer's election on a 2 s lease."""
+    s = e2e_kube_settings(sim, upstream_url)
     s.upstream.timeout_seconds = 2.0
     s.upstream.connect_timeout_seconds = 1.0
     s.server.listen_address = f"127.0.0.1:{port}"
-    s.facts.interval_seconds = 0.5
     s.facts.leader_election = True
     s.facts.lease_namespace = "default"
     s.facts.lease_duration_seconds = 2.0
