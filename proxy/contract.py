@@ -204,6 +204,14 @@ JQ_SANDBOX_METRICS: tuple[str, ...] = (OP_JQ_SANDBOX_RESTARTS, OP_JQ_QUARANTINED
 #: jq sandbox metrics above), so their names, types and labels are named here
 OP_REQUESTS = "karta_proxy_requests_total"
 OP_REQUESTS_REJECTED = "karta_proxy_requests_rejected_total"
+#: ``reason`` of OP_REQUESTS_REJECTED, every one present at 0 from the start (since
+#: 1.10.0): a counter made by its first increment shows no ``increase()`` for it, so a
+#: first refusal, or a burst, would never reach an alert's rate
+REJECT_REASONS: tuple[str, ...] = (
+    "overload", "too_large", "not_ready", "unsupported_media_type", "method",
+    "invalid_tenant", "invalid_header", "karta_extra_label", "header_timeout",
+    "body_timeout", "body_too_slow", "expectation", "client_closed", "bad_http",
+    "header_too_large", "send_timeout", "thread_limit", "out_of_memory")
 OP_UPSTREAM_RESPONSES = "karta_proxy_upstream_responses_total"
 OP_UPSTREAM_MISCONFIGURED = "karta_proxy_upstream_misconfigured_total"
 OP_UPSTREAM_INFO = "karta_proxy_upstream_info"

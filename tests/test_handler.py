@@ -3,6 +3,7 @@ small snapshot, forwarding to a scripted loopback receiver."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import gc
 import itertools
@@ -23,8 +24,10 @@ import snappy
 from yarl import URL
 
 from proxy.config import UpstreamProtocol, validate
+from proxy.contract import REJECT_REASONS
 from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES
 from proxy.runtime import Proxy
+from proxy.wire.plan import SPLICE_REASONS
 from proxy.wire.primitives import Protocol
 from tests.proxy_harness import (
     CART,
@@ -87,6 +90,47 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
         proxy_running(tmp_path, up) as p,
     ):
         yield Running(p, up, session)
+
+
+async def test_every_refusal_and_unattributed_reason_is_exposed_at_0_from_the_start(
+        running: Running) -> None:
+    # a counter made by its first increment shows no increase() for it: the first
+    # refusal of a kind, or a burst of them, never reached an alert's rate
+    registry = running.proxy.metrics.registry
+    for reason in REJECT_REASONS:
+        assert registry.get_sample_value("karta_proxy_requests_rejected_total",
+                                         {"reason": reason}) == 0.0, reason
+    for reason in SPLICE_REASONS:
+        assert registry.get_sample_value("karta_proxy_series_unattributed_total",
+                                         {"reason": reason}) == 0.0, reason
+
+
+def _refusal_reasons_counted(source: str) -> set[str]:
+    """The reasons a module's code counts in requests_rejected_total: a refusal's
+    ``kind`` with ``counter="reject"``, or ``.rejected.labels("...")``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        counter, kind = keywords.get("counter"), keywords.get("kind")
+        if (isinstance(counter, ast.Constant) and counter.value == "reject"
+                and isinstance(kind, ast.Constant)):
+            found.add(str(kind.value))
+        if (isinstance(node.func, ast.Attribute) and node.func.attr == "labels"
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "rejected" and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            found.add(str(node.args[0].value))
+    return found
+
+
+def test_every_refusal_reason_the_code_counts_is_in_the_contract() -> None:
+    import proxy.handler
+    # the contract's list is what the handler counts: none unlisted (it would be born
+    # at its first increment), none listed that nothing counts
+    counted = _refusal_reasons_counted(Path(proxy.handler.__file__).read_text())
+    assert counted == set(REJECT_REASONS)
 
 
 async def test_v1_enriches_attributable_series_and_passes_the_rest(running: Running) -> None:
