@@ -73,7 +73,10 @@ class FileSecret:
         except (OSError, CredentialError) as e:
             if str(e) not in self._errors:
                 self._errors.add(str(e))
-                log.warning("cannot read credential file, keeping the last value",
+                # read but not sendable (CredentialError) is not "cannot read": the
+                # operator looks at the file's content, not its permissions
+                what = "cannot use" if isinstance(e, CredentialError) else "cannot read"
+                log.warning(f"{what} credential file, keeping the last value",
                             extra={"path": self.path, "error": str(e)})
             return self._value
         if self._errors:

@@ -287,7 +287,7 @@ def test_a_credential_rewritten_unsendable_keeps_the_last_value_and_says_so_unqu
         assert warned == []
         return
     assert [r.getMessage() for r in warned] == [
-        "cannot read credential file, keeping the last value"]
+        "cannot use credential file, keeping the last value"]
     error = warned[0].__dict__["error"]
     assert said in error and str(path) in error, error
     assert "secret" not in error and "pass" not in error, error
