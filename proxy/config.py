@@ -1228,6 +1228,28 @@ def cluster_check_off(settings: Settings) -> str:
             "label, \"\" turns this line off)")
 
 
+#: the ``cluster`` of the shipped ConfigMaps (config/kubernetes/*/configmap.yaml), to be
+#: changed in every cluster
+PLACEHOLDER_CLUSTER = "my-cluster"
+
+
+def placeholder_cluster(settings: Settings) -> str:
+    """The warning of a start (or a reload) whose cluster is still the shipped ConfigMaps'
+    placeholder, else "". Two clusters left at it merge into one in a shared TSDB, and
+    since the cluster check (1.10.0) an agent that sends its real cluster name has every
+    series forwarded unstamped: an upgrade that kept the ConfigMap lost all attribution,
+    said only by a counter and an alert minutes later."""
+    check = cluster_check(settings)
+    if check is None or check[1] != PLACEHOLDER_CLUSTER:
+        return ""
+    name = check[0]
+    return (f"facts.external_labels.{name} is {PLACEHOLDER_CLUSTER!r}, the shipped "
+            "ConfigMap's placeholder: set it to this cluster's name, the value its agents "
+            f"send as {name}; meanwhile relayed series of any other {name} are forwarded "
+            "unstamped (other_cluster), and two clusters left at it merge into one in a "
+            "shared TSDB")
+
+
 def check_stored_cluster(settings: Settings) -> None:
     """Refuse an ``upstream.url`` whose ``extra_label`` sets the cluster label to another
     value than this proxy's (``cluster_check``).

@@ -38,6 +38,7 @@ from proxy.config import (
     cluster_check,
     cluster_check_off,
     parse_host_port,
+    placeholder_cluster,
     without_userinfo,
 )
 from proxy.contract import CONTRACT_VERSION
@@ -501,9 +502,7 @@ class Proxy:
             hint = fact_tenant_hint(s.upstream, s.facts.headers)
             if hint:
                 log.info(hint, extra={"upstream_url": without_userinfo(s.upstream.url)})
-        off = cluster_check_off(s)
-        if off:
-            log.info(off, extra={"setting": "enrich.cluster_label"})
+        self._say_cluster_check(s)
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
                         reload=self.reload, lifecycle=s.server.enable_lifecycle,
@@ -563,6 +562,18 @@ class Proxy:
 
         remove_runner(self.jq_sandbox)
         self.jq_sandbox.close()
+
+    @staticmethod
+    def _say_cluster_check(s: Settings) -> None:
+        """At a start, or a reload of ``enrich.cluster_label``: a check that is off for
+        want of this proxy's cluster (info), or that runs against the shipped ConfigMaps'
+        placeholder (a warning: agents naming their real cluster lose every stamp)."""
+        off = cluster_check_off(s)
+        if off:
+            log.info(off, extra={"setting": "enrich.cluster_label"})
+        placeholder = placeholder_cluster(s)
+        if placeholder:
+            log.warning(placeholder, extra={"setting": "facts.external_labels"})
 
     def _explain(self, namespace: str, pod: str) -> Explanation | None:
         """The engine's explanation of a pod, found by the uid the index knows it by (the
@@ -721,9 +732,8 @@ class Proxy:
             if splicer is not None:
                 self.enricher.replan(splicer)
                 done += [k for k in merged.applied if is_plan_key(k)]
-                off = cluster_check_off(new) if "enrich.cluster_label" in done else ""
-                if off:
-                    log.info(off, extra={"setting": "enrich.cluster_label"})
+                if "enrich.cluster_label" in done:
+                    self._say_cluster_check(new)
             if "log_level" in merged.applied:
                 logging.getLogger().setLevel(new.log_level.upper())
                 done.append("log_level")

@@ -873,3 +873,36 @@ async def test_a_jq_child_killed_during_an_evaluation_is_retried_without_an_obje
             await asyncio.sleep(0.05)
         text = await get_text(p, "/metrics")
     assert "karta_proxy_jq_retries_total 1.0" in text
+
+
+@pytest.mark.parametrize("cluster", ["my-cluster", "prod-eu-1"])
+async def test_a_start_at_the_shipped_cluster_placeholder_warns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, cluster: str) -> None:
+    # an upgrade to 1.10.0 that kept the ConfigMap's my-cluster lost every stamp of agents
+    # naming their real cluster, said only by a counter and an alert minutes later
+    from tests.proxy_harness import proxy_running
+
+    caplog.set_level(logging.INFO, logger="karta")
+    async with ScriptedUpstream() as up, proxy_running(
+            tmp_path, up, facts_settings={"external_labels": {"cluster": cluster}}):
+        pass
+    said = [(r.levelname, r.getMessage()) for r in caplog.records
+            if "placeholder" in r.getMessage()]
+    if cluster != "my-cluster":
+        assert said == []
+        return
+    assert said == [("WARNING", (
+        "facts.external_labels.cluster is 'my-cluster', the shipped ConfigMap's placeholder: "
+        "set it to this cluster's name, the value its agents send as cluster; meanwhile "
+        "relayed series of any other cluster are forwarded unstamped (other_cluster), and "
+        "two clusters left at it merge into one in a shared TSDB"))]
+
+
+@pytest.mark.parametrize("mode", ["cluster", "node"])
+def test_the_shipped_configmaps_hold_the_placeholder_the_start_warns_of(mode: str) -> None:
+    from proxy.config import PLACEHOLDER_CLUSTER
+
+    root = Path(__file__).resolve().parent.parent
+    configmap = yaml.safe_load((root / "config/kubernetes" / mode / "configmap.yaml").read_text())
+    (text,) = configmap["data"].values()
+    assert yaml.safe_load(text)["facts"]["external_labels"]["cluster"] == PLACEHOLDER_CLUSTER
