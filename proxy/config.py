@@ -926,7 +926,7 @@ def _expected(t: mi.Type, value: Any, allowed: tuple[str, ...]) -> str:
 def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); an empty host means all interfaces."""
     host, sep, port_s = address.rpartition(":")
-    if not sep or not port_s.isdigit():
+    if not sep or not (port_s.isascii() and port_s.isdigit()):  # "\u00b2": not for int
         raise ConfigError(f"{key}: expected HOST:PORT, got {address!r}")
     port = int(port_s)
     if not 0 <= port <= 65535:

@@ -30,8 +30,13 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
 
 #: what ``json.dumps(ensure_ascii=False)`` leaves raw that a terminal or a line splitter
 #: takes as a control or a line break (DEL, C1 such as NEL, U+2028 / U+2029): as JSON
-#: escapes, so a line holds one record whatever the values quote
-_JSON_CONTROLS = {c: f"\\u{c:04x}" for c in (*range(0x7F, 0xA0), 0x2028, 0x2029)}
+#: escapes, so a line holds one record whatever the values quote. And lone surrogates
+#: (aiohttp's form of a header's bytes that are not UTF-8: a User-Agent ``caf\\xe9`` is
+#: ``caf\\udce9``): as the text ``\\udce9``, as the text format's ``repr`` shows them,
+#: since written raw they came out as the JSON escape of no character, which strict
+#: parsers (serde_json) refuse, the whole line with it
+_JSON_CONTROLS = {c: f"\\u{c:04x}" for c in (*range(0x7F, 0xA0), 0x2028, 0x2029)} | {
+    c: f"\\\\u{c:04x}" for c in range(0xD800, 0xE000)}
 
 
 class JsonFormatter(logging.Formatter):

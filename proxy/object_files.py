@@ -583,8 +583,11 @@ def _classify(fc: FileContent, where: str, item: Any, packed: bool = False,
     if not isinstance(md, Mapping) or not isinstance(md.get("name"), str) or not md["name"]:
         fc.invalid.append(f"{fc.path}: {where}: {kind} without metadata.name")
         return
-    if (wrong := _wrong_metadata(md)) is not None:
-        fc.invalid.append(f"{fc.path}: {where}: {kind} {md['name']}: {wrong}")
+    wrong = (_not_unicode(api, "apiVersion") or _not_unicode(kind, "kind")
+             or _wrong_metadata(md))
+    if wrong is not None:
+        named = f"{kind} {md['name']}".encode("utf-8", "backslashreplace").decode()
+        fc.invalid.append(f"{fc.path}: {where}: {named}: {wrong}")
         return
     obj, derived = _with_uids(item, md)
     fc.uids_derived += derived
@@ -604,9 +607,27 @@ def _type_name(value: Any) -> str:
 
 def _not_text(value: Any, path: str, *, optional: bool = True) -> str | None:
     """Why ``value`` is not what a string field of the API may hold, or None."""
-    if isinstance(value, str) or (optional and value is None):
+    if isinstance(value, str):
+        return _not_unicode(value, path)
+    if optional and value is None:
         return None
     return f"{path}: must be a string, got {_type_name(value)}"
+
+
+def _not_unicode(value: str, path: str) -> str | None:
+    """Why ``value`` cannot be UTF-8 (a lone surrogate: JSON's or YAML's ``"\\ud800"``
+    escape), or None. The API server never serves one (Go decodes the escape as
+    U+FFFD); taken from a file, a name or label with one passed the engine and raised
+    ``UnicodeEncodeError`` where it was made bytes: the index's key (a traceback that
+    ended the start), the attribution page (a 500)."""
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"{path}: not Unicode text: a lone surrogate "
+                f"(\\u{ord(value[e.start]):04x}) at character {e.start}")
+    return None
 
 
 def _wrong_metadata(md: Mapping[str, Any]) -> str | None:
@@ -614,7 +635,7 @@ def _wrong_metadata(md: Mapping[str, Any]) -> str | None:
     type found. Taken as they were, a ``namespace: [a, b]`` stamped its list's text on
     the pod's series, and a ``uid: 12345`` got a derived uid while its pods' references
     to 12345 were ignored."""
-    for name in ("namespace", "uid"):
+    for name in ("name", "namespace", "uid"):
         if (why := _not_text(md.get(name), f"metadata.{name}")) is not None:
             return why
     for name in ("labels", "annotations"):
@@ -626,8 +647,10 @@ def _wrong_metadata(md: Mapping[str, Any]) -> str | None:
         for key, value in pairs.items():
             if not isinstance(key, str):
                 return f"metadata.{name}: keys must be strings, got {_type_name(key)} {key!r}"
-            if not isinstance(value, str):
-                return f"metadata.{name}.{key}: must be a string, got {_type_name(value)}"
+            if (why := _not_unicode(key, f"metadata.{name}: a key")) is not None:
+                return why
+            if (why := _not_text(value, f"metadata.{name}.{key}", optional=False)) is not None:
+                return why
     refs = md.get("ownerReferences")
     if refs is None:
         return None

@@ -56,7 +56,7 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import UpstreamSettings, url_credentials, without_userinfo
-from proxy.log import THROTTLE_SECONDS, Throttled
+from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
@@ -494,9 +494,9 @@ class _Parts:
         self.sent += 1
         self.converted = self.converted or converted
         for name in _WRITTEN:
-            value = answer.headers.get(name, "")
-            if value.isdigit():
-                self.written[name] = self.written.get(name, 0) + int(value)
+            value = written_count(answer.headers.get(name, ""))
+            if value is not None:
+                self.written[name] = self.written.get(name, 0) + value
         if answer.ok:
             self.ok = self.ok or answer
         elif answer.status >= 500:
@@ -519,6 +519,14 @@ class Probe:
     #: the upstream's status code, or timeout / connect_error / error
     code: str
     detail: str = ""
+
+
+def written_count(value: str) -> int | None:
+    """A Written header's count, None when it is not one: ASCII digits only, since
+    ``str.isdigit`` takes "\u00b2" and "\u0661" too, and ``int`` refused the first (an
+    upstream's header of it was a 500 with a traceback for the sender of a request sent
+    in parts)."""
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def has_written_headers(headers: Mapping[str, str]) -> bool:
@@ -1505,8 +1513,8 @@ class Upstream:
             self.stored_parts.answered(parts.key, parts.memory)
             return
         parts.stored.append((a, b))
-        written = tuple(int(v) if (v := answer.headers.get(name, "")).isdigit() else -1
-                        for name in _WRITTEN)
+        written = tuple(-1 if (n := written_count(answer.headers.get(name, ""))) is None
+                        else n for name in _WRITTEN)
         self.stored_parts.stored(parts.key, parts.memory, (a, b), StoredAnswer(
             answer.status, sent.converted, (written[0], written[1], written[2]),
             sent.without_histograms))
@@ -1656,8 +1664,12 @@ class Upstream:
             code = "connect_error"
             return self._no_answer(502, code, "upstream unreachable", str(e), error=str(e))
         except aiohttp.ClientError as e:
+            # never ``repr(e)``: a ClientResponseError's (an answer aiohttp cannot parse: a
+            # bad status line, a NUL in a header) holds the request's headers, the proxy's
+            # Authorization among them, and went to the sender and the log
             code = "error"
-            return self._no_answer(502, code, "upstream request failed", repr(e), error=repr(e))
+            why = failure_line(e, self.settings.timeout_seconds)
+            return self._no_answer(502, code, "upstream request failed", why, error=why)
         except Exception as e:
             # the client refused to make the request (aiohttp raises ValueError, TypeError,
             # ... for what it will not send): the proxy's fault, not the sender's data's, and
@@ -1665,11 +1677,11 @@ class Upstream:
             # count under "error"
             code = "error"
             log.debug("upstream request could not be made", exc_info=True)
+            why = failure_line(e, self.settings.timeout_seconds)
             self._line(logging.ERROR, "upstream request could not be made (a proxy bug or "
                        "misconfiguration): senders get 502 and keep their data",
-                       type(e).__name__, {"upstream_url": self.url, "error": repr(e)[:512]})
-            return Answer(502, f"upstream request could not be made: {e!r}"[:MAX_ERROR_BODY]
-                          .encode(), {}, code)
+                       type(e).__name__, {"upstream_url": self.url, "error": why})
+            return Answer(502, f"upstream request could not be made: {why}".encode(), {}, code)
         finally:
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)

@@ -940,3 +940,10 @@ def test_an_upstream_url_storing_another_cluster_is_refused(
         validate(s)
     assert str(e.value).startswith(refused)
     assert "secret" not in str(e.value)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:\u00b2", "127.0.0.1:\u0669"])
+def test_parse_host_port_refuses_digits_that_are_not_ascii(address: str) -> None:
+    """'\u00b2' is a digit to str.isdigit(): int() raised a ValueError, a traceback at start."""
+    with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
+        parse_host_port(address)

@@ -168,3 +168,20 @@ async def test_throttled_summary_counts_the_distinct_values_of_a_field(
     lines.close()
     (summary,) = [r for r in caplog.records if r.getMessage() == "seen, summed"]
     assert summary.__dict__["seen_values"] == DISTINCT_COUNTED
+
+
+def test_a_json_line_holds_no_lone_surrogate() -> None:
+    """aiohttp keeps a header's bytes that are not UTF-8 as lone surrogates (a User-Agent
+    ``caf\\xe9`` is ``"caf\\udce9"``), and refusals log the user agent: the line's JSON
+    said ``"caf\\udce9"``, an escape of no character, which strict parsers (Rust's
+    serde_json, as in Vector) refuse, the whole line lost. Now the text ``\\udce9``."""
+    code = ("import logging; from proxy.log import setup_logging; "
+            "setup_logging('info', 'json'); "
+            "logging.getLogger('karta.x').warning('request refused', "
+            "extra={'user_agent': 'caf\\udce9', 'seen': '\\ud800x'})")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stderr.decode("utf-8"))
+    json.dumps(rec, ensure_ascii=False).encode("utf-8")  # no lone surrogate in any value
+    assert (rec["user_agent"], rec["seen"]) == ("caf\\udce9", "\\ud800x")

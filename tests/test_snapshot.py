@@ -174,6 +174,31 @@ def test_missing_path_is_an_error(tmp_path: Path) -> None:
         load_snapshot(tmp_path / "nope.yaml", Engine())
 
 
+def test_text_that_is_not_unicode_skips_its_object(tmp_path: Path) -> None:
+    """A lone surrogate (JSON's "\\ud800" escape, which the API server decodes as U+FFFD;
+    the YAML reader refuses the file) in a field the proxy makes bytes of: a namespace
+    with one raised UnicodeEncodeError out of the index (a traceback that ended the
+    start), an owner's kind a 500 on the attribution page."""
+    bad = "x\ud800"
+    pods = [_pod("ns", "p-1", None), _pod("label", "p-2", None), _pod("owner", "p-3", None),
+            _pod("kind", "p-4", None), _pod("solo", "p-5", None)]
+    pods[0]["metadata"]["namespace"] = bad
+    pods[1]["metadata"]["labels"] = {"app": bad}
+    pods[2]["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": bad, "name": "o", "uid": "o-1", "controller": True}]
+    pods[3]["kind"] = bad
+    (tmp_path / "pods.json").write_text(json.dumps({"kind": "List", "items": pods}))
+    _, index, report = _load(tmp_path)
+    lone = sorted(m[1] for s in report.invalid_objects
+                  if (m := re.search(r": ([\w.\[\]]+): not Unicode text: a lone ", s)))
+    assert lone == ["kind", "metadata.labels.app", "metadata.namespace",
+                    "metadata.ownerReferences[0].kind"], \
+        report.invalid_objects
+    assert all("not Unicode text: a lone surrogate (\\ud800) at character" in s
+               for s in report.invalid_objects)
+    assert _workload_of(index, "solo") == "solo"
+
+
 def test_descriptions_in_a_snapshot_and_invalid_ones_skipped(tmp_path: Path) -> None:
     crd_obj = {
         "apiVersion": "example.com/v1", "kind": "Trainer",

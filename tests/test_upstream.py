@@ -826,6 +826,37 @@ async def test_a_request_the_client_cannot_make_is_a_counted_502(
     assert any("could not be made" in r.getMessage() for r in caplog.records)
 
 
+async def test_an_answer_the_client_cannot_parse_names_no_request_header(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a bad status line (or a NUL in a header) is a ClientResponseError, whose repr holds
+    # the request's headers: the proxy's bearer token reached the sender's 502 and the log
+    seen: list[bytes] = []
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 abc\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    token = tmp_path / "token"
+    token.write_text("TOKEN-OF-THE-PROXY\n")
+    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with opened(f"http://127.0.0.1:{port}/api/v1/write",
+                          bearer_token_file=str(token)) as u:
+            with caplog.at_level(logging.DEBUG, logger="karta.upstream"):
+                answer = await u.send(v1_body(), Protocol.V1)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert b"TOKEN-OF-THE-PROXY" in seen[0]  # it was sent: the upstream's to see
+    assert answer.status == 502 and answer.body.startswith(b"upstream request failed: ")
+    assert b"Invalid status code" in answer.body and b"TOKEN" not in answer.body
+    logged = [(r.getMessage(), r.__dict__) for r in caplog.records]
+    assert logged and "TOKEN" not in repr(logged)
+
+
 async def test_the_senders_query_goes_after_the_upstream_urls_own_as_sent() -> None:
     async with ScriptedUpstream() as up, opened(up.url + "?a=1") as u:
         out = u.prepare(v1_body(), Protocol.V1, "snappy")
@@ -1053,6 +1084,27 @@ async def test_413_rw2_parts_carry_the_symbols_and_sum_the_written_headers() -> 
     # the sums of what the upstream said for each part
     assert answer.headers[WRITTEN_SAMPLES] == "120"
     assert answer.headers[WRITTEN_HISTOGRAMS] == "0"
+
+
+async def test_a_parts_written_header_that_is_no_ascii_number_is_not_summed() -> None:
+    # "²" is a digit to str.isdigit() but not to int(): an upstream's Written header of it
+    # on one part made the sum raise, and the sender got aiohttp's 500 with a traceback
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+
+    def odd(rec: Received) -> Reply:
+        reply = rw2_receiver(rec)
+        if reply.status == 204 and len(up.received) == 2:  # the first part
+            reply.headers[WRITTEN_SAMPLES] = "\u00b2"
+        return reply
+
+    async with ScriptedUpstream(rule=size_limit(limit, odd)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+    assert answer.ok, answer.body
+    assert len(stored_parts(up, limit)) >= 2
+    # the part that said no number is not counted: the sum of the others' only
+    assert 0 < int(answer.headers[WRITTEN_SAMPLES]) < 120
 
 
 async def test_413_rw2_mostly_symbols_is_cut_under_the_limit() -> None:

@@ -664,7 +664,7 @@ def _retry_after_seconds(value: str, now: Callable[[], float]) -> float | None:
     """A ``Retry-After`` value in seconds: delay-seconds, or an HTTP-date less ``now``;
     None for anything else."""
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # "\u00b2" is a digit to isdigit, not to float
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

@@ -88,6 +88,8 @@ def test_an_error_carries_the_retry_after_the_server_asked_for() -> None:
     assert _error(429, body, "Wed, 21 Oct 2015 07:28:00 GMT").retry_after == 3.0  # past
     assert _error(429, body, "soon").retry_after == 3.0
     assert _error(429, body, "-5").retry_after == 3.0
+    # digits to str.isdigit() that float() refuses: a ValueError out of the error itself
+    assert _error(429, body, "\u00b2").retry_after == 3.0
     assert _error(503, b"upstream connect error", "5").retry_after == 5.0
     assert _error(500, b'{"kind": "Status", "code": 500}').retry_after is None
 
