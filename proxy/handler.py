@@ -59,6 +59,7 @@ from proxy.loop_metrics import LabelValues
 from proxy.loop_workers import LoopWorkers, ThreadStartError
 from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
+from proxy.shown import one_line
 from proxy.upstream import Answer, ConversionRefused, Outgoing, Upstream
 from proxy.upstream_url import karta_extra_label
 from proxy.wire.native import Splicer, split_v1
@@ -269,14 +270,6 @@ def _socket_fd(request: web.Request) -> int:
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     return sock.fileno() if sock is not None else -1
-
-
-def one_line(text: str) -> str:
-    """An upstream's error body as the sender's answer: its lines joined by a space. A
-    sender logs the first line of a body alone (Prometheus reads up to its first line
-    break), and a TSDB's error often spans several (an HTML page, a Go panic, a list of
-    refused series), so what followed ``upstream answered 500: ...`` was lost."""
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _text(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:

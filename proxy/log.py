@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from proxy.shown import one_line
+
 #: attributes every LogRecord has; anything else on a record came from ``extra``
 _STANDARD = frozenset(
     logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys()
@@ -100,7 +102,7 @@ def failure_line(exc: BaseException, timeout: float) -> str:
     to 300 characters."""
     if isinstance(exc, TimeoutError):  # asyncio's too, since Python 3.11
         return f"no answer within {timeout:.3g} s"
-    text = " ".join((str(exc) or "").split())[:300]
+    text = one_line(str(exc) or "")[:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -10,6 +10,8 @@ the other and of the layers above them (``tests/test_layout.py``).
 
 from __future__ import annotations
 
+import re
+
 #: bytes a refusal shows (the native splice's ``SHOWN``)
 SHOWN = 64
 
@@ -22,3 +24,18 @@ def shown(s: bytes) -> str:
     out = "".join(chr(b) if 0x20 <= b < 0x7F and b not in b'\\"' else f"\\x{b:02x}"
                   for b in s[:SHOWN])
     return out + "..." if len(s) > SHOWN else out
+
+
+#: what is left of C0, DEL and C1 once whitespace is folded: NUL, ESC (a terminal's
+#: escape sequences), backspace, ...
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of a log field or an answer's body: every run of whitespace
+    (line breaks, tabs, U+2028, ...) one space, and the other control characters as
+    ``\\xNN``. A sender logs an answer's first line alone, and an upstream's or a
+    library's message often spans several (an HTML page, a Go panic, a parser's caret
+    line); a control character relayed raw reached the sender's terminal or log as
+    such (an ANSI escape recolouring or erasing what an operator reads)."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", " ".join(text.split()))

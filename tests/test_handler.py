@@ -641,6 +641,25 @@ async def test_an_upstream_error_body_reaches_the_sender_on_one_line(
     assert text == "upstream answered 500: " + " ".join(words) + "\n", text
 
 
+async def test_an_upstream_error_body_reaches_the_sender_without_control_characters(
+        tmp_path: Path) -> None:
+    # relayed raw, an upstream's ANSI escape cleared or recoloured the terminal of an
+    # operator reading the sender's log (vmagent logs the answer's body as it is)
+    body = snappy.compress(series_v1({"__name__": "u"}))
+    headers = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+    said = b"refused \x1b[2J\x1b[31mred\x00 \xc2\x9b"
+    async with (
+        ScriptedUpstream(Reply(400, body=said)) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+        session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
+                     headers=headers) as resp,
+    ):
+        text = await resp.text()
+        assert resp.status == 400
+    assert text == "refused \\x1b[2J\\x1b[31mred\\x00 \\x9b\n", text  # a 4xx's own words
+
+
 async def test_series_out_counts_only_series_the_upstream_accepted(tmp_path: Path) -> None:
     """karta_proxy_series_total{direction="out"} is "forwarded and accepted upstream"
     (its HELP, docs/operations.md): a request the upstream refuses counts in, not out."""

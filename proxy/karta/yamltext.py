@@ -30,6 +30,8 @@ from typing import IO, Any
 
 import yaml
 
+from proxy.shown import one_line
+
 _SafeLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _TIMESTAMP = "tag:yaml.org,2002:timestamp"
 _MERGE = "tag:yaml.org,2002:merge"
@@ -66,7 +68,7 @@ def yaml_error(exc: yaml.YAMLError) -> str:
 
 
 def _one_line(text: str) -> str:
-    text = " ".join(text.split())
+    text = one_line(text)
     return text if len(text) <= _LIMIT else text[: _LIMIT - 3] + "..."
 
 

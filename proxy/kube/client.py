@@ -34,6 +34,7 @@ from proxy.kube.lean import ApiException, incluster_config
 from proxy.kube.lean import client as k8s_client
 from proxy.kube.lean import config as k8s_config
 from proxy.kube.lean import rest as k8s_rest
+from proxy.shown import one_line
 from proxy.tls_files import FileStamp, stamp
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,6 @@ class KubeconfigError(Exception):
         self.fix = fix
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _check_kubeconfig(path: str) -> None:
     """What the client would stumble over with a message of no use (a TypeError for an
     empty file or a list) or of three lines (invalid YAML), said as one."""
@@ -153,17 +150,17 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
     except OSError as e:  # the client writes inline *-data to a temporary file
         if not _in_tempfile(e):
             raise KubeconfigError(f"kubeconfig {path}: does not load: "
-                                  f"{_one_line(str(e)) or type(e).__name__}") from e
+                                  f"{one_line(str(e)) or type(e).__name__}") from e
         where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"
         raise KubeconfigError(
             f"kubeconfig {path}: its inline certificate or key (certificate-authority-data, "
             f"client-certificate-data, client-key-data) could not be written to a temporary "
             f"file (the temporary directory: {where}, $TMPDIR): {type(e).__name__}: "
-            f"{_one_line(str(e))}",
+            f"{one_line(str(e))}",
             fix="make the temporary directory writable (an emptyDir on /tmp, or set "
                 "TMPDIR), or use file paths in the kubeconfig instead of *-data") from e
     except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
-        detail = _one_line(str(e)) or type(e).__name__
+        detail = one_line(str(e)) or type(e).__name__
         raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
 
 
@@ -311,7 +308,7 @@ class KeptCredentials(abc.ABC):
                 await self.on_tls(fresh)
             except (ssl.SSLError, OSError) as e:
                 raise KubeconfigError(f"{self.name}: its TLS files do not load: "
-                                      f"{_one_line(str(e))}") from e
+                                      f"{one_line(str(e))}") from e
             renewed.append("the TLS files (client certificate, key, CA)")
         if fresh.host != self.cfg.host and self._loaded.files:
             renewed.append("the server address")
@@ -381,7 +378,7 @@ class KeptCredentials(abc.ABC):
             self._retry_at = time.monotonic() + RELOAD_RETRY_SECONDS
             log.warning("%s: %s; loading it again failed (the credentials in use stay, "
                         "tried again in %g s): %s", self.name, why, RELOAD_RETRY_SECONDS,
-                        _one_line(str(e)) or type(e).__name__)
+                        one_line(str(e)) or type(e).__name__)
             return False
         self._retry_at = -math.inf
         if renewed:
