@@ -1724,8 +1724,9 @@ class Upstream:
                            b": " + text if text.strip() else b"")
             return Answer(503, message[:MAX_ERROR_BODY],
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
-        if status != upstream_status and upstream_status >= 300:
-            # an empty body said as such, not as a line ending in ": "
+        if status != upstream_status and not 200 <= upstream_status < 300:
+            # an empty body said as such, not as a line ending in ": " (nor as nothing:
+            # a 1xx made 502 reached the sender with an empty body)
             text = f"upstream answered {upstream_status}: ".encode() + (
                 text if text.strip() else b"(an empty body)")
         if status >= 500 or upstream_status >= 300:

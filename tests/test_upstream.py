@@ -163,6 +163,7 @@ async def test_class_of_the_answer(reply: Reply, status: int, retry_after: str |
     (Reply(504), "upstream answered 504: (an empty body)"),  # 504 stays, nothing added
     (Reply(429), "upstream answered 429: (an empty body)"),
     (Reply(408, body=b" \n"), "upstream answered 408: (an empty body)"),
+    (Reply(101), "upstream answered 101: (an empty body)"),  # made 502: said nothing
     (Reply(307, {"Location": "/elsewhere"}),
      "answered 307: it is not a remote-write endpoint (proxy misconfigured; retry later)"),
 ])
