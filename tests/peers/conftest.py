@@ -154,13 +154,23 @@ class Peers:
         self, name: str = "prom-receiver", *, rule_files: Sequence[Path] = (),
         evaluation_interval: str = "1m", extra: Sequence[str] = (),
         scrape_configs: Sequence[dict[str, Any]] = (),
+        history: str = "",
     ) -> Peer:
         """A receiving Prometheus; ``rule_files`` are evaluated every ``evaluation_interval``
         over what is written into it (the shipped recording rules, for the dashboards);
         ``extra``: more flags (``--enable-feature=native-histograms``); ``scrape_configs``:
-        what it scrapes besides (a proxy's /metrics, for the alerts that read it)."""
+        what it scrapes besides (a proxy's /metrics, for the alerts that read it);
+        ``history``: OpenMetrics text (timestamps in the past) put into its TSDB before it
+        starts, with ``promtool tsdb create-blocks-from openmetrics``, for the rules that
+        compare with hours ago."""
         binary = need("prometheus")
         port = free_port()
+        if history:
+            source = self.tmp / f"{name}-history.om"
+            source.write_text(history)
+            subprocess.run([need("promtool"), "tsdb", "create-blocks-from", "openmetrics",
+                            str(source), str(self._dir(name))],
+                           check=True, capture_output=True, timeout=60)
         cfg = self.tmp / f"{name}.yml"
         cfg.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1m", "evaluation_interval": evaluation_interval},

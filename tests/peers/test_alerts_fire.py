@@ -207,6 +207,18 @@ def demo_snapshot_with_faults(tmp: Path) -> Path:
     return path
 
 
+def strays_attributed_an_hour_ago() -> str:
+    """The facts of an hour ago (70 to 50 minutes back, every 30 s; OpenMetrics, for
+    promtool's backfill) in which the 5 pods of STRAYS were attributed (a description of
+    MPIJob since removed): what KartaAttributionCoverageDropped compares the written
+    facts of now with."""
+    now = int(time.time())
+    lines = ["# TYPE karta_namespace_pods gauge"]
+    lines += [f'karta_namespace_pods{{cluster="{CLUSTER}",karta_namespace="{STRAYS}",'
+              f'state="attributed"}} 5 {t}' for t in range(now - 70 * 60, now - 50 * 60, 30)]
+    return "\n".join([*lines, "# EOF", ""])
+
+
 #: the scrape job of the proxies beside the one under test (test 1): their own job, so
 #: that ``scraped`` counts the proxy under test alone
 BESIDE = "karta-proxy-beside"
@@ -327,7 +339,7 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
     ports = {name: free_port() for name in ("restarting", "limited", "clock")}
     beside = {name: f"127.0.0.1:{p}" for name, p in ports.items()}
     tsdb = await peers.prometheus_receiver(
-        rule_files=[ALERTS], evaluation_interval="1s",
+        rule_files=[ALERTS], evaluation_interval="1s", history=strays_attributed_an_hour_ago(),
         scrape_configs=[scrape(f"127.0.0.1:{port}"),
                         scrape(*beside.values(), job_name=BESIDE)])
     base, url = tsdb.base_url, f"http://127.0.0.1:{port}/api/v1/write"
@@ -393,7 +405,9 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
             fires(base, "KartaProxyRestarting", {"instance": beside["restarting"]}),
             fires(base, "KartaProxyOutOfResources",
                   {"instance": beside["limited"], "reason": "out_of_memory"}),
-            fires(base, "KartaProxyClockOffset", {"instance": beside["clock"]}))
+            fires(base, "KartaProxyClockOffset", {"instance": beside["clock"]}),
+            fires(base, "KartaAttributionCoverageDropped",
+                  {"cluster": CLUSTER, "karta_namespace": STRAYS}))
     await fires(base, "KartaProxyDown", {"job": JOB, "instance": f"127.0.0.1:{port}"})
     now, both = time.time(), [{"cluster": CLUSTER}, {"cluster": CLOCK_CLUSTER}]
     assert sorted(await evaluated_at(base, "KartaFactsAbsent", now + 31 * 60), key=str) == both
