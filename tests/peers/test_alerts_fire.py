@@ -2,17 +2,20 @@
 names, on what the proxy really serves on /metrics and really writes upstream.
 
 The promtool tests (tests/rules) feed hand-written series; here the condition is real (a
-description failing, a sender of another cluster, the upstream refusing, hung, down or
-misconfigured, a reload refused, the snapshot gone, the proxy stopped or restarting, the
-API server refusing, a certificate about to expire) and a real Prometheus 2.42 scrapes the
+description failing or quarantined, a sender of another cluster, the upstream refusing,
+hung, down, misconfigured or its clock behind, a reload refused, the snapshot gone, the
+proxy stopped, a proxy process restarting or at its address-space limit, the API server
+refusing, a certificate about to expire) and a real Prometheus 2.42 scrapes the
 proxy every second, receives its writes and evaluates the shipped alerts file every
 second. An alert counts as fired when Prometheus lists it (pending, or firing where the
 rule has no ``for``) with the labels its annotations name, the templates rendered, and
 keeps it over several evaluations with the same ``activeAt`` (the ``for`` itself cannot
 be waited out). Alerts whose condition is judged on the facts written over minutes or
 days (KartaFactsAbsent, KartaIndexStale) are evaluated by their expression, as the file
-has it, at a later time through the query API. docs/recording-rules.md, "Which alerts
-are tested in their real condition", lists those that are not here and why.
+has it, at a later time through the query API; the one that compares with an hour ago
+(KartaAttributionCoverageDropped) reads that hour from facts backfilled with promtool.
+docs/recording-rules.md, "Which alerts are tested in their real condition", says how
+each of those that need a process, a clock, a limit or history is brought about.
 """
 
 from __future__ import annotations
@@ -256,9 +259,8 @@ async def clock_shifted(target: str, shift: float) -> AsyncIterator[str]:
         runner = web.AppRunner(app)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
             yield f"http://127.0.0.1:{port}"
         finally:
             await runner.cleanup()
