@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from proxy.config import Settings
 from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter
 from proxy.runtime import Proxy
 
+#: the repository: ``python -m proxy`` run there imports this tree's proxy
+REPO = Path(__file__).resolve().parents[2]
 #: the pod the DCGM exporter target is labelled with (a pod of the demo's DaemonSet)
 DCGM_TARGET_NAMESPACE = "gpu-monitoring"
 
@@ -78,11 +81,14 @@ class Peer:
     base_url: str
     ready_path: str
     proc: subprocess.Popen[bytes] | None = None
+    #: the directory it runs in (None: this process's)
+    cwd: Path | None = None
 
     def start(self) -> None:
+        """Start the process (again, after :meth:`stop`: a restart on the same port)."""
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, cwd=self.cwd)
         log.close()
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
@@ -131,8 +137,10 @@ class Peers:
         self.tmp = tmp
         self.started: list[Peer] = []
 
-    def _peer(self, name: str, argv: list[str], port: int, ready_path: str) -> Peer:
-        p = Peer(name, argv, self.tmp / f"{name}.log", f"http://127.0.0.1:{port}", ready_path)
+    def _peer(self, name: str, argv: list[str], port: int, ready_path: str,
+              cwd: Path | None = None) -> Peer:
+        p = Peer(name, argv, self.tmp / f"{name}.log", f"http://127.0.0.1:{port}", ready_path,
+                 cwd=cwd)
         p.start()
         self.started.append(p)
         return p
@@ -146,13 +154,23 @@ class Peers:
         self, name: str = "prom-receiver", *, rule_files: Sequence[Path] = (),
         evaluation_interval: str = "1m", extra: Sequence[str] = (),
         scrape_configs: Sequence[dict[str, Any]] = (),
+        history: str = "",
     ) -> Peer:
         """A receiving Prometheus; ``rule_files`` are evaluated every ``evaluation_interval``
         over what is written into it (the shipped recording rules, for the dashboards);
         ``extra``: more flags (``--enable-feature=native-histograms``); ``scrape_configs``:
-        what it scrapes besides (a proxy's /metrics, for the alerts that read it)."""
+        what it scrapes besides (a proxy's /metrics, for the alerts that read it);
+        ``history``: OpenMetrics text (timestamps in the past) put into its TSDB before it
+        starts, with ``promtool tsdb create-blocks-from openmetrics``, for the rules that
+        compare with hours ago."""
         binary = need("prometheus")
         port = free_port()
+        if history:
+            source = self.tmp / f"{name}-history.om"
+            source.write_text(history)
+            subprocess.run([need("promtool"), "tsdb", "create-blocks-from", "openmetrics",
+                            str(source), str(self._dir(name))],
+                           check=True, capture_output=True, timeout=60)
         cfg = self.tmp / f"{name}.yml"
         cfg.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1m", "evaluation_interval": evaluation_interval},
@@ -203,6 +221,16 @@ class Peers:
             f"-remoteWrite.tmpDataPath={self._dir(name)}", f"-httpListenAddr=127.0.0.1:{port}",
             "-remoteWrite.flushInterval=500ms", "-loggerLevel=WARN", *extra,
         ], port, "/health")
+        await p.wait_ready()
+        return p
+
+    async def karta_proxy(self, name: str, port: int, args: Sequence[str]) -> Peer:
+        """karta-proxy as a process of its own (``python -m proxy``, this tree's) on
+        ``port``: for what acts on a process (a restart, a resource limit), which the
+        proxies in this process cannot stand for."""
+        p = self._peer(name, [
+            sys.executable, "-m", "proxy", "--listen-address", f"127.0.0.1:{port}", *args,
+        ], port, "/-/ready", cwd=REPO)
         await p.wait_ready()
         return p
 

@@ -2,41 +2,51 @@
 names, on what the proxy really serves on /metrics and really writes upstream.
 
 The promtool tests (tests/rules) feed hand-written series; here the condition is real (a
-description failing, a sender of another cluster, the upstream refusing, hung, down or
-misconfigured, a reload refused, the snapshot gone, the proxy stopped or restarting, the
-API server refusing, a certificate about to expire) and a real Prometheus 2.42 scrapes the
+description failing or quarantined, a sender of another cluster, the upstream refusing,
+hung, down, misconfigured or its clock behind, a reload refused, the snapshot gone, the
+proxy stopped, a proxy process restarting or at its address-space limit, the API server
+refusing, a certificate about to expire) and a real Prometheus 2.42 scrapes the
 proxy every second, receives its writes and evaluates the shipped alerts file every
 second. An alert counts as fired when Prometheus lists it (pending, or firing where the
 rule has no ``for``) with the labels its annotations name, the templates rendered, and
 keeps it over several evaluations with the same ``activeAt`` (the ``for`` itself cannot
 be waited out). Alerts whose condition is judged on the facts written over minutes or
 days (KartaFactsAbsent, KartaIndexStale) are evaluated by their expression, as the file
-has it, at a later time through the query API. docs/recording-rules.md, "Which alerts
-are tested in their real condition", lists those that are not here and why.
+has it, at a later time through the query API; the one that compares with an hour ago
+(KartaAttributionCoverageDropped) reads that hour from facts backfilled with promtool.
+docs/recording-rules.md, "Which alerts are tested in their real condition", says how
+each of those that need a process, a clock, a limit or history is brought about.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import email.utils
 import re
+import resource
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
+from aiohttp import web
 
+from proxy.compression import compress
 from proxy.config import Settings
 from proxy.demo_exporter import DEMO_SNAPSHOT
+from proxy.karta.jq_sandbox import QUARANTINE_STRIKES
 from proxy.runtime import Proxy
-from proxy.sender import Series, send_series
+from proxy.sender import Series, build_v1, send_series
+from proxy.sender import send as send_body
 from tests.kube.conftest import deployment
 from tests.kubesim import KubeSim
 from tests.kubesim.resources import LEASE, POD
-from tests.peers.conftest import Peers, free_port, query, wait_until
+from tests.peers.conftest import Peer, Peers, free_port, query, wait_until
 from tests.test_e2e_kube import kube_settings as e2e_kube_settings
 from tests.test_e2e_kube import start_proxy
 from tests.tls_certs import Authority, install
@@ -57,8 +67,8 @@ def shipped_rules() -> dict[str, dict[str, Any]]:
             for r in g["rules"] if "alert" in r}
 
 
-def scrape(*targets: str, scheme: str = "http") -> dict[str, Any]:
-    job: dict[str, Any] = {"job_name": JOB, "scrape_interval": "1s", "scrape_timeout": "1s",
+def scrape(*targets: str, scheme: str = "http", job_name: str = JOB) -> dict[str, Any]:
+    job: dict[str, Any] = {"job_name": job_name, "scrape_interval": "1s", "scrape_timeout": "1s",
                            "scheme": scheme, "static_configs": [{"targets": list(targets)}]}
     if scheme == "https":
         job["tls_config"] = {"insecure_skip_verify": True}
@@ -160,10 +170,24 @@ STRAYS = "strays"
 MPI_UID = "00000000-0000-4000-8000-000000000100"
 
 
+#: a description whose phase doubles its workload's name 40 times (2^40 times its
+#: length), which loads (docs/karta.md, "What bounds an expression") and takes the jq
+#: sandbox's child down at karta.jq_memory_limit_bytes (a strike against the expression,
+#: not retried until the object changes); with QUARANTINE_STRIKES objects of its kind,
+#: the first load strikes it that often: quarantined within a second of the start
+HOG_DESCRIPTION = (
+    "---\napiVersion: run.ai/v1alpha1\nkind: Karta\nmetadata: {name: hog}\nspec:\n"
+    "  structureDefinition:\n    rootComponent:\n      name: hog\n"
+    "      kind: {group: example.com, version: v1, kind: Hog}\n"
+    "      statusDefinition:\n        phaseDefinition:\n"
+    f"          path: .metadata.name | {' | '.join(['(.+.)'] * 40)}\n"
+    "        statusMappings:\n          running:\n          - byPhase: Running\n")
+
+
 def demo_snapshot_with_faults(tmp: Path) -> Path:
     """The demo cluster, its RayJob description's phase path failing on every RayJob (a
-    jq error at run time: ``tonumber`` of "RUNNING"), and an MPIJob of 5 pods in a
-    namespace of its own."""
+    jq error at run time: ``tonumber`` of "RUNNING"), an MPIJob of 5 pods in a namespace
+    of its own, and the hogs (HOG_DESCRIPTION)."""
     text = DEMO_SNAPSHOT.read_text()
     assert text.count("path: .status.jobStatus\n") == 1
     text = text.replace("path: .status.jobStatus\n", "path: .status.jobStatus | tonumber\n")
@@ -176,33 +200,178 @@ def demo_snapshot_with_faults(tmp: Path) -> Path:
                  f"name: mpi, uid: {MPI_UID}, controller: true}}\n"
                  "spec:\n  nodeName: cpu-node-1\n  containers:\n  - {name: c, image: busybox}\n"
                  "status: {phase: Running}\n")
+    text += HOG_DESCRIPTION
+    for i in range(QUARANTINE_STRIKES):
+        text += (f"---\napiVersion: example.com/v1\nkind: Hog\nmetadata:\n  name: hog-{i}\n"
+                 f"  namespace: hogs\n  uid: 00000000-0000-4000-8000-00000000020{i}\n"
+                 "spec: {}\n")
     path = tmp / "snapshot.yaml"
     path.write_text(text)
     return path
 
 
+def strays_attributed_an_hour_ago() -> str:
+    """The facts of an hour ago (70 to 50 minutes back, every 30 s; OpenMetrics, for
+    promtool's backfill) in which the 5 pods of STRAYS were attributed (a description of
+    MPIJob since removed): what KartaAttributionCoverageDropped compares the written
+    facts of now with."""
+    now = int(time.time())
+    lines = ["# TYPE karta_namespace_pods gauge"]
+    lines += [f'karta_namespace_pods{{cluster="{CLUSTER}",karta_namespace="{STRAYS}",'
+              f'state="attributed"}} 5 {t}' for t in range(now - 70 * 60, now - 50 * 60, 30)]
+    return "\n".join([*lines, "# EOF", ""])
+
+
+#: the scrape job of the proxies beside the one under test (test 1): their own job, so
+#: that ``scraped`` counts the proxy under test alone
+BESIDE = "karta-proxy-beside"
+#: the upstream's clock behind this host's: past the alert's 30 s, short of the 60 s of
+#: facts.max_clock_offset_seconds
+CLOCK_SHIFT = -45.0
+#: the cluster the proxy behind that upstream writes its facts as (after CLUSTER, sorted)
+CLOCK_CLUSTER = "clock-behind"
+#: the room left above a process's address space when it is limited, and what the request
+#: then sent decodes to: the worker thread's stack fits, the decoded body does not
+ROOM_BYTES = 32 << 20
+DECODED_BYTES = 48 << 20
+
+
+@contextlib.asynccontextmanager
+async def clock_shifted(target: str, shift: float) -> AsyncIterator[str]:
+    """A relay to ``target`` (a real Prometheus) that answers what it answers with its
+    ``Date`` ``shift`` seconds off this host's clock: an upstream whose clock is off, as
+    the proxy sees it (its Date headers). Not the receiving Prometheus itself under
+    libfaketime: Go reads the clock through the vDSO, and its Date stayed true."""
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async def relay(request: web.Request) -> web.Response:
+            headers = {k: v for k, v in request.headers.items()
+                       if k.lower() not in ("host", "content-length")}
+            async with session.request(request.method, target + request.path_qs,
+                                       headers=headers, data=await request.read()) as r:
+                body, status = await r.read(), r.status
+                kept = {k: v for k, v in r.headers.items()
+                        if k.lower() in ("content-type", "content-encoding")}
+            date = email.utils.formatdate(time.time() + shift, usegmt=True)
+            return web.Response(status=status, body=body, headers={**kept, "Date": date})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", relay)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await runner.cleanup()
+
+
+async def metric_value(url: str, name: str) -> float:
+    """A sample without labels of a target's /metrics as it serves it now."""
+    async with aiohttp.ClientSession() as s, s.get(
+            url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        text = await r.text()
+    (value,) = [line.split(" ")[1] for line in text.splitlines()
+                if line.startswith(name + " ")]
+    return float(value)
+
+
+async def restarted(proxy: Peer, base: str, instance: str, starts: int) -> None:
+    """``starts`` processes of the proxy in turn on one target, each scraped (its
+    process_start_time_seconds in Prometheus) before it is sent SIGTERM and the next
+    started: a crash loop, as the scrape sees it."""
+    for n in range(starts):
+        if n:
+            assert await proxy.astop() == 0  # SIGTERM: a clean stop
+            proxy.start()
+            await proxy.wait_ready()
+        started = await metric_value(proxy.base_url, "process_start_time_seconds")
+
+        async def in_prometheus(started: float = started) -> bool:
+            got = await query(base, f'process_start_time_seconds{{instance="{instance}"}}')
+            return bool(got) and abs(float(got[0]["value"][1]) - started) < 0.01
+
+        await wait_until(in_prometheus, timeout=15, what=f"start {n + 1} of {instance} scraped")
+
+
+async def short_of_memory(proxy: Peer, base: str, instance: str) -> None:
+    """The proxy's process limited to its address space now and ROOM_BYTES more
+    (RLIMIT_AS, as ``ulimit -v`` or ``prlimit --as`` sets it), then sent, for 3 s, a
+    request that decodes to DECODED_BYTES (a small zstd body): each refused 503, out of
+    memory, over several scrapes; a small request still served."""
+    assert proxy.proc is not None
+    pid = proxy.proc.pid
+    await wait_until(lambda: scraped_instance(base, instance), timeout=15,
+                     what=f"{instance} scraped")
+    status = Path(f"/proc/{pid}/status").read_text()
+    (size_kib,) = [int(line.split()[1]) for line in status.splitlines()
+                   if line.startswith("VmSize:")]
+    _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    resource.prlimit(pid, resource.RLIMIT_AS, (size_kib * 1024 + ROOM_BYTES, hard))
+    big = compress(build_v1([Series({"__name__": "big", "v": "x" * DECODED_BYTES},
+                                    [(int(time.time() * 1000), 1.0)])]), "zstd")
+    url = proxy.base_url + "/api/v1/write"
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            status_code, _, text = await send_body(url, big, protocol="1.0", encoding="zstd",
+                                                   compressed=True, session=session, timeout=10)
+            assert status_code == 503, (status_code, text)
+            assert text.startswith("out of memory decoding the request"), text
+            await asyncio.sleep(0.25)
+        assert await send(session, url, [probe("small_probe", {})]) == 204
+
+
+async def scraped_instance(base: str, instance: str) -> bool:
+    return bool(await query(base, f'up{{instance="{instance}"}} == 1'))
+
+
 async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
         peers: Peers, tmp_path: Path) -> None:
     """One proxy on a snapshot, its facts and /metrics in one Prometheus: a description
-    that fails at run time from the start, one request of another cluster's sender, the upstream
-    refusing samples too old, 5 pods of a namespace unattributed, a reload refused, the
-    snapshot gone; then the proxy stopped: down, and (evaluated 11 and 31 minutes on)
-    its facts absent and its index stale."""
+    that fails at run time from the start, one whose expression the jq sandbox
+    quarantines, one request of another cluster's sender, the upstream refusing samples
+    too old, 5 pods of a namespace unattributed, a reload refused, the snapshot gone;
+    then the proxy stopped: down, and (evaluated 11 and 31 minutes on) its facts absent
+    and its index stale. Scraped beside it, in the meantime: a proxy process stopped
+    (SIGTERM) and started again 3 times, one whose address space is limited, and one whose
+    upstream's clock is 45 s behind this host's."""
     started_at = time.monotonic()
     port = free_port()
+    ports = {name: free_port() for name in ("restarting", "limited", "clock")}
+    beside = {name: f"127.0.0.1:{p}" for name, p in ports.items()}
     tsdb = await peers.prometheus_receiver(
-        rule_files=[ALERTS], evaluation_interval="1s",
-        scrape_configs=[scrape(f"127.0.0.1:{port}")])
+        rule_files=[ALERTS], evaluation_interval="1s", history=strays_attributed_an_hour_ago(),
+        scrape_configs=[scrape(f"127.0.0.1:{port}"),
+                        scrape(*beside.values(), job_name=BESIDE)])
+    base, url = tsdb.base_url, f"http://127.0.0.1:{port}/api/v1/write"
+    args = ["--snapshot", str(DEMO_SNAPSHOT), "--upstream-url", base + "/api/v1/write",
+            "--no-facts"]
+    restarting, limited = await asyncio.gather(
+        peers.karta_proxy("restarting", ports["restarting"], args),
+        peers.karta_proxy("limited", ports["limited"], args))
     descriptions = tmp_path / "descriptions"
     descriptions.mkdir()
-    s = settings_on(demo_snapshot_with_faults(tmp_path), tsdb.base_url + "/api/v1/write", port)
+    s = settings_on(demo_snapshot_with_faults(tmp_path), base + "/api/v1/write", port)
     s.facts.enabled = True
     s.facts.interval_seconds = 0.5
     s.facts.external_labels = {"cluster": CLUSTER}
     s.karta.description_paths = [str(descriptions)]
-    proxy = await start_proxy(s, 20)
-    base, url = tsdb.base_url, f"http://127.0.0.1:{port}/api/v1/write"
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        upstream_behind = await stack.enter_async_context(clock_shifted(base, CLOCK_SHIFT))
+        # its fact writer on: the offset is the writer's (the one thing it holds for)
+        c = settings_on(DEMO_SNAPSHOT, upstream_behind + "/api/v1/write", ports["clock"])
+        c.facts.enabled = True
+        c.facts.interval_seconds = 0.5
+        c.facts.external_labels = {"cluster": CLOCK_CLUSTER}
+        clock = await start_proxy(c, 20)
+        stack.push_async_callback(clock.stop)
+        proxy = await start_proxy(s, 20)
+        stack.push_async_callback(proxy.stop)
+        processes = asyncio.gather(
+            restarted(restarting, base, beside["restarting"], 4),
+            short_of_memory(limited, base, beside["limited"]))
+        stack.callback(processes.cancel)
         async with aiohttp.ClientSession() as session:
             async def facts_in() -> bool:
                 return bool(await query(base, f'karta_contract_info{{cluster="{CLUSTER}"}}'))
@@ -232,13 +401,20 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
 
             (tmp_path / "snapshot.yaml").rename(tmp_path / "snapshot.moved")
             await fires(base, "KartaProxyIndexStale", {"job": JOB})
-    finally:
-        await proxy.stop()
+        await asyncio.wait_for(processes, 60)
+        await asyncio.gather(
+            fires(base, "KartaProxyJqExpressionQuarantined", {"instance": f"127.0.0.1:{port}"}),
+            fires(base, "KartaProxyRestarting", {"instance": beside["restarting"]}),
+            fires(base, "KartaProxyOutOfResources",
+                  {"instance": beside["limited"], "reason": "out_of_memory"}),
+            fires(base, "KartaProxyClockOffset", {"instance": beside["clock"]}),
+            fires(base, "KartaAttributionCoverageDropped",
+                  {"cluster": CLUSTER, "karta_namespace": STRAYS}))
     await fires(base, "KartaProxyDown", {"job": JOB, "instance": f"127.0.0.1:{port}"})
-    now = time.time()
-    assert await evaluated_at(base, "KartaFactsAbsent", now + 31 * 60) == [{"cluster": CLUSTER}]
+    now, both = time.time(), [{"cluster": CLUSTER}, {"cluster": CLOCK_CLUSTER}]
+    assert sorted(await evaluated_at(base, "KartaFactsAbsent", now + 31 * 60), key=str) == both
     assert await evaluated_at(base, "KartaFactsAbsent", now) == []
-    assert await evaluated_at(base, "KartaIndexStale", now + 11 * 60) == [{"cluster": CLUSTER}]
+    assert sorted(await evaluated_at(base, "KartaIndexStale", now + 11 * 60), key=str) == both
     assert await evaluated_at(base, "KartaIndexStale", now) == []
     assert time.monotonic() - started_at < 60
 
