@@ -56,7 +56,7 @@ from proxy.cpus import usable_cpus
 from proxy.index import PodIndex
 from proxy.log import Throttled
 from proxy.loop_metrics import LabelValues
-from proxy.loop_workers import LoopWorkers, ThreadStartError
+from proxy.loop_workers import THREAD_LIMITS, LoopWorkers, ThreadStartError
 from proxy.metrics import ProxyMetrics
 from proxy.part_threads import PartThreads
 from proxy.shown import one_line
@@ -797,8 +797,7 @@ class RemoteWriteHandler:
         except RuntimeError as e:  # a part thread (``PartThreads``) that could not start
             if not _thread_start_failed(e):
                 raise
-            raise _no_thread(f"cannot start a part thread ({e}): the process is at its "
-                             "thread or pids limit") from None
+            raise _no_thread(f"cannot start a part thread ({e}): {THREAD_LIMITS}") from None
         except MemoryError:
             raise _out_of_memory("decoding the request") from None
         except OSError as e:  # a scratch buffer's mapping (proxy.compression): ENOMEM

@@ -53,6 +53,13 @@ def _cancel(fut: asyncio.Future[Any]) -> None:
     fut.cancel()
 
 
+#: what stops a thread from starting, as a refusal names it: a thread's stack is mapped,
+#: so an address-space limit stops it as surely as a pids limit (seen under RLIMIT_AS)
+THREAD_LIMITS = ("the process is at its thread or pids limit (a pod's pids limit, ulimit -u, "
+                 "kernel.threads-max) or its address-space limit (ulimit -v: a thread's "
+                 "stack is mapped)")
+
+
 class ThreadStartError(RuntimeError):
     """No worker thread runs and none could be started for a job (the job is not queued)."""
 
@@ -111,8 +118,7 @@ class LoopWorkers:
             self._started = True
         elif not self.running():
             raise ThreadStartError(
-                f"cannot start a worker thread ({failure}): the process is at its thread or "
-                "pids limit (a pod's pids limit, ulimit -u, kernel.threads-max)") from failure
+                f"cannot start a worker thread ({failure}): {THREAD_LIMITS}") from failure
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """``fn(*args)`` in a worker thread: the future of its result, or of what it raised,

@@ -1409,7 +1409,10 @@ async def test_a_worker_thread_that_cannot_start_is_a_503_and_the_next_request_i
     async with asyncio.timeout(20):
         refused = await running.post(raw)
         assert refused.status == 503 and refused.headers["Retry-After"] == "1"
-        assert "cannot start a worker thread" in await refused.text()
+        said = await refused.text()
+        assert "cannot start a worker thread" in said
+        # both limits a thread start meets, named (RLIMIT_AS stopped one in the alerts test)
+        assert "pids limit" in said and "address-space limit (ulimit -v" in said, said
         assert failed == ["karta-splice_0"]
         assert running.metric("karta_proxy_requests_rejected_total",
                               {"reason": "thread_limit"}) == 1
