@@ -17,7 +17,6 @@ import contextlib
 import os
 import re
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -200,16 +199,12 @@ async def rig(peers: Peers, tmp_path: Path, request: pytest.FixtureRequest
         port = free_port()
         config = tmp_path / "proxy.yaml"
         write_config(config, "drop")
-        proxy = Peer("proxy", [
-            sys.executable, "-m", "proxy", "--config", str(config), "--kubeconfig",
+        proxy = await peers.karta_proxy("proxy", port, [
+            "--config", str(config), "--kubeconfig",
             str(sim.write_kubeconfig(tmp_path / "kubeconfig")),
             "--upstream-url", receiver.base_url + "/api/v1/write",
-            "--listen-address", f"127.0.0.1:{port}", "--no-facts", "--web.enable-lifecycle",
-            "--log-format", "json",
-        ], tmp_path / "proxy.log", f"http://127.0.0.1:{port}", "/-/ready")
-        proxy.start()
-        peers.started.append(proxy)
-        await proxy.wait_ready()
+            "--no-facts", "--web.enable-lifecycle", "--log-format", "json",
+        ])
         agent = await peers.prometheus_agent({
             "global": {"scrape_interval": SCRAPE, "scrape_timeout": SCRAPE},
             "scrape_configs": [{"job_name": "probe", "honor_labels": True,
