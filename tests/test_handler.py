@@ -615,6 +615,20 @@ async def test_decoded_limit_is_413_before_decompressing(tmp_path: Path) -> None
                 "10000 bytes (server.max_decoded_bytes); send fewer series per request\n")
 
 
+async def _answer_to(tmp_path: Path, reply: Reply) -> tuple[int, str]:
+    """The status and body a sender gets for a write the upstream answers ``reply``."""
+    body = snappy.compress(series_v1({"__name__": "u"}))
+    headers = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+    async with (
+        ScriptedUpstream(reply) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+        session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
+                     headers=headers) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
 @pytest.mark.parametrize("said", [
     b"upstream boom\nsecond line",
     b"<html>\r\n<body>\r\n  <h1>502 Bad Gateway</h1>\r\n</body>\r\n</html>\r\n",
@@ -625,17 +639,8 @@ async def test_an_upstream_error_body_reaches_the_sender_on_one_line(
     """A sender logs the first line of an error body alone (Prometheus reads up to its
     first line break): an upstream's body of several lines lost all but its first to the
     sender, the words after ``upstream answered 500:`` included."""
-    body = snappy.compress(series_v1({"__name__": "u"}))
-    headers = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
-    async with (
-        ScriptedUpstream(Reply(500, body=said)) as up,
-        aiohttp.ClientSession() as session,
-        proxy_running(tmp_path, up) as p,
-        session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
-                     headers=headers) as resp,
-    ):
-        text = await resp.text()
-        assert resp.status == 502
+    status, text = await _answer_to(tmp_path, Reply(500, body=said))
+    assert status == 502
     assert text.endswith("\n") and "\n" not in text[:-1] and "\r" not in text, text
     words = said.decode().split()
     assert text == "upstream answered 500: " + " ".join(words) + "\n", text
@@ -645,18 +650,9 @@ async def test_an_upstream_error_body_reaches_the_sender_without_control_charact
         tmp_path: Path) -> None:
     # relayed raw, an upstream's ANSI escape cleared or recoloured the terminal of an
     # operator reading the sender's log (vmagent logs the answer's body as it is)
-    body = snappy.compress(series_v1({"__name__": "u"}))
-    headers = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
     said = b"refused \x1b[2J\x1b[31mred\x00 \xc2\x9b"
-    async with (
-        ScriptedUpstream(Reply(400, body=said)) as up,
-        aiohttp.ClientSession() as session,
-        proxy_running(tmp_path, up) as p,
-        session.post(f"http://127.0.0.1:{p.port}/api/v1/write", data=body,
-                     headers=headers) as resp,
-    ):
-        text = await resp.text()
-        assert resp.status == 400
+    status, text = await _answer_to(tmp_path, Reply(400, body=said))
+    assert status == 400
     assert text == "refused \\x1b[2J\\x1b[31mred\\x00 \\x9b\n", text  # a 4xx's own words
 
 
