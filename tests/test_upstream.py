@@ -1108,6 +1108,31 @@ async def test_a_parts_written_header_that_is_no_ascii_number_is_not_summed() ->
     assert 0 < int(answer.headers[WRITTEN_SAMPLES]) < 120
 
 
+@pytest.mark.parametrize("digits", [20, 4300])
+async def test_a_parts_written_header_longer_than_an_int64_is_not_a_count(digits: int) -> None:
+    # 4,300 digits (Python's longest int from a string) on each part: their sum was too
+    # long for str(), a 500 with a traceback for the sender; and each stored part held
+    # three such numbers (~5.8 KB) where the record's byte bound counts 448 bytes
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+
+    def huge(rec: Received) -> Reply:
+        reply = rw2_receiver(rec)
+        if reply.status == 204:
+            reply.headers = {name: "9" * digits for name in reply.headers}
+        return reply
+
+    async with ScriptedUpstream(rule=size_limit(limit, huge)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+        [entry] = u.stored_parts._entries.values()
+    assert answer.ok, answer.body
+    assert len(stored_parts(up, limit)) >= 2
+    # no part said a count: none is made up for the whole
+    assert WRITTEN_SAMPLES not in answer.headers
+    assert entry.stored and all(a.written == (-1, -1, -1) for a in entry.stored.values())
+
+
 async def test_413_rw2_mostly_symbols_is_cut_under_the_limit() -> None:
     # the label strings are most of an RW 2.0 body (74% of a 2,000-series cAdvisor
     # request): with the whole table in every part, a half was 91% of the whole and a
