@@ -1108,6 +1108,54 @@ async def test_a_parts_written_header_that_is_no_ascii_number_is_not_summed() ->
     assert 0 < int(answer.headers[WRITTEN_SAMPLES]) < 120
 
 
+@pytest.mark.parametrize("digits", [20, 4300])
+async def test_a_parts_written_header_longer_than_an_int64_is_not_a_count(digits: int) -> None:
+    # 4,300 digits (Python's longest int from a string) on each part: their sum was too
+    # long for str(), a 500 with a traceback for the sender; and each stored part held
+    # three such numbers (~5.8 KB) where the record's byte bound counts 448 bytes
+    raw = many_v2(40)
+    limit = len(compress(raw, "snappy")) * 7 // 10
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+
+    def huge(rec: Received) -> Reply:
+        reply = rw2_receiver(rec)
+        if reply.status == 204:
+            reply.headers = {name: "9" * digits for name in reply.headers}
+        return reply
+
+    async with ScriptedUpstream(rule=size_limit(limit, huge)) as up, opened(up.url) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+        [entry] = u.stored_parts._entries.values()
+    assert answer.ok, answer.body
+    assert len(stored_parts(up, limit)) >= 2
+    # no part said a count: none is made up for the whole
+    assert WRITTEN_SAMPLES not in answer.headers
+    assert entry.stored and all(a.written == (-1, -1, -1) for a in entry.stored.values())
+
+
+async def test_an_upstreams_cookies_are_neither_kept_nor_sent_with_other_writes() -> None:
+    # an answer's Set-Cookie went into aiohttp's jar and rode every later write, of every
+    # sender and tenant: 180 cookies a host at most, 8 KiB of Cookie header each write.
+    # A hostname, not 127.0.0.1: aiohttp's jar takes no cookies from an IP address
+    answered = 0
+
+    def cookie(rec: Received) -> Reply:
+        nonlocal answered
+        answered += 1
+        return Reply(204, {"Set-Cookie": f"session{answered}=tenant-{answered}; Path=/"})
+
+    async with ScriptedUpstream(rule=cookie) as up, \
+            opened(up.url.replace("127.0.0.1", "localhost")) as u:
+        for tenant in range(50):
+            answer = await u.send(v1_body(), Protocol.V1,
+                                  incoming_headers={"X-Scope-OrgID": f"t{tenant}"})
+            assert answer.ok, answer.body
+        assert u._session is not None
+        assert len(u._session.cookie_jar) == 0
+    assert len(up.received) == 50
+    assert [r.headers.get("Cookie") for r in up.received] == [None] * 50
+
+
 async def test_413_rw2_mostly_symbols_is_cut_under_the_limit() -> None:
     # the label strings are most of an RW 2.0 body (74% of a 2,000-series cAdvisor
     # request): with the whole table in every part, a half was 91% of the whole and a
