@@ -22,8 +22,8 @@ missing (Debian's gcc brings both).
 
 The fuzz run and the native tests (in two pytest runs of about equal length) are started
 together when the build is ready, two at a time: the test process only waits for them, so
-on two cores they take about half the time they take one after the other (measured: 151 s
-one after the other, about 80 s two at a time).
+on two cores they take about half the time they take one after the other (measured: 148 s
+one after the other, about 70 s two at a time).
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: UndefinedBehavio
 #: extension (the thread's scratch buffer it reads, requests in parts on other threads,
 #: the worker threads, bodies cut or refused mid-way); the native RW 2.0 -> 1.0
 #: conversion's differential tests. In two runs: the first follows the fuzz run, the
-#: second runs beside both (sanitized, alone: the fuzz run 31 s, the first 49 s, the
-#: second 76 s)
+#: second runs beside both (two at a time: the fuzz run 31 s, then the first 37 s; the
+#: second 67 s)
 NATIVE_TESTS = (
     ("tests/test_connection_guard.py", "tests/test_admission.py",
-     "tests/wire/test_native_differential.py", "tests/wire/test_native.py"),
-    ("tests/wire/test_convert_native.py", "tests/test_handler.py",
+     "tests/wire/test_native_differential.py"),
+    ("tests/wire/test_native.py", "tests/wire/test_convert_native.py", "tests/test_handler.py",
      "tests/wire/test_native_threads.py", "tests/wire/test_snappy_edit.py",
      "tests/wire/test_halves.py", "tests/wire/test_splice.py", "tests/wire/test_convert.py",
      "tests/test_compression.py", "tests/test_part_threads.py"),
