@@ -200,6 +200,15 @@ def _substitute(text: str, ports: dict[int, int], scratch: Path) -> str:
     return text.replace(SCRATCH, str(scratch))
 
 
+def _quicker(config: str, interval: str, shorter: str) -> str:
+    """A walkthrough config with a shorter interval: the agent's scrapes (5 s), the
+    TSDB's rule evaluations (15 s) and its scrape of the proxy (Prometheus' default, 1 m)
+    every second, so the walk waits seconds for what the user waits half a minute for.
+    The interval is as shipped, or the test says so."""
+    assert config.count(interval) == 1, (interval, config)
+    return config.replace(interval, shorter)
+
+
 def _argv(cmd: str, agent_config: Path, tsdb_config: Path) -> list[str]:
     """A README line as argv: the binaries of this machine, the port-substituted agent
     and TSDB configs; every other word as written."""
@@ -236,13 +245,14 @@ async def test_walkthrough_runs_as_written(
     assert len(commands(sh)) == 4 and len(promql) >= 3
     ports = {p: free_port() for p in PORTS}
     agent_config = tmp_path / "agent.yml"
-    agent_config.write_text(
-        _substitute((REPO / "config/walkthrough/agent.yml").read_text(), ports, tmp_path)
-    )
+    agent_config.write_text(_quicker(
+        _substitute((REPO / "config/walkthrough/agent.yml").read_text(), ports, tmp_path),
+        "  scrape_interval: 5s\n", "  scrape_interval: 1s\n"))
     tsdb_config = tmp_path / "tsdb.yml"  # its rules found where the shipped file finds them
-    tsdb_config.write_text(
+    tsdb_config.write_text(_quicker(
         _substitute((REPO / "config/walkthrough/tsdb.yml").read_text(), ports, tmp_path)
-        .replace("../rules/", str(REPO / "config/rules") + "/"))
+        .replace("../rules/", str(REPO / "config/rules") + "/"),
+        "  evaluation_interval: 15s\n", "  evaluation_interval: 1s\n  scrape_interval: 1s\n"))
     started: list[Peer] = []
     try:
         for i, cmd in enumerate(commands(sh)):

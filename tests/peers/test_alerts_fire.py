@@ -105,26 +105,40 @@ async def fires(base: str, name: str, labels: dict[str, str] | None = None, *,
     """Wait until Prometheus lists the alert (with ``labels``), then check it stays
     listed with the same ``activeAt`` for HOLD_SECONDS: a condition that holds only for
     one scrape never outlasts a ``for``."""
-    want = labels or {}
-    found: list[dict[str, Any]] = []
+    (first,) = await all_fire(base, (name, labels or {}), timeout=timeout)
+    return first
 
-    async def listed_now() -> bool:
-        found[:] = matching(await listed(base), name, want)
-        return bool(found)
 
-    try:
-        await wait_until(listed_now, timeout=timeout, what=f"{name}{want} listed")
-    except AssertionError:
-        present = sorted({a["labels"]["alertname"] for a in await listed(base)})
-        raise AssertionError(f"{name}{want} never listed; listed: {present}") from None
-    (first,) = found
-    rendered_whole(first)
+async def all_fire(base: str, *alerts: tuple[str, dict[str, str]], timeout: float = 30.0
+                   ) -> list[dict[str, Any]]:
+    """``fires`` of alerts whose conditions hold at once: each waited for in turn, then
+    all held together for HOLD_SECONDS (one hold, not one per alert: each is checked
+    over the same evaluations)."""
+    firsts: list[dict[str, Any]] = []
+    for name, want in alerts:
+        found: list[dict[str, Any]] = []
+
+        async def listed_now(name: str = name, want: dict[str, str] = want,
+                             found: list[dict[str, Any]] = found) -> bool:
+            found[:] = matching(await listed(base), name, want)
+            return bool(found)
+
+        try:
+            await wait_until(listed_now, timeout=timeout, what=f"{name}{want} listed")
+        except AssertionError:
+            present = sorted({a["labels"]["alertname"] for a in await listed(base)})
+            raise AssertionError(f"{name}{want} never listed; listed: {present}") from None
+        (first,) = found
+        rendered_whole(first)
+        firsts.append(first)
     deadline = time.monotonic() + HOLD_SECONDS
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        now = matching(await listed(base), name, want)
-        assert [a["activeAt"] for a in now] == [first["activeAt"]], (name, first, now)
-    return first
+        now = await listed(base)
+        for (name, want), first in zip(alerts, firsts, strict=True):
+            held = matching(now, name, want)
+            assert [a["activeAt"] for a in held] == [first["activeAt"]], (name, first, held)
+    return firsts
 
 
 async def scraped(base: str, count: int = 1) -> None:
@@ -389,11 +403,11 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
                 assert await send(session, url, [probe(
                     "old_probe", {"cluster": CLUSTER}, now_ms - 3 * 3600_000)]) == 400
                 await asyncio.sleep(0.2)
-            await fires(base, "KartaProxyOtherClusterSeries", {"job": JOB})
-            await fires(base, "KartaProxyUpstreamRefusing", {"job": JOB})
-            await fires(base, "KartaPodsUnattributed",
-                        {"cluster": CLUSTER, "karta_namespace": STRAYS})
-            await fires(base, "KartaProxyDescriptionErrors", {"where": "status", "job": JOB})
+            await all_fire(base, ("KartaProxyOtherClusterSeries", {"job": JOB}),
+                           ("KartaProxyUpstreamRefusing", {"job": JOB}),
+                           ("KartaPodsUnattributed",
+                            {"cluster": CLUSTER, "karta_namespace": STRAYS}),
+                           ("KartaProxyDescriptionErrors", {"where": "status", "job": JOB}))
 
             (descriptions / "broken.yaml").write_text("kind: Karta\nspec: [not, a, map\n")
             assert not (await proxy.reload()).ok
@@ -486,12 +500,12 @@ async def test_an_upstream_down_hung_or_misconfigured_fires_its_alerts(
 
 
 async def alerts_of_a_failing_upstream(base: str, instance: dict[str, str]) -> None:
-    await fires(base, "KartaProxyUpstreamFailing", {"instance": instance["down"]})
-    await fires(base, "KartaProxyUpstreamFailing", {"instance": instance["hung"]})
-    await fires(base, "KartaProxyOverloaded", {"instance": instance["hung"]})
-    await fires(base, "KartaProxyFactWritesFailing", {"job": JOB})
-    await fires(base, "KartaProxyUpstreamMisconfigured", {
-        "instance": instance["misconfigured"], "reason": "not_write_endpoint"})
+    await all_fire(base, ("KartaProxyUpstreamFailing", {"instance": instance["down"]}),
+                   ("KartaProxyUpstreamFailing", {"instance": instance["hung"]}),
+                   ("KartaProxyOverloaded", {"instance": instance["hung"]}),
+                   ("KartaProxyFactWritesFailing", {"job": JOB}),
+                   ("KartaProxyUpstreamMisconfigured", {
+                       "instance": instance["misconfigured"], "reason": "not_write_endpoint"}))
     # the misconfigured upstream's 503s are that alert's, not the failing one's
     failing = matching(await listed(base), "KartaProxyUpstreamFailing", {})
     assert {a["labels"]["instance"] for a in failing} == {instance["down"], instance["hung"]}
@@ -538,9 +552,9 @@ async def test_an_api_server_refusing_fires_the_kubernetes_alerts(
         assert not proxies[0].index.ready and proxies[1].index.ready
         await scraped(tsdb.base_url, count=2)
         base = tsdb.base_url
-        await fires(base, "KartaIndexNotReady", {"instance": instance["refused"]})
-        await fires(base, "KartaKindForbidden", {"job": JOB, "resource": "Pod"})
-        await fires(base, "KartaFactWriterNoLeader", {"job": JOB})
+        await all_fire(base, ("KartaIndexNotReady", {"instance": instance["refused"]}),
+                       ("KartaKindForbidden", {"job": JOB, "resource": "Pod"}),
+                       ("KartaFactWriterNoLeader", {"job": JOB}))
         assert [a["labels"]["instance"] for a in
                 matching(await listed(base), "KartaIndexNotReady", {})] == [instance["refused"]]
     finally:
