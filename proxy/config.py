@@ -125,9 +125,11 @@ class ServerSettings(Section):
     """Where and how remote write is served, and the bounds that keep the proxy up."""
 
     listen_address: Annotated[str, setting(
-        "HOST:PORT of remote write, /metrics, /-/healthy and /-/ready",
+        "HOST:PORT of remote write, /metrics, /-/healthy and /-/ready; :PORT or [::]:PORT: "
+        "every interface, IPv4 and IPv6; 0.0.0.0:PORT: IPv4 only; an IPv6 address in "
+        "brackets, [fd00::5]:9091",
         flag=Flag(("--listen-address", "--web.listen-address"), SERVING, "HOST:PORT"))
-    ] = "0.0.0.0:9091"
+    ] = ":9091"
     max_body_bytes: Annotated[int, setting(
         "compressed request body limit in bytes; larger requests get 413; at most 4 GiB",
         ge=1, le=MAX_BODY_BYTES)] = 16 * MiB
@@ -924,18 +926,35 @@ def _expected(t: mi.Type, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); an empty host means all interfaces."""
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port).
+
+    An empty host and ``[::]`` give "": every interface of both families (asyncio binds
+    ``0.0.0.0`` and ``::``), as Go's listeners (Prometheus') take ``:PORT`` and
+    ``[::]:PORT``; asyncio's ``::`` alone is IPv6 only, so an IPv4 client was refused.
+    ``0.0.0.0`` stays IPv4 only. An IPv6 address without brackets is refused, as Go's
+    ``SplitHostPort`` refuses it: ``fd00::1:9091`` was bound as host ``fd00::1``, port
+    9091, and ``::1`` as host ``:``, port 1.
+    """
     host, sep, port_s = address.rpartition(":")
     if not sep or not (port_s.isascii() and port_s.isdigit()):  # "\u00b2": not for int
         raise ConfigError(f"{key}: expected HOST:PORT, got {address!r}")
     port = int(port_s)
     if not 0 <= port <= 65535:
         raise ConfigError(f"{key}: port {port} out of range 0-65535")
-    if host.startswith("[") and host.endswith("]"):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
     if "[" in host or "]" in host:  # '[::1:0': else found only by the bind, as a bad host
         raise ConfigError(f"{key}: expected HOST:PORT ([v6]:PORT), got {address!r}")
-    return host or "0.0.0.0", port
+    if ":" in host and not bracketed:
+        raise ConfigError(f"{key}: an IPv6 address goes in brackets, [v6]:PORT (e.g. "
+                          f"[::1]:9091), got {address!r}")
+    return ("" if host == "::" else host), port
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``parse_host_port``'s inverse, an IPv6 host in brackets: ``::1:9091`` names no port."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _readable(path: str, key: str) -> None:

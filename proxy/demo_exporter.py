@@ -51,6 +51,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.aux_server import AuxServer
+from proxy.config import join_host_port
 from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT
 from proxy.demo_cluster import GPU_RESOURCE, ClusterModel
 from proxy.object_files import ObjectStub, SkippedFile, SnapshotError, read_file, snapshot_files
@@ -110,7 +111,7 @@ class FixtureExporter(AuxServer):
         app.router.add_get("/metrics/resource", self._resource)
         app.router.add_get("/metrics", self._dcgm)
         port = await self.serve(app, self._host, self._port)
-        self.url = f"http://{self._host}:{port}"
+        self.url = f"http://{join_host_port(self._host, port)}"
         return self.url
 
     def _text(self, body: str) -> web.Response:
@@ -246,6 +247,7 @@ def merge_families(texts: Iterable[str]) -> str:
 
 async def _serve(source: str, address: str) -> None:
     host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:9400: else a name to resolve
     exp = FixtureExporter(source, host=host or "127.0.0.1", port=int(port))
     await exp.start()
     print(

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy import __version__, exposition
 from proxy.attribution_page import Explainer, add_routes, pods_text
+from proxy.config import join_host_port
 from proxy.connection_guard import LINGER_SECONDS, ConnectionLimit, GuardedRunner
 from proxy.contract import CONTRACT_VERSION, FACT_BUILD_INFO, FACT_CONTRACT_INFO, FACT_SERIES
 from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
@@ -269,8 +270,11 @@ async def start_site(
                        handshake_timeout=settings.header_read_timeout_seconds,
                        connections=connections)
     await site.start()
-    # the runner's public view of its sockets: (host, port, ...) per bound address
-    bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
-    log.info("listening", extra={"host": host, "port": bound,
-                                 "scheme": "https" if ssl_context is not None else "http"})
+    # the runner's public view of its sockets: (host, port, ...) per bound address (two
+    # for every interface: 0.0.0.0 and ::)
+    sockets = [a for a in runner.addresses if isinstance(a, tuple)]
+    bound = sockets[0][1] if sockets else port
+    log.info("listening", extra={
+        "host": host, "port": bound, "scheme": "https" if ssl_context is not None else "http",
+        "addresses": ", ".join(join_host_port(a[0], a[1]) for a in sockets)})
     return runner, bound

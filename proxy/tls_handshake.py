@@ -40,6 +40,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from proxy.config import join_host_port
 from proxy.connection_guard import ConnectionLimit, close_when_answered
 from proxy.log import THROTTLE_SECONDS, Throttled
 
@@ -142,8 +143,7 @@ def _error_text(exc: BaseException) -> str:
 
 def _peer_text(peer: Any) -> str:
     if isinstance(peer, tuple) and len(peer) >= 2:
-        host = str(peer[0])
-        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+        return join_host_port(str(peer[0]), peer[1])
     return str(peer or "")
 
 
@@ -366,7 +366,7 @@ class TLSSite(web.BaseSite):
 
     @property
     def name(self) -> str:
-        return f"https://{self._host or '0.0.0.0'}:{self._port}"
+        return f"https://{join_host_port(self._host or '0.0.0.0', self._port)}"
 
     async def start(self) -> None:
         await super().start()
