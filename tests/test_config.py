@@ -333,8 +333,9 @@ def test_validate_without_upstream_for_the_demo() -> None:
 
 @pytest.mark.parametrize(
     ("address", "expected"),
-    [("127.0.0.1:80", ("127.0.0.1", 80)), (":9091", ("0.0.0.0", 9091)),
-     ("[::1]:9091", ("::1", 9091))],
+    # "": every interface of both families (asyncio binds 0.0.0.0 and ::)
+    [("127.0.0.1:80", ("127.0.0.1", 80)), (":9091", ("", 9091)), ("[::]:9091", ("", 9091)),
+     ("0.0.0.0:9091", ("0.0.0.0", 9091)), ("[::1]:9091", ("::1", 9091))],
 )
 def test_parse_host_port(address: str, expected: tuple[str, int]) -> None:
     assert parse_host_port(address) == expected
@@ -946,4 +947,12 @@ def test_an_upstream_url_storing_another_cluster_is_refused(
 def test_parse_host_port_refuses_digits_that_are_not_ascii(address: str) -> None:
     """'\u00b2' is a digit to str.isdigit(): int() raised a ValueError, a traceback at start."""
     with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
+        parse_host_port(address)
+
+
+@pytest.mark.parametrize("address", ["::1:9091", "fd00::5:9091", "::1", "::9091"])
+def test_parse_host_port_refuses_an_ipv6_host_without_brackets(address: str) -> None:
+    """Which colon begins the port? '::1' was bound as host ':' port 1, 'fd00::5:9091' as
+    host fd00::5 port 9091 (Go's SplitHostPort refuses both: too many colons)."""
+    with pytest.raises(ConfigError, match=r"an IPv6 address goes in brackets, \[v6\]:PORT"):
         parse_host_port(address)

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import re
+import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter, load_objects, start_exporter
+from proxy.demo_exporter import (
+    DEMO_SNAPSHOT,
+    FixtureExporter,
+    _serve,
+    load_objects,
+    start_exporter,
+)
 from proxy.object_files import SnapshotError
 from tests.clock import ManualClock
 
@@ -125,3 +135,37 @@ def test_what_the_reader_sets_aside_is_an_error(tmp_path: Path) -> None:
     f.write_text("kind: [\n")
     with pytest.raises(SnapshotError, match="invalid YAML"):
         load_objects(f)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+async def test_serve_takes_a_bracketed_ipv6_address_and_names_it_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--serve [::1]:PORT`` looked up the name "[::1]" (a start error), and the URL it
+    printed, ``http://::1:PORT``, named no port."""
+    task = asyncio.create_task(_serve(str(SNAPSHOT), "[::1]:0"))
+    try:
+        url = ""
+        for _ in range(100):  # up to 5 s
+            out = capsys.readouterr().out
+            if match := re.search(r"fixture exporter on (\S+)", out):
+                url = match.group(1)
+                break
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.05)
+        assert url.startswith("http://[::1]:"), url
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http, \
+                http.get(url + "/metrics") as r:
+            assert r.status == 200
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -906,3 +906,63 @@ def test_the_shipped_configmaps_hold_the_placeholder_the_start_warns_of(mode: st
     configmap = yaml.safe_load((root / "config/kubernetes" / mode / "configmap.yaml").read_text())
     (text,) = configmap["data"].values()
     assert yaml.safe_load(text)["facts"]["external_labels"]["cluster"] == PLACEHOLDER_CLUSTER
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+
+
+def _port_free_on_both_families() -> int:
+    """A port free on 127.0.0.1 and ::1 alike (a wildcard listener binds both); bounded."""
+    import socket
+
+    for _ in range(20):
+        with socket.socket() as v4:
+            v4.bind(("127.0.0.1", 0))
+            port = int(v4.getsockname()[1])
+            with socket.socket(socket.AF_INET6) as v6:
+                try:
+                    v6.bind(("::1", port))
+                except OSError:
+                    continue
+                return port
+    pytest.fail("no port free on both 127.0.0.1 and ::1 in 20 tries")
+
+
+@needs_ipv6
+@pytest.mark.parametrize("host", ["", "[::]"])
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+async def test_a_wildcard_listen_address_serves_ipv4_and_ipv6(
+        tmp_path: Path, host: str, tls: bool) -> None:
+    """``:PORT`` and ``[::]:PORT`` serve both families, as Prometheus' do: ``:PORT`` was
+    bound on 0.0.0.0 alone (the shipped 0.0.0.0:9091 too), so an IPv6-only cluster's pod
+    IP was refused; ``[::]`` was asyncio's IPv6-only socket, refusing every IPv4 client."""
+    import ssl
+
+    from tests.tls_certs import Authority
+
+    s = snapshot_settings(tmp_path)
+    s.server.listen_address = f"{host}:{_port_free_on_both_families()}"
+    context: ssl.SSLContext | None = None
+    if tls:
+        ca = Authority(tmp_path / "pki")
+        server = ca.issue("proxy", server=True)
+        s.server.tls_cert_file, s.server.tls_key_file = str(server.cert), str(server.key)
+        context = ssl.create_default_context(cafile=str(ca.ca_file))
+    scheme = "https" if tls else "http"
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with started(s) as p, aiohttp.ClientSession(timeout=timeout) as session:
+        for address in ("127.0.0.1", "[::1]"):
+            async with session.get(f"{scheme}://{address}:{p.port}/-/healthy",
+                                   ssl=context if tls else None) as r:
+                assert r.status == 200, address

@@ -402,3 +402,18 @@ def how_it_ends(port: int, ctx: ssl.SSLContext) -> str:
             return "closed" if tls.recv(1) == b"" else "data"
         except (ssl.SSLError, OSError) as e:
             return f"{type(e).__name__}: {e}"
+
+
+async def test_a_site_on_an_ipv6_host_names_it_in_brackets(pki: Pki) -> None:
+    """``https://::1:9091`` names no port; aiohttp's own sites bracket the host."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.server.cert, pki.server.key)
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    try:
+        assert TLSSite(runner, "::1", 9091, ssl_context=ctx, refusals=Refusals()).name == \
+            "https://[::1]:9091"
+        assert TLSSite(runner, "127.0.0.1", 9091, ssl_context=ctx,
+                       refusals=Refusals()).name == "https://127.0.0.1:9091"
+    finally:
+        await runner.cleanup()

@@ -1,4 +1,4 @@
-"""Throw-away PKI for TLS tests: a CA, a server certificate for 127.0.0.1 / localhost and
+"""Throw-away PKI for TLS tests: a CA, a server certificate for 127.0.0.1 / ::1 / localhost and
 client certificates, made with ``cryptography`` (a test dependency) into PEM files."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Authority:
 
     def issue(self, cn: str, *, server: bool, rsa_key: bool = False,
               valid: tuple[datetime.timedelta, datetime.timedelta] | None = None) -> Pem:
-        """A leaf certificate: ``server`` for 127.0.0.1 and localhost, else a client's; an
+        """A leaf certificate: ``server`` for 127.0.0.1, ::1 and localhost, else a client's; an
         ECDSA key, or RSA with ``rsa_key``; valid from 5 min ago for a day, or from now
         plus ``valid[0]`` to now plus ``valid[1]``."""
         key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey = (
@@ -81,7 +81,8 @@ class Authority:
         )
         if server:
             b = b.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                x509.IPAddress(ipaddress.ip_address("::1"))]),
                 critical=False)
         cert = b.sign(self._key, hashes.SHA256())
         pem = Pem(self.folder / f"{cn}.crt", self.folder / f"{cn}.key")
