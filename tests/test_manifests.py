@@ -26,7 +26,7 @@ import yaml
 
 from proxy import contract, server
 from proxy.cli import build_parser, settings_from_args
-from proxy.config import Settings, load_settings
+from proxy.config import Settings, load_settings, parse_host_port
 from proxy.connection_guard import CANCEL_GRACE_SECONDS
 
 kubernetes_validate = pytest.importorskip(
@@ -364,6 +364,14 @@ def test_the_memory_limit_holds_the_byte_budget_and_the_process(
     limit = _bytes(container(mode)["resources"]["limits"]["memory"])
     budget = settings_of(mode, tmp_path).server.max_inflight_bytes
     assert limit >= budget + BASE_BYTES, (mode, limit >> 20, budget >> 20)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_proxy_listens_on_both_families(mode: str, tmp_path: Path) -> None:
+    """A pod IP is IPv6 in an IPv6-only cluster: the shipped 0.0.0.0:9091 refused it (the
+    Service's traffic and the kubelet's probes), as it refuses every IPv6 client."""
+    address = settings_of(mode, tmp_path).server.listen_address
+    assert parse_host_port(address) == ("", 9091), address
 
 
 def test_cluster_mode_settings(tmp_path: Path) -> None:
