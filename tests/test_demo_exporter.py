@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +21,7 @@ from proxy.demo_exporter import (
 )
 from proxy.object_files import SnapshotError
 from tests.clock import ManualClock
+from tests.ipv6 import needs_ipv6
 
 SNAPSHOT = DEMO_SNAPSHOT
 
@@ -137,16 +137,7 @@ def test_what_the_reader_sets_aside_is_an_error(tmp_path: Path) -> None:
         load_objects(f)
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@needs_ipv6
 async def test_serve_takes_a_bracketed_ipv6_address_and_names_it_so(
         capsys: pytest.CaptureFixture[str]) -> None:
     """``--serve [::1]:PORT`` looked up the name "[::1]" (a start error), and the URL it

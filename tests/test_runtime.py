@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from proxy.config import Settings, load_settings
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
+from tests.ipv6 import needs_ipv6
 from tests.peers.conftest import wait_until
 from tests.proxy_harness import SNAPSHOT
 from tests.scripted import Received, Reply, ScriptedUpstream
@@ -906,20 +907,6 @@ def test_the_shipped_configmaps_hold_the_placeholder_the_start_warns_of(mode: st
     configmap = yaml.safe_load((root / "config/kubernetes" / mode / "configmap.yaml").read_text())
     (text,) = configmap["data"].values()
     assert yaml.safe_load(text)["facts"]["external_labels"]["cluster"] == PLACEHOLDER_CLUSTER
-
-
-def _ipv6_loopback() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 
 
 def _port_free_on_both_families() -> int:
