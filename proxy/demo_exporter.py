@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -51,7 +52,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.aux_server import AuxServer
-from proxy.config import join_host_port
+from proxy.config import ConfigError, join_host_port, parse_host_port
 from proxy.demo import BUNDLED_SERIES, BUNDLED_SNAPSHOT
 from proxy.demo_cluster import GPU_RESOURCE, ClusterModel
 from proxy.object_files import ObjectStub, SkippedFile, SnapshotError, read_file, snapshot_files
@@ -246,9 +247,8 @@ def merge_families(texts: Iterable[str]) -> str:
 
 
 async def _serve(source: str, address: str) -> None:
-    host, _, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # [::1]:9400: else a name to resolve
-    exp = FixtureExporter(source, host=host or "127.0.0.1", port=int(port))
+    host, port = parse_host_port(address, "--serve")  # [::1]:9400 too
+    exp = FixtureExporter(source, host=host or "127.0.0.1", port=port)
     await exp.start()
     print(
         f"fixture exporter on {exp.url} ({len(exp.model.pods)} pods, {len(exp.model.gpus)} GPUs)",
@@ -287,8 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         DEMO_SERIES.write_text(demo_series_text(load_objects(DEMO_SNAPSHOT)))
         print(f"wrote {DEMO_SERIES}")
     if args.serve:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve(args.snapshot, args.serve))
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                asyncio.run(_serve(args.snapshot, args.serve))
+        except ConfigError as e:  # --serve not HOST:PORT
+            print(f"python -m proxy.demo_exporter: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -51,7 +51,6 @@ from proxy.compression import (
 )
 from proxy.config import ServerSettings
 from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
-from proxy.contract import REJECT_REASONS
 from proxy.cpus import usable_cpus
 from proxy.index import PodIndex
 from proxy.log import Throttled
@@ -297,8 +296,6 @@ class RemoteWriteHandler:
                            settings.admission_wait_seconds)
         self._wait = Wait(self.slots.unpromise)
         self.workers = worker_count(settings.worker_threads)
-        for reason in REJECT_REASONS:  # present at 0 before the first (contract)
-            metrics.rejected.labels(reason)
         self._overload_rejected = metrics.rejected.labels("overload")
         #: (route, Content-Type) -> the labels of its requests_total{code="503"}, for ``shed``
         self._shed_counters: dict[tuple[str, str], LabelValues] = {}

@@ -222,6 +222,8 @@ class ProxyMetrics:
             "allocation failed).",
             ["reason"], registry=r,
         )
+        for reason in contract.REJECT_REASONS:  # present at 0 before the first (contract)
+            self.rejected.labels(reason)
         self.connections_refused = Counter(
             _P + "connections_refused", "Client connections closed as soon as they were "
             "made, by reason (max_connections: server.max_connections were open).",
