@@ -52,6 +52,7 @@ from proxy.compression import (
 from proxy.config import ServerSettings
 from proxy.connection_guard import Canned, Wait, admitted, canned, holding, skippable
 from proxy.cpus import usable_cpus
+from proxy.deadline import Deadline
 from proxy.index import PodIndex
 from proxy.log import Throttled
 from proxy.loop_metrics import LabelValues
@@ -713,7 +714,7 @@ class RemoteWriteHandler:
                     # the next byte is due when the bytes so far stop covering the minimum rate
                     due = started + BODY_RATE_GRACE_SECONDS + (received + 1) / rate
                     try:
-                        async with asyncio.timeout_at(min(deadline, due)):
+                        async with Deadline(min(deadline, due)):
                             chunk = await content.readany()
                     except TimeoutError:
                         raise self._stalled(received, loop.time() - started,

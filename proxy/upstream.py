@@ -56,6 +56,7 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import UpstreamSettings, url_credentials, without_userinfo
+from proxy.deadline import Deadline, deadline_in
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
@@ -86,12 +87,11 @@ _NEVER_FORWARD = frozenset(h.lower() for h in _NEVER_FORWARD_SPELLED)
 
 #: how much of an upstream's error body reaches the sender (and the log)
 MAX_ERROR_BODY = 4096
-#: the client's own timeout is this much past ``upstream.timeout_seconds``, so that a
-#: request's deadline (``forward``) always ends it first, with the message the docs show
-#: (``did not take the request within N s``): at the same seconds the client's fired
-#: first for timeouts of 5 s or less (aiohttp rounds only longer ones up to a whole
-#: second), and the sender read "upstream timed out". It still bounds the upstream check,
-#: which has no deadline of its own
+#: each post's own deadline (``_post``) is this much past ``upstream.timeout_seconds``, so
+#: that a request's deadline (``forward``) always ends it first, with the message the
+#: docs show (``did not take the request within N s``): at the same seconds the post's
+#: (then aiohttp's) fired first for timeouts of 5 s or less, and the sender read "upstream
+#: timed out". It still bounds the upstream check, which has no deadline of its own
 CLIENT_TIMEOUT_MARGIN = 1.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
@@ -768,10 +768,11 @@ class Upstream:
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
-                timeout=aiohttp.ClientTimeout(
-                    total=s.timeout_seconds + CLIENT_TIMEOUT_MARGIN,
-                    sock_connect=s.connect_timeout_seconds,
-                ),
+                # no total: each post has a deadline of its own (``_post``), which a stop
+                # of the process does not turn into a timeout for an answer that came
+                # meanwhile (``proxy.deadline``); aiohttp's timer would cancel it first
+                timeout=aiohttp.ClientTimeout(total=None,
+                                              sock_connect=s.connect_timeout_seconds),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
                 # no cookies kept, as Prometheus' client keeps none: aiohttp's jar took an
@@ -1021,7 +1022,7 @@ class Upstream:
         attempt = _Attempt(loop.time() + self.settings.timeout_seconds,
                            charge or _Unbounded(), sender_gone or _never)
         try:
-            async with asyncio.timeout_at(attempt.deadline) as deadline:
+            async with Deadline(attempt.deadline) as deadline:
                 answer, sent = await self._deliver(out, incoming, url, attempt)
                 if too_large(answer):
                     answer = await self._in_parts(sent, answer, incoming, url, attempt)
@@ -1649,12 +1650,13 @@ class Upstream:
         try:
             headers = self._headers(incoming, out.protocol, out.encoding)
             tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
-            async with self._session.post(
-                url if url is not None else self._default_url, data=out.encoded,
-                headers=headers,
-                allow_redirects=False,
-                server_hostname=server_hostname, ssl=tls,
-            ) as resp:
+            async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN), \
+                    self._session.post(
+                        url if url is not None else self._default_url, data=out.encoded,
+                        headers=headers,
+                        allow_redirects=False,
+                        server_hostname=server_hostname, ssl=tls,
+                    ) as resp:
                 code = str(resp.status)
                 if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                     self.clock.note(resp.headers.get("Date"))
