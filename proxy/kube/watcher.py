@@ -504,6 +504,8 @@ class ResourceWatcher(WatchBase):
         self._gone_backoff = Backoff(cap=backoff_max)
         #: lists since the last whole one whose continue token expired part-way
         self._lists_expired = 0
+        #: an idle stream was warned of (later ones are logged at debug)
+        self._idle_warned = False
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -677,9 +679,19 @@ class ResourceWatcher(WatchBase):
                 await self._after_gone()
                 return ""
             # the server never closed the stream; it may be fine for new requests:
-            # resume (jittered), the next request tells whether it is reachable
-            log.warning("watch %s: no data for %.0f s on an open stream, reconnecting",
-                        self.name, self.idle_timeout)
+            # resume (jittered), the next request tells whether it is reachable. Warned
+            # of once per watcher: kube-apiserver bookmarks a watch only once its watch
+            # cache's version passed the watch's, and that moves with the kind's own
+            # changes and etcd's progress notifications alone (every 10 min at etcd's
+            # default), so a quiet kind's watch goes idle at every idle timeout on a
+            # healthy server: a warning each time, for as long as the process ran
+            log.log(logging.DEBUG if self._idle_warned else logging.WARNING,
+                    "watch %s: no data for %g s on an open stream (a stalled connection, "
+                    "or a quiet kind the API server sends no bookmarks: its etcd's "
+                    "progress notifications rare), reconnecting; said once, "
+                    "karta_proxy_watch_restarts_total{reason=\"idle\"} counts each",
+                    self.name, self.idle_timeout)
+            self._idle_warned = True
         except _Broken as e:
             # a watch the server answered broke: resume at once (jittered), not
             # stale yet

@@ -8,8 +8,8 @@ namespace / label / field selectors, CRDs registered at runtime, and create / up
 patch / delete with optimistic concurrency (Lease election builds on that). Tests
 drive it from Python (``create``, ``update``, ``delete``, ``compact``,
 ``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
-``cut_lists``, ``list_token_ttl``, ``stop`` / ``start``) and point kubernetes-asyncio
-at it through the kubeconfig it writes.
+``cut_lists``, ``list_token_ttl``, ``progress_notify``, ``stop`` / ``start``) and point
+kubernetes-asyncio at it through the kubeconfig it writes.
 """
 
 from __future__ import annotations
@@ -143,6 +143,16 @@ class KubeSim:
         #: answer every new watch with ERROR 410 at once, whatever its resourceVersion (a
         #: watch cache behind the list that a load balancer sent to another API server)
         self.gone_watches = False
+        #: whether a watch's bookmarks follow the whole store's version (True: etcd
+        #: sends kube-apiserver's watch cache progress notifications often, 5 s as
+        #: kubeadm, GKE and OpenShift set ``--experimental-watch-progress-notify-interval``)
+        #: or only its own resource's changes (False: etcd's default, 10 min, as good as
+        #: none). The watch cache sends a watch bookmarks only once its version passed the
+        #: one the watch started from (``cacheWatcher.process``), so with False a watch of
+        #: a kind that does not change gets no bookmark at all until one of its objects
+        #: does: the list it started from is at the store's version, above the kind's own
+        #: last change (see ``_watch``)
+        self.progress_notify = True
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
@@ -749,19 +759,23 @@ class KubeSim:
                     if feed.hung or feed.holding:
                         next_bookmark = loop.time() + self.bookmark_interval
                         continue
-                    # a bookmark at the watch's own start version too (the real one
-                    # sends only newer ones, but a real etcd's revision moves on with
-                    # leases and events however quiet the watched kind; this store's
-                    # does not): a quiet watch gets its bookmarks, a restored store's
-                    # watch none
+                    # the watch cache's version: the store's with progress
+                    # notifications (etcd's revision moves on with leases and events
+                    # however quiet the watched kind; this store's does not, hence a
+                    # bookmark at the watch's own start version too: a quiet watch gets
+                    # its bookmarks, a restored store's watch none); without, its own
+                    # kind's last change, and a bookmark only once that is newer than
+                    # the watch's start, as kube-apiserver sends them
+                    cache = self.store.resources.get(rt.key, rs)  # reset_store's too
+                    known = self.store.rv if self.progress_notify else cache.last_rv
                     if bookmarks and feed.queue.empty() and loop.time() >= next_bookmark:
-                        if self.store.rv >= start:
+                        if known > start or (self.progress_notify and known == start):
                             kind, api_version = (
                                 ("PartialObjectMetadata", META_GROUP_VERSION) if mode
                                 else (rt.kind, rt.api_version))
                             await resp.write(_line({"type": "BOOKMARK", "object": {
                                 "kind": kind, "apiVersion": api_version,
-                                "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                                "metadata": {"resourceVersion": str(known)}}}))
                         next_bookmark = loop.time() + self.bookmark_interval
                     continue
                 if ev is None or feed.killed:

@@ -228,8 +228,13 @@ class ResourceStore:
         #: events with rv <= floor are gone from the log
         self.floor = 0
         self.feeds: set[WatchFeed] = set()
+        #: the version of this resource's last change (its registration's, before any):
+        #: what kube-apiserver's watch cache of the resource knows of the store's
+        #: version when etcd sends it no progress notifications (``KubeSim.progress_notify``)
+        self.last_rv = 0
 
     def append(self, ev: Event, max_log: int) -> None:
+        self.last_rv = ev.rv
         self.log.append(ev)
         self.log_rvs.append(ev.rv)
         if len(self.log) > max_log:
@@ -258,6 +263,7 @@ class Store:
     def register(self, rtype: ResourceType) -> None:
         if rtype.key not in self.resources:
             self.resources[rtype.key] = ResourceStore(rtype)
+            self.resources[rtype.key].last_rv = self.rv
         self.by_kind[(rtype.group, rtype.kind)] = rtype.key
 
     def unregister(self, rtype: ResourceType) -> None:

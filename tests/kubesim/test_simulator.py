@@ -506,3 +506,35 @@ async def test_served_from_the_command_line_with_a_snapshots_objects(tmp_path: P
             proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 20)
     assert proc.returncode == 0
+
+
+async def test_without_progress_notifications_a_quiet_kinds_watch_gets_no_bookmark(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """``progress_notify = False``: a watch's bookmarks carry its kind's last change and
+    come only once that is newer than the version the watch started from, as
+    kube-apiserver's watch cache sends them when etcd sends it no progress
+    notifications. A watch of pods from the store's version (a Job changed last) gets
+    none while only Jobs change, then bookmarks once a pod changed."""
+    sim.progress_notify = False
+    sim.create(pod("p"))
+
+    def job(name: str) -> dict[str, Any]:
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name}}
+
+    sim.create(job("j0"))
+    rv = str(sim.resource_version)
+    resp = await raw(api, "/api/v1/pods", watch="1", resourceVersion=rv,
+                     allowWatchBookmarks="true", timeoutSeconds="1")
+    for i in range(1, 4):
+        sim.create(job(f"j{i}"))
+        await asyncio.sleep(0.2)
+    assert await asyncio.wait_for(resp.read(), 5) == b""  # 1 s, bookmarks every 0.2 s
+    resp = await raw(api, "/api/v1/pods", watch="1", resourceVersion=rv,
+                     allowWatchBookmarks="true", timeoutSeconds="1")
+    q = sim.create(pod("q"))
+    sim.create(job("j9"))
+    got = [json.loads(x) for x in (await asyncio.wait_for(resp.read(), 5)).splitlines()]
+    assert got[0]["type"] == "ADDED" and {e["type"] for e in got[1:]} == {"BOOKMARK"}
+    assert len(got) >= 3
+    assert {e["object"]["metadata"]["resourceVersion"] for e in got} == {
+        q["metadata"]["resourceVersion"]}
