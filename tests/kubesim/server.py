@@ -832,13 +832,18 @@ def _line(obj: Obj) -> bytes:
 
 def _translate(ev: Event, flt: Filter) -> tuple[str, Obj] | None:
     """The event a filtered watch sees: an object moving into the selection is ADDED,
-    one moving out is DELETED."""
+    one moving out is DELETED, with its content before the change (the last the watch
+    was allowed to see) at the change's resourceVersion, as kube-apiserver's watch cache
+    sends it (``cacheWatcher.convertToWatchEvent``)."""
     new_in = flt(ev.obj)
     if ev.type == "MODIFIED":
         old_in = flt(ev.old)
         if new_in:
             return ("MODIFIED" if old_in else "ADDED", ev.obj)
-        return ("DELETED", ev.obj) if old_in else None
+        if not old_in or ev.old is None:
+            return None
+        last = dict(ev.old, metadata={**ev.old["metadata"], "resourceVersion": str(ev.rv)})
+        return ("DELETED", last)
     return (ev.type, ev.obj) if new_in else None
 
 

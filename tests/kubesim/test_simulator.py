@@ -538,3 +538,22 @@ async def test_without_progress_notifications_a_quiet_kinds_watch_gets_no_bookma
     assert len(got) >= 3
     assert {e["object"]["metadata"]["resourceVersion"] for e in got} == {
         q["metadata"]["resourceVersion"]}
+
+
+async def test_an_object_leaving_a_watchs_selection_is_deleted_with_its_last_content(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """A change that moves an object out of a filtered watch's selection reaches it as
+    DELETED carrying the object as it was before (still matching), at the change's
+    resourceVersion, as kube-apiserver's watch cache sends it; the simulator sent the
+    new content, which the selector does not match."""
+    p = sim.create(pod("p", app="a"))
+    resp = await raw(api, "/api/v1/pods", watch="1", labelSelector="app=a",
+                     resourceVersion=p["metadata"]["resourceVersion"])
+    p["metadata"]["labels"] = {"app": "b"}
+    moved = sim.update(p)
+    [got] = await events(resp, 1)
+    resp.release()
+    assert got["type"] == "DELETED"
+    md = got["object"]["metadata"]
+    assert md["labels"] == {"app": "a"}
+    assert md["resourceVersion"] == moved["metadata"]["resourceVersion"]
