@@ -308,13 +308,15 @@ async def test_unreachable_then_back(sim: KubeSim, make: Make) -> None:
     assert sink.healthy[-1] is True and w.healthy
 
 
-@pytest.mark.parametrize("status", [429, 503])
-async def test_a_retry_after_is_waited_out(sim: KubeSim, make: Make, status: int) -> None:
+@pytest.mark.parametrize(("status", "plain"), [(429, False), (429, True), (503, False)])
+async def test_a_retry_after_is_waited_out(sim: KubeSim, make: Make, status: int,
+                                           plain: bool) -> None:
     """A list answered 429 (or 503) with Retry-After: 1 is retried no sooner than that,
     though the backoff (capped at 0.3 s here) would allow it, and a watcher answering
     again (``retry_now``) does not cut it short. It was ignored: 53 of the audit's 71
-    requests came within the 10 s the server asked for."""
-    sim.fail_resource(POD, status, retry_after=1)
+    requests came within the 10 s the server asked for. ``plain``: the 429 of API
+    priority and fairness, a text/plain body, the header alone saying how long."""
+    sim.fail_resource(POD, status, retry_after=1, plain=plain)
     sink = RecordingSink()
     w = make(sink)
     w.start()

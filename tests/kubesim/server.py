@@ -119,6 +119,9 @@ class KubeSim:
         #: if given; within that namespace, if given) are answered with the status, while
         #: discovery still lists it (see ``fail_resource``)
         self.failing_resources: dict[tuple[str, str, str], tuple[int, str, bool, int]] = {}
+        #: the keys of ``failing_resources`` answered with a text/plain body (see
+        #: ``fail_resource``)
+        self.plain_failures: set[tuple[str, str, str]] = set()
         #: the keys of ``failing_resources`` that fail lists and watches only: a GET of
         #: one object is served (see ``fail_resource``)
         self.collections_failing: set[tuple[str, str, str]] = set()
@@ -345,7 +348,7 @@ class KubeSim:
     def fail_resource(self, rtype: ResourceType, status: int | None, *,
                       accept: str = "", namespace: str | None = None,
                       watch_only: bool = False, retry_after: int = 0,
-                      collections_only: bool = False) -> None:
+                      collections_only: bool = False, plain: bool = False) -> None:
         """Answer requests for one resource with ``status`` from now on (None: serve it
         again), only those whose Accept header contains ``accept`` if given, and only
         those within ``namespace`` if given (a namespace whose RoleBinding is missing),
@@ -353,17 +356,24 @@ class KubeSim:
         with ``retry_after`` seconds asked for (the ``Retry-After`` header and the Status'
         ``details.retryAfterSeconds``, as kube-apiserver's 429 of API priority and
         fairness sends them), only its lists and watches with ``collections_only`` (a GET
-        of one object served: a watch cut off while the store answers);
+        of one object served: a watch cut off while the store answers), with a text/plain
+        body and no Status with ``plain`` (what kube-apiserver's API priority and fairness
+        and max-in-flight filters answer a request they reject: ``http.Error`` with "Too
+        many requests, please try again later.", the ``Retry-After`` header the only word
+        of how long; a JSON Status 429 is a watch cache not ready yet);
         discovery still lists it, as on a real cluster: 403 is RBAC refusing the proxy's
         service account, 500 a failing conversion webhook or aggregated API."""
         key = (*rtype.key, namespace or "")
         self.collections_failing.discard(key)
+        self.plain_failures.discard(key)
         if status is None:
             self.failing_resources.pop(key, None)
         else:
             self.failing_resources[key] = (status, accept, watch_only, retry_after)
             if collections_only:
                 self.collections_failing.add(key)
+            if plain:
+                self.plain_failures.add(key)
 
     def delay_resource(self, rtype: ResourceType, seconds: float | None, *,
                        methods: Iterable[str] = (), continued: bool = False) -> None:
@@ -461,8 +471,10 @@ class KubeSim:
             raise NotFound(f"no route {path}")
         except ApiError as e:
             after = (e.details or {}).get("retryAfterSeconds")
-            return web.json_response(e.status(), status=e.code, headers=(
-                {"Retry-After": str(after)} if after else None))
+            headers = {"Retry-After": str(after)} if after else None
+            if isinstance(e, PlainError):
+                return web.Response(text=e.message + "\n", status=e.code, headers=headers)
+            return web.json_response(e.status(), status=e.code, headers=headers)
 
     def _group_versions(self) -> dict[str, list[ResourceType]]:
         out: dict[str, list[ResourceType]] = collections.defaultdict(list)
@@ -527,7 +539,8 @@ class KubeSim:
         if failing is not None and failing[1] in accept and (
                 not failing[2] or request.query.get("watch") in ("1", "true")) and not (
                 one and fkey in self.collections_failing):
-            raise _failure(failing[0], rtype, request.method, failing[3])
+            raise _failure(failing[0], rtype, request.method, failing[3],
+                           plain=fkey in self.plain_failures)
         cut = self.cut_resources.get(rtype.key)
         if cut is not None and "continue" in query and not one:
             if cut == "reset":
@@ -804,8 +817,18 @@ class KubeSim:
             rs.feeds.discard(feed)
 
 
-def _failure(status: int, rtype: ResourceType, method: str, retry_after: int = 0) -> ApiError:
+class PlainError(ApiError):
+    """An error answered with a text/plain body, no Status (``details`` only for the
+    ``Retry-After`` header)."""
+
+
+def _failure(status: int, rtype: ResourceType, method: str, retry_after: int = 0, *,
+             plain: bool = False) -> ApiError:
     """What a real API server answers for a resource it refuses or fails on."""
+    if plain:
+        return PlainError(status, "", "Too many requests, please try again later."
+                          if status == 429 else "simulated failure",
+                          {"retryAfterSeconds": retry_after} if retry_after else None)
     if retry_after:
         return ApiError(status, "TooManyRequests" if status == 429 else "ServiceUnavailable",
                         "the server has received too many requests and has asked us to "

@@ -557,3 +557,17 @@ async def test_an_object_leaving_a_watchs_selection_is_deleted_with_its_last_con
     md = got["object"]["metadata"]
     assert md["labels"] == {"app": "a"}
     assert md["resourceVersion"] == moved["metadata"]["resourceVersion"]
+
+
+async def test_a_429_of_api_priority_and_fairness_is_plain_text(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """``fail_resource(..., plain=True)``: kube-apiserver's API priority and fairness and
+    max-in-flight filters reject with ``http.Error``: a text/plain body, no Status, the
+    Retry-After header the only word of how long."""
+    sim.fail_resource(POD, 429, retry_after=2, plain=True)
+    resp = await raw(api, "/api/v1/pods")
+    assert resp.status == 429 and resp.headers["Retry-After"] == "2"
+    assert resp.content_type == "text/plain"
+    assert await resp.text() == "Too many requests, please try again later.\n"
+    sim.fail_resource(POD, None)
+    assert (await raw(api, "/api/v1/pods")).status == 200
