@@ -734,11 +734,7 @@ class KubeSim:
                 await resp.write(_line({"type": etype,
                                         "object": partial_metadata(obj) if mode else obj}))
             if self.short_watches:
-                kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION)
-                                     if mode else (rt.kind, rt.api_version))
-                await resp.write(_line({"type": "BOOKMARK", "object": {
-                    "kind": kind, "apiVersion": api_version,
-                    "metadata": {"resourceVersion": str(self.store.rv)}}}))
+                await resp.write(_bookmark(rt, mode, self.store.rv))
                 await resp.write_eof()
                 return resp
             held: list[bytes] = []  # lines kept back while the feed is holding
@@ -783,12 +779,7 @@ class KubeSim:
                     known = self.store.rv if self.progress_notify else cache.last_rv
                     if bookmarks and feed.queue.empty() and loop.time() >= next_bookmark:
                         if known > start or (self.progress_notify and known == start):
-                            kind, api_version = (
-                                ("PartialObjectMetadata", META_GROUP_VERSION) if mode
-                                else (rt.kind, rt.api_version))
-                            await resp.write(_line({"type": "BOOKMARK", "object": {
-                                "kind": kind, "apiVersion": api_version,
-                                "metadata": {"resourceVersion": str(known)}}}))
+                            await resp.write(_bookmark(rt, mode, known))
                         next_bookmark = loop.time() + self.bookmark_interval
                     continue
                 if ev is None or feed.killed:
@@ -851,6 +842,20 @@ def _parse_bool(text: str) -> bool:
 
 def _line(obj: Obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _bookmark(rt: ResourceType, mode: str, rv: int) -> bytes:
+    """A BOOKMARK line as kube-apiserver writes it: an empty object of the watched kind
+    at ``rv``. A typed one (a built-in kind, PartialObjectMetadata) is its Go zero value
+    encoded, ``creationTimestamp: null`` in its metadata (a Pod's adds an empty spec and
+    status, left out here); a CRD's unstructured one has the version alone."""
+    md: Obj = {"resourceVersion": str(rv)}
+    if mode or rt.builtin:
+        md["creationTimestamp"] = None
+    kind, api_version = (("PartialObjectMetadata", META_GROUP_VERSION) if mode
+                         else (rt.kind, rt.api_version))
+    return _line({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": api_version,
+                                                  "metadata": md}})
 
 
 def _translate(ev: Event, flt: Filter) -> tuple[str, Obj] | None:
