@@ -368,10 +368,12 @@ class _WentBack(_Gone):
 
 
 def _revision(rv: str) -> int | None:
-    """A resourceVersion as a number, when it is one. Clients must treat it as opaque,
-    but the API server's are etcd revisions, which only grow: a smaller one on the same
-    watch means the store went back. Anything else (another server's versions) is not
-    compared."""
+    """A resourceVersion as a number, when it is one. Opaque to clients until
+    Kubernetes 1.35 (equality only), but kube-apiserver's are etcd revisions, which only
+    grow, and KEP-5504 (stable in 1.35) made that a promise: versions of one resource
+    type compare as integers. Only versions of one watcher's resource are compared
+    here, so a smaller one means the store went back. Anything else (an aggregated API
+    server's own versions, which need not be numbers) is not compared."""
     return int(rv) if rv.isascii() and rv.isdigit() else None
 
 
