@@ -802,8 +802,11 @@ class KubeSim:
                         next_bookmark = loop.time() + self.bookmark_interval
             await resp.write_eof()
             return resp
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
+        except ConnectionResetError:
+            # the client went away (a watch it gave up as idle) and the stream's end
+            # found the connection closing: nothing to answer, and nothing to log (aiohttp
+            # logged each as "Error handling request")
+            return resp
         finally:
             rs.feeds.discard(feed)
 
