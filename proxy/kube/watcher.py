@@ -593,10 +593,17 @@ class ResourceWatcher(WatchBase):
                 # a bookmark or a few events (a proxy in between cutting streams, a
                 # server shutting down): again at once would be a tight loop
                 self.metrics.restarts.labels(self.name, early).inc()
-                if self.backoff.attempt == 0:  # the first of a run, not every one
-                    log.warning("watch %s: the server ended the watch early (%s); "
-                                "watching again after a backoff", self.name,
-                                "no event" if early == "empty" else "after some events")
+                # one is an API server shutting down: with
+                # --shutdown-watch-termination-grace-period it ends its watches so, and
+                # a rollout ended every watch once, each warned of. Told at info; a
+                # second in a row (the backoff not reset since: something cutting
+                # streams) is warned of, once a run
+                if self.backoff.attempt <= 1:
+                    log.log(logging.INFO if self.backoff.attempt == 0 else logging.WARNING,
+                            "watch %s: the server ended the watch early (%s)%s; watching "
+                            "again after a backoff", self.name,
+                            "no event" if early == "empty" else "after some events",
+                            "" if self.backoff.attempt == 0 else ", twice in a row")
                 await asyncio.sleep(self.backoff.next())
                 return rv
             self.metrics.restarts.labels(self.name, "timeout").inc()

@@ -726,6 +726,42 @@ async def test_a_quiet_kind_sent_no_bookmarks_warns_of_its_idle_watch_once(
     await eventually(lambda: "b" in sink.names("ADDED"), timeout=5)
 
 
+async def test_a_watch_drained_by_an_api_server_shutting_down_resumes_without_a_warning(
+        sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    """kube-apiserver with ``--shutdown-watch-termination-grace-period`` (OpenShift sets
+    25 s) ends its watches cleanly when it shuts down (the handler returns: the chunked
+    terminator), early: every rollout ends every watch once. One such end is told at
+    info and watched again from the version held (no relist); a second in a row
+    (something in between cutting streams) is warned of. It was a warning from every
+    watcher at every API server restart. The simulator's ``drain_watches``; its
+    ``stop`` cuts them, as an API server exiting without that grace period does."""
+    caplog.set_level(logging.INFO, logger="proxy.kube.watcher")
+    sim.create(pod("a"))
+    sink = RecordingSink()
+    w = await started(make, sink, watch_timeout=lambda: 60, idle_timeout=30.0)
+    await eventually(lambda: sim.watch_count(POD) == 1)
+    n_lists = _pod_lists(sim)
+
+    def early() -> float:
+        return sum(w.metrics.restarts.labels(w.name, r)._value.get()
+                   for r in ("short", "empty"))
+
+    def said(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if "ended the watch early" in r.getMessage() and r.levelno == level]
+
+    assert sim.drain_watches() == 1
+    await eventually(lambda: early() == 1, timeout=5)
+    await eventually(lambda: sim.watch_count(POD) == 1, timeout=5)
+    sim.create(pod("b"))
+    await eventually(lambda: "b" in sink.names("ADDED"), timeout=5)
+    assert said(logging.WARNING) == [] and len(said(logging.INFO)) == 1
+    assert sim.drain_watches() == 1  # again, at once: warned of
+    await eventually(lambda: early() == 2, timeout=5)
+    assert len(said(logging.WARNING)) == 1
+    assert _pod_lists(sim) == n_lists and w.healthy
+
+
 async def test_told_of_a_restore_it_cuts_its_watch_and_delivers_everything_again(
         sim: KubeSim, make: Make) -> None:
     """Another watcher of the API server saw its store go back (``relist_history``): a

@@ -7,7 +7,7 @@ timeouts, abrupt disconnects, metadata-only (PartialObjectMetadata) responses,
 namespace / label / field selectors, CRDs registered at runtime, and create / update /
 patch / delete with optimistic concurrency (Lease election builds on that). Tests
 drive it from Python (``create``, ``update``, ``delete``, ``compact``,
-``disconnect_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
+``disconnect_watches``, ``drain_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
 ``cut_lists``, ``list_token_ttl``, ``progress_notify``, ``stop`` / ``start``) and point
 kubernetes-asyncio at it through the kubeconfig it writes.
 """
@@ -330,6 +330,21 @@ class KubeSim:
             for feed in list(rs.feeds):
                 feed.kill()
                 n += 1
+        return n
+
+    def drain_watches(self) -> int:
+        """End every open watch stream cleanly now, with what it was sent, as at its
+        timeout but early: an API server shutting down with
+        ``--shutdown-watch-termination-grace-period`` (OpenShift sets 25 s, k0s its stop
+        timeout) drains its watches so, the handler returning with the chunked
+        terminator, in a rollout as in any restart (without, they are cut when it
+        exits: ``disconnect_watches``). New watches are served (the next API server)."""
+        n = 0
+        for rs in self.store.resources.values():
+            for feed in list(rs.feeds):
+                if not feed.hung:
+                    feed.flush(b"")
+                    n += 1
         return n
 
     def hang_watches(self) -> int:
