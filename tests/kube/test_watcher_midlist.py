@@ -150,9 +150,10 @@ async def test_a_relist_whose_continue_token_expires_lists_again_from_the_start(
         sim: KubeSim, make: Make, caplog: pytest.LogCaptureFixture) -> None:
     """A continue token expired part-way (410 Expired: its resourceVersion compacted
     while the list was paged through) is a 410 like a watch's: the watcher lists again
-    from the first page (not retrying the dead token), at once the first time, then
-    after the 410s' own backoff; it stays healthy (the server answers), retracts nothing
-    until a list goes through whole, and then watches from that list's version."""
+    from the first page (not retrying the dead token, nor using the inconsistent one its
+    410 offers), at once the first time, then after the 410s' own backoff; it stays
+    healthy (the server answers), retracts nothing until a list goes through whole, and
+    then watches from that list's version."""
     caplog.set_level(logging.INFO, logger="proxy.kube.watcher")
     for name in PODS:
         sim.create(pod(name))
@@ -164,6 +165,9 @@ async def test_a_relist_whose_continue_token_expires_lists_again_from_the_start(
     assert sink.healthy == [] and w.healthy
     tokens = [q["continue"] for q in _lists(sim) if "continue" in q]
     assert len(set(tokens)) == len(tokens)  # a token expired is never asked again
+    # nor the one its 410 offers: the rest at the store's version now, an inconsistent
+    # list, whose version no watch could start from and whose diff could retract wrongly
+    assert sim.inconsistent_tokens and not set(tokens) & set(sim.inconsistent_tokens)
     assert any("continue token expired (410)" in r.getMessage() for r in caplog.records)
     assert any("410 again right after a relist" in r.getMessage() for r in caplog.records)
     since = time.monotonic()

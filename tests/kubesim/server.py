@@ -168,6 +168,9 @@ class KubeSim:
         #: etcd compacts every 5 minutes, so a list paged through for longer than that
         #: gets 410 Expired part-way (see ``_list``)
         self.list_token_ttl: float | None = None
+        #: the continue tokens offered in 410 answers to expired ones (``_expired``):
+        #: inconsistent lists, never to be asked by a client that needs a consistent one
+        self.inconsistent_tokens: list[str] = []
         self._runner: web.AppRunner | None = None
         #: token id -> (resourceVersion, items, the loop time the list began)
         self._snapshots: collections.OrderedDict[str, tuple[int, list[Obj], float]] = (
@@ -634,12 +637,18 @@ class KubeSim:
         rt = rs.rtype
         limit = int(query.get("limit") or 0)
         token = query.get("continue", "")
+        state: Obj = {}
         if token:
             try:
                 state = json.loads(base64.urlsafe_b64decode(token.encode()))
                 snap_id, offset = state["id"], int(state["offset"])
             except (ValueError, KeyError) as e:
                 raise ApiError(400, "BadRequest", f"invalid continue token: {e}") from e
+        if state.get("after"):  # an inconsistent token: the rest at the store's version
+            rv, items = self.store.rv, [o for o in _current(rs, flt)
+                                        if _key(o) > list(state["after"])]
+            offset, snap_id, began = 0, "", asyncio.get_running_loop().time()
+        elif token:
             snap = self._snapshots.get(snap_id)
             now = asyncio.get_running_loop().time()
             if snap is not None and self.list_token_ttl is not None and (
@@ -647,9 +656,7 @@ class KubeSim:
                 del self._snapshots[snap_id]  # its version compacted away
                 snap = None
             if snap is None:
-                raise ApiError(410, "Expired", "The provided continue parameter is too old "
-                               "to display a consistent list result. You can start a new "
-                               "list without the continue parameter.")
+                raise self._expired(state.get("key"))
             rv, items, began = snap
         else:
             rv = self.store.rv
@@ -658,9 +665,7 @@ class KubeSim:
                 # kube-apiserver waits up to 3 s for its cache to reach the version,
                 # then answers this (a watch from such a version is accepted instead)
                 raise TooLargeResourceVersion(int(asked), rv)
-            items = [o for o in rs.objects.values() if flt(o)]
-            items.sort(key=lambda o: (o["metadata"].get("namespace", ""),
-                                      o["metadata"]["name"]))
+            items = _current(rs, flt)
             offset = 0
             snap_id = ""
             began = asyncio.get_running_loop().time()
@@ -674,9 +679,8 @@ class KubeSim:
                 self._snapshots[snap_id] = (rv, items, began)
                 while len(self._snapshots) > 32:
                     self._snapshots.popitem(last=False)
-            next_token = base64.urlsafe_b64encode(
-                json.dumps({"id": snap_id, "offset": offset + len(page)}).encode()
-            ).decode()
+            next_token = _token({"id": snap_id, "offset": offset + len(page),
+                                 "key": _key(page[-1])})
         if mode:
             out_items = [partial_metadata(o) for o in page]
             body: Obj = {"kind": "PartialObjectMetadataList", "apiVersion": META_GROUP_VERSION}
@@ -696,6 +700,21 @@ class KubeSim:
         body["items"] = out_items
         return web.Response(body=json.dumps(body, separators=(",", ":")).encode(),
                             content_type="application/json")
+
+    def _expired(self, key: list[str] | None) -> ApiError:
+        """kube-apiserver's answer to a continue token whose resourceVersion etcd
+        compacted (``handleCompactedErrorForPaging``): 410 Expired, with a continue token
+        in the Status' list metadata that lists the rest from the key the dead token was
+        at, at the store's version now: an inconsistent list, which a client needing a
+        consistent one must not use. The tokens offered so are kept in
+        ``inconsistent_tokens``."""
+        if not key:
+            return ApiError(410, "Expired", "The provided continue parameter is too old "
+                            "to display a consistent list result. You can start a new "
+                            "list without the continue parameter.")
+        fresh = _token({"id": "", "offset": 0, "after": key})
+        self.inconsistent_tokens.append(fresh)
+        return ExpiredContinue(fresh)
 
     # -- watch -----------------------------------------------------------------------------
 
@@ -824,6 +843,39 @@ class KubeSim:
             return resp
         finally:
             rs.feeds.discard(feed)
+
+
+class ExpiredContinue(ApiError):
+    """410 Expired for a compacted continue token, with an inconsistent one to go on."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__(
+            410, "Expired", "The provided continue parameter is too old to display a "
+            "consistent list result. You can start a new list without the continue "
+            "parameter, or use the continue token in this response to retrieve the "
+            "remainder of the results. Continuing with the provided token results in an "
+            "inconsistent list - objects that were created, modified, or deleted between "
+            "the time the first chunk was returned and now may show up in the list.")
+        self.token = token
+
+    def status(self) -> Obj:
+        out = super().status()
+        out["metadata"] = {"continue": self.token}
+        return out
+
+
+def _current(rs: ResourceStore, flt: Filter) -> list[Obj]:
+    """The objects a list selects now, in key order (namespace, name), as etcd's."""
+    return sorted((o for o in rs.objects.values() if flt(o)), key=_key)
+
+
+def _key(obj: Mapping[str, Any]) -> list[str]:
+    md = obj["metadata"]
+    return [md.get("namespace", ""), md["name"]]
+
+
+def _token(state: Obj) -> str:
+    return base64.urlsafe_b64encode(json.dumps(state).encode()).decode()
 
 
 class PlainError(ApiError):

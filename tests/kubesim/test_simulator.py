@@ -571,3 +571,29 @@ async def test_a_429_of_api_priority_and_fairness_is_plain_text(
     assert await resp.text() == "Too many requests, please try again later.\n"
     sim.fail_resource(POD, None)
     assert (await raw(api, "/api/v1/pods")).status == 200
+
+
+async def test_an_expired_continue_token_is_answered_with_an_inconsistent_one(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """A continue token whose version was compacted gets 410 Expired whose Status holds
+    a continue token (``metadata.continue``) for the rest of the list after the dead
+    token's key, at the store's version now (``handleCompactedErrorForPaging``): what
+    changed since the first page shows up, an inconsistent list."""
+    for name in ("a", "b", "c"):
+        sim.create(pod(name))
+    core = k8s.CoreV1Api(api)
+    first = await core.list_namespaced_pod("default", limit=1)
+    sim.compact()  # the list's version compacted away
+    sim.delete(pod("b"))
+    sim.create(pod("d"))
+    with pytest.raises(ApiException) as raised:
+        await core.list_namespaced_pod("default", limit=1,
+                                       _continue=first.metadata._continue)
+    assert _expired(raised.value)
+    status = json.loads(raised.value.body or b"{}")
+    assert "inconsistent list" in status["message"]
+    assert [status["metadata"]["continue"]] == sim.inconsistent_tokens
+    rest = await core.list_namespaced_pod("default", limit=5,
+                                          _continue=status["metadata"]["continue"])
+    assert [p.metadata.name for p in rest.items] == ["c", "d"]
+    assert rest.metadata.resource_version == str(sim.resource_version)
