@@ -74,7 +74,12 @@ async def test_the_stdlib_deadline_ends_that_call() -> None:
         await _stalled_call(asyncio.timeout_at)
 
 
-async def test_on_time_it_ends_the_call_as_the_stdlib_does() -> None:
+async def test_on_time_it_ends_the_call_as_the_stdlib_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No look for a deadline reached on time (a lateness threshold far above what a
+    loaded test machine's loop shows, and a look so long that one would show)."""
+    monkeypatch.setattr(deadline_mod, "LATE_SECONDS", 2.0)
+    monkeypatch.setattr(deadline_mod, "LOOK_SECONDS", 30.0)
     loop = asyncio.get_running_loop()
     async with _pair() as (a, _b):
         began = loop.time()
@@ -83,7 +88,7 @@ async def test_on_time_it_ends_the_call_as_the_stdlib_does() -> None:
                 await loop.sock_recv(a, 16)
     took = loop.time() - began
     assert d.expired() and d.looks == 0
-    assert DUE <= took < DUE + LATE_SECONDS, took
+    assert DUE <= took < 2.0, took
 
 
 async def test_a_late_deadline_with_nothing_arriving_still_ends_the_call() -> None:
@@ -97,8 +102,8 @@ async def test_a_late_deadline_with_nothing_arriving_still_ends_the_call() -> No
             async with deadline_in(DUE) as d:
                 await loop.sock_recv(a, 16)
     took = loop.time() - began
-    assert d.expired() and d.looks == 1
-    assert STALL + LOOK_SECONDS <= took < STALL + LOOK_SECONDS + LATE_SECONDS, took
+    assert d.expired() and d.looks >= 1  # another only if the look itself was held up
+    assert STALL + LOOK_SECONDS <= took < STALL + (MAX_LOOKS + 1) * LOOK_SECONDS, took
 
 
 async def test_stall_after_stall_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
