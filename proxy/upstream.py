@@ -1658,7 +1658,7 @@ class Upstream:
                 code = str(resp.status)
                 if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                     self.clock.note(resp.headers.get("Date"))
-                text = await resp.content.read(MAX_ERROR_BODY)
+                text = await self._body(resp)
                 return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
             # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
@@ -1702,6 +1702,24 @@ class Upstream:
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
+
+    async def _body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
+        2xx breaks off (the connection reset after its head): the upstream said it stored
+        the request, and that stays the sender's answer. A 502 made the sender send again
+        what was stored: VictoriaMetrics keeps it twice, Prometheus refuses a batch with
+        several samples of a series as out of order (a 400 the sender drops)."""
+        try:
+            return await resp.content.read(MAX_ERROR_BODY)
+        except aiohttp.ClientError as e:
+            if not 200 <= resp.status < 300:
+                raise
+            why = failure_line(e, self.settings.timeout_seconds)
+            self._line(logging.WARNING, "upstream answered 2xx, then its body broke off: "
+                       "the sender gets the 2xx", str(resp.status),
+                       {"upstream_url": self.url, "upstream_status": resp.status,
+                        "error": why})
+            return b""
 
     def _no_answer(self, status: int, code: str, what: str, detail: str = "",
                    **extra: object) -> Answer:

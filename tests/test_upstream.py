@@ -45,6 +45,7 @@ from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import layout_bytes
 from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol, len_field
+from tests.fault_relay import CUT_ANSWER, Fault, FaultRelay
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 # generated protobuf modules carry no type information
@@ -128,6 +129,19 @@ async def test_keep_alive_reuses_one_connection() -> None:
             assert (await u.send(v1_body(), Protocol.V1)).ok
     assert len(up.received) == 5
     assert len({r.peer for r in up.received}) == 1
+
+
+async def test_a_2xx_whose_body_breaks_off_stays_a_2xx() -> None:
+    """The upstream answered 200 (stored), then the connection was reset before its body:
+    the sender gets the 200, not a 502 that makes it send again what is stored."""
+    async with (
+        ScriptedUpstream(Reply(200, body=b"stored 1 series\n")) as up,
+        FaultRelay(("127.0.0.1", up.port), lambda index, body: Fault(CUT_ANSWER)) as relay,
+        opened(relay.url()) as u,
+    ):
+        answer = await u.send(v1_body(), Protocol.V1)
+    assert (answer.status, answer.upstream) == (200, "200"), answer.body
+    assert relay.events[0].fault == CUT_ANSWER and len(up.received) == 1
 
 
 @pytest.mark.parametrize(
