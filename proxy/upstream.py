@@ -93,6 +93,14 @@ MAX_ERROR_BODY = 4096
 #: second), and the sender read "upstream timed out". It still bounds the upstream check,
 #: which has no deadline of its own
 CLIENT_TIMEOUT_MARGIN = 1.0
+#: how long a pooled connection may idle and still be reused: well under the idle timeouts
+#: of what usually answers (VictoriaMetrics' ``-http.idleConnTimeout`` and AWS ALB's, 60 s;
+#: nginx 75 s; Mimir 120 s). At 60 s, equal to theirs, a request sent on a connection idle
+#: just under 60 s crossed the upstream's close on the wire: reset unread, a 502 for a
+#: request no receiver saw (3 of 15 requests reused within a millisecond of the close, in
+#: an audit). aiohttp resends no POST, nor could it tell that reset from one after the
+#: receiver took the request (docs/operations.md, "An exchange that ends without an answer")
+KEEPALIVE_SECONDS = 30.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -763,7 +771,7 @@ class Upstream:
             connector = aiohttp.TCPConnector(
                 limit=s.max_connections,
                 ssl=ctx if ctx is not None else True,
-                keepalive_timeout=60.0,
+                keepalive_timeout=KEEPALIVE_SECONDS,
                 enable_cleanup_closed=True,
             )
             self._session = aiohttp.ClientSession(
