@@ -93,6 +93,14 @@ MAX_ERROR_BODY = 4096
 #: (then aiohttp's) fired first for timeouts of 5 s or less, and the sender read "upstream
 #: timed out". It still bounds the upstream check, which has no deadline of its own
 CLIENT_TIMEOUT_MARGIN = 1.0
+#: how long a pooled connection may idle and still be reused: well under the idle timeouts
+#: of what usually answers (VictoriaMetrics' ``-http.idleConnTimeout`` and AWS ALB's, 60 s;
+#: nginx 75 s; Mimir 120 s). At 60 s, equal to theirs, a request sent on a connection idle
+#: just under 60 s crossed the upstream's close on the wire: reset unread, a 502 for a
+#: request no receiver saw (23 of 300 sent around the close, with 2 ms of latency, in an
+#: audit). aiohttp resends no POST, nor could it tell that reset from one after the
+#: receiver took the request (docs/operations.md, "An exchange that ends without an answer")
+KEEPALIVE_SECONDS = 30.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -763,7 +771,7 @@ class Upstream:
             connector = aiohttp.TCPConnector(
                 limit=s.max_connections,
                 ssl=ctx if ctx is not None else True,
-                keepalive_timeout=60.0,
+                keepalive_timeout=KEEPALIVE_SECONDS,
                 enable_cleanup_closed=True,
             )
             self._session = aiohttp.ClientSession(
@@ -1660,7 +1668,7 @@ class Upstream:
                 code = str(resp.status)
                 if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                     self.clock.note(resp.headers.get("Date"))
-                text = await resp.content.read(MAX_ERROR_BODY)
+                text = await self._body(resp)
                 return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
             # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
@@ -1704,6 +1712,24 @@ class Upstream:
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
+
+    async def _body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
+        2xx breaks off (the connection reset after its head): the upstream said it stored
+        the request, and that stays the sender's answer. A 502 made the sender send again
+        what was stored: VictoriaMetrics keeps it twice, Prometheus refuses a batch with
+        several samples of a series as out of order (a 400 the sender drops)."""
+        try:
+            return await resp.content.read(MAX_ERROR_BODY)
+        except aiohttp.ClientError as e:
+            if not 200 <= resp.status < 300:
+                raise
+            why = failure_line(e, self.settings.timeout_seconds)
+            self._line(logging.WARNING, "upstream answered 2xx, then its body broke off: "
+                       "the sender gets the 2xx", str(resp.status),
+                       {"upstream_url": self.url, "upstream_status": resp.status,
+                        "error": why})
+            return b""
 
     def _no_answer(self, status: int, code: str, what: str, detail: str = "",
                    **extra: object) -> Answer:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
+import aiohttp.connector
 import pytest
 from multidict import CIMultiDict
 
@@ -45,6 +46,7 @@ from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import layout_bytes
 from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol, len_field
+from tests.fault_relay import CUT_ANSWER, Fault, FaultRelay
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 # generated protobuf modules carry no type information
@@ -128,6 +130,36 @@ async def test_keep_alive_reuses_one_connection() -> None:
             assert (await u.send(v1_body(), Protocol.V1)).ok
     assert len(up.received) == 5
     assert len({r.peer for r in up.received}) == 1
+
+
+async def test_a_connection_idle_near_the_upstreams_idle_timeout_is_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """VictoriaMetrics and AWS ALB close a connection idle 60 s; a pool that reused one
+    idle just under 60 s (its keep-alive was 60 s) sent requests into their close, reset
+    unread: a 502 for a request never stored. aiohttp's clock is moved on, not waited."""
+    ahead = [0.0]
+    real = aiohttp.connector.monotonic
+    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: real() + ahead[0])
+    async with ScriptedUpstream() as up, opened(up.url) as u:
+        for idle in (0.0, 20.0, 45.0):
+            ahead[0] += idle
+            assert (await u.send(v1_body(), Protocol.V1)).ok
+    first, after_20_s, after_45_s = (r.peer for r in up.received)
+    assert first == after_20_s != after_45_s
+
+
+async def test_a_2xx_whose_body_breaks_off_stays_a_2xx() -> None:
+    """The upstream answered 200 (stored), then the connection was reset before its body:
+    the sender gets the 200, not a 502 that makes it send again what is stored."""
+    async with (
+        ScriptedUpstream(Reply(200, body=b"stored 1 series\n")) as up,
+        FaultRelay(("127.0.0.1", up.port), lambda index, body: Fault(CUT_ANSWER)) as relay,
+        opened(relay.url()) as u,
+    ):
+        answer = await u.send(v1_body(), Protocol.V1)
+    assert (answer.status, answer.upstream) == (200, "200"), answer.body
+    assert relay.events[0].fault == CUT_ANSWER and len(up.received) == 1
 
 
 @pytest.mark.parametrize(
