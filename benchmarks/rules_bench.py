@@ -13,13 +13,13 @@ families there as the shipped ServiceMonitor does.
 Samples go in as a scraper would send them: one pass over every series per
 ``--scrape-interval``, ``--history-minutes`` of them with past timestamps as fast as the
 proxy and Prometheus take them (the ``rate5m`` rules need five minutes), then one pass per
-interval at the wall clock while the rules are read. Read per group and per rule, over
-``--evaluations`` evaluations: ``evaluationTime`` from ``/api/v1/rules`` (what
-``prometheus_rule_group_last_duration_seconds`` exposes), its health and last error,
-``prometheus_rule_evaluation_failures_total``, and per recording rule the output series
-(``count({__name__="<record>"})``) against the workloads, component instances and pods the
-facts count. Each size runs in a fresh Prometheus; the figures of two sizes show how cost
-and output scale with the pods.
+interval at the wall clock, spread over it as scrapes are, while the rules are read. Read
+per group and per rule, over ``--evaluations`` evaluations: ``evaluationTime`` from
+``/api/v1/rules`` (what ``prometheus_rule_group_last_duration_seconds`` exposes), its
+health and last error, ``prometheus_rule_evaluation_failures_total``, and per recording
+rule the output series (``count({__name__="<record>"})``) against the workloads, component
+instances and pods the facts count. Each size runs in a fresh Prometheus; the figures of
+two sizes show how cost and output scale with the pods.
 
     python benchmarks/rules_bench.py [--pods 5625 11250] [--history-minutes 10]
         [--evaluations 3] [--baseline-rules OLD.yaml] [--json OUT] [--keep]
@@ -141,8 +141,12 @@ def start_proxy(work: Path, snapshot: Path, upstream_port: int, port: int) -> Pr
 # -- sending ------------------------------------------------------------------------------------
 
 
-def send_pass(u: _TimedUniverse, npass: int, port: int, senders: int = 3) -> int:
-    """Every series once, stamped pass ``npass``; returns the requests refused."""
+def send_pass(u: _TimedUniverse, npass: int, port: int, senders: int = 3,
+              spread: float = 0.0, stop: threading.Event | None = None) -> int:
+    """Every series once, stamped pass ``npass``; returns the requests refused.
+    ``spread``: seconds to spread the requests over (as scrapes spread over an interval),
+    else as fast as they are taken; ``stop`` set: the rest of the pass is left unsent."""
+    stop = stop or threading.Event()
     n = u.series
     segs = [highcard.Segment(npass * n + s, min(SERIES_PER_REQUEST, n - s), 1)
             for s in range(0, n, SERIES_PER_REQUEST)]
@@ -151,6 +155,7 @@ def send_pass(u: _TimedUniverse, npass: int, port: int, senders: int = 3) -> int
     failed = [0]
     nxt = iter(range(len(bodies)))
     lock = threading.Lock()
+    t0 = time.monotonic()
 
     def work() -> None:
         client = load._Client()
@@ -158,7 +163,8 @@ def send_pass(u: _TimedUniverse, npass: int, port: int, senders: int = 3) -> int
             while True:
                 with lock:
                     i = next(nxt, None)
-                if i is None:
+                if i is None or stop.wait(
+                        max(0.0, t0 + i * spread / len(bodies) - time.monotonic())):
                     return
                 ok, why = client.send(port, bodies[i], head)
                 if not ok:
@@ -377,7 +383,7 @@ def run_size(args: argparse.Namespace, pods: int, work: Path) -> SizeResult:
                 due = (base_ms + p * interval_s * 1000) / 1000
                 if stop.wait(max(0.0, due - time.time())):
                     return
-                send_pass(u, p, proxy.port)
+                send_pass(u, p, proxy.port, spread=interval_s * 0.8, stop=stop)
                 p += 1
 
         sender = threading.Thread(target=live, daemon=True)
