@@ -64,6 +64,8 @@ RULE_FILES = (
     REPO / "config" / "rules" / "karta-proxy.rules.yaml",
     REPO / "config" / "rules" / "karta-proxy.alerts.yaml",
 )
+#: how a deployment scrapes the proxy's /metrics (``shipped_scrape``)
+SERVICE_MONITOR = REPO / "config" / "kubernetes" / "cluster" / "servicemonitor.yaml"
 #: the full corpus's shape: series per pod
 FULL_PODS = highcard.DEFAULT_PODS
 FULL_SERIES = highcard.DEFAULT_SERIES
@@ -95,6 +97,21 @@ def _env() -> dict[str, str]:
     return env
 
 
+def shipped_scrape() -> dict[str, Any]:
+    """The shipped ServiceMonitor's scrape settings (its facts parameter, honor_labels, the
+    drop of any fact copy) as a Prometheus scrape config's keys: read, not copied, so the
+    benchmark scrapes as a deployment does."""
+    endpoint = yaml.safe_load(SERVICE_MONITOR.read_text())["spec"]["endpoints"][0]
+    return {
+        "params": endpoint.get("params", {}),
+        "honor_labels": endpoint.get("honorLabels", False),
+        "metric_relabel_configs": [
+            {"source_labels" if k == "sourceLabels" else k: v for k, v in r.items()}
+            for r in endpoint.get("metricRelabelings", [])
+        ],
+    }
+
+
 def start_prometheus(work: Path, rule_files: Sequence[Path], interval: str,
                      proxy_port: int, scrape_interval: str) -> Process:
     binary = shutil.which("prometheus")
@@ -107,15 +124,10 @@ def start_prometheus(work: Path, rule_files: Sequence[Path], interval: str,
         "rule_files": [str(f) for f in rule_files],
         "scrape_configs": [{
             "job_name": "karta-proxy",
-            "honor_labels": True,
             "static_configs": [{"targets": [f"127.0.0.1:{proxy_port}"]}],
-            # as the shipped ServiceMonitor: the facts once, the written copy
+            # as the shipped ServiceMonitor scrapes: the facts once, the written copy
             # (docs/recording-rules.md, "Facts from several replicas")
-            "metric_relabel_configs": [{
-                "source_labels": ["__name__"],
-                "regex": "karta_(pod|workload|component|namespace|source)_.*",
-                "action": "drop",
-            }],
+            **shipped_scrape(),
         }],
     }))
     data = work / "prometheus-data"
@@ -158,7 +170,7 @@ def send_pass(u: _TimedUniverse, npass: int, port: int, senders: int = 3,
     t0 = time.monotonic()
 
     def work() -> None:
-        client = load._Client()
+        client = load.Client()
         try:
             while True:
                 with lock:

@@ -16,7 +16,7 @@ The processes are forked once the bodies are built, so they share them with the 
 
 Sending a pre-built body costs the sender little more than the kernel's loopback copy: a
 raw socket, the head prebuilt, head and body in one ``sendmsg``, the answer's status read
-(``_Client``); the senders share the two cores with the relay, above all in the 2-core
+(``Client``); the senders share the two cores with the relay, above all in the 2-core
 row, so they are kept cheap.
 """
 
@@ -74,7 +74,7 @@ def request_head(protocol: str) -> bytes:
     return "\r\n".join(lines).encode()
 
 
-class _Client:
+class Client:
     """One keep-alive connection on a raw socket: the prebuilt head and the body go out in
     one ``sendmsg`` (no copy of the body, no header building), the answer is read for its
     status and its body skipped. Sender CPU shares the box's cores with the relay it
@@ -174,7 +174,7 @@ def _worker(
     bodies: Mapping[str, Sequence[bytes]],
     counter: Any,
 ) -> None:
-    clients: dict[int, _Client] = {}  # one keep-alive connection per relay
+    clients: dict[int, Client] = {}  # one keep-alive connection per relay
     while True:
         try:
             cmd = conn.recv()
@@ -185,7 +185,7 @@ def _worker(
         targets, items, rate, t0 = cmd
         heads = [request_head(protocol) for _, protocol in targets]
         sources = [bodies[protocol] for _, protocol in targets]
-        sends = [clients.setdefault(port, _Client()).send for port, _ in targets]
+        sends = [clients.setdefault(port, Client()).send for port, _ in targets]
         tallies = [_Tally() for _ in targets]
         n = len(targets)
         if rate:
