@@ -84,6 +84,11 @@ class Peer:
     #: the directory it runs in (None: this process's)
     cwd: Path | None = None
 
+    @property
+    def port(self) -> int:
+        """The port it listens on (``base_url``'s), for what connects below HTTP."""
+        return int(self.base_url.rsplit(":", 1)[1])
+
     def start(self) -> None:
         """Start the process (again, after :meth:`stop`: a restart on the same port)."""
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process

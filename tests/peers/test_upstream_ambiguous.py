@@ -70,10 +70,6 @@ async def stored(receiver: Peer, via: str, vm: bool) -> int:
     return int(float(r[0]["value"][1])) if r else 0
 
 
-def port(peer: Peer) -> int:
-    return int(peer.base_url.rsplit(":", 1)[1])
-
-
 @pytest.mark.parametrize("receiver", ["prometheus", "victoria-metrics"])
 async def test_what_the_sender_is_told_and_what_is_stored(
     peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]], receiver: str,
@@ -87,7 +83,7 @@ async def test_what_the_sender_is_told_and_what_is_stored(
     peer = await (peers.victoria_metrics() if vm else peers.prometheus_receiver())
     start_ms = int(time.time() * 1000) - 60_000
     faults = {2 * n: fault for n, (fault, _, _) in enumerate(CASES.values())}
-    async with FaultRelay(("127.0.0.1", port(peer)), on_writes(faults)) as relay:
+    async with FaultRelay(("127.0.0.1", peer.port), on_writes(faults)) as relay:
         proxy = await make_proxy(relay.url(), timeout_seconds=TIMEOUT)
         for name, (_, told, kept) in CASES.items():
             sent = batch(name, start_ms)
@@ -112,7 +108,7 @@ async def test_a_lost_answer_to_a_batch_of_several_samples_a_series(
     prom = await peers.prometheus_receiver()
     start_ms = int(time.time() * 1000) - 60_000
     sent = batch("several", start_ms, steps=3)
-    async with FaultRelay(("127.0.0.1", port(prom)),
+    async with FaultRelay(("127.0.0.1", prom.port),
                           on_writes({0: Fault(LOSE_ANSWER)})) as relay:
         proxy = await make_proxy(relay.url(), timeout_seconds=TIMEOUT)
         first, _, _ = await send_series(proxy.write_url, sent)
@@ -149,7 +145,7 @@ async def through_faults(peers: Peers, make_proxy: Callable[..., Awaitable[InPro
     prom, direct = await asyncio.gather(peers.prometheus_receiver(),
                                         peers.prometheus_receiver("prom-direct"))
     plan = on_writes(SENDER_FAULTS)
-    async with FaultRelay(("127.0.0.1", port(prom)), plan) as relay:
+    async with FaultRelay(("127.0.0.1", prom.port), plan) as relay:
         proxy = await make_proxy(relay.url())
         sender = await start_sender(proxy.write_url, direct.base_url + "/api/v1/write")
 
