@@ -436,6 +436,18 @@ def test_child_without_owner_ref_hangs_under_root() -> None:
     assert d.children[0].owner_ref == "root"
 
 
+def test_a_status_definition_on_a_child_is_not_read() -> None:
+    """The phase comes from the root's ``statusDefinition`` only (upstream reads it there):
+    a child's neither adds to it nor stands in for a missing one."""
+    obj = base()
+    child(obj, 0)["statusDefinition"] = {"statusMappings": {"failed": [{}]}}
+    d = parse_description(obj, "test.yaml")
+    assert d.status is not None
+    assert [name for name, _ in d.status.mappings] == ["Running"]
+    del root(obj)["statusDefinition"]
+    assert parse_description(obj, "test.yaml").status is None
+
+
 def test_type_selector_numeric_value_is_its_text() -> None:
     obj = base()
     child(obj, 0)["podSelector"]["componentTypeSelector"]["value"] = 0

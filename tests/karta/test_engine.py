@@ -872,6 +872,79 @@ def test_component_choice_ambiguous_fallback_and_errors() -> None:
     assert rows == {("a", 1), ("b", 0), ("c", 0), ("", 2)}
 
 
+def test_match_labels_accept_a_pod_only_when_every_label_is_equal() -> None:
+    """The newer type selector's ``matchLabels``: every label must be equal (one missing
+    or different, the pod is not accepted), and beside a ``keyPath`` both must hold."""
+    raw = karta(
+        {"group": "example.com", "kind": "Thing"},
+        [
+            {"name": "labels", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.a"},
+             "podSelector": {"componentTypeSelector": {
+                 "matchLabels": {"role": "a", "tier": "x"}}}},
+            {"name": "both", "ownerRef": "root", "specDefinition": {"podSpecPath": ".spec.b"},
+             "podSelector": {"componentTypeSelector": {
+                 "keyPath": ".metadata.labels.kind", "value": "b",
+                 "matchLabels": {"role": "b"}}}},
+        ],
+    )
+    e = Engine()
+    e.add_descriptions([describe(raw)])
+    thing = obj("example.com/v1", "Thing", "t")
+    e.upsert_many([
+        thing,
+        pod("all", thing, role="a", tier="x"),
+        pod("one-missing", thing, role="a"),
+        pod("one-different", thing, role="a", tier="y"),
+        pod("key-and-labels", thing, role="b", kind="b"),
+        pod("labels-only", thing, role="b"),
+        pod("key-only", thing, kind="b"),
+    ])
+    got = {a.pod: a.component for a in e.pods()}
+    assert got == {"all": "labels", "one-missing": "", "one-different": "",
+                   "key-and-labels": "both", "labels-only": "", "key-only": ""}
+    assert e.stats[STAT_AMBIGUOUS_COMPONENT] == 0
+
+
+def test_the_only_pod_bearing_component_owns_every_pod_without_running_its_selector(
+) -> None:
+    """With exactly one pod-bearing component (upstream's single leaf) every pod of the
+    workload is in it: its type selector is not run, so one that would refuse the pod,
+    or fail, changes nothing."""
+    raw = karta(
+        {"group": "example.com", "kind": "Thing"},
+        [{"name": "group", "ownerRef": "root"},  # a logical grouping carries no pods
+         {"name": "only", "ownerRef": "group", "specDefinition": {"podSpecPath": ".spec.a"},
+          "podSelector": {"componentTypeSelector": {
+              "keyPath": '.metadata.labels | if .boom then error("boom") else .role end',
+              "value": "worker"}}}],
+    )
+    e = Engine()
+    e.add_descriptions([describe(raw)])
+    thing = obj("example.com/v1", "Thing", "t")
+    e.upsert_many([thing, pod("worker", thing, role="worker"), pod("other", thing, role="x"),
+                   pod("failing", thing, boom="1")])
+    assert {a.pod: a.component for a in e.pods()} == {
+        "worker": "only", "other": "only", "failing": "only"}
+    assert e.stats[STAT_SELECTOR_ERROR] == 0
+
+
+def test_a_description_without_a_pod_bearing_component_keeps_its_pods_in_the_workload(
+) -> None:
+    """No component carries pods (no ``specDefinition`` anywhere): no selector can accept
+    a pod, so each is the workload's with component "" (workload sums stay complete),
+    counted on the ("", "") row."""
+    raw = karta({"group": "example.com", "kind": "Thing"},
+                [{"name": "group", "ownerRef": "root"}],
+                scaleDefinition={"replicasPath": ".spec.replicas"})
+    e = Engine()
+    e.add_descriptions([describe(raw)])
+    thing = obj("example.com/v1", "Thing", "t", spec={"replicas": 2})
+    e.upsert_many([thing, pod("p", thing), pod("q", thing)])
+    assert {(wname(a), a.component, a.instance) for a in e.pods()} == {("t", "", "")}
+    rows = [(r.component, r.desired, r.observed) for r in W(e, "thing-t").replicas]
+    assert rows == [("root", 2.0, 0), ("", None, 2)]
+
+
 def test_selectors_compare_as_upstream_json_equality_and_count_every_output() -> None:
     """A type selector's ``value`` matches a string output equal to it, not a number 0
     or a boolean true whose text is "0" or "true"; an instance id path yielding
