@@ -657,6 +657,54 @@ def test_a_failing_dated_matcher_costs_the_evidence_not_the_phase() -> None:
     assert evaluate_status(d, obj) == StatusResult("Running", ("Running",), "", None)
 
 
+def _edited(obj: dict[str, Any], **status: Any) -> dict[str, Any]:
+    """``obj`` with status fields replaced; a None value removes the field."""
+    for key, value in status.items():
+        if value is None:
+            obj["status"].pop(key, None)
+        else:
+            obj["status"][key] = value
+    return obj
+
+
+def _on_delete(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["spec"]["updateStrategy"] = {"type": "OnDelete"}
+    return obj
+
+
+@pytest.mark.parametrize(("obj", "upstream", "builtin"), [
+    # where they agree
+    pytest.param(statefulset(3, ready=3), "Running", "Running", id="settled"),
+    pytest.param(statefulset(3, ready=1), "Degraded", "Degraded", id="some-ready"),
+    pytest.param(statefulset(3, ready=3, updated=1, revision="r2"), "Initializing",
+                 "Initializing", id="rolling"),
+    # OnDelete: the controller never promotes currentRevision, so the sample's compare
+    # holds such a set Initializing after any template change, every pod recreated
+    pytest.param(_on_delete(statefulset(3, ready=3, revision="r2")), "Initializing",
+                 "Running", id="on-delete-recreated"),
+    # no updateRevision (a controller not there yet, an object carrying only counts)
+    pytest.param(_edited(statefulset(3, ready=3), updateRevision=None), "Initializing",
+                 "Running", id="no-update-revision"),
+    # a surplus pod (scaling down): the sample matches Initializing and Degraded, and
+    # the priority picks Degraded; the built-in's settled wants replicas = D
+    pytest.param(_edited(statefulset(3, ready=1), replicas=4), "Degraded", "Initializing",
+                 id="surplus-pod"),
+    # D = 0 not yet observed: nothing of the sample matches
+    pytest.param(_edited(statefulset(0, ready=0), observedGeneration=0), "Undefined",
+                 "Initializing", id="scaled-to-zero-unobserved"),
+])
+def test_the_builtin_statefulset_differs_from_the_upstream_sample_only_as_documented(
+    obj: dict[str, Any], upstream: str, builtin: str,
+) -> None:
+    """docs/karta.md, "Built-in descriptions": the upstream sample of the one core kind
+    upstream ships (``wm-apps-statefulset-v1.yaml``) replaces the built-in when a user
+    loads it; these are the phases where the two differ, and why."""
+    (ours,) = [d for d in builtin_descriptions() if d.root.kind is not None
+               and d.root.kind.kind == "StatefulSet"]
+    assert (status_of(STATEFULSET, obj).phase, evaluate_status(ours.status, obj).phase) == (
+        upstream, builtin)
+
+
 def test_builtins_date_their_phases_from_their_conditions() -> None:
     by_kind = {d.group_kind.kind: d for d in builtin_descriptions()}
     job = {"spec": {}, "status": {"conditions": [
