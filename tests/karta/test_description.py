@@ -561,6 +561,49 @@ def test_unknown_fields_are_ignored() -> None:
     assert parse_description(obj, "test.yaml").name == "tiny"
 
 
+def _renamed(m: dict[str, Any], old: str, new: str) -> None:
+    m[new] = m.pop(old)
+
+
+@pytest.mark.parametrize(("edit", "path", "meant"), [
+    pytest.param(lambda o: _renamed(root(o), "statusDefinition", "statusDefiniton"),
+                 f"{ROOT}.statusDefiniton", "statusDefinition", id="status-definition"),
+    pytest.param(lambda o: _renamed(child(o, 0), "podSelector", "podSelecter"),
+                 f"{CHILDREN}[0].podSelecter", "podSelector", id="pod-selector"),
+    pytest.param(lambda o: child(o, 0).update(scaleDefinition={"replicas": ".spec.n"}),
+                 f"{CHILDREN}[0].scaleDefinition.replicas", "replicasPath", id="replicas"),
+    pytest.param(lambda o: _renamed(child(o, 0)["podSelector"]["componentTypeSelector"],
+                                    "keyPath", "keypath"),
+                 f"{CHILDREN}[0].podSelector.componentTypeSelector.keypath", "keyPath",
+                 id="key-path-case"),
+    pytest.param(lambda o: child(o, 0).update(instanceIDPath=".spec.ids[]"),
+                 f"{CHILDREN}[0].instanceIDPath", "instanceIdPath", id="instance-id-path"),
+    pytest.param(lambda o: child(o, 0)["podSelector"].update(
+                     replicaSelector={"keypath": ".metadata.labels.i"}),
+                 f"{CHILDREN}[0].podSelector.replicaSelector.keypath", "keyPath",
+                 id="replica-selector-section"),
+    pytest.param(lambda o: _renamed(root(o)["statusDefinition"]["statusMappings"]["running"][0],
+                                    "byPhase", "byphase"),
+                 f"{ROOT}.statusDefinition.statusMappings.running[0].byphase", "byPhase",
+                 id="by-phase"),
+    pytest.param(lambda o: _renamed(root(o)["kind"], "version", "verison"),
+                 f"{ROOT}.kind.verison", "version", id="kind-version"),
+    pytest.param(lambda o: _renamed(structure(o), "childComponents", "childComponent"),
+                 "spec.structureDefinition.childComponent", "childComponents", id="children"),
+])
+def test_a_misspelt_field_is_refused_naming_the_field_meant(
+        edit: Callable[[dict[str, Any]], object], path: str, meant: str) -> None:
+    """A field the proxy does not know is ignored (upstream's newer ones), so a misspelt
+    one was too, without a word: ``statusDefiniton`` left every workload ``Undefined``,
+    ``podSelecter`` put every pod in the first component. One a letter or a case away
+    from a field of the CRD there is refused, the field meant named."""
+    obj = base()
+    edit(obj)
+    err = error_of(obj)
+    assert (err.path, err.reason.split("?")[0]) == (
+        path, f"unknown field {path.rpartition('.')[2]!r}: did you mean {meant!r}")
+
+
 def test_builtin_flag_and_source() -> None:
     d = parse_description(base(), "builtin:tiny", builtin=True)
     assert d.builtin and d.source == "builtin:tiny"
