@@ -856,6 +856,10 @@ class DescriptionFiles:
     #: the files found empty, each with how many descriptions of the previous read it
     #: keeps (0: it had none, or there was no previous read)
     empty: dict[str, int] = field(default_factory=dict)
+    #: by folder given, the files below it not read for their names (no ``.yaml``,
+    #: ``.yml`` or ``.json``: a ConfigMap key named ``raycluster`` is such a file), for the
+    #: log to say: they were passed over without a word
+    unread: dict[str, list[str]] = field(default_factory=dict)
 
     def descriptions(self) -> list[Description]:
         return [d for descs in self.by_file.values() for d in descs]
@@ -883,13 +887,17 @@ def read_description_paths(
         p = Path(entry)
         if p.is_dir():
             try:
-                files = [f for f in folder_files(p) if f.suffix.lower() in FILE_SUFFIXES]
+                found = folder_files(p)
             except OSError as exc:
                 where = f" {exc.filename}" if exc.filename is not None else ""
                 out.errors.append(DescriptionError(
                     str(entry), "", "",
                     f"cannot read the folder{where}: {exc.strerror or _short(str(exc))}"))
                 continue
+            files = [f for f in found if f.suffix.lower() in FILE_SUFFIXES]
+            unread = [str(f) for f in found if f.suffix.lower() not in FILE_SUFFIXES]
+            if unread:
+                out.unread[str(entry)] = unread
         elif p.exists():
             files = [p]
         else:

@@ -20,6 +20,7 @@ from proxy.karta.description import (
     load_description_file,
     load_description_paths,
     parse_description,
+    read_description_paths,
     select_descriptions,
 )
 from proxy.karta.jqexpr import output_numbers
@@ -711,6 +712,13 @@ def test_folder_loading(tmp_path: Path) -> None:
     ]
     descs, errors = load_description_paths([tmp_path / "b.yaml"])
     assert [d.name for d in descs] == ["tiny"] and errors == []
+    # the files passed over for their names, for the log to say (a ConfigMap key
+    # "raycluster" without a suffix was read by no one, without a word)
+    (tmp_path / "sub" / "raycluster").write_text(yaml.safe_dump(two))
+    (tmp_path / ".hidden").write_text("x")
+    read = read_description_paths([tmp_path, tmp_path / "b.yaml"])
+    assert read.unread == {str(tmp_path): [str(tmp_path / "notes.txt"),
+                                           str(tmp_path / "sub" / "raycluster")]}
 
 
 DUP = """apiVersion: run.ai/v1alpha1
