@@ -973,6 +973,8 @@ def _relative(path: str) -> str:
     file's folder as Prometheus reads its rule files; the message named the path alone."""
     if os.path.isabs(path):
         return ""
+    if path.startswith("~"):  # a shell's, not a program's: read as a folder named "~"
+        return " (a '~' is not expanded here: write the path out in full)"
     return (f" (a relative path, read from the working directory {os.getcwd()}, not from "
             "the config file's folder)")
 

@@ -748,6 +748,10 @@ def test_a_relative_path_not_found_names_the_directory_it_was_read_from(
         (url + "snapshot: objects.yaml\n", f"snapshot: 'objects.yaml' does not exist {where}"),
         (url + "  bearer_token_file: token\n",
          f"upstream.bearer_token_file: file 'token' does not exist or is not readable {where}"),
+        # a shell's '~', read as a folder of that name
+        (url + "kube:\n  kubeconfig: ~/.kube/config\n",
+         "kube.kubeconfig: file '~/.kube/config' does not exist or is not readable (a '~' "
+         "is not expanded here: write the path out in full)"),
     ]:
         cfg = tmp_path / "etc" / "karta-proxy.yaml"
         cfg.write_text(text)

@@ -657,7 +657,9 @@ def raw_root_kind(obj: Mapping[str, Any]) -> GroupKind | None:
 
 def _parse_description(obj: Mapping[str, Any], source: str, builtin: bool) -> Description:
     if not isinstance(obj, Mapping):
-        raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}")
+        several = (" (several descriptions go in documents separated by ---, or in the "
+                   "items of a kind: List)" if isinstance(obj, list) else "")
+        raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}{several}")
     if not is_description_object(obj):
         raise DescriptionError(
             source,

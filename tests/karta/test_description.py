@@ -519,8 +519,9 @@ def test_pod_bearing_variants_and_root() -> None:
 def test_not_a_description() -> None:
     err = error_of({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}})
     assert err.path == "" and err.reason.startswith("not a description")
-    err = error_of(["x"])
-    assert err.reason == "not a mapping but list"
+    err = error_of([base()])  # a YAML list of descriptions at the top: said how to write it
+    assert err.reason == ("not a mapping but list (several descriptions go in documents "
+                          "separated by ---, or in the items of a kind: List)")
 
 
 def test_is_description_object() -> None:
