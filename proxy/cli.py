@@ -100,11 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
         "forwards them to one TSDB.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # a prefix of a flag was taken for it: ``--name web`` watched the namespace web
+        # alone (``--namespace``), and a manifest's ``--upstream-time`` would break the
+        # day another flag shares the prefix; Prometheus' flags take no prefixes either
+        allow_abbrev=False,
     )
     p.add_argument("--version", action="version",
                    version=f"{PROG} {__version__} (contract {CONTRACT_VERSION}, "
                    f"{SPLICE} splice)")
-    p.add_argument("--config", "--config.file", metavar="FILE", dest="config",
+    p.add_argument("--config", "--config.file", metavar="FILE", dest="config", action=_Once,
                    help="YAML file holding any setting (see config/karta-proxy.yaml); flags "
                    "override it (--config.file: Prometheus' name)")
     groups = {name: p.add_argument_group(name) for name in FLAG_GROUPS}
@@ -129,16 +133,28 @@ def _add_flag(g: argparse._ArgumentGroup, info: SettingInfo, flag: Flag) -> None
     if isinstance(t, mi.BoolType):
         kw.update(action="store_true", default=None)
     elif info.choices:
-        kw["choices"] = info.choices
+        kw.update(choices=info.choices, action=_Once)
         # as in the file, any case: --log-level INFO, --log-format JSON
         kw["type"] = functools.partial(canonical_choice, choices=info.choices)
     else:
         kw["metavar"] = flag.metavar
         if isinstance(t, mi.IntType | mi.FloatType):
             kw["type"] = int if isinstance(t, mi.IntType) else float
-        if flag.repeat:
-            kw["action"] = "append"
+        kw["action"] = "append" if flag.repeat else _Once
     g.add_argument(*flag.names, **kw)
+
+
+class _Once(argparse._StoreAction):
+    """A flag of one value given twice is refused, as Prometheus refuses it: argparse
+    kept the last silently, so of a manifest's ``--config a.yaml ... --config b.yaml``
+    (an image's arguments and the operator's) one file was read and nothing said which."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string}: given more than once ({'/'.join(self.option_strings)}"
+                         f"); give it once")
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_demo_parser() -> argparse.ArgumentParser:

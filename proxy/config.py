@@ -599,6 +599,11 @@ def load_settings(path: str | os.PathLike[str], *, empty_ok: bool = True) -> Set
             raise ConfigError(f"{p}: the file holds no settings (empty, only comments, or "
                               "null): most likely caught mid-save; the configuration in "
                               "force stays (write {} for every default)")
+        # said at start too: a file that should have held settings (a ConfigMap key
+        # rendered empty, a file truncated) started on every default without a word
+        log.warning("the config file holds no settings (empty, only comments, or null): "
+                    "every setting is its flag's or its default; write {} to mean that",
+                    extra={"file": str(p)})
         data = {}
     try:
         return settings_from_dict(data)
@@ -712,8 +717,9 @@ def _shape(t: mi.Type, value: Any, key: str, removed: list[str]) -> Any:
     if t.cls is PodLabelPair:
         return _pod_label_pair(value, key)
     if not isinstance(value, dict):
-        raise ConfigError(f"{key or 'top level'}: expected a mapping, got {_type_name(value)} "
-                          f"{_short(value)}")
+        # ``server:`` with every key under it commented out holds null ("got null None")
+        got = _NULL if value is None else f"{_type_name(value)} {_short(value)}"
+        raise ConfigError(f"{key or 'top level'}: expected a mapping, got {got}")
     known = {f.name: f for f in t.fields}
     out: dict[str, Any] = {}
     written: dict[str, str] = {}  # name -> the key as written, to catch a name given twice
@@ -935,6 +941,10 @@ def parse_host_port(address: str, key: str = "server.listen_address") -> tuple[s
     ``SplitHostPort`` refuses it: ``fd00::1:9091`` was bound as host ``fd00::1``, port
     9091, and ``::1`` as host ``:``, port 1.
     """
+    if "/" in address:
+        # "http://0.0.0.0:9091" was told to put an IPv6 address in brackets
+        raise ConfigError(f"{key}: expected HOST:PORT, not a URL (no scheme, no path: "
+                          f"e.g. :9091), got {address!r}")
     host, sep, port_s = address.rpartition(":")
     if not sep or not (port_s.isascii() and port_s.isdigit()):  # "\u00b2": not for int
         raise ConfigError(f"{key}: expected HOST:PORT, got {address!r}")
@@ -957,11 +967,24 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _relative(path: str) -> str:
+    """What a message about a path that is not there adds when the path is relative: it
+    is read from the working directory (a container's WORKDIR), not from the config
+    file's folder as Prometheus reads its rule files; the message named the path alone."""
+    if os.path.isabs(path):
+        return ""
+    if path.startswith("~"):  # a shell's, not a program's: read as a folder named "~"
+        return " (a '~' is not expanded here: write the path out in full)"
+    return (f" (a relative path, read from the working directory {os.getcwd()}, not from "
+            "the config file's folder)")
+
+
 def _readable(path: str, key: str) -> None:
     """A folder passes ``os.access``, then fails each read (a token file read per request
     sent writes without credentials): a regular file is required."""
     if path and not os.access(path, os.R_OK):
-        raise ConfigError(f"{key}: file {path!r} does not exist or is not readable")
+        raise ConfigError(f"{key}: file {path!r} does not exist or is not readable"
+                          f"{_relative(path)}")
     if path and not os.path.isfile(path):
         raise ConfigError(f"{key}: {path!r} is not a regular file")
 
@@ -1061,6 +1084,10 @@ def _url_detail(shown: str) -> str:
     return ""
 
 
+#: what no URL holds written out: whitespace (Unicode's too) and control characters
+_URL_SPACE = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+
+
 def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if require_upstream and not u.url:
         raise ConfigError("upstream.url: required: the TSDB's remote-write URL, e.g. "
@@ -1078,6 +1105,14 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
                 without_userinfo(u.url, broken=True))
             raise ConfigError(f"upstream.url: not a valid URL{detail}: "
                               f"{without_userinfo(u.url, broken=True)!r}") from None
+        if _URL_SPACE.search(u.url):
+            # urlsplit drops a leading space and tabs or line breaks anywhere, and the
+            # client sends a trailing space as %20: every write went to a path the TSDB
+            # does not serve (a 404 at each request), from a quoted value or a variable
+            # with a line break at its end
+            raise ConfigError(f"upstream.url: holds whitespace or a control character "
+                              f"(a URL has none; a space is written %20): "
+                              f"{without_userinfo(u.url, broken=True)!r}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got "
                               f"{without_userinfo(u.url, broken=True)!r}")
@@ -1376,7 +1411,8 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _validate_headers(s.facts.headers, "facts.headers")
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
-            raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist")
+            raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist"
+                              f"{_relative(p)}")
     for i, ns in enumerate(s.kube.namespaces):
         if not ns:  # the client reads "" as every namespace: the opposite of a list of some
             raise ConfigError(f"kube.namespaces[{i}]: empty; name a namespace (an empty "
@@ -1393,4 +1429,4 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     if s.kube.kubeconfig and (not s.snapshot or lease):
         _readable(first_kubeconfig(s.kube.kubeconfig), "kube.kubeconfig")
     if s.snapshot and not os.path.exists(s.snapshot):
-        raise ConfigError(f"snapshot: {s.snapshot!r} does not exist")
+        raise ConfigError(f"snapshot: {s.snapshot!r} does not exist{_relative(s.snapshot)}")

@@ -132,12 +132,17 @@ def aux_threads(cpus: int) -> int:
     return min(AUX_MAX_THREADS, max(1, cpus) + AUX_EXTRA_THREADS)
 
 
-def _log_empty_description_files(read: DescriptionFiles,
-                                 previous: DescriptionFiles | None) -> None:
-    """A warning for each description file found empty that the read before did not
-    find so (once, not at every reload while it stays empty), and a line when one holds
-    something again: an empty file is more likely caught mid-save than meant, so what it
-    held stays in force (``read_description_paths``), and the log is where that shows."""
+def _log_description_files(read: DescriptionFiles, previous: DescriptionFiles | None) -> None:
+    """What the log says of the description paths as read, each once (not at every
+    reload while it stays so):
+
+    - a warning for each description file found empty that the read before did not find
+      so, and a line when one holds something again: an empty file is more likely caught
+      mid-save than meant, so what it held stays in force (``read_description_paths``),
+      and the log is where that shows;
+    - a warning for a folder's files not read for their names (no ``.yaml``, ``.yml``,
+      ``.json``): a ConfigMap key named ``raycluster`` was passed over without a word,
+      its kind undescribed."""
     before = previous.empty if previous is not None else {}
     for path, kept in read.empty.items():
         if path in before:
@@ -152,6 +157,14 @@ def _log_empty_description_files(read: DescriptionFiles,
     for path in before:
         if path not in read.empty and path in read.by_file:
             log.info("description file is no longer empty", extra={"file": path})
+    # likewise once: the files of a folder that are not read for their names
+    unread_before = previous.unread if previous is not None else {}
+    for folder, files in read.unread.items():
+        if unread_before.get(folder) != files:
+            log.warning("description folder holds files that are not read: only *.yaml, "
+                        "*.yml and *.json are (a mounted ConfigMap's key is the file's "
+                        "name: give it one of those suffixes)",
+                        extra={"folder": folder, "files": files[:10], "count": len(files)})
 
 
 def enrich_arguments(settings: Settings) -> dict[str, Any]:
@@ -255,7 +268,7 @@ class Proxy:
         descs, errors = read.descriptions(), read.errors
         for err in errors:
             log.error("invalid Karta description skipped", extra={"error": str(err)})
-        _log_empty_description_files(read, None)
+        _log_description_files(read, None)
         self._description_files = read
         # with the errors: the kind of an invalid one reads description_error, as from a
         # snapshot or an API object (its nested kinds are not workloads of their own)
@@ -751,7 +764,7 @@ class Proxy:
                 await self._describe(builtins, "builtin")
                 done.append("karta.builtins")
             await self._describe(descs if paths else None, "files")
-            _log_empty_description_files(read, self._description_files)
+            _log_description_files(read, self._description_files)
             self._description_files = read if paths else None
             done.append("karta.description_paths")
             await self._follow_kinds()

@@ -195,6 +195,29 @@ def test_bad_flag_exits_2() -> None:
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    # a prefix was taken for the flag: --name watched the namespace "web" alone
+    (["--name", "web"], "unrecognized arguments: --name web"),
+    (["--upstream-time", "5"], "unrecognized arguments: --upstream-time 5"),
+    (["--config", "a.yaml", "--config", "b.yaml"],
+     "--config: given more than once (--config/--config.file); give it once"),
+    (["--config", "a.yaml", "--config.file", "b.yaml"], "--config.file: given more than once"),
+    (["--upstream-url", "http://a:1/", "--upstream-url", "http://b:1/"],
+     "--upstream-url: given more than once (--upstream-url); give it once"),
+    (["--log-level", "info", "--log-level", "debug"], "--log-level: given more than once"),
+])
+def test_a_flag_abbreviated_or_given_twice_is_refused(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took a prefix of a flag for it and kept the last of a flag given twice,
+    silently; Prometheus' flags do neither. A repeatable flag (--namespace) repeats."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"karta-proxy: error: {said}")
+    args = build_parser().parse_args(["--namespace", "a", "--namespace", "b"])
+    assert getattr(args, "kube.namespaces") == ["a", "b"]
+
+
 def test_flags_override_the_config_file(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
@@ -733,7 +756,9 @@ def test_log_level_flag_is_case_insensitive_as_in_the_file() -> None:
 )
 def test_empty_values_that_meant_something_else_exit_2(
         args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--upstream-url", "http://x:1", *args]) == 2
+    # an upstream, unless the case gives its own: a flag given twice is refused first
+    upstream = [] if "--upstream-url" in args else ["--upstream-url", "http://x:1"]
+    assert main([*upstream, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"karta-proxy: error: {expected}") and err.count("\n") == 1, err
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -39,8 +40,19 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
-def test_empty_file_gives_defaults(tmp_path: Path) -> None:
-    assert load_settings(write(tmp_path, "")) == Settings()
+def test_empty_file_gives_defaults(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """At start, with a warning naming the file: a file that should have held settings
+    (a ConfigMap key rendered empty) started on every default without a word; ``{}``
+    is every default said on purpose."""
+    caplog.set_level(logging.WARNING, logger="karta.config")
+    path = write(tmp_path, "# upstream:\n#   url: http://mimir:8080/api/v1/push\n")
+    assert load_settings(path) == Settings()
+    [record] = caplog.records
+    assert record.getMessage().startswith("the config file holds no settings")
+    assert record.__dict__["file"] == str(path)
+    caplog.clear()
+    assert load_settings(write(tmp_path, "{}\n")) == Settings()
+    assert not caplog.records
 
 
 def test_nested_values_and_types(tmp_path: Path) -> None:
@@ -136,6 +148,10 @@ def test_dashes_are_accepted_for_underscores() -> None:
          "the key: give a value, or remove the key for its default)"),
         ("log_level:\n", "log_level: expected one of debug, info, warning, error, critical; "
          "got null (nothing after the key"),
+        # a section whose keys are all commented out: null too, said so ("got null None")
+        ("server:\n  # listen_address: :9091\nupstream: {url: http://x:1}\n",
+         "server: expected a mapping, got null (nothing after the key: give a value, or "
+         "remove the key for its default)"),
         # a misspelt key, or one of another section: the key meant, said first
         ("upstream:\n  timeout_secnods: 5\n", "unknown key 'upstream.timeout_secnods': did "
          "you mean 'upstream.timeout_seconds'? (known keys here: "),
@@ -612,6 +628,15 @@ def test_a_url_with_a_password_that_cannot_be_parsed_still_says_why(url: str,
         ("http://[::1/x", "upstream.url: not a valid URL"),
         ("http://127.0.0.1:99999/x", "upstream.url: not a valid URL"),
         ("http://127.0.0.1:abc/x", "upstream.url: not a valid URL"),
+        # a space or a line break from a quoted value or a variable: a trailing one was
+        # sent as %20 (every write a 404), a leading one or a tab dropped by urlsplit
+        ("http://127.0.0.1:9090/api/v1/write ", "upstream.url: holds whitespace or a "
+         "control character (a URL has none; a space is written %20): "
+         "'http://127.0.0.1:9090/api/v1/write '"),
+        (" http://127.0.0.1:9090/api/v1/write", "upstream.url: holds whitespace"),
+        ("http://127.0.0.1:9090/api/v1/write\n", "upstream.url: holds whitespace"),
+        ("http://127.0.0.1:9090/api/\tv1/write", "upstream.url: holds whitespace"),
+        ("http://u:p w@127.0.0.1:9090/", "upstream.url: holds whitespace"),
     ],
 )
 def test_upstream_url_that_cannot_be_parsed(url: str, expected: str) -> None:
@@ -695,6 +720,48 @@ def test_parse_host_port_refuses_unbalanced_brackets(address: str) -> None:
     """'[::1:0' passed and failed only at the bind."""
     with pytest.raises(ConfigError, match=r"server\.listen_address: expected HOST:PORT"):
         parse_host_port(address)
+
+
+@pytest.mark.parametrize("address", ["http://0.0.0.0:9091", "0.0.0.0:9091/", "//:9091"])
+def test_parse_host_port_refuses_a_url(address: str) -> None:
+    """A URL where HOST:PORT goes was told to put an IPv6 address in brackets."""
+    with pytest.raises(ConfigError) as e:
+        parse_host_port(address)
+    assert str(e.value) == (f"server.listen_address: expected HOST:PORT, not a URL (no "
+                            f"scheme, no path: e.g. :9091), got {address!r}")
+
+
+def test_a_relative_path_not_found_names_the_directory_it_was_read_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative paths are read from the working directory, not from the config file's
+    folder (Prometheus reads its rule files from there): the message named the path
+    alone, which exists next to the config file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "descs").mkdir()
+    where = (f"(a relative path, read from the working directory {tmp_path}, not from the "
+             "config file's folder)")
+    url = "upstream:\n  url: http://x:1\n"
+    for text, said in [
+        (url + "karta:\n  description_paths: [descs]\n",
+         f"karta.description_paths[0]: 'descs' does not exist {where}"),
+        (url + "snapshot: objects.yaml\n", f"snapshot: 'objects.yaml' does not exist {where}"),
+        (url + "  bearer_token_file: token\n",
+         f"upstream.bearer_token_file: file 'token' does not exist or is not readable {where}"),
+        # a shell's '~', read as a folder of that name
+        (url + "kube:\n  kubeconfig: ~/.kube/config\n",
+         "kube.kubeconfig: file '~/.kube/config' does not exist or is not readable (a '~' "
+         "is not expanded here: write the path out in full)"),
+    ]:
+        cfg = tmp_path / "etc" / "karta-proxy.yaml"
+        cfg.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            validate(load_settings(cfg))
+        assert str(e.value) == said
+    with pytest.raises(ConfigError) as e:  # an absolute path: nothing to add
+        validate(load_settings(write(tmp_path, "upstream: {url: http://x:1}\n"
+                                               f"snapshot: {tmp_path}/none.yaml\n")))
+    assert str(e.value) == f"snapshot: '{tmp_path}/none.yaml' does not exist"
 
 
 @pytest.mark.parametrize(

@@ -314,6 +314,30 @@ async def test_an_emptied_description_file_keeps_its_descriptions(
     assert await r.send(CART_POD) == {**CART_POD, **CART}
 
 
+def test_a_folders_files_not_read_for_their_names_are_warned_of_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A description folder's file without .yaml, .yml or .json (a ConfigMap key named
+    ``raycluster``) was passed over without a word, its kind undescribed: a warning
+    names it, at the start and at a reload that finds it so first, not at each one."""
+    from proxy.karta.description import read_description_paths
+    from proxy.runtime import _log_description_files
+
+    (tmp_path / "raycluster").write_text(yaml.safe_dump(RAYJOB_KARTA))
+    caplog.set_level(logging.WARNING, logger="karta")
+    first = read_description_paths([tmp_path])
+    _log_description_files(first, None)
+    again = read_description_paths([tmp_path], first)
+    _log_description_files(again, first)
+    warned = [r for r in caplog.records
+              if r.getMessage().startswith("description folder holds files that are not read")]
+    assert [(r.__dict__["folder"], r.__dict__["files"]) for r in warned] == [
+        (str(tmp_path), [str(tmp_path / "raycluster")])]
+    (tmp_path / "raycluster").rename(tmp_path / "raycluster.yaml")
+    caplog.clear()
+    _log_description_files(read_description_paths([tmp_path], again), again)
+    assert not caplog.records
+
+
 async def test_keys_that_take_a_restart_keep_their_running_value(running: Running) -> None:
     r = running
     r.write_config(karta={"description_paths": [str(r.config.parent / "descriptions")]},

@@ -9,6 +9,7 @@ files, so one broken document does not stop the others.
 
 from __future__ import annotations
 
+import difflib
 import io
 import json
 import re
@@ -58,6 +59,40 @@ _VERSION_RE = re.compile(r"[a-z0-9]+\Z")
 _ROOT = "spec.structureDefinition.rootComponent"
 _CHILDREN = "spec.structureDefinition.childComponents"
 _SPEC_VARIANTS = ("podTemplateSpecPath", "podSpecPath", "fragmentedPodSpecDefinition")
+#: the fields of each mapping of the CRDs (both forms; ``wm-run.ai_kartas.yaml``): a key
+#: that is none of them but close to one is a misspelling (:func:`_misspelt`)
+_GVK_FIELDS = frozenset(("group", "version", "kind"))
+_COMPONENT_FIELDS = frozenset((
+    "name", "kind", "ownerRef", "specDefinition", "scaleDefinition", "instanceIdPath",
+    "podSelector", "statusDefinition", "suspendDefinition"))
+_SPEC_FIELDS = frozenset((*_SPEC_VARIANTS, "metadataPath"))
+_SCALE_FIELDS = frozenset(("replicasPath", "minReplicasPath", "maxReplicasPath"))
+_SELECTOR_FIELDS = frozenset((
+    "componentTypeSelector", "componentInstanceSelector", "replicaSelector"))
+_TYPE_SELECTOR_FIELDS = frozenset(("keyPath", "value", "matchLabels"))
+_STATUS_FIELDS = frozenset(("phaseDefinition", "conditionsDefinition", "statusMappings"))
+_CONDITIONS_FIELDS = frozenset((
+    "path", "typeFieldName", "statusFieldName", "messageFieldName", "reasonFieldName"))
+_MATCHER_FIELDS = frozenset(("byPhase", "byConditions", "byExpression"))
+_CONDITION_FIELDS = frozenset(("type", "status", "reason"))
+_EXPRESSION_FIELDS = frozenset(("expression", "expectedResult"))
+
+
+def _misspelt(key: Any, fields: frozenset[str]) -> str | None:
+    """The field ``key`` most likely meant, when it is none of ``fields`` but a letter
+    swapped, dropped, doubled or in another case away from one (``statusDefiniton``,
+    ``instanceIDPath``, ``replicas`` for ``replicasPath``).
+
+    Other unknown keys stay ignored, as upstream's newer fields are. A misspelt one was
+    too, without a word: a ``statusDefiniton`` gave every workload of the kind the
+    phase ``Undefined``, a ``podSelecter`` put every pod in the first component."""
+    if not fields or not isinstance(key, str) or key in fields:
+        return None
+    folded = {f.casefold(): f for f in fields}
+    if key.casefold() in folded:
+        return folded[key.casefold()]
+    close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.8)
+    return close[0] if close else None
 
 class DescriptionError(Exception):
     """One reason a description (or a file of them) was rejected.
@@ -123,13 +158,22 @@ class _Parser:
 
     # -- typed field access -------------------------------------------------------------
 
-    def mapping(self, value: Any, path: str, *, required: bool = False) -> Mapping[str, Any]:
+    def mapping(self, value: Any, path: str, *, required: bool = False,
+                fields: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+        """``value`` as a mapping; with ``fields`` (the CRD's fields there), a key that is
+        none of them but a misspelling of one is refused (:func:`_misspelt`)."""
         if value is None:
             if required:
                 raise self.fail(path, "required")
             return {}
         if not isinstance(value, Mapping):
             raise self.fail(path, f"must be a mapping, got {_type_name(value)}")
+        for key in value:
+            meant = _misspelt(key, fields)
+            if meant is not None:
+                raise self.fail(f"{path}{_field(key)}", f"unknown field {key!r}: did you "
+                                f"mean {meant!r}? (a field the proxy does not know is "
+                                "ignored, so a misspelt one would leave its part out)")
         return value
 
     def sequence(self, value: Any, path: str) -> Sequence[Any]:
@@ -158,7 +202,8 @@ class _Parser:
         if m.get(section) is None:
             return None
         p = f"{path}.{section}"
-        return self.jq(self.mapping(m[section], p).get(key), f"{p}.{key}", required=True)
+        section_map = self.mapping(m[section], p, fields=frozenset((key,)))
+        return self.jq(section_map.get(key), f"{p}.{key}", required=True)
 
     def jq(self, value: Any, path: str, *, required: bool = False) -> JqExpr | None:
         """Compile one jq field. Bare numbers are accepted as the literal they spell."""
@@ -182,7 +227,7 @@ class _Parser:
     # -- structure ----------------------------------------------------------------------
 
     def gvk(self, value: Any, path: str) -> GVK:
-        m = self.mapping(value, path, required=True)
+        m = self.mapping(value, path, required=True, fields=_GVK_FIELDS)
         group = self.string(m.get("group"), f"{path}.group") or ""
         version = self.string(m.get("version"), f"{path}.version", required=True)
         kind = self.string(m.get("kind"), f"{path}.kind", required=True)
@@ -201,7 +246,7 @@ class _Parser:
         return GVK(group, version, kind)
 
     def component(self, raw: Any, path: str, *, root: bool) -> Component:
-        m = self.mapping(raw, path, required=True)
+        m = self.mapping(raw, path, required=True, fields=_COMPONENT_FIELDS)
         name = self.string(m.get("name"), f"{path}.name", required=True)
         assert name is not None
         kind = None
@@ -239,7 +284,7 @@ class _Parser:
 
     def spec_definition(self, raw: Any, path: str) -> bool:
         """Validate the pod spec paths; the engine only needs to know one is present."""
-        m = self.mapping(raw, path)
+        m = self.mapping(raw, path, fields=_SPEC_FIELDS)
         present = [v for v in _SPEC_VARIANTS if m.get(v) is not None]
         if len(present) > 1:
             raise self.fail(path, f"only one of {', '.join(_SPEC_VARIANTS)} may be set")
@@ -257,7 +302,7 @@ class _Parser:
         return bool(present)
 
     def scale(self, raw: Any, path: str) -> ScaleDefinition | None:
-        m = self.mapping(raw, path)
+        m = self.mapping(raw, path, fields=_SCALE_FIELDS)
         if not m:
             return None
         return ScaleDefinition(
@@ -267,7 +312,7 @@ class _Parser:
         )
 
     def pod_selector(self, raw: Any, path: str) -> PodSelector | None:
-        m = self.mapping(raw, path)
+        m = self.mapping(raw, path, fields=_SELECTOR_FIELDS)
         if not m:
             return None
         type_selector = None
@@ -286,7 +331,7 @@ class _Parser:
         )
 
     def type_selector(self, raw: Any, path: str) -> TypeSelector:
-        m = self.mapping(raw, path)
+        m = self.mapping(raw, path, fields=_TYPE_SELECTOR_FIELDS)
         key_path = self.jq(m.get("keyPath"), f"{path}.keyPath")
         value = m.get("value")
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -310,13 +355,13 @@ class _Parser:
     def status(self, raw: Any, path: str) -> StatusDefinition | None:
         if raw is None:
             return None
-        m = self.mapping(raw, path)
+        m = self.mapping(raw, path, fields=_STATUS_FIELDS)
         phase_path = self.section_jq(m, "phaseDefinition", "path", path)
         conditions_path = None
         fields: dict[str, str] = {}
         if m.get("conditionsDefinition") is not None:
             p = f"{path}.conditionsDefinition"
-            cond = self.mapping(m["conditionsDefinition"], p)
+            cond = self.mapping(m["conditionsDefinition"], p, fields=_CONDITIONS_FIELDS)
             conditions_path = self.jq(cond.get("path"), f"{p}.path", required=True)
             for key, attr in (
                 ("typeFieldName", "type_field"),
@@ -348,14 +393,14 @@ class _Parser:
         )
 
     def matcher(self, raw: Any, path: str) -> Matcher:
-        m = self.mapping(raw, path)
+        m = self.mapping(raw, path, fields=_MATCHER_FIELDS)
         # "" is not given: upstream (Go) cannot tell an empty string from an absent one,
         # so a matcher with ``byPhase: ""`` matches any phase there, not only ""
         by_phase = _given(self.string(m.get("byPhase"), f"{path}.byPhase"))
         conditions: list[ConditionMatch] = []
         for i, item in enumerate(self.sequence(m.get("byConditions"), f"{path}.byConditions")):
             p = f"{path}.byConditions[{i}]"
-            c = self.mapping(item, p, required=True)
+            c = self.mapping(item, p, required=True, fields=_CONDITION_FIELDS)
             ctype = self.string(c.get("type"), f"{p}.type", required=True)
             assert ctype is not None
             conditions.append(
@@ -369,7 +414,7 @@ class _Parser:
         expected = None
         if m.get("byExpression") is not None:
             p = f"{path}.byExpression"
-            e = self.mapping(m["byExpression"], p)
+            e = self.mapping(m["byExpression"], p, fields=_EXPRESSION_FIELDS)
             expression = self.jq(e.get("expression"), f"{p}.expression", required=True)
             expected = self.scalar_text(e.get("expectedResult"), f"{p}.expectedResult")
             if expected is None:
@@ -612,7 +657,9 @@ def raw_root_kind(obj: Mapping[str, Any]) -> GroupKind | None:
 
 def _parse_description(obj: Mapping[str, Any], source: str, builtin: bool) -> Description:
     if not isinstance(obj, Mapping):
-        raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}")
+        several = (" (several descriptions go in documents separated by ---, or in the "
+                   "items of a kind: List)" if isinstance(obj, list) else "")
+        raise DescriptionError(source, "", "", f"not a mapping but {_type_name(obj)}{several}")
     if not is_description_object(obj):
         raise DescriptionError(
             source,
@@ -636,9 +683,11 @@ def _parse_description(obj: Mapping[str, Any], source: str, builtin: bool) -> De
         )
     if not _plain_name(name):
         name = p.name = ""  # the root kind is no usable name either; its own check will say why
-    spec = p.mapping(obj.get("spec"), "spec", required=True)
+    spec = p.mapping(obj.get("spec"), "spec", required=True,
+                     fields=frozenset(("structureDefinition", "optimizationInstructions")))
     structure = p.mapping(
-        spec.get("structureDefinition"), "spec.structureDefinition", required=True
+        spec.get("structureDefinition"), "spec.structureDefinition", required=True,
+        fields=frozenset(("rootComponent", "childComponents", "additionalChildKinds")),
     )
     if structure.get("rootComponent") is None:
         raise p.fail(_ROOT, "required")
@@ -809,6 +858,10 @@ class DescriptionFiles:
     #: the files found empty, each with how many descriptions of the previous read it
     #: keeps (0: it had none, or there was no previous read)
     empty: dict[str, int] = field(default_factory=dict)
+    #: by folder given, the files below it not read for their names (no ``.yaml``,
+    #: ``.yml`` or ``.json``: a ConfigMap key named ``raycluster`` is such a file), for the
+    #: log to say: they were passed over without a word
+    unread: dict[str, list[str]] = field(default_factory=dict)
 
     def descriptions(self) -> list[Description]:
         return [d for descs in self.by_file.values() for d in descs]
@@ -836,13 +889,17 @@ def read_description_paths(
         p = Path(entry)
         if p.is_dir():
             try:
-                files = [f for f in folder_files(p) if f.suffix.lower() in FILE_SUFFIXES]
+                found = folder_files(p)
             except OSError as exc:
                 where = f" {exc.filename}" if exc.filename is not None else ""
                 out.errors.append(DescriptionError(
                     str(entry), "", "",
                     f"cannot read the folder{where}: {exc.strerror or _short(str(exc))}"))
                 continue
+            files = [f for f in found if f.suffix.lower() in FILE_SUFFIXES]
+            unread = [str(f) for f in found if f.suffix.lower() not in FILE_SUFFIXES]
+            if unread:
+                out.unread[str(entry)] = unread
         elif p.exists():
             files = [p]
         else:

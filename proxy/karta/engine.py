@@ -970,7 +970,7 @@ class Engine:
                 try:
                     ok = c.accepts(pod)
                 except JqError as exc:
-                    self._selector_error(plan, wl_uid, c.type, exc)
+                    self._selector_error(plan, wl_uid, c.type, exc, pod)
                     ok = False
                 if ok:
                     if cp is not None:  # selectors must be exclusive: the first one wins
@@ -986,7 +986,7 @@ class Engine:
             try:
                 iid = single_output_id(cp.inst.outputs(pod))
             except JqError as exc:
-                self._selector_error(plan, wl_uid, cp.inst, exc)
+                self._selector_error(plan, wl_uid, cp.inst, exc, pod)
                 iid = None
             if iid is not None and cp.check_ids:
                 ev = self._object_facts(wl_uid, plan)
@@ -1000,25 +1000,28 @@ class Engine:
             try:
                 replica = single_output_id(cp.replica.outputs(pod)) or ""
             except JqError as exc:
-                self._selector_error(plan, wl_uid, cp.replica, exc)
+                self._selector_error(plan, wl_uid, cp.replica, exc, pod)
         return _Placement(cp.name, inst, replica)
 
     # -- jq errors ----------------------------------------------------------------------
 
     def _selector_error(self, plan: _DescriptionPlan, wl_uid: str, probe: _Probe | None,
-                        exc: JqError) -> None:
+                        exc: JqError, pod: _PodRec) -> None:
         self.stats[STAT_SELECTOR_ERROR] += 1
         after = exc.retry_after
         if after is not None:
             soonest = self._pod_retry_after
             self._pod_retry_after = after if soonest is None else min(soonest, after)
         source = probe.expr.source if probe is not None else ""
-        self._log_jq_error(plan, wl_uid, "pod selector", source, str(exc.__cause__ or exc))
+        self._log_jq_error(plan, wl_uid, "pod selector", source, str(exc.__cause__ or exc),
+                           pod=f"{pod.namespace}/{pod.name}")
 
     def _log_jq_error(self, plan: _DescriptionPlan, wl_uid: str, where: str, expression: str,
-                      message: str) -> None:
+                      message: str, *, pod: str = "") -> None:
         """Log a jq runtime error once per workload and expression (counted by the
-        caller, every time, in ``stats``)."""
+        caller, every time, in ``stats``). A selector's names the pod it failed on too
+        (``namespace/name``): an expression failing on some pods only (a label one pod
+        lacks) was told by its workload alone, the pod left to be guessed."""
         key = (wl_uid, expression)
         if key in self._jq_logged:
             return
@@ -1046,6 +1049,8 @@ class Engine:
             ident = f"{rec.gk.kind} {rec.namespace}/{rec.name}"
         else:
             ident = f"uid {wl_uid}"
+        if pod:
+            ident += f", pod {pod}"
         what = f"{where} {expression!r}" if expression else where
         if len(message) > _JQ_MESSAGE_SHOWN:  # jq's message may quote the input's values
             message = message[:_JQ_MESSAGE_SHOWN] + f"... ({len(message)} characters)"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import jq
 
@@ -155,23 +155,37 @@ def single_output_id(out: list[Any]) -> str | None:
     return None if v is None or v == "" else checked_id(to_text(v))
 
 
+class JqTypeError(JqError):
+    """The expression yielded a value its field cannot use (a scale path's text that is no
+    number, an object): handled as a run-time error of the expression, counted and
+    logged with it, where the value was dropped without a word."""
+
+
 def output_numbers(out: list[Any]) -> list[float | None]:
     """Scale paths' outputs as numbers, by position (one per component instance for list
-    paths): numeric strings accepted, anything else None."""
+    paths): numeric strings accepted, null None (the field not set). Anything else
+    (a boolean, other text, a list, an object: ``replicasPath: .spec.workers`` where
+    ``.spec.workers.replicas`` was meant) raises :class:`JqTypeError`: it said
+    "desired unknown" silently, the description's mistake in no log line or counter."""
     nums: list[float | None] = []
     for v in out:
-        if isinstance(v, bool):
+        if v is None:
             nums.append(None)
-        elif isinstance(v, int | float):
+        elif isinstance(v, int | float) and not isinstance(v, bool):
             nums.append(float(v))
-        elif isinstance(v, str):
-            try:
-                nums.append(float(v))
-            except ValueError:
-                nums.append(None)
         else:
-            nums.append(None)
+            try:
+                nums.append(float(v) if isinstance(v, str) else _no_number(v))
+            except ValueError:
+                _no_number(v)
     return nums
+
+
+def _no_number(value: Any) -> NoReturn:
+    kind = ("a boolean" if isinstance(value, bool) else "text" if isinstance(value, str)
+            else "a list" if isinstance(value, list) else "an object")
+    raise JqTypeError(f"yielded {kind}, not a number (a count, a numeric string or null): "
+                      f"{shown(to_text(value).encode('utf-8', 'surrogatepass'))}")
 
 
 class JqExpr:

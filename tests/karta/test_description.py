@@ -20,6 +20,7 @@ from proxy.karta.description import (
     load_description_file,
     load_description_paths,
     parse_description,
+    read_description_paths,
     select_descriptions,
 )
 from proxy.karta.jqexpr import output_numbers
@@ -530,8 +531,9 @@ def test_pod_bearing_variants_and_root() -> None:
 def test_not_a_description() -> None:
     err = error_of({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}})
     assert err.path == "" and err.reason.startswith("not a description")
-    err = error_of(["x"])
-    assert err.reason == "not a mapping but list"
+    err = error_of([base()])  # a YAML list of descriptions at the top: said how to write it
+    assert err.reason == ("not a mapping but list (several descriptions go in documents "
+                          "separated by ---, or in the items of a kind: List)")
 
 
 def test_is_description_object() -> None:
@@ -571,6 +573,49 @@ def test_unknown_fields_are_ignored() -> None:
     root(obj)["suspendDefinition"] = {"suspendActions": [{"path": ".spec.suspend"}]}
     child(obj, 0)["somethingNew"] = {"x": 1}
     assert parse_description(obj, "test.yaml").name == "tiny"
+
+
+def _renamed(m: dict[str, Any], old: str, new: str) -> None:
+    m[new] = m.pop(old)
+
+
+@pytest.mark.parametrize(("edit", "path", "meant"), [
+    pytest.param(lambda o: _renamed(root(o), "statusDefinition", "statusDefiniton"),
+                 f"{ROOT}.statusDefiniton", "statusDefinition", id="status-definition"),
+    pytest.param(lambda o: _renamed(child(o, 0), "podSelector", "podSelecter"),
+                 f"{CHILDREN}[0].podSelecter", "podSelector", id="pod-selector"),
+    pytest.param(lambda o: child(o, 0).update(scaleDefinition={"replicas": ".spec.n"}),
+                 f"{CHILDREN}[0].scaleDefinition.replicas", "replicasPath", id="replicas"),
+    pytest.param(lambda o: _renamed(child(o, 0)["podSelector"]["componentTypeSelector"],
+                                    "keyPath", "keypath"),
+                 f"{CHILDREN}[0].podSelector.componentTypeSelector.keypath", "keyPath",
+                 id="key-path-case"),
+    pytest.param(lambda o: child(o, 0).update(instanceIDPath=".spec.ids[]"),
+                 f"{CHILDREN}[0].instanceIDPath", "instanceIdPath", id="instance-id-path"),
+    pytest.param(lambda o: child(o, 0)["podSelector"].update(
+                     replicaSelector={"keypath": ".metadata.labels.i"}),
+                 f"{CHILDREN}[0].podSelector.replicaSelector.keypath", "keyPath",
+                 id="replica-selector-section"),
+    pytest.param(lambda o: _renamed(root(o)["statusDefinition"]["statusMappings"]["running"][0],
+                                    "byPhase", "byphase"),
+                 f"{ROOT}.statusDefinition.statusMappings.running[0].byphase", "byPhase",
+                 id="by-phase"),
+    pytest.param(lambda o: _renamed(root(o)["kind"], "version", "verison"),
+                 f"{ROOT}.kind.verison", "version", id="kind-version"),
+    pytest.param(lambda o: _renamed(structure(o), "childComponents", "childComponent"),
+                 "spec.structureDefinition.childComponent", "childComponents", id="children"),
+])
+def test_a_misspelt_field_is_refused_naming_the_field_meant(
+        edit: Callable[[dict[str, Any]], object], path: str, meant: str) -> None:
+    """A field the proxy does not know is ignored (upstream's newer ones), so a misspelt
+    one was too, without a word: ``statusDefiniton`` left every workload ``Undefined``,
+    ``podSelecter`` put every pod in the first component. One a letter or a case away
+    from a field of the CRD there is refused, the field meant named."""
+    obj = base()
+    edit(obj)
+    err = error_of(obj)
+    assert (err.path, err.reason.split("?")[0]) == (
+        path, f"unknown field {path.rpartition('.')[2]!r}: did you mean {meant!r}")
 
 
 def test_builtin_flag_and_source() -> None:
@@ -680,6 +725,13 @@ def test_folder_loading(tmp_path: Path) -> None:
     ]
     descs, errors = load_description_paths([tmp_path / "b.yaml"])
     assert [d.name for d in descs] == ["tiny"] and errors == []
+    # the files passed over for their names, for the log to say (a ConfigMap key
+    # "raycluster" without a suffix was read by no one, without a word)
+    (tmp_path / "sub" / "raycluster").write_text(yaml.safe_dump(two))
+    (tmp_path / ".hidden").write_text("x")
+    read = read_description_paths([tmp_path, tmp_path / "b.yaml"])
+    assert read.unread == {str(tmp_path): [str(tmp_path / "notes.txt"),
+                                           str(tmp_path / "sub" / "raycluster")]}
 
 
 DUP = """apiVersion: run.ai/v1alpha1

@@ -791,6 +791,56 @@ def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_count
     assert not [r for r in caplog.records if "jq error" in r.getMessage()]
 
 
+def test_a_selector_failing_on_some_pods_names_the_pod_and_spares_the_others(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A replica path that fails on one pod only (a label the others have, a value it
+    refuses): that pod loses its replica, every other keeps its place, and the warning
+    names the pod as well as the description and the workload (it named the workload
+    alone: which of its pods was to be guessed)."""
+    thing = karta({"group": "example.com", "kind": "Thing"}, [
+        {"name": "w", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+         "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "w"}},
+                         "replicaSelector": {"keyPath": '.metadata.labels.idx | '
+                                             'if . == "1" then error("no") else . end'}}},
+        {"name": "ps", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.ps"},
+         "podSelector": {"componentTypeSelector": {"matchLabels": {"role": "ps"}}}},
+    ])
+    e = Engine()
+    e.add_descriptions([describe(thing)])
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    t = obj("example.com/v1", "Thing", "t")
+    e.upsert_many([t, *(pod(f"p{i}", t, role="w", idx=str(i)) for i in range(3))])
+    assert [(P(e, f"pod-p{i}").component, P(e, f"pod-p{i}").replica)
+            for i in range(3)] == [("w", "0"), ("w", ""), ("w", "2")]
+    assert e.stats[STAT_SELECTOR_ERROR] == 1
+    [line] = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
+    assert "description test-thing" in line and "Thing team-a/t, pod team-a/p1:" in line
+
+
+def test_a_scale_path_of_the_wrong_type_is_counted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``replicasPath: .spec.workers`` (the object where its ``.replicas`` was meant): the
+    desired count was unknown without a word or a count; now it is a workload jq error,
+    the pods attributed as before."""
+    thing = karta({"group": "example.com", "kind": "Thing"}, [
+        {"name": "w", "ownerRef": "root",
+         "specDefinition": {"podTemplateSpecPath": ".spec.template"},
+         "scaleDefinition": {"replicasPath": ".spec.workers"}}])
+    e = Engine()
+    e.add_descriptions([describe(thing)])
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    t = obj("example.com/v1", "Thing", "t", spec={"workers": {"replicas": 2}})
+    e.upsert_many([t, pod("p0", t)])
+    assert P(e, "pod-p0").component == "w"
+    assert [r.desired for r in W(e, "thing-t").replicas] == [None]
+    assert e.stats[STAT_WORKLOAD_JQ_ERROR] == 1
+    [line] = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
+    assert ("workload path '.spec.workers'" in line
+            and 'yielded an object, not a number' in line), line
+
+
 def test_instance_ids_checked_against_the_workload_and_followed() -> None:
     e = Engine()
     e.add_descriptions([describe(RAY_KARTA)])

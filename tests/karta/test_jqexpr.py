@@ -14,6 +14,7 @@ from proxy.karta.jqexpr import (
     JqError,
     JqExpr,
     JqIdError,
+    JqTypeError,
     checked_id,
     input_fields,
     output_ids,
@@ -144,11 +145,27 @@ def test_an_id_up_to_the_bound_is_kept() -> None:
 
 
 def test_numbers_one_per_output() -> None:
-    got = output_numbers(JqExpr(".spec.groups[].replicas").all(OBJ))
-    assert got == [2.0, 4.0, None, None]
-    assert output_numbers(JqExpr('null, {}, "1e3"').all(OBJ)) == [None, None, 1000.0]
+    got = output_numbers(JqExpr(".spec.groups[:2][].replicas").all(OBJ))
+    assert got == [2.0, 4.0]
+    assert output_numbers(JqExpr('null, 3, "1e3"').all(OBJ)) == [None, 3.0, 1000.0]
     nan = output_numbers(JqExpr('"nan"').all(OBJ))[0]
     assert nan is not None and math.isnan(nan)
+
+
+@pytest.mark.parametrize(("program", "said"), [
+    ('"two"', "yielded text, not a number (a count, a numeric string or null): two"),
+    ("true", "yielded a boolean"),
+    ("{}", "yielded an object"),
+    ('.spec.groups', "yielded a list"),
+    ('1, "x"', "yielded text"),
+    (".spec.groups[].replicas", "yielded a boolean, not a number"),
+])
+def test_a_scale_output_of_the_wrong_type_is_a_jq_error(program: str, said: str) -> None:
+    """``replicasPath: .spec.workers`` (the object, not its ``.replicas``) or a name where
+    a count was meant: the desired count was dropped as unknown without a word; now the
+    path failed, counted and logged as any jq error."""
+    with pytest.raises(JqTypeError, match=re.escape(said)):
+        output_numbers(JqExpr(program).all(OBJ))
 
 
 def test_repr_names_the_source() -> None:
