@@ -94,16 +94,23 @@ def _worker_families(workers: LoopWorkers) -> Iterator[Metric]:
 
 def _engine_families(engine: Engine) -> Iterator[Metric]:
     """What the Karta engine counted: the jq runtime errors (each logged once per
-    workload and expression), every ``where`` present from the start."""
+    workload and expression) by where and description, every ``where`` of every
+    description in force present from the start (a description no longer in force keeps
+    what it counted)."""
     from proxy.karta.results import JQ_ERROR_STATS
 
     family = CounterMetricFamily(
         _P + "jq_errors", "jq runtime errors of the descriptions' expressions, by where: "
         "selector (a pod selector: the pod's component, instance or replica not given), "
-        "workload (instance ids, scale paths), status (the phase: Undefined, jq_error).",
-        labels=["where"])
-    for where, stat in JQ_ERROR_STATS.items():
-        family.add_metric([where], engine.stats[stat])
+        "workload (instance ids, scale paths), status (the phase: Undefined, jq_error); "
+        "and by the name of the description whose expression failed.",
+        labels=["where", "description"])
+    counted = dict(engine.jq_errors)
+    for desc in engine.descriptions().values():
+        for where in JQ_ERROR_STATS:
+            counted.setdefault((where, desc.name), 0)
+    for (where, name), value in sorted(counted.items()):
+        family.add_metric([where, name], value)
     yield family
 
 

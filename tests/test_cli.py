@@ -511,7 +511,7 @@ async def test_a_hostile_description_costs_a_jq_error_not_the_process(
     assert got["cart-7d9f8-abcde"] == {**cart, **CART}
     assert got["h1-0"]["karta_workload"] == "h1"  # placed: only its phase is unknown
     errors = _samples(metrics, "karta_proxy_jq_errors_total")
-    assert errors['{where="status"}'] >= 1
+    assert errors['{description="hostile",where="status"}'] >= 1  # named
     restarts = _samples(metrics, "karta_proxy_jq_sandbox_restarts_total")
     assert restarts['{reason="died"}'] + restarts['{reason="timeout"}'] >= 1
     assert restarts['{reason="start_failed"}'] == 0

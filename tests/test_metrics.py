@@ -89,24 +89,31 @@ def test_loop_metrics_are_read_whole_from_another_thread() -> None:
         writer.join()
 
 
-def test_the_engines_jq_errors_are_a_counter_by_where() -> None:
+def test_the_engines_jq_errors_are_a_counter_by_where_and_description() -> None:
     """Engine.stats was read nowhere: the jq runtime errors are on /metrics, every
-    ``where`` present from the start."""
+    ``where`` of every description in force present from the start; and by description,
+    since the count alone said that some description failed, not which (its log line,
+    throttled, named it)."""
     from proxy.karta.engine import Engine
-    from proxy.karta.results import STAT_SELECTOR_ERROR, STAT_STATUS_JQ_ERROR
 
     metrics = ProxyMetrics()
     get = metrics.registry.get_sample_value
-    assert get("karta_proxy_jq_errors_total", {"where": "status"}) is None  # no engine yet
-    engine = Engine(builtins=False)
+    status = {"where": "status", "description": "builtin-apps-deployment"}
+    assert get("karta_proxy_jq_errors_total", status) is None  # no engine yet
+    engine = Engine()
     metrics.watch_engine(engine)
-    for where in ("selector", "workload", "status"):
-        assert get("karta_proxy_jq_errors_total", {"where": where}) == 0
-    engine.stats[STAT_STATUS_JQ_ERROR] += 2
-    engine.stats[STAT_SELECTOR_ERROR] += 1
-    assert get("karta_proxy_jq_errors_total", {"where": "status"}) == 2
-    assert get("karta_proxy_jq_errors_total", {"where": "selector"}) == 1
-
+    names = {d.name for d in engine.descriptions().values()}
+    assert "builtin-apps-deployment" in names
+    for name in names:
+        for where in ("selector", "workload", "status"):
+            labels = {"where": where, "description": name}
+            assert get("karta_proxy_jq_errors_total", labels) == 0
+    engine.jq_errors[("status", "builtin-apps-deployment")] += 2
+    engine.jq_errors[("selector", "gone-since-a-reload")] += 1
+    assert get("karta_proxy_jq_errors_total", status) == 2
+    # a description no longer in force keeps what it counted
+    assert get("karta_proxy_jq_errors_total",
+               {"where": "selector", "description": "gone-since-a-reload"}) == 1
 
 
 def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time(

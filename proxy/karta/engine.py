@@ -235,6 +235,10 @@ class Engine:
         self.description_warnings: list[str] = []
         #: what the engine noticed: ambiguous components, unlisted instances, jq errors
         self.stats: Counter[str] = Counter()
+        #: the jq runtime errors by where (``JQ_ERROR_STATS``' keys) and the name of the
+        #: description whose expression failed: the counter alone said that one failed,
+        #: not which (``karta_proxy_jq_errors_total{where, description}``)
+        self.jq_errors: Counter[tuple[str, str]] = Counter()
         #: (workload uid, expression) of the jq errors logged (:meth:`_log_jq_error`)
         self._jq_logged: set[tuple[str, str]] = set()
         #: the jq error lines' window: when it began (monotonic), lines in it, and the
@@ -1008,6 +1012,7 @@ class Engine:
     def _selector_error(self, plan: _DescriptionPlan, wl_uid: str, probe: _Probe | None,
                         exc: JqError, pod: _PodRec) -> None:
         self.stats[STAT_SELECTOR_ERROR] += 1
+        self.jq_errors[("selector", plan.desc.name)] += 1
         after = exc.retry_after
         if after is not None:
             soonest = self._pod_retry_after
@@ -1073,7 +1078,9 @@ class Engine:
             holder.cache = _FactsCache(plan, ev)
             self._owe_retry(_RETRY_FACTS, uid, ev.retry_after)
             for err in ev.errors:
-                where = "status" if err.stat == STAT_STATUS_JQ_ERROR else "workload path"
+                status = err.stat == STAT_STATUS_JQ_ERROR
+                self.jq_errors[("status" if status else "workload", plan.desc.name)] += 1
+                where = "status" if status else "workload path"
                 self._log_jq_error(plan, uid, where, err.expression, err.message)
         return ev
 

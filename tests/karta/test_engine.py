@@ -777,6 +777,9 @@ def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_count
     assert P(e, "pod-p0-0").component == "b"  # the selector failed: the default took it
     assert e.stats[STAT_STATUS_JQ_ERROR] == 2 and e.stats[STAT_WORKLOAD_JQ_ERROR] == 2
     assert e.stats[STAT_SELECTOR_ERROR] == 6
+    # the same, by where and by the description whose expression failed
+    assert e.jq_errors == {("status", "test-thing"): 2, ("workload", "test-thing"): 2,
+                           ("selector", "test-thing"): 6}
     lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
     assert len(lines) == 6, lines  # per workload: status, scale path, selector
     for what in ("status of description test-thing", "workload path '.spec.groups[].replicas'",
@@ -788,6 +791,7 @@ def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_count
     e.upsert(obj("example.com/v1", "Thing", "t0", spec={"groups": None},
                  status={"items": None, "x": 1}))
     assert e.stats[STAT_STATUS_JQ_ERROR] == 3
+    assert e.jq_errors[("status", "test-thing")] == 3
     assert not [r for r in caplog.records if "jq error" in r.getMessage()]
 
 

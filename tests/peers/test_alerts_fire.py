@@ -407,7 +407,8 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
                            ("KartaProxyUpstreamRefusing", {"job": JOB}),
                            ("KartaPodsUnattributed",
                             {"cluster": CLUSTER, "karta_namespace": STRAYS}),
-                           ("KartaProxyDescriptionErrors", {"where": "status", "job": JOB}))
+                           ("KartaProxyDescriptionErrors",
+                            {"where": "status", "description": "hog", "job": JOB}))
 
             (descriptions / "broken.yaml").write_text("kind: Karta\nspec: [not, a, map\n")
             assert not (await proxy.reload()).ok
