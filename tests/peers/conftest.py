@@ -365,6 +365,19 @@ async def query(base: str, promql: str, at: float | None = None) -> list[dict[st
     return list(body["data"]["result"])
 
 
+async def query_range(base: str, promql: str, start: float, end: float, step: float
+                      ) -> list[dict[str, Any]]:
+    """``promql`` evaluated at every ``step`` seconds from ``start`` to ``end``, as a graph
+    reads it (each instant sees the last sample within the lookback)."""
+    params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step}"}
+    async with aiohttp.ClientSession() as s, s.get(
+        base + "/api/v1/query_range", params=params, timeout=aiohttp.ClientTimeout(total=10)
+    ) as r:
+        body = await r.json()
+    assert body.get("status") == "success", body
+    return list(body["data"]["result"])
+
+
 async def scalar_by(base: str, promql: str, by: Sequence[str], at: float | None = None
                     ) -> dict[tuple[str, ...], float]:
     return {tuple(r["metric"].get(k, "") for k in by): float(r["value"][1])
