@@ -225,8 +225,10 @@ class UpstreamSettings(Section):
         "together (a probe, an RW 2.0 post and its converted resend, the parts of a "
         "request sent in parts); the sender then gets 504. Keep it under the senders' "
         "own timeouts (Prometheus' remote_timeout, 30 s): the default leaves 5 s for "
-        "reading and splicing the request, so the 504 reaches a sender still waiting",
-        flag=Flag(("--upstream-timeout",), UPSTREAM, "SECONDS"), gt=0)] = 25.0
+        "reading and splicing the request, so the 504 reaches a sender still waiting. At "
+        "most 600 (no sender waits longer: vmagent's -remoteWrite.sendTimeout is 1 min; "
+        "25000 was milliseconds meant, and held each request's memory for 7 hours)",
+        flag=Flag(("--upstream-timeout",), UPSTREAM, "SECONDS"), gt=0, le=600)] = 25.0
     connect_timeout_seconds: Annotated[float, setting(
         "timeout of the TCP/TLS connect phase", gt=0)] = 5.0
     max_connections: Annotated[int, setting(

@@ -343,7 +343,8 @@ def test_every_flag_comes_from_the_schema() -> None:
 def test_flag_values_get_the_schema_bounds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "0"]) == 2
     assert capsys.readouterr().err == (
-        "karta-proxy: error: upstream.timeout_seconds: must be greater than 0, got 0.0\n")
+        "karta-proxy: error: upstream.timeout_seconds: must be more than 0 and at most 600, "
+        "got 0.0\n")
 
 
 def test_kubeconfig_env_is_a_default_below_the_file(tmp_path: Path) -> None:
@@ -696,9 +697,9 @@ def test_a_stop_signal_while_starting_exits_0(sig: signal.Signals) -> None:
 
 
 def test_an_infinite_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--upstream-url", "http://x:1", "--upstream-timeout", "inf"]) == 2
+    assert main(["--upstream-url", "http://x:1", "--snapshot-reload-seconds", "inf"]) == 2
     assert capsys.readouterr().err == (
-        "karta-proxy: error: upstream.timeout_seconds: must be a finite number, got inf\n")
+        "karta-proxy: error: snapshot_reload_seconds: must be a finite number, got inf\n")
 
 
 def test_leader_election_with_a_snapshot_and_no_cluster_names_the_setting(

@@ -125,8 +125,11 @@ def test_dashes_are_accepted_for_underscores() -> None:
          "got 0"),
         ("server:\n  worker_threads: 300\n", "server.worker_threads: must be 0 to 256, got 300"),
         ("karta:\n  max_owner_hops: 0\n", "karta.max_owner_hops: must be 1 to 100, got 0"),
-        ("upstream:\n  timeout_seconds: 0\n", "upstream.timeout_seconds: must be greater "
-         "than 0, got 0"),
+        ("upstream:\n  timeout_seconds: 0\n", "upstream.timeout_seconds: must be more than "
+         "0 and at most 600, got 0"),
+        # milliseconds meant: each request held for 7 hours, with its memory
+        ("upstream:\n  timeout_seconds: 25000\n", "upstream.timeout_seconds: must be more "
+         "than 0 and at most 600, got 25000"),
         # the value itself, shortened, where only its type was said
         ("enrich:\n  pod_label_rules: [DCGM_]\n", "enrich.pod_label_rules[0]: expected a "
          "mapping, got string 'DCGM_'"),
@@ -488,8 +491,14 @@ def test_non_finite_floats_are_refused_in_the_file(tmp_path: Path, key: str,
 
 
 def test_non_finite_floats_are_refused_from_code_and_flags() -> None:
-    s = valid(timeout_seconds=float("inf"))
-    with pytest.raises(ConfigError, match=r"upstream.timeout_seconds: must be a finite number"):
+    s = valid()
+    s.upstream.connect_timeout_seconds = float("inf")
+    with pytest.raises(ConfigError,
+                       match=r"upstream.connect_timeout_seconds: must be a finite number"):
+        validate(s)
+    s = valid(timeout_seconds=float("inf"))  # past its upper bound, as any value over it
+    with pytest.raises(ConfigError, match=r"upstream.timeout_seconds: must be more than 0 "
+                       r"and at most 600, got inf"):
         validate(s)
     s = valid()
     s.facts.interval_seconds = float("inf")
