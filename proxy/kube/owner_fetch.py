@@ -60,7 +60,7 @@ from proxy.karta.model import GroupKind
 from proxy.karta.owners import OwnerRef, controller_ref
 from proxy.kube.client import ACCEPT_JSON, ACCEPT_METADATA_WATCH, KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource
-from proxy.kube.watcher import Backoff, Watcher, WatchEvent
+from proxy.kube.watcher import RETRY_AFTER_MAX, Backoff, Watcher, WatchEvent
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -409,6 +409,7 @@ class OwnerFetcher:
         backoff = Backoff(cap=self._backoff_max)
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
+                asked = 0.0  # what the server asked to wait (a 429's, a 503's Retry-After)
                 watcher = self._watcher_for(ref.gk, owner.namespace)
                 if watcher is None:
                     self._done(owner, "unwatched", forget=True)
@@ -431,6 +432,7 @@ class OwnerFetcher:
                         self._done(owner, "forbidden")
                         return
                     why = str(e)
+                    asked = min(e.retry_after or 0.0, RETRY_AFTER_MAX)
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
                     why = f"{type(e).__name__}: {e}"
                 else:
@@ -452,7 +454,9 @@ class OwnerFetcher:
                 self._release(uid)  # meanwhile: the old behaviour
                 if attempt == MAX_ATTEMPTS:
                     break
-                await asyncio.sleep(backoff.next())
+                # a server shedding load (API Priority and Fairness' 429) says how long
+                # to wait: the backoff alone came back within it, up to 5 GETs an owner
+                await asyncio.sleep(max(backoff.next(), asked))
                 if self._holds(uid) or not self._pointed_at(uid):
                     self._forget(owner)
                     return

@@ -283,6 +283,26 @@ async def test_gets_of_one_owner_are_spaced(sim: KubeSim, make_source: SourceFac
     assert fetches(source, "failed") == gets(sim, "web-2")
 
 
+async def test_a_get_refused_for_load_waits_what_the_server_asked(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """API Priority and Fairness sheds load with a 429 and a ``Retry-After`` (text/plain,
+    the header its only word of how long): the next GET of the owner waits that long.
+    The backoff alone (1 s apart at least, ``REFETCH_SECONDS``) sent three GETs in the 3
+    s a server asked for."""
+    dep, _, _ = deployment(sim, "web", NS, replicas=1, rev="1")
+    source = await make_source()
+    sim.fail_resource(REPLICA_SET, 429, retry_after=3, plain=True)
+    sim.disconnect_watches()
+    rs2 = new_rs(sim, dep, "web-2")
+    sim.create(pod("web-2-0", NS, owner_obj=rs2, labels={"app": "web"}))
+    await eventually(lambda: gets(sim, "web-2") >= 1)
+    await asyncio.sleep(2.5)
+    assert gets(sim, "web-2") == 1
+    sim.fail_resource(REPLICA_SET, None)
+    await eventually(lambda: web(source, "web-2-0") == ("Deployment", "web"), timeout=5)
+    assert gets(sim, "web-2") == 2
+
+
 async def test_a_pod_waits_no_longer_than_its_deadline(
         sim: KubeSim, make_source: SourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """The wait is bounded from the moment a pod is parked, the queue for a GET included:
