@@ -430,6 +430,9 @@ class _Attempt:
     sender_gone: Callable[[], bool]
     #: the request sent in parts, once it is
     parts: _Parts | None = None
+    #: counted in ``upstream_v2_to_v1_conversions_total`` (once a request, whatever its
+    #: parts and resends)
+    conversion_counted: bool = False
 
 
 @dataclass(slots=True)
@@ -1087,16 +1090,15 @@ class Upstream:
                 await self.check()
             if self.zstd_refused:  # prepared as zstd before the check found it refused
                 out = await asyncio.to_thread(self._as_snappy, out)
-        if out.converted and self.metrics is not None:
-            self.metrics.upstream_conversions.inc()
+        if out.converted:
+            self._count_conversion(attempt)
         answer = await self._post(out, incoming, url)
         if out.protocol is Protocol.V2:
             refused = self._refused_v2(answer, out.counts)
             if refused and self.settings.protocol == "auto":
                 self._learn_v1_only(refused, answer)
                 out = await self._convert(out, attempt.charge, held)
-                if self.metrics is not None:
-                    self.metrics.upstream_conversions.inc()
+                self._count_conversion(attempt)
                 answer = await self._post(out, incoming, url)
             elif refused == "no_written_headers" and not self._warned_passthrough:
                 self._warned_passthrough = True
@@ -1112,6 +1114,14 @@ class Upstream:
         if answer.ok and out.converted:
             self._written_headers(answer, out.counts)
         return answer, out
+
+    def _count_conversion(self, attempt: _Attempt) -> None:
+        """Count the request ``attempt`` forwards as converted to RW 1.0, once: each part
+        of a converted request sent in parts goes through here too, and counted there one
+        RW 2.0 request in 4 parts read 5 conversions."""
+        if not attempt.conversion_counted and self.metrics is not None:
+            attempt.conversion_counted = True
+            self.metrics.upstream_conversions.inc()
 
     async def _histograms_refused(self, out: Outgoing, answer: Answer,
                                   incoming: Mapping[str, str], url: URL, attempt: _Attempt,
