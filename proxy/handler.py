@@ -845,7 +845,9 @@ class RemoteWriteHandler:
             raise _decode_refusal(e) from None
         except ConversionRefused as e:  # the same, refused for its size or the budget
             raise self._not_converted(e) from None
-        if answer.ok:
+        if answer.series_stored is not None:  # sent in parts: those the upstream took now
+            self._series[_OUT] += answer.series_stored
+        elif answer.ok:
             self._series[_OUT] += result.counts.series
         return self._answer(answer)
 
