@@ -439,20 +439,23 @@ class RemoteWriteHandler:
         finally:
             if waiting:  # else there is no place in line to give back
                 self._unhold(request)
-        self._count_request(request, protocol_label, response.status)
-        self._durations[(protocol_label,)].observe(time.perf_counter() - started)
+        self._count_request(request, protocol_label, response.status, started)
         return response
 
-    def _count_request(self, request: web.Request, protocol_label: str, status: int) -> None:
+    def _count_request(self, request: web.Request, protocol_label: str, status: int,
+                       started: float) -> None:
+        """A request answered: counted, and timed from ``started`` (``perf_counter``)."""
         # the route, not the path: one series per tenant path template, not per tenant
         route = request.match_info.route.resource
         path = route.canonical if route is not None else request.path
         self._requests[(path, protocol_label, str(status))] += 1
+        self._durations[(protocol_label,)].observe(time.perf_counter() - started)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """The route's ``Expect`` handler: never ``100 Continue`` here (aiohttp's default
         sends it before the handler runs, so a sender over the limits would send its body
         anyway); ``_read_body`` sends it once the request is admitted."""
+        started = time.perf_counter()
         expect = request.headers.get("Expect", "")
         if expect.lower() != "100-continue":
             refusal = _Refusal(417, f"unsupported Expect {expect[:64]!r}: only 100-continue",
@@ -460,7 +463,7 @@ class RemoteWriteHandler:
             response = self._refuse(request, refusal)
             response.force_close()
             self._unhold(request)
-            self._count_request(request, "unknown", 417)
+            self._count_request(request, "unknown", 417, started)
             return response
         return None
 
@@ -535,6 +538,7 @@ class RemoteWriteHandler:
         if self.slots.may_wait():
             self.slots.promise()
             return self._wait
+        started = time.perf_counter()
         content_type = headers.get("Content-Type", "")
         labels = self._shed_counters.get((route, content_type))
         if labels is None:
@@ -546,6 +550,10 @@ class RemoteWriteHandler:
                 "status": 503, "kind": "overload", "reason": OVERLOAD_MESSAGE, "path": path,
                 "remote": remote(), "user_agent": headers.get("User-Agent", ""),
             })
+        # timed as every request counted is (its protocol is the counter's): left out,
+        # the duration's count fell short of the requests by every overload refusal, and
+        # its quantiles said nothing of the answers senders got most under overload
+        self._durations[(labels[1],)].observe(time.perf_counter() - started)
         return OVERLOAD_ANSWER
 
     def _shed_labels(self, route: str, content_type: str) -> LabelValues:
@@ -837,7 +845,9 @@ class RemoteWriteHandler:
             raise _decode_refusal(e) from None
         except ConversionRefused as e:  # the same, refused for its size or the budget
             raise self._not_converted(e) from None
-        if answer.ok:
+        if answer.series_stored is not None:  # sent in parts: those the upstream took now
+            self._series[_OUT] += answer.series_stored
+        elif answer.ok:
             self._series[_OUT] += result.counts.series
         return self._answer(answer)
 

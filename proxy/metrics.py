@@ -196,7 +196,8 @@ class ProxyMetrics:
         )
         self.series = LoopCounter(
             _P + "series", "Series received (in), and forwarded and accepted upstream (out: "
-            "counted once the upstream answered 2xx).", ["direction"], registry=r,
+            "counted once the upstream answered 2xx to them; a request sent in parts, each "
+            "part that got one).", ["direction"], registry=r,
         )
         self.samples = LoopCounter(_P + "samples", "Float samples received.", registry=r)
         self.histograms = LoopCounter(_P + "histograms", "Native histogram samples received.",

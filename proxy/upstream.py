@@ -271,6 +271,10 @@ class Answer:
     upstream: str = ""
     #: True when the body went out as RW 1.0 after arriving as RW 2.0
     converted: bool = False
+    #: for a request sent in parts: the sender's series in the parts this attempt sent and
+    #: got a 2xx for (not those skipped as stored by an earlier one), whatever the answer;
+    #: None: sent whole, its series taken when ``ok``
+    series_stored: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -430,6 +434,9 @@ class _Attempt:
     sender_gone: Callable[[], bool]
     #: the request sent in parts, once it is
     parts: _Parts | None = None
+    #: counted in ``upstream_v2_to_v1_conversions_total`` (once a request, whatever its
+    #: parts and resends)
+    conversion_counted: bool = False
 
 
 @dataclass(slots=True)
@@ -470,6 +477,10 @@ class _Parts:
     refused_index: int = 0
     #: the parts counted as stored: this attempt's 2xx and the ones skipped
     stored: list[Range] = field(default_factory=list)
+    #: the layout's series in this attempt's parts that got a 2xx (not the ones skipped)
+    series_sent_stored: int = 0
+    #: what the request cut carries (the sender's series)
+    counts: Counts | None = None
     #: a part went without its native histograms (``Upstream._histograms_refused``): the
     #: Written headers made for the whole claim none
     without_histograms: bool = False
@@ -492,6 +503,17 @@ class _Parts:
         if size is not None and (self.refused_bytes is None or size < self.refused_bytes):
             self.refused_bytes = size
             self.refusal = replace(answer, headers=dict(answer.headers))
+
+    @property
+    def series_stored(self) -> int:
+        """The sender's series in this attempt's parts that got a 2xx: the layout's, or
+        in proportion where the layout has more series than the sender sent (its
+        custom-bucket histograms converted to classic series: which of them a part holds
+        is not kept)."""
+        total, counts = len(self.layout.series), self.counts
+        if counts is None or counts.series == total or not total:
+            return self.series_sent_stored
+        return round(self.series_sent_stored * counts.series / total)
 
     @property
     def stopped(self) -> bool:
@@ -1058,6 +1080,7 @@ class Upstream:
         answer = Answer(504, f"upstream {self.url} did not take the request within "
                              f"{timeout:g} s{done}".encode(), {}, "timeout")
         if parts is not None:
+            answer.series_stored = parts.series_stored
             self._count_split("timeout", answer)
         return answer
 
@@ -1087,16 +1110,15 @@ class Upstream:
                 await self.check()
             if self.zstd_refused:  # prepared as zstd before the check found it refused
                 out = await asyncio.to_thread(self._as_snappy, out)
-        if out.converted and self.metrics is not None:
-            self.metrics.upstream_conversions.inc()
+        if out.converted:
+            self._count_conversion(attempt)
         answer = await self._post(out, incoming, url)
         if out.protocol is Protocol.V2:
             refused = self._refused_v2(answer, out.counts)
             if refused and self.settings.protocol == "auto":
                 self._learn_v1_only(refused, answer)
                 out = await self._convert(out, attempt.charge, held)
-                if self.metrics is not None:
-                    self.metrics.upstream_conversions.inc()
+                self._count_conversion(attempt)
                 answer = await self._post(out, incoming, url)
             elif refused == "no_written_headers" and not self._warned_passthrough:
                 self._warned_passthrough = True
@@ -1112,6 +1134,14 @@ class Upstream:
         if answer.ok and out.converted:
             self._written_headers(answer, out.counts)
         return answer, out
+
+    def _count_conversion(self, attempt: _Attempt) -> None:
+        """Count the request ``attempt`` forwards as converted to RW 1.0, once: each part
+        of a converted request sent in parts goes through here too, and counted there one
+        RW 2.0 request in 4 parts read 5 conversions."""
+        if not attempt.conversion_counted and self.metrics is not None:
+            attempt.conversion_counted = True
+            self.metrics.upstream_conversions.inc()
 
     async def _histograms_refused(self, out: Outgoing, answer: Answer,
                                   incoming: Mapping[str, str], url: URL, attempt: _Attempt,
@@ -1371,6 +1401,7 @@ class Upstream:
         parts.cut_without_histograms = sent.without_histograms
         parts.refused_at(len(lay.raw), answer)
         parts.key, parts.memory = key, self.stored_parts.entry(key)
+        parts.counts = sent.counts
         attempt.parts = parts
         await self._send_halves(parts, 0, len(lay.series), 1, attempt)
         result = "stored"
@@ -1404,6 +1435,7 @@ class Upstream:
             # counted from the parts a 1.0 receiver took (it sent no Written headers)
             stored = await asyncio.to_thread(_stored_counts, lay, parts.stored)
             self._written_headers(final, _claimed(stored, parts))
+        final.series_stored = parts.series_stored
         quiet = final.ok or parts.sender_gone
         self._line(logging.INFO if quiet else logging.WARNING,
                    "request sent in parts after the upstream refused it as too large",
@@ -1477,6 +1509,8 @@ class Upstream:
         if not answer.ok and answer.status < 500 and parts.refused is None:
             parts.refused_part, parts.refused_index = (a, b), parts.sent + parts.skipped + 1
         parts.add(answer, sent.converted, too_large=refused)
+        if answer.ok:
+            parts.series_sent_stored += b - a
 
     def _hopeless(self, parts: _Parts, a: int, b: int) -> bool:
         """``series[a:b]`` carries, whatever its series, at least as many bytes as a body

@@ -141,6 +141,34 @@ async def test_overload_is_shed_on_the_headers_and_counted(tmp_path: Path) -> No
     assert len(up.received) == 2
 
 
+async def test_every_request_counted_is_timed_once(tmp_path: Path) -> None:
+    """``request_duration_seconds`` observes each request ``requests_total`` counts, by
+    the same protocol: the overload refusals shed on the headers and the 417s to an
+    unknown ``Expect`` were counted and never timed (a p99 over the rest, a ``_count``
+    short of the requests by every 503 the proxy made under overload)."""
+    release = asyncio.Event()  # the holder's answer, once the test is done with its slot
+    async with (
+        ScriptedUpstream(Reply(204, gate=release), Reply(204)) as up,
+        proxy_running(tmp_path, up, max_concurrent_requests=1, admission_wait_seconds=0.0) as p,
+    ):
+        holder = await holding_the_slot(p)
+        assert [a.status for a in await asyncio.gather(*(post(p) for _ in range(3)))] \
+            == [503] * 3
+        release.set()
+        assert (await holder).status == 204
+        r, w = await connect(p)
+        w.write(request(extra="Expect: something-else\r\n"))
+        assert (await read_answer(r)).status == 417
+        w.close()
+        for protocol in ("v1", "unknown"):
+            counted = sum(
+                s.value for f in p.metrics.registry.collect()
+                if f.name == "karta_proxy_requests" for s in f.samples
+                if s.labels["protocol"] == protocol)
+            timed = metric(p, "karta_proxy_request_duration_seconds_count", protocol=protocol)
+            assert (counted, timed) == ((4, 4) if protocol == "v1" else (1, 1))
+
+
 async def test_a_refused_connection_stays_open_and_serves_the_next_request(
         tmp_path: Path) -> None:
     release = asyncio.Event()  # the holder's answer, once the test is done with its slot

@@ -671,6 +671,48 @@ async def test_series_out_counts_only_series_the_upstream_accepted(tmp_path: Pat
         assert running.metric("karta_proxy_series_total", {"direction": "out"}) == 2
 
 
+async def test_series_out_counts_the_parts_the_upstream_accepted(tmp_path: Path) -> None:
+    """A request the upstream refused as too large goes in parts: ``series_total{out}``
+    counts the series of each part that got a 2xx, when it got it, and never again. It
+    counted the whole on a 2xx to every part and nothing otherwise, so the stored parts of
+    a batch whose other part got a 4xx (which the sender drops) were never counted, and
+    those of a batch cut off by a part's 5xx only at a resend that stored the rest."""
+    flaky = {"left": 1}  # the part with a "flaky" series: a 503 the first time
+
+    def receiver(rec: Received) -> Reply:
+        if len(rec.raw) > 700:
+            return Reply(413, body=b"too big")
+        if b"refused" in rec.raw:
+            return Reply(400, body=b"bad part")
+        if b"flaky" in rec.raw and flaky["left"]:
+            flaky["left"] -= 1
+            return Reply(503)
+        return Reply(204)
+
+    def batch(last: str) -> bytes:  # 8 series of ~130 bytes: halves fit, the whole not
+        return series_v1(*({"__name__": "m", "i": str(i), "v": "x" * 100} for i in range(7)),
+                         {"__name__": "m", "i": last, "v": "x" * 100})
+
+    async with (
+        ScriptedUpstream(rule=receiver) as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up) as p,
+    ):
+        running = Running(p, up, session)
+        out = {"direction": "out"}
+        assert (await running.post(batch("refused"))).status == 400
+        stored = sum(len(WriteRequest.FromString(r.raw).timeseries) for r in up.received
+                     if receiver(r).status == 204)
+        assert 0 < stored < 8  # the other half, in one part or more
+        assert running.metric("karta_proxy_series_total", out) == stored
+        assert (await running.post(batch("flaky"))).status == 503
+        first = running.metric("karta_proxy_series_total", out) - stored
+        assert 0 < first < 8  # the half before the flaky part's, stored
+        assert (await running.post(batch("flaky"))).status == 204  # the rest
+        assert running.metric("karta_proxy_series_total", out) == stored + 8
+        assert running.metric("karta_proxy_series_total", {"direction": "in"}) == 24
+
+
 async def test_overload_is_503_with_retry_after_never_a_queue(tmp_path: Path) -> None:
     async with (
         ScriptedUpstream(Reply(204, delay=0.5)) as up,

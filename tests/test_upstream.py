@@ -1306,6 +1306,28 @@ async def test_413_rw2_parts_to_an_upstream_found_1_0_only_on_the_way() -> None:
     assert answer.headers[WRITTEN_SAMPLES] == "120"
 
 
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+async def test_a_converted_request_sent_in_parts_is_one_conversion(protocol: str) -> None:
+    """``upstream_v2_to_v1_conversions_total`` counts RW 2.0 requests converted, once
+    each: not once more per part of a converted request the upstream refused as too large
+    (one RW 2.0 request in 4 parts read 5 before), nor per part converted on its way to an
+    upstream found 1.0-only meanwhile."""
+    raw = many_v2(40)
+    size = len(compress(v2_to_v1(raw) if protocol == "v1" else raw, "snappy"))
+    limit = size * 4 // 10  # quarters fit, halves do not
+    counts = Counts(series=40, samples=120, histograms=0, exemplars=0)
+    async with ScriptedUpstream(rule=size_limit(limit)) as up, \
+            opened(up.url, protocol=protocol) as u:
+        answer = await u.send(raw, Protocol.V2, counts=counts)
+        again = await u.send(v2_body(), Protocol.V2, counts=COUNTS)  # whole, converted
+    assert answer.ok and answer.converted and again.ok and again.converted
+    sent_v1 = [r for r in up.received if "v2" not in r.headers["Content-Type"]]
+    assert len([r for r in sent_v1 if len(r.body) <= limit]) >= 3  # in parts, converted
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_v2_to_v1_conversions_total") == 2
+
+
 async def test_413_a_part_that_503s_makes_the_sender_retry() -> None:
     replies = [Reply(413), Reply(204), Reply(503, {"Retry-After": "5"}), Reply(204)]
     async with ScriptedUpstream(*replies) as up, opened(up.url) as u:
