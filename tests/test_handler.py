@@ -835,8 +835,11 @@ async def test_a_request_sent_in_parts_is_charged_to_the_byte_budget(tmp_path: P
         assert p.metrics.registry.get_sample_value("karta_proxy_inflight_bytes") == 0
         refused = p.metrics.registry.get_sample_value(
             "karta_proxy_upstream_split_requests_total", {"result": "overload"})
+        # the proxy's own refusal, as every overload 503 is: KartaProxyUpstreamFailing
+        # subtracts these from the 5xx it blames on the upstream
+        rejected = metric(p, "karta_proxy_requests_rejected_total", reason="overload")
     assert status == 503 and "no room" in text, (status, text)
-    assert refused == 1
+    assert refused == 1 and rejected == 1
     assert not [r for r in up.received if len(r.body) <= limit and len(r.body) >= 1000]
 
 
