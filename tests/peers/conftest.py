@@ -353,16 +353,21 @@ async def agent_metrics(agent: Peer, prefix: str = "prometheus_remote_storage_"
 # -- PromQL over the HTTP API (Prometheus and VictoriaMetrics speak the same) ---------------
 
 
+async def _api(base: str, endpoint: str, params: dict[str, str]) -> Any:
+    """The ``data`` of one HTTP API call (``/api/v1/<endpoint>``), asserted a success."""
+    async with aiohttp.ClientSession() as s, s.get(
+        f"{base}/api/v1/{endpoint}", params=params, timeout=aiohttp.ClientTimeout(total=10)
+    ) as r:
+        body = await r.json()
+    assert body.get("status") == "success", body
+    return body["data"]
+
+
 async def query(base: str, promql: str, at: float | None = None) -> list[dict[str, Any]]:
     params = {"query": promql}
     if at is not None:
         params["time"] = f"{at:.3f}"
-    async with aiohttp.ClientSession() as s, s.get(
-        base + "/api/v1/query", params=params, timeout=aiohttp.ClientTimeout(total=10)
-    ) as r:
-        body = await r.json()
-    assert body.get("status") == "success", body
-    return list(body["data"]["result"])
+    return list((await _api(base, "query", params))["result"])
 
 
 async def query_range(base: str, promql: str, start: float, end: float, step: float
@@ -370,12 +375,7 @@ async def query_range(base: str, promql: str, start: float, end: float, step: fl
     """``promql`` evaluated at every ``step`` seconds from ``start`` to ``end``, as a graph
     reads it (each instant sees the last sample within the lookback)."""
     params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step}"}
-    async with aiohttp.ClientSession() as s, s.get(
-        base + "/api/v1/query_range", params=params, timeout=aiohttp.ClientTimeout(total=10)
-    ) as r:
-        body = await r.json()
-    assert body.get("status") == "success", body
-    return list(body["data"]["result"])
+    return list((await _api(base, "query_range", params))["result"])
 
 
 async def scalar_by(base: str, promql: str, by: Sequence[str], at: float | None = None
@@ -386,14 +386,9 @@ async def scalar_by(base: str, promql: str, by: Sequence[str], at: float | None 
 
 async def series_set(base: str, match: str, start: float, end: float
                      ) -> set[frozenset[tuple[str, str]]]:
-    async with aiohttp.ClientSession() as s, s.get(
-        base + "/api/v1/series", params={"match[]": match, "start": f"{start:.0f}",
-                                         "end": f"{end:.0f}"},
-        timeout=aiohttp.ClientTimeout(total=10),
-    ) as r:
-        body = await r.json()
-    assert body.get("status") == "success", body
-    return {frozenset(d.items()) for d in body["data"]}
+    data = await _api(base, "series", {"match[]": match, "start": f"{start:.0f}",
+                                       "end": f"{end:.0f}"})
+    return {frozenset(d.items()) for d in data}
 
 
 async def vm_flush(vm: Peer) -> None:
