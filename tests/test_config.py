@@ -262,6 +262,12 @@ def valid(**upstream: object) -> Settings:
     return s
 
 
+def _node_mode_facts(s: Settings) -> None:
+    """Node mode with facts allowed (and no election: the default)."""
+    s.kube.node_name = "n1"
+    s.facts.allow_in_node_mode = True
+
+
 def test_validate_accepts_defaults_with_an_upstream() -> None:
     validate(valid())
 
@@ -335,9 +341,7 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
         (lambda s: setattr(s.facts, "identity", " "), "facts.identity: ' ' is blank"),
         # node mode's facts without an election: every node's replica wrote every
         # workload's series under the same labels, each with its own node's pod counts
-        (lambda s: (setattr(s.kube, "node_name", "n1"),
-                    setattr(s.facts, "allow_in_node_mode", True)),
-         "facts.allow_in_node_mode: true needs facts.leader_election: true"),
+        (_node_mode_facts, "facts.allow_in_node_mode: true needs facts.leader_election: true"),
     ],
 )
 def test_validate_names_the_bad_key(change: Callable[[Settings], None], expected: str) -> None:
@@ -910,8 +914,7 @@ def test_node_mode_facts_pass_with_one_writer_or_none() -> None:
                    lambda s: setattr(s.facts, "allow_in_node_mode", False),
                    lambda s: setattr(s, "snapshot", __file__)):
         s = valid()
-        s.kube.node_name = "n1"
-        s.facts.allow_in_node_mode = True
+        _node_mode_facts(s)
         change(s)
         validate(s)
 
