@@ -474,7 +474,8 @@ class FactSettings(Section):
         "refuses samples 10 min ahead; 0: no check", ge=0)] = 60.0
     allow_in_node_mode: Annotated[bool, setting(
         "write facts in node mode (kube.node_name) too, where a replica sees one node's "
-        "pods only and its pod facts are partial")] = False
+        "pods only and its pod facts are partial; needs facts.leader_election (one "
+        "writer among the node replicas)")] = False
 
 
 class Settings(Section):
@@ -1391,6 +1392,27 @@ def _validate_lease(f: FactSettings) -> None:
                           "it; set an identity, or leave it empty for $POD_NAME and a suffix")
 
 
+def _validate_node_mode_facts(s: Settings) -> None:
+    """Facts from node mode need one writer. Every node's replica holds every workload
+    (owners are watched cluster-wide) but counts only its own node's pods, and the fact
+    series carry no label of the writer: without an election each replica wrote every
+    workload's series under the same labels, the TSDB keeping whichever came last (an
+    audit, two node replicas, a Deployment's 3 pods on one node and 1 on the other:
+    its karta_component_observed_pods read 3 and 1 by turns, at every 0.5 s step). A
+    snapshot ignores kube.node_name, so it writes facts as a cluster-mode proxy does."""
+    f = s.facts
+    if s.kube.node_name and not s.snapshot and f.enabled and f.allow_in_node_mode \
+            and not f.leader_election:
+        raise ConfigError(
+            "facts.allow_in_node_mode: true needs facts.leader_election: true: without "
+            "it every node's replica (kube.node_name) writes every workload's fact series "
+            "under the same labels, each counting its own node's pods, and the TSDB keeps "
+            "whichever wrote last (karta_component_observed_pods changing at nearly every "
+            "write); set facts.leader_election: true (one replica writes; it needs the "
+            "Lease's Role, config/rbac/fact-lease.yaml), or write the facts from a "
+            "cluster-mode replica and leave facts.allow_in_node_mode false")
+
+
 def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     """The declaration's checks again (flags and code set values too), then the rest.
 
@@ -1424,6 +1446,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
         check_dns_name(ns, f"kube.namespaces[{i}]", "namespace", subdomain=False)
     if s.kube.node_name:
         check_dns_name(s.kube.node_name, "kube.node_name", "node name", subdomain=True)
+    _validate_node_mode_facts(s)
     _validate_lease(s.facts)
     # the cluster connection is made for the source, and, with a snapshot too, for the
     # fact writer's Lease (a file that does not exist is a setting's error: exit 2)

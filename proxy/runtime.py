@@ -353,7 +353,8 @@ class Proxy:
         if self.partial_facts:
             log.info("fact series not written in node mode: this replica sees only node %s's "
                      "pods, so its facts would be partial; run one cluster-mode replica for "
-                     "facts, or set facts.allow_in_node_mode", s.kube.node_name,
+                     "facts, or set facts.allow_in_node_mode with facts.leader_election",
+                     s.kube.node_name,
                      extra={"node_name": s.kube.node_name})
             return False
         return True

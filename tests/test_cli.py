@@ -779,6 +779,10 @@ def test_empty_values_that_meant_something_else_exit_2(
          "kube.namespaces[0]: empty"),
         ("upstream: {url: 'http://x:1'}\nserver: {listen_address: 'localhost:99999'}\n",
          "server.listen_address: port 99999 out of range"),
+        # node mode's facts without an election: every node's replica a writer
+        ("upstream: {url: 'http://x:1'}\nkube: {node_name: n1}\n"
+         "facts: {allow_in_node_mode: true}\n",
+         "facts.allow_in_node_mode: true needs facts.leader_election: true"),
         # left at its default, which the file is where to set
         ("log_level: info\n", "upstream.url: required"),
     ],

@@ -265,6 +265,12 @@ def valid(**upstream: object) -> Settings:
     return s
 
 
+def _node_mode_facts(s: Settings) -> None:
+    """Node mode with facts allowed (and no election: the default)."""
+    s.kube.node_name = "n1"
+    s.facts.allow_in_node_mode = True
+
+
 def test_validate_accepts_defaults_with_an_upstream() -> None:
     validate(valid())
 
@@ -336,6 +342,9 @@ def test_validate_accepts_defaults_with_an_upstream() -> None:
         (lambda s: setattr(s.facts, "lease_namespace", "a b"), "facts.lease_namespace: 'a b' "
          "is not a valid namespace"),
         (lambda s: setattr(s.facts, "identity", " "), "facts.identity: ' ' is blank"),
+        # node mode's facts without an election: every node's replica wrote every
+        # workload's series under the same labels, each with its own node's pod counts
+        (_node_mode_facts, "facts.allow_in_node_mode: true needs facts.leader_election: true"),
     ],
 )
 def test_validate_names_the_bad_key(change: Callable[[Settings], None], expected: str) -> None:
@@ -903,6 +912,20 @@ def test_valid_names_of_kubernetes_objects_pass() -> None:
     s.facts.lease_name, s.facts.lease_namespace = "karta.facts-1", "monitoring"
     s.facts.identity = "karta-proxy-0 on node 1"
     validate(s)
+
+
+def test_node_mode_facts_pass_with_one_writer_or_none() -> None:
+    """The refusal of node mode's facts without an election is of that one combination:
+    an elected writer, no facts, facts not allowed in node mode, and a snapshot (which
+    ignores kube.node_name) pass."""
+    for change in (lambda s: setattr(s.facts, "leader_election", True),
+                   lambda s: setattr(s.facts, "enabled", False),
+                   lambda s: setattr(s.facts, "allow_in_node_mode", False),
+                   lambda s: setattr(s, "snapshot", __file__)):
+        s = valid()
+        _node_mode_facts(s)
+        change(s)
+        validate(s)
 
 
 def test_a_kubeconfig_for_the_lease_is_checked_with_a_snapshot_too(tmp_path: Path) -> None:

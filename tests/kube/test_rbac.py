@@ -9,8 +9,9 @@ import yaml
 
 from proxy.kube.client import KubeClient
 from proxy.kube.cluster_identity import ClusterIdentity
-from tests.kube.conftest import SourceFactory, deployment
+from tests.kube.conftest import SourceFactory, deployment, eventually, owner, pod
 from tests.kubesim import KubeSim
+from tests.kubesim.resources import REPLICA_SET
 
 RBAC = Path(__file__).resolve().parents[2] / "config" / "rbac"
 
@@ -49,6 +50,28 @@ async def test_cluster_role_covers_exactly_the_reads(sim: KubeSim,
     granted = _granted(reader, {"get", "list", "watch"})
     assert _reads(sim) == granted
     assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in reader["rules"])
+
+
+async def test_node_mode_reads_what_its_kustomization_grants(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """Node mode (config/kubernetes/node/) ships the cluster-mode ClusterRole: its pods
+    watch is filtered by node, but RBAC has no field selectors, and the owners are
+    watched cluster-wide and fetched by name (get) when the watch has not delivered them:
+    the same reads, every one granted."""
+    kustomization = yaml.safe_load((RBAC.parent / "kubernetes" / "node" /
+                                    "kustomization.yaml").read_text())
+    assert "../../rbac/cluster-mode.yaml" in kustomization["resources"]
+    dep, _, _ = deployment(sim, "web", replicas=1, node="n1")
+    await make_source(node_name="n1")
+    sim.hold_watches(REPLICA_SET)  # a ReplicaSet the watch has not delivered: fetched
+    rs2 = sim.create({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                      "metadata": {"name": "web-2", "namespace": "default",
+                                   "ownerReferences": owner(dep)}})
+    sim.create(pod("web-2-0", owner_obj=rs2, node="n1"))
+    await eventually(lambda: any(p.endswith("/replicasets/web-2") for _, p, _, _ in sim.requests))
+    reader = next(d for d in _docs("cluster-mode.yaml") if d["kind"] == "ClusterRole")
+    assert _reads(sim) == _granted(reader, {"get", "list", "watch"})
+    sim.flush_watches()
 
 
 async def test_namespaced_role_covers_the_namespaced_reads(
