@@ -275,8 +275,13 @@ class Wait:
 
     release: Callable[[], None]
 
-#: told the peer address of each connection closed for its headers
-OnTimeout = Callable[[str], None]
+class OnTimeout(Protocol):
+    """Told the peer address of each connection closed for its headers (``unused``: it
+    had not sent a byte, so it was closed without a 408: no request was refused)."""
+
+    def __call__(self, remote: str, *, unused: bool = False) -> None: ...
+
+
 #: told the peer address, and the bytes left unsent, of each connection aborted because
 #: its client did not take its answer within the send deadline
 OnSendTimeout = Callable[[str, int], None]
@@ -381,7 +386,7 @@ class _SpentParser:
 
 class _GuardedProtocol(RequestHandler):
     __slots__ = ("_body", "_counted", "_drain_deadline", "_drain_timer", "_header_bytes",
-                 "_header_tail", "_header_timer", "_holding", "_limited", "_linger",
+                 "_header_tail", "_header_timer", "_heard", "_holding", "_limited", "_linger",
                  "_listed", "_max_header_bytes", "_refused", "_retiring", "_send_timer",
                  "_shed_count", "_shedding", "_skipping", "_wire")
 
@@ -397,6 +402,8 @@ class _GuardedProtocol(RequestHandler):
         self._max_header_bytes = manager.max_header_bytes
         #: bytes received of the request line and headers not yet complete
         self._header_bytes = 0
+        #: a byte came on this connection (one that sent none is closed without a 408)
+        self._heard = False
         #: the last bytes of them, where a blank line that ends them may begin
         self._header_tail = b""
         self._header_timer: asyncio.TimerHandle | None = None
@@ -500,6 +507,7 @@ class _GuardedProtocol(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         if self._listed is not None:
             self._unlist()
         if self._shedding:
@@ -848,6 +856,16 @@ class _GuardedProtocol(RequestHandler):
             return
         if self._request_in_progress:  # a pipelined request still being answered
             self._arm()
+            return
+        if not self._heard:
+            # a connection a client opened and did not use (Go's transport dials one per
+            # request that finds no idle connection, and pools those another connection
+            # freed first made unneeded: a Prometheus scaling its shards up leaves some).
+            # A 408 there is read by the client as the answer to a request it sends on
+            # that connection as the 408 arrives (Prometheus drops a batch on a 4xx): a
+            # close without an answer is retried, as Go's own server closes it
+            server.on_timeout(_peer(self.transport), unused=True)
+            self.force_close()
             return
         server.on_timeout(_peer(self.transport))
         self.transport.write(RESPONSE_408)

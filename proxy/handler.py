@@ -368,6 +368,11 @@ class RemoteWriteHandler:
                                       peer_field="remote", level=logging.INFO)
         metrics.connections_refused.labels("max_connections")  # present from the start, at 0
         metrics.connections_closed.labels("idle_at_limit")
+        metrics.connections_closed.labels("unused")
+        #: connections that sent nothing closed at the header deadline: a sender's pool
+        self._unused_closed = Throttled(log, "unused connection closed",
+                                        "unused connections closed", peer_field="remote",
+                                        level=logging.INFO)
         #: the child a splice that takes more counts in (looked up once, not per request)
         self._splices_grown = metrics.splice_limits.labels("grown")
 
@@ -578,9 +583,18 @@ class RemoteWriteHandler:
                     "send them again)", count, "" if count == 1 else "s",
                     extra={"kind": "ended_at_stop", "count": count})
 
-    def header_timed_out(self, remote: str) -> None:
+    def header_timed_out(self, remote: str, *, unused: bool = False) -> None:
         """A connection closed because its request headers did not arrive in time: every
-        one counted, the lines throttled (3,000 idle connections made 3,000 lines)."""
+        one counted, the lines throttled (3,000 idle connections made 3,000 lines). One
+        that sent no byte (``unused``) refused no request: it is a closed connection, at
+        info (a Prometheus leaves a few after every scale-up of its shards)."""
+        if unused:
+            self.metrics.connections_closed.labels("unused").inc()
+            self._unused_closed.event("unused", {
+                "reason": "unused", "remote": remote,
+                "seconds": self.settings.header_read_timeout_seconds,
+            })
+            return
         self.metrics.rejected.labels("header_timeout").inc()
         self._header_timeouts.event("header_timeout", {
             "status": 408, "kind": "header_timeout", "remote": remote,

@@ -248,7 +248,8 @@ class ProxyMetrics:
         self.connections_closed = Counter(
             _P + "connections_closed", "Idle client connections closed by the proxy, by "
             "reason (idle_at_limit: aborted to make room for a new connection at "
-            "server.max_connections).",
+            "server.max_connections; unused: sent no byte within "
+            "server.header_read_timeout_seconds of its start).",
             ["reason"], registry=r,
         )
         self.open_connections = Gauge(

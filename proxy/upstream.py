@@ -1073,10 +1073,13 @@ class Upstream:
         parts = attempt.parts
         done = f"; {parts.sent} of its parts answered" if parts is not None else ""
         self._recheck = self.settings.protocol == "auto"
-        log.warning("upstream did not take the request within upstream.timeout_seconds "
-                    "(every upstream request for it together): the sender gets 504",
-                    extra={"upstream_url": self.url, "timeout_s": timeout,
-                           "parts": parts.sent if parts is not None else 0})
+        # throttled as every other failure: a TSDB that hangs times out every request in
+        # flight, each sender's every shard (10 lines at once from one agent's 10 shards)
+        self._line(logging.WARNING, "upstream did not take the request within "
+                   "upstream.timeout_seconds (every upstream request for it together): the "
+                   "sender gets 504", "timeout",
+                   {"upstream_url": self.url, "timeout_s": timeout,
+                    "parts": parts.sent if parts is not None else 0})
         answer = Answer(504, f"upstream {self.url} did not take the request within "
                              f"{timeout:g} s{done}".encode(), {}, "timeout")
         if parts is not None:

@@ -54,7 +54,8 @@ async def test_slow_headers_get_408_and_the_connection_closed(tmp_path: Path) ->
     ):
         r1, w1 = await connect(p)  # half a request, then nothing
         w1.write(b"POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ")
-        r2, w2 = await connect(p)  # connected, never a byte
+        r2, w2 = await connect(p)  # one byte of a request line
+        w2.write(b"P")
         t0 = time.monotonic()
         a1, a2 = await read_answer(r1), await read_answer(r2)
         waited = time.monotonic() - t0
@@ -64,6 +65,28 @@ async def test_slow_headers_get_408_and_the_connection_closed(tmp_path: Path) ->
         assert a1.closed and a2.closed
         assert 0.4 < waited < 2.0
         assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 2
+
+
+async def test_a_connection_that_sent_nothing_is_closed_without_a_408(tmp_path: Path) -> None:
+    # a Go client (Prometheus scaling its shards up after an outage) pools connections it
+    # dialed and did not need; a 408 on one is read as the answer to a request sent on it
+    # as the 408 arrives, and Prometheus drops a batch answered 4xx. Closed without an
+    # answer, it is retried; and no request was refused: not a header timeout
+    async with (
+        ScriptedUpstream() as up,
+        proxy_running(tmp_path, up, header_read_timeout_seconds=0.4) as p,
+    ):
+        r, w = await connect(p)
+        t0 = time.monotonic()
+        async with asyncio.timeout(5.0):
+            got = await r.read()  # until the proxy closes it
+        waited = time.monotonic() - t0
+        w.close()
+        assert got == b""  # closed, no answer
+        assert 0.3 < waited < 2.0
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 0
+        assert metric(p, "karta_proxy_connections_closed_total", reason="unused") == 1
+        assert (await post(p)).status == 204  # the proxy serves on
 
 
 async def test_idle_keep_alive_and_slow_bodies_are_not_header_timeouts(tmp_path: Path) -> None:
@@ -305,6 +328,8 @@ async def test_header_timeouts_by_the_hundred_are_all_counted_and_logged_in_two_
         proxy_running(tmp_path, up, header_read_timeout_seconds=0.3) as p,
     ):
         conns = [await connect(p) for _ in range(40)]
+        for _, w in conns:
+            w.write(b"POST ")  # a request begun: a connection that sent nothing gets no 408
         answers = [await read_answer(r) for r, _ in conns]
         for _, w in conns:
             w.close()

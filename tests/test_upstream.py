@@ -266,6 +266,29 @@ async def test_timeout_is_504_with_the_documented_message(timeout: float) -> Non
         f"upstream {up.url} did not take the request within {timeout:g} s"), answer.body
 
 
+async def test_timeouts_of_a_hung_upstream_are_logged_in_two_lines(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A TSDB that hangs (stopped, not refusing) times out every request in flight at
+    once: one Prometheus agent's 10 shards made 10 warning lines in the same millisecond,
+    every 25 s of an outage, where every other upstream failure is one line and a summary
+    per 10 s (docs/operations.md, "Status codes the sender gets")."""
+    replies = [Reply(204, delay=3.0) for _ in range(6)]
+    with caplog.at_level(logging.WARNING, logger="karta.upstream"):
+        async with (
+            ScriptedUpstream(*replies) as up,
+            opened(up.url, timeout_seconds=0.3) as u,
+        ):
+            answers = await asyncio.gather(*(u.send(v1_body(), Protocol.V1)
+                                             for _ in range(6)))
+    assert {a.status for a in answers} == {504}
+    said = [r for r in caplog.records if r.getMessage().startswith(
+        "upstream did not take the request within")]
+    # the first at once; the summary of the other five comes at the end of the interval
+    # (or at the stop, which writes what waits)
+    assert len(said) == 2, [r.getMessage() for r in said]
+    assert said[1].getMessage().endswith("(repeated)") and said[1].__dict__["count"] == 5
+
+
 async def test_refused_connection_is_502() -> None:
     up = ScriptedUpstream()
     await up.start()
