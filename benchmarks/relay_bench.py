@@ -159,10 +159,13 @@ def _start_relay(
     log_name: str | None = None,
     proxy_args: Sequence[str] = (),
     wrap: Sequence[str] = (),
+    protocol: str = "passthrough",
 ) -> Process:
     """Start relay ``name`` (one of RELAYS) forwarding to ``upstream``; ``cpus``: under
     ``taskset -c`` (inherited by every thread and child); ``wrap``: a Python relay run
-    through this script and its arguments first (``relay/profiled.py OUT``)."""
+    through this script and its arguments first (``relay/profiled.py OUT``);
+    ``protocol``: karta-proxy's ``--upstream-protocol`` (given once: the command refuses
+    a flag given twice)."""
     port = free_port()
     url = f"http://127.0.0.1:{upstream.port}{WRITE_PATH}"
     log = work / f"{log_name or name}.log"
@@ -201,7 +204,7 @@ def _start_relay(
             # does: on its default (auto) the proxy would rightly convert RW 2.0 for it;
             # the RW 2.0 rows measure RW 2.0 forwarded as RW 2.0, as to a 2.0 receiver
             "--upstream-protocol",
-            "passthrough",
+            protocol,
             *proxy_args,
         ]
         return Process(
@@ -1055,8 +1058,7 @@ def _hc_start(
             # (on a 2-core box, every CPU); the 1-core side to the first one
             pin = two[:1] if key == HC_1CORE and two else (two if key == "karta-proxy" else None)
             relay.cpus = pin
-            # argparse keeps the last: this one after _start_relay's passthrough
-            extra: list[str] = ["--upstream-protocol", "v1"] if key == HC_RW2_V1 else []
+            extra: list[str] = []
             own = snapshot
             if kind == "karta-proxy" and relay.snapshot is not None:
                 # its own copy: only the relay being measured sees its snapshot change
@@ -1071,6 +1073,7 @@ def _hc_start(
                 proxy_repo=args.proxy_repo,
                 log_name=key,
                 proxy_args=["--config", str(config), *extra],
+                protocol="v1" if key == HC_RW2_V1 else "passthrough",
             )
             procs.append(relay.proc)
         relays.append(relay)
