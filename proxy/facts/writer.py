@@ -186,8 +186,9 @@ def pod_key(att: PodAttribution) -> Key:
 
 
 def workload_key(wf: WorkloadFacts) -> Key:
-    """The identity every series of the workload carries (:func:`workload_identity`):
-    two objects of one identity (deleted and made again) continue the same series."""
+    """The identity every series of the workload carries
+    (:func:`proxy.facts.model.workload_identity`): two objects of one identity (deleted and
+    made again) continue the same series."""
     r = wf.ref
     return (r.group, r.kind, r.namespace, r.name)
 
