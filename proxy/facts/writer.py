@@ -657,11 +657,11 @@ class FactWriter:
           during that), the length of that write, and the interval within which this
           replica's walk saw a series vanish after it last saw it.
 
-        45 + 3 * interval with the 15 s lease (90 s at the default 15 s interval), against
-        the STANDBY_MEMORY (300 s) a takeover owed for before. Not covered: a holder whose
-        writes were refused for good (a 4xx: no step-down) for longer, or that took the
-        lease and died before its first write (its predecessor's last write is then
-        older): their series end with the lookback."""
+        15 + max(15, 2 * interval) + 3 * interval with the 15 s lease (90 s at the default
+        15 s interval), against the STANDBY_MEMORY (300 s) a takeover owed for before. Not
+        covered: a holder whose writes were refused for good (a 4xx: no step-down) for
+        longer, or that took the lease and died before its first write (its predecessor's
+        last write is then older): their series end with the lookback."""
         elector = self._elector
         lease = (elector.lease_duration if elector is not None
                  else float(self._settings.lease_duration_seconds))
