@@ -138,15 +138,11 @@ def find_pod(index: PodIndex, explain: Explainer | None, namespace: str,
     return PodReport(att, None) if att is not None else None
 
 
-def unattributed(index: PodIndex, limit: int = LIST_LIMIT) -> list[Unattributed]:
-    """Unattributed pods grouped by reason, the biggest group first."""
-    return unattributed_of(index.pods.values(), limit)
-
-
 def unattributed_of(pods: Iterable[PodAttribution], limit: int | None = LIST_LIMIT
                     ) -> list[Unattributed]:
-    """``unattributed`` of a list of pods (a copy of the index's, in a thread); every pod
-    of each reason with ``limit`` None."""
+    """The unattributed pods of a list of pods (a copy of the index's, in a thread)
+    grouped by reason, the biggest group first; every pod of each reason with ``limit``
+    None."""
     groups: dict[str, list[PodAttribution]] = {}
     for att in pods:
         if att.workload is None:
@@ -499,17 +495,15 @@ table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .5em;tex
 
 
 def render_page(index: PodIndex, now: float, namespace: str, pod: str,
-                report: PodReport | None, message: str,
-                unattributed_html: str | None = None) -> str:
-    """The page; ``unattributed_html``: its listing, built already (``Listings``), else
-    built here."""
+                report: PodReport | None, message: str, unattributed_html: str) -> str:
+    """The page; ``unattributed_html``: its listing, built already (``Listings``, off the
+    loop)."""
     body = [_index_html(index, now), _form_html(namespace, pod)]
     if message:
         body.append(f'<p id="message" class="bad">{_e(message)}</p>')
     if report is not None:
         body.append(_report_html(report))
-    body.append(unattributed_html if unattributed_html is not None
-                else _unattributed_html(unattributed(index)))
+    body.append(unattributed_html)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>karta-proxy: attribution</title>
 <style>{_STYLE}</style></head>

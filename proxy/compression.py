@@ -160,11 +160,6 @@ def compress(data: bytes, encoding: str) -> bytes:
 # -- snappy --------------------------------------------------------------------------------
 
 
-def snappy_part(data: bytes) -> SnappyPart:
-    """One part of a body compressed on its own, to be joined by :func:`join_snappy`."""
-    return block_part(compress(data, "snappy"))
-
-
 def block_part(block: bytes) -> SnappyPart:
     """A part already a snappy block (the splice's), to be joined by :func:`join_snappy`."""
     return SnappyPart(block, snappy_declared_length(block))

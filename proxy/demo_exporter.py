@@ -26,12 +26,11 @@ expected figures so tests can check PromQL sums per workload.
 
 Use::
 
-    from proxy.demo_exporter import FixtureExporter, start_exporter
+    from proxy.demo_exporter import FixtureExporter
 
     async with FixtureExporter(snapshot_path_or_objects) as exp:
         exp.url            # "http://127.0.0.1:PORT"
         exp.model          # ClusterModel: pods, gpus, expected rates
-    url, stop = await start_exporter(objects); ...; await stop()
 
 ``python -m proxy.demo_exporter --serve 0.0.0.0:9400`` serves the demo snapshot's metrics
 (the docker-compose stack and the README's walkthrough run it); ``--demo-series`` regenerates
@@ -45,7 +44,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,15 +135,6 @@ class FixtureExporter(AuxServer):
         return self._text(
             self.model.dcgm_text(node=request.query.get("node"), now=self._clock())
         )
-
-
-async def start_exporter(
-    source: str | Path | Iterable[Mapping[str, Any]], **kwargs: Any
-) -> tuple[str, Callable[[], Awaitable[None]]]:
-    """Start a fixture exporter on 127.0.0.1 (free port); returns (base url, stop)."""
-    exp = FixtureExporter(source, **kwargs)
-    url = await exp.start()
-    return url, exp.stop
 
 
 # -- the demo's recorded batch --------------------------------------------------------------

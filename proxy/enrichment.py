@@ -19,7 +19,7 @@ from typing import Any, get_args
 from proxy import contract
 from proxy.config import ConflictPolicy, EnrichSettings, PodLabelRule, SenderKartaLabels
 from proxy.index import PodIndex
-from proxy.wire.native import Grow, Implementation, Splicer
+from proxy.wire.native import Implementation, Splicer
 from proxy.wire.plan import MetricRule, PodPair, SplicePlan, SpliceResult, Unless
 from proxy.wire.primitives import Protocol
 
@@ -170,22 +170,20 @@ class Enricher:
         unstamped = Splicer(splicer.plan, splicer.implementation)
         self._splicer, self.plan, self._unstamped = splicer, splicer.plan, unstamped
 
-    def enrich_v1(self, raw: bytes | memoryview, limit: int | None = None,
-                  grow: Grow | None = None) -> SpliceResult:
-        """``limit``, ``grow``: what the splice may hold beside ``raw``
-        (``Splicer.splice_v1``)."""
-        return self._splicer.splice_v1(raw, limit, grow)
+    # the tests' and benchmarks' way in (the handler splices with :attr:`splicer`, which
+    # it passes the limits of its byte budget): the splice in force, no limit
 
-    def enrich_v2(self, raw: bytes | memoryview, limit: int | None = None,
-                  grow: Grow | None = None) -> SpliceResult:
-        return self._splicer.splice_v2(raw, limit, grow)
+    def enrich_v1(self, raw: bytes | memoryview) -> SpliceResult:
+        return self._splicer.splice_v1(raw)
+
+    def enrich_v2(self, raw: bytes | memoryview) -> SpliceResult:
+        return self._splicer.splice_v2(raw)
 
     def enrich_snappy(self, protocol: Protocol, raw: bytes | memoryview, block: bytes,
-                      base: int = 0, limit: int | None = None, grow: Grow | None = None
-                      ) -> SpliceResult:
+                      base: int = 0) -> SpliceResult:
         """:meth:`enrich_v1` / :meth:`enrich_v2` with the body as a snappy block made from
         the sender's (``Splicer.splice_snappy``)."""
-        return self._splicer.splice_snappy(protocol, raw, block, base, limit, grow)
+        return self._splicer.splice_snappy(protocol, raw, block, base)
 
     def _refresh(self, keys: Collection[tuple[bytes, bytes]]) -> None:
         """Index listener: the table's entries of these pods take the index's answer now

@@ -197,7 +197,9 @@ class PodIndex:
     # -- cluster side -------------------------------------------------------------------
 
     def subscribe(self, listener: Callable[[ChangeSet], None]) -> None:
-        """Call ``listener`` with every applied change set (fact series follow this way)."""
+        """Call ``listener`` with every applied change set. No part of the proxy listens
+        (the fact series read the index at each write, the pod table follows
+        :meth:`subscribe_pods`): it is how a test or a benchmark sees every change."""
         self._listeners.append(listener)
 
     def subscribe_pods(self, listener: Callable[[Collection[PodKey]], None]) -> None:
@@ -376,6 +378,3 @@ class PodIndex:
             return None
         return Tombstone(entry.uid, entry.pairs, max(0.0, entry.expires - self._clock()))
 
-    def entries(self) -> Iterator[tuple[bytes, bytes, LabelPairs]]:
-        for (ns, pod), e in self._by_name.items():
-            yield ns, pod, e.pairs

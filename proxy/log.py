@@ -203,7 +203,7 @@ class Throttled:
     (``<field>_values``, up to ``DISTINCT_COUNTED``), for a key that stands for many.
 
     The state is bounded whatever the keys: a window whose interval is over with nothing
-    held is dropped once ``max_keys`` are kept, and past them (a flood of keys within
+    held is dropped once ``MAX_KEYS`` are kept, and past them (a flood of keys within
     one interval) the new keys' events share one window, their lines marked
     ``keys_over_limit``. Without that, a key a sender chooses (2,000 distinct values
     made 2,000 windows, ~640 bytes each) grew the process for good, a line each.
@@ -213,7 +213,7 @@ class Throttled:
                  peer_field: str | None = "peer", level: int = logging.WARNING,
                  interval: float = THROTTLE_SECONDS,
                  clock: Callable[[], float] = time.monotonic,
-                 distinct_field: str | None = None, max_keys: int = MAX_KEYS) -> None:
+                 distinct_field: str | None = None) -> None:
         self._log = logger
         self._message = message
         self._summary = summary
@@ -222,7 +222,6 @@ class Throttled:
         self.level = level
         self.interval = interval
         self._clock = clock
-        self._max_keys = max_keys
         self._windows: dict[str, _Window] = {}
         #: no idle window to drop before then (the earliest a kept one's interval ends)
         self._prune_at = 0.0
@@ -236,10 +235,10 @@ class Throttled:
         now = self._clock()
         w = self._windows.get(key)
         if w is None:
-            if len(self._windows) >= self._max_keys:
+            if len(self._windows) >= MAX_KEYS:
                 self._prune(now)
-            if len(self._windows) >= self._max_keys:
-                key, extra = OVERFLOW_KEY, {**extra, "keys_over_limit": self._max_keys}
+            if len(self._windows) >= MAX_KEYS:
+                key, extra = OVERFLOW_KEY, {**extra, "keys_over_limit": MAX_KEYS}
                 w = self._windows.get(key)
             if w is None:
                 w = self._windows[key] = _Window()

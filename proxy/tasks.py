@@ -1,4 +1,4 @@
-"""Ending the proxy's background loops (file watchers, pollers) on the way out.
+"""Ending the proxy's background tasks (file watchers, pollers, watches) on the way out.
 
 A cancelled loop raises ``CancelledError`` into whoever awaits it; ``stop()`` methods want
 the loop gone and nothing raised, however often they are called.

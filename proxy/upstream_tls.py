@@ -135,8 +135,7 @@ class ClientTLS:
     def __init__(self, settings: UpstreamSettings, *, check_interval: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_reload: Callable[[bool], None] | None = None,
-                 on_expiry: Callable[[float], None] | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 on_expiry: Callable[[float], None] | None = None) -> None:
         """``on_reload`` is told each load after the first (True) or failed one (False);
         ``on_expiry`` the client certificate's notAfter at each load."""
         self.settings = settings
@@ -144,7 +143,6 @@ class ClientTLS:
         self._clock = clock
         self._on_reload = on_reload
         self._on_expiry = on_expiry
-        self._wall_clock = wall_clock
         self._next_check = clock() + check_interval
         self._stamps = _tls_stamps(settings)
         ctx = build_ssl_context(settings)
@@ -222,7 +220,7 @@ class ClientTLS:
             return
         if self._on_expiry is not None:
             self._on_expiry(not_after)
-        now = self._wall_clock()
+        now = time.time()
         if now >= not_after:
             log.error("upstream TLS client certificate has expired: an upstream that "
                       "verifies it refuses every connection; replace it", extra={

@@ -130,9 +130,6 @@ class FaultRelay:
         self.plan: Plan = plan or (lambda index, body: Fault())
         self.idle_close = idle_close
         self.events: list[Event] = []
-        #: client connections accepted, and closed for idleness
-        self.connections = 0
-        self.idle_closed = 0
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -159,7 +156,6 @@ class FaultRelay:
     def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         """A task of the relay's own per connection (not asyncio's, whose callback on
         Python 3.11 raises when the task it made was cancelled): cancelled at exit."""
-        self.connections += 1
         task = asyncio.create_task(self._serve(client_r, client_w))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -174,7 +170,6 @@ class FaultRelay:
                     async with asyncio.timeout(self.idle_close):
                         head = await _read_head(client_r)
                 except TimeoutError:
-                    self.idle_closed += 1
                     return
                 body = await _read_body(client_r, head)
                 event = Event(len(self.events), len(body), PASS)

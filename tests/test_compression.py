@@ -12,12 +12,13 @@ import snappy
 from proxy.compression import (
     ZSTD_WALK_STEPS,
     DecodeError,
+    SnappyPart,
+    block_part,
     compress,
     decompress,
     decompress_scratch,
     join_snappy,
     snappy_declared_length,
-    snappy_part,
     zstd_declared_length,
 )
 
@@ -150,6 +151,11 @@ def test_corrupt_zstd_is_400(body: bytes) -> None:
 def test_compress_refuses_unknown_encoding() -> None:
     with pytest.raises(ValueError):
         compress(DATA, "gzip")
+
+
+def snappy_part(data: bytes) -> SnappyPart:
+    """One part of a body compressed on its own, as a worker compresses its part."""
+    return block_part(compress(data, "snappy"))
 
 
 @pytest.mark.parametrize("cuts", [[], [1], [5, 17], [len(DATA) // 2], [0, 0, 10]])

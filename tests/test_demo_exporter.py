@@ -17,7 +17,6 @@ from proxy.demo_exporter import (
     FixtureExporter,
     _serve,
     load_objects,
-    start_exporter,
 )
 from proxy.object_files import SnapshotError
 from tests.clock import ManualClock
@@ -82,7 +81,7 @@ async def test_routes_parse_and_counters_advance() -> None:
     assert exp.scrapes == {"cadvisor": 2, "resource": 1, "dcgm": 2}
 
 
-async def test_start_exporter_with_objects_and_node_filter() -> None:
+async def test_exporter_of_objects_with_node_filter() -> None:
     objs = [
         {
             "apiVersion": "v1",
@@ -100,15 +99,11 @@ async def test_start_exporter_with_objects_and_node_filter() -> None:
             },
         }
     ]
-    url, stop = await start_exporter(objs)
-    try:
-        async with aiohttp.ClientSession() as http:
-            async with http.get(url + "/metrics?node=node-a") as r:
-                dcgm = _samples(await r.text())
-            async with http.get(url + "/metrics/resource?node=other") as r:
-                resource = _samples(await r.text())
-    finally:
-        await stop()
+    async with FixtureExporter(objs) as exp, aiohttp.ClientSession() as http:
+        async with http.get(exp.url + "/metrics?node=node-a") as r:
+            dcgm = _samples(await r.text())
+        async with http.get(exp.url + "/metrics/resource?node=other") as r:
+            resource = _samples(await r.text())
     assert {dict(k[1])["pod"] for k in dcgm} == {"p"}
     assert not any(k[0] == "pod_cpu_usage_seconds_total" for k in resource)
 

@@ -124,7 +124,7 @@ async def test_throttled_lines_one_at_once_the_rest_in_a_summary(
 async def test_throttled_state_stays_bounded_whatever_the_keys(
         caplog: pytest.LogCaptureFixture) -> None:
     """A key a sender chooses (a label value) made a window each, kept for good, and a
-    line each: 2,000 values, 2,000 windows and lines. Past ``max_keys`` the idle windows
+    line each: 2,000 values, 2,000 windows and lines. Past ``MAX_KEYS`` the idle windows
     are dropped, and within one interval the new keys share one window, its lines
     marked."""
     now = [100.0]

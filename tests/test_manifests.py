@@ -42,7 +42,6 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 #: the only kustomization keys used, so that rendering = concatenating the resources
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources"}
 NAMESPACE = "karta-proxy"
-CONFIG_MOUNT = "/etc/karta-proxy"
 
 
 @dataclass(frozen=True)

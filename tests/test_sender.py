@@ -22,7 +22,7 @@ from proxy.sender import (
     series_from_exposition,
 )
 from proxy.wire.primitives import STALE_NAN, Protocol
-from proxy.wire.primitives import is_stale_nan as is_stale
+from tests.facts.helpers import is_stale
 
 SERIES = [
     Series(

@@ -337,7 +337,7 @@ async def test_source_start_marks_ready_and_fresh(tmp_path: Path) -> None:
         assert "snapshot" in index.freshness
         assert _workload_of(index, "api-5f6d-x1") == "api"
         assert src.report is not None and src.report.ok
-        # the loaded state is out of the cyclic collector's walk (proxy.memory.settle)
+        # the loaded state is out of the cyclic collector's walk (memory.collect_and_freeze)
         assert not any(o is index.pods for o in gc.get_objects())
     finally:
         await src.stop()

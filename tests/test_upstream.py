@@ -24,7 +24,7 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy.budget import Held, LoadBudget
-from proxy.compression import DecodeError, compress, join_snappy, snappy_part
+from proxy.compression import DecodeError, block_part, compress, join_snappy
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
@@ -1058,7 +1058,8 @@ async def test_413_is_sent_in_halves_every_series_once(compressed_in_parts: bool
     async with ScriptedUpstream(rule=size_limit(limit)) as up, opened(up.url) as u:
         if compressed_in_parts:  # as the handler sends a big request spliced in parts
             [cut] = split_v1(raw, 2)
-            encoded = join_snappy([snappy_part(raw[:cut]), snappy_part(raw[cut:])])
+            encoded = join_snappy([block_part(compress(raw[:cut], "snappy")),
+                                   block_part(compress(raw[cut:], "snappy"))])
             answer = await u.forward(u.prepared(encoded, Protocol.V1, COUNTS))
         else:
             answer = await u.send(raw, Protocol.V1)

@@ -245,7 +245,6 @@ class Universe:
     """Every distinct series of one pass, in stream order, and how to encode them."""
 
     pods: int
-    in_snapshot_pods: int
     templates: list[Template]
     variants: list[tuple[str, ...]] = field(default_factory=list)
     groups: list[_Group] = field(default_factory=list)
@@ -502,7 +501,7 @@ def build_universe(cluster: corpus.Cluster, series: int, seed: int = 17) -> Univ
         "gpu": GPU_TEMPLATES,
     }
     templates = [t for ts in kinds.values() for t in ts]
-    u = Universe(len(cluster.pods), len(known), templates)
+    u = Universe(len(cluster.pods), templates)
     b = _Builder(u, known)
     for pod in cluster.pods:
         base = _cadvisor(pod.node, pod.node_ip)

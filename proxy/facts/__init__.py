@@ -9,37 +9,16 @@ runtime, the benchmarks and the tests use.
 """
 
 from proxy.facts.collectors import FactsCollector, FactWriterCollector
-from proxy.facts.encoder import encode_labels
-from proxy.facts.model import (
-    HELP,
-    Fact,
-    Labels,
-    coverage_facts,
-    iter_facts,
-    pod_facts,
-    process_facts,
-    reason_code,
-    workload_facts,
-    workload_identity,
-)
-from proxy.facts.writer import MAX_SERIES_PER_REQUEST, STANDBY_MEMORY, FactWriter, WriterState
+from proxy.facts.model import iter_facts, reason_code, workload_facts
+from proxy.facts.writer import STANDBY_MEMORY, FactWriter, WriterState
 
 __all__ = [
-    "HELP",
-    "MAX_SERIES_PER_REQUEST",
     "STANDBY_MEMORY",
-    "Fact",
     "FactWriter",
     "FactWriterCollector",
     "FactsCollector",
-    "Labels",
     "WriterState",
-    "coverage_facts",
-    "encode_labels",
     "iter_facts",
-    "pod_facts",
-    "process_facts",
     "reason_code",
     "workload_facts",
-    "workload_identity",
 ]

@@ -31,18 +31,10 @@ def _label_field(name: str, value: str) -> bytes:
     return encode_label_v1(name.encode(), value.encode())
 
 
-def encode_labels(name: str, labels: Labels, external: Labels = ()) -> bytes:
-    """TimeSeries.labels fields: ``__name__`` + labels + external labels, sorted by name.
-
-    A series' own label wins over an external label of the same name (Prometheus'
-    external-label rule), so a misconfigured external label cannot duplicate a name.
-    """
-    return b"".join(_label_field(k, v) for k, v in merged_pairs(name, labels, external))
-
-
 def merged_pairs(name: str, labels: Labels, external: Labels) -> list[tuple[str, str]]:
     """``__name__``, the labels and the external labels a series is written with, sorted;
-    the series' own label wins over an external one, empty values are left out."""
+    the series' own label wins over an external one (Prometheus' external-label rule, so a
+    misconfigured external label cannot duplicate a name), empty values are left out."""
     merged = dict(external)
     merged.update(labels)
     merged["__name__"] = name

@@ -186,8 +186,9 @@ def pod_key(att: PodAttribution) -> Key:
 
 
 def workload_key(wf: WorkloadFacts) -> Key:
-    """The identity every series of the workload carries (:func:`workload_identity`):
-    two objects of one identity (deleted and made again) continue the same series."""
+    """The identity every series of the workload carries
+    (:func:`proxy.facts.model.workload_identity`): two objects of one identity (deleted and
+    made again) continue the same series."""
     r = wf.ref
     return (r.group, r.kind, r.namespace, r.name)
 
@@ -386,7 +387,6 @@ class FactWriter:
         self._uncounted: set[bytes] = set()
         #: how many markers of the last build were not counted (``_uncounted``)
         self.last_uncounted_markers = 0
-        self.last_build_seconds = 0.0
 
     # -- building ------------------------------------------------------------------------
 
@@ -456,11 +456,9 @@ class FactWriter:
         One request at a time, so a write holds one body, not all of them (~60 MB for
         290k fact series at 37.5k pods). ``_pending`` grows as the requests are made: a
         write that stops half-way owes markers for what it had sent (``commit_partial``).
-        The statistics are set once the last request is made; ``last_build_seconds``
-        counts the building only, not the time the caller spends between requests.
+        The statistics are set once the last request is made.
         """
         started = time.perf_counter()
-        building = 0.0
         ts_bytes = timestamp_field(now_ms)
         samples = _Samples(ts_bytes)
         self._set_sample_len(ts_bytes)
@@ -541,21 +539,18 @@ class FactWriter:
 
         for item in chunks():
             if item is None:
-                building += time.perf_counter() - started
                 yield b""
                 started = time.perf_counter()
                 continue
             pieces, n, key, alone = item
             if alone:  # refused before: a request of its own, so it spoils no other
                 self.body_runs = [(key, 1)]
-                building += time.perf_counter() - started
                 yield b"".join(pieces)
                 started = time.perf_counter()
                 continue
             if count + n > limit:
                 body, parts, count = b"".join(parts), [], 0
                 self.body_runs, runs = runs, []
-                building += time.perf_counter() - started
                 yield body
                 started = time.perf_counter()
             parts.extend(pieces)
@@ -572,7 +567,6 @@ class FactWriter:
         self.metrics.series.set(made)
         self.last_stale_markers = len(gone) - uncounted
         self.last_uncounted_markers = uncounted
-        self.last_build_seconds = building + time.perf_counter() - started
         yield body
 
     @staticmethod
@@ -663,11 +657,11 @@ class FactWriter:
           during that), the length of that write, and the interval within which this
           replica's walk saw a series vanish after it last saw it.
 
-        45 + 3 * interval with the 15 s lease (90 s at the default 15 s interval), against
-        the STANDBY_MEMORY (300 s) a takeover owed for before. Not covered: a holder whose
-        writes were refused for good (a 4xx: no step-down) for longer, or that took the
-        lease and died before its first write (its predecessor's last write is then
-        older): their series end with the lookback."""
+        15 + max(15, 2 * interval) + 3 * interval with the 15 s lease (90 s at the default
+        15 s interval), against the STANDBY_MEMORY (300 s) a takeover owed for before. Not
+        covered: a holder whose writes were refused for good (a 4xx: no step-down) for
+        longer, or that took the lease and died before its first write (its predecessor's
+        last write is then older): their series end with the lookback."""
         elector = self._elector
         lease = (elector.lease_duration if elector is not None
                  else float(self._settings.lease_duration_seconds))

@@ -366,11 +366,11 @@ class _Parser:
             for key, attr in (
                 ("typeFieldName", "type_field"),
                 ("statusFieldName", "status_field"),
-                ("messageFieldName", "message_field"),
+                ("messageFieldName", None),  # checked, not kept: no matcher reads a message
                 ("reasonFieldName", "reason_field"),
             ):
                 value = self.string(cond.get(key), f"{p}.{key}")
-                if value:  # null or "" -> the CRD default
+                if value and attr is not None:  # null or "" -> the CRD default
                     fields[attr] = value
         mappings_path = f"{path}.statusMappings"
         raw_mappings = self.mapping(m.get("statusMappings"), mappings_path, required=True)

@@ -121,7 +121,6 @@ class StatusDefinition:
     conditions_path: JqExpr | None = None
     type_field: str = "type"
     status_field: str = "status"
-    message_field: str = "message"
     reason_field: str = "reason"
     #: generic status name (e.g. ``Running``) -> ORed matchers
     mappings: tuple[tuple[str, tuple[Matcher, ...]], ...] = ()

@@ -422,15 +422,11 @@ def _metadata_v1(name: bytes, mtype: int, help_: bytes, unit: bytes) -> bytes:
     return body
 
 
-def v1_size(raw_v2: bytes) -> int:
+def v1_form(raw_v2: bytes) -> V1Form:
     """The size of ``v2_to_v1(raw_v2)``, in one pass that makes nothing of that size (the
     symbols' lengths times the refs to them, the framing): what a conversion would hold,
-    known before a byte of it is allocated. Raises what ``v2_to_v1`` raises."""
-    return v1_form(raw_v2).size
-
-
-def v1_form(raw_v2: bytes) -> V1Form:
-    """``v1_size``, and how the request's counts change converted (``V1Form``)."""
+    known before a byte of it is allocated; and how the request's counts change converted
+    (``V1Form``). Raises what ``v2_to_v1`` raises."""
     form, metadata = series_form(raw_v2)
     # the metadata's payload is small beside the series': made, not computed
     form.size += sum(_field_size(len(_metadata_v1(*m))) for m in metadata)

@@ -1,6 +1,7 @@
 """Which splice runs: the native one (``_splice.c``) when it is built, else the pure-Python
 reference, with a loud warning, since that one costs ~50-100x more CPU per series. The RW
-2.0 -> 1.0 conversion follows the same build (:func:`check_size`, :func:`v2_to_v1`).
+2.0 -> 1.0 conversion follows the same build (``convert_v2``, ``convert_v2_form``: None
+without it), chosen request by request in :mod:`proxy.wire.conversion`.
 
 :class:`Splicer` is what the enrichment layer holds: a plan compiled for the chosen
 implementation and that implementation's pod table. Both implementations answer the same

@@ -48,10 +48,10 @@ class Unless:
     """A pair is skipped when this label's value (missing reads "") fully matches."""
 
     label: bytes
-    pattern: str
     #: the pattern as a set of literals, when it is only an alternation of them (the
     #: DCGM default is): the native splice matches those without the regex engine
     literals: frozenset[bytes] | None
+    #: the value pattern, compiled (its text: ``regex.pattern``)
     regex: re.Pattern[str]
 
     @classmethod
@@ -63,7 +63,7 @@ class Unless:
             if all(_LITERAL.fullmatch(a) for a in alts)
             else None
         )
-        return cls(label.encode(), pattern, literals, regex)
+        return cls(label.encode(), literals, regex)
 
     def matches(self, value: bytes) -> bool:
         if self.literals is not None:

@@ -14,7 +14,6 @@ uint32), ``samples = 2``, ``histograms = 3``, ``exemplars = 4``, ``metadata = 5`
 from __future__ import annotations
 
 import enum
-import math
 import struct
 from dataclasses import dataclass
 
@@ -25,12 +24,6 @@ from proxy.shown import SHOWN, shown
 #: sample of it, or a histogram whose ``sum`` is it).
 STALE_NAN_BITS = 0x7FF0000000000002
 STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
-_DOUBLE_BITS = struct.Struct("<Q")
-
-
-def is_stale_nan(value: float) -> bool:
-    """``value`` is the staleness marker (any other NaN is a value)."""
-    return math.isnan(value) and _DOUBLE_BITS.unpack(struct.pack("<d", value))[0] == STALE_NAN_BITS
 
 
 class Protocol(enum.Enum):

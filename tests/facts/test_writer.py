@@ -1664,7 +1664,6 @@ async def test_takeover_ends_what_vanished_while_the_old_leader_was_dying() -> N
     from proxy.kube.client import load_configuration
     from proxy.lease import LeaseElector
     from proxy.sender import decode_v1
-    from proxy.wire.primitives import is_stale_nan as is_stale
     from tests.kubesim.server import KubeSim
 
     duration, interval = 1.0, 0.2

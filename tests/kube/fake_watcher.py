@@ -176,9 +176,6 @@ class FakeCluster:
     def serve(self, resource: ApiResource) -> None:
         self.resources[resource.group_kind] = resource
 
-    def unserve(self, resource: ApiResource) -> None:
-        self.resources.pop(resource.group_kind, None)
-
     # -- WatcherFactory ----------------------------------------------------------------
 
     def __call__(self, resource: ApiResource, sink: WatchSink,

@@ -20,7 +20,6 @@ from proxy.wire.convert import (
     check_size,
     format_le,
     v1_form,
-    v1_size,
     v2_to_v1,
     without_histograms,
 )
@@ -366,16 +365,16 @@ def test_le_is_formatted_as_prometheus_formats_it(bound: float, text: bytes) -> 
 
 
 @pytest.mark.parametrize("raw", _many_kinds())
-def test_v1_size_is_the_converted_size(raw: bytes) -> None:
-    assert v1_size(raw) == len(v2_to_v1(raw))
+def test_v1_form_size_is_the_converted_size(raw: bytes) -> None:
+    assert v1_form(raw).size == len(v2_to_v1(raw))
 
 
-def test_v1_size_of_an_amplifying_request_allocates_nothing_of_it() -> None:
+def test_v1_form_of_an_amplifying_request_allocates_nothing_of_it() -> None:
     raw = amplifying_v2(65536, 4000)
     assert len(raw) < 200_000
     tracemalloc.start()
     try:
-        size = v1_size(raw)
+        size = v1_form(raw).size
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
