@@ -43,10 +43,8 @@ Obj = dict[str, Any]
 
 @pytest.fixture
 async def sim() -> AsyncIterator[KubeSim]:
-    s = KubeSim(bookmark_interval=0.5, max_watch_seconds=30.0)
-    await s.start()
-    yield s
-    await s.close()
+    async with KubeSim(bookmark_interval=0.5, max_watch_seconds=30.0) as s:
+        yield s
 
 
 async def node_proxy(peers: Peers, sim: KubeSim, tmp: Path, node: str, tsdb: Peer) -> Peer:

@@ -73,10 +73,8 @@ def plugin_runs(tmp: Path) -> int:
 
 @pytest.fixture
 async def rotating_sim() -> AsyncIterator[KubeSim]:
-    s = KubeSim(token="token-1", bookmark_interval=0.2, max_watch_seconds=3.0)
-    await s.start()
-    yield s
-    await s.close()
+    async with KubeSim(token="token-1", bookmark_interval=0.2, max_watch_seconds=3.0) as s:
+        yield s
 
 
 async def test_a_token_file_renewed_on_disk_is_used_at_the_next_request(

@@ -37,10 +37,8 @@ def pod(name: str, ns: str = "default", node: str = "", **labels: str) -> dict[s
 
 @pytest.fixture
 async def sim() -> AsyncIterator[KubeSim]:
-    s = KubeSim(bookmark_interval=0.2)
-    await s.start()
-    yield s
-    await s.close()
+    async with KubeSim(bookmark_interval=0.2) as s:
+        yield s
 
 
 @pytest.fixture

@@ -122,10 +122,8 @@ def rfc3339() -> str:
 
 @pytest.fixture
 async def sim() -> AsyncIterator[KubeSim]:
-    s = KubeSim(bookmark_interval=0.2, max_watch_seconds=5.0)
-    await s.start()
-    yield s
-    await s.close()
+    async with KubeSim(bookmark_interval=0.2, max_watch_seconds=5.0) as s:
+        yield s
 
 
 def in_force(truth: list[State], t: float) -> list[State]:
