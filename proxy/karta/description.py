@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import io
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,8 @@ from proxy.karta.model import (
     TypeSelector,
 )
 from proxy.karta.yamltext import Refused, iter_documents, yaml_error
+
+log = logging.getLogger(__name__)
 
 KARTA_GROUP = "run.ai"
 KARTA_KIND = "Karta"
@@ -152,6 +155,10 @@ class _Parser:
     def __init__(self, source: str, name: str) -> None:
         self.source = source
         self.name = name
+        #: a Karta object read from the API server: its fields were checked against the
+        #: CRD installed there, which may be newer than the proxy (a field it added
+        #: within a letter of one the proxy knows is no typo)
+        self.from_api = source.startswith("api:")
 
     def fail(self, path: str, reason: str) -> DescriptionError:
         return DescriptionError(self.source, self.name, path, reason)
@@ -170,10 +177,16 @@ class _Parser:
             raise self.fail(path, f"must be a mapping, got {_type_name(value)}")
         for key in value:
             meant = _misspelt(key, fields)
-            if meant is not None:
-                raise self.fail(f"{path}{_field(key)}", f"unknown field {key!r}: did you "
-                                f"mean {meant!r}? (a field the proxy does not know is "
-                                "ignored, so a misspelt one would leave its part out)")
+            if meant is None:
+                continue
+            if self.from_api:
+                log.warning("description %s (%s): unknown field %s%s, ignored (did you mean "
+                            "%r? the CRD installed may be newer than this proxy)", self.name,
+                            self.source, path, _field(key), meant)
+                continue
+            raise self.fail(f"{path}{_field(key)}", f"unknown field {key!r}: did you "
+                            f"mean {meant!r}? (a field the proxy does not know is "
+                            "ignored, so a misspelt one would leave its part out)")
         return value
 
     def sequence(self, value: Any, path: str) -> Sequence[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -616,6 +617,21 @@ def test_a_misspelt_field_is_refused_naming_the_field_meant(
     err = error_of(obj)
     assert (err.path, err.reason.split("?")[0]) == (
         path, f"unknown field {path.rpartition('.')[2]!r}: did you mean {meant!r}")
+
+
+def test_a_near_miss_field_of_an_api_object_is_warned_of_not_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Karta object from the API server was checked against the CRD installed there,
+    which may be newer than the proxy: a field it added a letter away from one the proxy
+    knows is no typo, and refusing the description took its kind's attribution away. It
+    is warned of, and ignored as any unknown field is."""
+    obj = base()
+    _renamed(root(obj), "statusDefinition", "statusDefiniton")
+    with caplog.at_level(logging.WARNING, logger="proxy.karta.description"):
+        d = parse_description(obj, "api:Karta/tiny")
+    assert d.status is None
+    assert any("unknown field" in r.getMessage() and "statusDefinition" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_builtin_flag_and_source() -> None:
