@@ -472,8 +472,9 @@ class LeaseElector:
                     return
             log.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         except Exception as exc:  # the lease then simply expires
+            # the time it had to a tenth: what the stop left it (0.995 s) is noise
             log.warning("lease %s/%s: release failed: %s; it expires within %g s",
-                        self.namespace, self.name, failure_of(exc, timeout)[1],
+                        self.namespace, self.name, failure_of(exc, round(timeout, 1))[1],
                         self.lease_duration)
 
     async def _released(self, last: k8s.V1Lease | None, timeout: float) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -175,8 +176,11 @@ async def test_a_stop_cuts_the_lease_call_under_way_and_releases_in_the_time_giv
     # the round under way alone took 3 s: 2.5 s leaves a loaded box room, not the wait
     assert 0.9 < took < 2.5, took
     assert not e.is_leader
-    assert (f"lease {NS}/{NAME}: release failed: no answer within 1 s; it expires within "
-            "6 s") in caplog.messages, caplog.messages
+    # the time the stop left it (1 s less the cancel of the round under way, shown to a
+    # tenth: 0.995 s read "0.995 s")
+    said = re.compile(rf"lease {NS}/{NAME}: release failed: no answer within (1|0\.9) s; it "
+                      r"expires within 6 s")
+    assert any(said.fullmatch(m) for m in caplog.messages), caplog.messages
 
 
 async def test_three_candidates_one_leader_and_takeover_when_the_leader_dies(
