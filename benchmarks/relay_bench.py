@@ -851,13 +851,15 @@ def _scaling_bound(one_core: float, two_core: float, harness: float, cpus: int) 
     samples): the 1-core relay has its core to itself (rate ``1 / one_core``) while the
     2-core one shares its two with the load (rate at most ``2 / (two_core + harness)``);
     a machine with cores to spare for the load is bounded by 2 alone. NaN when unknown
-    (CPU is read in clock ticks: a short phase may read none)."""
+    (CPU is read in clock ticks: a short phase may read none). At most 2: a short phase's
+    ticks can make the 1-core relay read twice the CPU a sample of the 2-core one (a
+    quick run read 4.0)."""
     if math.isnan(one_core) or math.isnan(two_core) or math.isnan(harness) \
             or one_core <= 0 or two_core <= 0:
         return math.nan
     if cpus > 2:
-        return 2.0 * one_core / two_core
-    return 2.0 * one_core / (two_core + harness)
+        return min(2.0, 2.0 * one_core / two_core)
+    return min(2.0, 2.0 * one_core / (two_core + harness))
 
 
 def _chunks(items: range, n: int) -> list[range]:

@@ -351,6 +351,8 @@ def test_scaling_bound_counts_the_load_on_a_two_core_machine() -> None:
     assert relay_bench._scaling_bound(1.5, 1.6, 0.33, 8) == pytest.approx(1.875)
     assert math.isnan(relay_bench._scaling_bound(math.nan, 1.5, 0.3, 2))
     assert math.isnan(relay_bench._scaling_bound(0.0, 1.5, 0.3, 2))  # no tick measured
+    # a short phase's ticks: the 1-core relay read at twice the 2-core one's CPU, and more
+    assert relay_bench._scaling_bound(0.04, 0.02, 0.0, 2) == 2.0
 
 
 class _Recorder(ThreadingHTTPServer):
