@@ -131,7 +131,17 @@ async def test_agent_rides_through_an_upstream_outage(
     async def complete() -> bool:
         return await samples(vm.base_url) == await samples(direct.base_url)
 
-    await wait_until(complete, timeout=20, what="every sample after the outage")
+    try:
+        await wait_until(complete, timeout=20, what="every sample after the outage")
+    except AssertionError:  # say which samples differ, and what the agent said of them
+        through, direct_ = await samples(vm.base_url), await samples(direct.base_url)
+        differ = {k: (sorted(set(direct_.get(k, [])) - set(v)),
+                      sorted(set(v) - set(direct_.get(k, []))))
+                  for k, v in through.items() if v != direct_.get(k)}
+        raise AssertionError(
+            f"{len(differ)} of {len(direct_)} series differ through the proxy (only direct, "
+            f"only through): {dict(list(differ.items())[:3])}; the agent's log: "
+            f"{agent.log_tail(1500)}") from None
     got = await samples(vm.base_url)
     assert min(len(v) for v in got.values()) >= 6  # before, during and after the outage
     enriched = await query(vm.base_url, "pod_memory_working_set_bytes{karta_workload!=''}", at)
