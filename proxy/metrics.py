@@ -97,7 +97,7 @@ def _engine_families(engine: Engine) -> Iterator[Metric]:
     workload and expression) by where and description, every ``where`` of every
     description in force present from the start (a description no longer in force keeps
     what it counted)."""
-    from proxy.karta.results import JQ_ERROR_STATS
+    from proxy.karta.results import JQ_ERROR_WHERE
 
     family = CounterMetricFamily(
         _P + "jq_errors", "jq runtime errors of the descriptions' expressions, by where: "
@@ -107,7 +107,7 @@ def _engine_families(engine: Engine) -> Iterator[Metric]:
         labels=["where", "description"])
     counted = dict(engine.jq_errors)
     for desc in engine.descriptions().values():
-        for where in JQ_ERROR_STATS:
+        for where in JQ_ERROR_WHERE:
             counted.setdefault((where, desc.name), 0)
     for (where, name), value in sorted(counted.items()):
         family.add_metric([where, name], value)

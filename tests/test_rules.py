@@ -208,7 +208,7 @@ def test_operational_alerts_read_what_the_proxy_serves() -> None:
     upstream check's, the refusals', the jq errors' and the fact writes' (a value
     misspelt in a matcher selects nothing, and the alert never fires)."""
     from proxy import contract
-    from proxy.karta.results import JQ_ERROR_STATS
+    from proxy.karta.results import JQ_ERROR_WHERE
 
     text = (ROOT / "config" / "rules" / "karta-proxy.alerts.yaml").read_text()
     checks = re.findall(r'karta_proxy_upstream_info\{check=~"([^"]+)"\}', text)
@@ -221,5 +221,5 @@ def test_operational_alerts_read_what_the_proxy_serves() -> None:
     for reasons in re.findall(r'karta_proxy_requests_rejected_total\{reason=~?"([^"]+)"\}', text):
         for reason in reasons.split("|"):
             assert f'kind="{reason}"' in handler, reason
-    assert set(JQ_ERROR_STATS) == {"selector", "workload", "status"}
+    assert set(JQ_ERROR_WHERE) == {"selector", "workload", "status"}
     assert 'karta_proxy_fact_writes_total{result="success"}' in text

@@ -59,6 +59,8 @@ from proxy.karta.replicas import (
     _replica_facts,
 )
 from proxy.karta.results import (
+    JQ_ERROR_SELECTOR,
+    JQ_ERROR_STATUS,
     PHASE_REASON_OBJECT_MISSING,
     PHASE_SINCE_OBJECT,
     PHASE_SINCE_OBSERVED,
@@ -66,9 +68,7 @@ from proxy.karta.results import (
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
     STAT_JQ_RETRY,
-    STAT_SELECTOR_ERROR,
     STAT_SELECTOR_UNKEPT_FIELD,
-    STAT_STATUS_JQ_ERROR,
     ChangeSet,
     PartialBatch,
     PodAttribution,
@@ -233,9 +233,10 @@ class Engine:
         #: pod-selector paths of the descriptions in force that read pod fields the
         #: engine does not keep (``unkept_pod_reads``): in force, but they see null there
         self.description_warnings: list[str] = []
-        #: what the engine noticed: ambiguous components, unlisted instances, jq errors
+        #: what the engine noticed: ambiguous components, unlisted instances, its own
+        #: re-evaluations (the jq errors are in ``jq_errors``)
         self.stats: Counter[str] = Counter()
-        #: the jq runtime errors by where (``JQ_ERROR_STATS``' keys) and the name of the
+        #: the jq runtime errors by where (``JQ_ERROR_WHERE``) and the name of the
         #: description whose expression failed: the counter alone said that one failed,
         #: not which (``karta_proxy_jq_errors_total{where, description}``)
         self.jq_errors: Counter[tuple[str, str]] = Counter()
@@ -1011,8 +1012,7 @@ class Engine:
 
     def _selector_error(self, plan: _DescriptionPlan, wl_uid: str, probe: _Probe | None,
                         exc: JqError, pod: _PodRec) -> None:
-        self.stats[STAT_SELECTOR_ERROR] += 1
-        self.jq_errors[("selector", plan.desc.name)] += 1
+        self.jq_errors[(JQ_ERROR_SELECTOR, plan.desc.name)] += 1
         after = exc.retry_after
         if after is not None:
             soonest = self._pod_retry_after
@@ -1074,13 +1074,12 @@ class Engine:
             return None
         ev = _cached(holder.cache, plan)
         if ev is None:
-            ev = _read_object_facts(plan, unpack(holder.obj), self.stats)
+            ev = _read_object_facts(plan, unpack(holder.obj))
             holder.cache = _FactsCache(plan, ev)
             self._owe_retry(_RETRY_FACTS, uid, ev.retry_after)
             for err in ev.errors:
-                status = err.stat == STAT_STATUS_JQ_ERROR
-                self.jq_errors[("status" if status else "workload", plan.desc.name)] += 1
-                where = "status" if status else "workload path"
+                self.jq_errors[(err.where, plan.desc.name)] += 1
+                where = "status" if err.where == JQ_ERROR_STATUS else "workload path"
                 self._log_jq_error(plan, uid, where, err.expression, err.message)
         return ev
 

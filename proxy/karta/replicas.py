@@ -10,14 +10,13 @@ only looks its counts up (``_replica_facts``).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from proxy.karta.jqexpr import Evaluated, JqError, JqExpr, output_ids, output_numbers
 from proxy.karta.model import UNDEFINED
 from proxy.karta.plans import _CountKey, _DescriptionPlan
-from proxy.karta.results import STAT_STATUS_JQ_ERROR, STAT_WORKLOAD_JQ_ERROR, ReplicaFact
+from proxy.karta.results import JQ_ERROR_STATUS, JQ_ERROR_WORKLOAD, ReplicaFact
 
 
 class _TemplateRow(NamedTuple):
@@ -99,11 +98,11 @@ _NO_SCALE = _ScaleOutputs((), (), ())
 
 
 class _FactsJqError(NamedTuple):
-    """A jq error met evaluating an object version (counted at once, logged by the
-    engine, which knows the workload)."""
+    """A jq error met evaluating an object version (counted and logged by the engine,
+    which knows the description and the workload)."""
 
-    #: the counter it went to: ``STAT_STATUS_JQ_ERROR`` or ``STAT_WORKLOAD_JQ_ERROR``
-    stat: str
+    #: ``JQ_ERROR_STATUS`` or ``JQ_ERROR_WORKLOAD``
+    where: str
     #: the expression ("" for the status: the message names it)
     expression: str
     message: str
@@ -162,11 +161,9 @@ def _cached(cache: _FactsCache | None, plan: _DescriptionPlan) -> _ObjectFacts |
     return cache.facts if cache is not None and cache.plan is plan else None
 
 
-def _read_object_facts(
-    plan: _DescriptionPlan, obj: Mapping[str, Any], stats: Counter[str]
-) -> _ObjectFacts:
-    """An object version's facts under ``plan``; each jq error counted in ``stats`` as
-    it is met, and kept for the caller to log."""
+def _read_object_facts(plan: _DescriptionPlan, obj: Mapping[str, Any]) -> _ObjectFacts:
+    """An object version's facts under ``plan``; each jq error kept for the caller to
+    count and log."""
     from proxy.karta.status import (
         REASON_JQ_ERROR,
         evaluate_status,
@@ -193,17 +190,15 @@ def _read_object_facts(
     ev.phase, ev.statuses, ev.reason = res.phase, tuple(res.statuses), res.reason
     ev.since = res.since
     if res.reason.startswith(REASON_JQ_ERROR):
-        stats[STAT_STATUS_JQ_ERROR] += 1
         # the reason names the expression (clipped); one status is one evaluation
-        ev.errors.append(_FactsJqError(STAT_STATUS_JQ_ERROR, "", res.reason))
+        ev.errors.append(_FactsJqError(JQ_ERROR_STATUS, "", res.reason))
         ev.failed_for_now(res.retry_after)
     for name, path in plan.ids_paths.items():
         try:
             ev.ids[name] = tuple(output_ids(outputs(path)))
         except JqError as exc:
-            stats[STAT_WORKLOAD_JQ_ERROR] += 1
             ev.errors.append(
-                _FactsJqError(STAT_WORKLOAD_JQ_ERROR, path.source, str(exc.__cause__ or exc)))
+                _FactsJqError(JQ_ERROR_WORKLOAD, path.source, str(exc.__cause__ or exc)))
             ev.failed_for_now(exc.retry_after)
             ev.ids[name] = None
     for fc in plan.fact_comps:
@@ -214,10 +209,9 @@ def _read_object_facts(
             try:
                 outs.append(output_numbers(outputs(sp)) if sp is not None else [])
             except JqError as exc:
-                stats[STAT_WORKLOAD_JQ_ERROR] += 1
                 if sp is not None:
                     ev.errors.append(_FactsJqError(
-                        STAT_WORKLOAD_JQ_ERROR, sp.source, str(exc.__cause__ or exc)))
+                        JQ_ERROR_WORKLOAD, sp.source, str(exc.__cause__ or exc)))
                 ev.failed_for_now(exc.retry_after)
                 outs.append([])
         ev.scale[fc.name] = _ScaleOutputs(*outs)

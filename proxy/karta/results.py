@@ -25,10 +25,6 @@ PHASE_REASON_OBJECT_MISSING = "workload_object_missing"
 #: Counters in ``Engine.stats`` (what the engine noticed but could not act on).
 STAT_AMBIGUOUS_COMPONENT = "ambiguous_component"
 STAT_INSTANCE_NOT_LISTED = "instance_not_listed"
-STAT_SELECTOR_ERROR = "selector_error"
-STAT_WORKLOAD_JQ_ERROR = "workload_jq_error"
-#: status evaluations a jq error aborted (the workload's phase: Undefined, jq_error)
-STAT_STATUS_JQ_ERROR = "status_jq_error"
 STAT_INVALID_OBJECT = "invalid_object"
 #: pod-selector paths of the descriptions put in force that read pod fields the engine
 #: does not keep (counted once per path each time its description is put in force)
@@ -38,11 +34,15 @@ STAT_SELECTOR_UNKEPT_FIELD = "selector_unkept_field"
 #: (the sandbox's child held up, killed, unable to start) or a quarantine that ended
 #: (exported as ``karta_proxy_jq_retries_total``)
 STAT_JQ_RETRY = "jq_retry"
-#: the jq runtime errors by where they happened: pod selectors, a workload's instance ids
-#: and scale paths, its status (each logged once per workload and expression; exported
-#: as ``karta_proxy_jq_errors_total{where}``)
-JQ_ERROR_STATS = {"selector": STAT_SELECTOR_ERROR, "workload": STAT_WORKLOAD_JQ_ERROR,
-                  "status": STAT_STATUS_JQ_ERROR}
+#: Where a jq runtime error can happen, the keys of ``Engine.jq_errors`` with the
+#: description's name (each logged once per workload and expression; exported as
+#: ``karta_proxy_jq_errors_total{where, description}``): a pod selector (the pod's
+#: component, instance or replica not given), a workload's instance ids and scale paths,
+#: its status (the phase: Undefined, jq_error).
+JQ_ERROR_SELECTOR = "selector"
+JQ_ERROR_WORKLOAD = "workload"
+JQ_ERROR_STATUS = "status"
+JQ_ERROR_WHERE = (JQ_ERROR_SELECTOR, JQ_ERROR_WORKLOAD, JQ_ERROR_STATUS)
 
 
 @dataclass(frozen=True, slots=True)

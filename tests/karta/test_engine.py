@@ -25,14 +25,14 @@ from proxy.karta.jq_sandbox import QUARANTINE_STRIKES, JqSandbox
 from proxy.karta.jqexpr import JqExpr, install_runner, remove_runner
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.results import (
+    JQ_ERROR_SELECTOR,
+    JQ_ERROR_STATUS,
+    JQ_ERROR_WORKLOAD,
     STAT_AMBIGUOUS_COMPONENT,
     STAT_INSTANCE_NOT_LISTED,
     STAT_INVALID_OBJECT,
     STAT_JQ_RETRY,
-    STAT_SELECTOR_ERROR,
     STAT_SELECTOR_UNKEPT_FIELD,
-    STAT_STATUS_JQ_ERROR,
-    STAT_WORKLOAD_JQ_ERROR,
     ChangeSet,
     PodAttribution,
     WorkloadFacts,
@@ -61,6 +61,11 @@ def obj(
             },
         ]
     return {"apiVersion": api, "kind": kind, "metadata": md, **rest}
+
+
+def _jq_errors(e: Engine, where: str) -> int:
+    """The engine's jq errors at ``where``, of every description."""
+    return sum(n for (w, _), n in e.jq_errors.items() if w == where)
 
 
 def pod(name: str, owner: dict[str, Any] | None = None, **labels: str) -> dict[str, Any]:
@@ -742,8 +747,8 @@ def test_an_id_too_long_or_with_control_characters_is_not_stamped(
     assert {r.instance for r in W(e, "graph-g").replicas} == {"ok", ""}
     # counted: three pod selectors (ok-1's replica, nl-0's instance and replica, long-0's
     # instance), two workload paths
-    assert e.stats[STAT_SELECTOR_ERROR] == 4
-    assert e.stats[STAT_WORKLOAD_JQ_ERROR] == 2
+    assert _jq_errors(e, JQ_ERROR_SELECTOR) == 4
+    assert _jq_errors(e, JQ_ERROR_WORKLOAD) == 2
     lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
     assert lines and all(len(line) < 1000 for line in lines), [len(x) for x in lines]
     assert any("id refused: 100000 bytes, over the 1024 bytes" in line for line in lines)
@@ -775,8 +780,8 @@ def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_count
                               for i in range(2) for j in range(3))])
     assert W(e, "thing-t0").phase_reason.startswith("jq_error: Cannot iterate over null")
     assert P(e, "pod-p0-0").component == "b"  # the selector failed: the default took it
-    assert e.stats[STAT_STATUS_JQ_ERROR] == 2 and e.stats[STAT_WORKLOAD_JQ_ERROR] == 2
-    assert e.stats[STAT_SELECTOR_ERROR] == 6
+    assert _jq_errors(e, JQ_ERROR_STATUS) == 2 and _jq_errors(e, JQ_ERROR_WORKLOAD) == 2
+    assert _jq_errors(e, JQ_ERROR_SELECTOR) == 6
     # the same, by where and by the description whose expression failed
     assert e.jq_errors == {("status", "test-thing"): 2, ("workload", "test-thing"): 2,
                            ("selector", "test-thing"): 6}
@@ -790,7 +795,7 @@ def test_jq_runtime_errors_are_logged_once_per_workload_and_expression_and_count
     caplog.clear()
     e.upsert(obj("example.com/v1", "Thing", "t0", spec={"groups": None},
                  status={"items": None, "x": 1}))
-    assert e.stats[STAT_STATUS_JQ_ERROR] == 3
+    assert _jq_errors(e, JQ_ERROR_STATUS) == 3
     assert e.jq_errors[("status", "test-thing")] == 3
     assert not [r for r in caplog.records if "jq error" in r.getMessage()]
 
@@ -818,7 +823,7 @@ def test_a_selector_failing_on_some_pods_names_the_pod_and_spares_the_others(
     e.upsert_many([t, *(pod(f"p{i}", t, role="w", idx=str(i)) for i in range(3))])
     assert [(P(e, f"pod-p{i}").component, P(e, f"pod-p{i}").replica)
             for i in range(3)] == [("w", "0"), ("w", ""), ("w", "2")]
-    assert e.stats[STAT_SELECTOR_ERROR] == 1
+    assert _jq_errors(e, JQ_ERROR_SELECTOR) == 1
     [line] = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
     assert "description test-thing" in line and "Thing team-a/t, pod team-a/p1:" in line
 
@@ -839,7 +844,7 @@ def test_a_scale_path_of_the_wrong_type_is_counted_and_logged(
     e.upsert_many([t, pod("p0", t)])
     assert P(e, "pod-p0").component == "w"
     assert [r.desired for r in W(e, "thing-t").replicas] == [None]
-    assert e.stats[STAT_WORKLOAD_JQ_ERROR] == 1
+    assert _jq_errors(e, JQ_ERROR_WORKLOAD) == 1
     [line] = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
     assert ("workload path '.spec.workers'" in line
             and 'yielded an object, not a number' in line), line
@@ -920,7 +925,7 @@ def test_component_choice_ambiguous_fallback_and_errors() -> None:
     ])
     comp = {a.pod: a.component for a in e.pods()}
     assert comp == {"both": "a", "none": "", "err": ""}
-    assert e.stats[STAT_AMBIGUOUS_COMPONENT] == 1 and e.stats[STAT_SELECTOR_ERROR] == 1
+    assert e.stats[STAT_AMBIGUOUS_COMPONENT] == 1 and _jq_errors(e, JQ_ERROR_SELECTOR) == 1
     assert all(a.workload is not None for a in e.pods())
     rows = {(r.component, r.observed) for r in W(e, "thing-t").replicas}
     assert rows == {("a", 1), ("b", 0), ("c", 0), ("", 2)}
@@ -979,7 +984,7 @@ def test_the_only_pod_bearing_component_owns_every_pod_without_running_its_selec
                    pod("failing", thing, boom="1")])
     assert {a.pod: a.component for a in e.pods()} == {
         "worker": "only", "other": "only", "failing": "only"}
-    assert e.stats[STAT_SELECTOR_ERROR] == 0
+    assert _jq_errors(e, JQ_ERROR_SELECTOR) == 0
 
 
 def test_a_description_without_a_pod_bearing_component_keeps_its_pods_in_the_workload(
@@ -1763,7 +1768,7 @@ def test_jq_error_lines_are_capped_per_window_and_the_rest_counted_in_one_line(
     for round_ in range(3):  # each version fails again: the 30 pairs past the set's 10
         e.upsert_many([obj("example.com/v1", "Thing", f"t{i}",
                            status={"phase": 1, "v": round_}) for i in range(30)])
-    assert e.stats[STAT_STATUS_JQ_ERROR] == 120
+    assert _jq_errors(e, JQ_ERROR_STATUS) == 120
     lines = [r.getMessage() for r in caplog.records if "jq error" in r.getMessage()]
     assert len(lines) == 20, len(lines)
     caplog.clear()
