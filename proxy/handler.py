@@ -863,7 +863,7 @@ class RemoteWriteHandler:
             self._series[_OUT] += answer.series_stored
         elif answer.ok:
             self._series[_OUT] += result.counts.series
-        if answer.upstream == "overload":
+        if answer.overload:
             # no room in the byte budget to send it in parts: the proxy's own 503, as
             # every overload refusal is (KartaProxyUpstreamFailing blamed it upstream)
             self._overload_rejected.inc()

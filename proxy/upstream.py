@@ -267,7 +267,8 @@ class Answer:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
-    #: the upstream's own status, or a word when none came: timeout, connect_error, error
+    #: the upstream's own status, or a word when none came: timeout, connect_error, error,
+    #: sender_gone, overload
     upstream: str = ""
     #: True when the body went out as RW 1.0 after arriving as RW 2.0
     converted: bool = False
@@ -275,6 +276,9 @@ class Answer:
     #: got a 2xx for (not those skipped as stored by an earlier one), whatever the answer;
     #: None: sent whole, its series taken when ``ok``
     series_stored: int | None = None
+    #: the proxy's own 503, not the upstream's: no room in the byte budget to send the
+    #: request in parts (a rejected request, not an upstream failure, in the counters)
+    overload: bool = False
 
     @property
     def ok(self) -> bool:
@@ -1411,7 +1415,7 @@ class Upstream:
         if parts.retry is not None or parts.refused is not None:
             final = parts.retry or parts.refused
             assert final is not None
-            result = ("overload" if final.upstream == "overload"
+            result = ("overload" if final.overload
                       else "too_large" if parts.retry is None and parts.too_large
                       else "failed")
         elif parts.sender_gone:
@@ -1617,7 +1621,7 @@ class Upstream:
         refusal = Answer(503, f"overloaded: no room for the {need} bytes it takes to send "
                               "the request in parts (the upstream refused it as too large); "
                               "send it again".encode(),
-                         {"Retry-After": DEFAULT_RETRY_AFTER}, "overload")
+                         {"Retry-After": DEFAULT_RETRY_AFTER}, "overload", overload=True)
         if answer is not None:
             return self._count_split("overload", refusal)
         return refusal
