@@ -608,6 +608,9 @@ class SnapshotSource:
         self._task: asyncio.Task[None] | None = None
         #: the kinds the engine kept whole when this source last fed it (full_kinds)
         self._full: frozenset[GroupKind] = frozenset()
+        #: objects of those kinds not yet fed whole: not found in the files as they were
+        #: applied when :meth:`follow_kinds` read them (by uid, as then held)
+        self._owed: dict[str, Held] = {}
         #: a reload and a feeding of newly whole kinds each read ``_content`` and replace
         #: or feed from it: one at a time
         self._lock = asyncio.Lock()
@@ -716,9 +719,12 @@ class SnapshotSource:
         The engine keeps an object whole only if its kind was described when the object
         arrived (:func:`full_kinds`); once applied, this source keeps only stubs without
         the objects' text, so the files are read again for them. Rare (a kind newly
-        described), and off the event loop as a reload's read is. An object whose file
-        changed since is left to the reload that change brings (as a new version, fed
-        whole)."""
+        described), and off the event loop as a reload's read is. An object not found
+        in the files as it was applied is owed: tried again at the next call (each
+        snapshot reload makes one) unless that reload brought a new version of it (fed
+        whole) or took it away. Before, it was left to "the reload that change brings":
+        files caught mid-rewrite, then written back with the same bytes, brought none,
+        and its workload read ``workload_object_missing`` until the object changed."""
         async with self._lock:
             return await self._follow_kinds()
 
@@ -727,10 +733,15 @@ class SnapshotSource:
             return 0
         now = full_kinds(self.engine)
         newly, self._full = now - self._full, now
-        if not newly:
+        owed, self._owed = self._owed, {}
+        if not newly and not owed:
             return 0
         held = self._content.objects()
         again = {uid: o for uid, o in held.items() if _group_kind(o) in newly}
+        # those missed last time, unless a reload since brought a new version of them (fed
+        # whole) or took them away, or their kind is no longer kept whole
+        again.update((uid, o) for uid, o in ((uid, held.get(uid)) for uid in owed)
+                     if o is not None and _same(owed[uid], o) and _group_kind(o) in now)
         if not again:
             return 0
         pace = self._pacer(RELOAD_DEFER_SECONDS)
@@ -752,9 +763,15 @@ class SnapshotSource:
                 new = found.get(uid)
                 if new is not None and _has_body(new) and _same(o, new):
                     again[uid] = new
-                else:  # changed or gone since: the next reload applies that
+                else:  # changed or gone since, or not read: tried at the next call
                     del again[uid]
+                    self._owed[uid] = o
             del found
+        if self._owed:
+            log.warning("snapshot: objects of newly described kinds not found in the files "
+                        "as applied (changed since, or the files caught mid-rewrite or "
+                        "unreadable); tried again at the next reload", extra={
+                            "snapshot": self.path, "objects": len(self._owed)})
         feed = _feed_order(again.values())
         report = SnapshotReport(self.path)
         loop_pace = Pacer(self.busy, pace.remaining())

@@ -1033,3 +1033,34 @@ async def test_a_reload_refuses_a_cluster_check_against_an_upstream_url_of_anoth
                 assert await r.send(CART_POD) == {**CART_POD, **CART}
         finally:
             await p.stop()
+
+
+async def test_a_kind_newly_described_while_the_snapshot_is_rewritten_is_fed_whole_later(
+        tmp_path: Path) -> None:
+    """A reload that describes a kind feeds the snapshot's objects of it again, read from
+    the files: caught mid-rewrite (the object not in the file yet), they were dropped
+    ("the next reload applies that") and the kind marked as fed, so the next reads of
+    the same bytes fed nothing: ``workload_object_missing`` until the object changed."""
+    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
+             "controller": True}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "t-0", "namespace": "shop", "uid": "t-0", "ownerReferences": [owner]}}
+    trainer = {"apiVersion": "example.com/v1", "kind": "Trainer",
+               "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
+               "spec": {"replicas": 3}, "status": {"state": "ready"}}
+    whole = yaml.safe_dump_all([pod, trainer])
+    p, folder = await _described_proxy(tmp_path, whole)
+    snap = tmp_path / "snap.yaml"
+    try:
+        (folder / "trainer.yaml").write_text(yaml.safe_dump(TRAINER_KARTA))
+        snap.write_text(whole[:whole.index("---")])  # the writer half-way through
+        assert (await p.reload()).ok
+        snap.write_text(whole)  # the writer done: the same objects as before
+        assert p.source is not None
+        await p.source.reload()  # type: ignore[attr-defined]
+        facts = p.engine.workload("t-uid")
+        assert facts is not None
+        assert (facts.phase, facts.phase_reason, facts.replicas[0].desired) == (
+            "Running", "", 3.0)
+    finally:
+        await p.stop()
