@@ -922,6 +922,9 @@ class SnapshotSource:
             self._applied = self._seen = now
             self._waited = 0
             self.index.mark_fresh(FRESHNESS_RESOURCE)
+            if self._owed:  # a read of the files missed them; as applied, they hold them
+                async with self._lock:
+                    await self._follow_kinds()
             return False
         if now == self._seen or same_bytes(self._seen, now):
             reloads = self.reloads

@@ -1035,12 +1035,15 @@ async def test_a_reload_refuses_a_cluster_check_against_an_upstream_url_of_anoth
             await p.stop()
 
 
+@pytest.mark.parametrize("rewrites", [0, 3])
 async def test_a_kind_newly_described_while_the_snapshot_is_rewritten_is_fed_whole_later(
-        tmp_path: Path) -> None:
+        tmp_path: Path, rewrites: int) -> None:
     """A reload that describes a kind feeds the snapshot's objects of it again, read from
     the files: caught mid-rewrite (the object not in the file yet), they were dropped
     ("the next reload applies that") and the kind marked as fed, so the next reads of
-    the same bytes fed nothing: ``workload_object_missing`` until the object changed."""
+    the same bytes fed nothing: ``workload_object_missing`` until the object changed.
+    ``rewrites``: the files rewritten with the same bytes at polls before, so the polls
+    after find them as applied by their bytes and read nothing (fed there too)."""
     owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
              "controller": True}
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
@@ -1051,13 +1054,19 @@ async def test_a_kind_newly_described_while_the_snapshot_is_rewritten_is_fed_who
     whole = yaml.safe_dump_all([pod, trainer])
     p, folder = await _described_proxy(tmp_path, whole)
     snap = tmp_path / "snap.yaml"
+    source: Any = p.source
     try:
+        for _ in range(rewrites):
+            await asyncio.sleep(0.02)  # a new mtime
+            snap.write_text(whole)
+            await source.poll()
         (folder / "trainer.yaml").write_text(yaml.safe_dump(TRAINER_KARTA))
         snap.write_text(whole[:whole.index("---")])  # the writer half-way through
         assert (await p.reload()).ok
+        await asyncio.sleep(0.02)
         snap.write_text(whole)  # the writer done: the same objects as before
-        assert p.source is not None
-        await p.source.reload()  # type: ignore[attr-defined]
+        for _ in range(3):  # a change is read once two polls in a row agree
+            await source.poll()
         facts = p.engine.workload("t-uid")
         assert facts is not None
         assert (facts.phase, facts.phase_reason, facts.replicas[0].desired) == (
