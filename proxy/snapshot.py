@@ -781,7 +781,9 @@ class SnapshotSource:
         for problem in report.invalid_objects:
             log.error("snapshot: object skipped: %s", problem, extra={"snapshot": self.path})
         log.info("snapshot: objects of newly described kinds fed again", extra={
-            "snapshot": self.path, "kinds": sorted(str(gk) for gk in newly),
+            "snapshot": self.path,
+            # a retry of owed objects has no kind newly described: theirs are named
+            "kinds": sorted({str(gk) for gk in newly} | {str(_group_kind(o)) for o in feed}),
             "objects": len(feed)})
         return len(feed)
 
