@@ -611,6 +611,10 @@ class SnapshotSource:
         #: objects of those kinds not yet fed whole: not found in the files as they were
         #: applied when :meth:`follow_kinds` read them (by uid, as then held)
         self._owed: dict[str, Held] = {}
+        #: the files as they were before the read that missed them: a poll that finds
+        #: the files as applied tries the owed again only once they are no longer so
+        #: (files that stay broken are not read again at every poll)
+        self._owed_at = PathState()
         #: a reload and a feeding of newly whole kinds each read ``_content`` and replace
         #: or feed from it: one at a time
         self._lock = asyncio.Lock()
@@ -745,9 +749,11 @@ class SnapshotSource:
         if not again:
             return 0
         pace = self._pacer(RELOAD_DEFER_SECONDS)
+        at = self._owed_at
         if any(not _has_body(o) for o in again.values()):
             # read with the stubs of every other object: only these get their text
             others = {uid: o for uid, o in held.items() if uid not in again}
+            at = await asyncio.to_thread(path_state, self.path)
             try:
                 read = await asyncio.to_thread(read_snapshot, self.path, packed=True,
                                                pace=pace, applied=others)
@@ -768,6 +774,7 @@ class SnapshotSource:
                     self._owed[uid] = o
             del found
         if self._owed:
+            self._owed_at = at
             log.warning("snapshot: objects of newly described kinds not found in the files "
                         "as applied (changed since, or the files caught mid-rewrite or "
                         "unreadable); tried again at the next reload", extra={
@@ -924,7 +931,8 @@ class SnapshotSource:
             self._applied = self._seen = now
             self._waited = 0
             self.index.mark_fresh(FRESHNESS_RESOURCE)
-            if self._owed:  # a read of the files missed them; as applied, they hold them
+            if self._owed and now != self._owed_at:
+                # a read of the files missed them; as applied, they hold them
                 async with self._lock:
                     await self._follow_kinds()
             return False

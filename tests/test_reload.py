@@ -1073,3 +1073,45 @@ async def test_a_kind_newly_described_while_the_snapshot_is_rewritten_is_fed_who
             "Running", "", 3.0)
     finally:
         await p.stop()
+
+
+async def test_objects_owed_from_a_file_that_stays_broken_are_not_read_again_at_every_poll(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The objects a reload's read missed are tried again by a poll that finds the files
+    as applied only once the files changed since that read: a file that stays broken
+    (its objects kept from its last good read) would be read again at every poll."""
+    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
+             "controller": True}
+    folder = tmp_path / "snap"
+    folder.mkdir()
+    (folder / "a.yaml").write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "t-0", "namespace": "shop", "uid": "t-0",
+                     "ownerReferences": [owner]}}))
+    (folder / "b.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "example.com/v1", "kind": "Trainer",
+        "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
+        "spec": {"replicas": 3}, "status": {"state": "ready"}}))
+    descs = tmp_path / "descriptions"
+    descs.mkdir()
+    config = tmp_path / "karta-proxy.yaml"
+    config.write_text(yaml.safe_dump({
+        "snapshot": str(folder), "server": {"listen_address": "127.0.0.1:0"},
+        "facts": {"enabled": False}, "karta": {"description_paths": [str(descs)]},
+        "upstream": {"url": "http://127.0.0.1:9/api/v1/write"}}))
+    p = Proxy(_loader(config)(), loader=_loader(config))
+    await p.start()
+    source: Any = p.source
+    try:
+        await asyncio.sleep(0.02)  # a new mtime
+        (folder / "b.yaml").write_text("kind: [\n")  # broken: its objects are kept
+        for _ in range(2):
+            await source.poll()
+        (descs / "trainer.yaml").write_text(yaml.safe_dump(TRAINER_KARTA))
+        with caplog.at_level(logging.WARNING, "karta.snapshot"):
+            assert (await p.reload()).ok
+            for _ in range(3):
+                await source.poll()
+        owed = [r for r in caplog.records if "not found in the files as applied" in r.message]
+        assert len(owed) == 1, [r.message for r in owed]
+    finally:
+        await p.stop()
