@@ -290,7 +290,8 @@ class UpstreamSettings(Section):
         "the sender sent past it; at most 65536", ge=0, le=MAX_LABELS_PER_SERIES)] = 30
     default_tenant: Annotated[str, setting(
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
-        "fact series (accountID or accountID:projectID)")] = "0"
+        "fact series (accountID or accountID:projectID); another than 0 with no {tenant} in "
+        "url is a settings error")] = "0"
 
 
 class PodLabelPair(Struct, forbid_unknown_fields=True):
@@ -1126,6 +1127,15 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if not TENANT.fullmatch(u.default_tenant):
         raise ConfigError("upstream.default_tenant: a VictoriaMetrics tenant: accountID or "
                           f"accountID:projectID (numbers), got {u.default_tenant!r}")
+    if u.url and u.default_tenant != "0" and TENANT_PLACEHOLDER not in u.url:
+        # it fills a {tenant} and nothing else: with none, the facts went to the URL's own
+        # tenant (.../insert/0/...) while this said another
+        raise ConfigError(
+            f"upstream.default_tenant: {u.default_tenant} goes in a {TENANT_PLACEHOLDER} of "
+            f"upstream.url, which has no {TENANT_PLACEHOLDER}: the fact series and requests "
+            "naming no tenant would go where the URL says; write the URL with "
+            f"{TENANT_PLACEHOLDER} (.../insert/{TENANT_PLACEHOLDER}/prometheus/api/v1/write) "
+            "or leave upstream.default_tenant unset")
     if bool(u.tls_cert_file) != bool(u.tls_key_file):
         raise ConfigError("upstream.tls_cert_file and upstream.tls_key_file: set both or neither")
     for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "bearer_token_file",
