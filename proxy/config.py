@@ -290,7 +290,8 @@ class UpstreamSettings(Section):
         "the sender sent past it; at most 65536", ge=0, le=MAX_LABELS_PER_SERIES)] = 30
     default_tenant: Annotated[str, setting(
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
-        "fact series (accountID or accountID:projectID)")] = "0"
+        "fact series (accountID or accountID:projectID); another than 0 with no {tenant} in "
+        "url is a settings error")] = "0"
 
 
 class PodLabelPair(Struct, forbid_unknown_fields=True):
@@ -460,8 +461,9 @@ class FactSettings(Section):
         "without one a multi-tenant Mimir answers 401 (no tenant gets the facts), a "
         "single-tenant one (-auth.enabled=false) and, by its docs, Thanos Receive store "
         "them in their default tenant. The facts go to this one tenant only, whatever "
-        "tenants senders name. upstream.headers and the upstream credentials still win. A "
-        "VictoriaMetrics cluster's tenant is upstream.default_tenant")
+        "tenants senders name. A name upstream.headers or the upstream credentials set too "
+        "(they replace it) is a settings error. A VictoriaMetrics cluster's tenant is "
+        "upstream.default_tenant")
     ] = field(default_factory=dict)
     metrics_pod_facts: Annotated[bool, setting(
         "serve the per-pod facts (karta_pod_info, ...) on /metrics too; off: at ~100k pods "
@@ -1126,6 +1128,15 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
     if not TENANT.fullmatch(u.default_tenant):
         raise ConfigError("upstream.default_tenant: a VictoriaMetrics tenant: accountID or "
                           f"accountID:projectID (numbers), got {u.default_tenant!r}")
+    if u.url and u.default_tenant != "0" and TENANT_PLACEHOLDER not in u.url:
+        # it fills a {tenant} and nothing else: with none, the facts went to the URL's own
+        # tenant (.../insert/0/...) while this said another
+        raise ConfigError(
+            f"upstream.default_tenant: {u.default_tenant} goes in a {TENANT_PLACEHOLDER} of "
+            f"upstream.url, which has no {TENANT_PLACEHOLDER}: the fact series and requests "
+            "naming no tenant would go where the URL says; write the URL with "
+            f"{TENANT_PLACEHOLDER} (.../insert/{TENANT_PLACEHOLDER}/prometheus/api/v1/write) "
+            "or leave upstream.default_tenant unset")
     if bool(u.tls_cert_file) != bool(u.tls_key_file):
         raise ConfigError("upstream.tls_cert_file and upstream.tls_key_file: set both or neither")
     for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "bearer_token_file",
@@ -1187,6 +1198,31 @@ def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
                               f"(CR, LF, ...), {bad.group()!r} at position {bad.start()} "
                               "(the value is not shown: it may be a credential); a header "
                               "value is one line")
+
+
+#: the headers of a write's body, always the proxy's own on every upstream request
+_BODY_HEADERS = frozenset({"content-type", "content-encoding",
+                           "x-prometheus-remote-write-version"})
+
+
+def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None:
+    """A fact header that ``upstream.headers``, the proxy's credentials or the body's own
+    headers replace on every request is never sent: ``facts.headers: {X-Scope-OrgID:
+    ops}`` beside ``upstream.headers: {X-Scope-OrgID: team-a}`` wrote the facts into
+    team-a, silently."""
+    own = {name.lower(): f"upstream.headers.{name} replaces it" for name in u.headers}
+    if u.bearer_token_file or u.basic_auth_username or url_credentials(u.url) is not None:
+        own["authorization"] = ("the proxy's credentials (upstream.bearer_token_file, "
+                                "basic_auth_* or the userinfo of upstream.url) replace it")
+    for name in headers:
+        why = own.get(name.lower()) or (
+            "the proxy sets it for the body it sends" if name.lower() in _BODY_HEADERS
+            else "")
+        if why:
+            raise ConfigError(f"facts.headers.{name}: never sent, {why} on every upstream "
+                              "request, the fact writes included: remove one of them (a "
+                              "tenant set in upstream.headers is every request's, the "
+                              "facts' too)")
 
 
 def _validate_upstream_tls(u: UpstreamSettings) -> None:
@@ -1433,6 +1469,7 @@ def validate(settings: Settings, *, require_upstream: bool = True) -> None:
     _validate_external_labels(s.facts.external_labels)
     check_stored_cluster(s)
     _validate_headers(s.facts.headers, "facts.headers")
+    _validate_fact_headers(s.facts.headers, s.upstream)
     for i, p in enumerate(s.karta.description_paths):
         if not os.path.exists(p):
             raise ConfigError(f"karta.description_paths[{i}]: {p!r} does not exist"

@@ -143,6 +143,9 @@ _HISTOGRAMS_DISABLED = re.compile(rb"(?:upstream answered 500: )?native histogra
 #: VictoriaMetrics and vmagent answer a path they do not serve (``/api/v1/push``, a typo)
 #: with a 400, where other receivers answer 404: ``unsupported path requested: "/x"``
 _VM_UNSUPPORTED_PATH = re.compile(rb"unsupported path requested")
+#: Mimir's and Cortex' 401 to a write that names no tenant (no ``X-Scope-OrgID``:
+#: dskit's ``ErrNoOrgID``), whatever the credentials: the sender's to fix, not the proxy's
+_NO_ORG_ID = re.compile(rb"^no org id$")
 
 
 def _layout_and_digest(raw: bytes, protocol: Protocol) -> tuple[Layout, bytes]:
@@ -631,12 +634,13 @@ def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -
     ``--web.enable-remote-write-receiver``, ``/api/v1/push`` on Prometheus, VictoriaMetrics'
     and vmagent's 400 ``unsupported path requested``, ...); ``credentials_refused`` for a
     401 / 403 to credentials the proxy itself sets. A 401 to the sender's own forwarded
-    credentials stays the sender's (as on the direct path).
+    credentials stays the sender's (as on the direct path), and so does Mimir's 401 ``no
+    org id`` to a write naming no tenant, credentials or not.
     """
     if status in NOT_A_WRITE_ENDPOINT or (
             status == 400 and _VM_UNSUPPORTED_PATH.search(body) is not None):
         return "not_write_endpoint"
-    if status in (401, 403) and own_credentials:
+    if status in (401, 403) and own_credentials and not _NO_ORG_ID.match(body.strip()):
         return "credentials_refused"
     return ""
 
@@ -649,6 +653,23 @@ OWN_WRITES_NEED_CREDENTIALS = (
     "the upstream asks for credentials: senders' writes carry their own (forwarded), the "
     "proxy's own writes (this check, the fact series) need upstream.bearer_token_file, "
     "upstream.basic_auth_* or an Authorization in facts.headers")
+#: the same for Mimir's 401 ``no org id``: the write named no tenant, whatever the
+#: credentials; the check's empty write never names one, the fact writes those of
+#: ``facts.headers``
+OWN_WRITES_NEED_A_TENANT = (
+    "the upstream asks for a tenant (Mimir/Cortex: 401 no org id): senders' writes name "
+    "theirs (X-Scope-OrgID, forwarded), this check names none, and the fact series go "
+    "nowhere until facts.headers (X-Scope-OrgID: <tenant>) names one")
+
+
+def own_write_refused(status: int, body: bytes) -> str:
+    """What a 401 / 403 to a write of the proxy's own says its settings lack: a tenant
+    (:data:`OWN_WRITES_NEED_A_TENANT`) or credentials
+    (:data:`OWN_WRITES_NEED_CREDENTIALS`); "" for another status."""
+    if status not in (401, 403):
+        return ""
+    return (OWN_WRITES_NEED_A_TENANT if _NO_ORG_ID.match(body.strip())
+            else OWN_WRITES_NEED_CREDENTIALS)
 
 
 #: receivers whose tenant is a request header, by the end of their write path: Mimir and
@@ -1946,7 +1967,8 @@ class Upstream:
             self._line(logging.WARNING, "upstream not available at the check; checked again "
                        "when it answers", probe.code, {**extra, "body": probe.detail})
         elif probe.code in ("401", "403"):  # none of its own (else credentials_refused)
-            log.warning("upstream refused an empty write: %s", OWN_WRITES_NEED_CREDENTIALS,
+            log.warning("upstream refused an empty write: %s",
+                        own_write_refused(int(probe.code), probe.detail.encode()),
                         extra={**extra, "body": probe.detail})
         else:
             log.warning("upstream refused an empty write", extra={**extra, "body": probe.detail})

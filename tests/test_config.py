@@ -826,6 +826,44 @@ def test_tenants_are_ascii_digits() -> None:
         validate(valid(default_tenant="\u0661\u0662"))  # Arabic-Indic 12
 
 
+@pytest.mark.parametrize("url", [
+    "http://vminsert:8480/insert/0/prometheus/api/v1/write",  # a tenant written in it
+    "http://mimir:8080/api/v1/push",
+])
+def test_a_default_tenant_with_no_place_in_the_url_is_refused(url: str) -> None:
+    # upstream.default_tenant fills a {tenant} only: with none, the facts (and requests
+    # naming no tenant) went to the URL's tenant 0 while the settings said 5
+    with pytest.raises(ConfigError, match=r"upstream\.default_tenant: 5 .* no \{tenant\}"):
+        validate(valid(url=url, default_tenant="5"))
+    validate(valid(url=url))  # the default: nothing to put anywhere
+    validate(valid(url=url.replace("/insert/0/", "/insert/{tenant}/"), default_tenant="5")
+             if "/insert/" in url else valid(url=url + "?tenant={tenant}", default_tenant="5"))
+
+
+@pytest.mark.parametrize(("upstream", "facts", "refused"), [
+    ({"headers": {"X-Scope-OrgID": "team-a"}}, {"x-scope-orgid": "ops"}, "x-scope-orgid"),
+    ({"bearer_token_file": "TOKEN"}, {"Authorization": "Bearer ops"}, "Authorization"),
+    ({"url": "http://u:p@mimir:8080/api/v1/push"}, {"authorization": "Basic b3Bz"},
+     "authorization"),
+    ({"headers": {"X-Scope-OrgID": "team-a"}}, {"THANOS-TENANT": "ops"}, ""),
+])
+def test_a_fact_header_the_upstream_settings_replace_is_refused(
+        tmp_path: Path, upstream: dict[str, object], facts: dict[str, str],
+        refused: str) -> None:
+    # upstream.headers and the proxy's credentials replace a fact write's header of the
+    # same name: facts.headers {X-Scope-OrgID: ops} with upstream.headers {X-Scope-OrgID:
+    # team-a} wrote the facts into team-a, where the settings said ops
+    token = tmp_path / "token"
+    token.write_text("t")
+    s = valid(**{k: str(token) if v == "TOKEN" else v for k, v in upstream.items()})
+    s.facts.headers = facts
+    if not refused:
+        validate(s)
+        return
+    with pytest.raises(ConfigError, match=rf"facts\.headers\.{refused}: never sent"):
+        validate(s)
+
+
 def test_without_userinfo_keeps_everything_but_the_credentials() -> None:
     assert without_userinfo("https://u:p@ss@[::1]:9/x?q=a@b") == "https://[::1]:9/x?q=a@b"
     assert without_userinfo("http://tsdb/a@b") == "http://tsdb/a@b"  # an "@" in a path

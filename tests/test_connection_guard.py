@@ -452,6 +452,37 @@ async def test_a_malformed_request_is_answered_and_logged_on_one_line_without_cr
     assert TOKEN not in caplog.text
 
 
+@pytest.mark.parametrize(("line", "said"), [
+    # a tenant header of 9,000 bytes, the whole request line and headers under 10 KiB
+    (f"X-Scope-OrgID: {'a' * 9000}\r\n",
+     "the request line or a header line is longer than 8190 bytes (the most aiohttp reads "
+     "of one line, whatever server.max_header_bytes)"),
+    (f"Authorization: Bearer {TOKEN}{'t' * 9000}\r\n",
+     "the request line or a header line is longer than 8190 bytes (the most aiohttp reads "
+     "of one line, whatever server.max_header_bytes)"),
+    ("".join(f"X-{i}: a\r\n" for i in range(70)),
+     "more than 64 headers (the most the proxy reads)"),
+], ids=["tenant", "token", "count"])
+async def test_a_line_or_count_past_aiohttps_limits_is_431_saying_which_without_the_value(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, line: str, said: str) -> None:
+    """A 9 KB header under the 16 KiB total was answered "request line and headers larger
+    than 16384 bytes", which they were not (raising server.max_header_bytes changes
+    nothing), and the log line's reason quoted the first 100 bytes of the line's value:
+    a bearer token's."""
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        assert p.settings.server.max_header_bytes == 16384
+        r, w = await connect(p)
+        w.write(f"POST /api/v1/write HTTP/1.1\r\nHost: x\r\n{line}\r\n".encode())
+        answer = await read_answer(r)
+        w.close()
+        assert (await post(p)).status == 204
+    assert answer.status == 431 and answer.closed, answer
+    assert answer.body == f"{said}\n".encode(), answer.body
+    (logged,) = [r for r in caplog.records if getattr(r, "kind", "") == "header_too_large"]
+    assert logged.__dict__["reason"] == said
+    assert "s3cr3t" not in caplog.text
+
+
 async def test_headers_past_the_limit_in_one_read_get_431(tmp_path: Path) -> None:
     """20 KiB of headers in one write (a body behind them) were taken: the count ran only
     over reads that left the headers unfinished, and this one finished them."""

@@ -403,6 +403,47 @@ async def test_a_repeated_forwarded_header_reaches_the_upstream_with_every_value
     assert h.getall("THANOS-TENANT") == ["a", "b"]
 
 
+def _tenants_of(rec: Received) -> set[str]:
+    """The ``t`` label of every series a request that reached the upstream holds."""
+    if rec.headers["Content-Type"] == CT_V2:
+        req = RequestV2.FromString(rec.raw)
+        return {req.symbols[ts.labels_refs[i + 1]] for ts in req.timeseries
+                for i in range(0, len(ts.labels_refs), 2)
+                if req.symbols[ts.labels_refs[i]] == "t"}
+    return {d["t"] for d in labels_of(rec.raw)}
+
+
+async def test_tenants_in_flight_together_keep_their_headers_in_parts_and_conversion(
+        tmp_path: Path) -> None:
+    # 5 tenants' requests at once, RW 2.0 ones refused 415 and sent again converted, each
+    # too large (413) and sent in parts: every request upstream carries one tenant's
+    # series and that tenant's headers, none of another's
+    def receiver(rec: Received) -> Reply:
+        if rec.headers["Content-Type"] == CT_V2:
+            return Reply(415)
+        return Reply(413) if len(rec.body) > 700 else Reply(204, delay=0.002)
+
+    def body(tenant: str, i: int) -> bytes:
+        series = [{"__name__": "m", "t": tenant, "i": f"{k}-{i}-" + "x" * (k * 37 % 23),
+                   "namespace": "shop", "pod": "cart-7d9f8-abcde"} for k in range(40)]
+        return series_v2(*series) if i % 2 else series_v1(*series)
+
+    async with ScriptedUpstream(rule=receiver) as up, aiohttp.ClientSession() as session, \
+            proxy_running(tmp_path, up) as p:
+        running = Running(p, up, session)
+        sent = [(f"tenant-{i % 5}", i) for i in range(30)]
+        answers = await asyncio.gather(*(running.post(
+            body(t, i), ct=CT_V2 if i % 2 else CT_V1,
+            headers={"X-Scope-OrgID": t, "THANOS-TENANT": t}) for t, i in sent))
+    assert [a.status for a in answers] == [204] * len(sent)
+    assert sum(len(r.body) <= 700 for r in up.received) >= 2 * len(sent)  # parts
+    wrong = [(_tenants_of(r), r.headers.getall("X-Scope-OrgID", []),
+              r.headers.getall("THANOS-TENANT", [])) for r in up.received
+             if r.headers["Content-Type"] == CT_V1 and len(r.body) <= 700]
+    wrong = [w for w in wrong if len(w[0]) != 1 or [*w[0]] != w[1] or w[1] != w[2]]
+    assert not wrong, wrong[:3]
+
+
 async def test_headers_the_connection_header_names_are_not_forwarded(running: Running) -> None:
     # RFC 9110 7.6.1 / RFC 7230 6.1: a header the Connection header names is for this hop
     answer = await raw_write(running.proxy, [("Connection", "keep-alive, X-Scope-OrgID"),

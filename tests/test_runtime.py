@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from proxy.config import Settings, load_settings
+from proxy.config import ConfigError, Settings, load_settings, validate
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
 from tests.ipv6 import needs_ipv6
@@ -107,13 +107,17 @@ async def test_facts_reach_a_header_tenanted_upstream_with_facts_headers(tmp_pat
     assert facts and all(r.headers.getall("X-Scope-OrgID") == ["ops"] for r in facts)
     assert [r.headers.getall("X-Scope-OrgID") for r in relayed] == [["team-a"]]
 
-    # upstream.headers win over facts.headers, as over a sender's
+    # both naming one header is a settings error (the facts went to "fixed" silently);
+    # past the check (settings built in code), upstream.headers still win, as over a
+    # sender's
     async with ScriptedUpstream() as up:
         s = snapshot_settings(tmp_path, up.url)
         s.facts.enabled = True
         s.facts.interval_seconds = 0.2
         s.facts.headers = {"X-Scope-OrgID": "ops"}
         s.upstream.headers = {"X-Scope-OrgID": "fixed"}
+        with pytest.raises(ConfigError, match=r"facts\.headers\.X-Scope-OrgID: never sent"):
+            validate(s)
         async with started(s):
             async def written_fixed() -> bool:
                 return bool(up.received)

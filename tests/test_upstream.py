@@ -31,6 +31,7 @@ from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
 from proxy.upstream import (
     HISTOGRAMS_RECHECK_SECONDS,
+    OWN_WRITES_NEED_A_TENANT,
     OWN_WRITES_NEED_CREDENTIALS,
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
@@ -677,6 +678,40 @@ async def test_401_to_the_proxys_own_credentials_is_503(tmp_path: Path) -> None:
     assert senders.status == 401
 
 
+async def test_mimirs_401_for_a_missing_tenant_is_the_senders_with_own_credentials(
+        tmp_path: Path) -> None:
+    # Mimir (and Cortex) behind a gateway that takes the proxy's credentials answer a write
+    # naming no X-Scope-OrgID 401 "no org id": the sender's to fix, as on a direct write.
+    # It was taken for the proxy's credentials refused: 503 (retried for ever), counted
+    # and logged as the proxy's misconfiguration
+    token = tmp_path / "token"
+    token.write_text("good\n")
+
+    def mimir(rec: Received) -> Reply:
+        if rec.headers.get("Authorization") != "Bearer good":
+            return Reply(401, body=b"unauthorized\n")
+        return Reply(204) if rec.headers.get("X-Scope-OrgID") else Reply(
+            401, body=b"no org id\n")
+
+    async with ScriptedUpstream(rule=mimir) as up, \
+            opened(up.url, bearer_token_file=str(token)) as u:
+        no_tenant = await u.send(v1_body(), Protocol.V1, incoming_headers={})
+        tenant = await u.send(v1_body(), Protocol.V1,
+                              incoming_headers={"X-Scope-OrgID": "team-a"})
+        token.write_text("rotated-wrong\n")
+        assert u._token is not None
+        u._token._next_check = 0.0
+        refused = await u.send(v1_body(), Protocol.V1,
+                               incoming_headers={"X-Scope-OrgID": "team-a"})
+    assert (no_tenant.status, no_tenant.body) == (401, b"no org id\n")
+    assert tenant.ok
+    assert refused.status == 503 and b"credentials" in refused.body  # theirs, still
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_misconfigured_total",
+        {"url": up.url, "reason": "credentials_refused", "code": "401"}) == 1
+
+
 async def test_a_tsdb_asking_for_credentials_the_proxy_lacks_is_said_at_the_check(
         caplog: pytest.LogCaptureFixture) -> None:
     """A TSDB behind authentication: the senders' writes carry their own, forwarded, and
@@ -691,6 +726,28 @@ async def test_a_tsdb_asking_for_credentials_the_proxy_lacks_is_said_at_the_chec
     assert any(r.getMessage() == "upstream refused an empty write: "
                + OWN_WRITES_NEED_CREDENTIALS for r in caplog.records), caplog.text
     assert "upstream.bearer_token_file" in OWN_WRITES_NEED_CREDENTIALS
+
+
+@pytest.mark.parametrize("own", [False, True])
+async def test_a_mimir_asking_for_a_tenant_is_said_at_the_check_as_such(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, own: bool) -> None:
+    """A multi-tenant Mimir answers the check's empty write, which names no tenant, 401
+    "no org id": the warning said the upstream asks for credentials (with none of the
+    proxy's own) or logged an error that it refused the proxy's credentials (with some),
+    where what the proxy's own writes lack is a tenant (facts.headers)."""
+    caplog.set_level(logging.WARNING, logger="karta.upstream")
+    token = tmp_path / "token"
+    token.write_text("good\n")
+    settings = {"bearer_token_file": str(token)} if own else {}
+    async with ScriptedUpstream(Reply(401, body=b"no org id\n"), record_empty=True) as up, \
+            opened(up.url, **settings) as u:
+        await u.start(check=True)
+        probe = await u.check()
+    assert probe.outcome == "refused"
+    said = [r.getMessage() for r in caplog.records]
+    assert "upstream refused an empty write: " + OWN_WRITES_NEED_A_TENANT in said, said
+    assert not any("credentials" in m for m in said), said
+    assert "facts.headers (X-Scope-OrgID: <tenant>)" in OWN_WRITES_NEED_A_TENANT
 
 
 def _rw2_receiver(rec: Any) -> Reply:

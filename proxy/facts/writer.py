@@ -60,7 +60,7 @@ from proxy.karta.results import (
 )
 from proxy.log import Throttled, failure_line
 from proxy.shared_values import SharedValues
-from proxy.upstream import OWN_WRITES_NEED_CREDENTIALS, TRANSIENT_4XX
+from proxy.upstream import TRANSIENT_4XX, own_write_refused
 from proxy.upstream_clock import UpstreamClock
 from proxy.wire.halves import layout
 from proxy.wire.primitives import STALE_NAN, Protocol, labels_of, series_text
@@ -952,7 +952,9 @@ class FactWriter:
                 return
             if status != 400 or tally.extra + 2 > MAX_EXTRA_REQUESTS:
                 if not tally.dropped:  # the first of this write
-                    hint = f"; {OWN_WRITES_NEED_CREDENTIALS}" if status in (401, 403) else ""
+                    answer = getattr(exc, "answer", None)
+                    hint = own_write_refused(status, answer.body if answer else b"")
+                    hint = f"; {hint}" if hint else ""
                     log.warning("fact write: %d series refused for good with their "
                                 "request, the others still sent: %s%s", hi - lo, exc, hint)
                 tally.dropped += hi - lo

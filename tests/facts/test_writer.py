@@ -36,7 +36,12 @@ from proxy.facts.writer import COVERAGE_KEY, PROCESS_KEY
 from proxy.index import PodIndex
 from proxy.karta.model import GENERIC_PHASES
 from proxy.karta.results import ChangeSet, PodAttribution, ReplicaFact, WorkloadFacts, WorkloadRef
-from proxy.upstream import OWN_WRITES_NEED_CREDENTIALS
+from proxy.upstream import (
+    OWN_WRITES_NEED_A_TENANT,
+    OWN_WRITES_NEED_CREDENTIALS,
+    Answer,
+    UpstreamFailure,
+)
 from tests.facts.helpers import (
     DEP,
     PODS,
@@ -1269,6 +1274,21 @@ async def test_a_fact_write_refused_for_want_of_credentials_says_which_to_set(
     w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
     assert not await w.write_once()
     assert any("refused for good" in m and m.endswith(OWN_WRITES_NEED_CREDENTIALS)
+               for m in caplog.messages), caplog.messages
+
+
+async def test_a_fact_write_refused_for_want_of_a_tenant_says_to_name_one(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Mimir's 401 "no org id" is no question of credentials: the warning said to set
+    some, where facts.headers' tenant header is what the fact writes lack."""
+    caplog.set_level(logging.WARNING)
+
+    async def send(body: bytes) -> None:
+        raise UpstreamFailure(Answer(401, b"no org id\n", upstream="401"))
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
+    assert not await w.write_once()
+    assert any("refused for good" in m and m.endswith(OWN_WRITES_NEED_A_TENANT)
                for m in caplog.messages), caplog.messages
 
 
