@@ -456,7 +456,8 @@ class FactSettings(Section):
         "labels added to every fact series (e.g. cluster: prod-1)")
     ] = field(default_factory=dict)
     headers: Annotated[dict[str, str], setting(
-        "headers sent with every fact write (and only with them), e.g. X-Scope-OrgID: ops "
+        "headers sent with every fact write and the upstream check's empty writes (never "
+        "with a sender's request), e.g. X-Scope-OrgID: ops "
         "for Mimir or THANOS-TENANT: ops for Thanos Receive, whose tenant is a header: "
         "without one a multi-tenant Mimir answers 401 (no tenant gets the facts), a "
         "single-tenant one (-auth.enabled=false) and, by its docs, Thanos Receive store "

@@ -226,7 +226,8 @@ class Proxy:
         self.upstream = Upstream(settings.upstream, self.metrics,
                                  max_converted_bytes=conversion_limit(
                                      settings.server.max_decoded_bytes,
-                                     settings.server.max_inflight_bytes))
+                                     settings.server.max_inflight_bytes),
+                                 own_headers=settings.facts.headers)
         self.handler = RemoteWriteHandler(
             settings.server, self.index, self.enricher, self.upstream, self.metrics
         )

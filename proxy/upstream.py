@@ -654,12 +654,12 @@ OWN_WRITES_NEED_CREDENTIALS = (
     "proxy's own writes (this check, the fact series) need upstream.bearer_token_file, "
     "upstream.basic_auth_* or an Authorization in facts.headers")
 #: the same for Mimir's 401 ``no org id``: the write named no tenant, whatever the
-#: credentials; the check's empty write never names one, the fact writes those of
+#: credentials; the check's empty writes and the fact writes name those of
 #: ``facts.headers``
 OWN_WRITES_NEED_A_TENANT = (
     "the upstream asks for a tenant (Mimir/Cortex: 401 no org id): senders' writes name "
-    "theirs (X-Scope-OrgID, forwarded), this check names none, and the fact series go "
-    "nowhere until facts.headers (X-Scope-OrgID: <tenant>) names one")
+    "theirs (X-Scope-OrgID, forwarded), and this check and the fact series name none "
+    "until facts.headers (X-Scope-OrgID: <tenant>) names one")
 
 
 def own_write_refused(status: int, body: bytes) -> str:
@@ -733,9 +733,14 @@ class Upstream:
     """
 
     def __init__(self, settings: UpstreamSettings, metrics: ProxyMetrics | None = None, *,
-                 max_converted_bytes: int | None = None) -> None:
+                 max_converted_bytes: int | None = None,
+                 own_headers: Mapping[str, str] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        #: the headers of the check's empty writes: the fact writes' (``facts.headers``), so
+        #: a receiver whose tenant is a header (a multi-tenant Mimir: 401 no org id to a
+        #: write naming none) is checked in the tenant the proxy's own writes go to
+        self.own_headers = OwnHeaders(own_headers or {})
         #: the most an RW 2.0 request may convert to (:func:`conversion_limit`); None: no
         #: limit
         self.max_converted_bytes = max_converted_bytes
@@ -1900,12 +1905,12 @@ class Upstream:
         protocol = Protocol.V2 if auto else Protocol.V1
         empty = Outgoing(protocol, self.out_encoding("snappy"),
                          compress(b"", self.out_encoding("snappy")))
-        answer = await self._post(empty, OwnHeaders())
+        answer = await self._post(empty, OwnHeaders(self.own_headers))
         if empty.encoding == "zstd" and answer.upstream in ("400", "415"):
             answer = await self._zstd_refused(answer, empty)
         if answer.upstream == "415" and auto:
             answer = await self._post(
-                Outgoing(Protocol.V1, empty.encoding, empty.encoded), OwnHeaders())
+                Outgoing(Protocol.V1, empty.encoding, empty.encoded), OwnHeaders(self.own_headers))
             if answer.ok:
                 return Probe("rw1", answer.upstream, "answered 415 to RW 2.0")
         detail = answer.body[:200].decode("utf-8", "replace")
@@ -1931,7 +1936,7 @@ class Upstream:
         (else every write would be refused, and dropped by its sender). The answer to
         the snappy write, or ``answer`` when snappy fares no better."""
         snappy_empty = Outgoing(empty.protocol, "snappy", compress(b"", "snappy"))
-        retry = await self._post(snappy_empty, OwnHeaders())
+        retry = await self._post(snappy_empty, OwnHeaders(self.own_headers))
         if retry.upstream in ("400", "415"):
             return answer
         if retry.ok:

@@ -750,6 +750,28 @@ async def test_a_mimir_asking_for_a_tenant_is_said_at_the_check_as_such(
     assert "facts.headers (X-Scope-OrgID: <tenant>)" in OWN_WRITES_NEED_A_TENANT
 
 
+async def test_the_check_names_the_fact_writes_tenant() -> None:
+    """The check's empty write carries ``facts.headers``: a multi-tenant Mimir answered
+    it 401 "no org id" for good (``check="refused"``, the protocol left to the first
+    sender's request), though the fact writes name a tenant it takes."""
+
+    def mimir(rec: Received) -> Reply:
+        if rec.headers.get("X-Scope-OrgID") != "ops":
+            return Reply(401, body=b"no org id\n")
+        return _rw2_receiver(rec)
+
+    async with ScriptedUpstream(rule=mimir, record_empty=True) as up:
+        u = Upstream(UpstreamSettings(url=up.url, timeout_seconds=2.0), ProxyMetrics(),
+                     own_headers={"X-Scope-OrgID": "ops"})
+        try:
+            await u.start(check=True)
+            probe = await u.check()
+        finally:
+            await u.close()
+        assert [r.headers.get("X-Scope-OrgID") for r in up.received] == ["ops"]
+    assert probe.outcome == "rw2"
+
+
 def _rw2_receiver(rec: Any) -> Reply:
     if "v2" in rec.headers["Content-Type"]:
         return Reply(204, {WRITTEN_SAMPLES: "0", WRITTEN_HISTOGRAMS: "0",
