@@ -102,6 +102,31 @@ def test_sent_karta_labels_are_dropped_from_stamped_series(splicer: Splicer) -> 
     assert (res.attributed, res.stripped) == (1, 1)
 
 
+def test_exemplar_labels_pass_as_they_came_karta_ones_too(splicer: Splicer) -> None:
+    """An exemplar's labels name a trace, not a series (docs/wire.md, "Label policy"): the
+    drop of a sender's ``karta_*`` labels and the stamp are the series' only, in both
+    protocols; its exemplars leave as they came."""
+    ts = series_v1({**POD, **FORGED})
+    ex = ts.exemplars.add(value=1.0, timestamp=TS)
+    ex.labels.add(name="karta_workload", value="trace-side")
+    ex.labels.add(name="trace_id", value="abc")
+    (got,) = parse_v1(splicer.splice_v1(request_v1(ts)).body).timeseries
+    assert labels_of(got) == STAMPED_POD
+    assert got.exemplars == ts.exemplars
+
+    req = parse_v2(request_v2({**POD, **FORGED}))
+    req.symbols.append("trace-side")
+    sent = req.timeseries[0].exemplars.add(value=1.0, timestamp=TS)
+    sent.labels_refs.extend([list(req.symbols).index("karta_workload"), len(req.symbols) - 1])
+    out = parse_v2(splicer.splice_v2(req.SerializeToString()).body)
+    (one,) = out.timeseries
+    assert labels_v2(out, one) == STAMPED_POD
+    (back,) = one.exemplars
+    refs = list(back.labels_refs)
+    assert [out.symbols[r] for r in refs] == ["karta_workload", "trace-side"]
+    assert (back.value, back.timestamp) == (1.0, TS)
+
+
 def test_sender_karta_labels_keep_replaces_only_stamped_names(make_splicer: MakeSplicer
                                                               ) -> None:
     sp = make_splicer(KEEP_SENT)
