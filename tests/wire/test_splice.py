@@ -394,8 +394,9 @@ def test_valid_multibyte_and_replacement_characters_pass(splicer: Splicer) -> No
         # invalid_labels)
         b"\x22\x00\x22\x01a\x2a\x06\x0a\x02\x01\x01\x12\x00\x2a\x02\x10\x01",
         # the payloads the splice copies
-        b"\x22\x00\x2a\x07\x22\x05\x0a\x02\x00\x01\x00",  # exemplar ref past the table
-        b"\x22\x00\x2a\x06\x22\x04\x0a\x01\x00\x00",  # exemplar refs odd
+        # exemplar ref past the table (it ended in a field number 0, refused for that)
+        b"\x22\x00\x2a\x06\x22\x04\x0a\x02\x00\x01",
+        b"\x22\x00\x2a\x05\x22\x03\x0a\x01\x00",  # exemplar refs odd (packed)
         b"\x22\x00\x2a\x04\x22\x02\x08\x00",  # exemplar refs unpacked, odd
         b"\x22\x00\x2a\x04\x2a\x02\x18\x01",  # metadata help_ref past the table
         b"\x22\x00\x2a\x04\x2a\x02\x20\x05",  # metadata unit_ref past the table
