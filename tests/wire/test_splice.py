@@ -403,7 +403,9 @@ def test_valid_multibyte_and_replacement_characters_pass(splicer: Splicer) -> No
         b"\x22\x00\x2a\x04\x2a\x02\x19\x00",  # metadata help_ref as fixed64 (cut)
         b"\x22\x00\x2a\x05\x2a\x03\x08\x80\x80",  # metadata type truncated
         b"\x22\x00\x2a\x0e\x12\x0c" + _VALUE + b"\x10" + b"\x80\x80",  # cut sample
-        b"\x22\x00\x2a\x16\x12\x14" + _VALUE + b"\x18" + b"\x80" * 10 + b"\x00",
+        # start_timestamp an 11-byte varint (its last byte was outside the series: a
+        # top-level field number 0, refused for that)
+        b"\x22\x00\x2a\x17\x12\x15" + _VALUE + b"\x18" + b"\x80" * 10 + b"\x00",
         b"\x22\x00\x2a\x04\x1a\x02\x00\x00",  # histogram field number 0
     ],
 )
