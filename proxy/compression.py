@@ -6,8 +6,10 @@ declare their content size in the frame header (checked the same way), and frame
 not are decoded into a buffer that may grow only up to ``max_decoded``.
 
 No identity encoding: remote-write 1.0 and 2.0 both require a compressed body, and a
-receiver must answer 415 to an encoding it does not support, so a missing or ``identity``
-``Content-Encoding`` gets 415 like any other unknown one.
+receiver must answer 415 to an encoding it does not support, so an ``identity``
+``Content-Encoding`` gets 415 like any other unknown one. A request without the header is
+snappy, as Prometheus' receiver takes it: the handler's choice (``proxy.handler``), made
+before it calls here.
 """
 
 from __future__ import annotations

@@ -1147,7 +1147,7 @@ class Upstream:
             self._count_conversion(attempt)
         answer = await self._post(out, incoming, url)
         if out.protocol is Protocol.V2:
-            refused = self._refused_v2(answer, out.counts)
+            refused = self._refused_v2(answer, out)
             if refused and self.settings.protocol == "auto":
                 self._learn_v1_only(refused, answer)
                 out = await self._convert(out, attempt.charge, held)
@@ -1329,10 +1329,18 @@ class Upstream:
         return _kept(v1, charge, taken, held)
 
     @staticmethod
-    def _refused_v2(answer: Answer, counts: Counts | None) -> str:
-        """Why an answer to an RW 2.0 request says the upstream did not take RW 2.0."""
+    def _refused_v2(answer: Answer, out: Outgoing) -> str:
+        """Why an answer to an RW 2.0 request (``out``, as it went out) says the upstream
+        did not take RW 2.0. A 415 says "this Content-Type or this Content-Encoding": to a
+        body sent as snappy it can only be the first, but to one sent as zstd
+        (``encoding: same``, the sender's) it may be the second (Prometheus 3 answers any
+        encoding but snappy so), and it passes to the sender as it does for RW 1.0 (a
+        sender of zstd falls back to snappy after a 415): taken for the first, the
+        upstream was remembered as 1.0-only, every RW 2.0 request converted from then on,
+        and this one sent again as zstd RW 1.0, refused all the same."""
         if answer.upstream == "415":
-            return "unsupported_media_type"
+            return "unsupported_media_type" if out.encoding == "snappy" else ""
+        counts = out.counts
         carries = counts is None or bool(counts.samples or counts.histograms or counts.exemplars)
         if answer.ok and carries and not has_written_headers(answer.headers):
             return "no_written_headers"

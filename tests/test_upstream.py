@@ -241,6 +241,35 @@ async def test_zstd_refusal_of_bad_data_is_not_a_refusal_of_zstd() -> None:
         assert [r.headers["Content-Encoding"] for r in up.empty_writes] == ["zstd", "snappy"]
 
 
+def _rw2_snappy_only(rec: Received) -> Reply:
+    """Prometheus 3's receiver: RW 2.0 and 1.0, but snappy only (415 to any other
+    Content-Encoding, the status it gives an unsupported Content-Type too)."""
+    if rec.headers.get("Content-Encoding", "snappy") != "snappy":
+        return Reply(415, body=b"zstd encoding (compression) is not accepted by this "
+                               b"server; only snappy is acceptable")
+    return rw2_receiver(rec)
+
+
+async def test_a_415_to_a_zstd_rw2_request_is_a_refusal_of_zstd_not_of_rw2() -> None:
+    # a 415 says "this Content-Type or this Content-Encoding": to an RW 2.0 request sent
+    # as zstd (``encoding: same``, the sender's; the check at start writes snappy) it was
+    # taken for the first, the upstream remembered as 1.0-only (every RW 2.0 request
+    # converted from then on) and the request sent again as zstd RW 1.0, refused again.
+    # The 415 is the sender's, as for RW 1.0 (a zstd sender falls back to snappy)
+    async with ScriptedUpstream(rule=_rw2_snappy_only) as up, \
+            opened(up.url, encoding="same") as u:
+        answer = await u.send(v2_body(), Protocol.V2, encoding="zstd", counts=COUNTS)
+        assert answer.status == 415 and not answer.converted, answer
+        assert not u.v1_only
+        assert [(r.headers["Content-Type"], r.headers["Content-Encoding"])
+                for r in up.received] == [(Protocol.V2.content_type, "zstd")]
+        # the sender's next request, as snappy, goes as RW 2.0 and is written
+        answer = await u.send(v2_body(), Protocol.V2, encoding="snappy", counts=COUNTS)
+        assert answer.ok and answer.headers[WRITTEN_SAMPLES] == "2"
+        assert up.received[-1].headers["Content-Type"] == Protocol.V2.content_type
+        assert up.received[-1].raw == v2_body()
+
+
 async def test_429_passes_when_configured() -> None:
     async with ScriptedUpstream(Reply(429)) as up, opened(up.url, pass_through_429=True) as u:
         assert (await u.send(v1_body(), Protocol.V1)).status == 429

@@ -71,8 +71,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: series per request: Prometheus refuses bodies over 32 MiB decoded and most receivers
-#: prefer requests of a few thousand series; 100k pods make ~30 requests per write
+#: series per request: most receivers prefer requests of a few thousand series, and some
+#: limit a request's size (Prometheus 2.42 does not: it took a 40 MiB decoded write, 204,
+#: measured); 100k pods make ~30 requests per write
 MAX_SERIES_PER_REQUEST = 5000
 #: a write's building yields to the event loop (an empty body in ``iter_requests``) after
 #: the group (a pod's or workload's series) that takes the series made past a multiple of

@@ -310,9 +310,10 @@ def naming_series(index: int, labels: Sequence[tuple[bytes, bytes]]) -> Iterator
 
 def check_names(names: Sequence[bytes]) -> None:
     """400 ``invalid_labels`` for no label at all, or an empty or a repeated label name, in
-    any series: a TSDB refuses such a series (Prometheus 2.42 with a 500, which senders
-    retry forever, the innocent series of the batch with it), and the stamp of a series
-    with two values for one name would be a guess. The repeated name a refusal shows is
+    any series: the remote-write specifications forbid them, a TSDB refuses a repeated
+    name (Prometheus 2.42 with a 500, which senders retry forever, the innocent series of
+    the batch with it; it stores an empty name), and the stamp of a series with two values
+    for one name would be a guess. The repeated name a refusal shows is
     the least in byte order (the native splice finds it in its sorted copy)."""
     if not names:
         raise DecodeError("invalid_labels", 400, "a series with no labels")

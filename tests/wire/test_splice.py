@@ -102,6 +102,31 @@ def test_sent_karta_labels_are_dropped_from_stamped_series(splicer: Splicer) -> 
     assert (res.attributed, res.stripped) == (1, 1)
 
 
+def test_exemplar_labels_pass_as_they_came_karta_ones_too(splicer: Splicer) -> None:
+    """An exemplar's labels name a trace, not a series (docs/wire.md, "Label policy"): the
+    drop of a sender's ``karta_*`` labels and the stamp are the series' only, in both
+    protocols; its exemplars leave as they came."""
+    ts = series_v1({**POD, **FORGED})
+    ex = ts.exemplars.add(value=1.0, timestamp=TS)
+    ex.labels.add(name="karta_workload", value="trace-side")
+    ex.labels.add(name="trace_id", value="abc")
+    (got,) = parse_v1(splicer.splice_v1(request_v1(ts)).body).timeseries
+    assert labels_of(got) == STAMPED_POD
+    assert got.exemplars == ts.exemplars
+
+    req = parse_v2(request_v2({**POD, **FORGED}))
+    req.symbols.append("trace-side")
+    sent = req.timeseries[0].exemplars.add(value=1.0, timestamp=TS)
+    sent.labels_refs.extend([list(req.symbols).index("karta_workload"), len(req.symbols) - 1])
+    out = parse_v2(splicer.splice_v2(req.SerializeToString()).body)
+    (one,) = out.timeseries
+    assert labels_v2(out, one) == STAMPED_POD
+    (back,) = one.exemplars
+    refs = list(back.labels_refs)
+    assert [out.symbols[r] for r in refs] == ["karta_workload", "trace-side"]
+    assert (back.value, back.timestamp) == (1.0, TS)
+
+
 def test_sender_karta_labels_keep_replaces_only_stamped_names(make_splicer: MakeSplicer
                                                               ) -> None:
     sp = make_splicer(KEEP_SENT)
@@ -369,15 +394,18 @@ def test_valid_multibyte_and_replacement_characters_pass(splicer: Splicer) -> No
         # invalid_labels)
         b"\x22\x00\x22\x01a\x2a\x06\x0a\x02\x01\x01\x12\x00\x2a\x02\x10\x01",
         # the payloads the splice copies
-        b"\x22\x00\x2a\x07\x22\x05\x0a\x02\x00\x01\x00",  # exemplar ref past the table
-        b"\x22\x00\x2a\x06\x22\x04\x0a\x01\x00\x00",  # exemplar refs odd
+        # exemplar ref past the table (it ended in a field number 0, refused for that)
+        b"\x22\x00\x2a\x06\x22\x04\x0a\x02\x00\x01",
+        b"\x22\x00\x2a\x05\x22\x03\x0a\x01\x00",  # exemplar refs odd (packed)
         b"\x22\x00\x2a\x04\x22\x02\x08\x00",  # exemplar refs unpacked, odd
         b"\x22\x00\x2a\x04\x2a\x02\x18\x01",  # metadata help_ref past the table
         b"\x22\x00\x2a\x04\x2a\x02\x20\x05",  # metadata unit_ref past the table
         b"\x22\x00\x2a\x04\x2a\x02\x19\x00",  # metadata help_ref as fixed64 (cut)
         b"\x22\x00\x2a\x05\x2a\x03\x08\x80\x80",  # metadata type truncated
         b"\x22\x00\x2a\x0e\x12\x0c" + _VALUE + b"\x10" + b"\x80\x80",  # cut sample
-        b"\x22\x00\x2a\x16\x12\x14" + _VALUE + b"\x18" + b"\x80" * 10 + b"\x00",
+        # start_timestamp an 11-byte varint (its last byte was outside the series: a
+        # top-level field number 0, refused for that)
+        b"\x22\x00\x2a\x17\x12\x15" + _VALUE + b"\x18" + b"\x80" * 10 + b"\x00",
         b"\x22\x00\x2a\x04\x1a\x02\x00\x00",  # histogram field number 0
     ],
 )
