@@ -586,28 +586,37 @@ async def test_a_description_change_is_reattributed_in_runs_and_an_unchanged_one
         await p.stop()
 
 
+#: a Trainer (a kind TRAINER_KARTA describes) and its pod, for a snapshot
+TRAINER = {"apiVersion": "example.com/v1", "kind": "Trainer",
+           "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
+           "spec": {"replicas": 3}, "status": {"state": "ready"}}
+TRAINER_POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+    "name": "t-0", "namespace": "shop", "uid": "t-0", "ownerReferences": [
+        {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
+         "controller": True}]}}
+
+
+def _trainer_running(p: Proxy) -> None:
+    """The Trainer is read whole: its phase and desired count, not
+    ``workload_object_missing``."""
+    facts = p.engine.workload("t-uid")
+    assert facts is not None
+    assert (facts.phase, facts.phase_reason, facts.replicas[0].desired) == (
+        "Running", "", 3.0)
+
+
 async def test_a_description_a_reload_adds_in_snapshot_mode_reads_its_kinds_objects_whole(
         tmp_path: Path) -> None:
     """A kind the description files describe only from a reload on: the snapshot's
     objects of it were kept without their body (undescribed when they came), so the
     source feeds them again; they read ``workload_object_missing`` (no phase, no desired
     count) until each changed."""
-    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
-             "controller": True}
-    snap = yaml.safe_dump_all([
-        {"apiVersion": "example.com/v1", "kind": "Trainer",
-         "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
-         "spec": {"replicas": 3}, "status": {"state": "ready"}},
-        {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": "t-0", "namespace": "shop", "uid": "t-0", "ownerReferences": [owner]}}])
+    snap = yaml.safe_dump_all([TRAINER, TRAINER_POD])
     p, folder = await _described_proxy(tmp_path, snap)
     try:
         (folder / "trainer.yaml").write_text(yaml.safe_dump(TRAINER_KARTA))
         assert (await p.reload()).ok
-        facts = p.engine.workload("t-uid")
-        assert facts is not None
-        assert (facts.phase, facts.phase_reason, facts.replicas[0].desired) == (
-            "Running", "", 3.0)
+        _trainer_running(p)
     finally:
         await p.stop()
 
@@ -1044,14 +1053,7 @@ async def test_a_kind_newly_described_while_the_snapshot_is_rewritten_is_fed_who
     the same bytes fed nothing: ``workload_object_missing`` until the object changed.
     ``rewrites``: the files rewritten with the same bytes at polls before, so the polls
     after find them as applied by their bytes and read nothing (fed there too)."""
-    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
-             "controller": True}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
-        "name": "t-0", "namespace": "shop", "uid": "t-0", "ownerReferences": [owner]}}
-    trainer = {"apiVersion": "example.com/v1", "kind": "Trainer",
-               "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
-               "spec": {"replicas": 3}, "status": {"state": "ready"}}
-    whole = yaml.safe_dump_all([pod, trainer])
+    whole = yaml.safe_dump_all([TRAINER_POD, TRAINER])
     p, folder = await _described_proxy(tmp_path, whole)
     snap = tmp_path / "snap.yaml"
     source: Any = p.source
@@ -1067,10 +1069,7 @@ async def test_a_kind_newly_described_while_the_snapshot_is_rewritten_is_fed_who
         snap.write_text(whole)  # the writer done: the same objects as before
         for _ in range(3):  # a change is read once two polls in a row agree
             await source.poll()
-        facts = p.engine.workload("t-uid")
-        assert facts is not None
-        assert (facts.phase, facts.phase_reason, facts.replicas[0].desired) == (
-            "Running", "", 3.0)
+        _trainer_running(p)
     finally:
         await p.stop()
 
@@ -1080,17 +1079,10 @@ async def test_objects_owed_from_a_file_that_stays_broken_are_not_read_again_at_
     """The objects a reload's read missed are tried again by a poll that finds the files
     as applied only once the files changed since that read: a file that stays broken
     (its objects kept from its last good read) would be read again at every poll."""
-    owner = {"apiVersion": "example.com/v1", "kind": "Trainer", "name": "t", "uid": "t-uid",
-             "controller": True}
     folder = tmp_path / "snap"
     folder.mkdir()
-    (folder / "a.yaml").write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "t-0", "namespace": "shop", "uid": "t-0",
-                     "ownerReferences": [owner]}}))
-    (folder / "b.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "example.com/v1", "kind": "Trainer",
-        "metadata": {"name": "t", "namespace": "shop", "uid": "t-uid"},
-        "spec": {"replicas": 3}, "status": {"state": "ready"}}))
+    (folder / "a.yaml").write_text(yaml.safe_dump(TRAINER_POD))
+    (folder / "b.yaml").write_text(yaml.safe_dump(TRAINER))
     descs = tmp_path / "descriptions"
     descs.mkdir()
     config = tmp_path / "karta-proxy.yaml"
