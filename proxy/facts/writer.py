@@ -829,6 +829,8 @@ class FactWriter:
             await self._stand_by(self._clock())
             return False
         now = self._clock()
+        if self._beyond_limit(now) and await self._asked_upstream_time():
+            now = self._clock()
         if self._clock_off(now):
             return False
         return await self._write(now)
@@ -840,6 +842,31 @@ class FactWriter:
         offset = clock.offset(self._clock()) if clock is not None else None
         return math.nan if offset is None else offset
 
+    def _beyond_limit(self, now: float) -> float | None:
+        """This host's clock less the upstream's at ``now`` when it is more than
+        ``facts.max_clock_offset_seconds`` (None within it, with no limit, or before an
+        answer with a ``Date`` came)."""
+        limit = self._settings.max_clock_offset_seconds
+        clock = self._upstream_clock
+        offset = clock.offset(now) if limit and clock is not None else None
+        return offset if offset is not None and abs(offset) > limit else None
+
+    async def _asked_upstream_time(self) -> bool:
+        """Ask the upstream's time again with an empty write (no series, so no sample
+        stamped with this host's clock): its answer's ``Date`` is the reading a hold is
+        judged by. That reading ages: the upstream's clock may have been stepped right
+        since, or this host's monotonic clock may have missed time its wall clock counted
+        (a suspended VM resumed). Held writes send nothing, so no Date came, and a hold
+        judged on the old reading lasted for ever. True when the upstream answered."""
+        try:
+            await self._send(b"")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the hold is then judged by the last reading
+            log.debug("fact writer: asking the upstream's time failed: %s", exc)
+            return False
+        return True
+
     def _clock_off(self, now: float) -> bool:
         """Hold this write: this host's clock is more than ``facts.max_clock_offset_seconds``
         off the upstream's. Samples stamped an hour ahead made a Prometheus refuse every
@@ -849,14 +876,13 @@ class FactWriter:
         whose clock may be right (:meth:`_egress_failed`); the start and the end of a hold
         are logged, not each write."""
         limit = self._settings.max_clock_offset_seconds
-        clock = self._upstream_clock
-        offset = clock.offset(now) if limit and clock is not None else None
-        if offset is None or abs(offset) <= limit:
+        offset = self._beyond_limit(now)
+        if offset is None:
             if self._held_for_clock:
                 self._held_for_clock = False
                 log.info("fact writes resume: this host's clock is %.1f s off the "
                          "upstream's, within facts.max_clock_offset_seconds (%g)",
-                         offset or 0.0, limit)
+                         self.clock_offset(), limit)
             return False
         if not self._held_for_clock:
             self._held_for_clock = True
