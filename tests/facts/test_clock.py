@@ -17,9 +17,11 @@ import pytest
 from proxy.config import FactSettings
 from proxy.facts import FactWriter
 from proxy.facts.collectors import sample_value
+from proxy.karta.results import ChangeSet
 from proxy.upstream_clock import UpstreamClock
 from tests.facts.helpers import decode, small_index
 from tests.facts.test_stepdown import _Elector
+from tests.facts.test_writer import _Holder
 
 #: the upstream's Date when the clocks agree (Unix 1_800_000_000, a Friday)
 DATE = "Fri, 15 Jan 2027 08:00:00 GMT"
@@ -199,3 +201,35 @@ async def test_a_hold_asks_the_upstreams_time_once_a_write_and_holds_while_it_di
         assert not await w.write_once()
     assert sent[written:] == [b""] * 3  # one empty write a held write, nothing stamped
     assert w.writes_failed == 3
+
+
+async def test_a_standby_times_what_it_saw_on_the_monotonic_clock() -> None:
+    """A standby remembers the series it saw, each with when it last saw it, so that a
+    takeover ends what the old leader left. Timed on the wall clock, a step back of an
+    hour kept every group seen before it for that hour (STANDBY_MEMORY is 300 s) and a
+    takeover then sent and counted markers for series the old leader had ended long
+    before; a step forward forgot what a takeover still owed. Now those times are ages on
+    the monotonic clock, which no step moves."""
+    wall, mono = [AGREED], [0.0]
+    index = small_index()
+    lease = _Holder(mono, False)  # its renewals on this replica's own (monotonic) clock
+
+    async def send(body: bytes) -> None:
+        pass
+
+    w = FactWriter(FactSettings(), index, send, elector=lease,  # type: ignore[arg-type]
+                   clock=lambda: wall[0], monotonic=lambda: mono[0])
+    assert not await w.write_once()
+    assert "p-head" in w._standby
+    index.apply(ChangeSet(pods={"p-head": None}))  # gone; the leader ends it
+    wall[0] -= 3600.0  # an NTP step back of an hour
+    for _ in range(30):  # 450 s standing by, the holder renewing every interval
+        mono[0] += 15
+        wall[0] += 15
+        lease.renewed = mono[0]
+        assert not await w.write_once()
+    # past the takeover window (90 s) before the holder's last renewal: forgotten
+    assert "p-head" not in w._standby
+    lease.is_leader = True
+    assert await w.write_once()
+    assert w.stale_markers_total == 0  # none counted for what the old leader ended
