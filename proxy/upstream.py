@@ -1073,7 +1073,11 @@ class Upstream:
         sent in parts needs is taken from it, 503 when it does not fit), ``sender_gone``
         says the sender closed its connection (no part is sent after that).
         """
-        incoming = incoming_headers or {}
+        # not ``or {}``: an empty OwnHeaders (the fact writes' without facts.headers) is
+        # falsy, and as a plain dict its answer's Date went unread (the fact writer's
+        # clock reading was the start's check's, for ever) and its headers were filtered
+        # as a sender's
+        incoming = {} if incoming_headers is None else incoming_headers
         path = tenant_url(self.url, tenant, self.settings.default_tenant)
         if path is None:
             return self._no_tenant_place(tenant or "")

@@ -331,12 +331,14 @@ class FactWriter:
         #: what the last build produced (committed to _written once the send succeeds)
         self._pending: dict[Key, Group] = {}
         #: while another replica writes: the groups seen under each key, each with the last
-        #: time it was seen, kept for ``takeover_window`` before the holder's last sign of
-        #: life (at most STANDBY_MEMORY seconds), so a takeover ends what the old leader
-        #: left behind
+        #: time it was seen (own monotonic clock: on the wall clock, a step back of an hour
+        #: kept every group seen for that hour, and a takeover then counted them all as
+        #: series gone; a step forward forgot them), kept for ``takeover_window`` before
+        #: the holder's last sign of life (at most STANDBY_MEMORY seconds), so a takeover
+        #: ends what the old leader left behind
         self._standby: dict[Key, dict[Group, float]] = {}
-        #: when (own wall clock) the last standby walk saw that the lease holder was last
-        #: alive: its last change of the lease record; None when it saw none
+        #: when (own monotonic clock) the last standby walk saw that the lease holder was
+        #: last alive: its last change of the lease record; None when it saw none
         self._holder_seen: float | None = None
         #: the label fields of the series a takeover owes markers for that the previous
         #: leader probably ended already (seen standing by more than an interval before
@@ -613,6 +615,8 @@ class FactWriter:
         vanished, ended it), and one not seen for STANDBY_MEMORY seconds in any case (a
         TSDB has forgotten its series by itself by then).
         All at once: the writer's own loop takes it in stretches (:meth:`_standby_steps`).
+        ``now`` is the wall clock (the samples' length); the sightings are timed on the
+        monotonic clock.
         """
         for _ in self._standby_steps(now):
             pass
@@ -623,6 +627,7 @@ class FactWriter:
         later one is ~0.12 s, which in one stretch held a standby replica's loop, its
         relayed requests and health checks, that long."""
         self._set_sample_len(timestamp_field(int(now * 1000)))
+        now = self._mono()  # the sightings' times: ages, not dates
         standby = self._standby
         started = time.perf_counter()
         for key, group in self._current():
@@ -670,7 +675,7 @@ class FactWriter:
         return lease + step_down + TAKEOVER_INTERVALS * self._interval
 
     def _holder_alive(self, now: float) -> float | None:
-        """When (own wall clock, ``now`` being the present) the elector last saw the lease
+        """When (own monotonic clock, ``now`` being the present) the elector last saw the lease
         record change; None when it never saw one (or there is no election)."""
         if self._elector is None:
             return None
@@ -801,7 +806,7 @@ class FactWriter:
         self._failing_writes = 0
         if target is WriterState.LEADER:
             self._end_other_source = True
-            now = self._clock()
+            now = self._mono()
             owed = self._inherited(now)
             log.info("fact writer takes over: owes stale markers for what it saw standing by "
                      "since %.0f s ago (%d of %d groups)", now - self._owed_since(now),
@@ -813,7 +818,7 @@ class FactWriter:
             log.info("fact writer stands by")
             # what it wrote counts as seen standing by: leading again, it ends what went
             # meanwhile (a lease lost for a renewal or two, nobody else writing)
-            now = self._clock()
+            now = self._mono()
             for k, g in self._written.items():
                 self._standby.setdefault(k, {})[g] = now
             self.forget()
@@ -829,6 +834,8 @@ class FactWriter:
             await self._stand_by(self._clock())
             return False
         now = self._clock()
+        if self._beyond_limit(now) and await self._asked_upstream_time():
+            now = self._clock()
         if self._clock_off(now):
             return False
         return await self._write(now)
@@ -840,6 +847,31 @@ class FactWriter:
         offset = clock.offset(self._clock()) if clock is not None else None
         return math.nan if offset is None else offset
 
+    def _beyond_limit(self, now: float) -> float | None:
+        """This host's clock less the upstream's at ``now`` when it is more than
+        ``facts.max_clock_offset_seconds`` (None within it, with no limit, or before an
+        answer with a ``Date`` came)."""
+        limit = self._settings.max_clock_offset_seconds
+        clock = self._upstream_clock
+        offset = clock.offset(now) if limit and clock is not None else None
+        return offset if offset is not None and abs(offset) > limit else None
+
+    async def _asked_upstream_time(self) -> bool:
+        """Ask the upstream's time again with an empty write (no series, so no sample
+        stamped with this host's clock): its answer's ``Date`` is the reading a hold is
+        judged by. That reading ages: the upstream's clock may have been stepped right
+        since, or this host's monotonic clock may have missed time its wall clock counted
+        (a suspended VM resumed). Held writes send nothing, so no Date came, and a hold
+        judged on the old reading lasted for ever. True when the upstream answered."""
+        try:
+            await self._send(b"")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the hold is then judged by the last reading
+            log.debug("fact writer: asking the upstream's time failed: %s", exc)
+            return False
+        return True
+
     def _clock_off(self, now: float) -> bool:
         """Hold this write: this host's clock is more than ``facts.max_clock_offset_seconds``
         off the upstream's. Samples stamped an hour ahead made a Prometheus refuse every
@@ -849,14 +881,13 @@ class FactWriter:
         whose clock may be right (:meth:`_egress_failed`); the start and the end of a hold
         are logged, not each write."""
         limit = self._settings.max_clock_offset_seconds
-        clock = self._upstream_clock
-        offset = clock.offset(now) if limit and clock is not None else None
-        if offset is None or abs(offset) <= limit:
+        offset = self._beyond_limit(now)
+        if offset is None:
             if self._held_for_clock:
                 self._held_for_clock = False
                 log.info("fact writes resume: this host's clock is %.1f s off the "
                          "upstream's, within facts.max_clock_offset_seconds (%g)",
-                         offset or 0.0, limit)
+                         self.clock_offset(), limit)
             return False
         if not self._held_for_clock:
             self._held_for_clock = True

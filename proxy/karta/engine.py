@@ -206,8 +206,10 @@ class Engine:
     ) -> None:
         """``ghost_seconds`` and ``max_ghosts`` bound the ghosts of removed owners
         (:class:`proxy.karta.owners.Ghost`; 0: none are kept), timed by ``ghost_clock``;
-        :meth:`expire_ghosts` drops those past their time. ``retry_clock`` times the
-        re-evaluations owed after jq failures that may pass (:meth:`retry_due`)."""
+        :meth:`expire_ghosts` drops those past their time. ``retry_clock`` (monotonic)
+        times the re-evaluations owed after jq failures that may pass (:meth:`retry_due`)
+        and the minute of the description changes' log lines; ``clock`` (the wall clock)
+        dates what the engine saw (a phase's ``since``)."""
         self._clock = clock
         self._pods: dict[str, _PodRec] = {}
         self._graph = OwnerGraph(max_owner_hops, self._pods, ghost_seconds=ghost_seconds,
@@ -341,7 +343,7 @@ class Engine:
         minute is over and no later change told them: the last edits of a burst were
         otherwise never logged (a controller's 5 edits in 20 s made one line, for the
         first). Call periodically (the runtime's housekeeping does, with the ghosts)."""
-        now = self._clock()
+        now = self._retry_clock()
         for key, (next_at, held) in list(self._in_force_lines.items()):
             if not held or now < next_at:
                 continue
@@ -1216,7 +1218,9 @@ class Engine:
         next; another description taking over is logged at once."""
         if old is None and new is not None and new.desc.builtin:
             return
-        now = self._clock()
+        # the monotonic clock: on the wall clock a step back of an hour held every line of
+        # the kind's description changes for that hour
+        now = self._retry_clock()
         key = (gk, new.desc.name if new is not None else "")
         next_at, held = self._in_force_lines.get(key, (0.0, 0))
         if now < next_at:

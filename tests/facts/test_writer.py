@@ -287,7 +287,7 @@ async def test_a_takeover_ends_what_changed_or_went_while_standing_by() -> None:
     index = small_index()
     elector = _Elector()
     w = FactWriter(FactSettings(), index, send, elector=elector,  # type: ignore[arg-type]
-                   clock=lambda: now[0])
+                   clock=lambda: now[0], monotonic=lambda: now[0])
     old = PodIndex()
     old.apply(ChangeSet(workloads={"w-old": replace(ray_facts(), ref=replace(RAY, name="o"))}))
     w._index = old  # a workload seen once, long before the takeover
@@ -375,9 +375,9 @@ async def test_a_takeover_owes_markers_only_for_what_the_old_leader_may_have_lef
 
     lease_a, lease_b = _Holder(now, True), _Holder(now, False)
     a = FactWriter(FactSettings(), index, recording("a"), elector=lease_a,  # type: ignore[arg-type]
-                   clock=lambda: now[0])
+                   clock=lambda: now[0], monotonic=lambda: now[0])
     b = FactWriter(FactSettings(), index, recording("b"), elector=lease_b,  # type: ignore[arg-type]
-                   clock=lambda: now[0])
+                   clock=lambda: now[0], monotonic=lambda: now[0])
     assert b.takeover_window == 15 + 30 + 45  # lease, its step-down, three intervals
 
     deletions = {1010.0: "p-head", 1150.0: "p-lost", 1205.0: "p-api"}
@@ -426,7 +426,7 @@ async def test_a_takeover_after_a_lease_outage_still_ends_what_went_meanwhile() 
 
     lease = _Holder(now, False)
     w = FactWriter(FactSettings(), index, send, elector=lease,  # type: ignore[arg-type]
-                   clock=lambda: now[0])
+                   clock=lambda: now[0], monotonic=lambda: now[0])
     for _ in range(14):  # 1000..1195: the holder's last renewal at 1000
         assert not await w.write_once()
         now[0] += 15

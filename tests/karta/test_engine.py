@@ -1043,7 +1043,8 @@ def test_a_description_taking_effect_changing_or_replacing_a_builtin_is_logged(
     start are not news."""
     clock = ManualClock(1000.0)
     caplog.set_level(logging.INFO, logger="proxy.karta.engine")
-    e = Engine(clock=clock)
+    wall = ManualClock(1_800_000_000.0)
+    e = Engine(clock=wall, retry_clock=clock)
 
     def lines() -> list[str]:
         out = [r.getMessage() for r in caplog.records
@@ -1064,6 +1065,8 @@ def test_a_description_taking_effect_changing_or_replacing_a_builtin_is_logged(
         e.upsert(edited)
     assert lines() == []  # within the minute: held back
     clock.now += 61
+    wall.now -= 3600  # an NTP step back: the minute is on the monotonic clock (on the
+    # wall clock, every line of this description was held back for the hour)
     e.upsert(dep)
     assert lines() == [
         "karta engine: description my-deploy (api:Karta/my-deploy) of Deployment.apps "
