@@ -13,7 +13,11 @@ leader election does:
   the lease;
 * a candidate takes the lease over when the holder has not renewed it for
   ``lease_duration``, measured on the candidate's *own* monotonic clock from the moment it
-  last saw the record change, so clock skew between nodes cannot shorten the wait;
+  last saw the record change, so clock skew between nodes cannot shorten the wait; that
+  clock is Linux' ``CLOCK_BOOTTIME`` (:func:`boot_clock`), which counts the time a
+  suspended machine slept, where ``CLOCK_MONOTONIC`` does not: a leader resumed after a
+  suspend longer than its lease knows at once that it no longer leads, where it wrote
+  beside the new leader until its next renewal failed;
 * a holder leads only until ``2/3 * lease_duration`` from the moment it *sent* its last
   successful renewal, so it stops calling itself leader before any candidate may take
   over (which counts from when it saw that renewal applied), and two writers never
@@ -78,6 +82,18 @@ def failure_of(exc: BaseException, timeout: float) -> tuple[str, str]:
             failure_line(exc, timeout))
 
 
+#: the clock a suspend does not stop (Linux); ``time.monotonic`` elsewhere
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def boot_clock() -> float:
+    """Seconds on a monotonic clock that counts a suspend: a replica's own lease timing
+    (a VM paused by its hypervisor stops this one too, and that is documented)."""
+    if _BOOTTIME is None:
+        return time.monotonic()
+    return time.clock_gettime(_BOOTTIME)
+
+
 def micro_time(dt: datetime) -> Any:
     """A Kubernetes MicroTime: always six fractional digits (``isoformat`` drops them when
     the microseconds are 0, which the API server's RFC3339Micro parser refuses). Typed Any:
@@ -110,7 +126,7 @@ class LeaseElector:
         identity: str,
         lease_duration_seconds: float,
         *,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float] = boot_clock,
     ) -> None:
         if lease_duration_seconds <= 0:
             raise ValueError("lease_duration_seconds must be positive")

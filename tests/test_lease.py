@@ -135,6 +135,24 @@ async def test_single_candidate_creates_and_renews_the_lease(
     assert holder(sim) == ""
 
 
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="Linux' CLOCK_BOOTTIME")
+async def test_a_leader_resumed_after_a_suspend_longer_than_its_lease_no_longer_leads(
+    sim: KubeSim, api: Callable[[], k8s.ApiClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A suspended machine's ``CLOCK_MONOTONIC`` stops; ``CLOCK_BOOTTIME`` counts the
+    sleep. On the first, a leader resumed after two leases still called itself leader (and
+    its fact writer wrote beside the replica that took over) until its next renewal
+    failed; on the second it knows at once, and leads again by a round of its own."""
+    async with running(LeaseElector(api(), NS, NAME, "only", DURATION)) as e:
+        await leading(e, 3)
+        real = time.clock_gettime
+        slept = 2 * DURATION
+        monkeypatch.setattr(time, "clock_gettime", lambda clock: real(clock) + (
+            slept if clock == time.CLOCK_BOOTTIME else 0.0))
+        assert not e.is_leader
+        await leading(e, 3)  # nobody else: its next round takes the lease again
+
+
 async def test_a_release_at_stop_replaces_the_record_written_last_in_one_call(
     sim: KubeSim, api: Callable[[], k8s.ApiClient]
 ) -> None:
