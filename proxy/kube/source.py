@@ -800,21 +800,29 @@ class KubeSource:
         way back: a RayJob created with its CRD had its pods unknown to the index (their
         owner kind unwatched) and no facts for up to 30 s, and for up to 60 s after a CRD
         deleted and installed again."""
-        waiting = {gk for gk, why in self.unserved_kinds.items()
-                   if why in (NOT_SERVED, NO_LONGER_SERVED)}
-        if not waiting:
-            return
         now = self._clock()
+        # the description kinds own nothing (a cluster without the older
+        # ResourceInterface CRD has it unserved for good: no event is looked at then)
+        waiting = {gk for gk, why in self.unserved_kinds.items()
+                   if why in (NOT_SERVED, NO_LONGER_SERVED) and gk not in DESCRIPTION_KINDS
+                   and now >= self._hinted.get(gk, -1e18) + SERVED_HINT_INTERVAL}
+        kinds = {gk.kind for gk in waiting}
         for _, obj in events:
-            for ref in (obj.get("metadata") or {}).get("ownerReferences") or ():
-                gk = GroupKind.from_api_version(str(ref.get("apiVersion", "")),
-                                                str(ref.get("kind", "")))
-                if gk in waiting and now >= self._hinted.get(gk, -1e18) + SERVED_HINT_INTERVAL:
+            if not kinds:
+                return
+            md = obj.get("metadata") if isinstance(obj, dict) else None
+            refs = md.get("ownerReferences") if isinstance(md, dict) else None
+            for ref in refs if isinstance(refs, list) else ():
+                if not isinstance(ref, dict) or ref.get("kind") not in kinds:
+                    continue  # the engine reports what is malformed
+                gk = GroupKind.from_api_version(str(ref.get("apiVersion", "")), ref["kind"])
+                if gk in waiting:
                     self._hinted[gk] = now
                     log.debug("an object of %s names an owner of kind %s, not served at the "
                               "last look: asking discovery again", object_name(obj), gk)
                     self._kinds_changed.set()
                     waiting.discard(gk)
+                    kinds = {w.kind for w in waiting}
 
     def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:
         many = self.engine.delete_many if deletes else self.engine.upsert_many
