@@ -406,6 +406,16 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
                      timeout=5)
 
 
+async def _slow_recheck_source(sim: KubeSim) -> KubeSource:
+    """A source with the shipped recheck interval (30 s): what a test must beat without
+    waiting for it."""
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
+    await asyncio.wait_for(source.start(), 10)
+    return source
+
+
 async def test_a_crd_served_at_another_version_is_followed_at_once(
         sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
     """A CRD upgrade: RayJob and RayCluster served as v1alpha1, then v1 only (the old
@@ -417,11 +427,8 @@ async def test_a_crd_served_at_another_version_is_followed_at_once(
     sim.serve_version(RAY_CLUSTER, "v1alpha1")
     sim.create(RAYJOB_KARTA)
     names = rayjob(sim)
-    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
-    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
-                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
     caplog.set_level(logging.INFO, logger="proxy.kube.source")
-    await asyncio.wait_for(source.start(), 10)
+    source = await _slow_recheck_source(sim)
     try:
         rj = GroupKind("ray.io", "RayJob")
         assert source.watchers[rj][1][0].resource.version == "v1alpha1"
@@ -1231,16 +1238,6 @@ async def test_a_restore_one_watcher_sees_relists_every_watcher(
     assert len(warned) == 1 and warned[0].startswith("watch deployments.apps: "), warned
     if keep_watches:  # nothing failed: the relists never made the index stale
         assert not any("STALE" in r.getMessage() for r in caplog.records)
-
-
-async def _slow_recheck_source(sim: KubeSim) -> KubeSource:
-    """A source with the shipped recheck interval (30 s): what a test must beat without
-    waiting for it."""
-    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
-    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
-                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
-    await asyncio.wait_for(source.start(), 10)
-    return source
 
 
 def _kind_of(source: KubeSource, pod_name: str) -> str | None:
