@@ -53,6 +53,14 @@ T = TypeVar("T")
 POD = GroupKind("", "Pod")
 #: why a kind is unserved when RBAC refused its watch (the forbidden gauge reads it)
 FORBIDDEN = REFUSED[403]
+#: why a kind is unserved when discovery does not list it: at start or later, and after
+#: its watch got 404 (a CRD deleted). One episode whichever comes first
+NOT_SERVED = "not served by the cluster"
+NO_LONGER_SERVED = "no longer served"
+#: the least time (s) between two follower rounds an object naming an owner of a kind
+#: not served asks for (``KubeSource._hint_served``): a pod left behind by a deleted
+#: CRD's objects names it for as long as it runs
+SERVED_HINT_INTERVAL = 5.0
 KARTA = GroupKind("run.ai", "Karta")
 RESOURCE_INTERFACE = GroupKind("optimization.nvidia.com", "ResourceInterface")
 DESCRIPTION_KINDS = (KARTA, RESOURCE_INTERFACE)
@@ -193,6 +201,9 @@ class KubeSource:
         #: the next reconcile round asks discovery again at once (a CRD whose served
         #: version changed is watched at the new one, handed what the old watch held)
         self._moved: dict[GroupKind, ApiResource] = {}
+        #: kinds not served -> when (``clock``) an object naming an owner of the kind
+        #: last had discovery asked again (``_hint_served``)
+        self._hinted: dict[GroupKind, float] = {}
         #: kinds whose discovery failed in the last round that tried them -> the error
         self._discovery_failed: dict[GroupKind, str] = {}
         #: those kinds -> since when (``clock``) their discovery fails: the line at its end
@@ -392,7 +403,7 @@ class KubeSource:
             if res is None:
                 self._refused.pop(gk, None)
                 self._clear_failing(gk)  # not failing: not served (reported as such)
-                self._mark_unserved(gk, "not served by the cluster")
+                self._mark_unserved(gk, NOT_SERVED)
                 continue
             if retry_at is None:
                 self._mark_served(gk)
@@ -442,8 +453,13 @@ class KubeSource:
                 log.debug("discovery of %s after its 404 failed: %s", gk, e)
                 res = None
             if res is None or res == old:
-                self._mark_unserved(gk, "no longer served")
-                self._refused[gk] = self._clock() + self._recheck_interval
+                self._mark_unserved(gk, NO_LONGER_SERVED)
+                if res is not None:
+                    # still listed, yet refused: discovery alone must not serve it again
+                    # before the recheck interval (a watch 404'd at once in a loop). Not
+                    # listed (a CRD deleted), discovery is the word: a CRD installed again
+                    # is watched once a round finds it, not 30 s after the 404
+                    self._refused[gk] = self._clock() + self._recheck_interval
                 await self._drop(gk)
                 continue
             log.info("kind %s is served as %s/%s now (its watch of %s/%s got 404); "
@@ -517,6 +533,7 @@ class KubeSource:
         It stayed at 1 for good, one child per kind ever described, and an unserved kind
         kept every follower round invalidating discovery."""
         self.unserved_kinds.pop(gk, None)
+        self._hinted.pop(gk, None)
         self._refused.pop(gk, None)
         self._discovery_failed.pop(gk, None)
         self._discovery_since.pop(gk, None)
@@ -527,13 +544,15 @@ class KubeSource:
                 gauge.remove(str(gk))
 
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
-        if self.unserved_kinds.get(gk) != why:
+        was = self.unserved_kinds.get(gk)
+        if was != why and not {was, why} <= {NOT_SERVED, NO_LONGER_SERVED}:
             log.warning("kind %s is needed but %s; attribution through it is unavailable",
                         gk, why)
         self.unserved_kinds[gk] = why
         self._show_unserved(gk)
 
     def _mark_served(self, gk: GroupKind) -> None:
+        self._hinted.pop(gk, None)
         if self.unserved_kinds.pop(gk, None) is not None:
             log.info("kind %s is served now", gk)
             self._show_unserved(gk)
@@ -757,6 +776,8 @@ class KubeSource:
                 self._kinds_changed.set()
         if self._owed:
             self._kinds_changed.set()  # the follower's round gives what is owed
+        if self.unserved_kinds:
+            self._hint_served(events)
         if fetcher is not None:
             fetcher.fed(events)
         if not self.index.ready:
@@ -770,6 +791,38 @@ class KubeSource:
             if self._since_freeze >= SYNC_FREEZE_EVERY:
                 memory.collect_and_freeze()
                 self._since_freeze = 0
+
+    def _hint_served(self, events: list[WatchEvent]) -> None:
+        """An object naming an owner of a kind discovery did not list (a RayCluster's
+        pod, a JobSet's Job) says the kind is served now: its CRD was installed (again)
+        since. The follower's round, which asks discovery again, is woken at once, at
+        most once every ``SERVED_HINT_INTERVAL`` per kind. The recheck (30 s) was the only
+        way back: a RayJob created with its CRD had its pods unknown to the index (their
+        owner kind unwatched) and no facts for up to 30 s, and for up to 60 s after a CRD
+        deleted and installed again."""
+        now = self._clock()
+        # the description kinds own nothing (a cluster without the older
+        # ResourceInterface CRD has it unserved for good: no event is looked at then)
+        waiting = {gk for gk, why in self.unserved_kinds.items()
+                   if why in (NOT_SERVED, NO_LONGER_SERVED) and gk not in DESCRIPTION_KINDS
+                   and now >= self._hinted.get(gk, -1e18) + SERVED_HINT_INTERVAL}
+        kinds = {gk.kind for gk in waiting}
+        for _, obj in events:
+            if not kinds:
+                return
+            md = obj.get("metadata") if isinstance(obj, dict) else None
+            refs = md.get("ownerReferences") if isinstance(md, dict) else None
+            for ref in refs if isinstance(refs, list) else ():
+                if not isinstance(ref, dict) or ref.get("kind") not in kinds:
+                    continue  # the engine reports what is malformed
+                gk = GroupKind.from_api_version(str(ref.get("apiVersion", "")), ref["kind"])
+                if gk in waiting:
+                    self._hinted[gk] = now
+                    log.debug("an object of %s names an owner of kind %s, not served at the "
+                              "last look: asking discovery again", object_name(obj), gk)
+                    self._kinds_changed.set()
+                    waiting.discard(gk)
+                    kinds = {w.kind for w in waiting}
 
     def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:
         many = self.engine.delete_many if deletes else self.engine.upsert_many

@@ -406,6 +406,16 @@ async def test_unserved_kind_is_reported_not_fatal(sim: KubeSim,
                      timeout=5)
 
 
+async def _slow_recheck_source(sim: KubeSim) -> KubeSource:
+    """A source with the shipped recheck interval (30 s): what a test must beat without
+    waiting for it."""
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
+                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
+    await asyncio.wait_for(source.start(), 10)
+    return source
+
+
 async def test_a_crd_served_at_another_version_is_followed_at_once(
         sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
     """A CRD upgrade: RayJob and RayCluster served as v1alpha1, then v1 only (the old
@@ -417,11 +427,8 @@ async def test_a_crd_served_at_another_version_is_followed_at_once(
     sim.serve_version(RAY_CLUSTER, "v1alpha1")
     sim.create(RAYJOB_KARTA)
     names = rayjob(sim)
-    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
-    source = KubeSource(kube, Engine(), PodIndex(), metrics_registry=CollectorRegistry(),
-                        watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=30)
     caplog.set_level(logging.INFO, logger="proxy.kube.source")
-    await asyncio.wait_for(source.start(), 10)
+    source = await _slow_recheck_source(sim)
     try:
         rj = GroupKind("ray.io", "RayJob")
         assert source.watchers[rj][1][0].resource.version == "v1alpha1"
@@ -1231,3 +1238,63 @@ async def test_a_restore_one_watcher_sees_relists_every_watcher(
     assert len(warned) == 1 and warned[0].startswith("watch deployments.apps: "), warned
     if keep_watches:  # nothing failed: the relists never made the index stale
         assert not any("STALE" in r.getMessage() for r in caplog.records)
+
+
+def _kind_of(source: KubeSource, pod_name: str) -> str | None:
+    return (labels(source, "ml", pod_name) or {}).get("karta_kind")
+
+
+async def test_a_crd_installed_later_is_watched_once_a_pod_names_its_kind(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """RayJob described, its CRDs (RayJob, RayCluster) installed while the proxy runs, a
+    RayJob and its pods created at once. The first pod owned by a RayCluster tells that
+    the kind is served now: discovery is asked again then, not at the next 30 s recheck.
+    Before, the pods were unknown to the index (their owner kind unwatched:
+    owner_missing) and the RayJob had no facts for up to the recheck interval: 27 s in
+    the audit's run, CRD installed 3 s after the last recheck."""
+    sim.unregister(RAY_JOB, RAY_CLUSTER)
+    sim.create(RAYJOB_KARTA)
+    source = await _slow_recheck_source(sim)
+    try:
+        rj = GroupKind("ray.io", "RayJob")
+        assert rj in source.unserved_kinds
+        sim.register(RAY_JOB, RAY_CLUSTER)
+        names = rayjob(sim)
+        await eventually(lambda: _kind_of(source, names[1]) == "RayJob", timeout=5)
+        await eventually(lambda: any(f.ref.kind == "RayJob" and f.phase == "Running"
+                                     for f in source.index.workloads.values()), timeout=5)
+        assert not source.unserved_kinds
+        assert metric(source, "karta_proxy_watch_unserved", {"resource": str(rj)}) == 0
+    finally:
+        await source.stop()
+
+
+async def test_a_crd_deleted_then_installed_again_is_watched_again_at_once(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """The RayJob and RayCluster CRDs deleted while watched (their objects deleted with
+    them, the pods left running), then installed again and a new RayJob created. The
+    running pods keep their RayJob (its ghost); the kinds are unserved with one warning
+    each; the new RayJob's pods are attributed as soon as one names its RayCluster.
+    Before, a kind whose watch got 404 and that discovery no longer listed was held
+    unserved for the recheck interval whatever discovery said: the new RayJob's pods were
+    unknown to the index for 25 s in the audit's run."""
+    sim.create(RAYJOB_KARTA)
+    names = rayjob(sim)
+    source = await _slow_recheck_source(sim)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    try:
+        rj, rc = GroupKind("ray.io", "RayJob"), GroupKind("ray.io", "RayCluster")
+        assert _kind_of(source, names[1]) == "RayJob"
+        sim.unregister(RAY_JOB, RAY_CLUSTER)
+        await eventually(lambda: {rj, rc} <= source.unserved_kinds.keys(), timeout=5)
+        assert _kind_of(source, names[1]) == "RayJob"  # running, its workload's ghost
+        await asyncio.sleep(0.5)  # a few follower rounds: no more warnings
+        sim.register(RAY_JOB, RAY_CLUSTER)
+        names2 = rayjob(sim, "train2")
+        await eventually(lambda: _kind_of(source, names2[1]) == "RayJob", timeout=5)
+        assert labels(source, "ml", names2[1])["karta_workload"] == "train2"  # type: ignore[index]
+        assert not source.unserved_kinds
+        for gk in (rj, rc):
+            assert len(_logged(caplog, logging.WARNING, f"kind {gk} is needed but")) == 1
+    finally:
+        await source.stop()

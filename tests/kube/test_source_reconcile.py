@@ -21,7 +21,7 @@ from proxy.index import PodIndex
 from proxy.karta.engine import Engine
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
-from proxy.kube.source import RESTORE_INTERVAL, KubeSource
+from proxy.kube.source import RESTORE_INTERVAL, SERVED_HINT_INTERVAL, KubeSource
 from tests.clock import ManualClock
 from tests.karta.descriptions import JOBSET_KARTA, RAYCLUSTER_KARTA, RAYJOB_KARTA
 from tests.karta.runs import record_runs
@@ -363,6 +363,38 @@ async def test_unserved_kind_is_reported_then_picked_up(cluster: FakeCluster,
     assert cluster.invalidations == 2
     assert modes(source)["JobSet"] == "full" and not source.unserved_kinds
     assert metric(source, "karta_proxy_watch_unserved", {"resource": str(gk)}) == 0
+
+
+async def test_an_object_naming_an_unserved_kind_asks_again_at_most_every_5_s(
+        cluster: FakeCluster, synced: Synced, clock: ManualClock) -> None:
+    """A Job naming a JobSet (its CRD installed since) wakes the follower at once; more
+    objects naming it (a deleted CRD's objects' Jobs and pods, for as long as they run)
+    wake it at most once every SERVED_HINT_INTERVAL, each round a discovery request."""
+    cluster.create(JOBSET_KARTA)
+    source = await synced()
+    gk = JOB_SET.group_kind
+    assert gk in source.unserved_kinds
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+              "metadata": {"name": "js", "namespace": "ml", "uid": "js-uid"}}
+    assert not source.kinds_pending
+    cluster.create({"apiVersion": "batch/v1", "kind": "Job",
+                    "metadata": {"name": "js-0", "namespace": "ml",
+                                 "ownerReferences": owner(jobset)}})
+    assert source.kinds_pending
+    assert await source.refresh_kinds() == 0  # not listed yet: still unserved
+    assert gk in source.unserved_kinds
+    cluster.create({"apiVersion": "batch/v1", "kind": "Job",
+                    "metadata": {"name": "js-1", "namespace": "ml",
+                                 "ownerReferences": owner(jobset)}})
+    assert not source.kinds_pending  # asked 0 s ago
+    clock.now += SERVED_HINT_INTERVAL
+    cluster.serve(JOB_SET)
+    cluster.create({"apiVersion": "batch/v1", "kind": "Job",
+                    "metadata": {"name": "js-2", "namespace": "ml",
+                                 "ownerReferences": owner(jobset)}})
+    assert source.kinds_pending
+    assert await source.refresh_kinds() == 0
+    assert modes(source)["JobSet"] == "full" and not source.unserved_kinds
 
 
 async def test_forbidden_watch_is_reported_dropped_and_retried(cluster: FakeCluster,

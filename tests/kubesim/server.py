@@ -20,6 +20,7 @@ import collections
 import copy
 import dataclasses
 import json
+import re
 import socket
 import ssl
 import tempfile
@@ -46,6 +47,16 @@ from tests.kubesim.store import (
 )
 
 META_GROUP_VERSION = "meta.k8s.io/v1"
+
+
+def version_priority(version: str) -> tuple[int, int, int, str]:
+    """Kubernetes' order of API versions (``CompareKubeAwareVersionStrings``): GA before
+    beta before alpha, a higher major then minor first, other names last by name."""
+    m = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
+    if m is None:
+        return (3, 0, 0, version)
+    stage = {None: 0, "beta": 1, "alpha": 2}[m.group(2)]
+    return (stage, -int(m.group(1)), -int(m.group(3) or 0), "")
 
 
 def free_port() -> int:
@@ -114,6 +125,9 @@ class KubeSim:
         #: answer every API request with this status while set (e.g. 503: an outage
         #: where the server is up but failing)
         self.fail_status: int | None = None
+        #: (group, plural) -> the versions it is served at besides its own (see
+        #: ``serve_versions``)
+        self.also_served: dict[tuple[str, str], tuple[str, ...]] = {}
         #: (group, plural, namespace or "") -> (status, Accept substring or ""): requests
         #: for that resource (list, watch, get; with that substring in their Accept header,
         #: if given; within that namespace, if given) are answered with the status, while
@@ -251,17 +265,42 @@ class KubeSim:
         for rt in rtypes:
             self.store.register(rt)
 
-    def unregister(self, *rtypes: ResourceType) -> None:
-        """Remove a served kind (and its objects); its watches end."""
+    def unregister(self, *rtypes: ResourceType, cascade: bool = False) -> None:
+        """A CRD deleted: as kube-apiserver's CRD finalizer (``customresourcecleanup``)
+        does, its objects are deleted first (a DELETED event each on the open watches;
+        ``cascade``: their dependents too, the garbage collector's part, which a real
+        cluster does a little later), then its open watches end cleanly and discovery no
+        longer lists it (its paths answer 404)."""
         for rt in rtypes:
+            rs = self.store.resources.get(rt.key)
+            if rs is not None:
+                for obj in list(rs.objects.values()):
+                    md = obj["metadata"]
+                    if (md.get("namespace", "") if rt.namespaced else "",
+                            md["name"]) in rs.objects:
+                        self.delete(obj, cascade=cascade)
+                for feed in list(rs.feeds):
+                    feed.flush(b"")  # after the DELETED events queued: a clean end
+                rs.feeds.clear()  # ended so, not killed (aborted) below
             self.store.unregister(rt)
+            self.also_served.pop(rt.key, None)
 
     def serve_version(self, rtype: ResourceType, version: str) -> None:
         """A CRD upgrade: ``rtype`` served at ``version`` only from now on (discovery says
         so, the old version's paths answer 404), its objects kept; its open watches end,
         as when the CRD's storage is rebuilt."""
+        self.serve_versions(rtype, version)
+
+    def serve_versions(self, rtype: ResourceType, *versions: str) -> None:
+        """A CRD's served versions changed (``spec.versions[].served``): ``rtype`` served
+        at each of ``versions`` from now on, one store whatever the version (discovery
+        lists every one, the group's preferred version first by Kubernetes' version
+        priority; a version no longer served answers 404), its objects kept. Its open
+        watches end (of every version), as kube-apiserver rebuilds a CRD's storage when
+        its spec changes. Objects are sent as stored: no conversion of ``apiVersion``."""
         rs = self.store.resources[rtype.key]
-        rs.rtype = dataclasses.replace(rs.rtype, version=version)
+        rs.rtype = dataclasses.replace(rs.rtype, version=versions[0])
+        self.also_served[rtype.key] = tuple(v for v in versions[1:] if v != versions[0])
         self.store.by_kind[(rtype.group, rtype.kind)] = rtype.key
         for feed in list(rs.feeds):
             feed.kill()
@@ -498,6 +537,9 @@ class KubeSim:
         out: dict[str, list[ResourceType]] = collections.defaultdict(list)
         for rt in self.store.types():
             out[rt.api_version].append(rt)
+            for version in self.also_served.get(rt.key, ()):
+                also = dataclasses.replace(rt, version=version)
+                out[also.api_version].append(also)
         return out
 
     async def _api(
@@ -508,13 +550,20 @@ class KubeSim:
         if parts == ["api"]:
             return web.json_response({"kind": "APIVersions", "versions": ["v1"]})
         if parts == ["apis"]:
+            # one entry per group, its versions by priority (the preferred one first), as
+            # kube-apiserver lists them: one entry per group/version was two groups of
+            # one name, and a client kept only the last
+            by_group: dict[str, list[str]] = collections.defaultdict(list)
+            for gv in gvs:
+                if "/" in gv:
+                    group, version = gv.split("/")
+                    by_group[group].append(version)
             groups = []
-            for gv in sorted(gvs):
-                if "/" not in gv:
-                    continue
-                group, version = gv.split("/")
-                entry = {"groupVersion": gv, "version": version}
-                groups.append({"name": group, "versions": [entry], "preferredVersion": entry})
+            for group in sorted(by_group):
+                entries = [{"groupVersion": f"{group}/{v}", "version": v}
+                           for v in sorted(by_group[group], key=version_priority)]
+                groups.append({"name": group, "versions": entries,
+                               "preferredVersion": entries[0]})
             return web.json_response({"kind": "APIGroupList", "apiVersion": "v1",
                                       "groups": groups})
         if parts[0] == "api":
@@ -522,10 +571,11 @@ class KubeSim:
         else:
             if len(parts) == 2:
                 group = parts[1]
-                versions = [gv for gv in gvs if gv.startswith(group + "/")]
+                versions = sorted((gv.split("/")[1] for gv in gvs
+                                   if gv.startswith(group + "/")), key=version_priority)
                 if not versions:
                     raise NotFound(f"group {group} not served")
-                entries = [{"groupVersion": v, "version": v.split("/")[1]} for v in versions]
+                entries = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
                 return web.json_response({"kind": "APIGroup", "apiVersion": "v1",
                                           "name": group, "versions": entries,
                                           "preferredVersion": entries[0]})

@@ -595,3 +595,44 @@ async def test_an_expired_continue_token_is_answered_with_an_inconsistent_one(
                                           _continue=status["metadata"]["continue"])
     assert [p.metadata.name for p in rest.items] == ["c", "d"]
     assert rest.metadata.resource_version == str(sim.resource_version)
+
+
+async def test_a_crd_served_at_two_versions_then_one(sim: KubeSim, api: k8s.ApiClient) -> None:
+    """A CRD upgrade's middle step: both versions served, one group entry listing them
+    by priority (v1 preferred), the same objects at either path; then the old one no
+    longer served (404) and its open watch ended."""
+    sim.register(RAY_JOB)
+    sim.serve_versions(RAY_JOB, "v1", "v1alpha1")
+    sim.create({"apiVersion": "ray.io/v1", "kind": "RayJob",
+                "metadata": {"name": "a", "namespace": "ml"}})
+    groups = (await k8s.ApisApi(api).get_api_versions()).groups
+    ray = [g for g in groups if g.name == "ray.io"]
+    assert len(ray) == 1
+    assert [v.version for v in ray[0].versions] == ["v1", "v1alpha1"]
+    assert ray[0].preferred_version.version == "v1"
+    for version in ("v1", "v1alpha1"):
+        body = json.loads(await (await raw(api, f"/apis/ray.io/{version}/rayjobs")).read())
+        assert [o["metadata"]["name"] for o in body["items"]] == ["a"]
+    watch = await raw(api, "/apis/ray.io/v1alpha1/rayjobs", watch="1", resourceVersion="0")
+    assert (await events(watch, 1))[0]["type"] == "ADDED"
+    sim.serve_versions(RAY_JOB, "v1")
+    with pytest.raises(aiohttp.ClientPayloadError):  # ended, as storage rebuilt
+        await events(watch, 1)
+    assert (await raw(api, "/apis/ray.io/v1alpha1/rayjobs")).status == 404
+
+
+async def test_a_crd_deleted_deletes_its_objects_then_ends_its_watches(
+        sim: KubeSim, api: k8s.ApiClient) -> None:
+    """As kube-apiserver's CRD finalizer: each object's DELETED on the open watch, then a
+    clean end; the kind is no longer discovered, its path 404. Its objects vanished
+    without an event (the watch cut) before."""
+    sim.register(RAY_JOB)
+    sim.create({"apiVersion": "ray.io/v1", "kind": "RayJob",
+                "metadata": {"name": "a", "namespace": "ml"}})
+    watch = await raw(api, "/apis/ray.io/v1/rayjobs", watch="1", resourceVersion="0")
+    assert (await events(watch, 1))[0]["type"] == "ADDED"
+    sim.unregister(RAY_JOB)
+    got = await events(watch, 2)  # reads to the clean end: one event, no error
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in got] == [("DELETED", "a")]
+    assert "ray.io" not in {g.name for g in (await k8s.ApisApi(api).get_api_versions()).groups}
+    assert (await raw(api, "/apis/ray.io/v1/rayjobs")).status == 404
