@@ -1182,9 +1182,16 @@ class Engine:
         try:
             desc = parse_description(obj, source)
         except DescriptionError as exc:
-            self._sources.pop(source, None)
+            # an edit that broke it: its last valid version stays in force (as a reload's
+            # invalid file keeps the files in force), the error reported beside it; a
+            # typo in one edit took every pod of the kind to description_error, every
+            # one of its series changing label set, until the next edit
             self._api_errors[source] = exc
-            log.warning("karta engine: description %s skipped: %s", source, exc)
+            if source in self._sources:
+                log.warning("karta engine: description %s not taken, its last valid version "
+                            "stays in force: %s", source, exc)
+            else:
+                log.warning("karta engine: description %s skipped: %s", source, exc)
         else:
             self._sources[source] = [desc]
             self._api_errors.pop(source, None)

@@ -485,6 +485,33 @@ def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it(
     assert [w.ref.name for w in e.workloads()] == ["js"]
 
 
+def test_an_invalid_edit_of_a_description_object_keeps_its_last_valid_version(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Karta object edited into an invalid description: the version in force stays (as
+    a reload's invalid file keeps the files in force), the error reported beside it. It
+    was dropped: every pod of the kind read ``description_error``, each of its series
+    changing label set, until the next edit. Deleted, it goes as before."""
+    e = Engine()
+    js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
+    job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
+    e.upsert(jobset_karta(ownerless=False))
+    e.upsert_many([js, job, pod("w", job)])
+    assert wname(P(e, "pod-w")) == "js"
+    caplog.set_level(logging.WARNING, logger="proxy.karta.engine")
+    cs = e.upsert(jobset_karta(ownerless=True))
+    assert "pod-w" not in cs.pods and wname(P(e, "pod-w")) == "js"
+    assert [err.kind for err in e.description_errors] == [JOBSET]
+    assert [w.ref.name for w in e.workloads()] == ["js"]
+    assert any("its last valid version stays in force" in r.getMessage()
+               for r in caplog.records), caplog.text
+    e.upsert(jobset_karta(ownerless=False))  # mended
+    assert e.description_errors == [] and wname(P(e, "pod-w")) == "js"
+    e.upsert(jobset_karta(ownerless=True))
+    e.delete(jobset_karta(ownerless=True))
+    assert e.description_errors == []
+    assert wname(P(e, "pod-w")) == "js-workers-0"  # the Job, JobSet described no more
+
+
 JOBSET = GroupKind("jobset.x-k8s.io", "JobSet")
 
 
