@@ -546,8 +546,14 @@ class KubeSource:
     def _mark_unserved(self, gk: GroupKind, why: str) -> None:
         was = self.unserved_kinds.get(gk)
         if was != why and not {was, why} <= {NOT_SERVED, NO_LONGER_SERVED}:
-            log.warning("kind %s is needed but %s; attribution through it is unavailable",
-                        gk, why)
+            if gk in DESCRIPTION_KINDS and why in (NOT_SERVED, NO_LONGER_SERVED):
+                # no attribution goes through a description kind: its CRD absent (most
+                # clusters lack the older ResourceInterface for good) is no warning
+                log.info("kind %s is %s: no descriptions are read from its objects",
+                         gk, why)
+            else:
+                log.warning("kind %s is needed but %s; attribution through it is "
+                            "unavailable", gk, why)
         self.unserved_kinds[gk] = why
         self._show_unserved(gk)
 

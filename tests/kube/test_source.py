@@ -36,7 +36,14 @@ from tests.kube.conftest import (
     pod,
 )
 from tests.kubesim import KubeSim
-from tests.kubesim.resources import DEPLOYMENT, JOB_SET, RAY_CLUSTER, RAY_JOB, REPLICA_SET
+from tests.kubesim.resources import (
+    DEPLOYMENT,
+    JOB_SET,
+    RAY_CLUSTER,
+    RAY_JOB,
+    REPLICA_SET,
+    RESOURCE_INTERFACE,
+)
 from tests.kubesim.resources import POD as POD_TYPE
 
 
@@ -1296,5 +1303,23 @@ async def test_a_crd_deleted_then_installed_again_is_watched_again_at_once(
         assert not source.unserved_kinds
         for gk in (rj, rc):
             assert len(_logged(caplog, logging.WARNING, f"kind {gk} is needed but")) == 1
+    finally:
+        await source.stop()
+
+
+async def test_a_description_kind_not_installed_is_said_at_info_not_warned(
+        sim: KubeSim, caplog: pytest.LogCaptureFixture) -> None:
+    """Most clusters lack the older ResourceInterface CRD for good: no attribution goes
+    through a description kind, so its absence is an info line, where it was warned
+    "needed but not served; attribution through it is unavailable" at every start."""
+    sim.unregister(RESOURCE_INTERFACE)
+    caplog.set_level(logging.INFO, logger="proxy.kube.source")
+    source = await _slow_recheck_source(sim)
+    try:
+        ri = GroupKind("optimization.nvidia.com", "ResourceInterface")
+        assert ri in source.unserved_kinds
+        assert not _logged(caplog, logging.WARNING, str(ri)), caplog.text
+        assert _logged(caplog, logging.INFO, f"kind {ri} is not served by the cluster: no "
+                       "descriptions are read from its objects")
     finally:
         await source.stop()
