@@ -86,6 +86,7 @@ import ast
 import asyncio
 import contextlib
 import enum
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -923,9 +924,11 @@ def admitted(request: web.BaseRequest) -> bool:
     return True
 
 
-#: request headers whose value is a credential: a refusal quoting such a header's line
-#: shows its name alone
-_CREDENTIAL_HEADERS = (b"authorization", b"proxy-authorization", b"cookie", b"x-api-key")
+#: what the name of a request header whose value is a credential holds, its letters alone
+#: lower-cased (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
+#: ``X-Auth-Token``, ``X-Vault-Token``; ``Authorization\x00`` too): a refusal quoting such a
+#: header's line shows its name alone
+_CREDENTIAL_NAME = re.compile(rb"auth|token|key|cookie|secret|passw|credential|session")
 
 
 def parser_error_line(message: str) -> str:
@@ -950,7 +953,15 @@ def parser_error_line(message: str) -> str:
     if data is None:
         return " ".join(said.split())
     name, colon, _ = data.partition(b":")
-    if colon and name.strip().lower() in _CREDENTIAL_HEADERS:
+    if data[:1] in (b" ", b"\t"):
+        # a folded line (obs-fold) goes on with the header above it, which may be an
+        # Authorization: its text is the token's (``Authorization: Bearer\r\n <token>``)
+        return f'{said}: "(a folded header line, not shown: it may go on with a credential)"'
+    if not colon and b" HTTP/" not in data:
+        # a line of the headers without a name (a value on a line of its own: ``Bearer
+        # <token>``), or what follows an HTTP/2 preface: not a request line
+        return f'{said}: "(a line with no header name, not shown: it may be a credential)"'
+    if colon and _CREDENTIAL_NAME.search(bytes(c for c in name.lower() if 97 <= c <= 122)):
         return f'{said}: "{shown(name)}: (value not shown: a credential)"'
     return f'{said}: "{shown(data)}"'
 
