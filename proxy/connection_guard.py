@@ -86,7 +86,6 @@ import ast
 import asyncio
 import contextlib
 import enum
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -95,7 +94,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.shown import shown
+from proxy.shown import credential_header, shown
 
 #: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
 #: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
@@ -924,13 +923,6 @@ def admitted(request: web.BaseRequest) -> bool:
     return True
 
 
-#: what the name of a request header whose value is a credential holds, its letters alone
-#: lower-cased (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
-#: ``X-Auth-Token``, ``X-Vault-Token``; ``Authorization\x00`` too): a refusal quoting such a
-#: header's line shows its name alone
-_CREDENTIAL_NAME = re.compile(rb"auth|token|key|cookie|secret|passw|credential|session")
-
-
 def parser_error_line(message: str) -> str:
     """aiohttp's refusal of what it could not parse, on one line for the sender and the
     log. llhttp's is four lines (the reason, a blank, the line it stopped in as a bytes
@@ -961,7 +953,7 @@ def parser_error_line(message: str) -> str:
         # a line of the headers without a name (a value on a line of its own: ``Bearer
         # <token>``), or what follows an HTTP/2 preface: not a request line
         return f'{said}: "(a line with no header name, not shown: it may be a credential)"'
-    if colon and _CREDENTIAL_NAME.search(bytes(c for c in name.lower() if 97 <= c <= 122)):
+    if colon and credential_header(name.decode("latin-1")):
         return f'{said}: "{shown(name)}: (value not shown: a credential)"'
     return f'{said}: "{shown(data)}"'
 
