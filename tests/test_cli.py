@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -992,7 +993,7 @@ async def test_no_credential_shows_in_any_answer_page_or_log_line(tmp_path: Path
     snap.write_text(SNAPSHOT)
     mode = [400]  # the start-up check's empty write is refused, its body logged
     async with ScriptedUpstream(rule=_echo_as(mode)) as up:
-        settings = {
+        settings: dict[str, Any] = {
             "snapshot": str(snap),
             "server": {"enable_lifecycle": True},
             "upstream": {"url": up.url.replace("//", f"//proxy:{SECRETS['url']}@"),
