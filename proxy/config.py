@@ -617,6 +617,21 @@ def load_settings(path: str | os.PathLike[str], *, empty_ok: bool = True) -> Set
         raise ConfigError(f"{p}: {e}") from None
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader that keeps the node whose value its tag could not build
+    (``failed``), for a message that says where it is rather than quoting it."""
+
+    failed: yaml.Node | None = None
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, OverflowError):
+            if self.failed is None:  # the innermost: the first to see it
+                self.failed = node
+            raise
+
+
 def _load_yaml(text: str) -> Any:
     """The file's one document as PyYAML's safe loader builds it, a key written twice in
     one mapping refused first (``proxy.karta.yamltext.refusal``, the check Kubernetes
@@ -625,7 +640,7 @@ def _load_yaml(text: str) -> Any:
     one forgotten) changed the setting silently. Aliases and merge keys are the
     operator's to use here, and a key of the mapping's own overriding a merged one is no
     duplicate. Checked on the composed nodes, before a merge is built into them."""
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -639,8 +654,15 @@ def _load_yaml(text: str) -> Any:
             return loader.construct_document(node)
         except (ValueError, TypeError, OverflowError) as e:
             # an explicit tag on a value it cannot be (``!!int abc``): PyYAML's
-            # constructors raise plain Python errors, which escaped as a traceback
-            raise ConfigError(f"a value its YAML tag cannot build ({e})") from None
+            # constructors raise plain Python errors, which escaped as a traceback. Said by
+            # where it is and its type, not its text: ``int()``'s quotes the value, which
+            # may be a credential (a tagged upstream.headers value)
+            at = loader.failed
+            where = (f"line {at.start_mark.line + 1}, column {at.start_mark.column + 1}: "
+                     f"{at.tag.replace('tag:yaml.org,2002:', '!!')}: " if at is not None
+                     else "")
+            raise ConfigError(f"{where}a value its YAML tag cannot build ({type(e).__name__}; "
+                              "the value is not shown: it may be a credential)") from None
     finally:
         loader.dispose()
 
@@ -838,6 +860,12 @@ def _explain(message: str, data: Any) -> str:
     t = _unwrap(t)[0]
     if key in _SECRET_VALUES and isinstance(t, mi.DictType) and isinstance(value, dict):
         return _secret_entry(key, value)
+    if key in _SECRET_VALUES | _SECRET_TEXT and isinstance(value, str | list | dict):
+        # not the type asked for (``headers: ["Authorization: Bearer ..."]``, a URL in a
+        # list): the message quoted the value, credential and all
+        what = "a mapping" if isinstance(t, mi.DictType) else "a string"
+        return (f"{key}: expected {what}, got {_type_name(value)} (not shown: it may hold a "
+                "credential)")
     return f"{key or 'top level'}: {_expected(t, value, allowed)}"
 
 
@@ -845,6 +873,9 @@ def _explain(message: str, data: Any) -> str:
 #: names the entry and its type, never the value, since it reaches stderr, the log and
 #: a reload's answer
 _SECRET_VALUES = frozenset({"upstream.headers", "facts.headers"})
+#: settings whose text may hold a credential (upstream.url's ``user:password@``): a value
+#: of another type is named by its type alone
+_SECRET_TEXT = frozenset({"upstream.url"})
 
 
 def _secret_entry(key: str, value: dict[Any, Any]) -> str:

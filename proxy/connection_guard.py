@@ -94,7 +94,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.shown import shown
+from proxy.shown import credential_header, shown
 
 #: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
 #: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
@@ -923,11 +923,6 @@ def admitted(request: web.BaseRequest) -> bool:
     return True
 
 
-#: request headers whose value is a credential: a refusal quoting such a header's line
-#: shows its name alone
-_CREDENTIAL_HEADERS = (b"authorization", b"proxy-authorization", b"cookie", b"x-api-key")
-
-
 def parser_error_line(message: str) -> str:
     """aiohttp's refusal of what it could not parse, on one line for the sender and the
     log. llhttp's is four lines (the reason, a blank, the line it stopped in as a bytes
@@ -950,7 +945,15 @@ def parser_error_line(message: str) -> str:
     if data is None:
         return " ".join(said.split())
     name, colon, _ = data.partition(b":")
-    if colon and name.strip().lower() in _CREDENTIAL_HEADERS:
+    if data[:1] in (b" ", b"\t"):
+        # a folded line (obs-fold) goes on with the header above it, which may be an
+        # Authorization: its text is the token's (``Authorization: Bearer\r\n <token>``)
+        return f'{said}: "(a folded header line, not shown: it may go on with a credential)"'
+    if not colon and b" HTTP/" not in data:
+        # a line of the headers without a name (a value on a line of its own: ``Bearer
+        # <token>``), or what follows an HTTP/2 preface: not a request line
+        return f'{said}: "(a line with no header name, not shown: it may be a credential)"'
+    if colon and credential_header(name.decode("latin-1")):
         return f'{said}: "{shown(name)}: (value not shown: a credential)"'
     return f'{said}: "{shown(data)}"'
 

@@ -39,3 +39,17 @@ def one_line(text: str) -> str:
     line); a control character relayed raw reached the sender's terminal or log as
     such (an ANSI escape recolouring or erasing what an operator reads)."""
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", " ".join(text.split()))
+
+
+#: what the name of a header whose value is a credential holds, its letters alone lower-cased
+#: (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``, ``X-Auth-Token``,
+#: ``X-Vault-Token``; a malformed ``Authorization\x00`` too)
+_CREDENTIAL_NAME = re.compile("auth|token|key|cookie|secret|passw|credential|session")
+
+
+def credential_header(name: str) -> bool:
+    """Whether a header so named carries a credential: what quotes a header line (a
+    malformed request's refusal) or may quote its value (an upstream's answer echoing the
+    request) shows its name alone."""
+    return _CREDENTIAL_NAME.search(
+        "".join(c for c in name.lower() if "a" <= c <= "z")) is not None

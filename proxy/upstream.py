@@ -59,6 +59,7 @@ from proxy.config import UpstreamSettings, url_credentials, without_userinfo
 from proxy.deadline import Deadline, deadline_in
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics
+from proxy.shown import credential_header
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
@@ -212,6 +213,44 @@ def upstream_target(url: str, query: str = "") -> URL:
 def basic_authorization(user: str, password: str) -> str:
     """A Basic Authorization value, UTF-8 as Go's clients send one."""
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
+#: what an upstream's answer shows in place of a credential its request carried
+WITHHELD = b"(credential not shown)"
+
+
+def sent_credentials(headers: Mapping[str, str], configured: set[str]) -> list[bytes]:
+    """The credentials a request to the upstream carried, in the forms its answer could
+    echo them (an auth proxy's or a debug handler's "you sent: ..."; that body reached
+    the log and the sender, another tenant's or the proxy's own token with it): the value
+    of each header a name tells as a credential (``proxy.shown.credential_header``) or
+    ``configured`` (upstream.headers, facts.headers: lower-case names) but a tenant's,
+    its part after an auth scheme, and a Basic one's ``user:password`` and password.
+    Longest first; none under 4 characters (a tenant id "1" is no secret, and every
+    "1" of the body replaced would garble it)."""
+    found: set[str] = set()
+    for name, value in headers.items():
+        low = name.lower()
+        if not credential_header(name) and (low not in configured or low in _TENANT_HEADERS):
+            continue
+        found.add(value)
+        scheme, _, rest = value.strip().partition(" ")
+        rest = rest.strip()
+        if not rest:
+            continue
+        found.add(rest)
+        if scheme.lower() == "basic":
+            with contextlib.suppress(ValueError):  # binascii.Error, UnicodeDecodeError
+                userinfo = base64.b64decode(rest, validate=True).decode()
+                found.update((userinfo, userinfo.partition(":")[2]))
+    return sorted((v.encode() for v in found if len(v) >= 4), key=len, reverse=True)
+
+
+def withheld(text: bytes, credentials: list[bytes]) -> bytes:
+    """``text`` with each of ``credentials`` (:func:`sent_credentials`) as ``WITHHELD``."""
+    for credential in credentials:
+        text = text.replace(credential, WITHHELD)
+    return text
 
 
 def connection_named(incoming: Mapping[str, str]) -> set[str]:
@@ -941,6 +980,15 @@ class Upstream:
         out["Content-Encoding"] = encoding
         out["X-Prometheus-Remote-Write-Version"] = protocol.version_header
         return out
+
+    def _sent_credentials(self, headers: Mapping[str, str], incoming: Mapping[str, str]
+                          ) -> list[bytes]:
+        """The credentials of a request sent with ``headers``: the configured headers are
+        upstream.headers, and facts.headers for the proxy's own requests (``OwnHeaders``)."""
+        configured = {name.lower() for name in self.settings.headers}
+        if isinstance(incoming, OwnHeaders):
+            configured.update(name.lower() for name in incoming)
+        return sent_credentials(headers, configured)
 
     def _authorization(self) -> str:
         """The Authorization of the proxy's own credentials (a bearer token file, basic
@@ -1748,6 +1796,8 @@ class Upstream:
                 if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                     self.clock.note(resp.headers.get("Date"))
                 text = await self._body(resp)
+                if text:  # before the body is classified, logged or answered
+                    text = withheld(text, self._sent_credentials(headers, incoming))
                 return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
             # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a

@@ -4,6 +4,7 @@ started with ``python -m proxy`` and stopped with SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -13,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,7 +27,7 @@ from proxy.config import ConfigError, schema
 from proxy.sender import Series, send_series
 from tests.process import stop
 from tests.proxy_harness import CART, SNAPSHOT
-from tests.scripted import ScriptedUpstream
+from tests.scripted import Received, Reply, ScriptedUpstream
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -962,3 +965,81 @@ def test_as_pid_1_a_sigterm_during_the_imports_stops_the_start(tmp_path: Path) -
         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     assert "karta-proxy started" not in r.stderr
+
+
+#: a credential of each kind the process below is given, none of which any answer, page,
+#: reload answer or log line may show
+SECRETS = {"url": "url-passw0rd", "token": "upstream-headers-key", "fact": "facts-headers-key",
+           "sender": "senders-t0ken"}
+
+
+def _echo_as(mode: list[int]) -> Callable[[Received], Reply]:
+    """An upstream that answers ``mode[0]`` with the request's headers quoted in its body
+    (an auth proxy's or a debug handler's "you sent: ...")."""
+    def rule(rec: Received) -> Reply:
+        return Reply(mode[0], body=b"you sent:\n" + "\n".join(
+            f"{k}: {v}" for k, v in rec.headers.items()).encode())
+    return rule
+
+
+async def test_no_credential_shows_in_any_answer_page_or_log_line(tmp_path: Path) -> None:
+    """The real process at debug level, a credential everywhere (upstream.url's userinfo,
+    upstream.headers, facts.headers, the senders' Authorization), driven through the
+    paths that quote what they refuse: an upstream's refusals quoting the request, the
+    start-up check's, malformed requests (a folded Authorization line, a credential header
+    with a control character), a reload of a file whose headers are a list. The upstream
+    was sent every credential; no answer, page or line of the log shows one."""
+    snap = tmp_path / "snap.yaml"
+    snap.write_text(SNAPSHOT)
+    mode = [400]  # the start-up check's empty write is refused, its body logged
+    async with ScriptedUpstream(rule=_echo_as(mode)) as up:
+        settings: dict[str, Any] = {
+            "snapshot": str(snap),
+            "server": {"enable_lifecycle": True},
+            "upstream": {"url": up.url.replace("//", f"//proxy:{SECRETS['url']}@"),
+                         "headers": {"X-Api-Key": SECRETS["token"]}},
+            "facts": {"headers": {"X-Fact-Key": SECRETS["fact"]}},
+        }
+        config = tmp_path / "karta-proxy.yaml"
+        config.write_text(json.dumps(settings))
+        port = _free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "--config", str(config), "--listen-address",
+            f"127.0.0.1:{port}", "--log-level", "debug", "--log-format", "json", cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        said: list[str] = []
+        try:
+            base = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                await wait_for_200(s, base + "/-/ready", proc)
+                cart = {"__name__": "up", "namespace": "shop", "pod": "cart-7d9f8-abcde"}
+                for mode[0] in (500, 401, 400, 413):
+                    said.append(str(await send_series(
+                        base + "/api/v1/write", [Series(cart, [(1000, 1.0)])], session=s,
+                        headers={"Authorization": f"Bearer {SECRETS['sender']}"})))
+                for extra in (f"Authorization: Bearer\r\n {SECRETS['sender']}\r\n",
+                              f"X-Auth-Token: {SECRETS['sender']}\x01\r\n"):
+                    r, w = await asyncio.open_connection("127.0.0.1", port)
+                    w.write(f"POST /api/v1/write HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+                    said.append((await asyncio.wait_for(r.read(), 5)).decode("latin-1"))
+                    w.close()
+                config.write_text(json.dumps({**settings, "upstream": {
+                    **settings["upstream"],
+                    "headers": [f"X-Api-Key: {SECRETS['token']}"]}}))
+                async with s.post(base + "/-/reload") as answer:
+                    assert answer.status == 500
+                    said.append(await answer.text())
+                for page in ("/", "/metrics", "/attribution"):
+                    async with s.get(base + page) as answer:
+                        said.append(await answer.text())
+        finally:
+            log = await stop(proc)
+    assert proc.returncode == 0, log[-2000:]
+    basic = base64.b64encode(f"proxy:{SECRETS['url']}".encode()).decode()
+    sent = [str(rec.headers) for rec in up.received + up.empty_writes]
+    # each was sent (the senders' replaced by the proxy's own), and echoed
+    assert all(any(v in h for h in sent) for v in (basic, SECRETS["token"], SECRETS["fact"]))
+    for text in [*said, log]:
+        shown = [v for v in (*SECRETS.values(), basic) if v in text]
+        assert not shown, (shown, text[:3000])
+    assert "(credential not shown)" in log

@@ -225,6 +225,31 @@ def test_a_value_its_tag_cannot_build_is_a_config_error(tmp_path: Path, text: st
     assert "YAML tag cannot build" in str(e.value) and str(path) in str(e.value)
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    ("upstream:\n  headers: ['Authorization: Bearer s3cr3t-token']\n",
+     "upstream.headers: expected a mapping, got list (not shown: it may hold a credential)"),
+    ("upstream:\n  headers: 'Authorization: Bearer s3cr3t-token'\n",
+     "upstream.headers: expected a mapping, got string (not shown: it may hold a credential)"),
+    ("facts:\n  headers: [X-Api-Key, s3cr3t-token]\n",
+     "facts.headers: expected a mapping, got list (not shown: it may hold a credential)"),
+    ("upstream:\n  url: ['http://user:s3cr3t-token@tsdb/api/v1/write']\n",
+     "upstream.url: expected a string, got list (not shown: it may hold a credential)"),
+    ("upstream:\n  headers: {X-Api-Key: !!int s3cr3t-token}\n",
+     "line 2, column 24: !!int: a value its YAML tag cannot build (ValueError; the value is "
+     "not shown: it may be a credential)"),
+], ids=["headers-list", "headers-string", "fact-headers-list", "url-list", "tagged"])
+def test_a_credential_of_the_wrong_type_is_not_quoted(tmp_path: Path, text: str,
+                                                      said: str) -> None:
+    """A setting that may hold a credential given as another type (headers written as a
+    list of ``Name: value`` lines, as curl takes them): the message, on stderr, in the log
+    and in a reload's answer, quoted the value, token and all."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert str(e.value) == f"{path}: {said}"
+    assert "s3cr3t" not in str(e.value)
+
+
 def test_a_merge_key_overridden_is_no_duplicate(tmp_path: Path) -> None:
     """``<<`` merges a mapping, and a key of the mapping's own overrides it: no error."""
     path = write(tmp_path, "server:\n  <<: {listen_address: '127.0.0.1:1', worker_threads: 2}\n"

@@ -433,7 +433,25 @@ TOKEN = "s3cr3t-bearer-token"
     (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
      + TOKEN.encode() + b"\x01\r\n\r\n",
      'Invalid header value char: "Authorization: (value not shown: a credential)"'),
-])
+    # the token on a folded line of its own: which header it goes on with is not on it
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer\r\n "
+     + TOKEN.encode() + b"\r\n\r\n",
+     'Unexpected whitespace after header value: "(a folded header line, not shown: it may '
+     'go on with a credential)"'),
+    # a credential header not named Authorization, and one whose name is malformed
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nX-Auth-Token: " + TOKEN.encode()
+     + b"\x01\r\n\r\n",
+     'Invalid header value char: "X-Auth-Token: (value not shown: a credential)"'),
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nAuthorization\x00: Bearer "
+     + TOKEN.encode() + b"\r\n\r\n",
+     'Invalid header token: "Authorization\\x00: (value not shown: a credential)"'),
+    # a value on a line of its own, no header name
+    (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nBearer " + TOKEN.encode()
+     + b"\r\n\r\n",
+     'Invalid header token: "(a line with no header name, not shown: it may be a '
+     'credential)"'),
+], ids=["token", "content-length", "version", "method", "authorization", "folded",
+        "x-auth-token", "nul-in-name", "no-name"])
 async def test_a_malformed_request_is_answered_and_logged_on_one_line_without_credentials(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, head: bytes, said: str) -> None:
     """aiohttp's refusal is four lines (reason, blank, the line as a bytes repr, a caret):

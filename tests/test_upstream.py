@@ -4,6 +4,7 @@ headers, auth, TLS, RW 2.0 -> 1.0 fallback."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gc
 import hashlib
@@ -33,11 +34,13 @@ from proxy.upstream import (
     HISTOGRAMS_RECHECK_SECONDS,
     OWN_WRITES_NEED_A_TENANT,
     OWN_WRITES_NEED_CREDENTIALS,
+    WITHHELD,
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,
     ConversionRefused,
     Outgoing,
+    OwnHeaders,
     Upstream,
     UpstreamFailure,
     fact_tenant_hint,
@@ -211,6 +214,57 @@ async def test_an_empty_upstream_body_is_said_not_left_as_a_trailing_colon(
         return
     assert text.endswith(said), text
     assert not text.rstrip().endswith(":"), text
+
+
+def _echo(status: int) -> Callable[[Received], Reply]:
+    """An upstream whose refusals quote the request's headers (an auth proxy's or a
+    debug handler's "you sent: ...")."""
+    def rule(rec: Received) -> Reply:
+        return Reply(status, body=b"you sent:\n" + "\n".join(
+            f"{k}: {v}" for k, v in rec.headers.items()).encode())
+    return rule
+
+
+#: a credential of each kind a request to the upstream carries
+TOKEN, PASSWORD, URL_PASSWORD, API_KEY, FACT_KEY, SENDERS = (
+    "t0ken-from-the-file", "passw0rd-from-the-file", "passw0rd-in-the-url",
+    "upstream-headers-key", "facts-headers-key", "the-senders-t0ken")
+
+
+@pytest.mark.parametrize("status", [500, 401, 400])
+@pytest.mark.parametrize("auth", ["token", "basic", "url", "sender"])
+async def test_credentials_an_upstream_echoes_are_not_answered_nor_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, status: int, auth: str) -> None:
+    """An upstream's error body is answered to the sender and logged: one that quoted the
+    request's headers gave the proxy's token (and upstream.headers' and facts.headers'
+    values) to every sender, and a sender's to the log. Each is withheld, in every form
+    it went in (a Basic one's base64 and its password too); a tenant id stays readable."""
+    caplog.set_level(logging.DEBUG)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "password").write_text(PASSWORD + "\n")
+    kw: dict[str, object] = {"headers": {"X-Api-Key": API_KEY, "X-Scope-OrgID": "team-a"}}
+    if auth == "token":
+        kw["bearer_token_file"] = str(tmp_path / "token")
+    elif auth == "basic":
+        kw |= {"basic_auth_username": "proxy",
+               "basic_auth_password_file": str(tmp_path / "password")}
+    async with ScriptedUpstream(rule=_echo(status)) as up:
+        url = up.url.replace("//", f"//proxy:{URL_PASSWORD}@") if auth == "url" else up.url
+        u = make(url, **kw)
+        u.own_headers = OwnHeaders({"X-Fact-Key": FACT_KEY})
+        try:
+            said = [(await u.send(v1_body(), Protocol.V1, incoming_headers={
+                "Authorization": f"Bearer {SENDERS}"})).body, (await u.check()).detail.encode()]
+        finally:
+            await u.close()
+    sent = "\n".join(f"{k}: {v}" for k, v in up.received[0].headers.items())
+    assert API_KEY in sent  # the upstream was sent them, and echoed them
+    secrets = [TOKEN, PASSWORD, URL_PASSWORD, API_KEY, FACT_KEY, SENDERS,
+               base64.b64encode(f"proxy:{PASSWORD}".encode()).decode(),
+               base64.b64encode(f"proxy:{URL_PASSWORD}".encode()).decode()]
+    for text in [*(b.decode() for b in said), caplog.text]:
+        assert not [s for s in secrets if s in text], text
+    assert b"X-Scope-OrgID: team-a" in said[0] and WITHHELD in said[0]
 
 
 def _no_zstd(rec: Received) -> Reply | None:
