@@ -620,14 +620,17 @@ class Proxy:
 
     # -- reload ---------------------------------------------------------------------------
 
-    async def reload(self) -> ReloadOutcome:
+    async def reload(self, *, begun: Callable[[], None] | None = None) -> ReloadOutcome:
         """Read the configuration again and apply what can change live; never raises.
 
         Everything that can fail (reading and validating the file, the descriptions, the
         new plan) happens before anything is applied: a failed reload leaves the proxy as
         it was, says why in the log, and sets ``config_last_reload_successful`` to 0.
+        ``begun`` is called when this reload's turn comes, before it reads anything.
         """
         async with self._reload_lock:
+            if begun is not None:
+                begun()
             try:
                 outcome = await self._reload()
             except Exception as e:  # a reload must not end the process
@@ -904,10 +907,23 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
     proxy = Proxy(settings, loader=loader)
     reloads: set[asyncio.Task[ReloadOutcome]] = set()
+    #: a SIGHUP's reload waits for its turn (it reads the files after every signal so far)
+    waiting = False
+
+    def begun() -> None:
+        nonlocal waiting
+        waiting = False
 
     def on_sighup() -> None:
-        # SIGHUP's default action ends the process; handled, it reloads (as Prometheus)
-        task = loop.create_task(proxy.reload(), name="reload")
+        # SIGHUP's default action ends the process; handled, it reloads (as Prometheus).
+        # One waiting reload stands for every SIGHUP that comes before its turn: a burst
+        # (a reloader sidecar firing per file of a ConfigMap) ran a whole reload for each
+        nonlocal waiting
+        if waiting:
+            log.debug("SIGHUP while a reload waits for its turn: that one reads the files")
+            return
+        waiting = True
+        task = loop.create_task(proxy.reload(begun=begun), name="reload")
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
