@@ -1096,6 +1096,32 @@ def without_userinfo(url: str, *, broken: bool = False) -> str:
     return (_USERINFO_BROKEN if broken else _USERINFO).sub(r"\1", url, count=1)
 
 
+#: a query parameter's name and value, up to the next ``&`` or the fragment
+_QUERY_PARAM = re.compile(r"([?&])([^=&#]*)=([^&#]*)")
+#: what a person or a log reads for a query parameter's value that is a credential
+HIDDEN = "(hidden)"
+
+
+def shown_url(url: str, *, broken: bool = False) -> str:
+    """``url`` as a person or a log may read it (the log, ``/metrics``' ``url`` labels,
+    the landing page, an error's text): without its userinfo (:func:`without_userinfo`),
+    and the value of each query parameter a name tells as a credential
+    (``?api_key=...``, ``?token=...``: :func:`proxy.shown.credential_header`'s rule)
+    hidden. The request goes to the URL as written, less its userinfo."""
+    from proxy.shown import credential_header
+
+    base = without_userinfo(url, broken=broken)
+    head, mark, rest = base.partition("?")
+    if not mark:
+        return base
+
+    def hide(m: re.Match[str]) -> str:
+        name = unquote(m.group(2))
+        return f"{m.group(1)}{m.group(2)}={HIDDEN}" if credential_header(name) else m.group(0)
+
+    return head + _QUERY_PARAM.sub(hide, "?" + rest)
+
+
 def url_credentials(url: str) -> tuple[str, str] | None:
     """The user and password of ``url``'s userinfo, percent-decoded; None when it has no
     ``@`` in its authority. The proxy sends them as its own Basic credentials (as Go's
@@ -1131,7 +1157,7 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
                           "--upstream-url http://prometheus:9090/api/v1/write")
     if u.url:
         # the password stays out of the message: it reaches logs, stderr and reload answers
-        shown = without_userinfo(u.url)
+        shown = shown_url(u.url)
         try:
             parsed = urlsplit(u.url)
             _ = parsed.port  # a ValueError for a port out of range or not a number
@@ -1139,9 +1165,9 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
             # urlsplit's own words quote the "port", a piece of a password with a "/" in it:
             # with a userinfo, its words on the URL without it (``Port out of range``)
             detail = f" ({e})" if "@" not in u.url else _url_detail(
-                without_userinfo(u.url, broken=True))
+                shown_url(u.url, broken=True))
             raise ConfigError(f"upstream.url: not a valid URL{detail}: "
-                              f"{without_userinfo(u.url, broken=True)!r}") from None
+                              f"{shown_url(u.url, broken=True)!r}") from None
         if _URL_SPACE.search(u.url):
             # urlsplit drops a leading space and tabs or line breaks anywhere, and the
             # client sends a trailing space as %20: every write went to a path the TSDB
@@ -1149,10 +1175,10 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
             # with a line break at its end
             raise ConfigError(f"upstream.url: holds whitespace or a control character "
                               f"(a URL has none; a space is written %20): "
-                              f"{without_userinfo(u.url, broken=True)!r}")
+                              f"{shown_url(u.url, broken=True)!r}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got "
-                              f"{without_userinfo(u.url, broken=True)!r}")
+                              f"{shown_url(u.url, broken=True)!r}")
         placeholders = u.url.count(TENANT_PLACEHOLDER)
         if u.url.count("{") != placeholders or u.url.count("}") != placeholders:
             raise ConfigError(f"upstream.url: the only placeholder is {TENANT_PLACEHOLDER}, "

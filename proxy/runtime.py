@@ -39,7 +39,7 @@ from proxy.config import (
     cluster_check_off,
     parse_host_port,
     placeholder_cluster,
-    without_userinfo,
+    shown_url,
 )
 from proxy.contract import CONTRACT_VERSION
 from proxy.cpus import usable_cpus
@@ -488,7 +488,7 @@ class Proxy:
         s = self.settings
         log.info("starting karta-proxy", extra={
             "version": __version__, "contract_version": CONTRACT_VERSION,
-            "upstream_url": without_userinfo(s.upstream.url),
+            "upstream_url": shown_url(s.upstream.url),
             "listen_address": s.server.listen_address,
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
         })
@@ -516,10 +516,10 @@ class Proxy:
         if self.facts is not None:
             hint = fact_tenant_hint(s.upstream, s.facts.headers)
             if hint:
-                log.info(hint, extra={"upstream_url": without_userinfo(s.upstream.url)})
+                log.info(hint, extra={"upstream_url": shown_url(s.upstream.url)})
         self._say_cluster_check(s)
         app = build_app(self.handler, self.index, self.metrics,
-                        upstream_url=without_userinfo(s.upstream.url), source=self.source_name,
+                        upstream_url=shown_url(s.upstream.url), source=self.source_name,
                         reload=self.reload, lifecycle=s.server.enable_lifecycle,
                         explain=self._explain)
         host, port = parse_host_port(s.server.listen_address)

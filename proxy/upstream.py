@@ -55,7 +55,7 @@ from proxy.compression import (
     snappy_declared_length,
     zstd_declared_length,
 )
-from proxy.config import UpstreamSettings, url_credentials, without_userinfo
+from proxy.config import UpstreamSettings, shown_url, url_credentials, without_userinfo
 from proxy.deadline import Deadline, deadline_in
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics
@@ -791,6 +791,9 @@ class Upstream:
         #: the URL without its userinfo: what logs, metrics and answers show, and what the
         #: client requests (the userinfo goes as an Authorization header: ``_basic``)
         self.url = without_userinfo(settings.url)
+        #: the URL as logs, metrics and answers show it: a credential of its query
+        #: (``?api_key=``) hidden too (:func:`proxy.config.shown_url`)
+        self.shown_url = shown_url(settings.url)
         #: where a request that names no tenant goes (the proxy's own, the check)
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
@@ -1160,9 +1163,9 @@ class Upstream:
         self._line(logging.WARNING, "upstream did not take the request within "
                    "upstream.timeout_seconds (every upstream request for it together): the "
                    "sender gets 504", "timeout",
-                   {"upstream_url": self.url, "timeout_s": timeout,
+                   {"upstream_url": self.shown_url, "timeout_s": timeout,
                     "parts": parts.sent if parts is not None else 0})
-        answer = Answer(504, f"upstream {self.url} did not take the request within "
+        answer = Answer(504, f"upstream {self.shown_url} did not take the request within "
                              f"{timeout:g} s{done}".encode(), {}, "timeout")
         if parts is not None:
             answer.series_stored = parts.series_stored
@@ -1211,7 +1214,7 @@ class Upstream:
                     "upstream answered an RW 2.0 request with 2xx but no Written headers: "
                     "it probably does not take RW 2.0, and RW 2.0 senders count such "
                     "answers as failures; upstream.protocol is passthrough, so nothing is "
-                    "converted", extra={"upstream_url": self.url})
+                    "converted", extra={"upstream_url": self.shown_url})
         if out.converted:
             out, answer = await self._histograms_refused(out, answer, incoming, url, attempt,
                                                          held)
@@ -1275,13 +1278,14 @@ class Upstream:
             self.histograms_refused_at = -math.inf
             self._line(logging.INFO, "upstream stores native histograms again: converted "
                        "RW 2.0 requests carry them", state,
-                       {"upstream_url": self.url}, interval=QUIET_LOG_SECONDS, at_once=changed)
+                       {"upstream_url": self.shown_url}, interval=QUIET_LOG_SECONDS,
+                       at_once=changed)
             return
         self._line(logging.WARNING, "upstream refuses native histograms (Prometheus without "
                    "--enable-feature=native-histograms): converted RW 2.0 requests are sent "
                    "without them, the rest stored and the sender told Histograms-Written 0 "
                    "for them", state,
-                   {"upstream_url": self.url, "upstream_status": answer.upstream,
+                   {"upstream_url": self.shown_url, "upstream_status": answer.upstream,
                     "body": answer.body[:200].decode("utf-8", "replace"),
                     "recheck_s": HISTOGRAMS_RECHECK_SECONDS},
                    interval=QUIET_LOG_SECONDS, at_once=changed)
@@ -1344,11 +1348,11 @@ class Upstream:
         self._line(logging.ERROR, "a request named a tenant, but upstream.url has no place "
                    "for a tenant: use a VictoriaMetrics cluster URL (.../insert/{tenant}/"
                    "prometheus/api/v1/write) or put {tenant} in it; answered 503",
-                   "no_tenant_place", {"upstream_url": self.url, "tenant": tenant})
+                   "no_tenant_place", {"upstream_url": self.shown_url, "tenant": tenant})
         if self.metrics is not None:
-            self.metrics.upstream_misconfigured.labels(self.url, "no_tenant_place", "").inc()
+            self.metrics.upstream_misconfigured.labels(self.shown_url, "no_tenant_place", "").inc()
         return Answer(503, (f"the request names tenant {tenant!r} but the proxy's upstream "
-                            f"{self.url} has no place for a tenant (proxy misconfigured; "
+                            f"{self.shown_url} has no place for a tenant (proxy misconfigured; "
                             "retry later)").encode(),
                       {"Retry-After": MISCONFIGURED_RETRY_AFTER}, "")
 
@@ -1401,7 +1405,8 @@ class Upstream:
     def _learn_v1_only(self, reason: str, answer: Answer) -> None:
         log.warning(
             "upstream did not take RW 2.0; converting RW 2.0 requests to RW 1.0 from now on",
-            extra={"upstream_url": self.url, "reason": reason, "upstream_status": answer.upstream},
+            extra={"upstream_url": self.shown_url, "reason": reason,
+                   "upstream_status": answer.upstream},
         )
         self.v1_only = True
         if self.metrics is not None:
@@ -1471,7 +1476,7 @@ class Upstream:
                 return self._no_room(answer, e.size)
             except DecodeError as e:  # pragma: no cover - the splice read the same fields
                 log.error("cannot cut a request the upstream refused as too large",
-                          extra={"upstream_url": self.url, "error": e.message})
+                          extra={"upstream_url": self.shown_url, "error": e.message})
                 return self._count_split("too_large", answer)
             key = _parts_key(digest, url, sent,
                              self._headers(incoming, sent.protocol, sent.encoding))
@@ -1487,7 +1492,7 @@ class Upstream:
                 "too_large", self._too_large(answer, len(sent.encoded), len(lay.series)))
         self._line(logging.INFO, "upstream refused a request as too large: sending it in "
                    "parts cut at series boundaries", "split", {
-                       "upstream_url": self.url, "bytes": len(sent.encoded),
+                       "upstream_url": self.shown_url, "bytes": len(sent.encoded),
                        "decoded_bytes": len(lay.raw), "series": len(lay.series)},
                    interval=QUIET_LOG_SECONDS)
         parts = _Parts(lay, sent.encoding, sent.converted, incoming, url)
@@ -1532,7 +1537,7 @@ class Upstream:
         quiet = final.ok or parts.sender_gone
         self._line(logging.INFO if quiet else logging.WARNING,
                    "request sent in parts after the upstream refused it as too large",
-                   result, {"upstream_url": self.url, "parts": parts.sent,
+                   result, {"upstream_url": self.shown_url, "parts": parts.sent,
                             "status": final.status, "result": result,
                             "skipped": parts.skipped},
                    interval=QUIET_LOG_SECONDS if quiet else THROTTLE_SECONDS)
@@ -1556,7 +1561,7 @@ class Upstream:
         if attempt.sender_gone():
             self._line(logging.INFO, "the sender closed its connection: the rest of a "
                        "request sent in parts is not sent", "sender_gone",
-                       {"upstream_url": self.url, "parts": parts.sent})
+                       {"upstream_url": self.shown_url, "parts": parts.sent})
             parts.sender_gone = True
             return
         if self._hopeless(parts, a, b):
@@ -1689,7 +1694,7 @@ class Upstream:
         self._line(logging.WARNING, "a part of a batch sent again is refused as out of order "
                    "(an earlier attempt of it got no 2xx; most likely stored then): the "
                    "sender gets the 400", "out_of_order_again",
-                   {"upstream_url": self.url, "part": parts.refused_index, "parts": total,
+                   {"upstream_url": self.shown_url, "part": parts.refused_index, "parts": total,
                     "stored": stored, "body": said[:200]})
         body = (f"part {parts.refused_index} of {total} refused as out of order after an "
                 "earlier attempt of this batch got no 2xx for it (if that answer was lost, "
@@ -1703,7 +1708,7 @@ class Upstream:
         which always may)."""
         log.warning("no room in the byte budget (server.max_inflight_bytes) to send a "
                     "request the upstream refused as too large in parts: 503",
-                    extra={"upstream_url": self.url, "bytes": need})
+                    extra={"upstream_url": self.shown_url, "bytes": need})
         refusal = Answer(503, f"overloaded: no room for the {need} bytes it takes to send "
                               "the request in parts (the upstream refused it as too large); "
                               "send it again".encode(),
@@ -1758,9 +1763,9 @@ class Upstream:
                    "(Mimir distributor.max_recv_msg_size, VictoriaMetrics "
                    "-maxInsertRequestSize, ...) or lower the sender's batch size",
                    "too_large",
-                   {"upstream_url": self.url, "bytes": size, "series": series,
+                   {"upstream_url": self.shown_url, "bytes": size, "series": series,
                     "body": answer.body[:512].decode("utf-8", "replace")})
-        answer.body = (f"upstream {self.url} refused {size} bytes ({series} series) as too "
+        answer.body = (f"upstream {self.shown_url} refused {size} bytes ({series} series) as too "
                        "large: ").encode() + answer.body
         answer.body = answer.body[:MAX_ERROR_BODY]
         return answer
@@ -1835,7 +1840,7 @@ class Upstream:
             why = failure_line(e, self.settings.timeout_seconds)
             self._line(logging.ERROR, "upstream request could not be made (a proxy bug or "
                        "misconfiguration): senders get 502 and keep their data",
-                       type(e).__name__, {"upstream_url": self.url, "error": why})
+                       type(e).__name__, {"upstream_url": self.shown_url, "error": why})
             return Answer(502, f"upstream request could not be made: {why}".encode(), {}, code)
         finally:
             if self._round_trips is not None and self._responses is not None:
@@ -1856,7 +1861,7 @@ class Upstream:
             why = failure_line(e, self.settings.timeout_seconds)
             self._line(logging.WARNING, "upstream answered 2xx, then its body broke off: "
                        "the sender gets the 2xx", str(resp.status),
-                       {"upstream_url": self.url, "upstream_status": resp.status,
+                       {"upstream_url": self.shown_url, "upstream_status": resp.status,
                         "error": why})
             return b""
 
@@ -1866,7 +1871,7 @@ class Upstream:
         ``status`` and ``what: detail``, and with protocol auto the upstream may have been
         replaced meanwhile, so a probe is due before the next RW 2.0 request."""
         self._recheck = self.settings.protocol == "auto"
-        self._line(logging.WARNING, what, code, {"upstream_url": self.url, **extra})
+        self._line(logging.WARNING, what, code, {"upstream_url": self.shown_url, **extra})
         body = f"{what}: {detail}" if detail else what
         return Answer(status, body.encode(), {}, code)
 
@@ -1886,13 +1891,13 @@ class Upstream:
                 logging.ERROR,
                 f"upstream {what}: fix upstream.url / credentials; senders get 503 and keep "
                 "their data meanwhile", f"{reason}:{upstream_status}",
-                {"upstream_url": self.url, "upstream_status": upstream_status,
+                {"upstream_url": self.shown_url, "upstream_status": upstream_status,
                  "reason": reason, "hint": _PATH_HINT,
                  "body": text[:512].decode("utf-8", "replace")},
             )
             if self.metrics is not None:
-                self.metrics.upstream_misconfigured.labels(self.url, reason, code).inc()
-            message = (f"upstream {self.url} answered {upstream_status}: it {what} "
+                self.metrics.upstream_misconfigured.labels(self.shown_url, reason, code).inc()
+            message = (f"upstream {self.shown_url} answered {upstream_status}: it {what} "
                        f"(proxy misconfigured; retry later)").encode() + (
                            b": " + text if text.strip() else b"")
             return Answer(503, message[:MAX_ERROR_BODY],
@@ -2005,12 +2010,12 @@ class Upstream:
             self.zstd_refused = True
             log.warning("upstream refused zstd but takes snappy: sending snappy, whatever "
                         "upstream.encoding says (set it to snappy to silence this)",
-                        extra={"upstream_url": self.url, "upstream_status": answer.upstream,
+                        extra={"upstream_url": self.shown_url, "upstream_status": answer.upstream,
                                "body": answer.body[:200].decode("utf-8", "replace")})
         return retry
 
     def _log_probe(self, probe: Probe) -> None:
-        extra = {"upstream_url": self.url, "upstream_status": probe.code,
+        extra = {"upstream_url": self.shown_url, "upstream_status": probe.code,
                  "outcome": probe.outcome}
         if probe.outcome in ("rw2", "rw1"):
             message = ("upstream takes remote write 2.0: RW 2.0 requests pass through"
@@ -2052,7 +2057,7 @@ class Upstream:
             protocol = "unknown"
         check = self.probe.outcome if self.probe is not None else "pending"
         self.metrics.upstream_info.clear()
-        self.metrics.upstream_info.labels(self.url, protocol, check).set(1)
+        self.metrics.upstream_info.labels(self.shown_url, protocol, check).set(1)
 
     async def send_v1(self, raw: bytes, headers: Mapping[str, str] | None = None) -> None:
         """Post an uncompressed RW 1.0 body of the proxy's own (fact series), with

@@ -970,7 +970,7 @@ def test_as_pid_1_a_sigterm_during_the_imports_stops_the_start(tmp_path: Path) -
 #: a credential of each kind the process below is given, none of which any answer, page,
 #: reload answer or log line may show
 SECRETS = {"url": "url-passw0rd", "token": "upstream-headers-key", "fact": "facts-headers-key",
-           "sender": "senders-t0ken"}
+           "sender": "senders-t0ken", "query": "query-api-k3y"}
 
 
 def _echo_as(mode: list[int]) -> Callable[[Received], Reply]:
@@ -983,12 +983,13 @@ def _echo_as(mode: list[int]) -> Callable[[Received], Reply]:
 
 
 async def test_no_credential_shows_in_any_answer_page_or_log_line(tmp_path: Path) -> None:
-    """The real process at debug level, a credential everywhere (upstream.url's userinfo,
-    upstream.headers, facts.headers, the senders' Authorization), driven through the
-    paths that quote what they refuse: an upstream's refusals quoting the request, the
-    start-up check's, malformed requests (a folded Authorization line, a credential header
-    with a control character), a reload of a file whose headers are a list. The upstream
-    was sent every credential; no answer, page or line of the log shows one."""
+    """The real process at debug level, a credential everywhere (upstream.url's userinfo
+    and a query parameter's, upstream.headers, facts.headers, the senders'
+    Authorization), driven through the paths that quote what they refuse: an upstream's
+    refusals quoting the request, the start-up check's, malformed requests (a folded
+    Authorization line, a credential header with a control character), a reload of a
+    file whose headers are a list. The upstream was sent every credential; no answer,
+    page or line of the log shows one."""
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
     mode = [400]  # the start-up check's empty write is refused, its body logged
@@ -996,7 +997,8 @@ async def test_no_credential_shows_in_any_answer_page_or_log_line(tmp_path: Path
         settings: dict[str, Any] = {
             "snapshot": str(snap),
             "server": {"enable_lifecycle": True},
-            "upstream": {"url": up.url.replace("//", f"//proxy:{SECRETS['url']}@"),
+            "upstream": {"url": up.url.replace("//", f"//proxy:{SECRETS['url']}@")
+                         + f"?api_key={SECRETS['query']}",
                          "headers": {"X-Api-Key": SECRETS["token"]}},
             "facts": {"headers": {"X-Fact-Key": SECRETS["fact"]}},
         }
@@ -1039,6 +1041,7 @@ async def test_no_credential_shows_in_any_answer_page_or_log_line(tmp_path: Path
     sent = [str(rec.headers) for rec in up.received + up.empty_writes]
     # each was sent (the senders' replaced by the proxy's own), and echoed
     assert all(any(v in h for h in sent) for v in (basic, SECRETS["token"], SECRETS["fact"]))
+    assert all(rec.query == f"api_key={SECRETS['query']}" for rec in up.received)
     for text in [*said, log]:
         shown = [v for v in (*SECRETS.values(), basic) if v in text]
         assert not shown, (shown, text[:3000])

@@ -24,6 +24,7 @@ from proxy.config import (
     parse_host_port,
     schema,
     settings_from_dict,
+    shown_url,
     url_credentials,
     validate,
     without_userinfo,
@@ -887,6 +888,17 @@ def test_a_fact_header_the_upstream_settings_replace_is_refused(
         return
     with pytest.raises(ConfigError, match=rf"facts\.headers\.{refused}: never sent"):
         validate(s)
+
+
+def test_shown_url_hides_a_credential_of_the_query_too() -> None:
+    """A TSDB gateway that takes its key in the query (``?api_key=``) had it shown in
+    every log line naming the upstream, /metrics' url labels and the landing page."""
+    assert shown_url("https://u:pw@gw:9/push?api_key=K&tenant=a&X-Auth-Token=T#f") == \
+        "https://gw:9/push?api_key=(hidden)&tenant=a&X-Auth-Token=(hidden)#f"
+    assert shown_url("http://tsdb/api/v1/write?extra_label=cluster=prod") == \
+        "http://tsdb/api/v1/write?extra_label=cluster=prod"
+    assert shown_url("http://tsdb/x?token") == "http://tsdb/x?token"  # no value
+    assert shown_url("http://bob:PW/S@h:9/x?key=1", broken=True) == "http://h:9/x?key=(hidden)"
 
 
 def test_without_userinfo_keeps_everything_but_the_credentials() -> None:
