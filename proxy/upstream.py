@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -38,6 +39,7 @@ import math
 import re
 import ssl
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -45,6 +47,7 @@ from typing import Protocol as Interface
 from urllib.parse import urlsplit
 
 import aiohttp
+from aiohttp.tracing import Trace
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -100,7 +103,8 @@ CLIENT_TIMEOUT_MARGIN = 1.0
 #: just under 60 s crossed the upstream's close on the wire: reset unread, a 502 for a
 #: request no receiver saw (23 of 300 sent around the close, with 2 ms of latency, in an
 #: audit). aiohttp resends no POST, nor could it tell that reset from one after the
-#: receiver took the request (docs/operations.md, "An exchange that ends without an answer")
+#: receiver took the request (docs/operations.md, "An exchange that ends without an answer");
+#: a close seen as the connection's end before any answer is resent (``Upstream._request``)
 KEEPALIVE_SECONDS = 30.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
@@ -761,6 +765,54 @@ _PATH_HINT = (
 )
 
 
+#: whether the connection of the request being made in this task came from the pool (a
+#: keep-alive connection used before): set by ``_Connector.connect``, read by
+#: ``Upstream._request`` when the request fails
+_REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("karta_upstream_reused",
+                                                              default=False)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, saying whether each request's connection was used before:
+    the one case where a request that failed before any byte of its answer is sent again
+    (``Upstream._request``). aiohttp says so to no caller (its traces' ``reuseconn`` cost a
+    ``Trace`` and awaits per request, for every request)."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        #: the connections handed out so far (their protocols; a closed one goes with it)
+        self._handed: weakref.WeakSet[object] = weakref.WeakSet()
+
+    async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
+                      timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
+        conn = await super().connect(req, traces, timeout)
+        proto = conn.protocol
+        _REUSED.set(proto in self._handed)
+        self._handed.add(proto)
+        return conn
+
+
+#: how aiohttp words a request whose body could not all be written (``ClientOSError``)
+_UNWRITTEN = "Can not write request body"
+
+
+def closed_unread(e: aiohttp.ClientError) -> bool:
+    """A request's failure on a connection used before that says the upstream had closed
+    it, unread: it closed the connection idle (Go's ``IdleTimeout``, VictoriaMetrics'
+    ``-http.idleConnTimeout``, a load balancer's idle timeout, nginx's
+    ``keepalive_timeout``) as the request went out, and the request met the close on the
+    wire: the connection's end (a clean EOF) before any byte of an answer, or the body
+    not all written. Not a reset before the answer (``ECONNRESET``): a receiver's answer
+    lost on the way back after it stored the request ends so too (docs/operations.md, "An
+    exchange that ends without an answer"). Not a connect failure (a new connection), nor
+    an end after part of an answer's head (aiohttp parsed some: ``message`` is no text)."""
+    if isinstance(e, aiohttp.ClientConnectorError) or not _REUSED.get():
+        return False
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return isinstance(e.message, str)
+    return isinstance(e, aiohttp.ClientOSError) and (e.strerror or "").startswith(_UNWRITTEN)
+
+
 class Upstream:
     """One upstream URL behind a pooled keep-alive ``ClientSession``.
 
@@ -859,7 +911,7 @@ class Upstream:
         if self._session is None:
             s = self.settings
             ctx = self._tls.context if self._tls is not None else build_ssl_context(s)
-            connector = aiohttp.TCPConnector(
+            connector = _Connector(
                 limit=s.max_connections,
                 ssl=ctx if ctx is not None else True,
                 keepalive_timeout=KEEPALIVE_SECONDS,
@@ -1785,20 +1837,17 @@ class Upstream:
         try:
             headers = self._headers(incoming, out.protocol, out.encoding)
             tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
-            async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN), \
-                    self._session.post(
-                        url if url is not None else self._default_url, data=out.encoded,
-                        headers=headers,
-                        allow_redirects=False,
-                        server_hostname=server_hostname, ssl=tls,
-                    ) as resp:
-                code = str(resp.status)
-                if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
-                    self.clock.note(resp.headers.get("Date"))
-                text = await self._body(resp)
-                if text:  # before the body is classified, logged or answered
-                    text = withheld(text, self._sent_credentials(headers, incoming))
-                return self._answer(resp.status, resp.headers, text, code, out.converted)
+            async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
+                resp = await self._request(url if url is not None else self._default_url,
+                                           out.encoded, headers, server_hostname, tls)
+                async with resp:
+                    code = str(resp.status)
+                    if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
+                        self.clock.note(resp.headers.get("Date"))
+                    text = await self._body(resp)
+                    if text:  # before the body is classified, logged or answered
+                        text = withheld(text, self._sent_credentials(headers, incoming))
+                    return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
             # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
             # firewall, a dead address) is unreachable, not slow to answer
@@ -1841,6 +1890,33 @@ class Upstream:
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
+
+    async def _request(self, url: URL, data: bytes, headers: Mapping[str, str],
+                       server_hostname: str | None, tls: ssl.SSLContext | bool
+                       ) -> aiohttp.ClientResponse:
+        """The upstream's answer to one POST, up to its head; sent again once, at once,
+        when a pooled connection turned out closed under it, unread
+        (:func:`closed_unread`): the upstream's idle close crossed it on the wire. The
+        sender got a 502 for it, and sent it again after its backoff: against a receiver
+        that closes connections idle for less than the proxy's ``KEEPALIVE_SECONDS``
+        (Node's 5 s, HAProxy's ``timeout http-keep-alive``) and senders writing about as
+        often, up to 41 requests in 100 (docs/operations.md, "Keep-alive"), enough for
+        ``KartaProxyUpstreamFailing``. aiohttp resends no POST."""
+        assert self._session is not None
+        for last in (False, True):
+            _REUSED.set(False)
+            try:
+                return await self._session.post(url, data=data, headers=headers,
+                                                allow_redirects=False,
+                                                server_hostname=server_hostname, ssl=tls)
+            except aiohttp.ClientError as e:
+                if last or not closed_unread(e):
+                    raise
+                if self.metrics is not None:
+                    self.metrics.upstream_resends.values[()] += 1
+                log.debug("upstream closed a pooled connection as a request reached it, "
+                          "sending it again: %s", failure_line(e, self.settings.timeout_seconds))
+        raise AssertionError("unreachable")
 
     async def _body(self, resp: aiohttp.ClientResponse) -> bytes:
         """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
