@@ -106,6 +106,10 @@ CLIENT_TIMEOUT_MARGIN = 1.0
 #: receiver took the request (docs/operations.md, "An exchange that ends without an answer");
 #: a close seen as the connection's end before any answer is resent (``Upstream._request``)
 KEEPALIVE_SECONDS = 30.0
+#: how long a pooled connection is used at most (``_Connector``): then the upstream's name
+#: is looked up again (aiohttp's cache keeps an answer 10 s), so a DNS change is followed
+#: within this much, a busy pool too
+MAX_CONNECTION_SECONDS = 300.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -772,23 +776,45 @@ _REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("karta_upstream_r
                                                               default=False)
 
 
+#: the clock of a connection's age (``_Connector``; tests move it)
+_connection_clock: Callable[[], float] = time.monotonic
+
+
 class _Connector(aiohttp.TCPConnector):
     """aiohttp's connector, saying whether each request's connection was used before:
     the one case where a request that failed before any byte of its answer is sent again
     (``Upstream._request``). aiohttp says so to no caller (its traces' ``reuseconn`` cost a
-    ``Trace`` and awaits per request, for every request)."""
+    ``Trace`` and awaits per request, for every request).
+
+    A connection made ``MAX_CONNECTION_SECONDS`` ago is closed (idle, by the proxy: no
+    request crosses that close) instead of used again, and a new one made, which looks
+    the upstream's name up again: a pool kept busy reused its connections for ever, so
+    the proxy never followed a DNS change (a Service made again, a TSDB moved by its
+    name, a headless Service's new pods) while the old address still answered."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
-        #: the connections handed out so far (their protocols; a closed one goes with it)
-        self._handed: weakref.WeakSet[object] = weakref.WeakSet()
+        #: when each connection was first handed out (by its protocol; a closed one goes
+        #: with it)
+        self._born: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
 
     async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
                       timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
-        conn = await super().connect(req, traces, timeout)
-        proto = conn.protocol
-        _REUSED.set(proto in self._handed)
-        self._handed.add(proto)
+        reused = False
+        # each turn closes one pooled connection: at most the pool's, then a new one
+        for _ in range(self.limit + 1):
+            conn = await super().connect(req, traces, timeout)
+            now = _connection_clock()
+            born = self._born.get(conn.protocol)
+            if born is None:
+                self._born[conn.protocol] = now
+                reused = False
+                break
+            reused = True
+            if now - born < MAX_CONNECTION_SECONDS:
+                break
+            conn.close()
+        _REUSED.set(reused)
         return conn
 
 
@@ -847,6 +873,7 @@ class Upstream:
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
         self._session: aiohttp.ClientSession | None = None
+        self._connector: _Connector | None = None
         #: the upstream's clock by the Date of its answers to the proxy's own requests (the
         #: check, the fact writes: ``OwnHeaders``), for the fact writer's stamps
         self.clock = UpstreamClock()
@@ -917,6 +944,7 @@ class Upstream:
                 keepalive_timeout=KEEPALIVE_SECONDS,
                 enable_cleanup_closed=True,
             )
+            self._connector = connector
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 # no total: each post has a deadline of its own (``_post``), which a stop
@@ -974,7 +1002,7 @@ class Upstream:
         self._check_task = None
         if self._session is not None:
             await self._session.close()
-            self._session = None
+            self._session = self._connector = None
 
     # -- headers --------------------------------------------------------------------------
 
@@ -1887,6 +1915,13 @@ class Upstream:
                        type(e).__name__, {"upstream_url": self.url, "error": why})
             return Answer(502, f"upstream request could not be made: {why}".encode(), {}, code)
         finally:
+            if code == "connect_error" and self._connector is not None:
+                # the addresses aiohttp keeps for ``ttl_dns_cache`` (10 s) are looked up
+                # again by the next connect: a headless Service's pod replaced, or a
+                # Service made again, had every request fail to connect to the old address
+                # until its entry aged out (20 writes at 5 a second, 502 each, the new
+                # address in DNS for 4 s)
+                self._connector.clear_dns_cache()
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import shutil
+import socket
 import ssl
 import subprocess
 import time
@@ -24,6 +25,7 @@ import aiohttp.connector
 import pytest
 from multidict import CIMultiDict
 
+from proxy import upstream as upstream_module
 from proxy.budget import Held, LoadBudget
 from proxy.compression import DecodeError, block_part, compress, join_snappy
 from proxy.config import UpstreamSettings
@@ -191,6 +193,67 @@ async def test_a_request_a_pooled_connection_closed_unread_is_sent_again_once(
     errors = 0 if closed == {1} else 1  # 502s: the resend's failure is not counted twice
     assert u.metrics is not None and (u.metrics.registry.get_sample_value(
         "karta_proxy_upstream_responses_total", {"code": "error"}) or 0) == errors
+
+
+class Names:
+    """The upstream's name, ``upstream.test``, as the event loop's resolver answers it:
+    ``127.0.0.1`` at the port of ``to`` (a port in the answer as an address of its own:
+    every server stays on 127.0.0.1); ``lookups`` counts the questions."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, to: ScriptedUpstream) -> None:
+        self.to = to
+        self.lookups = 0
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", self._answer)
+
+    async def _answer(self, host: str, port: int, **kw: object) -> list[Any]:
+        assert host == "upstream.test"
+        self.lookups += 1
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                 ("127.0.0.1", self.to.port))]
+
+
+async def test_a_failed_connect_looks_the_name_up_again(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """The upstream's name moved to another address (a headless Service's pod replaced, a
+    Service made again) and the old address refuses: aiohttp's cache kept it 10 s, every
+    request of those 10 s a 502 (20 at 5 a second, measured). A failed connect has the
+    next request look the name up again."""
+    async with ScriptedUpstream() as old, ScriptedUpstream() as new:
+        names = Names(monkeypatch, old)
+        async with opened("http://upstream.test:9/api/v1/write") as u:
+            assert (await u.send(v1_body(), Protocol.V1)).ok
+            names.to = new
+            await old.stop()
+            gone = await u.send(v1_body(), Protocol.V1)
+            moved = await u.send(v1_body(), Protocol.V1)
+    assert (gone.status, gone.upstream) == (502, "connect_error"), gone.body
+    assert moved.ok, moved.body
+    assert (len(old.received), len(new.received), names.lookups) == (1, 1, 2)
+
+
+async def test_a_busy_pool_follows_the_upstreams_name_to_its_new_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection reused within the keep-alive time was reused for ever: with the name
+    moved to another address and the old one still answering, the proxy wrote to the old
+    one for as long as it kept it busy. A connection 300 s old is closed and another made,
+    at the address the name has now. The clocks (the connections' ages, aiohttp's
+    keep-alive and DNS cache) are moved on, not waited, 20 s a request."""
+    ahead = [0.0]
+    real = time.monotonic
+    monkeypatch.setattr(upstream_module, "_connection_clock", lambda: real() + ahead[0])
+    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: real() + ahead[0])
+    async with ScriptedUpstream() as old, ScriptedUpstream() as new:
+        names = Names(monkeypatch, old)
+        async with opened("http://upstream.test:9/api/v1/write") as u:
+            for n in range(18):  # at 0, 20, ... 340 s
+                if n == 2:
+                    names.to = new
+                assert (await u.send(v1_body(), Protocol.V1)).ok
+                ahead[0] += 20.0
+    # the one connection made at 0 s, to the old address, until it was 300 s old
+    assert [r.peer for r in old.received] == [old.received[0].peer] * 15
+    assert len(new.received) == 3 and len({r.peer for r in new.received}) == 1
 
 
 async def test_a_2xx_whose_body_breaks_off_stays_a_2xx() -> None:
