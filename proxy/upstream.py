@@ -818,6 +818,22 @@ class _Connector(aiohttp.TCPConnector):
         return conn
 
 
+def short_pool(max_concurrent_requests: int, max_connections: int) -> str:
+    """The warning of a start whose upstream pool is smaller than the requests it may
+    forward at once, else "". Each request in flight holds a connection; the ones past
+    the pool wait for one, unseen, inside their ``upstream.timeout_seconds``, so a slow
+    upstream times them out as 504 ``upstream timed out`` though it answered each in time
+    (2 connections, 8 requests at once, an upstream answering in 1 s and a 2.5 s timeout:
+    4 504s, 2 of those requests stored all the same)."""
+    if max_connections >= max_concurrent_requests:
+        return ""
+    return (f"upstream.max_connections ({max_connections}) is below "
+            f"server.max_concurrent_requests ({max_concurrent_requests}): the requests past "
+            "it wait for a connection within upstream.timeout_seconds, and time out as 504 "
+            "'upstream timed out' when the upstream is slow; raise upstream.max_connections "
+            "with it (docs/operations.md)")
+
+
 #: how aiohttp words a request whose body could not all be written (``ClientOSError``)
 _UNWRITTEN = "Can not write request body"
 

@@ -47,6 +47,7 @@ from proxy.upstream import (
     UpstreamFailure,
     fact_tenant_hint,
     map_status,
+    short_pool,
 )
 from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import layout_bytes
@@ -254,6 +255,14 @@ async def test_a_busy_pool_follows_the_upstreams_name_to_its_new_address(
     # the one connection made at 0 s, to the old address, until it was 300 s old
     assert [r.peer for r in old.received] == [old.received[0].peer] * 15
     assert len(new.received) == 3 and len({r.peer for r in new.received}) == 1
+
+
+def test_a_pool_smaller_than_the_slots_is_warned_of() -> None:
+    """Requests past the pool wait for a connection within their deadline, unseen, and
+    time out as the upstream's fault; the defaults (64 and 64) say nothing."""
+    assert short_pool(64, 64) == "" and short_pool(64, 256) == ""
+    assert "upstream.max_connections (64) is below server.max_concurrent_requests (256)" in (
+        short_pool(256, 64))
 
 
 async def test_a_2xx_whose_body_breaks_off_stays_a_2xx() -> None:
