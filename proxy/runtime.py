@@ -59,7 +59,7 @@ from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
 from proxy.tls import ServerTLS
 from proxy.tls_handshake import REASONS
-from proxy.upstream import Upstream, conversion_limit, fact_tenant_hint
+from proxy.upstream import Upstream, conversion_limit, fact_tenant_hint, short_pool
 from proxy.wire.native import warn_if_python
 from proxy.yielding import LOOP_RUN_SECONDS, RELOAD_DEFER_SECONDS, Pacer, Slices, in_runs
 
@@ -494,6 +494,8 @@ class Proxy:
         })
         warn_if_python()
         check_nofile(s.server.max_connections, s.upstream.max_connections)
+        if short := short_pool(s.server.max_concurrent_requests, s.upstream.max_connections):
+            log.warning(short, extra={"kind": "upstream_pool"})
         check_memory(s.server.max_inflight_bytes, s.karta.jq_sandbox)
         self._accept_guard = guard_accepts(asyncio.get_running_loop())
         if self._accept_guard is not None:

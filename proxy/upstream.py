@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -38,6 +39,7 @@ import math
 import re
 import ssl
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -45,6 +47,7 @@ from typing import Protocol as Interface
 from urllib.parse import urlsplit
 
 import aiohttp
+from aiohttp.tracing import Trace
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -100,8 +103,13 @@ CLIENT_TIMEOUT_MARGIN = 1.0
 #: just under 60 s crossed the upstream's close on the wire: reset unread, a 502 for a
 #: request no receiver saw (23 of 300 sent around the close, with 2 ms of latency, in an
 #: audit). aiohttp resends no POST, nor could it tell that reset from one after the
-#: receiver took the request (docs/operations.md, "An exchange that ends without an answer")
+#: receiver took the request (docs/operations.md, "An exchange that ends without an answer");
+#: a close seen as the connection's end before any answer is resent (``Upstream._request``)
 KEEPALIVE_SECONDS = 30.0
+#: how long a pooled connection is used at most (``_Connector``): then the upstream's name
+#: is looked up again (aiohttp's cache keeps an answer 10 s), so a DNS change is followed
+#: within this much, a busy pool too
+MAX_CONNECTION_SECONDS = 300.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -761,6 +769,92 @@ _PATH_HINT = (
 )
 
 
+#: whether the connection of the request being made in this task came from the pool (a
+#: keep-alive connection used before): set by ``_Connector.connect``, read by
+#: ``Upstream._request`` when the request fails
+_REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("karta_upstream_reused",
+                                                              default=False)
+
+
+#: the clock of a connection's age (``_Connector``; tests move it)
+_connection_clock: Callable[[], float] = time.monotonic
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, saying whether each request's connection was used before:
+    the one case where a request that failed before any byte of its answer is sent again
+    (``Upstream._request``). aiohttp says so to no caller (its traces' ``reuseconn`` cost a
+    ``Trace`` and awaits per request, for every request).
+
+    A connection made ``MAX_CONNECTION_SECONDS`` ago is closed (idle, by the proxy: no
+    request crosses that close) instead of used again, and a new one made, which looks
+    the upstream's name up again: a pool kept busy reused its connections for ever, so
+    the proxy never followed a DNS change (a Service made again, a TSDB moved by its
+    name, a headless Service's new pods) while the old address still answered."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        #: when each connection was first handed out (by its protocol; a closed one goes
+        #: with it)
+        self._born: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+
+    async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
+                      timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
+        reused = False
+        # each turn closes one pooled connection: at most the pool's, then a new one
+        for _ in range(self.limit + 1):
+            conn = await super().connect(req, traces, timeout)
+            now = _connection_clock()
+            born = self._born.get(conn.protocol)
+            if born is None:
+                self._born[conn.protocol] = now
+                reused = False
+                break
+            reused = True
+            if now - born < MAX_CONNECTION_SECONDS:
+                break
+            conn.close()
+        _REUSED.set(reused)
+        return conn
+
+
+def short_pool(max_concurrent_requests: int, max_connections: int) -> str:
+    """The warning of a start whose upstream pool is smaller than the requests it may
+    forward at once, else "". Each request in flight holds a connection; the ones past
+    the pool wait for one, unseen, inside their ``upstream.timeout_seconds``, so a slow
+    upstream times them out as 504 ``upstream timed out`` though it answered each in time
+    (2 connections, 8 requests at once, an upstream answering in 1 s and a 2.5 s timeout:
+    4 504s, 2 of those requests stored all the same)."""
+    if max_connections >= max_concurrent_requests:
+        return ""
+    return (f"upstream.max_connections ({max_connections}) is below "
+            f"server.max_concurrent_requests ({max_concurrent_requests}): the requests past "
+            "it wait for a connection within upstream.timeout_seconds, and time out as 504 "
+            "'upstream timed out' when the upstream is slow; raise upstream.max_connections "
+            "with it (docs/operations.md)")
+
+
+#: how aiohttp words a request whose body could not all be written (``ClientOSError``)
+_UNWRITTEN = "Can not write request body"
+
+
+def closed_unread(e: aiohttp.ClientError) -> bool:
+    """A request's failure on a connection used before that says the upstream had closed
+    it, unread: it closed the connection idle (Go's ``IdleTimeout``, VictoriaMetrics'
+    ``-http.idleConnTimeout``, a load balancer's idle timeout, nginx's
+    ``keepalive_timeout``) as the request went out, and the request met the close on the
+    wire: the connection's end (a clean EOF) before any byte of an answer, or the body
+    not all written. Not a reset before the answer (``ECONNRESET``): a receiver's answer
+    lost on the way back after it stored the request ends so too (docs/operations.md, "An
+    exchange that ends without an answer"). Not a connect failure (a new connection), nor
+    an end after part of an answer's head (aiohttp parsed some: ``message`` is no text)."""
+    if isinstance(e, aiohttp.ClientConnectorError) or not _REUSED.get():
+        return False
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return isinstance(e.message, str)
+    return isinstance(e, aiohttp.ClientOSError) and (e.strerror or "").startswith(_UNWRITTEN)
+
+
 class Upstream:
     """One upstream URL behind a pooled keep-alive ``ClientSession``.
 
@@ -798,6 +892,7 @@ class Upstream:
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
         self._session: aiohttp.ClientSession | None = None
+        self._connector: _Connector | None = None
         #: the upstream's clock by the Date of its answers to the proxy's own requests (the
         #: check, the fact writes: ``OwnHeaders``), for the fact writer's stamps
         self.clock = UpstreamClock()
@@ -862,12 +957,13 @@ class Upstream:
         if self._session is None:
             s = self.settings
             ctx = self._tls.context if self._tls is not None else build_ssl_context(s)
-            connector = aiohttp.TCPConnector(
+            connector = _Connector(
                 limit=s.max_connections,
                 ssl=ctx if ctx is not None else True,
                 keepalive_timeout=KEEPALIVE_SECONDS,
                 enable_cleanup_closed=True,
             )
+            self._connector = connector
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 # no total: each post has a deadline of its own (``_post``), which a stop
@@ -925,7 +1021,7 @@ class Upstream:
         self._check_task = None
         if self._session is not None:
             await self._session.close()
-            self._session = None
+            self._session = self._connector = None
 
     # -- headers --------------------------------------------------------------------------
 
@@ -1790,20 +1886,17 @@ class Upstream:
         try:
             headers = self._headers(incoming, out.protocol, out.encoding)
             tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
-            async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN), \
-                    self._session.post(
-                        url if url is not None else self._default_url, data=out.encoded,
-                        headers=headers,
-                        allow_redirects=False,
-                        server_hostname=server_hostname, ssl=tls,
-                    ) as resp:
-                code = str(resp.status)
-                if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
-                    self.clock.note(resp.headers.get("Date"))
-                text = await self._body(resp)
-                if text:  # before the body is classified, logged or answered
-                    text = withheld(text, self._sent_credentials(headers, incoming))
-                return self._answer(resp.status, resp.headers, text, code, out.converted)
+            async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
+                resp = await self._request(url if url is not None else self._default_url,
+                                           out.encoded, headers, server_hostname, tls)
+                async with resp:
+                    code = str(resp.status)
+                    if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
+                        self.clock.note(resp.headers.get("Date"))
+                    text = await self._body(resp)
+                    if text:  # before the body is classified, logged or answered
+                        text = withheld(text, self._sent_credentials(headers, incoming))
+                    return self._answer(resp.status, resp.headers, text, code, out.converted)
         except aiohttp.ConnectionTimeoutError as e:
             # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
             # firewall, a dead address) is unreachable, not slow to answer
@@ -1843,9 +1936,43 @@ class Upstream:
                        type(e).__name__, {"upstream_url": self.shown_url, "error": why})
             return Answer(502, f"upstream request could not be made: {why}".encode(), {}, code)
         finally:
+            if code == "connect_error" and self._connector is not None:
+                # the addresses aiohttp keeps for ``ttl_dns_cache`` (10 s) are looked up
+                # again by the next connect: a headless Service's pod replaced, or a
+                # Service made again, had every request fail to connect to the old address
+                # until its entry aged out (20 writes at 5 a second, 502 each, the new
+                # address in DNS for 4 s)
+                self._connector.clear_dns_cache()
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
+
+    async def _request(self, url: URL, data: bytes, headers: Mapping[str, str],
+                       server_hostname: str | None, tls: ssl.SSLContext | bool
+                       ) -> aiohttp.ClientResponse:
+        """The upstream's answer to one POST, up to its head; sent again once, at once,
+        when a pooled connection turned out closed under it, unread
+        (:func:`closed_unread`): the upstream's idle close crossed it on the wire. The
+        sender got a 502 for it, and sent it again after its backoff: against a receiver
+        that closes connections idle for less than the proxy's ``KEEPALIVE_SECONDS``
+        (Node's 5 s, HAProxy's ``timeout http-keep-alive``) and senders writing about as
+        often, up to 41 requests in 100 (docs/operations.md, "Keep-alive"), enough for
+        ``KartaProxyUpstreamFailing``. aiohttp resends no POST."""
+        assert self._session is not None
+        for last in (False, True):
+            _REUSED.set(False)
+            try:
+                return await self._session.post(url, data=data, headers=headers,
+                                                allow_redirects=False,
+                                                server_hostname=server_hostname, ssl=tls)
+            except aiohttp.ClientError as e:
+                if last or not closed_unread(e):
+                    raise
+                if self.metrics is not None:
+                    self.metrics.upstream_resends.values[()] += 1
+                log.debug("upstream closed a pooled connection as a request reached it, "
+                          "sending it again: %s", failure_line(e, self.settings.timeout_seconds))
+        raise AssertionError("unreachable")
 
     async def _body(self, resp: aiohttp.ClientResponse) -> bytes:
         """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
