@@ -802,7 +802,10 @@ class _Connector(aiohttp.TCPConnector):
                       timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
         reused = False
         # each turn closes one pooled connection: at most the pool's, then a new one
-        for _ in range(self.limit + 1):
+        # each turn closes one aged pooled connection; past the pool's size of them (others
+        # handed back aged meanwhile: a pool made at the start ages all at once) the last
+        # is used all the same, never a closed one handed out
+        for turn in range(self.limit + 1):
             conn = await super().connect(req, traces, timeout)
             now = _connection_clock()
             born = self._born.get(conn.protocol)
@@ -811,7 +814,7 @@ class _Connector(aiohttp.TCPConnector):
                 reused = False
                 break
             reused = True
-            if now - born < MAX_CONNECTION_SECONDS:
+            if now - born < MAX_CONNECTION_SECONDS or turn == self.limit:
                 break
             conn.close()
         _REUSED.set(reused)
