@@ -292,12 +292,6 @@ class ProxyMetrics:
             _P + "upstream_responses", "Upstream answers by status code (timeout, "
             "connect_error, error when none came).", ["code"], registry=r,
         )
-        self.upstream_resends = LoopCounter(
-            _P + "upstream_resends", "Requests sent again at once, on another connection, "
-            "after a pooled keep-alive connection failed before any byte of an answer (the "
-            "upstream's idle close crossing the request): not an answer, not in "
-            "upstream_responses.", registry=r,
-        )
         self.upstream_conversions = Counter(
             _P + "upstream_v2_to_v1_conversions", "RW 2.0 requests converted to RW 1.0 for "
             "the upstream.", registry=r,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import contextvars
 import functools
 import hashlib
 import logging
@@ -103,8 +102,7 @@ CLIENT_TIMEOUT_MARGIN = 1.0
 #: just under 60 s crossed the upstream's close on the wire: reset unread, a 502 for a
 #: request no receiver saw (23 of 300 sent around the close, with 2 ms of latency, in an
 #: audit). aiohttp resends no POST, nor could it tell that reset from one after the
-#: receiver took the request (docs/operations.md, "An exchange that ends without an answer");
-#: a close seen as the connection's end before any answer is resent (``Upstream._request``)
+#: receiver took the request (docs/operations.md, "An exchange that ends without an answer")
 KEEPALIVE_SECONDS = 30.0
 #: how long a pooled connection is used at most (``_Connector``): then the upstream's name
 #: is looked up again (aiohttp's cache keeps an answer 10 s), so a DNS change is followed
@@ -769,28 +767,17 @@ _PATH_HINT = (
 )
 
 
-#: whether the connection of the request being made in this task came from the pool (a
-#: keep-alive connection used before): set by ``_Connector.connect``, read by
-#: ``Upstream._request`` when the request fails
-_REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("karta_upstream_reused",
-                                                              default=False)
-
-
 #: the clock of a connection's age (``_Connector``; tests move it)
 _connection_clock: Callable[[], float] = time.monotonic
 
 
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, saying whether each request's connection was used before:
-    the one case where a request that failed before any byte of its answer is sent again
-    (``Upstream._request``). aiohttp says so to no caller (its traces' ``reuseconn`` cost a
-    ``Trace`` and awaits per request, for every request).
-
-    A connection made ``MAX_CONNECTION_SECONDS`` ago is closed (idle, by the proxy: no
-    request crosses that close) instead of used again, and a new one made, which looks
-    the upstream's name up again: a pool kept busy reused its connections for ever, so
-    the proxy never followed a DNS change (a Service made again, a TSDB moved by its
-    name, a headless Service's new pods) while the old address still answered."""
+    """aiohttp's connector, with connections of a bounded age. A connection made
+    ``MAX_CONNECTION_SECONDS`` ago is closed (idle, by the proxy: no request crosses that
+    close) instead of used again, and a new one made, which looks the upstream's name up
+    again: a pool kept busy reused its connections for ever, so the proxy never followed a
+    DNS change (a Service made again, a TSDB moved by its name, a headless Service's new
+    pods) while the old address still answered."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
@@ -800,8 +787,6 @@ class _Connector(aiohttp.TCPConnector):
 
     async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
                       timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
-        reused = False
-        # each turn closes one pooled connection: at most the pool's, then a new one
         # each turn closes one aged pooled connection; past the pool's size of them (others
         # handed back aged meanwhile: a pool made at the start ages all at once) the last
         # is used all the same, never a closed one handed out
@@ -811,13 +796,10 @@ class _Connector(aiohttp.TCPConnector):
             born = self._born.get(conn.protocol)
             if born is None:
                 self._born[conn.protocol] = now
-                reused = False
                 break
-            reused = True
             if now - born < MAX_CONNECTION_SECONDS or turn == self.limit:
                 break
             conn.close()
-        _REUSED.set(reused)
         return conn
 
 
@@ -835,27 +817,6 @@ def short_pool(max_concurrent_requests: int, max_connections: int) -> str:
             "it wait for a connection within upstream.timeout_seconds, and time out as 504 "
             "'upstream timed out' when the upstream is slow; raise upstream.max_connections "
             "with it (docs/operations.md)")
-
-
-#: how aiohttp words a request whose body could not all be written (``ClientOSError``)
-_UNWRITTEN = "Can not write request body"
-
-
-def closed_unread(e: aiohttp.ClientError) -> bool:
-    """A request's failure on a connection used before that says the upstream had closed
-    it, unread: it closed the connection idle (Go's ``IdleTimeout``, VictoriaMetrics'
-    ``-http.idleConnTimeout``, a load balancer's idle timeout, nginx's
-    ``keepalive_timeout``) as the request went out, and the request met the close on the
-    wire: the connection's end (a clean EOF) before any byte of an answer, or the body
-    not all written. Not a reset before the answer (``ECONNRESET``): a receiver's answer
-    lost on the way back after it stored the request ends so too (docs/operations.md, "An
-    exchange that ends without an answer"). Not a connect failure (a new connection), nor
-    an end after part of an answer's head (aiohttp parsed some: ``message`` is no text)."""
-    if isinstance(e, aiohttp.ClientConnectorError) or not _REUSED.get():
-        return False
-    if isinstance(e, aiohttp.ServerDisconnectedError):
-        return isinstance(e.message, str)
-    return isinstance(e, aiohttp.ClientOSError) and (e.strerror or "").startswith(_UNWRITTEN)
 
 
 class Upstream:
@@ -1890,8 +1851,10 @@ class Upstream:
             headers = self._headers(incoming, out.protocol, out.encoding)
             tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
             async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
-                resp = await self._request(url if url is not None else self._default_url,
-                                           out.encoded, headers, server_hostname, tls)
+                resp = await self._session.post(
+                    url if url is not None else self._default_url, data=out.encoded,
+                    headers=headers, allow_redirects=False, server_hostname=server_hostname,
+                    ssl=tls)
                 async with resp:
                     code = str(resp.status)
                     if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
@@ -1949,33 +1912,6 @@ class Upstream:
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
-
-    async def _request(self, url: URL, data: bytes, headers: Mapping[str, str],
-                       server_hostname: str | None, tls: ssl.SSLContext | bool
-                       ) -> aiohttp.ClientResponse:
-        """The upstream's answer to one POST, up to its head; sent again once, at once,
-        when a pooled connection turned out closed under it, unread
-        (:func:`closed_unread`): the upstream's idle close crossed it on the wire. The
-        sender got a 502 for it, and sent it again after its backoff: against a receiver
-        that closes connections idle for less than the proxy's ``KEEPALIVE_SECONDS``
-        (Node's 5 s, HAProxy's ``timeout http-keep-alive``) and senders writing about as
-        often, up to 41 requests in 100 (docs/operations.md, "Keep-alive"), enough for
-        ``KartaProxyUpstreamFailing``. aiohttp resends no POST."""
-        assert self._session is not None
-        for last in (False, True):
-            _REUSED.set(False)
-            try:
-                return await self._session.post(url, data=data, headers=headers,
-                                                allow_redirects=False,
-                                                server_hostname=server_hostname, ssl=tls)
-            except aiohttp.ClientError as e:
-                if last or not closed_unread(e):
-                    raise
-                if self.metrics is not None:
-                    self.metrics.upstream_resends.values[()] += 1
-                log.debug("upstream closed a pooled connection as a request reached it, "
-                          "sending it again: %s", failure_line(e, self.settings.timeout_seconds))
-        raise AssertionError("unreachable")
 
     async def _body(self, resp: aiohttp.ClientResponse) -> bytes:
         """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a

@@ -53,7 +53,7 @@ from proxy.wire.convert import v2_to_v1
 from proxy.wire.halves import layout_bytes
 from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol, len_field
-from tests.fault_relay import CLOSE_AT_REQUEST, CUT_ANSWER, Fault, FaultRelay
+from tests.fault_relay import CUT_ANSWER, Fault, FaultRelay
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
 
 # generated protobuf modules carry no type information
@@ -154,46 +154,6 @@ async def test_a_connection_idle_near_the_upstreams_idle_timeout_is_not_reused(
             assert (await u.send(v1_body(), Protocol.V1)).ok
     first, after_20_s, after_45_s = (r.peer for r in up.received)
     assert first == after_20_s != after_45_s
-
-
-def _resends(u: Upstream) -> float | None:
-    assert u.metrics is not None
-    return u.metrics.registry.get_sample_value("karta_proxy_upstream_resends_total")
-
-
-@pytest.mark.parametrize("closed", [{1}, {0}, {1, 2}])
-async def test_a_request_a_pooled_connection_closed_unread_is_sent_again_once(
-    closed: set[int],
-) -> None:
-    """An upstream that closes a keep-alive connection idle (Go's IdleTimeout, a load
-    balancer's) as the proxy sends a request on it never reads that request: it was a 502
-    (``ServerDisconnectedError``), 41 of 100 requests sent about as often as a 0.1 s idle
-    close with 2 ms of latency, none stored. Such a request on a connection used before is
-    sent again at once on another; not one on a new connection (the receiver may have
-    stored it and died), and only once."""
-    async with (
-        ScriptedUpstream() as up,
-        FaultRelay(("127.0.0.1", up.port),
-                   lambda index, body: Fault(CLOSE_AT_REQUEST if index in closed else "pass"))
-        as relay,
-        opened(relay.url()) as u,
-    ):
-        first = await u.send(v1_body(), Protocol.V1)
-        second = await u.send(v1_body(), Protocol.V1)
-    faults = [e.fault for e in relay.events]
-    if closed == {1}:  # the second request, on the first's connection: sent again
-        assert (first.status, second.status) == (204, 204), second.body
-        assert faults == ["pass", CLOSE_AT_REQUEST, "pass"] and len(up.received) == 2
-        assert _resends(u) == 1
-    elif closed == {0}:  # the first, on a new connection: the sender's to send again
-        assert (first.status, first.upstream, second.status) == (502, "error", 204)
-        assert faults == [CLOSE_AT_REQUEST, "pass"] and _resends(u) == 0
-    else:  # its resend closed too: the 502, no third try
-        assert (second.status, second.upstream) == (502, "error"), second.body
-        assert faults == ["pass", CLOSE_AT_REQUEST, CLOSE_AT_REQUEST] and _resends(u) == 1
-    errors = 0 if closed == {1} else 1  # 502s: the resend's failure is not counted twice
-    assert u.metrics is not None and (u.metrics.registry.get_sample_value(
-        "karta_proxy_upstream_responses_total", {"code": "error"}) or 0) == errors
 
 
 class Names:
