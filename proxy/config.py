@@ -234,6 +234,13 @@ class UpstreamSettings(Section):
     max_connections: Annotated[int, setting(
         "pooled keep-alive connections to the upstream; at most 65536", ge=1,
         le=65536)] = 64
+    idle_connection_seconds: Annotated[float, setting(
+        "a pooled upstream connection idle this long is closed, not used again: keep it "
+        "under the idle timeout of the upstream and of anything in front of it (HAProxy's "
+        "timeout http-keep-alive, Node's keepAliveTimeout of 5 s), or a request sent as "
+        "that side closes the connection meets the close on the wire: a 502 for a request "
+        "nothing stored, which the sender sends again. The default is under VictoriaMetrics' "
+        "and AWS ALB's 60 s, nginx's 75 s, Mimir's 120 s", ge=0.5, le=3600)] = 30.0
     protocol: Annotated[UpstreamProtocol, setting(
         "RW 2.0 toward the upstream: auto converts to RW 1.0 after a 415 or a 2xx without "
         "Written headers and remembers, v1 "

@@ -96,14 +96,6 @@ MAX_ERROR_BODY = 4096
 #: (then aiohttp's) fired first for timeouts of 5 s or less, and the sender read "upstream
 #: timed out". It still bounds the upstream check, which has no deadline of its own
 CLIENT_TIMEOUT_MARGIN = 1.0
-#: how long a pooled connection may idle and still be reused: well under the idle timeouts
-#: of what usually answers (VictoriaMetrics' ``-http.idleConnTimeout`` and AWS ALB's, 60 s;
-#: nginx 75 s; Mimir 120 s). At 60 s, equal to theirs, a request sent on a connection idle
-#: just under 60 s crossed the upstream's close on the wire: reset unread, a 502 for a
-#: request no receiver saw (23 of 300 sent around the close, with 2 ms of latency, in an
-#: audit). aiohttp resends no POST, nor could it tell that reset from one after the
-#: receiver took the request (docs/operations.md, "An exchange that ends without an answer")
-KEEPALIVE_SECONDS = 30.0
 #: how long a pooled connection is used at most (``_Connector``): then the upstream's name
 #: is looked up again (aiohttp's cache keeps an answer 10 s), so a DNS change is followed
 #: within this much, a busy pool too
@@ -924,7 +916,7 @@ class Upstream:
             connector = _Connector(
                 limit=s.max_connections,
                 ssl=ctx if ctx is not None else True,
-                keepalive_timeout=KEEPALIVE_SECONDS,
+                keepalive_timeout=s.idle_connection_seconds,
                 enable_cleanup_closed=True,
             )
             self._connector = connector
