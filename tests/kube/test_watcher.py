@@ -191,6 +191,33 @@ async def test_paginated_list_then_watch(sim: KubeSim, make: Make) -> None:
     assert watches[0]["timeoutSeconds"] == "2"
 
 
+def heavy_pod(name: str) -> dict[str, object]:
+    """A pod of 1.2 MB of JSON: the size of an Argo Workflow whose ``status.nodes`` holds
+    thousands of steps (a pod here, so the test needs no CRD)."""
+    obj = pod(name)
+    obj["metadata"]["annotations"] = {"example.com/nodes": "x" * 1_200_000}
+    return obj
+
+
+async def test_slices_of_heavy_objects_hold_one_each(sim: KubeSim, make: Make) -> None:
+    """A slice is weighed by its bytes, not only counted: a list's first slice was 64
+    items and a watcher's grew on cheap events and bookmarks up to 4,096, so a list or a
+    burst of 1-2 MB objects (Argo Workflows, each ~160 ms through the engine) went to the
+    sink in one slice and held the event loop for seconds (1.8 s for 10 Workflows)."""
+    for i in range(4):
+        sim.create(heavy_pod(f"h{i}"))
+    sink = RecordingSink()
+    w = await started(make, sink)
+    assert sink.slices == [1, 1, 1, 1]  # the list: one at a time, not [4]
+    w.slices.size = 64  # as grown on bookmarks and cheap events
+    sim.hold_watches()
+    for i in range(4, 7):
+        sim.create(heavy_pod(f"h{i}"))
+    sim.flush_watches()  # the three events reach the watcher in one chunk
+    await eventually(lambda: len(sink.events) == 7)
+    assert sink.slices[4:] == [1, 1, 1]
+
+
 async def test_a_listed_object_carries_the_uid_string_its_watcher_holds_it_by(
     sim: KubeSim, make: Make
 ) -> None:
