@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from proxy import yielding
-from proxy.yielding import Pacer, Slices, ThreadPacer
+from proxy.yielding import MIN_SECONDS_PER_BYTE, Pacer, Slices, ThreadPacer
 from tests.loop_turns import LoopTurns
 
 
@@ -219,6 +219,31 @@ def test_runs_cover_every_item_once_in_order_and_follow_the_cost() -> None:
     assert sizes[:3] == [4, 8, 16]  # cheap: at most doubled, then what fits
     assert set(sizes[2:-1]) == {16}
     assert list(s.run(0, step)) == []
+
+
+def test_weighed_runs_end_where_their_bytes_would_pass_the_budget() -> None:
+    """Items weighed by their bytes: a run ends before the item that would take it past
+    what the budget buys at the last run's cost per byte (one item at least), whatever
+    the count-sized run would hold; cheap bytes never count below the floor."""
+    now = 0.0
+    s = Slices(0.004, most=4096, clock=lambda: now)
+    s.size = 4096  # grown on cheap items
+    sizes = [1_000, 1_000, 1_700_000, 1_700_000, 1_700_000, 1_000]
+    runs: list[tuple[int, int]] = []
+
+    def step(i: int, j: int) -> None:
+        nonlocal now
+        runs.append((i, j))
+        now += sum(sizes[i:j]) * 100e-9  # 100 ns a byte: 170 ms a heavy item
+
+    assert sum(1 for _ in s.run(len(sizes), step, lambda k: sizes[k])) == len(runs)
+    # at the floor (2 ns a byte) 4 ms buys 2 MB: the first heavy one fits beside the
+    # small ones, then the cost measured (100 ns a byte) buys 40 KB: one item a run
+    assert runs == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert s.per_byte == pytest.approx(100e-9)
+    for _ in s.run(2, lambda i, j: None, lambda k: 1_000_000):
+        pass
+    assert s.per_byte == MIN_SECONDS_PER_BYTE  # no time at all: the floor
 
 
 def test_what_is_left_of_a_budget_goes_down_to_zero() -> None:

@@ -15,8 +15,8 @@ Why it is shaped this way:
   namespace, uid, labels, annotations, ownerReferences), shared with the object it came
   from, never its spec or status (``proxy.karta.slim``). Whole objects are kept only for
   described kinds (and bare pods), whose status, scale and instance ids are evaluated
-  from them, and then as JSON text (``proxy.karta.packed``), parsed again only to be
-  evaluated.
+  from them, and then as the JSON text their expressions read (``proxy.karta.packed``),
+  handed to jq as it is.
 * libjq costs ~30 us a call through the PyPI binding, so the plain label / annotation /
   name lookups that nearly every pod selector is are answered with a dict probe; anything
   else goes to jq with the same wrapper semantics (``_Probe``, with the descriptions
@@ -49,7 +49,7 @@ from proxy.karta.owners import (
     controller_ref,
     group_kind,
 )
-from proxy.karta.packed import pack, unpack
+from proxy.karta.packed import pack_for_jq
 from proxy.karta.plans import _CountKey, _DescriptionPlan, _PodRec, _Probe
 from proxy.karta.replicas import (
     _cached,
@@ -713,7 +713,7 @@ class Engine:
             and rec.namespace == ns
         ):
             if rec.owner is None:  # a bare pod is its own workload: its status matters
-                rec.obj, rec.cache = pack(_trim(obj)), None
+                rec.obj, rec.cache = pack_for_jq(_trim(obj)), None
                 if rec.wl:
                     self._dirty.add(rec.wl)
             return  # nothing a selector or a walk reads has changed
@@ -728,7 +728,7 @@ class Engine:
                 rec.owner = self._graph.link(uid, owner)
         if rec.owner is None:
             self._bare.add(uid)
-            rec.obj, rec.cache = pack(_trim(obj)), None
+            rec.obj, rec.cache = pack_for_jq(_trim(obj)), None
         else:
             self._bare.discard(uid)
             rec.obj = rec.cache = None
@@ -765,7 +765,7 @@ class Engine:
             str(md.get("name") or ""),
             controller_ref(md.get("ownerReferences")),
             # kinds with an invalid description too: fixing it must not wait for a relist
-            pack(_trim(obj)) if plan is not None or gk in self._errored else None,
+            pack_for_jq(_trim(obj)) if plan is not None or gk in self._errored else None,
         )
         old = self._graph.put(rec)
         if old is not None:
@@ -1076,7 +1076,7 @@ class Engine:
             return None
         ev = _cached(holder.cache, plan)
         if ev is None:
-            ev = _read_object_facts(plan, unpack(holder.obj))
+            ev = _read_object_facts(plan, holder.obj)
             holder.cache = _FactsCache(plan, ev)
             self._owe_retry(_RETRY_FACTS, uid, ev.retry_after)
             for err in ev.errors:

