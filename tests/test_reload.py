@@ -844,6 +844,28 @@ async def _until(check: Any, what: str, timeout: float = 15.0) -> Any:
         await asyncio.sleep(0.1)
 
 
+async def _started(config: Path, port: int, session: aiohttp.ClientSession
+                   ) -> tuple[asyncio.subprocess.Process, str]:
+    """The real ``karta-proxy`` on ``config``, text log on its stderr, once it is ready;
+    and its base URL."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--config", str(config),
+        "--listen-address", f"127.0.0.1:{port}", "--log-format", "text", cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+
+    async def ready() -> bool:
+        async with session.get(base + "/-/ready") as resp:
+            return resp.status == 200
+
+    try:
+        await _until(ready, "the process ready")
+    except BaseException:
+        await stop(proc)
+        raise
+    return proc, base
+
+
 async def test_sighup_reloads_the_process_and_a_bad_file_keeps_it_running(
     tmp_path: Path,
 ) -> None:
@@ -860,17 +882,8 @@ async def test_sighup_reloads_the_process_and_a_bad_file_keeps_it_running(
                 "enrich": {"pod_label_pairs": pairs, "conflict_policy": policy}}))
 
         write([["namespace", "pod"]])
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "--config", str(config),
-            "--listen-address", f"127.0.0.1:{port}", "--log-format", "text", cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        base = f"http://127.0.0.1:{port}"
+        proc, base = await _started(config, port, session)
         try:
-            async def ready() -> bool:
-                async with session.get(base + "/-/ready") as resp:
-                    return resp.status == 200
-
-            await _until(ready, "the process ready")
             first = await _metrics(session, base)
             assert first[RELOADS_OK] == 1.0 and first[RELOAD_TS] > 0
 
@@ -933,17 +946,8 @@ async def test_a_burst_of_sighups_runs_one_reload_per_turn_not_one_per_signal(
                 "upstream": {"url": up.url}, "log_level": level}))
 
         write("info")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "--config", str(config),
-            "--listen-address", f"127.0.0.1:{port}", "--log-format", "text", cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        base = f"http://127.0.0.1:{port}"
+        proc, _ = await _started(config, port, session)
         try:
-            async def ready() -> bool:
-                async with session.get(base + "/-/ready") as resp:
-                    return resp.status == 200
-
-            await _until(ready, "the process ready")
             for i in range(40):
                 if i == 39:
                     write("debug")  # the last file: the burst's last reload reads it
