@@ -1129,6 +1129,14 @@ def shown_url(url: str, *, broken: bool = False) -> str:
     return head + _QUERY_PARAM.sub(hide, "?" + rest)
 
 
+def sets_authorization(u: UpstreamSettings) -> bool:
+    """Whether the upstream settings give the proxy an ``Authorization`` of its own (a
+    bearer token file, basic auth, the userinfo of upstream.url), which replaces any
+    other on every upstream request."""
+    return bool(u.bearer_token_file or u.basic_auth_username
+                or url_credentials(u.url) is not None)
+
+
 def url_credentials(url: str) -> tuple[str, str] | None:
     """The user and password of ``url``'s userinfo, percent-decoded; None when it has no
     ``@`` in its authority. The proxy sends them as its own Basic credentials (as Go's
@@ -1276,7 +1284,7 @@ def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None
     ops}`` beside ``upstream.headers: {X-Scope-OrgID: team-a}`` wrote the facts into
     team-a, silently."""
     own = {name.lower(): f"upstream.headers.{name} replaces it" for name in u.headers}
-    if u.bearer_token_file or u.basic_auth_username or url_credentials(u.url) is not None:
+    if sets_authorization(u):
         own["authorization"] = ("the proxy's credentials (upstream.bearer_token_file, "
                                 "basic_auth_* or the userinfo of upstream.url) replace it")
     for name in headers:

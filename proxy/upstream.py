@@ -57,7 +57,13 @@ from proxy.compression import (
     snappy_declared_length,
     zstd_declared_length,
 )
-from proxy.config import UpstreamSettings, shown_url, url_credentials, without_userinfo
+from proxy.config import (
+    UpstreamSettings,
+    sets_authorization,
+    shown_url,
+    url_credentials,
+    without_userinfo,
+)
 from proxy.deadline import Deadline, deadline_in
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics
@@ -740,8 +746,7 @@ def fact_tenant_hint(settings: UpstreamSettings, fact_headers: Mapping[str, str]
     if receiver is None:
         return ""
     named = {h.lower() for h in (*fact_headers, *settings.headers)}
-    if named & (_TENANT_HEADERS | {"authorization"}) or settings.bearer_token_file \
-            or settings.basic_auth_username or url_credentials(settings.url) is not None:
+    if named & (_TENANT_HEADERS | {"authorization"}) or sets_authorization(settings):
         return ""
     name, header, without = receiver
     return (
