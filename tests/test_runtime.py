@@ -278,6 +278,24 @@ async def test_a_snapshot_dropping_a_pods_owners_keeps_its_workload_until_the_gh
         assert p.engine.ghosts() == 0
 
 
+async def test_a_forward_header_never_forwarded_is_warned_of_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """upstream.forward_headers naming a header the proxy never forwards (its own, or one
+    hop's) was taken and ignored without a word; the start now says which and why."""
+    caplog.set_level(logging.WARNING, logger="karta.runtime")
+    s = snapshot_settings(tmp_path)
+    s.upstream.forward_headers = ["X-Scope-OrgID", "Host", "content-type"]
+    async with started(s):
+        pass
+    (line,) = [r.getMessage() for r in caplog.records
+               if "upstream.forward_headers" in r.getMessage()]
+    assert "Host, content-type: never forwarded" in line, line
+    caplog.clear()
+    async with started(snapshot_settings(tmp_path)):  # the default list: no warning
+        pass
+    assert not [r for r in caplog.records if "upstream.forward_headers" in r.getMessage()]
+
+
 async def test_snapshot_reload_off(tmp_path: Path) -> None:
     s = snapshot_settings(tmp_path)
     snap = Path(s.snapshot)
