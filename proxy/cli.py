@@ -35,6 +35,7 @@ import contextlib
 import functools
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from proxy import __version__
 from proxy.config import (
     ConfigError,
     Flag,
+    Section,
     SettingInfo,
     Settings,
     canonical_choice,
@@ -80,8 +82,8 @@ its labels, or none), /api/v1/attribution?namespace=NS&pod=NAME,
 restrict them with a network policy, or TLS client certificates (--tls-client-ca-file).
 
 Reload: SIGHUP (or POST /-/reload, with --web.enable-lifecycle) reads the --config file
-again (flags still win) and the description files, and applies enrich.*,
-upstream.max_labels_per_series, karta.description_paths, karta.builtins and log_level;
+again (flags still win) and the description files, and applies
+{live};
 other changed keys are logged and wait for a restart. An invalid new config keeps the old one
 (karta_proxy_config_last_reload_successful 0). TLS files are re-read when they change.
 
@@ -92,13 +94,25 @@ anything listens. An API server that does not answer yet is waited for (not read
 """
 
 
+def _live_keys() -> str:
+    """What a reload applies (``proxy.reload.LIVE_KEYS``, a section as ``enrich.*``),
+    wrapped as the epilog is: the list written out here left out the jq limits."""
+    from proxy.reload import LIVE_KEYS
+
+    sections = {f for f in Settings.__struct_fields__
+                if isinstance(getattr(Settings(), f), Section)}
+    keys = [f"{k}.*" if k in sections else k for k in LIVE_KEYS]
+    said = f"{', '.join(keys[:-1])} and {keys[-1]}"
+    return "\n".join(textwrap.wrap(said, 90, break_on_hyphens=False))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Prometheus remote-write proxy that stamps Karta workload attribution\n"
         "(karta_workload, karta_component, karta_instance, ...) onto pod series and\n"
         "forwards them to one TSDB.",
-        epilog=_EPILOG,
+        epilog=_EPILOG.format(live=_live_keys()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         # a prefix of a flag was taken for it: ``--name web`` watched the namespace web
         # alone (``--namespace``), and a manifest's ``--upstream-time`` would break the

@@ -207,8 +207,38 @@ class ServerSettings(Section):
 
 
 def _default_forward_headers() -> list[str]:
-    return ["Authorization", "X-Scope-OrgID", "THANOS-TENANT",
-            "X-Prometheus-Remote-Write-Version", "User-Agent"]
+    # not X-Prometheus-Remote-Write-Version (listed before 1.10.0): never forwarded, the
+    # proxy sets its own (NEVER_FORWARDED)
+    return ["Authorization", "X-Scope-OrgID", "THANOS-TENANT", "User-Agent"]
+
+
+#: headers the proxy sets itself or that only mean something on one hop, as senders spell
+#: them (Go's canonical form): never forwarded, whatever ``upstream.forward_headers`` lists
+NEVER_FORWARDED = frozenset((
+    "Host", "Content-Length", "Content-Type", "Content-Encoding", "Connection",
+    "Keep-Alive", "Transfer-Encoding", "TE", "Trailer", "Upgrade", "Proxy-Authorization",
+    "Proxy-Connection", "Accept-Encoding", "X-Prometheus-Remote-Write-Version",
+))
+#: the same, in lower case: what a name in any spelling is compared with
+NEVER_FORWARDED_LOWER = frozenset(h.lower() for h in NEVER_FORWARDED)
+
+
+def never_forwarded(names: Iterable[str]) -> list[str]:
+    """The names of ``upstream.forward_headers`` that are never forwarded (``NEVER_FORWARDED``),
+    as written: listed, they are ignored."""
+    return [n for n in names if n.lower() in NEVER_FORWARDED_LOWER]
+
+
+def unforwarded_headers(u: UpstreamSettings) -> str:
+    """The warning of a start whose ``upstream.forward_headers`` lists a header that is never
+    forwarded, else "". Not an error: the default list before 1.10.0 held one
+    (X-Prometheus-Remote-Write-Version), and config/karta-proxy.yaml copied it to files."""
+    names = never_forwarded(u.forward_headers)
+    if not names:
+        return ""
+    return (f"upstream.forward_headers lists {', '.join(names)}: never forwarded, whatever "
+            "the list says (the proxy sets the body's headers and the remote-write version "
+            "itself, and Host and the hop-by-hop headers are one connection's): remove them")
 
 
 class UpstreamSettings(Section):
@@ -1244,11 +1274,28 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         if not _HEADER_NAME.fullmatch(h):
             raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
     _validate_headers(u.headers)
+    for name in u.headers:
+        if name.lower() in _BODY_HEADERS:
+            raise ConfigError(f"upstream.headers.{name}: never sent, the proxy sets it for "
+                              "the body it sends on every upstream request: remove it")
+        if name.lower() == "authorization" and (u.bearer_token_file or u.basic_auth_username):
+            # the URL's userinfo with it is refused above; these replaced it as silently
+            raise ConfigError(f"upstream.headers.{name}: never sent, the proxy's credentials "
+                              "(upstream.bearer_token_file or basic_auth_*) replace it on "
+                              "every upstream request: choose one kind of auth")
     _validate_upstream_tls(u)
 
 
 #: an HTTP header name (RFC 9110 token)
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: the headers of a write's body, always the proxy's own on every upstream request (set
+#: after ``upstream.headers`` and ``facts.headers``, replacing them)
+_BODY_HEADERS = frozenset({"content-type", "content-encoding",
+                           "x-prometheus-remote-write-version"})
+#: the body's framing, the HTTP client's own: set in the settings it went out as set, a
+#: Content-Length beside the client's (each body cut to its length, the rest read as the
+#: next request) or a Transfer-Encoding instead of it (every request refused with a 400)
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 
 
 def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
@@ -1264,6 +1311,11 @@ def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
         if first != name:
             raise ConfigError(f"{key}: {first!r} and {name!r} are one header "
                               "(names are case-insensitive): set it once")
+        if name.lower() in _FRAMING_HEADERS:
+            raise ConfigError(f"{key}.{name}: the body's framing is the HTTP client's own: "
+                              "set here it went out beside (or instead of) the one the body "
+                              "needs, and cut every request short or had it refused; remove "
+                              "it")
         bad = HEADER_VALUE_FORBIDDEN.search(value)
         if bad:
             # not quoted: a header set here is often a credential (Authorization)
@@ -1273,9 +1325,6 @@ def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
                               "value is one line")
 
 
-#: the headers of a write's body, always the proxy's own on every upstream request
-_BODY_HEADERS = frozenset({"content-type", "content-encoding",
-                           "x-prometheus-remote-write-version"})
 
 
 def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None:

@@ -40,6 +40,7 @@ from proxy.config import (
     parse_host_port,
     placeholder_cluster,
     shown_url,
+    unforwarded_headers,
 )
 from proxy.contract import CONTRACT_VERSION
 from proxy.cpus import usable_cpus
@@ -496,6 +497,8 @@ class Proxy:
         check_nofile(s.server.max_connections, s.upstream.max_connections)
         if short := short_pool(s.server.max_concurrent_requests, s.upstream.max_connections):
             log.warning(short, extra={"kind": "upstream_pool"})
+        if unforwarded := unforwarded_headers(s.upstream):
+            log.warning(unforwarded, extra={"setting": "upstream.forward_headers"})
         check_memory(s.server.max_inflight_bytes, s.karta.jq_sandbox)
         self._accept_guard = guard_accepts(asyncio.get_running_loop())
         if self._accept_guard is not None:

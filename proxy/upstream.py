@@ -58,6 +58,8 @@ from proxy.compression import (
     zstd_declared_length,
 )
 from proxy.config import (
+    NEVER_FORWARDED,
+    NEVER_FORWARDED_LOWER,
     UpstreamSettings,
     sets_authorization,
     shown_url,
@@ -84,15 +86,6 @@ WRITTEN_HISTOGRAMS = "X-Prometheus-Remote-Write-Histograms-Written"
 WRITTEN_EXEMPLARS = "X-Prometheus-Remote-Write-Exemplars-Written"
 _WRITTEN = (WRITTEN_SAMPLES, WRITTEN_HISTOGRAMS, WRITTEN_EXEMPLARS)
 
-#: headers the proxy sets itself or that only mean something on one hop, as senders spell
-#: them (Go's canonical form): most of a sender's headers, told apart without folding case
-_NEVER_FORWARD_SPELLED = frozenset((
-    "Host", "Content-Length", "Content-Type", "Content-Encoding", "Connection",
-    "Keep-Alive", "Transfer-Encoding", "TE", "Trailer", "Upgrade", "Proxy-Authorization",
-    "Proxy-Connection", "Accept-Encoding", "X-Prometheus-Remote-Write-Version",
-))
-#: the same, in lower case: what a name in any spelling is compared with
-_NEVER_FORWARD = frozenset(h.lower() for h in _NEVER_FORWARD_SPELLED)
 
 #: how much of an upstream's error body reaches the sender (and the log)
 MAX_ERROR_BODY = 4096
@@ -891,7 +884,7 @@ class Upstream:
         self.stored_parts = StoredParts(
             on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
             else None)
-        self._forward = {h.lower() for h in settings.forward_headers} - _NEVER_FORWARD
+        self._forward = {h.lower() for h in settings.forward_headers} - NEVER_FORWARDED_LOWER
         self._token = (FileSecret(settings.bearer_token_file, header=True)
                        if settings.bearer_token_file else None)
         self._password = (
@@ -1024,7 +1017,7 @@ class Upstream:
         spelling: dict[str, str] = {}
         own = isinstance(incoming, OwnHeaders)
         for name, value in incoming.items():
-            if not own and name in _NEVER_FORWARD_SPELLED:
+            if not own and name in NEVER_FORWARDED:
                 continue  # never forwarded, spelled as senders do: no case to fold
             low = name.lower()
             if (own or low in self._forward) and low not in named:

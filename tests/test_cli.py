@@ -71,6 +71,19 @@ def test_help_names_every_route_the_app_serves() -> None:
     assert "without authentication" in text
 
 
+def test_help_names_every_key_a_reload_applies() -> None:
+    """The epilog's list of what a reload applies left out the jq sandbox's limits, which a
+    reload applies (proxy.reload.LIVE_KEYS, docs/configuration.md's Reload table): read as
+    restart keys, an operator restarted for a change a SIGHUP makes."""
+    from proxy.reload import LIVE_KEYS
+
+    text = " ".join(build_parser().format_help().split())
+    applies = text[text.index("Reload:"):text.index("Exit codes:")]
+    for key in LIVE_KEYS:
+        shown = key if "." in key or key == "log_level" else f"{key}.*"  # a section: key.*
+        assert re.search(re.escape(shown) + r"(?=[\s,;.]|$)", applies), key
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [

@@ -19,8 +19,10 @@ from proxy.config import (
     PodLabelRule,
     Section,
     Settings,
+    UpstreamSettings,
     first_kubeconfig,
     load_settings,
+    never_forwarded,
     parse_host_port,
     schema,
     settings_from_dict,
@@ -888,6 +890,55 @@ def test_a_fact_header_the_upstream_settings_replace_is_refused(
         return
     with pytest.raises(ConfigError, match=rf"facts\.headers\.{refused}: never sent"):
         validate(s)
+
+
+@pytest.mark.parametrize(("section", "upstream", "name", "why"), [
+    # the proxy's credentials replace a configured Authorization on every request, so the
+    # header was never sent, without a word (with the URL's userinfo it was refused)
+    ("upstream", {"bearer_token_file": "TOKEN"}, "Authorization",
+     "never sent, the proxy's credentials (upstream.bearer_token_file or basic_auth_*) "
+     "replace it on every upstream request: choose one kind of auth"),
+    ("upstream", {"basic_auth_username": "u", "basic_auth_password_file": "TOKEN"},
+     "authorization", "choose one kind of auth"),
+    # the body's own headers: the proxy sets them after upstream.headers, on every request
+    ("upstream", {}, "Content-Type", "never sent, the proxy sets it for the body it sends"),
+    ("upstream", {}, "content-encoding", "never sent, the proxy sets it for the body"),
+    ("upstream", {}, "X-Prometheus-Remote-Write-Version", "never sent, the proxy sets it"),
+    # the body's framing: sent as set, a Content-Length cut every body to its length (the
+    # rest read as the next request) and a Transfer-Encoding had every request refused (400)
+    ("upstream", {}, "Content-Length", "the body's framing is the HTTP client's own"),
+    ("upstream", {}, "transfer-encoding", "the body's framing is the HTTP client's own"),
+    ("facts", {}, "Content-Length", "the body's framing is the HTTP client's own"),
+    ("facts", {}, "Transfer-Encoding", "the body's framing is the HTTP client's own"),
+])
+def test_a_header_the_proxy_never_sends_as_set_is_refused(
+        tmp_path: Path, section: str, upstream: dict[str, object], name: str,
+        why: str) -> None:
+    """A header set in the settings that never reaches the upstream as set was accepted
+    and then replaced (Authorization beside a token file, the body's headers) or broke
+    every request (the framing headers); the value is never quoted (a credential)."""
+    token = tmp_path / "token"
+    token.write_text("t")
+    s = valid(**{k: str(token) if v == "TOKEN" else v for k, v in upstream.items()})
+    getattr(s, section).headers = {name: SECRET}
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert str(e.value).startswith(f"{section}.headers.{name}: "), e.value
+    assert why in str(e.value) and SECRET not in str(e.value), e.value
+
+
+def test_the_default_forward_headers_are_all_forwarded() -> None:
+    """The default listed X-Prometheus-Remote-Write-Version, which is never forwarded (the
+    proxy sets its own: it may convert the body): a default that says what is not done."""
+    assert never_forwarded(UpstreamSettings().forward_headers) == []
+    assert never_forwarded(["host", "X-Scope-OrgID", "Content-Type", "TE"]) == [
+        "host", "Content-Type", "TE"]
+
+
+def test_headers_the_proxy_sends_as_set_stay_allowed() -> None:
+    """Host (a virtual host behind a shared address) and the rest go out as set."""
+    validate(valid(headers={"Host": "tsdb.internal", "User-Agent": "a", "Connection": "close",
+                            "Authorization": "Bearer t"}))
 
 
 def test_shown_url_hides_a_credential_of_the_query_too() -> None:

@@ -278,6 +278,24 @@ async def test_a_snapshot_dropping_a_pods_owners_keeps_its_workload_until_the_gh
         assert p.engine.ghosts() == 0
 
 
+async def test_a_forward_header_never_forwarded_is_warned_of_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """upstream.forward_headers naming a header the proxy never forwards (its own, or one
+    hop's) was taken and ignored without a word; the start now says which and why."""
+    caplog.set_level(logging.WARNING, logger="karta.runtime")
+    s = snapshot_settings(tmp_path)
+    s.upstream.forward_headers = ["X-Scope-OrgID", "Host", "content-type"]
+    async with started(s):
+        pass
+    (line,) = [r.getMessage() for r in caplog.records
+               if "upstream.forward_headers" in r.getMessage()]
+    assert "Host, content-type: never forwarded" in line, line
+    caplog.clear()
+    async with started(snapshot_settings(tmp_path)):  # the default list: no warning
+        pass
+    assert not [r for r in caplog.records if "upstream.forward_headers" in r.getMessage()]
+
+
 async def test_snapshot_reload_off(tmp_path: Path) -> None:
     s = snapshot_settings(tmp_path)
     snap = Path(s.snapshot)
@@ -312,6 +330,74 @@ async def test_lease_in_the_own_namespace_by_default(
             assert lease["metadata"]["namespace"] == "karta-proxy"
             assert lease["metadata"]["name"] == "karta-proxy-facts"
             assert p.lease_namespace == "karta-proxy"
+
+
+#: a Deployment's pod through an undescribed owner (``Shard``): two references up
+SHARDED = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: cart, namespace: shop, uid: d-cart}
+spec: {replicas: 1, selector: {matchLabels: {app: cart}}}
+---
+apiVersion: example.com/v1
+kind: Shard
+metadata:
+  name: cart-shard
+  namespace: shop
+  uid: s-cart
+  ownerReferences:
+  - {apiVersion: apps/v1, kind: Deployment, name: cart, uid: d-cart, controller: true}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: cart-0
+  namespace: shop
+  uid: p-cart
+  ownerReferences:
+  - {apiVersion: example.com/v1, kind: Shard, name: cart-shard, uid: s-cart, controller: true}
+spec: {nodeName: n1, containers: [{name: cart, image: cart:1}]}
+status: {phase: Running}
+"""
+
+
+@pytest.mark.parametrize(("hops", "answer"), [(1, "hop_limit"), (2, "cart")])
+async def test_max_owner_hops_bounds_the_walk(tmp_path: Path, hops: int, answer: str) -> None:
+    """karta.max_owner_hops, read by the runtime alone for the engine (the engine's tests
+    give it by hand): one reference does not reach the Deployment above the Shard."""
+    s = snapshot_settings(tmp_path)
+    Path(s.snapshot).write_text(SHARDED)
+    s.karta.max_owner_hops = hops
+    async with started(s) as p:
+        got = p.index.answer(b"shop", b"cart-0")
+    assert (got if isinstance(got, str) else dict(got or ())["karta_workload"]) == answer
+
+
+async def test_the_lease_settings_reach_the_lease(tmp_path: Path) -> None:
+    """facts.lease_name, lease_namespace, identity and lease_duration_seconds as the Lease
+    the assembled proxy writes carries them (each was read by the runtime alone; the
+    elector's tests give it these values by hand)."""
+    from tests.kubesim import KubeSim
+    from tests.kubesim.resources import LEASE
+
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        s = snapshot_settings(tmp_path, up.url)
+        s.kube.kubeconfig = str(sim.write_kubeconfig())
+        s.facts.enabled = True
+        s.facts.leader_election = True
+        s.facts.interval_seconds = 0.2
+        s.facts.lease_name = "facts.shop"
+        s.facts.lease_namespace = "karta-system"
+        s.facts.identity = "replica-a"
+        s.facts.lease_duration_seconds = 7.5
+        async with started(s):
+            await wait_until(lambda: asyncio.sleep(0, bool(sim.objects(LEASE))),
+                             timeout=10, what="the fact writer's Lease")
+            (lease,) = sim.objects(LEASE)
+    assert (lease["metadata"]["namespace"], lease["metadata"]["name"]) == (
+        "karta-system", "facts.shop")
+    assert lease["spec"]["holderIdentity"] == "replica-a"
+    assert lease["spec"]["leaseDurationSeconds"] == 8  # whole seconds, rounded up
 
 
 @pytest.mark.parametrize("value", ["Karta Proxy", "karta_proxy", "-x", "a" * 64])
