@@ -1,8 +1,10 @@
 """The README works as written: its first two commands, the interpreter ``.ci/run`` picks,
-and the no-cluster walkthrough, run line by line against the real Debian Prometheus."""
+and the no-cluster walkthrough, run line by line against the real Debian Prometheus. And
+what every page of docs/ names exists: settings, metric families, ``karta-proxy`` flags."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from proxy import cli
+from proxy.config import _REMOVED, schema
 from proxy.demo import NEXT_QUERIES
 from tests.peers.conftest import Peer, free_port, need, query, wait_until
 
@@ -306,3 +310,110 @@ async def test_walkthrough_runs_as_written(
     finally:
         for peer in reversed(started):
             await peer.astop()
+
+
+# -- what the docs name exists ----------------------------------------------------------------
+
+DOCS = [*sorted((REPO / "docs").rglob("*.md")), README]
+#: a dotted settings key as the docs write it (``server.max_body_bytes``,
+#: ``upstream.basic_auth_*``, ``facts.external_labels.cluster``, ``snapshot_reload_seconds``
+#: misspelt as a section's), not in a path (``docs/karta.md``)
+SETTING = re.compile(r"(?<![\w./-])((?:server|upstream|enrich|karta|kube|facts|snapshot)\."
+                     r"[a-z][a-z0-9_]*\*?(?:\.[A-Za-z][\w-]*)?)(?![\w/-])")
+#: the metric families the docs name: the proxy's own, the sources'
+FAMILY = re.compile(r"(?<!\w)(karta_(?:proxy|source)_[a-z0-9_]*[a-z0-9])(?![\w*])")
+#: families the docs name as gone (docs/metrics.md, Changes)
+GONE_FAMILIES = {"karta_proxy_build_info"}
+
+
+def _code_spans(text: str) -> list[str]:
+    """The inline code of a Markdown page, its fenced blocks left out."""
+    return re.findall(r"`([^`]+)`", re.sub(r"^ *```.*?^ *```", "", text, flags=re.M | re.S))
+
+
+def _is_module_name(dotted: str) -> bool:
+    """``kube.client``, ``upstream.histograms_disabled``: a module of the project, or a name
+    in one, as the docs name code (not a setting)."""
+    for name in (f"proxy.{dotted}", f"proxy.{dotted.rsplit('.', 1)[0]}"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        return name == f"proxy.{dotted}" or hasattr(module, dotted.rsplit(".", 1)[1])
+    return False
+
+
+def test_every_setting_the_docs_name_exists() -> None:
+    """A user sets what the docs name: each ``section.key`` in their code spans is a key of
+    proxy/config.py (an entry of a dict setting, a ``*`` family of keys, or a removed key the
+    docs say is removed), unless it names a file or the project's code (``kube.client``).
+    operations.md named ``snapshot.reload_seconds``, which no file or flag takes (the key
+    is the top-level ``snapshot_reload_seconds``)."""
+    infos = schema()
+    keys = {i.key for i in infos}
+    dicts = {i.key for i in infos if isinstance(i.default, dict)}
+
+    def exists(key: str) -> bool:
+        return (key in keys or key in _REMOVED or ".".join(key.split(".")[:2]) in dicts
+                or (key.endswith("*") and any(k.startswith(key[:-1]) for k in keys)))
+
+    def not_a_setting(key: str) -> bool:
+        return key.rsplit(".", 1)[1] in ("md", "py", "yaml", "yml", "json") or _is_module_name(key)
+
+    wrong = [f"{page.relative_to(REPO)}: {key}" for page in DOCS
+             for span in _code_spans(page.read_text()) for key in SETTING.findall(span)
+             if not exists(key) and not not_a_setting(key)]
+    assert not wrong, wrong
+
+
+def test_every_metric_family_the_docs_name_has_a_row() -> None:
+    """A family a page names is one an operator can look up: it has a row in a metric table
+    (operations.md, metrics.md, kubernetes.md), which tests/test_runtime.py holds to what
+    /metrics serves; or the docs name it as gone."""
+    rows: set[str] = set()
+    for page in ("operations.md", "metrics.md", "kubernetes.md"):
+        rows |= set(re.findall(r"^\| `(karta_[a-z0-9_]+)`", (REPO / "docs" / page).read_text(),
+                               re.M))
+    named = {(page.relative_to(REPO), n) for page in DOCS
+             for n in FAMILY.findall(page.read_text())}
+    # a counter named as its family (prometheus_client's name, without _total) counts too
+    missing = sorted(f"{page}: {n}" for page, n in named
+                     if n not in rows and n + "_total" not in rows and n not in GONE_FAMILIES)
+    assert not missing, missing
+
+
+def _command_lines(text: str) -> Iterator[list[str]]:
+    """The ``karta-proxy`` command lines of a page's shell blocks (continuations joined;
+    each command of a ``&&`` chain; the image's arguments in ``docker run IMAGE ...``), as
+    the arguments after ``karta-proxy``."""
+    for block in blocks(text):
+        if block.lang not in ("sh", "bash"):
+            continue
+        joined = re.sub(r"\\\n\s*", " ", "\n".join(block.lines))
+        for line in joined.splitlines():
+            for cmd in re.sub(r"\s+#.*$", "", line).split(" && "):
+                if "karta-proxy" not in cmd or "[" in cmd or "$(" in cmd:  # a usage line
+                    continue
+                words = shlex.split(cmd)
+                for i, word in enumerate(words):
+                    if word == "karta-proxy" or word.endswith("/karta-proxy") or (
+                            words[:2] in (["docker", "run"], ["podman", "run"])
+                            and word.startswith("karta-proxy:")):
+                        yield words[i + 1:]
+                        break
+
+
+def test_every_karta_proxy_command_line_of_the_docs_parses() -> None:
+    """Each ``karta-proxy ...`` line a page shows is one the command line takes: its flags
+    exist (no abbreviations), its values are of the flag's kind."""
+    lines = [(page, argv) for page in DOCS for argv in _command_lines(page.read_text())]
+    assert (README, ["demo"]) in lines and any(page.name == "deploy.md" for page, _ in lines)
+    for page, argv in lines:
+        try:
+            if argv[:1] == ["demo"]:
+                cli.build_demo_parser().parse_args(argv[1:])
+            else:
+                cli.build_parser().parse_args(argv)
+        except SystemExit as e:  # --version exits 0
+            if e.code != 0:
+                pytest.fail(f"{page.relative_to(REPO)}: karta-proxy {shlex.join(argv)}")
