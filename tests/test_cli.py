@@ -608,8 +608,12 @@ def test_no_cluster_to_watch_is_one_line_and_exit_1(tmp_path: Path) -> None:
     code, plain, records = _start_failure([
         "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
         "--listen-address", f"127.0.0.1:{_free_port()}"], env=env)
-    _assert_reported(code, plain, records, "no Kubernetes cluster to watch", "--kubeconfig",
-                     "--snapshot")
+    _assert_reported(code, plain, records,
+                     "no Kubernetes cluster to watch: no kubeconfig (--kubeconfig and "
+                     "KUBECONFIG unset, no ~/.kube/config) and not in a pod "
+                     "(KUBERNETES_SERVICE_HOST unset); set --kubeconfig", "--snapshot")
+    # the client's default loader's words, of a file there is not
+    assert "current-context" not in plain
 
 
 def test_a_broken_kubeconfig_is_one_line_naming_the_file_and_exit_1(tmp_path: Path) -> None:

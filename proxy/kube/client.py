@@ -189,7 +189,7 @@ async def load_configuration(settings: KubeSettings) -> k8s_client.Configuration
     account when running in a pod; else ``~/.kube/config``. A kubeconfig file that exists
     but does not load raises ``KubeconfigError`` (one line naming the file). Loaded once:
     ``KubeClient.connect`` keeps its credentials current instead (``KeptCredentials``);
-    this is for the default loader's words when there is no cluster, and for tests."""
+    this is for tests, which need a configuration and no kept credentials."""
     cfg = k8s_client.Configuration()
     path = kubeconfig_path(settings)
     if path:
@@ -561,11 +561,14 @@ class KubeClient:
             credentials = Kubeconfig(path, k8s_client.Configuration())
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
             credentials = InCluster.from_pod(k8s_client.Configuration())
-        if credentials is not None:
-            await credentials.load()
-            cfg = credentials.cfg
-        else:  # the client's own words: no cluster configured at all
-            cfg = await load_configuration(settings)
+        if credentials is None:
+            # said plainly: the client's default loader read an empty config and answered
+            # "Invalid kube-config file. Expected key current-context", of no file at all
+            raise KubeconfigError(
+                "no kubeconfig (--kubeconfig and KUBECONFIG unset, no ~/.kube/config) and "
+                "not in a pod (KUBERNETES_SERVICE_HOST unset)", fix="set --kubeconfig")
+        await credentials.load()
+        cfg = credentials.cfg
         api = CheckedApiClient(cfg, credentials)
         api.user_agent = "karta-proxy"
         return cls(api)
