@@ -4,8 +4,9 @@ It serves what a watching client meets on a real API server: discovery, paginate
 lists at a resourceVersion, chunked watch streams (ADDED / MODIFIED / DELETED /
 BOOKMARK / ERROR 410 after compaction, any ERROR on demand), server-side watch
 timeouts, abrupt disconnects, metadata-only (PartialObjectMetadata) responses,
-namespace / label / field selectors, CRDs registered at runtime, and create / update /
-patch / delete with optimistic concurrency (Lease election builds on that). Tests
+namespace / label / field selectors, CRDs registered at runtime, create / update /
+patch / delete with optimistic concurrency (Lease election builds on that), and, on
+demand, RBAC enforced as kube-apiserver's authorizer does (``enforce_rbac``). Tests
 drive it from Python (``create``, ``update``, ``delete``, ``compact``,
 ``disconnect_watches``, ``drain_watches``, ``hang_watches``, ``hold_watches`` / ``flush_watches``,
 ``cut_lists``, ``list_token_ttl``, ``progress_notify``, ``stop`` / ``start``) and point
@@ -31,6 +32,15 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.kubesim.rbac import (
+    SERVICE_ACCOUNT_NAME,
+    SERVICE_ACCOUNT_NAMESPACE,
+    Attributes,
+    Authorizer,
+    forbidden,
+    request_attributes,
+    service_account_user,
+)
 from tests.kubesim.resources import CORE_TYPES, NAMESPACE, ResourceType
 from tests.kubesim.store import (
     ApiError,
@@ -173,6 +183,11 @@ class KubeSim:
         #: bodies to answer the next list requests with (200, JSON content type), one
         #: each: a server or a proxy in between that sends what is not a valid list
         self.garbled_lists: list[bytes] = []
+        #: the RBAC every request is authorized against (``enforce_rbac``); None: all
+        #: allowed
+        self.authorizer: Authorizer | None = None
+        #: the requests the authorizer refused (403 Forbidden), in order
+        self.refused: list[Attributes] = []
         #: (method, path, query, accept) of recent requests, for assertions
         self.requests: collections.deque[tuple[str, str, dict[str, str], str]] = (
             collections.deque(maxlen=2000)
@@ -402,6 +417,18 @@ class KubeSim:
                     n += 1
         return n
 
+    def enforce_rbac(self, objects: Iterable[Mapping[str, Any]] | None, *,
+                     user: str = service_account_user(SERVICE_ACCOUNT_NAMESPACE,
+                                                      SERVICE_ACCOUNT_NAME)) -> None:
+        """Authorize every request from now on as kube-apiserver's RBAC authorizer does,
+        for ``user`` (the token's identity), over the Role, ClusterRole, RoleBinding and
+        ClusterRoleBinding objects among ``objects`` (a manifest's documents; other kinds
+        are skipped) and the grants every cluster gives every authenticated user
+        (discovery, ``/version``): a request they do not allow is answered 403 with the
+        real Forbidden Status and kept in ``refused`` (tests/kubesim/rbac.py). None: allow
+        everything again."""
+        self.authorizer = None if objects is None else Authorizer(objects, user=user)
+
     def fail_resource(self, rtype: ResourceType, status: int | None, *,
                       accept: str = "", namespace: str | None = None,
                       watch_only: bool = False, retry_after: int = 0,
@@ -519,6 +546,11 @@ class KubeSim:
         try:
             if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
                 raise ApiError(401, "Unauthorized", "Unauthorized")
+            if self.authorizer is not None:
+                attrs = request_attributes(request.method, request.path, query)
+                if not self.authorizer.allows(attrs):
+                    self.refused.append(attrs)
+                    raise self.authorizer.forbidden(attrs)
             if self.fail_status is not None:
                 raise ApiError(self.fail_status, "ServiceUnavailable", "simulated failure")
             if path == "/version":
@@ -607,8 +639,8 @@ class KubeSim:
         if failing is not None and failing[1] in accept and (
                 not failing[2] or request.query.get("watch") in ("1", "true")) and not (
                 one and fkey in self.collections_failing):
-            raise _failure(failing[0], rtype, request.method, failing[3],
-                           plain=fkey in self.plain_failures)
+            raise _failure(failing[0], request_attributes(request.method, path, query),
+                           failing[3], plain=fkey in self.plain_failures)
         cut = self.cut_resources.get(rtype.key)
         if cut is not None and "continue" in query and not one:
             if cut == "reset":
@@ -618,7 +650,7 @@ class KubeSim:
             if cut == "expire":
                 self._snapshots.clear()
             elif isinstance(cut, int):
-                raise _failure(cut, rtype, request.method)
+                raise _failure(cut, request_attributes(request.method, path, query))
         delayed = self.delayed_resources.get(rtype.key)
         if delayed is not None and (not delayed[1] or request.method in delayed[1]) and (
                 not delayed[2] or "continue" in query):
@@ -933,9 +965,10 @@ class PlainError(ApiError):
     ``Retry-After`` header)."""
 
 
-def _failure(status: int, rtype: ResourceType, method: str, retry_after: int = 0, *,
+def _failure(status: int, attrs: Attributes, retry_after: int = 0, *,
              plain: bool = False) -> ApiError:
-    """What a real API server answers for a resource it refuses or fails on."""
+    """What a real API server answers for a resource it refuses or fails on (a 403 as
+    its RBAC authorizer refuses the shipped service account)."""
     if plain:
         return PlainError(status, "", "Too many requests, please try again later."
                           if status == 429 else "simulated failure",
@@ -944,12 +977,10 @@ def _failure(status: int, rtype: ResourceType, method: str, retry_after: int = 0
         return ApiError(status, "TooManyRequests" if status == 429 else "ServiceUnavailable",
                         "the server has received too many requests and has asked us to "
                         "try again later", details={"retryAfterSeconds": retry_after})
-    resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
+    resource = f"{attrs.resource}.{attrs.api_group}" if attrs.api_group else attrs.resource
     if status == 403:
-        return ApiError(403, "Forbidden", f'{resource} is forbidden: User '
-                        f'"system:serviceaccount:karta-proxy:karta-proxy" cannot '
-                        f'{method.lower()} resource "{rtype.plural}" in API group '
-                        f'"{rtype.group}" at the cluster scope')
+        return forbidden(attrs, service_account_user(SERVICE_ACCOUNT_NAMESPACE,
+                                                     SERVICE_ACCOUNT_NAME))
     if status == 404:
         return NotFound("the server could not find the requested resource")
     return ApiError(status, "InternalError", f"simulated failure of {resource}")
