@@ -895,6 +895,15 @@ class Engine:
             wl_uid = top.uid
             self._pod_retry_after = None
             comp, inst, replica = self._placement(plan, rec, wl_uid)
+            old = rec.att
+            if (self._pod_retry_after is not None and old is not None
+                    and rec.wl == wl_uid and old.component in plan.pod_comp_names):
+                # a selector failed for now (the sandbox down, its child killed): the
+                # pod keeps the place it has in this workload until the retry owed
+                # settles it. Placed by what did not fail, it moved to the default
+                # component (or none) for the outage and back after: a second and a
+                # third label set of every series of the pod in the TSDB
+                comp, inst, replica = old.component, old.instance, old.replica
             self._owe_retry(_RETRY_POD, rec.uid, self._pod_retry_after)
             att = PodAttribution(
                 rec.namespace, rec.name, rec.uid, wref, comp, inst, replica, plan.desc.name

@@ -285,6 +285,9 @@ class _DescriptionPlan:
         #: with several components, one without a type selector takes what none accepts
         self.fallback = next((c for c in self.pod_comps if not c.has_type), None)
         self.selective = [c for c in self.pod_comps if c.has_type]
+        #: the components a pod may be placed in ("": none accepted it): a place kept
+        #: through a jq failure that may pass must be one of this description's
+        self.pod_comp_names = frozenset({"", *(c.name for c in self.pod_comps)})
         kids: dict[str, list[str]] = {}
         for c in desc.children:
             kids.setdefault(c.owner_ref or desc.root.name, []).append(c.name)

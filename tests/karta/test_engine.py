@@ -1680,6 +1680,39 @@ def test_a_sandbox_that_cannot_start_is_retried_with_a_backoff_until_it_can(
     assert not e.retries_due() and e.stats[STAT_JQ_RETRY] == 4
 
 
+def test_a_placed_pod_keeps_its_place_while_its_selectors_fail_for_now(
+        sandboxes: list[JqSandbox]) -> None:
+    """A pod in component ``a`` whose place is evaluated again (its labels changed) while
+    the sandbox cannot run keeps ``a`` until the retry settles it, rather than falling to
+    the default ``b`` for the outage and back: every such pod's series were stored under
+    a second label set (``karta_component="b"``) in the TSDB, then a third-time-lucky
+    return to the first. A change the retry finds (the role changed for real) moves it
+    then; a new pod, which has no place to keep, takes the default as before."""
+    clock = ManualClock(1000.0)
+    e = Engine(retry_clock=clock)
+    e.add_descriptions([describe(RETRIED_THING)])
+    good = _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+    thing = obj("example.com/v1", "Thing", "t", status={"phase": "Running"})
+    e.upsert_many([thing, pod("p", thing, role="A")])
+    assert P(e, "pod-p").component == "a"
+    remove_runner(good)
+    broken = _installed(sandboxes, JqSandbox(command=["/nonexistent/python"]))
+    cs = e.upsert(pod("p", thing, role="A", tier="gold"))  # a label the engine reads
+    assert P(e, "pod-p").component == "a" and "pod-p" not in cs.pods
+    assert P(e.upsert(pod("q", thing, role="A")), "pod-q").component == "b"
+    # the role changed for real meanwhile: the retry, once the sandbox works, moves it
+    e.upsert(pod("p", thing, role="B", tier="gold"))
+    assert P(e, "pod-p").component == "a"
+    remove_runner(broken)
+    _installed(sandboxes, JqSandbox(timeout_seconds=5.0))
+    clock.now += 1
+    cs = e.retry_due(100, 10.0)
+    assert P(cs, "pod-p").component == "b" and P(cs, "pod-q").component == "a"
+    assert e.retries_owed() == 0
+    observed = {r.component: r.observed for r in W(e, "thing-t").replicas}
+    assert observed == {"a": 1, "b": 1}
+
+
 def test_the_expressions_own_jq_error_is_not_retried(sandboxes: list[JqSandbox]) -> None:
     clock = ManualClock(1000.0)
     e = Engine(retry_clock=clock)
