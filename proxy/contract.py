@@ -217,6 +217,10 @@ OP_UPSTREAM_MISCONFIGURED = "karta_proxy_upstream_misconfigured_total"
 OP_UPSTREAM_INFO = "karta_proxy_upstream_info"
 OP_CONFIG_RELOAD_SUCCESSFUL = "karta_proxy_config_last_reload_successful"
 OP_JQ_ERRORS = "karta_proxy_jq_errors_total"
+#: descriptions not in force, by ``reason`` (``invalid``, ``held_last_valid``,
+#: ``not_in_force``; every one present at 0): ``KartaProxyDescriptionInvalid`` reads the
+#: first two (since 1.10.0)
+OP_DESCRIPTION_ERRORS = "karta_proxy_description_errors"
 OP_TLS_CERTIFICATE_EXPIRY = "karta_proxy_tls_certificate_expiry_timestamp_seconds"
 OP_TLS_CERTIFICATE_RELOADS = "karta_proxy_tls_certificate_reloads_total"
 OP_UPSTREAM_TLS_CERTIFICATE_EXPIRY = "karta_proxy_upstream_tls_certificate_expiry_timestamp_seconds"
@@ -226,6 +230,7 @@ OP_UPSTREAM_TLS_CERTIFICATE_RELOADS = "karta_proxy_upstream_tls_certificate_relo
 OP_SERIES_UNATTRIBUTED = "karta_proxy_series_unattributed_total"
 OPERATIONAL_ALERT_METRICS: tuple[str, ...] = (
     OP_CONFIG_RELOAD_SUCCESSFUL,
+    OP_DESCRIPTION_ERRORS,
     OP_JQ_ERRORS,
     OP_REQUESTS,
     OP_REQUESTS_REJECTED,

@@ -96,8 +96,27 @@ def _engine_families(engine: Engine) -> Iterator[Metric]:
     """What the Karta engine counted: the jq runtime errors (each logged once per
     workload and expression) by where and description, every ``where`` of every
     description in force present from the start (a description no longer in force keeps
-    what it counted)."""
+    what it counted); and the descriptions not in force now, by why, every reason
+    present from the start. No label names a description there: a cluster can hold any
+    number of Karta objects (the log lines name them); three series, whatever it holds."""
     from proxy.karta.results import JQ_ERROR_WHERE
+
+    problems = GaugeMetricFamily(
+        contract.OP_DESCRIPTION_ERRORS, "Karta descriptions not in force now, by reason: "
+        "invalid (does not parse or validate, nothing of it in force: a file of "
+        "karta.description_paths read at the start, a snapshot's, a Karta or "
+        "ResourceInterface object the proxy never saw valid; its kind's pods read "
+        "description_error unless another description covers it), held_last_valid (a "
+        "Karta or ResourceInterface object edited invalid: its last valid version stays "
+        "in force, until a restart, after which it is invalid and its kind's pods all go "
+        "to description_error), not_in_force (valid, but another description of its kind "
+        "wins: the same one after a restart). Each is named in the log: '... description ... "
+        "skipped' (invalid), 'description ... not taken, its last valid version stays in "
+        "force' (held_last_valid), 'description not in force' (not_in_force).",
+        labels=["reason"])
+    for reason, count in engine.description_problems().items():
+        problems.add_metric([reason], count)
+    yield problems
 
     family = CounterMetricFamily(
         _P + "jq_errors", "jq runtime errors of the descriptions' expressions, by where: "

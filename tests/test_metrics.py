@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from proxy.loop_metrics import LoopCounter, LoopHistogram
@@ -114,6 +116,99 @@ def test_the_engines_jq_errors_are_a_counter_by_where_and_description() -> None:
     # a description no longer in force keeps what it counted
     assert get("karta_proxy_jq_errors_total",
                {"where": "selector", "description": "gone-since-a-reload"}) == 1
+
+
+def _description_errors(metrics: ProxyMetrics) -> dict[str, float | None]:
+    get = metrics.registry.get_sample_value
+    return {reason: get("karta_proxy_description_errors", {"reason": reason})
+            for reason in ("invalid", "held_last_valid", "not_in_force")}
+
+
+def test_a_description_file_that_does_not_parse_is_counted_until_fixed(
+        tmp_path: Path) -> None:
+    """A file of karta.description_paths that does not parse (as the start reads it:
+    ``add_descriptions`` with its errors) was a log line only: the gauge is 1 ``invalid``
+    while it is, every reason present at 0 before and after."""
+    from proxy.karta.description import load_description_file
+    from proxy.karta.engine import Engine
+    from tests.karta.test_engine import jobset_karta
+
+    metrics = ProxyMetrics()
+    engine = Engine()
+    metrics.watch_engine(engine)
+    assert _description_errors(metrics) == {
+        "invalid": 0, "held_last_valid": 0, "not_in_force": 0}
+    f = tmp_path / "jobset.yaml"
+    f.write_text("kind: Karta\nspec: [not, a, map\n")
+    descs, errors = load_description_file(f)
+    engine.add_descriptions(descs, errors=errors)
+    assert _description_errors(metrics) == {
+        "invalid": 1, "held_last_valid": 0, "not_in_force": 0}
+    f.write_text(yaml.safe_dump(jobset_karta(ownerless=False)))
+    descs, errors = load_description_file(f)
+    assert descs and not errors
+    engine.add_descriptions(descs, errors=errors)
+    assert _description_errors(metrics) == {
+        "invalid": 0, "held_last_valid": 0, "not_in_force": 0}
+
+
+def test_a_karta_object_edited_invalid_is_counted_as_held_until_mended() -> None:
+    """A Karta object edited invalid keeps its last valid version in force (the engine's
+    test_an_invalid_edit_of_a_description_object_keeps_its_last_valid_version): nothing
+    moves until a restart, which then takes its kind's pods to description_error. The
+    gauge says so now (``held_last_valid``); a process started with the object invalid
+    (the restart) counts it ``invalid``; mended or deleted, 0."""
+    from proxy.karta.engine import Engine
+    from tests.karta.test_engine import jobset_karta, obj, pod
+
+    metrics = ProxyMetrics()
+    engine = Engine()
+    metrics.watch_engine(engine)
+    js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
+    job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
+    engine.upsert(jobset_karta(ownerless=False))
+    engine.upsert_many([js, job, pod("w", job)])
+    engine.upsert(jobset_karta(ownerless=True))
+    assert _description_errors(metrics) == {
+        "invalid": 0, "held_last_valid": 1, "not_in_force": 0}
+    engine.upsert(jobset_karta(ownerless=False))  # mended
+    assert _description_errors(metrics) == {
+        "invalid": 0, "held_last_valid": 0, "not_in_force": 0}
+    engine.upsert(jobset_karta(ownerless=True))
+    engine.delete(jobset_karta(ownerless=True))
+    assert _description_errors(metrics)["held_last_valid"] == 0
+    # the restart: a process that never saw it valid
+    restarted = ProxyMetrics()
+    fresh = Engine()
+    restarted.watch_engine(fresh)
+    fresh.upsert_many([js, job, pod("w", job), jobset_karta(ownerless=True)])
+    assert _description_errors(restarted) == {
+        "invalid": 1, "held_last_valid": 0, "not_in_force": 0}
+    att = fresh.pod("pod-w")
+    assert att is not None and att.reason == "description_error"
+
+
+def test_two_descriptions_of_one_kind_count_the_loser_not_in_force() -> None:
+    """Two valid descriptions of one kind: the loser is ``not_in_force`` (a built-in a
+    user description replaces is not counted); gone, 0."""
+    import copy
+
+    from proxy.karta.engine import Engine
+    from tests.karta.test_engine import RAY_KARTA
+
+    metrics = ProxyMetrics()
+    engine = Engine()
+    metrics.watch_engine(engine)
+    zzz, aaa = copy.deepcopy(RAY_KARTA), copy.deepcopy(RAY_KARTA)
+    zzz["metadata"] = {"name": "zzz-team", "uid": "z"}
+    aaa["metadata"] = {"name": "aaa-platform", "uid": "a"}
+    engine.upsert(zzz)
+    assert _description_errors(metrics)["not_in_force"] == 0
+    engine.upsert(aaa)
+    assert _description_errors(metrics) == {
+        "invalid": 0, "held_last_valid": 0, "not_in_force": 1}
+    engine.delete(aaa)
+    assert _description_errors(metrics)["not_in_force"] == 0
 
 
 def test_the_jq_sandbox_restarts_and_quarantine_are_read_at_scrape_time(

@@ -840,7 +840,8 @@ def test_an_invalid_description_file_at_start_marks_its_kind(tmp_path: Path) -> 
     """An invalid description among the files read at start is kept with the engine's
     description errors, so its kind reads ``description_error`` as it does from a
     snapshot or an API object: a pod under a Job of the JobSet is not made a Job
-    workload of its own (each Job was one)."""
+    workload of its own (each Job was one). It is on /metrics, not only in the log:
+    ``karta_proxy_description_errors{reason="invalid"}`` 1."""
     from tests.karta.test_engine import jobset_karta, obj, pod
 
     folder = tmp_path / "descriptions"
@@ -849,8 +850,11 @@ def test_an_invalid_description_file_at_start_marks_its_kind(tmp_path: Path) -> 
     s = snapshot_settings(tmp_path)
     s.karta.description_paths = [str(folder)]
     p = Proxy(s)
+    get = p.metrics.registry.get_sample_value
+    assert get("karta_proxy_description_errors", {"reason": "invalid"}) == 0
     p._load_description_files()
     assert [e.source for e in p.engine.description_errors] == [str(folder / "jobset.yaml")]
+    assert get("karta_proxy_description_errors", {"reason": "invalid"}) == 1
     js = obj("jobset.x-k8s.io/v1alpha2", "JobSet", "js", spec={"replicatedJobs": []})
     job = obj("batch/v1", "Job", "js-workers-0", js, spec={"parallelism": 1})
     p.engine.upsert_many([js, job, pod("w", job)])

@@ -59,6 +59,9 @@ from proxy.karta.replicas import (
     _replica_facts,
 )
 from proxy.karta.results import (
+    DESCRIPTION_HELD_LAST_VALID,
+    DESCRIPTION_INVALID,
+    DESCRIPTION_NOT_IN_FORCE,
     JQ_ERROR_SELECTOR,
     JQ_ERROR_STATUS,
     PHASE_REASON_OBJECT_MISSING,
@@ -610,6 +613,23 @@ class Engine:
         (``select_descriptions``; a built-in a user description replaces is none), each
         an error naming the winner. Also among ``description_errors``."""
         return list(self._selection_errors)
+
+    def description_problems(self) -> dict[str, int]:
+        """``description_errors`` counted by why (``DESCRIPTION_ERROR_REASONS``, each
+        present; they add up to ``len(description_errors)``), for a metric an alert reads:
+        the log lines alone left nothing to alert on before a restart changed every
+        series of the kind. A Karta object edited invalid is ``held_last_valid`` while
+        its last valid version is the one in force for its kind (a restart then takes
+        its pods to ``description_error``), ``invalid`` otherwise, as every error of a
+        file or a snapshot is (nothing of it in force)."""
+        in_force = {plan.desc.source for plan in self._plans.values()}
+        held = sum(1 for source in self._api_errors if source in in_force)
+        return {
+            DESCRIPTION_INVALID: sum(map(len, self._source_errors.values()))
+            + len(self._api_errors) - held,
+            DESCRIPTION_HELD_LAST_VALID: held,
+            DESCRIPTION_NOT_IN_FORCE: len(self._selection_errors),
+        }
 
     def holds(self, uid: str) -> bool:
         """The uid is a pod, an object or a ghost the engine holds: not an owner absent."""

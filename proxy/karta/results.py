@@ -43,6 +43,17 @@ JQ_ERROR_SELECTOR = "selector"
 JQ_ERROR_WORKLOAD = "workload"
 JQ_ERROR_STATUS = "status"
 JQ_ERROR_WHERE = (JQ_ERROR_SELECTOR, JQ_ERROR_WORKLOAD, JQ_ERROR_STATUS)
+#: Why a description is not in force, the keys of ``Engine.description_problems()``
+#: (exported as ``karta_proxy_description_errors{reason}``), disjoint: ``invalid``, it does
+#: not parse or validate and nothing of it is in force (a file, a snapshot's, a Karta
+#: object the proxy never saw valid); ``held_last_valid``, a Karta object edited invalid
+#: whose last valid version stays in force until a restart, when it describes nothing;
+#: ``not_in_force``, valid, but another description of its kind wins.
+DESCRIPTION_INVALID = "invalid"
+DESCRIPTION_HELD_LAST_VALID = "held_last_valid"
+DESCRIPTION_NOT_IN_FORCE = "not_in_force"
+DESCRIPTION_ERROR_REASONS = (DESCRIPTION_INVALID, DESCRIPTION_HELD_LAST_VALID,
+                             DESCRIPTION_NOT_IN_FORCE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -473,6 +473,9 @@ def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it(
             out.write("---\n" + yaml.safe_dump_all(objs))
         load_snapshot(f, e)
     assert len(e.description_errors) == 1
+    # nothing of it in force, from any source (karta_proxy_description_errors)
+    assert e.description_problems() == {"invalid": 1, "held_last_valid": 0,
+                                        "not_in_force": 0}
     if source != "snapshot":
         e.upsert_many(objs)
     assert P(e, "pod-w").reason == "description_error"
@@ -484,6 +487,7 @@ def test_an_invalid_description_above_a_nested_kind_makes_no_workload_below_it(
         source_name = "files" if source == "files" else snapshot.DESCRIPTION_SOURCE
         cs = e.add_descriptions([describe(jobset_karta(ownerless=False))], source=source_name)
     assert e.description_errors == []
+    assert set(e.description_problems().values()) == {0}
     assert {wname(P(cs, "pod-w")), wname(P(cs, "pod-d"))} == {"js"}
     assert [w.ref.name for w in e.workloads()] == ["js"]
 
@@ -504,6 +508,8 @@ def test_an_invalid_edit_of_a_description_object_keeps_its_last_valid_version(
     cs = e.upsert(jobset_karta(ownerless=True))
     assert "pod-w" not in cs.pods and wname(P(e, "pod-w")) == "js"
     assert [err.kind for err in e.description_errors] == [JOBSET]
+    assert e.description_problems() == {"invalid": 0, "held_last_valid": 1,
+                                        "not_in_force": 0}
     assert [w.ref.name for w in e.workloads()] == ["js"]
     assert any("its last valid version stays in force" in r.getMessage()
                for r in caplog.records), caplog.text
@@ -1208,6 +1214,35 @@ def test_a_description_another_wins_over_is_logged_once(
     e.add_descriptions([describe(RAY_KARTA)], source="files")  # read again
     assert len(told()) == 2
     assert sorted(x.name for x in e.selection_losers()) == ["test-raycluster", "zzz-team"]
+
+
+def test_an_invalid_edit_is_held_only_while_its_last_valid_version_is_in_force() -> None:
+    """``held_last_valid`` says what a restart changes: a Karta object edited invalid
+    whose last valid version lost to another description of its kind changes nothing at
+    a restart (the winner stays), so it is ``invalid``; the winner edited invalid is
+    held. The counts add up to ``description_errors`` (the loser held is also
+    ``not_in_force``)."""
+    e = Engine()
+    zzz, aaa = copy.deepcopy(RAY_KARTA), copy.deepcopy(RAY_KARTA)
+    zzz["metadata"] = {"name": "zzz-team", "uid": "z"}
+    aaa["metadata"] = {"name": "aaa-platform", "uid": "a"}
+    e.upsert_many([zzz, aaa])
+
+    def broken(raw: dict[str, Any]) -> dict[str, Any]:
+        raw = copy.deepcopy(raw)
+        del raw["spec"]["structureDefinition"]["rootComponent"]["name"]
+        return raw
+
+    e.upsert(broken(zzz))
+    assert e.description_problems() == {"invalid": 1, "held_last_valid": 0,
+                                        "not_in_force": 1}
+    e.upsert(broken(aaa))  # the one in force
+    assert e.description_problems() == {"invalid": 1, "held_last_valid": 1,
+                                        "not_in_force": 1}
+    assert sum(e.description_problems().values()) == len(e.description_errors)
+    e.upsert_many([zzz, aaa])  # mended
+    assert e.description_problems() == {"invalid": 0, "held_last_valid": 0,
+                                        "not_in_force": 1}
 
 
 def test_a_karta_and_a_resourceinterface_of_one_name_are_two_descriptions() -> None:

@@ -2,7 +2,7 @@
 names, on what the proxy really serves on /metrics and really writes upstream.
 
 The promtool tests (tests/rules) feed hand-written series; here the condition is real (a
-description failing or quarantined, a sender of another cluster, the upstream refusing,
+description failing, quarantined or invalid, a sender of another cluster, the upstream refusing,
 hung, down, misconfigured or its clock behind, a reload refused, the snapshot gone, the
 proxy stopped, a proxy process restarting or at its address-space limit, the API server
 refusing, a certificate about to expire) and a real Prometheus 2.42 scrapes the
@@ -198,10 +198,19 @@ HOG_DESCRIPTION = (
     "        statusMappings:\n          running:\n          - byPhase: Running\n")
 
 
+#: a description that does not validate (its root component has no name), of a kind no
+#: object of the snapshot has: skipped, counted ``invalid`` from the load on
+INVALID_DESCRIPTION = (
+    "---\napiVersion: run.ai/v1alpha1\nkind: Karta\nmetadata: {name: broken}\nspec:\n"
+    "  structureDefinition:\n    rootComponent:\n"
+    "      kind: {group: example.com, version: v1, kind: Broken}\n")
+
+
 def demo_snapshot_with_faults(tmp: Path) -> Path:
     """The demo cluster, its RayJob description's phase path failing on every RayJob (a
     jq error at run time: ``tonumber`` of "RUNNING"), an MPIJob of 5 pods in a namespace
-    of its own, and the hogs (HOG_DESCRIPTION)."""
+    of its own, the hogs (HOG_DESCRIPTION) and a description that does not validate
+    (INVALID_DESCRIPTION)."""
     text = DEMO_SNAPSHOT.read_text()
     assert text.count("path: .status.jobStatus\n") == 1
     text = text.replace("path: .status.jobStatus\n", "path: .status.jobStatus | tonumber\n")
@@ -214,7 +223,7 @@ def demo_snapshot_with_faults(tmp: Path) -> Path:
                  f"name: mpi, uid: {MPI_UID}, controller: true}}\n"
                  "spec:\n  nodeName: cpu-node-1\n  containers:\n  - {name: c, image: busybox}\n"
                  "status: {phase: Running}\n")
-    text += HOG_DESCRIPTION
+    text += HOG_DESCRIPTION + INVALID_DESCRIPTION
     for i in range(QUARANTINE_STRIKES):
         text += (f"---\napiVersion: example.com/v1\nkind: Hog\nmetadata:\n  name: hog-{i}\n"
                  f"  namespace: hogs\n  uid: 00000000-0000-4000-8000-00000000020{i}\n"
@@ -344,12 +353,12 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
         peers: Peers, tmp_path: Path) -> None:
     """One proxy on a snapshot, its facts and /metrics in one Prometheus: a description
     that fails at run time from the start, one whose expression the jq sandbox
-    quarantines, one request of another cluster's sender, the upstream refusing samples
-    too old, 5 pods of a namespace unattributed, a reload refused, the snapshot gone;
-    then the proxy stopped: down, and (evaluated 11 and 31 minutes on) its facts absent
-    and its index stale. Scraped beside it, in the meantime: a proxy process stopped
-    (SIGTERM) and started again 3 times, one whose address space is limited, and one whose
-    upstream's clock is 45 s behind this host's."""
+    quarantines, one that does not validate, one request of another cluster's sender,
+    the upstream refusing samples too old, 5 pods of a namespace unattributed, a reload
+    refused, the snapshot gone; then the proxy stopped: down, and (evaluated 11 and 31
+    minutes on) its facts absent and its index stale. Scraped beside it, in the meantime:
+    a proxy process stopped (SIGTERM) and started again 3 times, one whose address space
+    is limited, and one whose upstream's clock is 45 s behind this host's."""
     started_at = time.monotonic()
     port = free_port()
     ports = {name: free_port() for name in ("restarting", "limited", "clock")}
@@ -408,7 +417,8 @@ async def test_what_the_relay_and_its_sources_go_through_fires_their_alerts(
                            ("KartaPodsUnattributed",
                             {"cluster": CLUSTER, "karta_namespace": STRAYS}),
                            ("KartaProxyDescriptionErrors",
-                            {"where": "status", "description": "hog", "job": JOB}))
+                            {"where": "status", "description": "hog", "job": JOB}),
+                           ("KartaProxyDescriptionInvalid", {"reason": "invalid", "job": JOB}))
 
             (descriptions / "broken.yaml").write_text("kind: Karta\nspec: [not, a, map\n")
             assert not (await proxy.reload()).ok
