@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -526,7 +527,7 @@ class Proxy:
         app = build_app(self.handler, self.index, self.metrics,
                         upstream_url=shown_url(s.upstream.url), source=self.source_name,
                         reload=self.reload, lifecycle=s.server.enable_lifecycle,
-                        explain=self._explain)
+                        explain=self._explain, descriptions=self._descriptions_text)
         host, port = parse_host_port(s.server.listen_address)
         if s.server.tls_cert_file:
             self.tls = self._make_tls()
@@ -594,6 +595,36 @@ class Proxy:
         placeholder = placeholder_cluster(s)
         if placeholder:
             log.warning(placeholder, extra={"setting": "facts.external_labels"})
+
+    def _descriptions_text(self) -> str:
+        """The landing page's row on the descriptions: how many are in force, from where,
+        and how many were not taken, by why (``karta_proxy_description_errors``). An
+        operator opening the page after an edit sees there that it was not taken, where
+        before only a log line said so."""
+        from proxy.karta.results import (
+            DESCRIPTION_HELD_LAST_VALID,
+            DESCRIPTION_INVALID,
+            DESCRIPTION_NOT_IN_FORCE,
+        )
+
+        def origin(desc: Description) -> str:
+            if desc.builtin:
+                return "built in"
+            # a snapshot's are read from its files, as karta.description_paths' are
+            return "from Karta objects" if desc.source.startswith("api:") else "from files"
+
+        descs = self.engine.descriptions().values()
+        origins = Counter(origin(d) for d in descs)
+        text = f"{len(descs)} in force"
+        if origins:
+            text += " (" + ", ".join(f"{n} {o}" for o, n in sorted(origins.items())) + ")"
+        problems = self.engine.description_problems()
+        said = [f"{problems[DESCRIPTION_INVALID]} invalid",
+                f"{problems[DESCRIPTION_HELD_LAST_VALID]} held at their last valid version",
+                f"{problems[DESCRIPTION_NOT_IN_FORCE]} another description won over"]
+        if any(problems.values()):
+            return f"{text}; not taken: {', '.join(said)} (the log names each)"
+        return f"{text}; none not taken"
 
     def _explain(self, namespace: str, pod: str) -> Explanation | None:
         """The engine's explanation of a pod, found by the uid the index knows it by (the

@@ -71,15 +71,17 @@ def build_app(
     reload: Callable[[], Awaitable[ReloadOutcome]] | None = None,
     lifecycle: bool = True,
     explain: Explainer | None = None,
+    descriptions: Callable[[], str] | None = None,
 ) -> web.Application:
     """Routes of the proxy. ``source`` names where the index comes from (landing page);
     ``reload`` serves ``POST /-/reload`` (absent: no such route), when ``lifecycle``
     allows it (else 403, as Prometheus without ``--web.enable-lifecycle``); ``explain``
     gives the attribution page its owner chains (absent: the page shows the index's
-    answers only)."""
+    answers only); ``descriptions`` says on the landing page which descriptions are in
+    force and how many were not taken (absent: no such row)."""
     app = web.Application()
     app[REMOTE_WRITE] = handler
-    pages = _Pages(handler, index, metrics, upstream_url, source)
+    pages = _Pages(handler, index, metrics, upstream_url, source, descriptions)
     if reload is not None:
         reload_view = _reload_view(reload) if lifecycle else _lifecycle_disabled
         app.router.add_post("/-/reload", reload_view)
@@ -140,6 +142,8 @@ class _Pages:
     metrics: ProxyMetrics
     upstream_url: str
     source: str
+    #: the landing page's row on the descriptions in force and not taken
+    descriptions: Callable[[], str] | None = None
 
     async def metrics_view(self, request: web.Request) -> web.StreamResponse:
         # Streamed a chunk at a time (proxy.exposition): the fact families are ~41 MB of
@@ -203,6 +207,8 @@ class _Pages:
             ("upstream check", upstream.probe.outcome
              if upstream.probe is not None else "pending"),
             ("splice", f"{SPLICE} ({self.handler.workers} worker threads)"),
+            *([("descriptions", self.descriptions())] if self.descriptions is not None
+              else []),
         ]
 
     async def landing(self, _: web.Request) -> web.Response:

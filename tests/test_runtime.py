@@ -862,6 +862,30 @@ def test_an_invalid_description_file_at_start_marks_its_kind(tmp_path: Path) -> 
     assert att is not None and att.reason == "description_error"
 
 
+async def test_the_landing_page_says_which_descriptions_are_in_force_and_not_taken(
+    tmp_path: Path,
+) -> None:
+    """An operator opening the page after an edit sees whether it was taken: the
+    descriptions in force by origin, and those not taken by why, where only a log line
+    said so."""
+    from tests.karta.test_engine import jobset_karta
+
+    folder = tmp_path / "descriptions"
+    folder.mkdir()
+    (folder / "jobset.yaml").write_text(yaml.safe_dump(jobset_karta(ownerless=True)))
+    s = snapshot_settings(tmp_path)
+    s.karta.description_paths = [str(folder)]
+    async with started(s) as p:
+        page = await get_text(p, "/")
+        builtin = len(p.engine.descriptions())
+    assert (f"<th>descriptions</th><td>{builtin} in force ({builtin} built in); not taken: "
+            "1 invalid, 0 held at their last valid version, 0 another description won "
+            "over (the log names each)</td>") in page, page
+    async with started(snapshot_settings(tmp_path)) as p:
+        page = await get_text(p, "/")
+    assert f"<td>{builtin} in force ({builtin} built in); none not taken</td>" in page, page
+
+
 async def test_serve_sizes_the_aux_pool_from_the_usable_cpus(tmp_path: Path) -> None:
     """asyncio's default pool (``karta-aux``) has ``min(32, cores + 4)`` threads for the
     cores the process may use (proxy.cpus), not for the host's: with this thread's
