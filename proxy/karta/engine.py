@@ -749,6 +749,8 @@ class Engine:
         if rec.owner is None:
             self._bare.add(uid)
             rec.obj, rec.cache = pack_for_jq(_trim(obj)), None
+            if uid in self._wl:  # its own workload's status was read from the object
+                self._dirty.add(uid)
         else:
             self._bare.discard(uid)
             rec.obj = rec.cache = None

@@ -1385,6 +1385,24 @@ def test_a_bare_pod_is_the_workload_of_the_pods_it_controls() -> None:
     assert cs.workloads["pod-pi-driver"] is None
 
 
+def test_a_bare_pods_phase_follows_a_status_change_that_came_with_new_labels() -> None:
+    """A bare pod is its own workload, its phase read from its status. An update that
+    changed its labels (or annotations) and its status at once (a relist after missed
+    events gives both in one) kept the old phase: only a status-only update settled its
+    workload again, so the phase stayed Initializing until the pod's next change (found
+    by tests/kube/test_source_stateful.py: a fresh index said Running)."""
+    e = Engine(clock=lambda: 0.0)
+    pending = pod("solo")
+    pending["status"]["phase"] = "Pending"
+    e.upsert(pending)
+    assert W(e, "pod-solo").phase == "Initializing"
+    cs = e.upsert(pod("solo", app="web"))  # Running, and a label
+    assert W(cs, "pod-solo").phase == "Running"
+    fresh = Engine(clock=lambda: 0.0)
+    fresh.upsert(pod("solo", app="web"))
+    assert W(e, "pod-solo") == W(fresh, "pod-solo")
+
+
 def test_a_described_owner_above_the_driver_wins() -> None:
     """spark-operator: the SparkApplication controls the driver; once it is described,
     driver and executors are its components, not a Pod workload."""
