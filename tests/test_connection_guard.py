@@ -319,6 +319,25 @@ async def test_a_malformed_request_is_400_counted_and_logged_in_one_line(
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
+async def test_malformed_requests_by_the_dozen_are_all_counted_and_logged_in_two_lines(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A broken sender retrying a malformed request: each closes its connection, and each
+    was a warning of its own (one sender at 19 a second wrote 1,130 lines a minute). Now
+    the first at once and the rest of the interval in one summary, as every refusal."""
+    head = (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        for _ in range(30):
+            r, w = await connect(p)
+            w.write(head)
+            assert (await read_answer(r)).status == 400
+            w.close()
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="bad_http") == 30
+    refused = [r for r in caplog.records if getattr(r, "kind", "") == "bad_http"]
+    assert [r.getMessage() for r in refused] == ["request refused", "requests refused"]
+    assert refused[1].__dict__["count"] == 29
+
+
 async def test_header_timeouts_by_the_hundred_are_all_counted_and_logged_in_two_lines(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # idle connections (a slowloris, a fleet's stale pool) time out together: 3,000 made

@@ -83,6 +83,12 @@ MAX_SERIES_PER_REQUEST = 5000
 #: it made the p99 latency of the requests relayed meanwhile ~150 ms (relay_bench.py
 #: --fact-interval 5)
 PAUSE_EVERY_SERIES = 1000
+#: how long the lines of a write that fails or is refused, the same way write after write,
+#: are one line at once and one summary (``proxy.log.Throttled``): a write comes every
+#: ``facts.interval_seconds`` (15 s), longer than ``THROTTLE_SECONDS``, so a 10 s throttle
+#: held none back and every write said it all again (an upstream refusing every fact
+#: series with a 400 made 49 lines a minute, one down 4 of the writer's own)
+FACT_LINE_SECONDS = 300.0
 #: and after any group once building has held the loop this long: a series encoded afresh
 #: costs ~20 us, so the stretches of a cold write (at start, or after a reload) were
 #: 20-25 ms of the loop's time each at 1,000 series. A request that arrives during a
@@ -261,6 +267,13 @@ class WriterState(enum.Enum):
     LEADER = "leader"
 
 
+def _answered(exc: Exception) -> str:
+    """The key of a write's failure for its throttled line: the upstream's answer (a
+    status, ``connect_error``, ...), else the exception's type: a new one is said at once."""
+    answer = getattr(exc, "answer", None)
+    return str(getattr(answer, "upstream", "")) or type(exc).__name__
+
+
 class FactWriter:
     """Writes the fact series into the remote-write stream every ``interval_seconds``.
 
@@ -355,7 +368,20 @@ class FactWriter:
         self._stale_sample = b""
         self._refusal_lines = Throttled(
             log, "fact series refused by the upstream, left out of this write",
-            "fact series refused by the upstream (repeated)", peer_field=None)
+            "fact series refused by the upstream (repeated)", peer_field=None,
+            interval=FACT_LINE_SECONDS, clock=monotonic)
+        #: a write's own lines, each as ``_refusal_lines`` (by the upstream's answer)
+        self._failed_lines = Throttled(log, "fact write failed", "fact writes failed",
+                                       peer_field=None, interval=FACT_LINE_SECONDS,
+                                       clock=monotonic)
+        self._dropped_lines = Throttled(
+            log, "fact write: series refused for good with their request, the others "
+            "still sent", "fact writes: series refused for good with their request "
+            "(repeated)", peer_field=None, interval=FACT_LINE_SECONDS, clock=monotonic)
+        self._refused_lines = Throttled(
+            log, "fact write: series refused for good, the others written",
+            "fact writes: series refused for good, the others written (repeated)",
+            peer_field=None, interval=FACT_LINE_SECONDS, clock=monotonic)
         #: the next write ends each workload's transition series of the other ``source``
         #: (set on every takeover, a start's first write included; cleared once a write
         #: landed): see ``_SOURCE_FIELDS``
@@ -986,9 +1012,8 @@ class FactWriter:
                 if not tally.dropped:  # the first of this write
                     answer = getattr(exc, "answer", None)
                     hint = own_write_refused(status, answer.body if answer else b"")
-                    hint = f"; {hint}" if hint else ""
-                    log.warning("fact write: %d series refused for good with their "
-                                "request, the others still sent: %s%s", hi - lo, exc, hint)
+                    self._dropped_lines.event(_answered(exc), {
+                        "series": hi - lo, "error": str(exc)[:300], "hint": hint})
                 tally.dropped += hi - lo
                 return
             mid = (lo + hi) // 2
@@ -1082,7 +1107,7 @@ class FactWriter:
                 await self._finish_pausing(bodies, pacer)
                 self.commit_partial()
                 self.metrics.writes_failed.inc()
-                log.warning("fact write failed: %s", exc)
+                self._failed_lines.event(_answered(exc), {"error": str(exc)[:300]})
                 self._egress_failed(started)
                 return False
             del body
@@ -1101,9 +1126,9 @@ class FactWriter:
         if tally.dropped or not tally.accepted:
             self.commit_partial()
             self.metrics.writes_failed.inc()
-            log.warning("fact write: %d series refused for good in requests of their "
-                        "own, %d series with their request (%d requests to find them)",
-                        tally.refused, tally.dropped, tally.extra)
+            self._refused_lines.event("refused", {
+                "refused_alone": tally.refused, "refused_with_request": tally.dropped,
+                "requests_to_find_them": tally.extra})
             return False
         self.metrics.writes_ok.inc()
         self.metrics.last_write.set(now)
@@ -1184,7 +1209,9 @@ class FactWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await self.end_own_series(timeout)
-            self._refusal_lines.close()
+        for lines in (self._refusal_lines, self._failed_lines, self._dropped_lines,
+                      self._refused_lines):
+            lines.close()
 
     def own_series_markers(self, now_ms: int) -> tuple[bytes, int]:
         """A request of stale markers for the ``OWN_SERIES`` this writer last wrote, and

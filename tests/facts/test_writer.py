@@ -1273,8 +1273,9 @@ async def test_a_fact_write_refused_for_want_of_credentials_says_which_to_set(
 
     w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
     assert not await w.write_once()
-    assert any("refused for good" in m and m.endswith(OWN_WRITES_NEED_CREDENTIALS)
-               for m in caplog.messages), caplog.messages
+    assert any("refused for good" in r.getMessage()
+               and r.__dict__.get("hint") == OWN_WRITES_NEED_CREDENTIALS
+               for r in caplog.records), caplog.messages
 
 
 async def test_a_fact_write_refused_for_want_of_a_tenant_says_to_name_one(
@@ -1288,8 +1289,9 @@ async def test_a_fact_write_refused_for_want_of_a_tenant_says_to_name_one(
 
     w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0)
     assert not await w.write_once()
-    assert any("refused for good" in m and m.endswith(OWN_WRITES_NEED_A_TENANT)
-               for m in caplog.messages), caplog.messages
+    assert any("refused for good" in r.getMessage()
+               and r.__dict__.get("hint") == OWN_WRITES_NEED_A_TENANT
+               for r in caplog.records), caplog.messages
 
 
 async def test_a_request_refused_for_good_does_not_stop_the_others() -> None:
@@ -2135,3 +2137,30 @@ async def test_a_takeovers_markers_for_the_other_source_are_not_counted_as_serie
     assert await w.write_once()
     gone = [k for k, s in decode(sent[-1]).items() if is_stale(s[0][0])]
     assert w.stale_markers_total == len(gone) > 0
+
+
+@pytest.mark.parametrize("status", [503, 400])
+async def test_writes_that_fail_the_same_way_say_so_once_then_in_a_summary(
+        caplog: pytest.LogCaptureFixture, status: int) -> None:
+    """An upstream down, or refusing every fact series (a 400), for hours: each write's
+    lines were written again at every write (every 15 s, longer than the 10 s throttle),
+    49 lines a minute for the 400. Now the first of each kind at once, the same again in
+    one summary per ``FACT_LINE_SECONDS`` (at the stop here), the count in it."""
+    caplog.set_level(logging.WARNING, logger="proxy.facts.writer")
+    now = [0.0]
+
+    async def send(body: bytes) -> None:
+        raise UpstreamFailure(Answer(status, b"refused\n", upstream=str(status)))
+
+    w = FactWriter(FactSettings(), small_index(), send, clock=lambda: 10.0,
+                   monotonic=lambda: now[0])
+    for _ in range(20):  # 20 writes at the default interval, within FACT_LINE_SECONDS
+        assert not await w.write_once()
+        now[0] += 14.0
+    per_write = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith("fact write")]
+    assert len(per_write) == (1 if status == 503 else 2), per_write
+    await w.stop()  # what waits for its summary is written at the stop
+    summaries = [r.__dict__["count"] for r in caplog.records
+                 if r.getMessage().startswith("fact writes")]
+    assert summaries == [19] if status == 503 else 0 < len(summaries) <= 2, summaries
