@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -307,26 +307,34 @@ async def test_snapshot_reload_off(tmp_path: Path) -> None:
         assert p.index.lookup(b"shop", b"cart-7d9f8-abcde") is not None
 
 
+def _electing(tmp_path: Path, upstream_url: str, sim: KubeSim) -> Settings:
+    """:func:`writing_facts`, under a Lease on ``sim``."""
+    s = writing_facts(tmp_path, upstream_url)
+    s.kube.kubeconfig = str(sim.write_kubeconfig())
+    s.facts.leader_election = True
+    return s
+
+
+async def _the_lease(sim: KubeSim) -> list[dict[str, Any]]:
+    """The Leases on ``sim`` once the fact writer has taken one."""
+    from tests.kubesim.resources import LEASE
+
+    await wait_until(lambda: asyncio.sleep(0, bool(sim.objects(LEASE))),
+                     timeout=10, what="the fact writer's Lease")
+    return sim.objects(LEASE)
+
+
 async def test_lease_in_the_own_namespace_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """facts.lease_namespace empty: the Lease is taken in the pod's namespace."""
     from tests.kubesim import KubeSim
-    from tests.kubesim.resources import LEASE
 
     monkeypatch.setenv("POD_NAMESPACE", "karta-proxy")
     async with KubeSim() as sim, ScriptedUpstream() as up:
-        s = snapshot_settings(tmp_path, up.url)
-        s.kube.kubeconfig = str(sim.write_kubeconfig())
-        s.facts.enabled = True
-        s.facts.leader_election = True
-        s.facts.interval_seconds = 0.2
+        s = _electing(tmp_path, up.url, sim)
         async with started(s) as p:
-            async def leased() -> bool:
-                return bool(sim.objects(LEASE))
-
-            await wait_until(leased, timeout=10, what="the fact writer's Lease")
-            (lease,) = sim.objects(LEASE)
+            (lease,) = await _the_lease(sim)
             assert lease["metadata"]["namespace"] == "karta-proxy"
             assert lease["metadata"]["name"] == "karta-proxy-facts"
             assert p.lease_namespace == "karta-proxy"
@@ -378,22 +386,15 @@ async def test_the_lease_settings_reach_the_lease(tmp_path: Path) -> None:
     the assembled proxy writes carries them (each was read by the runtime alone; the
     elector's tests give it these values by hand)."""
     from tests.kubesim import KubeSim
-    from tests.kubesim.resources import LEASE
 
     async with KubeSim() as sim, ScriptedUpstream() as up:
-        s = snapshot_settings(tmp_path, up.url)
-        s.kube.kubeconfig = str(sim.write_kubeconfig())
-        s.facts.enabled = True
-        s.facts.leader_election = True
-        s.facts.interval_seconds = 0.2
+        s = _electing(tmp_path, up.url, sim)
         s.facts.lease_name = "facts.shop"
         s.facts.lease_namespace = "karta-system"
         s.facts.identity = "replica-a"
         s.facts.lease_duration_seconds = 7.5
         async with started(s):
-            await wait_until(lambda: asyncio.sleep(0, bool(sim.objects(LEASE))),
-                             timeout=10, what="the fact writer's Lease")
-            (lease,) = sim.objects(LEASE)
+            (lease,) = await _the_lease(sim)
     assert (lease["metadata"]["namespace"], lease["metadata"]["name"]) == (
         "karta-system", "facts.shop")
     assert lease["spec"]["holderIdentity"] == "replica-a"

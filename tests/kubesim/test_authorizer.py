@@ -10,12 +10,10 @@ server writes, byte for byte the fields a client reads.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from kubernetes_asyncio import client as k8s
-from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.kubesim import KubeSim
@@ -133,22 +131,6 @@ def test_a_role_holds_in_its_namespace_only() -> None:
     assert not ok(req("/apis/apps/v1/replicasets"))  # a ClusterRole bound in one namespace
     assert not ok(req("/apis/batch/v1/jobs"))  # bound to another account
     assert ok(req("/apis/run.ai/v1alpha1/kartas"))  # through a group of the account's
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[KubeSim]:
-    async with KubeSim(bookmark_interval=0.2) as s:
-        yield s
-
-
-@pytest.fixture
-async def api(sim: KubeSim) -> AsyncIterator[k8s.ApiClient]:
-    cfg = k8s.Configuration()
-    await k8s_config.load_kube_config(config_file=str(sim.write_kubeconfig()),
-                                      client_configuration=cfg, persist_config=False)
-    client = k8s.ApiClient(configuration=cfg)
-    yield client
-    await client.close()
 
 
 async def test_a_refusal_is_the_api_servers_forbidden_status(sim: KubeSim,

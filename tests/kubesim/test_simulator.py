@@ -9,7 +9,6 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +32,6 @@ def pod(name: str, ns: str = "default", node: str = "", **labels: str) -> dict[s
         "metadata": {"name": name, "namespace": ns, "labels": labels},
         "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]},
     }
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[KubeSim]:
-    async with KubeSim(bookmark_interval=0.2) as s:
-        yield s
-
-
-@pytest.fixture
-async def api(sim: KubeSim) -> AsyncIterator[k8s.ApiClient]:
-    cfg = k8s.Configuration()
-    await k8s_config.load_kube_config(config_file=str(sim.write_kubeconfig()),
-                                      client_configuration=cfg, persist_config=False)
-    client = k8s.ApiClient(configuration=cfg)
-    yield client
-    await client.close()
 
 
 async def raw(api: k8s.ApiClient, path: str, accept: str = "application/json",
