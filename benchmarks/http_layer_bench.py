@@ -12,8 +12,9 @@ could take away, before anyone writes one:
 
 - **client**: CPU of the calling thread (``time.thread_time``) per POST of the body to a
   raw 204 sink in another process, over one pooled keep-alive connection, for
-  ``Upstream.forward`` (the product's whole send: headers, deadline, counts), a bare
-  ``aiohttp.ClientSession`` as ``Upstream`` configures it, and a minimal client (one
+  ``Upstream.forward`` (the product's whole send: headers, deadline, counts, and its
+  client, ``proxy.upstream_http``), a bare ``aiohttp.ClientSession`` as ``Upstream``
+  configured it before it had its own client, and a minimal client (one
   ``asyncio.Protocol``: the request head and body written, the answer's head read);
 - **server**: CPU of a server process per request taken (its ``/proc`` CPU over the
   requests), for an ``aiohttp.web`` handler reading the body and answering 204, and a
@@ -148,7 +149,8 @@ async def _raw_sender(port: int, body: bytes) -> tuple[Send, Callable[[], None]]
 
 
 async def _aiohttp_sender(port: int, body: bytes) -> tuple[Send, Callable[[], None]]:
-    # the session as ``Upstream.start`` makes it (what changes its per-request cost)
+    # the session as ``Upstream.start`` made it before the proxy's own client
+    # (``proxy.upstream_http``): the reference that client is measured against
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=30.0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),

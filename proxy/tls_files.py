@@ -61,7 +61,8 @@ class CredentialError(ValueError):
     where, never the text."""
 
 
-#: what aiohttp refuses in a header value (it raises on every request): controls but HTAB
+#: what the upstream client refuses in a header value (``proxy.upstream_http``, as aiohttp's
+#: did: it raises on every request): controls but HTAB
 HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -102,7 +103,7 @@ def _as_is(part: Part) -> AbstractContextManager[None]:
 def client_context(
     ca: str, cert: str, key: str, insecure_skip_verify: bool, *, loading: Loading = _as_is,
 ) -> ssl.SSLContext | None:
-    """The upstream's client context, or None when nothing is set and aiohttp's defaults
+    """The upstream's client context, or None when nothing is set and the client's defaults
     do (the system CAs, verified)."""
     if not (ca or cert or insecure_skip_verify):
         return None

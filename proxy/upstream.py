@@ -38,15 +38,12 @@ import math
 import re
 import ssl
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 from typing import Protocol as Interface
 from urllib.parse import urlsplit
 
-import aiohttp
-from aiohttp.tracing import Trace
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -72,6 +69,14 @@ from proxy.metrics import ProxyMetrics
 from proxy.shown import credential_header
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
+from proxy.upstream_http import (
+    ClientError,
+    ConnectFailed,
+    ConnectTimeout,
+    Pool,
+    Response,
+    default_tls_context,
+)
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.upstream_url import extra_label_value, own_extra_label, tenant_url
 from proxy.wire.conversion import check_size, v2_to_v1
@@ -95,10 +100,6 @@ MAX_ERROR_BODY = 4096
 #: (then aiohttp's) fired first for timeouts of 5 s or less, and the sender read "upstream
 #: timed out". It still bounds the upstream check, which has no deadline of its own
 CLIENT_TIMEOUT_MARGIN = 1.0
-#: how long a pooled connection is used at most (``_Connector``): then the upstream's name
-#: is looked up again (aiohttp's cache keeps an answer 10 s), so a DNS change is followed
-#: within this much, a busy pool too
-MAX_CONNECTION_SECONDS = 300.0
 #: Retry-After sent with a 503 when the upstream gave none
 DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
@@ -757,42 +758,6 @@ _PATH_HINT = (
 )
 
 
-#: the clock of a connection's age (``_Connector``; tests move it)
-_connection_clock: Callable[[], float] = time.monotonic
-
-
-class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, with connections of a bounded age. A connection made
-    ``MAX_CONNECTION_SECONDS`` ago is closed (idle, by the proxy: no request crosses that
-    close) instead of used again, and a new one made, which looks the upstream's name up
-    again: a pool kept busy reused its connections for ever, so the proxy never followed a
-    DNS change (a Service made again, a TSDB moved by its name, a headless Service's new
-    pods) while the old address still answered."""
-
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
-        #: when each connection was first handed out (by its protocol; a closed one goes
-        #: with it)
-        self._born: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
-
-    async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
-                      timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
-        # each turn closes one aged pooled connection; past the pool's size of them (others
-        # handed back aged meanwhile: a pool made at the start ages all at once) the last
-        # is used all the same, never a closed one handed out
-        for turn in range(self.limit + 1):
-            conn = await super().connect(req, traces, timeout)
-            now = _connection_clock()
-            born = self._born.get(conn.protocol)
-            if born is None:
-                self._born[conn.protocol] = now
-                break
-            if now - born < MAX_CONNECTION_SECONDS or turn == self.limit:
-                break
-            conn.close()
-        return conn
-
-
 def short_pool(max_concurrent_requests: int, max_connections: int) -> str:
     """The warning of a start whose upstream pool is smaller than the requests it may
     forward at once, else "". Each request in flight holds a connection; the ones past
@@ -810,7 +775,8 @@ def short_pool(max_concurrent_requests: int, max_connections: int) -> str:
 
 
 class Upstream:
-    """One upstream URL behind a pooled keep-alive ``ClientSession``.
+    """One upstream URL behind a pool of keep-alive connections
+    (``proxy.upstream_http.Pool``).
 
     Protocol knowledge lives here: ``v1_only`` says RW 2.0 requests are converted first.
     With ``upstream.protocol: auto`` it is learned (a probe at start, a 415, or a 2xx
@@ -845,8 +811,10 @@ class Upstream:
         #: where a request that names no tenant goes (the proxy's own, the check)
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
-        self._session: aiohttp.ClientSession | None = None
-        self._connector: _Connector | None = None
+        self._pool: Pool | None = None
+        #: the TLS context of an https upstream without TLS files: the system's CAs, or
+        #: none verified (``tls_insecure_skip_verify``)
+        self._default_tls: ssl.SSLContext | None = None
         #: the upstream's clock by the Date of its answers to the proxy's own requests (the
         #: check, the fact writes: ``OwnHeaders``), for the fact writer's stamps
         self.clock = UpstreamClock()
@@ -892,7 +860,7 @@ class Upstream:
             if settings.basic_auth_password_file else None
         )
         #: ``user:password@`` in upstream.url, as the proxy's own Basic credentials: aiohttp
-        #: refuses a URL with userinfo beside an Authorization header (a ValueError for
+        #: refused a URL with userinfo beside an Authorization header (a ValueError for
         #: every request a sender sent one with), and a sender's must not replace them
         credentials = url_credentials(settings.url)
         self._basic = basic_authorization(*credentials) if credentials is not None else ""
@@ -908,32 +876,18 @@ class Upstream:
     async def start(self, *, check: bool = False) -> None:
         """Open the connection pool; ``check``: probe the upstream in the background (the
         first RW 2.0 request waits for that probe rather than racing it)."""
-        if self._session is None:
+        if self._pool is None:
             s = self.settings
-            ctx = self._tls.context if self._tls is not None else build_ssl_context(s)
-            connector = _Connector(
-                limit=s.max_connections,
-                ssl=ctx if ctx is not None else True,
-                keepalive_timeout=s.idle_connection_seconds,
-                enable_cleanup_closed=True,
-            )
-            self._connector = connector
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                # no total: each post has a deadline of its own (``_post``), which a stop
-                # of the process does not turn into a timeout for an answer that came
-                # meanwhile (``proxy.deadline``); aiohttp's timer would cancel it first
-                timeout=aiohttp.ClientTimeout(total=None,
-                                              sock_connect=s.connect_timeout_seconds),
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-                # no cookies kept, as Prometheus' client keeps none: aiohttp's jar took an
-                # upstream's Set-Cookie (a gateway's, a load balancer's) from one sender's
-                # answer and sent it with every later write of every sender and tenant, up
-                # to 180 cookies a host (8 KiB of Cookie header a write, 1.9 -> 3.5 ms a
-                # request measured) and 3,300 in all
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
+            if self._tls is None and urlsplit(s.url).scheme == "https":
+                self._default_tls = build_ssl_context(s) or default_tls_context()
+            # no cookies kept (Prometheus' client keeps none: aiohttp's jar took an
+            # upstream's Set-Cookie from one sender's answer and sent it with every later
+            # write of every sender and tenant, 8 KiB of Cookie header a write), no
+            # redirect followed, no body decompressed, no User-Agent, Accept-Encoding or
+            # Content-Type of the client's own: the client does none of these
+            self._pool = Pool(limit=s.max_connections,
+                              idle_seconds=s.idle_connection_seconds,
+                              connect_timeout=s.connect_timeout_seconds)
         if check and self._check_task is None:
             self._recheck = True
             self._check_task = asyncio.create_task(self.check(), name="upstream-check")
@@ -973,16 +927,17 @@ class Upstream:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._check_task
         self._check_task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = self._connector = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
 
     # -- headers --------------------------------------------------------------------------
 
     def unforwardable(self, incoming: Mapping[str, str]) -> str:
-        """The name of a header to forward whose value is not UTF-8 (aiohttp keeps such
-        bytes as surrogates, and its client leaves them out: ``X-Scope-OrgID: caf\\xe9``
-        would reach the upstream as ``caf``, another tenant), or "".
+        """The name of a header to forward whose value is not UTF-8 (aiohttp's server
+        keeps such bytes as surrogates; its client left them out, ``X-Scope-OrgID:
+        caf\\xe9`` reaching the upstream as ``caf``, another tenant, and the proxy's own
+        refuses to send them: a 502 for the sender's every retry), or "".
 
         Per request, on the event loop: one join of the values in C, and the names looked
         at only when one of them is not ASCII."""
@@ -1011,8 +966,8 @@ class Upstream:
         sender's."""
         out: CIMultiDict[str] = CIMultiDict()
         named = connection_named(incoming)
-        #: each name as the sender first spelled it: aiohttp's session keeps the values of
-        #: one spelling only (``_prepare_headers`` tells names apart by case, then sets
+        #: each name as the sender first spelled it: aiohttp's session kept the values of
+        #: one spelling only (``_prepare_headers`` told names apart by case, then set
         #: them case-insensitively: ``THANOS-TENANT: a`` + ``thanos-tenant: b`` left ``b``)
         spelling: dict[str, str] = {}
         own = isinstance(incoming, OwnHeaders)
@@ -1831,37 +1786,36 @@ class Upstream:
         ``upstream_responses_total`` by code and logged when it failed: a 2xx, the
         upstream's status mapped (:meth:`_answer`), 504 (timeout), 502 (no connection, a
         broken transport, or a request the client could not even make)."""
-        if self._session is None:
+        if self._pool is None:
             await self.start()
-        assert self._session is not None
-        server_hostname = self.settings.tls_server_name or None
+        assert self._pool is not None
+        pool = self._pool
         started = time.perf_counter()
         code = "error"
         try:
             headers = self._headers(incoming, out.protocol, out.encoding)
-            tls: ssl.SSLContext | bool = self._tls.get() if self._tls is not None else True
+            tls = self._tls.get() if self._tls is not None else self._default_tls
             async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
-                resp = await self._session.post(
-                    url if url is not None else self._default_url, data=out.encoded,
-                    headers=headers, allow_redirects=False, server_hostname=server_hostname,
-                    ssl=tls)
-                async with resp:
-                    code = str(resp.status)
-                    if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
-                        self.clock.note(resp.headers.get("Date"))
-                    text = await self._body(resp)
-                    if text:  # before the body is classified, logged or answered
-                        text = withheld(text, self._sent_credentials(headers, incoming))
-                    return self._answer(resp.status, resp.headers, text, code, out.converted)
-        except aiohttp.ConnectionTimeoutError as e:
-            # before TimeoutError, which it also is: an upstream whose SYNs are dropped (a
-            # firewall, a dead address) is unreachable, not slow to answer
+                resp = await pool.post(
+                    url if url is not None else self._default_url, headers, out.encoded,
+                    tls=tls, server_hostname=self.settings.tls_server_name or None,
+                    max_body=MAX_ERROR_BODY)
+            code = str(resp.status)
+            if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
+                self.clock.note(resp.headers.get("Date"))
+            text = self._body(resp)
+            if text:  # before the body is classified, logged or answered
+                text = withheld(text, self._sent_credentials(headers, incoming))
+            return self._answer(resp.status, resp.headers, text, code, out.converted)
+        except ConnectTimeout as e:
+            # an upstream whose SYNs are dropped (a firewall, a dead address) is
+            # unreachable, not slow to answer
             code = "connect_error"
             limit = self.settings.connect_timeout_seconds
             return self._no_answer(502, code, "upstream unreachable",
                                    f"no connection within {limit:g} s "
                                    "(upstream.connect_timeout_seconds)",
-                                   error=repr(e), connect_timeout_s=limit)
+                                   error=str(e), connect_timeout_s=limit)
         except TimeoutError:
             code = "timeout"
             return self._no_answer(504, code, "upstream timed out",
@@ -1869,21 +1823,21 @@ class Upstream:
         except asyncio.CancelledError:  # the request's deadline (``forward``), or a stop
             code = "timeout"
             raise
-        except aiohttp.ClientConnectorError as e:
+        except ConnectFailed as e:
             code = "connect_error"
             return self._no_answer(502, code, "upstream unreachable", str(e), error=str(e))
-        except aiohttp.ClientError as e:
-            # never ``repr(e)``: a ClientResponseError's (an answer aiohttp cannot parse: a
-            # bad status line, a NUL in a header) holds the request's headers, the proxy's
-            # Authorization among them, and went to the sender and the log
+        except ClientError as e:
+            # the error's type and text, never the request's headers (aiohttp's
+            # ClientResponseError's repr held them, the proxy's Authorization among them,
+            # and went to the sender and the log)
             code = "error"
             why = failure_line(e, self.settings.timeout_seconds)
             return self._no_answer(502, code, "upstream request failed", why, error=why)
         except Exception as e:
-            # the client refused to make the request (aiohttp raises ValueError, TypeError,
-            # ... for what it will not send): the proxy's fault, not the sender's data's, and
-            # not a 500 with a traceback and no count: a 502 the sender retries, a line, the
-            # count under "error"
+            # the client refused to make the request (a ValueError for a header it will not
+            # send): the proxy's fault, not the sender's data's, and not a 500 with a
+            # traceback and no count: a 502 the sender retries, a line, the count under
+            # "error"
             code = "error"
             log.debug("upstream request could not be made", exc_info=True)
             why = failure_line(e, self.settings.timeout_seconds)
@@ -1892,34 +1846,36 @@ class Upstream:
                        type(e).__name__, {"upstream_url": self.shown_url, "error": why})
             return Answer(502, f"upstream request could not be made: {why}".encode(), {}, code)
         finally:
-            if code == "connect_error" and self._connector is not None:
-                # the addresses aiohttp keeps for ``ttl_dns_cache`` (10 s) are looked up
-                # again by the next connect: a headless Service's pod replaced, or a
-                # Service made again, had every request fail to connect to the old address
-                # until its entry aged out (20 writes at 5 a second, 502 each, the new
-                # address in DNS for 4 s)
-                self._connector.clear_dns_cache()
+            if code == "connect_error":
+                # the addresses kept for ``DNS_TTL_SECONDS`` (10 s) are looked up again by
+                # the next connect: a headless Service's pod replaced, or a Service made
+                # again, had every request fail to connect to the old address until its
+                # entry aged out (20 writes at 5 a second, 502 each, the new address in
+                # DNS for 4 s)
+                pool.clear_dns_cache()
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
 
-    async def _body(self, resp: aiohttp.ClientResponse) -> bytes:
+    def _body(self, resp: Response) -> bytes:
         """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
         2xx breaks off (the connection reset after its head): the upstream said it stored
         the request, and that stays the sender's answer. A 502 made the sender send again
         what was stored: VictoriaMetrics keeps it twice, Prometheus refuses a batch with
-        several samples of a series as out of order (a 400 the sender drops)."""
-        try:
-            return await resp.content.read(MAX_ERROR_BODY)
-        except aiohttp.ClientError as e:
-            if not 200 <= resp.status < 300:
-                raise
-            why = failure_line(e, self.settings.timeout_seconds)
-            self._line(logging.WARNING, "upstream answered 2xx, then its body broke off: "
-                       "the sender gets the 2xx", str(resp.status),
-                       {"upstream_url": self.shown_url, "upstream_status": resp.status,
-                        "error": why})
-            return b""
+        several samples of a series as out of order (a 400 the sender drops). Another
+        answer's body broken off is what came of it, or, when none did, no answer (502)."""
+        if resp.broken is None:
+            return resp.body
+        if not 200 <= resp.status < 300:
+            if resp.body:
+                return resp.body
+            raise resp.broken
+        why = failure_line(resp.broken, self.settings.timeout_seconds)
+        self._line(logging.WARNING, "upstream answered 2xx, then its body broke off: "
+                   "the sender gets the 2xx", str(resp.status),
+                   {"upstream_url": self.shown_url, "upstream_status": resp.status,
+                    "error": why})
+        return b""
 
     def _no_answer(self, status: int, code: str, what: str, detail: str = "",
                    **extra: object) -> Answer:

@@ -90,7 +90,8 @@ def _utc(t: float) -> str:
 
 
 def build_ssl_context(s: UpstreamSettings) -> ssl.SSLContext | None:
-    """TLS settings -> an SSLContext, or None when the defaults of aiohttp do."""
+    """TLS settings -> an SSLContext, or None when the client's defaults do
+    (``proxy.upstream_http.default_tls_context``)."""
     return client_context(s.tls_ca_file, s.tls_cert_file, s.tls_key_file,
                           s.tls_insecure_skip_verify)
 
@@ -125,8 +126,9 @@ class ClientTLS:
     As the credential files (``FileSecret``): the CA, client certificate and key are
     stat'ed at most once per ``check_interval`` seconds, from the request path, and on a
     reload (``build`` / ``adopt``); a change builds a new context, which new connections
-    are made with (aiohttp keys its pool by the context, so keep-alive connections of the
-    old one are not reused for it). A build that fails keeps the context in use; checks
+    are made with (the client keeps its pool's connections apart by context, so
+    keep-alive connections of the old one are not reused for it). A build that fails
+    keeps the context in use; checks
     count and log each distinct failure once, a reload each of its own. Built once at
     start before, an upstream CA fixed
     on disk took a restart: every write 502 meanwhile, SIGHUP or not.

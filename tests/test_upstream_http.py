@@ -1,0 +1,636 @@
+"""The upstream's HTTP/1.1 client (``proxy.upstream_http``) against raw loopback servers
+that answer byte for byte as told: framing, interim answers, bounds, broken and early
+answers, connection reuse, the pool's limit, idle and age bounds, cancellation, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from yarl import URL
+
+from proxy import upstream_http
+from proxy.upstream_http import (
+    MAX_LINE,
+    ConnectFailed,
+    ConnectionEnded,
+    ConnectTimeout,
+    MalformedAnswer,
+    Pool,
+    Response,
+)
+from tests.ipv6 import needs_ipv6
+from tests.tls_certs import Authority
+
+OK = b"HTTP/1.1 204 No Content\r\n\r\n"
+CLOSE = b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Raw:
+    """A loopback server whose connections run ``handler``; what it saw kept."""
+
+    port: int
+    #: the peer of each connection, in the order they came
+    peers: list[tuple[str, int]] = field(default_factory=list)
+    #: each request's head, as it arrived
+    heads: list[bytes] = field(default_factory=list)
+    #: connections open now, and the most at once
+    open: int = 0
+    most: int = 0
+    #: how each connection ended as the server saw it: "eof" (the client closed)
+    ends: list[str] = field(default_factory=list)
+    #: the peer of each request ``answering`` answered
+    served: list[tuple[str, int]] = field(default_factory=list)
+
+    def url(self, host: str = "127.0.0.1") -> URL:
+        return URL(f"http://{host}:{self.port}/api/v1/write")
+
+
+async def read_request(reader: asyncio.StreamReader, raw: Raw) -> bytes:
+    """One request: its head (kept) and ``Content-Length`` bytes of body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    raw.heads.append(head)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return await reader.readexactly(length)
+
+
+def answering(*answers: bytes, then_close: bool = False) -> Callable[[Raw], Handler]:
+    """A server that reads each request whole and writes the next of ``answers`` (a 204
+    once they are all written), as long as the connection lasts (``then_close``: closes
+    it after each), and notes how the client ended it."""
+    queue = list(answers)
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    await read_request(reader, raw)
+                except asyncio.IncompleteReadError:
+                    raw.ends.append("eof")
+                    return
+                except ConnectionError:
+                    raw.ends.append("reset")
+                    return
+                raw.served.append(writer.get_extra_info("peername")[:2])
+                writer.write(queue.pop(0) if queue else OK)
+                await writer.drain()
+                if then_close:
+                    return
+        return handle
+    return make
+
+
+@contextlib.asynccontextmanager
+async def serving(make: Callable[[Raw], Handler], host: str = "127.0.0.1",
+                  ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Raw]:
+    raw = Raw(0)
+    handler = make(raw)
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        raw.peers.append(writer.get_extra_info("peername")[:2])
+        raw.open += 1
+        raw.most = max(raw.most, raw.open)
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # cancelled: the test is over
+        finally:
+            raw.open -= 1
+            writer.close()
+            handlers.discard(task)
+
+    server = await asyncio.start_server(run, host, 0, ssl=ssl_context)
+    raw.port = server.sockets[0].getsockname()[1]
+    try:
+        yield raw
+    finally:
+        server.close()
+        for task in list(handlers):
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def pool(limit: int = 4, idle: float = 30.0, connect: float = 2.0
+               ) -> AsyncIterator[Pool]:
+    p = Pool(limit=limit, idle_seconds=idle, connect_timeout=connect)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def post(p: Pool, url: URL, body: bytes = b"body", *, max_body: int = 4096,
+               headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None,
+               server_hostname: str | None = None) -> Response:
+    async with asyncio.timeout(10):
+        return await p.post(url, headers or {"Content-Type": "application/x-protobuf"}, body,
+                            tls=tls, server_hostname=server_hostname, max_body=max_body)
+
+
+async def test_the_request_is_written_as_aiohttp_wrote_it() -> None:
+    async with serving(answering(OK, OK)) as raw, pool() as p:
+        await post(p, raw.url(), b"xyz", headers={"X-Scope-OrgID": "t", "User-Agent": "u"})
+        await post(p, raw.url(), b"", headers={"host": "virtual.test", "Accept": "a/b"})
+    assert raw.heads == [
+        (f"POST /api/v1/write HTTP/1.1\r\nHost: 127.0.0.1:{raw.port}\r\nX-Scope-OrgID: t\r\n"
+         "User-Agent: u\r\nAccept: */*\r\nContent-Length: 3\r\n\r\n").encode(),
+        # a Host given is sent in the place of the URL's, an Accept given instead of */*
+        b"POST /api/v1/write HTTP/1.1\r\nhost: virtual.test\r\nAccept: a/b\r\n"
+        b"Content-Length: 0\r\n\r\n",
+    ]
+
+
+def test_the_host_line_of_a_url() -> None:
+    for url, host in [("http://[::1]:9090/w", "[::1]:9090"), ("https://tsdb:443/w?a=1", "tsdb"),
+                      ("http://caf\u00e9.test/w", "xn--caf-dma.test")]:
+        head = upstream_http.request_head(upstream_http._target(URL(url)), {}, 0)
+        assert head.split(b"\r\n")[1] == f"Host: {host}".encode(), head
+
+
+@pytest.mark.parametrize("header", [{"X-A": "a\r\nX-Injected: 1"}, {"X-A": "a\0"},
+                                    {"X-A\n": "a"}, {"X-A": "caf\udce9"}])
+async def test_a_header_that_cannot_be_sent_is_refused_before_anything_is(
+        header: dict[str, str]) -> None:
+    async with serving(answering(OK)) as raw, pool() as p:
+        with pytest.raises(ValueError):
+            await post(p, raw.url(), headers=header)
+        assert (await post(p, raw.url(), headers={"X-A": "tab\tok"})).status == 204
+    assert len(raw.heads) == 1 and b"X-A: tab\tok\r\n" in raw.heads[0]
+
+
+@pytest.mark.parametrize(("answer", "body", "reused"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello", True),
+    (b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n", b"hello world", True),
+    (b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", b"", False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: Keep-Alive\r\n\r\nok", b"ok", True),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+     b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+    (b"HTTP/1.1 304 Not Modified\r\n\r\n", b"", True),
+    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", b"", False),
+])
+async def test_answers_by_their_framing(answer: bytes, body: bytes, reused: bool) -> None:
+    """Each framing read to its end: the connection used again only when the answer
+    allows it (HTTP/1.1 without close, 1.0 with keep-alive; never after a 101)."""
+    async with serving(answering(answer, OK)) as raw, pool() as p:
+        first = await post(p, raw.url())
+        second = await post(p, raw.url())
+    status = int(answer.rsplit(b"HTTP/1.", 1)[1][2:5])
+    assert (first.status, first.body, first.broken) == (status, body, None)
+    assert second.status == 204
+    assert (len(set(raw.peers)) == 1) is reused, raw.peers
+
+
+async def test_an_answer_split_across_reads_is_put_together() -> None:
+    answer = (b"HTTP/1.1 400 Bad\r\nX-A: 1\r\nTransfer-Encoding: chunked\r\n\r\n"
+              b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader, raw)
+            for i in range(len(answer)):  # a byte a write
+                writer.write(answer[i:i + 1])
+                await writer.drain()
+                await asyncio.sleep(0)
+        return handle
+
+    async with serving(make) as raw, pool() as p:
+        got = await post(p, raw.url())
+    assert (got.status, got.headers["X-A"], got.body) == (400, "1", b"abcde")
+
+
+async def test_a_close_delimited_body_ends_with_the_connection() -> None:
+    async with serving(answering(b"HTTP/1.1 500 Oops\r\n\r\nall of it", OK,
+                                 then_close=True)) as raw, pool() as p:
+        first = await post(p, raw.url())
+        second = await post(p, raw.url())
+    assert (first.status, first.body, first.broken) == (500, b"all of it", None)
+    assert second.status == 204 and len(set(raw.peers)) == 2
+
+
+async def test_only_the_first_bytes_of_a_body_are_kept_and_its_connection_closed() -> None:
+    big = b"x" * 100_000
+    async with serving(answering(
+            b"HTTP/1.1 400 Bad\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big), OK,
+            then_close=False)) as raw, pool() as p:
+        first = await post(p, raw.url(), max_body=4096)
+        second = await post(p, raw.url())
+    assert first.body == big[:4096] and second.status == 204
+    assert len(set(raw.peers)) == 2
+
+
+async def test_headers_are_a_case_insensitive_multidict() -> None:
+    async with serving(answering(b"HTTP/1.1 429 Slow\r\nretry-after: 7\r\nX-V: a\r\n"
+                                 b"X-V: b\r\nContent-Length: 0\r\n\r\n")) as raw, pool() as p:
+        got = await post(p, raw.url())
+    assert got.headers.get("Retry-After") == "7" and got.headers.getall("x-v") == ["a", "b"]
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (b"HTTP/1.1 abc\r\n\r\n", "Invalid status code"),
+    (b"HTTP/2 200\r\n\r\n", "Invalid status code"),
+    (b"SSH-2.0-OpenSSH\r\n\r\n", "Invalid status code"),
+    (b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\n\r\n", "not a header"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "not a header"),
+    (b"HTTP/1.1 200 OK\r\nX-A: a\r\n folded\r\n\r\n", "not a header"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", "not one length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "not one length"),
+    (b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+    (b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n", "longer than"),
+    (b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * MAX_LINE + b"\r\n\r\n", "8190"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 129 + b"\r\n", "128 header lines"),
+])
+async def test_a_malformed_answer_is_refused(answer: bytes, said: str) -> None:
+    async with serving(answering(answer)) as raw, pool() as p:
+        with pytest.raises(MalformedAnswer, match=said):
+            await post(p, raw.url())
+
+
+async def test_a_head_that_never_ends_is_refused_at_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile upstream's endless head (header lines that never end, or one line) grows
+    no memory past the bound: the exchange fails there, the rest never read."""
+    most = [0]
+    received = upstream_http._Connection.data_received
+
+    def data_received(self: upstream_http._Connection, data: bytes) -> None:
+        received(self, data)
+        most[0] = max(most[0], len(self._buf))
+
+    monkeypatch.setattr(upstream_http._Connection, "data_received", data_received)
+
+    def endless(line: bytes) -> Callable[[Raw], Handler]:
+        def make(raw: Raw) -> Handler:
+            async def handle(reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+                await read_request(reader, raw)
+                writer.write(b"HTTP/1.1 200 OK\r\n")
+                batch = line * (65536 // len(line))
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(64):  # 4 MiB, 4x the bound
+                        writer.write(batch)
+                        await writer.drain()
+            return handle
+        return make
+
+    for line, said in [(b"X-A: " + b"a" * 120 + b"\r\n", "head is longer than"),
+                       (b"a" * 128, "longer than 8190")]:
+        most[0] = 0
+        async with serving(endless(line)) as raw, pool() as p:
+            with pytest.raises(MalformedAnswer, match=said):
+                await post(p, raw.url())
+        assert most[0] <= upstream_http.MAX_HEAD, most
+
+
+async def test_a_2xx_whose_body_breaks_off_is_returned_broken() -> None:
+    async with serving(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nstored",
+                                 then_close=True)) as raw, pool() as p:
+        got = await post(p, raw.url())
+    assert (got.status, got.body) == (200, b"stored")
+    assert isinstance(got.broken, ConnectionEnded)
+    assert "after 6 bytes of the answer's body" in str(got.broken)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+async def test_a_connection_that_ends_before_an_answer(reset: bool) -> None:
+    """Closed or reset before any byte of an answer (an idle close that crossed the
+    request, or a lost answer: which, the client cannot tell, so it never resends)."""
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader, raw)
+            if reset:
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            writer.transport.abort() if reset else writer.close()
+        return handle
+
+    async with serving(make) as raw, pool() as p:
+        with pytest.raises(ConnectionEnded, match="before any byte of an answer") as e:
+            await post(p, raw.url())
+    assert ("reset" in str(e.value)) is reset, e.value
+    assert len(raw.heads) == 1  # sent once, not again
+
+
+async def test_an_early_answer_then_close_is_the_answer() -> None:
+    """An upstream that refuses a body by its head (a 413 before reading it) and closes:
+    its answer, not a broken write, is what the client returns."""
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            raw.heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 8\r\n"
+                         b"Connection: close\r\n\r\ntoo big!")
+            await writer.drain()
+            writer.close()
+        return handle
+
+    async with serving(make) as raw, pool() as p:
+        got = await post(p, raw.url(), b"\0" * (8 << 20))
+        got_again = await post(p, raw.url(), b"\0" * (8 << 20))
+    assert (got.status, got.body) == (413, b"too big!")
+    assert got_again.status == 413 and len(set(raw.peers)) == 2
+
+
+async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
+    release = asyncio.Event()
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    await read_request(reader, raw)
+                except asyncio.IncompleteReadError:
+                    return
+                await release.wait()
+                writer.write(OK)
+                await writer.drain()
+        return handle
+
+    async with serving(make) as raw, pool(limit=2) as p:
+        posts = [asyncio.create_task(post(p, raw.url())) for _ in range(5)]
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(raw.heads) == 2:
+                break
+        await asyncio.sleep(0.05)
+        assert len(raw.heads) == 2 and raw.most == 2  # three wait for a connection
+        release.set()
+        assert [a.status for a in await asyncio.gather(*posts)] == [204] * 5
+    assert len(set(raw.peers)) == 2 and raw.most == 2
+
+
+async def test_a_waiter_cancelled_leaves_the_pool_whole() -> None:
+    release = asyncio.Event()
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    await read_request(reader, raw)
+                except asyncio.IncompleteReadError:
+                    return
+                await release.wait()
+                writer.write(OK)
+        return handle
+
+    async with serving(make) as raw, pool(limit=1) as p:
+        holder = asyncio.create_task(post(p, raw.url()))
+        waiter = asyncio.create_task(post(p, raw.url()))
+        await asyncio.sleep(0.1)
+        waiter.cancel()
+        release.set()
+        assert (await holder).status == 204
+        assert (await post(p, raw.url())).status == 204
+    assert len(set(raw.peers)) == 1
+
+
+async def test_a_connection_idle_past_its_idle_time_is_not_used_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ahead = [0.0]
+    real = time.monotonic
+    monkeypatch.setattr(upstream_http, "_connection_clock", lambda: real() + ahead[0])
+    async with serving(answering()) as raw, pool(idle=4.0) as p:
+        for idle in (0.0, 3.9, 4.1, 3.0):
+            ahead[0] += idle
+            assert (await post(p, raw.url())).status == 204
+    first, after_3_9, after_4_1, after_3 = raw.served
+    assert first == after_3_9 != after_4_1 == after_3
+
+
+async def test_a_connection_300_s_old_is_not_used_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ahead = [0.0]
+    real = time.monotonic
+    monkeypatch.setattr(upstream_http, "_connection_clock", lambda: real() + ahead[0])
+    async with serving(answering()) as raw, pool() as p:
+        for _ in range(17):  # at 0, 20, ... 320 s, never idle past 30 s
+            assert (await post(p, raw.url())).status == 204
+            ahead[0] += 20.0
+    assert raw.served[:15] == [raw.served[0]] * 15 and raw.served[15] != raw.served[0]
+    assert raw.served[15] == raw.served[16]
+
+
+async def test_an_idle_connection_is_closed_by_the_pool_after_its_idle_time() -> None:
+    async with serving(answering(OK)) as raw, pool(idle=0.2) as p:
+        assert (await post(p, raw.url())).status == 204
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if raw.ends:
+                break
+        assert raw.ends == ["eof"]
+
+
+async def test_a_cancelled_exchange_closes_its_connection_and_frees_its_place() -> None:
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader, raw)
+            if len(raw.heads) == 1:  # never answers; the client's end is noted
+                raw.ends.append("eof" if await reader.read() == b"" else "data")
+                return
+            writer.write(OK)
+            await writer.drain()
+        return handle
+
+    async with serving(make) as raw, pool(limit=1) as p:
+        task = asyncio.create_task(post(p, raw.url()))
+        while not raw.heads:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await post(p, raw.url())).status == 204
+        for _ in range(100):
+            if raw.ends:
+                break
+            await asyncio.sleep(0.02)
+    assert raw.ends == ["eof"] and len(set(raw.peers)) == 2
+
+
+async def test_a_refused_connect_and_a_name_not_found_fail_to_connect() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with pool() as p:
+        with pytest.raises(ConnectFailed, match=f"cannot connect to 127.0.0.1:{port}"):
+            await post(p, URL(f"http://127.0.0.1:{port}/w"))
+        with pytest.raises(ConnectFailed, match=r"cannot look up no-such-host\.invalid"):
+            await post(p, URL("http://no-such-host.invalid/w"))
+
+
+async def test_a_connect_that_gets_no_answer_times_out() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filling = []
+    for _ in range(3):  # the accept queue full: later SYNs dropped
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        filling.append(c)
+    try:
+        async with pool(connect=0.3) as p:
+            with pytest.raises(ConnectTimeout, match=r"within 0\.3 s"):
+                await post(p, URL(f"http://127.0.0.1:{port}/w"))
+    finally:
+        for c in (*filling, listener):
+            c.close()
+
+
+class Lookups:
+    """The loop's resolver answering ``upstream.test`` with ``addresses``, counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, addresses: list[tuple[int, str]]
+                 ) -> None:
+        self.addresses = addresses
+        self.count = 0
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", self._answer)
+
+    async def _answer(self, host: str, port: int, **kw: Any) -> list[Any]:
+        assert host == "upstream.test"
+        self.count += 1
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                 (address, port, 0, 0) if family == socket.AF_INET6 else (address, port))
+                for family, address in self.addresses]
+
+
+async def test_names_are_kept_10_s_and_looked_up_again_after_a_clear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ahead = [0.0]
+    real = time.monotonic
+    monkeypatch.setattr(upstream_http, "_connection_clock", lambda: real() + ahead[0])
+    names = Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.1")])
+    async with serving(answering(*[CLOSE] * 4, then_close=True)) as raw, pool() as p:
+        url = raw.url("upstream.test")
+        await post(p, url)
+        await post(p, url)  # a new connection (closed after each), the name kept
+        assert names.count == 1
+        ahead[0] += 11
+        await post(p, url)
+        assert names.count == 2
+        p.clear_dns_cache()
+        await post(p, url)
+        assert names.count == 3
+
+
+@needs_ipv6
+async def test_ipv6_literals_and_a_name_whose_first_address_refuses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An IPv6 address in brackets, and a name whose IPv6 address refuses and IPv4 one
+    answers: the next address is tried."""
+    async with serving(answering(OK), host="::1") as raw6, pool() as p:
+        assert (await post(p, raw6.url("[::1]"))).status == 204
+    assert raw6.heads[0].split(b"\r\n")[1] == f"Host: [::1]:{raw6.port}".encode()
+    Lookups(monkeypatch, [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")])
+    async with serving(answering(OK)) as raw4, pool() as p:
+        assert (await post(p, raw4.url("upstream.test"))).status == 204
+
+
+async def test_a_silent_first_address_gives_way_to_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Happy eyeballs: an address that neither connects nor refuses does not hold the
+    next one up for the connect timeout."""
+    started: list[str] = []
+    real_connect = upstream_http._connect_one
+
+    async def connect(loop: asyncio.AbstractEventLoop, info: Any) -> socket.socket:
+        started.append(info[4][0])
+        if info[4][0] == "127.0.0.2":
+            await asyncio.sleep(30)  # a dead address
+        return await real_connect(loop, info)
+
+    monkeypatch.setattr(upstream_http, "_connect_one", connect)
+    Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.2"), (socket.AF_INET, "127.0.0.1")])
+    async with serving(answering(OK)) as raw, pool(connect=5.0) as p:
+        began = time.monotonic()
+        assert (await post(p, raw.url("upstream.test"))).status == 204
+        assert time.monotonic() - began < 2.0
+    assert started == ["127.0.0.2", "127.0.0.1"]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Authority, ssl.SSLContext]:
+    folder: Path = tmp_path_factory.mktemp("pki")
+    ca = Authority(folder)
+    pem = ca.issue("server", server=True)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(pem.cert, pem.key)
+    return ca, server
+
+
+async def test_tls_with_a_server_name(pki: tuple[Authority, ssl.SSLContext]) -> None:
+    """The server name sent and verified is the one given (``tls_server_name``), else the
+    URL's host; connections of another context are not shared."""
+    ca, server = pki
+    names: list[str | None] = []
+
+    def sni(sock: ssl.SSLObject, name: str | None, ctx: ssl.SSLContext) -> None:
+        names.append(name)
+
+    server.sni_callback = sni
+    client = ssl.create_default_context(cafile=str(ca.ca_file))
+    other = ssl.create_default_context(cafile=str(ca.ca_file))
+    url = None
+    async with serving(answering(*[OK] * 4), ssl_context=server) as raw, pool() as p:
+        url = URL(f"https://127.0.0.1:{raw.port}/w")
+        assert (await post(p, url, tls=client, server_hostname="localhost")).status == 204
+        assert (await post(p, url, tls=client, server_hostname="localhost")).status == 204
+        assert (await post(p, url, tls=other, server_hostname="localhost")).status == 204
+        with pytest.raises(ConnectFailed, match=r"TLS.*certificate verify failed"):
+            await post(p, url, tls=client, server_hostname="elsewhere.test")
+        assert (await post(p, URL(f"https://localhost:{raw.port}/w"), tls=client)).status == 204
+    assert names == ["localhost", "localhost", "elsewhere.test", "localhost"]
+    # one connection for the first two, reused; the refused handshake served nothing
+    assert len(raw.served) == 4 and len(set(raw.served)) == 3
+
+
+def _one_tls_exchange(listener: socket.socket, ctx: ssl.SSLContext) -> str:
+    """Serve one request on a blocking TLS socket, then say how the client ended the
+    connection: "closed" with TLS's close_notify, else the error (a TCP close without it
+    is an error here, not passed off as a close)."""
+    conn, _ = listener.accept()
+    conn.settimeout(5)
+    with ctx.wrap_socket(conn, server_side=True, suppress_ragged_eofs=False) as tls:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += tls.recv(65536)
+        tls.sendall(OK)
+        try:
+            return "closed" if tls.recv(1) == b"" else "data"
+        except (ssl.SSLError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+
+
+async def test_a_tls_connection_is_closed_with_close_notify(
+        pki: tuple[Authority, ssl.SSLContext]) -> None:
+    ca, server = pki
+    client = ssl.create_default_context(cafile=str(ca.ca_file))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        ended = asyncio.create_task(asyncio.to_thread(_one_tls_exchange, listener, server))
+        p = Pool(limit=1, idle_seconds=30.0, connect_timeout=2.0)
+        url = URL(f"https://127.0.0.1:{listener.getsockname()[1]}/w")
+        assert (await post(p, url, b"", tls=client)).status == 204
+        await p.close()
+        assert await asyncio.wait_for(ended, 10) == "closed"
