@@ -265,6 +265,8 @@ class Engine:
         #: owed=)``; None: done at once
         self._owing: list[str] | None = None
         self._required: dict[GroupKind, str] = {POD: "full"}
+        #: kinds required ``full`` that stopped being so since :meth:`take_lapsed_kinds`
+        self._lapsed: set[GroupKind] = set()
         self._kinds_touched = True
         if builtins:
             from proxy.karta.builtin import builtin_descriptions
@@ -652,6 +654,18 @@ class Engine:
         ``additionalChildKinds`` of the descriptions in force (owner walks pass them).
         """
         return dict(self._required)
+
+    def take_lapsed_kinds(self) -> set[GroupKind]:
+        """The kinds required ``full`` that stopped being so (their description gone,
+        not yet back or back since) since the last call, forgotten here.
+
+        While a kind is not described, its objects are kept without their bodies,
+        whatever the watch delivers: one described again before the source's next
+        round finds its watch full as it wants it, and would keep those objects
+        bodiless (``workload_object_missing``) until each one's next change. The
+        source lists such a kind again whole."""
+        lapsed, self._lapsed = self._lapsed, set()
+        return lapsed
 
     # -- objects ------------------------------------------------------------------------
 
@@ -1182,6 +1196,8 @@ class Engine:
             self._kinds_touched = self._graph.kinds_touched = False
             required = self._compute_required()
             if required != self._required:
+                self._lapsed.update(gk for gk, mode in self._required.items()
+                                    if mode == "full" and required.get(gk) != "full")
                 self._required = required
                 cs.kinds_changed = True
 

@@ -96,6 +96,8 @@ class EngineLike(Protocol):
 
     def required_kinds(self) -> Mapping[GroupKind, str]: ...
 
+    def take_lapsed_kinds(self) -> set[GroupKind]: ...
+
     def holds(self, uid: str) -> bool: ...
 
     def pointed_at(self, uid: str) -> bool: ...
@@ -235,6 +237,9 @@ class KubeSource:
         #: ReplicaSets and their pods)
         self._owed: list[str] = []
         self._owed_slices = Slices(SLICE_BUDGET, first=16, most=MAX_SLICE)
+        #: kinds the engine stopped requiring ``full`` since their watchers were started
+        #: (``Engine.take_lapsed_kinds``): one wanted full again is listed again whole
+        self._lapsed: set[GroupKind] = set()
         #: fetches owners the watches have not delivered yet (None: no client, the
         #: watchers and discovery given)
         self.owner_fetcher: OwnerFetcher | None = None
@@ -351,6 +356,9 @@ class KubeSource:
     # -- which kinds -----------------------------------------------------------------------
 
     def _desired(self, descriptions_only: bool = False) -> dict[GroupKind, str]:
+        # the lapses up to now, with the modes they are weighed against: one after this
+        # stays with the engine, for the round its change wakes
+        self._lapsed |= self.engine.take_lapsed_kinds()
         want: dict[GroupKind, str] = {}
         if self.settings.watch_descriptions:
             for gk in DESCRIPTION_KINDS:
@@ -382,7 +390,10 @@ class KubeSource:
             await self._follow_moved(want)
         for gk, mode in want.items():
             current = self.watchers.get(gk)
-            if current is not None and current[0] == mode:
+            # a kind undescribed since its full watch started (and described again): what
+            # that watch delivered meanwhile was kept without its body, so it lists again
+            relist = mode == "full" and gk in self._lapsed
+            if current is not None and current[0] == mode and not relist:
                 continue
             retry_at = self._refused.get(gk)
             if retry_at is not None and self._clock() < retry_at:
@@ -410,16 +421,21 @@ class KubeSource:
             # else: still unserved until the new watcher's list goes through (current())
             held: dict[str, str] = {}
             if current is not None:  # mode switch: the new watcher's relist diffs
+                if current[0] == mode:
+                    log.info("kind %s was not described for a while since its watch "
+                             "started: listing it again whole", gk)
                 for w in current[1]:
                     await w.stop()
                     held.update(w.held)
                     # the new watcher starts healthy and only reports a change: an old
                     # one's failure would otherwise keep the index stale for good
-                    self._settle(w.name, "was replaced (mode switch)")
+                    self._settle(w.name, "was replaced (mode switch)" if current[0] != mode
+                                 else "was replaced (listed again whole)")
                 self._update_stale()
             # a retry after a refusal probes a watch before it lists
             self.watchers[gk] = (mode, self._start_watchers(res, mode, held,
                                                             probe=retry_at is not None))
+            self._lapsed.discard(gk)
         if newly:  # one line per round, not one per kind: an outage must not flood logs
             # and one per episode of a kind: later rounds at debug, its end at info (a
             # group failing for good warned every round, every ~10 s, forever)
@@ -505,6 +521,7 @@ class KubeSource:
     async def _drop(self, gk: GroupKind) -> None:
         """Stop watching a kind no longer needed and retract its objects."""
         _, ws = self.watchers.pop(gk)
+        self._lapsed.discard(gk)
         self._clear_failing(gk, quiet=True)
         if self._refused_namespaces.pop(gk, None):
             self._show_unserved(gk)

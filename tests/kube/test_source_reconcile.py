@@ -276,6 +276,36 @@ async def test_mode_switch_relist_retracts_what_vanished_meanwhile(
     assert lost["metadata"]["uid"] not in source.index.workloads
 
 
+async def test_a_description_gone_and_back_before_the_round_lists_its_kind_whole_again(
+        cluster: FakeCluster, synced: Synced) -> None:
+    """A kind's description deleted and created again between two follower rounds: its
+    watch stays full throughout, but what came meanwhile was kept without its body
+    (the kind was not described then). The round lists the kind again whole; the
+    RayCluster changed in the gap read ``workload_object_missing`` (phase Undefined, no
+    desired replicas) until its next change otherwise (found by
+    tests/kube/test_source_stateful.py)."""
+    karta = cluster.create(RAYCLUSTER_KARTA)
+    rc = ray_cluster(cluster)
+    uid = rc["metadata"]["uid"]
+    source = await synced()
+    [full] = watchers_of(source, RAY_CLUSTER_GK)
+    cluster.delete(karta)
+    rc["status"] = {"state": "failed"}
+    cluster.update(rc)  # the kind is not described now: kept without its body
+    cluster.create(RAYCLUSTER_KARTA)
+    assert await source.refresh_kinds() == 0
+    facts = source.index.workloads[uid]
+    assert (facts.phase.lower(), facts.phase_reason) == ("failed", "")
+    replicas = {(r.component, r.instance): (r.desired, r.observed) for r in facts.replicas}
+    assert replicas == {("worker", "gpu"): (3, 2), ("head", ""): (1, 1)}
+    assert modes(source)["RayCluster"] == "full"
+    [again] = watchers_of(source, RAY_CLUSTER_GK)
+    assert full.stopped and again.live and again.held_at_start == {uid: "ml/rc"}
+    # a round with nothing lapsed lists nothing again
+    assert await source.refresh_kinds() == 0
+    assert watchers_of(source, RAY_CLUSTER_GK) == [again]
+
+
 async def test_kind_no_longer_needed_is_dropped_and_retracted(cluster: FakeCluster,
                                                               synced: Synced) -> None:
     job = cluster.create({

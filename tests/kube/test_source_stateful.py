@@ -171,6 +171,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.descs: dict[str, Obj] = {}
         #: kinds changed without an event (the watch missed it): in step after a relist
         self.missed: set[str] = set()
+        #: uid -> an object deleted without an event: the source holds it until a relist
+        self.unseen: dict[str, Obj] = {}
         #: absent owners named from two namespaces at once (``_split_absent_owners``)
         self.split: set[str] = set()
 
@@ -282,6 +284,7 @@ class IndexMachine(RuleBasedStateMachine):
         if quiet:
             self.cluster.delete_quietly(obj)
             self.missed.add(kind)
+            self.unseen[obj["metadata"]["uid"]] = obj
         else:
             self.cluster.delete(obj)
         self._after()
@@ -293,6 +296,7 @@ class IndexMachine(RuleBasedStateMachine):
         for w in self.cluster.live(kind):
             w.relist()
         self.missed.discard(kind)
+        self.unseen = {u: o for u, o in self.unseen.items() if o["kind"] != kind}
         self._after()
 
     # -- descriptions --------------------------------------------------------------------
@@ -335,6 +339,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _after(self) -> None:
         STEPS[0] += 1
+        self._split_absent_owners()  # history: also while the invariants wait for a relist
 
     @rule()
     def follow(self) -> None:
@@ -427,10 +432,13 @@ class IndexMachine(RuleBasedStateMachine):
         depend on the order; the namespace on the workload's facts does, and stays after
         the dependents of one namespace are gone (the workload's reference is taken from
         the last dependent that joined it, not again when one leaves). So it is history:
-        every uid so named once in the example, held since or not."""
+        every uid so named once in the example, held since or not, counted after every
+        step; a dependent whose deletion the watch missed names it too (the source holds
+        it until the relist: an owner deleted, or its ghost expired, before that relist
+        is named from both namespaces there, not in the cluster)."""
         held = {o["metadata"]["uid"] for o in self.live.values()}
         named: dict[str, set[str]] = {}
-        for o in self.live.values():
+        for o in [*self.live.values(), *self.unseen.values()]:
             for ref in o["metadata"].get("ownerReferences", ()):
                 if ref["uid"] not in held:
                     named.setdefault(ref["uid"], set()).add(o["metadata"]["namespace"])
