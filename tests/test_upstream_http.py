@@ -350,8 +350,8 @@ async def test_an_early_answer_then_close_is_the_answer() -> None:
     assert got_again.status == 413 and len(set(raw.peers)) == 2
 
 
-async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
-    release = asyncio.Event()
+def answering_once(release: asyncio.Event) -> Callable[[Raw], Handler]:
+    """A server that reads each request and answers it 204 once ``release`` is set."""
 
     def make(raw: Raw) -> Handler:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -365,7 +365,12 @@ async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
                 await writer.drain()
         return handle
 
-    async with serving(make) as raw, pool(limit=2) as p:
+    return make
+
+
+async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
+    release = asyncio.Event()
+    async with serving(answering_once(release)) as raw, pool(limit=2) as p:
         posts = [asyncio.create_task(post(p, raw.url())) for _ in range(5)]
         for _ in range(100):
             await asyncio.sleep(0.01)
@@ -380,19 +385,7 @@ async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
 
 async def test_a_waiter_cancelled_leaves_the_pool_whole() -> None:
     release = asyncio.Event()
-
-    def make(raw: Raw) -> Handler:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                try:
-                    await read_request(reader, raw)
-                except asyncio.IncompleteReadError:
-                    return
-                await release.wait()
-                writer.write(OK)
-        return handle
-
-    async with serving(make) as raw, pool(limit=1) as p:
+    async with serving(answering_once(release)) as raw, pool(limit=1) as p:
         holder = asyncio.create_task(post(p, raw.url()))
         waiter = asyncio.create_task(post(p, raw.url()))
         await asyncio.sleep(0.1)
