@@ -533,11 +533,12 @@ async def _first_socket(loop: asyncio.AbstractEventLoop, infos: list[_AddrInfo]
                 wait = None if last else max(0.0, until - loop.time())
                 done, pending = await asyncio.wait(pending, timeout=wait,
                                                    return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    exc = task.exception()
-                    if exc is None:
-                        return task.result()
-                    errors.append(exc)
+                won = [t for t in done if t.exception() is None]
+                for task in won[1:]:
+                    task.result().close()  # connected in the same turn: not used
+                if won:
+                    return won[0].result()
+                errors.extend(e for t in done if (e := t.exception()) is not None)
                 if not done or (not last and not pending):
                     break  # the delay passed, or all failed: the next address
     finally:

@@ -627,3 +627,30 @@ async def test_a_tls_connection_is_closed_with_close_notify(
         assert (await post(p, url, b"", tls=client)).status == 204
         await p.close()
         assert await asyncio.wait_for(ended, 10) == "closed"
+
+
+async def test_a_second_address_connecting_with_the_first_is_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Happy eyeballs: two addresses that connect in the same turn of the loop; the one not
+    used is closed, not left to the garbage collector (an open connection to the upstream
+    meanwhile)."""
+    made: list[socket.socket] = []
+    real_connect = upstream_http._connect_one
+    second_started = asyncio.Event()
+
+    async def connect(loop: asyncio.AbstractEventLoop, info: Any) -> socket.socket:
+        if info[4][0] == "127.0.0.2":  # slow, then ready as the next one is
+            await second_started.wait()
+            info = (*info[:4], ("127.0.0.1", info[4][1]))
+        else:
+            second_started.set()
+        sock = await real_connect(loop, info)
+        made.append(sock)
+        return sock
+
+    monkeypatch.setattr(upstream_http, "_connect_one", connect)
+    Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.2"), (socket.AF_INET, "127.0.0.1")])
+    async with serving(answering(OK)) as raw, pool() as p:
+        assert (await post(p, raw.url("upstream.test"))).status == 204
+        assert len(made) == 2
+        assert sum(s.fileno() != -1 for s in made) == 1, made
