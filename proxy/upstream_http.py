@@ -680,9 +680,13 @@ class Pool:
         self._connecting += 1
         try:
             conn = await self._connect(key, target)
-        finally:
+        except BaseException:
             self._connecting -= 1
-            self._wake()  # the slot is the connection's now, or free again
+            self._wake()  # the slot is free again
+            raise
+        # the slot is the connection's now: no waiter woken (it would find the pool full
+        # and queue again behind the later ones)
+        self._connecting -= 1
         if self._closed:
             conn.close()
             raise ConnectionEnded("the client is closed")

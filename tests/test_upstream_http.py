@@ -654,3 +654,25 @@ async def test_a_second_address_connecting_with_the_first_is_closed(
         assert (await post(p, raw.url("upstream.test"))).status == 204
         assert len(made) == 2
         assert sum(s.fileno() != -1 for s in made) == 1, made
+
+
+async def test_waiters_are_served_in_the_order_they_came() -> None:
+    """A connection made is no slot freed: it wakes no waiter, which would find the pool
+    full and queue again behind the later ones (an upstream closing after each answer
+    made every request connect, and every other waiter lost its place)."""
+    order: list[bytes] = []
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            order.append(await read_request(reader, raw))
+            writer.write(CLOSE)
+            await writer.drain()
+        return handle
+
+    async with serving(make) as raw, pool(limit=1) as p:
+        posts = []
+        for i in range(5):
+            posts.append(asyncio.create_task(post(p, raw.url(), b"%d" % i)))
+            await asyncio.sleep(0)  # each in the queue before the next
+        assert [a.status for a in await asyncio.gather(*posts)] == [204] * 5
+    assert order == [b"0", b"1", b"2", b"3", b"4"]
