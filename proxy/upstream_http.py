@@ -657,10 +657,7 @@ class Pool:
     async def _acquire(self, key: _Key, target: _Target) -> _Connection:
         if self._closed:
             raise ConnectionEnded("the client is closed")
-        conn = self._reuse(key)
-        if conn is not None:
-            return conn
-        while len(self._in_use) + self._connecting >= self.limit:
+        while not self._room():
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -674,9 +671,11 @@ class Pool:
                     self._waiters.remove(waiter)
             if self._closed:
                 raise ConnectionEnded("the client is closed")
-            conn = self._reuse(key)
-            if conn is not None:
-                return conn
+        # an idle connection only with room in the pool: the idle ones of another key
+        # (another host, TLS context) do not count, and would take it past its limit
+        conn = self._reuse(key)
+        if conn is not None:
+            return conn
         self._connecting += 1
         try:
             conn = await self._connect(key, target)
@@ -692,6 +691,9 @@ class Pool:
             raise ConnectionEnded("the client is closed")
         self._in_use.add(conn)
         return conn
+
+    def _room(self) -> bool:
+        return len(self._in_use) + self._connecting < self.limit
 
     def _reuse(self, key: _Key) -> _Connection | None:
         """An idle connection of ``key`` that may be used (oldest put back first), the

@@ -676,3 +676,24 @@ async def test_waiters_are_served_in_the_order_they_came() -> None:
             await asyncio.sleep(0)  # each in the queue before the next
         assert [a.status for a in await asyncio.gather(*posts)] == [204] * 5
     assert order == [b"0", b"1", b"2", b"3", b"4"]
+
+
+async def test_an_idle_connection_of_another_url_is_no_way_past_the_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit holds across the pool's keys (another host of one upstream, a tenant's):
+    an idle connection of one is taken only when the pool has room."""
+    Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.1")])
+    release = asyncio.Event()
+    release.set()
+    async with serving(answering_once(release)) as raw, pool(limit=1) as p:
+        assert (await post(p, raw.url())).status == 204  # idle now, of 127.0.0.1
+        release.clear()
+        other = asyncio.create_task(post(p, raw.url("upstream.test")))
+        while len(raw.heads) < 2:
+            await asyncio.sleep(0.01)
+        again = asyncio.create_task(post(p, raw.url()))
+        await asyncio.sleep(0.1)
+        assert len(raw.heads) == 2 and raw.most == 2  # waits: one in use already
+        release.set()
+        assert (await other).status == (await again).status == 204
+    assert len(raw.heads) == 3
