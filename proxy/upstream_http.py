@@ -533,11 +533,12 @@ async def _first_socket(loop: asyncio.AbstractEventLoop, infos: list[_AddrInfo]
                 wait = None if last else max(0.0, until - loop.time())
                 done, pending = await asyncio.wait(pending, timeout=wait,
                                                    return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    exc = task.exception()
-                    if exc is None:
-                        return task.result()
-                    errors.append(exc)
+                won = [t for t in done if t.exception() is None]
+                for task in won[1:]:
+                    task.result().close()  # connected in the same turn: not used
+                if won:
+                    return won[0].result()
+                errors.extend(e for t in done if (e := t.exception()) is not None)
                 if not done or (not last and not pending):
                     break  # the delay passed, or all failed: the next address
     finally:
@@ -656,10 +657,7 @@ class Pool:
     async def _acquire(self, key: _Key, target: _Target) -> _Connection:
         if self._closed:
             raise ConnectionEnded("the client is closed")
-        conn = self._reuse(key)
-        if conn is not None:
-            return conn
-        while len(self._in_use) + self._connecting >= self.limit:
+        while not self._room():
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -673,20 +671,29 @@ class Pool:
                     self._waiters.remove(waiter)
             if self._closed:
                 raise ConnectionEnded("the client is closed")
-            conn = self._reuse(key)
-            if conn is not None:
-                return conn
+        # an idle connection only with room in the pool: the idle ones of another key
+        # (another host, TLS context) do not count, and would take it past its limit
+        conn = self._reuse(key)
+        if conn is not None:
+            return conn
         self._connecting += 1
         try:
             conn = await self._connect(key, target)
-        finally:
+        except BaseException:
             self._connecting -= 1
-            self._wake()  # the slot is the connection's now, or free again
+            self._wake()  # the slot is free again
+            raise
+        # the slot is the connection's now: no waiter woken (it would find the pool full
+        # and queue again behind the later ones)
+        self._connecting -= 1
         if self._closed:
             conn.close()
             raise ConnectionEnded("the client is closed")
         self._in_use.add(conn)
         return conn
+
+    def _room(self) -> bool:
+        return len(self._in_use) + self._connecting < self.limit
 
     def _reuse(self, key: _Key) -> _Connection | None:
         """An idle connection of ``key`` that may be used (oldest put back first), the

@@ -627,3 +627,73 @@ async def test_a_tls_connection_is_closed_with_close_notify(
         assert (await post(p, url, b"", tls=client)).status == 204
         await p.close()
         assert await asyncio.wait_for(ended, 10) == "closed"
+
+
+async def test_a_second_address_connecting_with_the_first_is_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Happy eyeballs: two addresses that connect in the same turn of the loop; the one not
+    used is closed, not left to the garbage collector (an open connection to the upstream
+    meanwhile)."""
+    made: list[socket.socket] = []
+    real_connect = upstream_http._connect_one
+    second_started = asyncio.Event()
+
+    async def connect(loop: asyncio.AbstractEventLoop, info: Any) -> socket.socket:
+        if info[4][0] == "127.0.0.2":  # slow, then ready as the next one is
+            await second_started.wait()
+            info = (*info[:4], ("127.0.0.1", info[4][1]))
+        else:
+            second_started.set()
+        sock = await real_connect(loop, info)
+        made.append(sock)
+        return sock
+
+    monkeypatch.setattr(upstream_http, "_connect_one", connect)
+    Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.2"), (socket.AF_INET, "127.0.0.1")])
+    async with serving(answering(OK)) as raw, pool() as p:
+        assert (await post(p, raw.url("upstream.test"))).status == 204
+        assert len(made) == 2
+        assert sum(s.fileno() != -1 for s in made) == 1, made
+
+
+async def test_waiters_are_served_in_the_order_they_came() -> None:
+    """A connection made is no slot freed: it wakes no waiter, which would find the pool
+    full and queue again behind the later ones (an upstream closing after each answer
+    made every request connect, and every other waiter lost its place)."""
+    order: list[bytes] = []
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            order.append(await read_request(reader, raw))
+            writer.write(CLOSE)
+            await writer.drain()
+        return handle
+
+    async with serving(make) as raw, pool(limit=1) as p:
+        posts = []
+        for i in range(5):
+            posts.append(asyncio.create_task(post(p, raw.url(), b"%d" % i)))
+            await asyncio.sleep(0)  # each in the queue before the next
+        assert [a.status for a in await asyncio.gather(*posts)] == [204] * 5
+    assert order == [b"0", b"1", b"2", b"3", b"4"]
+
+
+async def test_an_idle_connection_of_another_url_is_no_way_past_the_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit holds across the pool's keys (another host of one upstream, a tenant's):
+    an idle connection of one is taken only when the pool has room."""
+    Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.1")])
+    release = asyncio.Event()
+    release.set()
+    async with serving(answering_once(release)) as raw, pool(limit=1) as p:
+        assert (await post(p, raw.url())).status == 204  # idle now, of 127.0.0.1
+        release.clear()
+        other = asyncio.create_task(post(p, raw.url("upstream.test")))
+        while len(raw.heads) < 2:
+            await asyncio.sleep(0.01)
+        again = asyncio.create_task(post(p, raw.url()))
+        await asyncio.sleep(0.1)
+        assert len(raw.heads) == 2 and raw.most == 2  # waits: one in use already
+        release.set()
+        assert (await other).status == (await again).status == 204
+    assert len(raw.heads) == 3
