@@ -66,6 +66,9 @@ from proxy.tls_files import HEADER_VALUE_FORBIDDEN
 MAX_CONNECTION_SECONDS = 300.0
 #: how long a name's addresses are kept (aiohttp's ``ttl_dns_cache``)
 DNS_TTL_SECONDS = 10.0
+#: the most names whose addresses are kept: ``{tenant}`` in the URL's host makes a name
+#: per tenant, and senders choose tenants (under a wildcard DNS name each one resolves)
+MAX_NAMES = 1024
 #: the "Connection Attempt Delay" of RFC 8305 (aiohttp's ``happy_eyeballs_delay``)
 HAPPY_EYEBALLS_DELAY = 0.25
 #: the longest line of an answer's head (status line, header, chunk size), aiohttp's
@@ -565,6 +568,25 @@ class _Names:
     def clear(self) -> None:
         self._cache.clear()
 
+    def _keep(self, key: tuple[str, int], entry: tuple[float, list[_AddrInfo], int]) -> None:
+        """Keep ``entry``, the cache within ``MAX_NAMES``: past it the entries aged out
+        go, then the oldest kept (a name asked again is looked up again)."""
+        cache = self._cache
+        cache[key] = entry
+        if len(cache) > MAX_NAMES:
+            now = _connection_clock()
+            for old in [k for k, (at, _, _) in cache.items() if now - at > DNS_TTL_SECONDS]:
+                del cache[old]
+            while len(cache) > MAX_NAMES:
+                del cache[next(iter(cache))]
+
+    def _asked(self, key: tuple[str, int], asking: asyncio.Future[list[_AddrInfo]]) -> None:
+        """A look-up ended: no longer shared, and its failure taken here too (its askers
+        all gone, their deadlines passed, asyncio logged it as never retrieved)."""
+        self._asking.pop(key, None)
+        if not asking.cancelled():
+            asking.exception()
+
     async def addresses(self, host: str, port: int, literal: bool) -> list[_AddrInfo]:
         if literal:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -578,12 +600,12 @@ class _Names:
             if asking is None:
                 asking = asyncio.ensure_future(self._look_up(host, port))
                 self._asking[key] = asking
-                asking.add_done_callback(lambda _: self._asking.pop(key, None))
+                asking.add_done_callback(functools.partial(self._asked, key))
             # shielded: one caller's deadline does not end the others' look-up
             infos = await asyncio.shield(asking)
             entry = self._cache.get(key) or (_connection_clock(), infos, 0)
         at, infos, turn = entry
-        self._cache[key] = (at, infos, turn + 1)
+        self._keep(key, (at, infos, turn + 1))
         turn %= len(infos)
         return infos[turn:] + infos[:turn]
 
@@ -594,7 +616,7 @@ class _Names:
         found: list[_AddrInfo] = [i for i in infos if i[0] in (socket.AF_INET, socket.AF_INET6)]
         if not found:
             raise OSError(f"no address for {host}")
-        self._cache[(host, port)] = (_connection_clock(), found, 0)
+        self._keep((host, port), (_connection_clock(), found, 0))
         return found
 
 

@@ -697,3 +697,49 @@ async def test_an_idle_connection_of_another_url_is_no_way_past_the_limit(
         release.set()
         assert (await other).status == (await again).status == 204
     assert len(raw.heads) == 3
+
+
+async def test_the_names_kept_stay_within_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``{tenant}`` in the URL's host makes a name per tenant, and senders choose tenants:
+    under a wildcard DNS name every one resolves, and each was kept for good (1,500
+    tenants, 1,500 entries). Past ``MAX_NAMES`` the aged ones go, then the oldest."""
+
+    async def any_name(host: str, port: int, **kw: Any) -> list[Any]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                 ("127.0.0.1", port))]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", any_name)
+    names = upstream_http._Names()
+    for i in range(upstream_http.MAX_NAMES + 500):
+        await names.addresses(f"t{i}.upstream.test", 9, False)
+    assert len(names._cache) == upstream_http.MAX_NAMES
+    assert ("t0.upstream.test", 9) not in names._cache  # the oldest went
+    assert (f"t{upstream_http.MAX_NAMES + 499}.upstream.test", 9) in names._cache
+
+
+async def test_a_failed_look_up_nobody_waits_for_is_not_logged_as_never_retrieved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its asker's deadline passed first: the shared look-up then failed with no one to
+    take its error, and asyncio logged "Task exception was never retrieved"."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+
+    async def failing(host: str, port: int, **kw: Any) -> list[Any]:
+        await asyncio.sleep(0.05)
+        raise OSError("no such name")
+
+    monkeypatch.setattr(loop, "getaddrinfo", failing)
+    reported: list[dict[str, Any]] = []
+    monkeypatch.setattr(loop, "call_exception_handler", reported.append)
+    names = upstream_http._Names()
+    asker = asyncio.create_task(names.addresses("gone.upstream.test", 9, False))
+    await asyncio.sleep(0.01)
+    asker.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asker
+    await asyncio.sleep(0.1)  # the look-up fails meanwhile
+    gc.collect()
+    assert not names._asking
+    assert [r for r in reported if "never retrieved" in str(r.get("message"))] == []
