@@ -472,17 +472,16 @@ def request_head(target: _Target, headers: Mapping[str, str], length: int) -> by
     start a header of its own; aiohttp refused the same), or text that is not UTF-8 (a
     surrogate: aiohttp left it out, and ``X-Scope-OrgID: caf\\xe9`` went as ``caf``)."""
     items = list(headers.items())
-    text = "".join([f"{k}: {v}\r\n" for k, v in items])
     bad = HEADER_VALUE_FORBIDDEN.search("".join([k + v for k, v in items]))
     if bad:
         raise ValueError(f"a header name or value holds a control character "
                          f"({bad.group()!r}); a header is one line")
     lower = {k.lower() for k, _ in items}
-    host = "" if "host" in lower else target.host_line
+    host = target.host_line
     if "host" in lower:  # the given Host where aiohttp put it, first
-        given = [f"{k}: {v}\r\n" for k, v in items if k.lower() == "host"]
-        text = given[-1] + "".join([f"{k}: {v}\r\n" for k, v in items
-                                     if k.lower() != "host"])
+        host = [f"{k}: {v}\r\n" for k, v in items if k.lower() == "host"][-1]
+        items = [(k, v) for k, v in items if k.lower() != "host"]
+    text = "".join([f"{k}: {v}\r\n" for k, v in items])
     accept = "" if "accept" in lower else "Accept: */*\r\n"
     size = "" if "content-length" in lower else f"Content-Length: {length}\r\n"
     return target.request_line + f"{host}{text}{accept}{size}\r\n".encode()
@@ -726,13 +725,18 @@ class Pool:
         now = _connection_clock()
         while idle:
             conn = idle.popleft()
-            if (not conn.ended and now - conn.idle_since <= self.idle_seconds
-                    and now - conn.born < MAX_CONNECTION_SECONDS):
+            if self._usable(conn, now):
                 self._in_use.add(conn)
                 return conn
             conn.close()
         del self._idle[key]
         return None
+
+    def _usable(self, conn: _Connection, now: float) -> bool:
+        """An idle connection may be used again: not ended, idle no longer than
+        ``idle_seconds``, younger than ``MAX_CONNECTION_SECONDS``."""
+        return (not conn.ended and now - conn.idle_since <= self.idle_seconds
+                and now - conn.born < MAX_CONNECTION_SECONDS)
 
     def _release(self, conn: _Connection) -> None:
         """``conn``'s exchange ended: back to the pool if it may be used again, else
@@ -763,8 +767,7 @@ class Pool:
         for key in list(self._idle):
             kept: deque[_Connection] = deque()
             for conn in self._idle[key]:
-                if (not conn.ended and now - conn.idle_since <= self.idle_seconds
-                        and now - conn.born < MAX_CONNECTION_SECONDS):
+                if self._usable(conn, now):
                     kept.append(conn)
                 else:
                     conn.close()

@@ -66,10 +66,11 @@ async def read_request(reader: asyncio.StreamReader, raw: Raw) -> bytes:
     return await reader.readexactly(length)
 
 
-def answering(*answers: bytes, then_close: bool = False) -> Callable[[Raw], Handler]:
+def answering(*answers: bytes, then_close: bool = False,
+              release: asyncio.Event | None = None) -> Callable[[Raw], Handler]:
     """A server that reads each request whole and writes the next of ``answers`` (a 204
-    once they are all written), as long as the connection lasts (``then_close``: closes
-    it after each), and notes how the client ended it."""
+    once they are all written; ``release``: once it is set), as long as the connection
+    lasts (``then_close``: closes it after each), and notes how the client ended it."""
     queue = list(answers)
 
     def make(raw: Raw) -> Handler:
@@ -84,6 +85,8 @@ def answering(*answers: bytes, then_close: bool = False) -> Callable[[Raw], Hand
                     raw.ends.append("reset")
                     return
                 raw.served.append(writer.get_extra_info("peername")[:2])
+                if release is not None:
+                    await release.wait()
                 writer.write(queue.pop(0) if queue else OK)
                 await writer.drain()
                 if then_close:
@@ -350,27 +353,9 @@ async def test_an_early_answer_then_close_is_the_answer() -> None:
     assert got_again.status == 413 and len(set(raw.peers)) == 2
 
 
-def answering_once(release: asyncio.Event) -> Callable[[Raw], Handler]:
-    """A server that reads each request and answers it 204 once ``release`` is set."""
-
-    def make(raw: Raw) -> Handler:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                try:
-                    await read_request(reader, raw)
-                except asyncio.IncompleteReadError:
-                    return
-                await release.wait()
-                writer.write(OK)
-                await writer.drain()
-        return handle
-
-    return make
-
-
 async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
     release = asyncio.Event()
-    async with serving(answering_once(release)) as raw, pool(limit=2) as p:
+    async with serving(answering(release=release)) as raw, pool(limit=2) as p:
         posts = [asyncio.create_task(post(p, raw.url())) for _ in range(5)]
         for _ in range(100):
             await asyncio.sleep(0.01)
@@ -385,7 +370,7 @@ async def test_the_pool_holds_at_most_its_limit_and_the_rest_wait() -> None:
 
 async def test_a_waiter_cancelled_leaves_the_pool_whole() -> None:
     release = asyncio.Event()
-    async with serving(answering_once(release)) as raw, pool(limit=1) as p:
+    async with serving(answering(release=release)) as raw, pool(limit=1) as p:
         holder = asyncio.create_task(post(p, raw.url()))
         waiter = asyncio.create_task(post(p, raw.url()))
         await asyncio.sleep(0.1)
@@ -685,7 +670,7 @@ async def test_an_idle_connection_of_another_url_is_no_way_past_the_limit(
     Lookups(monkeypatch, [(socket.AF_INET, "127.0.0.1")])
     release = asyncio.Event()
     release.set()
-    async with serving(answering_once(release)) as raw, pool(limit=1) as p:
+    async with serving(answering(release=release)) as raw, pool(limit=1) as p:
         assert (await post(p, raw.url())).status == 204  # idle now, of 127.0.0.1
         release.clear()
         other = asyncio.create_task(post(p, raw.url("upstream.test")))

@@ -366,22 +366,21 @@ class FactWriter:
         self.body_runs: list[Run] = []
         #: the sample field of a stale marker in the write being made
         self._stale_sample = b""
-        self._refusal_lines = Throttled(
-            log, "fact series refused by the upstream, left out of this write",
-            "fact series refused by the upstream (repeated)", peer_field=None,
-            interval=FACT_LINE_SECONDS, clock=monotonic)
+        def lines(first: str, repeated: str) -> Throttled:
+            return Throttled(log, first, repeated, peer_field=None,
+                             interval=FACT_LINE_SECONDS, clock=monotonic)
+
+        self._refusal_lines = lines(
+            "fact series refused by the upstream, left out of this write",
+            "fact series refused by the upstream (repeated)")
         #: a write's own lines, each as ``_refusal_lines`` (by the upstream's answer)
-        self._failed_lines = Throttled(log, "fact write failed", "fact writes failed",
-                                       peer_field=None, interval=FACT_LINE_SECONDS,
-                                       clock=monotonic)
-        self._dropped_lines = Throttled(
-            log, "fact write: series refused for good with their request, the others "
-            "still sent", "fact writes: series refused for good with their request "
-            "(repeated)", peer_field=None, interval=FACT_LINE_SECONDS, clock=monotonic)
-        self._refused_lines = Throttled(
-            log, "fact write: series refused for good, the others written",
-            "fact writes: series refused for good, the others written (repeated)",
-            peer_field=None, interval=FACT_LINE_SECONDS, clock=monotonic)
+        self._failed_lines = lines("fact write failed", "fact writes failed")
+        self._dropped_lines = lines(
+            "fact write: series refused for good with their request, the others still "
+            "sent", "fact writes: series refused for good with their request (repeated)")
+        self._refused_lines = lines(
+            "fact write: series refused for good, the others written",
+            "fact writes: series refused for good, the others written (repeated)")
         #: the next write ends each workload's transition series of the other ``source``
         #: (set on every takeover, a start's first write included; cleared once a write
         #: landed): see ``_SOURCE_FIELDS``
