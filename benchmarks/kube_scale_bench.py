@@ -436,14 +436,18 @@ async def busy_until_quiet(proxy: Proxy, quiet: float = 1.5, limit: float = 120.
 
 
 class SimChild:
-    def __init__(self, cluster: Path, work: Path) -> None:
+    """The API simulator in a process of its own: ``script --sim --port P --kubeconfig K
+    *extra`` (which prints ``ready`` once it serves, then takes commands on stdin), its
+    output lines read in a thread."""
+
+    def __init__(self, work: Path, script: Path, extra: list[str]) -> None:
         from tests.kubesim import free_port
 
         self.kubeconfig = work / "kubesim.kubeconfig"
         self.port = free_port()
         self.popen = subprocess.Popen(
-            [sys.executable, __file__, "--sim", "--port", str(self.port), "--cluster",
-             str(cluster), "--kubeconfig", str(self.kubeconfig)],
+            [sys.executable, str(script), "--sim", "--port", str(self.port), "--kubeconfig",
+             str(self.kubeconfig), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, text=True,
             stderr=(work / "kubesim.log").open("wb"))  # a stopped proxy's cut watches
         self.lines: queue.Queue[str] = queue.Queue()
@@ -602,7 +606,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             snap.append(r)
             print(f"snapshot run {i + 1}: {json.dumps(r)}", flush=True)
         t = time.monotonic()
-        sim = SimChild(cluster, work)
+        sim = SimChild(work, Path(__file__), ["--cluster", str(cluster)])
         await sim.expect("ready")
         result["sim_populate_s"] = time.monotonic() - t
         kube: list[dict[str, float]] = []
