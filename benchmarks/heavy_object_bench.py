@@ -48,6 +48,7 @@ from kube_scale_bench import (  # noqa: E402
     busy_until_quiet,
     pct,
     probe_body,
+    serve_commands,
     start_proxy,
     wait_ready,
 )
@@ -147,14 +148,8 @@ async def run_sim(args: argparse.Namespace) -> None:
                                      "name": name, "uid": wf["metadata"]["uid"],
                                      "controller": True}]},
                 "spec": {"containers": []}, "status": {"phase": "Running"}})
-    await sim.start()
-    sim.write_kubeconfig(args.kubeconfig)
-    print("ready", flush=True)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     version = 0
-    while cmd := (await reader.readline()).decode().split():
+    async for cmd in serve_commands(sim, args.kubeconfig):
         if cmd[0] == "update":
             end = time.monotonic() + float(cmd[1])
             updates = 0

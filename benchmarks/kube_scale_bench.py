@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,19 @@ def cluster_file(args: argparse.Namespace) -> Path:
 # -- child: the simulator ----------------------------------------------------------------------
 
 
+async def serve_commands(sim: Any, kubeconfig: str) -> AsyncIterator[list[str]]:
+    """Start the simulator, write its kubeconfig, say ``ready``, then yield each command
+    line from stdin (split into words) until an empty one."""
+    await sim.start()
+    sim.write_kubeconfig(kubeconfig)
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while cmd := (await reader.readline()).decode().split():
+        yield cmd
+
+
 async def run_sim(args: argparse.Namespace) -> None:
     """Serve the cluster file; then commands on stdin: ``pagesize``, ``relist``,
     ``churn RATE SECONDS`` (a line ``c NAMESPACE NAME EPOCH_SECONDS`` per pod created),
@@ -153,14 +166,8 @@ async def run_sim(args: argparse.Namespace) -> None:
         if obj["kind"] == "ReplicaSet":
             replica_sets.append(made)
     del items
-    await sim.start()
-    sim.write_kubeconfig(args.kubeconfig)
-    print("ready", flush=True)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     seq = 0
-    while cmd := (await reader.readline()).decode().split():
+    async for cmd in serve_commands(sim, args.kubeconfig):
         if cmd[0] == "pagesize":
             limits = sorted({q.get("limit", "") for _, path, q, _ in sim.requests
                              if path.endswith("/pods") and "watch" not in q})
