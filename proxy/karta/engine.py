@@ -206,30 +206,44 @@ class Prepared(NamedTuple):
     plan: _DescriptionPlan
     #: the object as the engine keeps it (``pack_for_jq(_trim(obj))``)
     kept: Mapping[str, Any] | Packed
-    facts: _ObjectFacts
+    #: None: not evaluated (the thread failed): the engine evaluates the kept text itself
+    facts: _ObjectFacts | None
     #: how long the pack and the evaluation took (the object's weight, :data:`HEAVY_SECONDS`)
     seconds: float
 
 
 class FactsWork:
-    """One object version's facts to prepare in another thread: the object and the plan
-    in force for its kind, taken on the engine's thread (:meth:`Engine.facts_work`).
-    :meth:`run` reads only those two (the object is not changed, the plan is immutable),
-    so it is safe in any thread; the jq evaluation holds the GIL in-process, so this
-    frees the event loop only with the jq sandbox as the runner (the thread waits on its
-    child's pipe)."""
+    """One object version's facts to prepare in another thread, taken on the engine's
+    thread (:meth:`Engine.facts_work`): the plan in force for its kind, the object as the
+    engine keeps it (its jq text), and ``stub``, the object to feed the engine in its
+    place with the result (its apiVersion, kind and light metadata: all an upsert reads of
+    an object whose kept text it is given). The text is made there, not in the thread:
+    the JSON encoder holds the GIL in one piece wherever it runs (~17 ms for a 1.7 MB
+    object), and a version waiting for the thread then holds its text, not its parsed
+    dicts (~5x the text: ~7 MB of them a version). :meth:`run` reads only the text and the
+    plan (immutable), so it is safe in any thread; the jq evaluation holds the GIL
+    in-process, so this frees the event loop only with the jq sandbox as the runner (the
+    thread waits on its child's pipe)."""
 
-    __slots__ = ("obj", "plan")
+    __slots__ = ("kept", "pack_seconds", "plan", "stub")
 
-    def __init__(self, obj: Mapping[str, Any], plan: _DescriptionPlan) -> None:
-        self.obj = obj
+    def __init__(self, stub: dict[str, Any], kept: Mapping[str, Any] | Packed,
+                 plan: _DescriptionPlan, pack_seconds: float) -> None:
+        self.stub = stub
+        self.kept = kept
         self.plan = plan
+        self.pack_seconds = pack_seconds
 
     def run(self) -> Prepared:
         began = time.perf_counter()
-        kept = pack_for_jq(_trim(self.obj))
-        facts = _read_object_facts(self.plan, kept)
-        return Prepared(self.plan, kept, facts, time.perf_counter() - began)
+        facts = _read_object_facts(self.plan, self.kept)
+        return Prepared(self.plan, self.kept, facts,
+                        self.pack_seconds + time.perf_counter() - began)
+
+    def unevaluated(self) -> Prepared:
+        """The kept text without facts (the thread failed): fed with ``stub``, the
+        engine evaluates the text itself, as for an object of its own."""
+        return Prepared(self.plan, self.kept, None, self.pack_seconds)
 
 
 # -- the engine --------------------------------------------------------------------------
@@ -705,13 +719,21 @@ class Engine:
 
     def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None:
         """The facts of this object version to prepare in another thread (for
-        ``upsert_many(..., prepared=)``), under the plan in force for its kind now; None
-        when its kind has none (nothing to evaluate)."""
+        ``upsert_many(..., prepared=)``, with the work's ``stub`` in the object's place),
+        under the plan in force for its kind now; None when its kind has none (nothing to
+        evaluate). The object's kept text is made here, on the calling thread."""
         api, kind = obj.get("apiVersion"), obj.get("kind")
-        if not isinstance(api, str) or not isinstance(kind, str):
+        if not isinstance(api, str) or not isinstance(kind, str) \
+                or not isinstance(obj.get("metadata"), Mapping):
             return None
         plan = self._plans.get(group_kind(api, kind))
-        return None if plan is None else FactsWork(obj, plan)
+        if plan is None:
+            return None
+        began = time.perf_counter()
+        trimmed = _trim(obj)
+        kept = pack_for_jq(trimmed)
+        stub = {"apiVersion": api, "kind": kind, "metadata": trimmed["metadata"]}
+        return FactsWork(stub, kept, plan, time.perf_counter() - began)
 
     def holds(self, uid: str) -> bool:
         """The uid is a pod, an object or a ghost the engine holds: not an owner absent."""
@@ -1205,9 +1227,10 @@ class Engine:
         the text made here (timed, for the object's weight) and no facts yet."""
         ready = self._prepared.get(id(obj)) if self._prepared is not None else None
         if ready is not None:
-            fresh = ready.plan is self._plans.get(gk)
-            return ready.kept, (_FactsCache(ready.plan, ready.facts, ready.seconds) if fresh
-                                else None)
+            if ready.facts is None or ready.plan is not self._plans.get(gk):
+                self._packing[uid] = ready.seconds
+                return ready.kept, None
+            return ready.kept, _FactsCache(ready.plan, ready.facts, ready.seconds)
         began = time.perf_counter()
         kept = pack_for_jq(_trim(obj))
         self._packing[uid] = time.perf_counter() - began

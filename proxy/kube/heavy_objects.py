@@ -52,8 +52,8 @@ class HeavyEngine(Protocol):
 
 
 #: how an object goes to the engine and its change set to the index: the source's
-#: (``KubeSource._feed_one``), given what was prepared for it (None: nothing)
-Feed = Callable[[dict[str, Any], Prepared | None], None]
+#: (``KubeSource._feed_one``), given what was prepared for it
+Feed = Callable[[dict[str, Any], Prepared], None]
 
 
 def _uid(obj: Mapping[str, Any]) -> str | None:
@@ -70,8 +70,9 @@ class HeavyObjects:
                  registry: CollectorRegistry) -> None:
         self._engine = engine
         self._feed = feed
-        #: uid -> the latest version waiting (insertion order: the oldest first)
-        self._pending: dict[str, dict[str, Any]] = {}
+        #: uid -> the latest version's work waiting (insertion order: the oldest first):
+        #: its kept text and stub, not its parsed dicts (~5x the text)
+        self._pending: dict[str, FactsWork] = {}
         #: the uid whose version is being evaluated in the thread, and whether an event fed
         #: at once for it since made its result useless
         self._flying: str | None = None
@@ -120,10 +121,12 @@ class HeavyObjects:
             if uid is None:
                 out.append(ev)
                 continue
-            if etype != "DELETED" and self._engine.heavy(uid):
+            work = (self._engine.facts_work(obj)
+                    if etype != "DELETED" and self._engine.heavy(uid) else None)
+            if work is not None:
                 if self._pending.pop(uid, None) is not None:
                     self.updates.labels("superseded").inc()
-                self._pending[uid] = obj
+                self._pending[uid] = work
                 self._idle.clear()
                 self._wake.set()
                 continue
@@ -157,28 +160,26 @@ class HeavyObjects:
                 await self._wake.wait()
                 continue
             uid = next(iter(self._pending))
-            obj = self._pending.pop(uid)
-            work = self._engine.facts_work(obj)
-            prepared: Prepared | None = None
-            if work is not None:
-                self._flying, self._flying_superseded = uid, False
-                try:
-                    prepared = await loop.run_in_executor(self._pool, work.run)
-                except Exception:
-                    log.warning("evaluating the facts of a heavy object off the event loop "
-                                "failed; evaluating them on it", exc_info=True,
-                                extra={"uid": uid})
-                finally:
-                    self._flying = None
-                if self._flying_superseded:
-                    self.updates.labels("superseded").inc()
-                    continue
-            # fed as the source feeds any event (its kind no longer described, or the
-            # thread failed: without anything prepared, evaluated here as before)
+            work = self._pending.pop(uid)
+            self._flying, self._flying_superseded = uid, False
             try:
-                self._feed(obj, prepared)
+                prepared = await loop.run_in_executor(self._pool, work.run)
+            except Exception:
+                log.warning("evaluating the facts of a heavy object off the event loop "
+                            "failed; evaluating them on it", exc_info=True,
+                            extra={"uid": uid})
+                prepared = work.unevaluated()
+            finally:
+                self._flying = None
+            if self._flying_superseded:
+                self.updates.labels("superseded").inc()
+                continue
+            # fed as the source feeds any event, the stub in the object's place with its
+            # kept text (without facts when the thread failed: evaluated here as before)
+            try:
+                self._feed(work.stub, prepared)
             except Exception:  # the source's own failure: this task must go on
                 log.exception("feeding a heavy object's update failed", extra={"uid": uid})
                 continue
-            if prepared is not None:
+            if prepared.facts is not None:
                 self.updates.labels("applied").inc()

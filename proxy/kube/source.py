@@ -887,12 +887,11 @@ class KubeSource:
 
         changes.merge(self._alone_if_failing(objs, many, object_name))
 
-    def _feed_one(self, obj: dict[str, Any], prepared: Prepared | None) -> None:
-        """A heavy object's update (``proxy.kube.heavy_objects``), with the facts prepared
-        for it off the loop, fed and applied as a slice's events are."""
+    def _feed_one(self, stub: dict[str, Any], prepared: Prepared) -> None:
+        """A heavy object's update (``proxy.kube.heavy_objects``): its stub, with the
+        text and facts prepared for it, fed and applied as a slice's events are."""
         changes = ChangeSet()
-        self._feed([obj], False, changes,
-                   {id(obj): prepared} if prepared is not None else None)
+        self._feed([stub], False, changes, {id(stub): prepared})
         self._applied(changes)
 
     def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:

@@ -73,15 +73,27 @@ def _engine(clock: ManualClock) -> Engine:
     return e
 
 
-def _prepared_upsert(e: Engine, objs: list[Obj]) -> ChangeSet:
+def _prepared_upsert(e: Engine, objs: list[Obj], *, evaluated: bool = True) -> ChangeSet:
     """``upsert_many`` with each object's facts prepared first, as the source's thread
-    does (in this thread: what the thread runs reads only the object and the plan)."""
+    does (in this thread: what the thread runs reads only the kept text and the plan),
+    and each object but a pod fed as its work's stub, as the source feeds it (a pod's
+    update is never deferred: the whole pod goes with its prepared text). ``evaluated``
+    False: the text alone, as when the thread failed."""
+    fed: list[Obj] = []
     ready: dict[int, Prepared] = {}
     for o in objs:
         work = e.facts_work(o)
-        if work is not None:
-            ready[id(o)] = work.run()
-    return e.upsert_many(objs, prepared=ready)
+        if work is None:
+            fed.append(o)
+            continue
+        one = o if o.get("kind") == "Pod" else work.stub
+        fed.append(one)
+        ready[id(one)] = work.run() if evaluated else work.unevaluated()
+    return e.upsert_many(fed, prepared=ready)
+
+
+def _unevaluated_upsert(e: Engine, objs: list[Obj]) -> ChangeSet:
+    return _prepared_upsert(e, objs, evaluated=False)
 
 
 Step = Callable[[Engine, Callable[[Engine, list[Obj]], ChangeSet]], ChangeSet]
@@ -147,6 +159,8 @@ def test_prepared_facts_give_what_the_engine_gives_without_them(
     plain, want = _run(_history(), _plain, caplog)
     prepared, got = _run(_history(), _prepared_upsert, caplog)
     assert got == want
+    _, text_only = _run(_history(), _unevaluated_upsert, caplog)
+    assert text_only == want
     assert any("jq error" in m for _, m in want[-1])  # the history met jq errors
     assert prepared.jq_errors == plain.jq_errors and plain.jq_errors
     for uid in ("deployment-web", "raycluster-rc", "graph-g", "thing-t", "pod-bare"):
@@ -237,7 +251,7 @@ def test_prepared_facts_are_used_and_accounted_at_first_use(sandbox: JqSandbox) 
     work = e.facts_work(t)
     assert work is not None
     ready = work.run()
-    assert ready.facts.errors and ready.seconds > 0
+    assert ready.facts is not None and ready.facts.errors and ready.seconds > 0
     e.upsert_many([t], prepared={id(t): ready})
     cache = e._graph.objects["thing-t"].cache
     assert cache.facts is ready.facts and cache.unaccounted is None
