@@ -197,6 +197,32 @@ async def test_the_event_loop_runs_while_a_heavy_object_is_evaluated(
     assert desired(source, uid) == [3.0]
 
 
+async def test_a_failing_thread_leaves_the_update_to_the_event_loop(
+        sim: KubeSim, source: KubeSource, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The evaluation fails in the thread: the update is not lost, its text is fed and
+    evaluated on the loop as before (the waiting version holds only its text and
+    metadata, so that text is what the engine keeps), logged, counted under neither
+    outcome."""
+    real = engine_module._read_object_facts
+    main = threading.current_thread()
+
+    def read(*args: Any) -> Any:
+        if threading.current_thread() is not main:
+            raise RuntimeError("the thread's evaluation broke")
+        return real(*args)
+
+    rc = sim.create(raycluster(1))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(source.start(), 10)
+    monkeypatch.setattr(engine_module, "_read_object_facts", read)
+    sim.update(raycluster(4, rc["metadata"]["resourceVersion"]))
+    await eventually(lambda: desired(source, uid) == [4.0])
+    await _heavy(source).settled()
+    assert outcome(source, "applied") == 0 and outcome(source, "superseded") == 0
+    assert any("failed; evaluating them on it" in r.getMessage() for r in caplog.records)
+
+
 def test_the_counter_has_both_outcomes_from_the_start() -> None:
     class NoEngine:
         def heavy(self, uid: str) -> bool:
