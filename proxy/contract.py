@@ -187,7 +187,11 @@ OP_WATCH_FORBIDDEN = "karta_proxy_watch_forbidden"
 #: GETs of owners the watch had not delivered yet, by outcome (since 1.10.0; the watch
 #: source's ``proxy.kube.owner_fetch``)
 OP_OWNER_FETCHES = "karta_proxy_owner_fetches_total"
-WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN, OP_OWNER_FETCHES)
+#: updates of heavy described objects whose facts were evaluated off the event loop, by
+#: outcome (since 1.10.0; the watch source's ``proxy.kube.heavy_objects``)
+OP_DEFERRED_OBJECT_UPDATES = "karta_proxy_deferred_object_updates_total"
+WATCH_METRICS: tuple[str, ...] = (OP_WATCH_FORBIDDEN, OP_OWNER_FETCHES,
+                                  OP_DEFERRED_OBJECT_UPDATES)
 #: the jq sandbox the descriptions' expressions run in (since 1.10.0), on every replica's
 #: /metrics (proxy/metrics.py): its child's restarts by reason (every reason present at 0)
 #: the expressions it quarantined, the seconds the proxy waited for it, and the

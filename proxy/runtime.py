@@ -295,8 +295,9 @@ class Proxy:
 
         self.source_name = "kubernetes" + (f" (node {s.kube.node_name})" if s.kube.node_name
                                            else "")
+        # heavy objects' facts off the loop: only a sandbox's child frees it meanwhile
         return KubeSource(s.kube, self.engine, self.index, metrics_registry=self.metrics.registry,
-                          client=self._kube_client)
+                          client=self._kube_client, defer_heavy=self.jq_sandbox is not None)
 
     async def _connect_cluster(self) -> Any:
         """The one cluster connection (source and Lease share it). Only the configuration

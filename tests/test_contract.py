@@ -233,7 +233,8 @@ def test_index_metrics_match_the_document(doc: str) -> None:
     assert set(rows) == set(contract.INDEX_METRICS) | set(contract.WATCH_METRICS)
     # the watch source's (tests/kube/test_source.py reads them by these names)
     for name in contract.WATCH_METRICS:
-        want = "counter" if name == contract.OP_OWNER_FETCHES else "gauge"
+        want = ("counter" if name in (contract.OP_OWNER_FETCHES,
+                                      contract.OP_DEFERRED_OBJECT_UPDATES) else "gauge")
         assert rows.pop(name)[0] == want, name
     metrics = ProxyMetrics()
     metrics.watch_index(rich_index())

@@ -49,7 +49,7 @@ from proxy.karta.owners import (
     controller_ref,
     group_kind,
 )
-from proxy.karta.packed import pack_for_jq
+from proxy.karta.packed import Packed, pack_for_jq
 from proxy.karta.plans import _CountKey, _DescriptionPlan, _PodRec, _Probe
 from proxy.karta.replicas import (
     _cached,
@@ -135,6 +135,12 @@ DEFAULT_GHOST_SECONDS = 600.0
 #: measured with tracemalloc over 40k), so a mass deletion inside the window stays
 #: within ~10-20 MB
 MAX_GHOSTS = 50_000
+#: an object whose last facts evaluation (its pack for jq and the evaluation) took at
+#: least this long is heavy (:meth:`Engine.heavy`): a source may have the next versions'
+#: facts prepared in another thread (:meth:`Engine.facts_work`), so that the event loop
+#: does not wait for the jq sandbox (an Argo Workflow of 3,000 nodes: ~160-250 ms an
+#: update, docs/performance.md)
+HEAVY_SECONDS = 0.010
 
 
 def _api_source(obj: Mapping[str, Any], md: Mapping[str, Any]) -> str:
@@ -190,6 +196,56 @@ class _Workload:
         self.held: _HeldPhase | None = None
 
 
+class Prepared(NamedTuple):
+    """An object version's facts prepared in another thread (:meth:`FactsWork.run`), for
+    ``Engine.upsert_many(..., prepared=)``: what the engine would make of the object on
+    the event loop, made off it."""
+
+    #: the plan in force for the object's kind when the work was taken: the facts are
+    #: used only while it still is
+    plan: _DescriptionPlan
+    #: the object as the engine keeps it (``pack_for_jq(_trim(obj))``)
+    kept: Mapping[str, Any] | Packed
+    #: None: not evaluated (the thread failed): the engine evaluates the kept text itself
+    facts: _ObjectFacts | None
+    #: how long the pack and the evaluation took (the object's weight, :data:`HEAVY_SECONDS`)
+    seconds: float
+
+
+class FactsWork:
+    """One object version's facts to prepare in another thread, taken on the engine's
+    thread (:meth:`Engine.facts_work`): the plan in force for its kind, the object as the
+    engine keeps it (its jq text), and ``stub``, the object to feed the engine in its
+    place with the result (its apiVersion, kind and light metadata: all an upsert reads of
+    an object whose kept text it is given). The text is made there, not in the thread:
+    the JSON encoder holds the GIL in one piece wherever it runs (~17 ms for a 1.7 MB
+    object), and a version waiting for the thread then holds its text, not its parsed
+    dicts (~5x the text: ~7 MB of them a version). :meth:`run` reads only the text and the
+    plan (immutable), so it is safe in any thread; the jq evaluation holds the GIL
+    in-process, so this frees the event loop only with the jq sandbox as the runner (the
+    thread waits on its child's pipe)."""
+
+    __slots__ = ("kept", "pack_seconds", "plan", "stub")
+
+    def __init__(self, stub: dict[str, Any], kept: Mapping[str, Any] | Packed,
+                 plan: _DescriptionPlan, pack_seconds: float) -> None:
+        self.stub = stub
+        self.kept = kept
+        self.plan = plan
+        self.pack_seconds = pack_seconds
+
+    def run(self) -> Prepared:
+        began = time.perf_counter()
+        facts = _read_object_facts(self.plan, self.kept)
+        return Prepared(self.plan, self.kept, facts,
+                        self.pack_seconds + time.perf_counter() - began)
+
+    def unevaluated(self) -> Prepared:
+        """The kept text without facts (the thread failed): fed with ``stub``, the
+        engine evaluates the text itself, as for an object of its own."""
+        return Prepared(self.plan, self.kept, None, self.pack_seconds)
+
+
 # -- the engine --------------------------------------------------------------------------
 
 
@@ -206,13 +262,15 @@ class Engine:
         max_ghosts: int = MAX_GHOSTS,
         ghost_clock: Callable[[], float] = time.monotonic,
         retry_clock: Callable[[], float] = time.monotonic,
+        heavy_seconds: float = HEAVY_SECONDS,
     ) -> None:
         """``ghost_seconds`` and ``max_ghosts`` bound the ghosts of removed owners
         (:class:`proxy.karta.owners.Ghost`; 0: none are kept), timed by ``ghost_clock``;
         :meth:`expire_ghosts` drops those past their time. ``retry_clock`` (monotonic)
         times the re-evaluations owed after jq failures that may pass (:meth:`retry_due`)
         and the minute of the description changes' log lines; ``clock`` (the wall clock)
-        dates what the engine saw (a phase's ``since``)."""
+        dates what the engine saw (a phase's ``since``). ``heavy_seconds``: what a facts
+        evaluation takes at least for its object to be heavy (:meth:`heavy`)."""
         self._clock = clock
         self._pods: dict[str, _PodRec] = {}
         self._graph = OwnerGraph(max_owner_hops, self._pods, ghost_seconds=ghost_seconds,
@@ -264,6 +322,16 @@ class Engine:
         #: where a description object's re-attribution goes during ``upsert_many(...,
         #: owed=)``; None: done at once
         self._owing: list[str] | None = None
+        #: the facts prepared in another thread during ``upsert_many(..., prepared=)``, by
+        #: ``id(obj)``
+        self._prepared: Mapping[int, Prepared] | None = None
+        #: the objects whose last facts evaluation took ``heavy_seconds`` or more: a set of
+        #: the few heavy ones, not a field of every record
+        self._heavy: set[str] = set()
+        self._heavy_seconds = heavy_seconds
+        #: uid -> seconds its pack for jq took, for the evaluation that follows in the same
+        #: call (emptied as each call settles)
+        self._packing: dict[str, float] = {}
         self._required: dict[GroupKind, str] = {POD: "full"}
         #: kinds required ``full`` that stopped being so since :meth:`take_lapsed_kinds`
         self._lapsed: set[GroupKind] = set()
@@ -287,14 +355,25 @@ class Engine:
         return self.delete_many((obj,))
 
     def upsert_many(self, objs: Iterable[Mapping[str, Any]], *,
-                    owed: list[str] | None = None) -> ChangeSet:
+                    owed: list[str] | None = None,
+                    prepared: Mapping[int, Prepared] | None = None) -> ChangeSet:
         """Many upserts, one change set; workload facts are computed once at the end.
 
         ``owed``: a description object among them re-attributes nothing itself; the
         objects of the kinds its change touches are added to ``owed``, for the caller to
         give, each with what lies below it, in runs (:meth:`reattribute`), as
-        :meth:`change_descriptions` does for files."""
-        return self._apply_each(objs, self._upsert, owed)
+        :meth:`change_descriptions` does for files.
+
+        ``prepared``: by ``id(obj)``, what :meth:`FactsWork.run` made of some of them in
+        another thread: their kept text taken from it, and their facts too while the plan
+        it was made under is still in force (else evaluated here, as without it). The
+        result is the one without it: the facts' jq errors are counted and logged, and
+        their retries owed, when the engine first uses them, as for its own."""
+        self._prepared = prepared
+        try:
+            return self._apply_each(objs, self._upsert, owed)
+        finally:
+            self._prepared = None
 
     def delete_many(self, objs: Iterable[Mapping[str, Any]], *,
                     owed: list[str] | None = None) -> ChangeSet:
@@ -633,6 +712,29 @@ class Engine:
             DESCRIPTION_NOT_IN_FORCE: len(self._selection_errors),
         }
 
+    def heavy(self, uid: str) -> bool:
+        """Whether the last facts evaluation of object ``uid`` (its pack for jq and the
+        evaluation) took ``heavy_seconds`` or more."""
+        return uid in self._heavy
+
+    def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None:
+        """The facts of this object version to prepare in another thread (for
+        ``upsert_many(..., prepared=)``, with the work's ``stub`` in the object's place),
+        under the plan in force for its kind now; None when its kind has none (nothing to
+        evaluate). The object's kept text is made here, on the calling thread."""
+        api, kind = obj.get("apiVersion"), obj.get("kind")
+        if not isinstance(api, str) or not isinstance(kind, str) \
+                or not isinstance(obj.get("metadata"), Mapping):
+            return None
+        plan = self._plans.get(group_kind(api, kind))
+        if plan is None:
+            return None
+        began = time.perf_counter()
+        trimmed = _trim(obj)
+        kept = pack_for_jq(trimmed)
+        stub = {"apiVersion": api, "kind": kind, "metadata": trimmed["metadata"]}
+        return FactsWork(stub, kept, plan, time.perf_counter() - began)
+
     def holds(self, uid: str) -> bool:
         """The uid is a pod, an object or a ghost the engine holds: not an owner absent."""
         return uid in self._pods or uid in self._graph.objects or uid in self._graph.ghosts
@@ -747,7 +849,7 @@ class Engine:
             and rec.namespace == ns
         ):
             if rec.owner is None:  # a bare pod is its own workload: its status matters
-                rec.obj, rec.cache = pack_for_jq(_trim(obj)), None
+                rec.obj, rec.cache = self._kept(obj, uid, POD)
                 if rec.wl:
                     self._dirty.add(rec.wl)
             return  # nothing a selector or a walk reads has changed
@@ -762,7 +864,7 @@ class Engine:
                 rec.owner = self._graph.link(uid, owner)
         if rec.owner is None:
             self._bare.add(uid)
-            rec.obj, rec.cache = pack_for_jq(_trim(obj)), None
+            rec.obj, rec.cache = self._kept(obj, uid, POD)
             if uid in self._wl:  # its own workload's status was read from the object
                 self._dirty.add(uid)
         else:
@@ -774,6 +876,7 @@ class Engine:
 
     def _delete_pod(self, uid: str, cs: ChangeSet) -> None:
         rec = self._pods.pop(uid)
+        self._heavy.discard(uid)
         self._owe_retry(_RETRY_POD, uid, None)
         self._owe_retry(_RETRY_FACTS, uid, None)
         # a pod that owns pods or objects stays a ghost while they point at it
@@ -794,15 +897,18 @@ class Engine:
         cs: ChangeSet,
     ) -> None:
         plan = self._plans.get(gk)
+        # kinds with an invalid description too: fixing it must not wait for a relist
+        kept, cache = (self._kept(obj, uid, gk) if plan is not None or gk in self._errored
+                       else (None, None))
         rec = ObjectRecord(
             uid,
             gk,
             sys.intern(str(md.get("namespace") or "")),
             str(md.get("name") or ""),
             controller_ref(md.get("ownerReferences")),
-            # kinds with an invalid description too: fixing it must not wait for a relist
-            pack_for_jq(_trim(obj)) if plan is not None or gk in self._errored else None,
+            kept,
         )
+        rec.cache = cache
         old = self._graph.put(rec)
         if old is not None:
             rec.member = old.member
@@ -833,6 +939,7 @@ class Engine:
         old = self._graph.remove(uid)
         if old is None:
             return
+        self._heavy.discard(uid)
         self._owe_retry(_RETRY_FACTS, uid, None)
         if old.member:
             wl = self._wl.get(old.member)
@@ -1112,22 +1219,52 @@ class Engine:
 
     # -- workload facts -----------------------------------------------------------------
 
+    def _kept(self, obj: Mapping[str, Any], uid: str, gk: GroupKind
+              ) -> tuple[Mapping[str, Any] | Packed, _FactsCache | None]:
+        """What a record keeps of ``obj`` (its jq text) and its facts cache: those
+        prepared in another thread when ``upsert_many`` was given them (the facts while
+        their plan is the one in force for ``gk``, to be accounted for at first use), else
+        the text made here (timed, for the object's weight) and no facts yet."""
+        ready = self._prepared.get(id(obj)) if self._prepared is not None else None
+        if ready is not None:
+            if ready.facts is None or ready.plan is not self._plans.get(gk):
+                self._packing[uid] = ready.seconds
+                return ready.kept, None
+            return ready.kept, _FactsCache(ready.plan, ready.facts, ready.seconds)
+        began = time.perf_counter()
+        kept = pack_for_jq(_trim(obj))
+        self._packing[uid] = time.perf_counter() - began
+        return kept, None
+
     def _object_facts(self, uid: str, plan: _DescriptionPlan) -> _ObjectFacts | None:
-        """Derived facts of the workload object, cached per object version and plan."""
+        """Derived facts of the workload object, cached per object version and plan;
+        evaluated here, or taken from another thread's evaluation (``upsert_many(...,
+        prepared=)``), and accounted for either way at their first use: jq errors counted
+        and logged, a retry owed or settled, the object's weight (:meth:`heavy`)."""
         holder: ObjectRecord | _PodRec | None = self._graph.objects.get(uid)
         if holder is None:
             holder = self._pods.get(uid)
         if holder is None or holder.obj is None:
             return None
-        ev = _cached(holder.cache, plan)
-        if ev is None:
+        cache: _FactsCache | None = holder.cache
+        if cache is not None and cache.plan is plan:
+            if cache.unaccounted is None:
+                return cache.facts
+            ev, seconds = cache.facts, cache.unaccounted
+        else:
+            began = time.perf_counter()
             ev = _read_object_facts(plan, holder.obj)
-            holder.cache = _FactsCache(plan, ev)
-            self._owe_retry(_RETRY_FACTS, uid, ev.retry_after)
-            for err in ev.errors:
-                self.jq_errors[(err.where, plan.desc.name)] += 1
-                where = "status" if err.where == JQ_ERROR_STATUS else "workload path"
-                self._log_jq_error(plan, uid, where, err.expression, err.message)
+            seconds = time.perf_counter() - began + self._packing.pop(uid, 0.0)
+        holder.cache = _FactsCache(plan, ev)
+        if seconds >= self._heavy_seconds:
+            self._heavy.add(uid)
+        else:
+            self._heavy.discard(uid)
+        self._owe_retry(_RETRY_FACTS, uid, ev.retry_after)
+        for err in ev.errors:
+            self.jq_errors[(err.where, plan.desc.name)] += 1
+            where = "status" if err.where == JQ_ERROR_STATUS else "workload path"
+            self._log_jq_error(plan, uid, where, err.expression, err.message)
         return ev
 
     def _workload_facts(self, wl: _Workload) -> WorkloadFacts:
@@ -1192,6 +1329,7 @@ class Engine:
             if facts != wl.facts:
                 wl.facts = facts
                 cs.workloads[uid] = facts
+        self._packing.clear()  # each pack's evaluation was in this call, or is none
         if self._kinds_touched or self._graph.kinds_touched:
             self._kinds_touched = self._graph.kinds_touched = False
             required = self._compute_required()

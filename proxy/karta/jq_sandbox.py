@@ -41,7 +41,9 @@ The outputs are those of the in-process evaluation: the child runs the same bind
 sends them as JSON (Python's encoding and decoding keep ints, floats, key order), and a
 jq runtime error is the same :class:`JqError` with the same message. The caller's
 thread blocks for the evaluation, as it did in-process (~100 us an evaluation on a pod
-against ~42 us in-process: docs/performance.md); a lock keeps one evaluation at a time.
+against ~42 us in-process: docs/performance.md). Two threads call it (the event loop,
+and the one preparing heavy objects' facts: ``proxy.kube.heavy_objects``): a lock keeps
+one call (one object's evaluation) at a time, and guards the child and the strikes.
 :meth:`JqSandbox.run_many` evaluates several expressions on one input in one round trip
 (a workload object's status, id and scale paths: ``jqexpr.Evaluated``).
 """
@@ -353,12 +355,14 @@ class JqSandbox:
 
     def quarantined(self) -> int:
         """Expressions quarantined now (the gauge)."""
-        self._expire()
-        return len(self._quarantined)
+        with self._lock:
+            self._expire()
+            return len(self._quarantined)
 
     def is_quarantined(self, source: str) -> bool:
-        self._expire()
-        return source in self._quarantined
+        with self._lock:
+            self._expire()
+            return source in self._quarantined
 
     def _expire(self) -> None:
         """Quarantines over and strikes older than QUARANTINE_SECONDS forgotten: the
@@ -428,11 +432,17 @@ class JqSandbox:
         return out
 
     def run_many(self, exprs: Sequence[JqExpr], text: str) -> list[list[Any] | JqError]:
-        started = time.monotonic()
-        try:
-            return self._run_many(exprs, text)
-        finally:
-            self.seconds_total += time.monotonic() - started
+        """Under the lock for the whole call: the engine's thread evaluates a heavy
+        object's facts (``proxy.kube.heavy_objects``) while the event loop evaluates
+        others, and the child, the strikes and the quarantines are one state. One call is
+        one object, so the loop waits at most for one object's evaluation, as it did
+        when it made that evaluation itself."""
+        with self._lock:
+            started = time.monotonic()
+            try:
+                return self._run_many(exprs, text)
+            finally:
+                self.seconds_total += time.monotonic() - started
 
     def _run_many(self, exprs: Sequence[JqExpr], text: str) -> list[list[Any] | JqError]:
         """Each expression's outputs on one input, or its :class:`JqError`, in one round
@@ -474,41 +484,40 @@ class JqSandbox:
                              for p in (len(src).to_bytes(_HEADER_LEN, "big"), src)), body]
             size = sum(map(len, parts))
             request = b"".join((size.to_bytes(_HEADER_LEN, "big"), *parts))
-            with self._lock:
-                try:
-                    child = self._ready_child()
-                except _NoChild as e:  # every one of them fails alike
-                    for i in todo:
-                        err = results[i] = JqError(f"{exprs[i].source!r}: {e}",
-                                                   retry_after=0.0)
-                        err.__cause__ = e.__cause__
-                    todo = []
-                    break
-                timeout = self.timeout_seconds
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout
-                elif now >= deadline:
-                    break  # after a child that died: the limit is spent
-                given = deadline - now
-                cpu_start = _cpu_seconds(child.pid)
-                done = 0
-                source = exprs[todo[0]].source  # a send cut off strikes the first
-                try:
-                    child.send(request, deadline)
-                    for i in todo:
-                        source = exprs[i].source
-                        results[i] = _outcome(source, child.receive(deadline))
-                        done += 1
-                except _Stopped as stop:
-                    stopped = stop.reason
-                    cpu = None
-                    if stop.reason == "timeout" and cpu_start is not None:
-                        cpu_end = _cpu_seconds(child.pid)
-                        cpu = None if cpu_end is None else cpu_end - cpu_start
-                    results[todo[done]] = self._stopped(source, child, stop.reason,
-                                                        timeout, given, cpu)
+            try:
+                child = self._ready_child()
+            except _NoChild as e:  # every one of them fails alike
+                for i in todo:
+                    err = results[i] = JqError(f"{exprs[i].source!r}: {e}",
+                                               retry_after=0.0)
+                    err.__cause__ = e.__cause__
+                todo = []
+                break
+            timeout = self.timeout_seconds
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout
+            elif now >= deadline:
+                break  # after a child that died: the limit is spent
+            given = deadline - now
+            cpu_start = _cpu_seconds(child.pid)
+            done = 0
+            source = exprs[todo[0]].source  # a send cut off strikes the first
+            try:
+                child.send(request, deadline)
+                for i in todo:
+                    source = exprs[i].source
+                    results[i] = _outcome(source, child.receive(deadline))
                     done += 1
+            except _Stopped as stop:
+                stopped = stop.reason
+                cpu = None
+                if stop.reason == "timeout" and cpu_start is not None:
+                    cpu_end = _cpu_seconds(child.pid)
+                    cpu = None if cpu_end is None else cpu_end - cpu_start
+                results[todo[done]] = self._stopped(source, child, stop.reason,
+                                                    timeout, given, cpu)
+                done += 1
             todo = todo[done:]
             if stopped == "timeout":
                 break

@@ -156,10 +156,17 @@ class _FactsCache(NamedTuple):
 
     plan: _DescriptionPlan
     facts: _ObjectFacts
+    #: the seconds an evaluation made in another thread took (``Engine.facts_work``), not
+    #: yet accounted for (its jq errors counted and logged, its retry owed): the engine
+    #: does that at its first use, as it does for one it makes itself; None: accounted
+    unaccounted: float | None = None
 
 
 def _cached(cache: _FactsCache | None, plan: _DescriptionPlan) -> _ObjectFacts | None:
-    return cache.facts if cache is not None and cache.plan is plan else None
+    """The facts the engine has used of this object version under ``plan`` (one made in
+    another thread and not yet used counts as none, as if it had not been made)."""
+    return (cache.facts if cache is not None and cache.plan is plan
+            and cache.unaccounted is None else None)
 
 
 def _read_object_facts(plan: _DescriptionPlan, kept: Mapping[str, Any] | Packed

@@ -24,11 +24,13 @@ from proxy import contract, memory
 from proxy.config import KubeSettings
 from proxy.index import PodIndex
 from proxy.karta.batches import alone_if_failing, object_name
+from proxy.karta.engine import FactsWork, Prepared
 from proxy.karta.model import GroupKind
 from proxy.karta.results import ChangeSet
 from proxy.karta.slim import slim_pod
 from proxy.kube.client import KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource, Discovery, Resolver
+from proxy.kube.heavy_objects import HeavyObjects
 from proxy.kube.owner_fetch import OwnerFetcher
 from proxy.kube.watcher import (
     IDLE_TIMEOUT,
@@ -87,7 +89,8 @@ class EngineLike(Protocol):
     """What the source needs of ``proxy.karta.engine.Engine``."""
 
     def upsert_many(self, objs: Iterable[Mapping[str, Any]], *,
-                    owed: list[str] | None = None) -> ChangeSet: ...
+                    owed: list[str] | None = None,
+                    prepared: Mapping[int, Prepared] | None = None) -> ChangeSet: ...
 
     def delete_many(self, objs: Iterable[Mapping[str, Any]], *,
                     owed: list[str] | None = None) -> ChangeSet: ...
@@ -101,6 +104,10 @@ class EngineLike(Protocol):
     def holds(self, uid: str) -> bool: ...
 
     def pointed_at(self, uid: str) -> bool: ...
+
+    def heavy(self, uid: str) -> bool: ...
+
+    def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None: ...
 
     @property
     def max_owner_hops(self) -> int: ...
@@ -122,12 +129,16 @@ class KubeSource:
         watchers: WatcherFactory | None = None,
         discovery: Resolver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        defer_heavy: bool = False,
     ) -> None:
         """``watchers`` and ``discovery`` replace the ones built over the client (tests
         put fakes there); with both given, no client is needed. ``clock`` times the
         retries of kinds the server refused (tests move it by hand). ``sync_deadline``:
         how long the initial sync waits for a kind other than Pod that keeps failing
-        (None: ``MIN_SYNC_DEADLINE`` or two backoff caps, whichever is longer)."""
+        (None: ``MIN_SYNC_DEADLINE`` or two backoff caps, whichever is longer).
+        ``defer_heavy``: once ready, the updates of objects the engine found heavy have
+        their facts evaluated in a thread (``proxy.kube.heavy_objects``); only worth it
+        with the jq sandbox as the runner (the runtime sets it so)."""
         self.settings = settings
         self.engine = engine
         self.index = index
@@ -249,6 +260,10 @@ class KubeSource:
         #: the trim owed after relists (``_trim_soon``), and the one under way
         self._trim_at: asyncio.TimerHandle | None = None
         self._trimming: asyncio.Task[bool] | None = None
+        #: the heavy objects' updates evaluated off the loop (None: ``defer_heavy`` off)
+        self.heavy_objects: HeavyObjects | None = (
+            HeavyObjects(engine, self._feed_one, registry=self.registry) if defer_heavy
+            else None)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -280,6 +295,8 @@ class KubeSource:
                 backoff_max=self.settings.resync_backoff_max_seconds,
                 idle_timeout=self._idle_timeout, watch_timeout=self._watch_timeout,
             )
+        if self.heavy_objects is not None:
+            self.heavy_objects.start()
         if self._client is not None and self.owner_fetcher is None:
             self.owner_fetcher = OwnerFetcher(
                 self._client, feed=self._apply, watcher_for=self._watcher_for,
@@ -330,6 +347,8 @@ class KubeSource:
         for t in self._tasks:
             await self._stopping(f"task {t.get_name()}", cancel_and_wait(t))
         self._tasks.clear()
+        if self.heavy_objects is not None:
+            await self._stopping("heavy objects", self.heavy_objects.stop())
         if self._trim_at is not None:
             self._trim_at.cancel()
             self._trim_at = None
@@ -782,9 +801,12 @@ class KubeSource:
             events = fetcher.admit(watcher, events)
         changes = ChangeSet()
         is_pod = watcher.resource.group_kind == POD and not watcher.metadata_only
+        now = events
+        if self.heavy_objects is not None and self.index.ready and not is_pod:
+            now = self.heavy_objects.take(events)
         run: list[dict[str, Any]] = []
         run_deletes = False
-        for etype, obj in events:
+        for etype, obj in now:
             deleting = etype == "DELETED"
             if run and deleting != run_deletes:
                 self._feed(run, run_deletes, changes)
@@ -793,12 +815,7 @@ class KubeSource:
             run.append(slim_pod(obj) if is_pod and not deleting else obj)
         if run:
             self._feed(run, run_deletes, changes)
-        if changes:
-            self.index.apply(changes)
-            if changes.kinds_changed:
-                self._kinds_changed.set()
-        if self._owed:
-            self._kinds_changed.set()  # the follower's round gives what is owed
+        self._applied(changes)
         if self.unserved_kinds:
             self._hint_served(events)
         if fetcher is not None:
@@ -847,13 +864,35 @@ class KubeSource:
                     waiting.discard(gk)
                     kinds = {w.kind for w in waiting}
 
-    def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet) -> None:
-        many = self.engine.delete_many if deletes else self.engine.upsert_many
+    def _applied(self, changes: ChangeSet) -> None:
+        """What the engine answered to the index, and the follower woken for what it
+        owes (a slice of events, or a heavy object's update fed off its slice)."""
+        if changes:
+            self.index.apply(changes)
+            if changes.kinds_changed:
+                self._kinds_changed.set()
+        if self._owed:
+            self._kinds_changed.set()  # the follower's round gives what is owed
+
+    def _feed(self, objs: list[dict[str, Any]], deletes: bool, changes: ChangeSet,
+              prepared: Mapping[int, Prepared] | None = None) -> None:
         # once synced, a description object's re-attribution is owed to the follower
         # (reattribute_owed); during the sync it is done at once, before index.ready
         owed = self._owed if self.index.ready else None
-        changes.merge(self._alone_if_failing(objs, lambda batch: many(batch, owed=owed),
-                                             object_name))
+
+        def many(batch: Sequence[dict[str, Any]]) -> ChangeSet:
+            if deletes:
+                return self.engine.delete_many(batch, owed=owed)
+            return self.engine.upsert_many(batch, owed=owed, prepared=prepared)
+
+        changes.merge(self._alone_if_failing(objs, many, object_name))
+
+    def _feed_one(self, stub: dict[str, Any], prepared: Prepared) -> None:
+        """A heavy object's update (``proxy.kube.heavy_objects``): its stub, with the
+        text and facts prepared for it, fed and applied as a slice's events are."""
+        changes = ChangeSet()
+        self._feed([stub], False, changes, {id(stub): prepared})
+        self._applied(changes)
 
     def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
         fetcher = self.owner_fetcher

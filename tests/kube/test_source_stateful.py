@@ -51,7 +51,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config import KubeSettings
 from proxy.index import PodIndex, PodKey
-from proxy.karta.engine import Engine
+from proxy.karta.engine import HEAVY_SECONDS, Engine
+from proxy.karta.jq_sandbox import JqSandbox
+from proxy.karta.jqexpr import install_runner, remove_runner
 from proxy.kube.source import KubeSource
 from tests.clock import ManualClock
 from tests.karta.descriptions import RAYJOB_KARTA, raycluster_karta
@@ -116,21 +118,28 @@ def _group_spec(groups: list[str]) -> list[Obj]:
 
 
 class Source:
-    """A ``KubeSource`` over a ``FakeCluster``, its engine and index, on one clock."""
+    """A ``KubeSource`` over a ``FakeCluster``, its engine and index, on one clock.
+    ``defer``: every described object heavy, its updates' facts evaluated in the
+    source's thread (``proxy.kube.heavy_objects``) through a jq sandbox of its own."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, cluster: FakeCluster,
-                 clock: ManualClock) -> None:
+                 clock: ManualClock, *, defer: bool = False) -> None:
         self.loop = loop
         self.cluster = cluster
+        self.sandbox: JqSandbox | None = None
+        if defer:
+            self.sandbox = JqSandbox(timeout_seconds=5.0)
+            install_runner(self.sandbox)
         self.engine = Engine(clock=lambda: 0.0, ghost_seconds=TOMBSTONE_SECONDS,
-                             ghost_clock=clock, retry_clock=clock)
+                             ghost_clock=clock, retry_clock=clock,
+                             heavy_seconds=0.0 if defer else HEAVY_SECONDS)
         self.index = PodIndex(tombstone_seconds=TOMBSTONE_SECONDS, clock=clock)
         #: what the splice's pod table would hold, kept by the pod listener alone
         self.table: dict[PodKey, Any] = {}
         self.index.subscribe_pods(self._follow)
         self.source = KubeSource(KubeSettings(), self.engine, self.index,
                                  metrics_registry=CollectorRegistry(), watchers=cluster,
-                                 discovery=cluster, clock=clock)
+                                 discovery=cluster, clock=clock, defer_heavy=defer)
         loop.run_until_complete(self.source.sync())
 
     def _follow(self, keys: Any) -> None:
@@ -150,17 +159,38 @@ class Source:
             self.loop.run_until_complete(self.source.refresh_kinds())
         assert not self.source.kinds_pending, "the follower's rounds do not settle"
 
+    def settle(self) -> None:
+        """What waits for its facts off the loop, fed (nothing without ``defer``)."""
+        heavy = self.source.heavy_objects
+        if heavy is not None:
+            waiting = heavy.pending
+            self.loop.run_until_complete(heavy.settled())
+            if waiting:
+                event(f"heavy objects' updates deferred: {min(waiting, 3)}+ at once")
+
+    @property
+    def settled(self) -> bool:
+        """Nothing waits for its facts (always, without ``defer``)."""
+        heavy = self.source.heavy_objects
+        return heavy is None or heavy.idle
+
     def close(self) -> None:
         self.loop.run_until_complete(self.source.stop())
+        if self.sandbox is not None:
+            remove_runner(self.sandbox)
+            self.sandbox.close()
 
 
 class IndexMachine(RuleBasedStateMachine):
+    #: the system's source defers heavy objects' updates (every described one)
+    DEFER = False
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.clock = ManualClock(1000.0)
         self.cluster = FakeCluster(*BUILTIN, RAY_JOB, RAY_CLUSTER)
-        self.sut = Source(self.loop, self.cluster, self.clock)
+        self.sut = Source(self.loop, self.cluster, self.clock, defer=self.DEFER)
         #: (kind, name) -> generation of the uid it has (or had last)
         self.gen: dict[tuple[str, str], int] = {}
         #: (kind, name) -> the object the cluster holds now
@@ -349,7 +379,8 @@ class IndexMachine(RuleBasedStateMachine):
         self._after()
 
     @invariant()
-    @precondition(lambda self: not self.missed and not self.sut.source.kinds_pending)
+    @precondition(lambda self: not self.missed and not self.sut.source.kinds_pending
+                  and self.sut.settled)
     def same_as_a_fresh_index(self) -> None:
         ref = self._reference()
         try:
@@ -371,7 +402,8 @@ class IndexMachine(RuleBasedStateMachine):
             ref.close()
 
     @invariant()
-    @precondition(lambda self: not self.missed and not self.sut.source.kinds_pending)
+    @precondition(lambda self: not self.missed and not self.sut.source.kinds_pending
+                  and self.sut.settled)
     def gone_names_answer_nothing_but_tombstones(self) -> None:
         index = self.sut.index
         live = set(self._pod_keys())
@@ -383,6 +415,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.sut.table == {(ns, pod): a for ns, pod, a in index.answers()}
 
     @invariant()
+    @precondition(lambda self: self.sut.settled)
     def nothing_held_for_what_is_gone(self) -> None:
         index, engine = self.sut.index, self.sut.engine
         assert set(index._key_by_uid) == set(index.pods)
@@ -482,3 +515,25 @@ IndexMachine.TestCase.settings = settings(
     deadline=None, derandomize=not _EXAMPLES, database=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_index_follows_any_event_order = IndexMachine.TestCase
+
+
+class DeferredIndexMachine(IndexMachine):
+    """The same histories, every described object heavy: its updates (and a relist's
+    ADDED) wait for their facts in the source's thread, the latest version winning, a
+    deletion or an event fed at once superseding what waits, over as many steps as
+    come before the rule that settles them (the invariants wait for it: until then the
+    index lags the cluster by design); settled, it ends as the fresh index does."""
+
+    DEFER = True
+
+    @rule()
+    def feed_deferred(self) -> None:
+        self.sut.settle()
+        self._after()
+
+
+DeferredIndexMachine.TestCase.settings = settings(
+    max_examples=_EXAMPLES or 40, stateful_step_count=40 if _EXAMPLES else 30,
+    deadline=None, derandomize=not _EXAMPLES, database=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_index_follows_any_event_order_with_heavy_objects_deferred = DeferredIndexMachine.TestCase

@@ -1,0 +1,185 @@
+"""Heavy described objects' updates, their facts evaluated off the event loop.
+
+An object whose facts take long to evaluate (an Argo Workflow of 3,000 nodes: a 1.7 MB
+text, ~160-250 ms of its pack and the jq sandbox's round trip) held the event loop that
+long at every update, in one piece: relayed requests waited for it (p99 ~5-9 ms ->
+~375 ms), and ten such objects updated every second needed more loop than there is
+(docs/performance.md, "Heavy objects updated often"). The jq work happens in the
+sandbox's child, so a thread that waits for it frees the loop; with the in-process runner
+nothing would be gained (libjq's binding holds the GIL), so the source defers only when
+the jq sandbox is the runner.
+
+The watch source hands here the updates (``MODIFIED``, a relist's ``ADDED``) of the
+objects the engine found heavy (:meth:`proxy.karta.engine.Engine.heavy`), keyed by uid:
+a newer version replaces the one waiting (latest version wins, so a stream of updates
+never queues more than one version per object). One task takes them one at a time, has
+the engine's :class:`~proxy.karta.engine.FactsWork` run in one thread of its own
+(``karta-jq_0``), and feeds the object with what it prepared, as the source feeds any
+(``feed``). An event the source feeds at once for a uid waiting here, or being evaluated
+(a deletion, a version of an object no longer heavy), supersedes that version: it is
+dropped, or its result discarded when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
+
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy import contract
+from proxy.karta.engine import FactsWork, Prepared
+from proxy.tasks import cancel_and_wait
+from proxy.thread_names import named_pool
+
+log = logging.getLogger(__name__)
+
+#: ``outcome`` of ``karta_proxy_deferred_object_updates_total``: evaluated off the loop
+#: and applied; dropped for a newer version or a deletion that came first
+OUTCOMES: Final = ("applied", "superseded")
+#: the evaluating thread's name prefix (``karta-jq_0`` for the OS too)
+THREAD_PREFIX: Final = "karta-jq"
+
+
+class HeavyEngine(Protocol):
+    """What :class:`HeavyObjects` needs of the engine."""
+
+    def heavy(self, uid: str) -> bool: ...
+
+    def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None: ...
+
+
+#: how an object goes to the engine and its change set to the index: the source's
+#: (``KubeSource._feed_one``), given what was prepared for it
+Feed = Callable[[dict[str, Any], Prepared], None]
+
+
+def _uid(obj: Mapping[str, Any]) -> str | None:
+    md = obj.get("metadata")
+    uid = md.get("uid") if isinstance(md, Mapping) else None
+    return uid if isinstance(uid, str) and uid else None
+
+
+class HeavyObjects:
+    """The heavy objects' versions waiting for their facts, the task that has them
+    evaluated in a thread and fed, and the counter of what became of them."""
+
+    def __init__(self, engine: HeavyEngine, feed: Feed, *,
+                 registry: CollectorRegistry) -> None:
+        self._engine = engine
+        self._feed = feed
+        #: uid -> the latest version's work waiting (insertion order: the oldest first):
+        #: its kept text and stub, not its parsed dicts (~5x the text)
+        self._pending: dict[str, FactsWork] = {}
+        #: the uid whose version is being evaluated in the thread, and whether an event fed
+        #: at once for it since made its result useless
+        self._flying: str | None = None
+        self._flying_superseded = False
+        self._wake = asyncio.Event()
+        #: set while nothing waits and nothing is being evaluated (:meth:`settled`)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._pool = named_pool(THREAD_PREFIX, 1)
+        self.updates = Counter(
+            contract.OP_DEFERRED_OBJECT_UPDATES,
+            "Updates of heavy described objects whose facts were evaluated off the event "
+            "loop, by outcome (applied; superseded: a newer version or a deletion came "
+            "first).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in OUTCOMES:
+            self.updates.labels(outcome)
+
+    def start(self) -> None:
+        """The task that drains what waits (on the running loop)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._drain(), name="kube heavy objects")
+
+    async def stop(self) -> None:
+        """Cancel the task and end the thread: an evaluation under way ends within the jq
+        time limit, its result unused; what waits is dropped (the source is stopping)."""
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()
+        self._idle.set()
+
+    def take(self, events: list[tuple[str, dict[str, Any]]]
+             ) -> list[tuple[str, dict[str, Any]]]:
+        """The events to feed now; the updates of heavy objects are kept here instead (a
+        version already waiting replaced). An event fed now for a uid that has a version
+        waiting or being evaluated supersedes it."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for ev in events:
+            etype, obj = ev
+            uid = _uid(obj)
+            if uid is None:
+                out.append(ev)
+                continue
+            work = (self._engine.facts_work(obj)
+                    if etype != "DELETED" and self._engine.heavy(uid) else None)
+            if work is not None:
+                if self._pending.pop(uid, None) is not None:
+                    self.updates.labels("superseded").inc()
+                self._pending[uid] = work
+                self._idle.clear()
+                self._wake.set()
+                continue
+            if self._pending.pop(uid, None) is not None:
+                self.updates.labels("superseded").inc()
+            if uid == self._flying:
+                self._flying_superseded = True
+            out.append(ev)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Versions waiting (not counting the one being evaluated)."""
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits and nothing is being evaluated."""
+        return self._idle.is_set()
+
+    async def settled(self) -> None:
+        """Until nothing waits and nothing is being evaluated (tests)."""
+        await self._idle.wait()
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            uid = next(iter(self._pending))
+            work = self._pending.pop(uid)
+            self._flying, self._flying_superseded = uid, False
+            try:
+                prepared = await loop.run_in_executor(self._pool, work.run)
+            except Exception:
+                log.warning("evaluating the facts of a heavy object off the event loop "
+                            "failed; evaluating them on it", exc_info=True,
+                            extra={"uid": uid})
+                prepared = work.unevaluated()
+            finally:
+                self._flying = None
+            if self._flying_superseded:
+                self.updates.labels("superseded").inc()
+                continue
+            # fed as the source feeds any event, the stub in the object's place with its
+            # kept text (without facts when the thread failed: evaluated here as before)
+            try:
+                self._feed(work.stub, prepared)
+            except Exception:  # the source's own failure: this task must go on
+                log.exception("feeding a heavy object's update failed", extra={"uid": uid})
+                continue
+            if prepared.facts is not None:
+                self.updates.labels("applied").inc()

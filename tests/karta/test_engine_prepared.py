@@ -1,0 +1,258 @@
+"""Facts prepared in another thread (``Engine.facts_work``, ``upsert_many(prepared=)``):
+the engine ends exactly where it ends without them, and knows which objects are heavy.
+
+The equality tests guard the refactor (they pass on any engine that ignores
+``prepared``): the same change sets, attributions, facts, jq error counts, log lines and
+retries owed, for every kind of description the facts read (status, instance ids, scale
+paths, a jq error of the expression's own, an id refused, the sandbox failing for now).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from proxy.karta.engine import Engine, Prepared
+from proxy.karta.jq_sandbox import JqSandbox
+from proxy.karta.jqexpr import install_runner, remove_runner
+from proxy.karta.results import ChangeSet
+from tests.clock import ManualClock
+from tests.karta.test_engine import (
+    RAY_KARTA,
+    RETRIED_THING,
+    deployment,
+    describe,
+    karta,
+    obj,
+    pod,
+    raycluster,
+    replicaset,
+)
+
+Obj = dict[str, Any]
+
+#: a kind whose instances are a map's keys, with a scale path per instance
+GRAPH_KARTA = karta({"group": "example.com", "kind": "Graph"}, [{
+    "name": "service", "ownerRef": "root",
+    "specDefinition": {"podTemplateSpecPath": ".spec.services[]"},
+    "scaleDefinition": {"replicasPath": ".spec.services[] | .replicas"},
+    "instanceIdPath": ".spec.services | keys[]",
+    "podSelector": {"componentInstanceSelector": {"idPath": '.metadata.annotations["svc"]'}},
+}], statusDefinition={"phaseDefinition": {"path": ".status.state"},
+                      "statusMappings": {"running": [{"byPhase": "ready"}]}})
+
+
+@pytest.fixture
+def sandbox() -> Iterator[JqSandbox]:
+    """The real jq sandbox as the runner, as in the proxy."""
+    box = JqSandbox(timeout_seconds=5.0)
+    install_runner(box)
+    try:
+        yield box
+    finally:
+        remove_runner(box)
+        box.close()
+
+
+def graph(name: str, services: dict[str, int], state: str = "ready") -> Obj:
+    return obj("example.com/v1", "Graph", name,
+               spec={"services": {s: {"replicas": n} for s, n in services.items()}},
+               status={"state": state})
+
+
+def thing(name: str, phase: Any) -> Obj:
+    return obj("example.com/v1", "Thing", name, status={"phase": phase})
+
+
+def _engine(clock: ManualClock) -> Engine:
+    e = Engine(clock=clock, retry_clock=clock, heavy_seconds=0.0)
+    e.add_descriptions([describe(RAY_KARTA), describe(GRAPH_KARTA), describe(RETRIED_THING)])
+    return e
+
+
+def _prepared_upsert(e: Engine, objs: list[Obj], *, evaluated: bool = True) -> ChangeSet:
+    """``upsert_many`` with each object's facts prepared first, as the source's thread
+    does (in this thread: what the thread runs reads only the kept text and the plan),
+    and each object but a pod fed as its work's stub, as the source feeds it (a pod's
+    update is never deferred: the whole pod goes with its prepared text). ``evaluated``
+    False: the text alone, as when the thread failed."""
+    fed: list[Obj] = []
+    ready: dict[int, Prepared] = {}
+    for o in objs:
+        work = e.facts_work(o)
+        if work is None:
+            fed.append(o)
+            continue
+        one = o if o.get("kind") == "Pod" else work.stub
+        fed.append(one)
+        ready[id(one)] = work.run() if evaluated else work.unevaluated()
+    return e.upsert_many(fed, prepared=ready)
+
+
+def _unevaluated_upsert(e: Engine, objs: list[Obj]) -> ChangeSet:
+    return _prepared_upsert(e, objs, evaluated=False)
+
+
+Step = Callable[[Engine, Callable[[Engine, list[Obj]], ChangeSet]], ChangeSet]
+
+
+def _history() -> list[Step]:
+    """Steps of one history; each upserts through the given call (plain or prepared)."""
+    rs = replicaset("web-rs", deployment("web"))
+    rc = raycluster("rc", ["gpu", "cpu"])
+    g = graph("g", {"a": 2, "b": 1})
+
+    def up(*objs: Obj) -> Step:
+        return lambda e, call: call(e, list(objs))
+
+    return [
+        # new objects (the record made from nothing) with what lies below them
+        up(deployment("web"), rs, pod("w1", rs), rc, g, thing("t", "Running")),
+        up(pod("r1", rc, **{"ray.io/node-type": "worker", "ray.io/group": "cpu"}),
+           pod("bare")),
+        # updates in place: status, instance ids (the pods' places follow), scale
+        up(deployment("web", replicas=3, ready=1)),
+        up(raycluster("rc", ["gpu"], state="failed")),
+        up(graph("g", {"a": 4, "c": 1})),
+        # a jq error of the expression's own, logged once, then fixed
+        up(thing("t", 5)),
+        up(thing("t", 7)),
+        up(thing("t", "Running")),
+        # an id refused (control character): a jq error of the id path
+        up(graph("g", {"a": 1, "bad\nid": 2})),
+        # a bare pod is its own workload: its text kept on the pod path
+        up(pod("bare") | {"status": {"phase": "Succeeded"}}),
+        # unchanged object: nothing
+        up(graph("g", {"a": 1, "bad\nid": 2})),
+    ]
+
+
+def _plain(e: Engine, objs: list[Obj]) -> ChangeSet:
+    return e.upsert_many(objs)
+
+
+def _state(e: Engine) -> tuple[Any, ...]:
+    return (sorted(e.pods(), key=lambda a: a.uid),
+            sorted(e.workloads(), key=lambda f: f.ref.uid),
+            dict(e.jq_errors), dict(e._retries), dict(e.stats))
+
+
+def _run(steps: list[Step], call: Callable[[Engine, list[Obj]], ChangeSet],
+         caplog: pytest.LogCaptureFixture) -> tuple[Engine, list[Any]]:
+    clock = ManualClock(1000.0)
+    e = _engine(clock)
+    caplog.clear()
+    seen: list[Any] = []
+    for step in steps:
+        seen.append((step(e, call), _state(e)))
+        clock.now += 1.0
+    seen.append([(r.levelname, r.getMessage()) for r in caplog.records])
+    return e, seen
+
+
+def test_prepared_facts_give_what_the_engine_gives_without_them(
+        sandbox: JqSandbox, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.karta.engine")
+    plain, want = _run(_history(), _plain, caplog)
+    prepared, got = _run(_history(), _prepared_upsert, caplog)
+    assert got == want
+    _, text_only = _run(_history(), _unevaluated_upsert, caplog)
+    assert text_only == want
+    assert any("jq error" in m for _, m in want[-1])  # the history met jq errors
+    assert prepared.jq_errors == plain.jq_errors and plain.jq_errors
+    for uid in ("deployment-web", "raycluster-rc", "graph-g", "thing-t", "pod-bare"):
+        assert prepared.heavy(uid) and plain.heavy(uid), uid  # heavy_seconds 0
+
+
+def test_prepared_facts_failing_for_now_owe_the_same_retries() -> None:
+    """The sandbox cannot start: every evaluation fails for now (``retry_after`` 0),
+    prepared or not; the retries owed, and what they give once it can, are the same."""
+    results = []
+    for call in (_plain, _prepared_upsert):
+        clock = ManualClock(1000.0)
+        e = _engine(clock)
+        broken = JqSandbox(command=["/nonexistent/python"])
+        install_runner(broken)
+        try:
+            # one object: the sandbox's message for a second one says how long until
+            # its next try, which the order of the evaluations decides
+            first = call(e, [thing("t", "Running")])
+            owed = dict(e._retries)
+        finally:
+            remove_runner(broken)
+        box = JqSandbox(timeout_seconds=5.0)
+        install_runner(box)
+        try:
+            clock.now += 1.0
+            retried = e.retry_due(100, 10.0)
+        finally:
+            remove_runner(box)
+            box.close()
+        results.append((first, owed, retried, _state(e)))
+    assert results[0] == results[1]
+    first, owed, retried, _ = results[0]
+    assert owed and first.workloads["thing-t"] is not None
+    assert first.workloads["thing-t"].phase == "Undefined"
+    assert retried.workloads["thing-t"] is not None
+    assert retried.workloads["thing-t"].phase == "Running"
+
+
+def test_facts_prepared_under_a_description_no_longer_in_force_are_not_used(
+        sandbox: JqSandbox) -> None:
+    """The work is taken, the description changes before the facts come back: the
+    object's facts are those of the description in force, as without them."""
+    clock = ManualClock(1000.0)
+    e = _engine(clock)
+    e.upsert(graph("g", {"a": 1}))
+    new = graph("g", {"a": 3})
+    work = e.facts_work(new)
+    assert work is not None
+    ready = work.run()
+    # the phase now read from another field: the prepared facts say Undefined there
+    changed = karta({"group": "example.com", "kind": "Graph"}, GRAPH_KARTA["spec"][
+        "structureDefinition"]["childComponents"], statusDefinition={
+            "phaseDefinition": {"path": ".status.state | ascii_upcase"},
+            "statusMappings": {"running": [{"byPhase": "READY"}]}})
+    e.add_descriptions([describe(RAY_KARTA), describe(changed), describe(RETRIED_THING)])
+    assert ready.plan is not e.facts_work(new).plan  # type: ignore[union-attr]
+    cs = e.upsert_many([new], prepared={id(new): ready})
+    facts = cs.workloads["graph-g"]
+    assert facts is not None and facts.phase == "Running"
+    assert [r.desired for r in facts.replicas] == [3.0]
+
+
+def test_a_heavy_object_is_forgotten_when_deleted(sandbox: JqSandbox) -> None:
+    """Heavy by the last evaluation's time; forgotten with the object (and light again
+    when an evaluation takes less than the threshold)."""
+    e = Engine(heavy_seconds=0.0)
+    e.add_descriptions([describe(GRAPH_KARTA)])
+    g = graph("g", {"a": 1})
+    e.upsert(g)
+    assert e.heavy("graph-g")
+    e.delete(g)
+    assert not e.heavy("graph-g") and not e._heavy
+    slow = Engine(heavy_seconds=3600.0)
+    slow.add_descriptions([describe(GRAPH_KARTA)])
+    slow.upsert(g)
+    assert not slow.heavy("graph-g")
+    assert e.facts_work(pod("p", g)) is not None  # the built-in Pod description
+    assert Engine(builtins=False).facts_work(g) is None  # no description of its kind
+
+
+def test_prepared_facts_are_used_and_accounted_at_first_use(sandbox: JqSandbox) -> None:
+    """The prepared evaluation is the one kept (not made again on this thread), and its
+    jq error counted once, when the engine used it; an object no workload uses keeps its
+    prepared facts unaccounted (as its evaluation would not have been made)."""
+    e = _engine(ManualClock(1000.0))
+    t = thing("t", 5)
+    work = e.facts_work(t)
+    assert work is not None
+    ready = work.run()
+    assert ready.facts is not None and ready.facts.errors and ready.seconds > 0
+    e.upsert_many([t], prepared={id(t): ready})
+    cache = e._graph.objects["thing-t"].cache
+    assert cache.facts is ready.facts and cache.unaccounted is None
+    assert sum(e.jq_errors.values()) == 1

@@ -1,0 +1,239 @@
+"""Heavy objects' updates evaluated off the event loop (``proxy.kube.heavy_objects``),
+through the real source, the simulator's watches and the real jq sandbox.
+
+Every described object is heavy here (``heavy_seconds`` 0). The evaluating thread is
+held by hand (a ``threading.Event`` in the engine's evaluation), never by a sleep: what
+is asserted is the order of things, not how long they took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy import contract
+from proxy.config import KubeSettings
+from proxy.index import PodIndex
+from proxy.karta import engine as engine_module
+from proxy.karta.description import parse_description
+from proxy.karta.engine import Engine
+from proxy.karta.jq_sandbox import JqSandbox
+from proxy.karta.jqexpr import install_runner, remove_runner
+from proxy.kube.heavy_objects import HeavyObjects
+from proxy.kube.source import KubeSource
+from tests.karta.descriptions import RAYCLUSTER_KARTA
+from tests.kube.conftest import eventually, metric
+from tests.kubesim import KubeSim
+
+Obj = dict[str, Any]
+
+#: how long the held thread waits at most for what a test does meanwhile (a bound on a
+#: failing test, never reached by a passing one)
+HOLD_SECONDS = 10.0
+
+
+@pytest.fixture
+def sandbox() -> Iterator[JqSandbox]:
+    box = JqSandbox(timeout_seconds=5.0)
+    install_runner(box)
+    try:
+        yield box
+    finally:
+        remove_runner(box)
+        box.close()
+
+
+@pytest.fixture
+async def source(sim: KubeSim, sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
+    """A ready source whose engine finds every described object heavy, deferral on."""
+    engine = Engine(heavy_seconds=0.0)
+    engine.add_descriptions([parse_description(RAYCLUSTER_KARTA, "test")])
+    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
+    src = KubeSource(kube, engine, PodIndex(), metrics_registry=CollectorRegistry(),
+                     watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5,
+                     defer_heavy=True)
+    try:
+        yield src
+    finally:
+        await src.stop()
+
+
+def raycluster(replicas: int, resource_version: str | None = None) -> Obj:
+    md: Obj = {"name": "rc", "namespace": "default"}
+    if resource_version is not None:
+        md["resourceVersion"] = resource_version
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": md,
+            "spec": {"workerGroupSpecs": [{"groupName": "gpu", "replicas": replicas}]},
+            "status": {"state": "ready"}}
+
+
+def outcome(src: KubeSource, what: str) -> float:
+    return metric(src, contract.OP_DEFERRED_OBJECT_UPDATES, {"outcome": what})
+
+
+def desired(src: KubeSource, uid: str) -> list[float | None]:
+    facts = src.index.workloads.get(uid)
+    assert facts is not None
+    return [r.desired for r in facts.replicas if r.component == "worker"]
+
+
+class Held:
+    """The engine's evaluation (``_read_object_facts``, as the thread's work runs it)
+    counted and, once armed, held until ``release`` is set (at most ``HOLD_SECONDS``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.armed = False
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[str] = []  # the thread each evaluation ran in
+        real = engine_module._read_object_facts
+
+        def read(*args: Any) -> Any:
+            if self.armed:
+                self.calls.append(threading.current_thread().name)
+                self.entered.set()
+                if not self.release.wait(HOLD_SECONDS):
+                    raise AssertionError("not released")
+            return real(*args)
+
+        monkeypatch.setattr(engine_module, "_read_object_facts", read)
+
+
+def _heavy(src: KubeSource) -> HeavyObjects:
+    assert src.heavy_objects is not None
+    return src.heavy_objects
+
+
+async def test_a_stream_of_updates_ends_with_the_last_version_in_fewer_evaluations(
+        sim: KubeSim, source: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five versions while the thread is held on the first: the versions between are
+    superseded (latest wins), the index ends with the last one's facts, after fewer
+    evaluations than events; none of them on the event loop's thread."""
+    held = Held(monkeypatch)
+    rc = sim.create(raycluster(1))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(source.start(), 10)
+    assert source.engine.heavy(uid)
+    heavy = _heavy(source)
+    held.armed = True
+    version = rc["metadata"]["resourceVersion"]
+    for n in range(2, 7):
+        version = sim.update(raycluster(n, version))["metadata"]["resourceVersion"]
+    # every version is waiting, being evaluated or superseded
+    await eventually(lambda: outcome(source, "superseded") + heavy.pending
+                     + len(held.calls) == 5)
+    assert desired(source, uid) == [1.0]  # nothing applied while the thread is held
+    held.release.set()
+    await asyncio.wait_for(heavy.settled(), 10)
+    assert desired(source, uid) == [6.0]
+    assert len(held.calls) < 5
+    assert all(name.startswith("karta-jq") for name in held.calls)
+    assert outcome(source, "applied") == len(held.calls)
+    assert outcome(source, "applied") + outcome(source, "superseded") == 5
+
+
+async def test_a_deletion_while_a_version_is_evaluated_leaves_the_object_deleted(
+        sim: KubeSim, source: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version in the thread, another waiting, then the deletion: the one waiting is
+    dropped, the thread's result discarded (both superseded), the object stays deleted."""
+    held = Held(monkeypatch)
+    rc = sim.create(raycluster(1))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(source.start(), 10)
+    heavy = _heavy(source)
+    held.armed = True
+    v2 = sim.update(raycluster(2, rc["metadata"]["resourceVersion"]))
+    await eventually(held.entered.is_set)  # version 2 in the thread
+    sim.update(raycluster(3, v2["metadata"]["resourceVersion"]))
+    await eventually(lambda: heavy.pending == 1)  # version 3 waiting behind it
+    sim.delete(rc)
+    await eventually(lambda: uid not in source.index.workloads)
+    assert heavy.pending == 0
+    held.release.set()
+    await asyncio.wait_for(heavy.settled(), 10)
+    assert uid not in source.index.workloads
+    assert not source.engine.holds(uid)
+    assert outcome(source, "superseded") == 2 and outcome(source, "applied") == 0
+    assert len(held.calls) == 1
+
+
+async def test_the_event_loop_runs_while_a_heavy_object_is_evaluated(
+        sim: KubeSim, source: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evaluation waits for a callback of the event loop: it can only come while
+    the loop is free (an evaluation on the loop's own thread would wait for it in vain,
+    and fail)."""
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+    ran = threading.Event()
+    real = engine_module._read_object_facts
+    armed = False
+
+    def on_loop() -> None:
+        order.append("loop callback")
+        ran.set()
+
+    def read(*args: Any) -> Any:
+        if armed:
+            loop.call_soon_threadsafe(on_loop)
+            if not ran.wait(HOLD_SECONDS if threading.current_thread() is not main else 0.5):
+                raise AssertionError("the event loop did not run during the evaluation")
+            order.append("evaluated")
+        return real(*args)
+
+    main = threading.current_thread()
+    monkeypatch.setattr(engine_module, "_read_object_facts", read)
+    rc = sim.create(raycluster(1))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(source.start(), 10)
+    armed = True
+    sim.update(raycluster(3, rc["metadata"]["resourceVersion"]))
+    await eventually(lambda: outcome(source, "applied") == 1)
+    assert order == ["loop callback", "evaluated"]
+    assert desired(source, uid) == [3.0]
+
+
+async def test_a_failing_thread_leaves_the_update_to_the_event_loop(
+        sim: KubeSim, source: KubeSource, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The evaluation fails in the thread: the update is not lost, its text is fed and
+    evaluated on the loop as before (the waiting version holds only its text and
+    metadata, so that text is what the engine keeps), logged, counted under neither
+    outcome."""
+    real = engine_module._read_object_facts
+    main = threading.current_thread()
+
+    def read(*args: Any) -> Any:
+        if threading.current_thread() is not main:
+            raise RuntimeError("the thread's evaluation broke")
+        return real(*args)
+
+    rc = sim.create(raycluster(1))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(source.start(), 10)
+    monkeypatch.setattr(engine_module, "_read_object_facts", read)
+    sim.update(raycluster(4, rc["metadata"]["resourceVersion"]))
+    await eventually(lambda: desired(source, uid) == [4.0])
+    await _heavy(source).settled()
+    assert outcome(source, "applied") == 0 and outcome(source, "superseded") == 0
+    assert any("failed; evaluating them on it" in r.getMessage() for r in caplog.records)
+
+
+def test_the_counter_has_both_outcomes_from_the_start() -> None:
+    class NoEngine:
+        def heavy(self, uid: str) -> bool:
+            return False
+
+        def facts_work(self, obj: Any) -> None:
+            return None
+
+    registry = CollectorRegistry()
+    feed: Callable[..., None] = lambda obj, prepared: None  # noqa: E731
+    HeavyObjects(NoEngine(), feed, registry=registry)
+    for what in ("applied", "superseded"):
+        assert registry.get_sample_value(contract.OP_DEFERRED_OBJECT_UPDATES,
+                                         {"outcome": what}) == 0.0
