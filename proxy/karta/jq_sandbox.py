@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Final, cast
 
 from proxy.karta.jq_child import FAILED, HELLO, JQ_ERROR, MAX_ANSWER_BYTES, OK
-from proxy.karta.jqexpr import JqError, JqExpr
+from proxy.karta.jqexpr import JqError, JqExpr, note_wait
 
 log = logging.getLogger(__name__)
 
@@ -444,8 +444,10 @@ class JqSandbox:
         others, and the child, the strikes and the quarantines are one state. One call is
         one object, so the loop waits at most for one object's evaluation, as it did
         when it made that evaluation itself."""
+        asked = time.monotonic()
         with self._lock:
             started = time.monotonic()
+            note_wait(started - asked)  # no weight of the object's (Engine.heavy)
             try:
                 return self._run_many(exprs, text)
             finally:
