@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from proxy.karta.jqexpr import JqError, single_output_id
+from proxy.karta.jqexpr import JqError, single_output_id, waited_seconds
 from proxy.karta.model import UNDEFINED, Description, GroupKind
 from proxy.karta.owners import (
     POD,
@@ -212,6 +212,18 @@ class Prepared(NamedTuple):
     seconds: float
 
 
+def _timed_facts(plan: _DescriptionPlan, kept: Mapping[str, Any] | Packed
+                 ) -> tuple[_ObjectFacts, float]:
+    """An object version's facts and the seconds they took, less those this thread
+    waited for the jq sandbox busy with the other thread's evaluation (the event loop's
+    or the heavy objects' thread's): a light object evaluated while a heavy one held the
+    sandbox is not heavy for it."""
+    waited = waited_seconds()
+    began = time.perf_counter()
+    facts = _read_object_facts(plan, kept)
+    return facts, time.perf_counter() - began - (waited_seconds() - waited)
+
+
 class FactsWork:
     """One object version's facts to prepare in another thread, taken on the engine's
     thread (:meth:`Engine.facts_work`): the plan in force for its kind, the object as the
@@ -235,10 +247,8 @@ class FactsWork:
         self.pack_seconds = pack_seconds
 
     def run(self) -> Prepared:
-        began = time.perf_counter()
-        facts = _read_object_facts(self.plan, self.kept)
-        return Prepared(self.plan, self.kept, facts,
-                        self.pack_seconds + time.perf_counter() - began)
+        facts, seconds = _timed_facts(self.plan, self.kept)
+        return Prepared(self.plan, self.kept, facts, self.pack_seconds + seconds)
 
     def unevaluated(self) -> Prepared:
         """The kept text without facts (the thread failed): fed with ``stub``, the
@@ -1252,9 +1262,8 @@ class Engine:
                 return cache.facts
             ev, seconds = cache.facts, cache.unaccounted
         else:
-            began = time.perf_counter()
-            ev = _read_object_facts(plan, holder.obj)
-            seconds = time.perf_counter() - began + self._packing.pop(uid, 0.0)
+            ev, seconds = _timed_facts(plan, holder.obj)
+            seconds += self._packing.pop(uid, 0.0)
         holder.cache = _FactsCache(plan, ev)
         if seconds >= self._heavy_seconds:
             self._heavy.add(uid)

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Final, cast
 
 from proxy.karta.jq_child import FAILED, HELLO, JQ_ERROR, MAX_ANSWER_BYTES, OK
-from proxy.karta.jqexpr import JqError, JqExpr
+from proxy.karta.jqexpr import JqError, JqExpr, note_wait
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,14 @@ class JqSandbox:
         self.timeout_seconds = timeout_seconds
         self.memory_limit_bytes = memory_limit_bytes
         self._command = command
+        #: one call (one object's evaluation) at a time: the child is one; held for the
+        #: whole round trip (up to the time limit)
         self._lock = threading.Lock()
+        #: the strikes and quarantines alone (taken under ``_lock`` or without it, never
+        #: the other way round): the gauge, read by a /metrics scrape on the event loop,
+        #: must not wait for an evaluation in the heavy objects' thread (~160-250 ms a
+        #: heavy object, up to the time limit), which is what that thread spares the loop
+        self._marks = threading.Lock()
         self._child: _Child | None = None
         #: restarts by reason (``RESTART_REASONS``)
         self.restarts: dict[str, int] = dict.fromkeys(RESTART_REASONS, 0)
@@ -354,19 +361,19 @@ class JqSandbox:
             self._end_child()
 
     def quarantined(self) -> int:
-        """Expressions quarantined now (the gauge)."""
-        with self._lock:
+        """Expressions quarantined now (the gauge); never waits for an evaluation."""
+        with self._marks:
             self._expire()
             return len(self._quarantined)
 
     def is_quarantined(self, source: str) -> bool:
-        with self._lock:
+        with self._marks:
             self._expire()
             return source in self._quarantined
 
     def _expire(self) -> None:
         """Quarantines over and strikes older than QUARANTINE_SECONDS forgotten: the
-        expression starts with a fresh record."""
+        expression starts with a fresh record. Under ``_marks``."""
         now = self._clock()
         for source in [s for s, until in self._quarantined.items() if until <= now]:
             del self._quarantined[source]
@@ -437,8 +444,10 @@ class JqSandbox:
         others, and the child, the strikes and the quarantines are one state. One call is
         one object, so the loop waits at most for one object's evaluation, as it did
         when it made that evaluation itself."""
+        asked = time.monotonic()
         with self._lock:
             started = time.monotonic()
+            note_wait(started - asked)  # no weight of the object's (Engine.heavy)
             try:
                 return self._run_many(exprs, text)
             finally:
@@ -453,10 +462,11 @@ class JqSandbox:
         the ones after are sent to a fresh child, within what is left of the limit."""
         results: list[list[Any] | JqError | None] = [None] * len(exprs)
         todo = []
-        self._expire()
+        with self._marks:
+            self._expire()
+            untils = [self._quarantined.get(expr.source) for expr in exprs]
         now = self._clock()
-        for i, expr in enumerate(exprs):
-            until = self._quarantined.get(expr.source)
+        for i, (expr, until) in enumerate(zip(exprs, untils, strict=True)):
             if until is not None:
                 results[i] = JqError(
                     f"{expr.source!r}: quarantined for {_duration(QUARANTINE_SECONDS)} after "
@@ -610,15 +620,19 @@ class JqSandbox:
         return JqError(f"{source!r}: {what}", retry_after=0.0 if transient else None)
 
     def _strike(self, source: str) -> None:
-        self._expire()
-        now = self._clock()
-        strikes = self._strikes.setdefault(source, [])
-        strikes.append(now)
-        if len(strikes) >= QUARANTINE_STRIKES and source not in self._quarantined:
-            self._quarantined[source] = now + QUARANTINE_SECONDS
+        with self._marks:
+            self._expire()
+            now = self._clock()
+            strikes = self._strikes.setdefault(source, [])
+            strikes.append(now)
+            count = len(strikes)
+            quarantine = count >= QUARANTINE_STRIKES and source not in self._quarantined
+            if quarantine:
+                self._quarantined[source] = now + QUARANTINE_SECONDS
+        if quarantine:
             log.error("jq expression quarantined: %d evaluations within %s exceeded the "
                       "time limit or took the jq sandbox child down; its evaluations are "
-                      "jq errors for %s (or until its text changes)", len(strikes),
+                      "jq errors for %s (or until its text changes)", count,
                       _duration(QUARANTINE_SECONDS), _duration(QUARANTINE_SECONDS),
                       extra={"expression": _clip(source)})
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn, Protocol
 
@@ -306,6 +307,24 @@ def remove_runner(runner: JqRunner) -> None:
 
 def current_runner() -> JqRunner:
     return _current
+
+
+#: per thread, the seconds it waited for a runner busy with another thread's evaluation
+#: (the jq sandbox's one child: the event loop and the heavy objects' thread share it)
+_waits = threading.local()
+
+
+def waited_seconds() -> float:
+    """Seconds this thread has waited so far for a runner busy with another thread's
+    evaluation: what an object's weight (``Engine.heavy``) leaves out of its evaluation's
+    time, as no cost of its own."""
+    seconds: float = getattr(_waits, "seconds", 0.0)
+    return seconds
+
+
+def note_wait(seconds: float) -> None:
+    """A runner made this thread wait ``seconds`` for another thread's evaluation."""
+    _waits.seconds = waited_seconds() + seconds
 
 
 class Evaluated:

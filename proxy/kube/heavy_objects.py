@@ -152,7 +152,6 @@ class HeavyObjects:
         await self._idle.wait()
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
                 self._idle.set()
@@ -160,26 +159,32 @@ class HeavyObjects:
                 await self._wake.wait()
                 continue
             uid = next(iter(self._pending))
-            work = self._pending.pop(uid)
-            self._flying, self._flying_superseded = uid, False
-            try:
-                prepared = await loop.run_in_executor(self._pool, work.run)
-            except Exception:
-                log.warning("evaluating the facts of a heavy object off the event loop "
-                            "failed; evaluating them on it", exc_info=True,
-                            extra={"uid": uid})
-                prepared = work.unevaluated()
-            finally:
-                self._flying = None
-            if self._flying_superseded:
-                self.updates.labels("superseded").inc()
-                continue
-            # fed as the source feeds any event, the stub in the object's place with its
-            # kept text (without facts when the thread failed: evaluated here as before)
-            try:
-                self._feed(work.stub, prepared)
-            except Exception:  # the source's own failure: this task must go on
-                log.exception("feeding a heavy object's update failed", extra={"uid": uid})
-                continue
-            if prepared.facts is not None:
-                self.updates.labels("applied").inc()
+            # no local of this loop holds the work: the last version's text (and its
+            # result) would outlive its use while the loop waits, for hours maybe
+            await self._evaluate(uid, self._pending.pop(uid))
+
+    async def _evaluate(self, uid: str, work: FactsWork) -> None:
+        """One version's facts evaluated in the thread, then fed, unless superseded."""
+        loop = asyncio.get_running_loop()
+        self._flying, self._flying_superseded = uid, False
+        try:
+            prepared = await loop.run_in_executor(self._pool, work.run)
+        except Exception:
+            log.warning("evaluating the facts of a heavy object off the event loop "
+                        "failed; evaluating them on it", exc_info=True,
+                        extra={"uid": uid})
+            prepared = work.unevaluated()
+        finally:
+            self._flying = None
+        if self._flying_superseded:
+            self.updates.labels("superseded").inc()
+            return
+        # fed as the source feeds any event, the stub in the object's place with its
+        # kept text (without facts when the thread failed: evaluated here as before)
+        try:
+            self._feed(work.stub, prepared)
+        except Exception:  # the source's own failure: this task must go on
+            log.exception("feeding a heavy object's update failed", extra={"uid": uid})
+            return
+        if prepared.facts is not None:
+            self.updates.labels("applied").inc()

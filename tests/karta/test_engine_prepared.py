@@ -9,7 +9,12 @@ paths, a jq error of the expression's own, an id refused, the sandbox failing fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +22,7 @@ import pytest
 
 from proxy.karta.engine import Engine, Prepared
 from proxy.karta.jq_sandbox import JqSandbox
-from proxy.karta.jqexpr import install_runner, remove_runner
+from proxy.karta.jqexpr import JqExpr, install_runner, remove_runner
 from proxy.karta.results import ChangeSet
 from tests.clock import ManualClock
 from tests.karta.test_engine import (
@@ -256,3 +261,37 @@ def test_prepared_facts_are_used_and_accounted_at_first_use(sandbox: JqSandbox) 
     cache = e._graph.objects["thing-t"].cache
     assert cache.facts is ready.facts and cache.unaccounted is None
     assert sum(e.jq_errors.values()) == 1
+
+
+def test_waiting_for_the_sandbox_busy_with_another_thread_is_no_weight(
+        sandbox: JqSandbox) -> None:
+    """The heavy objects' thread holds the sandbox for a whole evaluation (~160-250 ms
+    a heavy object): a light object evaluated on the event loop meanwhile waited for it,
+    and that wait counted as its own evaluation's time, so it became heavy and its next
+    updates queued behind the heavy ones'; the thread's own evaluation, waiting for the
+    loop's, the same. Here the other thread's evaluation is held ~0.3 s (its child
+    stopped, then continued by a timer): the object waits that long, and stays light."""
+    e = Engine(heavy_seconds=0.1)
+    e.add_descriptions([describe(GRAPH_KARTA)])
+    assert sandbox.run(JqExpr("."), "1") == [1]
+    pid = sandbox.child_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    other = threading.Thread(target=sandbox.run, args=(JqExpr("."), "2"), name="karta-jq_0")
+    other.start()
+    resume = threading.Timer(0.3, os.kill, (pid, signal.SIGCONT))
+    try:
+        deadline = time.monotonic() + 5
+        while not sandbox._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sandbox._lock.locked(), "the other evaluation did not start"
+        resume.start()
+        began = time.monotonic()
+        e.upsert(graph("g", {"a": 1}))
+        assert time.monotonic() - began >= 0.2  # it did wait for the other one
+    finally:
+        resume.join(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        other.join(10)
+    assert not e.heavy("graph-g")

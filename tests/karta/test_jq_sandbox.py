@@ -3,6 +3,7 @@ time and memory limits, quarantine, a child killed from outside, and no zombie l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -306,6 +307,44 @@ def test_a_child_killed_during_an_evaluation_is_a_jq_error(sandbox: JqSandbox) -
     assert sandbox.restarts["died"] == 1
     assert not _alive(pid)
     assert sandbox.run(JqExpr(".a"), '{"a":"ok"}') == ["ok"]
+
+
+def test_the_quarantine_gauge_does_not_wait_for_an_evaluation_in_another_thread(
+        sandbox: JqSandbox) -> None:
+    """The heavy objects' thread (``proxy.kube.heavy_objects``) holds the sandbox for a
+    whole evaluation (~160-250 ms a heavy object, up to the time limit); a /metrics
+    scrape reads the quarantine gauge on the event loop, and waited that long for it
+    (the loop held, as the thread was there to spare it). The child is stopped
+    (SIGSTOP) to hold the evaluation as long as the test needs, without a sleep."""
+    import threading
+
+    sandbox.configure(timeout_seconds=10.0, memory_limit_bytes=128 << 20)
+    assert sandbox.run(JqExpr("."), "1") == [1]
+    pid = sandbox.child_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    answers: list[Any] = []
+    evaluating = threading.Thread(
+        target=lambda: answers.append(sandbox.run(JqExpr(".a"), '{"a":1}')),
+        name="karta-jq_0")
+    evaluating.start()
+    try:
+        # the thread holds the sandbox for its whole round trip
+        deadline = time.monotonic() + 5
+        while not sandbox._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sandbox._lock.locked(), "the evaluation did not start"
+        started = time.monotonic()
+        assert sandbox.quarantined() == 0
+        assert not sandbox.is_quarantined(".a")
+        waited = time.monotonic() - started
+        assert evaluating.is_alive()  # still held: the gauge did not wait for it
+        assert waited < 1.0, waited
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed at the limit (a failure)
+            os.kill(pid, signal.SIGCONT)
+        evaluating.join(15)
+    assert answers == [[1]]
 
 
 def test_new_limits_restart_the_child(sandbox: JqSandbox) -> None:
