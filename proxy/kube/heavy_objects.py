@@ -70,7 +70,8 @@ class HeavyObjects:
                  registry: CollectorRegistry) -> None:
         self._engine = engine
         self._feed = feed
-        #: uid -> the latest version's work waiting (insertion order: the oldest first):
+        #: uid -> the latest version's work waiting, in the order the uids began to wait
+        #: (a newer version keeps its uid's place):
         #: its kept text and stub, not its parsed dicts (~5x the text)
         self._pending: dict[str, FactsWork] = {}
         #: the uid whose version is being evaluated in the thread, and whether an event fed
@@ -124,7 +125,10 @@ class HeavyObjects:
             work = (self._engine.facts_work(obj)
                     if etype != "DELETED" and self._engine.heavy(uid) else None)
             if work is not None:
-                if self._pending.pop(uid, None) is not None:
+                # a newer version takes the waiting one's place in line, not the back: an
+                # object updated more often than the line moves would never reach its
+                # front, its facts never refreshed while it keeps changing
+                if uid in self._pending:
                     self.updates.labels("superseded").inc()
                 self._pending[uid] = work
                 self._idle.clear()

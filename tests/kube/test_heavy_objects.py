@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -64,8 +65,8 @@ async def source(sim: KubeSim, sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
         await src.stop()
 
 
-def raycluster(replicas: int, resource_version: str | None = None) -> Obj:
-    md: Obj = {"name": "rc", "namespace": "default"}
+def raycluster(replicas: int, resource_version: str | None = None, name: str = "rc") -> Obj:
+    md: Obj = {"name": name, "namespace": "default"}
     if resource_version is not None:
         md["resourceVersion"] = resource_version
     return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": md,
@@ -92,11 +93,13 @@ class Held:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.calls: list[str] = []  # the thread each evaluation ran in
+        self.names: list[str] = []  # the object each evaluated
         real = engine_module._read_object_facts
 
         def read(*args: Any) -> Any:
             if self.armed:
                 self.calls.append(threading.current_thread().name)
+                self.names.append(json.loads(args[1].text)["metadata"]["name"])
                 self.entered.set()
                 if not self.release.wait(HOLD_SECONDS):
                     raise AssertionError("not released")
@@ -136,6 +139,32 @@ async def test_a_stream_of_updates_ends_with_the_last_version_in_fewer_evaluatio
     assert all(name.startswith("karta-jq") for name in held.calls)
     assert outcome(source, "applied") == len(held.calls)
     assert outcome(source, "applied") + outcome(source, "superseded") == 5
+
+
+async def test_an_object_updated_again_keeps_its_place_in_line(
+        sim: KubeSim, source: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer version takes the place of the one waiting, not the back of the line: an
+    object updated more often than the line moves would otherwise never reach its front,
+    its facts never refreshed while it keeps changing. Here ``b`` waits before ``a``'s
+    next version and is updated again: it is still evaluated first."""
+    held = Held(monkeypatch)
+    a, b = sim.create(raycluster(1, name="a")), sim.create(raycluster(1, name="b"))
+    await asyncio.wait_for(source.start(), 10)
+    heavy = _heavy(source)
+    held.armed = True
+    a2 = sim.update(raycluster(2, a["metadata"]["resourceVersion"], name="a"))
+    await eventually(held.entered.is_set)  # a's version 2 in the thread
+    b2 = sim.update(raycluster(2, b["metadata"]["resourceVersion"], name="b"))
+    await eventually(lambda: heavy.pending == 1)
+    sim.update(raycluster(3, a2["metadata"]["resourceVersion"], name="a"))
+    await eventually(lambda: heavy.pending == 2)
+    sim.update(raycluster(3, b2["metadata"]["resourceVersion"], name="b"))
+    await eventually(lambda: outcome(source, "superseded") == 1)
+    held.release.set()
+    await asyncio.wait_for(heavy.settled(), 10)
+    assert held.names == ["a", "b", "a"]
+    assert desired(source, a["metadata"]["uid"]) == [3.0]
+    assert desired(source, b["metadata"]["uid"]) == [3.0]
 
 
 async def test_a_deletion_while_a_version_is_evaluated_leaves_the_object_deleted(
