@@ -49,7 +49,7 @@ from proxy.karta.owners import (
     controller_ref,
     group_kind,
 )
-from proxy.karta.packed import Packed, pack_for_jq
+from proxy.karta.packed import Packed, pack_decoded, pack_for_jq
 from proxy.karta.plans import _CountKey, _DescriptionPlan, _PodRec, _Probe
 from proxy.karta.replicas import (
     _cached,
@@ -731,7 +731,9 @@ class Engine:
         """The facts of this object version to prepare in another thread (for
         ``upsert_many(..., prepared=)``, with the work's ``stub`` in the object's place),
         under the plan in force for its kind now; None when its kind has none (nothing to
-        evaluate). The object's kept text is made here, on the calling thread."""
+        evaluate). The object's kept text is made here, on the calling thread, the way
+        for an object decoded from JSON (a watch event's, the source's only caller:
+        :func:`~proxy.karta.packed.pack_decoded`)."""
         api, kind = obj.get("apiVersion"), obj.get("kind")
         if not isinstance(api, str) or not isinstance(kind, str) \
                 or not isinstance(obj.get("metadata"), Mapping):
@@ -741,7 +743,7 @@ class Engine:
             return None
         began = time.perf_counter()
         trimmed = _trim(obj)
-        kept = pack_for_jq(trimmed)
+        kept = pack_decoded(trimmed)
         stub = {"apiVersion": api, "kind": kind, "metadata": trimmed["metadata"]}
         return FactsWork(stub, kept, plan, time.perf_counter() - began)
 

@@ -13,6 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from proxy.karta.status import object_text
 
 
@@ -59,6 +61,25 @@ def pack_for_jq(obj: Mapping[str, Any]) -> Mapping[str, Any] | Packed:
         return Packed(object_text(obj))
     except (TypeError, ValueError, RecursionError):
         return obj
+
+
+#: keys sorted as :func:`~proxy.karta.jqexpr.jq_text` sorts them (by code point)
+_SORTED = msgspec.json.Encoder(order="sorted")
+
+
+def pack_decoded(obj: Mapping[str, Any]) -> Mapping[str, Any] | Packed:
+    """:func:`pack_for_jq` for an object decoded from JSON (a watch event's): the same
+    JSON value for jq, keys in the same order, made 5-8x faster (msgspec: a 1.5 MB Argo
+    Workflow in ~3 ms against ~16, the event loop held all of it either way: both
+    encoders hold the GIL in one piece). The text may differ in spelling only (UTF-8
+    where ``json`` escapes, ``1e16`` for ``1e+16``). What ``object_text`` handles and
+    this does not cannot come from JSON: NaN and infinities (msgspec would write
+    ``null``), timestamps, keys that are not strings; what msgspec refuses (a lone
+    surrogate) goes through :func:`pack_for_jq`."""
+    try:
+        return Packed(_SORTED.encode(obj).decode())
+    except (TypeError, ValueError, OverflowError):  # UnicodeEncodeError is a ValueError
+        return pack_for_jq(obj)
 
 
 def unpack(obj: Mapping[str, Any] | Packed) -> Mapping[str, Any]:
