@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -50,16 +50,6 @@ GRAPH_KARTA = karta({"group": "example.com", "kind": "Graph"}, [{
                       "statusMappings": {"running": [{"byPhase": "ready"}]}})
 
 
-@pytest.fixture
-def sandbox() -> Iterator[JqSandbox]:
-    """The real jq sandbox as the runner, as in the proxy."""
-    box = JqSandbox(timeout_seconds=5.0)
-    install_runner(box)
-    try:
-        yield box
-    finally:
-        remove_runner(box)
-        box.close()
 
 
 def graph(name: str, services: dict[str, int], state: str = "ready") -> Obj:
@@ -159,7 +149,7 @@ def _run(steps: list[Step], call: Callable[[Engine, list[Obj]], ChangeSet],
 
 
 def test_prepared_facts_give_what_the_engine_gives_without_them(
-        sandbox: JqSandbox, caplog: pytest.LogCaptureFixture) -> None:
+        installed_sandbox: JqSandbox, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="proxy.karta.engine")
     plain, want = _run(_history(), _plain, caplog)
     prepared, got = _run(_history(), _prepared_upsert, caplog)
@@ -206,7 +196,7 @@ def test_prepared_facts_failing_for_now_owe_the_same_retries() -> None:
 
 
 def test_facts_prepared_under_a_description_no_longer_in_force_are_not_used(
-        sandbox: JqSandbox) -> None:
+        installed_sandbox: JqSandbox) -> None:
     """The work is taken, the description changes before the facts come back: the
     object's facts are those of the description in force, as without them."""
     clock = ManualClock(1000.0)
@@ -229,7 +219,7 @@ def test_facts_prepared_under_a_description_no_longer_in_force_are_not_used(
     assert [r.desired for r in facts.replicas] == [3.0]
 
 
-def test_a_heavy_object_is_forgotten_when_deleted(sandbox: JqSandbox) -> None:
+def test_a_heavy_object_is_forgotten_when_deleted(installed_sandbox: JqSandbox) -> None:
     """Heavy by the last evaluation's time; forgotten with the object (and light again
     when an evaluation takes less than the threshold)."""
     e = Engine(heavy_seconds=0.0)
@@ -247,7 +237,7 @@ def test_a_heavy_object_is_forgotten_when_deleted(sandbox: JqSandbox) -> None:
     assert Engine(builtins=False).facts_work(g) is None  # no description of its kind
 
 
-def test_prepared_facts_are_used_and_accounted_at_first_use(sandbox: JqSandbox) -> None:
+def test_prepared_facts_are_used_and_accounted_at_first_use(installed_sandbox: JqSandbox) -> None:
     """The prepared evaluation is the one kept (not made again on this thread), and its
     jq error counted once, when the engine used it; an object no workload uses keeps its
     prepared facts unaccounted (as its evaluation would not have been made)."""
@@ -264,7 +254,7 @@ def test_prepared_facts_are_used_and_accounted_at_first_use(sandbox: JqSandbox) 
 
 
 def test_waiting_for_the_sandbox_busy_with_another_thread_is_no_weight(
-        sandbox: JqSandbox) -> None:
+        installed_sandbox: JqSandbox) -> None:
     """The heavy objects' thread holds the sandbox for a whole evaluation (~160-250 ms
     a heavy object): a light object evaluated on the event loop meanwhile waited for it,
     and that wait counted as its own evaluation's time, so it became heavy and its next
@@ -273,18 +263,19 @@ def test_waiting_for_the_sandbox_busy_with_another_thread_is_no_weight(
     stopped, then continued by a timer): the object waits that long, and stays light."""
     e = Engine(heavy_seconds=0.1)
     e.add_descriptions([describe(GRAPH_KARTA)])
-    assert sandbox.run(JqExpr("."), "1") == [1]
-    pid = sandbox.child_pid
+    assert installed_sandbox.run(JqExpr("."), "1") == [1]
+    pid = installed_sandbox.child_pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
-    other = threading.Thread(target=sandbox.run, args=(JqExpr("."), "2"), name="karta-jq_0")
+    other = threading.Thread(target=installed_sandbox.run, args=(JqExpr("."), "2"),
+                             name="karta-jq_0")
     other.start()
     resume = threading.Timer(0.3, os.kill, (pid, signal.SIGCONT))
     try:
         deadline = time.monotonic() + 5
-        while not sandbox._lock.locked() and time.monotonic() < deadline:
+        while not installed_sandbox._lock.locked() and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert sandbox._lock.locked(), "the other evaluation did not start"
+        assert installed_sandbox._lock.locked(), "the other evaluation did not start"
         resume.start()
         began = time.monotonic()
         e.upsert(graph("g", {"a": 1}))

@@ -12,7 +12,7 @@ import asyncio
 import gc
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -25,7 +25,6 @@ from proxy.karta import engine as engine_module
 from proxy.karta.description import parse_description
 from proxy.karta.engine import Engine, FactsWork, Prepared
 from proxy.karta.jq_sandbox import JqSandbox
-from proxy.karta.jqexpr import install_runner, remove_runner
 from proxy.kube.heavy_objects import HeavyObjects
 from proxy.kube.source import KubeSource
 from tests.karta.descriptions import RAYCLUSTER_KARTA
@@ -39,19 +38,10 @@ Obj = dict[str, Any]
 HOLD_SECONDS = 10.0
 
 
-@pytest.fixture
-def sandbox() -> Iterator[JqSandbox]:
-    box = JqSandbox(timeout_seconds=5.0)
-    install_runner(box)
-    try:
-        yield box
-    finally:
-        remove_runner(box)
-        box.close()
 
 
 @pytest.fixture
-async def source(sim: KubeSim, sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
+async def source(sim: KubeSim, installed_sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
     """A ready source whose engine finds every described object heavy, deferral on."""
     engine = Engine(heavy_seconds=0.0)
     engine.add_descriptions([parse_description(RAYCLUSTER_KARTA, "test")])
