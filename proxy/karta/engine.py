@@ -204,12 +204,15 @@ class Prepared(NamedTuple):
     #: the plan in force for the object's kind when the work was taken: the facts are
     #: used only while it still is
     plan: _DescriptionPlan
-    #: the object as the engine keeps it (``pack_for_jq(_trim(obj))``)
+    #: the object as the engine keeps it (``pack_decoded(_trim(obj))``: its jq text)
     kept: Mapping[str, Any] | Packed
     #: None: not evaluated (the thread failed): the engine evaluates the kept text itself
     facts: _ObjectFacts | None
     #: how long the pack and the evaluation took (the object's weight, :data:`HEAVY_SECONDS`)
     seconds: float
+    #: how long the pack took alone: the weight's share when the facts go unused (their
+    #: plan no longer in force: the engine evaluates the text itself, and times that)
+    pack_seconds: float
 
 
 def _timed_facts(plan: _DescriptionPlan, kept: Mapping[str, Any] | Packed
@@ -248,12 +251,13 @@ class FactsWork:
 
     def run(self) -> Prepared:
         facts, seconds = _timed_facts(self.plan, self.kept)
-        return Prepared(self.plan, self.kept, facts, self.pack_seconds + seconds)
+        return Prepared(self.plan, self.kept, facts, self.pack_seconds + seconds,
+                        self.pack_seconds)
 
     def unevaluated(self) -> Prepared:
         """The kept text without facts (the thread failed): fed with ``stub``, the
         engine evaluates the text itself, as for an object of its own."""
-        return Prepared(self.plan, self.kept, None, self.pack_seconds)
+        return Prepared(self.plan, self.kept, None, self.pack_seconds, self.pack_seconds)
 
 
 # -- the engine --------------------------------------------------------------------------
@@ -1240,7 +1244,7 @@ class Engine:
         ready = self._prepared.get(id(obj)) if self._prepared is not None else None
         if ready is not None:
             if ready.facts is None or ready.plan is not self._plans.get(gk):
-                self._packing[uid] = ready.seconds
+                self._packing[uid] = ready.pack_seconds
                 return ready.kept, None
             return ready.kept, _FactsCache(ready.plan, ready.facts, ready.seconds)
         began = time.perf_counter()

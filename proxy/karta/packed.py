@@ -75,10 +75,14 @@ def pack_decoded(obj: Mapping[str, Any]) -> Mapping[str, Any] | Packed:
     where ``json`` escapes, ``1e16`` for ``1e+16``). What ``object_text`` handles and
     this does not cannot come from JSON: NaN and infinities (msgspec would write
     ``null``), timestamps, keys that are not strings; what msgspec refuses (a lone
-    surrogate) goes through :func:`pack_for_jq`."""
+    surrogate; an object nested deeper than the caller's frames leave room for: the
+    decoder and the encoder each count the stack they are called from, and a watch
+    decodes from fewer frames than the source hands an update here) goes through
+    :func:`pack_for_jq`."""
     try:
         return Packed(_SORTED.encode(obj).decode())
-    except (TypeError, ValueError, OverflowError):  # UnicodeEncodeError is a ValueError
+    # UnicodeEncodeError is a ValueError
+    except (TypeError, ValueError, OverflowError, RecursionError):
         return pack_for_jq(obj)
 
 

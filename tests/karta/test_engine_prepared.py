@@ -286,3 +286,25 @@ def test_waiting_for_the_sandbox_busy_with_another_thread_is_no_weight(
             os.kill(pid, signal.SIGCONT)
         other.join(10)
     assert not e.heavy("graph-g")
+
+
+def test_facts_prepared_under_a_stale_plan_weigh_only_their_pack(
+        installed_sandbox: JqSandbox) -> None:
+    """Facts not used (their plan no longer in force) cost the event loop nothing: the
+    object's weight is its pack and the evaluation made here, not the thread's unused one
+    as well (it kept an object the new description made light heavy one version more,
+    its next update deferred behind the heavy ones')."""
+    e = Engine(heavy_seconds=0.5)
+    e.add_descriptions([describe(GRAPH_KARTA)])
+    e.upsert(graph("g", {"a": 1}))
+    new = graph("g", {"a": 3})
+    work = e.facts_work(new)
+    assert work is not None
+    ready = work.run()._replace(seconds=1.0)  # the thread's evaluation took a second
+    changed = karta({"group": "example.com", "kind": "Graph"}, GRAPH_KARTA["spec"][
+        "structureDefinition"]["childComponents"], statusDefinition={
+            "phaseDefinition": {"path": ".status.state | ascii_upcase"},
+            "statusMappings": {"running": [{"byPhase": "READY"}]}})
+    e.add_descriptions([describe(changed)])
+    e.upsert_many([new], prepared={id(new): ready})
+    assert not e.heavy("graph-g")

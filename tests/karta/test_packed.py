@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -104,3 +105,19 @@ def test_pack_decoded_leaves_what_json_cannot_give_to_pack_for_jq() -> None:
     assert pack_decoded(lone).text == pack_for_jq(lone).text  # type: ignore[union-attr]
     timestamp = {"t": datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)}
     assert pack_decoded(timestamp).text == pack_for_jq(timestamp).text  # type: ignore[union-attr]
+
+
+def test_pack_decoded_of_an_object_nested_as_deep_as_a_watch_decodes_it() -> None:
+    """msgspec's decoder and encoder each count the caller's frames against Python's
+    recursion limit: an object a watch decoded as deep as its frames allowed is too deep
+    for the encoder called from deeper frames (the source's handling of the slice). Its
+    RecursionError (``json``'s too, which ``pack_for_jq`` catches: the object kept as it
+    is) went out of ``facts_work``, and so out of the watch source's handling of the
+    slice holding a heavy object's update."""
+    depth = 900
+    obj = msgspec.json.decode(b'{"a":' * depth + b"1" + b"}" * depth)
+
+    def deeper(frames: int) -> Any:
+        return deeper(frames - 1) if frames else pack_decoded(obj)
+
+    assert deeper(200) is obj
