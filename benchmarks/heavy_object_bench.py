@@ -52,6 +52,7 @@ from kube_scale_bench import (  # noqa: E402
     start_proxy,
     wait_ready,
 )
+from relay.procs import cpu_seconds  # noqa: E402
 from relay.workdir import results_path  # noqa: E402
 
 GROUP, VERSION, KIND, PLURAL = "argoproj.io", "v1alpha1", "Workflow", "workflows"
@@ -222,24 +223,10 @@ def workflow_events(port: int) -> float:
     return _sum(_metrics(port), "karta_proxy_watch_events_total", PLURAL, '"MODIFIED"')
 
 
-def children_cpu(pid: int) -> float:
-    """CPU-s of a process's children (the jq sandbox's), which its own figures leave out
-    until it waits for them."""
-    import os
-
-    total = 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            kids = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for kid in kids:
-            try:
-                fields = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+def children_cpu(proxy: Proxy) -> float:
+    """CPU-s of the proxy's children (its jq sandbox's, a restarted one's included),
+    which its own figures leave out until it waits for them."""
+    return cpu_seconds(proxy.pid) - proxy.cpu()
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -277,14 +264,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.idle_seconds)
         events0 = await asyncio.to_thread(workflow_events, proxy.port)
         rss0, cpu0 = _status(proxy.pid, "VmRSS"), proxy.cpu()
-        jq0 = children_cpu(proxy.pid)
+        jq0 = children_cpu(proxy)
         t_update = time.monotonic()
         sim.send(f"update {args.seconds}")
         updates = int((await sim.expect("updated", args.seconds + 120)).split()[1])
         t_end = time.monotonic()
         events_end = await asyncio.to_thread(workflow_events, proxy.port) - events0
         cpu_updates = proxy.cpu() - cpu0
-        jq_updates = children_cpu(proxy.pid) - jq0
+        jq_updates = children_cpu(proxy) - jq0
         behind = await busy_until_quiet(proxy)
         text = await asyncio.to_thread(_metrics, proxy.port)
         events_quiet = _sum(text, "karta_proxy_watch_events_total", PLURAL,
