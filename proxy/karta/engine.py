@@ -233,9 +233,10 @@ class FactsWork:
     engine keeps it (its jq text), and ``stub``, the object to feed the engine in its
     place with the result (its apiVersion, kind and light metadata: all an upsert reads of
     an object whose kept text it is given). The text is made there, not in the thread:
-    the JSON encoder holds the GIL in one piece wherever it runs (~17 ms for a 1.7 MB
-    object), and a version waiting for the thread then holds its text, not its parsed
-    dicts (~5x the text: ~7 MB of them a version). :meth:`run` reads only the text and the
+    a JSON encoder holds the GIL in one piece wherever it runs (msgspec's ~3 ms for a
+    1.5 MB object: :func:`~proxy.karta.packed.pack_decoded`), and a version waiting for
+    the thread then holds its text, not its parsed dicts (~5x the text: ~7 MB of them a
+    version). :meth:`run` reads only the text and the
     plan (immutable), so it is safe in any thread; the jq evaluation holds the GIL
     in-process, so this frees the event loop only with the jq sandbox as the runner (the
     thread waits on its child's pipe)."""
