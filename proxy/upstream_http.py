@@ -21,7 +21,8 @@ redirects, decompression, automatic headers) is simply not done:
 - a connection goes back to the pool only when its answer was read to its end, said
   nothing of closing (HTTP/1.1, or 1.0 with ``keep-alive``) and the request was all
   written; any other, and one whose exchange was cancelled, is closed;
-- the pool: at most ``limit`` connections in use (the rest wait, in order), idle ones
+- the pool: at most ``limit`` connections in use (the rest wait, in order: a freed
+  slot is handed to the first waiter), idle ones
   reused oldest-released first and closed after ``idle_seconds`` idle, or once
   ``MAX_CONNECTION_SECONDS`` old (then the name is looked up again); names looked up with
   ``loop.getaddrinfo`` and kept ``DNS_TTL_SECONDS`` (``clear_dns_cache`` after a failed
@@ -639,7 +640,10 @@ class Pool:
         self._in_use: set[_Connection] = set()
         #: slots taken by connections being made
         self._connecting = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        #: slots handed to woken waiters whose task has not taken them yet
+        self._handed = 0
+        #: each waiter's future: True, handed a slot; False, the pool closed
+        self._waiters: deque[asyncio.Future[bool]] = deque()
         self._names = _Names()
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
@@ -678,20 +682,8 @@ class Pool:
     async def _acquire(self, key: _Key, target: _Target) -> _Connection:
         if self._closed:
             raise ConnectionEnded("the client is closed")
-        while not self._room():
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # woken and cancelled at once: the next one goes
-                raise
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
-            if self._closed:
-                raise ConnectionEnded("the client is closed")
+        if not self._room() and not await self._turn():
+            raise ConnectionEnded("the client is closed")
         # an idle connection only with room in the pool: the idle ones of another key
         # (another host, TLS context) do not count, and would take it past its limit
         conn = self._reuse(key)
@@ -713,8 +705,30 @@ class Pool:
         self._in_use.add(conn)
         return conn
 
+    async def _turn(self) -> bool:
+        """Wait in line for a slot: True once one is handed over (it is this caller's:
+        take it before the next await), False if the pool closed meanwhile. A freed slot
+        goes to the first waiter directly, counted in ``_handed`` until taken, so that a
+        request arriving before the woken task runs finds no room and queues behind it
+        (it took the slot, and the waiter queued again at the back)."""
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            handed = await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self._handed -= 1  # handed a slot and cancelled at once: the next one's
+                self._wake()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+        if handed:
+            self._handed -= 1
+        return handed
+
     def _room(self) -> bool:
-        return len(self._in_use) + self._connecting < self.limit
+        return len(self._in_use) + self._connecting + self._handed < self.limit
 
     def _reuse(self, key: _Key) -> _Connection | None:
         """An idle connection of ``key`` that may be used (oldest put back first), the
@@ -753,11 +767,12 @@ class Pool:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters:
+        """Hand the room there is to the first waiters."""
+        while self._waiters and self._room():
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
-                return
+                waiter.set_result(True)
+                self._handed += 1
 
     def _swept(self) -> None:
         """Close the connections idle past ``idle_seconds`` (or aged out), as aiohttp's
@@ -819,7 +834,7 @@ class Pool:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(False)
         for conn in conns:
             conn.close()
         if conns:

@@ -663,6 +663,78 @@ async def test_waiters_are_served_in_the_order_they_came() -> None:
     assert order == [b"0", b"1", b"2", b"3", b"4"]
 
 
+async def test_a_freed_connection_goes_to_the_first_waiter_not_to_a_request_arriving_then(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request arriving as a connection is freed (its task already ready to run when
+    the woken waiter's is not) found room and took it; the waiter, finding none, queued
+    again at the back: under steady load a waiter could wait for ever. The freed slot is
+    the first waiter's."""
+    order: list[bytes] = []
+    release = asyncio.Event()
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    order.append(await read_request(reader, raw))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                await release.wait()
+                writer.write(OK)
+                await writer.drain()
+        return handle
+
+    async with serving(make) as raw, pool(limit=1) as p:
+        holder = asyncio.create_task(post(p, raw.url(), b"holder"))
+        while not order:
+            await asyncio.sleep(0.01)
+        waiters = []
+        for name in (b"first", b"second"):
+            waiters.append(asyncio.create_task(post(p, raw.url(), name)))
+            await asyncio.sleep(0)  # each in the queue before the next
+        await asyncio.sleep(0.05)
+        late: list[asyncio.Task[Response]] = []
+        release_conn = p._release
+
+        def released(conn: Any) -> None:
+            if not late:  # ready to run before the waiter is woken
+                late.append(asyncio.create_task(post(p, raw.url(), b"late")))
+            release_conn(conn)
+        monkeypatch.setattr(p, "_release", released)
+        release.set()
+        answers = await asyncio.gather(holder, *waiters)
+        assert len(late) == 1
+        answers.append(await late[0])
+        assert [a.status for a in answers] == [204] * 4
+    assert order == [b"holder", b"first", b"second", b"late"]
+
+
+async def test_a_waiter_cancelled_as_it_is_handed_a_slot_hands_it_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    release = asyncio.Event()
+    async with serving(answering(release=release)) as raw, pool(limit=1) as p:
+        holder = asyncio.create_task(post(p, raw.url()))
+        while not raw.heads:
+            await asyncio.sleep(0.01)
+        first = asyncio.create_task(post(p, raw.url()))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(post(p, raw.url()))
+        await asyncio.sleep(0.05)
+        release_conn = p._release
+
+        def released(conn: Any) -> None:
+            release_conn(conn)
+            first.cancel()  # handed the slot, cancelled before it runs
+        monkeypatch.setattr(p, "_release", released)
+        release.set()
+        assert (await holder).status == (await second).status == 204
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert p._handed == 0 and not p._waiters
+        assert (await post(p, raw.url())).status == 204
+    assert len(set(raw.peers)) == 1
+
+
 async def test_an_idle_connection_of_another_url_is_no_way_past_the_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The limit holds across the pool's keys (another host of one upstream, a tenant's):
