@@ -692,6 +692,11 @@ class Proxy:
         change = self.engine.change_descriptions(descs, source=source)
         self.index.apply(change.changes)
         owed = change.owed
+        if self.source is not None and not self.settings.snapshot:
+            from proxy.kube.source import KubeSource
+
+            if isinstance(self.source, KubeSource):  # heavy objects re-evaluated off the loop
+                owed = self.source.owe_heavy(owed)
 
         # an engine bug on one owed object costs that object (and what lies below it) its
         # new attribution, never the rest of the reload's runs; logged once per reload

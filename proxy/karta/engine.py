@@ -232,7 +232,9 @@ class FactsWork:
     thread (:meth:`Engine.facts_work`): the plan in force for its kind, the object as the
     engine keeps it (its jq text), and ``stub``, the object to feed the engine in its
     place with the result (its apiVersion, kind and light metadata: all an upsert reads of
-    an object whose kept text it is given). The text is made there, not in the thread:
+    an object whose kept text it is given; None for a held object's re-evaluation after
+    a description change, :meth:`Engine.held_facts_work`, which feeds no object). The
+    text is made there, not in the thread:
     a JSON encoder holds the GIL in one piece wherever it runs (msgspec's ~3 ms for a
     1.5 MB object: :func:`~proxy.karta.packed.pack_decoded`), and a version waiting for
     the thread then holds its text, not its parsed dicts (~5x the text: ~7 MB of them a
@@ -243,7 +245,7 @@ class FactsWork:
 
     __slots__ = ("kept", "pack_seconds", "plan", "stub")
 
-    def __init__(self, stub: dict[str, Any], kept: Mapping[str, Any] | Packed,
+    def __init__(self, stub: dict[str, Any] | None, kept: Mapping[str, Any] | Packed,
                  plan: _DescriptionPlan, pack_seconds: float) -> None:
         self.stub = stub
         self.kept = kept
@@ -751,6 +753,42 @@ class Engine:
         kept = pack_decoded(trimmed)
         stub = {"apiVersion": api, "kind": kind, "metadata": trimmed["metadata"]}
         return FactsWork(stub, kept, plan, time.perf_counter() - began)
+
+    def held_facts_work(self, uid: str) -> FactsWork | None:
+        """The facts of workload object ``uid`` as held now (its kept text, no pack made)
+        under the plan in force for its kind, to prepare in another thread after a
+        description change (its kind's new plan) for :meth:`use_prepared`, then
+        ``reattribute([uid])``; None when there is nothing to evaluate: not a workload,
+        no text kept, its kind not described, or those facts cached already."""
+        holder, gk = self._holder(uid)
+        plan = self._plans.get(gk) if gk is not None else None
+        if holder is None or holder.obj is None or plan is None or uid not in self._wl \
+                or (holder.cache is not None and holder.cache.plan is plan):
+            return None
+        return FactsWork(None, holder.obj, plan, 0.0)
+
+    def _holder(self, uid: str) -> tuple[ObjectRecord | _PodRec | None, GroupKind | None]:
+        """The object or pod record of ``uid`` and its kind."""
+        rec = self._graph.objects.get(uid)
+        if rec is not None:
+            return rec, rec.gk
+        prec = self._pods.get(uid)
+        return (prec, POD) if prec is not None else (None, None)
+
+    def use_prepared(self, uid: str, ready: Prepared) -> None:
+        """Facts prepared in another thread from :meth:`held_facts_work`, for the
+        evaluations that follow (``reattribute([uid])``, next): put in the record's cache,
+        to be accounted at first use, while the object keeps the text they were made of,
+        their plan is in force, and no evaluation under it was made meanwhile (on the
+        loop, for a pod's event: counted twice else). Otherwise ignored: the engine
+        evaluates the object itself, as without them (a watch event or a newer
+        description came since)."""
+        holder, gk = self._holder(uid)
+        if holder is None or gk is None or ready.facts is None or holder.obj is not ready.kept \
+                or ready.plan is not self._plans.get(gk) \
+                or (holder.cache is not None and holder.cache.plan is ready.plan):
+            return
+        holder.cache = _FactsCache(ready.plan, ready.facts, ready.seconds)
 
     def holds(self, uid: str) -> bool:
         """The uid is a pod, an object or a ghost the engine holds: not an owner absent."""

@@ -342,6 +342,7 @@ class JqSandbox:
         self._start_error = ""
         self._warned_at = -math.inf
         self._unwarned = 0
+        #: set by :meth:`close`: no child is started after it
         self._closed = False
 
     # -- settings, state -------------------------------------------------------------------
@@ -393,8 +394,12 @@ class JqSandbox:
         return child.pid if child is not None else None
 
     def close(self) -> None:
-        """End the child (kill and reap); a later evaluation would start another."""
+        """End the child (kill and reap), for good: a later evaluation starts none and
+        fails (retry_after 0). The heavy objects' thread may enter after the stop closed
+        the sandbox (its evaluation under way ends with the source's stop, unawaited):
+        a child started then outlived the proxy's pipes, unreaped."""
         with self._lock:
+            self._closed = True
             self._end_child()
             _reap_late()
 
@@ -541,6 +546,8 @@ class JqSandbox:
 
     def _ready_child(self) -> _Child:
         """The running child, or a new one; :class:`_NoChild` when none can start."""
+        if self._closed:
+            raise _NoChild("the jq sandbox is closed (the proxy is stopping)")
         child = self._child
         if child is not None:
             if child.proc.poll() is None:

@@ -18,6 +18,17 @@ the engine's :class:`~proxy.karta.engine.FactsWork` run in one thread of its own
 (``feed``). An event the source feeds at once for a uid waiting here, or being evaluated
 (a deletion, a version of an object no longer heavy), supersedes that version: it is
 dropped, or its result discarded when it comes back.
+
+A description's change (a Karta object's, a reload's files) owes the objects of its
+kinds a new attribution, each with what lies below it, given in runs on the loop: each
+heavy workload object among them had its facts evaluated under the new plan in its run,
+on the loop (~150-250 ms each). Those are handed here instead (:meth:`HeavyObjects.owe`):
+their held text evaluated in the thread under the plan now in force
+(:meth:`~proxy.karta.engine.Engine.held_facts_work`), then the object re-attributed with
+them (``reattribute``), ahead of the updates waiting. The engine uses the facts only
+while the object keeps that text and the plan is in force (a watch event or a newer
+description since: it evaluates them itself, the same result); a newer change owing the
+object again supersedes the re-evaluation waiting or under way.
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ from proxy.thread_names import named_pool
 log = logging.getLogger(__name__)
 
 #: ``outcome`` of ``karta_proxy_deferred_object_updates_total``: evaluated off the loop
-#: and applied; dropped for a newer version or a deletion that came first
+#: and applied; dropped for a newer version, a deletion or a newer description change
+#: that came first
 OUTCOMES: Final = ("applied", "superseded")
 #: the evaluating thread's name prefix (``karta-jq_0`` for the OS too)
 THREAD_PREFIX: Final = "karta-jq"
@@ -50,10 +62,16 @@ class HeavyEngine(Protocol):
 
     def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None: ...
 
+    def held_facts_work(self, uid: str) -> FactsWork | None: ...
+
 
 #: how an object goes to the engine and its change set to the index: the source's
-#: (``KubeSource._feed_one``), given what was prepared for it
-Feed = Callable[[dict[str, Any], Prepared], None]
+#: (``KubeSource._feed_one``), given what was prepared for it; False: the engine failed
+#: on it (counted and logged there)
+Feed = Callable[[dict[str, Any], Prepared], bool]
+#: how an object owed a new attribution is given it, with its facts prepared: the
+#: source's (``KubeSource._reattribute_one``); False as for :data:`Feed`
+Reattribute = Callable[[str, Prepared], bool]
 
 
 def _uid(obj: Mapping[str, Any]) -> str | None:
@@ -66,17 +84,23 @@ class HeavyObjects:
     """The heavy objects' versions waiting for their facts, the task that has them
     evaluated in a thread and fed, and the counter of what became of them."""
 
-    def __init__(self, engine: HeavyEngine, feed: Feed, *,
+    def __init__(self, engine: HeavyEngine, feed: Feed, reattribute: Reattribute, *,
                  registry: CollectorRegistry) -> None:
         self._engine = engine
         self._feed = feed
+        self._reattribute = reattribute
         #: uid -> the latest version's work waiting, in the order the uids began to wait
         #: (a newer version keeps its uid's place):
         #: its kept text and stub, not its parsed dicts (~5x the text)
         self._pending: dict[str, FactsWork] = {}
-        #: the uid whose version is being evaluated in the thread, and whether an event fed
-        #: at once for it since made its result useless
+        #: uid -> its re-evaluation owed after a description change (a work without a
+        #: stub), in the order owed: taken before the updates
+        self._owed: dict[str, FactsWork] = {}
+        #: the uid whose version (or re-evaluation) is being evaluated in the thread, and
+        #: whether an event fed at once for it (a newer change owing it again) since made
+        #: its result useless
         self._flying: str | None = None
+        self._flying_owed = False
         self._flying_superseded = False
         self._wake = asyncio.Event()
         #: set while nothing waits and nothing is being evaluated (:meth:`settled`)
@@ -86,9 +110,10 @@ class HeavyObjects:
         self._pool = named_pool(THREAD_PREFIX, 1)
         self.updates = Counter(
             contract.OP_DEFERRED_OBJECT_UPDATES,
-            "Updates of heavy described objects whose facts were evaluated off the event "
-            "loop, by outcome (applied; superseded: a newer version or a deletion came "
-            "first).",
+            "Updates of heavy described objects, and their re-evaluations after a "
+            "description change, whose facts were evaluated off the event loop, by "
+            "outcome (applied; superseded: a newer version, a deletion or a newer "
+            "description change came first).",
             ["outcome"],
             registry=registry,
         )
@@ -108,6 +133,7 @@ class HeavyObjects:
             self._task = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pending.clear()
+        self._owed.clear()
         self._idle.set()
 
     def take(self, events: list[tuple[str, dict[str, Any]]]
@@ -136,15 +162,34 @@ class HeavyObjects:
                 continue
             if self._pending.pop(uid, None) is not None:
                 self.updates.labels("superseded").inc()
-            if uid == self._flying:
+            if uid == self._flying and not self._flying_owed:
                 self._flying_superseded = True
             out.append(ev)
         return out
 
+    def owe(self, uids: list[str]) -> list[str]:
+        """The objects a description change owes a new attribution to give now; the heavy
+        workload objects among them are re-evaluated here first (one waiting or under way
+        superseded: its plan is no longer the newest)."""
+        out: list[str] = []
+        for uid in uids:
+            work = self._engine.held_facts_work(uid) if self._engine.heavy(uid) else None
+            if self._owed.pop(uid, None) is not None:
+                self.updates.labels("superseded").inc()
+            if uid == self._flying and self._flying_owed:
+                self._flying_superseded = True
+            if work is None:
+                out.append(uid)
+                continue
+            self._owed[uid] = work
+            self._idle.clear()
+            self._wake.set()
+        return out
+
     @property
     def pending(self) -> int:
-        """Versions waiting (not counting the one being evaluated)."""
-        return len(self._pending)
+        """Versions and re-evaluations waiting (not counting the one being evaluated)."""
+        return len(self._pending) + len(self._owed)
 
     @property
     def idle(self) -> bool:
@@ -157,20 +202,26 @@ class HeavyObjects:
 
     async def _drain(self) -> None:
         while True:
-            if not self._pending:
+            # the re-evaluations first: an update of the same object waiting was taken
+            # under the old plan, or under the new one, which its workload is under only
+            # once re-attributed (their facts used then, not evaluated again on the loop)
+            line = self._owed or self._pending
+            if not line:
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            uid = next(iter(self._pending))
+            uid = next(iter(line))
             # no local of this loop holds the work: the last version's text (and its
             # result) would outlive its use while the loop waits, for hours maybe
-            await self._evaluate(uid, self._pending.pop(uid))
+            await self._evaluate(uid, line.pop(uid))
 
     async def _evaluate(self, uid: str, work: FactsWork) -> None:
-        """One version's facts evaluated in the thread, then fed, unless superseded."""
+        """One version's facts evaluated in the thread, then fed (a re-evaluation's: the
+        object re-attributed), unless superseded."""
         loop = asyncio.get_running_loop()
-        self._flying, self._flying_superseded = uid, False
+        stub = work.stub
+        self._flying, self._flying_owed, self._flying_superseded = uid, stub is None, False
         try:
             prepared = await loop.run_in_executor(self._pool, work.run)
         except Exception:
@@ -186,9 +237,10 @@ class HeavyObjects:
         # fed as the source feeds any event, the stub in the object's place with its
         # kept text (without facts when the thread failed: evaluated here as before)
         try:
-            self._feed(work.stub, prepared)
+            applied = (self._reattribute(uid, prepared) if stub is None
+                       else self._feed(stub, prepared))
         except Exception:  # the source's own failure: this task must go on
             log.exception("feeding a heavy object's update failed", extra={"uid": uid})
             return
-        if prepared.facts is not None:
+        if applied and prepared.facts is not None:
             self.updates.labels("applied").inc()

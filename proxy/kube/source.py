@@ -109,6 +109,10 @@ class EngineLike(Protocol):
 
     def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None: ...
 
+    def held_facts_work(self, uid: str) -> FactsWork | None: ...
+
+    def use_prepared(self, uid: str, ready: Prepared) -> None: ...
+
     @property
     def max_owner_hops(self) -> int: ...
 
@@ -262,8 +266,8 @@ class KubeSource:
         self._trimming: asyncio.Task[bool] | None = None
         #: the heavy objects' updates evaluated off the loop (None: ``defer_heavy`` off)
         self.heavy_objects: HeavyObjects | None = (
-            HeavyObjects(engine, self._feed_one, registry=self.registry) if defer_heavy
-            else None)
+            HeavyObjects(engine, self._feed_one, self._reattribute_one,
+                         registry=self.registry) if defer_heavy else None)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -764,15 +768,33 @@ class KubeSource:
         every request relayed meanwhile waiting. Until its slice, an object keeps the
         attribution it had. Runs in the follower's round, which the change wakes."""
         while self._owed:
-            owed, self._owed = list(dict.fromkeys(self._owed)), []
+            owed, self._owed = self.owe_heavy(list(dict.fromkeys(self._owed))), []
             for _ in self._owed_slices.run(len(owed), functools.partial(self._give, owed)):
                 await asyncio.sleep(0)
+
+    def owe_heavy(self, owed: list[str]) -> list[str]:
+        """Of the objects a description change owes a new attribution, those to give on
+        the event loop now: once ready, the heavy ones are re-evaluated in the heavy
+        objects' thread first, and given from there (``proxy.kube.heavy_objects``). The
+        runtime's reload hands its own here too."""
+        if self.heavy_objects is None or not self.index.ready:
+            return owed
+        return self.heavy_objects.owe(owed)
 
     def _give(self, owed: list[str], i: int, j: int) -> None:
         cs = self._alone_if_failing(owed[i:j], self.engine.reattribute, str)
         self.index.apply(cs)
         if cs.kinds_changed:
             self._kinds_changed.set()
+
+    def _reattribute_one(self, uid: str, prepared: Prepared) -> bool:
+        """A heavy object's re-attribution owed (``HeavyObjects.owe``), with the facts
+        prepared for it, given as a run's; False: the engine failed on it (counted and
+        logged)."""
+        errors = self.object_errors
+        self.engine.use_prepared(uid, prepared)
+        self._give([uid], 0, 1)
+        return self.object_errors == errors
 
     def _alone_if_failing(self, items: Sequence[T], call: Callable[[Sequence[T]], ChangeSet],
                           name: Callable[[T], str]) -> ChangeSet:
@@ -887,12 +909,15 @@ class KubeSource:
 
         changes.merge(self._alone_if_failing(objs, many, object_name))
 
-    def _feed_one(self, stub: dict[str, Any], prepared: Prepared) -> None:
+    def _feed_one(self, stub: dict[str, Any], prepared: Prepared) -> bool:
         """A heavy object's update (``proxy.kube.heavy_objects``): its stub, with the
-        text and facts prepared for it, fed and applied as a slice's events are."""
+        text and facts prepared for it, fed and applied as a slice's events are; False:
+        the engine failed on it (counted and logged)."""
+        errors = self.object_errors
         changes = ChangeSet()
         self._feed([stub], False, changes, {id(stub): prepared})
         self._applied(changes)
+        return self.object_errors == errors
 
     def fetched_after(self, watcher: Watcher, uid: str, version: str) -> bool:
         fetcher = self.owner_fetcher

@@ -81,6 +81,7 @@ def _prepared_upsert(e: Engine, objs: list[Obj], *, evaluated: bool = True) -> C
         if work is None:
             fed.append(o)
             continue
+        assert work.stub is not None  # an update's, not a held object's
         one = o if o.get("kind") == "Pod" else work.stub
         fed.append(one)
         ready[id(one)] = work.run() if evaluated else work.unevaluated()

@@ -362,6 +362,18 @@ def test_new_limits_restart_the_child(sandbox: JqSandbox) -> None:
     assert sandbox.restarts == {"timeout": 0, "died": 0, "start_failed": 0}
 
 
+def test_a_closed_sandbox_starts_no_child(sandbox: JqSandbox) -> None:
+    """An evaluation that comes after ``close`` (the heavy objects' thread, its
+    evaluation under way when the stop closed the sandbox) fails: it started a child that
+    outlived the proxy's pipes, unreaped."""
+    assert sandbox.run(JqExpr("."), "1") == [1]
+    sandbox.close()
+    error = _raised(lambda: sandbox.run(JqExpr("."), "2"))
+    assert "the jq sandbox is closed" in str(error) and error.retry_after == 0.0
+    assert sandbox.child_pid is None
+    assert sandbox.restarts == {"timeout": 0, "died": 0, "start_failed": 0}
+
+
 def test_a_child_that_cannot_start_is_a_jq_error_and_counted() -> None:
     box = JqSandbox(command=[sys.executable, "-c", "import sys; sys.exit(7)"])
     try:
