@@ -296,8 +296,13 @@ async def test_nothing_of_a_version_is_held_once_it_is_done_with(
     held.release.set()
     await asyncio.wait_for(heavy.settled(), 10)
     assert outcome(source, "superseded") == 1
-    gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, (FactsWork, Prepared))]
+
+    def none_held() -> bool:
+        gc.collect()
+        return not [o for o in gc.get_objects() if isinstance(o, (FactsWork, Prepared))]
+    # the pool's worker drops its work item just after it set the result the loop woke
+    # for (``del work_item``): a moment later, which the loop may not have given it yet
+    await eventually(none_held, timeout=2.0)
 
 
 Rows = tuple[str, list[tuple[str, str, float | None]]]
