@@ -754,6 +754,18 @@ class Engine:
         stub = {"apiVersion": api, "kind": kind, "metadata": trimmed["metadata"]}
         return FactsWork(stub, kept, plan, time.perf_counter() - began)
 
+    def replanned(self, work: FactsWork) -> FactsWork | None:
+        """An update's ``work`` (:meth:`facts_work`) under the plan in force for its kind
+        now: a description changed while it waited, and facts made under the old plan
+        would go unused (evaluated again on the event loop). Its kept text does not depend
+        on the plan. None: its kind is no longer described (nothing to evaluate)."""
+        if work.stub is None:
+            return work
+        plan = self._plans.get(group_kind(work.stub["apiVersion"], work.stub["kind"]))
+        if plan is None or plan is work.plan:
+            return None if plan is None else work
+        return FactsWork(work.stub, work.kept, plan, work.pack_seconds)
+
     def held_facts_work(self, uid: str) -> FactsWork | None:
         """The facts of workload object ``uid`` as held now (its kept text, no pack made)
         under the plan in force for its kind, to prepare in another thread after a

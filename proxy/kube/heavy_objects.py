@@ -28,7 +28,10 @@ their held text evaluated in the thread under the plan now in force
 them (``reattribute``), ahead of the updates waiting. The engine uses the facts only
 while the object keeps that text and the plan is in force (a watch event or a newer
 description since: it evaluates them itself, the same result); a newer change owing the
-object again supersedes the re-evaluation waiting or under way.
+object again supersedes the re-evaluation waiting or under way. An update still waiting
+is evaluated under the description in force when its turn comes
+(:meth:`~proxy.karta.engine.Engine.replanned`): taken before a change, its facts under the
+old one would go unused, made again on the loop.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class HeavyEngine(Protocol):
     def facts_work(self, obj: Mapping[str, Any]) -> FactsWork | None: ...
 
     def held_facts_work(self, uid: str) -> FactsWork | None: ...
+
+    def replanned(self, work: FactsWork) -> FactsWork | None: ...
 
 
 #: how an object goes to the engine and its change set to the index: the source's
@@ -221,19 +226,25 @@ class HeavyObjects:
         object re-attributed), unless superseded."""
         loop = asyncio.get_running_loop()
         stub = work.stub
-        self._flying, self._flying_owed, self._flying_superseded = uid, stub is None, False
-        try:
-            prepared = await loop.run_in_executor(self._pool, work.run)
-        except Exception:
-            log.warning("evaluating the facts of a heavy object off the event loop "
-                        "failed; evaluating them on it", exc_info=True,
-                        extra={"uid": uid})
+        # under the description in force now: one changed while it waited
+        current = self._engine.replanned(work)
+        if current is None:  # its kind no longer described: nothing to evaluate
             prepared = work.unevaluated()
-        finally:
-            self._flying = None
-        if self._flying_superseded:
-            self.updates.labels("superseded").inc()
-            return
+        else:
+            self._flying, self._flying_owed, self._flying_superseded = (
+                uid, stub is None, False)
+            try:
+                prepared = await loop.run_in_executor(self._pool, current.run)
+            except Exception:
+                log.warning("evaluating the facts of a heavy object off the event loop "
+                            "failed; evaluating them on it", exc_info=True,
+                            extra={"uid": uid})
+                prepared = current.unevaluated()
+            finally:
+                self._flying = None
+            if self._flying_superseded:
+                self.updates.labels("superseded").inc()
+                return
         # fed as the source feeds any event, the stub in the object's place with its
         # kept text (without facts when the thread failed: evaluated here as before)
         try:

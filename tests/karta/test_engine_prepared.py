@@ -220,6 +220,34 @@ def test_facts_prepared_under_a_description_no_longer_in_force_are_not_used(
     assert [r.desired for r in facts.replicas] == [3.0]
 
 
+def test_a_waiting_update_is_replanned_under_the_description_in_force(
+        installed_sandbox: JqSandbox) -> None:
+    """An update's work taken before its kind's description changed: ``replanned`` gives
+    the same text under the plan now in force (its facts then used as they are), the same
+    work while the plan stands, None once the kind is no longer described."""
+    e = _engine(ManualClock(1000.0))
+    e.upsert(graph("g", {"a": 1}))
+    new = graph("g", {"a": 3})
+    work = e.facts_work(new)
+    assert work is not None and e.replanned(work) is work
+    changed = karta({"group": "example.com", "kind": "Graph"}, GRAPH_KARTA["spec"][
+        "structureDefinition"]["childComponents"], statusDefinition={
+            "phaseDefinition": {"path": ".status.state | ascii_upcase"},
+            "statusMappings": {"running": [{"byPhase": "READY"}]}})
+    e.add_descriptions([describe(RAY_KARTA), describe(changed), describe(RETRIED_THING)])
+    again = e.replanned(work)
+    assert again is not None and again.plan is not work.plan
+    assert (again.kept, again.stub, again.pack_seconds) == (
+        work.kept, work.stub, work.pack_seconds)
+    ready = again.run()
+    cs = e.upsert_many([new], prepared={id(new): ready})
+    facts = cs.workloads["graph-g"]
+    assert facts is not None and facts.phase == "Running"
+    assert e._graph.objects["graph-g"].cache.facts is ready.facts  # used, not made again
+    e.add_descriptions([describe(RAY_KARTA), describe(RETRIED_THING)])
+    assert e.replanned(work) is None
+
+
 def test_a_heavy_object_is_forgotten_when_deleted(installed_sandbox: JqSandbox) -> None:
     """Heavy by the last evaluation's time; forgotten with the object (and light again
     when an evaluation takes less than the threshold)."""

@@ -270,6 +270,9 @@ def test_the_counter_has_both_outcomes_from_the_start() -> None:
         def held_facts_work(self, uid: str) -> None:
             return None
 
+        def replanned(self, work: FactsWork) -> None:
+            return None
+
     registry = CollectorRegistry()
     feed: Callable[..., bool] = lambda what, prepared: True  # noqa: E731
     HeavyObjects(NoEngine(), feed, feed, registry=registry)
@@ -414,6 +417,36 @@ async def test_an_update_during_a_reevaluation_is_applied_after_it(
     assert rows(described, uid) == oracle_rows(edited, rc5) == (
         "Running", [("head", "", None), ("worker", "gpu", 5.0)])
     assert outcome(described, "superseded") == 0
+
+
+async def test_an_update_waiting_through_a_description_edit_is_evaluated_under_it_off_the_loop(
+        sim: KubeSim, described: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update taken (packed, under the description then in force) while the thread
+    was busy, and still waiting when the description is edited: evaluated in the thread
+    under the new description, not under the old one and then again on the loop (its
+    facts under the old one unused)."""
+    held = Held(monkeypatch)
+    karta = sim.create(RAYCLUSTER_KARTA)
+    rc = sim.create(raycluster(2))
+    other = sim.create(raycluster(1, name="other"))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(described.start(), 10)
+    heavy = _heavy(described)
+    held.armed = True
+    sim.update(raycluster(3, other["metadata"]["resourceVersion"], name="other"))
+    await eventually(held.entered.is_set)  # the thread busy with the other object
+    rc5 = sim.update(raycluster(5, rc["metadata"]["resourceVersion"]))
+    await eventually(lambda: heavy.pending == 1)
+    edited = sim.update(edit(karta, head_replicas=False))
+    await eventually(lambda: heavy.pending == 3)  # both objects' re-evaluations owed
+    held.release.set()
+    await eventually(lambda: heavy.pending == 0)
+    await asyncio.wait_for(heavy.settled(), 10)
+    held.armed = False
+    assert [t for t, name in zip(held.calls, held.names, strict=True) if name == "rc"] == [
+        "karta-jq_0", "karta-jq_0"]  # its re-evaluation, then its update
+    assert rows(described, uid) == oracle_rows(edited, rc5) == (
+        "Running", [("head", "", None), ("worker", "gpu", 5.0)])
 
 
 async def test_an_update_the_engine_fails_on_is_not_counted_applied(
