@@ -81,7 +81,8 @@ QUARANTINE_SECONDS: Final = 3600.0
 #: time it was given in CPU (less: the machine or the child was held up)
 STRIKE_CPU_SHARE: Final = 0.5
 #: the largest input sent is the memory limit divided by this (16 MiB at 256 MiB): the
-#: child parses it again for each expression, within its memory limit
+#: child holds its text and parsed value (once a request, or once per expression when
+#: they run alone) within its memory limit
 INPUT_SHARE_OF_MEMORY: Final = 16
 #: how long a starting child may take to say hello (an interpreter and libjq loading)
 START_SECONDS: Final = 10.0
@@ -283,6 +284,17 @@ _unreaped: list[subprocess.Popen[bytes]] = []
 
 def _reap_late() -> None:
     _unreaped[:] = [p for p in _unreaped if p.poll() is None]
+
+
+def request_frame(sources: Sequence[str], body: bytes) -> bytes:
+    """The child's request (``jq_child``'s protocol): the programs' sources, then the
+    input's JSON text, as one frame."""
+    srcs = [source.encode("utf-8", "surrogatepass") for source in sources]
+    parts = [len(srcs).to_bytes(_HEADER_LEN, "big"),
+             *(p for src in srcs for p in (len(src).to_bytes(_HEADER_LEN, "big"), src)),
+             body]
+    size = sum(map(len, parts))
+    return b"".join((size.to_bytes(_HEADER_LEN, "big"), *parts))
 
 
 def _outcome(source: str, answer: bytes) -> list[Any] | JqError:
@@ -493,12 +505,7 @@ class JqSandbox:
         deadline: float | None = None
         stopped: str | None = None
         while todo:
-            srcs = [exprs[i].source.encode("utf-8", "surrogatepass") for i in todo]
-            head = len(todo).to_bytes(_HEADER_LEN, "big")
-            parts = [head, *(p for src in srcs
-                             for p in (len(src).to_bytes(_HEADER_LEN, "big"), src)), body]
-            size = sum(map(len, parts))
-            request = b"".join((size.to_bytes(_HEADER_LEN, "big"), *parts))
+            request = request_frame([exprs[i].source for i in todo], body)
             try:
                 child = self._ready_child()
             except _NoChild as e:  # every one of them fails alike
