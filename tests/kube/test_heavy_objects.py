@@ -9,6 +9,7 @@ is asserted is the order of things, not how long they took.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import threading
@@ -41,11 +42,9 @@ HOLD_SECONDS = 10.0
 
 
 
-@pytest.fixture
-async def source(sim: KubeSim, installed_sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
-    """A ready source whose engine finds every described object heavy, deferral on."""
-    engine = Engine(heavy_seconds=0.0)
-    engine.add_descriptions([parse_description(RAYCLUSTER_KARTA, "test")])
+@contextlib.asynccontextmanager
+async def _deferring(sim: KubeSim, engine: Engine) -> AsyncIterator[KubeSource]:
+    """A source over ``engine`` with the deferral on, stopped at the end."""
     kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
     src = KubeSource(kube, engine, PodIndex(), metrics_registry=CollectorRegistry(),
                      watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5,
@@ -54,21 +53,23 @@ async def source(sim: KubeSim, installed_sandbox: JqSandbox) -> AsyncIterator[Ku
         yield src
     finally:
         await src.stop()
+
+
+@pytest.fixture
+async def source(sim: KubeSim, installed_sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
+    """A ready source whose engine finds every described object heavy, deferral on."""
+    engine = Engine(heavy_seconds=0.0)
+    engine.add_descriptions([parse_description(RAYCLUSTER_KARTA, "test")])
+    async with _deferring(sim, engine) as src:
+        yield src
 
 
 @pytest.fixture
 async def described(sim: KubeSim, installed_sandbox: JqSandbox) -> AsyncIterator[KubeSource]:
     """As ``source``, the RayCluster description a Karta object of the cluster's: its
     edits owe the described objects a new attribution (``reattribute_owed``)."""
-    engine = Engine(heavy_seconds=0.0)
-    kube = KubeSettings(kubeconfig=str(sim.write_kubeconfig()), resync_backoff_max_seconds=0.5)
-    src = KubeSource(kube, engine, PodIndex(), metrics_registry=CollectorRegistry(),
-                     watch_timeout=2, watch_idle_timeout=1.5, recheck_interval=0.5,
-                     defer_heavy=True)
-    try:
+    async with _deferring(sim, Engine(heavy_seconds=0.0)) as src:
         yield src
-    finally:
-        await src.stop()
 
 
 def raycluster(replicas: int, resource_version: str | None = None, name: str = "rc") -> Obj:
