@@ -725,7 +725,9 @@ class Pool:
                 self._waiters.remove(waiter)
         if handed:
             self._handed -= 1
-        return handed
+        # handed a slot as the pool closed (close() ran before this task): no connection
+        # made after it
+        return handed and not self._closed
 
     def _room(self) -> bool:
         return len(self._in_use) + self._connecting + self._handed < self.limit

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import ssl
 import time
@@ -800,3 +801,98 @@ async def test_a_failed_look_up_nobody_waits_for_is_not_logged_as_never_retrieve
     gc.collect()
     assert not names._asking
     assert [r for r in reported if "never retrieved" in str(r.get("message"))] == []
+
+
+async def test_a_waiter_handed_a_slot_as_the_pool_closes_makes_no_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot freed, handed to the waiter, then the pool closed before the waiter's task
+    ran: it ends with ``ConnectionEnded`` without connecting (it made a connection to the
+    upstream after close(), then closed it; up to the connect timeout at a stop with the
+    upstream unreachable)."""
+    release = asyncio.Event()
+    async with serving(answering(release=release)) as raw, pool(limit=1) as p:
+        holder = asyncio.create_task(post(p, raw.url()))
+        while not raw.heads:
+            await asyncio.sleep(0.01)
+        waiter = asyncio.create_task(post(p, raw.url()))
+        await asyncio.sleep(0.05)
+        closing: list[asyncio.Task[None]] = []
+        release_conn = p._release
+
+        def released(conn: Any) -> None:
+            closing.append(asyncio.create_task(p.close()))  # runs before the waiter
+            release_conn(conn)
+        monkeypatch.setattr(p, "_release", released)
+        release.set()
+        assert (await holder).status == 204
+        with pytest.raises(ConnectionEnded, match="the client is closed"):
+            await waiter
+        await closing[0]
+        assert p._handed == 0
+    assert len(raw.peers) == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_the_pool_keeps_its_count_under_random_cancellations(seed: int) -> None:
+    """Requests arriving at random against a server that answers, closes after answering
+    or ends before answering, some to a port that refuses, some with short deadlines and
+    some cancelled at random (as their slot is freed, handed to them, or meanwhile): the
+    pool never counts more than its limit, hands no slot it does not account for, and
+    ends with nothing in use, connecting, handed or waiting."""
+    rng = random.Random(seed)
+
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                await read_request(reader, raw)
+                await asyncio.sleep(rng.random() * 0.004)
+                r = rng.random()
+                if r < 0.1:
+                    return  # ends before an answer
+                writer.write(CLOSE if r < 0.35 else OK)
+                await writer.drain()
+                if r < 0.35:
+                    return
+        return handle
+
+    refused = URL("http://127.0.0.1:1/api/v1/write")
+    tasks: list[asyncio.Task[None]] = []
+    broken: list[tuple[str, int, int, int]] = []
+    async with serving(make) as raw, pool(limit=3, connect=0.5) as p:
+        def check(where: str) -> None:
+            used = len(p._in_use) + p._connecting
+            if p._handed < 0 or used + p._handed > p.limit:
+                broken.append((where, len(p._in_use), p._connecting, p._handed))
+
+        wake, release = p._wake, p._release
+
+        def woken() -> None:
+            wake()
+            check("wake")
+
+        def released(conn: Any) -> None:
+            if rng.random() < 0.3:
+                rng.choice(tasks).cancel()  # cancelled as a slot is freed
+            release(conn)
+            check("release")
+            if rng.random() < 0.3:
+                rng.choice(tasks).cancel()  # handed the slot, cancelled before it runs
+
+        p._wake, p._release = woken, released  # type: ignore[method-assign]
+
+        async def one() -> None:
+            url = refused if rng.random() < 0.05 else raw.url()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(rng.random() * 0.05 if rng.random() < 0.3 else 5):
+                    await p.post(url, {}, b"x", tls=None, server_hostname=None, max_body=100)
+
+        for _ in range(80):
+            tasks.append(asyncio.create_task(one()))
+            if rng.random() < 0.5:
+                await asyncio.sleep(rng.random() * 0.002)
+            if rng.random() < 0.05:
+                rng.choice(tasks).cancel()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        check("end")
+        assert (p._handed, p._connecting, len(p._in_use), len(p._waiters)) == (0, 0, 0, 0)
+    assert not broken

@@ -226,9 +226,14 @@ class HeavyObjects:
         object re-attributed), unless superseded."""
         loop = asyncio.get_running_loop()
         stub = work.stub
-        # under the description in force now: one changed while it waited
-        current = self._engine.replanned(work)
-        if current is None:  # its kind no longer described: nothing to evaluate
+        # under the description in force now: one changed while it waited; a
+        # re-evaluation's object as held now: deleted, changed or evaluated on the loop
+        # while it waited (a pod's event), nothing is left to evaluate of its text
+        current = (self._engine.replanned(work) if stub is not None
+                   else self._engine.held_facts_work(uid))
+        if current is None:  # nothing to evaluate (its kind no longer described, ...)
+            if stub is None:
+                self.updates.labels("superseded").inc()
             prepared = work.unevaluated()
         else:
             self._flying, self._flying_owed, self._flying_superseded = (

@@ -468,3 +468,32 @@ async def test_an_update_the_engine_fails_on_is_not_counted_applied(
     await eventually(lambda: source.object_errors == 1)
     await asyncio.wait_for(_heavy(source).settled(), 10)
     assert outcome(source, "applied") == 0 and outcome(source, "superseded") == 0
+
+
+async def test_a_reevaluation_waiting_when_its_object_is_deleted_is_not_made(
+        sim: KubeSim, described: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A description edit owes two objects a re-evaluation while the thread is busy; one
+    of them is deleted before its turn: its held text is not evaluated in the thread
+    (~150-250 ms of a heavy object's, for nothing), it is counted superseded, not
+    applied; it stays deleted, and the other ends as an engine that defers nothing."""
+    held = Held(monkeypatch)
+    karta = sim.create(RAYCLUSTER_KARTA)
+    rc = sim.create(raycluster(2))
+    other = sim.create(raycluster(1, name="other"))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(described.start(), 10)
+    heavy = _heavy(described)
+    held.armed = True
+    other3 = sim.update(raycluster(3, other["metadata"]["resourceVersion"], name="other"))
+    await eventually(held.entered.is_set)  # the thread busy with the other's update
+    edited = sim.update(edit(karta, head_replicas=False))
+    await eventually(lambda: heavy.pending == 2)  # both objects' re-evaluations owed
+    sim.delete(rc)
+    await eventually(lambda: uid not in described.index.workloads)
+    held.release.set()
+    await asyncio.wait_for(heavy.settled(), 10)
+    held.armed = False
+    assert "rc" not in held.names
+    assert outcome(described, "superseded") == 1 and outcome(described, "applied") == 2
+    assert uid not in described.index.workloads and not described.engine.holds(uid)
+    assert rows(described, other3["metadata"]["uid"]) == oracle_rows(edited, other3)
