@@ -107,6 +107,9 @@ class HeavyObjects:
         self._flying: str | None = None
         self._flying_owed = False
         self._flying_superseded = False
+        #: and, for a re-evaluation, whether an event fed at once for its object since
+        #: (a deletion) leaves its facts unused: still re-attributed, counted superseded
+        self._flying_stale = False
         self._wake = asyncio.Event()
         #: set while nothing waits and nothing is being evaluated (:meth:`settled`)
         self._idle = asyncio.Event()
@@ -167,7 +170,11 @@ class HeavyObjects:
                 continue
             if self._pending.pop(uid, None) is not None:
                 self.updates.labels("superseded").inc()
-            if uid == self._flying and not self._flying_owed:
+            if uid == self._flying and self._flying_owed:
+                # a re-evaluation's object changed or gone: its facts will go unused, its
+                # re-attribution is still owed
+                self._flying_stale = True
+            elif uid == self._flying:
                 self._flying_superseded = True
             out.append(ev)
         return out
@@ -231,13 +238,14 @@ class HeavyObjects:
         # while it waited (a pod's event), nothing is left to evaluate of its text
         current = (self._engine.replanned(work) if stub is not None
                    else self._engine.held_facts_work(uid))
+        stale = False
         if current is None:  # nothing to evaluate (its kind no longer described, ...)
             if stub is None:
                 self.updates.labels("superseded").inc()
             prepared = work.unevaluated()
         else:
-            self._flying, self._flying_owed, self._flying_superseded = (
-                uid, stub is None, False)
+            self._flying, self._flying_owed = uid, stub is None
+            self._flying_superseded = self._flying_stale = False
             try:
                 prepared = await loop.run_in_executor(self._pool, current.run)
             except Exception:
@@ -250,6 +258,7 @@ class HeavyObjects:
             if self._flying_superseded:
                 self.updates.labels("superseded").inc()
                 return
+            stale = self._flying_stale
         # fed as the source feeds any event, the stub in the object's place with its
         # kept text (without facts when the thread failed: evaluated here as before)
         try:
@@ -258,5 +267,7 @@ class HeavyObjects:
         except Exception:  # the source's own failure: this task must go on
             log.exception("feeding a heavy object's update failed", extra={"uid": uid})
             return
-        if applied and prepared.facts is not None:
+        if stale:
+            self.updates.labels("superseded").inc()
+        elif applied and prepared.facts is not None:
             self.updates.labels("applied").inc()

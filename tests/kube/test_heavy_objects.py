@@ -497,3 +497,27 @@ async def test_a_reevaluation_waiting_when_its_object_is_deleted_is_not_made(
     assert outcome(described, "superseded") == 1 and outcome(described, "applied") == 2
     assert uid not in described.index.workloads and not described.engine.holds(uid)
     assert rows(described, other3["metadata"]["uid"]) == oracle_rows(edited, other3)
+
+
+async def test_a_reevaluation_under_way_when_its_object_is_deleted_counts_superseded(
+        sim: KubeSim, described: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The object of a re-evaluation in the thread is deleted meanwhile: the facts come
+    back unused (the engine no longer holds that text), so it is counted superseded,
+    not applied, and the object stays deleted."""
+    held = Held(monkeypatch)
+    karta = sim.create(RAYCLUSTER_KARTA)
+    rc = sim.create(raycluster(2))
+    uid = rc["metadata"]["uid"]
+    await asyncio.wait_for(described.start(), 10)
+    heavy = _heavy(described)
+    held.armed = True
+    sim.update(edit(karta, head_replicas=False))
+    await eventually(held.entered.is_set)  # its re-evaluation in the thread
+    sim.delete(rc)
+    await eventually(lambda: uid not in described.index.workloads)
+    held.release.set()
+    await asyncio.wait_for(heavy.settled(), 10)
+    held.armed = False
+    assert held.names == ["rc"]
+    assert outcome(described, "superseded") == 1 and outcome(described, "applied") == 0
+    assert uid not in described.index.workloads and not described.engine.holds(uid)
