@@ -1289,13 +1289,16 @@ class Engine:
     def _kept(self, obj: Mapping[str, Any], uid: str, gk: GroupKind
               ) -> tuple[Mapping[str, Any] | Packed, _FactsCache | None]:
         """What a record keeps of ``obj`` (its jq text) and its facts cache: those
-        prepared in another thread when ``upsert_many`` was given them (the facts while
-        their plan is the one in force for ``gk``, to be accounted for at first use), else
-        the text made here (timed, for the object's weight) and no facts yet."""
+        prepared in another thread when ``upsert_many`` was given them (to be accounted
+        for at first use, if their plan is the one asked then: the kind's, or the old one
+        its workload is under until re-attributed after a description change), else the
+        text made here (timed, for the object's weight) and no facts yet."""
         ready = self._prepared.get(id(obj)) if self._prepared is not None else None
         if ready is not None:
             if ready.facts is None or ready.plan is not self._plans.get(gk):
+                # the pack weighs the evaluation made here if they go unused
                 self._packing[uid] = ready.pack_seconds
+            if ready.facts is None:
                 return ready.kept, None
             return ready.kept, _FactsCache(ready.plan, ready.facts, ready.seconds)
         began = time.perf_counter()
@@ -1318,6 +1321,7 @@ class Engine:
             if cache.unaccounted is None:
                 return cache.facts
             ev, seconds = cache.facts, cache.unaccounted
+            self._packing.pop(uid, None)  # in ``unaccounted``
         else:
             ev, seconds = _timed_facts(plan, holder.obj)
             seconds += self._packing.pop(uid, 0.0)

@@ -248,6 +248,40 @@ def test_a_waiting_update_is_replanned_under_the_description_in_force(
     assert e.replanned(work) is None
 
 
+def test_facts_prepared_under_the_description_its_workload_is_still_under_are_used(
+        installed_sandbox: JqSandbox) -> None:
+    """The thread evaluates an update as its kind's description changes, and the
+    workload is re-attributed later (in runs, ``change_descriptions``): until then it is
+    under the old description, whose facts the thread made. They are used, not made
+    again on the event loop (~150-250 ms for a heavy object); the end, once
+    re-attributed, is an engine's that was given none."""
+    changed = karta({"group": "example.com", "kind": "Graph"}, GRAPH_KARTA["spec"][
+        "structureDefinition"]["childComponents"], statusDefinition={
+            "phaseDefinition": {"path": ".status.state | ascii_upcase"},
+            "statusMappings": {"running": [{"byPhase": "READY"}]}})
+    new = graph("g", {"a": 3})
+    ends = []
+    for given in (True, False):
+        clock = ManualClock(1000.0)
+        e = Engine(clock=clock, retry_clock=clock, heavy_seconds=0.0)
+        e.add_descriptions([describe(GRAPH_KARTA)])
+        e.upsert(graph("g", {"a": 1}))
+        work = e.facts_work(new)
+        assert work is not None
+        ready = work.run()
+        change = e.change_descriptions([describe(changed)])
+        cs = e.upsert_many([new], prepared={id(new): ready} if given else None)
+        cache = e._graph.objects["graph-g"].cache
+        assert (cache.facts is ready.facts) is given  # not evaluated again
+        before = cs.workloads["graph-g"]
+        assert before is not None and before.phase == "Running"  # the old description's
+        after = e.reattribute(change.owed).workloads.get("graph-g")
+        cache = e._graph.objects["graph-g"].cache
+        assert cache.plan.desc.name == describe(changed).name and cache.plan in e._plans.values()
+        ends.append((before, after, dict(e.jq_errors), e.heavy("graph-g")))
+    assert ends[0] == ends[1]
+
+
 def test_a_heavy_object_is_forgotten_when_deleted(installed_sandbox: JqSandbox) -> None:
     """Heavy by the last evaluation's time; forgotten with the object (and light again
     when an evaluation takes less than the threshold)."""
