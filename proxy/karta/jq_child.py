@@ -35,9 +35,9 @@ gives them) and emits one value each, its outputs or the error that ended them, 
 answered as each value comes (:func:`_answers`, :func:`_combined`). Where that form
 could answer otherwise than the program run alone, the program runs alone, as before:
 a request with a program that does not compile alone, or that names ``halt``,
-``input`` or ``$__loc__``; an error that is not a string (the binding's wording of it);
-and from an input that does not parse, an output Python cannot take or a missing value
-on, the rest of the request.
+``input`` or ``$__loc__``; an error value too deep for ``json.dumps`` (the binding's
+wording of an error that is not a string); and from an input that does not parse, an
+output Python cannot take or a missing value on, the rest of the request.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def _answers(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[byt
     libjq parses its input again at each ``input_text``: ~40 ms for a 1.5 MB object, so
     a request of N programs paid N parses. The programs run as one (:func:`_combined`)
     on one parse, each answered as its tagged value comes; each one that the combined
-    form cannot answer exactly (an error that is not a string) is run alone, and from
+    form cannot answer exactly (an error value too deep to word) is run alone, and from
     anything unexpected on (an input that does not parse, an output Python cannot
     take, fewer values than programs) the rest are run alone, as before: the answers
     are those of the programs run one by one."""
@@ -178,8 +178,16 @@ def _answers(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[byt
                 yield _encoded(value)
             elif isinstance(value, str):
                 yield JQ_ERROR, value.encode("utf-8", "surrogatepass")
-            else:  # as the binding words it (json.dumps): alone, for its exact text
-                yield _evaluate(compile_, programs, source, text)
+            else:
+                # worded as the binding words an error that is not a string: json.dumps
+                # of the value it converts (its _jq_error_to_py_string), converted here
+                # alike; not run again (twice its CPU: past the parent's deadline
+                # where alone it answered)
+                try:
+                    answer = JQ_ERROR, json.dumps(value).encode()
+                except (ValueError, TypeError, RecursionError):  # too deep: alone
+                    answer = _evaluate(compile_, programs, source, text)
+                yield answer
             done += 1
     for source in sources[done:]:
         _arm_cpu_backstop(cpu_seconds)
