@@ -25,19 +25,20 @@ Frames, both ways: a 4-byte big-endian length, then that many bytes.
   evaluation raises it), ``x`` and a message for anything else (the outputs not
   encodable as JSON, over the size an answer may have).
 
-Each program is compiled once per child lifetime (cached by its source). The programs
-of a request run on one parse of the input: libjq parses a text at each run of a
-program (the binding has no way to hand it a parsed value), ~40 ms for a 1.5 MB object,
-so a request of N programs cost N parses (a 3,000-node Workflow's three paths: 143 ms,
-62 ms now; six: 271 ms, 62 ms). They are compiled together, once per tuple of sources,
-into one program that runs each on the input slurped (its values as ``input_text``
-gives them) and emits one value each, its outputs or the error that ended them, and
-answered as each value comes (:func:`_answers`, :func:`_combined`). Where that form
-could answer otherwise than the program run alone, the program runs alone, as before:
-a request with a program that does not compile alone, or that names ``halt``,
-``input`` or ``$__loc__``; an error value too deep for ``json.dumps`` (the binding's
-wording of an error that is not a string); and from an input that does not parse, an
-output Python cannot take or a missing value on, the rest of the request.
+Each program is compiled once per child lifetime (cached by its source, the caches
+bounded: :func:`_keep`). The programs of a request run on one parse of the input: libjq
+parses a text at each run of a program (the binding has no way to hand it a parsed
+value), ~40 ms for a 1.5 MB object, so a request of N programs cost N parses (a
+3,000-node Workflow's three paths: 143 ms, 62 ms now; six: 271 ms, 62 ms). They are
+compiled together, once per tuple of sources, into one program that runs each on the
+input slurped (its values as ``input_text`` gives them) and emits one value each, its
+outputs or the error that ended them, and answered as each value comes
+(:func:`_answers`, :func:`_combined`). Where that form could answer otherwise than the
+program run alone, the program runs alone, as before: a request with a program that does
+not compile alone, or that names ``halt``, ``input`` or ``$__loc__``; an error value too
+deep for ``json.dumps`` (the binding's wording of an error that is not a string); and
+from an input that does not parse, an output Python cannot take or a missing value on,
+the rest of the request.
 """
 
 from __future__ import annotations
@@ -60,8 +61,14 @@ HELLO = b"karta-jq-child 2"
 #: copies of an answer while it decodes it: a 60 MiB answer took its peak from 19 to 261 MB;
 #: outputs are ids, numbers, condition lists, bytes to KiB)
 MAX_ANSWER_BYTES = 4 << 20
-#: programs kept compiled; past this the oldest is dropped (descriptions edited often)
+#: programs kept compiled in each cache (alone, together); past this the least recently
+#: used is dropped (descriptions edited often)
 MAX_PROGRAMS = 4096
+#: and their sources' bytes at most, in each cache: a compiled program takes ~65 times its
+#: source (six paths of ~60 bytes run together: ~24 KB), so 4,096 of those were ~94 MB
+#: within the child's memory limit (256 MiB by default, 64 at least) beside the input it
+#: parses; this keeps each cache near 16 MB
+MAX_SOURCE_BYTES = 256 << 10
 
 _LEN = struct.Struct(">I")
 
@@ -216,11 +223,11 @@ def _combined(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[by
     on lines of its own: one ending in a ``#`` comment leaves the wrapper's next line.
     The ``try`` body is one collected array, so libjq 1.6's ``try`` and 1.7's (which
     differ on errors raised after the body's outputs) catch the same (the binding 1.13
-    bundles libjq 1.8.2). Kept compiled by the tuple of sources, None too, up to
-    MAX_PROGRAMS."""
+    bundles libjq 1.8.2). Kept compiled by the tuple of sources, None too (:func:`_keep`)."""
     key = tuple(sources)
     if key in together:
-        return together[key]
+        program = together[key] = together.pop(key)  # the most recently used now
+        return program
     program = None
     if not any(_ALONE_ONLY.search(s) for s in sources):
         text = ",\n".join(f"(try [true, [.[] | (\n{s.decode('utf-8', 'surrogatepass')}\n)]]"
@@ -235,20 +242,31 @@ def _combined(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[by
     return program
 
 
-def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    """``key`` -> ``value`` in a cache of at most MAX_PROGRAMS, the oldest dropped."""
-    if len(cache) >= MAX_PROGRAMS:
-        del cache[next(iter(cache))]
+def _source_bytes(key: bytes | tuple[bytes, ...]) -> int:
+    return len(key) if isinstance(key, bytes) else sum(map(len, key))
+
+
+def _keep(cache: dict[Any, Any], key: bytes | tuple[bytes, ...], value: Any) -> None:
+    """``key`` -> ``value`` in a cache of at most MAX_PROGRAMS and MAX_SOURCE_BYTES of
+    sources, the least recently used dropped (the one just kept stays, whatever its
+    size). Summed at each keep: a compile costs more than the sum."""
     cache[key] = value
+    held = sum(map(_source_bytes, cache))
+    while len(cache) > 1 and (len(cache) > MAX_PROGRAMS or held > MAX_SOURCE_BYTES):
+        oldest = next(iter(cache))
+        held -= _source_bytes(oldest)
+        del cache[oldest]
 
 
 def _compiled(compile_: Any, programs: dict[bytes, Any], source: bytes) -> Any:
     """The program, compiled once per child lifetime; ValueError when it does not
     compile (not kept: asked again, it is compiled again)."""
-    program = programs.get(source)
+    program = programs.pop(source, None)
     if program is None:
         program = compile_(source.decode("utf-8", "surrogatepass"))
         _keep(programs, source, program)
+    else:
+        programs[source] = program  # the most recently used now
     return program
 
 

@@ -188,6 +188,27 @@ def test_the_corpus_runs_combined() -> None:
         assert jq_child._combined(jq.compile, {}, {}, [b".", combined.encode()]), combined
 
 
+def test_the_compiled_programs_kept_are_bounded_by_their_sources_bytes(
+        arms: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled program takes ~65 times its source: 4,096 combined ones of six paths
+    were ~94 MB in a child limited to 256 MiB (64 at least), beside the input it parses.
+    Each cache keeps at most MAX_SOURCE_BYTES of sources, the least recently used going
+    first (one used at every request stays, whatever the edits around it)."""
+    monkeypatch.setattr(jq_child, "MAX_SOURCE_BYTES", 2000)
+    programs: dict[bytes, Any] = {}
+    together: dict[tuple[bytes, ...], Any] = {}
+    hot = [b".status.phase", b".spec.replicas // 1"]
+    for i in range(200):  # a description edited 200 times, its old paths never asked again
+        edited = [b".metadata.labels[\"v%d\"]" % i, b".status.nodes | length"]
+        for sources in (edited, hot):
+            assert list(jq_child._answers(jq.compile, programs, together, sources,
+                                          '{"status": {"phase": "Running"}}', 7))
+        for cache in (programs, together):
+            assert sum(map(jq_child._source_bytes, cache)) <= 2000
+    assert tuple(hot) in together  # (its programs alone not asked since: gone)
+    assert len(together) < 100 and len(programs) < 150
+
+
 def _serve(calls: _Calls, requests: list[tuple[list[str], str]]
            ) -> Iterator[list[tuple[bytes, bytes]]]:
     """``serve`` in a thread over pipes, with ``calls`` as its jq binding: each request's
