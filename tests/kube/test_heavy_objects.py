@@ -14,6 +14,7 @@ import gc
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -420,22 +421,41 @@ async def test_an_update_during_a_reevaluation_is_applied_after_it(
     assert outcome(described, "superseded") == 0
 
 
+@dataclass
+class Busy:
+    """Two described objects, the thread held on an update of ``other``."""
+
+    held: Held
+    karta: Obj
+    rc: Obj
+    other: Obj  # its update being evaluated
+
+
+async def busy_with_other(sim: KubeSim, src: KubeSource,
+                          monkeypatch: pytest.MonkeyPatch) -> Busy:
+    """The RayCluster description, ``rc`` and ``other`` created, ``src`` started, then the
+    thread held on an update of ``other`` (the evaluations counted from there)."""
+    held = Held(monkeypatch)
+    karta = sim.create(RAYCLUSTER_KARTA)
+    rc = sim.create(raycluster(2))
+    other = sim.create(raycluster(1, name="other"))
+    await asyncio.wait_for(src.start(), 10)
+    held.armed = True
+    other = sim.update(raycluster(3, other["metadata"]["resourceVersion"], name="other"))
+    await eventually(held.entered.is_set)
+    return Busy(held, karta, rc, other)
+
+
 async def test_an_update_waiting_through_a_description_edit_is_evaluated_under_it_off_the_loop(
         sim: KubeSim, described: KubeSource, monkeypatch: pytest.MonkeyPatch) -> None:
     """An update taken (packed, under the description then in force) while the thread
     was busy, and still waiting when the description is edited: evaluated in the thread
     under the new description, not under the old one and then again on the loop (its
     facts under the old one unused)."""
-    held = Held(monkeypatch)
-    karta = sim.create(RAYCLUSTER_KARTA)
-    rc = sim.create(raycluster(2))
-    other = sim.create(raycluster(1, name="other"))
+    busy = await busy_with_other(sim, described, monkeypatch)
+    held, karta, rc = busy.held, busy.karta, busy.rc
     uid = rc["metadata"]["uid"]
-    await asyncio.wait_for(described.start(), 10)
     heavy = _heavy(described)
-    held.armed = True
-    sim.update(raycluster(3, other["metadata"]["resourceVersion"], name="other"))
-    await eventually(held.entered.is_set)  # the thread busy with the other object
     rc5 = sim.update(raycluster(5, rc["metadata"]["resourceVersion"]))
     await eventually(lambda: heavy.pending == 1)
     edited = sim.update(edit(karta, head_replicas=False))
@@ -476,16 +496,10 @@ async def test_a_reevaluation_waiting_when_its_object_is_deleted_is_not_made(
     of them is deleted before its turn: its held text is not evaluated in the thread
     (~150-250 ms of a heavy object's, for nothing), it is counted superseded, not
     applied; it stays deleted, and the other ends as an engine that defers nothing."""
-    held = Held(monkeypatch)
-    karta = sim.create(RAYCLUSTER_KARTA)
-    rc = sim.create(raycluster(2))
-    other = sim.create(raycluster(1, name="other"))
+    busy = await busy_with_other(sim, described, monkeypatch)
+    held, karta, rc, other3 = busy.held, busy.karta, busy.rc, busy.other
     uid = rc["metadata"]["uid"]
-    await asyncio.wait_for(described.start(), 10)
     heavy = _heavy(described)
-    held.armed = True
-    other3 = sim.update(raycluster(3, other["metadata"]["resourceVersion"], name="other"))
-    await eventually(held.entered.is_set)  # the thread busy with the other's update
     edited = sim.update(edit(karta, head_replicas=False))
     await eventually(lambda: heavy.pending == 2)  # both objects' re-evaluations owed
     sim.delete(rc)
