@@ -33,12 +33,14 @@ value), ~40 ms for a 1.5 MB object, so a request of N programs cost N parses (a
 compiled together, once per tuple of sources, into one program that runs each on the
 input slurped (its values as ``input_text`` gives them) and emits one value each, its
 outputs or the error that ended them, and answered as each value comes
-(:func:`_answers`, :func:`_combined`). Where that form could answer otherwise than the
-program run alone, the program runs alone, as before: a request with a program that does
-not compile alone, or that names ``halt``, ``input`` or ``$__loc__``; an error value too
-deep for ``json.dumps`` (the binding's wording of an error that is not a string); and
-from an input that does not parse, an output Python cannot take or a missing value on,
-the rest of the request.
+(:func:`_answers`, :func:`combined`, :func:`outcomes`; the proxy's in-process runner,
+``karta.jq_sandbox: false``, runs its expressions through the same two functions, so
+they live here, in a script that imports no part of the proxy). Where that form could
+answer otherwise than the program run alone, the program runs alone, as before: a
+request with a program that does not compile alone, or that names ``halt``, ``input`` or
+``$__loc__``; an error value too deep for ``json.dumps`` (the binding's wording of an
+error that is not a string); and from an input that does not parse, an output Python
+cannot take or a missing value on, the rest of the request.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import resource
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: status bytes of an answer
@@ -160,14 +162,39 @@ def _answers(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[byt
     ran past it), the CPU backstop moved before each program's work.
 
     libjq parses its input again at each ``input_text``: ~40 ms for a 1.5 MB object, so
-    a request of N programs paid N parses. The programs run as one (:func:`_combined`)
-    on one parse, each answered as its tagged value comes; each one that the combined
-    form cannot answer exactly (an error value too deep to word) is run alone, and from
-    anything unexpected on (an input that does not parse, an output Python cannot
-    take, fewer values than programs) the rest are run alone, as before: the answers
-    are those of the programs run one by one."""
+    a request of N programs paid N parses. The programs run as one (:func:`combined`,
+    :func:`outcomes`) on one parse; each one that form cannot answer exactly is run
+    alone, as before: the answers are those of the programs run one by one."""
+    program = combined(compile_, programs, together, sources) if len(sources) > 1 else None
+    got = outcomes(program, len(sources), text, lambda: _arm_cpu_backstop(cpu_seconds))
+    for source, outcome in zip(sources, got, strict=True):
+        if outcome is None:
+            yield _evaluate(compile_, programs, source, text)
+        elif outcome[0]:
+            yield _encoded(outcome[1])
+        else:
+            yield JQ_ERROR, outcome[1].encode("utf-8", "surrogatepass")
+
+
+def _no_arm() -> None:
+    """No CPU backstop: the proxy's own process (its in-process runner) sets no limit."""
+
+
+def outcomes(program: Any, count: int, text: str,
+             arm: Callable[[], None] = _no_arm) -> Iterator[tuple[bool, Any] | None]:
+    """The ``count`` programs of ``program`` (:func:`combined`; None: none combined) on
+    ``text``, in order, each as soon as its value comes: ``(True, outputs)`` (Python
+    values, as ``input_text`` converts them, not encoded: the in-process runner takes
+    them as they are), ``(False, message)`` (the error as the binding words it alone),
+    or None for a program to run alone (by the caller, right after). ``arm`` is called
+    before each program's work (the child's CPU backstop; nothing in the proxy).
+
+    Run alone: a program whose error value is too deep for ``json.dumps`` (the binding's
+    wording of an error that is not a string: its ``_jq_error_to_py_string``, converted
+    here alike; not run again otherwise: twice its CPU, past the parent's deadline where
+    alone it answered), and from anything unexpected on (an input that does not parse,
+    an output Python cannot take, fewer values than programs) the rest."""
     done = 0
-    program = _combined(compile_, programs, together, sources) if len(sources) > 1 else None
     if program is not None:
         try:
             # slurp: every value of the text in one array, each program run on each value
@@ -175,30 +202,25 @@ def _answers(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[byt
             values = iter(program.input_text(text, slurp=True))
         except (ValueError, TypeError):  # not encodable (a lone surrogate), told by each
             values = iter(())           # alone; a binding without ``slurp``: all alone
-        for source in sources:
-            _arm_cpu_backstop(cpu_seconds)
+        for _ in range(count):
+            arm()
             try:
                 ok, value = next(values)
             except (StopIteration, ValueError, TypeError, RecursionError):
                 break  # the input's parse error, an output not convertible: alone
-            if ok:
-                yield _encoded(value)
-            elif isinstance(value, str):
-                yield JQ_ERROR, value.encode("utf-8", "surrogatepass")
-            else:
-                # worded as the binding words an error that is not a string: json.dumps
-                # of the value it converts (its _jq_error_to_py_string), converted here
-                # alike; not run again (twice its CPU: past the parent's deadline
-                # where alone it answered)
-                try:
-                    answer = JQ_ERROR, json.dumps(value).encode()
-                except (ValueError, TypeError, RecursionError):  # too deep: alone
-                    answer = _evaluate(compile_, programs, source, text)
-                yield answer
             done += 1
-    for source in sources[done:]:
-        _arm_cpu_backstop(cpu_seconds)
-        yield _evaluate(compile_, programs, source, text)
+            if ok or isinstance(value, str):
+                yield ok, value
+                continue
+            try:
+                message = json.dumps(value)
+            except (ValueError, TypeError, RecursionError):  # too deep: alone
+                yield None
+                continue
+            yield False, message
+    for _ in range(count - done):
+        arm()
+        yield None
 
 
 #: what a program may name that the combined form would run differently: ``halt`` and
@@ -210,7 +232,7 @@ _ALONE_ONLY = re.compile(
     rb"(?<![.\w$])(?:halt|halt_error|input|inputs|input_line_number)\b|__loc__")
 
 
-def _combined(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[bytes, ...], Any],
+def combined(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[bytes, ...], Any],
               sources: list[bytes]) -> Any:
     """One program running ``sources`` in order on one input, each emitting one value:
     ``[true, outputs]`` or ``[false, error]`` (its outputs on every value of a slurped

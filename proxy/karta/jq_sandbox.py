@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Final, cast
 
 from proxy.karta.jq_child import FAILED, HELLO, JQ_ERROR, MAX_ANSWER_BYTES, OK
-from proxy.karta.jqexpr import JqError, JqExpr, note_wait
+from proxy.karta.jqexpr import JqError, JqExpr, jq_runtime_error, note_wait
 
 log = logging.getLogger(__name__)
 
@@ -308,9 +308,7 @@ def _outcome(source: str, answer: bytes) -> list[Any] | JqError:
         return out
     message = payload.decode("utf-8", "surrogatepass")
     if status == JQ_ERROR:
-        err = JqError(f"{source!r}: {message}")
-        err.__cause__ = ValueError(message)
-        return err
+        return jq_runtime_error(source, message)
     if status == FAILED:
         return JqError(f"{source!r}: {message}")
     return JqError(f"{source!r}: the jq sandbox child answered out of protocol")

@@ -179,13 +179,13 @@ def test_the_corpus_runs_combined() -> None:
     everything alone); the tricky ones that must not, do not."""
     corpus = [s.encode() for s in _corpus()[:-len(TRICKY) - len(EXPRESSIONS)]]
     assert len(corpus) > 30
-    assert jq_child._combined(jq.compile, {}, {}, corpus) is not None
+    assert jq_child.combined(jq.compile, {}, {}, corpus) is not None
     for alone in ("halt", "input", "[inputs]", "$__loc__", 'import "x" as x; .',
                   ".a? # continued \\", ".a)", "("):
-        assert jq_child._combined(jq.compile, {}, {}, [b".", alone.encode()]) is None, alone
+        assert jq_child.combined(jq.compile, {}, {}, [b".", alone.encode()]) is None, alone
     for combined in (".inputs", '.a["halted"] | not', ". # a comment", "def f: .a?; f",
                      ". # continued \\\n| 2"):
-        assert jq_child._combined(jq.compile, {}, {}, [b".", combined.encode()]), combined
+        assert jq_child.combined(jq.compile, {}, {}, [b".", combined.encode()]), combined
 
 
 def test_the_compiled_programs_kept_are_bounded_by_their_sources_bytes(

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import re
+import resource
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import proxy.karta.jqexpr as jqexpr_module
 from proxy.karta.jqexpr import (
     MAX_ID_BYTES,
+    InProcessRunner,
     JqCompileError,
     JqError,
     JqExpr,
@@ -17,6 +25,7 @@ from proxy.karta.jqexpr import (
     JqTypeError,
     checked_id,
     input_fields,
+    jq_text,
     output_ids,
     output_numbers,
     outputs_equal,
@@ -24,6 +33,7 @@ from proxy.karta.jqexpr import (
     single_output_id,
     to_text,
 )
+from tests.karta import test_jq_child
 
 OBJ: dict[str, Any] = {
     "metadata": {"name": "web", "labels": {"role": "head", "n": 3}},
@@ -257,3 +267,113 @@ def test_one_rule_shows_refused_bytes() -> None:
     with pytest.raises(JqIdError) as err:
         checked_id("\x01" + "é" * 40)
     assert str(err.value).endswith(shown(("\x01" + "é" * 40).encode()))
+
+
+# -- the in-process runner: several expressions on one parse -------------------------------
+
+
+def _the_same(a: Any, b: Any) -> bool:
+    """Python values alike as the caller sees them: types (1 is not 1.0, True not 1),
+    floats by their repr (nan, -0.0), dicts' keys in order; iterative (outputs nest up
+    to Python's recursion limit)."""
+    pending = [(a, b)]
+    while pending:
+        x, y = pending.pop()
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, float):
+            if repr(x) != repr(y):
+                return False
+        elif isinstance(x, list):
+            if len(x) != len(y):
+                return False
+            pending += zip(x, y, strict=True)
+        elif isinstance(x, dict):
+            if list(x) != list(y):
+                return False
+            pending += ((x[k], y[k]) for k in x)
+        elif x != y:
+            return False
+    return True
+
+
+def _results_alike(got: list[list[Any] | JqError], alone: list[list[Any] | JqError]) -> bool:
+    """Outputs alike (:func:`_the_same`), errors by their type, message, retry and cause
+    (a reason is worded from ``str(exc.__cause__ or exc)``)."""
+    return len(got) == len(alone) and all(
+        (type(g) is type(a) and str(g) == str(a) and g.retry_after == a.retry_after
+         and type(g.__cause__) is type(a.__cause__) and str(g.__cause__) == str(a.__cause__))
+        if isinstance(a, JqError) else _the_same(g, a) for g, a in zip(got, alone, strict=True))
+
+
+@functools.cache
+def _expressions() -> tuple[JqExpr, ...]:
+    """The child's corpus (descriptions, sandbox tests, tricky programs), those that
+    compile (a JqExpr is compiled: the others never reach a runner)."""
+    out = []
+    for source in test_jq_child._corpus():
+        with contextlib.suppress(JqCompileError, UnicodeError):
+            out.append(JqExpr(source))
+    return tuple(out)
+
+
+@pytest.fixture
+def no_cpu_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RLIMIT_CPU in this process would bound the proxy's (here the test run's) CPU: the
+    in-process runner must not set it."""
+    def refused(*args: Any) -> None:
+        raise AssertionError(f"setrlimit{args} in the proxy's process")
+    monkeypatch.setattr(resource, "setrlimit", refused)
+
+
+_RUNNER = InProcessRunner()  # its combined programs kept across the examples, as in use
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.integers(0, 10**6), min_size=2, max_size=8),
+       text=test_jq_child.texts)
+def test_in_process_run_many_is_each_expression_run_alone(
+        picks: list[int], text: str, no_cpu_limit: None) -> None:
+    """The same outputs (types, key order, nan) and the same JqError messages as each
+    expression run alone (``run_here``, today's ``run_many``), whatever runs combined,
+    alone or falls back part way; no CPU limit set."""
+    exprs = [_expressions()[i % len(_expressions())] for i in picks]
+    alone: list[list[Any] | JqError] = []
+    for expr in exprs:
+        try:
+            alone.append(expr.run_here(text))
+        except JqError as e:
+            alone.append(e)
+    assert _results_alike(_RUNNER.run_many(exprs, text), alone)
+
+
+def test_in_process_run_many_parses_its_input_once(monkeypatch: pytest.MonkeyPatch,
+                                                   no_cpu_limit: None) -> None:
+    """N expressions on one object: one parse of its text (there were N: ~40 ms each for
+    a 1.5 MB object, on the event loop with the sandbox off), the outputs each one's, an
+    error that is not a string worded as alone without running it again; one expression,
+    one parse as ever; one that must run alone (``input``) runs alone."""
+    calls = test_jq_child._Calls()
+    monkeypatch.setattr(jqexpr_module, "jq", SimpleNamespace(compile=calls.compile))
+    runner = InProcessRunner()
+    text = jq_text({"status": {"phase": "Running", "nodes": {"n1": {"type": "Pod"}}},
+                    "metadata": {"name": "wf"}})
+    exprs = [JqExpr(s) for s in (".status.phase", ".metadata.name",
+                                 "[.status.nodes[] | .type]", ".spec.x", 'error("not here")',
+                                 "error({})")]
+    compiled = calls.compiles
+    for _ in range(2):
+        calls.parses = 0
+        got = runner.run_many(exprs, text)
+        assert got[:4] == [["Running"], ["wf"], [["Pod"]], [None]]
+        assert [str(e) for e in got[4:]] == ["'error(\"not here\")': not here",
+                                             "'error({})': {}"]
+        assert calls.parses == 1
+        assert calls.compiles == compiled + 1  # the combined program, once
+    calls.parses = 0
+    assert runner.run_many(exprs[:1], text) == [["Running"]]
+    assert calls.parses == 1
+    calls.parses = 0
+    alone = runner.run_many([exprs[0], JqExpr("[inputs]")], text)
+    assert alone == [["Running"], [[]]] and calls.parses == 2
