@@ -258,7 +258,6 @@ def jq_runtime_error(source: str, message: str) -> JqError:
     return err
 
 
-
 class JqRunner(Protocol):
     """Evaluates a compiled expression on one input's JSON text: every output, in order,
     or :class:`JqError`."""
