@@ -759,12 +759,13 @@ class Engine:
         now: a description changed while it waited, and facts made under the old plan
         would go unused (evaluated again on the event loop). Its kept text does not depend
         on the plan. None: its kind is no longer described (nothing to evaluate)."""
-        if work.stub is None:
-            return work
-        plan = self._plans.get(group_kind(work.stub["apiVersion"], work.stub["kind"]))
-        if plan is None or plan is work.plan:
-            return None if plan is None else work
-        return FactsWork(work.stub, work.kept, plan, work.pack_seconds)
+        stub = work.stub
+        assert stub is not None, "an update's work (a re-evaluation's is held_facts_work's)"
+        plan = self._plans.get(group_kind(stub["apiVersion"], stub["kind"]))
+        if plan is None:
+            return None
+        return work if plan is work.plan else FactsWork(stub, work.kept, plan,
+                                                         work.pack_seconds)
 
     def held_facts_work(self, uid: str) -> FactsWork | None:
         """The facts of workload object ``uid`` as held now (its kept text, no pack made)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
@@ -85,6 +86,22 @@ def _uid(obj: Mapping[str, Any]) -> str | None:
     return uid if isinstance(uid, str) and uid else None
 
 
+@dataclass(slots=True)
+class _Flight:
+    """The version or re-evaluation being evaluated in the thread, and what the events fed
+    at once for its object since made of it."""
+
+    uid: str
+    #: a re-evaluation after a description change (no stub), not an update
+    owed: bool
+    #: its result useless, dropped: an update's object changed or gone, or a newer change
+    #: owing a re-evaluation again
+    superseded: bool = False
+    #: a re-evaluation's object changed or gone: its facts unused, its re-attribution
+    #: still given, counted superseded
+    stale: bool = False
+
+
 class HeavyObjects:
     """The heavy objects' versions waiting for their facts, the task that has them
     evaluated in a thread and fed, and the counter of what became of them."""
@@ -101,15 +118,8 @@ class HeavyObjects:
         #: uid -> its re-evaluation owed after a description change (a work without a
         #: stub), in the order owed: taken before the updates
         self._owed: dict[str, FactsWork] = {}
-        #: the uid whose version (or re-evaluation) is being evaluated in the thread, and
-        #: whether an event fed at once for it (a newer change owing it again) since made
-        #: its result useless
-        self._flying: str | None = None
-        self._flying_owed = False
-        self._flying_superseded = False
-        #: and, for a re-evaluation, whether an event fed at once for its object since
-        #: (a deletion) leaves its facts unused: still re-attributed, counted superseded
-        self._flying_stale = False
+        #: the version (or re-evaluation) being evaluated in the thread
+        self._flight: _Flight | None = None
         self._wake = asyncio.Event()
         #: set while nothing waits and nothing is being evaluated (:meth:`settled`)
         self._idle = asyncio.Event()
@@ -170,12 +180,14 @@ class HeavyObjects:
                 continue
             if self._pending.pop(uid, None) is not None:
                 self.updates.labels("superseded").inc()
-            if uid == self._flying and self._flying_owed:
+            flight = self._flight
+            if flight is not None and flight.uid == uid:
                 # a re-evaluation's object changed or gone: its facts will go unused, its
-                # re-attribution is still owed
-                self._flying_stale = True
-            elif uid == self._flying:
-                self._flying_superseded = True
+                # re-attribution is still owed; an update's result is useless
+                if flight.owed:
+                    flight.stale = True
+                else:
+                    flight.superseded = True
             out.append(ev)
         return out
 
@@ -188,8 +200,9 @@ class HeavyObjects:
             work = self._engine.held_facts_work(uid) if self._engine.heavy(uid) else None
             if self._owed.pop(uid, None) is not None:
                 self.updates.labels("superseded").inc()
-            if uid == self._flying and self._flying_owed:
-                self._flying_superseded = True
+            flight = self._flight
+            if flight is not None and flight.uid == uid and flight.owed:
+                flight.superseded = True
             if work is None:
                 out.append(uid)
                 continue
@@ -244,8 +257,7 @@ class HeavyObjects:
                 self.updates.labels("superseded").inc()
             prepared = work.unevaluated()
         else:
-            self._flying, self._flying_owed = uid, stub is None
-            self._flying_superseded = self._flying_stale = False
+            flight = self._flight = _Flight(uid, owed=stub is None)
             try:
                 prepared = await loop.run_in_executor(self._pool, current.run)
             except Exception:
@@ -254,11 +266,11 @@ class HeavyObjects:
                             extra={"uid": uid})
                 prepared = current.unevaluated()
             finally:
-                self._flying = None
-            if self._flying_superseded:
+                self._flight = None
+            if flight.superseded:
                 self.updates.labels("superseded").inc()
                 return
-            stale = self._flying_stale
+            stale = flight.stale
         # fed as the source feeds any event, the stub in the object's place with its
         # kept text (without facts when the thread failed: evaluated here as before)
         try:
