@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from proxy.karta.description import DescriptionFiles
     from proxy.karta.jq_sandbox import JqSandbox
     from proxy.kube.cluster_identity import ClusterIdentity
+    from proxy.kube.source import KubeSource
 
 log = logging.getLogger("karta.runtime")
 
@@ -692,11 +693,9 @@ class Proxy:
         change = self.engine.change_descriptions(descs, source=source)
         self.index.apply(change.changes)
         owed = change.owed
-        if self.source is not None and not self.settings.snapshot:
-            from proxy.kube.source import KubeSource
-
-            if isinstance(self.source, KubeSource):  # heavy objects re-evaluated off the loop
-                owed = self.source.owe_heavy(owed)
+        kube = self._kube_source()
+        if kube is not None:  # heavy objects re-evaluated off the loop
+            owed = kube.owe_heavy(owed)
 
         # an engine bug on one owed object costs that object (and what lies below it) its
         # new attribution, never the rest of the reload's runs; logged once per reload
@@ -720,11 +719,17 @@ class Proxy:
 
         if isinstance(self.source, SnapshotSource):
             await self.source.follow_kinds()
-        elif self.source is not None and not self.settings.snapshot:
-            from proxy.kube.source import KubeSource
+        elif (kube := self._kube_source()) is not None:
+            kube.wake()
 
-            if isinstance(self.source, KubeSource):
-                self.source.wake()
+    def _kube_source(self) -> KubeSource | None:
+        """The source when it is the cluster's (imported only then: snapshot mode loads
+        nothing of the Kubernetes client)."""
+        if self.source is None or self.settings.snapshot:
+            return None
+        from proxy.kube.source import KubeSource
+
+        return self.source if isinstance(self.source, KubeSource) else None
 
     async def _reload(self) -> ReloadOutcome:
         from proxy.enrichment import build_plan
