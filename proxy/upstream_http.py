@@ -22,8 +22,8 @@ redirects, decompression, automatic headers) is simply not done:
   nothing of closing (HTTP/1.1, or 1.0 with ``keep-alive``) and the request was all
   written; any other, and one whose exchange was cancelled, is closed;
 - the pool: at most ``limit`` connections in use (the rest wait, in order: a freed
-  slot is handed to the first waiter), idle ones
-  reused oldest-released first and closed after ``idle_seconds`` idle, or once
+  slot is handed to the first waiter), idle ones reused oldest-released first and
+  closed after ``idle_seconds`` idle, or once
   ``MAX_CONNECTION_SECONDS`` old (then the name is looked up again); names looked up with
   ``loop.getaddrinfo`` and kept ``DNS_TTL_SECONDS`` (``clear_dns_cache`` after a failed
   connect), the addresses of a name taken in turn by the connections made, and tried one

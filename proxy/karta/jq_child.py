@@ -233,7 +233,7 @@ _ALONE_ONLY = re.compile(
 
 
 def combined(compile_: Any, programs: dict[bytes, Any], together: dict[tuple[bytes, ...], Any],
-              sources: list[bytes]) -> Any:
+             sources: list[bytes]) -> Any:
     """One program running ``sources`` in order on one input, each emitting one value:
     ``[true, outputs]`` or ``[false, error]`` (its outputs on every value of a slurped
     input, as ``input_text`` gives them, or the error ending them); None when they are
