@@ -32,6 +32,7 @@ FLOORS: dict[str, tuple[str, str]] = {
     "pytest-asyncio": ("0.24", "the asyncio_default_fixture_loop_scope option (pyproject); "
                                "0.23.0-0.23.4 fail collection on pytest 8"),
     "ruff": ("0.15.8", "`ruff check .` clean (older: F811/F821/UP027/UP038 here)"),
+    "packaging": ("24.2", "packaging.licenses (this file's check of project.license)"),
     "mypy": ("1.20.1", "`mypy proxy tests benchmarks` clean (older: 1 to 31 errors)"),
 }
 
@@ -81,3 +82,20 @@ def test_the_installed_releases_meet_the_floors() -> None:
         if have < Version(floor):
             old.append(f"{package} {have} < {floor}: {needs}")
     assert not old
+
+
+def test_the_license_is_an_spdx_expression_and_the_build_backend_reads_it() -> None:
+    """setuptools deprecated ``license = {text = ...}`` (a table) at 77 and stops building
+    projects that declare it after 2027-02-18: ``pip install -e .`` on a fresh machine
+    takes the newest setuptools, so the README's set-up command would fail from that day.
+    The SPDX string is what 77 and later read, hence the build requirement's floor."""
+    from packaging.licenses import canonicalize_license_expression
+
+    doc = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
+    license_ = doc["project"]["license"]
+    assert isinstance(license_, str), "project.license must be an SPDX string, not a table"
+    assert canonicalize_license_expression(license_) == license_
+    backend = {canonicalize_name(r.name): r for r in
+               map(Requirement, doc["build-system"]["requires"])}
+    floor = lower_bound(backend["setuptools"])
+    assert floor is not None and floor >= Version("77"), backend["setuptools"]
