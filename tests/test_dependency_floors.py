@@ -32,6 +32,7 @@ FLOORS: dict[str, tuple[str, str]] = {
     "pytest-asyncio": ("0.24", "the asyncio_default_fixture_loop_scope option (pyproject); "
                                "0.23.0-0.23.4 fail collection on pytest 8"),
     "ruff": ("0.15.8", "`ruff check .` clean (older: F811/F821/UP027/UP038 here)"),
+    "setuptools": ("77", "project.license as an SPDX string (tests/wire build with setup.py)"),
     "packaging": ("24.2", "packaging.licenses (this file's check of project.license)"),
     "mypy": ("1.20.1", "`mypy proxy tests benchmarks` clean (older: 1 to 31 errors)"),
 }
