@@ -98,5 +98,6 @@ def test_the_license_is_an_spdx_expression_and_the_build_backend_reads_it() -> N
     assert canonicalize_license_expression(license_) == license_
     backend = {canonicalize_name(r.name): r for r in
                map(Requirement, doc["build-system"]["requires"])}
-    floor = lower_bound(backend["setuptools"])
-    assert floor is not None and floor >= Version("77"), backend["setuptools"]
+    setuptools = backend[canonicalize_name("setuptools")]
+    floor = lower_bound(setuptools)
+    assert floor is not None and floor >= Version("77"), setuptools
