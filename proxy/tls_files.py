@@ -1,8 +1,9 @@
 """TLS and credential files, read the one way every user of them reads them.
 
-Two ideas, each written once here: what says that a file changed (``FileStamp``, from a
-stat), and how the files become an ``SSLContext`` (``client_context`` for the upstream,
-``server_context`` for the listener). The settings' validation (proxy/config.py) builds
+Three ideas, each written once here: what says that a file changed (``FileStamp``, from a
+stat), how the files become an ``SSLContext`` (``client_context`` for the upstream,
+``server_context`` for the listener), and how every client context of the proxy verifies a
+server's certificate (``verify_as_go``). The settings' validation (proxy/config.py) builds
 its contexts with the same two builders that serve: a file the validation takes is a file
 the proxy loads, and the other way round (the upstream's was checked on a context made
 another way than the one used, with no system CAs and none of the defaults
@@ -100,6 +101,23 @@ def _as_is(part: Part) -> AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
+def verify_as_go(ctx: ssl.SSLContext) -> ssl.SSLContext:
+    """``ctx`` (a client context) made to verify as Go's ``crypto/x509`` does, the
+    verifier of the proxy's peers (Prometheus, vmagent, kubectl), on every Python; returned.
+
+    ``ssl.create_default_context`` sets ``VERIFY_X509_STRICT`` and
+    ``VERIFY_X509_PARTIAL_CHAIN`` from Python 3.13, neither before. Strict refuses a
+    certificate a CA issued without an Authority Key Identifier (common in internal PKIs
+    and certificates of older openssl or hand-made scripts), which Go accepts: the same
+    proxy image refused an upstream or API server on 3.13 that it and Prometheus took on
+    3.12. Partial chain trusts every certificate of the CA file as an anchor (an
+    intermediate alone in it, too), as Go's root pool does. So: strict cleared, partial
+    chain set, whatever the Python."""
+    ctx.verify_flags = ((ctx.verify_flags & ~ssl.VERIFY_X509_STRICT)
+                        | ssl.VERIFY_X509_PARTIAL_CHAIN)
+    return ctx
+
+
 def client_context(
     ca: str, cert: str, key: str, insecure_skip_verify: bool, *, loading: Loading = _as_is,
 ) -> ssl.SSLContext | None:
@@ -108,7 +126,7 @@ def client_context(
     if not (ca or cert or insecure_skip_verify):
         return None
     with loading("ca"):
-        ctx = ssl.create_default_context(cafile=ca or None)
+        ctx = verify_as_go(ssl.create_default_context(cafile=ca or None))
     if cert:
         with loading("cert"):
             ctx.load_cert_chain(cert, key or None)

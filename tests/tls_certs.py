@@ -1,5 +1,12 @@
 """Throw-away PKI for TLS tests: a CA, a server certificate for 127.0.0.1 / ::1 / localhost and
-client certificates, made with ``cryptography`` (a test dependency) into PEM files."""
+client certificates, made with ``cryptography`` (a test dependency) into PEM files.
+
+The certificates are RFC 5280's: a Subject Key Identifier on each, an Authority Key
+Identifier on each a CA issued, a critical basicConstraints on a CA. Python 3.13's
+``ssl.create_default_context`` verifies strictly (``VERIFY_X509_STRICT``) and refused
+this PKI's certificates without them (``Missing Authority Key Identifier``) where a test
+is a strict client; ``Authority.issue(aki=False)`` still makes one without, as internal
+PKIs do, for the proxy's own clients, which verify as Go does."""
 
 from __future__ import annotations
 
@@ -25,6 +32,12 @@ class Pem:
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _ski(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> x509.SubjectKeyIdentifier:
+    """The Subject Key Identifier of ``key``'s certificate (RFC 5280's method 1, a SHA-1 of
+    the public key)."""
+    return x509.SubjectKeyIdentifier.from_public_key(key.public_key())
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
@@ -55,16 +68,19 @@ class Authority:
                 digital_signature=True, key_cert_sign=True, crl_sign=True,
                 content_commitment=False, key_encipherment=False, data_encipherment=False,
                 key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(_ski(self._key), critical=False)
             .sign(self._key, hashes.SHA256())
         )
         self.ca_file = folder / f"{name}.pem"
         _write_cert(self.ca_file, self._cert)
 
     def issue(self, cn: str, *, server: bool, rsa_key: bool = False,
-              valid: tuple[datetime.timedelta, datetime.timedelta] | None = None) -> Pem:
+              valid: tuple[datetime.timedelta, datetime.timedelta] | None = None,
+              aki: bool = True) -> Pem:
         """A leaf certificate: ``server`` for 127.0.0.1, ::1 and localhost, else a client's; an
         ECDSA key, or RSA with ``rsa_key``; valid from 5 min ago for a day, or from now
-        plus ``valid[0]`` to now plus ``valid[1]``."""
+        plus ``valid[0]`` to now plus ``valid[1]``; without an Authority Key Identifier
+        when not ``aki`` (what a strict verifier refuses and Go accepts)."""
         key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey = (
             rsa.generate_private_key(public_exponent=65537, key_size=2048) if rsa_key
             else ec.generate_private_key(ec.SECP256R1()))
@@ -78,7 +94,11 @@ class Authority:
             .add_extension(x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
                 critical=False)
+            .add_extension(_ski(key), critical=False)
         )
+        if aki:
+            b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                self._key.public_key()), critical=False)
         if server:
             b = b.add_extension(x509.SubjectAlternativeName([
                 x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
@@ -104,6 +124,7 @@ def self_signed_client(folder: Path, cn: str, *, ca: bool | None) -> Pem:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(_ski(key), critical=False)
     )
     if ca is not None:
         b = b.add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)

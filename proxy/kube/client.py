@@ -35,7 +35,7 @@ from proxy.kube.lean import client as k8s_client
 from proxy.kube.lean import config as k8s_config
 from proxy.kube.lean import rest as k8s_rest
 from proxy.shown import one_line
-from proxy.tls_files import FileStamp, stamp
+from proxy.tls_files import FileStamp, stamp, verify_as_go
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +487,24 @@ def _tls_refusal(e: Exception) -> bool:
             and not isinstance(e, aiohttp.ClientConnectorError))
 
 
+def verified_as_go(pool: Any) -> Any:
+    """``pool`` (a kubernetes-asyncio ``RESTClientObject``) with its SSL context verifying as
+    the upstream's does, as kubectl does (``proxy.tls_files.verify_as_go``); returned.
+
+    The library makes that context inside the pool's constructor with
+    ``ssl.create_default_context``, strict from Python 3.13 (an API server certificate
+    without an Authority Key Identifier refused), and hands it to the pool's connector: no
+    seam but that connector's context, which it reads at each new connection, so it is
+    changed there, in place, before any connection. (``disable_strict_ssl_verification``,
+    a ``Configuration`` field of recent releases only, clears strict alone.)
+    """
+    ctx = pool.pool_manager.connector._ssl
+    if not isinstance(ctx, ssl.SSLContext):  # a kubernetes-asyncio or aiohttp that differs
+        raise TypeError(f"kubernetes-asyncio's connection pool holds no SSLContext: {ctx!r}")
+    verify_as_go(ctx)
+    return pool
+
+
 class CheckedApiClient(k8s_client.ApiClient):
     """kubernetes-asyncio's ApiClient, every call of which goes through the kept
     credentials: ``call_api`` is the one seam that the source's raw requests (lists,
@@ -505,6 +523,7 @@ class CheckedApiClient(k8s_client.ApiClient):
     def __init__(self, configuration: k8s_client.Configuration,
                  credentials: KeptCredentials | None = None) -> None:
         super().__init__(configuration=configuration)
+        verified_as_go(self.rest_client)
         #: None: a configuration not kept current (the client's own default loader)
         self.credentials = credentials
 
@@ -578,7 +597,8 @@ class KubeClient:
         so the Lease's typed client gets it too. The old one is closed once the watches
         streaming on it have ended (``RETIRED_POOL_SECONDS``): closing it at once cut
         them all."""
-        pool = k8s_rest.RESTClientObject(cfg)  # raises when the files do not load
+        # raises when the files do not load
+        pool = verified_as_go(k8s_rest.RESTClientObject(cfg))
         now = time.monotonic()
         self._retired.append(RetiredPool(self.api.rest_client, now))
         self.api.rest_client = pool

@@ -7,6 +7,7 @@ running proxy keeps the writes flowing."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from proxy.config import Settings, validate
 from proxy.demo_exporter import DEMO_SNAPSHOT, FixtureExporter
 from proxy.runtime import Proxy
 from tests.peers.conftest import Peer, Peers, query, remote_write, scrape_configs, wait_until
+from tests.scripted import ScriptedUpstream
 from tests.test_tls import fetch
 from tests.tls_certs import Authority, install
 
@@ -221,3 +223,27 @@ async def test_victoria_metrics_over_tls_is_written_once_its_ca_is_fixed_and_rel
 
         await wait_until(exported, timeout=15, what="the write in VictoriaMetrics")
     assert [(m["try"], m.get("karta_workload")) for m in stored] == [("2", "frontend")], stored
+
+
+async def test_prometheus_takes_a_server_certificate_without_aki(
+    peers: Peers, exporter: FixtureExporter, tmp_path: Path,
+) -> None:
+    """What the proxy's clients verify as (``tests/test_tls_verification.py``): Go's
+    ``crypto/x509`` takes a server certificate a CA issued without an Authority Key
+    Identifier, which Python 3.13's default context refuses."""
+    ca = Authority(tmp_path / "pki", "internal-ca")
+    pem = ca.issue("tsdb", server=True, aki=False)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(pem.cert, pem.key)
+    async with ScriptedUpstream(ssl_context=server) as up:
+        agent = await peers.prometheus_agent({
+            "global": {"scrape_interval": "1s"},
+            "scrape_configs": scrape_configs(exporter),
+            "remote_write": [{**remote_write(up.url), "tls_config": {"ca_file": str(ca.ca_file)}}],
+        })
+
+        async def written() -> bool:
+            return bool(up.received)
+
+        await wait_until(written, timeout=30, what="a write over TLS from the agent")
+        await agent.astop(timeout=5)

@@ -1,0 +1,142 @@
+"""Every client context of the proxy (the upstream's, with or without TLS settings, and the
+Kubernetes client's) verifies a server's certificate as Go's ``crypto/x509`` does, the
+verifier of Prometheus, vmagent and kubectl, on every Python (``proxy.tls_files.verify_as_go``).
+
+Python 3.13's ``ssl.create_default_context`` added ``VERIFY_X509_STRICT``: the proxy on 3.13
+refused an upstream or API server whose certificate a CA issued without an Authority Key
+Identifier (``Missing Authority Key Identifier``), which it took on 3.11 and 3.12 and which
+Prometheus takes (``tests/peers/test_e2e_tls.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import KubeSettings, UpstreamSettings
+from proxy.kube.client import KubeClient
+from proxy.metrics import ProxyMetrics
+from proxy.pb.prometheus.remote_pb2 import WriteRequest
+from proxy.tls_files import client_context
+from proxy.upstream import Upstream
+from proxy.upstream_http import default_tls_context
+from proxy.wire.primitives import Protocol
+from tests.kubesim import KubeSim
+from tests.scripted import Reply, ScriptedUpstream
+from tests.tls_certs import Authority, Pem
+
+
+@dataclass(frozen=True)
+class NoAKI:
+    """An internal CA and a server certificate it issued without an Authority Key
+    Identifier, served by ``server``."""
+
+    ca: Authority
+    pem: Pem
+    server: ssl.SSLContext
+
+
+@pytest.fixture(scope="module")
+def no_aki(tmp_path_factory: pytest.TempPathFactory) -> NoAKI:
+    ca = Authority(tmp_path_factory.mktemp("pki"), "internal-ca")
+    pem = ca.issue("server", server=True, aki=False)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(pem.cert, pem.key)
+    return NoAKI(ca, pem, server)
+
+
+def _verifies_as_go(ctx: ssl.SSLContext) -> None:
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert not ctx.verify_flags & ssl.VERIFY_X509_STRICT, ctx.verify_flags
+    assert ctx.verify_flags & ssl.VERIFY_X509_PARTIAL_CHAIN, ctx.verify_flags
+
+
+def _pool_context(client: KubeClient) -> ssl.SSLContext:
+    """The context the client's connection pool makes its connections with."""
+    pool: Any = client.api.rest_client
+    ctx = pool.pool_manager.connector._ssl
+    assert isinstance(ctx, ssl.SSLContext)
+    return ctx
+
+
+def _handshake(client: ssl.SSLContext, server: ssl.SSLContext) -> None:
+    """One TLS handshake between the two contexts in memory; raises the client's refusal."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    c = client.wrap_bio(c_in, c_out, server_hostname="localhost")
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):
+        for side, out, peer_in in ((c, c_out, s_in), (s, s_out, c_in)):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                side.do_handshake()
+            peer_in.write(out.read())
+        if c.version() is not None and s.version() is not None:
+            return
+    raise AssertionError("handshake did not finish")
+
+
+def test_a_strict_verifier_refuses_the_certificate(no_aki: NoAKI) -> None:
+    """What the tests below stand on: the certificate is one strict verification refuses."""
+    strict = ssl.create_default_context(cafile=str(no_aki.ca.ca_file))
+    strict.verify_flags |= ssl.VERIFY_X509_STRICT
+    with pytest.raises(ssl.SSLCertVerificationError, match="Authority Key Identifier"):
+        _handshake(strict, no_aki.server)
+
+
+def test_the_upstream_contexts_verify_as_go(no_aki: NoAKI) -> None:
+    _verifies_as_go(default_tls_context())
+    ctx = client_context(str(no_aki.ca.ca_file), "", "", False)
+    assert ctx is not None
+    _verifies_as_go(ctx)
+    _handshake(ctx, no_aki.server)
+
+
+async def test_the_upstream_takes_a_certificate_without_aki(no_aki: NoAKI) -> None:
+    req = WriteRequest()
+    ts = req.timeseries.add()
+    ts.labels.add(name="__name__", value="up")
+    ts.samples.add(value=1.0, timestamp=1000)
+    async with ScriptedUpstream(Reply(204), ssl_context=no_aki.server) as up:
+        u = Upstream(UpstreamSettings(url=up.url,
+                                      tls_ca_file=str(no_aki.ca.ca_file),
+                                      timeout_seconds=2.0, connect_timeout_seconds=1.0),
+                     ProxyMetrics())
+        try:
+            answer = await u.send(req.SerializeToString(), Protocol.V1)
+        finally:
+            await u.close()
+    assert answer.status == 204, answer
+
+
+@pytest.fixture
+async def kube_client(no_aki: NoAKI, tmp_path: Path) -> AsyncIterator[KubeClient]:
+    """A client of an API server whose certificate has no AKI, its CA in the kubeconfig."""
+    sim = KubeSim(token="t", ssl_context=no_aki.server)
+    await sim.start()
+    kc = tmp_path / "kubeconfig"
+    kc.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "s", "cluster": {
+            "server": sim.url, "certificate-authority": str(no_aki.ca.ca_file)}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "s", "user": "u"}}],
+    }))
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kc)))
+    yield client
+    await client.close()
+    await sim.close()
+
+
+async def test_the_kube_client_takes_a_certificate_without_aki(kube_client: KubeClient) -> None:
+    assert (await kube_client.request_json("/api/v1/pods"))["kind"] == "PodList"
+    _verifies_as_go(_pool_context(kube_client))
+    # a pool made again for renewed TLS files verifies the same way
+    assert kube_client.credentials is not None
+    await kube_client._new_pool(kube_client.credentials.cfg)
+    _verifies_as_go(_pool_context(kube_client))
+    assert (await kube_client.request_json("/api/v1/pods"))["kind"] == "PodList"
