@@ -970,8 +970,6 @@ async def test_a_reload_reads_the_upstream_tls_files_again(tmp_path: Path) -> No
     """The upstream's CA fixed on disk: SIGHUP (``reload``) builds a new client context,
     the next write is stored. The context was built once at start: writes stayed 502,
     and the reload said applied=[] restart_required=[]."""
-    import ssl
-
     from tests.test_runtime import snapshot_settings
     from tests.tls_certs import Authority
 
@@ -980,9 +978,8 @@ async def test_a_reload_reads_the_upstream_tls_files_again(tmp_path: Path) -> No
     served = right.issue("tsdb", server=True)
     ca_file = tmp_path / "upstream-ca.pem"
     ca_file.write_bytes(wrong.ca_file.read_bytes())
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(served.cert, served.key)
-    async with ScriptedUpstream(ssl_context=server_ctx) as up, aiohttp.ClientSession() as c:
+    async with ScriptedUpstream(ssl_context=served.server_context()) as up, \
+            aiohttp.ClientSession() as c:
         s = snapshot_settings(tmp_path, up.url)
         s.upstream.tls_ca_file = str(ca_file)
         s.upstream.timeout_seconds = 5.0

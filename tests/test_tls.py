@@ -300,8 +300,7 @@ async def test_a_client_ca_removed_from_the_bundle_is_no_longer_trusted(
 
 async def open_tls(port: int, ca: Path, client: Pem,
                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    ctx = ssl.create_default_context(cafile=str(ca))
-    ctx.load_cert_chain(client.cert, client.key)
+    ctx = client.client_context(ca)
     return await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx), 5)
 
 

@@ -30,7 +30,7 @@ from tests.scripted import ScriptedUpstream
 from tests.test_tls import Pki, fetch, started, tls_settings, write_stored
 from tests.test_tls import pki as pki  # the shared fixtures, reused
 from tests.test_tls import upstream as upstream
-from tests.tls_certs import Authority, Pem
+from tests.tls_certs import Authority
 
 FAILURES = "karta_proxy_tls_handshake_failures_total"
 
@@ -85,8 +85,7 @@ def blocking_handshake(port: int, ctx: ssl.SSLContext) -> str:
 
 
 def tls11_client(pki: Pki) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(pki.ca.ca_file))
-    ctx.load_cert_chain(pki.client.cert, pki.client.key)
+    ctx = pki.client.client_context(pki.ca.ca_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         ctx.minimum_version = ssl.TLSVersion.TLSv1
@@ -203,8 +202,7 @@ async def test_a_client_silent_past_the_handshake_timeout_is_counted(
 ) -> None:
     """The proxy's is server.header_read_timeout_seconds; a site of 1 s shows it is counted."""
     caplog.set_level(logging.WARNING, logger="karta.tls")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(pki.server.cert, pki.server.key)
+    ctx = pki.server.server_context()
     seen: list[str] = []
     runner = web.AppRunner(web.Application())
     await runner.setup()
@@ -232,12 +230,7 @@ async def test_a_client_silent_past_the_handshake_timeout_is_counted(
 async def test_a_site_given_a_callable_asks_it_for_each_connection(pki: Pki) -> None:
     """proxy/tls.py makes a new context per load: the listener must take the current one
     for each connection, not the one it started with."""
-    def context(pem: Pem) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(pem.cert, pem.key)
-        return ctx
-
-    current = [context(pki.server)]
+    current = [pki.server.server_context()]
     runner = web.AppRunner(web.Application())
     await runner.setup()
     site = TLSSite(runner, "127.0.0.1", 0, ssl_context=lambda: current[0],
@@ -246,7 +239,7 @@ async def test_a_site_given_a_callable_asks_it_for_each_connection(pki: Pki) -> 
     port = runner.addresses[0][1]
     try:
         assert (await fetch(port, pki.ca.ca_file)).server_cn == "proxy-a"
-        current[0] = context(pki.ca.issue("proxy-b", server=True))
+        current[0] = pki.ca.issue("proxy-b", server=True).server_context()
         assert (await fetch(port, pki.ca.ca_file)).server_cn == "proxy-b"
     finally:
         await runner.cleanup()
@@ -406,8 +399,7 @@ def how_it_ends(port: int, ctx: ssl.SSLContext) -> str:
 
 async def test_a_site_on_an_ipv6_host_names_it_in_brackets(pki: Pki) -> None:
     """``https://::1:9091`` names no port; aiohttp's own sites bracket the host."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(pki.server.cert, pki.server.key)
+    ctx = pki.server.server_context()
     runner = web.AppRunner(web.Application())
     await runner.setup()
     try:

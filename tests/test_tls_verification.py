@@ -29,26 +29,22 @@ from proxy.upstream_http import default_tls_context
 from proxy.wire.primitives import Protocol
 from tests.kubesim import KubeSim
 from tests.scripted import Reply, ScriptedUpstream
-from tests.tls_certs import Authority, Pem
+from tests.tls_certs import without_aki
 
 
 @dataclass(frozen=True)
 class NoAKI:
-    """An internal CA and a server certificate it issued without an Authority Key
+    """An internal CA's file and a server certificate it issued without an Authority Key
     Identifier, served by ``server``."""
 
-    ca: Authority
-    pem: Pem
+    ca_file: Path
     server: ssl.SSLContext
 
 
 @pytest.fixture(scope="module")
 def no_aki(tmp_path_factory: pytest.TempPathFactory) -> NoAKI:
-    ca = Authority(tmp_path_factory.mktemp("pki"), "internal-ca")
-    pem = ca.issue("server", server=True, aki=False)
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(pem.cert, pem.key)
-    return NoAKI(ca, pem, server)
+    pem, ca_file = without_aki(tmp_path_factory.mktemp("pki"), "server")
+    return NoAKI(ca_file, pem.server_context())
 
 
 def _verifies_as_go(ctx: ssl.SSLContext) -> None:
@@ -82,7 +78,7 @@ def _handshake(client: ssl.SSLContext, server: ssl.SSLContext) -> None:
 
 def test_a_strict_verifier_refuses_the_certificate(no_aki: NoAKI) -> None:
     """What the tests below stand on: the certificate is one strict verification refuses."""
-    strict = ssl.create_default_context(cafile=str(no_aki.ca.ca_file))
+    strict = ssl.create_default_context(cafile=str(no_aki.ca_file))
     strict.verify_flags |= ssl.VERIFY_X509_STRICT
     with pytest.raises(ssl.SSLCertVerificationError, match="Authority Key Identifier"):
         _handshake(strict, no_aki.server)
@@ -90,7 +86,7 @@ def test_a_strict_verifier_refuses_the_certificate(no_aki: NoAKI) -> None:
 
 def test_the_upstream_contexts_verify_as_go(no_aki: NoAKI) -> None:
     _verifies_as_go(default_tls_context())
-    ctx = client_context(str(no_aki.ca.ca_file), "", "", False)
+    ctx = client_context(str(no_aki.ca_file), "", "", False)
     assert ctx is not None
     _verifies_as_go(ctx)
     _handshake(ctx, no_aki.server)
@@ -103,7 +99,7 @@ async def test_the_upstream_takes_a_certificate_without_aki(no_aki: NoAKI) -> No
     ts.samples.add(value=1.0, timestamp=1000)
     async with ScriptedUpstream(Reply(204), ssl_context=no_aki.server) as up:
         u = Upstream(UpstreamSettings(url=up.url,
-                                      tls_ca_file=str(no_aki.ca.ca_file),
+                                      tls_ca_file=str(no_aki.ca_file),
                                       timeout_seconds=2.0, connect_timeout_seconds=1.0),
                      ProxyMetrics())
         try:
@@ -122,7 +118,7 @@ async def kube_client(no_aki: NoAKI, tmp_path: Path) -> AsyncIterator[KubeClient
     kc.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
         "clusters": [{"name": "s", "cluster": {
-            "server": sim.url, "certificate-authority": str(no_aki.ca.ca_file)}}],
+            "server": sim.url, "certificate-authority": str(no_aki.ca_file)}}],
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "s", "user": "u"}}],
     }))

@@ -54,6 +54,7 @@ from proxy.wire.native import split_v1
 from proxy.wire.primitives import Counts, Protocol, len_field
 from tests.fault_relay import CUT_ANSWER, Fault, FaultRelay
 from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
+from tests.tls_certs import Pem
 
 # generated protobuf modules carry no type information
 WriteRequest: Any = cast(Any, remote_pb2).WriteRequest
@@ -1199,7 +1200,8 @@ def test_map_status_never_invents_429() -> None:
 
 
 @pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> Pem:
+    """A self-signed server certificate for tsdb.karta.test, made by ``openssl``."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     d = tmp_path_factory.mktemp("tls")
@@ -1210,19 +1212,12 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
          "-addext", "subjectAltName=DNS:tsdb.karta.test"],
         check=True, capture_output=True, timeout=60,
     )
-    return cert, key
+    return Pem(cert, key)
 
 
-def server_ctx(cert: Path, key: Path) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(str(cert), str(key))
-    return ctx
-
-
-async def test_tls_with_ca_and_server_name(tls_files: tuple[Path, Path]) -> None:
-    cert, key = tls_files
-    async with ScriptedUpstream(ssl_context=server_ctx(cert, key)) as up:
-        ok = make(up.url, tls_ca_file=str(cert), tls_server_name="tsdb.karta.test")
+async def test_tls_with_ca_and_server_name(tls_files: Pem) -> None:
+    async with ScriptedUpstream(ssl_context=tls_files.server_context()) as up:
+        ok = make(up.url, tls_ca_file=str(tls_files.cert), tls_server_name="tsdb.karta.test")
         unverified = make(up.url)  # system CAs: the self-signed cert is refused
         insecure = make(up.url, tls_insecure_skip_verify=True)
         try:
@@ -2170,7 +2165,7 @@ async def test_upstream_tls_files_are_read_again_when_they_change(tmp_path: Path
     served = right.issue("tsdb", server=True)
     ca_file = tmp_path / "upstream-ca.pem"
     ca_file.write_bytes(wrong.ca_file.read_bytes())
-    async with ScriptedUpstream(ssl_context=server_ctx(served.cert, served.key)) as up, \
+    async with ScriptedUpstream(ssl_context=served.server_context()) as up, \
             opened(up.url.replace("http://", "https://"), tls_ca_file=str(ca_file)) as u:
         bad = await u.send(v1_body(), Protocol.V1)
         assert bad.status == 502 and bad.upstream == "connect_error", bad

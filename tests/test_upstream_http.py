@@ -551,10 +551,7 @@ async def test_a_silent_first_address_gives_way_to_the_next(
 def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Authority, ssl.SSLContext]:
     folder: Path = tmp_path_factory.mktemp("pki")
     ca = Authority(folder)
-    pem = ca.issue("server", server=True)
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server.load_cert_chain(pem.cert, pem.key)
-    return ca, server
+    return ca, ca.issue("server", server=True).server_context()
 
 
 async def test_tls_with_a_server_name(pki: tuple[Authority, ssl.SSLContext]) -> None:

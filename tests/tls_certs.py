@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,22 @@ class Pem:
 
     cert: Path
     key: Path
+
+    def server_context(self) -> ssl.SSLContext:
+        """A listening context that serves this certificate and key and asks nothing of its
+        clients: the one way the tests make one, so a change of how (a Python version's
+        defaults, say) is made here once. Python's server defaults
+        (``create_default_context``), which also honour ``SSLKEYLOGFILE``."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+    def client_context(self, ca_file: Path) -> ssl.SSLContext:
+        """A client's context that trusts ``ca_file`` and presents this certificate: what
+        the tests of client-certificate checks connect with."""
+        ctx = ssl.create_default_context(cafile=str(ca_file))
+        ctx.load_cert_chain(self.cert, self.key)
+        return ctx
 
 
 def _name(cn: str) -> x509.Name:
@@ -109,6 +126,14 @@ class Authority:
         _write_cert(pem.cert, cert)
         _write_key(pem.key, key)
         return pem
+
+
+def without_aki(folder: Path, cn: str) -> tuple[Pem, Path]:
+    """A server certificate ``cn`` an internal CA issued without an Authority Key
+    Identifier, and that CA's file: what a strict verifier (Python 3.13's default
+    context) refuses and Go takes, the case of the proxy's clients verifying as Go does."""
+    ca = Authority(folder, "internal-ca")
+    return ca.issue(cn, server=True, aki=False), ca.ca_file
 
 
 def self_signed_client(folder: Path, cn: str, *, ca: bool | None) -> Pem:

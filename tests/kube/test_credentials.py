@@ -189,9 +189,9 @@ async def test_the_source_follows_a_token_file_renewed(
 
 
 def _server_context(ca: Authority, server: Pem, client_ca: Authority) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(client_ca.ca_file))
+    ctx = server.server_context()
+    ctx.load_verify_locations(cafile=str(client_ca.ca_file))
     ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.load_cert_chain(server.cert, server.key)
     return ctx
 
 
@@ -381,9 +381,7 @@ async def in_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     read too) its token and CA."""
     ca = Authority(tmp_path / "ca")
     server = ca.issue("apiserver", server=True)
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(server.cert, server.key)
-    sim = KubeSim(token="sa-token-1", ssl_context=ctx)
+    sim = KubeSim(token="sa-token-1", ssl_context=server.server_context())
     await sim.start()
     token = tmp_path / "token"
     token.write_text("sa-token-1")

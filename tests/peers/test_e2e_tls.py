@@ -7,7 +7,6 @@ running proxy keeps the writes flowing."""
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from proxy.runtime import Proxy
 from tests.peers.conftest import Peer, Peers, query, remote_write, scrape_configs, wait_until
 from tests.scripted import ScriptedUpstream
 from tests.test_tls import fetch
-from tests.tls_certs import Authority, install
+from tests.tls_certs import Authority, install, without_aki
 
 pytestmark = pytest.mark.peers
 
@@ -231,15 +230,12 @@ async def test_prometheus_takes_a_server_certificate_without_aki(
     """What the proxy's clients verify as (``tests/test_tls_verification.py``): Go's
     ``crypto/x509`` takes a server certificate a CA issued without an Authority Key
     Identifier, which Python 3.13's default context refuses."""
-    ca = Authority(tmp_path / "pki", "internal-ca")
-    pem = ca.issue("tsdb", server=True, aki=False)
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(pem.cert, pem.key)
-    async with ScriptedUpstream(ssl_context=server) as up:
+    pem, ca_file = without_aki(tmp_path / "pki", "tsdb")
+    async with ScriptedUpstream(ssl_context=pem.server_context()) as up:
         agent = await peers.prometheus_agent({
             "global": {"scrape_interval": "1s"},
             "scrape_configs": scrape_configs(exporter),
-            "remote_write": [{**remote_write(up.url), "tls_config": {"ca_file": str(ca.ca_file)}}],
+            "remote_write": [{**remote_write(up.url), "tls_config": {"ca_file": str(ca_file)}}],
         })
 
         async def written() -> bool:
