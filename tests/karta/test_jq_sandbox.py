@@ -29,6 +29,7 @@ from proxy.karta.jqexpr import (
     jq_text,
     remove_runner,
 )
+from tests.depth import fresh_json_encoder_limit
 
 #: the limit the tests run with: short, with room for a loaded machine to answer in
 TIMEOUT = 0.5
@@ -396,25 +397,26 @@ def test_a_child_that_cannot_start_is_a_jq_error_and_counted() -> None:
     assert missing.restarts["start_failed"] == 1
 
 
-#: deeper than Python's JSON encoders and decoders go on any version (Python's recursion
-#: limit, 1,000, on 3.11; the C recursion limit from 3.12: 1,500 on 3.12.1, 10,000 on
-#: 3.13.0, where 5,000 decoded) and than libjq parses an input (10,000): a program
-#: builds it
-TOO_DEEP = 20_000
-
-
 def test_outputs_too_deep_to_decode_are_a_jq_error(sandbox: JqSandbox) -> None:
     """An output nested past what Python takes is the expression's JqError, the child
     alive (refused by its encoder), on every version; and an answer the child could
-    encode but this process cannot decode (called from a deeper stack) is one too."""
-    source = f"reduce range({TOO_DEEP}) as $i (0; [.])"
+    encode but this process cannot decode (called from a deeper stack) is one too.
+
+    The depth is measured, not assumed (:mod:`tests.depth`): a little past what a fresh
+    interpreter's ``json.dumps`` takes, as the child is one. A program builds it (libjq
+    parses no input deeper than 10,000). Much deeper, libjq or the binding's conversion
+    overflow the child's stack first (SIGSEGV from ~100,000 levels on 3.11 and 3.14):
+    the child dies, which the sandbox counts and restarts (``died``)."""
+    too_deep = fresh_json_encoder_limit() * 21 // 20 + 50
+    source = f"reduce range({too_deep}) as $i (0; [.])"
     assert sandbox.run(JqExpr(".a"), '{"a":1}') == [1]
     pid = sandbox.child_pid
     message = _error(lambda: sandbox.run(JqExpr(source), "null"))
-    assert message.startswith(f"{source!r}: "), message
+    assert message.startswith(f"{source!r}: outputs not encodable as JSON"), message
     assert sandbox.run(JqExpr(".a"), '{"a":1}') == [1]  # the same child still answers
     assert sandbox.child_pid == pid and sandbox.restarts["died"] == 0
-    answer = jq_sandbox._outcome(".", OK + b"[" * TOO_DEEP + b"]" * TOO_DEEP)
+    text = 10 * too_deep
+    answer = jq_sandbox._outcome(".", OK + b"[" * text + b"]" * text)
     assert isinstance(answer, JqError)
     assert str(answer) == "'.': its outputs are nested too deeply to be decoded"
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from proxy.karta.jqexpr import JqExpr
 from proxy.karta.packed import Packed, pack, pack_decoded, pack_for_jq, unpack
+from tests.depth import deepest, nested_object
 
 DEPLOYMENT: dict[str, Any] = {
     "apiVersion": "apps/v1",
@@ -110,20 +111,15 @@ def test_pack_decoded_leaves_what_json_cannot_give_to_pack_for_jq() -> None:
 
 
 def _deepest_decoded() -> Any:
-    """The deepest object msgspec's decoder gave from here: what a watch decodes, as
-    deep as the stack it decodes from leaves room for (Python's recursion limit on
-    3.11; from 3.12 the C recursion limit: 1,500 on 3.12.1, 10,000 on 3.13.0)."""
-    deepest: Any = None
-    low, high = 1, 100_000
-    while low <= high:
-        mid = (low + high) // 2
-        try:
-            deepest = msgspec.json.decode(b'{"a":' * mid + b"1" + b"}" * mid)
-        except RecursionError:
-            high = mid - 1
-        else:
-            low = mid + 1
-    return deepest
+    """The deepest object msgspec's decoder gives from here: what a watch decodes, as
+    deep as the stack it decodes from leaves room for (:mod:`tests.depth`)."""
+    decoded: list[Any] = [None]
+
+    def decode(depth: int) -> None:  # the last to succeed is the deepest
+        decoded[0] = msgspec.json.decode(b'{"a":' * depth + b"1" + b"}" * depth)
+
+    deepest(decode, high=400_000)
+    return decoded[0]
 
 
 def _from_deeper(frames: int, call: Callable[[], Any]) -> Any:
@@ -135,13 +131,24 @@ def _from_deeper(frames: int, call: Callable[[], Any]) -> Any:
 
 
 def test_pack_decoded_of_an_object_nested_as_deep_as_a_watch_decodes_it() -> None:
-    """msgspec's decoder and encoder each count the stack they are called from: an
-    object a watch decoded as deep as its stack allowed is too deep for the encoder
-    called from a deeper one (the source's handling of the slice). Its RecursionError
-    (``json``'s too, which ``pack_for_jq`` catches: the object kept as it is) went out
-    of ``facts_work``, and so out of the watch source's handling of the slice holding a
-    heavy object's update. The depth is the decoder's here, and the deeper stack one
-    every version counts (:func:`_from_deeper`): 200 Python frames alone take nothing
-    from the C recursion limit of 3.12 and later, where the object packed."""
+    """msgspec's decoder and encoder each count the stack they are called from: on 3.11
+    to 3.13 an object a watch decoded as deep as its stack allowed is too deep for the
+    encoder called from a deeper one (the source's handling of the slice). Its
+    RecursionError (``json``'s too, which ``pack_for_jq`` catches: the object kept as it
+    is) went out of ``facts_work``, and so out of the watch source's handling of the slice
+    holding a heavy object's update. The depth is the decoder's here, and the deeper
+    stack one every version counts (:func:`_from_deeper`): 200 Python frames alone take
+    nothing from the C recursion limit of 3.12 and 3.13. From 3.14, which measures the
+    stack, the decoder's frames are the larger (:mod:`tests.depth`), so such an object
+    packs: either way it is kept, as it is or as its text."""
     obj = _deepest_decoded()
-    assert _from_deeper(200, lambda: pack_decoded(obj)) is obj
+    kept = _from_deeper(200, lambda: pack_decoded(obj))
+    assert kept is obj or msgspec.json.decode(kept.text) == obj
+
+
+def test_pack_decoded_of_an_object_deeper_than_its_encoders_take_keeps_it() -> None:
+    """On every version, an object twice as deep as msgspec's encoder takes here (deeper
+    than ``json``'s too) is kept as it is: no RecursionError out of ``pack_decoded``."""
+    encoder = msgspec.json.Encoder(order="sorted")
+    obj = nested_object(2 * deepest(lambda n: encoder.encode(nested_object(n)), high=400_000))
+    assert pack_decoded(obj) is obj
