@@ -91,10 +91,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    HttpProcessingError,
+    InvalidHeader,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.shown import credential_header, shown
+from proxy.shown import credential_header, one_line, shown
 
 #: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
 #: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
@@ -488,7 +493,7 @@ class _GuardedProtocol(RequestHandler):
         # aiohttp's own reasoning: a first "request" that is no HTTP method at all is a
         # port scan or TLS spoken to a plain port, noise at the error level
         quiet = self._request_count == 1 and isinstance(exc, BadHttpMethod)
-        said = parser_error_line(message or str(exc))
+        said = parser_error_line(message or str(exc), exc)
         server.on_bad_http(request.remote or _peer(self.transport), said, quiet=quiet)
         response = web.Response(status=400, text=said + "\n")
         response.force_close()
@@ -923,14 +928,17 @@ def admitted(request: web.BaseRequest) -> bool:
     return True
 
 
-def parser_error_line(message: str) -> str:
+def parser_error_line(message: str, exc: HttpProcessingError | None = None) -> str:
     """aiohttp's refusal of what it could not parse, on one line for the sender and the
     log. llhttp's is four lines (the reason, a blank, the line it stopped in as a bytes
     repr, a caret), and a sender logs the first line of a body alone: Prometheus logged
     ``Invalid header token:`` and nothing of which header. Said as ``reason: "line"``,
     the line quoted by the refusal rule (``proxy.shown``: 64 bytes, the rest escaped),
     and the value of a credential header left out: a malformed ``Authorization`` line
-    was quoted whole into the log."""
+    was quoted whole into the log. An :class:`InvalidHeader` quotes one piece of a line
+    alone (:func:`_invalid_header`)."""
+    if isinstance(exc, InvalidHeader) and exc.args:
+        return _invalid_header(exc.args[0])
     reason: list[str] = []
     data: bytes | None = None
     for line in message.split("\n"):
@@ -941,9 +949,10 @@ def parser_error_line(message: str) -> str:
                 continue
         if text and text.strip("^~ "):
             reason.append(text.rstrip(":"))
-    said = ": ".join(reason) or "Bad Request"
+    # (aiohttp's Python parser quotes a request's path raw: its control characters escaped)
+    said = one_line(": ".join(reason)) or "Bad Request"
     if data is None:
-        return " ".join(said.split())
+        return said
     name, colon, _ = data.partition(b":")
     if data[:1] in (b" ", b"\t"):
         # a folded line (obs-fold) goes on with the header above it, which may be an
@@ -956,6 +965,21 @@ def parser_error_line(message: str) -> str:
     if colon and credential_header(name.decode("latin-1")):
         return f'{said}: "{shown(name)}: (value not shown: a credential)"'
     return f'{said}: "{shown(data)}"'
+
+
+def _invalid_header(piece: bytes | str) -> str:
+    """aiohttp's :class:`InvalidHeader`: what its Python parser raises for every malformed
+    header (the parser running where aiohttp's C extension is not: a Python it has no
+    wheel for, a debug build, ``AIOHTTP_NO_EXTENSIONS``), and its C parser for a NUL in a
+    value llhttp let through. It quotes the whole line, the name alone or the value
+    alone, and nothing tells which: ``Authorization: Bearer <token>\x01`` was refused as
+    ``Invalid HTTP header: b'Bearer <token>\x01'``, the token in the log and the answer.
+    Bytes, the sender's, are shown by their length alone; a string is a header name of
+    the parser's own (``Content-Length``, which it checks itself)."""
+    if isinstance(piece, str):
+        return f'Invalid HTTP header: "{shown(piece.encode("utf-8", "replace"))}"'
+    return (f'Invalid HTTP header: "(a header line or its name or value, {len(piece)} '
+            f'bytes, not shown: it may be a credential)"')
 
 
 class _GuardedServer(web.Server):

@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 import snappy
-from aiohttp import web
+from aiohttp import web, web_protocol
+from aiohttp.http_parser import HttpRequestParserPy
 
 from proxy.connection_guard import (
     AIOHTTP_HANDLER_ATTRIBUTES,
@@ -439,7 +440,8 @@ async def test_headers_past_the_limit_get_431_counted_and_the_connection_closed(
 TOKEN = "s3cr3t-bearer-token"
 
 
-@pytest.mark.parametrize(("head", "said"), [
+#: malformed requests and llhttp's refusal of each, as the proxy says it
+MALFORMED = [
     (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
      'Invalid header token: "Bad Header: y"'),
     (b"POST /api/v1/write HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
@@ -469,8 +471,14 @@ TOKEN = "s3cr3t-bearer-token"
      + b"\r\n\r\n",
      'Invalid header token: "(a line with no header name, not shown: it may be a '
      'credential)"'),
-], ids=["token", "content-length", "version", "method", "authorization", "folded",
-        "x-auth-token", "nul-in-name", "no-name"])
+]
+MALFORMED_IDS = ["token", "content-length", "version", "method", "authorization", "folded",
+                 "x-auth-token", "nul-in-name", "no-name"]
+
+
+@pytest.mark.skipif(web_protocol.HttpRequestParser is HttpRequestParserPy,
+                    reason="llhttp's refusals: aiohttp runs without its C extension here")
+@pytest.mark.parametrize(("head", "said"), MALFORMED, ids=MALFORMED_IDS)
 async def test_a_malformed_request_is_answered_and_logged_on_one_line_without_credentials(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, head: bytes, said: str) -> None:
     """aiohttp's refusal is four lines (reason, blank, the line as a bytes repr, a caret):
@@ -487,6 +495,32 @@ async def test_a_malformed_request_is_answered_and_logged_on_one_line_without_cr
     (line,) = [r for r in caplog.records if getattr(r, "kind", "") == "bad_http"]
     assert line.__dict__["reason"] == said
     assert TOKEN not in caplog.text
+
+
+@pytest.mark.parametrize("head", [head for head, _ in MALFORMED], ids=MALFORMED_IDS)
+async def test_aiohttps_python_parser_refuses_without_credentials_too(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        head: bytes) -> None:
+    """aiohttp parses with Python where its C extension is not (a Python it has no wheel
+    for, a debug build, ``AIOHTTP_NO_EXTENSIONS``), and that parser's refusals quote one
+    piece of the header line, on one line: ``Invalid HTTP header: b'Bearer <token>\\x01'``
+    went into the answer and the log whole. Whichever parser refused: a 400 on one line,
+    counted and logged once, the token in neither."""
+    monkeypatch.setattr(web_protocol, "HttpRequestParser", HttpRequestParserPy)
+    caplog.set_level(logging.DEBUG, logger="karta.handler")
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        w.write(head)
+        answer = await read_answer(r)
+        w.close()
+        refused = metric(p, "karta_proxy_requests_rejected_total", reason="bad_http")
+    assert answer.status == 400, answer
+    assert answer.body.count(b"\n") == 1 and TOKEN.encode() not in answer.body, answer.body
+    assert TOKEN not in caplog.text
+    if b"HTTP/9.9" not in head:  # a version the Python parser takes: the handler's 400
+        assert refused == 1
+        (line,) = [r for r in caplog.records if getattr(r, "kind", "") == "bad_http"]
+        assert line.__dict__["reason"] == answer.body.decode().rstrip("\n")
 
 
 @pytest.mark.parametrize(("line", "said"), [
