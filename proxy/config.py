@@ -1133,30 +1133,18 @@ def without_userinfo(url: str, *, broken: bool = False) -> str:
     return (_USERINFO_BROKEN if broken else _USERINFO).sub(r"\1", url, count=1)
 
 
-#: a query parameter's name and value, up to the next ``&`` or the fragment
-_QUERY_PARAM = re.compile(r"([?&])([^=&#]*)=([^&#]*)")
-#: what a person or a log reads for a query parameter's value that is a credential
-HIDDEN = "(hidden)"
-
-
 def shown_url(url: str, *, broken: bool = False) -> str:
     """``url`` as a person or a log may read it (the log, ``/metrics``' ``url`` labels,
     the landing page, an error's text): without its userinfo (:func:`without_userinfo`),
     and the value of each query parameter a name tells as a credential
     (``?api_key=...``, ``?token=...``: :func:`proxy.shown.credential_header`'s rule)
-    hidden. The request goes to the URL as written, less its userinfo."""
-    from proxy.shown import credential_header
+    hidden (:func:`proxy.shown.hidden_query`). The request goes to the URL as written,
+    less its userinfo."""
+    from proxy.shown import hidden_query
 
     base = without_userinfo(url, broken=broken)
     head, mark, rest = base.partition("?")
-    if not mark:
-        return base
-
-    def hide(m: re.Match[str]) -> str:
-        name = unquote(m.group(2))
-        return f"{m.group(1)}{m.group(2)}={HIDDEN}" if credential_header(name) else m.group(0)
-
-    return head + _QUERY_PARAM.sub(hide, "?" + rest)
+    return head + hidden_query("?" + rest) if mark else base
 
 
 def sets_authorization(u: UpstreamSettings) -> bool:

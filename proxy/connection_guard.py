@@ -86,6 +86,7 @@ import ast
 import asyncio
 import contextlib
 import enum
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -99,7 +100,7 @@ from aiohttp.http_exceptions import (
 )
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.shown import credential_header, one_line, shown
+from proxy.shown import credential_header, hidden_query, one_line, shown
 
 #: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
 #: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
@@ -928,6 +929,11 @@ def admitted(request: web.BaseRequest) -> bool:
     return True
 
 
+#: a request line as llhttp quotes it: a method (a token: no space, no colon), a target,
+#: a version; a header line's name holds no space before its colon
+_REQUEST_LINE = re.compile(rb"[^ :]+ [^ ]* HTTP/[^ ]*")
+
+
 def parser_error_line(message: str, exc: HttpProcessingError | None = None) -> str:
     """aiohttp's refusal of what it could not parse, on one line for the sender and the
     log. llhttp's is four lines (the reason, a blank, the line it stopped in as a bytes
@@ -949,10 +955,15 @@ def parser_error_line(message: str, exc: HttpProcessingError | None = None) -> s
                 continue
         if text and text.strip("^~ "):
             reason.append(text.rstrip(":"))
-    # (aiohttp's Python parser quotes a request's path raw: its control characters escaped)
-    said = one_line(": ".join(reason)) or "Bad Request"
+    # (aiohttp's Python parser quotes a request's target raw, in its message: control
+    # characters escaped, a credential query parameter's value hidden)
+    said = hidden_query(one_line(": ".join(reason))) or "Bad Request"
     if data is None:
         return said
+    if _REQUEST_LINE.fullmatch(data):
+        # ``POST /api/v1/write?api_key=<key> HTTP/1.1``: a sender's URL may carry its
+        # credential in the query, as upstream.url may (shown as ``shown_url`` shows it)
+        return f'{said}: "{shown(hidden_query(data.decode("latin-1")).encode("latin-1"))}"'
     name, colon, _ = data.partition(b":")
     if data[:1] in (b" ", b"\t"):
         # a folded line (obs-fold) goes on with the header above it, which may be an

@@ -11,6 +11,7 @@ the other and of the layers above them (``tests/test_layout.py``).
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 #: bytes a refusal shows (the native splice's ``SHOWN``)
 SHOWN = 64
@@ -53,3 +54,23 @@ def credential_header(name: str) -> bool:
     request) shows its name alone."""
     return _CREDENTIAL_NAME.search(
         "".join(c for c in name.lower() if "a" <= c <= "z")) is not None
+
+
+#: a query's parameter: its lead (``?`` or ``&``), name and value. A value also ends at
+#: whitespace, which no URL holds (upstream.url refuses it) and which ends the target of
+#: a request line or a URL a parser's message quotes.
+_QUERY_PARAM = re.compile(r"([?&])([^=&#\s]*)=([^&#\s]*)")
+#: what a person or a log reads for a query parameter's value that is a credential
+HIDDEN = "(hidden)"
+
+
+def hidden_query(text: str) -> str:
+    """``text`` with the value of each query parameter a name tells as a credential
+    (``?api_key=...``, ``&token=...``: :func:`credential_header`'s rule) as
+    :data:`HIDDEN`: how a URL or a request line is shown (the upstream's URL in the log
+    and on ``/metrics``, a sender's request line that a refusal quotes)."""
+    def hide(m: re.Match[str]) -> str:
+        name = unquote(m.group(2))
+        return f"{m.group(1)}{m.group(2)}={HIDDEN}" if credential_header(name) else m.group(0)
+
+    return _QUERY_PARAM.sub(hide, text)

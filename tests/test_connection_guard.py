@@ -471,9 +471,14 @@ MALFORMED = [
      + b"\r\n\r\n",
      'Invalid header token: "(a line with no header name, not shown: it may be a '
      'credential)"'),
+    # a credential in the query of the request line, as a sender's URL may carry it
+    (b"POST /api/v1/write?api_key=" + TOKEN.encode() + b"\x01 HTTP/1.1\r\nHost: x\r\n\r\n",
+     'Invalid char in url query: "POST /api/v1/write?api_key=(hidden) HTTP/1.1"'),
+    (b"POST /api/v1/write?tenant=a&token=" + TOKEN.encode() + b":x\x01 HTTP/1.1\r\n\r\n",
+     'Invalid char in url query: "POST /api/v1/write?tenant=a&token=(hidden) HTTP/1.1"'),
 ]
 MALFORMED_IDS = ["token", "content-length", "version", "method", "authorization", "folded",
-                 "x-auth-token", "nul-in-name", "no-name"]
+                 "x-auth-token", "nul-in-name", "no-name", "query", "query-colon"]
 
 
 @pytest.mark.skipif(web_protocol.HttpRequestParser is HttpRequestParserPy,

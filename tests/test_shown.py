@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.shown import SHOWN, one_line, shown
+from proxy.shown import SHOWN, hidden_query, one_line, shown
 
 
 @pytest.mark.parametrize(("text", "line"), [
@@ -21,3 +21,14 @@ def test_one_line_folds_whitespace_and_shows_other_controls(text: str, line: str
 def test_shown_cuts_and_escapes_bytes() -> None:
     assert shown(b'a"\\\xff') == "a\\x22\\x5c\\xff"
     assert shown(b"x" * (SHOWN + 1)) == "x" * SHOWN + "..."
+
+
+def test_hidden_query_hides_each_credential_parameters_value_and_nothing_else() -> None:
+    """One rule for a URL (``shown_url``) and a request line a refusal quotes: a value
+    ends at ``&``, ``#`` or whitespace (the line's `` HTTP/1.1`` stays)."""
+    assert hidden_query("POST /w?tenant=a&api_key=K1:x\\x01&X-Auth-Token=T HTTP/1.1") == \
+        "POST /w?tenant=a&api_key=(hidden)&X-Auth-Token=(hidden) HTTP/1.1"
+    assert hidden_query("/w?token=T#frag") == "/w?token=(hidden)#frag"
+    assert hidden_query("/w?extra_label=cluster=prod&token") == \
+        "/w?extra_label=cluster=prod&token"  # no credential name; a name with no value
+    assert hidden_query("Invalid char in url query") == "Invalid char in url query"
