@@ -43,6 +43,7 @@ from proxy.config import (
     shown_url,
     unforwarded_headers,
 )
+from proxy.connection_guard import http_parser
 from proxy.contract import CONTRACT_VERSION
 from proxy.cpus import usable_cpus
 from proxy.fd_limit import AcceptGuard, check_nofile, guard_accepts
@@ -495,6 +496,7 @@ class Proxy:
             "upstream_url": shown_url(s.upstream.url),
             "listen_address": s.server.listen_address,
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
+            "http_parser": http_parser(),
         })
         warn_if_python()
         check_nofile(s.server.max_connections, s.upstream.max_connections)

@@ -779,6 +779,7 @@ async def test_the_upstream_password_is_on_no_page_and_in_no_log_line(
             pages = [await get_text(p, path) for path in ("/", "/metrics")]
     start = [r for r in caplog.records if r.getMessage() == "starting karta-proxy"]
     assert start and start[0].__dict__["upstream_url"] == up.url
+    assert start[0].__dict__["http_parser"] in ("llhttp", "python")
     assert up.url.split("//")[1] in pages[0]
     for text in (*pages, *(repr(r.__dict__) for r in caplog.records)):
         assert "PW-SECRET" not in text
