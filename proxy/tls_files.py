@@ -3,11 +3,11 @@
 Three ideas, each written once here: what says that a file changed (``FileStamp``, from a
 stat), how the files become an ``SSLContext`` (``client_context`` for the upstream,
 ``server_context`` for the listener), and how every client context of the proxy verifies a
-server's certificate (``verify_as_go``). The settings' validation (proxy/config.py) builds
-its contexts with the same two builders that serve: a file the validation takes is a file
-the proxy loads, and the other way round (the upstream's was checked on a context made
-another way than the one used, with no system CAs and none of the defaults
-``create_default_context`` sets).
+server's certificate (``verify_as_go``, ``go_client_context``). The settings' validation
+(proxy/config.py) builds its contexts with the same two builders that serve: a file the
+validation takes is a file the proxy loads, and the other way round (the upstream's was
+checked on a context made another way than the one used, with no system CAs and none of
+the defaults ``create_default_context`` sets).
 
 A leaf: it imports nothing of the project, so the settings (``proxy.config``), the
 listener's TLS (``proxy.tls``, which imports the settings) and the upstream's
@@ -118,6 +118,12 @@ def verify_as_go(ctx: ssl.SSLContext) -> ssl.SSLContext:
     return ctx
 
 
+def go_client_context(cafile: str | None = None) -> ssl.SSLContext:
+    """Python's default client context (``cafile``, else the system's CAs) verifying as Go
+    does (:func:`verify_as_go`): what every client context of the proxy starts from."""
+    return verify_as_go(ssl.create_default_context(cafile=cafile))
+
+
 def client_context(
     ca: str, cert: str, key: str, insecure_skip_verify: bool, *, loading: Loading = _as_is,
 ) -> ssl.SSLContext | None:
@@ -126,7 +132,7 @@ def client_context(
     if not (ca or cert or insecure_skip_verify):
         return None
     with loading("ca"):
-        ctx = verify_as_go(ssl.create_default_context(cafile=ca or None))
+        ctx = go_client_context(ca or None)
     if cert:
         with loading("cert"):
             ctx.load_cert_chain(cert, key or None)

@@ -60,7 +60,7 @@ from typing import Any
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from proxy.tls_files import HEADER_VALUE_FORBIDDEN, verify_as_go
+from proxy.tls_files import HEADER_VALUE_FORBIDDEN, go_client_context
 
 #: how long a pooled connection is used at most: then the upstream's name is looked up
 #: again, so a DNS change is followed within this much, a busy pool too
@@ -624,8 +624,8 @@ class _Names:
 def default_tls_context() -> ssl.SSLContext:
     """The context of an https upstream without TLS settings: the system's CAs, verified,
     ALPN ``http/1.1`` (aiohttp's default), verified as Go's clients verify
-    (``verify_as_go``). Made once: it reads the CA files."""
-    ctx = verify_as_go(ssl.create_default_context())
+    (``go_client_context``). Made once: it reads the CA files."""
+    ctx = go_client_context()
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
 

@@ -15,12 +15,11 @@ import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from proxy.config import KubeSettings, UpstreamSettings
-from proxy.kube.client import KubeClient
+from proxy.kube.client import KubeClient, pool_context
 from proxy.metrics import ProxyMetrics
 from proxy.pb.prometheus.remote_pb2 import WriteRequest
 from proxy.tls_files import client_context
@@ -55,10 +54,7 @@ def _verifies_as_go(ctx: ssl.SSLContext) -> None:
 
 def _pool_context(client: KubeClient) -> ssl.SSLContext:
     """The context the client's connection pool makes its connections with."""
-    pool: Any = client.api.rest_client
-    ctx = pool.pool_manager.connector._ssl
-    assert isinstance(ctx, ssl.SSLContext)
-    return ctx
+    return pool_context(client.api.rest_client)
 
 
 def _handshake(client: ssl.SSLContext, server: ssl.SSLContext) -> None:

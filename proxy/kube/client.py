@@ -498,11 +498,17 @@ def verified_as_go(pool: Any) -> Any:
     changed there, in place, before any connection. (``disable_strict_ssl_verification``,
     a ``Configuration`` field of recent releases only, clears strict alone.)
     """
-    ctx = pool.pool_manager.connector._ssl
-    if not isinstance(ctx, ssl.SSLContext):  # a kubernetes-asyncio or aiohttp that differs
-        raise TypeError(f"kubernetes-asyncio's connection pool holds no SSLContext: {ctx!r}")
-    verify_as_go(ctx)
+    verify_as_go(pool_context(pool))
     return pool
+
+
+def pool_context(pool: Any) -> ssl.SSLContext:
+    """The SSL context a kubernetes-asyncio pool makes its connections with (its aiohttp
+    connector's); TypeError from a kubernetes-asyncio or aiohttp that keeps it elsewhere."""
+    ctx = pool.pool_manager.connector._ssl
+    if not isinstance(ctx, ssl.SSLContext):
+        raise TypeError(f"kubernetes-asyncio's connection pool holds no SSLContext: {ctx!r}")
+    return ctx
 
 
 class CheckedApiClient(k8s_client.ApiClient):
