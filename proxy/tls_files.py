@@ -2,12 +2,12 @@
 
 Three ideas, each written once here: what says that a file changed (``FileStamp``, from a
 stat), how the files become an ``SSLContext`` (``client_context`` for the upstream,
-``server_context`` for the listener), and how every client context of the proxy verifies a
-server's certificate (``verify_as_go``, ``go_client_context``). The settings' validation
-(proxy/config.py) builds its contexts with the same two builders that serve: a file the
-validation takes is a file the proxy loads, and the other way round (the upstream's was
-checked on a context made another way than the one used, with no system CAs and none of
-the defaults ``create_default_context`` sets).
+``server_context`` for the listener), and how every context of the proxy verifies its
+peer's certificate, a server's or a sender's (``verify_as_go``, ``go_client_context``).
+The settings' validation (proxy/config.py) builds its contexts with the same two builders
+that serve: a file the validation takes is a file the proxy loads, and the other way round
+(the upstream's was checked on a context made another way than the one used, with no
+system CAs and none of the defaults ``create_default_context`` sets).
 
 A leaf: it imports nothing of the project, so the settings (``proxy.config``), the
 listener's TLS (``proxy.tls``, which imports the settings) and the upstream's
@@ -102,8 +102,10 @@ def _as_is(part: Part) -> AbstractContextManager[None]:
 
 
 def verify_as_go(ctx: ssl.SSLContext) -> ssl.SSLContext:
-    """``ctx`` (a client context) made to verify as Go's ``crypto/x509`` does, the
-    verifier of the proxy's peers (Prometheus, vmagent, kubectl), on every Python; returned.
+    """``ctx`` made to verify its peer's certificate as Go's ``crypto/x509`` does, the
+    verifier of the proxy's peers (Prometheus, vmagent, kubectl, and Prometheus' web
+    config for client certificates), on every Python; returned. A client context, or
+    the listener's, of client certificates.
 
     ``ssl.create_default_context`` sets ``VERIFY_X509_STRICT`` and
     ``VERIFY_X509_PARTIAL_CHAIN`` from Python 3.13, neither before. Strict refuses a
@@ -148,7 +150,10 @@ def server_context(
 ) -> ssl.SSLContext:
     """The listener's context: TLS 1.2 at least, the certificate and key, and the CA that
     client certificates must chain to (as ``cafile=``: a bundle with a non-ASCII comment
-    outside its PEM blocks loads)."""
+    outside its PEM blocks loads), verified as Go does (:func:`verify_as_go`): the
+    senders' web config names the same bundle for Prometheus' own listener, which takes
+    a client certificate chaining to an intermediate alone in it; OpenSSL's default
+    refused that certificate (``unable to get issuer certificate``)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.verify_mode = verify_mode
@@ -157,7 +162,7 @@ def server_context(
     if client_ca:
         with loading("ca"):
             ctx.load_verify_locations(cafile=client_ca)
-    return ctx
+    return verify_as_go(ctx)
 
 
 #: a PEM certificate block, as OpenSSL reads one from a CA file (``TRUSTED CERTIFICATE``

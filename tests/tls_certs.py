@@ -68,15 +68,21 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
 
 
 class Authority:
-    """A self-signed CA that issues server and client certificates into ``folder``."""
+    """A CA that issues server and client certificates into ``folder``."""
 
-    def __init__(self, folder: Path, name: str = "test-ca") -> None:
+    _key: ec.EllipticCurvePrivateKey
+    _cert: x509.Certificate
+
+    def __init__(self, folder: Path, name: str = "test-ca", *,
+                 issuer: Authority | None = None) -> None:
+        """Self-signed (a root), or an intermediate CA ``issuer`` issued."""
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
-        self._cert = (
-            x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+        b = (
+            x509.CertificateBuilder().subject_name(_name(name))
+            .issuer_name(issuer._cert.subject if issuer is not None else _name(name))
             .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
@@ -86,10 +92,19 @@ class Authority:
                 content_commitment=False, key_encipherment=False, data_encipherment=False,
                 key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
             .add_extension(_ski(self._key), critical=False)
-            .sign(self._key, hashes.SHA256())
         )
+        if issuer is not None:
+            b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                issuer._key.public_key()), critical=False)
+        self._cert = b.sign(issuer._key if issuer is not None else self._key, hashes.SHA256())
         self.ca_file = folder / f"{name}.pem"
         _write_cert(self.ca_file, self._cert)
+
+    def intermediate(self, name: str) -> Authority:
+        """A CA this one issued, its file ``name``.pem holding its certificate alone: a
+        trust anchor for Go (every certificate of a root pool is one), for OpenSSL only
+        with ``VERIFY_X509_PARTIAL_CHAIN``."""
+        return Authority(self.folder, name, issuer=self)
 
     def issue(self, cn: str, *, server: bool, rsa_key: bool = False,
               valid: tuple[datetime.timedelta, datetime.timedelta] | None = None,
@@ -128,12 +143,20 @@ class Authority:
         return pem
 
 
-def without_aki(folder: Path, cn: str) -> tuple[Pem, Path]:
+@dataclass(frozen=True)
+class Issued:
+    """A certificate and the file of the CA that issued it, which its verifier trusts."""
+
+    pem: Pem
+    ca_file: Path
+
+
+def without_aki(folder: Path, cn: str) -> Issued:
     """A server certificate ``cn`` an internal CA issued without an Authority Key
     Identifier, and that CA's file: what a strict verifier (Python 3.13's default
     context) refuses and Go takes, the case of the proxy's clients verifying as Go does."""
     ca = Authority(folder, "internal-ca")
-    return ca.issue(cn, server=True, aki=False), ca.ca_file
+    return Issued(ca.issue(cn, server=True, aki=False), ca.ca_file)
 
 
 def self_signed_client(folder: Path, cn: str, *, ca: bool | None) -> Pem:

@@ -1,5 +1,6 @@
 """Prometheus 2.42 agent -> karta-proxy over HTTPS with mutual TLS (``remote_write.tls_config``)
--> Prometheus 2.42 receiver, with a throw-away CA. A second queue of the same agent without
+-> Prometheus 2.42 receiver, with a throw-away CA (the agent's certificate of an intermediate
+CA, the proxy's client CA file that intermediate alone). A second queue of the same agent without
 a client certificate, and a third that does not trust the proxy's CA, are refused in the
 handshake, deliver nothing, and are counted by the proxy; a certificate rotated under the
 running proxy keeps the writes flowing."""
@@ -52,7 +53,10 @@ async def test_agent_writes_over_mtls_and_one_without_a_cert_is_refused(
 ) -> None:
     ca = Authority(tmp_path / "pki", "test-ca")
     server = ca.issue("karta-proxy", server=True)
-    client = ca.issue("prom-agent", server=False)
+    # the agents' certificates come from an intermediate CA, and the proxy trusts that
+    # one alone, as Prometheus' web config takes it (every CA in the file an anchor)
+    agents_ca = ca.intermediate("agents-ca")
+    client = agents_ca.issue("prom-agent", server=False)
     receiver = await peers.prometheus_receiver()
 
     s = Settings()
@@ -61,7 +65,7 @@ async def test_agent_writes_over_mtls_and_one_without_a_cert_is_refused(
     s.server.listen_address = "127.0.0.1:0"
     s.server.tls_cert_file = str(server.cert)
     s.server.tls_key_file = str(server.key)
-    s.server.tls_client_ca_file = str(ca.ca_file)  # RequireAndVerifyClientCert by default
+    s.server.tls_client_ca_file = str(agents_ca.ca_file)  # RequireAndVerifyClientCert
     s.facts.enabled = False
     validate(s)
     proxy = Proxy(s, tls_check_interval=0.2)
@@ -230,12 +234,13 @@ async def test_prometheus_takes_a_server_certificate_without_aki(
     """What the proxy's clients verify as (``tests/test_tls_verification.py``): Go's
     ``crypto/x509`` takes a server certificate a CA issued without an Authority Key
     Identifier, which Python 3.13's default context refuses."""
-    pem, ca_file = without_aki(tmp_path / "pki", "tsdb")
-    async with ScriptedUpstream(ssl_context=pem.server_context()) as up:
+    tsdb = without_aki(tmp_path / "pki", "tsdb")
+    async with ScriptedUpstream(ssl_context=tsdb.pem.server_context()) as up:
         agent = await peers.prometheus_agent({
             "global": {"scrape_interval": "1s"},
             "scrape_configs": scrape_configs(exporter),
-            "remote_write": [{**remote_write(up.url), "tls_config": {"ca_file": str(ca_file)}}],
+            "remote_write": [{**remote_write(up.url),
+                              "tls_config": {"ca_file": str(tsdb.ca_file)}}],
         })
 
         async def written() -> bool:
