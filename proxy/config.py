@@ -198,7 +198,8 @@ class ServerSettings(Section):
         "the certificate's private key (PEM)",
         flag=Flag(("--tls-key-file",), SERVING, "PATH"))] = ""
     tls_client_ca_file: Annotated[str, setting(
-        "mutual TLS: CA bundle (PEM) that client certificates must chain to",
+        "mutual TLS: CA bundle (PEM) that client certificates must chain to; each "
+        "certificate in it is a trust anchor, an intermediate alone too",
         flag=Flag(("--tls-client-ca-file",), SERVING, "PATH"))] = ""
     tls_client_auth_type: Annotated[ClientAuthType, setting(
         "client certificate policy, as Prometheus' web config; empty: "
