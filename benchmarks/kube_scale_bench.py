@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
 import queue
 import statistics
 import subprocess
@@ -64,6 +63,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+
+from relay.procs import cpu_seconds  # noqa: E402
 
 from proxy.wire.primitives import read_field  # noqa: E402  (the repo's, not an installed one)
 
@@ -354,8 +355,8 @@ class Proxy:
         return self.popen.pid
 
     def cpu(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU seconds of the proxy and its children (its jq sandbox, where it has one)."""
+        return cpu_seconds(self.pid)
 
     def stop(self) -> None:
         if self.popen.poll() is None:
