@@ -8,7 +8,7 @@ registry does not get the default registry's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import (
@@ -172,14 +172,20 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(_P + name, documentation, value=value)
 
 
+def present_at_zero(counter: Counter, values: Iterable[str]) -> Counter:
+    """``counter`` (of one label) with each of ``values`` present from the start, at 0: a
+    rate over one never seen reads 0, not absent (an alert on it would never fire), and
+    its first count is not lost to a series that begins with it."""
+    for value in values:
+        counter.labels(value)
+    return counter
+
+
 def _by_result(name: str, documentation: str, results: tuple[str, ...],
                registry: CollectorRegistry) -> Counter:
-    """A counter by ``result`` whose every result is present from the start, at 0: a
-    rate over one never seen reads 0, not absent (an alert on it would never fire)."""
-    counter = Counter(_P + name, documentation, ["result"], registry=registry)
-    for result in results:
-        counter.labels(result)
-    return counter
+    """A counter by ``result``, every result present from the start, at 0."""
+    return present_at_zero(Counter(_P + name, documentation, ["result"], registry=registry),
+                           results)
 
 
 class ProxyMetrics:
@@ -239,7 +245,7 @@ class ProxyMetrics:
             "Requests refused because the body could not be decoded, by kind.",
             ["kind"], registry=r,
         )
-        self.rejected = Counter(
+        self.rejected = present_at_zero(Counter(
             _P + "requests_rejected",
             "Requests the proxy refused itself (not the upstream), by reason "
             "(overload, too_large, not_ready, unsupported_media_type, method, "
@@ -248,9 +254,7 @@ class ProxyMetrics:
             "send_timeout, thread_limit: no worker thread could start, out_of_memory: an "
             "allocation failed).",
             ["reason"], registry=r,
-        )
-        for reason in contract.REJECT_REASONS:  # present at 0 before the first (contract)
-            self.rejected.labels(reason)
+        ), contract.REJECT_REASONS)
         self.connections_refused = Counter(
             _P + "connections_refused", "Client connections closed as soon as they were "
             "made, by reason (max_connections: server.max_connections were open).",

@@ -55,7 +55,7 @@ from proxy.karta.model import Description
 from proxy.karta.results import ChangeSet, PartialBatch
 from proxy.log import error_line
 from proxy.memory_limit import check_memory
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, present_at_zero
 from proxy.reload import JQ_LIMIT_KEYS, ReloadOutcome, is_plan_key, merge, with_keys
 from proxy.server import build_app, start_site
 from proxy.tasks import cancel_and_wait
@@ -640,11 +640,9 @@ class Proxy:
         def count(ok: bool) -> None:
             self.metrics.tls_reloads.labels("success" if ok else "failure").inc()
 
-        for result in ("success", "failure"):  # both present from the start, at 0
-            self.metrics.tls_reloads.labels(result)
-        failures = self.metrics.tls_handshake_failures
-        for reason in REASONS:  # every reason present from the start, at 0
-            failures.labels(reason.value)
+        present_at_zero(self.metrics.tls_reloads, ("success", "failure"))
+        failures = present_at_zero(self.metrics.tls_handshake_failures,
+                                   (r.value for r in REASONS))
         expiry = self.metrics.tls_certificate_expiry
         self.metrics.registry.register(expiry)
         kwargs: dict[str, Any] = {

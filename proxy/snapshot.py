@@ -46,6 +46,7 @@ from proxy.karta.engine import Engine
 from proxy.karta.model import Description, GroupKind
 from proxy.karta.owners import group_kind
 from proxy.karta.results import ChangeSet
+from proxy.metrics import present_at_zero
 from proxy.object_files import (
     MAX_FILE_BYTES,
     FileContent,
@@ -578,15 +579,13 @@ class SnapshotSource:
                                     else CollectorRegistry())
         #: changes that could not be applied for long, by reason (UNAPPLIED_REASONS): the
         #: log says it once, this keeps the count an alert can read
-        self.unapplied = MetricCounter(
+        self.unapplied = present_at_zero(MetricCounter(
             UNAPPLIED_METRIC, "Times a change of the snapshot's files went unapplied for "
             "long, by reason: files_keep_changing (no two polls in a row found them alike, "
             "by stamp or by bytes, for snapshot.UNSETTLED_WARN_POLLS polls; once per such "
             "run), path_unreadable (the path or a folder below it could not be read; once "
             "each time it goes, every object kept and the index stale meanwhile).",
-            ["reason"], registry=registry)
-        for reason in UNAPPLIED_REASONS:
-            self.unapplied.labels(reason)
+            ["reason"], registry=registry), UNAPPLIED_REASONS)
         #: whether a request is being relayed: a reload's work in its thread waits for it
         self.busy = busy
         self.engine = engine

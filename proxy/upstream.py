@@ -65,7 +65,7 @@ from proxy.config import (
 )
 from proxy.deadline import Deadline, deadline_in
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, present_at_zero
 from proxy.shown import credential_header
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
@@ -900,8 +900,7 @@ class Upstream:
             return ClientTLS(self.settings)
         reloads = m.upstream_tls_reloads
         m.registry.register(reloads)
-        for result in ("success", "failure"):  # both present from the start, at 0
-            reloads.labels(result)
+        present_at_zero(reloads, ("success", "failure"))
         expiry = m.upstream_tls_certificate_expiry
         if self.settings.tls_cert_file:
             m.registry.register(expiry)

@@ -24,6 +24,7 @@ from proxy import contract
 from proxy.exposition import TextFamily
 from proxy.facts.model import HELP, POD_FAMILIES, family_facts
 from proxy.index import PodIndex
+from proxy.metrics import present_at_zero
 
 
 class FactsCollector(Collector):
@@ -80,12 +81,8 @@ class FactsCollector(Collector):
 
 
 def _by_reason(name: str, documentation: str, reasons: Iterable[str]) -> Counter:
-    """A counter by ``reason`` with every reason's child made at once: a rate over a child
-    that appears only at its first count misses that count."""
-    counter = Counter(name, documentation, ["reason"], registry=None)
-    for reason in reasons:
-        counter.labels(reason=reason)
-    return counter
+    """A counter by ``reason``, outside any registry, every reason present from the start."""
+    return present_at_zero(Counter(name, documentation, ["reason"], registry=None), reasons)
 
 
 class FactWriterMetrics:

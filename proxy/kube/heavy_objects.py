@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from proxy import contract
 from proxy.karta.engine import FactsWork, Prepared
+from proxy.metrics import present_at_zero
 from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
 
@@ -126,7 +127,7 @@ class HeavyObjects:
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._pool = named_pool(THREAD_PREFIX, 1)
-        self.updates = Counter(
+        self.updates = present_at_zero(Counter(
             contract.OP_DEFERRED_OBJECT_UPDATES,
             "Updates of heavy described objects, and their re-evaluations after a "
             "description change, whose facts were evaluated off the event loop, by "
@@ -134,9 +135,7 @@ class HeavyObjects:
             "description change came first).",
             ["outcome"],
             registry=registry,
-        )
-        for outcome in OUTCOMES:
-            self.updates.labels(outcome)
+        ), OUTCOMES)
 
     def start(self) -> None:
         """The task that drains what waits (on the running loop)."""

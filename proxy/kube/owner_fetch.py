@@ -61,6 +61,7 @@ from proxy.karta.owners import OwnerRef, controller_ref
 from proxy.kube.client import ACCEPT_JSON, ACCEPT_METADATA_WATCH, KubeApiError, KubeClient
 from proxy.kube.discovery import ApiResource
 from proxy.kube.watcher import RETRY_AFTER_MAX, Backoff, Watcher, WatchEvent
+from proxy.metrics import present_at_zero
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class OwnerFetcher:
         #: coming in goes on at once): a GET or a reaper started after ``stop`` had
         #: nobody to cancel it, and ran on over a client being closed
         self.stopped = False
-        self.fetches = Counter(
+        self.fetches = present_at_zero(Counter(
             contract.OP_OWNER_FETCHES,
             "GETs of owners the watch had not delivered when something pointing at them "
             "came, by outcome (fetched, superseded: the watch was first, gone: 404, "
@@ -173,9 +174,7 @@ class OwnerFetcher:
             "unwatched: the kind no longer watched).",
             ["outcome"],
             registry=registry,
-        )
-        for outcome in OUTCOMES:
-            self.fetches.labels(outcome)
+        ), OUTCOMES)
 
     @property
     def parked(self) -> int:

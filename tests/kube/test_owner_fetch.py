@@ -570,3 +570,14 @@ async def test_owners_given_up_on_stay_within_the_bound_and_leave_at_their_time(
     sim.create(pod("lost-5-0", NS, owner_obj=_phantom("lost-5")))
     await eventually(lambda: fetches(source, "gone") == 4)
     assert len(fetcher._owners) == 1
+
+
+async def test_every_outcome_is_served_at_0_from_the_start(
+        sim: KubeSim, make_source: SourceFactory) -> None:
+    """A rate over an outcome not counted yet reads 0, not absent (metric() reads an
+    absent sample as 0: the registry is asked directly)."""
+    source = await make_source()
+    assert source.owner_fetcher is not None
+    for outcome in owner_fetch.OUTCOMES:
+        assert source.registry.get_sample_value(
+            contract.OP_OWNER_FETCHES, {"outcome": outcome}) == 0.0, outcome
