@@ -76,9 +76,10 @@ def pack_decoded(obj: Mapping[str, Any]) -> Mapping[str, Any] | Packed:
     this does not cannot come from JSON: NaN and infinities (msgspec would write
     ``null``), timestamps, keys that are not strings; what msgspec refuses (a lone
     surrogate; an object nested deeper than the caller's stack leaves room for: the
-    decoder and the encoder each count the stack they are called from, Python frames
-    on 3.11, calls from C into Python from 3.12, and a watch may decode from a shallower
-    one than the source hands an update here from) goes through
+    decoder and the encoder each take their depth from what is left where they are
+    called, of the recursion limit on 3.11, of the C recursion limit on 3.12 and 3.13,
+    of the thread's stack itself from 3.14 (``tests/depth.py``), and a watch may decode
+    from a shallower stack than the source hands an update here from) goes through
     :func:`pack_for_jq`. The sandbox's input limit counts a text's UTF-8 bytes, so a
     text spelled here is shorter where the object holds non-ASCII (2-4 bytes a
     character against ``json``'s 6-12): closer to what the child parses it into, and
