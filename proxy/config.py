@@ -29,7 +29,9 @@ from msgspec import Meta, Struct, field
 from msgspec import inspect as mi
 
 from proxy import contract
+from proxy.egress_proxy import EgressRoutes
 from proxy.karta.yamltext import DuplicateKey, refusal, yaml_error
+from proxy.shown import shown_url, without_userinfo
 from proxy.tls_files import (
     HEADER_VALUE_FORBIDDEN,
     VERIFY_MODES,
@@ -287,6 +289,22 @@ class UpstreamSettings(Section):
         "do not verify the upstream's certificate")] = False
     tls_server_name: Annotated[str, setting(
         "server name for SNI and verification when it differs from the URL's host")] = ""
+    proxy_url: Annotated[str, setting(
+        "an HTTP proxy the upstream is reached through, as Prometheus' remote_write "
+        "proxy_url: http://host:port, a user:password@ in it sent as Proxy-Authorization "
+        "(Basic); an https:// upstream goes through a CONNECT tunnel. Every upstream "
+        "request, unless no_proxy names its host",
+        flag=Flag(("--upstream-proxy-url",), UPSTREAM, "URL"))] = ""
+    no_proxy: Annotated[str, setting(
+        "with proxy_url: the upstream hosts reached directly, comma-separated, as Go reads "
+        "NO_PROXY: a name (and its subdomains), .name (its subdomains only), an IP "
+        "address, a CIDR range, each optionally with :port, or * (every host); localhost "
+        "and loopback addresses are then reached directly too")] = ""
+    proxy_from_environment: Annotated[bool, setting(
+        "reach the upstream through the proxy of the environment, as Prometheus' "
+        "proxy_from_environment: HTTP_PROXY for an http:// upstream, HTTPS_PROXY for an "
+        "https:// one, NO_PROXY (each upper or lower case), read at start; instead of "
+        "proxy_url")] = False
     bearer_token_file: Annotated[str, setting(
         "bearer token for the upstream, re-read when the file changes",
         flag=Flag(("--upstream-bearer-token-file",), UPSTREAM, "PATH"))] = ""
@@ -1117,37 +1135,6 @@ def _naming(what: dict[Part, str]) -> Loading:
     return loading
 
 
-#: the userinfo of a URL's authority: after ``//``, up to the last ``@`` before the path
-_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)[^/?#]*@")
-#: the same for a URL that does not parse, whose password may hold an unescaped ``/``
-_USERINFO_BROKEN = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^?#]*@")
-
-
-def without_userinfo(url: str, *, broken: bool = False) -> str:
-    """``url`` with its ``user:password@`` dropped, for anything a person or a log reads.
-
-    A text rule, not ``urlsplit``, so a URL too broken to parse (a port that is not a
-    number, the case a config error reports) loses its credentials all the same. With
-    ``broken``, everything up to the last ``@`` before a query goes: a password with an
-    unescaped ``/`` ends the authority early, and the rule for a valid URL would keep it.
-    """
-    return (_USERINFO_BROKEN if broken else _USERINFO).sub(r"\1", url, count=1)
-
-
-def shown_url(url: str, *, broken: bool = False) -> str:
-    """``url`` as a person or a log may read it (the log, ``/metrics``' ``url`` labels,
-    the landing page, an error's text): without its userinfo (:func:`without_userinfo`),
-    and the value of each query parameter a name tells as a credential
-    (``?api_key=...``, ``?token=...``: :func:`proxy.shown.credential_header`'s rule)
-    hidden (:func:`proxy.shown.hidden_query`). The request goes to the URL as written,
-    less its userinfo."""
-    from proxy.shown import hidden_query
-
-    base = without_userinfo(url, broken=broken)
-    head, mark, rest = base.partition("?")
-    return head + hidden_query("?" + rest) if mark else base
-
-
 def sets_authorization(u: UpstreamSettings) -> bool:
     """Whether the upstream settings give the proxy an ``Authorization`` of its own (a
     bearer token file, basic auth, the userinfo of upstream.url), which replaces any
@@ -1231,6 +1218,7 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
             "or leave upstream.default_tenant unset")
     if bool(u.tls_cert_file) != bool(u.tls_key_file):
         raise ConfigError("upstream.tls_cert_file and upstream.tls_key_file: set both or neither")
+    _validate_upstream_proxy(u)
     for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "bearer_token_file",
                  "basic_auth_password_file"):
         _readable(getattr(u, name), f"upstream.{name}")
@@ -1334,6 +1322,26 @@ def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None
                               "request, the fact writes included: remove one of them (a "
                               "tenant set in upstream.headers is every request's, the "
                               "facts' too)")
+
+
+def _validate_upstream_proxy(u: UpstreamSettings) -> None:
+    """The HTTP proxy settings, checked as Prometheus checks its own (one way to name the
+    proxy; no_proxy only beside proxy_url) and read as the client will read them."""
+    if u.proxy_url and u.proxy_from_environment:
+        raise ConfigError("upstream.proxy_url and upstream.proxy_from_environment: set one "
+                          "or the other (the environment's HTTP_PROXY / HTTPS_PROXY, or "
+                          "this URL)")
+    if u.no_proxy.strip() and not u.proxy_url:
+        raise ConfigError("upstream.no_proxy: set, but upstream.proxy_url is not (with "
+                          "upstream.proxy_from_environment, NO_PROXY of the environment "
+                          "says it)")
+    if _URL_SPACE.search(u.proxy_url.strip()):
+        raise ConfigError(f"upstream.proxy_url: holds whitespace or a control character: "
+                          f"{shown_url(u.proxy_url, broken=True)!r}")
+    try:
+        EgressRoutes.from_settings(u.proxy_url, u.no_proxy, u.proxy_from_environment)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_upstream_tls(u: UpstreamSettings) -> None:

@@ -40,7 +40,6 @@ from proxy.config import (
     cluster_check_off,
     parse_host_port,
     placeholder_cluster,
-    shown_url,
     unforwarded_headers,
 )
 from proxy.connection_guard import http_parser
@@ -58,6 +57,7 @@ from proxy.memory_limit import check_memory
 from proxy.metrics import ProxyMetrics, present_at_zero
 from proxy.reload import JQ_LIMIT_KEYS, ReloadOutcome, is_plan_key, merge, with_keys
 from proxy.server import build_app, start_site
+from proxy.shown import shown_url
 from proxy.tasks import cancel_and_wait
 from proxy.thread_names import named_pool
 from proxy.tls import ServerTLS
@@ -497,6 +497,8 @@ class Proxy:
             "listen_address": s.server.listen_address,
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
             "http_parser": http_parser(),
+            **({"upstream_proxy": self.upstream.egress.describe()}
+               if self.upstream.egress is not None else {}),
         })
         warn_if_python()
         check_nofile(s.server.max_connections, s.upstream.max_connections)

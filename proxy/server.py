@@ -198,6 +198,8 @@ class _Pages:
             ("version", __version__),
             ("contract version", CONTRACT_VERSION),
             ("upstream", self.upstream_url),
+            *([("upstream proxy", upstream.egress.describe())]
+              if upstream.egress is not None else []),
             ("index source", self.source),
             ("index ready", "yes" if index.ready else "no"),
             ("index stale", "yes" if index.stale else "no"),

@@ -74,3 +74,32 @@ def hidden_query(text: str) -> str:
         return f"{m.group(1)}{m.group(2)}={HIDDEN}" if credential_header(name) else m.group(0)
 
     return _QUERY_PARAM.sub(hide, text)
+
+
+#: the userinfo of a URL's authority: after ``//``, up to the last ``@`` before the path
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)[^/?#]*@")
+#: the same for a URL that does not parse, whose password may hold an unescaped ``/``
+_USERINFO_BROKEN = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^?#]*@")
+
+
+def without_userinfo(url: str, *, broken: bool = False) -> str:
+    """``url`` with its ``user:password@`` dropped, for anything a person or a log reads.
+
+    A text rule, not ``urlsplit``, so a URL too broken to parse (a port that is not a
+    number, the case a config error reports) loses its credentials all the same. With
+    ``broken``, everything up to the last ``@`` before a query goes: a password with an
+    unescaped ``/`` ends the authority early, and the rule for a valid URL would keep it.
+    """
+    return (_USERINFO_BROKEN if broken else _USERINFO).sub(r"\1", url, count=1)
+
+
+def shown_url(url: str, *, broken: bool = False) -> str:
+    """``url`` as a person or a log may read it (the log, ``/metrics``' ``url`` labels,
+    the landing page, an error's text): without its userinfo (:func:`without_userinfo`),
+    and the value of each query parameter a name tells as a credential
+    (``?api_key=...``, ``?token=...``: :func:`proxy.shown.credential_header`'s rule)
+    hidden (:func:`proxy.shown.hidden_query`). The request goes to the URL as written,
+    less its userinfo."""
+    base = without_userinfo(url, broken=broken)
+    head, mark, rest = base.partition("?")
+    return head + hidden_query("?" + rest) if mark else base

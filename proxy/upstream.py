@@ -59,14 +59,13 @@ from proxy.config import (
     NEVER_FORWARDED_LOWER,
     UpstreamSettings,
     sets_authorization,
-    shown_url,
     url_credentials,
-    without_userinfo,
 )
 from proxy.deadline import Deadline, deadline_in
+from proxy.egress_proxy import EgressRoutes
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics, present_at_zero
-from proxy.shown import credential_header
+from proxy.shown import credential_header, shown_url, without_userinfo
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
 from proxy.upstream_http import (
@@ -670,18 +669,26 @@ def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -
     ``not_write_endpoint`` for a wrong URL (404 from Prometheus without
     ``--web.enable-remote-write-receiver``, ``/api/v1/push`` on Prometheus, VictoriaMetrics'
     and vmagent's 400 ``unsupported path requested``, ...); ``credentials_refused`` for a
-    401 / 403 to credentials the proxy itself sets. A 401 to the sender's own forwarded
-    credentials stays the sender's (as on the direct path), and so does Mimir's 401 ``no
-    org id`` to a write naming no tenant, credentials or not.
+    401 / 403 to credentials the proxy itself sets, and for a 407 (an HTTP proxy on the
+    way asks for its own: a sender drops a batch on a 4xx, for no fault of its data). A
+    401 to the sender's own forwarded credentials stays the sender's (as on the direct
+    path), and so does Mimir's 401 ``no org id`` to a write naming no tenant, credentials
+    or not.
     """
     if status in NOT_A_WRITE_ENDPOINT or (
             status == 400 and _VM_UNSUPPORTED_PATH.search(body) is not None):
         return "not_write_endpoint"
     if status in (401, 403) and own_credentials and not _NO_ORG_ID.match(body.strip()):
         return "credentials_refused"
+    if status == 407:  # an HTTP proxy on the way (upstream.proxy_url): never the data's
+        return "credentials_refused"
     return ""
 
 
+#: what a 407 says, from an HTTP proxy between karta-proxy and the TSDB (absolute-form
+#: requests of an http:// upstream through ``upstream.proxy_url``)
+PROXY_CREDENTIALS = ("asks for an HTTP proxy's credentials (407: the user:password of "
+                     "upstream.proxy_url, missing or refused)")
 #: what a 401 / 403 to a write of the proxy's own (the start-up check, the fact series)
 #: means: senders' writes carry their own ``Authorization``, which the proxy forwards, so
 #: a TSDB that requires credentials takes them and refuses only the proxy's own, every
@@ -806,12 +813,16 @@ class Upstream:
         #: client requests (the userinfo goes as an Authorization header: ``_basic``)
         self.url = without_userinfo(settings.url)
         #: the URL as logs, metrics and answers show it: a credential of its query
-        #: (``?api_key=``) hidden too (:func:`proxy.config.shown_url`)
+        #: (``?api_key=``) hidden too (:func:`proxy.shown.shown_url`)
         self.shown_url = shown_url(settings.url)
         #: where a request that names no tenant goes (the proxy's own, the check)
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
         self._pool: Pool | None = None
+        #: the HTTP proxy each upstream URL is reached through (None: none, the settings
+        #: validated before)
+        self.egress = EgressRoutes.from_settings(
+            settings.proxy_url, settings.no_proxy, settings.proxy_from_environment)
         #: the TLS context of an https upstream without TLS files: the system's CAs, or
         #: none verified (``tls_insecure_skip_verify``)
         self._default_tls: ssl.SSLContext | None = None
@@ -867,9 +878,18 @@ class Upstream:
         #: the client context when a TLS file is set, re-read when they change
         self._tls = (self._client_tls() if settings.tls_ca_file or settings.tls_cert_file
                      else None)
+        #: an http:// upstream goes through an HTTP proxy with credentials
+        #: (``upstream.proxy_url``'s user:password) in absolute form: a 401 / 403 may be
+        #: that proxy's (tinyproxy answers wrong ones 401), which cannot be told from the
+        #: upstream's, so it is taken as a refusal of the proxy's own credentials (a 503
+        #: the sender retries), not a sender's 4xx that drops its batch
+        egress = self.egress.http if self.egress is not None else None
+        self._proxy_auth = (self._default_url.scheme == "http" and egress is not None
+                            and bool(egress.authorization))
         self.own_credentials = bool(
             self._token is not None or self._password is not None or self._basic
             or any(k.lower() == "authorization" for k in settings.headers)
+            or self._proxy_auth
         )
         self._publish()
 
@@ -1794,11 +1814,15 @@ class Upstream:
         try:
             headers = self._headers(incoming, out.protocol, out.encoding)
             tls = self._tls.get() if self._tls is not None else self._default_tls
+            target = url if url is not None else self._default_url
+            egress = self.egress
+            via = (None if egress is None else
+                   egress.via(target.scheme, target.raw_host or "", target.port or 0))
             async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
                 resp = await pool.post(
-                    url if url is not None else self._default_url, headers, out.encoded,
-                    tls=tls, server_hostname=self.settings.tls_server_name or None,
-                    max_body=MAX_ERROR_BODY)
+                    target, headers, out.encoded, tls=tls,
+                    server_hostname=self.settings.tls_server_name or None,
+                    max_body=MAX_ERROR_BODY, via=via)
             code = str(resp.status)
             if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                 self.clock.note(resp.headers.get("Date"))
@@ -1897,7 +1921,10 @@ class Upstream:
                                   body=text)
         if reason:
             what = ("is not a remote-write endpoint" if reason == "not_write_endpoint"
-                    else "refused the proxy's credentials")
+                    else PROXY_CREDENTIALS if upstream_status == 407
+                    else "refused the proxy's credentials (its upstream credentials, or "
+                    "upstream.proxy_url's user:password for the HTTP proxy on the way)"
+                    if self._proxy_auth else "refused the proxy's credentials")
             self._line(
                 logging.ERROR,
                 f"upstream {what}: fix upstream.url / credentials; senders get 503 and keep "

@@ -60,6 +60,7 @@ from typing import Any
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy.egress_proxy import Egress
 from proxy.tls_files import HEADER_VALUE_FORBIDDEN, go_client_context
 
 #: how long a pooled connection is used at most: then the upstream's name is looked up
@@ -431,8 +432,9 @@ class _Connection(asyncio.Protocol):
                 raise MalformedAnswer("the answer's trailers are past their bounds")
 
 
-#: a pool's connections are apart by (host, port, TLS context, server name)
-_Key = tuple[str, int, "ssl.SSLContext | None", "str | None"]
+#: a pool's connections are apart by (host, port, TLS context, server name, the HTTP
+#: proxy they go through)
+_Key = tuple[str, int, "ssl.SSLContext | None", "str | None", "Egress | None"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -447,6 +449,12 @@ class _Target:
     #: ``POST <path?query> HTTP/1.1\r\n`` and ``Host: ...\r\n``
     request_line: bytes
     host_line: str
+    #: the request line in absolute form (``POST http://host:port/path``), for an http://
+    #: upstream reached through an HTTP proxy
+    proxied_line: bytes
+    #: ``host:port`` (the port always, an IPv6 address in brackets): what a ``CONNECT``
+    #: asks the proxy for
+    authority: str
 
 
 @functools.lru_cache(maxsize=256)
@@ -464,14 +472,20 @@ def _target(url: URL) -> _Target:
     path = url.raw_path_qs or "/"
     return _Target(host, url.port, url.scheme == "https", literal,
                    f"POST {path} HTTP/1.1\r\n".encode("ascii"),
-                   f"Host: {url.host_port_subcomponent}\r\n")
+                   f"Host: {url.host_port_subcomponent}\r\n",
+                   f"POST http://{url.host_port_subcomponent}{path} HTTP/1.1\r\n".encode(
+                       "ascii"),
+                   f"[{host}]:{url.port}" if ":" in host else f"{host}:{url.port}")
 
 
-def request_head(target: _Target, headers: Mapping[str, str], length: int) -> bytes:
-    """The request's head, as aiohttp wrote it (module docstring). ``ValueError`` for a
-    header that cannot be sent: a control character but HTAB in it (a line break would
-    start a header of its own; aiohttp refused the same), or text that is not UTF-8 (a
-    surrogate: aiohttp left it out, and ``X-Scope-OrgID: caf\\xe9`` went as ``caf``)."""
+def request_head(target: _Target, headers: Mapping[str, str], length: int,
+                 via: Egress | None = None) -> bytes:
+    """The request's head, as aiohttp wrote it (module docstring); through the HTTP proxy
+    ``via`` (an http:// upstream), in absolute form with its ``Proxy-Authorization``, as
+    Go writes it. ``ValueError`` for a header that cannot be sent: a control character
+    but HTAB in it (a line break would start a header of its own; aiohttp refused the
+    same), or text that is not UTF-8 (a surrogate: aiohttp left it out, and
+    ``X-Scope-OrgID: caf\\xe9`` went as ``caf``)."""
     items = list(headers.items())
     bad = HEADER_VALUE_FORBIDDEN.search("".join([k + v for k, v in items]))
     if bad:
@@ -485,7 +499,10 @@ def request_head(target: _Target, headers: Mapping[str, str], length: int) -> by
     text = "".join([f"{k}: {v}\r\n" for k, v in items])
     accept = "" if "accept" in lower else "Accept: */*\r\n"
     size = "" if "content-length" in lower else f"Content-Length: {length}\r\n"
-    return target.request_line + f"{host}{text}{accept}{size}\r\n".encode()
+    if via is None or target.tls:
+        return target.request_line + f"{host}{text}{accept}{size}\r\n".encode()
+    auth = f"Proxy-Authorization: {via.authorization}\r\n" if via.authorization else ""
+    return target.proxied_line + f"{host}{text}{accept}{size}{auth}\r\n".encode()
 
 
 def _interleaved(infos: list[_AddrInfo]) -> list[_AddrInfo]:
@@ -620,6 +637,38 @@ class _Names:
         return found
 
 
+async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, via: Egress,
+                  host_port: str) -> None:
+    """Open a ``CONNECT`` tunnel to ``host_port`` through the proxy ``sock`` is connected
+    to; ``ConnectFailed`` with the proxy's status when it refuses (407: its credentials,
+    ``proxy_url``'s user:password, missing or refused)."""
+    await loop.sock_sendall(sock, via.connect_request(host_port))
+    head = b""
+    while b"\r\n\r\n" not in head:
+        if len(head) > MAX_HEAD:
+            raise ConnectFailed(f"the HTTP proxy {via.shown} answered CONNECT with a head "
+                                "past its bounds")
+        data = await loop.sock_recv(sock, 65536)
+        if not data:
+            raise ConnectFailed(f"the HTTP proxy {via.shown} closed the connection before "
+                                f"answering CONNECT {host_port}")
+        head += data
+    end = head.index(b"\r\n\r\n") + 4
+    status = _STATUS_LINE.match(head)
+    if status is None:
+        raise ConnectFailed(f"the HTTP proxy {via.shown} answered CONNECT with something "
+                            f"not HTTP: {head[:40]!r}")
+    code = int(status[2])
+    if not 200 <= code < 300:
+        why = (": its credentials (the user:password of upstream.proxy_url) missing or "
+               "refused" if code == 407 else "")
+        raise ConnectFailed(f"the HTTP proxy {via.shown} answered {code} to CONNECT "
+                            f"{host_port}{why}")
+    if len(head) > end:  # the upstream's bytes before the TLS handshake: not a tunnel
+        raise ConnectFailed(f"the HTTP proxy {via.shown} sent bytes after its answer to "
+                            f"CONNECT {host_port}")
+
+
 @functools.cache
 def default_tls_context() -> ssl.SSLContext:
     """The context of an https upstream without TLS settings: the system's CAs, verified,
@@ -656,18 +705,19 @@ class Pool:
 
     async def post(self, url: URL, headers: Mapping[str, str], body: bytes, *,
                    tls: ssl.SSLContext | None, server_hostname: str | None,
-                   max_body: int) -> Response:
+                   max_body: int, via: Egress | None = None) -> Response:
         """POST ``body`` to ``url`` with ``headers`` (``tls``: the context of an https
-        URL); the answer, its body's first ``max_body`` bytes."""
+        URL), through the HTTP proxy ``via`` if given; the answer, its body's first
+        ``max_body`` bytes."""
         target = _target(url)
-        head = request_head(target, headers, len(body))
+        head = request_head(target, headers, len(body), via)
         if not target.tls:
             tls = server_hostname = None
         elif tls is None:
             raise ValueError("an https upstream needs a TLS context")
         else:
             server_hostname = (server_hostname or target.host).rstrip(".")
-        key: _Key = (target.host, target.port, tls, server_hostname)
+        key: _Key = (target.host, target.port, tls, server_hostname, via)
         conn = await self._acquire(key, target)
         try:
             answer = await conn.start(head, body, max_body)
@@ -799,16 +849,23 @@ class Pool:
 
     async def _connect(self, key: _Key, target: _Target) -> _Connection:
         loop = asyncio.get_running_loop()
-        host, port, tls, server_hostname = key
-        try:
-            infos = await self._names.addresses(host, port, target.literal)
-        except OSError as e:
-            raise ConnectFailed(f"cannot look up {host}: {e}") from e
+        host, port, tls, server_hostname, via = key
         where = f"{target.host_line[6:-2]}"
+        if via is not None:
+            host, port = via.host, via.port
+            where += f" through the HTTP proxy {via.shown}"
+        try:
+            infos = await self._names.addresses(host, port, target.literal if via is None
+                                                else via.literal)
+        except OSError as e:
+            raise ConnectFailed(f"cannot look up {host}: {e}"
+                                + (" (the HTTP proxy)" if via is not None else "")) from e
         try:
             async with asyncio.timeout(self.connect_timeout):
                 sock = await _first_socket(loop, _interleaved(infos))
                 try:
+                    if via is not None and tls is not None:
+                        await _tunnel(loop, sock, via, target.authority)
                     _, conn = await loop.create_connection(
                         lambda: _Connection(loop, key), sock=sock, ssl=tls,
                         server_hostname=server_hostname)

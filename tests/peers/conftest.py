@@ -46,7 +46,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def need(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
-        pytest.skip(f"{binary} not installed (Debian package: prometheus / victoria-metrics)")
+        pytest.skip(f"{binary} not installed (Debian packages: prometheus, victoria-metrics, "
+                    "tinyproxy)")
     return path
 
 
@@ -237,6 +238,33 @@ class Peers:
             sys.executable, "-m", "proxy", "--listen-address", f"127.0.0.1:{port}", *args,
         ], port, "/-/ready", cwd=REPO)
         await p.wait_ready()
+        return p
+
+    async def tinyproxy(self, name: str = "tinyproxy", *,
+                        basic_auth: tuple[str, str] | None = None) -> Peer:
+        """An HTTP proxy (Debian's tinyproxy) on 127.0.0.1, admitting 127.0.0.1 only,
+        ``CONNECT`` to any port; ``basic_auth`` (user, password) makes it ask for them
+        (407). Its log (``log_tail``) has a line per request it relayed."""
+        binary = need("tinyproxy")
+        port = free_port()
+        conf = self.tmp / f"{name}.conf"
+        conf.write_text("\n".join([
+            f"Port {port}", "Listen 127.0.0.1", "Allow 127.0.0.1", "Timeout 30",
+            "MaxClients 32", "LogLevel Connect",
+            *([f"BasicAuth {basic_auth[0]} {basic_auth[1]}"] if basic_auth else []), ""]))
+        # -d: in the foreground, its log on stderr
+        p = self._peer(name, [binary, "-d", "-c", str(conf)], port, "")
+
+        async def listening() -> bool:
+            assert p.proc is not None
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{name} exited: {p.log_tail()}")
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            await writer.wait_closed()
+            return True
+
+        await wait_until(listening, timeout=10, what=f"{name} listening")
         return p
 
     def stop_all(self) -> None:

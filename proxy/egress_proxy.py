@@ -1,0 +1,248 @@
+"""The HTTP proxy the upstream is reached through, chosen per upstream URL as Prometheus'
+``remote_write`` chooses it (prometheus/common's ``proxy_url``, ``no_proxy`` and
+``proxy_from_environment``, over Go's ``net/http`` and ``golang.org/x/net/http/httpproxy``),
+so that a sender's ``remote_write`` moved behind karta-proxy reaches its TSDB the way it
+did:
+
+- ``proxy_url`` alone: every upstream request goes through it (``http.ProxyURL``);
+- with ``no_proxy``, or from the environment (``HTTP_PROXY`` for an http:// upstream,
+  ``HTTPS_PROXY`` for an https:// one, ``NO_PROXY``; each upper case first, then lower
+  case): Go's rules, so ``localhost`` and loopback addresses are always reached directly,
+  and a ``NO_PROXY`` entry is ``*`` (everything), an IP address or a CIDR range, a domain
+  (itself and its subdomains) or ``.domain`` (its subdomains only), a name or an address
+  optionally with ``:port``.
+
+An http:// upstream is sent through the proxy in absolute form (``POST http://host/path``),
+an https:// one through a ``CONNECT`` tunnel, as Go does (``proxy.upstream_http``); a
+``user:password@`` in the proxy's URL goes as ``Proxy-Authorization: Basic``. Only http://
+proxies: TLS to the proxy and SOCKS are settings errors, said at start.
+
+A leaf of the upstream's client: it imports nothing of the project but ``proxy.shown``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from proxy.shown import shown_url
+
+#: the most (scheme, host, port) whose route is kept: ``{tenant}`` in the upstream URL's
+#: host makes a name per tenant, as for the client's names (``upstream_http.MAX_NAMES``)
+MAX_ROUTES = 1024
+
+_IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+_NET = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Egress:
+    """One HTTP proxy: where to connect, and what to tell it."""
+
+    host: str  # as looked up: IDNA, no brackets
+    port: int
+    #: the host is an IP address: not looked up
+    literal: bool
+    #: the value of ``Proxy-Authorization`` (from the URL's user:password), or ""
+    authorization: str
+    #: the URL with its password hidden, for messages
+    shown: str
+
+    def connect_request(self, host_port: str) -> bytes:
+        """The ``CONNECT`` that opens a tunnel to ``host_port`` (as a ``Host`` header
+        writes it), as Go's transport sends it."""
+        auth = f"Proxy-Authorization: {self.authorization}\r\n" if self.authorization else ""
+        return f"CONNECT {host_port} HTTP/1.1\r\nHost: {host_port}\r\n{auth}\r\n".encode()
+
+
+def parse_egress(text: str) -> Egress:
+    """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://).
+    ``ValueError`` saying why, its password hidden."""
+    text = text.strip()
+    parts = urlsplit(text)
+    if not parts.scheme or not parts.netloc:
+        parts = urlsplit("http://" + text)
+    shown = shown_url(parts.geturl())
+    if parts.scheme != "http":
+        raise ValueError(f"only http:// proxies are supported (the proxy is spoken to in "
+                         f"plain HTTP; an https:// upstream goes through it in a CONNECT "
+                         f"tunnel), got {shown!r}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise ValueError(f"not a valid proxy URL: {shown!r}") from None
+    if not host:
+        raise ValueError(f"the proxy URL names no host: {shown!r}")
+    try:
+        host = host.encode("idna").decode("ascii") if not _ip(host) else host
+    except UnicodeError:
+        raise ValueError(f"the proxy URL's host is not a valid name: {shown!r}") from None
+    authorization = ""
+    if parts.username is not None:
+        pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
+    return Egress(host, port or 80, _ip(host) is not None, authorization, shown)
+
+
+def _ip(host: str) -> _IP | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Domain:
+    #: starts with "."
+    suffix: str
+    #: the name itself matches too (written without the leading ".")
+    itself: bool
+    port: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Address:
+    ip: _IP
+    port: int | None
+
+
+class NoProxy:
+    """The hosts reached directly, from a ``NO_PROXY`` text, with Go's ``httpproxy`` rules
+    (an entry it cannot read is skipped, as Go skips it)."""
+
+    def __init__(self, text: str) -> None:
+        self.everything = False
+        self._networks: list[_NET] = []
+        self._addresses: list[_Address] = []
+        self._domains: list[_Domain] = []
+        for entry in text.split(","):
+            entry = entry.strip().lower()
+            if not entry:
+                continue
+            if entry == "*":
+                self.everything = True
+                return
+            if "/" in entry:
+                with contextlib.suppress(ValueError):
+                    self._networks.append(ipaddress.ip_network(entry, strict=False))
+                continue
+            host, port = _split_host_port(entry)
+            if not host:
+                continue
+            ip = _ip(host)
+            if ip is not None:
+                self._addresses.append(_Address(ip, port))
+                continue
+            if host.startswith("*."):
+                host = host[1:]
+            itself = not host.startswith(".")
+            name = host.lstrip(".")
+            with contextlib.suppress(UnicodeError):
+                name = name.encode("idna").decode("ascii")
+            self._domains.append(_Domain("." + name, itself, port))
+
+    def direct(self, host: str, port: int) -> bool:
+        """Whether ``host``:``port`` is reached without the proxy (Go's ``useProxy``
+        negated): ``localhost`` and loopback addresses always are."""
+        host = host.strip().lower()
+        if host == "localhost":
+            return True
+        ip = _ip(host)
+        if ip is not None:
+            if ip.is_loopback:
+                return True
+            if self.everything or any(ip in n for n in self._networks):
+                return True
+            return any(a.ip == ip and a.port in (None, port) for a in self._addresses)
+        if self.everything:
+            return True
+        return any((host.endswith(d.suffix) or (d.itself and host == d.suffix[1:]))
+                   and d.port in (None, port) for d in self._domains)
+
+
+def _split_host_port(entry: str) -> tuple[str, int | None]:
+    """``host:port``, ``[v6]:port``, or a host alone (an IPv6 address without brackets
+    too); a port that is not a number leaves the entry a host, as Go's split fails."""
+    if entry.startswith("["):
+        end = entry.find("]")
+        if end < 0:
+            return entry, None
+        rest = entry[end + 1:]
+        if rest.startswith(":") and rest[1:].isdigit():
+            return entry[1:end], int(rest[1:])
+        return (entry[1:end], None) if not rest else (entry, None)
+    if entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+        if port.isdigit():
+            return host, int(port)
+    return entry, None
+
+
+class EgressRoutes:
+    """Which proxy each upstream URL is reached through, or none."""
+
+    def __init__(self, http: Egress | None, https: Egress | None,
+                 no_proxy: NoProxy | None) -> None:
+        self.http = http
+        self.https = https
+        #: None: every request through the proxy (``proxy_url`` without ``no_proxy``:
+        #: Go's ``http.ProxyURL``, loopback too); else Go's rules
+        self.no_proxy = no_proxy
+        self._routes: dict[tuple[str, str, int], Egress | None] = {}
+
+    @classmethod
+    def from_settings(cls, proxy_url: str, no_proxy: str, from_environment: bool,
+                      environ: Mapping[str, str] | None = None) -> EgressRoutes | None:
+        """The routes the settings ask for (None: no proxy at all). ``ValueError`` naming
+        the setting or the variable that is wrong."""
+        if from_environment:
+            env = os.environ if environ is None else environ
+            found: dict[str, Egress | None] = {}
+            for names in (("HTTP_PROXY", "http_proxy"), ("HTTPS_PROXY", "https_proxy")):
+                name = next((n for n in names if env.get(n)), "")
+                try:
+                    found[names[0]] = parse_egress(env[name]) if name else None
+                except ValueError as e:
+                    raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
+            text = next((env[n] for n in ("NO_PROXY", "no_proxy") if env.get(n)), "")
+            if found["HTTP_PROXY"] is None and found["HTTPS_PROXY"] is None:
+                return None
+            return cls(found["HTTP_PROXY"], found["HTTPS_PROXY"], NoProxy(text))
+        if not proxy_url:
+            return None
+        try:
+            egress = parse_egress(proxy_url)
+        except ValueError as e:
+            raise ValueError(f"upstream.proxy_url: {e}") from None
+        return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)
+
+    def via(self, scheme: str, host: str, port: int) -> Egress | None:
+        """The proxy a request to ``scheme://host:port`` goes through, or None."""
+        key = (scheme, host, port)
+        routes = self._routes
+        try:
+            return routes[key]
+        except KeyError:
+            pass
+        egress = self.https if scheme == "https" else self.http
+        if egress is not None and self.no_proxy is not None and \
+                self.no_proxy.direct(host, port):
+            egress = None
+        if len(routes) >= MAX_ROUTES:
+            routes.clear()
+        routes[key] = egress
+        return egress
+
+    def describe(self) -> str:
+        """What the start-up line says of them (passwords hidden)."""
+        if self.http is not None and self.http == self.https:
+            out = self.http.shown
+        else:
+            out = ", ".join(f"{s}: {e.shown}" for s, e in (("http", self.http),
+                                                          ("https", self.https)) if e)
+        return out + ("" if self.no_proxy is None else " (but NO_PROXY's and loopback hosts)")

@@ -1,0 +1,155 @@
+"""The upstream reached through an HTTP proxy (``upstream.proxy_url``, Debian's tinyproxy):
+a Prometheus agent's writes through karta-proxy and the HTTP proxy into a Prometheus
+receiver, stamped; an https:// upstream through a CONNECT tunnel; the proxy's refusal of
+missing credentials (407) never a 4xx a sender drops; loopback reached directly once
+``no_proxy`` is set, as Go's rules say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import UpstreamSettings
+from proxy.demo_exporter import FixtureExporter
+from proxy.metrics import ProxyMetrics
+from proxy.pb.prometheus.remote_pb2 import WriteRequest
+from proxy.upstream import Upstream
+from proxy.wire.primitives import Protocol
+from tests.peers.conftest import (
+    InProcessProxy,
+    Peers,
+    free_port,
+    query,
+    remote_write,
+    scrape_configs,
+    wait_until,
+)
+from tests.scripted import ScriptedUpstream
+from tests.tls_certs import Authority
+
+pytestmark = pytest.mark.peers
+
+USER, PASSWORD = "karta", "s3cr3t-pa55"
+
+
+def _one_series() -> bytes:
+    req = WriteRequest()
+    ts = req.timeseries.add()
+    ts.labels.add(name="__name__", value="up")
+    ts.samples.add(value=1.0, timestamp=1000)
+    return req.SerializeToString()
+
+
+async def _send(settings: UpstreamSettings) -> tuple[int, str]:
+    """One RW 1.0 write through a fresh ``Upstream``: its status and body for the sender."""
+    u = Upstream(settings, ProxyMetrics())
+    try:
+        answer = await u.send(_one_series(), Protocol.V1)
+    finally:
+        await u.close()
+    return answer.status, answer.body.decode("utf-8", "replace")
+
+
+async def test_agent_writes_land_stamped_through_the_http_proxy(
+    peers: Peers, exporter: FixtureExporter, make_proxy: object,
+) -> None:
+    """http:// upstream: absolute-form requests to tinyproxy with its Basic credentials
+    (loopback included: proxy_url alone sends every request through it, as Go's
+    http.ProxyURL does)."""
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    receiver = await peers.prometheus_receiver()
+    assert callable(make_proxy)
+    proxy: InProcessProxy = await make_proxy(
+        receiver.base_url + "/api/v1/write",
+        proxy_url=f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}")
+    await peers.prometheus_agent({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": scrape_configs(exporter),
+        "remote_write": [remote_write(proxy.write_url)],
+    })
+
+    async def landed() -> bool:
+        got = await query(receiver.base_url,
+                          "count(pod_memory_working_set_bytes{karta_workload!=''})")
+        return bool(got) and int(float(got[0]["value"][1])) > 0
+
+    await wait_until(landed, timeout=30, what="stamped series through the HTTP proxy")
+    log = http_proxy.log_tail(200_000)
+    assert f"POST http://127.0.0.1:{receiver.port}/api/v1/write" in log, log[-2000:]
+    assert PASSWORD not in proxy.proxy.upstream.egress.describe()  # type: ignore[union-attr]
+
+
+async def test_an_https_upstream_goes_through_a_connect_tunnel(
+    peers: Peers, tmp_path: Path,
+) -> None:
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    ca = Authority(tmp_path / "pki")
+    tsdb = ca.issue("tsdb", server=True)
+    async with ScriptedUpstream(ssl_context=tsdb.server_context()) as up:
+        status, body = await _send(UpstreamSettings(
+            url=up.url, tls_ca_file=str(ca.ca_file), timeout_seconds=5,
+            connect_timeout_seconds=3,
+            proxy_url=f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}"))
+        assert status == 204, body
+        assert len(up.received) == 1
+        # the tunnel carried TLS end to end: the proxy saw the CONNECT, never the POST
+        log = http_proxy.log_tail(200_000)
+        assert f"CONNECT 127.0.0.1:{up.port}" in log, log[-2000:]
+        assert "POST" not in log
+
+
+async def test_missing_proxy_credentials_are_never_a_4xx_a_sender_drops(
+    peers: Peers, tmp_path: Path,
+) -> None:
+    """tinyproxy refuses missing credentials with 407 and wrong ones with 401 (its own
+    way). To an absolute-form request either is a 503 + Retry-After (the configuration's
+    fault, counted as credentials_refused); to a CONNECT, no connection (502). A sender
+    retries both and keeps its data; no answer or log says the password."""
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    where = f"127.0.0.1:{http_proxy.port}"
+    bodies: list[str] = []
+    ca = Authority(tmp_path / "pki")
+    tls = ca.issue("tsdb", server=True).server_context()
+    for proxy_url, said in ((f"http://{where}", "407"),
+                            (f"http://{USER}:not-{PASSWORD}@{where}", "401")):
+        metrics = ProxyMetrics()
+        async with ScriptedUpstream() as up:
+            u = Upstream(UpstreamSettings(url=up.url, timeout_seconds=5,
+                                          proxy_url=proxy_url), metrics)
+            try:
+                answer = await u.send(_one_series(), Protocol.V1)
+            finally:
+                await u.close()
+            body = answer.body.decode()
+            assert (answer.status, answer.headers.get("Retry-After")) == (503, "30"), body
+            assert f"answered {said}" in body and "upstream.proxy_url" in body, body
+            assert not up.received
+            assert metrics.registry.get_sample_value(
+                "karta_proxy_upstream_misconfigured_total",
+                {"url": up.url, "reason": "credentials_refused", "code": said}) == 1.0
+            bodies.append(body)
+        async with ScriptedUpstream(ssl_context=tls) as up:
+            status, body = await _send(UpstreamSettings(
+                url=up.url, tls_ca_file=str(ca.ca_file), timeout_seconds=5,
+                proxy_url=proxy_url))
+            assert status == 502, body
+            assert f"answered {said} to CONNECT" in body, body
+            assert not up.received
+            bodies.append(body)
+    for text in (*bodies, http_proxy.log_tail()):
+        assert f"not-{PASSWORD}" not in text
+
+
+async def test_no_proxy_reaches_loopback_directly() -> None:
+    """With no_proxy set, Go's rules: localhost and loopback addresses are reached
+    directly (here the proxy_url names a port nothing listens on)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with ScriptedUpstream() as up:
+        status, body = await _send(UpstreamSettings(
+            url=up.url, timeout_seconds=5, connect_timeout_seconds=2, proxy_url=dead,
+            no_proxy="tsdb.example.com"))
+        assert status == 204, body
+        status, body = await _send(UpstreamSettings(
+            url=up.url, timeout_seconds=5, connect_timeout_seconds=2, proxy_url=dead))
+        assert status == 502 and "through the HTTP proxy" in body, body

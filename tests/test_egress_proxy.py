@@ -1,0 +1,116 @@
+"""``proxy.egress_proxy``: the proxy URL read as Go's ``httpproxy`` reads it, NO_PROXY's
+rules as Go applies them (cases of golang.org/x/net/http/httpproxy's own tests), and which
+settings or environment give which route. The requests through a real HTTP proxy are in
+``tests/peers/test_e2e_egress_proxy.py``."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from proxy.config import ConfigError, Settings, validate
+from proxy.demo_exporter import DEMO_SNAPSHOT
+from proxy.egress_proxy import Egress, EgressRoutes, NoProxy, parse_egress
+
+
+def test_a_proxy_url_is_read_as_go_reads_it() -> None:
+    e = parse_egress("http://user:p%40ss@proxy.corp:3128")
+    assert (e.host, e.port, e.literal) == ("proxy.corp", 3128, False)
+    assert e.authorization == "Basic " + base64.b64encode(b"user:p@ss").decode()
+    assert "p%40ss" not in e.shown and "p@ss" not in e.shown
+    # no scheme: http://; no port: 80; an address is not looked up
+    assert parse_egress("10.0.0.1") == Egress("10.0.0.1", 80, True, "", "http://10.0.0.1")
+    assert parse_egress("[::1]:8080").host == "::1"
+    assert parse_egress("proxy:3128").port == 3128
+
+
+@pytest.mark.parametrize("text", ["https://proxy:3128", "socks5://proxy:1080",
+                                  "http://:3128", "http://proxy:99999",
+                                  "https://user:hunter2@proxy:443"])
+def test_what_is_no_http_proxy_is_refused_without_its_password(text: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_egress(text)
+    assert "hunter2" not in str(e.value)
+
+
+@pytest.mark.parametrize(("no_proxy", "host", "port", "direct"), [
+    # localhost and loopback: always direct once the rules apply
+    ("", "localhost", 80, True), ("", "127.0.0.1", 9090, True), ("", "::1", 80, True),
+    ("", "example.com", 80, False),
+    # a domain: itself and its subdomains, not a name that merely ends the same
+    ("foo.com", "foo.com", 80, True), ("foo.com", "bar.foo.com", 443, True),
+    ("foo.com", "foofoo.com", 80, False),
+    # .domain and *.domain: the subdomains only
+    (".foo.com", "foo.com", 80, False), (".foo.com", "x.foo.com", 80, True),
+    ("*.foo.com", "x.foo.com", 80, True), ("*.foo.com", "foo.com", 80, False),
+    # a port: that port only
+    ("foo.com:8080", "foo.com", 8080, True), ("foo.com:8080", "foo.com", 80, False),
+    # addresses and ranges; a name never matches an address's entry
+    ("10.0.0.0/8", "10.1.2.3", 80, True), ("10.0.0.0/8", "11.0.0.1", 80, False),
+    ("192.168.1.1", "192.168.1.1", 443, True), ("192.168.1.1:80", "192.168.1.1", 443, False),
+    ("[2001:db8::1]:80", "2001:db8::1", 80, True), ("2001:db8::/32", "2001:db8::5", 1, True),
+    # everything; case and spaces; an entry Go cannot read is skipped
+    ("*", "anything.example", 80, True), (" FOO.com , bar.com", "x.foo.com", 80, True),
+    ("10.0.0.0/99, foo.com", "foo.com", 80, True),
+])
+def test_no_proxy_follows_gos_rules(no_proxy: str, host: str, port: int, direct: bool) -> None:
+    assert NoProxy(no_proxy).direct(host, port) is direct
+
+
+def test_proxy_url_alone_takes_every_request_through_it_loopback_too() -> None:
+    """prometheus/common's ``http.ProxyURL`` without no_proxy: no exception at all."""
+    routes = EgressRoutes.from_settings("http://proxy:3128", "", False)
+    assert routes is not None
+    assert routes.via("http", "127.0.0.1", 9090) == routes.http
+    assert routes.via("https", "localhost", 443) == routes.https
+    routes = EgressRoutes.from_settings("http://proxy:3128", "mimir.internal", False)
+    assert routes is not None
+    assert routes.via("http", "127.0.0.1", 9090) is None
+    assert routes.via("https", "mimir.internal", 443) is None
+    assert routes.via("https", "prod.grafana.net", 443) == routes.https
+    assert EgressRoutes.from_settings("", "", False) is None
+
+
+def test_the_environment_names_a_proxy_per_scheme() -> None:
+    env = {"HTTPS_PROXY": "http://secure:3128", "https_proxy": "http://ignored:1",
+           "http_proxy": "plain:3128", "no_proxy": ".internal"}
+    routes = EgressRoutes.from_settings("", "", True, env)
+    assert routes is not None
+    assert routes.via("https", "tsdb.example", 443) == parse_egress("http://secure:3128")
+    assert routes.via("http", "tsdb.example", 80) == parse_egress("http://plain:3128")
+    assert routes.via("http", "mimir.internal", 80) is None
+    assert routes.via("http", "localhost", 80) is None
+    assert EgressRoutes.from_settings("", "", True, {"NO_PROXY": "*"}) is None
+    only_https = EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "p:1"})
+    assert only_https is not None and only_https.via("http", "tsdb", 80) is None
+    with pytest.raises(ValueError, match="HTTPS_PROXY"):
+        EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "socks5://p:1"})
+
+
+def test_the_routes_kept_are_bounded() -> None:
+    routes = EgressRoutes.from_settings("http://proxy:3128", "internal", False)
+    assert routes is not None
+    for i in range(3000):
+        routes.via("https", f"t{i}.example", 443)
+    assert len(routes._routes) <= 1024
+
+
+@pytest.mark.parametrize(("upstream", "error"), [
+    ({"proxy_url": "http://p:1", "proxy_from_environment": True}, "set one or the other"),
+    ({"no_proxy": "foo.com"}, "upstream.proxy_url is not"),
+    ({"proxy_url": "https://user:hunter2@p:1"}, "only http:// proxies"),
+    ({"proxy_url": "http://p\t:1"}, "whitespace"),
+])
+def test_settings_errors(upstream: dict[str, object], error: str) -> None:
+    s = Settings()
+    s.upstream.url = "http://tsdb:9090/api/v1/write"
+    s.snapshot = str(DEMO_SNAPSHOT)
+    for k, v in upstream.items():
+        setattr(s.upstream, k, v)
+    with pytest.raises(ConfigError, match=error) as e:
+        validate(s)
+    assert "hunter2" not in str(e.value)
+    for k in upstream:  # the same settings less these validate
+        setattr(s.upstream, k, getattr(Settings().upstream, k))
+    validate(s)
