@@ -117,7 +117,8 @@ AIOHTTP_HANDLER_ATTRIBUTES = (
 AIOHTTP_HANDLER_METHODS = (
     "_handle_request", "_pause_transport_reading", "_process_keepalive",
     "_resume_transport_reading", "connection_lost", "connection_made", "data_received",
-    "finish_response", "force_close", "handle_error", "pause_writing", "resume_writing",
+    "eof_received", "finish_response", "force_close", "handle_error", "pause_writing",
+    "resume_writing",
 )
 AIOHTTP_SERVER_ATTRIBUTES = ("_connections", "_kwargs", "_loop")
 AIOHTTP_PAYLOAD_ATTRIBUTES = ("_buffer", "_size")
@@ -561,6 +562,31 @@ class _GuardedProtocol(RequestHandler):
                 self._header_tail = (self._header_tail + data[-3:])[-3:]
                 if self._header_bytes > self._max_header_bytes:
                     self._headers_too_large()
+
+    # aiohttp types it ``-> None``; asyncio's ``Protocol.eof_received`` reads a true answer
+    # as "keep the transport open"
+    def eof_received(self) -> bool:  # type: ignore[override]
+        """The sender shut its side of the connection after its request (a half-close:
+        ``shutdown(SHUT_WR)``, as HTTP/1.0 tools and scripts do): its requests are still
+        answered, on the side it reads, and the connection closes after the last answer
+        (``retire``). asyncio closes the transport at once unless this says True: the
+        request was handled all the same (a write forwarded and stored, or not, as the
+        close and the handler's start fell) and its answer went to nobody, so the sender,
+        seeing a dropped connection, sent the batch again (stored twice where the TSDB
+        keeps duplicates), and a request answered 4xx was sent again forever; Prometheus'
+        receiver (Go's server) answers them. Closed at once as before: nothing to answer
+        (aiohttp waiting for a request, or one whose line, headers or body had not all
+        come and never will), a refusal being shed, TLS (asyncio's TLS transport cannot
+        stay half open)."""
+        transport = self.transport
+        body = self._body
+        if transport is None or transport.get_extra_info("sslcontext") is not None \
+                or self._shedding or self._skipping is not None or self._header_bytes \
+                or (body is not None and not body.is_eof()) \
+                or (_waiting_for_request(self) and not self._messages):
+            return False
+        self.retire()
+        return True
 
     def _finish_body(self, data: bytes) -> None:
         """Bytes for a connection aiohttp is closing, as it marks every one at a stop

@@ -713,6 +713,48 @@ async def test_a_connection_retired_after_its_answer_said_keep_alive_is_closed(
         assert len(up.received) == 1
 
 
+# -- a sender that half-closes after its request --------------------------------------------
+
+
+@pytest.mark.parametrize(("version", "body", "status"), [
+    ("1.1", BODY, 204), ("1.0", BODY, 204), ("1.0", b"", 400),
+], ids=["http1.1", "http1.0", "http1.0-empty-body"])
+async def test_a_request_whose_sender_half_closes_is_answered_then_closed(
+    tmp_path: Path, version: str, body: bytes, status: int,
+) -> None:
+    """A sender that shuts its side after its request (``shutdown(SHUT_WR)``) had the
+    connection closed on it at once: the write was forwarded (stored, or not, as the close
+    and the handler's start fell) and the answer went to nobody, so the sender sent the
+    batch again, and a request answered 400 (an empty body) again forever. Prometheus'
+    receiver answers both; so does the proxy now, then closes."""
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        r, w = await connect(p)
+        try:
+            w.write(request(body).replace(b"HTTP/1.1", f"HTTP/{version}".encode(), 1))
+            w.write_eof()
+            answer = await read_answer(r)
+            assert await closed_unanswered(r, timeout=2)
+        finally:
+            w.close()
+        assert answer.status == status, answer.body
+        assert len(up.received) == (status == 204)
+
+
+async def test_half_a_request_then_a_half_close_is_closed_unanswered(tmp_path: Path) -> None:
+    """Headers, or a body, that stopped short of their end never come whole: closed at
+    once, as before, not left open for a header or body deadline."""
+    async with ScriptedUpstream() as up, proxy_running(tmp_path, up) as p:
+        for cut in (request()[:40], request()[:-5]):
+            r, w = await connect(p)
+            try:
+                w.write(cut)
+                w.write_eof()
+                assert await closed_unanswered(r, timeout=2)
+            finally:
+                w.close()
+        assert up.received == []
+
+
 async def test_the_aiohttp_internals_relied_on_are_all_there() -> None:
     """aiohttp's server internals the guard reads, sets and overrides exist in the aiohttp
     installed: a new aiohttp whose internals moved fails here, naming them, rather than
