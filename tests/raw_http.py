@@ -35,7 +35,10 @@ class Answer:
     closed: bool
 
 
-async def read_answer(reader: asyncio.StreamReader, timeout: float = 5.0) -> Answer:
+async def read_answer(reader: asyncio.StreamReader, timeout: float = 5.0, *,
+                      head_only: bool = False) -> Answer:
+    """The answer to a request written on ``reader``'s connection; ``head_only``: the
+    request was a HEAD (a ``Content-Length`` and no body)."""
     async with asyncio.timeout(timeout):
         interim = b""
         while True:
@@ -51,7 +54,8 @@ async def read_answer(reader: asyncio.StreamReader, timeout: float = 5.0) -> Ans
             if line:
                 k, _, v = line.partition(":")
                 headers[k.strip().lower()] = v.strip()
-        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        body = b"" if head_only else await reader.readexactly(
+            int(headers.get("content-length", "0")))
         closed = False
         if headers.get("connection", "").lower() == "close":
             try:
