@@ -245,4 +245,5 @@ class EgressRoutes:
         else:
             out = ", ".join(f"{s}: {e.shown}" for s, e in (("http", self.http),
                                                           ("https", self.https)) if e)
-        return out + ("" if self.no_proxy is None else " (but NO_PROXY's and loopback hosts)")
+        return out + ("" if self.no_proxy is None else
+                      "; directly to NO_PROXY's hosts, localhost and loopback")
