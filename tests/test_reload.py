@@ -961,9 +961,13 @@ async def test_a_burst_of_sighups_runs_one_reload_per_turn_not_one_per_signal(
     # measured: 39 one per signal, 10-11 one per turn (a reload of this file ~8 ms)
     assert 1 <= reloads <= 20, (reloads, log[-3000:])
     assert log.count("configuration reloaded") == reloads
-    # the last file was read by the last reload
-    assert "configuration reloaded applied=['log_level']" in log.rsplit(
-        "reloading the configuration", 1)[1], log[-2000:]
+    # the last file was read: a reload applied it, and none after it changed anything (a
+    # reload already waiting when the file was written may be the one that read it, the
+    # last then finding nothing new: seen under load)
+    applied = log.split("configuration reloaded applied=['log_level']")
+    assert len(applied) == 2, log[-2000:]
+    assert all("applied=[]" in line for line in applied[1].splitlines()
+               if "configuration reloaded" in line), log[-2000:]
 
 
 async def test_a_reload_reads_the_upstream_tls_files_again(tmp_path: Path) -> None:
