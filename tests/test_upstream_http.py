@@ -19,6 +19,7 @@ import pytest
 from yarl import URL
 
 from proxy import upstream_http
+from proxy.egress_proxy import Egress, parse_egress
 from proxy.upstream_http import (
     MAX_LINE,
     ConnectFailed,
@@ -143,10 +144,11 @@ async def pool(limit: int = 4, idle: float = 30.0, connect: float = 2.0
 
 async def post(p: Pool, url: URL, body: bytes = b"body", *, max_body: int = 4096,
                headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None,
-               server_hostname: str | None = None) -> Response:
+               server_hostname: str | None = None, via: Egress | None = None) -> Response:
     async with asyncio.timeout(10):
         return await p.post(url, headers or {"Content-Type": "application/x-protobuf"}, body,
-                            tls=tls, server_hostname=server_hostname, max_body=max_body)
+                            tls=tls, server_hostname=server_hostname, max_body=max_body,
+                            via=via)
 
 
 async def test_the_request_is_written_as_aiohttp_wrote_it() -> None:
@@ -453,6 +455,56 @@ async def test_a_refused_connect_and_a_name_not_found_fail_to_connect() -> None:
             await post(p, URL(f"http://127.0.0.1:{port}/w"))
         with pytest.raises(ConnectFailed, match=r"cannot look up no-such-host\.invalid"):
             await post(p, URL("http://no-such-host.invalid/w"))
+
+
+async def test_an_http_upstream_through_a_proxy_is_sent_in_absolute_form() -> None:
+    """As Go sends it: the proxy's name looked up, never the upstream's (a name only the
+    proxy can resolve), the request line in absolute form, Proxy-Authorization with it."""
+    async with serving(answering()) as proxy, pool() as p:
+        via = parse_egress(f"http://u:p%3Aw@127.0.0.1:{proxy.port}")
+        url = URL("http://tsdb.only-the-proxy-knows.invalid:9090/api/v1/write?x=1")
+        assert (await post(p, url, via=via)).status == 204
+        assert (await post(p, url, via=via)).status == 204
+        head = proxy.heads[0].decode()
+        assert head.startswith("POST http://tsdb.only-the-proxy-knows.invalid:9090"
+                               "/api/v1/write?x=1 HTTP/1.1\r\n"), head
+        assert "\r\nHost: tsdb.only-the-proxy-knows.invalid:9090\r\n" in head
+        assert "\r\nProxy-Authorization: Basic dTpwOnc=\r\n" in head  # u:p:w
+        assert len(set(proxy.peers)) == 1  # kept alive, as any connection
+
+
+def connect_answering(answer: bytes) -> Callable[[Raw], Handler]:
+    """A proxy that reads a CONNECT's head and writes ``answer``, then waits."""
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            raw.heads.append(await reader.readuntil(b"\r\n\r\n"))
+            if answer:
+                writer.write(answer)
+                await writer.drain()
+                await reader.read()
+        return handle
+    return make
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n",
+     "answered 407 to CONNECT tsdb.invalid:443: its credentials"),
+    (b"HTTP/1.0 403 Forbidden\r\nContent-Length: 0\r\n\r\n", "answered 403 to CONNECT"),
+    (b"SSH-2.0-OpenSSH\r\n\r\n", "answered CONNECT with something not HTTP"),
+    (b"HTTP/1.1 200 OK\r\n\r\nHTTP/1.1 204", "sent bytes after its answer"),
+    (b"", "closed the connection before answering CONNECT tsdb.invalid:443"),
+])
+async def test_a_connect_the_proxy_refuses_or_breaks_is_no_connection(
+    answer: bytes, said: str, pki: tuple[Authority, ssl.SSLContext],
+) -> None:
+    ca, _ = pki
+    async with serving(connect_answering(answer)) as proxy, pool() as p:
+        via = parse_egress(f"http://127.0.0.1:{proxy.port}")
+        tls = ssl.create_default_context(cafile=str(ca.ca_file))
+        with pytest.raises(ConnectFailed, match=said):
+            await post(p, URL("https://tsdb.invalid/api/v1/write"), tls=tls, via=via)
+        assert proxy.heads == [b"CONNECT tsdb.invalid:443 HTTP/1.1\r\n"
+                               b"Host: tsdb.invalid:443\r\n\r\n"]
 
 
 async def test_a_connect_that_gets_no_answer_times_out() -> None:
