@@ -27,12 +27,13 @@ import snappy
 from proxy.compression import compress
 from proxy.demo_exporter import DEMO_SNAPSHOT
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
-from proxy.pb.prometheus import remote_pb2, types_pb2
+from proxy.pb.prometheus import types_pb2
 from proxy.runtime import Proxy
 from proxy.wire.primitives import STALE_NAN
 from tests.peers.conftest import Peer, Peers, proxy_settings, query
 from tests.proxy_harness import CT_V1, CT_V2
 from tests.raw_http import read_answer
+from tests.wire_fixtures import request_v1
 
 pytestmark = [pytest.mark.peers, pytest.mark.asyncio(loop_scope="module")]
 
@@ -64,12 +65,7 @@ def series(labels: Labels, samples: tuple[tuple[float, int], ...] = ((1.0, NOW),
 
 
 def write(*ts: types_pb2.TimeSeries, metadata: bool = False) -> bytes:
-    req = remote_pb2.WriteRequest()
-    req.timeseries.extend(ts)
-    if metadata:
-        req.metadata.add(type=types_pb2.MetricMetadata.COUNTER, metric_family_name="x_total",
-                         help="h", unit="seconds")
-    return bytes(req.SerializeToString())
+    return bytes(request_v1(*ts, metadata=metadata))
 
 
 def named(name: str, *more: tuple[str, str],
