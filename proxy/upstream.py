@@ -2071,8 +2071,16 @@ class Upstream:
                       "answered 503 until upstream.url is fixed",
                       extra={**extra, "hint": _PATH_HINT, "body": probe.detail})
         elif probe.outcome == "credentials_refused":
-            log.error("upstream refused the proxy's credentials: every write will be "
-                      "answered 503 until they are fixed", extra={**extra, "body": probe.detail})
+            log.error(
+                f"upstream {PROXY_CREDENTIALS}: every write will be answered 503 until "
+                "they are fixed" if probe.code == "407" else
+                # the HTTP proxy's 401 cannot be told from the upstream's (tinyproxy
+                # answers wrong credentials so): which one refused, its body may say
+                "the upstream, or the HTTP proxy on the way (upstream.proxy_url's "
+                "user:password), refused credentials: writes so refused are answered 503 "
+                "until they are fixed" if self._proxy_auth else
+                "upstream refused the proxy's credentials: every write will be answered 503 "
+                "until they are fixed", extra={**extra, "body": probe.detail})
         elif probe.outcome == "unavailable":  # again at most every RECHECK_SECONDS: throttled
             self._line(logging.WARNING, "upstream not available at the check; checked again "
                        "when it answers", probe.code, {**extra, "body": probe.detail})

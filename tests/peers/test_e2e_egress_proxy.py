@@ -6,6 +6,7 @@ missing credentials (407) never a 4xx a sender drops; loopback reached directly 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,7 @@ async def test_an_https_upstream_goes_through_a_connect_tunnel(
 
 
 async def test_missing_proxy_credentials_are_never_a_4xx_a_sender_drops(
-    peers: Peers, tmp_path: Path,
+    peers: Peers, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """tinyproxy refuses missing credentials with 407 and wrong ones with 401 (its own
     way). To an absolute-form request either is a 503 + Retry-After (the configuration's
@@ -119,15 +120,20 @@ async def test_missing_proxy_credentials_are_never_a_4xx_a_sender_drops(
                                           proxy_url=proxy_url), metrics)
             try:
                 answer = await u.send(_one_series(), Protocol.V1)
+                assert metrics.registry.get_sample_value(
+                    "karta_proxy_upstream_misconfigured_total",
+                    {"url": up.url, "reason": "credentials_refused", "code": said}) == 1.0
+                # the start-up check says so too, naming the HTTP proxy's credentials
+                caplog.clear()
+                with caplog.at_level(logging.ERROR, logger="karta.upstream"):
+                    assert (await u.check()).outcome == "credentials_refused"
+                assert "HTTP proxy" in caplog.records[-1].getMessage(), caplog.text
             finally:
                 await u.close()
             body = answer.body.decode()
             assert (answer.status, answer.headers.get("Retry-After")) == (503, "30"), body
             assert f"answered {said}" in body and "upstream.proxy_url" in body, body
             assert not up.received
-            assert metrics.registry.get_sample_value(
-                "karta_proxy_upstream_misconfigured_total",
-                {"url": up.url, "reason": "credentials_refused", "code": said}) == 1.0
             bodies.append(body)
         async with ScriptedUpstream(ssl_context=tls) as up:
             status, body = await _send(UpstreamSettings(
