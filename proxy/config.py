@@ -305,6 +305,11 @@ class UpstreamSettings(Section):
         "proxy_from_environment: HTTP_PROXY for an http:// upstream, HTTPS_PROXY for an "
         "https:// one, NO_PROXY (each upper or lower case), read at start; instead of "
         "proxy_url")] = False
+    proxy_connect_header: Annotated[dict[str, list[str]], setting(
+        "headers sent to the HTTP proxy with the CONNECT of an https:// upstream, as "
+        "Prometheus' proxy_connect_header (a name: [values]; a proxy's own credentials "
+        "of another kind than Basic); never with anything else, as Go sends them")
+    ] = field(default_factory=dict)
     bearer_token_file: Annotated[str, setting(
         "bearer token for the upstream, re-read when the file changes",
         flag=Flag(("--upstream-bearer-token-file",), UPSTREAM, "PATH"))] = ""
@@ -796,6 +801,10 @@ def _shape(t: mi.Type, value: Any, key: str, removed: list[str]) -> Any:
         return list(_pair(value, key))
     if isinstance(t, mi.ListType) and isinstance(value, list):
         return [_shape(t.item_type, v, f"{key}[{i}]", removed) for i, v in enumerate(value)]
+    if isinstance(t, mi.DictType) and isinstance(t.value_type, mi.ListType) and \
+            isinstance(value, dict):
+        # one value written without its list (``X-Auth: token``), as a list of one
+        return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
     if not isinstance(t, mi.StructType):
         return value
     if t.cls is PodLabelPair:
@@ -915,7 +924,7 @@ def _explain(message: str, data: Any) -> str:
     allowed = _choices_by_key().get(key, ())
     t = _unwrap(t)[0]
     if key in _SECRET_VALUES and isinstance(t, mi.DictType) and isinstance(value, dict):
-        return _secret_entry(key, value)
+        return _secret_entry(key, value, listed=isinstance(t.value_type, mi.ListType))
     if key in _SECRET_VALUES | _SECRET_TEXT and isinstance(value, str | list | dict):
         # not the type asked for (``headers: ["Authorization: Bearer ..."]``, a URL in a
         # list): the message quoted the value, credential and all
@@ -928,21 +937,30 @@ def _explain(message: str, data: Any) -> str:
 #: mappings whose values may be credentials (an ``Authorization`` header): a message
 #: names the entry and its type, never the value, since it reaches stderr, the log and
 #: a reload's answer
-_SECRET_VALUES = frozenset({"upstream.headers", "facts.headers"})
+_SECRET_VALUES = frozenset({"upstream.headers", "facts.headers",
+                            "upstream.proxy_connect_header"})
 #: settings whose text may hold a credential (upstream.url's ``user:password@``): a value
 #: of another type is named by its type alone
 _SECRET_TEXT = frozenset({"upstream.url"})
 
 
-def _secret_entry(key: str, value: dict[Any, Any]) -> str:
-    """The first entry of ``key`` that is not ``string: string``, named without its value."""
-    k, v = next((k, v) for k, v in value.items()
-                 if not isinstance(k, str) or not isinstance(v, str))
+def _secret_entry(key: str, value: dict[Any, Any], *, listed: bool = False) -> str:
+    """The first entry of ``key`` that is not ``string: string`` (``listed``: ``string:
+    [string, ...]``), named without its value."""
+    def fits(v: Any) -> bool:
+        return isinstance(v, str) if not listed else \
+            isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    k, v = next((k, v) for k, v in value.items() if not isinstance(k, str) or not fits(v))
+    shape = "string: [string, ...]" if listed else "string: string"
     if not isinstance(k, str):
-        return (f"{key}: entries must be string: string, got the name {_short(k)}"
+        return (f"{key}: entries must be {shape}, got the name {_short(k)}"
                 f"{_quote_hint(k)}")
+    if listed and isinstance(v, list):  # the first value that is not a string
+        v = next(x for x in v if not isinstance(x, str))
     hint = _quote_hint(v).strip()[1:-1]  # " (quote it: ...)" -> "quote it: ..."
-    return (f"{key}.{k}: expected a string, got {_type_name(v)} (not shown: a header may be "
+    what = "a list of strings" if listed else "a string"
+    return (f"{key}.{k}: expected {what}, got {_type_name(v)} (not shown: a header may be "
             f"a credential){'; ' + hint if hint else ''}")
 
 
@@ -1339,9 +1357,57 @@ def _validate_upstream_proxy(u: UpstreamSettings) -> None:
         raise ConfigError(f"upstream.proxy_url: holds whitespace or a control character: "
                           f"{shown_url(u.proxy_url, broken=True)!r}")
     try:
-        EgressRoutes.from_settings(u.proxy_url, u.no_proxy, u.proxy_from_environment)
+        routes = EgressRoutes.from_settings(u.proxy_url, u.no_proxy,
+                                            u.proxy_from_environment)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _validate_proxy_connect_header(u, routes)
+
+
+#: the ``CONNECT``'s own headers, which Go writes itself (and leaves out of
+#: ``ProxyConnectHeader``): set there they were silently not sent
+_CONNECT_OWN = frozenset({"host", "content-length", "transfer-encoding", "user-agent"})
+
+
+def _validate_proxy_connect_header(u: UpstreamSettings, routes: EgressRoutes | None) -> None:
+    """``proxy_connect_header`` goes with a ``CONNECT`` and with nothing else: set where
+    no ``CONNECT`` is ever sent, or with a header the ``CONNECT`` writes itself, it would
+    silently not be sent (Prometheus takes it, and sends nothing)."""
+    key = "upstream.proxy_connect_header"
+    headers = u.proxy_connect_header
+    if not headers:
+        return
+    if not (u.proxy_url or u.proxy_from_environment):
+        raise ConfigError(f"{key}: set, but upstream.proxy_url and "
+                          "upstream.proxy_from_environment are not: it goes to the HTTP "
+                          "proxy, and there is none (Prometheus refuses it so too)")
+    if urlsplit(u.url).scheme.lower() != "https":
+        raise ConfigError(f"{key}: never sent: only an https:// upstream is reached through "
+                          "a CONNECT tunnel, and these headers go with the CONNECT alone "
+                          "(an http:// upstream's requests go to the proxy as they are, "
+                          "with the user:password of the proxy's URL as "
+                          "Proxy-Authorization), as Go's client does")
+    for name in headers:
+        if name.lower() in _CONNECT_OWN:
+            raise ConfigError(f"{key}.{name}: never sent, the CONNECT writes its own: "
+                              "remove it")
+    _validate_headers({name: "" for name in headers}, key)
+    for name, values in headers.items():
+        if not values:
+            raise ConfigError(f"{key}.{name}: no value (a list of one or more): give one, "
+                              "or remove the header")
+        for i, value in enumerate(values):
+            bad = HEADER_VALUE_FORBIDDEN.search(value)
+            if bad:
+                raise ConfigError(f"{key}.{name}[{i}]: the value holds a control character "
+                                  f"(CR, LF, ...), {bad.group()!r} at position "
+                                  f"{bad.start()} (the value is not shown: it may be a "
+                                  "credential); a header value is one line")
+        if name.lower() == "proxy-authorization" and routes is not None and any(
+                e is not None and e.authorization for e in (routes.http, routes.https)):
+            raise ConfigError(f"{key}.{name}: the proxy's URL carries user:password, sent "
+                              "as Proxy-Authorization and replacing this one (as Go "
+                              "replaces it): choose one")
 
 
 def _validate_upstream_tls(u: UpstreamSettings) -> None:

@@ -26,8 +26,8 @@ import base64
 import contextlib
 import ipaddress
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from urllib.parse import unquote, urlsplit
 
 from proxy.shown import shown_url
@@ -49,15 +49,26 @@ class Egress:
     #: the host is an IP address: not looked up
     literal: bool
     #: the value of ``Proxy-Authorization`` (from the URL's user:password), or ""
-    authorization: str
+    authorization: str = field(repr=False)
     #: the URL with its password hidden, for messages
     shown: str
+    #: ``upstream.proxy_connect_header`` as header lines (``Name: value\r\n`` each), sent
+    #: with every ``CONNECT`` and with nothing else, as Go's ``ProxyConnectHeader``
+    connect_lines: str = field(default="", repr=False)
 
     def connect_request(self, host_port: str) -> bytes:
         """The ``CONNECT`` that opens a tunnel to ``host_port`` (as a ``Host`` header
         writes it), as Go's transport sends it."""
         auth = f"Proxy-Authorization: {self.authorization}\r\n" if self.authorization else ""
-        return f"CONNECT {host_port} HTTP/1.1\r\nHost: {host_port}\r\n{auth}\r\n".encode()
+        return (f"CONNECT {host_port} HTTP/1.1\r\nHost: {host_port}\r\n{auth}"
+                f"{self.connect_lines}\r\n").encode()
+
+    def with_connect_header(self, headers: Mapping[str, Sequence[str]]) -> Egress:
+        """This proxy, its ``CONNECT`` carrying ``headers`` too (each value a line of its
+        own, in order, as Go writes a header's values)."""
+        lines = "".join(f"{name}: {value}\r\n" for name, values in headers.items()
+                        for value in values)
+        return replace(self, connect_lines=lines)
 
 
 def parse_egress(text: str) -> Egress:
@@ -78,15 +89,16 @@ def parse_egress(text: str) -> Egress:
         raise ValueError(f"not a valid proxy URL: {shown!r}") from None
     if not host:
         raise ValueError(f"the proxy URL names no host: {shown!r}")
+    literal = _ip(host) is not None
     try:
-        host = host.encode("idna").decode("ascii") if not _ip(host) else host
+        host = host if literal else _idna(host)
     except UnicodeError:
         raise ValueError(f"the proxy URL's host is not a valid name: {shown!r}") from None
     authorization = ""
     if parts.username is not None:
         pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
-    return Egress(host, port or 80, _ip(host) is not None, authorization, shown)
+    return Egress(host, port or 80, literal, authorization, shown)
 
 
 def _ip(host: str) -> _IP | None:
@@ -94,6 +106,11 @@ def _ip(host: str) -> _IP | None:
         return ipaddress.ip_address(host)
     except ValueError:
         return None
+
+
+def _idna(name: str) -> str:
+    """``name`` as DNS looks it up (IDNA, ASCII); ``UnicodeError`` when it is no name."""
+    return name.encode("idna").decode("ascii")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +160,7 @@ class NoProxy:
             itself = not host.startswith(".")
             name = host.lstrip(".")
             with contextlib.suppress(UnicodeError):
-                name = name.encode("idna").decode("ascii")
+                name = _idna(name)
             self._domains.append(_Domain("." + name, itself, port))
 
     def direct(self, host: str, port: int) -> bool:
@@ -197,9 +214,23 @@ class EgressRoutes:
 
     @classmethod
     def from_settings(cls, proxy_url: str, no_proxy: str, from_environment: bool,
-                      environ: Mapping[str, str] | None = None) -> EgressRoutes | None:
-        """The routes the settings ask for (None: no proxy at all). ``ValueError`` naming
-        the setting or the variable that is wrong."""
+                      environ: Mapping[str, str] | None = None, *,
+                      connect_header: Mapping[str, Sequence[str]] | None = None
+                      ) -> EgressRoutes | None:
+        """The routes the settings ask for (None: no proxy at all), every proxy's
+        ``CONNECT`` carrying ``connect_header``. ``ValueError`` naming the setting or the
+        variable that is wrong."""
+        routes = cls._from_settings(proxy_url, no_proxy, from_environment, environ)
+        if routes is not None and connect_header:
+            if routes.http is not None:
+                routes.http = routes.http.with_connect_header(connect_header)
+            if routes.https is not None:
+                routes.https = routes.https.with_connect_header(connect_header)
+        return routes
+
+    @classmethod
+    def _from_settings(cls, proxy_url: str, no_proxy: str, from_environment: bool,
+                       environ: Mapping[str, str] | None) -> EgressRoutes | None:
         if from_environment:
             env = os.environ if environ is None else environ
             found: dict[str, Egress | None] = {}
@@ -245,5 +276,8 @@ class EgressRoutes:
         else:
             out = ", ".join(f"{s}: {e.shown}" for s, e in (("http", self.http),
                                                           ("https", self.https)) if e)
+        connect = self.https.connect_lines if self.https is not None else ""
+        names = dict.fromkeys(line.partition(":")[0] for line in connect.splitlines())
         return out + ("" if self.no_proxy is None else
-                      "; directly to NO_PROXY's hosts, localhost and loopback")
+                      "; directly to NO_PROXY's hosts, localhost and loopback") + (
+            f"; CONNECT with {', '.join(names)}" if names else "")

@@ -822,7 +822,8 @@ class Upstream:
         #: the HTTP proxy each upstream URL is reached through (None: none, the settings
         #: validated before)
         self.egress = EgressRoutes.from_settings(
-            settings.proxy_url, settings.no_proxy, settings.proxy_from_environment)
+            settings.proxy_url, settings.no_proxy, settings.proxy_from_environment,
+            connect_header=settings.proxy_connect_header)
         #: the TLS context of an https upstream without TLS files: the system's CAs, or
         #: none verified (``tls_insecure_skip_verify``)
         self._default_tls: ssl.SSLContext | None = None

@@ -660,8 +660,9 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, via: Egr
                             f"not HTTP: {head[:40]!r}")
     code = int(status[2])
     if not 200 <= code < 300:
-        why = (": its credentials (the user:password of upstream.proxy_url) missing or "
-               "refused" if code == 407 else "")
+        why = (f": its credentials (the user:password of upstream.proxy_url"
+               f"{', or upstream.proxy_connect_header' if via.connect_lines else ''}) "
+               "missing or refused" if code == 407 else "")
         raise ConnectFailed(f"the HTTP proxy {via.shown} answered {code} to CONNECT "
                             f"{host_port}{why}")
     if len(head) > end:  # the upstream's bytes before the TLS handshake: not a tunnel

@@ -413,7 +413,8 @@ def _keys(obj: object, prefix: str = "") -> set[str]:
 def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
     out: set[str] = set()
     for k, v in data.items():
-        if isinstance(v, dict) and k not in ("headers", "external_labels"):
+        if isinstance(v, dict) and k not in ("headers", "external_labels",
+                                             "proxy_connect_header"):
             out |= _yaml_keys(v, f"{prefix}{k}.")
         else:
             out.add(f"{prefix}{k}")

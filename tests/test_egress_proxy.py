@@ -6,10 +6,11 @@ settings or environment give which route. The requests through a real HTTP proxy
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, Settings, validate
+from proxy.config import ConfigError, Settings, load_settings, validate
 from proxy.demo_exporter import DEMO_SNAPSHOT
 from proxy.egress_proxy import Egress, EgressRoutes, NoProxy, parse_egress
 
@@ -101,10 +102,26 @@ def test_the_routes_kept_are_bounded() -> None:
     ({"no_proxy": "foo.com"}, "upstream.proxy_url is not"),
     ({"proxy_url": "https://user:hunter2@p:1"}, "only http:// proxies"),
     ({"proxy_url": "http://p\t:1"}, "whitespace"),
+    # proxy_connect_header: only beside a proxy, only where a CONNECT is sent, never a
+    # header the CONNECT writes itself, never a value that is no one line
+    ({"proxy_connect_header": {"X-Auth": ["hunter2"]}}, "upstream.proxy_url and"),
+    ({"proxy_url": "http://p:1", "proxy_connect_header": {"Host": ["hunter2"]}},
+     "proxy_connect_header.Host: never sent, the CONNECT writes its own"),
+    ({"proxy_url": "http://p:1", "proxy_connect_header": {"X-Auth": []}}, "no value"),
+    ({"proxy_url": "http://p:1", "proxy_connect_header": {"X-Auth": ["a", "hunter2\r\n"]}},
+     r"X-Auth\[1\]: the value holds a control character"),
+    ({"proxy_url": "http://p:1", "proxy_connect_header": {"X Auth": ["hunter2"]}},
+     "not a header name"),
+    ({"proxy_url": "http://p:1",
+      "proxy_connect_header": {"x-auth": ["hunter2"], "X-Auth": ["hunter2"]}},
+     "are one header"),
+    ({"proxy_url": "http://u:hunter2@p:1",
+      "proxy_connect_header": {"Proxy-Authorization": ["Bearer hunter2"]}}, "choose one"),
 ])
 def test_settings_errors(upstream: dict[str, object], error: str) -> None:
     s = Settings()
-    s.upstream.url = "http://tsdb:9090/api/v1/write"
+    s.upstream.url = "https://tsdb:9090/api/v1/write" if "proxy_connect_header" in \
+        upstream else "http://tsdb:9090/api/v1/write"
     s.snapshot = str(DEMO_SNAPSHOT)
     for k, v in upstream.items():
         setattr(s.upstream, k, v)
@@ -114,3 +131,40 @@ def test_settings_errors(upstream: dict[str, object], error: str) -> None:
     for k in upstream:  # the same settings less these validate
         setattr(s.upstream, k, getattr(Settings().upstream, k))
     validate(s)
+
+
+def test_proxy_connect_header_is_never_sent_to_an_http_upstream() -> None:
+    """Go sends ProxyConnectHeader with a CONNECT alone, and an http:// upstream is
+    never reached through one: set, it would silently go nowhere."""
+    s = Settings()
+    s.upstream.url = "http://tsdb:9090/api/v1/write"
+    s.snapshot = str(DEMO_SNAPSHOT)
+    s.upstream.proxy_url = "http://p:1"
+    s.upstream.proxy_connect_header = {"X-Auth": ["hunter2"]}
+    with pytest.raises(ConfigError, match="never sent: only an https:// upstream") as e:
+        validate(s)
+    assert "hunter2" not in str(e.value)
+
+
+def test_proxy_connect_header_read_from_yaml(tmp_path: Path) -> None:
+    """As Prometheus writes it (a name: a list of values), or one value without its
+    list; a value of another type is named without being shown."""
+    f = tmp_path / "c.yaml"
+    f.write_text("upstream:\n  proxy_connect_header:\n    X-A: [one, two]\n    X-B: three\n")
+    assert load_settings(f).upstream.proxy_connect_header == {"X-A": ["one", "two"],
+                                                              "X-B": ["three"]}
+    f.write_text("upstream:\n  proxy_connect_header:\n    X-A: [hunter2, {k: v}]\n")
+    with pytest.raises(ConfigError, match=r"proxy_connect_header\.X-A: expected a list of "
+                                          r"strings, got mapping \(not shown") as e:
+        load_settings(f)
+    assert "hunter2" not in str(e.value)
+
+
+def test_the_start_up_line_names_the_connect_headers_never_their_values() -> None:
+    routes = EgressRoutes.from_settings("http://proxy:3128", "", False,
+                                        connect_header={"X-Auth": ["hunter2"]})
+    assert routes is not None
+    assert routes.describe() == "http://proxy:3128; CONNECT with X-Auth"
+    assert routes.via("https", "tsdb", 443) is routes.https
+    assert routes.https is not None and b"X-Auth: hunter2\r\n" in \
+        routes.https.connect_request("tsdb:443")

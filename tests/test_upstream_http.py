@@ -507,6 +507,28 @@ async def test_a_connect_the_proxy_refuses_or_breaks_is_no_connection(
                                b"Host: tsdb.invalid:443\r\n\r\n"]
 
 
+async def test_proxy_connect_header_goes_with_the_connect_after_its_credentials(
+    pki: tuple[Authority, ssl.SSLContext],
+) -> None:
+    """Go's order: Host, the URL's Proxy-Authorization, then ProxyConnectHeader's
+    values, each a line; a 407 names both places the credentials come from."""
+    ca, _ = pki
+    answer = b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n"
+    async with serving(connect_answering(answer)) as proxy, pool() as p:
+        via = parse_egress(f"http://u:p@127.0.0.1:{proxy.port}").with_connect_header(
+            {"X-Egress-Token": ["t1", "t2"], "X-Team": ["obs"]})
+        tls = ssl.create_default_context(cafile=str(ca.ca_file))
+        with pytest.raises(ConnectFailed, match=r"upstream\.proxy_url, or "
+                                                r"upstream\.proxy_connect_header"):
+            await post(p, URL("https://tsdb.invalid/api/v1/write"), tls=tls, via=via)
+        assert proxy.heads == [b"CONNECT tsdb.invalid:443 HTTP/1.1\r\n"
+                               b"Host: tsdb.invalid:443\r\n"
+                               b"Proxy-Authorization: Basic dTpw\r\n"
+                               b"X-Egress-Token: t1\r\nX-Egress-Token: t2\r\n"
+                               b"X-Team: obs\r\n\r\n"]
+        assert "t1" not in repr(via) and "dTpw" not in repr(via)
+
+
 async def test_a_connect_that_gets_no_answer_times_out() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -6,6 +6,7 @@ missing credentials (407) never a 4xx a sender drops; loopback reached directly 
 
 from __future__ import annotations
 
+import base64
 import logging
 from pathlib import Path
 
@@ -98,6 +99,27 @@ async def test_an_https_upstream_goes_through_a_connect_tunnel(
         log = http_proxy.log_tail(200_000)
         assert f"CONNECT 127.0.0.1:{up.port}" in log, log[-2000:]
         assert "POST" not in log
+
+
+async def test_proxy_connect_header_carries_the_connects_credentials(
+    peers: Peers, tmp_path: Path,
+) -> None:
+    """Prometheus' proxy_connect_header: the proxy's credentials in the CONNECT's own
+    headers, not the URL. tinyproxy takes the tunnel with them, and refuses it (407)
+    without them: the header is what let it through."""
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    ca = Authority(tmp_path / "pki")
+    tsdb = ca.issue("tsdb", server=True)
+    credential = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    async with ScriptedUpstream(ssl_context=tsdb.server_context()) as up:
+        for header, expected in (({"Proxy-Authorization": [credential]}, 204), ({}, 502)):
+            status, body = await _send(UpstreamSettings(
+                url=up.url, tls_ca_file=str(ca.ca_file), timeout_seconds=5,
+                connect_timeout_seconds=3, proxy_url=f"http://127.0.0.1:{http_proxy.port}",
+                proxy_connect_header=header))
+            assert status == expected, body
+        assert len(up.received) == 1
+        assert "answered 407 to CONNECT" in body, body
 
 
 async def test_missing_proxy_credentials_are_never_a_4xx_a_sender_drops(
