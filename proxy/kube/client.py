@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import yaml
@@ -34,7 +35,7 @@ from proxy.kube.lean import ApiException, incluster_config
 from proxy.kube.lean import client as k8s_client
 from proxy.kube.lean import config as k8s_config
 from proxy.kube.lean import rest as k8s_rest
-from proxy.shown import one_line
+from proxy.shown import one_line, shown_url
 from proxy.tls_files import FileStamp, stamp, verify_as_go
 
 log = logging.getLogger(__name__)
@@ -145,8 +146,8 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
     """Load ``path`` into ``cfg``; returns the client's loader (what the file's user is)."""
     _check_kubeconfig(path)
     try:
-        return await k8s_config.load_kube_config(config_file=path, client_configuration=cfg,
-                                                 persist_config=False)
+        loader = await k8s_config.load_kube_config(
+            config_file=path, client_configuration=cfg, persist_config=False)
     except OSError as e:  # the client writes inline *-data to a temporary file
         if not _in_tempfile(e):
             raise KubeconfigError(f"kubeconfig {path}: does not load: "
@@ -162,6 +163,24 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
     except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
         detail = one_line(str(e)) or type(e).__name__
         raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
+    _check_proxy_url(path, cfg)
+    return loader
+
+
+def _check_proxy_url(path: str, cfg: k8s_client.Configuration) -> None:
+    """The cluster's ``proxy-url``, which aiohttp follows (``Basic`` from its
+    ``user:password@``, as kubectl): an http:// one only. aiohttp spoke HTTP to any
+    other scheme's port (a ``socks5://`` proxy, which kubectl takes) and every list and
+    watch failed with a ``Cannot connect``; said at start instead."""
+    proxy = getattr(cfg, "proxy", None)
+    if not proxy:
+        return
+    scheme = urlsplit(proxy).scheme.lower() if "://" in proxy else ""
+    if scheme != "http":
+        raise KubeconfigError(
+            f"kubeconfig {path}: the cluster's proxy-url {shown_url(proxy, broken=True)!r}: "
+            "only http:// proxies are supported (an https:// or socks5:// one, which kubectl "
+            "takes, is not)", fix="give an http:// proxy-url, or remove it")
 
 
 def _in_tempfile(e: BaseException) -> bool:

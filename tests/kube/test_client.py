@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from proxy.config import KubeSettings
-from proxy.kube.client import _error, default_namespace, load_configuration
+from proxy.kube.client import KubeconfigError, _error, default_namespace, load_configuration
 
 
 def test_default_namespace_prefers_pod_namespace(tmp_path: Path) -> None:
@@ -54,6 +54,26 @@ async def test_a_broken_kubeconfig_is_one_line_naming_the_file(
     message = str(info.value)
     assert "\n" not in message, message
     assert message.startswith(f"kubeconfig {path}: {what}"), message
+
+
+@pytest.mark.parametrize("proxy_url", ["socks5://u:hunter2@127.0.0.1:1080",
+                                       "https://u:hunter2@proxy:3128", "proxy:3128"])
+async def test_a_proxy_url_that_is_not_http_is_said_at_start(
+        tmp_path: Path, proxy_url: str) -> None:
+    """aiohttp spoke HTTP to a socks5:// proxy's port: every list and watch failed with
+    'Cannot connect', the start went on. Now one line at start, the password hidden.
+    (An http:// proxy-url followed: tests/peers/test_e2e_egress_proxy.py.)"""
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://api.example:6443",
+                                               "proxy-url": proxy_url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    with pytest.raises(KubeconfigError, match="only http:// proxies are supported") as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    assert str(info.value).startswith(f"kubeconfig {path}: the cluster's proxy-url ")
+    assert "hunter2" not in str(info.value)
 
 
 def test_too_large_resource_version_is_told_by_its_cause_or_its_message() -> None:

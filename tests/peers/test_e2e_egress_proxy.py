@@ -7,17 +7,20 @@ missing credentials (407) never a 4xx a sender drops; loopback reached directly 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from pathlib import Path
 
 import pytest
 
-from proxy.config import UpstreamSettings
+from proxy.config import KubeSettings, UpstreamSettings
 from proxy.demo_exporter import FixtureExporter
+from proxy.kube.client import KubeClient
 from proxy.metrics import ProxyMetrics
 from proxy.pb.prometheus.remote_pb2 import WriteRequest
 from proxy.upstream import Upstream
 from proxy.wire.primitives import Protocol
+from tests.kubesim.server import KubeSim
 from tests.peers.conftest import (
     InProcessProxy,
     Peers,
@@ -181,3 +184,23 @@ async def test_no_proxy_reaches_loopback_directly() -> None:
         status, body = await _send(UpstreamSettings(
             url=up.url, timeout_seconds=5, connect_timeout_seconds=2, proxy_url=dead))
         assert status == 502 and "through the HTTP proxy" in body, body
+
+
+async def test_the_kubeconfigs_proxy_url_is_followed(peers: Peers, tmp_path: Path) -> None:
+    """A cluster's proxy-url (kubectl's way to an API server behind an HTTP proxy): the
+    lists and watches go through it, with Basic credentials from its user:password@."""
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    async with KubeSim() as sim:
+        config = json.loads(sim.write_kubeconfig().read_text())
+        config["clusters"][0]["cluster"]["proxy-url"] = \
+            f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}"
+        path = tmp_path / "kubeconfig"
+        path.write_text(json.dumps(config))
+        client = await KubeClient.connect(KubeSettings(kubeconfig=str(path)))
+        try:
+            namespaces = await client.request_json("/api/v1/namespaces")
+        finally:
+            await client.close()
+    assert "kube-system" in [n["metadata"]["name"] for n in namespaces["items"]]
+    log = http_proxy.log_tail(200_000)
+    assert f"GET {sim.url}/api/v1/namespaces" in log, log[-2000:]
