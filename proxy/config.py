@@ -1218,6 +1218,14 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"upstream.url: expected an http:// or https:// URL, got "
                               f"{shown_url(u.url, broken=True)!r}")
+        if "#" in u.url:
+            # a fragment is never sent (Go's client, Prometheus, this proxy): the URL's
+            # ``?api_key=ab#cd`` sent ``ab``, refused with a 401 at every write, and the
+            # log showed ``#cd``, the rest of the key, in the clear
+            raise ConfigError(f"upstream.url: holds a '#': what follows it is a fragment, "
+                              f"never sent, so a query value or a password with a '#' in "
+                              f"it was cut there; write it %23: "
+                              f"{shown_url(u.url.partition('#')[0], broken=True)}#(hidden)")
         placeholders = u.url.count(TENANT_PLACEHOLDER)
         if u.url.count("{") != placeholders or u.url.count("}") != placeholders:
             raise ConfigError(f"upstream.url: the only placeholder is {TENANT_PLACEHOLDER}, "
