@@ -191,13 +191,16 @@ class Peers:
         await p.wait_ready()
         return p
 
-    async def prometheus_agent(self, config: dict[str, Any], name: str = "prom-agent") -> Peer:
+    async def prometheus_agent(self, config: dict[str, Any], name: str = "prom-agent",
+                               features: Sequence[str] = ()) -> Peer:
+        """A Prometheus in agent mode; ``features``: more ``--enable-feature`` names
+        (``native-histograms``: scrapes ask for protobuf and keep native histograms)."""
         binary = need("prometheus")
         port = free_port()
         cfg = self.tmp / f"{name}.yml"
         cfg.write_text(yaml.safe_dump(config))
         p = self._peer(name, [
-            binary, "--enable-feature=agent", f"--config.file={cfg}",
+            binary, f"--enable-feature={','.join(('agent', *features))}", f"--config.file={cfg}",
             f"--storage.agent.path={self._dir(name)}", f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
         ], port, "/-/ready")
@@ -364,15 +367,17 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]
             await p.stop()
 
 
-async def agent_metrics(agent: Peer, prefix: str = "prometheus_remote_storage_"
-                        ) -> dict[str, float]:
+async def agent_metrics(agent: Peer, prefix: str = "prometheus_remote_storage_",
+                        url: str | None = None) -> dict[str, float]:
     """An agent's own counters whose names start with ``prefix``, summed over their
-    labels and keyed by the rest of the name (what it sent, retried, failed, dropped)."""
+    labels and keyed by the rest of the name (what it sent, retried, failed, dropped);
+    ``url``: only those of the queue writing there."""
     async with aiohttp.ClientSession() as s, s.get(agent.base_url + "/metrics") as r:
         text = await r.text()
     out: dict[str, float] = {}
+    only = f'url="{url}"'
     for line in text.splitlines():
-        if line.startswith(prefix):
+        if line.startswith(prefix) and (url is None or only in line):
             name = line.split("{")[0].split(" ")[0].removeprefix(prefix)
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
