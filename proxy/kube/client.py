@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import ssl
 import tempfile
 import time
@@ -123,9 +124,10 @@ class KubeconfigError(Exception):
         self.fix = fix
 
 
-def _check_kubeconfig(path: str) -> None:
+def _check_kubeconfig(path: str) -> dict[str, Any]:
     """What the client would stumble over with a message of no use (a TypeError for an
-    empty file or a list) or of three lines (invalid YAML), said as one."""
+    empty file or a list) or of three lines (invalid YAML), said as one; returns the
+    file's document."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -140,16 +142,135 @@ def _check_kubeconfig(path: str) -> None:
         got = "an empty file" if doc is None else f"a YAML {type(doc).__name__}"
         raise KubeconfigError(f"kubeconfig {path}: not a kubeconfig: expected a mapping "
                               f"(clusters, users, contexts, current-context), got {got}")
+    return doc
+
+
+def _named(doc: Mapping[str, Any], section: str, name: object) -> Mapping[str, Any] | None:
+    """The entry of ``doc[section]`` (a list of ``{name: ..., <kind>: ...}``) named
+    ``name``; None when there is none (or the section is no list)."""
+    entries = doc.get(section)
+    if not isinstance(entries, list):
+        return None
+    return next((e for e in entries if isinstance(e, dict) and e.get("name") == name), None)
+
+
+#: auth-provider plugins client-go removed in 1.26, and what kubectl says instead
+REMOVED_AUTH_PROVIDERS = {
+    "gcp": 'use the "gke-gcloud-auth-plugin" exec plugin instead (gcloud container '
+           "clusters get-credentials writes such a kubeconfig; "
+           "https://cloud.google.com/blog/products/containers-kubernetes/kubectl-auth-changes-in-gke)",
+    "azure": "use the kubelogin exec plugin instead (kubelogin convert-kubeconfig; "
+             "https://github.com/Azure/kubelogin)",
+}
+
+
+def _check_user(path: str, doc: Mapping[str, Any]) -> None:
+    """What of the current context's user the client takes silently, or misreads, said
+    at start: a user the context names but the file lacks (the client went on with no
+    credentials, every request refused 401), an ``auth-provider`` client-go removed
+    (``azure`` was ignored the same way; ``gcp`` asked for a ``cmd-path``), an exec
+    plugin that must prompt (``interactiveMode: Always``: the proxy runs it with no
+    terminal, at start and at every renewal)."""
+    context_name = doc.get("current-context")
+    context = _named(doc, "contexts", context_name)
+    body = context.get("context") if context else None
+    if not isinstance(body, dict) or not body.get("user"):
+        return  # no context (the client's message names it), or no user: anonymous
+    name = body["user"]
+    entry = _named(doc, "users", name)
+    if entry is None:
+        raise KubeconfigError(
+            f"kubeconfig {path}: context {context_name!r} names user {name!r}, which "
+            "is not in its users (kubectl would go on unauthenticated)",
+            fix="name a user of the file in the context, or add the user")
+    user = entry.get("user")
+    if not isinstance(user, dict):
+        return
+    provider = user.get("auth-provider")
+    provider_name = provider.get("name") if isinstance(provider, dict) else None
+    if provider_name in REMOVED_AUTH_PROVIDERS:
+        raise KubeconfigError(
+            f"kubeconfig {path}: user {name!r}: the {provider_name} auth-provider was "
+            "removed from kubectl and client-go in 1.26, and is not supported",
+            fix=REMOVED_AUTH_PROVIDERS[provider_name])
+    plugin = user.get("exec")
+    if isinstance(plugin, dict) and plugin.get("interactiveMode") == "Always":
+        raise KubeconfigError(
+            f"kubeconfig {path}: user {name!r}: its exec plugin has interactiveMode: Always "
+            "(it must prompt), and karta-proxy runs it without a terminal, at start and at "
+            "every renewal", fix="use a plugin mode or a credential that needs no prompt "
+                                 "(interactiveMode: Never or IfAvailable)")
+
+
+def _check_cluster(path: str, doc: Mapping[str, Any]) -> None:
+    """The current context's cluster's ``insecure-skip-tls-verify`` when it is not a
+    boolean: the client took ``not value``, so a quoted ``"false"`` (a template's
+    ``| quote``) turned verification off, silently; kubectl refuses the file."""
+    context = _named(doc, "contexts", doc.get("current-context"))
+    body = context.get("context") if context else None
+    name = body.get("cluster") if isinstance(body, dict) else None
+    entry = _named(doc, "clusters", name) if name else None
+    cluster = entry.get("cluster") if entry else None
+    if not isinstance(cluster, dict) or "insecure-skip-tls-verify" not in cluster:
+        return
+    value = cluster["insecure-skip-tls-verify"]
+    if not isinstance(value, bool):
+        raise KubeconfigError(
+            f"kubeconfig {path}: cluster {name!r}: insecure-skip-tls-verify must "
+            f"be true or false, not {value!r} (a {type(value).__name__})",
+            fix="write it unquoted: insecure-skip-tls-verify: false")
+
+
+def _exec_command_missing(path: str, doc: Mapping[str, Any], e: OSError) -> KubeconfigError | None:
+    """The error for ``e`` when it is the current user's exec plugin command not found or
+    not runnable (``aws`` or ``gke-gcloud-auth-plugin`` left out of an image): one line
+    with the plugin's ``installHint``, as kubectl prints it. None for any other ``e``."""
+    context = _named(doc, "contexts", doc.get("current-context"))
+    body = context.get("context") if context else None
+    entry = _named(doc, "users", body.get("user")) if isinstance(body, dict) else None
+    user = entry.get("user") if entry else None
+    plugin = user.get("exec") if isinstance(user, dict) else None
+    if not isinstance(plugin, dict) or e.filename != str(plugin.get("command")):
+        return None
+    what = ("is not installed (not found on PATH)" if isinstance(e, FileNotFoundError)
+            else f"cannot be run ({e.strerror or e})")
+    hint = plugin.get("installHint")
+    hint_text = f": {one_line(hint)}" if isinstance(hint, str) and hint.strip() else ""
+    return KubeconfigError(
+        f"kubeconfig {path}: the exec plugin's command {e.filename!r} {what}{hint_text}",
+        fix="install the plugin where karta-proxy runs (in its image), or give a kubeconfig "
+            "with a credential that needs none")
+
+
+def _redacted(message: str, path: str, doc: Mapping[str, Any]) -> str:
+    """``message`` without the entries it quotes whole. The client names a kubeconfig
+    entry by its Python repr (``Expected key client-secret in /k/{'name': 'u', 'user':
+    {... 'refresh-token': ...}}/user/auth-provider/config``), so a message about a user
+    printed its tokens and keys in the log; here the entry is named by its section and
+    name, and anything else shaped like a repr is cut."""
+    where = os.path.expanduser(path)
+    for section in ("clusters", "contexts", "users"):
+        entries = doc.get(section)
+        for entry in entries if isinstance(entries, list) else ():
+            if isinstance(entry, dict):
+                message = message.replace(f"{where}/{entry}",
+                                          f"{path}/{section}[name={entry.get('name')}]")
+    return re.sub(r"\{'.*\}", "{...}", message)
 
 
 async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any:
     """Load ``path`` into ``cfg``; returns the client's loader (what the file's user is)."""
-    _check_kubeconfig(path)
+    doc = _check_kubeconfig(path)
+    _check_user(path, doc)
+    _check_cluster(path, doc)
     try:
         loader = await k8s_config.load_kube_config(
             config_file=path, client_configuration=cfg, persist_config=False)
     except OSError as e:  # the client writes inline *-data to a temporary file
         if not _in_tempfile(e):
+            missing = _exec_command_missing(path, doc, e)
+            if missing is not None:
+                raise missing from e
             raise KubeconfigError(f"kubeconfig {path}: does not load: "
                                   f"{one_line(str(e)) or type(e).__name__}") from e
         where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"
@@ -161,7 +282,7 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
             fix="make the temporary directory writable (an emptyDir on /tmp, or set "
                 "TMPDIR), or use file paths in the kubeconfig instead of *-data") from e
     except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
-        detail = one_line(str(e)) or type(e).__name__
+        detail = _redacted(one_line(str(e)), path, doc) or type(e).__name__
         raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
     _check_proxy_url(path, cfg)
     return loader

@@ -145,3 +145,87 @@ async def test_an_inline_ca_with_no_writable_temporary_directory_names_the_direc
     assert f"the temporary directory: {gone}" in message
     assert "FileNotFoundError" in message
     assert "temporary directory writable" in info.value.fix
+
+
+def _kubeconfig(path: Path, user: dict[str, object], user_name: str = "u") -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "users": [{"name": user_name, "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    return path
+
+
+async def test_an_exec_plugin_not_installed_is_one_line_with_its_install_hint(
+        tmp_path: Path) -> None:
+    """An EKS or GKE kubeconfig in an image without aws / gke-gcloud-auth-plugin: the
+    message was '[Errno 2] No such file or directory: ...' (read as a file of the
+    kubeconfig), without the hint kubectl prints."""
+    path = _kubeconfig(tmp_path / "kubeconfig", {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "command": "karta-no-such-auth-plugin", "args": ["token"],
+        "installHint": "Install it with\n  apt-get install karta-auth\n"}})
+    with pytest.raises(KubeconfigError) as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    assert str(info.value) == (
+        f"kubeconfig {path}: the exec plugin's command 'karta-no-such-auth-plugin' is not "
+        "installed (not found on PATH): Install it with apt-get install karta-auth")
+    assert "install the plugin" in info.value.fix
+
+
+@pytest.mark.parametrize(
+    ("user", "user_name", "what"),
+    [
+        # the client went on without credentials: every request refused 401
+        ({"token": "t"}, "other", "context 'c' names user 'u', which is not in its users"),
+        ({"auth-provider": {"name": "azure", "config": {"access-token": "x"}}}, "u",
+         "user 'u': the azure auth-provider was removed from kubectl and client-go in 1.26"),
+        # the client asked for a cmd-path ("GoogleAuth via gcloud is supported! ...")
+        ({"auth-provider": {"name": "gcp", "config": {}}}, "u",
+         "user 'u': the gcp auth-provider was removed from kubectl and client-go in 1.26"),
+        # run with no terminal, at every renewal: a plugin that must prompt cannot
+        ({"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": "true",
+                   "interactiveMode": "Always"}}, "u",
+         "user 'u': its exec plugin has interactiveMode: Always"),
+    ],
+)
+async def test_a_user_the_client_would_take_silently_or_misread_is_said_at_start(
+        tmp_path: Path, user: dict[str, object], user_name: str, what: str) -> None:
+    path = _kubeconfig(tmp_path / "kubeconfig", user, user_name)
+    with pytest.raises(KubeconfigError) as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(f"kubeconfig {path}: {what}"), str(info.value)
+
+
+async def test_a_kubeconfig_error_does_not_print_the_users_credentials(tmp_path: Path) -> None:
+    """The client names an entry by its Python repr: an oidc user without a client-secret
+    printed its id-token and refresh-token in the start's error line."""
+    path = _kubeconfig(tmp_path / "kubeconfig", {"auth-provider": {"name": "oidc", "config": {
+        "client-id": "karta", "idp-issuer-url": "https://idp.example",
+        "id-token": "a.eyJleHAiOjF9.c", "refresh-token": "SECRET-REFRESH"}}})
+    with pytest.raises(KubeconfigError) as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    assert "SECRET-REFRESH" not in str(info.value) and "eyJleHAiOjF9" not in str(info.value)
+    assert str(info.value) == (
+        f"kubeconfig {path}: does not load: Invalid kube-config file. Expected key "
+        f"client-secret in {path}/users[name=u]/user/auth-provider/config")
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0])
+async def test_insecure_skip_tls_verify_not_a_boolean_is_refused(
+        tmp_path: Path, value: object) -> None:
+    """The client took ``not value``: a quoted "false" turned TLS verification off
+    (kubectl refuses the file: a string is no bool)."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:9",
+                                               "insecure-skip-tls-verify": value}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    with pytest.raises(KubeconfigError) as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    assert str(info.value).startswith(
+        f"kubeconfig {path}: cluster 'k': insecure-skip-tls-verify must be true or false, "
+        f"not {value!r}"), str(info.value)
