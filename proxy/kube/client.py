@@ -154,6 +154,38 @@ def _named(doc: Mapping[str, Any], section: str, name: object) -> Mapping[str, A
     return next((e for e in entries if isinstance(e, dict) and e.get("name") == name), None)
 
 
+@dataclass(frozen=True)
+class _Current:
+    """What the file's ``current-context`` names, as far as the file has it: the checks
+    below read the user and the cluster the client is about to use."""
+
+    context: object
+    #: the context's user's name (None: the context has none, or there is no context)
+    user_name: object
+    #: whether ``users`` has an entry of that name
+    user_found: bool
+    #: that entry's ``user`` mapping ({} when absent or not a mapping)
+    user: Mapping[str, Any]
+    cluster_name: object
+    #: the context's cluster's ``cluster`` mapping ({} when absent or not a mapping)
+    cluster: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> _Current:
+        context = doc.get("current-context")
+        entry = _named(doc, "contexts", context)
+        body = entry.get("context") if entry else None
+        body = body if isinstance(body, dict) else {}
+        user_name, cluster_name = body.get("user"), body.get("cluster")
+        user_entry = _named(doc, "users", user_name) if user_name else None
+        cluster_entry = _named(doc, "clusters", cluster_name) if cluster_name else None
+        user = user_entry.get("user") if user_entry else None
+        cluster = cluster_entry.get("cluster") if cluster_entry else None
+        return cls(context, user_name, user_entry is not None,
+                   user if isinstance(user, dict) else {}, cluster_name,
+                   cluster if isinstance(cluster, dict) else {})
+
+
 #: auth-provider plugins client-go removed in 1.26, and what kubectl says instead
 REMOVED_AUTH_PROVIDERS = {
     "gcp": 'use the "gke-gcloud-auth-plugin" exec plugin instead (gcloud container '
@@ -171,21 +203,15 @@ def _check_user(path: str, doc: Mapping[str, Any]) -> None:
     (``azure`` was ignored the same way; ``gcp`` asked for a ``cmd-path``), an exec
     plugin that must prompt (``interactiveMode: Always``: the proxy runs it with no
     terminal, at start and at every renewal)."""
-    context_name = doc.get("current-context")
-    context = _named(doc, "contexts", context_name)
-    body = context.get("context") if context else None
-    if not isinstance(body, dict) or not body.get("user"):
+    current = _Current.of(doc)
+    name, user = current.user_name, current.user
+    if not name:
         return  # no context (the client's message names it), or no user: anonymous
-    name = body["user"]
-    entry = _named(doc, "users", name)
-    if entry is None:
+    if not current.user_found:
         raise KubeconfigError(
-            f"kubeconfig {path}: context {context_name!r} names user {name!r}, which "
+            f"kubeconfig {path}: context {current.context!r} names user {name!r}, which "
             "is not in its users (kubectl would go on unauthenticated)",
             fix="name a user of the file in the context, or add the user")
-    user = entry.get("user")
-    if not isinstance(user, dict):
-        return
     provider = user.get("auth-provider")
     provider_name = provider.get("name") if isinstance(provider, dict) else None
     if provider_name in REMOVED_AUTH_PROVIDERS:
@@ -206,12 +232,9 @@ def _check_cluster(path: str, doc: Mapping[str, Any]) -> None:
     """The current context's cluster's ``insecure-skip-tls-verify`` when it is not a
     boolean: the client took ``not value``, so a quoted ``"false"`` (a template's
     ``| quote``) turned verification off, silently; kubectl refuses the file."""
-    context = _named(doc, "contexts", doc.get("current-context"))
-    body = context.get("context") if context else None
-    name = body.get("cluster") if isinstance(body, dict) else None
-    entry = _named(doc, "clusters", name) if name else None
-    cluster = entry.get("cluster") if entry else None
-    if not isinstance(cluster, dict) or "insecure-skip-tls-verify" not in cluster:
+    current = _Current.of(doc)
+    name, cluster = current.cluster_name, current.cluster
+    if "insecure-skip-tls-verify" not in cluster:
         return
     value = cluster["insecure-skip-tls-verify"]
     if not isinstance(value, bool):
@@ -225,11 +248,7 @@ def _exec_command_missing(path: str, doc: Mapping[str, Any], e: OSError) -> Kube
     """The error for ``e`` when it is the current user's exec plugin command not found or
     not runnable (``aws`` or ``gke-gcloud-auth-plugin`` left out of an image): one line
     with the plugin's ``installHint``, as kubectl prints it. None for any other ``e``."""
-    context = _named(doc, "contexts", doc.get("current-context"))
-    body = context.get("context") if context else None
-    entry = _named(doc, "users", body.get("user")) if isinstance(body, dict) else None
-    user = entry.get("user") if entry else None
-    plugin = user.get("exec") if isinstance(user, dict) else None
+    plugin = _Current.of(doc).user.get("exec")
     if not isinstance(plugin, dict) or e.filename != str(plugin.get("command")):
         return None
     what = ("is not installed (not found on PATH)" if isinstance(e, FileNotFoundError)

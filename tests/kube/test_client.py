@@ -63,13 +63,8 @@ async def test_a_proxy_url_that_is_not_http_is_said_at_start(
     """aiohttp spoke HTTP to a socks5:// proxy's port: every list and watch failed with
     'Cannot connect', the start went on. Now one line at start, the password hidden.
     (An http:// proxy-url followed: tests/peers/test_e2e_egress_proxy.py.)"""
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": "https://api.example:6443",
-                                               "proxy-url": proxy_url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    path = _kubeconfig(tmp_path / "kubeconfig", {"token": "t"},
+                       cluster={"proxy-url": proxy_url})
     with pytest.raises(KubeconfigError, match="only http:// proxies are supported") as info:
         await load_configuration(KubeSettings(kubeconfig=str(path)))
     assert str(info.value).startswith(f"kubeconfig {path}: the cluster's proxy-url ")
@@ -147,10 +142,14 @@ async def test_an_inline_ca_with_no_writable_temporary_directory_names_the_direc
     assert "temporary directory writable" in info.value.fix
 
 
-def _kubeconfig(path: Path, user: dict[str, object], user_name: str = "u") -> Path:
+def _kubeconfig(path: Path, user: dict[str, object], user_name: str = "u",
+                cluster: dict[str, object] | None = None) -> Path:
+    """A kubeconfig of one context ``c``: user ``u`` (the entry named ``user_name``) on
+    cluster ``k`` (``cluster``'s fields beside its server)."""
     path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:9",
+                                               **(cluster or {})}}],
         "users": [{"name": user_name, "user": user}],
         "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     return path
@@ -217,13 +216,8 @@ async def test_insecure_skip_tls_verify_not_a_boolean_is_refused(
         tmp_path: Path, value: object) -> None:
     """The client took ``not value``: a quoted "false" turned TLS verification off
     (kubectl refuses the file: a string is no bool)."""
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:9",
-                                               "insecure-skip-tls-verify": value}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    path = _kubeconfig(tmp_path / "kubeconfig", {"token": "t"},
+                       cluster={"insecure-skip-tls-verify": value})
     with pytest.raises(KubeconfigError) as info:
         await load_configuration(KubeSettings(kubeconfig=str(path)))
     assert str(info.value).startswith(
