@@ -1372,9 +1372,10 @@ def _validate_upstream_proxy(u: UpstreamSettings) -> None:
     _validate_proxy_connect_header(u, routes)
 
 
-#: the ``CONNECT``'s own headers, which Go writes itself (and leaves out of
-#: ``ProxyConnectHeader``): set there they were silently not sent
-_CONNECT_OWN = frozenset({"host", "content-length", "transfer-encoding", "user-agent"})
+#: the ``CONNECT``'s own headers, which Go writes itself and leaves out of
+#: ``ProxyConnectHeader`` (``Request.Write``'s excluded headers; a ``User-Agent`` there
+#: is sent, in place of Go's own): set there they were silently not sent
+_CONNECT_OWN = frozenset({"host", "content-length", "transfer-encoding"})
 
 
 def _validate_proxy_connect_header(u: UpstreamSettings, routes: EgressRoutes | None) -> None:

@@ -160,6 +160,17 @@ def test_proxy_connect_header_read_from_yaml(tmp_path: Path) -> None:
     assert "hunter2" not in str(e.value)
 
 
+def test_a_user_agent_goes_with_the_connect_as_go_sends_it() -> None:
+    """Go's Request.Write takes a ProxyConnectHeader User-Agent in place of its own (Host,
+    Content-Length and Transfer-Encoding it drops: refused above)."""
+    s = Settings()
+    s.upstream.url = "https://tsdb:9090/api/v1/write"
+    s.snapshot = str(DEMO_SNAPSHOT)
+    s.upstream.proxy_url = "http://p:1"
+    s.upstream.proxy_connect_header = {"User-Agent": ["egress-client/1"]}
+    validate(s)
+
+
 def test_the_start_up_line_names_the_connect_headers_never_their_values() -> None:
     routes = EgressRoutes.from_settings("http://proxy:3128", "", False,
                                         connect_header={"X-Auth": ["hunter2"]})
