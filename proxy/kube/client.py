@@ -196,14 +196,13 @@ REMOVED_AUTH_PROVIDERS = {
 }
 
 
-def _check_user(path: str, doc: Mapping[str, Any]) -> None:
+def _check_user(path: str, current: _Current) -> None:
     """What of the current context's user the client takes silently, or misreads, said
     at start: a user the context names but the file lacks (the client went on with no
     credentials, every request refused 401), an ``auth-provider`` client-go removed
     (``azure`` was ignored the same way; ``gcp`` asked for a ``cmd-path``), an exec
     plugin that must prompt (``interactiveMode: Always``: the proxy runs it with no
     terminal, at start and at every renewal)."""
-    current = _Current.of(doc)
     name, user = current.user_name, current.user
     if not name:
         return  # no context (the client's message names it), or no user: anonymous
@@ -228,11 +227,10 @@ def _check_user(path: str, doc: Mapping[str, Any]) -> None:
                                  "(interactiveMode: Never or IfAvailable)")
 
 
-def _check_cluster(path: str, doc: Mapping[str, Any]) -> None:
+def _check_cluster(path: str, current: _Current) -> None:
     """The current context's cluster's ``insecure-skip-tls-verify`` when it is not a
     boolean: the client took ``not value``, so a quoted ``"false"`` (a template's
     ``| quote``) turned verification off, silently; kubectl refuses the file."""
-    current = _Current.of(doc)
     name, cluster = current.cluster_name, current.cluster
     if "insecure-skip-tls-verify" not in cluster:
         return
@@ -244,11 +242,11 @@ def _check_cluster(path: str, doc: Mapping[str, Any]) -> None:
             fix="write it unquoted: insecure-skip-tls-verify: false")
 
 
-def _exec_command_missing(path: str, doc: Mapping[str, Any], e: OSError) -> KubeconfigError | None:
+def _exec_command_missing(path: str, current: _Current, e: OSError) -> KubeconfigError | None:
     """The error for ``e`` when it is the current user's exec plugin command not found or
     not runnable (``aws`` or ``gke-gcloud-auth-plugin`` left out of an image): one line
     with the plugin's ``installHint``, as kubectl prints it. None for any other ``e``."""
-    plugin = _Current.of(doc).user.get("exec")
+    plugin = current.user.get("exec")
     if not isinstance(plugin, dict) or e.filename != str(plugin.get("command")):
         return None
     what = ("is not installed (not found on PATH)" if isinstance(e, FileNotFoundError)
@@ -280,14 +278,17 @@ def _redacted(message: str, path: str, doc: Mapping[str, Any]) -> str:
 async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any:
     """Load ``path`` into ``cfg``; returns the client's loader (what the file's user is)."""
     doc = _check_kubeconfig(path)
-    _check_user(path, doc)
-    _check_cluster(path, doc)
+    # parsed again by the client's loader, which must read the file itself: it resolves a
+    # relative certificate path from the file's directory
+    current = _Current.of(doc)
+    _check_user(path, current)
+    _check_cluster(path, current)
     try:
         loader = await k8s_config.load_kube_config(
             config_file=path, client_configuration=cfg, persist_config=False)
     except OSError as e:  # the client writes inline *-data to a temporary file
         if not _in_tempfile(e):
-            missing = _exec_command_missing(path, doc, e)
+            missing = _exec_command_missing(path, current, e)
             if missing is not None:
                 raise missing from e
             raise KubeconfigError(f"kubeconfig {path}: does not load: "
