@@ -18,7 +18,7 @@ import math
 import os
 import re
 import ssl
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin, get_type_hints
 from urllib.parse import unquote, urlsplit
@@ -1301,13 +1301,14 @@ _BODY_HEADERS = frozenset({"content-type", "content-encoding",
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 
 
-def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
-                               ) -> None:
+def _validate_headers(headers: Mapping[str, str | list[str]], key: str = "upstream.headers"
+                      ) -> None:
     """Sent on every request: a bad name gets the upstream's 400 for every batch (which
     Prometheus drops), a control character in a value makes aiohttp raise on every one.
-    Names are case-insensitive: two spellings of one would each claim to be its value."""
+    Names are case-insensitive: two spellings of one would each claim to be its value. A
+    header of several values (``proxy_connect_header``'s) is a list, each value a line."""
     seen: dict[str, str] = {}
-    for name, value in headers.items():
+    for name, values in headers.items():
         if not _HEADER_NAME.fullmatch(name):
             raise ConfigError(f"{key}.{name}: {name!r} is not a header name")
         first = seen.setdefault(name.lower(), name)
@@ -1319,15 +1320,19 @@ def _validate_headers(headers: dict[str, str], key: str = "upstream.headers"
                               "set here it went out beside (or instead of) the one the body "
                               "needs, and cut every request short or had it refused; remove "
                               "it")
-        bad = HEADER_VALUE_FORBIDDEN.search(value)
-        if bad:
-            # not quoted: a header set here is often a credential (Authorization)
-            raise ConfigError(f"{key}.{name}: the value holds a control character "
-                              f"(CR, LF, ...), {bad.group()!r} at position {bad.start()} "
-                              "(the value is not shown: it may be a credential); a header "
-                              "value is one line")
-
-
+        listed = isinstance(values, list)
+        if listed and not values:
+            raise ConfigError(f"{key}.{name}: no value (a list of one or more): give one, "
+                              "or remove the header")
+        for i, value in enumerate(values if isinstance(values, list) else [values]):
+            bad = HEADER_VALUE_FORBIDDEN.search(value)
+            if bad:
+                # not quoted: a header set here is often a credential (Authorization)
+                where = f"{key}.{name}[{i}]" if listed else f"{key}.{name}"
+                raise ConfigError(f"{where}: the value holds a control character "
+                                  f"(CR, LF, ...), {bad.group()!r} at position {bad.start()} "
+                                  "(the value is not shown: it may be a credential); a "
+                                  "header value is one line")
 
 
 def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None:
@@ -1400,18 +1405,8 @@ def _validate_proxy_connect_header(u: UpstreamSettings, routes: EgressRoutes | N
         if name.lower() in _CONNECT_OWN:
             raise ConfigError(f"{key}.{name}: never sent, the CONNECT writes its own: "
                               "remove it")
-    _validate_headers({name: "" for name in headers}, key)
-    for name, values in headers.items():
-        if not values:
-            raise ConfigError(f"{key}.{name}: no value (a list of one or more): give one, "
-                              "or remove the header")
-        for i, value in enumerate(values):
-            bad = HEADER_VALUE_FORBIDDEN.search(value)
-            if bad:
-                raise ConfigError(f"{key}.{name}[{i}]: the value holds a control character "
-                                  f"(CR, LF, ...), {bad.group()!r} at position "
-                                  f"{bad.start()} (the value is not shown: it may be a "
-                                  "credential); a header value is one line")
+    _validate_headers(headers, key)
+    for name in headers:
         if name.lower() == "proxy-authorization" and routes is not None and any(
                 e is not None and e.authorization for e in (routes.http, routes.https)):
             raise ConfigError(f"{key}.{name}: the proxy's URL carries user:password, sent "
