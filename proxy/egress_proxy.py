@@ -27,7 +27,7 @@ import contextlib
 import ipaddress
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from proxy.shown import shown_url
@@ -63,17 +63,13 @@ class Egress:
         return (f"CONNECT {host_port} HTTP/1.1\r\nHost: {host_port}\r\n{auth}"
                 f"{self.connect_lines}\r\n").encode()
 
-    def with_connect_header(self, headers: Mapping[str, Sequence[str]]) -> Egress:
-        """This proxy, its ``CONNECT`` carrying ``headers`` too (each value a line of its
-        own, in order, as Go writes a header's values)."""
-        lines = "".join(f"{name}: {value}\r\n" for name, values in headers.items()
-                        for value in values)
-        return replace(self, connect_lines=lines)
 
-
-def parse_egress(text: str) -> Egress:
-    """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://).
-    ``ValueError`` saying why, its password hidden."""
+def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None
+                 ) -> Egress:
+    """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://),
+    its ``CONNECT`` carrying ``connect_header`` too (each value a line of its own, in
+    order, as Go writes a header's values). ``ValueError`` saying why, its password
+    hidden."""
     text = text.strip()
     parts = urlsplit(text)
     if not parts.scheme or not parts.netloc:
@@ -98,7 +94,9 @@ def parse_egress(text: str) -> Egress:
     if parts.username is not None:
         pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
-    return Egress(host, port or 80, literal, authorization, shown)
+    lines = "".join(f"{name}: {value}\r\n" for name, values in (connect_header or {}).items()
+                    for value in values)
+    return Egress(host, port or 80, literal, authorization, shown, lines)
 
 
 def _ip(host: str) -> _IP | None:
@@ -220,24 +218,14 @@ class EgressRoutes:
         """The routes the settings ask for (None: no proxy at all), every proxy's
         ``CONNECT`` carrying ``connect_header``. ``ValueError`` naming the setting or the
         variable that is wrong."""
-        routes = cls._from_settings(proxy_url, no_proxy, from_environment, environ)
-        if routes is not None and connect_header:
-            if routes.http is not None:
-                routes.http = routes.http.with_connect_header(connect_header)
-            if routes.https is not None:
-                routes.https = routes.https.with_connect_header(connect_header)
-        return routes
-
-    @classmethod
-    def _from_settings(cls, proxy_url: str, no_proxy: str, from_environment: bool,
-                       environ: Mapping[str, str] | None) -> EgressRoutes | None:
         if from_environment:
             env = os.environ if environ is None else environ
             found: dict[str, Egress | None] = {}
             for names in (("HTTP_PROXY", "http_proxy"), ("HTTPS_PROXY", "https_proxy")):
                 name = next((n for n in names if env.get(n)), "")
                 try:
-                    found[names[0]] = parse_egress(env[name]) if name else None
+                    found[names[0]] = (parse_egress(env[name], connect_header) if name
+                                       else None)
                 except ValueError as e:
                     raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
             text = next((env[n] for n in ("NO_PROXY", "no_proxy") if env.get(n)), "")
@@ -247,7 +235,7 @@ class EgressRoutes:
         if not proxy_url:
             return None
         try:
-            egress = parse_egress(proxy_url)
+            egress = parse_egress(proxy_url, connect_header)
         except ValueError as e:
             raise ValueError(f"upstream.proxy_url: {e}") from None
         return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)

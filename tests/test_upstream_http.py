@@ -515,8 +515,8 @@ async def test_proxy_connect_header_goes_with_the_connect_after_its_credentials(
     ca, _ = pki
     answer = b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n"
     async with serving(connect_answering(answer)) as proxy, pool() as p:
-        via = parse_egress(f"http://u:p@127.0.0.1:{proxy.port}").with_connect_header(
-            {"X-Egress-Token": ["t1", "t2"], "X-Team": ["obs"]})
+        via = parse_egress(f"http://u:p@127.0.0.1:{proxy.port}",
+                           {"X-Egress-Token": ["t1", "t2"], "X-Team": ["obs"]})
         tls = ssl.create_default_context(cafile=str(ca.ca_file))
         with pytest.raises(ConnectFailed, match=r"upstream\.proxy_url, or "
                                                 r"upstream\.proxy_connect_header"):
