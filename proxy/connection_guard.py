@@ -103,6 +103,12 @@ from aiohttp.web_protocol import RequestHandler
 
 from proxy.shown import credential_header, hidden_query, one_line, shown
 
+#: the ``Server`` header of every answer: the product, not its runtime. aiohttp's own
+#: (``Python/3.11 aiohttp/3.14.5``) told every client, and every scanner, which versions
+#: to look up vulnerabilities for; the proxy's version is on its landing page and on
+#: ``/metrics`` (``karta_proxy_build_info``), behind whatever guards those pages
+SERVER_HEADER = "karta-proxy"
+
 #: what this module takes from aiohttp's server beyond its public API (aiohttp 3.14): the
 #: ``RequestHandler`` attributes it reads or sets, the methods it overrides or calls, and
 #: the body reader's byte count. pyproject.toml pins aiohttp's minor version, and
@@ -169,7 +175,8 @@ def canned(status: str, headers: Mapping[str, str], text: str) -> Canned:
     """A plain-text answer (``status``: code and reason) with ``headers`` and a
     ``Content-Length``, in both forms."""
     body = text.encode()
-    head = "".join([f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n",
+    head = "".join([f"HTTP/1.1 {status}\r\nServer: {SERVER_HEADER}\r\n"
+                    "Content-Type: text/plain; charset=utf-8\r\n",
                     *(f"{k}: {v}\r\n" for k, v in headers.items()),
                     f"Content-Length: {len(body)}\r\n"])
     return Canned(keep_alive=f"{head}\r\n".encode() + body,
@@ -475,6 +482,16 @@ class _GuardedProtocol(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None, message: str | None = None
                      ) -> web.StreamResponse:
+        """An answer made before any handler, or for one that raised, named as every
+        other answer is (``SERVER_HEADER``): aiohttp's prepare hook, which names the
+        others, does not run for a request no route was matched for."""
+        response = self._error_response(request, status, exc, message)
+        response.headers["Server"] = SERVER_HEADER
+        return response
+
+    def _error_response(self, request: web.BaseRequest, status: int,
+                        exc: BaseException | None, message: str | None
+                        ) -> web.StreamResponse:
         """A request the parser refused (aiohttp's 400, before any handler) is counted and
         logged in one line by the manager's ``on_bad_http``, where aiohttp logs it at
         error level with a traceback, or not at all, and counts nothing."""

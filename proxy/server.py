@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from proxy import __version__, exposition
 from proxy.attribution_page import Explainer, add_routes, pods_text
 from proxy.config import join_host_port
-from proxy.connection_guard import LINGER_SECONDS, ConnectionLimit, GuardedRunner
+from proxy.connection_guard import LINGER_SECONDS, SERVER_HEADER, ConnectionLimit, GuardedRunner
 from proxy.contract import CONTRACT_VERSION, FACT_BUILD_INFO, FACT_CONTRACT_INFO, FACT_SERIES
 from proxy.handler import TENANT_WRITE_PATHS, WRITE_PATHS, RemoteWriteHandler
 from proxy.index import PodIndex
@@ -81,6 +81,7 @@ def build_app(
     force and how many were not taken (absent: no such row)."""
     app = web.Application()
     app[REMOTE_WRITE] = handler
+    app.on_response_prepare.append(_server_header)
     pages = _Pages(handler, index, metrics, upstream_url, source, descriptions)
     if reload is not None:
         reload_view = _reload_view(reload) if lifecycle else _lifecycle_disabled
@@ -94,6 +95,11 @@ def build_app(
     app.router.add_get("/", pages.landing)
     add_routes(app, index, explain)
     return app
+
+
+async def _server_header(_: web.Request, response: web.StreamResponse) -> None:
+    """Every answer a route makes names the product (``SERVER_HEADER``)."""
+    response.headers["Server"] = SERVER_HEADER
 
 
 async def _healthy(_: web.Request) -> web.Response:

@@ -28,6 +28,7 @@ from proxy.connection_guard import (
     AIOHTTP_SERVER_ATTRIBUTES,
     DRAIN_MAX_BYTES,
     LINGER_SECONDS,
+    SERVER_HEADER,
     _GuardedProtocol,
     close_when_answered,
     http_parser,
@@ -65,6 +66,7 @@ async def test_slow_headers_get_408_and_the_connection_closed(tmp_path: Path) ->
         w2.close()
         assert (a1.status, a2.status) == (408, 408)
         assert a1.closed and a2.closed
+        assert a1.headers["server"] == SERVER_HEADER
         assert 0.4 < waited < 2.0
         assert metric(p, "karta_proxy_requests_rejected_total", reason="header_timeout") == 2
 
@@ -311,6 +313,7 @@ async def test_a_malformed_request_is_400_counted_and_logged_in_one_line(
         w.write(head)
         answer = await read_answer(r)
         assert answer.status == 400, answer
+        assert answer.headers["server"] == SERVER_HEADER  # not aiohttp's, with versions
         async with asyncio.timeout(5):
             assert await r.read() == b""  # and the connection closed
         w.close()
@@ -555,6 +558,7 @@ async def test_a_line_or_count_past_aiohttps_limits_is_431_saying_which_without_
         w.close()
         assert (await post(p)).status == 204
     assert answer.status == 431 and answer.closed, answer
+    assert answer.headers["server"] == SERVER_HEADER
     assert answer.body == f"{said}\n".encode(), answer.body
     (logged,) = [r for r in caplog.records if getattr(r, "kind", "") == "header_too_large"]
     assert logged.__dict__["reason"] == said

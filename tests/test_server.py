@@ -231,6 +231,29 @@ async def test_landing_page(app: tuple[App, ScriptedUpstream]) -> None:
         assert link in page
 
 
+async def test_every_answer_names_the_product_not_its_runtime(
+    app: tuple[App, ScriptedUpstream],
+) -> None:
+    """No ``Server: Python/3.11 aiohttp/3.14.5``: not on a write's answer (stored, refused
+    or not yet ready), a page, or a path that does not exist."""
+    from proxy.server import SERVER_HEADER
+    a, _ = app
+    answers = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(a.url + "/api/v1/write", data=BODY, headers=HEADERS) as r:
+            answers.append((r.status, r.headers.get("Server")))
+        a.index.ready = True
+        for method, path, body in (("POST", "/api/v1/write", BODY),
+                                   ("POST", "/api/v1/write", b"not snappy"),
+                                   ("GET", "/api/v1/write", b""), ("GET", "/metrics", b""),
+                                   ("GET", "/", b""), ("GET", "/-/healthy", b""),
+                                   ("GET", "/nowhere", b"")):
+            async with s.request(method, a.url + path, data=body, headers=HEADERS) as r:
+                answers.append((r.status, r.headers.get("Server")))
+    assert [status for status, _ in answers] == [503, 204, 400, 405, 200, 200, 200, 404]
+    assert {server for _, server in answers} == {SERVER_HEADER}, answers
+
+
 def test_a_metrics_page_waits_for_requests_a_share_of_the_scrape_timeout() -> None:
     from proxy.server import PAGE_DEFER_SECONDS, page_defer_budget
 
