@@ -17,7 +17,11 @@ an https:// one through a ``CONNECT`` tunnel, as Go does (``proxy.upstream_http`
 ``user:password@`` in the proxy's URL goes as ``Proxy-Authorization: Basic``. Only http://
 proxies: TLS to the proxy and SOCKS are settings errors, said at start.
 
-A leaf of the upstream's client: it imports nothing of the project but ``proxy.shown``.
+The Kubernetes client takes the same rules for the API server when its kubeconfig has no
+``proxy-url`` (``environment_route``: client-go's ``http.ProxyFromEnvironment``).
+
+A leaf of the upstream's and the Kubernetes client: it imports nothing of the project but
+``proxy.shown``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ class Egress:
     #: ``upstream.proxy_connect_header`` as header lines (``Name: value\r\n`` each), sent
     #: with every ``CONNECT`` and with nothing else, as Go's ``ProxyConnectHeader``
     connect_lines: str = field(default="", repr=False)
+
+    @property
+    def url(self) -> str:
+        """The proxy's URL without its credentials (they go as ``authorization``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def connect_request(self, host_port: str) -> bytes:
         """The ``CONNECT`` that opens a tunnel to ``host_port`` (as a ``Host`` header
@@ -97,6 +107,44 @@ def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None =
     lines = "".join(f"{name}: {value}\r\n" for name, values in (connect_header or {}).items()
                     for value in values)
     return Egress(host, port or 80, literal, authorization, shown, lines)
+
+
+#: the variables that name the proxy for each scheme, upper case first, as Go's
+#: ``httpproxy.FromEnvironment`` reads them
+PROXY_VARIABLES = {"http": ("HTTP_PROXY", "http_proxy"), "https": ("HTTPS_PROXY", "https_proxy")}
+NO_PROXY_VARIABLES = ("NO_PROXY", "no_proxy")
+
+
+def _variable(env: Mapping[str, str], names: Sequence[str]) -> str:
+    """The first of ``names`` set (not empty) in ``env``, or ""."""
+    return next((n for n in names if env.get(n)), "")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentRoute:
+    """A proxy the environment names, and the variable that named it (for messages)."""
+
+    egress: Egress
+    variable: str
+
+
+def environment_route(scheme: str, host: str, port: int,
+                      environ: Mapping[str, str] | None = None) -> EnvironmentRoute | None:
+    """The proxy the environment names for ``scheme://host:port``, as Go's
+    ``http.ProxyFromEnvironment`` chooses it (client-go's, for an API server whose
+    kubeconfig has no ``proxy-url``); None when none is set, or ``NO_PROXY`` (CIDR ranges
+    included), ``localhost`` or a loopback address has it reached directly.
+    ``ValueError`` naming the variable when the one that applies is no http:// proxy."""
+    env = os.environ if environ is None else environ
+    name = _variable(env, PROXY_VARIABLES.get(scheme, ()))
+    if not name:
+        return None
+    if NoProxy(env.get(_variable(env, NO_PROXY_VARIABLES), "")).direct(host, port):
+        return None
+    try:
+        return EnvironmentRoute(parse_egress(env[name]), name)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _ip(host: str) -> _IP | None:
@@ -221,17 +269,16 @@ class EgressRoutes:
         if from_environment:
             env = os.environ if environ is None else environ
             found: dict[str, Egress | None] = {}
-            for names in (("HTTP_PROXY", "http_proxy"), ("HTTPS_PROXY", "https_proxy")):
-                name = next((n for n in names if env.get(n)), "")
+            for scheme, names in PROXY_VARIABLES.items():
+                name = _variable(env, names)
                 try:
-                    found[names[0]] = (parse_egress(env[name], connect_header) if name
-                                       else None)
+                    found[scheme] = parse_egress(env[name], connect_header) if name else None
                 except ValueError as e:
                     raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
-            text = next((env[n] for n in ("NO_PROXY", "no_proxy") if env.get(n)), "")
-            if found["HTTP_PROXY"] is None and found["HTTPS_PROXY"] is None:
+            if found["http"] is None and found["https"] is None:
                 return None
-            return cls(found["HTTP_PROXY"], found["HTTPS_PROXY"], NoProxy(text))
+            text = env.get(_variable(env, NO_PROXY_VARIABLES), "")
+            return cls(found["http"], found["https"], NoProxy(text))
         if not proxy_url:
             return None
         try:

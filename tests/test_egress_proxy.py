@@ -12,7 +12,7 @@ import pytest
 
 from proxy.config import ConfigError, Settings, load_settings, validate
 from proxy.demo_exporter import DEMO_SNAPSHOT
-from proxy.egress_proxy import Egress, EgressRoutes, NoProxy, parse_egress
+from proxy.egress_proxy import Egress, EgressRoutes, NoProxy, environment_route, parse_egress
 
 
 def test_a_proxy_url_is_read_as_go_reads_it() -> None:
@@ -179,3 +179,17 @@ def test_the_start_up_line_names_the_connect_headers_never_their_values() -> Non
     assert routes.via("https", "tsdb", 443) is routes.https
     assert routes.https is not None and b"X-Auth: hunter2\r\n" in \
         routes.https.connect_request("tsdb:443")
+
+
+def test_the_environments_route_for_one_url_is_gos_proxy_from_environment() -> None:
+    env = {"HTTPS_PROXY": "http://u:p@corp:3128", "http_proxy": "socks5://s:1080",
+           "NO_PROXY": "10.0.0.0/8,.internal"}
+    route = environment_route("https", "api.example", 443, env)
+    assert route is not None and route.variable == "HTTPS_PROXY"
+    assert route.egress.url == "http://corp:3128" and route.egress.authorization
+    for host in ("10.96.0.1", "k8s.internal", "127.0.0.1", "localhost", "::1"):
+        assert environment_route("https", host, 443, env) is None, host
+    # only the variable that applies is read: the other's SOCKS URL is an error of its own
+    with pytest.raises(ValueError, match=r"^http_proxy: only http:// proxies"):
+        environment_route("http", "api.example", 80, env)
+    assert environment_route("https", "api.example", 443, {}) is None

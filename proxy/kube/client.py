@@ -31,6 +31,7 @@ import aiohttp
 import yaml
 
 from proxy.config import KubeSettings, first_kubeconfig
+from proxy.egress_proxy import environment_route
 from proxy.karta.yamltext import yaml_error
 from proxy.kube.lean import ApiException, incluster_config
 from proxy.kube.lean import client as k8s_client
@@ -647,18 +648,49 @@ def _tls_refusal(e: Exception) -> bool:
             and not isinstance(e, aiohttp.ClientConnectorError))
 
 
-def verified_as_go(pool: Any) -> Any:
-    """``pool`` (a kubernetes-asyncio ``RESTClientObject``) with its SSL context verifying as
-    the upstream's does, as kubectl does (``proxy.tls_files.verify_as_go``); returned.
+def as_client_go(pool: Any, cfg: k8s_client.Configuration) -> Any:
+    """``pool`` (a kubernetes-asyncio ``RESTClientObject``) verifying and choosing its
+    proxy as client-go does; returned.
 
-    The library makes that context inside the pool's constructor with
-    ``ssl.create_default_context``, strict from Python 3.13 (an API server certificate
-    without an Authority Key Identifier refused), and hands it to the pool's connector: no
-    seam but that connector's context, which it reads at each new connection, so it is
-    changed there, in place, before any connection. (``disable_strict_ssl_verification``,
-    a ``Configuration`` field of recent releases only, clears strict alone.)
+    TLS: its SSL context verifies as the upstream's does, as kubectl does
+    (``proxy.tls_files.verify_as_go``). The library makes that context inside the pool's
+    constructor with ``ssl.create_default_context``, strict from Python 3.13 (an API
+    server certificate without an Authority Key Identifier refused), and hands it to the
+    pool's connector: no seam but that connector's context, which it reads at each new
+    connection, so it is changed there, in place, before any connection.
+    (``disable_strict_ssl_verification``, a ``Configuration`` field of recent releases
+    only, clears strict alone.)
+
+    The proxy: the kubeconfig's ``proxy-url`` (the library's own), else the environment's
+    ``HTTPS_PROXY`` / ``HTTP_PROXY`` read by Go's rules (``environment_route``). The
+    library's session read the environment by Python's (``trust_env``): a ``NO_PROXY`` of
+    CIDR ranges (``10.96.0.0/12``, the Service range an in-cluster API server sits in)
+    matched nothing, nor did a loopback API server (kind, ``kubectl proxy``) go direct,
+    so its every request went to a proxy that could not reach it. ``KubeconfigError``
+    when the variable that applies names no http:// proxy.
     """
     verify_as_go(pool_context(pool))
+    session = pool.pool_manager
+    if not hasattr(session, "_trust_env"):
+        raise TypeError("kubernetes-asyncio's session has no _trust_env: the aiohttp it "
+                        "runs on reads the environment's proxy elsewhere")
+    session._trust_env = False
+    if pool.proxy:
+        return pool
+    server = urlsplit(str(cfg.host))
+    scheme = server.scheme.lower()
+    port = server.port or (443 if scheme == "https" else 80)
+    try:
+        route = environment_route(scheme, server.hostname or "", port)
+    except ValueError as e:
+        raise KubeconfigError(
+            f"the API server {cfg.host}: the environment's {e}",
+            fix="give an http:// proxy, name the API server in NO_PROXY, or set the "
+                "kubeconfig cluster's proxy-url") from None
+    if route is not None:
+        pool.proxy = route.egress.url
+        if route.egress.authorization:
+            pool.proxy_headers = {"Proxy-Authorization": route.egress.authorization}
     return pool
 
 
@@ -689,7 +721,7 @@ class CheckedApiClient(k8s_client.ApiClient):
     def __init__(self, configuration: k8s_client.Configuration,
                  credentials: KeptCredentials | None = None) -> None:
         super().__init__(configuration=configuration)
-        verified_as_go(self.rest_client)
+        as_client_go(self.rest_client, configuration)
         #: None: a configuration not kept current (the client's own default loader)
         self.credentials = credentials
 
@@ -756,6 +788,9 @@ class KubeClient:
         cfg = credentials.cfg
         api = CheckedApiClient(cfg, credentials)
         api.user_agent = "karta-proxy"
+        if api.rest_client.proxy:
+            log.info("the Kubernetes API server %s is reached through the HTTP proxy %s",
+                     cfg.host, shown_url(api.rest_client.proxy))
         return cls(api)
 
     async def _new_pool(self, cfg: k8s_client.Configuration) -> None:
@@ -764,7 +799,7 @@ class KubeClient:
         streaming on it have ended (``RETIRED_POOL_SECONDS``): closing it at once cut
         them all."""
         # raises when the files do not load
-        pool = verified_as_go(k8s_rest.RESTClientObject(cfg))
+        pool = as_client_go(k8s_rest.RESTClientObject(cfg), cfg)
         now = time.monotonic()
         self._retired.append(RetiredPool(self.api.rest_client, now))
         self.api.rest_client = pool

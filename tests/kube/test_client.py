@@ -5,11 +5,20 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxy.config import KubeSettings
-from proxy.kube.client import KubeconfigError, _error, default_namespace, load_configuration
+from proxy.kube.client import (
+    KubeconfigError,
+    _error,
+    as_client_go,
+    default_namespace,
+    load_configuration,
+)
+from proxy.kube.lean import client as k8s_client
+from proxy.kube.lean import rest as k8s_rest
 
 
 def test_default_namespace_prefers_pod_namespace(tmp_path: Path) -> None:
@@ -223,3 +232,94 @@ async def test_insecure_skip_tls_verify_not_a_boolean_is_refused(
     assert str(info.value).startswith(
         f"kubeconfig {path}: cluster 'k': insecure-skip-tls-verify must be true or false, "
         f"not {value!r}"), str(info.value)
+
+
+#: every variable that names a proxy, cleared before each case sets its own
+PROXY_ENV = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy")
+
+
+async def _pool_for(host: str, monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                    proxy_url: str | None = None) -> Any:
+    for name in PROXY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = k8s_client.Configuration()
+    cfg.host = host
+    cfg.proxy = proxy_url
+    pool = k8s_rest.RESTClientObject(cfg)
+    try:
+        return as_client_go(pool, cfg)
+    except BaseException:
+        await pool.close()
+        raise
+
+
+@pytest.mark.parametrize(("host", "env", "chosen"), [
+    # in a pod: the API server's Service IP, through the proxy unless NO_PROXY names it
+    ("https://10.96.0.1:443", {"HTTPS_PROXY": "http://corp:3128"}, "http://corp:3128"),
+    # a CIDR range, as NO_PROXY is written for a cluster: Python's rules matched nothing
+    ("https://10.96.0.1", {"HTTPS_PROXY": "http://corp:3128",
+                           "NO_PROXY": ".svc,10.96.0.0/12"}, None),
+    # kind, kubectl proxy: loopback and localhost always direct (Python sent them on)
+    ("https://127.0.0.1:6443", {"HTTPS_PROXY": "http://corp:3128"}, None),
+    ("http://localhost:8001", {"HTTP_PROXY": "corp:3128"}, None),
+    ("https://[::1]:6443", {"HTTPS_PROXY": "http://corp:3128"}, None),
+    # the scheme's own variable, lower case too; the other one does not matter
+    ("https://api.example:6443", {"https_proxy": "corp:3128",
+                                  "HTTP_PROXY": "socks5://x:1080"}, "http://corp:3128"),
+    ("https://api.example:6443", {"HTTP_PROXY": "http://corp:3128"}, None),
+    ("https://api.example:6443", {"HTTPS_PROXY": "http://corp:3128",
+                                  "no_proxy": "example"}, None),
+    ("https://api.example:6443", {"HTTPS_PROXY": "http://[fd00::1]:3128"},
+     "http://[fd00::1]:3128"),
+    ("https://api.example:6443", {}, None),
+])
+async def test_the_api_servers_proxy_comes_from_the_environment_by_gos_rules(
+        monkeypatch: pytest.MonkeyPatch, host: str, env: dict[str, str],
+        chosen: str | None) -> None:
+    """client-go's ``http.ProxyFromEnvironment``, for a kubeconfig (or a pod) with no
+    ``proxy-url``. The library's session read the environment by Python's rules
+    (``trust_env``): no CIDR ranges, loopback sent to the proxy; it reads none now."""
+    pool = await _pool_for(host, monkeypatch, env)
+    try:
+        assert pool.proxy == chosen
+        assert pool.proxy_headers is None
+        assert pool.pool_manager.trust_env is False
+    finally:
+        await pool.close()
+
+
+async def test_the_environments_proxy_credentials_go_as_proxy_authorization(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = await _pool_for("https://10.96.0.1", monkeypatch,
+                           {"HTTPS_PROXY": "http://karta:p%40ss@corp:3128"})
+    try:
+        assert pool.proxy == "http://corp:3128"  # the password not in a URL kept around
+        assert pool.proxy_headers == {"Proxy-Authorization": "Basic a2FydGE6cEBzcw=="}
+    finally:
+        await pool.close()
+
+
+async def test_a_kubeconfigs_proxy_url_wins_over_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = await _pool_for("https://10.96.0.1", monkeypatch,
+                           {"HTTPS_PROXY": "http://corp:3128"}, "http://other:8080")
+    try:
+        assert pool.proxy == "http://other:8080"
+        assert pool.pool_manager.trust_env is False
+    finally:
+        await pool.close()
+
+
+async def test_an_environment_proxy_that_is_not_http_is_said_at_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a kubeconfig's ``proxy-url`` that is not http://: aiohttp would speak HTTP to
+    a SOCKS port, and every list and watch fail with ``Cannot connect``."""
+    with pytest.raises(KubeconfigError) as info:
+        await _pool_for("https://10.96.0.1", monkeypatch,
+                        {"HTTPS_PROXY": "socks5://u:hunter2@corp:1080"})
+    message = str(info.value)
+    assert message.startswith("the API server https://10.96.0.1: the environment's "
+                              "HTTPS_PROXY: only http:// proxies are supported"), message
+    assert "hunter2" not in message and "NO_PROXY" in info.value.fix

@@ -204,3 +204,25 @@ async def test_the_kubeconfigs_proxy_url_is_followed(peers: Peers, tmp_path: Pat
     assert "kube-system" in [n["metadata"]["name"] for n in namespaces["items"]]
     log = http_proxy.log_tail(200_000)
     assert f"GET {sim.url}/api/v1/namespaces" in log, log[-2000:]
+
+
+async def test_a_loopback_api_server_is_reached_directly_despite_the_environments_proxy(
+        peers: Peers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kind's API server, or ``kubectl proxy``, at 127.0.0.1 with HTTP(S)_PROXY set (a
+    corporate laptop): Go's rules reach loopback directly. The library's session read the
+    environment by Python's, and sent every list and watch to the proxy, which here can
+    reach loopback too: a proxy that cannot (most) failed them all."""
+    http_proxy = await peers.tinyproxy()
+    for name in ("NO_PROXY", "no_proxy", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{http_proxy.port}")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{http_proxy.port}")
+    async with KubeSim() as sim:
+        client = await KubeClient.connect(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
+        try:
+            namespaces = await client.request_json("/api/v1/namespaces")
+        finally:
+            await client.close()
+    assert "kube-system" in [n["metadata"]["name"] for n in namespaces["items"]]
+    log = http_proxy.log_tail(200_000)
+    assert "/api/v1/namespaces" not in log, log[-2000:]
