@@ -18,6 +18,7 @@ import math
 import os
 import re
 import ssl
+import sys
 import tempfile
 import time
 import traceback
@@ -41,6 +42,21 @@ from proxy.shown import one_line, shown_url
 from proxy.tls_files import FileStamp, stamp, verify_as_go
 
 log = logging.getLogger(__name__)
+
+
+class _SaidByTheCaller(logging.Filter):
+    """Drops the library's error line for an exec plugin's failure that it raises on: the
+    caller's ``KubeconfigError`` (at start) or renewal warning says it, with the file, so
+    each failure was logged twice. Its other lines (a plugin's output missing a field,
+    which it does not raise on) pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        raised = sys.exc_info()[1]  # the exception the library's except clause handles
+        return not (record.funcName == "load_from_exec_plugin" and raised is not None
+                    and record.getMessage() == str(raised))
+
+
+logging.getLogger("kubernetes_asyncio.config.kube_config").addFilter(_SaidByTheCaller())
 
 ACCEPT_JSON = "application/json"
 ACCEPT_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,20 @@ async def test_an_exec_plugin_not_installed_is_one_line_with_its_install_hint(
         f"kubeconfig {path}: the exec plugin's command 'karta-no-such-auth-plugin' is not "
         "installed (not found on PATH): Install it with apt-get install karta-auth")
     assert "install the plugin" in info.value.fix
+
+
+async def test_an_exec_plugins_failure_is_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The library logged the failure at error level, then raised it, and the start's
+    error (or a renewal's warning) said it again: two lines for one failure."""
+    path = _kubeconfig(tmp_path / "kubeconfig", {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1", "command": "sh",
+        "args": ["-c", "echo token expired, run aws sso login >&2; exit 3"]}})
+    with caplog.at_level(logging.DEBUG), pytest.raises(KubeconfigError) as info:
+        await load_configuration(KubeSettings(kubeconfig=str(path)))
+    assert str(info.value) == (f"kubeconfig {path}: does not load: exec: process returned 3. "
+                               "token expired, run aws sso login")
+    assert "token expired" not in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize(
