@@ -29,7 +29,7 @@ from msgspec import Meta, Struct, field
 from msgspec import inspect as mi
 
 from proxy import contract
-from proxy.egress_proxy import EgressRoutes
+from proxy.egress_proxy import EgressRoutes, parse_egress
 from proxy.karta.yamltext import DuplicateKey, refusal, yaml_error
 from proxy.shown import shown_url, without_userinfo
 from proxy.tls_files import (
@@ -244,6 +244,44 @@ def unforwarded_headers(u: UpstreamSettings) -> str:
             "itself, and Host and the hop-by-hop headers are one connection's): remove them")
 
 
+class OAuth2Settings(Section):
+    """The OAuth 2.0 client credentials grant, as Prometheus' remote_write oauth2: any key
+    set turns it on, and the token fetched is the proxy's Authorization."""
+
+    client_id: Annotated[str, setting(
+        "the OAuth 2.0 client's id; required with oauth2")] = ""
+    client_secret_file: Annotated[str, setting(
+        "the client's secret, in a file (whitespace around it trimmed), re-read when it "
+        "changes: a new secret drops the token held and fetches one with it; required "
+        "with oauth2")] = ""
+    scopes: Annotated[list[str], setting(
+        "scopes asked for (the token request's scope, space-separated)")
+    ] = field(default_factory=list)
+    token_url: Annotated[str, setting(
+        "the token endpoint, http:// or https://; required with oauth2. The token it "
+        "answers is every upstream request's Authorization, the fact writes' and the "
+        "start's check's too, fetched again 10 s before it expires")] = ""
+    endpoint_params: Annotated[dict[str, str], setting(
+        "more form parameters of the token request (e.g. audience: ...)")
+    ] = field(default_factory=dict)
+    tls_ca_file: Annotated[str, setting(
+        "CA bundle to verify an https:// token endpoint (default: the system's)")] = ""
+    tls_cert_file: Annotated[str, setting(
+        "client certificate toward the token endpoint; with tls_key_file")] = ""
+    tls_key_file: Annotated[str, setting("its key")] = ""
+    tls_insecure_skip_verify: Annotated[bool, setting(
+        "do not verify the token endpoint's certificate")] = False
+    proxy_url: Annotated[str, setting(
+        "an HTTP proxy the token endpoint is reached through (http://host:port; not "
+        "upstream.proxy_url's, as in Prometheus)")] = ""
+
+
+def oauth2_on(u: UpstreamSettings) -> bool:
+    """Whether ``upstream.oauth2`` is set: any of its keys (then every required one must
+    be), as Prometheus takes an ``oauth2:`` block."""
+    return u.oauth2 != OAuth2Settings()
+
+
 class UpstreamSettings(Section):
     """The one TSDB the enriched series are written to."""
 
@@ -353,6 +391,7 @@ class UpstreamSettings(Section):
         "the tenant put in a {tenant} of url for requests whose path names none, and for the "
         "fact series (accountID or accountID:projectID); another than 0 with no {tenant} in "
         "url is a settings error")] = "0"
+    oauth2: OAuth2Settings = field(default_factory=OAuth2Settings)
 
 
 class PodLabelPair(Struct, forbid_unknown_fields=True):
@@ -1155,10 +1194,10 @@ def _naming(what: dict[Part, str]) -> Loading:
 
 def sets_authorization(u: UpstreamSettings) -> bool:
     """Whether the upstream settings give the proxy an ``Authorization`` of its own (a
-    bearer token file, basic auth, the userinfo of upstream.url), which replaces any
-    other on every upstream request."""
+    bearer token file, basic auth, the userinfo of upstream.url, an OAuth 2.0 token),
+    which replaces any other on every upstream request."""
     return bool(u.bearer_token_file or u.basic_auth_username
-                or url_credentials(u.url) is not None)
+                or url_credentials(u.url) is not None or oauth2_on(u))
 
 
 def url_credentials(url: str) -> tuple[str, str] | None:
@@ -1273,6 +1312,8 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         raise ConfigError(
             "upstream.basic_auth_username and upstream.basic_auth_password_file: set both"
         )
+    if oauth2_on(u):
+        _validate_oauth2(u)
     for i, h in enumerate(u.forward_headers):
         if not _HEADER_NAME.fullmatch(h):
             raise ConfigError(f"upstream.forward_headers[{i}]: not a header name: {h!r}")
@@ -1281,11 +1322,12 @@ def _validate_upstream(u: UpstreamSettings, require_upstream: bool) -> None:
         if name.lower() in _BODY_HEADERS:
             raise ConfigError(f"upstream.headers.{name}: never sent, the proxy sets it for "
                               "the body it sends on every upstream request: remove it")
-        if name.lower() == "authorization" and (u.bearer_token_file or u.basic_auth_username):
+        if name.lower() == "authorization" and (u.bearer_token_file or u.basic_auth_username
+                                                 or oauth2_on(u)):
             # the URL's userinfo with it is refused above; these replaced it as silently
             raise ConfigError(f"upstream.headers.{name}: never sent, the proxy's credentials "
-                              "(upstream.bearer_token_file or basic_auth_*) replace it on "
-                              "every upstream request: choose one kind of auth")
+                              "(upstream.bearer_token_file, basic_auth_* or oauth2) replace "
+                              "it on every upstream request: choose one kind of auth")
     _validate_upstream_tls(u)
 
 
@@ -1343,7 +1385,8 @@ def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None
     own = {name.lower(): f"upstream.headers.{name} replaces it" for name in u.headers}
     if sets_authorization(u):
         own["authorization"] = ("the proxy's credentials (upstream.bearer_token_file, "
-                                "basic_auth_* or the userinfo of upstream.url) replace it")
+                                "basic_auth_*, oauth2 or the userinfo of upstream.url) "
+                                "replace it")
     for name in headers:
         why = own.get(name.lower()) or (
             "the proxy sets it for the body it sends" if name.lower() in _BODY_HEADERS
@@ -1353,6 +1396,96 @@ def _validate_fact_headers(headers: dict[str, str], u: UpstreamSettings) -> None
                               "request, the fact writes included: remove one of them (a "
                               "tenant set in upstream.headers is every request's, the "
                               "facts' too)")
+
+
+#: the token request's own form parameters, which ``upstream.oauth2.endpoint_params`` may
+#: not set: the client's credentials are its settings (x/oauth2 sends the params' beside
+#: its Basic header, or puts its own over them), and ``scope`` is ``scopes``' (x/oauth2
+#: refuses to overwrite it: every token request of Prometheus failed). ``grant_type`` may
+#: be set, as x/oauth2 lets it be, for token endpoints that want another
+_OAUTH2_OWN_PARAMS = {"client_id": "upstream.oauth2.client_id",
+                      "client_secret": "upstream.oauth2.client_secret_file"}
+
+
+def _validate_oauth2(u: UpstreamSettings) -> None:
+    """``upstream.oauth2`` as Prometheus 2.x checks its ``oauth2`` (client_id, token_url
+    and a client secret required; at most one of basic_auth, oauth2, bearer_token_file),
+    and what it found only at each token request (a token URL that is no URL, a
+    ``scope`` parameter beside ``scopes``), said at start here. The secret file is read
+    as the client will read it; its text is never in a message."""
+    o, key = u.oauth2, "upstream.oauth2"
+    if not o.token_url:
+        raise ConfigError(f"{key}.token_url: required with {key} (the token endpoint, e.g. "
+                          "https://keycloak/realms/x/protocol/openid-connect/token)")
+    _check_token_url(o.token_url)
+    if not o.client_id:
+        raise ConfigError(f"{key}.client_id: required with {key}")
+    if not o.client_secret_file:
+        raise ConfigError(f"{key}.client_secret_file: required with {key} (the client's "
+                          "secret, in a file: as every credential of the proxy, it is not "
+                          "written in the settings)")
+    _readable(o.client_secret_file, f"{key}.client_secret_file")
+    try:
+        read_credential(o.client_secret_file, header=False)
+    except (CredentialError, OSError) as e:
+        raise ConfigError(f"{key}.client_secret_file: {e}") from None
+    for name in o.endpoint_params:
+        if name in _OAUTH2_OWN_PARAMS:
+            raise ConfigError(f"{key}.endpoint_params.{name}: the client's credentials are "
+                              f"{_OAUTH2_OWN_PARAMS[name]}: set it there")
+        if name == "scope" and o.scopes:
+            raise ConfigError(f"{key}.endpoint_params.scope: {key}.scopes sets the scope; "
+                              "set one of them (Prometheus' every token request failed: "
+                              "cannot overwrite parameter \"scope\")")
+    other = ("upstream.bearer_token_file" if u.bearer_token_file else
+             "upstream.basic_auth_*" if u.basic_auth_username or u.basic_auth_password_file
+             else "the user:password@ of upstream.url" if url_credentials(u.url) is not None
+             else "")
+    if other:
+        raise ConfigError(f"{key} and {other}: choose one kind of auth (the token is the "
+                          "proxy's Authorization; Prometheus takes at most one of "
+                          "basic_auth, oauth2, bearer_token_file)")
+    if bool(o.tls_cert_file) != bool(o.tls_key_file):
+        raise ConfigError(f"{key}.tls_cert_file and {key}.tls_key_file: set both or neither")
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        _readable(getattr(o, name), f"{key}.{name}")
+    client_context(o.tls_ca_file, o.tls_cert_file, o.tls_key_file, o.tls_insecure_skip_verify,
+                   loading=_naming({
+                       "ca": f"{key}.tls_ca_file: cannot load {o.tls_ca_file!r}",
+                       "cert": f"{key}.tls_cert_file / {key}.tls_key_file: cannot load "
+                               f"{o.tls_cert_file!r} with {o.tls_key_file!r}"}))
+    if o.proxy_url:
+        if _URL_SPACE.search(o.proxy_url.strip()):
+            raise ConfigError(f"{key}.proxy_url: holds whitespace or a control character: "
+                              f"{shown_url(o.proxy_url, broken=True)!r}")
+        try:
+            parse_egress(o.proxy_url)
+        except ValueError as e:
+            raise ConfigError(f"{key}.proxy_url: {e}") from None
+
+
+def _check_token_url(url: str) -> None:
+    """The token endpoint: an http(s) URL the client can request as written. Its
+    userinfo is refused rather than sent (the client's credentials are client_id and
+    client_secret_file), and so is a fragment (never sent, as upstream.url's)."""
+    key = "upstream.oauth2.token_url"
+    shown = shown_url(url, broken=True)
+    try:
+        parsed = urlsplit(url)
+        _ = parsed.port
+    except ValueError:
+        raise ConfigError(f"{key}: not a valid URL: {shown!r}") from None
+    if _URL_SPACE.search(url):
+        raise ConfigError(f"{key}: holds whitespace or a control character (a URL has "
+                          f"none; a space is written %20): {shown!r}")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{key}: expected an http:// or https:// URL, got {shown!r}")
+    if "@" in parsed.netloc:
+        raise ConfigError(f"{key}: holds user:password@; the client's credentials are "
+                          f"upstream.oauth2.client_id and client_secret_file: {shown!r}")
+    if "#" in url:
+        raise ConfigError(f"{key}: holds a '#': what follows it is a fragment, never sent; "
+                          "write it %23")
 
 
 def _validate_upstream_proxy(u: UpstreamSettings) -> None:

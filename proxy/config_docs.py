@@ -87,17 +87,28 @@ def _yaml_setting(info: SettingInfo, indent: str) -> list[str]:
     return lines
 
 
+def _section_doc(section: str) -> str:
+    """The docstring of a section's class (``upstream.oauth2``: a section in a section)."""
+    value: Any = Settings()
+    for part in section.split("."):
+        value = getattr(value, part)
+    return " ".join((type(value).__doc__ or "").split())
+
+
 def example_yaml() -> str:
-    """config/karta-proxy.yaml: every section and key, in declaration order."""
-    docs = {name: (type(getattr(Settings(), name)).__doc__ or "").strip()
-            for name in Settings.__struct_fields__}
+    """config/karta-proxy.yaml: every section and key, in declaration order; a section
+    within a section (``upstream.oauth2``) comes last in its parent, indented under it."""
     out = [_HEADER]
     section = None
     for info in schema():
         if info.section != section:
             section = info.section
-            out += ["", f"# {docs[section]}", f"{section}:"] if section else ["", "# Top level."]
-        out += _yaml_setting(info, "  " if section else "")
+            depth = section.count(".")
+            indent = "  " * depth
+            out += ["", *(f"{indent}# {line}" for line in textwrap.wrap(
+                _section_doc(section), _WIDTH - len(indent) - 2)),
+                f"{indent}{section.rpartition('.')[2]}:"] if section else ["", "# Top level."]
+        out += _yaml_setting(info, "  " * (section.count(".") + 1) if section else "")
     return "\n".join(out) + "\n"
 
 
@@ -122,7 +133,8 @@ def doc_tables(text: str) -> str:
     for info in schema():
         sections.setdefault(info.section, []).append(info)
     for section, infos in sections.items():
-        heading = f"## `{section}`\n" if section else "## Top level\n"
+        level = "#" * (2 + section.count("."))  # a section within one: a subheading
+        heading = f"{level} `{section}`\n" if section else "## Top level\n"
         start = text.index(heading) + len(heading)
         head = text.index(_TABLE_HEAD, start)
         end = head + len(_TABLE_HEAD)

@@ -406,6 +406,13 @@ class ProxyMetrics:
             "check's load of changed files, a check's failure once per state of the files.",
             ["result"], registry=None,
         )
+        #: registered by the upstream with ``upstream.oauth2`` set
+        self.upstream_oauth2_token_fetches = Counter(
+            _P + "upstream_oauth2_token_fetches", "Fetches of the upstream's OAuth 2.0 token "
+            "(upstream.oauth2), by result (success; refused: the token endpoint refused the "
+            "client; unavailable: no answer, a timeout, a 5xx; invalid_answer: a 2xx with "
+            "no usable token).", ["result"], registry=None,
+        )
         self.upstream_tls_certificate_expiry = Gauge(
             _P + "upstream_tls_certificate_expiry_timestamp_seconds", "When the client "
             "certificate presented to the upstream, loaded last, expires (its notAfter), "

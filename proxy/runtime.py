@@ -38,6 +38,7 @@ from proxy.config import (
     check_stored_cluster,
     cluster_check,
     cluster_check_off,
+    oauth2_on,
     parse_host_port,
     placeholder_cluster,
     unforwarded_headers,
@@ -499,6 +500,8 @@ class Proxy:
             "http_parser": http_parser(),
             **({"upstream_proxy": self.upstream.egress.describe()}
                if self.upstream.egress is not None else {}),
+            **({"upstream_oauth2_token_url": shown_url(s.upstream.oauth2.token_url)}
+               if oauth2_on(s.upstream) else {}),
         })
         warn_if_python()
         check_nofile(s.server.max_connections, s.upstream.max_connections)

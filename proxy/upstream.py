@@ -58,6 +58,7 @@ from proxy.config import (
     NEVER_FORWARDED,
     NEVER_FORWARDED_LOWER,
     UpstreamSettings,
+    oauth2_on,
     sets_authorization,
     url_credentials,
 )
@@ -65,7 +66,7 @@ from proxy.deadline import Deadline, deadline_in
 from proxy.egress_proxy import EgressRoutes
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics, present_at_zero
-from proxy.shown import credential_header, shown_url, without_userinfo
+from proxy.shown import credential_header, one_line, shown_url, without_userinfo
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
 from proxy.upstream_http import (
@@ -74,8 +75,10 @@ from proxy.upstream_http import (
     ConnectTimeout,
     Pool,
     Response,
+    basic_authorization,
     default_tls_context,
 )
+from proxy.upstream_oauth2 import TOKEN_RESULTS, TokenFailure, TokenSource
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.upstream_url import extra_label_value, own_extra_label, tenant_url
 from proxy.wire.conversion import check_size, v2_to_v1
@@ -205,11 +208,6 @@ def upstream_target(url: str, query: str = "") -> URL:
     own = base.raw_query_string
     return URL.build(scheme=base.scheme, authority=base.raw_authority, path=base.raw_path,
                      query_string=f"{own}&{query}" if own else query, encoded=True)
-
-
-def basic_authorization(user: str, password: str) -> str:
-    """A Basic Authorization value, UTF-8 as Go's clients send one."""
-    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
 
 
 #: what an upstream's answer shows in place of a credential its request carried
@@ -579,6 +577,10 @@ class _Parts:
             self.refused = self.refused or answer
 
 
+#: ``Answer.upstream`` of a request the OAuth 2.0 token endpoint's refusal kept from
+#: being sent (``Upstream._token_failed``)
+TOKEN_REFUSED = "token_refused"
+
 ProbeOutcome = Literal[
     "rw2", "rw1", "not_write_endpoint", "credentials_refused", "unavailable", "refused",
 ]
@@ -879,6 +881,12 @@ class Upstream:
         #: the client context when a TLS file is set, re-read when they change
         self._tls = (self._client_tls() if settings.tls_ca_file or settings.tls_cert_file
                      else None)
+        #: ``upstream.oauth2``: the token every request carries (None: not set)
+        self._oauth2 = self._token_source() if oauth2_on(settings) else None
+        #: what a request sent in parts is remembered by in place of the token, which
+        #: changes at each renewal while where the parts went does not
+        self._oauth2_identity = (f"OAuth2 {settings.oauth2.client_id} "
+                                 f"{settings.oauth2.token_url}" if self._oauth2 else None)
         #: an http:// upstream goes through an HTTP proxy with credentials
         #: (``upstream.proxy_url``'s user:password) in absolute form: a 401 / 403 may be
         #: that proxy's (tinyproxy answers wrong ones 401), which cannot be told from the
@@ -889,6 +897,7 @@ class Upstream:
                             and bool(egress.authorization))
         self.own_credentials = bool(
             self._token is not None or self._password is not None or self._basic
+            or self._oauth2 is not None
             or any(k.lower() == "authorization" for k in settings.headers)
             or self._proxy_auth
         )
@@ -929,6 +938,21 @@ class Upstream:
             self.settings, on_expiry=expiry.set,
             on_reload=lambda ok: reloads.labels("success" if ok else "failure").inc())
 
+    def _token_source(self) -> TokenSource:
+        """The OAuth 2.0 token, its fetches counted by result (each present at 0) when
+        there are metrics."""
+        s, m = self.settings, self.metrics
+        on_fetch = None
+        if m is not None:
+            fetches = m.upstream_oauth2_token_fetches
+            m.registry.register(fetches)
+            present_at_zero(fetches, TOKEN_RESULTS)
+
+            def on_fetch(result: str) -> None:
+                fetches.labels(result).inc()
+        return TokenSource(s.oauth2, timeout=s.timeout_seconds,
+                           connect_timeout=s.connect_timeout_seconds, on_fetch=on_fetch)
+
     def tls_trial(self) -> ClientTLSLoad | None:
         """The upstream's TLS files built into a new context, for a reload to try before it
         applies anything (raises when they do not load); None without TLS files."""
@@ -947,6 +971,8 @@ class Upstream:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._check_task
         self._check_task = None
+        if self._oauth2 is not None:
+            await self._oauth2.close()
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
@@ -972,8 +998,8 @@ class Upstream:
                         return name
         return ""
 
-    def _headers(self, incoming: Mapping[str, str], protocol: Protocol, encoding: str
-                 ) -> CIMultiDict[str]:
+    def _headers(self, incoming: Mapping[str, str], protocol: Protocol, encoding: str,
+                 authorization: str | None = None) -> CIMultiDict[str]:
         """The upstream request's headers, case-insensitive as HTTP's are.
 
         The sender's forwarded headers go with every value, in the order they came, each
@@ -983,7 +1009,8 @@ class Upstream:
         credentials, the body's headers) replace every value of theirs the sender sent,
         whatever its spelling: with a plain dict, ``x-scope-orgid: evil`` outlived a
         configured ``X-Scope-OrgID`` and the client sent both, the receiver reading the
-        sender's."""
+        sender's. ``authorization``: the proxy's own, when the caller has it (the OAuth
+        2.0 token it awaited), else :meth:`_authorization`'s."""
         out: CIMultiDict[str] = CIMultiDict()
         named = connection_named(incoming)
         #: each name as the sender first spelled it: aiohttp's session kept the values of
@@ -999,7 +1026,8 @@ class Upstream:
                 out.add(spelling.setdefault(low, name), value)
         for name, value in self.settings.headers.items():
             out[name] = value  # replaces every value of the name, any spelling
-        authorization = self._authorization()
+        if authorization is None:
+            authorization = self._authorization()
         if authorization:
             out["Authorization"] = authorization
         if "User-Agent" not in out:
@@ -1020,8 +1048,11 @@ class Upstream:
 
     def _authorization(self) -> str:
         """The Authorization of the proxy's own credentials (a bearer token file, basic
-        auth, the userinfo of upstream.url: at most one of them, ``proxy.config`` sees to
-        that), "" when it has none of these; it replaces the sender's."""
+        auth, the userinfo of upstream.url, the OAuth 2.0 token in force: at most one of
+        them, ``proxy.config`` sees to that), "" when it has none of these; it replaces
+        the sender's."""
+        if self._oauth2 is not None:
+            return self._oauth2.current()
         if self._token is not None:
             return f"Bearer {self._token.get()}"
         if self._password is not None:
@@ -1504,7 +1535,8 @@ class Upstream:
                           extra={"upstream_url": self.shown_url, "error": e.message})
                 return self._count_split("too_large", answer)
             key = _parts_key(digest, url, sent,
-                             self._headers(incoming, sent.protocol, sent.encoding))
+                             self._headers(incoming, sent.protocol, sent.encoding,
+                                           self._oauth2_identity))
             return await self._send_parts(lay, key, sent, answer, incoming, url, attempt)
         finally:
             attempt.charge.give_back(taken)
@@ -1810,10 +1842,16 @@ class Upstream:
             await self.start()
         assert self._pool is not None
         pool = self._pool
+        authorization: str | None = None
+        if self._oauth2 is not None:
+            got = await self._oauth2.authorization()  # a cached read, but when it expired
+            if isinstance(got, TokenFailure):
+                return self._token_failed(got)
+            authorization = got
         started = time.perf_counter()
         code = "error"
         try:
-            headers = self._headers(incoming, out.protocol, out.encoding)
+            headers = self._headers(incoming, out.protocol, out.encoding, authorization)
             tls = self._tls.get() if self._tls is not None else self._default_tls
             target = url if url is not None else self._default_url
             egress = self.egress
@@ -1828,6 +1866,9 @@ class Upstream:
             if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                 self.clock.note(resp.headers.get("Date"))
             text = self._body(resp)
+            if resp.status == 401 and authorization and not _NO_ORG_ID.match(text.strip()):
+                assert self._oauth2 is not None
+                self._oauth2.refused(authorization)
             if text:  # before the body is classified, logged or answered
                 text = withheld(text, self._sent_credentials(headers, incoming))
             return self._answer(resp.status, resp.headers, text, code, out.converted)
@@ -1880,6 +1921,24 @@ class Upstream:
             if self._round_trips is not None and self._responses is not None:
                 self._round_trips.observe(time.perf_counter() - started)
                 self._responses[(code,)] += 1
+
+    def _token_failed(self, failure: TokenFailure) -> Answer:
+        """No OAuth 2.0 token for the request (the token endpoint's line is logged once
+        per fetch, throttled, by ``proxy.upstream_oauth2``): 503, never sent, so nothing
+        of it is stored and the sender sends it again. A refusal of the client is the
+        configuration's, as a 401 to the proxy's own credentials: counted so, and retried
+        after ``MISCONFIGURED_RETRY_AFTER``."""
+        assert self._oauth2 is not None
+        retry_after = DEFAULT_RETRY_AFTER
+        if failure.refused:
+            retry_after = MISCONFIGURED_RETRY_AFTER
+            if self.metrics is not None:
+                self.metrics.upstream_misconfigured.labels(
+                    self.shown_url, "credentials_refused", f"token_{failure.status}").inc()
+        said = (f"upstream {self.shown_url}: no OAuth 2.0 token from "
+                f"{self._oauth2.shown_url} ({failure.result}, {failure.said()}); retry later")
+        return Answer(503, one_line(said).encode()[:MAX_ERROR_BODY],
+                      {"Retry-After": retry_after}, f"token_{failure.result}")
 
     def _body(self, resp: Response) -> bytes:
         """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
@@ -2027,7 +2086,8 @@ class Upstream:
                          answer.upstream)
         code = int(answer.upstream) if answer.upstream.isdigit() else 0
         reason = (misconfiguration(code, own_credentials=self.own_credentials, body=answer.body)
-                  if code else "")
+                  if code else "credentials_refused" if answer.upstream == TOKEN_REFUSED
+                  else "")
         if reason == "not_write_endpoint":
             return Probe("not_write_endpoint", answer.upstream, detail)
         if reason == "credentials_refused":
@@ -2075,6 +2135,9 @@ class Upstream:
             log.error(
                 f"upstream {PROXY_CREDENTIALS}: every write will be answered 503 until "
                 "they are fixed" if probe.code == "407" else
+                "the upstream's OAuth 2.0 token endpoint (upstream.oauth2.token_url) "
+                "refused the proxy's client: every write will be answered 503 until "
+                "upstream.oauth2 is fixed" if probe.code == TOKEN_REFUSED else
                 # the HTTP proxy's 401 cannot be told from the upstream's (tinyproxy
                 # answers wrong credentials so): which one refused, its body may say
                 "the upstream, or the HTTP proxy on the way (upstream.proxy_url's "

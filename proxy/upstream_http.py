@@ -45,6 +45,7 @@ weigh. A request that cannot be written (a line break in a header) raises
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import ipaddress
@@ -668,6 +669,11 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, via: Egr
     if len(head) > end:  # the upstream's bytes before the TLS handshake: not a tunnel
         raise ConnectFailed(f"the HTTP proxy {via.shown} sent bytes after its answer to "
                             f"CONNECT {host_port}")
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """A Basic Authorization value, UTF-8 as Go's clients send one."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
 
 
 @functools.cache

@@ -414,7 +414,7 @@ def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
     out: set[str] = set()
     for k, v in data.items():
         if isinstance(v, dict) and k not in ("headers", "external_labels",
-                                             "proxy_connect_header"):
+                                             "proxy_connect_header", "endpoint_params"):
             out |= _yaml_keys(v, f"{prefix}{k}.")
         else:
             out.add(f"{prefix}{k}")
@@ -905,7 +905,7 @@ def test_a_fact_header_the_upstream_settings_replace_is_refused(
     # the proxy's credentials replace a configured Authorization on every request, so the
     # header was never sent, without a word (with the URL's userinfo it was refused)
     ("upstream", {"bearer_token_file": "TOKEN"}, "Authorization",
-     "never sent, the proxy's credentials (upstream.bearer_token_file or basic_auth_*) "
+     "never sent, the proxy's credentials (upstream.bearer_token_file, basic_auth_* or oauth2) "
      "replace it on every upstream request: choose one kind of auth"),
     ("upstream", {"basic_auth_username": "u", "basic_auth_password_file": "TOKEN"},
      "authorization", "choose one kind of auth"),
@@ -1190,3 +1190,148 @@ def test_parse_host_port_refuses_an_ipv6_host_without_brackets(address: str) -> 
     host fd00::5 port 9091 (Go's SplitHostPort refuses both: too many colons)."""
     with pytest.raises(ConfigError, match=r"an IPv6 address goes in brackets, \[v6\]:PORT"):
         parse_host_port(address)
+
+
+# -- upstream.oauth2 ---------------------------------------------------------------------------
+
+
+#: a Prometheus remote_write's oauth2 block, as it moves behind the proxy
+OAUTH2_YAML = """\
+upstream:
+  url: https://mimir.example/api/v1/push
+  oauth2:
+    client_id: karta
+    client_secret_file: {secret}
+    scopes: [metrics.write, openid]
+    token_url: https://idp.example/realms/x/protocol/openid-connect/token
+    endpoint_params:
+      audience: mimir
+"""
+
+
+def _oauth2(tmp_path: Path, **oauth2: object) -> Settings:
+    """Settings with ``upstream.oauth2`` set (its secret file written), then ``oauth2``'s
+    keys over it ("" removes one)."""
+    secret = tmp_path / "client-secret"
+    secret.write_text(f"  {SECRET}\n")
+    s = valid()
+    o = s.upstream.oauth2
+    o.client_id, o.client_secret_file = "karta", str(secret)
+    o.token_url = "https://idp.example/oauth/token"
+    for k, v in oauth2.items():
+        setattr(o, k, v)
+    return s
+
+
+def test_an_oauth2_block_of_prometheus_is_taken_as_it_is(tmp_path: Path) -> None:
+    """``remote_write``'s ``oauth2:`` (client_id, client_secret_file, scopes, token_url,
+    endpoint_params) moves behind the proxy as ``upstream.oauth2``; it gives the proxy its
+    own Authorization (which facts.headers may then not set)."""
+    from proxy.config import oauth2_on, sets_authorization
+
+    secret = tmp_path / "client-secret"
+    secret.write_text(SECRET)
+    path = tmp_path / "karta.yaml"
+    path.write_text(OAUTH2_YAML.format(secret=secret))
+    s = load_settings(path)
+    validate(s)
+    o = s.upstream.oauth2
+    assert (o.client_id, o.client_secret_file, o.scopes, o.endpoint_params) == (
+        "karta", str(secret), ["metrics.write", "openid"], {"audience": "mimir"})
+    assert oauth2_on(s.upstream) and sets_authorization(s.upstream)
+    assert not oauth2_on(Settings().upstream)
+
+
+@pytest.mark.parametrize(("oauth2", "upstream", "starts"), [
+    ({"token_url": ""}, {}, "upstream.oauth2.token_url: required with upstream.oauth2"),
+    ({"token_url": "ftp://idp/token"}, {},
+     "upstream.oauth2.token_url: expected an http:// or https:// URL"),
+    ({"token_url": "idp.example/token"}, {},
+     "upstream.oauth2.token_url: expected an http:// or https:// URL"),
+    ({"token_url": f"https://karta:{SECRET}@idp/token"}, {},
+     "upstream.oauth2.token_url: holds user:password@"),
+    ({"token_url": "https://idp/token "}, {},
+     "upstream.oauth2.token_url: holds whitespace"),
+    ({"token_url": "https://idp:99999/token"}, {}, "upstream.oauth2.token_url: not a valid URL"),
+    ({"client_id": ""}, {}, "upstream.oauth2.client_id: required with upstream.oauth2"),
+    ({"client_secret_file": ""}, {},
+     "upstream.oauth2.client_secret_file: required with upstream.oauth2"),
+    ({"client_secret_file": "/nonexistent/secret"}, {},
+     "upstream.oauth2.client_secret_file: file '/nonexistent/secret' does not exist"),
+    ({}, {"bearer_token_file": "FILE"},
+     "upstream.oauth2 and upstream.bearer_token_file: choose one kind of auth"),
+    ({}, {"basic_auth_username": "u", "basic_auth_password_file": "FILE"},
+     "upstream.oauth2 and upstream.basic_auth_*: choose one kind of auth"),
+    ({}, {"url": f"http://u:{SECRET}@127.0.0.1:9090/api/v1/write"},
+     "upstream.oauth2 and the user:password@ of upstream.url: choose one kind of auth"),
+    ({"scopes": ["a"], "endpoint_params": {"scope": "b"}}, {},
+     "upstream.oauth2.endpoint_params.scope: upstream.oauth2.scopes sets the scope"),
+    ({"endpoint_params": {"client_secret": SECRET}}, {},
+     "upstream.oauth2.endpoint_params.client_secret: the client's credentials are "
+     "upstream.oauth2.client_secret_file"),
+    ({"tls_cert_file": "FILE"}, {},
+     "upstream.oauth2.tls_cert_file and upstream.oauth2.tls_key_file: set both or neither"),
+    ({"tls_ca_file": "FILE"}, {}, "upstream.oauth2.tls_ca_file: cannot load"),
+    ({"proxy_url": "https://proxy:3128"}, {},
+     "upstream.oauth2.proxy_url: only http:// proxies are supported"),
+])
+def test_oauth2_settings_errors_name_the_setting_and_no_secret(
+        tmp_path: Path, oauth2: dict[str, object], upstream: dict[str, object],
+        starts: str) -> None:
+    """What Prometheus' ``OAuth2`` checks at load (client_id, token_url, a client secret;
+    at most one of basic_auth, oauth2, bearer_token_file), and what it found only at each
+    token request (a scope set twice: ``cannot overwrite parameter "scope"``), are one
+    line at start naming the setting; the secret is in none (FILE: a file holding it, not
+    PEM)."""
+    secret_file = tmp_path / "some-file"
+    secret_file.write_text(SECRET)
+    s = _oauth2(tmp_path, **{k: str(secret_file) if v == "FILE" else v
+                             for k, v in oauth2.items()})
+    for k, v in upstream.items():
+        setattr(s.upstream, k, str(secret_file) if v == "FILE" else v)
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert str(e.value).startswith(starts), e.value
+    assert SECRET not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_oauth2_secret_file_that_cannot_be_sent_is_said_without_its_text(
+        tmp_path: Path) -> None:
+    s = _oauth2(tmp_path)
+    Path(s.upstream.oauth2.client_secret_file).write_bytes(SECRET.encode() + b"\xff")
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert str(e.value).startswith("upstream.oauth2.client_secret_file: ")
+    assert "not UTF-8" in str(e.value) and SECRET not in str(e.value)
+
+
+@pytest.mark.parametrize("section", ["upstream", "facts"])
+def test_an_authorization_header_beside_oauth2_is_refused(tmp_path: Path,
+                                                          section: str) -> None:
+    """The token replaces any other Authorization on every upstream request: one set in
+    upstream.headers or facts.headers would never be sent."""
+    s = _oauth2(tmp_path)
+    getattr(s, section).headers = {"Authorization": f"Bearer {SECRET}"}
+    with pytest.raises(ConfigError) as e:
+        validate(s)
+    assert str(e.value).startswith(f"{section}.headers.Authorization: never sent"), e.value
+    assert "oauth2" in str(e.value) and SECRET not in str(e.value)
+
+
+def test_an_inline_client_secret_is_an_unknown_key_not_quoted(tmp_path: Path) -> None:
+    """Prometheus' inline ``client_secret`` is not taken (every credential of the proxy is
+    a file): the error points at client_secret_file, and never quotes the value."""
+    path = tmp_path / "karta.yaml"
+    path.write_text("upstream:\n  url: http://tsdb/api/v1/write\n  oauth2:\n"
+                    f"    client_id: karta\n    client_secret: {SECRET}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    assert "unknown key 'upstream.oauth2.client_secret': did you mean " \
+           "'upstream.oauth2.client_secret_file'?" in str(e.value), e.value
+    assert SECRET not in str(e.value)
+
+
+def test_an_oauth2_grant_type_may_be_set_as_x_oauth2_lets_it_be(tmp_path: Path) -> None:
+    s = _oauth2(tmp_path, endpoint_params={"grant_type": "urn:x", "audience": "a"},
+                token_url="http://127.0.0.1:1/token")
+    validate(s)

@@ -2282,3 +2282,100 @@ def test_no_fact_tenant_hint_with_the_proxys_own_credentials() -> None:
               UpstreamSettings(url="http://mimir/api/v1/push", basic_auth_username="u")):
         assert fact_tenant_hint(s, {}) == ""
 
+
+
+# -- upstream.oauth2 ---------------------------------------------------------------------------
+
+
+def _oauth2_settings(tmp_path: Path, token_url: str, secret: str = "s3cret"
+                     ) -> dict[str, object]:
+    from proxy.config import OAuth2Settings
+
+    path = tmp_path / "client-secret"
+    path.write_text(secret)
+    return {"oauth2": OAuth2Settings(client_id="karta", client_secret_file=str(path),
+                                     token_url=token_url)}
+
+
+async def test_the_oauth2_token_is_every_upstream_requests_authorization(
+        tmp_path: Path) -> None:
+    """The check's empty write, a sender's write (its own Authorization replaced) and a
+    fact write carry the token; one fetch for all of them."""
+    from tests.oauth2_endpoint import TokenEndpoint
+
+    async with TokenEndpoint() as idp, ScriptedUpstream(record_empty=True) as up, \
+            opened(up.url, protocol="v1", **_oauth2_settings(tmp_path, idp.url)) as u:
+        await u.start(check=True)
+        assert (await u.check()).outcome == "rw1"
+        assert (await u.send(v1_body(), Protocol.V1,
+                             incoming_headers={"Authorization": "Bearer sender"})).ok
+        await u.send_v1(v1_body(), {"X-Scope-OrgID": "ops"})
+    assert len(up.received) == 3 and idp.granted == 1
+    (token,) = idp.issued
+    for rec in up.received:
+        assert rec.headers.getall("Authorization") == [f"Bearer {token}"]
+
+
+async def test_no_oauth2_token_is_a_503_the_sender_retries_nothing_sent(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token endpoint down: 503 + Retry-After 1, the upstream not asked; the client
+    refused (a wrong secret): 503 + Retry-After 30, counted as the proxy's credentials
+    refused, and the check says so. Never a 4xx the sender drops, never a 2xx."""
+    from proxy import upstream_oauth2
+    from tests.oauth2_endpoint import TokenEndpoint
+
+    monkeypatch.setattr(upstream_oauth2, "FAILURE_HOLD_SECONDS", 0.0)  # a fetch each
+    caplog.set_level(logging.INFO, logger="karta.upstream")
+    async with TokenEndpoint(down=True) as idp, ScriptedUpstream(record_empty=True) as up:
+        u = make(up.url, protocol="v1", **_oauth2_settings(tmp_path, idp.url))
+        try:
+            down = await u.send(v1_body(), Protocol.V1)
+            idp.down, idp.clients = False, {"karta": "another"}
+            refused = await u.send(v1_body(), Protocol.V1)
+            probe = await u.check()
+        finally:
+            await u.close()
+    assert not up.received and not up.empty_writes
+    assert (down.status, down.headers["Retry-After"], down.upstream) == (
+        503, "1", "token_unavailable")
+    assert idp.url.encode() in down.body and b"temporarily_unavailable" in down.body
+    assert (refused.status, refused.headers["Retry-After"]) == (503, "30")
+    assert b"invalid_client" in refused.body
+    assert probe.outcome == "credentials_refused"
+    m = u.metrics
+    assert m is not None
+    get = m.registry.get_sample_value
+    assert get("karta_proxy_upstream_oauth2_token_fetches_total", {"result": "unavailable"}) == 1
+    assert get("karta_proxy_upstream_oauth2_token_fetches_total", {"result": "refused"}) == 2
+    assert get("karta_proxy_upstream_oauth2_token_fetches_total", {"result": "success"}) == 0
+    assert get("karta_proxy_upstream_misconfigured_total", {
+        "url": up.url, "reason": "credentials_refused", "code": "token_401"}) == 2
+    assert (get("karta_proxy_upstream_responses_total", {"code": "204"}) or 0) == 0
+    assert any("OAuth 2.0 token endpoint" in r.getMessage() and r.levelno == logging.ERROR
+               for r in caplog.records), caplog.text
+    assert "s3cret" not in caplog.text and "another" not in caplog.text
+
+
+async def test_a_token_the_upstream_refuses_is_fetched_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 401 to the token (revoked, or signed with a key the upstream dropped, before its
+    expiry): 503 to that request, and its resend carries a new token. Prometheus sends
+    the refused one until it expires, dropping every batch (a 401 is not retried)."""
+    from proxy import upstream_oauth2
+    from tests.oauth2_endpoint import TokenEndpoint
+
+    monkeypatch.setattr(upstream_oauth2, "REFUSED_MIN_AGE", 0.0)
+    revoked: set[str] = set()
+
+    def gate(rec: Received) -> Reply:
+        return Reply(401) if rec.headers["Authorization"] in revoked else Reply(204)
+
+    async with TokenEndpoint() as idp, ScriptedUpstream(rule=gate) as up, \
+            opened(up.url, protocol="v1", **_oauth2_settings(tmp_path, idp.url)) as u:
+        assert (await u.send(v1_body(), Protocol.V1)).ok
+        revoked.add(up.received[0].headers["Authorization"])
+        refused = await u.send(v1_body(), Protocol.V1)
+        again = await u.send(v1_body(), Protocol.V1)
+    assert refused.status == 503 and again.ok and idp.granted == 2
+    assert up.received[2].headers["Authorization"] not in revoked
