@@ -312,6 +312,12 @@ class UpstreamSettings(Section):
         "that side closes the connection meets the close on the wire: a 502 for a request "
         "nothing stored, which the sender sends again. The default is under VictoriaMetrics' "
         "and AWS ALB's 60 s, nginx's 75 s, Mimir's 120 s", ge=0.5, le=3600)] = 30.0
+    follow_redirects: Annotated[bool, setting(
+        "follow an upstream's 307 or 308 to its Location with the same body, as Prometheus' "
+        "remote_write does (its follow_redirects, on by default; at most 10 requests, as "
+        "Go's client): a round trip more per request, logged; set url to the target. "
+        "301, 302 and 303 are never followed (a client makes the POST a GET without its "
+        "body); off, a 307 / 308 is answered 503 as a wrong url")] = True
     protocol: Annotated[UpstreamProtocol, setting(
         "RW 2.0 toward the upstream: auto converts to RW 1.0 after a 415 or a 2xx without "
         "Written headers and remembers, v1 "

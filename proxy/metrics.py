@@ -28,6 +28,7 @@ from proxy.index import PodIndex
 from proxy.karta.jq_sandbox import RESTART_REASONS, JqSandbox
 from proxy.loop_metrics import LoopCounter, LoopHistogram
 from proxy.loop_workers import LoopWorkers
+from proxy.upstream_redirect import RESULTS as REDIRECT_RESULTS
 
 if TYPE_CHECKING:
     from proxy.karta.engine import Engine
@@ -357,6 +358,15 @@ class ProxyMetrics:
             "the parts stored was dropped for room before its 5 minutes (too many such "
             "requests for its 16 MiB): a resend of one sends its stored parts again.",
             registry=r,
+        )
+        self.upstream_redirects = _by_result(
+            "upstream_redirects", "Redirect answers to upstream requests, by result: "
+            "followed (a 307 or 308 followed to its Location: one round trip more), "
+            "not_followed (a 301, 302, 303, or a 307 / 308 with upstream.follow_redirects "
+            "off: answered 503 as a misconfiguration), and the ones that end the request "
+            "with a 502: no_location, bad_location (does not parse, not http/https), loop "
+            "(a Location the request went to before), too_many (the 10th redirect).",
+            REDIRECT_RESULTS, r,
         )
         self.upstream_info = Gauge(
             _P + "upstream_info", "The upstream, the protocol learned for it (rw1, "

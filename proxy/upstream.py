@@ -79,6 +79,14 @@ from proxy.upstream_http import (
     default_tls_context,
 )
 from proxy.upstream_oauth2 import TOKEN_RESULTS, TokenFailure, TokenSource
+from proxy.upstream_redirect import (
+    FOLLOWED,
+    REDIRECTS,
+    Chain,
+    RedirectRefused,
+    said_location,
+    shown_location,
+)
 from proxy.upstream_tls import ClientTLS, ClientTLSLoad, FileSecret, build_ssl_context
 from proxy.upstream_url import extra_label_value, own_extra_label, tenant_url
 from proxy.wire.conversion import check_size, v2_to_v1
@@ -107,7 +115,8 @@ DEFAULT_RETRY_AFTER = "1"
 #: Retry-After of a 503 for a misconfigured upstream: nothing changes until an operator acts
 MISCONFIGURED_RETRY_AFTER = "30"
 #: answers that say the URL is not a remote-write endpoint (wrong path, receiver not
-#: enabled, a redirect to somewhere else): the sender's data is fine, the URL is not
+#: enabled, a redirect not followed: ``proxy.upstream_redirect``): the sender's data is
+#: fine, the URL is not
 NOT_A_WRITE_ENDPOINT = frozenset({301, 302, 303, 307, 308, 404, 405, 410, 501})
 #: 4xx answers that mean "not now" rather than "not this data": the sender gets 503
 TRANSIENT_4XX = frozenset({408, 425, 429})
@@ -305,7 +314,8 @@ class Answer:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     #: the upstream's own status, or a word when none came: timeout, connect_error, error,
-    #: sender_gone, overload
+    #: sender_gone, overload; or redirect, for a redirect that ends the request (no
+    #: Location, a bad one, a loop, too many: ``Upstream._redirect_refused``)
     upstream: str = ""
     #: True when the body went out as RW 1.0 after arriving as RW 2.0
     converted: bool = False
@@ -340,6 +350,17 @@ class Outgoing:
     #: and how many it had: its ``counts`` say 0 histograms
     without_histograms: bool = False
     histograms_left_out: int = 0
+
+
+@dataclass(slots=True)
+class _Hop:
+    """Where an upstream request's redirects led (``Upstream._follow``): the last answer,
+    the chain of requests, and why the last redirect was not followed, if it ends the
+    request so."""
+
+    resp: Response
+    chain: Chain
+    refused: RedirectRefused | None = None
 
 
 class ConversionRefused(Exception):
@@ -691,6 +712,12 @@ def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -
 #: requests of an http:// upstream through ``upstream.proxy_url``)
 PROXY_CREDENTIALS = ("asks for an HTTP proxy's credentials (407: the user:password of "
                      "upstream.proxy_url, missing or refused)")
+#: what a 401 / 403 means at the end of a redirect to another site, where the sender's
+#: forwarded credentials were left out (``Chain.headers``: Go's client leaves them out)
+_CREDENTIALS_NOT_SENT = (
+    "refused the request where a redirect to another site took it: the sender's "
+    "credentials are not sent there, as Go's client sends none of a request's own; set "
+    "upstream.url to the target")
 #: what a 401 / 403 to a write of the proxy's own (the start-up check, the fact series)
 #: means: senders' writes carry their own ``Authorization``, which the proxy forwards, so
 #: a TSDB that requires credentials takes them and refuses only the proxy's own, every
@@ -901,6 +928,16 @@ class Upstream:
             or any(k.lower() == "authorization" for k in settings.headers)
             or self._proxy_auth
         )
+        #: the names (lower case) a sender's request brings upstream: the forwarded ones the
+        #: settings do not set themselves. A redirect to another site drops the sensitive
+        #: ones as Go's client drops the first request's (``Chain.headers``); the
+        #: settings' own go on every request of the chain, as Prometheus' RoundTrippers set
+        #: its credentials and headers
+        own = {name.lower() for name in settings.headers}
+        if (self._token is not None or self._password is not None or self._basic
+                or self._oauth2 is not None):
+            own.add("authorization")
+        self._sender_names = frozenset(self._forward - own)
         self._publish()
 
     async def start(self, *, check: bool = False) -> None:
@@ -1837,7 +1874,9 @@ class Upstream:
         """Send one request; every way it can end is an answer for the sender, counted in
         ``upstream_responses_total`` by code and logged when it failed: a 2xx, the
         upstream's status mapped (:meth:`_answer`), 504 (timeout), 502 (no connection, a
-        broken transport, or a request the client could not even make)."""
+        broken transport, or a request the client could not even make). A redirect is
+        followed (:meth:`_follow`) within the same deadline, counted as one request: the
+        last answer's code and the whole chain's time."""
         if self._pool is None:
             await self.start()
         assert self._pool is not None
@@ -1857,11 +1896,19 @@ class Upstream:
             egress = self.egress
             via = (None if egress is None else
                    egress.via(target.scheme, target.raw_host or "", target.port or 0))
+            chain: Chain | None = None
             async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
                 resp = await pool.post(
                     target, headers, out.encoded, tls=tls,
                     server_hostname=self.settings.tls_server_name or None,
                     max_body=MAX_ERROR_BODY, via=via)
+                if 300 <= resp.status < 400:  # a 2xx costs this one comparison, no more
+                    hop = await self._follow(pool, resp, target, headers, out.encoded,
+                                             incoming)
+                    resp, chain = hop.resp, hop.chain
+                    if hop.refused is not None:
+                        code = str(resp.status)
+                        return self._redirect_refused(hop, hop.refused)
             code = str(resp.status)
             if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                 self.clock.note(resp.headers.get("Date"))
@@ -1870,8 +1917,9 @@ class Upstream:
                 assert self._oauth2 is not None
                 self._oauth2.refused(authorization)
             if text:  # before the body is classified, logged or answered
+                # the first request's headers: the later ones of a chain carry no more
                 text = withheld(text, self._sent_credentials(headers, incoming))
-            return self._answer(resp.status, resp.headers, text, code, out.converted)
+            return self._answer(resp.status, resp.headers, text, code, out.converted, chain)
         except ConnectTimeout as e:
             # an upstream whose SYNs are dropped (a firewall, a dead address) is
             # unreachable, not slow to answer
@@ -1940,6 +1988,85 @@ class Upstream:
         return Answer(503, one_line(said).encode()[:MAX_ERROR_BODY],
                       {"Retry-After": retry_after}, f"token_{failure.result}")
 
+    async def _follow(self, pool: Pool, resp: Response, url: URL, headers: CIMultiDict[str],
+                      body: bytes, incoming: Mapping[str, str]) -> _Hop:
+        """The last answer of the chain ``resp`` (a 3xx to ``url``) begins: while it is a
+        307 or 308 and ``upstream.follow_redirects`` is on, the same ``body`` goes to its
+        Location with the headers Go's client would send there (``Chain.headers``: the
+        proxy's own settings on every request, a sender's sensitive headers not past its
+        first URL's site), counted and logged as a round trip spent
+        (:meth:`_followed`). Another 3xx ends it as the answer (301, 302, 303, or any
+        redirect with the setting off: a misconfiguration, :meth:`_answer`); so does a
+        redirect that cannot be followed (``_Hop.refused``: a 502).
+
+        Only what a redirect answers is known not stored, so following one never turns a
+        request that may have been stored into a second one: the answer at the end of the
+        chain is the only one taken."""
+        chain = Chain([url])
+        brought = () if isinstance(incoming, OwnHeaders) else self._sender_names
+        while resp.status in FOLLOWED and self.settings.follow_redirects:
+            try:
+                target = chain.follow(resp.headers.get("Location"))
+            except RedirectRefused as e:
+                return _Hop(resp, chain, e)
+            hop_headers = chain.headers(headers, brought)
+            self._followed(chain, resp.status)
+            tls = None
+            if target.scheme == "https":
+                tls = self._tls.get() if self._tls is not None else self._hop_tls()
+            egress = self.egress
+            via = (None if egress is None else
+                   egress.via(target.scheme, target.raw_host or "", target.port or 0))
+            resp = await pool.post(target, hop_headers, body, tls=tls,
+                                   server_hostname=self.settings.tls_server_name or None,
+                                   max_body=MAX_ERROR_BODY, via=via)
+        if resp.status in REDIRECTS:
+            self._count_redirect("not_followed")
+        return _Hop(resp, chain)
+
+    def _hop_tls(self) -> ssl.SSLContext:
+        """The context of an https:// request when ``upstream.url`` is http:// (its
+        redirect to https://, ingress-nginx's ``force-ssl-redirect``): made of the
+        upstream's TLS settings, as Prometheus' one transport has them for every host,
+        at the first such request."""
+        if self._default_tls is None:
+            self._default_tls = build_ssl_context(self.settings) or default_tls_context()
+        return self._default_tls
+
+    def _count_redirect(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_redirects.labels(result).inc()
+
+    def _followed(self, chain: Chain, status: int) -> None:
+        """A redirect followed costs every such request a round trip more, for good: said
+        once per (from, to) at once, then in one summary per ``QUIET_LOG_SECONDS`` while it
+        goes on (the throttle's keys are bounded)."""
+        self._count_redirect("followed")
+        came, went = shown_location(chain.urls[-2]), shown_location(chain.url)
+        self._line(logging.WARNING, "upstream redirected a request and it was followed: each "
+                   "such request costs a round trip more; set upstream.url to the target",
+                   f"{came} -> {went}",
+                   {"upstream_url": self.shown_url, "upstream_status": status,
+                    "from": came, "to": went,
+                    "sender_credentials_dropped": chain.dropped},
+                   interval=QUIET_LOG_SECONDS)
+
+    def _redirect_refused(self, hop: _Hop, refused: RedirectRefused) -> Answer:
+        """A redirect that cannot be followed (no Location, one that does not parse or is
+        not http/https, a loop, the 10th): a 502, which the sender retries (nothing of the
+        request is stored: every answer of the chain was a redirect), one line per reason
+        and interval, counted by reason."""
+        self._count_redirect(refused.result)
+        where = shown_location(hop.chain.url)
+        self._line(logging.WARNING, "upstream redirect not followed: the sender gets 502 "
+                   "(fix the upstream's redirects, or set upstream.url to where it should "
+                   "go)", refused.result,
+                   {"upstream_url": self.shown_url, "upstream_status": hop.resp.status,
+                    "url": where, "reason": refused.result, "error": refused.why})
+        return Answer(502, (f"upstream {where} answered {hop.resp.status}, a redirect not "
+                            f"followed: {refused.why}").encode()[:MAX_ERROR_BODY],
+                      {}, "redirect")
+
     def _body(self, resp: Response) -> bytes:
         """The first ``MAX_ERROR_BODY`` bytes of an answer's body; none when the body of a
         2xx breaks off (the connection reset after its head): the upstream said it stored
@@ -1971,7 +2098,10 @@ class Upstream:
         return Answer(status, body.encode(), {}, code)
 
     def _answer(self, upstream_status: int, upstream_headers: Mapping[str, str], text: bytes,
-                code: str, converted: bool = False) -> Answer:
+                code: str, converted: bool = False, chain: Chain | None = None) -> Answer:
+        """The sender's answer to the upstream's (``chain``: the requests it took, when its
+        first answer was a 3xx: a redirect not followed is said with its Location, an
+        answer at the end of redirects with where it came from)."""
         status, out = map_status(upstream_status, upstream_headers,
                                  pass_through_429=self.settings.pass_through_429)
         for name in _WRITTEN:
@@ -1979,23 +2109,48 @@ class Upstream:
                 out[name] = upstream_headers[name]
         reason = misconfiguration(upstream_status, own_credentials=self.own_credentials,
                                   body=text)
+        dropped = (not reason and chain is not None and chain.dropped
+                   and upstream_status in (401, 403) and not _NO_ORG_ID.match(text.strip()))
+        if dropped:
+            # the sender's credentials were left out at a redirect to another site (Go's
+            # rule): the refusal is the chain's, not the sender's, whose batch a 4xx drops
+            reason = "credentials_refused"
         if reason:
             what = ("is not a remote-write endpoint" if reason == "not_write_endpoint"
                     else PROXY_CREDENTIALS if upstream_status == 407
+                    else _CREDENTIALS_NOT_SENT if dropped
                     else "refused the proxy's credentials (its upstream credentials, or "
                     "upstream.proxy_url's user:password for the HTTP proxy on the way)"
                     if self._proxy_auth else "refused the proxy's credentials")
-            self._line(
-                logging.ERROR,
-                f"upstream {what}: fix upstream.url / credentials; senders get 503 and keep "
-                "their data meanwhile", f"{reason}:{upstream_status}",
-                {"upstream_url": self.shown_url, "upstream_status": upstream_status,
-                 "reason": reason, "hint": _PATH_HINT,
-                 "body": text[:512].decode("utf-8", "replace")},
-            )
+            line = (f"upstream {what}: fix upstream.url / credentials; senders get 503 and "
+                    "keep their data meanwhile")
+            extra: dict[str, object] = {"upstream_url": self.shown_url,
+                                        "upstream_status": upstream_status, "reason": reason}
+            where = self.shown_url
+            if chain is not None and len(chain.urls) > 1:
+                extra["redirected_to"] = went = shown_location(chain.url)
+                where = f"{where} (redirected to {went})"
+            if chain is not None and upstream_status in REDIRECTS:
+                # the Location in the fields and the answer, never in the message: the
+                # lines are throttled per message, which an upstream must not choose
+                given = upstream_headers.get("Location")
+                extra["location"] = location = said_location(chain.url, given)
+                why = ("upstream.follow_redirects is off" if upstream_status in FOLLOWED
+                       else f"a {upstream_status} makes a client's POST a GET without its "
+                       "body, as Go's does")
+                what = (f"redirects to {location}, which is not followed ({why}): set "
+                        "upstream.url to it" if given else
+                        f"redirects without a Location, which is not followed ({why})")
+                line = ("upstream redirects the writes and the redirect is not followed: set "
+                        "upstream.url to its location; senders get 503 and keep their data "
+                        "meanwhile")
+            else:
+                extra["hint"] = _PATH_HINT
+            extra["body"] = text[:512].decode("utf-8", "replace")
+            self._line(logging.ERROR, line, f"{reason}:{upstream_status}", extra)
             if self.metrics is not None:
                 self.metrics.upstream_misconfigured.labels(self.shown_url, reason, code).inc()
-            message = (f"upstream {self.shown_url} answered {upstream_status}: it {what} "
+            message = (f"upstream {where} answered {upstream_status}: it {what} "
                        f"(proxy misconfigured; retry later)").encode() + (
                            b": " + text if text.strip() else b"")
             return Answer(503, message[:MAX_ERROR_BODY],

@@ -15,6 +15,7 @@ from typing import Any, cast
 import snappy
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.aux_server import AuxServer
 from proxy.compression import decompress
@@ -79,6 +80,21 @@ def size_limit(max_bytes: int, then: Callable[[Received], Reply] | None = None, 
         if len(rec.body) > max_bytes:
             return refusal or Reply(413, body=b"request body too large")
         return then(rec) if then is not None else Reply(204)
+
+    return rule
+
+
+def redirect_to(receiver: str, status: int = 308, host: str = "127.0.0.1"
+                ) -> Callable[[Received], Reply]:
+    """A redirecting front: every request answered ``status`` with a Location on
+    ``receiver``'s scheme and port (its host replaced by ``host``), the request's path and
+    query kept, as ingress-nginx's ``force-ssl-redirect`` answers http:// with https://."""
+    base = URL(receiver)
+
+    def rule(rec: Received) -> Reply:
+        where = base.with_host(host).with_path(rec.path, encoded=True)
+        where = where.with_query(rec.query) if rec.query else where.with_query(None)
+        return Reply(status, {"Location": str(where)})
 
     return rule
 
