@@ -14,7 +14,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.compression import compress
-from proxy.config import UpstreamSettings
+from proxy.config import OAuth2Settings, UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import Upstream
 from proxy.upstream_redirect import (
@@ -25,6 +25,7 @@ from proxy.upstream_redirect import (
     same_site,
 )
 from proxy.wire.primitives import Protocol
+from tests.oauth2_endpoint import TokenEndpoint
 from tests.scripted import (
     Received,
     Reply,
@@ -225,6 +226,24 @@ async def test_a_307_to_another_site_drops_the_senders_credentials_not_the_proxy
     assert "Cookie" not in first.headers and "Cookie" in front.received[0].headers
     assert second.headers["Authorization"] == "Bearer own-token"
     assert "Cookie" not in second.headers
+
+
+async def test_the_oauth2_token_goes_through_a_redirect_to_another_site(
+        tmp_path: Path) -> None:
+    """The proxy's OAuth 2.0 token is its own credential, as Prometheus' oauth2
+    RoundTripper sets it on every request: not dropped where a sender's is."""
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    async with (TokenEndpoint() as idp, ScriptedUpstream() as receiver,
+                ScriptedUpstream(rule=redirect_to(receiver.url, 307, host="localhost")) as front,
+                opened(front.url, forward_headers=["Authorization"], oauth2=OAuth2Settings(
+                    client_id="karta", client_secret_file=str(secret), token_url=idp.url)) as u):
+        answer = await u.send(v1_body(), Protocol.V1,
+                              incoming_headers={"Authorization": "Bearer sender"})
+    assert answer.ok, answer.body
+    (went,) = receiver.received
+    assert idp.live(went.headers["Authorization"])
+    assert went.headers["Authorization"] == front.received[0].headers["Authorization"]
 
 
 async def test_a_refusal_where_the_senders_credentials_were_left_out_is_no_4xx() -> None:
