@@ -109,6 +109,13 @@ def _place(url: URL) -> tuple[str, str, int | None, str, str]:
     return (url.scheme, url.raw_host or "", url.port, url.raw_path, url.raw_query_string)
 
 
+def _reference(location: str) -> URL:
+    """A Location as a URL reference, a byte that is not UTF-8 (the client keeps it as a
+    surrogate) percent-encoded, as Go encodes such a byte of a path: yarl dropped it, and
+    sent the request elsewhere (and failed on it in a host). Raises as yarl does."""
+    return URL(_RAW_BYTE.sub(lambda m: f"%{ord(m.group()) - 0xDC00:02X}", location.strip()))
+
+
 def resolve(base: URL, location: str | None) -> URL:
     """The URL a ``Location`` names, resolved against ``base`` (the request it answers)
     as RFC 3986 and Go's ``URL.Parse`` resolve a reference, without its fragment and its
@@ -121,9 +128,7 @@ def resolve(base: URL, location: str | None) -> URL:
                               f"its Location {shown_location(location)} holds a control "
                               "character")
     try:
-        # a byte that is not UTF-8 (the client keeps it as a surrogate) percent-encoded, as
-        # Go encodes such a byte of a path: yarl dropped it, and sent the request elsewhere
-        ref = URL(_RAW_BYTE.sub(lambda m: f"%{ord(m.group()) - 0xDC00:02X}", location.strip()))
+        ref = _reference(location)
         if ref.scheme and ref.scheme not in ("http", "https"):
             raise RedirectRefused(
                 "bad_location", f"its Location {shown_location(location)} is not http:// "
@@ -195,8 +200,10 @@ class Chain:
             raise RedirectRefused("too_many", f"stopped after {MAX_REQUESTS} redirects (as "
                                               "Go's client, and Prometheus, stop)")
         self.left_site = self.left_site or not same_site(self.urls[0], target)
-        # parsed by ``resolve`` already: Go's ``url.Parse(loc).IsAbs()``
-        self.absolute = self.absolute or bool(URL((location or "").strip()).scheme)
+        # parsed by ``resolve`` already, as it parsed it: Go's ``url.Parse(loc).IsAbs()``
+        # (the raw text again raised a UnicodeError for a byte that is not UTF-8 in a
+        # host, a 502 said as a proxy bug)
+        self.absolute = self.absolute or bool(_reference(location or "").scheme)
         self.previous = self.url
         self.urls.append(target)
         return target

@@ -77,6 +77,20 @@ def test_a_location_that_cannot_be_followed_says_why(location: str | None, resul
     assert caught.value.result == result and said in caught.value.why
 
 
+@pytest.mark.parametrize(("location", "absolute"), [
+    ("//tsdb\udce9.example/w", False),
+    ("http://tsdb\udce9.example/w", True),
+])
+def test_a_location_with_a_byte_not_utf8_in_its_host_is_taken_as_resolved(
+        location: str, absolute: bool) -> None:
+    """The chain read such a Location again unsanitized (for Go's ``IsAbs``): a
+    UnicodeError out of ``follow``, the sender's 502 said as a proxy bug at error level
+    and no redirect counted."""
+    chain = Chain([FIRST])
+    assert chain.follow(location) == resolve(FIRST, location)
+    assert chain.absolute is absolute
+
+
 def test_a_loop_ends_at_once_and_a_chain_at_go_s_tenth_redirect() -> None:
     loop = Chain([FIRST])
     loop.follow("https://tsdb.example.com/w")
