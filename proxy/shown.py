@@ -3,14 +3,19 @@ ASCII as it is and every other byte as ``\\xNN``.
 
 One rule for every refusal that quotes what a sender or a description's author wrote:
 the relay's (a label string, ``proxy.wire``; the native splice follows it byte for byte)
-and the engine's (an id an expression yielded, ``proxy.karta.jqexpr.checked_id``). A
+and the engine's (an id an expression yielded, ``proxy.karta.jqexpr.checked_id``). And
+what a person reads of a URL or a credential: without the credential (a URL's userinfo
+and credential query values, a credential a request carried and its answer echoes). A
 leaf, importing nothing of the project: the wire layer and the engine each stay free of
 the other and of the layers above them (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import re
+from collections.abc import Mapping
 from urllib.parse import unquote
 
 #: bytes a refusal shows (the native splice's ``SHOWN``)
@@ -103,3 +108,41 @@ def shown_url(url: str, *, broken: bool = False) -> str:
     base = without_userinfo(url, broken=broken)
     head, mark, rest = base.partition("?")
     return head + hidden_query("?" + rest) if mark else base
+
+
+#: what an answer shows in place of a credential its request carried
+WITHHELD = b"(credential not shown)"
+
+
+def sent_credentials(fields: Mapping[str, str], configured: set[str]) -> list[bytes]:
+    """The credentials a request carried, in the forms its answer could echo them (an
+    auth proxy's or a debug handler's "you sent: ..."; a token endpoint's
+    ``error_description`` quoting the client secret; that text reached the log and the
+    sender, another tenant's or the proxy's own token with it): the value of each of its
+    headers or form ``fields`` a name tells as a credential (:func:`credential_header`:
+    ``Authorization``, ``client_secret``) or ``configured`` (lower-case names: the
+    caller's, a tenant's header left out), its part after an auth scheme, and a Basic
+    one's ``user:password`` and password. Longest first; none under 4 characters (a
+    tenant id "1" is no secret, and every "1" of the body replaced would garble it)."""
+    found: set[str] = set()
+    for name, value in fields.items():
+        if not credential_header(name) and name.lower() not in configured:
+            continue
+        found.add(value)
+        scheme, _, rest = value.strip().partition(" ")
+        rest = rest.strip()
+        if not rest:
+            continue
+        found.add(rest)
+        if scheme.lower() == "basic":
+            with contextlib.suppress(ValueError):  # binascii.Error, UnicodeDecodeError
+                userinfo = base64.b64decode(rest, validate=True).decode()
+                found.update((userinfo, userinfo.partition(":")[2]))
+    return sorted((v.encode() for v in found if len(v) >= 4), key=len, reverse=True)
+
+
+def withheld(text: bytes, credentials: list[bytes]) -> bytes:
+    """``text`` with each of ``credentials`` (:func:`sent_credentials`) as ``WITHHELD``."""
+    for credential in credentials:
+        text = text.replace(credential, WITHHELD)
+    return text

@@ -29,7 +29,6 @@ made it bigger: such a request is sent again in parts cut at series boundaries
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import hashlib
@@ -66,7 +65,13 @@ from proxy.deadline import Deadline, deadline_in
 from proxy.egress_proxy import EgressRoutes
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics, present_at_zero
-from proxy.shown import credential_header, one_line, shown_url, without_userinfo
+from proxy.shown import (
+    one_line,
+    sent_credentials,
+    shown_url,
+    withheld,
+    without_userinfo,
+)
 from proxy.stored_parts import Entry, Range, StoredAnswer, StoredParts
 from proxy.upstream_clock import UpstreamClock
 from proxy.upstream_http import (
@@ -217,44 +222,6 @@ def upstream_target(url: str, query: str = "") -> URL:
     own = base.raw_query_string
     return URL.build(scheme=base.scheme, authority=base.raw_authority, path=base.raw_path,
                      query_string=f"{own}&{query}" if own else query, encoded=True)
-
-
-#: what an upstream's answer shows in place of a credential its request carried
-WITHHELD = b"(credential not shown)"
-
-
-def sent_credentials(headers: Mapping[str, str], configured: set[str]) -> list[bytes]:
-    """The credentials a request to the upstream carried, in the forms its answer could
-    echo them (an auth proxy's or a debug handler's "you sent: ..."; that body reached
-    the log and the sender, another tenant's or the proxy's own token with it): the value
-    of each header a name tells as a credential (``proxy.shown.credential_header``) or
-    ``configured`` (upstream.headers, facts.headers: lower-case names) but a tenant's,
-    its part after an auth scheme, and a Basic one's ``user:password`` and password.
-    Longest first; none under 4 characters (a tenant id "1" is no secret, and every
-    "1" of the body replaced would garble it)."""
-    found: set[str] = set()
-    for name, value in headers.items():
-        low = name.lower()
-        if not credential_header(name) and (low not in configured or low in _TENANT_HEADERS):
-            continue
-        found.add(value)
-        scheme, _, rest = value.strip().partition(" ")
-        rest = rest.strip()
-        if not rest:
-            continue
-        found.add(rest)
-        if scheme.lower() == "basic":
-            with contextlib.suppress(ValueError):  # binascii.Error, UnicodeDecodeError
-                userinfo = base64.b64decode(rest, validate=True).decode()
-                found.update((userinfo, userinfo.partition(":")[2]))
-    return sorted((v.encode() for v in found if len(v) >= 4), key=len, reverse=True)
-
-
-def withheld(text: bytes, credentials: list[bytes]) -> bytes:
-    """``text`` with each of ``credentials`` (:func:`sent_credentials`) as ``WITHHELD``."""
-    for credential in credentials:
-        text = text.replace(credential, WITHHELD)
-    return text
 
 
 def connection_named(incoming: Mapping[str, str]) -> set[str]:
@@ -1081,7 +1048,7 @@ class Upstream:
         configured = {name.lower() for name in self.settings.headers}
         if isinstance(incoming, OwnHeaders):
             configured.update(name.lower() for name in incoming)
-        return sent_credentials(headers, configured)
+        return sent_credentials(headers, configured - _TENANT_HEADERS)
 
     def _authorization(self) -> str:
         """The Authorization of the proxy's own credentials (a bearer token file, basic

@@ -16,6 +16,11 @@ As x/oauth2 does:
   form; a non-2xx status or an ``error`` field is a refusal, an answer without an
   ``access_token`` an error; the ``Authorization`` sent is ``<type> <token>``, the type
   ``Bearer`` unless the answer names another (``bearer`` is ``Bearer``);
+- a 307 or 308 is followed as Go's client follows x/oauth2's request (prometheus/common
+  sets no ``CheckRedirect`` on its token client): the same form to the Location, the
+  Basic credentials not past the token URL's site (``proxy.upstream_redirect``'s rule); a
+  301, 302 or 303 (Go's GET without the form, which no token endpoint answers with a
+  token) is a refusal naming the Location;
 - the token is used until 10 s before it expires (x/oauth2's ``expiryDelta``), and
   without ``expires_in`` (or 0) for as long as it is not refused;
 - the secret file is read again when it changes (a stamp checked at most once a second,
@@ -27,11 +32,14 @@ As x/oauth2 does:
 What the proxy adds, since its senders wait on it: a fetch is one task every request
 that finds no token waits for (one fetch, however many requests), bounded in time
 (:data:`FETCH_SECONDS`, and ``upstream.timeout_seconds``; x/oauth2 gives it none), made
-on the event loop's own I/O (the TLS context built in a thread); a failed fetch answers
+on the event loop's own I/O (the TLS context built in a thread, and a long answer read
+there: :data:`PARSED_ON_LOOP`); a failed fetch answers
 the requests of the next :data:`FAILURE_HOLD_SECONDS` without another; and a token the
 upstream refuses (401) is dropped, so the next request fetches another
 (:meth:`TokenSource.refused`), where Prometheus sends it until it expires. Nothing of
-the secret or the token reaches a log line, a metric or an answer.
+the secret or the token reaches a log line, a metric or an answer: an endpoint's error
+text that quotes the secret has it withheld (x/oauth2's error quotes the body as it
+came).
 """
 
 from __future__ import annotations
@@ -49,13 +57,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, quote_plus, urlencode
 
+from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import OAuth2Settings
 from proxy.deadline import deadline_in
 from proxy.egress_proxy import Egress, parse_egress
 from proxy.log import Throttled, failure_line
-from proxy.shown import one_line, shown_url
+from proxy.shown import one_line, sent_credentials, shown_url, withheld
 from proxy.tls_files import HEADER_VALUE_FORBIDDEN, FileStamp, client_context, stamp
 from proxy.upstream_http import (
     ClientError,
@@ -63,6 +72,14 @@ from proxy.upstream_http import (
     Response,
     basic_authorization,
     default_tls_context,
+)
+from proxy.upstream_redirect import (
+    FOLLOWED,
+    REDIRECTS,
+    Chain,
+    RedirectRefused,
+    said_location,
+    shown_location,
 )
 from proxy.upstream_tls import FileSecret
 
@@ -86,6 +103,11 @@ FAILURE_HOLD_SECONDS = 1.0
 REFUSED_MIN_AGE = 10.0
 #: the most of an answer read (x/oauth2 reads 1 MiB)
 MAX_ANSWER = 1 << 20
+#: an answer longer than this is read in a thread: a form answer of ``MAX_ANSWER``
+#: (``a=&`` over and over) held the event loop, every sender's request with it, 0.5 s a
+#: fetch, and a failed fetch comes again every ``FAILURE_HOLD_SECONDS``; a token
+#: endpoint's answer is a few KiB
+PARSED_ON_LOOP = 64 * 1024
 #: the most of an OAuth error's text a line or an answer shows
 SHOWN_ERROR = 200
 
@@ -275,6 +297,9 @@ class TokenSource:
         self._lines = Throttled(log, "upstream OAuth 2.0 token not fetched: senders get 503 "
                                 "and keep their data", "upstream OAuth 2.0 token not "
                                 "fetched (repeated)", peer_field=None)
+        message = ("upstream OAuth 2.0 token endpoint redirected the token request and it "
+                   "was followed: set upstream.oauth2.token_url to the target")
+        self._redirects = Throttled(log, message, f"{message} (repeated)", peer_field=None)
         self._failing = False
 
     # -- what a request reads ---------------------------------------------------------
@@ -325,6 +350,7 @@ class TokenSource:
 
     async def close(self) -> None:
         self._lines.close()
+        self._redirects.close()
         task, self._fetching = self._fetching, None
         if task is not None and not task.done():
             task.cancel()
@@ -392,18 +418,51 @@ class TokenSource:
         except (ClientError, OSError, ValueError) as e:
             return TokenFailure("unavailable", None, "no_answer",
                                 failure_line(e, self._timeout), self._clock())
+        if isinstance(resp, TokenFailure):
+            return resp
+        if len(resp.body) > PARSED_ON_LOOP:
+            return await asyncio.to_thread(self._token_of, resp, secret)
         return self._token_of(resp, secret)
 
-    async def _post(self, headers: dict[str, str], body: bytes) -> Response:
+    async def _post(self, headers: dict[str, str], body: bytes) -> Response | TokenFailure:
+        """The token request's answer, a 307 or 308 followed as Go's client follows
+        x/oauth2's request (prometheus/common gives its token client no
+        ``CheckRedirect``, whatever ``follow_redirects`` says): the same form to the
+        Location, at most 10 requests, the Basic credentials not past the token URL's
+        host and its subdomains (``Chain.headers``; a form's ``client_secret`` goes on
+        with the body, as Go sends it). A redirect that cannot be followed, or a 301 /
+        302 / 303 (Go makes the POST a GET without its form), is the failure, naming
+        where it points."""
         if self._pool is None:
             # its own pool: the token endpoint is another host, reached its own way
             # (oauth2.tls_*, oauth2.proxy_url); connections kept 10 s, as Prometheus'
             self._pool = Pool(limit=2, idle_seconds=10.0,
                               connect_timeout=self._connect_timeout)
-        tls = await self._context() if self._target.scheme == "https" else None
-        return await self._pool.post(self._target, headers, body, tls=tls,
-                                     server_hostname=None, max_body=MAX_ANSWER,
-                                     via=self._egress)
+        first: CIMultiDict[str] = CIMultiDict(headers)
+        chain = Chain([self._target])
+        target, sent = self._target, first
+        while True:
+            tls = await self._context() if target.scheme == "https" else None
+            resp = await self._pool.post(target, sent, body, tls=tls, server_hostname=None,
+                                         max_body=MAX_ANSWER, via=self._egress)
+            if resp.status not in REDIRECTS:
+                return resp
+            location = resp.headers.get("Location")
+            if resp.status not in FOLLOWED:
+                return self._refusal(resp.status, "", (
+                    f"redirects to {said_location(chain.url, location)}, not followed (a "
+                    f"{resp.status} makes a client's POST a GET without its form, as Go's "
+                    "does): set upstream.oauth2.token_url to it"), self._clock())
+            try:
+                target = chain.follow(location)
+            except RedirectRefused as e:
+                return TokenFailure("unavailable", resp.status, "redirect",
+                                    f"a redirect not followed: {e.why}", self._clock())
+            sent = chain.headers(first, ("authorization",))
+            came, went = shown_location(chain.urls[-2]), shown_location(target)
+            self._redirects.event(f"{came} -> {went}", {
+                "token_url": self.shown_url, "token_status": resp.status, "from": came,
+                "to": went})
 
     async def _context(self) -> ssl.SSLContext:
         """The token endpoint's TLS context, built again in a thread when its files
@@ -434,7 +493,8 @@ class TokenSource:
 
     def _token_of(self, resp: Response, secret: str) -> Token | TokenFailure:
         """The token of an answer, or why there is none: its status, then its
-        ``error`` (a 2xx may carry one), then its ``access_token``."""
+        ``error`` (a 2xx may carry one), then its ``access_token``. Pure but for the
+        clock: run in a thread for a long answer."""
         now = self._clock()
         status = resp.status
         failed = not 200 <= status < 300
@@ -446,7 +506,7 @@ class TokenSource:
                 return self._refusal(status, "", f"{parsed} answer", now)
             return TokenFailure("invalid_answer", status, parsed, _UNREADABLE[parsed], now)
         if failed or parsed.error:
-            return self._refusal(status, parsed.error, parsed.description, now)
+            return self._refusal(status, parsed.error, parsed.description, now, secret)
         access = parsed.access_token
         if not access:
             return TokenFailure("invalid_answer", status, "no_access_token",
@@ -460,14 +520,30 @@ class TokenSource:
         stale_at = now + lifetime - EXPIRY_DELTA if lifetime else math.inf
         return Token(authorization, stale_at, now, lifetime)
 
-    def _refusal(self, status: int, error: str, description: str, now: float
-                 ) -> TokenFailure:
+    def _refusal(self, status: int, error: str, description: str, now: float,
+                 secret: str = "") -> TokenFailure:
         """A non-2xx answer, or one with an ``error``: the client refused, or "later"
-        (a 5xx, 408, 425, 429)."""
+        (a 5xx, 408, 425, 429). The endpoint's text is the senders' answer and a log
+        line: the client's credentials it quotes (``secret``, as sent or form-escaped,
+        the Basic credentials) are withheld, as an upstream's answer quoting the
+        proxy's token is."""
         later = status >= 500 or status in _LATER
-        detail = one_line(description)[:SHOWN_ERROR]
+        detail = one_line(self._withheld(description, secret))[:SHOWN_ERROR]
+        error = one_line(self._withheld(error, secret))[:SHOWN_ERROR]
         return TokenFailure("unavailable" if later else "refused", status,
-                            one_line(error)[:SHOWN_ERROR] or f"status_{status}", detail, now)
+                            error or f"status_{status}", detail, now)
+
+    def _withheld(self, text: str, secret: str) -> str:
+        """``text`` without the client's credentials as a token request carries them
+        (:func:`proxy.shown.sent_credentials`, both ways of sending them)."""
+        if not text or not secret:
+            return text
+        basic = basic_authorization(quote_plus(self.settings.client_id, safe=""),
+                                    quote_plus(secret, safe=""))
+        sent = sent_credentials({"Authorization": basic, "client_secret": secret}, set())
+        # a JSON answer's text may hold a lone surrogate, which UTF-8 does not encode
+        raw = text.encode("utf-8", "surrogatepass")
+        return withheld(raw, sent).decode("utf-8", "surrogatepass")
 
     def _fetched(self, token: Token) -> None:
         if self._on_fetch is not None:

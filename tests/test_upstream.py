@@ -31,11 +31,11 @@ from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
 from proxy.pb.io.prometheus.write.v2 import types_pb2 as v2
 from proxy.pb.prometheus import remote_pb2
+from proxy.shown import WITHHELD
 from proxy.upstream import (
     HISTOGRAMS_RECHECK_SECONDS,
     OWN_WRITES_NEED_A_TENANT,
     OWN_WRITES_NEED_CREDENTIALS,
-    WITHHELD,
     WRITTEN_EXEMPLARS,
     WRITTEN_HISTOGRAMS,
     WRITTEN_SAMPLES,

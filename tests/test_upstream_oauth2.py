@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import ssl
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from urllib.parse import quote_plus
 
 import pytest
 
+from proxy import upstream_oauth2
 from proxy.config import OAuth2Settings
 from proxy.upstream_oauth2 import (
     EXPIRY_DELTA,
     FAILURE_HOLD_SECONDS,
+    PARSED_ON_LOOP,
     REFUSED_MIN_AGE,
     TokenFailure,
     TokenSource,
@@ -27,6 +31,7 @@ from proxy.upstream_oauth2 import (
 )
 from tests.clock import ManualClock
 from tests.oauth2_endpoint import Canned, TokenEndpoint
+from tests.scripted import Reply, ScriptedUpstream, redirect_to
 from tests.tls_certs import Authority
 
 #: a secret with characters the Basic credentials form-escape first (RFC 6749 2.3.1)
@@ -275,3 +280,93 @@ def test_answers_x_oauth2_cannot_read_are_refused(body: bytes) -> None:
 def test_the_token_type_names_the_scheme_as_x_oauth2s() -> None:
     assert [token_type(t) for t in ("", "bearer", "BEARER", "mac", "basic", "DPoP")] == [
         "Bearer", "Bearer", "Bearer", "MAC", "Basic", "DPoP"]
+
+
+async def test_an_error_quoting_the_clients_credentials_has_them_withheld(
+        tmp_path: Path, endpoint: TokenEndpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """The endpoint's error text is the senders' 503 and the log line: the secret it
+    quotes, as sent (form-escaped, in the Basic credentials) or decoded, is not shown
+    (it was, as the upstream's answers quoting the proxy's token are not)."""
+    caplog.set_level(logging.DEBUG)
+    basic = base64.b64encode(f"{quote_plus('karta id')}:{quote_plus(SECRET)}".encode()).decode()
+    endpoint.answer = Canned(401, json.dumps({
+        "error": f"invalid_client:{SECRET}",
+        "error_description": f"secret {SECRET!r} ({quote_plus(SECRET)}) of Basic {basic}",
+    }).encode())
+    tokens = source(tmp_path, endpoint)
+    got = await tokens.authorization()
+    assert isinstance(got, TokenFailure) and got.result == "refused"
+    said = got.said()
+    assert got.error == "invalid_client:(credential not shown)", said
+    assert said.count("(credential not shown)") == 4, said
+    for form in (SECRET, quote_plus(SECRET), basic):
+        assert form not in said
+        assert not [r for r in caplog.records if form in repr(r.__dict__)]
+    await tokens.close()
+
+
+async def test_a_long_answer_is_read_off_the_event_loop(
+        tmp_path: Path, endpoint: TokenEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A form answer of x/oauth2's most (1 MiB of ``a=&``) held the loop 0.5 s a fetch,
+    every sender's request with it; one past PARSED_ON_LOOP is read in a thread, a
+    usual one (a few KiB) where it came."""
+    loop_thread = threading.get_ident()
+    readers: list[bool] = []
+
+    def parse(content_type: str, body: bytes) -> object:
+        readers.append(threading.get_ident() == loop_thread)
+        return parse_answer(content_type, body)
+
+    monkeypatch.setattr(upstream_oauth2, "parse_answer", parse)
+    endpoint.answer = Canned(200, b"a=&" * (PARSED_ON_LOOP // 3) + b"access_token=t",
+                             "text/plain")
+    tokens = source(tmp_path, endpoint)
+    assert await tokens.authorization() == "Bearer t"
+    await tokens.close()
+    endpoint.answer = Canned(200, b'{"access_token":"u"}')
+    tokens = source(tmp_path, endpoint)
+    assert await tokens.authorization() == "Bearer u"
+    await tokens.close()
+    assert readers == [False, True]
+
+
+async def test_a_307_or_308_of_the_token_endpoint_is_followed_as_gos_client_does(
+        tmp_path: Path, endpoint: TokenEndpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """prometheus/common's token client follows redirects (Go's default): the same form
+    to the Location. On the token URL's site the Basic credentials go on; to another
+    (127.0.0.1 -> localhost) they stop, the endpoint refuses, and the form's credentials
+    go, as x/oauth2's probe sends them through Go's client. Said once per (from, to)."""
+    caplog.set_level(logging.WARNING)
+    for status, host, styles in ((308, "127.0.0.1", ["header"]),
+                                 (307, "localhost", ["", "params"])):
+        endpoint.requests.clear()
+        async with ScriptedUpstream(rule=redirect_to(endpoint.url, status, host)) as front:
+            tokens = source(tmp_path, front.url.replace("/api/v1/write", "/token"))
+            got = await tokens.authorization()
+            await tokens.close()
+        assert isinstance(got, str) and endpoint.live(got), got
+        assert [r.style for r in endpoint.requests] == styles
+        assert all(r.form["grant_type"] == ["client_credentials"] for r in endpoint.requests)
+        assert all(r.headers["Referer"].startswith(front.url[:-len("/api/v1/write")])
+                   for r in endpoint.requests)
+    lines = [r for r in caplog.records if r.getMessage().endswith("token_url to the target")]
+    assert len(lines) == 2 and lines[1].__dict__["to"].startswith("http://localhost:")
+
+
+@pytest.mark.parametrize(("reply", "result", "said"), [
+    (Reply(301, {"Location": "/oauth/token"}), "refused",
+     "redirects to http://127.0.0.1:{port}/oauth/token, not followed"),
+    (Reply(308, {"Location": "/token"}), "unavailable", "a redirect loop"),
+    (Reply(307), "unavailable", "no Location header"),
+])
+async def test_a_token_redirect_not_followed_is_a_failure_naming_it(
+        tmp_path: Path, reply: Reply, result: str, said: str) -> None:
+    """A 3xx was a refusal of the client, ``status_308 (not_json answer)``: the
+    misconfiguration alert for the proxy's credentials, naming no Location."""
+    async with ScriptedUpstream(reply) as front:
+        tokens = source(tmp_path, front.url.replace("/api/v1/write", "/token"))
+        got = await tokens.authorization()
+        await tokens.close()
+    assert isinstance(got, TokenFailure) and got.result == result, got
+    assert said.format(port=front.port) in got.detail, got
+
