@@ -944,18 +944,37 @@ class Upstream:
 
     def _token_source(self) -> TokenSource:
         """The OAuth 2.0 token, its fetches counted by result (each present at 0) when
-        there are metrics."""
+        there are metrics, and a token that comes after the check found the token
+        endpoint refusing the client made known to the check (:meth:`_token_came`)."""
         s, m = self.settings, self.metrics
-        on_fetch = None
+        fetches = None
         if m is not None:
             fetches = m.upstream_oauth2_token_fetches
             m.registry.register(fetches)
             present_at_zero(fetches, TOKEN_RESULTS)
 
-            def on_fetch(result: str) -> None:
+        def on_fetch(result: str) -> None:
+            if fetches is not None:
                 fetches.labels(result).inc()
+            if result == "success":
+                self._token_came()
         return TokenSource(s.oauth2, timeout=s.timeout_seconds,
                            connect_timeout=s.connect_timeout_seconds, on_fetch=on_fetch)
+
+    def _token_came(self) -> None:
+        """A token came after the check found the token endpoint refusing the proxy's
+        client (``TOKEN_REFUSED``: its secret file since rewritten, the client fixed at
+        the endpoint): the check is made again, in the background, so that
+        ``karta_proxy_upstream_info{check}`` says what the upstream finds now. It said
+        ``credentials_refused`` until a restart, ``KartaProxyUpstreamMisconfigured``
+        firing on it while every write went through. Once per such finding: the next
+        check's is another."""
+        probe, running = self.probe, self._check_task
+        if probe is None or probe.code != TOKEN_REFUSED or (
+                running is not None and not running.done()):
+            return
+        self._recheck = True
+        self._check_task = asyncio.create_task(self.check(), name="upstream-check")
 
     def tls_trial(self) -> ClientTLSLoad | None:
         """The upstream's TLS files built into a new context, for a reload to try before it

@@ -18,7 +18,9 @@ from urllib.parse import quote_plus
 import pytest
 
 from proxy import upstream_oauth2
-from proxy.config import OAuth2Settings
+from proxy.config import OAuth2Settings, UpstreamSettings
+from proxy.metrics import ProxyMetrics
+from proxy.upstream import Upstream
 from proxy.upstream_oauth2 import (
     EXPIRY_DELTA,
     FAILURE_HOLD_SECONDS,
@@ -29,9 +31,11 @@ from proxy.upstream_oauth2 import (
     parse_answer,
     token_type,
 )
+from proxy.wire.primitives import Protocol
 from tests.clock import ManualClock
 from tests.oauth2_endpoint import Canned, TokenEndpoint
 from tests.scripted import Reply, ScriptedUpstream, redirect_to
+from tests.test_upstream import v1_body
 from tests.tls_certs import Authority
 
 #: a secret with characters the Basic credentials form-escape first (RFC 6749 2.3.1)
@@ -370,3 +374,32 @@ async def test_a_token_redirect_not_followed_is_a_failure_naming_it(
     assert isinstance(got, TokenFailure) and got.result == result, got
     assert said.format(port=front.port) in got.detail, got
 
+
+async def test_the_check_that_found_the_client_refused_is_made_again_once_a_token_comes(
+        tmp_path: Path, endpoint: TokenEndpoint) -> None:
+    """The start's check found the token endpoint refusing the client (a secret not yet
+    rotated in): once the file holds the right one and a token comes, the check runs
+    again, and ``karta_proxy_upstream_info{check}`` says what the upstream finds. It
+    said credentials_refused until a restart, KartaProxyUpstreamMisconfigured firing
+    while every write went through."""
+    secret = tmp_path / "client-secret"
+    secret.write_text("not yet rotated")
+    oauth2 = OAuth2Settings(client_id="karta id", client_secret_file=str(secret),
+                            token_url=endpoint.url)
+    async with ScriptedUpstream() as up:
+        u = Upstream(UpstreamSettings(url=up.url, timeout_seconds=5.0, protocol="v1",
+                                      oauth2=oauth2), ProxyMetrics())
+        assert (await u.check()).outcome == "credentials_refused"
+        secret.write_text(SECRET)
+        for _ in range(100):  # the file is stat'ed once a second, a failure held as long
+            answer = await u.send(v1_body(), Protocol.V1)
+            if answer.ok:
+                break
+            await asyncio.sleep(0.05)
+        assert answer.ok, answer.body
+        assert (await u.check()).outcome == "rw1"
+        assert u.metrics is not None
+        assert u.metrics.registry.get_sample_value("karta_proxy_upstream_info", {
+            "url": up.url, "protocol": "rw1", "check": "rw1"}) == 1
+        await u.close()
+    assert len(up.empty_writes) == 1  # the check made again, with the token
