@@ -4,9 +4,8 @@ on loopback, a redirecting front before them."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.compression import compress
-from proxy.config import OAuth2Settings, UpstreamSettings
-from proxy.metrics import ProxyMetrics
+from proxy.config import OAuth2Settings
 from proxy.upstream import Upstream
 from proxy.upstream_redirect import (
     MAX_REQUESTS,
@@ -34,7 +32,7 @@ from tests.scripted import (
     rw2_receiver,
     size_limit,
 )
-from tests.test_upstream import COUNTS, many_v1, series_of, v1_body, v2_body
+from tests.test_upstream import COUNTS, many_v1, opened, series_of, v1_body, v2_body
 from tests.tls_certs import Authority
 
 FIRST = URL("http://tsdb.example.com:8080/api/v1/write?x=1")
@@ -157,22 +155,6 @@ def test_referer_and_host_as_go_sets_them() -> None:
 
 
 # -- the forwarding client -----------------------------------------------------------------
-
-
-def upstream(url: str, **kw: object) -> Upstream:
-    s = UpstreamSettings(url=url, timeout_seconds=5.0, connect_timeout_seconds=2.0)
-    for k, v in kw.items():
-        setattr(s, k, v)
-    return Upstream(s, ProxyMetrics())
-
-
-@contextlib.asynccontextmanager
-async def opened(url: str, **kw: object) -> AsyncIterator[Upstream]:
-    u = upstream(url, **kw)
-    try:
-        yield u
-    finally:
-        await u.close()
 
 
 def redirects(u: Upstream, result: str) -> float | None:

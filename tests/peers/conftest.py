@@ -386,6 +386,24 @@ async def agent_metrics(agent: Peer, prefix: str = "prometheus_remote_storage_",
 # -- PromQL over the HTTP API (Prometheus and VictoriaMetrics speak the same) ---------------
 
 
+async def pod_sample_times(base: str, at: float) -> dict[tuple[str, str], list[float]]:
+    """The timestamps of each pod's kubelet series (the fixture exporter's) the receiver
+    at ``base`` holds at ``at``, oldest first: two paths' are compared whole."""
+    q = 'pod_memory_working_set_bytes{pod!=""}[10m]'
+    return {(r["metric"]["namespace"], r["metric"]["pod"]): [float(t) for t, _ in r["values"]]
+            for r in await query(base, q, at)}
+
+
+async def wait_stamped(base: str, *, what: str, timeout: float = 30) -> None:
+    """Wait until the receiver at ``base`` holds a stamped cAdvisor series (an agent's
+    writes came through the proxy, enriched)."""
+    async def landed() -> bool:
+        got = await query(base, "count(pod_memory_working_set_bytes{karta_workload!=''})")
+        return bool(got) and int(float(got[0]["value"][1])) > 0
+
+    await wait_until(landed, timeout=timeout, what=what)
+
+
 async def _api(base: str, endpoint: str, params: dict[str, str]) -> Any:
     """The ``data`` of one HTTP API call (``/api/v1/<endpoint>``), asserted a success."""
     async with aiohttp.ClientSession() as s, s.get(

@@ -25,10 +25,9 @@ from tests.peers.conftest import (
     InProcessProxy,
     Peers,
     free_port,
-    query,
     remote_write,
     scrape_configs,
-    wait_until,
+    wait_stamped,
 )
 from tests.scripted import ScriptedUpstream
 from tests.tls_certs import Authority
@@ -73,13 +72,7 @@ async def test_agent_writes_land_stamped_through_the_http_proxy(
         "scrape_configs": scrape_configs(exporter),
         "remote_write": [remote_write(proxy.write_url)],
     })
-
-    async def landed() -> bool:
-        got = await query(receiver.base_url,
-                          "count(pod_memory_working_set_bytes{karta_workload!=''})")
-        return bool(got) and int(float(got[0]["value"][1])) > 0
-
-    await wait_until(landed, timeout=30, what="stamped series through the HTTP proxy")
+    await wait_stamped(receiver.base_url, what="stamped series through the HTTP proxy")
     log = http_proxy.log_tail(200_000)
     assert f"POST http://127.0.0.1:{receiver.port}/api/v1/write" in log, log[-2000:]
     assert PASSWORD not in proxy.proxy.upstream.egress.describe()  # type: ignore[union-attr]
@@ -186,6 +179,16 @@ async def test_no_proxy_reaches_loopback_directly() -> None:
         assert status == 502 and "through the HTTP proxy" in body, body
 
 
+async def _namespaces(kubeconfig: Path) -> list[str]:
+    """The namespaces the kube client lists through ``kubeconfig``."""
+    client = await KubeClient.connect(KubeSettings(kubeconfig=str(kubeconfig)))
+    try:
+        namespaces = await client.request_json("/api/v1/namespaces")
+    finally:
+        await client.close()
+    return [n["metadata"]["name"] for n in namespaces["items"]]
+
+
 async def test_the_kubeconfigs_proxy_url_is_followed(peers: Peers, tmp_path: Path) -> None:
     """A cluster's proxy-url (kubectl's way to an API server behind an HTTP proxy): the
     lists and watches go through it, with Basic credentials from its user:password@."""
@@ -196,12 +199,7 @@ async def test_the_kubeconfigs_proxy_url_is_followed(peers: Peers, tmp_path: Pat
             f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}"
         path = tmp_path / "kubeconfig"
         path.write_text(json.dumps(config))
-        client = await KubeClient.connect(KubeSettings(kubeconfig=str(path)))
-        try:
-            namespaces = await client.request_json("/api/v1/namespaces")
-        finally:
-            await client.close()
-    assert "kube-system" in [n["metadata"]["name"] for n in namespaces["items"]]
+        assert "kube-system" in await _namespaces(path)
     log = http_proxy.log_tail(200_000)
     assert f"GET {sim.url}/api/v1/namespaces" in log, log[-2000:]
 
@@ -218,11 +216,6 @@ async def test_a_loopback_api_server_is_reached_directly_despite_the_environment
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{http_proxy.port}")
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{http_proxy.port}")
     async with KubeSim() as sim:
-        client = await KubeClient.connect(KubeSettings(kubeconfig=str(sim.write_kubeconfig())))
-        try:
-            namespaces = await client.request_json("/api/v1/namespaces")
-        finally:
-            await client.close()
-    assert "kube-system" in [n["metadata"]["name"] for n in namespaces["items"]]
+        assert "kube-system" in await _namespaces(sim.write_kubeconfig())
     log = http_proxy.log_tail(200_000)
     assert "/api/v1/namespaces" not in log, log[-2000:]

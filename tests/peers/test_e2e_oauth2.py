@@ -25,6 +25,7 @@ from tests.peers.conftest import (
     InProcessProxy,
     Peers,
     agent_metrics,
+    pod_sample_times,
     query,
     remote_write,
     scrape_configs,
@@ -150,11 +151,9 @@ async def test_writes_go_with_the_token_renewed_and_ride_through_an_idp_outage(
     assert (registry.get_sample_value("karta_proxy_upstream_oauth2_token_fetches_total",
                                       {"result": "unavailable"}) or 0) > 0
     at = time.time()
-    q = 'pod_memory_working_set_bytes{pod!=""}[10m]'
 
     async def samples(base: str) -> dict[tuple[str, str], list[float]]:
-        return {(r["metric"]["namespace"], r["metric"]["pod"]): [float(t) for t, _ in r["values"]]
-                for r in await query(base, q, at)}
+        return await pod_sample_times(base, at)
 
     async def complete() -> bool:
         return await samples(behind.base_url) == await samples(direct.base_url)

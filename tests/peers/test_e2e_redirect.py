@@ -25,6 +25,7 @@ from tests.peers.conftest import (
     query,
     remote_write,
     scrape_configs,
+    wait_stamped,
     wait_until,
 )
 from tests.scripted import Received, ScriptedUpstream, redirect_to
@@ -47,13 +48,7 @@ async def test_agent_writes_land_stamped_through_a_308(
             "scrape_configs": scrape_configs(exporter),
             "remote_write": [remote_write(proxy.write_url)],
         })
-
-        async def landed() -> bool:
-            got = await query(receiver.base_url,
-                              "count(pod_memory_working_set_bytes{karta_workload!=''})")
-            return bool(got) and int(float(got[0]["value"][1])) > 0
-
-        await wait_until(landed, timeout=30, what="stamped series through the redirect")
+        await wait_stamped(receiver.base_url, what="stamped series through the redirect")
         upstream = proxy.proxy.upstream
         assert upstream.probe is not None and upstream.probe.outcome == "rw1"
         assert upstream.metrics is not None

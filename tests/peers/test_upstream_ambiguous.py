@@ -29,6 +29,7 @@ from tests.peers.conftest import (
     Peer,
     Peers,
     agent_metrics,
+    pod_sample_times,
     query,
     remote_write,
     scrape_configs,
@@ -129,9 +130,7 @@ SCRAPE = "250ms"
 async def samples(base: str, at: float) -> dict[tuple[str, str], set[float]]:
     """The timestamps of each pod's kubelet series, the fixture exporter's, stored by
     ``at``."""
-    q = 'pod_memory_working_set_bytes{pod!=""}[10m]'
-    return {(r["metric"]["namespace"], r["metric"]["pod"]): {float(t) for t, _ in r["values"]}
-            for r in await query(base, q, at)}
+    return {pod: set(times) for pod, times in (await pod_sample_times(base, at)).items()}
 
 
 async def through_faults(peers: Peers, make_proxy: Callable[..., Awaitable[InProcessProxy]],

@@ -23,6 +23,7 @@ from tests.peers.conftest import (
     Peers,
     agent_metrics,
     free_port,
+    pod_sample_times,
     query,
     remote_write,
     scrape_configs,
@@ -122,11 +123,9 @@ async def test_agent_rides_through_an_upstream_outage(
     for peer in (vm, direct):
         await vm_flush(peer)
     at = time.time()
-    q = 'pod_memory_working_set_bytes{pod!=""}[10m]'
 
     async def samples(base: str) -> dict[tuple[str, str], list[float]]:
-        return {(r["metric"]["namespace"], r["metric"]["pod"]): [float(t) for t, _ in r["values"]]
-                for r in await query(base, q, at)}
+        return await pod_sample_times(base, at)
 
     async def complete() -> bool:
         return await samples(vm.base_url) == await samples(direct.base_url)
