@@ -107,6 +107,9 @@ check_fields(const uint8_t *raw, size_t p, size_t end, const int8_t *wts, uint64
 
 /* The stale NaN: a histogram whose sum is it is a staleness marker. */
 #define STALE_NAN_BITS 0x7FF0000000000002ULL
+/* a bucket whose counts add up to NaN: this NaN, whatever the counts' payloads (which
+ * operand's payload a sum of two NaNs keeps is the compiler's choice); convert.py's */
+#define QUIET_NAN_BITS 0x7FF8000000000000ULL
 /* zigzag(-53): the schema of custom buckets */
 #define CUSTOM_BUCKETS_ZIGZAG 105u
 
@@ -1747,7 +1750,10 @@ emit_classic(Ctx *c, Writer *w)
                 uint64_t vb = STALE_NAN_BITS;
                 if (!stale) {
                     cumulative += counts[i];
-                    memcpy(&vb, &cumulative, 8);
+                    if (isnan(cumulative))
+                        vb = QUIET_NAN_BITS;
+                    else
+                        memcpy(&vb, &cumulative, 8);
                 }
                 emit_classic_one(c, bw, &cl, "_bucket", 7, le, nle, vb, h.ts);
             }

@@ -34,6 +34,11 @@ CUSTOM_BUCKETS_SCHEMA = -53
 _DOUBLE = struct.Struct("<d")
 _BITS = struct.Struct("<Q")
 _U64 = (1 << 64) - 1
+#: the one NaN a bucket whose counts add up to NaN carries (Python's ``math.nan``): which
+#: operand's payload an addition of two NaNs keeps is the compiler's choice (CPython's
+#: debug build and its release build differ), so no payload is passed on
+QUIET_NAN_BITS = 0x7FF8000000000000
+_QUIET_NAN: float = _DOUBLE.unpack(QUIET_NAN_BITS.to_bytes(8, "little"))[0]
 
 
 def _zigzag(n: int) -> int:
@@ -223,7 +228,8 @@ def classic_series(labels: Sequence[tuple[bytes, bytes]], h: CustomBuckets
     for i, c in enumerate(h.counts):
         cumulative += c
         le = format_le(h.bounds[i]) if i < len(h.bounds) else b"+Inf"
-        yield named(b"_bucket", (b"le", le)), STALE_NAN if h.stale else cumulative, h.timestamp
+        value = _QUIET_NAN if math.isnan(cumulative) else cumulative
+        yield named(b"_bucket", (b"le", le)), STALE_NAN if h.stale else value, h.timestamp
     yield named(b"_sum"), STALE_NAN if h.stale else h.sum, h.timestamp
     yield named(b"_count"), STALE_NAN if h.stale else h.count, h.timestamp
 
