@@ -62,7 +62,7 @@ from proxy.config import (
     url_credentials,
 )
 from proxy.deadline import Deadline, deadline_in
-from proxy.egress_proxy import EgressRoutes
+from proxy.egress_proxy import Egress, EgressRoutes
 from proxy.log import THROTTLE_SECONDS, Throttled, failure_line
 from proxy.metrics import ProxyMetrics, present_at_zero
 from proxy.shown import (
@@ -89,6 +89,7 @@ from proxy.upstream_redirect import (
     REDIRECTS,
     Chain,
     RedirectRefused,
+    Walked,
     said_location,
     shown_location,
 )
@@ -317,17 +318,6 @@ class Outgoing:
     #: and how many it had: its ``counts`` say 0 histograms
     without_histograms: bool = False
     histograms_left_out: int = 0
-
-
-@dataclass(slots=True)
-class _Hop:
-    """Where an upstream request's redirects led (``Upstream._follow``): the last answer,
-    the chain of requests, and why the last redirect was not followed, if it ends the
-    request so."""
-
-    resp: Response
-    chain: Chain
-    refused: RedirectRefused | None = None
 
 
 class ConversionRefused(Exception):
@@ -1879,22 +1869,19 @@ class Upstream:
             headers = self._headers(incoming, out.protocol, out.encoding, authorization)
             tls = self._tls.get() if self._tls is not None else self._default_tls
             target = url if url is not None else self._default_url
-            egress = self.egress
-            via = (None if egress is None else
-                   egress.via(target.scheme, target.raw_host or "", target.port or 0))
             chain: Chain | None = None
             async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
                 resp = await pool.post(
                     target, headers, out.encoded, tls=tls,
                     server_hostname=self.settings.tls_server_name or None,
-                    max_body=MAX_ERROR_BODY, via=via)
+                    max_body=MAX_ERROR_BODY, via=self._via(target))
                 if 300 <= resp.status < 400:  # a 2xx costs this one comparison, no more
-                    hop = await self._follow(pool, resp, target, headers, out.encoded,
-                                             incoming)
-                    resp, chain = hop.resp, hop.chain
-                    if hop.refused is not None:
+                    walked = await self._follow(pool, resp, target, headers, out.encoded,
+                                                incoming)
+                    resp, chain = walked.resp, walked.chain
+                    if walked.refused is not None:
                         code = str(resp.status)
-                        return self._redirect_refused(hop, hop.refused)
+                        return self._redirect_refused(walked, walked.refused)
             code = str(resp.status)
             if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                 self.clock.note(resp.headers.get("Date"))
@@ -1975,40 +1962,45 @@ class Upstream:
                       {"Retry-After": retry_after}, f"token_{failure.result}")
 
     async def _follow(self, pool: Pool, resp: Response, url: URL, headers: CIMultiDict[str],
-                      body: bytes, incoming: Mapping[str, str]) -> _Hop:
+                      body: bytes, incoming: Mapping[str, str]) -> Walked[Response]:
         """The last answer of the chain ``resp`` (a 3xx to ``url``) begins: while it is a
         307 or 308 and ``upstream.follow_redirects`` is on, the same ``body`` goes to its
-        Location with the headers Go's client would send there (``Chain.headers``: the
+        Location with the headers Go's client would send there (``Chain.walk``: the
         proxy's own settings on every request, a sender's sensitive headers not past its
         first URL's site), counted and logged as a round trip spent
         (:meth:`_followed`). Another 3xx ends it as the answer (301, 302, 303, or any
         redirect with the setting off: a misconfiguration, :meth:`_answer`); so does a
-        redirect that cannot be followed (``_Hop.refused``: a 502).
+        redirect that cannot be followed (``Walked.refused``: a 502).
 
         Only what a redirect answers is known not stored, so following one never turns a
         request that may have been stored into a second one: the answer at the end of the
         chain is the only one taken."""
         chain = Chain([url])
-        brought = () if isinstance(incoming, OwnHeaders) else self._sender_names
-        while resp.status in FOLLOWED and self.settings.follow_redirects:
-            try:
-                target = chain.follow(resp.headers.get("Location"))
-            except RedirectRefused as e:
-                return _Hop(resp, chain, e)
-            hop_headers = chain.headers(headers, brought)
-            self._followed(chain, resp.status)
-            tls = None
-            if target.scheme == "https":
-                tls = self._tls.get() if self._tls is not None else self._hop_tls()
-            egress = self.egress
-            via = (None if egress is None else
-                   egress.via(target.scheme, target.raw_host or "", target.port or 0))
-            resp = await pool.post(target, hop_headers, body, tls=tls,
-                                   server_hostname=self.settings.tls_server_name or None,
-                                   max_body=MAX_ERROR_BODY, via=via)
-        if resp.status in REDIRECTS:
+        if not self.settings.follow_redirects:
+            walked = Walked(resp, chain)
+        else:
+            brought = () if isinstance(incoming, OwnHeaders) else self._sender_names
+
+            async def send(target: URL, hop_headers: CIMultiDict[str]) -> Response:
+                tls = None
+                if target.scheme == "https":
+                    tls = self._tls.get() if self._tls is not None else self._hop_tls()
+                return await pool.post(target, hop_headers, body, tls=tls,
+                                       server_hostname=self.settings.tls_server_name or None,
+                                       max_body=MAX_ERROR_BODY, via=self._via(target))
+
+            walked = await chain.walk(resp, headers, brought, send, self._followed)
+        if walked.refused is None and walked.resp.status in REDIRECTS:
             self._count_redirect("not_followed")
-        return _Hop(resp, chain)
+        return walked
+
+    def _via(self, target: URL) -> Egress | None:
+        """The HTTP proxy a request to ``target`` goes through (``upstream.proxy_url``,
+        or the environment's by Go's rules), None for a direct one."""
+        egress = self.egress
+        if egress is None:
+            return None
+        return egress.via(target.scheme, target.raw_host or "", target.port or 0)
 
     def _hop_tls(self) -> ssl.SSLContext:
         """The context of an https:// request when ``upstream.url`` is http:// (its
@@ -2037,7 +2029,7 @@ class Upstream:
                     "sender_credentials_dropped": chain.dropped},
                    interval=QUIET_LOG_SECONDS)
 
-    def _redirect_refused(self, hop: _Hop, refused: RedirectRefused) -> Answer:
+    def _redirect_refused(self, hop: Walked[Response], refused: RedirectRefused) -> Answer:
         """A redirect that cannot be followed (no Location, one that does not parse or is
         not http/https, a loop, the 10th): a 502, which the sender retries (nothing of the
         request is stored: every answer of the chain was a redirect), one line per reason

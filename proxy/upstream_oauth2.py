@@ -74,10 +74,8 @@ from proxy.upstream_http import (
     default_tls_context,
 )
 from proxy.upstream_redirect import (
-    FOLLOWED,
     REDIRECTS,
     Chain,
-    RedirectRefused,
     said_location,
     shown_location,
 )
@@ -438,31 +436,36 @@ class TokenSource:
             # (oauth2.tls_*, oauth2.proxy_url); connections kept 10 s, as Prometheus'
             self._pool = Pool(limit=2, idle_seconds=10.0,
                               connect_timeout=self._connect_timeout)
+        pool = self._pool
+        tls: ssl.SSLContext | None = None
+
+        async def send(target: URL, sent: CIMultiDict[str]) -> Response:
+            nonlocal tls
+            if target.scheme == "https" and tls is None:  # the files stat'ed once a fetch
+                tls = await self._context()
+            return await pool.post(target, sent, body,
+                                   tls=tls if target.scheme == "https" else None,
+                                   server_hostname=None, max_body=MAX_ANSWER, via=self._egress)
+
         first: CIMultiDict[str] = CIMultiDict(headers)
-        chain = Chain([self._target])
-        target, sent = self._target, first
-        while True:
-            tls = await self._context() if target.scheme == "https" else None
-            resp = await self._pool.post(target, sent, body, tls=tls, server_hostname=None,
-                                         max_body=MAX_ANSWER, via=self._egress)
-            if resp.status not in REDIRECTS:
-                return resp
-            location = resp.headers.get("Location")
-            if resp.status not in FOLLOWED:
-                return self._refusal(resp.status, "", (
-                    f"redirects to {said_location(chain.url, location)}, not followed (a "
-                    f"{resp.status} makes a client's POST a GET without its form, as Go's "
-                    "does): set upstream.oauth2.token_url to it"), self._clock())
-            try:
-                target = chain.follow(location)
-            except RedirectRefused as e:
-                return TokenFailure("unavailable", resp.status, "redirect",
-                                    f"a redirect not followed: {e.why}", self._clock())
-            sent = chain.headers(first, ("authorization",))
-            came, went = shown_location(chain.urls[-2]), shown_location(target)
-            self._redirects.event(f"{came} -> {went}", {
-                "token_url": self.shown_url, "token_status": resp.status, "from": came,
-                "to": went})
+        walked = await Chain([self._target]).walk(
+            await send(self._target, first), first, ("authorization",), send, self._followed)
+        resp, chain = walked.resp, walked.chain
+        if walked.refused is not None:
+            return TokenFailure("unavailable", resp.status, "redirect",
+                                f"a redirect not followed: {walked.refused.why}", self._clock())
+        if resp.status in REDIRECTS:
+            return self._refusal(resp.status, "", (
+                f"redirects to {said_location(chain.url, resp.headers.get('Location'))}, "
+                f"not followed (a {resp.status} makes a client's POST a GET without its "
+                "form, as Go's does): set upstream.oauth2.token_url to it"), self._clock())
+        return resp
+
+    def _followed(self, chain: Chain, status: int) -> None:
+        """A redirect of the token request followed: said once per (from, to), throttled."""
+        came, went = shown_location(chain.urls[-2]), shown_location(chain.url)
+        self._redirects.event(f"{came} -> {went}", {
+            "token_url": self.shown_url, "token_status": status, "from": came, "to": went})
 
     async def _context(self) -> ssl.SSLContext:
         """The token endpoint's TLS context, built again in a thread when its files

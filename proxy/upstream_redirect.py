@@ -37,17 +37,19 @@ What a sender's request brought (``upstream.forward_headers``: its ``Authorizati
 dropped as above (``Chain.dropped``: a 401 / 403 from there is then the chain's doing, a
 503, not the 4xx that would drop the sender's batch: ``Upstream._answer``).
 
-The rule alone, apart from the requests (``proxy.upstream`` makes them), so it is tested
-as a rule (``tests/test_upstream_redirect.py``); it imports nothing of the project but
+The rule alone, and the walk along a chain (``Chain.walk``: the upstream's writes and the
+OAuth 2.0 token requests follow redirects alike), apart from the requests themselves
+(``proxy.upstream`` and ``proxy.upstream_oauth2`` send them), so it is tested as a rule
+(``tests/test_upstream_redirect.py``); it imports nothing of the project but
 ``proxy.shown``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Generic, Literal, Protocol, TypeVar
 
 from multidict import CIMultiDict
 from yarl import URL
@@ -164,6 +166,29 @@ def said_location(url: URL, location: str | None) -> str:
         return shown_location(location) if location else "(no Location)"
 
 
+class Answered(Protocol):
+    """An answer as far as a redirect goes: the HTTP client's ``Response``."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+A = TypeVar("A", bound=Answered)
+
+
+@dataclass(slots=True)
+class Walked(Generic[A]):
+    """Where a request's redirects led (``Chain.walk``): the last answer, the chain of
+    requests, and why the last redirect was not followed, if that ended the walk."""
+
+    resp: A
+    chain: Chain
+    refused: RedirectRefused | None = None
+
+
 @dataclass(slots=True)
 class Chain:
     """The requests of one upstream request so far, redirects followed: Go's
@@ -226,3 +251,23 @@ class Chain:
                 and not (previous.scheme == "https" and self.url.scheme == "http")):
             out["Referer"] = str(previous)
         return out
+
+    async def walk(self, resp: A, first: CIMultiDict[str], brought: Iterable[str],
+                   send: Callable[[URL, CIMultiDict[str]], Awaitable[A]],
+                   followed: Callable[[Chain, int], None]) -> Walked[A]:
+        """Go's ``Client.do`` loop from the answer ``resp`` to the chain's last request:
+        while it is a 307 or 308, the same request goes to its Location (``send``, with
+        :meth:`headers` of the first request's ``first`` and the sender's ``brought``),
+        ``followed`` told of each redirect taken, once its headers are known (whether a
+        sender's were dropped). Another answer ends the walk as the answer, a 301 / 302 /
+        303 among them (the caller's to refuse); so does a redirect that cannot be
+        followed (``Walked.refused``)."""
+        while resp.status in FOLLOWED:
+            try:
+                target = self.follow(resp.headers.get("Location"))
+            except RedirectRefused as e:
+                return Walked(resp, self, e)
+            headers = self.headers(first, brought)
+            followed(self, resp.status)
+            resp = await send(target, headers)
+        return Walked(resp, self)
