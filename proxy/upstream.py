@@ -851,10 +851,12 @@ class Upstream:
             on_evict=metrics.upstream_split_records_evicted.inc if metrics is not None
             else None)
         self._forward = {h.lower() for h in settings.forward_headers} - NEVER_FORWARDED_LOWER
-        self._token = (FileSecret(settings.bearer_token_file, header=True)
+        self._token = (FileSecret(settings.bearer_token_file, header=True,
+                                  on_change=self._credentials_changed)
                        if settings.bearer_token_file else None)
         self._password = (
-            FileSecret(settings.basic_auth_password_file, header=False)
+            FileSecret(settings.basic_auth_password_file, header=False,
+                       on_change=self._credentials_changed)
             if settings.basic_auth_password_file else None
         )
         #: ``user:password@`` in upstream.url, as the proxy's own Basic credentials: aiohttp
@@ -934,8 +936,8 @@ class Upstream:
 
     def _token_source(self) -> TokenSource:
         """The OAuth 2.0 token, its fetches counted by result (each present at 0) when
-        there are metrics, and a token that comes after the check found the token
-        endpoint refusing the client made known to the check (:meth:`_token_came`)."""
+        there are metrics, and each token fetched made known to the check
+        (:meth:`_credentials_changed`)."""
         s, m = self.settings, self.metrics
         fetches = None
         if m is not None:
@@ -947,21 +949,25 @@ class Upstream:
             if fetches is not None:
                 fetches.labels(result).inc()
             if result == "success":
-                self._token_came()
+                self._credentials_changed()
         return TokenSource(s.oauth2, timeout=s.timeout_seconds,
                            connect_timeout=s.connect_timeout_seconds, on_fetch=on_fetch)
 
-    def _token_came(self) -> None:
-        """A token came after the check found the token endpoint refusing the proxy's
-        client (``TOKEN_REFUSED``: its secret file since rewritten, the client fixed at
-        the endpoint): the check is made again, in the background, so that
+    def _credentials_changed(self) -> None:
+        """The proxy's own credentials changed (``bearer_token_file`` or
+        ``basic_auth_password_file`` rewritten, an OAuth 2.0 token fetched) after the
+        check found them refused: the check is made again, in the background, so that
         ``karta_proxy_upstream_info{check}`` says what the upstream finds now. It said
         ``credentials_refused`` until a restart, ``KartaProxyUpstreamMisconfigured``
-        firing on it while every write went through. Once per such finding: the next
-        check's is another."""
+        firing on it while every write went through. Once per change: a success alone
+        never probes again (every write would)."""
         probe, running = self.probe, self._check_task
-        if probe is None or probe.code != TOKEN_REFUSED or (
+        if probe is None or probe.outcome != "credentials_refused" or (
                 running is not None and not running.done()):
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # read off the loop (a thread): a later read on it tells
             return
         self._recheck = True
         self._check_task = asyncio.create_task(self.check(), name="upstream-check")

@@ -39,12 +39,14 @@ class FileSecret:
     each distinct error is logged once until the file reads again, which is logged once
     too (a warning per check was ~3,600 lines an hour of one missing file, and a path
     alternating between two errors, as a Secret volume's swap can, was still one a
-    check when only a change of error was logged).
+    check when only a change of error was logged). ``on_change`` is told of a new value
+    read (not of the first): a credential refused may be right now.
     """
 
     def __init__(
         self, path: str, *, header: bool, check_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.path = path
         #: the text is sent in a header as it is (a bearer token): one line
@@ -53,6 +55,7 @@ class FileSecret:
         self._header = header
         self._interval = check_interval
         self._clock = clock
+        self._on_change = on_change
         self._next_check = 0.0
         self._stamp: FileStamp | None = None
         self._value = ""
@@ -68,8 +71,11 @@ class FileSecret:
         try:
             current = stamp(self.path)
             if current != self._stamp:
-                self._value = read_credential(self.path, header=self._header)
-                self._stamp = current
+                value = read_credential(self.path, header=self._header)
+                changed = self._stamp is not None and value != self._value
+                self._value, self._stamp = value, current
+                if changed and self._on_change is not None:
+                    self._on_change()
         except (OSError, CredentialError) as e:
             if str(e) not in self._errors:
                 self._errors.add(str(e))

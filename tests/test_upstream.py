@@ -1062,6 +1062,44 @@ async def test_bearer_token_file_replaces_sender_auth(tmp_path: Path) -> None:
     assert up.received[0].headers.getall("Authorization") == ["Bearer secret-1"]
 
 
+@pytest.mark.parametrize("kind", ["bearer_token_file", "basic_auth_password_file"])
+async def test_the_check_that_found_the_credentials_refused_is_made_again_once_they_change(
+        tmp_path: Path, kind: str) -> None:
+    """The start's check found the proxy's credentials refused (a token not yet rotated
+    in): once the file holds the right one, the check runs again, once, and
+    ``karta_proxy_upstream_info{check}`` says what the upstream finds. It said
+    credentials_refused until a restart, KartaProxyUpstreamMisconfigured firing while
+    every write went through; writes that succeed do not probe again."""
+    secret = tmp_path / "secret"
+    secret.write_text("not-yet-rotated")
+    right = ("Bearer rotated" if kind == "bearer_token_file"
+             else "Basic " + base64.b64encode(b"karta:rotated").decode())
+
+    def gate(rec: Received) -> Reply:
+        return Reply(204) if rec.headers.get("Authorization") == right else Reply(401)
+
+    settings: dict[str, object] = {kind: str(secret), "protocol": "v1"}
+    if kind == "basic_auth_password_file":
+        settings["basic_auth_username"] = "karta"
+    async with ScriptedUpstream(rule=gate) as up, opened(up.url, **settings) as u:
+        assert (await u.check()).outcome == "credentials_refused"
+        secret.write_text("rotated")
+        for _ in range(100):  # the file is stat'ed once a second
+            answer = await u.send(v1_body(), Protocol.V1)
+            if answer.ok:
+                break
+            await asyncio.sleep(0.05)
+        assert answer.ok, answer.body
+        assert (await u.check()).outcome == "rw1"
+        for _ in range(3):
+            assert (await u.send(v1_body(), Protocol.V1)).ok
+        assert (await u.check()).outcome == "rw1"
+        assert u.metrics is not None
+        assert u.metrics.registry.get_sample_value("karta_proxy_upstream_info", {
+            "url": up.url, "protocol": "rw1", "check": "rw1"}) == 1
+    assert len(up.empty_writes) == 2  # the start's check, and the one made again
+
+
 async def test_basic_auth(tmp_path: Path) -> None:
     pw = tmp_path / "pw"
     pw.write_text("hunter2")

@@ -34,6 +34,26 @@ def test_file_secret_rereads_on_change(tmp_path: Path) -> None:
     assert secret.get() == "two-longer"  # a vanished file keeps the last value
 
 
+def test_file_secret_tells_of_a_new_value_not_of_the_first_or_the_same(
+        tmp_path: Path) -> None:
+    now = [0.0]
+    told: list[str] = []
+    path = tmp_path / "token"
+    path.write_text("one")
+    secret = FileSecret(str(path), header=True, clock=lambda: now[0],
+                        on_change=lambda: told.append(secret.get()))
+    assert told == []  # the first read is no change
+    path.write_text("one")  # rewritten as it was: a new stamp, the same value
+    now[0] += 1.5
+    assert secret.get() == "one" and told == []
+    path.write_text("two")
+    now[0] += 1.5
+    assert secret.get() == "two" and told == ["two"]  # told once the value is taken
+    path.unlink()
+    now[0] += 1.5
+    assert secret.get() == "two" and told == ["two"]  # a vanished file changes nothing
+
+
 def test_no_tls_setting_leaves_aiohttps_defaults() -> None:
     assert build_ssl_context(UpstreamSettings(url="https://tsdb/api/v1/write")) is None
     insecure = build_ssl_context(UpstreamSettings(url="https://tsdb/api/v1/write",
