@@ -48,7 +48,10 @@ class _SaidByTheCaller(logging.Filter):
     """Drops the library's error line for an exec plugin's failure that it raises on: the
     caller's ``KubeconfigError`` (at start) or renewal warning says it, with the file, so
     each failure was logged twice. Its other lines (a plugin's output missing a field,
-    which it does not raise on) pass."""
+    which it does not raise on) pass. Keyed on the library's function name, so that no
+    line of another function is ever dropped: a rename in a new release lets the line
+    through twice, never loses one, and
+    ``tests/kube/test_client.py::test_an_exec_plugins_failure_is_logged_once`` says so."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         raised = sys.exc_info()[1]  # the exception the library's except clause handles
