@@ -221,6 +221,8 @@ NEVER_FORWARDED = frozenset((
     "Host", "Content-Length", "Content-Type", "Content-Encoding", "Connection",
     "Keep-Alive", "Transfer-Encoding", "TE", "Trailer", "Upgrade", "Proxy-Authorization",
     "Proxy-Connection", "Accept-Encoding", "X-Prometheus-Remote-Write-Version",
+    # the proxy appends its own entry to the sender's (proxy.via)
+    "Via",
 ))
 #: the same, in lower case: what a name in any spelling is compared with
 NEVER_FORWARDED_LOWER = frozenset(h.lower() for h in NEVER_FORWARDED)

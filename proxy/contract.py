@@ -215,7 +215,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "overload", "too_large", "not_ready", "unsupported_media_type", "method",
     "invalid_tenant", "invalid_header", "karta_extra_label", "header_timeout",
     "body_timeout", "body_too_slow", "expectation", "client_closed", "bad_http",
-    "header_too_large", "send_timeout", "thread_limit", "out_of_memory")
+    "header_too_large", "send_timeout", "thread_limit", "out_of_memory", "loop")
 OP_UPSTREAM_RESPONSES = "karta_proxy_upstream_responses_total"
 OP_UPSTREAM_MISCONFIGURED = "karta_proxy_upstream_misconfigured_total"
 OP_UPSTREAM_INFO = "karta_proxy_upstream_info"

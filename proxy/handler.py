@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy import via
 from proxy.admission import Outcome, Slots
 from proxy.budget import Held, LoadBudget, Room
 from proxy.compression import (
@@ -412,6 +413,11 @@ class RemoteWriteHandler:
             if request.method != "POST":
                 raise _Refusal(405, f"method {request.method} not allowed: remote write is POST",
                                counter="reject", kind="method", headers={"Allow": "POST"})
+            headers = request.headers
+            if "Via" in headers:  # forwarded by a proxy: by this one, it is a loop
+                came = via.sent(headers)
+                if came is not None and via.came_through_here(came):
+                    raise _Refusal(508, via.LOOP_SAID, counter="reject", kind="loop")
             tenant = request.match_info.get("tenant")
             if tenant is not None and not _TENANT.fullmatch(tenant):
                 raise _Refusal(400, f"invalid tenant {tenant[:64]!r} in the path: expected "
@@ -425,7 +431,6 @@ class RemoteWriteHandler:
                                "over the labels the proxy stamps; karta_* labels are the "
                                "proxy's own: remove it from the sender's URL",
                                counter="reject", kind="karta_extra_label")
-            headers = request.headers
             protocol, protocol_label = self._protocol(headers)
             encoding = self._encoding(headers)
             header = self.upstream.unforwardable(headers)

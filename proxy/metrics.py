@@ -253,7 +253,8 @@ class ProxyMetrics:
             "invalid_tenant, invalid_header, karta_extra_label, header_timeout, body_timeout, "
             "body_too_slow, expectation, client_closed, bad_http, header_too_large, "
             "send_timeout, thread_limit: no worker thread could start, out_of_memory: an "
-            "allocation failed).",
+            "allocation failed, loop: the request came through this proxy before, its Via "
+            "says).",
             ["reason"], registry=r,
         ), contract.REJECT_REASONS)
         self.connections_refused = Counter(

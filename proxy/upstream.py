@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy import via
 from proxy.compression import (
     DecodeError,
     compress,
@@ -124,6 +125,10 @@ MISCONFIGURED_RETRY_AFTER = "30"
 #: enabled, a redirect not followed: ``proxy.upstream_redirect``): the sender's data is
 #: fine, the URL is not
 NOT_A_WRITE_ENDPOINT = frozenset({301, 302, 303, 307, 308, 404, 405, 410, 501})
+#: a karta-proxy's answer to a request that came back to it (``proxy.via``): the URL, or
+#: a redirect, leads back to the proxy; passed on as it is, so that each hop of the loop
+#: (each replica on the way) says so
+LOOP_DETECTED = 508
 #: 4xx answers that mean "not now" rather than "not this data": the sender gets 503
 TRANSIENT_4XX = frozenset({408, 425, 429})
 #: how many times a request the upstream refused as too large (413) is cut in halves:
@@ -658,6 +663,8 @@ def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -
     if status in NOT_A_WRITE_ENDPOINT or (
             status == 400 and _VM_UNSUPPORTED_PATH.search(body) is not None):
         return "not_write_endpoint"
+    if status == LOOP_DETECTED:  # the URL leads back to a karta-proxy (proxy.via)
+        return "not_write_endpoint"
     if status in (401, 403) and own_credentials and not _NO_ORG_ID.match(body.strip()):
         return "credentials_refused"
     if status == 407:  # an HTTP proxy on the way (upstream.proxy_url): never the data's
@@ -665,6 +672,9 @@ def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -
     return ""
 
 
+#: what a 508 says: the request came back to a karta-proxy it went through
+_LOOP = ("leads back to a karta-proxy the request came through (508 Loop Detected: "
+         "upstream.url, or a redirect of the upstream, names the proxy)")
 #: what a 407 says, from an HTTP proxy between karta-proxy and the TSDB (absolute-form
 #: requests of an http:// upstream through ``upstream.proxy_url``)
 PROXY_CREDENTIALS = ("asks for an HTTP proxy's credentials (407: the user:password of "
@@ -1051,6 +1061,8 @@ class Upstream:
             out["Authorization"] = authorization
         if "User-Agent" not in out:
             out["User-Agent"] = "karta-proxy"
+        # the sender's hops and this one: a request back here is refused (proxy.via)
+        out["Via"] = via.forwarded(None if own else via.sent(incoming))
         out["Content-Type"] = protocol.content_type
         out["Content-Encoding"] = encoding
         out["X-Prometheus-Remote-Write-Version"] = protocol.version_header
@@ -2100,13 +2112,17 @@ class Upstream:
             # rule): the refusal is the chain's, not the sender's, whose batch a 4xx drops
             reason = "credentials_refused"
         if reason:
-            what = ("is not a remote-write endpoint" if reason == "not_write_endpoint"
+            what = (_LOOP if upstream_status == LOOP_DETECTED
+                    else "is not a remote-write endpoint" if reason == "not_write_endpoint"
                     else PROXY_CREDENTIALS if upstream_status == 407
                     else _CREDENTIALS_NOT_SENT if dropped
                     else "refused the proxy's credentials (its upstream credentials, or "
                     "upstream.proxy_url's user:password for the HTTP proxy on the way)"
                     if self._proxy_auth else "refused the proxy's credentials")
+            answered = LOOP_DETECTED if upstream_status == LOOP_DETECTED else 503
             line = (f"upstream {what}: fix upstream.url / credentials; senders get 503 and "
+                    "keep their data meanwhile" if answered == 503 else
+                    f"upstream {what}: fix upstream.url or the redirect; senders get 508 and "
                     "keep their data meanwhile")
             extra: dict[str, object] = {"upstream_url": self.shown_url,
                                         "upstream_status": upstream_status, "reason": reason}
@@ -2128,7 +2144,7 @@ class Upstream:
                 line = ("upstream redirects the writes and the redirect is not followed: set "
                         "upstream.url to its location; senders get 503 and keep their data "
                         "meanwhile")
-            else:
+            elif upstream_status != LOOP_DETECTED:
                 extra["hint"] = _PATH_HINT
             extra["body"] = text[:512].decode("utf-8", "replace")
             self._line(logging.ERROR, line, f"{reason}:{upstream_status}", extra)
@@ -2137,7 +2153,7 @@ class Upstream:
             message = (f"upstream {where} answered {upstream_status}: it {what} "
                        f"(proxy misconfigured; retry later)").encode() + (
                            b": " + text if text.strip() else b"")
-            return Answer(503, message[:MAX_ERROR_BODY],
+            return Answer(answered, message[:MAX_ERROR_BODY],
                           {"Retry-After": MISCONFIGURED_RETRY_AFTER}, code)
         if status != upstream_status and not 200 <= upstream_status < 300:
             # an empty body said as such, not as a line ending in ": " (nor as nothing:
@@ -2266,6 +2282,10 @@ class Upstream:
             self._protocol_logged = probe.outcome
             self._line(logging.INFO, message, probe.outcome, {**extra},
                        interval=QUIET_LOG_SECONDS, at_once=changed)
+        elif probe.outcome == "not_write_endpoint" and probe.code == str(LOOP_DETECTED):
+            log.error("upstream URL leads back to a karta-proxy (a loop: upstream.url, or a "
+                      "redirect of the upstream, names the proxy): every write will be "
+                      "answered 508 until it is fixed", extra={**extra, "body": probe.detail})
         elif probe.outcome == "not_write_endpoint":
             log.error("upstream URL is NOT a remote-write endpoint: every write will be "
                       "answered 503 until upstream.url is fixed",

@@ -25,6 +25,7 @@ from msgspec import inspect as mi
 from proxy.cli import build_parser, main, settings_from_args
 from proxy.config import ConfigError, schema
 from proxy.sender import Series, send_series
+from tests.peers.conftest import free_port
 from tests.process import stop
 from tests.proxy_harness import CART, SNAPSHOT
 from tests.scripted import Received, Reply, ScriptedUpstream
@@ -380,12 +381,6 @@ def test_kubeconfig_env_is_a_default_below_the_file(tmp_path: Path) -> None:
         ["--config", str(cfg), "--kubeconfig", str(b)]), env={}).kube.kubeconfig == str(b)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def wait_for_200(session: aiohttp.ClientSession, url: str,
                        proc: asyncio.subprocess.Process, timeout: float = 20) -> None:
     """Poll ``url`` until it answers 200, while the process lives; bounded in time."""
@@ -408,7 +403,7 @@ async def _on_the_snapshot(tmp_path: Path, up: ScriptedUpstream
     (its log on stderr) and its port."""
     snap = tmp_path / "snap.yaml"
     snap.write_text(SNAPSHOT)
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "--snapshot", str(snap), "--upstream-url", up.url,
         "--listen-address", f"127.0.0.1:{port}", "--no-facts", cwd=REPO,
@@ -495,7 +490,7 @@ async def test_a_hostile_description_costs_a_jq_error_not_the_process(
     snap.write_text(HOSTILE_SNAPSHOT)
     desc = tmp_path / "hostile.yaml"
     desc.write_text(HOSTILE_KARTA)
-    port = _free_port()
+    port = free_port()
     async with ScriptedUpstream() as up:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy", "--snapshot", str(snap), "--description", str(desc),
@@ -578,7 +573,7 @@ def test_an_unloadable_snapshot_is_one_line_and_exit_1(tmp_path: Path) -> None:
     snap.write_text("kind: [unclosed\n  : : :\n")
     code, plain, records = _start_failure([
         "--snapshot", str(snap), "--upstream-url", "http://127.0.0.1:9/api/v1/write",
-        "--no-facts", "--listen-address", f"127.0.0.1:{_free_port()}"])
+        "--no-facts", "--listen-address", f"127.0.0.1:{free_port()}"])
     _assert_reported(code, plain, records, f"snapshot {snap}", "nothing could be loaded",
                      "--snapshot")
 
@@ -593,7 +588,7 @@ def test_a_removed_setting_is_logged_in_the_log_format_with_its_key(tmp_path: Pa
     code, plain, records = _start_failure([
         "--config", str(cfg), "--snapshot", str(snap), "--log-format", "json",
         "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
-        "--listen-address", f"127.0.0.1:{_free_port()}"])
+        "--listen-address", f"127.0.0.1:{free_port()}"])
     _assert_reported(code, plain, records, "nothing could be loaded")
     (warning,) = [r for r in records if r["msg"] == "ignoring a removed setting"]
     assert warning["key"] == "enrich.cache_size" and warning["reason"]
@@ -607,7 +602,7 @@ def test_no_cluster_to_watch_is_one_line_and_exit_1(tmp_path: Path) -> None:
     env["HOME"] = str(tmp_path)
     code, plain, records = _start_failure([
         "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
-        "--listen-address", f"127.0.0.1:{_free_port()}"], env=env)
+        "--listen-address", f"127.0.0.1:{free_port()}"], env=env)
     _assert_reported(code, plain, records,
                      "no Kubernetes cluster to watch: no kubeconfig (--kubeconfig and "
                      "KUBECONFIG unset, no ~/.kube/config) and not in a pod "
@@ -623,7 +618,7 @@ def test_a_broken_kubeconfig_is_one_line_naming_the_file_and_exit_1(tmp_path: Pa
     kubeconfig.write_text("garbage: [\n")
     code, plain, records = _start_failure([
         "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
-        "--kubeconfig", str(kubeconfig), "--listen-address", f"127.0.0.1:{_free_port()}"])
+        "--kubeconfig", str(kubeconfig), "--listen-address", f"127.0.0.1:{free_port()}"])
     _assert_reported(code, plain, records,
                      f"no Kubernetes cluster to watch: kubeconfig {kubeconfig}: invalid YAML: "
                      "line 2, column 1", "fix the file, or set --kubeconfig", "--snapshot")
@@ -643,7 +638,7 @@ async def test_sigterm_while_waiting_for_the_cluster_exits_0(tmp_path: Path) -> 
     sim = KubeSim()  # never started: connection refused
     kubeconfig = sim.write_kubeconfig(tmp_path / "kubeconfig")
     await sim.close()
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
         "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--no-facts",
@@ -736,7 +731,7 @@ def test_leader_election_with_a_snapshot_and_no_cluster_names_the_setting(
     code, plain, records = _start_failure([
         "--config", str(cfg), "--snapshot", str(snap),
         "--upstream-url", "http://127.0.0.1:9/api/v1/write",
-        "--listen-address", f"127.0.0.1:{_free_port()}"], env=env)
+        "--listen-address", f"127.0.0.1:{free_port()}"], env=env)
     _assert_reported(code, plain, records, "facts.leader_election needs a Kubernetes cluster",
                      "--kubeconfig", "facts.leader_election: false")
     assert "use --snapshot" not in plain
@@ -906,7 +901,7 @@ def test_a_label_limit_past_a_c_size_is_one_line_and_exit_2(tmp_path: Path) -> N
     cfg = tmp_path / "karta.yaml"
     cfg.write_text(f"upstream: {{url: 'http://x:1', max_labels_per_series: {2**63}}}\n")
     r = run_cli("--config", str(cfg), "--snapshot", str(REPO / "proxy/demo_data/snapshot.yaml"),
-                "--listen-address", f"127.0.0.1:{_free_port()}")
+                "--listen-address", f"127.0.0.1:{free_port()}")
     assert (r.returncode, r.stderr.splitlines()) == (2, [
         f"karta-proxy: error: {cfg}: upstream.max_labels_per_series: must be 0 to 65536, got "
         f"{2**63}"])
@@ -920,7 +915,7 @@ def test_a_lease_kubeconfig_that_does_not_exist_exits_2_with_a_snapshot(
     cfg.write_text("upstream: {url: 'http://x:1'}\nfacts: {leader_election: true}\n"
                    "kube: {kubeconfig: /nonexistent}\n")
     r = run_cli("--config", str(cfg), "--snapshot", str(REPO / "proxy/demo_data/snapshot.yaml"),
-                "--listen-address", f"127.0.0.1:{_free_port()}")
+                "--listen-address", f"127.0.0.1:{free_port()}")
     assert (r.returncode, r.stderr.splitlines()) == (2, [
         f"karta-proxy: error: {cfg}: kube.kubeconfig: file '/nonexistent' does not exist or "
         "is not readable"])
@@ -977,7 +972,7 @@ def test_as_pid_1_a_sigterm_during_the_imports_stops_the_start(tmp_path: Path) -
         ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code,
          "--snapshot", str(snap),
          "--upstream-url", "http://127.0.0.1:9/api/v1/write", "--listen-address",
-         f"127.0.0.1:{_free_port()}", "--no-facts"],
+         f"127.0.0.1:{free_port()}", "--no-facts"],
         cwd=REPO, capture_output=True, text=True, timeout=20,  # it ran on: TimeoutExpired
         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
@@ -1021,7 +1016,7 @@ async def test_no_credential_shows_in_any_answer_page_or_log_line(tmp_path: Path
         }
         config = tmp_path / "karta-proxy.yaml"
         config.write_text(json.dumps(settings))
-        port = _free_port()
+        port = free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy", "--config", str(config), "--listen-address",
             f"127.0.0.1:{port}", "--log-level", "debug", "--log-format", "json", cwd=REPO,

@@ -23,12 +23,14 @@ import pytest
 import snappy
 from yarl import URL
 
+from proxy import via
 from proxy.config import UpstreamProtocol, validate
 from proxy.contract import REJECT_REASONS
 from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES
 from proxy.runtime import Proxy
 from proxy.wire.plan import SPLICE_REASONS
 from proxy.wire.primitives import Protocol
+from tests.peers.conftest import free_port
 from tests.proxy_harness import (
     CART,
     CT_V1,
@@ -43,7 +45,14 @@ from tests.proxy_harness import (
 )
 from tests.raw_http import Answer as RawAnswer
 from tests.raw_http import read_answer
-from tests.scripted import Received, Reply, ScriptedUpstream, rw2_receiver, size_limit
+from tests.scripted import (
+    Received,
+    Reply,
+    ScriptedUpstream,
+    redirect_to,
+    rw2_receiver,
+    size_limit,
+)
 from tests.wire_fixtures import amplifying_v2, request_v2
 
 STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
@@ -103,6 +112,63 @@ async def test_every_refusal_and_unattributed_reason_is_exposed_at_0_from_the_st
     for reason in SPLICE_REASONS:
         assert registry.get_sample_value("karta_proxy_series_unattributed_total",
                                          {"reason": reason}) == 0.0, reason
+
+
+async def test_a_request_that_came_through_this_proxy_before_is_508_and_not_forwarded(
+        running: Running) -> None:
+    """Its Via names this process: it was forwarded here and came back (a loop). Refused
+    on its headers, before its body is read; another proxy's entry is any hop."""
+    loop = await running.post(series_v1({"__name__": "up", "pod": "p"}),
+                              headers={"Via": f"1.1 ingress, {via.ENTRY}"})
+    assert loop.status == 508
+    assert running.metric("karta_proxy_requests_rejected_total", {"reason": "loop"}) == 1
+    other = await running.post(series_v1({"__name__": "up", "pod": "p"}),
+                               headers={"Via": "1.1 karta-proxy-00000000"})
+    assert other.status == 204
+    assert len(running.upstream.received) == 1
+    assert running.upstream.received[0].headers["Via"] == f"1.1 karta-proxy-00000000, {via.ENTRY}"
+
+
+async def test_an_upstream_url_that_names_the_proxy_is_found_at_once_not_64_deep(
+        tmp_path: Path) -> None:
+    """upstream.url names the proxy's own address: every write went round until every
+    request slot was held by it (64 deep, 2.1 s, other senders refused meanwhile). Now
+    the first write in comes back once and is refused; the sender gets 508 (retried,
+    nothing lost), counted as the configuration's fault (KartaProxyUpstreamMisconfigured).
+    The check at start ran before the listener (unavailable); one that reaches it finds
+    the URL not a write endpoint (test_upstream.py)."""
+    port = free_port()
+    async with (
+        ScriptedUpstream() as up,
+        aiohttp.ClientSession() as session,
+        proxy_running(tmp_path, up, upstream_url=f"http://127.0.0.1:{port}/api/v1/write",
+                      listen_address=f"127.0.0.1:{port}") as p,
+    ):
+        h = {"Content-Type": CT_V1, "Content-Encoding": "snappy"}
+        async with session.post(f"http://127.0.0.1:{port}/api/v1/write", headers=h,
+                                data=snappy.compress(series_v1({"__name__": "up"}))) as resp:
+            body = await resp.text()
+        assert resp.status == 508 and resp.headers["Retry-After"] == "30", body
+        assert "leads back to a karta-proxy" in body and via.PSEUDONYM in body
+        assert metric(p, "karta_proxy_requests_rejected_total", reason="loop") == 1
+        assert metric(p, "karta_proxy_upstream_misconfigured_total", url=p.upstream.shown_url,
+                      reason="not_write_endpoint", code="508") == 1
+        # the sender's, and its return refused on its headers
+        for protocol in ("v1", "unknown"):
+            assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
+                          protocol=protocol, code="508") == 1
+    assert up.received == []
+
+
+async def test_a_redirect_back_to_the_proxy_is_found_at_once(running: Running) -> None:
+    """The upstream redirects (308) to the proxy itself: the request, followed, came
+    back once and was refused; one request went to the upstream."""
+    running.upstream.rule = redirect_to(running.url)
+    resp = await running.post(series_v1({"__name__": "up", "pod": "p"}))
+    assert resp.status == 508
+    assert len(running.upstream.received) == 1
+    assert running.metric("karta_proxy_requests_rejected_total", {"reason": "loop"}) == 1
+    assert running.metric("karta_proxy_upstream_redirects_total", {"result": "followed"}) == 1
 
 
 def _refusal_reasons_counted(source: str) -> set[str]:

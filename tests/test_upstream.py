@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import upstream_http
+from proxy import upstream_http, via
 from proxy.budget import Held, LoadBudget
 from proxy.compression import DecodeError, block_part, compress, join_snappy
 from proxy.config import UpstreamSettings
@@ -835,6 +835,45 @@ async def test_not_a_write_endpoint_is_503_with_a_counter_naming_the_url(status:
     assert u.metrics.registry.get_sample_value(
         "karta_proxy_upstream_misconfigured_total",
         {"url": up.url, "reason": "not_write_endpoint", "code": str(status)}) == 1
+
+
+async def test_every_request_upstream_carries_this_proxys_via_after_the_senders() -> None:
+    """RFC 9110: a gateway adds its Via entry to each request it forwards; a sender's
+    entries (one or several lines, any spelling) go first, and the proxy's own writes
+    carry the entry alone, whatever facts.headers says."""
+    async with ScriptedUpstream() as up, opened(up.url, protocol="v1") as u:
+        await u.send(v1_body(), Protocol.V1)
+        sender = CIMultiDict([("Via", "1.1 ingress"), ("via", "1.0 edge (nginx)")])
+        await u.send(v1_body(), Protocol.V1, incoming_headers=CIMultiDictProxy(sender))
+        await u.send_v1(v1_body(), {"Via": "1.1 forged"})
+        await u.check()
+    vias = [r.headers.getall("Via") for r in up.received]
+    assert vias[0] == [via.ENTRY]
+    assert vias[1] == [f"1.1 ingress, 1.0 edge (nginx), {via.ENTRY}"]
+    assert vias[2] == [via.ENTRY]
+    assert [r.headers.getall("Via") for r in up.empty_writes] == [[via.ENTRY]]
+
+
+async def test_an_upstream_that_leads_back_to_a_karta_proxy_is_508_a_misconfiguration(
+        ) -> None:
+    """The request came back to a karta-proxy it went through (its 508): the upstream URL
+    or a redirect names the proxy. The sender keeps its batch and retries later; the 508
+    passes on, so that each replica of a loop counts and says it, and the check finds
+    the URL not a write endpoint."""
+    async with (
+        ScriptedUpstream(Reply(508, body=via.LOOP_SAID.encode())) as up,
+        opened(up.url) as u,
+    ):
+        answer = await u.send(v1_body(), Protocol.V1)
+        probe = await u.check()
+    assert answer.status == 508 and answer.headers["Retry-After"] == "30"
+    assert b"leads back to a karta-proxy" in answer.body, answer.body
+    assert via.PSEUDONYM.encode() in answer.body  # the inner answer quoted
+    assert probe.outcome == "not_write_endpoint" and probe.code == "508"
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value(
+        "karta_proxy_upstream_misconfigured_total",
+        {"url": up.url, "reason": "not_write_endpoint", "code": "508"}) == 2  # and the check
 
 
 async def test_401_to_the_proxys_own_credentials_is_503(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -61,7 +60,7 @@ from tests.facts.helpers import (
     stale_and_live,
     writer,
 )
-from tests.peers.conftest import wait_until
+from tests.peers.conftest import free_port, wait_until
 
 # -- ending series -----------------------------------------------------------------------------
 
@@ -673,12 +672,6 @@ async def test_disabled_writer_does_not_start() -> None:
 # -- against a real Prometheus -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Prometheus:
     """A real Prometheus with the remote-write receiver, on 127.0.0.1."""
 
@@ -689,7 +682,7 @@ class Prometheus:
         self.dir = tempfile.TemporaryDirectory(prefix="karta-facts-prom-")
         cfg = Path(self.dir.name) / "prometheus.yml"
         cfg.write_text("global:\n  scrape_interval: 1h\n")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [

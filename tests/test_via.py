@@ -1,0 +1,52 @@
+"""The proxy's ``Via`` entry and the loop it tells of (``proxy.via``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy import via
+
+
+def test_the_entry_is_a_pseudonym_of_this_process_not_a_host() -> None:
+    assert re.fullmatch(r"1\.1 karta-proxy-[0-9a-f]{8}", via.ENTRY)
+    assert via.PSEUDONYM in via.LOOP_SAID
+
+
+@pytest.mark.parametrize(("incoming", "out"), [
+    (None, via.ENTRY),
+    ("", via.ENTRY),
+    ("  ", via.ENTRY),
+    ("1.1 ingress", f"1.1 ingress, {via.ENTRY}"),
+    ("1.0 fred, 1.1 p.example.net (Apache/1.1)", f"1.0 fred, 1.1 p.example.net (Apache/1.1), "
+                                                 f"{via.ENTRY}"),
+])
+def test_a_forwarded_request_carries_the_senders_hops_then_this_one(
+        incoming: str | None, out: str) -> None:
+    assert via.forwarded(incoming) == out
+
+
+@pytest.mark.parametrize(("value", "here"), [
+    (via.ENTRY, True),
+    (f"1.1 ingress, {via.ENTRY}", True),
+    (f"{via.ENTRY}, 1.1 karta-proxy-00000000", True),
+    (f"HTTP/1.1 {via.PSEUDONYM} (karta-proxy)", True),
+    (f"1.1 ingress,{via.ENTRY}", True),
+    ("1.1 karta-proxy-00000000", False),  # another replica
+    (f"1.1 {via.PSEUDONYM}x", False),  # a longer name that begins as this one
+    (f"1.1 x{via.PSEUDONYM}", False),
+    (f"1.1 ingress ({via.PSEUDONYM})", False),  # named in a comment, not as a hop
+    ("", False),
+])
+def test_a_loop_is_this_process_named_as_a_hop(value: str, here: bool) -> None:
+    assert via.came_through_here(value) is here
+
+
+def test_every_via_line_is_read() -> None:
+    lines = CIMultiDict([("Via", "1.1 ingress"), ("via", via.ENTRY)])
+    assert via.sent(CIMultiDictProxy(lines)) == f"1.1 ingress, {via.ENTRY}"
+    assert via.sent(lines) == f"1.1 ingress, {via.ENTRY}"
+    assert via.sent({"Via": "1.1 a"}) == "1.1 a"
+    assert via.sent(CIMultiDictProxy(CIMultiDict())) is None
