@@ -1062,7 +1062,8 @@ class Upstream:
         if "User-Agent" not in out:
             out["User-Agent"] = "karta-proxy"
         # the sender's hops and this one: a request back here is refused (proxy.via)
-        out["Via"] = via.forwarded(None if own else via.sent(incoming))
+        out["Via"] = (via.ENTRY if own or "Via" not in incoming
+                      else via.forwarded(via.sent(incoming)))
         out["Content-Type"] = protocol.content_type
         out["Content-Encoding"] = encoding
         out["X-Prometheus-Remote-Write-Version"] = protocol.version_header

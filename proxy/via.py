@@ -57,9 +57,16 @@ def sent(headers: Mapping[str, str]) -> str | None:
 
 def forwarded(incoming: str | None) -> str:
     """The ``Via`` of a request forwarded upstream: the sender's entries, then this
-    process's (RFC 9110: appended, in the order the messages went)."""
+    process's (RFC 9110: appended, in the order the messages went). Entries that are not
+    UTF-8 (the server keeps such bytes as surrogates) are left out: the upstream client
+    cannot send them, and every write of that sender was a 502."""
     if not incoming or not incoming.strip():
         return ENTRY
+    if not incoming.isascii():
+        try:
+            incoming.encode("utf-8")
+        except UnicodeEncodeError:
+            return ENTRY
     return f"{incoming}, {ENTRY}"
 
 

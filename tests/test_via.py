@@ -22,6 +22,8 @@ def test_the_entry_is_a_pseudonym_of_this_process_not_a_host() -> None:
     ("1.1 ingress", f"1.1 ingress, {via.ENTRY}"),
     ("1.0 fred, 1.1 p.example.net (Apache/1.1)", f"1.0 fred, 1.1 p.example.net (Apache/1.1), "
                                                  f"{via.ENTRY}"),
+    ("1.1 caf\u00e9", f"1.1 caf\u00e9, {via.ENTRY}"),  # UTF-8 text passes
+    ("1.1 caf\udce9", via.ENTRY),  # a byte that is not UTF-8: the client cannot send it
 ])
 def test_a_forwarded_request_carries_the_senders_hops_then_this_one(
         incoming: str | None, out: str) -> None:
