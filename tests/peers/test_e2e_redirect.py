@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy import via
 from proxy.compression import compress
 from proxy.config import UpstreamSettings
 from proxy.metrics import ProxyMetrics
@@ -108,7 +109,10 @@ async def test_the_redirected_request_carries_what_prometheus_sends_there(
 
     def said(rec: Received) -> dict[str, str]:
         return {k.lower(): v for k, v in rec.headers.items()
-                if k.lower() not in ("accept", "user-agent", "content-length")}
+                if k.lower() not in ("accept", "user-agent", "content-length", "via")}
+
+    # the proxy's Via entry, where the agent (a user agent, no gateway) sends none
+    assert "Via" not in agents.headers and proxys.headers["Via"] == via.ENTRY
 
     assert said(agents) == said(proxys)
     assert said(proxys)["authorization"] == "Bearer own-token"
