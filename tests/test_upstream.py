@@ -1122,21 +1122,29 @@ async def test_the_check_that_found_the_credentials_refused_is_made_again_once_t
         settings["basic_auth_username"] = "karta"
     async with ScriptedUpstream(rule=gate) as up, opened(up.url, **settings) as u:
         assert (await u.check()).outcome == "credentials_refused"
-        secret.write_text("rotated")
-        for _ in range(100):  # the file is stat'ed once a second
-            answer = await u.send(v1_body(), Protocol.V1)
-            if answer.ok:
-                break
-            await asyncio.sleep(0.05)
-        assert answer.ok, answer.body
-        assert (await u.check()).outcome == "rw1"
+        await fixed_then_checked(u, secret, "rotated")
         for _ in range(3):
             assert (await u.send(v1_body(), Protocol.V1)).ok
         assert (await u.check()).outcome == "rw1"
-        assert u.metrics is not None
-        assert u.metrics.registry.get_sample_value("karta_proxy_upstream_info", {
-            "url": up.url, "protocol": "rw1", "check": "rw1"}) == 1
     assert len(up.empty_writes) == 2  # the start's check, and the one made again
+
+
+async def fixed_then_checked(u: Upstream, secret: Path, text: str) -> None:
+    """``secret`` rewritten with ``text`` after the check found the proxy's credentials
+    refused: a write goes through once the file is read again (stat'ed once a second, a
+    token endpoint's failure held as long), and the check, made again, says so in
+    ``karta_proxy_upstream_info{check}``."""
+    secret.write_text(text)
+    for _ in range(100):
+        answer = await u.send(v1_body(), Protocol.V1)
+        if answer.ok:
+            break
+        await asyncio.sleep(0.05)
+    assert answer.ok, answer.body
+    assert (await u.check()).outcome == "rw1"
+    assert u.metrics is not None
+    assert u.metrics.registry.get_sample_value("karta_proxy_upstream_info", {
+        "url": u.shown_url, "protocol": "rw1", "check": "rw1"}) == 1
 
 
 async def test_basic_auth(tmp_path: Path) -> None:

@@ -31,11 +31,10 @@ from proxy.upstream_oauth2 import (
     parse_answer,
     token_type,
 )
-from proxy.wire.primitives import Protocol
 from tests.clock import ManualClock
 from tests.oauth2_endpoint import Canned, TokenEndpoint
 from tests.scripted import Reply, ScriptedUpstream, redirect_to
-from tests.test_upstream import v1_body
+from tests.test_upstream import fixed_then_checked
 from tests.tls_certs import Authority
 
 #: a secret with characters the Basic credentials form-escape first (RFC 6749 2.3.1)
@@ -390,16 +389,6 @@ async def test_the_check_that_found_the_client_refused_is_made_again_once_a_toke
         u = Upstream(UpstreamSettings(url=up.url, timeout_seconds=5.0, protocol="v1",
                                       oauth2=oauth2), ProxyMetrics())
         assert (await u.check()).outcome == "credentials_refused"
-        secret.write_text(SECRET)
-        for _ in range(100):  # the file is stat'ed once a second, a failure held as long
-            answer = await u.send(v1_body(), Protocol.V1)
-            if answer.ok:
-                break
-            await asyncio.sleep(0.05)
-        assert answer.ok, answer.body
-        assert (await u.check()).outcome == "rw1"
-        assert u.metrics is not None
-        assert u.metrics.registry.get_sample_value("karta_proxy_upstream_info", {
-            "url": up.url, "protocol": "rw1", "check": "rw1"}) == 1
+        await fixed_then_checked(u, secret, SECRET)
         await u.close()
     assert len(up.empty_writes) == 1  # the check made again, with the token
