@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from proxy import __version__, server
+from proxy import __version__, server, via
 from proxy.config import (
     ConfigError,
     Settings,
@@ -498,6 +498,8 @@ class Proxy:
             "listen_address": s.server.listen_address,
             "splice": self.enricher.implementation, "worker_threads": self.handler.workers,
             "http_parser": http_parser(),
+            # this process's name in the Via of what it forwards: a 508 loop names it
+            "via": via.PSEUDONYM,
             **({"upstream_proxy": self.upstream.egress.describe()}
                if self.upstream.egress is not None else {}),
             **({"upstream_oauth2_token_url": shown_url(s.upstream.oauth2.token_url)}

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from proxy import via
 from proxy.config import ConfigError, Settings, load_settings, validate
 from proxy.runtime import Proxy
 from proxy.sender import Series, decode_v1, send_series
@@ -780,6 +781,8 @@ async def test_the_upstream_password_is_on_no_page_and_in_no_log_line(
     start = [r for r in caplog.records if r.getMessage() == "starting karta-proxy"]
     assert start and start[0].__dict__["upstream_url"] == up.url
     assert start[0].__dict__["http_parser"] in ("llhttp", "python")
+    # the name a 508 loop refusal gives this process, so that its replica can be found
+    assert start[0].__dict__["via"] == via.PSEUDONYM
     assert up.url.split("//")[1] in pages[0]
     for text in (*pages, *(repr(r.__dict__) for r in caplog.records)):
         assert "PW-SECRET" not in text
