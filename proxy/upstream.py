@@ -2039,12 +2039,12 @@ class Upstream:
         once per (from, to) at once, then in one summary per ``QUIET_LOG_SECONDS`` while it
         goes on (the throttle's keys are bounded)."""
         self._count_redirect("followed")
-        came, went = shown_location(chain.urls[-2]), shown_location(chain.url)
+        hop = chain.hop()
         self._line(logging.WARNING, "upstream redirected a request and it was followed: each "
                    "such request costs a round trip more; set upstream.url to the target",
-                   f"{came} -> {went}",
+                   str(hop),
                    {"upstream_url": self.shown_url, "upstream_status": status,
-                    "from": came, "to": went,
+                    "from": hop.came, "to": hop.went,
                     "sender_credentials_dropped": chain.dropped},
                    interval=QUIET_LOG_SECONDS)
 

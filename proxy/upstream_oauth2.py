@@ -77,7 +77,6 @@ from proxy.upstream_redirect import (
     REDIRECTS,
     Chain,
     said_location,
-    shown_location,
 )
 from proxy.upstream_tls import FileSecret
 
@@ -463,9 +462,10 @@ class TokenSource:
 
     def _followed(self, chain: Chain, status: int) -> None:
         """A redirect of the token request followed: said once per (from, to), throttled."""
-        came, went = shown_location(chain.urls[-2]), shown_location(chain.url)
-        self._redirects.event(f"{came} -> {went}", {
-            "token_url": self.shown_url, "token_status": status, "from": came, "to": went})
+        hop = chain.hop()
+        self._redirects.event(str(hop), {
+            "token_url": self.shown_url, "token_status": status, "from": hop.came,
+            "to": hop.went})
 
     async def _context(self) -> ssl.SSLContext:
         """The token endpoint's TLS context, built again in a thread when its files

@@ -189,6 +189,19 @@ class Walked(Generic[A]):
     refused: RedirectRefused | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """The redirect a chain followed last, as a log line shows it (``shown_location``:
+    no credentials, no query): both the upstream's writes and the token requests say
+    it, each in its own throttled line."""
+
+    came: str
+    went: str
+
+    def __str__(self) -> str:
+        return f"{self.came} -> {self.went}"
+
+
 @dataclass(slots=True)
 class Chain:
     """The requests of one upstream request so far, redirects followed: Go's
@@ -212,6 +225,10 @@ class Chain:
     def url(self) -> URL:
         """Where the last request went."""
         return self.urls[-1]
+
+    def hop(self) -> Hop:
+        """The redirect followed last (the chain has two URLs at least)."""
+        return Hop(shown_location(self.urls[-2]), shown_location(self.url))
 
     def follow(self, location: str | None) -> URL:
         """The next request's URL for a 307 / 308 answer to the last one, taken as the

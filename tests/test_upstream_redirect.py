@@ -18,6 +18,7 @@ from proxy.upstream import Upstream
 from proxy.upstream_redirect import (
     MAX_REQUESTS,
     Chain,
+    Hop,
     RedirectRefused,
     resolve,
     same_site,
@@ -87,6 +88,17 @@ def test_a_location_with_a_byte_not_utf8_in_its_host_is_taken_as_resolved(
     chain = Chain([FIRST])
     assert chain.follow(location) == resolve(FIRST, location)
     assert chain.absolute is absolute
+
+
+def test_the_hop_a_log_line_says_shows_no_credentials() -> None:
+    """Both the writes' and the token requests' lines read the last redirect here."""
+    chain = Chain([URL("http://u:pw@tsdb.example.com/w?api_key=k1")])
+    chain.follow("https://tsdb.example.com/w?token=t2")
+    hop = chain.hop()
+    assert hop == Hop("http://tsdb.example.com/w?api_key=(hidden)",
+                      "https://tsdb.example.com/w?token=(hidden)")
+    assert str(hop) == f"{hop.came} -> {hop.went}"
+    assert not {"pw", "k1", "t2"} & set(str(hop).replace("/", " ").replace("=", " ").split())
 
 
 def test_a_loop_ends_at_once_and_a_chain_at_go_s_tenth_redirect() -> None:
