@@ -287,7 +287,7 @@ class EgressRoutes:
             raise ValueError(f"upstream.proxy_url: {e}") from None
         return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)
 
-    def via(self, scheme: str, host: str, port: int) -> Egress | None:
+    def proxy_for(self, scheme: str, host: str, port: int) -> Egress | None:
         """The proxy a request to ``scheme://host:port`` goes through, or None."""
         key = (scheme, host, port)
         routes = self._routes

@@ -1893,7 +1893,7 @@ class Upstream:
                 resp = await pool.post(
                     target, headers, out.encoded, tls=tls,
                     server_hostname=self.settings.tls_server_name or None,
-                    max_body=MAX_ERROR_BODY, via=self._via(target))
+                    max_body=MAX_ERROR_BODY, egress=self._egress_for(target))
                 if 300 <= resp.status < 400:  # a 2xx costs this one comparison, no more
                     walked = await self._follow(pool, resp, target, headers, out.encoded,
                                                 incoming)
@@ -2006,20 +2006,20 @@ class Upstream:
                     tls = self._tls.get() if self._tls is not None else self._hop_tls()
                 return await pool.post(target, hop_headers, body, tls=tls,
                                        server_hostname=self.settings.tls_server_name or None,
-                                       max_body=MAX_ERROR_BODY, via=self._via(target))
+                                       max_body=MAX_ERROR_BODY, egress=self._egress_for(target))
 
             walked = await chain.walk(resp, headers, brought, send, self._followed)
         if walked.refused is None and walked.resp.status in REDIRECTS:
             self._count_redirect("not_followed")
         return walked
 
-    def _via(self, target: URL) -> Egress | None:
+    def _egress_for(self, target: URL) -> Egress | None:
         """The HTTP proxy a request to ``target`` goes through (``upstream.proxy_url``,
         or the environment's by Go's rules), None for a direct one."""
         egress = self.egress
         if egress is None:
             return None
-        return egress.via(target.scheme, target.raw_host or "", target.port or 0)
+        return egress.proxy_for(target.scheme, target.raw_host or "", target.port or 0)
 
     def _hop_tls(self) -> ssl.SSLContext:
         """The context of an https:// request when ``upstream.url`` is http:// (its

@@ -480,9 +480,9 @@ def _target(url: URL) -> _Target:
 
 
 def request_head(target: _Target, headers: Mapping[str, str], length: int,
-                 via: Egress | None = None) -> bytes:
+                 egress: Egress | None = None) -> bytes:
     """The request's head, as aiohttp wrote it (module docstring); through the HTTP proxy
-    ``via`` (an http:// upstream), in absolute form with its ``Proxy-Authorization``, as
+    ``egress`` (an http:// upstream), in absolute form with its ``Proxy-Authorization``, as
     Go writes it. ``ValueError`` for a header that cannot be sent: a control character
     but HTAB in it (a line break would start a header of its own; aiohttp refused the
     same), or text that is not UTF-8 (a surrogate: aiohttp left it out, and
@@ -500,9 +500,9 @@ def request_head(target: _Target, headers: Mapping[str, str], length: int,
     text = "".join([f"{k}: {v}\r\n" for k, v in items])
     accept = "" if "accept" in lower else "Accept: */*\r\n"
     size = "" if "content-length" in lower else f"Content-Length: {length}\r\n"
-    if via is None or target.tls:
+    if egress is None or target.tls:
         return target.request_line + f"{host}{text}{accept}{size}\r\n".encode()
-    auth = f"Proxy-Authorization: {via.authorization}\r\n" if via.authorization else ""
+    auth = f"Proxy-Authorization: {egress.authorization}\r\n" if egress.authorization else ""
     return target.proxied_line + f"{host}{text}{accept}{size}{auth}\r\n".encode()
 
 
@@ -638,36 +638,36 @@ class _Names:
         return found
 
 
-async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, via: Egress,
+async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: Egress,
                   host_port: str) -> None:
     """Open a ``CONNECT`` tunnel to ``host_port`` through the proxy ``sock`` is connected
     to; ``ConnectFailed`` with the proxy's status when it refuses (407: its credentials,
     ``proxy_url``'s user:password, missing or refused)."""
-    await loop.sock_sendall(sock, via.connect_request(host_port))
+    await loop.sock_sendall(sock, egress.connect_request(host_port))
     head = b""
     while b"\r\n\r\n" not in head:
         if len(head) > MAX_HEAD:
-            raise ConnectFailed(f"the HTTP proxy {via.shown} answered CONNECT with a head "
+            raise ConnectFailed(f"the HTTP proxy {egress.shown} answered CONNECT with a head "
                                 "past its bounds")
         data = await loop.sock_recv(sock, 65536)
         if not data:
-            raise ConnectFailed(f"the HTTP proxy {via.shown} closed the connection before "
+            raise ConnectFailed(f"the HTTP proxy {egress.shown} closed the connection before "
                                 f"answering CONNECT {host_port}")
         head += data
     end = head.index(b"\r\n\r\n") + 4
     status = _STATUS_LINE.match(head)
     if status is None:
-        raise ConnectFailed(f"the HTTP proxy {via.shown} answered CONNECT with something "
+        raise ConnectFailed(f"the HTTP proxy {egress.shown} answered CONNECT with something "
                             f"not HTTP: {head[:40]!r}")
     code = int(status[2])
     if not 200 <= code < 300:
         why = (f": its credentials (the user:password of upstream.proxy_url"
-               f"{', or upstream.proxy_connect_header' if via.connect_lines else ''}) "
+               f"{', or upstream.proxy_connect_header' if egress.connect_lines else ''}) "
                "missing or refused" if code == 407 else "")
-        raise ConnectFailed(f"the HTTP proxy {via.shown} answered {code} to CONNECT "
+        raise ConnectFailed(f"the HTTP proxy {egress.shown} answered {code} to CONNECT "
                             f"{host_port}{why}")
     if len(head) > end:  # the upstream's bytes before the TLS handshake: not a tunnel
-        raise ConnectFailed(f"the HTTP proxy {via.shown} sent bytes after its answer to "
+        raise ConnectFailed(f"the HTTP proxy {egress.shown} sent bytes after its answer to "
                             f"CONNECT {host_port}")
 
 
@@ -712,19 +712,19 @@ class Pool:
 
     async def post(self, url: URL, headers: Mapping[str, str], body: bytes, *,
                    tls: ssl.SSLContext | None, server_hostname: str | None,
-                   max_body: int, via: Egress | None = None) -> Response:
+                   max_body: int, egress: Egress | None = None) -> Response:
         """POST ``body`` to ``url`` with ``headers`` (``tls``: the context of an https
-        URL), through the HTTP proxy ``via`` if given; the answer, its body's first
+        URL), through the HTTP proxy ``egress`` if given; the answer, its body's first
         ``max_body`` bytes."""
         target = _target(url)
-        head = request_head(target, headers, len(body), via)
+        head = request_head(target, headers, len(body), egress)
         if not target.tls:
             tls = server_hostname = None
         elif tls is None:
             raise ValueError("an https upstream needs a TLS context")
         else:
             server_hostname = (server_hostname or target.host).rstrip(".")
-        key: _Key = (target.host, target.port, tls, server_hostname, via)
+        key: _Key = (target.host, target.port, tls, server_hostname, egress)
         conn = await self._acquire(key, target)
         try:
             answer = await conn.start(head, body, max_body)
@@ -856,23 +856,23 @@ class Pool:
 
     async def _connect(self, key: _Key, target: _Target) -> _Connection:
         loop = asyncio.get_running_loop()
-        host, port, tls, server_hostname, via = key
+        host, port, tls, server_hostname, egress = key
         where = f"{target.host_line[6:-2]}"
-        if via is not None:
-            host, port = via.host, via.port
-            where += f" through the HTTP proxy {via.shown}"
+        if egress is not None:
+            host, port = egress.host, egress.port
+            where += f" through the HTTP proxy {egress.shown}"
         try:
-            infos = await self._names.addresses(host, port, target.literal if via is None
-                                                else via.literal)
+            infos = await self._names.addresses(host, port, target.literal if egress is None
+                                                else egress.literal)
         except OSError as e:
             raise ConnectFailed(f"cannot look up {host}: {e}"
-                                + (" (the HTTP proxy)" if via is not None else "")) from e
+                                + (" (the HTTP proxy)" if egress is not None else "")) from e
         try:
             async with asyncio.timeout(self.connect_timeout):
                 sock = await _first_socket(loop, _interleaved(infos))
                 try:
-                    if via is not None and tls is not None:
-                        await _tunnel(loop, sock, via, target.authority)
+                    if egress is not None and tls is not None:
+                        await _tunnel(loop, sock, egress, target.authority)
                     _, conn = await loop.create_connection(
                         lambda: _Connection(loop, key), sock=sock, ssl=tls,
                         server_hostname=server_hostname)

@@ -444,7 +444,7 @@ class TokenSource:
                 tls = await self._context()
             return await pool.post(target, sent, body,
                                    tls=tls if target.scheme == "https" else None,
-                                   server_hostname=None, max_body=MAX_ANSWER, via=self._egress)
+                                   server_hostname=None, max_body=MAX_ANSWER, egress=self._egress)
 
         first: CIMultiDict[str] = CIMultiDict(headers)
         walked = await Chain([self._target]).walk(

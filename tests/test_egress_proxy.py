@@ -63,13 +63,13 @@ def test_proxy_url_alone_takes_every_request_through_it_loopback_too() -> None:
     """prometheus/common's ``http.ProxyURL`` without no_proxy: no exception at all."""
     routes = EgressRoutes.from_settings("http://proxy:3128", "", False)
     assert routes is not None
-    assert routes.via("http", "127.0.0.1", 9090) == routes.http
-    assert routes.via("https", "localhost", 443) == routes.https
+    assert routes.proxy_for("http", "127.0.0.1", 9090) == routes.http
+    assert routes.proxy_for("https", "localhost", 443) == routes.https
     routes = EgressRoutes.from_settings("http://proxy:3128", "mimir.internal", False)
     assert routes is not None
-    assert routes.via("http", "127.0.0.1", 9090) is None
-    assert routes.via("https", "mimir.internal", 443) is None
-    assert routes.via("https", "prod.grafana.net", 443) == routes.https
+    assert routes.proxy_for("http", "127.0.0.1", 9090) is None
+    assert routes.proxy_for("https", "mimir.internal", 443) is None
+    assert routes.proxy_for("https", "prod.grafana.net", 443) == routes.https
     assert EgressRoutes.from_settings("", "", False) is None
 
 
@@ -78,13 +78,13 @@ def test_the_environment_names_a_proxy_per_scheme() -> None:
            "http_proxy": "plain:3128", "no_proxy": ".internal"}
     routes = EgressRoutes.from_settings("", "", True, env)
     assert routes is not None
-    assert routes.via("https", "tsdb.example", 443) == parse_egress("http://secure:3128")
-    assert routes.via("http", "tsdb.example", 80) == parse_egress("http://plain:3128")
-    assert routes.via("http", "mimir.internal", 80) is None
-    assert routes.via("http", "localhost", 80) is None
+    assert routes.proxy_for("https", "tsdb.example", 443) == parse_egress("http://secure:3128")
+    assert routes.proxy_for("http", "tsdb.example", 80) == parse_egress("http://plain:3128")
+    assert routes.proxy_for("http", "mimir.internal", 80) is None
+    assert routes.proxy_for("http", "localhost", 80) is None
     assert EgressRoutes.from_settings("", "", True, {"NO_PROXY": "*"}) is None
     only_https = EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "p:1"})
-    assert only_https is not None and only_https.via("http", "tsdb", 80) is None
+    assert only_https is not None and only_https.proxy_for("http", "tsdb", 80) is None
     with pytest.raises(ValueError, match="HTTPS_PROXY"):
         EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "socks5://p:1"})
 
@@ -93,7 +93,7 @@ def test_the_routes_kept_are_bounded() -> None:
     routes = EgressRoutes.from_settings("http://proxy:3128", "internal", False)
     assert routes is not None
     for i in range(3000):
-        routes.via("https", f"t{i}.example", 443)
+        routes.proxy_for("https", f"t{i}.example", 443)
     assert len(routes._routes) <= 1024
 
 
@@ -176,7 +176,7 @@ def test_the_start_up_line_names_the_connect_headers_never_their_values() -> Non
                                         connect_header={"X-Auth": ["hunter2"]})
     assert routes is not None
     assert routes.describe() == "http://proxy:3128; CONNECT with X-Auth"
-    assert routes.via("https", "tsdb", 443) is routes.https
+    assert routes.proxy_for("https", "tsdb", 443) is routes.https
     assert routes.https is not None and b"X-Auth: hunter2\r\n" in \
         routes.https.connect_request("tsdb:443")
 

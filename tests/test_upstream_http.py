@@ -144,11 +144,11 @@ async def pool(limit: int = 4, idle: float = 30.0, connect: float = 2.0
 
 async def post(p: Pool, url: URL, body: bytes = b"body", *, max_body: int = 4096,
                headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None,
-               server_hostname: str | None = None, via: Egress | None = None) -> Response:
+               server_hostname: str | None = None, egress: Egress | None = None) -> Response:
     async with asyncio.timeout(10):
         return await p.post(url, headers or {"Content-Type": "application/x-protobuf"}, body,
                             tls=tls, server_hostname=server_hostname, max_body=max_body,
-                            via=via)
+                            egress=egress)
 
 
 async def test_the_request_is_written_as_aiohttp_wrote_it() -> None:
@@ -461,10 +461,10 @@ async def test_an_http_upstream_through_a_proxy_is_sent_in_absolute_form() -> No
     """As Go sends it: the proxy's name looked up, never the upstream's (a name only the
     proxy can resolve), the request line in absolute form, Proxy-Authorization with it."""
     async with serving(answering()) as proxy, pool() as p:
-        via = parse_egress(f"http://u:p%3Aw@127.0.0.1:{proxy.port}")
+        egress = parse_egress(f"http://u:p%3Aw@127.0.0.1:{proxy.port}")
         url = URL("http://tsdb.only-the-proxy-knows.invalid:9090/api/v1/write?x=1")
-        assert (await post(p, url, via=via)).status == 204
-        assert (await post(p, url, via=via)).status == 204
+        assert (await post(p, url, egress=egress)).status == 204
+        assert (await post(p, url, egress=egress)).status == 204
         head = proxy.heads[0].decode()
         assert head.startswith("POST http://tsdb.only-the-proxy-knows.invalid:9090"
                                "/api/v1/write?x=1 HTTP/1.1\r\n"), head
@@ -499,10 +499,10 @@ async def test_a_connect_the_proxy_refuses_or_breaks_is_no_connection(
 ) -> None:
     ca, _ = pki
     async with serving(connect_answering(answer)) as proxy, pool() as p:
-        via = parse_egress(f"http://127.0.0.1:{proxy.port}")
+        egress = parse_egress(f"http://127.0.0.1:{proxy.port}")
         tls = ssl.create_default_context(cafile=str(ca.ca_file))
         with pytest.raises(ConnectFailed, match=said):
-            await post(p, URL("https://tsdb.invalid/api/v1/write"), tls=tls, via=via)
+            await post(p, URL("https://tsdb.invalid/api/v1/write"), tls=tls, egress=egress)
         assert proxy.heads == [b"CONNECT tsdb.invalid:443 HTTP/1.1\r\n"
                                b"Host: tsdb.invalid:443\r\n\r\n"]
 
@@ -515,18 +515,18 @@ async def test_proxy_connect_header_goes_with_the_connect_after_its_credentials(
     ca, _ = pki
     answer = b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n"
     async with serving(connect_answering(answer)) as proxy, pool() as p:
-        via = parse_egress(f"http://u:p@127.0.0.1:{proxy.port}",
+        egress = parse_egress(f"http://u:p@127.0.0.1:{proxy.port}",
                            {"X-Egress-Token": ["t1", "t2"], "X-Team": ["obs"]})
         tls = ssl.create_default_context(cafile=str(ca.ca_file))
         with pytest.raises(ConnectFailed, match=r"upstream\.proxy_url, or "
                                                 r"upstream\.proxy_connect_header"):
-            await post(p, URL("https://tsdb.invalid/api/v1/write"), tls=tls, via=via)
+            await post(p, URL("https://tsdb.invalid/api/v1/write"), tls=tls, egress=egress)
         assert proxy.heads == [b"CONNECT tsdb.invalid:443 HTTP/1.1\r\n"
                                b"Host: tsdb.invalid:443\r\n"
                                b"Proxy-Authorization: Basic dTpw\r\n"
                                b"X-Egress-Token: t1\r\nX-Egress-Token: t2\r\n"
                                b"X-Team: obs\r\n\r\n"]
-        assert "t1" not in repr(via) and "dTpw" not in repr(via)
+        assert "t1" not in repr(egress) and "dTpw" not in repr(egress)
 
 
 async def test_a_connect_that_gets_no_answer_times_out() -> None:
