@@ -648,43 +648,80 @@ def map_status(
     return 502, out
 
 
-def misconfiguration(status: int, *, own_credentials: bool, body: bytes = b"") -> str:
-    """Why an upstream answer is the operator's mistake rather than the sender's, or "".
+@dataclass(frozen=True, slots=True)
+class Misconfigured:
+    """An upstream answer that is the operator's mistake rather than the sender's: what
+    it is counted as, how the sender is answered, and how the line says it."""
 
-    ``not_write_endpoint`` for a wrong URL (404 from Prometheus without
-    ``--web.enable-remote-write-receiver``, ``/api/v1/push`` on Prometheus, VictoriaMetrics'
-    and vmagent's 400 ``unsupported path requested``, ...); ``credentials_refused`` for a
-    401 / 403 to credentials the proxy itself sets, and for a 407 (an HTTP proxy on the
-    way asks for its own: a sender drops a batch on a 4xx, for no fault of its data). A
-    401 to the sender's own forwarded credentials stays the sender's (as on the direct
-    path), and so does Mimir's 401 ``no org id`` to a write naming no tenant, credentials
-    or not.
-    """
-    if status in NOT_A_WRITE_ENDPOINT or (
-            status == 400 and _VM_UNSUPPORTED_PATH.search(body) is not None):
-        return "not_write_endpoint"
-    if status == LOOP_DETECTED:  # the URL leads back to a karta-proxy (proxy.via)
-        return "not_write_endpoint"
-    if status in (401, 403) and own_credentials and not _NO_ORG_ID.match(body.strip()):
-        return "credentials_refused"
-    if status == 407:  # an HTTP proxy on the way (upstream.proxy_url): never the data's
-        return "credentials_refused"
-    return ""
+    #: ``karta_proxy_upstream_misconfigured_total``'s ``reason``
+    reason: Literal["not_write_endpoint", "credentials_refused"]
+    #: what the upstream does, as "upstream <url> answered <status>: it <what>" says it
+    what: str
+    #: the sender's status: a 5xx, so that it keeps its batch and retries
+    answered: int = 503
+    #: what the operator fixes, as the line says it
+    fix: str = "upstream.url / credentials"
+    #: the line names each TSDB's write path (``_PATH_HINT``): a wrong URL
+    path_hint: bool = False
 
 
-#: what a 508 says: the request came back to a karta-proxy it went through
-_LOOP = ("leads back to a karta-proxy the request came through (508 Loop Detected: "
-         "upstream.url, or a redirect of the upstream, names the proxy)")
+#: a wrong URL: 404 from Prometheus without ``--web.enable-remote-write-receiver``,
+#: ``/api/v1/push`` on Prometheus, a redirect not followed, VictoriaMetrics' and vmagent's
+#: 400 ``unsupported path requested``
+_NOT_A_WRITE_ENDPOINT = Misconfigured("not_write_endpoint", "is not a remote-write endpoint",
+                                      path_hint=True)
 #: what a 407 says, from an HTTP proxy between karta-proxy and the TSDB (absolute-form
 #: requests of an http:// upstream through ``upstream.proxy_url``)
 PROXY_CREDENTIALS = ("asks for an HTTP proxy's credentials (407: the user:password of "
                      "upstream.proxy_url, missing or refused)")
+#: the answers that are a misconfiguration whoever's credentials the request carried
+_BY_STATUS: dict[int, Misconfigured] = {
+    **dict.fromkeys(NOT_A_WRITE_ENDPOINT, _NOT_A_WRITE_ENDPOINT),
+    # the URL, or a redirect, leads back to a karta-proxy (``proxy.via``): passed on as
+    # 508, so that each replica of a loop on the way says so
+    LOOP_DETECTED: Misconfigured(
+        "not_write_endpoint", "leads back to a karta-proxy the request came through (508 "
+        "Loop Detected: upstream.url, or a redirect of the upstream, names the proxy)",
+        answered=LOOP_DETECTED, fix="upstream.url or the redirect"),
+    # an HTTP proxy on the way (``upstream.proxy_url``) asks for its own credentials: a
+    # sender drops a batch on a 4xx, for no fault of its data
+    407: Misconfigured("credentials_refused", PROXY_CREDENTIALS),
+}
+#: a 401 / 403 to credentials the proxy itself sets (``_answer`` words it for an HTTP
+#: proxy with credentials on the way, whose 401 cannot be told from the upstream's)
+_OWN_CREDENTIALS_REFUSED = Misconfigured("credentials_refused",
+                                         "refused the proxy's credentials")
+
+
+def misconfigured(status: int, *, own_credentials: bool,
+                  body: bytes = b"") -> Misconfigured | None:
+    """Whether an upstream answer is the operator's mistake rather than the sender's
+    (``_BY_STATUS``, VictoriaMetrics' 400 for a wrong path, a 401 / 403 to the proxy's
+    own credentials), or None. A 401 to the sender's own forwarded credentials stays the
+    sender's (as on the direct path), and so does Mimir's 401 ``no org id`` to a write
+    naming no tenant, credentials or not."""
+    found = _BY_STATUS.get(status)
+    if found is not None:
+        return found
+    if status == 400 and _VM_UNSUPPORTED_PATH.search(body) is not None:
+        return _NOT_A_WRITE_ENDPOINT
+    if status in (401, 403) and own_credentials and not _NO_ORG_ID.match(body.strip()):
+        return _OWN_CREDENTIALS_REFUSED
+    return None
+
+
 #: what a 401 / 403 means at the end of a redirect to another site, where the sender's
 #: forwarded credentials were left out (``Chain.headers``: Go's client leaves them out)
 _CREDENTIALS_NOT_SENT = (
     "refused the request where a redirect to another site took it: the sender's "
     "credentials are not sent there, as Go's client sends none of a request's own; set "
     "upstream.url to the target")
+#: what a 401 / 403 to the proxy's own credentials says when an HTTP proxy with
+#: credentials is on the way (``upstream.proxy_url``'s user:password): the two cannot be
+#: told apart (tinyproxy answers wrong credentials with a 401)
+_OWN_OR_PROXY_CREDENTIALS_REFUSED = (
+    "refused the proxy's credentials (its upstream credentials, or upstream.proxy_url's "
+    "user:password for the HTTP proxy on the way)")
 #: what a 401 / 403 to a write of the proxy's own (the start-up check, the fact series)
 #: means: senders' writes carry their own ``Authorization``, which the proxy forwards, so
 #: a TSDB that requires credentials takes them and refuses only the proxy's own, every
@@ -2104,27 +2141,19 @@ class Upstream:
         for name in _WRITTEN:
             if name in upstream_headers:
                 out[name] = upstream_headers[name]
-        reason = misconfiguration(upstream_status, own_credentials=self.own_credentials,
-                                  body=text)
-        dropped = (not reason and chain is not None and chain.dropped
-                   and upstream_status in (401, 403) and not _NO_ORG_ID.match(text.strip()))
-        if dropped:
+        found = misconfigured(upstream_status, own_credentials=self.own_credentials,
+                              body=text)
+        if (found is None and chain is not None and chain.dropped
+                and upstream_status in (401, 403) and not _NO_ORG_ID.match(text.strip())):
             # the sender's credentials were left out at a redirect to another site (Go's
             # rule): the refusal is the chain's, not the sender's, whose batch a 4xx drops
-            reason = "credentials_refused"
-        if reason:
-            what = (_LOOP if upstream_status == LOOP_DETECTED
-                    else "is not a remote-write endpoint" if reason == "not_write_endpoint"
-                    else PROXY_CREDENTIALS if upstream_status == 407
-                    else _CREDENTIALS_NOT_SENT if dropped
-                    else "refused the proxy's credentials (its upstream credentials, or "
-                    "upstream.proxy_url's user:password for the HTTP proxy on the way)"
-                    if self._proxy_auth else "refused the proxy's credentials")
-            answered = LOOP_DETECTED if upstream_status == LOOP_DETECTED else 503
-            line = (f"upstream {what}: fix upstream.url / credentials; senders get 503 and "
-                    "keep their data meanwhile" if answered == 503 else
-                    f"upstream {what}: fix upstream.url or the redirect; senders get 508 and "
-                    "keep their data meanwhile")
+            found = Misconfigured("credentials_refused", _CREDENTIALS_NOT_SENT)
+        elif found is _OWN_CREDENTIALS_REFUSED and self._proxy_auth:
+            found = Misconfigured("credentials_refused", _OWN_OR_PROXY_CREDENTIALS_REFUSED)
+        if found is not None:
+            reason, what, answered = found.reason, found.what, found.answered
+            line = (f"upstream {what}: fix {found.fix}; senders get {answered} and keep "
+                    "their data meanwhile")
             extra: dict[str, object] = {"upstream_url": self.shown_url,
                                         "upstream_status": upstream_status, "reason": reason}
             where = self.shown_url
@@ -2145,7 +2174,7 @@ class Upstream:
                 line = ("upstream redirects the writes and the redirect is not followed: set "
                         "upstream.url to its location; senders get 503 and keep their data "
                         "meanwhile")
-            elif upstream_status != LOOP_DETECTED:
+            elif found.path_hint:
                 extra["hint"] = _PATH_HINT
             extra["body"] = text[:512].decode("utf-8", "replace")
             self._line(logging.ERROR, line, f"{reason}:{upstream_status}", extra)
@@ -2241,9 +2270,10 @@ class Upstream:
             return Probe("rw2" if has_written_headers(answer.headers) else "rw1",
                          answer.upstream)
         code = int(answer.upstream) if answer.upstream.isdigit() else 0
-        reason = (misconfiguration(code, own_credentials=self.own_credentials, body=answer.body)
-                  if code else "credentials_refused" if answer.upstream == TOKEN_REFUSED
-                  else "")
+        found = (misconfigured(code, own_credentials=self.own_credentials, body=answer.body)
+                 if code else None)
+        reason = (found.reason if found is not None else "credentials_refused"
+                  if answer.upstream == TOKEN_REFUSED else "")
         if reason == "not_write_endpoint":
             return Probe("not_write_endpoint", answer.upstream, detail)
         if reason == "credentials_refused":

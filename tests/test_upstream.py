@@ -46,6 +46,7 @@ from proxy.upstream import (
     UpstreamFailure,
     fact_tenant_hint,
     map_status,
+    misconfigured,
     short_pool,
 )
 from proxy.wire.convert import v2_to_v1
@@ -852,6 +853,31 @@ async def test_every_request_upstream_carries_this_proxys_via_after_the_senders(
     assert vias[1] == [f"1.1 ingress, 1.0 edge (nginx), {via.ENTRY}"]
     assert vias[2] == [via.ENTRY]
     assert [r.headers.getall("Via") for r in up.empty_writes] == [[via.ENTRY]]
+
+
+@pytest.mark.parametrize(("status", "own", "body", "reason", "answered"), [
+    (404, False, b"", "not_write_endpoint", 503),
+    (308, False, b"", "not_write_endpoint", 503),
+    (400, False, b"unsupported path requested: /api/v1/push", "not_write_endpoint", 503),
+    (508, False, b"loop", "not_write_endpoint", 508),
+    (407, False, b"", "credentials_refused", 503),
+    (401, True, b"bad token", "credentials_refused", 503),
+    (403, True, b"", "credentials_refused", 503),
+    (401, True, b"no org id\n", None, None),  # Mimir's: the write named no tenant
+    (401, False, b"bad token", None, None),  # the sender's own forwarded credentials
+    (400, False, b"out of order sample", None, None),
+    (500, False, b"", None, None),
+])
+def test_which_answers_are_the_operators_mistake(
+        status: int, own: bool, body: bytes, reason: str | None, answered: int | None
+        ) -> None:
+    """One table says what is counted as a misconfiguration and what the sender gets:
+    a 5xx always, so that it keeps its batch; the 508 passes on as itself."""
+    found = misconfigured(status, own_credentials=own, body=body)
+    assert (found and (found.reason, found.answered)) == (
+        (reason, answered) if reason else None)
+    if found is not None:
+        assert found.path_hint is (reason == "not_write_endpoint" and status != 508)
 
 
 async def test_an_upstream_that_leads_back_to_a_karta_proxy_is_508_a_misconfiguration(
