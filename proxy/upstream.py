@@ -874,6 +874,9 @@ class Upstream:
         self._probed_at = -math.inf
         self._check_lock = asyncio.Lock()
         self._check_task: asyncio.Task[Probe] | None = None
+        #: the last probe found the upstream unavailable: an answer from it is a reason
+        #: to make the check again (:meth:`_answered_after_unavailable`)
+        self._found_unavailable = False
         self._warned_passthrough = False
         #: the protocol finding (rw1, rw2) of the last line that said one
         self._protocol_logged = ""
@@ -1008,9 +1011,27 @@ class Upstream:
         ``credentials_refused`` until a restart, ``KartaProxyUpstreamMisconfigured``
         firing on it while every write went through. Once per change: a success alone
         never probes again (every write would)."""
-        probe, running = self.probe, self._check_task
-        if probe is None or probe.outcome != "credentials_refused" or (
-                running is not None and not running.done()):
+        probe = self.probe
+        if probe is not None and probe.outcome == "credentials_refused":
+            self._check_again()
+
+    def _answered_after_unavailable(self) -> None:
+        """The check found the upstream unavailable, and an answer came from it since:
+        the check is made again, in the background, at most once per
+        ``RECHECK_SECONDS``. Only RW 2.0 requests made it again before, so with RW 1.0
+        senders ``karta_proxy_upstream_info{check}`` said ``unavailable`` for good
+        (while writes went through), and a self-loop found before the listener was up
+        (a 508 now) was never said there."""
+        if self._check_lock.locked():  # the check's own write, or a check waiting
+            return
+        if asyncio.get_running_loop().time() - self._probed_at < RECHECK_SECONDS:
+            return
+        self._check_again()
+
+    def _check_again(self) -> None:
+        """The check, made again in the background (unless it is running)."""
+        running = self._check_task
+        if running is not None and not running.done():
             return
         try:
             asyncio.get_running_loop()
@@ -1939,6 +1960,8 @@ class Upstream:
                         code = str(resp.status)
                         return self._redirect_refused(walked, walked.refused)
             code = str(resp.status)
+            if self._found_unavailable:  # one attribute read a request, no more
+                self._answered_after_unavailable()
             if incoming.__class__ is OwnHeaders:  # not a sender's: no cost per request
                 self.clock.note(resp.headers.get("Date"))
             text = self._body(resp)
@@ -2238,6 +2261,7 @@ class Upstream:
             probe = await self._probe()
             self._probed_at = asyncio.get_running_loop().time()
             self.probe = probe
+            self._found_unavailable = probe.outcome == "unavailable"
             # checked again after no answer: what answers now may take native histograms
             self.histograms_refused_at = -math.inf
             self._recheck = probe.outcome == "unavailable" and self.settings.protocol == "auto"

@@ -23,7 +23,7 @@ import pytest
 import snappy
 from yarl import URL
 
-from proxy import via
+from proxy import upstream, via
 from proxy.config import UpstreamProtocol, validate
 from proxy.contract import REJECT_REASONS
 from proxy.handler import INLINE_DECODED_BYTES, PART_DECODED_BYTES
@@ -140,13 +140,15 @@ async def test_a_request_that_came_through_this_proxy_before_is_508_and_not_forw
 
 
 async def test_an_upstream_url_that_names_the_proxy_is_found_at_once_not_64_deep(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """upstream.url names the proxy's own address: every write went round until every
     request slot was held by it (64 deep, 2.1 s, other senders refused meanwhile). Now
     the first write in comes back once and is refused; the sender gets 508 (retried,
     nothing lost), counted as the configuration's fault (KartaProxyUpstreamMisconfigured).
-    The check at start ran before the listener (unavailable); one that reaches it finds
-    the URL not a write endpoint (test_upstream.py)."""
+    The check at start ran before the listener (unavailable); made again once an answer
+    came, it finds the URL not a write endpoint, and says so in
+    ``karta_proxy_upstream_info{check}``."""
+    monkeypatch.setattr(upstream, "RECHECK_SECONDS", 0.0)
     port = free_port()
     async with (
         ScriptedUpstream() as up,
@@ -167,6 +169,18 @@ async def test_an_upstream_url_that_names_the_proxy_is_found_at_once_not_64_deep
         for protocol in ("v1", "unknown"):
             assert metric(p, "karta_proxy_requests_total", path="/api/v1/write",
                           protocol=protocol, code="508") == 1
+        for _ in range(50):  # the start's check may still be running at the first 508
+            probe = p.upstream.probe
+            if probe is not None and probe.outcome == "not_write_endpoint":
+                break
+            async with session.post(f"http://127.0.0.1:{port}/api/v1/write", headers=h,
+                                    data=snappy.compress(series_v1({"__name__": "up"}))):
+                pass
+            await asyncio.sleep(0.05)
+        assert probe is not None and (probe.outcome, probe.code) == ("not_write_endpoint",
+                                                                     "508")
+        assert metric(p, "karta_proxy_upstream_info", url=p.upstream.shown_url,
+                      protocol="unknown", check="not_write_endpoint") == 1
     assert up.received == []
 
 

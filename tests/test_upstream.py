@@ -24,7 +24,7 @@ from typing import Any, cast
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import upstream_http, via
+from proxy import upstream, upstream_http, via
 from proxy.budget import Held, LoadBudget
 from proxy.compression import DecodeError, block_part, compress, join_snappy
 from proxy.config import UpstreamSettings
@@ -1046,6 +1046,35 @@ async def test_check_finds_what_the_upstream_is(reply: Reply | None, outcome: st
         probe = await u.check()
     assert probe.outcome == outcome and u.v1_only is v1_only
     assert all(r.body == snappy_empty() for r in up.received)
+
+
+@pytest.mark.parametrize("protocol", ["v1", "auto"])
+async def test_an_upstream_unavailable_at_the_check_is_checked_again_once_it_answers(
+        protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an RW 2.0 request made the check again: with RW 1.0 senders
+    ``karta_proxy_upstream_info{check}`` said ``unavailable`` for good while their
+    writes went through. Now an answer made again, at most every RECHECK_SECONDS."""
+    async with ScriptedUpstream(Reply(503)) as up, opened(up.url, protocol=protocol) as u:
+        await u.start(check=True)
+        assert (await u.check()).outcome == "unavailable"
+        up.rule = lambda rec: Reply(204)
+        assert (await u.send(v1_body(), Protocol.V1)).ok
+        await asyncio.sleep(0.05)
+        assert len(up.empty_writes) == 1  # within RECHECK_SECONDS of the check: not yet
+        monkeypatch.setattr(upstream, "RECHECK_SECONDS", 0.0)
+        assert (await u.send(v1_body(), Protocol.V1)).ok
+        for _ in range(100):
+            if u.probe is not None and u.probe.outcome != "unavailable":
+                break
+            await asyncio.sleep(0.02)
+        assert u.probe is not None and u.probe.outcome == "rw1"
+        for _ in range(3):  # found: writes make no check more
+            assert (await u.send(v1_body(), Protocol.V1)).ok
+        await asyncio.sleep(0.05)
+        assert len(up.empty_writes) == 2
+        assert u.metrics is not None
+        assert u.metrics.registry.get_sample_value("karta_proxy_upstream_info", {
+            "url": u.shown_url, "protocol": "rw1", "check": "rw1"}) == 1
 
 
 def snappy_empty() -> bytes:
