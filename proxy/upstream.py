@@ -325,6 +325,13 @@ class Outgoing:
     histograms_left_out: int = 0
 
 
+def _carries(out: Outgoing) -> bool:
+    """Whether ``out`` may carry data (its counts unknown, or any sample, histogram or
+    exemplar): one that carries none cannot be lost, whatever the upstream makes of it."""
+    counts = out.counts
+    return counts is None or bool(counts.samples or counts.histograms or counts.exemplars)
+
+
 class ConversionRefused(Exception):
     """An RW 2.0 request not converted to RW 1.0 for a 1.0-only upstream: its RW 1.0 form
     would be larger than an RW 1.0 request may be (``too_large``: RW 2.0 names a string once,
@@ -1333,14 +1340,18 @@ class Upstream:
                                   attempt: _Attempt, held: list[int]
                                   ) -> tuple[Answer, Outgoing]:
         if self.settings.protocol == "auto" and (out.protocol is Protocol.V2 or out.converted):
-            if self._recheck:
+            # a request that carries nothing (another karta-proxy's check) is not held for
+            # this one's: in a loop of replicas each check waited for the other's until
+            # the timeout, and never found the loop; it is taken as it is answered
+            if self._recheck and _carries(out):
                 await self.check()
             if self.v1_only and out.protocol is Protocol.V2:
                 out = await self._convert(out, attempt.charge, held)
         if out.converted and self.leaves_out_histograms():
             out = await self._without_histograms(out, attempt.charge, held)
         if out.encoding == "zstd":
-            if self.probe is None:  # the check at start tells whether zstd is taken
+            # the check at start tells whether zstd is taken
+            if self.probe is None and _carries(out):
                 await self.check()
             if self.zstd_refused:  # prepared as zstd before the check found it refused
                 out = await asyncio.to_thread(self._as_snappy, out)
@@ -1542,9 +1553,7 @@ class Upstream:
         and this one sent again as zstd RW 1.0, refused all the same."""
         if answer.upstream == "415":
             return "unsupported_media_type" if out.encoding == "snappy" else ""
-        counts = out.counts
-        carries = counts is None or bool(counts.samples or counts.histograms or counts.exemplars)
-        if answer.ok and carries and not has_written_headers(answer.headers):
+        if answer.ok and _carries(out) and not has_written_headers(answer.headers):
             return "no_written_headers"
         return ""
 

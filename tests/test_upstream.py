@@ -1077,6 +1077,34 @@ async def test_an_upstream_unavailable_at_the_check_is_checked_again_once_it_ans
             "url": u.shown_url, "protocol": "rw1", "check": "rw1"}) == 1
 
 
+async def test_a_request_that_carries_nothing_does_not_wait_for_the_check() -> None:
+    """Another karta-proxy's check (an empty RW 2.0 write) waited for this one's: in a
+    loop of two replicas each waited for the other's until the timeout, and neither
+    found the loop (tests/peers/test_e2e_via_loop.py). A request with data still waits:
+    it goes out as the check finds the upstream takes it."""
+    gate = asyncio.Event()
+    written = {WRITTEN_SAMPLES: "0", WRITTEN_HISTOGRAMS: "0", WRITTEN_EXEMPLARS: "0"}
+
+    def rule(rec: Received) -> Reply:
+        if "karta-proxy-other" in rec.headers.get("Via", ""):
+            return Reply(204, written)
+        return Reply(204, written, gate=gate if rec.body == snappy_empty() else None)
+
+    async with ScriptedUpstream(rule=rule, record_empty=True) as up, opened(up.url) as u:
+        await u.start(check=True)
+        other = {"Via": "1.1 karta-proxy-other"}
+        answer = await asyncio.wait_for(
+            u.send(b"", Protocol.V2, counts=Counts(), incoming_headers=other), 5)
+        assert answer.ok and u.probe is None  # the check is still held upstream
+        with_data = asyncio.create_task(u.send(v2_body(), Protocol.V2, counts=COUNTS))
+        await asyncio.sleep(0.2)
+        assert not with_data.done()  # it waits for the check
+        gate.set()
+        assert (await with_data).ok
+        assert u.probe is not None and u.probe.outcome == "rw2"
+    assert "v2" in up.received[-1].headers["Content-Type"]
+
+
 def snappy_empty() -> bytes:
     import snappy
 
