@@ -719,16 +719,16 @@ def misconfigured(status: int, *, own_credentials: bool,
 
 #: what a 401 / 403 means at the end of a redirect to another site, where the sender's
 #: forwarded credentials were left out (``Chain.headers``: Go's client leaves them out)
-_CREDENTIALS_NOT_SENT = (
+_CREDENTIALS_NOT_SENT = Misconfigured("credentials_refused", (
     "refused the request where a redirect to another site took it: the sender's "
     "credentials are not sent there, as Go's client sends none of a request's own; set "
-    "upstream.url to the target")
+    "upstream.url to the target"))
 #: what a 401 / 403 to the proxy's own credentials says when an HTTP proxy with
 #: credentials is on the way (``upstream.proxy_url``'s user:password): the two cannot be
 #: told apart (tinyproxy answers wrong credentials with a 401)
-_OWN_OR_PROXY_CREDENTIALS_REFUSED = (
+_OWN_OR_PROXY_CREDENTIALS_REFUSED = Misconfigured("credentials_refused", (
     "refused the proxy's credentials (its upstream credentials, or upstream.proxy_url's "
-    "user:password for the HTTP proxy on the way)")
+    "user:password for the HTTP proxy on the way)"))
 #: what a 401 / 403 to a write of the proxy's own (the start-up check, the fact series)
 #: means: senders' writes carry their own ``Authorization``, which the proxy forwards, so
 #: a TSDB that requires credentials takes them and refuses only the proxy's own, every
@@ -2179,9 +2179,9 @@ class Upstream:
                 and upstream_status in (401, 403) and not _NO_ORG_ID.match(text.strip())):
             # the sender's credentials were left out at a redirect to another site (Go's
             # rule): the refusal is the chain's, not the sender's, whose batch a 4xx drops
-            found = Misconfigured("credentials_refused", _CREDENTIALS_NOT_SENT)
+            found = _CREDENTIALS_NOT_SENT
         elif found is _OWN_CREDENTIALS_REFUSED and self._proxy_auth:
-            found = Misconfigured("credentials_refused", _OWN_OR_PROXY_CREDENTIALS_REFUSED)
+            found = _OWN_OR_PROXY_CREDENTIALS_REFUSED
         if found is not None:
             reason, what, answered = found.reason, found.what, found.answered
             line = (f"upstream {what}: fix {found.fix}; senders get {answered} and keep "

@@ -192,8 +192,8 @@ class Walked(Generic[A]):
 @dataclass(frozen=True, slots=True)
 class Hop:
     """The redirect a chain followed last, as a log line shows it (``shown_location``:
-    no credentials, no query): both the upstream's writes and the token requests say
-    it, each in its own throttled line."""
+    no userinfo, a credential's query value hidden): both the upstream's writes and the
+    token requests say it, each in its own throttled line."""
 
     came: str
     went: str
