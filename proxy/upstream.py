@@ -972,8 +972,7 @@ class Upstream:
                               idle_seconds=s.idle_connection_seconds,
                               connect_timeout=s.connect_timeout_seconds)
         if check and self._check_task is None:
-            self._recheck = True
-            self._check_task = asyncio.create_task(self.check(), name="upstream-check")
+            self._check_again()
 
     def _client_tls(self) -> ClientTLS:
         """The client context, its loads counted and its certificate's end published
