@@ -15,35 +15,43 @@ def test_the_entry_is_a_pseudonym_of_this_process_not_a_host() -> None:
     assert via.PSEUDONYM in via.LOOP_SAID
 
 
+def _here(template: str) -> str:
+    """``{me}`` in a case made this process's pseudonym. The cases name it so, not by value,
+    so that every process (each pytest-xdist worker) collects the same test ids: the
+    pseudonym is random per process."""
+    return template.replace("{me}", via.PSEUDONYM)
+
+
 @pytest.mark.parametrize(("incoming", "out"), [
-    (None, via.ENTRY),
-    ("", via.ENTRY),
-    ("  ", via.ENTRY),
-    ("1.1 ingress", f"1.1 ingress, {via.ENTRY}"),
-    ("1.0 fred, 1.1 p.example.net (Apache/1.1)", f"1.0 fred, 1.1 p.example.net (Apache/1.1), "
-                                                 f"{via.ENTRY}"),
-    ("1.1 caf\u00e9", f"1.1 caf\u00e9, {via.ENTRY}"),  # UTF-8 text passes
-    ("1.1 caf\udce9", via.ENTRY),  # a byte that is not UTF-8: the client cannot send it
+    (None, "1.1 {me}"),
+    ("", "1.1 {me}"),
+    ("  ", "1.1 {me}"),
+    ("1.1 ingress", "1.1 ingress, 1.1 {me}"),
+    ("1.0 fred, 1.1 p.example.net (Apache/1.1)", "1.0 fred, 1.1 p.example.net (Apache/1.1), "
+                                                 "1.1 {me}"),
+    ("1.1 caf\u00e9", "1.1 caf\u00e9, 1.1 {me}"),  # UTF-8 text passes
+    ("1.1 caf\udce9", "1.1 {me}"),  # a byte that is not UTF-8: the client cannot send it
 ])
 def test_a_forwarded_request_carries_the_senders_hops_then_this_one(
         incoming: str | None, out: str) -> None:
-    assert via.forwarded(incoming) == out
+    assert _here("1.1 {me}") == via.ENTRY
+    assert via.forwarded(incoming) == _here(out)
 
 
 @pytest.mark.parametrize(("value", "here"), [
-    (via.ENTRY, True),
-    (f"1.1 ingress, {via.ENTRY}", True),
-    (f"{via.ENTRY}, 1.1 karta-proxy-00000000", True),
-    (f"HTTP/1.1 {via.PSEUDONYM} (karta-proxy)", True),
-    (f"1.1 ingress,{via.ENTRY}", True),
+    ("1.1 {me}", True),
+    ("1.1 ingress, 1.1 {me}", True),
+    ("1.1 {me}, 1.1 karta-proxy-00000000", True),
+    ("HTTP/1.1 {me} (karta-proxy)", True),
+    ("1.1 ingress,1.1 {me}", True),
     ("1.1 karta-proxy-00000000", False),  # another replica
-    (f"1.1 {via.PSEUDONYM}x", False),  # a longer name that begins as this one
-    (f"1.1 x{via.PSEUDONYM}", False),
-    (f"1.1 ingress ({via.PSEUDONYM})", False),  # named in a comment, not as a hop
+    ("1.1 {me}x", False),  # a longer name that begins as this one
+    ("1.1 x{me}", False),
+    ("1.1 ingress ({me})", False),  # named in a comment, not as a hop
     ("", False),
 ])
 def test_a_loop_is_this_process_named_as_a_hop(value: str, here: bool) -> None:
-    assert via.came_through_here(value) is here
+    assert via.came_through_here(_here(value)) is here
 
 
 def test_every_via_line_is_read() -> None:
