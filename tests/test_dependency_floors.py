@@ -28,6 +28,10 @@ FLOORS: dict[str, tuple[str, str]] = {
                           "tombstones; before 5.5 /metrics failed mid-page)"),
     "cramjam": ("2.11", "zstd.compress declaring the frame's content size (proxy/compression"
                         ".py: the upstream body's size is checked before it is decoded)"),
+    "jq": ("1.9.1", "error(v) of a value not a string raising ValueError (1.6.0 to 1.9.0 "
+                   "abort the process: libjq's assertion in jv_string_length_bytes)"),
+    "msgspec": ("0.18.6", "msgspec.json.Encoder(order=\"sorted\") (proxy/karta/packed.py: "
+                          "0.18.0 to 0.18.5 install and fail at import)"),
     "pytest": ("8.2", "pytest-asyncio 0.24's own floor"),
     "pytest-asyncio": ("0.24", "the asyncio_default_fixture_loop_scope option (pyproject); "
                                "0.23.0-0.23.4 fail collection on pytest 8"),

@@ -7,7 +7,8 @@ running ``KARTA_TEST_TIMEOUT`` seconds (600 by default; 0 turns the watchdog off
 started makes the watchdog write every thread's stack (faulthandler) and every pending
 asyncio task's await chain, on every event loop not closed, to stderr and to
 ``karta-test-hang-<pid>.txt`` under the pytest basetemp (``--basetemp``) or the temp
-directory, then end the process with ``EXIT_CODE``.
+directory, then end the process with ``EXIT_CODE`` (under pytest-xdist, the worker: the
+controller reports the test as crashed and the run fails).
 
 pytest-timeout shows the threads only: a hung asyncio teardown is the main thread idle
 in ``select`` there, and which task waits for what is the whole question. One thread for

@@ -168,8 +168,9 @@ class Runs:
                 "--edit-every", "2", "--leak-calls", "0", "--rss-limit-mb", "1e9",
                 "--crash-file", str(tree.root / "last-input.bin")]
         # the differential properties at a quarter of their examples: the sanitized build
-        # is slower, and the plain run covers the full count
-        first, second = (["-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+        # is slower, and the plain run covers the full count; each run in one process
+        # (not pyproject's two workers: the two runs already take both cores)
+        first, second = (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *files]
                          for files in NATIVE_TESTS)
         later = pool.submit(tree.run, second, 1200, KARTA_DIFF_SCALE="0.25")
         self.fuzz = pool.submit(tree.run, fuzz, float(seconds) + 600)
