@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -295,7 +296,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         deferred = {o: _sum(text, "karta_proxy_deferred_object_updates_total",
                             f'outcome="{o}"') for o in ("applied", "superseded")}
         edits = await edit_phase(args, sim, proxy, sender, probe, deferred)
-        sender.stop()
+        # off the loop: the sink answering the sender's last write runs on this loop, and a
+        # join here would hold that write until the proxy's upstream timeout (a 504)
+        await asyncio.to_thread(sender.stop)
         healthy = probe.stop()
         answers = sender.answers
         result: dict[str, Any] = {
@@ -310,6 +313,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "writes_idle": _ms([s for t, s, _ in answers if t < t_update]),
             "writes_updating": _ms([s for t, s, _ in answers if t_update <= t <= t_end]),
             "writes_not_2xx": sum(1 for *_, status in answers if not 200 <= status < 300),
+            "statuses": dict(Counter(str(status) for *_, status in answers)),
             "healthy": _ms(healthy),
         }
         if edits is not None:
@@ -373,7 +377,7 @@ def report(r: dict[str, Any]) -> None:
         m = r[key]
         print(f"  {name:24} n {m['n']:5}  p50 {m['p50_ms']:7.1f} ms  p99 {m['p99_ms']:7.1f} ms"
               f"  max {m['max_ms']:7.1f} ms")
-    print(f"  writes not answered 2xx: {r['writes_not_2xx']}")
+    print(f"  writes not answered 2xx: {r['writes_not_2xx']} (statuses {r['statuses']})")
     print(f"  Workflow updates made {r['updates']}; events handled by the end "
           f"{r['events_at_end']:.0f}, once quiet {r['events_once_quiet']:.0f} "
           f"(busy {r['busy_after_s']:.1f} s after the updates)")
