@@ -274,8 +274,8 @@ class OAuth2Settings(Section):
     tls_insecure_skip_verify: Annotated[bool, setting(
         "do not verify the token endpoint's certificate")] = False
     proxy_url: Annotated[str, setting(
-        "an HTTP proxy the token endpoint is reached through (http://host:port; not "
-        "upstream.proxy_url's, as in Prometheus)")] = ""
+        "a proxy the token endpoint is reached through (http://host:port, or "
+        "socks5://host:port; not upstream.proxy_url's, as in Prometheus)")] = ""
 
 
 def oauth2_on(u: UpstreamSettings) -> bool:
@@ -336,10 +336,12 @@ class UpstreamSettings(Section):
     tls_server_name: Annotated[str, setting(
         "server name for SNI and verification when it differs from the URL's host")] = ""
     proxy_url: Annotated[str, setting(
-        "an HTTP proxy the upstream is reached through, as Prometheus' remote_write "
+        "a proxy the upstream is reached through, as Prometheus' remote_write "
         "proxy_url: http://host:port, a user:password@ in it sent as Proxy-Authorization "
-        "(Basic); an https:// upstream goes through a CONNECT tunnel. Every upstream "
-        "request, unless no_proxy names its host",
+        "(Basic), an https:// upstream through a CONNECT tunnel; or a SOCKS5 proxy, "
+        "socks5://host:port (default port 1080), the upstream's name resolved by the "
+        "proxy, a user:password@ in it as RFC 1929's. Every upstream request, unless "
+        "no_proxy names its host",
         flag=Flag(("--upstream-proxy-url",), UPSTREAM, "URL"))] = ""
     no_proxy: Annotated[str, setting(
         "with proxy_url: the upstream hosts reached directly, comma-separated, as Go reads "
@@ -1467,7 +1469,7 @@ def _validate_oauth2(u: UpstreamSettings) -> None:
             raise ConfigError(f"{key}.proxy_url: holds whitespace or a control character: "
                               f"{shown_url(o.proxy_url, broken=True)!r}")
         try:
-            parse_egress(o.proxy_url)
+            parse_egress(o.proxy_url, socks=True)
         except ValueError as e:
             raise ConfigError(f"{key}.proxy_url: {e}") from None
 
@@ -1542,6 +1544,10 @@ def _validate_proxy_connect_header(u: UpstreamSettings, routes: EgressRoutes | N
                           "(an http:// upstream's requests go to the proxy as they are, "
                           "with the user:password of the proxy's URL as "
                           "Proxy-Authorization), as Go's client does")
+    if routes is not None and routes.https is not None and routes.https.socks:
+        raise ConfigError(f"{key}: never sent: the https:// upstream is reached through a "
+                          f"SOCKS5 proxy ({routes.https.shown}), which takes no headers "
+                          "(Go's client sends none either)")
     for name in headers:
         if name.lower() in _CONNECT_OWN:
             raise ConfigError(f"{key}.{name}: never sent, the CONNECT writes its own: "

@@ -12,10 +12,14 @@ did:
   (itself and its subdomains) or ``.domain`` (its subdomains only), a name or an address
   optionally with ``:port``.
 
-An http:// upstream is sent through the proxy in absolute form (``POST http://host/path``),
-an https:// one through a ``CONNECT`` tunnel, as Go does (``proxy.upstream_http``); a
-``user:password@`` in the proxy's URL goes as ``Proxy-Authorization: Basic``. Only http://
-proxies: TLS to the proxy and SOCKS are settings errors, said at start.
+An http:// upstream is sent through an HTTP proxy in absolute form (``POST
+http://host/path``), an https:// one through a ``CONNECT`` tunnel, as Go does
+(``proxy.upstream_http``); a ``user:password@`` in the proxy's URL goes as
+``Proxy-Authorization: Basic``. The upstream (and its OAuth2 token endpoint) may also be
+reached through a SOCKS5 proxy (``socks5://`` or ``socks5h://``, as Go's transport takes
+both): the upstream's name is sent to the proxy unresolved, a ``user:password@`` is
+RFC 1929's username/password, and the requests then go as they would directly. TLS to the
+proxy (``https://``) and other schemes are settings errors, said at start.
 
 The Kubernetes client takes the same rules for the API server when its kubeconfig has no
 ``proxy-url`` (``environment_route``: client-go's ``http.ProxyFromEnvironment``).
@@ -59,6 +63,16 @@ class Egress:
     #: ``upstream.proxy_connect_header`` as header lines (``Name: value\r\n`` each), sent
     #: with every ``CONNECT`` and with nothing else, as Go's ``ProxyConnectHeader``
     connect_lines: str = field(default="", repr=False)
+    #: a SOCKS5 proxy (``socks5://``): a tunnel to every upstream, http:// or https://
+    socks: bool = False
+    #: a SOCKS5 proxy's RFC 1929 username/password request (from the URL's
+    #: user:password), or b"" to offer no authentication
+    socks_login: bytes = field(default=b"", repr=False)
+
+    @property
+    def kind(self) -> str:
+        """What the proxy is, for messages."""
+        return "SOCKS5 proxy" if self.socks else "HTTP proxy"
 
     @property
     def url(self) -> str:
@@ -74,21 +88,25 @@ class Egress:
                 f"{self.connect_lines}\r\n").encode()
 
 
-def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None
-                 ) -> Egress:
+def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None,
+                 *, socks: bool = False) -> Egress:
     """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://),
     its ``CONNECT`` carrying ``connect_header`` too (each value a line of its own, in
-    order, as Go writes a header's values). ``ValueError`` saying why, its password
-    hidden."""
+    order, as Go writes a header's values); ``socks``: a ``socks5://`` one is taken too
+    (the upstream's client speaks SOCKS5; the Kubernetes client does not). ``ValueError``
+    saying why, its password hidden."""
     text = text.strip()
     parts = urlsplit(text)
     if not parts.scheme or not parts.netloc:
         parts = urlsplit("http://" + text)
     shown = shown_url(parts.geturl())
-    if parts.scheme != "http":
-        raise ValueError(f"only http:// proxies are supported (the proxy is spoken to in "
-                         f"plain HTTP; an https:// upstream goes through it in a CONNECT "
-                         f"tunnel), got {shown!r}")
+    scheme = parts.scheme.lower()
+    is_socks = socks and scheme in SOCKS_SCHEMES
+    if scheme != "http" and not is_socks:
+        said = "http:// and socks5:// proxies are" if socks else "http:// proxies are"
+        raise ValueError(f"only {said} supported (an HTTP proxy is spoken to in plain HTTP; "
+                         f"an https:// upstream goes through it in a CONNECT tunnel), got "
+                         f"{shown!r}")
     try:
         host, port = parts.hostname, parts.port
     except ValueError:
@@ -100,13 +118,33 @@ def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None =
         host = host if literal else _idna(host)
     except UnicodeError:
         raise ValueError(f"the proxy URL's host is not a valid name: {shown!r}") from None
-    authorization = ""
-    if parts.username is not None:
-        pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-        authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
     lines = "".join(f"{name}: {value}\r\n" for name, values in (connect_header or {}).items()
                     for value in values)
+    user = None if parts.username is None else unquote(parts.username)
+    password = unquote(parts.password or "")
+    if is_socks:  # no CONNECT, so no connect_header (config.py refuses it there)
+        return Egress(host, port or 1080, literal, "", shown, socks=True,
+                      socks_login=b"" if user is None else _socks_login(user, password, shown))
+    authorization = ""
+    if user is not None:
+        pair = f"{user}:{password}"
+        authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
     return Egress(host, port or 80, literal, authorization, shown, lines)
+
+
+#: the schemes of a SOCKS5 proxy, as Go's transport takes them (both send the upstream's
+#: name to the proxy unresolved)
+SOCKS_SCHEMES = ("socks5", "socks5h")
+
+
+def _socks_login(user: str, password: str, shown: str) -> bytes:
+    """RFC 1929's username/password request; ``ValueError`` where Go's SOCKS dialer
+    refuses the pair (a user of 1 to 255 bytes, a password of at most 255)."""
+    u, p = user.encode(), password.encode()
+    if not 0 < len(u) <= 255 or len(p) > 255:
+        raise ValueError(f"a SOCKS5 proxy's user must be 1 to 255 bytes and its password "
+                         f"at most 255: {shown!r}")
+    return bytes([1, len(u)]) + u + bytes([len(p)]) + p
 
 
 #: the variables that name the proxy for each scheme, upper case first, as Go's
@@ -272,7 +310,8 @@ class EgressRoutes:
             for scheme, names in PROXY_VARIABLES.items():
                 name = _variable(env, names)
                 try:
-                    found[scheme] = parse_egress(env[name], connect_header) if name else None
+                    found[scheme] = (parse_egress(env[name], connect_header, socks=True)
+                                     if name else None)
                 except ValueError as e:
                     raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
             if found["http"] is None and found["https"] is None:
@@ -282,7 +321,7 @@ class EgressRoutes:
         if not proxy_url:
             return None
         try:
-            egress = parse_egress(proxy_url, connect_header)
+            egress = parse_egress(proxy_url, connect_header, socks=True)
         except ValueError as e:
             raise ValueError(f"upstream.proxy_url: {e}") from None
         return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)

@@ -483,9 +483,10 @@ def request_head(target: _Target, headers: Mapping[str, str], length: int,
                  egress: Egress | None = None) -> bytes:
     """The request's head, as aiohttp wrote it (module docstring); through the HTTP proxy
     ``egress`` (an http:// upstream), in absolute form with its ``Proxy-Authorization``, as
-    Go writes it. ``ValueError`` for a header that cannot be sent: a control character
-    but HTAB in it (a line break would start a header of its own; aiohttp refused the
-    same), or text that is not UTF-8 (a surrogate: aiohttp left it out, and
+    Go writes it (through a tunnel, a ``CONNECT``'s or a SOCKS5 proxy's, as directly).
+    ``ValueError`` for a header that cannot be sent: a control character but HTAB in it
+    (a line break would start a header of its own; aiohttp refused the same), or text
+    that is not UTF-8 (a surrogate: aiohttp left it out, and
     ``X-Scope-OrgID: caf\\xe9`` went as ``caf``)."""
     items = list(headers.items())
     bad = HEADER_VALUE_FORBIDDEN.search("".join([k + v for k, v in items]))
@@ -500,7 +501,7 @@ def request_head(target: _Target, headers: Mapping[str, str], length: int,
     text = "".join([f"{k}: {v}\r\n" for k, v in items])
     accept = "" if "accept" in lower else "Accept: */*\r\n"
     size = "" if "content-length" in lower else f"Content-Length: {length}\r\n"
-    if egress is None or target.tls:
+    if egress is None or target.tls or egress.socks:
         return target.request_line + f"{host}{text}{accept}{size}\r\n".encode()
     auth = f"Proxy-Authorization: {egress.authorization}\r\n" if egress.authorization else ""
     return target.proxied_line + f"{host}{text}{accept}{size}{auth}\r\n".encode()
@@ -669,6 +670,77 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: 
     if len(head) > end:  # the upstream's bytes before the TLS handshake: not a tunnel
         raise ConnectFailed(f"the HTTP proxy {egress.shown} sent bytes after its answer to "
                             f"CONNECT {host_port}")
+
+
+#: RFC 1928's replies to a CONNECT, by code: what the proxy says went wrong
+SOCKS_REPLIES = {1: "general failure", 2: "connection not allowed by ruleset",
+                 3: "network unreachable", 4: "host unreachable", 5: "connection refused",
+                 6: "TTL expired", 7: "command not supported",
+                 8: "address type not supported"}
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int,
+                        egress: Egress, doing: str) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = await loop.sock_recv(sock, n - len(data))
+        if not more:
+            raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} closed the connection "
+                                f"{doing}")
+        data += more
+    return data
+
+
+async def _socks5(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: Egress,
+                  target: _Target) -> None:
+    """Open a tunnel to ``target`` through the SOCKS5 proxy ``sock`` is connected to
+    (RFC 1928, with RFC 1929's username/password when its URL has them), as Go's SOCKS
+    dialer does: the name sent unresolved, the proxy's bound address read and dropped.
+    ``ConnectFailed`` saying what the proxy refused."""
+    where = f"{target.host}:{target.port}"
+    offered = b"\x00\x02" if egress.socks_login else b"\x00"
+    await loop.sock_sendall(sock, bytes([5, len(offered)]) + offered)
+    version, method = await _recv_exactly(loop, sock, 2, egress, "before choosing a method")
+    if version != 5:
+        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} answered as no SOCKS5 proxy "
+                            f"(version {version})")
+    if method == 0xFF or method not in offered:
+        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} accepts none of the "
+                            "authentication methods offered"
+                            + ("" if egress.socks_login else
+                               ": it likely asks for a user:password in upstream.proxy_url"))
+    if method == 2:
+        await loop.sock_sendall(sock, egress.socks_login)
+        _, status = await _recv_exactly(loop, sock, 2, egress, "before answering the login")
+        if status != 0:
+            raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} refused the user:password "
+                                "of upstream.proxy_url")
+    if target.literal:
+        ip = ipaddress.ip_address(target.host)
+        address = bytes([1 if ip.version == 4 else 4]) + ip.packed
+    else:
+        name = target.host.encode("ascii")
+        if len(name) > 255:
+            raise ConnectFailed(f"the upstream's name is too long for a SOCKS5 proxy: "
+                                f"{len(name)} bytes, at most 255")
+        address = bytes([3, len(name)]) + name
+    await loop.sock_sendall(sock, b"\x05\x01\x00" + address + target.port.to_bytes(2, "big"))
+    version, reply, _, kind = await _recv_exactly(loop, sock, 4, egress,
+                                                  f"before answering CONNECT {where}")
+    if version != 5:
+        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} answered CONNECT {where} as no "
+                            f"SOCKS5 proxy (version {version})")
+    if reply != 0:
+        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} refused CONNECT {where}: "
+                            f"{SOCKS_REPLIES.get(reply, f'reply {reply}')}")
+    if kind == 3:
+        length = (await _recv_exactly(loop, sock, 1, egress, "in its answer"))[0]
+    elif kind in (1, 4):
+        length = 4 if kind == 1 else 16
+    else:
+        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} answered CONNECT {where} with "
+                            f"an unknown address type ({kind})")
+    await _recv_exactly(loop, sock, length + 2, egress, "in its answer")
 
 
 def basic_authorization(user: str, password: str) -> str:
@@ -860,18 +932,21 @@ class Pool:
         where = f"{target.host_line[6:-2]}"
         if egress is not None:
             host, port = egress.host, egress.port
-            where += f" through the HTTP proxy {egress.shown}"
+            where += f" through the {egress.kind} {egress.shown}"
         try:
             infos = await self._names.addresses(host, port, target.literal if egress is None
                                                 else egress.literal)
         except OSError as e:
             raise ConnectFailed(f"cannot look up {host}: {e}"
-                                + (" (the HTTP proxy)" if egress is not None else "")) from e
+                                + (f" (the {egress.kind})" if egress is not None else "")
+                                ) from e
         try:
             async with asyncio.timeout(self.connect_timeout):
                 sock = await _first_socket(loop, _interleaved(infos))
                 try:
-                    if egress is not None and tls is not None:
+                    if egress is not None and egress.socks:
+                        await _socks5(loop, sock, egress, target)
+                    elif egress is not None and tls is not None:
                         await _tunnel(loop, sock, egress, target.authority)
                     _, conn = await loop.create_connection(
                         lambda: _Connection(loop, key), sock=sock, ssl=tls,

@@ -35,6 +35,25 @@ def test_what_is_no_http_proxy_is_refused_without_its_password(text: str) -> Non
     assert "hunter2" not in str(e.value)
 
 
+def test_a_socks5_proxy_url_is_read_as_go_reads_it() -> None:
+    """socks5:// and socks5h:// alike (Go's transport: the name sent to the proxy either
+    way), port 1080 unless given, a user:password@ as RFC 1929's request, hidden."""
+    e = parse_egress("socks5://user:p%40ss@proxy.corp", socks=True)
+    assert (e.host, e.port, e.socks, e.kind) == ("proxy.corp", 1080, True, "SOCKS5 proxy")
+    assert e.socks_login == b"\x01\x04user\x04p@ss" and e.authorization == ""
+    assert "p%40ss" not in e.shown and "p@ss" not in e.shown and "p@ss" not in repr(e)
+    h = parse_egress("SOCKS5H://[::1]:9050", socks=True)
+    assert (h.host, h.port, h.literal, h.socks_login) == ("::1", 9050, True, b"")
+    # an empty password is a password (Go's dialer sends it); the user is not optional
+    assert parse_egress("socks5://u@p", socks=True).socks_login == b"\x01\x01u\x00"
+    # where SOCKS is not spoken (the Kubernetes client), it stays refused
+    with pytest.raises(ValueError, match=r"^only http:// proxies are supported"):
+        parse_egress("socks5://proxy:1080")
+    routes = EgressRoutes.from_settings("socks5://proxy", "", False)
+    assert routes is not None and routes.proxy_for("https", "tsdb", 443) == routes.https
+    assert routes.describe() == "socks5://proxy"
+
+
 @pytest.mark.parametrize(("no_proxy", "host", "port", "direct"), [
     # localhost and loopback: always direct once the rules apply
     ("", "localhost", 80, True), ("", "127.0.0.1", 9090, True), ("", "::1", 80, True),
@@ -86,7 +105,7 @@ def test_the_environment_names_a_proxy_per_scheme() -> None:
     only_https = EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "p:1"})
     assert only_https is not None and only_https.proxy_for("http", "tsdb", 80) is None
     with pytest.raises(ValueError, match="HTTPS_PROXY"):
-        EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "socks5://p:1"})
+        EgressRoutes.from_settings("", "", True, {"HTTPS_PROXY": "socks4://p:1"})
 
 
 def test_the_routes_kept_are_bounded() -> None:
@@ -100,7 +119,11 @@ def test_the_routes_kept_are_bounded() -> None:
 @pytest.mark.parametrize(("upstream", "error"), [
     ({"proxy_url": "http://p:1", "proxy_from_environment": True}, "set one or the other"),
     ({"no_proxy": "foo.com"}, "upstream.proxy_url is not"),
-    ({"proxy_url": "https://user:hunter2@p:1"}, "only http:// proxies"),
+    ({"proxy_url": "https://user:hunter2@p:1"}, "only http:// and socks5:// proxies"),
+    ({"proxy_url": f"socks5://{'u' * 256}:hunter2@p"}, "user must be 1 to 255 bytes"),
+    ({"proxy_url": "socks5://:hunter2@p"}, "user must be 1 to 255 bytes"),
+    ({"proxy_url": "socks5://p", "proxy_connect_header": {"X-Auth": ["hunter2"]}},
+     r"SOCKS5 proxy \(socks5://p\), which takes no headers"),
     ({"proxy_url": "http://p\t:1"}, "whitespace"),
     # proxy_connect_header: only beside a proxy, only where a CONNECT is sent, never a
     # header the CONNECT writes itself, never a value that is no one line

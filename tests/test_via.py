@@ -13,7 +13,7 @@ from proxy import via
 def test_the_entry_is_a_pseudonym_of_this_process_not_a_host() -> None:
     assert re.fullmatch(r"1\.1 karta-proxy-[0-9a-f]{8}", via.ENTRY)
     assert via.PSEUDONYM in via.LOOP_SAID
-    assert via.ENTRY == f"1.1 {via.PSEUDONYM}"  # what the cases below spell "1.1 {me}"
+    assert f"1.1 {via.PSEUDONYM}" == via.ENTRY  # what the cases below spell "1.1 {me}"
 
 
 def _here(template: str) -> str:

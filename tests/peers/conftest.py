@@ -47,7 +47,7 @@ def need(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
         pytest.skip(f"{binary} not installed (Debian packages: prometheus, victoria-metrics, "
-                    "tinyproxy)")
+                    "tinyproxy, microsocks)")
     return path
 
 
@@ -257,22 +257,40 @@ class Peers:
             *([f"BasicAuth {basic_auth[0]} {basic_auth[1]}"] if basic_auth else []), ""]))
         # -d: in the foreground, its log on stderr
         p = self._peer(name, [binary, "-d", "-c", str(conf)], port, "")
+        await _listening(p, name, port)
+        return p
 
-        async def listening() -> bool:
-            assert p.proc is not None
-            if p.proc.poll() is not None:
-                raise AssertionError(f"{name} exited: {p.log_tail()}")
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            await writer.wait_closed()
-            return True
-
-        await wait_until(listening, timeout=10, what=f"{name} listening")
+    async def microsocks(self, name: str = "microsocks", *,
+                         login: tuple[str, str] | None = None) -> Peer:
+        """A SOCKS5 proxy (Debian's microsocks) on 127.0.0.1; ``login`` (user, password)
+        makes it ask for them (RFC 1929). Its log (``log_tail``) has a line per
+        connection it made, naming the host it was asked for."""
+        binary = need("microsocks")
+        port = free_port()
+        argv = [binary, "-i", "127.0.0.1", "-p", str(port)]
+        if login is not None:
+            argv += ["-u", login[0], "-P", login[1]]
+        p = self._peer(name, argv, port, "")
+        await _listening(p, name, port)
         return p
 
     def stop_all(self) -> None:
         for p in reversed(self.started):
             p.stop()
+
+
+async def _listening(p: Peer, name: str, port: int) -> None:
+    """Until ``p`` (a peer with no HTTP endpoint) takes a TCP connection on ``port``."""
+    async def listening() -> bool:
+        assert p.proc is not None
+        if p.proc.poll() is not None:
+            raise AssertionError(f"{name} exited: {p.log_tail()}")
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        await writer.wait_closed()
+        return True
+
+    await wait_until(listening, timeout=10, what=f"{name} listening")
 
 
 @pytest.fixture

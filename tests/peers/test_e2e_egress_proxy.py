@@ -2,7 +2,9 @@
 a Prometheus agent's writes through karta-proxy and the HTTP proxy into a Prometheus
 receiver, stamped; an https:// upstream through a CONNECT tunnel; the proxy's refusal of
 missing credentials (407) never a 4xx a sender drops; loopback reached directly once
-``no_proxy`` is set, as Go's rules say."""
+``no_proxy`` is set, as Go's rules say. Through a SOCKS5 proxy (Debian's microsocks) the
+same: the writes stamped, TLS end to end, the name resolved by the proxy, and its every
+refusal a 502 the sender retries."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from proxy.pb.prometheus.remote_pb2 import WriteRequest
 from proxy.upstream import Upstream
 from proxy.wire.primitives import Protocol
 from tests.kubesim.server import KubeSim
+from tests.oauth2_endpoint import TokenEndpoint
 from tests.peers.conftest import (
     InProcessProxy,
     Peers,
@@ -30,6 +33,7 @@ from tests.peers.conftest import (
     wait_stamped,
 )
 from tests.scripted import ScriptedUpstream
+from tests.test_upstream_oauth2 import SECRET, source
 from tests.tls_certs import Authority
 
 pytestmark = pytest.mark.peers
@@ -177,6 +181,89 @@ async def test_no_proxy_reaches_loopback_directly() -> None:
         status, body = await _send(UpstreamSettings(
             url=up.url, timeout_seconds=5, connect_timeout_seconds=2, proxy_url=dead))
         assert status == 502 and "through the HTTP proxy" in body, body
+
+
+async def test_agent_writes_land_stamped_through_a_socks5_proxy(
+    peers: Peers, exporter: FixtureExporter, make_proxy: object,
+) -> None:
+    """Prometheus' ``proxy_url: socks5://user:password@host:port``: every request through
+    microsocks, which asked for the login (RFC 1929)."""
+    socks = await peers.microsocks(login=(USER, PASSWORD))
+    receiver = await peers.prometheus_receiver()
+    assert callable(make_proxy)
+    proxy: InProcessProxy = await make_proxy(
+        receiver.base_url + "/api/v1/write",
+        proxy_url=f"socks5://{USER}:{PASSWORD}@127.0.0.1:{socks.port}")
+    await peers.prometheus_agent({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": scrape_configs(exporter),
+        "remote_write": [remote_write(proxy.write_url)],
+    })
+    await wait_stamped(receiver.base_url, what="stamped series through the SOCKS5 proxy")
+    assert f"connected to 127.0.0.1:{receiver.port}" in socks.log_tail(200_000)
+    assert PASSWORD not in proxy.proxy.upstream.egress.describe()  # type: ignore[union-attr]
+
+
+async def test_an_https_upstream_goes_through_socks5_by_name(
+    peers: Peers, tmp_path: Path,
+) -> None:
+    """TLS from karta-proxy to the upstream inside the SOCKS5 tunnel, verified against
+    the upstream's name, which the proxy resolved (``socks5h`` is the same, as in Go)."""
+    socks = await peers.microsocks()
+    ca = Authority(tmp_path / "pki")
+    tsdb = ca.issue("tsdb", server=True)
+    async with ScriptedUpstream(ssl_context=tsdb.server_context()) as up:
+        for scheme in ("socks5", "socks5h"):
+            status, body = await _send(UpstreamSettings(
+                url=f"https://localhost:{up.port}/api/v1/write", tls_ca_file=str(ca.ca_file),
+                timeout_seconds=5, connect_timeout_seconds=3,
+                proxy_url=f"{scheme}://127.0.0.1:{socks.port}"))
+            assert status == 204, body
+        assert len(up.received) == 2
+    assert f"connected to localhost:{up.port}" in socks.log_tail(200_000)
+
+
+async def test_a_socks5_proxys_refusals_are_502s_a_sender_retries(peers: Peers) -> None:
+    """No login where one is asked for, a wrong one, an upstream the proxy cannot reach:
+    each a 502 naming what the SOCKS5 proxy said, never the password, nothing sent."""
+    socks = await peers.microsocks(login=(USER, PASSWORD))
+    where = f"127.0.0.1:{socks.port}"
+    dead = free_port()
+    async with ScriptedUpstream() as up:
+        for proxy_url, url, said in (
+                (f"socks5://{where}", up.url, "accepts none of the authentication methods "
+                                              "offered: it likely asks for a user:password"),
+                (f"socks5://{USER}:not-{PASSWORD}@{where}", up.url,
+                 "refused the user:password of upstream.proxy_url"),
+                (f"socks5://{USER}:{PASSWORD}@{where}", f"http://127.0.0.1:{dead}/write",
+                 f"refused CONNECT 127.0.0.1:{dead}: connection refused")):
+            status, body = await _send(UpstreamSettings(
+                url=url, timeout_seconds=5, connect_timeout_seconds=3, proxy_url=proxy_url))
+            assert status == 502, body
+            assert "SOCKS5 proxy socks5://" in body and said in body, body
+            assert PASSWORD not in body
+        assert not up.received
+
+
+async def test_the_oauth2_token_is_fetched_through_its_own_proxy(
+        peers: Peers, tmp_path: Path) -> None:
+    """``upstream.oauth2.proxy_url`` (x/oauth2's client has its own, as Prometheus'
+    config does), an HTTP proxy or a SOCKS5 one: the token comes through it."""
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    socks = await peers.microsocks(login=(USER, PASSWORD))
+    async with TokenEndpoint(clients={"karta id": SECRET}) as endpoint:
+        for proxy_url in (f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}",
+                          f"socks5://{USER}:{PASSWORD}@127.0.0.1:{socks.port}"):
+            tokens = source(tmp_path, endpoint, proxy_url=proxy_url)
+            try:
+                got = await tokens.authorization()
+            finally:
+                await tokens.close()
+            assert isinstance(got, str) and endpoint.live(got), got
+        assert len(endpoint.requests) == 2
+    where = endpoint.url.removeprefix("http://").split("/")[0]
+    assert f"POST {endpoint.url}" in http_proxy.log_tail(200_000)
+    assert f"connected to {where}" in socks.log_tail(200_000)
 
 
 async def _namespaces(kubeconfig: Path) -> list[str]:
