@@ -529,6 +529,80 @@ async def test_proxy_connect_header_goes_with_the_connect_after_its_credentials(
         assert "t1" not in repr(egress) and "dTpw" not in repr(egress)
 
 
+def socks_answering(*replies: bytes, then: bytes = b"") -> Callable[[Raw], Handler]:
+    """A SOCKS5 proxy that answers each message of the client's (the greeting, the
+    login, the CONNECT: one read each) with the next of ``replies``, kept in ``heads``;
+    after the last, ``then`` as the upstream's answer (the tunnel's far end), or it
+    closes."""
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for reply in replies:
+                raw.heads.append(await reader.read(1024))
+                writer.write(reply)
+                await writer.drain()
+            if then:
+                raw.heads.append(await reader.readuntil(b"\r\n\r\n"))
+                writer.write(then)
+                await writer.drain()
+                await reader.read()
+        return handle
+    return make
+
+
+#: a SOCKS5 CONNECT granted, the bound address given as a name (atyp 3), as a proxy
+#: may: its bytes read and dropped, the tunnel's first byte the upstream's
+GRANTED_BY_NAME = b"\x05\x00\x00\x03\x05proxy\x04\x38"
+
+
+async def test_a_socks5_tunnel_carries_the_request_as_sent_directly() -> None:
+    """RFC 1928 as Go's dialer speaks it: no-auth and username/password offered with a
+    login, the name sent unresolved (an IPv6 address as one), then the request in
+    origin form, as directly, on a connection kept alive."""
+    async with serving(socks_answering(b"\x05\x02", b"\x01\x00", GRANTED_BY_NAME,
+                                       then=OK)) as proxy, pool() as p:
+        egress = parse_egress(f"socks5://u:pw@127.0.0.1:{proxy.port}", socks=True)
+        r = await post(p, URL("http://tsdb.only-the-proxy-knows.invalid:9090/w"),
+                       egress=egress)
+        assert r.status == 204
+        greeting, login, connect, head = proxy.heads
+        assert greeting == b"\x05\x02\x00\x02" and login == b"\x01\x01u\x02pw"
+        name = b"tsdb.only-the-proxy-knows.invalid"
+        assert connect == b"\x05\x01\x00\x03" + bytes([len(name)]) + name + b"\x23\x82"
+        assert head.startswith(b"POST /w HTTP/1.1\r\n"), head
+        assert b"Proxy-Authorization" not in head
+    async with serving(socks_answering(b"\x05\x00", b"\x05\x00\x00\x04" + bytes(18),
+                                       then=OK)) as proxy, pool() as p:
+        egress = parse_egress(f"socks5h://127.0.0.1:{proxy.port}", socks=True)
+        assert (await post(p, URL("http://[2001:db8::1]:80/w"), egress=egress)).status == 204
+        greeting, connect, _ = proxy.heads
+        assert greeting == b"\x05\x01\x00"
+        assert connect == b"\x05\x01\x00\x04" + bytes.fromhex("20010db8" + "0" * 23 + "1") \
+            + b"\x00\x50"
+
+
+@pytest.mark.parametrize(("replies", "login", "said"), [
+    ((b"\x04\x00",), False, "answered as no SOCKS5 proxy \\(version 4\\)"),
+    ((b"\x05\xff",), False, "accepts none of the authentication methods offered: it likely "
+                           "asks for a user:password"),
+    ((b"\x05\x01",), True, "accepts none of the authentication methods offered$"),  # GSSAPI
+    ((b"\x05\x02", b"\x01\x01"), True, "refused the user:password of upstream.proxy_url"),
+    ((b"\x05\x00", b"\x05\x02\x00\x01"), False,
+     "refused CONNECT tsdb.invalid:80: connection not allowed by ruleset"),
+    ((b"\x05\x00", b"\x05\x09\x00\x01"), False, "refused CONNECT tsdb.invalid:80: reply 9"),
+    ((b"\x05\x00", b"\x05\x00\x00\x07"), False, "an unknown address type \\(7\\)"),
+    ((b"\x05\x00",), False, "closed the connection before answering CONNECT tsdb.invalid:80"),
+    ((b"\x05\x00", b"\x05\x00\x00\x01\x7f"), False, "closed the connection in its answer"),
+])
+async def test_a_socks5_proxy_that_refuses_or_breaks_is_no_connection(
+        replies: tuple[bytes, ...], login: bool, said: str) -> None:
+    async with serving(socks_answering(*replies)) as proxy, pool() as p:
+        user = "u:hunter2@" if login else ""
+        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}", socks=True)
+        with pytest.raises(ConnectFailed, match=said) as e:
+            await post(p, URL("http://tsdb.invalid/w"), egress=egress)
+        assert "hunter2" not in str(e.value)
+
+
 async def test_a_connect_that_gets_no_answer_times_out() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
