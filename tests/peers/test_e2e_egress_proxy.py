@@ -59,26 +59,32 @@ async def _send(settings: UpstreamSettings) -> tuple[int, str]:
     return answer.status, answer.body.decode("utf-8", "replace")
 
 
-async def test_agent_writes_land_stamped_through_the_http_proxy(
-    peers: Peers, exporter: FixtureExporter, make_proxy: object,
+@pytest.mark.parametrize("scheme", ["http", "socks5"])
+async def test_agent_writes_land_stamped_through_the_proxy(
+    peers: Peers, exporter: FixtureExporter, make_proxy: object, scheme: str,
 ) -> None:
-    """http:// upstream: absolute-form requests to tinyproxy with its Basic credentials
-    (loopback included: proxy_url alone sends every request through it, as Go's
-    http.ProxyURL does)."""
-    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    """http://: absolute-form requests to tinyproxy with its Basic credentials; socks5://:
+    a tunnel through microsocks, which asked for the login (RFC 1929). Loopback included:
+    proxy_url alone sends every request through it, as Go's http.ProxyURL does."""
     receiver = await peers.prometheus_receiver()
+    if scheme == "http":
+        egress = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+        relayed = f"POST http://127.0.0.1:{receiver.port}/api/v1/write"
+    else:
+        egress = await peers.microsocks(login=(USER, PASSWORD))
+        relayed = f"connected to 127.0.0.1:{receiver.port}"
     assert callable(make_proxy)
     proxy: InProcessProxy = await make_proxy(
         receiver.base_url + "/api/v1/write",
-        proxy_url=f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}")
+        proxy_url=f"{scheme}://{USER}:{PASSWORD}@127.0.0.1:{egress.port}")
     await peers.prometheus_agent({
         "global": {"scrape_interval": "1s"},
         "scrape_configs": scrape_configs(exporter),
         "remote_write": [remote_write(proxy.write_url)],
     })
-    await wait_stamped(receiver.base_url, what="stamped series through the HTTP proxy")
-    log = http_proxy.log_tail(200_000)
-    assert f"POST http://127.0.0.1:{receiver.port}/api/v1/write" in log, log[-2000:]
+    await wait_stamped(receiver.base_url, what=f"stamped series through the {scheme} proxy")
+    log = egress.log_tail(200_000)
+    assert relayed in log, log[-2000:]
     assert PASSWORD not in proxy.proxy.upstream.egress.describe()  # type: ignore[union-attr]
 
 
@@ -181,27 +187,6 @@ async def test_no_proxy_reaches_loopback_directly() -> None:
         status, body = await _send(UpstreamSettings(
             url=up.url, timeout_seconds=5, connect_timeout_seconds=2, proxy_url=dead))
         assert status == 502 and "through the HTTP proxy" in body, body
-
-
-async def test_agent_writes_land_stamped_through_a_socks5_proxy(
-    peers: Peers, exporter: FixtureExporter, make_proxy: object,
-) -> None:
-    """Prometheus' ``proxy_url: socks5://user:password@host:port``: every request through
-    microsocks, which asked for the login (RFC 1929)."""
-    socks = await peers.microsocks(login=(USER, PASSWORD))
-    receiver = await peers.prometheus_receiver()
-    assert callable(make_proxy)
-    proxy: InProcessProxy = await make_proxy(
-        receiver.base_url + "/api/v1/write",
-        proxy_url=f"socks5://{USER}:{PASSWORD}@127.0.0.1:{socks.port}")
-    await peers.prometheus_agent({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": scrape_configs(exporter),
-        "remote_write": [remote_write(proxy.write_url)],
-    })
-    await wait_stamped(receiver.base_url, what="stamped series through the SOCKS5 proxy")
-    assert f"connected to 127.0.0.1:{receiver.port}" in socks.log_tail(200_000)
-    assert PASSWORD not in proxy.proxy.upstream.egress.describe()  # type: ignore[union-attr]
 
 
 async def test_an_https_upstream_goes_through_socks5_by_name(
