@@ -274,8 +274,9 @@ class OAuth2Settings(Section):
     tls_insecure_skip_verify: Annotated[bool, setting(
         "do not verify the token endpoint's certificate")] = False
     proxy_url: Annotated[str, setting(
-        "a proxy the token endpoint is reached through (http://host:port, or "
-        "socks5://host:port; not upstream.proxy_url's, as in Prometheus)")] = ""
+        "a proxy the token endpoint is reached through (http://host:port, https:// "
+        "spoken to over TLS with these tls_* settings, or socks5://host:port; not "
+        "upstream.proxy_url's, as in Prometheus)")] = ""
 
 
 def oauth2_on(u: UpstreamSettings) -> bool:
@@ -338,7 +339,9 @@ class UpstreamSettings(Section):
     proxy_url: Annotated[str, setting(
         "a proxy the upstream is reached through, as Prometheus' remote_write "
         "proxy_url: http://host:port, a user:password@ in it sent as Proxy-Authorization "
-        "(Basic), an https:// upstream through a CONNECT tunnel; or a SOCKS5 proxy, "
+        "(Basic), an https:// upstream through a CONNECT tunnel; https://host:port: the "
+        "same spoken to over TLS, verified with the upstream's tls_* settings as Go "
+        "does; or a SOCKS5 proxy, "
         "socks5://host:port (default port 1080), the upstream's name resolved by the "
         "proxy, a user:password@ in it as RFC 1929's. Every upstream request, unless "
         "no_proxy names its host",
@@ -1469,7 +1472,7 @@ def _validate_oauth2(u: UpstreamSettings) -> None:
             raise ConfigError(f"{key}.proxy_url: holds whitespace or a control character: "
                               f"{shown_url(o.proxy_url, broken=True)!r}")
         try:
-            parse_egress(o.proxy_url, socks=True)
+            parse_egress(o.proxy_url, upstream=True)
         except ValueError as e:
             raise ConfigError(f"{key}.proxy_url: {e}") from None
 

@@ -16,10 +16,11 @@ An http:// upstream is sent through an HTTP proxy in absolute form (``POST
 http://host/path``), an https:// one through a ``CONNECT`` tunnel, as Go does
 (``proxy.upstream_http``); a ``user:password@`` in the proxy's URL goes as
 ``Proxy-Authorization: Basic``. The upstream (and its OAuth2 token endpoint) may also be
-reached through a SOCKS5 proxy (``socks5://`` or ``socks5h://``, as Go's transport takes
-both): the upstream's name is sent to the proxy unresolved, a ``user:password@`` is
-RFC 1929's username/password, and the requests then go as they would directly. TLS to the
-proxy (``https://``) and other schemes are settings errors, said at start.
+reached through an HTTPS proxy (``https://``: the same, spoken to over TLS, an https://
+upstream's TLS inside that, as Go's transport does), or a SOCKS5 proxy (``socks5://`` or
+``socks5h://``, as Go's transport takes both): the upstream's name is sent to the proxy
+unresolved, a ``user:password@`` is RFC 1929's username/password, and the requests then
+go as they would directly. Other schemes are settings errors, said at start.
 
 The Kubernetes client takes the same rules for the API server when its kubeconfig has no
 ``proxy-url`` (``environment_route``: client-go's ``http.ProxyFromEnvironment``).
@@ -65,6 +66,8 @@ class Egress:
     connect_lines: str = field(default="", repr=False)
     #: a SOCKS5 proxy (``socks5://``): a tunnel to every upstream, http:// or https://
     socks: bool = False
+    #: an HTTPS proxy (``https://``): an HTTP proxy spoken to over TLS
+    tls: bool = False
     #: a SOCKS5 proxy's RFC 1929 username/password request (from the URL's
     #: user:password), or b"" to offer no authentication
     socks_login: bytes = field(default=b"", repr=False)
@@ -78,7 +81,7 @@ class Egress:
     def url(self) -> str:
         """The proxy's URL without its credentials (they go as ``authorization``)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def connect_request(self, host_port: str) -> bytes:
         """The ``CONNECT`` that opens a tunnel to ``host_port`` (as a ``Host`` header
@@ -89,24 +92,27 @@ class Egress:
 
 
 def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None,
-                 *, socks: bool = False) -> Egress:
+                 *, upstream: bool = False) -> Egress:
     """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://),
     its ``CONNECT`` carrying ``connect_header`` too (each value a line of its own, in
-    order, as Go writes a header's values); ``socks``: a ``socks5://`` one is taken too
-    (the upstream's client speaks SOCKS5; the Kubernetes client does not). ``ValueError``
-    saying why, its password hidden."""
+    order, as Go writes a header's values); ``upstream``: an ``https://`` or a
+    ``socks5://`` one is taken too (the upstream's client speaks TLS to a proxy and
+    SOCKS5; the Kubernetes client does neither). ``ValueError`` saying why, its password
+    hidden."""
     text = text.strip()
     parts = urlsplit(text)
     if not parts.scheme or not parts.netloc:
         parts = urlsplit("http://" + text)
     shown = shown_url(parts.geturl())
     scheme = parts.scheme.lower()
-    is_socks = socks and scheme in SOCKS_SCHEMES
-    if scheme != "http" and not is_socks:
-        said = "http:// and socks5:// proxies are" if socks else "http:// proxies are"
-        raise ValueError(f"only {said} supported (an HTTP proxy is spoken to in plain HTTP; "
-                         f"an https:// upstream goes through it in a CONNECT tunnel), got "
-                         f"{shown!r}")
+    is_socks = upstream and scheme in SOCKS_SCHEMES
+    tls = upstream and scheme == "https"
+    if scheme != "http" and not (is_socks or tls):
+        raise ValueError("only http://, https:// and socks5:// proxies are supported, got "
+                         f"{shown!r}" if upstream else
+                         "only http:// proxies are supported (the proxy is spoken to in "
+                         "plain HTTP; an https:// upstream goes through it in a CONNECT "
+                         f"tunnel), got {shown!r}")
     try:
         host, port = parts.hostname, parts.port
     except ValueError:
@@ -129,7 +135,8 @@ def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None =
     if user is not None:
         pair = f"{user}:{password}"
         authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
-    return Egress(host, port or 80, literal, authorization, shown, lines)
+    return Egress(host, port or (443 if tls else 80), literal, authorization, shown, lines,
+                  tls=tls)
 
 
 #: the schemes of a SOCKS5 proxy, as Go's transport takes them (both send the upstream's
@@ -310,7 +317,7 @@ class EgressRoutes:
             for scheme, names in PROXY_VARIABLES.items():
                 name = _variable(env, names)
                 try:
-                    found[scheme] = (parse_egress(env[name], connect_header, socks=True)
+                    found[scheme] = (parse_egress(env[name], connect_header, upstream=True)
                                      if name else None)
                 except ValueError as e:
                     raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
@@ -321,7 +328,7 @@ class EgressRoutes:
         if not proxy_url:
             return None
         try:
-            egress = parse_egress(proxy_url, connect_header, socks=True)
+            egress = parse_egress(proxy_url, connect_header, upstream=True)
         except ValueError as e:
             raise ValueError(f"upstream.proxy_url: {e}") from None
         return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)

@@ -1956,10 +1956,12 @@ class Upstream:
             target = url if url is not None else self._default_url
             chain: Chain | None = None
             async with deadline_in(self.settings.timeout_seconds + CLIENT_TIMEOUT_MARGIN):
+                egress = self._egress_for(target)
                 resp = await pool.post(
                     target, headers, out.encoded, tls=tls,
                     server_hostname=self.settings.tls_server_name or None,
-                    max_body=MAX_ERROR_BODY, egress=self._egress_for(target))
+                    max_body=MAX_ERROR_BODY, egress=egress,  # no call a request without one
+                    proxy_tls=None if egress is None else self._proxy_tls(egress, tls))
                 if 300 <= resp.status < 400:  # a 2xx costs this one comparison, no more
                     walked = await self._follow(pool, resp, target, headers, out.encoded,
                                                 incoming)
@@ -2072,9 +2074,11 @@ class Upstream:
                 tls = None
                 if target.scheme == "https":
                     tls = self._tls.get() if self._tls is not None else self._hop_tls()
+                egress = self._egress_for(target)
                 return await pool.post(target, hop_headers, body, tls=tls,
                                        server_hostname=self.settings.tls_server_name or None,
-                                       max_body=MAX_ERROR_BODY, egress=self._egress_for(target))
+                                       max_body=MAX_ERROR_BODY, egress=egress,
+                                       proxy_tls=self._proxy_tls(egress, tls))
 
             walked = await chain.walk(resp, headers, brought, send, self._followed)
         if walked.refused is None and walked.resp.status in REDIRECTS:
@@ -2088,6 +2092,17 @@ class Upstream:
         if egress is None:
             return None
         return egress.proxy_for(target.scheme, target.raw_host or "", target.port or 0)
+
+    def _proxy_tls(self, egress: Egress | None, tls: ssl.SSLContext | None
+                   ) -> ssl.SSLContext | None:
+        """The context an HTTPS proxy (``upstream.proxy_url: https://``) is verified with:
+        the upstream's TLS settings (its CA, its client certificate), as Go's transport
+        has one TLS configuration for the proxy and the upstream alike."""
+        if egress is None or not egress.tls:
+            return None
+        if tls is not None:  # an https:// upstream's
+            return tls
+        return self._tls.get() if self._tls is not None else self._hop_tls()
 
     def _hop_tls(self) -> ssl.SSLContext:
         """The context of an https:// request when ``upstream.url`` is http:// (its

@@ -435,7 +435,9 @@ class _Connection(asyncio.Protocol):
 
 #: a pool's connections are apart by (host, port, TLS context, server name, the HTTP
 #: proxy they go through)
-_Key = tuple[str, int, "ssl.SSLContext | None", "str | None", "Egress | None"]
+#: (host, port, TLS context, server name, proxy, the HTTPS proxy's TLS context)
+_Key = tuple[str, int, "ssl.SSLContext | None", "str | None", "Egress | None",
+             "ssl.SSLContext | None"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -646,30 +648,97 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: 
     ``proxy_url``'s user:password, missing or refused)."""
     await loop.sock_sendall(sock, egress.connect_request(host_port))
     head = b""
-    while b"\r\n\r\n" not in head:
-        if len(head) > MAX_HEAD:
-            raise ConnectFailed(f"the HTTP proxy {egress.shown} answered CONNECT with a head "
-                                "past its bounds")
+    while b"\r\n\r\n" not in head and len(head) <= MAX_HEAD:
         data = await loop.sock_recv(sock, 65536)
         if not data:
-            raise ConnectFailed(f"the HTTP proxy {egress.shown} closed the connection before "
-                                f"answering CONNECT {host_port}")
+            break
         head += data
+    _tunnel_answer(head, egress, host_port)
+
+
+def _tunnel_answer(head: bytes, egress: Egress, host_port: str) -> None:
+    """The proxy's answer to ``CONNECT host_port``, as much of it as came before its
+    blank line, its bound, or the connection's end: ``ConnectFailed`` unless a 2xx head
+    with nothing after it."""
+    if b"\r\n\r\n" not in head:
+        raise ConnectFailed(f"the {egress.kind} {egress.shown} answered CONNECT with a head "
+                            "past its bounds" if len(head) > MAX_HEAD else
+                            f"the {egress.kind} {egress.shown} closed the connection before "
+                            f"answering CONNECT {host_port}")
     end = head.index(b"\r\n\r\n") + 4
     status = _STATUS_LINE.match(head)
     if status is None:
-        raise ConnectFailed(f"the HTTP proxy {egress.shown} answered CONNECT with something "
+        raise ConnectFailed(f"the {egress.kind} {egress.shown} answered CONNECT with something "
                             f"not HTTP: {head[:40]!r}")
     code = int(status[2])
     if not 200 <= code < 300:
         why = (f": its credentials (the user:password of upstream.proxy_url"
                f"{', or upstream.proxy_connect_header' if egress.connect_lines else ''}) "
                "missing or refused" if code == 407 else "")
-        raise ConnectFailed(f"the HTTP proxy {egress.shown} answered {code} to CONNECT "
+        raise ConnectFailed(f"the {egress.kind} {egress.shown} answered {code} to CONNECT "
                             f"{host_port}{why}")
     if len(head) > end:  # the upstream's bytes before the TLS handshake: not a tunnel
-        raise ConnectFailed(f"the HTTP proxy {egress.shown} sent bytes after its answer to "
+        raise ConnectFailed(f"the {egress.kind} {egress.shown} sent bytes after its answer to "
                             f"CONNECT {host_port}")
+
+
+class _TunnelHead(asyncio.Protocol):
+    """An HTTPS proxy's answer to a ``CONNECT`` sent over TLS to it: ``done`` once its
+    head is whole, past its bound, or the connection ended."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.head = b""
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.head += data
+        if b"\r\n\r\n" in self.head or len(self.head) > MAX_HEAD:
+            self._end()
+
+    def eof_received(self) -> bool:
+        self._end()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def _tls_tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: Egress,
+                      proxy_tls: ssl.SSLContext, key: _Key, target: _Target
+                      ) -> _Connection:
+    """The connection to the upstream through an HTTPS proxy ``sock`` is connected to:
+    TLS to the proxy (verified against its own name), then for an http:// upstream the
+    requests in absolute form over it, for an https:// one a ``CONNECT`` and the
+    upstream's TLS inside the proxy's, as Go's transport does."""
+    tls, server_hostname = key[2], key[3]
+    try:
+        if tls is None:
+            _, conn = await loop.create_connection(
+                lambda: _Connection(loop, key), sock=sock, ssl=proxy_tls,
+                server_hostname=egress.host)
+            return conn
+        transport, answer = await loop.create_connection(
+            lambda: _TunnelHead(loop), sock=sock, ssl=proxy_tls, server_hostname=egress.host)
+    except ssl.SSLError as e:  # told from the upstream's TLS, which comes after
+        raise ConnectFailed(f"cannot speak TLS to the {egress.kind} {egress.shown}: {e}"
+                            ) from e
+    try:
+        transport.write(egress.connect_request(target.authority))
+        await answer.done
+        _tunnel_answer(answer.head, egress, target.authority)
+        conn = _Connection(loop, key)
+        inner = await loop.start_tls(transport, conn, tls, server_hostname=server_hostname)
+    except BaseException:
+        transport.abort()
+        raise
+    if inner is None:  # the loop closed under it
+        raise ConnectionEnded("the connection closed during the TLS handshake")
+    conn.connection_made(inner)
+    return conn
 
 
 #: RFC 1928's replies to a CONNECT, by code: what the proxy says went wrong
@@ -784,10 +853,11 @@ class Pool:
 
     async def post(self, url: URL, headers: Mapping[str, str], body: bytes, *,
                    tls: ssl.SSLContext | None, server_hostname: str | None,
-                   max_body: int, egress: Egress | None = None) -> Response:
+                   max_body: int, egress: Egress | None = None,
+                   proxy_tls: ssl.SSLContext | None = None) -> Response:
         """POST ``body`` to ``url`` with ``headers`` (``tls``: the context of an https
-        URL), through the HTTP proxy ``egress`` if given; the answer, its body's first
-        ``max_body`` bytes."""
+        URL), through the proxy ``egress`` if given (``proxy_tls``: the context an HTTPS
+        one is verified with); the answer, its body's first ``max_body`` bytes."""
         target = _target(url)
         head = request_head(target, headers, len(body), egress)
         if not target.tls:
@@ -796,7 +866,11 @@ class Pool:
             raise ValueError("an https upstream needs a TLS context")
         else:
             server_hostname = (server_hostname or target.host).rstrip(".")
-        key: _Key = (target.host, target.port, tls, server_hostname, egress)
+        if egress is None or not egress.tls:
+            proxy_tls = None
+        elif proxy_tls is None:
+            raise ValueError("an HTTPS proxy needs a TLS context")
+        key: _Key = (target.host, target.port, tls, server_hostname, egress, proxy_tls)
         conn = await self._acquire(key, target)
         try:
             answer = await conn.start(head, body, max_body)
@@ -928,7 +1002,7 @@ class Pool:
 
     async def _connect(self, key: _Key, target: _Target) -> _Connection:
         loop = asyncio.get_running_loop()
-        host, port, tls, server_hostname, egress = key
+        host, port, tls, server_hostname, egress, proxy_tls = key
         where = f"{target.host_line[6:-2]}"
         if egress is not None:
             host, port = egress.host, egress.port
@@ -944,6 +1018,9 @@ class Pool:
             async with asyncio.timeout(self.connect_timeout):
                 sock = await _first_socket(loop, _interleaved(infos))
                 try:
+                    if proxy_tls is not None and egress is not None:
+                        return await _tls_tunnel(loop, sock, egress, proxy_tls, key,
+                                                 target)
                     if egress is not None and egress.socks:
                         await _socks5(loop, sock, egress, target)
                     elif egress is not None and tls is not None:

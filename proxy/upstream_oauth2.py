@@ -271,7 +271,7 @@ class TokenSource:
         self._clock = clock
         self._on_fetch = on_fetch
         self._secret = FileSecret(settings.client_secret_file, header=False, clock=clock)
-        self._egress: Egress | None = (parse_egress(settings.proxy_url, socks=True)
+        self._egress: Egress | None = (parse_egress(settings.proxy_url, upstream=True)
                                        if settings.proxy_url else None)
         #: the form of every token request, but the client's credentials (x/oauth2's
         #: ``url.Values``: grant_type, scope, then the endpoint params over them)
@@ -442,9 +442,13 @@ class TokenSource:
             nonlocal tls
             if target.scheme == "https" and tls is None:  # the files stat'ed once a fetch
                 tls = await self._context()
+            proxy_tls = None
+            if self._egress is not None and self._egress.tls:  # oauth2.tls_*, as Go's
+                proxy_tls = tls = tls or await self._context()
             return await pool.post(target, sent, body,
                                    tls=tls if target.scheme == "https" else None,
-                                   server_hostname=None, max_body=MAX_ANSWER, egress=self._egress)
+                                   server_hostname=None, max_body=MAX_ANSWER, egress=self._egress,
+                                   proxy_tls=proxy_tls)
 
         first: CIMultiDict[str] = CIMultiDict(headers)
         walked = await Chain([self._target]).walk(

@@ -1272,8 +1272,8 @@ def test_an_oauth2_block_of_prometheus_is_taken_as_it_is(tmp_path: Path) -> None
     ({"tls_cert_file": "FILE"}, {},
      "upstream.oauth2.tls_cert_file and upstream.oauth2.tls_key_file: set both or neither"),
     ({"tls_ca_file": "FILE"}, {}, "upstream.oauth2.tls_ca_file: cannot load"),
-    ({"proxy_url": "https://proxy:3128"}, {},
-     "upstream.oauth2.proxy_url: only http:// and socks5:// proxies are supported"),
+    ({"proxy_url": "ftp://proxy:3128"}, {},
+     "upstream.oauth2.proxy_url: only http://, https:// and socks5:// proxies are supported"),
 ])
 def test_oauth2_settings_errors_name_the_setting_and_no_secret(
         tmp_path: Path, oauth2: dict[str, object], upstream: dict[str, object],

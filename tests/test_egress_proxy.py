@@ -38,14 +38,14 @@ def test_what_is_no_http_proxy_is_refused_without_its_password(text: str) -> Non
 def test_a_socks5_proxy_url_is_read_as_go_reads_it() -> None:
     """socks5:// and socks5h:// alike (Go's transport: the name sent to the proxy either
     way), port 1080 unless given, a user:password@ as RFC 1929's request, hidden."""
-    e = parse_egress("socks5://user:p%40ss@proxy.corp", socks=True)
+    e = parse_egress("socks5://user:p%40ss@proxy.corp", upstream=True)
     assert (e.host, e.port, e.socks, e.kind) == ("proxy.corp", 1080, True, "SOCKS5 proxy")
     assert e.socks_login == b"\x01\x04user\x04p@ss" and e.authorization == ""
     assert "p%40ss" not in e.shown and "p@ss" not in e.shown and "p@ss" not in repr(e)
-    h = parse_egress("SOCKS5H://[::1]:9050", socks=True)
+    h = parse_egress("SOCKS5H://[::1]:9050", upstream=True)
     assert (h.host, h.port, h.literal, h.socks_login) == ("::1", 9050, True, b"")
     # an empty password is a password (Go's dialer sends it); the user is not optional
-    assert parse_egress("socks5://u@p", socks=True).socks_login == b"\x01\x01u\x00"
+    assert parse_egress("socks5://u@p", upstream=True).socks_login == b"\x01\x01u\x00"
     # where SOCKS is not spoken (the Kubernetes client), it stays refused
     with pytest.raises(ValueError, match=r"^only http:// proxies are supported"):
         parse_egress("socks5://proxy:1080")
@@ -119,7 +119,8 @@ def test_the_routes_kept_are_bounded() -> None:
 @pytest.mark.parametrize(("upstream", "error"), [
     ({"proxy_url": "http://p:1", "proxy_from_environment": True}, "set one or the other"),
     ({"no_proxy": "foo.com"}, "upstream.proxy_url is not"),
-    ({"proxy_url": "https://user:hunter2@p:1"}, "only http:// and socks5:// proxies"),
+    ({"proxy_url": "socks4://user:hunter2@p:1"},
+     "only http://, https:// and socks5:// proxies are supported"),
     ({"proxy_url": f"socks5://{'u' * 256}:hunter2@p"}, "user must be 1 to 255 bytes"),
     ({"proxy_url": "socks5://:hunter2@p"}, "user must be 1 to 255 bytes"),
     ({"proxy_url": "socks5://p", "proxy_connect_header": {"X-Auth": ["hunter2"]}},

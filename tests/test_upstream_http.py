@@ -144,11 +144,12 @@ async def pool(limit: int = 4, idle: float = 30.0, connect: float = 2.0
 
 async def post(p: Pool, url: URL, body: bytes = b"body", *, max_body: int = 4096,
                headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None,
-               server_hostname: str | None = None, egress: Egress | None = None) -> Response:
+               server_hostname: str | None = None, egress: Egress | None = None,
+               proxy_tls: ssl.SSLContext | None = None) -> Response:
     async with asyncio.timeout(10):
         return await p.post(url, headers or {"Content-Type": "application/x-protobuf"}, body,
                             tls=tls, server_hostname=server_hostname, max_body=max_body,
-                            egress=egress)
+                            egress=egress, proxy_tls=proxy_tls)
 
 
 async def test_the_request_is_written_as_aiohttp_wrote_it() -> None:
@@ -560,7 +561,7 @@ async def test_a_socks5_tunnel_carries_the_request_as_sent_directly() -> None:
     origin form, as directly, on a connection kept alive."""
     async with serving(socks_answering(b"\x05\x02", b"\x01\x00", GRANTED_BY_NAME,
                                        then=OK)) as proxy, pool() as p:
-        egress = parse_egress(f"socks5://u:pw@127.0.0.1:{proxy.port}", socks=True)
+        egress = parse_egress(f"socks5://u:pw@127.0.0.1:{proxy.port}", upstream=True)
         r = await post(p, URL("http://tsdb.only-the-proxy-knows.invalid:9090/w"),
                        egress=egress)
         assert r.status == 204
@@ -572,7 +573,7 @@ async def test_a_socks5_tunnel_carries_the_request_as_sent_directly() -> None:
         assert b"Proxy-Authorization" not in head
     async with serving(socks_answering(b"\x05\x00", b"\x05\x00\x00\x04" + bytes(18),
                                        then=OK)) as proxy, pool() as p:
-        egress = parse_egress(f"socks5h://127.0.0.1:{proxy.port}", socks=True)
+        egress = parse_egress(f"socks5h://127.0.0.1:{proxy.port}", upstream=True)
         assert (await post(p, URL("http://[2001:db8::1]:80/w"), egress=egress)).status == 204
         greeting, connect, _ = proxy.heads
         assert greeting == b"\x05\x01\x00"
@@ -597,10 +598,61 @@ async def test_a_socks5_proxy_that_refuses_or_breaks_is_no_connection(
         replies: tuple[bytes, ...], login: bool, said: str) -> None:
     async with serving(socks_answering(*replies)) as proxy, pool() as p:
         user = "u:hunter2@" if login else ""
-        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}", socks=True)
+        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}", upstream=True)
         with pytest.raises(ConnectFailed, match=said) as e:
             await post(p, URL("http://tsdb.invalid/w"), egress=egress)
         assert "hunter2" not in str(e.value)
+
+
+def tls_proxy(upstream_tls: ssl.SSLContext) -> Callable[[Raw], Handler]:
+    """An HTTPS proxy (the server's TLS is ``serving``'s) that is also the far end: a
+    request in absolute form answered; a CONNECT granted, then TLS with
+    ``upstream_tls`` inside its own, and the request in it answered."""
+    def make(raw: Raw) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"CONNECT "):
+                raw.heads.append(head)
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                await writer.drain()
+                await writer.start_tls(upstream_tls)
+                await read_request(reader, raw)
+            else:
+                raw.heads.append(head)
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+            writer.write(OK)
+            await writer.drain()
+            await reader.read()
+        return handle
+    return make
+
+
+async def test_an_https_proxy_carries_either_upstream_inside_its_tls(
+        pki: tuple[Authority, ssl.SSLContext]) -> None:
+    """https:// proxy_url: TLS to the proxy, verified against the proxy's name; an
+    http:// upstream's request in absolute form inside it, an https:// one's TLS inside
+    that (TLS in TLS, asyncio's ``start_tls`` over a TLS transport), its name the
+    upstream's. Without the proxy's context, no request is made."""
+    ca, server = pki
+    trust = ssl.create_default_context(cafile=str(ca.ca_file))
+    async with serving(tls_proxy(server), ssl_context=server) as proxy, pool() as p:
+        egress = parse_egress(f"https://u:p@localhost:{proxy.port}", upstream=True)
+        assert (egress.tls, egress.port, egress.url) == \
+            (True, proxy.port, f"https://localhost:{proxy.port}")
+        r = await post(p, URL("http://tsdb.invalid:9090/w"), egress=egress, proxy_tls=trust)
+        assert r.status == 204
+        r = await post(p, URL("https://localhost:8443/w"), tls=trust, egress=egress,
+                       proxy_tls=trust)
+        assert r.status == 204
+        absolute, connect, inner = proxy.heads
+        assert absolute.startswith(b"POST http://tsdb.invalid:9090/w HTTP/1.1\r\n")
+        assert b"\r\nProxy-Authorization: Basic dTpw\r\n" in absolute
+        assert connect.startswith(b"CONNECT localhost:8443 HTTP/1.1\r\n")
+        assert inner.startswith(b"POST /w HTTP/1.1\r\n") and b"Proxy-Auth" not in inner
+        with pytest.raises(ValueError, match="an HTTPS proxy needs a TLS context"):
+            await post(p, URL("http://tsdb.invalid/w"), egress=egress)
+        assert parse_egress("https://proxy", upstream=True).port == 443
 
 
 async def test_a_connect_that_gets_no_answer_times_out() -> None:

@@ -47,7 +47,7 @@ def need(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
         pytest.skip(f"{binary} not installed (Debian packages: prometheus, victoria-metrics, "
-                    "tinyproxy, microsocks)")
+                    "tinyproxy, microsocks, stunnel4)")
     return path
 
 
@@ -257,6 +257,21 @@ class Peers:
             *([f"BasicAuth {basic_auth[0]} {basic_auth[1]}"] if basic_auth else []), ""]))
         # -d: in the foreground, its log on stderr
         p = self._peer(name, [binary, "-d", "-c", str(conf)], port, "")
+        await _listening(p, name, port)
+        return p
+
+    async def stunnel(self, forward_to: int, cert: Path, key: Path,
+                      name: str = "stunnel") -> Peer:
+        """TLS on 127.0.0.1 in front of ``forward_to`` (Debian's stunnel4, with ``cert``
+        and ``key``): an HTTPS proxy, put before tinyproxy."""
+        binary = need("stunnel4")
+        port = free_port()
+        conf = self.tmp / f"{name}.conf"
+        conf.write_text("\n".join([
+            "foreground = yes", f"pid = {self.tmp / (name + '.pid')}", "debug = 4",
+            f"[{name}]", f"accept = 127.0.0.1:{port}", f"connect = 127.0.0.1:{forward_to}",
+            f"cert = {cert}", f"key = {key}", ""]))
+        p = self._peer(name, [binary, str(conf)], port, "")
         await _listening(p, name, port)
         return p
 

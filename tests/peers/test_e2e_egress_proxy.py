@@ -208,6 +208,38 @@ async def test_an_https_upstream_goes_through_socks5_by_name(
     assert f"connected to localhost:{up.port}" in socks.log_tail(200_000)
 
 
+async def test_an_https_proxy_is_spoken_to_over_tls(peers: Peers, tmp_path: Path) -> None:
+    """``proxy_url: https://`` (Go's transport takes it): TLS to the proxy (stunnel before
+    tinyproxy), verified with the upstream's TLS settings as Go verifies it; an http://
+    upstream's requests in absolute form over it, an https:// one's TLS inside it. A
+    proxy whose certificate the CA did not sign is a 502 saying so."""
+    ca = Authority(tmp_path / "pki")
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    edge = ca.issue("egress", server=True)
+    https_proxy = await peers.stunnel(http_proxy.port, edge.cert, edge.key)
+    proxy_url = f"https://{USER}:{PASSWORD}@localhost:{https_proxy.port}"
+    tsdb = ca.issue("tsdb", server=True)
+    async with ScriptedUpstream() as plain, \
+            ScriptedUpstream(ssl_context=tsdb.server_context()) as secure:
+        for up in (plain, secure):
+            status, body = await _send(UpstreamSettings(
+                url=up.url, tls_ca_file=str(ca.ca_file), timeout_seconds=5,
+                connect_timeout_seconds=3, proxy_url=proxy_url))
+            assert status == 204, body
+            assert len(up.received) == 1
+        log = http_proxy.log_tail(200_000)
+        assert f"POST http://127.0.0.1:{plain.port}/api/v1/write" in log, log[-2000:]
+        assert f"CONNECT 127.0.0.1:{secure.port}" in log, log[-2000:]
+        other = Authority(tmp_path / "other-pki")
+        status, body = await _send(UpstreamSettings(
+            url=plain.url, tls_ca_file=str(other.ca_file), timeout_seconds=5,
+            connect_timeout_seconds=3, proxy_url=proxy_url))
+        assert status == 502, body
+        assert "cannot speak TLS to the HTTP proxy https://localhost:" in body, body
+        assert "CERTIFICATE_VERIFY_FAILED" in body and PASSWORD not in body, body
+        assert len(plain.received) == 1
+
+
 async def test_a_socks5_proxys_refusals_are_502s_a_sender_retries(peers: Peers) -> None:
     """No login where one is asked for, a wrong one, an upstream the proxy cannot reach:
     each a 502 naming what the SOCKS5 proxy said, never the password, nothing sent."""
@@ -233,19 +265,25 @@ async def test_a_socks5_proxys_refusals_are_502s_a_sender_retries(peers: Peers) 
 async def test_the_oauth2_token_is_fetched_through_its_own_proxy(
         peers: Peers, tmp_path: Path) -> None:
     """``upstream.oauth2.proxy_url`` (x/oauth2's client has its own, as Prometheus'
-    config does), an HTTP proxy or a SOCKS5 one: the token comes through it."""
+    config does), an HTTP proxy, an HTTPS one (verified with ``oauth2.tls_ca_file``) or
+    a SOCKS5 one: the token comes through it."""
     http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
     socks = await peers.microsocks(login=(USER, PASSWORD))
+    ca = Authority(tmp_path / "pki")
+    edge = ca.issue("egress", server=True)
+    https_proxy = await peers.stunnel(http_proxy.port, edge.cert, edge.key)
     async with TokenEndpoint(clients={"karta id": SECRET}) as endpoint:
         for proxy_url in (f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}",
+                          f"https://{USER}:{PASSWORD}@127.0.0.1:{https_proxy.port}",
                           f"socks5://{USER}:{PASSWORD}@127.0.0.1:{socks.port}"):
-            tokens = source(tmp_path, endpoint, proxy_url=proxy_url)
+            tokens = source(tmp_path, endpoint, proxy_url=proxy_url,
+                            tls_ca_file=str(ca.ca_file))
             try:
                 got = await tokens.authorization()
             finally:
                 await tokens.close()
             assert isinstance(got, str) and endpoint.live(got), got
-        assert len(endpoint.requests) == 2
+        assert len(endpoint.requests) == 3
     where = endpoint.url.removeprefix("http://").split("/")[0]
     assert f"POST {endpoint.url}" in http_proxy.log_tail(200_000)
     assert f"connected to {where}" in socks.log_tail(200_000)
