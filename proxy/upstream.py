@@ -859,8 +859,8 @@ class Upstream:
         self._default_url = upstream_target(
             tenant_url(self.url, None, settings.default_tenant) or self.url)
         self._pool: Pool | None = None
-        #: the HTTP or SOCKS5 proxy each upstream URL is reached through (None: none, the settings
-        #: validated before)
+        #: the HTTP(S) or SOCKS5 proxy each upstream URL is reached through (None: none, the
+        #: settings validated before)
         self.egress = EgressRoutes.from_settings(
             settings.proxy_url, settings.no_proxy, settings.proxy_from_environment,
             connect_header=settings.proxy_connect_header)
@@ -2086,8 +2086,9 @@ class Upstream:
         return walked
 
     def _egress_for(self, target: URL) -> Egress | None:
-        """The HTTP or SOCKS5 proxy a request to ``target`` goes through (``upstream.proxy_url``,
-        or the environment's by Go's rules), None for a direct one."""
+        """The HTTP(S) or SOCKS5 proxy a request to ``target`` goes through
+        (``upstream.proxy_url``, or the environment's by Go's rules), None for a direct
+        one."""
         egress = self.egress
         if egress is None:
             return None

@@ -257,7 +257,7 @@ class Peers:
             *([f"BasicAuth {basic_auth[0]} {basic_auth[1]}"] if basic_auth else []), ""]))
         # -d: in the foreground, its log on stderr
         p = self._peer(name, [binary, "-d", "-c", str(conf)], port, "")
-        await _listening(p, name, port)
+        await _listening(p)
         return p
 
     async def stunnel(self, forward_to: int, cert: Path, key: Path,
@@ -272,7 +272,7 @@ class Peers:
             f"[{name}]", f"accept = 127.0.0.1:{port}", f"connect = 127.0.0.1:{forward_to}",
             f"cert = {cert}", f"key = {key}", ""]))
         p = self._peer(name, [binary, str(conf)], port, "")
-        await _listening(p, name, port)
+        await _listening(p)
         return p
 
     async def microsocks(self, name: str = "microsocks", *,
@@ -286,7 +286,7 @@ class Peers:
         if login is not None:
             argv += ["-u", login[0], "-P", login[1]]
         p = self._peer(name, argv, port, "")
-        await _listening(p, name, port)
+        await _listening(p)
         return p
 
     def stop_all(self) -> None:
@@ -294,18 +294,18 @@ class Peers:
             p.stop()
 
 
-async def _listening(p: Peer, name: str, port: int) -> None:
-    """Until ``p`` (a peer with no HTTP endpoint) takes a TCP connection on ``port``."""
+async def _listening(p: Peer) -> None:
+    """Until ``p`` (a peer with no HTTP endpoint) takes a TCP connection on its port."""
     async def listening() -> bool:
         assert p.proc is not None
         if p.proc.poll() is not None:
-            raise AssertionError(f"{name} exited: {p.log_tail()}")
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
+            raise AssertionError(f"{p.name} exited: {p.log_tail()}")
+        _, writer = await asyncio.open_connection("127.0.0.1", p.port)
         writer.close()
         await writer.wait_closed()
         return True
 
-    await wait_until(listening, timeout=10, what=f"{name} listening")
+    await wait_until(listening, timeout=10, what=f"{p.name} listening")
 
 
 @pytest.fixture
