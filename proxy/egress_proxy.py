@@ -75,7 +75,9 @@ class Egress:
     @property
     def kind(self) -> str:
         """What the proxy is, for messages."""
-        return "SOCKS5 proxy" if self.socks else "HTTP proxy"
+        if self.socks:
+            return "SOCKS5 proxy"
+        return "HTTPS proxy" if self.tls else "HTTP proxy"
 
     @property
     def url(self) -> str:

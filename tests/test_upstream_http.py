@@ -638,8 +638,8 @@ async def test_an_https_proxy_carries_either_upstream_inside_its_tls(
     trust = ssl.create_default_context(cafile=str(ca.ca_file))
     async with serving(tls_proxy(server), ssl_context=server) as proxy, pool() as p:
         egress = parse_egress(f"https://u:p@localhost:{proxy.port}", upstream=True)
-        assert (egress.tls, egress.port, egress.url) == \
-            (True, proxy.port, f"https://localhost:{proxy.port}")
+        assert (egress.tls, egress.port, egress.url, egress.kind) == \
+            (True, proxy.port, f"https://localhost:{proxy.port}", "HTTPS proxy")
         r = await post(p, URL("http://tsdb.invalid:9090/w"), egress=egress, proxy_tls=trust)
         assert r.status == 204
         r = await post(p, URL("https://localhost:8443/w"), tls=trust, egress=egress,

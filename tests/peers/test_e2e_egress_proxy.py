@@ -235,7 +235,7 @@ async def test_an_https_proxy_is_spoken_to_over_tls(peers: Peers, tmp_path: Path
             url=plain.url, tls_ca_file=str(other.ca_file), timeout_seconds=5,
             connect_timeout_seconds=3, proxy_url=proxy_url))
         assert status == 502, body
-        assert "cannot speak TLS to the HTTP proxy https://localhost:" in body, body
+        assert "cannot speak TLS to the HTTPS proxy https://localhost:" in body, body
         assert "CERTIFICATE_VERIFY_FAILED" in body and PASSWORD not in body, body
         assert len(plain.received) == 1
 
