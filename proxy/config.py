@@ -1472,7 +1472,7 @@ def _validate_oauth2(u: UpstreamSettings) -> None:
             raise ConfigError(f"{key}.proxy_url: holds whitespace or a control character: "
                               f"{shown_url(o.proxy_url, broken=True)!r}")
         try:
-            parse_egress(o.proxy_url, upstream=True)
+            parse_egress(o.proxy_url)
         except ValueError as e:
             raise ConfigError(f"{key}.proxy_url: {e}") from None
 

@@ -22,8 +22,9 @@ upstream's TLS inside that, as Go's transport does), or a SOCKS5 proxy (``socks5
 unresolved, a ``user:password@`` is RFC 1929's username/password, and the requests then
 go as they would directly. Other schemes are settings errors, said at start.
 
-The Kubernetes client takes the same rules for the API server when its kubeconfig has no
-``proxy-url`` (``environment_route``: client-go's ``http.ProxyFromEnvironment``).
+The Kubernetes client takes the same proxies (its kubeconfig's ``proxy-url``, as
+client-go takes it), and the same rules for the API server when its kubeconfig has none
+(``environment_route``: client-go's ``http.ProxyFromEnvironment``).
 
 A leaf of the upstream's and the Kubernetes client: it imports nothing of the project but
 ``proxy.shown``.
@@ -93,28 +94,23 @@ class Egress:
                 f"{self.connect_lines}\r\n").encode()
 
 
-def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None,
-                 *, upstream: bool = False) -> Egress:
-    """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://),
-    its ``CONNECT`` carrying ``connect_header`` too (each value a line of its own, in
-    order, as Go writes a header's values); ``upstream``: an ``https://`` or a
-    ``socks5://`` one is taken too (the upstream's client speaks TLS to a proxy and
-    SOCKS5; the Kubernetes client does neither). ``ValueError`` saying why, its password
-    hidden."""
+def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None
+                 ) -> Egress:
+    """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://;
+    ``https://`` and ``socks5://`` as Go's transport takes them), its ``CONNECT`` carrying
+    ``connect_header`` too (each value a line of its own, in order, as Go writes a
+    header's values). ``ValueError`` saying why, its password hidden."""
     text = text.strip()
     parts = urlsplit(text)
     if not parts.scheme or not parts.netloc:
         parts = urlsplit("http://" + text)
     shown = shown_url(parts.geturl())
     scheme = parts.scheme.lower()
-    is_socks = upstream and scheme in SOCKS_SCHEMES
-    tls = upstream and scheme == "https"
+    is_socks = scheme in SOCKS_SCHEMES
+    tls = scheme == "https"
     if scheme != "http" and not (is_socks or tls):
         raise ValueError("only http://, https:// and socks5:// proxies are supported, got "
-                         f"{shown!r}" if upstream else
-                         "only http:// proxies are supported (the proxy is spoken to in "
-                         "plain HTTP; an https:// upstream goes through it in a CONNECT "
-                         f"tunnel), got {shown!r}")
+                         f"{shown!r}")
     try:
         host, port = parts.hostname, parts.port
     except ValueError:
@@ -181,7 +177,8 @@ def environment_route(scheme: str, host: str, port: int,
     ``http.ProxyFromEnvironment`` chooses it (client-go's, for an API server whose
     kubeconfig has no ``proxy-url``); None when none is set, or ``NO_PROXY`` (CIDR ranges
     included), ``localhost`` or a loopback address has it reached directly.
-    ``ValueError`` naming the variable when the one that applies is no http:// proxy."""
+    ``ValueError`` naming the variable when the one that applies names no proxy that
+    can be spoken to."""
     env = os.environ if environ is None else environ
     name = _variable(env, PROXY_VARIABLES.get(scheme, ()))
     if not name:
@@ -319,7 +316,7 @@ class EgressRoutes:
             for scheme, names in PROXY_VARIABLES.items():
                 name = _variable(env, names)
                 try:
-                    found[scheme] = (parse_egress(env[name], connect_header, upstream=True)
+                    found[scheme] = (parse_egress(env[name], connect_header)
                                      if name else None)
                 except ValueError as e:
                     raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
@@ -330,7 +327,7 @@ class EgressRoutes:
         if not proxy_url:
             return None
         try:
-            egress = parse_egress(proxy_url, connect_header, upstream=True)
+            egress = parse_egress(proxy_url, connect_header)
         except ValueError as e:
             raise ValueError(f"upstream.proxy_url: {e}") from None
         return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)

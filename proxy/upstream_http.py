@@ -61,6 +61,7 @@ from typing import Any
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy import socks5
 from proxy.egress_proxy import Egress
 from proxy.tls_files import HEADER_VALUE_FORBIDDEN, go_client_context
 
@@ -741,77 +742,6 @@ async def _tls_tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egre
     return conn
 
 
-#: RFC 1928's replies to a CONNECT, by code: what the proxy says went wrong
-SOCKS_REPLIES = {1: "general failure", 2: "connection not allowed by ruleset",
-                 3: "network unreachable", 4: "host unreachable", 5: "connection refused",
-                 6: "TTL expired", 7: "command not supported",
-                 8: "address type not supported"}
-
-
-async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int,
-                        egress: Egress, doing: str) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = await loop.sock_recv(sock, n - len(data))
-        if not more:
-            raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} closed the connection "
-                                f"{doing}")
-        data += more
-    return data
-
-
-async def _socks5(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: Egress,
-                  target: _Target) -> None:
-    """Open a tunnel to ``target`` through the SOCKS5 proxy ``sock`` is connected to
-    (RFC 1928, with RFC 1929's username/password when its URL has them), as Go's SOCKS
-    dialer does: the name sent unresolved, the proxy's bound address read and dropped.
-    ``ConnectFailed`` saying what the proxy refused."""
-    where = f"{target.host}:{target.port}"
-    offered = b"\x00\x02" if egress.socks_login else b"\x00"
-    await loop.sock_sendall(sock, bytes([5, len(offered)]) + offered)
-    version, method = await _recv_exactly(loop, sock, 2, egress, "before choosing a method")
-    if version != 5:
-        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} answered as no SOCKS5 proxy "
-                            f"(version {version})")
-    if method == 0xFF or method not in offered:
-        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} accepts none of the "
-                            "authentication methods offered"
-                            + ("" if egress.socks_login else
-                               ": it likely asks for a user:password in upstream.proxy_url"))
-    if method == 2:
-        await loop.sock_sendall(sock, egress.socks_login)
-        _, status = await _recv_exactly(loop, sock, 2, egress, "before answering the login")
-        if status != 0:
-            raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} refused the user:password "
-                                "of upstream.proxy_url")
-    if target.literal:
-        ip = ipaddress.ip_address(target.host)
-        address = bytes([1 if ip.version == 4 else 4]) + ip.packed
-    else:
-        name = target.host.encode("ascii")
-        if len(name) > 255:
-            raise ConnectFailed(f"the upstream's name is too long for a SOCKS5 proxy: "
-                                f"{len(name)} bytes, at most 255")
-        address = bytes([3, len(name)]) + name
-    await loop.sock_sendall(sock, b"\x05\x01\x00" + address + target.port.to_bytes(2, "big"))
-    version, reply, _, kind = await _recv_exactly(loop, sock, 4, egress,
-                                                  f"before answering CONNECT {where}")
-    if version != 5:
-        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} answered CONNECT {where} as no "
-                            f"SOCKS5 proxy (version {version})")
-    if reply != 0:
-        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} refused CONNECT {where}: "
-                            f"{SOCKS_REPLIES.get(reply, f'reply {reply}')}")
-    if kind == 3:
-        length = (await _recv_exactly(loop, sock, 1, egress, "in its answer"))[0]
-    elif kind in (1, 4):
-        length = 4 if kind == 1 else 16
-    else:
-        raise ConnectFailed(f"the SOCKS5 proxy {egress.shown} answered CONNECT {where} with "
-                            f"an unknown address type ({kind})")
-    await _recv_exactly(loop, sock, length + 2, egress, "in its answer")
-
-
 def basic_authorization(user: str, password: str) -> str:
     """A Basic Authorization value, UTF-8 as Go's clients send one."""
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
@@ -1022,7 +952,12 @@ class Pool:
                         return await _tls_tunnel(loop, sock, egress, proxy_tls, key,
                                                  target)
                     if egress is not None and egress.socks:
-                        await _socks5(loop, sock, egress, target)
+                        try:
+                            await socks5.open_tunnel(loop, sock, egress, target.host,
+                                                     target.port, literal=target.literal,
+                                                     setting="upstream.proxy_url")
+                        except socks5.SocksRefused as e:
+                            raise ConnectFailed(str(e)) from e
                     elif egress is not None and tls is not None:
                         await _tunnel(loop, sock, egress, target.authority)
                     _, conn = await loop.create_connection(

@@ -271,7 +271,7 @@ class TokenSource:
         self._clock = clock
         self._on_fetch = on_fetch
         self._secret = FileSecret(settings.client_secret_file, header=False, clock=clock)
-        self._egress: Egress | None = (parse_egress(settings.proxy_url, upstream=True)
+        self._egress: Egress | None = (parse_egress(settings.proxy_url)
                                        if settings.proxy_url else None)
         #: the form of every token request, but the client's credentials (x/oauth2's
         #: ``url.Values``: grant_type, scope, then the endpoint params over them)

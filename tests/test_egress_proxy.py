@@ -26,10 +26,11 @@ def test_a_proxy_url_is_read_as_go_reads_it() -> None:
     assert parse_egress("proxy:3128").port == 3128
 
 
-@pytest.mark.parametrize("text", ["https://proxy:3128", "socks5://proxy:1080",
+@pytest.mark.parametrize("text", ["ftp://proxy:3128", "socks4://proxy:1080",
                                   "http://:3128", "http://proxy:99999",
-                                  "https://user:hunter2@proxy:443"])
-def test_what_is_no_http_proxy_is_refused_without_its_password(text: str) -> None:
+                                  "https://user:hunter2@proxy:99999",
+                                  "socks5://user:hunter2@:1080"])
+def test_what_is_no_proxy_is_refused_without_its_password(text: str) -> None:
     with pytest.raises(ValueError) as e:
         parse_egress(text)
     assert "hunter2" not in str(e.value)
@@ -38,17 +39,14 @@ def test_what_is_no_http_proxy_is_refused_without_its_password(text: str) -> Non
 def test_a_socks5_proxy_url_is_read_as_go_reads_it() -> None:
     """socks5:// and socks5h:// alike (Go's transport: the name sent to the proxy either
     way), port 1080 unless given, a user:password@ as RFC 1929's request, hidden."""
-    e = parse_egress("socks5://user:p%40ss@proxy.corp", upstream=True)
+    e = parse_egress("socks5://user:p%40ss@proxy.corp")
     assert (e.host, e.port, e.socks, e.kind) == ("proxy.corp", 1080, True, "SOCKS5 proxy")
     assert e.socks_login == b"\x01\x04user\x04p@ss" and e.authorization == ""
     assert "p%40ss" not in e.shown and "p@ss" not in e.shown and "p@ss" not in repr(e)
-    h = parse_egress("SOCKS5H://[::1]:9050", upstream=True)
+    h = parse_egress("SOCKS5H://[::1]:9050")
     assert (h.host, h.port, h.literal, h.socks_login) == ("::1", 9050, True, b"")
     # an empty password is a password (Go's dialer sends it); the user is not optional
-    assert parse_egress("socks5://u@p", upstream=True).socks_login == b"\x01\x01u\x00"
-    # where SOCKS is not spoken (the Kubernetes client), it stays refused
-    with pytest.raises(ValueError, match=r"^only http:// proxies are supported"):
-        parse_egress("socks5://proxy:1080")
+    assert parse_egress("socks5://u@p").socks_login == b"\x01\x01u\x00"
     routes = EgressRoutes.from_settings("socks5://proxy", "", False)
     assert routes is not None and routes.proxy_for("https", "tsdb", 443) == routes.https
     assert routes.describe() == "socks5://proxy"
@@ -206,14 +204,14 @@ def test_the_start_up_line_names_the_connect_headers_never_their_values() -> Non
 
 
 def test_the_environments_route_for_one_url_is_gos_proxy_from_environment() -> None:
-    env = {"HTTPS_PROXY": "http://u:p@corp:3128", "http_proxy": "socks5://s:1080",
+    env = {"HTTPS_PROXY": "http://u:p@corp:3128", "http_proxy": "socks4://s:1080",
            "NO_PROXY": "10.0.0.0/8,.internal"}
     route = environment_route("https", "api.example", 443, env)
     assert route is not None and route.variable == "HTTPS_PROXY"
     assert route.egress.url == "http://corp:3128" and route.egress.authorization
     for host in ("10.96.0.1", "k8s.internal", "127.0.0.1", "localhost", "::1"):
         assert environment_route("https", host, 443, env) is None, host
-    # only the variable that applies is read: the other's SOCKS URL is an error of its own
-    with pytest.raises(ValueError, match=r"^http_proxy: only http:// proxies"):
+    # only the variable that applies is read: the other's SOCKS4 URL is an error of its own
+    with pytest.raises(ValueError, match=r"^http_proxy: only http://, https:// and socks5"):
         environment_route("http", "api.example", 80, env)
     assert environment_route("https", "api.example", 443, {}) is None

@@ -561,7 +561,7 @@ async def test_a_socks5_tunnel_carries_the_request_as_sent_directly() -> None:
     origin form, as directly, on a connection kept alive."""
     async with serving(socks_answering(b"\x05\x02", b"\x01\x00", GRANTED_BY_NAME,
                                        then=OK)) as proxy, pool() as p:
-        egress = parse_egress(f"socks5://u:pw@127.0.0.1:{proxy.port}", upstream=True)
+        egress = parse_egress(f"socks5://u:pw@127.0.0.1:{proxy.port}")
         r = await post(p, URL("http://tsdb.only-the-proxy-knows.invalid:9090/w"),
                        egress=egress)
         assert r.status == 204
@@ -573,7 +573,7 @@ async def test_a_socks5_tunnel_carries_the_request_as_sent_directly() -> None:
         assert b"Proxy-Authorization" not in head
     async with serving(socks_answering(b"\x05\x00", b"\x05\x00\x00\x04" + bytes(18),
                                        then=OK)) as proxy, pool() as p:
-        egress = parse_egress(f"socks5h://127.0.0.1:{proxy.port}", upstream=True)
+        egress = parse_egress(f"socks5h://127.0.0.1:{proxy.port}")
         assert (await post(p, URL("http://[2001:db8::1]:80/w"), egress=egress)).status == 204
         greeting, connect, _ = proxy.heads
         assert greeting == b"\x05\x01\x00"
@@ -598,7 +598,7 @@ async def test_a_socks5_proxy_that_refuses_or_breaks_is_no_connection(
         replies: tuple[bytes, ...], login: bool, said: str) -> None:
     async with serving(socks_answering(*replies)) as proxy, pool() as p:
         user = "u:hunter2@" if login else ""
-        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}", upstream=True)
+        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}")
         with pytest.raises(ConnectFailed, match=said) as e:
             await post(p, URL("http://tsdb.invalid/w"), egress=egress)
         assert "hunter2" not in str(e.value)
@@ -637,7 +637,7 @@ async def test_an_https_proxy_carries_either_upstream_inside_its_tls(
     ca, server = pki
     trust = ssl.create_default_context(cafile=str(ca.ca_file))
     async with serving(tls_proxy(server), ssl_context=server) as proxy, pool() as p:
-        egress = parse_egress(f"https://u:p@localhost:{proxy.port}", upstream=True)
+        egress = parse_egress(f"https://u:p@localhost:{proxy.port}")
         assert (egress.tls, egress.port, egress.url, egress.kind) == \
             (True, proxy.port, f"https://localhost:{proxy.port}", "HTTPS proxy")
         r = await post(p, URL("http://tsdb.invalid:9090/w"), egress=egress, proxy_tls=trust)
@@ -652,7 +652,7 @@ async def test_an_https_proxy_carries_either_upstream_inside_its_tls(
         assert inner.startswith(b"POST /w HTTP/1.1\r\n") and b"Proxy-Auth" not in inner
         with pytest.raises(ValueError, match="an HTTPS proxy needs a TLS context"):
             await post(p, URL("http://tsdb.invalid/w"), egress=egress)
-        assert parse_egress("https://proxy", upstream=True).port == 443
+        assert parse_egress("https://proxy").port == 443
 
 
 async def test_a_connect_that_gets_no_answer_times_out() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import datetime
 import email.utils
 import json
@@ -30,15 +31,17 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import yaml
+from yarl import URL
 
 from proxy.config import KubeSettings, first_kubeconfig
-from proxy.egress_proxy import environment_route
+from proxy.egress_proxy import Egress, environment_route, parse_egress
 from proxy.karta.yamltext import yaml_error
 from proxy.kube.lean import ApiException, incluster_config
 from proxy.kube.lean import client as k8s_client
 from proxy.kube.lean import config as k8s_config
 from proxy.kube.lean import rest as k8s_rest
-from proxy.shown import one_line, shown_url
+from proxy.kube.socks5_connector import tunnel_through
+from proxy.shown import one_line
 from proxy.tls_files import FileStamp, stamp, verify_as_go
 
 log = logging.getLogger(__name__)
@@ -329,19 +332,23 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
 
 
 def _check_proxy_url(path: str, cfg: k8s_client.Configuration) -> None:
-    """The cluster's ``proxy-url``, which aiohttp follows (``Basic`` from its
-    ``user:password@``, as kubectl): an http:// one only. aiohttp spoke HTTP to any
-    other scheme's port (a ``socks5://`` proxy, which kubectl takes) and every list and
-    watch failed with a ``Cannot connect``; said at start instead."""
+    """The cluster's ``proxy-url``, read as client-go reads it (``http://``, ``https://``
+    or ``socks5://``, a ``user:password@`` in it the proxy's login): one that does not
+    parse, or of another scheme, said at start, naming the file (aiohttp spoke HTTP to
+    any port, and every list and watch failed with a ``Cannot connect``)."""
+    try:
+        kubeconfig_egress(cfg)
+    except ValueError as e:
+        raise KubeconfigError(f"kubeconfig {path}: the cluster's proxy-url: {e}",
+                              fix="give an http://, https:// or socks5:// proxy-url, or "
+                                  "remove it") from None
+
+
+def kubeconfig_egress(cfg: k8s_client.Configuration) -> Egress | None:
+    """The proxy a kubeconfig cluster's ``proxy-url`` names, or None; ValueError when
+    it names none the client can speak to."""
     proxy = getattr(cfg, "proxy", None)
-    if not proxy:
-        return
-    scheme = urlsplit(proxy).scheme.lower() if "://" in proxy else ""
-    if scheme != "http":
-        raise KubeconfigError(
-            f"kubeconfig {path}: the cluster's proxy-url {shown_url(proxy, broken=True)!r}: "
-            "only http:// proxies are supported (an https:// or socks5:// one, which kubectl "
-            "takes, is not)", fix="give an http:// proxy-url, or remove it")
+    return parse_egress(str(proxy)) if proxy else None
 
 
 def _in_tempfile(e: BaseException) -> bool:
@@ -686,7 +693,9 @@ def as_client_go(pool: Any, cfg: k8s_client.Configuration) -> Any:
     CIDR ranges (``10.96.0.0/12``, the Service range an in-cluster API server sits in)
     matched nothing, nor did a loopback API server (kind, ``kubectl proxy``) go direct,
     so its every request went to a proxy that could not reach it. ``KubeconfigError``
-    when the variable that applies names no http:// proxy.
+    when the variable that applies names no proxy that can be spoken to. An HTTP(S)
+    proxy is aiohttp's; a SOCKS5 one is opened by the pool's connector
+    (``proxy.kube.socks5_connector``).
     """
     verify_as_go(pool_context(pool))
     session = pool.pool_manager
@@ -694,8 +703,35 @@ def as_client_go(pool: Any, cfg: k8s_client.Configuration) -> Any:
         raise TypeError("kubernetes-asyncio's session has no _trust_env: the aiohttp it "
                         "runs on reads the environment's proxy elsewhere")
     session._trust_env = False
-    if pool.proxy:
-        return pool
+    egress = api_server_egress(cfg)
+    pool.proxy, pool.proxy_headers = None, None
+    if egress is not None and egress.socks:
+        tunnel_through(session.connector, egress)
+    elif egress is not None:
+        pool.proxy = _with_login(egress)
+    return pool
+
+
+def _with_login(egress: Egress) -> str:
+    """The HTTP(S) proxy's URL as aiohttp takes it: its login in it, which aiohttp sends
+    as ``Proxy-Authorization`` with the ``CONNECT`` of an https:// API server and with
+    each request to an http:// one (a ``Proxy-Authorization`` in the pool's
+    ``proxy_headers`` went with the ``CONNECT`` alone, so an http:// API server's proxy
+    answered every request 407)."""
+    if not egress.authorization:
+        return egress.url
+    login = base64.b64decode(egress.authorization.removeprefix("Basic ")).decode()
+    user, _, password = login.partition(":")
+    return str(URL(egress.url).with_user(user).with_password(password))
+
+
+def api_server_egress(cfg: k8s_client.Configuration) -> Egress | None:
+    """The proxy the API server is reached through: the kubeconfig's ``proxy-url``, else
+    the environment's by Go's rules; None: directly. ``KubeconfigError`` when the
+    variable that applies names no proxy that can be spoken to."""
+    egress = kubeconfig_egress(cfg)
+    if egress is not None:
+        return egress
     server = urlsplit(str(cfg.host))
     scheme = server.scheme.lower()
     port = server.port or (443 if scheme == "https" else 80)
@@ -704,13 +740,9 @@ def as_client_go(pool: Any, cfg: k8s_client.Configuration) -> Any:
     except ValueError as e:
         raise KubeconfigError(
             f"the API server {cfg.host}: the environment's {e}",
-            fix="give an http:// proxy, name the API server in NO_PROXY, or set the "
-                "kubeconfig cluster's proxy-url") from None
-    if route is not None:
-        pool.proxy = route.egress.url
-        if route.egress.authorization:
-            pool.proxy_headers = {"Proxy-Authorization": route.egress.authorization}
-    return pool
+            fix="give an http://, https:// or socks5:// proxy, name the API server in "
+                "NO_PROXY, or set the kubeconfig cluster's proxy-url") from None
+    return None if route is None else route.egress
 
 
 def pool_context(pool: Any) -> ssl.SSLContext:
@@ -807,9 +839,10 @@ class KubeClient:
         cfg = credentials.cfg
         api = CheckedApiClient(cfg, credentials)
         api.user_agent = "karta-proxy"
-        if api.rest_client.proxy:
-            log.info("the Kubernetes API server %s is reached through the HTTP proxy %s",
-                     cfg.host, shown_url(api.rest_client.proxy))
+        egress = api_server_egress(cfg)
+        if egress is not None:
+            log.info("the Kubernetes API server %s is reached through the %s %s",
+                     cfg.host, egress.kind, egress.shown)
         return cls(api)
 
     async def _new_pool(self, cfg: k8s_client.Configuration) -> None:

@@ -8,9 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from yarl import URL
 
 from proxy.config import KubeSettings
+from proxy.egress_proxy import parse_egress
 from proxy.kube.client import (
     KubeconfigError,
     _error,
@@ -20,6 +23,7 @@ from proxy.kube.client import (
 )
 from proxy.kube.lean import client as k8s_client
 from proxy.kube.lean import rest as k8s_rest
+from proxy.kube.socks5_connector import Socks5Connector
 
 
 def test_default_namespace_prefers_pod_namespace(tmp_path: Path) -> None:
@@ -66,18 +70,21 @@ async def test_a_broken_kubeconfig_is_one_line_naming_the_file(
     assert message.startswith(f"kubeconfig {path}: {what}"), message
 
 
-@pytest.mark.parametrize("proxy_url", ["socks5://u:hunter2@127.0.0.1:1080",
-                                       "https://u:hunter2@proxy:3128", "proxy:3128"])
-async def test_a_proxy_url_that_is_not_http_is_said_at_start(
-        tmp_path: Path, proxy_url: str) -> None:
-    """aiohttp spoke HTTP to a socks5:// proxy's port: every list and watch failed with
-    'Cannot connect', the start went on. Now one line at start, the password hidden.
-    (An http:// proxy-url followed: tests/peers/test_e2e_egress_proxy.py.)"""
+@pytest.mark.parametrize(("proxy_url", "said"), [
+    ("socks4://u:hunter2@127.0.0.1:1080", "only http://, https:// and socks5:// proxies"),
+    ("ftp://u:hunter2@proxy:3128", "only http://, https:// and socks5:// proxies"),
+    ("http://u:hunter2@proxy:99999", "not a valid proxy URL"),
+    ("socks5://:hunter2@proxy", "a SOCKS5 proxy's user must be 1 to 255 bytes")])
+async def test_a_proxy_url_no_client_speaks_is_said_at_start(
+        tmp_path: Path, proxy_url: str, said: str) -> None:
+    """aiohttp spoke HTTP to any proxy's port: every list and watch failed with 'Cannot
+    connect', the start went on. Now one line at start, the password hidden. (http://,
+    https:// and socks5:// proxy-urls followed: tests/peers/test_e2e_egress_proxy.py.)"""
     path = _kubeconfig(tmp_path / "kubeconfig", {"token": "t"},
                        cluster={"proxy-url": proxy_url})
-    with pytest.raises(KubeconfigError, match="only http:// proxies are supported") as info:
+    with pytest.raises(KubeconfigError, match=said) as info:
         await load_configuration(KubeSettings(kubeconfig=str(path)))
-    assert str(info.value).startswith(f"kubeconfig {path}: the cluster's proxy-url ")
+    assert str(info.value).startswith(f"kubeconfig {path}: the cluster's proxy-url: ")
     assert "hunter2" not in str(info.value)
 
 
@@ -307,11 +314,41 @@ async def test_the_api_servers_proxy_comes_from_the_environment_by_gos_rules(
 
 async def test_the_environments_proxy_credentials_go_as_proxy_authorization(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the proxy's URL, as aiohttp takes them: it sends them with the ``CONNECT`` of an
+    https:// API server and with every request to an http:// one. (In ``proxy_headers``
+    they went with the ``CONNECT`` alone: an http:// API server's proxy answered 407.)"""
+    for host in ("https://10.96.0.1", "http://10.96.0.1"):
+        pool = await _pool_for(host, monkeypatch,
+                               {"HTTPS_PROXY": "http://karta:p%40ss@corp:3128",
+                                "HTTP_PROXY": "http://karta:p%40ss@corp:3128"})
+        try:
+            assert str(pool.proxy) == "http://karta:p%40ss@corp:3128"
+            assert (URL(pool.proxy).user, URL(pool.proxy).password) == ("karta", "p@ss")
+            assert pool.proxy_headers is None
+        finally:
+            await pool.close()
+
+
+async def test_an_https_or_socks5_proxy_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HTTPS proxy is aiohttp's to speak to; a SOCKS5 one makes the pool's connector
+    open every connection through it (proxy/kube/socks5_connector.py), no HTTP proxy
+    left for aiohttp."""
     pool = await _pool_for("https://10.96.0.1", monkeypatch,
-                           {"HTTPS_PROXY": "http://karta:p%40ss@corp:3128"})
+                           {"HTTPS_PROXY": "https://corp:3129"})
     try:
-        assert pool.proxy == "http://corp:3128"  # the password not in a URL kept around
-        assert pool.proxy_headers == {"Proxy-Authorization": "Basic a2FydGE6cEBzcw=="}
+        assert str(pool.proxy) == "https://corp:3129"
+        assert type(pool.pool_manager.connector) is aiohttp.TCPConnector
+    finally:
+        await pool.close()
+    pool = await _pool_for("https://10.96.0.1", monkeypatch,
+                           {"HTTPS_PROXY": "socks5h://u:p@corp"})
+    try:
+        assert pool.proxy is None and pool.proxy_headers is None
+        connector = pool.pool_manager.connector
+        assert isinstance(connector, Socks5Connector)
+        assert connector._karta_egress == parse_egress("socks5h://u:p@corp")
+        assert connector._karta_egress.port == 1080
     finally:
         await pool.close()
 
@@ -327,14 +364,15 @@ async def test_a_kubeconfigs_proxy_url_wins_over_the_environment(
         await pool.close()
 
 
-async def test_an_environment_proxy_that_is_not_http_is_said_at_start(
+async def test_an_environment_proxy_no_client_speaks_is_said_at_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """As a kubeconfig's ``proxy-url`` that is not http://: aiohttp would speak HTTP to
-    a SOCKS port, and every list and watch fail with ``Cannot connect``."""
+    """As a kubeconfig's ``proxy-url`` of a scheme no client speaks: aiohttp would speak
+    HTTP to its port, and every list and watch fail with ``Cannot connect``."""
     with pytest.raises(KubeconfigError) as info:
         await _pool_for("https://10.96.0.1", monkeypatch,
-                        {"HTTPS_PROXY": "socks5://u:hunter2@corp:1080"})
+                        {"HTTPS_PROXY": "socks4://u:hunter2@corp:1080"})
     message = str(info.value)
     assert message.startswith("the API server https://10.96.0.1: the environment's "
-                              "HTTPS_PROXY: only http:// proxies are supported"), message
+                              "HTTPS_PROXY: only http://, https:// and socks5:// proxies "
+                              "are supported"), message
     assert "hunter2" not in message and "NO_PROXY" in info.value.fix

@@ -13,6 +13,7 @@ import json
 import logging
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from proxy.config import KubeSettings, UpstreamSettings
@@ -299,19 +300,63 @@ async def _namespaces(kubeconfig: Path) -> list[str]:
     return [n["metadata"]["name"] for n in namespaces["items"]]
 
 
-async def test_the_kubeconfigs_proxy_url_is_followed(peers: Peers, tmp_path: Path) -> None:
-    """A cluster's proxy-url (kubectl's way to an API server behind an HTTP proxy): the
-    lists and watches go through it, with Basic credentials from its user:password@."""
-    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
-    async with KubeSim() as sim:
+@pytest.mark.parametrize(("kind", "api_tls"), [
+    ("http", False), ("http", True), ("socks5", False), ("socks5", True),
+    # an http:// API server's (kubectl proxy's, on loopback) HTTPS proxy would be
+    # verified with the system's CAs: kubernetes-asyncio reads the cluster's CA for an
+    # https:// server only (docs/kubernetes.md)
+    ("https", True)])
+async def test_the_kubeconfigs_proxy_url_is_followed(
+        peers: Peers, tmp_path: Path, kind: str, api_tls: bool) -> None:
+    """A cluster's proxy-url, of each kind kubectl takes: an HTTP proxy, one spoken to
+    over TLS (verified with the cluster's CA, as client-go's TLS configuration verifies
+    it), a SOCKS5 one (kubectl's way to a private cluster through ``ssh -D``). The lists
+    go through it with its login from user:password@, to an http:// API server and to
+    an https:// one by its name, TLS end to end."""
+    ca = Authority(tmp_path / "pki")
+    if kind == "socks5":
+        seen = await peers.microsocks(login=(USER, PASSWORD))
+        proxy_url = f"socks5://{USER}:{PASSWORD}@127.0.0.1:{seen.port}"
+    else:
+        seen = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+        proxy_url = f"http://{USER}:{PASSWORD}@127.0.0.1:{seen.port}"
+        if kind == "https":
+            edge = ca.issue("egress", server=True)
+            front = await peers.stunnel(seen.port, edge.cert, edge.key)
+            proxy_url = f"https://{USER}:{PASSWORD}@localhost:{front.port}"
+    server_tls = ca.issue("apiserver", server=True).server_context() if api_tls else None
+    async with KubeSim(ssl_context=server_tls) as sim:
+        server = sim.url.replace("127.0.0.1", "localhost")
         config = json.loads(sim.write_kubeconfig().read_text())
-        config["clusters"][0]["cluster"]["proxy-url"] = \
-            f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}"
+        config["clusters"][0]["cluster"] = {"server": server, "proxy-url": proxy_url,
+                                            "certificate-authority": str(ca.ca_file)}
         path = tmp_path / "kubeconfig"
         path.write_text(json.dumps(config))
         assert "kube-system" in await _namespaces(path)
-    log = http_proxy.log_tail(200_000)
-    assert f"GET {sim.url}/api/v1/namespaces" in log, log[-2000:]
+    log = seen.log_tail(200_000)
+    # the API server's name, not an address: the proxy resolved it
+    said = (f"connected to localhost:{sim.port}" if kind == "socks5" else
+            f"CONNECT localhost:{sim.port}" if api_tls else f"GET {server}/api/v1/namespaces")
+    assert said in log, log[-2000:]
+
+
+async def test_a_socks5_proxys_refusal_names_the_kubeconfig(
+        peers: Peers, tmp_path: Path) -> None:
+    """A login the SOCKS5 proxy refuses: the request fails saying so, never the
+    password."""
+    socks = await peers.microsocks(login=(USER, PASSWORD))
+    async with KubeSim() as sim:
+        config = json.loads(sim.write_kubeconfig().read_text())
+        config["clusters"][0]["cluster"]["proxy-url"] = \
+            f"socks5://{USER}:not-{PASSWORD}@127.0.0.1:{socks.port}"
+        path = tmp_path / "kubeconfig"
+        path.write_text(json.dumps(config))
+        with pytest.raises(aiohttp.ClientConnectorError) as info:
+            await _namespaces(path)
+    said = str(info.value)
+    assert f"the SOCKS5 proxy socks5://127.0.0.1:{socks.port} refused the user:password " \
+        "of the kubeconfig cluster's proxy-url" in said, said
+    assert PASSWORD not in said
 
 
 async def test_a_loopback_api_server_is_reached_directly_despite_the_environments_proxy(
