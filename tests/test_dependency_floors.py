@@ -30,6 +30,9 @@ FLOORS: dict[str, tuple[str, str]] = {
                         ".py: the upstream body's size is checked before it is decoded)"),
     "jq": ("1.9.1", "error(v) of a value not a string raising ValueError (1.6.0 to 1.9.0 "
                    "abort the process: libjq's assertion in jv_string_length_bytes)"),
+    "kubernetes-asyncio": ("34.3.3", "load_from_exec_plugin raising an exec plugin's "
+                                     "failure (30.1 to 33.3 logged it and went on without "
+                                     "credentials: every request 401, no start-up error)"),
     "msgspec": ("0.18.6", "msgspec.json.Encoder(order=\"sorted\") (proxy/karta/packed.py: "
                           "0.18.0 to 0.18.5 install and fail at import)"),
     "pytest": ("8.2", "pytest-asyncio 0.24's own floor"),

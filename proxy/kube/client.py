@@ -327,15 +327,23 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
     except Exception as e:  # ConfigException, base64 and key errors, an exec plugin's
         detail = _redacted(one_line(str(e)), path, doc) or type(e).__name__
         raise KubeconfigError(f"kubeconfig {path}: does not load: {detail}") from e
-    _check_proxy_url(path, cfg)
+    _proxy_url(path, current, cfg)
     return loader
 
 
-def _check_proxy_url(path: str, cfg: k8s_client.Configuration) -> None:
-    """The cluster's ``proxy-url``, read as client-go reads it (``http://``, ``https://``
-    or ``socks5://``, a ``user:password@`` in it the proxy's login): one that does not
-    parse, or of another scheme, said at start, naming the file (aiohttp spoke HTTP to
+def _proxy_url(path: str, current: _Current, cfg: k8s_client.Configuration) -> None:
+    """The current cluster's ``proxy-url`` into ``cfg``, read as client-go reads it
+    (``http://``, ``https://`` or ``socks5://``, a ``user:password@`` in it the proxy's
+    login). Read here, not left to kubernetes-asyncio, which reads it only from 31.0 on
+    (30.1, which pyproject allows, went to the API server directly). One that does not
+    parse, or of another scheme, is said at start, naming the file (aiohttp spoke HTTP to
     any port, and every list and watch failed with a ``Cannot connect``)."""
+    proxy = current.cluster.get("proxy-url")
+    if proxy is not None and not isinstance(proxy, str):
+        raise KubeconfigError(f"kubeconfig {path}: cluster {current.cluster_name!r}: "
+                              f"proxy-url must be a string, not a {type(proxy).__name__}",
+                              fix="write it as a URL: proxy-url: http://host:port")
+    cfg.proxy = proxy or None
     try:
         kubeconfig_egress(cfg)
     except ValueError as e:
