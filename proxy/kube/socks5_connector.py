@@ -25,6 +25,11 @@ import aiohttp
 from proxy import socks5
 from proxy.egress_proxy import Egress
 
+#: the bound of the connection and the handshake when the request sets none (aiohttp's
+#: default ``sock_connect``): a proxy that takes the connection and never answers would
+#: otherwise hold a watch's connect for good
+CONNECT_SECONDS = 30.0
+
 #: where a kubeconfig's proxy is written, for a login refused or asked for
 SETTING = "the kubeconfig cluster's proxy-url (or HTTPS_PROXY)"
 
@@ -45,7 +50,8 @@ class Socks5Connector(aiohttp.TCPConnector):
         loop = asyncio.get_running_loop()
         sock: socket.socket | None = None
         try:
-            async with asyncio.timeout(timeout.sock_connect):
+            async with asyncio.timeout(timeout.sock_connect or timeout.connect
+                                       or CONNECT_SECONDS):
                 infos = await loop.getaddrinfo(egress.host, egress.port,
                                                type=socket.SOCK_STREAM)
                 sock = await aiohappyeyeballs.start_connection(infos, loop=loop)
