@@ -4,7 +4,9 @@ receiver, stamped; an https:// upstream through a CONNECT tunnel; the proxy's re
 missing credentials (407) never a 4xx a sender drops; loopback reached directly once
 ``no_proxy`` is set, as Go's rules say. Through a SOCKS5 proxy (Debian's microsocks) the
 same: the writes stamped, TLS end to end, the name resolved by the proxy, and its every
-refusal a 502 the sender retries."""
+refusal a 502 the sender retries. The Kubernetes client through each kind of proxy a
+kubeconfig's proxy-url may name (HTTP, HTTPS, SOCKS5), the proxy's lists and watches
+through SOCKS5."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from proxy.metrics import ProxyMetrics
 from proxy.pb.prometheus.remote_pb2 import WriteRequest
 from proxy.upstream import Upstream
 from proxy.wire.primitives import Protocol
+from tests.kube.conftest import deployment
+from tests.kube.conftest import pod as pod_object
 from tests.kubesim.server import KubeSim
 from tests.oauth2_endpoint import TokenEndpoint
 from tests.peers.conftest import (
@@ -32,8 +36,10 @@ from tests.peers.conftest import (
     remote_write,
     scrape_configs,
     wait_stamped,
+    wait_until,
 )
 from tests.scripted import ScriptedUpstream
+from tests.test_e2e_kube import kube_settings, start_proxy
 from tests.test_upstream_oauth2 import SECRET, source
 from tests.tls_certs import Authority
 
@@ -338,6 +344,38 @@ async def test_the_kubeconfigs_proxy_url_is_followed(
     said = (f"connected to localhost:{sim.port}" if kind == "socks5" else
             f"CONNECT localhost:{sim.port}" if api_tls else f"GET {server}/api/v1/namespaces")
     assert said in log, log[-2000:]
+
+
+async def test_the_proxy_lists_and_watches_its_cluster_through_socks5(
+        peers: Peers, tmp_path: Path) -> None:
+    """karta-proxy itself on a kubeconfig whose proxy-url is a SOCKS5 proxy: its lists
+    fill the index, and a pod created afterwards comes in by the watch, streamed
+    through the tunnel."""
+    socks = await peers.microsocks(login=(USER, PASSWORD))
+    async with KubeSim() as sim, ScriptedUpstream() as up:
+        _, rs, pods = deployment(sim, "web", "shop", replicas=2)
+        settings = kube_settings(sim, up.url)
+        config = json.loads(Path(settings.kube.kubeconfig).read_text())
+        config["clusters"][0]["cluster"] = {
+            "server": sim.url.replace("127.0.0.1", "localhost"),
+            "proxy-url": f"socks5://{USER}:{PASSWORD}@127.0.0.1:{socks.port}"}
+        path = tmp_path / "kubeconfig"
+        path.write_text(json.dumps(config))
+        settings.kube.kubeconfig = str(path)
+        proxy = await start_proxy(settings)
+        try:
+            for p in pods:
+                assert proxy.index.lookup(b"shop", p["metadata"]["name"].encode())
+            assert proxy.index.lookup(b"shop", b"web-late") is None
+            sim.create(pod_object("web-late", "shop", owner_obj=rs, labels={"app": "web"}))
+
+            async def watched() -> bool:
+                return proxy.index.lookup(b"shop", b"web-late") is not None
+
+            await wait_until(watched, timeout=10, what="the pod created later indexed")
+        finally:
+            await proxy.stop()
+    assert f"connected to localhost:{sim.port}" in socks.log_tail(200_000)
 
 
 async def test_a_socks5_proxys_refusal_names_the_kubeconfig(
