@@ -31,6 +31,7 @@ from tests.kubesim.server import KubeSim
 from tests.oauth2_endpoint import TokenEndpoint
 from tests.peers.conftest import (
     InProcessProxy,
+    Peer,
     Peers,
     free_port,
     remote_write,
@@ -66,6 +67,23 @@ async def _send(settings: UpstreamSettings) -> tuple[int, str]:
     return answer.status, answer.body.decode("utf-8", "replace")
 
 
+async def _egress_with_login(peers: Peers, kind: str, ca: Authority | None = None
+                             ) -> tuple[Peer, str]:
+    """A proxy of ``kind`` (``http``: tinyproxy; ``https``: stunnel4 before it, its
+    certificate from ``ca``, named localhost; ``socks5``: microsocks) that asks for
+    USER:PASSWORD: the peer whose log says what it relayed, and its URL with the login."""
+    if kind == "socks5":
+        socks = await peers.microsocks(login=(USER, PASSWORD))
+        return socks, f"socks5://{USER}:{PASSWORD}@127.0.0.1:{socks.port}"
+    http_proxy = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
+    if kind == "http":
+        return http_proxy, f"http://{USER}:{PASSWORD}@127.0.0.1:{http_proxy.port}"
+    assert ca is not None
+    edge = ca.issue("egress", server=True)
+    front = await peers.stunnel(http_proxy.port, edge.cert, edge.key)
+    return http_proxy, f"https://{USER}:{PASSWORD}@localhost:{front.port}"
+
+
 @pytest.mark.parametrize("scheme", ["http", "socks5"])
 async def test_agent_writes_land_stamped_through_the_proxy(
     peers: Peers, exporter: FixtureExporter, make_proxy: object, scheme: str,
@@ -74,16 +92,12 @@ async def test_agent_writes_land_stamped_through_the_proxy(
     a tunnel through microsocks, which asked for the login (RFC 1929). Loopback included:
     proxy_url alone sends every request through it, as Go's http.ProxyURL does."""
     receiver = await peers.prometheus_receiver()
-    if scheme == "http":
-        egress = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
-        relayed = f"POST http://127.0.0.1:{receiver.port}/api/v1/write"
-    else:
-        egress = await peers.microsocks(login=(USER, PASSWORD))
-        relayed = f"connected to 127.0.0.1:{receiver.port}"
+    egress, proxy_url = await _egress_with_login(peers, scheme)
+    relayed = (f"POST http://127.0.0.1:{receiver.port}/api/v1/write" if scheme == "http"
+               else f"connected to 127.0.0.1:{receiver.port}")
     assert callable(make_proxy)
-    proxy: InProcessProxy = await make_proxy(
-        receiver.base_url + "/api/v1/write",
-        proxy_url=f"{scheme}://{USER}:{PASSWORD}@127.0.0.1:{egress.port}")
+    proxy: InProcessProxy = await make_proxy(receiver.base_url + "/api/v1/write",
+                                             proxy_url=proxy_url)
     await peers.prometheus_agent({
         "global": {"scrape_interval": "1s"},
         "scrape_configs": scrape_configs(exporter),
@@ -320,16 +334,7 @@ async def test_the_kubeconfigs_proxy_url_is_followed(
     go through it with its login from user:password@, to an http:// API server and to
     an https:// one by its name, TLS end to end."""
     ca = Authority(tmp_path / "pki")
-    if kind == "socks5":
-        seen = await peers.microsocks(login=(USER, PASSWORD))
-        proxy_url = f"socks5://{USER}:{PASSWORD}@127.0.0.1:{seen.port}"
-    else:
-        seen = await peers.tinyproxy(basic_auth=(USER, PASSWORD))
-        proxy_url = f"http://{USER}:{PASSWORD}@127.0.0.1:{seen.port}"
-        if kind == "https":
-            edge = ca.issue("egress", server=True)
-            front = await peers.stunnel(seen.port, edge.cert, edge.key)
-            proxy_url = f"https://{USER}:{PASSWORD}@localhost:{front.port}"
+    seen, proxy_url = await _egress_with_login(peers, kind, ca)
     server_tls = ca.issue("apiserver", server=True).server_context() if api_tls else None
     async with KubeSim(ssl_context=server_tls) as sim:
         server = sim.url.replace("127.0.0.1", "localhost")
