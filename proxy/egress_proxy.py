@@ -72,6 +72,9 @@ class Egress:
     #: a SOCKS5 proxy's RFC 1929 username/password request (from the URL's
     #: user:password), or b"" to offer no authentication
     socks_login: bytes = field(default=b"", repr=False)
+    #: where the proxy's URL is written (``upstream.proxy_url``, ``HTTPS_PROXY``, ...),
+    #: for a message that its login is missing or refused: the place to fix it
+    source: str = field(default="the proxy URL", compare=False)
 
     @property
     def kind(self) -> str:
@@ -94,12 +97,13 @@ class Egress:
                 f"{self.connect_lines}\r\n").encode()
 
 
-def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None
-                 ) -> Egress:
+def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None = None,
+                 *, source: str = "the proxy URL") -> Egress:
     """The proxy ``text`` names, read as Go's ``httpproxy`` reads it (no scheme: http://;
     ``https://`` and ``socks5://`` as Go's transport takes them), its ``CONNECT`` carrying
     ``connect_header`` too (each value a line of its own, in order, as Go writes a
-    header's values). ``ValueError`` saying why, its password hidden."""
+    header's values); ``source``: where ``text`` is written. ``ValueError`` saying why,
+    its password hidden."""
     text = text.strip()
     parts = urlsplit(text)
     if not parts.scheme or not parts.netloc:
@@ -128,13 +132,14 @@ def parse_egress(text: str, connect_header: Mapping[str, Sequence[str]] | None =
     password = unquote(parts.password or "")
     if is_socks:  # no CONNECT, so no connect_header (config.py refuses it there)
         return Egress(host, port or 1080, literal, "", shown, socks=True,
-                      socks_login=b"" if user is None else _socks_login(user, password, shown))
+                      socks_login=b"" if user is None else _socks_login(user, password, shown),
+                      source=source)
     authorization = ""
     if user is not None:
         pair = f"{user}:{password}"
         authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
     return Egress(host, port or (443 if tls else 80), literal, authorization, shown, lines,
-                  tls=tls)
+                  tls=tls, source=source)
 
 
 #: the schemes of a SOCKS5 proxy, as Go's transport takes them (both send the upstream's
@@ -186,7 +191,7 @@ def environment_route(scheme: str, host: str, port: int,
     if NoProxy(env.get(_variable(env, NO_PROXY_VARIABLES), "")).direct(host, port):
         return None
     try:
-        return EnvironmentRoute(parse_egress(env[name]), name)
+        return EnvironmentRoute(parse_egress(env[name], source=name), name)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
 
@@ -316,7 +321,7 @@ class EgressRoutes:
             for scheme, names in PROXY_VARIABLES.items():
                 name = _variable(env, names)
                 try:
-                    found[scheme] = (parse_egress(env[name], connect_header)
+                    found[scheme] = (parse_egress(env[name], connect_header, source=name)
                                      if name else None)
                 except ValueError as e:
                     raise ValueError(f"upstream.proxy_from_environment: {name}: {e}") from None
@@ -327,7 +332,7 @@ class EgressRoutes:
         if not proxy_url:
             return None
         try:
-            egress = parse_egress(proxy_url, connect_header)
+            egress = parse_egress(proxy_url, connect_header, source="upstream.proxy_url")
         except ValueError as e:
             raise ValueError(f"upstream.proxy_url: {e}") from None
         return cls(egress, egress, NoProxy(no_proxy) if no_proxy.strip() else None)

@@ -30,11 +30,11 @@ class SocksRefused(Exception):
 
 
 async def open_tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: Egress,
-                      host: str, port: int, *, literal: bool, setting: str) -> None:
+                      host: str, port: int, *, literal: bool) -> None:
     """Open a tunnel to ``host:port`` through the SOCKS5 proxy ``sock`` (non-blocking) is
     connected to: ``literal``, ``host`` is an IP address, sent as one; else a name (IDNA),
-    sent unresolved. ``setting`` names where the proxy's URL is written, for the message
-    of a login asked for or refused. ``SocksRefused`` saying what went wrong."""
+    sent unresolved. A login asked for or refused is said with where the proxy's URL is
+    written (``egress.source``). ``SocksRefused`` saying what went wrong."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     offered = b"\x00\x02" if egress.socks_login else b"\x00"
     await loop.sock_sendall(sock, bytes([5, len(offered)]) + offered)
@@ -46,13 +46,13 @@ async def open_tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egre
         raise SocksRefused(f"the SOCKS5 proxy {egress.shown} accepts none of the "
                            "authentication methods offered"
                            + ("" if egress.socks_login else
-                              f": it likely asks for a user:password in {setting}"))
+                              f": it likely asks for a user:password in {egress.source}"))
     if method == 2:
         await loop.sock_sendall(sock, egress.socks_login)
         _, status = await _recv_exactly(loop, sock, 2, egress, "before answering the login")
         if status != 0:
             raise SocksRefused(f"the SOCKS5 proxy {egress.shown} refused the user:password "
-                               f"of {setting}")
+                               f"of {egress.source}")
     if literal:
         ip = ipaddress.ip_address(host)
         address = bytes([1 if ip.version == 4 else 4]) + ip.packed

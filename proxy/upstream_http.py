@@ -673,7 +673,7 @@ def _tunnel_answer(head: bytes, egress: Egress, host_port: str) -> None:
                             f"not HTTP: {head[:40]!r}")
     code = int(status[2])
     if not 200 <= code < 300:
-        why = (f": its credentials (the user:password of upstream.proxy_url"
+        why = (f": its credentials (the user:password of {egress.source}"
                f"{', or upstream.proxy_connect_header' if egress.connect_lines else ''}) "
                "missing or refused" if code == 407 else "")
         raise ConnectFailed(f"the {egress.kind} {egress.shown} answered {code} to CONNECT "
@@ -954,8 +954,7 @@ class Pool:
                     if egress is not None and egress.socks:
                         try:
                             await socks5.open_tunnel(loop, sock, egress, target.host,
-                                                     target.port, literal=target.literal,
-                                                     setting="upstream.proxy_url")
+                                                     target.port, literal=target.literal)
                         except socks5.SocksRefused as e:
                             raise ConnectFailed(str(e)) from e
                     elif egress is not None and tls is not None:

@@ -271,8 +271,9 @@ class TokenSource:
         self._clock = clock
         self._on_fetch = on_fetch
         self._secret = FileSecret(settings.client_secret_file, header=False, clock=clock)
-        self._egress: Egress | None = (parse_egress(settings.proxy_url)
-                                       if settings.proxy_url else None)
+        self._egress: Egress | None = (
+            parse_egress(settings.proxy_url, source="upstream.oauth2.proxy_url")
+            if settings.proxy_url else None)
         #: the form of every token request, but the client's credentials (x/oauth2's
         #: ``url.Values``: grant_type, scope, then the endpoint params over them)
         form = {"grant_type": "client_credentials"}

@@ -215,3 +215,18 @@ def test_the_environments_route_for_one_url_is_gos_proxy_from_environment() -> N
     with pytest.raises(ValueError, match=r"^http_proxy: only http://, https:// and socks5"):
         environment_route("http", "api.example", 80, env)
     assert environment_route("https", "api.example", 443, {}) is None
+
+
+def test_a_proxy_knows_where_it_is_written_for_the_message_of_its_login() -> None:
+    """A login missing or refused is said with the place to fix it; where it is
+    written is no part of the proxy's identity (the connection pool's key)."""
+    routes = EgressRoutes.from_settings("socks5://u:p@proxy", "", False)
+    assert routes is not None and routes.https is not None
+    assert routes.https.source == "upstream.proxy_url"
+    routes = EgressRoutes.from_settings("", "", True, {"https_proxy": "http://u:p@corp:3128"})
+    assert routes is not None and routes.https is not None
+    assert routes.https.source == "https_proxy"
+    route = environment_route("https", "api.example", 443, {"HTTPS_PROXY": "corp:3128"})
+    assert route is not None and route.egress.source == "HTTPS_PROXY"
+    assert parse_egress("corp:3128").source == "the proxy URL"
+    assert parse_egress("corp:3128", source="a") == parse_egress("corp:3128", source="b")

@@ -517,7 +517,8 @@ async def test_proxy_connect_header_goes_with_the_connect_after_its_credentials(
     answer = b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n"
     async with serving(connect_answering(answer)) as proxy, pool() as p:
         egress = parse_egress(f"http://u:p@127.0.0.1:{proxy.port}",
-                           {"X-Egress-Token": ["t1", "t2"], "X-Team": ["obs"]})
+                              {"X-Egress-Token": ["t1", "t2"], "X-Team": ["obs"]},
+                              source="upstream.proxy_url")
         tls = ssl.create_default_context(cafile=str(ca.ca_file))
         with pytest.raises(ConnectFailed, match=r"upstream\.proxy_url, or "
                                                 r"upstream\.proxy_connect_header"):
@@ -598,7 +599,8 @@ async def test_a_socks5_proxy_that_refuses_or_breaks_is_no_connection(
         replies: tuple[bytes, ...], login: bool, said: str) -> None:
     async with serving(socks_answering(*replies)) as proxy, pool() as p:
         user = "u:hunter2@" if login else ""
-        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}")
+        egress = parse_egress(f"socks5://{user}127.0.0.1:{proxy.port}",
+                              source="upstream.proxy_url")
         with pytest.raises(ConnectFailed, match=said) as e:
             await post(p, URL("http://tsdb.invalid/w"), egress=egress)
         assert "hunter2" not in str(e.value)

@@ -352,11 +352,15 @@ def _proxy_url(path: str, current: _Current, cfg: k8s_client.Configuration) -> N
                                   "remove it") from None
 
 
+#: where a kubeconfig's proxy is written, for a login refused or asked for
+KUBECONFIG_PROXY = "the kubeconfig cluster's proxy-url"
+
+
 def kubeconfig_egress(cfg: k8s_client.Configuration) -> Egress | None:
     """The proxy a kubeconfig cluster's ``proxy-url`` names, or None; ValueError when
     it names none the client can speak to."""
     proxy = getattr(cfg, "proxy", None)
-    return parse_egress(str(proxy)) if proxy else None
+    return parse_egress(str(proxy), source=KUBECONFIG_PROXY) if proxy else None
 
 
 def _in_tempfile(e: BaseException) -> bool:

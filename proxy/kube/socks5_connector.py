@@ -30,9 +30,6 @@ from proxy.egress_proxy import Egress
 #: otherwise hold a watch's connect for good
 CONNECT_SECONDS = 30.0
 
-#: where a kubeconfig's proxy is written, for a login refused or asked for
-SETTING = "the kubeconfig cluster's proxy-url (or HTTPS_PROXY)"
-
 
 class Socks5Connector(aiohttp.TCPConnector):
     """An aiohttp connector whose every connection is a SOCKS5 tunnel to the request's
@@ -56,7 +53,7 @@ class Socks5Connector(aiohttp.TCPConnector):
                                                type=socket.SOCK_STREAM)
                 sock = await aiohappyeyeballs.start_connection(infos, loop=loop)
                 await socks5.open_tunnel(loop, sock, egress, host, port,
-                                         literal=_is_address(host), setting=SETTING)
+                                         literal=_is_address(host))
                 return await loop.create_connection(
                     self._factory, sock=sock, ssl=sslcontext,
                     server_hostname=(req.server_hostname or host) if sslcontext else None)
