@@ -277,11 +277,14 @@ def test_v2_enrich_appends_symbols_and_keeps_refs() -> None:
     assert len(set(after.symbols)) == len(after.symbols)  # nothing added twice
     first, _ = after.timeseries
     assert stamped(labels_v2(after, first)) == TRAIN_LABELS
-    assert after.timeseries[1] == before.timeseries[1]
-    assert first.samples == before.timeseries[0].samples
-    assert first.histograms == before.timeseries[0].histograms
-    assert first.exemplars == before.timeseries[0].exemplars
-    assert first.metadata == before.timeseries[0].metadata
+    # compared as bytes: a sample's NaN (a staleness marker) is unequal to itself in
+    # protobuf 5.26's message comparison, equal in later releases'
+    assert after.timeseries[1].SerializeToString() == before.timeseries[1].SerializeToString()
+    sent = before.timeseries[0]
+    for field in ("samples", "histograms", "exemplars"):
+        assert [m.SerializeToString() for m in getattr(first, field)] == \
+            [m.SerializeToString() for m in getattr(sent, field)], field
+    assert first.metadata.SerializeToString() == sent.metadata.SerializeToString()
     assert res.attributed == 1 and res.unattributed == {"no_pod_label": 1}
     assert (res.counts.samples, res.counts.histograms, res.counts.exemplars) == (4, 2, 2)
 
