@@ -334,8 +334,8 @@ async def _load_kubeconfig_file(path: str, cfg: k8s_client.Configuration) -> Any
 def _proxy_url(path: str, current: _Current, cfg: k8s_client.Configuration) -> None:
     """The current cluster's ``proxy-url`` into ``cfg``, read as client-go reads it
     (``http://``, ``https://`` or ``socks5://``, a ``user:password@`` in it the proxy's
-    login). Read here, not left to kubernetes-asyncio, which reads it only from 31.0 on
-    (30.1, which pyproject allows, went to the API server directly). One that does not
+    login). Read here, not left to kubernetes-asyncio, which reads it only from 34.3.3 on
+    (before, the API server was reached directly, the proxy-url ignored). One that does not
     parse, or of another scheme, is said at start, naming the file (aiohttp spoke HTTP to
     any port, and every list and watch failed with a ``Cannot connect``)."""
     proxy = current.cluster.get("proxy-url")
