@@ -352,10 +352,10 @@ async def test_the_kubeconfigs_proxy_url_is_followed(
 
 
 async def test_the_proxy_lists_and_watches_its_cluster_through_socks5(
-        peers: Peers, tmp_path: Path) -> None:
+        peers: Peers, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """karta-proxy itself on a kubeconfig whose proxy-url is a SOCKS5 proxy: its lists
     fill the index, and a pod created afterwards comes in by the watch, streamed
-    through the tunnel."""
+    through the tunnel. The start log names the proxy, not its password."""
     socks = await peers.microsocks(login=(USER, PASSWORD))
     async with KubeSim() as sim, ScriptedUpstream() as up:
         _, rs, pods = deployment(sim, "web", "shop", replicas=2)
@@ -367,8 +367,12 @@ async def test_the_proxy_lists_and_watches_its_cluster_through_socks5(
         path = tmp_path / "kubeconfig"
         path.write_text(json.dumps(config))
         settings.kube.kubeconfig = str(path)
-        proxy = await start_proxy(settings)
+        with caplog.at_level(logging.INFO, logger="proxy"):
+            proxy = await start_proxy(settings)
         try:
+            said = (f"the Kubernetes API server {config['clusters'][0]['cluster']['server']}"
+                    f" is reached through the SOCKS5 proxy socks5://127.0.0.1:{socks.port}")
+            assert said in caplog.text and PASSWORD not in caplog.text, caplog.text[-3000:]
             for p in pods:
                 assert proxy.index.lookup(b"shop", p["metadata"]["name"].encode())
             assert proxy.index.lookup(b"shop", b"web-late") is None
