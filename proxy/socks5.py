@@ -30,11 +30,11 @@ class SocksRefused(Exception):
 
 
 async def open_tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egress: Egress,
-                      host: str, port: int, *, literal: bool) -> None:
+                      host: str, port: int) -> None:
     """Open a tunnel to ``host:port`` through the SOCKS5 proxy ``sock`` (non-blocking) is
-    connected to: ``literal``, ``host`` is an IP address, sent as one; else a name (IDNA),
-    sent unresolved. A login asked for or refused is said with where the proxy's URL is
-    written (``egress.source``). ``SocksRefused`` saying what went wrong."""
+    connected to: an IP address ``host`` sent as one, a name (IDNA) sent unresolved. A
+    login asked for or refused is said with where the proxy's URL is written
+    (``egress.source``). ``SocksRefused`` saying what went wrong."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     offered = b"\x00\x02" if egress.socks_login else b"\x00"
     await loop.sock_sendall(sock, bytes([5, len(offered)]) + offered)
@@ -53,8 +53,11 @@ async def open_tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, egre
         if status != 0:
             raise SocksRefused(f"the SOCKS5 proxy {egress.shown} refused the user:password "
                                f"of {egress.source}")
-    if literal:
+    try:
         ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
         address = bytes([1 if ip.version == 4 else 4]) + ip.packed
     else:
         name = host.encode("ascii")

@@ -954,7 +954,7 @@ class Pool:
                     if egress is not None and egress.socks:
                         try:
                             await socks5.open_tunnel(loop, sock, egress, target.host,
-                                                     target.port, literal=target.literal)
+                                                     target.port)
                         except socks5.SocksRefused as e:
                             raise ConnectFailed(str(e)) from e
                     elif egress is not None and tls is not None:

@@ -52,8 +52,7 @@ class Socks5Connector(aiohttp.TCPConnector):
                 infos = await loop.getaddrinfo(egress.host, egress.port,
                                                type=socket.SOCK_STREAM)
                 sock = await aiohappyeyeballs.start_connection(infos, loop=loop)
-                await socks5.open_tunnel(loop, sock, egress, host, port,
-                                         literal=_is_address(host))
+                await socks5.open_tunnel(loop, sock, egress, host, port)
                 return await loop.create_connection(
                     self._factory, sock=sock, ssl=sslcontext,
                     server_hostname=(req.server_hostname or host) if sslcontext else None)
@@ -85,10 +84,3 @@ def tunnel_through(connector: aiohttp.BaseConnector, egress: Egress) -> None:
     connector.__class__ = Socks5Connector
     connector._karta_egress = egress  # type: ignore[attr-defined]
 
-
-def _is_address(host: str) -> bool:
-    try:
-        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
-    except OSError:
-        return False
-    return True
